@@ -1,0 +1,46 @@
+"""dtype names as written in the manifest and in zarr v3 metadata.
+
+zarr v3 names the core dtypes like numpy (``float32``, ``int8``, ``bool``); TensorStore adds
+``bfloat16`` and the float8 family.  numpy knows the extended ones through ml_dtypes.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+_EXTENDED = {
+    "bfloat16": ml_dtypes.bfloat16,
+    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
+    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+    "float8_e4m3b11fnuz": ml_dtypes.float8_e4m3b11fnuz,
+    "float8_e5m2": ml_dtypes.float8_e5m2,
+    "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
+    "int4": ml_dtypes.int4,
+    "uint4": ml_dtypes.uint4,
+}
+
+# dtypes zarr-python reads natively (the format promise: `zarr.open` works on these).
+ZARR_NATIVE = frozenset(
+    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+     "float16", "float32", "float64", "complex64", "complex128"]
+)
+
+
+def dtype_name(dtype) -> str:
+  """Canonical name of a numpy/ml_dtypes/jax dtype."""
+  dt = np.dtype(dtype)
+  name = dt.name
+  if name not in ZARR_NATIVE and name not in _EXTENDED:
+    raise TypeError(f"dtype {dt} is not supported by the UCP format (expected one of "
+                    f"{sorted(ZARR_NATIVE | set(_EXTENDED))}).")
+  return name
+
+
+def to_numpy_dtype(name: str) -> np.dtype:
+  if name in _EXTENDED:
+    return np.dtype(_EXTENDED[name])
+  if name in ZARR_NATIVE:
+    return np.dtype(name)
+  raise TypeError(f"Unknown dtype {name!r} in manifest (expected one of "
+                  f"{sorted(ZARR_NATIVE | set(_EXTENDED))}).")

@@ -1,0 +1,95 @@
+"""The public functions: ``save``, ``restore``, ``inspect``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Any, Optional, Sequence
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.multihost import multihost
+
+from jax_ucp import format as fmt
+from jax_ucp.handler import checkpoint_handler
+from jax_ucp.handler import reader
+
+_REPLACING = ".ucp-replacing"
+_REPLACED = ".ucp-replaced"
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost.sync_global_processes(name)
+
+
+def atomic_save(path: str, args, *, force: bool) -> None:
+  """Orbax's temporary path + commit; ``force`` never deletes the old checkpoint first.
+
+  The new checkpoint is committed next to the old one and swapped in by two renames, so a
+  failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
+  destination before writing).
+  """
+  handler = checkpoint_handler.UCPCheckpointHandler()
+  with ocp.Checkpointer(handler) as ckptr:
+    if not os.path.exists(path):
+      ckptr.save(path, args=args)
+      return
+    if not force:
+      raise FileExistsError(f"{path} already exists; pass force=True to replace it "
+                            f"(the old checkpoint is kept until the new one is committed).")
+    staging = path.rstrip("/") + _REPLACING
+    ckptr.save(staging, args=args, force=True)
+  if multihost.is_primary_host(0):
+    old = path.rstrip("/") + _REPLACED
+    if os.path.exists(old):
+      shutil.rmtree(old)
+    os.rename(path, old)
+    os.rename(staging, path)
+    shutil.rmtree(old)
+  _barrier("jax_ucp:force_swap")
+
+
+def save(path, tree, *, force: bool = False, logical_axes: Any = None,
+         compression: Optional[str] = None, inner_chunk_bytes: Optional[int] = None,
+         source: Optional[dict] = None) -> str:
+  """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
+
+  Every process calls it; each writes only the replica-0 shards it holds, no gather.  Leaves:
+  ``jax.Array`` (any sharding), numpy arrays, Python scalars / strings / None.
+  """
+  path = os.path.abspath(os.fspath(path))
+  args = checkpoint_handler.UCPSave(tree, logical_axes=logical_axes, compression=compression,
+                                    inner_chunk_bytes=inner_chunk_bytes, source=source)
+  atomic_save(path, args, force=force)
+  return path
+
+
+def restore(path, *, target: Any = None, mesh: Optional[jax.sharding.Mesh] = None,
+            shardings: Any = None, rules: Optional[Sequence[tuple[str, Any]]] = None,
+            spec: Any = None, dtype: Any = None):
+  """Restores a UCP checkpoint onto any mesh.
+
+  Args:
+    path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP item.
+    target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
+      result has its structure, shardings and dtypes (shapes must match).
+    mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the axis
+      names exist in ``mesh`` and divide, and is replicated along the other dimensions.
+    shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
+    rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
+      applied to the logical axis names recorded at save time.
+    spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
+      transpose, rename) are applied as lazy views.
+    dtype: cast every tensor to this dtype.
+
+  Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
+  Each process reads only the slices its devices need.
+  """
+  return reader.restore_tree(path, target=target, shardings=shardings, mesh=mesh, rules=rules,
+                             spec=spec, dtype=dtype)
+
+
+def inspect(path) -> fmt.Manifest:
+  """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding)."""
+  return fmt.read_manifest(reader.find_checkpoint_dir(path))

@@ -1,0 +1,131 @@
+"""Orbax integration: ``UCPCheckpointHandler`` with registered ``UCPSave`` / ``UCPRestore`` args.
+
+Follows Orbax's own async handlers (``json_checkpoint_handler``): the blocking part of
+``async_save`` only decides the layout and copies this process's shards to host memory; all file
+I/O runs in a commit future after Orbax has created the (temporary) item directory, and Orbax's
+temporary-path + commit machinery makes the save atomic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional, Sequence
+
+import jax
+from etils import epath
+from orbax.checkpoint import checkpoint_args
+from orbax.checkpoint import options as options_lib
+from orbax.checkpoint._src import asyncio_utils
+from orbax.checkpoint._src.futures import future
+from orbax.checkpoint._src.handlers import async_checkpoint_handler
+from orbax.checkpoint._src.multihost import multihost
+
+from jax_ucp import format as fmt
+from jax_ucp.handler import reader
+from jax_ucp.handler import save_plan
+from jax_ucp.handler import stream
+
+
+class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
+  """Saves a pytree as one consolidated zarr v3 array per leaf plus ``ucp.json``."""
+
+  def __init__(self, *, multiprocessing_options: options_lib.MultiprocessingOptions =
+               options_lib.MultiprocessingOptions()):
+    self._primary_host = multiprocessing_options.primary_host
+    # Stats of the last save in this process (tests check "each process writes only its shards").
+    self.last_written: list[tuple[str, tuple]] = []
+
+  def _is_primary(self) -> bool:
+    return multihost.is_primary_host(self._primary_host)
+
+  def _prepare(self, args: "UCPSave", *, copy: bool):
+    options = save_plan.SaveOptions(
+        compression=args.compression, compression_level=args.compression_level,
+        inner_chunk_bytes=args.inner_chunk_bytes or save_plan.store.DEFAULT_INNER_CHUNK_BYTES)
+    primary = self._is_primary()
+    entries, prepared = save_plan.prepare_tree(args.item, options, primary=primary, copy=copy,
+                                               logical_axes=args.logical_axes)
+    manifest = save_plan.build_manifest(entries, source=args.source)
+    self.last_written = [(p.entry.name, tuple((s.start, s.stop) for s in idx))
+                         for p in prepared for idx, _ in p.writes]
+    return manifest, prepared, primary
+
+  async def _write(self, directory: epath.Path, manifest: fmt.Manifest, prepared, primary: bool):
+    await save_plan.write_all(str(directory), prepared, primary=primary)
+    if primary:
+      # Written after this process's arrays; Orbax commits only once every process is done.
+      (directory / fmt.MANIFEST_FILE).write_text(manifest.dumps())
+
+  async def async_save(self, directory: epath.Path, item: Any = None,
+                       args: Optional["UCPSave"] = None) -> Optional[List[future.Future]]:
+    if isinstance(args, stream.UCPStreamSave):
+      return [future.CommitFutureAwaitingContractedSignals(
+          stream.write_stream(directory, args), name="ucp_stream_save")]
+    if args is None:
+      args = UCPSave(item)
+    manifest, prepared, primary = self._prepare(args, copy=True)
+    return [future.CommitFutureAwaitingContractedSignals(
+        self._write(directory, manifest, prepared, primary), name="ucp_save")]
+
+  def save(self, directory: epath.Path, item: Any = None, args: Optional["UCPSave"] = None):
+    if isinstance(args, stream.UCPStreamSave):
+      return asyncio_utils.run_sync(stream.write_stream(epath.Path(directory), args))
+    if args is None:
+      args = UCPSave(item)
+    # Synchronous: the caller's arrays stay alive until we return, so no host copy is needed.
+    manifest, prepared, primary = self._prepare(args, copy=False)
+    asyncio_utils.run_sync(self._write(epath.Path(directory), manifest, prepared, primary))
+
+  def restore(self, directory: epath.Path, item: Any = None,
+              args: Optional["UCPRestore"] = None) -> Any:
+    args = args or UCPRestore(target=item)
+    return reader.restore_tree(str(directory), target=args.target, shardings=args.shardings,
+                               mesh=args.mesh, rules=args.rules, spec=args.spec, dtype=args.dtype)
+
+  def metadata(self, directory: epath.Path) -> fmt.Manifest:
+    return fmt.read_manifest(str(directory))
+
+  def finalize(self, directory: epath.Path) -> None:
+    pass
+
+  def close(self):
+    pass
+
+
+@checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class UCPSave(checkpoint_args.CheckpointArgs):
+  """Save args: the pytree, plus layout options.
+
+  Attributes:
+    item: pytree of jax.Array / numpy arrays / Python scalars, strings, None.
+    logical_axes: optional pytree (same structure) of flax-style logical axis-name tuples,
+      recorded so a restore can map them with new rules; flax ``nn.Partitioned`` boxes in
+      ``item`` are recorded automatically.
+    compression: None (default) or "zstd".
+    inner_chunk_bytes: bound on inner chunks (what a reader fetches at least).
+    source: provenance recorded in the manifest.
+  """
+
+  item: Any
+  logical_axes: Any = None
+  compression: Optional[str] = None
+  compression_level: int = 3
+  inner_chunk_bytes: Optional[int] = None
+  source: Optional[dict] = None
+
+
+@checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class UCPRestore(checkpoint_args.CheckpointArgs):
+  """Restore args; see ``jax_ucp.restore`` for what each field means."""
+
+  target: Any = None
+  shardings: Any = None
+  mesh: Optional[jax.sharding.Mesh] = None
+  rules: Optional[Sequence[tuple[str, Any]]] = None
+  spec: Any = None
+  dtype: Any = None
+
+
+checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)(stream.UCPStreamSave)

@@ -1,0 +1,164 @@
+"""From a pytree to what goes on disk: manifest entries and the shard writes of this process.
+
+Split from the I/O so the blocking part of an async save is only this: deciding the layout and
+copying this process's replica-0 shards to host memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+import tensorstore as ts
+
+from jax_ucp import format as fmt
+from jax_ucp import sharding as sharding_lib
+from jax_ucp import store
+from jax_ucp.handler import tree as tree_lib
+
+_VALUE_TYPES = (type(None), bool, int, float, str)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+  compression: Optional[str] = None  # None or "zstd" (see README: why off by default)
+  compression_level: int = 3
+  inner_chunk_bytes: int = store.DEFAULT_INNER_CHUNK_BYTES
+  checksum: Optional[str] = "crc32c"
+
+
+@dataclasses.dataclass
+class PreparedTensor:
+  entry: fmt.TensorEntry
+  layout: store.ArrayLayout
+  # (index into the global array, host data or a zero-arg producer) for this process to write
+  writes: list[tuple[tuple, Any]]
+
+
+def _layout(shape, dtype_name: str, shard_shape, itemsize: int, options: SaveOptions) -> store.ArrayLayout:
+  return store.ArrayLayout(
+      shape=tuple(int(d) for d in shape), dtype=dtype_name,
+      chunk_shape=store.outer_chunk_shape(shard_shape),
+      inner_chunk_shape=store.inner_chunk_shape(shard_shape, itemsize, options.inner_chunk_bytes),
+      compression=options.compression, compression_level=options.compression_level,
+      checksum=options.checksum)
+
+
+def tensor_entry(key, kinds, layout: store.ArrayLayout, *, role=None, sub_role=None,
+                 logical_axes=None, saved_sharding=None, provenance=None) -> fmt.TensorEntry:
+  if role is None:
+    role, inferred_sub = fmt.infer_role(key)
+    sub_role = sub_role if sub_role is not None else inferred_sub
+  if logical_axes is not None and len(logical_axes) != len(layout.shape):
+    raise ValueError(f"Leaf {fmt.key_to_str(key)!r}: {len(logical_axes)} logical axis names "
+                     f"{tuple(logical_axes)} for an array of shape {layout.shape}.")
+  return fmt.TensorEntry(
+      key=tuple(key), key_kinds=tuple(kinds), dir=fmt.array_dir(key), shape=layout.shape,
+      dtype=layout.dtype, chunk_shape=layout.chunk_shape, inner_chunk_shape=layout.inner_chunk_shape,
+      compression=layout.compression, checksum=layout.checksum, role=role, sub_role=sub_role,
+      logical_axes=None if logical_axes is None else tuple(logical_axes),
+      saved_sharding=saved_sharding, provenance=provenance)
+
+
+def value_entry(key, kinds, value, *, role=None, sub_role=None) -> fmt.ValueEntry:
+  if role is None:
+    role, sub_role = fmt.infer_role(key)
+  entry = fmt.ValueEntry(key=tuple(key), key_kinds=tuple(kinds), value=value, role=role, sub_role=sub_role)
+  entry.to_json()  # type check now, with the leaf's name, not at manifest time
+  return entry
+
+
+def prepare_host_tensor(key, kinds, value, options: SaveOptions, *, primary: bool, **entry_kw) -> PreparedTensor:
+  """A numpy array or TensorStore view: one shard, written by the primary process only."""
+  if isinstance(value, ts.TensorStore):
+    shape, np_dtype = tuple(value.shape), value.dtype.numpy_dtype
+    data: Any = lambda v=value: v.read().result()
+  else:
+    value = np.asarray(value)
+    shape, np_dtype, data = value.shape, value.dtype, value
+  layout = _layout(shape, fmt.dtype_name(np_dtype), shape, np.dtype(np_dtype).itemsize, options)
+  writes = [(tuple(slice(None) for _ in shape), data)] if primary else []
+  return PreparedTensor(tensor_entry(key, kinds, layout, **entry_kw), layout, writes)
+
+
+def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
+                 logical_axes: Any = None) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
+  """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
+  leaves, _ = tree_lib.flatten(tree)
+  names_by_key: dict = {}
+  if logical_axes is not None:
+    for key, _, names in tree_lib.flatten(logical_axes)[0]:
+      names_by_key[key] = names
+  entries: list[fmt.Entry] = []
+  prepared: list[PreparedTensor] = []
+  for key, kinds, leaf in leaves:
+    if not key:
+      raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
+    leaf, boxed_names = tree_lib.unbox(leaf)
+    names = names_by_key.get(key, boxed_names)
+    if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
+      entries.append(value_entry(key, kinds, leaf))
+      continue
+    if isinstance(leaf, jax.Array):
+      shape = tuple(leaf.shape)
+      layout = _layout(shape, fmt.dtype_name(leaf.dtype), leaf.sharding.shard_shape(shape),
+                       np.dtype(leaf.dtype).itemsize, options)
+      writes = []
+      for index, data in sharding_lib.shards_to_write(leaf):
+        host = np.array(data, copy=True) if copy else np.asarray(data)
+        writes.append((index, host))
+      p = PreparedTensor(
+          tensor_entry(key, kinds, layout, logical_axes=names,
+                       saved_sharding=sharding_lib.describe(leaf.sharding)), layout, writes)
+    elif isinstance(leaf, (np.ndarray, np.generic, ts.TensorStore)):
+      if copy and not isinstance(leaf, ts.TensorStore):
+        leaf = np.array(leaf, copy=True)
+      p = prepare_host_tensor(key, kinds, leaf, options, primary=primary, logical_axes=names)
+    else:
+      raise TypeError(f"Leaf {fmt.key_to_str(key)!r}: cannot save a {type(leaf).__module__}."
+                      f"{type(leaf).__qualname__} (expected jax.Array, numpy array, "
+                      f"tensorstore.TensorStore, or None/bool/int/float/str).")
+    entries.append(p.entry)
+    prepared.append(p)
+  return entries, prepared
+
+
+async def write_tensor(root, p: PreparedTensor, *, primary: bool) -> None:
+  """Creates (primary) or attaches to (others) the array and writes this process's shards."""
+  kv = store.kvstore_spec(root, p.entry.dir)
+  try:
+    t = await store.create(kv, p.layout, primary=primary)
+    commits = []
+    for index, data in p.writes:
+      if callable(data):
+        data = data()
+      if p.layout.shape and 0 in p.layout.shape:
+        continue  # nothing to store for a zero-size array; zarr.json says it all
+      commits.append(t[index].write(data).commit if index else t.write(data).commit)
+    for c in commits:
+      await c
+  except Exception as e:
+    raise IOError(f"Writing tensor {p.entry.name!r} (shape {p.layout.shape}, {p.layout.dtype}) "
+                  f"to {kv.get('path', kv)}: {e}") from e
+
+
+async def write_all(root, prepared: Sequence[PreparedTensor], *, primary: bool,
+                    max_in_flight: int = 64) -> None:
+  sem = asyncio.Semaphore(max_in_flight)
+
+  async def one(p):
+    async with sem:
+      await write_tensor(root, p, primary=primary)
+
+  await asyncio.gather(*(one(p) for p in prepared))
+
+
+def build_manifest(entries: list[fmt.Entry], *, kvstore_driver: str = "file",
+                   source: Optional[Mapping] = None) -> fmt.Manifest:
+  from jax_ucp import __version__
+  return fmt.Manifest(entries=list(entries), kvstore_driver=kvstore_driver,
+                      created_by=f"jax_ucp {__version__}", created_at=fmt.manifest.now(),
+                      source=dict(source or {"framework": "jax"}))
