@@ -151,8 +151,14 @@ def read(root: str, manifest: fmt.Manifest, requests: Sequence[Request], *, spec
     if req.shape is not None and tuple(req.shape) != found.shape:
       raise CheckpointError(f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
                             f"the checkpoint {root} holds shape {found.shape}.")
+    want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
     if req.sharding is not None:
       sharding_lib.check_divisible(name, found.shape, req.sharding)
+      if np.dtype(jax.dtypes.canonicalize_dtype(want_dtype)) != want_dtype:
+        raise CheckpointError(
+            f"Tensor {name!r} is {want_dtype}, which JAX would silently narrow to "
+            f"{np.dtype(jax.dtypes.canonicalize_dtype(want_dtype))} on device; enable "
+            f"jax_enable_x64, restore it to host (sharding None) or ask for a dtype.")
     for src in found.sources:
       opener.request(src)
     plan.append(("tensor", req, found))
@@ -228,7 +234,8 @@ def restore_tree(path, *, target=None, shardings=None, mesh=None, rules=None, sp
   reqs, kinds = [], []
   for key, av in available.items():
     sharding = None
-    if mesh is not None:
+    wide = np.dtype(jax.dtypes.canonicalize_dtype(dtype or av.dtype)) != np.dtype(dtype or av.dtype)
+    if mesh is not None and not wide:  # 64-bit without jax_enable_x64 stays on host, exact
       sharding = sharding_lib.sharding_for(av.shape, mesh=mesh, saved=av.saved_sharding,
                                            logical_axes=av.logical_axes, rules=rules)
     reqs.append(Request(key=key, sharding=sharding, dtype=None if dtype is None else np.dtype(dtype)))

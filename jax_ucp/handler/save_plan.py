@@ -88,10 +88,7 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
                  logical_axes: Any = None) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
   """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
   leaves, _ = tree_lib.flatten(tree)
-  names_by_key: dict = {}
-  if logical_axes is not None:
-    for key, _, names in tree_lib.flatten(logical_axes)[0]:
-      names_by_key[key] = names
+  names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
   entries: list[fmt.Entry] = []
   prepared: list[PreparedTensor] = []
   for key, kinds, leaf in leaves:

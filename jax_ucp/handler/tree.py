@@ -63,3 +63,14 @@ def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]]) -> Any:
     return conv
 
   return convert(root, ())
+
+
+def _is_axes(x) -> bool:
+  return x is None or (isinstance(x, tuple) and all(isinstance(n, (str, type(None))) for n in x))
+
+
+def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
+  """A pytree of logical axis-name tuples (or PartitionSpecs of names) → {key: names}."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=_is_axes)
+  return {tuple(keypath_lib.component_of(p)[1] for p in path): (None if names is None else tuple(names))
+          for path, names in leaves}
