@@ -23,6 +23,16 @@ def _barrier(name: str) -> None:
     multihost.sync_global_processes(name)
 
 
+def remove_failed_save_leftovers(dest: str) -> None:
+  """Temporary directories of a save of ``dest`` that failed in this process."""
+  parent, name = os.path.split(os.path.abspath(dest))
+  if not os.path.isdir(parent):
+    return
+  for d in os.listdir(parent):
+    if d.startswith(name + ".orbax-checkpoint-tmp"):
+      shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
+
+
 def atomic_save(path: str, args, *, force: bool) -> None:
   """Orbax's temporary path + commit; ``force`` never deletes the old checkpoint first.
 
@@ -30,22 +40,28 @@ def atomic_save(path: str, args, *, force: bool) -> None:
   failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
   destination before writing).
   """
+  path = path.rstrip("/")
+  exists = os.path.exists(path)
+  if exists and not force:
+    raise FileExistsError(f"{path} already exists; pass force=True to replace it "
+                          f"(the old checkpoint is kept until the new one is committed).")
+  target = path + _REPLACING if exists else path
   handler = checkpoint_handler.UCPCheckpointHandler()
-  with ocp.Checkpointer(handler) as ckptr:
-    if not os.path.exists(path):
-      ckptr.save(path, args=args)
-      return
-    if not force:
-      raise FileExistsError(f"{path} already exists; pass force=True to replace it "
-                            f"(the old checkpoint is kept until the new one is committed).")
-    staging = path.rstrip("/") + _REPLACING
-    ckptr.save(staging, args=args, force=True)
+  try:
+    with ocp.Checkpointer(handler) as ckptr:
+      ckptr.save(target, args=args, force=exists)
+  except BaseException:
+    if multihost.is_primary_host(0):
+      remove_failed_save_leftovers(target)
+    raise
+  if not exists:
+    return
   if multihost.is_primary_host(0):
     old = path.rstrip("/") + _REPLACED
     if os.path.exists(old):
       shutil.rmtree(old)
     os.rename(path, old)
-    os.rename(staging, path)
+    os.rename(target, path)
     shutil.rmtree(old)
   _barrier("jax_ucp:force_swap")
 

@@ -9,21 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from typing import Any, Iterable, Mapping, Optional
 
 import orbax.checkpoint as ocp
 
+from jax_ucp.handler import api
 from jax_ucp.handler.stream import HostItem, UCPStreamSave
-
-
-def _remove_leftovers(dest: str) -> None:
-  parent, name = os.path.split(os.path.abspath(dest))
-  if not os.path.isdir(parent):
-    return
-  for d in os.listdir(parent):
-    if d.startswith(name + ".orbax-checkpoint-tmp"):
-      shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
 
 
 def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = False,
@@ -38,12 +29,7 @@ def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = Fals
   if step is None:
     if os.path.exists(dest) and not force:
       raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
-    from jax_ucp.handler import api
-    try:
-      api.atomic_save(dest, args, force=force)
-    except BaseException:
-      _remove_leftovers(dest)
-      raise
+    api.atomic_save(dest, args, force=force)
     return dest
   step_dir = os.path.join(dest, str(step))
   if os.path.exists(step_dir) and not force:
@@ -54,6 +40,6 @@ def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = Fals
       mngr.save(step, args=ocp.args.Composite(**{item_name: args}), force=force)
       mngr.wait_until_finished()
     except BaseException:
-      _remove_leftovers(step_dir)
+      api.remove_failed_save_leftovers(step_dir)
       raise
   return os.path.join(step_dir, item_name)

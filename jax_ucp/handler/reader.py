@@ -183,8 +183,9 @@ def read(root: str, manifest: fmt.Manifest, requests: Sequence[Request], *, spec
       result = pa.result()
     except Exception as e:  # noqa: BLE001
       files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
-      raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed "
-                            f"(corrupt or truncated data?): {e}") from e
+      what = ("crc32c checksum mismatch: the data is corrupt" if "Digest mismatch" in str(e)
+              else "corrupt or truncated data?")
+      raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed ({what}): {e}") from e
     if req.python_type is not None and getattr(result, "shape", None) == ():
       result = req.python_type(np.asarray(result).item())
     out.append(result)

@@ -1,0 +1,66 @@
+"""The importers' write path: a stream of host tensors, one at a time, committed atomically."""
+
+import os
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+import tensorstore as ts
+
+import jax_ucp
+from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+from ucp_testing import assert_bit_exact
+
+
+def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkeypatch):
+  pulled = []
+
+  def items():
+    for i in range(3):
+      pulled.append(i)
+      # every earlier tensor is already on disk when the next one is pulled
+      assert len([d for d in os.listdir(next(tmp_path.glob("out*tmp*")) / "arrays")]) == i if i else True
+      yield HostItem(key=("params", f"layer.{i}.weight"), value=np.full((4, 3), i, ml_dtypes.bfloat16),
+                     provenance={"files": [f"rank{i}.pt"]})
+    yield HostItem(key=("opt_state", "mu", "layer.0.weight"), value=np.zeros((4, 3), np.float32))
+    yield HostItem(key=("opt_state", "count"), value=np.int32(7))
+    yield HostItem(key=("meta", "vocab"), value=50257)
+    yield HostItem(key=("lazy",), value=ts.array(np.arange(6, dtype=np.int16)))
+
+  out = write_host_checkpoint(tmp_path / "out", items(), source={"framework": "test"})
+  m = jax_ucp.inspect(out)
+  by = {e.name: e for e in m.entries}
+  assert by["params/layer.1.weight"].role == "param"
+  assert by["params/layer.1.weight"].provenance == {"files": ["rank1.pt"]}
+  assert (by["opt_state/mu/layer.0.weight"].role, by["opt_state/mu/layer.0.weight"].sub_role) == ("opt_state", "mu")
+  assert by["opt_state/count"].sub_role == "count"
+  assert m.source == {"framework": "test"}
+  back = jax_ucp.restore(out)
+  assert_bit_exact(back["params"]["layer.2.weight"], np.full((4, 3), 2, ml_dtypes.bfloat16))
+  assert back["meta"]["vocab"] == 50257
+  assert_bit_exact(back["lazy"], np.arange(6, dtype=np.int16))
+
+
+def test_failing_stream_leaves_destination_untouched(tmp_path):
+  write_host_checkpoint(tmp_path / "out", iter([HostItem(("a",), np.ones(2))]))
+
+  def bad():
+    yield HostItem(("b",), np.ones(2))
+    raise RuntimeError("source file truncated")
+
+  with pytest.raises(RuntimeError, match="truncated"):
+    write_host_checkpoint(tmp_path / "out", bad(), force=True)
+  assert list(jax_ucp.restore(tmp_path / "out")) == ["a"]
+  with pytest.raises(RuntimeError, match="truncated"):
+    write_host_checkpoint(tmp_path / "new", bad())
+  assert sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_stream_as_manager_step(tmp_path):
+  out = write_host_checkpoint(tmp_path / "run", iter([HostItem(("params", "w"), np.ones(3))]), step=100)
+  assert out == str(tmp_path / "run" / "100" / "state")
+  with ocp.CheckpointManager(tmp_path / "run") as mngr:
+    assert mngr.latest_step() == 100
+    got = mngr.restore(100, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+  assert_bit_exact(got.state["params"]["w"], np.ones(3))
