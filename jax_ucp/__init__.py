@@ -15,5 +15,5 @@ from jax_ucp.sharding import ShardingMismatchError
 
 def convert(source, dest, *, spec=None, **kwargs):
   """Imports a torch checkpoint directory (DeepSpeed or Megatron; format detected)."""
-  from jax_ucp.importers import convert as _convert
+  from jax_ucp.importers.detect import convert as _convert
   return _convert(source, dest, spec=spec, **kwargs)

@@ -52,6 +52,10 @@ def tensor_entry(key, kinds, layout: store.ArrayLayout, *, role=None, sub_role=N
   if role is None:
     role, inferred_sub = fmt.infer_role(key)
     sub_role = sub_role if sub_role is not None else inferred_sub
+  if logical_axes is not None and len(logical_axes) < len(layout.shape):
+    # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
+    logical_axes = (tuple(logical_axes) + (None,) * (len(layout.shape) - len(logical_axes))
+                    if any(n is not None for n in logical_axes) else None)
   if logical_axes is not None and len(logical_axes) != len(layout.shape):
     raise ValueError(f"Leaf {fmt.key_to_str(key)!r}: {len(logical_axes)} logical axis names "
                      f"{tuple(logical_axes)} for an array of shape {layout.shape}.")
@@ -89,6 +93,16 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
   """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
   leaves, _ = tree_lib.flatten(tree)
   names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
+  # Optimizer moments mirror the params tree (opt_state/0/mu/<param path>): they inherit the
+  # logical axes of the parameter whose path they end with, so rules shard them alike.
+  by_param_path = {k[1:]: v for k, v in names_by_key.items() if len(k) > 1 and k[0] == "params"}
+
+  def inherited(key, ndim):
+    for i in range(1, len(key)):
+      names = by_param_path.get(key[i:])
+      if names is not None and len(names) == ndim:
+        return names
+    return None
   entries: list[fmt.Entry] = []
   prepared: list[PreparedTensor] = []
   for key, kinds, leaf in leaves:
@@ -96,6 +110,8 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
       raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
     leaf, boxed_names = tree_lib.unbox(leaf)
     names = names_by_key.get(key, boxed_names)
+    if names is None and by_param_path and key[0] != "params":
+      names = inherited(key, len(getattr(leaf, "shape", ())))
     if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
       entries.append(value_entry(key, kinds, leaf))
       continue
