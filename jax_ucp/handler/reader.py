@@ -84,12 +84,13 @@ class _Opener:
 
   def __init__(self, root: str):
     self.root = root
+    self._context = store.zarr3.read_context()
     self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
 
   def request(self, entry: fmt.TensorEntry):
     if entry.key not in self._futures:
       kv = store.kvstore_spec(self.root, entry.dir)
-      self._futures[entry.key] = (entry, store.open_array(kv))
+      self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
 
   def get(self, key) -> ts.TensorStore:
     entry, fut = self._futures[key]

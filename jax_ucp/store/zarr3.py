@@ -87,18 +87,32 @@ def array_spec(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
 
 
 _CONTEXT: Optional[ts.Context] = None
+# Enough to keep shard indices (and partly read inner chunks) while one restore runs: without a
+# cache every inner-chunk read re-fetches its shard's index (measured: restores 1.7x slower).
+READ_CACHE_BYTES = 64 << 20
+
+
+def _context_spec(cache_bytes: int) -> dict:
+  return {
+      "cache_pool": {"total_bytes_limit": cache_bytes},
+      "file_io_sync": True,
+      # fsync-bound writes need many in flight (Orbax uses the same limit).
+      "file_io_concurrency": {"limit": 128},
+      "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
+  }
 
 
 def context() -> ts.Context:
-  """One shared context: bounded cache (we never re-read), fsync on commit for durability."""
+  """The shared write context: no cache (a save never re-reads), fsync for durability."""
   global _CONTEXT
   if _CONTEXT is None:
-    _CONTEXT = ts.Context({
-        "cache_pool": {"total_bytes_limit": 0},
-        "file_io_sync": True,
-        "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
-    })
+    _CONTEXT = ts.Context(_context_spec(0))
   return _CONTEXT
+
+
+def read_context() -> ts.Context:
+  """A fresh context per restore: its cache lives exactly as long as the restore."""
+  return ts.Context(_context_spec(READ_CACHE_BYTES))
 
 
 def create(kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = True) -> ts.Future:
@@ -114,10 +128,12 @@ def create(kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = T
 
 
 def open_array(kvstore: Mapping[str, Any], *, dtype: Optional[str] = None,
-               shape: Optional[Sequence[int]] = None) -> ts.Future:
+               shape: Optional[Sequence[int]] = None,
+               context: Optional[ts.Context] = None) -> ts.Future:
   """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore."""
   spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore)}
-  kwargs: dict = {"open": True, "read": True, "write": False, "context": context()}
+  kwargs: dict = {"open": True, "read": True, "write": False,
+                  "context": context if context is not None else read_context()}
   if dtype is not None:
     kwargs["dtype"] = ts.dtype(dtype)
   if shape is not None:

@@ -1,0 +1,146 @@
+"""Benchmark: ``jax_ucp`` DeepSpeed import vs DeepSpeed's ``ds_to_universal`` on the same checkpoint.
+
+Each converter runs in its own process; wall time and peak memory of the whole process tree
+(ds_to_universal forks extraction/merge workers) are sampled from /proc every 20 ms: peak
+RssAnon (anonymous memory: what a converter really allocates; memory-mapped checkpoint pages are
+file-backed and reclaimable) and peak VmRSS. Also reports the largest tensor and the
+``RssAnon <= 2 x largest tensor + 0.5 GB`` goal, plus the baseline RssAnon of a process that only
+imports jax_ucp (JAX itself).
+
+    python benchmarks/bench_deepspeed_convert.py tests/fixtures/deepspeed/z2_bf16_dp2/ckpt
+    python benchmarks/bench_deepspeed_convert.py /tmp/dsbench/gpt110m_z2_bf16_dp2/ckpt --json out.json
+
+Make a ~110M-parameter real checkpoint first (a few minutes on CPU):
+
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tools/fixtures/ds_train.py --out /tmp/dsbench/gpt110m \\
+        --stage 2 --dtype bf16 --vocab 16001 --width 768 --layers 12 --heads 12 --seq 64 --mb 1 --steps 1 --no-next
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _status(pid: int) -> dict[str, int]:
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                if k in ("RssAnon", "VmRSS", "RssFile"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+    return kids + [g for k in kids for g in _children(k)]
+
+
+def run_measured(cmd: list[str], env: dict | None = None) -> dict:
+    """Wall time and peak (summed over the process tree) RssAnon / VmRSS of ``cmd``."""
+    t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
+    peak = {"RssAnon": 0, "VmRSS": 0}
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            tot = {"RssAnon": 0, "VmRSS": 0}
+            for pid in [p.pid, *_children(p.pid)]:
+                s = _status(pid)
+                for k in tot:
+                    tot[k] += s.get(k, 0)
+            for k in tot:
+                peak[k] = max(peak[k], tot[k])
+            time.sleep(0.02)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    _, err = p.communicate()
+    wall = time.perf_counter() - t0
+    stop.set()
+    th.join()
+    if p.returncode:
+        raise RuntimeError(f"{cmd[:4]}... failed ({p.returncode}):\n{err.decode()[-3000:]}")
+    return {"wall_s": wall, "peak_rss_anon": peak["RssAnon"], "peak_vm_rss": peak["VmRSS"]}
+
+
+def largest_tensor_bytes(src: str) -> tuple[int, int]:
+    sys.path.insert(0, ROOT)
+    from jax_ucp.importers.deepspeed import open_deepspeed_checkpoint
+    ck = open_deepspeed_checkpoint(src)
+    import math
+    sizes = [math.prod(s) for s in ck.shapes.values()]
+    return max(sizes) * 4, sum(sizes)
+
+
+def tag_dir(src: str) -> str:
+    latest = os.path.join(src, "latest")
+    return os.path.join(src, open(latest).read().strip()) if os.path.isfile(latest) else src
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("checkpoints", nargs="+", help="DeepSpeed checkpoint folders (with 'latest') or tag folders")
+    ap.add_argument("--skip-ds", action="store_true", help="only run jax_ucp")
+    ap.add_argument("--json", help="write results here")
+    a = ap.parse_args()
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    base = run_measured([sys.executable, "-c", "import jax_ucp, jax_ucp.importers.deepspeed, jax.numpy as j; j.zeros(1)"],
+                        env)
+    results = []
+    for src in a.checkpoints:
+        biggest, n_params = largest_tensor_bytes(src)
+        tmp = tempfile.mkdtemp(prefix="bench_ds_")
+        try:
+            ours = run_measured([sys.executable, "-c",
+                                 "import sys; from jax_ucp.importers.deepspeed import convert_deepspeed; "
+                                 "convert_deepspeed(sys.argv[1], sys.argv[2])", src, os.path.join(tmp, "ucp")], env)
+            ours["out_bytes"] = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp) for f in fs)
+            shutil.rmtree(os.path.join(tmp, "ucp"))
+            ds = None
+            if not a.skip_ds:
+                ds = run_measured([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                                   tag_dir(src), "--output_folder", os.path.join(tmp, "universal"),
+                                   "--inject_missing_state"], env)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        in_bytes = sum(os.path.getsize(os.path.join(tag_dir(src), f)) for f in os.listdir(tag_dir(src)))
+        goal = 2 * biggest + 0.5 * 2**30
+        r = {"checkpoint": src, "n_params": n_params, "checkpoint_bytes": in_bytes, "largest_tensor_fp32_bytes": biggest,
+             "jax_ucp": ours, "ds_to_universal": ds, "baseline_import_jax_rss_anon": base["peak_rss_anon"],
+             "rss_goal_bytes": goal, "rss_goal_met": ours["peak_rss_anon"] <= goal,
+             "speedup": (ds["wall_s"] / ours["wall_s"]) if ds else None}
+        results.append(r)
+        mb = 2**20
+        print(f"\n{src}: {n_params/1e6:.1f}M params, {in_bytes/mb:.0f} MiB on disk, largest tensor {biggest/mb:.1f} MiB")
+        print(f"  {'':18}{'wall s':>9}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}")
+        print(f"  {'jax_ucp convert':18}{ours['wall_s']:9.2f}{ours['peak_rss_anon']/mb:18.0f}{ours['peak_vm_rss']/mb:16.0f}")
+        if ds:
+            print(f"  {'ds_to_universal':18}{ds['wall_s']:9.2f}{ds['peak_rss_anon']/mb:18.0f}{ds['peak_vm_rss']/mb:16.0f}")
+            print(f"  speed-up {r['speedup']:.1f}x")
+        print(f"  RssAnon goal (2 x largest + 0.5 GiB) = {goal/mb:.0f} MiB: {'met' if r['rss_goal_met'] else 'NOT met'}"
+              f" (baseline of importing jax_ucp alone: {base['peak_rss_anon']/mb:.0f} MiB)")
+    if a.json:
+        json.dump(results, open(a.json, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
