@@ -1,0 +1,646 @@
+"""Read torch ``.pt`` files without torch and without executing pickled code.
+
+Torch checkpoints are untrusted input: ``torch.load`` runs arbitrary pickled callables. This
+module interprets the pickle with a restricted opcode dispatcher instead:
+
+* globals resolve only through an allow-list (tensor rebuild functions, storage types, torch
+  dtypes, ``collections.OrderedDict`` and a few builtins) plus the caller's ``extra_classes``,
+  a mapping ``"module.QualName" -> stand-in`` (see :class:`StandIn`, :func:`standin_class`,
+  :func:`int_enum_standin`); anything else is refused *before* anything is called;
+* REDUCE / NEWOBJ / INST / OBJ may only call allow-listed objects, BUILD only targets
+  :class:`StandIn` instances, APPEND/SETITEM/ADDITEMS only plain lists/dicts/sets;
+* persistent ids must be well-formed torch storage references to members that exist.
+
+Tensors come back as read-only ``numpy`` arrays that view a single read-only ``mmap`` of the
+file (torch stores zip members uncompressed), so loading a checkpoint costs page-cache, not
+anonymous memory, and only touched bytes are read. bfloat16 / float8 map to ``ml_dtypes``.
+
+Public API (stable; also used by the Megatron importer):
+``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
+``UnsafePickleError``, ``StandIn``, ``standin_class``, ``int_enum_standin``, ``BASE_ALLOWED``.
+"""
+from __future__ import annotations
+
+import collections
+import io
+import mmap
+import os
+import pickle
+import pickletools
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "BASE_ALLOWED",
+    "StandIn",
+    "TorchFileError",
+    "UnsafePickleError",
+    "int_enum_standin",
+    "load_torch_file",
+    "scan_globals",
+    "standin_class",
+    "TorchArchive",
+]
+
+
+class TorchFileError(ValueError):
+    """A torch file is missing, truncated, corrupt or in an unsupported format."""
+
+    def __init__(self, path: os.PathLike | str, message: str):
+        self.path = str(path)
+        super().__init__(f"{self.path}: {message}")
+
+
+class UnsafePickleError(TorchFileError):
+    """The pickle asks for something outside the allow-list; nothing was executed."""
+
+
+# --------------------------------------------------------------------------- stand-ins
+
+
+class StandIn:
+    """Inert stand-in for a pickled Python object: keeps the pickled args and state as data.
+
+    Works for both ways objects are pickled: ``REDUCE`` (``cls(*args)``) and protocol-2
+    ``NEWOBJ`` + ``BUILD`` (``cls.__new__(cls)`` then ``__setstate__(state)``). A dict state
+    becomes attributes (so ``fragment_address.numel`` reads naturally).
+    """
+
+    qualname: str = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args = args
+        if kwargs:
+            self.kwargs = kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, tuple) and len(state) == 2 and (state[1] is None or isinstance(state[1], dict)):
+            state, slots = state
+            if slots:
+                self._set_attrs(slots)
+        if isinstance(state, dict):
+            self._set_attrs(state)
+        elif state is not None:
+            self.__dict__["state"] = state
+
+    def _set_attrs(self, d: dict) -> None:
+        for k, v in d.items():
+            if not isinstance(k, str) or k.startswith("__"):
+                raise UnsafePickleError("<pickle>", f"{self.qualname}: refusing attribute {k!r} in BUILD state")
+            self.__dict__[k] = v
+
+    def __repr__(self) -> str:
+        fields = {k: v for k, v in self.__dict__.items()}
+        return f"<{self.qualname} {fields}>"
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.__dict__ == self.__dict__
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def standin_class(qualname: str) -> type[StandIn]:
+    """A fresh :class:`StandIn` subclass named after ``qualname`` ("module.Class")."""
+    return type(qualname.rsplit(".", 1)[-1], (StandIn,), {"qualname": qualname})
+
+
+def int_enum_standin(qualname: str, names: Mapping[int, str] | None = None) -> type[int]:
+    """Stand-in for an ``IntEnum`` (pickled as ``REDUCE(cls, (value,))``): an ``int`` subclass."""
+
+    def _repr(self: int) -> str:
+        n = (names or {}).get(int(self))
+        return f"<{qualname}.{n}: {int(self)}>" if n else f"<{qualname}: {int(self)}>"
+
+    return type(qualname.rsplit(".", 1)[-1], (int,), {"qualname": qualname, "__repr__": _repr})
+
+
+# --------------------------------------------------------------------------- torch pieces
+
+
+@dataclass(frozen=True)
+class _StorageType:
+    """What a pickled ``torch.FloatStorage`` & co. resolve to: just the element dtype."""
+
+    name: str
+    dtype: np.dtype
+
+
+@dataclass(frozen=True)
+class _TensorType:
+    """Marker for ``torch.Tensor`` / ``torch.nn.Parameter`` in ``_rebuild_from_type_v2``."""
+
+    name: str
+
+
+@dataclass
+class _Storage:
+    key: str
+    dtype: np.dtype
+    raw: np.ndarray  # uint8 view of the member
+
+    def __repr__(self) -> str:
+        return f"<storage {self.key!r} {self.raw.size} bytes as {self.dtype}>"
+
+
+_TORCH_DTYPES: dict[str, np.dtype] = {
+    "float64": np.dtype(np.float64), "double": np.dtype(np.float64),
+    "float32": np.dtype(np.float32), "float": np.dtype(np.float32),
+    "float16": np.dtype(np.float16), "half": np.dtype(np.float16),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn), "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz), "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "int64": np.dtype(np.int64), "long": np.dtype(np.int64),
+    "int32": np.dtype(np.int32), "int": np.dtype(np.int32),
+    "int16": np.dtype(np.int16), "short": np.dtype(np.int16),
+    "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32), "uint64": np.dtype(np.uint64),
+    "bool": np.dtype(np.bool_),
+    "complex64": np.dtype(np.complex64), "cfloat": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128), "cdouble": np.dtype(np.complex128),
+}
+
+_STORAGE_TYPES: dict[str, str] = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "UntypedStorage": "uint8",
+}
+
+
+def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(x, (tuple, list)) or not all(type(v) is int for v in x):
+        raise ValueError(f"tensor {what} must be a tuple of ints, found {x!r}")
+    return tuple(x)
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None) -> np.ndarray:
+    if not isinstance(storage, _Storage):
+        raise ValueError(f"tensor storage must be a persistent storage reference, found {type(storage).__name__}")
+    if type(storage_offset) is not int or storage_offset < 0:
+        raise ValueError(f"bad storage offset {storage_offset!r}")
+    shape = _as_int_tuple(size, "size")
+    strides = _as_int_tuple(stride, "stride")
+    if len(shape) != len(strides) or any(s < 0 for s in shape) or any(s < 0 for s in strides):
+        raise ValueError(f"bad tensor geometry size={shape} stride={strides}")
+    dt = storage.dtype if dtype is None else dtype
+    n_elems = storage.raw.size // dt.itemsize
+    numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if numel == 0:
+        return np.empty(shape, dt)
+    extent = storage_offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    if extent > n_elems:
+        raise ValueError(
+            f"tensor (offset {storage_offset}, size {shape}, stride {strides}) reaches element {extent} "
+            f"but storage {storage.key!r} holds {n_elems} {dt} elements")
+    flat = storage.raw[: n_elems * dt.itemsize].view(dt)
+    contiguous = []
+    acc = 1
+    for n in reversed(shape):
+        contiguous.append(acc)
+        acc *= n
+    if tuple(reversed(contiguous)) == strides or numel == 1:
+        out = flat[storage_offset: storage_offset + numel].reshape(shape)
+    else:
+        out = np.lib.stride_tricks.as_strided(
+            flat[storage_offset:], shape=shape, strides=tuple(s * dt.itemsize for s in strides), writeable=False)
+    return out
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    return _rebuild_tensor(storage, storage_offset, size, stride)
+
+
+def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+    if not isinstance(dtype, np.dtype):
+        raise ValueError(f"_rebuild_tensor_v3 dtype must be a torch dtype, found {dtype!r}")
+    return _rebuild_tensor(storage, storage_offset, size, stride, dtype)
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    if not isinstance(data, np.ndarray):
+        raise ValueError(f"parameter data must be a tensor, found {type(data).__name__}")
+    return data
+
+
+class _Allowed:
+    """A resolved global that may be called (REDUCE/INST/OBJ) or instantiated (NEWOBJ)."""
+
+    __slots__ = ("qualname", "fn")
+
+    def __init__(self, qualname: str, fn: Callable[..., Any]):
+        self.qualname = qualname
+        self.fn = fn
+
+    def __repr__(self) -> str:
+        return f"<allowed {self.qualname}>"
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    if not isinstance(func, _Allowed) or func.fn not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter):
+        raise ValueError(f"_rebuild_from_type_v2 may only call tensor rebuild functions, found {func!r}")
+    if not isinstance(new_type, _TensorType):
+        raise ValueError(f"_rebuild_from_type_v2 with tensor subclass {new_type!r} is not supported")
+    if not isinstance(args, tuple):
+        raise ValueError("_rebuild_from_type_v2 args must be a tuple")
+    return func.fn(*args)
+
+
+def _torch_size(dims=()):
+    return _as_int_tuple(tuple(dims), "torch.Size")
+
+
+def _torch_device(*args):
+    if not args or not all(isinstance(a, (str, int)) for a in args):
+        raise ValueError(f"bad torch.device args {args!r}")
+    return ":".join(str(a) for a in args)
+
+
+def _codecs_encode(s, encoding="utf-8"):
+    if not isinstance(s, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
+        raise ValueError(f"_codecs.encode only decodes str with latin1/utf-8, found {encoding!r}")
+    return s.encode(encoding)
+
+
+def _slice(*args):
+    if not all(a is None or type(a) is int for a in args):
+        raise ValueError(f"bad slice args {args!r}")
+    return slice(*args)
+
+
+def _complex(re=0.0, im=0.0):
+    if not all(type(v) in (int, float) for v in (re, im)):
+        raise ValueError(f"bad complex args {(re, im)!r}")
+    return complex(re, im)
+
+
+def _bytearray(x=b"", encoding=None):
+    if isinstance(x, str):
+        return bytearray(_codecs_encode(x, encoding or "latin1"))
+    if isinstance(x, (bytes, list)):
+        return bytearray(x)
+    raise ValueError(f"bad bytearray args {x!r}")
+
+
+def _set(items=()):
+    return set(items)
+
+
+def _frozenset(items=()):
+    return frozenset(items)
+
+
+def _base_allowed() -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "torch._utils._rebuild_tensor_v2": _rebuild_tensor_v2,
+        "torch._utils._rebuild_tensor_v3": _rebuild_tensor_v3,
+        "torch._utils._rebuild_parameter": _rebuild_parameter,
+        "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+        "torch._tensor._rebuild_from_type_v2": _rebuild_from_type_v2,
+        "torch.Tensor": _TensorType("torch.Tensor"),
+        "torch._tensor.Tensor": _TensorType("torch.Tensor"),
+        "torch.nn.parameter.Parameter": _TensorType("torch.nn.Parameter"),
+        "torch.Size": _torch_size,
+        "torch.device": _torch_device,
+        "collections.OrderedDict": collections.OrderedDict,
+        "builtins.set": _set,
+        "builtins.frozenset": _frozenset,
+        "builtins.slice": _slice,
+        "builtins.complex": _complex,
+        "builtins.bytearray": _bytearray,
+        "_codecs.encode": _codecs_encode,
+    }
+    for name, dt in _TORCH_DTYPES.items():
+        d[f"torch.{name}"] = dt
+    for name, dt in _STORAGE_TYPES.items():
+        st = _StorageType(name, _TORCH_DTYPES[dt])
+        d[f"torch.{name}"] = st
+        d[f"torch.storage.{name}"] = st
+        d[f"torch.cuda.{name}"] = st
+    return d
+
+
+#: The allow-list every load uses: ``"module.QualName" -> value or safe callable``.
+BASE_ALLOWED: Mapping[str, Any] = _base_allowed()
+
+
+# --------------------------------------------------------------------------- unpickler
+
+_op = {op.name: op.code.encode("latin1")[0] for op in pickletools.opcodes}
+
+
+class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """Pure-Python unpickler whose code-running opcodes are replaced by checked versions."""
+
+    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, data: bytes, where: str, allowed: Mapping[str, Any],
+                 persistent: Callable[[Any], Any] | None):
+        super().__init__(io.BytesIO(data), encoding="utf-8")
+        self._where = where
+        self._allowed = allowed
+        self._persistent = persistent
+
+    def _err(self, msg: str) -> UnsafePickleError:
+        return UnsafePickleError(self._where, msg)
+
+    def find_class(self, module: str, name: str) -> Any:  # GLOBAL / STACK_GLOBAL / INST
+        if module == "__builtin__":  # protocol-2 spelling of builtins
+            module = "builtins"
+        q = f"{module}.{name}"
+        if q not in self._allowed:
+            raise self._err(f"refusing to load global {q!r}: not in the allow-list (nothing was executed)")
+        v = self._allowed[q]
+        return _Allowed(q, v) if callable(v) and not isinstance(v, np.dtype) else v
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise self._err(f"unexpected persistent id {pid!r}")
+        return self._persistent(pid)
+
+    def _call(self, f: Any, args: Any, how: str) -> Any:
+        if not isinstance(f, _Allowed):
+            raise self._err(f"{how} on {type(f).__name__} {f!r:.80}: only allow-listed callables may be called")
+        if not isinstance(args, tuple):
+            raise self._err(f"{how} on {f.qualname}: args must be a tuple, found {type(args).__name__}")
+        try:
+            return f.fn(*args)
+        except TorchFileError:
+            raise
+        except Exception as e:  # the stand-in rejected its args
+            raise TorchFileError(self._where, f"{how} {f.qualname}: {e} (args {args!r:.200})") from None
+
+    # -- opcodes that call things
+    def load_reduce(self):
+        args = self.stack.pop()
+        self.stack[-1] = self._call(self.stack[-1], args, "REDUCE")
+
+    def _instantiate(self, klass, args):
+        self.append(self._call(klass, tuple(args), "INST/OBJ"))
+
+    def load_newobj(self):
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if not isinstance(cls, _Allowed) or not isinstance(cls.fn, type):
+            raise self._err(f"NEWOBJ on {cls!r:.80}: only allow-listed classes may be instantiated")
+        if not isinstance(args, tuple):
+            raise self._err("NEWOBJ args must be a tuple")
+        try:
+            obj = cls.fn.__new__(cls.fn, *args)
+        except Exception as e:
+            raise TorchFileError(self._where, f"NEWOBJ {cls.qualname}: {e}") from None
+        if isinstance(obj, StandIn) and "args" not in obj.__dict__:
+            obj.__dict__["args"] = args
+        self.append(obj)
+
+    def load_newobj_ex(self):
+        kwargs = self.stack.pop()
+        if kwargs:
+            raise self._err("NEWOBJ_EX with keyword arguments is not supported")
+        self.load_newobj()
+
+    def load_build(self):
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        if isinstance(inst, StandIn):
+            try:
+                inst.__setstate__(state)
+            except UnsafePickleError as e:
+                raise self._err(str(e).split(": ", 1)[-1]) from None
+        elif type(inst) is collections.OrderedDict and isinstance(state, dict):
+            # torch state_dicts carry `_metadata` as an instance attribute
+            for k, v in state.items():
+                if not isinstance(k, str) or k.startswith("__"):
+                    raise self._err(f"BUILD on OrderedDict: refusing attribute {k!r}")
+                inst.__dict__[k] = v
+        elif state:
+            raise self._err(f"BUILD on {type(inst).__name__}: only stand-in objects accept state")
+
+    # -- opcodes that mutate containers: only plain containers
+    def load_append(self):
+        value = self.stack.pop()
+        self._target(list, "APPEND").append(value)
+
+    def load_appends(self):
+        items = self.pop_mark()
+        self._target(list, "APPENDS").extend(items)
+
+    def load_setitem(self):
+        value = self.stack.pop()
+        key = self.stack.pop()
+        self._target(dict, "SETITEM")[key] = value
+
+    def load_setitems(self):
+        items = self.pop_mark()
+        d = self._target(dict, "SETITEMS")
+        for i in range(0, len(items), 2):
+            d[items[i]] = items[i + 1]
+
+    def load_additems(self):
+        items = self.pop_mark()
+        self._target(set, "ADDITEMS").update(items)
+
+    def _target(self, kind: type, op: str):
+        t = self.stack[-1]
+        if type(t) is not kind and not (kind is dict and type(t) is collections.OrderedDict):
+            raise self._err(f"{op} on {type(t).__name__}: only plain {kind.__name__}s may be filled")
+        return t
+
+    def load_persid(self):
+        raise self._err("text PERSID opcode is not used by torch files")
+
+    def get_extension(self, code):
+        raise self._err(f"EXT opcode (extension code {code}) is not allowed")
+
+    def load_next_buffer(self):
+        raise self._err("out-of-band buffers are not allowed")
+
+
+for _name, _meth in [
+    ("REDUCE", _RestrictedUnpickler.load_reduce), ("NEWOBJ", _RestrictedUnpickler.load_newobj),
+    ("NEWOBJ_EX", _RestrictedUnpickler.load_newobj_ex), ("BUILD", _RestrictedUnpickler.load_build),
+    ("APPEND", _RestrictedUnpickler.load_append), ("APPENDS", _RestrictedUnpickler.load_appends),
+    ("SETITEM", _RestrictedUnpickler.load_setitem), ("SETITEMS", _RestrictedUnpickler.load_setitems),
+    ("ADDITEMS", _RestrictedUnpickler.load_additems), ("PERSID", _RestrictedUnpickler.load_persid),
+    ("NEXT_BUFFER", _RestrictedUnpickler.load_next_buffer),
+]:
+    _RestrictedUnpickler.dispatch[_op[_name]] = _meth
+
+
+def restricted_loads(data: bytes, *, where: str = "<bytes>", extra_classes: Mapping[str, Any] | None = None,
+                     persistent_load: Callable[[Any], Any] | None = None) -> Any:
+    """Unpickle ``data`` with the allow-list (+ ``extra_classes``); errors name ``where``."""
+    allowed = dict(BASE_ALLOWED)
+    if extra_classes:
+        allowed.update(extra_classes)
+    up = _RestrictedUnpickler(data, where, allowed, persistent_load)
+    try:
+        return up.load()
+    except TorchFileError:
+        raise
+    except RecursionError:
+        raise TorchFileError(where, "pickle nests too deeply") from None
+    except Exception as e:
+        raise TorchFileError(where, f"corrupt pickle ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------- zip archive
+
+_LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
+_LOCAL_MAGIC = 0x04034B50
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+class TorchArchive:
+    """A torch zip archive opened read-only with one ``mmap``; members resolved lazily."""
+
+    def __init__(self, path: os.PathLike | str):
+        self.path = os.fspath(path)
+        try:
+            self._f = open(self.path, "rb")
+        except OSError as e:
+            raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
+        try:
+            size = os.fstat(self._f.fileno()).st_size
+            if size == 0:
+                raise TorchFileError(self.path, "file is empty")
+            head = self._f.read(8)
+            if not head.startswith(b"PK"):
+                if head[:1] == b"\x80":
+                    raise TorchFileError(
+                        self.path, "legacy (pre-zip, torch<1.6) serialization is not supported; "
+                                   "re-save it with torch.save(..., _use_new_zipfile_serialization=True)")
+                raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
+            self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
+            self.size = size
+            try:
+                self._zip = zipfile.ZipFile(self._f)
+                infos = self._zip.infolist()
+            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+                raise TorchFileError(self.path, f"truncated or corrupt zip archive ({e})") from None
+        except BaseException:
+            self._f.close()
+            raise
+        self._infos = {i.filename: i for i in infos}
+        pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise TorchFileError(self.path, f"expected one '<archive>/data.pkl' member, found {pkls or 'none'}")
+        self.prefix = pkls[0][: -len("data.pkl")]
+        bo = self._infos.get(self.prefix + "byteorder")
+        order = self.read_member(bo.filename).decode("ascii", "replace").strip() if bo else "little"
+        if order not in ("little", "big"):
+            raise TorchFileError(self.path, f"unknown byteorder {order!r}")
+        self.byteorder = "<" if order == "little" else ">"
+        self._storages: dict[str, np.ndarray] = {}
+
+    def _member_view(self, name: str) -> np.ndarray:
+        info = self._infos.get(name)
+        if info is None:
+            raise TorchFileError(self.path, f"missing archive member {name!r}")
+        off = info.header_offset
+        if off + _LOCAL_HEADER.size > self.size:
+            raise TorchFileError(self.path, f"member {name!r}: local header beyond end of file (truncated)")
+        fields = _LOCAL_HEADER.unpack_from(self._mm, off)
+        if fields[0] != _LOCAL_MAGIC:
+            raise TorchFileError(self.path, f"member {name!r}: bad local header signature (corrupt)")
+        data_off = off + _LOCAL_HEADER.size + fields[9] + fields[10]
+        if data_off + info.compress_size > self.size:
+            raise TorchFileError(
+                self.path, f"member {name!r} needs bytes up to {data_off + info.compress_size} "
+                           f"but the file has {self.size} (truncated)")
+        if info.compress_type != zipfile.ZIP_STORED:
+            try:  # not torch-written, but still a valid zip: decompress into memory
+                return np.frombuffer(self._zip.read(name), np.uint8)
+            except Exception as e:
+                raise TorchFileError(self.path, f"member {name!r}: cannot decompress ({e})") from None
+        if info.file_size != info.compress_size:
+            raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
+        return np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
+
+    def read_member(self, name: str) -> bytes:
+        return self._member_view(name).tobytes()
+
+    def _persistent_load(self, pid: Any) -> _Storage:
+        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+                or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str)
+                or type(pid[4]) is not int or pid[4] < 0):
+            raise UnsafePickleError(self.path, f"unexpected persistent id {pid!r:.200}")
+        _, stype, key, _location, numel = pid
+        if not key or "/" in key or key.startswith("."):
+            raise UnsafePickleError(self.path, f"bad storage key {key!r}")
+        dtype = stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
+        nbytes = numel * dtype.itemsize
+        raw = self._storages.get(key)
+        if raw is None:
+            name = f"{self.prefix}data/{key}"
+            if name not in self._infos and nbytes == 0:
+                raw = np.empty(0, np.uint8)
+            else:
+                raw = self._member_view(name)
+            self._storages[key] = raw
+        if raw.size < nbytes:
+            raise TorchFileError(self.path, f"storage {key!r}: expected {nbytes} bytes ({numel} x {dtype}), "
+                                            f"member holds {raw.size}")
+        return _Storage(key, dtype, raw[:nbytes])
+
+    def load(self, extra_classes: Mapping[str, Any] | None = None) -> Any:
+        data = self.read_member(self.prefix + "data.pkl")
+        obj = restricted_loads(data, where=self.path, extra_classes=extra_classes,
+                               persistent_load=self._persistent_load)
+        return obj
+
+    def verify_crc(self) -> None:
+        """Read every member and check its CRC32 (reads the whole file)."""
+        import zlib
+        for name, info in self._infos.items():
+            if zlib.crc32(self._member_view(name)) != info.CRC:
+                raise TorchFileError(self.path, f"member {name!r}: CRC mismatch (corrupt)")
+
+    def close(self) -> None:
+        """Close the file handle; arrays already returned keep the mapping alive."""
+        self._zip.close()
+        self._f.close()
+
+
+def load_torch_file(path: os.PathLike | str, extra_classes: Mapping[str, Any] | None = None, *,
+                    verify_crc: bool = False) -> Any:
+    """Load a ``torch.save`` zip file safely; tensors become read-only memory-mapped numpy arrays.
+
+    ``extra_classes`` maps ``"module.QualName"`` to a stand-in: a :class:`StandIn` subclass (for
+    pickled objects), an ``int_enum_standin`` (for IntEnums), or any side-effect-free callable
+    that validates its arguments (it is called by REDUCE with pickled data).
+    """
+    arch = TorchArchive(path)
+    try:
+        if verify_crc:
+            arch.verify_crc()
+        return arch.load(extra_classes)
+    finally:
+        arch.close()
+
+
+def scan_globals(path: os.PathLike | str) -> set[str]:
+    """The ``module.QualName`` globals a torch file's pickle references, found without loading it."""
+    arch = TorchArchive(path)
+    try:
+        data = arch.read_member(arch.prefix + "data.pkl")
+    finally:
+        arch.close()
+    found: set[str] = set()
+    strings: list[str] = []
+    try:
+        for op, arg, _pos in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST"):
+                found.add(arg.replace(" ", ".").replace("__builtin__.", "builtins."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                found.add(f"{strings[-2]}.{strings[-1]}")
+            if isinstance(arg, str):
+                strings.append(arg)
+    except Exception as e:
+        raise TorchFileError(path, f"corrupt pickle ({e})") from None
+    return found

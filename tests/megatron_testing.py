@@ -1,0 +1,83 @@
+"""Shared helpers for the Megatron tests (no torch)."""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+FIX = Path(__file__).parent / "fixtures" / "megatron"
+VOCAB = 61
+
+TORCH_DIST = ["gpt_tp2", "gpt_pp2", "llama_tp2", "llama_pp2", "moe_ep2", "gpt_distopt_dp2",
+              "llama_distopt_bf16_tp2dp2"]
+LEGACY = ["legacy_gpt_tp2pp2_synthetic", "legacy_llama_tp2_synthetic", "legacy_gpt_lm_names_tp2_synthetic"]
+
+
+@lru_cache(None)
+def fixture_info() -> dict:
+    return json.loads((FIX / "fixtures.json").read_text())
+
+
+def load_reference(name: str) -> dict[str, np.ndarray]:
+    """torch's DCP consolidation, committed as npz (bfloat16 stored as its uint16 bits)."""
+    z = np.load(FIX / f"{name}.consolidated.npz")
+    bf16 = set(z["__bfloat16_keys__"].tolist())
+    return {k: (z[k].view(ml_dtypes.bfloat16) if k in bf16 else z[k]) for k in z.files
+            if k != "__bfloat16_keys__"}
+
+
+_OLD = [("self_attention.query_key_value.", "self_attention.linear_qkv."),
+        ("self_attention.dense.", "self_attention.linear_proj."),
+        ("post_attention_layernorm.", "pre_mlp_layernorm."),
+        ("mlp.dense_h_to_4h.", "mlp.linear_fc1."), ("mlp.dense_4h_to_h.", "mlp.linear_fc2.")]
+
+
+def reference_name(name: str) -> tuple[str, int | None]:
+    """A legacy per-layer name -> (torch_dist stacked name, layer index) in the reference.
+
+    Written independently of the importer: megatron-core's sharded_state_dict_keys_map
+    (input_layernorm -> linear_qkv.layer_norm_, pre_mlp_layernorm -> linear_fc1.layer_norm_) and
+    Megatron-LM's older names."""
+    if name.startswith("language_model."):
+        name = name[len("language_model."):]
+        if name.startswith("encoder."):
+            name = "decoder." + name[len("encoder."):]
+            for a, b in _OLD:
+                name = name.replace(a, b)
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", name)
+    if not m:
+        return name, None
+    rest = (m.group(2).replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+            .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+    return "decoder.layers." + rest, int(m.group(1))
+
+
+def is_vocab(name: str) -> bool:
+    return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bit_equal(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert np.array_equal(bits(got), bits(want)), f"{what}: values differ"
+
+
+def lm_config(name: str, **over):
+    from jax_ucp.models import LMConfig
+
+    f = fixture_info()[name]
+    kw = dict(vocab_size=VOCAB, hidden_size=f["hidden_size"], num_layers=f["num_layers"],
+              num_attention_heads=f["num_attention_heads"], ffn_hidden_size=f["ffn_hidden_size"],
+              num_query_groups=f["num_query_groups"], normalization=f["normalization"], gated=f["gated"],
+              bias=f["bias"], position=f["position"], tied=f["tied"], max_position_embeddings=32)
+    kw.update(over)
+    return LMConfig(**kw)

@@ -1,0 +1,404 @@
+"""Megatron importer against the committed fixtures (no torch needed).
+
+Fixtures were written by megatron-core 0.16.1 itself on CPU (tools/fixtures/
+make_megatron_fixtures.py); references are torch's own DCP consolidation and a plain-PyTorch
+forward (itself checked against megatron-core's CPU forward when the fixtures were made).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.importers import megatron_dcp as dcp
+from jax_ucp.importers.megatron import MegatronImportError, convert_megatron, detect_megatron
+
+sys.path.insert(0, os.path.dirname(__file__))
+from megatron_testing import (  # noqa: E402
+    FIX, LEGACY, TORCH_DIST, VOCAB, assert_bit_equal, fixture_info, is_vocab, lm_config,
+    load_reference, reference_name,
+)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Convert each fixture once per module (vocab padding stripped to the tokenizer's 61)."""
+    root = tmp_path_factory.mktemp("megatron_ucp")
+    cache: dict[str, str] = {}
+
+    def get(name: str) -> str:
+        if name not in cache:
+            cache[name] = convert_megatron(FIX / name, root / name, vocab_size=VOCAB)
+        return cache[name]
+
+    return get
+
+
+def test_fixtures_are_small_and_labelled():
+    total = sum(f.stat().st_size for f in FIX.rglob("*") if f.is_file())
+    assert total <= 4.5 * 2 ** 20, f"megatron fixtures take {total / 2 ** 20:.2f} MiB"
+    info = fixture_info()
+    for name in LEGACY:
+        assert "synthetic" in name and name in info
+    fc = info["forward_check"]  # reference forward vs megatron-core's own CPU forward
+    assert set(fc) == {"gpt", "llama", "moe"} and all(v["max_abs_diff"] < 1e-5 for v in fc.values())
+
+
+@pytest.mark.parametrize("name", TORCH_DIST + LEGACY)
+def test_detect(name):
+    src = detect_megatron(FIX / name)
+    assert src is not None and src.format == ("legacy" if name in LEGACY else "torch_dist")
+
+
+def test_detect_rejects_other_dirs(tmp_path):
+    assert detect_megatron(tmp_path) is None
+    with pytest.raises(MegatronImportError, match="not a Megatron checkpoint"):
+        convert_megatron(tmp_path, tmp_path / "out")
+
+
+# ------------------------------------------------------------------ exactness vs torch DCP
+
+
+@pytest.mark.parametrize("name", TORCH_DIST)
+def test_dcp_reader_matches_torch_consolidation(name):
+    """Every tensor the raw reader assembles equals dcp.load(..., no_dist=True), bit for bit."""
+    ck = dcp.open_dcp(FIX / name)
+    ref = load_reference(name)
+    assert set(ck.tensors) == set(ref)
+    for n in ck.tensors:
+        assert_bit_equal(ck.read(n), ref[n], n)
+    assert ck.objects, "megatron-core writes _extra_state ShardedObjects"
+    assert all(isinstance(ck.read_object(o), list) for o in list(ck.objects)[:2])
+
+
+@pytest.mark.parametrize("name", TORCH_DIST)
+def test_torch_dist_import_bit_exact(name, converted):
+    d = converted(name)
+    r = jax_ucp.restore(d)
+    ref = load_reference(name)
+    has_opt = any(k.startswith("optimizer.") for k in ref)
+    model_names = [k for k in ref if not k.startswith("optimizer.")]
+    assert sorted(r["params"]) == sorted(model_names)
+    for k in model_names:
+        strip = (lambda a: a[:VOCAB]) if is_vocab(k) else (lambda a: a)
+        if has_opt:
+            assert_bit_equal(r["params"][k], strip(ref[f"optimizer.state.param.{k}"]), f"params/{k}")
+            assert_bit_equal(r["opt_state"]["mu"][k], strip(ref[f"optimizer.state.exp_avg.{k}"]), f"mu/{k}")
+            assert_bit_equal(r["opt_state"]["nu"][k], strip(ref[f"optimizer.state.exp_avg_sq.{k}"]), f"nu/{k}")
+        else:
+            assert_bit_equal(r["params"][k], strip(ref[k]), k)
+        if "model_params" in r:
+            assert_bit_equal(r["model_params"][k], strip(ref[k]), f"model_params/{k}")
+    bf16 = any(v.dtype.name == "bfloat16" for k, v in ref.items() if not k.startswith("optimizer."))
+    assert ("model_params" in r) == (has_opt and bf16)
+    if has_opt:
+        assert r["opt_state"]["count"].dtype == np.int32 and int(r["opt_state"]["count"]) == 2
+    else:
+        assert "opt_state" not in r
+
+
+def test_stacked_layers_stay_stacked_and_padding_is_recorded(converted):
+    d = converted("llama_tp2")
+    r = jax_ucp.restore(d)
+    assert r["params"]["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 64, 32)
+    assert r["params"]["embedding.word_embeddings.weight"].shape == (VOCAB, 32)
+    src = jax_ucp.inspect(d).source
+    assert src["vocab_size"] == VOCAB and src["format"] == "torch_dist"
+    assert src["vocab_stripped"]["embedding.word_embeddings.weight"] == [64, VOCAB]
+    assert any("_extra_state" in o for o in src["skipped_objects"])
+
+
+def test_moe_experts_global(converted):
+    r = jax_ucp.restore(converted("moe_ep2"))
+    ref = load_reference("moe_ep2")
+    w = r["params"]["decoder.layers.mlp.experts.experts.linear_fc1.weight"]
+    assert w.shape == (2, 4, 64, 32)  # [layers, experts (both EP ranks), 2*ffn, hidden]
+    assert_bit_equal(w, ref["decoder.layers.mlp.experts.experts.linear_fc1.weight"], "experts")
+
+
+def test_no_vocab_size_keeps_padding_and_says_so(tmp_path):
+    d = convert_megatron(FIX / "gpt_tp2", tmp_path / "o")
+    r = jax_ucp.restore(d)
+    ref = load_reference("gpt_tp2")
+    assert_bit_equal(r["params"]["output_layer.weight"], ref["output_layer.weight"], "padded")
+    assert any("vocab padding kept" in n for n in jax_ucp.inspect(d).source["notes"])
+
+
+def test_vocab_size_from_spec_settings_and_step_and_progress(tmp_path):
+    from jax_ucp.language import Spec
+
+    seen = []
+    d = convert_megatron(FIX / "gpt_pp2", tmp_path / "mgr", spec=Spec(settings={"vocab_size": VOCAB}),
+                         step=7, progress=lambda n, i, t: seen.append((n, i, t)))
+    assert d.endswith(os.path.join("7", "state"))
+    r = jax_ucp.restore(d)
+    assert r["params"]["embedding.word_embeddings.weight"].shape[0] == VOCAB
+    assert "output_layer.weight" not in r["params"]  # tied: torch_dist stores the embedding only
+    assert [i for _, i, _ in seen] == list(range(1, len(seen) + 1)) and seen[-1][2] == len(seen)
+
+
+# ------------------------------------------------------------------ legacy
+
+
+@pytest.mark.parametrize("name", LEGACY)
+def test_legacy_import_bit_exact(name, converted):
+    """TP/PP fragments merged with the language kinds equal megatron-core's own global layout."""
+    r = jax_ucp.restore(converted(name))
+    ref = load_reference(name)
+    used = set()
+    for k, v in r["params"].items():
+        rk, i = reference_name(k)
+        want = ref[rk] if i is None else ref[rk][i]
+        assert_bit_equal(v, want[:VOCAB] if is_vocab(k) else want, k)
+        used.add(rk)
+    assert used == set(ref), f"reference tensors never produced: {sorted(set(ref) - used)}"
+
+
+def test_legacy_pipeline_tied_and_layer_numbers(converted):
+    d = converted("legacy_gpt_tp2pp2_synthetic")
+    r = jax_ucp.restore(d)
+    names = set(r["params"])
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in names  # stage 1's local layer 0
+    assert "output_layer.weight" not in names  # last stage's tied copy checked equal, not duplicated
+    src = jax_ucp.inspect(d).source
+    assert src["tp"] == 2 and src["pp"] == 2 and src["tied_embeddings"] == ["embedding.word_embeddings.weight"]
+    assert src["settings"]["num_layers"] == 2  # from the pickled argparse.Namespace
+
+
+def test_legacy_rng_state_and_args_are_inert():
+    from jax_ucp.importers import megatron_legacy as lg
+
+    ck = lg.open_legacy(FIX / "legacy_llama_tp2_synthetic")
+    st = ck.ranks[(0, 0)].state
+    assert type(st["args"]).__name__ == "Namespace" and ck.args["swiglu"] is True
+    np_state = st["rng_state"][0]["np_rng_state"]
+    assert isinstance(np_state[1], lg._NumpyArrayStandIn)  # never rebuilt by numpy's own code
+
+
+# ------------------------------------------------------------------ into JAX
+
+
+@pytest.mark.parametrize("name", TORCH_DIST + LEGACY)
+def test_flax_logits_match_reference(name, converted):
+    if name == "moe_ep2":
+        pytest.skip("no flax MoE model (MoE is checked tensor by tensor above)")
+    from jax_ucp.models import TransformerLM, from_megatron
+
+    r = jax_ucp.restore(converted(name))
+    weights = r.get("model_params", r["params"])  # the model-precision weights the reference used
+    cfg = lm_config(name)
+    params = from_megatron({k: np.asarray(v, np.float32) for k, v in weights.items()}, cfg)
+    ref = np.load(FIX / f"{name}.logits.npz")
+    with jax.default_matmul_precision("highest"):
+        out = np.asarray(TransformerLM(cfg).apply(params, ref["tokens"]))
+    want = ref["logits"][..., :VOCAB]
+    assert out.shape == want.shape
+    assert np.abs(out - want).max() <= 1e-5
+
+
+def test_flax_tree_names_match_shipped_spec_targets(converted):
+    """The flax GPT's param tree is what the shipped megatron_gpt spec restores into."""
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import TransformerLM, from_megatron
+
+    cfg = lm_config("gpt_tp2")
+    d = converted("gpt_tp2")
+    init = TransformerLM(cfg).init(jax.random.PRNGKey(0), np.zeros((1, 4), np.int32))
+    mine = from_megatron(jax_ucp.restore(d)["params"], cfg)
+    shapes = lambda t: jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), t)  # noqa: E731
+    assert shapes(init) == shapes(mine)
+    spec = load_spec("megatron_gpt", num_attention_heads=4, hidden_size=32, num_layers=2, vocab_size=VOCAB)
+    got = jax_ucp.restore(d, spec=spec)["params"]
+    assert shapes(got) == shapes(mine["params"])
+    for (p, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got),
+                              jax.tree_util.tree_leaves_with_path(mine["params"])):
+        assert_bit_equal(np.asarray(a), np.asarray(b), jax.tree_util.keystr(p))
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _copy(name, tmp_path):
+    dst = tmp_path / name
+    shutil.copytree(FIX / name, dst)
+    return dst
+
+
+def _untouched(dest):
+    assert not dest.exists()
+    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")], "temp left behind"
+
+
+def test_missing_shard_file(tmp_path):
+    src = _copy("gpt_tp2", tmp_path)
+    (src / "__1_0.distcp").unlink()
+    dest = tmp_path / "out"
+    with pytest.raises(MegatronImportError, match=r"tensor '.+'.*__1_0\.distcp is missing"):
+        convert_megatron(src, dest, vocab_size=VOCAB)
+    _untouched(dest)
+
+
+def test_metadata_references_absent_file(tmp_path):
+    src = _copy("llama_tp2", tmp_path)
+    md = (src / ".metadata").read_bytes()
+    assert b"__1_1.distcp" in md
+    (src / ".metadata").write_bytes(md.replace(b"__1_1.distcp", b"__7_7.distcp"))
+    dest = tmp_path / "out"
+    with pytest.raises(MegatronImportError, match=r"tensor '.+'.*__7_7\.distcp is missing.*\.metadata"):
+        convert_megatron(src, dest, vocab_size=VOCAB)
+    _untouched(dest)
+
+
+def test_truncated_shard_file(tmp_path):
+    src = _copy("gpt_tp2", tmp_path)
+    f = src / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:1000])
+    dest = tmp_path / "out"
+    with pytest.raises(MegatronImportError, match=r"__0_0\.distcp has 1000 bytes.*truncated"):
+        convert_megatron(src, dest, vocab_size=VOCAB)
+    _untouched(dest)
+
+
+def _patched_open(monkeypatch, edit):
+    real = dcp.open_dcp
+
+    def fake(path):
+        ck = real(path)
+        edit(ck)
+        return ck
+
+    monkeypatch.setattr(dcp, "open_dcp", fake)
+
+
+def test_incomplete_shard_coverage(tmp_path, monkeypatch):
+    name = "decoder.layers.self_attention.linear_qkv.weight"
+
+    def drop(ck):
+        t = ck.tensors[name]
+        ck.tensors[name] = dcp.DcpTensor(t.name, t.shape, t.dtype, t.chunks[:-1])
+
+    _patched_open(monkeypatch, drop)
+    dest = tmp_path / "out"
+    with pytest.raises(MegatronImportError, match=rf"tensor '{name}'.*incomplete shard coverage"):
+        convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+    _untouched(dest)
+
+
+def test_overlapping_shards(tmp_path, monkeypatch):
+    name = "embedding.word_embeddings.weight"
+
+    def overlap(ck):
+        t = ck.tensors[name]
+        c0, c1 = t.chunks
+        c1 = dcp.DcpChunk((16, 0), c1.sizes, c1.file, c1.byte_offset, c1.byte_length)
+        ck.tensors[name] = dcp.DcpTensor(t.name, t.shape, t.dtype, (c0, c1))
+
+    _patched_open(monkeypatch, overlap)
+    dest = tmp_path / "out"
+    with pytest.raises(MegatronImportError, match=rf"tensor '{name}': overlapping shards.*__0_0.distcp"):
+        convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+    _untouched(dest)
+
+
+def test_dtype_disagreement_on_disk(tmp_path):
+    """A chunk whose embedded archive says int16 while .metadata says float32."""
+    src = _copy("gpt_tp2", tmp_path)
+    f = src / "__1_0.distcp"
+    b = f.read_bytes()
+    assert b"FloatStorage" in b
+    f.write_bytes(b.replace(b"FloatStorage", b"ShortStorage", 1))
+    dest = tmp_path / "out"
+    with pytest.raises(MegatronImportError,
+                       match=r"tensor '.+' chunk .* __1_0\.distcp: dtype disagreement: metadata says float32, "
+                             r"bytes hold int16"):
+        convert_megatron(src, dest, vocab_size=VOCAB)
+    _untouched(dest)
+
+
+def test_failed_import_leaves_existing_destination(tmp_path):
+    src = _copy("gpt_tp2", tmp_path)
+    (src / "__0_1.distcp").unlink()
+    dest = tmp_path / "out"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("x")
+    with pytest.raises(MegatronImportError):
+        convert_megatron(src, dest, vocab_size=VOCAB, force=True)
+    assert (dest / "keep.txt").read_text() == "x"
+    with pytest.raises(FileExistsError):
+        convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+
+
+def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
+    name = "decoder.final_layernorm.weight"
+
+    def add(ck):
+        t = ck.tensors[name]
+        c = t.chunks[0]
+        ck.tensors[name] = dcp.DcpTensor(t.name, t.shape, t.dtype, (
+            dcp.DcpChunk(c.offsets, c.sizes, c.file, c.byte_offset, c.byte_length, ("stream.zstd/1",)),))
+
+    _patched_open(monkeypatch, add)
+    with pytest.raises(MegatronImportError, match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.zstd/1'"):
+        convert_megatron(FIX / "gpt_tp2", tmp_path / "out", vocab_size=VOCAB)
+    _untouched(tmp_path / "out")
+
+
+def test_metadata_pickle_with_code_is_refused(tmp_path):
+    src = _copy("gpt_tp2", tmp_path)
+    marker = tmp_path / "pwned"
+    (src / ".metadata").write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
+    with pytest.raises(MegatronImportError, match=r"\.metadata.*refusing to load global 'os.system'"):
+        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+    assert not marker.exists()
+    _untouched(tmp_path / "out")
+
+
+def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
+    def rename(ck):
+        t = ck.tensors.pop("optimizer.state.exp_avg.output_layer.weight")
+        ck.tensors["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.exp_avg"] = t
+
+    _patched_open(monkeypatch, rename)
+    with pytest.raises(MegatronImportError, match=r"optimizer\.distributed\.dp_group_idx_0.*only 'fully_reshardable'"):
+        convert_megatron(FIX / "gpt_distopt_dp2", tmp_path / "out", vocab_size=VOCAB)
+
+
+def test_legacy_missing_rank(tmp_path):
+    src = _copy("legacy_gpt_tp2pp2_synthetic", tmp_path)
+    shutil.rmtree(src / "iter_0000007" / "mp_rank_01_001")
+    with pytest.raises(MegatronImportError, match=r"missing rank directory .*mp_rank_01_001"):
+        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+    _untouched(tmp_path / "out")
+
+
+def test_legacy_missing_file_and_bad_tracker(tmp_path):
+    src = _copy("legacy_llama_tp2_synthetic", tmp_path)
+    (src / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt").unlink()
+    with pytest.raises(MegatronImportError, match=r"missing shard file .*mp_rank_01/model_optim_rng\.pt"):
+        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+    (src / "latest_checkpointed_iteration.txt").write_text("9")
+    assert detect_megatron(src) is None
+
+
+def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
+    from jax_ucp.importers import megatron_legacy as lg
+
+    real = lg.open_legacy
+
+    def corrupt(path):
+        ck = real(path)
+        m = ck.ranks[(0, 1)].model
+        k = "decoder.final_layernorm.weight"
+        m[k] = m[k] + np.float32(1.0)
+        return ck
+
+    monkeypatch.setattr(lg, "open_legacy", corrupt)
+    with pytest.raises(MegatronImportError, match=r"decoder\.final_layernorm\.weight.*disagree.*mp_rank_01"):
+        convert_megatron(FIX / "legacy_llama_tp2_synthetic", tmp_path / "out", vocab_size=VOCAB)
+    _untouched(tmp_path / "out")
