@@ -56,8 +56,8 @@ def make_tree(gib: float, mesh: Mesh):
 
 # ---- contenders: save(path, tree) and restore(path, shardings) -------------------------------
 
-def ucp_save(path, tree, compression=None):
-  jax_ucp.save(path, tree, compression=compression)
+def ucp_save(path, tree, compression=None, checksum="crc32c"):
+  jax_ucp.save(path, tree, compression=compression, checksum=checksum)
 
 
 def ucp_restore(path, tree, shardings):
@@ -126,6 +126,7 @@ def main():
   contenders = {
       "jax_ucp": (ucp_save, ucp_restore),
       "jax_ucp zstd": (lambda p, t: ucp_save(p, t, "zstd"), ucp_restore),
+      "jax_ucp no-crc": (lambda p, t: ucp_save(p, t, checksum=None), ucp_restore),
       "orbax default": (orbax_save, orbax_restore),
       "orbax no-compr": (lambda p, t: orbax_save(p, t, False), orbax_restore),
       "raw numpy": (raw_save, raw_restore),

@@ -1,4 +1,7 @@
 import json
+import os
+
+import numpy as np
 
 import hypothesis.strategies as st
 import pytest
@@ -76,3 +79,19 @@ def test_inner_chunks_tile_the_shard_and_respect_the_bound(shape, itemsize, boun
 def test_replicated_large_embedding_gets_bounded_chunks():
   inner = chunking.inner_chunk_shape((262144, 1024), 4)  # 1 GiB replicated
   assert inner[1] == 1024 and inner[0] * 1024 * 4 <= chunking.DEFAULT_INNER_CHUNK_BYTES
+
+
+def test_written_manifests_follow_the_published_json_schema(tmp_path):
+  import jsonschema
+  import ml_dtypes
+  import jax_ucp
+  with open(os.path.join(os.path.dirname(fmt.manifest.__file__), "ucp_manifest.v1.schema.json")) as f:
+    schema = json.load(f)
+  jax_ucp.save(tmp_path / "c", {"params": {"w": np.zeros((3, 2), ml_dtypes.bfloat16)},
+                                "opt_state": {"mu": {"w": np.zeros((3, 2), np.float32)}},
+                                "step": 3, "name": "x", "lr": 1e-3, "none": None})
+  jsonschema.validate(json.loads((tmp_path / "c" / "ucp.json").read_text()), schema)
+  bad = json.loads((tmp_path / "c" / "ucp.json").read_text())
+  next(e for e in bad["entries"] if e["kind"] == "tensor")["dtype"] = "float128"
+  with pytest.raises(jsonschema.ValidationError):
+    jsonschema.validate(bad, schema)

@@ -68,7 +68,7 @@ def atomic_save(path: str, args, *, force: bool) -> None:
 
 def save(path, tree, *, force: bool = False, logical_axes: Any = None,
          compression: Optional[str] = None, inner_chunk_bytes: Optional[int] = None,
-         source: Optional[dict] = None) -> str:
+         checksum: Optional[str] = "crc32c", source: Optional[dict] = None) -> str:
   """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
 
   Every process calls it; each writes only the replica-0 shards it holds, no gather.  Leaves:
@@ -76,7 +76,8 @@ def save(path, tree, *, force: bool = False, logical_axes: Any = None,
   """
   path = os.path.abspath(os.fspath(path))
   args = checkpoint_handler.UCPSave(tree, logical_axes=logical_axes, compression=compression,
-                                    inner_chunk_bytes=inner_chunk_bytes, source=source)
+                                    inner_chunk_bytes=inner_chunk_bytes, checksum=checksum,
+                                    source=source)
   atomic_save(path, args, force=force)
   return path
 

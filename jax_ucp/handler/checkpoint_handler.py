@@ -41,7 +41,8 @@ class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
   def _prepare(self, args: "UCPSave", *, copy: bool):
     options = save_plan.SaveOptions(
         compression=args.compression, compression_level=args.compression_level,
-        inner_chunk_bytes=args.inner_chunk_bytes or save_plan.store.DEFAULT_INNER_CHUNK_BYTES)
+        inner_chunk_bytes=args.inner_chunk_bytes or save_plan.store.DEFAULT_INNER_CHUNK_BYTES,
+        checksum=args.checksum)
     primary = self._is_primary()
     entries, prepared = save_plan.prepare_tree(args.item, options, primary=primary, copy=copy,
                                                logical_axes=args.logical_axes)
@@ -104,6 +105,8 @@ class UCPSave(checkpoint_args.CheckpointArgs):
       ``item`` are recorded automatically.
     compression: None (default) or "zstd".
     inner_chunk_bytes: bound on inner chunks (what a reader fetches at least).
+    checksum: "crc32c" (default: every inner chunk and shard index verified on read) or None
+      (restores ~2x faster on 2 cores, corruption then goes undetected).
     source: provenance recorded in the manifest.
   """
 
@@ -112,6 +115,7 @@ class UCPSave(checkpoint_args.CheckpointArgs):
   compression: Optional[str] = None
   compression_level: int = 3
   inner_chunk_bytes: Optional[int] = None
+  checksum: Optional[str] = "crc32c"
   source: Optional[dict] = None
 
 
