@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -10,11 +11,25 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Universal checkpoints for JAX: inspect, verify, convert torch checkpoints, demo.")
 convert_app = typer.Typer(no_args_is_help=True, help="Import a torch checkpoint as a UCP checkpoint.")
 app.add_typer(convert_app, name="convert")
 console = Console()
+
+
+def _user_errors(fn):
+  """Bad input (missing files, corrupt checkpoints, refused overwrites) → one clear line, exit 2."""
+
+  @functools.wraps(fn)
+  def wrapper(*args, **kwargs):
+    try:
+      return fn(*args, **kwargs)
+    except (ValueError, OSError, TypeError, KeyError) as e:
+      console.print(f"[red]error:[/red] {type(e).__name__}: {e}", highlight=False)
+      raise typer.Exit(2) from e
+
+  return wrapper
 
 
 def _human(n: int) -> str:
@@ -26,6 +41,7 @@ def _human(n: int) -> str:
 
 
 @app.command()
+@_user_errors
 def inspect(path: str, limit: int = typer.Option(0, help="show only the first N entries (0: all)")):
   """Show the manifest: tensors, shapes, dtypes, bytes, roles, saved sharding."""
   import jax_ucp
@@ -50,6 +66,7 @@ def inspect(path: str, limit: int = typer.Option(0, help="show only the first N 
 
 
 @app.command()
+@_user_errors
 def verify(path: str):
   """Read every tensor (crc32c-checked) and report any that cannot be read."""
   import numpy as np
@@ -91,6 +108,7 @@ def _run_convert(fn, src, dst, **kwargs):
 
 
 @convert_app.command("deepspeed")
+@_user_errors
 def convert_deepspeed(src: str, dst: str, force: bool = typer.Option(False, help="replace DST"),
                       step: Optional[int] = typer.Option(None, help="write as step N of a CheckpointManager dir")):
   """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3)."""
@@ -99,6 +117,7 @@ def convert_deepspeed(src: str, dst: str, force: bool = typer.Option(False, help
 
 
 @convert_app.command("megatron")
+@_user_errors
 def convert_megatron(src: str, dst: str, spec: Optional[str] = typer.Option(None, help="UCP-language spec file"),
                      vocab_size: Optional[int] = typer.Option(None, help="original vocab size (strips padding)"),
                      force: bool = typer.Option(False, help="replace DST"),
