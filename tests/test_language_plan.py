@@ -10,7 +10,6 @@ import tensorstore as ts
 from jax_ucp import language as L
 from jax_ucp.language import (
   RestoreRule, Root, Spec, StrictnessError, TensorInfo, TransformError, compile_restore_plan,
-  restore_tree,
 )
 
 
@@ -335,3 +334,52 @@ def test_mixtral_expert_layouts_agree():
     np.testing.assert_array_equal(o[("params", "layers_1", "moe", "gate", "kernel")], fc1[1, :, :F].transpose(0, 2, 1))
     np.testing.assert_array_equal(o[("params", "layers_1", "moe", "up", "kernel")], fc1[1, :, F:].transpose(0, 2, 1))
   np.testing.assert_array_equal(o[("params", "layers_0", "moe", "router", "kernel")], base["decoder.layers.0.mlp.router.weight"].T)
+
+
+def test_spec_without_restore_rules_is_identity_but_moves_roots():
+  arrays = {("params", "w"): rnd((2,)), ("opt_state", "mu", "w"): rnd((2,)), ("opt_state", "count"): np.int32(1)}
+  spec = Spec(imports=[L.ImportRule(".*", "replicated")], roots=L.optax_chain_roots())
+  _, out = run(spec, arrays)
+  assert set(out) == {("params", "w"), ("opt_state", "0", "mu", "w"), ("opt_state", "0", "count")}
+
+
+def test_bfloat16_and_string_dtypes_in_plans():
+  import ml_dtypes
+
+  class Entry:  # what a manifest entry looks like: shape + dtype name
+    shape, dtype = (4, 6), "bfloat16"
+
+  spec = Spec(restore=[RestoreRule("w", ops=["transpose"])])
+  plan = compile_restore_plan(spec, {("params", "w"): Entry()})
+  p = plan[("params", "w")]
+  assert p.shape == (6, 4) and p.dtype == np.dtype(ml_dtypes.bfloat16)
+  x = rnd((4, 6)).astype(ml_dtypes.bfloat16)
+  got = p.build({("params", "w"): ts.array(x)}).read().result()
+  assert got.dtype == x.dtype and got.view(np.uint16).tobytes() == x.T.copy().view(np.uint16).tobytes()
+
+
+from hypothesis import given, settings as hsettings, strategies as st
+
+
+@hsettings(max_examples=10, deadline=None)
+@given(st.integers(1, 6), st.integers(1, 6), st.integers(1, 6))
+def test_stages_and_layers_roundtrip_through_plans(per, stages, new):
+  """[S, L/S, ...] -> regroup(new) or error -> ungroup -> unstack -> stack: bit-exact."""
+  Lyr = per * stages
+  w = rnd((stages, per, 3), Lyr)
+  arrays = {("params", "blocks", "w"): w, ("opt_state", "0", "nu", "blocks", "w"): w * 3}
+  regroup = Spec(settings={"pp": new}, restore=[RestoreRule("blocks/w", ops=["regroup_stages"])])
+  if Lyr % new:
+    with pytest.raises(TransformError, match=f"cannot regroup {Lyr} layers"):
+      run(regroup, arrays)
+    return
+  _, out = run(regroup, arrays)
+  np.testing.assert_array_equal(out[("opt_state", "0", "nu", "blocks", "w")], (w * 3).reshape(new, Lyr // new, 3))
+  flat_layers = Spec(restore=[RestoreRule("blocks/w", "layers_{i}/w", ops=["ungroup_stages", "unstack"])])
+  _, per_layer = run(flat_layers, out)
+  assert len(per_layer) == 2 * Lyr
+  back = Spec(settings={"pp": stages}, restore=[RestoreRule(r"layers_(?P<i>\d+)/w", "blocks/w",
+                                                            ops=[{"op": "stack", "over": "i"}, "group_stages"])])
+  _, again = run(back, per_layer)
+  for k in arrays:
+    np.testing.assert_array_equal(again[k], arrays[k])

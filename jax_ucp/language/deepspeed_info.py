@@ -15,7 +15,7 @@ combining patterns with look-aheads: ``(?=A)(?:B).*`` matches a name that ``re.m
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.kinds import (

@@ -18,7 +18,7 @@ expressions (``"num_layers // pp"``).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence
 
 import tensorstore as ts

@@ -12,8 +12,8 @@ over *placeholder* stores (``ts.virtual_chunked`` that refuse to be read) of the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import tensorstore as ts
@@ -94,7 +94,12 @@ def _identity(key, info, rule="identity") -> ViewPlan:
 def _info(x) -> TensorInfo:
   if isinstance(x, TensorInfo):
     return x
-  return TensorInfo(tuple(x.shape), np.dtype(x.dtype))
+  dt = x.dtype
+  if isinstance(dt, ts.dtype):
+    dt = dt.numpy_dtype
+  elif isinstance(dt, str):
+    import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+  return TensorInfo(tuple(x.shape), np.dtype(dt))
 
 
 def compile_restore_plan(spec: Spec, saved: Mapping[Key, Any], *,
@@ -110,9 +115,10 @@ def compile_restore_plan(spec: Spec, saved: Mapping[Key, Any], *,
   if not isinstance(spec, Spec):
     from jax_ucp.language.toml_io import load_spec
     spec = load_spec(spec)
-  strict = spec.strict if strict is None else strict
   env0 = spec.env
   rules = spec.active_restore()
+  # a spec without restore rules (e.g. import-only) leaves every tensor as it is (roots still move)
+  strict = (spec.strict if strict is None else strict) and bool(rules)
   out: dict[Key, ViewPlan] = {}
   origin: dict[Key, str] = {}
 
@@ -154,9 +160,8 @@ def compile_restore_plan(spec: Spec, saved: Mapping[Key, Any], *,
 
   if strict:
     problems = []
-    params_uncovered = [u for u in uncovered]
-    if params_uncovered:
-      names = ["/".join(u[0]) for u in params_uncovered]
+    if uncovered:
+      names = ["/".join(u[0]) for u in uncovered]
       problems.append(f"{len(names)} tensor(s) covered by no restore rule: " + ", ".join(names[:20])
                       + (" ..." if len(names) > 20 else ""))
     for i, r in rules:

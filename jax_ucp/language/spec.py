@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from jax_ucp.language.errors import SpecError, StrictnessError
 from jax_ucp.language.kinds import Kind, kind_from_obj
-from jax_ucp.language.ops import Op, op_from_obj
+from jax_ucp.language.ops import op_from_obj
 from jax_ucp.language.settings import canonical, derived, normalize, render
 
 Key = tuple
