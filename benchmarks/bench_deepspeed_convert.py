@@ -157,7 +157,7 @@ def main() -> None:
              "speedup": (ds["wall_s"] / ours["wall_s"]) if ds else None}
         results.append(r)
         mb = 2**20
-        print(f"\n{src}: {n_params/1e6:.1f}M params, {in_bytes/mb:.0f} MiB on disk, largest tensor {biggest/mb:.1f} MiB")
+        print(f"\n{src}: {n_params:,} params, {in_bytes/mb:.0f} MiB on disk, largest tensor {biggest/mb:.1f} MiB")
         print(f"  {'':18}{'wall s':>9}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}")
         print(f"  {'jax_ucp convert':18}{ours['wall_s']:9.2f}{ours['peak_rss_anon']/mb:18.0f}{ours['peak_vm_rss']/mb:16.0f}"
               f"   (conversion itself {ours.get('convert_s', float('nan')):.2f} s, rest is interpreter + JAX import)")

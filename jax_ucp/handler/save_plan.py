@@ -139,23 +139,80 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
   return entries, prepared
 
 
+def _write_error(p: PreparedTensor, kv, e: Exception) -> IOError:
+  return IOError(f"Writing tensor {p.entry.name!r} (shape {p.layout.shape}, {p.layout.dtype}) "
+                 f"to {kv.get('path', kv)}: {e}")
+
+
 async def write_tensor(root, p: PreparedTensor, *, primary: bool) -> None:
   """Creates (primary) or attaches to (others) the array and writes this process's shards."""
   kv = store.kvstore_spec(root, p.entry.dir)
   try:
     t = await store.create(kv, p.layout, primary=primary)
-    commits = []
-    for index, data in p.writes:
-      if callable(data):
-        data = data()
-      if p.layout.shape and 0 in p.layout.shape:
-        continue  # nothing to store for a zero-size array; zarr.json says it all
-      commits.append(t[index].write(data).commit if index else t.write(data).commit)
-    for c in commits:
+    for c in _issue_writes(t, p):
       await c
   except Exception as e:
-    raise IOError(f"Writing tensor {p.entry.name!r} (shape {p.layout.shape}, {p.layout.dtype}) "
-                  f"to {kv.get('path', kv)}: {e}") from e
+    raise _write_error(p, kv, e) from e
+
+
+def _issue_writes(t: ts.TensorStore, p: PreparedTensor) -> list[ts.Future]:
+  commits = []
+  for index, data in p.writes:
+    if callable(data):
+      data = data()
+    if p.layout.shape and 0 in p.layout.shape:
+      continue  # nothing to store for a zero-size array; zarr.json says it all
+    commits.append(t[index].write(data).commit if index else t.write(data).commit)
+  return commits
+
+
+class PipelinedWriter:
+  """Keeps a bounded number of host tensors in flight (single process, primary).
+
+  An importer produces the next tensor while TensorStore is still writing the previous ones;
+  the byte cap bounds the memory that pipelining adds.
+  """
+
+  def __init__(self, root, *, max_bytes: int = 256 << 20, max_tensors: int = 8):
+    self.root = str(root)
+    self.max_bytes, self.max_tensors = max_bytes, max_tensors
+    self._pending: list[tuple[PreparedTensor, dict, list[ts.Future], int]] = []
+    self._bytes = 0
+
+  async def add(self, p: PreparedTensor) -> None:
+    kv = store.kvstore_spec(self.root, p.entry.dir)
+    try:
+      t = await store.create(kv, p.layout, primary=True)
+      commits = _issue_writes(t, p)
+    except Exception as e:
+      raise _write_error(p, kv, e) from e
+    self._pending.append((p, kv, commits, p.entry.nbytes))
+    self._bytes += p.entry.nbytes
+    while self._pending and (self._bytes > self.max_bytes or len(self._pending) > self.max_tensors):
+      await self._retire_oldest()
+
+  async def _retire_oldest(self) -> None:
+    p, kv, commits, nbytes = self._pending.pop(0)
+    try:
+      for c in commits:
+        await c
+    except Exception as e:
+      raise _write_error(p, kv, e) from e
+    self._bytes -= nbytes
+
+  async def flush(self) -> None:
+    while self._pending:
+      await self._retire_oldest()
+
+  async def abandon(self) -> None:
+    """After a failure: let in-flight writes settle so cleanup does not race them."""
+    for _, _, commits, _ in self._pending:
+      for c in commits:
+        try:
+          await c
+        except Exception:  # noqa: BLE001 - the original error is the one that matters
+          pass
+    self._pending.clear()
 
 
 async def write_all(root, prepared: Sequence[PreparedTensor], *, primary: bool,

@@ -38,20 +38,26 @@ async def write_stream(directory, args: UCPStreamSave) -> None:
       compression=args.compression,
       inner_chunk_bytes=args.inner_chunk_bytes or save_plan.store.DEFAULT_INNER_CHUNK_BYTES)
   entries: list[fmt.Entry] = []
-  for item in args.items:
-    key = tuple(str(k) for k in item.key)
-    kinds = ("key",) * len(key)
-    v = item.value
-    if isinstance(v, (type(None), bool, int, float, str)):
-      entries.append(save_plan.value_entry(key, kinds, v, role=item.role, sub_role=item.sub_role))
-      continue
-    if not isinstance(v, (np.ndarray, np.generic, ts.TensorStore)):
-      raise TypeError(f"HostItem {fmt.key_to_str(key)!r}: cannot write a {type(v).__name__}.")
-    p = save_plan.prepare_host_tensor(key, kinds, v, options, primary=True, role=item.role,
-                                      sub_role=item.sub_role, provenance=item.provenance,
-                                      logical_axes=item.logical_axes)
-    await save_plan.write_tensor(str(directory), p, primary=True)
-    entries.append(p.entry)
-    del p, v  # release the tensor before pulling the next one
+  writer = save_plan.PipelinedWriter(directory)
+  try:
+    for item in args.items:
+      key = tuple(str(k) for k in item.key)
+      kinds = ("key",) * len(key)
+      v = item.value
+      if isinstance(v, (type(None), bool, int, float, str)):
+        entries.append(save_plan.value_entry(key, kinds, v, role=item.role, sub_role=item.sub_role))
+        continue
+      if not isinstance(v, (np.ndarray, np.generic, ts.TensorStore)):
+        raise TypeError(f"HostItem {fmt.key_to_str(key)!r}: cannot write a {type(v).__name__}.")
+      p = save_plan.prepare_host_tensor(key, kinds, v, options, primary=True, role=item.role,
+                                        sub_role=item.sub_role, provenance=item.provenance,
+                                        logical_axes=item.logical_axes)
+      await writer.add(p)  # returns once in-flight tensors are under the byte cap
+      entries.append(p.entry)
+      del p, v
+    await writer.flush()
+  except BaseException:
+    await writer.abandon()
+    raise
   manifest = save_plan.build_manifest(entries, source=args.source)
   (directory / fmt.MANIFEST_FILE).write_text(manifest.dumps())

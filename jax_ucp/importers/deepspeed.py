@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from jax_ucp.importers.torch_pickle import (
-    StandIn, TorchFileError, int_enum_standin, load_torch_file, standin_class,
+    StandIn, int_enum_standin, load_torch_file, standin_class,
 )
 
 __all__ = ["DeepSpeedImportError", "DeepSpeedCheckpoint", "DS_CLASSES", "convert_deepspeed",

@@ -214,7 +214,7 @@ class Unstack(FanOut):
 
   ``if_unbound=true``: a no-op for a tensor whose name already bound ``var`` (an optional regex
   group), so one rule covers stacked ``decoder.layers.x`` [L, ...] and per-layer
-  ``decoder.layers.3.x`` alike: ``decoder\.layers\.(?:(?P<i>\d+)\.)?x``."""
+  ``decoder.layers.3.x`` alike: ``decoder\\.layers\\.(?:(?P<i>\\d+)\\.)?x``."""
   op: ClassVar[str] = "unstack"
   axis: Any = 0
   var: str = "i"
