@@ -98,7 +98,9 @@ def _context_spec(cache_bytes: int) -> dict:
       "file_io_sync": True,
       # fsync-bound writes need many in flight (Orbax uses the same limit).
       "file_io_concurrency": {"limit": 128},
-      "data_copy_concurrency": {"limit": max(2, os.cpu_count() or 2)},
+      # Decoding + crc32c of inner chunks overlaps with disk reads only with more threads than
+      # cores (measured on 2 cores: restore 1.15 s → 0.75 s per 0.5 GiB going from 2 to 8).
+      "data_copy_concurrency": {"limit": max(8, 4 * (os.cpu_count() or 2))},
   }
 
 
