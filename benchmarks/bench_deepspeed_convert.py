@@ -8,7 +8,7 @@ file-backed and reclaimable) and peak VmRSS. Also reports the largest tensor and
 imports jax_ucp (JAX itself).
 
     python benchmarks/bench_deepspeed_convert.py tests/fixtures/deepspeed/z2_bf16_dp2/ckpt
-    python benchmarks/bench_deepspeed_convert.py /tmp/dsbench/gpt110m_z2_bf16_dp2/ckpt --json out.json
+    python benchmarks/bench_deepspeed_convert.py /tmp/dsbench/gpt110m_z2_bf16_dp2/ckpt --rounds 5 --json out.json
 
 Make a ~110M-parameter real checkpoint first (a few minutes on CPU):
 
@@ -87,10 +87,13 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 
 def largest_tensor_bytes(src: str) -> tuple[int, int]:
     sys.path.insert(0, ROOT)
-    from jax_ucp.importers.deepspeed import open_deepspeed_checkpoint
+    from jax_ucp.importers.deepspeed import DeepSpeedCheckpoint, open_deepspeed_checkpoint
     ck = open_deepspeed_checkpoint(src)
     import math
-    sizes = [math.prod(s) for s in ck.shapes.values()]
+    if isinstance(ck, DeepSpeedCheckpoint):
+        sizes = [math.prod(s) for s in ck.shapes.values()]
+    else:  # Megatron-DeepSpeed TP/PP: the consolidated size is the sum of the TP fragments (upper bound)
+        sizes = [sum(math.prod(ck.ranks[ck.holders[n][0]][t].shapes[n]) for t in range(ck.tp)) for n in ck.names]
     return max(sizes) * 4, sum(sizes)
 
 
@@ -100,6 +103,15 @@ def warm_page_cache(d: str) -> None:
         with open(os.path.join(d, f), "rb") as fh:
             while fh.read(1 << 24):
                 pass
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """Per-metric medians over rounds, plus every round's wall time."""
+    import statistics
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
+    out["rounds_wall_s"] = [round(r["wall_s"], 3) for r in runs]
+    out["rounds_speed_basis"] = "median"
+    return out
 
 
 def tag_dir(src: str) -> str:
@@ -112,7 +124,9 @@ def main() -> None:
     ap.add_argument("checkpoints", nargs="+", help="DeepSpeed checkpoint folders (with 'latest') or tag folders")
     ap.add_argument("--skip-ds", action="store_true", help="only run jax_ucp")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per converter (the fastest is reported)")
+    ap.add_argument("--rounds", "--repeat", dest="rounds", type=int, default=1,
+                    help="alternating rounds (ours, then ds_to_universal); medians are reported "
+                         "(the machine is shared and noisy)")
     a = ap.parse_args()
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
@@ -145,8 +159,15 @@ def main() -> None:
                 shutil.rmtree(out)
                 return r
 
-            ours = min((ours_once() for _ in range(a.repeat)), key=lambda r: r["wall_s"])
-            ds = None if a.skip_ds else min((ds_once() for _ in range(a.repeat)), key=lambda r: r["wall_s"])
+            ours_runs, ds_runs = [], []
+            for i in range(a.rounds):  # alternate, so both see the same (noisy) machine
+                ours_runs.append(ours_once())
+                if not a.skip_ds:
+                    ds_runs.append(ds_once())
+                print(f"  round {i + 1}: jax_ucp {ours_runs[-1]['wall_s']:.2f} s"
+                      + (f", ds_to_universal {ds_runs[-1]['wall_s']:.2f} s" if ds_runs else ""), flush=True)
+            ours = _median_run(ours_runs)
+            ds = _median_run(ds_runs) if ds_runs else None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         in_bytes = sum(os.path.getsize(os.path.join(tag_dir(src), f)) for f in os.listdir(tag_dir(src)))
@@ -158,6 +179,7 @@ def main() -> None:
         results.append(r)
         mb = 2**20
         print(f"\n{src}: {n_params:,} params, {in_bytes/mb:.0f} MiB on disk, largest tensor {biggest/mb:.1f} MiB")
+        print(f"  medians over {a.rounds} alternating round(s)")
         print(f"  {'':18}{'wall s':>9}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}")
         print(f"  {'jax_ucp convert':18}{ours['wall_s']:9.2f}{ours['peak_rss_anon']/mb:18.0f}{ours['peak_vm_rss']/mb:16.0f}"
               f"   (conversion itself {ours.get('convert_s', float('nan')):.2f} s, rest is interpreter + JAX import)")

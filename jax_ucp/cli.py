@@ -110,10 +110,13 @@ def _run_convert(fn, src, dst, **kwargs):
 @convert_app.command("deepspeed")
 @_user_errors
 def convert_deepspeed(src: str, dst: str, force: bool = typer.Option(False, help="replace DST"),
-                      step: Optional[int] = typer.Option(None, help="write as step N of a CheckpointManager dir")):
-  """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3)."""
+                      step: Optional[int] = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+                      spec: Optional[str] = typer.Option(
+                          None, help="UCP-language spec file (Megatron-DeepSpeed TP/PP without "
+                                     "universal_checkpoint_info)")):
+  """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
   from jax_ucp.importers import deepspeed
-  _run_convert(deepspeed.convert_deepspeed, src, dst, force=force, step=step)
+  _run_convert(deepspeed.convert_deepspeed, src, dst, force=force, step=step, spec=spec)
 
 
 @convert_app.command("megatron")

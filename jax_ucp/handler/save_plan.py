@@ -169,35 +169,32 @@ def _issue_writes(t: ts.TensorStore, p: PreparedTensor) -> list[ts.Future]:
 class PipelinedWriter:
   """Keeps a bounded number of host tensors in flight (single process, primary).
 
-  An importer produces the next tensor while TensorStore is still writing the previous ones;
-  the byte cap bounds the memory that pipelining adds.
+  An importer produces the next tensor while TensorStore is still creating and writing the
+  previous ones (each create fsyncs its zarr.json, so awaiting them one by one dominated
+  imports); the byte and count caps bound the memory that pipelining adds.
   """
 
-  def __init__(self, root, *, max_bytes: int = 256 << 20, max_tensors: int = 8):
+  def __init__(self, root, *, max_bytes: int = 256 << 20, max_tensors: int = 64):
     self.root = str(root)
     self.max_bytes, self.max_tensors = max_bytes, max_tensors
-    self._pending: list[tuple[PreparedTensor, dict, list[ts.Future], int]] = []
+    self._pending: list[tuple[asyncio.Task, int]] = []
     self._bytes = 0
 
   async def add(self, p: PreparedTensor) -> None:
-    kv = store.kvstore_spec(self.root, p.entry.dir)
-    try:
-      t = await store.create(kv, p.layout, primary=True)
-      commits = _issue_writes(t, p)
-    except Exception as e:
-      raise _write_error(p, kv, e) from e
-    self._pending.append((p, kv, commits, p.entry.nbytes))
+    task = asyncio.ensure_future(write_tensor(self.root, p, primary=True))
+    self._pending.append((task, p.entry.nbytes))
     self._bytes += p.entry.nbytes
+    await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
     while self._pending and (self._bytes > self.max_bytes or len(self._pending) > self.max_tensors):
       await self._retire_oldest()
+    # Surface a failure early instead of after the whole stream was produced.
+    for task, _ in self._pending:
+      if task.done() and task.exception() is not None:
+        raise task.exception()
 
   async def _retire_oldest(self) -> None:
-    p, kv, commits, nbytes = self._pending.pop(0)
-    try:
-      for c in commits:
-        await c
-    except Exception as e:
-      raise _write_error(p, kv, e) from e
+    task, nbytes = self._pending.pop(0)
+    await task
     self._bytes -= nbytes
 
   async def flush(self) -> None:
@@ -206,24 +203,9 @@ class PipelinedWriter:
 
   async def abandon(self) -> None:
     """After a failure: let in-flight writes settle so cleanup does not race them."""
-    for _, _, commits, _ in self._pending:
-      for c in commits:
-        try:
-          await c
-        except Exception:  # noqa: BLE001 - the original error is the one that matters
-          pass
+    if self._pending:
+      await asyncio.gather(*(t for t, _ in self._pending), return_exceptions=True)
     self._pending.clear()
-
-
-async def write_all(root, prepared: Sequence[PreparedTensor], *, primary: bool,
-                    max_in_flight: int = 64) -> None:
-  sem = asyncio.Semaphore(max_in_flight)
-
-  async def one(p):
-    async with sem:
-      await write_tensor(root, p, primary=primary)
-
-  await asyncio.gather(*(one(p) for p in prepared))
 
 
 def build_manifest(entries: list[fmt.Entry], *, kvstore_driver: str = "file",

@@ -148,9 +148,17 @@ def _get(d: Any, key: str, where: str) -> Any:
     return d[key]
 
 
-def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None) -> DeepSpeedCheckpoint:
-    """Find and validate the files of one checkpoint tag; tensors stay memory-mapped."""
+def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None, *, spec: Any = None):
+    """Find and validate the files of one checkpoint tag; tensors stay memory-mapped.
+
+    A Megatron-DeepSpeed checkpoint with tensor/pipeline parallelism (several ``mp_rank_XX`` ranks or
+    ``layer_XX-model_YY`` files) gives a
+    :class:`jax_ucp.importers.deepspeed_megatron.MegatronDeepSpeedCheckpoint` (``spec``: import rules
+    to use instead of its ``universal_checkpoint_info``)."""
     tag_dir = _resolve_tag_dir(os.fspath(src), tag)
+    from jax_ucp.importers import deepspeed_megatron as _meg
+    if _meg.is_model_parallel(tag_dir):
+        return _meg.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
     files = sorted(os.listdir(tag_dir))
     optim: dict[int, str] = {}
     mp_ranks: set[int] = set()
@@ -166,10 +174,8 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None) ->
                 optim[rank] = os.path.join(tag_dir, f)
     if not optim:
         raise DeepSpeedImportError(f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files")
-    if mp_ranks != {0}:
-        raise DeepSpeedImportError(
-            f"{tag_dir}: model-parallel ranks {sorted(mp_ranks)} found; tensor/pipeline-parallel "
-            f"(Megatron-DeepSpeed) checkpoints are not supported by this importer yet")
+    if mp_ranks != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched above)
+        raise DeepSpeedImportError(f"{tag_dir}: model-parallel ranks {sorted(mp_ranks)} found")
     bf16_prefixed = {bool(_OPTIM_RE.match(os.path.basename(p)).group(1)) for p in optim.values()}
     if len(bf16_prefixed) > 1:
         raise DeepSpeedImportError(f"{tag_dir}: both 'bf16_' and plain optimizer files present")
@@ -219,8 +225,8 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None) ->
             f"{model_file}: dp_world_size is {dp_meta} but the optimizer files say {world} "
             f"(partition_count in {first})")
     if ms.get("mp_world_size", 1) not in (None, 1):
-        raise DeepSpeedImportError(f"{model_file}: mp_world_size {ms['mp_world_size']} (tensor/pipeline "
-                                   f"parallel) is not supported by this importer yet")
+        raise DeepSpeedImportError(f"{model_file}: mp_world_size is {ms['mp_world_size']} but the folder holds "
+                                   f"the files of model-parallel rank 0 only (missing mp_rank_01_* files?)")
     ps = _get(ms, "param_shapes", model_file)
     if isinstance(ps, Mapping):
         ps = [ps]
@@ -408,8 +414,12 @@ def _steps(ck: DeepSpeedCheckpoint) -> int:
     return int(v)
 
 
-def iter_deepspeed_tensors(ck: DeepSpeedCheckpoint) -> Iterator[ImportedTensor]:
+def iter_deepspeed_tensors(ck) -> Iterator[ImportedTensor]:
     """Yield params / mu / nu / model_params one parameter at a time, then ``opt_state.count``."""
+    if not isinstance(ck, DeepSpeedCheckpoint):
+        from jax_ucp.importers.deepspeed_megatron import iter_megatron_deepspeed_tensors
+        yield from iter_megatron_deepspeed_tensors(ck)
+        return
     plan = ck.__dict__["_plan"]
     shapes = ck.shapes
     cache: dict[tuple[int, str], Any] = {}
@@ -472,29 +482,41 @@ def convert_deepspeed(src: os.PathLike | str, dst: os.PathLike | str, *, force: 
     UCP directory. All validation happens before anything is written; a failure leaves ``dst``
     untouched.
     """
-    from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+    from jax_ucp.handler.host_writer import write_host_checkpoint
+    from jax_ucp.importers import deepspeed_megatron as _meg
 
+    dst = os.fspath(dst)
+    if step is None and os.path.exists(dst) and not force:
+        raise FileExistsError(f"{dst} already exists; pass force=True to replace it.")
+    tag_dir = _resolve_tag_dir(os.fspath(src), tag)
+    if _meg.is_model_parallel(tag_dir):
+        # Megatron-DeepSpeed TP/PP: fragments merged by the universal_checkpoint_info patterns
+        # (translated into the UCP language), or by the import rules of ``spec``
+        mck = _meg.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+        return write_host_checkpoint(dst, _host_items(_meg.iter_megatron_deepspeed_tensors(mck), len(mck.names),
+                                                      progress),
+                                     force=force, source=_meg.source_info(mck), step=step, compression=compression)
     if spec is not None:
         raise ValueError(
             "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, keyed by "
             "DeepSpeed's parameter names, so an import spec has nothing to do; apply the name mapping at "
             "restore time: jax_ucp.restore(path, spec=...)")
-    dst = os.fspath(dst)
-    if step is None and os.path.exists(dst) and not force:
-        raise FileExistsError(f"{dst} already exists; pass force=True to replace it.")
-    ck = open_deepspeed_checkpoint(src, tag)
-    total = len(ck.names)
-
-    def items() -> Iterator[HostItem]:
-        done = 0
-        for t in iter_deepspeed_tensors(ck):
-            yield HostItem(key=t.key, value=t.value, provenance=t.provenance)
-            if t.key[0] == "params":
-                done += 1
-                if progress is not None:
-                    progress(t.key[-1], done, total)
+    ck = open_deepspeed_checkpoint(tag_dir)
 
     source = {"framework": "deepspeed", "path": os.path.abspath(ck.tag_dir), "zero_stage": ck.stage,
               "dp_world_size": ck.world_size, "model_dtype": str(ck.model_dtype),
               "global_steps": ck.global_steps, "ds_version": ck.model_states.get("ds_version")}
-    return write_host_checkpoint(dst, items(), force=force, source=source, step=step, compression=compression)
+    return write_host_checkpoint(dst, _host_items(iter_deepspeed_tensors(ck), len(ck.names), progress),
+                                 force=force, source=source, step=step, compression=compression)
+
+
+def _host_items(tensors: Iterator[ImportedTensor], total: int,
+                progress: Callable[[str, int, int], None] | None) -> Iterator[Any]:
+    from jax_ucp.handler.host_writer import HostItem
+    done = 0
+    for t in tensors:
+        yield HostItem(key=t.key, value=t.value, provenance=t.provenance)
+        if t.key[0] == "params":
+            done += 1
+            if progress is not None:
+                progress(t.key[-1], done, total)
