@@ -208,6 +208,18 @@ class PipelinedWriter:
     self._pending.clear()
 
 
+async def write_all(root, prepared: Sequence[PreparedTensor], *, primary: bool,
+                    max_in_flight: int = 64) -> None:
+  """All of this process's shards of a jax save, many tensors at once."""
+  sem = asyncio.Semaphore(max_in_flight)
+
+  async def one(p):
+    async with sem:
+      await write_tensor(root, p, primary=primary)
+
+  await asyncio.gather(*(one(p) for p in prepared))
+
+
 def build_manifest(entries: list[fmt.Entry], *, kvstore_driver: str = "file",
                    source: Optional[Mapping] = None) -> fmt.Manifest:
   from jax_ucp import __version__
