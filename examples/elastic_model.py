@@ -16,6 +16,9 @@ Shared by ``examples/elastic_resume.py`` (the elastic-resume experiment) and the
   ``("data", "fsdp")``.
 - ``make_train_step``: jitted AdamW step with explicit in/out shardings (state donated).
 - ``fingerprint``: sha256 of every leaf's global bytes (gathered across processes if needed).
+- ``layout_spec(src_cfg, dst_cfg)``: the UCP-language spec restoring a checkpoint of one
+  layout into another (per-layer ⇄ scanned ⇄ pipeline with any stage count, fused ⇄ separate
+  QKV); ``convert_flat`` does the same conversion in plain numpy (the tests' oracle).
 """
 
 from __future__ import annotations
@@ -315,3 +318,127 @@ def fingerprint(tree) -> dict[str, str]:
 def scalar(x) -> float:
   """A replicated scalar jax.Array as a Python float (also when spread over processes)."""
   return float(np.asarray(x.addressable_data(0)))
+
+
+# ------------------------------------------------------------------- layout changes (UCP language)
+
+def _get(c, k):
+  return c[k] if isinstance(c, dict) else getattr(c, k)
+
+
+def layout_spec(src, dst, *, name: str = ""):
+  """A UCP-language spec restoring a checkpoint of model ``src`` into model ``dst``.
+
+  ``src``/``dst``: ``GPTConfig`` (or dicts with ``layout``, ``stages``, ``fused_qkv``,
+  ``n_heads``, ``d_model``). Any layout to any layout (per-layer ``layers_i`` ⇄ scanned
+  ``layers`` [L, …] ⇄ pipeline ``stages/layers`` [S, L/S, …] with any S dividing L) and fused
+  QKV ⇄ separate q/k/v, as lazy views at restore. Rules are written for parameter names only;
+  the optimizer moments (``opt_state/**/mu``, ``nu``) follow through the spec's roots.
+  """
+  from jax_ucp.language import RestoreRule, Spec
+
+  sl, dl = _get(src, "layout"), _get(dst, "layout")
+  sf, df = _get(src, "fused_qkv"), _get(dst, "fused_qkv")
+  # where block parameters live in the source, and how to reach "stacked [L, ...]" or
+  # "one tensor per layer (variable i)"
+  if sl == "layers":
+    pre, per_layer, unify = r"layers_(?P<i>\d+)/", True, []
+  elif sl == "scanned":
+    pre, per_layer, unify = r"layers/", False, []
+  else:
+    pre, per_layer, unify = r"stages/layers/", False, [{"op": "ungroup_stages"}]
+  if dl == "layers":
+    tpre, place = "layers_{i}/", ([] if per_layer else [{"op": "unstack", "var": "i"}])
+  elif dl == "scanned":
+    tpre, place = "layers/", ([{"op": "stack", "over": "i"}] if per_layer else [])
+  else:
+    tpre = "stages/layers/"
+    if sl == "pipeline":   # [S, L/S, ...] -> [S', L/S', ...] directly
+      unify, place = [], [{"op": "regroup_stages", "stages": "pp"}]
+    else:
+      place = ([{"op": "stack", "over": "i"}] if per_layer else []) + [{"op": "group_stages", "stages": "pp"}]
+  rules = []
+  if sf and not df:
+    rules.append(RestoreRule(pre + r"attn/qkv/(?P<leaf>kernel|bias)", tpre + "attn/{part}/{leaf}",
+                             ops=tuple(unify + [{"op": "split_qkv", "axis": -1, "interleaved": False}] + place),
+                             label="fused qkv -> q, k, v"))
+  elif df and not sf:
+    rules.append(RestoreRule(pre + r"attn/(?P<part>q|k|v)/(?P<leaf>kernel|bias)", tpre + "attn/qkv/{leaf}",
+                             ops=tuple(unify + [{"op": "merge_qkv", "axis": -1, "interleaved": False}] + place),
+                             label="q, k, v -> fused qkv"))
+  rules.append(RestoreRule(pre + r"(?P<rest>.+)", tpre + "{rest}", ops=tuple(unify + place),
+                           label=f"blocks: {sl} -> {dl}"))
+  rules.append(RestoreRule(r".+", label="everything else as is"))
+  settings = {"num_attention_heads": _get(dst, "n_heads"),
+              "head_dim": _get(dst, "d_model") // _get(dst, "n_heads")}
+  if dl == "pipeline":
+    settings["pp"] = _get(dst, "stages")
+  return Spec(name=name or f"{sl}{'+fused' if sf else ''} -> {dl}{'+fused' if df else ''}",
+              settings=settings, restore=tuple(rules))
+
+
+# ------------------------------------------------- the same conversions in plain numpy (an oracle)
+
+def to_blocks(params: dict, c) -> tuple[list, dict]:
+  """Flat ``{"a/b": array}`` params of model ``c`` -> (per layer ``{rest: array}`` with separate
+  q/k/v, the non-block params). Plain numpy; independent of the UCP language."""
+  blocks, other = [dict() for _ in range(c.n_layers)], {}
+  for k, a in params.items():
+    if c.layout == "layers" and (m := re.fullmatch(r"layers_(\d+)/(.+)", k)):
+      blocks[int(m[1])][m[2]] = a
+    elif c.layout == "scanned" and (m := re.fullmatch(r"layers/(.+)", k)):
+      for i in range(c.n_layers):
+        blocks[i][m[1]] = a[i]
+    elif c.layout == "pipeline" and (m := re.fullmatch(r"stages/layers/(.+)", k)):
+      a = a.reshape((c.n_layers,) + a.shape[2:])
+      for i in range(c.n_layers):
+        blocks[i][m[1]] = a[i]
+    else:
+      other[k] = a
+  if c.fused_qkv:
+    for b in blocks:
+      for leaf in ("kernel", "bias"):
+        b.update(zip([f"attn/{p}/{leaf}" for p in "qkv"], np.split(b.pop(f"attn/qkv/{leaf}"), 3, axis=-1)))
+  return blocks, other
+
+
+def from_blocks(blocks, other, c) -> dict:
+  blocks = [dict(b) for b in blocks]
+  if c.fused_qkv:
+    for b in blocks:
+      for leaf in ("kernel", "bias"):
+        b[f"attn/qkv/{leaf}"] = np.concatenate([b.pop(f"attn/{p}/{leaf}") for p in "qkv"], axis=-1)
+  out = dict(other)
+  for rest in blocks[0]:
+    if c.layout == "layers":
+      out.update({f"layers_{i}/{rest}": b[rest] for i, b in enumerate(blocks)})
+    else:
+      st = np.stack([b[rest] for b in blocks])
+      if c.layout == "scanned":
+        out[f"layers/{rest}"] = st
+      else:
+        out[f"stages/layers/{rest}"] = st.reshape((c.stages, c.n_layers // c.stages) + st.shape[1:])
+  return out
+
+
+def flat_host(tree) -> dict:
+  """``{"a/b/c": np.ndarray}`` of every array leaf (gathered across processes if needed)."""
+  return {_path_str(p): to_host(v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def convert_flat(flat: dict, src, dst) -> dict:
+  """A flat ``{params, opt_state}`` of model ``src`` as model ``dst`` would hold it: params
+  and every Adam moment subtree (``…/mu/…``, ``…/nu/…``) converted, the rest unchanged."""
+  roots: dict = {}
+  out = {}
+  for k, v in flat.items():
+    parts = k.split("/")
+    cut = 1 if parts[0] == "params" else next(
+        (i + 1 for i, p in enumerate(parts) if p in ("mu", "nu")), None)
+    if cut is None:
+      out[k] = v
+    else:
+      roots.setdefault("/".join(parts[:cut]), {})["/".join(parts[cut:])] = v
+  for root, sub in roots.items():
+    out.update({f"{root}/{k}": v for k, v in from_blocks(*to_blocks(sub, src), dst).items()})
+  return out
