@@ -12,9 +12,10 @@ import numpy as np
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 VOCAB = 61
 
-TORCH_DIST = ["gpt_tp2", "gpt_pp2", "llama_tp2", "llama_pp2", "moe_ep2", "gpt_distopt_dp2",
+TORCH_DIST = ["gpt_tp2", "gpt_pp2", "llama_tp2", "llama_pp2", "moe_ep2", "moe_grouped_ep2", "gpt_distopt_dp2",
               "llama_distopt_bf16_tp2dp2"]
-LEGACY = ["legacy_gpt_tp2pp2_synthetic", "legacy_llama_tp2_synthetic", "legacy_gpt_lm_names_tp2_synthetic"]
+LEGACY = ["legacy_gpt_tp2pp2_synthetic", "legacy_llama_tp2_synthetic", "legacy_gpt_lm_names_tp2_synthetic",
+          "legacy_gpt_distopt_pp2dp2_synthetic", "legacy_moe_ep2_synthetic", "legacy_moe_grouped_ep2_synthetic"]
 
 
 @lru_cache(None)
@@ -22,9 +23,15 @@ def fixture_info() -> dict:
     return json.loads((FIX / "fixtures.json").read_text())
 
 
+def reference_of(name: str) -> str:
+    """The fixture whose reference files serve ``name`` (a legacy fixture's torch_dist twin,
+    made by megatron-core from the same seed; checked bit-identical before deduplication)."""
+    return fixture_info()[name].get("reference") or name
+
+
 def load_reference(name: str) -> dict[str, np.ndarray]:
     """torch's DCP consolidation, committed as npz (bfloat16 stored as its uint16 bits)."""
-    z = np.load(FIX / f"{name}.consolidated.npz")
+    z = np.load(FIX / f"{reference_of(name)}.consolidated.npz")
     bf16 = set(z["__bfloat16_keys__"].tolist())
     return {k: (z[k].view(ml_dtypes.bfloat16) if k in bf16 else z[k]) for k in z.files
             if k != "__bfloat16_keys__"}
@@ -56,6 +63,27 @@ def reference_name(name: str) -> tuple[str, int | None]:
     return "decoder.layers." + rest, int(m.group(1))
 
 
+def reference_value(name: str, ref: dict[str, np.ndarray]) -> tuple[str, np.ndarray]:
+    """(reference key, expected array) for an imported legacy name, from the torch_dist twin.
+
+    MoE: ``local_experts.<global e>`` is expert e of the stacked ``experts.experts.*`` [L, E, ...];
+    grouped-GEMM ``weight1`` [h, E*X] / ``weight2`` [E*ffn, h] are megatron-core's GroupedMLP
+    buffers, used as ``view(E, h, X)`` / ``view(E, ffn, h)``: expert e's linear_fc1 is
+    ``weight1.reshape(E, h, X)[e].T`` (GroupedMLP.sharded_state_dict)."""
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.*)", name)
+    if m:
+        k = "decoder.layers.mlp.experts.experts." + m.group(3)
+        return k, ref[k][int(m.group(1))][int(m.group(2))]
+    m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.weight([12])", name)
+    if m:
+        k = "decoder.layers.mlp.experts.experts." + ("linear_fc1.weight" if m.group(2) == "1" else "linear_fc2.weight")
+        per_expert = ref[k][int(m.group(1))]  # [E, out, in]
+        flat = np.ascontiguousarray(per_expert.transpose(0, 2, 1))  # [E, in, out]: the view's layout
+        return k, flat.reshape(flat.shape[1], -1) if m.group(2) == "1" else flat.reshape(-1, flat.shape[2])
+    k, i = reference_name(name)
+    return k, (ref[k] if i is None else ref[k][i])
+
+
 def is_vocab(name: str) -> bool:
     return name.endswith("word_embeddings.weight") or name.endswith("output_layer.weight")
 
@@ -78,6 +106,18 @@ def lm_config(name: str, **over):
     kw = dict(vocab_size=VOCAB, hidden_size=f["hidden_size"], num_layers=f["num_layers"],
               num_attention_heads=f["num_attention_heads"], ffn_hidden_size=f["ffn_hidden_size"],
               num_query_groups=f["num_query_groups"], normalization=f["normalization"], gated=f["gated"],
-              bias=f["bias"], position=f["position"], tied=f["tied"], max_position_embeddings=32)
+              bias=f["bias"], position=f["position"], tied=f["tied"], max_position_embeddings=32,
+              num_experts=f.get("num_experts"))
     kw.update(over)
     return LMConfig(**kw)
+
+
+def load_optimizer_truth(name: str) -> dict[tuple[str, str], np.ndarray]:
+    """{(kind, global name): array} gathered from every DP rank's optimizer shards when the
+    fixture was made (kind: param / exp_avg / exp_avg_sq); tied copies under 'tied_copy/...'."""
+    z = np.load(FIX / f"{name}.optimizer_truth.npz")
+    out = {}
+    for k in z.files:
+        _rank, kind, rest = k.split("/", 2)
+        out[(kind, rest)] = z[k]
+    return out

@@ -131,7 +131,7 @@ def _resolve_spec(spec) -> Any:
     return load_spec(spec)
 
 
-def _make_spec(user_spec, settings: dict, for_legacy: bool):
+def _make_spec(user_spec, settings: dict):
     """The spec used to classify names: the user's import rules if it has any, else the defaults."""
     from jax_ucp.language import Spec
 
@@ -177,6 +177,10 @@ _OPT_KINDS = {"param": ("params",), "fp32_param": ("params",), "exp_avg": ("opt_
 
 def _plan_torch_dist(src: MegatronSource, spec, settings: dict) -> tuple[list[_Out], Iterator[_Out], dict]:
     ck = dcp.open_dcp(src.ckpt_dir)
+    backend = ck.mcore_metadata.get("sharded_backend")
+    if backend not in (None, "torch_dist"):
+        raise MegatronImportError(f"{ck.path / 'metadata.json'}: sharded_backend {backend!r} is not supported "
+                                  f"(only 'torch_dist')")
     ck.check_files()
     for t in ck.tensors.values():
         dcp.check_coverage(t, ck.path / ".metadata")
@@ -211,6 +215,9 @@ def _plan_torch_dist(src: MegatronSource, spec, settings: dict) -> tuple[list[_O
                                       f"(re-save with metadata['distrib_optim_sharding_type']='fully_reshardable')")
         for pname in model_names:
             have = opt.get(pname, {})
+            if "param" in have and "fp32_param" in have:
+                raise MegatronImportError(f"tensor {pname!r}: both {have['param']!r} and {have['fp32_param']!r} "
+                                          f"in {ck.path / '.metadata'}; expected one master-weight tensor")
             miss = [k for k in ("exp_avg", "exp_avg_sq") if k not in have] + \
                    ([] if ("param" in have or "fp32_param" in have) else ["param"])
             if miss:
@@ -228,23 +235,27 @@ def _plan_torch_dist(src: MegatronSource, spec, settings: dict) -> tuple[list[_O
         groups = (common.get("optimizer", {}) or {}).get("optimizer", {}).get("param_groups") \
             if isinstance(common, dict) else None
         count = _steps_from_param_groups(groups, str(common_path))
-    spec_c = _make_spec(spec, settings, for_legacy=False)
-    from jax_ucp.language import Vocab, merge
+    spec_c = _make_spec(spec, settings)
+    from jax_ucp.language import Vocab
 
     def vocab_kind(name):
         m = spec_c.match(name)
-        return m.kind if m is not None and isinstance(m.kind, Vocab) else None
+        return m.kind if m is not None and isinstance(m.kind, Vocab) and isinstance(m.kind.vocab_size, int) else None
 
-    stripped: dict[str, list[int]] = {}
+    # known before any byte is read, so the manifest can record it
+    stripped = {n: [ck.tensors[n].shape[0], int(vocab_kind(n).vocab_size)] for n in model_names
+                if vocab_kind(n) is not None and ck.tensors[n].shape[0] > int(vocab_kind(n).vocab_size)}
 
-    def fix(name_for_rule: str, arr: np.ndarray) -> tuple[np.ndarray, str]:
-        k = vocab_kind(name_for_rule)
-        if k is None:
-            return arr, "torch_dist-global"
-        out = merge(k, [arr], name=name_for_rule, settings=spec_c.settings)
-        if out.shape != arr.shape:
-            stripped[name_for_rule] = [int(arr.shape[0]), int(out.shape[0])]
-        return out, f"vocab(strip {arr.shape[0]} -> {out.shape[0]})"
+    def read(tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
+        """Read one tensor; vocab-parallel ones keep only the tokenizer's rows."""
+        k = vocab_kind(rule_name)
+        if k is None or k.dim != 0:
+            return ck.read(tensor), "torch_dist-global"
+        n = ck.tensors[tensor].shape[0]
+        if n < k.vocab_size:
+            raise MegatronImportError(f"tensor {tensor!r}: {n} rows, fewer than vocab_size={k.vocab_size} "
+                                      f"({ck.path / '.metadata'})")
+        return ck.read(tensor, rows=k.vocab_size), f"vocab(strip {n} -> {k.vocab_size})"
 
     model_dtypes = {ck.tensors[n].dtype for n in model_names}
     want_model = has_opt and any(d != np.dtype(np.float32) for d in model_dtypes)
@@ -254,28 +265,29 @@ def _plan_torch_dist(src: MegatronSource, spec, settings: dict) -> tuple[list[_O
             t = ck.tensors[name]
             prov = {"format": "torch_dist", "files": t.files, "chunks": len(t.chunks)}
             if not has_opt:
-                arr, pat = fix(name, ck.read(name))
+                arr, pat = read(name, name)
                 yield _Out(("params", name), arr, {**prov, "pattern": pat})
                 continue
             for kind, top in _OPT_KINDS.items():
                 n = opt[name].get(kind)
                 if n is None:
                     continue
-                arr = ck.read(n)
-                if top == ("params",) and arr.dtype != np.dtype(np.float32):
-                    raise MegatronImportError(f"tensor {n!r}: master weights have dtype {arr.dtype}, expected "
-                                              f"float32 ({', '.join(ck.tensors[n].files)})")
-                arr, pat = fix(name, arr)
+                if top == ("params",) and ck.tensors[n].dtype != np.dtype(np.float32):
+                    raise MegatronImportError(f"tensor {n!r}: master weights have dtype {ck.tensors[n].dtype}, "
+                                              f"expected float32 ({', '.join(ck.tensors[n].files)})")
+                arr, pat = read(n, name)
                 yield _Out((*top, name), arr, {"format": "torch_dist", "files": ck.tensors[n].files,
                                                "source_name": n, "pattern": pat})
             if want_model:
-                arr, pat = fix(name, ck.read(name))
+                arr, pat = read(name, name)
                 yield _Out(("model_params", name), arr, {**prov, "pattern": pat})
         if has_opt:
             yield _Out(("opt_state", "count"), np.asarray(count, np.int32),
                        {"files": ["common.pt"], "pattern": "param_groups.step"})
 
+    it = common.get("iteration") if isinstance(common, dict) else None
     info = {"format": "torch_dist", "tensors": len(model_names), "optimizer": has_opt,
+            "iteration": it if type(it) is int else None,
             "skipped_objects": sorted(ck.objects), "vocab_stripped": stripped,
             "mcore_metadata": ck.mcore_metadata, "dcp_version": ck.version,
             "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes))}
@@ -295,8 +307,11 @@ def _sharding_type(common: Any) -> str | None:
 _ARG_SETTINGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                  "ffn_hidden_size", "swiglu", "padded_vocab_size", "make_vocab_size_divisible_by",
                  "untie_embeddings_and_output_weights", "group_query_attention", "normalization",
-                 "position_embedding_type", "num_experts", "vocab_size")
+                 "position_embedding_type", "num_experts", "vocab_size", "overlap_grad_reduce",
+                 "data_parallel_size", "ddp_bucket_size", "add_bias_linear", "max_position_embeddings")
 _LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.weight[12]$")
 
 
 def _global_layer_names(ck: legacy.LegacyCheckpoint, where) -> dict[int, int]:
@@ -318,6 +333,10 @@ def _plan_legacy(src: MegatronSource, spec, settings: dict):
     from jax_ucp.language import MergeError, PipelineTied, merge
 
     ck = legacy.open_legacy(src.ckpt_dir)
+    if ck.checkpoint_version is not None and ck.checkpoint_version < 2.0:
+        # before 2.0 Megatron-LM laid fused QKV out differently (fix_query_key_value_ordering)
+        raise MegatronImportError(f"{ck.ranks[(0, 0)].path}: checkpoint_version {ck.checkpoint_version} uses the "
+                                  f"pre-2.0 fused QKV ordering, which is not supported")
     for k, v in ck.args.items():
         if k in _ARG_SETTINGS and settings.get(k) is None:
             settings[k] = v
@@ -330,16 +349,22 @@ def _plan_legacy(src: MegatronSource, spec, settings: dict):
     offs = _global_layer_names(ck, settings)
     # global name -> {stage: [per-TP arrays]}
     frags: dict[str, dict[int, list]] = {}
+    frags_local: dict[tuple[int, int], list] = {k: [] for k in ck.ranks}  # state-dict order
     files: dict[str, list[str]] = {}
     skipped: list[str] = []
+    grouped: dict[str, dict[int, list]] = {}  # grouped-GEMM expert weights: name -> {stage: [per EP]}
     for p in range(ck.pp):
         names0 = list(ck.ranks[(p, 0)].model)
-        for t in range(1, ck.tp):
-            other = set(ck.ranks[(p, t)].model)
-            if other != set(names0):
-                diff = sorted(set(names0) ^ other)[:5]
-                raise MegatronImportError(f"{ck.ranks[(p, t)].path} and {ck.ranks[(p, 0)].path} hold different "
+        for (pp_, t, e), rf in ck.ep_ranks.items():
+            if pp_ == p and (t, e) != (0, 0) and set(rf.model) != set(names0):
+                diff = sorted(set(names0) ^ set(rf.model))[:5]
+                raise MegatronImportError(f"{rf.path} and {ck.ranks[(p, 0)].path} hold different "
                                           f"tensor names (e.g. {diff})")
+        local_experts = {int(m.group(2)) for n in names0 for m in [_LOCAL_EXPERT.match(n)] if m}
+        nl = len(local_experts)
+        if local_experts and sorted(local_experts) != list(range(nl)):
+            raise MegatronImportError(f"{ck.ranks[(p, 0)].path}: local expert indices {sorted(local_experts)} "
+                                      f"are not 0..{nl - 1}")
         for n in names0:
             v0 = ck.ranks[(p, 0)].model[n]
             if n.endswith("_extra_state") or not isinstance(v0, np.ndarray):
@@ -347,15 +372,30 @@ def _plan_legacy(src: MegatronSource, spec, settings: dict):
                 continue
             m = _LAYER.match(n)
             g = f"{m.group(1)}{int(m.group(2)) + offs[p]}{m.group(3)}" if m else n
-            per_tp = []
-            for t in range(ck.tp):
-                a = ck.ranks[(p, t)].model[n]
-                if not isinstance(a, np.ndarray):
-                    raise MegatronImportError(f"tensor {n!r} in {ck.ranks[(p, t)].path}: a {type(a).__name__}, "
-                                              f"expected a tensor (rank 0 holds one)")
-                per_tp.append(a)
-            frags.setdefault(g, {})[p] = per_tp
-            files.setdefault(g, []).extend(os.path.relpath(ck.ranks[(p, t)].path, ck.iter_dir) for t in range(ck.tp))
+            if ck.ep > 1 and _GROUPED_EXPERT.match(n):
+                if ck.tp > 1:
+                    raise MegatronImportError(f"tensor {n!r} in {ck.ranks[(p, 0)].path}: grouped-GEMM experts "
+                                              f"with TP > 1 are not supported")
+                grouped.setdefault(g, {})[p] = [ck.ep_ranks[(p, 0, e)].model[n] for e in range(ck.ep)]
+                files.setdefault(g, []).extend(os.path.relpath(ck.ep_ranks[(p, 0, e)].path, ck.iter_dir)
+                                               for e in range(ck.ep))
+                continue
+            em = _LOCAL_EXPERT.match(g) if ck.ep > 1 else None
+            for e in (range(ck.ep) if em else [0]):
+                ge = f"{em.group(1)}{e * nl + int(em.group(2))}{em.group(3)}" if em else g
+                per_tp = []
+                for t in range(ck.tp):
+                    rf = ck.ep_ranks[(p, t, e)]
+                    a = rf.model[n]
+                    if not isinstance(a, np.ndarray):
+                        raise MegatronImportError(f"tensor {n!r} in {rf.path}: a {type(a).__name__}, "
+                                                  f"expected a tensor (rank 0 holds one)")
+                    per_tp.append(a)
+                    if e == 0:
+                        frags_local[(p, t)].append((n, ge, a))
+                frags.setdefault(ge, {})[p] = per_tp
+                files.setdefault(ge, []).extend(os.path.relpath(ck.ep_ranks[(p, t, e)].path, ck.iter_dir)
+                                                for t in range(ck.tp))
     # tied output layer: Megatron keeps a copy on the last stage (pipeline-tied)
     untie = settings.get("untie_embeddings_and_output_weights")
     tied_pairs = []
@@ -368,7 +408,7 @@ def _plan_legacy(src: MegatronSource, spec, settings: dict):
                                                             next(iter(frags[out].values()))))
             if same:
                 tied_pairs.append((emb, out))
-    spec_c = _make_spec(spec, settings, for_legacy=True)
+    spec_c = _make_spec(spec, settings)
     names = list(frags)
     matches = spec_c.classify(names, strict=spec_c.strict)
     if spec_c.strict is False:
@@ -376,45 +416,144 @@ def _plan_legacy(src: MegatronSource, spec, settings: dict):
         if uncovered:
             raise MegatronImportError(f"{ck.iter_dir}: no import rule covers {uncovered[:10]} "
                                       f"(pass a spec with rules for them)")
+    if grouped and ck.distrib_optim:
+        raise MegatronImportError(f"{ck.iter_dir}: distrib_optim.pt with grouped-GEMM experts is not supported")
+    names += list(grouped)
     for emb, out in tied_pairs:
         frags[emb] = {**{("emb", s): v for s, v in frags[emb].items()},
                       **{("out", s): v for s, v in frags.pop(out).items()}}
         files[emb] += files.pop(out)
         names.remove(out)
     dtypes = {a.dtype for st in frags.values() for per in st.values() for a in per}
-    has_dopt = bool(ck.distrib_optim)
-    has_opt = any("optimizer" in r.state for r in ck.ranks.values())
+    opt_frags, count = _legacy_distrib_optim(ck, settings, frags_local, tied_pairs) if ck.distrib_optim else (None, None)
+    has_opt_entry = any("optimizer" in r.state for r in ck.ranks.values())
+    want_model = opt_frags is not None and any(d != np.dtype(np.float32) for d in dtypes)
+
+    def merged(n: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
+        m = matches[n]
+        try:
+            if len(stages) == 1:
+                (per_tp,) = stages.values()
+                return np.asarray(merge(m.kind, per_tp, name=n, settings=spec_c.settings)), m.kind.kind
+            return (np.asarray(merge(PipelineTied(inner=m.kind), list(stages.values()), name=n,
+                                     settings=spec_c.settings)), f"pipeline_tied({m.kind.kind})")
+        except MergeError as e:
+            raise MegatronImportError(f"{what}: {e} (files: {', '.join(sorted(set(files[n])))})") from None
+
+    def grouped_merged(n: str) -> tuple[np.ndarray, str]:
+        """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
+        weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
+        rank holding all E experts would have) is the EP ranks' buffers concatenated flat."""
+        stages = grouped[n]
+        per_stage = []
+        for per_ep in stages.values():
+            shapes = {a.shape for a in per_ep}
+            if len(shapes) != 1:
+                raise MegatronImportError(f"tensor {n!r}: EP ranks hold different shapes {sorted(shapes)} "
+                                          f"(files: {', '.join(sorted(set(files[n])))})")
+            (shape,) = shapes
+            cat = np.concatenate([np.asarray(a) for a in per_ep], axis=0)
+            per_stage.append(cat.reshape(shape[0], -1) if n.endswith("weight1") else cat)
+        if len(per_stage) > 1:
+            raise MegatronImportError(f"tensor {n!r} is held by several pipeline stages")
+        return per_stage[0], f"expert(grouped, ep={ck.ep}, flat concat)"
 
     def items() -> Iterator[_Out]:
         for n in names:
-            m = matches[n]
-            stages = frags[n]
-            try:
-                if len(stages) == 1:
-                    (per_tp,) = stages.values()
-                    arr = merge(m.kind, per_tp, name=n, settings=spec_c.settings)
-                    pat = m.kind.kind
-                else:
-                    arr = merge(PipelineTied(inner=m.kind), list(stages.values()), name=n, settings=spec_c.settings)
-                    pat = f"pipeline_tied({m.kind.kind})"
-            except MergeError as e:
-                raise MegatronImportError(f"{e} (files: {', '.join(sorted(set(files[n])))})") from None
-            yield _Out(("params", n), np.asarray(arr), {"format": "legacy", "files": sorted(set(files[n])),
-                                                        "pattern": pat, "tp": ck.tp, "pp": ck.pp})
+            prov = {"format": "legacy", "files": sorted(set(files[n])), "tp": ck.tp, "pp": ck.pp, "ep": ck.ep}
+            if n in grouped:
+                arr, pat = grouped_merged(n)
+                yield _Out(("params", n), arr, {**prov, "pattern": pat})
+                continue
+            if opt_frags is None:
+                arr, pat = merged(n, frags[n], "model weights")
+                yield _Out(("params", n), arr, {**prov, "pattern": pat})
+                continue
+            for kind, top in (("param", ("params",)), ("exp_avg", ("opt_state", "mu")),
+                              ("exp_avg_sq", ("opt_state", "nu"))):
+                arr, pat = merged(n, opt_frags[kind][n], f"distrib_optim.pt {kind}")
+                yield _Out((*top, n), arr, {**prov, "files": sorted(set(files[n]) | set(opt_files)),
+                                            "pattern": pat, "source": f"distrib_optim.pt:{kind}"})
+            if want_model:
+                arr, pat = merged(n, frags[n], "model weights")
+                yield _Out(("model_params", n), arr, {**prov, "pattern": pat})
+        if opt_frags is not None:
+            yield _Out(("opt_state", "count"), np.asarray(count, np.int32),
+                       {"files": sorted(os.path.relpath(r.path, ck.iter_dir) for r in ck.ranks.values()),
+                        "pattern": "optimizer.param_groups.step"})
 
-    info = {"format": "legacy", "tp": ck.tp, "pp": ck.pp, "iteration": ck.iteration,
+    opt_files = sorted(os.path.relpath(f, ck.iter_dir) for f in ck.distrib_optim.values())
+    from jax_ucp.language import Vocab
+
+    stripped = {}
+    for n in names:
+        if n in grouped:
+            continue
+        k = matches[n].kind
+        if isinstance(k, Vocab) and isinstance(k.vocab_size, int):
+            rows = sum(int(a.shape[0]) for a in next(iter(frags[n].values())))
+            if rows > k.vocab_size:
+                stripped[n] = [rows, k.vocab_size]
+    info = {"format": "legacy", "tp": ck.tp, "pp": ck.pp, "ep": ck.ep, "iteration": ck.iteration,
+            "vocab_stripped": stripped,
             "checkpoint_version": ck.checkpoint_version, "skipped_objects": skipped,
             "tied_embeddings": [e for e, _ in tied_pairs],
-            "model_dtype": ", ".join(sorted(str(d) for d in dtypes)), "optimizer": False}
-    notes = []
-    if has_dopt:
-        notes.append("distrib_optim.pt present: distributed-optimizer state was NOT imported (legacy "
-                     "flattened-buffer layout not supported yet); only model weights")
-    if has_opt:
-        notes.append("model_optim_rng.pt 'optimizer' entry present: optimizer state was NOT imported")
-    if notes:
-        info["notes"] = notes
+            "model_dtype": ", ".join(sorted(str(d) for d in dtypes)), "optimizer": opt_frags is not None}
+    if has_opt_entry and opt_frags is None:
+        info["notes"] = ["model_optim_rng.pt holds a non-distributed optimizer state: not imported "
+                         "(only the distributed optimizer's distrib_optim.pt is supported)"]
     return names, items(), info
+
+
+def _legacy_distrib_optim(ck: legacy.LegacyCheckpoint, settings: dict, frags_local: dict, tied_pairs: list):
+    """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, laid
+    out like megatron-core's grad buffer; returns ({kind: {name: {stage: [per TP]}}}, step)."""
+    missing = [(p, t) for (p, t) in ck.ranks if (p, t) not in ck.distrib_optim]
+    if missing:
+        p, t = missing[0]
+        raise MegatronImportError(f"missing shard file {ck.ranks[(p, t)].path.parent / 'distrib_optim.pt'} "
+                                  f"(other ranks have one)")
+    bucket_size = None
+    if settings.get("overlap_grad_reduce"):
+        dp = int(settings.get("data_parallel_size") or 1)
+        bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+    tied = settings.get("untie_embeddings_and_output_weights") is False
+    out = {k: {} for k in ("param", "exp_avg", "exp_avg_sq")}
+    steps: dict[float, str] = {}
+    for (p, t), rf in ck.ranks.items():
+        st = legacy.read_distrib_optim(ck.distrib_optim[(p, t)])
+        local = [(ln, g, a) for ln, g, a in frags_local[(p, t)]]
+        params = [(ln, int(a.size)) for ln, _, a in local]
+        shared = set()
+        if ck.pp > 1:
+            if p == 0:
+                shared |= {ln for ln, _, _ in local if ln.endswith("embedding.word_embeddings.weight")}
+            if p == ck.pp - 1 and tied:
+                shared |= {ln for ln, _, _ in local if ln.endswith("output_layer.weight")}
+        layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
+        if total != st.numel_unpadded:
+            raise MegatronImportError(
+                f"{st.path}: the flat buffers hold {st.numel_unpadded} elements but the {len(params)} "
+                f"parameters of {rf.path.name} lay out to {total} (megatron-core 0.16 buffer layout, "
+                f"bucket_size={bucket_size}); a different megatron version or DDP bucket setting?")
+        for ln, g, a in local:
+            s0, s1 = layout[ln]
+            for kind in out:
+                flat = getattr(st, kind)
+                out[kind].setdefault(g, {}).setdefault(p, [None] * ck.tp)[t] = flat[s0:s1].reshape(a.shape)
+        o = rf.state.get("optimizer")
+        groups = o.get("optimizer", {}).get("param_groups") if isinstance(o, dict) else None
+        steps.setdefault(_steps_from_param_groups(groups, f"{rf.path} ['optimizer']"), str(rf.path))
+    if len(steps) > 1:
+        raise MegatronImportError("ranks disagree on the optimizer step: "
+                                  + ", ".join(f"{k} in {v}" for k, v in steps.items()))
+    (count,) = steps
+    # the tied output layer's optimizer copy merges with the embedding's, like the weights
+    for kind, d in out.items():
+        for emb, o_name in tied_pairs:
+            d[emb] = {**{("emb", s): v for s, v in d[emb].items()},
+                      **{("out", s): v for s, v in d.pop(o_name).items()}}
+    return out, count
 
 
 # ----------------------------------------------------------------------------- entry point
@@ -468,8 +607,9 @@ def convert_megatron(src: os.PathLike | str, dst: os.PathLike | str, *, spec=Non
             raise MegatronImportError(str(e)) from None
 
     vs = settings.get("vocab_size")
+    it = info.pop("iteration", None)
     source = {"framework": "megatron", "path": os.path.abspath(src_info.ckpt_dir),
-              "iteration": src_info.iteration if src_info.iteration is not None else info.get("iteration"),
+              "iteration": src_info.iteration if src_info.iteration is not None else it,
               "vocab_size": vs, "settings": _jsonable(settings), **_jsonable(info)}
     if vs is None:
         source.setdefault("notes", []).append(

@@ -139,13 +139,28 @@ class DcpCheckpoint:
     version: str | None = None
 
     # -------------------------------------------------------------- reading one tensor
-    def read(self, name: str) -> np.ndarray:
-        """The tensor's global array, assembled from its chunks (checked first)."""
+    def read(self, name: str, rows: int | None = None) -> np.ndarray:
+        """The tensor's global array, assembled from its chunks (checked first).
+
+        ``rows`` keeps only the first ``rows`` entries of dim 0 (vocab padding stripped without
+        ever materialising the padded tensor); chunks wholly past it are not read."""
         t = self.tensors[name]
         check_coverage(t, self.path)
-        out = np.empty(t.shape, t.dtype)
+        shape = t.shape
+        if rows is not None:
+            if not t.shape or not 0 <= rows <= t.shape[0]:
+                raise DcpError(f"tensor {name!r} in {self.path}: cannot keep {rows} rows of shape {list(t.shape)}")
+            shape = (rows, *t.shape[1:])
+        out = np.empty(shape, t.dtype)
         for c in t.chunks:
-            out[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] = self.read_chunk(t, c)
+            if rows is not None and c.offsets[0] >= rows:
+                continue
+            arr = self.read_chunk(t, c)
+            sl = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes)]
+            if rows is not None and c.offsets[0] + c.sizes[0] > rows:
+                keep = rows - c.offsets[0]
+                arr, sl[0] = arr[:keep], slice(c.offsets[0], rows)
+            out[tuple(sl)] = arr
         return out
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:

@@ -1,10 +1,11 @@
 """Flax definitions of the models the importers target (Megatron GPT and Llama-style).
 
-``TransformerLM`` with a ``LMConfig`` covers both: GPT (LayerNorm, GELU, learned positions) and
-Llama (RMSNorm, SwiGLU, GQA, RoPE). Parameter names follow the shipped ``megatron_gpt`` spec's
-restore targets (``wte``, ``wpe``, ``layers_{i}/{ln_1,attn/{qkv,proj},ln_2,mlp/{fc1,fc2}}``,
-``ln_f``, ``lm_head``), and ``from_megatron`` maps an imported (raw, torch-layout) params dict
-into that tree: torch ``[out, in]`` -> flax ``[in, out]``, stacked ``[L, ...]`` unstacked.
+``TransformerLM`` with a ``LMConfig`` covers GPT (LayerNorm, GELU, learned positions), Llama
+(RMSNorm, SwiGLU, GQA, RoPE) and MoE layers (megatron-core's top-k router + experts). Parameter
+names follow the shipped specs' restore targets (``wte``, ``wpe``, ``layers_{i}/{ln_1,
+attn/{qkv,proj}, ln_2, mlp/{fc1,fc2} | moe/{router,fc1,fc2}}``, ``ln_f``, ``lm_head``), and
+``from_megatron`` maps an imported (raw, torch-layout) params dict into that tree: torch
+``[out, in]`` -> flax ``[in, out]``, stacked ``[L, ...]`` unstacked.
 """
 
 from jax_ucp.models.transformer import LMConfig, TransformerLM, from_megatron, megatron_names

@@ -36,6 +36,8 @@ class LMConfig:
     rotary_base: float = 10000.0
     eps: float = 1e-5
     tied: bool = False
+    num_experts: int | None = None  # MoE (every layer): router + SwiGLU/GELU experts
+    moe_router_topk: int = 2
 
     @property
     def groups(self) -> int:
@@ -59,6 +61,8 @@ class LMConfig:
             position=s.get("position_embedding_type", "learned_absolute"),
             tied=not s.get("untie_embeddings_and_output_weights", False),
             max_position_embeddings=int(s.get("max_position_embeddings") or 2048),
+            num_experts=int(s["num_experts"]) if s.get("num_experts") else None,
+            moe_router_topk=int(s.get("moe_router_topk") or 2),
         )
         kw.update(overrides)
         return cls(**kw)
@@ -123,12 +127,51 @@ class MLP(nn.Module):
         return nn.Dense(c.hidden_size, use_bias=c.bias, name="fc2")(z)
 
 
+class _Kernel(nn.Module):
+    shape: tuple
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), self.shape)
+
+
+class MoE(nn.Module):
+    """megatron-core TopKRouter (softmax over the top-k router logits) + experts.
+
+    Every expert is evaluated densely (fine for small models; the math is what matters here):
+    ``y = sum_k p_k * expert_{i_k}(x)``. Kernels are stacked over experts: fc1 [E, h, X], fc2
+    [E, ffn, h] (the shipped ``mixtral`` spec's targets)."""
+
+    cfg: LMConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        E, h, f = c.num_experts, c.hidden_size, c.ffn_hidden_size
+        logits = nn.Dense(E, use_bias=False, name="router")(x)
+        top, idx = jax.lax.top_k(logits, c.moe_router_topk)
+        probs = jax.nn.softmax(top, axis=-1)
+        w = jnp.sum(probs[..., None] * jax.nn.one_hot(idx, E, dtype=x.dtype), axis=-2)  # [b, s, E]
+        fc1 = _Kernel((E, h, f * (2 if c.gated else 1)), name="fc1")()
+        fc2 = _Kernel((E, f, h), name="fc2")()
+        z = jnp.einsum("bsh,ehx->bsex", x, fc1)
+        if c.gated:
+            a, u = jnp.split(z, 2, axis=-1)
+            z = jax.nn.silu(a) * u
+        else:
+            z = jax.nn.gelu(z, approximate=False)
+        y = jnp.einsum("bsef,efh->bseh", z, fc2)
+        return jnp.einsum("bse,bseh->bsh", w, y)
+
+
 class Block(nn.Module):
     cfg: LMConfig
 
     @nn.compact
     def __call__(self, x):
         x = x + Attention(self.cfg, name="attn")(_norm(self.cfg, "ln_1")(x))
+        if self.cfg.num_experts:
+            return x + MoE(self.cfg, name="moe")(_norm(self.cfg, "ln_2")(x))
         return x + MLP(self.cfg, name="mlp")(_norm(self.cfg, "ln_2")(x))
 
 
@@ -210,10 +253,50 @@ def from_megatron(params: Mapping[str, np.ndarray], cfg: LMConfig) -> dict:
             _put(tree, path, leaf, arr.T if tr else arr)
             continue
         m = re.fullmatch(r"decoder\.layers\.(?:(\d+)\.)?(.+)", n)
+        if m and _moe(tree, m, arr, cfg, name):
+            continue
         if not m or m.group(2) not in _LAYER_MAP:
             raise KeyError(f"{name!r}: no flax destination for this Megatron tensor")
         path, leaf, tr = _LAYER_MAP[m.group(2)]
         layers = [(int(m.group(1)), arr)] if m.group(1) is not None else list(enumerate(arr))
         for i, a in layers:
             _put(tree, f"layers_{i}/{path}", leaf, a.T if tr else a)
+    for layer, d in tree.items():  # per-expert legacy tensors -> stacked kernels
+        moe = d.get("moe", {}) if isinstance(d, dict) else {}
+        for part in ("fc1", "fc2"):
+            per = moe.get(part, {}).get("kernel")
+            if isinstance(per, dict):
+                if sorted(per) != list(range(cfg.num_experts or 0)):
+                    raise ValueError(f"{layer}/moe/{part}: experts {sorted(per)}, expected 0..{cfg.num_experts - 1}")
+                moe[part]["kernel"] = np.stack([per[e] for e in sorted(per)])
     return {"params": tree}
+
+
+def _moe(tree: dict, m: re.Match, arr: np.ndarray, cfg: LMConfig, name: str) -> bool:
+    """MoE tensors in the three megatron-core layouts -> moe/{router,fc1,fc2}/kernel."""
+    rest = m.group(2)
+    layers = [(int(m.group(1)), arr)] if m.group(1) is not None else list(enumerate(arr))
+    if rest == "mlp.router.weight":
+        for i, a in layers:
+            _put(tree, f"layers_{i}/moe/router", "kernel", a.T)
+        return True
+    st = re.fullmatch(r"mlp\.experts\.experts\.linear_fc([12])\.weight", rest)  # torch_dist [E, out, in]
+    if st:
+        for i, a in layers:
+            _put(tree, f"layers_{i}/moe/fc{st.group(1)}", "kernel", np.swapaxes(a, -1, -2))
+        return True
+    le = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)  # legacy, global e
+    if le:
+        (i, a), = layers
+        d = tree.setdefault(f"layers_{i}", {}).setdefault("moe", {}).setdefault(f"fc{le.group(2)}", {})
+        d.setdefault("kernel", {})[int(le.group(1))] = a.T
+        return True
+    gw = re.fullmatch(r"mlp\.experts\.weight([12])", rest)  # legacy GroupedMLP buffers
+    if gw:
+        E, h = cfg.num_experts, cfg.hidden_size
+        for i, a in layers:
+            # GroupedMLP uses weight1 as view(E, h, X) and weight2 as view(E, ffn, h)
+            k = a.reshape(E, h, -1) if gw.group(1) == "1" else a.reshape(E, -1, h)
+            _put(tree, f"layers_{i}/moe/fc{gw.group(1)}", "kernel", k)
+        return True
+    return False
