@@ -88,10 +88,25 @@ def prepare_host_tensor(key, kinds, value, options: SaveOptions, *, primary: boo
   return PreparedTensor(tensor_entry(key, kinds, layout, **entry_kw), layout, writes)
 
 
+def _to_host(data: jax.Array, copy: bool) -> np.ndarray:
+  """Host bytes of one shard; a private copy when the caller may reuse the buffer.
+
+  On CPU ``np.asarray`` aliases the device buffer (a donated or deleted array would change
+  under an async save), so async saves copy; on accelerators the transfer is the copy.
+  """
+  host = np.asarray(data)
+  on_cpu = all(d.platform == "cpu" for d in data.devices())
+  return np.array(host, copy=True) if (copy and on_cpu) else host
+
+
 def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
                  logical_axes: Any = None) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
   """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
   leaves, _ = tree_lib.flatten(tree)
+  for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
+    if isinstance(leaf, jax.Array):
+      for _, data in sharding_lib.shards_to_write(leaf):
+        data.copy_to_host_async()
   names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
   # Optimizer moments mirror the params tree (opt_state/0/mu/<param path>): they inherit the
   # logical axes of the parameter whose path they end with, so rules shard them alike.
@@ -103,6 +118,7 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
       if names is not None and len(names) == ndim:
         return names
     return None
+
   entries: list[fmt.Entry] = []
   prepared: list[PreparedTensor] = []
   for key, kinds, leaf in leaves:
@@ -119,15 +135,12 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
       shape = tuple(leaf.shape)
       layout = _layout(shape, fmt.dtype_name(leaf.dtype), leaf.sharding.shard_shape(shape),
                        np.dtype(leaf.dtype).itemsize, options)
-      writes = []
-      for index, data in sharding_lib.shards_to_write(leaf):
-        host = np.array(data, copy=True) if copy else np.asarray(data)
-        writes.append((index, host))
+      writes = [(index, _to_host(data, copy)) for index, data in sharding_lib.shards_to_write(leaf)]
       p = PreparedTensor(
           tensor_entry(key, kinds, layout, logical_axes=names,
                        saved_sharding=sharding_lib.describe(leaf.sharding)), layout, writes)
     elif isinstance(leaf, (np.ndarray, np.generic, ts.TensorStore)):
-      if copy and not isinstance(leaf, ts.TensorStore):
+      if copy and primary and not isinstance(leaf, ts.TensorStore):
         leaf = np.array(leaf, copy=True)
       p = prepare_host_tensor(key, kinds, leaf, options, primary=primary, logical_axes=names)
     else:
