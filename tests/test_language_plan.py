@@ -315,7 +315,9 @@ def test_mixtral_expert_layouts_agree():
     for e in range(E):
       seq[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = fc1[i, e]
       seq[f"decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc2.weight"] = fc2[i, e]
-    grouped[f"decoder.layers.{i}.mlp.experts.weight1"] = np.concatenate([fc1[i, e].T for e in range(E)], 1)
+    # megatron-core's GroupedMLP uses weight1 [H, E*2F] as weight1.view(E, H, 2F): expert e's
+    # [H, 2F] kernel is the e-th block of the row-major buffer, not a column block.
+    grouped[f"decoder.layers.{i}.mlp.experts.weight1"] = np.stack([fc1[i, e].T for e in range(E)]).reshape(H, E * 2 * F)
     grouped[f"decoder.layers.{i}.mlp.experts.weight2"] = np.concatenate([fc2[i, e].T for e in range(E)], 0)
   stk["decoder.layers.mlp.experts.experts.linear_fc1.weight"] = fc1
   stk["decoder.layers.mlp.experts.experts.linear_fc2.weight"] = fc2

@@ -505,7 +505,11 @@ class Expert(Kind):
   layout="stacked":    each EP rank holds [E_local, ...] (experts along ``dim``, default 0); inner
                        dims refer to one expert's tensor (without the expert axis).
   layout="grouped":    grouped-GEMM: each EP rank's tensor has its E_local experts' blocks
-                       concatenated along ``dim`` (e.g. weight1 [hidden, E_local*ffn], dim=1).
+                       concatenated along ``dim`` (megatron-core's weight2 [E_local*ffn, hidden],
+                       dim=0). Its weight1 [hidden, E_local*X] is NOT column blocks: megatron
+                       reads it as weight1.view(E_local, hidden, X), so EP ranks merge by flat
+                       concatenation of their buffers (the Megatron importer does that) and the
+                       mixtral spec's restore rule reinterprets it as [E, hidden, X].
   layout="per_expert": each EP rank gives a list of its E_local per-expert tensors; the result is
                        stacked [E, ...] (see ``expert_global_index`` for renaming keys instead).
   """
