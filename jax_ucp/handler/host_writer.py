@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import orbax.checkpoint as ocp
 
@@ -43,3 +43,18 @@ def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = Fals
       api.remove_failed_save_leftovers(step_dir)
       raise
   return os.path.join(step_dir, item_name)
+
+
+def host_items_with_progress(tensors: Iterable[Any], total: int,
+                             progress: Optional[Callable[[str, int, int], None]]) -> Iterator[HostItem]:
+  """Importer tensors (anything with key/value/provenance) → HostItems, reporting each parameter.
+
+  ``progress(name, done, total)`` counts the ``params`` entries, which is what a user waits on.
+  """
+  done = 0
+  for t in tensors:
+    yield HostItem(key=t.key, value=t.value, provenance=t.provenance)
+    if t.key[0] == "params":
+      done += 1
+      if progress is not None:
+        progress(t.key[-1], done, total)

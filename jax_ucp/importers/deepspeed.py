@@ -403,14 +403,19 @@ def _steps(ck: DeepSpeedCheckpoint) -> int:
                 continue
             v = float(np.asarray(s["step"]))
             seen.setdefault(v, f"{os.path.basename(f)} group {g}")
+    return single_step(seen, ck.tag_dir)
+
+
+def single_step(seen: Mapping[float, str], where: str) -> int:
+    """The one optimizer step all ranks and groups agree on (``seen``: step → where found)."""
     if not seen:
-        raise DeepSpeedImportError(f"{ck.tag_dir}: no optimizer step recorded in any group")
+        raise DeepSpeedImportError(f"{where}: no optimizer step recorded in any group")
     if len(seen) > 1:
-        raise DeepSpeedImportError(f"{ck.tag_dir}: parameter groups disagree on the optimizer step: "
+        raise DeepSpeedImportError(f"{where}: ranks or parameter groups disagree on the optimizer step: "
                                    + ", ".join(f"{k:g} in {v}" for k, v in seen.items()))
     (v,) = seen
     if v != int(v) or not (0 <= v < 2**31):
-        raise DeepSpeedImportError(f"{ck.tag_dir}: optimizer step {v} is not a valid int32 count")
+        raise DeepSpeedImportError(f"{where}: optimizer step {v} is not a valid int32 count")
     return int(v)
 
 
@@ -512,11 +517,5 @@ def convert_deepspeed(src: os.PathLike | str, dst: os.PathLike | str, *, force: 
 
 def _host_items(tensors: Iterator[ImportedTensor], total: int,
                 progress: Callable[[str, int, int], None] | None) -> Iterator[Any]:
-    from jax_ucp.handler.host_writer import HostItem
-    done = 0
-    for t in tensors:
-        yield HostItem(key=t.key, value=t.value, provenance=t.provenance)
-        if t.key[0] == "params":
-            done += 1
-            if progress is not None:
-                progress(t.key[-1], done, total)
+    from jax_ucp.handler.host_writer import host_items_with_progress
+    return host_items_with_progress(tensors, total, progress)

@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_ucp.importers.deepspeed import (
   DeepSpeedCheckpoint, DeepSpeedImportError, ImportedTensor, _dtype_of_run, _get, _load, _OPTIM_RE,
-  _state_vectors, _validate_layout,
+  _state_vectors, _validate_layout, single_step,
 )
 
 __all__ = ["MegatronDeepSpeedCheckpoint", "open_megatron_deepspeed_checkpoint",
@@ -378,15 +378,7 @@ def _steps_all(ck: MegatronDeepSpeedCheckpoint) -> int:
         for g, s in osd["base_optimizer_state"]["state"].items():
           if "step" in s:
             seen.setdefault(float(np.asarray(s["step"])), f"{os.path.basename(r.optim_files[i])} group {g}")
-  if not seen:
-    raise DeepSpeedImportError(f"{ck.tag_dir}: no optimizer step recorded in any group")
-  if len(seen) > 1:
-    raise DeepSpeedImportError(f"{ck.tag_dir}: ranks or parameter groups disagree on the optimizer step: "
-                               + ", ".join(f"{k:g} in {v}" for k, v in seen.items()))
-  (v,) = seen
-  if v != int(v) or not (0 <= v < 2**31):
-    raise DeepSpeedImportError(f"{ck.tag_dir}: optimizer step {v} is not a valid int32 count")
-  return int(v)
+  return single_step(seen, ck.tag_dir)
 
 
 def iter_megatron_deepspeed_tensors(ck: MegatronDeepSpeedCheckpoint) -> Iterator[ImportedTensor]:

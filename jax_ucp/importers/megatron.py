@@ -572,7 +572,7 @@ def convert_megatron(src: os.PathLike | str, dst: os.PathLike | str, *, spec=Non
     that need no tensor bytes run before anything is written; any failure leaves ``dst``
     untouched. Returns the UCP directory.
     """
-    from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+    from jax_ucp.handler.host_writer import HostItem, host_items_with_progress, write_host_checkpoint
 
     dst = os.fspath(dst)
     if step is None and os.path.exists(dst) and not force:
@@ -595,14 +595,8 @@ def convert_megatron(src: os.PathLike | str, dst: os.PathLike | str, *, spec=Non
     total = len(names)
 
     def items() -> Iterator[HostItem]:
-        done = 0
         try:
-            for o in stream:
-                yield HostItem(key=o.key, value=o.value, provenance=o.provenance)
-                if o.key[0] == "params":
-                    done += 1
-                    if progress is not None:
-                        progress(o.key[-1], done, total)
+            yield from host_items_with_progress(stream, total, progress)
         except (dcp.DcpError, legacy.LegacyError) as e:
             raise MegatronImportError(str(e)) from None
 
