@@ -132,7 +132,9 @@ def compile_restore_plan(spec: Spec, saved: Mapping[Key, Any], *,
 
   per_rule: dict[int, list] = {i: [] for i, _ in rules}
   uncovered = []
-  for key, info in saved.items():
+  # Parameters before the optimizer state that mirrors them, so an error names the parameter.
+  ordered = sorted(saved.items(), key=lambda kv: str(kv[0][0]) not in ("params", "model_params"))
+  for key, info in ordered:
     key = tuple(str(k) for k in key)
     info = _info(info)
     found = _find_root(spec, key)
