@@ -31,7 +31,9 @@ def make(host, spec):
   return jax.make_array_from_callback(host.shape, s, lambda idx: host[idx])
 if mode == "save":
   tree = {"params": {"w": make(W, P("data", "model")), "e": make(E, P()),
-                     "c": make(W.T.copy(), P(None, "data"))}, "step": 11}
+                     "c": make(W.T.copy(), P(None, "data"))}, "step": 11,
+          # process-local (each host has its own copy on its first device): written once
+          "count": jax.device_put(np.int32(11), jax.local_devices()[0])}
   h = jax_ucp.UCPCheckpointHandler()
   with ocp.Checkpointer(h) as ck:
     ck.save(path, args=jax_ucp.UCPSave(tree))
@@ -79,8 +81,10 @@ def test_two_process_save_then_restore_in_one_and_two(tmp_path):
   assert names.count("params/w") == 4  # 2×2 shards of w, each written once
   assert names.count("params/e") == 1  # replicated: only replica 0 (process 0) writes it
   assert names.count("params/c") == 2
+  assert names.count("count") == 1
   files = sorted(os.path.relpath(os.path.join(d, f), path / "arrays")
-                 for d, _, fs in os.walk(path / "arrays") for f in fs if f != "zarr.json")
+                 for d, _, fs in os.walk(path / "arrays") for f in fs
+                 if f != "zarr.json" and not d.endswith("count"))
   assert files == ["params.c/c/0/0", "params.c/c/0/1", "params.e/c/0/0",
                    "params.w/c/0/0", "params.w/c/0/1", "params.w/c/1/0", "params.w/c/1/1"]
   # One process (this one, 8 devices) reads it back…
@@ -89,5 +93,6 @@ def test_two_process_save_then_restore_in_one_and_two(tmp_path):
   assert_bit_exact(back["params"]["w"], W)
   assert_bit_exact(back["params"]["c"], W.T)
   assert back["step"] == 11
+  assert_bit_exact(back["count"], np.int32(11))
   # …and two processes read it onto another layout.
   assert all("RESTORED OK" in o for o in _launch("restore", path))

@@ -104,7 +104,7 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
   """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
   leaves, _ = tree_lib.flatten(tree)
   for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
-    if isinstance(leaf, jax.Array):
+    if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
       for _, data in sharding_lib.shards_to_write(leaf):
         data.copy_to_host_async()
   names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
@@ -135,7 +135,11 @@ def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
       shape = tuple(leaf.shape)
       layout = _layout(shape, fmt.dtype_name(leaf.dtype), leaf.sharding.shard_shape(shape),
                        np.dtype(leaf.dtype).itemsize, options)
-      writes = [(index, _to_host(data, copy)) for index, data in sharding_lib.shards_to_write(leaf)]
+      # A process-local array (e.g. a step counter made on each host's first device) exists once
+      # per process: only the primary writes it, or two processes would write one shard file.
+      local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
+      writes = [] if (local_copy and not primary) else [
+          (index, _to_host(data, copy)) for index, data in sharding_lib.shards_to_write(leaf)]
       p = PreparedTensor(
           tensor_entry(key, kinds, layout, logical_axes=names,
                        saved_sharding=sharding_lib.describe(leaf.sharding)), layout, writes)
