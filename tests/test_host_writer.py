@@ -83,3 +83,11 @@ def test_stream_as_manager_step(tmp_path):
     assert mngr.latest_step() == 100
     got = mngr.restore(100, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
   assert_bit_exact(got.state["params"]["w"], np.ones(3))
+  with pytest.raises(FileExistsError, match="step 100"):
+    write_host_checkpoint(tmp_path / "run", iter([HostItem(("params", "w"), np.zeros(3))]), step=100)
+  write_host_checkpoint(tmp_path / "run", iter([HostItem(("params", "w"), np.zeros(3))]), step=100, force=True)
+  assert sorted(os.listdir(tmp_path / "run")) == ["100"]
+  with ocp.CheckpointManager(tmp_path / "run") as mngr:
+    assert mngr.all_steps() == [100]
+    got = mngr.restore(100, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+  assert_bit_exact(got.state["params"]["w"], np.zeros(3))

@@ -54,16 +54,24 @@ def atomic_save(path: str, args, *, force: bool) -> None:
     if multihost.is_primary_host(0):
       remove_failed_save_leftovers(target)
     raise
-  if not exists:
-    return
-  if multihost.is_primary_host(0):
-    old = path.rstrip("/") + _REPLACED
-    if os.path.exists(old):
-      shutil.rmtree(old)
-    os.rename(path, old)
-    os.rename(target, path)
+  if exists:
+    if multihost.is_primary_host(0):
+      replace_committed(target, path)
+    _barrier("jax_ucp:force_swap")
+
+
+def replace_committed(new: str, path: str) -> None:
+  """Swaps a committed directory ``new`` in for ``path`` (primary process only).
+
+  Two renames: at every instant either the old or the new checkpoint is whole at ``path`` or
+  ``path + .ucp-replaced``; the old one is deleted only after the new one is in place.
+  """
+  old = path + _REPLACED
+  if os.path.exists(old):
     shutil.rmtree(old)
-  _barrier("jax_ucp:force_swap")
+  os.rename(path, old)
+  os.rename(new, path)
+  shutil.rmtree(old)
 
 
 def save(path, tree, *, force: bool = False, logical_axes: Any = None,

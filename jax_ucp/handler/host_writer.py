@@ -1,14 +1,15 @@
-"""Streaming writes of host data (importers): one tensor at a time, committed atomically.
+"""Streaming writes of host data (importers), committed atomically.
 
-An importer yields ``HostItem``s; each is written and released before the next is pulled, so
-peak memory is one tensor, not the checkpoint.  The directory is committed by Orbax's temporary
-path + rename: if the generator raises, the destination is untouched.
+An importer yields ``HostItem``s; each is written as it comes, with a bounded number of bytes in
+flight (``save_plan.PipelinedWriter``), so peak memory is a few tensors, not the checkpoint.  The
+directory is committed by Orbax's temporary path + rename: if the generator raises, the
+destination is untouched.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import shutil
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import orbax.checkpoint as ocp
@@ -32,16 +33,27 @@ def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = Fals
     api.atomic_save(dest, args, force=force)
     return dest
   step_dir = os.path.join(dest, str(step))
-  if os.path.exists(step_dir) and not force:
+  replacing = os.path.exists(step_dir)
+  if replacing and not force:
     raise FileExistsError(f"{step_dir} already exists; pass force=True to replace step {step}.")
+  # An existing step is replaced like a forced standalone save: the new step is committed in a
+  # staging manager directory first, then swapped in.
+  root = os.path.join(dest, f".ucp-staging-step-{step}") if replacing else dest
+  if replacing and os.path.exists(root):
+    shutil.rmtree(root)
   options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-  with ocp.CheckpointManager(dest, options=options) as mngr:
+  with ocp.CheckpointManager(root, options=options) as mngr:
     try:
-      mngr.save(step, args=ocp.args.Composite(**{item_name: args}), force=force)
+      mngr.save(step, args=ocp.args.Composite(**{item_name: args}))
       mngr.wait_until_finished()
     except BaseException:
-      api.remove_failed_save_leftovers(step_dir)
+      api.remove_failed_save_leftovers(os.path.join(root, str(step)))
+      if replacing:
+        shutil.rmtree(root, ignore_errors=True)
       raise
+  if replacing:
+    api.replace_committed(os.path.join(root, str(step)), step_dir)
+    shutil.rmtree(root)
   return os.path.join(step_dir, item_name)
 
 
