@@ -39,9 +39,16 @@ if mode == "save":
     ck.save(path, args=jax_ucp.UCPSave(tree))
   print("WRITTEN " + json.dumps(h.last_written))
 else:
-  sh = {"params": {"w": NamedSharding(mesh, P("model", None)), "e": NamedSharding(mesh, P("data")),
+  sh = {"params": {"w": NamedSharding(mesh, P("data", None)), "e": NamedSharding(mesh, P("data")),
                    "c": NamedSharding(mesh, P("model", "data"))}}
+  import tensorstore as ts
+  def file_bytes_read():
+    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+      return int(m["values"][0]["value"])
+    return 0
+  before = file_bytes_read()
   out = jax_ucp.restore(path, shardings=sh)
+  print("BYTES_READ", file_bytes_read() - before)
   for name, host in (("w", W), ("e", E), ("c", W.T)):
     a = out["params"][name]
     for s in a.addressable_shards:
@@ -94,5 +101,10 @@ def test_two_process_save_then_restore_in_one_and_two(tmp_path):
   assert_bit_exact(back["params"]["c"], W.T)
   assert back["step"] == 11
   assert_bit_exact(back["count"], np.int32(11))
-  # …and two processes read it onto another layout.
-  assert all("RESTORED OK" in o for o in _launch("restore", path))
+  # …and two processes read it onto another layout, each reading only its devices' slices.
+  outs = _launch("restore", path)
+  assert all("RESTORED OK" in o for o in outs)
+  total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path / "arrays") for f in fs)
+  per_process = [int(next(l for l in o.splitlines() if l.startswith("BYTES_READ")).split()[1]) for o in outs]
+  # w and c are split in half between the processes; e [6, 4] is split over "data" too.
+  assert all(0 < b < 0.75 * total for b in per_process), (per_process, total)
