@@ -16,7 +16,8 @@ from ucp_testing import REPO, assert_bit_exact
 SAVER = r"""
 import sys, numpy as np, jax, jax.numpy as jnp, orbax.checkpoint as ocp, jax_ucp
 mode, path = sys.argv[1], sys.argv[2]
-big = {f"t{i}": np.full((1280, 1024), i, np.float32) for i in range(60)}  # 300 MB
+block = np.full((1280, 1024), 7, np.float32)
+big = {f"t{i}": block for i in range(160)}  # 800 MB to write, so the kill lands mid-save even on fast disks
 if mode == "manager":
   with ocp.CheckpointManager(path) as mngr:
     mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave({"x": np.ones(4, np.float32)})))
