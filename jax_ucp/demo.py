@@ -79,6 +79,7 @@ def run(directory: Optional[str] = None, console=None) -> bool:
   from rich.table import Table
 
   import jax_ucp
+  from jax_ucp.handler.tree import flatten
 
   console = console or Console(width=max(160, Console().width))
   if jax.device_count() < 8:
@@ -102,8 +103,6 @@ def run(directory: Optional[str] = None, console=None) -> bool:
   mesh2 = Mesh(devices[6:8].reshape(1, 2), ("data", "model"))
   b = jax_ucp.restore(path, mesh=mesh2)
   plain = jax_ucp.restore(path)
-
-  from jax_ucp.handler.tree import flatten
 
   def flat(tree):
     return {key: leaf for key, _, leaf in flatten(tree)[0]}
