@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import typer
@@ -69,7 +68,6 @@ def inspect(path: str, limit: int = typer.Option(0, help="show only the first N 
 @_user_errors
 def verify(path: str):
   """Read every tensor (crc32c-checked) and report any that cannot be read."""
-  import numpy as np
   import jax_ucp
   from jax_ucp.handler import reader
   root = reader.find_checkpoint_dir(path)

@@ -24,7 +24,6 @@ def _model_state(mesh):
   import jax
   import jax.numpy as jnp
   import optax
-  from jax.sharding import NamedSharding
 
   class Block(nn.Module):
     @nn.compact

@@ -12,7 +12,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.format import keypath as keypath_lib

@@ -15,12 +15,10 @@ dtype and shape agree with the metadata.
 """
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import mmap
 import os
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -173,7 +171,7 @@ class DcpCheckpoint:
         raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
         if bytes(raw[:4]) == b"PK\x03\x04":
             try:
-                arr = _EmbeddedArchive(fpath, raw, c.byte_offset).load()
+                arr = _load_embedded(fpath, raw, c.byte_offset)
             except tp.TorchFileError as e:
                 raise DcpError(f"{where}: {e}") from None
             if not isinstance(arr, np.ndarray):
@@ -198,7 +196,7 @@ class DcpCheckpoint:
         where = f"object {name!r} in {fpath}"
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
         try:
-            return _EmbeddedArchive(fpath, raw, o.byte_offset).load(extra_classes)
+            return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
         except tp.TorchFileError as e:
             raise DcpError(f"{where}: {e}") from None
 
@@ -268,68 +266,13 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     return np.frombuffer(mm, np.uint8, count=length, offset=offset)
 
 
-class _ViewFile(io.RawIOBase):
-    """A seekable read-only file over a uint8 array (zipfile reads the central directory)."""
-
-    def __init__(self, buf: np.ndarray):
-        self._b = buf
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        base = {0: 0, 1: self._pos, 2: self._b.size}[whence]
-        self._pos = max(0, base + pos)
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._b.size - self._pos))
-        b[:n] = self._b[self._pos:self._pos + n].tobytes()
-        self._pos += n
-        return n
-
-
-class _EmbeddedArchive(tp.TorchArchive):
-    """A ``torch.save`` archive that is a byte range of a larger file (one DCP chunk).
-
-    Reuses TorchArchive's member resolution, restricted unpickler and storage checks; only the
-    opening differs (a view instead of a whole file).
-    """
-
-    def __init__(self, path: Path, view: np.ndarray, offset: int):  # noqa: D401 - no super().__init__
-        self.path = f"{path}@{offset}"
-        self._mm = view
-        self.size = int(view.size)
-        self._f = _ViewFile(view)
-        try:
-            self._zip = zipfile.ZipFile(self._f)
-            infos = self._zip.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise tp.TorchFileError(self.path, f"truncated or corrupt embedded archive ({e})") from None
-        self._infos = {i.filename: i for i in infos}
-        pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
-        if len(pkls) != 1:
-            raise tp.TorchFileError(self.path, f"expected one '<archive>/data.pkl' member, found {pkls or 'none'}")
-        self.prefix = pkls[0][: -len("data.pkl")]
-        bo = self._infos.get(self.prefix + "byteorder")
-        order = self.read_member(bo.filename).decode("ascii", "replace").strip() if bo else "little"
-        if order not in ("little", "big"):
-            raise tp.TorchFileError(self.path, f"unknown byteorder {order!r}")
-        self.byteorder = "<" if order == "little" else ">"
-        self._storages = {}
-
-    def load(self, extra_classes=None):
-        try:
-            return super().load(extra_classes)
-        finally:
-            self._zip.close()
+def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None):
+    """One DCP chunk: a ``torch.save`` archive that is a byte range of a ``.distcp`` file."""
+    arch = tp.TorchArchive.from_buffer(view, f"{path}@{offset}")
+    try:
+        return arch.load(extra_classes)
+    finally:
+        arch.close()
 
 
 # ----------------------------------------------------------------- opening

@@ -496,6 +496,34 @@ _LOCAL_MAGIC = 0x04034B50
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
+class _BufferFile(io.RawIOBase):
+    """A seekable read-only file over a uint8 array (zipfile reads the central directory)."""
+
+    def __init__(self, buf: np.ndarray):
+        self._b = buf
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self._pos, 2: self._b.size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._b.size - self._pos))
+        b[:n] = self._b[self._pos:self._pos + n].tobytes()
+        self._pos += n
+        return n
+
+
 class TorchArchive:
     """A torch zip archive opened read-only with one ``mmap``; members resolved lazily."""
 
@@ -516,16 +544,33 @@ class TorchArchive:
                         self.path, "legacy (pre-zip, torch<1.6) serialization is not supported; "
                                    "re-save it with torch.save(..., _use_new_zipfile_serialization=True)")
                 raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
-            self._mm = mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ)
-            self.size = size
-            try:
-                self._zip = zipfile.ZipFile(self._f)
-                infos = self._zip.infolist()
-            except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-                raise TorchFileError(self.path, f"truncated or corrupt zip archive ({e})") from None
+            self._open_zip(mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ), size, "zip archive")
         except BaseException:
             self._f.close()
             raise
+
+    @classmethod
+    def from_buffer(cls, view: np.ndarray, where: str) -> "TorchArchive":
+        """An archive that is a byte range of a larger file (e.g. one torch DCP chunk).
+
+        ``view``: a read-only uint8 array (typically a memory-mapped slice); ``where`` names it in
+        errors.  Tensors come back as views into it, like those of a whole file.
+        """
+        self = cls.__new__(cls)
+        self.path = where
+        self._f = _BufferFile(view)
+        self._open_zip(view, int(view.size), "embedded archive")
+        return self
+
+    def _open_zip(self, mm, size: int, what: str) -> None:
+        """Member table, pickle prefix and byte order: the same for a file and a byte range."""
+        self._mm = mm
+        self.size = size
+        try:
+            self._zip = zipfile.ZipFile(self._f)
+            infos = self._zip.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise TorchFileError(self.path, f"truncated or corrupt {what} ({e})") from None
         self._infos = {i.filename: i for i in infos}
         pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
