@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 from jax_ucp.importers.deepspeed import (
     DeepSpeedImportError, _steps, convert_deepspeed, is_deepspeed_checkpoint, open_deepspeed_checkpoint,
 )
@@ -125,74 +126,64 @@ def test_existing_destination_refused_unless_force(tmp_path):
 # ------------------------------------------------------------------ bad input
 
 
-def _copy(tmp_path, name: str) -> str:
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(FIX, name, "ckpt"), dst)
-    return str(dst)
-
-
-def _assert_untouched(dst):
-    assert not os.path.exists(dst)
-    leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
-    assert not leftovers, leftovers
 
 
 @pytest.mark.parametrize("name", ["z2_bf16_dp3", "z3_fp32_dp3"])
 def test_missing_dp_rank_file(tmp_path, name):
-    src = _copy(tmp_path, name)
+    src = copy_deepspeed_fixture(tmp_path, name)
     victim = glob.glob(os.path.join(src, "global_step2", "*zero_pp_rank_1_mp_rank_00_optim_states.pt"))[0]
     os.remove(victim)
     dst = str(tmp_path / "out")
     with pytest.raises(DeepSpeedImportError, match=os.path.basename(victim) + ".*missing optimizer file for DP rank 1"):
         convert_deepspeed(src, dst)
-    _assert_untouched(dst)
+    assert_destination_untouched(dst)
 
 
 def test_missing_stage3_model_states_file(tmp_path):
-    src = _copy(tmp_path, "z3_bf16_dp2")
+    src = copy_deepspeed_fixture(tmp_path, "z3_bf16_dp2")
     os.remove(os.path.join(src, "global_step2", "zero_pp_rank_1_mp_rank_00_model_states.pt"))
     with pytest.raises(DeepSpeedImportError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"):
         convert_deepspeed(src, tmp_path / "out")
-    _assert_untouched(str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
 
 
 def test_world_size_metadata_disagrees_with_files(tmp_path):
-    src = _copy(tmp_path, "z1_fp32_dp2")
+    src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
     tag = os.path.join(src, "global_step2")
     shutil.copy(os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
                 os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"))
     with pytest.raises(DeepSpeedImportError, match=r"world size metadata says 2 DP ranks.*zero_pp_rank_2"):
         convert_deepspeed(src, tmp_path / "out")
-    _assert_untouched(str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
 
 
 def test_checkpoint_from_another_world_size_mixed_in(tmp_path):
     """A dp3 rank-0 file next to dp2 files: partition counts disagree -> named error."""
-    src = _copy(tmp_path, "z2_fp32_dp2")
+    src = copy_deepspeed_fixture(tmp_path, "z2_fp32_dp2")
     shutil.copy(os.path.join(FIX, "z2_fp32_dp3", "ckpt", "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
                 os.path.join(src, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
     with pytest.raises(DeepSpeedImportError, match="mp_rank_00_model_states.pt: dp_world_size is 2 but the optimizer "
                                                   "files say 3|missing optimizer file for DP rank 2"):
         convert_deepspeed(src, tmp_path / "out")
-    _assert_untouched(str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
 
 
 @pytest.mark.parametrize("which", ["optim", "model"])
 def test_truncated_file(tmp_path, which):
-    src = _copy(tmp_path, "z2_bf16_dp2")
+    src = copy_deepspeed_fixture(tmp_path, "z2_bf16_dp2")
     pat = "bf16_zero_pp_rank_1_*optim*" if which == "optim" else "mp_rank_00_model_states.pt"
     victim = glob.glob(os.path.join(src, "global_step2", pat))[0]
     data = open(victim, "rb").read()
     open(victim, "wb").write(data[: len(data) // 2])
     with pytest.raises(TorchFileError, match=os.path.basename(victim)):
         convert_deepspeed(src, tmp_path / "out")
-    _assert_untouched(str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
 
 
 def test_not_a_checkpoint_and_bad_latest(tmp_path):
     with pytest.raises(DeepSpeedImportError, match="no DeepSpeed checkpoint here"):
         convert_deepspeed(tmp_path, tmp_path / "out")
-    src = _copy(tmp_path, "z1_fp32_dp2")
+    src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
     open(os.path.join(src, "latest"), "w").write("global_step9")
     with pytest.raises(DeepSpeedImportError, match="latest names tag 'global_step9'"):
         convert_deepspeed(src, tmp_path / "out")

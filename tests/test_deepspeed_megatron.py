@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 from jax_ucp.importers.deepspeed import DeepSpeedImportError, convert_deepspeed, open_deepspeed_checkpoint
 from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
 
@@ -112,16 +113,6 @@ def test_pipeline_tied_embedding_and_layer_files(converted):
 # ------------------------------------------------------------------ bad input
 
 
-def _copy(tmp_path, name: str) -> str:
-    dst = tmp_path / name
-    shutil.copytree(os.path.join(FIX, name, "ckpt"), dst)
-    return str(dst)
-
-
-def _assert_untouched(dst):
-    assert not os.path.exists(dst)
-    leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
-    assert not leftovers, leftovers
 
 
 @pytest.mark.parametrize("victim,match", [
@@ -131,21 +122,21 @@ def _assert_untouched(dst):
     ("layer_03-model_01-model_states.pt", r"layer_03-model_01-model_states\.pt: missing layer file"),
 ])
 def test_missing_tp_pp_rank_file(tmp_path, victim, match):
-    src = _copy(tmp_path, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic")
+    src = copy_deepspeed_fixture(tmp_path, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic")
     os.remove(os.path.join(src, TAG, victim))
     dst = str(tmp_path / "out")
     with pytest.raises(DeepSpeedImportError, match=match):
         convert_deepspeed(src, dst)
-    _assert_untouched(dst)
+    assert_destination_untouched(dst)
 
 
 def test_all_tp_ranks_but_zero_missing(tmp_path):
-    src = _copy(tmp_path, "megatron_ds_tp2_dp2_z1_bf16_synthetic")
+    src = copy_deepspeed_fixture(tmp_path, "megatron_ds_tp2_dp2_z1_bf16_synthetic")
     for f in glob.glob(os.path.join(src, TAG, "*mp_rank_01_*")):
         os.remove(f)
     with pytest.raises(DeepSpeedImportError, match=r"mp_world_size is 2|mp_rank_01_model_states\.pt: missing"):
         convert_deepspeed(src, tmp_path / "out")
-    _assert_untouched(str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
 
 
 def _tamper_replicated(ck, name: str, t: int, value: float) -> None:
@@ -173,7 +164,7 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
     with pytest.raises(DeepSpeedImportError, match=rf"{name}: replicated fragments disagree across TP ranks: rank 0 vs "
                                                    rf"rank\(s\) \[1\].*mp_rank_01_model_states\.pt"):
         convert_deepspeed(os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"), dst)
-    _assert_untouched(dst)
+    assert_destination_untouched(dst)
 
 
 def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
@@ -194,7 +185,7 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
     dst = str(tmp_path / "out")
     with pytest.raises(DeepSpeedImportError, match=rf"{name}: pipeline-tied copies disagree: stage 0 vs stage\(s\) \[1\]"):
         convert_deepspeed(os.path.join(FIX, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"), dst)
-    _assert_untouched(dst)
+    assert_destination_untouched(dst)
 
 
 def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):

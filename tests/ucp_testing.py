@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -52,3 +53,17 @@ def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True
   if check and p.returncode != 0:
     raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr[-4000:]}")
   return p
+
+
+def copy_deepspeed_fixture(tmp_path, name: str) -> str:
+  """A writable copy of tests/fixtures/deepspeed/<name>/ckpt (bad-input tests damage it)."""
+  dst = tmp_path / name
+  shutil.copytree(os.path.join(REPO, "tests", "fixtures", "deepspeed", name, "ckpt"), dst)
+  return str(dst)
+
+
+def assert_destination_untouched(dst) -> None:
+  """A failed import left neither the destination nor a temporary directory beside it."""
+  assert not os.path.exists(dst)
+  leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
+  assert not leftovers, leftovers

@@ -29,6 +29,7 @@ import tensorstore as ts
 
 from jax_ucp.language import views as V
 from jax_ucp.language.errors import MergeError, SpecError
+from jax_ucp.language.plain import parse_plain
 from jax_ucp.language.settings import derived, eval_int
 
 
@@ -615,27 +616,15 @@ def kind_from_obj(obj, *, where: str = "") -> Kind:
   Kind object. Nested kinds (``inner``) use the same form."""
   if isinstance(obj, Kind):
     return obj
-  if isinstance(obj, str):
-    obj = {"kind": obj}
-  if not isinstance(obj, Mapping) or "kind" not in obj:
-    raise SpecError(f"{where}a kind must be a name or a table with 'kind', got {obj!r}")
-  name = obj["kind"]
-  cls = KINDS.get(name)
-  if cls is None:
-    raise SpecError(f"{where}unknown kind {name!r} (known: {', '.join(sorted(KINDS))})")
-  fields = {f.name for f in dataclasses.fields(cls)}
-  kw = {}
-  for k, v in obj.items():
-    if k == "kind":
-      continue
-    if k not in fields:
-      raise SpecError(f"{where}kind {name!r} has no parameter {k!r} "
-                      f"(known: {', '.join(sorted(fields)) or 'none'})")
+
+  def convert(k, v):
     if k == "inner":
-      v = kind_from_obj(v, where=where + "inner: ")
-    elif isinstance(v, list):
-      v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
-    kw[k] = v
+      return kind_from_obj(v, where=where + "inner: ")
+    if isinstance(v, list):
+      return tuple(tuple(x) if isinstance(x, list) else x for x in v)
+    return v
+
+  cls, kw = parse_plain(obj, tag="kind", registry=KINDS, a_noun="a kind", where=where, convert=convert)
   try:
     return cls(**kw)
   except SpecError as e:

@@ -25,6 +25,7 @@ import tensorstore as ts
 
 from jax_ucp.language import views as V
 from jax_ucp.language.errors import SpecError, TransformError
+from jax_ucp.language.plain import parse_plain
 from jax_ucp.language.settings import eval_int
 
 Env = Mapping[str, Any]
@@ -341,20 +342,6 @@ def op_from_obj(obj, *, where: str = "") -> Op:
   """An Op from its plain form: ``"transpose"`` or ``{op = "unstack", axis = 0, var = "i"}``."""
   if isinstance(obj, Op):
     return obj
-  if isinstance(obj, str):
-    obj = {"op": obj}
-  if not isinstance(obj, Mapping) or "op" not in obj:
-    raise SpecError(f"{where}an op must be a name or a table with 'op', got {obj!r}")
-  name = obj["op"]
-  cls = OPS.get(name)
-  if cls is None:
-    raise SpecError(f"{where}unknown op {name!r} (known: {', '.join(sorted(OPS))})")
-  fields = {f.name for f in dataclasses.fields(cls)}
-  kw = {}
-  for k, v in obj.items():
-    if k == "op":
-      continue
-    if k not in fields:
-      raise SpecError(f"{where}op {name!r} has no parameter {k!r} (known: {', '.join(sorted(fields)) or 'none'})")
-    kw[k] = tuple(v) if isinstance(v, list) else v
+  cls, kw = parse_plain(obj, tag="op", registry=OPS, a_noun="an op", where=where,
+                        convert=lambda k, v: tuple(v) if isinstance(v, list) else v)
   return cls(**kw)
