@@ -108,6 +108,16 @@ def _bits(x: np.ndarray) -> np.ndarray:
   return x.view(np.uint8).reshape(x.shape + (-1,)).copy().view(np.dtype(("V", x.dtype.itemsize)))
 
 
+def _disagreements(arrs, label: str) -> tuple[list[int], str]:
+  """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
+  bad = {}
+  for r in range(1, len(arrs)):
+    d = _first_diff(arrs[0], arrs[r])
+    if d:
+      bad[r] = d
+  return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
+
+
 def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> Optional[str]:
   """None if a and b are bit-identical, else a short description of the difference."""
   if a.shape != b.shape:
@@ -192,16 +202,10 @@ class Replicated(Kind):
 
   def _merge(self, B, frags, name):
     if self.check and len(frags) > 1:
-      arrs = [_NP.wrap(f) for f in frags]
-      bad = {}
-      for r in range(1, len(arrs)):
-        d = _first_diff(arrs[0], arrs[r])
-        if d:
-          bad[r] = d
+      bad, detail = _disagreements([_NP.wrap(f) for f in frags], "rank")
       if bad:
-        detail = "; ".join(f"rank {r}: {d}" for r, d in list(bad.items())[:4])
         raise MergeError(f"{name}: {self.kind} fragments disagree across {self.what}: rank 0 vs "
-                         f"rank(s) {sorted(bad)} ({detail})")
+                         f"rank(s) {bad} ({detail})")
     return B.wrap(frags[0])
 
   def _split(self, full, n, name):
@@ -480,14 +484,9 @@ class PipelineTied(Kind):
   def _merge(self, B, frags, name):
     per_stage = [self.inner._merge(_NP, f, name) if self.inner is not None else _NP.wrap(f)
                  for f in frags]
-    bad = {}
-    for s in range(1, len(per_stage)):
-      d = _first_diff(per_stage[0], per_stage[s])
-      if d:
-        bad[s] = d
+    bad, detail = _disagreements(per_stage, "stage")
     if bad:
-      detail = "; ".join(f"stage {s}: {d}" for s, d in list(bad.items())[:4])
-      raise MergeError(f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {sorted(bad)} "
+      raise MergeError(f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {bad} "
                        f"({detail})")
     if B.lazy and self.inner is not None:
       return self.inner._merge(B, frags[0], name)

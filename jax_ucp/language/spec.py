@@ -50,6 +50,17 @@ def _when_ok(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
   return True
 
 
+def _with_rule_options(d: dict, rule) -> dict:
+  """The options import and restore rules share, written only when not the default."""
+  if not rule.required:
+    d["required"] = False
+  if rule.when:
+    d["when"] = dict(rule.when)
+  if rule.label:
+    d["label"] = rule.label
+  return d
+
+
 @dataclass(frozen=True)
 class ImportRule:
   """``pattern`` (regex over source parameter names) -> ``kind`` (how fragments merge)."""
@@ -64,14 +75,7 @@ class ImportRule:
     object.__setattr__(self, "_re", _compile(self.pattern, f"{self.label or 'import rule'}: "))
 
   def to_dict(self) -> dict:
-    d = {"pattern": self.pattern, **self.kind.to_dict()}
-    if not self.required:
-      d["required"] = False
-    if self.when:
-      d["when"] = dict(self.when)
-    if self.label:
-      d["label"] = self.label
-    return d
+    return _with_rule_options({"pattern": self.pattern, **self.kind.to_dict()}, self)
 
 
 @dataclass(frozen=True)
@@ -96,13 +100,7 @@ class RestoreRule:
       d["target"] = self.target
     if self.ops:
       d["ops"] = [o.to_dict() for o in self.ops]
-    if not self.required:
-      d["required"] = False
-    if self.when:
-      d["when"] = dict(self.when)
-    if self.label:
-      d["label"] = self.label
-    return d
+    return _with_rule_options(d, self)
 
 
 @dataclass(frozen=True)
