@@ -1,11 +1,17 @@
 """Benchmark: ``jax_ucp`` DeepSpeed import vs DeepSpeed's ``ds_to_universal`` on the same checkpoint.
 
-Each converter runs in its own process; wall time and peak memory of the whole process tree
-(ds_to_universal forks extraction/merge workers) are sampled from /proc every 20 ms: peak
-RssAnon (anonymous memory: what a converter really allocates; memory-mapped checkpoint pages are
-file-backed and reclaimable) and peak VmRSS. Also reports the largest tensor and the
-``RssAnon <= 2 x largest tensor + 0.5 GB`` goal, plus the baseline RssAnon of a process that only
-imports jax_ucp (JAX itself).
+Each converter runs as its command-line tool in its own process (``python -m jax_ucp.cli convert
+deepspeed`` vs ``python -m deepspeed.checkpoint.ds_to_universal``), plus ``convert_deepspeed``
+called from Python (its in-process time is printed as "conversion itself"). Wall time and peak
+memory of the whole process tree (ds_to_universal forks extraction/merge workers) are sampled
+from /proc every 20 ms: peak RssAnon (anonymous memory: what a converter really allocates;
+memory-mapped checkpoint pages are file-backed and reclaimable) and peak VmRSS.
+
+Two wall times: until the process exits, and until its output is durable (exit + ``sync``).
+jax_ucp fsyncs every file it writes (as Orbax/TensorStore do) before it exits; torch.save does
+not, so ds_to_universal exits with its output still in the page cache. Every run starts after a
+``sync`` and from a warm page cache of the input. Also reports the largest tensor and the
+``RssAnon <= 2 x largest tensor + 0.5 GB`` goal.
 
     python benchmarks/bench_deepspeed_convert.py tests/fixtures/deepspeed/z2_bf16_dp2/ckpt
     python benchmarks/bench_deepspeed_convert.py /tmp/dsbench/gpt110m_z2_bf16_dp2/ckpt --rounds 5 --json out.json
@@ -53,7 +59,8 @@ def _children(pid: int) -> list[int]:
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
-    """Wall time and peak (summed over the process tree) RssAnon / VmRSS of ``cmd``."""
+    """Wall time (to exit, and to durable output) and peak (process tree) RssAnon / VmRSS of ``cmd``."""
+    os.sync()  # nothing left over from an earlier run is charged to this one
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
     peak = {"RssAnon": 0, "VmRSS": 0}
@@ -76,9 +83,11 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     wall = time.perf_counter() - t0
     stop.set()
     th.join()
+    os.sync()
+    durable = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(f"{cmd[:4]}... failed ({p.returncode}):\n{err.decode()[-3000:]}")
-    res = {"wall_s": wall, "peak_rss_anon": peak["RssAnon"], "peak_vm_rss": peak["VmRSS"]}
+    res = {"wall_s": wall, "durable_s": durable, "peak_rss_anon": peak["RssAnon"], "peak_vm_rss": peak["VmRSS"]}
     for line in out.decode(errors="replace").splitlines():
         if line.startswith("CONVERT_S="):
             res["convert_s"] = float(line.split("=", 1)[1])
@@ -130,65 +139,65 @@ def main() -> None:
     a = ap.parse_args()
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    base = run_measured([sys.executable, "-c", "import jax_ucp, jax_ucp.importers.deepspeed, jax.numpy as j; j.zeros(1)"],
-                        env)
+    base = run_measured([sys.executable, "-c", "import jax_ucp.importers.deepspeed, jax_ucp.handler.host_writer"], env)
     results = []
     for src in a.checkpoints:
         biggest, n_params = largest_tensor_bytes(src)
         tmp = tempfile.mkdtemp(prefix="bench_ds_")
         try:
-            def ours_once():
-                out = os.path.join(tmp, "ucp")
+            def once(name: str, cmd: list[str]) -> dict:
+                out = os.path.join(tmp, name)
                 shutil.rmtree(out, ignore_errors=True)
                 warm_page_cache(tag_dir(src))
-                r = run_measured([sys.executable, "-c",
-                                  "import sys, time; from jax_ucp.importers.deepspeed import convert_deepspeed; "
-                                  "t = time.perf_counter(); convert_deepspeed(sys.argv[1], sys.argv[2]); "
-                                  "print(f'CONVERT_S={time.perf_counter() - t}')", src, out], env)
+                r = run_measured(cmd + [out], env)
                 r["out_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
                 shutil.rmtree(out)
                 return r
 
-            def ds_once():
-                out = os.path.join(tmp, "universal")
-                shutil.rmtree(out, ignore_errors=True)
-                warm_page_cache(tag_dir(src))
-                r = run_measured([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                                  tag_dir(src), "--output_folder", out, "--inject_missing_state"], env)
-                r["out_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
-                shutil.rmtree(out)
-                return r
-
-            ours_runs, ds_runs = [], []
-            for i in range(a.rounds):  # alternate, so both see the same (noisy) machine
-                ours_runs.append(ours_once())
-                if not a.skip_ds:
-                    ds_runs.append(ds_once())
-                print(f"  round {i + 1}: jax_ucp {ours_runs[-1]['wall_s']:.2f} s"
-                      + (f", ds_to_universal {ds_runs[-1]['wall_s']:.2f} s" if ds_runs else ""), flush=True)
-            ours = _median_run(ours_runs)
-            ds = _median_run(ds_runs) if ds_runs else None
+            commands = {
+                "jax_ucp CLI": [sys.executable, "-m", "jax_ucp.cli", "convert", "deepspeed", src],
+                "jax_ucp API": [sys.executable, "-c",
+                                "import sys, time; from jax_ucp.importers.deepspeed import convert_deepspeed; "
+                                "t = time.perf_counter(); convert_deepspeed(sys.argv[1], sys.argv[2]); "
+                                "print(f'CONVERT_S={time.perf_counter() - t}')", src],
+            }
+            if not a.skip_ds:
+                commands["ds_to_universal"] = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                                               "--inject_missing_state", "--input_folder", tag_dir(src),
+                                               "--output_folder"]
+            runs: dict[str, list[dict]] = {k: [] for k in commands}
+            for i in range(a.rounds):  # alternate, so all see the same (noisy) machine
+                for k, cmd in commands.items():
+                    runs[k].append(once(k.replace(" ", "_"), cmd))
+                print(f"  round {i + 1}: " + ", ".join(f"{k} {v[-1]['wall_s']:.2f} s" for k, v in runs.items()),
+                      flush=True)
+            med = {k: _median_run(v) for k, v in runs.items()}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         in_bytes = sum(os.path.getsize(os.path.join(tag_dir(src), f)) for f in os.listdir(tag_dir(src)))
         goal = 2 * biggest + 0.5 * 2**30
-        r = {"checkpoint": src, "n_params": n_params, "checkpoint_bytes": in_bytes, "largest_tensor_fp32_bytes": biggest,
-             "jax_ucp": ours, "ds_to_universal": ds, "baseline_import_jax_rss_anon": base["peak_rss_anon"],
-             "rss_goal_bytes": goal, "rss_goal_met": ours["peak_rss_anon"] <= goal,
-             "speedup": (ds["wall_s"] / ours["wall_s"]) if ds else None}
+        ours, api, ds = med["jax_ucp CLI"], med["jax_ucp API"], med.get("ds_to_universal")
+        peak_ours = max(ours["peak_rss_anon"], api["peak_rss_anon"])
+        r = {"checkpoint": src, "n_params": n_params, "checkpoint_bytes": in_bytes,
+             "largest_tensor_fp32_bytes": biggest, "rounds": a.rounds, "results": med,
+             "baseline_import_rss_anon": base["peak_rss_anon"], "rss_goal_bytes": goal,
+             "rss_goal_met": peak_ours <= goal,
+             "speedup_exit": (ds["wall_s"] / ours["wall_s"]) if ds else None,
+             "speedup_durable": (ds["durable_s"] / ours["durable_s"]) if ds else None}
         results.append(r)
         mb = 2**20
         print(f"\n{src}: {n_params:,} params, {in_bytes/mb:.0f} MiB on disk, largest tensor {biggest/mb:.1f} MiB")
         print(f"  medians over {a.rounds} alternating round(s)")
-        print(f"  {'':18}{'wall s':>9}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}")
-        print(f"  {'jax_ucp convert':18}{ours['wall_s']:9.2f}{ours['peak_rss_anon']/mb:18.0f}{ours['peak_vm_rss']/mb:16.0f}"
-              f"   (conversion itself {ours.get('convert_s', float('nan')):.2f} s, rest is interpreter + JAX import)")
+        print(f"  {'':18}{'exit s':>8}{'durable s':>11}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}{'out MiB':>9}")
+        for k, v in med.items():
+            print(f"  {k:18}{v['wall_s']:8.2f}{v['durable_s']:11.2f}{v['peak_rss_anon']/mb:18.0f}"
+                  f"{v['peak_vm_rss']/mb:16.0f}{v['out_bytes']/mb:9.0f}")
+        print(f"  (jax_ucp conversion itself, in-process: {api.get('convert_s', float('nan')):.2f} s)")
         if ds:
-            print(f"  {'ds_to_universal':18}{ds['wall_s']:9.2f}{ds['peak_rss_anon']/mb:18.0f}{ds['peak_vm_rss']/mb:16.0f}")
-            print(f"  speed-up {r['speedup']:.1f}x; output bytes: jax_ucp {ours['out_bytes']/mb:.0f} MiB, "
-                  f"ds_to_universal {ds['out_bytes']/mb:.0f} MiB")
+            print(f"  speed-up of the CLI vs ds_to_universal: {r['speedup_exit']:.1f}x to exit, "
+                  f"{r['speedup_durable']:.1f}x to durable output")
         print(f"  RssAnon goal (2 x largest + 0.5 GiB) = {goal/mb:.0f} MiB: {'met' if r['rss_goal_met'] else 'NOT met'}"
-              f" (baseline of importing jax_ucp alone: {base['peak_rss_anon']/mb:.0f} MiB)")
+              f" (a process that only imports the converter: {base['peak_rss_anon']/mb:.0f} MiB)")
     if a.json:
         json.dump(results, open(a.json, "w"), indent=1)
 

@@ -2,15 +2,44 @@
 
 Save distributed (each process writes its own shards), land every tensor as one consolidated
 zarr v3 array, restore onto any mesh; import DeepSpeed / Megatron checkpoints.
+
+The JAX/Orbax-facing names are loaded on first use (PEP 562): importers and the ``convert``
+command are host-only and start without paying JAX's and Orbax's import (~1 s).
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from jax_ucp.format import Manifest, ManifestError, TensorEntry, ValueEntry
-from jax_ucp.handler import (
-    CheckpointError, UCPCheckpointHandler, UCPRestore, UCPSave, inspect, restore, save,
-)
-from jax_ucp.sharding import ShardingMismatchError
+from jax_ucp.format import Manifest, ManifestError, TensorEntry, ValueEntry  # noqa: E402  (no JAX)
+
+_LAZY = {
+    "CheckpointError": "jax_ucp.handler.reader",
+    "UCPCheckpointHandler": "jax_ucp.handler.checkpoint_handler",
+    "UCPRestore": "jax_ucp.handler.checkpoint_handler",
+    "UCPSave": "jax_ucp.handler.checkpoint_handler",
+    "inspect": "jax_ucp.handler.api",
+    "restore": "jax_ucp.handler.api",
+    "save": "jax_ucp.handler.api",
+    "ShardingMismatchError": "jax_ucp.sharding.specs",
+}
+
+__all__ = ["Manifest", "ManifestError", "TensorEntry", "ValueEntry", "convert", *_LAZY]
+
+
+def __getattr__(name: str):
+  module = _LAZY.get(name)
+  if module is None:
+    raise AttributeError(f"module 'jax_ucp' has no attribute {name!r}")
+  value = getattr(importlib.import_module(module), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_LAZY))
 
 
 def convert(source, dest, *, spec=None, **kwargs):

@@ -93,3 +93,65 @@ def test_sigkill_during_forced_standalone_save_keeps_old_checkpoint(tmp_path):
   jax_ucp.save(path, {"new": np.ones(3, np.float32)}, force=True)
   assert list(jax_ucp.restore(path)) == ["new"]
   assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+HOST_WRITER = r"""
+import sys, numpy as np
+from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+block = np.full((1280, 1024), 7, np.float32)
+write_host_checkpoint(sys.argv[1], (HostItem(("params", f"t{i}"), block) for i in range(160)), force=True)
+print("DONE", flush=True)
+"""
+
+
+def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tmp_path):
+  """Imports commit without Orbax (temporary sibling + rename): same guarantees, same cleanup."""
+  from jax_ucp.handler import commit
+  from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+
+  path = tmp_path / "ckpt"
+  write_host_checkpoint(path, iter([HostItem(("old",), np.arange(10, dtype=np.int32))]))
+  p = subprocess.Popen([sys.executable, "-c", HOST_WRITER, str(path)], env=dict(os.environ, PYTHONPATH=REPO),
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    partial = _wait_for_partial(tmp_path, "ckpt" + commit.TMP_MARK)
+    p.send_signal(signal.SIGKILL)
+    p.wait(30)
+  finally:
+    p.kill()
+  assert os.path.isdir(partial)
+  assert list(jax_ucp.restore(path)) == ["old"]
+  # A live writer's temporary directory (another process on this host) must survive cleanup.
+  sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+  try:
+    live = f"{path}{commit.TMP_MARK}{commit.socket.gethostname()}.{sleeper.pid}.1"
+    os.makedirs(live)
+    write_host_checkpoint(path, iter([HostItem(("new",), np.ones(3, np.float32))]), force=True)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", os.path.basename(live)]  # the killed one's is gone
+  finally:
+    sleeper.kill()
+  assert list(jax_ucp.restore(path)) == ["new"]
+
+
+def test_import_path_needs_neither_jax_nor_orbax(tmp_path):
+  """A conversion is host-only: it must not pay JAX's and Orbax's import (~1 s)."""
+  code = ("import sys; from jax_ucp.importers.detect import convert; convert(sys.argv[1], sys.argv[2]); "
+          "import jax_ucp.cli; print(sorted(m for m in ('jax', 'orbax.checkpoint', 'torch') if m in sys.modules))")
+  src = os.path.join(REPO, "tests", "fixtures", "deepspeed", "z2_bf16_dp2", "ckpt")
+  out = subprocess.run([sys.executable, "-c", code, src, str(tmp_path / "ucp")], env=dict(os.environ, PYTHONPATH=REPO),
+                       capture_output=True, text=True, check=True)
+  assert out.stdout.strip() == "[]", out.stdout + out.stderr
+  assert "params" in jax_ucp.restore(tmp_path / "ucp")
+
+
+def test_host_write_from_inside_a_running_event_loop(tmp_path):
+  """Notebooks run an event loop: the standalone write must not call asyncio.run on it."""
+  import asyncio
+
+  from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+
+  async def main():
+    return write_host_checkpoint(tmp_path / "c", iter([HostItem(("x",), np.arange(4.0))]))
+
+  out = asyncio.run(main())
+  assert_bit_exact(jax_ucp.restore(out)["x"], np.arange(4.0))

@@ -43,13 +43,13 @@ def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkey
 def test_pipelined_writer_bounds_bytes_in_flight(tmp_path):
   """Pipelining never holds more than the byte cap (plus one tensor) of pending writes."""
   import asyncio
-  from jax_ucp.handler import save_plan
+  from jax_ucp.handler import tensor_writes
 
   async def run():
-    w = save_plan.PipelinedWriter(tmp_path, max_bytes=3 * 4096, max_tensors=64)
-    opts = save_plan.SaveOptions()
+    w = tensor_writes.PipelinedWriter(tmp_path, max_bytes=3 * 4096, max_tensors=64)
+    opts = tensor_writes.SaveOptions()
     for i in range(10):
-      p = save_plan.prepare_host_tensor((f"t{i}",), ("key",), np.full(1024, i, np.float32), opts, primary=True)
+      p = tensor_writes.prepare_host_tensor((f"t{i}",), ("key",), np.full(1024, i, np.float32), opts, primary=True)
       await w.add(p)
       assert w._bytes <= 3 * 4096 and len(w._pending) <= 3
     await w.flush()

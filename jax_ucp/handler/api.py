@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any, Optional, Sequence
 
 import jax
@@ -12,25 +11,12 @@ from orbax.checkpoint._src.multihost import multihost
 
 from jax_ucp import format as fmt
 from jax_ucp.handler import checkpoint_handler
+from jax_ucp.handler import commit
 from jax_ucp.handler import reader
-
-_REPLACING = ".ucp-replacing"
-_REPLACED = ".ucp-replaced"
-
 
 def _barrier(name: str) -> None:
   if jax.process_count() > 1:
     multihost.sync_global_processes(name)
-
-
-def remove_failed_save_leftovers(dest: str) -> None:
-  """Temporary directories of a save of ``dest`` that failed in this process."""
-  parent, name = os.path.split(os.path.abspath(dest))
-  if not os.path.isdir(parent):
-    return
-  for d in os.listdir(parent):
-    if d.startswith(name + ".orbax-checkpoint-tmp"):
-      shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
 
 
 def atomic_save(path: str, args, *, force: bool) -> None:
@@ -45,33 +31,19 @@ def atomic_save(path: str, args, *, force: bool) -> None:
   if exists and not force:
     raise FileExistsError(f"{path} already exists; pass force=True to replace it "
                           f"(the old checkpoint is kept until the new one is committed).")
-  target = path + _REPLACING if exists else path
+  target = path + commit.REPLACING if exists else path
   handler = checkpoint_handler.UCPCheckpointHandler()
   try:
     with ocp.Checkpointer(handler) as ckptr:
       ckptr.save(target, args=args, force=exists)
   except BaseException:
     if multihost.is_primary_host(0):
-      remove_failed_save_leftovers(target)
+      commit.remove_failed_save_leftovers(target)
     raise
   if exists:
     if multihost.is_primary_host(0):
-      replace_committed(target, path)
+      commit.replace_committed(target, path)
     _barrier("jax_ucp:force_swap")
-
-
-def replace_committed(new: str, path: str) -> None:
-  """Swaps a committed directory ``new`` in for ``path`` (primary process only).
-
-  Two renames: at every instant either the old or the new checkpoint is whole at ``path`` or
-  ``path + .ucp-replaced``; the old one is deleted only after the new one is in place.
-  """
-  old = path + _REPLACED
-  if os.path.exists(old):
-    shutil.rmtree(old)
-  os.rename(path, old)
-  os.rename(new, path)
-  shutil.rmtree(old)
 
 
 def save(path, tree, *, force: bool = False, logical_axes: Any = None,

@@ -9,7 +9,7 @@ temporary-path + commit machinery makes the save atomic.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence
+from typing import Any, Iterable, List, Optional, Sequence
 
 import jax
 from etils import epath
@@ -22,7 +22,9 @@ from orbax.checkpoint._src.multihost import multihost
 
 from jax_ucp import format as fmt
 from jax_ucp.handler import reader
+from jax_ucp import store
 from jax_ucp.handler import save_plan
+from jax_ucp.handler import tensor_writes
 from jax_ucp.handler import stream
 
 
@@ -39,14 +41,14 @@ class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
     return multihost.is_primary_host(self._primary_host)
 
   def _prepare(self, args: "UCPSave", *, copy: bool):
-    options = save_plan.SaveOptions(
+    options = tensor_writes.SaveOptions(
         compression=args.compression, compression_level=args.compression_level,
-        inner_chunk_bytes=args.inner_chunk_bytes or save_plan.store.DEFAULT_INNER_CHUNK_BYTES,
+        inner_chunk_bytes=args.inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
         checksum=args.checksum)
     primary = self._is_primary()
     entries, prepared = save_plan.prepare_tree(args.item, options, primary=primary, copy=copy,
                                                logical_axes=args.logical_axes)
-    manifest = save_plan.build_manifest(entries, source=args.source)
+    manifest = tensor_writes.build_manifest(entries, source=args.source)
     self.last_written = [(p.entry.name, tuple((s.start, s.stop) for s in idx))
                          for p in prepared for idx, _ in p.writes]
     return manifest, prepared, primary
@@ -59,9 +61,8 @@ class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
 
   async def async_save(self, directory: epath.Path, item: Any = None,
                        args: Optional["UCPSave"] = None) -> Optional[List[future.Future]]:
-    if isinstance(args, stream.UCPStreamSave):
-      return [future.CommitFutureAwaitingContractedSignals(
-          stream.write_stream(directory, args), name="ucp_stream_save")]
+    if isinstance(args, UCPStreamSave):
+      return [future.CommitFutureAwaitingContractedSignals(_write_stream(directory, args), name="ucp_stream_save")]
     if args is None:
       args = UCPSave(item)
     manifest, prepared, primary = self._prepare(args, copy=True)
@@ -69,8 +70,8 @@ class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         self._write(directory, manifest, prepared, primary), name="ucp_save")]
 
   def save(self, directory: epath.Path, item: Any = None, args: Optional["UCPSave"] = None):
-    if isinstance(args, stream.UCPStreamSave):
-      return asyncio_utils.run_sync(stream.write_stream(epath.Path(directory), args))
+    if isinstance(args, UCPStreamSave):
+      return asyncio_utils.run_sync(_write_stream(directory, args))
     if args is None:
       args = UCPSave(item)
     # Synchronous: the caller's arrays stay alive until we return, so no host copy is needed.
@@ -132,4 +133,21 @@ class UCPRestore(checkpoint_args.CheckpointArgs):
   dtype: Any = None
 
 
-checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)(stream.UCPStreamSave)
+@checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class UCPStreamSave(checkpoint_args.CheckpointArgs):
+  """Save args for a stream of ``HostItem`` (single process: the primary writes everything).
+
+  What importers use to write a CheckpointManager step; a standalone import commits without
+  Orbax (``host_writer``).
+  """
+
+  items: Iterable[stream.HostItem]
+  source: Optional[dict] = None
+  compression: Optional[str] = None
+  inner_chunk_bytes: Optional[int] = None
+
+
+def _write_stream(directory, args: UCPStreamSave):
+  return stream.write_stream(directory, args.items, source=args.source, compression=args.compression,
+                             inner_chunk_bytes=args.inner_chunk_bytes)

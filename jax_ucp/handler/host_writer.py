@@ -1,21 +1,23 @@
 """Streaming writes of host data (importers), committed atomically.
 
 An importer yields ``HostItem``s; each is written as it comes, with a bounded number of bytes in
-flight (``save_plan.PipelinedWriter``), so peak memory is a few tensors, not the checkpoint.  The
-directory is committed by Orbax's temporary path + rename: if the generator raises, the
-destination is untouched.
+flight (``tensor_writes.PipelinedWriter``), so peak memory is a few tensors, not the checkpoint.
+A standalone import is written into a temporary sibling directory and renamed into place
+(``commit``) without importing JAX or Orbax — a conversion is a host-only job and their import
+was ~1 s of it; as step N of a CheckpointManager directory it goes through Orbax's manager. Either
+way, if the generator raises, the destination is untouched.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import shutil
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
-import orbax.checkpoint as ocp
-
-from jax_ucp.handler import api
-from jax_ucp.handler.stream import HostItem, UCPStreamSave
+from jax_ucp.handler import commit
+from jax_ucp.handler.stream import HostItem, write_stream
 
 
 def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = False,
@@ -25,13 +27,42 @@ def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = Fals
 
   Returns the UCP directory (the one holding ucp.json).
   """
-  dest = os.path.abspath(os.fspath(dest))
-  args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
+  dest = os.path.abspath(os.fspath(dest)).rstrip("/")
   if step is None:
     if os.path.exists(dest) and not force:
       raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
-    api.atomic_save(dest, args, force=force)
+    commit.remove_stale_temporaries(dest)
+    tmp = commit.temporary_path(dest)
+    try:
+      os.makedirs(tmp)
+      _run(write_stream(tmp, items, source=source, compression=compression))
+      commit.commit(tmp, dest)
+    except BaseException:
+      shutil.rmtree(tmp, ignore_errors=True)
+      raise
     return dest
+  return _write_manager_step(dest, items, step=step, force=force, source=source, item_name=item_name,
+                             compression=compression)
+
+
+def _run(coro) -> None:
+  """``asyncio.run``, also from code that already runs an event loop (a notebook)."""
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    asyncio.run(coro)
+    return
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    pool.submit(asyncio.run, coro).result()
+
+
+def _write_manager_step(dest: str, items: Iterable[HostItem], *, step: int, force: bool,
+                        source: Optional[Mapping], item_name: str, compression: Optional[str]) -> str:
+  import orbax.checkpoint as ocp
+
+  from jax_ucp.handler.checkpoint_handler import UCPStreamSave
+
+  args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
   step_dir = os.path.join(dest, str(step))
   replacing = os.path.exists(step_dir)
   if replacing and not force:
@@ -47,12 +78,12 @@ def write_host_checkpoint(dest, items: Iterable[HostItem], *, force: bool = Fals
       mngr.save(step, args=ocp.args.Composite(**{item_name: args}))
       mngr.wait_until_finished()
     except BaseException:
-      api.remove_failed_save_leftovers(os.path.join(root, str(step)))
+      commit.remove_failed_save_leftovers(os.path.join(root, str(step)))
       if replacing:
         shutil.rmtree(root, ignore_errors=True)
       raise
   if replacing:
-    api.replace_committed(os.path.join(root, str(step)), step_dir)
+    commit.replace_committed(os.path.join(root, str(step)), step_dir)
     shutil.rmtree(root)
   return os.path.join(step_dir, item_name)
 
