@@ -8,6 +8,7 @@ Everything here is also what forced replacement uses (never delete the old check
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import socket
@@ -71,12 +72,33 @@ def fsync_dir(path: str) -> None:
     os.close(fd)
 
 
-def make_durable(root: str) -> None:
-  """fsyncs what TensorStore did not: ``ucp.json`` and the directories that name new entries.
+def sync_filesystem(path: str) -> None:
+  """syncfs(2) on the file system holding ``path``: waits for every dirty page and the journal.
 
-  TensorStore fsyncs every file it writes and the directory holding it; the array directories
-  themselves are entries of ``arrays/`` and of the root.
+  Falls back to sync(2) where libc has no syncfs (non-Linux).
   """
+  try:
+    syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+  except (OSError, AttributeError):
+    os.sync()
+    return
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    if syncfs(fd) != 0:
+      err = ctypes.get_errno()
+      raise OSError(err, f"syncfs: {os.strerror(err)}", path)
+  finally:
+    os.close(fd)
+
+
+def make_durable(root: str) -> None:
+  """Everything under ``root`` on disk before it is committed.
+
+  Writers that deferred durability (``sync=False``: no fsync per file, write-back started early)
+  are covered by one syncfs; then ``ucp.json`` and the directories that name new entries are
+  fsynced explicitly (cheap after syncfs; what a per-file fsync writer still needs).
+  """
+  sync_filesystem(root)
   manifest = os.path.join(root, fmt.MANIFEST_FILE)
   fd = os.open(manifest, os.O_RDONLY)
   try:

@@ -35,13 +35,16 @@ class HostItem:
 
 async def write_stream(directory: os.PathLike | str, items: Iterable[HostItem], *,
                        source: Optional[Mapping] = None, compression: Optional[str] = None,
-                       inner_chunk_bytes: Optional[int] = None) -> None:
-  """Writes every item under ``directory``, then ``ucp.json`` (single process: the primary)."""
+                       inner_chunk_bytes: Optional[int] = None, sync: bool = True) -> None:
+  """Writes every item under ``directory``, then ``ucp.json`` (single process: the primary).
+
+  ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
+  """
   directory = os.fspath(directory)
   options = tensor_writes.SaveOptions(
       compression=compression, inner_chunk_bytes=inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES)
   entries: list[fmt.Entry] = []
-  writer = tensor_writes.PipelinedWriter(directory)
+  writer = tensor_writes.PipelinedWriter(directory, sync=sync)
   try:
     for item in items:
       key = tuple(str(k) for k in item.key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -16,6 +17,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
+from jax_ucp.store import shard_file
 
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
@@ -93,24 +95,48 @@ def _write_error(p: PreparedTensor, kv, e: Exception) -> IOError:
                  f"to {kv.get('path', kv)}: {e}")
 
 
-async def write_tensor(root, p: PreparedTensor, *, primary: bool) -> None:
-  """Creates (primary) or attaches to (others) the array and writes this process's shards."""
+async def write_tensor(root, p: PreparedTensor, *, primary: bool, sync: bool = True) -> None:
+  """Creates (primary) or attaches to (others) the array and writes this process's shards.
+
+  ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
+  it (``commit.make_durable``).
+  """
   kv = store.kvstore_spec(root, p.entry.dir)
   try:
-    t = await store.create(kv, p.layout, primary=primary)
-    for c in _issue_writes(t, p):
+    t = await store.create(kv, p.layout, primary=primary, sync=sync)
+    for c in _issue_writes(t, p, kv, sync):
       await c
   except Exception as e:
     raise _write_error(p, kv, e) from e
 
 
-def _issue_writes(t: ts.TensorStore, p: PreparedTensor) -> list[ts.Future]:
+def _chunk_position(index, chunk_shape) -> tuple[int, ...] | None:
+  """Grid position of the shard that ``index`` (a tuple of slices) covers exactly, else None."""
+  if len(index) != len(chunk_shape):
+    return None
+  pos = []
+  for sl, c in zip(index, chunk_shape):
+    start = sl.start or 0
+    if start % c:
+      return None
+    pos.append(start // c)
+  return tuple(pos)
+
+
+def _issue_writes(t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], sync: bool) -> list:
+  """Starts every shard write of ``p``; whole shards of host memory go through ``shard_file``."""
   commits = []
+  loop = asyncio.get_running_loop()
   for index, data in p.writes:
     if callable(data):
       data = data()
     if p.layout.shape and 0 in p.layout.shape:
       continue  # nothing to store for a zero-size array; zarr.json says it all
+    position = _chunk_position(index, p.layout.chunk_shape) if index else None
+    if position is not None and shard_file.can_write(p.layout, data, kv):
+      commits.append(loop.run_in_executor(shard_file.pool(), functools.partial(
+          shard_file.write, kv["path"], position, data, p.layout, sync=sync)))
+      continue
     target = t[index] if index else t
     commits.append(target.write(data, can_reference_source_data_indefinitely=p.stable_source).commit)
   return commits
@@ -124,14 +150,15 @@ class PipelinedWriter:
   imports); the byte and count caps bound the memory that pipelining adds.
   """
 
-  def __init__(self, root, *, max_bytes: int = 256 << 20, max_tensors: int = 64):
+  def __init__(self, root, *, max_bytes: int = 256 << 20, max_tensors: int = 64, sync: bool = True):
     self.root = str(root)
+    self.sync = sync
     self.max_bytes, self.max_tensors = max_bytes, max_tensors
     self._pending: list[tuple[asyncio.Task, int]] = []
     self._bytes = 0
 
   async def add(self, p: PreparedTensor) -> None:
-    task = asyncio.ensure_future(write_tensor(self.root, p, primary=True))
+    task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
     self._pending.append((task, p.entry.nbytes))
     self._bytes += p.entry.nbytes
     await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made

@@ -86,16 +86,16 @@ def array_spec(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
   }
 
 
-_CONTEXT: Optional[ts.Context] = None
+_CONTEXTS: dict[bool, ts.Context] = {}
 # Enough to keep shard indices (and partly read inner chunks) while one restore runs: without a
 # cache every inner-chunk read re-fetches its shard's index (measured: restores 1.7x slower).
 READ_CACHE_BYTES = 64 << 20
 
 
-def _context_spec(cache_bytes: int) -> dict:
+def _context_spec(cache_bytes: int, sync: bool = True) -> dict:
   return {
       "cache_pool": {"total_bytes_limit": cache_bytes},
-      "file_io_sync": True,
+      "file_io_sync": sync,
       # fsync-bound writes need many in flight (Orbax uses the same limit).
       "file_io_concurrency": {"limit": 128},
       # Decoding + crc32c of inner chunks overlaps with disk reads only with more threads than
@@ -104,12 +104,15 @@ def _context_spec(cache_bytes: int) -> dict:
   }
 
 
-def context() -> ts.Context:
-  """The shared write context: no cache (a save never re-reads), fsync for durability."""
-  global _CONTEXT
-  if _CONTEXT is None:
-    _CONTEXT = ts.Context(_context_spec(0))
-  return _CONTEXT
+def context(sync: bool = True) -> ts.Context:
+  """The shared write context: no cache (a save never re-reads), fsync for durability.
+
+  ``sync=False`` is for writers that make the whole directory durable before committing it
+  (``handler.commit``): one syncfs instead of an fsync per file.
+  """
+  if sync not in _CONTEXTS:
+    _CONTEXTS[sync] = ts.Context(_context_spec(0, sync))
+  return _CONTEXTS[sync]
 
 
 def read_context() -> ts.Context:
@@ -117,7 +120,7 @@ def read_context() -> ts.Context:
   return ts.Context(_context_spec(READ_CACHE_BYTES))
 
 
-def create(kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = True) -> ts.Future:
+def create(kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = True, sync: bool = True) -> ts.Future:
   """Opens an array for writing; only the primary process writes ``zarr.json``.
 
   Other processes ``assume_metadata`` and never touch the metadata file, so writers on different
@@ -125,8 +128,8 @@ def create(kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = T
   """
   spec = array_spec(kvstore, layout)
   if primary:
-    return ts.open(spec, create=True, open=False, context=context())
-  return ts.open(spec, open=True, assume_metadata=True, context=context())
+    return ts.open(spec, create=True, open=False, context=context(sync))
+  return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
 
 
 def open_array(kvstore: Mapping[str, Any], *, dtype: Optional[str] = None,
