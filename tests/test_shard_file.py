@@ -133,3 +133,16 @@ def test_non_contiguous_source_and_bf16_import_stream(tmp_path):
   back = jax_ucp.restore(out)
   assert_bit_exact(back["t"], np.ascontiguousarray(base.T))
   assert_bit_exact(back["b"], np.ascontiguousarray(bf[::2]))
+
+
+def test_short_writes_are_completed(tmp_path, monkeypatch):
+  """os.writev may write less than asked (signals, quotas, some file systems): the rest follows."""
+  real_writev = os.writev
+  monkeypatch.setattr(shard_file.os, "writev", lambda fd, bufs: real_writev(fd, [memoryview(bufs[0]).cast("B")[:5]]))
+  layout = store.ArrayLayout(shape=(8, 4), dtype="int16", chunk_shape=(8, 4), inner_chunk_shape=(2, 4))
+  value = np.arange(32, dtype=np.int16).reshape(8, 4)
+  kv = store.kvstore_spec(str(tmp_path), "a")
+  store.create(kv, layout).result()
+  nbytes = shard_file.write(kv["path"], (0, 0), value, layout)
+  assert os.path.getsize(os.path.join(kv["path"], "c", "0", "0")) == nbytes == 4 * (16 + 4) + 4 * 16 + 4
+  assert_bit_exact(store.open_array(kv).result().read().result(), value)

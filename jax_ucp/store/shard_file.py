@@ -113,14 +113,11 @@ def write(array_dir: str, chunk_position: Sequence[int], data: np.ndarray, layou
   total = sum(memoryview(p).nbytes for p in parts)
   fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
   try:
-    written = 0
     for i in range(0, len(parts), _IOV_MAX):
       batch = parts[i:i + _IOV_MAX]
-      want = sum(memoryview(p).nbytes for p in batch)
       n = os.writev(fd, batch)
-      if n != want:  # short write (rare on local disks): finish it piece by piece
+      if n != sum(memoryview(p).nbytes for p in batch):  # short write: finish piece by piece
         _write_rest(fd, batch, n)
-      written += want
     if sync:
       os.fsync(fd)
     elif hasattr(os, "posix_fadvise"):
@@ -128,8 +125,6 @@ def write(array_dir: str, chunk_position: Sequence[int], data: np.ndarray, layou
       os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
   finally:
     os.close(fd)
-  if written != total:
-    raise IOError(f"{path}: wrote {written} of {total} bytes")
   if sync:
     names = key.split("/")[:-1]
     for depth in range(len(names), -1, -1):  # c/0/.. up to the array directory itself
@@ -147,6 +142,8 @@ def _write_rest(fd: int, batch: list, done: int) -> None:
     done = 0
     while mv.nbytes:
       n = os.write(fd, mv)
+      if n <= 0:
+        raise IOError(f"write returned {n} with {mv.nbytes} bytes left")
       mv = mv[n:]
 
 
