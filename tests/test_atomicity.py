@@ -133,11 +133,12 @@ def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tm
   assert list(jax_ucp.restore(path)) == ["new"]
 
 
-def test_import_path_needs_neither_jax_nor_orbax(tmp_path):
+@pytest.mark.parametrize("fixture", ["deepspeed/z2_bf16_dp2/ckpt", "megatron/gpt_tp2"])
+def test_import_path_needs_neither_jax_nor_orbax(tmp_path, fixture):
   """A conversion is host-only: it must not pay JAX's and Orbax's import (~1 s)."""
   code = ("import sys; from jax_ucp.importers.detect import convert; convert(sys.argv[1], sys.argv[2]); "
           "import jax_ucp.cli; print(sorted(m for m in ('jax', 'orbax.checkpoint', 'torch') if m in sys.modules))")
-  src = os.path.join(REPO, "tests", "fixtures", "deepspeed", "z2_bf16_dp2", "ckpt")
+  src = os.path.join(REPO, "tests", "fixtures", *fixture.split("/"))
   out = subprocess.run([sys.executable, "-c", code, src, str(tmp_path / "ucp")], env=dict(os.environ, PYTHONPATH=REPO),
                        capture_output=True, text=True, check=True)
   assert out.stdout.strip() == "[]", out.stdout + out.stderr
