@@ -9,7 +9,7 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 
 from __future__ import annotations
 
-import importlib
+from jax_ucp._lazy import lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -29,17 +29,7 @@ _LAZY = {
 __all__ = ["Manifest", "ManifestError", "TensorEntry", "ValueEntry", "convert", *_LAZY]
 
 
-def __getattr__(name: str):
-  module = _LAZY.get(name)
-  if module is None:
-    raise AttributeError(f"module 'jax_ucp' has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 
 def convert(source, dest, *, spec=None, **kwargs):

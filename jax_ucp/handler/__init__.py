@@ -6,7 +6,7 @@ Names are loaded on first use: ``host_writer`` / ``stream`` / ``tensor_writes`` 
 
 from __future__ import annotations
 
-import importlib
+from jax_ucp._lazy import lazy_attributes
 
 _LAZY = {
     "inspect": "jax_ucp.handler.api",
@@ -23,14 +23,4 @@ _LAZY = {
 __all__ = list(_LAZY)
 
 
-def __getattr__(name: str):
-  module = _LAZY.get(name)
-  if module is None:
-    raise AttributeError(f"module 'jax_ucp.handler' has no attribute {name!r}")
-  value = getattr(importlib.import_module(module), name)
-  globals()[name] = value
-  return value
-
-
-def __dir__():
-  return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)

@@ -15,6 +15,7 @@ import socket
 import time
 
 from jax_ucp import format as fmt
+from jax_ucp.store.shard_file import fsync_dir
 
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 TMP_MARK = ".ucp-tmp-"
@@ -62,14 +63,6 @@ def remove_stale_temporaries(path: str) -> list[str]:
       shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
       removed.append(d)
   return removed
-
-
-def fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
 
 
 def sync_filesystem(path: str) -> None:

@@ -86,7 +86,7 @@ def encode(data: np.ndarray, layout: ArrayLayout) -> list:
   return parts
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
   fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
   try:
     os.fsync(fd)
@@ -128,7 +128,7 @@ def write(array_dir: str, chunk_position: Sequence[int], data: np.ndarray, layou
   if sync:
     names = key.split("/")[:-1]
     for depth in range(len(names), -1, -1):  # c/0/.. up to the array directory itself
-      _fsync_dir(os.path.join(array_dir, *names[:depth]))
+      fsync_dir(os.path.join(array_dir, *names[:depth]))
   return total
 
 
