@@ -131,8 +131,15 @@ def replace_committed(new: str, path: str) -> None:
   ``path + .ucp-replaced``; the old one is deleted only after the new one is in place.
   """
   old = path + REPLACED
-  if os.path.exists(old):
-    shutil.rmtree(old)
+  _remove(old)
   os.rename(path, old)
   os.rename(new, path)
-  shutil.rmtree(old)
+  _remove(old)
+
+
+def _remove(path: str) -> None:
+  """A directory tree, or a plain file / link that a forced write replaced."""
+  if os.path.isdir(path) and not os.path.islink(path):
+    shutil.rmtree(path)
+  elif os.path.lexists(path):
+    os.remove(path)
