@@ -1,6 +1,7 @@
 """store.shard_file writes exactly the bytes TensorStore writes, and only where it can."""
 
 import asyncio
+import itertools
 import os
 
 import jax
@@ -146,3 +147,126 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
   nbytes = shard_file.write(kv["path"], (0, 0), value, layout)
   assert os.path.getsize(os.path.join(kv["path"], "c", "0", "0")) == nbytes == 4 * (16 + 4) + 4 * 16 + 4
   assert_bit_exact(store.open_array(kv).result().read().result(), value)
+
+
+# --- reading ------------------------------------------------------------------------------------
+
+def _ts_array(path, value, chunk_shape, inner_shape, checksum, store_fill=True):
+  layout = store.ArrayLayout(shape=value.shape, dtype=jax_ucp.format.dtype_name(value.dtype),
+                             chunk_shape=tuple(chunk_shape), inner_chunk_shape=tuple(inner_shape),
+                             checksum=checksum)
+  spec = store.array_spec({"driver": "file", "path": str(path)}, layout)
+  spec["store_data_equal_to_fill_value"] = store_fill
+  t = ts.open(spec, create=True).result()
+  t.write(value).result()
+  return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
+
+
+def _reader(t, path):
+  layout = shard_file.layout_from_metadata(t.spec().to_json()["metadata"], t.dtype.numpy_dtype)
+  assert layout is not None
+  return shard_file.ShardReader(str(path), layout, t.dtype.numpy_dtype)
+
+
+@st.composite
+def _geometry(draw):
+  ndim = draw(st.integers(1, 3))
+  inner = [draw(st.integers(1, 3)) for _ in range(ndim)]
+  per_shard = [draw(st.integers(1, 3)) for _ in range(ndim)]
+  shards = [draw(st.integers(1, 3)) for _ in range(ndim)]
+  chunk = [i * p for i, p in zip(inner, per_shard)]
+  shape = [c * s for c, s in zip(chunk, shards)]
+  region = []
+  for n in shape:
+    a = draw(st.integers(0, n - 1))
+    region.append(slice(a, draw(st.integers(a + 1, n))))
+  return tuple(shape), chunk, inner, tuple(region)
+
+
+@settings(max_examples=30, deadline=None)
+@given(geo=_geometry(), dtype=st.sampled_from(DTYPES), checksum=st.sampled_from(["crc32c", None]),
+       seed=st.integers(0, 2**16), store_fill=st.booleans())
+def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, seed, store_fill):
+  shape, chunk, inner, region = geo
+  value = _random(dtype, shape, np.random.default_rng(seed))
+  if not store_fill:  # chunks equal to the fill value are then never written (index says missing)
+    value[tuple(slice(0, c) for c in inner)] = 0
+  path = tmp_path_factory.mktemp("r") / "a"
+  t = _ts_array(path, value, chunk, inner, checksum, store_fill)
+  r = _reader(t, path)
+  shard_ranges = [range(sl.start // c, (sl.stop - 1) // c + 1) for sl, c in zip(region, chunk)]
+  missing = [p for p in itertools.product(*shard_ranges) if not (path / shard_file.shard_key(p)).exists()]
+  if missing:
+    # A whole shard equal to the fill value is never written without store_data_equal_to_fill_value;
+    # jax_ucp always stores it, so for us a missing shard is data loss: an error, not zeros.
+    with pytest.raises(shard_file.ShardReadError, match="shard file missing"):
+      r[region].read().result()
+    return
+  assert_bit_exact(r[region].read().result(), t[region].read().result())
+
+
+def test_restore_uses_the_fast_reader_and_equals_tensorstore(tmp_path, monkeypatch):
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+  w = jax.device_put(np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32),
+                     NamedSharding(mesh, P("data", "model")))
+  jax_ucp.save(tmp_path / "c", {"w": w, "b": np.arange(6, dtype=np.int8)})
+  regions = []
+  real = shard_file.ShardReader.read_region
+  monkeypatch.setattr(shard_file.ShardReader, "read_region", lambda self, reg: regions.append(reg) or real(self, reg))
+  target = {"w": jax.ShapeDtypeStruct((64, 48), jnp.float32, sharding=NamedSharding(mesh, P("model", None))),
+            "b": np.zeros(6, np.int8)}
+  back = jax_ucp.restore(tmp_path / "c", target=target)
+  assert_bit_exact(np.asarray(back["w"]), np.asarray(w))
+  assert ((0, 16), (0, 48)) in regions and ((0, 6),) in regions  # 4 row blocks of w (across saved shards), b whole
+  monkeypatch.setattr(shard_file, "layout_from_metadata", lambda *a: None)
+  again = jax_ucp.restore(tmp_path / "c", target=target)
+  assert_bit_exact(np.asarray(again["w"]), np.asarray(w))
+
+
+@pytest.mark.parametrize("damage", ["data byte", "index byte", "truncated", "missing shard", "index past end"])
+def test_damaged_shards_are_clear_errors(tmp_path, damage):
+  value = np.arange(64, dtype=np.float32).reshape(8, 8)
+  path = tmp_path / "a"
+  t = _ts_array(path, value, (4, 8), (2, 8), "crc32c")
+  r = _reader(t, path)
+  shard = path / "c" / "1" / "0"
+  data = bytearray(shard.read_bytes())
+  if damage == "data byte":
+    data[3] ^= 0xFF
+    expect = "crc32c checksum mismatch in inner chunk 0"
+  elif damage == "index byte":
+    data[-10] ^= 0xFF
+    expect = "crc32c checksum mismatch in the shard index"
+  elif damage == "truncated":
+    data = data[:20]
+    expect = "truncated"
+  elif damage == "index past end":
+    data = data[:8] + data[-36:]  # index intact (crc ok) but the chunks it points to are gone
+    expect = "points past the data"
+  if damage == "missing shard":
+    shard.unlink()
+    expect = "shard file missing"
+  else:
+    shard.write_bytes(bytes(data))
+  assert_bit_exact(r[0:4].read().result(), value[:4])  # the other shard still reads
+  with pytest.raises(shard_file.ShardReadError, match=expect):
+    r.read().result()
+
+
+@pytest.mark.parametrize("case", ["zstd", "edge shards", "other index location", "0-d", "int4"])
+def test_layouts_it_cannot_read_go_to_tensorstore(tmp_path, case):
+  shape, chunk, inner, dtype = (8, 6), (4, 6), (2, 6), np.float32
+  layout = store.ArrayLayout(shape=shape, dtype="float32", chunk_shape=chunk, inner_chunk_shape=inner)
+  meta = store.array_spec({"driver": "memory"}, layout)["metadata"]
+  assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) == layout
+  if case == "zstd":
+    meta["codecs"][0]["configuration"]["codecs"].insert(1, {"name": "zstd", "configuration": {"level": 3}})
+  elif case == "edge shards":
+    meta["shape"] = [9, 6]
+  elif case == "other index location":
+    meta["codecs"][0]["configuration"]["index_location"] = "start"
+  elif case == "0-d":
+    meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"] = [], []
+  elif case == "int4":
+    dtype = ml_dtypes.int4
+  assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) is None
