@@ -66,6 +66,17 @@ def ucp_restore(path, tree, shardings):
   return out
 
 
+def ucp_restore_tensorstore_reads(path, tree, shardings):
+  """jax_ucp restore with every read through TensorStore (store.shard_file's reader off)."""
+  from jax_ucp.handler import reader
+  fast = reader._fast_reader
+  reader._fast_reader = lambda root, entry, opened: opened
+  try:
+    return ucp_restore(path, tree, shardings)
+  finally:
+    reader._fast_reader = fast
+
+
 def orbax_save(path, tree, use_compression=True):
   handler = ocp.PyTreeCheckpointHandler(use_compression=use_compression)
   with ocp.AsyncCheckpointer(handler) as ck:
@@ -127,6 +138,7 @@ def main():
       "jax_ucp": (ucp_save, ucp_restore),
       "jax_ucp zstd": (lambda p, t: ucp_save(p, t, "zstd"), ucp_restore),
       "jax_ucp no-crc": (lambda p, t: ucp_save(p, t, checksum=None), ucp_restore),
+      "jax_ucp TS reads": (ucp_save, ucp_restore_tensorstore_reads),
       "orbax default": (orbax_save, orbax_restore),
       "orbax no-compr": (lambda p, t: orbax_save(p, t, False), orbax_restore),
       "raw numpy": (raw_save, raw_restore),

@@ -317,4 +317,17 @@ class _Region:
     self.reader, self.region = reader, region
 
   def read(self) -> concurrent.futures.Future:
-    return pool().submit(self.reader.read_region, self.region)
+    return read_pool().submit(self.reader.read_region, self.region)
+
+
+_READ_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def read_pool() -> concurrent.futures.ThreadPoolExecutor:
+  """Threads for region reads: a cold restore waits on the disk in pread, so it wants more reads
+  in flight than cores (TensorStore allows 128 file operations)."""
+  global _READ_POOL
+  if _READ_POOL is None:
+    _READ_POOL = concurrent.futures.ThreadPoolExecutor(max(16, 4 * (os.cpu_count() or 2)),
+                                                       thread_name_prefix="ucp-read")
+  return _READ_POOL
