@@ -1,4 +1,5 @@
-"""Writing one whole zarr v3 shard file from host memory, byte for byte what TensorStore writes.
+"""Whole zarr v3 shard files written from host memory (byte for byte what TensorStore writes) and
+regions of such arrays read back.
 
 Why not TensorStore's own write: its wheel computes crc32c in software (~2 GB/s on this
 machine; 36% of the CPU time of a 2.2 GB import), while the ``crc32c`` package uses the CPU's
@@ -7,9 +8,9 @@ whole by one writer, uncompressed, and its inner chunks (trailing dimensions who
 dimension cut, earlier ones 1; see ``chunking``) are consecutive byte ranges of the C-ordered
 shard. So the file is: every chunk's bytes, each followed by its crc32c, then the shard index
 (``[offset, nbytes]`` uint64 per chunk, little-endian) and its crc32c (``index_location: end``).
-TensorStore still creates every array (``zarr.json``) and reads everything; tests check that
-the files are identical to the ones TensorStore writes. Anything else (compression, lazy
-TensorStore sources, non-file kvstores, sub-byte dtypes) goes through TensorStore.
+TensorStore still creates every array (``zarr.json``); tests check that the files are identical
+to the ones TensorStore writes and that reads equal TensorStore's. Anything else (compression,
+lazy TensorStore sources and views, non-file kvstores, sub-byte dtypes) goes through TensorStore.
 """
 
 from __future__ import annotations
