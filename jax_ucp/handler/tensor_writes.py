@@ -19,6 +19,7 @@ from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.store import shard_file
 
+
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
   compression: Optional[str] = None  # None or "zstd" (see README: why off by default)
