@@ -21,11 +21,11 @@ from orbax.checkpoint._src.handlers import async_checkpoint_handler
 from orbax.checkpoint._src.multihost import multihost
 
 from jax_ucp import format as fmt
-from jax_ucp.handler import reader
 from jax_ucp import store
+from jax_ucp.handler import reader
 from jax_ucp.handler import save_plan
-from jax_ucp.handler import tensor_writes
 from jax_ucp.handler import stream
+from jax_ucp.handler import tensor_writes
 
 
 class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):

@@ -15,7 +15,7 @@ import socket
 import time
 
 from jax_ucp import format as fmt
-from jax_ucp.store.shard_file import fsync_dir
+from jax_ucp.store.shard_file import fsync_path
 
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 TMP_MARK = ".ucp-tmp-"
@@ -92,16 +92,11 @@ def make_durable(root: str) -> None:
   fsynced explicitly (cheap after syncfs; what a per-file fsync writer still needs).
   """
   sync_filesystem(root)
-  manifest = os.path.join(root, fmt.MANIFEST_FILE)
-  fd = os.open(manifest, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+  fsync_path(os.path.join(root, fmt.MANIFEST_FILE))
   arrays = os.path.join(root, fmt.ARRAYS_DIR)
   if os.path.isdir(arrays):
-    fsync_dir(arrays)
-  fsync_dir(root)
+    fsync_path(arrays)
+  fsync_path(root)
 
 
 def remove_failed_save_leftovers(dest: str) -> None:
@@ -121,7 +116,7 @@ def commit(tmp: str, path: str) -> None:
     replace_committed(tmp, path)
   else:
     os.rename(tmp, path)
-  fsync_dir(os.path.dirname(os.path.abspath(path)))
+  fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def replace_committed(new: str, path: str) -> None:

@@ -15,7 +15,6 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
-from jax_ucp import store
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.handler.tensor_writes import (
     PreparedTensor, SaveOptions, array_layout, prepare_host_tensor, tensor_entry, value_entry, write_tensor,

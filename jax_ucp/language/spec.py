@@ -198,18 +198,8 @@ class Spec:
 
   def __post_init__(self):
     object.__setattr__(self, "settings", normalize(self.settings))
-    imps = []
-    for i, r in enumerate(self.imports):
-      if isinstance(r, Mapping):
-        r = _import_rule_from_obj(r, f"import rule #{i + 1}")
-      imps.append(r)
-    object.__setattr__(self, "imports", tuple(imps))
-    rs = []
-    for i, r in enumerate(self.restore):
-      if isinstance(r, Mapping):
-        r = _restore_rule_from_obj(r, f"restore rule #{i + 1}")
-      rs.append(r)
-    object.__setattr__(self, "restore", tuple(rs))
+    object.__setattr__(self, "imports", _rules(self.imports, _import_rule_from_obj, "import rule"))
+    object.__setattr__(self, "restore", _rules(self.restore, _restore_rule_from_obj, "restore rule"))
     object.__setattr__(self, "roots", tuple(Root(**r) if isinstance(r, Mapping) else r
                                             for r in self.roots))
 
@@ -280,6 +270,11 @@ def describe_rule(rule, index: int, side: str) -> str:
 
 
 _IMPORT_KEYS = {"pattern", "required", "when", "label"}
+
+
+def _rules(rules, from_obj, what: str) -> tuple:
+  """Rules as objects: plain mappings (TOML/dict form) are parsed, numbered from 1 in errors."""
+  return tuple(from_obj(r, f"{what} #{i + 1}") if isinstance(r, Mapping) else r for i, r in enumerate(rules))
 
 
 def _import_rule_from_obj(obj: Mapping, where: str) -> ImportRule:

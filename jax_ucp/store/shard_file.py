@@ -88,8 +88,9 @@ def encode(data: np.ndarray, layout: ArrayLayout) -> list:
   return parts
 
 
-def fsync_dir(path: str) -> None:
-  fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+def fsync_path(path: str) -> None:
+  """fsync a file or a directory (a directory's fsync makes its new entries durable)."""
+  fd = os.open(path, os.O_RDONLY)
   try:
     os.fsync(fd)
   finally:
@@ -130,7 +131,7 @@ def write(array_dir: str, chunk_position: Sequence[int], data: np.ndarray, layou
   if sync:
     names = key.split("/")[:-1]
     for depth in range(len(names), -1, -1):  # c/0/.. up to the array directory itself
-      fsync_dir(os.path.join(array_dir, *names[:depth]))
+      fsync_path(os.path.join(array_dir, *names[:depth]))
   return total
 
 
@@ -149,16 +150,19 @@ def _write_rest(fd: int, batch: list, done: int) -> None:
       mv = mv[n:]
 
 
-_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+
+
+def _executor(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
+  if name not in _POOLS:
+    _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"ucp-{name}")
+  return _POOLS[name]
 
 
 def pool() -> concurrent.futures.ThreadPoolExecutor:
   """Threads for shard writes: crc32c and os.writev/fsync release the GIL, and fsync-bound
   writes need several in flight (4 measured as good as 8 or 16 on 2 cores)."""
-  global _POOL
-  if _POOL is None:
-    _POOL = concurrent.futures.ThreadPoolExecutor(max(4, os.cpu_count() or 2), thread_name_prefix="ucp-shard")
-  return _POOL
+  return _executor("shard", max(4, os.cpu_count() or 2))
 
 
 # --- Reading ------------------------------------------------------------------------------------
@@ -321,14 +325,7 @@ class _Region:
     return read_pool().submit(self.reader.read_region, self.region)
 
 
-_READ_POOL: concurrent.futures.ThreadPoolExecutor | None = None
-
-
 def read_pool() -> concurrent.futures.ThreadPoolExecutor:
   """Threads for region reads: a cold restore waits on the disk in pread, so it wants more reads
   in flight than cores (TensorStore allows 128 file operations)."""
-  global _READ_POOL
-  if _READ_POOL is None:
-    _READ_POOL = concurrent.futures.ThreadPoolExecutor(max(16, 4 * (os.cpu_count() or 2)),
-                                                       thread_name_prefix="ucp-read")
-  return _READ_POOL
+  return _executor("read", max(16, 4 * (os.cpu_count() or 2)))
