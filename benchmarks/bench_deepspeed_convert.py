@@ -21,6 +21,7 @@ Make a ~110M-parameter real checkpoint first (a few minutes on CPU):
     DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tools/fixtures/ds_train.py --out /tmp/dsbench/gpt110m \\
         --stage 2 --dtype bf16 --vocab 16001 --width 768 --layers 12 --heads 12 --seq 64 --mb 1 --steps 1 --no-next
 """
+
 from __future__ import annotations
 
 import argparse
@@ -87,7 +88,12 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     durable = time.perf_counter() - t0
     if p.returncode:
         raise RuntimeError(f"{cmd[:4]}... failed ({p.returncode}):\n{err.decode()[-3000:]}")
-    res = {"wall_s": wall, "durable_s": durable, "peak_rss_anon": peak["RssAnon"], "peak_vm_rss": peak["VmRSS"]}
+    res = {
+        "wall_s": wall,
+        "durable_s": durable,
+        "peak_rss_anon": peak["RssAnon"],
+        "peak_vm_rss": peak["VmRSS"],
+    }
     for line in out.decode(errors="replace").splitlines():
         if line.startswith("CONVERT_S="):
             res["convert_s"] = float(line.split("=", 1)[1])
@@ -97,12 +103,17 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 def largest_tensor_bytes(src: str) -> tuple[int, int]:
     sys.path.insert(0, ROOT)
     from jax_ucp.importers.deepspeed import DeepSpeedCheckpoint, open_deepspeed_checkpoint
+
     ck = open_deepspeed_checkpoint(src)
     import math
+
     if isinstance(ck, DeepSpeedCheckpoint):
         sizes = [math.prod(s) for s in ck.shapes.values()]
     else:  # Megatron-DeepSpeed TP/PP: the consolidated size is the sum of the TP fragments (upper bound)
-        sizes = [sum(math.prod(ck.ranks[ck.holders[n][0]][t].shapes[n]) for t in range(ck.tp)) for n in ck.names]
+        sizes = [
+            sum(math.prod(ck.ranks[ck.holders[n][0]][t].shapes[n]) for t in range(ck.tp))
+            for n in ck.names
+        ]
     return max(sizes) * 4, sum(sizes)
 
 
@@ -116,6 +127,7 @@ def raw_disk_write(nbytes: int, directory: str, files: int = 64, threads: int = 
     import concurrent.futures
 
     import numpy as np
+
     buf = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
     per = nbytes // files
     os.makedirs(directory, exist_ok=True)
@@ -126,7 +138,7 @@ def raw_disk_write(nbytes: int, directory: str, files: int = 64, threads: int = 
         try:
             left = per
             while left:
-                n = os.write(fd, buf[:min(left, buf.size)].data)
+                n = os.write(fd, buf[: min(left, buf.size)].data)
                 left -= n
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
@@ -138,7 +150,13 @@ def raw_disk_write(nbytes: int, directory: str, files: int = 64, threads: int = 
     os.sync()
     wall = time.perf_counter() - t0
     shutil.rmtree(directory)
-    return {"wall_s": wall, "durable_s": wall, "peak_rss_anon": 0, "peak_vm_rss": 0, "out_bytes": per * files}
+    return {
+        "wall_s": wall,
+        "durable_s": wall,
+        "peak_rss_anon": 0,
+        "peak_vm_rss": 0,
+        "out_bytes": per * files,
+    }
 
 
 def warm_page_cache(d: str) -> None:
@@ -152,6 +170,7 @@ def warm_page_cache(d: str) -> None:
 def _median_run(runs: list[dict]) -> dict:
     """Per-metric medians over rounds, plus every round's wall time."""
     import statistics
+
     out = {k: statistics.median(r[k] for r in runs) for k in runs[0] if all(k in r for r in runs)}
     out["rounds_wall_s"] = [round(r["wall_s"], 3) for r in runs]
     out["rounds_speed_basis"] = "median"
@@ -165,81 +184,132 @@ def tag_dir(src: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("checkpoints", nargs="+", help="DeepSpeed checkpoint folders (with 'latest') or tag folders")
+    ap.add_argument(
+        "checkpoints", nargs="+", help="DeepSpeed checkpoint folders (with 'latest') or tag folders"
+    )
     ap.add_argument("--skip-ds", action="store_true", help="only run jax_ucp")
     ap.add_argument("--json", help="write results here")
-    ap.add_argument("--rounds", "--repeat", dest="rounds", type=int, default=1,
-                    help="alternating rounds (ours, then ds_to_universal); medians are reported "
-                         "(the machine is shared and noisy)")
+    ap.add_argument(
+        "--rounds",
+        "--repeat",
+        dest="rounds",
+        type=int,
+        default=1,
+        help="alternating rounds (ours, then ds_to_universal); medians are reported "
+        "(the machine is shared and noisy)",
+    )
     a = ap.parse_args()
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    base = run_measured([sys.executable, "-c", "import jax_ucp.importers.deepspeed, jax_ucp.handler.host_writer"], env)
+    base = run_measured(
+        [sys.executable, "-c", "import jax_ucp.importers.deepspeed, jax_ucp.handler.host_writer"],
+        env,
+    )
     results = []
     for src in a.checkpoints:
         biggest, n_params = largest_tensor_bytes(src)
         tmp = tempfile.mkdtemp(prefix="bench_ds_")
         try:
+
             def once(name: str, cmd: list[str]) -> dict:
                 out = os.path.join(tmp, name)
                 shutil.rmtree(out, ignore_errors=True)
                 warm_page_cache(tag_dir(src))
                 r = run_measured(cmd + [out], env)
-                r["out_bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs)
+                r["out_bytes"] = sum(
+                    os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(out) for f in fs
+                )
                 shutil.rmtree(out)
                 return r
 
             commands = {
                 "jax_ucp CLI": [sys.executable, "-m", "jax_ucp.cli", "convert", "deepspeed", src],
-                "jax_ucp API": [sys.executable, "-c",
-                                "import sys, time; from jax_ucp.importers.deepspeed import convert_deepspeed; "
-                                "t = time.perf_counter(); convert_deepspeed(sys.argv[1], sys.argv[2]); "
-                                "print(f'CONVERT_S={time.perf_counter() - t}')", src],
+                "jax_ucp API": [
+                    sys.executable,
+                    "-c",
+                    "import sys, time; from jax_ucp.importers.deepspeed import convert_deepspeed; "
+                    "t = time.perf_counter(); convert_deepspeed(sys.argv[1], sys.argv[2]); "
+                    "print(f'CONVERT_S={time.perf_counter() - t}')",
+                    src,
+                ],
             }
             if not a.skip_ds:
-                commands["ds_to_universal"] = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                                               "--inject_missing_state", "--input_folder", tag_dir(src),
-                                               "--output_folder"]
+                commands["ds_to_universal"] = [
+                    sys.executable,
+                    "-m",
+                    "deepspeed.checkpoint.ds_to_universal",
+                    "--inject_missing_state",
+                    "--input_folder",
+                    tag_dir(src),
+                    "--output_folder",
+                ]
             runs: dict[str, list[dict]] = {k: [] for k in commands}
             runs["raw disk write"] = []
             for i in range(a.rounds):  # alternate, so all see the same (noisy) machine
                 for k, cmd in commands.items():
                     runs[k].append(once(k.replace(" ", "_"), cmd))
-                runs["raw disk write"].append(raw_disk_write(runs["jax_ucp CLI"][-1]["out_bytes"],
-                                                             os.path.join(tmp, "raw")))
-                print(f"  round {i + 1}: " + ", ".join(f"{k} {v[-1]['wall_s']:.2f} s" for k, v in runs.items()),
-                      flush=True)
+                runs["raw disk write"].append(
+                    raw_disk_write(runs["jax_ucp CLI"][-1]["out_bytes"], os.path.join(tmp, "raw"))
+                )
+                print(
+                    f"  round {i + 1}: "
+                    + ", ".join(f"{k} {v[-1]['wall_s']:.2f} s" for k, v in runs.items()),
+                    flush=True,
+                )
             med = {k: _median_run(v) for k, v in runs.items()}
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        in_bytes = sum(os.path.getsize(os.path.join(tag_dir(src), f)) for f in os.listdir(tag_dir(src)))
+        in_bytes = sum(
+            os.path.getsize(os.path.join(tag_dir(src), f)) for f in os.listdir(tag_dir(src))
+        )
         goal = 2 * biggest + 0.5 * 2**30
         ours, api, ds = med["jax_ucp CLI"], med["jax_ucp API"], med.get("ds_to_universal")
         peak_ours = max(ours["peak_rss_anon"], api["peak_rss_anon"])
-        r = {"checkpoint": src, "n_params": n_params, "checkpoint_bytes": in_bytes,
-             "largest_tensor_fp32_bytes": biggest, "rounds": a.rounds, "results": med,
-             "baseline_import_rss_anon": base["peak_rss_anon"], "rss_goal_bytes": goal,
-             "rss_goal_met": peak_ours <= goal,
-             "speedup_exit": (ds["wall_s"] / ours["wall_s"]) if ds else None,
-             "speedup_durable": (ds["durable_s"] / ours["durable_s"]) if ds else None}
+        r = {
+            "checkpoint": src,
+            "n_params": n_params,
+            "checkpoint_bytes": in_bytes,
+            "largest_tensor_fp32_bytes": biggest,
+            "rounds": a.rounds,
+            "results": med,
+            "baseline_import_rss_anon": base["peak_rss_anon"],
+            "rss_goal_bytes": goal,
+            "rss_goal_met": peak_ours <= goal,
+            "speedup_exit": (ds["wall_s"] / ours["wall_s"]) if ds else None,
+            "speedup_durable": (ds["durable_s"] / ours["durable_s"]) if ds else None,
+        }
         results.append(r)
         mb = 2**20
-        print(f"\n{src}: {n_params:,} params, {in_bytes/mb:.0f} MiB on disk, largest tensor {biggest/mb:.1f} MiB")
+        print(
+            f"\n{src}: {n_params:,} params, {in_bytes / mb:.0f} MiB on disk, largest tensor {biggest / mb:.1f} MiB"
+        )
         print(f"  medians over {a.rounds} alternating round(s)")
-        print(f"  {'':18}{'exit s':>8}{'durable s':>11}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}{'out MiB':>9}")
+        print(
+            f"  {'':18}{'exit s':>8}{'durable s':>11}{'peak RssAnon MiB':>18}{'peak VmRSS MiB':>16}{'out MiB':>9}"
+        )
         for k, v in med.items():
-            print(f"  {k:18}{v['wall_s']:8.2f}{v['durable_s']:11.2f}{v['peak_rss_anon']/mb:18.0f}"
-                  f"{v['peak_vm_rss']/mb:16.0f}{v['out_bytes']/mb:9.0f}")
-        print(f"  (jax_ucp conversion itself, in-process: {api.get('convert_s', float('nan')):.2f} s; "
-              f"raw disk write = the same bytes from memory, 4 threads, one sync: the floor)")
+            print(
+                f"  {k:18}{v['wall_s']:8.2f}{v['durable_s']:11.2f}{v['peak_rss_anon'] / mb:18.0f}"
+                f"{v['peak_vm_rss'] / mb:16.0f}{v['out_bytes'] / mb:9.0f}"
+            )
+        print(
+            f"  (jax_ucp conversion itself, in-process: {api.get('convert_s', float('nan')):.2f} s; "
+            f"raw disk write = the same bytes from memory, 4 threads, one sync: the floor)"
+        )
         raw = med["raw disk write"]
         r["api_vs_raw_disk"] = api["durable_s"] / raw["durable_s"]
-        print(f"  jax_ucp from Python takes {r['api_vs_raw_disk']:.2f}x the time of the raw disk write")
+        print(
+            f"  jax_ucp from Python takes {r['api_vs_raw_disk']:.2f}x the time of the raw disk write"
+        )
         if ds:
-            print(f"  speed-up of the CLI vs ds_to_universal: {r['speedup_exit']:.1f}x to exit, "
-                  f"{r['speedup_durable']:.1f}x to durable output")
-        print(f"  RssAnon goal (2 x largest + 0.5 GiB) = {goal/mb:.0f} MiB: {'met' if r['rss_goal_met'] else 'NOT met'}"
-              f" (a process that only imports the converter: {base['peak_rss_anon']/mb:.0f} MiB)")
+            print(
+                f"  speed-up of the CLI vs ds_to_universal: {r['speedup_exit']:.1f}x to exit, "
+                f"{r['speedup_durable']:.1f}x to durable output"
+            )
+        print(
+            f"  RssAnon goal (2 x largest + 0.5 GiB) = {goal / mb:.0f} MiB: {'met' if r['rss_goal_met'] else 'NOT met'}"
+            f" (a process that only imports the converter: {base['peak_rss_anon'] / mb:.0f} MiB)"
+        )
     if a.json:
         json.dump(results, open(a.json, "w"), indent=1)
 

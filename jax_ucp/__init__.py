@@ -33,6 +33,7 @@ __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
 
 
 def convert(source, dest, *, spec=None, **kwargs):
-  """Imports a torch checkpoint directory (DeepSpeed or Megatron; format detected)."""
-  from jax_ucp.importers.detect import convert as _convert
-  return _convert(source, dest, spec=spec, **kwargs)
+    """Imports a torch checkpoint directory (DeepSpeed or Megatron; format detected)."""
+    from jax_ucp.importers.detect import convert as _convert
+
+    return _convert(source, dest, spec=spec, **kwargs)

@@ -8,130 +8,170 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import Optional
 
 
 def _ensure_devices(n: int) -> None:
-  # Must happen before JAX initialises its backend (importing jax does not).
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # Must happen before JAX initialises its backend (importing jax does not).
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def _model_state(mesh):
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-  import optax
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
 
-  class Block(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      dense = lambda f, names, name: nn.Dense(
-          f, name=name, kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names))
-      h = dense(256, ("embed", "mlp"), "up")(x)
-      return dense(64, ("mlp", "embed"), "down")(nn.gelu(h)) + x
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            dense = lambda f, names, name: nn.Dense(
+                f,
+                name=name,
+                kernel_init=nn.with_logical_partitioning(nn.initializers.lecun_normal(), names),
+            )
+            h = dense(256, ("embed", "mlp"), "up")(x)
+            return dense(64, ("mlp", "embed"), "down")(nn.gelu(h)) + x
 
-  class Model(nn.Module):
-    @nn.compact
-    def __call__(self, tokens):
-      emb = self.param("embedding", nn.with_logical_partitioning(
-          nn.initializers.normal(0.02), ("vocab", "embed")), (512, 64), jnp.bfloat16)
-      x = emb[tokens].astype(jnp.float32)
-      for i in range(2):
-        x = Block(name=f"block_{i}")(x)
-      return x @ emb.T.astype(jnp.float32)
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            emb = self.param(
+                "embedding",
+                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+                (512, 64),
+                jnp.bfloat16,
+            )
+            x = emb[tokens].astype(jnp.float32)
+            for i in range(2):
+                x = Block(name=f"block_{i}")(x)
+            return x @ emb.T.astype(jnp.float32)
 
-  model = Model()
-  boxed = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
-  logical = nn.get_partition_spec(boxed)
-  rules = [("vocab", "model"), ("embed", "data"), ("mlp", "model")]
-  shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
-  params = jax.tree.map(lambda x, s: jax.device_put(x, s), nn.unbox(boxed), shardings)
-  opt_state = optax.adamw(1e-3).init(params["params"])
-  state = {"params": params["params"], "opt_state": opt_state, "step": 1000,
-           "data_position": {"epoch": 3, "offset": 12345}}
-  axes = {"params": jax.tree.map(tuple, logical["params"],
-                                 is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))}
-  return state, axes
+    model = Model()
+    boxed = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
+    logical = nn.get_partition_spec(boxed)
+    rules = [("vocab", "model"), ("embed", "data"), ("mlp", "model")]
+    shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
+    params = jax.tree.map(lambda x, s: jax.device_put(x, s), nn.unbox(boxed), shardings)
+    opt_state = optax.adamw(1e-3).init(params["params"])
+    state = {
+        "params": params["params"],
+        "opt_state": opt_state,
+        "step": 1000,
+        "data_position": {"epoch": 3, "offset": 12345},
+    }
+    axes = {
+        "params": jax.tree.map(
+            tuple, logical["params"], is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+        )
+    }
+    return state, axes
 
 
 def _spec(a) -> str:
-  import jax
-  s = getattr(a, "sharding", None)
-  if isinstance(s, jax.sharding.NamedSharding):
-    dims = [("+".join(p) if isinstance(p, tuple) else (p or "·")) for p in s.spec]
-    return "(" + ", ".join(dims) + ")" if dims else "replicated"
-  if isinstance(s, jax.sharding.SingleDeviceSharding):
-    return "1 device"
-  return "host numpy"
+    import jax
+
+    s = getattr(a, "sharding", None)
+    if isinstance(s, jax.sharding.NamedSharding):
+        dims = [("+".join(p) if isinstance(p, tuple) else (p or "·")) for p in s.spec]
+        return "(" + ", ".join(dims) + ")" if dims else "replicated"
+    if isinstance(s, jax.sharding.SingleDeviceSharding):
+        return "1 device"
+    return "host numpy"
 
 
-def run(directory: Optional[str] = None, console=None) -> bool:
-  """Runs the demo; returns True when every restored tensor is bit-exact."""
-  _ensure_devices(8)
-  import jax
-  import numpy as np
-  from jax.sharding import Mesh
-  from rich.console import Console
-  from rich.table import Table
+def run(directory: str | None = None, console=None) -> bool:
+    """Runs the demo; returns True when every restored tensor is bit-exact."""
+    _ensure_devices(8)
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+    from rich.console import Console
+    from rich.table import Table
 
-  import jax_ucp
-  from jax_ucp.handler.tree import flatten
+    import jax_ucp
+    from jax_ucp.handler.tree import flatten
 
-  console = console or Console(width=max(160, Console().width))
-  if jax.device_count() < 8:
-    raise RuntimeError(f"the demo needs 8 devices, JAX has {jax.device_count()} "
-                       f"(set XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts)")
-  devices = np.array(jax.devices()[:8])
-  mesh8 = Mesh(devices.reshape(2, 4), ("data", "model"))
-  state, axes = _model_state(mesh8)
-  tmp = tempfile.mkdtemp(prefix="jax_ucp_demo_") if directory is None else directory
-  path = os.path.join(tmp, "checkpoint")
-  jax_ucp.save(path, state, logical_axes=axes, force=True)
-  m = jax_ucp.inspect(path)
-  console.print(f"[bold]Saved[/bold] {len(m.tensors)} tensors, {m.nbytes / 2**20:.1f} MiB, from an "
-                f"8-device mesh (data=2, model=4) to [cyan]{path}[/cyan]")
+    console = console or Console(width=max(160, Console().width))
+    if jax.device_count() < 8:
+        raise RuntimeError(
+            f"the demo needs 8 devices, JAX has {jax.device_count()} "
+            f"(set XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts)"
+        )
+    devices = np.array(jax.devices()[:8])
+    mesh8 = Mesh(devices.reshape(2, 4), ("data", "model"))
+    state, axes = _model_state(mesh8)
+    tmp = tempfile.mkdtemp(prefix="jax_ucp_demo_") if directory is None else directory
+    path = os.path.join(tmp, "checkpoint")
+    jax_ucp.save(path, state, logical_axes=axes, force=True)
+    m = jax_ucp.inspect(path)
+    console.print(
+        f"[bold]Saved[/bold] {len(m.tensors)} tensors, {m.nbytes / 2**20:.1f} MiB, from an "
+        f"8-device mesh (data=2, model=4) to [cyan]{path}[/cyan]"
+    )
 
-  # Target A: 4 devices, other axis names → logical rules map the recorded axis names.
-  mesh4 = Mesh(devices[:4].reshape(2, 2), ("fsdp", "tp"))
-  rules = [("vocab", "tp"), ("embed", "fsdp"), ("mlp", "tp")]
-  a = jax_ucp.restore(path, mesh=mesh4, rules=rules)
-  # Target B: 2 devices, same axis names → saved PartitionSpecs reused where they divide.
-  mesh2 = Mesh(devices[6:8].reshape(1, 2), ("data", "model"))
-  b = jax_ucp.restore(path, mesh=mesh2)
-  plain = jax_ucp.restore(path)
+    # Target A: 4 devices, other axis names → logical rules map the recorded axis names.
+    mesh4 = Mesh(devices[:4].reshape(2, 2), ("fsdp", "tp"))
+    rules = [("vocab", "tp"), ("embed", "fsdp"), ("mlp", "tp")]
+    a = jax_ucp.restore(path, mesh=mesh4, rules=rules)
+    # Target B: 2 devices, same axis names → saved PartitionSpecs reused where they divide.
+    mesh2 = Mesh(devices[6:8].reshape(1, 2), ("data", "model"))
+    b = jax_ucp.restore(path, mesh=mesh2)
+    plain = jax_ucp.restore(path)
 
-  def flat(tree):
-    return {key: leaf for key, _, leaf in flatten(tree)[0]}
+    def flat(tree):
+        return {key: leaf for key, _, leaf in flatten(tree)[0]}
 
-  fa, fb, fp = flat(a), flat(b), flat(plain)
-  table = Table(title="What moved where (PartitionSpec per tensor)")
-  for col in ("tensor", "shape", "dtype", "saved: 8 dev (data 2, model 4)",
-              "restored: 4 dev (fsdp 2, tp 2) via rules", "restored: 2 dev (data 1, model 2) via mesh=",
-              "bit-exact"):
-    table.add_column(col, no_wrap=col == "tensor")
-  all_ok = True
-  for key, x in flat(state).items():
-    name = "/".join(key)
-    ra, rb, rp = fa.get(key), fb.get(key), fp.get(key)
-    if not hasattr(x, "shape"):
-      ok = ra == x and rb == x and rp == x
-      table.add_row(name, "-", type(x).__name__, repr(x), repr(ra), repr(rb), "✓" if ok else "✗")
-      all_ok &= bool(ok)
-      continue
-    want = np.asarray(x)
-    ok = all(r is not None and np.asarray(r).dtype == want.dtype and
-             np.asarray(r).tobytes() == want.tobytes() for r in (ra, rb, rp))
-    all_ok &= ok
-    table.add_row(name, str(tuple(x.shape)), str(x.dtype), _spec(x), _spec(ra), _spec(rb),
-                  "[green]✓[/green]" if ok else "[red]✗[/red]")
-  console.print(table)
-  console.print("[bold green]All tensors restored bit-exact.[/bold green]" if all_ok
-                else "[bold red]Mismatch![/bold red]")
-  return all_ok
+    fa, fb, fp = flat(a), flat(b), flat(plain)
+    table = Table(title="What moved where (PartitionSpec per tensor)")
+    for col in (
+        "tensor",
+        "shape",
+        "dtype",
+        "saved: 8 dev (data 2, model 4)",
+        "restored: 4 dev (fsdp 2, tp 2) via rules",
+        "restored: 2 dev (data 1, model 2) via mesh=",
+        "bit-exact",
+    ):
+        table.add_column(col, no_wrap=col == "tensor")
+    all_ok = True
+    for key, x in flat(state).items():
+        name = "/".join(key)
+        ra, rb, rp = fa.get(key), fb.get(key), fp.get(key)
+        if not hasattr(x, "shape"):
+            ok = ra == x and rb == x and rp == x
+            table.add_row(
+                name, "-", type(x).__name__, repr(x), repr(ra), repr(rb), "✓" if ok else "✗"
+            )
+            all_ok &= bool(ok)
+            continue
+        want = np.asarray(x)
+        ok = all(
+            r is not None
+            and np.asarray(r).dtype == want.dtype
+            and np.asarray(r).tobytes() == want.tobytes()
+            for r in (ra, rb, rp)
+        )
+        all_ok &= ok
+        table.add_row(
+            name,
+            str(tuple(x.shape)),
+            str(x.dtype),
+            _spec(x),
+            _spec(ra),
+            _spec(rb),
+            "[green]✓[/green]" if ok else "[red]✗[/red]",
+        )
+    console.print(table)
+    console.print(
+        "[bold green]All tensors restored bit-exact.[/bold green]"
+        if all_ok
+        else "[bold red]Mismatch![/bold red]"
+    )
+    return all_ok
 
 
 if __name__ == "__main__":
-  raise SystemExit(0 if run() else 1)
+    raise SystemExit(0 if run() else 1)

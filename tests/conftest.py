@@ -2,15 +2,22 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                           " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
 
 hypothesis.settings.register_profile(
-    "ci", max_examples=12, deadline=None, derandomize=True,
-    suppress_health_check=[hypothesis.HealthCheck.too_slow,
-                           hypothesis.HealthCheck.function_scoped_fixture])
+    "ci",
+    max_examples=12,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[
+        hypothesis.HealthCheck.too_slow,
+        hypothesis.HealthCheck.function_scoped_fixture,
+    ],
+)
 hypothesis.settings.register_profile("thorough", max_examples=200, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

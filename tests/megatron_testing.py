@@ -1,4 +1,5 @@
 """Shared helpers for the Megatron tests (no torch)."""
+
 from __future__ import annotations
 
 import json
@@ -12,10 +13,24 @@ import numpy as np
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 VOCAB = 61
 
-TORCH_DIST = ["gpt_tp2", "gpt_pp2", "llama_tp2", "llama_pp2", "moe_ep2", "moe_grouped_ep2", "gpt_distopt_dp2",
-              "llama_distopt_bf16_tp2dp2"]
-LEGACY = ["legacy_gpt_tp2pp2_synthetic", "legacy_llama_tp2_synthetic", "legacy_gpt_lm_names_tp2_synthetic",
-          "legacy_gpt_distopt_pp2dp2_synthetic", "legacy_moe_ep2_synthetic", "legacy_moe_grouped_ep2_synthetic"]
+TORCH_DIST = [
+    "gpt_tp2",
+    "gpt_pp2",
+    "llama_tp2",
+    "llama_pp2",
+    "moe_ep2",
+    "moe_grouped_ep2",
+    "gpt_distopt_dp2",
+    "llama_distopt_bf16_tp2dp2",
+]
+LEGACY = [
+    "legacy_gpt_tp2pp2_synthetic",
+    "legacy_llama_tp2_synthetic",
+    "legacy_gpt_lm_names_tp2_synthetic",
+    "legacy_gpt_distopt_pp2dp2_synthetic",
+    "legacy_moe_ep2_synthetic",
+    "legacy_moe_grouped_ep2_synthetic",
+]
 
 
 @lru_cache(None)
@@ -33,14 +48,20 @@ def load_reference(name: str) -> dict[str, np.ndarray]:
     """torch's DCP consolidation, committed as npz (bfloat16 stored as its uint16 bits)."""
     z = np.load(FIX / f"{reference_of(name)}.consolidated.npz")
     bf16 = set(z["__bfloat16_keys__"].tolist())
-    return {k: (z[k].view(ml_dtypes.bfloat16) if k in bf16 else z[k]) for k in z.files
-            if k != "__bfloat16_keys__"}
+    return {
+        k: (z[k].view(ml_dtypes.bfloat16) if k in bf16 else z[k])
+        for k in z.files
+        if k != "__bfloat16_keys__"
+    }
 
 
-_OLD = [("self_attention.query_key_value.", "self_attention.linear_qkv."),
-        ("self_attention.dense.", "self_attention.linear_proj."),
-        ("post_attention_layernorm.", "pre_mlp_layernorm."),
-        ("mlp.dense_h_to_4h.", "mlp.linear_fc1."), ("mlp.dense_4h_to_h.", "mlp.linear_fc2.")]
+_OLD = [
+    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
+    ("self_attention.dense.", "self_attention.linear_proj."),
+    ("post_attention_layernorm.", "pre_mlp_layernorm."),
+    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
+    ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+]
 
 
 def reference_name(name: str) -> tuple[str, int | None]:
@@ -50,16 +71,19 @@ def reference_name(name: str) -> tuple[str, int | None]:
     (input_layernorm -> linear_qkv.layer_norm_, pre_mlp_layernorm -> linear_fc1.layer_norm_) and
     Megatron-LM's older names."""
     if name.startswith("language_model."):
-        name = name[len("language_model."):]
+        name = name[len("language_model.") :]
         if name.startswith("encoder."):
-            name = "decoder." + name[len("encoder."):]
+            name = "decoder." + name[len("encoder.") :]
             for a, b in _OLD:
                 name = name.replace(a, b)
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.(.*)", name)
     if not m:
         return name, None
-    rest = (m.group(2).replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
-            .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"))
+    rest = (
+        m.group(2)
+        .replace("input_layernorm.", "self_attention.linear_qkv.layer_norm_")
+        .replace("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+    )
     return "decoder.layers." + rest, int(m.group(1))
 
 
@@ -76,10 +100,16 @@ def reference_value(name: str, ref: dict[str, np.ndarray]) -> tuple[str, np.ndar
         return k, ref[k][int(m.group(1))][int(m.group(2))]
     m = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.weight([12])", name)
     if m:
-        k = "decoder.layers.mlp.experts.experts." + ("linear_fc1.weight" if m.group(2) == "1" else "linear_fc2.weight")
+        k = "decoder.layers.mlp.experts.experts." + (
+            "linear_fc1.weight" if m.group(2) == "1" else "linear_fc2.weight"
+        )
         per_expert = ref[k][int(m.group(1))]  # [E, out, in]
-        flat = np.ascontiguousarray(per_expert.transpose(0, 2, 1))  # [E, in, out]: the view's layout
-        return k, flat.reshape(flat.shape[1], -1) if m.group(2) == "1" else flat.reshape(-1, flat.shape[2])
+        flat = np.ascontiguousarray(
+            per_expert.transpose(0, 2, 1)
+        )  # [E, in, out]: the view's layout
+        return k, flat.reshape(flat.shape[1], -1) if m.group(2) == "1" else flat.reshape(
+            -1, flat.shape[2]
+        )
     k, i = reference_name(name)
     return k, (ref[k] if i is None else ref[k][i])
 
@@ -103,11 +133,21 @@ def lm_config(name: str, **over):
     from jax_ucp.models import LMConfig
 
     f = fixture_info()[name]
-    kw = dict(vocab_size=VOCAB, hidden_size=f["hidden_size"], num_layers=f["num_layers"],
-              num_attention_heads=f["num_attention_heads"], ffn_hidden_size=f["ffn_hidden_size"],
-              num_query_groups=f["num_query_groups"], normalization=f["normalization"], gated=f["gated"],
-              bias=f["bias"], position=f["position"], tied=f["tied"], max_position_embeddings=32,
-              num_experts=f.get("num_experts"))
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=f["hidden_size"],
+        num_layers=f["num_layers"],
+        num_attention_heads=f["num_attention_heads"],
+        ffn_hidden_size=f["ffn_hidden_size"],
+        num_query_groups=f["num_query_groups"],
+        normalization=f["normalization"],
+        gated=f["gated"],
+        bias=f["bias"],
+        position=f["position"],
+        tied=f["tied"],
+        max_position_embeddings=32,
+        num_experts=f.get("num_experts"),
+    )
     kw.update(over)
     return LMConfig(**kw)
 

@@ -4,6 +4,7 @@ References (committed with the fixtures, made by tools/fixtures/make_deepspeed_f
 ``ref_universal.npz`` from ``ds_to_universal --inject_missing_state`` and ``ref_zero_to_fp32.npz``
 from ``deepspeed.utils.zero_to_fp32``. No torch needed here.
 """
+
 from __future__ import annotations
 
 import glob
@@ -14,25 +15,35 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
+from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 
 import jax_ucp
-from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 from jax_ucp.importers.deepspeed import (
-    DeepSpeedImportError, _steps, convert_deepspeed, is_deepspeed_checkpoint, open_deepspeed_checkpoint,
+    DeepSpeedImportError,
+    _steps,
+    convert_deepspeed,
+    is_deepspeed_checkpoint,
+    open_deepspeed_checkpoint,
 )
 from jax_ucp.importers.torch_pickle import TorchFileError
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
-REAL = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FIX, "z[123]_*")) if "synthetic" not in d)
+REAL = sorted(
+    os.path.basename(d) for d in glob.glob(os.path.join(FIX, "z[123]_*")) if "synthetic" not in d
+)
 SYNTH = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FIX, "*synthetic*")))
 
 
 def test_fixture_matrix_is_complete():
     # every stage x {fp32, bf16} x DP {2, 3}, all real
-    assert REAL == sorted(f"z{s}_{d}_dp{w}" for s in (1, 2, 3) for d in ("bf16", "fp32") for w in (2, 3))
+    assert REAL == sorted(
+        f"z{s}_{d}_dp{w}" for s in (1, 2, 3) for d in ("bf16", "fp32") for w in (2, 3)
+    )
     for name in REAL:
         run = json.load(open(os.path.join(FIX, name, "run.json")))
-        assert run["n_params"] % run["world"] != 0, f"{name}: parameter count divides the world size"
+        assert run["n_params"] % run["world"] != 0, (
+            f"{name}: parameter count divides the world size"
+        )
 
 
 _converted: dict[str, str] = {}
@@ -45,6 +56,7 @@ def converted(tmp_path_factory):
             out = tmp_path_factory.mktemp("ucp") / name
             _converted[name] = convert_deepspeed(os.path.join(FIX, name, "ckpt"), out)
         return _converted[name]
+
     return get
 
 
@@ -60,8 +72,11 @@ def test_equals_ds_to_universal_and_zero_to_fp32(converted, name):
     assert sorted(got["opt_state"]["mu"]) == names == sorted(got["opt_state"]["nu"])
     for n in names:
         shape = Z[n].shape  # the parameter's real shape (ds_to_universal's stage 3 output is flat)
-        for state, tree in (("fp32", got["params"]), ("exp_avg", got["opt_state"]["mu"]),
-                            ("exp_avg_sq", got["opt_state"]["nu"])):
+        for state, tree in (
+            ("fp32", got["params"]),
+            ("exp_avg", got["opt_state"]["mu"]),
+            ("exp_avg_sq", got["opt_state"]["nu"]),
+        ):
             ref = U[f"{n}/{state}"]
             if run["stage"] == 3:
                 assert ref.ndim == 1
@@ -81,15 +96,18 @@ def test_equals_ds_to_universal_and_zero_to_fp32(converted, name):
             m = got["model_params"][n]
             assert m.dtype == want and m.shape == Z[n].shape
             # model weights are DeepSpeed's low-precision copy of the fp32 master
-            np.testing.assert_allclose(m.astype(np.float32), Z[n], rtol=2 ** -7, atol=1e-6)
+            np.testing.assert_allclose(m.astype(np.float32), Z[n], rtol=2**-7, atol=1e-6)
 
 
 def test_bf16_model_params_are_the_stored_module_weights(converted):
     """Stage 1/2 store the bf16 module; it must come through bit for bit (not re-cast)."""
     from jax_ucp.importers.deepspeed import DS_CLASSES
     from jax_ucp.importers.torch_pickle import load_torch_file
+
     name = "z2_bf16_dp3"
-    ms = load_torch_file(os.path.join(FIX, name, "ckpt", "global_step2", "mp_rank_00_model_states.pt"), DS_CLASSES)
+    ms = load_torch_file(
+        os.path.join(FIX, name, "ckpt", "global_step2", "mp_rank_00_model_states.pt"), DS_CLASSES
+    )
     got = jax_ucp.restore(converted(name))
     for n, v in ms["module"].items():
         assert np.array_equal(got["model_params"][n].view(np.uint16), v.view(np.uint16)), n
@@ -97,10 +115,14 @@ def test_bf16_model_params_are_the_stored_module_weights(converted):
 
 def test_tag_folder_latest_and_manager_step(tmp_path):
     src = os.path.join(FIX, "z2_fp32_dp3", "ckpt")
-    assert is_deepspeed_checkpoint(src) and is_deepspeed_checkpoint(os.path.join(src, "global_step2"))
+    assert is_deepspeed_checkpoint(src) and is_deepspeed_checkpoint(
+        os.path.join(src, "global_step2")
+    )
     assert not is_deepspeed_checkpoint(tmp_path)
     seen = []
-    a = convert_deepspeed(os.path.join(src, "global_step2"), tmp_path / "a", progress=lambda *x: seen.append(x))
+    a = convert_deepspeed(
+        os.path.join(src, "global_step2"), tmp_path / "a", progress=lambda *x: seen.append(x)
+    )
     assert len(seen) == 30 and seen[-1][1:] == (30, 30)
     b = convert_deepspeed(src, tmp_path / "mgr", step=2)
     assert b == os.path.join(str(tmp_path / "mgr"), "2", "state")
@@ -126,15 +148,18 @@ def test_existing_destination_refused_unless_force(tmp_path):
 # ------------------------------------------------------------------ bad input
 
 
-
-
 @pytest.mark.parametrize("name", ["z2_bf16_dp3", "z3_fp32_dp3"])
 def test_missing_dp_rank_file(tmp_path, name):
     src = copy_deepspeed_fixture(tmp_path, name)
-    victim = glob.glob(os.path.join(src, "global_step2", "*zero_pp_rank_1_mp_rank_00_optim_states.pt"))[0]
+    victim = glob.glob(
+        os.path.join(src, "global_step2", "*zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    )[0]
     os.remove(victim)
     dst = str(tmp_path / "out")
-    with pytest.raises(DeepSpeedImportError, match=os.path.basename(victim) + ".*missing optimizer file for DP rank 1"):
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=os.path.basename(victim) + ".*missing optimizer file for DP rank 1",
+    ):
         convert_deepspeed(src, dst)
     assert_destination_untouched(dst)
 
@@ -142,7 +167,9 @@ def test_missing_dp_rank_file(tmp_path, name):
 def test_missing_stage3_model_states_file(tmp_path):
     src = copy_deepspeed_fixture(tmp_path, "z3_bf16_dp2")
     os.remove(os.path.join(src, "global_step2", "zero_pp_rank_1_mp_rank_00_model_states.pt"))
-    with pytest.raises(DeepSpeedImportError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"):
+    with pytest.raises(
+        DeepSpeedImportError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"
+    ):
         convert_deepspeed(src, tmp_path / "out")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -150,9 +177,13 @@ def test_missing_stage3_model_states_file(tmp_path):
 def test_world_size_metadata_disagrees_with_files(tmp_path):
     src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
     tag = os.path.join(src, "global_step2")
-    shutil.copy(os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
-                os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"))
-    with pytest.raises(DeepSpeedImportError, match=r"world size metadata says 2 DP ranks.*zero_pp_rank_2"):
+    shutil.copy(
+        os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
+    )
+    with pytest.raises(
+        DeepSpeedImportError, match=r"world size metadata says 2 DP ranks.*zero_pp_rank_2"
+    ):
         convert_deepspeed(src, tmp_path / "out")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -160,10 +191,17 @@ def test_world_size_metadata_disagrees_with_files(tmp_path):
 def test_checkpoint_from_another_world_size_mixed_in(tmp_path):
     """A dp3 rank-0 file next to dp2 files: partition counts disagree -> named error."""
     src = copy_deepspeed_fixture(tmp_path, "z2_fp32_dp2")
-    shutil.copy(os.path.join(FIX, "z2_fp32_dp3", "ckpt", "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-                os.path.join(src, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
-    with pytest.raises(DeepSpeedImportError, match="mp_rank_00_model_states.pt: dp_world_size is 2 but the optimizer "
-                                                  "files say 3|missing optimizer file for DP rank 2"):
+    shutil.copy(
+        os.path.join(
+            FIX, "z2_fp32_dp3", "ckpt", "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+        ),
+        os.path.join(src, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+    )
+    with pytest.raises(
+        DeepSpeedImportError,
+        match="mp_rank_00_model_states.pt: dp_world_size is 2 but the optimizer "
+        "files say 3|missing optimizer file for DP rank 2",
+    ):
         convert_deepspeed(src, tmp_path / "out")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -194,5 +232,7 @@ def test_groups_disagreeing_on_step_is_an_error():
     assert _steps(ck) == 2
     st = ck.optim_states[2]["base_optimizer_state"]["state"][0]
     st["step"] = np.float32(3)
-    with pytest.raises(DeepSpeedImportError, match="disagree on the optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"):
+    with pytest.raises(
+        DeepSpeedImportError, match="disagree on the optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"
+    ):
         _steps(ck)

@@ -5,6 +5,7 @@ checks the importer against ds_to_universal / zero_to_fp32 run right now, and ch
 committed fixtures are still what the generator produces layout-wise.
 Run: ``pytest -m torch tests/test_deepspeed_live.py``.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,6 +28,7 @@ def test_live_against_deepspeed_tools(tmp_path, stage, dtype, world):
 
     import jax_ucp
     from jax_ucp.importers.deepspeed import convert_deepspeed
+
     work = str(tmp_path / "run")
     M.train(stage, dtype, world, work, port=29800 + 10 * stage + world)
     tag = os.path.join(work, "ckpt", "global_step2")
@@ -36,9 +38,14 @@ def test_live_against_deepspeed_tools(tmp_path, stage, dtype, world):
     assert sorted(got["params"]) == sorted(z)
     for n, ref in z.items():
         np.testing.assert_array_equal(got["params"][n], ref)
-        for state, tree in (("fp32", got["params"]), ("exp_avg", got["opt_state"]["mu"]),
-                            ("exp_avg_sq", got["opt_state"]["nu"])):
-            np.testing.assert_array_equal(tree[n], uni[f"{n}/{state}"].reshape(ref.shape), err_msg=f"{n} {state}")
+        for state, tree in (
+            ("fp32", got["params"]),
+            ("exp_avg", got["opt_state"]["mu"]),
+            ("exp_avg_sq", got["opt_state"]["nu"]),
+        ):
+            np.testing.assert_array_equal(
+                tree[n], uni[f"{n}/{state}"].reshape(ref.shape), err_msg=f"{n} {state}"
+            )
     assert int(got["opt_state"]["count"]) == 2
     assert ("model_params" in got) == (dtype != "fp32")
 
@@ -51,7 +58,10 @@ def test_torch_reader_on_fresh_deepspeed_files(tmp_path):
 
     from jax_ucp.importers.deepspeed import DS_CLASSES
     from jax_ucp.importers.torch_pickle import load_torch_file
-    files = glob.glob(os.path.join(ROOT, "tests", "fixtures", "deepspeed", "*", "ckpt", "global_step2", "*.pt"))
+
+    files = glob.glob(
+        os.path.join(ROOT, "tests", "fixtures", "deepspeed", "*", "ckpt", "global_step2", "*.pt")
+    )
     assert files
 
     def cmp(a, b, where):
@@ -76,5 +86,6 @@ def test_torch_reader_on_fresh_deepspeed_files(tmp_path):
             assert vars(a).keys() <= vars(b).keys(), where
             for k, v in vars(a).items():
                 cmp(v, getattr(b, k), f"{where}.{k}")
+
     for f in files:
         cmp(torch.load(f, weights_only=False), load_torch_file(f, DS_CLASSES), f)

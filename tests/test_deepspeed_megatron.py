@@ -6,6 +6,7 @@ checkpoint of the tiny GPT split the way Megatron-DeepSpeed's TP/PP lays it out
 ``ds_to_universal``'s output on the synthetic checkpoint itself; ``ref_model.npz`` the expected
 model-precision weights. No torch needed here; ``-m torch`` regenerates and compares live.
 """
+
 from __future__ import annotations
 
 import glob
@@ -18,10 +19,14 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 
 import jax_ucp
-from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
-from jax_ucp.importers.deepspeed import DeepSpeedImportError, convert_deepspeed, open_deepspeed_checkpoint
+from jax_ucp.importers.deepspeed import (
+    DeepSpeedImportError,
+    convert_deepspeed,
+    open_deepspeed_checkpoint,
+)
 from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,18 +41,28 @@ _converted: dict[str, str] = {}
 def converted(tmp_path_factory):
     def get(name: str) -> str:
         if name not in _converted:
-            _converted[name] = convert_deepspeed(os.path.join(FIX, name, "ckpt"), tmp_path_factory.mktemp("meg") / name)
+            _converted[name] = convert_deepspeed(
+                os.path.join(FIX, name, "ckpt"), tmp_path_factory.mktemp("meg") / name
+            )
         return _converted[name]
+
     return get
 
 
 def test_fixtures_present_and_labelled():
-    assert MEG == ["megatron_ds_tp2_dp2_z1_bf16_synthetic", "megatron_ds_tp2_dp3_z2_fp32_synthetic",
-                   "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic"]
+    assert MEG == [
+        "megatron_ds_tp2_dp2_z1_bf16_synthetic",
+        "megatron_ds_tp2_dp3_z2_fp32_synthetic",
+        "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic",
+    ]
     total = 0
     for name in MEG:
         assert os.path.isfile(os.path.join(FIX, name, "SYNTHETIC.md"))
-        total += sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(FIX, name)) for f in fs)
+        total += sum(
+            os.path.getsize(os.path.join(d, f))
+            for d, _, fs in os.walk(os.path.join(FIX, name))
+            for f in fs
+        )
     assert total <= 1.5 * 2**20
 
 
@@ -58,15 +73,31 @@ def test_equals_ds_to_universal(converted, name):
     got = jax_ucp.restore(converted(name))
     U = np.load(os.path.join(d, "ref_universal.npz"))
     names = sorted({k.rsplit("/", 1)[0] for k in U.files})
-    assert sorted(got["params"]) == names == sorted(got["opt_state"]["mu"]) == sorted(got["opt_state"]["nu"])
+    assert (
+        sorted(got["params"])
+        == names
+        == sorted(got["opt_state"]["mu"])
+        == sorted(got["opt_state"]["nu"])
+    )
     for n in names:
-        for state, tree in (("fp32", got["params"]), ("exp_avg", got["opt_state"]["mu"]),
-                            ("exp_avg_sq", got["opt_state"]["nu"])):
+        for state, tree in (
+            ("fp32", got["params"]),
+            ("exp_avg", got["opt_state"]["mu"]),
+            ("exp_avg_sq", got["opt_state"]["nu"]),
+        ):
             ref = U[f"{n}/{state}"]
-            assert tree[n].dtype == np.float32 and tree[n].shape == ref.shape, (n, state, tree[n].shape, ref.shape)
+            assert tree[n].dtype == np.float32 and tree[n].shape == ref.shape, (
+                n,
+                state,
+                tree[n].shape,
+                ref.shape,
+            )
             np.testing.assert_array_equal(tree[n], ref, err_msg=f"{name} {n} {state}")
         assert int(U[f"{n}/step"]) == int(got["opt_state"]["count"])
-    assert np.asarray(got["opt_state"]["count"]).dtype == np.int32 and int(got["opt_state"]["count"]) == run["steps"]
+    assert (
+        np.asarray(got["opt_state"]["count"]).dtype == np.int32
+        and int(got["opt_state"]["count"]) == run["steps"]
+    )
     # vocab padding stripped to ORIGINAL_VOCAB_SIZE
     emb = [n for n in names if n.endswith("word_embeddings.weight")]
     assert emb and all(got["params"][n].shape[0] == run["vocab"] for n in emb)
@@ -89,8 +120,14 @@ def test_kinds_come_from_universal_checkpoint_info(converted):
     ck = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
     assert isinstance(ck, MegatronDeepSpeedCheckpoint)
     matches = ck.__dict__["_matches"]
-    expect = {"replicated": "replicated", "averaged": "averaged", "row": "partitioned", "col": "partitioned",
-              "two_sub": "swiglu", "sub": "sub_params"}
+    expect = {
+        "replicated": "replicated",
+        "averaged": "averaged",
+        "row": "partitioned",
+        "col": "partitioned",
+        "two_sub": "swiglu",
+        "sub": "sub_params",
+    }
     for n, k in kinds.items():
         kind = matches[n].kind
         if k.startswith("vocab+"):
@@ -107,20 +144,32 @@ def test_pipeline_tied_embedding_and_layer_files(converted):
     assert ck.holders["3.self_attention.dense.weight"] == [1]
     # model weights come from the layer files (the mp_rank files hold module=None)
     assert ck.module["2.mlp.dense_h_to_4h.weight"][1][1] == "layer_02-model_01-model_states.pt"
-    assert ck.module["tied_modules.embed.word_embeddings.weight"][0][1] == "layer_01-model_00-model_states.pt"
+    assert (
+        ck.module["tied_modules.embed.word_embeddings.weight"][0][1]
+        == "layer_01-model_00-model_states.pt"
+    )
 
 
 # ------------------------------------------------------------------ bad input
 
 
-
-
-@pytest.mark.parametrize("victim,match", [
-    ("mp_rank_01_model_states.pt", r"mp_rank_01_model_states\.pt: missing model states file of model-parallel rank 1"),
-    ("bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt",
-     r"bf16_zero_pp_rank_1_mp_rank_01_optim_states\.pt: missing optimizer file for DP rank 1 of model-parallel rank 1"),
-    ("layer_03-model_01-model_states.pt", r"layer_03-model_01-model_states\.pt: missing layer file"),
-])
+@pytest.mark.parametrize(
+    "victim,match",
+    [
+        (
+            "mp_rank_01_model_states.pt",
+            r"mp_rank_01_model_states\.pt: missing model states file of model-parallel rank 1",
+        ),
+        (
+            "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt",
+            r"bf16_zero_pp_rank_1_mp_rank_01_optim_states\.pt: missing optimizer file for DP rank 1 of model-parallel rank 1",
+        ),
+        (
+            "layer_03-model_01-model_states.pt",
+            r"layer_03-model_01-model_states\.pt: missing layer file",
+        ),
+    ],
+)
 def test_missing_tp_pp_rank_file(tmp_path, victim, match):
     src = copy_deepspeed_fixture(tmp_path, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic")
     os.remove(os.path.join(src, TAG, victim))
@@ -134,7 +183,9 @@ def test_all_tp_ranks_but_zero_missing(tmp_path):
     src = copy_deepspeed_fixture(tmp_path, "megatron_ds_tp2_dp2_z1_bf16_synthetic")
     for f in glob.glob(os.path.join(src, TAG, "*mp_rank_01_*")):
         os.remove(f)
-    with pytest.raises(DeepSpeedImportError, match=r"mp_world_size is 2|mp_rank_01_model_states\.pt: missing"):
+    with pytest.raises(
+        DeepSpeedImportError, match=r"mp_world_size is 2|mp_rank_01_model_states\.pt: missing"
+    ):
         convert_deepspeed(src, tmp_path / "out")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -152,6 +203,7 @@ def _tamper_replicated(ck, name: str, t: int, value: float) -> None:
 
 def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
     from jax_ucp.importers import deepspeed_megatron as meg
+
     name = "language_model.encoder.layers.1.input_layernorm.weight"
     real_open = meg.open_megatron_deepspeed_checkpoint
 
@@ -159,16 +211,21 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
         ck = real_open(tag_dir, **kw)
         _tamper_replicated(ck, name, 1, 123.0)
         return ck
+
     monkeypatch.setattr(meg, "open_megatron_deepspeed_checkpoint", tampered)
     dst = str(tmp_path / "out")
-    with pytest.raises(DeepSpeedImportError, match=rf"{name}: replicated fragments disagree across TP ranks: rank 0 vs "
-                                                   rf"rank\(s\) \[1\].*mp_rank_01_model_states\.pt"):
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=rf"{name}: replicated fragments disagree across TP ranks: rank 0 vs "
+        rf"rank\(s\) \[1\].*mp_rank_01_model_states\.pt",
+    ):
         convert_deepspeed(os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"), dst)
     assert_destination_untouched(dst)
 
 
 def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
     from jax_ucp.importers import deepspeed_megatron as meg
+
     name = "tied_modules.embed.word_embeddings.weight"
     real_open = meg.open_megatron_deepspeed_checkpoint
 
@@ -181,15 +238,22 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
         arr[pieces[0].start] += 1.0
         osd["single_partition_of_fp32_groups"][g] = arr
         return ck
+
     monkeypatch.setattr(meg, "open_megatron_deepspeed_checkpoint", tampered)
     dst = str(tmp_path / "out")
-    with pytest.raises(DeepSpeedImportError, match=rf"{name}: pipeline-tied copies disagree: stage 0 vs stage\(s\) \[1\]"):
-        convert_deepspeed(os.path.join(FIX, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"), dst)
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=rf"{name}: pipeline-tied copies disagree: stage 0 vs stage\(s\) \[1\]",
+    ):
+        convert_deepspeed(
+            os.path.join(FIX, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"), dst
+        )
     assert_destination_untouched(dst)
 
 
 def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     from jax_ucp.importers import deepspeed_megatron as meg
+
     real_load = meg._load
 
     def load(path):
@@ -198,13 +262,17 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
             d = dict(d)
             d.pop("universal_checkpoint_info", None)
         return d
+
     monkeypatch.setattr(meg, "_load", load)
     src = os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ckpt")
     with pytest.raises(DeepSpeedImportError, match="no universal_checkpoint_info"):
         convert_deepspeed(src, tmp_path / "out")
     # an explicit import spec stands in for the missing patterns
     from jax_ucp.language import spec_from_ucp_info
-    info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))["universal_checkpoint_info"]
+
+    info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
+        "universal_checkpoint_info"
+    ]
     out = convert_deepspeed(src, tmp_path / "out2", spec=spec_from_ucp_info(info))
     U = np.load(os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ref_universal.npz"))
     got = jax_ucp.restore(out)
@@ -214,10 +282,16 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
 def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
     from jax_ucp.importers import deepspeed_megatron as meg
-    ck = open_deepspeed_checkpoint(os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"))
+
+    ck = open_deepspeed_checkpoint(
+        os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt")
+    )
     assert meg._steps_all(ck) == 2
     ck.ranks[0][1].optim_states[1]["base_optimizer_state"]["state"][0]["step"] = np.float32(3)
-    with pytest.raises(DeepSpeedImportError, match=r"disagree on the optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01"):
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=r"disagree on the optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01",
+    ):
         meg._steps_all(ck)
 
 
@@ -232,18 +306,34 @@ def test_regenerate_and_compare_live(tmp_path):
     env = dict(os.environ, DS_ACCELERATOR="cpu", DSFX_WORK=str(tmp_path / "work"))
     scratch = tmp_path / "repo"
     shutil.copytree(os.path.join(ROOT, "tools"), scratch / "tools")
-    shutil.copytree(FIX, scratch / "tests" / "fixtures" / "deepspeed",
-                    ignore=shutil.ignore_patterns("megatron_ds_*"))
-    subprocess.run([sys.executable, str(scratch / "tools" / "fixtures" / "make_megatron_deepspeed_fixtures.py")],
-                   check=True, env=env, cwd=scratch, stdout=subprocess.DEVNULL)
+    shutil.copytree(
+        FIX,
+        scratch / "tests" / "fixtures" / "deepspeed",
+        ignore=shutil.ignore_patterns("megatron_ds_*"),
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(scratch / "tools" / "fixtures" / "make_megatron_deepspeed_fixtures.py"),
+        ],
+        check=True,
+        env=env,
+        cwd=scratch,
+        stdout=subprocess.DEVNULL,
+    )
     for name in MEG:
         d = scratch / "tests" / "fixtures" / "deepspeed" / name
         U = np.load(d / "ref_universal.npz")
         got = jax_ucp.restore(convert_deepspeed(d / "ckpt", tmp_path / f"out_{name}"))
         for n in got["params"]:
-            for state, tree in (("fp32", got["params"]), ("exp_avg", got["opt_state"]["mu"]),
-                                ("exp_avg_sq", got["opt_state"]["nu"])):
-                np.testing.assert_array_equal(tree[n], U[f"{n}/{state}"], err_msg=f"{name} {n} {state}")
+            for state, tree in (
+                ("fp32", got["params"]),
+                ("exp_avg", got["opt_state"]["mu"]),
+                ("exp_avg_sq", got["opt_state"]["nu"]),
+            ):
+                np.testing.assert_array_equal(
+                    tree[n], U[f"{n}/{state}"], err_msg=f"{name} {n} {state}"
+                )
 
 
 @pytest.mark.torch
@@ -251,6 +341,7 @@ def test_restricted_reader_matches_torch_load():
     torch = pytest.importorskip("torch")
     from jax_ucp.importers.deepspeed import DS_CLASSES
     from jax_ucp.importers.torch_pickle import load_torch_file
+
     for name in MEG:
         for f in glob.glob(os.path.join(FIX, name, "ckpt", TAG, "*.pt")):
             a = load_torch_file(f, DS_CLASSES)
@@ -258,7 +349,9 @@ def test_restricted_reader_matches_torch_load():
             if os.path.basename(f).startswith("layer_"):
                 assert list(a) == list(b), f
                 for k in a:
-                    np.testing.assert_array_equal(np.asarray(a[k]).astype(np.float32), b[k].float().numpy(), err_msg=f)
+                    np.testing.assert_array_equal(
+                        np.asarray(a[k]).astype(np.float32), b[k].float().numpy(), err_msg=f
+                    )
             else:
                 assert sorted(a) == sorted(b), f
 
@@ -267,18 +360,26 @@ def test_sub_params_legacy_count_and_uneven_shard_widths():
     """DeepSpeed's two sub-param metadata forms, resolved per tensor like merge_tp_slices."""
     from jax_ucp.importers.deepspeed_megatron import _adjust_kind
     from jax_ucp.language import merge, spec_from_ucp_info
+
     pat = r"layers.\d+.qkv.weight"
     full = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
     # legacy: shape (2, -1) = two equal sub-params; rank r holds [a_r; b_r]
-    info = {"parameter_with_sub_params": [{"patterns": [pat], "shape": (2, -1), "partition_dim": 0}]}
+    info = {
+        "parameter_with_sub_params": [{"patterns": [pat], "shape": (2, -1), "partition_dim": 0}]
+    }
     kind = spec_from_ucp_info(info).match("layers.0.qkv.weight").kind
     a, b = full[:5], full[5:]
     frags = [np.concatenate([a[:2], b[:2]]), np.concatenate([a[2:4], b[2:4]])]
     k = _adjust_kind(kind, "layers.0.qkv.weight", info, [f.shape[0] for f in frags])
     np.testing.assert_array_equal(merge(k, frags), np.concatenate([a[:4], b[:4]]))
     # v0.4: physical sizes (6, 4) with uneven per-rank widths [[4, 2], [1, 3]]
-    info = {"universal_checkpoint_version": 0.4, "sub_param_shard_widths": {pat: [[4, 2], [1, 3]]},
-            "parameter_with_sub_params": [{"patterns": [pat], "shape": ((6, 4), -1), "partition_dim": 0}]}
+    info = {
+        "universal_checkpoint_version": 0.4,
+        "sub_param_shard_widths": {pat: [[4, 2], [1, 3]]},
+        "parameter_with_sub_params": [
+            {"patterns": [pat], "shape": ((6, 4), -1), "partition_dim": 0}
+        ],
+    }
     kind = spec_from_ucp_info(info).match("layers.0.qkv.weight").kind
     q, kv = full[:6], full[6:]
     frags = [np.concatenate([q[:4], kv[:1]]), np.concatenate([q[4:], kv[1:]])]
@@ -291,9 +392,12 @@ def test_spec_file_form(tmp_path):
     from jax_ucp.importers.deepspeed import DS_CLASSES
     from jax_ucp.importers.torch_pickle import load_torch_file
     from jax_ucp.language import dump_spec, spec_from_ucp_info
+
     name = "megatron_ds_tp2_dp3_z2_fp32_synthetic"
     src = os.path.join(FIX, name, "ckpt")
-    info = load_torch_file(os.path.join(src, TAG, "mp_rank_00_model_states.pt"), DS_CLASSES)["universal_checkpoint_info"]
+    info = load_torch_file(os.path.join(src, TAG, "mp_rank_00_model_states.pt"), DS_CLASSES)[
+        "universal_checkpoint_info"
+    ]
     path = tmp_path / "spec.toml"
     dump_spec(spec_from_ucp_info(info), path)
     got = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "out", spec=str(path)))

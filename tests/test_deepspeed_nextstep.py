@@ -3,6 +3,7 @@
 
 Bar (issue 3): |Δ| ≤ 1e-3·lr + 1e-5·|p| against DeepSpeed's own fp32 master after that step.
 """
+
 from __future__ import annotations
 
 import glob
@@ -32,19 +33,27 @@ class Block(nn.Module):
     def __call__(self, x):
         b, t, c = x.shape
         hd = c // self.heads
-        q, k, v = jnp.split(nn.Dense(3 * c, name="attn_qkv")(nn.LayerNorm(1e-5, use_fast_variance=False,
-                                                                          name="ln_1")(x)), 3, axis=-1)
+        q, k, v = jnp.split(
+            nn.Dense(3 * c, name="attn_qkv")(
+                nn.LayerNorm(1e-5, use_fast_variance=False, name="ln_1")(x)
+            ),
+            3,
+            axis=-1,
+        )
         q, k, v = (z.reshape(b, t, self.heads, hd).transpose(0, 2, 1, 3) for z in (q, k, v))
         att = q @ k.swapaxes(-1, -2) / math.sqrt(hd)
         att = jax.nn.softmax(jnp.where(jnp.tril(jnp.ones((t, t), bool)), att, -jnp.inf), axis=-1)
         y = (att @ v).transpose(0, 2, 1, 3).reshape(b, t, c)
         x = x + nn.Dense(c, name="attn_proj")(y)
         h = nn.LayerNorm(1e-5, use_fast_variance=False, name="ln_2")(x)
-        return x + nn.Dense(c, name="mlp_proj")(jax.nn.gelu(nn.Dense(4 * c, name="mlp_fc")(h), approximate=False))
+        return x + nn.Dense(c, name="mlp_proj")(
+            jax.nn.gelu(nn.Dense(4 * c, name="mlp_fc")(h), approximate=False)
+        )
 
 
 class TinyGPT(nn.Module):
     """Same maths as tools/fixtures/ds_train.py::TinyGPT (torch)."""
+
     vocab: int
     width: int
     layers: int
@@ -54,11 +63,14 @@ class TinyGPT(nn.Module):
     @nn.compact
     def __call__(self, tokens):
         inp, tgt = tokens[:, :-1], tokens[:, 1:]
-        x = nn.Embed(self.vocab, self.width, name="wte")(inp) + \
-            nn.Embed(self.seq, self.width, name="wpe")(jnp.arange(inp.shape[1]))
+        x = nn.Embed(self.vocab, self.width, name="wte")(inp) + nn.Embed(
+            self.seq, self.width, name="wpe"
+        )(jnp.arange(inp.shape[1]))
         for i in range(self.layers):
             x = Block(self.heads, name=f"h_{i}")(x)
-        logits = nn.Dense(self.vocab, name="lm_head")(nn.LayerNorm(1e-5, use_fast_variance=False, name="ln_f")(x))
+        logits = nn.Dense(self.vocab, name="lm_head")(
+            nn.LayerNorm(1e-5, use_fast_variance=False, name="ln_f")(x)
+        )
         return optax.softmax_cross_entropy_with_integer_labels(logits, tgt).mean()
 
 
@@ -94,8 +106,12 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
     st = r["opt_state"]["0"] if "0" in r["opt_state"] else r["opt_state"][0]
     tx = optax.adam(run["lr"], b1=0.9, b2=0.999, eps=1e-8)
     fresh = tx.init(model.init(jax.random.key(0), batch)["params"])
-    state = (optax.ScaleByAdamState(count=jnp.asarray(st["count"], jnp.int32), mu=_jnp(st["mu"]), nu=_jnp(st["nu"])),
-             optax.EmptyState())
+    state = (
+        optax.ScaleByAdamState(
+            count=jnp.asarray(st["count"], jnp.int32), mu=_jnp(st["mu"]), nu=_jnp(st["nu"])
+        ),
+        optax.EmptyState(),
+    )
     assert jax.tree.structure(state) == jax.tree.structure(fresh)
     assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, fresh)
 
@@ -103,9 +119,13 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
     updates, _ = tx.update(grads, state, params)
     new = optax.apply_updates(params, updates)
 
-    want = jax_ucp.language.restore_tree(GPT_SPEC, {"params": dict(np.load(os.path.join(d, "next_params.npz")))})
+    want = jax_ucp.language.restore_tree(
+        GPT_SPEC, {"params": dict(np.load(os.path.join(d, "next_params.npz")))}
+    )
     dev, ratio, dev_kb = 0.0, 0.0, 0.0
-    for (path_, a), b in zip(jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(want["params"])):
+    for (path_, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(new), jax.tree.leaves(want["params"])
+    ):
         a, b = np.asarray(a), np.asarray(b)
         assert a.shape == b.shape, path_
         delta = np.abs(a - b)
@@ -122,8 +142,10 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
         dev = max(dev, float(delta.max()))
         ratio = max(ratio, float((delta / bound).max()))
     # the step did move the weights (the comparison is not vacuous)
-    moved = max(float(np.abs(np.asarray(x) - np.asarray(y)).max()) for x, y in zip(jax.tree.leaves(new),
-                                                                                   jax.tree.leaves(params)))
+    moved = max(
+        float(np.abs(np.asarray(x) - np.asarray(y)).max())
+        for x, y in zip(jax.tree.leaves(new), jax.tree.leaves(params))
+    )
     assert moved > 0.5 * run["lr"]
     return dev, ratio, run["lr"], dev_kb
 
@@ -131,6 +153,10 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
 @pytest.mark.parametrize("name", FP32)
 def test_jax_next_step_matches_deepspeed(tmp_path, name):
     dev, ratio, lr, dev_kb = next_step_deviation(name, str(tmp_path))
-    print(f"{name}: max |Δ| = {dev:.3e} (lr {lr}); max |Δ|/bound = {ratio:.3f}; "
-          f"zero-gradient key bias max |Δ| = {dev_kb:.3e}")
-    assert ratio <= 1.0, f"{name}: deviation {dev:.3e} exceeds 1e-3·lr + 1e-5·|p| (ratio {ratio:.2f})"
+    print(
+        f"{name}: max |Δ| = {dev:.3e} (lr {lr}); max |Δ|/bound = {ratio:.3f}; "
+        f"zero-gradient key bias max |Δ| = {dev_kb:.3e}"
+    )
+    assert ratio <= 1.0, (
+        f"{name}: deviation {dev:.3e} exceeds 1e-3·lr + 1e-5·|p| (ratio {ratio:.2f})"
+    )

@@ -1,9 +1,8 @@
 import json
 import os
 
-import numpy as np
-
 import hypothesis.strategies as st
+import numpy as np
 import pytest
 from hypothesis import given
 
@@ -14,84 +13,99 @@ from jax_ucp.store import chunking
 
 @given(st.lists(st.text(min_size=0, max_size=40), min_size=1, max_size=5))
 def test_key_escape_is_reversible_and_path_safe(key):
-  name = keypath.encode_key(key)
-  assert "/" not in name and name not in (".", "..")
-  if "~" not in name:
-    assert keypath.decode_key(name) == tuple(key)
-  assert len(name) <= keypath.MAX_DIR_NAME
+    name = keypath.encode_key(key)
+    assert "/" not in name and name not in (".", "..")
+    if "~" not in name:
+        assert keypath.decode_key(name) == tuple(key)
+    assert len(name) <= keypath.MAX_DIR_NAME
 
 
 def test_long_names_are_hashed_and_distinct():
-  a = keypath.encode_key(["x" * 300])
-  b = keypath.encode_key(["x" * 299 + "y"])
-  assert a != b and len(a) <= keypath.MAX_DIR_NAME and "~" in a
-  with pytest.raises(ValueError, match="shortened"):
-    keypath.decode_key(a)
+    a = keypath.encode_key(["x" * 300])
+    b = keypath.encode_key(["x" * 299 + "y"])
+    assert a != b and len(a) <= keypath.MAX_DIR_NAME and "~" in a
+    with pytest.raises(ValueError, match="shortened"):
+        keypath.decode_key(a)
 
 
 def test_dotted_source_names_do_not_collide_with_nesting():
-  assert keypath.encode_key(["params", "a.b"]) != keypath.encode_key(["params", "a", "b"])
+    assert keypath.encode_key(["params", "a.b"]) != keypath.encode_key(["params", "a", "b"])
 
 
 def test_manifest_json_round_trip_keeps_values_exact():
-  entries = [
-      fmt.ValueEntry(key=("f",), key_kinds=("key",), value=float("nan")),
-      fmt.ValueEntry(key=("g",), key_kinds=("key",), value=-0.0),
-      fmt.ValueEntry(key=("i",), key_kinds=("key",), value=2**70),
-      fmt.ValueEntry(key=("s",), key_kinds=("key",), value="x/y"),
-      fmt.ValueEntry(key=("b",), key_kinds=("key",), value=True),
-      fmt.ValueEntry(key=("n",), key_kinds=("key",), value=None),
-  ]
-  m = fmt.Manifest.loads(fmt.Manifest(entries=entries).dumps())
-  vals = {e.key[0]: e.value for e in m.values}
-  assert vals["f"] != vals["f"]  # nan
-  assert str(vals["g"]) == "-0.0" and vals["i"] == 2**70 and vals["s"] == "x/y"
-  assert vals["b"] is True and vals["n"] is None
+    entries = [
+        fmt.ValueEntry(key=("f",), key_kinds=("key",), value=float("nan")),
+        fmt.ValueEntry(key=("g",), key_kinds=("key",), value=-0.0),
+        fmt.ValueEntry(key=("i",), key_kinds=("key",), value=2**70),
+        fmt.ValueEntry(key=("s",), key_kinds=("key",), value="x/y"),
+        fmt.ValueEntry(key=("b",), key_kinds=("key",), value=True),
+        fmt.ValueEntry(key=("n",), key_kinds=("key",), value=None),
+    ]
+    m = fmt.Manifest.loads(fmt.Manifest(entries=entries).dumps())
+    vals = {e.key[0]: e.value for e in m.values}
+    assert vals["f"] != vals["f"]  # nan
+    assert str(vals["g"]) == "-0.0" and vals["i"] == 2**70 and vals["s"] == "x/y"
+    assert vals["b"] is True and vals["n"] is None
 
 
 def test_newer_version_and_foreign_json_are_refused():
-  d = fmt.Manifest(entries=[]).to_json()
-  d["version"] = fmt.FORMAT_VERSION + 1
-  with pytest.raises(fmt.ManifestError, match="newer"):
-    fmt.Manifest.from_json(d)
-  with pytest.raises(fmt.ManifestError, match="not a jax_ucp manifest"):
-    fmt.Manifest.loads(json.dumps({"zarr_format": 3}))
-  with pytest.raises(fmt.ManifestError, match="not valid JSON"):
-    fmt.Manifest.loads("{oops")
+    d = fmt.Manifest(entries=[]).to_json()
+    d["version"] = fmt.FORMAT_VERSION + 1
+    with pytest.raises(fmt.ManifestError, match="newer"):
+        fmt.Manifest.from_json(d)
+    with pytest.raises(fmt.ManifestError, match="not a jax_ucp manifest"):
+        fmt.Manifest.loads(json.dumps({"zarr_format": 3}))
+    with pytest.raises(fmt.ManifestError, match="not valid JSON"):
+        fmt.Manifest.loads("{oops")
 
 
-@given(st.lists(st.integers(1, 3000), min_size=0, max_size=4), st.sampled_from([1, 2, 4, 8]),
-       st.sampled_from([1 << 10, 1 << 16, 1 << 20]))
+@given(
+    st.lists(st.integers(1, 3000), min_size=0, max_size=4),
+    st.sampled_from([1, 2, 4, 8]),
+    st.sampled_from([1 << 10, 1 << 16, 1 << 20]),
+)
 def test_inner_chunks_tile_the_shard_and_respect_the_bound(shape, itemsize, bound):
-  inner = chunking.inner_chunk_shape(shape, itemsize, bound)
-  assert len(inner) == len(shape)
-  for s, c in zip(shape, inner):
-    assert s % c == 0
-  nbytes = itemsize
-  for c in inner:
-    nbytes *= c
-  # Over budget only for an extent without a usable divisor (then it is the minimal one).
-  if nbytes > bound:
-    over = [i for i, (s, c) in enumerate(zip(shape, inner)) if c not in (1, s)]
-    assert len(over) <= 1
+    inner = chunking.inner_chunk_shape(shape, itemsize, bound)
+    assert len(inner) == len(shape)
+    for s, c in zip(shape, inner):
+        assert s % c == 0
+    nbytes = itemsize
+    for c in inner:
+        nbytes *= c
+    # Over budget only for an extent without a usable divisor (then it is the minimal one).
+    if nbytes > bound:
+        over = [i for i, (s, c) in enumerate(zip(shape, inner)) if c not in (1, s)]
+        assert len(over) <= 1
 
 
 def test_replicated_large_embedding_gets_bounded_chunks():
-  inner = chunking.inner_chunk_shape((262144, 1024), 4)  # 1 GiB replicated
-  assert inner[1] == 1024 and inner[0] * 1024 * 4 <= chunking.DEFAULT_INNER_CHUNK_BYTES
+    inner = chunking.inner_chunk_shape((262144, 1024), 4)  # 1 GiB replicated
+    assert inner[1] == 1024 and inner[0] * 1024 * 4 <= chunking.DEFAULT_INNER_CHUNK_BYTES
 
 
 def test_written_manifests_follow_the_published_json_schema(tmp_path):
-  import jsonschema
-  import ml_dtypes
-  import jax_ucp
-  with open(os.path.join(os.path.dirname(fmt.manifest.__file__), "ucp_manifest.v1.schema.json")) as f:
-    schema = json.load(f)
-  jax_ucp.save(tmp_path / "c", {"params": {"w": np.zeros((3, 2), ml_dtypes.bfloat16)},
-                                "opt_state": {"mu": {"w": np.zeros((3, 2), np.float32)}},
-                                "step": 3, "name": "x", "lr": 1e-3, "none": None})
-  jsonschema.validate(json.loads((tmp_path / "c" / "ucp.json").read_text()), schema)
-  bad = json.loads((tmp_path / "c" / "ucp.json").read_text())
-  next(e for e in bad["entries"] if e["kind"] == "tensor")["dtype"] = "float128"
-  with pytest.raises(jsonschema.ValidationError):
-    jsonschema.validate(bad, schema)
+    import jsonschema
+    import ml_dtypes
+
+    import jax_ucp
+
+    with open(
+        os.path.join(os.path.dirname(fmt.manifest.__file__), "ucp_manifest.v1.schema.json")
+    ) as f:
+        schema = json.load(f)
+    jax_ucp.save(
+        tmp_path / "c",
+        {
+            "params": {"w": np.zeros((3, 2), ml_dtypes.bfloat16)},
+            "opt_state": {"mu": {"w": np.zeros((3, 2), np.float32)}},
+            "step": 3,
+            "name": "x",
+            "lr": 1e-3,
+            "none": None,
+        },
+    )
+    jsonschema.validate(json.loads((tmp_path / "c" / "ucp.json").read_text()), schema)
+    bad = json.loads((tmp_path / "c" / "ucp.json").read_text())
+    next(e for e in bad["entries"] if e["kind"] == "tensor")["dtype"] = "float128"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)

@@ -4,6 +4,7 @@ Fixtures were written by megatron-core 0.16.1 itself on CPU (tools/fixtures/
 make_megatron_fixtures.py); references are torch's own DCP consolidation and a plain-PyTorch
 forward (itself checked against megatron-core's CPU forward when the fixtures were made).
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,19 @@ from jax_ucp.importers.megatron import MegatronImportError, convert_megatron, de
 
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron_testing import (  # noqa: E402
-    FIX, LEGACY, TORCH_DIST, VOCAB, assert_bit_equal, fixture_info, is_vocab, lm_config,
-    load_optimizer_truth, load_reference, reference_name, reference_of, reference_value,
+    FIX,
+    LEGACY,
+    TORCH_DIST,
+    VOCAB,
+    assert_bit_equal,
+    fixture_info,
+    is_vocab,
+    lm_config,
+    load_optimizer_truth,
+    load_reference,
+    reference_name,
+    reference_of,
+    reference_value,
 )
 
 
@@ -41,7 +53,7 @@ def converted(tmp_path_factory):
 
 def test_fixtures_are_small_and_labelled():
     total = sum(f.stat().st_size for f in FIX.rglob("*") if f.is_file())
-    assert total <= 4.5 * 2 ** 20, f"megatron fixtures take {total / 2 ** 20:.2f} MiB"
+    assert total <= 4.5 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
     info = fixture_info()
     for name in LEGACY:
         assert "synthetic" in name and name in info
@@ -87,9 +99,15 @@ def test_torch_dist_import_bit_exact(name, converted):
     for k in model_names:
         strip = (lambda a: a[:VOCAB]) if is_vocab(k) else (lambda a: a)
         if has_opt:
-            assert_bit_equal(r["params"][k], strip(ref[f"optimizer.state.param.{k}"]), f"params/{k}")
-            assert_bit_equal(r["opt_state"]["mu"][k], strip(ref[f"optimizer.state.exp_avg.{k}"]), f"mu/{k}")
-            assert_bit_equal(r["opt_state"]["nu"][k], strip(ref[f"optimizer.state.exp_avg_sq.{k}"]), f"nu/{k}")
+            assert_bit_equal(
+                r["params"][k], strip(ref[f"optimizer.state.param.{k}"]), f"params/{k}"
+            )
+            assert_bit_equal(
+                r["opt_state"]["mu"][k], strip(ref[f"optimizer.state.exp_avg.{k}"]), f"mu/{k}"
+            )
+            assert_bit_equal(
+                r["opt_state"]["nu"][k], strip(ref[f"optimizer.state.exp_avg_sq.{k}"]), f"nu/{k}"
+            )
         else:
             assert_bit_equal(r["params"][k], strip(ref[k]), k)
         if "model_params" in r:
@@ -125,7 +143,11 @@ def test_moe_experts_global(name, converted):
 
 def test_legacy_moe_expert_numbering(converted):
     r = jax_ucp.restore(converted("legacy_moe_ep2_synthetic"))
-    got = sorted(int(k.split(".")[6]) for k in r["params"] if ".local_experts." in k and k.endswith("fc1.weight"))
+    got = sorted(
+        int(k.split(".")[6])
+        for k in r["params"]
+        if ".local_experts." in k and k.endswith("fc1.weight")
+    )
     assert got == [0, 1, 2, 3]  # EP rank 1's local experts 0, 1 became global 2, 3
     g = jax_ucp.restore(converted("legacy_moe_grouped_ep2_synthetic"))["params"]
     assert g["decoder.layers.0.mlp.experts.weight1"].shape == (32, 4 * 32)
@@ -143,8 +165,13 @@ def test_vocab_size_from_spec_settings_and_step_and_progress(tmp_path):
     from jax_ucp.language import Spec
 
     seen = []
-    d = convert_megatron(FIX / "gpt_pp2", tmp_path / "mgr", spec=Spec(settings={"vocab_size": VOCAB}),
-                         step=7, progress=lambda n, i, t: seen.append((n, i, t)))
+    d = convert_megatron(
+        FIX / "gpt_pp2",
+        tmp_path / "mgr",
+        spec=Spec(settings={"vocab_size": VOCAB}),
+        step=7,
+        progress=lambda n, i, t: seen.append((n, i, t)),
+    )
     assert d.endswith(os.path.join("7", "state"))
     r = jax_ucp.restore(d)
     assert r["params"]["embedding.word_embeddings.weight"].shape[0] == VOCAB
@@ -176,14 +203,22 @@ def test_legacy_distributed_optimizer_bit_exact(converted):
     name = "legacy_gpt_distopt_pp2dp2_synthetic"
     r = jax_ucp.restore(converted(name))
     truth = load_optimizer_truth(name)
-    trees = {"param": r["params"], "exp_avg": r["opt_state"]["mu"], "exp_avg_sq": r["opt_state"]["nu"]}
+    trees = {
+        "param": r["params"],
+        "exp_avg": r["opt_state"]["mu"],
+        "exp_avg_sq": r["opt_state"]["nu"],
+    }
     for kind, tree in trees.items():
-        assert sorted(tree) == sorted(n for k, n in truth if k == kind and not n.startswith("tied_copy/"))
+        assert sorted(tree) == sorted(
+            n for k, n in truth if k == kind and not n.startswith("tied_copy/")
+        )
         for n, v in tree.items():
             want = truth[(kind, n)]
             if is_vocab(n):
                 want = want[:VOCAB]
-                assert_bit_equal(truth[(kind, "tied_copy/output_layer.weight")][:VOCAB], want, "tied copy")
+                assert_bit_equal(
+                    truth[(kind, "tied_copy/output_layer.weight")][:VOCAB], want, "tied copy"
+                )
             assert_bit_equal(v, want, f"{kind}/{n}")
     assert int(r["opt_state"]["count"]) == 2 and "model_params" not in r
     ref = load_reference(name)  # fp32 run: the master weights are the model weights
@@ -196,7 +231,9 @@ def test_legacy_distributed_optimizer_bit_exact(converted):
 def test_legacy_missing_distrib_optim(tmp_path):
     src = _copy("legacy_gpt_distopt_pp2dp2_synthetic", tmp_path)
     (src / "iter_0000002" / "mp_rank_00_001" / "distrib_optim.pt").unlink()
-    with pytest.raises(MegatronImportError, match=r"missing shard file .*mp_rank_00_001/distrib_optim\.pt"):
+    with pytest.raises(
+        MegatronImportError, match=r"missing shard file .*mp_rank_00_001/distrib_optim\.pt"
+    ):
         convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
@@ -207,8 +244,13 @@ def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
     real = lg.distrib_optim_layout
     # one bucket per parameter: no 64-element start padding inside buckets -> totals disagree
     monkeypatch.setattr(lg, "distrib_optim_layout", lambda p, shared, bs: real(p, shared, 1))
-    with pytest.raises(MegatronImportError, match=r"distrib_optim\.pt: the flat buffers hold \d+ elements but .* lay out to"):
-        convert_megatron(FIX / "legacy_gpt_distopt_pp2dp2_synthetic", tmp_path / "out", vocab_size=VOCAB)
+    with pytest.raises(
+        MegatronImportError,
+        match=r"distrib_optim\.pt: the flat buffers hold \d+ elements but .* lay out to",
+    ):
+        convert_megatron(
+            FIX / "legacy_gpt_distopt_pp2dp2_synthetic", tmp_path / "out", vocab_size=VOCAB
+        )
     _untouched(tmp_path / "out")
 
 
@@ -217,9 +259,15 @@ def test_legacy_pipeline_tied_and_layer_numbers(converted):
     r = jax_ucp.restore(d)
     names = set(r["params"])
     assert "decoder.layers.1.self_attention.linear_qkv.weight" in names  # stage 1's local layer 0
-    assert "output_layer.weight" not in names  # last stage's tied copy checked equal, not duplicated
+    assert (
+        "output_layer.weight" not in names
+    )  # last stage's tied copy checked equal, not duplicated
     src = jax_ucp.inspect(d).source
-    assert src["tp"] == 2 and src["pp"] == 2 and src["tied_embeddings"] == ["embedding.word_embeddings.weight"]
+    assert (
+        src["tp"] == 2
+        and src["pp"] == 2
+        and src["tied_embeddings"] == ["embedding.word_embeddings.weight"]
+    )
     assert src["settings"]["num_layers"] == 2  # from the pickled argparse.Namespace
 
 
@@ -256,10 +304,21 @@ def _spec_for(name: str):
     from jax_ucp.language import load_spec
 
     f = fixture_info()[name]
-    spec = ("megatron_lm_gpt" if "lm_names" in name else "mixtral" if f["kind"] == "moe"
-            else "llama" if f["kind"] == "llama" else "megatron_gpt")
-    settings = dict(num_attention_heads=f["num_attention_heads"], hidden_size=f["hidden_size"],
-                    num_layers=f["num_layers"], vocab_size=VOCAB)
+    spec = (
+        "megatron_lm_gpt"
+        if "lm_names" in name
+        else "mixtral"
+        if f["kind"] == "moe"
+        else "llama"
+        if f["kind"] == "llama"
+        else "megatron_gpt"
+    )
+    settings = dict(
+        num_attention_heads=f["num_attention_heads"],
+        hidden_size=f["hidden_size"],
+        num_layers=f["num_layers"],
+        vocab_size=VOCAB,
+    )
     if f.get("num_experts"):
         settings["num_experts"] = f["num_experts"]
     if f["num_query_groups"]:
@@ -281,7 +340,9 @@ def test_shipped_spec_restore_gives_reference_logits(name, converted):
     mine = from_megatron(jax_ucp.restore(d)["params"], cfg)["params"]
     got = restored["params"]
     assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(mine)
-    for (p, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(mine)):
+    for (p, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(mine)
+    ):
         assert_bit_equal(np.asarray(a), np.asarray(b), jax.tree_util.keystr(p))
     if "model_params" in restored:
         got = restored["model_params"]
@@ -291,7 +352,9 @@ def test_shipped_spec_restore_gives_reference_logits(name, converted):
         out = np.asarray(TransformerLM(cfg).apply(params, ref["tokens"]))
     assert np.abs(out - ref["logits"][..., :VOCAB]).max() <= 1e-5
     if "opt_state" in restored:  # optax adam layout: opt_state/0/{mu,nu,count}
-        st = restored["opt_state"]["0"] if "0" in restored["opt_state"] else restored["opt_state"][0]
+        st = (
+            restored["opt_state"]["0"] if "0" in restored["opt_state"] else restored["opt_state"][0]
+        )
         assert int(st["count"]) == 2
         assert jax.tree_util.tree_structure(st["mu"]) == jax.tree_util.tree_structure(mine)
 
@@ -307,11 +370,15 @@ def test_flax_tree_names_match_shipped_spec_targets(converted):
     mine = from_megatron(jax_ucp.restore(d)["params"], cfg)
     shapes = lambda t: jax.tree_util.tree_map(lambda x: tuple(np.shape(x)), t)  # noqa: E731
     assert shapes(init) == shapes(mine)
-    spec = load_spec("megatron_gpt", num_attention_heads=4, hidden_size=32, num_layers=2, vocab_size=VOCAB)
+    spec = load_spec(
+        "megatron_gpt", num_attention_heads=4, hidden_size=32, num_layers=2, vocab_size=VOCAB
+    )
     got = jax_ucp.restore(d, spec=spec)["params"]
     assert shapes(got) == shapes(mine["params"])
-    for (p, a), (_, b) in zip(jax.tree_util.tree_leaves_with_path(got),
-                              jax.tree_util.tree_leaves_with_path(mine["params"])):
+    for (p, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(got),
+        jax.tree_util.tree_leaves_with_path(mine["params"]),
+    ):
         assert_bit_equal(np.asarray(a), np.asarray(b), jax.tree_util.keystr(p))
 
 
@@ -327,8 +394,17 @@ def test_convert_detects_megatron_and_cli(tmp_path):
     it_dir = FIX / "legacy_llama_tp2_synthetic" / "iter_0000007"
     d = jax_ucp.convert(it_dir, tmp_path / "b", vocab_size=VOCAB)
     assert jax_ucp.inspect(d).source["iteration"] == 7
-    res = CliRunner().invoke(app, ["convert", "megatron", str(FIX / "gpt_tp2"), str(tmp_path / "c"),
-                                   "--vocab-size", str(VOCAB)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "convert",
+            "megatron",
+            str(FIX / "gpt_tp2"),
+            str(tmp_path / "c"),
+            "--vocab-size",
+            str(VOCAB),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert jax_ucp.restore(tmp_path / "c")["params"]["output_layer.weight"].shape == (VOCAB, 32)
     res = CliRunner().invoke(app, ["convert", "megatron", str(tmp_path), str(tmp_path / "d")])
@@ -339,8 +415,9 @@ def test_convert_detects_megatron_and_cli(tmp_path):
 def test_legacy_with_shipped_spec_import_rules(tmp_path):
     """The shipped megatron_gpt spec's (strict) import rules merge the legacy TP x PP fragments the
     same way as the built-in rules; head counts come from the pickled args."""
-    d = convert_megatron(FIX / "legacy_gpt_tp2pp2_synthetic", tmp_path / "o", spec="megatron_gpt",
-                         vocab_size=VOCAB)
+    d = convert_megatron(
+        FIX / "legacy_gpt_tp2pp2_synthetic", tmp_path / "o", spec="megatron_gpt", vocab_size=VOCAB
+    )
     r = jax_ucp.restore(d)
     ref = load_reference("legacy_gpt_tp2pp2_synthetic")
     for k, v in r["params"].items():
@@ -357,12 +434,24 @@ def test_cli_spec_file_supplies_settings(tmp_path):
 
     f = tmp_path / "my.toml"
     f.write_text(f'name = "mine"\n[settings]\nvocab_size = {VOCAB}\n')
-    res = CliRunner().invoke(app, ["convert", "megatron", str(FIX / "legacy_llama_tp2_synthetic"),
-                                   str(tmp_path / "o"), "--spec", str(f)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "convert",
+            "megatron",
+            str(FIX / "legacy_llama_tp2_synthetic"),
+            str(tmp_path / "o"),
+            "--spec",
+            str(f),
+        ],
+    )
     assert res.exit_code == 0, res.output
     r = jax_ucp.restore(tmp_path / "o")["params"]
     assert r["embedding.word_embeddings.weight"].shape == (VOCAB, 32)
-    assert r["decoder.layers.1.mlp.linear_fc1.weight"].shape == (96, 32)  # [gate; up] merged over TP
+    assert r["decoder.layers.1.mlp.linear_fc1.weight"].shape == (
+        96,
+        32,
+    )  # [gate; up] merged over TP
 
 
 # ------------------------------------------------------------------ bad input
@@ -370,7 +459,9 @@ def test_cli_spec_file_supplies_settings(tmp_path):
 
 @pytest.mark.parametrize("name", ["gpt_tp2", "legacy_gpt_tp2pp2_synthetic"])
 def test_vocab_size_larger_than_padded(name, tmp_path):
-    with pytest.raises(MegatronImportError, match=r"word_embeddings\.weight.*(fewer than|64 rows).*vocab_size=100"):
+    with pytest.raises(
+        MegatronImportError, match=r"word_embeddings\.weight.*(fewer than|64 rows).*vocab_size=100"
+    ):
         convert_megatron(FIX / name, tmp_path / "out", vocab_size=100)
     _untouched(tmp_path / "out")
 
@@ -383,7 +474,9 @@ def _copy(name, tmp_path):
 
 def _untouched(dest):
     assert not dest.exists()
-    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")], "temp left behind"
+    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")], (
+        "temp left behind"
+    )
 
 
 def test_missing_shard_file(tmp_path):
@@ -401,7 +494,9 @@ def test_metadata_references_absent_file(tmp_path):
     assert b"__1_1.distcp" in md
     (src / ".metadata").write_bytes(md.replace(b"__1_1.distcp", b"__7_7.distcp"))
     dest = tmp_path / "out"
-    with pytest.raises(MegatronImportError, match=r"tensor '.+'.*__7_7\.distcp is missing.*\.metadata"):
+    with pytest.raises(
+        MegatronImportError, match=r"tensor '.+'.*__7_7\.distcp is missing.*\.metadata"
+    ):
         convert_megatron(src, dest, vocab_size=VOCAB)
     _untouched(dest)
 
@@ -452,7 +547,9 @@ def test_overlapping_shards(tmp_path, monkeypatch):
 
     _patched_open(monkeypatch, overlap)
     dest = tmp_path / "out"
-    with pytest.raises(MegatronImportError, match=rf"tensor '{name}': overlapping shards.*__0_0.distcp"):
+    with pytest.raises(
+        MegatronImportError, match=rf"tensor '{name}': overlapping shards.*__0_0.distcp"
+    ):
         convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
     _untouched(dest)
 
@@ -464,13 +561,19 @@ def test_chunk_shape_disagreement(tmp_path, monkeypatch):
     def swap(ck):
         t, o = ck.tensors[name], ck.tensors[other].chunks[0]
         c = t.chunks[0]
-        ck.tensors[name] = dcp.DcpTensor(t.name, t.shape, t.dtype, (
-            dcp.DcpChunk(c.offsets, c.sizes, o.file, o.byte_offset, o.byte_length),))
+        ck.tensors[name] = dcp.DcpTensor(
+            t.name,
+            t.shape,
+            t.dtype,
+            (dcp.DcpChunk(c.offsets, c.sizes, o.file, o.byte_offset, o.byte_length),),
+        )
 
     _patched_open(monkeypatch, swap)
-    with pytest.raises(MegatronImportError,
-                       match=rf"tensor '{name}' chunk at offsets \[0\] in .*distcp: shape disagreement: "
-                             r"metadata says \[32\], bytes hold \[32, 32\]"):
+    with pytest.raises(
+        MegatronImportError,
+        match=rf"tensor '{name}' chunk at offsets \[0\] in .*distcp: shape disagreement: "
+        r"metadata says \[32\], bytes hold \[32, 32\]",
+    ):
         convert_megatron(FIX / "gpt_tp2", tmp_path / "out", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
@@ -483,9 +586,11 @@ def test_dtype_disagreement_on_disk(tmp_path):
     assert b"FloatStorage" in b
     f.write_bytes(b.replace(b"FloatStorage", b"ShortStorage", 1))
     dest = tmp_path / "out"
-    with pytest.raises(MegatronImportError,
-                       match=r"tensor '.+' chunk .*/__1_0\.distcp: dtype disagreement: metadata says float32, "
-                             r"bytes hold int16"):
+    with pytest.raises(
+        MegatronImportError,
+        match=r"tensor '.+' chunk .*/__1_0\.distcp: dtype disagreement: metadata says float32, "
+        r"bytes hold int16",
+    ):
         convert_megatron(src, dest, vocab_size=VOCAB)
     _untouched(dest)
 
@@ -509,11 +614,22 @@ def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
     def add(ck):
         t = ck.tensors[name]
         c = t.chunks[0]
-        ck.tensors[name] = dcp.DcpTensor(t.name, t.shape, t.dtype, (
-            dcp.DcpChunk(c.offsets, c.sizes, c.file, c.byte_offset, c.byte_length, ("stream.zstd/1",)),))
+        ck.tensors[name] = dcp.DcpTensor(
+            t.name,
+            t.shape,
+            t.dtype,
+            (
+                dcp.DcpChunk(
+                    c.offsets, c.sizes, c.file, c.byte_offset, c.byte_length, ("stream.zstd/1",)
+                ),
+            ),
+        )
 
     _patched_open(monkeypatch, add)
-    with pytest.raises(MegatronImportError, match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.zstd/1'"):
+    with pytest.raises(
+        MegatronImportError,
+        match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.zstd/1'",
+    ):
         convert_megatron(FIX / "gpt_tp2", tmp_path / "out", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
@@ -522,7 +638,9 @@ def test_metadata_pickle_with_code_is_refused(tmp_path):
     src = _copy("gpt_tp2", tmp_path)
     marker = tmp_path / "pwned"
     (src / ".metadata").write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
-    with pytest.raises(MegatronImportError, match=r"\.metadata.*refusing to load global 'os.system'"):
+    with pytest.raises(
+        MegatronImportError, match=r"\.metadata.*refusing to load global 'os.system'"
+    ):
         convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
     assert not marker.exists()
     _untouched(tmp_path / "out")
@@ -534,7 +652,10 @@ def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
         ck.tensors["optimizer.distributed.dp_group_idx_0.gbuf_idx_0.exp_avg"] = t
 
     _patched_open(monkeypatch, rename)
-    with pytest.raises(MegatronImportError, match=r"optimizer\.distributed\.dp_group_idx_0.*only 'fully_reshardable'"):
+    with pytest.raises(
+        MegatronImportError,
+        match=r"optimizer\.distributed\.dp_group_idx_0.*only 'fully_reshardable'",
+    ):
         convert_megatron(FIX / "gpt_distopt_dp2", tmp_path / "out", vocab_size=VOCAB)
 
 
@@ -549,7 +670,9 @@ def test_legacy_missing_rank(tmp_path):
 def test_legacy_missing_file_and_bad_tracker(tmp_path):
     src = _copy("legacy_llama_tp2_synthetic", tmp_path)
     (src / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt").unlink()
-    with pytest.raises(MegatronImportError, match=r"missing shard file .*mp_rank_01/model_optim_rng\.pt"):
+    with pytest.raises(
+        MegatronImportError, match=r"missing shard file .*mp_rank_01/model_optim_rng\.pt"
+    ):
         convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
     (src / "latest_checkpointed_iteration.txt").write_text("9")
     assert detect_megatron(src) is None
@@ -566,7 +689,9 @@ def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
         return ck
 
     monkeypatch.setattr(lg, "open_legacy", old)
-    with pytest.raises(MegatronImportError, match=r"mp_rank_00/model_optim_rng\.pt: checkpoint_version 1\.0 .*QKV"):
+    with pytest.raises(
+        MegatronImportError, match=r"mp_rank_00/model_optim_rng\.pt: checkpoint_version 1\.0 .*QKV"
+    ):
         convert_megatron(FIX / "legacy_llama_tp2_synthetic", tmp_path / "out", vocab_size=VOCAB)
 
 
@@ -583,6 +708,8 @@ def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
         return ck
 
     monkeypatch.setattr(lg, "open_legacy", corrupt)
-    with pytest.raises(MegatronImportError, match=r"decoder\.final_layernorm\.weight.*disagree.*mp_rank_01"):
+    with pytest.raises(
+        MegatronImportError, match=r"decoder\.final_layernorm\.weight.*disagree.*mp_rank_01"
+    ):
         convert_megatron(FIX / "legacy_llama_tp2_synthetic", tmp_path / "out", vocab_size=VOCAB)
     _untouched(tmp_path / "out")

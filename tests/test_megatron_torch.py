@@ -2,6 +2,7 @@
 
 Needs torch 2.13 (CPU), megatron-core. Slow (~1-3 min on 2 cores).
 """
+
 from __future__ import annotations
 
 import os
@@ -61,8 +62,12 @@ def test_regenerate_and_import_live(tmp_path):
     pytest.importorskip("megatron.core")
     names = ["gpt_tp2", "llama_distopt_bf16_tp2dp2", "legacy_llama_tp2_synthetic"]
     out = tmp_path / "fx"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *names],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), *names],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     import jax_ucp
     from jax_ucp.importers.megatron import convert_megatron
@@ -78,9 +83,16 @@ def test_regenerate_and_import_live(tmp_path):
         opt = any(k.startswith("optimizer.") for k in live)
         for k, v in got["params"].items():
             want = live[f"optimizer.state.param.{k}" if opt else k]
-            assert_bit_equal(v, want[:VOCAB] if k.endswith(("word_embeddings.weight", "output_layer.weight"))
-                             else want, k)
+            assert_bit_equal(
+                v,
+                want[:VOCAB]
+                if k.endswith(("word_embeddings.weight", "output_layer.weight"))
+                else want,
+                k,
+            )
     leg = load_reference(names[2])
     regenerated = np.load(out / f"{names[2]}.consolidated.npz")
     for k in leg:
-        assert np.array_equal(np.asarray(regenerated[k]).view(np.uint8), np.asarray(leg[k]).view(np.uint8)), k
+        assert np.array_equal(
+            np.asarray(regenerated[k]).view(np.uint8), np.asarray(leg[k]).view(np.uint8)
+        ), k

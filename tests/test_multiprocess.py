@@ -4,13 +4,11 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
-import pytest
+from ucp_testing import REPO, assert_bit_exact, free_port
 
 import jax_ucp
-from ucp_testing import REPO, assert_bit_exact, free_port
 
 WORKER = r"""
 import json, os, sys
@@ -58,53 +56,82 @@ else:
 
 
 def _launch(mode, path, nproc=2, devices_per_proc=2):
-  port = free_port()
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_proc}",
-             JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-  procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(i), str(nproc), str(port), mode, str(path)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(nproc)]
-  outs = []
-  for p in procs:
-    try:
-      out, err = p.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      raise
-    assert p.returncode == 0, f"{mode} worker failed:\n{out}\n{err[-4000:]}"
-    outs.append(out)
-  return outs
+    port = free_port()
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_proc}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=REPO,
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(i), str(nproc), str(port), mode, str(path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(nproc)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        assert p.returncode == 0, f"{mode} worker failed:\n{out}\n{err[-4000:]}"
+        outs.append(out)
+    return outs
 
 
 def test_two_process_save_then_restore_in_one_and_two(tmp_path):
-  path = tmp_path / "ckpt"
-  outs = _launch("save", path)
-  written = [json.loads(next(l for l in o.splitlines() if l.startswith("WRITTEN "))[8:]) for o in outs]
-  # Each process wrote only its own replica-0 shards; together they cover each tensor once.
-  sets = [{(n, tuple(map(tuple, idx))) for n, idx in w} for w in written]
-  assert sets[0] and sets[1] and not (sets[0] & sets[1])
-  names = [n for s in sets for n, _ in s]
-  assert names.count("params/w") == 4  # 2×2 shards of w, each written once
-  assert names.count("params/e") == 1  # replicated: only replica 0 (process 0) writes it
-  assert names.count("params/c") == 2
-  assert names.count("count") == 1
-  files = sorted(os.path.relpath(os.path.join(d, f), path / "arrays")
-                 for d, _, fs in os.walk(path / "arrays") for f in fs
-                 if f != "zarr.json" and not d.endswith("count"))
-  assert files == ["params.c/c/0/0", "params.c/c/0/1", "params.e/c/0/0",
-                   "params.w/c/0/0", "params.w/c/0/1", "params.w/c/1/0", "params.w/c/1/1"]
-  # One process (this one, 8 devices) reads it back…
-  back = jax_ucp.restore(path)
-  W = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
-  assert_bit_exact(back["params"]["w"], W)
-  assert_bit_exact(back["params"]["c"], W.T)
-  assert back["step"] == 11
-  assert_bit_exact(back["count"], np.int32(11))
-  # …and two processes read it onto another layout, each reading only its devices' slices.
-  outs = _launch("restore", path)
-  assert all("RESTORED OK" in o for o in outs)
-  total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path / "arrays") for f in fs)
-  per_process = [int(next(l for l in o.splitlines() if l.startswith("BYTES_READ")).split()[1]) for o in outs]
-  # w and c are split in half between the processes; e [6, 4] is split over "data" too.
-  assert all(0 < b < 0.75 * total for b in per_process), (per_process, total)
+    path = tmp_path / "ckpt"
+    outs = _launch("save", path)
+    written = [
+        json.loads(next(line for line in o.splitlines() if line.startswith("WRITTEN "))[8:])
+        for o in outs
+    ]
+    # Each process wrote only its own replica-0 shards; together they cover each tensor once.
+    sets = [{(n, tuple(map(tuple, idx))) for n, idx in w} for w in written]
+    assert sets[0] and sets[1] and not (sets[0] & sets[1])
+    names = [n for s in sets for n, _ in s]
+    assert names.count("params/w") == 4  # 2×2 shards of w, each written once
+    assert names.count("params/e") == 1  # replicated: only replica 0 (process 0) writes it
+    assert names.count("params/c") == 2
+    assert names.count("count") == 1
+    files = sorted(
+        os.path.relpath(os.path.join(d, f), path / "arrays")
+        for d, _, fs in os.walk(path / "arrays")
+        for f in fs
+        if f != "zarr.json" and not d.endswith("count")
+    )
+    assert files == [
+        "params.c/c/0/0",
+        "params.c/c/0/1",
+        "params.e/c/0/0",
+        "params.w/c/0/0",
+        "params.w/c/0/1",
+        "params.w/c/1/0",
+        "params.w/c/1/1",
+    ]
+    # One process (this one, 8 devices) reads it back…
+    back = jax_ucp.restore(path)
+    W = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    assert_bit_exact(back["params"]["w"], W)
+    assert_bit_exact(back["params"]["c"], W.T)
+    assert back["step"] == 11
+    assert_bit_exact(back["count"], np.int32(11))
+    # …and two processes read it onto another layout, each reading only its devices' slices.
+    outs = _launch("restore", path)
+    assert all("RESTORED OK" in o for o in outs)
+    total = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path / "arrays") for f in fs
+    )
+    per_process = [
+        int(next(line for line in o.splitlines() if line.startswith("BYTES_READ")).split()[1])
+        for o in outs
+    ]
+    # w and c are split in half between the processes; e [6, 4] is split over "data" too.
+    assert all(0 < b < 0.75 * total for b in per_process), (per_process, total)

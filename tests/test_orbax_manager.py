@@ -8,63 +8,74 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from ucp_testing import assert_bit_exact, mesh, run_python
 
 import jax_ucp
-from ucp_testing import assert_bit_exact, mesh, run_python
 
 
 def _state(m, step):
-  w = jax.device_put(jnp.full((8, 16), float(step)), NamedSharding(m, P("data", "model")))
-  params = {"w": w, "b": jnp.arange(16.0) + step}
-  return {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": step}
+    w = jax.device_put(jnp.full((8, 16), float(step)), NamedSharding(m, P("data", "model")))
+    params = {"w": w, "b": jnp.arange(16.0) + step}
+    return {"params": params, "opt_state": optax.adam(1e-3).init(params), "step": step}
 
 
 def test_manager_steps_retention_and_composite(tmp_path):
-  m = mesh((2, 4), ("data", "model"))
-  opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1)
-  with ocp.CheckpointManager(tmp_path / "run", options=opts) as mngr:
-    for step in range(4):
-      mngr.save(step, args=ocp.args.Composite(
-          state=jax_ucp.UCPSave(_state(m, step)), meta=ocp.args.JsonSave({"step": step, "lr": 1e-3})))
-    mngr.wait_until_finished()
-    assert mngr.all_steps() == [2, 3]
-    assert mngr.latest_step() == 3
-    m2 = mesh((4, 2), ("model", "data"))
-    out = mngr.restore(3, args=ocp.args.Composite(
-        state=jax_ucp.UCPRestore(mesh=m2), meta=ocp.args.JsonRestore()))
-  assert out.meta == {"step": 3, "lr": 1e-3}
-  w = out.state["params"]["w"]
-  assert w.sharding.mesh.shape == m2.shape and w.sharding.spec == P("data", "model")
-  assert_bit_exact(np.asarray(w), np.full((8, 16), 3.0, np.float32))
-  # The step directory is a restorable UCP checkpoint on its own.
-  back = jax_ucp.restore(tmp_path / "run" / "3")
-  assert back["step"] == 3
-  assert sorted(os.listdir(tmp_path / "run")) == ["2", "3"]
+    m = mesh((2, 4), ("data", "model"))
+    opts = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1)
+    with ocp.CheckpointManager(tmp_path / "run", options=opts) as mngr:
+        for step in range(4):
+            mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=jax_ucp.UCPSave(_state(m, step)),
+                    meta=ocp.args.JsonSave({"step": step, "lr": 1e-3}),
+                ),
+            )
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [2, 3]
+        assert mngr.latest_step() == 3
+        m2 = mesh((4, 2), ("model", "data"))
+        out = mngr.restore(
+            3,
+            args=ocp.args.Composite(state=jax_ucp.UCPRestore(mesh=m2), meta=ocp.args.JsonRestore()),
+        )
+    assert out.meta == {"step": 3, "lr": 1e-3}
+    w = out.state["params"]["w"]
+    assert w.sharding.mesh.shape == m2.shape and w.sharding.spec == P("data", "model")
+    assert_bit_exact(np.asarray(w), np.full((8, 16), 3.0, np.float32))
+    # The step directory is a restorable UCP checkpoint on its own.
+    back = jax_ucp.restore(tmp_path / "run" / "3")
+    assert back["step"] == 3
+    assert sorted(os.listdir(tmp_path / "run")) == ["2", "3"]
 
 
 def test_async_save_does_not_see_later_mutation(tmp_path):
-  """The blocking part copies shards to host; donating/overwriting the buffer afterwards is safe."""
-  m = mesh((2, 4), ("data", "model"))
-  x = jax.device_put(jnp.ones((8, 16)), NamedSharding(m, P("data", "model")))
-  with ocp.CheckpointManager(tmp_path / "run") as mngr:
-    mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({"x": x})))
-    x.delete()  # the caller may free or donate the buffers as soon as save() returns
-    mngr.wait_until_finished()
-  assert_bit_exact(jax_ucp.restore(tmp_path / "run" / "0")["x"], np.ones((8, 16), np.float32))
+    """The blocking part copies shards to host; donating/overwriting the buffer afterwards is safe."""
+    m = mesh((2, 4), ("data", "model"))
+    x = jax.device_put(jnp.ones((8, 16)), NamedSharding(m, P("data", "model")))
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({"x": x})))
+        x.delete()  # the caller may free or donate the buffers as soon as save() returns
+        mngr.wait_until_finished()
+    assert_bit_exact(jax_ucp.restore(tmp_path / "run" / "0")["x"], np.ones((8, 16), np.float32))
 
 
 def test_restore_in_new_process_with_fewer_devices(tmp_path):
-  m = mesh((2, 4), ("data", "model"))
-  state = _state(m, 5)
-  with ocp.CheckpointManager(tmp_path / "run") as mngr:
-    mngr.save(5, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
-    mngr.wait_until_finished()
-  want = {jax.tree_util.keystr(k): np.asarray(v).tolist()
-          for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
-  (tmp_path / "want.json").write_text(json.dumps(want))
-  for devices, shape in ((4, (2, 2)), (1, (1, 1))):
-    run_python(f"""
+    m = mesh((2, 4), ("data", "model"))
+    state = _state(m, 5)
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(5, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+        mngr.wait_until_finished()
+    want = {
+        jax.tree_util.keystr(k): np.asarray(v).tolist()
+        for k, v in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
+    (tmp_path / "want.json").write_text(json.dumps(want))
+    for devices, shape in ((4, (2, 2)), (1, (1, 1))):
+        run_python(
+            f"""
         import json, jax, numpy as np, optax, orbax.checkpoint as ocp, jax_ucp
         from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
         assert jax.device_count() == {devices}
@@ -74,13 +85,15 @@ def test_restore_in_new_process_with_fewer_devices(tmp_path):
         target = {{"params": params, "opt_state": jax.eval_shape(optax.adam(1e-3).init, params), "step": 0}}
         target["opt_state"] = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
             sharding=NamedSharding(m, P())), target["opt_state"])
-        with ocp.CheckpointManager("{tmp_path / 'run'}") as mngr:
+        with ocp.CheckpointManager("{tmp_path / "run"}") as mngr:
           out = mngr.restore(mngr.latest_step(), args=ocp.args.Composite(state=jax_ucp.UCPRestore(target=target)))
         got = {{jax.tree_util.keystr(k): np.asarray(v).tolist()
                 for k, v in jax.tree_util.tree_flatten_with_path(out.state)[0]}}
-        want = json.load(open("{tmp_path / 'want.json'}"))
+        want = json.load(open("{tmp_path / "want.json"}"))
         assert got == want, (got.keys(), want.keys())
         assert type(out.state["opt_state"][0]).__name__ == "ScaleByAdamState"
         assert out.state["params"]["w"].sharding.spec == P("model", "data")
         print("ok")
-        """, devices=devices)
+        """,
+            devices=devices,
+        )

@@ -10,263 +10,358 @@ import ml_dtypes
 import numpy as np
 import pytest
 import tensorstore as ts
-from hypothesis import given, settings, strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from ucp_testing import assert_bit_exact
 
 import jax_ucp
 from jax_ucp import store
 from jax_ucp.handler import tensor_writes
 from jax_ucp.store import shard_file
-from ucp_testing import assert_bit_exact
 
-DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
-          np.float16, np.float32, np.float64, np.complex64, np.complex128, ml_dtypes.bfloat16,
-          ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2]
+DTYPES = [
+    np.bool_,
+    np.int8,
+    np.uint8,
+    np.int16,
+    np.uint16,
+    np.int32,
+    np.uint32,
+    np.int64,
+    np.uint64,
+    np.float16,
+    np.float32,
+    np.float64,
+    np.complex64,
+    np.complex128,
+    ml_dtypes.bfloat16,
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e5m2,
+]
 
 
 def _files(root):
-  out = {}
-  for d, _, fs in os.walk(root):
-    for f in fs:
-      p = os.path.join(d, f)
-      out[os.path.relpath(p, root)] = open(p, "rb").read()
-  return out
+    out = {}
+    for d, _, fs in os.walk(root):
+        for f in fs:
+            p = os.path.join(d, f)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
 
 
 def _write(root, value, *, fast, inner_chunk_bytes, checksum, monkeypatch):
-  opts = tensor_writes.SaveOptions(inner_chunk_bytes=inner_chunk_bytes, checksum=checksum)
-  p = tensor_writes.prepare_host_tensor(("x",), ("key",), value, opts, primary=True)
-  calls = []
-  real = shard_file.write
+    opts = tensor_writes.SaveOptions(inner_chunk_bytes=inner_chunk_bytes, checksum=checksum)
+    p = tensor_writes.prepare_host_tensor(("x",), ("key",), value, opts, primary=True)
+    calls = []
+    real = shard_file.write
 
-  def spy(*a, **kw):
-    calls.append(a[1])
-    return real(*a, **kw)
+    def spy(*a, **kw):
+        calls.append(a[1])
+        return real(*a, **kw)
 
-  with monkeypatch.context() as m:
-    m.setattr(shard_file, "write", spy)
-    if not fast:
-      m.setattr(shard_file, "can_write", lambda *a: False)
-    asyncio.run(tensor_writes.write_tensor(str(root), p, primary=True))
-  return p, calls
+    with monkeypatch.context() as m:
+        m.setattr(shard_file, "write", spy)
+        if not fast:
+            m.setattr(shard_file, "can_write", lambda *a: False)
+        asyncio.run(tensor_writes.write_tensor(str(root), p, primary=True))
+    return p, calls
 
 
 def _random(dtype, shape, rng):
-  raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
-  if np.dtype(dtype) == np.bool_:
-    raw = raw & 1
-  return raw.view(dtype).reshape(shape)
+    raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dtype).itemsize, dtype=np.uint8)
+    if np.dtype(dtype) == np.bool_:
+        raw = raw & 1
+    return raw.view(dtype).reshape(shape)
 
 
 @settings(max_examples=25, deadline=None)
-@given(dtype=st.sampled_from(DTYPES),
-       shape=st.lists(st.integers(1, 12), min_size=1, max_size=3),
-       inner=st.sampled_from([8, 24, 64, 1 << 20]),
-       checksum=st.sampled_from(["crc32c", None]),
-       seed=st.integers(0, 2**16))
-def test_bytes_identical_to_tensorstore(tmp_path_factory, monkeypatch, dtype, shape, inner, checksum, seed):
-  value = _random(dtype, tuple(shape), np.random.default_rng(seed))
-  a, b = tmp_path_factory.mktemp("ts"), tmp_path_factory.mktemp("ours")
-  p, calls_ts = _write(a, value, fast=False, inner_chunk_bytes=inner, checksum=checksum, monkeypatch=monkeypatch)
-  _, calls = _write(b, value, fast=True, inner_chunk_bytes=inner, checksum=checksum, monkeypatch=monkeypatch)
-  assert not calls_ts and calls == [(0,) * len(shape)]  # really two different writers
-  assert _files(a) == _files(b)
-  t = store.open_array(store.kvstore_spec(str(b), p.entry.dir)).result()
-  assert_bit_exact(t.read().result(), value)
+@given(
+    dtype=st.sampled_from(DTYPES),
+    shape=st.lists(st.integers(1, 12), min_size=1, max_size=3),
+    inner=st.sampled_from([8, 24, 64, 1 << 20]),
+    checksum=st.sampled_from(["crc32c", None]),
+    seed=st.integers(0, 2**16),
+)
+def test_bytes_identical_to_tensorstore(
+    tmp_path_factory, monkeypatch, dtype, shape, inner, checksum, seed
+):
+    value = _random(dtype, tuple(shape), np.random.default_rng(seed))
+    a, b = tmp_path_factory.mktemp("ts"), tmp_path_factory.mktemp("ours")
+    p, calls_ts = _write(
+        a, value, fast=False, inner_chunk_bytes=inner, checksum=checksum, monkeypatch=monkeypatch
+    )
+    _, calls = _write(
+        b, value, fast=True, inner_chunk_bytes=inner, checksum=checksum, monkeypatch=monkeypatch
+    )
+    assert not calls_ts and calls == [(0,) * len(shape)]  # really two different writers
+    assert _files(a) == _files(b)
+    t = store.open_array(store.kvstore_spec(str(b), p.entry.dir)).result()
+    assert_bit_exact(t.read().result(), value)
 
 
 def test_whole_checkpoint_of_a_sharded_jax_save_is_identical(tmp_path, monkeypatch):
-  """The JAX save path (per-device shards at grid positions) gives TensorStore's files too."""
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-  rng = np.random.default_rng(0)
-  tree = {"w": jax.device_put(rng.standard_normal((64, 48)).astype(np.float32), NamedSharding(mesh, P("data", "model"))),
-          "b": jax.device_put(jnp.arange(48, dtype=jnp.bfloat16), NamedSharding(mesh, P("model"))),
-          "r": jax.device_put(jnp.ones((6, 5), jnp.int8), NamedSharding(mesh, P())),
-          "s": jnp.float32(3.0), "z": np.zeros((0, 3), np.float32), "step": 7}
-  jax_ucp.save(tmp_path / "fast", tree)
-  positions = []
-  real = shard_file.write
-  monkeypatch.setattr(shard_file, "write", lambda *a, **kw: positions.append(a[1]) or real(*a, **kw))
-  monkeypatch.setattr(shard_file, "can_write", lambda *a: False)
-  jax_ucp.save(tmp_path / "ts", tree)
-  assert not positions
-  fast, slow = _files(tmp_path / "fast" / "arrays"), _files(tmp_path / "ts" / "arrays")
-  assert fast == slow
-  assert "w/c/1/3" in fast  # 2 x 4 shard files, one per device shard
-  back = jax_ucp.restore(tmp_path / "fast")
-  assert_bit_exact(back["w"], np.asarray(tree["w"]))
+    """The JAX save path (per-device shards at grid positions) gives TensorStore's files too."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rng = np.random.default_rng(0)
+    tree = {
+        "w": jax.device_put(
+            rng.standard_normal((64, 48)).astype(np.float32),
+            NamedSharding(mesh, P("data", "model")),
+        ),
+        "b": jax.device_put(jnp.arange(48, dtype=jnp.bfloat16), NamedSharding(mesh, P("model"))),
+        "r": jax.device_put(jnp.ones((6, 5), jnp.int8), NamedSharding(mesh, P())),
+        "s": jnp.float32(3.0),
+        "z": np.zeros((0, 3), np.float32),
+        "step": 7,
+    }
+    jax_ucp.save(tmp_path / "fast", tree)
+    positions = []
+    real = shard_file.write
+    monkeypatch.setattr(
+        shard_file, "write", lambda *a, **kw: positions.append(a[1]) or real(*a, **kw)
+    )
+    monkeypatch.setattr(shard_file, "can_write", lambda *a: False)
+    jax_ucp.save(tmp_path / "ts", tree)
+    assert not positions
+    fast, slow = _files(tmp_path / "fast" / "arrays"), _files(tmp_path / "ts" / "arrays")
+    assert fast == slow
+    assert "w/c/1/3" in fast  # 2 x 4 shard files, one per device shard
+    back = jax_ucp.restore(tmp_path / "fast")
+    assert_bit_exact(back["w"], np.asarray(tree["w"]))
 
 
-@pytest.mark.parametrize("case", ["zstd", "memory kvstore", "tensorstore source", "int4", "scalar", "zero-size",
-                                  "partial shard", "non-contiguous chunks"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "zstd",
+        "memory kvstore",
+        "tensorstore source",
+        "int4",
+        "scalar",
+        "zero-size",
+        "partial shard",
+        "non-contiguous chunks",
+    ],
+)
 def test_falls_back_to_tensorstore_where_it_cannot_write(case):
-  layout = store.ArrayLayout(shape=(4, 6), dtype="float32", chunk_shape=(4, 6), inner_chunk_shape=(2, 6))
-  data, kv = np.zeros((4, 6), np.float32), {"driver": "file", "path": "/x/"}
-  assert shard_file.can_write(layout, data, kv)
-  if case == "zstd":
-    layout = store.ArrayLayout(**{**layout.__dict__, "compression": "zstd"})
-  elif case == "memory kvstore":
-    kv = {"driver": "memory", "path": "x/"}
-  elif case == "tensorstore source":
-    data = ts.array(data)
-  elif case == "int4":
-    data = np.zeros((4, 6), ml_dtypes.int4)
-  elif case == "scalar":
-    layout = store.ArrayLayout(shape=(), dtype="float32", chunk_shape=(), inner_chunk_shape=())
-    data = np.float32(1.0).reshape(())
-  elif case == "zero-size":
-    data = np.zeros((0, 6), np.float32)
-  elif case == "partial shard":
-    data = np.zeros((2, 6), np.float32)
-  elif case == "non-contiguous chunks":
-    layout = store.ArrayLayout(shape=(4, 6), dtype="float32", chunk_shape=(4, 6), inner_chunk_shape=(2, 3))
-    assert shard_file.chunks_are_contiguous((4, 6), (1, 3)) and shard_file.chunks_are_contiguous((4, 6), (4, 6))
-    assert not shard_file.chunks_are_contiguous((4, 6), (4, 3))
-  assert not shard_file.can_write(layout, data, kv)
+    layout = store.ArrayLayout(
+        shape=(4, 6), dtype="float32", chunk_shape=(4, 6), inner_chunk_shape=(2, 6)
+    )
+    data, kv = np.zeros((4, 6), np.float32), {"driver": "file", "path": "/x/"}
+    assert shard_file.can_write(layout, data, kv)
+    if case == "zstd":
+        layout = store.ArrayLayout(**{**layout.__dict__, "compression": "zstd"})
+    elif case == "memory kvstore":
+        kv = {"driver": "memory", "path": "x/"}
+    elif case == "tensorstore source":
+        data = ts.array(data)
+    elif case == "int4":
+        data = np.zeros((4, 6), ml_dtypes.int4)
+    elif case == "scalar":
+        layout = store.ArrayLayout(shape=(), dtype="float32", chunk_shape=(), inner_chunk_shape=())
+        data = np.float32(1.0).reshape(())
+    elif case == "zero-size":
+        data = np.zeros((0, 6), np.float32)
+    elif case == "partial shard":
+        data = np.zeros((2, 6), np.float32)
+    elif case == "non-contiguous chunks":
+        layout = store.ArrayLayout(
+            shape=(4, 6), dtype="float32", chunk_shape=(4, 6), inner_chunk_shape=(2, 3)
+        )
+        assert shard_file.chunks_are_contiguous(
+            (4, 6), (1, 3)
+        ) and shard_file.chunks_are_contiguous((4, 6), (4, 6))
+        assert not shard_file.chunks_are_contiguous((4, 6), (4, 3))
+    assert not shard_file.can_write(layout, data, kv)
 
 
 def test_non_contiguous_source_and_bf16_import_stream(tmp_path):
-  """A transposed view (importers yield views) is written in C order like TensorStore would."""
-  from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
-  base = np.arange(24 * 10, dtype=np.float32).reshape(24, 10)
-  bf = base.astype(ml_dtypes.bfloat16)
-  out = write_host_checkpoint(tmp_path / "c", iter([HostItem(("t",), base.T), HostItem(("b",), bf[::2])]))
-  back = jax_ucp.restore(out)
-  assert_bit_exact(back["t"], np.ascontiguousarray(base.T))
-  assert_bit_exact(back["b"], np.ascontiguousarray(bf[::2]))
+    """A transposed view (importers yield views) is written in C order like TensorStore would."""
+    from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+
+    base = np.arange(24 * 10, dtype=np.float32).reshape(24, 10)
+    bf = base.astype(ml_dtypes.bfloat16)
+    out = write_host_checkpoint(
+        tmp_path / "c", iter([HostItem(("t",), base.T), HostItem(("b",), bf[::2])])
+    )
+    back = jax_ucp.restore(out)
+    assert_bit_exact(back["t"], np.ascontiguousarray(base.T))
+    assert_bit_exact(back["b"], np.ascontiguousarray(bf[::2]))
 
 
 def test_short_writes_are_completed(tmp_path, monkeypatch):
-  """os.writev may write less than asked (signals, quotas, some file systems): the rest follows."""
-  real_writev = os.writev
-  monkeypatch.setattr(shard_file.os, "writev", lambda fd, bufs: real_writev(fd, [memoryview(bufs[0]).cast("B")[:5]]))
-  layout = store.ArrayLayout(shape=(8, 4), dtype="int16", chunk_shape=(8, 4), inner_chunk_shape=(2, 4))
-  value = np.arange(32, dtype=np.int16).reshape(8, 4)
-  kv = store.kvstore_spec(str(tmp_path), "a")
-  store.create(kv, layout).result()
-  nbytes = shard_file.write(kv["path"], (0, 0), value, layout)
-  assert os.path.getsize(os.path.join(kv["path"], "c", "0", "0")) == nbytes == 4 * (16 + 4) + 4 * 16 + 4
-  assert_bit_exact(store.open_array(kv).result().read().result(), value)
+    """os.writev may write less than asked (signals, quotas, some file systems): the rest follows."""
+    real_writev = os.writev
+    monkeypatch.setattr(
+        shard_file.os,
+        "writev",
+        lambda fd, bufs: real_writev(fd, [memoryview(bufs[0]).cast("B")[:5]]),
+    )
+    layout = store.ArrayLayout(
+        shape=(8, 4), dtype="int16", chunk_shape=(8, 4), inner_chunk_shape=(2, 4)
+    )
+    value = np.arange(32, dtype=np.int16).reshape(8, 4)
+    kv = store.kvstore_spec(str(tmp_path), "a")
+    store.create(kv, layout).result()
+    nbytes = shard_file.write(kv["path"], (0, 0), value, layout)
+    assert (
+        os.path.getsize(os.path.join(kv["path"], "c", "0", "0"))
+        == nbytes
+        == 4 * (16 + 4) + 4 * 16 + 4
+    )
+    assert_bit_exact(store.open_array(kv).result().read().result(), value)
 
 
 # --- reading ------------------------------------------------------------------------------------
 
+
 def _ts_array(path, value, chunk_shape, inner_shape, checksum, store_fill=True):
-  layout = store.ArrayLayout(shape=value.shape, dtype=jax_ucp.format.dtype_name(value.dtype),
-                             chunk_shape=tuple(chunk_shape), inner_chunk_shape=tuple(inner_shape),
-                             checksum=checksum)
-  spec = store.array_spec({"driver": "file", "path": str(path)}, layout)
-  spec["store_data_equal_to_fill_value"] = store_fill
-  t = ts.open(spec, create=True).result()
-  t.write(value).result()
-  return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
+    layout = store.ArrayLayout(
+        shape=value.shape,
+        dtype=jax_ucp.format.dtype_name(value.dtype),
+        chunk_shape=tuple(chunk_shape),
+        inner_chunk_shape=tuple(inner_shape),
+        checksum=checksum,
+    )
+    spec = store.array_spec({"driver": "file", "path": str(path)}, layout)
+    spec["store_data_equal_to_fill_value"] = store_fill
+    t = ts.open(spec, create=True).result()
+    t.write(value).result()
+    return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path)}}).result()
 
 
 def _reader(t, path):
-  layout = shard_file.layout_from_metadata(t.spec().to_json()["metadata"], t.dtype.numpy_dtype)
-  assert layout is not None
-  return shard_file.ShardReader(str(path), layout, t.dtype.numpy_dtype)
+    layout = shard_file.layout_from_metadata(t.spec().to_json()["metadata"], t.dtype.numpy_dtype)
+    assert layout is not None
+    return shard_file.ShardReader(str(path), layout, t.dtype.numpy_dtype)
 
 
 @st.composite
 def _geometry(draw):
-  ndim = draw(st.integers(1, 3))
-  inner = [draw(st.integers(1, 3)) for _ in range(ndim)]
-  per_shard = [draw(st.integers(1, 3)) for _ in range(ndim)]
-  shards = [draw(st.integers(1, 3)) for _ in range(ndim)]
-  chunk = [i * p for i, p in zip(inner, per_shard)]
-  shape = [c * s for c, s in zip(chunk, shards)]
-  region = []
-  for n in shape:
-    a = draw(st.integers(0, n - 1))
-    region.append(slice(a, draw(st.integers(a + 1, n))))
-  return tuple(shape), chunk, inner, tuple(region)
+    ndim = draw(st.integers(1, 3))
+    inner = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    per_shard = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    shards = [draw(st.integers(1, 3)) for _ in range(ndim)]
+    chunk = [i * p for i, p in zip(inner, per_shard)]
+    shape = [c * s for c, s in zip(chunk, shards)]
+    region = []
+    for n in shape:
+        a = draw(st.integers(0, n - 1))
+        region.append(slice(a, draw(st.integers(a + 1, n))))
+    return tuple(shape), chunk, inner, tuple(region)
 
 
 @settings(max_examples=30, deadline=None)
-@given(geo=_geometry(), dtype=st.sampled_from(DTYPES), checksum=st.sampled_from(["crc32c", None]),
-       seed=st.integers(0, 2**16), store_fill=st.booleans())
+@given(
+    geo=_geometry(),
+    dtype=st.sampled_from(DTYPES),
+    checksum=st.sampled_from(["crc32c", None]),
+    seed=st.integers(0, 2**16),
+    store_fill=st.booleans(),
+)
 def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, seed, store_fill):
-  shape, chunk, inner, region = geo
-  value = _random(dtype, shape, np.random.default_rng(seed))
-  if not store_fill:  # chunks equal to the fill value are then never written (index says missing)
-    value[tuple(slice(0, c) for c in inner)] = 0
-  path = tmp_path_factory.mktemp("r") / "a"
-  t = _ts_array(path, value, chunk, inner, checksum, store_fill)
-  r = _reader(t, path)
-  shard_ranges = [range(sl.start // c, (sl.stop - 1) // c + 1) for sl, c in zip(region, chunk)]
-  missing = [p for p in itertools.product(*shard_ranges) if not (path / shard_file.shard_key(p)).exists()]
-  if missing:
-    # A whole shard equal to the fill value is never written without store_data_equal_to_fill_value;
-    # jax_ucp always stores it, so for us a missing shard is data loss: an error, not zeros.
-    with pytest.raises(shard_file.ShardReadError, match="shard file missing"):
-      r[region].read().result()
-    return
-  assert_bit_exact(r[region].read().result(), t[region].read().result())
+    shape, chunk, inner, region = geo
+    value = _random(dtype, shape, np.random.default_rng(seed))
+    if not store_fill:  # chunks equal to the fill value are then never written (index says missing)
+        value[tuple(slice(0, c) for c in inner)] = 0
+    path = tmp_path_factory.mktemp("r") / "a"
+    t = _ts_array(path, value, chunk, inner, checksum, store_fill)
+    r = _reader(t, path)
+    shard_ranges = [range(sl.start // c, (sl.stop - 1) // c + 1) for sl, c in zip(region, chunk)]
+    missing = [
+        p for p in itertools.product(*shard_ranges) if not (path / shard_file.shard_key(p)).exists()
+    ]
+    if missing:
+        # A whole shard equal to the fill value is never written without store_data_equal_to_fill_value;
+        # jax_ucp always stores it, so for us a missing shard is data loss: an error, not zeros.
+        with pytest.raises(shard_file.ShardReadError, match="shard file missing"):
+            r[region].read().result()
+        return
+    assert_bit_exact(r[region].read().result(), t[region].read().result())
 
 
 def test_restore_uses_the_fast_reader_and_equals_tensorstore(tmp_path, monkeypatch):
-  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-  w = jax.device_put(np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32),
-                     NamedSharding(mesh, P("data", "model")))
-  jax_ucp.save(tmp_path / "c", {"w": w, "b": np.arange(6, dtype=np.int8)})
-  regions = []
-  real = shard_file.ShardReader.read_region
-  monkeypatch.setattr(shard_file.ShardReader, "read_region", lambda self, reg: regions.append(reg) or real(self, reg))
-  target = {"w": jax.ShapeDtypeStruct((64, 48), jnp.float32, sharding=NamedSharding(mesh, P("model", None))),
-            "b": np.zeros(6, np.int8)}
-  back = jax_ucp.restore(tmp_path / "c", target=target)
-  assert_bit_exact(np.asarray(back["w"]), np.asarray(w))
-  assert ((0, 16), (0, 48)) in regions and ((0, 6),) in regions  # 4 row blocks of w (across saved shards), b whole
-  monkeypatch.setattr(shard_file, "layout_from_metadata", lambda *a: None)
-  again = jax_ucp.restore(tmp_path / "c", target=target)
-  assert_bit_exact(np.asarray(again["w"]), np.asarray(w))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    w = jax.device_put(
+        np.random.default_rng(1).standard_normal((64, 48)).astype(np.float32),
+        NamedSharding(mesh, P("data", "model")),
+    )
+    jax_ucp.save(tmp_path / "c", {"w": w, "b": np.arange(6, dtype=np.int8)})
+    regions = []
+    real = shard_file.ShardReader.read_region
+    monkeypatch.setattr(
+        shard_file.ShardReader,
+        "read_region",
+        lambda self, reg: regions.append(reg) or real(self, reg),
+    )
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            (64, 48), jnp.float32, sharding=NamedSharding(mesh, P("model", None))
+        ),
+        "b": np.zeros(6, np.int8),
+    }
+    back = jax_ucp.restore(tmp_path / "c", target=target)
+    assert_bit_exact(np.asarray(back["w"]), np.asarray(w))
+    assert ((0, 16), (0, 48)) in regions and (
+        (0, 6),
+    ) in regions  # 4 row blocks of w (across saved shards), b whole
+    monkeypatch.setattr(shard_file, "layout_from_metadata", lambda *a: None)
+    again = jax_ucp.restore(tmp_path / "c", target=target)
+    assert_bit_exact(np.asarray(again["w"]), np.asarray(w))
 
 
-@pytest.mark.parametrize("damage", ["data byte", "index byte", "truncated", "missing shard", "index past end"])
+@pytest.mark.parametrize(
+    "damage", ["data byte", "index byte", "truncated", "missing shard", "index past end"]
+)
 def test_damaged_shards_are_clear_errors(tmp_path, damage):
-  value = np.arange(64, dtype=np.float32).reshape(8, 8)
-  path = tmp_path / "a"
-  t = _ts_array(path, value, (4, 8), (2, 8), "crc32c")
-  r = _reader(t, path)
-  shard = path / "c" / "1" / "0"
-  data = bytearray(shard.read_bytes())
-  if damage == "data byte":
-    data[3] ^= 0xFF
-    expect = "crc32c checksum mismatch in inner chunk 0"
-  elif damage == "index byte":
-    data[-10] ^= 0xFF
-    expect = "crc32c checksum mismatch in the shard index"
-  elif damage == "truncated":
-    data = data[:20]
-    expect = "truncated"
-  elif damage == "index past end":
-    data = data[:8] + data[-36:]  # index intact (crc ok) but the chunks it points to are gone
-    expect = "points past the data"
-  if damage == "missing shard":
-    shard.unlink()
-    expect = "shard file missing"
-  else:
-    shard.write_bytes(bytes(data))
-  assert_bit_exact(r[0:4].read().result(), value[:4])  # the other shard still reads
-  with pytest.raises(shard_file.ShardReadError, match=expect):
-    r.read().result()
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    path = tmp_path / "a"
+    t = _ts_array(path, value, (4, 8), (2, 8), "crc32c")
+    r = _reader(t, path)
+    shard = path / "c" / "1" / "0"
+    data = bytearray(shard.read_bytes())
+    if damage == "data byte":
+        data[3] ^= 0xFF
+        expect = "crc32c checksum mismatch in inner chunk 0"
+    elif damage == "index byte":
+        data[-10] ^= 0xFF
+        expect = "crc32c checksum mismatch in the shard index"
+    elif damage == "truncated":
+        data = data[:20]
+        expect = "truncated"
+    elif damage == "index past end":
+        data = data[:8] + data[-36:]  # index intact (crc ok) but the chunks it points to are gone
+        expect = "points past the data"
+    if damage == "missing shard":
+        shard.unlink()
+        expect = "shard file missing"
+    else:
+        shard.write_bytes(bytes(data))
+    assert_bit_exact(r[0:4].read().result(), value[:4])  # the other shard still reads
+    with pytest.raises(shard_file.ShardReadError, match=expect):
+        r.read().result()
 
 
 @pytest.mark.parametrize("case", ["zstd", "edge shards", "other index location", "0-d", "int4"])
 def test_layouts_it_cannot_read_go_to_tensorstore(tmp_path, case):
-  shape, chunk, inner, dtype = (8, 6), (4, 6), (2, 6), np.float32
-  layout = store.ArrayLayout(shape=shape, dtype="float32", chunk_shape=chunk, inner_chunk_shape=inner)
-  meta = store.array_spec({"driver": "memory"}, layout)["metadata"]
-  assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) == layout
-  if case == "zstd":
-    meta["codecs"][0]["configuration"]["codecs"].insert(1, {"name": "zstd", "configuration": {"level": 3}})
-  elif case == "edge shards":
-    meta["shape"] = [9, 6]
-  elif case == "other index location":
-    meta["codecs"][0]["configuration"]["index_location"] = "start"
-  elif case == "0-d":
-    meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"] = [], []
-  elif case == "int4":
-    dtype = ml_dtypes.int4
-  assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) is None
+    shape, chunk, inner, dtype = (8, 6), (4, 6), (2, 6), np.float32
+    layout = store.ArrayLayout(
+        shape=shape, dtype="float32", chunk_shape=chunk, inner_chunk_shape=inner
+    )
+    meta = store.array_spec({"driver": "memory"}, layout)["metadata"]
+    assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) == layout
+    if case == "zstd":
+        meta["codecs"][0]["configuration"]["codecs"].insert(
+            1, {"name": "zstd", "configuration": {"level": 3}}
+        )
+    elif case == "edge shards":
+        meta["shape"] = [9, 6]
+    elif case == "other index location":
+        meta["codecs"][0]["configuration"]["index_location"] = "start"
+    elif case == "0-d":
+        meta["shape"], meta["chunk_grid"]["configuration"]["chunk_shape"] = [], []
+    elif case == "int4":
+        dtype = ml_dtypes.int4
+    assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) is None

@@ -1,4 +1,5 @@
 """The torch-free restricted reader: tensors exact, hostile or broken files refused by name."""
+
 from __future__ import annotations
 
 import collections
@@ -12,8 +13,14 @@ import numpy as np
 import pytest
 
 from jax_ucp.importers.torch_pickle import (
-    StandIn, TorchFileError, UnsafePickleError, int_enum_standin, load_torch_file, restricted_loads,
-    scan_globals, standin_class,
+    StandIn,
+    TorchFileError,
+    UnsafePickleError,
+    int_enum_standin,
+    load_torch_file,
+    restricted_loads,
+    scan_globals,
+    standin_class,
 )
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
@@ -38,10 +45,29 @@ def prog(*parts: bytes) -> bytes:
 
 
 def tensor(stype: str, key: str, numel: int, offset: int, size, stride) -> bytes:
-    pid = P.MARK + D("storage") + G("torch", stype) + D(key) + D("cpu") + D(numel) + P.TUPLE + P.BINPERSID
+    pid = (
+        P.MARK
+        + D("storage")
+        + G("torch", stype)
+        + D(key)
+        + D("cpu")
+        + D(numel)
+        + P.TUPLE
+        + P.BINPERSID
+    )
     hooks = G("collections", "OrderedDict") + P.EMPTY_TUPLE + P.REDUCE
-    return (G("torch._utils", "_rebuild_tensor_v2") + P.MARK + pid + D(offset) + D(tuple(size))
-            + D(tuple(stride)) + P.NEWFALSE + hooks + P.TUPLE + P.REDUCE)
+    return (
+        G("torch._utils", "_rebuild_tensor_v2")
+        + P.MARK
+        + pid
+        + D(offset)
+        + D(tuple(size))
+        + D(tuple(stride))
+        + P.NEWFALSE
+        + hooks
+        + P.TUPLE
+        + P.REDUCE
+    )
 
 
 def write_pt(path, pkl: bytes, storages: dict[str, bytes] | None = None, compress=False) -> str:
@@ -61,24 +87,38 @@ def test_tensor_geometry_views_and_dtypes(tmp_path):
     base = np.arange(60, dtype=np.float32)
     bf = np.arange(12, dtype=np.float32).astype(ml_dtypes.bfloat16)
     pkl = prog(
-        P.EMPTY_DICT, P.MARK,
-        D("full"), tensor("FloatStorage", "0", 60, 0, (3, 4, 5), (20, 5, 1)),
-        D("view"), tensor("FloatStorage", "0", 60, 21, (2, 2), (20, 2)),  # t[1:, 0, 1::2][:2]-like
-        D("transposed"), tensor("FloatStorage", "0", 60, 0, (5, 4, 3), (1, 5, 20)),
-        D("scalar"), tensor("FloatStorage", "0", 60, 7, (), ()),
-        D("bf16"), tensor("BFloat16Storage", "1", 12, 2, (2, 5), (5, 1)),
-        D("empty"), tensor("FloatStorage", "0", 60, 0, (0, 3), (3, 1)),
-        D("shape"), G("torch", "Size") + D(((2, 3),)) + P.REDUCE,
-        D("enum"), G("pkg.mod", "Stage") + D((2,)) + P.REDUCE,
-        D("frag"), G("pkg.mod", "Frag") + P.EMPTY_TUPLE + P.NEWOBJ + D({"numel": 5, "start": 3}) + P.BUILD,
-        P.SETITEMS)
+        P.EMPTY_DICT,
+        P.MARK,
+        D("full"),
+        tensor("FloatStorage", "0", 60, 0, (3, 4, 5), (20, 5, 1)),
+        D("view"),
+        tensor("FloatStorage", "0", 60, 21, (2, 2), (20, 2)),  # t[1:, 0, 1::2][:2]-like
+        D("transposed"),
+        tensor("FloatStorage", "0", 60, 0, (5, 4, 3), (1, 5, 20)),
+        D("scalar"),
+        tensor("FloatStorage", "0", 60, 7, (), ()),
+        D("bf16"),
+        tensor("BFloat16Storage", "1", 12, 2, (2, 5), (5, 1)),
+        D("empty"),
+        tensor("FloatStorage", "0", 60, 0, (0, 3), (3, 1)),
+        D("shape"),
+        G("torch", "Size") + D(((2, 3),)) + P.REDUCE,
+        D("enum"),
+        G("pkg.mod", "Stage") + D((2,)) + P.REDUCE,
+        D("frag"),
+        G("pkg.mod", "Frag") + P.EMPTY_TUPLE + P.NEWOBJ + D({"numel": 5, "start": 3}) + P.BUILD,
+        P.SETITEMS,
+    )
     p = write_pt(tmp_path / "t.pt", pkl, {"0": base.tobytes(), "1": bf.tobytes()})
     Frag = standin_class("pkg.mod.Frag")
-    got = load_torch_file(p, {"pkg.mod.Stage": int_enum_standin("pkg.mod.Stage"), "pkg.mod.Frag": Frag})
+    got = load_torch_file(
+        p, {"pkg.mod.Stage": int_enum_standin("pkg.mod.Stage"), "pkg.mod.Frag": Frag}
+    )
     full = base.reshape(3, 4, 5)
     np.testing.assert_array_equal(got["full"], full)
-    np.testing.assert_array_equal(got["view"], np.lib.stride_tricks.as_strided(
-        base[21:], (2, 2), (80, 8)))
+    np.testing.assert_array_equal(
+        got["view"], np.lib.stride_tricks.as_strided(base[21:], (2, 2), (80, 8))
+    )
     np.testing.assert_array_equal(got["transposed"], full.transpose(2, 1, 0))
     assert got["scalar"].shape == () and got["scalar"] == 7
     assert got["bf16"].dtype == ml_dtypes.bfloat16
@@ -94,19 +134,26 @@ def test_tensor_geometry_views_and_dtypes(tmp_path):
 
 def test_compressed_member_still_reads(tmp_path):
     base = np.arange(6, dtype=np.int64)
-    p = write_pt(tmp_path / "c.pt", prog(tensor("LongStorage", "0", 6, 0, (2, 3), (3, 1))),
-                 {"0": base.tobytes()}, compress=True)
+    p = write_pt(
+        tmp_path / "c.pt",
+        prog(tensor("LongStorage", "0", 6, 0, (2, 3), (3, 1))),
+        {"0": base.tobytes()},
+        compress=True,
+    )
     np.testing.assert_array_equal(load_torch_file(p), base.reshape(2, 3))
 
 
 def test_real_deepspeed_file_loads_and_scans():
-    files = sorted(glob.glob(os.path.join(FIX, "z*_bf16_dp2", "ckpt", "global_step2", "*optim_states.pt")))
+    files = sorted(
+        glob.glob(os.path.join(FIX, "z*_bf16_dp2", "ckpt", "global_step2", "*optim_states.pt"))
+    )
     assert files, "DeepSpeed fixtures missing"
     g = scan_globals(files[0])
     assert "deepspeed.utils.tensor_fragment.fragment_address" in g
     with pytest.raises(UnsafePickleError, match="deepspeed"):
         load_torch_file(files[0])  # DeepSpeed classes are not in the base allow-list
     from jax_ucp.importers.deepspeed import DS_CLASSES
+
     sd = load_torch_file(files[0], DS_CLASSES)
     assert sd["optimizer_state_dict"]["zero_stage"] in (1, 2, 3)
 
@@ -127,28 +174,51 @@ def _no_marker():
 HOSTILE = {
     "global_os_system": prog(G("os", "system") + D((f"touch {MARKER}",)) + P.REDUCE),
     "global_posix_system": prog(G("posix", "system") + D((f"touch {MARKER}",)) + P.REDUCE),
-    "stack_global_eval": b"\x80\x04" + P.SHORT_BINUNICODE + bytes([8]) + b"builtins" + P.SHORT_BINUNICODE
-    + bytes([4]) + b"eval" + P.STACK_GLOBAL + D((f"open('{MARKER}','w')",)) + P.REDUCE + P.STOP,
+    "stack_global_eval": b"\x80\x04"
+    + P.SHORT_BINUNICODE
+    + bytes([8])
+    + b"builtins"
+    + P.SHORT_BINUNICODE
+    + bytes([4])
+    + b"eval"
+    + P.STACK_GLOBAL
+    + D((f"open('{MARKER}','w')",))
+    + P.REDUCE
+    + P.STOP,
     "inst_os_system": prog(P.MARK + D(f"touch {MARKER}") + P.INST + b"os\nsystem\n"),
     "obj_on_string": prog(P.MARK + D("os.system") + D(f"touch {MARKER}") + P.OBJ),
     "reduce_on_data": prog(D("os.system") + D((f"touch {MARKER}",)) + P.REDUCE),
     "newobj_on_function": prog(G("torch._utils", "_rebuild_tensor_v2") + P.EMPTY_TUPLE + P.NEWOBJ),
     "build_on_dict": prog(P.EMPTY_DICT + D({"__class__": 1}) + P.BUILD),
     "build_on_list": prog(P.EMPTY_LIST + D({"x": 1}) + P.BUILD),
-    "build_dunder_on_standin": prog(G("pkg.mod", "Frag") + P.EMPTY_TUPLE + P.NEWOBJ
-                                    + D({"__class__": "x"}) + P.BUILD),
-    "setitem_on_standin": prog(G("pkg.mod", "Frag") + P.EMPTY_TUPLE + P.NEWOBJ + D("k") + D(1) + P.SETITEM),
+    "build_dunder_on_standin": prog(
+        G("pkg.mod", "Frag") + P.EMPTY_TUPLE + P.NEWOBJ + D({"__class__": "x"}) + P.BUILD
+    ),
+    "setitem_on_standin": prog(
+        G("pkg.mod", "Frag") + P.EMPTY_TUPLE + P.NEWOBJ + D("k") + D(1) + P.SETITEM
+    ),
     "append_on_tuple": prog(D((1,)) + D(2) + P.APPEND),
     "ext_opcode": prog(P.EXT1 + bytes([1])),
     "text_persid": prog(P.PERSID + b"0\n"),
     "persid_not_storage": prog(D(("module", "os")) + P.BINPERSID),
-    "persid_bad_type": prog(P.MARK + D("storage") + D("FloatStorage") + D("0") + D("cpu") + D(4) + P.TUPLE
-                            + P.BINPERSID),
-    "persid_path_escape": prog(P.MARK + D("storage") + G("torch", "FloatStorage") + D("../../etc/passwd")
-                               + D("cpu") + D(4) + P.TUPLE + P.BINPERSID),
+    "persid_bad_type": prog(
+        P.MARK + D("storage") + D("FloatStorage") + D("0") + D("cpu") + D(4) + P.TUPLE + P.BINPERSID
+    ),
+    "persid_path_escape": prog(
+        P.MARK
+        + D("storage")
+        + G("torch", "FloatStorage")
+        + D("../../etc/passwd")
+        + D("cpu")
+        + D(4)
+        + P.TUPLE
+        + P.BINPERSID
+    ),
     "unknown_torch_global": prog(G("torch", "load") + D(("x",)) + P.REDUCE),
     "builtins_getattr": prog(G("builtins", "getattr")),
-    "protocol2_builtin_eval": prog(G("__builtin__", "eval") + D((f"open('{MARKER}','w')",)) + P.REDUCE),
+    "protocol2_builtin_eval": prog(
+        G("__builtin__", "eval") + D((f"open('{MARKER}','w')",)) + P.REDUCE
+    ),
     "codecs_bad_encoding": prog(G("_codecs", "encode") + D(("x", "rot13")) + P.REDUCE),
 }
 
@@ -168,19 +238,29 @@ def test_refusal_names_the_global(tmp_path):
 
 
 def test_restricted_loads_plain_data():
-    data = {"a": [1, 2.5, "s", None, True], "b": (1, (2,)), "c": {1, 2}, "d": b"\x00\xff", "e": 1 + 2j,
-            "o": collections.OrderedDict(x=1)}
+    data = {
+        "a": [1, 2.5, "s", None, True],
+        "b": (1, (2,)),
+        "c": {1, 2},
+        "d": b"\x00\xff",
+        "e": 1 + 2j,
+        "o": collections.OrderedDict(x=1),
+    }
     for proto in (2, 4, 5):
         assert restricted_loads(pickle.dumps(data, protocol=proto)) == data
 
 
-@pytest.mark.parametrize("bad", [
-    ("storage beyond member", tensor("FloatStorage", "0", 100, 0, (10,), (1,))),
-    ("tensor beyond storage", tensor("FloatStorage", "0", 4, 2, (3,), (1,))),
-    ("stride beyond storage", tensor("FloatStorage", "0", 4, 0, (2, 2), (3, 1))),
-    ("missing member", tensor("FloatStorage", "9", 4, 0, (4,), (1,))),
-    ("negative stride", tensor("FloatStorage", "0", 4, 3, (2,), (-1,))),
-], ids=lambda b: b[0])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ("storage beyond member", tensor("FloatStorage", "0", 100, 0, (10,), (1,))),
+        ("tensor beyond storage", tensor("FloatStorage", "0", 4, 2, (3,), (1,))),
+        ("stride beyond storage", tensor("FloatStorage", "0", 4, 0, (2, 2), (3, 1))),
+        ("missing member", tensor("FloatStorage", "9", 4, 0, (4,), (1,))),
+        ("negative stride", tensor("FloatStorage", "0", 4, 3, (2,), (-1,))),
+    ],
+    ids=lambda b: b[0],
+)
 def test_bad_tensor_references(tmp_path, bad):
     p = write_pt(tmp_path / "b.pt", prog(bad[1]), {"0": b"\0" * 16})
     with pytest.raises(TorchFileError, match=str(p).replace(".", r"\.")):
@@ -240,6 +320,7 @@ def test_corrupt_storage_bytes_detected_by_crc(tmp_path):
     p = tmp_path / "flip.pt"
     p.write_bytes(bytes(src))
     from jax_ucp.importers.deepspeed import DS_CLASSES
+
     with pytest.raises(TorchFileError, match="flip.pt.*CRC"):
         load_torch_file(p, DS_CLASSES, verify_crc=True)
 
@@ -259,11 +340,21 @@ def test_matches_torch_load(tmp_path):
     g = torch.Generator().manual_seed(0)
     t = torch.randn(4, 5, 6, generator=g)
     obj = {
-        "t": t, "slice": t[1:, ::2, 2:5], "T": t.transpose(0, 2), "bf": t.to(torch.bfloat16)[::2],
-        "half": t.half(), "long": torch.arange(7), "bool": t > 0, "p": torch.nn.Parameter(t[0].clone()),
-        "f8": t.to(torch.float8_e4m3fn), "u16": torch.tensor([1, 2], dtype=torch.uint16),
-        "size": torch.Size([2, 3]), "dt": torch.bfloat16, "od": collections.OrderedDict(a=t[0, 0]),
-        "nested": [t, (t[0], {"k": t[:, 0]})], "c64": torch.randn(3, dtype=torch.complex64),
+        "t": t,
+        "slice": t[1:, ::2, 2:5],
+        "T": t.transpose(0, 2),
+        "bf": t.to(torch.bfloat16)[::2],
+        "half": t.half(),
+        "long": torch.arange(7),
+        "bool": t > 0,
+        "p": torch.nn.Parameter(t[0].clone()),
+        "f8": t.to(torch.float8_e4m3fn),
+        "u16": torch.tensor([1, 2], dtype=torch.uint16),
+        "size": torch.Size([2, 3]),
+        "dt": torch.bfloat16,
+        "od": collections.OrderedDict(a=t[0, 0]),
+        "nested": [t, (t[0], {"k": t[:, 0]})],
+        "c64": torch.randn(3, dtype=torch.complex64),
     }
     p = tmp_path / "ref.pt"
     torch.save(obj, p)
@@ -290,4 +381,5 @@ def test_matches_torch_load(tmp_path):
             assert str(a).split(".")[-1] == str(b)
         else:
             assert a == b
+
     cmp(ref, got)

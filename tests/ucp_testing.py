@@ -17,53 +17,59 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def bits(a) -> np.ndarray:
-  """The raw bytes of an array, so NaN payloads and -0.0 compare exactly."""
-  a = np.asarray(a)
-  return np.ascontiguousarray(a).view(np.uint8) if a.size else np.zeros(0, np.uint8)
+    """The raw bytes of an array, so NaN payloads and -0.0 compare exactly."""
+    a = np.asarray(a)
+    return np.ascontiguousarray(a).view(np.uint8) if a.size else np.zeros(0, np.uint8)
 
 
 def assert_bit_exact(got, want, name=""):
-  got, want = np.asarray(got), np.asarray(want)
-  assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
-  assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
-  assert np.array_equal(bits(got), bits(want)), f"{name}: values differ"
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{name}: shape {got.shape} != {want.shape}"
+    assert np.array_equal(bits(got), bits(want)), f"{name}: values differ"
 
 
 def mesh(shape, names, devices=None) -> Mesh:
-  devs = list(devices if devices is not None else jax.devices())[: int(np.prod(shape))]
-  return Mesh(np.array(devs).reshape(shape), names)
+    devs = list(devices if devices is not None else jax.devices())[: int(np.prod(shape))]
+    return Mesh(np.array(devs).reshape(shape), names)
 
 
 def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True):
-  """Runs ``code`` in a fresh interpreter with ``devices`` CPU devices."""
-  e = dict(os.environ)
-  e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  e["JAX_PLATFORMS"] = "cpu"
-  e["PYTHONPATH"] = os.pathsep.join([REPO, os.path.dirname(os.path.abspath(__file__)),
-                                     e.get("PYTHONPATH", "")])
-  e.update(env or {})
-  p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=e, capture_output=True,
-                     text=True, timeout=timeout)
-  if check and p.returncode != 0:
-    raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr[-4000:]}")
-  return p
+    """Runs ``code`` in a fresh interpreter with ``devices`` CPU devices."""
+    e = dict(os.environ)
+    e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    e["JAX_PLATFORMS"] = "cpu"
+    e["PYTHONPATH"] = os.pathsep.join(
+        [REPO, os.path.dirname(os.path.abspath(__file__)), e.get("PYTHONPATH", "")]
+    )
+    e.update(env or {})
+    p = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and p.returncode != 0:
+        raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr[-4000:]}")
+    return p
 
 
 def copy_deepspeed_fixture(tmp_path, name: str) -> str:
-  """A writable copy of tests/fixtures/deepspeed/<name>/ckpt (bad-input tests damage it)."""
-  dst = tmp_path / name
-  shutil.copytree(os.path.join(REPO, "tests", "fixtures", "deepspeed", name, "ckpt"), dst)
-  return str(dst)
+    """A writable copy of tests/fixtures/deepspeed/<name>/ckpt (bad-input tests damage it)."""
+    dst = tmp_path / name
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "deepspeed", name, "ckpt"), dst)
+    return str(dst)
 
 
 def assert_destination_untouched(dst) -> None:
-  """A failed import left neither the destination nor a temporary directory beside it."""
-  assert not os.path.exists(dst)
-  leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
-  assert not leftovers, leftovers
+    """A failed import left neither the destination nor a temporary directory beside it."""
+    assert not os.path.exists(dst)
+    leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
+    assert not leftovers, leftovers

@@ -1,8 +1,19 @@
 """Layer 1: what is on disk. No JAX, no I/O beyond JSON."""
 
-from jax_ucp.format.dtypes import dtype_name, to_numpy_dtype, ZARR_NATIVE
+from jax_ucp.format.dtypes import ZARR_NATIVE, dtype_name, to_numpy_dtype
 from jax_ucp.format.keypath import KeyPath, decode_key, encode_key, key_to_str
 from jax_ucp.format.manifest import (
-    ARRAYS_DIR, FORMAT_NAME, FORMAT_VERSION, MANIFEST_FILE, Entry, Manifest, ManifestError,
-    SavedSharding, TensorEntry, ValueEntry, array_dir, infer_role, read_manifest,
+    ARRAYS_DIR,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_FILE,
+    Entry,
+    Manifest,
+    ManifestError,
+    SavedSharding,
+    TensorEntry,
+    ValueEntry,
+    array_dir,
+    infer_role,
+    read_manifest,
 )

@@ -22,25 +22,43 @@ _EXTENDED = {
 
 # dtypes zarr-python reads natively (the format promise: `zarr.open` works on these).
 ZARR_NATIVE = frozenset(
-    ["bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-     "float16", "float32", "float64", "complex64", "complex128"]
+    [
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    ]
 )
 
 
 def dtype_name(dtype) -> str:
-  """Canonical name of a numpy/ml_dtypes/jax dtype."""
-  dt = np.dtype(dtype)
-  name = dt.name
-  if name not in ZARR_NATIVE and name not in _EXTENDED:
-    raise TypeError(f"dtype {dt} is not supported by the UCP format (expected one of "
-                    f"{sorted(ZARR_NATIVE | set(_EXTENDED))}).")
-  return name
+    """Canonical name of a numpy/ml_dtypes/jax dtype."""
+    dt = np.dtype(dtype)
+    name = dt.name
+    if name not in ZARR_NATIVE and name not in _EXTENDED:
+        raise TypeError(
+            f"dtype {dt} is not supported by the UCP format (expected one of "
+            f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
+        )
+    return name
 
 
 def to_numpy_dtype(name: str) -> np.dtype:
-  if name in _EXTENDED:
-    return np.dtype(_EXTENDED[name])
-  if name in ZARR_NATIVE:
-    return np.dtype(name)
-  raise TypeError(f"Unknown dtype {name!r} in manifest (expected one of "
-                  f"{sorted(ZARR_NATIVE | set(_EXTENDED))}).")
+    if name in _EXTENDED:
+        return np.dtype(_EXTENDED[name])
+    if name in ZARR_NATIVE:
+        return np.dtype(name)
+    raise TypeError(
+        f"Unknown dtype {name!r} in manifest (expected one of "
+        f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
+    )

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import string
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 KeyPath = tuple[str, ...]
 
@@ -21,63 +22,65 @@ _HASH_LEN = 16
 
 
 def escape_component(component: str) -> str:
-  """Percent-escapes every byte outside ``[A-Za-z0-9_-]`` (so '.', '/', '%' never appear raw)."""
-  out = []
-  for byte in component.encode("utf-8"):
-    ch = chr(byte)
-    out.append(ch if ch in _SAFE else f"%{byte:02X}")
-  escaped = "".join(out)
-  # An empty component would produce '..' sequences; give it a visible, reversible form.
-  return escaped if escaped else "%"
+    """Percent-escapes every byte outside ``[A-Za-z0-9_-]`` (so '.', '/', '%' never appear raw)."""
+    out = []
+    for byte in component.encode("utf-8"):
+        ch = chr(byte)
+        out.append(ch if ch in _SAFE else f"%{byte:02X}")
+    escaped = "".join(out)
+    # An empty component would produce '..' sequences; give it a visible, reversible form.
+    return escaped if escaped else "%"
 
 
 def unescape_component(escaped: str) -> str:
-  if escaped == "%":
-    return ""
-  raw = bytearray()
-  i = 0
-  while i < len(escaped):
-    ch = escaped[i]
-    if ch == "%":
-      raw.append(int(escaped[i + 1 : i + 3], 16))
-      i += 3
-    else:
-      raw.append(ord(ch))
-      i += 1
-  return raw.decode("utf-8")
+    if escaped == "%":
+        return ""
+    raw = bytearray()
+    i = 0
+    while i < len(escaped):
+        ch = escaped[i]
+        if ch == "%":
+            raw.append(int(escaped[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.append(ord(ch))
+            i += 1
+    return raw.decode("utf-8")
 
 
 def encode_key(key: Sequence[str]) -> str:
-  """The directory name of a key path: escaped components joined by '.', hashed if too long."""
-  if not key:
-    raise ValueError("A key path needs at least one component (a bare leaf has no name).")
-  name = ".".join(escape_component(str(c)) for c in key)
-  if len(name) <= MAX_DIR_NAME:
-    return name
-  digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:_HASH_LEN]
-  return f"{name[: MAX_DIR_NAME - _HASH_LEN - 1]}~{digest}"
+    """The directory name of a key path: escaped components joined by '.', hashed if too long."""
+    if not key:
+        raise ValueError("A key path needs at least one component (a bare leaf has no name).")
+    name = ".".join(escape_component(str(c)) for c in key)
+    if len(name) <= MAX_DIR_NAME:
+        return name
+    digest = hashlib.sha256(name.encode("utf-8")).hexdigest()[:_HASH_LEN]
+    return f"{name[: MAX_DIR_NAME - _HASH_LEN - 1]}~{digest}"
 
 
 def decode_key(name: str) -> KeyPath:
-  """Inverse of :func:`encode_key` for names that were not shortened."""
-  if "~" in name:
-    raise ValueError(f"Directory name {name!r} was shortened with a hash; read its key from ucp.json.")
-  return tuple(unescape_component(part) for part in name.split("."))
+    """Inverse of :func:`encode_key` for names that were not shortened."""
+    if "~" in name:
+        raise ValueError(
+            f"Directory name {name!r} was shortened with a hash; read its key from ucp.json."
+        )
+    return tuple(unescape_component(part) for part in name.split("."))
 
 
 def key_to_str(key: Sequence[str]) -> str:
-  """A human-readable name for messages and tables (not guaranteed unambiguous)."""
-  return "/".join(str(c) for c in key)
+    """A human-readable name for messages and tables (not guaranteed unambiguous)."""
+    return "/".join(str(c) for c in key)
 
 
 def component_of(entry: Any) -> tuple[str, str]:
-  """(kind, name) of one JAX key-path entry: kind is 'key' (dict), 'index' (sequence) or 'attr'."""
-  # Imported lazily-typed to keep this module free of JAX: duck-type on JAX's key classes.
-  if hasattr(entry, "key"):  # DictKey / FlattenedIndexKey
-    kind = "index" if type(entry).__name__ == "FlattenedIndexKey" else "key"
-    return kind, str(entry.key)
-  if hasattr(entry, "idx"):  # SequenceKey
-    return "index", str(entry.idx)
-  if hasattr(entry, "name"):  # GetAttrKey
-    return "attr", str(entry.name)
-  return "key", str(entry)
+    """(kind, name) of one JAX key-path entry: kind is 'key' (dict), 'index' (sequence) or 'attr'."""
+    # Imported lazily-typed to keep this module free of JAX: duck-type on JAX's key classes.
+    if hasattr(entry, "key"):  # DictKey / FlattenedIndexKey
+        kind = "index" if type(entry).__name__ == "FlattenedIndexKey" else "key"
+        return kind, str(entry.key)
+    if hasattr(entry, "idx"):  # SequenceKey
+        return "index", str(entry.idx)
+    if hasattr(entry, "name"):  # GetAttrKey
+        return "attr", str(entry.name)
+    return "key", str(entry)

@@ -3,90 +3,113 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.multihost import multihost
 
 from jax_ucp import format as fmt
-from jax_ucp.handler import checkpoint_handler
-from jax_ucp.handler import commit
-from jax_ucp.handler import reader
+from jax_ucp.handler import checkpoint_handler, commit, reader
+
 
 def _barrier(name: str) -> None:
-  if jax.process_count() > 1:
-    multihost.sync_global_processes(name)
+    if jax.process_count() > 1:
+        multihost.sync_global_processes(name)
 
 
 def atomic_save(path: str, args, *, force: bool) -> None:
-  """Orbax's temporary path + commit; ``force`` never deletes the old checkpoint first.
+    """Orbax's temporary path + commit; ``force`` never deletes the old checkpoint first.
 
-  The new checkpoint is committed next to the old one and swapped in by two renames, so a
-  failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
-  destination before writing).
-  """
-  path = path.rstrip("/")
-  exists = os.path.exists(path)
-  if exists and not force:
-    raise FileExistsError(f"{path} already exists; pass force=True to replace it "
-                          f"(the old checkpoint is kept until the new one is committed).")
-  target = path + commit.REPLACING if exists else path
-  handler = checkpoint_handler.UCPCheckpointHandler()
-  try:
-    with ocp.Checkpointer(handler) as ckptr:
-      ckptr.save(target, args=args, force=exists)
-  except BaseException:
-    if multihost.is_primary_host(0):
-      commit.remove_failed_save_leftovers(target)
-    raise
-  if exists:
-    if multihost.is_primary_host(0):
-      commit.replace_committed(target, path)
-    _barrier("jax_ucp:force_swap")
-
-
-def save(path, tree, *, force: bool = False, logical_axes: Any = None,
-         compression: Optional[str] = None, inner_chunk_bytes: Optional[int] = None,
-         checksum: Optional[str] = "crc32c", source: Optional[dict] = None) -> str:
-  """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
-
-  Every process calls it; each writes only the replica-0 shards it holds, no gather.  Leaves:
-  ``jax.Array`` (any sharding), numpy arrays, Python scalars / strings / None.
-  """
-  path = os.path.abspath(os.fspath(path))
-  args = checkpoint_handler.UCPSave(tree, logical_axes=logical_axes, compression=compression,
-                                    inner_chunk_bytes=inner_chunk_bytes, checksum=checksum,
-                                    source=source)
-  atomic_save(path, args, force=force)
-  return path
+    The new checkpoint is committed next to the old one and swapped in by two renames, so a
+    failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
+    destination before writing).
+    """
+    path = path.rstrip("/")
+    exists = os.path.exists(path)
+    if exists and not force:
+        raise FileExistsError(
+            f"{path} already exists; pass force=True to replace it "
+            f"(the old checkpoint is kept until the new one is committed)."
+        )
+    target = path + commit.REPLACING if exists else path
+    handler = checkpoint_handler.UCPCheckpointHandler()
+    try:
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(target, args=args, force=exists)
+    except BaseException:
+        if multihost.is_primary_host(0):
+            commit.remove_failed_save_leftovers(target)
+        raise
+    if exists:
+        if multihost.is_primary_host(0):
+            commit.replace_committed(target, path)
+        _barrier("jax_ucp:force_swap")
 
 
-def restore(path, *, target: Any = None, mesh: Optional[jax.sharding.Mesh] = None,
-            shardings: Any = None, rules: Optional[Sequence[tuple[str, Any]]] = None,
-            spec: Any = None, dtype: Any = None):
-  """Restores a UCP checkpoint onto any mesh.
+def save(
+    path,
+    tree,
+    *,
+    force: bool = False,
+    logical_axes: Any = None,
+    compression: str | None = None,
+    inner_chunk_bytes: int | None = None,
+    checksum: str | None = "crc32c",
+    source: dict | None = None,
+) -> str:
+    """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
 
-  Args:
-    path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP item.
-    target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
-      result has its structure, shardings and dtypes (shapes must match).
-    mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the axis
-      names exist in ``mesh`` and divide, and is replicated along the other dimensions.
-    shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
-    rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
-      applied to the logical axis names recorded at save time.
-    spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
-      transpose, rename) are applied as lazy views.
-    dtype: cast every tensor to this dtype.
+    Every process calls it; each writes only the replica-0 shards it holds, no gather.  Leaves:
+    ``jax.Array`` (any sharding), numpy arrays, Python scalars / strings / None.
+    """
+    path = os.path.abspath(os.fspath(path))
+    args = checkpoint_handler.UCPSave(
+        tree,
+        logical_axes=logical_axes,
+        compression=compression,
+        inner_chunk_bytes=inner_chunk_bytes,
+        checksum=checksum,
+        source=source,
+    )
+    atomic_save(path, args, force=force)
+    return path
 
-  Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
-  Each process reads only the slices its devices need.
-  """
-  return reader.restore_tree(path, target=target, shardings=shardings, mesh=mesh, rules=rules,
-                             spec=spec, dtype=dtype)
+
+def restore(
+    path,
+    *,
+    target: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    shardings: Any = None,
+    rules: Sequence[tuple[str, Any]] | None = None,
+    spec: Any = None,
+    dtype: Any = None,
+):
+    """Restores a UCP checkpoint onto any mesh.
+
+    Args:
+      path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP item.
+      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
+        result has its structure, shardings and dtypes (shapes must match).
+      mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the axis
+        names exist in ``mesh`` and divide, and is replicated along the other dimensions.
+      shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
+      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
+        applied to the logical axis names recorded at save time.
+      spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
+        transpose, rename) are applied as lazy views.
+      dtype: cast every tensor to this dtype.
+
+    Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
+    Each process reads only the slices its devices need.
+    """
+    return reader.restore_tree(
+        path, target=target, shardings=shardings, mesh=mesh, rules=rules, spec=spec, dtype=dtype
+    )
 
 
 def inspect(path) -> fmt.Manifest:
-  """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding)."""
-  return fmt.read_manifest(reader.find_checkpoint_dir(path))
+    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding)."""
+    return fmt.read_manifest(reader.find_checkpoint_dir(path))

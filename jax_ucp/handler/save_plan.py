@@ -7,7 +7,8 @@ copying this process's replica-0 shards to host memory.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -17,91 +18,119 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.handler.tensor_writes import (
-    PreparedTensor, SaveOptions, array_layout, prepare_host_tensor, tensor_entry, value_entry, write_tensor,
+    PreparedTensor,
+    SaveOptions,
+    array_layout,
+    prepare_host_tensor,
+    tensor_entry,
+    value_entry,
+    write_tensor,
 )
 
 _VALUE_TYPES = (type(None), bool, int, float, str)
 
 
 def _to_host(data: jax.Array, copy: bool) -> np.ndarray:
-  """Host bytes of one shard; a private copy when the caller may reuse the buffer.
+    """Host bytes of one shard; a private copy when the caller may reuse the buffer.
 
-  On CPU ``np.asarray`` aliases the device buffer (a donated or deleted array would change
-  under an async save), so async saves copy; on accelerators the transfer is the copy.
-  """
-  host = np.asarray(data)
-  on_cpu = all(d.platform == "cpu" for d in data.devices())
-  return np.array(host, copy=True) if (copy and on_cpu) else host
-
-
-def prepare_tree(tree, options: SaveOptions, *, primary: bool, copy: bool,
-                 logical_axes: Any = None) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
-  """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
-  leaves, _ = tree_lib.flatten(tree)
-  for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
-    if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
-      for _, data in sharding_lib.shards_to_write(leaf):
-        data.copy_to_host_async()
-  names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
-  # Optimizer moments mirror the params tree (opt_state/0/mu/<param path>): they inherit the
-  # logical axes of the parameter whose path they end with, so rules shard them alike.
-  by_param_path = {k[1:]: v for k, v in names_by_key.items() if len(k) > 1 and k[0] == "params"}
-
-  def inherited(key, ndim):
-    for i in range(1, len(key)):
-      names = by_param_path.get(key[i:])
-      if names is not None and len(names) == ndim:
-        return names
-    return None
-
-  entries: list[fmt.Entry] = []
-  prepared: list[PreparedTensor] = []
-  for key, kinds, leaf in leaves:
-    if not key:
-      raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
-    leaf, boxed_names = tree_lib.unbox(leaf)
-    names = names_by_key.get(key, boxed_names)
-    if names is None and by_param_path and key[0] != "params":
-      names = inherited(key, len(getattr(leaf, "shape", ())))
-    if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
-      entries.append(value_entry(key, kinds, leaf))
-      continue
-    if isinstance(leaf, jax.Array):
-      shape = tuple(leaf.shape)
-      layout = array_layout(shape, fmt.dtype_name(leaf.dtype), leaf.sharding.shard_shape(shape),
-                            np.dtype(leaf.dtype).itemsize, options)
-      # A process-local array (e.g. a step counter made on each host's first device) exists once
-      # per process: only the primary writes it, or two processes would write one shard file.
-      local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
-      writes = [] if (local_copy and not primary) else [
-          (index, _to_host(data, copy)) for index, data in sharding_lib.shards_to_write(leaf)]
-      p = PreparedTensor(
-          tensor_entry(key, kinds, layout, logical_axes=names,
-                       saved_sharding=sharding_lib.describe(leaf.sharding)), layout, writes,
-          stable_source=copy)  # async saves write private host copies
-    elif isinstance(leaf, (np.ndarray, np.generic, ts.TensorStore)):
-      if copy and primary and not isinstance(leaf, ts.TensorStore):
-        leaf = np.array(leaf, copy=True)
-      p = prepare_host_tensor(key, kinds, leaf, options, primary=primary, logical_axes=names,
-                              stable_source=copy)
-    else:
-      raise TypeError(f"Leaf {fmt.key_to_str(key)!r}: cannot save a {type(leaf).__module__}."
-                      f"{type(leaf).__qualname__} (expected jax.Array, numpy array, "
-                      f"tensorstore.TensorStore, or None/bool/int/float/str).")
-    entries.append(p.entry)
-    prepared.append(p)
-  return entries, prepared
+    On CPU ``np.asarray`` aliases the device buffer (a donated or deleted array would change
+    under an async save), so async saves copy; on accelerators the transfer is the copy.
+    """
+    host = np.asarray(data)
+    on_cpu = all(d.platform == "cpu" for d in data.devices())
+    return np.array(host, copy=True) if (copy and on_cpu) else host
 
 
-async def write_all(root, prepared: Sequence[PreparedTensor], *, primary: bool,
-                    max_in_flight: int = 64) -> None:
-  """All of this process's shards of a jax save, many tensors at once."""
-  sem = asyncio.Semaphore(max_in_flight)
+def prepare_tree(
+    tree, options: SaveOptions, *, primary: bool, copy: bool, logical_axes: Any = None
+) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
+    """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
+    leaves, _ = tree_lib.flatten(tree)
+    for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
+        if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
+            for _, data in sharding_lib.shards_to_write(leaf):
+                data.copy_to_host_async()
+    names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
+    # Optimizer moments mirror the params tree (opt_state/0/mu/<param path>): they inherit the
+    # logical axes of the parameter whose path they end with, so rules shard them alike.
+    by_param_path = {k[1:]: v for k, v in names_by_key.items() if len(k) > 1 and k[0] == "params"}
 
-  async def one(p):
-    async with sem:
-      await write_tensor(root, p, primary=primary)
+    def inherited(key, ndim):
+        for i in range(1, len(key)):
+            names = by_param_path.get(key[i:])
+            if names is not None and len(names) == ndim:
+                return names
+        return None
 
-  await asyncio.gather(*(one(p) for p in prepared))
+    entries: list[fmt.Entry] = []
+    prepared: list[PreparedTensor] = []
+    for key, kinds, leaf in leaves:
+        if not key:
+            raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
+        leaf, boxed_names = tree_lib.unbox(leaf)
+        names = names_by_key.get(key, boxed_names)
+        if names is None and by_param_path and key[0] != "params":
+            names = inherited(key, len(getattr(leaf, "shape", ())))
+        if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
+            entries.append(value_entry(key, kinds, leaf))
+            continue
+        if isinstance(leaf, jax.Array):
+            shape = tuple(leaf.shape)
+            layout = array_layout(
+                shape,
+                fmt.dtype_name(leaf.dtype),
+                leaf.sharding.shard_shape(shape),
+                np.dtype(leaf.dtype).itemsize,
+                options,
+            )
+            # A process-local array (e.g. a step counter made on each host's first device) exists once
+            # per process: only the primary writes it, or two processes would write one shard file.
+            local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
+            writes = (
+                []
+                if (local_copy and not primary)
+                else [
+                    (index, _to_host(data, copy))
+                    for index, data in sharding_lib.shards_to_write(leaf)
+                ]
+            )
+            p = PreparedTensor(
+                tensor_entry(
+                    key,
+                    kinds,
+                    layout,
+                    logical_axes=names,
+                    saved_sharding=sharding_lib.describe(leaf.sharding),
+                ),
+                layout,
+                writes,
+                stable_source=copy,
+            )  # async saves write private host copies
+        elif isinstance(leaf, (np.ndarray, np.generic, ts.TensorStore)):
+            if copy and primary and not isinstance(leaf, ts.TensorStore):
+                leaf = np.array(leaf, copy=True)
+            p = prepare_host_tensor(
+                key, kinds, leaf, options, primary=primary, logical_axes=names, stable_source=copy
+            )
+        else:
+            raise TypeError(
+                f"Leaf {fmt.key_to_str(key)!r}: cannot save a {type(leaf).__module__}."
+                f"{type(leaf).__qualname__} (expected jax.Array, numpy array, "
+                f"tensorstore.TensorStore, or None/bool/int/float/str)."
+            )
+        entries.append(p.entry)
+        prepared.append(p)
+    return entries, prepared
 
 
+async def write_all(
+    root, prepared: Sequence[PreparedTensor], *, primary: bool, max_in_flight: int = 64
+) -> None:
+    """All of this process's shards of a jax save, many tensors at once."""
+    sem = asyncio.Semaphore(max_in_flight)
+
+    async def one(p):
+        async with sem:
+            await write_tensor(root, p, primary=primary)
+
+    await asyncio.gather(*(one(p) for p in prepared))

@@ -22,22 +22,34 @@ Output tree (DESIGN.md "Contracts"): ``params`` = fp32 master weights keyed by D
 ``param_shapes`` names, ``opt_state`` = {``mu``, ``nu`` (same keys), ``count`` (int32 step)},
 ``model_params`` = model-precision weights when the run was bf16/fp16.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from jax_ucp.importers.torch_pickle import (
-    StandIn, int_enum_standin, load_torch_file, standin_class,
+    StandIn,
+    int_enum_standin,
+    load_torch_file,
+    standin_class,
 )
 
-__all__ = ["DeepSpeedImportError", "DeepSpeedCheckpoint", "DS_CLASSES", "convert_deepspeed",
-           "is_deepspeed_checkpoint", "open_deepspeed_checkpoint", "iter_deepspeed_tensors"]
+__all__ = [
+    "DeepSpeedImportError",
+    "DeepSpeedCheckpoint",
+    "DS_CLASSES",
+    "convert_deepspeed",
+    "is_deepspeed_checkpoint",
+    "open_deepspeed_checkpoint",
+    "iter_deepspeed_tensors",
+]
 
 
 class DeepSpeedImportError(ValueError):
@@ -48,18 +60,24 @@ _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weight
 
 #: DeepSpeed classes pickled into checkpoint files, mapped to inert stand-ins.
 DS_CLASSES: dict[str, Any] = {
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler":
-        standin_class("deepspeed.runtime.fp16.loss_scaler.LossScaler"),
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler":
-        standin_class("deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
-    "deepspeed.runtime.zero.config.ZeroStageEnum":
-        int_enum_standin("deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES),
-    "deepspeed.utils.tensor_fragment.fragment_address":
-        standin_class("deepspeed.utils.tensor_fragment.fragment_address"),
-    "deepspeed.checkpoint.constants.SubparamShape":
-        standin_class("deepspeed.checkpoint.constants.SubparamShape"),
-    "deepspeed.runtime.zero.stage3.SubParamGroupInfo":
-        standin_class("deepspeed.runtime.zero.stage3.SubParamGroupInfo"),
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": standin_class(
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    ),
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": standin_class(
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    ),
+    "deepspeed.runtime.zero.config.ZeroStageEnum": int_enum_standin(
+        "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
+    ),
+    "deepspeed.utils.tensor_fragment.fragment_address": standin_class(
+        "deepspeed.utils.tensor_fragment.fragment_address"
+    ),
+    "deepspeed.checkpoint.constants.SubparamShape": standin_class(
+        "deepspeed.checkpoint.constants.SubparamShape"
+    ),
+    "deepspeed.runtime.zero.stage3.SubParamGroupInfo": standin_class(
+        "deepspeed.runtime.zero.stage3.SubParamGroupInfo"
+    ),
 }
 
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -127,11 +145,13 @@ def _resolve_tag_dir(src: str, tag: str | None) -> str:
         return d
     raise DeepSpeedImportError(
         f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
-        f"'*zero_pp_rank_*_optim_states.pt' files)")
+        f"'*zero_pp_rank_*_optim_states.pt' files)"
+    )
 
 
 def _dtype_of_run(cfg: Mapping, module: Mapping[str, Any]) -> np.dtype:
     import ml_dtypes
+
     if (cfg.get("bf16") or cfg.get("bfloat16") or {}).get("enabled"):
         return np.dtype(ml_dtypes.bfloat16)
     if (cfg.get("fp16") or {}).get("enabled"):
@@ -157,6 +177,7 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None, *,
     to use instead of its ``universal_checkpoint_info``)."""
     tag_dir = _resolve_tag_dir(os.fspath(src), tag)
     from jax_ucp.importers import deepspeed_megatron as _meg
+
     if _meg.is_model_parallel(tag_dir):
         return _meg.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
     files = sorted(os.listdir(tag_dir))
@@ -169,11 +190,15 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None, *,
             if int(m.group(3)) == 0:
                 rank = int(m.group(2))
                 if rank in optim:
-                    raise DeepSpeedImportError(f"{tag_dir}: two optimizer files for DP rank {rank}: "
-                                               f"{os.path.basename(optim[rank])} and {f}")
+                    raise DeepSpeedImportError(
+                        f"{tag_dir}: two optimizer files for DP rank {rank}: "
+                        f"{os.path.basename(optim[rank])} and {f}"
+                    )
                 optim[rank] = os.path.join(tag_dir, f)
     if not optim:
-        raise DeepSpeedImportError(f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files")
+        raise DeepSpeedImportError(
+            f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files"
+        )
     if mp_ranks != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched above)
         raise DeepSpeedImportError(f"{tag_dir}: model-parallel ranks {sorted(mp_ranks)} found")
     bf16_prefixed = {bool(_OPTIM_RE.match(os.path.basename(p)).group(1)) for p in optim.values()}
@@ -185,19 +210,25 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None, *,
     stage = int(_get(osd0, "zero_stage", first))
     pc = _get(osd0, "partition_count", first)
     world = max(pc) if isinstance(pc, (list, tuple)) else int(pc)
-    expected = [os.path.join(tag_dir, os.path.basename(first).replace(f"zero_pp_rank_{min(optim)}_",
-                                                                      f"zero_pp_rank_{r}_"))
-                for r in range(world)]
+    expected = [
+        os.path.join(
+            tag_dir,
+            os.path.basename(first).replace(f"zero_pp_rank_{min(optim)}_", f"zero_pp_rank_{r}_"),
+        )
+        for r in range(world)
+    ]
     for r, path in enumerate(expected):
         if r not in optim:
             raise DeepSpeedImportError(
-                f"{path}: missing optimizer file for DP rank {r} (partition_count in {first} is {world})")
+                f"{path}: missing optimizer file for DP rank {r} (partition_count in {first} is {world})"
+            )
     if len(optim) != world:
         extra = sorted(set(optim) - set(range(world)))
         raise DeepSpeedImportError(
             f"{tag_dir}: world size metadata says {world} DP ranks (partition_count in {first}) but "
             f"found optimizer files for ranks {sorted(optim)} (unexpected: "
-            f"{[os.path.basename(optim[r]) for r in extra]})")
+            f"{[os.path.basename(optim[r]) for r in extra]})"
+        )
 
     if stage in (1, 2):
         model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
@@ -206,12 +237,15 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None, *,
         for r in range(world):
             p = os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
             if not os.path.isfile(p):
-                raise DeepSpeedImportError(f"{p}: missing stage-3 model states file for DP rank {r}")
+                raise DeepSpeedImportError(
+                    f"{p}: missing stage-3 model states file for DP rank {r}"
+                )
         z3_models = [f for f in files if _Z3_MODEL_RE.match(f)]
         if len(z3_models) != world:
             raise DeepSpeedImportError(
                 f"{tag_dir}: world size metadata says {world} DP ranks but found {len(z3_models)} "
-                f"stage-3 model states files")
+                f"stage-3 model states files"
+            )
     else:
         raise DeepSpeedImportError(f"{first}: unsupported zero_stage {stage}")
     if not os.path.isfile(model_file):
@@ -223,35 +257,50 @@ def open_deepspeed_checkpoint(src: os.PathLike | str, tag: str | None = None, *,
     if dp_meta is not None and int(dp_meta) != world:
         raise DeepSpeedImportError(
             f"{model_file}: dp_world_size is {dp_meta} but the optimizer files say {world} "
-            f"(partition_count in {first})")
+            f"(partition_count in {first})"
+        )
     if ms.get("mp_world_size", 1) not in (None, 1):
-        raise DeepSpeedImportError(f"{model_file}: mp_world_size is {ms['mp_world_size']} but the folder holds "
-                                   f"the files of model-parallel rank 0 only (missing mp_rank_01_* files?)")
+        raise DeepSpeedImportError(
+            f"{model_file}: mp_world_size is {ms['mp_world_size']} but the folder holds "
+            f"the files of model-parallel rank 0 only (missing mp_rank_01_* files?)"
+        )
     ps = _get(ms, "param_shapes", model_file)
     if isinstance(ps, Mapping):
         ps = [ps]
     param_shapes = [{str(n): tuple(int(d) for d in s) for n, s in g.items()} for g in ps]
     if ms.get("frozen_param_shapes"):
-        raise DeepSpeedImportError(f"{model_file}: frozen parameters "
-                                   f"({list(ms['frozen_param_shapes'])[:3]}...) are not supported yet")
+        raise DeepSpeedImportError(
+            f"{model_file}: frozen parameters "
+            f"({list(ms['frozen_param_shapes'])[:3]}...) are not supported yet"
+        )
 
     osds = [osd0]
     for r in range(1, world):
         sd = _load(optim[r])
         o = _get(sd, "optimizer_state_dict", optim[r])
         if int(_get(o, "zero_stage", optim[r])) != stage:
-            raise DeepSpeedImportError(f"{optim[r]}: zero_stage {int(o['zero_stage'])}, rank 0 has {stage}")
+            raise DeepSpeedImportError(
+                f"{optim[r]}: zero_stage {int(o['zero_stage'])}, rank 0 has {stage}"
+            )
         pcr = _get(o, "partition_count", optim[r])
         if pcr != pc:
             raise DeepSpeedImportError(f"{optim[r]}: partition_count {pcr}, {first} has {pc}")
         osds.append(o)
     module = ms.get("module") or {}
     ck = DeepSpeedCheckpoint(
-        tag_dir=tag_dir, stage=stage, world_size=world,
+        tag_dir=tag_dir,
+        stage=stage,
+        world_size=world,
         model_dtype=_dtype_of_run(ms.get("ds_config") or {}, module),
-        param_shapes=param_shapes, model_file=model_file, optim_files=[optim[r] for r in range(world)],
-        model_states=ms, optim_states=osds, global_steps=ms.get("global_steps"), module=module,
-        shared_params=dict(ms.get("shared_params") or {}))
+        param_shapes=param_shapes,
+        model_file=model_file,
+        optim_files=[optim[r] for r in range(world)],
+        model_states=ms,
+        optim_states=osds,
+        global_steps=ms.get("global_steps"),
+        module=module,
+        shared_params=dict(ms.get("shared_params") or {}),
+    )
     _validate_layout(ck)
     return ck
 
@@ -280,12 +329,14 @@ class _Flat:
 
     def take(self, start: int, n: int) -> list[np.ndarray]:
         if start + n > self.size:
-            raise DeepSpeedImportError(f"{self.what}: needs elements [{start}, {start + n}) but holds {self.size}")
+            raise DeepSpeedImportError(
+                f"{self.what}: needs elements [{start}, {start + n}) but holds {self.size}"
+            )
         out = []
         for a, o in zip(self.arrays, self.offsets):
             lo, hi = max(start, o), min(start + n, o + a.size)
             if lo < hi:
-                out.append(a[lo - o: hi - o])
+                out.append(a[lo - o : hi - o])
         return out
 
 
@@ -299,16 +350,26 @@ def _plan_stage12(ck: DeepSpeedCheckpoint) -> dict[str, tuple[int, list[_Piece]]
         f = ck.optim_files[r]
         psm = _get(osd, "param_slice_mappings", f)
         if len(psm) != len(ck.param_shapes):
-            raise DeepSpeedImportError(f"{f}: {len(psm)} param groups in param_slice_mappings, "
-                                       f"{ck.model_file} has {len(ck.param_shapes)}")
+            raise DeepSpeedImportError(
+                f"{f}: {len(psm)} param groups in param_slice_mappings, "
+                f"{ck.model_file} has {len(ck.param_shapes)}"
+            )
         for g, mapping in enumerate(psm):
             for name, frag in mapping.items():
                 if name not in plan:
-                    raise DeepSpeedImportError(f"{f}: parameter {name!r} in param_slice_mappings is not in "
-                                               f"param_shapes of {ck.model_file}")
+                    raise DeepSpeedImportError(
+                        f"{f}: parameter {name!r} in param_slice_mappings is not in "
+                        f"param_shapes of {ck.model_file}"
+                    )
                 if plan[name][0] != g:
-                    raise DeepSpeedImportError(f"{f}: parameter {name!r} in group {g}, expected {plan[name][0]}")
-                if not isinstance(frag, StandIn) or not hasattr(frag, "numel") or not hasattr(frag, "start"):
+                    raise DeepSpeedImportError(
+                        f"{f}: parameter {name!r} in group {g}, expected {plan[name][0]}"
+                    )
+                if (
+                    not isinstance(frag, StandIn)
+                    or not hasattr(frag, "numel")
+                    or not hasattr(frag, "start")
+                ):
                     raise DeepSpeedImportError(f"{f}: bad fragment_address for {name!r}: {frag!r}")
                 plan[name][1].append(_Piece(r, int(frag.start), int(frag.numel)))
     return plan
@@ -341,13 +402,17 @@ def _validate_layout(ck: DeepSpeedCheckpoint) -> None:
             fp32 = _get(osd, "single_partition_of_fp32_groups", f)
             st = _get(_get(osd, "base_optimizer_state", f), "state", f)
             if len(fp32) != len(ck.param_shapes):
-                raise DeepSpeedImportError(f"{f}: {len(fp32)} fp32 partitions for {len(ck.param_shapes)} groups")
+                raise DeepSpeedImportError(
+                    f"{f}: {len(fp32)} fp32 partitions for {len(ck.param_shapes)} groups"
+                )
             for g in range(len(fp32)):
                 for key in ("exp_avg", "exp_avg_sq"):
                     a = _get(_get(st, g, f"{f} state"), key, f"{f} state[{g}]")
                     if a.size < fp32[g].size:
-                        raise DeepSpeedImportError(f"{f}: group {g} {key} has {a.size} elements, "
-                                                   f"fp32 partition has {fp32[g].size}")
+                        raise DeepSpeedImportError(
+                            f"{f}: group {g} {key} has {a.size} elements, "
+                            f"fp32 partition has {fp32[g].size}"
+                        )
     else:
         plan = _plan_stage3(ck)
         need = sum(math.ceil(_numel(s) / ck.world_size) for s in shapes.values())
@@ -357,13 +422,15 @@ def _validate_layout(ck: DeepSpeedCheckpoint) -> None:
             if fp32.size != need:
                 raise DeepSpeedImportError(
                     f"{f}: fp32_flat_groups hold {fp32.size} elements; param_shapes in {ck.model_file} with "
-                    f"{ck.world_size} DP ranks need {need}")
+                    f"{ck.world_size} DP ranks need {need}"
+                )
     for name, (g, pieces) in plan.items():
         got = sum(p.numel for p in pieces)
         if got != _numel(shapes[name]):
             raise DeepSpeedImportError(
                 f"{ck.tag_dir}: parameter {name!r} shape {shapes[name]} has {_numel(shapes[name])} elements "
-                f"but the optimizer files hold {got} (ranks {[p.rank for p in pieces]})")
+                f"but the optimizer files hold {got} (ranks {[p.rank for p in pieces]})"
+            )
     ck.__dict__["_plan"] = plan
 
 
@@ -397,7 +464,11 @@ def _steps(ck: DeepSpeedCheckpoint) -> int:
     seen: dict[float, str] = {}
     for r, osd in enumerate(ck.optim_states):
         f = ck.optim_files[r]
-        st = osd["base_optimizer_state"]["state"] if ck.stage in (1, 2) else osd["optimizer_state_dict"]["state"]
+        st = (
+            osd["base_optimizer_state"]["state"]
+            if ck.stage in (1, 2)
+            else osd["optimizer_state_dict"]["state"]
+        )
         for g, s in st.items():
             if "step" not in s:
                 continue
@@ -411,8 +482,10 @@ def single_step(seen: Mapping[float, str], where: str) -> int:
     if not seen:
         raise DeepSpeedImportError(f"{where}: no optimizer step recorded in any group")
     if len(seen) > 1:
-        raise DeepSpeedImportError(f"{where}: ranks or parameter groups disagree on the optimizer step: "
-                                   + ", ".join(f"{k:g} in {v}" for k, v in seen.items()))
+        raise DeepSpeedImportError(
+            f"{where}: ranks or parameter groups disagree on the optimizer step: "
+            + ", ".join(f"{k:g} in {v}" for k, v in seen.items())
+        )
     (v,) = seen
     if v != int(v) or not (0 <= v < 2**31):
         raise DeepSpeedImportError(f"{where}: optimizer step {v} is not a valid int32 count")
@@ -423,6 +496,7 @@ def iter_deepspeed_tensors(ck) -> Iterator[ImportedTensor]:
     """Yield params / mu / nu / model_params one parameter at a time, then ``opt_state.count``."""
     if not isinstance(ck, DeepSpeedCheckpoint):
         from jax_ucp.importers.deepspeed_megatron import iter_megatron_deepspeed_tensors
+
         yield from iter_megatron_deepspeed_tensors(ck)
         return
     plan = ck.__dict__["_plan"]
@@ -440,10 +514,17 @@ def iter_deepspeed_tensors(ck) -> Iterator[ImportedTensor]:
     for name in ck.names:
         g, pieces = plan[name]
         shape = shapes[name]
-        prov = {"files": sorted({files[p.rank] for p in pieces}), "zero_stage": ck.stage,
-                "pattern": f"zero{ck.stage}-flat", "dp_ranks": [p.rank for p in pieces]}
-        for kind, top in (("fp32", ("params",)), ("exp_avg", ("opt_state", "mu")),
-                          ("exp_avg_sq", ("opt_state", "nu"))):
+        prov = {
+            "files": sorted({files[p.rank] for p in pieces}),
+            "zero_stage": ck.stage,
+            "pattern": f"zero{ck.stage}-flat",
+            "dp_ranks": [p.rank for p in pieces],
+        }
+        for kind, top in (
+            ("fp32", ("params",)),
+            ("exp_avg", ("opt_state", "mu")),
+            ("exp_avg_sq", ("opt_state", "nu")),
+        ):
             parts: list[np.ndarray] = []
             for p in pieces:
                 v = vec(p.rank, kind)
@@ -454,9 +535,12 @@ def iter_deepspeed_tensors(ck) -> Iterator[ImportedTensor]:
                     if p.start + p.numel > flat.size:
                         raise DeepSpeedImportError(
                             f"{ck.optim_files[p.rank]}: parameter {name!r} {kind} fragment "
-                            f"[{p.start}, {p.start + p.numel}) exceeds group {g} partition of {flat.size}")
-                    parts.append(flat[p.start:p.start + p.numel])
-            arr = np.concatenate(parts) if len(parts) != 1 else parts[0]  # a view of the mmap: no copy
+                            f"[{p.start}, {p.start + p.numel}) exceeds group {g} partition of {flat.size}"
+                        )
+                    parts.append(flat[p.start : p.start + p.numel])
+            arr = (
+                np.concatenate(parts) if len(parts) != 1 else parts[0]
+            )  # a view of the mmap: no copy
             yield ImportedTensor((*top, name), arr.reshape(shape), prov)
             if kind == "fp32":
                 fp32 = arr.reshape(shape)
@@ -464,22 +548,40 @@ def iter_deepspeed_tensors(ck) -> Iterator[ImportedTensor]:
             m = ck.module.get(name) if ck.stage in (1, 2) else None
             if isinstance(m, np.ndarray) and m.shape == tuple(shape) and m.size:
                 if m.dtype != ck.model_dtype:
-                    raise DeepSpeedImportError(f"{ck.model_file}: {name!r} has dtype {m.dtype}, run dtype is "
-                                               f"{ck.model_dtype}")
-                yield ImportedTensor(("model_params", name), m,
-                                     {"files": [os.path.basename(ck.model_file)], "pattern": "module"})
+                    raise DeepSpeedImportError(
+                        f"{ck.model_file}: {name!r} has dtype {m.dtype}, run dtype is "
+                        f"{ck.model_dtype}"
+                    )
+                yield ImportedTensor(
+                    ("model_params", name),
+                    m,
+                    {"files": [os.path.basename(ck.model_file)], "pattern": "module"},
+                )
             else:  # stage 3 keeps no model-precision weights: DeepSpeed re-derives them the same way
-                yield ImportedTensor(("model_params", name), fp32.astype(ck.model_dtype),
-                                     {"files": prov["files"], "pattern": f"cast(fp32 -> {ck.model_dtype})"})
+                yield ImportedTensor(
+                    ("model_params", name),
+                    fp32.astype(ck.model_dtype),
+                    {"files": prov["files"], "pattern": f"cast(fp32 -> {ck.model_dtype})"},
+                )
         del fp32
-    yield ImportedTensor(("opt_state", "count"), np.asarray(_steps(ck), np.int32),
-                         {"files": files, "pattern": "step"})
+    yield ImportedTensor(
+        ("opt_state", "count"),
+        np.asarray(_steps(ck), np.int32),
+        {"files": files, "pattern": "step"},
+    )
 
 
-def convert_deepspeed(src: os.PathLike | str, dst: os.PathLike | str, *, force: bool = False,
-                      step: int | None = None, tag: str | None = None,
-                      progress: Callable[[str, int, int], None] | None = None,
-                      compression: str | None = None, spec: Any = None) -> str:
+def convert_deepspeed(
+    src: os.PathLike | str,
+    dst: os.PathLike | str,
+    *,
+    force: bool = False,
+    step: int | None = None,
+    tag: str | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+    compression: str | None = None,
+    spec: Any = None,
+) -> str:
     """Convert a DeepSpeed checkpoint folder (``latest`` + tags, or one tag) into a UCP checkpoint.
 
     ``step`` writes ``<dst>/<step>/state`` as a CheckpointManager step; ``tag`` picks a tag
@@ -498,24 +600,44 @@ def convert_deepspeed(src: os.PathLike | str, dst: os.PathLike | str, *, force: 
         # Megatron-DeepSpeed TP/PP: fragments merged by the universal_checkpoint_info patterns
         # (translated into the UCP language), or by the import rules of ``spec``
         mck = _meg.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
-        return write_host_checkpoint(dst, _host_items(_meg.iter_megatron_deepspeed_tensors(mck), len(mck.names),
-                                                      progress),
-                                     force=force, source=_meg.source_info(mck), step=step, compression=compression)
+        return write_host_checkpoint(
+            dst,
+            _host_items(_meg.iter_megatron_deepspeed_tensors(mck), len(mck.names), progress),
+            force=force,
+            source=_meg.source_info(mck),
+            step=step,
+            compression=compression,
+        )
     if spec is not None:
         raise ValueError(
             "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, keyed by "
             "DeepSpeed's parameter names, so an import spec has nothing to do; apply the name mapping at "
-            "restore time: jax_ucp.restore(path, spec=...)")
+            "restore time: jax_ucp.restore(path, spec=...)"
+        )
     ck = open_deepspeed_checkpoint(tag_dir)
 
-    source = {"framework": "deepspeed", "path": os.path.abspath(ck.tag_dir), "zero_stage": ck.stage,
-              "dp_world_size": ck.world_size, "model_dtype": str(ck.model_dtype),
-              "global_steps": ck.global_steps, "ds_version": ck.model_states.get("ds_version")}
-    return write_host_checkpoint(dst, _host_items(iter_deepspeed_tensors(ck), len(ck.names), progress),
-                                 force=force, source=source, step=step, compression=compression)
+    source = {
+        "framework": "deepspeed",
+        "path": os.path.abspath(ck.tag_dir),
+        "zero_stage": ck.stage,
+        "dp_world_size": ck.world_size,
+        "model_dtype": str(ck.model_dtype),
+        "global_steps": ck.global_steps,
+        "ds_version": ck.model_states.get("ds_version"),
+    }
+    return write_host_checkpoint(
+        dst,
+        _host_items(iter_deepspeed_tensors(ck), len(ck.names), progress),
+        force=force,
+        source=source,
+        step=step,
+        compression=compression,
+    )
 
 
-def _host_items(tensors: Iterator[ImportedTensor], total: int,
-                progress: Callable[[str, int, int], None] | None) -> Iterator[Any]:
+def _host_items(
+    tensors: Iterator[ImportedTensor], total: int, progress: Callable[[str, int, int], None] | None
+) -> Iterator[Any]:
     from jax_ucp.handler.host_writer import host_items_with_progress
+
     return host_items_with_progress(tensors, total, progress)

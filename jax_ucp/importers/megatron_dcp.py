@@ -13,23 +13,31 @@ A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunk
 checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
 dtype and shape agree with the metadata.
 """
+
 from __future__ import annotations
 
 import itertools
 import json
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from jax_ucp.importers import torch_pickle as tp
 
 __all__ = [
-    "DcpError", "DcpChunk", "DcpTensor", "DcpObject", "DcpCheckpoint", "open_dcp",
-    "SUPPORTED_TRANSFORMS", "DCP_CLASSES",
+    "DcpError",
+    "DcpChunk",
+    "DcpTensor",
+    "DcpObject",
+    "DcpCheckpoint",
+    "open_dcp",
+    "SUPPORTED_TRANSFORMS",
+    "DCP_CLASSES",
 ]
 
 
@@ -68,13 +76,20 @@ def _standins() -> dict[str, Any]:
     p = "torch.distributed.checkpoint.planner."
     d: dict[str, Any] = {
         m + n: tp.standin_class(m + n)
-        for n in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
-                  "TensorProperties", "StorageMeta")
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+        )
     }
     d[m + "MetadataIndex"] = _MetadataIndex
     d[m + "_MEM_FORMAT_ENCODING"] = tp.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
     d["torch.distributed.checkpoint.filesystem._StorageInfo"] = tp.standin_class(
-        "torch.distributed.checkpoint.filesystem._StorageInfo")
+        "torch.distributed.checkpoint.filesystem._StorageInfo"
+    )
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
         d[p + n] = tp.standin_class(p + n)
@@ -147,7 +162,9 @@ class DcpCheckpoint:
         shape = t.shape
         if rows is not None:
             if not t.shape or not 0 <= rows <= t.shape[0]:
-                raise DcpError(f"tensor {name!r} in {self.path}: cannot keep {rows} rows of shape {list(t.shape)}")
+                raise DcpError(
+                    f"tensor {name!r} in {self.path}: cannot keep {rows} rows of shape {list(t.shape)}"
+                )
             shape = (rows, *t.shape[1:])
         out = np.empty(shape, t.dtype)
         for c in t.chunks:
@@ -166,8 +183,10 @@ class DcpCheckpoint:
         where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {fpath}"
         for tr in c.transforms:
             if tr not in SUPPORTED_TRANSFORMS:
-                raise DcpError(f"{where}: unsupported transform descriptor {tr!r} "
-                               f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})")
+                raise DcpError(
+                    f"{where}: unsupported transform descriptor {tr!r} "
+                    f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
+                )
         raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
         if bytes(raw[:4]) == b"PK\x03\x04":
             try:
@@ -179,14 +198,19 @@ class DcpCheckpoint:
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
             n = int(np.prod(c.sizes)) * t.dtype.itemsize
             if raw.size != n:
-                raise DcpError(f"{where}: {raw.size} raw bytes, expected {n} "
-                               f"({list(c.sizes)} x {t.dtype})")
+                raise DcpError(
+                    f"{where}: {raw.size} raw bytes, expected {n} ({list(c.sizes)} x {t.dtype})"
+                )
             arr = raw.view(t.dtype.newbyteorder("<")).reshape(c.sizes)
         if arr.dtype != t.dtype:
-            raise DcpError(f"{where}: dtype disagreement: metadata says {t.dtype}, bytes hold {arr.dtype}")
+            raise DcpError(
+                f"{where}: dtype disagreement: metadata says {t.dtype}, bytes hold {arr.dtype}"
+            )
         if tuple(arr.shape) != tuple(c.sizes):
-            raise DcpError(f"{where}: shape disagreement: metadata says {list(c.sizes)}, "
-                           f"bytes hold {list(arr.shape)}")
+            raise DcpError(
+                f"{where}: shape disagreement: metadata says {list(c.sizes)}, "
+                f"bytes hold {list(arr.shape)}"
+            )
         return arr
 
     def read_object(self, name: str, extra_classes=None) -> Any:
@@ -204,17 +228,26 @@ class DcpCheckpoint:
         """Every file the metadata references exists and is long enough."""
         sizes: dict[str, int] = {}
         for name, file, end in itertools.chain(
-                ((t.name, c.file, c.byte_offset + c.byte_length) for t in self.tensors.values() for c in t.chunks),
-                ((o.name, o.file, o.byte_offset + o.byte_length) for o in self.objects.values())):
+            (
+                (t.name, c.file, c.byte_offset + c.byte_length)
+                for t in self.tensors.values()
+                for c in t.chunks
+            ),
+            ((o.name, o.file, o.byte_offset + o.byte_length) for o in self.objects.values()),
+        ):
             if file not in sizes:
                 p = self.path / file
                 sizes[file] = p.stat().st_size if p.is_file() else -1
             if sizes[file] < 0:
-                raise DcpError(f"tensor {name!r}: shard file {self.path / file} is missing "
-                               f"(referenced by {self.path / '.metadata'})")
+                raise DcpError(
+                    f"tensor {name!r}: shard file {self.path / file} is missing "
+                    f"(referenced by {self.path / '.metadata'})"
+                )
             if sizes[file] < end:
-                raise DcpError(f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
-                               f"metadata needs {end} (truncated)")
+                raise DcpError(
+                    f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
+                    f"metadata needs {end} (truncated)"
+                )
 
 
 def check_coverage(t: DcpTensor, where: Path | str) -> None:
@@ -223,28 +256,38 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
     if not t.chunks:
         if int(np.prod(t.shape)) == 0:
             return
-        raise DcpError(f"tensor {t.name!r} in {where}: no chunks recorded for shape {list(t.shape)}")
+        raise DcpError(
+            f"tensor {t.name!r} in {where}: no chunks recorded for shape {list(t.shape)}"
+        )
     total = 0
     for c in t.chunks:
         if len(c.offsets) != nd or len(c.sizes) != nd:
-            raise DcpError(f"tensor {t.name!r} in {where}: chunk rank {len(c.offsets)} != tensor rank {nd}")
+            raise DcpError(
+                f"tensor {t.name!r} in {where}: chunk rank {len(c.offsets)} != tensor rank {nd}"
+            )
         if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(c.offsets, c.sizes, t.shape)):
-            raise DcpError(f"tensor {t.name!r}: chunk at {list(c.offsets)} size {list(c.sizes)} in "
-                           f"{c.file} exceeds the global shape {list(t.shape)}")
+            raise DcpError(
+                f"tensor {t.name!r}: chunk at {list(c.offsets)} size {list(c.sizes)} in "
+                f"{c.file} exceeds the global shape {list(t.shape)}"
+            )
         total += int(np.prod(c.sizes, dtype=np.int64))
     lo = np.array([c.offsets for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
     hi = lo + np.array([c.sizes for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
     for i in range(len(t.chunks)):  # vectorised pairwise box intersection
-        inter = np.all((np.maximum(lo[i], lo[i + 1:]) < np.minimum(hi[i], hi[i + 1:])), axis=1)
+        inter = np.all((np.maximum(lo[i], lo[i + 1 :]) < np.minimum(hi[i], hi[i + 1 :])), axis=1)
         if inter.any():
             j = i + 1 + int(np.argmax(inter))
             a, b = t.chunks[i], t.chunks[j]
-            raise DcpError(f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
-                           f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file}")
+            raise DcpError(
+                f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
+                f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file}"
+            )
     want = int(np.prod(t.shape, dtype=np.int64))
     if total != want:
-        raise DcpError(f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
-                       f"{want} elements of shape {list(t.shape)} (files {t.files})")
+        raise DcpError(
+            f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
+            f"{want} elements of shape {list(t.shape)} (files {t.files})"
+        )
 
 
 # ----------------------------------------------------------------- byte ranges
@@ -257,8 +300,10 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     except FileNotFoundError:
         raise DcpError(f"{where}: shard file is missing") from None
     if offset < 0 or length < 0 or offset + length > size:
-        raise DcpError(f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
-                       f"{size} bytes (truncated)")
+        raise DcpError(
+            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
+            f"{size} bytes (truncated)"
+        )
     if length == 0:
         return np.empty(0, np.uint8)
     with open(path, "rb") as f:
@@ -312,9 +357,21 @@ def open_dcp(path: os.PathLike | str) -> DcpCheckpoint:
     def ref(name: str, off, what: str):
         info = by_fqn.get(name, {}).get(off)
         if info is None:
-            raise DcpError(f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}")
-        rp, bo, bl = getattr(info, "relative_path", None), getattr(info, "offset", None), getattr(info, "length", None)
-        if not isinstance(rp, str) or type(bo) is not int or type(bl) is not int or "/" in rp or rp.startswith("."):
+            raise DcpError(
+                f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
+            )
+        rp, bo, bl = (
+            getattr(info, "relative_path", None),
+            getattr(info, "offset", None),
+            getattr(info, "length", None),
+        )
+        if (
+            not isinstance(rp, str)
+            or type(bo) is not int
+            or type(bl) is not int
+            or "/" in rp
+            or rp.startswith(".")
+        ):
             raise DcpError(f"tensor {name!r}: bad storage entry {info!r} in {mfile}")
         trs = tuple(getattr(info, "transform_descriptors", None) or ())
         return rp, bo, bl, trs

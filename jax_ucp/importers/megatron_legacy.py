@@ -9,6 +9,7 @@ distributed optimizer's flat buffers.
 ``argparse.Namespace`` and numpy's pickled arrays/dtypes (RNG state) become inert stand-ins
 (:data:`LEGACY_CLASSES`); nothing pickled is executed. Tensors stay memory-mapped.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,8 +22,17 @@ import numpy as np
 
 from jax_ucp.importers import torch_pickle as tp
 
-__all__ = ["LegacyError", "LEGACY_CLASSES", "LegacyCheckpoint", "RankFile", "open_legacy",
-           "resolve_iteration_dir", "flatten_state_dict", "distrib_optim_layout", "read_distrib_optim"]
+__all__ = [
+    "LegacyError",
+    "LEGACY_CLASSES",
+    "LegacyCheckpoint",
+    "RankFile",
+    "open_legacy",
+    "resolve_iteration_dir",
+    "flatten_state_dict",
+    "distrib_optim_layout",
+    "read_distrib_optim",
+]
 
 
 class LegacyError(ValueError):
@@ -50,7 +60,8 @@ LEGACY_CLASSES: dict[str, Any] = {
     # megatron-core enums that Megatron-LM pickles into args
     "megatron.core.enums.ModelType": tp.int_enum_standin("megatron.core.enums.ModelType"),
     "megatron.core.transformer.enums.AttnBackend": tp.int_enum_standin(
-        "megatron.core.transformer.enums.AttnBackend"),
+        "megatron.core.transformer.enums.AttnBackend"
+    ),
 }
 
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
@@ -92,7 +103,9 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
         try:
             it = int(text)
         except ValueError:
-            raise LegacyError(f"{tracker}: expected an iteration number or 'release', found {text!r}") from None
+            raise LegacyError(
+                f"{tracker}: expected an iteration number or 'release', found {text!r}"
+            ) from None
         d = src / f"iter_{it:07d}"
         if not d.is_dir():
             raise LegacyError(f"{tracker} names iteration {it} but {d} does not exist")
@@ -102,7 +115,9 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
         return src.parent, src, int(m.group(1))
     if src.name == "release":
         return src.parent, src, None
-    raise LegacyError(f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory")
+    raise LegacyError(
+        f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
+    )
 
 
 def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
@@ -121,7 +136,11 @@ def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
 def _args_dict(a: Any) -> dict[str, Any]:
     if a is None:
         return {}
-    d = {k: v for k, v in vars(a).items() if k not in ("args", "kwargs")} if hasattr(a, "__dict__") else {}
+    d = (
+        {k: v for k, v in vars(a).items() if k not in ("args", "kwargs")}
+        if hasattr(a, "__dict__")
+        else {}
+    )
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
@@ -137,7 +156,9 @@ def _load_rank(f: Path) -> tuple[dict, dict]:
     if "model" not in state:
         vpp = [k for k in state if re.fullmatch(r"model\d+", str(k))]
         if vpp:
-            raise LegacyError(f"{f}: virtual-pipeline checkpoints ({', '.join(vpp)}) are not supported")
+            raise LegacyError(
+                f"{f}: virtual-pipeline checkpoints ({', '.join(vpp)}) are not supported"
+            )
         raise LegacyError(f"{f}: no 'model' entry (keys: {sorted(map(str, state))})")
     return state, flatten_state_dict(state["model"])
 
@@ -157,7 +178,9 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     if not dirs:
         raise LegacyError(f"{it_dir}: no mp_rank_* directories")
     if len({(a is None, b is None) for _, _, a, b in dirs}) > 1:
-        raise LegacyError(f"{it_dir}: mixes mp_rank_* directory name forms: {sorted(d.name for d, *_ in dirs)}")
+        raise LegacyError(
+            f"{it_dir}: mixes mp_rank_* directory name forms: {sorted(d.name for d, *_ in dirs)}"
+        )
     first_state, _ = _load_rank(dirs[0][0] / "model_optim_rng.pt")
     args0 = _args_dict(first_state.get("args"))
     ep_args = int(args0.get("expert_model_parallel_size") or 1)
@@ -192,8 +215,10 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             for e in range(ep_n):
                 d = found.get((p, t, e))
                 if d is None:
-                    raise LegacyError(f"missing rank directory {name(p, t, e)} (TP={tp_n}, PP={pp_n}, EP={ep_n} "
-                                      f"grid from the directories present)")
+                    raise LegacyError(
+                        f"missing rank directory {name(p, t, e)} (TP={tp_n}, PP={pp_n}, EP={ep_n} "
+                        f"grid from the directories present)"
+                    )
                 state, model = _load_rank(d / "model_optim_rng.pt")
                 rf = RankFile(t, p, d / "model_optim_rng.pt", state, model, e)
                 ep_ranks[(p, t, e)] = rf
@@ -203,14 +228,29 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
                         dopt[(p, t)] = d / "distrib_optim.pt"
     first = ranks[(0, 0)]
     args = _args_dict(first.state.get("args"))
-    for key, want in (("tensor_model_parallel_size", tp_n), ("pipeline_model_parallel_size", pp_n),
-                      ("expert_model_parallel_size", ep_n)):
+    for key, want in (
+        ("tensor_model_parallel_size", tp_n),
+        ("pipeline_model_parallel_size", pp_n),
+        ("expert_model_parallel_size", ep_n),
+    ):
         if key in args and args[key] != want:
-            raise LegacyError(f"{first.path}: args.{key}={args[key]} but the directory grid has {want}")
+            raise LegacyError(
+                f"{first.path}: args.{key}={args[key]} but the directory grid has {want}"
+            )
     cv = first.state.get("checkpoint_version")
-    return LegacyCheckpoint(root, it_dir, it if it is not None else first.state.get("iteration"),
-                            tp_n, pp_n, ranks, args, float(cv) if isinstance(cv, (int, float)) else None,
-                            dopt, ep_n, ep_ranks)
+    return LegacyCheckpoint(
+        root,
+        it_dir,
+        it if it is not None else first.state.get("iteration"),
+        tp_n,
+        pp_n,
+        ranks,
+        args,
+        float(cv) if isinstance(cv, (int, float)) else None,
+        dopt,
+        ep_n,
+        ep_ranks,
+    )
 
 
 # ----------------------------------------------------------------------------- distrib_optim.pt
@@ -220,7 +260,9 @@ def _pad(n: int, d: int) -> int:
     return -(-n // d) * d
 
 
-def distrib_optim_layout(params: list[tuple[str, int]], shared: set[str], bucket_size: int | None) -> tuple[dict[str, tuple[int, int]], int]:
+def distrib_optim_layout(
+    params: list[tuple[str, int]], shared: set[str], bucket_size: int | None
+) -> tuple[dict[str, tuple[int, int]], int]:
     """Where each parameter sits in a ``distrib_optim.pt`` flat buffer (megatron-core 0.16).
 
     Mirrors ``_ParamAndGradBuffer``: parameters in reverse order, each start padded to 64
@@ -258,26 +300,36 @@ def read_distrib_optim(path: Path) -> DistribOptimState:
     except tp.TorchFileError as e:
         raise LegacyError(str(e)) from None
     if not isinstance(st, dict) or st.get("buckets_coalesced") is not True:
-        raise LegacyError(f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
-                          f"(older per-bucket layouts are not supported)")
+        raise LegacyError(
+            f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
+            f"(older per-bucket layouts are not supported)"
+        )
     bufs = [k for k in st if k != "buckets_coalesced"]
     if bufs != [0]:
-        raise LegacyError(f"{path}: {len(bufs)} gradient buffers {bufs}; only one (a single dtype, no "
-                          f"expert-parallel buffer) is supported")
+        raise LegacyError(
+            f"{path}: {len(bufs)} gradient buffers {bufs}; only one (a single dtype, no "
+            f"expert-parallel buffer) is supported"
+        )
     per_dtype = st[0]
     if not isinstance(per_dtype, dict) or len(per_dtype) != 1:
-        raise LegacyError(f"{path}: buffer 0 holds {len(per_dtype) if isinstance(per_dtype, dict) else '?'} "
-                          f"dtype groups, expected 1")
+        raise LegacyError(
+            f"{path}: buffer 0 holds {len(per_dtype) if isinstance(per_dtype, dict) else '?'} "
+            f"dtype groups, expected 1"
+        )
     (w,) = per_dtype.values()
     arrs = {}
     for k in ("param", "exp_avg", "exp_avg_sq"):
         a = w.get(k) if isinstance(w, dict) else None
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.float32:
-            raise LegacyError(f"{path}: buffer 0 {k!r} must be a flat float32 tensor, found "
-                              f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}")
+            raise LegacyError(
+                f"{path}: buffer 0 {k!r} must be a flat float32 tensor, found "
+                f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}"
+            )
         arrs[k] = a
     n = w.get("numel_unpadded")
     if type(n) is not int or any(a.size != n for a in arrs.values()):
-        raise LegacyError(f"{path}: numel_unpadded={n!r} but the flat tensors hold "
-                          f"{[a.size for a in arrs.values()]} elements")
+        raise LegacyError(
+            f"{path}: numel_unpadded={n!r} but the flat tensors hold "
+            f"{[a.size for a in arrs.values()]} elements"
+        )
     return DistribOptimState(path, arrs["param"], arrs["exp_avg"], arrs["exp_avg_sq"], n)

@@ -19,6 +19,7 @@ Public API (stable; also used by the Megatron importer):
 ``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
 ``UnsafePickleError``, ``StandIn``, ``standin_class``, ``int_enum_standin``, ``BASE_ALLOWED``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -29,8 +30,9 @@ import pickle
 import pickletools
 import struct
 import zipfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -79,7 +81,11 @@ class StandIn:
             self.kwargs = kwargs
 
     def __setstate__(self, state: Any) -> None:
-        if isinstance(state, tuple) and len(state) == 2 and (state[1] is None or isinstance(state[1], dict)):
+        if (
+            isinstance(state, tuple)
+            and len(state) == 2
+            and (state[1] is None or isinstance(state[1], dict))
+        ):
             state, slots = state
             if slots:
                 self._set_attrs(slots)
@@ -91,7 +97,9 @@ class StandIn:
     def _set_attrs(self, d: dict) -> None:
         for k, v in d.items():
             if not isinstance(k, str) or k.startswith("__"):
-                raise UnsafePickleError("<pickle>", f"{self.qualname}: refusing attribute {k!r} in BUILD state")
+                raise UnsafePickleError(
+                    "<pickle>", f"{self.qualname}: refusing attribute {k!r} in BUILD state"
+                )
             self.__dict__[k] = v
 
     def __repr__(self) -> str:
@@ -148,27 +156,48 @@ class _Storage:
 
 
 _TORCH_DTYPES: dict[str, np.dtype] = {
-    "float64": np.dtype(np.float64), "double": np.dtype(np.float64),
-    "float32": np.dtype(np.float32), "float": np.dtype(np.float32),
-    "float16": np.dtype(np.float16), "half": np.dtype(np.float16),
+    "float64": np.dtype(np.float64),
+    "double": np.dtype(np.float64),
+    "float32": np.dtype(np.float32),
+    "float": np.dtype(np.float32),
+    "float16": np.dtype(np.float16),
+    "half": np.dtype(np.float16),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn), "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz), "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
-    "int64": np.dtype(np.int64), "long": np.dtype(np.int64),
-    "int32": np.dtype(np.int32), "int": np.dtype(np.int32),
-    "int16": np.dtype(np.int16), "short": np.dtype(np.int16),
-    "int8": np.dtype(np.int8), "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16), "uint32": np.dtype(np.uint32), "uint64": np.dtype(np.uint64),
+    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
+    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
+    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
+    "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
+    "int64": np.dtype(np.int64),
+    "long": np.dtype(np.int64),
+    "int32": np.dtype(np.int32),
+    "int": np.dtype(np.int32),
+    "int16": np.dtype(np.int16),
+    "short": np.dtype(np.int16),
+    "int8": np.dtype(np.int8),
+    "uint8": np.dtype(np.uint8),
+    "uint16": np.dtype(np.uint16),
+    "uint32": np.dtype(np.uint32),
+    "uint64": np.dtype(np.uint64),
     "bool": np.dtype(np.bool_),
-    "complex64": np.dtype(np.complex64), "cfloat": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128), "cdouble": np.dtype(np.complex128),
+    "complex64": np.dtype(np.complex64),
+    "cfloat": np.dtype(np.complex64),
+    "complex128": np.dtype(np.complex128),
+    "cdouble": np.dtype(np.complex128),
 }
 
 _STORAGE_TYPES: dict[str, str] = {
-    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
-    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64", "ComplexDoubleStorage": "complex128",
+    "DoubleStorage": "float64",
+    "FloatStorage": "float32",
+    "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16",
+    "LongStorage": "int64",
+    "IntStorage": "int32",
+    "ShortStorage": "int16",
+    "CharStorage": "int8",
+    "ByteStorage": "uint8",
+    "BoolStorage": "bool",
+    "ComplexFloatStorage": "complex64",
+    "ComplexDoubleStorage": "complex128",
     "UntypedStorage": "uint8",
 }
 
@@ -179,9 +208,13 @@ def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
     return tuple(x)
 
 
-def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None) -> np.ndarray:
+def _rebuild_tensor(
+    storage: Any, storage_offset: Any, size: Any, stride: Any, dtype: np.dtype | None = None
+) -> np.ndarray:
     if not isinstance(storage, _Storage):
-        raise ValueError(f"tensor storage must be a persistent storage reference, found {type(storage).__name__}")
+        raise ValueError(
+            f"tensor storage must be a persistent storage reference, found {type(storage).__name__}"
+        )
     if type(storage_offset) is not int or storage_offset < 0:
         raise ValueError(f"bad storage offset {storage_offset!r}")
     shape = _as_int_tuple(size, "size")
@@ -197,7 +230,8 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, d
     if extent > n_elems:
         raise ValueError(
             f"tensor (offset {storage_offset}, size {shape}, stride {strides}) reaches element {extent} "
-            f"but storage {storage.key!r} holds {n_elems} {dt} elements")
+            f"but storage {storage.key!r} holds {n_elems} {dt} elements"
+        )
     flat = storage.raw[: n_elems * dt.itemsize].view(dt)
     contiguous = []
     acc = 1
@@ -205,18 +239,26 @@ def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, d
         contiguous.append(acc)
         acc *= n
     if tuple(reversed(contiguous)) == strides or numel == 1:
-        out = flat[storage_offset: storage_offset + numel].reshape(shape)
+        out = flat[storage_offset : storage_offset + numel].reshape(shape)
     else:
         out = np.lib.stride_tricks.as_strided(
-            flat[storage_offset:], shape=shape, strides=tuple(s * dt.itemsize for s in strides), writeable=False)
+            flat[storage_offset:],
+            shape=shape,
+            strides=tuple(s * dt.itemsize for s in strides),
+            writeable=False,
+        )
     return out
 
 
-def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+def _rebuild_tensor_v2(
+    storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None
+):
     return _rebuild_tensor(storage, storage_offset, size, stride)
 
 
-def _rebuild_tensor_v3(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None):
+def _rebuild_tensor_v3(
+    storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None
+):
     if not isinstance(dtype, np.dtype):
         raise ValueError(f"_rebuild_tensor_v3 dtype must be a torch dtype, found {dtype!r}")
     return _rebuild_tensor(storage, storage_offset, size, stride, dtype)
@@ -242,10 +284,18 @@ class _Allowed:
 
 
 def _rebuild_from_type_v2(func, new_type, args, state):
-    if not isinstance(func, _Allowed) or func.fn not in (_rebuild_tensor_v2, _rebuild_tensor_v3, _rebuild_parameter):
-        raise ValueError(f"_rebuild_from_type_v2 may only call tensor rebuild functions, found {func!r}")
+    if not isinstance(func, _Allowed) or func.fn not in (
+        _rebuild_tensor_v2,
+        _rebuild_tensor_v3,
+        _rebuild_parameter,
+    ):
+        raise ValueError(
+            f"_rebuild_from_type_v2 may only call tensor rebuild functions, found {func!r}"
+        )
     if not isinstance(new_type, _TensorType):
-        raise ValueError(f"_rebuild_from_type_v2 with tensor subclass {new_type!r} is not supported")
+        raise ValueError(
+            f"_rebuild_from_type_v2 with tensor subclass {new_type!r} is not supported"
+        )
     if not isinstance(args, tuple):
         raise ValueError("_rebuild_from_type_v2 args must be a tuple")
     return func.fn(*args)
@@ -339,8 +389,13 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
 
-    def __init__(self, data: bytes, where: str, allowed: Mapping[str, Any],
-                 persistent: Callable[[Any], Any] | None):
+    def __init__(
+        self,
+        data: bytes,
+        where: str,
+        allowed: Mapping[str, Any],
+        persistent: Callable[[Any], Any] | None,
+    ):
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self._where = where
         self._allowed = allowed
@@ -354,7 +409,9 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             module = "builtins"
         q = f"{module}.{name}"
         if q not in self._allowed:
-            raise self._err(f"refusing to load global {q!r}: not in the allow-list (nothing was executed)")
+            raise self._err(
+                f"refusing to load global {q!r}: not in the allow-list (nothing was executed)"
+            )
         v = self._allowed[q]
         return _Allowed(q, v) if callable(v) and not isinstance(v, np.dtype) else v
 
@@ -365,15 +422,21 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def _call(self, f: Any, args: Any, how: str) -> Any:
         if not isinstance(f, _Allowed):
-            raise self._err(f"{how} on {type(f).__name__} {f!r:.80}: only allow-listed callables may be called")
+            raise self._err(
+                f"{how} on {type(f).__name__} {f!r:.80}: only allow-listed callables may be called"
+            )
         if not isinstance(args, tuple):
-            raise self._err(f"{how} on {f.qualname}: args must be a tuple, found {type(args).__name__}")
+            raise self._err(
+                f"{how} on {f.qualname}: args must be a tuple, found {type(args).__name__}"
+            )
         try:
             return f.fn(*args)
         except TorchFileError:
             raise
         except Exception as e:  # the stand-in rejected its args
-            raise TorchFileError(self._where, f"{how} {f.qualname}: {e} (args {args!r:.200})") from None
+            raise TorchFileError(
+                self._where, f"{how} {f.qualname}: {e} (args {args!r:.200})"
+            ) from None
 
     # -- opcodes that call things
     def load_reduce(self):
@@ -448,7 +511,9 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def _target(self, kind: type, op: str):
         t = self.stack[-1]
         if type(t) is not kind and not (kind is dict and type(t) is collections.OrderedDict):
-            raise self._err(f"{op} on {type(t).__name__}: only plain {kind.__name__}s may be filled")
+            raise self._err(
+                f"{op} on {type(t).__name__}: only plain {kind.__name__}s may be filled"
+            )
         return t
 
     def load_persid(self):
@@ -462,18 +527,28 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
 
 for _name, _meth in [
-    ("REDUCE", _RestrictedUnpickler.load_reduce), ("NEWOBJ", _RestrictedUnpickler.load_newobj),
-    ("NEWOBJ_EX", _RestrictedUnpickler.load_newobj_ex), ("BUILD", _RestrictedUnpickler.load_build),
-    ("APPEND", _RestrictedUnpickler.load_append), ("APPENDS", _RestrictedUnpickler.load_appends),
-    ("SETITEM", _RestrictedUnpickler.load_setitem), ("SETITEMS", _RestrictedUnpickler.load_setitems),
-    ("ADDITEMS", _RestrictedUnpickler.load_additems), ("PERSID", _RestrictedUnpickler.load_persid),
+    ("REDUCE", _RestrictedUnpickler.load_reduce),
+    ("NEWOBJ", _RestrictedUnpickler.load_newobj),
+    ("NEWOBJ_EX", _RestrictedUnpickler.load_newobj_ex),
+    ("BUILD", _RestrictedUnpickler.load_build),
+    ("APPEND", _RestrictedUnpickler.load_append),
+    ("APPENDS", _RestrictedUnpickler.load_appends),
+    ("SETITEM", _RestrictedUnpickler.load_setitem),
+    ("SETITEMS", _RestrictedUnpickler.load_setitems),
+    ("ADDITEMS", _RestrictedUnpickler.load_additems),
+    ("PERSID", _RestrictedUnpickler.load_persid),
     ("NEXT_BUFFER", _RestrictedUnpickler.load_next_buffer),
 ]:
     _RestrictedUnpickler.dispatch[_op[_name]] = _meth
 
 
-def restricted_loads(data: bytes, *, where: str = "<bytes>", extra_classes: Mapping[str, Any] | None = None,
-                     persistent_load: Callable[[Any], Any] | None = None) -> Any:
+def restricted_loads(
+    data: bytes,
+    *,
+    where: str = "<bytes>",
+    extra_classes: Mapping[str, Any] | None = None,
+    persistent_load: Callable[[Any], Any] | None = None,
+) -> Any:
     """Unpickle ``data`` with the allow-list (+ ``extra_classes``); errors name ``where``."""
     allowed = dict(BASE_ALLOWED)
     if extra_classes:
@@ -519,7 +594,7 @@ class _BufferFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._b.size - self._pos))
-        b[:n] = self._b[self._pos:self._pos + n].tobytes()
+        b[:n] = self._b[self._pos : self._pos + n].tobytes()
         self._pos += n
         return n
 
@@ -541,16 +616,20 @@ class TorchArchive:
             if not head.startswith(b"PK"):
                 if head[:1] == b"\x80":
                     raise TorchFileError(
-                        self.path, "legacy (pre-zip, torch<1.6) serialization is not supported; "
-                                   "re-save it with torch.save(..., _use_new_zipfile_serialization=True)")
+                        self.path,
+                        "legacy (pre-zip, torch<1.6) serialization is not supported; "
+                        "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
+                    )
                 raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
-            self._open_zip(mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ), size, "zip archive")
+            self._open_zip(
+                mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ), size, "zip archive"
+            )
         except BaseException:
             self._f.close()
             raise
 
     @classmethod
-    def from_buffer(cls, view: np.ndarray, where: str) -> "TorchArchive":
+    def from_buffer(cls, view: np.ndarray, where: str) -> TorchArchive:
         """An archive that is a byte range of a larger file (e.g. one torch DCP chunk).
 
         ``view``: a read-only uint8 array (typically a memory-mapped slice); ``where`` names it in
@@ -574,7 +653,9 @@ class TorchArchive:
         self._infos = {i.filename: i for i in infos}
         pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
-            raise TorchFileError(self.path, f"expected one '<archive>/data.pkl' member, found {pkls or 'none'}")
+            raise TorchFileError(
+                self.path, f"expected one '<archive>/data.pkl' member, found {pkls or 'none'}"
+            )
         self.prefix = pkls[0][: -len("data.pkl")]
         bo = self._infos.get(self.prefix + "byteorder")
         order = self.read_member(bo.filename).decode("ascii", "replace").strip() if bo else "little"
@@ -589,20 +670,28 @@ class TorchArchive:
             raise TorchFileError(self.path, f"missing archive member {name!r}")
         off = info.header_offset
         if off + _LOCAL_HEADER.size > self.size:
-            raise TorchFileError(self.path, f"member {name!r}: local header beyond end of file (truncated)")
+            raise TorchFileError(
+                self.path, f"member {name!r}: local header beyond end of file (truncated)"
+            )
         fields = _LOCAL_HEADER.unpack_from(self._mm, off)
         if fields[0] != _LOCAL_MAGIC:
-            raise TorchFileError(self.path, f"member {name!r}: bad local header signature (corrupt)")
+            raise TorchFileError(
+                self.path, f"member {name!r}: bad local header signature (corrupt)"
+            )
         data_off = off + _LOCAL_HEADER.size + fields[9] + fields[10]
         if data_off + info.compress_size > self.size:
             raise TorchFileError(
-                self.path, f"member {name!r} needs bytes up to {data_off + info.compress_size} "
-                           f"but the file has {self.size} (truncated)")
+                self.path,
+                f"member {name!r} needs bytes up to {data_off + info.compress_size} "
+                f"but the file has {self.size} (truncated)",
+            )
         if info.compress_type != zipfile.ZIP_STORED:
             try:  # not torch-written, but still a valid zip: decompress into memory
                 return np.frombuffer(self._zip.read(name), np.uint8)
             except Exception as e:
-                raise TorchFileError(self.path, f"member {name!r}: cannot decompress ({e})") from None
+                raise TorchFileError(
+                    self.path, f"member {name!r}: cannot decompress ({e})"
+                ) from None
         if info.file_size != info.compress_size:
             raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
         return np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
@@ -611,14 +700,22 @@ class TorchArchive:
         return self._member_view(name).tobytes()
 
     def _persistent_load(self, pid: Any) -> _Storage:
-        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
-                or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str)
-                or type(pid[4]) is not int or pid[4] < 0):
+        if (
+            not isinstance(pid, tuple)
+            or len(pid) != 5
+            or pid[0] != "storage"
+            or not isinstance(pid[1], _StorageType)
+            or not isinstance(pid[2], str)
+            or type(pid[4]) is not int
+            or pid[4] < 0
+        ):
             raise UnsafePickleError(self.path, f"unexpected persistent id {pid!r:.200}")
         _, stype, key, _location, numel = pid
         if not key or "/" in key or key.startswith("."):
             raise UnsafePickleError(self.path, f"bad storage key {key!r}")
-        dtype = stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
+        dtype = (
+            stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
+        )
         nbytes = numel * dtype.itemsize
         raw = self._storages.get(key)
         if raw is None:
@@ -629,19 +726,27 @@ class TorchArchive:
                 raw = self._member_view(name)
             self._storages[key] = raw
         if raw.size < nbytes:
-            raise TorchFileError(self.path, f"storage {key!r}: expected {nbytes} bytes ({numel} x {dtype}), "
-                                            f"member holds {raw.size}")
+            raise TorchFileError(
+                self.path,
+                f"storage {key!r}: expected {nbytes} bytes ({numel} x {dtype}), "
+                f"member holds {raw.size}",
+            )
         return _Storage(key, dtype, raw[:nbytes])
 
     def load(self, extra_classes: Mapping[str, Any] | None = None) -> Any:
         data = self.read_member(self.prefix + "data.pkl")
-        obj = restricted_loads(data, where=self.path, extra_classes=extra_classes,
-                               persistent_load=self._persistent_load)
+        obj = restricted_loads(
+            data,
+            where=self.path,
+            extra_classes=extra_classes,
+            persistent_load=self._persistent_load,
+        )
         return obj
 
     def verify_crc(self) -> None:
         """Read every member and check its CRC32 (reads the whole file)."""
         import zlib
+
         for name, info in self._infos.items():
             if zlib.crc32(self._member_view(name)) != info.CRC:
                 raise TorchFileError(self.path, f"member {name!r}: CRC mismatch (corrupt)")
@@ -652,8 +757,12 @@ class TorchArchive:
         self._f.close()
 
 
-def load_torch_file(path: os.PathLike | str, extra_classes: Mapping[str, Any] | None = None, *,
-                    verify_crc: bool = False) -> Any:
+def load_torch_file(
+    path: os.PathLike | str,
+    extra_classes: Mapping[str, Any] | None = None,
+    *,
+    verify_crc: bool = False,
+) -> Any:
     """Load a ``torch.save`` zip file safely; tensors become read-only memory-mapped numpy arrays.
 
     ``extra_classes`` maps ``"module.QualName"`` to a stand-in: a :class:`StandIn` subclass (for

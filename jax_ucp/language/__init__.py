@@ -13,23 +13,53 @@ See docs/LANGUAGE.md.
 """
 
 from jax_ucp.language import views
+from jax_ucp.language.deepspeed_info import import_rules_from_ucp_info, spec_from_ucp_info
 from jax_ucp.language.errors import (
-  LanguageError, MergeError, SpecError, StrictnessError, TransformError,
+    LanguageError,
+    MergeError,
+    SpecError,
+    StrictnessError,
+    TransformError,
 )
 from jax_ucp.language.kinds import (
-  KINDS, QKV, Averaged, Expert, Kind, Partitioned, PipelineTied, Replicated, SubParams, SwiGLU,
-  Vocab, expert_global_index, head_split, kind_from_obj, merge, split, split_parts,
+    KINDS,
+    QKV,
+    Averaged,
+    Expert,
+    Kind,
+    Partitioned,
+    PipelineTied,
+    Replicated,
+    SubParams,
+    SwiGLU,
+    Vocab,
+    expert_global_index,
+    head_split,
+    kind_from_obj,
+    merge,
+    split,
+    split_parts,
 )
 from jax_ucp.language.ops import OPS, Op, op_from_obj
 from jax_ucp.language.plan import (
-  TensorInfo, ViewPlan, apply_restore_plan, compile_restore_plan, describe_plan, restore_tree,
-  saved_infos,
+    TensorInfo,
+    ViewPlan,
+    apply_restore_plan,
+    compile_restore_plan,
+    describe_plan,
+    restore_tree,
+    saved_infos,
 )
 from jax_ucp.language.settings import padded_vocab_size
 from jax_ucp.language.spec import (
-  DEFAULT_ROOTS, ImportMatch, ImportRule, RestoreRule, Root, Spec, optax_chain_roots,
+    DEFAULT_ROOTS,
+    ImportMatch,
+    ImportRule,
+    RestoreRule,
+    Root,
+    Spec,
+    optax_chain_roots,
 )
 from jax_ucp.language.toml_io import dump_spec, list_specs, load_spec, spec_from_toml, spec_to_toml
-from jax_ucp.language.deepspeed_info import import_rules_from_ucp_info, spec_from_ucp_info
 
 __all__ = [n for n in dir() if not n.startswith("_")]

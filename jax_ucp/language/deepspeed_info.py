@@ -15,11 +15,19 @@ combining patterns with look-aheads: ``(?=A)(?:B).*`` matches a name that ``re.m
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.kinds import (
-  Averaged, Kind, Partitioned, PipelineTied, Replicated, SubParams, SwiGLU, Vocab,
+    Averaged,
+    Kind,
+    Partitioned,
+    PipelineTied,
+    Replicated,
+    SubParams,
+    SwiGLU,
+    Vocab,
 )
 from jax_ucp.language.spec import ImportRule, Spec
 
@@ -35,78 +43,92 @@ PADDED_VOCAB_SIZE = "padded_vocab_size"
 
 
 def _sub_params_kind(entry: Mapping, where: str) -> tuple[list[str], Kind]:
-  try:
-    patterns = list(entry["patterns"])
-    shape = list(entry["shape"])
-    dim = int(entry["partition_dim"])
-  except (KeyError, TypeError, ValueError) as e:
-    raise SpecError(f"{where}: a {SUB_PARAMS} entry needs patterns, shape and partition_dim "
-                    f"({e})") from None
-  sizes = shape[dim]
-  sizes = tuple(int(x) for x in sizes) if isinstance(sizes, (list, tuple)) else (int(sizes),)
-  return patterns, SubParams(dim=dim, sizes=sizes)
+    try:
+        patterns = list(entry["patterns"])
+        shape = list(entry["shape"])
+        dim = int(entry["partition_dim"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecError(
+            f"{where}: a {SUB_PARAMS} entry needs patterns, shape and partition_dim ({e})"
+        ) from None
+    sizes = shape[dim]
+    sizes = tuple(int(x) for x in sizes) if isinstance(sizes, (list, tuple)) else (int(sizes),)
+    return patterns, SubParams(dim=dim, sizes=sizes)
 
 
-def import_rules_from_ucp_info(info: Mapping[str, Any], *, strict: bool = False,
-                               where: str = "universal_checkpoint_info") -> list[ImportRule]:
-  """Import rules equivalent to ds_to_universal's handling of ``info``.
+def import_rules_from_ucp_info(
+    info: Mapping[str, Any], *, strict: bool = False, where: str = "universal_checkpoint_info"
+) -> list[ImportRule]:
+    """Import rules equivalent to ds_to_universal's handling of ``info``.
 
-  ``strict``: every pattern DeepSpeed lists must match some tensor (ds_to_universal --strict);
-  by default unused patterns are allowed, as DeepSpeed only warns."""
-  def pats(key):
-    v = info.get(key) or []
-    if isinstance(v, str):
-      v = [v]
-    return [str(p) for p in v]
+    ``strict``: every pattern DeepSpeed lists must match some tensor (ds_to_universal --strict);
+    by default unused patterns are allowed, as DeepSpeed only warns."""
 
-  categories: list[tuple[str, Kind]] = []
-  for p in pats(TP_REPLICATED):
-    categories.append((p, Replicated()))
-  for p in pats(TO_AVERAGE):
-    categories.append((p, Averaged()))
-  for p in pats(TWO_SUB_PARAMS):
-    categories.append((p, SwiGLU(dim=0)))
-  for i, e in enumerate(info.get(SUB_PARAMS) or []):
-    ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
-    categories += [(p, k) for p in ps]
-  for p in pats(ROW_PARALLEL):
-    categories.append((p, Partitioned(dim=1)))
-  vocab = pats(VOCABULARY)
-  pipe = pats(PIPELINE_REPLICATED)
-  vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
+    def pats(key):
+        v = info.get(key) or []
+        if isinstance(v, str):
+            v = [v]
+        return [str(p) for p in v]
 
-  def wrap(kind: Kind, with_vocab: bool, with_pipe: bool) -> Kind:
-    if with_vocab:
-      kind = Vocab(dim=0, vocab_size=vocab_size, inner=kind)
-    if with_pipe:
-      kind = PipelineTied(inner=kind)
-    return kind
+    categories: list[tuple[str, Kind]] = []
+    for p in pats(TP_REPLICATED):
+        categories.append((p, Replicated()))
+    for p in pats(TO_AVERAGE):
+        categories.append((p, Averaged()))
+    for p in pats(TWO_SUB_PARAMS):
+        categories.append((p, SwiGLU(dim=0)))
+    for i, e in enumerate(info.get(SUB_PARAMS) or []):
+        ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
+        categories += [(p, k) for p in ps]
+    for p in pats(ROW_PARALLEL):
+        categories.append((p, Partitioned(dim=1)))
+    vocab = pats(VOCABULARY)
+    pipe = pats(PIPELINE_REPLICATED)
+    vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
 
-  rules: list[ImportRule] = []
+    def wrap(kind: Kind, with_vocab: bool, with_pipe: bool) -> Kind:
+        if with_vocab:
+            kind = Vocab(dim=0, vocab_size=vocab_size, inner=kind)
+        if with_pipe:
+            kind = PipelineTied(inner=kind)
+        return kind
 
-  def add(p: Optional[str], kind: Kind, label: str, required: bool):
-    combos = [(v, q) for v in vocab + [None] for q in pipe + [None]]
-    for v, q in combos:
-      look = "".join(f"(?=(?:{x}))" for x in (v, q) if x is not None)
-      body = f"(?:{p}).*" if p is not None else ".*"
-      req = required and v is None and q is None
-      rules.append(ImportRule(look + body, wrap(kind, v is not None, q is not None), required=req,
-                              label=f"{label}{' + vocab ' + repr(v) if v else ''}"
-                                    f"{' + pipeline-replicated ' + repr(q) if q else ''}"))
+    rules: list[ImportRule] = []
 
-  for p, k in categories:
-    add(p, k, f"{k.kind} {p!r}", strict)
-  add(None, Partitioned(dim=0), "default: cat dim 0", False)
-  return rules
+    def add(p: str | None, kind: Kind, label: str, required: bool):
+        combos = [(v, q) for v in vocab + [None] for q in pipe + [None]]
+        for v, q in combos:
+            look = "".join(f"(?=(?:{x}))" for x in (v, q) if x is not None)
+            body = f"(?:{p}).*" if p is not None else ".*"
+            req = required and v is None and q is None
+            rules.append(
+                ImportRule(
+                    look + body,
+                    wrap(kind, v is not None, q is not None),
+                    required=req,
+                    label=f"{label}{' + vocab ' + repr(v) if v else ''}"
+                    f"{' + pipeline-replicated ' + repr(q) if q else ''}",
+                )
+            )
+
+    for p, k in categories:
+        add(p, k, f"{k.kind} {p!r}", strict)
+    add(None, Partitioned(dim=0), "default: cat dim 0", False)
+    return rules
 
 
-def spec_from_ucp_info(info: Mapping[str, Any], *, name: str = "deepspeed-ucp-info",
-                       strict: bool = False, **settings) -> Spec:
-  """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc)."""
-  s = dict(settings)
-  if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
-    s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
-  if PADDED_VOCAB_SIZE in info:
-    s.setdefault("padded_vocab_size", int(info[PADDED_VOCAB_SIZE]))
-  return Spec(name=name, settings=s, imports=tuple(import_rules_from_ucp_info(info, strict=strict)),
-              strict=strict)
+def spec_from_ucp_info(
+    info: Mapping[str, Any], *, name: str = "deepspeed-ucp-info", strict: bool = False, **settings
+) -> Spec:
+    """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc)."""
+    s = dict(settings)
+    if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
+        s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
+    if PADDED_VOCAB_SIZE in info:
+        s.setdefault("padded_vocab_size", int(info[PADDED_VOCAB_SIZE]))
+    return Spec(
+        name=name,
+        settings=s,
+        imports=tuple(import_rules_from_ucp_info(info, strict=strict)),
+        strict=strict,
+    )

@@ -21,8 +21,9 @@ Kinds (TOML name -> class):
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 import tensorstore as ts
@@ -32,632 +33,750 @@ from jax_ucp.language.errors import MergeError, SpecError
 from jax_ucp.language.plain import parse_plain
 from jax_ucp.language.settings import derived, eval_int
 
-
 # ------------------------------------------------------------------------------ array backends
 
+
 class _NP:
-  lazy = False
+    lazy = False
 
-  @staticmethod
-  def wrap(x):
-    if isinstance(x, ts.TensorStore):
-      return x.read().result()
-    return np.asarray(x) if not isinstance(x, np.ndarray) else x
+    @staticmethod
+    def wrap(x):
+        if isinstance(x, ts.TensorStore):
+            return x.read().result()
+        return np.asarray(x) if not isinstance(x, np.ndarray) else x
 
-  @staticmethod
-  def shape(x):
-    return tuple(x.shape)
+    @staticmethod
+    def shape(x):
+        return tuple(x.shape)
 
-  @staticmethod
-  def concat(xs, axis):
-    return xs[0] if len(xs) == 1 else np.concatenate(xs, axis=axis)
+    @staticmethod
+    def concat(xs, axis):
+        return xs[0] if len(xs) == 1 else np.concatenate(xs, axis=axis)
 
-  @staticmethod
-  def stack(xs, axis):
-    return np.stack(xs, axis=axis)
+    @staticmethod
+    def stack(xs, axis):
+        return np.stack(xs, axis=axis)
 
-  @staticmethod
-  def take(x, axis, i):
-    return x[(slice(None),) * axis + (i,)]
+    @staticmethod
+    def take(x, axis, i):
+        return x[(slice(None),) * axis + (i,)]
 
-  @staticmethod
-  def slice(x, axis, a, b):
-    return x[(slice(None),) * axis + (slice(a, b),)]
+    @staticmethod
+    def slice(x, axis, a, b):
+        return x[(slice(None),) * axis + (slice(a, b),)]
 
 
 class _TS:
-  lazy = True
-  wrap = staticmethod(V.as_view)
+    lazy = True
+    wrap = staticmethod(V.as_view)
 
-  @staticmethod
-  def shape(x):
-    return tuple(x.shape)
+    @staticmethod
+    def shape(x):
+        return tuple(x.shape)
 
-  concat = staticmethod(lambda xs, axis: V.concat(xs, axis))
-  stack = staticmethod(lambda xs, axis: V.stack(xs, axis))
-  take = staticmethod(lambda x, axis, i: V.take(x, axis, i))
-  slice = staticmethod(lambda x, axis, a, b: V.slice_axis(x, axis, a, b))
+    concat = staticmethod(lambda xs, axis: V.concat(xs, axis))
+    stack = staticmethod(lambda xs, axis: V.stack(xs, axis))
+    take = staticmethod(lambda x, axis, i: V.take(x, axis, i))
+    slice = staticmethod(lambda x, axis, a, b: V.slice_axis(x, axis, a, b))
 
 
 def _axis(shape, dim, name, kind):
-  r = len(shape)
-  d = dim + r if dim < 0 else dim
-  if not 0 <= d < r:
-    raise MergeError(f"{name}: {kind} dim {dim} out of range for a fragment of shape {shape}")
-  return d
+    r = len(shape)
+    d = dim + r if dim < 0 else dim
+    if not 0 <= d < r:
+        raise MergeError(f"{name}: {kind} dim {dim} out of range for a fragment of shape {shape}")
+    return d
 
 
 def _split_sizes(B, x, axis, sizes):
-  out, off = [], 0
-  for s in sizes:
-    out.append(B.slice(x, axis, off, off + s))
-    off += s
-  return out
+    out, off = [], 0
+    for s in sizes:
+        out.append(B.slice(x, axis, off, off + s))
+        off += s
+    return out
 
 
 def head_split(n: int, tp: int) -> list[int]:
-  """How n heads (or groups) are spread over tp ranks: the first n % tp ranks get one more."""
-  return [n // tp + (1 if r < n % tp else 0) for r in range(tp)]
+    """How n heads (or groups) are spread over tp ranks: the first n % tp ranks get one more."""
+    return [n // tp + (1 if r < n % tp else 0) for r in range(tp)]
 
 
 def _bits(x: np.ndarray) -> np.ndarray:
-  """Bit patterns, so that NaNs compare equal to themselves and -0.0 differs from 0.0."""
-  x = np.ascontiguousarray(x)
-  if x.dtype.itemsize in (1, 2, 4, 8):
-    return x.view(np.dtype(f"u{x.dtype.itemsize}"))
-  return x.view(np.uint8).reshape(x.shape + (-1,)).copy().view(np.dtype(("V", x.dtype.itemsize)))
+    """Bit patterns, so that NaNs compare equal to themselves and -0.0 differs from 0.0."""
+    x = np.ascontiguousarray(x)
+    if x.dtype.itemsize in (1, 2, 4, 8):
+        return x.view(np.dtype(f"u{x.dtype.itemsize}"))
+    return x.view(np.uint8).reshape(x.shape + (-1,)).copy().view(np.dtype(("V", x.dtype.itemsize)))
 
 
 def _disagreements(arrs, label: str) -> tuple[list[int], str]:
-  """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
-  bad = {}
-  for r in range(1, len(arrs)):
-    d = _first_diff(arrs[0], arrs[r])
-    if d:
-      bad[r] = d
-  return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
+    """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
+    bad = {}
+    for r in range(1, len(arrs)):
+        d = _first_diff(arrs[0], arrs[r])
+        if d:
+            bad[r] = d
+    return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
 
 
-def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> Optional[str]:
-  """None if a and b are bit-identical, else a short description of the difference."""
-  if a.shape != b.shape:
-    return f"shape {b.shape} vs {a.shape}"
-  if a.dtype != b.dtype:
-    return f"dtype {b.dtype} vs {a.dtype}"
-  if a.size == 0:
+def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | None:
+    """None if a and b are bit-identical, else a short description of the difference."""
+    if a.shape != b.shape:
+        return f"shape {b.shape} vs {a.shape}"
+    if a.dtype != b.dtype:
+        return f"dtype {b.dtype} vs {a.dtype}"
+    if a.size == 0:
+        return None
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    for s in range(0, fa.size, block):
+        xa, xb = _bits(fa[s : s + block]), _bits(fb[s : s + block])
+        ne = xa != xb
+        if ne.any():
+            i = int(np.argmax(ne)) + s
+            idx = np.unravel_index(i, a.shape)
+            return f"first difference at index {tuple(int(j) for j in idx)}: {fb[i - s]!r} vs {fa[i - s]!r}"
     return None
-  fa, fb = a.reshape(-1), b.reshape(-1)
-  for s in range(0, fa.size, block):
-    xa, xb = _bits(fa[s:s + block]), _bits(fb[s:s + block])
-    ne = xa != xb
-    if ne.any():
-      i = int(np.argmax(ne)) + s
-      idx = np.unravel_index(i, a.shape)
-      return f"first difference at index {tuple(int(j) for j in idx)}: {fb[i - s]!r} vs {fa[i - s]!r}"
-  return None
 
 
 # ------------------------------------------------------------------------------------ kinds
 
+
 @dataclass(frozen=True)
 class Kind:
-  kind: ClassVar[str] = ""
+    kind: ClassVar[str] = ""
 
-  def resolve(self, env: Mapping[str, Any], *, lenient: bool = False) -> "Kind":
-    """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
-    ``lenient``: leave an expression whose settings are unknown as it is (resolved later)."""
-    def ev(x, fname):
-      try:
-        return eval_int(x, env, where=f"{self.kind}.{fname}: ")
-      except SpecError:
-        if lenient:
-          return x
-        raise
+    def resolve(self, env: Mapping[str, Any], *, lenient: bool = False) -> Kind:
+        """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
+        ``lenient``: leave an expression whose settings are unknown as it is (resolved later)."""
 
-    kw = {}
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if isinstance(v, Kind):
-        v = v.resolve(env, lenient=lenient)
-      elif f.metadata.get("int") and v is not None:
-        if isinstance(v, (tuple, list)):
-          v = tuple(tuple(ev(y, f.name) for y in x) if isinstance(x, (tuple, list)) else ev(x, f.name)
-                    for x in v)
-        else:
-          v = ev(v, f.name)
-      kw[f.name] = v
-    return type(self)(**kw)
+        def ev(x, fname):
+            try:
+                return eval_int(x, env, where=f"{self.kind}.{fname}: ")
+            except SpecError:
+                if lenient:
+                    return x
+                raise
 
-  def to_dict(self) -> dict:
-    d: dict = {"kind": self.kind}
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if v == f.default:
-        continue
-      if isinstance(v, Kind):
-        v = v.to_dict()
-      elif isinstance(v, tuple):
-        v = [list(x) if isinstance(x, tuple) else x for x in v]
-      d[f.name] = v
-    return d
+        kw = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, Kind):
+                v = v.resolve(env, lenient=lenient)
+            elif f.metadata.get("int") and v is not None:
+                if isinstance(v, (tuple, list)):
+                    v = tuple(
+                        tuple(ev(y, f.name) for y in x)
+                        if isinstance(x, (tuple, list))
+                        else ev(x, f.name)
+                        for x in v
+                    )
+                else:
+                    v = ev(v, f.name)
+            kw[f.name] = v
+        return type(self)(**kw)
 
-  # implemented by subclasses on a backend B
-  def _merge(self, B, frags, name):  # pragma: no cover
-    raise NotImplementedError
+    def to_dict(self) -> dict:
+        d: dict = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v == f.default:
+                continue
+            if isinstance(v, Kind):
+                v = v.to_dict()
+            elif isinstance(v, tuple):
+                v = [list(x) if isinstance(x, tuple) else x for x in v]
+            d[f.name] = v
+        return d
 
-  def _split(self, full, n, name) -> list:  # pragma: no cover
-    raise NotImplementedError
+    # implemented by subclasses on a backend B
+    def _merge(self, B, frags, name):  # pragma: no cover
+        raise NotImplementedError
+
+    def _split(self, full, n, name) -> list:  # pragma: no cover
+        raise NotImplementedError
 
 
 def _int(default=None):
-  return dataclasses.field(default=default, metadata={"int": True})
+    return dataclasses.field(default=default, metadata={"int": True})
 
 
 @dataclass(frozen=True)
 class Replicated(Kind):
-  """The same tensor on every rank; merge checks all fragments are bit-identical."""
-  kind: ClassVar[str] = "replicated"
-  check: bool = True
-  what: ClassVar[str] = "TP ranks"
+    """The same tensor on every rank; merge checks all fragments are bit-identical."""
 
-  def _merge(self, B, frags, name):
-    if self.check and len(frags) > 1:
-      bad, detail = _disagreements([_NP.wrap(f) for f in frags], "rank")
-      if bad:
-        raise MergeError(f"{name}: {self.kind} fragments disagree across {self.what}: rank 0 vs "
-                         f"rank(s) {bad} ({detail})")
-    return B.wrap(frags[0])
+    kind: ClassVar[str] = "replicated"
+    check: bool = True
+    what: ClassVar[str] = "TP ranks"
 
-  def _split(self, full, n, name):
-    return [full for _ in range(n)]
+    def _merge(self, B, frags, name):
+        if self.check and len(frags) > 1:
+            bad, detail = _disagreements([_NP.wrap(f) for f in frags], "rank")
+            if bad:
+                raise MergeError(
+                    f"{name}: {self.kind} fragments disagree across {self.what}: rank 0 vs "
+                    f"rank(s) {bad} ({detail})"
+                )
+        return B.wrap(frags[0])
+
+    def _split(self, full, n, name):
+        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
 class Averaged(Kind):
-  """Averaged over ranks (e.g. a norm weight updated independently): sum(fragments) / n."""
-  kind: ClassVar[str] = "averaged"
+    """Averaged over ranks (e.g. a norm weight updated independently): sum(fragments) / n."""
 
-  def _merge(self, B, frags, name):
-    arrs = [_NP.wrap(f) for f in frags]
-    for r, a in enumerate(arrs):
-      if a.shape != arrs[0].shape:
-        raise MergeError(f"{name}: averaged fragment of rank {r} has shape {a.shape}, rank 0 has "
-                         f"{arrs[0].shape}")
-    # like DeepSpeed's sum(slices) / len(slices): Python's sum starts from 0 (so -0.0 -> 0.0)
-    acc = np.zeros_like(arrs[0])
-    for a in arrs:
-      acc += a
-    out = (acc / np.asarray(len(arrs), dtype=acc.dtype)).astype(acc.dtype) if acc.dtype.kind == "f" \
-        else acc // len(arrs)
-    return B.wrap(out)
+    kind: ClassVar[str] = "averaged"
 
-  def _split(self, full, n, name):
-    return [full for _ in range(n)]
+    def _merge(self, B, frags, name):
+        arrs = [_NP.wrap(f) for f in frags]
+        for r, a in enumerate(arrs):
+            if a.shape != arrs[0].shape:
+                raise MergeError(
+                    f"{name}: averaged fragment of rank {r} has shape {a.shape}, rank 0 has "
+                    f"{arrs[0].shape}"
+                )
+        # like DeepSpeed's sum(slices) / len(slices): Python's sum starts from 0 (so -0.0 -> 0.0)
+        acc = np.zeros_like(arrs[0])
+        for a in arrs:
+            acc += a
+        out = (
+            (acc / np.asarray(len(arrs), dtype=acc.dtype)).astype(acc.dtype)
+            if acc.dtype.kind == "f"
+            else acc // len(arrs)
+        )
+        return B.wrap(out)
+
+    def _split(self, full, n, name):
+        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
 class Partitioned(Kind):
-  """Split along ``dim`` over TP ranks: column parallel dim=0, row parallel dim=1 (torch layout).
-  Fragments may have uneven widths; ``split`` divides evenly unless ``sizes`` are given."""
-  kind: ClassVar[str] = "partitioned"
-  dim: int = _int(0)
-  sizes: Optional[tuple] = _int(None)
+    """Split along ``dim`` over TP ranks: column parallel dim=0, row parallel dim=1 (torch layout).
+    Fragments may have uneven widths; ``split`` divides evenly unless ``sizes`` are given."""
 
-  def _merge(self, B, frags, name):
-    shapes = [B.shape(f) for f in frags]
-    d = _axis(shapes[0], self.dim, name, self.kind)
-    for r, s in enumerate(shapes):
-      if len(s) != len(shapes[0]) or s[:d] + s[d + 1:] != shapes[0][:d] + shapes[0][d + 1:]:
-        raise MergeError(f"{name}: partitioned(dim={d}) fragment of rank {r} has shape {s}, "
-                         f"incompatible with rank 0's {shapes[0]}")
-    if self.sizes is not None and [s[d] for s in shapes] != list(self.sizes):
-      raise MergeError(f"{name}: partitioned(dim={d}) fragment widths {[s[d] for s in shapes]} "
-                       f"differ from the declared sizes {list(self.sizes)}")
-    return B.concat([B.wrap(f) for f in frags], d)
+    kind: ClassVar[str] = "partitioned"
+    dim: int = _int(0)
+    sizes: tuple | None = _int(None)
 
-  def _split(self, full, n, name):
-    d = _axis(full.shape, self.dim, name, self.kind)
-    if self.sizes is not None:
-      sizes = list(self.sizes)
-    else:
-      if full.shape[d] % n:
-        raise MergeError(f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks")
-      sizes = [full.shape[d] // n] * n
-    return _split_sizes(_NP, full, d, sizes)
+    def _merge(self, B, frags, name):
+        shapes = [B.shape(f) for f in frags]
+        d = _axis(shapes[0], self.dim, name, self.kind)
+        for r, s in enumerate(shapes):
+            if len(s) != len(shapes[0]) or s[:d] + s[d + 1 :] != shapes[0][:d] + shapes[0][d + 1 :]:
+                raise MergeError(
+                    f"{name}: partitioned(dim={d}) fragment of rank {r} has shape {s}, "
+                    f"incompatible with rank 0's {shapes[0]}"
+                )
+        if self.sizes is not None and [s[d] for s in shapes] != list(self.sizes):
+            raise MergeError(
+                f"{name}: partitioned(dim={d}) fragment widths {[s[d] for s in shapes]} "
+                f"differ from the declared sizes {list(self.sizes)}"
+            )
+        return B.concat([B.wrap(f) for f in frags], d)
+
+    def _split(self, full, n, name):
+        d = _axis(full.shape, self.dim, name, self.kind)
+        if self.sizes is not None:
+            sizes = list(self.sizes)
+        else:
+            if full.shape[d] % n:
+                raise MergeError(
+                    f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks"
+                )
+            sizes = [full.shape[d] // n] * n
+        return _split_sizes(_NP, full, d, sizes)
 
 
 @dataclass(frozen=True)
 class SubParams(Kind):
-  """A fused parameter made of sub-parameters, each split over TP ranks separately: rank r holds
-  [part0_r; part1_r; ...] along ``dim``. ``sizes`` are the full sizes of the parts; per-rank
-  sizes are sizes[j] / tp, or given explicitly per rank as ``rank_sizes`` (uneven widths)."""
-  kind: ClassVar[str] = "sub_params"
-  dim: int = _int(0)
-  sizes: tuple = _int(())
-  rank_sizes: Optional[tuple] = _int(None)
+    """A fused parameter made of sub-parameters, each split over TP ranks separately: rank r holds
+    [part0_r; part1_r; ...] along ``dim``. ``sizes`` are the full sizes of the parts; per-rank
+    sizes are sizes[j] / tp, or given explicitly per rank as ``rank_sizes`` (uneven widths)."""
 
-  def per_rank(self, tp, name):
-    if self.rank_sizes is not None:
-      rs = [list(x) for x in self.rank_sizes]
-      if len(rs) != tp:
-        raise MergeError(f"{name}: rank_sizes lists {len(rs)} ranks, got {tp} fragments")
-      for j, s in enumerate(self.sizes):
-        if sum(r[j] for r in rs) != s:
-          raise MergeError(f"{name}: rank_sizes of part {j} add up to {sum(r[j] for r in rs)}, "
-                           f"not {s}")
-      return rs
-    for j, s in enumerate(self.sizes):
-      if s % tp:
-        raise MergeError(f"{name}: sub-param {j} of size {s} does not split evenly over {tp} ranks; "
-                         f"give rank_sizes")
-    return [[s // tp for s in self.sizes] for _ in range(tp)]
+    kind: ClassVar[str] = "sub_params"
+    dim: int = _int(0)
+    sizes: tuple = _int(())
+    rank_sizes: tuple | None = _int(None)
 
-  def _merge(self, B, frags, name):
-    tp = len(frags)
-    rs = self.per_rank(tp, name)
-    shapes = [B.shape(f) for f in frags]
-    d = _axis(shapes[0], self.dim, name, self.kind)
-    pieces = []
-    for r, f in enumerate(frags):
-      if shapes[r][d] != sum(rs[r]):
-        raise MergeError(f"{name}: {self.kind} fragment of rank {r} has size {shapes[r][d]} on dim "
-                         f"{d}, expected {sum(rs[r])} = {' + '.join(map(str, rs[r]))}")
-      pieces.append(_split_sizes(B, B.wrap(f), d, rs[r]))
-    return B.concat([B.concat([pieces[r][j] for r in range(tp)], d)
-                     for j in range(len(self.sizes))], d)
+    def per_rank(self, tp, name):
+        if self.rank_sizes is not None:
+            rs = [list(x) for x in self.rank_sizes]
+            if len(rs) != tp:
+                raise MergeError(f"{name}: rank_sizes lists {len(rs)} ranks, got {tp} fragments")
+            for j, s in enumerate(self.sizes):
+                if sum(r[j] for r in rs) != s:
+                    raise MergeError(
+                        f"{name}: rank_sizes of part {j} add up to {sum(r[j] for r in rs)}, not {s}"
+                    )
+            return rs
+        for j, s in enumerate(self.sizes):
+            if s % tp:
+                raise MergeError(
+                    f"{name}: sub-param {j} of size {s} does not split evenly over {tp} ranks; "
+                    f"give rank_sizes"
+                )
+        return [[s // tp for s in self.sizes] for _ in range(tp)]
 
-  def _split(self, full, n, name):
-    d = _axis(full.shape, self.dim, name, self.kind)
-    if full.shape[d] != sum(self.sizes):
-      raise MergeError(f"{name}: dim {d} has size {full.shape[d]}, sub-param sizes add up to "
-                       f"{sum(self.sizes)}")
-    rs = self.per_rank(n, name)
-    parts = _split_sizes(_NP, full, d, list(self.sizes))
-    per_part = [_split_sizes(_NP, p, d, [rs[r][j] for r in range(n)]) for j, p in enumerate(parts)]
-    return [np.concatenate([per_part[j][r] for j in range(len(parts))], axis=d) for r in range(n)]
+    def _merge(self, B, frags, name):
+        tp = len(frags)
+        rs = self.per_rank(tp, name)
+        shapes = [B.shape(f) for f in frags]
+        d = _axis(shapes[0], self.dim, name, self.kind)
+        pieces = []
+        for r, f in enumerate(frags):
+            if shapes[r][d] != sum(rs[r]):
+                raise MergeError(
+                    f"{name}: {self.kind} fragment of rank {r} has size {shapes[r][d]} on dim "
+                    f"{d}, expected {sum(rs[r])} = {' + '.join(map(str, rs[r]))}"
+                )
+            pieces.append(_split_sizes(B, B.wrap(f), d, rs[r]))
+        return B.concat(
+            [B.concat([pieces[r][j] for r in range(tp)], d) for j in range(len(self.sizes))], d
+        )
 
-  def parts(self, full, names=None) -> dict:
-    names = names or [f"part{j}" for j in range(len(self.sizes))]
-    d = _axis(full.shape, self.dim, "?", self.kind)
-    return dict(zip(names, _split_sizes(_NP, full, d, list(self.sizes))))
+    def _split(self, full, n, name):
+        d = _axis(full.shape, self.dim, name, self.kind)
+        if full.shape[d] != sum(self.sizes):
+            raise MergeError(
+                f"{name}: dim {d} has size {full.shape[d]}, sub-param sizes add up to "
+                f"{sum(self.sizes)}"
+            )
+        rs = self.per_rank(n, name)
+        parts = _split_sizes(_NP, full, d, list(self.sizes))
+        per_part = [
+            _split_sizes(_NP, p, d, [rs[r][j] for r in range(n)]) for j, p in enumerate(parts)
+        ]
+        return [
+            np.concatenate([per_part[j][r] for j in range(len(parts))], axis=d) for r in range(n)
+        ]
+
+    def parts(self, full, names=None) -> dict:
+        names = names or [f"part{j}" for j in range(len(self.sizes))]
+        d = _axis(full.shape, self.dim, "?", self.kind)
+        return dict(zip(names, _split_sizes(_NP, full, d, list(self.sizes))))
 
 
 @dataclass(frozen=True)
 class SwiGLU(Kind):
-  """SwiGLU fc1: the full tensor is [gate; up] along ``dim``; TP rank r holds [gate_r; up_r]."""
-  kind: ClassVar[str] = "swiglu"
-  dim: int = _int(0)
+    """SwiGLU fc1: the full tensor is [gate; up] along ``dim``; TP rank r holds [gate_r; up_r]."""
 
-  def _sub(self, width, name):
-    if width % 2:
-      raise MergeError(f"{name}: swiglu dim {self.dim} has odd size {width}")
-    return SubParams(dim=self.dim, sizes=(width // 2, width // 2))
+    kind: ClassVar[str] = "swiglu"
+    dim: int = _int(0)
 
-  def _merge(self, B, frags, name):
-    shapes = [B.shape(f) for f in frags]
-    d = _axis(shapes[0], self.dim, name, self.kind)
-    for r, s in enumerate(shapes):
-      if s[d] % 2:
-        raise MergeError(f"{name}: swiglu fragment of rank {r} has odd size {s[d]} on dim {d}")
-    return self._sub(sum(s[d] for s in shapes), name)._merge(B, frags, name)
+    def _sub(self, width, name):
+        if width % 2:
+            raise MergeError(f"{name}: swiglu dim {self.dim} has odd size {width}")
+        return SubParams(dim=self.dim, sizes=(width // 2, width // 2))
 
-  def _split(self, full, n, name):
-    d = _axis(full.shape, self.dim, name, self.kind)
-    return self._sub(full.shape[d], name)._split(full, n, name)
+    def _merge(self, B, frags, name):
+        shapes = [B.shape(f) for f in frags]
+        d = _axis(shapes[0], self.dim, name, self.kind)
+        for r, s in enumerate(shapes):
+            if s[d] % 2:
+                raise MergeError(
+                    f"{name}: swiglu fragment of rank {r} has odd size {s[d]} on dim {d}"
+                )
+        return self._sub(sum(s[d] for s in shapes), name)._merge(B, frags, name)
 
-  def parts(self, full, names=("gate", "up")) -> dict:
-    d = _axis(full.shape, self.dim, "?", self.kind)
-    return dict(zip(names, _split_sizes(_NP, full, d, [full.shape[d] // 2] * 2)))
+    def _split(self, full, n, name):
+        d = _axis(full.shape, self.dim, name, self.kind)
+        return self._sub(full.shape[d], name)._split(full, n, name)
+
+    def parts(self, full, names=("gate", "up")) -> dict:
+        d = _axis(full.shape, self.dim, "?", self.kind)
+        return dict(zip(names, _split_sizes(_NP, full, d, [full.shape[d] // 2] * 2)))
 
 
 @dataclass(frozen=True)
 class QKV(Kind):
-  """Fused QKV over TP ranks, GQA included.
+    """Fused QKV over TP ranks, GQA included.
 
-  interleaved=True (Megatron): the full tensor is, per query group g, [q heads of g; k_g; v_g];
-  each TP rank holds whole groups (head_split(groups, tp) of them: uneven counts allowed).
-  interleaved=False: the full tensor is [Q; K; V]; rank r holds [Q_r; K_r; V_r] with its share of
-  heads (uneven widths: q and k/v parts differ, and heads may not split evenly)."""
-  kind: ClassVar[str] = "qkv"
-  dim: int = _int(0)
-  num_heads: Any = _int("num_attention_heads")
-  num_kv_heads: Any = _int("num_query_groups")
-  head_dim: Any = _int("head_dim")
-  interleaved: bool = True
+    interleaved=True (Megatron): the full tensor is, per query group g, [q heads of g; k_g; v_g];
+    each TP rank holds whole groups (head_split(groups, tp) of them: uneven counts allowed).
+    interleaved=False: the full tensor is [Q; K; V]; rank r holds [Q_r; K_r; V_r] with its share of
+    heads (uneven widths: q and k/v parts differ, and heads may not split evenly)."""
 
-  def _check(self, name):
-    for f in ("num_heads", "num_kv_heads", "head_dim"):
-      if not isinstance(getattr(self, f), int):
-        raise MergeError(f"{name}: qkv needs {f} resolved to an integer (settings), got "
-                         f"{getattr(self, f)!r}")
-    if self.num_heads % self.num_kv_heads:
-      raise MergeError(f"{name}: num_heads={self.num_heads} is not a multiple of "
-                       f"num_kv_heads={self.num_kv_heads}")
+    kind: ClassVar[str] = "qkv"
+    dim: int = _int(0)
+    num_heads: Any = _int("num_attention_heads")
+    num_kv_heads: Any = _int("num_query_groups")
+    head_dim: Any = _int("head_dim")
+    interleaved: bool = True
 
-  @property
-  def group_rows(self):
-    return (self.num_heads // self.num_kv_heads + 2) * self.head_dim
+    def _check(self, name):
+        for f in ("num_heads", "num_kv_heads", "head_dim"):
+            if not isinstance(getattr(self, f), int):
+                raise MergeError(
+                    f"{name}: qkv needs {f} resolved to an integer (settings), got "
+                    f"{getattr(self, f)!r}"
+                )
+        if self.num_heads % self.num_kv_heads:
+            raise MergeError(
+                f"{name}: num_heads={self.num_heads} is not a multiple of "
+                f"num_kv_heads={self.num_kv_heads}"
+            )
 
-  def _sub(self, tp, name):
-    qpg = self.num_heads // self.num_kv_heads
-    groups = head_split(self.num_kv_heads, tp)
-    hd = self.head_dim
-    return SubParams(dim=self.dim, sizes=(self.num_heads * hd, self.num_kv_heads * hd,
-                                          self.num_kv_heads * hd),
-                     rank_sizes=tuple((g * qpg * hd, g * hd, g * hd) for g in groups))
+    @property
+    def group_rows(self):
+        return (self.num_heads // self.num_kv_heads + 2) * self.head_dim
 
-  def _merge(self, B, frags, name):
-    self._check(name)
-    shapes = [B.shape(f) for f in frags]
-    d = _axis(shapes[0], self.dim, name, self.kind)
-    if not self.interleaved:
-      return self._sub(len(frags), name)._merge(B, frags, name)
-    gr = self.group_rows
-    for r, s in enumerate(shapes):
-      if s[d] % gr:
-        raise MergeError(f"{name}: qkv fragment of rank {r} has size {s[d]} on dim {d}, not a whole "
-                         f"number of query groups of {gr} rows ((heads/groups + 2) * head_dim)")
-    total = sum(s[d] for s in shapes)
-    if total != self.num_kv_heads * gr:
-      raise MergeError(f"{name}: qkv fragments add up to {total} rows on dim {d}, expected "
-                       f"{self.num_kv_heads * gr} (num_heads={self.num_heads}, "
-                       f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})")
-    return Partitioned(dim=d)._merge(B, frags, name)
+    def _sub(self, tp, name):
+        qpg = self.num_heads // self.num_kv_heads
+        groups = head_split(self.num_kv_heads, tp)
+        hd = self.head_dim
+        return SubParams(
+            dim=self.dim,
+            sizes=(self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd),
+            rank_sizes=tuple((g * qpg * hd, g * hd, g * hd) for g in groups),
+        )
 
-  def _split(self, full, n, name):
-    self._check(name)
-    if not self.interleaved:
-      return self._sub(n, name)._split(full, n, name)
-    d = _axis(full.shape, self.dim, name, self.kind)
-    gr = self.group_rows
-    if full.shape[d] != self.num_kv_heads * gr:
-      raise MergeError(f"{name}: qkv dim {d} has size {full.shape[d]}, expected "
-                       f"{self.num_kv_heads * gr}")
-    return _split_sizes(_NP, full, d, [g * gr for g in head_split(self.num_kv_heads, n)])
+    def _merge(self, B, frags, name):
+        self._check(name)
+        shapes = [B.shape(f) for f in frags]
+        d = _axis(shapes[0], self.dim, name, self.kind)
+        if not self.interleaved:
+            return self._sub(len(frags), name)._merge(B, frags, name)
+        gr = self.group_rows
+        for r, s in enumerate(shapes):
+            if s[d] % gr:
+                raise MergeError(
+                    f"{name}: qkv fragment of rank {r} has size {s[d]} on dim {d}, not a whole "
+                    f"number of query groups of {gr} rows ((heads/groups + 2) * head_dim)"
+                )
+        total = sum(s[d] for s in shapes)
+        if total != self.num_kv_heads * gr:
+            raise MergeError(
+                f"{name}: qkv fragments add up to {total} rows on dim {d}, expected "
+                f"{self.num_kv_heads * gr} (num_heads={self.num_heads}, "
+                f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
+            )
+        return Partitioned(dim=d)._merge(B, frags, name)
 
-  def parts(self, full) -> dict:
-    """{'q', 'k', 'v'}: q has the heads in order (group by group)."""
-    self._check("?")
-    d = _axis(full.shape, self.dim, "?", self.kind)
-    qkv = V.split_qkv(V.as_view(full), d, self.num_heads, self.num_kv_heads, self.head_dim,
-                      interleaved=self.interleaved)
-    return {k: x.read().result() for k, x in zip("qkv", qkv)}
+    def _split(self, full, n, name):
+        self._check(name)
+        if not self.interleaved:
+            return self._sub(n, name)._split(full, n, name)
+        d = _axis(full.shape, self.dim, name, self.kind)
+        gr = self.group_rows
+        if full.shape[d] != self.num_kv_heads * gr:
+            raise MergeError(
+                f"{name}: qkv dim {d} has size {full.shape[d]}, expected {self.num_kv_heads * gr}"
+            )
+        return _split_sizes(_NP, full, d, [g * gr for g in head_split(self.num_kv_heads, n)])
 
-  def join(self, q, k, v) -> np.ndarray:
-    self._check("?")
-    d = _axis(np.shape(q), self.dim, "?", self.kind)
-    return V.merge_qkv(q, k, v, d, self.num_heads, self.num_kv_heads, self.head_dim,
-                       interleaved=self.interleaved).read().result()
+    def parts(self, full) -> dict:
+        """{'q', 'k', 'v'}: q has the heads in order (group by group)."""
+        self._check("?")
+        d = _axis(full.shape, self.dim, "?", self.kind)
+        qkv = V.split_qkv(
+            V.as_view(full),
+            d,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            interleaved=self.interleaved,
+        )
+        return {k: x.read().result() for k, x in zip("qkv", qkv)}
+
+    def join(self, q, k, v) -> np.ndarray:
+        self._check("?")
+        d = _axis(np.shape(q), self.dim, "?", self.kind)
+        return (
+            V.merge_qkv(
+                q,
+                k,
+                v,
+                d,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                interleaved=self.interleaved,
+            )
+            .read()
+            .result()
+        )
 
 
 @dataclass(frozen=True)
 class Vocab(Kind):
-  """Vocab-parallel (embedding / output layer): partitioned along ``dim`` over TP, padded to a
-  multiple of divisible_by * tp. merge strips the padding back to ``vocab_size``; split pads
-  with zeros to ``padded_size`` (default: the Megatron rule for the given tp)."""
-  kind: ClassVar[str] = "vocab"
-  dim: int = _int(0)
-  vocab_size: Any = _int("vocab_size")
-  divisible_by: Any = _int(1)
-  padded_size: Any = _int(None)
-  inner: Optional[Kind] = None     # the TP kind before stripping (default: partitioned(dim))
+    """Vocab-parallel (embedding / output layer): partitioned along ``dim`` over TP, padded to a
+    multiple of divisible_by * tp. merge strips the padding back to ``vocab_size``; split pads
+    with zeros to ``padded_size`` (default: the Megatron rule for the given tp)."""
 
-  def _tp(self):
-    return self.inner if self.inner is not None else Partitioned(dim=self.dim)
+    kind: ClassVar[str] = "vocab"
+    dim: int = _int(0)
+    vocab_size: Any = _int("vocab_size")
+    divisible_by: Any = _int(1)
+    padded_size: Any = _int(None)
+    inner: Kind | None = None  # the TP kind before stripping (default: partitioned(dim))
 
-  def _merge(self, B, frags, name):
-    if not isinstance(self.vocab_size, int):
-      raise MergeError(f"{name}: vocab needs the original vocab_size (a setting)")
-    full = self._tp()._merge(B, frags, name)
-    d = _axis(B.shape(full), self.dim, name, self.kind)
-    n = B.shape(full)[d]
-    if n < self.vocab_size:
-      raise MergeError(f"{name}: merged vocab dim {d} has {n} rows, fewer than vocab_size="
-                       f"{self.vocab_size}")
-    return full if n == self.vocab_size else B.slice(full, d, 0, self.vocab_size)
+    def _tp(self):
+        return self.inner if self.inner is not None else Partitioned(dim=self.dim)
 
-  def target_size(self, tp):
-    if self.padded_size is not None:
-      return self.padded_size
-    from jax_ucp.language.settings import padded_vocab_size
-    return padded_vocab_size(self.vocab_size, self.divisible_by, tp)
+    def _merge(self, B, frags, name):
+        if not isinstance(self.vocab_size, int):
+            raise MergeError(f"{name}: vocab needs the original vocab_size (a setting)")
+        full = self._tp()._merge(B, frags, name)
+        d = _axis(B.shape(full), self.dim, name, self.kind)
+        n = B.shape(full)[d]
+        if n < self.vocab_size:
+            raise MergeError(
+                f"{name}: merged vocab dim {d} has {n} rows, fewer than vocab_size="
+                f"{self.vocab_size}"
+            )
+        return full if n == self.vocab_size else B.slice(full, d, 0, self.vocab_size)
 
-  def _split(self, full, n, name):
-    d = _axis(full.shape, self.dim, name, self.kind)
-    size = self.target_size(n)
-    if size < full.shape[d] or (self.inner is None and size % n):
-      raise MergeError(f"{name}: cannot pad vocab of {full.shape[d]} to {size} over {n} ranks")
-    if size > full.shape[d]:
-      pad = [(0, 0)] * full.ndim
-      pad[d] = (0, size - full.shape[d])
-      full = np.pad(full, pad)
-    return self._tp()._split(full, n, name)
+    def target_size(self, tp):
+        if self.padded_size is not None:
+            return self.padded_size
+        from jax_ucp.language.settings import padded_vocab_size
+
+        return padded_vocab_size(self.vocab_size, self.divisible_by, tp)
+
+    def _split(self, full, n, name):
+        d = _axis(full.shape, self.dim, name, self.kind)
+        size = self.target_size(n)
+        if size < full.shape[d] or (self.inner is None and size % n):
+            raise MergeError(
+                f"{name}: cannot pad vocab of {full.shape[d]} to {size} over {n} ranks"
+            )
+        if size > full.shape[d]:
+            pad = [(0, 0)] * full.ndim
+            pad[d] = (0, size - full.shape[d])
+            full = np.pad(full, pad)
+        return self._tp()._split(full, n, name)
 
 
 @dataclass(frozen=True)
 class PipelineTied(Kind):
-  """A weight held on several pipeline stages (tied embedding / output layer). Fragments are
-  per stage (each a list of TP fragments merged with ``inner`` when given); all must agree."""
-  kind: ClassVar[str] = "pipeline_tied"
-  inner: Optional[Kind] = None
+    """A weight held on several pipeline stages (tied embedding / output layer). Fragments are
+    per stage (each a list of TP fragments merged with ``inner`` when given); all must agree."""
 
-  def _merge(self, B, frags, name):
-    per_stage = [self.inner._merge(_NP, f, name) if self.inner is not None else _NP.wrap(f)
-                 for f in frags]
-    bad, detail = _disagreements(per_stage, "stage")
-    if bad:
-      raise MergeError(f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {bad} "
-                       f"({detail})")
-    if B.lazy and self.inner is not None:
-      return self.inner._merge(B, frags[0], name)
-    return B.wrap(frags[0] if self.inner is None else per_stage[0])
+    kind: ClassVar[str] = "pipeline_tied"
+    inner: Kind | None = None
 
-  def _split(self, full, n, name):
-    # n = number of stages holding the weight; each gets the full tensor (split it with inner)
-    return [full for _ in range(n)]
+    def _merge(self, B, frags, name):
+        per_stage = [
+            self.inner._merge(_NP, f, name) if self.inner is not None else _NP.wrap(f)
+            for f in frags
+        ]
+        bad, detail = _disagreements(per_stage, "stage")
+        if bad:
+            raise MergeError(
+                f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {bad} ({detail})"
+            )
+        if B.lazy and self.inner is not None:
+            return self.inner._merge(B, frags[0], name)
+        return B.wrap(frags[0] if self.inner is None else per_stage[0])
+
+    def _split(self, full, n, name):
+        # n = number of stages holding the weight; each gets the full tensor (split it with inner)
+        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
 class Expert(Kind):
-  """MoE experts over expert-parallel (EP) ranks; fragments are per EP rank in order, each a list
-  of TP fragments when ``inner`` (the per-expert TP kind) is given.
+    """MoE experts over expert-parallel (EP) ranks; fragments are per EP rank in order, each a list
+    of TP fragments when ``inner`` (the per-expert TP kind) is given.
 
-  layout="stacked":    each EP rank holds [E_local, ...] (experts along ``dim``, default 0); inner
-                       dims refer to one expert's tensor (without the expert axis).
-  layout="grouped":    grouped-GEMM: each EP rank's tensor has its E_local experts' blocks
-                       concatenated along ``dim`` (megatron-core's weight2 [E_local*ffn, hidden],
-                       dim=0). Its weight1 [hidden, E_local*X] is NOT column blocks: megatron
-                       reads it as weight1.view(E_local, hidden, X), so EP ranks merge by flat
-                       concatenation of their buffers (the Megatron importer does that) and the
-                       mixtral spec's restore rule reinterprets it as [E, hidden, X].
-  layout="per_expert": each EP rank gives a list of its E_local per-expert tensors; the result is
-                       stacked [E, ...] (see ``expert_global_index`` for renaming keys instead).
-  """
-  kind: ClassVar[str] = "expert"
-  layout: str = "stacked"
-  dim: int = _int(0)
-  num_experts: Any = _int("num_experts")
-  inner: Optional[Kind] = None
+    layout="stacked":    each EP rank holds [E_local, ...] (experts along ``dim``, default 0); inner
+                         dims refer to one expert's tensor (without the expert axis).
+    layout="grouped":    grouped-GEMM: each EP rank's tensor has its E_local experts' blocks
+                         concatenated along ``dim`` (megatron-core's weight2 [E_local*ffn, hidden],
+                         dim=0). Its weight1 [hidden, E_local*X] is NOT column blocks: megatron
+                         reads it as weight1.view(E_local, hidden, X), so EP ranks merge by flat
+                         concatenation of their buffers (the Megatron importer does that) and the
+                         mixtral spec's restore rule reinterprets it as [E, hidden, X].
+    layout="per_expert": each EP rank gives a list of its E_local per-expert tensors; the result is
+                         stacked [E, ...] (see ``expert_global_index`` for renaming keys instead).
+    """
 
-  def __post_init__(self):
-    if self.layout not in ("stacked", "grouped", "per_expert"):
-      raise SpecError(f"expert layout must be stacked, grouped or per_expert, got {self.layout!r}")
+    kind: ClassVar[str] = "expert"
+    layout: str = "stacked"
+    dim: int = _int(0)
+    num_experts: Any = _int("num_experts")
+    inner: Kind | None = None
 
-  def _local(self, ep, name):
-    if not isinstance(self.num_experts, int):
-      raise MergeError(f"{name}: expert needs num_experts resolved to an integer")
-    if self.num_experts % ep:
-      raise MergeError(f"{name}: {self.num_experts} experts do not divide over {ep} EP ranks")
-    return self.num_experts // ep
+    def __post_init__(self):
+        if self.layout not in ("stacked", "grouped", "per_expert"):
+            raise SpecError(
+                f"expert layout must be stacked, grouped or per_expert, got {self.layout!r}"
+            )
 
-  def _merge(self, B, frags, name):
-    ep = len(frags)
-    nl = self._local(ep, name)
-    experts = []
-    for r, f in enumerate(frags):
-      if self.layout == "per_expert":
-        if len(f) != nl:
-          raise MergeError(f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}")
-        for e in range(nl):
-          experts.append(self.inner._merge(B, f[e], name) if self.inner else B.wrap(f[e]))
-        continue
-      tps = list(f) if self.inner is not None else [f]
-      tps = [B.wrap(x) for x in tps]
-      shape = B.shape(tps[0])
-      d = _axis(shape, self.dim, name, self.kind)
-      for t, x in enumerate(tps):
-        if self.layout == "stacked" and B.shape(x)[d] != nl:
-          raise MergeError(f"{name}: EP rank {r} (TP rank {t}) holds {B.shape(x)[d]} experts on "
-                           f"dim {d}, expected {nl} = {self.num_experts} / {ep}")
-        if self.layout == "grouped" and B.shape(x)[d] % nl:
-          raise MergeError(f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {B.shape(x)[d]} "
-                           f"does not hold {nl} equal expert blocks")
-      for e in range(nl):
+    def _local(self, ep, name):
+        if not isinstance(self.num_experts, int):
+            raise MergeError(f"{name}: expert needs num_experts resolved to an integer")
+        if self.num_experts % ep:
+            raise MergeError(f"{name}: {self.num_experts} experts do not divide over {ep} EP ranks")
+        return self.num_experts // ep
+
+    def _merge(self, B, frags, name):
+        ep = len(frags)
+        nl = self._local(ep, name)
+        experts = []
+        for r, f in enumerate(frags):
+            if self.layout == "per_expert":
+                if len(f) != nl:
+                    raise MergeError(f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}")
+                for e in range(nl):
+                    experts.append(self.inner._merge(B, f[e], name) if self.inner else B.wrap(f[e]))
+                continue
+            tps = list(f) if self.inner is not None else [f]
+            tps = [B.wrap(x) for x in tps]
+            shape = B.shape(tps[0])
+            d = _axis(shape, self.dim, name, self.kind)
+            for t, x in enumerate(tps):
+                if self.layout == "stacked" and B.shape(x)[d] != nl:
+                    raise MergeError(
+                        f"{name}: EP rank {r} (TP rank {t}) holds {B.shape(x)[d]} experts on "
+                        f"dim {d}, expected {nl} = {self.num_experts} / {ep}"
+                    )
+                if self.layout == "grouped" and B.shape(x)[d] % nl:
+                    raise MergeError(
+                        f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {B.shape(x)[d]} "
+                        f"does not hold {nl} equal expert blocks"
+                    )
+            for e in range(nl):
+                if self.layout == "stacked":
+                    blocks = [B.take(x, d, e) for x in tps]
+                else:
+                    blocks = [
+                        B.slice(x, d, e * (B.shape(x)[d] // nl), (e + 1) * (B.shape(x)[d] // nl))
+                        for x in tps
+                    ]
+                experts.append(
+                    self.inner._merge(B, blocks, f"{name}[expert {r * nl + e}]")
+                    if self.inner is not None
+                    else blocks[0]
+                )
+        if self.layout == "grouped":
+            return B.concat(experts, _axis(B.shape(experts[0]), self.dim, name, self.kind))
+        return B.stack(experts, 0 if self.layout == "per_expert" else self.dim)
+
+    def _split(self, full, n, name):
+        """n = EP degree. Returns per EP rank the local tensor (no TP split; split each with inner)."""
+        nl = self._local(n, name)
+        d = _axis(full.shape, 0 if self.layout == "per_expert" else self.dim, name, self.kind)
+        if self.layout == "per_expert":
+            return [[full[e] for e in range(r * nl, (r + 1) * nl)] for r in range(n)]
         if self.layout == "stacked":
-          blocks = [B.take(x, d, e) for x in tps]
-        else:
-          blocks = [B.slice(x, d, e * (B.shape(x)[d] // nl), (e + 1) * (B.shape(x)[d] // nl))
-                    for x in tps]
-        experts.append(self.inner._merge(B, blocks, f"{name}[expert {r * nl + e}]")
-                       if self.inner is not None else blocks[0])
-    if self.layout == "grouped":
-      return B.concat(experts, _axis(B.shape(experts[0]), self.dim, name, self.kind))
-    return B.stack(experts, 0 if self.layout == "per_expert" else self.dim)
+            if full.shape[d] != self.num_experts:
+                raise MergeError(
+                    f"{name}: dim {d} has {full.shape[d]} experts, expected {self.num_experts}"
+                )
+        elif full.shape[d] % self.num_experts:
+            raise MergeError(
+                f"{name}: dim {d} of size {full.shape[d]} is not {self.num_experts} blocks"
+            )
+        return Partitioned(dim=d)._split(full, n, name)
 
-  def _split(self, full, n, name):
-    """n = EP degree. Returns per EP rank the local tensor (no TP split; split each with inner)."""
-    nl = self._local(n, name)
-    d = _axis(full.shape, 0 if self.layout == "per_expert" else self.dim, name, self.kind)
-    if self.layout == "per_expert":
-      return [[full[e] for e in range(r * nl, (r + 1) * nl)] for r in range(n)]
-    if self.layout == "stacked":
-      if full.shape[d] != self.num_experts:
-        raise MergeError(f"{name}: dim {d} has {full.shape[d]} experts, expected {self.num_experts}")
-    elif full.shape[d] % self.num_experts:
-      raise MergeError(f"{name}: dim {d} of size {full.shape[d]} is not {self.num_experts} blocks")
-    return Partitioned(dim=d)._split(full, n, name)
-
-  def split_tp(self, local, tp, *, num_local: int | None = None, name: str = "?") -> list:
-    """Split one EP rank's local tensor over TP with ``inner``, expert by expert (the inverse of
-    the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank)."""
-    if self.inner is None:
-      return [local for _ in range(tp)]
-    if self.layout == "per_expert":
-      per = [self.inner._split(np.asarray(x), tp, name) for x in local]
-      return [[p[t] for p in per] for t in range(tp)]
-    d = _axis(local.shape, self.dim, name, self.kind)
-    if self.layout == "stacked":
-      per = [self.inner._split(np.take(local, e, axis=d), tp, name) for e in range(local.shape[d])]
-      return [np.stack([p[t] for p in per], axis=d) for t in range(tp)]
-    if num_local is None:
-      raise MergeError(f"{name}: split_tp of a grouped expert tensor needs num_local")
-    blocks = _split_sizes(_NP, local, d, [local.shape[d] // num_local] * num_local)
-    per = [self.inner._split(b, tp, name) for b in blocks]
-    return [np.concatenate([p[t] for p in per], axis=d) for t in range(tp)]
+    def split_tp(self, local, tp, *, num_local: int | None = None, name: str = "?") -> list:
+        """Split one EP rank's local tensor over TP with ``inner``, expert by expert (the inverse of
+        the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank)."""
+        if self.inner is None:
+            return [local for _ in range(tp)]
+        if self.layout == "per_expert":
+            per = [self.inner._split(np.asarray(x), tp, name) for x in local]
+            return [[p[t] for p in per] for t in range(tp)]
+        d = _axis(local.shape, self.dim, name, self.kind)
+        if self.layout == "stacked":
+            per = [
+                self.inner._split(np.take(local, e, axis=d), tp, name)
+                for e in range(local.shape[d])
+            ]
+            return [np.stack([p[t] for p in per], axis=d) for t in range(tp)]
+        if num_local is None:
+            raise MergeError(f"{name}: split_tp of a grouped expert tensor needs num_local")
+        blocks = _split_sizes(_NP, local, d, [local.shape[d] // num_local] * num_local)
+        per = [self.inner._split(b, tp, name) for b in blocks]
+        return [np.concatenate([p[t] for p in per], axis=d) for t in range(tp)]
 
 
 def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: int) -> int:
-  """Megatron's numbering: EP rank r holds experts [r * E/ep, (r+1) * E/ep)."""
-  if num_experts % ep:
-    raise MergeError(f"{num_experts} experts do not divide over {ep} EP ranks")
-  nl = num_experts // ep
-  if not 0 <= local_index < nl:
-    raise MergeError(f"local expert index {local_index} out of range (0..{nl - 1})")
-  return ep_rank * nl + local_index
+    """Megatron's numbering: EP rank r holds experts [r * E/ep, (r+1) * E/ep)."""
+    if num_experts % ep:
+        raise MergeError(f"{num_experts} experts do not divide over {ep} EP ranks")
+    nl = num_experts // ep
+    if not 0 <= local_index < nl:
+        raise MergeError(f"local expert index {local_index} out of range (0..{nl - 1})")
+    return ep_rank * nl + local_index
 
 
-KINDS: dict[str, type[Kind]] = {c.kind: c for c in (
-  Replicated, Averaged, Partitioned, SubParams, SwiGLU, QKV, Vocab, PipelineTied, Expert)}
+KINDS: dict[str, type[Kind]] = {
+    c.kind: c
+    for c in (
+        Replicated,
+        Averaged,
+        Partitioned,
+        SubParams,
+        SwiGLU,
+        QKV,
+        Vocab,
+        PipelineTied,
+        Expert,
+    )
+}
 
 
 def kind_from_obj(obj, *, where: str = "") -> Kind:
-  """A Kind from its plain form: ``"replicated"``, ``{kind = "partitioned", dim = 1}``, or a
-  Kind object. Nested kinds (``inner``) use the same form."""
-  if isinstance(obj, Kind):
-    return obj
+    """A Kind from its plain form: ``"replicated"``, ``{kind = "partitioned", dim = 1}``, or a
+    Kind object. Nested kinds (``inner``) use the same form."""
+    if isinstance(obj, Kind):
+        return obj
 
-  def convert(k, v):
-    if k == "inner":
-      return kind_from_obj(v, where=where + "inner: ")
-    if isinstance(v, list):
-      return tuple(tuple(x) if isinstance(x, list) else x for x in v)
-    return v
+    def convert(k, v):
+        if k == "inner":
+            return kind_from_obj(v, where=where + "inner: ")
+        if isinstance(v, list):
+            return tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        return v
 
-  cls, kw = parse_plain(obj, tag="kind", registry=KINDS, a_noun="a kind", where=where, convert=convert)
-  try:
-    return cls(**kw)
-  except SpecError as e:
-    raise SpecError(f"{where}{e}") from None
+    cls, kw = parse_plain(
+        obj, tag="kind", registry=KINDS, a_noun="a kind", where=where, convert=convert
+    )
+    try:
+        return cls(**kw)
+    except SpecError as e:
+        raise SpecError(f"{where}{e}") from None
 
 
 # ------------------------------------------------------------------------------ module API
 
+
 def _prepare(kind, settings, name):
-  k = kind_from_obj(kind, where=f"{name}: ")
-  return k.resolve(derived(settings or {}))
+    k = kind_from_obj(kind, where=f"{name}: ")
+    return k.resolve(derived(settings or {}))
 
 
-def merge(kind, fragments: Sequence, *, name: str = "<tensor>", settings: Mapping | None = None,
-          lazy: bool = False):
-  """Merge per-rank fragments into the consolidated array (numpy; a lazy ts view if lazy)."""
-  if len(fragments) == 0:
-    raise MergeError(f"{name}: no fragments to merge")
-  k = _prepare(kind, settings, name)
-  return k._merge(_TS if lazy else _NP, list(fragments), name)
+def merge(
+    kind,
+    fragments: Sequence,
+    *,
+    name: str = "<tensor>",
+    settings: Mapping | None = None,
+    lazy: bool = False,
+):
+    """Merge per-rank fragments into the consolidated array (numpy; a lazy ts view if lazy)."""
+    if len(fragments) == 0:
+        raise MergeError(f"{name}: no fragments to merge")
+    k = _prepare(kind, settings, name)
+    return k._merge(_TS if lazy else _NP, list(fragments), name)
 
 
 def split(kind, full, n: int, *, name: str = "<tensor>", settings: Mapping | None = None) -> list:
-  """The inverse of ``merge``: the per-rank fragments of ``full`` over ``n`` ranks (numpy)."""
-  if n <= 0:
-    raise MergeError(f"{name}: cannot split over {n} ranks")
-  k = _prepare(kind, settings, name)
-  full = full.read().result() if isinstance(full, ts.TensorStore) else np.asarray(full)
-  return k._split(full, n, name)
+    """The inverse of ``merge``: the per-rank fragments of ``full`` over ``n`` ranks (numpy)."""
+    if n <= 0:
+        raise MergeError(f"{name}: cannot split over {n} ranks")
+    k = _prepare(kind, settings, name)
+    full = full.read().result() if isinstance(full, ts.TensorStore) else np.asarray(full)
+    return k._split(full, n, name)
 
 
 def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
-  """Split a fused parameter into named parts: qkv -> q, k, v; swiglu -> gate, up."""
-  k = _prepare(kind, settings, "<tensor>")
-  if not hasattr(k, "parts"):
-    raise SpecError(f"kind {k.kind!r} has no named parts")
-  return k.parts(np.asarray(full))
+    """Split a fused parameter into named parts: qkv -> q, k, v; swiglu -> gate, up."""
+    k = _prepare(kind, settings, "<tensor>")
+    if not hasattr(k, "parts"):
+        raise SpecError(f"kind {k.kind!r} has no named parts")
+    return k.parts(np.asarray(full))

@@ -18,8 +18,9 @@ expressions (``"num_layers // pp"``).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Optional, Sequence
+from typing import Any, ClassVar
 
 import tensorstore as ts
 
@@ -32,316 +33,379 @@ Env = Mapping[str, Any]
 
 
 def _i(v, env, what):
-  return eval_int(v, env, where=f"{what}: ")
+    return eval_int(v, env, where=f"{what}: ")
 
 
 @dataclass(frozen=True)
 class Op:
-  """Base class. Subclasses set ``op`` (the TOML name) and ``arity`` (map/fanout/fanin)."""
-  op: ClassVar[str] = ""
-  arity: ClassVar[str] = "map"
+    """Base class. Subclasses set ``op`` (the TOML name) and ``arity`` (map/fanout/fanin)."""
 
-  def to_dict(self) -> dict:
-    d = {"op": self.op}
-    for f in dataclasses.fields(self):
-      v = getattr(self, f.name)
-      if v != f.default and not (f.default_factory is not dataclasses.MISSING
-                                  and v == f.default_factory()):
-        d[f.name] = list(v) if isinstance(v, tuple) else v
-    return d
+    op: ClassVar[str] = ""
+    arity: ClassVar[str] = "map"
 
-  # map
-  def apply(self, t: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
-    raise NotImplementedError
+    def to_dict(self) -> dict:
+        d = {"op": self.op}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v != f.default and not (
+                f.default_factory is not dataclasses.MISSING and v == f.default_factory()
+            ):
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+    # map
+    def apply(self, t: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
+        raise NotImplementedError
 
 
 class FanOut(Op):
-  arity: ClassVar[str] = "fanout"
-  var: str
+    arity: ClassVar[str] = "fanout"
+    var: str
 
-  def labels(self, t: ts.TensorStore, env: Env) -> list[str]:  # pragma: no cover
-    raise NotImplementedError
+    def labels(self, t: ts.TensorStore, env: Env) -> list[str]:  # pragma: no cover
+        raise NotImplementedError
 
-  def part(self, t: ts.TensorStore, env: Env, index: int) -> ts.TensorStore:  # pragma: no cover
-    raise NotImplementedError
+    def part(self, t: ts.TensorStore, env: Env, index: int) -> ts.TensorStore:  # pragma: no cover
+        raise NotImplementedError
 
 
 class FanIn(Op):
-  arity: ClassVar[str] = "fanin"
-  over: str
+    arity: ClassVar[str] = "fanin"
+    over: str
 
-  def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:  # pragma: no cover
-    raise NotImplementedError
+    def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:  # pragma: no cover
+        raise NotImplementedError
 
-  def combine(self, parts: Sequence[ts.TensorStore], env: Env) -> ts.TensorStore:  # pragma: no cover
-    raise NotImplementedError
+    def combine(
+        self, parts: Sequence[ts.TensorStore], env: Env
+    ) -> ts.TensorStore:  # pragma: no cover
+        raise NotImplementedError
 
 
 def _numeric_order(labels, over, where):
-  try:
-    idx = sorted(int(x) for x in labels)
-  except ValueError:
-    raise TransformError(f"{where}: stack over {over!r} needs integer values, got "
-                         f"{sorted(labels)}") from None
-  if len(set(idx)) != len(labels):
-    raise TransformError(f"{where}: duplicate {over!r} values in {sorted(labels)}")
-  missing = sorted(set(range(len(idx))) - set(idx))
-  if idx[0] != 0 or idx[-1] != len(idx) - 1:
-    raise TransformError(f"{where}: {over!r} values must be 0..{len(idx) - 1} without gaps; "
-                         f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
-                         f"{missing[:8] or 'values below ' + str(idx[0])}")
-  by = {int(x): x for x in labels}
-  return [by[i] for i in range(len(idx))]
+    try:
+        idx = sorted(int(x) for x in labels)
+    except ValueError:
+        raise TransformError(
+            f"{where}: stack over {over!r} needs integer values, got {sorted(labels)}"
+        ) from None
+    if len(set(idx)) != len(labels):
+        raise TransformError(f"{where}: duplicate {over!r} values in {sorted(labels)}")
+    missing = sorted(set(range(len(idx))) - set(idx))
+    if idx[0] != 0 or idx[-1] != len(idx) - 1:
+        raise TransformError(
+            f"{where}: {over!r} values must be 0..{len(idx) - 1} without gaps; "
+            f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
+            f"{missing[:8] or 'values below ' + str(idx[0])}"
+        )
+    by = {int(x): x for x in labels}
+    return [by[i] for i in range(len(idx))]
 
 
 def _named_order(labels, parts, over, where):
-  if sorted(labels) != sorted(parts):
-    missing = [p for p in parts if p not in labels]
-    extra = [x for x in labels if x not in parts]
-    raise TransformError(f"{where}: {over!r} parts must be exactly {list(parts)}; "
-                         f"missing {missing}, unexpected {extra}")
-  return list(parts)
+    if sorted(labels) != sorted(parts):
+        missing = [p for p in parts if p not in labels]
+        extra = [x for x in labels if x not in parts]
+        raise TransformError(
+            f"{where}: {over!r} parts must be exactly {list(parts)}; "
+            f"missing {missing}, unexpected {extra}"
+        )
+    return list(parts)
 
 
 # ----------------------------------------------------------------------------------- map ops
 
+
 @dataclass(frozen=True)
 class Transpose(Op):
-  """numpy.transpose; default reverses axes (torch [out, in] <-> flax [in, out])."""
-  op: ClassVar[str] = "transpose"
-  perm: Optional[tuple] = None
+    """numpy.transpose; default reverses axes (torch [out, in] <-> flax [in, out])."""
 
-  def apply(self, t, env):
-    return V.transpose(t, None if self.perm is None else [_i(p, env, self.op) for p in self.perm])
+    op: ClassVar[str] = "transpose"
+    perm: tuple | None = None
+
+    def apply(self, t, env):
+        return V.transpose(
+            t, None if self.perm is None else [_i(p, env, self.op) for p in self.perm]
+        )
 
 
 @dataclass(frozen=True)
 class SplitDim(Op):
-  """Reshape one axis into two: sizes=[a, b] (one may be -1), e.g. [d, H*hd] -> [d, H, hd]."""
-  op: ClassVar[str] = "split_dim"
-  axis: Any = 0
-  sizes: tuple = ()
+    """Reshape one axis into two: sizes=[a, b] (one may be -1), e.g. [d, H*hd] -> [d, H, hd]."""
 
-  def apply(self, t, env):
-    if len(self.sizes) != 2:
-      raise SpecError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
-    return V.split_dim(t, _i(self.axis, env, self.op), [_i(s, env, self.op) for s in self.sizes])
+    op: ClassVar[str] = "split_dim"
+    axis: Any = 0
+    sizes: tuple = ()
+
+    def apply(self, t, env):
+        if len(self.sizes) != 2:
+            raise SpecError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
+        return V.split_dim(
+            t, _i(self.axis, env, self.op), [_i(s, env, self.op) for s in self.sizes]
+        )
 
 
 @dataclass(frozen=True)
 class MergeDims(Op):
-  """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd]."""
-  op: ClassVar[str] = "merge_dims"
-  axis: Any = 0
+    """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd]."""
 
-  def apply(self, t, env):
-    return V.merge_dims(t, _i(self.axis, env, self.op))
+    op: ClassVar[str] = "merge_dims"
+    axis: Any = 0
+
+    def apply(self, t, env):
+        return V.merge_dims(t, _i(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
 class GroupStages(Op):
-  """[L, ...] -> [stages, L/stages, ...]."""
-  op: ClassVar[str] = "group_stages"
-  stages: Any = "pp"
-  axis: Any = 0
+    """[L, ...] -> [stages, L/stages, ...]."""
 
-  def apply(self, t, env):
-    return V.group_stages(t, _i(self.stages, env, self.op), _i(self.axis, env, self.op))
+    op: ClassVar[str] = "group_stages"
+    stages: Any = "pp"
+    axis: Any = 0
+
+    def apply(self, t, env):
+        return V.group_stages(t, _i(self.stages, env, self.op), _i(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
 class UngroupStages(Op):
-  """[stages, L/stages, ...] -> [L, ...]."""
-  op: ClassVar[str] = "ungroup_stages"
-  axis: Any = 0
+    """[stages, L/stages, ...] -> [L, ...]."""
 
-  def apply(self, t, env):
-    return V.ungroup_stages(t, _i(self.axis, env, self.op))
+    op: ClassVar[str] = "ungroup_stages"
+    axis: Any = 0
+
+    def apply(self, t, env):
+        return V.ungroup_stages(t, _i(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
 class RegroupStages(Op):
-  """[S, L/S, ...] -> [stages, L/stages, ...]; error if L does not divide by stages."""
-  op: ClassVar[str] = "regroup_stages"
-  stages: Any = "pp"
-  axis: Any = 0
+    """[S, L/S, ...] -> [stages, L/stages, ...]; error if L does not divide by stages."""
 
-  def apply(self, t, env):
-    return V.regroup_stages(t, _i(self.stages, env, self.op), _i(self.axis, env, self.op))
+    op: ClassVar[str] = "regroup_stages"
+    stages: Any = "pp"
+    axis: Any = 0
+
+    def apply(self, t, env):
+        return V.regroup_stages(t, _i(self.stages, env, self.op), _i(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
 class Slice(Op):
-  """Keep [start, stop) of an axis (e.g. strip vocab padding: stop = "vocab_size")."""
-  op: ClassVar[str] = "slice"
-  axis: Any = 0
-  start: Any = 0
-  stop: Any = None
+    """Keep [start, stop) of an axis (e.g. strip vocab padding: stop = "vocab_size")."""
 
-  def apply(self, t, env):
-    t = V.as_view(t)
-    a = _i(self.axis, env, self.op)
-    stop = t.shape[a] if self.stop is None else _i(self.stop, env, self.op)
-    return V.slice_axis(t, a, _i(self.start, env, self.op), stop)
+    op: ClassVar[str] = "slice"
+    axis: Any = 0
+    start: Any = 0
+    stop: Any = None
+
+    def apply(self, t, env):
+        t = V.as_view(t)
+        a = _i(self.axis, env, self.op)
+        stop = t.shape[a] if self.stop is None else _i(self.stop, env, self.op)
+        return V.slice_axis(t, a, _i(self.start, env, self.op), stop)
 
 
 @dataclass(frozen=True)
 class Pad(Op):
-  """Zero-pad an axis to ``size`` or to the next multiple of ``multiple`` (vocab for a target)."""
-  op: ClassVar[str] = "pad"
-  axis: Any = 0
-  size: Any = None
-  multiple: Any = None
+    """Zero-pad an axis to ``size`` or to the next multiple of ``multiple`` (vocab for a target)."""
 
-  def apply(self, t, env):
-    t = V.as_view(t)
-    a = _i(self.axis, env, self.op)
-    n = t.shape[a]
-    if self.size is not None:
-      size = _i(self.size, env, self.op)
-    elif self.multiple is not None:
-      m = _i(self.multiple, env, self.op)
-      size = -(-n // m) * m
-    else:
-      raise SpecError("pad needs size= or multiple=")
-    return V.pad_axis(t, a, size)
+    op: ClassVar[str] = "pad"
+    axis: Any = 0
+    size: Any = None
+    multiple: Any = None
+
+    def apply(self, t, env):
+        t = V.as_view(t)
+        a = _i(self.axis, env, self.op)
+        n = t.shape[a]
+        if self.size is not None:
+            size = _i(self.size, env, self.op)
+        elif self.multiple is not None:
+            m = _i(self.multiple, env, self.op)
+            size = -(-n // m) * m
+        else:
+            raise SpecError("pad needs size= or multiple=")
+        return V.pad_axis(t, a, size)
 
 
 # ------------------------------------------------------------------------------- fan-out ops
 
+
 @dataclass(frozen=True)
 class Unstack(FanOut):
-  r"""[L, ...] -> L tensors; the index becomes variable ``var`` (default ``i``).
+    r"""[L, ...] -> L tensors; the index becomes variable ``var`` (default ``i``).
 
-  ``if_unbound=true``: a no-op for a tensor whose name already bound ``var`` (an optional regex
-  group), so one rule covers stacked ``decoder.layers.x`` [L, ...] and per-layer
-  ``decoder.layers.3.x`` alike: ``decoder\\.layers\\.(?:(?P<i>\\d+)\\.)?x``."""
-  op: ClassVar[str] = "unstack"
-  axis: Any = 0
-  var: str = "i"
-  if_unbound: bool = False
+    ``if_unbound=true``: a no-op for a tensor whose name already bound ``var`` (an optional regex
+    group), so one rule covers stacked ``decoder.layers.x`` [L, ...] and per-layer
+    ``decoder.layers.3.x`` alike: ``decoder\\.layers\\.(?:(?P<i>\\d+)\\.)?x``."""
 
-  def labels(self, t, env):
-    return [str(i) for i in range(t.shape[_i(self.axis, env, self.op)])]
+    op: ClassVar[str] = "unstack"
+    axis: Any = 0
+    var: str = "i"
+    if_unbound: bool = False
 
-  def part(self, t, env, index):
-    return V.take(t, _i(self.axis, env, self.op), index)
+    def labels(self, t, env):
+        return [str(i) for i in range(t.shape[_i(self.axis, env, self.op)])]
+
+    def part(self, t, env, index):
+        return V.take(t, _i(self.axis, env, self.op), index)
 
 
 @dataclass(frozen=True)
 class Split(FanOut):
-  """Split an axis into named parts (equal sizes unless ``sizes``), e.g. SwiGLU fc1 -> gate, up."""
-  op: ClassVar[str] = "split"
-  axis: Any = 0
-  parts: tuple = ("gate", "up")
-  sizes: Optional[tuple] = None
-  var: str = "part"
+    """Split an axis into named parts (equal sizes unless ``sizes``), e.g. SwiGLU fc1 -> gate, up."""
 
-  def _pieces(self, t, env):
-    a = _i(self.axis, env, self.op)
-    if self.sizes is None:
-      return V.split_even(t, a, len(self.parts))
-    if len(self.sizes) != len(self.parts):
-      raise SpecError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
-    return V.split_sizes(t, a, [_i(s, env, self.op) for s in self.sizes])
+    op: ClassVar[str] = "split"
+    axis: Any = 0
+    parts: tuple = ("gate", "up")
+    sizes: tuple | None = None
+    var: str = "part"
 
-  def labels(self, t, env):
-    self._pieces(t, env)  # validates
-    return list(self.parts)
+    def _pieces(self, t, env):
+        a = _i(self.axis, env, self.op)
+        if self.sizes is None:
+            return V.split_even(t, a, len(self.parts))
+        if len(self.sizes) != len(self.parts):
+            raise SpecError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
+        return V.split_sizes(t, a, [_i(s, env, self.op) for s in self.sizes])
 
-  def part(self, t, env, index):
-    return self._pieces(t, env)[index]
+    def labels(self, t, env):
+        self._pieces(t, env)  # validates
+        return list(self.parts)
+
+    def part(self, t, env, index):
+        return self._pieces(t, env)[index]
 
 
 @dataclass(frozen=True)
 class SplitQKV(FanOut):
-  """Fused QKV -> q, k, v along ``axis`` (Megatron per-group interleaved order by default).
+    """Fused QKV -> q, k, v along ``axis`` (Megatron per-group interleaved order by default).
 
-  Uses settings num_attention_heads, num_query_groups, head_dim (overridable here)."""
-  op: ClassVar[str] = "split_qkv"
-  axis: Any = 0
-  var: str = "part"
-  parts: tuple = ("q", "k", "v")
-  interleaved: bool = True
-  num_heads: Any = "num_attention_heads"
-  num_kv_heads: Any = "num_query_groups"
-  head_dim: Any = "head_dim"
+    Uses settings num_attention_heads, num_query_groups, head_dim (overridable here)."""
 
-  def _args(self, env):
-    return (_i(self.num_heads, env, self.op), _i(self.num_kv_heads, env, self.op),
-            _i(self.head_dim, env, self.op))
+    op: ClassVar[str] = "split_qkv"
+    axis: Any = 0
+    var: str = "part"
+    parts: tuple = ("q", "k", "v")
+    interleaved: bool = True
+    num_heads: Any = "num_attention_heads"
+    num_kv_heads: Any = "num_query_groups"
+    head_dim: Any = "head_dim"
 
-  def labels(self, t, env):
-    V.split_qkv(t, _i(self.axis, env, self.op), *self._args(env), interleaved=self.interleaved)
-    return list(self.parts)
+    def _args(self, env):
+        return (
+            _i(self.num_heads, env, self.op),
+            _i(self.num_kv_heads, env, self.op),
+            _i(self.head_dim, env, self.op),
+        )
 
-  def part(self, t, env, index):
-    return V.split_qkv(t, _i(self.axis, env, self.op), *self._args(env),
-                       interleaved=self.interleaved)[index]
+    def labels(self, t, env):
+        V.split_qkv(t, _i(self.axis, env, self.op), *self._args(env), interleaved=self.interleaved)
+        return list(self.parts)
+
+    def part(self, t, env, index):
+        return V.split_qkv(
+            t, _i(self.axis, env, self.op), *self._args(env), interleaved=self.interleaved
+        )[index]
 
 
 # -------------------------------------------------------------------------------- fan-in ops
 
+
 @dataclass(frozen=True)
 class Stack(FanIn):
-  """Tensors indexed 0..L-1 by variable ``over`` -> one [L, ...] tensor (stacked at ``axis``)."""
-  op: ClassVar[str] = "stack"
-  over: str = "i"
-  axis: Any = 0
+    """Tensors indexed 0..L-1 by variable ``over`` -> one [L, ...] tensor (stacked at ``axis``)."""
 
-  def order(self, labels, env, where):
-    return _numeric_order(labels, self.over, where)
+    op: ClassVar[str] = "stack"
+    over: str = "i"
+    axis: Any = 0
 
-  def combine(self, parts, env):
-    return V.stack(parts, _i(self.axis, env, self.op))
+    def order(self, labels, env, where):
+        return _numeric_order(labels, self.over, where)
+
+    def combine(self, parts, env):
+        return V.stack(parts, _i(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
 class Concat(FanIn):
-  """Named parts (in ``parts`` order) concatenated along ``axis``, e.g. gate, up -> SwiGLU fc1."""
-  op: ClassVar[str] = "concat"
-  over: str = "part"
-  axis: Any = 0
-  parts: tuple = ("gate", "up")
+    """Named parts (in ``parts`` order) concatenated along ``axis``, e.g. gate, up -> SwiGLU fc1."""
 
-  def order(self, labels, env, where):
-    return _named_order(labels, self.parts, self.over, where)
+    op: ClassVar[str] = "concat"
+    over: str = "part"
+    axis: Any = 0
+    parts: tuple = ("gate", "up")
 
-  def combine(self, parts, env):
-    return V.concat(parts, _i(self.axis, env, self.op))
+    def order(self, labels, env, where):
+        return _named_order(labels, self.parts, self.over, where)
+
+    def combine(self, parts, env):
+        return V.concat(parts, _i(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
 class MergeQKV(FanIn):
-  """q, k, v -> fused QKV along ``axis`` (Megatron per-group interleaved order by default)."""
-  op: ClassVar[str] = "merge_qkv"
-  over: str = "part"
-  axis: Any = 0
-  parts: tuple = ("q", "k", "v")
-  interleaved: bool = True
-  num_heads: Any = "num_attention_heads"
-  num_kv_heads: Any = "num_query_groups"
-  head_dim: Any = "head_dim"
+    """q, k, v -> fused QKV along ``axis`` (Megatron per-group interleaved order by default)."""
 
-  def order(self, labels, env, where):
-    return _named_order(labels, self.parts, self.over, where)
+    op: ClassVar[str] = "merge_qkv"
+    over: str = "part"
+    axis: Any = 0
+    parts: tuple = ("q", "k", "v")
+    interleaved: bool = True
+    num_heads: Any = "num_attention_heads"
+    num_kv_heads: Any = "num_query_groups"
+    head_dim: Any = "head_dim"
 
-  def combine(self, parts, env):
-    q, k, v = parts
-    return V.merge_qkv(q, k, v, _i(self.axis, env, self.op), _i(self.num_heads, env, self.op),
-                       _i(self.num_kv_heads, env, self.op), _i(self.head_dim, env, self.op),
-                       interleaved=self.interleaved)
+    def order(self, labels, env, where):
+        return _named_order(labels, self.parts, self.over, where)
+
+    def combine(self, parts, env):
+        q, k, v = parts
+        return V.merge_qkv(
+            q,
+            k,
+            v,
+            _i(self.axis, env, self.op),
+            _i(self.num_heads, env, self.op),
+            _i(self.num_kv_heads, env, self.op),
+            _i(self.head_dim, env, self.op),
+            interleaved=self.interleaved,
+        )
 
 
-OPS: dict[str, type[Op]] = {c.op: c for c in (
-  Transpose, SplitDim, MergeDims, GroupStages, UngroupStages, RegroupStages, Slice, Pad,
-  Unstack, Split, SplitQKV, Stack, Concat, MergeQKV)}
+OPS: dict[str, type[Op]] = {
+    c.op: c
+    for c in (
+        Transpose,
+        SplitDim,
+        MergeDims,
+        GroupStages,
+        UngroupStages,
+        RegroupStages,
+        Slice,
+        Pad,
+        Unstack,
+        Split,
+        SplitQKV,
+        Stack,
+        Concat,
+        MergeQKV,
+    )
+}
 
 
 def op_from_obj(obj, *, where: str = "") -> Op:
-  """An Op from its plain form: ``"transpose"`` or ``{op = "unstack", axis = 0, var = "i"}``."""
-  if isinstance(obj, Op):
-    return obj
-  cls, kw = parse_plain(obj, tag="op", registry=OPS, a_noun="an op", where=where,
-                        convert=lambda k, v: tuple(v) if isinstance(v, list) else v)
-  return cls(**kw)
+    """An Op from its plain form: ``"transpose"`` or ``{op = "unstack", axis = 0, var = "i"}``."""
+    if isinstance(obj, Op):
+        return obj
+    cls, kw = parse_plain(
+        obj,
+        tag="op",
+        registry=OPS,
+        a_noun="an op",
+        where=where,
+        convert=lambda k, v: tuple(v) if isinstance(v, list) else v,
+    )
+    return cls(**kw)

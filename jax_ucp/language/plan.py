@@ -12,8 +12,9 @@ over *placeholder* stores (``ts.virtual_chunked`` that refuse to be read) of the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -27,313 +28,361 @@ Key = tuple
 
 @dataclass(frozen=True)
 class TensorInfo:
-  shape: tuple
-  dtype: np.dtype
+    shape: tuple
+    dtype: np.dtype
 
-  def __post_init__(self):
-    object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
-    object.__setattr__(self, "dtype", np.dtype(self.dtype))
+    def __post_init__(self):
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
 
 
 @dataclass(frozen=True)
 class ViewPlan:
-  shape: tuple
-  dtype: np.dtype
-  sources: tuple                                  # saved keys read
-  build: Callable[[Mapping[Key, ts.TensorStore]], ts.TensorStore]   # lazy, exact
-  rule: str = "identity"                          # which rule produced it (for plans / errors)
-  ops: tuple = ()                                 # op names applied, in order
+    shape: tuple
+    dtype: np.dtype
+    sources: tuple  # saved keys read
+    build: Callable[[Mapping[Key, ts.TensorStore]], ts.TensorStore]  # lazy, exact
+    rule: str = "identity"  # which rule produced it (for plans / errors)
+    ops: tuple = ()  # op names applied, in order
 
 
 @dataclass(frozen=True)
 class _Node:
-  sources: tuple
-  fn: Callable
-  view: Any          # the same composition over placeholders: shape/dtype, compile-time checks
-  ops: tuple = ()
+    sources: tuple
+    fn: Callable
+    view: Any  # the same composition over placeholders: shape/dtype, compile-time checks
+    ops: tuple = ()
 
 
 def _placeholder(key, info) -> ts.TensorStore:
-  name = "/".join(key)
+    name = "/".join(key)
 
-  def refuse(domain, array, params):
-    raise RuntimeError(f"placeholder for {name} must not be read")
+    def refuse(domain, array, params):
+        raise RuntimeError(f"placeholder for {name} must not be read")
 
-  dt = np.dtype(info.dtype)
-  return ts.virtual_chunked(refuse, dtype=ts.dtype(dt.name), domain=ts.IndexDomain(shape=list(info.shape)))
+    dt = np.dtype(info.dtype)
+    return ts.virtual_chunked(
+        refuse, dtype=ts.dtype(dt.name), domain=ts.IndexDomain(shape=list(info.shape))
+    )
 
 
 def _leaf(key, ph) -> _Node:
-  def fn(opened, key=key):
-    try:
-      t = opened[key]
-    except KeyError:
-      raise LanguageError(f"restore plan: source {'/'.join(key)} was not opened") from None
-    return V.as_view(t)
+    def fn(opened, key=key):
+        try:
+            t = opened[key]
+        except KeyError:
+            raise LanguageError(f"restore plan: source {'/'.join(key)} was not opened") from None
+        return V.as_view(t)
 
-  return _Node((key,), fn, ph)
+    return _Node((key,), fn, ph)
 
 
 def _find_root(spec: Spec, key):
-  for root in spec.roots:
-    m = root.match(key)
-    if m is None:
-      continue
-    n, caps = m
-    if root.params and n >= len(key):
-      continue
-    return root, n, caps
-  return None
+    for root in spec.roots:
+        m = root.match(key)
+        if m is None:
+            continue
+        n, caps = m
+        if root.params and n >= len(key):
+            continue
+        return root, n, caps
+    return None
 
 
 def _identity(key, info, rule="identity") -> ViewPlan:
-  return ViewPlan(tuple(info.shape), np.dtype(info.dtype), (key,),
-                  lambda opened, key=key: V.as_view(opened[key]), rule)
+    return ViewPlan(
+        tuple(info.shape),
+        np.dtype(info.dtype),
+        (key,),
+        lambda opened, key=key: V.as_view(opened[key]),
+        rule,
+    )
 
 
 def _info(x) -> TensorInfo:
-  if isinstance(x, TensorInfo):
-    return x
-  dt = x.dtype
-  if isinstance(dt, ts.dtype):
-    dt = dt.numpy_dtype
-  elif isinstance(dt, str):
-    import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
-  return TensorInfo(tuple(x.shape), np.dtype(dt))
+    if isinstance(x, TensorInfo):
+        return x
+    dt = x.dtype
+    if isinstance(dt, ts.dtype):
+        dt = dt.numpy_dtype
+    elif isinstance(dt, str):
+        import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
+    return TensorInfo(tuple(x.shape), np.dtype(dt))
 
 
-def compile_restore_plan(spec: Spec, saved: Mapping[Key, Any], *,
-                         strict: Optional[bool] = None) -> dict[Key, ViewPlan]:
-  """Target key -> ViewPlan for every saved tensor.
+def compile_restore_plan(
+    spec: Spec, saved: Mapping[Key, Any], *, strict: bool | None = None
+) -> dict[Key, ViewPlan]:
+    """Target key -> ViewPlan for every saved tensor.
 
-  ``saved``: saved key (tuple of str) -> ``TensorInfo`` (or anything with ``shape``/``dtype``).
-  Keys under a param root are matched against the spec's active restore rules (first match
-  wins) relative to that root; keys outside param roots move with their root (or stay). With
-  ``strict`` (default: ``spec.strict``) a parameter no rule covers, or a required rule that matches
-  nothing, is a ``StrictnessError`` naming them; otherwise uncovered keys pass through unchanged.
-  """
-  if not isinstance(spec, Spec):
-    from jax_ucp.language.toml_io import load_spec
-    spec = load_spec(spec)
-  env0 = spec.env
-  rules = spec.active_restore()
-  # a spec without restore rules (e.g. import-only) leaves every tensor as it is (roots still move)
-  strict = (spec.strict if strict is None else strict) and bool(rules)
-  out: dict[Key, ViewPlan] = {}
-  origin: dict[Key, str] = {}
+    ``saved``: saved key (tuple of str) -> ``TensorInfo`` (or anything with ``shape``/``dtype``).
+    Keys under a param root are matched against the spec's active restore rules (first match
+    wins) relative to that root; keys outside param roots move with their root (or stay). With
+    ``strict`` (default: ``spec.strict``) a parameter no rule covers, or a required rule that matches
+    nothing, is a ``StrictnessError`` naming them; otherwise uncovered keys pass through unchanged.
+    """
+    if not isinstance(spec, Spec):
+        from jax_ucp.language.toml_io import load_spec
 
-  def put(tkey, plan, what):
-    tkey = tuple(tkey)
-    if tkey in out:
-      raise LanguageError(f"restore plan: {what} and {origin[tkey]} both map to "
-                          f"{'/'.join(tkey)}")
-    out[tkey] = plan
-    origin[tkey] = what
+        spec = load_spec(spec)
+    env0 = spec.env
+    rules = spec.active_restore()
+    # a spec without restore rules (e.g. import-only) leaves every tensor as it is (roots still move)
+    strict = (spec.strict if strict is None else strict) and bool(rules)
+    out: dict[Key, ViewPlan] = {}
+    origin: dict[Key, str] = {}
 
-  per_rule: dict[int, list] = {i: [] for i, _ in rules}
-  uncovered = []
-  # Parameters before the optimizer state that mirrors them, so an error names the parameter.
-  ordered = sorted(saved.items(), key=lambda kv: str(kv[0][0]) not in ("params", "model_params"))
-  for key, info in ordered:
-    key = tuple(str(k) for k in key)
-    info = _info(info)
-    found = _find_root(spec, key)
-    if found is None:
-      put(key, _identity(key, info), "/".join(key))
-      continue
-    root, n, caps = found
-    tprefix = root.target_prefix(key, n, caps, env0)
-    if not root.params:
-      put(tprefix + key[n:], _identity(key, info, f"root {root.source!r}"), "/".join(key))
-      continue
-    rel = "/".join(key[n:])
+    def put(tkey, plan, what):
+        tkey = tuple(tkey)
+        if tkey in out:
+            raise LanguageError(
+                f"restore plan: {what} and {origin[tkey]} both map to {'/'.join(tkey)}"
+            )
+        out[tkey] = plan
+        origin[tkey] = what
+
+    per_rule: dict[int, list] = {i: [] for i, _ in rules}
+    uncovered = []
+    # Parameters before the optimizer state that mirrors them, so an error names the parameter.
+    ordered = sorted(saved.items(), key=lambda kv: str(kv[0][0]) not in ("params", "model_params"))
+    for key, info in ordered:
+        key = tuple(str(k) for k in key)
+        info = _info(info)
+        found = _find_root(spec, key)
+        if found is None:
+            put(key, _identity(key, info), "/".join(key))
+            continue
+        root, n, caps = found
+        tprefix = root.target_prefix(key, n, caps, env0)
+        if not root.params:
+            put(tprefix + key[n:], _identity(key, info, f"root {root.source!r}"), "/".join(key))
+            continue
+        rel = "/".join(key[n:])
+        for i, r in rules:
+            m = r._re.fullmatch(rel)
+            if m:
+                named = set(m.re.groupindex.values())
+                vars_ = {
+                    str(j): g
+                    for j, g in enumerate(m.groups(), start=1)
+                    if g is not None and j not in named
+                }
+                vars_.update({k: v for k, v in m.groupdict().items() if v is not None})
+                node = _leaf(key, _placeholder(key, info))
+                per_rule[i].append((tuple(key[:n]), tprefix, vars_, node, rel))
+                break
+        else:
+            uncovered.append((key, info, tprefix, rel))
+
+    if strict:
+        problems = []
+        if uncovered:
+            names = ["/".join(u[0]) for u in uncovered]
+            problems.append(
+                f"{len(names)} tensor(s) covered by no restore rule: "
+                + ", ".join(names[:20])
+                + (" ..." if len(names) > 20 else "")
+            )
+        for i, r in rules:
+            if r.required and not per_rule[i]:
+                problems.append(f"{describe_rule(r, i, 'restore')} matched no tensor")
+        if problems:
+            raise StrictnessError(f"spec {spec.name!r}: " + "; ".join(problems))
+    for key, info, tprefix, rel in uncovered:
+        put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
+
     for i, r in rules:
-      m = r._re.fullmatch(rel)
-      if m:
-        named = set(m.re.groupindex.values())
-        vars_ = {str(j): g for j, g in enumerate(m.groups(), start=1)
-                 if g is not None and j not in named}
-        vars_.update({k: v for k, v in m.groupdict().items() if v is not None})
-        node = _leaf(key, _placeholder(key, info))
-        per_rule[i].append((tuple(key[:n]), tprefix, vars_, node, rel))
-        break
-    else:
-      uncovered.append((key, info, tprefix, rel))
-
-  if strict:
-    problems = []
-    if uncovered:
-      names = ["/".join(u[0]) for u in uncovered]
-      problems.append(f"{len(names)} tensor(s) covered by no restore rule: " + ", ".join(names[:20])
-                      + (" ..." if len(names) > 20 else ""))
-    for i, r in rules:
-      if r.required and not per_rule[i]:
-        problems.append(f"{describe_rule(r, i, 'restore')} matched no tensor")
-    if problems:
-      raise StrictnessError(f"spec {spec.name!r}: " + "; ".join(problems))
-  for key, info, tprefix, rel in uncovered:
-    put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
-
-  for i, r in rules:
-    entries = per_rule[i]
-    if not entries:
-      continue
-    what = describe_rule(r, i, "restore")
-    for op in r.ops:
-      entries = _apply_op(op, entries, env0, what)
-    for inst, tprefix, vars_, node, rel in entries:
-      env = dict(env0)
-      env.update(vars_)
-      try:
-        tgt = rel if r.target is None else _render(r.target, env, what)
-      except LanguageError as e:
-        raise type(e)(f"{what}: target {r.target!r} for {'/'.join(inst)}/{rel}: {e}") from None
-      tkey = tprefix + tuple(p for p in tgt.split("/") if p)
-      v = node.view
-      put(tkey, ViewPlan(tuple(v.shape), np.dtype(v.dtype.numpy_dtype), node.sources, node.fn,
-                         what, node.ops),
-          f"{'/'.join(inst)}/{rel} ({what})")
-  return out
+        entries = per_rule[i]
+        if not entries:
+            continue
+        what = describe_rule(r, i, "restore")
+        for op in r.ops:
+            entries = _apply_op(op, entries, env0, what)
+        for inst, tprefix, vars_, node, rel in entries:
+            env = dict(env0)
+            env.update(vars_)
+            try:
+                tgt = rel if r.target is None else _render(r.target, env, what)
+            except LanguageError as e:
+                raise type(e)(
+                    f"{what}: target {r.target!r} for {'/'.join(inst)}/{rel}: {e}"
+                ) from None
+            tkey = tprefix + tuple(p for p in tgt.split("/") if p)
+            v = node.view
+            put(
+                tkey,
+                ViewPlan(
+                    tuple(v.shape),
+                    np.dtype(v.dtype.numpy_dtype),
+                    node.sources,
+                    node.fn,
+                    what,
+                    node.ops,
+                ),
+                f"{'/'.join(inst)}/{rel} ({what})",
+            )
+    return out
 
 
 def _render(template, env, what):
-  from jax_ucp.language.settings import render
-  return render(template, env, where=f"{what}: ")
+    from jax_ucp.language.settings import render
+
+    return render(template, env, where=f"{what}: ")
 
 
 def _apply_op(op, entries, env0, what):
-  """Run one op over the entries (inst, tprefix, vars, node, rel)."""
-  out = []
-  if op.arity == "map":
+    """Run one op over the entries (inst, tprefix, vars, node, rel)."""
+    out = []
+    if op.arity == "map":
+        for inst, tp, vars_, node, rel in entries:
+            env = {**env0, **vars_}
+            view = _guard(lambda: op.apply(node.view, env), op, what, inst, rel)
+            fn = lambda opened, node=node, env=env: op.apply(node.fn(opened), env)
+            out.append((inst, tp, vars_, _Node(node.sources, fn, view, node.ops + (op.op,)), rel))
+        return out
+    if op.arity == "fanout":
+        for inst, tp, vars_, node, rel in entries:
+            if getattr(op, "if_unbound", False) and op.var in vars_:
+                out.append((inst, tp, vars_, node, rel))
+                continue
+            env = {**env0, **vars_}
+            labels = _guard(lambda: op.labels(node.view, env), op, what, inst, rel)
+            for j, lab in enumerate(labels):
+                view = _guard(lambda: op.part(node.view, env, j), op, what, inst, rel)
+                fn = lambda opened, node=node, env=env, j=j: op.part(node.fn(opened), env, j)
+                out.append(
+                    (
+                        inst,
+                        tp,
+                        {**vars_, op.var: lab},
+                        _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",)),
+                        f"{rel}[{op.var}={lab}]",
+                    )
+                )
+        return out
+    # fan-in
+    groups: dict = {}
     for inst, tp, vars_, node, rel in entries:
-      env = {**env0, **vars_}
-      view = _guard(lambda: op.apply(node.view, env), op, what, inst, rel)
-      fn = (lambda opened, node=node, env=env: op.apply(node.fn(opened), env))
-      out.append((inst, tp, vars_, _Node(node.sources, fn, view, node.ops + (op.op,)), rel))
+        if op.over not in vars_:
+            raise TransformError(
+                f"{what}: op {op.op!r} combines over {op.over!r}, but {'/'.join(inst)}/"
+                f"{rel} has no such variable (have: {', '.join(sorted(vars_)) or 'none'}); "
+                f"name a regex group (?P<{op.over}>...)"
+            )
+        rest = tuple(sorted((k, v) for k, v in vars_.items() if k != op.over))
+        groups.setdefault((inst, tp, rest), []).append((vars_[op.over], node, rel))
+    for (inst, tp, rest), items in groups.items():
+        by = {}
+        for lab, node, rel in items:
+            if lab in by:
+                raise TransformError(
+                    f"{what}: {'/'.join(inst)}: {rel} and {by[lab][1]} both have {op.over}={lab}"
+                )
+            by[lab] = (node, rel)
+        env = {**env0, **dict(rest)}
+        first_rel = items[0][2]
+        order = _guard(
+            lambda: op.order(list(by), env, f"{what} at {'/'.join(inst)}/{first_rel}"),
+            op,
+            what,
+            inst,
+            first_rel,
+        )
+        nodes = [by[lab][0] for lab in order]
+        view = _guard(lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel)
+        fn = lambda opened, nodes=nodes, env=env: op.combine([n.fn(opened) for n in nodes], env)
+        sources = tuple(s for n in nodes for s in n.sources)
+        rel = f"{op.op}({', '.join(by[lab][1] for lab in order[:3])}{', ...' if len(order) > 3 else ''})"
+        out.append((inst, tp, dict(rest), _Node(sources, fn, view, nodes[0].ops + (op.op,)), rel))
     return out
-  if op.arity == "fanout":
-    for inst, tp, vars_, node, rel in entries:
-      if getattr(op, "if_unbound", False) and op.var in vars_:
-        out.append((inst, tp, vars_, node, rel))
-        continue
-      env = {**env0, **vars_}
-      labels = _guard(lambda: op.labels(node.view, env), op, what, inst, rel)
-      for j, lab in enumerate(labels):
-        view = _guard(lambda: op.part(node.view, env, j), op, what, inst, rel)
-        fn = (lambda opened, node=node, env=env, j=j: op.part(node.fn(opened), env, j))
-        out.append((inst, tp, {**vars_, op.var: lab},
-                    _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",)),
-                    f"{rel}[{op.var}={lab}]"))
-    return out
-  # fan-in
-  groups: dict = {}
-  for inst, tp, vars_, node, rel in entries:
-    if op.over not in vars_:
-      raise TransformError(f"{what}: op {op.op!r} combines over {op.over!r}, but {'/'.join(inst)}/"
-                           f"{rel} has no such variable (have: {', '.join(sorted(vars_)) or 'none'}); "
-                           f"name a regex group (?P<{op.over}>...)")
-    rest = tuple(sorted((k, v) for k, v in vars_.items() if k != op.over))
-    groups.setdefault((inst, tp, rest), []).append((vars_[op.over], node, rel))
-  for (inst, tp, rest), items in groups.items():
-    by = {}
-    for lab, node, rel in items:
-      if lab in by:
-        raise TransformError(f"{what}: {'/'.join(inst)}: {rel} and {by[lab][1]} both have "
-                             f"{op.over}={lab}")
-      by[lab] = (node, rel)
-    env = {**env0, **dict(rest)}
-    first_rel = items[0][2]
-    order = _guard(lambda: op.order(list(by), env, f"{what} at {'/'.join(inst)}/{first_rel}"),
-                   op, what, inst, first_rel)
-    nodes = [by[lab][0] for lab in order]
-    view = _guard(lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel)
-    fn = (lambda opened, nodes=nodes, env=env: op.combine([n.fn(opened) for n in nodes], env))
-    sources = tuple(s for n in nodes for s in n.sources)
-    rel = f"{op.op}({', '.join(by[lab][1] for lab in order[:3])}{', ...' if len(order) > 3 else ''})"
-    out.append((inst, tp, dict(rest), _Node(sources, fn, view, nodes[0].ops + (op.op,)), rel))
-  return out
 
 
 def _guard(thunk, op, what, inst, rel):
-  try:
-    return thunk()
-  except TransformError as e:
-    raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
-  except LanguageError:
-    raise
-  except (ValueError, IndexError) as e:
-    raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
+    try:
+        return thunk()
+    except TransformError as e:
+        raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
+    except LanguageError:
+        raise
+    except (ValueError, IndexError) as e:
+        raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
 
 
 # ------------------------------------------------------------------------------- helpers
 
+
 def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
-  """Flat {key tuple: TensorInfo} from a nested dict of arrays (tests, in-memory use)."""
-  out = {}
+    """Flat {key tuple: TensorInfo} from a nested dict of arrays (tests, in-memory use)."""
+    out = {}
 
-  def rec(prefix, x):
-    if isinstance(x, Mapping):
-      for k, v in x.items():
-        rec(prefix + (str(k),), v)
-    elif isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
-      for k, v in enumerate(x):
-        rec(prefix + (str(k),), v)
-    else:
-      out[prefix] = TensorInfo(tuple(np.shape(x)), np.asarray(x).dtype if not hasattr(x, "dtype")
-                               else (x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else x.dtype))
+    def rec(prefix, x):
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                rec(prefix + (str(k),), v)
+        elif isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
+            for k, v in enumerate(x):
+                rec(prefix + (str(k),), v)
+        else:
+            out[prefix] = TensorInfo(
+                tuple(np.shape(x)),
+                np.asarray(x).dtype
+                if not hasattr(x, "dtype")
+                else (x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else x.dtype),
+            )
 
-  rec((), tree_or_arrays)
-  return out
+    rec((), tree_or_arrays)
+    return out
 
 
 def flatten(tree: Mapping) -> dict[Key, Any]:
-  out = {}
+    out = {}
 
-  def rec(prefix, x):
-    if isinstance(x, Mapping):
-      for k, v in x.items():
-        rec(prefix + (str(k),), v)
-    else:
-      out[prefix] = x
+    def rec(prefix, x):
+        if isinstance(x, Mapping):
+            for k, v in x.items():
+                rec(prefix + (str(k),), v)
+        else:
+            out[prefix] = x
 
-  rec((), tree)
-  return out
+    rec((), tree)
+    return out
 
 
 def unflatten(flat: Mapping[Key, Any]) -> dict:
-  out: dict = {}
-  for key, v in flat.items():
-    d = out
-    for k in key[:-1]:
-      d = d.setdefault(k, {})
-    d[key[-1]] = v
-  return out
+    out: dict = {}
+    for key, v in flat.items():
+        d = out
+        for k in key[:-1]:
+            d = d.setdefault(k, {})
+        d[key[-1]] = v
+    return out
 
 
-def apply_restore_plan(plan: Mapping[Key, ViewPlan], arrays: Mapping[Key, Any], *,
-                       read: bool = True) -> dict[Key, Any]:
-  """Build every view over in-memory ``arrays`` (numpy or TensorStore); read them to numpy
-  unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device."""
-  opened = {k: V.as_view(v) for k, v in arrays.items()}
-  out = {}
-  for k, p in plan.items():
-    t = p.build(opened)
-    out[k] = t.read().result() if read else t
-  return out
+def apply_restore_plan(
+    plan: Mapping[Key, ViewPlan], arrays: Mapping[Key, Any], *, read: bool = True
+) -> dict[Key, Any]:
+    """Build every view over in-memory ``arrays`` (numpy or TensorStore); read them to numpy
+    unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device."""
+    opened = {k: V.as_view(v) for k, v in arrays.items()}
+    out = {}
+    for k, p in plan.items():
+        t = p.build(opened)
+        out[k] = t.read().result() if read else t
+    return out
 
 
-def restore_tree(spec: Spec, tree: Mapping, *, strict: Optional[bool] = None) -> dict:
-  """Apply a spec to an in-memory nested dict of arrays: the restored nested dict (numpy)."""
-  flat = flatten(tree)
-  plan = compile_restore_plan(spec, saved_infos(tree), strict=strict)
-  return unflatten(apply_restore_plan(plan, flat))
+def restore_tree(spec: Spec, tree: Mapping, *, strict: bool | None = None) -> dict:
+    """Apply a spec to an in-memory nested dict of arrays: the restored nested dict (numpy)."""
+    flat = flatten(tree)
+    plan = compile_restore_plan(spec, saved_infos(tree), strict=strict)
+    return unflatten(apply_restore_plan(plan, flat))
 
 
 def describe_plan(plan: Mapping[Key, ViewPlan]) -> list[str]:
-  """One line per target: target <- sources via ops (rule)."""
-  lines = []
-  for k, p in sorted(plan.items()):
-    src = ", ".join("/".join(s) for s in p.sources[:3]) + (" ..." if len(p.sources) > 3 else "")
-    ops = " -> ".join(p.ops) if p.ops else "as is"
-    lines.append(f"{'/'.join(k)} {list(p.shape)} {p.dtype} <- {src} [{ops}] ({p.rule})")
-  return lines
+    """One line per target: target <- sources via ops (rule)."""
+    lines = []
+    for k, p in sorted(plan.items()):
+        src = ", ".join("/".join(s) for s in p.sources[:3]) + (" ..." if len(p.sources) > 3 else "")
+        ops = " -> ".join(p.ops) if p.ops else "as is"
+        lines.append(f"{'/'.join(k)} {list(p.shape)} {p.dtype} <- {src} [{ops}] ({p.rule})")
+    return lines

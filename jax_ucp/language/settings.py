@@ -11,152 +11,167 @@ from __future__ import annotations
 
 import ast
 import re
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from jax_ucp.language.errors import SpecError
 
 # canonical name -> accepted aliases
 ALIASES: dict[str, tuple[str, ...]] = {
-  "num_attention_heads": ("num_heads", "heads", "n_head"),
-  "num_query_groups": ("num_kv_heads", "kv_heads", "query_groups", "n_kv_head"),
-  "head_dim": ("kv_channels",),
-  "hidden_size": ("hidden", "d_model", "n_embd"),
-  "ffn_hidden_size": ("ffn_hidden", "intermediate_size"),
-  "num_layers": ("layers", "n_layer"),
-  "vocab_size": ("orig_vocab_size",),
-  "tp": ("tensor_model_parallel_size",),
-  "pp": ("pipeline_model_parallel_size",),
-  "ep": ("expert_model_parallel_size",),
-  "num_experts": ("num_moe_experts",),
+    "num_attention_heads": ("num_heads", "heads", "n_head"),
+    "num_query_groups": ("num_kv_heads", "kv_heads", "query_groups", "n_kv_head"),
+    "head_dim": ("kv_channels",),
+    "hidden_size": ("hidden", "d_model", "n_embd"),
+    "ffn_hidden_size": ("ffn_hidden", "intermediate_size"),
+    "num_layers": ("layers", "n_layer"),
+    "vocab_size": ("orig_vocab_size",),
+    "tp": ("tensor_model_parallel_size",),
+    "pp": ("pipeline_model_parallel_size",),
+    "ep": ("expert_model_parallel_size",),
+    "num_experts": ("num_moe_experts",),
 }
 _CANON = {alias: canon for canon, al in ALIASES.items() for alias in al}
 
 
 def canonical(name: str) -> str:
-  return _CANON.get(name, name)
+    return _CANON.get(name, name)
 
 
 def normalize(settings: Mapping[str, Any] | None) -> dict[str, Any]:
-  """Aliases -> canonical names (an error when an alias and its canonical name disagree)."""
-  out: dict[str, Any] = {}
-  for k, v in (settings or {}).items():
-    c = canonical(k)
-    if c in out and out[c] != v:
-      raise SpecError(f"setting {k!r} = {v!r} disagrees with {c!r} = {out[c]!r}")
-    out[c] = v
-  return out
+    """Aliases -> canonical names (an error when an alias and its canonical name disagree)."""
+    out: dict[str, Any] = {}
+    for k, v in (settings or {}).items():
+        c = canonical(k)
+        if c in out and out[c] != v:
+            raise SpecError(f"setting {k!r} = {v!r} disagrees with {c!r} = {out[c]!r}")
+        out[c] = v
+    return out
 
 
 def derived(settings: Mapping[str, Any]) -> dict[str, Any]:
-  """Settings with defaults derived from others (num_query_groups, head_dim, padded vocab)."""
-  s = normalize(settings)
-  if "num_attention_heads" in s and "num_query_groups" not in s:
-    s["num_query_groups"] = s["num_attention_heads"]
-  if "head_dim" not in s and "hidden_size" in s and "num_attention_heads" in s:
-    h, n = _as_int(s["hidden_size"]), _as_int(s["num_attention_heads"])
-    if h is not None and n and h % n == 0:
-      s["head_dim"] = h // n
-  if "vocab_size" in s and "padded_vocab_size" not in s:
-    v = _as_int(s["vocab_size"])
-    m = _as_int(s.get("make_vocab_size_divisible_by", 1)) or 1
-    tp = _as_int(s.get("tp", 1)) or 1
-    if v is not None:
-      s["padded_vocab_size"] = padded_vocab_size(v, m, tp)
-  return s
+    """Settings with defaults derived from others (num_query_groups, head_dim, padded vocab)."""
+    s = normalize(settings)
+    if "num_attention_heads" in s and "num_query_groups" not in s:
+        s["num_query_groups"] = s["num_attention_heads"]
+    if "head_dim" not in s and "hidden_size" in s and "num_attention_heads" in s:
+        h, n = _as_int(s["hidden_size"]), _as_int(s["num_attention_heads"])
+        if h is not None and n and h % n == 0:
+            s["head_dim"] = h // n
+    if "vocab_size" in s and "padded_vocab_size" not in s:
+        v = _as_int(s["vocab_size"])
+        m = _as_int(s.get("make_vocab_size_divisible_by", 1)) or 1
+        tp = _as_int(s.get("tp", 1)) or 1
+        if v is not None:
+            s["padded_vocab_size"] = padded_vocab_size(v, m, tp)
+    return s
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
-  """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp."""
-  m = max(1, int(divisible_by)) * max(1, int(tp))
-  return -(-int(vocab_size) // m) * m
+    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp."""
+    m = max(1, int(divisible_by)) * max(1, int(tp))
+    return -(-int(vocab_size) // m) * m
 
 
 def _as_int(v) -> int | None:
-  if isinstance(v, bool):
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and re.fullmatch(r"-?\d+", v.strip()):
+        return int(v)
     return None
-  if isinstance(v, int):
-    return v
-  if isinstance(v, str) and re.fullmatch(r"-?\d+", v.strip()):
-    return int(v)
-  return None
 
 
-_BINOPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b,
-           ast.Mult: lambda a, b: a * b, ast.FloorDiv: lambda a, b: a // b,
-           ast.Mod: lambda a, b: a % b}
+_BINOPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.FloorDiv: lambda a, b: a // b,
+    ast.Mod: lambda a, b: a % b,
+}
 
 
 def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
-  """An int, or a string expression over ``env`` (settings and captured variables)."""
-  v = _as_int(expr)
-  if v is not None:
-    return v
-  if not isinstance(expr, str):
-    raise SpecError(f"{where}expected an integer or an expression string, got {expr!r}")
-  env = normalize_env(env)
-  try:
-    tree = ast.parse(expr.strip(), mode="eval")
-  except SyntaxError as e:
-    raise SpecError(f"{where}bad expression {expr!r}: {e.msg}") from None
+    """An int, or a string expression over ``env`` (settings and captured variables)."""
+    v = _as_int(expr)
+    if v is not None:
+        return v
+    if not isinstance(expr, str):
+        raise SpecError(f"{where}expected an integer or an expression string, got {expr!r}")
+    env = normalize_env(env)
+    try:
+        tree = ast.parse(expr.strip(), mode="eval")
+    except SyntaxError as e:
+        raise SpecError(f"{where}bad expression {expr!r}: {e.msg}") from None
 
-  def ev(n):
-    if isinstance(n, ast.Expression):
-      return ev(n.body)
-    if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):
-      return n.value
-    if isinstance(n, ast.Name):
-      name = canonical(n.id)
-      if name not in env:
-        raise SpecError(f"{where}expression {expr!r}: unknown setting {n.id!r} "
-                        f"(known: {', '.join(sorted(env)) or 'none'})")
-      val = _as_int(env[name])
-      if val is None:
-        raise SpecError(f"{where}expression {expr!r}: setting {n.id!r} = {env[name]!r} is not an integer")
-      return val
-    if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
-      a, b = ev(n.left), ev(n.right)
-      if isinstance(n.op, (ast.FloorDiv, ast.Mod)) and b == 0:
-        raise SpecError(f"{where}expression {expr!r} divides by zero")
-      return _BINOPS[type(n.op)](a, b)
-    if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-      return -ev(n.operand)
-    raise SpecError(f"{where}expression {expr!r}: only integers, setting names and + - * // % "
-                    f"are allowed")
+    def ev(n):
+        if isinstance(n, ast.Expression):
+            return ev(n.body)
+        if (
+            isinstance(n, ast.Constant)
+            and isinstance(n.value, int)
+            and not isinstance(n.value, bool)
+        ):
+            return n.value
+        if isinstance(n, ast.Name):
+            name = canonical(n.id)
+            if name not in env:
+                raise SpecError(
+                    f"{where}expression {expr!r}: unknown setting {n.id!r} "
+                    f"(known: {', '.join(sorted(env)) or 'none'})"
+                )
+            val = _as_int(env[name])
+            if val is None:
+                raise SpecError(
+                    f"{where}expression {expr!r}: setting {n.id!r} = {env[name]!r} is not an integer"
+                )
+            return val
+        if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
+            a, b = ev(n.left), ev(n.right)
+            if isinstance(n.op, (ast.FloorDiv, ast.Mod)) and b == 0:
+                raise SpecError(f"{where}expression {expr!r} divides by zero")
+            return _BINOPS[type(n.op)](a, b)
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            return -ev(n.operand)
+        raise SpecError(
+            f"{where}expression {expr!r}: only integers, setting names and + - * // % are allowed"
+        )
 
-  return ev(tree)
+    return ev(tree)
 
 
 def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
-  out = {}
-  for k, v in env.items():
-    out[k] = v
-    out.setdefault(canonical(k), v)
-    if k.isdigit():
-      out["_" + k] = v
-  return out
+    out = {}
+    for k, v in env.items():
+        out[k] = v
+        out.setdefault(canonical(k), v)
+        if k.isdigit():
+            out["_" + k] = v
+    return out
 
 
 _FIELD = re.compile(r"\{([^{}]*)\}")
 
 
 def template_fields(template: str) -> list[str]:
-  return _FIELD.findall(template.replace("{{", "").replace("}}", ""))
+    return _FIELD.findall(template.replace("{{", "").replace("}}", ""))
 
 
 def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
-  """``{name}`` -> value of a captured variable or setting; ``{expr}`` -> integer expression
-  (numbered regex groups are ``{1}`` or ``_1`` inside expressions); ``{{``/``}}`` escape braces."""
-  def sub(m):
-    key = m.group(1).strip()
-    if key in env:
-      return str(env[key])
-    if canonical(key) in env:
-      return str(env[canonical(key)])
-    return str(eval_int(key, env, where=where))
+    """``{name}`` -> value of a captured variable or setting; ``{expr}`` -> integer expression
+    (numbered regex groups are ``{1}`` or ``_1`` inside expressions); ``{{``/``}}`` escape braces."""
 
-  parts = template.split("{{")
-  out = []
-  for p in parts:
-    q = p.split("}}")
-    out.append("}".join(_FIELD.sub(sub, x) for x in q))
-  return "{".join(out)
+    def sub(m):
+        key = m.group(1).strip()
+        if key in env:
+            return str(env[key])
+        if canonical(key) in env:
+            return str(env[canonical(key)])
+        return str(eval_int(key, env, where=where))
+
+    parts = template.split("{{")
+    out = []
+    for p in parts:
+        q = p.split("}}")
+        out.append("}".join(_FIELD.sub(sub, x) for x in q))
+    return "{".join(out)

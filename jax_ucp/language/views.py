@@ -11,7 +11,7 @@ beyond what numpy already holds).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -20,242 +20,274 @@ from jax_ucp.language.errors import TransformError
 
 
 def as_view(x) -> ts.TensorStore:
-  """A zero-origin TensorStore view of ``x`` (TensorStore or numpy array)."""
-  if isinstance(x, ts.TensorStore):
-    return zero_origin(x)
-  return ts.array(np.asarray(x))
+    """A zero-origin TensorStore view of ``x`` (TensorStore or numpy array)."""
+    if isinstance(x, ts.TensorStore):
+        return zero_origin(x)
+    return ts.array(np.asarray(x))
 
 
 def zero_origin(t: ts.TensorStore) -> ts.TensorStore:
-  if t.rank == 0:
-    return t
-  if all(o == 0 for o in t.domain.origin):
-    return t
-  return t[ts.d[:].translate_to[0]]
+    if t.rank == 0:
+        return t
+    if all(o == 0 for o in t.domain.origin):
+        return t
+    return t[ts.d[:].translate_to[0]]
 
 
 def _axis(t: ts.TensorStore, axis: int, what: str = "axis") -> int:
-  r = t.rank
-  a = axis + r if axis < 0 else axis
-  if not 0 <= a < r:
-    raise TransformError(f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(t.shape)}")
-  return a
+    r = t.rank
+    a = axis + r if axis < 0 else axis
+    if not 0 <= a < r:
+        raise TransformError(
+            f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(t.shape)}"
+        )
+    return a
 
 
 def transpose(t: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.TensorStore:
-  """numpy.transpose semantics; ``perm=None`` reverses the axes (torch [out,in] -> flax [in,out])."""
-  t = as_view(t)
-  if t.rank < 2 and perm is None:
-    return t
-  if perm is None:
-    perm = list(range(t.rank))[::-1]
-  perm = [_axis(t, p) for p in perm]
-  if sorted(perm) != list(range(t.rank)):
-    raise TransformError(f"transpose: {list(perm)} is not a permutation of the {t.rank} axes")
-  return zero_origin(t.transpose(perm))
+    """numpy.transpose semantics; ``perm=None`` reverses the axes (torch [out,in] -> flax [in,out])."""
+    t = as_view(t)
+    if t.rank < 2 and perm is None:
+        return t
+    if perm is None:
+        perm = list(range(t.rank))[::-1]
+    perm = [_axis(t, p) for p in perm]
+    if sorted(perm) != list(range(t.rank)):
+        raise TransformError(f"transpose: {list(perm)} is not a permutation of the {t.rank} axes")
+    return zero_origin(t.transpose(perm))
 
 
 def take(t: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
-  """Select one index along ``axis``, dropping that axis."""
-  t = as_view(t)
-  a = _axis(t, axis)
-  n = t.shape[a]
-  if not -n <= index < n:
-    raise TransformError(f"index {index} out of range for axis {a} of size {n}")
-  return zero_origin(t[ts.d[a][index % n]])
+    """Select one index along ``axis``, dropping that axis."""
+    t = as_view(t)
+    a = _axis(t, axis)
+    n = t.shape[a]
+    if not -n <= index < n:
+        raise TransformError(f"index {index} out of range for axis {a} of size {n}")
+    return zero_origin(t[ts.d[a][index % n]])
 
 
 def slice_axis(t: ts.TensorStore, axis: int, start: int, stop: int) -> ts.TensorStore:
-  t = as_view(t)
-  a = _axis(t, axis)
-  n = t.shape[a]
-  if not 0 <= start <= stop <= n:
-    raise TransformError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
-  return zero_origin(t[ts.d[a][start:stop]])
+    t = as_view(t)
+    a = _axis(t, axis)
+    n = t.shape[a]
+    if not 0 <= start <= stop <= n:
+        raise TransformError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
+    return zero_origin(t[ts.d[a][start:stop]])
 
 
 def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
-  parts = [as_view(p) for p in parts]
-  if not parts:
-    raise TransformError("concat of no tensors")
-  if len(parts) == 1:
-    return parts[0]
-  a = _axis(parts[0], axis)
-  ref = list(parts[0].shape)
-  for i, p in enumerate(parts):
-    s = list(p.shape)
-    if len(s) != len(ref) or s[:a] + s[a + 1:] != ref[:a] + ref[a + 1:]:
-      raise TransformError(f"concat along axis {a}: part {i} has shape {tuple(s)}, "
-                           f"incompatible with part 0's {tuple(ref)}")
-    if p.dtype != parts[0].dtype:
-      raise TransformError(f"concat: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}")
-  return zero_origin(ts.concat(parts, axis=a))
+    parts = [as_view(p) for p in parts]
+    if not parts:
+        raise TransformError("concat of no tensors")
+    if len(parts) == 1:
+        return parts[0]
+    a = _axis(parts[0], axis)
+    ref = list(parts[0].shape)
+    for i, p in enumerate(parts):
+        s = list(p.shape)
+        if len(s) != len(ref) or s[:a] + s[a + 1 :] != ref[:a] + ref[a + 1 :]:
+            raise TransformError(
+                f"concat along axis {a}: part {i} has shape {tuple(s)}, "
+                f"incompatible with part 0's {tuple(ref)}"
+            )
+        if p.dtype != parts[0].dtype:
+            raise TransformError(
+                f"concat: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}"
+            )
+    return zero_origin(ts.concat(parts, axis=a))
 
 
 def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
-  parts = [as_view(p) for p in parts]
-  if not parts:
-    raise TransformError("stack of no tensors")
-  ref = tuple(parts[0].shape)
-  for i, p in enumerate(parts):
-    if tuple(p.shape) != ref:
-      raise TransformError(f"stack: part {i} has shape {tuple(p.shape)}, part 0 has {ref}")
-    if p.dtype != parts[0].dtype:
-      raise TransformError(f"stack: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}")
-  r = parts[0].rank + 1
-  a = axis + r if axis < 0 else axis
-  if not 0 <= a < r:
-    raise TransformError(f"stack axis {axis} out of range for rank {r - 1} parts")
-  return zero_origin(ts.stack(parts, axis=a))
+    parts = [as_view(p) for p in parts]
+    if not parts:
+        raise TransformError("stack of no tensors")
+    ref = tuple(parts[0].shape)
+    for i, p in enumerate(parts):
+        if tuple(p.shape) != ref:
+            raise TransformError(f"stack: part {i} has shape {tuple(p.shape)}, part 0 has {ref}")
+        if p.dtype != parts[0].dtype:
+            raise TransformError(
+                f"stack: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}"
+            )
+    r = parts[0].rank + 1
+    a = axis + r if axis < 0 else axis
+    if not 0 <= a < r:
+        raise TransformError(f"stack axis {axis} out of range for rank {r - 1} parts")
+    return zero_origin(ts.stack(parts, axis=a))
 
 
 def unstack(t: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
-  t = as_view(t)
-  a = _axis(t, axis)
-  return [take(t, a, i) for i in range(t.shape[a])]
+    t = as_view(t)
+    a = _axis(t, axis)
+    return [take(t, a, i) for i in range(t.shape[a])]
 
 
 def split_sizes(t: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list[ts.TensorStore]:
-  """Split ``axis`` into consecutive pieces of the given sizes (which must add up)."""
-  t = as_view(t)
-  a = _axis(t, axis)
-  if sum(sizes) != t.shape[a] or any(s < 0 for s in sizes):
-    raise TransformError(f"split of axis {a} (size {t.shape[a]}) into sizes {list(sizes)}: "
-                         f"they add up to {sum(sizes)}")
-  out, off = [], 0
-  for s in sizes:
-    out.append(slice_axis(t, a, off, off + s))
-    off += s
-  return out
+    """Split ``axis`` into consecutive pieces of the given sizes (which must add up)."""
+    t = as_view(t)
+    a = _axis(t, axis)
+    if sum(sizes) != t.shape[a] or any(s < 0 for s in sizes):
+        raise TransformError(
+            f"split of axis {a} (size {t.shape[a]}) into sizes {list(sizes)}: "
+            f"they add up to {sum(sizes)}"
+        )
+    out, off = [], 0
+    for s in sizes:
+        out.append(slice_axis(t, a, off, off + s))
+        off += s
+    return out
 
 
 def split_even(t: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore]:
-  t = as_view(t)
-  a = _axis(t, axis)
-  if n <= 0 or t.shape[a] % n:
-    raise TransformError(f"axis {a} of size {t.shape[a]} does not split into {n} equal parts")
-  return split_sizes(t, a, [t.shape[a] // n] * n)
+    t = as_view(t)
+    a = _axis(t, axis)
+    if n <= 0 or t.shape[a] % n:
+        raise TransformError(f"axis {a} of size {t.shape[a]} does not split into {n} equal parts")
+    return split_sizes(t, a, [t.shape[a] // n] * n)
 
 
 def split_dim(t: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.TensorStore:
-  """Reshape one axis of size a*b into two axes (a, b); one of them may be -1."""
-  t = as_view(t)
-  ax = _axis(t, axis)
-  n = t.shape[ax]
-  a, b = int(sizes[0]), int(sizes[1])
-  if a == -1 and b > 0 and n % b == 0:
-    a = n // b
-  if b == -1 and a > 0 and n % a == 0:
-    b = n // a
-  if a <= 0 or b <= 0 or a * b != n:
-    raise TransformError(f"cannot split axis {ax} of size {n} into {list(sizes)}")
-  if a == 1:
-    return stack([t], axis=ax)
-  return stack([slice_axis(t, ax, i * b, (i + 1) * b) for i in range(a)], axis=ax)
+    """Reshape one axis of size a*b into two axes (a, b); one of them may be -1."""
+    t = as_view(t)
+    ax = _axis(t, axis)
+    n = t.shape[ax]
+    a, b = int(sizes[0]), int(sizes[1])
+    if a == -1 and b > 0 and n % b == 0:
+        a = n // b
+    if b == -1 and a > 0 and n % a == 0:
+        b = n // a
+    if a <= 0 or b <= 0 or a * b != n:
+        raise TransformError(f"cannot split axis {ax} of size {n} into {list(sizes)}")
+    if a == 1:
+        return stack([t], axis=ax)
+    return stack([slice_axis(t, ax, i * b, (i + 1) * b) for i in range(a)], axis=ax)
 
 
 def merge_dims(t: ts.TensorStore, axis: int) -> ts.TensorStore:
-  """Reshape axes (axis, axis+1) of sizes (a, b) into one axis of size a*b (row-major)."""
-  t = as_view(t)
-  ax = _axis(t, axis)
-  if ax + 1 >= t.rank:
-    raise TransformError(f"merge_dims: axis {ax} has no following axis (shape {tuple(t.shape)})")
-  return concat([take(t, ax, i) for i in range(t.shape[ax])], axis=ax)
+    """Reshape axes (axis, axis+1) of sizes (a, b) into one axis of size a*b (row-major)."""
+    t = as_view(t)
+    ax = _axis(t, axis)
+    if ax + 1 >= t.rank:
+        raise TransformError(
+            f"merge_dims: axis {ax} has no following axis (shape {tuple(t.shape)})"
+        )
+    return concat([take(t, ax, i) for i in range(t.shape[ax])], axis=ax)
 
 
 def group_stages(t: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
-  """[L, ...] -> [stages, L/stages, ...] (pipeline grouping)."""
-  t = as_view(t)
-  a = _axis(t, axis)
-  n = t.shape[a]
-  if stages <= 0 or n % stages:
-    raise TransformError(f"cannot group {n} layers into {stages} pipeline stages: "
-                         f"{n} is not divisible by {stages}")
-  return split_dim(t, a, (stages, n // stages))
+    """[L, ...] -> [stages, L/stages, ...] (pipeline grouping)."""
+    t = as_view(t)
+    a = _axis(t, axis)
+    n = t.shape[a]
+    if stages <= 0 or n % stages:
+        raise TransformError(
+            f"cannot group {n} layers into {stages} pipeline stages: "
+            f"{n} is not divisible by {stages}"
+        )
+    return split_dim(t, a, (stages, n // stages))
 
 
 def ungroup_stages(t: ts.TensorStore, axis: int = 0) -> ts.TensorStore:
-  """[stages, L/stages, ...] -> [L, ...]."""
-  return merge_dims(t, axis)
+    """[stages, L/stages, ...] -> [L, ...]."""
+    return merge_dims(t, axis)
 
 
 def regroup_stages(t: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
-  """[S, L/S, ...] -> [stages, L/stages, ...]; an error if L does not divide by ``stages``."""
-  t = as_view(t)
-  a = _axis(t, axis)
-  if t.rank < a + 2:
-    raise TransformError(f"regroup_stages needs a [stages, layers_per_stage, ...] tensor, got "
-                         f"shape {tuple(t.shape)}")
-  n = t.shape[a] * t.shape[a + 1]
-  if stages <= 0 or n % stages:
-    raise TransformError(f"cannot regroup {n} layers (saved as {t.shape[a]} stages x "
-                         f"{t.shape[a + 1]}) into {stages} pipeline stages: {n} is not divisible "
-                         f"by {stages}")
-  if stages == t.shape[a]:
-    return t
-  return group_stages(ungroup_stages(t, a), stages, a)
+    """[S, L/S, ...] -> [stages, L/stages, ...]; an error if L does not divide by ``stages``."""
+    t = as_view(t)
+    a = _axis(t, axis)
+    if t.rank < a + 2:
+        raise TransformError(
+            f"regroup_stages needs a [stages, layers_per_stage, ...] tensor, got "
+            f"shape {tuple(t.shape)}"
+        )
+    n = t.shape[a] * t.shape[a + 1]
+    if stages <= 0 or n % stages:
+        raise TransformError(
+            f"cannot regroup {n} layers (saved as {t.shape[a]} stages x "
+            f"{t.shape[a + 1]}) into {stages} pipeline stages: {n} is not divisible "
+            f"by {stages}"
+        )
+    if stages == t.shape[a]:
+        return t
+    return group_stages(ungroup_stages(t, a), stages, a)
 
 
 def pad_axis(t: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
-  """Zero-pad ``axis`` at its end to ``size`` (the padding is a small in-memory array)."""
-  t = as_view(t)
-  a = _axis(t, axis)
-  n = t.shape[a]
-  if size < n:
-    raise TransformError(f"pad: axis {a} has size {n} > requested {size}")
-  if size == n:
-    return t
-  shape = list(t.shape)
-  shape[a] = size - n
-  z = ts.array(np.zeros(shape, dtype=t.dtype.numpy_dtype))
-  return concat([t, z], axis=a)
+    """Zero-pad ``axis`` at its end to ``size`` (the padding is a small in-memory array)."""
+    t = as_view(t)
+    a = _axis(t, axis)
+    n = t.shape[a]
+    if size < n:
+        raise TransformError(f"pad: axis {a} has size {n} > requested {size}")
+    if size == n:
+        return t
+    shape = list(t.shape)
+    shape[a] = size - n
+    z = ts.array(np.zeros(shape, dtype=t.dtype.numpy_dtype))
+    return concat([t, z], axis=a)
 
 
 # --- fused QKV in Megatron's per-query-group interleaved order -------------------------------
 
+
 def qkv_sizes(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-  """(rows per group for q, k, v): (heads_per_group*head_dim, head_dim, head_dim)."""
-  if num_kv_heads <= 0 or num_heads % num_kv_heads:
-    raise TransformError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-  return (num_heads // num_kv_heads * head_dim, head_dim, head_dim)
+    """(rows per group for q, k, v): (heads_per_group*head_dim, head_dim, head_dim)."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise TransformError(
+            f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+        )
+    return (num_heads // num_kv_heads * head_dim, head_dim, head_dim)
 
 
-def split_qkv(t: ts.TensorStore, axis: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              interleaved: bool = True) -> list[ts.TensorStore]:
-  """Fused QKV -> [q, k, v] along ``axis``.
+def split_qkv(
+    t: ts.TensorStore,
+    axis: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    interleaved: bool = True,
+) -> list[ts.TensorStore]:
+    """Fused QKV -> [q, k, v] along ``axis``.
 
-  interleaved=True: Megatron layout, per query group g: [q heads of g, k_g, v_g].
-  interleaved=False: plain [Q; K; V] concatenation.
-  """
-  t = as_view(t)
-  a = _axis(t, axis)
-  qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
-  g = num_kv_heads
-  total = g * (qg + kg + vg)
-  if t.shape[a] != total:
-    raise TransformError(f"fused QKV axis {a} has size {t.shape[a]}, expected {total} "
-                         f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})")
-  if not interleaved:
-    return split_sizes(t, a, [g * qg, g * kg, g * vg])
-  groups = split_even(t, a, g)
-  per = [split_sizes(x, a, [qg, kg, vg]) for x in groups]
-  return [concat([p[j] for p in per], axis=a) for j in range(3)]
+    interleaved=True: Megatron layout, per query group g: [q heads of g, k_g, v_g].
+    interleaved=False: plain [Q; K; V] concatenation.
+    """
+    t = as_view(t)
+    a = _axis(t, axis)
+    qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
+    g = num_kv_heads
+    total = g * (qg + kg + vg)
+    if t.shape[a] != total:
+        raise TransformError(
+            f"fused QKV axis {a} has size {t.shape[a]}, expected {total} "
+            f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})"
+        )
+    if not interleaved:
+        return split_sizes(t, a, [g * qg, g * kg, g * vg])
+    groups = split_even(t, a, g)
+    per = [split_sizes(x, a, [qg, kg, vg]) for x in groups]
+    return [concat([p[j] for p in per], axis=a) for j in range(3)]
 
 
-def merge_qkv(q, k, v, axis: int, num_heads: int, num_kv_heads: int, head_dim: int,
-              interleaved: bool = True) -> ts.TensorStore:
-  q, k, v = as_view(q), as_view(k), as_view(v)
-  a = _axis(q, axis)
-  qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
-  g = num_kv_heads
-  for name, x, want in (("q", q, g * qg), ("k", k, g * kg), ("v", v, g * vg)):
-    if x.shape[a] != want:
-      raise TransformError(f"merge_qkv: {name} has size {x.shape[a]} on axis {a}, expected {want} "
-                           f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})")
-  if not interleaved:
-    return concat([q, k, v], axis=a)
-  qs, ks, vs = split_even(q, a, g), split_even(k, a, g), split_even(v, a, g)
-  pieces = []
-  for i in range(g):
-    pieces += [qs[i], ks[i], vs[i]]
-  return concat(pieces, axis=a)
+def merge_qkv(
+    q, k, v, axis: int, num_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool = True
+) -> ts.TensorStore:
+    q, k, v = as_view(q), as_view(k), as_view(v)
+    a = _axis(q, axis)
+    qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
+    g = num_kv_heads
+    for name, x, want in (("q", q, g * qg), ("k", k, g * kg), ("v", v, g * vg)):
+        if x.shape[a] != want:
+            raise TransformError(
+                f"merge_qkv: {name} has size {x.shape[a]} on axis {a}, expected {want} "
+                f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})"
+            )
+    if not interleaved:
+        return concat([q, k, v], axis=a)
+    qs, ks, vs = split_even(q, a, g), split_even(k, a, g), split_even(v, a, g)
+    pieces = []
+    for i in range(g):
+        pieces += [qs[i], ks[i], vs[i]]
+    return concat(pieces, axis=a)

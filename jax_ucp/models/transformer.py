@@ -7,12 +7,14 @@ RoPE non-interleaved (rotate-half, ``rotary_base`` 10000); ``MLP`` with ``linear
 [gate; up] and ``silu(gate) * up`` when gated, exact-erf GELU otherwise; final norm; output
 layer tied to the word embedding or separate.
 """
+
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -48,15 +50,18 @@ class LMConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
-    def from_settings(cls, s: Mapping[str, Any], **overrides) -> "LMConfig":
+    def from_settings(cls, s: Mapping[str, Any], **overrides) -> LMConfig:
         """From Megatron-LM argument names (as recorded in an import's manifest ``settings``)."""
         gated = bool(s.get("swiglu") or s.get("gated_linear_unit"))
         kw = dict(
-            vocab_size=int(s["vocab_size"]), hidden_size=int(s["hidden_size"]), num_layers=int(s["num_layers"]),
+            vocab_size=int(s["vocab_size"]),
+            hidden_size=int(s["hidden_size"]),
+            num_layers=int(s["num_layers"]),
             num_attention_heads=int(s["num_attention_heads"]),
             ffn_hidden_size=int(s.get("ffn_hidden_size") or 4 * int(s["hidden_size"])),
             num_query_groups=int(s["num_query_groups"]) if s.get("num_query_groups") else None,
-            normalization=s.get("normalization", "LayerNorm"), gated=gated,
+            normalization=s.get("normalization", "LayerNorm"),
+            gated=gated,
             bias=bool(s.get("add_bias_linear", not gated)),
             position=s.get("position_embedding_type", "learned_absolute"),
             tied=not s.get("untie_embeddings_and_output_weights", False),
@@ -81,7 +86,7 @@ def _rope(x, positions, base):
     fr = positions[:, None].astype(jnp.float32) * inv[None, :]
     emb = jnp.concatenate([fr, fr], -1)
     cos, sin = jnp.cos(emb)[None, :, None, :], jnp.sin(emb)[None, :, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + jnp.concatenate([-x2, x1], -1) * sin
 
 
@@ -97,8 +102,8 @@ class Attention(nn.Module):
         qkv = nn.Dense(ng * (qpg + 2) * d, use_bias=c.bias, name="qkv")(x)
         qkv = qkv.reshape(b, s, ng, (qpg + 2) * d)
         q = qkv[..., : qpg * d].reshape(b, s, nh, d)
-        k = qkv[..., qpg * d:(qpg + 1) * d]
-        v = qkv[..., (qpg + 1) * d:]
+        k = qkv[..., qpg * d : (qpg + 1) * d]
+        v = qkv[..., (qpg + 1) * d :]
         if c.position == "rope":
             pos = jnp.arange(s)
             q, k = _rope(q, pos, c.rotary_base), _rope(k, pos, c.rotary_base)
@@ -186,7 +191,12 @@ class TransformerLM(nn.Module):
         wte = nn.Embed(c.vocab_size, c.hidden_size, name="wte")
         x = wte(tokens)
         if c.position == "learned_absolute":
-            x = x + nn.Embed(c.max_position_embeddings, c.hidden_size, name="wpe")(jnp.arange(tokens.shape[1]))[None]
+            x = (
+                x
+                + nn.Embed(c.max_position_embeddings, c.hidden_size, name="wpe")(
+                    jnp.arange(tokens.shape[1])
+                )[None]
+            )
         for i in range(c.num_layers):
             x = Block(c, name=f"layers_{i}")(x)
         x = _norm(c, "ln_f")(x)
@@ -197,23 +207,31 @@ class TransformerLM(nn.Module):
 
 # ------------------------------------------------------------------------- Megatron -> flax
 
-_OLD = [("language_model.encoder.", "decoder."), ("language_model.", ""),
-        ("self_attention.query_key_value.", "self_attention.linear_qkv."),
-        ("self_attention.dense.", "self_attention.linear_proj."),
-        ("post_attention_layernorm.", "pre_mlp_layernorm."),
-        ("mlp.dense_h_to_4h.", "mlp.linear_fc1."), ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
-        ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-        ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm.")]
+_OLD = [
+    ("language_model.encoder.", "decoder."),
+    ("language_model.", ""),
+    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
+    ("self_attention.dense.", "self_attention.linear_proj."),
+    ("post_attention_layernorm.", "pre_mlp_layernorm."),
+    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
+    ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+    ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+    ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+]
 
 _LAYER_MAP = {
-    "input_layernorm.weight": ("ln_1", "scale", False), "input_layernorm.bias": ("ln_1", "bias", False),
-    "pre_mlp_layernorm.weight": ("ln_2", "scale", False), "pre_mlp_layernorm.bias": ("ln_2", "bias", False),
+    "input_layernorm.weight": ("ln_1", "scale", False),
+    "input_layernorm.bias": ("ln_1", "bias", False),
+    "pre_mlp_layernorm.weight": ("ln_2", "scale", False),
+    "pre_mlp_layernorm.bias": ("ln_2", "bias", False),
     "self_attention.linear_qkv.weight": ("attn/qkv", "kernel", True),
     "self_attention.linear_qkv.bias": ("attn/qkv", "bias", False),
     "self_attention.linear_proj.weight": ("attn/proj", "kernel", True),
     "self_attention.linear_proj.bias": ("attn/proj", "bias", False),
-    "mlp.linear_fc1.weight": ("mlp/fc1", "kernel", True), "mlp.linear_fc1.bias": ("mlp/fc1", "bias", False),
-    "mlp.linear_fc2.weight": ("mlp/fc2", "kernel", True), "mlp.linear_fc2.bias": ("mlp/fc2", "bias", False),
+    "mlp.linear_fc1.weight": ("mlp/fc1", "kernel", True),
+    "mlp.linear_fc1.bias": ("mlp/fc1", "bias", False),
+    "mlp.linear_fc2.weight": ("mlp/fc2", "kernel", True),
+    "mlp.linear_fc2.bias": ("mlp/fc2", "bias", False),
 }
 _GLOBAL_MAP = {
     "embedding.word_embeddings.weight": ("wte", "embedding", False),
@@ -267,7 +285,9 @@ def from_megatron(params: Mapping[str, np.ndarray], cfg: LMConfig) -> dict:
             per = moe.get(part, {}).get("kernel")
             if isinstance(per, dict):
                 if sorted(per) != list(range(cfg.num_experts or 0)):
-                    raise ValueError(f"{layer}/moe/{part}: experts {sorted(per)}, expected 0..{cfg.num_experts - 1}")
+                    raise ValueError(
+                        f"{layer}/moe/{part}: experts {sorted(per)}, expected 0..{cfg.num_experts - 1}"
+                    )
                 moe[part]["kernel"] = np.stack([per[e] for e in sorted(per)])
     return {"params": tree}
 
@@ -280,15 +300,23 @@ def _moe(tree: dict, m: re.Match, arr: np.ndarray, cfg: LMConfig, name: str) -> 
         for i, a in layers:
             _put(tree, f"layers_{i}/moe/router", "kernel", a.T)
         return True
-    st = re.fullmatch(r"mlp\.experts\.experts\.linear_fc([12])\.weight", rest)  # torch_dist [E, out, in]
+    st = re.fullmatch(
+        r"mlp\.experts\.experts\.linear_fc([12])\.weight", rest
+    )  # torch_dist [E, out, in]
     if st:
         for i, a in layers:
             _put(tree, f"layers_{i}/moe/fc{st.group(1)}", "kernel", np.swapaxes(a, -1, -2))
         return True
-    le = re.fullmatch(r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest)  # legacy, global e
+    le = re.fullmatch(
+        r"mlp\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight", rest
+    )  # legacy, global e
     if le:
-        (i, a), = layers
-        d = tree.setdefault(f"layers_{i}", {}).setdefault("moe", {}).setdefault(f"fc{le.group(2)}", {})
+        ((i, a),) = layers
+        d = (
+            tree.setdefault(f"layers_{i}", {})
+            .setdefault("moe", {})
+            .setdefault(f"fc{le.group(2)}", {})
+        )
         d.setdefault("kernel", {})[int(le.group(1))] = a.T
         return True
     gw = re.fullmatch(r"mlp\.experts\.weight([12])", rest)  # legacy GroupedMLP buffers

@@ -21,7 +21,7 @@ import math
 import os
 import struct
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import crc32c as crc32c_lib
 import numpy as np
@@ -31,138 +31,161 @@ from jax_ucp.store.zarr3 import ArrayLayout
 # Dtypes whose zarr v3 "bytes" encoding is the little-endian in-memory layout (itemsize >= 1).
 # Sub-byte types (int4, float4) are packed differently and are left to TensorStore.
 _BYTES_KINDS = "biufc"
-_ML_DTYPES_1_2_BYTES = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
-                        "float8_e4m3b11fnuz", "float8_e3m4", "float8_e4m3", "float8_e8m0fnu")
+_ML_DTYPES_1_2_BYTES = (
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e8m0fnu",
+)
 _IOV_MAX = 512  # buffers per writev call (Linux allows 1024)
 
 
 def _encodable_dtype(dtype: np.dtype) -> bool:
-  if dtype.name in _ML_DTYPES_1_2_BYTES:
-    return True
-  return dtype.kind in _BYTES_KINDS and dtype.itemsize >= 1 and dtype.byteorder in ("=", "<", "|")
+    if dtype.name in _ML_DTYPES_1_2_BYTES:
+        return True
+    return dtype.kind in _BYTES_KINDS and dtype.itemsize >= 1 and dtype.byteorder in ("=", "<", "|")
 
 
 def chunks_are_contiguous(shard_shape: Sequence[int], inner: Sequence[int]) -> bool:
-  """True if each inner chunk is one consecutive byte range of the C-ordered shard, in grid order."""
-  cut = max((i for i, (s, c) in enumerate(zip(shard_shape, inner)) if c != s), default=None)
-  if cut is None:
-    return True
-  return all(c == 1 for c in inner[:cut]) and shard_shape[cut] % inner[cut] == 0
+    """True if each inner chunk is one consecutive byte range of the C-ordered shard, in grid order."""
+    cut = max((i for i, (s, c) in enumerate(zip(shard_shape, inner)) if c != s), default=None)
+    if cut is None:
+        return True
+    return all(c == 1 for c in inner[:cut]) and shard_shape[cut] % inner[cut] == 0
 
 
 def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
-  """Whether ``data`` (one whole shard) can be written here instead of by TensorStore."""
-  return (kvstore.get("driver") == "file" and sys.byteorder == "little"
-          and layout.compression is None and layout.checksum in (None, "crc32c")
-          and isinstance(data, np.ndarray) and data.ndim >= 1 and data.size > 0
-          and tuple(data.shape) == tuple(layout.chunk_shape)
-          and _encodable_dtype(data.dtype)
-          and chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape))
+    """Whether ``data`` (one whole shard) can be written here instead of by TensorStore."""
+    return (
+        kvstore.get("driver") == "file"
+        and sys.byteorder == "little"
+        and layout.compression is None
+        and layout.checksum in (None, "crc32c")
+        and isinstance(data, np.ndarray)
+        and data.ndim >= 1
+        and data.size > 0
+        and tuple(data.shape) == tuple(layout.chunk_shape)
+        and _encodable_dtype(data.dtype)
+        and chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape)
+    )
 
 
 def shard_key(chunk_position: Sequence[int]) -> str:
-  """zarr v3 "default" chunk key encoding ("/"-separated)."""
-  return "/".join(["c", *(str(int(i)) for i in chunk_position)])
+    """zarr v3 "default" chunk key encoding ("/"-separated)."""
+    return "/".join(["c", *(str(int(i)) for i in chunk_position)])
 
 
 def encode(data: np.ndarray, layout: ArrayLayout) -> list:
-  """The shard file as a list of buffers (views of ``data`` plus the small crc/index pieces)."""
-  flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-  chunk_bytes = math.prod(layout.inner_chunk_shape) * data.dtype.itemsize
-  n = flat.size // chunk_bytes
-  checksum = layout.checksum == "crc32c"
-  stored = chunk_bytes + (4 if checksum else 0)
-  parts: list = []
-  for i in range(n):
-    chunk = flat[i * chunk_bytes:(i + 1) * chunk_bytes]
-    parts.append(chunk)
+    """The shard file as a list of buffers (views of ``data`` plus the small crc/index pieces)."""
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    chunk_bytes = math.prod(layout.inner_chunk_shape) * data.dtype.itemsize
+    n = flat.size // chunk_bytes
+    checksum = layout.checksum == "crc32c"
+    stored = chunk_bytes + (4 if checksum else 0)
+    parts: list = []
+    for i in range(n):
+        chunk = flat[i * chunk_bytes : (i + 1) * chunk_bytes]
+        parts.append(chunk)
+        if checksum:
+            parts.append(struct.pack("<I", crc32c_lib.crc32c(chunk)))
+    index = np.empty((n, 2), "<u8")
+    index[:, 0] = np.arange(n, dtype=np.uint64) * stored
+    index[:, 1] = stored
+    index_bytes = index.tobytes()
+    parts.append(index_bytes)
     if checksum:
-      parts.append(struct.pack("<I", crc32c_lib.crc32c(chunk)))
-  index = np.empty((n, 2), "<u8")
-  index[:, 0] = np.arange(n, dtype=np.uint64) * stored
-  index[:, 1] = stored
-  index_bytes = index.tobytes()
-  parts.append(index_bytes)
-  if checksum:
-    parts.append(struct.pack("<I", crc32c_lib.crc32c(index_bytes)))
-  return parts
+        parts.append(struct.pack("<I", crc32c_lib.crc32c(index_bytes)))
+    return parts
 
 
 def fsync_path(path: str) -> None:
-  """fsync a file or a directory (a directory's fsync makes its new entries durable)."""
-  fd = os.open(path, os.O_RDONLY)
-  try:
-    os.fsync(fd)
-  finally:
-    os.close(fd)
+    """fsync a file or a directory (a directory's fsync makes its new entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def write(array_dir: str, chunk_position: Sequence[int], data: np.ndarray, layout: ArrayLayout, *,
-          sync: bool = True) -> int:
-  """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its bytes.
+def write(
+    array_dir: str,
+    chunk_position: Sequence[int],
+    data: np.ndarray,
+    layout: ArrayLayout,
+    *,
+    sync: bool = True,
+) -> int:
+    """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its bytes.
 
-  ``sync``: durable on return like TensorStore's file driver (fsync the file, then every
-  directory that gained an entry). Otherwise only start the write-back (no waiting) and leave
-  durability to the caller's one syncfs before it commits the directory: writers then never
-  stall on the disk one file at a time (a 2.2 GB import: 2.5-2.8 s → 1.9-2.3 s).
-  The checkpoint directory is committed by rename afterwards, so a partially written file is
-  never visible under the final name.
-  """
-  key = shard_key(chunk_position)
-  path = os.path.join(array_dir, *key.split("/"))
-  parent = os.path.dirname(path)
-  os.makedirs(parent, exist_ok=True)
-  parts = encode(data, layout)
-  total = sum(memoryview(p).nbytes for p in parts)
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-  try:
-    for i in range(0, len(parts), _IOV_MAX):
-      batch = parts[i:i + _IOV_MAX]
-      n = os.writev(fd, batch)
-      if n != sum(memoryview(p).nbytes for p in batch):  # short write: finish piece by piece
-        _write_rest(fd, batch, n)
+    ``sync``: durable on return like TensorStore's file driver (fsync the file, then every
+    directory that gained an entry). Otherwise only start the write-back (no waiting) and leave
+    durability to the caller's one syncfs before it commits the directory: writers then never
+    stall on the disk one file at a time (a 2.2 GB import: 2.5-2.8 s → 1.9-2.3 s).
+    The checkpoint directory is committed by rename afterwards, so a partially written file is
+    never visible under the final name.
+    """
+    key = shard_key(chunk_position)
+    path = os.path.join(array_dir, *key.split("/"))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    parts = encode(data, layout)
+    total = sum(memoryview(p).nbytes for p in parts)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        for i in range(0, len(parts), _IOV_MAX):
+            batch = parts[i : i + _IOV_MAX]
+            n = os.writev(fd, batch)
+            if n != sum(memoryview(p).nbytes for p in batch):  # short write: finish piece by piece
+                _write_rest(fd, batch, n)
+        if sync:
+            os.fsync(fd)
+        elif hasattr(os, "posix_fadvise"):
+            # Linux: DONTNEED starts write-back of the dirty pages now (and drops them once clean).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
     if sync:
-      os.fsync(fd)
-    elif hasattr(os, "posix_fadvise"):
-      # Linux: DONTNEED starts write-back of the dirty pages now (and drops them once clean).
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-  finally:
-    os.close(fd)
-  if sync:
-    names = key.split("/")[:-1]
-    for depth in range(len(names), -1, -1):  # c/0/.. up to the array directory itself
-      fsync_path(os.path.join(array_dir, *names[:depth]))
-  return total
+        names = key.split("/")[:-1]
+        for depth in range(len(names), -1, -1):  # c/0/.. up to the array directory itself
+            fsync_path(os.path.join(array_dir, *names[:depth]))
+    return total
 
 
 def _write_rest(fd: int, batch: list, done: int) -> None:
-  for p in batch:
-    mv = memoryview(p).cast("B")
-    if done >= mv.nbytes:
-      done -= mv.nbytes
-      continue
-    mv = mv[done:]
-    done = 0
-    while mv.nbytes:
-      n = os.write(fd, mv)
-      if n <= 0:
-        raise IOError(f"write returned {n} with {mv.nbytes} bytes left")
-      mv = mv[n:]
+    for p in batch:
+        mv = memoryview(p).cast("B")
+        if done >= mv.nbytes:
+            done -= mv.nbytes
+            continue
+        mv = mv[done:]
+        done = 0
+        while mv.nbytes:
+            n = os.write(fd, mv)
+            if n <= 0:
+                raise OSError(f"write returned {n} with {mv.nbytes} bytes left")
+            mv = mv[n:]
 
 
 _POOLS: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
 
 
 def _executor(name: str, threads: int) -> concurrent.futures.ThreadPoolExecutor:
-  if name not in _POOLS:
-    _POOLS[name] = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix=f"ucp-{name}")
-  return _POOLS[name]
+    if name not in _POOLS:
+        _POOLS[name] = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix=f"ucp-{name}"
+        )
+    return _POOLS[name]
 
 
 def pool() -> concurrent.futures.ThreadPoolExecutor:
-  """Threads for shard writes: crc32c and os.writev/fsync release the GIL, and fsync-bound
-  writes need several in flight (4 measured as good as 8 or 16 on 2 cores)."""
-  return _executor("shard", max(4, os.cpu_count() or 2))
+    """Threads for shard writes: crc32c and os.writev/fsync release the GIL, and fsync-bound
+    writes need several in flight (4 measured as good as 8 or 16 on 2 cores)."""
+    return _executor("shard", max(4, os.cpu_count() or 2))
 
 
 # --- Reading ------------------------------------------------------------------------------------
@@ -175,157 +198,196 @@ _MISSING = (1 << 64) - 1
 
 
 class ShardReadError(IOError):
-  """A shard file that is missing, truncated, or fails its crc32c."""
+    """A shard file that is missing, truncated, or fails its crc32c."""
 
 
 def layout_from_metadata(metadata: dict, dtype: np.dtype) -> ArrayLayout | None:
-  """The ``ArrayLayout`` of a zarr v3 array's metadata if ``ShardReader`` can read it, else None."""
-  try:
-    shape = tuple(int(d) for d in metadata["shape"])
-    grid = metadata["chunk_grid"]
-    chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
-    key_enc = metadata.get("chunk_key_encoding", {"name": "default"})
-    (codec,) = metadata["codecs"]
-    cfg = codec["configuration"]
-    inner_shape = tuple(int(c) for c in cfg["chunk_shape"])
-  except (KeyError, TypeError, ValueError):
-    return None
-  bytes_le = {"name": "bytes", "configuration": {"endian": "little"}}
-  codecs, index_codecs = cfg.get("codecs"), cfg.get("index_codecs")
-  if codecs and codecs[0] == {"name": "bytes"} and np.dtype(dtype).itemsize == 1:
-    codecs = [bytes_le, *codecs[1:]]  # single-byte types carry no endianness
-  if codecs == [bytes_le] and index_codecs == [bytes_le]:
-    checksum = None
-  elif codecs == [bytes_le, {"name": "crc32c"}] and index_codecs == [bytes_le, {"name": "crc32c"}]:
-    checksum = "crc32c"
-  else:
-    return None
-  if (grid.get("name") != "regular" or codec.get("name") != "sharding_indexed"
-      or cfg.get("index_location", "end") != "end" or key_enc.get("name") != "default"
-      or key_enc.get("configuration", {}).get("separator", "/") != "/"
-      or not shape or len(chunk_shape) != len(shape) or len(inner_shape) != len(shape)
-      or 0 in shape or any(s % c for s, c in zip(shape, chunk_shape))
-      or not _encodable_dtype(np.dtype(dtype)) or sys.byteorder != "little"
-      or any(c % i for c, i in zip(chunk_shape, inner_shape))):
-    return None
-  return ArrayLayout(shape=shape, dtype=str(metadata["data_type"]), chunk_shape=chunk_shape,
-                     inner_chunk_shape=inner_shape, checksum=checksum)
+    """The ``ArrayLayout`` of a zarr v3 array's metadata if ``ShardReader`` can read it, else None."""
+    try:
+        shape = tuple(int(d) for d in metadata["shape"])
+        grid = metadata["chunk_grid"]
+        chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+        key_enc = metadata.get("chunk_key_encoding", {"name": "default"})
+        (codec,) = metadata["codecs"]
+        cfg = codec["configuration"]
+        inner_shape = tuple(int(c) for c in cfg["chunk_shape"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    bytes_le = {"name": "bytes", "configuration": {"endian": "little"}}
+    codecs, index_codecs = cfg.get("codecs"), cfg.get("index_codecs")
+    if codecs and codecs[0] == {"name": "bytes"} and np.dtype(dtype).itemsize == 1:
+        codecs = [bytes_le, *codecs[1:]]  # single-byte types carry no endianness
+    if codecs == [bytes_le] and index_codecs == [bytes_le]:
+        checksum = None
+    elif codecs == [bytes_le, {"name": "crc32c"}] and index_codecs == [
+        bytes_le,
+        {"name": "crc32c"},
+    ]:
+        checksum = "crc32c"
+    else:
+        return None
+    if (
+        grid.get("name") != "regular"
+        or codec.get("name") != "sharding_indexed"
+        or cfg.get("index_location", "end") != "end"
+        or key_enc.get("name") != "default"
+        or key_enc.get("configuration", {}).get("separator", "/") != "/"
+        or not shape
+        or len(chunk_shape) != len(shape)
+        or len(inner_shape) != len(shape)
+        or 0 in shape
+        or any(s % c for s, c in zip(shape, chunk_shape))
+        or not _encodable_dtype(np.dtype(dtype))
+        or sys.byteorder != "little"
+        or any(c % i for c, i in zip(chunk_shape, inner_shape))
+    ):
+        return None
+    return ArrayLayout(
+        shape=shape,
+        dtype=str(metadata["data_type"]),
+        chunk_shape=chunk_shape,
+        inner_chunk_shape=inner_shape,
+        checksum=checksum,
+    )
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
-  data = os.pread(fd, n, offset)
-  while len(data) < n:  # pread may return less; 0 means end of file
-    more = os.pread(fd, n - len(data), offset + len(data))
-    if not more:
-      raise ShardReadError(f"{path}: truncated (needs bytes up to {offset + n}, file ends at "
-                           f"{offset + len(data)})")
-    data += more
-  return data
+    data = os.pread(fd, n, offset)
+    while len(data) < n:  # pread may return less; 0 means end of file
+        more = os.pread(fd, n - len(data), offset + len(data))
+        if not more:
+            raise ShardReadError(
+                f"{path}: truncated (needs bytes up to {offset + n}, file ends at "
+                f"{offset + len(data)})"
+            )
+        data += more
+    return data
 
 
 class ShardReader:
-  """Regions of one stored array, read like ``tensorstore.TensorStore[index].read()``."""
+    """Regions of one stored array, read like ``tensorstore.TensorStore[index].read()``."""
 
-  def __init__(self, array_dir: str, layout: ArrayLayout, dtype: np.dtype):
-    self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
-    self.shape = layout.shape
-    self._inner = layout.inner_chunk_shape
-    self._inner_grid = tuple(s // c for s, c in zip(layout.chunk_shape, self._inner))
-    self._n_inner = math.prod(self._inner_grid)
-    self._chunk_bytes = math.prod(self._inner) * self.dtype.itemsize
-    self._crc = layout.checksum == "crc32c"
+    def __init__(self, array_dir: str, layout: ArrayLayout, dtype: np.dtype):
+        self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
+        self.shape = layout.shape
+        self._inner = layout.inner_chunk_shape
+        self._inner_grid = tuple(s // c for s, c in zip(layout.chunk_shape, self._inner))
+        self._n_inner = math.prod(self._inner_grid)
+        self._chunk_bytes = math.prod(self._inner) * self.dtype.itemsize
+        self._crc = layout.checksum == "crc32c"
 
-  def __getitem__(self, index) -> "_Region":
-    if not isinstance(index, tuple):
-      index = (index,)
-    region = []
-    for sl, n in zip(index, self.shape):
-      start, stop, step = sl.indices(n)
-      if step != 1:
-        raise ValueError("ShardReader reads contiguous regions only")
-      region.append((start, max(start, stop)))
-    region += [(0, n) for n in self.shape[len(region):]]
-    return _Region(self, tuple(region))
+    def __getitem__(self, index) -> _Region:
+        if not isinstance(index, tuple):
+            index = (index,)
+        region = []
+        for sl, n in zip(index, self.shape):
+            start, stop, step = sl.indices(n)
+            if step != 1:
+                raise ValueError("ShardReader reads contiguous regions only")
+            region.append((start, max(start, stop)))
+        region += [(0, n) for n in self.shape[len(region) :]]
+        return _Region(self, tuple(region))
 
-  def read(self) -> concurrent.futures.Future:
-    return _Region(self, tuple((0, n) for n in self.shape)).read()
+    def read(self) -> concurrent.futures.Future:
+        return _Region(self, tuple((0, n) for n in self.shape)).read()
 
-  def _shard_index(self, fd: int, path: str) -> np.ndarray:
-    n = self._n_inner
-    size = os.fstat(fd).st_size
-    index_bytes = n * 16 + (4 if self._crc else 0)
-    if size < index_bytes:
-      raise ShardReadError(f"{path}: truncated ({size} bytes, the shard index alone needs {index_bytes})")
-    raw = _pread_exact(fd, index_bytes, size - index_bytes, path)
-    if self._crc:
-      stored, = struct.unpack("<I", raw[-4:])
-      if crc32c_lib.crc32c(raw[:-4]) != stored:
-        raise ShardReadError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
-      raw = raw[:-4]
-    index = np.frombuffer(raw, "<u8").reshape(n, 2)
-    limit = size - index_bytes
-    for off, nbytes in index:
-      if off != _MISSING and (off + nbytes > limit):
-        raise ShardReadError(f"{path}: shard index points past the data ({int(off)}+{int(nbytes)} > {limit}; "
-                             f"truncated or corrupt)")
-    return index
+    def _shard_index(self, fd: int, path: str) -> np.ndarray:
+        n = self._n_inner
+        size = os.fstat(fd).st_size
+        index_bytes = n * 16 + (4 if self._crc else 0)
+        if size < index_bytes:
+            raise ShardReadError(
+                f"{path}: truncated ({size} bytes, the shard index alone needs {index_bytes})"
+            )
+        raw = _pread_exact(fd, index_bytes, size - index_bytes, path)
+        if self._crc:
+            (stored,) = struct.unpack("<I", raw[-4:])
+            if crc32c_lib.crc32c(raw[:-4]) != stored:
+                raise ShardReadError(
+                    f"{path}: crc32c checksum mismatch in the shard index (corrupt)"
+                )
+            raw = raw[:-4]
+        index = np.frombuffer(raw, "<u8").reshape(n, 2)
+        limit = size - index_bytes
+        for off, nbytes in index:
+            if off != _MISSING and (off + nbytes > limit):
+                raise ShardReadError(
+                    f"{path}: shard index points past the data ({int(off)}+{int(nbytes)} > {limit}; "
+                    f"truncated or corrupt)"
+                )
+        return index
 
-  def _read_chunk(self, fd: int, index: np.ndarray, i: int, path: str) -> np.ndarray:
-    off, nbytes = (int(x) for x in index[i])
-    if off == _MISSING:  # never written: the fill value (zarr v3), as TensorStore reads it
-      return np.zeros(self._inner, self.dtype)
-    want = self._chunk_bytes + (4 if self._crc else 0)
-    if nbytes != want:
-      raise ShardReadError(f"{path}: inner chunk {i} holds {nbytes} bytes, expected {want} (corrupt)")
-    raw = _pread_exact(fd, nbytes, off, path)
-    if self._crc:
-      data = memoryview(raw)[:-4]
-      stored, = struct.unpack("<I", raw[-4:])
-      if crc32c_lib.crc32c(data) != stored:
-        raise ShardReadError(f"{path}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)")
-    else:
-      data = memoryview(raw)
-    return np.frombuffer(data, self.dtype).reshape(self._inner)
+    def _read_chunk(self, fd: int, index: np.ndarray, i: int, path: str) -> np.ndarray:
+        off, nbytes = (int(x) for x in index[i])
+        if off == _MISSING:  # never written: the fill value (zarr v3), as TensorStore reads it
+            return np.zeros(self._inner, self.dtype)
+        want = self._chunk_bytes + (4 if self._crc else 0)
+        if nbytes != want:
+            raise ShardReadError(
+                f"{path}: inner chunk {i} holds {nbytes} bytes, expected {want} (corrupt)"
+            )
+        raw = _pread_exact(fd, nbytes, off, path)
+        if self._crc:
+            data = memoryview(raw)[:-4]
+            (stored,) = struct.unpack("<I", raw[-4:])
+            if crc32c_lib.crc32c(data) != stored:
+                raise ShardReadError(
+                    f"{path}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)"
+                )
+        else:
+            data = memoryview(raw)
+        return np.frombuffer(data, self.dtype).reshape(self._inner)
 
-  def read_region(self, region: tuple[tuple[int, int], ...]) -> np.ndarray:
-    out = np.empty(tuple(b - a for a, b in region), self.dtype)
-    if out.size == 0:
-      return out
-    outer = self.layout.chunk_shape
-    shard_ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(region, outer)]
-    for pos in itertools.product(*shard_ranges):
-      path = os.path.join(self.array_dir, *shard_key(pos).split("/"))
-      try:
-        fd = os.open(path, os.O_RDONLY)
-      except FileNotFoundError:
-        raise ShardReadError(f"{path}: shard file missing (the checkpoint is incomplete)") from None
-      try:
-        index = self._shard_index(fd, path)
-        base = [p * c for p, c in zip(pos, outer)]
-        lo = [max(a, b0) - b0 for (a, _), b0 in zip(region, base)]  # shard-local region
-        hi = [min(b, b0 + c) - b0 for (_, b), b0, c in zip(region, base, outer)]
-        ranges = [range(l // c, (h - 1) // c + 1) for l, h, c in zip(lo, hi, self._inner)]
-        for cpos in itertools.product(*ranges):
-          chunk = self._read_chunk(fd, index, int(np.ravel_multi_index(cpos, self._inner_grid)), path)
-          c0 = [p * c for p, c in zip(cpos, self._inner)]
-          src = tuple(slice(max(l, s) - s, min(h, s + c) - s) for l, h, s, c in zip(lo, hi, c0, self._inner))
-          dst = tuple(slice(b0 + max(l, s) - a, b0 + min(h, s + c) - a)
-                      for l, h, s, c, b0, (a, _) in zip(lo, hi, c0, self._inner, base, region))
-          out[dst] = chunk[src]
-      finally:
-        os.close(fd)
-    return out
+    def read_region(self, region: tuple[tuple[int, int], ...]) -> np.ndarray:
+        out = np.empty(tuple(b - a for a, b in region), self.dtype)
+        if out.size == 0:
+            return out
+        outer = self.layout.chunk_shape
+        shard_ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(region, outer)]
+        for pos in itertools.product(*shard_ranges):
+            path = os.path.join(self.array_dir, *shard_key(pos).split("/"))
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise ShardReadError(
+                    f"{path}: shard file missing (the checkpoint is incomplete)"
+                ) from None
+            try:
+                index = self._shard_index(fd, path)
+                base = [p * c for p, c in zip(pos, outer)]
+                lo = [max(a, b0) - b0 for (a, _), b0 in zip(region, base)]  # shard-local region
+                hi = [min(b, b0 + c) - b0 for (_, b), b0, c in zip(region, base, outer)]
+                ranges = [
+                    range(lo_ // c, (h - 1) // c + 1) for lo_, h, c in zip(lo, hi, self._inner)
+                ]
+                for cpos in itertools.product(*ranges):
+                    chunk = self._read_chunk(
+                        fd, index, int(np.ravel_multi_index(cpos, self._inner_grid)), path
+                    )
+                    c0 = [p * c for p, c in zip(cpos, self._inner)]
+                    src = tuple(
+                        slice(max(lo_, s) - s, min(h, s + c) - s)
+                        for lo_, h, s, c in zip(lo, hi, c0, self._inner)
+                    )
+                    dst = tuple(
+                        slice(b0 + max(lo_, s) - a, b0 + min(h, s + c) - a)
+                        for lo_, h, s, c, b0, (a, _) in zip(lo, hi, c0, self._inner, base, region)
+                    )
+                    out[dst] = chunk[src]
+            finally:
+                os.close(fd)
+        return out
 
 
 class _Region:
-  def __init__(self, reader: ShardReader, region: tuple[tuple[int, int], ...]):
-    self.reader, self.region = reader, region
+    def __init__(self, reader: ShardReader, region: tuple[tuple[int, int], ...]):
+        self.reader, self.region = reader, region
 
-  def read(self) -> concurrent.futures.Future:
-    return read_pool().submit(self.reader.read_region, self.region)
+    def read(self) -> concurrent.futures.Future:
+        return read_pool().submit(self.reader.read_region, self.region)
 
 
 def read_pool() -> concurrent.futures.ThreadPoolExecutor:
-  """Threads for region reads: a cold restore waits on the disk in pread, so it wants more reads
-  in flight than cores (TensorStore allows 128 file operations)."""
-  return _executor("read", max(16, 4 * (os.cpu_count() or 2)))
+    """Threads for region reads: a cold restore waits on the disk in pread, so it wants more reads
+    in flight than cores (TensorStore allows 128 file operations)."""
+    return _executor("read", max(16, 4 * (os.cpu_count() or 2)))

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import tensorstore as ts
@@ -20,70 +21,82 @@ COMPRESSIONS = (None, "zstd")
 
 @dataclasses.dataclass(frozen=True)
 class ArrayLayout:
-  shape: tuple[int, ...]
-  dtype: str  # canonical name (format.dtypes)
-  chunk_shape: tuple[int, ...]
-  inner_chunk_shape: tuple[int, ...]
-  compression: Optional[str] = None
-  compression_level: int = 3
-  checksum: Optional[str] = "crc32c"
+    shape: tuple[int, ...]
+    dtype: str  # canonical name (format.dtypes)
+    chunk_shape: tuple[int, ...]
+    inner_chunk_shape: tuple[int, ...]
+    compression: str | None = None
+    compression_level: int = 3
+    checksum: str | None = "crc32c"
 
-  def __post_init__(self):
-    if self.compression not in COMPRESSIONS:
-      raise ValueError(f"compression must be one of {COMPRESSIONS}, got {self.compression!r}.")
-    if self.checksum not in (None, "crc32c"):
-      raise ValueError(f"checksum must be 'crc32c' or None, got {self.checksum!r}.")
+    def __post_init__(self):
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"compression must be one of {COMPRESSIONS}, got {self.compression!r}."
+            )
+        if self.checksum not in (None, "crc32c"):
+            raise ValueError(f"checksum must be 'crc32c' or None, got {self.checksum!r}.")
 
 
 def kvstore_spec(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -> dict:
-  """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
-  rel = "/".join(p.strip("/") for p in subpath if p)
-  if isinstance(root, Mapping):
-    spec = dict(root)
-    base = spec.get("path", "")
-    if base and not base.endswith("/"):
-      base += "/"
-    spec["path"] = base + rel + ("/" if rel else "")
-    return spec
-  return {"driver": "file", "path": os.path.join(os.fspath(root), rel)}
+    """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
+    rel = "/".join(p.strip("/") for p in subpath if p)
+    if isinstance(root, Mapping):
+        spec = dict(root)
+        base = spec.get("path", "")
+        if base and not base.endswith("/"):
+            base += "/"
+        spec["path"] = base + rel + ("/" if rel else "")
+        return spec
+    return {"driver": "file", "path": os.path.join(os.fspath(root), rel)}
 
 
 def kvstore_driver(root) -> str:
-  if isinstance(root, Mapping):
-    return str(root.get("driver", "file"))
-  return "file"
+    if isinstance(root, Mapping):
+        return str(root.get("driver", "file"))
+    return "file"
 
 
 def _codecs(layout: ArrayLayout) -> list:
-  inner: list = [{"name": "bytes", "configuration": {"endian": "little"}}]
-  if layout.compression == "zstd":
-    inner.append({"name": "zstd", "configuration": {"level": layout.compression_level}})
-  if layout.checksum:
-    inner.append({"name": "crc32c"})
-  index: list = [{"name": "bytes", "configuration": {"endian": "little"}}]
-  if layout.checksum:
-    index.append({"name": "crc32c"})
-  return [{"name": "sharding_indexed", "configuration": {
-      "chunk_shape": list(layout.inner_chunk_shape), "codecs": inner,
-      "index_codecs": index, "index_location": "end"}}]
+    inner: list = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if layout.compression == "zstd":
+        inner.append({"name": "zstd", "configuration": {"level": layout.compression_level}})
+    if layout.checksum:
+        inner.append({"name": "crc32c"})
+    index: list = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    if layout.checksum:
+        index.append({"name": "crc32c"})
+    return [
+        {
+            "name": "sharding_indexed",
+            "configuration": {
+                "chunk_shape": list(layout.inner_chunk_shape),
+                "codecs": inner,
+                "index_codecs": index,
+                "index_location": "end",
+            },
+        }
+    ]
 
 
 def array_spec(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
-  return {
-      "driver": "zarr3",
-      "kvstore": dict(kvstore),
-      # Chunks equal to the fill value are still written: the bytes on disk are the checkpoint
-      # (bit-exact -0.0 / NaN payloads, and a shard file per writer that readers can count on).
-      "store_data_equal_to_fill_value": True,
-      "metadata": {
-          "shape": list(layout.shape),
-          "data_type": layout.dtype,
-          "chunk_grid": {"name": "regular",
-                         "configuration": {"chunk_shape": list(layout.chunk_shape)}},
-          "chunk_key_encoding": {"name": "default"},
-          "codecs": _codecs(layout),
-      },
-  }
+    return {
+        "driver": "zarr3",
+        "kvstore": dict(kvstore),
+        # Chunks equal to the fill value are still written: the bytes on disk are the checkpoint
+        # (bit-exact -0.0 / NaN payloads, and a shard file per writer that readers can count on).
+        "store_data_equal_to_fill_value": True,
+        "metadata": {
+            "shape": list(layout.shape),
+            "data_type": layout.dtype,
+            "chunk_grid": {
+                "name": "regular",
+                "configuration": {"chunk_shape": list(layout.chunk_shape)},
+            },
+            "chunk_key_encoding": {"name": "default"},
+            "codecs": _codecs(layout),
+        },
+    }
 
 
 _CONTEXTS: dict[bool, ts.Context] = {}
@@ -93,58 +106,68 @@ READ_CACHE_BYTES = 64 << 20
 
 
 def _context_spec(cache_bytes: int, sync: bool = True) -> dict:
-  return {
-      "cache_pool": {"total_bytes_limit": cache_bytes},
-      "file_io_sync": sync,
-      # fsync-bound writes need many in flight (Orbax uses the same limit).
-      "file_io_concurrency": {"limit": 128},
-      # Decoding + crc32c of inner chunks overlaps with disk reads only with more threads than
-      # cores (measured on 2 cores: restore 1.15 s → 0.75 s per 0.5 GiB going from 2 to 8).
-      "data_copy_concurrency": {"limit": max(8, 4 * (os.cpu_count() or 2))},
-  }
+    return {
+        "cache_pool": {"total_bytes_limit": cache_bytes},
+        "file_io_sync": sync,
+        # fsync-bound writes need many in flight (Orbax uses the same limit).
+        "file_io_concurrency": {"limit": 128},
+        # Decoding + crc32c of inner chunks overlaps with disk reads only with more threads than
+        # cores (measured on 2 cores: restore 1.15 s → 0.75 s per 0.5 GiB going from 2 to 8).
+        "data_copy_concurrency": {"limit": max(8, 4 * (os.cpu_count() or 2))},
+    }
 
 
 def context(sync: bool = True) -> ts.Context:
-  """The shared write context: no cache (a save never re-reads), fsync for durability.
+    """The shared write context: no cache (a save never re-reads), fsync for durability.
 
-  ``sync=False`` is for writers that make the whole directory durable before committing it
-  (``handler.commit``): one syncfs instead of an fsync per file.
-  """
-  if sync not in _CONTEXTS:
-    _CONTEXTS[sync] = ts.Context(_context_spec(0, sync))
-  return _CONTEXTS[sync]
+    ``sync=False`` is for writers that make the whole directory durable before committing it
+    (``handler.commit``): one syncfs instead of an fsync per file.
+    """
+    if sync not in _CONTEXTS:
+        _CONTEXTS[sync] = ts.Context(_context_spec(0, sync))
+    return _CONTEXTS[sync]
 
 
 def read_context() -> ts.Context:
-  """A fresh context per restore: its cache lives exactly as long as the restore."""
-  return ts.Context(_context_spec(READ_CACHE_BYTES))
+    """A fresh context per restore: its cache lives exactly as long as the restore."""
+    return ts.Context(_context_spec(READ_CACHE_BYTES))
 
 
-def create(kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = True, sync: bool = True) -> ts.Future:
-  """Opens an array for writing; only the primary process writes ``zarr.json``.
+def create(
+    kvstore: Mapping[str, Any], layout: ArrayLayout, *, primary: bool = True, sync: bool = True
+) -> ts.Future:
+    """Opens an array for writing; only the primary process writes ``zarr.json``.
 
-  Other processes ``assume_metadata`` and never touch the metadata file, so writers on different
-  hosts share no file at all.
-  """
-  spec = array_spec(kvstore, layout)
-  if primary:
-    return ts.open(spec, create=True, open=False, context=context(sync))
-  return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
+    Other processes ``assume_metadata`` and never touch the metadata file, so writers on different
+    hosts share no file at all.
+    """
+    spec = array_spec(kvstore, layout)
+    if primary:
+        return ts.open(spec, create=True, open=False, context=context(sync))
+    return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
 
 
-def open_array(kvstore: Mapping[str, Any], *, dtype: Optional[str] = None,
-               shape: Optional[Sequence[int]] = None,
-               context: Optional[ts.Context] = None) -> ts.Future:
-  """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore."""
-  spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore)}
-  kwargs: dict = {"open": True, "read": True, "write": False,
-                  "context": context if context is not None else read_context()}
-  if dtype is not None:
-    kwargs["dtype"] = ts.dtype(dtype)
-  if shape is not None:
-    kwargs["shape"] = list(shape)
-  return ts.open(spec, **kwargs)
+def open_array(
+    kvstore: Mapping[str, Any],
+    *,
+    dtype: str | None = None,
+    shape: Sequence[int] | None = None,
+    context: ts.Context | None = None,
+) -> ts.Future:
+    """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore."""
+    spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore)}
+    kwargs: dict = {
+        "open": True,
+        "read": True,
+        "write": False,
+        "context": context if context is not None else read_context(),
+    }
+    if dtype is not None:
+        kwargs["dtype"] = ts.dtype(dtype)
+    if shape is not None:
+        kwargs["shape"] = list(shape)
+    return ts.open(spec, **kwargs)
 
 
 def numpy_dtype(name: str) -> np.dtype:
-  return dtypes_lib.to_numpy_dtype(name)
+    return dtypes_lib.to_numpy_dtype(name)
