@@ -202,7 +202,7 @@ def main() -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     base = run_measured(
-        [sys.executable, "-c", "import jax_ucp.importers.deepspeed, jax_ucp.handler.host_writer"],
+        [sys.executable, "-c", "import jax_ucp.importers.deepspeed, jax_ucp.writer"],
         env,
     )
     results = []

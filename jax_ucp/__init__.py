@@ -9,11 +9,9 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 
 from __future__ import annotations
 
-from jax_ucp._lazy import lazy_attributes
-
-__version__ = "0.1.0"
-
-from jax_ucp.format import Manifest, ManifestError, TensorEntry, ValueEntry  # noqa: E402  (no JAX)
+from jax_ucp.format import Manifest, ManifestError, TensorEntry, ValueEntry
+from jax_ucp.lazy_names import lazy_attributes
+from jax_ucp.version import __version__
 
 _LAZY = {
     "CheckpointError": "jax_ucp.handler.reader",
@@ -23,17 +21,11 @@ _LAZY = {
     "inspect": "jax_ucp.handler.api",
     "restore": "jax_ucp.handler.api",
     "save": "jax_ucp.handler.api",
-    "ShardingMismatchError": "jax_ucp.sharding.specs",
+    "ShardingMismatchError": "jax_ucp.sharding.mesh_layout",
+    "convert": "jax_ucp.conversion",
 }
 
-__all__ = ["Manifest", "ManifestError", "TensorEntry", "ValueEntry", "convert", *_LAZY]
+__all__ = ["Manifest", "ManifestError", "TensorEntry", "ValueEntry", "__version__", *_LAZY]
 
 
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
-
-
-def convert(source, dest, *, spec=None, **kwargs):
-    """Imports a torch checkpoint directory (DeepSpeed or Megatron; format detected)."""
-    from jax_ucp.importers.detect import convert as _convert
-
-    return _convert(source, dest, spec=spec, **kwargs)

@@ -9,6 +9,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from jax_ucp.format import ValueEntry
+
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
@@ -59,7 +61,7 @@ def inspect(path: str, limit: int = typer.Option(0, help="show only the first N 
         table.add_column(col, no_wrap=col == "name")
     entries = m.entries[:limit] if limit else m.entries
     for e in entries:
-        if e.kind == "value":
+        if isinstance(e, ValueEntry):
             table.add_row(e.name, "-", type(e.value).__name__, "-", e.role, repr(e.value), "")
             continue
         ss = e.saved_sharding
@@ -144,9 +146,9 @@ def convert_deepspeed(
     ),
 ):
     """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
-    from jax_ucp.importers import deepspeed
+    from jax_ucp import conversion
 
-    _run_convert(deepspeed.convert_deepspeed, src, dst, force=force, step=step, spec=spec)
+    _run_convert(conversion.convert_deepspeed, src, dst, force=force, step=step, spec=spec)
 
 
 @convert_app.command("megatron")
@@ -160,10 +162,10 @@ def convert_megatron(
     step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
 ):
     """A Megatron checkpoint (torch_dist, or legacy iter_N/mp_rank_XX)."""
-    from jax_ucp.importers import megatron
+    from jax_ucp import conversion
 
     _run_convert(
-        megatron.convert_megatron,
+        conversion.convert_megatron,
         src,
         dst,
         spec=spec,

@@ -268,7 +268,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     with pytest.raises(DeepSpeedImportError, match="no universal_checkpoint_info"):
         convert_deepspeed(src, tmp_path / "out")
     # an explicit import spec stands in for the missing patterns
-    from jax_ucp.language import spec_from_ucp_info
+    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
 
     info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
         "universal_checkpoint_info"
@@ -359,7 +359,8 @@ def test_restricted_reader_matches_torch_load():
 def test_sub_params_legacy_count_and_uneven_shard_widths():
     """DeepSpeed's two sub-param metadata forms, resolved per tensor like merge_tp_slices."""
     from jax_ucp.importers.deepspeed_megatron import _adjust_kind
-    from jax_ucp.language import merge, spec_from_ucp_info
+    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
+    from jax_ucp.language import merge
 
     pat = r"layers.\d+.qkv.weight"
     full = np.arange(10 * 3, dtype=np.float32).reshape(10, 3)
@@ -390,8 +391,9 @@ def test_sub_params_legacy_count_and_uneven_shard_widths():
 def test_spec_file_form(tmp_path):
     """A TOML spec (the plain file form) can stand in for universal_checkpoint_info."""
     from jax_ucp.importers.deepspeed import DS_CLASSES
+    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
     from jax_ucp.importers.torch_pickle import load_torch_file
-    from jax_ucp.language import dump_spec, spec_from_ucp_info
+    from jax_ucp.language import dump_spec
 
     name = "megatron_ds_tp2_dp3_z2_fp32_synthetic"
     src = os.path.join(FIX, name, "ckpt")

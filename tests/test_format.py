@@ -34,12 +34,12 @@ def test_dotted_source_names_do_not_collide_with_nesting():
 
 def test_manifest_json_round_trip_keeps_values_exact():
     entries = [
-        fmt.ValueEntry(key=("f",), key_kinds=("key",), value=float("nan")),
-        fmt.ValueEntry(key=("g",), key_kinds=("key",), value=-0.0),
-        fmt.ValueEntry(key=("i",), key_kinds=("key",), value=2**70),
-        fmt.ValueEntry(key=("s",), key_kinds=("key",), value="x/y"),
-        fmt.ValueEntry(key=("b",), key_kinds=("key",), value=True),
-        fmt.ValueEntry(key=("n",), key_kinds=("key",), value=None),
+        fmt.ValueEntry(key=("f",), key_types=("key",), value=float("nan")),
+        fmt.ValueEntry(key=("g",), key_types=("key",), value=-0.0),
+        fmt.ValueEntry(key=("i",), key_types=("key",), value=2**70),
+        fmt.ValueEntry(key=("s",), key_types=("key",), value="x/y"),
+        fmt.ValueEntry(key=("b",), key_types=("key",), value=True),
+        fmt.ValueEntry(key=("n",), key_types=("key",), value=None),
     ]
     m = fmt.Manifest.loads(fmt.Manifest(entries=entries).dumps())
     vals = {e.key[0]: e.value for e in m.values}
@@ -106,6 +106,6 @@ def test_written_manifests_follow_the_published_json_schema(tmp_path):
     )
     jsonschema.validate(json.loads((tmp_path / "c" / "ucp.json").read_text()), schema)
     bad = json.loads((tmp_path / "c" / "ucp.json").read_text())
-    next(e for e in bad["entries"] if e["kind"] == "tensor")["dtype"] = "float128"
+    next(e for e in bad["entries"] if e["entry"] == "tensor")["dtype"] = "float128"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)

@@ -10,7 +10,8 @@ import tensorstore as ts
 from ucp_testing import assert_bit_exact
 
 import jax_ucp
-from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+from jax_ucp.handler import write_manager_step
+from jax_ucp.writer import HostItem, write_host_checkpoint
 
 
 def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkeypatch):
@@ -22,12 +23,18 @@ def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkey
             yield HostItem(
                 key=("params", f"layer.{i}.weight"),
                 value=np.full((4, 3), i, ml_dtypes.bfloat16),
+                role="param",
                 provenance={"files": [f"rank{i}.pt"]},
             )
         yield HostItem(
-            key=("opt_state", "mu", "layer.0.weight"), value=np.zeros((4, 3), np.float32)
+            key=("opt_state", "mu", "layer.0.weight"),
+            value=np.zeros((4, 3), np.float32),
+            role="opt_state",
+            sub_role="mu",
         )
-        yield HostItem(key=("opt_state", "count"), value=np.int32(7))
+        yield HostItem(
+            key=("opt_state", "count"), value=np.int32(7), role="opt_state", sub_role="count"
+        )
         yield HostItem(key=("meta", "vocab"), value=50257)
         yield HostItem(key=("lazy",), value=ts.array(np.arange(6, dtype=np.int16)))
 
@@ -42,6 +49,7 @@ def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkey
     )
     assert by["opt_state/count"].sub_role == "count"
     assert m.source == {"framework": "test"}
+    assert by["lazy"].role == "other"  # the writer records roles, it does not guess them
     back = jax_ucp.restore(out)
     assert_bit_exact(back["params"]["layer.2.weight"], np.full((4, 3), 2, ml_dtypes.bfloat16))
     assert back["meta"]["vocab"] == 50257
@@ -52,7 +60,7 @@ def test_pipelined_writer_bounds_bytes_in_flight(tmp_path):
     """Pipelining never holds more than the byte cap (plus one tensor) of pending writes."""
     import asyncio
 
-    from jax_ucp.handler import tensor_writes
+    from jax_ucp import writer as tensor_writes
 
     async def run():
         w = tensor_writes.PipelinedWriter(tmp_path, max_bytes=3 * 4096, max_tensors=64)
@@ -89,7 +97,7 @@ def test_failing_stream_leaves_destination_untouched(tmp_path):
 
 
 def test_stream_as_manager_step(tmp_path):
-    out = write_host_checkpoint(
+    out = write_manager_step(
         tmp_path / "run", iter([HostItem(("params", "w"), np.ones(3))]), step=100
     )
     assert out == str(tmp_path / "run" / "100" / "state")
@@ -98,10 +106,10 @@ def test_stream_as_manager_step(tmp_path):
         got = mngr.restore(100, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
     assert_bit_exact(got.state["params"]["w"], np.ones(3))
     with pytest.raises(FileExistsError, match="step 100"):
-        write_host_checkpoint(
+        write_manager_step(
             tmp_path / "run", iter([HostItem(("params", "w"), np.zeros(3))]), step=100
         )
-    write_host_checkpoint(
+    write_manager_step(
         tmp_path / "run", iter([HostItem(("params", "w"), np.zeros(3))]), step=100, force=True
     )
     assert sorted(os.listdir(tmp_path / "run")) == ["100"]

@@ -32,21 +32,22 @@ if mode == "save":
                      "c": make(W.T.copy(), P(None, "data"))}, "step": 11,
           # process-local (each host has its own copy on its first device): written once
           "count": jax.device_put(np.int32(11), jax.local_devices()[0])}
-  h = jax_ucp.UCPCheckpointHandler()
-  with ocp.Checkpointer(h) as ck:
+  from jax_ucp.handler import save_plan
+  written, write_tensor = [], save_plan.write_tensor
+  async def recording_write_tensor(root, p, **kw):  # observe what this process writes
+    written.extend((p.entry.name, [[s.start, s.stop] for s in idx]) for idx, _ in p.writes)
+    return await write_tensor(root, p, **kw)
+  save_plan.write_tensor = recording_write_tensor
+  with ocp.Checkpointer(jax_ucp.UCPCheckpointHandler()) as ck:
     ck.save(path, args=jax_ucp.UCPSave(tree))
-  print("WRITTEN " + json.dumps(h.last_written))
+  print("WRITTEN " + json.dumps(written))
 else:
   sh = {"params": {"w": NamedSharding(mesh, P("data", None)), "e": NamedSharding(mesh, P("data")),
                    "c": NamedSharding(mesh, P("model", "data"))}}
-  import tensorstore as ts
-  def file_bytes_read():
-    for m in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
-      return int(m["values"][0]["value"])
-    return 0
-  before = file_bytes_read()
+  from jax_ucp import store
+  before = store.bytes_read()  # TensorStore's reads and store.shard_file's
   out = jax_ucp.restore(path, shardings=sh)
-  print("BYTES_READ", file_bytes_read() - before)
+  print("BYTES_READ", store.bytes_read() - before)
   for name, host in (("w", W), ("e", E), ("c", W.T)):
     a = out["params"][name]
     for s in a.addressable_shards:

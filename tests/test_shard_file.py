@@ -18,7 +18,7 @@ from ucp_testing import assert_bit_exact
 
 import jax_ucp
 from jax_ucp import store
-from jax_ucp.handler import tensor_writes
+from jax_ucp import writer as tensor_writes
 from jax_ucp.store import shard_file
 
 DTYPES = [
@@ -97,7 +97,7 @@ def test_bytes_identical_to_tensorstore(
     )
     assert not calls_ts and calls == [(0,) * len(shape)]  # really two different writers
     assert _files(a) == _files(b)
-    t = store.open_array(store.kvstore_spec(str(b), p.entry.dir)).result()
+    t = store.open_array(store.kvstore_config(str(b), p.entry.dir)).result()
     assert_bit_exact(t.read().result(), value)
 
 
@@ -179,7 +179,7 @@ def test_falls_back_to_tensorstore_where_it_cannot_write(case):
 
 def test_non_contiguous_source_and_bf16_import_stream(tmp_path):
     """A transposed view (importers yield views) is written in C order like TensorStore would."""
-    from jax_ucp.handler.host_writer import HostItem, write_host_checkpoint
+    from jax_ucp.writer import HostItem, write_host_checkpoint
 
     base = np.arange(24 * 10, dtype=np.float32).reshape(24, 10)
     bf = base.astype(ml_dtypes.bfloat16)
@@ -203,7 +203,7 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
         shape=(8, 4), dtype="int16", chunk_shape=(8, 4), inner_chunk_shape=(2, 4)
     )
     value = np.arange(32, dtype=np.int16).reshape(8, 4)
-    kv = store.kvstore_spec(str(tmp_path), "a")
+    kv = store.kvstore_config(str(tmp_path), "a")
     store.create(kv, layout).result()
     nbytes = shard_file.write(kv["path"], (0, 0), value, layout)
     assert (
@@ -225,7 +225,7 @@ def _ts_array(path, value, chunk_shape, inner_shape, checksum, store_fill=True):
         inner_chunk_shape=tuple(inner_shape),
         checksum=checksum,
     )
-    spec = store.array_spec({"driver": "file", "path": str(path)}, layout)
+    spec = store.array_config({"driver": "file", "path": str(path)}, layout)
     spec["store_data_equal_to_fill_value"] = store_fill
     t = ts.open(spec, create=True).result()
     t.write(value).result()
@@ -350,7 +350,7 @@ def test_layouts_it_cannot_read_go_to_tensorstore(tmp_path, case):
     layout = store.ArrayLayout(
         shape=shape, dtype="float32", chunk_shape=chunk, inner_chunk_shape=inner
     )
-    meta = store.array_spec({"driver": "memory"}, layout)["metadata"]
+    meta = store.array_config({"driver": "memory"}, layout)["metadata"]
     assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) == layout
     if case == "zstd":
         meta["codecs"][0]["configuration"]["codecs"].insert(

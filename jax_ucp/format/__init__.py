@@ -14,6 +14,6 @@ from jax_ucp.format.manifest import (
     TensorEntry,
     ValueEntry,
     array_dir,
-    infer_role,
+    new_manifest,
     read_manifest,
 )

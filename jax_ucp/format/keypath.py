@@ -74,11 +74,11 @@ def key_to_str(key: Sequence[str]) -> str:
 
 
 def component_of(entry: Any) -> tuple[str, str]:
-    """(kind, name) of one JAX key-path entry: kind is 'key' (dict), 'index' (sequence) or 'attr'."""
+    """(type, name) of one JAX key-path entry: type is 'key' (dict), 'index' (sequence) or 'attr'."""
     # Imported lazily-typed to keep this module free of JAX: duck-type on JAX's key classes.
     if hasattr(entry, "key"):  # DictKey / FlattenedIndexKey
-        kind = "index" if type(entry).__name__ == "FlattenedIndexKey" else "key"
-        return kind, str(entry.key)
+        key_type = "index" if type(entry).__name__ == "FlattenedIndexKey" else "key"
+        return key_type, str(entry.key)
     if hasattr(entry, "idx"):  # SequenceKey
         return "index", str(entry.idx)
     if hasattr(entry, "name"):  # GetAttrKey

@@ -17,6 +17,7 @@ from typing import Any
 
 from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.format import keypath as keypath_lib
+from jax_ucp.version import __version__
 
 FORMAT_NAME = "jax_ucp"
 FORMAT_VERSION = 1
@@ -60,7 +61,7 @@ class TensorEntry:
     """One array leaf stored as one zarr v3 array under ``arrays/<dir>``."""
 
     key: tuple[str, ...]
-    key_kinds: tuple[str, ...]  # per component: 'key' | 'index' | 'attr'
+    key_types: tuple[str, ...]  # per component: 'key' | 'index' | 'attr'
     dir: str  # relative to the checkpoint root, e.g. "arrays/params.w"
     shape: tuple[int, ...]
     dtype: str
@@ -74,7 +75,7 @@ class TensorEntry:
     saved_sharding: SavedSharding | None = None
     provenance: dict | None = None
 
-    kind = "tensor"
+    entry_type = "tensor"
 
     @property
     def name(self) -> str:
@@ -86,9 +87,9 @@ class TensorEntry:
 
     def to_json(self) -> dict:
         d = {
-            "kind": "tensor",
+            "entry": "tensor",
             "key": list(self.key),
-            "key_kinds": list(self.key_kinds),
+            "key_types": list(self.key_types),
             "dir": self.dir,
             "shape": list(self.shape),
             "dtype": self.dtype,
@@ -111,7 +112,7 @@ class TensorEntry:
         dtypes_lib.to_numpy_dtype(d["dtype"])  # validates
         return cls(
             key=tuple(d["key"]),
-            key_kinds=tuple(d.get("key_kinds") or ["key"] * len(d["key"])),
+            key_types=tuple(d.get("key_types") or ["key"] * len(d["key"])),
             dir=d["dir"],
             shape=tuple(int(x) for x in d["shape"]),
             dtype=d["dtype"],
@@ -137,12 +138,12 @@ class ValueEntry:
     """A non-array leaf (Python scalar, string, None) kept as a typed JSON value."""
 
     key: tuple[str, ...]
-    key_kinds: tuple[str, ...]
+    key_types: tuple[str, ...]
     value: Any
     role: str = "other"
     sub_role: str | None = None
 
-    kind = "value"
+    entry_type = "value"
 
     @property
     def name(self) -> str:
@@ -171,9 +172,9 @@ class ValueEntry:
                 f"(expected None, bool, int, float, str or an array)."
             )
         return {
-            "kind": "value",
+            "entry": "value",
             "key": list(self.key),
-            "key_kinds": list(self.key_kinds),
+            "key_types": list(self.key_types),
             "role": self.role,
             "sub_role": self.sub_role,
             **typed,
@@ -195,7 +196,7 @@ class ValueEntry:
             v = bool(v)
         return cls(
             key=tuple(d["key"]),
-            key_kinds=tuple(d.get("key_kinds") or ["key"] * len(d["key"])),
+            key_types=tuple(d.get("key_types") or ["key"] * len(d["key"])),
             value=v,
             role=d.get("role", "other"),
             sub_role=d.get("sub_role"),
@@ -278,7 +279,7 @@ class Manifest:
             )
         try:
             entries = [
-                TensorEntry.from_json(e) if e["kind"] == "tensor" else ValueEntry.from_json(e)
+                TensorEntry.from_json(e) if e["entry"] == "tensor" else ValueEntry.from_json(e)
                 for e in d["entries"]
             ]
             return cls(
@@ -319,27 +320,17 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
     return Manifest.loads(text, where=path)
 
 
-def infer_role(key: Sequence[str]) -> tuple[str, str | None]:
-    """Roles follow the tree's top-level names (the contract for imported checkpoints)."""
-    if not key:
-        return "other", None
-    top = key[0]
-    if top == "params":
-        return "param", None
-    if top == "model_params":
-        return "param", "model"
-    if top in ("opt_state", "optimizer", "opt"):
-        for comp in key[1:]:
-            if comp in ("mu", "nu", "count", "master", "exp_avg", "exp_avg_sq", "step"):
-                return "opt_state", {"exp_avg": "mu", "exp_avg_sq": "nu", "step": "count"}.get(
-                    comp, comp
-                )
-        return "opt_state", None
-    return "other", None
-
-
-def now() -> float:
-    return time.time()
+def new_manifest(
+    entries: Sequence[Entry], *, source: Mapping | None = None, kvstore_driver: str = "file"
+) -> Manifest:
+    """The manifest of a new save: entries plus who wrote it, when, and from what."""
+    return Manifest(
+        entries=list(entries),
+        kvstore_driver=kvstore_driver,
+        created_by=f"jax_ucp {__version__}",
+        created_at=time.time(),
+        source=dict(source or {"framework": "jax"}),
+    )
 
 
 def array_dir(key: Sequence[str]) -> str:

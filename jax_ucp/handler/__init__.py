@@ -1,12 +1,11 @@
 """Layer 5: Orbax integration and the save/restore/inspect entry points.
 
-Names are loaded on first use: ``host_writer`` / ``stream`` / ``tensor_writes`` / ``commit``
-(the importers' write path) need neither JAX nor Orbax and must not pull them in.
+Names are loaded on first use, so importing the package costs nothing until JAX is needed.
 """
 
 from __future__ import annotations
 
-from jax_ucp._lazy import lazy_attributes
+from jax_ucp.lazy_names import lazy_attributes
 
 _LAZY = {
     "inspect": "jax_ucp.handler.api",
@@ -17,7 +16,7 @@ _LAZY = {
     "UCPSave": "jax_ucp.handler.checkpoint_handler",
     "UCPStreamSave": "jax_ucp.handler.checkpoint_handler",
     "CheckpointError": "jax_ucp.handler.reader",
-    "HostItem": "jax_ucp.handler.stream",
+    "write_manager_step": "jax_ucp.handler.manager_step",
 }
 
 __all__ = list(_LAZY)

@@ -8,15 +8,15 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.multihost import multihost
 
 from jax_ucp import format as fmt
-from jax_ucp.handler import checkpoint_handler, commit, reader
+from jax_ucp.handler import checkpoint_handler, reader
+from jax_ucp.writer import commit
 
 
 def _barrier(name: str) -> None:
     if jax.process_count() > 1:
-        multihost.sync_global_processes(name)
+        ocp.multihost.sync_global_processes(name)
 
 
 def atomic_save(path: str, args, *, force: bool) -> None:
@@ -39,11 +39,11 @@ def atomic_save(path: str, args, *, force: bool) -> None:
         with ocp.Checkpointer(handler) as ckptr:
             ckptr.save(target, args=args, force=exists)
     except BaseException:
-        if multihost.is_primary_host(0):
+        if ocp.multihost.is_primary_host(0):
             commit.remove_failed_save_leftovers(target)
         raise
     if exists:
-        if multihost.is_primary_host(0):
+        if ocp.multihost.is_primary_host(0):
             commit.replace_committed(target, path)
         _barrier("jax_ucp:force_swap")
 

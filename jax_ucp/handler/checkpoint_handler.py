@@ -1,48 +1,63 @@
 """Orbax integration: ``UCPCheckpointHandler`` with registered ``UCPSave`` / ``UCPRestore`` args.
 
-Follows Orbax's own async handlers (``json_checkpoint_handler``): the blocking part of
+Follows Orbax's own async handlers (``JsonCheckpointHandler``): the blocking part of
 ``async_save`` only decides the layout and copies this process's shards to host memory; all file
 I/O runs in a commit future after Orbax has created the (temporary) item directory, and Orbax's
-temporary-path + commit machinery makes the save atomic.
+temporary-path + commit machinery makes the save atomic. ``save`` is ``async_save`` plus waiting
+on its commit futures. Only Orbax's public API is used.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
+import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint import checkpoint_args
-from orbax.checkpoint import options as options_lib
-from orbax.checkpoint._src import asyncio_utils
-from orbax.checkpoint._src.futures import future
-from orbax.checkpoint._src.handlers import async_checkpoint_handler
-from orbax.checkpoint._src.multihost import multihost
 
 from jax_ucp import format as fmt
-from jax_ucp import store
-from jax_ucp.handler import reader, save_plan, stream, tensor_writes
+from jax_ucp import store, writer
+from jax_ucp.handler import reader, save_plan
 
 
-class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
+class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves a pytree as one consolidated zarr v3 array per leaf plus ``ucp.json``."""
 
     def __init__(
-        self,
-        *,
-        multiprocessing_options: options_lib.MultiprocessingOptions = options_lib.MultiprocessingOptions(),
+        self, *, multiprocessing_options: ocp.options.MultiprocessingOptions | None = None
     ):
-        self._primary_host = multiprocessing_options.primary_host
-        # Stats of the last save in this process (tests check "each process writes only its shards").
-        self.last_written: list[tuple[str, tuple]] = []
+        options = multiprocessing_options or ocp.options.MultiprocessingOptions()
+        self._primary_host = options.primary_host
 
     def _is_primary(self) -> bool:
-        return multihost.is_primary_host(self._primary_host)
+        return ocp.multihost.is_primary_host(self._primary_host)
 
-    def _prepare(self, args: UCPSave, *, copy: bool):
-        options = tensor_writes.SaveOptions(
+    async def _write(self, directory: str, manifest: fmt.Manifest, prepared, primary: bool):
+        await save_plan.write_all(directory, prepared, primary=primary)
+        if primary:
+            # Written after this process's arrays; Orbax commits only once every process is done.
+            with open(os.path.join(directory, fmt.MANIFEST_FILE), "w") as f:
+                f.write(manifest.dumps())
+
+    def _commit_futures(self, directory, args, *, copy: bool) -> list[ocp.future.Future]:
+        """Decides the layout, copies this process's shards to host, defers all I/O to a future.
+
+        ``copy``: private host copies of CPU device buffers, for saves whose caller goes on (a
+        donated or deleted array would change under the write); a blocking save skips them.
+        """
+        if isinstance(args, UCPStreamSave):
+            coro = writer.write_stream(
+                os.fspath(directory),
+                args.items,
+                source=args.source,
+                compression=args.compression,
+                inner_chunk_bytes=args.inner_chunk_bytes,
+            )
+            return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_stream_save")]
+        options = writer.SaveOptions(
             compression=args.compression,
             compression_level=args.compression_level,
             inner_chunk_bytes=args.inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
@@ -52,46 +67,21 @@ class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         entries, prepared = save_plan.prepare_tree(
             args.item, options, primary=primary, copy=copy, logical_axes=args.logical_axes
         )
-        manifest = tensor_writes.build_manifest(entries, source=args.source)
-        self.last_written = [
-            (p.entry.name, tuple((s.start, s.stop) for s in idx))
-            for p in prepared
-            for idx, _ in p.writes
-        ]
-        return manifest, prepared, primary
-
-    async def _write(self, directory: epath.Path, manifest: fmt.Manifest, prepared, primary: bool):
-        await save_plan.write_all(str(directory), prepared, primary=primary)
-        if primary:
-            # Written after this process's arrays; Orbax commits only once every process is done.
-            (directory / fmt.MANIFEST_FILE).write_text(manifest.dumps())
+        manifest = fmt.new_manifest(entries, source=args.source)
+        coro = self._write(os.fspath(directory), manifest, prepared, primary)
+        return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
 
     async def async_save(
-        self, directory: epath.Path, item: Any = None, args: UCPSave | None = None
-    ) -> list[future.Future] | None:
-        if isinstance(args, UCPStreamSave):
-            return [
-                future.CommitFutureAwaitingContractedSignals(
-                    _write_stream(directory, args), name="ucp_stream_save"
-                )
-            ]
-        if args is None:
-            args = UCPSave(item)
-        manifest, prepared, primary = self._prepare(args, copy=True)
-        return [
-            future.CommitFutureAwaitingContractedSignals(
-                self._write(directory, manifest, prepared, primary), name="ucp_save"
-            )
-        ]
+        self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
+    ) -> list[ocp.future.Future] | None:
+        return self._commit_futures(directory, args or UCPSave(item), copy=True)
 
-    def save(self, directory: epath.Path, item: Any = None, args: UCPSave | None = None):
-        if isinstance(args, UCPStreamSave):
-            return asyncio_utils.run_sync(_write_stream(directory, args))
-        if args is None:
-            args = UCPSave(item)
-        # Synchronous: the caller's arrays stay alive until we return, so no host copy is needed.
-        manifest, prepared, primary = self._prepare(args, copy=False)
-        asyncio_utils.run_sync(self._write(epath.Path(directory), manifest, prepared, primary))
+    def save(
+        self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
+    ) -> None:
+        # The same path as async_save, waited on; the caller blocks, so no private copies.
+        for f in self._commit_futures(directory, args or UCPSave(item), copy=False):
+            f.result()
 
     def restore(
         self, directory: epath.Path, item: Any = None, args: UCPRestore | None = None
@@ -117,9 +107,9 @@ class UCPCheckpointHandler(async_checkpoint_handler.AsyncCheckpointHandler):
         pass
 
 
-@checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
-class UCPSave(checkpoint_args.CheckpointArgs):
+class UCPSave(ocp.args.CheckpointArgs):
     """Save args: the pytree, plus layout options.
 
     Attributes:
@@ -143,9 +133,9 @@ class UCPSave(checkpoint_args.CheckpointArgs):
     source: dict | None = None
 
 
-@checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
+@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
-class UCPRestore(checkpoint_args.CheckpointArgs):
+class UCPRestore(ocp.args.CheckpointArgs):
     """Restore args; see ``jax_ucp.restore`` for what each field means."""
 
     target: Any = None
@@ -156,26 +146,16 @@ class UCPRestore(checkpoint_args.CheckpointArgs):
     dtype: Any = None
 
 
-@checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
-class UCPStreamSave(checkpoint_args.CheckpointArgs):
+class UCPStreamSave(ocp.args.CheckpointArgs):
     """Save args for a stream of ``HostItem`` (single process: the primary writes everything).
 
-    What importers use to write a CheckpointManager step; a standalone import commits without
-    Orbax (``host_writer``).
+    What ``manager_step`` uses to write an import as a CheckpointManager step; a standalone
+    import commits without Orbax (``writer.write_host_checkpoint``).
     """
 
-    items: Iterable[stream.HostItem]
+    items: Iterable[writer.HostItem]
     source: dict | None = None
     compression: str | None = None
     inner_chunk_bytes: int | None = None
-
-
-def _write_stream(directory, args: UCPStreamSave):
-    return stream.write_stream(
-        directory,
-        args.items,
-        source=args.source,
-        compression=args.compression,
-        inner_chunk_bytes=args.inner_chunk_bytes,
-    )

@@ -27,7 +27,7 @@ class Available:
     """A tensor restore can produce: stored as is, or a lazy view the UCP language built."""
 
     key: tuple[str, ...]
-    kinds: tuple[str, ...]
+    key_types: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: np.dtype
     sources: tuple[fmt.TensorEntry, ...]
@@ -67,7 +67,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
         return {
             e.key: Available(
                 key=e.key,
-                kinds=e.key_kinds,
+                key_types=e.key_types,
                 shape=e.shape,
                 dtype=store.zarr3.numpy_dtype(e.dtype),
                 sources=(e,),
@@ -91,7 +91,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
         identity = len(srcs) == 1 and srcs[0].key == key and tuple(plan.shape) == srcs[0].shape
         out[tuple(key)] = Available(
             key=tuple(key),
-            kinds=srcs[0].key_kinds if identity else ("key",) * len(key),
+            key_types=srcs[0].key_types if identity else ("key",) * len(key),
             shape=tuple(plan.shape),
             dtype=np.dtype(plan.dtype),
             sources=srcs,
@@ -112,7 +112,7 @@ class _Opener:
 
     def request(self, entry: fmt.TensorEntry):
         if entry.key not in self._futures:
-            kv = store.kvstore_spec(self.root, entry.dir)
+            kv = store.kvstore_config(self.root, entry.dir)
             self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
 
     def get(self, key) -> ts.TensorStore:
@@ -245,7 +245,7 @@ def read(
 
 def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
     """``store.shard_file``'s reader (hardware crc32c) where the array's zarr.json allows it."""
-    kv = store.kvstore_spec(root, entry.dir)
+    kv = store.kvstore_config(root, entry.dir)
     if kv.get("driver") != "file":
         return opened
     layout = shard_file.layout_from_metadata(
@@ -308,7 +308,7 @@ def restore_tree(
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
     available = available_tensors(manifest, spec)
-    reqs, kinds = [], []
+    reqs, key_types = [], []
     for key, av in available.items():
         sharding = None
         wide = np.dtype(jax.dtypes.canonicalize_dtype(dtype or av.dtype)) != np.dtype(
@@ -325,9 +325,9 @@ def restore_tree(
         reqs.append(
             Request(key=key, sharding=sharding, dtype=None if dtype is None else np.dtype(dtype))
         )
-        kinds.append(av.kinds)
+        key_types.append(av.key_types)
     for v in manifest.values:
         reqs.append(Request(key=v.key))
-        kinds.append(v.key_kinds)
+        key_types.append(v.key_types)
     results = read(root, manifest, reqs, available=available)
-    return tree_lib.nest((r.key, k, x) for r, k, x in zip(reqs, kinds, results))
+    return tree_lib.nest((r.key, k, x) for r, k, x in zip(reqs, key_types, results))

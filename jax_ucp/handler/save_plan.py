@@ -17,7 +17,7 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp.handler import tree as tree_lib
-from jax_ucp.handler.tensor_writes import (
+from jax_ucp.writer import (
     PreparedTensor,
     SaveOptions,
     array_layout,
@@ -28,6 +28,30 @@ from jax_ucp.handler.tensor_writes import (
 )
 
 _VALUE_TYPES = (type(None), bool, int, float, str)
+# optax state fields that hold per-parameter optimizer state, and the step counter.
+_OPTAX_STATE_NAMES = ("mu", "nu", "count", "trace", "ema", "master")
+
+
+def role_of(key: Sequence[str]) -> tuple[str, str | None]:
+    """The manifest role of a JAX leaf, from the conventional top-level names of a train state.
+
+    ``params`` → param; ``model_params`` → param/model; ``opt_state`` (or ``optimizer``/``opt``)
+    → opt_state with the optax field (``mu``, ``nu``, ``count``, ...) as sub-role; else other.
+    """
+    top = key[0] if key else None
+    if top == "params":
+        return "param", None
+    if top == "model_params":
+        return "param", "model"
+    if top in ("opt_state", "optimizer", "opt"):
+        sub = next((c for c in key[1:] if c in _OPTAX_STATE_NAMES), None)
+        return "opt_state", sub
+    return "other", None
+
+
+def shards_to_write(array: jax.Array) -> list:
+    """(index, shard data) for the addressable shards this process must write: replica 0 only."""
+    return [(s.index, s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
 def _to_host(data: jax.Array, copy: bool) -> np.ndarray:
@@ -48,7 +72,7 @@ def prepare_tree(
     leaves, _ = tree_lib.flatten(tree)
     for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
         if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
-            for _, data in sharding_lib.shards_to_write(leaf):
+            for _, data in shards_to_write(leaf):
                 data.copy_to_host_async()
     names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
     # Optimizer moments mirror the params tree (opt_state/0/mu/<param path>): they inherit the
@@ -64,15 +88,16 @@ def prepare_tree(
 
     entries: list[fmt.Entry] = []
     prepared: list[PreparedTensor] = []
-    for key, kinds, leaf in leaves:
+    for key, key_types, leaf in leaves:
         if not key:
             raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
         leaf, boxed_names = tree_lib.unbox(leaf)
+        role, sub_role = role_of(key)
         names = names_by_key.get(key, boxed_names)
         if names is None and by_param_path and key[0] != "params":
             names = inherited(key, len(getattr(leaf, "shape", ())))
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
-            entries.append(value_entry(key, kinds, leaf))
+            entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue
         if isinstance(leaf, jax.Array):
             shape = tuple(leaf.shape)
@@ -89,16 +114,15 @@ def prepare_tree(
             writes = (
                 []
                 if (local_copy and not primary)
-                else [
-                    (index, _to_host(data, copy))
-                    for index, data in sharding_lib.shards_to_write(leaf)
-                ]
+                else [(index, _to_host(data, copy)) for index, data in shards_to_write(leaf)]
             )
             p = PreparedTensor(
                 tensor_entry(
                     key,
-                    kinds,
+                    key_types,
                     layout,
+                    role=role,
+                    sub_role=sub_role,
                     logical_axes=names,
                     saved_sharding=sharding_lib.describe(leaf.sharding),
                 ),
@@ -110,7 +134,15 @@ def prepare_tree(
             if copy and primary and not isinstance(leaf, ts.TensorStore):
                 leaf = np.array(leaf, copy=True)
             p = prepare_host_tensor(
-                key, kinds, leaf, options, primary=primary, logical_axes=names, stable_source=copy
+                key,
+                key_types,
+                leaf,
+                options,
+                primary=primary,
+                logical_axes=names,
+                stable_source=copy,
+                role=role,
+                sub_role=sub_role,
             )
         else:
             raise TypeError(

@@ -22,7 +22,7 @@ def _is_leaf(x) -> bool:
 
 
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:
-    """[(key, key_kinds, leaf)] in flatten order, and the treedef. None is a leaf (a saved value)."""
+    """[(key, key_types, leaf)] in flatten order, and the treedef. None is a leaf (a saved value)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     out = []
     for path, leaf in leaves:
@@ -44,25 +44,25 @@ def unbox(leaf) -> tuple[Any, tuple | None]:
 
 
 def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]]) -> Any:
-    """Nested dicts from (key, key_kinds, value); a level whose keys are all sequence indices
+    """Nested dicts from (key, key_types, value); a level whose keys are all sequence indices
     0..n-1 becomes a list (tuples and lists were saved that way)."""
     root: dict = {}
-    kinds_at: dict[tuple, set] = {}
-    for key, kinds, value in items:
+    types_at: dict[tuple, set] = {}
+    for key, key_types, value in items:
         node = root
         for depth, comp in enumerate(key[:-1]):
-            kinds_at.setdefault(tuple(key[:depth]), set()).add(
-                kinds[depth] if depth < len(kinds) else "key"
+            types_at.setdefault(tuple(key[:depth]), set()).add(
+                key_types[depth] if depth < len(key_types) else "key"
             )
             node = node.setdefault(comp, {})
-        kinds_at.setdefault(tuple(key[:-1]), set()).add(kinds[-1] if kinds else "key")
+        types_at.setdefault(tuple(key[:-1]), set()).add(key_types[-1] if key_types else "key")
         node[key[-1]] = value
 
     def convert(node, prefix):
         if not isinstance(node, dict):
             return node
         conv = {k: convert(v, prefix + (k,)) for k, v in node.items()}
-        if kinds_at.get(prefix) == {"index"} and sorted(conv, key=int) == [
+        if types_at.get(prefix) == {"index"} and sorted(conv, key=int) == [
             str(i) for i in range(len(conv))
         ]:
             return [conv[str(i)] for i in range(len(conv))]

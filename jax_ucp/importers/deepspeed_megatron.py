@@ -164,7 +164,7 @@ def open_megatron_deepspeed_checkpoint(
     tag_dir: str, *, spec: Any = None
 ) -> MegatronDeepSpeedCheckpoint:
     """Find and validate every TP/PP/DP rank file of one tag folder (tensors stay memory-mapped)."""
-    from jax_ucp.language import spec_from_ucp_info
+    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
 
     files = sorted(os.listdir(tag_dir))
     if any(_Z3_MODEL_RE.match(f) for f in files):

@@ -7,13 +7,11 @@ Public API:
   split_parts(kind, full, settings=...), kind_from_obj, the Kind classes           (import side)
   compile_restore_plan(spec, saved) -> {target key: ViewPlan}, TensorInfo, ViewPlan,
   apply_restore_plan, restore_tree, describe_plan                                  (restore side)
-  spec_from_ucp_info(info, **settings): DeepSpeed universal_checkpoint_info -> import rules
   views: lazy TensorStore primitives (transpose, stack/unstack, stages, qkv, ...)
 See docs/LANGUAGE.md.
 """
 
 from jax_ucp.language import views
-from jax_ucp.language.deepspeed_info import import_rules_from_ucp_info, spec_from_ucp_info
 from jax_ucp.language.errors import (
     LanguageError,
     MergeError,

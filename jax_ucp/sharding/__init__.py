@@ -1,12 +1,12 @@
 """Layer 4: slices for a mesh (target shardings, per-device reads, assembly)."""
 
-from jax_ucp.sharding.assemble import PendingArray, shards_to_write
-from jax_ucp.sharding.specs import (
+from jax_ucp.sharding.assemble import PendingArray
+from jax_ucp.sharding.mesh_layout import (
     LogicalRules,
     ShardingMismatchError,
     check_divisible,
     describe,
+    partition_spec_from_logical,
+    partition_spec_from_saved,
     sharding_for,
-    spec_from_logical,
-    spec_from_saved,
 )

@@ -51,8 +51,3 @@ class PendingArray:
         host = {key: self._host(key) for key in self._reads}
         singles = [jax.device_put(host[key], device) for device, key in self._device_index]
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, singles)
-
-
-def shards_to_write(array: jax.Array):
-    """(index, shard data) for the addressable shards this process must write: replica 0 only."""
-    return [(s.index, s.data) for s in array.addressable_shards if s.replica_id == 0]

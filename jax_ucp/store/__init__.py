@@ -1,12 +1,19 @@
-"""Layer 2: TensorStore I/O (zarr v3 arrays on any kvstore)."""
+"""Layer 2: TensorStore I/O (zarr v3 arrays on any kvstore) and whole-shard file I/O."""
 
+from jax_ucp.store import shard_file
 from jax_ucp.store.chunking import DEFAULT_INNER_CHUNK_BYTES, inner_chunk_shape, outer_chunk_shape
 from jax_ucp.store.zarr3 import (
     ArrayLayout,
-    array_spec,
+    array_config,
     context,
     create,
+    file_bytes_read,
+    kvstore_config,
     kvstore_driver,
-    kvstore_spec,
     open_array,
 )
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from local checkpoint files, through every reader path."""
+    return file_bytes_read() + shard_file.bytes_read()

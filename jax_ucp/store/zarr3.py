@@ -38,7 +38,7 @@ class ArrayLayout:
             raise ValueError(f"checksum must be 'crc32c' or None, got {self.checksum!r}.")
 
 
-def kvstore_spec(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -> dict:
+def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -> dict:
     """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
     rel = "/".join(p.strip("/") for p in subpath if p)
     if isinstance(root, Mapping):
@@ -79,7 +79,7 @@ def _codecs(layout: ArrayLayout) -> list:
     ]
 
 
-def array_spec(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
+def array_config(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
     return {
         "driver": "zarr3",
         "kvstore": dict(kvstore),
@@ -141,7 +141,7 @@ def create(
     Other processes ``assume_metadata`` and never touch the metadata file, so writers on different
     hosts share no file at all.
     """
-    spec = array_spec(kvstore, layout)
+    spec = array_config(kvstore, layout)
     if primary:
         return ts.open(spec, create=True, open=False, context=context(sync))
     return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
@@ -171,3 +171,10 @@ def open_array(
 
 def numpy_dtype(name: str) -> np.dtype:
     return dtypes_lib.to_numpy_dtype(name)
+
+
+def file_bytes_read() -> int:
+    """Bytes this process has read from local files through TensorStore (its own metric)."""
+    for metric in ts.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read"):
+        return int(metric["values"][0]["value"])
+    return 0

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_ucp import language as L
+from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
 
 INFO = {
     "original_vocab_size": 50,
@@ -98,7 +99,7 @@ NAMES = {  # name -> full shape
 @settings(max_examples=10, deadline=None)
 @given(st.sampled_from([1, 2, 4]), st.integers(0, 1000))
 def test_rules_reproduce_ds_to_universal(tp, seed):
-    spec = L.spec_from_ucp_info(INFO)
+    spec = spec_from_ucp_info(INFO)
     rng = np.random.default_rng(seed)
     m = spec.classify(NAMES)
     for name, shape in NAMES.items():
@@ -126,14 +127,14 @@ def test_rules_reproduce_ds_to_universal(tp, seed):
 
 
 def test_spec_from_info_settings_and_strictness():
-    spec = L.spec_from_ucp_info(INFO)
+    spec = spec_from_ucp_info(INFO)
     assert spec.settings["vocab_size"] == 50 and spec.settings["padded_vocab_size"] == 64
     assert spec.match("tied_modules.embed.word_embeddings.weight").kind.inner.vocab_size == 50
-    strict = L.spec_from_ucp_info(INFO, strict=True)
+    strict = spec_from_ucp_info(INFO, strict=True)
     with pytest.raises(
         L.StrictnessError,
         match=r"averaged '\\\\d\+.post_attention_layernorm.weight'.*matched no tensor",
     ):
         strict.classify([n for n in NAMES if "post_attention" not in n])
     with pytest.raises(L.SpecError, match="parameter_with_sub_params"):
-        L.spec_from_ucp_info({"parameter_with_sub_params": [{"patterns": ["x"]}]})
+        spec_from_ucp_info({"parameter_with_sub_params": [{"patterns": ["x"]}]})

@@ -1,13 +1,14 @@
 """Streams of host tensors (what importers produce), written one tensor at a time.
 
-Free of JAX and Orbax: an import is a host-only job (see ``host_writer``).
+``HostItem`` is the one record that flows from an importer into the writer: a tensor (or a JSON
+scalar) with its key path, role and provenance. Free of JAX and Orbax: an import is a host-only job.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -15,12 +16,15 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.handler import tensor_writes
+from jax_ucp.writer import layout as layout_lib
+from jax_ucp.writer.shards import PipelinedWriter
+
+_SCALARS = (type(None), bool, int, float, str)
 
 
 @dataclasses.dataclass
 class HostItem:
-    """One tensor (or JSON scalar) of a stream.
+    """One tensor (or JSON scalar) of a stream, with what the manifest records about it.
 
     ``value`` must not be modified once yielded: TensorStore may encode straight from it while
     later items are produced (importers yield read-only memory maps or fresh arrays).
@@ -28,10 +32,27 @@ class HostItem:
 
     key: tuple[str, ...]
     value: Any  # np.ndarray (incl. memmap, ml_dtypes), tensorstore.TensorStore, or JSON scalar
-    role: str | None = None
+    role: str = "other"  # one of format.ROLES
     sub_role: str | None = None
     provenance: dict | None = None
     logical_axes: tuple | None = None
+
+
+def with_progress(
+    items: Iterable[HostItem], total: int, progress: Callable[[str, int, int], None] | None
+) -> Iterator[HostItem]:
+    """``items`` unchanged, calling ``progress(name, done, total)`` after each parameter.
+
+    Parameters (role ``param`` without a sub-role) are what a user waits on; moments and model
+    copies follow them.
+    """
+    done = 0
+    for item in items:
+        yield item
+        if item.role == "param" and item.sub_role is None:
+            done += 1
+            if progress is not None:
+                progress(item.key[-1], done, total)
 
 
 async def write_stream(
@@ -48,29 +69,31 @@ async def write_stream(
     ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
     """
     directory = os.fspath(directory)
-    options = tensor_writes.SaveOptions(
+    options = layout_lib.SaveOptions(
         compression=compression,
         inner_chunk_bytes=inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
     )
     entries: list[fmt.Entry] = []
-    writer = tensor_writes.PipelinedWriter(directory, sync=sync)
+    writer = PipelinedWriter(directory, sync=sync)
     try:
         for item in items:
             key = tuple(str(k) for k in item.key)
-            kinds = ("key",) * len(key)
+            key_types = ("key",) * len(key)
             v = item.value
-            if isinstance(v, (type(None), bool, int, float, str)):
+            if isinstance(v, _SCALARS):
                 entries.append(
-                    tensor_writes.value_entry(key, kinds, v, role=item.role, sub_role=item.sub_role)
+                    layout_lib.value_entry(
+                        key, key_types, v, role=item.role, sub_role=item.sub_role
+                    )
                 )
                 continue
             if not isinstance(v, (np.ndarray, np.generic, ts.TensorStore)):
                 raise TypeError(
                     f"HostItem {fmt.key_to_str(key)!r}: cannot write a {type(v).__name__}."
                 )
-            p = tensor_writes.prepare_host_tensor(
+            p = layout_lib.prepare_host_tensor(
                 key,
-                kinds,
+                key_types,
                 v,
                 options,
                 primary=True,
@@ -87,6 +110,6 @@ async def write_stream(
     except BaseException:
         await writer.abandon()
         raise
-    manifest = tensor_writes.build_manifest(entries, source=source)
+    manifest = fmt.new_manifest(entries, source=source)
     with open(os.path.join(directory, fmt.MANIFEST_FILE), "w") as f:
         f.write(manifest.dumps())

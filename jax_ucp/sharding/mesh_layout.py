@@ -68,7 +68,9 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
             raise ShardingMismatchError(f"Tensor {name!r} (shape {tuple(shape)}): {e}") from e
 
 
-def spec_from_saved(shape: Sequence[int], saved: SavedSharding | None, mesh: Mesh) -> PartitionSpec:
+def partition_spec_from_saved(
+    shape: Sequence[int], saved: SavedSharding | None, mesh: Mesh
+) -> PartitionSpec:
     """The saved PartitionSpec, kept per dimension where it still fits the new mesh."""
     if saved is None:
         return PartitionSpec()
@@ -90,7 +92,7 @@ def spec_from_saved(shape: Sequence[int], saved: SavedSharding | None, mesh: Mes
     return PartitionSpec(*out)
 
 
-def spec_from_logical(
+def partition_spec_from_logical(
     shape: Sequence[int], logical_axes: Sequence[str | None], rules: LogicalRules, mesh: Mesh
 ) -> PartitionSpec:
     """flax-style logical → mesh axes: the first rule for a name whose mesh axes are free and divide."""
@@ -126,8 +128,8 @@ def sharding_for(
     rules: LogicalRules | None,
 ) -> NamedSharding:
     if rules is not None and logical_axes is not None:
-        return NamedSharding(mesh, spec_from_logical(shape, logical_axes, rules, mesh))
-    return NamedSharding(mesh, spec_from_saved(shape, saved, mesh))
+        return NamedSharding(mesh, partition_spec_from_logical(shape, logical_axes, rules, mesh))
+    return NamedSharding(mesh, partition_spec_from_saved(shape, saved, mesh))
 
 
 def describe(sharding: jax.sharding.Sharding | None) -> SavedSharding | None:

@@ -8,14 +8,12 @@ Everything here is also what forced replacement uses (never delete the old check
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import socket
 import time
 
-from jax_ucp import format as fmt
-from jax_ucp.store.shard_file import fsync_path
+from jax_ucp.writer import durable
 
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 TMP_MARK = ".ucp-tmp-"
@@ -65,40 +63,6 @@ def remove_stale_temporaries(path: str) -> list[str]:
     return removed
 
 
-def sync_filesystem(path: str) -> None:
-    """syncfs(2) on the file system holding ``path``: waits for every dirty page and the journal.
-
-    Falls back to sync(2) where libc has no syncfs (non-Linux).
-    """
-    try:
-        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        os.sync()
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs: {os.strerror(err)}", path)
-    finally:
-        os.close(fd)
-
-
-def make_durable(root: str) -> None:
-    """Everything under ``root`` on disk before it is committed.
-
-    Writers that deferred durability (``sync=False``: no fsync per file, write-back started early)
-    are covered by one syncfs; then ``ucp.json`` and the directories that name new entries are
-    fsynced explicitly (cheap after syncfs; what a per-file fsync writer still needs).
-    """
-    sync_filesystem(root)
-    fsync_path(os.path.join(root, fmt.MANIFEST_FILE))
-    arrays = os.path.join(root, fmt.ARRAYS_DIR)
-    if os.path.isdir(arrays):
-        fsync_path(arrays)
-    fsync_path(root)
-
-
 def remove_failed_save_leftovers(dest: str) -> None:
     """Temporary directories of a save of ``dest`` that failed in this process (ours and Orbax's)."""
     parent, name = os.path.split(os.path.abspath(dest))
@@ -111,12 +75,12 @@ def remove_failed_save_leftovers(dest: str) -> None:
 
 def commit(tmp: str, path: str) -> None:
     """Moves the finished directory ``tmp`` to ``path``, replacing a committed one if present."""
-    make_durable(tmp)
+    durable.make_durable(tmp)
     if os.path.exists(path):
         replace_committed(tmp, path)
     else:
         os.rename(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+    durable.fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def replace_committed(new: str, path: str) -> None:

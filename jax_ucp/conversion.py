@@ -1,0 +1,64 @@
+"""``convert``: a torch checkpoint in, a UCP checkpoint out (standalone or as a manager step).
+
+Sits above the importers (which only read and yield ``writer.HostItem``s) and the writers: the
+standalone form commits without JAX or Orbax (``writer.write_host_checkpoint``); ``step=N`` goes
+through Orbax's CheckpointManager (``handler.manager_step``), imported only then.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jax_ucp import writer
+from jax_ucp.importers import detect
+
+Progress = Callable[[str, int, int], None]
+
+
+def convert(
+    source,
+    dest,
+    *,
+    format: str | None = None,
+    spec: Any = None,
+    force: bool = False,
+    step: int | None = None,
+    progress: Progress | None = None,
+    compression: str | None = None,
+    **importer_options,
+) -> str:
+    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
+
+    ``format``: "deepspeed" or "megatron" (detected from the files when None). ``spec``: a
+    UCP-language spec (``Spec``, shipped name or TOML path) with the import rules / settings.
+    ``step`` writes ``<dest>/<step>/state`` as a CheckpointManager step. ``progress(name, done,
+    total)`` is called per parameter. Importer options (``tag=``, ``vocab_size=``) pass through.
+    Everything that needs no tensor bytes is checked before anything is written, and a failure
+    leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
+    """
+    dest = os.fspath(dest)
+    if step is None and os.path.exists(dest) and not force:
+        raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
+    plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
+    items = writer.with_progress(plan.items, plan.total_params, progress)
+    if step is None:
+        return writer.write_host_checkpoint(
+            dest, items, force=force, source=plan.source, compression=compression
+        )
+    from jax_ucp.handler.manager_step import write_manager_step
+
+    return write_manager_step(
+        dest, items, step=step, force=force, source=plan.source, compression=compression
+    )
+
+
+def convert_deepspeed(src, dst, **kwargs) -> str:
+    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP)."""
+    return convert(src, dst, format="deepspeed", **kwargs)
+
+
+def convert_megatron(src, dst, **kwargs) -> str:
+    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX)."""
+    return convert(src, dst, format="megatron", **kwargs)

@@ -1,0 +1,53 @@
+"""A stream of host tensors (an import) written as step N of an Orbax CheckpointManager directory.
+
+The standalone form needs no Orbax (``writer.write_host_checkpoint``); a manager step does, so
+this lives with the Orbax integration. An existing step is replaced like a forced standalone
+save: the new step is committed in a staging manager directory first, then swapped in.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterable, Mapping
+
+import orbax.checkpoint as ocp
+
+from jax_ucp.handler.checkpoint_handler import UCPStreamSave
+from jax_ucp.writer import HostItem, commit
+
+
+def write_manager_step(
+    dest,
+    items: Iterable[HostItem],
+    *,
+    step: int,
+    force: bool = False,
+    source: Mapping | None = None,
+    item_name: str = "state",
+    compression: str | None = None,
+) -> str:
+    """Writes ``items`` as ``<dest>/<step>/<item_name>``; returns that UCP directory."""
+    dest = os.path.abspath(os.fspath(dest)).rstrip("/")
+    args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
+    step_dir = os.path.join(dest, str(step))
+    replacing = os.path.exists(step_dir)
+    if replacing and not force:
+        raise FileExistsError(f"{step_dir} already exists; pass force=True to replace step {step}.")
+    root = os.path.join(dest, f".ucp-staging-step-{step}") if replacing else dest
+    if replacing and os.path.exists(root):
+        shutil.rmtree(root)
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        try:
+            mngr.save(step, args=ocp.args.Composite(**{item_name: args}))
+            mngr.wait_until_finished()
+        except BaseException:
+            commit.remove_failed_save_leftovers(os.path.join(root, str(step)))
+            if replacing:
+                shutil.rmtree(root, ignore_errors=True)
+            raise
+    if replacing:
+        commit.replace_committed(os.path.join(root, str(step)), step_dir)
+        shutil.rmtree(root)
+    return os.path.join(step_dir, item_name)

@@ -1,0 +1,18 @@
+"""Layer 2b: the JAX-free write + commit engine.
+
+Streams host tensors into store arrays with a bounded pipeline, makes them durable and commits
+the directory atomically (temporary sibling + rename). Importers and the Orbax handler both
+write through it; it knows nothing of Orbax, JAX or torch.
+"""
+
+from jax_ucp.writer.checkpoint import run_coroutine, write_host_checkpoint
+from jax_ucp.writer.layout import (
+    PreparedTensor,
+    SaveOptions,
+    array_layout,
+    prepare_host_tensor,
+    tensor_entry,
+    value_entry,
+)
+from jax_ucp.writer.shards import PipelinedWriter, write_tensor
+from jax_ucp.writer.stream import HostItem, with_progress, write_stream

@@ -1,0 +1,76 @@
+"""Durability: fsync of files and directories, syncfs of a whole tree, and the write threads.
+
+A checkpoint is committed by renaming its directory into place, so everything under it must be
+on disk first; writers either fsync as they go (``sync=True``) or defer to one ``make_durable``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import os
+
+from jax_ucp import format as fmt
+
+_WRITE_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def write_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads for shard writes: crc32c and os.writev/fsync release the GIL, and fsync-bound
+    writes need several in flight (4 measured as good as 8 or 16 on 2 cores)."""
+    if not _WRITE_POOL:
+        threads = max(4, os.cpu_count() or 2)
+        _WRITE_POOL.append(
+            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ucp-write")
+        )
+    return _WRITE_POOL[0]
+
+
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory (a directory's fsync makes its new entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree_to(root: str, relative: str) -> None:
+    """fsync every directory from ``root/relative`` up to ``root`` (each gained an entry)."""
+    names = [n for n in relative.split("/") if n]
+    for depth in range(len(names), -1, -1):
+        fsync_path(os.path.join(root, *names[:depth]))
+
+
+def sync_filesystem(path: str) -> None:
+    """syncfs(2) on the file system holding ``path``: waits for every dirty page and the journal.
+
+    Falls back to sync(2) where libc has no syncfs (non-Linux).
+    """
+    try:
+        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        os.sync()
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs: {os.strerror(err)}", path)
+    finally:
+        os.close(fd)
+
+
+def make_durable(root: str) -> None:
+    """Everything under ``root`` on disk before it is committed.
+
+    Writers that deferred durability (``sync=False``: no fsync per file, write-back started early)
+    are covered by one syncfs; then ``ucp.json`` and the directories that name new entries are
+    fsynced explicitly (cheap after syncfs; what a per-file fsync writer still needs).
+    """
+    sync_filesystem(root)
+    fsync_path(os.path.join(root, fmt.MANIFEST_FILE))
+    arrays = os.path.join(root, fmt.ARRAYS_DIR)
+    if os.path.isdir(arrays):
+        fsync_path(arrays)
+    fsync_path(root)

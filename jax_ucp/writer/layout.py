@@ -1,0 +1,127 @@
+"""What a save decides before writing: array layouts and manifest entries, from host or device data.
+
+Shared by JAX saves (``handler.save_plan``) and host streams (importers); free of JAX and Orbax so
+a conversion, a host-only job, never pays their import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from jax_ucp import format as fmt
+from jax_ucp import store
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    compression: str | None = None  # None or "zstd" (see README: why off by default)
+    compression_level: int = 3
+    inner_chunk_bytes: int = store.DEFAULT_INNER_CHUNK_BYTES
+    checksum: str | None = "crc32c"
+
+
+@dataclasses.dataclass
+class PreparedTensor:
+    entry: fmt.TensorEntry
+    layout: store.ArrayLayout
+    # (index into the global array, host data or a zero-arg producer) for this process to write
+    writes: list[tuple[tuple, Any]]
+    # The host data stays unmodified while TensorStore may hold it (a private copy, a read-only
+    # memory map): TensorStore then encodes straight from it instead of copying it first, which
+    # cut a 2.2 GB import from 2.6-2.9 s to 2.0-2.2 s on 2 cores.
+    stable_source: bool = False
+
+
+def array_layout(
+    shape, dtype_name: str, shard_shape, itemsize: int, options: SaveOptions
+) -> store.ArrayLayout:
+    return store.ArrayLayout(
+        shape=tuple(int(d) for d in shape),
+        dtype=dtype_name,
+        chunk_shape=store.outer_chunk_shape(shard_shape),
+        inner_chunk_shape=store.inner_chunk_shape(shard_shape, itemsize, options.inner_chunk_bytes),
+        compression=options.compression,
+        compression_level=options.compression_level,
+        checksum=options.checksum,
+    )
+
+
+def tensor_entry(
+    key,
+    key_types,
+    layout: store.ArrayLayout,
+    *,
+    role: str = "other",
+    sub_role: str | None = None,
+    logical_axes=None,
+    saved_sharding=None,
+    provenance=None,
+) -> fmt.TensorEntry:
+    if logical_axes is not None and len(logical_axes) < len(layout.shape):
+        # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
+        logical_axes = (
+            tuple(logical_axes) + (None,) * (len(layout.shape) - len(logical_axes))
+            if any(n is not None for n in logical_axes)
+            else None
+        )
+    if logical_axes is not None and len(logical_axes) != len(layout.shape):
+        raise ValueError(
+            f"Leaf {fmt.key_to_str(key)!r}: {len(logical_axes)} logical axis names "
+            f"{tuple(logical_axes)} for an array of shape {layout.shape}."
+        )
+    return fmt.TensorEntry(
+        key=tuple(key),
+        key_types=tuple(key_types),
+        dir=fmt.array_dir(key),
+        shape=layout.shape,
+        dtype=layout.dtype,
+        chunk_shape=layout.chunk_shape,
+        inner_chunk_shape=layout.inner_chunk_shape,
+        compression=layout.compression,
+        checksum=layout.checksum,
+        role=role,
+        sub_role=sub_role,
+        logical_axes=None if logical_axes is None else tuple(logical_axes),
+        saved_sharding=saved_sharding,
+        provenance=provenance,
+    )
+
+
+def value_entry(
+    key, key_types, value, *, role: str = "other", sub_role: str | None = None
+) -> fmt.ValueEntry:
+    entry = fmt.ValueEntry(
+        key=tuple(key), key_types=tuple(key_types), value=value, role=role, sub_role=sub_role
+    )
+    entry.to_json()  # type check now, with the leaf's name, not at manifest time
+    return entry
+
+
+def prepare_host_tensor(
+    key,
+    key_types,
+    value,
+    options: SaveOptions,
+    *,
+    primary: bool,
+    stable_source: bool = False,
+    **entry_kw,
+) -> PreparedTensor:
+    """A numpy array or TensorStore view: one shard, written by the primary process only."""
+    if isinstance(value, ts.TensorStore):
+        shape, np_dtype = tuple(value.shape), value.dtype.numpy_dtype
+        data: Any = lambda v=value: v.read().result()
+    else:
+        value = np.asarray(value)
+        shape, np_dtype, data = value.shape, value.dtype, value
+    layout = array_layout(
+        shape, fmt.dtype_name(np_dtype), shape, np.dtype(np_dtype).itemsize, options
+    )
+    writes = [(tuple(slice(None) for _ in shape), data)] if primary else []
+    return PreparedTensor(
+        tensor_entry(key, key_types, layout, **entry_kw), layout, writes, stable_source
+    )

@@ -1,0 +1,134 @@
+"""Writing a prepared tensor's shards, and a bounded pipeline of tensors in flight.
+
+Whole shards of host memory go through ``store.shard_file`` (TensorStore's bytes, hardware
+crc32c); anything else (compression, lazy sources, other kvstores) through TensorStore.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import tensorstore as ts
+
+from jax_ucp import store
+from jax_ucp.store import shard_file
+from jax_ucp.writer import durable
+from jax_ucp.writer.layout import PreparedTensor
+
+
+def _write_error(p: PreparedTensor, kv, e: Exception) -> IOError:
+    return OSError(
+        f"Writing tensor {p.entry.name!r} (shape {p.layout.shape}, {p.layout.dtype}) "
+        f"to {kv.get('path', kv)}: {e}"
+    )
+
+
+async def write_tensor(root, p: PreparedTensor, *, primary: bool, sync: bool = True) -> None:
+    """Creates (primary) or attaches to (others) the array and writes this process's shards.
+
+    ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
+    it (``durable.make_durable``).
+    """
+    kv = store.kvstore_config(root, p.entry.dir)
+    try:
+        t = await store.create(kv, p.layout, primary=primary, sync=sync)
+        for c in _issue_writes(t, p, kv, sync):
+            await c
+    except Exception as e:
+        raise _write_error(p, kv, e) from e
+
+
+def _chunk_position(index, chunk_shape) -> tuple[int, ...] | None:
+    """Grid position of the shard that ``index`` (a tuple of slices) covers exactly, else None."""
+    if len(index) != len(chunk_shape):
+        return None
+    pos = []
+    for sl, c in zip(index, chunk_shape):
+        start = sl.start or 0
+        if start % c:
+            return None
+        pos.append(start // c)
+    return tuple(pos)
+
+
+def _issue_writes(t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], sync: bool) -> list:
+    """Starts every shard write of ``p``; whole shards of host memory go through ``shard_file``."""
+    commits = []
+    loop = asyncio.get_running_loop()
+    for index, data in p.writes:
+        if callable(data):
+            data = data()
+        if p.layout.shape and 0 in p.layout.shape:
+            continue  # nothing to store for a zero-size array; zarr.json says it all
+        position = _chunk_position(index, p.layout.chunk_shape) if index else None
+        if position is not None and shard_file.can_write(p.layout, data, kv):
+            commits.append(
+                loop.run_in_executor(
+                    durable.write_pool(),
+                    functools.partial(_write_whole_shard, kv["path"], position, data, p, sync),
+                )
+            )
+            continue
+        target = t[index] if index else t
+        commits.append(
+            target.write(data, can_reference_source_data_indefinitely=p.stable_source).commit
+        )
+    return commits
+
+
+def _write_whole_shard(array_dir: str, position, data, p: PreparedTensor, sync: bool) -> None:
+    shard_file.write(array_dir, position, data, p.layout, sync=sync)
+    if sync:  # the file is on disk; now the directories that name it, up to the array's
+        key = shard_file.shard_key(position)
+        durable.fsync_tree_to(array_dir, os.path.dirname(key))
+
+
+class PipelinedWriter:
+    """Keeps a bounded number of host tensors in flight (single process, primary).
+
+    An importer produces the next tensor while TensorStore is still creating and writing the
+    previous ones (each create fsyncs its zarr.json, so awaiting them one by one dominated
+    imports); the byte and count caps bound the memory that pipelining adds.
+    """
+
+    def __init__(
+        self, root, *, max_bytes: int = 256 << 20, max_tensors: int = 64, sync: bool = True
+    ):
+        self.root = str(root)
+        self.sync = sync
+        self.max_bytes, self.max_tensors = max_bytes, max_tensors
+        self._pending: list[tuple[asyncio.Task, int]] = []
+        self._bytes = 0
+
+    async def add(self, p: PreparedTensor) -> None:
+        task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
+        self._pending.append((task, p.entry.nbytes))
+        self._bytes += p.entry.nbytes
+        await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
+        while self._pending and (
+            self._bytes > self.max_bytes or len(self._pending) > self.max_tensors
+        ):
+            await self._retire_oldest()
+        # Surface a failure early instead of after the whole stream was produced.
+        for task, _ in self._pending:
+            if task.done() and task.exception() is not None:
+                raise task.exception()
+
+    async def _retire_oldest(self) -> None:
+        task, nbytes = self._pending.pop(0)
+        await task
+        self._bytes -= nbytes
+
+    async def flush(self) -> None:
+        while self._pending:
+            await self._retire_oldest()
+
+    async def abandon(self) -> None:
+        """After a failure: let in-flight writes settle so cleanup does not race them."""
+        if self._pending:
+            await asyncio.gather(*(t for t, _ in self._pending), return_exceptions=True)
+        self._pending.clear()
