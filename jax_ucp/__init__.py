@@ -9,7 +9,7 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 
 from __future__ import annotations
 
-from jax_ucp.format import Manifest, ManifestError, TensorEntry, ValueEntry
+from jax_ucp.format import Manifest, ManifestError, TensorEntry, UCPError, ValueEntry
 from jax_ucp.lazy_names import lazy_attributes
 from jax_ucp.version import __version__
 
@@ -25,7 +25,7 @@ _LAZY = {
     "convert": "jax_ucp.conversion",
 }
 
-__all__ = ["Manifest", "ManifestError", "TensorEntry", "ValueEntry", "__version__", *_LAZY]
+__all__ = ["Manifest", "ManifestError", "TensorEntry", "UCPError", "ValueEntry", "__version__", *_LAZY]
 
 
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)

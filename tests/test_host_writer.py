@@ -119,7 +119,7 @@ def test_stream_as_manager_step(tmp_path):
     assert_bit_exact(got.state["params"]["w"], np.zeros(3))
 
 
-def test_standalone_write_creates_parents_and_force_replaces_a_plain_file(tmp_path):
+def test_standalone_write_creates_parents_and_force_never_replaces_a_plain_file(tmp_path):
     out = write_host_checkpoint(
         tmp_path / "a" / "b" / "ckpt/", iter([HostItem(("x",), np.ones(2))])
     )
@@ -127,6 +127,7 @@ def test_standalone_write_creates_parents_and_force_replaces_a_plain_file(tmp_pa
     (tmp_path / "f").write_text("not a checkpoint")
     with pytest.raises(FileExistsError, match="force=True"):
         write_host_checkpoint(tmp_path / "f", iter([HostItem(("x",), np.ones(2))]))
-    write_host_checkpoint(tmp_path / "f", iter([HostItem(("x",), np.zeros(2))]), force=True)
-    assert_bit_exact(jax_ucp.restore(tmp_path / "f")["x"], np.zeros(2))
+    with pytest.raises(jax_ucp.UCPError, match="not a checkpoint directory"):
+        write_host_checkpoint(tmp_path / "f", iter([HostItem(("x",), np.zeros(2))]), force=True)
+    assert (tmp_path / "f").read_text() == "not a checkpoint"  # the user's file is untouched
     assert sorted(os.listdir(tmp_path)) == ["a", "f"]

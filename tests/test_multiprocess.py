@@ -22,7 +22,7 @@ import jax_ucp
 assert jax.process_count() == nproc
 devs = np.array(jax.devices())  # global, ordered by process
 mesh = Mesh(devs.reshape(2, -1), ("data", "model"))
-W = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+W = np.arange(256 * 384, dtype=np.float32).reshape(256, 384)
 E = (np.arange(6 * 4) - 7).astype(ml_dtypes.bfloat16).reshape(6, 4)
 def make(host, spec):
   s = NamedSharding(mesh, spec)
@@ -119,7 +119,7 @@ def test_two_process_save_then_restore_in_one_and_two(tmp_path):
     ]
     # One process (this one, 8 devices) reads it back…
     back = jax_ucp.restore(path)
-    W = np.arange(8 * 12, dtype=np.float32).reshape(8, 12)
+    W = np.arange(256 * 384, dtype=np.float32).reshape(256, 384)
     assert_bit_exact(back["params"]["w"], W)
     assert_bit_exact(back["params"]["c"], W.T)
     assert back["step"] == 11

@@ -17,7 +17,6 @@ _EXTENDED = {
     "float8_e5m2": ml_dtypes.float8_e5m2,
     "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
     "int4": ml_dtypes.int4,
-    "uint4": ml_dtypes.uint4,
 }
 
 # dtypes zarr-python reads natively (the format promise: `zarr.open` works on these).
@@ -62,3 +61,7 @@ def to_numpy_dtype(name: str) -> np.dtype:
         f"Unknown dtype {name!r} in manifest (expected one of "
         f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
     )
+
+
+# Every dtype a manifest may name (TensorStore's zarr3 driver stores all of them; uint4 it does not).
+SUPPORTED = tuple(sorted(ZARR_NATIVE | set(_EXTENDED)))

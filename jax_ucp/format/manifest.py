@@ -11,12 +11,18 @@ import dataclasses
 import json
 import math
 import os
+import re
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from jax_ucp.format import dtypes as dtypes_lib
+from jax_ucp.format import files
 from jax_ucp.format import keypath as keypath_lib
+from jax_ucp.format.errors import UCPError
 from jax_ucp.version import __version__
 
 FORMAT_NAME = "jax_ucp"
@@ -25,9 +31,20 @@ MANIFEST_FILE = "ucp.json"
 ARRAYS_DIR = "arrays"
 
 ROLES = ("param", "opt_state", "other")
+KEY_TYPES = ("key", "index", "attr")
+COMPRESSIONS = (None, "zstd")
+CHECKSUMS = (None, "crc32c")
+
+# Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host.
+MAX_MANIFEST_BYTES = 512 << 20
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
+_DIR_RE = re.compile(r"^arrays/[A-Za-z0-9_%~.\-]+$")
+_DIGEST_RE = re.compile(r"^[0-9a-f]{8}$")
+_SHARD_KEY_RE = re.compile(r"^c(/[0-9]+)*$")
 
 
-class ManifestError(ValueError):
+class ManifestError(UCPError, ValueError):
     """A manifest is missing, unreadable, or not one this version understands."""
 
 
@@ -46,14 +63,21 @@ class SavedSharding:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> SavedSharding:
-        return cls(
-            mesh_axis_names=tuple(d["mesh"]["axis_names"]),
-            mesh_shape=tuple(int(x) for x in d["mesh"]["shape"]),
-            partition_spec=tuple(
-                tuple(p) if isinstance(p, list) else p for p in d["partition_spec"]
-            ),
-        )
+    def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
+        d = _object(d, where, required=("mesh", "partition_spec"))
+        mesh = _object(d["mesh"], f"{where}.mesh", required=("axis_names", "shape"))
+        names = _str_list(mesh["axis_names"], f"{where}.mesh.axis_names")
+        shape = _dims(mesh["shape"], f"{where}.mesh.shape")
+        spec = d["partition_spec"]
+        if not isinstance(spec, list):
+            _fail(f"{where}.partition_spec", "a list", spec)
+        entries: list = []
+        for i, p in enumerate(spec):
+            if p is None or isinstance(p, str):
+                entries.append(p)
+            else:
+                entries.append(tuple(_str_list(p, f"{where}.partition_spec[{i}]")))
+        return cls(mesh_axis_names=tuple(names), mesh_shape=shape, partition_spec=tuple(entries))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +98,10 @@ class TensorEntry:
     logical_axes: tuple[str | None, ...] | None = None
     saved_sharding: SavedSharding | None = None
     provenance: dict | None = None
+    # Shard file key ("c/0/1") -> crc32c (8 hex digits) of the crc32c trailers of its inner
+    # chunks in index order: binds each file to its tensor, position and save. None when the
+    # array has no checksums (nothing cheap to bind to).
+    shard_digests: Mapping[str, str] | None = None
 
     entry_type = "tensor"
 
@@ -104,30 +132,90 @@ class TensorEntry:
             if self.saved_sharding is None
             else self.saved_sharding.to_json(),
             "provenance": self.provenance,
+            "shard_digests": None if self.shard_digests is None else dict(self.shard_digests),
         }
         return d
 
     @classmethod
-    def from_json(cls, d: Mapping) -> TensorEntry:
-        dtypes_lib.to_numpy_dtype(d["dtype"])  # validates
+    def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
+        _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
+        key = _key(d["key"], f"{where}.key")
+        w = f"{where} ({keypath_lib.key_to_str(key)!r})"
+        dtype = _enum(d["dtype"], f"{w}.dtype", dtypes_lib.SUPPORTED)
+        shape = _dims(d["shape"], f"{w}.shape")
+        chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
+        inner = _dims(d["inner_chunk_shape"], f"{w}.inner_chunk_shape", positive=True)
+        if not (len(shape) == len(chunk_shape) == len(inner)):
+            _fail(
+                f"{w}.chunk_shape",
+                f"{len(shape)} dimensions like shape {list(shape)}",
+                d["chunk_shape"],
+            )
+        if any(c % i for c, i in zip(chunk_shape, inner)):
+            _fail(
+                f"{w}.inner_chunk_shape",
+                f"extents dividing chunk_shape {list(chunk_shape)}",
+                d["inner_chunk_shape"],
+            )
+        directory = _string(d["dir"], f"{w}.dir")
+        if not _DIR_RE.match(directory) or directory.split("/", 1)[1] in (".", ".."):
+            _fail(f"{w}.dir", "'arrays/<escaped key>' (no '/', no '..')", directory)
+        checksum = _enum(d.get("checksum"), f"{w}.checksum", CHECKSUMS)
+        digests = d.get("shard_digests")
+        if digests is not None:
+            _object(digests, f"{w}.shard_digests")
+            for k, v in digests.items():
+                if not _SHARD_KEY_RE.match(k) or not isinstance(v, str) or not _DIGEST_RE.match(v):
+                    _fail(f"{w}.shard_digests", "shard key -> 8 hex digits", {k: v})
+        logical = d.get("logical_axes")
+        if logical is not None:
+            logical = _opt_str_list(logical, f"{w}.logical_axes")
+            if len(logical) != len(shape):
+                _fail(f"{w}.logical_axes", f"{len(shape)} names", d["logical_axes"])
+        provenance = d.get("provenance")
+        if provenance is not None:
+            _object(provenance, f"{w}.provenance")
         return cls(
-            key=tuple(d["key"]),
-            key_types=tuple(d.get("key_types") or ["key"] * len(d["key"])),
-            dir=d["dir"],
-            shape=tuple(int(x) for x in d["shape"]),
-            dtype=d["dtype"],
-            chunk_shape=tuple(int(x) for x in d["chunk_shape"]),
-            inner_chunk_shape=tuple(int(x) for x in d["inner_chunk_shape"]),
-            compression=d.get("compression"),
-            checksum=d.get("checksum"),
-            role=d.get("role", "other"),
-            sub_role=d.get("sub_role"),
-            logical_axes=None if d.get("logical_axes") is None else tuple(d["logical_axes"]),
+            key=key,
+            key_types=_key_types(d.get("key_types"), len(key), f"{w}.key_types"),
+            dir=directory,
+            shape=shape,
+            dtype=dtype,
+            chunk_shape=chunk_shape,
+            inner_chunk_shape=inner,
+            compression=_enum(d.get("compression"), f"{w}.compression", COMPRESSIONS),
+            checksum=checksum,
+            role=_enum(d["role"], f"{w}.role", ROLES),
+            sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
+            logical_axes=None if logical is None else tuple(logical),
             saved_sharding=None
             if d.get("saved_sharding") is None
-            else SavedSharding.from_json(d["saved_sharding"]),
-            provenance=d.get("provenance"),
+            else SavedSharding.from_json(d["saved_sharding"], f"{w}.saved_sharding"),
+            provenance=provenance,
+            shard_digests=None if digests is None else dict(digests),
         )
+
+
+_TENSOR_REQUIRED = (
+    "entry",
+    "key",
+    "dir",
+    "shape",
+    "dtype",
+    "chunk_shape",
+    "inner_chunk_shape",
+    "role",
+)
+_TENSOR_FIELDS = _TENSOR_REQUIRED + (
+    "key_types",
+    "compression",
+    "checksum",
+    "sub_role",
+    "logical_axes",
+    "saved_sharding",
+    "provenance",
+    "shard_digests",
+)
 
 
 _VALUE_TYPES = ("none", "bool", "int", "float", "str")
@@ -160,11 +248,17 @@ class ValueEntry:
         elif isinstance(v, bool):
             typed = {"type": "bool", "value": v}
         elif isinstance(v, int):
+            if abs(v) >= 10**MAX_INT_DIGITS:
+                raise ManifestError(
+                    f"Leaf {self.name!r}: an int of more than {MAX_INT_DIGITS} digits is not "
+                    f"storable as a value; save it as an array or a string."
+                )
             typed = {"type": "int", "value": v}
         elif isinstance(v, float):
             # float.hex is exact and carries nan/inf, which plain JSON cannot.
             typed = {"type": "float", "value": float.hex(v)}
         elif isinstance(v, str):
+            _check_utf8(v, f"Leaf {self.name!r}: value")
             typed = {"type": "str", "value": v}
         else:
             raise TypeError(
@@ -181,26 +275,37 @@ class ValueEntry:
         }
 
     @classmethod
-    def from_json(cls, d: Mapping) -> ValueEntry:
-        t = d["type"]
-        if t not in _VALUE_TYPES:
-            raise ManifestError(
-                f"value leaf {d['key']}: unknown value type {t!r} (expected {_VALUE_TYPES})."
-            )
+    def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
+        _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
+        key = _key(d["key"], f"{where}.key")
+        w = f"{where} ({keypath_lib.key_to_str(key)!r})"
+        t = _enum(d["type"], f"{w}.type", _VALUE_TYPES)
         v = d["value"]
-        if t == "float":
-            v = float.fromhex(v)
-        elif t == "int":
-            v = int(v)
-        elif t == "bool":
-            v = bool(v)
+        if t == "none" and v is not None:
+            _fail(f"{w}.value", "null", v)
+        elif t == "bool" and not isinstance(v, bool):
+            _fail(f"{w}.value", "a JSON boolean", v)
+        elif t == "int" and (isinstance(v, bool) or not isinstance(v, int)):
+            _fail(f"{w}.value", "a JSON integer", v)
+        elif t == "str" and not isinstance(v, str):
+            _fail(f"{w}.value", "a JSON string", v)
+        elif t == "float":
+            if not isinstance(v, str):
+                _fail(f"{w}.value", "a float.hex string", v)
+            try:
+                v = float.fromhex(v)
+            except (ValueError, OverflowError):
+                _fail(f"{w}.value", "a float.hex string", d["value"])
         return cls(
-            key=tuple(d["key"]),
-            key_types=tuple(d.get("key_types") or ["key"] * len(d["key"])),
+            key=key,
+            key_types=_key_types(d.get("key_types"), len(key), f"{w}.key_types"),
             value=v,
-            role=d.get("role", "other"),
-            sub_role=d.get("sub_role"),
+            role=_enum(d.get("role", "other"), f"{w}.role", ROLES),
+            sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
         )
+
+
+_VALUE_FIELDS = ("entry", "key", "key_types", "role", "sub_role", "type", "value")
 
 
 Entry = TensorEntry | ValueEntry
@@ -211,6 +316,7 @@ class Manifest:
     """Everything ``ucp.json`` says about a checkpoint."""
 
     entries: list[Entry]
+    save_id: str = ""  # unique per save: shard digests and concurrent readers are tied to it
     kvstore_driver: str = "file"
     created_by: str = ""
     created_at: float = 0.0
@@ -252,6 +358,7 @@ class Manifest:
         return {
             "format": self.format,
             "version": self.version,
+            "save_id": self.save_id,
             "created_by": self.created_by,
             "created_at": self.created_at,
             "kvstore": {"driver": self.kvstore_driver},
@@ -263,61 +370,88 @@ class Manifest:
         return json.dumps(self.to_json(), indent=1, allow_nan=False)
 
     @classmethod
-    def from_json(cls, d: Mapping, *, where: str = "ucp.json") -> Manifest:
+    def from_json(cls, d: Any, *, where: str = "ucp.json") -> Manifest:
         if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
+            found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
             raise ManifestError(
-                f'{where}: not a jax_ucp manifest (expected "format": '
-                f'"{FORMAT_NAME}", found {d.get("format") if isinstance(d, Mapping) else type(d).__name__!r}).'
+                f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
+                f"found {_short(found)})."
             )
         version = d.get("version")
-        if not isinstance(version, int):
-            raise ManifestError(f'{where}: "version" must be an integer, found {version!r}.')
+        if isinstance(version, bool) or not isinstance(version, int):
+            _fail(f"{where}: version", "an integer", version)
         if version > FORMAT_VERSION:
             raise ManifestError(
                 f"{where}: format version {version} is newer than this jax_ucp "
                 f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
             )
-        try:
-            entries = [
-                TensorEntry.from_json(e) if e["entry"] == "tensor" else ValueEntry.from_json(e)
-                for e in d["entries"]
-            ]
-            return cls(
-                entries=entries,
-                kvstore_driver=d.get("kvstore", {}).get("driver", "file"),
-                created_by=d.get("created_by", ""),
-                created_at=d.get("created_at", 0.0),
-                source=d.get("source") or {},
-                version=version,
-                format=d["format"],
-            )
-        except ManifestError:
-            raise
-        except (KeyError, TypeError, ValueError) as e:
-            raise ManifestError(
-                f"{where}: malformed manifest entry: {type(e).__name__}: {e}"
-            ) from e
+        _object(d, where, required=_MANIFEST_REQUIRED, allowed=_MANIFEST_FIELDS)
+        kvstore = _object(d["kvstore"], f"{where}: kvstore", required=("driver",))
+        entries_json = d["entries"]
+        if not isinstance(entries_json, list):
+            _fail(f"{where}: entries", "a list", entries_json)
+        entries: list[Entry] = []
+        for i, e in enumerate(entries_json):
+            w = f"{where}: entries[{i}]"
+            kind = e.get("entry") if isinstance(e, Mapping) else None
+            if kind == "tensor":
+                entries.append(TensorEntry.from_json(e, w))
+            elif kind == "value":
+                entries.append(ValueEntry.from_json(e, w))
+            else:
+                _fail(f"{w}.entry", '"tensor" or "value"', kind)
+        created_at = d.get("created_at", 0.0)
+        if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
+            _fail(f"{where}: created_at", "a number", created_at)
+        return cls(
+            entries=entries,
+            save_id=_string(d["save_id"], f"{where}: save_id"),
+            kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
+            created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
+            created_at=float(created_at),
+            source=_object(d.get("source") or {}, f"{where}: source"),
+            version=version,
+            format=d["format"],
+        )
 
     @classmethod
-    def loads(cls, text: str, *, where: str = "ucp.json") -> Manifest:
+    def loads(cls, text: str | bytes, *, where: str = "ucp.json") -> Manifest:
+        if isinstance(text, bytes):
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ManifestError(f"{where}: not UTF-8 text ({e}).") from None
+        _check_depth(text, where)
         try:
-            d = json.loads(text)
+            d = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
         except json.JSONDecodeError as e:
-            raise ManifestError(f"{where}: corrupt manifest, not valid JSON ({e}).") from e
+            raise ManifestError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+        except ValueError as e:
+            raise ManifestError(f"{where}: {e}") from None
         return cls.from_json(d, where=where)
 
 
+_MANIFEST_REQUIRED = ("format", "version", "save_id", "kvstore", "entries")
+_MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source")
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """The manifest of the checkpoint in ``directory``, strictly validated.
+
+    Only a regular file is read (a FIFO or device is refused without blocking) and at most
+    ``MAX_MANIFEST_BYTES`` of it; every error names the file and the field.
+    """
     path = os.path.join(os.fspath(directory), MANIFEST_FILE)
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        data = files.read_regular(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError as e:
         raise ManifestError(
             f"{path}: no manifest; {directory} is not a jax_ucp checkpoint "
             f"(expected a directory with {MANIFEST_FILE} at its root)."
         ) from e
-    return Manifest.loads(text, where=path)
+    except files.UnsafeFileError as e:
+        raise ManifestError(str(e)) from None
+    return Manifest.loads(data, where=path)
 
 
 def new_manifest(
@@ -326,6 +460,7 @@ def new_manifest(
     """The manifest of a new save: entries plus who wrote it, when, and from what."""
     return Manifest(
         entries=list(entries),
+        save_id=uuid.uuid4().hex,
         kvstore_driver=kvstore_driver,
         created_by=f"jax_ucp {__version__}",
         created_at=time.time(),
@@ -335,3 +470,123 @@ def new_manifest(
 
 def array_dir(key: Sequence[str]) -> str:
     return f"{ARRAYS_DIR}/{keypath_lib.encode_key(key)}"
+
+
+# --- strict field checks (the JSON schema, in code: the reader is never looser than it) -------
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    """A bounded repr: a hostile value's repr is never built in full."""
+    if isinstance(value, (dict, list)):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)} items"
+    if isinstance(value, str):
+        return repr(value[:limit] + ("…" if len(value) > limit else ""))
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        return "a very large integer"
+    return repr(value)[:limit]
+
+
+def _fail(where: str, expected: str, found: Any):
+    raise ManifestError(f"{where}: expected {expected}, found {_short(found)}.")
+
+
+def _object(
+    d: Any, where: str, required: Sequence[str] = (), allowed: Sequence[str] | None = None
+) -> dict:
+    if not isinstance(d, dict):
+        _fail(where, "a JSON object", d)
+    for k in required:
+        if k not in d:
+            raise ManifestError(f"{where}: missing field {k!r}.")
+    if allowed is not None:
+        extra = [k for k in d if k not in allowed]
+        if extra:
+            raise ManifestError(
+                f"{where}: unknown field(s) {_short(extra[:5])} (known: {', '.join(allowed)})."
+            )
+    return d
+
+
+def _string(v: Any, where: str) -> str:
+    if not isinstance(v, str):
+        _fail(where, "a string", v)
+    return v
+
+
+def _opt_string(v: Any, where: str) -> str | None:
+    return None if v is None else _string(v, where)
+
+
+def _enum(v: Any, where: str, allowed: Sequence) -> Any:
+    if isinstance(v, bool) or v not in allowed:
+        _fail(where, f"one of {list(allowed)}", v)
+    return v
+
+
+def _dims(v: Any, where: str, positive: bool = False) -> tuple[int, ...]:
+    lo = 1 if positive else 0
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) and lo <= x < 2**62 for x in v
+    ):
+        _fail(where, f"a list of integers ≥ {lo}", v)
+    if len(v) > 64:
+        _fail(where, "at most 64 dimensions", v)
+    return tuple(v)
+
+
+def _str_list(v: Any, where: str) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        _fail(where, "a list of strings", v)
+    return v
+
+
+def _opt_str_list(v: Any, where: str) -> list:
+    if not isinstance(v, list) or not all(x is None or isinstance(x, str) for x in v):
+        _fail(where, "a list of strings or nulls", v)
+    return v
+
+
+def _key(v: Any, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or not v:
+        _fail(where, "a non-empty list of strings", v)
+    return tuple(_str_list(v, where))
+
+
+def _key_types(v: Any, n: int, where: str) -> tuple[str, ...]:
+    if v is None:
+        return ("key",) * n
+    if not isinstance(v, list) or len(v) != n or not all(x in KEY_TYPES for x in v):
+        _fail(where, f"a list of {n} of {list(KEY_TYPES)}", v)
+    return tuple(v)
+
+
+def _check_utf8(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ManifestError(f"{where}: not encodable as UTF-8 ({e.reason} at {e.start}).") from None
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits (at most {MAX_INT_DIGITS} allowed)")
+    return int(text)
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+def _check_depth(text: str, where: str) -> None:
+    """Refuses nesting deeper than ``MAX_JSON_DEPTH`` before the parser recurses into it."""
+    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)
+    step = np.isin(brackets, _OPEN).astype(np.int32) - np.isin(brackets, _CLOSE).astype(np.int32)
+    if step.size and int(np.cumsum(step).max()) > MAX_JSON_DEPTH:
+        raise ManifestError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+
+
+_OPEN = np.frombuffer(b"[{", np.uint8)
+_CLOSE = np.frombuffer(b"]}", np.uint8)

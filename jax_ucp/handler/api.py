@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -27,25 +28,33 @@ def atomic_save(path: str, args, *, force: bool) -> None:
     destination before writing).
     """
     path = path.rstrip("/")
-    exists = os.path.exists(path)
-    if exists and not force:
-        raise FileExistsError(
-            f"{path} already exists; pass force=True to replace it "
-            f"(the old checkpoint is kept until the new one is committed)."
-        )
-    target = path + commit.REPLACING if exists else path
-    handler = checkpoint_handler.UCPCheckpointHandler()
-    try:
-        with ocp.Checkpointer(handler) as ckptr:
-            ckptr.save(target, args=args, force=exists)
-    except BaseException:
-        if ocp.multihost.is_primary_host(0):
-            commit.remove_failed_save_leftovers(target)
-        raise
-    if exists:
-        if ocp.multihost.is_primary_host(0):
-            commit.replace_committed(target, path)
-        _barrier("jax_ucp:force_swap")
+    primary = ocp.multihost.is_primary_host(0)
+    # Only the primary touches directories, so only it takes the lock on saving to ``path``.
+    with commit.save_lock(path) if primary else contextlib.nullcontext():
+        if primary:
+            commit.recover_interrupted_swap(path)
+        _barrier("jax_ucp:recovered")
+        exists = os.path.exists(path)
+        if exists and not force:
+            raise FileExistsError(
+                f"{path} already exists; pass force=True to replace it "
+                f"(the old checkpoint is kept until the new one is committed)."
+            )
+        if exists:
+            commit.check_replaceable(path)
+        target = path + commit.REPLACING if exists else path
+        handler = checkpoint_handler.UCPCheckpointHandler()
+        try:
+            with ocp.Checkpointer(handler) as ckptr:
+                ckptr.save(target, args=args, force=exists)
+        except BaseException:
+            if primary:  # the lock is ours: no other live save of this path owns these
+                commit.remove_failed_save_leftovers(target)
+            raise
+        if exists:
+            if primary:
+                commit.replace_committed(target, path)
+            _barrier("jax_ucp:force_swap")
 
 
 def save(
@@ -86,6 +95,7 @@ def restore(
     rules: Sequence[tuple[str, Any]] | None = None,
     spec: Any = None,
     dtype: Any = None,
+    casting: str = "same_kind",
 ):
     """Restores a UCP checkpoint onto any mesh.
 
@@ -101,12 +111,22 @@ def restore(
       spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
         transpose, rename) are applied as lazy views.
       dtype: cast every tensor to this dtype.
+      casting: which dtype conversions (to the target's or ``dtype``) are allowed, in numpy's
+        terms: "same_kind" (default: float32 → bfloat16 yes, float → int no), "safe", "no", or
+        "unsafe" (anything, also a saved Python value into an array target).
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
     """
     return reader.restore_tree(
-        path, target=target, shardings=shardings, mesh=mesh, rules=rules, spec=spec, dtype=dtype
+        path,
+        target=target,
+        shardings=shardings,
+        mesh=mesh,
+        rules=rules,
+        spec=spec,
+        dtype=dtype,
+        casting=casting,
     )
 
 

@@ -10,6 +10,7 @@ on its commit futures. Only Orbax's public API is used.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -22,6 +23,8 @@ from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp.handler import reader, save_plan
 
+DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize
+
 
 class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves a pytree as one consolidated zarr v3 array per leaf plus ``ucp.json``."""
@@ -31,16 +34,22 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     ):
         options = multiprocessing_options or ocp.options.MultiprocessingOptions()
         self._primary_host = options.primary_host
+        # Primary only: the manifest of each save in flight, completed and written by finalize.
+        self._pending: dict[str, tuple[fmt.Manifest, dict]] = {}
 
     def _is_primary(self) -> bool:
         return ocp.multihost.is_primary_host(self._primary_host)
 
-    async def _write(self, directory: str, manifest: fmt.Manifest, prepared, primary: bool):
-        await save_plan.write_all(directory, prepared, primary=primary)
+    async def _write(self, directory: str, prepared, primary: bool):
+        digests = await save_plan.write_all(directory, prepared, primary=primary)
         if primary:
-            # Written after this process's arrays; Orbax commits only once every process is done.
-            with open(os.path.join(directory, fmt.MANIFEST_FILE), "w") as f:
-                f.write(manifest.dumps())
+            self._pending[directory][1].update(digests)
+        else:  # the primary merges every process's digests into ucp.json in finalize
+            name = f"{DIGESTS_PREFIX}{jax.process_index()}.json"
+            with open(os.path.join(directory, name), "w") as f:
+                json.dump(digests, f)
+                f.flush()
+                os.fsync(f.fileno())
 
     def _commit_futures(self, directory, args, *, copy: bool) -> list[ocp.future.Future]:
         """Decides the layout, copies this process's shards to host, defers all I/O to a future.
@@ -67,8 +76,10 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         entries, prepared = save_plan.prepare_tree(
             args.item, options, primary=primary, copy=copy, logical_axes=args.logical_axes
         )
-        manifest = fmt.new_manifest(entries, source=args.source)
-        coro = self._write(os.fspath(directory), manifest, prepared, primary)
+        if primary:
+            manifest = fmt.new_manifest(entries, source=args.source)
+            self._pending[os.fspath(directory)] = (manifest, {})
+        coro = self._write(os.fspath(directory), prepared, primary)
         return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
 
     async def async_save(
@@ -95,13 +106,52 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             rules=args.rules,
             spec=args.spec,
             dtype=args.dtype,
+            casting=args.casting,
         )
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return fmt.read_manifest(str(directory))
 
     def finalize(self, directory: epath.Path) -> None:
-        pass
+        """Primary, after every process finished writing: ``ucp.json`` last, with the digest of
+        every shard file, so a checkpoint is listed only once all its data is in place."""
+        pending = self._pending.pop(os.fspath(directory), None)
+        if pending is None:  # a stream save (it writes its own manifest)
+            return
+        manifest, digests = pending
+        directory = os.fspath(directory)
+        others = sorted(
+            n for n in os.listdir(directory) if n.startswith(DIGESTS_PREFIX) and n.endswith(".json")
+        )
+        expected = max(jax.process_count() - 1, 0)
+        if len(others) != expected:
+            raise fmt.UCPError(
+                f"{directory}: {len(others)} of the {expected} other processes reported their "
+                f"shard digests; the save is incomplete and is not committed."
+            )
+        for name in others:
+            with open(os.path.join(directory, name)) as f:
+                for array_dir, shard_digests in json.load(f).items():
+                    digests.setdefault(array_dir, {}).update(shard_digests)
+        entries = []
+        for e in manifest.entries:
+            if isinstance(e, fmt.TensorEntry) and e.dir in digests:
+                e = writer.with_digests(e, digests[e.dir])
+                missing = save_plan.missing_shards(e, e.shard_digests)
+                if missing:
+                    raise fmt.UCPError(
+                        f"{directory}: tensor {e.name!r}: no process wrote shard(s) "
+                        f"{missing[:5]}; the save is incomplete and is not committed."
+                    )
+            entries.append(e)
+        manifest = dataclasses.replace(manifest, entries=entries)
+        path = os.path.join(directory, fmt.MANIFEST_FILE)
+        with open(path, "w") as f:
+            f.write(manifest.dumps())
+            f.flush()
+            os.fsync(f.fileno())
+        for name in others:
+            os.remove(os.path.join(directory, name))
 
     def close(self):
         pass
@@ -144,6 +194,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
     rules: Sequence[tuple[str, Any]] | None = None
     spec: Any = None
     dtype: Any = None
+    casting: str = "same_kind"
 
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -16,9 +18,10 @@ from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.store import shard_file
+from jax_ucp.writer import commit
 
 
-class CheckpointError(ValueError):
+class CheckpointError(fmt.UCPError, ValueError):
     """A checkpoint cannot be restored as asked: names the tensor, the file, expected vs found."""
 
 
@@ -42,12 +45,26 @@ class Available:
 
 
 def find_checkpoint_dir(path) -> str:
-    """``path`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir)."""
-    path = os.fspath(path)
-    if os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+    """``path`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
+
+    A forced save killed between its two renames leaves ``path`` missing with both whole
+    checkpoints beside it: the newer one (``<path>.ucp-replacing``, committed before the swap
+    began) is read, else the older one (``<path>.ucp-replaced``). Reading never renames; the
+    next save to ``path`` completes the interrupted swap.
+    """
+    path = os.fspath(path).rstrip("/") or "/"
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return path
-    if not os.path.isdir(path):
+    if not os.path.lexists(path):
+        for survivor in (path + commit.REPLACING, path + commit.REPLACED):
+            if os.path.isdir(survivor):
+                return find_checkpoint_dir(survivor)
         raise CheckpointError(f"{path}: no such checkpoint directory.")
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{path}: is a file, not a checkpoint directory (expected a directory holding "
+            f"{fmt.MANIFEST_FILE}, or an Orbax step directory with one UCP item)."
+        )
     items = sorted(
         d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
@@ -113,6 +130,13 @@ class _Opener:
     def request(self, entry: fmt.TensorEntry):
         if entry.key not in self._futures:
             kv = store.kvstore_config(self.root, entry.dir)
+            if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
+                try:
+                    fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
+                except FileNotFoundError:
+                    pass  # reported with the tensor's name by get()
+                except fmt.files.UnsafeFileError as e:
+                    raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
             self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
 
     def get(self, key) -> ts.TensorStore:
@@ -145,6 +169,42 @@ class Request:
     shape: tuple[int, ...] | None = None
     sharding: jax.sharding.Sharding | None = None
     python_type: type | None = None  # target leaf was a Python scalar
+    wants_array: bool = False  # target leaf was an array (a saved Python value does not fit)
+
+
+CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _kind_rank(dtype: np.dtype) -> int:
+    """bool < integers < floats (bfloat16 and float8 included) < complex."""
+    if dtype.kind in _KIND_RANK:
+        return _KIND_RANK[dtype.kind]
+    return 2 if "float" in dtype.name else 1  # ml_dtypes: bfloat16/float8_* / int4
+
+
+def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> None:
+    """Refuses a dtype conversion ``casting`` does not allow (numpy's vocabulary).
+
+    The default ``same_kind`` lets float32 become bfloat16 (a precision change users ask for)
+    but not int8 (300 would wrap to 44, NaN to 0): that needs ``casting="unsafe"``.
+    """
+    if casting not in CASTINGS:
+        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}.")
+    if saved == wanted or casting == "unsafe":
+        return
+    if casting == "same_kind":
+        ok = _kind_rank(wanted) >= _kind_rank(saved)
+    else:
+        try:
+            ok = np.can_cast(saved, wanted, casting)
+        except TypeError:
+            ok = False
+    if not ok:
+        raise CheckpointError(
+            f"Tensor {name!r} was saved as {saved}; converting it to {wanted} is not a "
+            f"{casting!r} cast (values would change). Pass casting='unsafe' to convert anyway."
+        )
 
 
 def _match(key, available: Mapping, values: Mapping):
@@ -164,6 +224,7 @@ def read(
     *,
     spec=None,
     available: Mapping | None = None,
+    casting: str = "same_kind",
 ) -> list:
     """Results in request order: jax.Array / np.ndarray / saved Python values."""
     if available is None:
@@ -181,7 +242,16 @@ def read(
                 f"({len(available)} tensors, e.g. {near})."
             )
         if isinstance(found, fmt.ValueEntry):
-            plan.append(("value", found.value))
+            if req.wants_array and casting != "unsafe":
+                raise CheckpointError(
+                    f"Leaf {name!r}: the target asks for an array, but the checkpoint {root} "
+                    f"holds the Python {type(found.value).__name__} {_short(found.value)}. Pass "
+                    f"casting='unsafe' to turn it into an array anyway."
+                )
+            value = found.value
+            if req.wants_array:
+                value = np.asarray(value, dtype=req.dtype)
+            plan.append(("value", value))
             continue
         if req.shape is not None and tuple(req.shape) != found.shape:
             raise CheckpointError(
@@ -189,6 +259,12 @@ def read(
                 f"the checkpoint {root} holds shape {found.shape}."
             )
         want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+        check_cast(name, found.dtype, want_dtype, casting)
+        if req.python_type is not None and found.shape != ():
+            raise CheckpointError(
+                f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but the "
+                f"checkpoint {root} holds an array of shape {found.shape}."
+            )
         if req.sharding is not None:
             sharding_lib.check_divisible(name, found.shape, req.sharding)
             if np.dtype(jax.dtypes.canonicalize_dtype(want_dtype)) != want_dtype:
@@ -208,8 +284,12 @@ def read(
             continue
         _, req, found = item
         view = found.build({s.key: opener.get(s.key) for s in found.sources})
-        if found.stored:
-            view = _fast_reader(root, found.sources[0], view)
+        fast = _fast_reader(root, found.sources[0], view) if found.stored else None
+        if fast is not None:
+            view = fast
+        else:  # read by TensorStore: check every shard file it may open first
+            for src in found.sources:
+                verify_shard_files(root, src)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
         pending.append(
             (
@@ -229,9 +309,13 @@ def read(
             result = pa.result()
         except Exception as e:  # noqa: BLE001
             files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+            if isinstance(e, fmt.UCPError):
+                raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
             what = (
                 "crc32c checksum mismatch: the data is corrupt"
                 if ("Digest mismatch" in str(e) or "crc32c checksum mismatch" in str(e))
+                else "missing data: the checkpoint is incomplete"
+                if "is missing" in str(e) or "NOT_FOUND" in str(e)
                 else "corrupt or truncated data?"
             )
             raise CheckpointError(
@@ -244,16 +328,60 @@ def read(
 
 
 def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
-    """``store.shard_file``'s reader (hardware crc32c) where the array's zarr.json allows it."""
+    """``store.shard_file``'s reader (hardware crc32c, shard digests checked) where the array's
+    zarr.json allows it, else None."""
     kv = store.kvstore_config(root, entry.dir)
     if kv.get("driver") != "file":
-        return opened
+        return None
     layout = shard_file.layout_from_metadata(
         opened.spec().to_json().get("metadata", {}), opened.dtype.numpy_dtype
     )
     if layout is None:
-        return opened
-    return shard_file.ShardReader(kv["path"], layout, opened.dtype.numpy_dtype)
+        return None
+    return shard_file.ShardReader(
+        kv["path"],
+        layout,
+        opened.dtype.numpy_dtype,
+        digests=entry.shard_digests,
+        tensor=entry.name,
+    )
+
+
+def shard_keys(entry: fmt.TensorEntry) -> list[str]:
+    """Keys of every shard file of ``entry``'s chunk grid (none for a zero-size array)."""
+    if 0 in entry.shape:
+        return []
+    grid = [range(-(-n // c)) for n, c in zip(entry.shape, entry.chunk_shape)]
+    return [shard_file.shard_key(pos) for pos in itertools.product(*grid)]
+
+
+def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
+    """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
+    checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
+    is an error naming the file, and a FIFO never blocks the read."""
+    kv = store.kvstore_config(root, entry.dir)
+    if kv.get("driver") != "file":
+        return
+    n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    for key in shard_keys(entry):
+        path = os.path.join(kv["path"], *key.split("/"))
+        try:
+            if entry.checksum == "crc32c" and entry.shard_digests is not None:
+                found = shard_file.file_digest(path, n_chunks)
+                shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
+            else:
+                fmt.files.check_regular(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
+            ) from None
+        except fmt.UCPError as e:
+            raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value) if not isinstance(value, str) else repr(value[:limit])
+    return text[:limit] + ("…" if len(text) > limit else "")
 
 
 def requests_from_target(target, shardings=None) -> tuple[list[Request], Any]:
@@ -273,7 +401,11 @@ def requests_from_target(target, shardings=None) -> tuple[list[Request], Any]:
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
             reqs.append(
                 Request(
-                    key=key, dtype=np.dtype(leaf.dtype), shape=tuple(leaf.shape), sharding=sharding
+                    key=key,
+                    dtype=np.dtype(leaf.dtype),
+                    shape=tuple(leaf.shape),
+                    sharding=sharding,
+                    wants_array=True,
                 )
             )
         elif isinstance(leaf, (np.ndarray, np.generic)):
@@ -283,6 +415,7 @@ def requests_from_target(target, shardings=None) -> tuple[list[Request], Any]:
                     dtype=leaf.dtype,
                     shape=tuple(np.shape(leaf)),
                     sharding=shard_by_key.get(key),
+                    wants_array=True,
                 )
             )
         elif isinstance(leaf, (bool, int, float)):
@@ -293,9 +426,51 @@ def requests_from_target(target, shardings=None) -> tuple[list[Request], Any]:
 
 
 def restore_tree(
-    path, *, target=None, shardings=None, mesh=None, rules=None, spec=None, dtype=None
+    path,
+    *,
+    target=None,
+    shardings=None,
+    mesh=None,
+    rules=None,
+    spec=None,
+    dtype=None,
+    casting: str = "same_kind",
 ):
-    root = find_checkpoint_dir(path)
+    """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
+
+    A concurrent forced save swaps directories: if the checkpoint directory changed while it was
+    read, the restore starts over on the new one (a few times), so the result is never a mix of
+    two saves.
+    """
+    for attempt in range(_SWAP_RETRIES + 1):
+        root = find_checkpoint_dir(path)
+        before = _identity(root)
+        try:
+            result = _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting)
+        except fmt.UCPError:
+            if _identity(root) == before or attempt == _SWAP_RETRIES:
+                raise
+            continue
+        if _identity(root) == before:
+            return result
+    raise CheckpointError(
+        f"{path}: the checkpoint was replaced {_SWAP_RETRIES + 1} times while being read; "
+        f"try again once the saves finish."
+    )
+
+
+_SWAP_RETRIES = 3
+
+
+def _identity(root: str):
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting):
     manifest = fmt.read_manifest(root)
     if target is not None or shardings is not None:
         reqs, treedef = requests_from_target(
@@ -304,7 +479,8 @@ def restore_tree(
         if dtype is not None:
             for r in reqs:
                 r.dtype = np.dtype(dtype)
-        return jax.tree_util.tree_unflatten(treedef, read(root, manifest, reqs, spec=spec))
+        results = read(root, manifest, reqs, spec=spec, casting=casting)
+        return jax.tree_util.tree_unflatten(treedef, results)
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
     available = available_tensors(manifest, spec)
@@ -329,5 +505,5 @@ def restore_tree(
     for v in manifest.values:
         reqs.append(Request(key=v.key))
         key_types.append(v.key_types)
-    results = read(root, manifest, reqs, available=available)
+    results = read(root, manifest, reqs, available=available, casting=casting)
     return tree_lib.nest((r.key, k, x) for r, k, x in zip(reqs, key_types, results))

@@ -7,6 +7,7 @@ copying this process's replica-0 shards to host memory.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -157,12 +158,29 @@ def prepare_tree(
 
 async def write_all(
     root, prepared: Sequence[PreparedTensor], *, primary: bool, max_in_flight: int = 64
-) -> None:
-    """All of this process's shards of a jax save, many tensors at once."""
+) -> dict[str, dict[str, str]]:
+    """All of this process's shards of a jax save, many tensors at once.
+
+    Returns {tensor dir: {shard key: digest}} for the shards this process wrote. Waits for
+    every write even after one fails, so cleanup never races a write in flight.
+    """
     sem = asyncio.Semaphore(max_in_flight)
 
     async def one(p):
         async with sem:
-            await write_tensor(root, p, primary=primary)
+            return await write_tensor(root, p, primary=primary)
 
-    await asyncio.gather(*(one(p) for p in prepared))
+    results = await asyncio.gather(*(one(p) for p in prepared), return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return {p.entry.dir: r for p, r in zip(prepared, results) if r is not None}
+
+
+def missing_shards(entry: fmt.TensorEntry, digests: dict[str, str]) -> list[str]:
+    """Shard keys of ``entry``'s chunk grid that no process reported writing."""
+    if 0 in entry.shape:
+        return []
+    grid = [range(-(-n // c)) for n, c in zip(entry.shape, entry.chunk_shape)]
+    keys = ("/".join(["c", *map(str, pos)]) for pos in itertools.product(*grid))
+    return [k for k in keys if k not in digests]

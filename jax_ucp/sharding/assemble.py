@@ -35,11 +35,18 @@ class PendingArray:
         if sharding is None:
             self._reads[()] = source.read() if self.shape else source[()].read()
             return
+        slices: dict[tuple, tuple] = {}
         for device, index in sharding.addressable_devices_indices_map(self.shape).items():
             key = _index_key(index, self.shape)
-            if key not in self._reads:  # devices holding the same slice share one read
-                self._reads[key] = source[index].read() if index else source[()].read()
+            slices.setdefault(key, index)  # devices holding the same slice share one read
             self._device_index.append((device, key))
+        self._box = _tiled_box(list(slices), self.shape)
+        if self._box is not None:  # the slices tile one box: read it once, cut it on the host
+            box = tuple(slice(a, b) for a, b in self._box)
+            self._reads[()] = source[box].read() if box else source[()].read()
+            return
+        for key, index in slices.items():
+            self._reads[key] = source[index].read() if index else source[()].read()
 
     def _host(self, key) -> np.ndarray:
         data = np.asarray(self._reads[key].result())
@@ -48,6 +55,38 @@ class PendingArray:
     def result(self):
         if self.sharding is None:
             return self._host(())
-        host = {key: self._host(key) for key in self._reads}
+        if self._box is not None:
+            whole = self._host(())
+            host = {
+                key: whole[
+                    tuple(slice(a - lo, b - lo) for (a, b, _), (lo, _) in zip(key, self._box))
+                ]
+                for _, key in self._device_index
+            }
+        else:
+            host = {key: self._host(key) for key in self._reads}
         singles = [jax.device_put(host[key], device) for device, key in self._device_index]
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, singles)
+
+
+def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
+    """The bounding box of several distinct slices when they tile it exactly (no gap, no
+    overlap), else None.
+
+    Devices of one process often hold neighbouring slices of one stored shard (e.g. the two
+    halves of a column block): reading the box once reads each inner chunk once, where one read
+    per slice would fetch a chunk they share twice.
+    """
+    if len(keys) < 2 or any(step != 1 for key in keys for _, _, step in key):
+        return None
+    box = tuple(
+        (min(key[d][0] for key in keys), max(key[d][1] for key in keys)) for d in range(len(shape))
+    )
+    volume = int(np.prod([b - a for a, b in box]))
+    if volume != sum(int(np.prod([b - a for a, b, _ in key])) for key in keys):
+        return None
+    for i, first in enumerate(keys):  # equal volumes and pairwise disjoint: an exact tiling
+        for second in keys[i + 1 :]:
+            if all(a1 < b2 and a2 < b1 for (a1, b1, _), (a2, b2, _) in zip(first, second)):
+                return None
+    return box

@@ -22,11 +22,12 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import crc32c as crc32c_lib
 import numpy as np
 
+from jax_ucp.format import UCPError, files
 from jax_ucp.store.zarr3 import ArrayLayout
 
 # Dtypes whose zarr v3 "bytes" encoding is the little-endian in-memory layout (itemsize >= 1).
@@ -104,6 +105,18 @@ def encode(data: np.ndarray, layout: ArrayLayout) -> list:
     return parts
 
 
+def digest_of_trailers(trailers: bytes) -> str:
+    """The shard digest recorded in the manifest: crc32c of the inner chunks' crc32c trailers,
+    concatenated in index order (8 hex digits). Readers check it from the file's own trailers,
+    so a shard file swapped with another one, or left from an older save, is detected."""
+    return f"{crc32c_lib.crc32c(trailers):08x}"
+
+
+def digest_of_parts(parts: list) -> str:
+    """``digest_of_trailers`` of a shard being written (the trailers are every other part)."""
+    return digest_of_trailers(b"".join(parts[1:-2:2]))
+
+
 def write(
     array_dir: str,
     chunk_position: Sequence[int],
@@ -111,8 +124,9 @@ def write(
     layout: ArrayLayout,
     *,
     sync: bool = True,
-) -> int:
-    """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its bytes.
+) -> str | None:
+    """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its digest
+    (``digest_of_trailers``; None without checksums).
 
     ``sync``: the file's data is on disk on return (fsync); the directories that gained entries
     are the caller's to fsync (``writer.durable``). Otherwise only start the write-back (no
@@ -126,7 +140,7 @@ def write(
     parent = os.path.dirname(path)
     os.makedirs(parent, exist_ok=True)
     parts = encode(data, layout)
-    total = sum(memoryview(p).nbytes for p in parts)
+    digest = digest_of_parts(parts) if layout.checksum == "crc32c" else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
         for i in range(0, len(parts), _IOV_MAX):
@@ -141,7 +155,7 @@ def write(
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-    return total
+    return digest
 
 
 def _write_rest(fd: int, batch: list, done: int) -> None:
@@ -168,8 +182,66 @@ def _write_rest(fd: int, batch: list, done: int) -> None:
 _MISSING = (1 << 64) - 1
 
 
-class ShardReadError(IOError):
-    """A shard file that is missing, truncated, or fails its crc32c."""
+class ShardReadError(UCPError, OSError):
+    """A shard file that is missing, truncated, fails its crc32c, or is not the one the manifest
+    lists (digest mismatch: swapped, or from another save)."""
+
+
+def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
+    """The ``[offset, nbytes]`` index (index_location end) of a shard file, validated."""
+    size = os.fstat(fd).st_size
+    index_bytes = n_chunks * 16 + (4 if crc else 0)
+    if size < index_bytes:
+        raise ShardReadError(
+            f"{path}: truncated ({size} bytes, the shard index alone needs {index_bytes})"
+        )
+    raw = _pread_exact(fd, index_bytes, size - index_bytes, path)
+    if crc:
+        (stored,) = struct.unpack("<I", raw[-4:])
+        if crc32c_lib.crc32c(raw[:-4]) != stored:
+            raise ShardReadError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
+        raw = raw[:-4]
+    index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)
+    limit = size - index_bytes
+    missing = index[:, 0] == _MISSING
+    if missing.any():
+        i = int(np.argmax(missing))
+        raise ShardReadError(
+            f"{path}: inner chunk {i} was never written (the shard is incomplete; jax_ucp never "
+            f"reads missing data as fill values)"
+        )
+    if (index[:, 0] + index[:, 1] > limit).any() or (index[:, 1] < (4 if crc else 0)).any():
+        raise ShardReadError(f"{path}: shard index points past the data (truncated or corrupt)")
+    return index
+
+
+def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:
+    """``digest_of_trailers`` of a shard file on disk (one 4-byte pread per inner chunk)."""
+    trailers = b"".join(_pread_exact(fd, 4, int(o + n - 4), path) for o, n in index)
+    return digest_of_trailers(trailers)
+
+
+def file_digest(path: str, n_chunks: int) -> str:
+    """The digest of the shard file ``path`` (any sharding_indexed layout with crc32c codecs)."""
+    fd = files.open_regular(path)
+    try:
+        return trailers_digest(fd, path, read_index(fd, path, n_chunks, True))
+    finally:
+        os.close(fd)
+
+
+def check_digest(path: str, found: str, expected: str | None, tensor: str) -> None:
+    if expected is None:
+        raise ShardReadError(
+            f"Tensor {tensor!r}: {path} is not a shard the manifest lists for it (a stray or "
+            f"misplaced file)"
+        )
+    if found != expected:
+        raise ShardReadError(
+            f"Tensor {tensor!r}: {path} is not the shard file this checkpoint saved there (digest "
+            f"{found}, the manifest says {expected}): swapped with another shard, or left from "
+            f"another save"
+        )
 
 
 def layout_from_metadata(metadata: dict, dtype: np.dtype) -> ArrayLayout | None:
@@ -250,8 +322,20 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
 class ShardReader:
     """Regions of one stored array, read like ``tensorstore.TensorStore[index].read()``."""
 
-    def __init__(self, array_dir: str, layout: ArrayLayout, dtype: np.dtype):
+    def __init__(
+        self,
+        array_dir: str,
+        layout: ArrayLayout,
+        dtype: np.dtype,
+        *,
+        digests: Mapping[str, str] | None = None,
+        tensor: str = "",
+    ):
+        """``digests``: shard key -> digest from the manifest; each shard file read is checked
+        against it (None: no identity check, e.g. arrays saved without checksums)."""
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
+        self.digests, self.tensor = digests, tensor
+        self._verified: set[str] = set()
         self.shape = layout.shape
         self._inner = layout.inner_chunk_shape
         self._inner_grid = tuple(s // c for s, c in zip(layout.chunk_shape, self._inner))
@@ -274,36 +358,15 @@ class ShardReader:
     def read(self) -> concurrent.futures.Future:
         return _Region(self, tuple((0, n) for n in self.shape)).read()
 
-    def _shard_index(self, fd: int, path: str) -> np.ndarray:
-        n = self._n_inner
-        size = os.fstat(fd).st_size
-        index_bytes = n * 16 + (4 if self._crc else 0)
-        if size < index_bytes:
-            raise ShardReadError(
-                f"{path}: truncated ({size} bytes, the shard index alone needs {index_bytes})"
-            )
-        raw = _pread_exact(fd, index_bytes, size - index_bytes, path)
-        if self._crc:
-            (stored,) = struct.unpack("<I", raw[-4:])
-            if crc32c_lib.crc32c(raw[:-4]) != stored:
-                raise ShardReadError(
-                    f"{path}: crc32c checksum mismatch in the shard index (corrupt)"
-                )
-            raw = raw[:-4]
-        index = np.frombuffer(raw, "<u8").reshape(n, 2)
-        limit = size - index_bytes
-        for off, nbytes in index:
-            if off != _MISSING and (off + nbytes > limit):
-                raise ShardReadError(
-                    f"{path}: shard index points past the data ({int(off)}+{int(nbytes)} > {limit}; "
-                    f"truncated or corrupt)"
-                )
+    def _shard_index(self, fd: int, path: str, key: str) -> np.ndarray:
+        index = read_index(fd, path, self._n_inner, self._crc)
+        if self.digests is not None and self._crc and key not in self._verified:
+            check_digest(path, trailers_digest(fd, path, index), self.digests.get(key), self.tensor)
+            self._verified.add(key)
         return index
 
     def _read_chunk(self, fd: int, index: np.ndarray, i: int, path: str) -> np.ndarray:
         off, nbytes = (int(x) for x in index[i])
-        if off == _MISSING:  # never written: the fill value (zarr v3), as TensorStore reads it
-            return np.zeros(self._inner, self.dtype)
         want = self._chunk_bytes + (4 if self._crc else 0)
         if nbytes != want:
             raise ShardReadError(
@@ -322,52 +385,95 @@ class ShardReader:
         return np.frombuffer(data, self.dtype).reshape(self._inner)
 
     def read_region(self, region: tuple[tuple[int, int], ...]) -> np.ndarray:
+        """``region`` ((start, stop) per dimension) as a new array, read in this thread."""
         out = np.empty(tuple(b - a for a, b in region), self.dtype)
-        if out.size == 0:
-            return out
+        for task in self._tasks(region):
+            self._read_part(*task, region, out)
+        return out
+
+    def _tasks(self, region) -> list[tuple[tuple[int, ...], list]]:
+        """(shard position, inner-chunk positions) batches covering ``region``: the units read
+        in parallel (a batch is at most ~``_BATCH_BYTES``, so one big shard is not one thread)."""
+        if any(b <= a for a, b in region):
+            return []
         outer = self.layout.chunk_shape
+        per_batch = max(1, _BATCH_BYTES // max(1, self._chunk_bytes))
+        tasks = []
         shard_ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(region, outer)]
         for pos in itertools.product(*shard_ranges):
-            path = os.path.join(self.array_dir, *shard_key(pos).split("/"))
+            base = [p * c for p, c in zip(pos, outer)]
+            lo = [max(a, b0) - b0 for (a, _), b0 in zip(region, base)]  # shard-local region
+            hi = [min(b, b0 + c) - b0 for (_, b), b0, c in zip(region, base, outer)]
+            ranges = [range(lo_ // c, (h - 1) // c + 1) for lo_, h, c in zip(lo, hi, self._inner)]
+            chunks = list(itertools.product(*ranges))
+            for k in range(0, len(chunks), per_batch):
+                tasks.append((pos, chunks[k : k + per_batch]))
+        return tasks
+
+    def _read_part(self, pos, chunks, region, out: np.ndarray) -> None:
+        """Reads the inner chunks ``chunks`` of shard ``pos`` into their part of ``out``."""
+        key = shard_key(pos)
+        path = os.path.join(self.array_dir, *key.split("/"))
+        try:
+            fd = files.open_regular(path)
+        except FileNotFoundError:
+            raise ShardReadError(
+                f"{path}: shard file missing (the checkpoint is incomplete)"
+            ) from None
+        except files.UnsafeFileError as e:
+            raise ShardReadError(str(e)) from None
+        try:
+            index = self._shard_index(fd, path, key)
+            base = [p * c for p, c in zip(pos, self.layout.chunk_shape)]
+            for cpos in chunks:
+                i = int(np.ravel_multi_index(cpos, self._inner_grid))
+                chunk = self._read_chunk(fd, index, i, path)
+                start = [b0 + p * c for b0, p, c in zip(base, cpos, self._inner)]  # global
+                src = tuple(
+                    slice(max(a, s) - s, min(b, s + c) - s)
+                    for (a, b), s, c in zip(region, start, self._inner)
+                )
+                dst = tuple(
+                    slice(max(a, s) - a, min(b, s + c) - a)
+                    for (a, b), s, c in zip(region, start, self._inner)
+                )
+                out[dst] = chunk[src]
+        finally:
+            os.close(fd)
+
+
+_BATCH_BYTES = 16 << 20
+
+
+class RegionRead:
+    """The pending read of one region: its parts run on the read pool, in parallel."""
+
+    def __init__(self, reader: ShardReader, region: tuple[tuple[int, int], ...]):
+        self.out = np.empty(tuple(b - a for a, b in region), reader.dtype)
+        pool = read_pool()
+        self._parts = [
+            pool.submit(reader._read_part, pos, chunks, region, self.out)
+            for pos, chunks in reader._tasks(region)
+        ]
+
+    def result(self) -> np.ndarray:
+        errors = []
+        for part in self._parts:  # wait for every part: none may still write into ``out``
             try:
-                fd = os.open(path, os.O_RDONLY)
-            except FileNotFoundError:
-                raise ShardReadError(
-                    f"{path}: shard file missing (the checkpoint is incomplete)"
-                ) from None
-            try:
-                index = self._shard_index(fd, path)
-                base = [p * c for p, c in zip(pos, outer)]
-                lo = [max(a, b0) - b0 for (a, _), b0 in zip(region, base)]  # shard-local region
-                hi = [min(b, b0 + c) - b0 for (_, b), b0, c in zip(region, base, outer)]
-                ranges = [
-                    range(lo_ // c, (h - 1) // c + 1) for lo_, h, c in zip(lo, hi, self._inner)
-                ]
-                for cpos in itertools.product(*ranges):
-                    chunk = self._read_chunk(
-                        fd, index, int(np.ravel_multi_index(cpos, self._inner_grid)), path
-                    )
-                    c0 = [p * c for p, c in zip(cpos, self._inner)]
-                    src = tuple(
-                        slice(max(lo_, s) - s, min(h, s + c) - s)
-                        for lo_, h, s, c in zip(lo, hi, c0, self._inner)
-                    )
-                    dst = tuple(
-                        slice(b0 + max(lo_, s) - a, b0 + min(h, s + c) - a)
-                        for lo_, h, s, c, b0, (a, _) in zip(lo, hi, c0, self._inner, base, region)
-                    )
-                    out[dst] = chunk[src]
-            finally:
-                os.close(fd)
-        return out
+                part.result()
+            except Exception as e:  # noqa: BLE001 - the first is raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return self.out
 
 
 class _Region:
     def __init__(self, reader: ShardReader, region: tuple[tuple[int, int], ...]):
         self.reader, self.region = reader, region
 
-    def read(self) -> concurrent.futures.Future:
-        return read_pool().submit(self.reader.read_region, self.region)
+    def read(self) -> RegionRead:
+        return RegionRead(self.reader, self.region)
 
 
 _READ_POOL: list[concurrent.futures.ThreadPoolExecutor] = []

@@ -7,6 +7,7 @@ chunks bounded in bytes, crc32c on every inner chunk and on the shard index, opt
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -28,6 +29,11 @@ class ArrayLayout:
     compression: str | None = None
     compression_level: int = 3
     checksum: str | None = "crc32c"
+
+    @property
+    def inner_chunk_count(self) -> int:
+        """Inner chunks per shard file (entries of its index)."""
+        return math.prod(c // i for c, i in zip(self.chunk_shape, self.inner_chunk_shape))
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
@@ -155,7 +161,8 @@ def open_array(
     context: ts.Context | None = None,
 ) -> ts.Future:
     """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore."""
-    spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore)}
+    # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
+    spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
     kwargs: dict = {
         "open": True,
         "read": True,

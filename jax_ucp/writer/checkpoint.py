@@ -30,18 +30,23 @@ def write_host_checkpoint(
 ) -> str:
     """Writes ``items`` as a UCP checkpoint at ``dest``; returns ``dest`` (the directory of ucp.json)."""
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    if os.path.exists(dest) and not force:
-        raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
-    commit.remove_stale_temporaries(dest)
-    tmp = commit.temporary_path(dest)
-    try:
-        os.makedirs(tmp)
-        # Nothing fsynced per file: ``commit`` makes the whole directory durable with one syncfs.
-        run_coroutine(write_stream(tmp, items, source=source, compression=compression, sync=False))
-        commit.commit(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with commit.save_lock(dest):
+        commit.recover_interrupted_swap(dest)
+        if os.path.exists(dest) and not force:
+            raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
+        commit.check_replaceable(dest)
+        commit.remove_stale_temporaries(dest)
+        tmp = commit.temporary_path(dest)
+        try:
+            os.makedirs(tmp)
+            # Nothing fsynced per file: ``commit`` makes the directory durable with one syncfs.
+            run_coroutine(
+                write_stream(tmp, items, source=source, compression=compression, sync=False)
+            )
+            commit.commit(tmp, dest)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return dest
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -27,17 +28,37 @@ def _write_error(p: PreparedTensor, kv, e: Exception) -> IOError:
     )
 
 
-async def write_tensor(root, p: PreparedTensor, *, primary: bool, sync: bool = True) -> None:
+async def write_tensor(
+    root, p: PreparedTensor, *, primary: bool, sync: bool = True
+) -> dict[str, str] | None:
     """Creates (primary) or attaches to (others) the array and writes this process's shards.
 
+    Returns the digest of every shard file written (shard key -> ``shard_file`` digest; None
+    for arrays without checksums or outside the local file system), for the manifest.
     ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
-    it (``durable.make_durable``).
+    it (``durable.make_durable``). Every write is waited for, even after one fails, so a
+    caller's cleanup never races a write still in flight.
     """
     kv = store.kvstore_config(root, p.entry.dir)
     try:
         t = await store.create(kv, p.layout, primary=primary, sync=sync)
-        for c in _issue_writes(t, p, kv, sync):
-            await c
+        writes = _issue_writes(t, p, kv, sync)
+        results = await asyncio.gather(*(w for w, _ in writes), return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        if p.layout.checksum != "crc32c" or kv.get("driver") != "file":
+            return None
+        digests: dict[str, str] = {}
+        for (_, keys), result in zip(writes, results):
+            if isinstance(result, str):  # written by shard_file, which knows its digest
+                digests[keys[0]] = result
+                continue
+            for key in keys:  # written by TensorStore: read the trailers back
+                digests[key] = shard_file.file_digest(
+                    os.path.join(kv["path"], *key.split("/")), p.layout.inner_chunk_count
+                )
+        return digests
     except Exception as e:
         raise _write_error(p, kv, e) from e
 
@@ -55,8 +76,19 @@ def _chunk_position(index, chunk_shape) -> tuple[int, ...] | None:
     return tuple(pos)
 
 
+def _shard_keys(index, layout) -> list[str]:
+    """Keys of the shard files a write of ``index`` (a tuple of slices, () = all) touches."""
+    ranges = []
+    for d, (n, c) in enumerate(zip(layout.shape, layout.chunk_shape)):
+        sl = index[d] if index else slice(None)
+        start, stop, _ = sl.indices(n)
+        ranges.append(range(start // c, (max(stop, start + 1) - 1) // c + 1))
+    return [shard_file.shard_key(pos) for pos in itertools.product(*ranges)]
+
+
 def _issue_writes(t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], sync: bool) -> list:
-    """Starts every shard write of ``p``; whole shards of host memory go through ``shard_file``."""
+    """Starts every shard write of ``p`` -> [(awaitable, shard keys)]; whole shards of host
+    memory go through ``shard_file``."""
     commits = []
     loop = asyncio.get_running_loop()
     for index, data in p.writes:
@@ -66,25 +98,28 @@ def _issue_writes(t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], s
             continue  # nothing to store for a zero-size array; zarr.json says it all
         position = _chunk_position(index, p.layout.chunk_shape) if index else None
         if position is not None and shard_file.can_write(p.layout, data, kv):
-            commits.append(
-                loop.run_in_executor(
-                    durable.write_pool(),
-                    functools.partial(_write_whole_shard, kv["path"], position, data, p, sync),
-                )
+            future = loop.run_in_executor(
+                durable.write_pool(),
+                functools.partial(_write_whole_shard, kv["path"], position, data, p, sync),
             )
+            commits.append((future, [shard_file.shard_key(position)]))
             continue
         target = t[index] if index else t
-        commits.append(
-            target.write(data, can_reference_source_data_indefinitely=p.stable_source).commit
-        )
+        written = target.write(data, can_reference_source_data_indefinitely=p.stable_source)
+        commits.append((_committed(written), _shard_keys(index, p.layout)))
     return commits
 
 
-def _write_whole_shard(array_dir: str, position, data, p: PreparedTensor, sync: bool) -> None:
-    shard_file.write(array_dir, position, data, p.layout, sync=sync)
+async def _committed(write_futures) -> None:
+    await write_futures.commit
+
+
+def _write_whole_shard(array_dir: str, position, data, p: PreparedTensor, sync: bool) -> str | None:
+    digest = shard_file.write(array_dir, position, data, p.layout, sync=sync)
     if sync:  # the file is on disk; now the directories that name it, up to the array's
         key = shard_file.shard_key(position)
         durable.fsync_tree_to(array_dir, os.path.dirname(key))
+    return digest
 
 
 class PipelinedWriter:
@@ -101,12 +136,13 @@ class PipelinedWriter:
         self.root = str(root)
         self.sync = sync
         self.max_bytes, self.max_tensors = max_bytes, max_tensors
-        self._pending: list[tuple[asyncio.Task, int]] = []
+        self._pending: list[tuple[asyncio.Task, int, tuple]] = []
         self._bytes = 0
+        self.digests: dict[tuple, dict[str, str]] = {}  # tensor key -> shard digests, once written
 
     async def add(self, p: PreparedTensor) -> None:
         task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
-        self._pending.append((task, p.entry.nbytes))
+        self._pending.append((task, p.entry.nbytes, p.entry.key))
         self._bytes += p.entry.nbytes
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
         while self._pending and (
@@ -114,13 +150,13 @@ class PipelinedWriter:
         ):
             await self._retire_oldest()
         # Surface a failure early instead of after the whole stream was produced.
-        for task, _ in self._pending:
+        for task, _, _ in self._pending:
             if task.done() and task.exception() is not None:
                 raise task.exception()
 
     async def _retire_oldest(self) -> None:
-        task, nbytes = self._pending.pop(0)
-        await task
+        task, nbytes, key = self._pending.pop(0)
+        self.digests[key] = await task
         self._bytes -= nbytes
 
     async def flush(self) -> None:
@@ -130,5 +166,5 @@ class PipelinedWriter:
     async def abandon(self) -> None:
         """After a failure: let in-flight writes settle so cleanup does not race them."""
         if self._pending:
-            await asyncio.gather(*(t for t, _ in self._pending), return_exceptions=True)
+            await asyncio.gather(*(t for t, _, _ in self._pending), return_exceptions=True)
         self._pending.clear()

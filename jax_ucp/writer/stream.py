@@ -55,6 +55,13 @@ def with_progress(
                 progress(item.key[-1], done, total)
 
 
+def with_digests(entry: fmt.Entry, digests: Mapping[str, str] | None) -> fmt.Entry:
+    """``entry`` with the digests of its shard files, when the array has checksums to bind."""
+    if isinstance(entry, fmt.TensorEntry) and entry.checksum == "crc32c" and digests is not None:
+        return dataclasses.replace(entry, shard_digests=dict(sorted(digests.items())))
+    return entry
+
+
 async def write_stream(
     directory: os.PathLike | str,
     items: Iterable[HostItem],
@@ -110,6 +117,7 @@ async def write_stream(
     except BaseException:
         await writer.abandon()
         raise
+    entries = [with_digests(e, writer.digests.get(e.key)) for e in entries]
     manifest = fmt.new_manifest(entries, source=source)
     with open(os.path.join(directory, fmt.MANIFEST_FILE), "w") as f:
         f.write(manifest.dumps())

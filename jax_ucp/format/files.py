@@ -1,0 +1,89 @@
+"""Opening files a user hands us: regular files only, bounded reads, never block.
+
+A checkpoint directory is untrusted: a "file" may be a FIFO (an open() that never returns), a
+symlink to /dev/zero (a read that never ends) or absurdly large. Everything that reads a
+checkpoint's small files (manifests, tracker files) goes through ``read_regular``; bulk readers
+use ``open_regular`` and check sizes themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from jax_ucp.format.errors import UCPError
+
+
+class UnsafeFileError(UCPError, OSError):
+    """A path that is not a regular file, or a file larger than the caller allows."""
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be (or link to) a regular file.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer; the fstat
+    check then refuses it (and devices, sockets, directories).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except IsADirectoryError:
+        raise UnsafeFileError(f"{path}: is a directory, expected a regular file") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise UnsafeFileError(
+                f"{path}: not a regular file ({_describe(mode)}); refusing to read it"
+            )
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str) -> None:
+    """Raises unless ``path`` exists and is (or links to) a regular file; never opens it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise
+    if not stat.S_ISREG(mode):
+        raise UnsafeFileError(
+            f"{path}: not a regular file ({_describe(mode)}); refusing to read it"
+        )
+
+
+def read_regular(path: str, max_bytes: int) -> bytes:
+    """The whole content of the regular file ``path``, refusing one larger than ``max_bytes``."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise UnsafeFileError(
+                f"{path}: {size} bytes, more than the {max_bytes} this file may have"
+            )
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew while we read it
+                raise UnsafeFileError(f"{path}: more than {max_bytes} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _describe(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {oct(mode)}"
