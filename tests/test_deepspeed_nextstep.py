@@ -6,6 +6,7 @@ Bar (issue 3): |Δ| ≤ 1e-3·lr + 1e-5·|p| against DeepSpeed's own fp32 master
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import math
@@ -94,6 +95,19 @@ def _jnp(tree):
     return jax.tree.map(jnp.asarray, tree)
 
 
+def _adam(lr):
+    return optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
+
+
+@functools.partial(jax.jit, static_argnames=("model", "lr"))
+def adam_step(params, state, batch, *, model, lr):
+    """The next training step in JAX, jitted as one program (op by op, the grad alone took tens
+    of seconds to compile): the gradient of the loss on ``batch``, then optax.adam's update."""
+    grads = jax.grad(lambda p: model.apply({"params": p}, batch))(params)
+    updates, _ = _adam(lr).update(grads, state, params)
+    return optax.apply_updates(params, updates)
+
+
 def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float]:
     """(max |Δ|, max |Δ| / bound, lr, max |Δ| on the zero-gradient key bias) vs DeepSpeed's step."""
     d = os.path.join(FIX, name)
@@ -104,8 +118,10 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
     r = jax_ucp.restore(path, spec=GPT_SPEC)
     params = _jnp(r["params"])
     st = r["opt_state"]["0"] if "0" in r["opt_state"] else r["opt_state"][0]
-    tx = optax.adam(run["lr"], b1=0.9, b2=0.999, eps=1e-8)
-    fresh = tx.init(model.init(jax.random.key(0), batch)["params"])
+    # the optax state a fresh run would have (shapes only: nothing is computed)
+    fresh = jax.eval_shape(
+        lambda: _adam(run["lr"]).init(model.init(jax.random.key(0), batch)["params"])
+    )
     state = (
         optax.ScaleByAdamState(
             count=jnp.asarray(st["count"], jnp.int32), mu=_jnp(st["mu"]), nu=_jnp(st["nu"])
@@ -115,11 +131,9 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
     assert jax.tree.structure(state) == jax.tree.structure(fresh)
     assert jax.tree.map(jnp.shape, state) == jax.tree.map(jnp.shape, fresh)
 
-    grads = jax.grad(lambda p: model.apply({"params": p}, batch))(params)
-    updates, _ = tx.update(grads, state, params)
-    new = optax.apply_updates(params, updates)
+    new = adam_step(params, state, batch, model=model, lr=run["lr"])
 
-    want = jax_ucp.language.restore_tree(
+    want = jax_ucp.language.apply_spec_to_tree(
         GPT_SPEC, {"params": dict(np.load(os.path.join(d, "next_params.npz")))}
     )
     dev, ratio, dev_kb = 0.0, 0.0, 0.0

@@ -300,9 +300,9 @@ def test_megatron_lm_names_map_like_megatron_core():
             pairs.append((f"decoder.layers.{i}.{c}", f"language_model.encoder.layers.{i}.{o}", s))
     for c, o, s in pairs:
         core[("params", c)] = old[("params", o)] = rng.standard_normal(s).astype(np.float32)
-    a = L.restore_tree(L.load_spec("megatron_gpt"), L.plan.unflatten(core))
-    b = L.restore_tree(L.load_spec("megatron_lm_gpt"), L.plan.unflatten(old))
-    fa, fb = L.plan.flatten(a), L.plan.flatten(b)
+    a = L.apply_spec_to_tree(L.load_spec("megatron_gpt"), L.unflatten_nested(core))
+    b = L.apply_spec_to_tree(L.load_spec("megatron_lm_gpt"), L.unflatten_nested(old))
+    fa, fb = L.flatten_nested(a), L.flatten_nested(b)
     assert fa.keys() == fb.keys()
     for k in fa:
         np.testing.assert_array_equal(fa[k], fb[k])

@@ -6,8 +6,7 @@ import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_ucp.language import TransformError
-from jax_ucp.language import views as V
+from jax_ucp.language import TransformError, views
 
 FEW = settings(max_examples=15, deadline=None)
 
@@ -40,16 +39,18 @@ def read(t):
 
 def test_views_have_zero_origin_and_match_numpy():
     x = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
-    t = V.as_view(x)
-    s = V.slice_axis(t, 2, 1, 3)
+    t = views.as_view(x)
+    s = views.slice_axis(t, 2, 1, 3)
     assert tuple(s.domain.origin) == (0, 0, 0)
     np.testing.assert_array_equal(read(s), x[:, :, 1:3])
-    np.testing.assert_array_equal(read(V.transpose(t)), x.T)
-    np.testing.assert_array_equal(read(V.transpose(t, [1, 0, 2])), x.transpose(1, 0, 2))
-    np.testing.assert_array_equal(read(V.take(t, 1, 2)), x[:, 2])
-    np.testing.assert_array_equal(read(V.concat([t, t], 1)), np.concatenate([x, x], 1))
-    np.testing.assert_array_equal(read(V.stack([t, t], 2)), np.stack([x, x], 2))
-    np.testing.assert_array_equal(read(V.pad_axis(t, 0, 5)), np.pad(x, [(0, 3), (0, 0), (0, 0)]))
+    np.testing.assert_array_equal(read(views.transpose(t)), x.T)
+    np.testing.assert_array_equal(read(views.transpose(t, [1, 0, 2])), x.transpose(1, 0, 2))
+    np.testing.assert_array_equal(read(views.take(t, 1, 2)), x[:, 2])
+    np.testing.assert_array_equal(read(views.concat([t, t], 1)), np.concatenate([x, x], 1))
+    np.testing.assert_array_equal(read(views.stack([t, t], 2)), np.stack([x, x], 2))
+    np.testing.assert_array_equal(
+        read(views.pad_axis(t, 0, 5)), np.pad(x, [(0, 3), (0, 0), (0, 0)])
+    )
 
 
 @FEW
@@ -58,10 +59,10 @@ def test_split_dim_merge_dims_match_reshape(a, b, c, axis):
     shape = [c, c, c]
     shape[axis] = a * b
     x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    y = V.split_dim(V.as_view(x), axis, (a, -1))
+    y = views.split_dim(views.as_view(x), axis, (a, -1))
     ref = x.reshape(shape[:axis] + [a, b] + shape[axis + 1 :])
     np.testing.assert_array_equal(read(y), ref)
-    np.testing.assert_array_equal(read(V.merge_dims(y, axis)), x)
+    np.testing.assert_array_equal(read(views.merge_dims(y, axis)), x)
 
 
 @FEW
@@ -71,25 +72,25 @@ def test_split_dim_merge_dims_match_reshape(a, b, c, axis):
 def test_stages_group_regroup_ungroup(ls, new):
     L, S = ls
     x = np.random.default_rng(L).standard_normal((L, 3, 2)).astype(np.float32)
-    g = V.group_stages(V.as_view(x), S)
+    g = views.group_stages(views.as_view(x), S)
     np.testing.assert_array_equal(read(g), x.reshape(S, L // S, 3, 2))
-    np.testing.assert_array_equal(read(V.ungroup_stages(g)), x)
+    np.testing.assert_array_equal(read(views.ungroup_stages(g)), x)
     if L % new == 0:
         np.testing.assert_array_equal(
-            read(V.regroup_stages(g, new)), x.reshape(new, L // new, 3, 2)
+            read(views.regroup_stages(g, new)), x.reshape(new, L // new, 3, 2)
         )
     else:
         with pytest.raises(TransformError, match=f"{L} layers.*{new} pipeline stages"):
-            V.regroup_stages(g, new)
+            views.regroup_stages(g, new)
 
 
 def test_regroup_error_message():
-    g = V.as_view(np.zeros((2, 3, 4)))
+    g = views.as_view(np.zeros((2, 3, 4)))
     with pytest.raises(
         TransformError,
         match="cannot regroup 6 layers .* into 4 pipeline stages: 6 is not divisible by 4",
     ):
-        V.regroup_stages(g, 4)
+        views.regroup_stages(g, 4)
 
 
 @FEW
@@ -104,7 +105,7 @@ def test_qkv_split_merge_roundtrip_and_reference(heads, interleaved, axis):
     rows = ng * (qpg + 2) * hd
     shape = (rows, 5) if axis == 0 else (5, rows)
     x = np.random.default_rng(nh * ng).standard_normal(shape).astype(np.float32)
-    q, k, v = V.split_qkv(V.as_view(x), axis, nh, ng, hd, interleaved=interleaved)
+    q, k, v = views.split_qkv(views.as_view(x), axis, nh, ng, hd, interleaved=interleaved)
     # numpy reference
     xa = np.moveaxis(x, axis, 0)
     if interleaved:
@@ -116,13 +117,13 @@ def test_qkv_split_merge_roundtrip_and_reference(heads, interleaved, axis):
         rq, rk, rv = xa[: nh * hd], xa[nh * hd : (nh + ng) * hd], xa[(nh + ng) * hd :]
     for got, ref in ((q, rq), (k, rk), (v, rv)):
         np.testing.assert_array_equal(read(got), np.moveaxis(ref, 0, axis))
-    back = V.merge_qkv(q, k, v, axis, nh, ng, hd, interleaved=interleaved)
+    back = views.merge_qkv(q, k, v, axis, nh, ng, hd, interleaved=interleaved)
     np.testing.assert_array_equal(read(back), x)
 
 
 def test_qkv_wrong_size_is_an_error():
     with pytest.raises(TransformError, match="expected 16"):
-        V.split_qkv(V.as_view(np.zeros((12, 3))), 0, 4, 2, 2)
+        views.split_qkv(views.as_view(np.zeros((12, 3))), 0, 4, 2, 2)
 
 
 def test_views_are_lazy_and_read_only_needed_chunks():
@@ -130,9 +131,9 @@ def test_views_are_lazy_and_read_only_needed_chunks():
     data = np.arange(L * 3 * H * H, dtype=np.float32).reshape(L, 3 * H, H)
     src = CountingStore(data, (1, 3 * H, H))
     # stacked fused qkv [L, 3H, H] -> regroup into 4 stages -> split q/k/v -> transpose
-    g = V.regroup_stages(V.group_stages(src.t, 2), 4)
-    q, k, v = V.split_qkv(V.take(V.take(g, 0, 3), 0, 1), 0, 2, 2, 3)
-    kt = V.transpose(k)
+    g = views.regroup_stages(views.group_stages(src.t, 2), 4)
+    q, k, v = views.split_qkv(views.take(views.take(g, 0, 3), 0, 1), 0, 2, 2, 3)
+    kt = views.transpose(k)
     assert src.reads == []  # building views reads nothing
     got = read(kt)
     layer = 3 * 2 + 1
@@ -144,17 +145,17 @@ def test_views_are_lazy_and_read_only_needed_chunks():
 
 def test_pad_and_slice_vocab():
     x = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
-    p = V.pad_axis(V.as_view(x), 0, 16)
+    p = views.pad_axis(views.as_view(x), 0, 16)
     np.testing.assert_array_equal(read(p)[:10], x)
     assert (read(p)[10:] == 0).all()
-    np.testing.assert_array_equal(read(V.slice_axis(p, 0, 0, 10)), x)
+    np.testing.assert_array_equal(read(views.slice_axis(p, 0, 0, 10)), x)
 
 
 def test_bfloat16_views_are_exact():
     import ml_dtypes
 
     x = np.random.default_rng(0).standard_normal((4, 6)).astype(ml_dtypes.bfloat16)
-    t = V.transpose(V.split_dim(V.as_view(x), 1, (2, 3)), [1, 0, 2])
+    t = views.transpose(views.split_dim(views.as_view(x), 1, (2, 3)), [1, 0, 2])
     assert read(t).dtype == x.dtype
     np.testing.assert_array_equal(
         read(t).view(np.uint16), x.reshape(4, 2, 3).transpose(1, 0, 2).view(np.uint16)

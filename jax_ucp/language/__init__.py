@@ -1,12 +1,21 @@
 """The UCP language: rules over parameter names -> kinds (import) and lazy views (restore).
 
+Modules, bottom up: ``errors``; ``settings`` (model hyper-parameters, integer expressions, name
+templates); ``plain_form`` (the dict/TOML form of kinds and ops); ``views`` (lazy TensorStore
+primitives); ``kinds`` (import side: how fragments merge); ``ops`` (restore side: what a rule
+does); ``spec`` (rules, roots, ``Spec`` and their dict form); ``toml_io`` (TOML text, shipped
+specs); ``plan`` (restore rules compiled into lazy view plans).
+
 Public API:
-  Spec, ImportRule, RestoreRule, Root, DEFAULT_ROOTS, optax_chain_roots   (spec)
-  load_spec(name_or_path, **settings), list_specs(), spec_from_toml, spec_to_toml  (files)
+  Spec, ImportRule, RestoreRule, Root, DEFAULT_ROOTS, optax_chain_roots,
+  spec_from_dict, spec_to_dict                                                     (spec)
+  load_spec(name_or_path, **settings), list_specs(), spec_from_toml, spec_to_toml,
+  dump_spec                                                                        (files)
   merge(kind, fragments, *, name, settings, lazy=False), split(kind, full, n, ...),
   split_parts(kind, full, settings=...), kind_from_obj, the Kind classes           (import side)
   compile_restore_plan(spec, saved) -> {target key: ViewPlan}, TensorInfo, ViewPlan,
-  apply_restore_plan, restore_tree, describe_plan                                  (restore side)
+  apply_restore_plan, apply_spec_to_tree, describe_plan, saved_infos,
+  flatten_nested, unflatten_nested                                                 (restore side)
   views: lazy TensorStore primitives (transpose, stack/unstack, stages, qkv, ...)
 See docs/LANGUAGE.md.
 """
@@ -43,10 +52,12 @@ from jax_ucp.language.plan import (
     TensorInfo,
     ViewPlan,
     apply_restore_plan,
+    apply_spec_to_tree,
     compile_restore_plan,
     describe_plan,
-    restore_tree,
+    flatten_nested,
     saved_infos,
+    unflatten_nested,
 )
 from jax_ucp.language.settings import padded_vocab_size
 from jax_ucp.language.spec import (
@@ -57,6 +68,8 @@ from jax_ucp.language.spec import (
     Root,
     Spec,
     optax_chain_roots,
+    spec_from_dict,
+    spec_to_dict,
 )
 from jax_ucp.language.toml_io import dump_spec, list_specs, load_spec, spec_from_toml, spec_to_toml
 

@@ -28,15 +28,17 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp.language import views as V
+from jax_ucp.language import views
 from jax_ucp.language.errors import MergeError, SpecError
-from jax_ucp.language.plain import parse_plain
-from jax_ucp.language.settings import derived, eval_int
+from jax_ucp.language.plain_form import parse_plain_form
+from jax_ucp.language.settings import derived, eval_int, padded_vocab_size
 
 # ------------------------------------------------------------------------------ array backends
 
 
-class _NP:
+class _NumpyBackend:
+    """Kinds merge through a backend: this one computes numpy arrays (reads TensorStore inputs)."""
+
     lazy = False
 
     @staticmethod
@@ -66,21 +68,23 @@ class _NP:
         return x[(slice(None),) * axis + (slice(a, b),)]
 
 
-class _TS:
+class _LazyBackend:
+    """The lazy backend: TensorStore views (``ts.concat``/``ts.stack``) over the fragments."""
+
     lazy = True
-    wrap = staticmethod(V.as_view)
+    wrap = staticmethod(views.as_view)
 
     @staticmethod
     def shape(x):
         return tuple(x.shape)
 
-    concat = staticmethod(lambda xs, axis: V.concat(xs, axis))
-    stack = staticmethod(lambda xs, axis: V.stack(xs, axis))
-    take = staticmethod(lambda x, axis, i: V.take(x, axis, i))
-    slice = staticmethod(lambda x, axis, a, b: V.slice_axis(x, axis, a, b))
+    concat = staticmethod(lambda xs, axis: views.concat(xs, axis))
+    stack = staticmethod(lambda xs, axis: views.stack(xs, axis))
+    take = staticmethod(lambda x, axis, i: views.take(x, axis, i))
+    slice = staticmethod(lambda x, axis, a, b: views.slice_axis(x, axis, a, b))
 
 
-def _axis(shape, dim, name, kind):
+def _checked_axis(shape, dim, name, kind):
     r = len(shape)
     d = dim + r if dim < 0 else dim
     if not 0 <= d < r:
@@ -88,10 +92,10 @@ def _axis(shape, dim, name, kind):
     return d
 
 
-def _split_sizes(B, x, axis, sizes):
+def _split_sizes(backend, x, axis, sizes):
     out, off = [], 0
     for s in sizes:
-        out.append(B.slice(x, axis, off, off + s))
+        out.append(backend.slice(x, axis, off, off + s))
         off += s
     return out
 
@@ -101,7 +105,7 @@ def head_split(n: int, tp: int) -> list[int]:
     return [n // tp + (1 if r < n % tp else 0) for r in range(tp)]
 
 
-def _bits(x: np.ndarray) -> np.ndarray:
+def _bit_patterns(x: np.ndarray) -> np.ndarray:
     """Bit patterns, so that NaNs compare equal to themselves and -0.0 differs from 0.0."""
     x = np.ascontiguousarray(x)
     if x.dtype.itemsize in (1, 2, 4, 8):
@@ -129,7 +133,7 @@ def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | Non
         return None
     fa, fb = a.reshape(-1), b.reshape(-1)
     for s in range(0, fa.size, block):
-        xa, xb = _bits(fa[s : s + block]), _bits(fb[s : s + block])
+        xa, xb = _bit_patterns(fa[s : s + block]), _bit_patterns(fb[s : s + block])
         ne = xa != xb
         if ne.any():
             i = int(np.argmax(ne)) + s
@@ -143,13 +147,21 @@ def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | Non
 
 @dataclass(frozen=True)
 class Kind:
+    """How one parameter is spread over per-rank fragments (TP, PP, EP), as a value.
+
+    Frameworks save a parameter as fragments that differ by parallelism (partitioned along a
+    dim, replicated, fused sub-parameters split separately, padded vocab, ...). A kind names that
+    layout so ``merge`` can rebuild the consolidated tensor (checking what can be checked) and
+    ``split`` can redo the fragments; import rules map parameter names to kinds. Parameters may
+    be setting expressions, evaluated by ``resolve``. Subclasses set ``kind`` (the TOML name)."""
+
     kind: ClassVar[str] = ""
 
     def resolve(self, env: Mapping[str, Any], *, lenient: bool = False) -> Kind:
         """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
         ``lenient``: leave an expression whose settings are unknown as it is (resolved later)."""
 
-        def ev(x, fname):
+        def evaluate(x, fname):
             try:
                 return eval_int(x, env, where=f"{self.kind}.{fname}: ")
             except SpecError:
@@ -165,13 +177,13 @@ class Kind:
             elif f.metadata.get("int") and v is not None:
                 if isinstance(v, (tuple, list)):
                     v = tuple(
-                        tuple(ev(y, f.name) for y in x)
+                        tuple(evaluate(y, f.name) for y in x)
                         if isinstance(x, (tuple, list))
-                        else ev(x, f.name)
+                        else evaluate(x, f.name)
                         for x in v
                     )
                 else:
-                    v = ev(v, f.name)
+                    v = evaluate(v, f.name)
             kw[f.name] = v
         return type(self)(**kw)
 
@@ -188,15 +200,15 @@ class Kind:
             d[f.name] = v
         return d
 
-    # implemented by subclasses on a backend B
-    def _merge(self, B, frags, name):  # pragma: no cover
+    # implemented by subclasses on an array backend (_NumpyBackend or _LazyBackend)
+    def _merge(self, backend, frags, name):  # pragma: no cover
         raise NotImplementedError
 
     def _split(self, full, n, name) -> list:  # pragma: no cover
         raise NotImplementedError
 
 
-def _int(default=None):
+def _int_field(default=None):
     return dataclasses.field(default=default, metadata={"int": True})
 
 
@@ -208,15 +220,15 @@ class Replicated(Kind):
     check: bool = True
     what: ClassVar[str] = "TP ranks"
 
-    def _merge(self, B, frags, name):
+    def _merge(self, backend, frags, name):
         if self.check and len(frags) > 1:
-            bad, detail = _disagreements([_NP.wrap(f) for f in frags], "rank")
+            bad, detail = _disagreements([_NumpyBackend.wrap(f) for f in frags], "rank")
             if bad:
                 raise MergeError(
                     f"{name}: {self.kind} fragments disagree across {self.what}: rank 0 vs "
                     f"rank(s) {bad} ({detail})"
                 )
-        return B.wrap(frags[0])
+        return backend.wrap(frags[0])
 
     def _split(self, full, n, name):
         return [full for _ in range(n)]
@@ -228,8 +240,8 @@ class Averaged(Kind):
 
     kind: ClassVar[str] = "averaged"
 
-    def _merge(self, B, frags, name):
-        arrs = [_NP.wrap(f) for f in frags]
+    def _merge(self, backend, frags, name):
+        arrs = [_NumpyBackend.wrap(f) for f in frags]
         for r, a in enumerate(arrs):
             if a.shape != arrs[0].shape:
                 raise MergeError(
@@ -245,7 +257,7 @@ class Averaged(Kind):
             if acc.dtype.kind == "f"
             else acc // len(arrs)
         )
-        return B.wrap(out)
+        return backend.wrap(out)
 
     def _split(self, full, n, name):
         return [full for _ in range(n)]
@@ -257,12 +269,12 @@ class Partitioned(Kind):
     Fragments may have uneven widths; ``split`` divides evenly unless ``sizes`` are given."""
 
     kind: ClassVar[str] = "partitioned"
-    dim: int = _int(0)
-    sizes: tuple | None = _int(None)
+    dim: int = _int_field(0)
+    sizes: tuple | None = _int_field(None)
 
-    def _merge(self, B, frags, name):
-        shapes = [B.shape(f) for f in frags]
-        d = _axis(shapes[0], self.dim, name, self.kind)
+    def _merge(self, backend, frags, name):
+        shapes = [backend.shape(f) for f in frags]
+        d = _checked_axis(shapes[0], self.dim, name, self.kind)
         for r, s in enumerate(shapes):
             if len(s) != len(shapes[0]) or s[:d] + s[d + 1 :] != shapes[0][:d] + shapes[0][d + 1 :]:
                 raise MergeError(
@@ -274,10 +286,10 @@ class Partitioned(Kind):
                 f"{name}: partitioned(dim={d}) fragment widths {[s[d] for s in shapes]} "
                 f"differ from the declared sizes {list(self.sizes)}"
             )
-        return B.concat([B.wrap(f) for f in frags], d)
+        return backend.concat([backend.wrap(f) for f in frags], d)
 
     def _split(self, full, n, name):
-        d = _axis(full.shape, self.dim, name, self.kind)
+        d = _checked_axis(full.shape, self.dim, name, self.kind)
         if self.sizes is not None:
             sizes = list(self.sizes)
         else:
@@ -286,7 +298,7 @@ class Partitioned(Kind):
                     f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks"
                 )
             sizes = [full.shape[d] // n] * n
-        return _split_sizes(_NP, full, d, sizes)
+        return _split_sizes(_NumpyBackend, full, d, sizes)
 
 
 @dataclass(frozen=True)
@@ -296,9 +308,9 @@ class SubParams(Kind):
     sizes are sizes[j] / tp, or given explicitly per rank as ``rank_sizes`` (uneven widths)."""
 
     kind: ClassVar[str] = "sub_params"
-    dim: int = _int(0)
-    sizes: tuple = _int(())
-    rank_sizes: tuple | None = _int(None)
+    dim: int = _int_field(0)
+    sizes: tuple = _int_field(())
+    rank_sizes: tuple | None = _int_field(None)
 
     def per_rank(self, tp, name):
         if self.rank_sizes is not None:
@@ -319,11 +331,11 @@ class SubParams(Kind):
                 )
         return [[s // tp for s in self.sizes] for _ in range(tp)]
 
-    def _merge(self, B, frags, name):
+    def _merge(self, backend, frags, name):
         tp = len(frags)
         rs = self.per_rank(tp, name)
-        shapes = [B.shape(f) for f in frags]
-        d = _axis(shapes[0], self.dim, name, self.kind)
+        shapes = [backend.shape(f) for f in frags]
+        d = _checked_axis(shapes[0], self.dim, name, self.kind)
         pieces = []
         for r, f in enumerate(frags):
             if shapes[r][d] != sum(rs[r]):
@@ -331,22 +343,24 @@ class SubParams(Kind):
                     f"{name}: {self.kind} fragment of rank {r} has size {shapes[r][d]} on dim "
                     f"{d}, expected {sum(rs[r])} = {' + '.join(map(str, rs[r]))}"
                 )
-            pieces.append(_split_sizes(B, B.wrap(f), d, rs[r]))
-        return B.concat(
-            [B.concat([pieces[r][j] for r in range(tp)], d) for j in range(len(self.sizes))], d
+            pieces.append(_split_sizes(backend, backend.wrap(f), d, rs[r]))
+        return backend.concat(
+            [backend.concat([pieces[r][j] for r in range(tp)], d) for j in range(len(self.sizes))],
+            d,
         )
 
     def _split(self, full, n, name):
-        d = _axis(full.shape, self.dim, name, self.kind)
+        d = _checked_axis(full.shape, self.dim, name, self.kind)
         if full.shape[d] != sum(self.sizes):
             raise MergeError(
                 f"{name}: dim {d} has size {full.shape[d]}, sub-param sizes add up to "
                 f"{sum(self.sizes)}"
             )
         rs = self.per_rank(n, name)
-        parts = _split_sizes(_NP, full, d, list(self.sizes))
+        parts = _split_sizes(_NumpyBackend, full, d, list(self.sizes))
         per_part = [
-            _split_sizes(_NP, p, d, [rs[r][j] for r in range(n)]) for j, p in enumerate(parts)
+            _split_sizes(_NumpyBackend, p, d, [rs[r][j] for r in range(n)])
+            for j, p in enumerate(parts)
         ]
         return [
             np.concatenate([per_part[j][r] for j in range(len(parts))], axis=d) for r in range(n)
@@ -354,8 +368,8 @@ class SubParams(Kind):
 
     def parts(self, full, names=None) -> dict:
         names = names or [f"part{j}" for j in range(len(self.sizes))]
-        d = _axis(full.shape, self.dim, "?", self.kind)
-        return dict(zip(names, _split_sizes(_NP, full, d, list(self.sizes))))
+        d = _checked_axis(full.shape, self.dim, "?", self.kind)
+        return dict(zip(names, _split_sizes(_NumpyBackend, full, d, list(self.sizes))))
 
 
 @dataclass(frozen=True)
@@ -363,30 +377,30 @@ class SwiGLU(Kind):
     """SwiGLU fc1: the full tensor is [gate; up] along ``dim``; TP rank r holds [gate_r; up_r]."""
 
     kind: ClassVar[str] = "swiglu"
-    dim: int = _int(0)
+    dim: int = _int_field(0)
 
-    def _sub(self, width, name):
+    def _as_sub_params(self, width, name):
         if width % 2:
             raise MergeError(f"{name}: swiglu dim {self.dim} has odd size {width}")
         return SubParams(dim=self.dim, sizes=(width // 2, width // 2))
 
-    def _merge(self, B, frags, name):
-        shapes = [B.shape(f) for f in frags]
-        d = _axis(shapes[0], self.dim, name, self.kind)
+    def _merge(self, backend, frags, name):
+        shapes = [backend.shape(f) for f in frags]
+        d = _checked_axis(shapes[0], self.dim, name, self.kind)
         for r, s in enumerate(shapes):
             if s[d] % 2:
                 raise MergeError(
                     f"{name}: swiglu fragment of rank {r} has odd size {s[d]} on dim {d}"
                 )
-        return self._sub(sum(s[d] for s in shapes), name)._merge(B, frags, name)
+        return self._as_sub_params(sum(s[d] for s in shapes), name)._merge(backend, frags, name)
 
     def _split(self, full, n, name):
-        d = _axis(full.shape, self.dim, name, self.kind)
-        return self._sub(full.shape[d], name)._split(full, n, name)
+        d = _checked_axis(full.shape, self.dim, name, self.kind)
+        return self._as_sub_params(full.shape[d], name)._split(full, n, name)
 
     def parts(self, full, names=("gate", "up")) -> dict:
-        d = _axis(full.shape, self.dim, "?", self.kind)
-        return dict(zip(names, _split_sizes(_NP, full, d, [full.shape[d] // 2] * 2)))
+        d = _checked_axis(full.shape, self.dim, "?", self.kind)
+        return dict(zip(names, _split_sizes(_NumpyBackend, full, d, [full.shape[d] // 2] * 2)))
 
 
 @dataclass(frozen=True)
@@ -399,10 +413,10 @@ class QKV(Kind):
     heads (uneven widths: q and k/v parts differ, and heads may not split evenly)."""
 
     kind: ClassVar[str] = "qkv"
-    dim: int = _int(0)
-    num_heads: Any = _int("num_attention_heads")
-    num_kv_heads: Any = _int("num_query_groups")
-    head_dim: Any = _int("head_dim")
+    dim: int = _int_field(0)
+    num_heads: Any = _int_field("num_attention_heads")
+    num_kv_heads: Any = _int_field("num_query_groups")
+    head_dim: Any = _int_field("head_dim")
     interleaved: bool = True
 
     def _check(self, name):
@@ -422,7 +436,7 @@ class QKV(Kind):
     def group_rows(self):
         return (self.num_heads // self.num_kv_heads + 2) * self.head_dim
 
-    def _sub(self, tp, name):
+    def _as_sub_params(self, tp, name):
         qpg = self.num_heads // self.num_kv_heads
         groups = head_split(self.num_kv_heads, tp)
         hd = self.head_dim
@@ -432,12 +446,12 @@ class QKV(Kind):
             rank_sizes=tuple((g * qpg * hd, g * hd, g * hd) for g in groups),
         )
 
-    def _merge(self, B, frags, name):
+    def _merge(self, backend, frags, name):
         self._check(name)
-        shapes = [B.shape(f) for f in frags]
-        d = _axis(shapes[0], self.dim, name, self.kind)
+        shapes = [backend.shape(f) for f in frags]
+        d = _checked_axis(shapes[0], self.dim, name, self.kind)
         if not self.interleaved:
-            return self._sub(len(frags), name)._merge(B, frags, name)
+            return self._as_sub_params(len(frags), name)._merge(backend, frags, name)
         gr = self.group_rows
         for r, s in enumerate(shapes):
             if s[d] % gr:
@@ -452,26 +466,28 @@ class QKV(Kind):
                 f"{self.num_kv_heads * gr} (num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
             )
-        return Partitioned(dim=d)._merge(B, frags, name)
+        return Partitioned(dim=d)._merge(backend, frags, name)
 
     def _split(self, full, n, name):
         self._check(name)
         if not self.interleaved:
-            return self._sub(n, name)._split(full, n, name)
-        d = _axis(full.shape, self.dim, name, self.kind)
+            return self._as_sub_params(n, name)._split(full, n, name)
+        d = _checked_axis(full.shape, self.dim, name, self.kind)
         gr = self.group_rows
         if full.shape[d] != self.num_kv_heads * gr:
             raise MergeError(
                 f"{name}: qkv dim {d} has size {full.shape[d]}, expected {self.num_kv_heads * gr}"
             )
-        return _split_sizes(_NP, full, d, [g * gr for g in head_split(self.num_kv_heads, n)])
+        return _split_sizes(
+            _NumpyBackend, full, d, [g * gr for g in head_split(self.num_kv_heads, n)]
+        )
 
     def parts(self, full) -> dict:
         """{'q', 'k', 'v'}: q has the heads in order (group by group)."""
         self._check("?")
-        d = _axis(full.shape, self.dim, "?", self.kind)
-        qkv = V.split_qkv(
-            V.as_view(full),
+        d = _checked_axis(full.shape, self.dim, "?", self.kind)
+        qkv = views.split_qkv(
+            views.as_view(full),
             d,
             self.num_heads,
             self.num_kv_heads,
@@ -482,9 +498,9 @@ class QKV(Kind):
 
     def join(self, q, k, v) -> np.ndarray:
         self._check("?")
-        d = _axis(np.shape(q), self.dim, "?", self.kind)
+        d = _checked_axis(np.shape(q), self.dim, "?", self.kind)
         return (
-            V.merge_qkv(
+            views.merge_qkv(
                 q,
                 k,
                 v,
@@ -506,37 +522,35 @@ class Vocab(Kind):
     with zeros to ``padded_size`` (default: the Megatron rule for the given tp)."""
 
     kind: ClassVar[str] = "vocab"
-    dim: int = _int(0)
-    vocab_size: Any = _int("vocab_size")
-    divisible_by: Any = _int(1)
-    padded_size: Any = _int(None)
+    dim: int = _int_field(0)
+    vocab_size: Any = _int_field("vocab_size")
+    divisible_by: Any = _int_field(1)
+    padded_size: Any = _int_field(None)
     inner: Kind | None = None  # the TP kind before stripping (default: partitioned(dim))
 
-    def _tp(self):
+    def _tp_kind(self):
         return self.inner if self.inner is not None else Partitioned(dim=self.dim)
 
-    def _merge(self, B, frags, name):
+    def _merge(self, backend, frags, name):
         if not isinstance(self.vocab_size, int):
             raise MergeError(f"{name}: vocab needs the original vocab_size (a setting)")
-        full = self._tp()._merge(B, frags, name)
-        d = _axis(B.shape(full), self.dim, name, self.kind)
-        n = B.shape(full)[d]
+        full = self._tp_kind()._merge(backend, frags, name)
+        d = _checked_axis(backend.shape(full), self.dim, name, self.kind)
+        n = backend.shape(full)[d]
         if n < self.vocab_size:
             raise MergeError(
                 f"{name}: merged vocab dim {d} has {n} rows, fewer than vocab_size="
                 f"{self.vocab_size}"
             )
-        return full if n == self.vocab_size else B.slice(full, d, 0, self.vocab_size)
+        return full if n == self.vocab_size else backend.slice(full, d, 0, self.vocab_size)
 
     def target_size(self, tp):
         if self.padded_size is not None:
             return self.padded_size
-        from jax_ucp.language.settings import padded_vocab_size
-
         return padded_vocab_size(self.vocab_size, self.divisible_by, tp)
 
     def _split(self, full, n, name):
-        d = _axis(full.shape, self.dim, name, self.kind)
+        d = _checked_axis(full.shape, self.dim, name, self.kind)
         size = self.target_size(n)
         if size < full.shape[d] or (self.inner is None and size % n):
             raise MergeError(
@@ -546,7 +560,7 @@ class Vocab(Kind):
             pad = [(0, 0)] * full.ndim
             pad[d] = (0, size - full.shape[d])
             full = np.pad(full, pad)
-        return self._tp()._split(full, n, name)
+        return self._tp_kind()._split(full, n, name)
 
 
 @dataclass(frozen=True)
@@ -557,9 +571,11 @@ class PipelineTied(Kind):
     kind: ClassVar[str] = "pipeline_tied"
     inner: Kind | None = None
 
-    def _merge(self, B, frags, name):
+    def _merge(self, backend, frags, name):
         per_stage = [
-            self.inner._merge(_NP, f, name) if self.inner is not None else _NP.wrap(f)
+            self.inner._merge(_NumpyBackend, f, name)
+            if self.inner is not None
+            else _NumpyBackend.wrap(f)
             for f in frags
         ]
         bad, detail = _disagreements(per_stage, "stage")
@@ -567,9 +583,9 @@ class PipelineTied(Kind):
             raise MergeError(
                 f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {bad} ({detail})"
             )
-        if B.lazy and self.inner is not None:
-            return self.inner._merge(B, frags[0], name)
-        return B.wrap(frags[0] if self.inner is None else per_stage[0])
+        if backend.lazy and self.inner is not None:
+            return self.inner._merge(backend, frags[0], name)
+        return backend.wrap(frags[0] if self.inner is None else per_stage[0])
 
     def _split(self, full, n, name):
         # n = number of stages holding the weight; each gets the full tensor (split it with inner)
@@ -595,8 +611,8 @@ class Expert(Kind):
 
     kind: ClassVar[str] = "expert"
     layout: str = "stacked"
-    dim: int = _int(0)
-    num_experts: Any = _int("num_experts")
+    dim: int = _int_field(0)
+    num_experts: Any = _int_field("num_experts")
     inner: Kind | None = None
 
     def __post_init__(self):
@@ -605,60 +621,71 @@ class Expert(Kind):
                 f"expert layout must be stacked, grouped or per_expert, got {self.layout!r}"
             )
 
-    def _local(self, ep, name):
+    def _num_local(self, ep, name):
         if not isinstance(self.num_experts, int):
             raise MergeError(f"{name}: expert needs num_experts resolved to an integer")
         if self.num_experts % ep:
             raise MergeError(f"{name}: {self.num_experts} experts do not divide over {ep} EP ranks")
         return self.num_experts // ep
 
-    def _merge(self, B, frags, name):
+    def _merge(self, backend, frags, name):
         ep = len(frags)
-        nl = self._local(ep, name)
+        nl = self._num_local(ep, name)
         experts = []
         for r, f in enumerate(frags):
             if self.layout == "per_expert":
                 if len(f) != nl:
                     raise MergeError(f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}")
                 for e in range(nl):
-                    experts.append(self.inner._merge(B, f[e], name) if self.inner else B.wrap(f[e]))
+                    experts.append(
+                        self.inner._merge(backend, f[e], name) if self.inner else backend.wrap(f[e])
+                    )
                 continue
             tps = list(f) if self.inner is not None else [f]
-            tps = [B.wrap(x) for x in tps]
-            shape = B.shape(tps[0])
-            d = _axis(shape, self.dim, name, self.kind)
+            tps = [backend.wrap(x) for x in tps]
+            shape = backend.shape(tps[0])
+            d = _checked_axis(shape, self.dim, name, self.kind)
             for t, x in enumerate(tps):
-                if self.layout == "stacked" and B.shape(x)[d] != nl:
+                if self.layout == "stacked" and backend.shape(x)[d] != nl:
                     raise MergeError(
-                        f"{name}: EP rank {r} (TP rank {t}) holds {B.shape(x)[d]} experts on "
+                        f"{name}: EP rank {r} (TP rank {t}) holds {backend.shape(x)[d]} experts on "
                         f"dim {d}, expected {nl} = {self.num_experts} / {ep}"
                     )
-                if self.layout == "grouped" and B.shape(x)[d] % nl:
+                if self.layout == "grouped" and backend.shape(x)[d] % nl:
                     raise MergeError(
-                        f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {B.shape(x)[d]} "
+                        f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {backend.shape(x)[d]} "
                         f"does not hold {nl} equal expert blocks"
                     )
             for e in range(nl):
                 if self.layout == "stacked":
-                    blocks = [B.take(x, d, e) for x in tps]
+                    blocks = [backend.take(x, d, e) for x in tps]
                 else:
                     blocks = [
-                        B.slice(x, d, e * (B.shape(x)[d] // nl), (e + 1) * (B.shape(x)[d] // nl))
+                        backend.slice(
+                            x,
+                            d,
+                            e * (backend.shape(x)[d] // nl),
+                            (e + 1) * (backend.shape(x)[d] // nl),
+                        )
                         for x in tps
                     ]
                 experts.append(
-                    self.inner._merge(B, blocks, f"{name}[expert {r * nl + e}]")
+                    self.inner._merge(backend, blocks, f"{name}[expert {r * nl + e}]")
                     if self.inner is not None
                     else blocks[0]
                 )
         if self.layout == "grouped":
-            return B.concat(experts, _axis(B.shape(experts[0]), self.dim, name, self.kind))
-        return B.stack(experts, 0 if self.layout == "per_expert" else self.dim)
+            return backend.concat(
+                experts, _checked_axis(backend.shape(experts[0]), self.dim, name, self.kind)
+            )
+        return backend.stack(experts, 0 if self.layout == "per_expert" else self.dim)
 
     def _split(self, full, n, name):
         """n = EP degree. Returns per EP rank the local tensor (no TP split; split each with inner)."""
-        nl = self._local(n, name)
-        d = _axis(full.shape, 0 if self.layout == "per_expert" else self.dim, name, self.kind)
+        nl = self._num_local(n, name)
+        d = _checked_axis(
+            full.shape, 0 if self.layout == "per_expert" else self.dim, name, self.kind
+        )
         if self.layout == "per_expert":
             return [[full[e] for e in range(r * nl, (r + 1) * nl)] for r in range(n)]
         if self.layout == "stacked":
@@ -680,7 +707,7 @@ class Expert(Kind):
         if self.layout == "per_expert":
             per = [self.inner._split(np.asarray(x), tp, name) for x in local]
             return [[p[t] for p in per] for t in range(tp)]
-        d = _axis(local.shape, self.dim, name, self.kind)
+        d = _checked_axis(local.shape, self.dim, name, self.kind)
         if self.layout == "stacked":
             per = [
                 self.inner._split(np.take(local, e, axis=d), tp, name)
@@ -689,7 +716,7 @@ class Expert(Kind):
             return [np.stack([p[t] for p in per], axis=d) for t in range(tp)]
         if num_local is None:
             raise MergeError(f"{name}: split_tp of a grouped expert tensor needs num_local")
-        blocks = _split_sizes(_NP, local, d, [local.shape[d] // num_local] * num_local)
+        blocks = _split_sizes(_NumpyBackend, local, d, [local.shape[d] // num_local] * num_local)
         per = [self.inner._split(b, tp, name) for b in blocks]
         return [np.concatenate([p[t] for p in per], axis=d) for t in range(tp)]
 
@@ -733,7 +760,7 @@ def kind_from_obj(obj, *, where: str = "") -> Kind:
             return tuple(tuple(x) if isinstance(x, list) else x for x in v)
         return v
 
-    cls, kw = parse_plain(
+    cls, kw = parse_plain_form(
         obj, tag="kind", registry=KINDS, a_noun="a kind", where=where, convert=convert
     )
     try:
@@ -745,7 +772,7 @@ def kind_from_obj(obj, *, where: str = "") -> Kind:
 # ------------------------------------------------------------------------------ module API
 
 
-def _prepare(kind, settings, name):
+def _resolved_kind(kind, settings, name):
     k = kind_from_obj(kind, where=f"{name}: ")
     return k.resolve(derived(settings or {}))
 
@@ -761,22 +788,22 @@ def merge(
     """Merge per-rank fragments into the consolidated array (numpy; a lazy ts view if lazy)."""
     if len(fragments) == 0:
         raise MergeError(f"{name}: no fragments to merge")
-    k = _prepare(kind, settings, name)
-    return k._merge(_TS if lazy else _NP, list(fragments), name)
+    k = _resolved_kind(kind, settings, name)
+    return k._merge(_LazyBackend if lazy else _NumpyBackend, list(fragments), name)
 
 
 def split(kind, full, n: int, *, name: str = "<tensor>", settings: Mapping | None = None) -> list:
     """The inverse of ``merge``: the per-rank fragments of ``full`` over ``n`` ranks (numpy)."""
     if n <= 0:
         raise MergeError(f"{name}: cannot split over {n} ranks")
-    k = _prepare(kind, settings, name)
+    k = _resolved_kind(kind, settings, name)
     full = full.read().result() if isinstance(full, ts.TensorStore) else np.asarray(full)
     return k._split(full, n, name)
 
 
 def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
     """Split a fused parameter into named parts: qkv -> q, k, v; swiglu -> gate, up."""
-    k = _prepare(kind, settings, "<tensor>")
+    k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
         raise SpecError(f"kind {k.kind!r} has no named parts")
     return k.parts(np.asarray(full))

@@ -24,21 +24,27 @@ from typing import Any, ClassVar
 
 import tensorstore as ts
 
-from jax_ucp.language import views as V
+from jax_ucp.language import views
 from jax_ucp.language.errors import SpecError, TransformError
-from jax_ucp.language.plain import parse_plain
+from jax_ucp.language.plain_form import parse_plain_form
 from jax_ucp.language.settings import eval_int
 
 Env = Mapping[str, Any]
 
 
-def _i(v, env, what):
-    return eval_int(v, env, where=f"{what}: ")
+def _int_value(value, env, op_name):
+    """An op parameter as an int: a literal or a setting expression evaluated over ``env``."""
+    return eval_int(value, env, where=f"{op_name}: ")
 
 
 @dataclass(frozen=True)
 class Op:
-    """Base class. Subclasses set ``op`` (the TOML name) and ``arity`` (map/fanout/fanin)."""
+    """One step of a restore rule: a lazy, exact change of structure (transpose, unstack, split,
+    stack, ...) applied to the tensors the rule matched.
+
+    Ops exist so that restore rules stay declarative: a rule names its ops (in TOML or as
+    objects) and ``plan.compile_restore_plan`` composes them into TensorStore views checked at
+    compile time. Subclasses set ``op`` (the TOML name) and ``arity`` (map/fanout/fanin)."""
 
     op: ClassVar[str] = ""
     arity: ClassVar[str] = "map"
@@ -54,22 +60,28 @@ class Op:
         return d
 
     # map
-    def apply(self, t: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
+    def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
         raise NotImplementedError
 
 
 class FanOut(Op):
+    """An op that turns one tensor into several, labelled by the variable ``var``."""
+
     arity: ClassVar[str] = "fanout"
     var: str
 
-    def labels(self, t: ts.TensorStore, env: Env) -> list[str]:  # pragma: no cover
+    def labels(self, tensor: ts.TensorStore, env: Env) -> list[str]:  # pragma: no cover
         raise NotImplementedError
 
-    def part(self, t: ts.TensorStore, env: Env, index: int) -> ts.TensorStore:  # pragma: no cover
+    def part(
+        self, tensor: ts.TensorStore, env: Env, index: int
+    ) -> ts.TensorStore:  # pragma: no cover
         raise NotImplementedError
 
 
 class FanIn(Op):
+    """An op that combines the tensors differing only in the variable ``over`` into one."""
+
     arity: ClassVar[str] = "fanin"
     over: str
 
@@ -123,9 +135,9 @@ class Transpose(Op):
     op: ClassVar[str] = "transpose"
     perm: tuple | None = None
 
-    def apply(self, t, env):
-        return V.transpose(
-            t, None if self.perm is None else [_i(p, env, self.op) for p in self.perm]
+    def apply(self, tensor, env):
+        return views.transpose(
+            tensor, None if self.perm is None else [_int_value(p, env, self.op) for p in self.perm]
         )
 
 
@@ -137,11 +149,13 @@ class SplitDim(Op):
     axis: Any = 0
     sizes: tuple = ()
 
-    def apply(self, t, env):
+    def apply(self, tensor, env):
         if len(self.sizes) != 2:
             raise SpecError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
-        return V.split_dim(
-            t, _i(self.axis, env, self.op), [_i(s, env, self.op) for s in self.sizes]
+        return views.split_dim(
+            tensor,
+            _int_value(self.axis, env, self.op),
+            [_int_value(s, env, self.op) for s in self.sizes],
         )
 
 
@@ -152,8 +166,8 @@ class MergeDims(Op):
     op: ClassVar[str] = "merge_dims"
     axis: Any = 0
 
-    def apply(self, t, env):
-        return V.merge_dims(t, _i(self.axis, env, self.op))
+    def apply(self, tensor, env):
+        return views.merge_dims(tensor, _int_value(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
@@ -164,8 +178,10 @@ class GroupStages(Op):
     stages: Any = "pp"
     axis: Any = 0
 
-    def apply(self, t, env):
-        return V.group_stages(t, _i(self.stages, env, self.op), _i(self.axis, env, self.op))
+    def apply(self, tensor, env):
+        return views.group_stages(
+            tensor, _int_value(self.stages, env, self.op), _int_value(self.axis, env, self.op)
+        )
 
 
 @dataclass(frozen=True)
@@ -175,8 +191,8 @@ class UngroupStages(Op):
     op: ClassVar[str] = "ungroup_stages"
     axis: Any = 0
 
-    def apply(self, t, env):
-        return V.ungroup_stages(t, _i(self.axis, env, self.op))
+    def apply(self, tensor, env):
+        return views.ungroup_stages(tensor, _int_value(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
@@ -187,8 +203,10 @@ class RegroupStages(Op):
     stages: Any = "pp"
     axis: Any = 0
 
-    def apply(self, t, env):
-        return V.regroup_stages(t, _i(self.stages, env, self.op), _i(self.axis, env, self.op))
+    def apply(self, tensor, env):
+        return views.regroup_stages(
+            tensor, _int_value(self.stages, env, self.op), _int_value(self.axis, env, self.op)
+        )
 
 
 @dataclass(frozen=True)
@@ -200,11 +218,11 @@ class Slice(Op):
     start: Any = 0
     stop: Any = None
 
-    def apply(self, t, env):
-        t = V.as_view(t)
-        a = _i(self.axis, env, self.op)
-        stop = t.shape[a] if self.stop is None else _i(self.stop, env, self.op)
-        return V.slice_axis(t, a, _i(self.start, env, self.op), stop)
+    def apply(self, tensor, env):
+        tensor = views.as_view(tensor)
+        a = _int_value(self.axis, env, self.op)
+        stop = tensor.shape[a] if self.stop is None else _int_value(self.stop, env, self.op)
+        return views.slice_axis(tensor, a, _int_value(self.start, env, self.op), stop)
 
 
 @dataclass(frozen=True)
@@ -216,18 +234,18 @@ class Pad(Op):
     size: Any = None
     multiple: Any = None
 
-    def apply(self, t, env):
-        t = V.as_view(t)
-        a = _i(self.axis, env, self.op)
-        n = t.shape[a]
+    def apply(self, tensor, env):
+        tensor = views.as_view(tensor)
+        a = _int_value(self.axis, env, self.op)
+        n = tensor.shape[a]
         if self.size is not None:
-            size = _i(self.size, env, self.op)
+            size = _int_value(self.size, env, self.op)
         elif self.multiple is not None:
-            m = _i(self.multiple, env, self.op)
+            m = _int_value(self.multiple, env, self.op)
             size = -(-n // m) * m
         else:
             raise SpecError("pad needs size= or multiple=")
-        return V.pad_axis(t, a, size)
+        return views.pad_axis(tensor, a, size)
 
 
 # ------------------------------------------------------------------------------- fan-out ops
@@ -246,11 +264,11 @@ class Unstack(FanOut):
     var: str = "i"
     if_unbound: bool = False
 
-    def labels(self, t, env):
-        return [str(i) for i in range(t.shape[_i(self.axis, env, self.op)])]
+    def labels(self, tensor, env):
+        return [str(i) for i in range(tensor.shape[_int_value(self.axis, env, self.op)])]
 
-    def part(self, t, env, index):
-        return V.take(t, _i(self.axis, env, self.op), index)
+    def part(self, tensor, env, index):
+        return views.take(tensor, _int_value(self.axis, env, self.op), index)
 
 
 @dataclass(frozen=True)
@@ -263,20 +281,20 @@ class Split(FanOut):
     sizes: tuple | None = None
     var: str = "part"
 
-    def _pieces(self, t, env):
-        a = _i(self.axis, env, self.op)
+    def _pieces(self, tensor, env):
+        a = _int_value(self.axis, env, self.op)
         if self.sizes is None:
-            return V.split_even(t, a, len(self.parts))
+            return views.split_even(tensor, a, len(self.parts))
         if len(self.sizes) != len(self.parts):
             raise SpecError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
-        return V.split_sizes(t, a, [_i(s, env, self.op) for s in self.sizes])
+        return views.split_sizes(tensor, a, [_int_value(s, env, self.op) for s in self.sizes])
 
-    def labels(self, t, env):
-        self._pieces(t, env)  # validates
+    def labels(self, tensor, env):
+        self._pieces(tensor, env)  # validates
         return list(self.parts)
 
-    def part(self, t, env, index):
-        return self._pieces(t, env)[index]
+    def part(self, tensor, env, index):
+        return self._pieces(tensor, env)[index]
 
 
 @dataclass(frozen=True)
@@ -296,18 +314,26 @@ class SplitQKV(FanOut):
 
     def _args(self, env):
         return (
-            _i(self.num_heads, env, self.op),
-            _i(self.num_kv_heads, env, self.op),
-            _i(self.head_dim, env, self.op),
+            _int_value(self.num_heads, env, self.op),
+            _int_value(self.num_kv_heads, env, self.op),
+            _int_value(self.head_dim, env, self.op),
         )
 
-    def labels(self, t, env):
-        V.split_qkv(t, _i(self.axis, env, self.op), *self._args(env), interleaved=self.interleaved)
+    def labels(self, tensor, env):
+        views.split_qkv(
+            tensor,
+            _int_value(self.axis, env, self.op),
+            *self._args(env),
+            interleaved=self.interleaved,
+        )
         return list(self.parts)
 
-    def part(self, t, env, index):
-        return V.split_qkv(
-            t, _i(self.axis, env, self.op), *self._args(env), interleaved=self.interleaved
+    def part(self, tensor, env, index):
+        return views.split_qkv(
+            tensor,
+            _int_value(self.axis, env, self.op),
+            *self._args(env),
+            interleaved=self.interleaved,
         )[index]
 
 
@@ -326,7 +352,7 @@ class Stack(FanIn):
         return _numeric_order(labels, self.over, where)
 
     def combine(self, parts, env):
-        return V.stack(parts, _i(self.axis, env, self.op))
+        return views.stack(parts, _int_value(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
@@ -342,7 +368,7 @@ class Concat(FanIn):
         return _named_order(labels, self.parts, self.over, where)
 
     def combine(self, parts, env):
-        return V.concat(parts, _i(self.axis, env, self.op))
+        return views.concat(parts, _int_value(self.axis, env, self.op))
 
 
 @dataclass(frozen=True)
@@ -363,14 +389,14 @@ class MergeQKV(FanIn):
 
     def combine(self, parts, env):
         q, k, v = parts
-        return V.merge_qkv(
+        return views.merge_qkv(
             q,
             k,
             v,
-            _i(self.axis, env, self.op),
-            _i(self.num_heads, env, self.op),
-            _i(self.num_kv_heads, env, self.op),
-            _i(self.head_dim, env, self.op),
+            _int_value(self.axis, env, self.op),
+            _int_value(self.num_heads, env, self.op),
+            _int_value(self.num_kv_heads, env, self.op),
+            _int_value(self.head_dim, env, self.op),
             interleaved=self.interleaved,
         )
 
@@ -400,7 +426,7 @@ def op_from_obj(obj, *, where: str = "") -> Op:
     """An Op from its plain form: ``"transpose"`` or ``{op = "unstack", axis = 0, var = "i"}``."""
     if isinstance(obj, Op):
         return obj
-    cls, kw = parse_plain(
+    cls, kw = parse_plain_form(
         obj,
         tag="op",
         registry=OPS,

@@ -1,4 +1,6 @@
-"""Reading the plain (TOML / dict) form of kinds and ops: one parser for both registries."""
+"""The plain form of kinds and ops (what a TOML spec or a dict holds): ``"name"`` or a table
+``{<tag> = "name", parameter = value, ...}``. One parser serves both registries (``KINDS``,
+``OPS``), so both give the same errors."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 from jax_ucp.language.errors import SpecError
 
 
-def parse_plain(
+def parse_plain_form(
     obj: Any,
     *,
     tag: str,
@@ -20,7 +22,9 @@ def parse_plain(
 ) -> tuple[type, dict]:
     """(class, keyword arguments) from ``"name"`` or ``{<tag> = "name", param = value, ...}``.
 
-    Unknown names and parameters are errors that list what is known, prefixed with ``where``.
+    ``registry`` maps names to dataclasses; ``convert(parameter, value)`` turns a plain value into
+    the field's value. Unknown names and parameters are errors that list what is known, prefixed
+    with ``where``.
     """
     noun = a_noun.split(" ", 1)[1]
     if isinstance(obj, str):
@@ -32,14 +36,14 @@ def parse_plain(
     if cls is None:
         raise SpecError(f"{where}unknown {noun} {name!r} (known: {', '.join(sorted(registry))})")
     fields = {f.name for f in dataclasses.fields(cls)}
-    kw = {}
-    for k, v in obj.items():
-        if k == tag:
+    kwargs = {}
+    for key, value in obj.items():
+        if key == tag:
             continue
-        if k not in fields:
+        if key not in fields:
             raise SpecError(
-                f"{where}{noun} {name!r} has no parameter {k!r} "
+                f"{where}{noun} {name!r} has no parameter {key!r} "
                 f"(known: {', '.join(sorted(fields)) or 'none'})"
             )
-        kw[k] = convert(k, v)
-    return cls, kw
+        kwargs[key] = convert(key, value)
+    return cls, kwargs

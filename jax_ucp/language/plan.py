@@ -16,18 +16,24 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy: dtypes given by name)
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp.language import views as V
+from jax_ucp.language import views
 from jax_ucp.language.errors import LanguageError, StrictnessError, TransformError
+from jax_ucp.language.settings import render
 from jax_ucp.language.spec import Spec, describe_rule
+from jax_ucp.language.toml_io import load_spec
 
 Key = tuple
 
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """Shape and dtype of a saved tensor: all a plan needs to be compiled (and checked) before any
+    data is read."""
+
     shape: tuple
     dtype: np.dtype
 
@@ -38,6 +44,12 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class ViewPlan:
+    """How to build one restored tensor: its shape and dtype, the saved keys it reads, and
+    ``build(opened)`` -> a lazy, exact TensorStore view over those opened sources.
+
+    Restore compiles every rule once into view plans, then each process builds the views over its
+    opened sources and reads only the slices it needs."""
+
     shape: tuple
     dtype: np.dtype
     sources: tuple  # saved keys read
@@ -48,6 +60,8 @@ class ViewPlan:
 
 @dataclass(frozen=True)
 class _Node:
+    """A view under construction: its sources, how to build it, and the same over placeholders."""
+
     sources: tuple
     fn: Callable
     view: Any  # the same composition over placeholders: shape/dtype, compile-time checks
@@ -66,13 +80,13 @@ def _placeholder(key, info) -> ts.TensorStore:
     )
 
 
-def _leaf(key, ph) -> _Node:
+def _source_node(key, ph) -> _Node:
     def fn(opened, key=key):
         try:
             t = opened[key]
         except KeyError:
             raise LanguageError(f"restore plan: source {'/'.join(key)} was not opened") from None
-        return V.as_view(t)
+        return views.as_view(t)
 
     return _Node((key,), fn, ph)
 
@@ -94,19 +108,18 @@ def _identity(key, info, rule="identity") -> ViewPlan:
         tuple(info.shape),
         np.dtype(info.dtype),
         (key,),
-        lambda opened, key=key: V.as_view(opened[key]),
+        lambda opened, key=key: views.as_view(opened[key]),
         rule,
     )
 
 
-def _info(x) -> TensorInfo:
+def _tensor_info(x) -> TensorInfo:
+    """A TensorInfo from anything with ``shape`` and ``dtype`` (numpy, TensorStore, ...)."""
     if isinstance(x, TensorInfo):
         return x
     dt = x.dtype
     if isinstance(dt, ts.dtype):
         dt = dt.numpy_dtype
-    elif isinstance(dt, str):
-        import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy)
     return TensorInfo(tuple(x.shape), np.dtype(dt))
 
 
@@ -122,8 +135,6 @@ def compile_restore_plan(
     nothing, is a ``StrictnessError`` naming them; otherwise uncovered keys pass through unchanged.
     """
     if not isinstance(spec, Spec):
-        from jax_ucp.language.toml_io import load_spec
-
         spec = load_spec(spec)
     env0 = spec.env
     rules = spec.active_restore()
@@ -147,7 +158,7 @@ def compile_restore_plan(
     ordered = sorted(saved.items(), key=lambda kv: str(kv[0][0]) not in ("params", "model_params"))
     for key, info in ordered:
         key = tuple(str(k) for k in key)
-        info = _info(info)
+        info = _tensor_info(info)
         found = _find_root(spec, key)
         if found is None:
             put(key, _identity(key, info), "/".join(key))
@@ -159,7 +170,7 @@ def compile_restore_plan(
             continue
         rel = "/".join(key[n:])
         for i, r in rules:
-            m = r._re.fullmatch(rel)
+            m = r.fullmatch(rel)
             if m:
                 named = set(m.re.groupindex.values())
                 vars_ = {
@@ -168,7 +179,7 @@ def compile_restore_plan(
                     if g is not None and j not in named
                 }
                 vars_.update({k: v for k, v in m.groupdict().items() if v is not None})
-                node = _leaf(key, _placeholder(key, info))
+                node = _source_node(key, _placeholder(key, info))
                 per_rule[i].append((tuple(key[:n]), tprefix, vars_, node, rel))
                 break
         else:
@@ -202,7 +213,7 @@ def compile_restore_plan(
             env = dict(env0)
             env.update(vars_)
             try:
-                tgt = rel if r.target is None else _render(r.target, env, what)
+                tgt = rel if r.target is None else render(r.target, env, where=f"{what}: ")
             except LanguageError as e:
                 raise type(e)(
                     f"{what}: target {r.target!r} for {'/'.join(inst)}/{rel}: {e}"
@@ -224,19 +235,13 @@ def compile_restore_plan(
     return out
 
 
-def _render(template, env, what):
-    from jax_ucp.language.settings import render
-
-    return render(template, env, where=f"{what}: ")
-
-
 def _apply_op(op, entries, env0, what):
     """Run one op over the entries (inst, tprefix, vars, node, rel)."""
     out = []
     if op.arity == "map":
         for inst, tp, vars_, node, rel in entries:
             env = {**env0, **vars_}
-            view = _guard(lambda: op.apply(node.view, env), op, what, inst, rel)
+            view = _with_context(lambda: op.apply(node.view, env), op, what, inst, rel)
             fn = lambda opened, node=node, env=env: op.apply(node.fn(opened), env)
             out.append((inst, tp, vars_, _Node(node.sources, fn, view, node.ops + (op.op,)), rel))
         return out
@@ -246,9 +251,9 @@ def _apply_op(op, entries, env0, what):
                 out.append((inst, tp, vars_, node, rel))
                 continue
             env = {**env0, **vars_}
-            labels = _guard(lambda: op.labels(node.view, env), op, what, inst, rel)
+            labels = _with_context(lambda: op.labels(node.view, env), op, what, inst, rel)
             for j, lab in enumerate(labels):
-                view = _guard(lambda: op.part(node.view, env, j), op, what, inst, rel)
+                view = _with_context(lambda: op.part(node.view, env, j), op, what, inst, rel)
                 fn = lambda opened, node=node, env=env, j=j: op.part(node.fn(opened), env, j)
                 out.append(
                     (
@@ -281,7 +286,7 @@ def _apply_op(op, entries, env0, what):
             by[lab] = (node, rel)
         env = {**env0, **dict(rest)}
         first_rel = items[0][2]
-        order = _guard(
+        order = _with_context(
             lambda: op.order(list(by), env, f"{what} at {'/'.join(inst)}/{first_rel}"),
             op,
             what,
@@ -289,7 +294,9 @@ def _apply_op(op, entries, env0, what):
             first_rel,
         )
         nodes = [by[lab][0] for lab in order]
-        view = _guard(lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel)
+        view = _with_context(
+            lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel
+        )
         fn = lambda opened, nodes=nodes, env=env: op.combine([n.fn(opened) for n in nodes], env)
         sources = tuple(s for n in nodes for s in n.sources)
         rel = f"{op.op}({', '.join(by[lab][1] for lab in order[:3])}{', ...' if len(order) > 3 else ''})"
@@ -297,7 +304,8 @@ def _apply_op(op, entries, env0, what):
     return out
 
 
-def _guard(thunk, op, what, inst, rel):
+def _with_context(thunk, op, what, inst, rel):
+    """Run ``thunk``; a transform error names the rule, the op and the tensor."""
     try:
         return thunk()
     except TransformError as e:
@@ -334,7 +342,8 @@ def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
     return out
 
 
-def flatten(tree: Mapping) -> dict[Key, Any]:
+def flatten_nested(tree: Mapping) -> dict[Key, Any]:
+    """A nested dict -> {key tuple: leaf} (the inverse of ``unflatten_nested``)."""
     out = {}
 
     def rec(prefix, x):
@@ -348,7 +357,8 @@ def flatten(tree: Mapping) -> dict[Key, Any]:
     return out
 
 
-def unflatten(flat: Mapping[Key, Any]) -> dict:
+def unflatten_nested(flat: Mapping[Key, Any]) -> dict:
+    """{key tuple: leaf} -> a nested dict (the inverse of ``flatten_nested``)."""
     out: dict = {}
     for key, v in flat.items():
         d = out
@@ -363,7 +373,7 @@ def apply_restore_plan(
 ) -> dict[Key, Any]:
     """Build every view over in-memory ``arrays`` (numpy or TensorStore); read them to numpy
     unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device."""
-    opened = {k: V.as_view(v) for k, v in arrays.items()}
+    opened = {k: views.as_view(v) for k, v in arrays.items()}
     out = {}
     for k, p in plan.items():
         t = p.build(opened)
@@ -371,11 +381,11 @@ def apply_restore_plan(
     return out
 
 
-def restore_tree(spec: Spec, tree: Mapping, *, strict: bool | None = None) -> dict:
-    """Apply a spec to an in-memory nested dict of arrays: the restored nested dict (numpy)."""
-    flat = flatten(tree)
+def apply_spec_to_tree(spec: Spec | str, tree: Mapping, *, strict: bool | None = None) -> dict:
+    """Apply a spec's restore rules to an in-memory nested dict of arrays (e.g. ``{"params":
+    {torch name: array}}``): the nested dict restore would give, read into numpy."""
     plan = compile_restore_plan(spec, saved_infos(tree), strict=strict)
-    return unflatten(apply_restore_plan(plan, flat))
+    return unflatten_nested(apply_restore_plan(plan, flatten_nested(tree)))
 
 
 def describe_plan(plan: Mapping[Key, ViewPlan]) -> list[str]:

@@ -30,11 +30,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "ep": ("expert_model_parallel_size",),
     "num_experts": ("num_moe_experts",),
 }
-_CANON = {alias: canon for canon, al in ALIASES.items() for alias in al}
+_CANONICAL_NAME = {alias: canon for canon, al in ALIASES.items() for alias in al}
 
 
 def canonical(name: str) -> str:
-    return _CANON.get(name, name)
+    return _CANONICAL_NAME.get(name, name)
 
 
 def normalize(settings: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -82,7 +82,7 @@ def _as_int(v) -> int | None:
     return None
 
 
-_BINOPS = {
+_BINARY_OPERATORS = {
     ast.Add: lambda a, b: a + b,
     ast.Sub: lambda a, b: a - b,
     ast.Mult: lambda a, b: a * b,
@@ -104,9 +104,9 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
     except SyntaxError as e:
         raise SpecError(f"{where}bad expression {expr!r}: {e.msg}") from None
 
-    def ev(n):
+    def evaluate(n):
         if isinstance(n, ast.Expression):
-            return ev(n.body)
+            return evaluate(n.body)
         if (
             isinstance(n, ast.Constant)
             and isinstance(n.value, int)
@@ -126,18 +126,18 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
                     f"{where}expression {expr!r}: setting {n.id!r} = {env[name]!r} is not an integer"
                 )
             return val
-        if isinstance(n, ast.BinOp) and type(n.op) in _BINOPS:
-            a, b = ev(n.left), ev(n.right)
+        if isinstance(n, ast.BinOp) and type(n.op) in _BINARY_OPERATORS:
+            a, b = evaluate(n.left), evaluate(n.right)
             if isinstance(n.op, (ast.FloorDiv, ast.Mod)) and b == 0:
                 raise SpecError(f"{where}expression {expr!r} divides by zero")
-            return _BINOPS[type(n.op)](a, b)
+            return _BINARY_OPERATORS[type(n.op)](a, b)
         if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            return -ev(n.operand)
+            return -evaluate(n.operand)
         raise SpecError(
             f"{where}expression {expr!r}: only integers, setting names and + - * // % are allowed"
         )
 
-    return ev(tree)
+    return evaluate(tree)
 
 
 def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
@@ -150,11 +150,11 @@ def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_FIELD = re.compile(r"\{([^{}]*)\}")
+_TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
 
 
 def template_fields(template: str) -> list[str]:
-    return _FIELD.findall(template.replace("{{", "").replace("}}", ""))
+    return _TEMPLATE_FIELD.findall(template.replace("{{", "").replace("}}", ""))
 
 
 def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
@@ -173,5 +173,5 @@ def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
     out = []
     for p in parts:
         q = p.split("}}")
-        out.append("}".join(_FIELD.sub(sub, x) for x in q))
+        out.append("}".join(_TEMPLATE_FIELD.sub(sub, x) for x in q))
     return "{".join(out)

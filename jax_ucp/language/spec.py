@@ -15,14 +15,19 @@ Patterns are Python regexes matched in full (``re.fullmatch``) against the param
 relative to its root: the single key component for flat imports (``decoder.layers.0.mlp.
 linear_fc1.weight``), or the components joined with ``/`` for nested trees
 (``layers/attn/qkv/kernel``).
+
+The dict form of a spec (what a TOML file holds: ``spec_from_dict`` / ``spec_to_dict``, and
+``import_rule_from_dict``, ``restore_rule_from_dict``, ``root_from_dict`` for its tables) lives
+here, next to the types it builds; ``toml_io`` only turns TOML text into that dict and back.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Any
 
 from jax_ucp.language.errors import SpecError, StrictnessError
@@ -30,23 +35,22 @@ from jax_ucp.language.kinds import Kind, kind_from_obj
 from jax_ucp.language.ops import op_from_obj
 from jax_ucp.language.settings import canonical, derived, normalize, render
 
-Key = tuple
 
-
-def _compile(pattern: str, where: str) -> re.Pattern:
+def _compile_pattern(pattern: str, where: str) -> re.Pattern:
     try:
         return re.compile(pattern)
     except re.error as e:
         raise SpecError(f"{where}bad regex {pattern!r}: {e}") from None
 
 
-def _when_ok(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
-    for k, v in when.items():
-        have = settings.get(canonical(k), settings.get(k))
-        if isinstance(v, (list, tuple)):
-            if have not in v:
+def _when_matches(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
+    """Whether the settings satisfy a rule's ``when`` (a value, or a list of accepted values)."""
+    for name, wanted in when.items():
+        have = settings.get(canonical(name), settings.get(name))
+        if isinstance(wanted, (list, tuple)):
+            if have not in wanted:
                 return False
-        elif have != v:
+        elif have != wanted:
             return False
     return True
 
@@ -64,7 +68,10 @@ def _with_rule_options(d: dict, rule) -> dict:
 
 @dataclass(frozen=True)
 class ImportRule:
-    """``pattern`` (regex over source parameter names) -> ``kind`` (how fragments merge)."""
+    """``pattern`` (regex over source parameter names) -> ``kind`` (how fragments merge).
+
+    Importers meet per-rank fragments of every parameter; import rules say, by name, how each
+    one was spread over ranks so that it can be merged into one consolidated tensor."""
 
     pattern: str
     kind: Kind
@@ -76,7 +83,13 @@ class ImportRule:
         object.__setattr__(
             self, "kind", kind_from_obj(self.kind, where=f"{self.label or self.pattern}: ")
         )
-        object.__setattr__(self, "_re", _compile(self.pattern, f"{self.label or 'import rule'}: "))
+        object.__setattr__(
+            self, "_regex", _compile_pattern(self.pattern, f"{self.label or 'import rule'}: ")
+        )
+
+    def fullmatch(self, name: str) -> re.Match | None:
+        """The match of ``pattern`` over the whole of ``name``, or None."""
+        return self._regex.fullmatch(name)
 
     def to_dict(self) -> dict:
         return _with_rule_options({"pattern": self.pattern, **self.kind.to_dict()}, self)
@@ -85,7 +98,11 @@ class ImportRule:
 @dataclass(frozen=True)
 class RestoreRule:
     """``pattern`` -> ``target`` (a template over regex groups, op variables and settings, relative
-    to the root; None keeps the name) after running ``ops`` (see ``ops``)."""
+    to the root; None keeps the name) after running ``ops`` (see ``ops``).
+
+    A checkpoint's names and layout rarely match the model that restores it (torch names, stacked
+    or per-layer layers, fused or split QKV); restore rules say how, and are compiled into lazy
+    views by ``plan.compile_restore_plan``."""
 
     pattern: str
     target: str | None = None
@@ -97,7 +114,11 @@ class RestoreRule:
     def __post_init__(self):
         where = f"{self.label or self.pattern}: "
         object.__setattr__(self, "ops", tuple(op_from_obj(o, where=where) for o in self.ops))
-        object.__setattr__(self, "_re", _compile(self.pattern, where))
+        object.__setattr__(self, "_regex", _compile_pattern(self.pattern, where))
+
+    def fullmatch(self, name: str) -> re.Match | None:
+        """The match of ``pattern`` over the whole of ``name`` (relative to its root), or None."""
+        return self._regex.fullmatch(name)
 
     def to_dict(self) -> dict:
         d: dict = {"pattern": self.pattern}
@@ -110,7 +131,8 @@ class RestoreRule:
 
 @dataclass(frozen=True)
 class Root:
-    """Where parameters live in the saved tree.
+    """Where parameters live in the saved tree, so one rule covers a parameter and every optimizer
+    moment that mirrors it.
 
     ``source`` is a glob over key components separated by ``/``: ``*`` is one component, ``**``
     any number (e.g. ``opt_state/**/mu`` matches ("opt_state","mu") and ("opt_state","0","mu")).
@@ -197,6 +219,9 @@ def optax_chain_roots(index: int = 0, params_prefix: str = "params") -> tuple[Ro
 
 @dataclass(frozen=True)
 class ImportMatch:
+    """The import rule that matched a name: its position, its kind resolved against the settings
+    and the name's regex captures."""
+
     rule: ImportRule
     index: int
     kind: Kind  # resolved against the settings
@@ -205,6 +230,14 @@ class ImportMatch:
 
 @dataclass(frozen=True)
 class Spec:
+    """A model's rules in one value: settings, import rules, restore rules, roots, strictness.
+
+    Importing and restoring a checkpoint both need to know, parameter by parameter, how it is
+    laid out; a spec says it once, declaratively, for every parameter name, so it can be shipped
+    (``load_spec("llama")``), written in TOML, checked strictly (a name no rule covers is an
+    error) and reused by every importer and by restore. Rules may be objects or their dict form.
+    """
+
     name: str = "spec"
     description: str = ""
     settings: Mapping[str, Any] = field(default_factory=dict)
@@ -216,14 +249,12 @@ class Spec:
     def __post_init__(self):
         object.__setattr__(self, "settings", normalize(self.settings))
         object.__setattr__(
-            self, "imports", _rules(self.imports, _import_rule_from_obj, "import rule")
+            self, "imports", _from_dicts(self.imports, import_rule_from_dict, "import rule")
         )
         object.__setattr__(
-            self, "restore", _rules(self.restore, _restore_rule_from_obj, "restore rule")
+            self, "restore", _from_dicts(self.restore, restore_rule_from_dict, "restore rule")
         )
-        object.__setattr__(
-            self, "roots", tuple(Root(**r) if isinstance(r, Mapping) else r for r in self.roots)
-        )
+        object.__setattr__(self, "roots", _from_dicts(self.roots, root_from_dict, "root"))
 
     # -- settings
     def with_settings(self, **settings) -> Spec:
@@ -238,18 +269,18 @@ class Spec:
 
     def active_imports(self) -> list[tuple[int, ImportRule]]:
         env = self.env
-        return [(i, r) for i, r in enumerate(self.imports) if _when_ok(r.when, env)]
+        return [(i, r) for i, r in enumerate(self.imports) if _when_matches(r.when, env)]
 
     def active_restore(self) -> list[tuple[int, RestoreRule]]:
         env = self.env
-        return [(i, r) for i, r in enumerate(self.restore) if _when_ok(r.when, env)]
+        return [(i, r) for i, r in enumerate(self.restore) if _when_matches(r.when, env)]
 
     # -- import side
     def match(self, name: str) -> ImportMatch | None:
         """The first active import rule matching ``name`` (None if no rule covers it)."""
         env = self.env
         for i, r in self.active_imports():
-            m = r._re.fullmatch(name)
+            m = r.fullmatch(name)
             if m:
                 loc = dict(env)
                 loc.update({str(j + 1): g for j, g in enumerate(m.groups()) if g is not None})
@@ -287,28 +318,38 @@ class Spec:
         return out
 
     def to_dict(self) -> dict:
-        from jax_ucp.language.toml_io import spec_to_dict
-
+        """The dict form (what ``toml_io.spec_to_toml`` writes); see ``spec_to_dict``."""
         return spec_to_dict(self)
 
 
 def describe_rule(rule, index: int, side: str) -> str:
-    lab = f" ({rule.label})" if rule.label else ""
-    return f"{side} rule #{index + 1}{lab} pattern {rule.pattern!r}"
+    """``import rule #3 (label) pattern '...'``: how messages name a rule."""
+    label = f" ({rule.label})" if rule.label else ""
+    return f"{side} rule #{index + 1}{label} pattern {rule.pattern!r}"
+
+
+# ------------------------------------------------------------------------------- dict form
+
+
+def _from_dicts(items, from_dict: Callable[[Mapping, str], Any], what: str) -> tuple:
+    """Rules / roots as objects: mappings (the dict form) are parsed, numbered from 1 in errors."""
+    return tuple(
+        from_dict(item, f"{what} #{i + 1}") if isinstance(item, Mapping) else item
+        for i, item in enumerate(items)
+    )
+
+
+def _prefixed(error: SpecError, where: str) -> SpecError:
+    message = str(error)
+    return SpecError(message if message.startswith(where) else f"{where}: {message}")
 
 
 _IMPORT_KEYS = {"pattern", "required", "when", "label"}
 
 
-def _rules(rules, from_obj, what: str) -> tuple:
-    """Rules as objects: plain mappings (TOML/dict form) are parsed, numbered from 1 in errors."""
-    return tuple(
-        from_obj(r, f"{what} #{i + 1}") if isinstance(r, Mapping) else r
-        for i, r in enumerate(rules)
-    )
-
-
-def _import_rule_from_obj(obj: Mapping, where: str) -> ImportRule:
+def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
+    """An ``ImportRule`` from its dict form: ``pattern``, the kind (``kind`` and its parameters
+    inline), optional ``required``, ``when``, ``label``. Errors start with ``where``."""
     if "pattern" not in obj:
         raise SpecError(f"{where}: missing 'pattern'")
     if "kind" not in obj:
@@ -323,14 +364,15 @@ def _import_rule_from_obj(obj: Mapping, where: str) -> ImportRule:
             label=obj.get("label", ""),
         )
     except SpecError as e:
-        msg = str(e)
-        raise SpecError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        raise _prefixed(e, where) from None
 
 
 _RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label"}
 
 
-def _restore_rule_from_obj(obj: Mapping, where: str) -> RestoreRule:
+def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
+    """A ``RestoreRule`` from its dict form: ``pattern``, optional ``target``, ``ops`` (one op or
+    a list), ``required``, ``when``, ``label``. Errors start with ``where``."""
     if "pattern" not in obj:
         raise SpecError(f"{where}: missing 'pattern'")
     extra = set(obj) - _RESTORE_KEYS
@@ -352,5 +394,93 @@ def _restore_rule_from_obj(obj: Mapping, where: str) -> RestoreRule:
             label=obj.get("label", ""),
         )
     except SpecError as e:
-        msg = str(e)
-        raise SpecError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+        raise _prefixed(e, where) from None
+
+
+_ROOT_KEYS = {"source", "target", "params"}
+
+
+def root_from_dict(obj: Mapping, where: str) -> Root:
+    """A ``Root`` from its dict form: ``source``, optional ``target`` and ``params``."""
+    unknown = set(obj) - _ROOT_KEYS
+    if unknown or "source" not in obj:
+        raise SpecError(
+            f"{where}: needs 'source' (and optional 'target', 'params'); unknown {sorted(unknown)}"
+        )
+    return Root(
+        source=obj["source"], target=obj.get("target"), params=bool(obj.get("params", True))
+    )
+
+
+_TOP_LEVEL_KEYS = {"name", "description", "strict", "settings", "roots", "import", "restore"}
+_TABLES = {"import": "import rule", "restore": "restore rule", "roots": "root"}
+
+
+def spec_from_dict(
+    d: Mapping,
+    *,
+    source: str = "<spec>",
+    settings: Mapping | None = None,
+    table_lines: Mapping[str, Sequence[int]] | None = None,
+) -> Spec:
+    """A ``Spec`` from its dict form (a parsed TOML file): top-level ``name``, ``description``,
+    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``.
+
+    ``settings`` override the dict's. Errors name ``source``, the table and its number, and its
+    line when ``table_lines`` gives the line of each ``[[import]]``/``[[restore]]``/``[[roots]]``.
+    """
+    extra = set(d) - _TOP_LEVEL_KEYS
+    if extra:
+        raise SpecError(
+            f"{source}: unknown top-level key(s) {sorted(extra)} "
+            f"(known: {', '.join(sorted(_TOP_LEVEL_KEYS))})"
+        )
+    table_lines = table_lines or {}
+
+    def parsed(table, from_dict):
+        items = d.get(table, [])
+        if not isinstance(items, list) or not all(isinstance(x, Mapping) for x in items):
+            raise SpecError(f"{source}: '{table}' must be an array of tables ([[{table}]])")
+        lines = table_lines.get(table, ())
+        out = []
+        for i, item in enumerate(items):
+            line = f" line {lines[i]}" if i < len(lines) else ""
+            out.append(from_dict(item, f"{source}{line}: {_TABLES[table]} #{i + 1}"))
+        return tuple(out)
+
+    imports = parsed("import", import_rule_from_dict)
+    restore = parsed("restore", restore_rule_from_dict)
+    roots = parsed("roots", root_from_dict)
+    if not isinstance(d.get("settings", {}), Mapping):
+        raise SpecError(f"{source}: [settings] must be a table")
+    merged_settings = dict(d.get("settings", {}))
+    merged_settings.update(settings or {})
+    strict = d.get("strict", True)
+    if not isinstance(strict, bool):
+        raise SpecError(f"{source}: strict must be true or false")
+    return Spec(
+        name=str(d.get("name", PurePath(source).stem if source != "<spec>" else "spec")),
+        description=str(d.get("description", "")),
+        settings=merged_settings,
+        imports=imports,
+        restore=restore,
+        roots=roots or DEFAULT_ROOTS,
+        strict=strict,
+    )
+
+
+def spec_to_dict(spec: Spec) -> dict:
+    """The dict form of ``spec`` (defaults left out): ``spec_from_dict`` gives it back."""
+    d: dict = {"name": spec.name}
+    if spec.description:
+        d["description"] = spec.description
+    d["strict"] = spec.strict
+    if spec.settings:
+        d["settings"] = dict(spec.settings)
+    if tuple(spec.roots) != DEFAULT_ROOTS:
+        d["roots"] = [r.to_dict() for r in spec.roots]
+    if spec.imports:
+        d["import"] = [r.to_dict() for r in spec.imports]
+    if spec.restore:
+        d["restore"] = [r.to_dict() for r in spec.restore]
+    return d

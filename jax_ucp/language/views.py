@@ -26,54 +26,56 @@ def as_view(x) -> ts.TensorStore:
     return ts.array(np.asarray(x))
 
 
-def zero_origin(t: ts.TensorStore) -> ts.TensorStore:
-    if t.rank == 0:
-        return t
-    if all(o == 0 for o in t.domain.origin):
-        return t
-    return t[ts.d[:].translate_to[0]]
+def zero_origin(tensor: ts.TensorStore) -> ts.TensorStore:
+    if tensor.rank == 0:
+        return tensor
+    if all(o == 0 for o in tensor.domain.origin):
+        return tensor
+    return tensor[ts.d[:].translate_to[0]]
 
 
-def _axis(t: ts.TensorStore, axis: int, what: str = "axis") -> int:
-    r = t.rank
+def _checked_axis(tensor: ts.TensorStore, axis: int, what: str = "axis") -> int:
+    r = tensor.rank
     a = axis + r if axis < 0 else axis
     if not 0 <= a < r:
         raise TransformError(
-            f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(t.shape)}"
+            f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(tensor.shape)}"
         )
     return a
 
 
-def transpose(t: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.TensorStore:
+def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.TensorStore:
     """numpy.transpose semantics; ``perm=None`` reverses the axes (torch [out,in] -> flax [in,out])."""
-    t = as_view(t)
-    if t.rank < 2 and perm is None:
-        return t
+    tensor = as_view(tensor)
+    if tensor.rank < 2 and perm is None:
+        return tensor
     if perm is None:
-        perm = list(range(t.rank))[::-1]
-    perm = [_axis(t, p) for p in perm]
-    if sorted(perm) != list(range(t.rank)):
-        raise TransformError(f"transpose: {list(perm)} is not a permutation of the {t.rank} axes")
-    return zero_origin(t.transpose(perm))
+        perm = list(range(tensor.rank))[::-1]
+    perm = [_checked_axis(tensor, p) for p in perm]
+    if sorted(perm) != list(range(tensor.rank)):
+        raise TransformError(
+            f"transpose: {list(perm)} is not a permutation of the {tensor.rank} axes"
+        )
+    return zero_origin(tensor.transpose(perm))
 
 
-def take(t: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
+def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
     """Select one index along ``axis``, dropping that axis."""
-    t = as_view(t)
-    a = _axis(t, axis)
-    n = t.shape[a]
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    n = tensor.shape[a]
     if not -n <= index < n:
         raise TransformError(f"index {index} out of range for axis {a} of size {n}")
-    return zero_origin(t[ts.d[a][index % n]])
+    return zero_origin(tensor[ts.d[a][index % n]])
 
 
-def slice_axis(t: ts.TensorStore, axis: int, start: int, stop: int) -> ts.TensorStore:
-    t = as_view(t)
-    a = _axis(t, axis)
-    n = t.shape[a]
+def slice_axis(tensor: ts.TensorStore, axis: int, start: int, stop: int) -> ts.TensorStore:
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    n = tensor.shape[a]
     if not 0 <= start <= stop <= n:
         raise TransformError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
-    return zero_origin(t[ts.d[a][start:stop]])
+    return zero_origin(tensor[ts.d[a][start:stop]])
 
 
 def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
@@ -82,7 +84,7 @@ def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
         raise TransformError("concat of no tensors")
     if len(parts) == 1:
         return parts[0]
-    a = _axis(parts[0], axis)
+    a = _checked_axis(parts[0], axis)
     ref = list(parts[0].shape)
     for i, p in enumerate(parts):
         s = list(p.shape)
@@ -117,41 +119,43 @@ def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
     return zero_origin(ts.stack(parts, axis=a))
 
 
-def unstack(t: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
-    t = as_view(t)
-    a = _axis(t, axis)
-    return [take(t, a, i) for i in range(t.shape[a])]
+def unstack(tensor: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    return [take(tensor, a, i) for i in range(tensor.shape[a])]
 
 
-def split_sizes(t: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list[ts.TensorStore]:
+def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list[ts.TensorStore]:
     """Split ``axis`` into consecutive pieces of the given sizes (which must add up)."""
-    t = as_view(t)
-    a = _axis(t, axis)
-    if sum(sizes) != t.shape[a] or any(s < 0 for s in sizes):
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    if sum(sizes) != tensor.shape[a] or any(s < 0 for s in sizes):
         raise TransformError(
-            f"split of axis {a} (size {t.shape[a]}) into sizes {list(sizes)}: "
+            f"split of axis {a} (size {tensor.shape[a]}) into sizes {list(sizes)}: "
             f"they add up to {sum(sizes)}"
         )
     out, off = [], 0
     for s in sizes:
-        out.append(slice_axis(t, a, off, off + s))
+        out.append(slice_axis(tensor, a, off, off + s))
         off += s
     return out
 
 
-def split_even(t: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore]:
-    t = as_view(t)
-    a = _axis(t, axis)
-    if n <= 0 or t.shape[a] % n:
-        raise TransformError(f"axis {a} of size {t.shape[a]} does not split into {n} equal parts")
-    return split_sizes(t, a, [t.shape[a] // n] * n)
+def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore]:
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    if n <= 0 or tensor.shape[a] % n:
+        raise TransformError(
+            f"axis {a} of size {tensor.shape[a]} does not split into {n} equal parts"
+        )
+    return split_sizes(tensor, a, [tensor.shape[a] // n] * n)
 
 
-def split_dim(t: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.TensorStore:
+def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.TensorStore:
     """Reshape one axis of size a*b into two axes (a, b); one of them may be -1."""
-    t = as_view(t)
-    ax = _axis(t, axis)
-    n = t.shape[ax]
+    tensor = as_view(tensor)
+    ax = _checked_axis(tensor, axis)
+    n = tensor.shape[ax]
     a, b = int(sizes[0]), int(sizes[1])
     if a == -1 and b > 0 and n % b == 0:
         a = n // b
@@ -160,73 +164,73 @@ def split_dim(t: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.TensorSt
     if a <= 0 or b <= 0 or a * b != n:
         raise TransformError(f"cannot split axis {ax} of size {n} into {list(sizes)}")
     if a == 1:
-        return stack([t], axis=ax)
-    return stack([slice_axis(t, ax, i * b, (i + 1) * b) for i in range(a)], axis=ax)
+        return stack([tensor], axis=ax)
+    return stack([slice_axis(tensor, ax, i * b, (i + 1) * b) for i in range(a)], axis=ax)
 
 
-def merge_dims(t: ts.TensorStore, axis: int) -> ts.TensorStore:
+def merge_dims(tensor: ts.TensorStore, axis: int) -> ts.TensorStore:
     """Reshape axes (axis, axis+1) of sizes (a, b) into one axis of size a*b (row-major)."""
-    t = as_view(t)
-    ax = _axis(t, axis)
-    if ax + 1 >= t.rank:
+    tensor = as_view(tensor)
+    ax = _checked_axis(tensor, axis)
+    if ax + 1 >= tensor.rank:
         raise TransformError(
-            f"merge_dims: axis {ax} has no following axis (shape {tuple(t.shape)})"
+            f"merge_dims: axis {ax} has no following axis (shape {tuple(tensor.shape)})"
         )
-    return concat([take(t, ax, i) for i in range(t.shape[ax])], axis=ax)
+    return concat([take(tensor, ax, i) for i in range(tensor.shape[ax])], axis=ax)
 
 
-def group_stages(t: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
+def group_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
     """[L, ...] -> [stages, L/stages, ...] (pipeline grouping)."""
-    t = as_view(t)
-    a = _axis(t, axis)
-    n = t.shape[a]
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    n = tensor.shape[a]
     if stages <= 0 or n % stages:
         raise TransformError(
             f"cannot group {n} layers into {stages} pipeline stages: "
             f"{n} is not divisible by {stages}"
         )
-    return split_dim(t, a, (stages, n // stages))
+    return split_dim(tensor, a, (stages, n // stages))
 
 
-def ungroup_stages(t: ts.TensorStore, axis: int = 0) -> ts.TensorStore:
+def ungroup_stages(tensor: ts.TensorStore, axis: int = 0) -> ts.TensorStore:
     """[stages, L/stages, ...] -> [L, ...]."""
-    return merge_dims(t, axis)
+    return merge_dims(tensor, axis)
 
 
-def regroup_stages(t: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
+def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
     """[S, L/S, ...] -> [stages, L/stages, ...]; an error if L does not divide by ``stages``."""
-    t = as_view(t)
-    a = _axis(t, axis)
-    if t.rank < a + 2:
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    if tensor.rank < a + 2:
         raise TransformError(
             f"regroup_stages needs a [stages, layers_per_stage, ...] tensor, got "
-            f"shape {tuple(t.shape)}"
+            f"shape {tuple(tensor.shape)}"
         )
-    n = t.shape[a] * t.shape[a + 1]
+    n = tensor.shape[a] * tensor.shape[a + 1]
     if stages <= 0 or n % stages:
         raise TransformError(
-            f"cannot regroup {n} layers (saved as {t.shape[a]} stages x "
-            f"{t.shape[a + 1]}) into {stages} pipeline stages: {n} is not divisible "
+            f"cannot regroup {n} layers (saved as {tensor.shape[a]} stages x "
+            f"{tensor.shape[a + 1]}) into {stages} pipeline stages: {n} is not divisible "
             f"by {stages}"
         )
-    if stages == t.shape[a]:
-        return t
-    return group_stages(ungroup_stages(t, a), stages, a)
+    if stages == tensor.shape[a]:
+        return tensor
+    return group_stages(ungroup_stages(tensor, a), stages, a)
 
 
-def pad_axis(t: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
+def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
     """Zero-pad ``axis`` at its end to ``size`` (the padding is a small in-memory array)."""
-    t = as_view(t)
-    a = _axis(t, axis)
-    n = t.shape[a]
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    n = tensor.shape[a]
     if size < n:
         raise TransformError(f"pad: axis {a} has size {n} > requested {size}")
     if size == n:
-        return t
-    shape = list(t.shape)
+        return tensor
+    shape = list(tensor.shape)
     shape[a] = size - n
-    z = ts.array(np.zeros(shape, dtype=t.dtype.numpy_dtype))
-    return concat([t, z], axis=a)
+    z = ts.array(np.zeros(shape, dtype=tensor.dtype.numpy_dtype))
+    return concat([tensor, z], axis=a)
 
 
 # --- fused QKV in Megatron's per-query-group interleaved order -------------------------------
@@ -242,7 +246,7 @@ def qkv_sizes(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, in
 
 
 def split_qkv(
-    t: ts.TensorStore,
+    tensor: ts.TensorStore,
     axis: int,
     num_heads: int,
     num_kv_heads: int,
@@ -254,19 +258,19 @@ def split_qkv(
     interleaved=True: Megatron layout, per query group g: [q heads of g, k_g, v_g].
     interleaved=False: plain [Q; K; V] concatenation.
     """
-    t = as_view(t)
-    a = _axis(t, axis)
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
     g = num_kv_heads
     total = g * (qg + kg + vg)
-    if t.shape[a] != total:
+    if tensor.shape[a] != total:
         raise TransformError(
-            f"fused QKV axis {a} has size {t.shape[a]}, expected {total} "
+            f"fused QKV axis {a} has size {tensor.shape[a]}, expected {total} "
             f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})"
         )
     if not interleaved:
-        return split_sizes(t, a, [g * qg, g * kg, g * vg])
-    groups = split_even(t, a, g)
+        return split_sizes(tensor, a, [g * qg, g * kg, g * vg])
+    groups = split_even(tensor, a, g)
     per = [split_sizes(x, a, [qg, kg, vg]) for x in groups]
     return [concat([p[j] for p in per], axis=a) for j in range(3)]
 
@@ -275,7 +279,7 @@ def merge_qkv(
     q, k, v, axis: int, num_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool = True
 ) -> ts.TensorStore:
     q, k, v = as_view(q), as_view(k), as_view(v)
-    a = _axis(q, axis)
+    a = _checked_axis(q, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
     g = num_kv_heads
     for name, x, want in (("q", q, g * qg), ("k", k, g * kg), ("v", v, g * vg)):
