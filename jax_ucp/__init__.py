@@ -19,13 +19,22 @@ _LAZY = {
     "UCPRestore": "jax_ucp.handler.checkpoint_handler",
     "UCPSave": "jax_ucp.handler.checkpoint_handler",
     "inspect": "jax_ucp.handler.api",
+    "verify": "jax_ucp.handler.api",
     "restore": "jax_ucp.handler.api",
     "save": "jax_ucp.handler.api",
     "ShardingMismatchError": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
 }
 
-__all__ = ["Manifest", "ManifestError", "TensorEntry", "UCPError", "ValueEntry", "__version__", *_LAZY]
+__all__ = [
+    "Manifest",
+    "ManifestError",
+    "TensorEntry",
+    "UCPError",
+    "ValueEntry",
+    "__version__",
+    *_LAZY,
+]
 
 
 __getattr__, __dir__ = lazy_attributes(globals(), _LAZY)

@@ -87,24 +87,20 @@ def inspect(path: str, limit: int = typer.Option(0, help="show only the first N 
 @app.command()
 @_user_errors
 def verify(path: str):
-    """Read every tensor (crc32c-checked) and report any that cannot be read."""
+    """Read every tensor and check every shard file (crc32c, digests); report what is wrong."""
     import jax_ucp
-    from jax_ucp.handler import reader
 
-    root = reader.find_checkpoint_dir(path)
-    m = jax_ucp.inspect(root)
-    bad = []
+    m = jax_ucp.inspect(path)
     with _progress() as progress:
         task = progress.add_task("verifying", total=len(m.tensors))
-        for e in m.tensors:
-            try:
-                reader.read(root, m, [reader.Request(key=e.key)])
-            except Exception as err:  # noqa: BLE001 - reported per tensor
-                bad.append((e.name, str(err)))
-            progress.update(task, advance=1, description=e.name[-40:])
+
+        def on_progress(name, done, total):
+            progress.update(task, completed=done, description=name[-40:])
+
+        bad = jax_ucp.verify(path, progress=on_progress)
     if bad:
-        for name, err in bad:
-            console.print(f"[red]✗ {name}[/red]: {err}")
+        for _, err in bad:  # each message names its tensor and file
+            console.print(f"[red]✗[/red] {err}", highlight=False)
         raise typer.Exit(1)
     console.print(
         f"[green]✓ {len(m.tensors)} tensors ({_human(m.nbytes)}) read back intact[/green]"

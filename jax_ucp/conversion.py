@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.format import UCPError
 from jax_ucp.importers import detect
 
 Progress = Callable[[str, int, int], None]
@@ -39,6 +40,7 @@ def convert(
     leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
     """
     dest = os.fspath(dest)
+    check_destination(source, dest)
     if step is None and os.path.exists(dest) and not force:
         raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
     plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
@@ -52,6 +54,26 @@ def convert(
     return write_manager_step(
         dest, items, step=step, force=force, source=plan.source, compression=compression
     )
+
+
+class DestinationError(UCPError, ValueError):
+    """A conversion destination that would overwrite or nest inside its own source."""
+
+
+def check_destination(source, dest) -> None:
+    """Refuses a destination that is, contains or lies inside the source: a forced convert
+    there would delete the checkpoint it reads (or write into it)."""
+    src = os.path.realpath(os.fspath(source))
+    dst = os.path.realpath(os.fspath(dest))
+    if dst == src or _inside(dst, src) or _inside(src, dst):
+        raise DestinationError(
+            f"convert: the destination {dest} is, contains or lies inside the source {source}; "
+            f"choose a destination outside the source checkpoint (nothing was written)."
+        )
+
+
+def _inside(path: str, directory: str) -> bool:
+    return os.path.commonpath([path, directory]) == directory
 
 
 def convert_deepspeed(src, dst, **kwargs) -> str:

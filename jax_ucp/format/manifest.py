@@ -403,6 +403,15 @@ class Manifest:
         created_at = d.get("created_at", 0.0)
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             _fail(f"{where}: created_at", "a number", created_at)
+        try:
+            return cls._checked(d, entries, version, kvstore, created_at, where)
+        except ManifestError as e:
+            if str(e).startswith(where):
+                raise
+            raise ManifestError(f"{where}: {e}") from None
+
+    @classmethod
+    def _checked(cls, d, entries, version, kvstore, created_at, where) -> Manifest:
         return cls(
             entries=entries,
             save_id=_string(d["save_id"], f"{where}: save_id"),
@@ -501,8 +510,9 @@ def _object(
     if allowed is not None:
         extra = [k for k in d if k not in allowed]
         if extra:
+            names = ", ".join(_short(k, 40) for k in extra[:5])
             raise ManifestError(
-                f"{where}: unknown field(s) {_short(extra[:5])} (known: {', '.join(allowed)})."
+                f"{where}: unknown field(s) [{names}] (known: {', '.join(allowed)})."
             )
     return d
 
