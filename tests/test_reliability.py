@@ -121,7 +121,7 @@ MANIFEST_CASES = {
         _raw(b'{"format": "jax_ucp", "version": ' + b"9" * 5000 + b"}"),
         r"integer of 5000 digits",
     ),
-    "200k-deep nesting": (_raw(b"[" * 200_000 + b"]" * 200_000), r"nested deeper than 64"),
+    "200k-deep nesting": (_raw(b"[" * 200_000 + b"]" * 200_000), r"nested deeper than 512"),
     "NaN literal": (_raw(b'{"format": "jax_ucp", "version": NaN}'), r"NaN is not valid JSON"),
     "a JSON list": (_raw(b"[1, 2]"), r"not a jax_ucp manifest"),
     "other format": (_edit(lambda d: d.update(format="orbax")), r"not a jax_ucp manifest"),

@@ -37,7 +37,7 @@ CHECKSUMS = (None, "crc32c")
 
 # Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host.
 MAX_MANIFEST_BYTES = 512 << 20
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree level
 MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
 _DIR_RE = re.compile(r"^arrays/[A-Za-z0-9_%~.\-]+$")
 _DIGEST_RE = re.compile(r"^[0-9a-f]{8}$")
@@ -321,6 +321,9 @@ class Manifest:
     created_by: str = ""
     created_at: float = 0.0
     source: dict = dataclasses.field(default_factory=dict)
+    # The saved pytree's container structure (dict/list/tuple/NamedTuple nodes, child names),
+    # so a restore without a target rebuilds e.g. optax states; None for imports.
+    tree: dict | None = None
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
 
@@ -363,6 +366,7 @@ class Manifest:
             "created_at": self.created_at,
             "kvstore": {"driver": self.kvstore_driver},
             "source": self.source,
+            **({"tree": self.tree} if self.tree is not None else {}),
             "entries": [e.to_json() for e in self.entries],
         }
 
@@ -419,6 +423,7 @@ class Manifest:
             created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
             created_at=float(created_at),
             source=_object(d.get("source") or {}, f"{where}: source"),
+            tree=None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree"),
             version=version,
             format=d["format"],
         )
@@ -441,7 +446,8 @@ class Manifest:
 
 
 _MANIFEST_REQUIRED = ("format", "version", "save_id", "kvstore", "entries")
-_MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source")
+_MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source", "tree")
+TREE_NODE_TYPES = ("leaf", "dict", "list", "tuple", "namedtuple", "object")
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
@@ -464,7 +470,11 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
 
 def new_manifest(
-    entries: Sequence[Entry], *, source: Mapping | None = None, kvstore_driver: str = "file"
+    entries: Sequence[Entry],
+    *,
+    source: Mapping | None = None,
+    kvstore_driver: str = "file",
+    tree: dict | None = None,
 ) -> Manifest:
     """The manifest of a new save: entries plus who wrote it, when, and from what."""
     return Manifest(
@@ -474,6 +484,7 @@ def new_manifest(
         created_by=f"jax_ucp {__version__}",
         created_at=time.time(),
         source=dict(source or {"framework": "jax"}),
+        tree=tree,
     )
 
 
@@ -514,6 +525,26 @@ def _object(
             raise ManifestError(
                 f"{where}: unknown field(s) [{names}] (known: {', '.join(allowed)})."
             )
+    return d
+
+
+def _tree_node(d: Any, where: str) -> dict:
+    kind = _enum(_object(d, where, required=("type",))["type"], f"{where}.type", TREE_NODE_TYPES)
+    if kind == "leaf":
+        _object(d, where, allowed=("type",))
+        return d
+    _object(d, where, required=("type", "children"), allowed=("type", "children", "class"))
+    if kind in ("namedtuple", "object"):
+        _string(d.get("class"), f"{where}.class")
+    children = d["children"]
+    if not isinstance(children, list):
+        _fail(f"{where}.children", "a list", children)
+    for i, child in enumerate(children):
+        w = f"{where}.children[{i}]"
+        if not (isinstance(child, list) and len(child) == 3 and isinstance(child[0], str)):
+            _fail(w, "[name, key type, node]", child)
+        _enum(child[1], f"{w}[1]", KEY_TYPES)
+        _tree_node(child[2], f"{w}[2]")
     return d
 
 

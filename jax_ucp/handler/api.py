@@ -96,6 +96,7 @@ def restore(
     spec: Any = None,
     dtype: Any = None,
     casting: str = "same_kind",
+    select: Any = None,
 ):
     """Restores a UCP checkpoint onto any mesh.
 
@@ -114,6 +115,9 @@ def restore(
       casting: which dtype conversions (to the target's or ``dtype``) are allowed, in numpy's
         terms: "same_kind" (default: float32 → bfloat16 yes, float → int no), "safe", "no", or
         "unsafe" (anything, also a saved Python value into an array target).
+      select: restore only part of the checkpoint, without a target: a regex matched in full
+        against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
+        predicate on the name. Nothing else is read.
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
@@ -127,6 +131,7 @@ def restore(
         spec=spec,
         dtype=dtype,
         casting=casting,
+        select=select,
     )
 
 

@@ -22,6 +22,7 @@ from etils import epath
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp.handler import reader, save_plan
+from jax_ucp.handler import tree as tree_lib
 
 DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize
 
@@ -77,7 +78,9 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             args.item, options, primary=primary, copy=copy, logical_axes=args.logical_axes
         )
         if primary:
-            manifest = fmt.new_manifest(entries, source=args.source)
+            manifest = fmt.new_manifest(
+                entries, source=args.source, tree=tree_lib.describe_structure(args.item)
+            )
             self._pending[os.fspath(directory)] = (manifest, {})
         coro = self._write(os.fspath(directory), prepared, primary)
         return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
@@ -107,6 +110,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             spec=args.spec,
             dtype=args.dtype,
             casting=args.casting,
+            select=args.select,
         )
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
@@ -195,6 +199,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
     spec: Any = None
     dtype: Any = None
     casting: str = "same_kind"
+    select: Any = None
 
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -435,6 +436,7 @@ def restore_tree(
     spec=None,
     dtype=None,
     casting: str = "same_kind",
+    select=None,
 ):
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
 
@@ -446,7 +448,9 @@ def restore_tree(
         root = find_checkpoint_dir(path)
         before = _identity(root)
         try:
-            result = _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting)
+            result = _restore_once(
+                root, target, shardings, mesh, rules, spec, dtype, casting, select
+            )
         except fmt.UCPError:
             if _identity(root) == before or attempt == _SWAP_RETRIES:
                 raise
@@ -470,8 +474,27 @@ def _identity(root: str):
     return (st.st_dev, st.st_ino)
 
 
-def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting):
+def _selector(select) -> Callable[[str], bool]:
+    """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
+    if select is None:
+        return lambda name: True
+    if callable(select):
+        return select
+    if isinstance(select, str):
+        pattern = re.compile(select)
+        return lambda name: pattern.fullmatch(name) is not None
+    raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
+
+
+def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting, select):
     manifest = fmt.read_manifest(root)
+    if select is not None and (target is not None or shardings is not None):
+        raise ValueError(
+            "select= restores part of a checkpoint without a target; a target "
+            "already says which leaves to read."
+        )
+    if rules is not None and mesh is not None:
+        sharding_lib.check_rules(rules, mesh)
     if target is not None or shardings is not None:
         reqs, treedef = requests_from_target(
             target if target is not None else shardings, shardings if target is not None else None
@@ -483,7 +506,10 @@ def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting):
         return jax.tree_util.tree_unflatten(treedef, results)
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
-    available = available_tensors(manifest, spec)
+    selected = _selector(select)
+    available = {
+        k: av for k, av in available_tensors(manifest, spec).items() if selected(fmt.key_to_str(k))
+    }
     reqs, key_types = [], []
     for key, av in available.items():
         sharding = None
@@ -503,7 +529,14 @@ def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting):
         )
         key_types.append(av.key_types)
     for v in manifest.values:
-        reqs.append(Request(key=v.key))
-        key_types.append(v.key_types)
+        if selected(v.name):
+            reqs.append(Request(key=v.key))
+            key_types.append(v.key_types)
     results = read(root, manifest, reqs, available=available, casting=casting)
+    if manifest.tree is not None and spec is None:  # the saved containers, NamedTuples included
+        by_key = {r.key: x for r, x in zip(reqs, results)}
+        tree = tree_lib.rebuild_structure(
+            manifest.tree, lambda key: by_key.get(key, tree_lib.missing())
+        )
+        return {} if tree is tree_lib.missing() else tree
     return tree_lib.nest((r.key, k, x) for r, k, x in zip(reqs, key_types, results))

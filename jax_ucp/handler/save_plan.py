@@ -76,15 +76,23 @@ def prepare_tree(
             for _, data in shards_to_write(leaf):
                 data.copy_to_host_async()
     names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
-    # Optimizer moments mirror the params tree (opt_state/0/mu/<param path>): they inherit the
-    # logical axes of the parameter whose path they end with, so rules shard them alike.
-    by_param_path = {k[1:]: v for k, v in names_by_key.items() if len(k) > 1 and k[0] == "params"}
+    # Optimizer state that mirrors the params tree (opt_state/0/mu/<param path>, EMA, trace...)
+    # inherits the logical axes of the parameter whose path it ends with and whose shape it
+    # has, however it was built (boxed params with unboxed moments is the usual flax pattern),
+    # so rules shard moments like their parameters.
+    by_param_path: dict[tuple, tuple[tuple, tuple]] = {}
+    for key, _, leaf in leaves:
+        if len(key) > 1 and key[0] == "params":
+            value, boxed = tree_lib.unbox(leaf)
+            names = names_by_key.get(key, boxed)
+            if names is not None:
+                by_param_path[key[1:]] = (tuple(names), tuple(getattr(value, "shape", ())))
 
-    def inherited(key, ndim):
+    def inherited(key, shape):
         for i in range(1, len(key)):
-            names = by_param_path.get(key[i:])
-            if names is not None and len(names) == ndim:
-                return names
+            found = by_param_path.get(key[i:])
+            if found is not None and found[1] == tuple(shape):
+                return found[0]
         return None
 
     entries: list[fmt.Entry] = []
@@ -96,7 +104,7 @@ def prepare_tree(
         role, sub_role = role_of(key)
         names = names_by_key.get(key, boxed_names)
         if names is None and by_param_path and key[0] != "params":
-            names = inherited(key, len(getattr(leaf, "shape", ())))
+            names = inherited(key, getattr(leaf, "shape", ()))
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
             entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue

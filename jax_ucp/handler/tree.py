@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -84,3 +85,97 @@ def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
         )
         for path, names in leaves
     }
+
+
+# --- container types: recorded at save, rebuilt on restore without a target ----------------------
+# A restore without a target must give back a state ``tx.update`` accepts: optax states are
+# NamedTuples (ScaleByAdamState, EmptyState() with no leaves at all), chains are tuples. The save
+# records every container node; the restore rebuilds it, importing classes only from these
+# packages (a manifest is untrusted: it never makes us import anything else).
+ALLOWED_MODULE_ROOTS = ("optax", "flax", "jax", "builtins", "collections")
+
+
+def describe_structure(tree) -> dict:
+    """The container structure of ``tree`` as JSON: node types, classes, child names."""
+
+    def node(x) -> dict:
+        if _is_leaf(x):
+            return {"type": "leaf"}
+        children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)[0]
+        if len(children) == 1 and children[0][0] == ():  # not a container
+            return {"type": "leaf"}
+        kids = []
+        for path, child in children:
+            key_type, name = keypath_lib.component_of(path[0])
+            kids.append([name, key_type, node(child)])
+        if type(x) is dict:
+            kind = "dict"
+        elif type(x) is list:
+            kind = "list"
+        elif type(x) is tuple:
+            kind = "tuple"
+        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
+            kind = "namedtuple"
+        else:
+            kind = "object"
+        out: dict = {"type": kind, "children": kids}
+        if kind in ("namedtuple", "object"):
+            out["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
+        return out
+
+    return node(tree)
+
+
+_MISSING = object()
+
+
+def rebuild_structure(description: dict, value_at: Any, prefix: tuple = ()) -> Any:
+    """The tree ``describe_structure`` described, with each leaf from ``value_at(key)`` (which
+    returns ``_MISSING`` for leaves not restored, e.g. not selected): containers that lose
+    children become dicts, empty subtrees of a selection disappear."""
+    if description["type"] == "leaf":
+        return value_at(prefix)
+    kids = []
+    for name, _, child in description["children"]:
+        value = rebuild_structure(child, value_at, prefix + (name,))
+        if value is not _MISSING:
+            kids.append((name, value))
+    complete = len(kids) == len(description["children"])
+    if not kids and description["children"]:
+        return _MISSING  # nothing of this subtree was restored
+    kind = description["type"]
+    if kind == "list" and complete:
+        return [v for _, v in kids]
+    if kind == "tuple" and complete:
+        return tuple(v for _, v in kids)
+    if kind == "namedtuple" and complete:
+        cls = _allowed_class(description.get("class", ""))
+        if cls is not None and tuple(getattr(cls, "_fields", ())) == tuple(n for n, _ in kids):
+            return cls(*(v for _, v in kids))
+        return dict(kids)  # a class outside the allow-list: its fields, by name
+    if kind == "object" and complete:
+        cls = _allowed_class(description.get("class", ""))
+        if cls is not None:
+            try:
+                return cls(dict(kids))  # e.g. flax FrozenDict
+            except Exception:  # noqa: BLE001 - an unknown constructor: plain dict below
+                pass
+    return dict(kids)
+
+
+def _allowed_class(name: str):
+    module, _, qualname = name.partition(":")
+    if not qualname or module.split(".")[0] not in ALLOWED_MODULE_ROOTS:
+        return None
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    return obj if isinstance(obj, type) else None
+
+
+def missing() -> Any:
+    """The marker ``value_at`` returns for a leaf that is not restored."""
+    return _MISSING

@@ -5,6 +5,7 @@ from jax_ucp.sharding.mesh_layout import (
     LogicalRules,
     ShardingMismatchError,
     check_divisible,
+    check_rules,
     describe,
     partition_spec_from_logical,
     partition_spec_from_saved,

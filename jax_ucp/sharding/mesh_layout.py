@@ -119,6 +119,21 @@ def partition_spec_from_logical(
     return PartitionSpec(*out)
 
 
+def check_rules(rules: LogicalRules, mesh: Mesh) -> None:
+    """Every mesh axis a rule names exists in ``mesh`` (a typo would silently replicate)."""
+    for rule in rules:
+        if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
+            raise ShardingMismatchError(
+                f"Logical-axis rule {rule!r}: expected (logical name, mesh axis or axes or None)."
+            )
+        missing = [a for a in _axes_of(rule[1]) if a not in mesh.shape]
+        if missing:
+            raise ShardingMismatchError(
+                f"Logical-axis rule {tuple(rule)!r} names mesh axis {missing[0]!r}, which the "
+                f"mesh (axes {tuple(mesh.axis_names)}) does not have."
+            )
+
+
 def sharding_for(
     shape: Sequence[int],
     *,
