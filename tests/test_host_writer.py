@@ -70,9 +70,9 @@ def test_pipelined_writer_bounds_bytes_in_flight(tmp_path):
                 (f"t{i}",), ("key",), np.full(1024, i, np.float32), opts, primary=True
             )
             await w.add(p)
-            assert w._bytes <= 3 * 4096 and len(w._pending) <= 3
+            assert w.bytes_in_flight <= 3 * 4096 and w.tensors_in_flight <= 3
         await w.flush()
-        assert not w._pending
+        assert w.tensors_in_flight == 0
 
     asyncio.run(run())
     for i in range(10):

@@ -227,7 +227,14 @@ def read(
     available: Mapping | None = None,
     casting: str = "same_kind",
 ) -> list:
-    """Results in request order: jax.Array / np.ndarray / saved Python values."""
+    """Reads what ``requests`` ask of the checkpoint at ``root``, in request order: jax.Array
+    (a request with a sharding), np.ndarray, or the saved Python value.
+
+    The one read path of every restore (and of ``verify``): each process opens every array once
+    and reads only the slices its devices need, through ``store.shard_file`` where the layout
+    allows (hardware crc32c, shard digests) and TensorStore elsewhere (after checking every
+    shard file it will open).
+    """
     if available is None:
         available = available_tensors(manifest, spec)
     values = {e.key: e for e in manifest.values}

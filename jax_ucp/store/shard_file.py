@@ -1,10 +1,9 @@
 """Whole zarr v3 shard files written from host memory (byte for byte what TensorStore writes) and
 regions of such arrays read back.
 
-Why not TensorStore's own write: its wheel computes crc32c in software (~2 GB/s on this
-machine; 36% of the CPU time of a 2.2 GB import), while the ``crc32c`` package uses the CPU's
-instruction (~13 GB/s) and releases the GIL. Our layouts make this simple: a shard is written
-whole by one writer, uncompressed, and its inner chunks (trailing dimensions whole, one
+Why not TensorStore's own write: its wheel computes crc32c in software, several times
+slower than the ``crc32c`` package, which uses the CPU's instruction and releases the GIL.
+Our layouts make this simple: a shard is written whole by one writer, uncompressed, and its inner chunks (trailing dimensions whole, one
 dimension cut, earlier ones 1; see ``chunking``) are consecutive byte ranges of the C-ordered
 shard. So the file is: every chunk's bytes, each followed by its crc32c, then the shard index
 (``[offset, nbytes]`` uint64 per chunk, little-endian) and its crc32c (``index_location: end``).
@@ -175,7 +174,7 @@ def _write_rest(fd: int, batch: list, done: int) -> None:
 
 # --- Reading ------------------------------------------------------------------------------------
 # The mirror of ``write``: regions of arrays whose shards have the layout ``write`` produces are
-# read with pread + the hardware crc32c (TensorStore verifies crc32c in software: ~2 GB/s, the
+# read with pread + the hardware crc32c (TensorStore verifies crc32c in software, the
 # main cost of a restore on 2 cores). ``layout_from_metadata`` admits an array only if its
 # zarr.json (as TensorStore parsed it) is exactly that layout; anything else is read by TensorStore.
 

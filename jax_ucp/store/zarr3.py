@@ -22,6 +22,11 @@ COMPRESSIONS = (None, "zstd")
 
 @dataclasses.dataclass(frozen=True)
 class ArrayLayout:
+    """How one tensor is stored: global shape and dtype, the outer shard (the save-time
+    per-device shard, one writer per file) and the inner chunk (the unit a reader fetches and
+    checksums), codecs. Everything ``zarr.json`` says, in one value both writers and readers use,
+    so what is written and what a reader expects cannot drift apart."""
+
     shape: tuple[int, ...]
     dtype: str  # canonical name (format.dtypes)
     chunk_shape: tuple[int, ...]
@@ -107,7 +112,7 @@ def array_config(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
 
 _CONTEXTS: dict[bool, ts.Context] = {}
 # Enough to keep shard indices (and partly read inner chunks) while one restore runs: without a
-# cache every inner-chunk read re-fetches its shard's index (measured: restores 1.7x slower).
+# cache every inner-chunk read re-fetches its shard's index (restores measurably slower).
 READ_CACHE_BYTES = 64 << 20
 
 
@@ -118,7 +123,7 @@ def _context_spec(cache_bytes: int, sync: bool = True) -> dict:
         # fsync-bound writes need many in flight (Orbax uses the same limit).
         "file_io_concurrency": {"limit": 128},
         # Decoding + crc32c of inner chunks overlaps with disk reads only with more threads than
-        # cores (measured on 2 cores: restore 1.15 s → 0.75 s per 0.5 GiB going from 2 to 8).
+        # cores (benchmarks/bench_save_restore.py).
         "data_copy_concurrency": {"limit": max(8, 4 * (os.cpu_count() or 2))},
     }
 

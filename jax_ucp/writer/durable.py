@@ -17,7 +17,7 @@ _WRITE_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
 def write_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for shard writes: crc32c and os.writev/fsync release the GIL, and fsync-bound
-    writes need several in flight (4 measured as good as 8 or 16 on 2 cores)."""
+    writes need several in flight (4 did as well as 8 or 16 on 2 cores)."""
     if not _WRITE_POOL:
         threads = max(4, os.cpu_count() or 2)
         _WRITE_POOL.append(

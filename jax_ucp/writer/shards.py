@@ -140,6 +140,15 @@ class PipelinedWriter:
         self._bytes = 0
         self.digests: dict[tuple, dict[str, str]] = {}  # tensor key -> shard digests, once written
 
+    @property
+    def bytes_in_flight(self) -> int:
+        """Bytes of the tensors written but not yet retired (bounded by ``max_bytes``)."""
+        return self._bytes
+
+    @property
+    def tensors_in_flight(self) -> int:
+        return len(self._pending)
+
     async def add(self, p: PreparedTensor) -> None:
         task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
         self._pending.append((task, p.entry.nbytes, p.entry.key))
