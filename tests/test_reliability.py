@@ -25,7 +25,6 @@ import pytest
 from ucp_testing import REPO, assert_bit_exact
 
 import jax_ucp
-from jax_ucp import format as fmt
 from jax_ucp.language import Spec
 
 pytestmark = pytest.mark.timeout(120)
