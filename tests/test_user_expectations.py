@@ -120,3 +120,32 @@ def test_partial_restore_reads_nothing_else(tmp_path):
     assert isinstance(sharded["opt_state"]["mu"]["w"].sharding, NamedSharding)
     with pytest.raises(ValueError, match="select="):
         jax_ucp.restore(tmp_path / "c", select="x", target=tree)
+
+
+def test_restore_keeps_read_buffers_within_max_read_bytes(tmp_path, monkeypatch):
+    from jax_ucp.sharding import PendingArray
+
+    tree = {f"t{i}": np.full((256, 1024), i, np.float32) for i in range(8)}  # 1 MiB each
+    jax_ucp.save(tmp_path / "c", tree)
+    live, peak = [0], [0]
+    start, result = PendingArray.start, PendingArray.result
+
+    def counting_start(self):
+        live[0] += self.read_bytes
+        peak[0] = max(peak[0], live[0])
+        return start(self)
+
+    def counting_result(self):
+        out = result(self)
+        live[0] -= self.read_bytes
+        return out
+
+    monkeypatch.setattr(PendingArray, "start", counting_start)
+    monkeypatch.setattr(PendingArray, "result", counting_result)
+    out = jax_ucp.restore(tmp_path / "c", mesh=mesh((2, 4), ("x", "y")), max_read_bytes=2 << 20)
+    assert peak[0] <= 2 << 20, peak
+    for i in range(8):
+        assert_bit_exact(np.asarray(out[f"t{i}"]), tree[f"t{i}"])
+    peak[0] = 0
+    jax_ucp.restore(tmp_path / "c")  # default budget: all 8 MiB at once
+    assert peak[0] == 8 << 20

@@ -97,6 +97,7 @@ def restore(
     dtype: Any = None,
     casting: str = "same_kind",
     select: Any = None,
+    max_read_bytes: int | None = None,
 ):
     """Restores a UCP checkpoint onto any mesh.
 
@@ -118,6 +119,9 @@ def restore(
       select: restore only part of the checkpoint, without a target: a regex matched in full
         against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
         predicate on the name. Nothing else is read.
+      max_read_bytes: host memory for read buffers in flight (default 256 MiB): peak host memory
+        of a restore is about the restored arrays plus this (a tensor larger than it is read
+        alone). Larger values overlap more reads.
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
@@ -132,6 +136,7 @@ def restore(
         dtype=dtype,
         casting=casting,
         select=select,
+        max_read_bytes=max_read_bytes,
     )
 
 

@@ -111,6 +111,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             dtype=args.dtype,
             casting=args.casting,
             select=args.select,
+            max_read_bytes=args.max_read_bytes,
         )
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
@@ -200,6 +201,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
     dtype: Any = None
     casting: str = "same_kind"
     select: Any = None
+    max_read_bytes: int | None = None
 
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

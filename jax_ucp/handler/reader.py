@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import math
@@ -226,6 +227,7 @@ def read(
     spec=None,
     available: Mapping | None = None,
     casting: str = "same_kind",
+    max_read_bytes: int | None = None,
 ) -> list:
     """Reads what ``requests`` ask of the checkpoint at ``root``, in request order: jax.Array
     (a request with a sharding), np.ndarray, or the saved Python value.
@@ -284,11 +286,16 @@ def read(
         for src in found.sources:
             opener.request(src)
         plan.append(("tensor", req, found))
-    # All opens were issued above; now build views and issue every read before waiting on any.
-    pending = []
-    for item in plan:
+    # All opens were issued above; now read with at most ``max_read_bytes`` of host buffers in
+    # flight: a tensor's reads start once the budget has room (one tensor at least), and the
+    # oldest is turned into its result (device arrays; its host buffers freed) to make room.
+    out: list = [None] * len(plan)
+    in_flight: collections.deque = collections.deque()
+    budget = DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    used = 0
+    for position, item in enumerate(plan):
         if item[0] == "value":
-            pending.append(item)
+            out[position] = item[1]
             continue
         _, req, found = item
         view = found.build({s.key: opener.get(s.key) for s in found.sources})
@@ -299,40 +306,42 @@ def read(
             for src in found.sources:
                 verify_shard_files(root, src)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        pending.append(
-            (
-                "tensor",
-                req,
-                found,
-                sharding_lib.PendingArray(view, found.shape, dtype, req.sharding),
-            )
-        )
-    out = []
-    for item in pending:
-        if item[0] == "value":
-            out.append(item[1])
-            continue
-        _, req, found, pa = item
-        try:
-            result = pa.result()
-        except Exception as e:  # noqa: BLE001
-            files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
-            if isinstance(e, fmt.UCPError):
-                raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
-            what = (
-                "crc32c checksum mismatch: the data is corrupt"
-                if ("Digest mismatch" in str(e) or "crc32c checksum mismatch" in str(e))
-                else "missing data: the checkpoint is incomplete"
-                if "is missing" in str(e) or "NOT_FOUND" in str(e)
-                else "corrupt or truncated data?"
-            )
-            raise CheckpointError(
-                f"Tensor {found.name!r}: reading {files} failed ({what}): {e}"
-            ) from e
-        if req.python_type is not None and getattr(result, "shape", None) == ():
-            result = req.python_type(np.asarray(result).item())
-        out.append(result)
+        pending = sharding_lib.PendingArray(view, found.shape, dtype, req.sharding)
+        while in_flight and used + pending.read_bytes > budget:
+            used -= _finish(root, in_flight.popleft(), out)
+        pending.start()
+        in_flight.append((position, req, found, pending))
+        used += pending.read_bytes
+    while in_flight:
+        _finish(root, in_flight.popleft(), out)
     return out
+
+
+# Host bytes a restore may hold in read buffers at once (see ``restore(max_read_bytes=)``).
+DEFAULT_MAX_READ_BYTES = 256 << 20
+
+
+def _finish(root: str, entry, out: list) -> int:
+    """Waits for one tensor's reads, stores its result; returns the read bytes it released."""
+    position, req, found, pending = entry
+    try:
+        result = pending.result()
+    except Exception as e:  # noqa: BLE001
+        files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+        if isinstance(e, fmt.UCPError):
+            raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
+        what = (
+            "crc32c checksum mismatch: the data is corrupt"
+            if ("Digest mismatch" in str(e) or "crc32c checksum mismatch" in str(e))
+            else "missing data: the checkpoint is incomplete"
+            if "is missing" in str(e) or "NOT_FOUND" in str(e)
+            else "corrupt or truncated data?"
+        )
+        raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed ({what}): {e}") from e
+    if req.python_type is not None and getattr(result, "shape", None) == ():
+        result = req.python_type(np.asarray(result).item())
+    out[position] = result
+    return pending.read_bytes
 
 
 def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
@@ -444,6 +453,7 @@ def restore_tree(
     dtype=None,
     casting: str = "same_kind",
     select=None,
+    max_read_bytes: int | None = None,
 ):
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
 
@@ -456,7 +466,7 @@ def restore_tree(
         before = _identity(root)
         try:
             result = _restore_once(
-                root, target, shardings, mesh, rules, spec, dtype, casting, select
+                root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes
             )
         except fmt.UCPError:
             if _identity(root) == before or attempt == _SWAP_RETRIES:
@@ -493,7 +503,9 @@ def _selector(select) -> Callable[[str], bool]:
     raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
 
 
-def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting, select):
+def _restore_once(
+    root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes
+):
     manifest = fmt.read_manifest(root)
     if select is not None and (target is not None or shardings is not None):
         raise ValueError(
@@ -509,7 +521,9 @@ def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting, se
         if dtype is not None:
             for r in reqs:
                 r.dtype = np.dtype(dtype)
-        results = read(root, manifest, reqs, spec=spec, casting=casting)
+        results = read(
+            root, manifest, reqs, spec=spec, casting=casting, max_read_bytes=max_read_bytes
+        )
         return jax.tree_util.tree_unflatten(treedef, results)
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
@@ -539,7 +553,14 @@ def _restore_once(root, target, shardings, mesh, rules, spec, dtype, casting, se
         if selected(v.name):
             reqs.append(Request(key=v.key))
             key_types.append(v.key_types)
-    results = read(root, manifest, reqs, available=available, casting=casting)
+    results = read(
+        root,
+        manifest,
+        reqs,
+        available=available,
+        casting=casting,
+        max_read_bytes=max_read_bytes,
+    )
     if manifest.tree is not None and spec is None:  # the saved containers, NamedTuples included
         by_key = {r.key: x for r, x in zip(reqs, results)}
         tree = tree_lib.rebuild_structure(

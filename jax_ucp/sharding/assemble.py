@@ -30,29 +30,39 @@ class PendingArray:
         self.shape = tuple(shape)
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
+        self._source = source
         self._reads: dict[tuple, ts.Future] = {}
         self._device_index: list[tuple[jax.Device, tuple]] = []
+        self._slices: dict[tuple, tuple] = {}
+        self._box = None
         if sharding is None:
-            self._reads[()] = source.read() if self.shape else source[()].read()
+            self._slices[()] = ()
+            self.read_bytes = _nbytes(self.shape, source)
             return
-        slices: dict[tuple, tuple] = {}
         for device, index in sharding.addressable_devices_indices_map(self.shape).items():
             key = _index_key(index, self.shape)
-            slices.setdefault(key, index)  # devices holding the same slice share one read
+            self._slices.setdefault(key, index)  # devices holding the same slice share one read
             self._device_index.append((device, key))
-        self._box = _tiled_box(list(slices), self.shape)
+        self._box = _tiled_box(list(self._slices), self.shape)
         if self._box is not None:  # the slices tile one box: read it once, cut it on the host
-            box = tuple(slice(a, b) for a, b in self._box)
-            self._reads[()] = source[box].read() if box else source[()].read()
-            return
-        for key, index in slices.items():
-            self._reads[key] = source[index].read() if index else source[()].read()
+            self._slices = {(): tuple(slice(a, b) for a, b in self._box)}
+        self.read_bytes = sum(
+            _nbytes(tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)), source)
+            for index in self._slices.values()
+        )
+
+    def start(self) -> None:
+        """Issues the reads (separate from construction so a caller can budget them)."""
+        for key, index in self._slices.items():
+            self._reads[key] = self._source[index].read() if index else self._source[()].read()
 
     def _host(self, key) -> np.ndarray:
         data = np.asarray(self._reads[key].result())
         return data if data.dtype == self.dtype else data.astype(self.dtype)
 
     def result(self):
+        if not self._reads:
+            self.start()
         if self.sharding is None:
             return self._host(())
         if self._box is not None:
@@ -90,3 +100,8 @@ def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int]
             if all(a1 < b2 and a2 < b1 for (a1, b1, _), (a2, b2, _) in zip(first, second)):
                 return None
     return box
+
+
+def _nbytes(shape, source) -> int:
+    itemsize = np.dtype(getattr(source.dtype, "numpy_dtype", source.dtype)).itemsize
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
