@@ -1,11 +1,13 @@
 import json
 import os
+from pathlib import Path
 
 import hypothesis.strategies as st
 import numpy as np
 import pytest
 from hypothesis import given
 
+import jax_ucp
 from jax_ucp import format as fmt
 from jax_ucp.format import keypath
 from jax_ucp.store import chunking
@@ -109,3 +111,63 @@ def test_written_manifests_follow_the_published_json_schema(tmp_path):
     next(e for e in bad["entries"] if e["entry"] == "tensor")["dtype"] = "float128"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+
+
+MUTATIONS = {
+    "version 0": lambda d: d.update(version=0),
+    "version 2": lambda d: d.update(version=2),
+    "source null": lambda d: d.update(source=None),
+    "key_types null": lambda d: d["entries"][0].update(key_types=None),
+    "no save_id": lambda d: d.pop("save_id"),
+    "extra top-level field": lambda d: d.update(x=1),
+    "extra entry field": lambda d: d["entries"][0].update(x=1),
+    "dir ..": lambda d: d["entries"][0].update(dir="arrays/.."),
+    "dir with newline": lambda d: d["entries"][0].update(dir="arrays/params.w\n"),
+    "zero chunk": lambda d: d["entries"][0].update(chunk_shape=[0, 2]),
+    "float dim": lambda d: d["entries"][0].update(shape=[3.0, 2]),
+    "digest not hex": lambda d: d["entries"][0].update(shard_digests={"c/0/0": "xyz"}),
+    "digest key newline": lambda d: d["entries"][0].update(shard_digests={"c/0/0\n": "0" * 8}),
+    "int value true": lambda d: next(e for e in d["entries"] if e["key"] == ["step"]).update(
+        value=True
+    ),
+    "float value plain": lambda d: next(e for e in d["entries"] if e["key"] == ["lr"]).update(
+        value="1.5"
+    ),
+    "none value 3": lambda d: next(e for e in d["entries"] if e["key"] == ["none"]).update(value=3),
+    "tree node junk": lambda d: d.update(tree={"type": "leaf", "children": []}),
+    "saved_sharding partial": lambda d: d["entries"][0].update(
+        saved_sharding={"mesh": {"axis_names": [], "shape": []}}
+    ),
+    "fine (unchanged)": lambda d: None,
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATIONS))
+def test_schema_and_reader_agree(tmp_path, name):
+    """The reader is never looser than the published schema, nor stricter on a per-field rule."""
+    import jsonschema
+
+    schema = json.loads(
+        (Path(jax_ucp.format.__file__).parent / "ucp_manifest.v1.schema.json").read_text()
+    )
+    jax_ucp.save(
+        tmp_path / "c",
+        {"params": {"w": np.zeros((3, 2), np.float32)}, "step": 3, "lr": 1e-3, "none": None},
+    )
+    d = json.loads((tmp_path / "c" / "ucp.json").read_text())
+    d["entries"].sort(key=lambda e: e["entry"] != "tensor")  # the tensor first
+    MUTATIONS[name](d)
+    schema_ok = jsonschema.Draft202012Validator(schema).is_valid(d)
+    try:
+        jax_ucp.format.Manifest.from_json(d)
+        reader_ok = True
+    except jax_ucp.ManifestError:
+        reader_ok = False
+    if name in READER_ONLY:  # JSON Schema cannot express it; the reader is stricter, never looser
+        assert schema_ok and not reader_ok
+        return
+    assert schema_ok == reader_ok == (name == "fine (unchanged)"), (schema_ok, reader_ok)
+
+
+# JSON Schema's "integer" admits 3.0; the reader wants a JSON integer.
+READER_ONLY = {"float dim"}

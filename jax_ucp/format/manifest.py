@@ -39,9 +39,10 @@ CHECKSUMS = (None, "crc32c")
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree level
 MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
-_DIR_RE = re.compile(r"^arrays/[A-Za-z0-9_%~.\-]+$")
-_DIGEST_RE = re.compile(r"^[0-9a-f]{8}$")
-_SHARD_KEY_RE = re.compile(r"^c(/[0-9]+)*$")
+_DIR_RE = re.compile(r"arrays/[A-Za-z0-9_%~.\-]+")
+_DIGEST_RE = re.compile(r"[0-9a-f]{8}")
+_SHARD_KEY_RE = re.compile(r"c(/[0-9]+)*")
+_FLOAT_HEX_RE = re.compile(r"-?(0x[0-9a-fA-F](\.[0-9a-fA-F]*)?p[+-]?[0-9]+|inf|nan)")
 
 
 class ManifestError(UCPError, ValueError):
@@ -64,8 +65,15 @@ class SavedSharding:
 
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
-        d = _object(d, where, required=("mesh", "partition_spec"))
-        mesh = _object(d["mesh"], f"{where}.mesh", required=("axis_names", "shape"))
+        d = _object(
+            d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
+        )
+        mesh = _object(
+            d["mesh"],
+            f"{where}.mesh",
+            required=("axis_names", "shape"),
+            allowed=("axis_names", "shape"),
+        )
         names = _str_list(mesh["axis_names"], f"{where}.mesh.axis_names")
         shape = _dims(mesh["shape"], f"{where}.mesh.shape")
         spec = d["partition_spec"]
@@ -158,14 +166,18 @@ class TensorEntry:
                 d["inner_chunk_shape"],
             )
         directory = _string(d["dir"], f"{w}.dir")
-        if not _DIR_RE.match(directory) or directory.split("/", 1)[1] in (".", ".."):
+        if not _DIR_RE.fullmatch(directory) or directory.split("/", 1)[1] in (".", ".."):
             _fail(f"{w}.dir", "'arrays/<escaped key>' (no '/', no '..')", directory)
         checksum = _enum(d.get("checksum"), f"{w}.checksum", CHECKSUMS)
         digests = d.get("shard_digests")
         if digests is not None:
             _object(digests, f"{w}.shard_digests")
             for k, v in digests.items():
-                if not _SHARD_KEY_RE.match(k) or not isinstance(v, str) or not _DIGEST_RE.match(v):
+                if (
+                    not _SHARD_KEY_RE.fullmatch(k)
+                    or not isinstance(v, str)
+                    or not _DIGEST_RE.fullmatch(v)
+                ):
                     _fail(f"{w}.shard_digests", "shard key -> 8 hex digits", {k: v})
         logical = d.get("logical_axes")
         if logical is not None:
@@ -177,7 +189,7 @@ class TensorEntry:
             _object(provenance, f"{w}.provenance")
         return cls(
             key=key,
-            key_types=_key_types(d.get("key_types"), len(key), f"{w}.key_types"),
+            key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
             dir=directory,
             shape=shape,
             dtype=dtype,
@@ -290,7 +302,7 @@ class ValueEntry:
         elif t == "str" and not isinstance(v, str):
             _fail(f"{w}.value", "a JSON string", v)
         elif t == "float":
-            if not isinstance(v, str):
+            if not isinstance(v, str) or not _FLOAT_HEX_RE.fullmatch(v):
                 _fail(f"{w}.value", "a float.hex string", v)
             try:
                 v = float.fromhex(v)
@@ -298,7 +310,7 @@ class ValueEntry:
                 _fail(f"{w}.value", "a float.hex string", d["value"])
         return cls(
             key=key,
-            key_types=_key_types(d.get("key_types"), len(key), f"{w}.key_types"),
+            key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
             value=v,
             role=_enum(d.get("role", "other"), f"{w}.role", ROLES),
             sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
@@ -382,15 +394,17 @@ class Manifest:
                 f"found {_short(found)})."
             )
         version = d.get("version")
-        if isinstance(version, bool) or not isinstance(version, int):
-            _fail(f"{where}: version", "an integer", version)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            _fail(f"{where}: version", "an integer ≥ 1", version)
         if version > FORMAT_VERSION:
             raise ManifestError(
                 f"{where}: format version {version} is newer than this jax_ucp "
                 f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
             )
         _object(d, where, required=_MANIFEST_REQUIRED, allowed=_MANIFEST_FIELDS)
-        kvstore = _object(d["kvstore"], f"{where}: kvstore", required=("driver",))
+        kvstore = _object(
+            d["kvstore"], f"{where}: kvstore", required=("driver",), allowed=("driver",)
+        )
         entries_json = d["entries"]
         if not isinstance(entries_json, list):
             _fail(f"{where}: entries", "a list", entries_json)
@@ -416,13 +430,22 @@ class Manifest:
 
     @classmethod
     def _checked(cls, d, entries, version, kvstore, created_at, where) -> Manifest:
+        if d.get("tree") is not None:
+            leaves = set(_tree_leaves(_tree_node(d["tree"], f"{where}: tree")))
+            keys = {e.key for e in entries}
+            if leaves != keys:
+                odd = sorted(leaves ^ keys)[:3]
+                raise ManifestError(
+                    f"{where}: tree: its leaves and the entries differ (e.g. "
+                    f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
+                )
         return cls(
             entries=entries,
             save_id=_string(d["save_id"], f"{where}: save_id"),
             kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
             created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
             created_at=float(created_at),
-            source=_object(d.get("source") or {}, f"{where}: source"),
+            source=_object(d.get("source", {}), f"{where}: source"),
             tree=None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree"),
             version=version,
             format=d["format"],
@@ -445,6 +468,7 @@ class Manifest:
         return cls.from_json(d, where=where)
 
 
+_ABSENT = object()
 _MANIFEST_REQUIRED = ("format", "version", "save_id", "kvstore", "entries")
 _MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source", "tree")
 TREE_NODE_TYPES = ("leaf", "dict", "list", "tuple", "namedtuple", "object")
@@ -548,6 +572,14 @@ def _tree_node(d: Any, where: str) -> dict:
     return d
 
 
+def _tree_leaves(node: dict, prefix: tuple = ()):
+    if node["type"] == "leaf":
+        yield prefix
+        return
+    for name, _, child in node["children"]:
+        yield from _tree_leaves(child, prefix + (name,))
+
+
 def _string(v: Any, where: str) -> str:
     if not isinstance(v, str):
         _fail(where, "a string", v)
@@ -594,7 +626,7 @@ def _key(v: Any, where: str) -> tuple[str, ...]:
 
 
 def _key_types(v: Any, n: int, where: str) -> tuple[str, ...]:
-    if v is None:
+    if v is _ABSENT:
         return ("key",) * n
     if not isinstance(v, list) or len(v) != n or not all(x in KEY_TYPES for x in v):
         _fail(where, f"a list of {n} of {list(KEY_TYPES)}", v)
