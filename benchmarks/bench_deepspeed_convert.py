@@ -104,15 +104,18 @@ def largest_tensor_bytes(src: str) -> tuple[int, int]:
     sys.path.insert(0, ROOT)
     from jax_ucp.importers.deepspeed import DeepSpeedCheckpoint, open_deepspeed_checkpoint
 
-    ck = open_deepspeed_checkpoint(src)
+    checkpoint = open_deepspeed_checkpoint(src)
     import math
 
-    if isinstance(ck, DeepSpeedCheckpoint):
-        sizes = [math.prod(s) for s in ck.shapes.values()]
+    if isinstance(checkpoint, DeepSpeedCheckpoint):
+        sizes = [math.prod(s) for s in checkpoint.shapes.values()]
     else:  # Megatron-DeepSpeed TP/PP: the consolidated size is the sum of the TP fragments (upper bound)
         sizes = [
-            sum(math.prod(ck.ranks[ck.holders[n][0]][t].shapes[n]) for t in range(ck.tp))
-            for n in ck.names
+            sum(
+                math.prod(checkpoint.ranks[checkpoint.holders[n][0]][t].shapes[n])
+                for t in range(checkpoint.tp)
+            )
+            for n in checkpoint.names
         ]
     return max(sizes) * 4, sum(sizes)
 
@@ -227,7 +230,7 @@ def main() -> None:
                 "jax_ucp API": [
                     sys.executable,
                     "-c",
-                    "import sys, time; from jax_ucp.importers.deepspeed import convert_deepspeed; "
+                    "import sys, time; from jax_ucp.conversion import convert_deepspeed; "
                     "t = time.perf_counter(); convert_deepspeed(sys.argv[1], sys.argv[2]); "
                     "print(f'CONVERT_S={time.perf_counter() - t}')",
                     src,

@@ -153,7 +153,7 @@ def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tm
 def test_import_path_needs_neither_jax_nor_orbax(tmp_path, fixture):
     """A conversion is host-only: it must not pay JAX's and Orbax's import (~1 s)."""
     code = (
-        "import sys; from jax_ucp.importers.detect import convert; convert(sys.argv[1], sys.argv[2]); "
+        "import sys; from jax_ucp.conversion import convert; convert(sys.argv[1], sys.argv[2]); "
         "import jax_ucp.cli; print(sorted(m for m in ('jax', 'orbax.checkpoint', 'torch') if m in sys.modules))"
     )
     src = os.path.join(REPO, "tests", "fixtures", *fixture.split("/"))

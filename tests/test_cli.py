@@ -41,8 +41,10 @@ def test_errors_are_one_clear_line(tmp_path):
     r = runner.invoke(app, ["inspect", str(tmp_path / "missing")])
     assert r.exit_code == 2
     assert "error:" in r.output and "missing" in r.output and "Traceback" not in r.output
-    r = runner.invoke(app, ["convert", "deepspeed", str(tmp_path), str(tmp_path / "out")])
+    (tmp_path / "empty").mkdir()
+    r = runner.invoke(app, ["convert", "deepspeed", str(tmp_path / "empty"), str(tmp_path / "out")])
     assert r.exit_code == 2 and "error:" in r.output
+    assert "no DeepSpeed checkpoint" in " ".join(r.output.split())
 
 
 def test_demo_runs_bit_exact(tmp_path):

@@ -18,13 +18,13 @@ import pytest
 from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 
 import jax_ucp
+from jax_ucp.conversion import convert_deepspeed
 from jax_ucp.importers.deepspeed import (
     DeepSpeedImportError,
-    _steps,
-    convert_deepspeed,
     is_deepspeed_checkpoint,
     open_deepspeed_checkpoint,
 )
+from jax_ucp.importers.deepspeed_zero import optimizer_step
 from jax_ucp.importers.torch_pickle import TorchFileError
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
@@ -141,8 +141,14 @@ def test_existing_destination_refused_unless_force(tmp_path):
     with pytest.raises(FileExistsError):
         convert_deepspeed(src, dst)
     assert (dst / "keep.txt").read_text() == "x"
-    convert_deepspeed(src, dst, force=True)
-    assert "params" in jax_ucp.restore(dst)
+    # force replaces a checkpoint, never a folder of the user's
+    with pytest.raises(OSError, match="refusing to replace it even with force=True"):
+        convert_deepspeed(src, dst, force=True)
+    assert (dst / "keep.txt").read_text() == "x"
+    old = convert_deepspeed(os.path.join(FIX, "z2_fp32_dp2", "ckpt"), tmp_path / "old")
+    convert_deepspeed(src, old, force=True)
+    assert jax_ucp.inspect(old).source["path"].startswith(os.path.abspath(src))
+    assert "params" in jax_ucp.restore(old)
 
 
 # ------------------------------------------------------------------ bad input
@@ -219,8 +225,10 @@ def test_truncated_file(tmp_path, which):
 
 
 def test_not_a_checkpoint_and_bad_latest(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
     with pytest.raises(DeepSpeedImportError, match="no DeepSpeed checkpoint here"):
-        convert_deepspeed(tmp_path, tmp_path / "out")
+        convert_deepspeed(empty, tmp_path / "out")
     src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
     open(os.path.join(src, "latest"), "w").write("global_step9")
     with pytest.raises(DeepSpeedImportError, match="latest names tag 'global_step9'"):
@@ -228,11 +236,11 @@ def test_not_a_checkpoint_and_bad_latest(tmp_path):
 
 
 def test_groups_disagreeing_on_step_is_an_error():
-    ck = open_deepspeed_checkpoint(os.path.join(FIX, "z1_fp32_dp3", "ckpt"))
-    assert _steps(ck) == 2
-    st = ck.optim_states[2]["base_optimizer_state"]["state"][0]
-    st["step"] = np.float32(3)
+    checkpoint = open_deepspeed_checkpoint(os.path.join(FIX, "z1_fp32_dp3", "ckpt"))
+    assert optimizer_step(checkpoint) == 2
+    group_state = checkpoint.optim_states[2]["base_optimizer_state"]["state"][0]
+    group_state["step"] = np.float32(3)
     with pytest.raises(
         DeepSpeedImportError, match="disagree on the optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"
     ):
-        _steps(ck)
+        optimizer_step(checkpoint)

@@ -27,7 +27,7 @@ def test_live_against_deepspeed_tools(tmp_path, stage, dtype, world):
     import make_deepspeed_fixtures as M
 
     import jax_ucp
-    from jax_ucp.importers.deepspeed import convert_deepspeed
+    from jax_ucp.conversion import convert_deepspeed
 
     work = str(tmp_path / "run")
     M.train(stage, dtype, world, work, port=29800 + 10 * stage + world)

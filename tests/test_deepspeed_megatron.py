@@ -22,11 +22,8 @@ import pytest
 from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 
 import jax_ucp
-from jax_ucp.importers.deepspeed import (
-    DeepSpeedImportError,
-    convert_deepspeed,
-    open_deepspeed_checkpoint,
-)
+from jax_ucp.conversion import convert_deepspeed
+from jax_ucp.importers.deepspeed import DeepSpeedImportError, open_deepspeed_checkpoint
 from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,9 +114,9 @@ def test_kinds_come_from_universal_checkpoint_info(converted):
     assert m.source["layout"] == "megatron-deepspeed" and (m.source["tp"], m.source["pp"]) == (2, 1)
     assert m.source["original_vocab_size"] == 37 and m.source["padded_vocab_size"] == 48
     kinds = json.load(open(os.path.join(FIX, name, "run.json")))["kinds"]
-    ck = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
-    assert isinstance(ck, MegatronDeepSpeedCheckpoint)
-    matches = ck.__dict__["_matches"]
+    checkpoint = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
+    assert isinstance(checkpoint, MegatronDeepSpeedCheckpoint)
+    matches = checkpoint.matches
     expect = {
         "replicated": "replicated",
         "averaged": "averaged",
@@ -138,14 +135,15 @@ def test_kinds_come_from_universal_checkpoint_info(converted):
 
 def test_pipeline_tied_embedding_and_layer_files(converted):
     name = "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic"
-    ck = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
-    assert (ck.tp, ck.pp, ck.dp) == (2, 2, 2)
-    assert ck.holders["tied_modules.embed.word_embeddings.weight"] == [0, 1]
-    assert ck.holders["3.self_attention.dense.weight"] == [1]
+    checkpoint = open_deepspeed_checkpoint(os.path.join(FIX, name, "ckpt"))
+    assert (checkpoint.tp, checkpoint.pp, checkpoint.dp) == (2, 2, 2)
+    assert checkpoint.holders["tied_modules.embed.word_embeddings.weight"] == [0, 1]
+    assert checkpoint.holders["3.self_attention.dense.weight"] == [1]
     # model weights come from the layer files (the mp_rank files hold module=None)
-    assert ck.module["2.mlp.dense_h_to_4h.weight"][1][1] == "layer_02-model_01-model_states.pt"
+    weights = checkpoint.module
+    assert weights["2.mlp.dense_h_to_4h.weight"][1][1] == "layer_02-model_01-model_states.pt"
     assert (
-        ck.module["tied_modules.embed.word_embeddings.weight"][0][1]
+        weights["tied_modules.embed.word_embeddings.weight"][0][1]
         == "layer_01-model_00-model_states.pt"
     )
 
@@ -190,15 +188,19 @@ def test_all_tp_ranks_but_zero_missing(tmp_path):
     assert_destination_untouched(str(tmp_path / "out"))
 
 
-def _tamper_replicated(ck, name: str, t: int, value: float) -> None:
-    """Change TP rank t's fp32 copy of ``name`` in memory (its first element)."""
-    r = ck.ranks[ck.holders[name][0]][t]
-    g, pieces = r.__dict__["_plan"][name]
-    p = pieces[0]
-    osd = r.optim_states[p.rank]
-    arr = np.array(osd["single_partition_of_fp32_groups"][g])
-    arr[p.start] = value
-    osd["single_partition_of_fp32_groups"][g] = arr
+def _tamper_fp32(rank, name: str, change) -> None:
+    """Change one ZeRO rank's fp32 master of ``name`` in memory (its first element)."""
+    fragments = rank.fragment_plan[name]
+    piece = fragments.pieces[0]
+    partitions = rank.optim_states[piece.dp_rank]["single_partition_of_fp32_groups"]
+    changed = np.array(partitions[fragments.group])
+    changed[piece.start] = change(changed[piece.start])
+    partitions[fragments.group] = changed
+
+
+def _tamper_replicated(checkpoint, name: str, tp_rank: int, value: float) -> None:
+    """Change TP rank ``tp_rank``'s fp32 copy of ``name`` in memory (its first element)."""
+    _tamper_fp32(checkpoint.ranks[checkpoint.holders[name][0]][tp_rank], name, lambda _: value)
 
 
 def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
@@ -208,9 +210,9 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
     real_open = meg.open_megatron_deepspeed_checkpoint
 
     def tampered(tag_dir, **kw):
-        ck = real_open(tag_dir, **kw)
-        _tamper_replicated(ck, name, 1, 123.0)
-        return ck
+        checkpoint = real_open(tag_dir, **kw)
+        _tamper_replicated(checkpoint, name, 1, 123.0)
+        return checkpoint
 
     monkeypatch.setattr(meg, "open_megatron_deepspeed_checkpoint", tampered)
     dst = str(tmp_path / "out")
@@ -230,14 +232,9 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
     real_open = meg.open_megatron_deepspeed_checkpoint
 
     def tampered(tag_dir, **kw):
-        ck = real_open(tag_dir, **kw)
-        r = ck.ranks[1][0]
-        g, pieces = r.__dict__["_plan"][name]
-        osd = r.optim_states[pieces[0].rank]
-        arr = np.array(osd["single_partition_of_fp32_groups"][g])
-        arr[pieces[0].start] += 1.0
-        osd["single_partition_of_fp32_groups"][g] = arr
-        return ck
+        checkpoint = real_open(tag_dir, **kw)
+        _tamper_fp32(checkpoint.ranks[1][0], name, lambda value: value + 1.0)
+        return checkpoint
 
     monkeypatch.setattr(meg, "open_megatron_deepspeed_checkpoint", tampered)
     dst = str(tmp_path / "out")
@@ -252,9 +249,9 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
 
 
 def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
-    from jax_ucp.importers import deepspeed_megatron as meg
+    from jax_ucp.importers import deepspeed_files
 
-    real_load = meg._load
+    real_load = deepspeed_files.load_deepspeed_file
 
     def load(path):
         d = real_load(path)
@@ -263,7 +260,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
             d.pop("universal_checkpoint_info", None)
         return d
 
-    monkeypatch.setattr(meg, "_load", load)
+    monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", load)
     src = os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ckpt")
     with pytest.raises(DeepSpeedImportError, match="no universal_checkpoint_info"):
         convert_deepspeed(src, tmp_path / "out")
@@ -283,16 +280,17 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
     from jax_ucp.importers import deepspeed_megatron as meg
 
-    ck = open_deepspeed_checkpoint(
+    checkpoint = open_deepspeed_checkpoint(
         os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt")
     )
-    assert meg._steps_all(ck) == 2
-    ck.ranks[0][1].optim_states[1]["base_optimizer_state"]["state"][0]["step"] = np.float32(3)
+    assert meg.optimizer_step(checkpoint) == 2
+    rank = checkpoint.ranks[0][1]
+    rank.optim_states[1]["base_optimizer_state"]["state"][0]["step"] = np.float32(3)
     with pytest.raises(
         DeepSpeedImportError,
         match=r"disagree on the optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01",
     ):
-        meg._steps_all(ck)
+        meg.optimizer_step(checkpoint)
 
 
 # ------------------------------------------------------------------ live (torch + deepspeed)
@@ -358,7 +356,7 @@ def test_restricted_reader_matches_torch_load():
 
 def test_sub_params_legacy_count_and_uneven_shard_widths():
     """DeepSpeed's two sub-param metadata forms, resolved per tensor like merge_tp_slices."""
-    from jax_ucp.importers.deepspeed_megatron import _adjust_kind
+    from jax_ucp.importers.deepspeed_megatron import resolve_sub_params
     from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
     from jax_ucp.language import merge
 
@@ -371,7 +369,7 @@ def test_sub_params_legacy_count_and_uneven_shard_widths():
     kind = spec_from_ucp_info(info).match("layers.0.qkv.weight").kind
     a, b = full[:5], full[5:]
     frags = [np.concatenate([a[:2], b[:2]]), np.concatenate([a[2:4], b[2:4]])]
-    k = _adjust_kind(kind, "layers.0.qkv.weight", info, [f.shape[0] for f in frags])
+    k = resolve_sub_params(kind, "layers.0.qkv.weight", info, [f.shape[0] for f in frags])
     np.testing.assert_array_equal(merge(k, frags), np.concatenate([a[:4], b[:4]]))
     # v0.4: physical sizes (6, 4) with uneven per-rank widths [[4, 2], [1, 3]]
     info = {
@@ -384,7 +382,7 @@ def test_sub_params_legacy_count_and_uneven_shard_widths():
     kind = spec_from_ucp_info(info).match("layers.0.qkv.weight").kind
     q, kv = full[:6], full[6:]
     frags = [np.concatenate([q[:4], kv[:1]]), np.concatenate([q[4:], kv[1:]])]
-    k = _adjust_kind(kind, "layers.0.qkv.weight", info, [5, 5])
+    k = resolve_sub_params(kind, "layers.0.qkv.weight", info, [5, 5])
     np.testing.assert_array_equal(merge(k, frags), full)
 
 

@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.deepspeed import convert_deepspeed
+from jax_ucp.conversion import convert_deepspeed
 from jax_ucp.language import RestoreRule, Spec, optax_chain_roots
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.conversion import convert_megatron
 from jax_ucp.importers import megatron_dcp as dcp
-from jax_ucp.importers.megatron import MegatronImportError, convert_megatron, detect_megatron
+from jax_ucp.importers.megatron import MegatronImportError, detect_megatron
 
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron_testing import (  # noqa: E402
@@ -69,8 +70,10 @@ def test_detect(name):
 
 def test_detect_rejects_other_dirs(tmp_path):
     assert detect_megatron(tmp_path) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
     with pytest.raises(MegatronImportError, match="not a Megatron checkpoint"):
-        convert_megatron(tmp_path, tmp_path / "out")
+        convert_megatron(empty, tmp_path / "out")
 
 
 # ------------------------------------------------------------------ exactness vs torch DCP
@@ -368,7 +371,9 @@ def test_convert_detects_megatron_and_cli(tmp_path):
     )
     assert res.exit_code == 0, res.output
     assert jax_ucp.restore(tmp_path / "c")["params"]["output_layer.weight"].shape == (VOCAB, 32)
-    res = CliRunner().invoke(app, ["convert", "megatron", str(tmp_path), str(tmp_path / "d")])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = CliRunner().invoke(app, ["convert", "megatron", str(empty), str(tmp_path / "d")])
     assert res.exit_code != 0 and "not a Megatron" in " ".join(res.output.split())
     assert not (tmp_path / "d").exists()
 

@@ -70,7 +70,7 @@ def test_regenerate_and_import_live(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     import jax_ucp
-    from jax_ucp.importers.megatron import convert_megatron
+    from jax_ucp.conversion import convert_megatron
 
     m = _script()
     for name in names[:2]:

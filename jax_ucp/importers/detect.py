@@ -1,9 +1,13 @@
-"""Which torch checkpoint format a directory holds, and ``convert`` dispatching on it."""
+"""Which torch checkpoint format a directory holds, and the importer that plans its import."""
 
 from __future__ import annotations
 
 import glob
 import os
+from typing import Any
+
+from jax_ucp.importers import deepspeed, megatron
+from jax_ucp.importers.plan import ImportPlan
 
 
 def detect_format(src) -> str:
@@ -13,7 +17,10 @@ def detect_format(src) -> str:
         raise FileNotFoundError(
             f"{src}: not a directory (expected a DeepSpeed or Megatron checkpoint folder)."
         )
-    has = lambda *pats: any(glob.glob(os.path.join(src, p)) for p in pats)
+
+    def has(*patterns: str) -> bool:
+        return any(glob.glob(os.path.join(src, pattern)) for pattern in patterns)
+
     if has(
         "latest_checkpointed_iteration.txt",
         "iter_*",
@@ -37,17 +44,19 @@ def detect_format(src) -> str:
     )
 
 
-def convert(source, dest, *, spec=None, format: str | None = None, **kwargs):
-    """Imports ``source`` (format detected unless given) into a UCP checkpoint at ``dest``."""
-    fmt = format or detect_format(source)
-    if fmt == "deepspeed":
-        from jax_ucp.importers import deepspeed
+def plan_import(
+    source, *, format: str | None = None, spec: Any = None, **options: Any
+) -> ImportPlan:
+    """The import of ``source`` by the importer of its format (detected unless given).
 
-        if spec is not None:
-            kwargs["spec"] = spec
-        return deepspeed.convert_deepspeed(source, dest, **kwargs)
-    if fmt == "megatron":
-        from jax_ucp.importers import megatron
-
-        return megatron.convert_megatron(source, dest, spec=spec, **kwargs)
-    raise ValueError(f"Unknown checkpoint format {fmt!r} (expected 'deepspeed' or 'megatron').")
+    ``spec``: a UCP-language spec with import rules / settings. ``options`` are the importer's
+    own (DeepSpeed: ``tag=``; Megatron: ``vocab_size=``).
+    """
+    checkpoint_format = format or detect_format(source)
+    if checkpoint_format == "deepspeed":
+        return deepspeed.plan_deepspeed(source, spec=spec, **options)
+    if checkpoint_format == "megatron":
+        return megatron.plan_megatron(source, spec=spec, **options)
+    raise ValueError(
+        f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed' or 'megatron')."
+    )

@@ -27,20 +27,35 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jax_ucp import writer
 from jax_ucp.importers import megatron_dcp as dcp
 from jax_ucp.importers import megatron_legacy as legacy
-from jax_ucp.importers import torch_pickle as tp
+from jax_ucp.importers import torch_pickle
+from jax_ucp.importers.plan import ImportPlan, agreed_step, host_item
+from jax_ucp.language import (
+    QKV,
+    ImportRule,
+    MergeError,
+    Partitioned,
+    PipelineTied,
+    Replicated,
+    Spec,
+    SwiGLU,
+    Vocab,
+    load_spec,
+    merge,
+)
 
 __all__ = [
     "MegatronImportError",
-    "convert_megatron",
+    "plan_megatron",
     "detect_megatron",
     "is_megatron_checkpoint",
     "default_import_rules",
@@ -62,342 +77,103 @@ class MegatronSource:
 
 def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     """torch_dist or legacy, from a checkpoint root (with the tracker file) or an iter directory."""
-    p = Path(src)
-    if not p.is_dir():
+    path = Path(src)
+    if not path.is_dir():
         return None
-    if (p / ".metadata").is_file():
-        return MegatronSource("torch_dist", p, p, _iter_of(p))
+    if (path / ".metadata").is_file():
+        return MegatronSource("torch_dist", path, path, _iteration_of(path))
     try:
-        root, it_dir, it = legacy.resolve_iteration_dir(p)
+        root, iteration_dir, iteration = legacy.resolve_iteration_dir(path)
     except legacy.LegacyError:
         return None
-    if (it_dir / ".metadata").is_file():
-        return MegatronSource("torch_dist", root, it_dir, it)
-    if any(d.name.startswith("mp_rank_") for d in it_dir.iterdir() if d.is_dir()):
-        return MegatronSource("legacy", root, it_dir, it)
+    if (iteration_dir / ".metadata").is_file():
+        return MegatronSource("torch_dist", root, iteration_dir, iteration)
+    if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
+        return MegatronSource("legacy", root, iteration_dir, iteration)
     return None
 
 
-def _iter_of(p: Path) -> int | None:
-    m = re.fullmatch(r"iter_(\d+)", p.name)
-    return int(m.group(1)) if m else None
+def _iteration_of(path: Path) -> int | None:
+    match = re.fullmatch(r"iter_(\d+)", path.name)
+    return int(match.group(1)) if match else None
 
 
 def is_megatron_checkpoint(src: os.PathLike | str) -> bool:
     return detect_megatron(src) is not None
 
 
+# ----------------------------------------------------------------------------- entry point
+
+
+def plan_megatron(
+    src: os.PathLike | str, *, spec: Any = None, vocab_size: int | None = None
+) -> ImportPlan:
+    """The import of a Megatron checkpoint (torch_dist or legacy; detected).
+
+    ``spec``: a :class:`jax_ucp.language.Spec`, a shipped spec name or a TOML path; its settings
+    (e.g. ``vocab_size``) and import rules are used. ``vocab_size`` (the tokenizer's, before
+    Megatron's padding) overrides the spec's. Every check that needs no tensor bytes runs before
+    this returns.
+    """
+    source_dir = detect_megatron(src)
+    if source_dir is None:
+        raise MegatronImportError(
+            f"{src}: not a Megatron checkpoint (no .metadata, no "
+            f"latest_checkpointed_iteration.txt / iter_NNNNNNN/mp_rank_* layout)"
+        )
+    user_spec = None if spec is None else spec if isinstance(spec, Spec) else load_spec(spec)
+    settings: dict[str, Any] = dict(user_spec.env) if user_spec is not None else {}
+    if vocab_size is not None:
+        settings["vocab_size"] = int(vocab_size)
+    try:
+        if source_dir.format == "torch_dist":
+            plan = _plan_torch_dist(source_dir, user_spec, settings)
+        else:
+            plan = _plan_legacy(source_dir, user_spec, settings)
+    except (dcp.DcpError, legacy.LegacyError) as e:
+        raise MegatronImportError(str(e)) from None
+    info = dict(plan.source)
+    iteration = info.pop("iteration", None)
+    source = {
+        "framework": "megatron",
+        "path": os.path.abspath(source_dir.ckpt_dir),
+        "iteration": source_dir.iteration if source_dir.iteration is not None else iteration,
+        "vocab_size": settings.get("vocab_size"),
+        "settings": _jsonable(settings),
+        **_jsonable(info),
+    }
+    if settings.get("vocab_size") is None:
+        source.setdefault("notes", []).append(
+            "vocab padding kept: the original vocab size was not given (vocab_size= / --vocab-size)"
+        )
+    return ImportPlan(_reader_errors_named(plan.items), source, plan.total_params)
+
+
+def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
+    """``items``, with the readers' errors met while reading raised as this importer's."""
+    try:
+        yield from items
+    except (dcp.DcpError, legacy.LegacyError) as e:
+        raise MegatronImportError(str(e)) from None
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return value.item()
+    return str(value)
+
+
 # ----------------------------------------------------------------------------- import rules
 
 _VOCAB = r"(?:.*\.)?(?:embedding\.word_embeddings\.weight|output_layer\.(?:weight|bias))"
 
-
-def default_import_rules(settings: Mapping[str, Any]) -> list:
-    """How each Megatron tensor is spread over TP ranks (megatron-core and older Megatron-LM names).
-
-    Dims count from the end so the same rule covers per-layer and stacked ``[L, ...]`` tensors.
-    ``qkv`` is used when the head counts are known (it checks the per-query-group layout),
-    ``swiglu`` when the MLP is gated; otherwise plain ``partitioned``.
-    """
-    from jax_ucp.language import QKV, ImportRule, Partitioned, Replicated, SwiGLU, Vocab
-
-    s = settings
-    vocab = (
-        Vocab(dim=0, vocab_size=int(s["vocab_size"]))
-        if s.get("vocab_size") is not None
-        else Partitioned(dim=0)
-    )
-    heads, groups, hd = s.get("num_attention_heads"), s.get("num_query_groups"), s.get("head_dim")
-    if heads and hd:
-        qkv_w = QKV(
-            dim=-2, num_heads=int(heads), num_kv_heads=int(groups or heads), head_dim=int(hd)
-        )
-        qkv_b = QKV(
-            dim=-1, num_heads=int(heads), num_kv_heads=int(groups or heads), head_dim=int(hd)
-        )
-    else:
-        qkv_w, qkv_b = Partitioned(dim=-2), Partitioned(dim=-1)
-    gated = bool(s.get("swiglu") or s.get("gated_linear_unit"))
-    fc1_w, fc1_b = (
-        (SwiGLU(dim=-2), SwiGLU(dim=-1)) if gated else (Partitioned(dim=-2), Partitioned(dim=-1))
-    )
-    opt = dict(required=False)
-    return [
-        ImportRule(_VOCAB, vocab, label="vocab-parallel embedding / output layer", **opt),
-        ImportRule(r"(?:.*\.)?position_embeddings\.weight", Replicated(), **opt),
-        ImportRule(r".*\.(?:linear_qkv|query_key_value)\.weight", qkv_w, label="fused qkv", **opt),
-        ImportRule(
-            r".*\.(?:linear_qkv|query_key_value)\.bias", qkv_b, label="fused qkv bias", **opt
-        ),
-        ImportRule(r".*\.(?:linear_fc1|dense_h_to_4h)\.weight", fc1_w, label="fc1", **opt),
-        ImportRule(r".*\.(?:linear_fc1|dense_h_to_4h)\.bias", fc1_b, label="fc1 bias", **opt),
-        ImportRule(
-            r".*\.(?:linear_proj|dense|linear_fc2|dense_4h_to_h)\.weight",
-            Partitioned(dim=-1),
-            label="row-parallel",
-            **opt,
-        ),
-        ImportRule(
-            r".*\.(?:linear_proj|dense|linear_fc2|dense_4h_to_h)\.bias",
-            Replicated(),
-            label="row-parallel bias",
-            **opt,
-        ),
-        ImportRule(
-            r".*(?:norm|layer_norm)[^.]*\.(?:weight|bias)", Replicated(), label="norms", **opt
-        ),
-        ImportRule(r".*\.router\.(?:weight|expert_bias)", Replicated(), label="MoE router", **opt),
-    ]
-
-
-def _resolve_spec(spec) -> Any:
-    if spec is None:
-        return None
-    from jax_ucp.language import Spec, load_spec
-
-    if isinstance(spec, Spec):
-        return spec
-    return load_spec(spec)
-
-
-def _make_spec(user_spec, settings: dict):
-    """The spec used to classify names: the user's import rules if it has any, else the defaults."""
-    from jax_ucp.language import Spec
-
-    if user_spec is not None and user_spec.imports:
-        return user_spec.with_settings(**{k: v for k, v in settings.items() if v is not None})
-    return Spec(
-        name="megatron-default-import",
-        settings={k: v for k, v in settings.items() if v is not None},
-        imports=tuple(default_import_rules(settings)),
-        strict=False,
-    )
-
-
-# ----------------------------------------------------------------------------- shared output
-
-
-@dataclass(frozen=True)
-class _Out:
-    key: tuple[str, ...]
-    value: Any
-    provenance: dict
-
-
-def _steps_from_param_groups(groups: Any, where: str) -> int:
-    if not isinstance(groups, list) or not groups:
-        raise MegatronImportError(
-            f"{where}: optimizer param_groups missing or empty; cannot recover the step"
-        )
-    seen = {}
-    for i, g in enumerate(groups):
-        if not isinstance(g, dict) or "step" not in g:
-            raise MegatronImportError(f"{where}: optimizer param_groups[{i}] has no 'step'")
-        seen.setdefault(float(np.asarray(g["step"])), i)
-    if len(seen) > 1:
-        raise MegatronImportError(
-            f"{where}: parameter groups disagree on the optimizer step: "
-            + ", ".join(f"{k:g} (group {v})" for k, v in seen.items())
-        )
-    (v,) = seen
-    if v != int(v) or not 0 <= v < 2**31:
-        raise MegatronImportError(f"{where}: optimizer step {v} is not a valid int32 count")
-    return int(v)
-
-
-# ----------------------------------------------------------------------------- torch_dist
-
-_OPT_PREFIX = "optimizer.state."
-_OPT_KINDS = {
-    "param": ("params",),
-    "fp32_param": ("params",),
-    "exp_avg": ("opt_state", "mu"),
-    "exp_avg_sq": ("opt_state", "nu"),
-}
-
-
-def _plan_torch_dist(
-    src: MegatronSource, spec, settings: dict
-) -> tuple[list[_Out], Iterator[_Out], dict]:
-    ck = dcp.open_dcp(src.ckpt_dir)
-    backend = ck.mcore_metadata.get("sharded_backend")
-    if backend not in (None, "torch_dist"):
-        raise MegatronImportError(
-            f"{ck.path / 'metadata.json'}: sharded_backend {backend!r} is not supported "
-            f"(only 'torch_dist')"
-        )
-    ck.check_files()
-    for t in ck.tensors.values():
-        dcp.check_coverage(t, ck.path / ".metadata")
-    common_path = ck.path / "common.pt"
-    common: Any = {}
-    if common_path.is_file():
-        try:
-            common = tp.load_torch_file(common_path, legacy.LEGACY_CLASSES)
-        except tp.TorchFileError as e:
-            raise MegatronImportError(str(e)) from None
-    if not settings.get("num_layers") and isinstance(common, dict):
-        settings.update(
-            {
-                k: v
-                for k, v in legacy._args_dict(common.get("args")).items()
-                if k in _ARG_SETTINGS and settings.get(k) is None
-            }
-        )
-    model_names = [n for n in ck.tensors if not n.startswith("optimizer.")]
-    opt_names = [n for n in ck.tensors if n.startswith("optimizer.")]
-    opt: dict[str, dict[str, str]] = {}
-    for n in opt_names:
-        if not n.startswith(_OPT_PREFIX):
-            raise MegatronImportError(
-                f"tensor {n!r} in {ck.path / '.metadata'}: unsupported distributed-optimizer layout "
-                f"({_sharding_type(common)!r}); only 'fully_reshardable' (model-space) state is supported"
-            )
-        rest = n[len(_OPT_PREFIX) :]
-        kind, _, pname = rest.partition(".")
-        if kind not in _OPT_KINDS:
-            raise MegatronImportError(
-                f"tensor {n!r} in {ck.path / '.metadata'}: unknown optimizer state {kind!r}"
-            )
-        opt.setdefault(pname, {})[kind] = n
-    has_opt = bool(opt)
-    if has_opt:
-        st = _sharding_type(common)
-        if st not in (None, "fully_reshardable"):
-            raise MegatronImportError(
-                f"{common_path}: distributed optimizer sharding type {st!r} is not supported "
-                f"(re-save with metadata['distrib_optim_sharding_type']='fully_reshardable')"
-            )
-        for pname in model_names:
-            have = opt.get(pname, {})
-            if "param" in have and "fp32_param" in have:
-                raise MegatronImportError(
-                    f"tensor {pname!r}: both {have['param']!r} and {have['fp32_param']!r} "
-                    f"in {ck.path / '.metadata'}; expected one master-weight tensor"
-                )
-            miss = [k for k in ("exp_avg", "exp_avg_sq") if k not in have] + (
-                [] if ("param" in have or "fp32_param" in have) else ["param"]
-            )
-            if miss:
-                raise MegatronImportError(
-                    f"tensor {pname!r}: optimizer state {miss} missing in {ck.path / '.metadata'}"
-                )
-        for pname, have in opt.items():
-            if pname not in ck.tensors:
-                raise MegatronImportError(
-                    f"optimizer state {sorted(have.values())} refers to model tensor {pname!r} "
-                    f"that is not in {ck.path / '.metadata'}"
-                )
-            for n in have.values():
-                if ck.tensors[n].shape != ck.tensors[pname].shape:
-                    raise MegatronImportError(
-                        f"tensor {n!r}: shape {list(ck.tensors[n].shape)} differs from the parameter's "
-                        f"{list(ck.tensors[pname].shape)} in {ck.path / '.metadata'} (flattened model-space "
-                        f"optimizer state from megatron-core < 0.14 is not supported)"
-                    )
-        groups = (
-            (common.get("optimizer", {}) or {}).get("optimizer", {}).get("param_groups")
-            if isinstance(common, dict)
-            else None
-        )
-        count = _steps_from_param_groups(groups, str(common_path))
-    spec_c = _make_spec(spec, settings)
-    from jax_ucp.language import Vocab
-
-    def vocab_kind(name):
-        m = spec_c.match(name)
-        return (
-            m.kind
-            if m is not None and isinstance(m.kind, Vocab) and isinstance(m.kind.vocab_size, int)
-            else None
-        )
-
-    # known before any byte is read, so the manifest can record it
-    stripped = {
-        n: [ck.tensors[n].shape[0], int(vocab_kind(n).vocab_size)]
-        for n in model_names
-        if vocab_kind(n) is not None and ck.tensors[n].shape[0] > int(vocab_kind(n).vocab_size)
-    }
-
-    def read(tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
-        """Read one tensor; vocab-parallel ones keep only the tokenizer's rows."""
-        k = vocab_kind(rule_name)
-        if k is None or k.dim != 0:
-            return ck.read(tensor), "torch_dist-global"
-        n = ck.tensors[tensor].shape[0]
-        if n < k.vocab_size:
-            raise MegatronImportError(
-                f"tensor {tensor!r}: {n} rows, fewer than vocab_size={k.vocab_size} "
-                f"({ck.path / '.metadata'})"
-            )
-        return ck.read(tensor, rows=k.vocab_size), f"vocab(strip {n} -> {k.vocab_size})"
-
-    model_dtypes = {ck.tensors[n].dtype for n in model_names}
-    want_model = has_opt and any(d != np.dtype(np.float32) for d in model_dtypes)
-
-    def items() -> Iterator[_Out]:
-        for name in model_names:
-            t = ck.tensors[name]
-            prov = {"format": "torch_dist", "files": t.files, "chunks": len(t.chunks)}
-            if not has_opt:
-                arr, pat = read(name, name)
-                yield _Out(("params", name), arr, {**prov, "pattern": pat})
-                continue
-            for kind, top in _OPT_KINDS.items():
-                n = opt[name].get(kind)
-                if n is None:
-                    continue
-                if top == ("params",) and ck.tensors[n].dtype != np.dtype(np.float32):
-                    raise MegatronImportError(
-                        f"tensor {n!r}: master weights have dtype {ck.tensors[n].dtype}, "
-                        f"expected float32 ({', '.join(ck.tensors[n].files)})"
-                    )
-                arr, pat = read(n, name)
-                yield _Out(
-                    (*top, name),
-                    arr,
-                    {
-                        "format": "torch_dist",
-                        "files": ck.tensors[n].files,
-                        "source_name": n,
-                        "pattern": pat,
-                    },
-                )
-            if want_model:
-                arr, pat = read(name, name)
-                yield _Out(("model_params", name), arr, {**prov, "pattern": pat})
-        if has_opt:
-            yield _Out(
-                ("opt_state", "count"),
-                np.asarray(count, np.int32),
-                {"files": ["common.pt"], "pattern": "param_groups.step"},
-            )
-
-    it = common.get("iteration") if isinstance(common, dict) else None
-    info = {
-        "format": "torch_dist",
-        "tensors": len(model_names),
-        "optimizer": has_opt,
-        "iteration": it if type(it) is int else None,
-        "skipped_objects": sorted(ck.objects),
-        "vocab_stripped": stripped,
-        "mcore_metadata": ck.mcore_metadata,
-        "dcp_version": ck.version,
-        "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
-    }
-    return model_names, items(), info
-
-
-def _sharding_type(common: Any) -> str | None:
-    if isinstance(common, dict):
-        o = common.get("optimizer")
-        if isinstance(o, dict):
-            return o.get("param_state_sharding_type")
-    return None
-
-
-# ----------------------------------------------------------------------------- legacy
-
+# Megatron-LM run arguments (pickled argparse.Namespace) taken as import settings.
 _ARG_SETTINGS = (
     "num_layers",
     "hidden_size",
@@ -420,297 +196,586 @@ _ARG_SETTINGS = (
     "add_bias_linear",
     "max_position_embeddings",
 )
+
+
+def default_import_rules(settings: Mapping[str, Any]) -> list:
+    """How each Megatron tensor is spread over TP ranks (megatron-core and older Megatron-LM names).
+
+    Dims count from the end so the same rule covers per-layer and stacked ``[L, ...]`` tensors.
+    ``qkv`` is used when the head counts are known (it checks the per-query-group layout),
+    ``swiglu`` when the MLP is gated; otherwise plain ``partitioned``.
+    """
+    vocab = (
+        Vocab(dim=0, vocab_size=int(settings["vocab_size"]))
+        if settings.get("vocab_size") is not None
+        else Partitioned(dim=0)
+    )
+    heads, groups = settings.get("num_attention_heads"), settings.get("num_query_groups")
+    head_dim = settings.get("head_dim")
+    if heads and head_dim:
+        kv_heads = int(groups or heads)
+        qkv_weight = QKV(
+            dim=-2, num_heads=int(heads), num_kv_heads=kv_heads, head_dim=int(head_dim)
+        )
+        qkv_bias = QKV(dim=-1, num_heads=int(heads), num_kv_heads=kv_heads, head_dim=int(head_dim))
+    else:
+        qkv_weight, qkv_bias = Partitioned(dim=-2), Partitioned(dim=-1)
+    gated = bool(settings.get("swiglu") or settings.get("gated_linear_unit"))
+    fc1_weight, fc1_bias = (
+        (SwiGLU(dim=-2), SwiGLU(dim=-1)) if gated else (Partitioned(dim=-2), Partitioned(dim=-1))
+    )
+    optional = dict(required=False)
+    row_parallel = r".*\.(?:linear_proj|dense|linear_fc2|dense_4h_to_h)"
+    return [
+        ImportRule(_VOCAB, vocab, label="vocab-parallel embedding / output layer", **optional),
+        ImportRule(r"(?:.*\.)?position_embeddings\.weight", Replicated(), **optional),
+        ImportRule(
+            r".*\.(?:linear_qkv|query_key_value)\.weight", qkv_weight, label="fused qkv", **optional
+        ),
+        ImportRule(
+            r".*\.(?:linear_qkv|query_key_value)\.bias",
+            qkv_bias,
+            label="fused qkv bias",
+            **optional,
+        ),
+        ImportRule(
+            r".*\.(?:linear_fc1|dense_h_to_4h)\.weight", fc1_weight, label="fc1", **optional
+        ),
+        ImportRule(
+            r".*\.(?:linear_fc1|dense_h_to_4h)\.bias", fc1_bias, label="fc1 bias", **optional
+        ),
+        ImportRule(
+            rf"{row_parallel}\.weight", Partitioned(dim=-1), label="row-parallel", **optional
+        ),
+        ImportRule(rf"{row_parallel}\.bias", Replicated(), label="row-parallel bias", **optional),
+        ImportRule(
+            r".*(?:norm|layer_norm)[^.]*\.(?:weight|bias)", Replicated(), label="norms", **optional
+        ),
+        ImportRule(
+            r".*\.router\.(?:weight|expert_bias)", Replicated(), label="MoE router", **optional
+        ),
+    ]
+
+
+def _import_spec(user_spec: Spec | None, settings: dict) -> Spec:
+    """The spec used to classify names: the user's import rules if it has any, else the defaults."""
+    known = {k: v for k, v in settings.items() if v is not None}
+    if user_spec is not None and user_spec.imports:
+        return user_spec.with_settings(**known)
+    return Spec(
+        name="megatron-default-import",
+        settings=known,
+        imports=tuple(default_import_rules(settings)),
+        strict=False,
+    )
+
+
+def _step_from_param_groups(groups: Any, where: str) -> int:
+    """The optimizer step of a torch optimizer state's ``param_groups`` (all groups agree)."""
+    if not isinstance(groups, list) or not groups:
+        raise MegatronImportError(
+            f"{where}: optimizer param_groups missing or empty; cannot recover the step"
+        )
+    seen: dict[float, str] = {}
+    for index, group in enumerate(groups):
+        if not isinstance(group, dict) or "step" not in group:
+            raise MegatronImportError(f"{where}: optimizer param_groups[{index}] has no 'step'")
+        seen.setdefault(float(np.asarray(group["step"])), f"(group {index})")
+    return agreed_step(seen, where, recorded_by="parameter groups", error=MegatronImportError)
+
+
+# ----------------------------------------------------------------------------- torch_dist
+
+_OPTIMIZER_PREFIX = "optimizer.state."
+# megatron-core's optimizer state names, and where each goes in the output tree
+_OPTIMIZER_STATE_TREES = {
+    "param": ("params",),
+    "fp32_param": ("params",),
+    "exp_avg": ("opt_state", "mu"),
+    "exp_avg_sq": ("opt_state", "nu"),
+}
+
+
+def _plan_torch_dist(source_dir: MegatronSource, spec: Spec | None, settings: dict) -> ImportPlan:
+    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info."""
+    checkpoint, common, common_path = _open_torch_dist(source_dir.ckpt_dir)
+    if not settings.get("num_layers") and isinstance(common, dict):
+        for key, value in legacy.args_dict(common.get("args")).items():
+            if key in _ARG_SETTINGS and settings.get(key) is None:
+                settings[key] = value
+    model_names = [n for n in checkpoint.tensors if not n.startswith("optimizer.")]
+    optimizer_tensors = _optimizer_tensors(checkpoint, common)
+    count = None
+    if optimizer_tensors:
+        _check_optimizer_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)
+        optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
+        count = _step_from_param_groups(_param_groups(optimizer_state), str(common_path))
+    reader = _TorchDistReader(checkpoint, _import_spec(spec, settings))
+    model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
+    want_model = bool(optimizer_tensors) and any(d != np.dtype(np.float32) for d in model_dtypes)
+    iteration = common.get("iteration") if isinstance(common, dict) else None
+    info = {
+        "format": "torch_dist",
+        "tensors": len(model_names),
+        "optimizer": bool(optimizer_tensors),
+        "iteration": iteration if type(iteration) is int else None,
+        "skipped_objects": sorted(checkpoint.objects),
+        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
+        "mcore_metadata": checkpoint.mcore_metadata,
+        "dcp_version": checkpoint.version,
+        "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
+    }
+    items = _torch_dist_items(reader, model_names, optimizer_tensors, count, want_model)
+    return ImportPlan(items, info, len(model_names))
+
+
+def _open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
+    """The checkpoint with every shard file and chunk tiling checked, and its ``common.pt``."""
+    checkpoint = dcp.open_dcp(ckpt_dir)
+    backend = checkpoint.mcore_metadata.get("sharded_backend")
+    if backend not in (None, "torch_dist"):
+        raise MegatronImportError(
+            f"{checkpoint.path / 'metadata.json'}: sharded_backend {backend!r} is not supported "
+            f"(only 'torch_dist')"
+        )
+    checkpoint.check_files()
+    for tensor in checkpoint.tensors.values():
+        dcp.check_coverage(tensor, checkpoint.path / ".metadata")
+    common_path = checkpoint.path / "common.pt"
+    common: Any = {}
+    if common_path.is_file():
+        try:
+            common = torch_pickle.load_torch_file(common_path, legacy.LEGACY_CLASSES)
+        except torch_pickle.TorchFileError as e:
+            raise MegatronImportError(str(e)) from None
+    return checkpoint, common, common_path
+
+
+def _optimizer_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, dict[str, str]]:
+    """``{parameter: {state name: tensor name}}`` of the model-space optimizer state."""
+    found: dict[str, dict[str, str]] = {}
+    for tensor in (n for n in checkpoint.tensors if n.startswith("optimizer.")):
+        if not tensor.startswith(_OPTIMIZER_PREFIX):
+            raise MegatronImportError(
+                f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
+                f"distributed-optimizer layout ({_sharding_type(common)!r}); only "
+                f"'fully_reshardable' (model-space) state is supported"
+            )
+        state_name, _, parameter = tensor[len(_OPTIMIZER_PREFIX) :].partition(".")
+        if state_name not in _OPTIMIZER_STATE_TREES:
+            raise MegatronImportError(
+                f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unknown optimizer state "
+                f"{state_name!r}"
+            )
+        found.setdefault(parameter, {})[state_name] = tensor
+    return found
+
+
+def _check_optimizer_tensors(
+    checkpoint: dcp.DcpCheckpoint,
+    common: Any,
+    common_path: Path,
+    optimizer_tensors: dict[str, dict[str, str]],
+    model_names: list[str],
+) -> None:
+    """One master weight and both moments per parameter, shaped like it, none for an unknown one."""
+    metadata = checkpoint.path / ".metadata"
+    sharding = _sharding_type(common)
+    if sharding not in (None, "fully_reshardable"):
+        raise MegatronImportError(
+            f"{common_path}: distributed optimizer sharding type {sharding!r} is not supported "
+            f"(re-save with metadata['distrib_optim_sharding_type']='fully_reshardable')"
+        )
+    for parameter in model_names:
+        have = optimizer_tensors.get(parameter, {})
+        if "param" in have and "fp32_param" in have:
+            raise MegatronImportError(
+                f"tensor {parameter!r}: both {have['param']!r} and {have['fp32_param']!r} "
+                f"in {metadata}; expected one master-weight tensor"
+            )
+        missing = [k for k in ("exp_avg", "exp_avg_sq") if k not in have] + (
+            [] if ("param" in have or "fp32_param" in have) else ["param"]
+        )
+        if missing:
+            raise MegatronImportError(
+                f"tensor {parameter!r}: optimizer state {missing} missing in {metadata}"
+            )
+    for parameter, have in optimizer_tensors.items():
+        if parameter not in checkpoint.tensors:
+            raise MegatronImportError(
+                f"optimizer state {sorted(have.values())} refers to model tensor {parameter!r} "
+                f"that is not in {metadata}"
+            )
+        shape = checkpoint.tensors[parameter].shape
+        for tensor in have.values():
+            if checkpoint.tensors[tensor].shape != shape:
+                raise MegatronImportError(
+                    f"tensor {tensor!r}: shape {list(checkpoint.tensors[tensor].shape)} differs "
+                    f"from the parameter's {list(shape)} in {metadata} (flattened model-space "
+                    f"optimizer state from megatron-core < 0.14 is not supported)"
+                )
+
+
+def _param_groups(optimizer_state: Any) -> Any:
+    """``param_groups`` of a saved Megatron optimizer state (``{"optimizer": torch state}``)."""
+    inner = optimizer_state.get("optimizer") if isinstance(optimizer_state, dict) else None
+    return inner.get("param_groups") if isinstance(inner, dict) else None
+
+
+def _sharding_type(common: Any) -> str | None:
+    if isinstance(common, dict):
+        optimizer = common.get("optimizer")
+        if isinstance(optimizer, dict):
+            return optimizer.get("param_state_sharding_type")
+    return None
+
+
+class _TorchDistReader:
+    """Reads torch_dist tensors whole, keeping only the tokenizer's rows of vocab-parallel ones."""
+
+    def __init__(self, checkpoint: dcp.DcpCheckpoint, spec: Spec):
+        self.checkpoint = checkpoint
+        self.spec = spec
+
+    def vocab_kind(self, name: str) -> Vocab | None:
+        """The vocab kind of ``name`` when its rule gives a vocab size (padding to strip)."""
+        match = self.spec.match(name)
+        if match is not None and isinstance(match.kind, Vocab):
+            if isinstance(match.kind.vocab_size, int):
+                return match.kind
+        return None
+
+    def stripped(self, names: list[str]) -> dict[str, list[int]]:
+        """name -> [padded rows, kept rows] of every tensor whose padding is stripped."""
+        out = {}
+        for name in names:
+            kind = self.vocab_kind(name)
+            rows = self.checkpoint.tensors[name].shape[0] if kind is not None else 0
+            if kind is not None and rows > int(kind.vocab_size):
+                out[name] = [rows, int(kind.vocab_size)]
+        return out
+
+    def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
+        """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
+        kind = self.vocab_kind(rule_name)
+        if kind is None or kind.dim != 0:
+            return self.checkpoint.read(tensor), "torch_dist-global"
+        rows = self.checkpoint.tensors[tensor].shape[0]
+        if rows < kind.vocab_size:
+            raise MegatronImportError(
+                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={kind.vocab_size} "
+                f"({self.checkpoint.path / '.metadata'})"
+            )
+        value = self.checkpoint.read(tensor, rows=kind.vocab_size)
+        return value, f"vocab(strip {rows} -> {kind.vocab_size})"
+
+
+def _torch_dist_items(
+    reader: _TorchDistReader,
+    model_names: list[str],
+    optimizer_tensors: dict[str, dict[str, str]],
+    count: int | None,
+    want_model: bool,
+) -> Iterator[writer.HostItem]:
+    """Per parameter: its master weight and moments (or the model weight when there is no
+    optimizer state), its model-precision copy; then the step."""
+    checkpoint = reader.checkpoint
+    for name in model_names:
+        tensor = checkpoint.tensors[name]
+        provenance = {"format": "torch_dist", "files": tensor.files, "chunks": len(tensor.chunks)}
+        if not optimizer_tensors:
+            value, pattern = reader.read(name, name)
+            yield host_item(("params", name), value, {**provenance, "pattern": pattern})
+            continue
+        for state_name, tree in _OPTIMIZER_STATE_TREES.items():
+            source_name = optimizer_tensors[name].get(state_name)
+            if source_name is None:
+                continue
+            source = checkpoint.tensors[source_name]
+            if tree == ("params",) and source.dtype != np.dtype(np.float32):
+                raise MegatronImportError(
+                    f"tensor {source_name!r}: master weights have dtype {source.dtype}, "
+                    f"expected float32 ({', '.join(source.files)})"
+                )
+            value, pattern = reader.read(source_name, name)
+            state_provenance = {
+                "format": "torch_dist",
+                "files": source.files,
+                "source_name": source_name,
+                "pattern": pattern,
+            }
+            yield host_item((*tree, name), value, state_provenance)
+        if want_model:
+            value, pattern = reader.read(name, name)
+            yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
+    if optimizer_tensors:
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(count, np.int32),
+            {"files": ["common.pt"], "pattern": "param_groups.step"},
+        )
+
+
+# ----------------------------------------------------------------------------- legacy
+
 _LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.weight[12]$")
+# distrib_optim.pt's flat buffers, and where each goes in the output tree
+_OPTIMIZER_BUFFERS = (
+    ("param", ("params",)),
+    ("exp_avg", ("opt_state", "mu")),
+    ("exp_avg_sq", ("opt_state", "nu")),
+)
+
+# global name -> {stage (or ("emb" | "out", stage) once tied): [per-TP arrays]}
+_Fragments = dict[str, dict[Any, list]]
 
 
-def _global_layer_names(ck: legacy.LegacyCheckpoint, where) -> dict[int, int]:
-    """Per-stage layer offset: sum of the distinct layer counts of the earlier stages."""
-    offs, acc = {}, 0
-    for p in range(ck.pp):
-        offs[p] = acc
-        idx = {int(m.group(2)) for n in ck.ranks[(p, 0)].model for m in [_LAYER.match(n)] if m}
-        if idx and sorted(idx) != list(range(len(idx))):
-            raise MegatronImportError(
-                f"{ck.ranks[(p, 0)].path}: layer numbers {sorted(idx)} are not 0..{len(idx) - 1}"
-            )
-        acc += len(idx)
-    nl = where.get("num_layers")
-    if nl and acc and acc != nl:
-        raise MegatronImportError(
-            f"{ck.iter_dir}: stages hold {acc} layers in all, args.num_layers={nl}"
-        )
-    return offs
+@dataclass
+class _LegacyTensors:
+    """Every rank's tensors, grouped by global name (per-stage layer and expert numbers made
+    global), before merging."""
+
+    fragments: _Fragments = field(default_factory=dict)
+    local: dict[tuple[int, int], list] = field(
+        default_factory=dict
+    )  # (pp, tp) -> [(local, global, array)]
+    files: dict[str, list[str]] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+    grouped: dict[str, dict[int, list]] = field(default_factory=dict)  # grouped-GEMM: per EP rank
 
 
-def _plan_legacy(src: MegatronSource, spec, settings: dict):
-    from jax_ucp.language import MergeError, PipelineTied, merge
+@dataclass
+class _LegacyImport:
+    """What the legacy items are made from: merge rules, fragments, optimizer slices."""
 
-    ck = legacy.open_legacy(src.ckpt_dir)
-    if ck.checkpoint_version is not None and ck.checkpoint_version < 2.0:
-        # before 2.0 Megatron-LM laid fused QKV out differently (fix_query_key_value_ordering)
-        raise MegatronImportError(
-            f"{ck.ranks[(0, 0)].path}: checkpoint_version {ck.checkpoint_version} uses the "
-            f"pre-2.0 fused QKV ordering, which is not supported"
-        )
-    for k, v in ck.args.items():
-        if k in _ARG_SETTINGS and settings.get(k) is None:
-            settings[k] = v
-    if settings.get("kv_channels") and not settings.get("head_dim"):
-        settings["head_dim"] = settings["kv_channels"]
-    if (
-        settings.get("num_attention_heads")
-        and settings.get("hidden_size")
-        and not settings.get("head_dim")
-    ):
-        settings["head_dim"] = int(settings["hidden_size"]) // int(settings["num_attention_heads"])
-    if not settings.get("group_query_attention", True) or not settings.get("num_query_groups"):
-        settings["num_query_groups"] = settings.get("num_attention_heads")
-    offs = _global_layer_names(ck, settings)
-    # global name -> {stage: [per-TP arrays]}
-    frags: dict[str, dict[int, list]] = {}
-    frags_local: dict[tuple[int, int], list] = {k: [] for k in ck.ranks}  # state-dict order
-    files: dict[str, list[str]] = {}
-    skipped: list[str] = []
-    grouped: dict[
-        str, dict[int, list]
-    ] = {}  # grouped-GEMM expert weights: name -> {stage: [per EP]}
-    for p in range(ck.pp):
-        names0 = list(ck.ranks[(p, 0)].model)
-        for (pp_, t, e), rf in ck.ep_ranks.items():
-            if pp_ == p and (t, e) != (0, 0) and set(rf.model) != set(names0):
-                diff = sorted(set(names0) ^ set(rf.model))[:5]
-                raise MegatronImportError(
-                    f"{rf.path} and {ck.ranks[(p, 0)].path} hold different "
-                    f"tensor names (e.g. {diff})"
-                )
-        local_experts = {int(m.group(2)) for n in names0 for m in [_LOCAL_EXPERT.match(n)] if m}
-        nl = len(local_experts)
-        if local_experts and sorted(local_experts) != list(range(nl)):
-            raise MegatronImportError(
-                f"{ck.ranks[(p, 0)].path}: local expert indices {sorted(local_experts)} "
-                f"are not 0..{nl - 1}"
-            )
-        for n in names0:
-            v0 = ck.ranks[(p, 0)].model[n]
-            if n.endswith("_extra_state") or not isinstance(v0, np.ndarray):
-                skipped.append(n if ck.pp == 1 else f"stage{p}:{n}")
-                continue
-            m = _LAYER.match(n)
-            g = f"{m.group(1)}{int(m.group(2)) + offs[p]}{m.group(3)}" if m else n
-            if ck.ep > 1 and _GROUPED_EXPERT.match(n):
-                if ck.tp > 1:
-                    raise MegatronImportError(
-                        f"tensor {n!r} in {ck.ranks[(p, 0)].path}: grouped-GEMM experts "
-                        f"with TP > 1 are not supported"
-                    )
-                grouped.setdefault(g, {})[p] = [
-                    ck.ep_ranks[(p, 0, e)].model[n] for e in range(ck.ep)
-                ]
-                files.setdefault(g, []).extend(
-                    os.path.relpath(ck.ep_ranks[(p, 0, e)].path, ck.iter_dir) for e in range(ck.ep)
-                )
-                continue
-            em = _LOCAL_EXPERT.match(g) if ck.ep > 1 else None
-            for e in range(ck.ep) if em else [0]:
-                ge = f"{em.group(1)}{e * nl + int(em.group(2))}{em.group(3)}" if em else g
-                per_tp = []
-                for t in range(ck.tp):
-                    rf = ck.ep_ranks[(p, t, e)]
-                    a = rf.model[n]
-                    if not isinstance(a, np.ndarray):
-                        raise MegatronImportError(
-                            f"tensor {n!r} in {rf.path}: a {type(a).__name__}, "
-                            f"expected a tensor (rank 0 holds one)"
-                        )
-                    per_tp.append(a)
-                    if e == 0:
-                        frags_local[(p, t)].append((n, ge, a))
-                frags.setdefault(ge, {})[p] = per_tp
-                files.setdefault(ge, []).extend(
-                    os.path.relpath(ck.ep_ranks[(p, t, e)].path, ck.iter_dir) for t in range(ck.tp)
-                )
-    # tied output layer: Megatron keeps a copy on the last stage (pipeline-tied)
-    untie = settings.get("untie_embeddings_and_output_weights")
-    tied_pairs = []
-    for emb in [n for n in frags if n.endswith("embedding.word_embeddings.weight")]:
-        out = emb.replace("embedding.word_embeddings.weight", "output_layer.weight")
-        if out in frags and untie is False:
-            tied_pairs.append((emb, out))
-        elif out in frags and untie is None and ck.pp > 1:
-            same = all(
-                np.array_equal(a, b)
-                for a, b in zip(next(iter(frags[emb].values())), next(iter(frags[out].values())))
-            )
-            if same:
-                tied_pairs.append((emb, out))
-    spec_c = _make_spec(spec, settings)
-    names = list(frags)
-    matches = spec_c.classify(names, strict=spec_c.strict)
-    if spec_c.strict is False:
+    checkpoint: legacy.LegacyCheckpoint
+    spec: Spec
+    matches: dict
+    names: list[str]
+    tensors: _LegacyTensors
+    tied_pairs: list[tuple[str, str]]
+    optimizer: dict[str, _Fragments] | None  # state name -> fragments (distrib_optim.pt)
+    count: int | None
+    want_model: bool
+
+
+def _plan_legacy(source_dir: MegatronSource, spec: Spec | None, settings: dict) -> ImportPlan:
+    """Legacy TP x PP (x EP): fragments merged per name by the spec's kinds."""
+    checkpoint = legacy.open_legacy(source_dir.ckpt_dir)
+    _legacy_settings(checkpoint, settings)
+    tensors = _collect_legacy_tensors(checkpoint, _stage_layer_offsets(checkpoint, settings))
+    tied_pairs = _tied_output_pairs(checkpoint, tensors.fragments, settings)
+    import_spec = _import_spec(spec, settings)
+    names = list(tensors.fragments)
+    matches = import_spec.classify(names, strict=import_spec.strict)
+    if import_spec.strict is False:
         uncovered = [n for n in names if n not in matches]
         if uncovered:
             raise MegatronImportError(
-                f"{ck.iter_dir}: no import rule covers {uncovered[:10]} "
+                f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
-    if grouped and ck.distrib_optim:
+    if tensors.grouped and checkpoint.distrib_optim:
         raise MegatronImportError(
-            f"{ck.iter_dir}: distrib_optim.pt with grouped-GEMM experts is not supported"
+            f"{checkpoint.iter_dir}: distrib_optim.pt with grouped-GEMM experts is not supported"
         )
-    names += list(grouped)
-    for emb, out in tied_pairs:
-        frags[emb] = {
-            **{("emb", s): v for s, v in frags[emb].items()},
-            **{("out", s): v for s, v in frags.pop(out).items()},
-        }
-        files[emb] += files.pop(out)
-        names.remove(out)
-    dtypes = {a.dtype for st in frags.values() for per in st.values() for a in per}
-    opt_frags, count = (
-        _legacy_distrib_optim(ck, settings, frags_local, tied_pairs)
-        if ck.distrib_optim
-        else (None, None)
+    names += list(tensors.grouped)
+    for _, output_layer in tied_pairs:
+        names.remove(output_layer)
+    dtypes = {a.dtype for st in tensors.fragments.values() for per in st.values() for a in per}
+    optimizer, count = (None, None)
+    if checkpoint.distrib_optim:
+        optimizer, count = _legacy_distrib_optim(checkpoint, settings, tensors.local, tied_pairs)
+    _fold_tied_copies(tensors.fragments, tied_pairs, tensors.files)
+    want_model = optimizer is not None and any(d != np.dtype(np.float32) for d in dtypes)
+    plan = _LegacyImport(
+        checkpoint, import_spec, matches, names, tensors, tied_pairs, optimizer, count, want_model
     )
-    has_opt_entry = any("optimizer" in r.state for r in ck.ranks.values())
-    want_model = opt_frags is not None and any(d != np.dtype(np.float32) for d in dtypes)
+    info = _legacy_info(plan, dtypes)
+    return ImportPlan(_legacy_items(plan), info, len(names))
 
-    def merged(n: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
-        m = matches[n]
-        try:
-            if len(stages) == 1:
-                (per_tp,) = stages.values()
-                return np.asarray(
-                    merge(m.kind, per_tp, name=n, settings=spec_c.settings)
-                ), m.kind.kind
-            return (
-                np.asarray(
-                    merge(
-                        PipelineTied(inner=m.kind),
-                        list(stages.values()),
-                        name=n,
-                        settings=spec_c.settings,
-                    )
-                ),
-                f"pipeline_tied({m.kind.kind})",
-            )
-        except MergeError as e:
+
+def _legacy_settings(checkpoint: legacy.LegacyCheckpoint, settings: dict) -> None:
+    """Settings the pickled run arguments give (those not set already), with the head layout."""
+    if checkpoint.checkpoint_version is not None and checkpoint.checkpoint_version < 2.0:
+        # before 2.0 Megatron-LM laid fused QKV out differently (fix_query_key_value_ordering)
+        raise MegatronImportError(
+            f"{checkpoint.ranks[(0, 0)].path}: checkpoint_version {checkpoint.checkpoint_version} "
+            f"uses the pre-2.0 fused QKV ordering, which is not supported"
+        )
+    for key, value in checkpoint.args.items():
+        if key in _ARG_SETTINGS and settings.get(key) is None:
+            settings[key] = value
+    if settings.get("kv_channels") and not settings.get("head_dim"):
+        settings["head_dim"] = settings["kv_channels"]
+    heads, hidden = settings.get("num_attention_heads"), settings.get("hidden_size")
+    if heads and hidden and not settings.get("head_dim"):
+        settings["head_dim"] = int(hidden) // int(heads)
+    if not settings.get("group_query_attention", True) or not settings.get("num_query_groups"):
+        settings["num_query_groups"] = settings.get("num_attention_heads")
+
+
+def _stage_layer_offsets(checkpoint: legacy.LegacyCheckpoint, settings) -> dict[int, int]:
+    """Per-stage layer offset: sum of the distinct layer counts of the earlier stages."""
+    offsets, total = {}, 0
+    for stage in range(checkpoint.pp):
+        offsets[stage] = total
+        rank_file = checkpoint.ranks[(stage, 0)]
+        numbers = {int(m.group(2)) for n in rank_file.model for m in [_LAYER.match(n)] if m}
+        if numbers and sorted(numbers) != list(range(len(numbers))):
             raise MegatronImportError(
-                f"{what}: {e} (files: {', '.join(sorted(set(files[n])))})"
-            ) from None
-
-    def grouped_merged(n: str) -> tuple[np.ndarray, str]:
-        """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
-        weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
-        rank holding all E experts would have) is the EP ranks' buffers concatenated flat."""
-        stages = grouped[n]
-        per_stage = []
-        for per_ep in stages.values():
-            shapes = {a.shape for a in per_ep}
-            if len(shapes) != 1:
-                raise MegatronImportError(
-                    f"tensor {n!r}: EP ranks hold different shapes {sorted(shapes)} "
-                    f"(files: {', '.join(sorted(set(files[n])))})"
-                )
-            (shape,) = shapes
-            cat = np.concatenate([np.asarray(a) for a in per_ep], axis=0)
-            per_stage.append(cat.reshape(shape[0], -1) if n.endswith("weight1") else cat)
-        if len(per_stage) > 1:
-            raise MegatronImportError(f"tensor {n!r} is held by several pipeline stages")
-        return per_stage[0], f"expert(grouped, ep={ck.ep}, flat concat)"
-
-    def items() -> Iterator[_Out]:
-        for n in names:
-            prov = {
-                "format": "legacy",
-                "files": sorted(set(files[n])),
-                "tp": ck.tp,
-                "pp": ck.pp,
-                "ep": ck.ep,
-            }
-            if n in grouped:
-                arr, pat = grouped_merged(n)
-                yield _Out(("params", n), arr, {**prov, "pattern": pat})
-                continue
-            if opt_frags is None:
-                arr, pat = merged(n, frags[n], "model weights")
-                yield _Out(("params", n), arr, {**prov, "pattern": pat})
-                continue
-            for kind, top in (
-                ("param", ("params",)),
-                ("exp_avg", ("opt_state", "mu")),
-                ("exp_avg_sq", ("opt_state", "nu")),
-            ):
-                arr, pat = merged(n, opt_frags[kind][n], f"distrib_optim.pt {kind}")
-                yield _Out(
-                    (*top, n),
-                    arr,
-                    {
-                        **prov,
-                        "files": sorted(set(files[n]) | set(opt_files)),
-                        "pattern": pat,
-                        "source": f"distrib_optim.pt:{kind}",
-                    },
-                )
-            if want_model:
-                arr, pat = merged(n, frags[n], "model weights")
-                yield _Out(("model_params", n), arr, {**prov, "pattern": pat})
-        if opt_frags is not None:
-            yield _Out(
-                ("opt_state", "count"),
-                np.asarray(count, np.int32),
-                {
-                    "files": sorted(
-                        os.path.relpath(r.path, ck.iter_dir) for r in ck.ranks.values()
-                    ),
-                    "pattern": "optimizer.param_groups.step",
-                },
+                f"{rank_file.path}: layer numbers {sorted(numbers)} are not 0..{len(numbers) - 1}"
             )
+        total += len(numbers)
+    num_layers = settings.get("num_layers")
+    if num_layers and total and total != num_layers:
+        raise MegatronImportError(
+            f"{checkpoint.iter_dir}: stages hold {total} layers in all, "
+            f"args.num_layers={num_layers}"
+        )
+    return offsets
 
-    opt_files = sorted(os.path.relpath(f, ck.iter_dir) for f in ck.distrib_optim.values())
-    from jax_ucp.language import Vocab
 
-    stripped = {}
-    for n in names:
-        if n in grouped:
+def _collect_legacy_tensors(
+    checkpoint: legacy.LegacyCheckpoint, offsets: dict[int, int]
+) -> _LegacyTensors:
+    tensors = _LegacyTensors(local={key: [] for key in checkpoint.ranks})  # state-dict order
+    for stage in range(checkpoint.pp):
+        local_names = list(checkpoint.ranks[(stage, 0)].model)
+        local_experts = _check_stage_names(checkpoint, stage, local_names)
+        for name in local_names:
+            first = checkpoint.ranks[(stage, 0)].model[name]
+            if name.endswith("_extra_state") or not isinstance(first, np.ndarray):
+                tensors.skipped.append(name if checkpoint.pp == 1 else f"stage{stage}:{name}")
+                continue
+            layer = _LAYER.match(name)
+            global_name = (
+                f"{layer.group(1)}{int(layer.group(2)) + offsets[stage]}{layer.group(3)}"
+                if layer
+                else name
+            )
+            if checkpoint.ep > 1 and _GROUPED_EXPERT.match(name):
+                _add_grouped_experts(checkpoint, tensors, stage, name, global_name)
+            else:
+                _add_tp_fragments(checkpoint, tensors, stage, name, global_name, local_experts)
+    return tensors
+
+
+def _check_stage_names(checkpoint: legacy.LegacyCheckpoint, stage: int, names: list[str]) -> int:
+    """Every TP/EP rank of a stage holds the same names; returns the local expert count."""
+    first = checkpoint.ranks[(stage, 0)]
+    for (pp_rank, tp_rank, ep_rank), rank_file in checkpoint.ep_ranks.items():
+        if pp_rank == stage and (tp_rank, ep_rank) != (0, 0) and set(rank_file.model) != set(names):
+            diff = sorted(set(names) ^ set(rank_file.model))[:5]
+            raise MegatronImportError(
+                f"{rank_file.path} and {first.path} hold different tensor names (e.g. {diff})"
+            )
+    experts = {int(m.group(2)) for n in names for m in [_LOCAL_EXPERT.match(n)] if m}
+    if experts and sorted(experts) != list(range(len(experts))):
+        raise MegatronImportError(
+            f"{first.path}: local expert indices {sorted(experts)} are not 0..{len(experts) - 1}"
+        )
+    return len(experts)
+
+
+def _add_grouped_experts(
+    checkpoint: legacy.LegacyCheckpoint, tensors: _LegacyTensors, stage, name, global_name
+) -> None:
+    """A grouped-GEMM expert weight: one buffer per EP rank (no TP split supported)."""
+    if checkpoint.tp > 1:
+        raise MegatronImportError(
+            f"tensor {name!r} in {checkpoint.ranks[(stage, 0)].path}: grouped-GEMM experts "
+            f"with TP > 1 are not supported"
+        )
+    holders = [checkpoint.ep_ranks[(stage, 0, ep_rank)] for ep_rank in range(checkpoint.ep)]
+    tensors.grouped.setdefault(global_name, {})[stage] = [r.model[name] for r in holders]
+    tensors.files.setdefault(global_name, []).extend(
+        os.path.relpath(r.path, checkpoint.iter_dir) for r in holders
+    )
+
+
+def _add_tp_fragments(
+    checkpoint: legacy.LegacyCheckpoint,
+    tensors: _LegacyTensors,
+    stage: int,
+    name: str,
+    global_name: str,
+    local_experts: int,
+) -> None:
+    """The TP fragments of one tensor (of each EP rank's experts, numbered globally)."""
+    expert = _LOCAL_EXPERT.match(global_name) if checkpoint.ep > 1 else None
+    for ep_rank in range(checkpoint.ep) if expert else [0]:
+        expert_name = (
+            f"{expert.group(1)}{ep_rank * local_experts + int(expert.group(2))}{expert.group(3)}"
+            if expert
+            else global_name
+        )
+        per_tp = []
+        for tp_rank in range(checkpoint.tp):
+            rank_file = checkpoint.ep_ranks[(stage, tp_rank, ep_rank)]
+            value = rank_file.model[name]
+            if not isinstance(value, np.ndarray):
+                raise MegatronImportError(
+                    f"tensor {name!r} in {rank_file.path}: a {type(value).__name__}, "
+                    f"expected a tensor (rank 0 holds one)"
+                )
+            per_tp.append(value)
+            if ep_rank == 0:
+                tensors.local[(stage, tp_rank)].append((name, expert_name, value))
+        tensors.fragments.setdefault(expert_name, {})[stage] = per_tp
+        tensors.files.setdefault(expert_name, []).extend(
+            os.path.relpath(
+                checkpoint.ep_ranks[(stage, tp_rank, ep_rank)].path, checkpoint.iter_dir
+            )
+            for tp_rank in range(checkpoint.tp)
+        )
+
+
+def _tied_output_pairs(
+    checkpoint: legacy.LegacyCheckpoint, fragments: _Fragments, settings: dict
+) -> list[tuple[str, str]]:
+    """(embedding, output layer) pairs that are one tied weight: Megatron keeps a copy of the
+    embedding on the last stage (checked equal when the run's arguments do not say)."""
+    untie = settings.get("untie_embeddings_and_output_weights")
+    pairs = []
+    for embedding in [n for n in fragments if n.endswith("embedding.word_embeddings.weight")]:
+        output = embedding.replace("embedding.word_embeddings.weight", "output_layer.weight")
+        if output not in fragments:
             continue
-        k = matches[n].kind
-        if isinstance(k, Vocab) and isinstance(k.vocab_size, int):
-            rows = sum(int(a.shape[0]) for a in next(iter(frags[n].values())))
-            if rows > k.vocab_size:
-                stripped[n] = [rows, k.vocab_size]
-    info = {
-        "format": "legacy",
-        "tp": ck.tp,
-        "pp": ck.pp,
-        "ep": ck.ep,
-        "iteration": ck.iteration,
-        "vocab_stripped": stripped,
-        "checkpoint_version": ck.checkpoint_version,
-        "skipped_objects": skipped,
-        "tied_embeddings": [e for e, _ in tied_pairs],
-        "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
-        "optimizer": opt_frags is not None,
-    }
-    if has_opt_entry and opt_frags is None:
-        info["notes"] = [
-            "model_optim_rng.pt holds a non-distributed optimizer state: not imported "
-            "(only the distributed optimizer's distrib_optim.pt is supported)"
-        ]
-    return names, items(), info
+        if untie is False:
+            pairs.append((embedding, output))
+        elif untie is None and checkpoint.pp > 1:
+            first_embedding = next(iter(fragments[embedding].values()))
+            first_output = next(iter(fragments[output].values()))
+            if all(np.array_equal(a, b) for a, b in zip(first_embedding, first_output)):
+                pairs.append((embedding, output))
+    return pairs
+
+
+def _fold_tied_copies(
+    fragments: _Fragments, tied_pairs: list[tuple[str, str]], files: dict | None = None
+) -> None:
+    """The output layer's stages join the embedding's (merged as pipeline-tied copies)."""
+    for embedding, output in tied_pairs:
+        fragments[embedding] = {
+            **{("emb", stage): v for stage, v in fragments[embedding].items()},
+            **{("out", stage): v for stage, v in fragments.pop(output).items()},
+        }
+        if files is not None:
+            files[embedding] += files.pop(output)
 
 
 def _legacy_distrib_optim(
-    ck: legacy.LegacyCheckpoint, settings: dict, frags_local: dict, tied_pairs: list
-):
+    checkpoint: legacy.LegacyCheckpoint, settings: dict, local: dict, tied_pairs: list
+) -> tuple[dict[str, _Fragments], int]:
     """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, laid
-    out like megatron-core's grad buffer; returns ({kind: {name: {stage: [per TP]}}}, step)."""
-    missing = [(p, t) for (p, t) in ck.ranks if (p, t) not in ck.distrib_optim]
+    out like megatron-core's grad buffer; returns ({state name: fragments}, step)."""
+    missing = [key for key in checkpoint.ranks if key not in checkpoint.distrib_optim]
     if missing:
-        p, t = missing[0]
         raise MegatronImportError(
-            f"missing shard file {ck.ranks[(p, t)].path.parent / 'distrib_optim.pt'} "
+            f"missing shard file {checkpoint.ranks[missing[0]].path.parent / 'distrib_optim.pt'} "
             f"(other ranks have one)"
         )
     bucket_size = None
@@ -718,136 +783,181 @@ def _legacy_distrib_optim(
         dp = int(settings.get("data_parallel_size") or 1)
         bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
     tied = settings.get("untie_embeddings_and_output_weights") is False
-    out = {k: {} for k in ("param", "exp_avg", "exp_avg_sq")}
+    out: dict[str, _Fragments] = {state_name: {} for state_name, _ in _OPTIMIZER_BUFFERS}
     steps: dict[float, str] = {}
-    for (p, t), rf in ck.ranks.items():
-        st = legacy.read_distrib_optim(ck.distrib_optim[(p, t)])
-        local = [(ln, g, a) for ln, g, a in frags_local[(p, t)]]
-        params = [(ln, int(a.size)) for ln, _, a in local]
-        shared = set()
-        if ck.pp > 1:
-            if p == 0:
-                shared |= {
-                    ln for ln, _, _ in local if ln.endswith("embedding.word_embeddings.weight")
-                }
-            if p == ck.pp - 1 and tied:
-                shared |= {ln for ln, _, _ in local if ln.endswith("output_layer.weight")}
-        layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
-        if total != st.numel_unpadded:
-            raise MegatronImportError(
-                f"{st.path}: the flat buffers hold {st.numel_unpadded} elements but the {len(params)} "
-                f"parameters of {rf.path.name} lay out to {total} (megatron-core 0.16 buffer layout, "
-                f"bucket_size={bucket_size}); a different megatron version or DDP bucket setting?"
-            )
-        for ln, g, a in local:
-            s0, s1 = layout[ln]
-            for kind in out:
-                flat = getattr(st, kind)
-                out[kind].setdefault(g, {}).setdefault(p, [None] * ck.tp)[t] = flat[s0:s1].reshape(
-                    a.shape
-                )
-        o = rf.state.get("optimizer")
-        groups = o.get("optimizer", {}).get("param_groups") if isinstance(o, dict) else None
-        steps.setdefault(_steps_from_param_groups(groups, f"{rf.path} ['optimizer']"), str(rf.path))
-    if len(steps) > 1:
-        raise MegatronImportError(
-            "ranks disagree on the optimizer step: "
-            + ", ".join(f"{k} in {v}" for k, v in steps.items())
-        )
-    (count,) = steps
-    # the tied output layer's optimizer copy merges with the embedding's, like the weights
-    for kind, d in out.items():
-        for emb, o_name in tied_pairs:
-            d[emb] = {
-                **{("emb", s): v for s, v in d[emb].items()},
-                **{("out", s): v for s, v in d.pop(o_name).items()},
-            }
+    for (stage, tp_rank), rank_file in checkpoint.ranks.items():
+        _slice_distrib_optim(checkpoint, stage, tp_rank, local, bucket_size, tied, out)
+        groups = _param_groups(rank_file.state.get("optimizer"))
+        step = _step_from_param_groups(groups, f"{rank_file.path} ['optimizer']")
+        steps.setdefault(step, f"in {rank_file.path}")
+    count = agreed_step(
+        steps, str(checkpoint.iter_dir), recorded_by="ranks", error=MegatronImportError
+    )
+    for per_name in out.values():  # the tied output layer's copy merges like the weights
+        _fold_tied_copies(per_name, tied_pairs)
     return out, count
 
 
-# ----------------------------------------------------------------------------- entry point
-
-
-def convert_megatron(
-    src: os.PathLike | str,
-    dst: os.PathLike | str,
-    *,
-    spec=None,
-    vocab_size: int | None = None,
-    force: bool = False,
-    step: int | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
-    compression: str | None = None,
-) -> str:
-    """Convert a Megatron checkpoint (torch_dist or legacy; detected) into a UCP checkpoint.
-
-    ``spec``: a :class:`jax_ucp.language.Spec`, a shipped spec name or a TOML path; its settings
-    (e.g. ``vocab_size``) and import rules are used. ``vocab_size`` (the tokenizer's, before
-    Megatron's padding) overrides the spec's. ``step`` writes ``<dst>/<step>/state`` as a
-    CheckpointManager step. ``progress(name, done, total)`` is called per parameter. All checks
-    that need no tensor bytes run before anything is written; any failure leaves ``dst``
-    untouched. Returns the UCP directory.
-    """
-    from jax_ucp.handler.host_writer import (
-        HostItem,
-        host_items_with_progress,
-        write_host_checkpoint,
-    )
-
-    dst = os.fspath(dst)
-    if step is None and os.path.exists(dst) and not force:
-        raise FileExistsError(f"{dst} already exists; pass force=True to replace it.")
-    src_info = detect_megatron(src)
-    if src_info is None:
+def _slice_distrib_optim(
+    checkpoint: legacy.LegacyCheckpoint,
+    stage: int,
+    tp_rank: int,
+    local: dict,
+    bucket_size: int | None,
+    tied: bool,
+    out: dict[str, _Fragments],
+) -> None:
+    """One rank's flat buffers cut at its parameters' places in the grad buffer."""
+    buffers = legacy.read_distrib_optim(checkpoint.distrib_optim[(stage, tp_rank)])
+    rank_tensors = local[(stage, tp_rank)]
+    params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
+    shared = set()
+    if checkpoint.pp > 1:
+        if stage == 0:
+            shared |= {
+                n for n, _, _ in rank_tensors if n.endswith("embedding.word_embeddings.weight")
+            }
+        if stage == checkpoint.pp - 1 and tied:
+            shared |= {n for n, _, _ in rank_tensors if n.endswith("output_layer.weight")}
+    layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
+    if total != buffers.numel_unpadded:
         raise MegatronImportError(
-            f"{src}: not a Megatron checkpoint (no .metadata, no "
-            f"latest_checkpointed_iteration.txt / iter_NNNNNNN/mp_rank_* layout)"
+            f"{buffers.path}: the flat buffers hold {buffers.numel_unpadded} elements but the "
+            f"{len(params)} parameters of {checkpoint.ranks[(stage, tp_rank)].path.name} lay out "
+            f"to {total} (megatron-core 0.16 buffer layout, bucket_size={bucket_size}); a "
+            f"different megatron version or DDP bucket setting?"
         )
-    user_spec = _resolve_spec(spec)
-    settings: dict[str, Any] = dict(user_spec.env) if user_spec is not None else {}
-    if vocab_size is not None:
-        settings["vocab_size"] = int(vocab_size)
-    try:
-        if src_info.format == "torch_dist":
-            names, stream, info = _plan_torch_dist(src_info, user_spec, settings)
-        else:
-            names, stream, info = _plan_legacy(src_info, user_spec, settings)
-    except (dcp.DcpError, legacy.LegacyError) as e:
-        raise MegatronImportError(str(e)) from None
-    total = len(names)
+    for local_name, global_name, value in rank_tensors:
+        start, end = layout[local_name]
+        for state_name, per_name in out.items():
+            per_stage = per_name.setdefault(global_name, {})
+            per_tp = per_stage.setdefault(stage, [None] * checkpoint.tp)
+            per_tp[tp_rank] = getattr(buffers, state_name)[start:end].reshape(value.shape)
 
-    def items() -> Iterator[HostItem]:
+
+class _LegacyMerger:
+    """Merges one name's fragments with its kind, errors naming the files."""
+
+    def __init__(self, plan: _LegacyImport):
+        self.plan = plan
+
+    def files_of(self, name: str) -> str:
+        return ", ".join(sorted(set(self.plan.tensors.files[name])))
+
+    def merged(self, name: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
+        """TP fragments merged by the name's kind; several stages: pipeline-tied copies."""
+        kind = self.plan.matches[name].kind
+        settings = self.plan.spec.settings
         try:
-            yield from host_items_with_progress(stream, total, progress)
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
+            if len(stages) == 1:
+                (per_tp,) = stages.values()
+                return np.asarray(merge(kind, per_tp, name=name, settings=settings)), kind.kind
+            tied = PipelineTied(inner=kind)
+            value = merge(tied, list(stages.values()), name=name, settings=settings)
+            return np.asarray(value), f"pipeline_tied({kind.kind})"
+        except MergeError as e:
+            raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
 
-    vs = settings.get("vocab_size")
-    it = info.pop("iteration", None)
-    source = {
-        "framework": "megatron",
-        "path": os.path.abspath(src_info.ckpt_dir),
-        "iteration": src_info.iteration if src_info.iteration is not None else it,
-        "vocab_size": vs,
-        "settings": _jsonable(settings),
-        **_jsonable(info),
-    }
-    if vs is None:
-        source.setdefault("notes", []).append(
-            "vocab padding kept: the original vocab size was not given (vocab_size= / --vocab-size)"
-        )
-    return write_host_checkpoint(
-        dst, items(), force=force, source=source, step=step, compression=compression
+    def grouped(self, name: str) -> tuple[np.ndarray, str]:
+        """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
+        weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
+        rank holding all E experts would have) is the EP ranks' buffers concatenated flat."""
+        per_stage = []
+        for per_ep in self.plan.tensors.grouped[name].values():
+            shapes = {a.shape for a in per_ep}
+            if len(shapes) != 1:
+                raise MegatronImportError(
+                    f"tensor {name!r}: EP ranks hold different shapes {sorted(shapes)} "
+                    f"(files: {self.files_of(name)})"
+                )
+            (shape,) = shapes
+            joined = np.concatenate([np.asarray(a) for a in per_ep], axis=0)
+            per_stage.append(joined.reshape(shape[0], -1) if name.endswith("weight1") else joined)
+        if len(per_stage) > 1:
+            raise MegatronImportError(f"tensor {name!r} is held by several pipeline stages")
+        return per_stage[0], f"expert(grouped, ep={self.plan.checkpoint.ep}, flat concat)"
+
+
+def _legacy_items(plan: _LegacyImport) -> Iterator[writer.HostItem]:
+    """Per name: the merged weight, or master + moments (+ model copy) with distrib_optim.pt."""
+    checkpoint, tensors = plan.checkpoint, plan.tensors
+    merger = _LegacyMerger(plan)
+    optimizer_files = sorted(
+        os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )
+    for name in plan.names:
+        files = sorted(set(tensors.files[name]))
+        provenance = {
+            "format": "legacy",
+            "files": files,
+            "tp": checkpoint.tp,
+            "pp": checkpoint.pp,
+            "ep": checkpoint.ep,
+        }
+        if name in tensors.grouped or plan.optimizer is None:
+            value, pattern = (
+                merger.grouped(name)
+                if name in tensors.grouped
+                else merger.merged(name, tensors.fragments[name], "model weights")
+            )
+            yield host_item(("params", name), value, {**provenance, "pattern": pattern})
+            continue
+        for state_name, tree in _OPTIMIZER_BUFFERS:
+            what = f"distrib_optim.pt {state_name}"
+            value, pattern = merger.merged(name, plan.optimizer[state_name][name], what)
+            yield host_item(
+                (*tree, name),
+                value,
+                {
+                    **provenance,
+                    "files": sorted(set(files) | set(optimizer_files)),
+                    "pattern": pattern,
+                    "source": f"distrib_optim.pt:{state_name}",
+                },
+            )
+        if plan.want_model:
+            value, pattern = merger.merged(name, tensors.fragments[name], "model weights")
+            yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
+    if plan.optimizer is not None:
+        rank_files = (r.path for r in checkpoint.ranks.values())
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(plan.count, np.int32),
+            {
+                "files": sorted(os.path.relpath(f, checkpoint.iter_dir) for f in rank_files),
+                "pattern": "optimizer.param_groups.step",
+            },
+        )
 
 
-def _jsonable(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (str, int, float, bool)) or x is None:
-        return x
-    if isinstance(x, np.generic):
-        return x.item()
-    return str(x)
+def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
+    """What the manifest records about the legacy checkpoint (padding stripped, ties, ...)."""
+    checkpoint, tensors = plan.checkpoint, plan.tensors
+    stripped = {}
+    for name in plan.names:
+        if name in tensors.grouped:
+            continue
+        kind = plan.matches[name].kind
+        if isinstance(kind, Vocab) and isinstance(kind.vocab_size, int):
+            rows = sum(int(a.shape[0]) for a in next(iter(tensors.fragments[name].values())))
+            if rows > kind.vocab_size:
+                stripped[name] = [rows, kind.vocab_size]
+    info = {
+        "format": "legacy",
+        "tp": checkpoint.tp,
+        "pp": checkpoint.pp,
+        "ep": checkpoint.ep,
+        "iteration": checkpoint.iteration,
+        "vocab_stripped": stripped,
+        "checkpoint_version": checkpoint.checkpoint_version,
+        "skipped_objects": tensors.skipped,
+        "tied_embeddings": [embedding for embedding, _ in plan.tied_pairs],
+        "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
+        "optimizer": plan.optimizer is not None,
+    }
+    if plan.optimizer is None and any("optimizer" in r.state for r in checkpoint.ranks.values()):
+        info["notes"] = [
+            "model_optim_rng.pt holds a non-distributed optimizer state: not imported "
+            "(only the distributed optimizer's distrib_optim.pt is supported)"
+        ]
+    return info

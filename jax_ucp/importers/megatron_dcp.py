@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.importers import torch_pickle as tp
+from jax_ucp.importers import torch_pickle
 
 __all__ = [
     "DcpError",
@@ -48,7 +48,7 @@ class DcpError(ValueError):
 # ----------------------------------------------------------------- stand-ins for .metadata
 
 
-class _MetadataIndex(tp.StandIn):
+class _MetadataIndex(torch_pickle.StandIn):
     """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
 
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
@@ -75,7 +75,7 @@ def _standins() -> dict[str, Any]:
     m = "torch.distributed.checkpoint.metadata."
     p = "torch.distributed.checkpoint.planner."
     d: dict[str, Any] = {
-        m + n: tp.standin_class(m + n)
+        m + n: torch_pickle.standin_class(m + n)
         for n in (
             "Metadata",
             "TensorStorageMetadata",
@@ -86,15 +86,15 @@ def _standins() -> dict[str, Any]:
         )
     }
     d[m + "MetadataIndex"] = _MetadataIndex
-    d[m + "_MEM_FORMAT_ENCODING"] = tp.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
-    d["torch.distributed.checkpoint.filesystem._StorageInfo"] = tp.standin_class(
+    d[m + "_MEM_FORMAT_ENCODING"] = torch_pickle.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
+    d["torch.distributed.checkpoint.filesystem._StorageInfo"] = torch_pickle.standin_class(
         "torch.distributed.checkpoint.filesystem._StorageInfo"
     )
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
-        d[p + n] = tp.standin_class(p + n)
-    d[p + "WriteItemType"] = tp.int_enum_standin(p + "WriteItemType")
-    d[p + "LoadItemType"] = tp.int_enum_standin(p + "LoadItemType")
+        d[p + n] = torch_pickle.standin_class(p + n)
+    d[p + "WriteItemType"] = torch_pickle.int_enum_standin(p + "WriteItemType")
+    d[p + "LoadItemType"] = torch_pickle.int_enum_standin(p + "LoadItemType")
     d["torch.serialization._get_layout"] = _get_layout
     d["torch.layout"] = _get_layout
     return d
@@ -191,7 +191,7 @@ class DcpCheckpoint:
         if bytes(raw[:4]) == b"PK\x03\x04":
             try:
                 arr = _load_embedded(fpath, raw, c.byte_offset)
-            except tp.TorchFileError as e:
+            except torch_pickle.TorchFileError as e:
                 raise DcpError(f"{where}: {e}") from None
             if not isinstance(arr, np.ndarray):
                 raise DcpError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
@@ -221,7 +221,7 @@ class DcpCheckpoint:
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
         try:
             return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
-        except tp.TorchFileError as e:
+        except torch_pickle.TorchFileError as e:
             raise DcpError(f"{where}: {e}") from None
 
     def check_files(self) -> None:
@@ -313,7 +313,7 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
 
 def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None):
     """One DCP chunk: a ``torch.save`` archive that is a byte range of a ``.distcp`` file."""
-    arch = tp.TorchArchive.from_buffer(view, f"{path}@{offset}")
+    arch = torch_pickle.TorchArchive.from_buffer(view, f"{path}@{offset}")
     try:
         return arch.load(extra_classes)
     finally:
@@ -340,8 +340,10 @@ def open_dcp(path: os.PathLike | str) -> DcpCheckpoint:
     if not mfile.is_file():
         raise DcpError(f"{root}: no .metadata file (not a torch_dist / DCP checkpoint)")
     try:
-        md = tp.restricted_loads(mfile.read_bytes(), where=str(mfile), extra_classes=DCP_CLASSES)
-    except tp.TorchFileError as e:
+        md = torch_pickle.restricted_loads(
+            mfile.read_bytes(), where=str(mfile), extra_classes=DCP_CLASSES
+        )
+    except torch_pickle.TorchFileError as e:
         raise DcpError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
@@ -404,6 +406,7 @@ def open_dcp(path: os.PathLike | str) -> DcpCheckpoint:
     return DcpCheckpoint(root, tensors, objects, mcore, getattr(md, "version", None))
 
 
-def iter_tensors(ck: DcpCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
-    for name in ck.tensors:
-        yield name, ck.read(name)
+def iter_tensors(checkpoint: DcpCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """Every tensor of the checkpoint, assembled one at a time."""
+    for name in checkpoint.tensors:
+        yield name, checkpoint.read(name)

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.importers import torch_pickle as tp
+from jax_ucp.importers import torch_pickle
 
 __all__ = [
     "LegacyError",
@@ -32,6 +32,7 @@ __all__ = [
     "flatten_state_dict",
     "distrib_optim_layout",
     "read_distrib_optim",
+    "args_dict",
 ]
 
 
@@ -44,22 +45,22 @@ def _np_reconstruct(*args):
     return _NumpyArrayStandIn(*args)
 
 
-class _NumpyArrayStandIn(tp.StandIn):
+class _NumpyArrayStandIn(torch_pickle.StandIn):
     qualname = "numpy.ndarray"
 
 
 #: Classes a legacy Megatron pickle may reference (beyond torch's), as inert stand-ins.
 LEGACY_CLASSES: dict[str, Any] = {
-    "argparse.Namespace": tp.standin_class("argparse.Namespace"),
+    "argparse.Namespace": torch_pickle.standin_class("argparse.Namespace"),
     "numpy.ndarray": _NumpyArrayStandIn,
     "numpy.core.multiarray._reconstruct": _np_reconstruct,
     "numpy._core.multiarray._reconstruct": _np_reconstruct,
-    "numpy.dtype": tp.standin_class("numpy.dtype"),
-    "numpy.core.multiarray.scalar": tp.standin_class("numpy.scalar"),
-    "numpy._core.multiarray.scalar": tp.standin_class("numpy.scalar"),
+    "numpy.dtype": torch_pickle.standin_class("numpy.dtype"),
+    "numpy.core.multiarray.scalar": torch_pickle.standin_class("numpy.scalar"),
+    "numpy._core.multiarray.scalar": torch_pickle.standin_class("numpy.scalar"),
     # megatron-core enums that Megatron-LM pickles into args
-    "megatron.core.enums.ModelType": tp.int_enum_standin("megatron.core.enums.ModelType"),
-    "megatron.core.transformer.enums.AttnBackend": tp.int_enum_standin(
+    "megatron.core.enums.ModelType": torch_pickle.int_enum_standin("megatron.core.enums.ModelType"),
+    "megatron.core.transformer.enums.AttnBackend": torch_pickle.int_enum_standin(
         "megatron.core.transformer.enums.AttnBackend"
     ),
 }
@@ -133,12 +134,14 @@ def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _args_dict(a: Any) -> dict[str, Any]:
-    if a is None:
+def args_dict(args: Any) -> dict[str, Any]:
+    """The scalar fields of a pickled ``argparse.Namespace`` (a stand-in): Megatron-LM's run
+    arguments, which give the import settings (layer and head counts, vocab, ...)."""
+    if args is None:
         return {}
     d = (
-        {k: v for k, v in vars(a).items() if k not in ("args", "kwargs")}
-        if hasattr(a, "__dict__")
+        {k: v for k, v in vars(args).items() if k not in ("args", "kwargs")}
+        if hasattr(args, "__dict__")
         else {}
     )
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
@@ -148,8 +151,8 @@ def _load_rank(f: Path) -> tuple[dict, dict]:
     if not f.is_file():
         raise LegacyError(f"missing shard file {f}")
     try:
-        state = tp.load_torch_file(f, LEGACY_CLASSES)
-    except tp.TorchFileError as e:
+        state = torch_pickle.load_torch_file(f, LEGACY_CLASSES)
+    except torch_pickle.TorchFileError as e:
         raise LegacyError(str(e)) from None
     if not isinstance(state, dict):
         raise LegacyError(f"{f}: top level is a {type(state).__name__}, expected a dict")
@@ -182,7 +185,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             f"{it_dir}: mixes mp_rank_* directory name forms: {sorted(d.name for d, *_ in dirs)}"
         )
     first_state, _ = _load_rank(dirs[0][0] / "model_optim_rng.pt")
-    args0 = _args_dict(first_state.get("args"))
+    args0 = args_dict(first_state.get("args"))
     ep_args = int(args0.get("expert_model_parallel_size") or 1)
     pp_args = int(args0.get("pipeline_model_parallel_size") or 1)
     suffix_is_ep = ep_args > 1 and pp_args == 1
@@ -227,7 +230,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
                     if (d / "distrib_optim.pt").is_file():
                         dopt[(p, t)] = d / "distrib_optim.pt"
     first = ranks[(0, 0)]
-    args = _args_dict(first.state.get("args"))
+    args = args_dict(first.state.get("args"))
     for key, want in (
         ("tensor_model_parallel_size", tp_n),
         ("pipeline_model_parallel_size", pp_n),
@@ -296,8 +299,8 @@ class DistribOptimState:
 def read_distrib_optim(path: Path) -> DistribOptimState:
     """The single buffer of a ``distrib_optim.pt`` (buckets coalesced; one dtype, no experts)."""
     try:
-        st = tp.load_torch_file(path, LEGACY_CLASSES)
-    except tp.TorchFileError as e:
+        st = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
+    except torch_pickle.TorchFileError as e:
         raise LegacyError(str(e)) from None
     if not isinstance(st, dict) or st.get("buckets_coalesced") is not True:
         raise LegacyError(

@@ -1,0 +1,458 @@
+"""One model-parallel rank's ZeRO 1/2/3 partitions, reassembled one parameter at a time.
+
+Layouts (DeepSpeed 0.19, checked against ``ds_to_universal`` and ``zero_to_fp32``):
+
+* stage 1/2: DP rank r's ``optimizer_state_dict`` holds, per param group g, a flat fp32 partition
+  ``single_partition_of_fp32_groups[g]`` and flat ``base_optimizer_state.state[g]`` {step,
+  exp_avg, exp_avg_sq}; ``param_slice_mappings[g][name] = fragment_address(numel, start)`` says
+  which slice of rank r's partition holds which part of the parameter (a parameter can straddle
+  ranks; group ends are padded, ``group_paddings``). Concatenating the fragments in rank order
+  gives the flattened parameter.
+* stage 3: DP rank r holds ``fp32_flat_groups`` (one flat tensor per sub-group; virtually
+  concatenated) and ``optimizer_state_dict.state[i]`` per sub-group. Each parameter of
+  ``param_shapes`` (in order) takes ``ceil(numel / W)`` elements of every rank's flat vector;
+  rank r holds elements ``[r*p, (r+1)*p)`` of the flattened parameter, the tail padded.
+
+A plain ZeRO checkpoint is one such rank; a Megatron-DeepSpeed TP/PP checkpoint is a grid of them
+(:mod:`deepspeed_megatron`). Everything stays memory-mapped until a parameter is yielded.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jax_ucp import writer
+from jax_ucp.importers import deepspeed_files
+from jax_ucp.importers.deepspeed_files import (
+    DeepSpeedImportError,
+    OptimizerStates,
+    numel,
+    require,
+)
+from jax_ucp.importers.plan import agreed_step, host_item
+from jax_ucp.importers.torch_pickle import StandIn
+
+#: The optimizer states of a parameter, in output order, with where each goes in the output tree.
+STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fp32", ("params",)),
+    ("exp_avg", ("opt_state", "mu")),
+    ("exp_avg_sq", ("opt_state", "nu")),
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of a flattened parameter in one DP rank's flat state vector."""
+
+    dp_rank: int
+    start: int  # in the rank's (virtual) flat vector
+    numel: int
+
+
+@dataclass(frozen=True)
+class ParameterFragments:
+    """Where a parameter lives: its param group and its pieces in DP-rank order."""
+
+    group: int
+    pieces: list[Piece]
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """One model-parallel rank's ZeRO files, validated up front (the whole checkpoint when there
+    is no tensor/pipeline parallelism)."""
+
+    tag_dir: str
+    stage: int
+    world_size: int
+    model_dtype: np.dtype
+    param_shapes: list[dict[str, tuple[int, ...]]]  # per param group (stage 3: as stored)
+    model_file: str
+    optim_files: list[str]
+    model_states: Mapping
+    optim_states: list[dict]  # per DP rank: the 'optimizer_state_dict'
+    global_steps: int | None = None
+    module: Mapping[str, np.ndarray] = field(default_factory=dict)
+    shared_params: Mapping[str, str] = field(default_factory=dict)
+    fragment_plan: dict[str, ParameterFragments] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for group in self.param_shapes for name in group]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for group in self.param_shapes for name, shape in group.items()}
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
+    """The ZeRO files of a tag folder without tensor/pipeline parallelism (MP rank 0 only)."""
+    by_rank, _ = deepspeed_files.optimizer_files_by_rank(tag_dir)
+    if not by_rank.get(0):
+        raise DeepSpeedImportError(
+            f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files"
+        )
+    if set(by_rank) != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched first)
+        raise DeepSpeedImportError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
+    optimizer = deepspeed_files.read_optimizer_states(tag_dir, by_rank[0])
+    model_file = _model_states_file(tag_dir, optimizer)
+    model_states = deepspeed_files.load_model_states(model_file)
+    if model_states.get("mp_world_size", 1) not in (None, 1):
+        raise DeepSpeedImportError(
+            f"{model_file}: mp_world_size is {model_states['mp_world_size']} but the folder holds "
+            f"the files of model-parallel rank 0 only (missing mp_rank_01_* files?)"
+        )
+    return open_zero_rank(tag_dir, model_file, model_states, optimizer)
+
+
+def _model_states_file(tag_dir: str, optimizer: OptimizerStates) -> str:
+    """The model states file of the stage; stage 3 also needs one file per DP rank."""
+    if optimizer.stage in (1, 2):
+        return os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    if optimizer.stage != 3:
+        raise DeepSpeedImportError(
+            f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}"
+        )
+    for dp_rank in range(optimizer.world_size):
+        path = os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt")
+        if not os.path.isfile(path):
+            raise DeepSpeedImportError(
+                f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
+            )
+    found = [f for f in os.listdir(tag_dir) if deepspeed_files.ZERO3_MODEL_FILE.match(f)]
+    if len(found) != optimizer.world_size:
+        raise DeepSpeedImportError(
+            f"{tag_dir}: world size metadata says {optimizer.world_size} DP ranks but found "
+            f"{len(found)} stage-3 model states files"
+        )
+    return os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+
+
+def open_zero_rank(
+    tag_dir: str, model_file: str, model_states: Mapping, optimizer: OptimizerStates
+) -> DeepSpeedCheckpoint:
+    """One model-parallel rank from its model states and checked optimizer files; checks that
+    the optimizer partitions hold exactly every parameter of ``param_shapes``."""
+    deepspeed_files.check_dp_world_size(model_states, model_file, optimizer)
+    param_shapes = deepspeed_files.param_shapes_of(model_states, model_file)
+    module = model_states.get("module") or {}
+    checkpoint = DeepSpeedCheckpoint(
+        tag_dir=tag_dir,
+        stage=optimizer.stage,
+        world_size=optimizer.world_size,
+        model_dtype=deepspeed_files.dtype_of_run(model_states.get("ds_config") or {}, module),
+        param_shapes=param_shapes,
+        model_file=model_file,
+        optim_files=optimizer.files,
+        model_states=model_states,
+        optim_states=optimizer.states,
+        global_steps=model_states.get("global_steps"),
+        module=module,
+        shared_params=dict(model_states.get("shared_params") or {}),
+    )
+    checkpoint.fragment_plan = plan_fragments(checkpoint)
+    return checkpoint
+
+
+# --------------------------------------------------------------------------- fragment maps
+
+
+class FlatVector:
+    """Several flat arrays of one rank seen as one vector (stage-3 sub-groups)."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], what: str):
+        self.arrays = [np.asarray(a).reshape(-1) for a in arrays]
+        self.offsets = np.cumsum([0] + [a.size for a in self.arrays]).tolist()
+        self.what = what
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def take(self, start: int, count: int) -> list[np.ndarray]:
+        """Views of elements ``[start, start + count)``, one per array they span."""
+        if start + count > self.size:
+            raise DeepSpeedImportError(
+                f"{self.what}: needs elements [{start}, {start + count}) but holds {self.size}"
+            )
+        out = []
+        for array, offset in zip(self.arrays, self.offsets):
+            low, high = max(start, offset), min(start + count, offset + array.size)
+            if low < high:
+                out.append(array[low - offset : high - offset])
+        return out
+
+
+def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
+    """Where every parameter's pieces are, checked against the partitions' sizes before any
+    tensor byte is read."""
+    if checkpoint.stage in (1, 2):
+        plan = _plan_stage12(checkpoint)
+        _check_stage12_partitions(checkpoint)
+    else:
+        plan = _plan_stage3(checkpoint)
+        _check_stage3_partitions(checkpoint)
+    shapes = checkpoint.shapes
+    for name, fragments in plan.items():
+        held = sum(piece.numel for piece in fragments.pieces)
+        if held != numel(shapes[name]):
+            raise DeepSpeedImportError(
+                f"{checkpoint.tag_dir}: parameter {name!r} shape {shapes[name]} has "
+                f"{numel(shapes[name])} elements but the optimizer files hold {held} "
+                f"(ranks {[piece.dp_rank for piece in fragments.pieces]})"
+            )
+    return plan
+
+
+def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
+    """From every rank's ``param_slice_mappings``: name -> (group, pieces in rank order)."""
+    plan = {
+        name: ParameterFragments(group, [])
+        for group, shapes in enumerate(checkpoint.param_shapes)
+        for name in shapes
+    }
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        slice_mappings = require(optimizer_state, "param_slice_mappings", path)
+        if len(slice_mappings) != len(checkpoint.param_shapes):
+            raise DeepSpeedImportError(
+                f"{path}: {len(slice_mappings)} param groups in param_slice_mappings, "
+                f"{checkpoint.model_file} has {len(checkpoint.param_shapes)}"
+            )
+        for group, mapping in enumerate(slice_mappings):
+            for name, address in mapping.items():
+                fragments = plan.get(name)
+                if fragments is None:
+                    raise DeepSpeedImportError(
+                        f"{path}: parameter {name!r} in param_slice_mappings is not in "
+                        f"param_shapes of {checkpoint.model_file}"
+                    )
+                if fragments.group != group:
+                    raise DeepSpeedImportError(
+                        f"{path}: parameter {name!r} in group {group}, expected {fragments.group}"
+                    )
+                if not isinstance(address, StandIn) or not all(
+                    hasattr(address, attribute) for attribute in ("numel", "start")
+                ):
+                    raise DeepSpeedImportError(
+                        f"{path}: bad fragment_address for {name!r}: {address!r}"
+                    )
+                fragments.pieces.append(Piece(dp_rank, int(address.start), int(address.numel)))
+    return plan
+
+
+def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
+    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order."""
+    plan: dict[str, ParameterFragments] = {}
+    offset = 0
+    world = checkpoint.world_size
+    for group, shapes in enumerate(checkpoint.param_shapes):
+        for name, shape in shapes.items():
+            count = numel(shape)
+            part = math.ceil(count / world)
+            pieces = []
+            for dp_rank in range(world):
+                take = max(0, min(part, count - dp_rank * part))
+                if take:
+                    pieces.append(Piece(dp_rank, offset, take))
+            plan[name] = ParameterFragments(group, pieces)
+            offset += part
+    return plan
+
+
+def _check_stage12_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
+    """Every group has an fp32 partition, and moments at least as long."""
+    groups = len(checkpoint.param_shapes)
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        fp32 = require(optimizer_state, "single_partition_of_fp32_groups", path)
+        inner = require(require(optimizer_state, "base_optimizer_state", path), "state", path)
+        if len(fp32) != groups:
+            raise DeepSpeedImportError(f"{path}: {len(fp32)} fp32 partitions for {groups} groups")
+        for group in range(len(fp32)):
+            for state_name in ("exp_avg", "exp_avg_sq"):
+                group_state = require(inner, group, f"{path} state")
+                moment = require(group_state, state_name, f"{path} state[{group}]")
+                if moment.size < fp32[group].size:
+                    raise DeepSpeedImportError(
+                        f"{path}: group {group} {state_name} has {moment.size} elements, "
+                        f"fp32 partition has {fp32[group].size}"
+                    )
+
+
+def _check_stage3_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
+    """Every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
+    world = checkpoint.world_size
+    need = sum(math.ceil(numel(shape) / world) for shape in checkpoint.shapes.values())
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        fp32 = FlatVector(
+            require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
+        )
+        if fp32.size != need:
+            raise DeepSpeedImportError(
+                f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
+                f"{checkpoint.model_file} with {world} DP ranks need {need}"
+            )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def state_vectors(
+    checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
+) -> FlatVector | list[np.ndarray]:
+    """DP rank ``dp_rank``'s flat vectors of one optimizer state ("fp32", "exp_avg",
+    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3)."""
+    optimizer_state = checkpoint.optim_states[dp_rank]
+    path = checkpoint.optim_files[dp_rank]
+    if checkpoint.stage in (1, 2):
+        if state_name == "fp32":
+            return list(optimizer_state["single_partition_of_fp32_groups"])
+        inner = optimizer_state["base_optimizer_state"]["state"]
+        return [
+            np.asarray(inner[group][state_name]).reshape(-1)
+            for group in range(len(checkpoint.param_shapes))
+        ]
+    if state_name == "fp32":
+        return FlatVector(optimizer_state["fp32_flat_groups"], f"{path} fp32_flat_groups")
+    inner = require(
+        require(optimizer_state, "optimizer_state_dict", path),
+        "state",
+        f"{path} optimizer_state_dict",
+    )
+    arrays = [require(inner[i], state_name, f"{path} state[{i}]") for i in sorted(inner)]
+    return FlatVector(arrays, f"{path} {state_name}")
+
+
+def gather_parameter(
+    checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
+) -> np.ndarray:
+    """One optimizer state of parameter ``name``, in its shape (a view of the memory map when it
+    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name)."""
+    fragments = checkpoint.fragment_plan[name]
+    parts: list[np.ndarray] = []
+    for piece in fragments.pieces:
+        key = (piece.dp_rank, state_name)
+        if key not in vectors:
+            vectors[key] = state_vectors(checkpoint, piece.dp_rank, state_name)
+        vector = vectors[key]
+        if isinstance(vector, FlatVector):
+            parts.extend(vector.take(piece.start, piece.numel))
+            continue
+        flat = vector[fragments.group]
+        end = piece.start + piece.numel
+        if end > flat.size:
+            raise DeepSpeedImportError(
+                f"{checkpoint.optim_files[piece.dp_rank]}: parameter {name!r} {state_name} "
+                f"fragment [{piece.start}, {end}) exceeds group {fragments.group} partition "
+                f"of {flat.size}"
+            )
+        parts.append(flat[piece.start : end])
+    flat = np.concatenate(parts) if len(parts) != 1 else parts[0]
+    return flat.reshape(checkpoint.shapes[name])
+
+
+def steps_seen(checkpoint: DeepSpeedCheckpoint) -> dict[float, str]:
+    """Every optimizer step the ranks' param groups record: step -> where it was first seen."""
+    seen: dict[float, str] = {}
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        inner = (
+            optimizer_state["base_optimizer_state"]["state"]
+            if checkpoint.stage in (1, 2)
+            else optimizer_state["optimizer_state_dict"]["state"]
+        )
+        for group, group_state in inner.items():
+            if "step" in group_state:
+                seen.setdefault(
+                    float(np.asarray(group_state["step"])),
+                    f"in {os.path.basename(checkpoint.optim_files[dp_rank])} group {group}",
+                )
+    return seen
+
+
+def optimizer_step(checkpoint: DeepSpeedCheckpoint) -> int:
+    """The step every rank and param group agrees on (``opt_state.count``)."""
+    return agreed_step(
+        steps_seen(checkpoint),
+        checkpoint.tag_dir,
+        recorded_by="ranks or parameter groups",
+        error=DeepSpeedImportError,
+    )
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def iter_zero_items(checkpoint: DeepSpeedCheckpoint) -> Iterator[writer.HostItem]:
+    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``."""
+    vectors: dict[tuple[int, str], Any] = {}
+    files = [os.path.basename(f) for f in checkpoint.optim_files]
+    for name in checkpoint.names:
+        pieces = checkpoint.fragment_plan[name].pieces
+        provenance = {
+            "files": sorted({files[piece.dp_rank] for piece in pieces}),
+            "zero_stage": checkpoint.stage,
+            "pattern": f"zero{checkpoint.stage}-flat",
+            "dp_ranks": [piece.dp_rank for piece in pieces],
+        }
+        fp32 = None
+        for state_name, tree in STATE_TREES:
+            value = gather_parameter(checkpoint, name, state_name, vectors)
+            yield host_item((*tree, name), value, provenance)
+            if state_name == "fp32":
+                fp32 = value
+        if checkpoint.model_dtype != np.dtype(np.float32):
+            yield _model_copy_item(checkpoint, name, fp32, provenance["files"])
+        del fp32
+    yield host_item(
+        ("opt_state", "count"),
+        np.asarray(optimizer_step(checkpoint), np.int32),
+        {"files": files, "pattern": "step"},
+    )
+
+
+def _model_copy_item(
+    checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.ndarray, files: list[str]
+) -> writer.HostItem:
+    """The model-precision weight: the stored module weight (stage 1/2), else the fp32 master
+    cast the way DeepSpeed re-derives it (stage 3 keeps no model-precision copy)."""
+    stored = checkpoint.module.get(name) if checkpoint.stage in (1, 2) else None
+    if isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size:
+        if stored.dtype != checkpoint.model_dtype:
+            raise DeepSpeedImportError(
+                f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
+                f"{checkpoint.model_dtype}"
+            )
+        return host_item(
+            ("model_params", name),
+            stored,
+            {"files": [os.path.basename(checkpoint.model_file)], "pattern": "module"},
+        )
+    return host_item(
+        ("model_params", name),
+        fp32.astype(checkpoint.model_dtype),
+        {"files": files, "pattern": f"cast(fp32 -> {checkpoint.model_dtype})"},
+    )
+
+
+def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
+    """What the manifest records about a ZeRO checkpoint."""
+    return {
+        "framework": "deepspeed",
+        "path": os.path.abspath(checkpoint.tag_dir),
+        "zero_stage": checkpoint.stage,
+        "dp_world_size": checkpoint.world_size,
+        "model_dtype": str(checkpoint.model_dtype),
+        "global_steps": checkpoint.global_steps,
+        "ds_version": checkpoint.model_states.get("ds_version"),
+    }
