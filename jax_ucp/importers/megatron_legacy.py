@@ -12,6 +12,7 @@ distributed optimizer's flat buffers.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass, field
@@ -147,23 +148,81 @@ def args_dict(args: Any) -> dict[str, Any]:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
-def _load_rank(f: Path) -> tuple[dict, dict]:
-    if not f.is_file():
-        raise LegacyError(f"missing shard file {f}")
+def _load_rank(path: Path) -> tuple[dict, dict]:
+    """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
+    if not path.is_file():
+        raise LegacyError(f"missing shard file {path}")
     try:
-        state = torch_pickle.load_torch_file(f, LEGACY_CLASSES)
+        state = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
     except torch_pickle.TorchFileError as e:
         raise LegacyError(str(e)) from None
     if not isinstance(state, dict):
-        raise LegacyError(f"{f}: top level is a {type(state).__name__}, expected a dict")
+        raise LegacyError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state:
-        vpp = [k for k in state if re.fullmatch(r"model\d+", str(k))]
-        if vpp:
+        virtual_stages = [k for k in state if re.fullmatch(r"model\d+", str(k))]
+        if virtual_stages:
             raise LegacyError(
-                f"{f}: virtual-pipeline checkpoints ({', '.join(vpp)}) are not supported"
+                f"{path}: virtual-pipeline checkpoints ({', '.join(virtual_stages)}) are not "
+                f"supported"
             )
-        raise LegacyError(f"{f}: no 'model' entry (keys: {sorted(map(str, state))})")
+        raise LegacyError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
     return state, flatten_state_dict(state["model"])
+
+
+@dataclass(frozen=True)
+class _RankDirectories:
+    """The ``mp_rank_*`` directories of an iteration, placed on the (pp, tp, ep) grid."""
+
+    iteration_dir: Path
+    found: dict[tuple[int, int, int], Path]  # (pp, tp, ep) -> directory
+    has_pp_suffix: bool
+    has_ep_suffix: bool
+
+    def size(self, axis: int) -> int:
+        return max(key[axis] for key in self.found) + 1
+
+    def expected(self, pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
+        """The directory Megatron-LM would have written for this rank (named in errors)."""
+        name = f"mp_rank_{tp_rank:02d}"
+        if self.has_pp_suffix:
+            name += f"_{pp_rank:03d}"
+        if self.has_ep_suffix:
+            name += f"_{ep_rank:03d}"
+        return self.iteration_dir / name
+
+
+def _rank_directories(iteration_dir: Path) -> _RankDirectories:
+    """Places every ``mp_rank_TT[_PPP][_EEE]`` directory; a single 3-digit suffix is the pipeline
+    stage unless the run's args say expert- but not pipeline-parallel (the expert rank then)."""
+    named = []
+    for directory in sorted(iteration_dir.iterdir()):
+        match = _RANK_DIR.match(directory.name)
+        if directory.is_dir() and match:
+            named.append((directory, int(match.group(1)), match.group(2), match.group(3)))
+    if not named:
+        raise LegacyError(f"{iteration_dir}: no mp_rank_* directories")
+    if len({(first is None, second is None) for _, _, first, second in named}) > 1:
+        raise LegacyError(
+            f"{iteration_dir}: mixes mp_rank_* directory name forms: "
+            f"{sorted(d.name for d, *_ in named)}"
+        )
+    first_state, _ = _load_rank(named[0][0] / "model_optim_rng.pt")
+    first_args = args_dict(first_state.get("args"))
+    expert_parallel = int(first_args.get("expert_model_parallel_size") or 1)
+    pipeline_parallel = int(first_args.get("pipeline_model_parallel_size") or 1)
+    suffix_is_ep = expert_parallel > 1 and pipeline_parallel == 1
+    found: dict[tuple[int, int, int], Path] = {}
+    for directory, tp_rank, first, second in named:
+        if second is not None:
+            key = (int(first), tp_rank, int(second))
+        elif first is not None:
+            key = (0, tp_rank, int(first)) if suffix_is_ep else (int(first), tp_rank, 0)
+        else:
+            key = (0, tp_rank, 0)
+        found[key] = directory
+    has_pp_suffix = named[0][2] is not None and not suffix_is_ep
+    has_ep_suffix = named[0][3] is not None or suffix_is_ep
+    return _RankDirectories(iteration_dir, found, has_pp_suffix, has_ep_suffix)
 
 
 def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
@@ -172,86 +231,52 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     Directory names are Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``; a single 3-digit suffix is the
     pipeline stage unless ``args.expert_model_parallel_size > 1`` with no pipeline parallelism
     (Megatron-LM then appends only the expert rank)."""
-    root, it_dir, it = resolve_iteration_dir(Path(src))
-    dirs = []
-    for d in sorted(it_dir.iterdir()):
-        m = _RANK_DIR.match(d.name)
-        if d.is_dir() and m:
-            dirs.append((d, int(m.group(1)), m.group(2), m.group(3)))
-    if not dirs:
-        raise LegacyError(f"{it_dir}: no mp_rank_* directories")
-    if len({(a is None, b is None) for _, _, a, b in dirs}) > 1:
-        raise LegacyError(
-            f"{it_dir}: mixes mp_rank_* directory name forms: {sorted(d.name for d, *_ in dirs)}"
-        )
-    first_state, _ = _load_rank(dirs[0][0] / "model_optim_rng.pt")
-    args0 = args_dict(first_state.get("args"))
-    ep_args = int(args0.get("expert_model_parallel_size") or 1)
-    pp_args = int(args0.get("pipeline_model_parallel_size") or 1)
-    suffix_is_ep = ep_args > 1 and pp_args == 1
-    found: dict[tuple[int, int, int], Path] = {}
-    for d, t, a, b in dirs:
-        if b is not None:
-            key = (int(a), t, int(b))
-        elif a is not None:
-            key = (0, t, int(a)) if suffix_is_ep else (int(a), t, 0)
-        else:
-            key = (0, t, 0)
-        found[key] = d
-    tp_n = max(k[1] for k in found) + 1
-    pp_n = max(k[0] for k in found) + 1
-    ep_n = max(k[2] for k in found) + 1
-
-    def name(p, t, e):
-        n = f"mp_rank_{t:02d}"
-        if dirs[0][2] is not None and not suffix_is_ep:
-            n += f"_{p:03d}"
-        if dirs[0][3] is not None or suffix_is_ep:
-            n += f"_{e:03d}"
-        return it_dir / n
-
+    root, iteration_dir, iteration = resolve_iteration_dir(Path(src))
+    directories = _rank_directories(iteration_dir)
+    pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
     ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
-    dopt: dict[tuple[int, int], Path] = {}
-    for p in range(pp_n):
-        for t in range(tp_n):
-            for e in range(ep_n):
-                d = found.get((p, t, e))
-                if d is None:
-                    raise LegacyError(
-                        f"missing rank directory {name(p, t, e)} (TP={tp_n}, PP={pp_n}, EP={ep_n} "
-                        f"grid from the directories present)"
-                    )
-                state, model = _load_rank(d / "model_optim_rng.pt")
-                rf = RankFile(t, p, d / "model_optim_rng.pt", state, model, e)
-                ep_ranks[(p, t, e)] = rf
-                if e == 0:
-                    ranks[(p, t)] = rf
-                    if (d / "distrib_optim.pt").is_file():
-                        dopt[(p, t)] = d / "distrib_optim.pt"
+    distrib_optim: dict[tuple[int, int], Path] = {}
+    for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
+        directory = directories.found.get(key)
+        if directory is None:
+            raise LegacyError(
+                f"missing rank directory {directories.expected(*key)} (TP={tp_size}, "
+                f"PP={pp_size}, EP={ep_size} grid from the directories present)"
+            )
+        pp_rank, tp_rank, ep_rank = key
+        state, model = _load_rank(directory / "model_optim_rng.pt")
+        rank_file = RankFile(
+            tp_rank, pp_rank, directory / "model_optim_rng.pt", state, model, ep_rank
+        )
+        ep_ranks[key] = rank_file
+        if ep_rank == 0:
+            ranks[(pp_rank, tp_rank)] = rank_file
+            if (directory / "distrib_optim.pt").is_file():
+                distrib_optim[(pp_rank, tp_rank)] = directory / "distrib_optim.pt"
     first = ranks[(0, 0)]
     args = args_dict(first.state.get("args"))
-    for key, want in (
-        ("tensor_model_parallel_size", tp_n),
-        ("pipeline_model_parallel_size", pp_n),
-        ("expert_model_parallel_size", ep_n),
+    for name, size in (
+        ("tensor_model_parallel_size", tp_size),
+        ("pipeline_model_parallel_size", pp_size),
+        ("expert_model_parallel_size", ep_size),
     ):
-        if key in args and args[key] != want:
+        if name in args and args[name] != size:
             raise LegacyError(
-                f"{first.path}: args.{key}={args[key]} but the directory grid has {want}"
+                f"{first.path}: args.{name}={args[name]} but the directory grid has {size}"
             )
-    cv = first.state.get("checkpoint_version")
+    version = first.state.get("checkpoint_version")
     return LegacyCheckpoint(
         root,
-        it_dir,
-        it if it is not None else first.state.get("iteration"),
-        tp_n,
-        pp_n,
+        iteration_dir,
+        iteration if iteration is not None else first.state.get("iteration"),
+        tp_size,
+        pp_size,
         ranks,
         args,
-        float(cv) if isinstance(cv, (int, float)) else None,
-        dopt,
-        ep_n,
+        float(version) if isinstance(version, (int, float)) else None,
+        distrib_optim,
+        ep_size,
         ep_ranks,
     )
 
@@ -299,40 +324,40 @@ class DistribOptimState:
 def read_distrib_optim(path: Path) -> DistribOptimState:
     """The single buffer of a ``distrib_optim.pt`` (buckets coalesced; one dtype, no experts)."""
     try:
-        st = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
+        saved = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
     except torch_pickle.TorchFileError as e:
         raise LegacyError(str(e)) from None
-    if not isinstance(st, dict) or st.get("buckets_coalesced") is not True:
+    if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise LegacyError(
             f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
             f"(older per-bucket layouts are not supported)"
         )
-    bufs = [k for k in st if k != "buckets_coalesced"]
-    if bufs != [0]:
+    buffers = [k for k in saved if k != "buckets_coalesced"]
+    if buffers != [0]:
         raise LegacyError(
-            f"{path}: {len(bufs)} gradient buffers {bufs}; only one (a single dtype, no "
+            f"{path}: {len(buffers)} gradient buffers {buffers}; only one (a single dtype, no "
             f"expert-parallel buffer) is supported"
         )
-    per_dtype = st[0]
+    per_dtype = saved[0]
     if not isinstance(per_dtype, dict) or len(per_dtype) != 1:
         raise LegacyError(
             f"{path}: buffer 0 holds {len(per_dtype) if isinstance(per_dtype, dict) else '?'} "
             f"dtype groups, expected 1"
         )
-    (w,) = per_dtype.values()
-    arrs = {}
-    for k in ("param", "exp_avg", "exp_avg_sq"):
-        a = w.get(k) if isinstance(w, dict) else None
-        if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != np.float32:
+    (buffer,) = per_dtype.values()
+    arrays = {}
+    for state_name in ("param", "exp_avg", "exp_avg_sq"):
+        array = buffer.get(state_name) if isinstance(buffer, dict) else None
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.float32:
             raise LegacyError(
-                f"{path}: buffer 0 {k!r} must be a flat float32 tensor, found "
-                f"{getattr(a, 'dtype', type(a).__name__)} {getattr(a, 'shape', '')}"
+                f"{path}: buffer 0 {state_name!r} must be a flat float32 tensor, found "
+                f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}"
             )
-        arrs[k] = a
-    n = w.get("numel_unpadded")
-    if type(n) is not int or any(a.size != n for a in arrs.values()):
+        arrays[state_name] = array
+    numel = buffer.get("numel_unpadded")
+    if type(numel) is not int or any(a.size != numel for a in arrays.values()):
         raise LegacyError(
-            f"{path}: numel_unpadded={n!r} but the flat tensors hold "
-            f"{[a.size for a in arrs.values()]} elements"
+            f"{path}: numel_unpadded={numel!r} but the flat tensors hold "
+            f"{[a.size for a in arrays.values()]} elements"
         )
-    return DistribOptimState(path, arrs["param"], arrs["exp_avg"], arrs["exp_avg_sq"], n)
+    return DistribOptimState(path, arrays["param"], arrays["exp_avg"], arrays["exp_avg_sq"], numel)
