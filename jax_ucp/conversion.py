@@ -81,6 +81,11 @@ def convert_deepspeed(src, dst, **kwargs) -> str:
     return convert(src, dst, format="deepspeed", **kwargs)
 
 
+def convert_safetensors(src, dst, **kwargs) -> str:
+    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index)."""
+    return convert(src, dst, format="safetensors", **kwargs)
+
+
 def convert_megatron(src, dst, **kwargs) -> str:
     """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX)."""
     return convert(src, dst, format="megatron", **kwargs)

@@ -6,13 +6,15 @@ import glob
 import os
 from typing import Any
 
-from jax_ucp.importers import deepspeed, megatron
+from jax_ucp.importers import deepspeed, megatron, safetensors_hf
 from jax_ucp.importers.plan import ImportPlan
 
 
 def detect_format(src) -> str:
-    """'deepspeed' or 'megatron', from the files a directory holds (no file is unpickled)."""
+    """'deepspeed', 'megatron' or 'safetensors', from the files a path holds (none is unpickled)."""
     src = os.fspath(src)
+    if os.path.isfile(src) and src.endswith(".safetensors"):
+        return "safetensors"
     if not os.path.isdir(src):
         raise FileNotFoundError(
             f"{src}: not a directory (expected a DeepSpeed or Megatron checkpoint folder)."
@@ -37,10 +39,14 @@ def detect_format(src) -> str:
         "layer_*-model_*-model_states.pt",
     ):
         return "deepspeed"
+    if safetensors_hf.is_safetensors(src):
+        return "safetensors"
     raise ValueError(
         f"{src}: cannot tell the checkpoint format. Expected DeepSpeed (`latest`, `global_stepN/`, "
-        f"`mp_rank_XX_model_states.pt`) or Megatron (`latest_checkpointed_iteration.txt`, `iter_N/`, "
-        f"torch_dist `.metadata` + `*.distcp`). Use `jax-ucp convert deepspeed|megatron` to force one."
+        f"`mp_rank_XX_model_states.pt`), Megatron (`latest_checkpointed_iteration.txt`, `iter_N/`, "
+        f"torch_dist `.metadata` + `*.distcp`) or Hugging Face safetensors (`*.safetensors`, "
+        f"`{safetensors_hf.INDEX_FILE}`). Use `jax-ucp convert deepspeed|megatron|safetensors` "
+        f"to force one."
     )
 
 
@@ -57,6 +63,8 @@ def plan_import(
         return deepspeed.plan_deepspeed(source, spec=spec, **options)
     if checkpoint_format == "megatron":
         return megatron.plan_megatron(source, spec=spec, **options)
+    if checkpoint_format == "safetensors":
+        return safetensors_hf.plan_safetensors(source, spec=spec, **options)
     raise ValueError(
-        f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed' or 'megatron')."
+        f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron' or 'safetensors')."
     )
