@@ -165,7 +165,12 @@ def prepare_tree(
 
 
 async def write_all(
-    root, prepared: Sequence[PreparedTensor], *, primary: bool, max_in_flight: int = 64
+    root,
+    prepared: Sequence[PreparedTensor],
+    *,
+    primary: bool,
+    max_in_flight: int = 64,
+    sync: bool = True,
 ) -> dict[str, dict[str, str]]:
     """All of this process's shards of a jax save, many tensors at once.
 
@@ -176,7 +181,7 @@ async def write_all(
 
     async def one(p):
         async with sem:
-            return await write_tensor(root, p, primary=primary)
+            return await write_tensor(root, p, primary=primary, sync=sync)
 
     results = await asyncio.gather(*(one(p) for p in prepared), return_exceptions=True)
     for r in results:

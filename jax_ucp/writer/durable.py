@@ -61,6 +61,15 @@ def sync_filesystem(path: str) -> None:
         os.close(fd)
 
 
+def make_tree_durable(root: str) -> None:
+    """Everything written under ``root`` so far on disk (one syncfs), and ``root``'s entries."""
+    sync_filesystem(root)
+    arrays = os.path.join(root, fmt.ARRAYS_DIR)
+    if os.path.isdir(arrays):
+        fsync_path(arrays)
+    fsync_path(root)
+
+
 def make_durable(root: str) -> None:
     """Everything under ``root`` on disk before it is committed.
 
