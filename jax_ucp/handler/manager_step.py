@@ -29,11 +29,19 @@ def write_manager_step(
 ) -> str:
     """Writes ``items`` as ``<dest>/<step>/<item_name>``; returns that UCP directory."""
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
     step_dir = os.path.join(dest, str(step))
+    with commit.save_lock(step_dir):
+        commit.recover_interrupted_swap(step_dir)
+        return _write_locked(dest, step_dir, items, step, force, source, item_name, compression)
+
+
+def _write_locked(dest, step_dir, items, step, force, source, item_name, compression) -> str:
+    args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
     replacing = os.path.exists(step_dir)
     if replacing and not force:
         raise FileExistsError(f"{step_dir} already exists; pass force=True to replace step {step}.")
+    if replacing:
+        commit.check_replaceable(step_dir)
     root = os.path.join(dest, f".ucp-staging-step-{step}") if replacing else dest
     if replacing and os.path.exists(root):
         shutil.rmtree(root)
@@ -47,7 +55,8 @@ def write_manager_step(
             if replacing:
                 shutil.rmtree(root, ignore_errors=True)
             raise
-    if replacing:
-        commit.replace_committed(os.path.join(root, str(step)), step_dir)
+    if replacing:  # committed beside the old step, then swapped in (see writer.commit)
+        os.rename(os.path.join(root, str(step)), step_dir + commit.REPLACING)
+        commit.replace_committed(step_dir + commit.REPLACING, step_dir)
         shutil.rmtree(root)
     return os.path.join(step_dir, item_name)
