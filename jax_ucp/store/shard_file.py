@@ -335,6 +335,10 @@ class ShardReader:
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
         self.digests, self.tensor = digests, tensor
         self._verified: set[str] = set()
+        # Per shard: its index and the crc32c trailers of the chunks read so far. A shard's
+        # digest is checked once its reads are done, from these trailers (plus a 4-byte pread
+        # for each chunk no read needed): whole-shard reads cost no extra I/O.
+        self._seen: dict[str, tuple[str, np.ndarray, dict[int, bytes]]] = {}
         self.shape = layout.shape
         self._inner = layout.inner_chunk_shape
         self._inner_grid = tuple(s // c for s, c in zip(layout.chunk_shape, self._inner))
@@ -357,14 +361,41 @@ class ShardReader:
     def read(self) -> concurrent.futures.Future:
         return _Region(self, tuple((0, n) for n in self.shape)).read()
 
+    def _checks_digests(self) -> bool:
+        return self.digests is not None and self._crc
+
     def _shard_index(self, fd: int, path: str, key: str) -> np.ndarray:
         index = read_index(fd, path, self._n_inner, self._crc)
-        if self.digests is not None and self._crc and key not in self._verified:
-            check_digest(path, trailers_digest(fd, path, index), self.digests.get(key), self.tensor)
-            self._verified.add(key)
+        if self._checks_digests() and key not in self._verified:
+            if self.digests.get(key) is None:  # a file the manifest does not list: refuse early
+                check_digest(path, "", None, self.tensor)
+            self._seen.setdefault(key, (path, index, {}))
         return index
 
-    def _read_chunk(self, fd: int, index: np.ndarray, i: int, path: str) -> np.ndarray:
+    def verify_digests(self, keys) -> None:
+        """Checks the digest of each shard in ``keys`` that has been read and not yet checked."""
+        if not self._checks_digests():
+            return
+        for key in keys:
+            if key in self._verified or key not in self._seen:
+                continue
+            path, index, trailers = self._seen[key]
+            missing = [i for i in range(len(index)) if i not in trailers]
+            if missing:
+                fd = files.open_regular(path)
+                try:
+                    for i in missing:
+                        off, nbytes = (int(x) for x in index[i])
+                        trailers[i] = _pread_exact(fd, 4, off + nbytes - 4, path)
+                finally:
+                    os.close(fd)
+            found = digest_of_trailers(b"".join(trailers[i] for i in range(len(index))))
+            check_digest(path, found, self.digests.get(key), self.tensor)
+            self._verified.add(key)
+
+    def _read_chunk(
+        self, fd: int, index: np.ndarray, i: int, path: str, key: str = ""
+    ) -> np.ndarray:
         off, nbytes = (int(x) for x in index[i])
         want = self._chunk_bytes + (4 if self._crc else 0)
         if nbytes != want:
@@ -379,6 +410,9 @@ class ShardReader:
                 raise ShardReadError(
                     f"{path}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)"
                 )
+            seen = self._seen.get(key)
+            if seen is not None:
+                seen[2][i] = raw[-4:]
         else:
             data = memoryview(raw)
         return np.frombuffer(data, self.dtype).reshape(self._inner)
@@ -386,8 +420,10 @@ class ShardReader:
     def read_region(self, region: tuple[tuple[int, int], ...]) -> np.ndarray:
         """``region`` ((start, stop) per dimension) as a new array, read in this thread."""
         out = np.empty(tuple(b - a for a, b in region), self.dtype)
-        for task in self._tasks(region):
+        tasks = self._tasks(region)
+        for task in tasks:
             self._read_part(*task, region, out)
+        self.verify_digests({shard_key(pos) for pos, _ in tasks})
         return out
 
     def _tasks(self, region) -> list[tuple[tuple[int, ...], list]]:
@@ -426,7 +462,7 @@ class ShardReader:
             base = [p * c for p, c in zip(pos, self.layout.chunk_shape)]
             for cpos in chunks:
                 i = int(np.ravel_multi_index(cpos, self._inner_grid))
-                chunk = self._read_chunk(fd, index, i, path)
+                chunk = self._read_chunk(fd, index, i, path, key)
                 start = [b0 + p * c for b0, p, c in zip(base, cpos, self._inner)]  # global
                 src = tuple(
                     slice(max(a, s) - s, min(b, s + c) - s)
@@ -449,10 +485,12 @@ class RegionRead:
 
     def __init__(self, reader: ShardReader, region: tuple[tuple[int, int], ...]):
         self.out = np.empty(tuple(b - a for a, b in region), reader.dtype)
+        self._reader = reader
         pool = read_pool()
+        tasks = reader._tasks(region)
+        self._keys = sorted({shard_key(pos) for pos, _ in tasks})
         self._parts = [
-            pool.submit(reader._read_part, pos, chunks, region, self.out)
-            for pos, chunks in reader._tasks(region)
+            pool.submit(reader._read_part, pos, chunks, region, self.out) for pos, chunks in tasks
         ]
 
     def result(self) -> np.ndarray:
@@ -464,6 +502,7 @@ class RegionRead:
                 errors.append(e)
         if errors:
             raise errors[0]
+        self._reader.verify_digests(self._keys)
         return self.out
 
 
