@@ -20,7 +20,7 @@ def _ckpt(tmp_path):
 def test_inspect_lists_tensors_and_values(tmp_path):
     r = runner.invoke(app, ["inspect", str(_ckpt(tmp_path))], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert "params/w" in r.output and "(3, 4)" in r.output and "float32" in r.output
+    assert "params/w" in r.output and "3x4" in r.output and "float32" in r.output
     assert "step" in r.output
 
 
@@ -39,13 +39,67 @@ def test_verify_reads_everything_and_flags_corruption(tmp_path):
 
 def test_errors_are_one_clear_line(tmp_path):
     r = runner.invoke(app, ["inspect", str(tmp_path / "missing")])
-    assert r.exit_code == 2
+    assert r.exit_code == 1  # a failed operation; 2 is for usage errors
     assert "error:" in r.output and "missing" in r.output and "Traceback" not in r.output
+    assert runner.invoke(app, ["inspect"]).exit_code == 2  # usage: missing argument
     (tmp_path / "empty").mkdir()
     r = runner.invoke(app, ["convert", "deepspeed", str(tmp_path / "empty"), str(tmp_path / "out")])
-    assert r.exit_code == 2 and "error:" in r.output
+    assert r.exit_code == 1 and "error:" in r.output
+    assert "importing" not in r.output  # no empty progress bar before the error
     assert "no DeepSpeed checkpoint" in " ".join(r.output.split())
 
 
 def test_demo_runs_bit_exact(tmp_path):
     assert demo.run(str(tmp_path))
+
+
+def test_version():
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.output.strip() == f"jax_ucp {jax_ucp.__version__}"
+
+
+def test_force_advice_uses_the_cli_flag(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.ones(3, np.float32)}, str(src / "model.safetensors"))
+    out = tmp_path / "out"
+    assert runner.invoke(app, ["convert", "safetensors", str(src), str(out)]).exit_code == 0
+    r = runner.invoke(app, ["convert", "safetensors", str(src), str(out)], env={"COLUMNS": "200"})
+    assert r.exit_code == 1 and "--force" in r.output and "force=True" not in r.output
+
+
+def test_inspect_at_80_columns_is_readable(tmp_path):
+    tree = {f"params/layer_{i}": np.zeros((4, 8), np.float32) for i in range(5)}
+    tree.update(step=1, lr=0.5)
+    jax_ucp.save(tmp_path / "c", tree)
+    r = runner.invoke(app, ["inspect", str(tmp_path / "c"), "--limit", "3"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), r.output
+    header = next(line for line in lines if "name" in line)
+    for column in ("name", "shape", "dtype", "size", "role"):
+        assert column in header.split(), header
+    assert "…" not in header
+    text = " ".join(r.output.split())
+    assert "5 tensors, 2 values" in text and "… and 4 more" in text
+    one = runner.invoke(app, ["inspect", str(_ckpt(tmp_path / "x"))], env={"COLUMNS": "80"})
+    assert "1 tensor, 1 value," in " ".join(one.output.split())
+
+
+def test_inspect_of_a_file_or_a_manager_root_says_what_it_is(tmp_path):
+    import orbax.checkpoint as ocp
+
+    (tmp_path / "f").write_text("x")
+    r = runner.invoke(app, ["inspect", str(tmp_path / "f")], env={"COLUMNS": "200"})
+    assert r.exit_code == 1 and "is a file, not a checkpoint directory" in r.output
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        for step in (10, 20):
+            mngr.save(step, args=ocp.args.Composite(state=jax_ucp.UCPSave({"x": np.ones(2)})))
+        mngr.wait_until_finished()
+    r = runner.invoke(app, ["inspect", str(tmp_path / "run")], env={"COLUMNS": "300"})
+    assert r.exit_code == 1
+    assert "CheckpointManager directory with 2 steps (10, 20)" in r.output
+    assert str(tmp_path / "run" / "20" / "state") in r.output
+    assert runner.invoke(app, ["inspect", str(tmp_path / "run" / "20")]).exit_code == 0
