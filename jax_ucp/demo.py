@@ -83,7 +83,17 @@ def _spec(a) -> str:
 
 
 def run(directory: str | None = None, console=None) -> bool:
-    """Runs the demo; returns True when every restored tensor is bit-exact."""
+    """Runs the demo; returns True when every restored tensor is bit-exact.
+
+    Without ``directory`` it works in a temporary directory that it removes afterwards.
+    """
+    if directory is None:
+        with tempfile.TemporaryDirectory(prefix="jax_ucp_demo_") as tmp:
+            return _run(tmp, console)
+    return _run(directory, console)
+
+
+def _run(directory: str, console) -> bool:
     _ensure_devices(8)
     import jax
     import numpy as np
@@ -103,8 +113,7 @@ def run(directory: str | None = None, console=None) -> bool:
     devices = np.array(jax.devices()[:8])
     mesh8 = Mesh(devices.reshape(2, 4), ("data", "model"))
     state, axes = _model_state(mesh8)
-    tmp = tempfile.mkdtemp(prefix="jax_ucp_demo_") if directory is None else directory
-    path = os.path.join(tmp, "checkpoint")
+    path = os.path.join(directory, "checkpoint")
     jax_ucp.save(path, state, logical_axes=axes, force=True)
     m = jax_ucp.inspect(path)
     console.print(

@@ -103,3 +103,13 @@ def test_inspect_of_a_file_or_a_manager_root_says_what_it_is(tmp_path):
     assert "CheckpointManager directory with 2 steps (10, 20)" in r.output
     assert str(tmp_path / "run" / "20" / "state") in r.output
     assert runner.invoke(app, ["inspect", str(tmp_path / "run" / "20")]).exit_code == 0
+
+
+def test_demo_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    assert demo.run()
+    assert list(scratch.iterdir()) == []
