@@ -7,7 +7,7 @@ parameter at a time (its fp32 master, Adam moments, model-precision copy), so pe
 memory is about one parameter, not the checkpoint. Files are read with :mod:`torch_pickle` (no
 torch, no pickled code executed; tensors are memory-mapped).
 
-Output tree (DESIGN.md "Contracts"): ``params`` = fp32 master weights keyed by DeepSpeed's
+Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp32 master weights keyed by DeepSpeed's
 ``param_shapes`` names, ``opt_state`` = {``mu``, ``nu`` (same keys), ``count`` (int32 step)},
 ``model_params`` = model-precision weights when the run was bf16/fp16.
 """

@@ -29,7 +29,7 @@ class ImportPlan:
     total_params: int
 
 
-# DESIGN.md "Contracts": the output tree of every importer, and the manifest role of each part.
+# The importer contract (docs/FORMAT.md, section 2.6): the output tree of every importer, and the manifest role of each part.
 _ROLES: dict[tuple[str, ...], tuple[str, str | None]] = {
     ("params",): ("param", None),
     ("model_params",): ("param", "model"),
