@@ -20,6 +20,8 @@ _LAZY = {
     "UCPSave": "jax_ucp.handler.checkpoint_handler",
     "inspect": "jax_ucp.handler.api",
     "verify": "jax_ucp.handler.api",
+    "plan": "jax_ucp.handler.plan",
+    "diff": "jax_ucp.handler.diff",
     "restore": "jax_ucp.handler.api",
     "save": "jax_ucp.handler.api",
     "ShardingMismatchError": "jax_ucp.sharding.mesh_layout",

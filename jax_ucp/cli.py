@@ -272,6 +272,115 @@ def convert_safetensors(
     _run_convert(conversion.convert_safetensors, src, dst, force=force, step=step)
 
 
+def _parse_pairs(text: str, what: str) -> list[tuple[str, str]]:
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not name or not value:
+            raise typer.BadParameter(f"{what}: expected name=value[,name=value...], got {part!r}")
+        pairs.append((name.strip(), value.strip()))
+    return pairs
+
+
+@app.command()
+@_user_errors
+def plan(
+    path: str,
+    mesh: str = typer.Option(..., help="target mesh, e.g. data=2,model=4"),
+    rules: str | None = typer.Option(None, help="logical-axis rules, e.g. embed=data,mlp=model"),
+    limit: int = typer.Option(20, help="tensors to list (0: all)"),
+):
+    """Before restoring: the PartitionSpec of each tensor on MESH, bytes per device and per
+    process, tensors that would be replicated or whose dims do not divide. Reads no tensor data."""
+    axes = [(name, int(size)) for name, size in _parse_pairs(mesh, "--mesh")]
+    devices_needed = 1
+    for _, size in axes:
+        devices_needed *= size
+    if "jax" not in __import__("sys").modules:  # CPU stand-ins for the mesh's devices
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_needed}"
+    import jax
+    import numpy as np
+
+    import jax_ucp
+
+    if jax.device_count() < devices_needed:
+        raise ValueError(
+            f"--mesh {mesh} needs {devices_needed} devices, JAX has {jax.device_count()}"
+        )
+    devices = np.array(jax.devices()[:devices_needed]).reshape([s for _, s in axes])
+    the_mesh = jax.sharding.Mesh(devices, tuple(n for n, _ in axes))
+    rule_pairs = _parse_pairs(rules, "--rules") if rules else None
+    _checkpoint_or_steps(path)
+    result = jax_ucp.plan(path, mesh=the_mesh, rules=rule_pairs)
+    table = Table(box=None, pad_edge=False, header_style="bold")
+    for column in ("name", "shape", "spec", "per device"):
+        table.add_column(
+            column, overflow="fold", justify="right" if column == "per device" else "left"
+        )
+    shown = result.tensors[:limit] if limit else result.tensors
+    for t in shown:
+        spec = "(" + ", ".join(str(p) if p is not None else "·" for p in t.partition_spec) + ")"
+        table.add_row(t.name, "x".join(map(str, t.shape)) or "()", spec, _human(t.bytes_per_device))
+    console.print(table)
+    if limit and len(result.tensors) > limit:
+        console.print(f"… and {len(result.tensors) - limit} more (--limit 0 shows all)")
+    per_device = sorted(set(result.device_bytes.values()))
+    console.print(
+        f"per device: {_human(min(per_device))} to {_human(max(per_device))}; per process read: "
+        + ", ".join(
+            f"process {p}: {_human(b)}" for p, b in sorted(result.process_read_bytes.items())
+        ),
+        highlight=False,
+    )
+    if result.replicated:
+        console.print(
+            f"replicated on every device ({len(result.replicated)}): "
+            + ", ".join(result.replicated[:10]),
+            highlight=False,
+        )
+    if result.not_divisible:
+        console.print(
+            f"could not be split as asked ({len(result.not_divisible)}): "
+            + ", ".join(result.not_divisible[:10]),
+            highlight=False,
+        )
+
+
+@app.command()
+@_user_errors
+def diff(a: str, b: str):
+    """Compare two checkpoints: per-tensor max abs/rel difference, shape or dtype changes,
+    leaves only in one. Exit 0 when identical, 1 when they differ."""
+    import jax_ucp
+
+    result = jax_ucp.diff(a, b)
+    for t in result.tensors:
+        if t.max_abs is None and t.differing is None:
+            console.print(
+                f"≠ {t.name}: shape {t.shape[0]} vs {t.shape[1]}, dtype {t.dtype[0]} vs {t.dtype[1]}",
+                highlight=False,
+            )
+        else:
+            console.print(
+                f"≠ {t.name}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
+                f"max rel {t.max_rel:.3g}",
+                highlight=False,
+            )
+    for name, va, vb in result.values:
+        console.print(f"≠ {name}: {va!r} vs {vb!r}", highlight=False)
+    for name in result.only_in_a:
+        console.print(f"- {name} (only in {a})", highlight=False)
+    for name in result.only_in_b:
+        console.print(f"+ {name} (only in {b})", highlight=False)
+    if result.identical:
+        console.print(
+            f"[green]identical: {_plural(result.same, 'leaf')}[/green]".replace("leafs", "leaves")
+        )
+        return
+    raise typer.Exit(1)
+
+
 @app.command()
 def demo(
     directory: str | None = typer.Option(None, help="where to write (default: a temp dir)"),
