@@ -1,4 +1,5 @@
-"""The shipped notebooks run top to bottom (executed with nbclient in a fresh kernel)."""
+"""The notebooks under notebooks/ run top to bottom in a fresh kernel (nbclient), are committed
+without outputs, and leave nothing behind in the temp dir."""
 
 import os
 
@@ -7,16 +8,21 @@ import pytest
 from nbclient import NotebookClient
 from ucp_testing import REPO
 
-NOTEBOOKS = sorted(f for f in os.listdir(os.path.join(REPO, "examples")) if f.endswith(".ipynb"))
+pytestmark = pytest.mark.timeout(300)
+
+NOTEBOOKS = sorted(f for f in os.listdir(os.path.join(REPO, "notebooks")) if f.endswith(".ipynb"))
 
 
 @pytest.mark.parametrize("name", NOTEBOOKS)
-def test_notebook_runs(name, tmp_path, monkeypatch):
+def test_notebook_runs_and_cleans_up(name, tmp_path, monkeypatch):
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     monkeypatch.setenv("PYTHONPATH", REPO)
-    nb = nbformat.read(os.path.join(REPO, "examples", name), as_version=4)
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    nb = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
     NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": REPO}}
     ).execute()
     errors = [
         o
@@ -26,3 +32,12 @@ def test_notebook_runs(name, tmp_path, monkeypatch):
         if o.get("output_type") == "error"
     ]
     assert not errors, errors
+    assert list(scratch.iterdir()) == [], "the notebook left files in the temp dir"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_notebook_is_committed_without_outputs(name):
+    nb = nbformat.read(os.path.join(REPO, "notebooks", name), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            assert not cell.get("outputs") and cell.get("execution_count") is None, name
