@@ -16,10 +16,11 @@ while a baseline runs the same N steps uninterrupted on the original mesh. The g
 fixed and the data position is saved in the checkpoint. Each resumed process checks that the
 state it restored is bit-exact with what was saved (sha256 of every leaf, recorded at save
 time), then trains to step N; the driver prints per-step losses against the baseline with the
-maximum deviation and writes a PNG of the curves.
+maximum deviation and writes a PNG of the curves (``--plot``, or into ``--workdir``). Without
+``--workdir`` it works in a temporary directory that it removes at the end.
 
-  python examples/elastic_resume.py                  # default size, a few minutes on 2 cores
-  python examples/elastic_resume.py --small          # the test size (2 layers, width 32)
+  python examples/elastic_resume.py                  # default size: ~6-10 minutes on 2 busy cores
+  python examples/elastic_resume.py --small          # the test size (2 layers, width 32): ~1 minute
   python examples/elastic_resume.py --help
 
 Internal: ``python examples/elastic_resume.py worker JOB.json`` runs one training process.
@@ -573,7 +574,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--workdir", default=None, help="checkpoints, logs, results (default: a temp dir)"
     )
-    ap.add_argument("--plot", default="elastic_resume.png", help="PNG output ('' for none)")
+    ap.add_argument(
+        "--plot",
+        default=None,
+        help="write the loss curves as a PNG here (default: elastic_resume.png in --workdir if "
+        "given; none when the work dir is temporary)",
+    )
     ap.add_argument("--json", default=None, help="write all results as JSON here")
     ap.add_argument("--jobs", type=int, default=2, help="worker processes run in parallel")
     ap.add_argument("--table-every", type=int, default=0, help="print every n-th step (0: auto)")
@@ -604,9 +610,18 @@ def main(argv=None) -> int:
         ap.error("need save_every <= interrupt_at < steps")
     import tempfile
 
+    temporary = a.workdir is None  # ours to remove, except the plot and JSON the user keeps
     workdir = a.workdir or tempfile.mkdtemp(prefix="elastic_resume_")
     print(f"setup: {setup}\nworkdir: {workdir}")
-    result = run_experiment(setup, workdir, variants=tuple(a.variants), jobs=a.jobs)
+    try:
+        result = run_experiment(setup, workdir, variants=tuple(a.variants), jobs=a.jobs)
+    finally:
+        if temporary:
+            import shutil
+
+            shutil.rmtree(workdir, ignore_errors=True)
+    if a.plot is None and not temporary:
+        a.plot = os.path.join(workdir, "elastic_resume.png")
     n = setup.steps - setup.resume_step()
     every = a.table_every or max(1, n // 25)
     print()
