@@ -58,7 +58,7 @@ def atomic_save(path: str, args, *, force: bool) -> None:
 
 
 def save(
-    path,
+    path: str | os.PathLike,
     tree,
     *,
     force: bool = False,
@@ -87,7 +87,7 @@ def save(
 
 
 def restore(
-    path,
+    path: str | os.PathLike,
     *,
     target: Any = None,
     mesh: jax.sharding.Mesh | None = None,
@@ -140,7 +140,7 @@ def restore(
     )
 
 
-def verify(path, *, progress=None) -> list[tuple[str, str]]:
+def verify(path: str | os.PathLike, *, progress=None) -> list[tuple[str, str]]:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
 
     Every shard file is checked against its digest in the manifest (it is the file this save
@@ -162,6 +162,6 @@ def verify(path, *, progress=None) -> list[tuple[str, str]]:
     return problems
 
 
-def inspect(path) -> fmt.Manifest:
+def inspect(path: str | os.PathLike) -> fmt.Manifest:
     """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding)."""
     return fmt.read_manifest(reader.find_checkpoint_dir(path))
