@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.format import UCPError, files
 from jax_ucp.importers.torch_pickle import int_enum_standin, load_torch_file, standin_class
 
 
-class DeepSpeedImportError(ValueError):
+class DeepSpeedImportError(UCPError, ValueError):
     """The DeepSpeed checkpoint is incomplete or inconsistent (message names the file)."""
 
 
@@ -80,7 +81,8 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def resolve_tag_dir(src: str, tag: str | None) -> str:
-    """The tag folder to read: ``tag``, ``src`` itself when it holds ZeRO files, or ``latest``."""
+    """The tag folder to read: ``tag``, ``src`` itself when it holds ZeRO files, or ``latest``
+    (which may only name a folder inside ``src``)."""
     if not os.path.isdir(src):
         raise DeepSpeedImportError(f"{src}: not a directory")
     if tag is not None:
@@ -92,9 +94,16 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         return src
     latest = os.path.join(src, "latest")
     if os.path.isfile(latest):
-        with open(latest) as file:
-            latest_tag = file.read().strip()
+        try:
+            latest_tag = files.read_regular(latest, 4096).decode("utf-8", "replace").strip()
+        except files.UnsafeFileError as e:
+            raise DeepSpeedImportError(str(e)) from None
         tag_dir = os.path.join(src, latest_tag)
+        if not inside(tag_dir, src) or latest_tag in ("", ".", ".."):
+            raise DeepSpeedImportError(
+                f"{latest} names tag {latest_tag[:100]!r}, which is not a folder inside {src}; "
+                f"refusing to follow it"
+            )
         if not os.path.isdir(tag_dir):
             raise DeepSpeedImportError(
                 f"{latest} names tag {latest_tag!r} but {tag_dir} does not exist"
@@ -263,3 +272,10 @@ def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
         if isinstance(value, np.ndarray) and value.dtype.kind in "fV" and value.size:
             return value.dtype
     return np.dtype(np.float32)
+
+
+def inside(path: str, root: str) -> bool:
+    """``path`` (symlinks resolved) lies strictly inside ``root``: a tracker file never leads
+    outside the checkpoint it belongs to."""
+    real, base = os.path.realpath(path), os.path.realpath(root)
+    return real != base and os.path.commonpath([real, base]) == base

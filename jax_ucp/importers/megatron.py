@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.format import UCPError
 from jax_ucp.importers import megatron_dcp as dcp
 from jax_ucp.importers import megatron_legacy as legacy
 from jax_ucp.importers import torch_pickle
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 
-class MegatronImportError(ValueError):
+class MegatronImportError(UCPError, ValueError):
     """The Megatron checkpoint is incomplete, inconsistent or unsupported (names tensor + file)."""
 
 

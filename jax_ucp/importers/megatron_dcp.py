@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.format import UCPError, files
 from jax_ucp.importers import torch_pickle
 
 __all__ = [
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 
-class DcpError(ValueError):
+class DcpError(UCPError, ValueError):
     """A torch_dist checkpoint is inconsistent, incomplete or unsupported (names tensor + file)."""
 
 
@@ -306,8 +307,14 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
         )
     if length == 0:
         return np.empty(0, np.uint8)
-    with open(path, "rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    try:
+        fd = files.open_regular(str(path))
+    except files.UnsafeFileError as e:
+        raise DcpError(f"{where}: {e}") from None
+    try:
+        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+    finally:
+        os.close(fd)
     return np.frombuffer(mm, np.uint8, count=length, offset=offset)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.format import UCPError, files
 from jax_ucp.importers import torch_pickle
 
 __all__ = [
@@ -37,7 +38,7 @@ __all__ = [
 ]
 
 
-class LegacyError(ValueError):
+class LegacyError(UCPError, ValueError):
     """A legacy Megatron checkpoint is incomplete or inconsistent (names the file)."""
 
 
@@ -99,7 +100,10 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
     src = Path(src)
     tracker = src / "latest_checkpointed_iteration.txt"
     if tracker.is_file():
-        text = tracker.read_text().strip()
+        try:
+            text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
+        except files.UnsafeFileError as e:
+            raise LegacyError(str(e)) from None
         if text == "release":
             return src, src / "release", None
         try:
@@ -109,6 +113,9 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
                 f"{tracker}: expected an iteration number or 'release', found {text!r}"
             ) from None
         d = src / f"iter_{it:07d}"
+        real, base = os.path.realpath(d), os.path.realpath(src)
+        if d.is_dir() and os.path.commonpath([real, base]) != base:
+            raise LegacyError(f"{d} leads outside {src} (a symlink); refusing to follow it")
         if not d.is_dir():
             raise LegacyError(f"{tracker} names iteration {it} but {d} does not exist")
         return src, d, it

@@ -37,6 +37,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jax_ucp.format import UCPError, files
+
 __all__ = [
     "BASE_ALLOWED",
     "StandIn",
@@ -50,7 +52,7 @@ __all__ = [
 ]
 
 
-class TorchFileError(ValueError):
+class TorchFileError(UCPError, ValueError):
     """A torch file is missing, truncated, corrupt or in an unsupported format."""
 
     def __init__(self, path: os.PathLike | str, message: str):
@@ -604,8 +606,10 @@ class TorchArchive:
 
     def __init__(self, path: os.PathLike | str):
         self.path = os.fspath(path)
-        try:
-            self._f = open(self.path, "rb")
+        try:  # a regular file only: a FIFO or device would block or never end
+            self._f = os.fdopen(files.open_regular(self.path), "rb")
+        except files.UnsafeFileError as e:
+            raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
         try:

@@ -1,0 +1,98 @@
+"""Hostile source checkpoints: a clear jax_ucp error naming the file, nothing written, no hang.
+
+Each case copies a committed fixture (written by DeepSpeed / megatron-core themselves, or labelled
+synthetic) to a temporary folder, damages it, and converts it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+from ucp_testing import REPO
+
+import jax_ucp
+
+pytestmark = pytest.mark.timeout(60)
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+
+def _copy(tmp_path, rel):
+    dst = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, rel), dst, symlinks=True)
+    return dst
+
+
+def _fifo(path):
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _write(path, text):
+    path.write_text(text)
+
+
+def _outside_link(tmp_path, link, target_name="elsewhere"):
+    outside = tmp_path / target_name
+    outside.mkdir()
+    link.symlink_to(outside, target_is_directory=True)
+
+
+CASES = {
+    "DeepSpeed rank file is a FIFO": (
+        "deepspeed/z2_bf16_dp2/ckpt",
+        lambda src, tmp: _fifo(src / "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt.*not a regular file \(a FIFO\)",
+    ),
+    "DeepSpeed model states file is a FIFO": (
+        "deepspeed/z2_bf16_dp2/ckpt",
+        lambda src, tmp: _fifo(src / "global_step2/mp_rank_00_model_states.pt"),
+        r"mp_rank_00_model_states\.pt: missing model states file",  # not a regular file
+    ),
+    "DeepSpeed latest is a FIFO": (
+        "deepspeed/z2_bf16_dp2/ckpt",
+        lambda src, tmp: _fifo(src / "latest"),
+        r"src: no DeepSpeed checkpoint here \(expected a 'latest' file",  # a FIFO is not one
+    ),
+    "DeepSpeed latest leads outside": (
+        "deepspeed/z2_bf16_dp2/ckpt",
+        lambda src, tmp: (
+            shutil.copytree(src / "global_step2", tmp / "other"),
+            _write(src / "latest", "../other"),
+        ),
+        r"latest names tag '\.\./other', which is not a folder inside",
+    ),
+    "DeepSpeed latest names an absolute path outside": (
+        "deepspeed/z2_bf16_dp2/ckpt",
+        lambda src, tmp: (
+            shutil.copytree(src / "global_step2", tmp / "other"),
+            _write(src / "latest", str(tmp / "other")),
+        ),
+        r"which is not a folder inside",
+    ),
+    "DeepSpeed tag folder is a symlink outside": (
+        "deepspeed/z2_bf16_dp2/ckpt",
+        lambda src, tmp: (
+            shutil.move(src / "global_step2", tmp / "moved"),
+            (src / "global_step2").symlink_to(tmp / "moved"),
+        ),
+        r"not a folder inside",
+    ),
+    "distcp shard is a FIFO": (
+        "megatron/gpt_tp2",
+        lambda src, tmp: _fifo(src / "__1_0.distcp"),
+        r"__1_0\.distcp is missing",  # not a regular file: never opened, so no hang
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_hostile_source_is_a_clear_error(tmp_path, case):
+    rel, damage, message = CASES[case]
+    src = _copy(tmp_path, rel)
+    damage(src, tmp_path)
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
