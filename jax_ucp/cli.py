@@ -1,7 +1,8 @@
-"""``jax-ucp``: inspect, verify, convert, demo.
+"""``jax-ucp``: inspect, verify, plan, diff, convert, demo.
 
-Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite), 2 a
-usage error (typer's own: unknown option, missing argument).
+Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite; for
+``diff``: the checkpoints differ), 2 a usage error (unknown option, missing argument, a
+malformed ``--mesh``/``--rules``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,7 +23,8 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
-    help="Universal checkpoints for JAX: inspect, verify, convert torch checkpoints, demo.",
+    help="Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints, "
+    "convert torch checkpoints, demo.",
 )
 convert_app = typer.Typer(
     no_args_is_help=True, help="Import a torch checkpoint as a UCP checkpoint."
@@ -44,11 +47,13 @@ def _main(
         False, "--version", callback=_version, is_eager=True, help="print the version and exit"
     ),
 ):
-    """Universal checkpoints for JAX: inspect, verify, convert torch checkpoints, demo."""
+    """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
+    convert torch checkpoints, demo."""
 
 
 def _cli_wording(message: str) -> str:
     """Library advice in command-line terms (``force=True`` is ``--force`` here)."""
+    message = re.sub(r"\bprocesses=(\d+)", r"--processes \1", message)
     return re.sub(r"\bforce=True\b", "--force", message)
 
 
@@ -67,8 +72,8 @@ def _user_errors(fn):
     return wrapper
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+def _plural(n: int, word: str, plural: str | None = None) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {plural or word + 's'}"
 
 
 def _manager_steps(path: str) -> list[str]:
@@ -108,13 +113,85 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _shape_text(shape) -> str:
+    return "x".join(map(str, shape)) or "()"
+
+
+def _spec_text(spec) -> str:
+    """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, None)``."""
+
+    def entry(e):
+        if isinstance(e, (tuple, list)):
+            return "(" + ", ".join(map(str, e)) + ")"
+        return str(e)
+
+    return "(" + ", ".join(entry(e) for e in spec) + ")"
+
+
+def _wrap_path(name: str, width: int) -> str:
+    """A ``/``-joined name cut into lines at ``/`` boundaries to fit ``width`` (a component
+    longer than that is folded by the table); continuation lines are indented."""
+    if len(name) <= width:
+        return name
+    parts = name.split("/")
+    lines, line = [], ""
+    for i, part in enumerate(parts):
+        piece = part + ("/" if i < len(parts) - 1 else "")
+        if line.strip() and len(line) + len(piece) > width:
+            lines.append(line)
+            line = "  " + piece
+        else:
+            line += piece
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _table(header: list[str], rows: list[list[str]], *, right=(), optional=()) -> Table:
+    """A borderless table that fits the console: names (column 0) wrap at ``/``; the columns
+    named in ``optional`` are dropped when empty, and otherwise last first while names would
+    get narrower than 40 columns (or than the longest name)."""
+    columns = list(range(len(header)))
+
+    def width(c):
+        return max([len(header[c])] + [len(r[c]) for r in rows])
+
+    def room(cols):  # what is left for the name column (2 spaces between columns)
+        return console.width - sum(width(c) + 2 for c in cols[1:])
+
+    for name in optional:  # an optional column empty in every row says nothing
+        if all(not r[header.index(name)] for r in rows):
+            columns.remove(header.index(name))
+    longest = width(0)
+    for name in reversed(optional):
+        if header.index(name) not in columns:
+            continue
+        if room(columns) >= min(longest, 40):
+            break
+        columns.remove(header.index(name))
+    name_width = max(room(columns), 12)
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    for c in columns:
+        table.add_column(
+            header[c],
+            justify="right" if header[c] in right else "left",
+            overflow="fold",
+            no_wrap=c != 0,
+        )
+    for r in rows:
+        table.add_row(*[_wrap_path(r[0], name_width) if c == 0 else r[c] for c in columns])
+    return table
+
+
 @app.command()
 @_user_errors
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
 ):
-    """Show the manifest: tensors, shapes, dtypes, bytes, roles, saved sharding."""
+    """Show the manifest: tensors and saved Python values.
+
+    Per tensor: shape, dtype, size, role, and (when the terminal is wide enough) the saved
+    PartitionSpec and logical axes."""
     import jax_ucp
 
     _checkpoint_or_steps(path)
@@ -124,41 +201,44 @@ def inspect(
         f"{_human(m.nbytes)} (format v{m.version}, {m.created_by})",
         highlight=False,
     )
-    wide = console.width >= 120
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    table.add_column("name", overflow="fold", ratio=3)
-    table.add_column("shape", overflow="fold")
-    table.add_column("dtype")
-    table.add_column("size", justify="right")
-    table.add_column("role")
-    if wide:
-        table.add_column("saved spec", overflow="fold")
-        table.add_column("logical axes", overflow="fold")
-    entries = m.entries[:limit] if limit else m.entries
-    for e in entries:
-        if isinstance(e, ValueEntry):
-            row = [e.name, "-", type(e.value).__name__, "-", e.role]
-            if wide:
-                row += [repr(e.value)[:40], ""]
-            table.add_row(*row)
-            continue
-        row = [
-            e.name,
-            "x".join(map(str, e.shape)) or "()",
-            e.dtype,
-            _human(e.nbytes),
-            e.role + (f"/{e.sub_role}" if e.sub_role else ""),
-        ]
-        if wide:
+    entries = m.tensors + m.values
+    shown = entries[:limit] if limit > 0 else entries
+    tensors = [e for e in shown if not isinstance(e, ValueEntry)]
+    values = [e for e in shown if isinstance(e, ValueEntry)]
+    if tensors:
+        rows = []
+        for e in tensors:
             ss = e.saved_sharding
-            spec = "" if ss is None else f"{ss.partition_spec}"
-            row += [spec, "" if e.logical_axes is None else str(e.logical_axes)]
-        table.add_row(*row)
-    console.print(table)
-    if limit and len(m.entries) > limit:
-        console.print(f"… and {len(m.entries) - limit} more (--limit 0 shows all)")
+            rows.append(
+                [
+                    e.name,
+                    _shape_text(e.shape),
+                    e.dtype,
+                    _human(e.nbytes),
+                    e.role + (f"/{e.sub_role}" if e.sub_role else ""),
+                    "" if ss is None else _spec_text(ss.partition_spec),
+                    "" if e.logical_axes is None else _spec_text(e.logical_axes),
+                ]
+            )
+        header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
+        console.print(
+            _table(header, rows, right=("size",), optional=("saved spec", "logical axes")),
+            highlight=False,
+        )
+    if values:
+        if tensors:
+            console.print()
+        rows = [[e.name, _short(e.value), type(e.value).__name__, e.role] for e in values]
+        console.print(_table(["name", "value", "type", "role"], rows), highlight=False)
+    if len(shown) < len(entries):
+        console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
-        console.print(f"source: {m.source}", highlight=False)
+        console.print(f"source: {m.source}", highlight=False, soft_wrap=False)
+
+
+def _short(value, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 @app.command()
@@ -169,29 +249,34 @@ def verify(path: str):
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
-    with _progress() as progress:
+    with _progress(transient=True) as progress:
         task = progress.add_task("verifying", total=len(m.tensors))
 
         def on_progress(name, done, total):
-            progress.update(task, completed=done, description=name[-40:])
+            progress.update(task, completed=done)
 
         bad = jax_ucp.verify(path, progress=on_progress)
     if bad:
         for _, err in bad:  # each message names its tensor and file
             console.print(f"[red]✗[/red] {err}", highlight=False)
+        console.print(
+            f"[red]{_plural(len(bad), 'tensor')} of {len(m.tensors)} failed[/red]", highlight=False
+        )
         raise typer.Exit(1)
     console.print(
         f"[green]✓ {_plural(len(m.tensors), 'tensor')} ({_human(m.nbytes)}) read back intact[/green]"
     )
 
 
-def _progress() -> Progress:
+def _progress(transient: bool = False) -> Progress:
     return Progress(
         TextColumn("[progress.description]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
+        transient=transient,
+        disable=transient and not console.is_terminal,  # nothing to leave behind in a log
     )
 
 
@@ -272,112 +357,187 @@ def convert_safetensors(
     _run_convert(conversion.convert_safetensors, src, dst, force=force, step=step)
 
 
-def _parse_pairs(text: str, what: str) -> list[tuple[str, str]]:
-    pairs = []
+def _parse_mesh(text: str) -> list[tuple[str, int]]:
+    axes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
-        name, sep, value = part.partition("=")
-        if not sep or not name or not value:
-            raise typer.BadParameter(f"{what}: expected name=value[,name=value...], got {part!r}")
-        pairs.append((name.strip(), value.strip()))
-    return pairs
+        name, sep, size = part.partition("=")
+        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise typer.BadParameter(
+                f"expected axis=size[,axis=size...] (e.g. data=2,model=4), got {part!r}",
+                param_hint="--mesh",
+            )
+        axes.append((name.strip(), int(size)))
+    if not axes:
+        raise typer.BadParameter("no mesh axes given (e.g. data=2,model=4)", param_hint="--mesh")
+    names = [name for name, _ in axes]
+    if len(set(names)) != len(names):
+        raise typer.BadParameter(f"axis names repeat: {names}", param_hint="--mesh")
+    return axes
+
+
+def _parse_rules(texts: list[str]) -> list[tuple[str, object]]:
+    rules: list[tuple[str, object]] = []
+    for text in texts:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, axes = part.partition("=")
+            if not sep or not name.strip():
+                raise typer.BadParameter(
+                    f"expected logical=axis[,logical=axis...] (e.g. embed=data,mlp=model), "
+                    f"got {part!r}",
+                    param_hint="--rules",
+                )
+            names = tuple(a.strip() for a in axes.split("+") if a.strip())
+            rule = None if not names else names[0] if len(names) == 1 else names
+            rules.append((name.strip(), rule))
+    return rules
+
+
+def _padded(spec, ndim: int) -> tuple:
+    spec = tuple(spec or ())
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _per_process(reads: dict[int, int]) -> str:
+    if len(set(reads.values())) == 1:
+        n = next(iter(reads.values()))
+        return _human(n) if len(reads) == 1 else f"{_human(n)} each ({len(reads)} processes)"
+    if len(reads) <= 4:
+        return ", ".join(f"process {p}: {_human(b)}" for p, b in sorted(reads.items()))
+    most = max(reads, key=reads.get)
+    return (
+        f"{_human(min(reads.values()))} to {_human(reads[most])} (process {most} reads the "
+        f"most; {len(reads)} processes)"
+    )
 
 
 @app.command()
 @_user_errors
 def plan(
     path: str,
-    mesh: str = typer.Option(..., help="target mesh, e.g. data=2,model=4"),
-    rules: str | None = typer.Option(None, help="logical-axis rules, e.g. embed=data,mlp=model"),
-    limit: int = typer.Option(20, help="tensors to list (0: all)"),
-):
-    """Before restoring: the PartitionSpec of each tensor on MESH, bytes per device and per
-    process, tensors that would be replicated or whose dims do not divide. Reads no tensor data."""
-    axes = [(name, int(size)) for name, size in _parse_pairs(mesh, "--mesh")]
-    devices_needed = 1
-    for _, size in axes:
-        devices_needed *= size
-    if "jax" not in __import__("sys").modules:  # CPU stand-ins for the mesh's devices
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices_needed}"
-    import jax
-    import numpy as np
-
-    import jax_ucp
-
-    if jax.device_count() < devices_needed:
-        raise ValueError(
-            f"--mesh {mesh} needs {devices_needed} devices, JAX has {jax.device_count()}"
-        )
-    devices = np.array(jax.devices()[:devices_needed]).reshape([s for _, s in axes])
-    the_mesh = jax.sharding.Mesh(devices, tuple(n for n, _ in axes))
-    rule_pairs = _parse_pairs(rules, "--rules") if rules else None
-    _checkpoint_or_steps(path)
-    result = jax_ucp.plan(path, mesh=the_mesh, rules=rule_pairs)
-    table = Table(box=None, pad_edge=False, header_style="bold")
-    for column in ("name", "shape", "spec", "per device"):
-        table.add_column(
-            column, overflow="fold", justify="right" if column == "per device" else "left"
-        )
-    shown = result.tensors[:limit] if limit else result.tensors
-    for t in shown:
-        spec = "(" + ", ".join(str(p) if p is not None else "·" for p in t.partition_spec) + ")"
-        table.add_row(t.name, "x".join(map(str, t.shape)) or "()", spec, _human(t.bytes_per_device))
-    console.print(table)
-    if limit and len(result.tensors) > limit:
-        console.print(f"… and {len(result.tensors) - limit} more (--limit 0 shows all)")
-    per_device = sorted(set(result.device_bytes.values()))
-    console.print(
-        f"per device: {_human(min(per_device))} to {_human(max(per_device))}; per process read: "
-        + ", ".join(
-            f"process {p}: {_human(b)}" for p, b in sorted(result.process_read_bytes.items())
+    mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),
+    rules: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="logical-axis rules, e.g. embed=data,mlp=model (a+b: several mesh axes; "
+            "name= : replicated); repeatable",
         ),
+    ] = None,
+    processes: int = typer.Option(1, min=1, help="processes sharing the mesh's devices"),
+    limit: int = typer.Option(0, help="show only the first N tensors (0: all)"),
+):
+    """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
+
+    Per tensor: the PartitionSpec restore(mesh=, rules=) would give it on MESH, the bytes each
+    device holds and each process reads; then the totals, the tensors replicated on every
+    device and the dimensions that do not divide. Reads no tensor data and needs no devices."""
+    import jax_ucp
+    from jax_ucp.handler.plan import abstract_mesh
+
+    axes = _parse_mesh(mesh)
+    rule_pairs = _parse_rules(rules) if rules else None
+    _checkpoint_or_steps(path)
+    result = jax_ucp.plan(path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes)
+    n_devices = len(result.device_bytes)
+    console.print(
+        f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
+        f"({_plural(n_devices, 'device')}, {_plural(processes, 'process', 'processes')}): "
+        f"{_plural(len(result.tensors), 'tensor')}, {_plural(result.values, 'value')}",
         highlight=False,
     )
-    if result.replicated:
-        console.print(
-            f"replicated on every device ({len(result.replicated)}): "
-            + ", ".join(result.replicated[:10]),
-            highlight=False,
-        )
-    if result.not_divisible:
-        console.print(
-            f"could not be split as asked ({len(result.not_divisible)}): "
-            + ", ".join(result.not_divisible[:10]),
-            highlight=False,
-        )
+    shown = result.tensors[:limit] if limit > 0 else result.tensors
+    rows = [
+        [
+            t.name,
+            _shape_text(t.shape),
+            t.dtype,
+            "host" if t.on_host else _spec_text(_padded(t.partition_spec, len(t.shape))),
+            _human(t.bytes_per_device or 0),
+            _human(max(t.read_bytes.values(), default=0)),
+        ]
+        for t in shown
+    ]
+    header = ["name", "shape", "dtype", "spec", "per device", "per process"]
+    console.print(
+        _table(header, rows, right=("per device", "per process"), optional=("dtype",)),
+        highlight=False,
+    )
+    if len(shown) < len(result.tensors):
+        console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
+    low, high = min(result.device_bytes.values()), max(result.device_bytes.values())
+    console.print(
+        "per device: "
+        + (f"{_human(high)} each" if low == high else f"{_human(low)} to {_human(high)}"),
+        highlight=False,
+    )
+    console.print(f"per process read: {_per_process(result.process_read_bytes)}", highlight=False)
+    cap = limit if limit > 0 else 20
+    for title, names in (
+        ("replicated on every device", result.replicated),
+        ("kept on host (64-bit; jax_enable_x64 is off)", result.on_host),
+        ("not divisible", [f"{t.name}: {m}" for t in result.tensors for m in t.not_divisible]),
+    ):
+        if names:
+            console.print(f"{title} ({len(names)}):", highlight=False)
+            for name in names[:cap]:
+                console.print(f"  {name}", highlight=False)
+            if len(names) > cap:
+                console.print(f"  … and {len(names) - cap} more", highlight=False)
 
 
 @app.command()
 @_user_errors
 def diff(a: str, b: str):
-    """Compare two checkpoints: per-tensor max abs/rel difference, shape or dtype changes,
-    leaves only in one. Exit 0 when identical, 1 when they differ."""
+    """Compare two checkpoints leaf by leaf; exit 0 when identical, 1 when they differ.
+
+    Lists the tensors that differ (how many elements, max absolute and max relative
+    difference), shapes or dtypes that changed, saved values that differ, and leaves only in
+    one. Reads one tensor of each checkpoint at a time."""
     import jax_ucp
 
-    result = jax_ucp.diff(a, b)
+    _checkpoint_or_steps(a)
+    _checkpoint_or_steps(b)
+    with _progress(transient=True) as progress:
+        task = progress.add_task("comparing", total=None)
+
+        def on_progress(name, done, total):
+            progress.update(task, completed=done, total=total)
+
+        result = jax_ucp.diff(a, b, progress=on_progress)
     for t in result.tensors:
-        if t.max_abs is None and t.differing is None:
-            console.print(
-                f"≠ {t.name}: shape {t.shape[0]} vs {t.shape[1]}, dtype {t.dtype[0]} vs {t.dtype[1]}",
-                highlight=False,
-            )
-        else:
-            console.print(
-                f"≠ {t.name}: {t.differing} elements differ, max abs {t.max_abs:.3g}, "
-                f"max rel {t.max_rel:.3g}",
-                highlight=False,
-            )
-    for name, va, vb in result.values:
-        console.print(f"≠ {name}: {va!r} vs {vb!r}", highlight=False)
+        if not t.compared:
+            changes = [
+                f"{what} {x} vs {y}"
+                for what, x, y in (
+                    ("shape", _shape_text(t.shape[0]), _shape_text(t.shape[1])),
+                    ("dtype", *t.dtype),
+                )
+                if x != y
+            ]
+            console.print(f"≠ {t.name}: " + ", ".join(changes), highlight=False)
+            continue
+        text = f"≠ {t.name}: {t.differing} of {_plural(t.size, 'element')} differ"
+        if t.max_abs is not None:
+            text += f", max abs {t.max_abs:.4g}, max rel {t.max_rel:.4g}"
+            if t.max_abs != t.max_abs:
+                text += " (NaN in one of them)"
+        console.print(text, highlight=False)
+    for v in result.values:
+        console.print(f"≠ {v.name}: {v.a!r} vs {v.b!r}", highlight=False)
     for name in result.only_in_a:
         console.print(f"- {name} (only in {a})", highlight=False)
     for name in result.only_in_b:
         console.print(f"+ {name} (only in {b})", highlight=False)
+    leaves = _plural(result.same, "leaf", "leaves")
     if result.identical:
-        console.print(
-            f"[green]identical: {_plural(result.same, 'leaf')}[/green]".replace("leafs", "leaves")
-        )
+        console.print(f"[green]identical: {leaves}[/green]", highlight=False)
         return
+    parts = [
+        f"{_plural(len(result.tensors), 'tensor')} and {_plural(len(result.values), 'value')} "
+        "differ",
+        f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B",
+        f"{leaves} identical",
+    ]
+    console.print("[red]" + "; ".join(parts) + "[/red]", highlight=False)
     raise typer.Exit(1)
 
 

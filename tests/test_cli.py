@@ -113,3 +113,42 @@ def test_demo_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     assert demo.run()
     assert list(scratch.iterdir()) == []
+
+
+def test_verify_reports_each_problem_once(tmp_path):
+    path = _ckpt(tmp_path)
+    shard = path / "arrays" / "params.w" / "c" / "0" / "0"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0x10
+    shard.write_bytes(bytes(data))
+    r = runner.invoke(app, ["verify", str(path)], env={"COLUMNS": "300"})
+    assert r.exit_code == 1
+    problems = [line for line in r.output.splitlines() if line.startswith("✗")]
+    assert len(problems) == 1 and problems[0].count("params/w") == 1, r.output
+    assert problems[0].count("checksum") == 1 and r.output.count(str(shard)) == 1
+    assert r.output.splitlines()[-1] == "1 tensor of 1 failed"
+    (tmp_path / "f").write_text("x")
+    r = runner.invoke(app, ["verify", str(tmp_path / "f")], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and "is a file, not a checkpoint directory" in r.output
+
+
+def test_inspect_wraps_long_names_at_slashes_and_shows_values(tmp_path):
+    deep = "params/transformer/layers_0/attention/query_key_value/kernel"
+    jax_ucp.save(
+        tmp_path / "c",
+        {deep: np.zeros((64, 192), np.float32), "lr": 0.25, "name": "x" * 100},
+        logical_axes={deep: ("embed", "mlp"), "lr": None, "name": None},
+    )
+    r = runner.invoke(app, ["inspect", str(tmp_path / "c")], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert all(len(line) <= 80 for line in lines), r.output
+    name_lines = [line.split()[0] for line in lines if "attention" in line or "kernel" in line]
+    assert "".join(name_lines) == deep and all(n.endswith("/") for n in name_lines[:-1])
+    assert any(line.split()[:2] == ["lr", "0.25"] for line in lines)
+    assert "'xxxxxxx" in r.output and "…" in r.output  # a long value is cut, not wrapped
+    r = runner.invoke(app, ["inspect", str(tmp_path / "c")], env={"COLUMNS": "160"})
+    header = next(line for line in r.output.splitlines() if line.startswith("name"))
+    assert "logical axes" in header  # room for it when wide
+    assert "saved spec" not in header  # numpy arrays have none: the empty column is dropped
+    assert "(embed, mlp)" in r.output
