@@ -33,7 +33,15 @@ app.add_typer(convert_app, name="convert")
 console = Console()
 
 
+def _fresh_console() -> None:
+    """A console for this invocation: its width comes from the terminal (or COLUMNS) now, not
+    from whenever this module was first imported."""
+    global console
+    console = Console()
+
+
 def _version(value: bool):
+    _fresh_console()
     if value:
         from jax_ucp.version import __version__
 
@@ -49,6 +57,7 @@ def _main(
 ):
     """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
     convert torch checkpoints, demo."""
+    _fresh_console()
 
 
 def _cli_wording(message: str) -> str:
