@@ -1,0 +1,160 @@
+"""How long does an async save stall training?  ``mngr.save()`` inside ``ocp.CheckpointManager``.
+
+For the same tree (``--gib`` GiB of 4096×4096 float32 on a 2×4 mesh of CPU devices, mixed
+PartitionSpecs as in bench_save_restore), measures, alternating within each round:
+
+  * the time until ``mngr.save(step, args=Composite(state=jax_ucp.UCPSave(tree)))`` returns,
+    and until ``wait_until_finished()`` (the whole save);
+  * the same with Orbax's ``StandardSave`` (defaults);
+  * the device→host copy of the same tree three ways: ``jax.device_get(tree)``;
+    ``copy_to_host_async()`` on every replica-0 shard then ``np.asarray`` each (what an async
+    save must at least do); and a private copy of every replica-0 shard (``np.array(copy=True)``),
+    which is what a save has to take on CPU, where ``np.asarray`` aliases the device buffer.
+
+The ratio stall / copy says how much of the blocking part is more than the unavoidable copy.
+
+  python benchmarks/bench_async_stall.py [--gib 1] [--rounds 5] [--dir /tmp/ucp_stall]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from bench_save_restore import make_tree  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+
+import jax_ucp  # noqa: E402
+
+
+def replica0(tree):
+    return [s.data for x in jax.tree.leaves(tree) for s in x.addressable_shards if not s.replica_id]
+
+
+def copy_device_get(tree):
+    out = jax.device_get(tree)
+    return out
+
+
+def copy_async_block(tree):
+    shards = replica0(tree)
+    for d in shards:
+        d.copy_to_host_async()
+    return [np.asarray(d) for d in shards]
+
+
+def copy_private(tree):
+    return [np.array(d, copy=True) for d in replica0(tree)]
+
+
+def manager_save(root, tree, args_fn):
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True, create=True)
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        t0 = time.perf_counter()
+        mngr.save(0, args=ocp.args.Composite(state=args_fn(tree)))
+        stall = time.perf_counter() - t0
+        mngr.wait_until_finished()
+        total = time.perf_counter() - t0
+    return stall, total
+
+
+SAVES = {
+    "jax_ucp UCPSave": lambda t: jax_ucp.UCPSave(t),
+    "orbax StandardSave": lambda t: ocp.args.StandardSave(t),
+}
+COPIES = {
+    "jax.device_get": copy_device_get,
+    "copy_to_host_async+asarray": copy_async_block,
+    "private copy (np.array)": copy_private,
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/tmp/ucp_stall")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    devs = np.array(jax.devices()[:8])
+    tree = make_tree(args.gib, Mesh(devs.reshape(2, 4), ("data", "model")))
+    jax.block_until_ready(tree)
+    nbytes = sum(x.nbytes for x in tree.values())
+    shard_bytes = sum(d.nbytes for d in replica0(tree))
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    print(
+        f"{len(tree)} tensors, {nbytes / 2**30:.2f} GiB ({shard_bytes / 2**30:.2f} GiB of replica-0 "
+        f"shards) on a 2×4 CPU mesh; {args.rounds} rounds (+1 warm-up), alternating",
+        flush=True,
+    )
+    stall = {k: [] for k in SAVES}
+    total = {k: [] for k in SAVES}
+    copy = {k: [] for k in COPIES}
+    for r in range(args.rounds + 1):
+        names = list(SAVES) + list(COPIES)
+        if r % 2:
+            names.reverse()
+        for name in names:
+            gc.collect()
+            if name in SAVES:
+                root = os.path.join(args.dir, name.split()[0])
+                shutil.rmtree(root, ignore_errors=True)
+                os.sync()
+                s, t = manager_save(root, tree, SAVES[name])
+                shutil.rmtree(root, ignore_errors=True)
+                if r:
+                    stall[name].append(s)
+                    total[name].append(t)
+                print(f"  round {r} {name:28s} stall {s:6.3f}s  whole save {t:6.2f}s", flush=True)
+            else:
+                t0 = time.perf_counter()
+                out = COPIES[name](tree)
+                t = time.perf_counter() - t0
+                del out
+                if r:
+                    copy[name].append(t)
+                print(f"  round {r} {name:28s} {t:6.3f}s", flush=True)
+    shutil.rmtree(args.dir, ignore_errors=True)
+    med = statistics.median
+    ref = med(copy["private copy (np.array)"])
+    print(f"\n{'what':30s} {'median s':>9s} {'whole save s':>13s} {'÷ private copy':>15s}")
+    for name in SAVES:
+        print(
+            f"{name:30s} {med(stall[name]):9.3f} {med(total[name]):13.2f} {med(stall[name]) / ref:15.2f}"
+        )
+    for name in COPIES:
+        print(f"{name:30s} {med(copy[name]):9.3f} {'':13s} {med(copy[name]) / ref:15.2f}")
+    print(f"(medians of {args.rounds} rounds after a warm-up round)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                    "command": f"python benchmarks/bench_async_stall.py --gib {args.gib} "
+                    f"--rounds {args.rounds}",
+                    "bytes": nbytes,
+                    "stall_s": stall,
+                    "whole_save_s": total,
+                    "copy_s": copy,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""Many small tensors in one tree: save and restore time per tensor, jax_ucp vs Orbax.
+
+Trees (float32, each leaf on one CPU device, restored onto the same device):
+  * "10k × 16 KiB": 10,000 tensors of 64×64;
+  * "mix 4 KiB–1 MiB": sizes log-uniform in [4 KiB, 1 MiB] (rows of 256 floats), as many as it
+    takes to hold the bytes of the third tree;
+  * "100 × 4 MiB": 100 tensors of 1024×1024 (the same bytes as the mix, few large tensors).
+Contenders alternate within each round (jax_ucp default, Orbax ``StandardCheckpointer``
+defaults, Orbax without compression); medians over rounds; page cache evicted before restores.
+
+  python benchmarks/bench_many_tensors.py [--rounds 2] [--trees 10k,mix,large] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+from bench_save_restore import du, evict  # noqa: E402
+
+import jax_ucp  # noqa: E402
+
+
+def host_trees(which: list[str]) -> dict[str, dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    trees = {}
+    large_bytes = 100 * (4 << 20)
+    if "10k" in which:
+        trees["10k × 16 KiB"] = {
+            f"t{i:05d}": rng.standard_normal((64, 64), dtype=np.float32) for i in range(10_000)
+        }
+    if "mix" in which:
+        mix, total, i = {}, 0, 0
+        while total < large_bytes:
+            nbytes = int(np.exp(rng.uniform(np.log(4 << 10), np.log(1 << 20))))
+            rows = max(4, min(nbytes, large_bytes - total) // 1024)  # 256 floats a row
+            mix[f"t{i:05d}"] = rng.standard_normal((rows, 256), dtype=np.float32)
+            total += rows * 1024
+            i += 1
+        trees["mix 4 KiB–1 MiB"] = mix
+    if "large" in which:
+        trees["100 × 4 MiB"] = {
+            f"t{i:03d}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(100)
+        }
+    return trees
+
+
+def ucp_save(path, tree):
+    jax_ucp.save(path, tree)
+
+
+def ucp_restore(path, target):
+    out = jax_ucp.restore(path, shardings={k: v.sharding for k, v in target.items()})
+    jax.block_until_ready(out)
+    return out
+
+
+def orbax_save(path, tree):
+    with ocp.StandardCheckpointer() as ck:
+        ck.save(path, tree)
+        ck.wait_until_finished()
+
+
+def orbax_nc_save(path, tree):
+    with ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_compression=False)) as ck:
+        ck.save(path, args=ocp.args.PyTreeSave(tree))
+        ck.wait_until_finished()
+
+
+def orbax_restore(path, target):
+    with ocp.StandardCheckpointer() as ck:
+        out = ck.restore(path, target)
+    jax.block_until_ready(out)
+    return out
+
+
+CONTENDERS = {
+    "jax_ucp": (ucp_save, ucp_restore),
+    "orbax default": (orbax_save, orbax_restore),
+    "orbax no-compr": (orbax_nc_save, orbax_restore),
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--trees", default="10k,mix,large")
+    ap.add_argument("--contenders", default=",".join(CONTENDERS))
+    ap.add_argument("--dir", default="/tmp/ucp_many")
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    contenders = {c: CONTENDERS[c] for c in args.contenders.split(",")}
+    dev = jax.devices()[0]
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    hosts = host_trees(args.trees.split(","))
+    shutil.rmtree(args.dir, ignore_errors=True)
+    os.makedirs(args.dir)
+    results = {}
+    for tname, host in hosts.items():
+        tree = jax.device_put(host, dev)
+        jax.block_until_ready(tree)
+        target = {
+            k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()
+        }
+        nbytes = sum(v.nbytes for v in host.values())
+        n = len(host)
+        print(f"{tname}: {n} tensors, {nbytes / 2**20:.0f} MiB", flush=True)
+        save_t = {c: [] for c in contenders}
+        load_t = {c: [] for c in contenders}
+        files = {}
+        for r in range(args.rounds):
+            order = list(contenders) if r % 2 == 0 else list(reversed(contenders))
+            for c in order:
+                save_fn, load_fn = contenders[c]
+                path = os.path.join(args.dir, c.replace(" ", "_"))
+                shutil.rmtree(path, ignore_errors=True)
+                os.sync()
+                t0 = time.perf_counter()
+                save_fn(path, tree)
+                save_t[c].append(time.perf_counter() - t0)
+                files[c] = (sum(len(f) for _, _, f in os.walk(path)), du(path))
+                evict(path)
+                t0 = time.perf_counter()
+                out = load_fn(path, target)
+                load_t[c].append(time.perf_counter() - t0)
+                if args.check and r == 0:
+                    for k in host:
+                        assert np.array_equal(np.asarray(out[k]), host[k]), (c, k)
+                del out
+                gc.collect()
+                shutil.rmtree(path, ignore_errors=True)
+                print(
+                    f"  round {r} {c:15s} save {save_t[c][-1]:6.2f}s restore {load_t[c][-1]:6.2f}s",
+                    flush=True,
+                )
+        med = statistics.median
+        results[tname] = {
+            "tensors": n,
+            "bytes": nbytes,
+            "contenders": {
+                c: {
+                    "save_s": med(save_t[c]),
+                    "restore_s": med(load_t[c]),
+                    "save_ms_per_tensor": 1e3 * med(save_t[c]) / n,
+                    "restore_ms_per_tensor": 1e3 * med(load_t[c]) / n,
+                    "files": files[c][0],
+                    "disk_bytes": files[c][1],
+                    "all_save_s": save_t[c],
+                    "all_restore_s": load_t[c],
+                }
+                for c in contenders
+            },
+        }
+        del tree
+        gc.collect()
+    shutil.rmtree(args.dir, ignore_errors=True)
+    print(
+        f"\n{'tree':18s} {'contender':15s} {'save s':>7s} {'ms/tensor':>9s} {'restore s':>9s} "
+        f"{'ms/tensor':>9s} {'save ×':>7s} {'restore ×':>9s} {'files':>6s}"
+    )
+    for tname, res in results.items():
+        ref = res["contenders"].get("jax_ucp")
+        for c, m in res["contenders"].items():
+            sx = m["save_s"] / ref["save_s"] if ref else float("nan")
+            rx = m["restore_s"] / ref["restore_s"] if ref else float("nan")
+            print(
+                f"{tname:18s} {c:15s} {m['save_s']:7.2f} {m['save_ms_per_tensor']:9.3f} "
+                f"{m['restore_s']:9.2f} {m['restore_ms_per_tensor']:9.3f} {sx:7.2f} {rx:9.2f} "
+                f"{m['files']:6d}"
+            )
+    print(
+        "(save × / restore × = that contender's time / jax_ucp's: > 1 means jax_ucp is faster; "
+        f"medians of {args.rounds} rounds)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                    "command": f"python benchmarks/bench_many_tensors.py --rounds {args.rounds} "
+                    f"--trees {args.trees}",
+                    "results": results,
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
