@@ -6,8 +6,17 @@ import glob
 import os
 from typing import Any
 
+from jax_ucp.format import UCPError
 from jax_ucp.importers import deepspeed, megatron, safetensors_hf
 from jax_ucp.importers.plan import ImportPlan
+
+
+class SourceFormatError(UCPError, ValueError):
+    """The source is not a checkpoint of a format jax_ucp imports (or not there at all)."""
+
+
+class SourceNotFoundError(SourceFormatError, FileNotFoundError):
+    """The source path does not exist or is not a directory."""
 
 
 def detect_format(src) -> str:
@@ -16,7 +25,7 @@ def detect_format(src) -> str:
     if os.path.isfile(src) and src.endswith(".safetensors"):
         return "safetensors"
     if not os.path.isdir(src):
-        raise FileNotFoundError(
+        raise SourceNotFoundError(
             f"{src}: not a directory (expected a DeepSpeed or Megatron checkpoint folder)."
         )
 
@@ -41,7 +50,7 @@ def detect_format(src) -> str:
         return "deepspeed"
     if safetensors_hf.is_safetensors(src):
         return "safetensors"
-    raise ValueError(
+    raise SourceFormatError(
         f"{src}: cannot tell the checkpoint format. Expected DeepSpeed (`latest`, `global_stepN/`, "
         f"`mp_rank_XX_model_states.pt`), Megatron (`latest_checkpointed_iteration.txt`, `iter_N/`, "
         f"torch_dist `.metadata` + `*.distcp`) or Hugging Face safetensors (`*.safetensors`, "
@@ -65,6 +74,6 @@ def plan_import(
         return megatron.plan_megatron(source, spec=spec, **options)
     if checkpoint_format == "safetensors":
         return safetensors_hf.plan_safetensors(source, spec=spec, **options)
-    raise ValueError(
+    raise SourceFormatError(
         f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron' or 'safetensors')."
     )

@@ -55,9 +55,19 @@ class _MetadataIndex(torch_pickle.StandIn):
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
 
     def _key(self):
+        # Checked before hashing: a hostile offset of shared nested tuples would hash in
+        # exponential time.
         d = self.__dict__
-        off = d.get("offset")
-        return (d.get("fqn"), tuple(off) if off is not None else None, d.get("index"))
+        fqn, off, index = d.get("fqn"), d.get("offset"), d.get("index")
+        if (
+            not isinstance(fqn, str)
+            or not (
+                off is None or (isinstance(off, (tuple, list)) and all(type(v) is int for v in off))
+            )
+            or not (index is None or type(index) is int)
+        ):
+            raise ValueError(f"bad MetadataIndex {torch_pickle.short_repr(d)}")
+        return (fqn, tuple(off) if off is not None else None, index)
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(self._key())

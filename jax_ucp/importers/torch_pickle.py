@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import collections
 import io
+import itertools
 import mmap
 import os
 import pickle
 import pickletools
+import reprlib
 import struct
 import zipfile
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +44,12 @@ from jax_ucp.format import UCPError, files
 
 __all__ = [
     "BASE_ALLOWED",
+    "MAX_COMPRESSED_MEMBER",
+    "MAX_DEPTH",
+    "MAX_EXPANDED_OBJECTS",
+    "check_expansion",
+    "hashable_key",
+    "short_repr",
     "StandIn",
     "TorchFileError",
     "UnsafePickleError",
@@ -62,6 +71,117 @@ class TorchFileError(UCPError, ValueError):
 
 class UnsafePickleError(TorchFileError):
     """The pickle asks for something outside the allow-list; nothing was executed."""
+
+
+# --------------------------------------------------------------------------- bounds
+
+#: At most this many objects (shared references counted each time they are reached) and this
+#: nesting depth in one unpickled file. A real torch checkpoint expands to about as many objects
+#: as it holds; a few hundred bytes of shared sub-lists ("billion laughs") expand to 2**100, and
+#: any later walk over them (an error's repr, json.dumps, a tree flatten) would never end.
+MAX_EXPANDED_OBJECTS = 4_000_000
+MAX_DEPTH = 200
+#: Largest deflate-compressed member inflated into memory (torch itself never compresses).
+MAX_COMPRESSED_MEMBER = 256 << 20
+
+
+class _BoundedRepr(reprlib.Repr):
+    """``repr`` cut *before* it is built: a few levels, a few items per container."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxdict, self.maxlist, self.maxtuple = 3, 6, 8, 8
+        self.maxset = self.maxfrozenset = self.maxdeque = 8
+        self.maxstring, self.maxother, self.maxlong = 80, 80, 40
+
+    def repr1(self, x: Any, level: int) -> str:
+        if isinstance(x, StandIn):
+            if level <= 0:
+                return f"<{x.qualname} ...>"
+            return f"<{x.qualname} {self.repr1(dict(x.__dict__), level - 1)}>"
+        if isinstance(x, np.ndarray):
+            return f"<array {x.shape} {x.dtype}>"
+        if type(x) is collections.OrderedDict:
+            return self.repr_dict(x, level)
+        return super().repr1(x, level)
+
+    def repr_dict(self, x: Any, level: int) -> str:  # insertion order: no sort of hostile keys
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [
+            f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+            for k, v in itertools.islice(x.items(), self.maxdict)
+        ]
+        return "{" + ", ".join(items) + (", ...}" if len(x) > self.maxdict else "}")
+
+    repr_OrderedDict = repr_dict
+
+
+_BOUNDED_REPR = _BoundedRepr()
+
+
+def short_repr(obj: Any, limit: int = 200) -> str:
+    """A repr of untrusted pickled data for error messages: bounded work, at most ``limit``
+    characters (never ``repr(obj)[:limit]``, which builds the whole string first)."""
+    r = _BOUNDED_REPR.repr(obj)
+    return r if len(r) <= limit else r[: limit - 3] + "..."
+
+
+def _children(x: Any) -> Iterable[Any]:
+    if type(x) in (list, tuple, set, frozenset):
+        return x
+    if isinstance(x, dict):  # dict and OrderedDict (its __dict__ carries torch's _metadata)
+        extra = list(x.__dict__.values()) if type(x) is collections.OrderedDict else []
+        return [*x.keys(), *x.values(), *extra]
+    if isinstance(x, StandIn):
+        return list(x.__dict__.values())
+    return ()
+
+
+def check_expansion(obj: Any, where: str) -> None:
+    """Refuses an unpickled object graph that expands beyond :data:`MAX_EXPANDED_OBJECTS` or
+    nests deeper than :data:`MAX_DEPTH` when walked as a tree, or that contains a cycle.
+
+    Linear in the number of distinct objects (each one's expanded size is computed once).
+    """
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    active: set[int] = set()
+    keep: list[Any] = []  # ids stay valid while the walk runs
+    stack: list[tuple[Any, bool]] = [(obj, False)]
+    while stack:
+        x, done = stack.pop()
+        i = id(x)
+        if done:
+            kids = list(_children(x))
+            size[i] = 1 + sum(size[id(k)] for k in kids)
+            depth[i] = 1 + max((depth[id(k)] for k in kids), default=0)
+            active.discard(i)
+            if size[i] > MAX_EXPANDED_OBJECTS:
+                raise TorchFileError(
+                    where,
+                    f"the pickle expands to more than {MAX_EXPANDED_OBJECTS} objects when its "
+                    "shared references are followed (a 'billion laughs' structure); refused",
+                )
+            if depth[i] > MAX_DEPTH:
+                raise TorchFileError(
+                    where, f"the pickle nests deeper than {MAX_DEPTH} levels; refused"
+                )
+            continue
+        if i in size:
+            continue
+        if i in active:
+            raise TorchFileError(where, "the pickle holds a container that contains itself")
+        kids = list(_children(x))
+        if not kids:
+            size[i], depth[i] = 1, 1
+            continue
+        active.add(i)
+        keep.append(x)
+        stack.append((x, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
 
 
 # --------------------------------------------------------------------------- stand-ins
@@ -98,15 +218,16 @@ class StandIn:
 
     def _set_attrs(self, d: dict) -> None:
         for k, v in d.items():
-            if not isinstance(k, str) or k.startswith("__"):
+            # an attribute named like a method would shadow it (``get``, ``_set_attrs``)
+            if not isinstance(k, str) or k.startswith("__") or hasattr(type(self), k):
                 raise UnsafePickleError(
-                    "<pickle>", f"{self.qualname}: refusing attribute {k!r} in BUILD state"
+                    "<pickle>",
+                    f"{self.qualname}: refusing attribute {short_repr(k, 80)} in BUILD state",
                 )
             self.__dict__[k] = v
 
     def __repr__(self) -> str:
-        fields = {k: v for k, v in self.__dict__.items()}
-        return f"<{self.qualname} {fields}>"
+        return short_repr(self)
 
     def __eq__(self, other: object) -> bool:
         return type(other) is type(self) and other.__dict__ == self.__dict__
@@ -206,7 +327,7 @@ _STORAGE_TYPES: dict[str, str] = {
 
 def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
     if not isinstance(x, (tuple, list)) or not all(type(v) is int for v in x):
-        raise ValueError(f"tensor {what} must be a tuple of ints, found {x!r}")
+        raise ValueError(f"tensor {what} must be a tuple of ints, found {short_repr(x)}")
     return tuple(x)
 
 
@@ -218,7 +339,7 @@ def _rebuild_tensor(
             f"tensor storage must be a persistent storage reference, found {type(storage).__name__}"
         )
     if type(storage_offset) is not int or storage_offset < 0:
-        raise ValueError(f"bad storage offset {storage_offset!r}")
+        raise ValueError(f"bad storage offset {short_repr(storage_offset, 80)}")
     shape = _as_int_tuple(size, "size")
     strides = _as_int_tuple(stride, "stride")
     if len(shape) != len(strides) or any(s < 0 for s in shape) or any(s < 0 for s in strides):
@@ -233,6 +354,14 @@ def _rebuild_tensor(
         raise ValueError(
             f"tensor (offset {storage_offset}, size {shape}, stride {strides}) reaches element {extent} "
             f"but storage {storage.key!r} holds {n_elems} {dt} elements"
+        )
+    if numel > n_elems - storage_offset:
+        # stride 0 (``expand``) or overlapping strides: more elements than the storage's bytes
+        # hold. Materialising it could take any amount of memory from a tiny file.
+        raise ValueError(
+            f"tensor of size {shape} (stride {strides}) declares {numel} elements but storage "
+            f"{storage.key!r} holds {n_elems - storage_offset} from offset {storage_offset}: "
+            "stride-0 or overlapping views are not materialised (save a contiguous copy)"
         )
     flat = storage.raw[: n_elems * dt.itemsize].view(dt)
     contiguous = []
@@ -262,7 +391,9 @@ def _rebuild_tensor_v3(
     storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype, metadata=None
 ):
     if not isinstance(dtype, np.dtype):
-        raise ValueError(f"_rebuild_tensor_v3 dtype must be a torch dtype, found {dtype!r}")
+        raise ValueError(
+            f"_rebuild_tensor_v3 dtype must be a torch dtype, found {short_repr(dtype, 80)}"
+        )
     return _rebuild_tensor(storage, storage_offset, size, stride, dtype)
 
 
@@ -292,11 +423,11 @@ def _rebuild_from_type_v2(func, new_type, args, state):
         _rebuild_parameter,
     ):
         raise ValueError(
-            f"_rebuild_from_type_v2 may only call tensor rebuild functions, found {func!r}"
+            f"_rebuild_from_type_v2 may only call tensor rebuild functions, found {short_repr(func, 80)}"
         )
     if not isinstance(new_type, _TensorType):
         raise ValueError(
-            f"_rebuild_from_type_v2 with tensor subclass {new_type!r} is not supported"
+            f"_rebuild_from_type_v2 with tensor subclass {short_repr(new_type, 80)} is not supported"
         )
     if not isinstance(args, tuple):
         raise ValueError("_rebuild_from_type_v2 args must be a tuple")
@@ -309,25 +440,27 @@ def _torch_size(dims=()):
 
 def _torch_device(*args):
     if not args or not all(isinstance(a, (str, int)) for a in args):
-        raise ValueError(f"bad torch.device args {args!r}")
+        raise ValueError(f"bad torch.device args {short_repr(args)}")
     return ":".join(str(a) for a in args)
 
 
 def _codecs_encode(s, encoding="utf-8"):
     if not isinstance(s, str) or encoding not in ("latin1", "latin-1", "utf-8", "utf8"):
-        raise ValueError(f"_codecs.encode only decodes str with latin1/utf-8, found {encoding!r}")
+        raise ValueError(
+            f"_codecs.encode only decodes str with latin1/utf-8, found {short_repr(encoding, 80)}"
+        )
     return s.encode(encoding)
 
 
 def _slice(*args):
     if not all(a is None or type(a) is int for a in args):
-        raise ValueError(f"bad slice args {args!r}")
+        raise ValueError(f"bad slice args {short_repr(args)}")
     return slice(*args)
 
 
 def _complex(re=0.0, im=0.0):
     if not all(type(v) in (int, float) for v in (re, im)):
-        raise ValueError(f"bad complex args {(re, im)!r}")
+        raise ValueError(f"bad complex args {short_repr((re, im))}")
     return complex(re, im)
 
 
@@ -336,15 +469,31 @@ def _bytearray(x=b"", encoding=None):
         return bytearray(_codecs_encode(x, encoding or "latin1"))
     if isinstance(x, (bytes, list)):
         return bytearray(x)
-    raise ValueError(f"bad bytearray args {x!r}")
+    raise ValueError(f"bad bytearray args {short_repr(x)}")
 
 
 def _set(items=()):
-    return set(items)
+    return set(hashable_key(k, "set element") for k in items)
 
 
 def _frozenset(items=()):
-    return frozenset(items)
+    return frozenset(hashable_key(k, "frozenset element") for k in items)
+
+
+_KEY_SCALARS = (str, bytes, int, float, bool, type(None), np.dtype)
+
+
+def hashable_key(key: Any, what: str = "dict key") -> Any:
+    """``key`` if hashing and comparing it takes bounded work: a scalar, a flat tuple of scalars,
+    or a stand-in that defines its own bounded ``__hash__``. A tuple of shared tuples hashes in
+    time exponential in its depth, so nested tuples are refused."""
+    if isinstance(key, _KEY_SCALARS):
+        return key
+    if type(key) is tuple and len(key) <= 64 and all(isinstance(k, _KEY_SCALARS) for k in key):
+        return key
+    if isinstance(key, StandIn) and type(key).__hash__ is not None:
+        return key
+    raise ValueError(f"{what} {short_repr(key, 80)} is not a scalar or a flat tuple of scalars")
 
 
 def _base_allowed() -> dict[str, Any]:
@@ -419,13 +568,14 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
-            raise self._err(f"unexpected persistent id {pid!r}")
+            raise self._err(f"unexpected persistent id {short_repr(pid)}")
         return self._persistent(pid)
 
     def _call(self, f: Any, args: Any, how: str) -> Any:
         if not isinstance(f, _Allowed):
             raise self._err(
-                f"{how} on {type(f).__name__} {f!r:.80}: only allow-listed callables may be called"
+                f"{how} on {type(f).__name__} {short_repr(f, 80)}: only allow-listed callables "
+                "may be called"
             )
         if not isinstance(args, tuple):
             raise self._err(
@@ -437,7 +587,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
             raise
         except Exception as e:  # the stand-in rejected its args
             raise TorchFileError(
-                self._where, f"{how} {f.qualname}: {e} (args {args!r:.200})"
+                self._where, f"{how} {f.qualname}: {e} (args {short_repr(args)})"
             ) from None
 
     # -- opcodes that call things
@@ -452,7 +602,9 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         args = self.stack.pop()
         cls = self.stack.pop()
         if not isinstance(cls, _Allowed) or not isinstance(cls.fn, type):
-            raise self._err(f"NEWOBJ on {cls!r:.80}: only allow-listed classes may be instantiated")
+            raise self._err(
+                f"NEWOBJ on {short_repr(cls, 80)}: only allow-listed classes may be instantiated"
+            )
         if not isinstance(args, tuple):
             raise self._err("NEWOBJ args must be a tuple")
         try:
@@ -480,8 +632,9 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         elif type(inst) is collections.OrderedDict and isinstance(state, dict):
             # torch state_dicts carry `_metadata` as an instance attribute
             for k, v in state.items():
-                if not isinstance(k, str) or k.startswith("__"):
-                    raise self._err(f"BUILD on OrderedDict: refusing attribute {k!r}")
+                # an attribute named like a dict method (``get``, ``items``) would shadow it
+                if not isinstance(k, str) or k.startswith("__") or hasattr(inst, k):
+                    raise self._err(f"BUILD on OrderedDict: refusing attribute {short_repr(k, 80)}")
                 inst.__dict__[k] = v
         elif state:
             raise self._err(f"BUILD on {type(inst).__name__}: only stand-in objects accept state")
@@ -498,17 +651,23 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     def load_setitem(self):
         value = self.stack.pop()
         key = self.stack.pop()
-        self._target(dict, "SETITEM")[key] = value
+        self._target(dict, "SETITEM")[self._key(key)] = value
 
     def load_setitems(self):
         items = self.pop_mark()
         d = self._target(dict, "SETITEMS")
         for i in range(0, len(items), 2):
-            d[items[i]] = items[i + 1]
+            d[self._key(items[i])] = items[i + 1]
 
     def load_additems(self):
         items = self.pop_mark()
-        self._target(set, "ADDITEMS").update(items)
+        self._target(set, "ADDITEMS").update(self._key(k, "set element") for k in items)
+
+    def _key(self, key: Any, what: str = "dict key") -> Any:
+        try:
+            return hashable_key(key, what)
+        except ValueError as e:
+            raise self._err(str(e)) from None
 
     def _target(self, kind: type, op: str):
         t = self.stack[-1]
@@ -557,7 +716,9 @@ def restricted_loads(
         allowed.update(extra_classes)
     up = _RestrictedUnpickler(data, where, allowed, persistent_load)
     try:
-        return up.load()
+        obj = up.load()
+        check_expansion(obj, where)
+        return obj
     except TorchFileError:
         raise
     except RecursionError:
@@ -649,6 +810,7 @@ class TorchArchive:
         """Member table, pickle prefix and byte order: the same for a file and a byte range."""
         self._mm = mm
         self.size = size
+        self._views: dict[str, np.ndarray] = {}
         try:
             self._zip = zipfile.ZipFile(self._f)
             infos = self._zip.infolist()
@@ -664,7 +826,7 @@ class TorchArchive:
         bo = self._infos.get(self.prefix + "byteorder")
         order = self.read_member(bo.filename).decode("ascii", "replace").strip() if bo else "little"
         if order not in ("little", "big"):
-            raise TorchFileError(self.path, f"unknown byteorder {order!r}")
+            raise TorchFileError(self.path, f"unknown byteorder {short_repr(order, 40)}")
         self.byteorder = "<" if order == "little" else ">"
         self._storages: dict[str, np.ndarray] = {}
 
@@ -689,16 +851,78 @@ class TorchArchive:
                 f"member {name!r} needs bytes up to {data_off + info.compress_size} "
                 f"but the file has {self.size} (truncated)",
             )
+        view = self._views.get(name)
+        if view is not None:
+            return view
         if info.compress_type != zipfile.ZIP_STORED:
-            try:  # not torch-written, but still a valid zip: decompress into memory
-                return np.frombuffer(self._zip.read(name), np.uint8)
-            except Exception as e:
-                raise TorchFileError(
-                    self.path, f"member {name!r}: cannot decompress ({e})"
-                ) from None
-        if info.file_size != info.compress_size:
-            raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
-        return np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
+            view = self._inflate(name, info, data_off)
+        else:
+            if info.file_size != info.compress_size:
+                raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
+            view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
+            # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at a
+            # few GB/s; the copy that follows reads the same pages from the page cache).
+            self._check_crc(name, info, zlib.crc32(view))
+        self._views[name] = view
+        return view
+
+    def _check_crc(self, name: str, info: zipfile.ZipInfo, found: int) -> None:
+        if found != info.CRC:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r}: CRC-32 mismatch (the archive records {info.CRC:08x}, its "
+                f"bytes give {found:08x}): the file is corrupt",
+            )
+
+    def _inflate(self, name: str, info: zipfile.ZipInfo, data_off: int) -> np.ndarray:
+        """A deflated member, streamed: never more than its declared size is produced, and at
+        most :data:`MAX_COMPRESSED_MEMBER` bytes (torch.save never compresses; a small deflate
+        stream can expand a thousandfold)."""
+        if info.compress_type != zipfile.ZIP_DEFLATED:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r}: compression method {info.compress_type} is not supported "
+                "(torch.save stores members uncompressed)",
+            )
+        if info.file_size > MAX_COMPRESSED_MEMBER:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes; "
+                f"compressed members above {MAX_COMPRESSED_MEMBER} bytes are refused "
+                "(torch.save stores members uncompressed: re-save the file with torch.save)",
+            )
+        src = memoryview(self._mm)[data_off : data_off + info.compress_size]
+        out = np.empty(info.file_size, np.uint8)
+        inflater = zlib.decompressobj(-zlib.MAX_WBITS)
+        pos, crc = 0, 0
+        try:
+            for start in range(0, len(src), 1 << 20):
+                pending = src[start : start + (1 << 20)]
+                while pending:
+                    piece = inflater.decompress(pending, info.file_size - pos + 1)
+                    if pos + len(piece) > info.file_size:
+                        raise TorchFileError(
+                            self.path,
+                            f"member {name!r} expands beyond its declared {info.file_size} "
+                            "bytes (corrupt or hostile)",
+                        )
+                    out[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
+                    pos += len(piece)
+                    crc = zlib.crc32(piece, crc)
+                    pending = inflater.unconsumed_tail
+                if inflater.eof:
+                    break
+        except zlib.error as e:
+            raise TorchFileError(self.path, f"member {name!r}: cannot decompress ({e})") from None
+        if not inflater.eof or pos != info.file_size:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r}: the deflate stream gives {pos} bytes, the archive declares "
+                f"{info.file_size} (truncated or corrupt)",
+            )
+        self._check_crc(name, info, crc)
+        out.flags.writeable = False
+        return out
 
     def read_member(self, name: str) -> bytes:
         return self._member_view(name).tobytes()
@@ -713,10 +937,10 @@ class TorchArchive:
             or type(pid[4]) is not int
             or pid[4] < 0
         ):
-            raise UnsafePickleError(self.path, f"unexpected persistent id {pid!r:.200}")
+            raise UnsafePickleError(self.path, f"unexpected persistent id {short_repr(pid)}")
         _, stype, key, _location, numel = pid
         if not key or "/" in key or key.startswith("."):
-            raise UnsafePickleError(self.path, f"bad storage key {key!r}")
+            raise UnsafePickleError(self.path, f"bad storage key {short_repr(key, 80)}")
         dtype = (
             stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
         )
@@ -748,12 +972,9 @@ class TorchArchive:
         return obj
 
     def verify_crc(self) -> None:
-        """Read every member and check its CRC32 (reads the whole file)."""
-        import zlib
-
-        for name, info in self._infos.items():
-            if zlib.crc32(self._member_view(name)) != info.CRC:
-                raise TorchFileError(self.path, f"member {name!r}: CRC mismatch (corrupt)")
+        """Check every member's CRC-32 now, also members no pickle references (reads the file)."""
+        for name in self._infos:
+            self._member_view(name)
 
     def close(self) -> None:
         """Close the file handle; arrays already returned keep the mapping alive."""
