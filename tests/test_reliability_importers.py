@@ -49,12 +49,12 @@ CASES = {
     "DeepSpeed model states file is a FIFO": (
         "deepspeed/z2_bf16_dp2/ckpt",
         lambda src, tmp: _fifo(src / "global_step2/mp_rank_00_model_states.pt"),
-        r"mp_rank_00_model_states\.pt: missing model states file",  # not a regular file
+        r"mp_rank_00_model_states\.pt: not a regular file \(a FIFO\)",
     ),
     "DeepSpeed latest is a FIFO": (
         "deepspeed/z2_bf16_dp2/ckpt",
         lambda src, tmp: _fifo(src / "latest"),
-        r"src: no DeepSpeed checkpoint here \(expected a 'latest' file",  # a FIFO is not one
+        r"latest: not a regular file \(a FIFO\)",
     ),
     "DeepSpeed latest leads outside": (
         "deepspeed/z2_bf16_dp2/ckpt",
@@ -83,9 +83,63 @@ CASES = {
     "distcp shard is a FIFO": (
         "megatron/gpt_tp2",
         lambda src, tmp: _fifo(src / "__1_0.distcp"),
-        r"__1_0\.distcp is missing",  # not a regular file: never opened, so no hang
+        r"__1_0\.distcp: not a regular file \(a FIFO\)",  # never opened, so no hang
+    ),
+    "DeepSpeed stage-3 model states file is a FIFO": (
+        "deepspeed/z3_fp32_dp2/ckpt",
+        lambda src, tmp: _fifo(src / "global_step2/zero_pp_rank_1_mp_rank_00_model_states.pt"),
+        r"zero_pp_rank_1_mp_rank_00_model_states\.pt: not a regular file \(a FIFO\)",
+    ),
+    "Megatron common.pt is a FIFO": (
+        "megatron/gpt_tp2",
+        lambda src, tmp: _fifo(src / "common.pt"),
+        r"common\.pt: not a regular file \(a FIFO\)",
+    ),
+    "Megatron .metadata is a FIFO": (
+        "megatron/gpt_tp2",
+        lambda src, tmp: _fifo(src / ".metadata"),
+        r"\.metadata: not a regular file \(a FIFO\)",
+    ),
+    "Megatron tracker file is a FIFO": (
+        "megatron/gpt_tp2",
+        lambda src, tmp: _as_iteration(src, lambda root: os.mkfifo(root / TRACKER)),
+        r"latest_checkpointed_iteration\.txt: not a regular file \(a FIFO\)",
+    ),
+    "Megatron tracker file is absurdly large": (
+        "megatron/gpt_tp2",
+        lambda src, tmp: _as_iteration(src, lambda root: _write(root / TRACKER, "2" * 100_000)),
+        r"latest_checkpointed_iteration\.txt: 100000 bytes, more than the 4096",
+    ),
+    "DeepSpeed rank file with a flipped byte (zip CRC-32)": (
+        "deepspeed/z3_bf16_dp2/ckpt",
+        lambda src, tmp: _flip(src / "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        r"bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt: member '.*': CRC-32 mismatch",
+    ),
+    "distcp shard with a flipped byte (zip CRC-32)": (
+        "megatron/gpt_tp2",
+        lambda src, tmp: _flip(src / "__0_1.distcp"),
+        r"__0_1\.distcp@\d+: member '.*': CRC-32 mismatch",
     ),
 }
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _as_iteration(src, damage_root):
+    """Moves the torch_dist folder ``src`` to ``src/iter_0000002`` (a Megatron-LM root with a
+    tracker file), then damages the root."""
+    inner = src.parent / "inner"
+    src.rename(inner)
+    src.mkdir()
+    inner.rename(src / "iter_0000002")
+    damage_root(src)
+
+
+def _flip(path, at: int = 400):
+    """Flips one bit in the first tensor storage of a torch archive (after ``data/0``'s name)."""
+    raw = bytearray(path.read_bytes())
+    raw[raw.index(b"data/0") + at] ^= 0x01
+    path.write_bytes(bytes(raw))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -93,7 +93,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
     if any(OPTIMIZER_FILE.match(f) for f in os.listdir(src)):
         return src
     latest = os.path.join(src, "latest")
-    if os.path.isfile(latest):
+    if os.path.lexists(latest):
         try:
             latest_tag = files.read_regular(latest, 4096).decode("utf-8", "replace").strip()
         except files.UnsafeFileError as e:
@@ -226,7 +226,7 @@ def _matching_optimizer_state(path: str, stage: int, partition_count: Any, first
 
 def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
     """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
         raise DeepSpeedImportError(f"{path}: missing model states file{of_rank}")
     model_states = load_deepspeed_file(path)
     if not isinstance(model_states, Mapping):

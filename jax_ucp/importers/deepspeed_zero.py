@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.format import files
 from jax_ucp.importers import deepspeed_files
 from jax_ucp.importers.deepspeed_files import (
     DeepSpeedImportError,
@@ -124,10 +125,14 @@ def _model_states_file(tag_dir: str, optimizer: OptimizerStates) -> str:
         )
     for dp_rank in range(optimizer.world_size):
         path = os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt")
-        if not os.path.isfile(path):
+        if not os.path.lexists(path):
             raise DeepSpeedImportError(
                 f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
             )
+        try:
+            files.check_regular(path)
+        except files.UnsafeFileError as e:
+            raise DeepSpeedImportError(f"{e} (stage-3 model states of DP rank {dp_rank})") from None
     found = [f for f in os.listdir(tag_dir) if deepspeed_files.ZERO3_MODEL_FILE.match(f)]
     if len(found) != optimizer.world_size:
         raise DeepSpeedImportError(

@@ -81,13 +81,17 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     path = Path(src)
     if not path.is_dir():
         return None
-    if (path / ".metadata").is_file():
+    # lexists, not is_file: a .metadata or tracker that is a FIFO, a device or too large is
+    # this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
+    if os.path.lexists(path / ".metadata"):
         return MegatronSource("torch_dist", path, path, _iteration_of(path))
     try:
         root, iteration_dir, iteration = legacy.resolve_iteration_dir(path)
     except legacy.LegacyError:
+        if os.path.lexists(path / legacy.TRACKER_FILE):
+            raise
         return None
-    if (iteration_dir / ".metadata").is_file():
+    if os.path.lexists(iteration_dir / ".metadata"):
         return MegatronSource("torch_dist", root, iteration_dir, iteration)
     if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
         return MegatronSource("legacy", root, iteration_dir, iteration)
@@ -116,7 +120,10 @@ def plan_megatron(
     Megatron's padding) overrides the spec's. Every check that needs no tensor bytes runs before
     this returns.
     """
-    source_dir = detect_megatron(src)
+    try:
+        source_dir = detect_megatron(src)
+    except legacy.LegacyError as e:
+        raise MegatronImportError(str(e)) from None
     if source_dir is None:
         raise MegatronImportError(
             f"{src}: not a Megatron checkpoint (no .metadata, no "
@@ -344,7 +351,7 @@ def _open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
         dcp.check_coverage(tensor, checkpoint.path / ".metadata")
     common_path = checkpoint.path / "common.pt"
     common: Any = {}
-    if common_path.is_file():
+    if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
         try:
             common = torch_pickle.load_torch_file(common_path, legacy.LEGACY_CLASSES)
         except torch_pickle.TorchFileError as e:

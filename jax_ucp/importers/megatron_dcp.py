@@ -114,6 +114,9 @@ def _standins() -> dict[str, Any]:
 #: Classes a DCP ``.metadata`` pickle may reference, mapped to inert stand-ins.
 DCP_CLASSES: dict[str, Any] = _standins()
 
+#: Largest ``.metadata`` read (it lists every chunk of every tensor: megabytes for big models).
+MAX_METADATA_BYTES = 1 << 30
+
 #: Stream transforms (``_StorageInfo.transform_descriptors``) this reader can undo. megatron-core
 #: writes none; torch's optional extensions (e.g. ``stream.zstd``) are refused by name.
 SUPPORTED_TRANSFORMS: frozenset[str] = frozenset()
@@ -248,6 +251,12 @@ class DcpCheckpoint:
         ):
             if file not in sizes:
                 p = self.path / file
+                if os.path.lexists(p):
+                    try:
+                        files.check_regular(str(p))
+                    except (files.UnsafeFileError, FileNotFoundError) as e:
+                        what = e if isinstance(e, files.UnsafeFileError) else f"{p}: dangling link"
+                        raise DcpError(f"tensor {name!r}: shard {what}") from None
                 sizes[file] = p.stat().st_size if p.is_file() else -1
             if sizes[file] < 0:
                 raise DcpError(
@@ -354,13 +363,15 @@ def open_dcp(path: os.PathLike | str) -> DcpCheckpoint:
     """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
     root = Path(path)
     mfile = root / ".metadata"
-    if not mfile.is_file():
+    if not os.path.lexists(mfile):
         raise DcpError(f"{root}: no .metadata file (not a torch_dist / DCP checkpoint)")
     try:
         md = torch_pickle.restricted_loads(
-            mfile.read_bytes(), where=str(mfile), extra_classes=DCP_CLASSES
+            files.read_regular(str(mfile), MAX_METADATA_BYTES),
+            where=str(mfile),
+            extra_classes=DCP_CLASSES,
         )
-    except torch_pickle.TorchFileError as e:
+    except (torch_pickle.TorchFileError, files.UnsafeFileError) as e:
         raise DcpError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)

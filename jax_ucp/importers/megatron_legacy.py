@@ -95,11 +95,15 @@ class LegacyCheckpoint:
     ep_ranks: dict[tuple[int, int, int], RankFile] = field(default_factory=dict)  # (pp, tp, ep)
 
 
+#: Megatron-LM's tracker file: the latest iteration number, or "release".
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
 def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
     """(root, iteration dir, iteration) for a root holding the tracker file or an iter dir."""
     src = Path(src)
-    tracker = src / "latest_checkpointed_iteration.txt"
-    if tracker.is_file():
+    tracker = src / TRACKER_FILE
+    if os.path.lexists(tracker):
         try:
             text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
         except files.UnsafeFileError as e:
