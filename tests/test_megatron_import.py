@@ -663,7 +663,9 @@ def test_legacy_missing_file_and_bad_tracker(tmp_path):
     ):
         convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
     (src / "latest_checkpointed_iteration.txt").write_text("9")
-    assert detect_megatron(src) is None
+    # a tracker file that names no iteration is this checkpoint gone wrong, said as such
+    with pytest.raises(MegatronImportError, match=r"names iteration 9 but .*iter_0000009 does not"):
+        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
 
 
 def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
