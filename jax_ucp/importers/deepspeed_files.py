@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.format import UCPError, files
-from jax_ucp.importers.torch_pickle import int_enum_standin, load_torch_file, standin_class
+from jax_ucp.importers.torch_pickle import TorchArchive, int_enum_standin, standin_class
 
 
 class DeepSpeedImportError(UCPError, ValueError):
@@ -61,8 +61,31 @@ LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
 
 
 def load_deepspeed_file(path: str) -> Any:
-    """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins."""
-    return load_torch_file(path, DS_CLASSES)
+    """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins.
+
+    Its rank is in its name only, so the name it was saved under (kept inside the archive by
+    ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
+    read as other ranks' partitions, i.e. wrong parameters.
+    """
+    archive = TorchArchive(path)
+    try:
+        check_saved_name(archive, path)
+        return archive.load(DS_CLASSES)
+    finally:
+        archive.close()
+
+
+def check_saved_name(archive: TorchArchive, path: str) -> None:
+    """Refuses a rank file whose archive says it was saved under another file name."""
+    name = os.path.basename(path)
+    stem = name[: -len(".pt")] if name.endswith(".pt") else name
+    saved = archive.saved_name
+    if saved not in (stem, "archive"):  # "archive": saved through a file object, no name kept
+        raise DeepSpeedImportError(
+            f"{path}: this file was saved as '{saved}.pt' (the name inside its zip archive) but "
+            f"is named '{name}'. DeepSpeed's rank is in the file name, so renamed or swapped rank "
+            "files would import as wrong parameters; give the files back their saved names"
+        )
 
 
 def require(mapping: Any, key: Any, where: str) -> Any:

@@ -203,6 +203,7 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
     if checkpoint.stage in (1, 2):
         plan = _plan_stage12(checkpoint)
         _check_stage12_partitions(checkpoint)
+        _check_stage12_contiguity(checkpoint, plan)
     else:
         plan = _plan_stage3(checkpoint)
         _check_stage3_partitions(checkpoint)
@@ -292,6 +293,58 @@ def _check_stage12_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
                         f"{path}: group {group} {state_name} has {moment.size} elements, "
                         f"fp32 partition has {fp32[group].size}"
                     )
+
+
+def _check_stage12_contiguity(
+    checkpoint: DeepSpeedCheckpoint, plan: Mapping[str, ParameterFragments]
+) -> None:
+    """A parameter split across ranks continues on the next rank: its piece on a rank ends at
+    that rank's partition end, and the next piece starts at 0 on the next rank. Rank files in
+    the wrong order break this for every parameter that straddles two partitions."""
+    for name, fragments in plan.items():
+        pieces = fragments.pieces
+        for before, after in zip(pieces, pieces[1:]):
+            partition = checkpoint.optim_states[before.dp_rank]["single_partition_of_fp32_groups"]
+            end = partition[fragments.group].size
+            if (
+                after.dp_rank != before.dp_rank + 1
+                or before.start + before.numel != end
+                or after.start != 0
+            ):
+                raise DeepSpeedImportError(
+                    f"{checkpoint.optim_files[after.dp_rank]}: parameter {name!r} does not "
+                    f"continue where {os.path.basename(checkpoint.optim_files[before.dp_rank])} "
+                    f"leaves it (piece [{before.start}, {before.start + before.numel}) of a "
+                    f"{end}-element partition, then one at {after.start} on DP rank "
+                    f"{after.dp_rank}): rank files out of order, renamed or from different saves"
+                )
+
+
+def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.ndarray) -> None:
+    """The fp32 master assembled from the rank files must round to the model weight DeepSpeed
+    saved beside it (stage 1/2 keep the whole module; DeepSpeed copies master -> model after
+    every step). Checked at both ends of every rank's piece: swapped or stale partitions
+    disagree there."""
+    stored = checkpoint.module.get(name)
+    if not (isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size):
+        return
+    ends, at = [], 0
+    for piece in checkpoint.fragment_plan[name].pieces:
+        ends += [at, at + piece.numel - 1]
+        at += piece.numel
+    index = np.unique(np.asarray(ends, np.int64))
+    want = stored.reshape(-1)[index]
+    found = fp32.reshape(-1)[index].astype(stored.dtype)
+    same = (want.view(np.uint8) == found.view(np.uint8)).reshape(len(index), -1).all(axis=1)
+    if not same.all():
+        flat = int(index[np.argmin(same)])
+        raise DeepSpeedImportError(
+            f"parameter {name!r}: the fp32 master in "
+            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in checkpoint.fragment_plan[name].pieces]} "
+            f"gives {found[np.argmin(same)]!r} at flat index {flat}, the model weight in "
+            f"{checkpoint.model_file} is {want[np.argmin(same)]!r}: rank files renamed, swapped "
+            "or from different saves"
+        )
 
 
 def _check_stage3_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
@@ -413,9 +466,11 @@ def iter_zero_items(checkpoint: DeepSpeedCheckpoint) -> Iterator[writer.HostItem
         fp32 = None
         for state_name, tree in STATE_TREES:
             value = gather_parameter(checkpoint, name, state_name, vectors)
-            yield host_item((*tree, name), value, provenance)
             if state_name == "fp32":
                 fp32 = value
+                if checkpoint.stage in (1, 2):
+                    check_against_module(checkpoint, name, fp32)
+            yield host_item((*tree, name), value, provenance)
         if checkpoint.model_dtype != np.dtype(np.float32):
             yield _model_copy_item(checkpoint, name, fp32, provenance["files"])
         del fp32

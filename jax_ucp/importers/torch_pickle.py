@@ -924,6 +924,12 @@ class TorchArchive:
         out.flags.writeable = False
         return out
 
+    @property
+    def saved_name(self) -> str:
+        """The name of the archive's top folder: ``torch.save(obj, path)`` writes the stem of
+        ``path`` there ("archive" when it saved to a file object), so it survives a rename."""
+        return self.prefix.rstrip("/")
+
     def read_member(self, name: str) -> bytes:
         return self._member_view(name).tobytes()
 
