@@ -283,6 +283,15 @@ def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tu
     ]
 
 
+def version_string(model_states: Mapping) -> str | None:
+    """``ds_version`` as the manifest records it: a short string, or None. It is copied from an
+    untrusted pickle into JSON, so anything else (a nested structure) is not copied."""
+    version = model_states.get("ds_version")
+    if isinstance(version, str) and len(version) <= 64 and version.isprintable():
+        return version
+    return None
+
+
 def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
     """The model precision of the run: from its bf16 / fp16 config, else from its module weights."""
     import ml_dtypes

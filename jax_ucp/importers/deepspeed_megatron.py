@@ -607,7 +607,7 @@ def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:
         "dp_world_size": checkpoint.dp,
         "model_dtype": str(checkpoint.model_dtype),
         "global_steps": checkpoint.global_steps,
-        "ds_version": checkpoint.model_states.get("ds_version"),
+        "ds_version": deepspeed_files.version_string(checkpoint.model_states),
         "original_vocab_size": checkpoint.info.get("original_vocab_size"),
         "padded_vocab_size": checkpoint.info.get("padded_vocab_size"),
         "universal_checkpoint_info": info,

@@ -514,5 +514,5 @@ def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
         "dp_world_size": checkpoint.world_size,
         "model_dtype": str(checkpoint.model_dtype),
         "global_steps": checkpoint.global_steps,
-        "ds_version": checkpoint.model_states.get("ds_version"),
+        "ds_version": deepspeed_files.version_string(checkpoint.model_states),
     }
