@@ -1,10 +1,15 @@
-"""Cost of the per-shard digests on a cold restore onto another mesh: the same checkpoint with
-and without ``shard_digests`` in its manifest, restored alternately, page cache dropped before
-each restore (needs root for /proc/sys/vm/drop_caches). Prints the median ratio.
+"""Cost of the per-shard digests on a cold restore onto another mesh.
 
-    python benchmarks/bench_digest_cost.py
+The same checkpoint with and without ``shard_digests`` in its manifest (digest files removed
+too), restored alternately onto a 4x2 mesh, the page cache dropped before each restore (needs
+root for /proc/sys/vm/drop_caches). Prints every time and the median ratio.
+
+    python benchmarks/bench_digest_cost.py [--tensors 16] [--rounds 5]
 """
 
+from __future__ import annotations
+
+import argparse
 import json
 import os
 import shutil
@@ -12,64 +17,74 @@ import statistics
 import tempfile
 import time
 
-ROOT = tempfile.mkdtemp(prefix="ucp_digest_")
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-import jax
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import jax_ucp
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
 
-mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
-rng = np.random.default_rng(0)
-tree = {
-    f"w{i}": jax.device_put(
-        rng.standard_normal((2048, 2048), dtype=np.float32), NamedSharding(mesh, P("x", "y"))
-    )
-    for i in range(16)
-}
-a, b = os.path.join(ROOT, "with"), os.path.join(ROOT, "without")
-for p in (a, b):
-    shutil.rmtree(p, ignore_errors=True)
-t = time.perf_counter()
-jax_ucp.save(a, tree)
-print("save", time.perf_counter() - t)
-shutil.copytree(a, b)
-m = json.load(open(f"{b}/ucp.json"))
+import jax_ucp  # noqa: E402
 
 
-def strip(x):
-    if isinstance(x, dict):
-        x.pop("shard_digests", None)
-        for v in x.values():
-            strip(v)
-    elif isinstance(x, list):
-        for v in x:
-            strip(v)
+def strip_digests(node):
+    """Removes every ``shard_digests`` field of a manifest (in place)."""
+    if isinstance(node, dict):
+        node.pop("shard_digests", None)
+        for value in node.values():
+            strip_digests(value)
+    elif isinstance(node, list):
+        for value in node:
+            strip_digests(value)
 
 
-strip(m)
-json.dump(m, open(f"{b}/ucp.json", "w"))
-for f in os.listdir(b):
-    if f.startswith("ucp.digests"):
-        os.remove(os.path.join(b, f))
-new = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
-res = {a: [], b: []}
-for r in range(5):
-    for p in (a, b) if r % 2 == 0 else (b, a):
-        os.system("sync; echo 3 > /proc/sys/vm/drop_caches")
-        t = time.perf_counter()
-        out = jax_ucp.restore(p, mesh=new)
-        jax.block_until_ready(out)
-        res[p].append(time.perf_counter() - t)
-for p in res:
-    print(
-        os.path.basename(p),
-        [round(x, 3) for x in res[p]],
-        "median",
-        round(statistics.median(res[p]), 3),
-    )
-print(
-    "digest cost (median ratio):", round(statistics.median(res[a]) / statistics.median(res[b]), 3)
-)
+def drop_caches() -> None:
+    os.system("sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="ucp_digest_")
+    with_digests, without = os.path.join(root, "with"), os.path.join(root, "without")
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("x", "y"))
+    rng = np.random.default_rng(0)
+    tree = {
+        f"w{i}": jax.device_put(
+            rng.standard_normal((2048, 2048), dtype=np.float32),
+            NamedSharding(mesh, P("x", "y")),
+        )
+        for i in range(args.tensors)
+    }
+    jax_ucp.save(with_digests, tree)
+    shutil.copytree(with_digests, without)
+    with open(os.path.join(without, "ucp.json")) as f:
+        manifest = json.load(f)
+    strip_digests(manifest)
+    with open(os.path.join(without, "ucp.json"), "w") as f:
+        json.dump(manifest, f)
+    for name in os.listdir(without):
+        if name.startswith("ucp.digests"):
+            os.remove(os.path.join(without, name))
+    new_mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+    seconds: dict[str, list[float]] = {with_digests: [], without: []}
+    for r in range(args.rounds):
+        for path in (with_digests, without) if r % 2 == 0 else (without, with_digests):
+            drop_caches()
+            start = time.perf_counter()
+            jax.block_until_ready(jax_ucp.restore(path, mesh=new_mesh))
+            seconds[path].append(time.perf_counter() - start)
+    for path, times in seconds.items():
+        print(
+            f"{os.path.basename(path):8s} {[round(t, 3) for t in times]} "
+            f"median {statistics.median(times):.3f} s"
+        )
+    ratio = statistics.median(seconds[with_digests]) / statistics.median(seconds[without])
+    print(f"restore with digests / without: {ratio:.3f}")
+    shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
