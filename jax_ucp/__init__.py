@@ -26,6 +26,8 @@ _LAZY = {
     "save": "jax_ucp.handler.api",
     "ShardingMismatchError": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
+    "export": "jax_ucp.exporters",
+    "ExportError": "jax_ucp.exporters",
 }
 
 __all__ = [

@@ -551,6 +551,76 @@ def diff(a: str, b: str):
 
 
 @app.command()
+@_user_errors
+def export(
+    ckpt: str,
+    dst: str,
+    to: str = typer.Option("safetensors", help="output format: safetensors"),
+    select: str = typer.Option(
+        "params", help="key-path prefix to export ('params', 'opt_state/mu'; '' for all)"
+    ),
+    spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
+    dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
+    max_file_size: str = typer.Option("5GB", help="data per file before sharding (e.g. 500MB)"),
+    force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
+):
+    """Export a checkpoint's tensors for PyTorch tools (Hugging Face safetensors)."""
+    from jax_ucp import exporters
+
+    progress, task = _progress(), None
+
+    def on_progress(name, done, total):
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task("exporting", total=total)
+        progress.update(task, completed=done, total=total, description=str(name)[-48:])
+
+    try:
+        out = exporters.export(
+            ckpt,
+            dst,
+            to=to,
+            select=select or None,
+            spec=spec,
+            dtype=dtype,
+            max_file_bytes=_parse_size(max_file_size),
+            force=force,
+            progress=on_progress,
+        )
+    finally:
+        if task is not None:
+            progress.stop()
+    console.print(
+        f"[green]✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
+        f"{', '.join(out.files)}[/green]",
+        highlight=False,
+    )
+    if out.skipped:
+        console.print(
+            f"not exported ({len(out.skipped)}, outside --select or not tensors): "
+            f"{', '.join(out.skipped[:6])}{' ...' if len(out.skipped) > 6 else ''}",
+            highlight=False,
+        )
+
+
+def _parse_size(text: str) -> int:
+    """'5GB', '500MB', '2GiB', '1024' -> bytes (decimal units as transformers' max_shard_size)."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    t = text.strip().upper()
+    number = t.rstrip("KMGTIB")
+    unit = t[len(number) :]
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if unit not in units or value <= 0:
+        raise typer.BadParameter(f"expected a size like 5GB or 500MB, got {text!r}")
+    return int(value * units[unit])
+
+
+@app.command()
 def demo(
     directory: str | None = typer.Option(None, help="where to write (default: a temp dir)"),
 ):

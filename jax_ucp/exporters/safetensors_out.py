@@ -1,0 +1,147 @@
+"""Write tensors as Hugging Face safetensors, one tensor at a time, without torch.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length, a
+JSON header (name -> dtype, shape, ``data_offsets`` [begin, end) into the data that follows, and
+``__metadata__``), padded with spaces to a multiple of 8, then the raw little-endian bytes of
+every tensor, back to back in header order. Several files are tied together by
+``model.safetensors.index.json`` (``weight_map``: name -> file), as ``transformers`` writes them.
+
+Every header is computed from shapes and dtypes before a byte is written, so each file is
+written front to back in one pass and only one tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable, Sequence
+
+import ml_dtypes
+import numpy as np
+
+from jax_ucp.format import UCPError
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+#: numpy dtype -> safetensors dtype name (the ones the format defines).
+DTYPE_NAMES: dict[np.dtype, str] = {
+    np.dtype(np.float64): "F64",
+    np.dtype(np.float32): "F32",
+    np.dtype(np.float16): "F16",
+    np.dtype(ml_dtypes.bfloat16): "BF16",
+    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
+    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
+    np.dtype(np.int64): "I64",
+    np.dtype(np.int32): "I32",
+    np.dtype(np.int16): "I16",
+    np.dtype(np.int8): "I8",
+    np.dtype(np.uint64): "U64",
+    np.dtype(np.uint32): "U32",
+    np.dtype(np.uint16): "U16",
+    np.dtype(np.uint8): "U8",
+    np.dtype(np.bool_): "BOOL",
+}
+
+
+class ExportError(UCPError, ValueError):
+    """A checkpoint that cannot be exported as asked (names the tensor and what is wrong)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor to export: its name in the output, shape and dtype (as written)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+def dtype_name(tensor: str, dtype: np.dtype) -> str:
+    """The safetensors name of ``dtype``, or an error naming the tensor."""
+    name = DTYPE_NAMES.get(np.dtype(dtype))
+    if name is None:
+        raise ExportError(
+            f"tensor {tensor!r}: dtype {np.dtype(dtype)} cannot be stored in safetensors "
+            f"(it holds {', '.join(sorted(DTYPE_NAMES.values()))}); pass dtype= to convert it"
+        )
+    return name
+
+
+def plan_files(tensors: Sequence[Tensor], max_file_bytes: int) -> list[list[Tensor]]:
+    """Tensors grouped into files of at most ``max_file_bytes`` of data each, in order (a tensor
+    larger than the limit gets a file of its own, as ``transformers`` does)."""
+    files: list[list[Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if files[-1] and size + tensor.nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(tensor)
+        size += tensor.nbytes
+    return [f for f in files if f] or [[]]
+
+
+def file_names(count: int) -> list[str]:
+    """``model.safetensors``, or ``model-00001-of-00003.safetensors`` ... for several files."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def header_bytes(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
+    """The length-prefixed, space-padded JSON header of a file holding ``tensors`` in order."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for tensor in tensors:
+        header[tensor.name] = {
+            "dtype": dtype_name(tensor.name, tensor.dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_file(
+    path: str,
+    tensors: Sequence[Tensor],
+    values: Iterable[np.ndarray],
+    metadata: dict[str, str],
+    on_tensor: Callable[[Tensor], None] | None = None,
+) -> None:
+    """Writes one safetensors file; ``values`` yields the arrays of ``tensors`` in order."""
+    with open(path, "wb") as f:
+        f.write(header_bytes(tensors, metadata))
+        for tensor, value in zip(tensors, values, strict=True):
+            array = np.ascontiguousarray(value, dtype=tensor.dtype.newbyteorder("<"))
+            if array.shape != tensor.shape:
+                raise ExportError(
+                    f"tensor {tensor.name!r}: read shape {array.shape}, planned {tensor.shape}"
+                )
+            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+            if on_tensor is not None:
+                on_tensor(tensor)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:
+    """``model.safetensors.index.json``: total size and the file of every tensor."""
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
+        "weight_map": {t.name: name for group, name in zip(files, names) for t in group},
+    }
+    with open(path, "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,181 @@
+"""jax_ucp.export / jax-ucp export: safetensors out, bit-exact, atomic, clear refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from typer.testing import CliRunner
+
+import jax_ucp
+from jax_ucp.cli import app
+from jax_ucp.exporters import ExportError, safetensors_out
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _hf_model(tmp_path):
+    """A Hugging Face style safetensors file (written by the safetensors package): bf16, fp16,
+    fp32 and int64 tensors with HF names."""
+    rng = np.random.default_rng(0)
+    tensors = {
+        "model.embed_tokens.weight": rng.standard_normal((64, 16)).astype(ml_dtypes.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((16, 16)).astype(np.float16),
+        "model.layers.0.mlp.up_proj.weight": rng.standard_normal((32, 16)).astype(np.float32),
+        "model.norm.weight": np.ones(16, np.float32),
+        "position_ids": np.arange(8, dtype=np.int64),
+    }
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    return src, tensors
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_safetensors_round_trip_is_bit_exact(tmp_path):
+    src, tensors = _hf_model(tmp_path)
+    ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"))
+    out = jax_ucp.export(ckpt, tmp_path / "out")
+    assert out.files == ["model.safetensors"] and out.tensors == len(tensors)
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert _same(back[name], value), name
+
+
+def test_sharded_export_with_index(tmp_path):
+    src, tensors = _hf_model(tmp_path)
+    ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"))
+    out = jax_ucp.export(ckpt, tmp_path / "out", max_file_bytes=2500)
+    assert len(out.files) > 2 and out.files[-1] == "model.safetensors.index.json"
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    assert index["metadata"]["total_size"] == sum(v.nbytes for v in tensors.values())
+    back = {}
+    for name in out.files[:-1]:
+        assert name.startswith("model-0000") and name.endswith(
+            f"-of-{len(out.files) - 1:05d}.safetensors"
+        )
+        back.update(load_file(str(tmp_path / "out" / name)))
+    for name, value in tensors.items():
+        assert _same(back[name], value), name
+        assert name in load_file(str(tmp_path / "out" / index["weight_map"][name]))
+    # and the export imports again, to the same checkpoint
+    again = jax_ucp.convert(str(tmp_path / "out"), str(tmp_path / "ucp2"))
+    assert jax_ucp.diff(ckpt, again).identical
+
+
+def test_jax_tree_exports_with_dotted_names_and_chosen_dtype(tmp_path):
+    params = {
+        "Dense_0": {"kernel": np.arange(12, dtype=np.float32).reshape(3, 4), "bias": np.ones(4)},
+        "scale": np.float32(2.5) * np.ones((2,), np.float32),
+    }
+    path = str(tmp_path / "ck")
+    jax_ucp.save(path, {"params": params, "step": 7})
+    out = jax_ucp.export(path, tmp_path / "out", dtype="bfloat16")
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(back) == {"Dense_0.kernel", "Dense_0.bias", "scale"}
+    assert back["Dense_0.kernel"].dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(
+        back["Dense_0.kernel"], params["Dense_0"]["kernel"].astype(ml_dtypes.bfloat16)
+    )
+    assert "step" in out.skipped
+    everything = jax_ucp.export(path, tmp_path / "all", select=None)
+    assert set(load_file(str(tmp_path / "all" / "model.safetensors"))) == {
+        "params.Dense_0.kernel",
+        "params.Dense_0.bias",
+        "params.scale",
+    }
+    assert everything.skipped == ["step"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"dtype": "int4", "casting": "unsafe"}, "cannot be stored in safetensors"),
+        ({"dtype": "int4"}, "not a 'same_kind' cast"),
+        ({"dtype": "int32"}, "narrow|casting|unsafe"),
+        ({"select": "opt_state"}, "no tensor under 'opt_state'"),
+        ({"to": "onnx"}, "export format 'onnx' is not supported"),
+    ],
+)
+def test_refusals_write_nothing(tmp_path, kwargs, message):
+    path = str(tmp_path / "ck")
+    jax_ucp.save(path, {"params": {"w": np.ones((4, 4), np.float32)}})
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.export(path, tmp_path / "out", **kwargs)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def test_destination_rules(tmp_path):
+    path = str(tmp_path / "ck")
+    jax_ucp.save(path, {"params": {"w": np.ones((4, 4), np.float32)}})
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="already exists"):
+        jax_ucp.export(path, mine)
+    with pytest.raises(ExportError, match="not a safetensors export"):
+        jax_ucp.export(path, mine, force=True)
+    assert (mine / "notes.txt").read_text() == "keep me"
+    with pytest.raises(ExportError, match="lies inside, the checkpoint"):
+        jax_ucp.export(path, tmp_path / "ck" / "out")
+    jax_ucp.export(path, tmp_path / "out")
+    jax_ucp.export(path, tmp_path / "out", force=True, dtype="float16")  # an export: replaced
+    assert load_file(str(tmp_path / "out" / "model.safetensors"))["w"].dtype == np.float16
+
+
+def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
+    path = str(tmp_path / "ck")
+    jax_ucp.save(path, {"params": {"a": np.ones(4, np.float32), "b": np.zeros(4, np.float32)}})
+    jax_ucp.export(path, tmp_path / "out")
+    before = (tmp_path / "out" / "model.safetensors").read_bytes()
+    calls = []
+
+    def fail_on_second(tensor):
+        calls.append(tensor)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+
+    real = safetensors_out.write_file
+    monkeypatch.setattr(
+        safetensors_out,
+        "write_file",
+        lambda p, t, v, m, on_tensor=None: real(p, t, v, m, fail_on_second),
+    )
+    with pytest.raises(OSError, match="No space"):
+        jax_ucp.export(path, tmp_path / "out", force=True, dtype="float16")
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["ck", "out"]  # no temporary left
+
+
+def test_corrupt_checkpoint_is_an_error_not_an_export(tmp_path):
+    path = tmp_path / "ck"
+    jax_ucp.save(str(path), {"params": {"w": np.arange(4096, dtype=np.float32)}})
+    shard = next(p for p in (path / "arrays").rglob("*") if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 1
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(jax_ucp.UCPError, match="crc32c|digest|corrupt"):
+        jax_ucp.export(str(path), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_export(tmp_path):
+    src, tensors = _hf_model(tmp_path)
+    ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"))
+    r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "out"), "--max-file-size", "3KB"])
+    assert r.exit_code == 0, r.output
+    assert "wrote 5 tensors" in r.output
+    assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "out")])
+    assert r.exit_code == 1 and "already exists" in r.output
+    r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "o2"), "--max-file-size", "lots"])
+    assert r.exit_code == 2 and "expected a size" in r.output

@@ -1,0 +1,84 @@
+"""The layering of docs/INTERNAL_CONTRACTS.md, checked on the code: which layer imports which."""
+
+from __future__ import annotations
+
+import ast
+import os
+
+from ucp_testing import REPO
+
+PACKAGE = os.path.join(REPO, "jax_ucp")
+
+# layer -> the jax_ucp layers it may import (itself always allowed)
+ALLOWED = {
+    "format": set(),
+    "store": {"format"},
+    "writer": {"format", "store"},
+    "language": set(),
+    "sharding": {"format"},
+    "handler": {"format", "store", "writer", "language", "sharding"},
+    "importers": {"format", "writer", "language"},
+    "models": {"language"},
+    "exporters": {"format", "writer", "handler", "language"},
+    "conversion": {"importers", "writer", "handler", "format"},
+}
+BASE = {"lazy_names", "version"}  # leaf modules any layer may use
+
+
+def _layer_of(path: str) -> str:
+    rel = os.path.relpath(path, PACKAGE)
+    first = rel.split(os.sep)[0]
+    return first[: -len(".py")] if first.endswith(".py") else first
+
+
+def _imports(path: str):
+    """(imported jax_ucp layer, imported names) of every import in the module, nested included."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                parts = alias.name.split(".")
+                if parts[0] == "jax_ucp" and len(parts) > 1:
+                    yield parts[1], [], node.lineno
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[0] != "jax_ucp":
+                continue
+            names = [a.name for a in node.names]
+            if len(parts) == 1:  # from jax_ucp import writer, format as fmt
+                for name in names:
+                    yield name, [], node.lineno
+            else:
+                yield parts[1], names if len(parts) > 2 else [], node.lineno
+
+
+def _modules():
+    for dirpath, _, filenames in os.walk(PACKAGE):
+        for name in filenames:
+            if name.endswith(".py"):
+                yield os.path.join(dirpath, name)
+
+
+def test_lower_layers_never_import_higher_ones():
+    wrong = []
+    for path in _modules():
+        layer = _layer_of(path)
+        if layer not in ALLOWED:  # cli, demo, the package root: the top
+            continue
+        for imported, _, line in _imports(path):
+            if imported in BASE or imported == layer:
+                continue
+            if imported not in ALLOWED[layer]:
+                wrong.append(f"{os.path.relpath(path, REPO)}:{line}: {layer} imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_private_names_across_modules():
+    wrong = []
+    for path in _modules():
+        for _, names, line in _imports(path):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                wrong.append(f"{os.path.relpath(path, REPO)}:{line}: imports {private}")
+    assert not wrong, "\n".join(wrong)
