@@ -555,16 +555,18 @@ def diff(a: str, b: str):
 def export(
     ckpt: str,
     dst: str,
-    to: str = typer.Option("safetensors", help="output format: safetensors"),
-    select: str = typer.Option(
-        "params", help="key-path prefix to export ('params', 'opt_state/mu'; '' for all)"
+    to: str = typer.Option("safetensors", help="output format: safetensors or torch-dcp"),
+    select: str | None = typer.Option(
+        None,
+        help="key-path prefix to export ('params', 'opt_state/mu', '' for all; default: params "
+        "for safetensors, all for torch-dcp)",
     ),
     spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
     dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
     max_file_size: str = typer.Option("5GB", help="data per file before sharding (e.g. 500MB)"),
     force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
 ):
-    """Export a checkpoint's tensors for PyTorch tools (Hugging Face safetensors)."""
+    """Export a checkpoint for PyTorch tools (Hugging Face safetensors, torch DCP)."""
     from jax_ucp import exporters
 
     progress, task = _progress(), None
@@ -581,7 +583,7 @@ def export(
             ckpt,
             dst,
             to=to,
-            select=select or None,
+            select=select,
             spec=spec,
             dtype=dtype,
             max_file_bytes=_parse_size(max_file_size),

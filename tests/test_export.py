@@ -87,7 +87,7 @@ def test_jax_tree_exports_with_dotted_names_and_chosen_dtype(tmp_path):
         back["Dense_0.kernel"], params["Dense_0"]["kernel"].astype(ml_dtypes.bfloat16)
     )
     assert "step" in out.skipped
-    everything = jax_ucp.export(path, tmp_path / "all", select=None)
+    everything = jax_ucp.export(path, tmp_path / "all", select="")
     assert set(load_file(str(tmp_path / "all" / "model.safetensors"))) == {
         "params.Dense_0.kernel",
         "params.Dense_0.bias",
@@ -122,7 +122,7 @@ def test_destination_rules(tmp_path):
     (mine / "notes.txt").write_text("keep me")
     with pytest.raises(ExportError, match="already exists"):
         jax_ucp.export(path, mine)
-    with pytest.raises(ExportError, match="not a safetensors export"):
+    with pytest.raises(ExportError, match="not an export"):
         jax_ucp.export(path, mine, force=True)
     assert (mine / "notes.txt").read_text() == "keep me"
     with pytest.raises(ExportError, match="lies inside, the checkpoint"):
@@ -137,19 +137,15 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     jax_ucp.save(path, {"params": {"a": np.ones(4, np.float32), "b": np.zeros(4, np.float32)}})
     jax_ucp.export(path, tmp_path / "out")
     before = (tmp_path / "out" / "model.safetensors").read_bytes()
-    calls = []
 
-    def fail_on_second(tensor):
-        calls.append(tensor)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
+    def failing(values):
+        for i, value in enumerate(values):
+            if i == 1:
+                raise OSError(28, "No space left on device")
+            yield value
 
     real = safetensors_out.write_file
-    monkeypatch.setattr(
-        safetensors_out,
-        "write_file",
-        lambda p, t, v, m, on_tensor=None: real(p, t, v, m, fail_on_second),
-    )
+    monkeypatch.setattr(safetensors_out, "write_file", lambda p, t, v, m: real(p, t, failing(v), m))
     with pytest.raises(OSError, match="No space"):
         jax_ucp.export(path, tmp_path / "out", force=True, dtype="float16")
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
@@ -179,3 +175,128 @@ def test_cli_export(tmp_path):
     assert r.exit_code == 1 and "already exists" in r.output
     r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "o2"), "--max-file-size", "lots"])
     assert r.exit_code == 2 and "expected a size" in r.output
+
+
+# ------------------------------------------------------------------ torch DCP
+
+
+def _optax_like_state():
+    rng = np.random.default_rng(1)
+    params = {
+        "w": rng.standard_normal((4, 6)).astype(np.float32),
+        "emb": rng.standard_normal((8, 4)).astype(ml_dtypes.bfloat16),
+    }
+    return {
+        "params": params,
+        "opt_state": {
+            "mu": {k: (v * 0.5).astype(v.dtype) for k, v in params.items()},
+            "nu": {k: (v * v).astype(v.dtype) for k, v in params.items()},
+            "count": np.asarray(3, np.int32),
+        },
+        "step": 3,
+    }
+
+
+def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
+    """Read with jax_ucp's own DCP reader (written for megatron-core's torch_dist files)."""
+    from jax_ucp.importers import megatron_dcp
+
+    state = _optax_like_state()
+    jax_ucp.save(str(tmp_path / "ck"), state)
+    out = jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
+    assert out.files == [".metadata", "__0_0.distcp"] and out.tensors == 7 and not out.skipped
+    back = megatron_dcp.open_dcp(tmp_path / "dcp")
+    flat = {
+        "params.w": state["params"]["w"],
+        "params.emb": state["params"]["emb"],
+        "opt_state.mu.w": state["opt_state"]["mu"]["w"],
+        "opt_state.nu.emb": state["opt_state"]["nu"]["emb"],
+        "opt_state.count": state["opt_state"]["count"],
+    }
+    for name, value in flat.items():
+        assert _same(back.read(name), value), name
+
+
+def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
+    from ucp_testing import REPO
+
+    from jax_ucp.importers import megatron_dcp
+
+    src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+    jax_ucp.export(ckpt, tmp_path / "dcp", to="torch-dcp", select="params")
+    original, back = megatron_dcp.open_dcp(src), megatron_dcp.open_dcp(tmp_path / "dcp")
+    assert set(back.tensors) == {n for n in original.tensors if not n.startswith("optimizer.")}
+    for name in back.tensors:
+        assert _same(back.read(name), original.read(name)), name
+
+
+def test_dcp_refuses_what_torch_cannot_hold(tmp_path):
+    jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, ml_dtypes.float8_e4m3fn)}})
+    with pytest.raises(ExportError, match="no torch storage type"):
+        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
+    assert not (tmp_path / "dcp").exists()
+
+
+def _load_dcp_worker(rank, world, port, directory, result_dir):
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    state = {
+        "params": {"w": torch.zeros(4, 6), "emb": torch.zeros(8, 4, dtype=torch.bfloat16)},
+        "opt_state": {
+            "mu": {"w": torch.zeros(4, 6), "emb": torch.zeros(8, 4, dtype=torch.bfloat16)},
+            "nu": {"w": torch.zeros(4, 6), "emb": torch.zeros(8, 4, dtype=torch.bfloat16)},
+            "count": torch.zeros((), dtype=torch.int32),
+        },
+        "step": 0,
+    }
+    dcp.load(state, checkpoint_id=directory)
+
+    def bits(v):
+        return v.view(torch.int16).numpy() if v.dtype == torch.bfloat16 else v.numpy()
+
+    out = {f"params.{k}": bits(v) for k, v in state["params"].items()}
+    for m in ("mu", "nu"):
+        out.update({f"{m}.{k}": bits(v) for k, v in state["opt_state"][m].items()})
+    out["count"] = state["opt_state"]["count"].numpy()
+    out["step"] = np.asarray(state["step"])
+    np.savez(os.path.join(result_dir, f"rank{rank}.npz"), **out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("world", [1, 2])
+def test_dcp_load_by_torch_at_world_size(tmp_path, world):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    state = _optax_like_state()
+    jax_ucp.save(str(tmp_path / "ck"), state)
+    jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(
+        _load_dcp_worker,
+        args=(world, port, str(tmp_path / "dcp"), str(tmp_path)),
+        nprocs=world,
+        join=True,
+    )
+
+    def bits(a):
+        return a.view(np.int16) if a.dtype == ml_dtypes.bfloat16 else a
+
+    for rank in range(world):
+        got = np.load(tmp_path / f"rank{rank}.npz")
+        for k, v in state["params"].items():
+            np.testing.assert_array_equal(got[f"params.{k}"], bits(v))
+        for m in ("mu", "nu"):
+            for k, v in state["opt_state"][m].items():
+                np.testing.assert_array_equal(got[f"{m}.{k}"], bits(v))
+        assert int(got["count"]) == 3 and int(got["step"]) == 3

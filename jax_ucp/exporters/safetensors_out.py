@@ -16,7 +16,7 @@ import dataclasses
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -116,7 +116,6 @@ def write_file(
     tensors: Sequence[Tensor],
     values: Iterable[np.ndarray],
     metadata: dict[str, str],
-    on_tensor: Callable[[Tensor], None] | None = None,
 ) -> None:
     """Writes one safetensors file; ``values`` yields the arrays of ``tensors`` in order."""
     with open(path, "wb") as f:
@@ -128,8 +127,6 @@ def write_file(
                     f"tensor {tensor.name!r}: read shape {array.shape}, planned {tensor.shape}"
                 )
             f.write(memoryview(array.reshape(-1).view(np.uint8)))
-            if on_tensor is not None:
-                on_tensor(tensor)
         f.flush()
         os.fsync(f.fileno())
 

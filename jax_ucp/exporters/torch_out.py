@@ -1,0 +1,344 @@
+"""Write torch files without torch: ``torch.save`` archives and torch DCP checkpoints.
+
+A ``torch.save`` file is a zip archive (members stored, not compressed): ``<name>/data.pkl`` (a
+protocol-2 pickle whose tensors are ``torch._utils._rebuild_tensor_v2`` calls on persistent
+storage references), ``<name>/data/<key>`` (each storage's raw little-endian bytes),
+``<name>/byteorder`` and ``<name>/version``. A ``torch.distributed.checkpoint`` directory
+(``FileSystemWriter``'s layout) is ``.metadata`` (a pickled ``Metadata``: every tensor's dtype,
+size and chunks, and where each chunk's bytes are) plus ``__0_0.distcp``, which holds one
+``torch.save`` archive per tensor chunk back to back.
+
+The pickles are emitted opcode by opcode from a small tree of :class:`Global` / :class:`Call` /
+:class:`New` nodes, so classes are named without being imported; what is written is what torch
+2.x itself writes for the same objects (checked against torch in the torch-marked tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+import pickle
+import struct
+import zipfile
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jax_ucp.exporters.safetensors_out import ExportError
+
+METADATA_FILE = ".metadata"
+DATA_FILE = "__0_0.distcp"
+
+#: numpy dtype -> (torch dtype name, legacy storage class) as torch.save pickles them.
+TORCH_DTYPES: dict[np.dtype, tuple[str, str]] = {
+    np.dtype(np.float64): ("float64", "DoubleStorage"),
+    np.dtype(np.float32): ("float32", "FloatStorage"),
+    np.dtype(np.float16): ("float16", "HalfStorage"),
+    np.dtype(ml_dtypes.bfloat16): ("bfloat16", "BFloat16Storage"),
+    np.dtype(np.int64): ("int64", "LongStorage"),
+    np.dtype(np.int32): ("int32", "IntStorage"),
+    np.dtype(np.int16): ("int16", "ShortStorage"),
+    np.dtype(np.int8): ("int8", "CharStorage"),
+    np.dtype(np.uint8): ("uint8", "ByteStorage"),
+    np.dtype(np.bool_): ("bool", "BoolStorage"),
+    np.dtype(np.complex64): ("complex64", "ComplexFloatStorage"),
+    np.dtype(np.complex128): ("complex128", "ComplexDoubleStorage"),
+}
+
+
+def torch_dtype(tensor: str, dtype: np.dtype) -> tuple[str, str]:
+    """(torch dtype name, storage class) of ``dtype``, or an error naming the tensor."""
+    found = TORCH_DTYPES.get(np.dtype(dtype))
+    if found is None:
+        raise ExportError(
+            f"tensor {tensor!r}: dtype {np.dtype(dtype)} has no torch storage type that "
+            f"torch.save writes; pass dtype= to convert it"
+        )
+    return found
+
+
+# --------------------------------------------------------------------------- pickle emitter
+
+
+@dataclasses.dataclass(frozen=True)
+class Global:
+    """``module.name``, named in the pickle (GLOBAL), never imported here."""
+
+    module: str
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """``fn(*args)`` when unpickled (REDUCE)."""
+
+    fn: Global
+    args: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class New:
+    """``cls.__new__(cls)`` then ``BUILD(state)``: how dataclasses pickle (NEWOBJ + BUILD)."""
+
+    cls: Global
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Pairs:
+    """A dict whose keys are nodes (unhashable here, hashable once unpickled)."""
+
+    items: tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Persistent:
+    """A persistent id (BINPERSID): torch's reference to a storage member."""
+
+    pid: tuple
+
+
+def dumps(obj: Any) -> bytes:
+    """A protocol-2 pickle of ``obj`` (plain data and the nodes above)."""
+    out = io.BytesIO()
+    out.write(pickle.PROTO + b"\x02")
+    _emit(obj, out)
+    out.write(pickle.STOP)
+    return out.getvalue()
+
+
+def _emit(obj: Any, out: io.BytesIO) -> None:
+    w = out.write
+    if obj is None:
+        w(pickle.NONE)
+    elif obj is True or obj is False:
+        w(pickle.NEWTRUE if obj else pickle.NEWFALSE)
+    elif isinstance(obj, int):
+        if -(2**31) <= obj < 2**31:
+            w(pickle.BININT + struct.pack("<i", obj))
+        else:
+            raw = obj.to_bytes((obj.bit_length() + 8) // 8, "little", signed=True)
+            w(pickle.LONG1 + bytes([len(raw)]) + raw)
+    elif isinstance(obj, float):
+        w(pickle.BINFLOAT + struct.pack(">d", obj))
+    elif isinstance(obj, str):
+        raw = obj.encode("utf-8", "surrogatepass")
+        w(pickle.BINUNICODE + struct.pack("<I", len(raw)) + raw)
+    elif isinstance(obj, tuple):
+        w(pickle.MARK)
+        for item in obj:
+            _emit(item, out)
+        w(pickle.TUPLE)
+    elif isinstance(obj, list):
+        w(pickle.EMPTY_LIST + pickle.MARK)
+        for item in obj:
+            _emit(item, out)
+        w(pickle.APPENDS)
+    elif isinstance(obj, dict):
+        w(pickle.EMPTY_DICT + pickle.MARK)
+        for key, value in obj.items():
+            _emit(key, out)
+            _emit(value, out)
+        w(pickle.SETITEMS)
+    elif isinstance(obj, Global):
+        w(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+    elif isinstance(obj, Call):
+        _emit(obj.fn, out)
+        _emit(tuple(obj.args), out)
+        w(pickle.REDUCE)
+    elif isinstance(obj, New):
+        _emit(obj.cls, out)
+        w(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
+        _emit(obj.state, out)
+        w(pickle.BUILD)
+    elif isinstance(obj, Pairs):
+        w(pickle.EMPTY_DICT + pickle.MARK)
+        for key, value in obj.items:
+            _emit(key, out)
+            _emit(value, out)
+        w(pickle.SETITEMS)
+    elif isinstance(obj, Persistent):
+        _emit(obj.pid, out)
+        w(pickle.BINPERSID)
+    else:
+        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
+
+
+def torch_size(dims: Sequence[int]) -> Call:
+    return Call(Global("torch", "Size"), (tuple(int(d) for d in dims),))
+
+
+# --------------------------------------------------------------------------- torch.save
+
+
+class _Window(io.RawIOBase):
+    """A file seen from ``start`` on: zipfile's offsets become relative to the archive's start,
+    so an archive can sit inside a larger file (as every chunk of a ``.distcp`` file does)."""
+
+    def __init__(self, f, start: int):
+        self._f, self._start = f, start
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        return self._f.write(b)
+
+    def tell(self) -> int:
+        return self._f.tell() - self._start
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0:
+            pos += self._start
+        return self._f.seek(pos, whence) - self._start
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def tensor_pickle(array_shape: Sequence[int], dtype: np.dtype, name: str) -> bytes:
+    """``data.pkl`` of a ``torch.save``'d contiguous tensor stored as storage ``"0"``."""
+    _, storage = torch_dtype(name, dtype)
+    shape = tuple(int(d) for d in array_shape)
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    numel = int(np.prod(shape, dtype=np.int64))
+    return dumps(
+        Call(
+            Global("torch._utils", "_rebuild_tensor_v2"),
+            (
+                Persistent(("storage", Global("torch", storage), "0", "cpu", numel)),
+                0,
+                shape,
+                tuple(reversed(strides)),
+                False,
+                Call(Global("collections", "OrderedDict"), ()),
+            ),
+        )
+    )
+
+
+def write_torch_save(f, obj: Any = None, array: np.ndarray | None = None, name="archive") -> int:
+    """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
+    ``array`` (contiguous, written in 64 MiB pieces), else of the plain value ``obj``. Returns
+    the archive's length in bytes."""
+    start = f.tell()
+    with zipfile.ZipFile(_Window(f, start), "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+        if array is not None:
+            z.writestr(f"{name}/data.pkl", tensor_pickle(array.shape, array.dtype, name))
+        else:
+            z.writestr(f"{name}/data.pkl", dumps(obj))
+        z.writestr(f"{name}/byteorder", "little")
+        if array is not None:
+            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+            info = zipfile.ZipInfo(f"{name}/data/0", date_time=(1980, 1, 1, 0, 0, 0))
+            with z.open(info, "w", force_zip64=flat.size >= 0xFFFFFFFF) as member:
+                for at in range(0, flat.size, 64 << 20):
+                    member.write(memoryview(flat[at : at + (64 << 20)]))
+        z.writestr(f"{name}/version", "3\n")
+    return f.tell() - start
+
+
+# --------------------------------------------------------------------------- DCP
+
+
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+def _properties(torch_name: str) -> New:
+    return New(
+        Global(_DCP, "TensorProperties"),
+        (
+            Global("torch", torch_name),
+            Call(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+            False,
+            Call(Global(_DCP, "_MEM_FORMAT_ENCODING"), (0,)),
+            False,
+        ),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DcpItem:
+    """One entry of a DCP state dict: a tensor (``shape``/``dtype``) or a Python value."""
+
+    fqn: str
+    path: tuple[str, ...]  # the nested state-dict keys (DCP's planner_data)
+    shape: tuple[int, ...] | None = None
+    dtype: np.dtype | None = None
+    value: Any = None
+
+
+def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndarray], save_id: str):
+    """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
+    order). Readable by ``torch.distributed.checkpoint.load`` at any world size."""
+    storage_data: list = []
+    metadata: dict = {}
+    tensors = iter(arrays)
+    with open(os.path.join(directory, DATA_FILE), "wb") as f:
+        for item in items:
+            offset = f.tell()
+            if item.shape is None:
+                length = write_torch_save(f, obj=item.value)
+                index = New(
+                    Global(_DCP, "MetadataIndex"), {"fqn": item.fqn, "index": None, "offset": None}
+                )
+                metadata[item.fqn] = New(Global(_DCP, "BytesStorageMetadata"), {})
+            else:
+                array = next(tensors)
+                if tuple(array.shape) != item.shape or array.dtype != item.dtype:
+                    raise ExportError(
+                        f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
+                        f"{item.shape} {item.dtype}"
+                    )
+                torch_name, _ = torch_dtype(item.fqn, item.dtype)
+                length = write_torch_save(f, array=array)
+                zeros = torch_size([0] * len(item.shape))
+                index = New(
+                    Global(_DCP, "MetadataIndex"),
+                    {"fqn": item.fqn, "index": 0, "offset": zeros},
+                )
+                chunk = New(
+                    Global(_DCP, "ChunkStorageMetadata"),
+                    {"offsets": zeros, "sizes": torch_size(item.shape)},
+                )
+                metadata[item.fqn] = New(
+                    Global(_DCP, "TensorStorageMetadata"),
+                    {
+                        "properties": _properties(torch_name),
+                        "size": torch_size(item.shape),
+                        "chunks": [chunk],
+                    },
+                )
+            info = New(
+                Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+                {"relative_path": DATA_FILE, "offset": offset, "length": length},
+            )
+            storage_data.append((index, info))
+        f.flush()
+        os.fsync(f.fileno())
+    meta = New(
+        Global(_DCP, "Metadata"),
+        {
+            "state_dict_metadata": metadata,
+            "planner_data": {item.fqn: item.path for item in items},
+            "storage_data": Pairs(tuple(storage_data)),
+            "storage_meta": New(
+                Global(_DCP, "StorageMeta"),
+                {"checkpoint_id": None, "save_id": save_id, "load_id": None, "modules": []},
+            ),
+            "version": "1.0.0",
+        },
+    )
+    with open(os.path.join(directory, METADATA_FILE), "wb") as f:
+        f.write(dumps(meta))
+        f.flush()
+        os.fsync(f.fileno())
