@@ -555,7 +555,9 @@ def diff(a: str, b: str):
 def export(
     ckpt: str,
     dst: str,
-    to: str = typer.Option("safetensors", help="output format: safetensors or torch-dcp"),
+    to: str = typer.Option(
+        "safetensors", help="output format: safetensors, torch-dcp or deepspeed-universal"
+    ),
     select: str | None = typer.Option(
         None,
         help="key-path prefix to export ('params', 'opt_state/mu', '' for all; default: params "
@@ -564,9 +566,12 @@ def export(
     spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
     dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
     max_file_size: str = typer.Option("5GB", help="data per file before sharding (e.g. 500MB)"),
+    param_groups: int = typer.Option(
+        1, help="deepspeed-universal: param groups of the loading engine's optimizer"
+    ),
     force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
 ):
-    """Export a checkpoint for PyTorch tools (Hugging Face safetensors, torch DCP)."""
+    """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal)."""
     from jax_ucp import exporters
 
     progress, task = _progress(), None
@@ -587,6 +592,7 @@ def export(
             spec=spec,
             dtype=dtype,
             max_file_bytes=_parse_size(max_file_size),
+            param_groups=param_groups,
             force=force,
             progress=on_progress,
         )

@@ -16,14 +16,14 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp.exporters import safetensors_out, torch_out
+from jax_ucp.exporters import deepspeed_out, safetensors_out, torch_out
 from jax_ucp.exporters.safetensors_out import ExportError
 from jax_ucp.handler import reader
 from jax_ucp.writer import commit, durable
 
 __all__ = ["ExportError", "Exported", "FORMATS", "export"]
 
-FORMATS = ("safetensors", "torch-dcp")
+FORMATS = ("safetensors", "torch-dcp", "deepspeed-universal")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +47,7 @@ def export(
     dtype: Any = None,
     casting: str = "same_kind",
     max_file_bytes: int = 5 * 10**9,
+    param_groups: int = 1,
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Exported:
@@ -59,8 +60,12 @@ def export(
         ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).
         dst: the directory to create.
         to: ``"safetensors"`` (``model.safetensors``, or shards plus
-            ``model.safetensors.index.json``) or ``"torch-dcp"`` (a
-            ``torch.distributed.checkpoint`` directory: ``.metadata`` + ``__0_0.distcp``).
+            ``model.safetensors.index.json``), ``"torch-dcp"`` (a
+            ``torch.distributed.checkpoint`` directory: ``.metadata`` + ``__0_0.distcp``) or
+            ``"deepspeed-universal"`` (what DeepSpeed's ``ds_to_universal`` writes: fp32 master,
+            Adam moments and step per parameter, loadable at any DP size with
+            ``"checkpoint": {"load_universal": true}``; needs the params, both moments and the
+            step count, found by their manifest roles).
         select: the key-path prefix to export: ``"params"`` (the model weights), ``"opt_state/mu"``,
             ``""`` for everything. Default: ``"params"`` for safetensors, everything (params,
             optimizer state, saved Python values) for torch-dcp. Names are the rest of the key
@@ -71,6 +76,8 @@ def export(
         dtype: write every tensor in this dtype (e.g. ``"bfloat16"``); default: as saved.
         casting: numpy casting rule for ``dtype`` (a float narrowed to an int needs "unsafe").
         max_file_bytes: safetensors: data bytes per file before the output is split.
+        param_groups: deepspeed-universal: how many param groups the loading engine's optimizer
+            has (DeepSpeed pairs them by position; hyperparameters are the engine's own).
         force: replace ``dst`` if it is an earlier export (never any other directory).
         progress: called as ``progress(name, done, total)`` after each tensor.
 
@@ -92,6 +99,8 @@ def export(
 
         spec = language.load_spec(spec)
     available = reader.available_tensors(manifest, spec)
+    if to == "deepspeed-universal":
+        return _export_universal(root, dst, manifest, available, spec, param_groups, progress)
     chosen, values, skipped = _choose(available, manifest, select, with_values=to == "torch-dcp")
     want = None if dtype is None else np.dtype(dtype)
     tensors = []
@@ -135,12 +144,7 @@ def export(
             ] + [torch_out.DcpItem(name, path, value=v) for name, path, v in values]
             torch_out.write_dcp(tmp, items, read(tensors), str(manifest.save_id))
             files = [torch_out.METADATA_FILE, torch_out.DATA_FILE]
-        durable.fsync_path(tmp)
-        if os.path.lexists(dst):  # an earlier export (checked): swapped out, then removed
-            commit.replace_committed(tmp, dst)
-        else:
-            os.rename(tmp, dst)
-            durable.fsync_path(os.path.dirname(dst))
+        _move_into_place(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -151,6 +155,98 @@ def export(
         bytes=sum(t.nbytes for t in tensors),
         skipped=skipped,
     )
+
+
+def _export_universal(root, dst, manifest, available, spec, param_groups, progress) -> Exported:
+    """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
+    by_key = {e.key: e for e in manifest.tensors}
+    params = {k: k[1:] for k, e in by_key.items() if e.role == "param" and e.sub_role is None}
+    moments: dict[tuple[str, str], tuple] = {}
+    count = None
+    for key, entry in by_key.items():
+        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
+            for pkey, rel in params.items():
+                if (
+                    len(key) > len(rel)
+                    and key[-len(rel) :] == rel
+                    and key[-len(rel) - 1] == entry.sub_role
+                ):
+                    moments[(pkey, entry.sub_role)] = key
+        elif entry.role == "opt_state" and entry.sub_role == "count":
+            count = key
+    missing = [
+        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
+    ]
+    if not params or missing or count is None:
+        raise ExportError(
+            f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
+            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
+            f"{'' if count is not None else ' and opt_state count'}"
+        )
+    ds_names = {p: ".".join(rel) for p, rel in params.items()}
+    for p in params:
+        reader.check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
+    (step,) = reader.read(root, manifest, [reader.Request(count)], available=available)
+    model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
+
+    def read(key, dtype=np.float32):
+        request = reader.Request(key, dtype=np.dtype(dtype))
+        return reader.read(root, manifest, [request], spec=spec, available=available)[0]
+
+    def states():
+        for done, (p, name) in enumerate(ds_names.items(), 1):
+            yield name, "fp32", read(p)
+            yield name, "exp_avg", read(moments[(p, "mu")])
+            yield name, "exp_avg_sq", read(moments[(p, "nu")])
+            if progress is not None:
+                progress(name, done, len(ds_names))
+
+    def weights():
+        for p, name in ds_names.items():
+            key = model.get(params[p], p)
+            yield name, read(key, available[key].dtype)
+
+    universal = [
+        deepspeed_out.UniversalParam(ds_names[p], tuple(available[p].shape)) for p in params
+    ]
+    commit.remove_stale_temporaries(dst)
+    tmp = commit.temporary_path(dst)
+    os.makedirs(tmp)
+    try:
+        files = deepspeed_out.write_universal(
+            tmp,
+            universal,
+            states(),
+            step=int(step),
+            model_weights=weights(),
+            param_groups=param_groups,
+        )
+        durable.make_tree_durable(tmp)
+        _move_into_place(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Exported(
+        path=dst,
+        files=files,
+        tensors=3 * len(universal),
+        bytes=3 * sum(4 * int(np.prod(u.shape, dtype=np.int64)) for u in universal),
+        skipped=[
+            fmt.key_to_str(k)
+            for k in by_key
+            if k not in params and k != count and k not in set(moments.values())
+        ]
+        + [fmt.key_to_str(v.key) for v in manifest.values],
+    )
+
+
+def _move_into_place(tmp: str, dst: str) -> None:
+    durable.fsync_path(tmp)
+    if os.path.lexists(dst):  # an earlier export (checked): swapped out, then removed
+        commit.replace_committed(tmp, dst)
+    else:
+        os.rename(tmp, dst)
+        durable.fsync_path(os.path.dirname(dst))
 
 
 def _write_safetensors(tmp, tensors, read, max_file_bytes, save_id) -> list[str]:
@@ -207,8 +303,9 @@ def _check_destination(root: str, dst: str, force: bool) -> None:
         raise ExportError(f"{dst}: already exists (pass force=True / --force to replace it)")
     if not _is_export(dst):
         raise ExportError(
-            f"{dst}: exists and is not an export (only *.safetensors and *.json files with "
-            "model.safetensors or its index, or .metadata and *.distcp); refusing to replace it"
+            f"{dst}: exists and is not an export (*.safetensors and *.json files with "
+            "model.safetensors or its index; .metadata and *.distcp; or latest_universal and "
+            "its tag folder); refusing to replace it"
         )
 
 
@@ -223,6 +320,9 @@ def _is_export(path: str) -> bool:
     dcp = torch_out.METADATA_FILE in names and all(
         n == torch_out.METADATA_FILE or n.endswith(".distcp") for n in names
     )
+    if "latest_universal" in names:  # deepspeed-universal: the tracker and its tag folder
+        tags = names - {"latest_universal"}
+        return len(tags) == 1 and tags.pop().endswith("_universal")
     return bool(safetensors or dcp) and all(
         os.path.isfile(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n))
         for n in names

@@ -202,49 +202,94 @@ class _Window(io.RawIOBase):
         self._f.flush()
 
 
-def tensor_pickle(array_shape: Sequence[int], dtype: np.dtype, name: str) -> bytes:
-    """``data.pkl`` of a ``torch.save``'d contiguous tensor stored as storage ``"0"``."""
-    _, storage = torch_dtype(name, dtype)
-    shape = tuple(int(d) for d in array_shape)
+@dataclasses.dataclass(frozen=True)
+class TensorSlot:
+    """Where tensor ``index`` of the ``arrays`` given to :func:`write_torch_save` goes in the
+    pickled object (a contiguous tensor on its own storage)."""
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def _rebuild(slot: TensorSlot, name: str) -> Call:
+    _, storage = torch_dtype(name, slot.dtype)
+    shape = tuple(int(d) for d in slot.shape)
     strides, acc = [], 1
     for n in reversed(shape):
         strides.append(acc)
         acc *= n
     numel = int(np.prod(shape, dtype=np.int64))
-    return dumps(
-        Call(
-            Global("torch._utils", "_rebuild_tensor_v2"),
-            (
-                Persistent(("storage", Global("torch", storage), "0", "cpu", numel)),
-                0,
-                shape,
-                tuple(reversed(strides)),
-                False,
-                Call(Global("collections", "OrderedDict"), ()),
-            ),
-        )
+    return Call(
+        Global("torch._utils", "_rebuild_tensor_v2"),
+        (
+            Persistent(("storage", Global("torch", storage), str(slot.index), "cpu", numel)),
+            0,
+            shape,
+            tuple(reversed(strides)),
+            False,
+            Call(Global("collections", "OrderedDict"), ()),
+        ),
     )
 
 
-def write_torch_save(f, obj: Any = None, array: np.ndarray | None = None, name="archive") -> int:
+def _with_tensors(obj: Any, name: str) -> Any:
+    """``obj`` with every :class:`TensorSlot` replaced by its rebuild call."""
+    if isinstance(obj, TensorSlot):
+        return _rebuild(obj, name)
+    if isinstance(obj, dict):
+        return {k: _with_tensors(v, name) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_with_tensors(v, name) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_with_tensors(v, name) for v in obj)
+    if isinstance(obj, New):
+        return New(obj.cls, _with_tensors(obj.state, name))
+    if isinstance(obj, Call):
+        return Call(obj.fn, _with_tensors(obj.args, name))
+    return obj
+
+
+def tensor_pickle(array_shape: Sequence[int], dtype: np.dtype, name: str) -> bytes:
+    """``data.pkl`` of a ``torch.save``'d contiguous tensor stored as storage ``"0"``."""
+    return dumps(_rebuild(TensorSlot(0, tuple(array_shape), np.dtype(dtype)), name))
+
+
+def write_torch_save(
+    f,
+    obj: Any = None,
+    array: np.ndarray | None = None,
+    name: str = "archive",
+    arrays: Sequence[np.ndarray] = (),
+) -> int:
     """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
-    ``array`` (contiguous, written in 64 MiB pieces), else of the plain value ``obj``. Returns
-    the archive's length in bytes."""
+    ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
+    ``arrays[i]``). Tensor bytes are written in 64 MiB pieces. Returns the archive's length."""
+    if array is not None:
+        obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
     start = f.tell()
     with zipfile.ZipFile(_Window(f, start), "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-        if array is not None:
-            z.writestr(f"{name}/data.pkl", tensor_pickle(array.shape, array.dtype, name))
-        else:
-            z.writestr(f"{name}/data.pkl", dumps(obj))
+        z.writestr(f"{name}/data.pkl", dumps(_with_tensors(obj, name)))
         z.writestr(f"{name}/byteorder", "little")
-        if array is not None:
-            flat = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-            info = zipfile.ZipInfo(f"{name}/data/0", date_time=(1980, 1, 1, 0, 0, 0))
+        for index, value in enumerate(arrays):
+            flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
+            info = zipfile.ZipInfo(f"{name}/data/{index}", date_time=(1980, 1, 1, 0, 0, 0))
             with z.open(info, "w", force_zip64=flat.size >= 0xFFFFFFFF) as member:
                 for at in range(0, flat.size, 64 << 20):
                     member.write(memoryview(flat[at : at + (64 << 20)]))
         z.writestr(f"{name}/version", "3\n")
     return f.tell() - start
+
+
+def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray] = ()) -> None:
+    """``torch.save(obj, path)`` without torch (see :func:`write_torch_save`), fsynced. The
+    archive is named after the file, as torch names it."""
+    stem = os.path.basename(path)
+    stem = stem[: -len(".pt")] if stem.endswith(".pt") else stem
+    with open(path, "wb") as f:
+        write_torch_save(f, obj, name=stem, arrays=arrays)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------- DCP
