@@ -434,3 +434,119 @@ def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_
     )
     for name in expected:  # DP=1 vs DP=2: the same math, gradients summed in another order
         np.testing.assert_allclose(after[name], expected[name], rtol=0, atol=1e-5)
+
+
+def _torch_layout(flax_params, names):
+    """The flax twin's tree back in DeepSpeed's torch names and layouts (GPT_SPEC inverted)."""
+    import re
+
+    out = {}
+    for name in names:
+        transpose = False
+        if m := re.fullmatch(r"(wte|wpe)\.weight", name):
+            path = (m[1], "embedding")
+        elif m := re.fullmatch(r"h\.(\d+)\.(ln_1|ln_2)\.weight", name):
+            path = (f"h_{m[1]}", m[2], "scale")
+        elif m := re.fullmatch(r"h\.(\d+)\.(\w+)\.weight", name):
+            path, transpose = (f"h_{m[1]}", m[2], "kernel"), True
+        elif m := re.fullmatch(r"h\.(\d+)\.(\w+)\.bias", name):
+            path = (f"h_{m[1]}", m[2], "bias")
+        elif name == "ln_f.weight":
+            path = ("ln_f", "scale")
+        elif m := re.fullmatch(r"(ln_f|lm_head)\.bias", name):
+            path = (m[1], "bias")
+        else:
+            assert name == "lm_head.weight", name
+            path, transpose = ("lm_head", "kernel"), True
+        value = flax_params
+        for part in path:
+            value = value[part]
+        value = np.asarray(value)
+        out[name] = np.ascontiguousarray(value.T if transpose else value)
+    return out
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
+    """DeepSpeed ZeRO-2 run -> convert -> one optax Adam step in JAX (flax twin) -> save ->
+    export deepspeed-universal -> DeepSpeed (DP=1) loads it: its loss on a batch equals the
+    JAX model's loss on that batch within 1e-5 relative, and its moments are JAX's."""
+    import subprocess
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from test_deepspeed_nextstep import GPT_SPEC, TinyGPT, _jnp, adam_step
+
+    pytest.importorskip("deepspeed")
+    fixture = os.path.join(DS, "z2_fp32_dp2")
+    run = json.load(open(os.path.join(fixture, "run.json")))
+    model = TinyGPT(run["vocab"], run["width"], run["layers"], run["heads"], run["seq"])
+    batch = np.load(os.path.join(fixture, "next_batch.npy"))
+    ucp = jax_ucp.convert(os.path.join(fixture, "ckpt"), str(tmp_path / "ucp"))
+    names = list(jax_ucp.restore(ucp)["params"])
+    r = jax_ucp.restore(ucp, spec=GPT_SPEC)
+    st = r["opt_state"]["0"] if "0" in r["opt_state"] else r["opt_state"][0]
+    params = _jnp(r["params"])
+    state = (
+        optax.ScaleByAdamState(
+            count=jnp.asarray(st["count"], jnp.int32), mu=_jnp(st["mu"]), nu=_jnp(st["nu"])
+        ),
+        optax.EmptyState(),
+    )
+    new = adam_step(params, state, jnp.asarray(batch), model=model, lr=run["lr"])
+    grads = jax.grad(lambda p: model.apply({"params": p}, jnp.asarray(batch)))(params)
+    _, (adam, _) = optax.adam(run["lr"], b1=0.9, b2=0.999, eps=1e-8).update(grads, state, params)
+    other = np.asarray(np.random.default_rng(5).integers(0, run["vocab"], batch.shape), np.int32)
+    jax_loss = float(model.apply({"params": new}, jnp.asarray(other)))
+    jax_ucp.save(
+        str(tmp_path / "jax_step"),
+        {
+            "params": _torch_layout(new, names),
+            "opt_state": {
+                "mu": _torch_layout(adam.mu, names),
+                "nu": _torch_layout(adam.nu, names),
+                "count": np.asarray(adam.count, np.int32),
+            },
+        },
+    )
+    jax_ucp.export(str(tmp_path / "jax_step"), tmp_path / "uni", to="deepspeed-universal")
+    np.save(tmp_path / "other.npy", other)
+    script = os.path.join(
+        os.path.dirname(DS), "..", "..", "tools", "fixtures", "ds_load_universal.py"
+    )
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            "29933",
+            script,
+            "--load",
+            str(tmp_path / "uni"),
+            "--out",
+            str(tmp_path / "run"),
+            "--batch",
+            str(tmp_path / "other.npy"),
+            "--stage",
+            "2",
+            "--dtype",
+            "fp32",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    ds_loss = float((tmp_path / "run" / "loss.txt").read_text())
+    print(f"next-step loss: JAX {jax_loss!r}, DeepSpeed {ds_loss!r}")
+    assert abs(ds_loss - jax_loss) <= 1e-5 * abs(jax_loss)
+    loaded = np.load(tmp_path / "run" / "loaded.npz")
+    for name, value in _torch_layout(new, names).items():
+        np.testing.assert_array_equal(loaded[name], value)
