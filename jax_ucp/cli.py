@@ -569,6 +569,9 @@ def export(
     param_groups: int = typer.Option(
         1, help="deepspeed-universal: param groups of the loading engine's optimizer"
     ),
+    config: str | None = typer.Option(
+        None, help="safetensors: a config.json to write beside the weights (for from_pretrained)"
+    ),
     force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
 ):
     """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal)."""
@@ -593,6 +596,7 @@ def export(
             dtype=dtype,
             max_file_bytes=_parse_size(max_file_size),
             param_groups=param_groups,
+            config=config,
             force=force,
             progress=on_progress,
         )

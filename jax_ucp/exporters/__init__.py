@@ -8,9 +8,10 @@ casting rules) and below the CLI. Torch-free: every format is written byte by by
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,7 @@ def export(
     casting: str = "same_kind",
     max_file_bytes: int = 5 * 10**9,
     param_groups: int = 1,
+    config: Mapping[str, Any] | str | os.PathLike | None = None,
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
 ) -> Exported:
@@ -76,6 +78,8 @@ def export(
         dtype: write every tensor in this dtype (e.g. ``"bfloat16"``); default: as saved.
         casting: numpy casting rule for ``dtype`` (a float narrowed to an int needs "unsafe").
         max_file_bytes: safetensors: data bytes per file before the output is split.
+        config: safetensors: a ``config.json`` to write beside the weights (a dict, or the path
+            of a JSON file), so ``transformers``' ``from_pretrained`` can load the export.
         param_groups: deepspeed-universal: how many param groups the loading engine's optimizer
             has (DeepSpeed pairs them by position; hyperparameters are the engine's own).
         force: replace ``dst`` if it is an earlier export (never any other directory).
@@ -136,6 +140,9 @@ def export(
     try:
         if to == "safetensors":
             files = _write_safetensors(tmp, tensors, read, max_file_bytes, manifest.save_id)
+            if config is not None:
+                _write_config(os.path.join(tmp, "config.json"), config)
+                files.append("config.json")
         else:
             prefix = len([p for p in select.split("/") if p])
             items = [
@@ -247,6 +254,23 @@ def _move_into_place(tmp: str, dst: str) -> None:
     else:
         os.rename(tmp, dst)
         durable.fsync_path(os.path.dirname(dst))
+
+
+def _write_config(path: str, config) -> None:
+    """``config.json``: a dict as JSON, or a JSON file's content (checked, size-bounded)."""
+    if not isinstance(config, Mapping):
+        try:
+            raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
+            config = json.loads(raw)
+        except (OSError, ValueError) as e:
+            raise ExportError(f"config {config}: not a readable JSON file ({e})") from None
+        if not isinstance(config, dict):
+            raise ExportError("config: a config.json holds a JSON object")
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _write_safetensors(tmp, tensors, read, max_file_bytes, save_id) -> list[str]:

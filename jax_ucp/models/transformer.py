@@ -57,6 +57,50 @@ class LMConfig:
         return self.hidden_size // self.num_attention_heads
 
     @classmethod
+    def from_hf_llama(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
+        """From a Hugging Face Llama-family ``config.json`` (LlamaForCausalLM and kin: RMSNorm,
+        SwiGLU, RoPE, GQA, no biases): the model the shipped ``hf_llama`` spec restores into."""
+        act = config.get("hidden_act", "silu")
+        if act != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
+            raise ValueError(
+                f"config.json: hidden_act {act!r}, attention_bias "
+                f"{config.get('attention_bias')}, mlp_bias {config.get('mlp_bias')}: only "
+                "silu without biases is a Llama-family model TransformerLM computes"
+            )
+        if config.get("rope_scaling"):
+            raise ValueError(f"config.json: rope_scaling {config['rope_scaling']} is not supported")
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        if int(config.get("head_dim") or hidden // heads) != hidden // heads:
+            raise ValueError("config.json: head_dim other than hidden_size / heads")
+        kw = dict(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            ffn_hidden_size=int(config["intermediate_size"]),
+            num_query_groups=int(config.get("num_key_value_heads") or heads),
+            normalization="RMSNorm",
+            gated=True,
+            bias=False,
+            position="rope",
+            max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
+            rotary_base=float(config.get("rope_theta") or 10000.0),
+            eps=float(config.get("rms_norm_eps") or 1e-6),
+            tied=bool(config.get("tie_word_embeddings", False)),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @property
+    def head_settings(self) -> dict[str, int]:
+        """What the q/k/v ops of the shipped specs need (``load_spec(name, **head_settings)``)."""
+        return {
+            "num_attention_heads": self.num_attention_heads,
+            "num_query_groups": self.groups,
+            "head_dim": self.head_dim,
+        }
+
+    @classmethod
     def from_settings(cls, s: Mapping[str, Any], **overrides) -> LMConfig:
         """From Megatron-LM argument names (as recorded in an import's manifest ``settings``)."""
         gated = bool(s.get("swiglu") or s.get("gated_linear_unit"))

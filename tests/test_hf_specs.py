@@ -1,0 +1,140 @@
+"""Hugging Face Llama names <-> jax_ucp.models.TransformerLM through the shipped specs
+``hf_llama`` (import/restore) and ``flax_llama_to_hf`` (export)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+import jax_ucp
+from jax_ucp.language import load_spec
+from jax_ucp.models import LMConfig, TransformerLM
+
+pytestmark = pytest.mark.timeout(300)
+
+HF_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 32,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+def _hf_names_synthetic(cfg: LMConfig) -> dict[str, np.ndarray]:
+    """HF Llama tensors of the right shapes, random values (a synthetic stand-in for a model
+    file; the torch-marked tests use one written by transformers)."""
+    rng = np.random.default_rng(0)
+    h, kv = cfg.hidden_size, cfg.groups * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (cfg.ffn_hidden_size, h),
+            p + "mlp.up_proj.weight": (cfg.ffn_hidden_size, h),
+            p + "mlp.down_proj.weight": (h, cfg.ffn_hidden_size),
+        }
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def _flax_shapes(cfg: LMConfig):
+    import jax
+    import jax.numpy as jnp
+
+    tokens = jnp.zeros((1, 4), jnp.int32)
+    abstract = jax.eval_shape(lambda: TransformerLM(cfg).init(jax.random.key(0), tokens))
+    return jax.tree.map(lambda x: x.shape, abstract["params"])
+
+
+def test_hf_names_to_flax_and_back_is_bit_exact(tmp_path):
+    """HF safetensors -> convert -> restore(spec=hf_llama): the flax tree TransformerLM expects
+    (GQA q/k/v merged, gate/up fused); saved, then export(spec=flax_llama_to_hf): the original
+    file's tensors, bit for bit."""
+    import jax
+
+    cfg = LMConfig.from_hf_llama(HF_CONFIG)
+    tensors = _hf_names_synthetic(cfg)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
+    assert jax.tree.map(np.shape, flax) == _flax_shapes(cfg)
+    jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
+    spec = load_spec("flax_llama_to_hf", **cfg.head_settings)
+    out = jax_ucp.export(str(tmp_path / "flax"), tmp_path / "out", spec=spec, config=HF_CONFIG)
+    assert out.files == ["model.safetensors", "config.json"]
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == HF_CONFIG
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].tobytes() == value.tobytes(), name
+
+
+def test_llama_config_checks():
+    assert LMConfig.from_hf_llama(HF_CONFIG).head_settings == {
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "head_dim": 8,
+    }
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        LMConfig.from_hf_llama({**HF_CONFIG, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="rope_scaling"):
+        LMConfig.from_hf_llama({**HF_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}})
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_llama_logits_through_jax_and_back(tmp_path, tied):
+    """A tiny random LlamaForCausalLM made by transformers (GQA): its safetensors -> convert ->
+    restore into TransformerLM gives transformers' logits within 1e-5; the flax tree saved and
+    exported with flax_llama_to_hf loads with from_pretrained and gives the flax logits."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    config = {**HF_CONFIG, "tie_word_embeddings": tied}
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    tokens = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 11))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    cfg = LMConfig.from_hf_llama(config)
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
+    got = np.asarray(
+        TransformerLM(cfg).apply({"params": jax.tree.map(jnp.asarray, flax)}, jnp.asarray(tokens))
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
+    jax_ucp.export(
+        str(tmp_path / "flax"),
+        tmp_path / "out",
+        spec=load_spec("flax_llama_to_hf", **cfg.head_settings),
+        config=os.path.join(tmp_path, "hf", "config.json"),
+    )
+    again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        back = again(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(back, got, rtol=0, atol=1e-5)
