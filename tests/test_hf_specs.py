@@ -138,3 +138,106 @@ def test_transformers_llama_logits_through_jax_and_back(tmp_path, tied):
     with torch.no_grad():
         back = again(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(back, got, rtol=0, atol=1e-5)
+
+
+GPT2_CONFIG = {
+    "architectures": ["GPT2LMHeadModel"],
+    "model_type": "gpt2",
+    "vocab_size": 64,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 16,
+    "layer_norm_epsilon": 1e-5,
+    "activation_function": "gelu_new",
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+}
+
+
+def _gpt2_names_synthetic(cfg: LMConfig) -> dict[str, np.ndarray]:
+    """HF GPT-2 tensors of the right shapes, random values (synthetic; Conv1D is [in, out])."""
+    rng = np.random.default_rng(2)
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    shapes = {
+        "transformer.wte.weight": (cfg.vocab_size, h),
+        "transformer.wpe.weight": (cfg.max_position_embeddings, h),
+        "transformer.ln_f.weight": (h,),
+        "transformer.ln_f.bias": (h,),
+    }
+    for i in range(cfg.num_layers):
+        p = f"transformer.h.{i}."
+        shapes |= {
+            p + "ln_1.weight": (h,),
+            p + "ln_1.bias": (h,),
+            p + "ln_2.weight": (h,),
+            p + "ln_2.bias": (h,),
+            p + "attn.c_attn.weight": (h, 3 * h),
+            p + "attn.c_attn.bias": (3 * h,),
+            p + "attn.c_proj.weight": (h, h),
+            p + "attn.c_proj.bias": (h,),
+            p + "mlp.c_fc.weight": (h, f),
+            p + "mlp.c_fc.bias": (f,),
+            p + "mlp.c_proj.weight": (f, h),
+            p + "mlp.c_proj.bias": (h,),
+        }
+    return {k: rng.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+
+
+def test_gpt2_names_to_flax_and_back_is_bit_exact(tmp_path):
+    import jax
+
+    cfg = LMConfig.from_hf_gpt2(GPT2_CONFIG)
+    tensors = _gpt2_names_synthetic(cfg)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_gpt2", **cfg.head_settings))["params"]
+    assert jax.tree.map(np.shape, flax) == _flax_shapes(cfg)
+    # c_attn [Q | K | V] became per-head [q_h, k_h, v_h]: head 1's q starts at 3 * head_dim
+    c_attn = tensors["transformer.h.0.attn.c_attn.weight"]
+    d = cfg.head_dim
+    np.testing.assert_array_equal(
+        flax["layers_0"]["attn"]["qkv"]["kernel"][:, 3 * d : 4 * d], c_attn[:, d : 2 * d]
+    )
+    jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
+    spec = load_spec("flax_gpt2_to_hf", **cfg.head_settings)
+    jax_ucp.export(str(tmp_path / "flax"), tmp_path / "out", spec=spec)
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].tobytes() == value.tobytes(), name
+
+
+@pytest.mark.torch
+def test_transformers_gpt2_logits_through_jax_and_back(tmp_path):
+    """GPT2LMHeadModel (tied output, gelu_new) made by transformers: same checks as Llama's."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CONFIG)).eval()
+    model.save_pretrained(str(tmp_path / "hf"))
+    tokens = np.random.default_rng(1).integers(0, GPT2_CONFIG["vocab_size"], (2, 11))
+    with torch.no_grad():
+        want = model(torch.from_numpy(tokens)).logits.numpy()
+    cfg = LMConfig.from_hf_gpt2(GPT2_CONFIG)
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_gpt2", **cfg.head_settings))["params"]
+    got = np.asarray(
+        TransformerLM(cfg).apply({"params": jax.tree.map(jnp.asarray, flax)}, jnp.asarray(tokens))
+    )
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
+    jax_ucp.export(
+        str(tmp_path / "flax"),
+        tmp_path / "out",
+        spec=load_spec("flax_gpt2_to_hf", **cfg.head_settings),
+        config=GPT2_CONFIG,
+    )
+    again = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        back = again(torch.from_numpy(tokens)).logits.numpy()
+    np.testing.assert_allclose(back, got, rtol=0, atol=1e-5)

@@ -46,6 +46,7 @@ class LMConfig:
     eps: float = 1e-5
     tied: bool = False
     num_experts: int | None = None  # MoE (every layer): router + SwiGLU/GELU experts
+    gelu_tanh: bool = False  # GELU's tanh approximation (GPT-2's "gelu_new") instead of erf
     moe_router_topk: int = 2
 
     @property
@@ -87,6 +88,32 @@ class LMConfig:
             rotary_base=float(config.get("rope_theta") or 10000.0),
             eps=float(config.get("rms_norm_eps") or 1e-6),
             tied=bool(config.get("tie_word_embeddings", False)),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def from_hf_gpt2(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
+        """From a Hugging Face GPT-2 ``config.json`` (GPT2LMHeadModel: learned positions,
+        LayerNorm, GELU, fused c_attn, biases, tied output): what the ``hf_gpt2`` spec targets."""
+        act = config.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
+            raise ValueError(f"config.json: activation_function {act!r} is not a GELU")
+        hidden = int(config.get("n_embd") or config["hidden_size"])
+        kw = dict(
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(config.get("n_layer") or config["num_hidden_layers"]),
+            num_attention_heads=int(config.get("n_head") or config["num_attention_heads"]),
+            ffn_hidden_size=int(config.get("n_inner") or 4 * hidden),
+            normalization="LayerNorm",
+            gated=False,
+            bias=True,
+            position="learned_absolute",
+            max_position_embeddings=int(config.get("n_positions") or 1024),
+            eps=float(config.get("layer_norm_epsilon") or 1e-5),
+            tied=bool(config.get("tie_word_embeddings", True)),
+            gelu_tanh=act != "gelu",
         )
         kw.update(overrides)
         return cls(**kw)
@@ -177,7 +204,7 @@ def _activation(cfg: LMConfig, hidden):
     if cfg.gated:
         gate, up = jnp.split(hidden, 2, axis=-1)
         return jax.nn.silu(gate) * up
-    return jax.nn.gelu(hidden, approximate=False)
+    return jax.nn.gelu(hidden, approximate=cfg.gelu_tanh)
 
 
 class MLP(nn.Module):
