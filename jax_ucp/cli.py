@@ -321,11 +321,22 @@ def convert_deepspeed(
         None,
         help="UCP-language spec file (Megatron-DeepSpeed TP/PP without universal_checkpoint_info)",
     ),
+    weights_only: bool = typer.Option(
+        False, "--weights-only", help="import the weights alone, skip the optimizer state"
+    ),
 ):
     """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
     from jax_ucp import conversion
 
-    _run_convert(conversion.convert_deepspeed, src, dst, force=force, step=step, spec=spec)
+    _run_convert(
+        conversion.convert_deepspeed,
+        src,
+        dst,
+        force=force,
+        step=step,
+        spec=spec,
+        weights_only=weights_only,
+    )
 
 
 @convert_app.command("megatron")
@@ -337,6 +348,9 @@ def convert_megatron(
     vocab_size: int | None = typer.Option(None, help="original vocab size (strips padding)"),
     force: bool = typer.Option(False, help="replace DST"),
     step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    weights_only: bool = typer.Option(
+        False, "--weights-only", help="import the weights alone, skip the optimizer state"
+    ),
 ):
     """A Megatron checkpoint (torch_dist, or legacy iter_N/mp_rank_XX)."""
     from jax_ucp import conversion
@@ -349,6 +363,7 @@ def convert_megatron(
         vocab_size=vocab_size,
         force=force,
         step=step,
+        weights_only=weights_only,
     )
 
 

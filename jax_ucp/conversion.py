@@ -28,6 +28,7 @@ def convert(
     step: int | None = None,
     progress: Progress | None = None,
     compression: str | None = None,
+    weights_only: bool = False,
     **importer_options,
 ) -> str:
     """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
@@ -35,7 +36,9 @@ def convert(
     ``format``: "deepspeed" or "megatron" (detected from the files when None). ``spec``: a
     UCP-language spec (``Spec``, shipped name or TOML path) with the import rules / settings.
     ``step`` writes ``<dest>/<step>/state`` as a CheckpointManager step. ``progress(name, done,
-    total)`` is called per parameter. Importer options (``tag=``, ``vocab_size=``) pass through.
+    total)`` is called per parameter. ``weights_only``: the model weights alone; the optimizer
+    state is skipped whatever its layout (recorded under ``source.skipped`` in the manifest).
+    Importer options (``tag=``, ``vocab_size=``) pass through.
     Everything that needs no tensor bytes is checked before anything is written, and a failure
     leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
     """
@@ -43,6 +46,8 @@ def convert(
     check_destination(source, dest)
     if step is None and os.path.exists(dest) and not force:
         raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
+    if weights_only:
+        importer_options["weights_only"] = True
     plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
     items = writer.with_progress(plan.items, plan.total_params, progress)
     if step is None:

@@ -28,8 +28,11 @@ from jax_ucp.importers.deepspeed_zero import optimizer_step
 from jax_ucp.importers.torch_pickle import TorchFileError
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+# the stage x dtype x DP grid (frozen-parameter and ZeRO-0 runs: tests/test_import_reach.py)
 REAL = sorted(
-    os.path.basename(d) for d in glob.glob(os.path.join(FIX, "z[123]_*")) if "synthetic" not in d
+    os.path.basename(d)
+    for d in glob.glob(os.path.join(FIX, "z[123]_*"))
+    if "synthetic" not in d and not d.endswith("_frozen")
 )
 SYNTH = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FIX, "*synthetic*")))
 

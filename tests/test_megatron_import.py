@@ -642,7 +642,8 @@ def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
     _patched_open(monkeypatch, rename)
     with pytest.raises(
         MegatronImportError,
-        match=r"optimizer\.distributed\.dp_group_idx_0.*only 'fully_reshardable'",
+        match=r"optimizer\.distributed\.dp_group_idx_0.*supported: 'fully_reshardable'.*"
+        r"weights_only",
     ):
         convert_megatron(FIX / "gpt_distopt_dp2", tmp_path / "out", vocab_size=VOCAB)
 

@@ -110,6 +110,8 @@ class TensorEntry:
     # chunks in index order: binds each file to its tensor, position and save. None when the
     # array has no checksums (nothing cheap to bind to).
     shard_digests: Mapping[str, str] | None = None
+    # A parameter the run did not train (requires_grad=False): no optimizer state exists for it.
+    frozen: bool = False
 
     entry_type = "tensor"
 
@@ -142,6 +144,8 @@ class TensorEntry:
             "provenance": self.provenance,
             "shard_digests": None if self.shard_digests is None else dict(self.shard_digests),
         }
+        if self.frozen:  # written only when set: manifests without frozen parameters unchanged
+            d["frozen"] = True
         return d
 
     @classmethod
@@ -187,6 +191,9 @@ class TensorEntry:
         provenance = d.get("provenance")
         if provenance is not None:
             _object(provenance, f"{w}.provenance")
+        frozen = d.get("frozen", False)
+        if not isinstance(frozen, bool):
+            _fail(f"{w}.frozen", "a JSON bool", frozen)
         return cls(
             key=key,
             key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
@@ -205,6 +212,7 @@ class TensorEntry:
             else SavedSharding.from_json(d["saved_sharding"], f"{w}.saved_sharding"),
             provenance=provenance,
             shard_digests=None if digests is None else dict(digests),
+            frozen=frozen,
         )
 
 
@@ -227,6 +235,7 @@ _TENSOR_FIELDS = _TENSOR_REQUIRED + (
     "saved_sharding",
     "provenance",
     "shard_digests",
+    "frozen",
 )
 
 

@@ -60,24 +60,34 @@ def open_deepspeed_checkpoint(
 
 
 def plan_deepspeed(
-    src: os.PathLike | str, *, tag: str | None = None, spec: Any = None
+    src: os.PathLike | str,
+    *,
+    tag: str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
 ) -> ImportPlan:
     """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder).
 
     ``tag`` picks a tag instead of ``latest``. ``spec`` (a ``Spec``, shipped name or TOML path)
     gives the import rules of a Megatron-DeepSpeed TP/PP checkpoint instead of its
-    ``universal_checkpoint_info``. Every file is found and checked before this returns.
+    ``universal_checkpoint_info``. ``weights_only``: the weights alone (fp32 masters, or the
+    module's weights of a ZeRO-0 checkpoint), the Adam moments and step skipped. Every file is
+    found and checked before this returns.
     """
     tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
+    zero0 = deepspeed_zero.zero0_model_file(tag_dir)
+    if zero0 is not None:
+        return deepspeed_zero.plan_zero0(tag_dir, zero0, weights_only=weights_only)
     if deepspeed_files.is_model_parallel(tag_dir):
         # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
         # UCP language), or by the import rules of ``spec``
         checkpoint = deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
-        return ImportPlan(
-            items=deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint),
-            source=deepspeed_megatron.source_info(checkpoint),
-            total_params=len(checkpoint.names),
-        )
+        items = deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint)
+        source = deepspeed_megatron.source_info(checkpoint)
+        if weights_only:
+            items = (item for item in items if item.role != "opt_state")
+            source["skipped"] = {"optimizer": "Adam moments and step", "reason": "weights_only"}
+        return ImportPlan(items=items, source=source, total_params=len(checkpoint.names))
     if spec is not None:
         raise ValueError(
             "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
@@ -85,8 +95,11 @@ def plan_deepspeed(
             "name mapping at restore time: jax_ucp.restore(path, spec=...)"
         )
     checkpoint = deepspeed_zero.open_zero_checkpoint(tag_dir)
+    source = deepspeed_zero.zero_source_info(checkpoint)
+    if weights_only:
+        source["skipped"] = {"optimizer": "Adam moments and step", "reason": "weights_only"}
     return ImportPlan(
-        items=deepspeed_zero.iter_zero_items(checkpoint),
-        source=deepspeed_zero.zero_source_info(checkpoint),
-        total_params=len(checkpoint.names),
+        items=deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only),
+        source=source,
+        total_params=len(checkpoint.names) + len(checkpoint.frozen),
     )

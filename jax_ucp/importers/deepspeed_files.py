@@ -132,10 +132,30 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
                 f"{latest} names tag {latest_tag!r} but {tag_dir} does not exist"
             )
         return tag_dir
+    runs = trainer_checkpoints(src)
+    if runs:
+        raise DeepSpeedImportError(
+            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
+            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+        )
     raise DeepSpeedImportError(
         f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
         f"'*zero_pp_rank_*_optim_states.pt' files)"
     )
+
+
+def trainer_checkpoints(src: str) -> list[str]:
+    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+    try:
+        names = os.listdir(src)
+    except OSError:
+        return []
+    found = [
+        n
+        for n in names
+        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
+    ]
+    return sorted(found, key=lambda n: int(n.split("-")[1]))
 
 
 def is_model_parallel(tag_dir: str) -> bool:
@@ -267,16 +287,24 @@ def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: Optim
         )
 
 
+def frozen_shapes_of(model_states: Mapping, model_file: str) -> dict[str, tuple[int, ...]]:
+    """``frozen_param_shapes``: the parameters the run did not train (requires_grad=False)."""
+    shapes = model_states.get("frozen_param_shapes") or {}
+    if not isinstance(shapes, Mapping):
+        raise DeepSpeedImportError(f"{model_file}: frozen_param_shapes is not a dict")
+    out = {}
+    for name, shape in shapes.items():
+        if not isinstance(name, str) or not isinstance(shape, (tuple, list)):
+            raise DeepSpeedImportError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
+        out[name] = tuple(int(d) for d in shape)
+    return out
+
+
 def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tuple[int, ...]]]:
-    """``param_shapes`` per param group (a single dict is one group); frozen parameters refused."""
+    """``param_shapes`` per param group (a single dict is one group)."""
     groups = require(model_states, "param_shapes", model_file)
     if isinstance(groups, Mapping):
         groups = [groups]
-    if model_states.get("frozen_param_shapes"):
-        raise DeepSpeedImportError(
-            f"{model_file}: frozen parameters "
-            f"({list(model_states['frozen_param_shapes'])[:3]}...) are not supported yet"
-        )
     return [
         {str(name): tuple(int(d) for d in shape) for name, shape in group.items()}
         for group in groups

@@ -82,6 +82,10 @@ class DeepSpeedCheckpoint:
     module: Mapping[str, np.ndarray] = field(default_factory=dict)
     shared_params: Mapping[str, str] = field(default_factory=dict)
     fragment_plan: dict[str, ParameterFragments] = field(default_factory=dict)
+    # requires_grad=False parameters: name -> shape, and where their weights are (stage 1/2:
+    # whole in the model states file; stage 3: one partition per DP rank's model states file)
+    frozen: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    frozen_files: list[str] = field(default_factory=list)
 
     @property
     def names(self) -> list[str]:
@@ -165,6 +169,21 @@ def open_zero_rank(
         shared_params=dict(model_states.get("shared_params") or {}),
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
+    checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file)
+    if checkpoint.frozen:
+        overlap = sorted(set(checkpoint.frozen) & set(checkpoint.names))
+        if overlap:
+            raise DeepSpeedImportError(
+                f"{model_file}: parameters both frozen and trained: {overlap}"
+            )
+        checkpoint.frozen_files = (
+            [model_file]
+            if optimizer.stage in (1, 2)
+            else [
+                os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+                for r in range(optimizer.world_size)
+            ]
+        )
     return checkpoint
 
 
@@ -451,8 +470,11 @@ def optimizer_step(checkpoint: DeepSpeedCheckpoint) -> int:
 # --------------------------------------------------------------------------- streaming
 
 
-def iter_zero_items(checkpoint: DeepSpeedCheckpoint) -> Iterator[writer.HostItem]:
-    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``."""
+def iter_zero_items(
+    checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False
+) -> Iterator[writer.HostItem]:
+    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``
+    (``weights_only``: params and model_params alone)."""
     vectors: dict[tuple[int, str], Any] = {}
     files = [os.path.basename(f) for f in checkpoint.optim_files]
     for name in checkpoint.names:
@@ -464,7 +486,7 @@ def iter_zero_items(checkpoint: DeepSpeedCheckpoint) -> Iterator[writer.HostItem
             "dp_ranks": [piece.dp_rank for piece in pieces],
         }
         fp32 = None
-        for state_name, tree in STATE_TREES:
+        for state_name, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
             value = gather_parameter(checkpoint, name, state_name, vectors)
             if state_name == "fp32":
                 fp32 = value
@@ -474,6 +496,13 @@ def iter_zero_items(checkpoint: DeepSpeedCheckpoint) -> Iterator[writer.HostItem
         if checkpoint.model_dtype != np.dtype(np.float32):
             yield _model_copy_item(checkpoint, name, fp32, provenance["files"])
         del fp32
+    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
+    for name, weight in frozen_weights(checkpoint):
+        item = host_item(("params", name), weight, {"files": frozen_files, "pattern": "frozen"})
+        item.frozen = True
+        yield item
+    if weights_only:
+        return
     yield host_item(
         ("opt_state", "count"),
         np.asarray(optimizer_step(checkpoint), np.int32),
@@ -503,6 +532,99 @@ def _model_copy_item(
         fp32.astype(checkpoint.model_dtype),
         {"files": files, "pattern": f"cast(fp32 -> {checkpoint.model_dtype})"},
     )
+
+
+def frozen_weights(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, weight) of every frozen parameter, as DeepSpeed's zero_to_fp32 rebuilds them:
+    stage 1/2 keep each whole; stage 3 keeps a ``ceil(numel / W)`` partition per DP rank,
+    concatenated in rank order and cut to ``numel``. In the run's precision (never trained,
+    there is no fp32 master)."""
+    fragments = []
+    for path in checkpoint.frozen_files:
+        states = (
+            checkpoint.model_states
+            if path == checkpoint.model_file
+            else deepspeed_files.load_model_states(path)
+        )
+        found = states.get("frozen_param_fragments")
+        if not isinstance(found, Mapping):
+            raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
+        fragments.append((path, found))
+    for name, shape in checkpoint.frozen.items():
+        count = numel(shape)
+        parts = []
+        for path, found in fragments:
+            part = found.get(name)
+            if not isinstance(part, np.ndarray):
+                raise DeepSpeedImportError(f"{path}: frozen parameter {name!r} has no weights")
+            parts.append(part.reshape(-1))
+        if checkpoint.stage == 3:
+            expected = math.ceil(count / checkpoint.world_size)
+            for (path, _), part in zip(fragments, parts):
+                if part.size != expected:
+                    raise DeepSpeedImportError(
+                        f"{path}: frozen parameter {name!r}: a partition of {part.size} "
+                        f"elements; {checkpoint.world_size} DP ranks of shape {shape} need "
+                        f"{expected}"
+                    )
+        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        if flat.size < count or (checkpoint.stage != 3 and flat.size != count):
+            raise DeepSpeedImportError(
+                f"{checkpoint.frozen_files[0]}: frozen parameter {name!r} shape {shape} needs "
+                f"{count} elements, the files hold {flat.size}"
+            )
+        yield name, flat[:count].reshape(shape)
+
+
+def zero0_model_file(tag_dir: str) -> str | None:
+    """The model states file of a ZeRO-0 (optimizer not partitioned) checkpoint: no ZeRO
+    optimizer files, and the optimizer state inside ``mp_rank_00_model_states.pt``."""
+    if any(deepspeed_files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+        return None
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    return path if os.path.lexists(path) else None
+
+
+def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool):
+    """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
+    states file, keyed by parameter index. Importing it is not supported; the weights are (the
+    module's, in the run's precision)."""
+    from jax_ucp.importers.plan import ImportPlan
+
+    model_states = deepspeed_files.load_model_states(model_file)
+    if not weights_only:
+        has_optimizer = model_states.get("optimizer") is not None
+        raise DeepSpeedImportError(
+            f"{model_file}: a ZeRO stage 0 checkpoint (no '*zero_pp_rank_*_optim_states.pt' "
+            f"files{'; its optimizer state is inside this file' if has_optimizer else ''}). "
+            "Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages 1, 2 "
+            "and 3 of DeepSpeed 0.19). To import the model weights: convert(..., "
+            "weights_only=True) / jax-ucp convert --weights-only"
+        )
+    module = model_states.get("module")
+    if not isinstance(module, Mapping) or not module:
+        raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
+    names = [n for n, v in module.items() if isinstance(v, np.ndarray)]
+
+    def items():
+        for name in names:
+            yield host_item(
+                ("params", name),
+                module[name],
+                {"files": [os.path.basename(model_file)], "pattern": "module"},
+            )
+
+    source = {
+        "framework": "deepspeed",
+        "path": os.path.abspath(tag_dir),
+        "zero_stage": 0,
+        "ds_version": deepspeed_files.version_string(model_states),
+        "global_steps": model_states.get("global_steps")
+        if type(model_states.get("global_steps")) is int
+        else None,
+        "skipped": {"optimizer": "ZeRO-0 optimizer state", "reason": "weights_only"},
+    }
+    return ImportPlan(items(), source, len(names))
 
 
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:

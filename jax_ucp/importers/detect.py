@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from jax_ucp.format import UCPError
-from jax_ucp.importers import deepspeed, megatron, safetensors_hf
+from jax_ucp.importers import deepspeed, deepspeed_files, megatron, safetensors_hf
 from jax_ucp.importers.plan import ImportPlan
 
 
@@ -50,6 +50,12 @@ def detect_format(src) -> str:
         return "deepspeed"
     if safetensors_hf.is_safetensors(src):
         return "safetensors"
+    runs = deepspeed_files.trainer_checkpoints(src)
+    if runs:
+        raise SourceFormatError(
+            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
+            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+        )
     raise SourceFormatError(
         f"{src}: cannot tell the checkpoint format. Expected DeepSpeed (`latest`, `global_stepN/`, "
         f"`mp_rank_XX_model_states.pt`), Megatron (`latest_checkpointed_iteration.txt`, `iter_N/`, "

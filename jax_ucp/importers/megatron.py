@@ -111,14 +111,19 @@ def is_megatron_checkpoint(src: os.PathLike | str) -> bool:
 
 
 def plan_megatron(
-    src: os.PathLike | str, *, spec: Any = None, vocab_size: int | None = None
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    vocab_size: int | None = None,
+    weights_only: bool = False,
 ) -> ImportPlan:
     """The import of a Megatron checkpoint (torch_dist or legacy; detected).
 
     ``spec``: a :class:`jax_ucp.language.Spec`, a shipped spec name or a TOML path; its settings
     (e.g. ``vocab_size``) and import rules are used. ``vocab_size`` (the tokenizer's, before
-    Megatron's padding) overrides the spec's. Every check that needs no tensor bytes runs before
-    this returns.
+    Megatron's padding) overrides the spec's. ``weights_only``: the model weights alone, the
+    optimizer state (whatever its layout) skipped and listed in the manifest's source. Every
+    check that needs no tensor bytes runs before this returns.
     """
     try:
         source_dir = detect_megatron(src)
@@ -135,9 +140,9 @@ def plan_megatron(
         settings["vocab_size"] = int(vocab_size)
     try:
         if source_dir.format == "torch_dist":
-            plan = _plan_torch_dist(source_dir, user_spec, settings)
+            plan = _plan_torch_dist(source_dir, user_spec, settings, weights_only)
         else:
-            plan = _plan_legacy(source_dir, user_spec, settings)
+            plan = _plan_legacy(source_dir, user_spec, settings, weights_only)
     except (dcp.DcpError, legacy.LegacyError) as e:
         raise MegatronImportError(str(e)) from None
     info = dict(plan.source)
@@ -295,6 +300,10 @@ def _step_from_param_groups(groups: Any, where: str) -> int:
 # ----------------------------------------------------------------------------- torch_dist
 
 _OPTIMIZER_PREFIX = "optimizer.state."
+WEIGHTS_ONLY_HINT = (
+    "To import the model weights without the optimizer state: "
+    "convert(..., weights_only=True) / jax-ucp convert --weights-only"
+)
 # megatron-core's optimizer state names, and where each goes in the output tree
 _OPTIMIZER_STATE_TREES = {
     "param": ("params",),
@@ -304,7 +313,9 @@ _OPTIMIZER_STATE_TREES = {
 }
 
 
-def _plan_torch_dist(source_dir: MegatronSource, spec: Spec | None, settings: dict) -> ImportPlan:
+def _plan_torch_dist(
+    source_dir: MegatronSource, spec: Spec | None, settings: dict, weights_only: bool = False
+) -> ImportPlan:
     """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info."""
     checkpoint, common, common_path = _open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
@@ -312,7 +323,19 @@ def _plan_torch_dist(source_dir: MegatronSource, spec: Spec | None, settings: di
             if key in _ARG_SETTINGS and settings.get(key) is None:
                 settings[key] = value
     model_names = [n for n in checkpoint.tensors if not n.startswith("optimizer.")]
-    optimizer_tensors = _optimizer_tensors(checkpoint, common)
+    skipped = None
+    if weights_only:
+        optimizer_names = [n for n in checkpoint.tensors if n.startswith("optimizer.")]
+        skipped = {
+            "optimizer": (
+                f"{len(optimizer_names)} optimizer tensors, layout "
+                f"{_sharding_type(common) or 'fully_reshardable' if optimizer_names else 'none'}"
+            ),
+            "reason": "weights_only",
+        }
+        optimizer_tensors = {}
+    else:
+        optimizer_tensors = _optimizer_tensors(checkpoint, common)
     count = None
     if optimizer_tensors:
         _check_optimizer_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)
@@ -333,6 +356,8 @@ def _plan_torch_dist(source_dir: MegatronSource, spec: Spec | None, settings: di
         "dcp_version": checkpoint.version,
         "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
     }
+    if skipped is not None:
+        info["skipped"] = skipped
     items = _torch_dist_items(reader, model_names, optimizer_tensors, count, want_model)
     return ImportPlan(items, info, len(model_names))
 
@@ -366,8 +391,9 @@ def _optimizer_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, 
         if not tensor.startswith(_OPTIMIZER_PREFIX):
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
-                f"distributed-optimizer layout ({_sharding_type(common)!r}); only "
-                f"'fully_reshardable' (model-space) state is supported"
+                f"distributed-optimizer layout ({_sharding_type(common)!r}); supported: "
+                f"'fully_reshardable' (model-space) state of megatron-core 0.14-0.16. "
+                f"{WEIGHTS_ONLY_HINT}"
             )
         state_name, _, parameter = tensor[len(_OPTIMIZER_PREFIX) :].partition(".")
         if state_name not in _OPTIMIZER_STATE_TREES:
@@ -392,7 +418,8 @@ def _check_optimizer_tensors(
     if sharding not in (None, "fully_reshardable"):
         raise MegatronImportError(
             f"{common_path}: distributed optimizer sharding type {sharding!r} is not supported "
-            f"(re-save with metadata['distrib_optim_sharding_type']='fully_reshardable')"
+            f"(supported: 'fully_reshardable' of megatron-core 0.14-0.16; re-save with "
+            f"metadata['distrib_optim_sharding_type']='fully_reshardable'). {WEIGHTS_ONLY_HINT}"
         )
     for parameter in model_names:
         have = optimizer_tensors.get(parameter, {})
@@ -569,7 +596,9 @@ class _LegacyImport:
     want_model: bool
 
 
-def _plan_legacy(source_dir: MegatronSource, spec: Spec | None, settings: dict) -> ImportPlan:
+def _plan_legacy(
+    source_dir: MegatronSource, spec: Spec | None, settings: dict, weights_only: bool = False
+) -> ImportPlan:
     """Legacy TP x PP (x EP): fragments merged per name by the spec's kinds."""
     checkpoint = legacy.open_legacy(source_dir.ckpt_dir)
     _legacy_settings(checkpoint, settings)
@@ -585,16 +614,17 @@ def _plan_legacy(source_dir: MegatronSource, spec: Spec | None, settings: dict) 
                 f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
-    if tensors.grouped and checkpoint.distrib_optim:
+    if tensors.grouped and checkpoint.distrib_optim and not weights_only:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: distrib_optim.pt with grouped-GEMM experts is not supported"
+            f"{checkpoint.iter_dir}: distrib_optim.pt with grouped-GEMM experts is not supported. "
+            f"{WEIGHTS_ONLY_HINT}"
         )
     names += list(tensors.grouped)
     for _, output_layer in tied_pairs:
         names.remove(output_layer)
     dtypes = {a.dtype for st in tensors.fragments.values() for per in st.values() for a in per}
     optimizer, count = (None, None)
-    if checkpoint.distrib_optim:
+    if checkpoint.distrib_optim and not weights_only:
         optimizer, count = _legacy_distrib_optim(checkpoint, settings, tensors.local, tied_pairs)
     _fold_tied_copies(tensors.fragments, tied_pairs, tensors.files)
     want_model = optimizer is not None and any(d != np.dtype(np.float32) for d in dtypes)
@@ -602,6 +632,11 @@ def _plan_legacy(source_dir: MegatronSource, spec: Spec | None, settings: dict) 
         checkpoint, import_spec, matches, names, tensors, tied_pairs, optimizer, count, want_model
     )
     info = _legacy_info(plan, dtypes)
+    if weights_only:
+        info["skipped"] = {
+            "optimizer": "distrib_optim.pt" if checkpoint.distrib_optim else "none",
+            "reason": "weights_only",
+        }
     return ImportPlan(_legacy_items(plan), info, len(names))
 
 

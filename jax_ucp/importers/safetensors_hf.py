@@ -196,7 +196,7 @@ class SafetensorsFile:
         ).reshape(shape)
 
 
-def plan_safetensors(src, *, spec: Any = None) -> ImportPlan:
+def plan_safetensors(src, *, spec: Any = None, weights_only: bool = False) -> ImportPlan:
     """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index)."""
     if spec is not None:
         raise SafetensorsImportError(

@@ -60,6 +60,7 @@ def tensor_entry(
     logical_axes=None,
     saved_sharding=None,
     provenance=None,
+    frozen: bool = False,
 ) -> fmt.TensorEntry:
     if logical_axes is not None and len(logical_axes) < len(layout.shape):
         # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
@@ -88,6 +89,7 @@ def tensor_entry(
         logical_axes=None if logical_axes is None else tuple(logical_axes),
         saved_sharding=saved_sharding,
         provenance=provenance,
+        frozen=frozen,
     )
 
 

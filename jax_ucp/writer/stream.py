@@ -36,6 +36,7 @@ class HostItem:
     sub_role: str | None = None
     provenance: dict | None = None
     logical_axes: tuple | None = None
+    frozen: bool = False  # a parameter the run did not train (no optimizer state)
 
 
 def with_progress(
@@ -109,6 +110,7 @@ async def write_stream(
                 sub_role=item.sub_role,
                 provenance=item.provenance,
                 logical_axes=item.logical_axes,
+                frozen=item.frozen,
             )
             await writer.add(p)  # returns once in-flight tensors are under the byte cap
             entries.append(p.entry)

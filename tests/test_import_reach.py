@@ -1,0 +1,159 @@
+"""What real users hold beyond the plain layouts: frozen parameters, ZeRO-0, weights only,
+Hugging Face Trainer output directories (fixtures written by DeepSpeed 0.19.8 itself)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import jax_ucp
+from jax_ucp.cli import app
+
+pytestmark = pytest.mark.timeout(120)
+DS = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+MEGATRON = os.path.join(os.path.dirname(__file__), "fixtures", "megatron")
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def _ref(fixture: str, name: str = "ref_zero_to_fp32.npz") -> dict[str, np.ndarray]:
+    return dict(np.load(os.path.join(DS, fixture, name)))
+
+
+@pytest.mark.parametrize("fixture", ["z2_bf16_dp2_frozen", "z3_bf16_dp2_frozen"])
+def test_frozen_parameters_import_as_zero_to_fp32_does(tmp_path, fixture):
+    """requires_grad=False parameters (a frozen embedding and a bias): their weights come in
+    under params (DeepSpeed's zero_to_fp32 gives the same bytes), marked frozen, no moments."""
+    ckpt = jax_ucp.convert(os.path.join(DS, fixture, "ckpt"), str(tmp_path / "ucp"))
+    got = jax_ucp.restore(ckpt)
+    ref = _ref(fixture)
+    assert set(got["params"]) == set(ref)
+    for name, value in ref.items():
+        assert _bits(got["params"][name]) == _bits(value), name
+    frozen = {e.key[-1] for e in jax_ucp.inspect(ckpt).tensors if e.frozen}
+    assert frozen == {"wpe.weight", "h.0.ln_1.bias"}
+    assert got["params"]["wpe.weight"].dtype == ml_dtypes.bfloat16  # never trained: no master
+    assert frozen.isdisjoint(got["opt_state"]["mu"]) and frozen.isdisjoint(got["opt_state"]["nu"])
+    assert len(got["opt_state"]["mu"]) == len(ref) - 2
+
+
+def test_frozen_flag_is_strict_in_the_manifest(tmp_path):
+    import json
+
+    ckpt = jax_ucp.convert(os.path.join(DS, "z2_bf16_dp2_frozen", "ckpt"), str(tmp_path / "ucp"))
+    path = os.path.join(ckpt, "ucp.json")
+    manifest = json.load(open(path))
+    entry = next(e for e in manifest["entries"] if e.get("frozen"))
+    entry["frozen"] = "true"
+    json.dump(manifest, open(path, "w"))
+    with pytest.raises(jax_ucp.UCPError, match=r"frozen.*JSON bool"):
+        jax_ucp.inspect(ckpt)
+
+
+def test_zero1_fp32_run_records_no_frozen_parameters(tmp_path):
+    """DeepSpeed 0.19.8 at ZeRO-1 fp32 saves no frozen_param_shapes at all (zero_to_fp32 gives
+    the trained parameters only): the import says the same, nothing invented."""
+    ckpt = jax_ucp.convert(os.path.join(DS, "z1_fp32_dp2_frozen", "ckpt"), str(tmp_path / "u"))
+    got = jax_ucp.restore(ckpt)
+    assert set(got["params"]) == set(_ref("z1_fp32_dp2_frozen"))
+    assert "wpe.weight" not in got["params"]
+
+
+def test_zero0_is_named_and_imports_weights_only(tmp_path):
+    src = os.path.join(DS, "z0_fp32_dp2", "ckpt")
+    with pytest.raises(jax_ucp.UCPError, match=r"ZeRO stage 0 checkpoint.*--weights-only"):
+        jax_ucp.convert(src, str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), weights_only=True)
+    got = jax_ucp.restore(ckpt)
+    assert sorted(got) == ["params"]
+    ref = _ref("z0_fp32_dp2", "ref_module.npz")
+    assert set(got["params"]) == set(ref)
+    for name, value in ref.items():
+        assert _bits(got["params"][name]) == _bits(value), name
+    assert jax_ucp.inspect(ckpt).source["skipped"]["reason"] == "weights_only"
+
+
+def test_weights_only_deepspeed(tmp_path):
+    src = os.path.join(DS, "z2_bf16_dp2", "ckpt")
+    full = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "full")))
+    ckpt = jax_ucp.convert(src, str(tmp_path / "weights"), weights_only=True)
+    got = jax_ucp.restore(ckpt)
+    assert sorted(got) == ["model_params", "params"]
+    for name, value in full["params"].items():
+        assert _bits(got["params"][name]) == _bits(value), name
+    assert jax_ucp.inspect(ckpt).source["skipped"] == {
+        "optimizer": "Adam moments and step",
+        "reason": "weights_only",
+    }
+
+
+def _unsupported_layout_copy(tmp_path) -> str:
+    """gpt_distopt_dp2 with its optimizer tensors renamed out of the model-space layout
+    (synthetic: stands for a layout jax_ucp cannot read, e.g. dp_reshardable)."""
+    dst = tmp_path / "megatron_unsupported_layout_synthetic"
+    shutil.copytree(os.path.join(MEGATRON, "gpt_distopt_dp2"), dst)
+    metadata = dst / ".metadata"
+    raw = metadata.read_bytes()
+    assert b"optimizer.state." in raw
+    metadata.write_bytes(raw.replace(b"optimizer.state.", b"optimizer.dpres."))
+    return str(dst)
+
+
+def test_weights_only_megatron_with_an_unsupported_optimizer_layout(tmp_path):
+    src = _unsupported_layout_copy(tmp_path)
+    with pytest.raises(jax_ucp.UCPError, match=r"supported: 'fully_reshardable'.*weights_only"):
+        jax_ucp.convert(src, str(tmp_path / "refused"))
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), weights_only=True)
+    got = jax_ucp.restore(ckpt)
+    assert sorted(got) == ["params"]
+    from jax_ucp.importers import megatron_dcp
+
+    original = megatron_dcp.open_dcp(os.path.join(MEGATRON, "gpt_distopt_dp2"))
+    model = [n for n in original.tensors if not n.startswith("optimizer.")]
+    assert sorted(got["params"]) == sorted(model)
+    for name in model:
+        assert _bits(got["params"][name]) == _bits(original.read(name)), name
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    assert skipped["reason"] == "weights_only" and "optimizer tensors" in skipped["optimizer"]
+
+
+def test_cli_weights_only(tmp_path):
+    r = CliRunner().invoke(
+        app,
+        ["convert", "deepspeed", os.path.join(DS, "z0_fp32_dp2", "ckpt"), str(tmp_path / "o")],
+    )
+    assert r.exit_code == 1 and "--weights-only" in r.output
+    r = CliRunner().invoke(
+        app,
+        [
+            "convert",
+            "deepspeed",
+            os.path.join(DS, "z0_fp32_dp2", "ckpt"),
+            str(tmp_path / "o"),
+            "--weights-only",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+
+
+def test_trainer_output_directory_lists_its_checkpoints(tmp_path):
+    out = tmp_path / "trainer_out"
+    for step in (500, 1500, 1000):
+        shutil.copytree(os.path.join(DS, "z2_fp32_dp2", "ckpt"), out / f"checkpoint-{step}")
+    (out / "runs").mkdir()
+    message = r"Trainer output directory with 3 checkpoints: checkpoint-500, checkpoint-1000, checkpoint-1500"
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(str(out), str(tmp_path / "ucp"))
+    from jax_ucp.conversion import convert_deepspeed
+
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        convert_deepspeed(str(out), str(tmp_path / "ucp"))
+    jax_ucp.convert(str(out / "checkpoint-1000"), str(tmp_path / "ucp"))  # as the error says
