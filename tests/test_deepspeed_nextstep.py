@@ -24,7 +24,12 @@ from jax_ucp.conversion import convert_deepspeed
 from jax_ucp.language import RestoreRule, Spec, optax_chain_roots
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
-FP32 = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FIX, "z[123]_fp32_dp*")))
+# the runs that recorded their next step (the grid; not the frozen-parameter runs)
+FP32 = sorted(
+    os.path.basename(d)
+    for d in glob.glob(os.path.join(FIX, "z[123]_fp32_dp*"))
+    if os.path.exists(os.path.join(d, "next_batch.npy"))
+)
 
 
 class Block(nn.Module):
