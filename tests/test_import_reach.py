@@ -157,3 +157,21 @@ def test_trainer_output_directory_lists_its_checkpoints(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=message):
         convert_deepspeed(str(out), str(tmp_path / "ucp"))
     jax_ucp.convert(str(out / "checkpoint-1000"), str(tmp_path / "ucp"))  # as the error says
+
+
+@pytest.mark.parametrize(
+    "fixture, tied", [("gpt_pp2", True), ("llama_pp2", True), ("gpt_tp2", False)]
+)
+def test_megatron_torch_dist_records_tied_embeddings(tmp_path, fixture, tied):
+    """megatron-core stores a tied output layer only as the word embedding: the manifest says
+    which (as for legacy checkpoints), so a restore spec can tie the flax head to it."""
+    ckpt = jax_ucp.convert(os.path.join(MEGATRON, fixture), str(tmp_path / "ucp"))
+    want = ["embedding.word_embeddings.weight"] if tied else []
+    assert jax_ucp.inspect(ckpt).source["tied_embeddings"] == want
+
+
+def test_deepspeed_records_shared_and_frozen_params(tmp_path):
+    ckpt = jax_ucp.convert(os.path.join(DS, "z3_bf16_dp2_frozen", "ckpt"), str(tmp_path / "u"))
+    source = jax_ucp.inspect(ckpt).source
+    assert source["frozen_params"] == ["h.0.ln_1.bias", "wpe.weight"]
+    assert source["shared_params"] == {}

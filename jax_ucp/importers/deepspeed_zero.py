@@ -166,7 +166,7 @@ def open_zero_rank(
         optim_states=optimizer.states,
         global_steps=model_states.get("global_steps"),
         module=module,
-        shared_params=dict(model_states.get("shared_params") or {}),
+        shared_params=shared_params_of(model_states, model_file),
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
     checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file)
@@ -534,6 +534,16 @@ def _model_copy_item(
     )
 
 
+def shared_params_of(model_states: Mapping, model_file: str) -> dict[str, str]:
+    """DeepSpeed's ``shared_params``: tied name (not stored) -> the stored parameter's name."""
+    shared = model_states.get("shared_params") or {}
+    if not isinstance(shared, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
+    ):
+        raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
+    return dict(shared)
+
+
 def frozen_weights(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
     """(name, weight) of every frozen parameter, as DeepSpeed's zero_to_fp32 rebuilds them:
     stage 1/2 keep each whole; stage 3 keeps a ``ceil(numel / W)`` partition per DP rank,
@@ -637,4 +647,7 @@ def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
         "model_dtype": str(checkpoint.model_dtype),
         "global_steps": checkpoint.global_steps,
         "ds_version": deepspeed_files.version_string(checkpoint.model_states),
+        # tied weights (GPT-2's lm_head = wte): stored once, under the second name
+        "shared_params": dict(checkpoint.shared_params),
+        "frozen_params": sorted(checkpoint.frozen),
     }

@@ -358,6 +358,14 @@ def _plan_torch_dist(
     }
     if skipped is not None:
         info["skipped"] = skipped
+    # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
+    untie = settings.get("untie_embeddings_and_output_weights")
+    has_output = any(n.endswith("output_layer.weight") for n in model_names)
+    info["tied_embeddings"] = (
+        [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+        if not has_output and untie is not True
+        else []
+    )
     items = _torch_dist_items(reader, model_names, optimizer_tensors, count, want_model)
     return ImportPlan(items, info, len(model_names))
 
