@@ -305,6 +305,7 @@ def test_dcp_load_by_torch_at_world_size(tmp_path, world):
 # ------------------------------------------------------------------ DeepSpeed universal
 
 DS = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
+REPO_TOOLS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools", "fixtures")
 
 
 @pytest.mark.parametrize("fixture", ["z1_bf16_dp3", "z2_fp32_dp2", "z2_bf16_dp2"])
@@ -382,48 +383,31 @@ def test_deepspeed_universal_files_equal_ds_to_universal(tmp_path, fixture):
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (param, f)
 
 
+def _deepspeed_load_universal(tmp_path, batch: str, *, port: int) -> None:
+    """tools/fixtures/ds_load_universal.py under torchrun, one process (DP=1), fp32 ZeRO-2:
+    loads tmp_path/uni, writes tmp_path/run/{loaded,stepped}.npz and loss.txt."""
+    import subprocess
+    import sys
+
+    script = os.path.join(REPO_TOOLS, "ds_load_universal.py")
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    command += ["--master_port", str(port), script, "--load", str(tmp_path / "uni")]
+    command += ["--out", str(tmp_path / "run"), "--batch", batch, "--stage", "2", "--dtype", "fp32"]
+    subprocess.run(command, env=env, check=True, capture_output=True, timeout=900)
+
+
 @pytest.mark.torch
 @pytest.mark.slow
 def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_path):
     """A DP=2 ZeRO-2 run -> convert -> export; DeepSpeed at DP=1 with load_universal loads it
     (fp32 masters bit-exact) and one step on the next batch matches the DP=2 run's next step."""
-    import subprocess
-    import sys
 
     pytest.importorskip("deepspeed")
     fixture = os.path.join(DS, "z2_fp32_dp2")
     ckpt = jax_ucp.convert(os.path.join(fixture, "ckpt"), str(tmp_path / "ucp"))
     jax_ucp.export(ckpt, tmp_path / "uni", to="deepspeed-universal")
-    script = os.path.join(
-        os.path.dirname(DS), "..", "..", "tools", "fixtures", "ds_load_universal.py"
-    )
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "1",
-            "--master_port",
-            "29931",
-            script,
-            "--load",
-            str(tmp_path / "uni"),
-            "--out",
-            str(tmp_path / "run"),
-            "--batch",
-            os.path.join(fixture, "next_batch.npy"),
-            "--stage",
-            "2",
-            "--dtype",
-            "fp32",
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
+    _deepspeed_load_universal(tmp_path, os.path.join(fixture, "next_batch.npy"), port=29931)
     saved = np.load(os.path.join(fixture, "ref_zero_to_fp32.npz"))
     loaded = np.load(tmp_path / "run" / "loaded.npz")
     for name in saved:
@@ -472,8 +456,6 @@ def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
     """DeepSpeed ZeRO-2 run -> convert -> one optax Adam step in JAX (flax twin) -> save ->
     export deepspeed-universal -> DeepSpeed (DP=1) loads it: its loss on a batch equals the
     JAX model's loss on that batch within 1e-5 relative, and its moments are JAX's."""
-    import subprocess
-    import sys
 
     import jax
     import jax.numpy as jnp
@@ -514,36 +496,7 @@ def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
     )
     jax_ucp.export(str(tmp_path / "jax_step"), tmp_path / "uni", to="deepspeed-universal")
     np.save(tmp_path / "other.npy", other)
-    script = os.path.join(
-        os.path.dirname(DS), "..", "..", "tools", "fixtures", "ds_load_universal.py"
-    )
-    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            "1",
-            "--master_port",
-            "29933",
-            script,
-            "--load",
-            str(tmp_path / "uni"),
-            "--out",
-            str(tmp_path / "run"),
-            "--batch",
-            str(tmp_path / "other.npy"),
-            "--stage",
-            "2",
-            "--dtype",
-            "fp32",
-        ],
-        env=env,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
+    _deepspeed_load_universal(tmp_path, str(tmp_path / "other.npy"), port=29933)
     ds_loss = float((tmp_path / "run" / "loss.txt").read_text())
     print(f"next-step loss: JAX {jax_loss!r}, DeepSpeed {ds_loss!r}")
     assert abs(ds_loss - jax_loss) <= 1e-5 * abs(jax_loss)

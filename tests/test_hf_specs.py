@@ -102,27 +102,22 @@ def test_llama_config_checks():
         LMConfig.from_hf_llama({**HF_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}})
 
 
-@pytest.mark.torch
-@pytest.mark.parametrize("tied", [False, True])
-def test_transformers_llama_logits_through_jax_and_back(tmp_path, tied):
-    """A tiny random LlamaForCausalLM made by transformers (GQA): its safetensors -> convert ->
-    restore into TransformerLM gives transformers' logits within 1e-5; the flax tree saved and
-    exported with flax_llama_to_hf loads with from_pretrained and gives the flax logits."""
+def _logits_through_jax_and_back(tmp_path, model_class, config, cfg, spec_in, spec_out):
+    """transformers model -> save_pretrained -> convert -> restore(spec_in) into TransformerLM:
+    transformers' logits within 1e-5; saved and exported with spec_out + config.json, then
+    from_pretrained: the flax logits within 1e-5."""
     import jax
     import jax.numpy as jnp
     import torch
-    import transformers
 
-    config = {**HF_CONFIG, "tie_word_embeddings": tied}
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    model = model_class(model_class.config_class(**config)).eval()
     model.save_pretrained(str(tmp_path / "hf"))
     tokens = np.random.default_rng(1).integers(0, config["vocab_size"], (2, 11))
     with torch.no_grad():
         want = model(torch.from_numpy(tokens)).logits.numpy()
-    cfg = LMConfig.from_hf_llama(config)
     ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
-    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
+    flax = jax_ucp.restore(ckpt, spec=load_spec(spec_in, **cfg.head_settings))["params"]
     got = np.asarray(
         TransformerLM(cfg).apply({"params": jax.tree.map(jnp.asarray, flax)}, jnp.asarray(tokens))
     )
@@ -131,13 +126,30 @@ def test_transformers_llama_logits_through_jax_and_back(tmp_path, tied):
     jax_ucp.export(
         str(tmp_path / "flax"),
         tmp_path / "out",
-        spec=load_spec("flax_llama_to_hf", **cfg.head_settings),
+        spec=load_spec(spec_out, **cfg.head_settings),
         config=os.path.join(tmp_path, "hf", "config.json"),
     )
-    again = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    again = model_class.from_pretrained(str(tmp_path / "out")).eval()
     with torch.no_grad():
         back = again(torch.from_numpy(tokens)).logits.numpy()
     np.testing.assert_allclose(back, got, rtol=0, atol=1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("tied", [False, True])
+def test_transformers_llama_logits_through_jax_and_back(tmp_path, tied):
+    """A tiny random LlamaForCausalLM made by transformers (GQA), tied and untied."""
+    import transformers
+
+    config = {**HF_CONFIG, "tie_word_embeddings": tied}
+    _logits_through_jax_and_back(
+        tmp_path,
+        transformers.LlamaForCausalLM,
+        config,
+        LMConfig.from_hf_llama(config),
+        "hf_llama",
+        "flax_llama_to_hf",
+    )
 
 
 GPT2_CONFIG = {
@@ -212,32 +224,13 @@ def test_gpt2_names_to_flax_and_back_is_bit_exact(tmp_path):
 @pytest.mark.torch
 def test_transformers_gpt2_logits_through_jax_and_back(tmp_path):
     """GPT2LMHeadModel (tied output, gelu_new) made by transformers: same checks as Llama's."""
-    import jax
-    import jax.numpy as jnp
-    import torch
     import transformers
 
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_CONFIG)).eval()
-    model.save_pretrained(str(tmp_path / "hf"))
-    tokens = np.random.default_rng(1).integers(0, GPT2_CONFIG["vocab_size"], (2, 11))
-    with torch.no_grad():
-        want = model(torch.from_numpy(tokens)).logits.numpy()
-    cfg = LMConfig.from_hf_gpt2(GPT2_CONFIG)
-    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
-    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_gpt2", **cfg.head_settings))["params"]
-    got = np.asarray(
-        TransformerLM(cfg).apply({"params": jax.tree.map(jnp.asarray, flax)}, jnp.asarray(tokens))
+    _logits_through_jax_and_back(
+        tmp_path,
+        transformers.GPT2LMHeadModel,
+        GPT2_CONFIG,
+        LMConfig.from_hf_gpt2(GPT2_CONFIG),
+        "hf_gpt2",
+        "flax_gpt2_to_hf",
     )
-    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
-    jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
-    jax_ucp.export(
-        str(tmp_path / "flax"),
-        tmp_path / "out",
-        spec=load_spec("flax_gpt2_to_hf", **cfg.head_settings),
-        config=GPT2_CONFIG,
-    )
-    again = transformers.GPT2LMHeadModel.from_pretrained(str(tmp_path / "out")).eval()
-    with torch.no_grad():
-        back = again(torch.from_numpy(tokens)).logits.numpy()
-    np.testing.assert_allclose(back, got, rtol=0, atol=1e-5)

@@ -134,27 +134,22 @@ def export(
             if progress is not None:
                 progress(tensor.name, done, len(tensors))
 
-    commit.remove_stale_temporaries(dst)
-    tmp = commit.temporary_path(dst)
-    os.makedirs(tmp)
-    try:
+    def write(tmp: str) -> list[str]:
         if to == "safetensors":
             files = _write_safetensors(tmp, tensors, read, max_file_bytes, manifest.save_id)
             if config is not None:
                 _write_config(os.path.join(tmp, "config.json"), config)
                 files.append("config.json")
-        else:
-            prefix = len([p for p in select.split("/") if p])
-            items = [
-                torch_out.DcpItem(t.name, tuple(keys[t.name][prefix:]), t.shape, t.dtype)
-                for t in tensors
-            ] + [torch_out.DcpItem(name, path, value=v) for name, path, v in values]
-            torch_out.write_dcp(tmp, items, read(tensors), str(manifest.save_id))
-            files = [torch_out.METADATA_FILE, torch_out.DATA_FILE]
-        _move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            return files
+        prefix = len([p for p in select.split("/") if p])
+        items = [
+            torch_out.DcpItem(t.name, tuple(keys[t.name][prefix:]), t.shape, t.dtype)
+            for t in tensors
+        ] + [torch_out.DcpItem(name, path, value=v) for name, path, v in values]
+        torch_out.write_dcp(tmp, items, read(tensors), str(manifest.save_id))
+        return [torch_out.METADATA_FILE, torch_out.DATA_FILE]
+
+    files = _write_atomically(dst, write)
     return Exported(
         path=dst,
         files=files,
@@ -216,23 +211,17 @@ def _export_universal(root, dst, manifest, available, spec, param_groups, progre
     universal = [
         deepspeed_out.UniversalParam(ds_names[p], tuple(available[p].shape)) for p in params
     ]
-    commit.remove_stale_temporaries(dst)
-    tmp = commit.temporary_path(dst)
-    os.makedirs(tmp)
-    try:
-        files = deepspeed_out.write_universal(
+    files = _write_atomically(
+        dst,
+        lambda tmp: deepspeed_out.write_universal(
             tmp,
             universal,
             states(),
             step=int(step),
             model_weights=weights(),
             param_groups=param_groups,
-        )
-        durable.make_tree_durable(tmp)
-        _move_into_place(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        ),
+    )
     return Exported(
         path=dst,
         files=files,
@@ -247,13 +236,25 @@ def _export_universal(root, dst, manifest, available, spec, param_groups, progre
     )
 
 
-def _move_into_place(tmp: str, dst: str) -> None:
-    durable.fsync_path(tmp)
-    if os.path.lexists(dst):  # an earlier export (checked): swapped out, then removed
-        commit.replace_committed(tmp, dst)
-    else:
-        os.rename(tmp, dst)
-        durable.fsync_path(os.path.dirname(dst))
+def _write_atomically(dst: str, write: Callable[[str], list[str]]) -> list[str]:
+    """``write(tmp)`` into a temporary sibling of ``dst``, made durable and renamed into place
+    (an earlier export there is swapped out, then removed); on any failure the temporary goes
+    and ``dst`` is as it was. Returns what ``write`` returned (the files written)."""
+    commit.remove_stale_temporaries(dst)
+    tmp = commit.temporary_path(dst)
+    os.makedirs(tmp)
+    try:
+        files = write(tmp)
+        durable.make_tree_durable(tmp)
+        if os.path.lexists(dst):
+            commit.replace_committed(tmp, dst)
+        else:
+            os.rename(tmp, dst)
+            durable.fsync_path(os.path.dirname(dst))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return files
 
 
 def _write_config(path: str, config) -> None:
