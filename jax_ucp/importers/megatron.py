@@ -326,16 +326,28 @@ def _plan_torch_dist(
     skipped = None
     if weights_only:
         optimizer_names = [n for n in checkpoint.tensors if n.startswith("optimizer.")]
+        optimizer_objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
+        layout = _sharding_type(common) or ("fully_reshardable" if optimizer_names else None)
         skipped = {
             "optimizer": (
-                f"{len(optimizer_names)} optimizer tensors, layout "
-                f"{_sharding_type(common) or 'fully_reshardable' if optimizer_names else 'none'}"
+                f"{len(optimizer_names)} optimizer tensors and {len(optimizer_objects)} "
+                f"optimizer objects (layout {layout!r})"
             ),
             "reason": "weights_only",
         }
         optimizer_tensors = {}
     else:
         optimizer_tensors = _optimizer_tensors(checkpoint, common)
+        objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
+        if not optimizer_tensors and objects:
+            # e.g. megatron-core 0.13's dp_zero_gather_scatter: the state is pickled bucket
+            # objects; importing the weights alone without saying so would lose it silently
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: the optimizer state is saved as "
+                f"{len(objects)} objects ({objects[0]!r}, ...) in layout "
+                f"{_sharding_type(common)!r}, which is not supported (supported: "
+                f"'fully_reshardable' of megatron-core 0.14-0.16). {WEIGHTS_ONLY_HINT}"
+            )
     count = None
     if optimizer_tensors:
         _check_optimizer_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)

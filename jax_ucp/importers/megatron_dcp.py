@@ -104,6 +104,11 @@ def _standins() -> dict[str, Any]:
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
         d[p + n] = torch_pickle.standin_class(p + n)
+    # megatron-core 0.13-0.15 subclass those two: MCoreSavePlan (0.13, 0.14) in the cached
+    # plans, MCoreMetadata (0.15) as the whole .metadata; read as the torch classes they extend
+    mcore = "megatron.core.dist_checkpointing.strategies.torch."
+    d[mcore + "MCoreSavePlan"] = torch_pickle.standin_class(mcore + "MCoreSavePlan")
+    d[mcore + "MCoreMetadata"] = d[m + "Metadata"]
     d[p + "WriteItemType"] = torch_pickle.int_enum_standin(p + "WriteItemType")
     d[p + "LoadItemType"] = torch_pickle.int_enum_standin(p + "LoadItemType")
     d["torch.serialization._get_layout"] = _get_layout
