@@ -503,3 +503,13 @@ def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
     loaded = np.load(tmp_path / "run" / "loaded.npz")
     for name, value in _torch_layout(new, names).items():
         np.testing.assert_array_equal(loaded[name], value)
+
+
+def test_deepspeed_universal_leaves_frozen_parameters_out(tmp_path):
+    """Frozen parameters (no moments, not in DeepSpeed's optimizer) are not under zero/; the
+    export says it skipped them."""
+    ckpt = jax_ucp.convert(os.path.join(DS, "z2_bf16_dp2_frozen", "ckpt"), str(tmp_path / "ucp"))
+    out = jax_ucp.export(ckpt, tmp_path / "uni", to="deepspeed-universal")
+    zero = tmp_path / "uni" / "global_step2_universal" / "zero"
+    assert not (zero / "wpe.weight").exists() and (zero / "wte.weight" / "fp32.pt").exists()
+    assert {"params/wpe.weight", "params/h.0.ln_1.bias"} <= set(out.skipped)

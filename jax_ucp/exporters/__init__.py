@@ -162,7 +162,13 @@ def export(
 def _export_universal(root, dst, manifest, available, spec, param_groups, progress) -> Exported:
     """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
     by_key = {e.key: e for e in manifest.tensors}
-    params = {k: k[1:] for k, e in by_key.items() if e.role == "param" and e.sub_role is None}
+    # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
+    # them out of its optimizer); they are listed as skipped
+    params = {
+        k: k[1:]
+        for k, e in by_key.items()
+        if e.role == "param" and e.sub_role is None and not e.frozen
+    }
     moments: dict[tuple[str, str], tuple] = {}
     count = None
     for key, entry in by_key.items():
