@@ -234,3 +234,25 @@ def test_transformers_gpt2_logits_through_jax_and_back(tmp_path):
         "hf_gpt2",
         "flax_gpt2_to_hf",
     )
+
+
+def test_scanned_flax_layers_export_under_hf_names(tmp_path):
+    """A scanned model (layers stacked [L, ...] under ``layers/``, as nn.scan makes them) exports
+    with the same spec: unstacked, split, transposed, bit-exact to the original HF tensors."""
+    import jax
+
+    cfg = LMConfig.from_hf_llama(HF_CONFIG)
+    tensors = _hf_names_synthetic(cfg)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
+    per_layer = [flax.pop(f"layers_{i}") for i in range(cfg.num_layers)]
+    flax["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
+    jax_ucp.save(str(tmp_path / "scanned"), {"params": flax})
+    spec = load_spec("flax_llama_to_hf", **cfg.head_settings)
+    jax_ucp.export(str(tmp_path / "scanned"), tmp_path / "out", spec=spec)
+    back = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].tobytes() == value.tobytes(), name
