@@ -232,3 +232,15 @@ def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
     assert optim.name in str(err.value)
     assert not (tmp_path / "dst").exists()
     assert zlib  # imported for the deflate helpers' clarity
+
+
+def test_expansion_bound_grows_with_the_pickle():
+    """The bound is max(4M, 2 per pickle byte): a big real file (a large model's DCP .metadata)
+    is never refused for its size, a tiny one for its expansion."""
+    from jax_ucp.importers.torch_pickle import TorchFileError as Refused
+    from jax_ucp.importers.torch_pickle import check_expansion
+
+    flat = list(range(3_000_000))
+    check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted
+    with pytest.raises(Refused, match="billion laughs"):
+        check_expansion([flat, flat], "small.pt", pickle_bytes=1_000)

@@ -75,10 +75,12 @@ class UnsafePickleError(TorchFileError):
 
 # --------------------------------------------------------------------------- bounds
 
-#: At most this many objects (shared references counted each time they are reached) and this
-#: nesting depth in one unpickled file. A real torch checkpoint expands to about as many objects
-#: as it holds; a few hundred bytes of shared sub-lists ("billion laughs") expand to 2**100, and
-#: any later walk over them (an error's repr, json.dumps, a tree flatten) would never end.
+#: At most this many objects, or two per byte of the pickle when that is more (shared
+#: references counted each time they are reached), and this nesting depth in one unpickled
+#: file. Every object of a real pickle costs at least one opcode byte, so a real file expands to
+#: about as many objects as it has bytes (a big model's DCP ``.metadata`` included); a few
+#: hundred bytes of shared sub-lists ("billion laughs") expand to 2**100, and any later walk
+#: over them (an error's repr, json.dumps, a tree flatten) would never end.
 MAX_EXPANDED_OBJECTS = 4_000_000
 MAX_DEPTH = 200
 #: Largest deflate-compressed member inflated into memory (torch itself never compresses).
@@ -140,12 +142,14 @@ def _children(x: Any) -> Iterable[Any]:
     return ()
 
 
-def check_expansion(obj: Any, where: str) -> None:
-    """Refuses an unpickled object graph that expands beyond :data:`MAX_EXPANDED_OBJECTS` or
-    nests deeper than :data:`MAX_DEPTH` when walked as a tree, or that contains a cycle.
+def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
+    """Refuses an unpickled object graph that expands beyond ``max(MAX_EXPANDED_OBJECTS, 2 *
+    pickle_bytes)`` objects or nests deeper than :data:`MAX_DEPTH` when walked as a tree, or
+    that contains a cycle.
 
     Linear in the number of distinct objects (each one's expanded size is computed once).
     """
+    limit = max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)
     size: dict[int, int] = {}
     depth: dict[int, int] = {}
     active: set[int] = set()
@@ -159,10 +163,10 @@ def check_expansion(obj: Any, where: str) -> None:
             size[i] = 1 + sum(size[id(k)] for k in kids)
             depth[i] = 1 + max((depth[id(k)] for k in kids), default=0)
             active.discard(i)
-            if size[i] > MAX_EXPANDED_OBJECTS:
+            if size[i] > limit:
                 raise TorchFileError(
                     where,
-                    f"the pickle expands to more than {MAX_EXPANDED_OBJECTS} objects when its "
+                    f"the pickle expands to more than {limit} objects when its "
                     "shared references are followed (a 'billion laughs' structure); refused",
                 )
             if depth[i] > MAX_DEPTH:
@@ -717,7 +721,7 @@ def restricted_loads(
     up = _RestrictedUnpickler(data, where, allowed, persistent_load)
     try:
         obj = up.load()
-        check_expansion(obj, where)
+        check_expansion(obj, where, len(data))
         return obj
     except TorchFileError:
         raise
