@@ -513,3 +513,18 @@ def test_deepspeed_universal_leaves_frozen_parameters_out(tmp_path):
     zero = tmp_path / "uni" / "global_step2_universal" / "zero"
     assert not (zero / "wpe.weight").exists() and (zero / "wte.weight" / "fp32.pt").exists()
     assert {"params/wpe.weight", "params/h.0.ln_1.bias"} <= set(out.skipped)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"to": "deepspeed-universal", "dtype": "bfloat16"}, "do not apply"),
+        ({"to": "deepspeed-universal", "select": "params"}, "do not apply"),
+        ({"to": "torch-dcp", "config": {"model_type": "llama"}}, "applies to safetensors"),
+    ],
+)
+def test_options_that_do_not_apply_are_refused(tmp_path, kwargs, message):
+    jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, np.float32)}})
+    with pytest.raises(ExportError, match=message):
+        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "out", **kwargs)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]

@@ -92,6 +92,14 @@ def export(
     """
     if to not in FORMATS:
         raise ExportError(f"export format {to!r} is not supported (choose from {FORMATS})")
+    if to == "deepspeed-universal" and (select is not None or dtype is not None or spec):
+        raise ExportError(
+            "deepspeed-universal writes the fp32 master, both Adam moments and the step of "
+            "every parameter, found by their manifest roles: select=, dtype= and spec= do not "
+            "apply to it"
+        )
+    if config is not None and to != "safetensors":
+        raise ExportError(f"config= (a config.json) applies to safetensors exports, not {to!r}")
     if select is None:
         select = "params" if to == "safetensors" else ""
     dst = os.path.abspath(os.fspath(dst))
@@ -104,7 +112,7 @@ def export(
         spec = language.load_spec(spec)
     available = reader.available_tensors(manifest, spec)
     if to == "deepspeed-universal":
-        return _export_universal(root, dst, manifest, available, spec, param_groups, progress)
+        return _export_universal(root, dst, manifest, available, param_groups, progress)
     chosen, values, skipped = _choose(available, manifest, select, with_values=to == "torch-dcp")
     want = None if dtype is None else np.dtype(dtype)
     tensors = []
@@ -159,7 +167,7 @@ def export(
     )
 
 
-def _export_universal(root, dst, manifest, available, spec, param_groups, progress) -> Exported:
+def _export_universal(root, dst, manifest, available, param_groups, progress) -> Exported:
     """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
     by_key = {e.key: e for e in manifest.tensors}
     # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
@@ -199,7 +207,7 @@ def _export_universal(root, dst, manifest, available, spec, param_groups, progre
 
     def read(key, dtype=np.float32):
         request = reader.Request(key, dtype=np.dtype(dtype))
-        return reader.read(root, manifest, [request], spec=spec, available=available)[0]
+        return reader.read(root, manifest, [request], available=available)[0]
 
     def states():
         for done, (p, name) in enumerate(ds_names.items(), 1):
