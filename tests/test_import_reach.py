@@ -95,31 +95,58 @@ def test_weights_only_deepspeed(tmp_path):
     }
 
 
-def test_weights_only_megatron_dp_reshardable(tmp_path):
+def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path):
     """Megatron-LM's default distributed-optimizer layout, dp_reshardable, written by
-    megatron-core 0.16.1 itself: refused with the way out; with weights_only, the model weights
-    as stored (vocab padding stripped) and the skipped state recorded."""
+    megatron-core 0.16.1 itself (GPT, TP1 PP1 DP2, fp32): the flat bucket vectors carry no
+    names; the re-derived layout gives masters equal to the model weights and Adam moments
+    equal, bit for bit, to a fully_reshardable save of the same run (same seed, same machine;
+    committed as gpt_distopt_dp_reshardable.truth.npz)."""
     from jax_ucp.importers import megatron_dcp
 
     src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", "gpt_distopt_dp_reshardable")
-    with pytest.raises(
-        jax_ucp.UCPError, match=r"'dp_reshardable'.*supported: 'fully_reshardable'.*weights_only"
-    ):
-        jax_ucp.convert(src, str(tmp_path / "refused"), vocab_size=61)
-    assert not (tmp_path / "refused").exists()
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61, weights_only=True)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
     got = jax_ucp.restore(ckpt)
-    assert sorted(got) == ["params"]
     original = megatron_dcp.open_dcp(src)
     model = [n for n in original.tensors if not n.startswith("optimizer.")]
-    assert sorted(got["params"]) == sorted(model)
+    assert sorted(got["params"]) == sorted(model) and int(got["opt_state"]["count"]) == 2
+    truth = np.load(src + ".truth.npz")
+    assert len(truth.files) == 2 * len(model)
+    for key in truth.files:
+        state, _, name = key[len("optimizer.state.") :].partition(".")
+        want = (
+            truth[key][:61]
+            if name.endswith(("word_embeddings.weight", "output_layer.weight"))
+            else truth[key]
+        )
+        tree = got["opt_state"]["mu" if state == "exp_avg" else "nu"]
+        assert _bits(tree[name]) == _bits(want), key
     for name in model:
         want = original.read(name)
-        if name.endswith(("word_embeddings.weight", "output_layer.weight")):
-            want = want[:61]
+        want = (
+            want[:61] if name.endswith(("word_embeddings.weight", "output_layer.weight")) else want
+        )
         assert _bits(got["params"][name]) == _bits(want), name
-    skipped = jax_ucp.inspect(ckpt).source["skipped"]
-    assert skipped["reason"] == "weights_only" and "'dp_reshardable'" in skipped["optimizer"]
+    assert jax_ucp.inspect(ckpt).source["optimizer"] == "dp_reshardable"
+    # and the weights alone, as for any layout
+    weights = jax_ucp.convert(src, str(tmp_path / "w"), vocab_size=61, weights_only=True)
+    assert sorted(jax_ucp.restore(weights)) == ["params"]
+
+
+def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
+    """If the derived layout does not fit (another version, another DDP config), the check
+    against the model weights refuses the import; nothing is written."""
+    from jax_ucp.importers import megatron_legacy
+
+    real = megatron_legacy.distrib_optim_layout
+    monkeypatch.setattr(
+        megatron_legacy,
+        "distrib_optim_layout",
+        lambda params, shared, size: real(list(reversed(params)), shared, size),
+    )
+    src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", "gpt_distopt_dp_reshardable")
+    with pytest.raises(jax_ucp.UCPError, match=r"does not equal the model weight|lay out to"):
+        jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
+    assert not (tmp_path / "ucp").exists()
 
 
 def test_cli_weights_only(tmp_path):

@@ -324,6 +324,7 @@ def _plan_torch_dist(
                 settings[key] = value
     model_names = [n for n in checkpoint.tensors if not n.startswith("optimizer.")]
     skipped = None
+    buckets = None
     if weights_only:
         optimizer_names = [n for n in checkpoint.tensors if n.startswith("optimizer.")]
         optimizer_objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
@@ -336,6 +337,9 @@ def _plan_torch_dist(
             "reason": "weights_only",
         }
         optimizer_tensors = {}
+    elif _sharding_type(common) == "dp_reshardable":
+        buckets = _BucketStates(checkpoint, model_names, settings)
+        optimizer_tensors = {}
     else:
         optimizer_tensors = _optimizer_tensors(checkpoint, common)
         objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
@@ -346,21 +350,24 @@ def _plan_torch_dist(
                 f"{checkpoint.path / '.metadata'}: the optimizer state is saved as "
                 f"{len(objects)} objects ({objects[0]!r}, ...) in layout "
                 f"{_sharding_type(common)!r}, which is not supported (supported: "
-                f"'fully_reshardable' of megatron-core 0.14-0.16). {WEIGHTS_ONLY_HINT}"
+                f"'fully_reshardable' of megatron-core 0.14-0.16, 'dp_reshardable' with one bucket). {WEIGHTS_ONLY_HINT}"
             )
     count = None
     if optimizer_tensors:
         _check_optimizer_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)
         optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
         count = _step_from_param_groups(_param_groups(optimizer_state), str(common_path))
+    elif buckets is not None:
+        count = buckets.step()
     reader = _TorchDistReader(checkpoint, _import_spec(spec, settings))
     model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
-    want_model = bool(optimizer_tensors) and any(d != np.dtype(np.float32) for d in model_dtypes)
+    has_optimizer = bool(optimizer_tensors) or buckets is not None
+    want_model = has_optimizer and any(d != np.dtype(np.float32) for d in model_dtypes)
     iteration = common.get("iteration") if isinstance(common, dict) else None
     info = {
         "format": "torch_dist",
         "tensors": len(model_names),
-        "optimizer": bool(optimizer_tensors),
+        "optimizer": "dp_reshardable" if buckets is not None else bool(optimizer_tensors),
         "iteration": iteration if type(iteration) is int else None,
         "skipped_objects": sorted(checkpoint.objects),
         "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
@@ -378,7 +385,10 @@ def _plan_torch_dist(
         if not has_output and untie is not True
         else []
     )
-    items = _torch_dist_items(reader, model_names, optimizer_tensors, count, want_model)
+    if buckets is not None:
+        items = _bucket_items(reader, buckets, model_names, count, want_model)
+    else:
+        items = _torch_dist_items(reader, model_names, optimizer_tensors, count, want_model)
     return ImportPlan(items, info, len(model_names))
 
 
@@ -412,7 +422,8 @@ def _optimizer_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, 
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
                 f"distributed-optimizer layout ({_sharding_type(common)!r}); supported: "
-                f"'fully_reshardable' (model-space) state of megatron-core 0.14-0.16. "
+                f"'fully_reshardable' (model-space) state of megatron-core 0.14-0.16 and "
+                f"'dp_reshardable' with one bucket. "
                 f"{WEIGHTS_ONLY_HINT}"
             )
         state_name, _, parameter = tensor[len(_OPTIMIZER_PREFIX) :].partition(".")
@@ -438,7 +449,7 @@ def _check_optimizer_tensors(
     if sharding not in (None, "fully_reshardable"):
         raise MegatronImportError(
             f"{common_path}: distributed optimizer sharding type {sharding!r} is not supported "
-            f"(supported: 'fully_reshardable' of megatron-core 0.14-0.16; re-save with "
+            f"(supported: 'fully_reshardable' of megatron-core 0.14-0.16, 'dp_reshardable' with one bucket; re-save with "
             f"metadata['distrib_optim_sharding_type']='fully_reshardable'). {WEIGHTS_ONLY_HINT}"
         )
     for parameter in model_names:
@@ -523,6 +534,166 @@ class _TorchDistReader:
             )
         value = self.checkpoint.read(tensor, rows=kind.vocab_size)
         return value, f"vocab(strip {rows} -> {kind.vocab_size})"
+
+
+class _BucketStates:
+    """megatron-core's ``dp_reshardable`` distributed-optimizer state (Megatron-LM's default):
+    per grad buffer and bucket, flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over
+    the bucket's parameters, without names. Their places are re-derived exactly as for a legacy
+    ``distrib_optim.pt`` (``megatron_legacy.distrib_optim_layout``: module order, reversed, starts
+    padded to 64), checked against the bucket size megatron-core recorded, and every master
+    weight is checked against the model weight it must equal (fp32) or round to (bf16)."""
+
+    STATES = ("param", "exp_avg", "exp_avg_sq")
+
+    def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
+        self.checkpoint = checkpoint
+        where = checkpoint.path / ".metadata"
+        groups: dict[str, dict[str, str]] = {}
+        for name in checkpoint.tensors:
+            if name.startswith("optimizer.distributed."):
+                prefix, _, state = name.rpartition(".")
+                groups.setdefault(prefix, {})[state] = name
+        if len(groups) != 1 or set(next(iter(groups.values()))) != set(self.STATES):
+            raise MegatronImportError(
+                f"{where}: dp_reshardable optimizer state in {len(groups)} buffers/buckets "
+                f"({sorted(groups)[:3]}); only one grad buffer with one bucket (no TP/PP, no "
+                f"overlap_grad_reduce buckets, one dtype) is supported. {WEIGHTS_ONLY_HINT}"
+            )
+        ((self.prefix, self.tensors),) = groups.items()
+        flat = checkpoint.tensors[self.tensors["param"]]
+        if len(flat.shape) != 1:
+            raise MegatronImportError(
+                f"{where}: dp_reshardable bucket {self.prefix!r} has shape {list(flat.shape)}, "
+                f"expected a flat vector. {WEIGHTS_ONLY_HINT}"
+            )
+        stacked = [n for n in model_names if n.startswith("decoder.layers.")]
+        first = model_names.index(stacked[0]) if stacked else len(model_names)
+        if model_names[first : first + len(stacked)] != stacked:
+            raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
+        layers = {checkpoint.tensors[n].shape[0] for n in stacked}
+        if len(layers) > 1:
+            raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
+        self.layers = layers.pop() if layers else 0
+        params = [(n, _numel(checkpoint.tensors[n].shape)) for n in model_names[:first]]
+        params += [
+            (f"{n}#{i}", _numel(checkpoint.tensors[n].shape[1:]))
+            for i in range(self.layers)
+            for n in stacked
+        ]
+        params += [
+            (n, _numel(checkpoint.tensors[n].shape)) for n in model_names[first + len(stacked) :]
+        ]
+        self.layout, total = legacy.distrib_optim_layout(params, set(), None)
+        recorded = self._recorded_numel()
+        if total > flat.shape[0] or (recorded is not None and recorded != total):
+            raise MegatronImportError(
+                f"{where}: the bucket {self.prefix!r} holds {flat.shape[0]} elements "
+                f"(megatron-core recorded {recorded} unpadded), but the {len(params)} parameters "
+                f"lay out to {total} (megatron-core 0.16 grad-buffer layout); another version or "
+                f"DDP bucket setting? {WEIGHTS_ONLY_HINT}"
+            )
+
+    def _object(self, what: str) -> Any:
+        names = [
+            n
+            for n in self.checkpoint.objects
+            if n.startswith(f"{self.prefix.split('.gbuf_idx_')[0]}.{what}/")
+        ]
+        if not names:
+            return None
+        return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
+
+    def _recorded_numel(self) -> int | None:
+        """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
+        value = self._object("per_bucket_numel_unpadded")
+        try:
+            ((per_dtype,),) = value
+            ((numels),) = per_dtype.values()
+            (numel,) = numels
+            return int(numel)
+        except (TypeError, ValueError):
+            return None
+
+    def step(self) -> int:
+        state = self._object("optimizer")
+        groups = state[0].get("param_groups") if isinstance(state, list) and state else None
+        where = f"{self.checkpoint.path / '.metadata'} ({self.prefix}.optimizer)"
+        return _step_from_param_groups(groups, where)
+
+    def read(self, state: str, name: str) -> np.ndarray:
+        """One optimizer state of model tensor ``name``, in its (stacked) global shape."""
+        tensor = self.tensors[state]
+        shape = self.checkpoint.tensors[name].shape
+        if not name.startswith("decoder.layers."):
+            start, end = self.layout[name]
+            return self.checkpoint.read_range(tensor, start, end).reshape(shape)
+        parts = []
+        for i in range(self.layers):
+            start, end = self.layout[f"{name}#{i}"]
+            parts.append(self.checkpoint.read_range(tensor, start, end).reshape(shape[1:]))
+        return np.stack(parts)
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _bucket_items(
+    reader: _TorchDistReader,
+    buckets: _BucketStates,
+    model_names: list[str],
+    count: int,
+    want_model: bool,
+) -> Iterator[writer.HostItem]:
+    """dp_reshardable: per parameter its master weight (checked against the model weight) and
+    moments from the flat buckets, vocab padding stripped like the weights; then the step."""
+    checkpoint = reader.checkpoint
+    files = sorted({f for n in buckets.tensors.values() for f in checkpoint.tensors[n].files})
+    for name in model_names:
+        weight, pattern = reader.read(name, name)
+        rows = (
+            weight.shape[0]
+            if weight.ndim and weight.shape != checkpoint.tensors[name].shape
+            else None
+        )
+        provenance = {
+            "format": "torch_dist",
+            "files": files,
+            "pattern": f"dp_reshardable bucket {buckets.prefix}",
+        }
+        for state, tree in zip(
+            _BucketStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
+        ):
+            value = buckets.read(state, name)
+            if rows is not None:
+                value = value[:rows]
+            if state == "param" and not np.array_equal(
+                value.astype(weight.dtype).view(np.uint8),
+                np.ascontiguousarray(weight).view(np.uint8),
+            ):
+                raise MegatronImportError(
+                    f"tensor {name!r}: the fp32 master found in the dp_reshardable bucket "
+                    f"{buckets.prefix!r} does not {'equal' if weight.dtype == np.float32 else 'round to'} "
+                    f"the model weight: the grad-buffer layout jax_ucp derived does not match this "
+                    f"checkpoint (another megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
+                )
+            yield host_item((*tree, name), value, provenance)
+        if want_model:
+            yield host_item(
+                ("model_params", name),
+                weight,
+                {
+                    "format": "torch_dist",
+                    "files": checkpoint.tensors[name].files,
+                    "pattern": pattern,
+                },
+            )
+    yield host_item(
+        ("opt_state", "count"),
+        np.asarray(count, np.int32),
+        {"files": files, "pattern": "param_groups.step"},
+    )
 
 
 def _torch_dist_items(

@@ -232,6 +232,21 @@ class DcpCheckpoint:
             )
         return arr
 
+    def read_range(self, name: str, start: int, end: int) -> np.ndarray:
+        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap
+        them only (memory: the range, not the tensor)."""
+        t = self.tensors[name]
+        if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
+            raise DcpError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
+        check_coverage(t, self.path / ".metadata")
+        parts = []
+        for c in sorted(t.chunks, key=lambda c: c.offsets[0]):
+            low, high = max(start, c.offsets[0]), min(end, c.offsets[0] + c.sizes[0])
+            if low < high:
+                arr = self.read_chunk(t, c)
+                parts.append(arr[low - c.offsets[0] : high - c.offsets[0]])
+        return np.concatenate(parts) if len(parts) != 1 else parts[0]
+
     def read_object(self, name: str, extra_classes=None) -> Any:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
