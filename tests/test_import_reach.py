@@ -95,41 +95,74 @@ def test_weights_only_deepspeed(tmp_path):
     }
 
 
-def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path):
+DP_RESHARDABLE = {
+    # name: (TP, PP, DP, buckets per rank, model dtype)
+    "gpt_distopt_dp_reshardable": (1, 1, 2, 1, "float32"),
+    "llama_distopt_bf16_tp2dp2_buckets": (2, 1, 2, 3, "bfloat16"),
+    "gpt_distopt_tp2pp2_dp_reshardable": (2, 2, 1, 2, "float32"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DP_RESHARDABLE))
+def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name):
     """Megatron-LM's default distributed-optimizer layout, dp_reshardable, written by
-    megatron-core 0.16.1 itself (GPT, TP1 PP1 DP2, fp32): the flat bucket vectors carry no
-    names; the re-derived layout gives masters equal to the model weights and Adam moments
-    equal, bit for bit, to a fully_reshardable save of the same run (same seed, same machine;
-    committed as gpt_distopt_dp_reshardable.truth.npz)."""
+    megatron-core 0.16.1 itself: GPT TP1 DP2 fp32 (one bucket); Llama (GQA, SwiGLU) TP2 DP2
+    bf16 with 3000-element --overlap-grad-reduce buckets (three per rank); GPT TP2 PP2 DP1 with
+    pipeline-tied embeddings (their own buckets). The flat bucket vectors carry no names; the
+    re-derived layout gives masters and Adam moments equal, bit for bit, to the same run's
+    optimizer state as megatron-core's own model sharding places it (``<name>.truth.npz``, read
+    by torch DCP; for the first fixture a fully_reshardable save of the same run)."""
     from jax_ucp.importers import megatron_dcp
 
-    src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", "gpt_distopt_dp_reshardable")
+    tp, pp, dp, buckets, dtype = DP_RESHARDABLE[name]
+    src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", name)
+    original = megatron_dcp.open_dcp(src)
+    optimizer = [n for n in original.tensors if n.startswith("optimizer.")]
+    assert len(optimizer) == 3 * tp * pp * buckets  # what the fixture is meant to cover
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
     got = jax_ucp.restore(ckpt)
-    original = megatron_dcp.open_dcp(src)
     model = [n for n in original.tensors if not n.startswith("optimizer.")]
     assert sorted(got["params"]) == sorted(model) and int(got["opt_state"]["count"]) == 2
     truth = np.load(src + ".truth.npz")
-    assert len(truth.files) == 2 * len(model)
+    assert len(truth.files) in (2 * len(model), 3 * len(model))
+    trees = {"exp_avg": got["opt_state"]["mu"], "exp_avg_sq": got["opt_state"]["nu"]}
     for key in truth.files:
-        state, _, name = key[len("optimizer.state.") :].partition(".")
-        want = (
-            truth[key][:61]
-            if name.endswith(("word_embeddings.weight", "output_layer.weight"))
-            else truth[key]
-        )
-        tree = got["opt_state"]["mu" if state == "exp_avg" else "nu"]
-        assert _bits(tree[name]) == _bits(want), key
-    for name in model:
-        want = original.read(name)
-        want = (
-            want[:61] if name.endswith(("word_embeddings.weight", "output_layer.weight")) else want
-        )
-        assert _bits(got["params"][name]) == _bits(want), name
-    assert jax_ucp.inspect(ckpt).source["optimizer"] == "dp_reshardable"
+        state, _, tensor = key[len("optimizer.state.") :].partition(".")
+        want = truth[key]
+        if tensor.endswith(("word_embeddings.weight", "output_layer.weight")):
+            want = want[:61]
+        have = trees.get(state, got["params"])[tensor]
+        assert _bits(have) == _bits(want), key
+    for tensor in model:
+        want = original.read(tensor)
+        if tensor.endswith(("word_embeddings.weight", "output_layer.weight")):
+            want = want[:61]
+        where = got["model_params"] if dtype == "bfloat16" else got["params"]
+        assert _bits(where[tensor]) == _bits(want), tensor
+    source = jax_ucp.inspect(ckpt).source
+    assert source["optimizer"] == "dp_reshardable"
     # and the weights alone, as for any layout
     weights = jax_ucp.convert(src, str(tmp_path / "w"), vocab_size=61, weights_only=True)
-    assert sorted(jax_ucp.restore(weights)) == ["params"]
+    assert "opt_state" not in jax_ucp.restore(weights)
+
+
+def test_megatron_dp_reshardable_bucket_sizes_are_checked(tmp_path, monkeypatch):
+    """A parameter list that does not fill the recorded buckets exactly (here: one layer's
+    tensors dropped, as a wrong TP/PP guess would) is refused, naming the bucket and sizes."""
+    from jax_ucp.importers import megatron_legacy
+
+    real = megatron_legacy.bucket_layout
+    monkeypatch.setattr(
+        megatron_legacy,
+        "bucket_layout",
+        lambda params, shared, numels, where: real(params[1:], shared, numels, where),
+    )
+    src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", "llama_distopt_bf16_tp2dp2_buckets")
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"bucket \d+ would end .* recorded|fill \d+ buckets"
+    ):
+        jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
+    assert not (tmp_path / "ucp").exists()
 
 
 def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
@@ -137,14 +170,16 @@ def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkey
     against the model weights refuses the import; nothing is written."""
     from jax_ucp.importers import megatron_legacy
 
-    real = megatron_legacy.distrib_optim_layout
+    real = megatron_legacy.bucket_layout
     monkeypatch.setattr(
         megatron_legacy,
-        "distrib_optim_layout",
-        lambda params, shared, size: real(list(reversed(params)), shared, size),
+        "bucket_layout",
+        lambda params, shared, numels, where: real(list(reversed(params)), shared, numels, where),
     )
     src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", "gpt_distopt_dp_reshardable")
-    with pytest.raises(jax_ucp.UCPError, match=r"does not equal the model weight|lay out to"):
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"does not equal the model weight|would end .* recorded"
+    ):
         jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=61)
     assert not (tmp_path / "ucp").exists()
 

@@ -56,8 +56,8 @@ def converted(tmp_path_factory):
 
 def test_fixtures_are_small_and_labelled():
     total = sum(f.stat().st_size for f in FIX.rglob("*") if f.is_file())
-    # 4.5 MiB for megatron-core 0.16's fixtures, + 2.5 MiB for other releases and layouts
-    assert total <= 7 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
+    # 4.5 MiB for megatron-core 0.16's fixtures, + 5 MiB for other releases and layouts
+    assert total <= 10 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
     info = fixture_info()
     for name in LEGACY:
         assert "synthetic" in name and name in info

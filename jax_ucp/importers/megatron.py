@@ -300,6 +300,11 @@ def _step_from_param_groups(groups: Any, where: str) -> int:
 # ----------------------------------------------------------------------------- torch_dist
 
 _OPTIMIZER_PREFIX = "optimizer.state."
+SUPPORTED_LAYOUTS = (
+    "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.16, Megatron-LM's "
+    "default; dense parameters of one dtype), 'fully_reshardable' (0.15-0.16), "
+    "'fully_sharded_model_space' (0.13-0.14, Megatron-LM's default there)"
+)
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
     "convert(..., weights_only=True) / jax-ucp convert --weights-only"
@@ -349,8 +354,8 @@ def _plan_torch_dist(
             raise MegatronImportError(
                 f"{checkpoint.path / '.metadata'}: the optimizer state is saved as "
                 f"{len(objects)} objects ({objects[0]!r}, ...) in layout "
-                f"{_sharding_type(common)!r}, which is not supported (supported: "
-                f"'fully_reshardable' of megatron-core 0.14-0.16, 'dp_reshardable' with one bucket). {WEIGHTS_ONLY_HINT}"
+                f"{_sharding_type(common)!r}, which is not supported ({SUPPORTED_LAYOUTS}). "
+                f"{WEIGHTS_ONLY_HINT}"
             )
     count = None
     if optimizer_tensors:
@@ -421,10 +426,8 @@ def _optimizer_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, 
         if not tensor.startswith(_OPTIMIZER_PREFIX):
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
-                f"distributed-optimizer layout ({_sharding_type(common)!r}); supported: "
-                f"'fully_reshardable' (model-space) state of megatron-core 0.14-0.16 and "
-                f"'dp_reshardable' with one bucket. "
-                f"{WEIGHTS_ONLY_HINT}"
+                f"distributed-optimizer layout ({_sharding_type(common)!r}); "
+                f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
         state_name, _, parameter = tensor[len(_OPTIMIZER_PREFIX) :].partition(".")
         if state_name not in _OPTIMIZER_STATE_TREES:
@@ -446,11 +449,10 @@ def _check_optimizer_tensors(
     """One master weight and both moments per parameter, shaped like it, none for an unknown one."""
     metadata = checkpoint.path / ".metadata"
     sharding = _sharding_type(common)
-    if sharding not in (None, "fully_reshardable"):
+    if sharding not in (None, "fully_reshardable", "fully_sharded_model_space"):
         raise MegatronImportError(
             f"{common_path}: distributed optimizer sharding type {sharding!r} is not supported "
-            f"(supported: 'fully_reshardable' of megatron-core 0.14-0.16, 'dp_reshardable' with one bucket; re-save with "
-            f"metadata['distrib_optim_sharding_type']='fully_reshardable'). {WEIGHTS_ONLY_HINT}"
+            f"({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
         )
     for parameter in model_names:
         have = optimizer_tensors.get(parameter, {})
@@ -472,13 +474,18 @@ def _check_optimizer_tensors(
                 f"optimizer state {sorted(have.values())} refers to model tensor {parameter!r} "
                 f"that is not in {metadata}"
             )
-        shape = checkpoint.tensors[parameter].shape
+        model = checkpoint.tensors[parameter]
+        chunk_shapes = {c.sizes for c in model.chunks}
         for tensor in have.values():
-            if checkpoint.tensors[tensor].shape != shape:
+            shape = checkpoint.tensors[tensor].shape
+            flattened = sharding == "fully_sharded_model_space" and any(
+                shape == flattened_shape(model.shape, local) for local in chunk_shapes
+            )
+            if shape != model.shape and not flattened:
                 raise MegatronImportError(
-                    f"tensor {tensor!r}: shape {list(checkpoint.tensors[tensor].shape)} differs "
-                    f"from the parameter's {list(shape)} in {metadata} (flattened model-space "
-                    f"optimizer state from megatron-core < 0.14 is not supported)"
+                    f"tensor {tensor!r}: shape {list(shape)} is neither the parameter's "
+                    f"{list(model.shape)} nor its N-D flattened form (chunks "
+                    f"{sorted(chunk_shapes)}) in {metadata}"
                 )
 
 
@@ -494,6 +501,34 @@ def _sharding_type(common: Any) -> str | None:
         if isinstance(optimizer, dict):
             return optimizer.get("param_state_sharding_type")
     return None
+
+
+def flattened_shape(shape: tuple[int, ...], local: tuple[int, ...]) -> tuple[int, ...]:
+    """How megatron-core < 0.15 saves model-space optimizer state with ``flattened_range``
+    (``fully_sharded_model_space``): a tensor of global ``shape`` held in chunks of ``local``
+    shape becomes ``[X // x, Y // y, ..., x * y * ...]``, the last axis each chunk's elements
+    in C order, split over DP ranks by flat ranges."""
+    return (*(g // n for g, n in zip(shape, local)), _numel(local))
+
+
+def unflatten(flat: np.ndarray, shape: tuple[int, ...], name: str = "") -> np.ndarray:
+    """The global ``shape`` array of an N-D flattened tensor (inverse of ``flattened_shape``)."""
+    grid = flat.shape[:-1]
+    if len(grid) != len(shape) or any(n == 0 or g % n for g, n in zip(shape, grid)):
+        raise MegatronImportError(
+            f"tensor {name!r}: shape {list(flat.shape)} is not an N-D flattened form of "
+            f"{list(shape)}"
+        )
+    local = tuple(g // n for g, n in zip(shape, grid))
+    if _numel(local) != flat.shape[-1]:
+        raise MegatronImportError(
+            f"tensor {name!r}: flattened chunks of {flat.shape[-1]} elements, but {list(shape)} "
+            f"over a {list(grid)} grid has chunks of {list(local)}"
+        )
+    # [f0, f1, ..., n] -> [f0, l0, f1, l1, ...] -> [f0 * l0, f1 * l1, ...]
+    blocks = flat.reshape(*grid, *local)
+    order = [i for k in range(len(shape)) for i in (k, len(shape) + k)]
+    return blocks.transpose(order).reshape(shape)
 
 
 class _TorchDistReader:
@@ -524,6 +559,15 @@ class _TorchDistReader:
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
         kind = self.vocab_kind(rule_name)
+        shape = self.checkpoint.tensors[rule_name].shape
+        if self.checkpoint.tensors[tensor].shape != shape:
+            # megatron-core < 0.15's flattened model-space optimizer state (see `unflatten`)
+            value = unflatten(self.checkpoint.read(tensor), shape, tensor)
+            if kind is None or kind.dim != 0 or shape[0] <= kind.vocab_size:
+                return value, "torch_dist-nd-flattened"
+            return value[
+                : kind.vocab_size
+            ], f"nd-flattened, vocab(strip {shape[0]} -> {kind.vocab_size})"
         if kind is None or kind.dim != 0:
             return self.checkpoint.read(tensor), "torch_dist-global"
         rows = self.checkpoint.tensors[tensor].shape[0]
@@ -536,37 +580,74 @@ class _TorchDistReader:
         return value, f"vocab(strip {rows} -> {kind.vocab_size})"
 
 
+_BUCKET_KEY = re.compile(
+    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
+)
+
+
 class _BucketStates:
     """megatron-core's ``dp_reshardable`` distributed-optimizer state (Megatron-LM's default):
-    per grad buffer and bucket, flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over
-    the bucket's parameters, without names. Their places are re-derived exactly as for a legacy
-    ``distrib_optim.pt`` (``megatron_legacy.distrib_optim_layout``: module order, reversed, starts
-    padded to 64), checked against the bucket size megatron-core recorded, and every master
-    weight is checked against the model weight it must equal (fp32) or round to (bf16)."""
+    per model-parallel rank (``dp_group_idx`` = TP rank + TP x PP rank), grad buffer and bucket,
+    flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the bucket's parameters,
+    without names. Their places are re-derived as megatron-core lays out its grad buffers
+    (``megatron_legacy.bucket_layout``: the rank's local parameters in module order, reversed,
+    starts padded to 64, a pipeline-tied embedding alone in its bucket), every bucket's size is
+    checked against the one megatron-core recorded, and every master weight against the model
+    weight it must equal (fp32) or round to (bf16).
+
+    A rank's local piece of a tensor is the tensor's saved chunks for that TP rank: the chunks
+    (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
+    up) joined along the split axis; a tensor with one chunk is replicated over TP."""
 
     STATES = ("param", "exp_avg", "exp_avg_sq")
 
     def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
         self.checkpoint = checkpoint
-        where = checkpoint.path / ".metadata"
-        groups: dict[str, dict[str, str]] = {}
+        self.where = where = checkpoint.path / ".metadata"
+        # {model-parallel rank: {bucket: {state: tensor name}}}
+        ranks: dict[int, dict[int, dict[str, str]]] = {}
+        dtypes: dict[int, set[str]] = {}
         for name in checkpoint.tensors:
-            if name.startswith("optimizer.distributed."):
-                prefix, _, state = name.rpartition(".")
-                groups.setdefault(prefix, {})[state] = name
-        if len(groups) != 1 or set(next(iter(groups.values()))) != set(self.STATES):
+            if not name.startswith("optimizer."):
+                continue
+            m = _BUCKET_KEY.fullmatch(name)
+            if m is None or m.group(2) != "0":
+                raise MegatronImportError(
+                    f"{where}: dp_reshardable optimizer tensor {name!r} is not in grad buffer 0 "
+                    f"of the dense parameters (several dtypes or expert-parallel buffers are not "
+                    f"supported). {WEIGHTS_ONLY_HINT}"
+                )
+            rank, bucket = int(m.group(1)), int(m.group(4))
+            ranks.setdefault(rank, {}).setdefault(bucket, {})[m.group(5)] = name
+            dtypes.setdefault(rank, set()).add(m.group(3))
+        if not ranks or sorted(ranks) != list(range(len(ranks))):
             raise MegatronImportError(
-                f"{where}: dp_reshardable optimizer state in {len(groups)} buffers/buckets "
-                f"({sorted(groups)[:3]}); only one grad buffer with one bucket (no TP/PP, no "
-                f"overlap_grad_reduce buckets, one dtype) is supported. {WEIGHTS_ONLY_HINT}"
+                f"{where}: dp_reshardable state for model-parallel ranks {sorted(ranks)}, "
+                f"expected 0..N-1. {WEIGHTS_ONLY_HINT}"
             )
-        ((self.prefix, self.tensors),) = groups.items()
-        flat = checkpoint.tensors[self.tensors["param"]]
-        if len(flat.shape) != 1:
-            raise MegatronImportError(
-                f"{where}: dp_reshardable bucket {self.prefix!r} has shape {list(flat.shape)}, "
-                f"expected a flat vector. {WEIGHTS_ONLY_HINT}"
-            )
+        self.buckets: dict[int, list[dict[str, str]]] = {}
+        for rank, per_bucket in ranks.items():
+            if len(dtypes[rank]) != 1 or sorted(per_bucket) != list(range(len(per_bucket))):
+                raise MegatronImportError(
+                    f"{where}: dp_reshardable state of model-parallel rank {rank}: buckets "
+                    f"{sorted(per_bucket)}, dtypes {sorted(dtypes[rank])}; expected buckets "
+                    f"0..N-1 of one dtype. {WEIGHTS_ONLY_HINT}"
+                )
+            for bucket, states in per_bucket.items():
+                if set(states) != set(self.STATES):
+                    raise MegatronImportError(
+                        f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank} "
+                        f"has states {sorted(states)}, expected {list(self.STATES)}"
+                    )
+                shapes = {checkpoint.tensors[n].shape for n in states.values()}
+                if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+                    raise MegatronImportError(
+                        f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank}: "
+                        f"shapes {sorted(shapes)}, expected one flat vector per state"
+                    )
+            self.buckets[rank] = [per_bucket[b] for b in range(len(per_bucket))]
+        self.model_names = model_names
         stacked = [n for n in model_names if n.startswith("decoder.layers.")]
         first = model_names.index(stacked[0]) if stacked else len(model_names)
         if model_names[first : first + len(stacked)] != stacked:
@@ -575,64 +656,196 @@ class _BucketStates:
         if len(layers) > 1:
             raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
         self.layers = layers.pop() if layers else 0
-        params = [(n, _numel(checkpoint.tensors[n].shape)) for n in model_names[:first]]
+        self.stacked = set(stacked)
+        self.first_stage = set(model_names[:first])  # the rest after the layers: last stage
+        self.tp = self._tp_size(model_names)
+        if len(ranks) % self.tp:
+            raise MegatronImportError(
+                f"{where}: {len(ranks)} model-parallel ranks of dp_reshardable state, not a "
+                f"multiple of the tensor-parallel size {self.tp} the model tensors are split by"
+            )
+        self.pp = len(ranks) // self.tp
+        if self.layers % self.pp:
+            raise MegatronImportError(
+                f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
+                f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
+            )
+        has_output = any(n.endswith("output_layer.weight") for n in model_names)
+        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+        self.tied_copy = (
+            embedding[0]
+            if self.pp > 1
+            and embedding
+            and not has_output
+            and settings.get("untie_embeddings_and_output_weights") is not True
+            else None
+        )
+        self.layout: dict[int, dict[str, tuple[int, int, int]]] = {}
+        for rank in self.buckets:
+            params, shared = self._rank_params(
+                rank, model_names[:first], model_names[first + len(stacked) :], stacked
+            )
+            numels = [checkpoint.tensors[b["param"]].shape[0] for b in self.buckets[rank]]
+            recorded = self._recorded_numels(rank)
+            if recorded is not None and recorded != numels:
+                raise MegatronImportError(
+                    f"{where}: model-parallel rank {rank}: bucket tensors of {numels} elements, "
+                    f"but megatron-core recorded {recorded} unpadded"
+                )
+            try:
+                self.layout[rank] = legacy.bucket_layout(
+                    params, shared, numels, f"{where} (model-parallel rank {rank})"
+                )
+            except legacy.LegacyError as e:
+                raise MegatronImportError(
+                    f"{e} (megatron-core 0.16 grad-buffer layout; another version or DDP "
+                    f"config?). {WEIGHTS_ONLY_HINT}"
+                ) from None
+
+    def _distinct(self, name: str) -> list[dcp.DcpChunk]:
+        """One chunk per distinct place outside the layer axis, sorted by offset."""
+        skip = 1 if name in self.stacked else 0
+        seen: dict[tuple, dcp.DcpChunk] = {}
+        for c in self.checkpoint.tensors[name].chunks:
+            seen.setdefault(c.offsets[skip:], c)
+        return [seen[k] for k in sorted(seen)]
+
+    def _tp_size(self, model_names: list[str]) -> int:
+        """The TP size: the chunk count of the most-split tensor (SwiGLU fc1 has two per rank)."""
+        counts = {len(self._distinct(n)) for n in model_names}
+        tp = min((c for c in counts if c > 1), default=1)
+        if any(c % tp for c in counts if c > 1):
+            raise MegatronImportError(
+                f"{self.where}: model tensors are saved in {sorted(counts)} chunks; no common "
+                f"tensor-parallel size"
+            )
+        return tp
+
+    def piece(self, name: str, tp_rank: int) -> tuple[tuple[int, ...], int | None, list]:
+        """TP rank ``tp_rank``'s local shape of ``name`` (per layer), the axis its chunks join
+        along (None: replicated), and those chunks."""
+        chunks = self._distinct(name)
+        skip = 1 if name in self.stacked else 0
+        shape = self.checkpoint.tensors[name].shape[skip:]
+        if len(chunks) == 1:
+            return tuple(shape), None, chunks
+        mine = chunks[tp_rank :: self.tp]
+        axes = {a for c in chunks for a in range(len(shape)) if c.sizes[skip + a] != shape[a]}
+        if len(axes) != 1 or len(chunks) % self.tp:
+            raise MegatronImportError(
+                f"{self.where}: tensor {name!r} is saved in {len(chunks)} chunks split along "
+                f"axes {sorted(axes)}; expected a split along one axis into a multiple of "
+                f"TP={self.tp}"
+            )
+        (axis,) = axes
+        local = list(shape)
+        local[axis] = sum(c.sizes[skip + axis] for c in mine)
+        return tuple(local), axis, mine
+
+    def _rank_params(self, rank, before, after, stacked):
+        """The local parameters of model-parallel rank ``rank`` in module order, and which of
+        them megatron-core puts alone in a bucket (a pipeline-tied embedding)."""
+        tp_rank, stage = rank % self.tp, rank // self.tp
+        per_stage = self.layers // self.pp
+        params: list[tuple[str, int]] = []
+        shared: set[str] = set()
+        if stage == 0:
+            params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in before]
         params += [
-            (f"{n}#{i}", _numel(checkpoint.tensors[n].shape[1:]))
-            for i in range(self.layers)
+            (f"{n}#{i}", _numel(self.piece(n, tp_rank)[0]))
+            for i in range(stage * per_stage, (stage + 1) * per_stage)
             for n in stacked
         ]
-        params += [
-            (n, _numel(checkpoint.tensors[n].shape)) for n in model_names[first + len(stacked) :]
-        ]
-        self.layout, total = legacy.distrib_optim_layout(params, set(), None)
-        recorded = self._recorded_numel()
-        if total > flat.shape[0] or (recorded is not None and recorded != total):
-            raise MegatronImportError(
-                f"{where}: the bucket {self.prefix!r} holds {flat.shape[0]} elements "
-                f"(megatron-core recorded {recorded} unpadded), but the {len(params)} parameters "
-                f"lay out to {total} (megatron-core 0.16 grad-buffer layout); another version or "
-                f"DDP bucket setting? {WEIGHTS_ONLY_HINT}"
-            )
+        if stage == self.pp - 1:
+            params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in after]
+        if self.tied_copy is not None:
+            if stage == 0:
+                shared.add(self.tied_copy)
+            if stage == self.pp - 1:
+                copy = f"{self.tied_copy}#tied_output_copy"
+                params.append((copy, _numel(self.piece(self.tied_copy, tp_rank)[0])))
+                shared.add(copy)
+        return params, shared
 
-    def _object(self, what: str) -> Any:
+    def _object(self, rank: int, what: str) -> Any:
         names = [
             n
             for n in self.checkpoint.objects
-            if n.startswith(f"{self.prefix.split('.gbuf_idx_')[0]}.{what}/")
+            if n.startswith(f"optimizer.distributed.dp_group_idx_{rank}.{what}/")
         ]
         if not names:
             return None
         return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
 
-    def _recorded_numel(self) -> int | None:
+    def _recorded_numels(self, rank: int) -> list[int] | None:
         """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
-        value = self._object("per_bucket_numel_unpadded")
+        value = self._object(rank, "per_bucket_numel_unpadded")
         try:
             ((per_dtype,),) = value
-            ((numels),) = per_dtype.values()
-            (numel,) = numels
-            return int(numel)
-        except (TypeError, ValueError):
-            return None
+            (numels,) = per_dtype.values()
+            return [int(n) for n in numels]
+        except (TypeError, ValueError, AttributeError):
+            raise MegatronImportError(
+                f"{self.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
+                f"{torch_pickle.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
+            ) from None
 
     def step(self) -> int:
-        state = self._object("optimizer")
-        groups = state[0].get("param_groups") if isinstance(state, list) and state else None
-        where = f"{self.checkpoint.path / '.metadata'} ({self.prefix}.optimizer)"
-        return _step_from_param_groups(groups, where)
+        steps = set()
+        for rank in self.buckets:
+            state = self._object(rank, "optimizer")
+            groups = state[0].get("param_groups") if isinstance(state, list) and state else None
+            where = f"{self.where} (optimizer.distributed.dp_group_idx_{rank}.optimizer)"
+            steps.add(_step_from_param_groups(groups, where))
+        if len(steps) != 1:
+            raise MegatronImportError(
+                f"{self.where}: model-parallel ranks disagree on the step {sorted(steps)}"
+            )
+        return steps.pop()
+
+    def files(self) -> list[str]:
+        return sorted(
+            {
+                f
+                for per_bucket in self.buckets.values()
+                for states in per_bucket
+                for n in states.values()
+                for f in self.checkpoint.tensors[n].files
+            }
+        )
 
     def read(self, state: str, name: str) -> np.ndarray:
-        """One optimizer state of model tensor ``name``, in its (stacked) global shape."""
-        tensor = self.tensors[state]
+        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
+        together from every TP rank's (and pipeline stage's) local piece."""
         shape = self.checkpoint.tensors[name].shape
-        if not name.startswith("decoder.layers."):
-            start, end = self.layout[name]
-            return self.checkpoint.read_range(tensor, start, end).reshape(shape)
-        parts = []
-        for i in range(self.layers):
-            start, end = self.layout[f"{name}#{i}"]
-            parts.append(self.checkpoint.read_range(tensor, start, end).reshape(shape[1:]))
-        return np.stack(parts)
+        out = np.empty(shape, np.float32)
+        skip = 1 if name in self.stacked else 0
+        per_stage = self.layers // self.pp if self.layers else 1
+        for tp_rank in range(self.tp):
+            local, axis, chunks = self.piece(name, tp_rank)
+            if axis is None and tp_rank:
+                break  # replicated over TP: rank 0's copy
+            for layer in range(self.layers) if skip else [None]:
+                stage = (
+                    layer // per_stage if skip else 0 if name in self.first_stage else self.pp - 1
+                )
+                rank = tp_rank + self.tp * stage
+                key = f"{name}#{layer}" if skip else name
+                bucket, start, end = self.layout[rank][key]
+                flat = self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
+                value = flat.reshape(local)
+                target = out[layer] if skip else out
+                if axis is None:
+                    target[...] = value
+                    continue
+                at = 0
+                for c in chunks:  # the local piece is the rank's chunks joined along `axis`
+                    size = c.sizes[skip + axis]
+                    part = np.take(value, range(at, at + size), axis=axis)
+                    index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
+                    target[index] = part
+                    at += size
+        return out
 
 
 def _numel(shape) -> int:
@@ -649,7 +862,7 @@ def _bucket_items(
     """dp_reshardable: per parameter its master weight (checked against the model weight) and
     moments from the flat buckets, vocab padding stripped like the weights; then the step."""
     checkpoint = reader.checkpoint
-    files = sorted({f for n in buckets.tensors.values() for f in checkpoint.tensors[n].files})
+    files = buckets.files()
     for name in model_names:
         weight, pattern = reader.read(name, name)
         rows = (
@@ -660,7 +873,7 @@ def _bucket_items(
         provenance = {
             "format": "torch_dist",
             "files": files,
-            "pattern": f"dp_reshardable bucket {buckets.prefix}",
+            "pattern": f"dp_reshardable buckets (TP={buckets.tp}, PP={buckets.pp})",
         }
         for state, tree in zip(
             _BucketStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
@@ -673,8 +886,8 @@ def _bucket_items(
                 np.ascontiguousarray(weight).view(np.uint8),
             ):
                 raise MegatronImportError(
-                    f"tensor {name!r}: the fp32 master found in the dp_reshardable bucket "
-                    f"{buckets.prefix!r} does not {'equal' if weight.dtype == np.float32 else 'round to'} "
+                    f"tensor {name!r}: the fp32 master found in the dp_reshardable buckets "
+                    f"of {buckets.where} does not {'equal' if weight.dtype == np.float32 else 'round to'} "
                     f"the model weight: the grad-buffer layout jax_ucp derived does not match this "
                     f"checkpoint (another megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
                 )

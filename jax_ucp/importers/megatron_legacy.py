@@ -32,6 +32,7 @@ __all__ = [
     "open_legacy",
     "resolve_iteration_dir",
     "flatten_state_dict",
+    "bucket_layout",
     "distrib_optim_layout",
     "read_distrib_optim",
     "args_dict",
@@ -321,6 +322,50 @@ def distrib_optim_layout(
         if name in shared or (bucket_size is not None and rel >= bucket_size):
             base, rel, n_in_bucket = base + rel, 0, 0
     return out, base + rel
+
+
+def bucket_layout(
+    params: list[tuple[str, int]], shared: set[str], bucket_numels: list[int], where: str
+) -> dict[str, tuple[int, int, int]]:
+    """Where each parameter sits in megatron-core's grad-buffer buckets, given the unpadded
+    size of every bucket (which megatron-core records): ``{name: (bucket, start, end)}``.
+
+    The same walk as ``distrib_optim_layout`` (reverse module order, starts padded to 64, a
+    shared embedding alone in its bucket), but a bucket closes where its recorded size says,
+    so the DDP ``bucket_size`` (not saved, and ``None`` past the first pipeline stage) is not
+    needed; every recorded size is checked, so a wrong parameter list cannot fit silently.
+    """
+    out: dict[str, tuple[int, int, int]] = {}
+    bucket, rel, count = 0, 0, 0
+
+    def close(at: int, name: str) -> None:
+        nonlocal bucket, rel, count
+        if bucket >= len(bucket_numels) or at != bucket_numels[bucket]:
+            recorded = bucket_numels[bucket] if bucket < len(bucket_numels) else None
+            raise LegacyError(
+                f"{where}: bucket {bucket} would end after {name!r} at element {at}, but "
+                f"megatron-core recorded {recorded} elements (buckets {bucket_numels}); the "
+                f"parameter list does not match this checkpoint's grad buffer"
+            )
+        bucket, rel, count = bucket + 1, 0, 0
+
+    for name, numel in reversed(params):
+        rel = _pad(rel, 64)
+        if name in shared and count:
+            close(rel, name)
+        out[name] = (bucket, rel, rel + numel)
+        rel += numel
+        count += 1
+        if name in shared or (bucket < len(bucket_numels) and rel >= bucket_numels[bucket]):
+            close(rel, name)
+    if count:
+        close(rel, "the last parameter")
+    if bucket != len(bucket_numels):
+        raise LegacyError(
+            f"{where}: the parameters fill {bucket} buckets, megatron-core recorded "
+            f"{len(bucket_numels)} ({bucket_numels})"
+        )
+    return out
 
 
 @dataclass
