@@ -56,8 +56,8 @@ def converted(tmp_path_factory):
 
 def test_fixtures_are_small_and_labelled():
     total = sum(f.stat().st_size for f in FIX.rglob("*") if f.is_file())
-    # 4.5 MiB for megatron-core 0.16's fixtures, + 5 MiB for other releases and layouts
-    assert total <= 10 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
+    # 4.5 MiB for megatron-core 0.16's fixtures, + 7.5 MiB for other releases and layouts (0.13-0.15, dp_reshardable, flattened)
+    assert total <= 12 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
     info = fixture_info()
     for name in LEGACY:
         assert "synthetic" in name and name in info
@@ -643,7 +643,7 @@ def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
     _patched_open(monkeypatch, rename)
     with pytest.raises(
         MegatronImportError,
-        match=r"optimizer\.distributed\.dp_group_idx_0.*supported: 'fully_reshardable'.*"
+        match=r"optimizer\.distributed\.dp_group_idx_0.*supported .*'fully_reshardable'.*"
         r"weights_only",
     ):
         convert_megatron(FIX / "gpt_distopt_dp2", tmp_path / "out", vocab_size=VOCAB)

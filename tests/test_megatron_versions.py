@@ -1,4 +1,4 @@
-"""Checkpoints written by older megatron-core releases (0.13.1, 0.15.3; tools/fixtures/
+"""Checkpoints written by older megatron-core releases (0.13.1, 0.14.0, 0.15.3; tools/fixtures/
 make_megatron_fixtures.py run in a virtualenv of each release): their ``.metadata`` pickles
 megatron-core's own ``MCoreSavePlan`` (0.13, 0.14) or ``MCoreMetadata`` (0.15) classes, read as
 inert stand-ins; every weight and moment bit-exact against torch's DCP consolidation."""
@@ -15,7 +15,12 @@ import jax_ucp
 pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "mcore_versions")
 VOCAB = 61  # the fixtures' tokenizer vocab (padded to 64 in the checkpoint)
-CASES = [("0.13.1", "gpt_tp2"), ("0.15.3", "gpt_tp2"), ("0.15.3", "gpt_distopt_dp2")]
+CASES = [
+    ("0.13.1", "gpt_tp2"),
+    ("0.14.0", "gpt_tp2"),
+    ("0.15.3", "gpt_tp2"),
+    ("0.15.3", "gpt_distopt_dp2"),
+]
 
 
 def _reference(version: str, name: str) -> dict[str, np.ndarray]:
@@ -66,3 +71,45 @@ def test_megatron_core_013_dp_zero_gather_scatter_is_refused_not_dropped(tmp_pat
     assert sorted(got) == ["params"] and len(got["params"]) == 17
     skipped = jax_ucp.inspect(ckpt).source["skipped"]["optimizer"]
     assert "2 optimizer objects" in skipped and "dp_zero_gather_scatter" in skipped
+
+
+FLATTENED = {
+    # release/name: (model dtype, optimizer tensors)
+    "0.13.1/gpt_distopt_fully_sharded_model_space": ("float32", 51),
+    "0.14.0/gpt_distopt_fully_sharded_model_space": ("float32", 51),
+    "0.14.0/llama_distopt_bf16_tp2dp2_fully_sharded_model_space": ("bfloat16", 27),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLATTENED))
+def test_fully_sharded_model_space_imports_bit_exact(tmp_path, name):
+    """Megatron-LM's default distributed-optimizer layout with megatron-core 0.13/0.14
+    (--ckpt-fully-parallel-save): model-space state whose DP shards are flat ranges, saved
+    N-D flattened ([X // x, Y // y, ..., x * y * ...]). GPT DP2 fp32 and Llama (GQA, SwiGLU)
+    TP2 DP2 bf16, written by megatron-core 0.14.0 (and GPT by 0.13.1) itself: masters and moments bit-exact to the
+    same run's optimizer state as megatron-core's own model sharding places it
+    (``<name>.truth.npz``, read by torch DCP)."""
+    from jax_ucp.importers import megatron_dcp
+
+    dtype, count = FLATTENED[name]
+    src = os.path.join(ROOT, name)
+    original = megatron_dcp.open_dcp(src)
+    optimizer = [n for n in original.tensors if n.startswith("optimizer.state.")]
+    assert len(optimizer) == count
+    model = [n for n in original.tensors if not n.startswith("optimizer.")]
+    # what the fixture is meant to cover: the flattened form, not the parameter's own shape
+    assert all(
+        len(original.tensors[n].shape) == len(original.tensors[n.split(".", 3)[3]].shape) + 1
+        for n in optimizer
+    )
+    got = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB))
+    truth = np.load(src + ".truth.npz")
+    assert len(truth.files) == 3 * len(model)
+    trees = {"exp_avg": got["opt_state"]["mu"], "exp_avg_sq": got["opt_state"]["nu"]}
+    for key in truth.files:
+        state, _, param = key[len("optimizer.state.") :].partition(".")
+        have = trees.get(state, got["params"])[param]
+        assert have.tobytes() == _stripped(param, truth[key]).tobytes(), key
+    weights = got["model_params"] if dtype == "bfloat16" else got["params"]
+    for param in model:
+        assert weights[param].tobytes() == _stripped(param, original.read(param)).tobytes(), param

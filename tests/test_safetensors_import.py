@@ -138,3 +138,22 @@ def test_hostile_index(tmp_path, weight_map, message):
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(jax_ucp.UCPError, match=message):
         jax_ucp.convert(src, tmp_path / "ucp")
+
+
+def test_trainer_checkpoint_with_optimizer_state_needs_weights_only(tmp_path):
+    """A Trainer ``checkpoint-N/`` (no DeepSpeed) holds optimizer.pt beside model.safetensors:
+    importing the weights alone without saying so would drop the optimizer state silently."""
+    folder = tmp_path / "checkpoint-10"
+    folder.mkdir()
+    tensors = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "optimizer.pt").write_bytes(b"not read")
+    with pytest.raises(jax_ucp.UCPError, match=r"optimizer\.pt.*weights_only=True"):
+        jax_ucp.convert(str(folder), str(tmp_path / "refused"))
+    assert not (tmp_path / "refused").exists()
+    ckpt = jax_ucp.convert(str(folder), str(tmp_path / "u"), weights_only=True)
+    assert_bit_exact(jax_ucp.restore(ckpt)["params"]["w"], tensors["w"])
+    assert jax_ucp.inspect(ckpt).source["skipped"]["reason"] == "weights_only"
+    # the file by its own path is that file only
+    ckpt = jax_ucp.convert(str(folder / "model.safetensors"), str(tmp_path / "file"))
+    assert_bit_exact(jax_ucp.restore(ckpt)["params"]["w"], tensors["w"])

@@ -232,7 +232,28 @@ def plan_safetensors(src, *, spec: Any = None, weights_only: bool = False) -> Im
         "dtypes": dtypes,
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
+    trainer_state = _trainer_optimizer(src)
+    if trainer_state is not None:
+        if not weights_only:
+            raise SafetensorsImportError(
+                f"{trainer_state}: a Hugging Face Trainer checkpoint; its torch optimizer state "
+                f"(optimizer.pt, keyed by parameter index) is not imported. To import the model "
+                f"weights without it: convert(..., weights_only=True) / jax-ucp convert "
+                f"--weights-only"
+            )
+        source["skipped"] = {
+            "optimizer": "optimizer.pt (Hugging Face Trainer's torch optimizer state)",
+            "reason": "weights_only",
+        }
     return ImportPlan(items=_items(owner, names), source=source, total_params=len(names))
+
+
+def _trainer_optimizer(src: str) -> str | None:
+    """``optimizer.pt`` in the folder given (a Trainer ``checkpoint-N/`` without DeepSpeed): its
+    state would be lost without a word if the weights were imported alone. A file given by its
+    own path is that file only."""
+    path = os.path.join(src, "optimizer.pt")
+    return path if os.path.isdir(src) and os.path.lexists(path) else None
 
 
 def _items(owner: dict[str, SafetensorsFile], names: list[str]) -> Iterator[writer.HostItem]:
