@@ -59,50 +59,61 @@ def test_older_megatron_core_checkpoints_import_bit_exact(tmp_path, version, nam
         assert tree[param].tobytes() == _stripped(param, value).tobytes(), key
 
 
-def test_megatron_core_013_dp_zero_gather_scatter_is_refused_not_dropped(tmp_path):
-    """0.13's dp_zero_gather_scatter keeps the optimizer state as pickled bucket objects: an
-    error naming the layout and the way out, never weights imported without saying so."""
-    src = os.path.join(ROOT, "0.13.1", "gpt_distopt_dp_zero_gather_scatter")
-    with pytest.raises(jax_ucp.UCPError, match=r"'dp_zero_gather_scatter'.*weights_only"):
-        jax_ucp.convert(src, str(tmp_path / "refused"), vocab_size=VOCAB)
-    assert not (tmp_path / "refused").exists()
-    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB, weights_only=True)
-    got = jax_ucp.restore(ckpt)
-    assert sorted(got) == ["params"] and len(got["params"]) == 17
-    skipped = jax_ucp.inspect(ckpt).source["skipped"]["optimizer"]
-    assert "2 optimizer objects" in skipped and "dp_zero_gather_scatter" in skipped
-
-
-FLATTENED = {
-    # release/name: (model dtype, optimizer tensors)
-    "0.13.1/gpt_distopt_fully_sharded_model_space": ("float32", 51),
-    "0.14.0/gpt_distopt_fully_sharded_model_space": ("float32", 51),
-    "0.14.0/llama_distopt_bf16_tp2dp2_fully_sharded_model_space": ("bfloat16", 27),
+OLDER_LAYOUTS = {
+    # release/name: (model dtype, layout, optimizer tensors or objects)
+    "0.13.1/gpt_distopt_fully_sharded_model_space": ("float32", "flattened", 51),
+    "0.14.0/llama_distopt_bf16_tp2dp2_fully_sharded_model_space": ("bfloat16", "flattened", 27),
+    "0.13.1/gpt_distopt_dp_zero_gather_scatter": ("float32", "dp_zero_gather_scatter", 1),
+    "0.14.0/llama_distopt_bf16_tp2dp2_dp_zero_gather_scatter": (
+        "bfloat16",
+        "dp_zero_gather_scatter",
+        2,
+    ),
 }
 
 
-@pytest.mark.parametrize("name", sorted(FLATTENED))
-def test_fully_sharded_model_space_imports_bit_exact(tmp_path, name):
-    """Megatron-LM's default distributed-optimizer layout with megatron-core 0.13/0.14
-    (--ckpt-fully-parallel-save): model-space state whose DP shards are flat ranges, saved
-    N-D flattened ([X // x, Y // y, ..., x * y * ...]). GPT DP2 fp32 and Llama (GQA, SwiGLU)
-    TP2 DP2 bf16, written by megatron-core 0.14.0 (and GPT by 0.13.1) itself: masters and moments bit-exact to the
-    same run's optimizer state as megatron-core's own model sharding places it
-    (``<name>.truth.npz``, read by torch DCP)."""
+@pytest.mark.parametrize("name", sorted(OLDER_LAYOUTS))
+def test_megatron_core_013_014_optimizer_layouts_import_bit_exact(tmp_path, name):
+    """The distributed-optimizer layouts of megatron-core 0.13/0.14, written by those releases
+    themselves (GPT DP2 fp32; Llama with GQA and SwiGLU, TP2 DP2 bf16):
+
+    * ``fully_sharded_model_space`` (Megatron-LM's default there, --ckpt-fully-parallel-save):
+      model-space state whose DP shards are flat ranges, saved N-D flattened
+      ([X // x, Y // y, ..., x * y * ...]);
+    * ``dp_zero_gather_scatter``: per model-parallel rank one pickled ``param_state`` (the
+      buckets' unpadded parts concatenated, as in a legacy distrib_optim.pt), laid out again.
+
+    Masters and moments bit-exact to the same run's optimizer state as megatron-core's own
+    model sharding places it (``<name>.truth.npz``, read by torch DCP)."""
     from jax_ucp.importers import megatron_dcp
 
-    dtype, count = FLATTENED[name]
+    dtype, layout, count = OLDER_LAYOUTS[name]
     src = os.path.join(ROOT, name)
     original = megatron_dcp.open_dcp(src)
+    model = [n for n in original.tensors if not n.startswith("optimizer.")]
+    # what the fixture is meant to cover
+    if layout == "dp_zero_gather_scatter":
+        states = [n for n in original.objects if ".param_state/" in n]
+        assert len(states) == count and not any(
+            n.startswith("optimizer.") for n in original.tensors
+        )
+        ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+        assert jax_ucp.inspect(ckpt).source["optimizer"] == "dp_zero_gather_scatter"
+        got = jax_ucp.restore(ckpt)
+        _compare_to_truth(src, got, model, original, dtype)
+        return
     optimizer = [n for n in original.tensors if n.startswith("optimizer.state.")]
     assert len(optimizer) == count
-    model = [n for n in original.tensors if not n.startswith("optimizer.")]
-    # what the fixture is meant to cover: the flattened form, not the parameter's own shape
+    # the flattened form, not the parameter's own shape
     assert all(
         len(original.tensors[n].shape) == len(original.tensors[n.split(".", 3)[3]].shape) + 1
         for n in optimizer
     )
     got = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB))
+    _compare_to_truth(src, got, model, original, dtype)
+
+
+def _compare_to_truth(src, got, model, original, dtype) -> None:
     truth = np.load(src + ".truth.npz")
     assert len(truth.files) == 3 * len(model)
     trees = {"exp_avg": got["opt_state"]["mu"], "exp_avg_sq": got["opt_state"]["nu"]}
@@ -113,3 +124,20 @@ def test_fully_sharded_model_space_imports_bit_exact(tmp_path, name):
     weights = got["model_params"] if dtype == "bfloat16" else got["params"]
     for param in model:
         assert weights[param].tobytes() == _stripped(param, original.read(param)).tobytes(), param
+
+
+def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
+    """A derived buffer layout that does not add up to the saved buffer (another version or DDP
+    bucket setting) is an error naming the object and the sizes; nothing is written."""
+    from jax_ucp.importers import megatron_legacy
+
+    real = megatron_legacy.distrib_optim_layout
+    monkeypatch.setattr(
+        megatron_legacy,
+        "distrib_optim_layout",
+        lambda params, shared, size: real(params[1:], shared, size),
+    )
+    src = os.path.join(ROOT, "0.13.1", "gpt_distopt_dp_zero_gather_scatter")
+    with pytest.raises(jax_ucp.UCPError, match=r"param_state.*holds \d+ elements.*lay out to"):
+        jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB)
+    assert not (tmp_path / "ucp").exists()

@@ -303,7 +303,8 @@ _OPTIMIZER_PREFIX = "optimizer.state."
 SUPPORTED_LAYOUTS = (
     "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.16, Megatron-LM's "
     "default; dense parameters of one dtype), 'fully_reshardable' (0.15-0.16), "
-    "'fully_sharded_model_space' (0.13-0.14, Megatron-LM's default there)"
+    "'fully_sharded_model_space' (0.13-0.14, Megatron-LM's default there), "
+    "'dp_zero_gather_scatter' (0.13-0.14)"
 )
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
@@ -345,6 +346,9 @@ def _plan_torch_dist(
     elif _sharding_type(common) == "dp_reshardable":
         buckets = _BucketStates(checkpoint, model_names, settings)
         optimizer_tensors = {}
+    elif _sharding_type(common) == "dp_zero_gather_scatter":
+        buckets = _GatheredStates(checkpoint, model_names, settings)
+        optimizer_tensors = {}
     else:
         optimizer_tensors = _optimizer_tensors(checkpoint, common)
         objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
@@ -372,7 +376,7 @@ def _plan_torch_dist(
     info = {
         "format": "torch_dist",
         "tensors": len(model_names),
-        "optimizer": "dp_reshardable" if buckets is not None else bool(optimizer_tensors),
+        "optimizer": buckets.LAYOUT if buckets is not None else bool(optimizer_tensors),
         "iteration": iteration if type(iteration) is int else None,
         "skipped_objects": sorted(checkpoint.objects),
         "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
@@ -586,27 +590,201 @@ _BUCKET_KEY = re.compile(
 )
 
 
-class _BucketStates:
-    """megatron-core's ``dp_reshardable`` distributed-optimizer state (Megatron-LM's default):
-    per model-parallel rank (``dp_group_idx`` = TP rank + TP x PP rank), grad buffer and bucket,
-    flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the bucket's parameters,
-    without names. Their places are re-derived as megatron-core lays out its grad buffers
-    (``megatron_legacy.bucket_layout``: the rank's local parameters in module order, reversed,
-    starts padded to 64, a pipeline-tied embedding alone in its bucket), every bucket's size is
-    checked against the one megatron-core recorded, and every master weight against the model
-    weight it must equal (fp32) or round to (bf16).
+class _RankStates:
+    """Distributed-optimizer state saved per model-parallel rank (``dp_group_idx`` = TP rank +
+    TP x PP rank) as flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's
+    grad buffer, without parameter names. Their places are re-derived as megatron-core lays out
+    its grad buffers (``megatron_legacy``: the rank's local parameters in module order,
+    reversed, starts padded to 64, a pipeline-tied embedding alone in its bucket); every master
+    weight is then checked against the model weight it must equal (fp32) or round to (bf16).
 
     A rank's local piece of a tensor is the tensor's saved chunks for that TP rank: the chunks
     (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
-    up) joined along the split axis; a tensor with one chunk is replicated over TP."""
+    up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
+    Subclasses say where the flat vectors are and how the buffer splits into buckets."""
 
     STATES = ("param", "exp_avg", "exp_avg_sq")
+    layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
 
-    def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
+    def __init__(
+        self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, ranks: int
+    ):
         self.checkpoint = checkpoint
         self.where = where = checkpoint.path / ".metadata"
-        # {model-parallel rank: {bucket: {state: tensor name}}}
-        ranks: dict[int, dict[int, dict[str, str]]] = {}
+        self.ranks = ranks
+        stacked = [n for n in model_names if n.startswith("decoder.layers.")]
+        first = model_names.index(stacked[0]) if stacked else len(model_names)
+        if model_names[first : first + len(stacked)] != stacked:
+            raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
+        layers = {checkpoint.tensors[n].shape[0] for n in stacked}
+        if len(layers) > 1:
+            raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
+        self.layers = layers.pop() if layers else 0
+        self.stacked = stacked
+        self.before = model_names[:first]  # on the first pipeline stage
+        self.after = model_names[first + len(stacked) :]  # on the last
+        self.tp = self._tp_size(model_names)
+        if ranks % self.tp:
+            raise MegatronImportError(
+                f"{where}: optimizer state of {ranks} model-parallel ranks, not a multiple of the "
+                f"tensor-parallel size {self.tp} the model tensors are split by"
+            )
+        self.pp = ranks // self.tp
+        if self.layers % self.pp:
+            raise MegatronImportError(
+                f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
+                f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
+            )
+        has_output = any(n.endswith("output_layer.weight") for n in model_names)
+        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+        self.tied_copy = (
+            embedding[0]
+            if self.pp > 1
+            and embedding
+            and not has_output
+            and settings.get("untie_embeddings_and_output_weights") is not True
+            else None
+        )
+
+    def _distinct(self, name: str) -> list[dcp.DcpChunk]:
+        """One chunk per distinct place outside the layer axis, sorted by offset."""
+        skip = 1 if name in self.stacked else 0
+        seen: dict[tuple, dcp.DcpChunk] = {}
+        for c in self.checkpoint.tensors[name].chunks:
+            seen.setdefault(c.offsets[skip:], c)
+        return [seen[k] for k in sorted(seen)]
+
+    def _tp_size(self, model_names: list[str]) -> int:
+        """The TP size: the chunk count of the least-split split tensor (SwiGLU's fc1 has two
+        per rank)."""
+        counts = {len(self._distinct(n)) for n in model_names}
+        tp = min((c for c in counts if c > 1), default=1)
+        if any(c % tp for c in counts if c > 1):
+            raise MegatronImportError(
+                f"{self.where}: model tensors are saved in {sorted(counts)} chunks; no common "
+                f"tensor-parallel size"
+            )
+        return tp
+
+    def piece(self, name: str, tp_rank: int) -> tuple[tuple[int, ...], int | None, list]:
+        """TP rank ``tp_rank``'s local shape of ``name`` (per layer), the axis its chunks join
+        along (None: replicated), and those chunks."""
+        chunks = self._distinct(name)
+        skip = 1 if name in self.stacked else 0
+        shape = self.checkpoint.tensors[name].shape[skip:]
+        if len(chunks) == 1:
+            return tuple(shape), None, chunks
+        mine = chunks[tp_rank :: self.tp]
+        axes = {a for c in chunks for a in range(len(shape)) if c.sizes[skip + a] != shape[a]}
+        if len(axes) != 1 or len(chunks) % self.tp:
+            raise MegatronImportError(
+                f"{self.where}: tensor {name!r} is saved in {len(chunks)} chunks split along "
+                f"axes {sorted(axes)}; expected a split along one axis into a multiple of "
+                f"TP={self.tp}"
+            )
+        (axis,) = axes
+        local = list(shape)
+        local[axis] = sum(c.sizes[skip + axis] for c in mine)
+        return tuple(local), axis, mine
+
+    def rank_params(self, rank: int) -> tuple[list[tuple[str, int]], set[str]]:
+        """The local parameters of model-parallel rank ``rank`` in module order (a stacked
+        layer's as ``name#layer``), and which of them megatron-core puts alone in a bucket (a
+        pipeline-tied embedding and its copy on the last stage)."""
+        tp_rank, stage = rank % self.tp, rank // self.tp
+        per_stage = self.layers // self.pp
+        params: list[tuple[str, int]] = []
+        shared: set[str] = set()
+        if stage == 0:
+            params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in self.before]
+        params += [
+            (f"{n}#{i}", _numel(self.piece(n, tp_rank)[0]))
+            for i in range(stage * per_stage, (stage + 1) * per_stage)
+            for n in self.stacked
+        ]
+        if stage == self.pp - 1:
+            params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in self.after]
+        if self.tied_copy is not None:
+            if stage == 0:
+                shared.add(self.tied_copy)
+            if stage == self.pp - 1:
+                copy = f"{self.tied_copy}#tied_output_copy"
+                params.append((copy, _numel(self.piece(self.tied_copy, tp_rank)[0])))
+                shared.add(copy)
+        return params, shared
+
+    def object(self, rank: int, what: str) -> Any:
+        names = [
+            n
+            for n in self.checkpoint.objects
+            if n.startswith(f"optimizer.distributed.dp_group_idx_{rank}.{what}/")
+        ]
+        if not names:
+            return None
+        return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
+
+    def step(self) -> int:
+        steps = set()
+        for rank in range(self.ranks):
+            state = self.object(rank, "optimizer")
+            groups = state[0].get("param_groups") if isinstance(state, list) and state else None
+            where = f"{self.where} (optimizer.distributed.dp_group_idx_{rank}.optimizer)"
+            steps.add(_step_from_param_groups(groups, where))
+        if len(steps) != 1:
+            raise MegatronImportError(
+                f"{self.where}: model-parallel ranks disagree on the step {sorted(steps)}"
+            )
+        return steps.pop()
+
+    def files(self) -> list[str]:
+        raise NotImplementedError
+
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def read(self, state: str, name: str) -> np.ndarray:
+        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
+        together from every TP rank's (and pipeline stage's) local piece."""
+        shape = self.checkpoint.tensors[name].shape
+        out = np.empty(shape, np.float32)
+        skip = 1 if name in self.stacked else 0
+        per_stage = self.layers // self.pp if self.layers else 1
+        for tp_rank in range(self.tp):
+            local, axis, chunks = self.piece(name, tp_rank)
+            if axis is None and tp_rank:
+                break  # replicated over TP: rank 0's copy
+            for layer in range(self.layers) if skip else [None]:
+                if skip:
+                    stage = layer // per_stage
+                else:
+                    stage = 0 if name in self.before else self.pp - 1
+                rank = tp_rank + self.tp * stage
+                bucket, start, end = self.layout[rank][f"{name}#{layer}" if skip else name]
+                value = self.flat(rank, bucket, state, start, end).reshape(local)
+                target = out[layer] if skip else out
+                if axis is None:
+                    target[...] = value
+                    continue
+                at = 0
+                for c in chunks:  # the local piece is the rank's chunks joined along `axis`
+                    size = c.sizes[skip + axis]
+                    index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
+                    target[index] = np.take(value, range(at, at + size), axis=axis)
+                    at += size
+        return out
+
+
+class _BucketStates(_RankStates):
+    """megatron-core 0.16's ``dp_reshardable`` (Megatron-LM's default): one flat tensor per
+    rank, grad buffer, bucket and state, each bucket's length its recorded unpadded size; a
+    bucket closes exactly there (``megatron_legacy.bucket_layout``), so the DDP ``bucket_size``
+    (not saved) is not needed and every bucket size is checked."""
+
+    LAYOUT = "dp_reshardable"
+
+    def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
+        where = checkpoint.path / ".metadata"
+        ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
         dtypes: dict[int, set[str]] = {}
         for name in checkpoint.tensors:
             if not name.startswith("optimizer."):
@@ -647,44 +825,10 @@ class _BucketStates:
                         f"shapes {sorted(shapes)}, expected one flat vector per state"
                     )
             self.buckets[rank] = [per_bucket[b] for b in range(len(per_bucket))]
-        self.model_names = model_names
-        stacked = [n for n in model_names if n.startswith("decoder.layers.")]
-        first = model_names.index(stacked[0]) if stacked else len(model_names)
-        if model_names[first : first + len(stacked)] != stacked:
-            raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
-        layers = {checkpoint.tensors[n].shape[0] for n in stacked}
-        if len(layers) > 1:
-            raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
-        self.layers = layers.pop() if layers else 0
-        self.stacked = set(stacked)
-        self.first_stage = set(model_names[:first])  # the rest after the layers: last stage
-        self.tp = self._tp_size(model_names)
-        if len(ranks) % self.tp:
-            raise MegatronImportError(
-                f"{where}: {len(ranks)} model-parallel ranks of dp_reshardable state, not a "
-                f"multiple of the tensor-parallel size {self.tp} the model tensors are split by"
-            )
-        self.pp = len(ranks) // self.tp
-        if self.layers % self.pp:
-            raise MegatronImportError(
-                f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
-                f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
-            )
-        has_output = any(n.endswith("output_layer.weight") for n in model_names)
-        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
-        self.tied_copy = (
-            embedding[0]
-            if self.pp > 1
-            and embedding
-            and not has_output
-            and settings.get("untie_embeddings_and_output_weights") is not True
-            else None
-        )
-        self.layout: dict[int, dict[str, tuple[int, int, int]]] = {}
+        super().__init__(checkpoint, model_names, settings, len(ranks))
+        self.layout = {}
         for rank in self.buckets:
-            params, shared = self._rank_params(
-                rank, model_names[:first], model_names[first + len(stacked) :], stacked
-            )
+            params, shared = self.rank_params(rank)
             numels = [checkpoint.tensors[b["param"]].shape[0] for b in self.buckets[rank]]
             recorded = self._recorded_numels(rank)
             if recorded is not None and recorded != numels:
@@ -702,84 +846,11 @@ class _BucketStates:
                     f"config?). {WEIGHTS_ONLY_HINT}"
                 ) from None
 
-    def _distinct(self, name: str) -> list[dcp.DcpChunk]:
-        """One chunk per distinct place outside the layer axis, sorted by offset."""
-        skip = 1 if name in self.stacked else 0
-        seen: dict[tuple, dcp.DcpChunk] = {}
-        for c in self.checkpoint.tensors[name].chunks:
-            seen.setdefault(c.offsets[skip:], c)
-        return [seen[k] for k in sorted(seen)]
-
-    def _tp_size(self, model_names: list[str]) -> int:
-        """The TP size: the chunk count of the most-split tensor (SwiGLU fc1 has two per rank)."""
-        counts = {len(self._distinct(n)) for n in model_names}
-        tp = min((c for c in counts if c > 1), default=1)
-        if any(c % tp for c in counts if c > 1):
-            raise MegatronImportError(
-                f"{self.where}: model tensors are saved in {sorted(counts)} chunks; no common "
-                f"tensor-parallel size"
-            )
-        return tp
-
-    def piece(self, name: str, tp_rank: int) -> tuple[tuple[int, ...], int | None, list]:
-        """TP rank ``tp_rank``'s local shape of ``name`` (per layer), the axis its chunks join
-        along (None: replicated), and those chunks."""
-        chunks = self._distinct(name)
-        skip = 1 if name in self.stacked else 0
-        shape = self.checkpoint.tensors[name].shape[skip:]
-        if len(chunks) == 1:
-            return tuple(shape), None, chunks
-        mine = chunks[tp_rank :: self.tp]
-        axes = {a for c in chunks for a in range(len(shape)) if c.sizes[skip + a] != shape[a]}
-        if len(axes) != 1 or len(chunks) % self.tp:
-            raise MegatronImportError(
-                f"{self.where}: tensor {name!r} is saved in {len(chunks)} chunks split along "
-                f"axes {sorted(axes)}; expected a split along one axis into a multiple of "
-                f"TP={self.tp}"
-            )
-        (axis,) = axes
-        local = list(shape)
-        local[axis] = sum(c.sizes[skip + axis] for c in mine)
-        return tuple(local), axis, mine
-
-    def _rank_params(self, rank, before, after, stacked):
-        """The local parameters of model-parallel rank ``rank`` in module order, and which of
-        them megatron-core puts alone in a bucket (a pipeline-tied embedding)."""
-        tp_rank, stage = rank % self.tp, rank // self.tp
-        per_stage = self.layers // self.pp
-        params: list[tuple[str, int]] = []
-        shared: set[str] = set()
-        if stage == 0:
-            params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in before]
-        params += [
-            (f"{n}#{i}", _numel(self.piece(n, tp_rank)[0]))
-            for i in range(stage * per_stage, (stage + 1) * per_stage)
-            for n in stacked
-        ]
-        if stage == self.pp - 1:
-            params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in after]
-        if self.tied_copy is not None:
-            if stage == 0:
-                shared.add(self.tied_copy)
-            if stage == self.pp - 1:
-                copy = f"{self.tied_copy}#tied_output_copy"
-                params.append((copy, _numel(self.piece(self.tied_copy, tp_rank)[0])))
-                shared.add(copy)
-        return params, shared
-
-    def _object(self, rank: int, what: str) -> Any:
-        names = [
-            n
-            for n in self.checkpoint.objects
-            if n.startswith(f"optimizer.distributed.dp_group_idx_{rank}.{what}/")
-        ]
-        if not names:
-            return None
-        return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
-
     def _recorded_numels(self, rank: int) -> list[int] | None:
         """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
-        value = self._object(rank, "per_bucket_numel_unpadded")
+        value = self.object(rank, "per_bucket_numel_unpadded")
+        if value is None:
+            return None
         try:
             ((per_dtype,),) = value
             (numels,) = per_dtype.values()
@@ -789,19 +860,6 @@ class _BucketStates:
                 f"{self.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
                 f"{torch_pickle.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
             ) from None
-
-    def step(self) -> int:
-        steps = set()
-        for rank in self.buckets:
-            state = self._object(rank, "optimizer")
-            groups = state[0].get("param_groups") if isinstance(state, list) and state else None
-            where = f"{self.where} (optimizer.distributed.dp_group_idx_{rank}.optimizer)"
-            steps.add(_step_from_param_groups(groups, where))
-        if len(steps) != 1:
-            raise MegatronImportError(
-                f"{self.where}: model-parallel ranks disagree on the step {sorted(steps)}"
-            )
-        return steps.pop()
 
     def files(self) -> list[str]:
         return sorted(
@@ -814,38 +872,66 @@ class _BucketStates:
             }
         )
 
-    def read(self, state: str, name: str) -> np.ndarray:
-        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
-        together from every TP rank's (and pipeline stage's) local piece."""
-        shape = self.checkpoint.tensors[name].shape
-        out = np.empty(shape, np.float32)
-        skip = 1 if name in self.stacked else 0
-        per_stage = self.layers // self.pp if self.layers else 1
-        for tp_rank in range(self.tp):
-            local, axis, chunks = self.piece(name, tp_rank)
-            if axis is None and tp_rank:
-                break  # replicated over TP: rank 0's copy
-            for layer in range(self.layers) if skip else [None]:
-                stage = (
-                    layer // per_stage if skip else 0 if name in self.first_stage else self.pp - 1
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        return self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
+
+
+class _GatheredStates(_RankStates):
+    """megatron-core 0.13's ``dp_zero_gather_scatter``: per model-parallel rank one pickled
+    ``param_state`` object (written by DP rank 0), the same dict as a legacy
+    ``distrib_optim.pt`` (the buckets' unpadded parts concatenated), laid out as for that file
+    (``megatron_legacy.distrib_optim_layout``, the DDP bucket size from the saved args)."""
+
+    LAYOUT = "dp_zero_gather_scatter"
+
+    def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
+        where = checkpoint.path / ".metadata"
+        found = {}
+        for name in checkpoint.objects:
+            m = re.fullmatch(r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*", name)
+            if m:
+                found[int(m.group(1))] = name
+        if not found or sorted(found) != list(range(len(found))):
+            raise MegatronImportError(
+                f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "
+                f"{sorted(found)}, expected 0..N-1. {WEIGHTS_ONLY_HINT}"
+            )
+        super().__init__(checkpoint, model_names, settings, len(found))
+        self.names = found
+        dp = settings.get("data_parallel_size") or 1
+        bucket_size = None
+        if settings.get("overlap_grad_reduce"):
+            bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+        self.buffers: dict[int, legacy.DistribOptimState] = {}
+        self.layout = {}
+        for rank, name in found.items():
+            saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)
+            label = f"{where} (object {name!r})"
+            try:
+                if isinstance(saved, list) and len(saved) == 1:  # one model chunk
+                    (saved,) = saved
+                state = legacy.distrib_optim_state(saved, label)
+            except legacy.LegacyError as e:
+                raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
+            params, shared = self.rank_params(rank)
+            layout, total = legacy.distrib_optim_layout(
+                params, shared, bucket_size if rank < self.tp else None
+            )
+            if total != state.numel_unpadded:
+                raise MegatronImportError(
+                    f"{label}: the buffer holds {state.numel_unpadded} elements, but the "
+                    f"{len(params)} local parameters of model-parallel rank {rank} lay out to "
+                    f"{total} (megatron-core grad-buffer layout, bucket_size={bucket_size}); "
+                    f"another version or DDP bucket setting? {WEIGHTS_ONLY_HINT}"
                 )
-                rank = tp_rank + self.tp * stage
-                key = f"{name}#{layer}" if skip else name
-                bucket, start, end = self.layout[rank][key]
-                flat = self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
-                value = flat.reshape(local)
-                target = out[layer] if skip else out
-                if axis is None:
-                    target[...] = value
-                    continue
-                at = 0
-                for c in chunks:  # the local piece is the rank's chunks joined along `axis`
-                    size = c.sizes[skip + axis]
-                    part = np.take(value, range(at, at + size), axis=axis)
-                    index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
-                    target[index] = part
-                    at += size
-        return out
+            self.buffers[rank] = state
+            self.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}
+
+    def files(self) -> list[str]:
+        return sorted({self.checkpoint.objects[n].file for n in self.names.values()})
+
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        return getattr(self.buffers[rank], state)[start:end]
 
 
 def _numel(shape) -> int:
@@ -854,13 +940,14 @@ def _numel(shape) -> int:
 
 def _bucket_items(
     reader: _TorchDistReader,
-    buckets: _BucketStates,
+    buckets: _RankStates,
     model_names: list[str],
     count: int,
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
-    """dp_reshardable: per parameter its master weight (checked against the model weight) and
-    moments from the flat buckets, vocab padding stripped like the weights; then the step."""
+    """dp_reshardable / dp_zero_gather_scatter: per parameter its master weight (checked against
+    the model weight) and moments from the flat vectors, vocab padding stripped like the
+    weights; then the step."""
     checkpoint = reader.checkpoint
     files = buckets.files()
     for name in model_names:
@@ -873,10 +960,10 @@ def _bucket_items(
         provenance = {
             "format": "torch_dist",
             "files": files,
-            "pattern": f"dp_reshardable buckets (TP={buckets.tp}, PP={buckets.pp})",
+            "pattern": f"{buckets.LAYOUT} (TP={buckets.tp}, PP={buckets.pp})",
         }
         for state, tree in zip(
-            _BucketStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
+            _RankStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
         ):
             value = buckets.read(state, name)
             if rows is not None:
@@ -886,7 +973,7 @@ def _bucket_items(
                 np.ascontiguousarray(weight).view(np.uint8),
             ):
                 raise MegatronImportError(
-                    f"tensor {name!r}: the fp32 master found in the dp_reshardable buckets "
+                    f"tensor {name!r}: the fp32 master found in the {buckets.LAYOUT} state "
                     f"of {buckets.where} does not {'equal' if weight.dtype == np.float32 else 'round to'} "
                     f"the model weight: the grad-buffer layout jax_ucp derived does not match this "
                     f"checkpoint (another megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"

@@ -34,6 +34,7 @@ __all__ = [
     "flatten_state_dict",
     "bucket_layout",
     "distrib_optim_layout",
+    "distrib_optim_state",
     "read_distrib_optim",
     "args_dict",
 ]
@@ -370,7 +371,7 @@ def bucket_layout(
 
 @dataclass
 class DistribOptimState:
-    path: Path
+    path: Path | str
     param: np.ndarray  # flat fp32 master weights
     exp_avg: np.ndarray
     exp_avg_sq: np.ndarray
@@ -383,6 +384,12 @@ def read_distrib_optim(path: Path) -> DistribOptimState:
         saved = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
     except torch_pickle.TorchFileError as e:
         raise LegacyError(str(e)) from None
+    return distrib_optim_state(saved, path)
+
+
+def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
+    """The single buffer of a loaded ``get_parameter_state_dp_zero`` dict, checked: the content
+    of a ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object."""
     if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise LegacyError(
             f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
