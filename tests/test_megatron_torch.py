@@ -96,3 +96,44 @@ def test_regenerate_and_import_live(tmp_path):
         assert np.array_equal(
             np.asarray(regenerated[k]).view(np.uint8), np.asarray(leg[k]).view(np.uint8)
         ), k
+
+
+def test_dp_reshardable_with_buckets_live(tmp_path):
+    """megatron-core 0.16 writes Megatron-LM's default layout, dp_reshardable, with
+    --overlap-grad-reduce buckets (TP2 DP2 bf16 Llama) and, from the same run, the optimizer
+    state placed by its own model sharding; the import equals that truth bit for bit, and the
+    run equals the committed fixture's."""
+    mcore = pytest.importorskip("megatron.core")
+    if not mcore.__version__.startswith("0.16"):
+        pytest.skip(f"dp_reshardable fixtures are megatron-core 0.16's (found {mcore.__version__})")
+    import jax_ucp
+
+    name = "llama_distopt_bf16_tp2dp2"
+    out = tmp_path / "fx"
+    env = dict(
+        os.environ,
+        MCORE_DISTOPT_SHARDING="dp_reshardable",
+        MCORE_DISTOPT_TRUTH="1",
+        MCORE_DDP_BUCKET_SIZE="3000",
+    )
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(out), name],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = jax_ucp.restore(jax_ucp.convert(str(out / name), str(tmp_path / "ucp"), vocab_size=VOCAB))
+    truth = np.load(out / f"{name}.truth.npz")
+    committed = np.load(
+        FIX / "mcore_versions" / "0.16.1" / "llama_distopt_bf16_tp2dp2_buckets.truth.npz"
+    )
+    trees = {"exp_avg": got["opt_state"]["mu"], "exp_avg_sq": got["opt_state"]["nu"]}
+    for key in truth.files:
+        assert_bit_equal(truth[key], committed[key], f"regenerated truth {key}")
+        state, _, tensor = key[len("optimizer.state.") :].partition(".")
+        want = truth[key]
+        if tensor.endswith(("word_embeddings.weight", "output_layer.weight")):
+            want = want[:VOCAB]
+        assert_bit_equal(trees.get(state, got["params"])[tensor], want, key)
