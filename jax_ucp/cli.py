@@ -289,9 +289,76 @@ def _progress(transient: bool = False) -> Progress:
     )
 
 
-def _run_convert(fn, src, dst, **kwargs):
+class _Parallel:
+    """How many processes convert: ``--processes N`` spawns N local ones; ``--coordinator``,
+    ``--num-processes`` and ``--process-id`` make this one process of a jax.distributed job
+    (several hosts: run the same command on each, sharing one file system)."""
+
+    def __init__(self, processes, coordinator, num_processes, process_id):
+        self.processes, self.coordinator = processes, coordinator
+        self.num_processes, self.process_id = num_processes, process_id
+        if processes is not None and processes < 1:
+            raise typer.BadParameter("must be at least 1", param_hint="--processes")
+        if processes and processes > 1 and coordinator:
+            raise typer.BadParameter(
+                "--processes spawns its own job; use --coordinator without it",
+                param_hint="--processes",
+            )
+        if coordinator and (num_processes is None or process_id is None):
+            raise typer.BadParameter(
+                "--coordinator needs --num-processes and --process-id",
+                param_hint="--coordinator",
+            )
+
+
+def _spawn_local(n: int) -> None:
+    """Runs this same command as ``n`` processes of a jax.distributed job on 127.0.0.1; the
+    first one's output is shown, the others' only if they fail."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            argv.append(arg)
+    env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+    procs = []
+    for i in range(n):
+        cmd = [sys.executable, "-m", "jax_ucp.cli", *argv, "--coordinator", f"127.0.0.1:{port}"]
+        cmd += ["--num-processes", str(n), "--process-id", str(i)]
+        quiet = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if i else {}
+        procs.append(subprocess.Popen(cmd, env=env, text=True, **quiet))
+    codes = [p.wait() for p in procs]
+    for i, (p, code) in enumerate(zip(procs, codes)):
+        if i and code:
+            console.print(f"[red]process {i} failed:[/red]\n{p.stdout.read()[-4000:]}")
+    if any(codes):
+        raise typer.Exit(1)
+
+
+def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
     """The bar appears with the first parameter written: a checkpoint refused while it is
     checked prints its error alone."""
+    if parallel is not None and parallel.processes and parallel.processes > 1:
+        _spawn_local(parallel.processes)
+        return dst
+    if parallel is not None and parallel.coordinator:
+        import jax
+
+        jax.distributed.initialize(
+            coordinator_address=parallel.coordinator,
+            num_processes=parallel.num_processes,
+            process_id=parallel.process_id,
+        )
+        kwargs["distributed"] = True
     progress, task = _progress(), None
 
     def on_progress(name, done, total):
@@ -324,6 +391,14 @@ def convert_deepspeed(
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
+    processes: int | None = typer.Option(
+        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
+    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
 ):
     """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
     from jax_ucp import conversion
@@ -336,6 +411,7 @@ def convert_deepspeed(
         step=step,
         spec=spec,
         weights_only=weights_only,
+        parallel=_Parallel(processes, coordinator, num_processes, process_id),
     )
 
 
@@ -351,6 +427,14 @@ def convert_megatron(
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
+    processes: int | None = typer.Option(
+        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
+    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
 ):
     """A Megatron checkpoint (torch_dist, or legacy iter_N/mp_rank_XX)."""
     from jax_ucp import conversion
@@ -364,6 +448,7 @@ def convert_megatron(
         force=force,
         step=step,
         weights_only=weights_only,
+        parallel=_Parallel(processes, coordinator, num_processes, process_id),
     )
 
 
@@ -374,11 +459,30 @@ def convert_safetensors(
     dst: str,
     force: bool = typer.Option(False, help="replace DST"),
     step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    weights_only: bool = typer.Option(
+        False, "--weights-only", help="import the weights alone (a Trainer's optimizer.pt skipped)"
+    ),
+    processes: int | None = typer.Option(
+        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
+    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
 ):
     """Hugging Face safetensors (a .safetensors file, or a folder with shards and an index)."""
     from jax_ucp import conversion
 
-    _run_convert(conversion.convert_safetensors, src, dst, force=force, step=step)
+    _run_convert(
+        conversion.convert_safetensors,
+        src,
+        dst,
+        force=force,
+        step=step,
+        weights_only=weights_only,
+        parallel=_Parallel(processes, coordinator, num_processes, process_id),
+    )
 
 
 def _parse_mesh(text: str) -> list[tuple[str, int]]:

@@ -7,6 +7,7 @@ through Orbax's CheckpointManager (``handler.manager_step``), imported only then
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from jax_ucp import writer
 from jax_ucp.format import UCPError
 from jax_ucp.importers import detect
+from jax_ucp.importers.plan import Share
 
 Progress = Callable[[str, int, int], None]
 
@@ -29,6 +31,8 @@ def convert(
     progress: Progress | None = None,
     compression: str | None = None,
     weights_only: bool = False,
+    distributed: bool = False,
+    barrier_timeout: float = 24 * 3600,
     **importer_options,
 ) -> str:
     """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
@@ -38,7 +42,10 @@ def convert(
     ``step`` writes ``<dest>/<step>/state`` as a CheckpointManager step. ``progress(name, done,
     total)`` is called per parameter. ``weights_only``: the model weights alone; the optimizer
     state is skipped whatever its layout (recorded under ``source.skipped`` in the manifest).
-    Importer options (``tag=``, ``vocab_size=``) pass through.
+    ``distributed``: every process of a ``jax.distributed`` job calls ``convert`` with the same
+    arguments; each reads and writes every N-th parameter into one directory on a shared file
+    system, and process 0 commits once all are done (``barrier_timeout`` seconds at most for
+    the slowest). Importer options (``tag=``, ``vocab_size=``) pass through.
     Everything that needs no tensor bytes is checked before anything is written, and a failure
     leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
     """
@@ -48,8 +55,24 @@ def convert(
         raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
     if weights_only:
         importer_options["weights_only"] = True
+    share, barrier = _distributed_share(barrier_timeout) if distributed else (None, None)
+    if share is not None:
+        if step is not None:
+            raise ValueError("convert: distributed=True writes a standalone checkpoint (step=None)")
+        importer_options["share"] = share
     plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
     items = writer.with_progress(plan.items, plan.total_params, progress)
+    if share is not None:
+        return writer.write_shared_checkpoint(
+            dest,
+            items,
+            index=share.index,
+            count=share.count,
+            barrier=barrier,
+            force=force,
+            source=plan.source,
+            compression=compression,
+        )
     if step is None:
         return writer.write_host_checkpoint(
             dest, items, force=force, source=plan.source, compression=compression
@@ -59,6 +82,28 @@ def convert(
     return write_manager_step(
         dest, items, step=step, force=force, source=plan.source, compression=compression
     )
+
+
+_BARRIERS = itertools.count()
+
+
+def _distributed_share(timeout: float):
+    """This process's share of a conversion by every process of the ``jax.distributed`` job,
+    and a barrier across them (jax.distributed's key-value barrier, no device collective);
+    ``(None, None)`` in a single-process job."""
+    import jax
+
+    if jax.process_count() == 1:
+        return None, None
+    from orbax.checkpoint import multihost
+
+    sync = multihost.get_barrier_sync_fn()
+    run = next(_BARRIERS)
+
+    def barrier(name: str) -> None:
+        sync(key=f"{name}:{run}", timeout_ms=int(timeout * 1000))
+
+    return Share(jax.process_index(), jax.process_count()), barrier
 
 
 class DestinationError(UCPError, ValueError):

@@ -21,7 +21,7 @@ from jax_ucp.importers import deepspeed_files, deepspeed_megatron, deepspeed_zer
 from jax_ucp.importers.deepspeed_files import DS_CLASSES, DeepSpeedImportError
 from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
 from jax_ucp.importers.deepspeed_zero import DeepSpeedCheckpoint
-from jax_ucp.importers.plan import ImportPlan
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 
 __all__ = [
     "DeepSpeedImportError",
@@ -65,6 +65,7 @@ def plan_deepspeed(
     tag: str | None = None,
     spec: Any = None,
     weights_only: bool = False,
+    share: Share = WHOLE,
 ) -> ImportPlan:
     """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder).
 
@@ -77,17 +78,19 @@ def plan_deepspeed(
     tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
     zero0 = deepspeed_zero.zero0_model_file(tag_dir)
     if zero0 is not None:
-        return deepspeed_zero.plan_zero0(tag_dir, zero0, weights_only=weights_only)
+        return deepspeed_zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)
     if deepspeed_files.is_model_parallel(tag_dir):
         # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
         # UCP language), or by the import rules of ``spec``
         checkpoint = deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
-        items = deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint)
+        items = deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint, share)
         source = deepspeed_megatron.source_info(checkpoint)
         if weights_only:
             items = (item for item in items if item.role != "opt_state")
             source["skipped"] = {"optimizer": "Adam moments and step", "reason": "weights_only"}
-        return ImportPlan(items=items, source=source, total_params=len(checkpoint.names))
+        return ImportPlan(
+            items=items, source=source, total_params=len(share.pick(checkpoint.names))
+        )
     if spec is not None:
         raise ValueError(
             "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
@@ -99,7 +102,7 @@ def plan_deepspeed(
     if weights_only:
         source["skipped"] = {"optimizer": "Adam moments and step", "reason": "weights_only"}
     return ImportPlan(
-        items=deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only),
+        items=deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
         source=source,
-        total_params=len(checkpoint.names) + len(checkpoint.frozen),
+        total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
     )

@@ -39,7 +39,7 @@ from jax_ucp.importers import deepspeed_files, deepspeed_zero
 from jax_ucp.importers.deepspeed_files import DeepSpeedImportError
 from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
 from jax_ucp.importers.deepspeed_zero import STATE_TREES, DeepSpeedCheckpoint
-from jax_ucp.importers.plan import agreed_step, host_item
+from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item
 from jax_ucp.language import (
     Averaged,
     MergeError,
@@ -480,13 +480,15 @@ def optimizer_step(checkpoint: MegatronDeepSpeedCheckpoint) -> int:
 
 
 def iter_megatron_deepspeed_items(
-    checkpoint: MegatronDeepSpeedCheckpoint,
+    checkpoint: MegatronDeepSpeedCheckpoint, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
     """params / mu / nu / model_params one parameter at a time (TP merged, vocab stripped, tied
-    stages checked), then ``opt_state.count``."""
+    stages checked), then ``opt_state.count``; ``share``: this process's part."""
     count = optimizer_step(checkpoint)
-    for name in checkpoint.names:
+    for name in share.pick(checkpoint.names):
         yield from _parameter_items(checkpoint, name)
+    if not share.primary:
+        return
     yield host_item(
         ("opt_state", "count"),
         np.asarray(count, np.int32),

@@ -36,7 +36,7 @@ from jax_ucp.importers.deepspeed_files import (
     numel,
     require,
 )
-from jax_ucp.importers.plan import agreed_step, host_item
+from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item
 from jax_ucp.importers.torch_pickle import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
@@ -471,13 +471,13 @@ def optimizer_step(checkpoint: DeepSpeedCheckpoint) -> int:
 
 
 def iter_zero_items(
-    checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False
+    checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
     """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``
-    (``weights_only``: params and model_params alone)."""
+    (``weights_only``: params and model_params alone); ``share``: this process's part."""
     vectors: dict[tuple[int, str], Any] = {}
     files = [os.path.basename(f) for f in checkpoint.optim_files]
-    for name in checkpoint.names:
+    for name in share.pick(checkpoint.names):
         pieces = checkpoint.fragment_plan[name].pieces
         provenance = {
             "files": sorted({files[piece.dp_rank] for piece in pieces}),
@@ -497,11 +497,11 @@ def iter_zero_items(
             yield _model_copy_item(checkpoint, name, fp32, provenance["files"])
         del fp32
     frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
-    for name, weight in frozen_weights(checkpoint):
+    for name, weight in frozen_weights(checkpoint, share.pick(checkpoint.frozen)):
         item = host_item(("params", name), weight, {"files": frozen_files, "pattern": "frozen"})
         item.frozen = True
         yield item
-    if weights_only:
+    if weights_only or not share.primary:
         return
     yield host_item(
         ("opt_state", "count"),
@@ -544,7 +544,7 @@ def shared_params_of(model_states: Mapping, model_file: str) -> dict[str, str]:
     return dict(shared)
 
 
-def frozen_weights(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
+def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tuple[str, np.ndarray]]:
     """(name, weight) of every frozen parameter, as DeepSpeed's zero_to_fp32 rebuilds them:
     stage 1/2 keep each whole; stage 3 keeps a ``ceil(numel / W)`` partition per DP rank,
     concatenated in rank order and cut to ``numel``. In the run's precision (never trained,
@@ -560,7 +560,8 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, np.nd
         if not isinstance(found, Mapping):
             raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
-    for name, shape in checkpoint.frozen.items():
+    for name in checkpoint.frozen if names is None else names:
+        shape = checkpoint.frozen[name]
         count = numel(shape)
         parts = []
         for path, found in fragments:
@@ -595,7 +596,7 @@ def zero0_model_file(tag_dir: str) -> str | None:
     return path if os.path.lexists(path) else None
 
 
-def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool):
+def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Share = WHOLE):
     """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
     states file, keyed by parameter index. Importing it is not supported; the weights are (the
     module's, in the run's precision)."""
@@ -614,7 +615,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool):
     module = model_states.get("module")
     if not isinstance(module, Mapping) or not module:
         raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
-    names = [n for n, v in module.items() if isinstance(v, np.ndarray)]
+    names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
 
     def items():
         for name in names:

@@ -39,7 +39,7 @@ from jax_ucp.format import UCPError
 from jax_ucp.importers import megatron_dcp as dcp
 from jax_ucp.importers import megatron_legacy as legacy
 from jax_ucp.importers import torch_pickle
-from jax_ucp.importers.plan import ImportPlan, agreed_step, host_item
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item
 from jax_ucp.language import (
     QKV,
     ImportRule,
@@ -116,6 +116,7 @@ def plan_megatron(
     spec: Any = None,
     vocab_size: int | None = None,
     weights_only: bool = False,
+    share: Share = WHOLE,
 ) -> ImportPlan:
     """The import of a Megatron checkpoint (torch_dist or legacy; detected).
 
@@ -140,9 +141,9 @@ def plan_megatron(
         settings["vocab_size"] = int(vocab_size)
     try:
         if source_dir.format == "torch_dist":
-            plan = _plan_torch_dist(source_dir, user_spec, settings, weights_only)
+            plan = _plan_torch_dist(source_dir, user_spec, settings, weights_only, share)
         else:
-            plan = _plan_legacy(source_dir, user_spec, settings, weights_only)
+            plan = _plan_legacy(source_dir, user_spec, settings, weights_only, share)
     except (dcp.DcpError, legacy.LegacyError) as e:
         raise MegatronImportError(str(e)) from None
     info = dict(plan.source)
@@ -320,7 +321,11 @@ _OPTIMIZER_STATE_TREES = {
 
 
 def _plan_torch_dist(
-    source_dir: MegatronSource, spec: Spec | None, settings: dict, weights_only: bool = False
+    source_dir: MegatronSource,
+    spec: Spec | None,
+    settings: dict,
+    weights_only: bool = False,
+    share: Share = WHOLE,
 ) -> ImportPlan:
     """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info."""
     checkpoint, common, common_path = _open_torch_dist(source_dir.ckpt_dir)
@@ -394,11 +399,13 @@ def _plan_torch_dist(
         if not has_output and untie is not True
         else []
     )
+    mine = share.pick(model_names)
+    step = count if share.primary else None
     if buckets is not None:
-        items = _bucket_items(reader, buckets, model_names, count, want_model)
+        items = _bucket_items(reader, buckets, mine, step, want_model)
     else:
-        items = _torch_dist_items(reader, model_names, optimizer_tensors, count, want_model)
-    return ImportPlan(items, info, len(model_names))
+        items = _torch_dist_items(reader, mine, optimizer_tensors, step, want_model)
+    return ImportPlan(items, info, len(mine))
 
 
 def _open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
@@ -989,11 +996,12 @@ def _bucket_items(
                     "pattern": pattern,
                 },
             )
-    yield host_item(
-        ("opt_state", "count"),
-        np.asarray(count, np.int32),
-        {"files": files, "pattern": "param_groups.step"},
-    )
+    if count is not None:  # None: another process of a shared import writes the step
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(count, np.int32),
+            {"files": files, "pattern": "param_groups.step"},
+        )
 
 
 def _torch_dist_items(
@@ -1034,7 +1042,7 @@ def _torch_dist_items(
         if want_model:
             value, pattern = reader.read(name, name)
             yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
-    if optimizer_tensors:
+    if optimizer_tensors and count is not None:
         yield host_item(
             ("opt_state", "count"),
             np.asarray(count, np.int32),
@@ -1088,7 +1096,11 @@ class _LegacyImport:
 
 
 def _plan_legacy(
-    source_dir: MegatronSource, spec: Spec | None, settings: dict, weights_only: bool = False
+    source_dir: MegatronSource,
+    spec: Spec | None,
+    settings: dict,
+    weights_only: bool = False,
+    share: Share = WHOLE,
 ) -> ImportPlan:
     """Legacy TP x PP (x EP): fragments merged per name by the spec's kinds."""
     checkpoint = legacy.open_legacy(source_dir.ckpt_dir)
@@ -1128,7 +1140,7 @@ def _plan_legacy(
             "optimizer": "distrib_optim.pt" if checkpoint.distrib_optim else "none",
             "reason": "weights_only",
         }
-    return ImportPlan(_legacy_items(plan), info, len(names))
+    return ImportPlan(_legacy_items(plan, share), info, len(share.pick(names)))
 
 
 def _legacy_settings(checkpoint: legacy.LegacyCheckpoint, settings: dict) -> None:
@@ -1412,14 +1424,14 @@ class _LegacyMerger:
         return per_stage[0], f"expert(grouped, ep={self.plan.checkpoint.ep}, flat concat)"
 
 
-def _legacy_items(plan: _LegacyImport) -> Iterator[writer.HostItem]:
+def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.HostItem]:
     """Per name: the merged weight, or master + moments (+ model copy) with distrib_optim.pt."""
     checkpoint, tensors = plan.checkpoint, plan.tensors
     merger = _LegacyMerger(plan)
     optimizer_files = sorted(
         os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )
-    for name in plan.names:
+    for name in share.pick(plan.names):
         files = sorted(set(tensors.files[name]))
         provenance = {
             "format": "legacy",
@@ -1452,7 +1464,7 @@ def _legacy_items(plan: _LegacyImport) -> Iterator[writer.HostItem]:
         if plan.want_model:
             value, pattern = merger.merged(name, tensors.fragments[name], "model weights")
             yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
-    if plan.optimizer is not None:
+    if plan.optimizer is not None and share.primary:
         rank_files = (r.path for r in checkpoint.ranks.values())
         yield host_item(
             ("opt_state", "count"),

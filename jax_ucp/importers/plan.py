@@ -39,6 +39,32 @@ _ROLES: dict[tuple[str, ...], tuple[str, str | None]] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """This process's part of an import run by several processes (``convert(...,
+    distributed=True)``, ``jax-ucp convert --processes N``): every ``count``-th parameter from
+    ``index`` on, in the importer's own order; items that are not per parameter (the step) go to
+    index 0. Each process reads only its parameters' bytes."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"Share index {self.index} is not in [0, {self.count})")
+
+    def pick(self, names):
+        """This process's parameters of ``names`` (round-robin over their order)."""
+        return list(names)[self.index :: self.count]
+
+    @property
+    def primary(self) -> bool:
+        return self.index == 0
+
+
+WHOLE = Share()
+
+
 def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.HostItem:
     """``value`` at ``key`` with the role its place in the output tree means.
 

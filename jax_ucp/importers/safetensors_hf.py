@@ -25,7 +25,7 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import UCPError, files
-from jax_ucp.importers.plan import ImportPlan, host_item
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, host_item
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors crate refuses headers over 100 MB too
@@ -196,7 +196,9 @@ class SafetensorsFile:
         ).reshape(shape)
 
 
-def plan_safetensors(src, *, spec: Any = None, weights_only: bool = False) -> ImportPlan:
+def plan_safetensors(
+    src, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
+) -> ImportPlan:
     """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index)."""
     if spec is not None:
         raise SafetensorsImportError(
@@ -245,7 +247,8 @@ def plan_safetensors(src, *, spec: Any = None, weights_only: bool = False) -> Im
             "optimizer": "optimizer.pt (Hugging Face Trainer's torch optimizer state)",
             "reason": "weights_only",
         }
-    return ImportPlan(items=_items(owner, names), source=source, total_params=len(names))
+    mine = share.pick(names)
+    return ImportPlan(items=_items(owner, mine), source=source, total_params=len(mine))
 
 
 def _trainer_optimizer(src: str) -> str | None:

@@ -5,7 +5,12 @@ the directory atomically (temporary sibling + rename). Importers and the Orbax h
 write through it; it knows nothing of Orbax, JAX or torch.
 """
 
-from jax_ucp.writer.checkpoint import run_coroutine, write_host_checkpoint
+from jax_ucp.writer.checkpoint import (
+    SharedWriteError,
+    run_coroutine,
+    write_host_checkpoint,
+    write_shared_checkpoint,
+)
 from jax_ucp.writer.layout import (
     PreparedTensor,
     SaveOptions,

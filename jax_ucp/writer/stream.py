@@ -71,10 +71,12 @@ async def write_stream(
     compression: str | None = None,
     inner_chunk_bytes: int | None = None,
     sync: bool = True,
+    manifest_file: str = fmt.MANIFEST_FILE,
 ) -> None:
     """Writes every item under ``directory``, then ``ucp.json`` (single process: the primary).
 
     ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
+    ``manifest_file``: another name for the manifest (a shared import's part of it).
     """
     directory = os.fspath(directory)
     options = layout_lib.SaveOptions(
@@ -121,5 +123,5 @@ async def write_stream(
         raise
     entries = [with_digests(e, writer.digests.get(e.key)) for e in entries]
     manifest = fmt.new_manifest(entries, source=source)
-    with open(os.path.join(directory, fmt.MANIFEST_FILE), "w") as f:
+    with open(os.path.join(directory, manifest_file), "w") as f:
         f.write(manifest.dumps())
