@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jax_ucp import writer
+from jax_ucp import store, writer
 from jax_ucp.format import UCPError
 from jax_ucp.importers import detect
 from jax_ucp.importers.plan import Share
@@ -50,8 +50,15 @@ def convert(
     leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
     """
     dest = os.fspath(dest)
-    check_destination(source, dest)
-    if step is None and os.path.exists(dest) and not force:
+    remote = store.is_url(dest)
+    if remote and (step is not None or distributed):
+        raise ValueError(
+            f"convert: {dest} is an object store; step= and distributed=True write local (or "
+            f"shared file system) directories only"
+        )
+    if not remote:
+        check_destination(source, dest)
+    if step is None and not remote and os.path.exists(dest) and not force:
         raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
     if weights_only:
         importer_options["weights_only"] = True

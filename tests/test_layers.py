@@ -19,8 +19,8 @@ ALLOWED = {
     "handler": {"format", "store", "writer", "language", "sharding"},
     "importers": {"format", "writer", "language"},
     "models": {"language"},
-    "exporters": {"format", "writer", "handler", "language"},
-    "conversion": {"importers", "writer", "handler", "format"},
+    "exporters": {"format", "store", "writer", "handler", "language"},
+    "conversion": {"importers", "writer", "handler", "format", "store"},
 }
 BASE = {"lazy_names", "version"}  # leaf modules any layer may use
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import format as fmt
+from jax_ucp import store
 from jax_ucp.exporters import deepspeed_out, safetensors_out, torch_out
 from jax_ucp.exporters.safetensors_out import ExportError
 from jax_ucp.handler import reader
@@ -105,7 +106,7 @@ def export(
     dst = os.path.abspath(os.fspath(dst))
     root = reader.find_checkpoint_dir(ckpt)
     _check_destination(root, dst, force)
-    manifest = fmt.read_manifest(root)
+    manifest = store.read_manifest(root)
     if isinstance(spec, (str, os.PathLike)):
         from jax_ucp import language
 

@@ -9,6 +9,7 @@ from jax_ucp.format.manifest import (
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
+    MAX_MANIFEST_BYTES,
     Entry,
     Manifest,
     ManifestError,

@@ -11,6 +11,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jax_ucp import format as fmt
+from jax_ucp import store
 from jax_ucp.handler import checkpoint_handler, reader
 from jax_ucp.writer import commit
 
@@ -73,7 +74,9 @@ def save(
     Every process calls it; each writes only the replica-0 shards it holds, no gather.  Leaves:
     ``jax.Array`` (any sharding), numpy arrays, Python scalars / strings / None.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.fspath(path)
+    if not store.is_url(path):
+        path = os.path.abspath(path)
     args = checkpoint_handler.UCPSave(
         tree,
         logical_axes=logical_axes,
@@ -82,8 +85,39 @@ def save(
         checksum=checksum,
         source=source,
     )
-    atomic_save(path, args, force=force)
+    if store.is_url(path):
+        object_store_save(path, args, force=force)
+    else:
+        atomic_save(path, args, force=force)
     return path
+
+
+def object_store_save(url: str, args, *, force: bool) -> None:
+    """A save to ``s3://`` / ``gs://``: an object store has no rename, so the checkpoint is
+    committed by its ``ucp.json``, written last by the primary once every process's shards are
+    in place. Before that, the prefix is no checkpoint (restore, inspect and the manager say
+    so), so a killed save is never read. Leftovers of such a save are deleted first.
+
+    ``force`` cannot replace a committed checkpoint there: without a rename the old one would be
+    gone before the new one is whole. Save to a new prefix (e.g. the next step) instead.
+    """
+    location = store.location
+    url = url.rstrip("/")
+    location.kvstore_root(url)  # a malformed URL fails here, in every process
+    if location.exists(url, fmt.MANIFEST_FILE):
+        if not force:
+            raise FileExistsError(f"{url} already exists; pass force=True to replace it.")
+        raise location.cannot_replace(url)
+    primary = ocp.multihost.is_primary_host(0)
+    if primary:
+        location.delete_all(url)  # a killed save's objects: never a checkpoint (no ucp.json)
+    _barrier("jax_ucp:object_store:clean")
+    handler = checkpoint_handler.UCPCheckpointHandler()
+    handler.save(url, args=args)
+    _barrier("jax_ucp:object_store:written")
+    if primary:
+        handler.finalize(url)
+    _barrier("jax_ucp:object_store:committed")
 
 
 def restore(
@@ -149,7 +183,7 @@ def verify(path: str | os.PathLike, *, progress=None) -> list[tuple[str, str]]:
     intact. ``progress(name, done, total)`` is called after each tensor.
     """
     root = reader.find_checkpoint_dir(path)
-    manifest = fmt.read_manifest(root)
+    manifest = store.read_manifest(root)
     problems = []
     for done, entry in enumerate(manifest.tensors, 1):
         try:
@@ -164,4 +198,4 @@ def verify(path: str | os.PathLike, *, progress=None) -> list[tuple[str, str]]:
 
 def inspect(path: str | os.PathLike) -> fmt.Manifest:
     """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding)."""
-    return fmt.read_manifest(reader.find_checkpoint_dir(path))
+    return store.read_manifest(reader.find_checkpoint_dir(path))

@@ -47,11 +47,15 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         # No fsync per file (each costs a disk round trip: thousands of small tensors spent most
         # of a save there); one syncfs makes this process's files durable before Orbax commits.
         digests = await save_plan.write_all(directory, prepared, primary=primary, sync=False)
-        await asyncio.to_thread(durable.make_tree_durable, directory)
+        if not store.is_url(directory):  # an object store's PUT is durable when it returns
+            await asyncio.to_thread(durable.make_tree_durable, directory)
         if primary:
             self._pending[directory][1].update(digests)
         else:  # the primary merges every process's digests into ucp.json in finalize
             name = f"{DIGESTS_PREFIX}{jax.process_index()}.json"
+            if store.is_url(directory):
+                store.location.write(directory, name, json.dumps(digests).encode())
+                return
             with open(os.path.join(directory, name), "w") as f:
                 json.dump(digests, f)
                 f.flush()
@@ -84,7 +88,10 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
         if primary:
             manifest = fmt.new_manifest(
-                entries, source=args.source, tree=tree_lib.describe_structure(args.item)
+                entries,
+                source=args.source,
+                tree=tree_lib.describe_structure(args.item),
+                kvstore_driver=store.kvstore_driver(os.fspath(directory)),
             )
             self._pending[os.fspath(directory)] = (manifest, {})
         coro = self._write(os.fspath(directory), prepared, primary)
@@ -120,7 +127,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
-        return fmt.read_manifest(str(directory))
+        return store.read_manifest(str(directory))
 
     def finalize(self, directory: epath.Path) -> None:
         """Primary, after every process finished writing: ``ucp.json`` last, with the digest of
@@ -130,9 +137,13 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             return
         manifest, digests = pending
         directory = os.fspath(directory)
-        others = sorted(
-            n for n in os.listdir(directory) if n.startswith(DIGESTS_PREFIX) and n.endswith(".json")
+        remote = store.is_url(directory)
+        names = (
+            store.location.list_names(directory, DIGESTS_PREFIX)
+            if remote
+            else os.listdir(directory)
         )
+        others = sorted(n for n in names if n.startswith(DIGESTS_PREFIX) and n.endswith(".json"))
         expected = max(jax.process_count() - 1, 0)
         if len(others) != expected:
             raise fmt.UCPError(
@@ -140,9 +151,13 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"shard digests; the save is incomplete and is not committed."
             )
         for name in others:
-            with open(os.path.join(directory, name)) as f:
-                for array_dir, shard_digests in json.load(f).items():
-                    digests.setdefault(array_dir, {}).update(shard_digests)
+            if remote:
+                reported = json.loads(store.location.read(directory, name, 64 << 20) or b"{}")
+            else:
+                with open(os.path.join(directory, name)) as f:
+                    reported = json.load(f)
+            for array_dir, shard_digests in reported.items():
+                digests.setdefault(array_dir, {}).update(shard_digests)
         entries = []
         for e in manifest.entries:
             if isinstance(e, fmt.TensorEntry) and e.dir in digests:
@@ -155,6 +170,11 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                     )
             entries.append(e)
         manifest = dataclasses.replace(manifest, entries=entries)
+        if remote:  # the commit: one PUT; the digest reports go after, as files do locally
+            store.write_manifest(directory, manifest)
+            for name in others:
+                store.location.delete(directory, name)
+            return
         path = os.path.join(directory, fmt.MANIFEST_FILE)
         with open(path, "w") as f:
             f.write(manifest.dumps())

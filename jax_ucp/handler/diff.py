@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import format as fmt
+from jax_ucp import store
 from jax_ucp.handler import reader
 
 # Elements compared at once (float64 temporaries of this many elements, a few of them).
@@ -113,7 +114,7 @@ def diff(
             the file).
     """
     root_a, root_b = reader.find_checkpoint_dir(a), reader.find_checkpoint_dir(b)
-    man_a, man_b = fmt.read_manifest(root_a), fmt.read_manifest(root_b)
+    man_a, man_b = store.read_manifest(root_a), store.read_manifest(root_b)
     by_a, by_b = man_a.by_key(), man_b.by_key()
     common = [k for k in by_a if k in by_b]
     tensors, values, same = [], [], 0

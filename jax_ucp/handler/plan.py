@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
+from jax_ucp import store
 from jax_ucp.handler import reader
 
 
@@ -161,7 +162,7 @@ def plan(
             does not fit the mesh.
     """
     root = reader.find_checkpoint_dir(path)
-    manifest = fmt.read_manifest(root)
+    manifest = store.read_manifest(root)
     available = reader.available_tensors(manifest, spec)
     values = {e.key for e in manifest.values}
     explicit = target is not None or shardings is not None

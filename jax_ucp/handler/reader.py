@@ -55,6 +55,8 @@ def find_checkpoint_dir(path) -> str:
     next save to ``path`` completes the interrupted swap.
     """
     path = os.fspath(path).rstrip("/") or "/"
+    if store.is_url(path):
+        return _find_in_object_store(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return path
     if not os.path.lexists(path):
@@ -78,6 +80,30 @@ def find_checkpoint_dir(path) -> str:
             f"it; not a jax_ucp checkpoint (or the manifest was removed)."
         )
     raise CheckpointError(f"{path}: holds several UCP items {items}; pass one of them.")
+
+
+def _find_in_object_store(url: str) -> str:
+    """``url`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
+    A prefix without ucp.json is no checkpoint: a save that never completed."""
+    location = store.location
+    if location.exists(url, fmt.MANIFEST_FILE):
+        return url
+    items = sorted(
+        {
+            name.split("/")[0]
+            for name in location.list_names(url)
+            if name.count("/") == 1 and name.endswith("/" + fmt.MANIFEST_FILE)
+        }
+    )
+    if len(items) == 1:
+        return location.join(url, items[0])
+    if not items:
+        raise CheckpointError(
+            f"{url}: no {fmt.MANIFEST_FILE} here nor in any item below it; not a jax_ucp "
+            f"checkpoint (or its save did not complete: an object-store checkpoint exists once "
+            f"its {fmt.MANIFEST_FILE} is written)."
+        )
+    raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
 
 
 def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:
@@ -506,7 +532,7 @@ def _selector(select) -> Callable[[str], bool]:
 def _restore_once(
     root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes
 ):
-    manifest = fmt.read_manifest(root)
+    manifest = store.read_manifest(root)
     if select is not None and (target is not None or shardings is not None):
         raise ValueError(
             "select= restores part of a checkpoint without a target; a target "

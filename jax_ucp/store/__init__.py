@@ -1,7 +1,8 @@
 """Layer 2: TensorStore I/O (zarr v3 arrays on any kvstore) and whole-shard file I/O."""
 
-from jax_ucp.store import shard_file
+from jax_ucp.store import location, shard_file
 from jax_ucp.store.chunking import DEFAULT_INNER_CHUNK_BYTES, inner_chunk_shape, outer_chunk_shape
+from jax_ucp.store.location import is_url, read_manifest, write_manifest
 from jax_ucp.store.zarr3 import (
     ArrayLayout,
     array_config,

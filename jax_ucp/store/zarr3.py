@@ -16,6 +16,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp.format import dtypes as dtypes_lib
+from jax_ucp.store import location
 
 COMPRESSIONS = (None, "zstd")
 
@@ -52,6 +53,8 @@ class ArrayLayout:
 def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -> dict:
     """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
     rel = "/".join(p.strip("/") for p in subpath if p)
+    if location.is_url(root):
+        root = location.kvstore_root(root)
     if isinstance(root, Mapping):
         spec = dict(root)
         base = spec.get("path", "")
@@ -63,6 +66,8 @@ def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -
 
 
 def kvstore_driver(root) -> str:
+    if location.is_url(root):
+        root = location.kvstore_root(root)
     if isinstance(root, Mapping):
         return str(root.get("driver", "file"))
     return "file"

@@ -18,6 +18,7 @@ import shutil
 from collections.abc import Callable, Iterable, Mapping
 
 from jax_ucp import format as fmt
+from jax_ucp import store
 from jax_ucp.format import UCPError
 from jax_ucp.writer import commit
 from jax_ucp.writer.stream import HostItem, write_stream
@@ -37,6 +38,8 @@ def write_host_checkpoint(
     compression: str | None = None,
 ) -> str:
     """Writes ``items`` as a UCP checkpoint at ``dest``; returns ``dest`` (the directory of ucp.json)."""
+    if store.is_url(dest):
+        return _write_object_store_checkpoint(dest, items, force, source, compression)
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
     with commit.save_lock(dest):
         commit.recover_interrupted_swap(dest)
@@ -56,6 +59,26 @@ def write_host_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return dest
+
+
+def _write_object_store_checkpoint(url, items, force, source, compression) -> str:
+    """``s3://`` / ``gs://``: no rename, so ``ucp.json`` written last is the commit; objects of
+    an earlier save that never committed are deleted first, and after a failure."""
+    location = store.location
+    url = url.rstrip("/")
+    location.kvstore_root(url)  # a malformed URL fails before anything is read
+    if location.exists(url, fmt.MANIFEST_FILE):
+        if not force:
+            raise FileExistsError(f"{url} already exists; pass force=True to replace it.")
+        raise location.cannot_replace(url)
+    location.delete_all(url)
+    try:
+        run_coroutine(write_stream(url, items, source=source, compression=compression, sync=False))
+    except BaseException:
+        if not location.exists(url, fmt.MANIFEST_FILE):
+            location.delete_all(url)
+        raise
+    return url
 
 
 class SharedWriteError(UCPError, RuntimeError):

@@ -122,6 +122,7 @@ async def write_stream(
         await writer.abandon()
         raise
     entries = [with_digests(e, writer.digests.get(e.key)) for e in entries]
-    manifest = fmt.new_manifest(entries, source=source)
-    with open(os.path.join(directory, manifest_file), "w") as f:
-        f.write(manifest.dumps())
+    manifest = fmt.new_manifest(
+        entries, source=source, kvstore_driver=store.kvstore_driver(directory)
+    )
+    store.write_manifest(directory, manifest, manifest_file)

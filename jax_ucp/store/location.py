@@ -1,0 +1,183 @@
+"""Where a checkpoint lives: a local directory, or a prefix in an object store.
+
+``s3://bucket/path`` and ``gs://bucket/path`` are reached through TensorStore's own kvstore
+drivers (``s3``, ``gcs``), for the arrays and for the few small files around them (``ucp.json``,
+per-process digests), so one code path reads and writes both. Credentials and endpoints come
+from the usual environment, read by TensorStore itself (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, profiles; ``GOOGLE_APPLICATION_CREDENTIALS``);
+the endpoint and region from ``AWS_ENDPOINT_URL[_S3]`` / ``AWS_REGION`` (``AWS_DEFAULT_REGION``)
+and the GCS endpoint from ``STORAGE_EMULATOR_HOST`` are put in the spec here, since TensorStore
+does not read those. ``options`` (``set_options``) override them per scheme.
+
+An object store has no rename, so a checkpoint there is committed by writing ``ucp.json`` last:
+a prefix without it is not a checkpoint (``docs/FORMAT.md``, "Object stores").
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import tensorstore as ts
+
+from jax_ucp import format as fmt
+
+SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
+_options: dict[str, dict[str, Any]] = {}
+
+
+class ObjectStoreError(fmt.UCPError, ValueError):
+    """An object-store URL that cannot be used, or what an object store cannot do the way a
+    file system does (names the URL, and what to do instead)."""
+
+
+def is_url(path: Any) -> bool:
+    """True for ``s3://...`` / ``gs://...`` (an object-store checkpoint)."""
+    return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
+
+
+def set_options(scheme: str, **options: Any) -> None:
+    """Explicit kvstore options for every ``scheme://`` URL (e.g. ``set_options("s3",
+    endpoint="http://127.0.0.1:9000", aws_region="us-east-1")``); ``None`` removes one."""
+    if scheme not in SCHEMES:
+        raise ObjectStoreError(f"unknown scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
+    current = _options.setdefault(scheme, {})
+    for k, v in options.items():
+        if v is None:
+            current.pop(k, None)
+        else:
+            current[k] = v
+
+
+def kvstore_root(url: str) -> dict:
+    """The TensorStore kvstore spec of the prefix ``url`` (its path ends with "/")."""
+    scheme, _, rest = url.partition("://")
+    if scheme not in SCHEMES:
+        raise ObjectStoreError(f"{url}: not an object-store URL (expected s3:// or gs://)")
+    bucket, _, path = rest.partition("/")
+    path = path.strip("/")
+    if not bucket or not path:
+        raise ObjectStoreError(
+            f"{url}: expected {scheme}://BUCKET/PATH (a checkpoint is a prefix, never a bucket root)"
+        )
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise ObjectStoreError(f"{url}: empty, '.' or '..' path components are not allowed")
+    spec: dict[str, Any] = {"driver": SCHEMES[scheme], "bucket": bucket, "path": path + "/"}
+    if scheme == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        if endpoint:
+            spec["endpoint"] = endpoint
+        if region:
+            spec["aws_region"] = region
+    elif os.environ.get("STORAGE_EMULATOR_HOST"):
+        host = os.environ["STORAGE_EMULATOR_HOST"]
+        spec.setdefault("context", {})["gcs_request_retries"] = {"max_retries": 2}
+        os.environ.setdefault(
+            "TENSORSTORE_GCS_HTTP_URL", host if "://" in host else f"http://{host}"
+        )
+    spec.update(_options.get(scheme, {}))
+    return spec
+
+
+def join(root: str, *parts: str) -> str:
+    """``root`` joined with ``parts`` ("/"), for a URL or a local path."""
+    if is_url(root):
+        return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts if p)])
+    return os.path.join(root, *parts)
+
+
+def _kvstore(root: str | Mapping) -> ts.KvStore:
+    spec = kvstore_root(root) if isinstance(root, str) else dict(root)
+    return ts.KvStore.open(spec).result()
+
+
+def read(root: str, name: str, limit: int) -> bytes | None:
+    """Object ``name`` under the prefix ``root``, or None when it does not exist. At most
+    ``limit`` bytes are fetched; a larger object is an error, never read whole."""
+    kv = _kvstore(root)
+    try:  # a byte past the limit: present means too large
+        beyond = kv.read(name, byte_range=slice(limit, limit + 1)).result()
+    except ValueError:
+        pass  # past the end (OUT_OF_RANGE; some emulators answer 206 with an odd range): small
+    else:
+        if beyond.state != "value":
+            return None
+        raise ObjectStoreError(f"{join(root, name)}: more than the {limit} bytes it may have")
+    result = kv.read(name).result()
+    return bytes(result.value) if result.state == "value" else None
+
+
+def exists(root: str, name: str) -> bool:
+    return _kvstore(root).read(name, byte_range=slice(0, 0)).result().state == "value"
+
+
+def write(root: str, name: str, data: bytes) -> None:
+    """One object, whole (an object store's single PUT: readers see all of it or none)."""
+    _kvstore(root).write(name, data).result()
+
+
+def list_names(root: str, prefix: str = "") -> list[str]:
+    """Every object name under ``root`` (relative to it) starting with ``prefix``."""
+    kv = _kvstore(root)
+    if prefix:
+        keys = kv.list(ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
+    else:
+        keys = kv.list().result()
+    return sorted(k.decode() for k in keys)
+
+
+def delete(root: str, name: str) -> None:
+    _kvstore(root).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+
+
+def delete_all(root: str) -> None:
+    """Every object under the prefix ``root`` (a failed save's leftovers)."""
+    _kvstore(root).delete_range(ts.KvStore.KeyRange()).result()
+
+
+def read_manifest(root: str) -> fmt.Manifest:
+    """The checkpoint's ``ucp.json`` (strictly validated), local or in an object store."""
+    if not is_url(root):
+        return fmt.read_manifest(root)
+    where = join(root, fmt.MANIFEST_FILE)
+    try:
+        data = read(root, fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
+    except ObjectStoreError as e:
+        raise fmt.ManifestError(str(e)) from None
+    if data is None:
+        raise fmt.ManifestError(
+            f"{where}: no manifest; {root} is not a jax_ucp checkpoint (or its save did not "
+            f"complete: an object-store checkpoint exists once its {fmt.MANIFEST_FILE} is written)."
+        )
+    return fmt.Manifest.loads(data, where=where)
+
+
+def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
+    """``ucp.json`` (or a part of it): for an object store, one PUT, the commit."""
+    text = manifest.dumps()
+    if is_url(root):
+        write(root, name, text.encode())
+        return
+    with open(os.path.join(root, name), "w") as f:
+        f.write(text)
+
+
+def cannot_replace(url: str) -> ObjectStoreError:
+    return ObjectStoreError(
+        f"{url}: replacing a committed checkpoint in an object store is not supported (no "
+        f"atomic rename: the old one would be deleted before the new one is whole). Save to a "
+        f"new prefix, e.g. the next step, and delete the old one after."
+    )
+
+
+def _successor(prefix: str) -> str:
+    """The smallest string greater than every string starting with ``prefix``."""
+    data = bytearray(prefix.encode())
+    while data and data[-1] == 0xFF:
+        data.pop()
+    if not data:
+        return ""
+    data[-1] += 1
+    return data.decode(errors="surrogateescape")
