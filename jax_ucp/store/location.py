@@ -56,7 +56,7 @@ def kvstore_root(url: str) -> dict:
     if scheme not in SCHEMES:
         raise ObjectStoreError(f"{url}: not an object-store URL (expected s3:// or gs://)")
     bucket, _, path = rest.partition("/")
-    path = path.strip("/")
+    path = path.rstrip("/")
     if not bucket or not path:
         raise ObjectStoreError(
             f"{url}: expected {scheme}://BUCKET/PATH (a checkpoint is a prefix, never a bucket root)"
@@ -119,22 +119,30 @@ def write(root: str, name: str, data: bytes) -> None:
 
 
 def list_names(root: str, prefix: str = "") -> list[str]:
-    """Every object name under ``root`` (relative to it) starting with ``prefix``."""
-    kv = _kvstore(root)
-    if prefix:
-        keys = kv.list(ts.KvStore.KeyRange(prefix, _successor(prefix))).result()
-    else:
-        keys = kv.list().result()
-    return sorted(k.decode() for k in keys)
+    """Every object name under ``root`` (relative to it) starting with ``prefix``.
+
+    Listed from the bucket root with the full prefix and filtered here: a server that ignores
+    a list's range (gcp-storage-emulator does) must not make other objects look like ours."""
+    spec = kvstore_root(root)
+    full = spec["path"] + prefix
+    bucket = _kvstore({**spec, "path": ""})
+    keys = bucket.list(ts.KvStore.KeyRange(full, _successor(full))).result()
+    return sorted(k.decode()[len(spec["path"]) :] for k in keys if k.decode().startswith(full))
 
 
 def delete(root: str, name: str) -> None:
-    _kvstore(root).delete_range(ts.KvStore.KeyRange(name, name + "\0")).result()
+    """One object (a single DELETE; deleting a missing one is not an error)."""
+    _kvstore(root).write(name, None).result()
 
 
 def delete_all(root: str) -> None:
-    """Every object under the prefix ``root`` (a failed save's leftovers)."""
-    _kvstore(root).delete_range(ts.KvStore.KeyRange()).result()
+    """Every object under the prefix ``root`` (a failed save's leftovers), one DELETE each
+    after a filtered listing: never a range delete, which a server ignoring list ranges would
+    apply to the whole bucket."""
+    kv = _kvstore(root)
+    futures = [kv.write(name, None) for name in list_names(root)]
+    for f in futures:
+        f.result()
 
 
 def read_manifest(root: str) -> fmt.Manifest:
