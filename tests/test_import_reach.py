@@ -96,10 +96,11 @@ def test_weights_only_deepspeed(tmp_path):
 
 
 DP_RESHARDABLE = {
-    # name: (TP, PP, DP, buckets per rank, model dtype)
-    "gpt_distopt_dp_reshardable": (1, 1, 2, 1, "float32"),
-    "llama_distopt_bf16_tp2dp2_buckets": (2, 1, 2, 3, "bfloat16"),
-    "gpt_distopt_tp2pp2_dp_reshardable": (2, 2, 1, 2, "float32"),
+    # megatron-core release/name: (TP, PP, DP, buckets per rank, model dtype)
+    "0.16.1/gpt_distopt_dp_reshardable": (1, 1, 2, 1, "float32"),
+    "0.16.1/llama_distopt_bf16_tp2dp2_buckets": (2, 1, 2, 3, "bfloat16"),
+    "0.16.1/gpt_distopt_tp2pp2_dp_reshardable": (2, 2, 1, 2, "float32"),
+    "0.15.3/llama_distopt_bf16_tp2dp2_buckets": (2, 1, 2, 3, "bfloat16"),
 }
 
 
@@ -108,14 +109,14 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
     """Megatron-LM's default distributed-optimizer layout, dp_reshardable, written by
     megatron-core 0.16.1 itself: GPT TP1 DP2 fp32 (one bucket); Llama (GQA, SwiGLU) TP2 DP2
     bf16 with 3000-element --overlap-grad-reduce buckets (three per rank); GPT TP2 PP2 DP1 with
-    pipeline-tied embeddings (their own buckets). The flat bucket vectors carry no names; the
+    pipeline-tied embeddings (their own buckets); and by 0.15.3: the same Llama run. The flat bucket vectors carry no names; the
     re-derived layout gives masters and Adam moments equal, bit for bit, to the same run's
     optimizer state as megatron-core's own model sharding places it (``<name>.truth.npz``, read
     by torch DCP; for the first fixture a fully_reshardable save of the same run)."""
     from jax_ucp.importers import megatron_dcp
 
     tp, pp, dp, buckets, dtype = DP_RESHARDABLE[name]
-    src = os.path.join(MEGATRON, "mcore_versions", "0.16.1", name)
+    src = os.path.join(MEGATRON, "mcore_versions", name)
     original = megatron_dcp.open_dcp(src)
     optimizer = [n for n in original.tensors if n.startswith("optimizer.")]
     assert len(optimizer) == 3 * tp * pp * buckets  # what the fixture is meant to cover

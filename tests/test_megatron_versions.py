@@ -69,13 +69,30 @@ OLDER_LAYOUTS = {
         "dp_zero_gather_scatter",
         2,
     ),
+    # the same Llama run with 3000-element --overlap-grad-reduce buckets (three per rank);
+    # 0.16.1 itself refuses to save fully_sharded_model_space ("flattened_range is not supported")
+    "0.15.3/llama_distopt_bf16_tp2dp2_buckets_fully_sharded_model_space": (
+        "bfloat16",
+        "flattened",
+        27,
+    ),
+    "0.15.3/llama_distopt_bf16_tp2dp2_buckets_dp_zero_gather_scatter": (
+        "bfloat16",
+        "dp_zero_gather_scatter",
+        2,
+    ),
+    "0.16.1/llama_distopt_bf16_tp2dp2_buckets_dp_zero_gather_scatter": (
+        "bfloat16",
+        "dp_zero_gather_scatter",
+        2,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(OLDER_LAYOUTS))
-def test_megatron_core_013_014_optimizer_layouts_import_bit_exact(tmp_path, name):
-    """The distributed-optimizer layouts of megatron-core 0.13/0.14, written by those releases
-    themselves (GPT DP2 fp32; Llama with GQA and SwiGLU, TP2 DP2 bf16):
+def test_megatron_core_013_to_016_optimizer_layouts_import_bit_exact(tmp_path, name):
+    """The older distributed-optimizer layouts, written by megatron-core 0.13 to 0.16 themselves
+    (GPT DP2 fp32; Llama with GQA and SwiGLU, TP2 DP2 bf16, one or three buckets per rank):
 
     * ``fully_sharded_model_space`` (Megatron-LM's default there, --ckpt-fully-parallel-save):
       model-space state whose DP shards are flat ranges, saved N-D flattened
