@@ -56,8 +56,9 @@ def converted(tmp_path_factory):
 
 def test_fixtures_are_small_and_labelled():
     total = sum(f.stat().st_size for f in FIX.rglob("*") if f.is_file())
-    # 4.5 MiB for megatron-core 0.16's fixtures, + 7.5 MiB for other releases and layouts (0.13-0.15, dp_reshardable, flattened)
-    assert total <= 12 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
+    # 4.5 MiB for megatron-core 0.16's fixtures, + 10 MiB for other releases and optimizer
+    # layouts (0.13-0.16 x dp_reshardable, flattened, dp_zero_gather_scatter, with buckets)
+    assert total <= 15 * 2**20, f"megatron fixtures take {total / 2**20:.2f} MiB"
     info = fixture_info()
     for name in LEGACY:
         assert "synthetic" in name and name in info

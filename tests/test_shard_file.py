@@ -295,21 +295,32 @@ def test_restore_uses_the_fast_reader_and_equals_tensorstore(tmp_path, monkeypat
     jax_ucp.save(tmp_path / "c", {"w": w, "b": np.arange(6, dtype=np.int8)})
     regions = []
     real = shard_file.RegionRead.__init__
-    monkeypatch.setattr(
-        shard_file.RegionRead,
-        "__init__",
-        lambda self, reader, reg: regions.append(reg) or real(self, reader, reg),
-    )
+
+    def recording(self, reader, dests, out=None):
+        regions.append(sorted(region for region, _ in dests))
+        real(self, reader, dests, out)
+
+    monkeypatch.setattr(shard_file.RegionRead, "__init__", recording)
     target = {
         "w": jax.ShapeDtypeStruct(
             (64, 48), jnp.float32, sharding=NamedSharding(mesh, P("model", None))
         ),
         "b": np.zeros(6, np.int8),
     }
+    before = shard_file.bytes_read()
     back = jax_ucp.restore(tmp_path / "c", target=target)
     assert_bit_exact(np.asarray(back["w"]), np.asarray(w))
-    # The 4 row blocks of w the 8 devices hold tile w: read once as one box; b whole.
-    assert sorted(regions) == [((0, 6),), ((0, 64), (0, 48))]
+    # One read per tensor: w's 4 row blocks (each held by 2 devices) together, b whole; every
+    # byte of the shard files read once (w: 64*48*4 data bytes; crc32c trailers and indexes).
+    rows = [((16 * i, 16 * (i + 1)), (0, 48)) for i in range(4)]
+    assert sorted(regions) == [[((0, 6),)], rows]
+    stored = sum(p.stat().st_size for p in (tmp_path / "c").rglob("c/*") if p.is_file())
+    stored += sum(p.stat().st_size for p in (tmp_path / "c").rglob("c/*/*") if p.is_file())
+    assert shard_file.bytes_read() - before <= stored
+    # The read buffers became the device buffers (no copy on CPU): the two devices holding a
+    # row block share one buffer, as jax.device_put of one host array onto them does.
+    pointers = {s.data.unsafe_buffer_pointer() for s in back["w"].addressable_shards}
+    assert len(pointers) == 4
     monkeypatch.setattr(shard_file, "layout_from_metadata", lambda *a: None)
     again = jax_ucp.restore(tmp_path / "c", target=target)
     assert_bit_exact(np.asarray(again["w"]), np.asarray(w))

@@ -35,6 +35,12 @@ class PendingArray:
         self._device_index: list[tuple[jax.Device, tuple]] = []
         self._slices: dict[tuple, tuple] = {}
         self._box = None
+        # A source that reads regions into arrays we hand it (``store.shard_file``): every slice
+        # is read into its own 64-byte-aligned buffer, which ``jax.device_put`` adopts without a
+        # copy on CPU; devices holding the same slice share that buffer, as ``device_put`` of
+        # one host array onto a replicated sharding does.
+        self._direct = hasattr(source, "read_into") and len(self.shape) > 0
+        self._outs: dict[tuple, np.ndarray] = {}
         if sharding is None:
             self._slices[()] = ()
             self.read_bytes = _nbytes(self.shape, source)
@@ -43,7 +49,8 @@ class PendingArray:
             key = _index_key(index, self.shape)
             self._slices.setdefault(key, index)  # devices holding the same slice share one read
             self._device_index.append((device, key))
-        self._box = _tiled_box(list(self._slices), self.shape)
+        if not self._direct:
+            self._box = _tiled_box(list(self._slices), self.shape)
         if self._box is not None:  # the slices tile one box: read it once, cut it on the host
             self._slices = {(): tuple(slice(a, b) for a, b in self._box)}
         self.read_bytes = sum(
@@ -53,19 +60,42 @@ class PendingArray:
 
     def start(self) -> None:
         """Issues the reads (separate from construction so a caller can budget them)."""
+        if self._direct:
+            stored = np.dtype(self._source.dtype)
+            dests = []
+            for key in self._slices:
+                region = (
+                    tuple((a, b) for a, b, _ in key) if key else tuple((0, n) for n in self.shape)
+                )
+                self._outs[key] = aligned_empty(tuple(b - a for a, b in region), stored)
+                dests.append((region, self._outs[key]))
+            self._reads[()] = self._source.read_into(dests)
+            return
         for key, index in self._slices.items():
             self._reads[key] = self._source[index].read() if index else self._source[()].read()
 
     def _host(self, key) -> np.ndarray:
-        data = np.asarray(self._reads[key].result())
-        return data if data.dtype == self.dtype else data.astype(self.dtype)
+        if self._direct:
+            data = self._outs[key]
+        else:
+            data = np.asarray(self._reads[key].result())
+        if data.dtype == self.dtype:
+            return data
+        converted = aligned_empty(data.shape, self.dtype)
+        np.copyto(converted, data, casting="unsafe")  # the caller checked the cast is wanted
+        return converted
 
     def result(self):
         if not self._reads:
             self.start()
-        if self.sharding is None:
+        if self._direct:
+            self._reads[()].result()  # every slice read (errors raised here)
+            if self.sharding is None:
+                return self._host(())
+            host = {key: self._host(key) for key in self._outs}
+        elif self.sharding is None:
             return self._host(())
-        if self._box is not None:
+        elif self._box is not None:
             whole = self._host(())
             host = {
                 key: whole[
@@ -75,8 +105,22 @@ class PendingArray:
             }
         else:
             host = {key: self._host(key) for key in self._reads}
-        singles = [jax.device_put(host[key], device) for device, key in self._device_index]
+        singles = [
+            jax.device_put(host[key], device, may_alias=True) for device, key in self._device_index
+        ]
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, singles)
+
+
+_ALIGNMENT = 64  # XLA:CPU adopts a host buffer as a device buffer, uncopied, if this aligned
+
+
+def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
+    """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % _ALIGNMENT
+    return raw[start : start + nbytes].view(dtype).reshape(tuple(shape))
 
 
 def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int], ...] | None:

@@ -318,6 +318,54 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     return data
 
 
+def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
+    """Fills ``buffers`` (writable, contiguous bytes) with the file's bytes from ``offset`` on:
+    one ``preadv`` straight into them (no intermediate bytes object), repeated for whatever the
+    kernel left unfilled."""
+    rest = [memoryview(b).cast("B") for b in buffers]
+    total = sum(v.nbytes for v in rest)
+    position = offset
+    while rest:
+        got = os.preadv(fd, rest, position)
+        if not got:
+            raise ShardReadError(
+                f"{path}: truncated (needs bytes up to {offset + total}, file ends at {position})"
+            )
+        position += got
+        unfilled = []
+        for v in rest:
+            if got >= v.nbytes:
+                got -= v.nbytes
+            else:
+                unfilled.append(v[got:])
+                got = 0
+        rest = unfilled
+    with _BYTES_READ_LOCK:
+        _BYTES_READ[0] += total
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer (a chunk that is copied on, not kept)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
+
+
+def _contiguous_within(box, region) -> bool:
+    """Whether ``box`` lies inside ``region`` as one consecutive byte range of a C-ordered array
+    holding ``region`` (leading extents 1, then one partial dimension, then whole ones)."""
+    if any(s < a or e > b for (s, e), (a, b) in zip(box, region)):
+        return False
+    extent = [e - s for s, e in box]
+    full = [b - a for a, b in region]
+    cut = next((d for d, n in enumerate(extent) if n != 1), len(extent))
+    return all(extent[d] == full[d] for d in range(cut + 1, len(extent)))
+
+
 class ShardReader:
     """Regions of one stored array, read like ``tensorstore.TensorStore[index].read()``."""
 
@@ -394,59 +442,98 @@ class ShardReader:
             self._verified.add(key)
 
     def _read_chunk(
-        self, fd: int, index: np.ndarray, i: int, path: str, key: str = ""
+        self, fd: int, index: np.ndarray, i: int, path: str, key: str = "", into=None
     ) -> np.ndarray:
+        """Inner chunk ``i``, its crc32c checked: read straight into ``into`` (a C-contiguous
+        view of the chunk's shape) when given, else into this thread's scratch buffer (valid
+        until the thread's next read)."""
         off, nbytes = (int(x) for x in index[i])
         want = self._chunk_bytes + (4 if self._crc else 0)
         if nbytes != want:
             raise ShardReadError(
                 f"{path}: inner chunk {i} holds {nbytes} bytes, expected {want} (corrupt)"
             )
-        raw = _pread_exact(fd, nbytes, off, path)
+        if into is None:
+            raw = _scratch(self._chunk_bytes)
+            chunk = raw.view(self.dtype).reshape(self._inner)
+        else:
+            chunk, raw = into, into.reshape(-1).view(np.uint8)
         if self._crc:
-            data = memoryview(raw)[:-4]
-            (stored,) = struct.unpack("<I", raw[-4:])
-            if crc32c_lib.crc32c(data) != stored:
+            trailer = bytearray(4)
+            _preadv_exact(fd, [raw, trailer], off, path)
+            (stored,) = struct.unpack("<I", trailer)
+            if crc32c_lib.crc32c(raw) != stored:
                 raise ShardReadError(
                     f"{path}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)"
                 )
             seen = self._seen.get(key)
             if seen is not None:
-                seen[2][i] = raw[-4:]
+                seen[2][i] = bytes(trailer)
         else:
-            data = memoryview(raw)
-        return np.frombuffer(data, self.dtype).reshape(self._inner)
+            _preadv_exact(fd, [raw], off, path)
+        return chunk
+
+    def read_into(self, dests) -> RegionRead:
+        """Reads each region into its array: ``dests`` is a list of (region, out), region
+        ``((start, stop), ...)`` per dimension and out a C-contiguous array of this reader's
+        dtype and the region's shape (e.g. one per device, allocated by the caller).
+
+        Every inner chunk is read once however many regions need it; one wholly inside a region,
+        as a consecutive range of it, is read straight into that region's array (no copy)."""
+        for region, out in dests:
+            shape = tuple(b - a for a, b in region)
+            if (
+                len(region) != len(self.shape)
+                or tuple(out.shape) != shape
+                or out.dtype != self.dtype
+                or not out.flags.c_contiguous
+                or not out.flags.writeable
+            ):
+                raise ValueError(
+                    f"read_into: region {region} needs a writable C-contiguous {self.dtype} "
+                    f"array of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+                )
+        return RegionRead(self, list(dests))
 
     def read_region(self, region: tuple[tuple[int, int], ...]) -> np.ndarray:
         """``region`` ((start, stop) per dimension) as a new array, read in this thread."""
         out = np.empty(tuple(b - a for a, b in region), self.dtype)
-        tasks = self._tasks(region)
+        dests = [(region, out)]
+        tasks = self._tasks([region])
         for task in tasks:
-            self._read_part(*task, region, out)
+            self._read_part(*task, dests)
         self.verify_digests({shard_key(pos) for pos, _ in tasks})
         return out
 
-    def _tasks(self, region) -> list[tuple[tuple[int, ...], list]]:
-        """(shard position, inner-chunk positions) batches covering ``region``: the units read
-        in parallel (a batch is at most ~``_BATCH_BYTES``, so one big shard is not one thread)."""
-        if any(b <= a for a, b in region):
-            return []
+    def _tasks(self, regions) -> list[tuple[tuple[int, ...], list]]:
+        """(shard position, inner-chunk positions) batches covering every region, each chunk
+        once: the units read in parallel (a batch is at most ~``_BATCH_BYTES``, so one big shard
+        is not one thread)."""
         outer = self.layout.chunk_shape
         per_batch = max(1, _BATCH_BYTES // max(1, self._chunk_bytes))
+        wanted: dict[tuple[int, ...], set] = {}
+        for region in regions:
+            if any(b <= a for a, b in region):
+                continue
+            shard_ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(region, outer)]
+            for pos in itertools.product(*shard_ranges):
+                base = [p * c for p, c in zip(pos, outer)]
+                lo = [max(a, b0) - b0 for (a, _), b0 in zip(region, base)]  # shard-local region
+                hi = [min(b, b0 + c) - b0 for (_, b), b0, c in zip(region, base, outer)]
+                ranges = [
+                    range(lo_ // c, (h - 1) // c + 1) for lo_, h, c in zip(lo, hi, self._inner)
+                ]
+                wanted.setdefault(pos, set()).update(itertools.product(*ranges))
         tasks = []
-        shard_ranges = [range(a // c, (b - 1) // c + 1) for (a, b), c in zip(region, outer)]
-        for pos in itertools.product(*shard_ranges):
-            base = [p * c for p, c in zip(pos, outer)]
-            lo = [max(a, b0) - b0 for (a, _), b0 in zip(region, base)]  # shard-local region
-            hi = [min(b, b0 + c) - b0 for (_, b), b0, c in zip(region, base, outer)]
-            ranges = [range(lo_ // c, (h - 1) // c + 1) for lo_, h, c in zip(lo, hi, self._inner)]
-            chunks = list(itertools.product(*ranges))
+        for pos in sorted(wanted):
+            chunks = sorted(wanted[pos])  # file order
             for k in range(0, len(chunks), per_batch):
                 tasks.append((pos, chunks[k : k + per_batch]))
         return tasks
 
-    def _read_part(self, pos, chunks, region, out: np.ndarray) -> None:
-        """Reads the inner chunks ``chunks`` of shard ``pos`` into their part of ``out``."""
+    def _read_part(self, pos, chunks, dests) -> None:
+        """Reads the inner chunks ``chunks`` of shard ``pos`` into their parts of every
+        destination (region, out) they overlap."""
         key = shard_key(pos)
         path = os.path.join(self.array_dir, *key.split("/"))
         try:
@@ -462,17 +549,29 @@ class ShardReader:
             base = [p * c for p, c in zip(pos, self.layout.chunk_shape)]
             for cpos in chunks:
                 i = int(np.ravel_multi_index(cpos, self._inner_grid))
-                chunk = self._read_chunk(fd, index, i, path, key)
                 start = [b0 + p * c for b0, p, c in zip(base, cpos, self._inner)]  # global
-                src = tuple(
-                    slice(max(a, s) - s, min(b, s + c) - s)
-                    for (a, b), s, c in zip(region, start, self._inner)
-                )
-                dst = tuple(
-                    slice(max(a, s) - a, min(b, s + c) - a)
-                    for (a, b), s, c in zip(region, start, self._inner)
-                )
-                out[dst] = chunk[src]
+                box = tuple((s, s + c) for s, c in zip(start, self._inner))
+                hits = [
+                    (region, out)
+                    for region, out in dests
+                    if all(a < e and s < b for (a, b), (s, e) in zip(region, box))
+                ]
+                direct = next((d for d in hits if _contiguous_within(box, d[0])), None)
+                into = None
+                if direct is not None:
+                    region, out = direct
+                    into = out[tuple(slice(s - a, e - a) for (a, _), (s, e) in zip(region, box))]
+                chunk = self._read_chunk(fd, index, i, path, key, into=into)
+                for region, out in hits:
+                    if direct is not None and out is direct[1]:
+                        continue
+                    src = tuple(
+                        slice(max(a, s) - s, min(b, e) - s) for (a, b), (s, e) in zip(region, box)
+                    )
+                    dst = tuple(
+                        slice(max(a, s) - a, min(b, e) - a) for (a, b), (s, e) in zip(region, box)
+                    )
+                    out[dst] = chunk[src]
         finally:
             os.close(fd)
 
@@ -481,19 +580,18 @@ _BATCH_BYTES = 16 << 20
 
 
 class RegionRead:
-    """The pending read of one region: its parts run on the read pool, in parallel."""
+    """The pending read of regions into their arrays: its parts run on the read pool, in
+    parallel; ``result()`` is ``out`` (the array of a single-region read) once all are done."""
 
-    def __init__(self, reader: ShardReader, region: tuple[tuple[int, int], ...]):
-        self.out = np.empty(tuple(b - a for a, b in region), reader.dtype)
+    def __init__(self, reader: ShardReader, dests: list, out: np.ndarray | None = None):
+        self.out = out
         self._reader = reader
         pool = read_pool()
-        tasks = reader._tasks(region)
+        tasks = reader._tasks([region for region, _ in dests])
         self._keys = sorted({shard_key(pos) for pos, _ in tasks})
-        self._parts = [
-            pool.submit(reader._read_part, pos, chunks, region, self.out) for pos, chunks in tasks
-        ]
+        self._parts = [pool.submit(reader._read_part, pos, chunks, dests) for pos, chunks in tasks]
 
-    def result(self) -> np.ndarray:
+    def result(self) -> np.ndarray | None:
         errors = []
         for part in self._parts:  # wait for every part: none may still write into ``out``
             try:
@@ -511,7 +609,8 @@ class _Region:
         self.reader, self.region = reader, region
 
     def read(self) -> RegionRead:
-        return RegionRead(self.reader, self.region)
+        out = np.empty(tuple(b - a for a, b in self.region), self.reader.dtype)
+        return RegionRead(self.reader, [(self.region, out)], out)
 
 
 _READ_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
