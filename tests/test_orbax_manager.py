@@ -62,6 +62,36 @@ def test_async_save_does_not_see_later_mutation(tmp_path):
     assert_bit_exact(jax_ucp.restore(tmp_path / "run" / "0")["x"], np.ones((8, 16), np.float32))
 
 
+def test_async_save_survives_a_donating_step_right_after_save(tmp_path):
+    """save() returns before its private copies are made (they are enqueued on the runtime); a
+    train step that donates the saved arrays and overwrites them in place right away must not
+    reach the checkpoint."""
+    m = mesh((2, 4), ("data", "model"))
+    rng = np.random.default_rng(0)
+    host = {f"w{i}": rng.standard_normal((1024, 512)).astype(np.float32) for i in range(8)}
+    sharding = NamedSharding(m, P("data", "model"))
+    step = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 - 7, t), donate_argnums=0)
+    for attempt in range(3):
+        state = jax.jit(lambda t: jax.tree.map(lambda a: a + 0, t), out_shardings=sharding)(host)
+        pointers = {
+            k: [s.data.unsafe_buffer_pointer() for s in v.addressable_shards]
+            for k, v in state.items()
+        }
+        with ocp.CheckpointManager(tmp_path / f"run{attempt}") as mngr:
+            mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+            state = step(state)  # donated: written in place while the save goes on
+            in_place = all(
+                [s.data.unsafe_buffer_pointer() for s in v.addressable_shards] == pointers[k]
+                for k, v in state.items()
+            )
+            mngr.wait_until_finished()
+        assert in_place  # otherwise this test would show nothing
+        back = jax_ucp.restore(tmp_path / f"run{attempt}" / "0")
+        for k, v in host.items():
+            assert_bit_exact(back[k], v)
+        assert float(np.asarray(state["w0"])[0, 0]) == -7.0
+
+
 def test_restore_in_new_process_with_fewer_devices(tmp_path):
     m = mesh((2, 4), ("data", "model"))
     state = _state(m, 5)

@@ -55,15 +55,37 @@ def shards_to_write(array: jax.Array) -> list:
     return [(s.index, s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
-def _to_host(data: jax.Array, copy: bool) -> np.ndarray:
-    """Host bytes of one shard; a private copy when the caller may reuse the buffer.
+def _on_cpu(data: jax.Array) -> bool:
+    return all(d.platform == "cpu" for d in data.devices())
 
-    On CPU ``np.asarray`` aliases the device buffer (a donated or deleted array would change
-    under an async save), so async saves copy; on accelerators the transfer is the copy.
+
+class _Snapshots:
+    """Private copies of CPU shards for an async save, made by the runtime, not in the stall.
+
+    On CPU ``np.asarray`` aliases the device buffer, which a donated or deleted array would
+    change under an async save, so the save needs its own copy. One batched
+    ``jax.device_put(..., may_alias=False)`` enqueues every copy and returns at once; the
+    runtime orders a later donation's in-place write after it. The writer threads wait for each
+    copy (``np.asarray``) when they write that shard. On accelerators the device→host transfer
+    is already the copy.
     """
-    host = np.asarray(data)
-    on_cpu = all(d.platform == "cpu" for d in data.devices())
-    return np.array(host, copy=True) if (copy and on_cpu) else host
+
+    def __init__(self):
+        self._shards: list[jax.Array] = []
+        self._copies: list[jax.Array] | None = None
+
+    def add(self, data: jax.Array):
+        """A zero-argument producer of ``data``'s private host copy (valid after ``start``)."""
+        position = len(self._shards)
+        self._shards.append(data)
+        return lambda: np.asarray(self._copies[position])
+
+    def start(self) -> None:
+        if self._shards:
+            self._copies = jax.device_put(
+                self._shards, [s.sharding for s in self._shards], may_alias=False
+            )
+        self._shards = []
 
 
 def prepare_tree(
@@ -97,6 +119,7 @@ def prepare_tree(
 
     entries: list[fmt.Entry] = []
     prepared: list[PreparedTensor] = []
+    snapshots = _Snapshots()
     for key, key_types, leaf in leaves:
         if not key:
             raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
@@ -120,11 +143,11 @@ def prepare_tree(
             # A process-local array (e.g. a step counter made on each host's first device) exists once
             # per process: only the primary writes it, or two processes would write one shard file.
             local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
-            writes = (
-                []
-                if (local_copy and not primary)
-                else [(index, _to_host(data, copy)) for index, data in shards_to_write(leaf)]
-            )
+            writes = []
+            if primary or not local_copy:
+                for index, data in shards_to_write(leaf):
+                    host = snapshots.add(data) if (copy and _on_cpu(data)) else np.asarray(data)
+                    writes.append((index, host))
             p = PreparedTensor(
                 tensor_entry(
                     key,
@@ -161,6 +184,7 @@ def prepare_tree(
             )
         entries.append(p.entry)
         prepared.append(p)
+    snapshots.start()
     return entries, prepared
 
 
