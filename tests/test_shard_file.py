@@ -286,6 +286,41 @@ def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, s
     assert_bit_exact(r[region].read().result(), t[region].read().result())
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    geo=_geometry(),
+    dtype=st.sampled_from(DTYPES),
+    checksum=st.sampled_from(["crc32c", None]),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_read_into_several_regions_equals_tensorstore_reads(
+    tmp_path_factory, geo, dtype, checksum, seed, data
+):
+    """Regions read together (chunks shared between them read once, some straight into place)
+    equal TensorStore's reads of each region, and their arrays are filled completely."""
+    shape, chunk, inner, first = geo
+    regions = [first]
+    for _ in range(data.draw(st.integers(0, 3))):
+        region = []
+        for n in shape:
+            a = data.draw(st.integers(0, n - 1))
+            region.append(slice(a, data.draw(st.integers(a + 1, n))))
+        regions.append(tuple(region))
+    value = _random(dtype, shape, np.random.default_rng(seed))
+    path = tmp_path_factory.mktemp("r") / "a"
+    t = _ts_array(path, value, chunk, inner, checksum, True)
+    r = _reader(t, path)
+    dests = []
+    for reg in regions:
+        out = np.empty(tuple(sl.stop - sl.start for sl in reg), r.dtype)
+        out.view(np.uint8)[...] = 0x5A  # anything not written stays visible
+        dests.append((tuple((sl.start, sl.stop) for sl in reg), out))
+    assert r.read_into(dests).result() is None
+    for reg, (_, out) in zip(regions, dests):
+        assert_bit_exact(out, t[reg].read().result())
+
+
 def test_restore_uses_the_fast_reader_and_equals_tensorstore(tmp_path, monkeypatch):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
     w = jax.device_put(

@@ -561,6 +561,8 @@ class ShardReader:
                 if direct is not None:
                     region, out = direct
                     into = out[tuple(slice(s - a, e - a) for (a, _), (s, e) in zip(region, box))]
+                    if not into.flags.c_contiguous:  # never read into a reshaped copy
+                        direct = into = None
                 chunk = self._read_chunk(fd, index, i, path, key, into=into)
                 for region, out in hits:
                     if direct is not None and out is direct[1]:
