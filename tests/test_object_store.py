@@ -144,6 +144,34 @@ def test_save_restore_onto_another_mesh_inspect_verify(bucket):
     assert np.asarray(jax_ucp.restore(url)["params"]["w"]).tobytes() == w.tobytes()
 
 
+def test_swapped_or_missing_shard_objects_are_errors(bucket):
+    """Each shard object's digest is in ucp.json, as for files: two shard objects swapped
+    (each chunk still passes its crc32c) or one deleted is an error naming the object, never
+    the wrong values."""
+    from jax_ucp.store import location
+
+    _, root = bucket
+    url = _new(root, "swap")
+    w = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
+    jax_ucp.save(url, {"w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))})
+    (entry,) = jax_ucp.inspect(url).tensors
+    assert sorted(entry.shard_digests) == [f"c/{i}/{j}" for i in range(2) for j in range(4)]
+    a, b = f"{entry.dir}/c/0/0", f"{entry.dir}/c/1/3"
+    first, second = location.read(url, a, 1 << 20), location.read(url, b, 1 << 20)
+    assert first != second and len(first) == len(second)
+    location.write(url, a, second)
+    location.write(url, b, first)
+    with pytest.raises(jax_ucp.UCPError, match=r"c/0/0 is not the shard file this checkpoint"):
+        jax_ucp.restore(url)
+    assert any("c/0/0 is not the shard file" in message for _, message in jax_ucp.verify(url))
+    location.write(url, a, first)
+    location.write(url, b, second)
+    assert np.asarray(jax_ucp.restore(url)["w"]).tobytes() == w.tobytes()
+    location.delete(url, b)
+    with pytest.raises(jax_ucp.UCPError, match=r"c/1/3 is missing"):
+        jax_ucp.restore(url)
+
+
 def test_a_save_that_did_not_commit_is_never_a_checkpoint(bucket):
     """Killed before its ucp.json: restore/inspect/verify say it is no checkpoint; the next
     save to the prefix deletes the leftovers and commits only its own objects."""

@@ -403,9 +403,11 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
     is an error naming the file, and a FIFO never blocks the read."""
     kv = store.kvstore_config(root, entry.dir)
-    if kv.get("driver") != "file":
-        return
     n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    if kv.get("driver") != "file":
+        if entry.checksum == "crc32c" and entry.shard_digests is not None:
+            _verify_objects(root, kv, entry, n_chunks)
+        return
     for key in shard_keys(entry):
         path = os.path.join(kv["path"], *key.split("/"))
         try:
@@ -417,6 +419,27 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
         except FileNotFoundError:
             raise CheckpointError(
                 f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
+            ) from None
+        except fmt.UCPError as e:
+            raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+
+
+def _verify_objects(root: str, kv: Mapping, entry: fmt.TensorEntry, n_chunks: int) -> None:
+    """``verify_shard_files`` on an object store: each shard object's digest, from its index
+    and chunk trailers read as byte ranges."""
+    kvstore = ts.KvStore.open(dict(kv)).result()
+    data_bytes = shard_file.index_offset(
+        entry.inner_chunk_shape, store.zarr3.numpy_dtype(entry.dtype), n_chunks, entry.compression
+    )
+    for key in shard_keys(entry):
+        where = store.location.join(root, entry.dir, key)
+        try:
+            found = shard_file.object_digest(kvstore, key, n_chunks, where, data_bytes)
+            shard_file.check_digest(where, found, entry.shard_digests.get(key), entry.name)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: shard object {where} is missing (the checkpoint is "
+                f"incomplete)."
             ) from None
         except fmt.UCPError as e:
             raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None

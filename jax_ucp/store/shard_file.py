@@ -60,11 +60,10 @@ def chunks_are_contiguous(shard_shape: Sequence[int], inner: Sequence[int]) -> b
     return all(c == 1 for c in inner[:cut]) and shard_shape[cut] % inner[cut] == 0
 
 
-def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
-    """Whether ``data`` (one whole shard) can be written here instead of by TensorStore."""
+def can_encode(layout: ArrayLayout, data) -> bool:
+    """Whether ``data`` (one whole shard) is laid out so that ``encode`` gives its file."""
     return (
-        kvstore.get("driver") == "file"
-        and sys.byteorder == "little"
+        sys.byteorder == "little"
         and layout.compression is None
         and layout.checksum in (None, "crc32c")
         and isinstance(data, np.ndarray)
@@ -74,6 +73,11 @@ def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
         and _encodable_dtype(data.dtype)
         and chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape)
     )
+
+
+def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
+    """Whether ``data`` (one whole shard) can be written here instead of by TensorStore."""
+    return kvstore.get("driver") == "file" and can_encode(layout, data)
 
 
 def shard_key(chunk_position: Sequence[int]) -> str:
@@ -114,6 +118,12 @@ def digest_of_trailers(trailers: bytes) -> str:
 def digest_of_parts(parts: list) -> str:
     """``digest_of_trailers`` of a shard being written (the trailers are every other part)."""
     return digest_of_trailers(b"".join(parts[1:-2:2]))
+
+
+def digest_of_data(data: np.ndarray, layout: ArrayLayout) -> str:
+    """The digest of the shard file TensorStore writes for ``data`` (``can_encode``, crc32c):
+    for object stores, where the file is not ours to write or cheap to read back."""
+    return digest_of_parts(encode(data, layout))
 
 
 def write(
@@ -195,13 +205,18 @@ def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
             f"{path}: truncated ({size} bytes, the shard index alone needs {index_bytes})"
         )
     raw = _pread_exact(fd, index_bytes, size - index_bytes, path)
+    return parse_index(raw, path, n_chunks, crc, size - index_bytes)
+
+
+def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | None):
+    """The shard index from its bytes (crc32c included), validated; ``limit``: where the data
+    ends (None: unknown, reads past the end fail later)."""
     if crc:
         (stored,) = struct.unpack("<I", raw[-4:])
         if crc32c_lib.crc32c(raw[:-4]) != stored:
             raise ShardReadError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
         raw = raw[:-4]
     index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)
-    limit = size - index_bytes
     missing = index[:, 0] == _MISSING
     if missing.any():
         i = int(np.argmax(missing))
@@ -209,9 +224,53 @@ def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
             f"{path}: inner chunk {i} was never written (the shard is incomplete; jax_ucp never "
             f"reads missing data as fill values)"
         )
-    if (index[:, 0] + index[:, 1] > limit).any() or (index[:, 1] < (4 if crc else 0)).any():
+    past = limit is not None and (index[:, 0] + index[:, 1] > limit).any()
+    if past or (index[:, 1] < (4 if crc else 0)).any():
         raise ShardReadError(f"{path}: shard index points past the data (truncated or corrupt)")
     return index
+
+
+def index_offset(inner_chunk_shape, dtype, n_chunks: int, compression: str | None) -> int | None:
+    """Where the shard index starts in a shard with crc32c chunks, when the layout fixes it
+    (uncompressed, whole-byte dtype: every chunk its bytes + 4); else None."""
+    dtype = np.dtype(dtype)
+    if compression is not None or not _encodable_dtype(dtype):
+        return None
+    return n_chunks * (math.prod(inner_chunk_shape) * dtype.itemsize + 4)
+
+
+def object_digest(kvstore, key: str, n_chunks: int, where: str, data_bytes: int | None) -> str:
+    """The digest of the shard object ``key`` in an object store (a ``tensorstore.KvStore``):
+    its index, then the crc32c trailer of every inner chunk, read as byte ranges in one batch.
+
+    ``data_bytes``: where the index starts when the layout fixes it (uncompressed chunks); else
+    the index is read as the object's suffix, which some servers (the GCS emulator) ignore."""
+    import tensorstore as ts
+
+    index_bytes = n_chunks * 16 + 4
+    where_index = (
+        slice(-index_bytes, None)
+        if data_bytes is None
+        else slice(data_bytes, data_bytes + index_bytes)
+    )
+    try:
+        got = kvstore.read(key, byte_range=where_index).result()
+        if got.state == "missing":
+            raise FileNotFoundError(where)
+        index = parse_index(bytes(got.value), where, n_chunks, True, None)
+        with ts.Batch() as batch:
+            reads = [
+                kvstore.read(key, byte_range=slice(int(o + n - 4), int(o + n)), batch=batch)
+                for o, n in index
+            ]
+        trailers = [r.result() for r in reads]
+    except (ValueError, OSError) as e:
+        if isinstance(e, (FileNotFoundError, ShardReadError)):
+            raise
+        raise ShardReadError(f"{where}: cannot read the shard index or trailers ({e})") from e
+    if any(t.state != "value" or len(t.value) != 4 for t in trailers):
+        raise ShardReadError(f"{where}: shard object changed or truncated while read")
+    return digest_of_trailers(b"".join(bytes(t.value) for t in trailers))
 
 
 def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:

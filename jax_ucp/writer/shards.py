@@ -34,7 +34,8 @@ async def write_tensor(
     """Creates (primary) or attaches to (others) the array and writes this process's shards.
 
     Returns the digest of every shard file written (shard key -> ``shard_file`` digest; None
-    for arrays without checksums or outside the local file system), for the manifest.
+    for arrays without checksums, or on an object store when a shard was not written whole
+    from uncompressed host memory), for the manifest.
     ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
     it (``durable.make_durable``). Every write is waited for, even after one fails, so a
     caller's cleanup never races a write still in flight.
@@ -47,8 +48,12 @@ async def write_tensor(
         for r in results:
             if isinstance(r, BaseException):
                 raise r
-        if p.layout.checksum != "crc32c" or kv.get("driver") != "file":
+        if p.layout.checksum != "crc32c":
             return None
+        if kv.get("driver") != "file":  # object store: digests computed from the data written
+            if not all(isinstance(r, str) for r in results):
+                return None
+            return {keys[0]: r for (_, keys), r in zip(writes, results)}
         digests: dict[str, str] = {}
         for (_, keys), result in zip(writes, results):
             if isinstance(result, str):  # written by shard_file, which knows its digest
@@ -106,12 +111,24 @@ def _issue_writes(t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], s
             continue
         target = t[index] if index else t
         written = target.write(data, can_reference_source_data_indefinitely=p.stable_source)
+        if (
+            kv.get("driver") != "file"
+            and position is not None
+            and p.layout.checksum == "crc32c"
+            and shard_file.can_encode(p.layout, data)
+        ):  # an object store: the digest of the object TensorStore writes, from the data
+            digest = loop.run_in_executor(
+                durable.write_pool(), shard_file.digest_of_data, data, p.layout
+            )
+            commits.append((_committed(written, digest), [shard_file.shard_key(position)]))
+            continue
         commits.append((_committed(written), _shard_keys(index, p.layout)))
     return commits
 
 
-async def _committed(write_futures) -> None:
+async def _committed(write_futures, digest=None) -> str | None:
     await write_futures.commit
+    return None if digest is None else await digest
 
 
 def _write_whole_shard(array_dir: str, position, data, p: PreparedTensor, sync: bool) -> str | None:
