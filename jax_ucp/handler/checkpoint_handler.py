@@ -67,6 +67,13 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         ``copy``: private host copies of CPU device buffers, for saves whose caller goes on (a
         donated or deleted array would change under the write); a blocking save skips them.
         """
+        if store.is_url(os.fspath(directory)) and ".orbax-checkpoint-tmp" in os.fspath(directory):
+            raise fmt.UCPError(
+                f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
+                f"an object store cannot do atomically. Pass CheckpointManagerOptions("
+                f"temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath) (Orbax's "
+                f"default for gs://): each step is then committed by its commit_success.txt."
+            )
         if isinstance(args, UCPStreamSave):
             coro = writer.write_stream(
                 os.fspath(directory),
