@@ -17,6 +17,10 @@ Make the checkpoints first (a few minutes each on CPU):
         --heads 12 --seq 64 --mb 1 --steps 1 --no-next
     MCORE_BENCH_SIZE=1 MCORE_DISTOPT_SHARDING=dp_reshardable MCORE_DDP_BUCKET_SIZE=40000000 \\
         python tools/fixtures/make_megatron_fixtures.py --out /tmp/big llama_distopt_bf16_tp2dp2
+    python -c "import transformers as t; t.GPT2LMHeadModel(t.GPT2Config(n_embd=1024,
+        n_layer=12, n_head=16)).save_pretrained('/tmp/hf/gpt2_203m')"
+
+and pass ``--safetensors /tmp/hf/gpt2_203m`` for a Hugging Face model (one model.safetensors).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def main() -> None:
     ap.add_argument("--deepspeed", help="a DeepSpeed checkpoint folder (with 'latest')")
     ap.add_argument("--megatron", help="a Megatron checkpoint folder")
     ap.add_argument("--vocab-size", type=int, help="the Megatron checkpoint's vocab size")
+    ap.add_argument("--safetensors", help="a Hugging Face model folder (model.safetensors)")
     ap.add_argument("--processes", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--skip-ds", action="store_true", help="without ds_to_universal")
@@ -97,6 +102,8 @@ def main() -> None:
     if a.megatron:
         extra = ["--vocab-size", str(a.vocab_size)] if a.vocab_size else []
         sources.append(("megatron", a.megatron, extra))
+    if a.safetensors:
+        sources.append(("safetensors", a.safetensors, []))
     report = {"date": time.strftime("%Y-%m-%d"), "cpus": os.cpu_count(), "results": []}
     for fmt, src, extra in sources:
         commands = {}
