@@ -30,6 +30,21 @@ def _script():
 
 
 @pytest.mark.parametrize("name", TORCH_DIST)
+def assert_regenerated(got: np.ndarray, want: np.ndarray, key: str, what: str, run: str) -> None:
+    """A regenerated fixture tensor equals the committed one bit for bit, except the fp32
+    masters of a bf16 run: those regenerate only to within one rounding (seen on three days: at
+    most 2**-26 apart, or 1 ulp of values near 1, while the moments and weights were
+    bit-identical; cause not pinned down, torch CPU kernels are the suspect). Every import is
+    still compared bit for bit against the regeneration it read."""
+    if not (key.startswith("optimizer.state.param.") and "bf16" in run):
+        assert_bit_equal(got, want, what)
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    diff = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    bound = np.maximum(2.0**-25, np.spacing(np.abs(want)).astype(np.float64))
+    assert (diff <= bound).all(), f"{what}: {diff.max()} apart"
+
+
 def test_committed_references_equal_live_torch_consolidation(name):
     pytest.importorskip("torch")
     live = _script().consolidate(FIX / name)
@@ -77,18 +92,7 @@ def test_regenerate_and_import_live(tmp_path):
         live = m.consolidate(out / name)
         committed = load_reference(name)
         for k in committed:
-            if k.startswith("optimizer.state.param.") and "bf16" in name:
-                # The fp32 masters of a bf16 run regenerate only to within one rounding (seen on
-                # two days: at most 2**-26 apart, or 1 ulp of values near 1, in 7 of 9 masters,
-                # while the moments and weights were bit-identical; cause not pinned down, torch
-                # CPU kernels are the suspect). The import below is still bit-exact against this
-                # regeneration.
-                want = committed[k].astype(np.float64)
-                diff = np.abs(live[k].astype(np.float64) - want)
-                bound = np.maximum(2.0**-25, np.spacing(np.abs(committed[k])).astype(np.float64))
-                assert (diff <= bound).all(), f"regenerated {name}:{k}: {diff.max()} apart"
-                continue
-            assert_bit_equal(live[k], committed[k], f"regenerated {name}:{k}")
+            assert_regenerated(live[k], committed[k], k, f"regenerated {name}:{k}", name)
         d = convert_megatron(out / name, tmp_path / f"ucp_{name}", vocab_size=VOCAB)
         got = jax_ucp.restore(d)
         opt = any(k.startswith("optimizer.") for k in live)
@@ -142,7 +146,7 @@ def test_dp_reshardable_with_buckets_live(tmp_path):
     )
     trees = {"exp_avg": got["opt_state"]["mu"], "exp_avg_sq": got["opt_state"]["nu"]}
     for key in truth.files:
-        assert_bit_equal(truth[key], committed[key], f"regenerated truth {key}")
+        assert_regenerated(truth[key], committed[key], key, f"regenerated truth {key}", name)
         state, _, tensor = key[len("optimizer.state.") :].partition(".")
         want = truth[key]
         if tensor.endswith(("word_embeddings.weight", "output_layer.weight")):
