@@ -28,6 +28,7 @@ _LAZY = {
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
     "ExportError": "jax_ucp.exporters",
+    "set_object_store_options": "jax_ucp.store.location",
 }
 
 __all__ = [

@@ -359,3 +359,28 @@ def test_checkpoint_manager_on_an_object_store(bucket):
             with ocp.CheckpointManager(_new(root, "renamed")) as mngr:
                 mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({"w": sharded})))
                 mngr.wait_until_finished()
+
+
+def test_explicit_options_override_the_environment(s3_server, monkeypatch):
+    """``set_object_store_options`` reaches a server the environment does not name: with
+    AWS_ENDPOINT_URL pointing at a closed port, the explicit endpoint is the one used."""
+    env, root = s3_server
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("AWS_REGION")
+    with pytest.raises(location.ObjectStoreError, match="'bucket' comes from each URL"):
+        jax_ucp.set_object_store_options("s3", bucket="other")
+    jax_ucp.set_object_store_options(
+        "s3", endpoint=env["AWS_ENDPOINT_URL"], aws_region=env["AWS_REGION"]
+    )
+    try:
+        url = _new(root, "explicit")
+        w = np.arange(48 * 32, dtype=np.float32).reshape(48, 32)
+        jax_ucp.save(url, {"w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))})
+        got = jax_ucp.restore(url, mesh=_mesh((4, 2)))["w"]
+        assert np.asarray(got).tobytes() == w.tobytes()
+        assert location.kvstore_root(url)["endpoint"] == env["AWS_ENDPOINT_URL"]
+    finally:
+        jax_ucp.set_object_store_options("s3", endpoint=None, aws_region=None)
+    assert location.kvstore_root(url)["endpoint"] != env["AWS_ENDPOINT_URL"]

@@ -7,7 +7,7 @@ from the usual environment, read by TensorStore itself (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, profiles; ``GOOGLE_APPLICATION_CREDENTIALS``);
 the endpoint and region from ``AWS_ENDPOINT_URL[_S3]`` / ``AWS_REGION`` (``AWS_DEFAULT_REGION``)
 and the GCS endpoint from ``STORAGE_EMULATOR_HOST`` are put in the spec here, since TensorStore
-does not read those. ``options`` (``set_options``) override them per scheme.
+does not read those. ``set_object_store_options`` overrides them per scheme.
 
 An object store has no rename, so a checkpoint there is committed by writing ``ucp.json`` last:
 a prefix without it is not a checkpoint (``docs/FORMAT.md``, "Object stores").
@@ -37,11 +37,19 @@ def is_url(path: Any) -> bool:
     return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
 
 
-def set_options(scheme: str, **options: Any) -> None:
-    """Explicit kvstore options for every ``scheme://`` URL (e.g. ``set_options("s3",
-    endpoint="http://127.0.0.1:9000", aws_region="us-east-1")``); ``None`` removes one."""
+def set_object_store_options(scheme: str, **options: Any) -> None:
+    """Explicit TensorStore kvstore options for every ``scheme://`` URL this process opens, for
+    endpoints and credentials the environment does not give, e.g. ``set_object_store_options(
+    "s3", endpoint="http://127.0.0.1:9000", aws_region="us-east-1")`` (members of TensorStore's
+    ``s3`` / ``gcs`` kvstore spec). They override the environment. Per process: every process of
+    a multi-process save or restore sets the same. ``None`` removes one."""
     if scheme not in SCHEMES:
         raise ObjectStoreError(f"unknown scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
+    for k in options:
+        if k in ("driver", "bucket", "path"):
+            raise ObjectStoreError(
+                f"set_object_store_options({scheme!r}): {k!r} comes from each URL, not an option"
+            )
     current = _options.setdefault(scheme, {})
     for k, v in options.items():
         if v is None:
