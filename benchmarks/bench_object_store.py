@@ -5,7 +5,9 @@ local directory. Prints each contender's time (median of ``--rounds``) or its er
     python benchmarks/bench_object_store.py --mib 256 --rounds 3 --json docs/benchmark_object_store.json
 
 moto keeps objects in memory in one Python process, so the S3 figures measure the protocol and
-this machine's CPU, not a real object store's bandwidth.
+this machine's CPU, not a real object store's bandwidth. ``--latency-ms 30`` puts a proxy in front
+of it that holds every response that long (a real store's time to first byte), which is what
+requests issued one after another pay for.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -29,24 +32,73 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _wait_for_port(port: int) -> None:
+    for _ in range(200):
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+
+
+def delay_proxy(listen: int, target: int, seconds: float) -> None:
+    """A TCP proxy on 127.0.0.1 that holds the first bytes of each response ``seconds``: a
+    request's time to first byte, whatever its size (bodies then flow at full speed)."""
+    import asyncio
+
+    async def handle(client_reader, client_writer):
+        server_reader, server_writer = await asyncio.open_connection("127.0.0.1", target)
+        asked = asyncio.Event()  # the client sent bytes the server has not answered yet
+
+        async def upstream():
+            while data := await client_reader.read(1 << 16):
+                asked.set()
+                server_writer.write(data)
+                await server_writer.drain()
+            server_writer.close()
+
+        async def downstream():
+            while data := await server_reader.read(1 << 16):
+                if asked.is_set():
+                    asked.clear()
+                    await asyncio.sleep(seconds)
+                client_writer.write(data)
+                await client_writer.drain()
+            client_writer.close()
+
+        try:
+            await asyncio.gather(upstream(), downstream())
+        except OSError:
+            pass
+
+    async def serve():
+        server = await asyncio.start_server(handle, "127.0.0.1", listen)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(serve())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=256, help="total tensor bytes")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--latency-ms", type=float, default=0, help="added to every S3 request")
+    ap.add_argument(
+        "--proxy", nargs=3, metavar=("LISTEN", "TARGET", "SECONDS"), help=argparse.SUPPRESS
+    )
     a = ap.parse_args()
+    if a.proxy:
+        return delay_proxy(int(a.proxy[0]), int(a.proxy[1]), float(a.proxy[2]))
     port = _free_port()
     server = subprocess.Popen(
         [shutil.which("moto_server"), "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+    proxy = None
     try:
-        for _ in range(200):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
+        _wait_for_port(port)
         endpoint = f"http://127.0.0.1:{port}"
         os.environ.update(
             AWS_ACCESS_KEY_ID="bench",
@@ -55,13 +107,21 @@ def main() -> None:
             AWS_ENDPOINT_URL=endpoint,
         )
         urllib.request.urlopen(urllib.request.Request(f"{endpoint}/bench", method="PUT"))
-        run(a.mib, a.rounds, a.json)
+        if a.latency_ms:
+            proxy_port = _free_port()
+            cmd = [sys.executable, __file__, "--proxy", str(proxy_port), str(port)]
+            proxy = subprocess.Popen([*cmd, str(a.latency_ms / 1000)])
+            _wait_for_port(proxy_port)
+            os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy_port}"
+        run(a.mib, a.rounds, a.json, a.latency_ms)
     finally:
+        if proxy is not None:
+            proxy.terminate()
         server.terminate()
         server.wait(timeout=30)
 
 
-def run(mib: int, rounds: int, json_path: str | None) -> None:
+def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> None:
     import json
     import platform
 
@@ -122,7 +182,8 @@ def run(mib: int, rounds: int, json_path: str | None) -> None:
     shutil.rmtree(local, ignore_errors=True)
     back = jax_ucp.restore("s3://bench/ucp-0")
     exact = all(np.asarray(back[k]).tobytes() == np.asarray(v).tobytes() for k, v in tree.items())
-    print(f"{n} x 16 MiB fp32 tensors on a 2x4 mesh, median of {rounds}:")
+    added = f", {latency_ms:g} ms added to every S3 request" if latency_ms else ""
+    print(f"{n} x 16 MiB fp32 tensors on a 2x4 mesh, median of {rounds}{added}:")
     names = (
         "jax_ucp -> s3://",
         "Orbax StandardCheckpointer -> s3://",
@@ -144,6 +205,7 @@ def run(mib: int, rounds: int, json_path: str | None) -> None:
             "tensors": n,
             "tensor_bytes": 2048 * 2048 * 4,
             "rounds": rounds,
+            "latency_ms": latency_ms,
             "median_seconds": {k: statistics.median(v) for k, v in times.items()},
             "errors": errors,
             "bit_exact": exact,

@@ -414,3 +414,30 @@ def test_layouts_it_cannot_read_go_to_tensorstore(tmp_path, case):
     elif case == "int4":
         dtype = ml_dtypes.int4
     assert shard_file.layout_from_metadata(meta, np.dtype(dtype)) is None
+
+
+@pytest.mark.parametrize("fixed_index", [True, False], ids=["index at its offset", "suffix"])
+def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
+    """Digests read together as byte ranges through a kvstore (as from an object store) equal
+    each file's own digest; a missing or truncated object is that object's error, the others'
+    digests still come back."""
+    layout = store.ArrayLayout(
+        shape=(16, 4), dtype="int16", chunk_shape=(8, 4), inner_chunk_shape=(2, 4)
+    )
+    kv = store.kvstore_config(str(tmp_path), "a")
+    store.create(kv, layout).result()
+    value = np.arange(64, dtype=np.int16).reshape(16, 4)
+    want = [shard_file.write(kv["path"], (i, 0), value[8 * i : 8 * i + 8], layout) for i in (0, 1)]
+    os.makedirs(os.path.join(kv["path"], "c", "9"))
+    with open(os.path.join(kv["path"], "c", "0", "0"), "rb") as f:  # a truncated copy
+        open(os.path.join(kv["path"], "c", "9", "0"), "wb").write(f.read()[:-30])
+    offset = shard_file.index_offset((2, 4), np.int16, 4, None) if fixed_index else None
+    kvstore = ts.KvStore.open({**kv, "path": kv["path"] + "/"}).result()
+    keys = ["c/0/0", "c/5/0", "c/1/0", "c/9/0"]
+    got = shard_file.object_digests([(kvstore, k, 4, k, offset) for k in keys])
+    assert got[0] == want[0] and got[2] == want[1]
+    assert isinstance(got[1], FileNotFoundError)
+    assert isinstance(got[3], shard_file.ShardReadError) and "c/9/0" in str(got[3])
+    assert shard_file.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
+    with pytest.raises(FileNotFoundError):
+        shard_file.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)

@@ -315,6 +315,11 @@ def read(
     # All opens were issued above; now read with at most ``max_read_bytes`` of host buffers in
     # flight: a tensor's reads start once the budget has room (one tensor at least), and the
     # oldest is turned into its result (device arrays; its host buffers freed) to make room.
+    url = store.location.is_url(root)
+    if url:  # every shard object's digest at once, before any of them is read
+        verify_shard_objects(
+            root, [s for item in plan if item[0] == "tensor" for s in item[2].sources]
+        )
     out: list = [None] * len(plan)
     in_flight: collections.deque = collections.deque()
     budget = DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
@@ -328,7 +333,7 @@ def read(
         fast = _fast_reader(root, found.sources[0], view) if found.stored else None
         if fast is not None:
             view = fast
-        else:  # read by TensorStore: check every shard file it may open first
+        elif not url:  # read by TensorStore: check every shard file it may open first
             for src in found.sources:
                 verify_shard_files(root, src)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
@@ -405,8 +410,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     kv = store.kvstore_config(root, entry.dir)
     n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
     if kv.get("driver") != "file":
-        if entry.checksum == "crc32c" and entry.shard_digests is not None:
-            _verify_objects(root, kv, entry, n_chunks)
+        verify_shard_objects(root, [entry])
         return
     for key in shard_keys(entry):
         path = os.path.join(kv["path"], *key.split("/"))
@@ -424,25 +428,46 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
             raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
 
 
-def _verify_objects(root: str, kv: Mapping, entry: fmt.TensorEntry, n_chunks: int) -> None:
-    """``verify_shard_files`` on an object store: each shard object's digest, from its index
-    and chunk trailers read as byte ranges."""
-    kvstore = ts.KvStore.open(dict(kv)).result()
-    data_bytes = shard_file.index_offset(
-        entry.inner_chunk_shape, store.zarr3.numpy_dtype(entry.dtype), n_chunks, entry.compression
-    )
-    for key in shard_keys(entry):
-        where = store.location.join(root, entry.dir, key)
-        try:
-            found = shard_file.object_digest(kvstore, key, n_chunks, where, data_bytes)
-            shard_file.check_digest(where, found, entry.shard_digests.get(key), entry.name)
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"Tensor {entry.name!r}: shard object {where} is missing (the checkpoint is "
-                f"incomplete)."
-            ) from None
-        except fmt.UCPError as e:
-            raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+def verify_shard_objects(root: str, entries) -> None:
+    """``verify_shard_files`` for many tensors in an object store at once: each shard object's
+    digest from its index and chunk trailers, read as byte ranges, all objects' requests issued
+    together (two round trips for a whole restore, where one object after another took two
+    each)."""
+    entries = [e for e in entries if e.checksum == "crc32c" and e.shard_digests is not None]
+    if not entries:
+        return
+    kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
+    shards, owners = [], []
+    for entry in entries:
+        n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+        data_bytes = shard_file.index_offset(
+            entry.inner_chunk_shape,
+            store.zarr3.numpy_dtype(entry.dtype),
+            n_chunks,
+            entry.compression,
+        )
+        for key in shard_keys(entry):
+            where = store.location.join(root, entry.dir, key)
+            shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
+            owners.append((entry, key, where))
+    for start in range(0, len(shards), _OBJECTS_PER_SWEEP):
+        found = shard_file.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
+        for (entry, key, where), digest in zip(owners[start:], found):
+            try:
+                if isinstance(digest, BaseException):
+                    raise digest
+                shard_file.check_digest(where, digest, entry.shard_digests.get(key), entry.name)
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"Tensor {entry.name!r}: shard object {where} is missing (the checkpoint is "
+                    f"incomplete)."
+                ) from None
+            except fmt.UCPError as e:
+                raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+
+
+# Shard objects whose digests are read together (each holds its index in memory meanwhile).
+_OBJECTS_PER_SWEEP = 4096
 
 
 def _short(value: Any, limit: int = 60) -> str:

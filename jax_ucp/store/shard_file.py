@@ -241,36 +241,71 @@ def index_offset(inner_chunk_shape, dtype, n_chunks: int, compression: str | Non
 
 def object_digest(kvstore, key: str, n_chunks: int, where: str, data_bytes: int | None) -> str:
     """The digest of the shard object ``key`` in an object store (a ``tensorstore.KvStore``):
-    its index, then the crc32c trailer of every inner chunk, read as byte ranges in one batch.
+    its index, then the crc32c trailer of every inner chunk, read as byte ranges.
 
     ``data_bytes``: where the index starts when the layout fixes it (uncompressed chunks); else
     the index is read as the object's suffix, which some servers (the GCS emulator) ignore."""
+    found = object_digests([(kvstore, key, n_chunks, where, data_bytes)])[0]
+    if isinstance(found, BaseException):
+        raise found
+    return found
+
+
+def object_digests(shards) -> list:
+    """``object_digest`` of many shard objects ``(kvstore, key, n_chunks, where, data_bytes)``
+    at once: every index read is issued together, then every trailer in one batch, so a restore
+    waits two round trips for all of them instead of two per object. Each result is the digest,
+    or the error (``FileNotFoundError``, ``ShardReadError``) for that object."""
     import tensorstore as ts
 
-    index_bytes = n_chunks * 16 + 4
-    where_index = (
-        slice(-index_bytes, None)
-        if data_bytes is None
-        else slice(data_bytes, data_bytes + index_bytes)
-    )
-    try:
-        got = kvstore.read(key, byte_range=where_index).result()
-        if got.state == "missing":
-            raise FileNotFoundError(where)
-        index = parse_index(bytes(got.value), where, n_chunks, True, None)
-        with ts.Batch() as batch:
-            reads = [
+    out: list = [None] * len(shards)
+    index_reads = []
+    for kvstore, key, n_chunks, _, data_bytes in shards:
+        index_bytes = n_chunks * 16 + 4
+        where_index = (
+            slice(-index_bytes, None)
+            if data_bytes is None
+            else slice(data_bytes, data_bytes + index_bytes)
+        )
+        index_reads.append(kvstore.read(key, byte_range=where_index))
+    trailer_reads = {}
+    with ts.Batch() as batch:
+        for i, (kvstore, key, n_chunks, where, _) in enumerate(shards):
+            try:
+                got = _object_read(index_reads[i], where)
+                if got.state == "missing":
+                    raise FileNotFoundError(where)
+                index = parse_index(bytes(got.value), where, n_chunks, True, None)
+            except (ValueError, OSError) as e:
+                out[i] = _read_error(e, where)
+                continue
+            trailer_reads[i] = [
                 kvstore.read(key, byte_range=slice(int(o + n - 4), int(o + n)), batch=batch)
                 for o, n in index
             ]
-        trailers = [r.result() for r in reads]
+    for i, reads in trailer_reads.items():
+        where = shards[i][3]
+        try:
+            trailers = [_object_read(r, where) for r in reads]
+            if any(t.state != "value" or len(t.value) != 4 for t in trailers):
+                raise ShardReadError(f"{where}: shard object changed or truncated while read")
+            out[i] = digest_of_trailers(b"".join(bytes(t.value) for t in trailers))
+        except (ValueError, OSError) as e:
+            out[i] = _read_error(e, where)
+    return out
+
+
+def _object_read(future, where: str):
+    try:
+        return future.result()
     except (ValueError, OSError) as e:
-        if isinstance(e, (FileNotFoundError, ShardReadError)):
-            raise
-        raise ShardReadError(f"{where}: cannot read the shard index or trailers ({e})") from e
-    if any(t.state != "value" or len(t.value) != 4 for t in trailers):
-        raise ShardReadError(f"{where}: shard object changed or truncated while read")
-    return digest_of_trailers(b"".join(bytes(t.value) for t in trailers))
+        raise _read_error(e, where) from e
+
+
+def _read_error(e: Exception, where: str) -> Exception:
+    if isinstance(e, (FileNotFoundError, ShardReadError)):
+        return e
+    return ShardReadError(f"{where}: cannot read the shard index or trailers ({e})")
 
 
 def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:
