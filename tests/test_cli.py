@@ -1,6 +1,7 @@
 """The jax-ucp command line: inspect, verify (detects corruption), errors, demo."""
 
 import numpy as np
+import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
@@ -152,3 +153,26 @@ def test_inspect_wraps_long_names_at_slashes_and_shows_values(tmp_path):
     assert "logical axes" in header  # room for it when wide
     assert "saved spec" not in header  # numpy arrays have none: the empty column is dropped
     assert "(embed, mlp)" in r.output
+
+
+@pytest.mark.parametrize("max_read_bytes", [1, 3 * 4096, None], ids=["one", "three", "default"])
+def test_verify_checks_several_tensors_at_once_and_reports_in_order(tmp_path, max_read_bytes):
+    """However many tensors are checked together (the read budget), every damaged one is
+    reported once, in manifest order, and progress counts each tensor once, in order."""
+    tree = {f"t{i}": np.full((32, 32), i, np.float32) for i in range(12)}  # 4 KiB each
+    path = tmp_path / "c"
+    jax_ucp.save(path, tree)
+    damaged = ["t2", "t3", "t9"]
+    for name in damaged:
+        shard = path / "arrays" / name / "c" / "0" / "0"
+        data = bytearray(shard.read_bytes())
+        data[5] ^= 0x01
+        shard.write_bytes(bytes(data))
+    seen = []
+    problems = jax_ucp.verify(
+        path, max_read_bytes=max_read_bytes, progress=lambda n, d, t: seen.append((n, d, t))
+    )
+    order = [e.name for e in jax_ucp.inspect(path).tensors]
+    assert [name for name, _ in problems] == [n for n in order if n in damaged]
+    assert all("checksum" in message for _, message in problems)
+    assert seen == [(n, i, 12) for i, n in enumerate(order, 1)]
