@@ -29,7 +29,6 @@ def _script():
     return m
 
 
-@pytest.mark.parametrize("name", TORCH_DIST)
 def assert_regenerated(got: np.ndarray, want: np.ndarray, key: str, what: str, run: str) -> None:
     """A regenerated fixture tensor equals the committed one bit for bit, except the fp32
     masters of a bf16 run: those regenerate only to within one rounding (seen on three days: at
@@ -45,6 +44,7 @@ def assert_regenerated(got: np.ndarray, want: np.ndarray, key: str, what: str, r
     assert (diff <= bound).all(), f"{what}: {diff.max()} apart"
 
 
+@pytest.mark.parametrize("name", TORCH_DIST)
 def test_committed_references_equal_live_torch_consolidation(name):
     pytest.importorskip("torch")
     live = _script().consolidate(FIX / name)
