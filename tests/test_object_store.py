@@ -317,8 +317,6 @@ def test_checkpoint_manager_on_an_object_store(bucket):
     never listed; on s3:// Orbax's default rename-to-commit is refused with the way out."""
     import orbax.checkpoint as ocp
 
-    from jax_ucp.store import location
-
     _, root = bucket
     url = _new(root, "run")
     options = ocp.CheckpointManagerOptions(

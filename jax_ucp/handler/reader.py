@@ -317,9 +317,8 @@ def read(
     # oldest is turned into its result (device arrays; its host buffers freed) to make room.
     url = store.location.is_url(root)
     if url:  # every shard object's digest at once, before any of them is read
-        verify_shard_objects(
-            root, [s for item in plan if item[0] == "tensor" for s in item[2].sources]
-        )
+        sources = {s.key: s for item in plan if item[0] == "tensor" for s in item[2].sources}
+        verify_shard_objects(root, sources.values())
     out: list = [None] * len(plan)
     in_flight: collections.deque = collections.deque()
     budget = DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
@@ -408,10 +407,10 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
     is an error naming the file, and a FIFO never blocks the read."""
     kv = store.kvstore_config(root, entry.dir)
-    n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
     if kv.get("driver") != "file":
         verify_shard_objects(root, [entry])
         return
+    n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
     for key in shard_keys(entry):
         path = os.path.join(kv["path"], *key.split("/"))
         try:

@@ -272,7 +272,7 @@ def object_digests(shards) -> list:
     with ts.Batch() as batch:
         for i, (kvstore, key, n_chunks, where, _) in enumerate(shards):
             try:
-                got = _object_read(index_reads[i], where)
+                got = index_reads[i].result()
                 if got.state == "missing":
                     raise FileNotFoundError(where)
                 index = parse_index(bytes(got.value), where, n_chunks, True, None)
@@ -286,20 +286,13 @@ def object_digests(shards) -> list:
     for i, reads in trailer_reads.items():
         where = shards[i][3]
         try:
-            trailers = [_object_read(r, where) for r in reads]
+            trailers = [r.result() for r in reads]
             if any(t.state != "value" or len(t.value) != 4 for t in trailers):
                 raise ShardReadError(f"{where}: shard object changed or truncated while read")
             out[i] = digest_of_trailers(b"".join(bytes(t.value) for t in trailers))
         except (ValueError, OSError) as e:
             out[i] = _read_error(e, where)
     return out
-
-
-def _object_read(future, where: str):
-    try:
-        return future.result()
-    except (ValueError, OSError) as e:
-        raise _read_error(e, where) from e
 
 
 def _read_error(e: Exception, where: str) -> Exception:
