@@ -1,34 +1,31 @@
-"""Read a torch Distributed Checkpoint (megatron-core ``torch_dist``) without torch.
+"""megatron-core ``torch_dist`` checkpoints: the torch DCP reader plus megatron-core's pieces.
 
-On disk: ``.metadata`` (a pickle of ``torch.distributed.checkpoint.metadata.Metadata``: global
-shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, length)),
-``__R_N.distcp`` files whose byte ranges are each a small ``torch.save`` archive (one chunk), and
-megatron-core's ``common.pt`` / ``metadata.json``.
-
-Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
-:mod:`jax_ucp.importers.torch_pickle` with its DCP classes mapped to inert stand-ins, and every
-chunk is an embedded archive read through the same restricted unpickler, memory-mapped.
-
-A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunks have been
-checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
-dtype and shape agree with the metadata.
+The generic reader (``.metadata`` through the safe unpickler, chunk tiling checks, byte-range
+reads) is :mod:`jax_ucp.importers.dcp_reader`, shared with the plain torch DCP importer. Here:
+the classes megatron-core 0.13-0.15 subclass in ``.metadata`` (``MCoreSavePlan``,
+``MCoreMetadata``), read as the torch classes they extend, and megatron-core's
+``metadata.json`` (``sharded_backend`` & co.), kept as :attr:`MegatronDcpCheckpoint.mcore_metadata`.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
-import mmap
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from jax_ucp.format import UCPError, files
-from jax_ucp.importers import torch_pickle
+from jax_ucp.importers import dcp_reader, torch_pickle
+from jax_ucp.importers.dcp_reader import (
+    SUPPORTED_TRANSFORMS,
+    DcpCheckpoint,
+    DcpChunk,
+    DcpError,
+    DcpObject,
+    DcpTensor,
+    check_coverage,
+    iter_tensors,
+)
 
 __all__ = [
     "DcpError",
@@ -36,425 +33,45 @@ __all__ = [
     "DcpTensor",
     "DcpObject",
     "DcpCheckpoint",
+    "MegatronDcpCheckpoint",
     "open_dcp",
+    "check_coverage",
+    "iter_tensors",
     "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
+    "MCORE_CLASSES",
 ]
 
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch."
 
-class DcpError(UCPError, ValueError):
-    """A torch_dist checkpoint is inconsistent, incomplete or unsupported (names tensor + file)."""
+#: megatron-core 0.13-0.15 subclass two torch classes: MCoreSavePlan (0.13, 0.14) in the cached
+#: save plans, MCoreMetadata (0.15) as the whole ``.metadata``.
+MCORE_CLASSES: dict[str, Any] = {
+    _MCORE + "MCoreSavePlan": torch_pickle.standin_class(_MCORE + "MCoreSavePlan"),
+    _MCORE + "MCoreMetadata": dcp_reader.DCP_CLASSES[
+        "torch.distributed.checkpoint.metadata.Metadata"
+    ],
+}
 
-
-# ----------------------------------------------------------------- stand-ins for .metadata
-
-
-class _MetadataIndex(torch_pickle.StandIn):
-    """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
-
-    qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
-
-    def _key(self):
-        # Checked before hashing: a hostile offset of shared nested tuples would hash in
-        # exponential time.
-        d = self.__dict__
-        fqn, off, index = d.get("fqn"), d.get("offset"), d.get("index")
-        if (
-            not isinstance(fqn, str)
-            or not (
-                off is None or (isinstance(off, (tuple, list)) and all(type(v) is int for v in off))
-            )
-            or not (index is None or type(index) is int)
-        ):
-            raise ValueError(f"bad MetadataIndex {torch_pickle.short_repr(d)}")
-        return (fqn, tuple(off) if off is not None else None, index)
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(self._key())
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _MetadataIndex) and other._key() == self._key()
-
-
-def _get_layout(name: Any) -> str:
-    if not isinstance(name, str) or not name.startswith("torch."):
-        raise ValueError(f"bad layout name {name!r}")
-    return name
-
-
-def _standins() -> dict[str, Any]:
-    m = "torch.distributed.checkpoint.metadata."
-    p = "torch.distributed.checkpoint.planner."
-    d: dict[str, Any] = {
-        m + n: torch_pickle.standin_class(m + n)
-        for n in (
-            "Metadata",
-            "TensorStorageMetadata",
-            "ChunkStorageMetadata",
-            "BytesStorageMetadata",
-            "TensorProperties",
-            "StorageMeta",
-        )
-    }
-    d[m + "MetadataIndex"] = _MetadataIndex
-    d[m + "_MEM_FORMAT_ENCODING"] = torch_pickle.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
-    d["torch.distributed.checkpoint.filesystem._StorageInfo"] = torch_pickle.standin_class(
-        "torch.distributed.checkpoint.filesystem._StorageInfo"
-    )
-    # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
-    for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
-        d[p + n] = torch_pickle.standin_class(p + n)
-    # megatron-core 0.13-0.15 subclass those two: MCoreSavePlan (0.13, 0.14) in the cached
-    # plans, MCoreMetadata (0.15) as the whole .metadata; read as the torch classes they extend
-    mcore = "megatron.core.dist_checkpointing.strategies.torch."
-    d[mcore + "MCoreSavePlan"] = torch_pickle.standin_class(mcore + "MCoreSavePlan")
-    d[mcore + "MCoreMetadata"] = d[m + "Metadata"]
-    d[p + "WriteItemType"] = torch_pickle.int_enum_standin(p + "WriteItemType")
-    d[p + "LoadItemType"] = torch_pickle.int_enum_standin(p + "LoadItemType")
-    d["torch.serialization._get_layout"] = _get_layout
-    d["torch.layout"] = _get_layout
-    return d
-
-
-#: Classes a DCP ``.metadata`` pickle may reference, mapped to inert stand-ins.
-DCP_CLASSES: dict[str, Any] = _standins()
-
-#: Largest ``.metadata`` read (it lists every chunk of every tensor: megabytes for big models).
-MAX_METADATA_BYTES = 1 << 30
-
-#: Stream transforms (``_StorageInfo.transform_descriptors``) this reader can undo. megatron-core
-#: writes none; torch's optional extensions (e.g. ``stream.zstd``) are refused by name.
-SUPPORTED_TRANSFORMS: frozenset[str] = frozenset()
-
-
-# ----------------------------------------------------------------- typed view of the metadata
-
-
-@dataclass(frozen=True)
-class DcpChunk:
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    file: str  # relative path of the .distcp file
-    byte_offset: int
-    byte_length: int
-    transforms: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class DcpTensor:
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    chunks: tuple[DcpChunk, ...]
-
-    @property
-    def files(self) -> list[str]:
-        return sorted({c.file for c in self.chunks})
-
-
-@dataclass(frozen=True)
-class DcpObject:
-    """A ``BytesStorageMetadata`` entry (megatron ShardedObject: rng state, ``_extra_state``)."""
-
-    name: str
-    file: str
-    byte_offset: int
-    byte_length: int
+#: Classes a megatron-core ``.metadata`` pickle may reference, mapped to inert stand-ins.
+DCP_CLASSES: dict[str, Any] = {**dcp_reader.DCP_CLASSES, **MCORE_CLASSES}
 
 
 @dataclass
-class DcpCheckpoint:
-    path: Path
-    tensors: dict[str, DcpTensor]
-    objects: dict[str, DcpObject]
+class MegatronDcpCheckpoint(DcpCheckpoint):
     mcore_metadata: dict = field(default_factory=dict)  # metadata.json
-    version: str | None = None
-
-    # -------------------------------------------------------------- reading one tensor
-    def read(self, name: str, rows: int | None = None) -> np.ndarray:
-        """The tensor's global array, assembled from its chunks (checked first).
-
-        ``rows`` keeps only the first ``rows`` entries of dim 0 (vocab padding stripped without
-        ever materialising the padded tensor); chunks wholly past it are not read."""
-        t = self.tensors[name]
-        check_coverage(t, self.path)
-        shape = t.shape
-        if rows is not None:
-            if not t.shape or not 0 <= rows <= t.shape[0]:
-                raise DcpError(
-                    f"tensor {name!r} in {self.path}: cannot keep {rows} rows of shape {list(t.shape)}"
-                )
-            shape = (rows, *t.shape[1:])
-        out = np.empty(shape, t.dtype)
-        for c in t.chunks:
-            if rows is not None and c.offsets[0] >= rows:
-                continue
-            arr = self.read_chunk(t, c)
-            sl = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes)]
-            if rows is not None and c.offsets[0] + c.sizes[0] > rows:
-                keep = rows - c.offsets[0]
-                arr, sl[0] = arr[:keep], slice(c.offsets[0], rows)
-            out[tuple(sl)] = arr
-        return out
-
-    def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        fpath = self.path / c.file
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {fpath}"
-        for tr in c.transforms:
-            if tr not in SUPPORTED_TRANSFORMS:
-                raise DcpError(
-                    f"{where}: unsupported transform descriptor {tr!r} "
-                    f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
-                )
-        raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-        if bytes(raw[:4]) == b"PK\x03\x04":
-            try:
-                arr = _load_embedded(fpath, raw, c.byte_offset)
-            except torch_pickle.TorchFileError as e:
-                raise DcpError(f"{where}: {e}") from None
-            if not isinstance(arr, np.ndarray):
-                raise DcpError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
-        else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
-            n = int(np.prod(c.sizes)) * t.dtype.itemsize
-            if raw.size != n:
-                raise DcpError(
-                    f"{where}: {raw.size} raw bytes, expected {n} ({list(c.sizes)} x {t.dtype})"
-                )
-            arr = raw.view(t.dtype.newbyteorder("<")).reshape(c.sizes)
-        if arr.dtype != t.dtype:
-            raise DcpError(
-                f"{where}: dtype disagreement: metadata says {t.dtype}, bytes hold {arr.dtype}"
-            )
-        if tuple(arr.shape) != tuple(c.sizes):
-            raise DcpError(
-                f"{where}: shape disagreement: metadata says {list(c.sizes)}, "
-                f"bytes hold {list(arr.shape)}"
-            )
-        return arr
-
-    def read_range(self, name: str, start: int, end: int) -> np.ndarray:
-        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap
-        them only (memory: the range, not the tensor)."""
-        t = self.tensors[name]
-        if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
-            raise DcpError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
-        check_coverage(t, self.path / ".metadata")
-        parts = []
-        for c in sorted(t.chunks, key=lambda c: c.offsets[0]):
-            low, high = max(start, c.offsets[0]), min(end, c.offsets[0] + c.sizes[0])
-            if low < high:
-                arr = self.read_chunk(t, c)
-                parts.append(arr[low - c.offsets[0] : high - c.offsets[0]])
-        return np.concatenate(parts) if len(parts) != 1 else parts[0]
-
-    def read_object(self, name: str, extra_classes=None) -> Any:
-        """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
-        o = self.objects[name]
-        fpath = self.path / o.file
-        where = f"object {name!r} in {fpath}"
-        raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
-        try:
-            return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
-        except torch_pickle.TorchFileError as e:
-            raise DcpError(f"{where}: {e}") from None
-
-    def check_files(self) -> None:
-        """Every file the metadata references exists and is long enough."""
-        sizes: dict[str, int] = {}
-        for name, file, end in itertools.chain(
-            (
-                (t.name, c.file, c.byte_offset + c.byte_length)
-                for t in self.tensors.values()
-                for c in t.chunks
-            ),
-            ((o.name, o.file, o.byte_offset + o.byte_length) for o in self.objects.values()),
-        ):
-            if file not in sizes:
-                p = self.path / file
-                if os.path.lexists(p):
-                    try:
-                        files.check_regular(str(p))
-                    except (files.UnsafeFileError, FileNotFoundError) as e:
-                        what = e if isinstance(e, files.UnsafeFileError) else f"{p}: dangling link"
-                        raise DcpError(f"tensor {name!r}: shard {what}") from None
-                sizes[file] = p.stat().st_size if p.is_file() else -1
-            if sizes[file] < 0:
-                raise DcpError(
-                    f"tensor {name!r}: shard file {self.path / file} is missing "
-                    f"(referenced by {self.path / '.metadata'})"
-                )
-            if sizes[file] < end:
-                raise DcpError(
-                    f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
-                    f"metadata needs {end} (truncated)"
-                )
 
 
-def check_coverage(t: DcpTensor, where: Path | str) -> None:
-    """Chunks must tile the global shape exactly: inside bounds, no overlap, no gap."""
-    nd = len(t.shape)
-    if not t.chunks:
-        if int(np.prod(t.shape)) == 0:
-            return
-        raise DcpError(
-            f"tensor {t.name!r} in {where}: no chunks recorded for shape {list(t.shape)}"
-        )
-    total = 0
-    for c in t.chunks:
-        if len(c.offsets) != nd or len(c.sizes) != nd:
-            raise DcpError(
-                f"tensor {t.name!r} in {where}: chunk rank {len(c.offsets)} != tensor rank {nd}"
-            )
-        if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(c.offsets, c.sizes, t.shape)):
-            raise DcpError(
-                f"tensor {t.name!r}: chunk at {list(c.offsets)} size {list(c.sizes)} in "
-                f"{c.file} exceeds the global shape {list(t.shape)}"
-            )
-        total += int(np.prod(c.sizes, dtype=np.int64))
-    lo = np.array([c.offsets for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
-    hi = lo + np.array([c.sizes for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
-    for i in range(len(t.chunks)):  # vectorised pairwise box intersection
-        inter = np.all((np.maximum(lo[i], lo[i + 1 :]) < np.minimum(hi[i], hi[i + 1 :])), axis=1)
-        if inter.any():
-            j = i + 1 + int(np.argmax(inter))
-            a, b = t.chunks[i], t.chunks[j]
-            raise DcpError(
-                f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
-                f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file}"
-            )
-    want = int(np.prod(t.shape, dtype=np.int64))
-    if total != want:
-        raise DcpError(
-            f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
-            f"{want} elements of shape {list(t.shape)} (files {t.files})"
-        )
-
-
-# ----------------------------------------------------------------- byte ranges
-
-
-def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
-    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        raise DcpError(f"{where}: shard file is missing") from None
-    if offset < 0 or length < 0 or offset + length > size:
-        raise DcpError(
-            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
-            f"{size} bytes (truncated)"
-        )
-    if length == 0:
-        return np.empty(0, np.uint8)
-    try:
-        fd = files.open_regular(str(path))
-    except files.UnsafeFileError as e:
-        raise DcpError(f"{where}: {e}") from None
-    try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    return np.frombuffer(mm, np.uint8, count=length, offset=offset)
-
-
-def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None):
-    """One DCP chunk: a ``torch.save`` archive that is a byte range of a ``.distcp`` file."""
-    arch = torch_pickle.TorchArchive.from_buffer(view, f"{path}@{offset}")
-    try:
-        return arch.load(extra_classes)
-    finally:
-        arch.close()
-
-
-# ----------------------------------------------------------------- opening
-
-
-def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
-    state = getattr(props, "state", None)
-    dt = getattr(props, "dtype", None)
-    if dt is None and isinstance(state, tuple) and state:
-        dt = state[0]  # TensorProperties pickles as (dtype, layout, requires_grad, mem_format, pin)
-    if not isinstance(dt, np.dtype):
-        raise DcpError(f"tensor {name!r} in {where}: unsupported dtype {dt!r}")
-    return dt
-
-
-def open_dcp(path: os.PathLike | str) -> DcpCheckpoint:
+def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
-    root = Path(path)
-    mfile = root / ".metadata"
-    if not os.path.lexists(mfile):
-        raise DcpError(f"{root}: no .metadata file (not a torch_dist / DCP checkpoint)")
-    try:
-        md = torch_pickle.restricted_loads(
-            files.read_regular(str(mfile), MAX_METADATA_BYTES),
-            where=str(mfile),
-            extra_classes=DCP_CLASSES,
-        )
-    except (torch_pickle.TorchFileError, files.UnsafeFileError) as e:
-        raise DcpError(str(e)) from None
-    sdm = getattr(md, "state_dict_metadata", None)
-    storage = getattr(md, "storage_data", None)
-    if not isinstance(sdm, dict) or not isinstance(storage, dict):
-        raise DcpError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
-    by_fqn: dict[str, dict[Any, Any]] = {}
-    for idx, info in storage.items():
-        if not isinstance(idx, _MetadataIndex):
-            raise DcpError(f"{mfile}: storage_data key {idx!r} is not a MetadataIndex")
-        fqn, off, _ = idx._key()
-        by_fqn.setdefault(fqn, {})[off] = info
-
-    def ref(name: str, off, what: str):
-        info = by_fqn.get(name, {}).get(off)
-        if info is None:
-            raise DcpError(
-                f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
-            )
-        rp, bo, bl = (
-            getattr(info, "relative_path", None),
-            getattr(info, "offset", None),
-            getattr(info, "length", None),
-        )
-        if (
-            not isinstance(rp, str)
-            or type(bo) is not int
-            or type(bl) is not int
-            or "/" in rp
-            or rp.startswith(".")
-        ):
-            raise DcpError(f"tensor {name!r}: bad storage entry {info!r} in {mfile}")
-        trs = tuple(getattr(info, "transform_descriptors", None) or ())
-        return rp, bo, bl, trs
-
-    tensors: dict[str, DcpTensor] = {}
-    objects: dict[str, DcpObject] = {}
-    for name, m in sdm.items():
-        kind = type(m).__name__
-        if kind == "TensorStorageMetadata":
-            shape = tuple(m.size)
-            dt = _dtype_of(m.properties, name, mfile)
-            chunks = []
-            for c in m.chunks:
-                offs, sizes = tuple(c.offsets), tuple(c.sizes)
-                rp, bo, bl, trs = ref(name, offs, "chunk")
-                chunks.append(DcpChunk(offs, sizes, rp, bo, bl, trs))
-            tensors[name] = DcpTensor(name, shape, dt, tuple(chunks))
-        elif kind == "BytesStorageMetadata":
-            rp, bo, bl, _ = ref(name, None, "object")
-            objects[name] = DcpObject(name, rp, bo, bl)
-        else:
-            raise DcpError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
+    base = dcp_reader.open_dcp(path, MCORE_CLASSES)
     mcore = {}
-    mj = root / "metadata.json"
+    mj = Path(path) / "metadata.json"
     if mj.is_file():
         try:
             mcore = json.loads(mj.read_text())
         except ValueError as e:
             raise DcpError(f"{mj}: not JSON ({e})") from None
-    return DcpCheckpoint(root, tensors, objects, mcore, getattr(md, "version", None))
-
-
-def iter_tensors(checkpoint: DcpCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the checkpoint, assembled one at a time."""
-    for name in checkpoint.tensors:
-        yield name, checkpoint.read(name)
+    return MegatronDcpCheckpoint(
+        base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
+    )
