@@ -78,7 +78,10 @@ def test_zero0_is_named_and_imports_weights_only(tmp_path):
     assert set(got["params"]) == set(ref)
     for name, value in ref.items():
         assert _bits(got["params"][name]) == _bits(value), name
-    assert jax_ucp.inspect(ckpt).source["skipped"]["reason"] == "weights_only"
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    assert skipped["mp_rank_00_model_states.pt:optimizer.state.0.exp_avg"].startswith(
+        "weights_only"
+    )
 
 
 def test_weights_only_deepspeed(tmp_path):
@@ -89,9 +92,16 @@ def test_weights_only_deepspeed(tmp_path):
     assert sorted(got) == ["model_params", "params"]
     for name, value in full["params"].items():
         assert _bits(got["params"][name]) == _bits(value), name
+    files = [f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)]
+    state = "optimizer_state_dict.base_optimizer_state.state.0"
     assert jax_ucp.inspect(ckpt).source["skipped"] == {
-        "optimizer": "Adam moments and step",
-        "reason": "weights_only",
+        f"{f}:{state}.{name}": f"weights_only: {why}"
+        for f in files
+        for name, why in (
+            ("exp_avg", "Adam moment"),
+            ("exp_avg_sq", "Adam moment"),
+            ("step", "optimizer step"),
+        )
     }
 
 

@@ -99,10 +99,10 @@ def plan_deepspeed(
         )
     checkpoint = deepspeed_zero.open_zero_checkpoint(tag_dir)
     source = deepspeed_zero.zero_source_info(checkpoint)
-    if weights_only:
-        source["skipped"] = {"optimizer": "Adam moments and step", "reason": "weights_only"}
+    found = deepspeed_zero.zero_tensors(checkpoint, source, weights_only=weights_only)
     return ImportPlan(
         items=deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
         source=source,
         total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
+        source_tensors=found,
     )

@@ -36,7 +36,7 @@ from jax_ucp.importers.deepspeed_files import (
     numel,
     require,
 )
-from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item
+from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
 from jax_ucp.importers.torch_pickle import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
@@ -492,13 +492,21 @@ def iter_zero_items(
                 fp32 = value
                 if checkpoint.stage in (1, 2):
                     check_against_module(checkpoint, name, fp32)
-            yield host_item((*tree, name), value, provenance)
+            sources = piece_tensors(checkpoint, name, state_name)
+            yield host_item((*tree, name), value, dict(provenance, tensors=sources))
         if checkpoint.model_dtype != np.dtype(np.float32):
-            yield _model_copy_item(checkpoint, name, fp32, provenance["files"])
+            yield _model_copy_item(
+                checkpoint, name, fp32, provenance["files"], piece_tensors(checkpoint, name, "fp32")
+            )
         del fp32
     frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
     for name, weight in frozen_weights(checkpoint, share.pick(checkpoint.frozen)):
-        item = host_item(("params", name), weight, {"files": frozen_files, "pattern": "frozen"})
+        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
+        item = host_item(
+            ("params", name),
+            weight,
+            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
+        )
         item.frozen = True
         yield item
     if weights_only or not share.primary:
@@ -506,12 +514,127 @@ def iter_zero_items(
     yield host_item(
         ("opt_state", "count"),
         np.asarray(optimizer_step(checkpoint), np.int32),
-        {"files": files, "pattern": "step"},
+        {"files": files, "pattern": "step", "tensors": step_tensors(checkpoint)},
     )
 
 
+def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:
+    """Where one optimizer state's flat arrays sit in every rank's optimizer file: the dotted
+    prefix and the keys of its arrays (stage 1/2: one per param group; stage 3: sub-groups)."""
+    if checkpoint.stage in (1, 2):
+        keys = [str(g) for g in range(len(checkpoint.param_shapes))]
+        if state_name == "fp32":
+            return "optimizer_state_dict.single_partition_of_fp32_groups.{}", keys
+        return "optimizer_state_dict.base_optimizer_state.state.{}." + state_name, keys
+    if state_name == "fp32":
+        count = len(checkpoint.optim_states[0]["fp32_flat_groups"])
+        return "optimizer_state_dict.fp32_flat_groups.{}", [str(i) for i in range(count)]
+    inner = checkpoint.optim_states[0]["optimizer_state_dict"]["state"]
+    return "optimizer_state_dict.optimizer_state_dict.state.{}." + state_name, [
+        str(i) for i in sorted(inner)
+    ]
+
+
+def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
+    """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from."""
+    fragments = checkpoint.fragment_plan[name]
+    template, keys = _state_prefix(checkpoint, state_name)
+    out = []
+    for piece in fragments.pieces:
+        file = os.path.basename(checkpoint.optim_files[piece.dp_rank])
+        if checkpoint.stage in (1, 2):
+            out.append(f"{file}:{template.format(keys[fragments.group])}")
+            continue
+        vector = state_vectors(checkpoint, piece.dp_rank, state_name)
+        for key, low, high in zip(keys, vector.offsets, vector.offsets[1:]):
+            if max(low, piece.start) < min(high, piece.start + piece.numel):
+                out.append(f"{file}:{template.format(key)}")
+    return out
+
+
+def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
+    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
+    template, keys = _state_prefix(checkpoint, "step")
+    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    return [
+        f"{os.path.basename(path)}:{template.format(key)}"
+        for path, state in zip(checkpoint.optim_files, checkpoint.optim_states)
+        for key in keys
+        if isinstance(state[inner]["state"][int(key)].get("step"), np.ndarray)
+    ]
+
+
+def zero_tensors(checkpoint: DeepSpeedCheckpoint, source: dict, *, weights_only: bool) -> list[str]:
+    """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
+    take listed in ``source["skipped"]`` with the reason."""
+    found: list[str] = []
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        file = os.path.basename(path)
+        found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
+    model_files = {checkpoint.model_file: checkpoint.model_states}
+    if checkpoint.stage == 3:
+        for path in checkpoint.frozen_files or _zero3_model_files(checkpoint):
+            if path not in model_files:
+                model_files[path] = deepspeed_files.load_model_states(path)
+    module_found = []
+    for path, states in model_files.items():
+        names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
+        found += names
+        module_found += [n for n in names if n.split(":", 1)[1].startswith("module.")]
+    if weights_only:
+        moments = [n for n in found if n.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")]
+        skip(source, moments, "weights_only: Adam moment")
+        skip(source, step_tensors(checkpoint), "weights_only: optimizer step")
+    model_file = os.path.basename(checkpoint.model_file)
+    imported_module = (
+        {
+            f"{model_file}:module.{name}"
+            for name in checkpoint.names
+            if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
+        }
+        if checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
+        else set()
+    )
+    for name in module_found:
+        if name in imported_module:
+            continue
+        key = name.split(":", 1)[1][len("module.") :]
+        stored = checkpoint.module.get(key) if name.startswith(model_file + ":") else None
+        if key in checkpoint.shapes and checkpoint.stage == 3:
+            why = "ZeRO-3 placeholder of the model weight; params/ is read from the partitions"
+        elif key in checkpoint.shapes:
+            why = (
+                "the model weight in the run's precision (fp32): the same values as its fp32 "
+                "master partitions, imported as params/"
+            )
+        elif key in checkpoint.frozen:
+            why = "frozen parameter: imported from frozen_param_fragments"
+        elif key in checkpoint.shared_params:
+            why = f"tied to {checkpoint.shared_params[key]!r} (DeepSpeed shared_params)"
+        elif isinstance(stored, np.ndarray) and not stored.size:
+            why = "0-element placeholder"
+        else:  # e.g. DeepSpeed 0.19 ZeRO-1/2 fp32 runs record no frozen_param_shapes
+            why = (
+                "in module but in neither param_shapes nor frozen_param_shapes (a frozen "
+                "parameter or a buffer DeepSpeed does not describe): not imported"
+            )
+        skip(source, [name], why)
+    return found
+
+
+def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
+    return [
+        os.path.join(checkpoint.tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        for r in range(checkpoint.world_size)
+    ]
+
+
 def _model_copy_item(
-    checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.ndarray, files: list[str]
+    checkpoint: DeepSpeedCheckpoint,
+    name: str,
+    fp32: np.ndarray,
+    files: list[str],
+    fp32_tensors: list[str],
 ) -> writer.HostItem:
     """The model-precision weight: the stored module weight (stage 1/2), else the fp32 master
     cast the way DeepSpeed re-derives it (stage 3 keeps no model-precision copy)."""
@@ -522,15 +645,24 @@ def _model_copy_item(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
                 f"{checkpoint.model_dtype}"
             )
+        model_file = os.path.basename(checkpoint.model_file)
         return host_item(
             ("model_params", name),
             stored,
-            {"files": [os.path.basename(checkpoint.model_file)], "pattern": "module"},
+            {
+                "files": [model_file],
+                "pattern": "module",
+                "tensors": [f"{model_file}:module.{name}"],
+            },
         )
     return host_item(
         ("model_params", name),
         fp32.astype(checkpoint.model_dtype),
-        {"files": files, "pattern": f"cast(fp32 -> {checkpoint.model_dtype})"},
+        {
+            "files": files,
+            "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
+            "tensors": fp32_tensors,
+        },
     )
 
 
@@ -616,13 +748,14 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     if not isinstance(module, Mapping) or not module:
         raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
     names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
+    file = os.path.basename(model_file)
 
     def items():
         for name in names:
             yield host_item(
                 ("params", name),
                 module[name],
-                {"files": [os.path.basename(model_file)], "pattern": "module"},
+                {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
             )
 
     source = {
@@ -633,9 +766,13 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
         "global_steps": model_states.get("global_steps")
         if type(model_states.get("global_steps")) is int
         else None,
-        "skipped": {"optimizer": "ZeRO-0 optimizer state", "reason": "weights_only"},
     }
-    return ImportPlan(items(), source, len(names))
+    found = [f"{file}:{n}" for n in tensor_names(model_states)]
+    imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
+    optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
+    skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict())")
+    skip(source, sorted(set(found) - imported - set(optimizer)), "not a module weight")
+    return ImportPlan(items(), source, len(names), source_tensors=found)
 
 
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import os
 from typing import Any
 
 from jax_ucp.format import UCPError
 from jax_ucp.importers import deepspeed, deepspeed_files, megatron, safetensors_hf
-from jax_ucp.importers.plan import ImportPlan
+from jax_ucp.importers.plan import WHOLE, ImportPlan, accounted
 
 
 class SourceFormatError(UCPError, ValueError):
@@ -68,18 +69,28 @@ def detect_format(src) -> str:
 def plan_import(
     source, *, format: str | None = None, spec: Any = None, **options: Any
 ) -> ImportPlan:
-    """The import of ``source`` by the importer of its format (detected unless given).
+    """The import of ``source`` by the importer of its format (detected unless given), its items
+    held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
+    imported or listed in ``source["skipped"]`` with a reason, or nothing is committed.
 
     ``spec``: a UCP-language spec with import rules / settings. ``options`` are the importer's
     own (DeepSpeed: ``tag=``; Megatron: ``vocab_size=``).
     """
     checkpoint_format = format or detect_format(source)
-    if checkpoint_format == "deepspeed":
-        return deepspeed.plan_deepspeed(source, spec=spec, **options)
-    if checkpoint_format == "megatron":
-        return megatron.plan_megatron(source, spec=spec, **options)
-    if checkpoint_format == "safetensors":
-        return safetensors_hf.plan_safetensors(source, spec=spec, **options)
-    raise SourceFormatError(
-        f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron' or 'safetensors')."
-    )
+    importer = _IMPORTERS.get(checkpoint_format)
+    if importer is None:
+        raise SourceFormatError(
+            f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron' "
+            f"or 'safetensors')."
+        )
+    plan = importer(source, spec=spec, **options)
+    whole = options.get("share", WHOLE).count == 1
+    items = accounted(plan, f"{os.fspath(source)} ({checkpoint_format})", whole=whole)
+    return dataclasses.replace(plan, items=items)
+
+
+_IMPORTERS = {
+    "deepspeed": deepspeed.plan_deepspeed,
+    "megatron": megatron.plan_megatron,
+    "safetensors": safetensors_hf.plan_safetensors,
+}

@@ -8,10 +8,14 @@ from key names): :func:`host_item` is that contract, written once for every impo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
+import numpy as np
+
 from jax_ucp import writer
+from jax_ucp.format import UCPError, keypath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,11 +26,17 @@ class ImportPlan:
     the destination is touched. ``items`` is lazy: it reads one parameter at a time (errors met
     while reading are the importer's own, naming the file). ``source`` is recorded in the
     manifest; ``total_params`` is what progress counts to.
+
+    ``source_tensors``: every tensor the importer found in the checkpoint's files (names as
+    :func:`tensor_names` gives them, or the format's own keys). :func:`accounted` holds the
+    import to them: each is named by some item's ``provenance["tensors"]`` or listed in
+    ``source["skipped"]`` (name -> reason), else nothing is committed.
     """
 
     items: Iterator[writer.HostItem]
     source: dict[str, Any]
     total_params: int
+    source_tensors: Collection[str] | None = None
 
 
 # The importer contract (docs/FORMAT.md, section 2.6): the output tree of every importer, and the manifest role of each part.
@@ -96,3 +106,105 @@ def agreed_step(
     if step != int(step) or not 0 <= step < 2**31:
         raise error(f"{where}: optimizer step {step} is not a valid int32 count")
     return int(step)
+
+
+# --------------------------------------------------------------------------- accounting
+
+#: ``source["skipped"]``: source tensor name -> why it is not imported (docs/FORMAT.md 2.2.1).
+SKIPPED = "skipped"
+#: ``provenance["tensors"]``: the source tensors an output tensor was built from.
+TENSORS = "tensors"
+
+#: Names of optimizer state, never the name of a model weight: an output key under ``params/``
+#: or ``model_params/`` matching this is an optimizer buffer mistaken for a weight.
+OPTIMIZER_NAME = re.compile(
+    r"(?:^|[._/])(?:exp_avg(?:_sq)?|optimizer|fp32_from_fp16(?:_params)?|param_state|"
+    r"momentum_buffer|gbuf_idx_\d+|bucket_idx_\d+|dp_group_idx_\d+)(?:$|[._/])"
+)
+
+
+class UnaccountedTensorsError(UCPError, ValueError):
+    """An import would drop source tensors without a word, or write optimizer state as weights."""
+
+
+def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:
+    """The dotted paths of every array inside a loaded state dict (nested dicts, lists, tuples):
+    ``{"a": {"b": [t0, t1]}}`` gives ``a.b.0``, ``a.b.1``. How importers of pickled state dicts
+    name their source tensors, so each can be accounted for."""
+    if isinstance(obj, np.ndarray):
+        yield prefix
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from tensor_names(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for index, value in enumerate(obj):
+            yield from tensor_names(value, f"{prefix}.{index}" if prefix else str(index))
+
+
+def skip(source: dict[str, Any], names, reason: str) -> None:
+    """Lists ``names`` in ``source["skipped"]`` with ``reason`` (the first reason given stays)."""
+    skipped = source.setdefault(SKIPPED, {})
+    for name in names:
+        skipped.setdefault(name, reason)
+
+
+def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[writer.HostItem]:
+    """``plan.items``, held to the accounting rule before the writer may commit.
+
+    Every source tensor must be imported (named by an item's ``provenance["tensors"]``) or
+    skipped with a reason; an item may only name tensors the importer found; nothing under
+    ``params/`` or ``model_params/`` may be named like optimizer state. Raised after the last
+    item (the writer commits only once the stream ends), naming the tensors. ``whole=False``
+    (one process's share of an import): each item is checked, the whole is not (the other
+    processes import the rest).
+    """
+    if plan.source_tensors is None:  # an importer not yet reporting its tensors
+        yield from plan.items
+        return
+    found = set(plan.source_tensors)
+    skipped = plan.source.get(SKIPPED) or {}
+    bad_skips = sorted(n for n, why in skipped.items() if n not in found or not why)
+    if bad_skips:
+        raise UnaccountedTensorsError(
+            f"{where}: source.skipped lists {_few(bad_skips)}, which the importer did not find "
+            f"in the checkpoint (or gives no reason)"
+        )
+    imported: set[str] = set()
+    for item in plan.items:
+        _check_weight_name(item, where)
+        names = (item.provenance or {}).get(TENSORS)
+        if not names:
+            raise UnaccountedTensorsError(
+                f"{where}: output tensor {keypath.key_to_str(item.key)!r} names no source tensor "
+                f"(provenance[{TENSORS!r}])"
+            )
+        unknown = [n for n in names if n not in found]
+        if unknown:
+            raise UnaccountedTensorsError(
+                f"{where}: output tensor {keypath.key_to_str(item.key)!r} is built from "
+                f"{_few(unknown)}, which the importer did not find in the checkpoint"
+            )
+        imported.update(names)
+        yield item
+    lost = sorted(found - imported - set(skipped))
+    if lost and whole:
+        raise UnaccountedTensorsError(
+            f"{where}: {len(lost)} of the checkpoint's {len(found)} tensors would be neither "
+            f"imported nor listed in source.skipped: {_few(lost)}. Nothing was committed; this "
+            f"is an importer bug or a layout it does not know (please report it)"
+        )
+
+
+def _check_weight_name(item: writer.HostItem, where: str) -> None:
+    if item.key[:1] in (("params",), ("model_params",)) and any(
+        OPTIMIZER_NAME.search(part) for part in item.key[1:]
+    ):
+        raise UnaccountedTensorsError(
+            f"{where}: output tensor {keypath.key_to_str(item.key)!r} is named like optimizer "
+            f"state, not a model weight; refusing to write it under {item.key[0]!r}"
+        )
+
+
+def _few(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(repr(n[:200]) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

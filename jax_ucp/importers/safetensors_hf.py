@@ -25,7 +25,7 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import UCPError, files
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, host_item
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, host_item, skip
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors crate refuses headers over 100 MB too
@@ -243,12 +243,11 @@ def plan_safetensors(
                 f"weights without it: convert(..., weights_only=True) / jax-ucp convert "
                 f"--weights-only"
             )
-        source["skipped"] = {
-            "optimizer": "optimizer.pt (Hugging Face Trainer's torch optimizer state)",
-            "reason": "weights_only",
-        }
+        # not opened (it is not read): accounted for as one unit
+        skip(source, ["optimizer.pt"], "weights_only: Hugging Face Trainer's torch optimizer state")
     mine = share.pick(names)
-    return ImportPlan(items=_items(owner, mine), source=source, total_params=len(mine))
+    found = names + (["optimizer.pt"] if trainer_state is not None else [])
+    return ImportPlan(_items(owner, mine), source, len(mine), source_tensors=found)
 
 
 def _trainer_optimizer(src: str) -> str | None:
@@ -262,4 +261,5 @@ def _trainer_optimizer(src: str) -> str | None:
 def _items(owner: dict[str, SafetensorsFile], names: list[str]) -> Iterator[writer.HostItem]:
     for name in names:
         f = owner[name]
-        yield host_item(("params", name), f.tensor(name), {"file": os.path.basename(f.path)})
+        provenance = {"file": os.path.basename(f.path), "tensors": [name]}
+        yield host_item(("params", name), f.tensor(name), provenance)
