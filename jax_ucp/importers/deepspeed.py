@@ -85,11 +85,16 @@ def plan_deepspeed(
         checkpoint = deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
         items = deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint, share)
         source = deepspeed_megatron.source_info(checkpoint)
+        found = deepspeed_megatron.megatron_deepspeed_tensors(
+            checkpoint, source, weights_only=weights_only
+        )
         if weights_only:
             items = (item for item in items if item.role != "opt_state")
-            source["skipped"] = {"optimizer": "Adam moments and step", "reason": "weights_only"}
         return ImportPlan(
-            items=items, source=source, total_params=len(share.pick(checkpoint.names))
+            items=items,
+            source=source,
+            total_params=len(share.pick(checkpoint.names)),
+            source_tensors=found,
         )
     if spec is not None:
         raise ValueError(

@@ -38,8 +38,14 @@ from jax_ucp import writer
 from jax_ucp.importers import deepspeed_files, deepspeed_zero
 from jax_ucp.importers.deepspeed_files import DeepSpeedImportError
 from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
-from jax_ucp.importers.deepspeed_zero import STATE_TREES, DeepSpeedCheckpoint
-from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item
+from jax_ucp.importers.deepspeed_zero import (
+    STATE_TREES,
+    DeepSpeedCheckpoint,
+    piece_tensors,
+    step_tensors,
+    zero_tensors,
+)
+from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
 from jax_ucp.language import (
     Averaged,
     MergeError,
@@ -58,7 +64,8 @@ __all__ = [
     "source_info",
 ]
 
-ModelWeights = dict[str, dict[int, tuple[np.ndarray, str]]]  # name -> {TP rank: (weight, file)}
+# name -> {TP rank: (weight, file, source tensor "<file>:<key>")}
+ModelWeights = dict[str, dict[int, tuple[np.ndarray, str, str]]]
 
 
 @dataclass
@@ -329,8 +336,9 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, files: list[str]) ->
         for tp_rank, rank in enumerate(row):
             for name, value in (rank.module or {}).items():
                 if isinstance(value, np.ndarray):
+                    file = os.path.basename(rank.model_file)
                     weights.setdefault(str(name), {}).setdefault(
-                        tp_rank, (value, os.path.basename(rank.model_file))
+                        tp_rank, (value, file, f"{file}:module.{name}")
                     )
     layer_files = [
         (int(m.group(1)), int(m.group(2)), f)
@@ -392,7 +400,9 @@ def _add_layer_weights(
                 if len(candidates) != 1:
                     continue  # a buffer, or not a trained parameter
                 name = candidates[0]
-            weights.setdefault(name, {}).setdefault(tp_rank, (value, file_name))
+            weights.setdefault(name, {}).setdefault(
+                tp_rank, (value, file_name, f"{file_name}:{key}")
+            )
 
 
 # --------------------------------------------------------------------------- merge kinds
@@ -492,7 +502,59 @@ def iter_megatron_deepspeed_items(
     yield host_item(
         ("opt_state", "count"),
         np.asarray(count, np.int32),
-        {"files": [os.path.basename(f) for f in checkpoint.optim_files], "pattern": "step"},
+        {
+            "files": [os.path.basename(f) for f in checkpoint.optim_files],
+            "pattern": "step",
+            "tensors": [n for row in checkpoint.ranks for r in row for n in step_tensors(r)],
+        },
+    )
+
+
+def megatron_deepspeed_tensors(
+    checkpoint: MegatronDeepSpeedCheckpoint, source: dict, *, weights_only: bool
+) -> list[str]:
+    """Every tensor of every rank's files and layer files (``<file>:<key>``); those not imported
+    listed in ``source["skipped"]`` with the reason."""
+    imported = {
+        entry[2]
+        for name in checkpoint.names
+        if (stored := checkpoint.module.get(name, {})) and _stored_copy_used(checkpoint, name)
+        for entry in stored.values()
+    }
+    found = []
+    for row in checkpoint.ranks:
+        for rank in row:
+            found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
+    for file in sorted(os.listdir(checkpoint.tag_dir)):
+        if deepspeed_files.LAYER_FILE.match(file):
+            state = deepspeed_files.load_deepspeed_file(os.path.join(checkpoint.tag_dir, file))
+            found += [f"{file}:{n}" for n in tensor_names(state)]
+    known = {
+        entry[2]: name for name, stored in checkpoint.module.items() for entry in stored.values()
+    }
+    for name in found:
+        if name in imported or name in (source.get("skipped") or {}):
+            continue
+        if name in known:
+            why = (
+                "model-precision copy of an averaged parameter (re-derived from its fp32 master)"
+                if not _stored_copy_used(checkpoint, known[name])
+                else "not imported"
+            )
+        else:
+            why = "not a trained parameter of param_shapes (a buffer or a tied copy)"
+        skip(source, [name], why)
+    return found
+
+
+def _stored_copy_used(checkpoint: MegatronDeepSpeedCheckpoint, name: str) -> bool:
+    """Whether ``model_params/<name>`` is the stored copy merged (else the master cast)."""
+    if name not in checkpoint.matches or checkpoint.model_dtype == np.dtype(np.float32):
+        return False
+    tp_kind, _ = _tp_kind(checkpoint, name, checkpoint.matches[name].kind)
+    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
+    return (
+        not isinstance(merged, Averaged) and len(checkpoint.module.get(name, {})) == checkpoint.tp
     )
 
 
@@ -521,12 +583,21 @@ def _parameter_items(
         value = _merge(
             checkpoint, name, kind, per_stage if len(stages) > 1 else per_stage[0], files_of
         )
-        yield host_item((*tree, name), value, dict(provenance, state=state_name))
+        sources = [
+            n
+            for stage in stages
+            for rank in checkpoint.ranks[stage]
+            for n in piece_tensors(rank, name, state_name)
+        ]
+        yield host_item((*tree, name), value, dict(provenance, state=state_name, tensors=sources))
         if state_name == "fp32":
+            fp32_sources = sources
             fp32 = value
         del per_stage
     if checkpoint.model_dtype != np.dtype(np.float32):
-        yield _model_copy_item(checkpoint, name, tp_kind, fp32, provenance)
+        yield _model_copy_item(
+            checkpoint, name, tp_kind, fp32, dict(provenance, tensors=fp32_sources)
+        )
 
 
 def _tp_fragments(
@@ -593,7 +664,12 @@ def _model_copy_item(
             )
     files = sorted({stored[tp_rank][1] for tp_rank in range(checkpoint.tp)})
     value = _merge(checkpoint, name, tp_kind, fragments, lambda: files)
-    return host_item(("model_params", name), value, dict(provenance, files=files, state="module"))
+    sources = [stored[tp_rank][2] for tp_rank in range(checkpoint.tp)]
+    return host_item(
+        ("model_params", name),
+        value,
+        dict(provenance, files=files, state="module", tensors=sources),
+    )
 
 
 def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:

@@ -564,9 +564,16 @@ def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
     ]
 
 
-def zero_tensors(checkpoint: DeepSpeedCheckpoint, source: dict, *, weights_only: bool) -> list[str]:
+def zero_tensors(
+    checkpoint: DeepSpeedCheckpoint,
+    source: dict,
+    *,
+    weights_only: bool,
+    imported_module: set[str] | None = None,
+) -> list[str]:
     """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
-    take listed in ``source["skipped"]`` with the reason."""
+    take listed in ``source["skipped"]`` with the reason. ``imported_module``: the ``module``
+    weights imported as ``model_params`` (default: those a plain ZeRO import takes)."""
     found: list[str] = []
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
@@ -587,13 +594,17 @@ def zero_tensors(checkpoint: DeepSpeedCheckpoint, source: dict, *, weights_only:
         skip(source, step_tensors(checkpoint), "weights_only: optimizer step")
     model_file = os.path.basename(checkpoint.model_file)
     imported_module = (
-        {
-            f"{model_file}:module.{name}"
-            for name in checkpoint.names
-            if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
-        }
-        if checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
-        else set()
+        imported_module
+        if imported_module is not None
+        else (
+            {
+                f"{model_file}:module.{name}"
+                for name in checkpoint.names
+                if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
+            }
+            if checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
+            else set()
+        )
     )
     for name in module_found:
         if name in imported_module:
