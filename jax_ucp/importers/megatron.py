@@ -25,6 +25,7 @@ present, else the model weights), ``opt_state`` {``mu``, ``nu``, ``count``}, ``m
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -288,12 +289,15 @@ def _step_from_param_groups(groups: Any, where: str) -> int:
     """The optimizer step of a torch optimizer state's ``param_groups`` (all groups agree)."""
     if not isinstance(groups, list) or not groups:
         raise MegatronImportError(
-            f"{where}: optimizer param_groups missing or empty; cannot recover the step"
+            f"{where}: optimizer param_groups missing or empty; cannot recover the step. "
+            f"{WEIGHTS_ONLY_HINT}"
         )
     seen: dict[float, str] = {}
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "step" not in group:
-            raise MegatronImportError(f"{where}: optimizer param_groups[{index}] has no 'step'")
+            raise MegatronImportError(
+                f"{where}: optimizer param_groups[{index}] has no 'step'. {WEIGHTS_ONLY_HINT}"
+            )
         seen.setdefault(float(np.asarray(group["step"])), f"(group {index})")
     return agreed_step(seen, where, recorded_by="parameter groups", error=MegatronImportError)
 
@@ -333,30 +337,42 @@ def _plan_torch_dist(
         for key, value in legacy.args_dict(common.get("args")).items():
             if key in _ARG_SETTINGS and settings.get(key) is None:
                 settings[key] = value
-    model_names = [n for n in checkpoint.tensors if not n.startswith("optimizer.")]
+    model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
+    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
+    chained = _chained_layouts(checkpoint, common)
     skipped = None
     buckets = None
     if weights_only:
-        optimizer_names = [n for n in checkpoint.tensors if n.startswith("optimizer.")]
-        optimizer_objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
-        layout = _sharding_type(common) or ("fully_reshardable" if optimizer_names else None)
-        skipped = {
-            "optimizer": (
-                f"{len(optimizer_names)} optimizer tensors and {len(optimizer_objects)} "
-                f"optimizer objects (layout {layout!r})"
-            ),
-            "reason": "weights_only",
-        }
+        layout = (
+            f"ChainedOptimizer {chained}"
+            if chained is not None
+            else repr(_sharding_type(common) or ("fully_reshardable" if optimizer_names else None))
+        )
+        # every optimizer tensor by name: none is dropped without a word
+        skipped = {n: f"weights_only: optimizer state (layout {layout})" for n in optimizer_names}
         optimizer_tensors = {}
+    elif chained is not None:
+        raise MegatronImportError(
+            f"{checkpoint.path / '.metadata'}: the optimizer state is megatron-core's "
+            f"ChainedOptimizer ({len(chained)} optimizers, layouts {chained}: e.g. MoE expert "
+            f"parameters in their own grad buffer and optimizer, keys 'chained_N.optimizer.*'), "
+            f"which is not supported ({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
+        )
     elif _sharding_type(common) == "dp_reshardable":
         buckets = _BucketStates(checkpoint, model_names, settings)
         optimizer_tensors = {}
     elif _sharding_type(common) == "dp_zero_gather_scatter":
+        if optimizer_names:  # this layout saves objects only: a tensor is something else
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: optimizer tensor {optimizer_names[0]!r} in a "
+                f"dp_zero_gather_scatter checkpoint (whose optimizer state is objects); "
+                f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
+            )
         buckets = _GatheredStates(checkpoint, model_names, settings)
         optimizer_tensors = {}
     else:
         optimizer_tensors = _optimizer_tensors(checkpoint, common)
-        objects = [n for n in checkpoint.objects if n.startswith("optimizer.")]
+        objects = [n for n in checkpoint.objects if is_optimizer_name(n)]
         if not optimizer_tensors and objects:
             # e.g. megatron-core 0.13's dp_zero_gather_scatter: the state is pickled bucket
             # objects; importing the weights alone without saying so would lose it silently
@@ -433,7 +449,7 @@ def _open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
 def _optimizer_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, dict[str, str]]:
     """``{parameter: {state name: tensor name}}`` of the model-space optimizer state."""
     found: dict[str, dict[str, str]] = {}
-    for tensor in (n for n in checkpoint.tensors if n.startswith("optimizer.")):
+    for tensor in (n for n in checkpoint.tensors if is_optimizer_name(n)):
         if not tensor.startswith(_OPTIMIZER_PREFIX):
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
@@ -498,6 +514,36 @@ def _check_optimizer_tensors(
                     f"{list(model.shape)} nor its N-D flattened form (chunks "
                     f"{sorted(chunk_shapes)}) in {metadata}"
                 )
+
+
+#: megatron-core's optimizer namespace in torch_dist keys: ``optimizer.*``, and
+#: ``chained_N.optimizer.*`` when a ChainedOptimizer (e.g. dense + MoE experts) prefixes them.
+_OPTIMIZER_NAME = re.compile(r"(?:chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_name(name: str) -> bool:
+    """A torch_dist key of optimizer state, never a model weight (imported as optimizer state,
+    skipped by name, or refused; never written under ``params/``)."""
+    return _OPTIMIZER_NAME.match(name) is not None or ".optimizer." in name
+
+
+def _chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | None] | None:
+    """The per-optimizer sharding types of a megatron-core ChainedOptimizer save (``common.pt``'s
+    ``optimizer`` keyed by optimizer index, or ``chained_N.`` keys), else None."""
+    optimizer = common.get("optimizer") if isinstance(common, dict) else None
+    if isinstance(optimizer, dict) and optimizer and all(type(k) is int for k in optimizer):
+        parts = [optimizer[k] for k in sorted(optimizer)]
+    elif isinstance(optimizer, list) and optimizer:
+        parts = optimizer
+    else:
+        names = itertools.chain(checkpoint.tensors, checkpoint.objects)
+        prefixes = {n.partition(".")[0] for n in names if re.match(r"chained_\d+\.optimizer\.", n)}
+        if not prefixes:
+            return None
+        parts = [None] * len(prefixes)
+    return [
+        part.get("param_state_sharding_type") if isinstance(part, dict) else None for part in parts
+    ]
 
 
 def _param_groups(optimizer_state: Any) -> Any:
@@ -794,7 +840,7 @@ class _BucketStates(_RankStates):
         ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
         dtypes: dict[int, set[str]] = {}
         for name in checkpoint.tensors:
-            if not name.startswith("optimizer."):
+            if not is_optimizer_name(name):
                 continue
             m = _BUCKET_KEY.fullmatch(name)
             if m is None or m.group(2) != "0":
