@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -243,6 +244,8 @@ def inspect(
         console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
         console.print(f"source: {m.source}", highlight=False, soft_wrap=False)
+    for notice in m.notices:
+        console.print(f"[yellow]![/yellow] {escape(notice)}", highlight=False)
 
 
 def _short(value, limit: int = 40) -> str:
@@ -265,6 +268,8 @@ def verify(path: str):
             progress.update(task, completed=done)
 
         bad = jax_ucp.verify(path, progress=on_progress)
+    for _, notice in bad.notices:  # not errors: the data is intact
+        console.print(f"[yellow]![/yellow] {escape(notice)}", highlight=False)
     if bad:
         for _, err in bad:  # each message names its tensor and file
             console.print(f"[red]✗[/red] {err}", highlight=False)

@@ -347,6 +347,9 @@ class Manifest:
     tree: dict | None = None
     version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
+    # Not stored: what a reader noticed (``jax_ucp.inspect`` fills it), e.g. a container class
+    # it will not rebuild. Each a full sentence naming the tree node.
+    notices: list[str] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
         seen: dict[tuple, str] = {}

@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.handler import checkpoint_handler, reader
+from jax_ucp.handler import tree as tree_lib
 from jax_ucp.writer import commit
 
 
@@ -176,15 +177,28 @@ def restore(
     )
 
 
+class VerifyResult(list):
+    """``[(tensor name, error message)]``, empty when the data is intact; ``notices`` lists
+    ``(tree node, message)`` for what a restore gives back differently without being an error
+    (a container class outside the allow-list comes back as a dict)."""
+
+    def __init__(self, problems=(), notices=()):
+        super().__init__(problems)
+        self.notices: list[tuple[str, str]] = list(notices)
+
+
 def verify(
     path: str | os.PathLike, *, progress=None, max_read_bytes: int | None = None
-) -> list[tuple[str, str]]:
+) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
 
     Every shard file is checked against its digest in the manifest (it is the file this save
     wrote there, for this tensor and position) and every tensor is read in full (crc32c of each
     inner chunk). Returns ``[(tensor name, error message)]`` in manifest order, empty when the
-    checkpoint is intact. ``progress(name, done, total)`` is called after each tensor.
+    checkpoint is intact, with ``.notices``: ``[(tree node, message)]`` for each container
+    class of the manifest a restore without a target will not rebuild (not in the allow-list:
+    it comes back as a dict of its fields). ``progress(name, done, total)`` is called after
+    each tensor.
 
     Tensors are checked several at a time, as many as fit in ``max_read_bytes`` (default as for
     ``restore``; one at least), so an object store's latency is paid once per batch, not once
@@ -228,7 +242,7 @@ def verify(
             used += entry.nbytes
         while in_flight:
             retire_oldest()
-    return problems
+    return VerifyResult(problems, tree_lib.class_notices(manifest.tree))
 
 
 # Tensors ``verify`` checks at once (each waits mostly on I/O: object-store round trips).
@@ -236,5 +250,10 @@ _VERIFY_THREADS = 16
 
 
 def inspect(path: str | os.PathLike) -> fmt.Manifest:
-    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding)."""
-    return store.read_manifest(reader.find_checkpoint_dir(path))
+    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding).
+
+    ``.notices`` lists what a restore without a target gives back differently from the save:
+    a container class outside the allow-list (rebuilt as a dict of its fields)."""
+    manifest = store.read_manifest(reader.find_checkpoint_dir(path))
+    manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
+    return manifest

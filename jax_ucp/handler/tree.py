@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -90,9 +91,79 @@ def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
 # --- container types: recorded at save, rebuilt on restore without a target ----------------------
 # A restore without a target must give back a state ``tx.update`` accepts: optax states are
 # NamedTuples (ScaleByAdamState, EmptyState() with no leaves at all), chains are tuples. The save
-# records every container node; the restore rebuilds it, importing classes only from these
-# packages (a manifest is untrusted: it never makes us import anything else).
-ALLOWED_MODULE_ROOTS = ("optax", "flax", "jax", "builtins", "collections")
+# records every container node as "<module>:<qualname>"; the restore rebuilds a node only when
+# that exact name is in ``allowed_classes()``. A manifest is untrusted: its class names are looked
+# up in that table, never imported or resolved by attribute (a walk such as
+# "jax.version:subprocess.Popen" once reached any class). Anything else is a dict of its fields.
+
+# Public optax modules whose NamedTuples (optimizer states) are rebuilt.
+_OPTAX_MODULES = (
+    "optax",
+    "optax.contrib",
+    "optax.schedules",
+    "optax.transforms",
+    "optax.tree_utils",
+)
+# Other container classes rebuilt from the dict of their children: (module, attribute).
+_DICT_CLASSES = (("flax.core", "FrozenDict"), ("flax.nnx", "State"))
+
+
+def class_name(cls: type) -> str:
+    """How ``describe_structure`` names a class in the manifest."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+@functools.cache
+def allowed_classes() -> dict[str, type]:
+    """Manifest class name → class, for every container class a restore rebuilds: optax's
+    public NamedTuples (enumerated from its public modules) and flax's dict-like containers.
+
+    The table is built from our own list of modules, never from a manifest."""
+    table: dict[str, type] = {}
+    for module_name in _OPTAX_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # pragma: no cover - an optax without that module
+            continue
+        for attr in dir(module):
+            obj = getattr(module, attr, None)
+            if (
+                isinstance(obj, type)
+                and issubclass(obj, tuple)
+                and isinstance(getattr(obj, "_fields", None), tuple)
+                and obj.__module__.split(".")[0] == "optax"
+            ):
+                table[class_name(obj)] = obj
+    for module_name, attr in _DICT_CLASSES:
+        try:
+            obj = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):  # pragma: no cover - an older flax
+            continue
+        table[class_name(obj)] = obj
+    return table
+
+
+@functools.cache
+def _by_package_and_qualname() -> dict[tuple[str, str], type | None]:
+    """(top package, qualname) → class, for names unique in the table (None when ambiguous):
+    optax moves classes between private modules across releases."""
+    out: dict[tuple[str, str], type | None] = {}
+    for cls in allowed_classes().values():
+        key = (cls.__module__.split(".")[0], cls.__qualname__)
+        out[key] = None if key in out and out[key] is not cls else cls
+    return out
+
+
+def allowed_class(name: str) -> type | None:
+    """The class a manifest's ``"<module>:<qualname>"`` names, if the allow-list holds it: the
+    exact name, or the same qualname in the same top package (a class optax has moved)."""
+    if not isinstance(name, str):
+        return None
+    cls = allowed_classes().get(name)
+    if cls is not None:
+        return cls
+    module, _, qualname = name.partition(":")
+    return _by_package_and_qualname().get((module.split(".")[0], qualname))
 
 
 def describe_structure(tree) -> dict:
@@ -148,32 +219,67 @@ def rebuild_structure(description: dict, value_at: Any, prefix: tuple = ()) -> A
         return [v for _, v in kids]
     if kind == "tuple" and complete:
         return tuple(v for _, v in kids)
-    if kind == "namedtuple" and complete:
-        cls = _allowed_class(description.get("class", ""))
-        if cls is not None and tuple(getattr(cls, "_fields", ())) == tuple(n for n, _ in kids):
+    if kind in ("namedtuple", "object") and complete:
+        cls = _rebuildable(description)
+        if cls is not None and kind == "namedtuple":
             return cls(*(v for _, v in kids))
-        return dict(kids)  # a class outside the allow-list: its fields, by name
-    if kind == "object" and complete:
-        cls = _allowed_class(description.get("class", ""))
         if cls is not None:
-            try:
-                return cls(dict(kids))  # e.g. flax FrozenDict
-            except Exception:  # noqa: BLE001 - an unknown constructor: plain dict below
-                pass
-    return dict(kids)
+            return cls(dict(kids))  # flax FrozenDict / nnx State
+    return dict(kids)  # a class outside the allow-list: its fields, by name
 
 
-def _allowed_class(name: str):
-    module, _, qualname = name.partition(":")
-    if not qualname or module.split(".")[0] not in ALLOWED_MODULE_ROOTS:
+def _rebuildable(description: dict) -> type | None:
+    """The allow-listed class of a "namedtuple"/"object" node, if it is rebuilt as that class:
+    a NamedTuple whose fields are exactly the children's names, a dict-like object."""
+    cls = allowed_class(description.get("class"))
+    if cls is None:
         return None
-    try:
-        obj = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError):
+    names = tuple(name for name, _, _ in description["children"])
+    is_namedtuple = issubclass(cls, tuple)
+    if (description["type"] == "namedtuple") != is_namedtuple:
         return None
-    return obj if isinstance(obj, type) else None
+    if is_namedtuple and tuple(cls._fields) != names:
+        return None
+    return cls
+
+
+def class_notices(description: dict | None) -> list[tuple[str, str]]:
+    """[(node path, notice)] for each "namedtuple"/"object" node a restore without a target
+    gives back as a plain dict (its class is not in the allow-list, or its fields differ)."""
+    out: list[tuple[str, str]] = []
+    stack = [((), description)] if description is not None else []
+    while stack:
+        prefix, node = stack.pop()
+        if node["type"] == "leaf":
+            continue
+        if node["type"] in ("namedtuple", "object") and _rebuildable(node) is None:
+            name = node.get("class")
+            cls = allowed_class(name)
+            why = (
+                "is not in the allow-list of container classes"
+                if cls is None
+                else f"is allow-listed but its fields are not {_short_names(node)}"
+            )
+            where = "/".join(prefix) or "the root"
+            out.append(
+                (
+                    where,
+                    f"Tree node {where!r}: class {_short_text(name)} {why}; a restore without a "
+                    f"target gives it back as a dict of its fields.",
+                )
+            )
+        for name, _, child in reversed(node["children"]):
+            stack.append((prefix + (name,), child))
+    return out
+
+
+def _short_text(text, limit: int = 120) -> str:
+    text = repr(text)
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _short_names(node: dict) -> str:
+    return _short_text(tuple(name for name, _, _ in node["children"]))
 
 
 def missing() -> Any:
