@@ -117,10 +117,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         return src
     latest = os.path.join(src, "latest")
     if os.path.lexists(latest):
-        try:
-            latest_tag = files.read_regular(latest, 4096).decode("utf-8", "replace").strip()
-        except files.UnsafeFileError as e:
-            raise DeepSpeedImportError(str(e)) from None
+        latest_tag = read_tag_file(latest)
         tag_dir = os.path.join(src, latest_tag)
         if not inside(tag_dir, src) or latest_tag in ("", ".", ".."):
             raise DeepSpeedImportError(
@@ -142,6 +139,29 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
         f"'*zero_pp_rank_*_optim_states.pt' files)"
     )
+
+
+def read_tag_file(path: str) -> str:
+    """The tag a tracker file (DeepSpeed's ``latest``) names: one line of printable UTF-8 text.
+    A NUL or another control character would otherwise reach the file system as a raw
+    "embedded null byte" error, or name a folder nobody wrote."""
+    try:
+        raw = files.read_regular(path, 4096)
+    except files.UnsafeFileError as e:
+        raise DeepSpeedImportError(str(e)) from None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise DeepSpeedImportError(
+            f"{path}: not UTF-8 text (byte {e.start}); expected the name of a tag folder"
+        ) from None
+    if not tag.isprintable():
+        bad = next(c for c in tag if not c.isprintable())
+        raise DeepSpeedImportError(
+            f"{path}: names tag {tag[:100]!r}, which holds the control character {bad!r}; "
+            "expected the name of a tag folder"
+        )
+    return tag
 
 
 def trainer_checkpoints(src: str) -> list[str]:
@@ -294,10 +314,26 @@ def frozen_shapes_of(model_states: Mapping, model_file: str) -> dict[str, tuple[
         raise DeepSpeedImportError(f"{model_file}: frozen_param_shapes is not a dict")
     out = {}
     for name, shape in shapes.items():
-        if not isinstance(name, str) or not isinstance(shape, (tuple, list)):
+        if not isinstance(name, str):
             raise DeepSpeedImportError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
-        out[name] = tuple(int(d) for d in shape)
+        out[name] = checked_shape(shape, model_file, f"frozen_param_shapes[{name!r}]")
     return out
+
+
+#: Largest dimension accepted in a shape read from a file (2**48 elements is 1 PiB of fp32).
+MAX_DIM = 2**48
+
+
+def checked_shape(shape: Any, model_file: str, what: str) -> tuple[int, ...]:
+    """A shape read from a file: a tuple or list of ints in ``[0, MAX_DIM)``. A negative
+    dimension would pass an element count check in pairs ((-2, -8) has 16 elements)."""
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
+    ):
+        raise DeepSpeedImportError(
+            f"{model_file}: {what} is {shape!r}; expected a shape of non-negative integers"
+        )
+    return tuple(int(d) for d in shape)
 
 
 def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tuple[int, ...]]]:
@@ -305,8 +341,13 @@ def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tu
     groups = require(model_states, "param_shapes", model_file)
     if isinstance(groups, Mapping):
         groups = [groups]
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+        raise DeepSpeedImportError(f"{model_file}: param_shapes is not a list of dicts")
     return [
-        {str(name): tuple(int(d) for d in shape) for name, shape in group.items()}
+        {
+            str(name): checked_shape(shape, model_file, f"param_shapes[{name!r}]")
+            for name, shape in group.items()
+        }
         for group in groups
     ]
 

@@ -27,7 +27,6 @@ import dataclasses
 import json
 import math
 import os
-import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,11 +50,13 @@ from jax_ucp.language import (
     MergeError,
     PipelineTied,
     Replicated,
+    SpecError,
     SubParams,
     Vocab,
     load_spec,
     merge,
 )
+from jax_ucp.language.patterns import compile_pattern
 
 __all__ = [
     "MegatronDeepSpeedCheckpoint",
@@ -228,7 +229,10 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
                 f"patterns saying how TP fragments merge (Megatron-DeepSpeed writes them); pass "
                 f"spec= with import rules instead"
             )
-        spec = spec_from_ucp_info(info)
+        try:  # patterns from the file: matched with RE2 (bounded time), or refused by name
+            spec = spec_from_ucp_info(info, where=f"{where}: universal_checkpoint_info")
+        except SpecError as e:
+            raise DeepSpeedImportError(str(e)) from None
     info = dict(info or {})
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
     if unsupported:
@@ -426,7 +430,8 @@ def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
     if not isinstance(kind, SubParams):
         return kind
     for pattern, entry in _sub_params_entries(info):
-        if not re.match(pattern, name):
+        # re.match semantics (anchored at the start only), on RE2: the pattern is from the file
+        if compile_pattern(pattern, "universal_checkpoint_info: ").match(name) is None:
             continue
         sizes = list(entry["shape"])[int(entry["partition_dim"])]
         shard_widths = (info.get("sub_param_shard_widths") or {}).get(pattern)

@@ -9,8 +9,12 @@ dim 0; then, independently, vocabulary parameters have their padding stripped to
 ``original_vocab_size`` along dim 0. Tensors matching ``pipeline_replicated_parameter_patterns``
 are held on several pipeline stages (tied embeddings).
 
-The rules below reproduce exactly that decision with the language's first-match-wins order,
-combining patterns with look-aheads: ``(?=A)(?:B).*`` matches a name that ``re.match``-es both.
+The rules below reproduce exactly that decision with the language's first-match-wins order:
+``re.match(A, name)`` is the full match of ``(?:A).*``, and a name that must match both A and B
+(a vocabulary or pipeline-replicated parameter of some category) gets a rule with pattern
+``(?:A).*`` and ``also = ["(?:B).*"]``. The patterns come from a checkpoint file, so they are
+matched with RE2 (time linear in the name, ``language.patterns``); one RE2 cannot compile
+(look-arounds, back-references) is an error naming the file and the pattern.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from jax_ucp.language.kinds import (
     SwiGLU,
     Vocab,
 )
+from jax_ucp.language.patterns import compile_pattern
 from jax_ucp.language.spec import ImportRule, Spec
 
 TP_REPLICATED = "tp_replicated_parameter_patterns"
@@ -68,6 +73,10 @@ def import_rules_from_ucp_info(
         v = info.get(key) or []
         if isinstance(v, str):
             v = [v]
+        if not isinstance(v, (list, tuple)):
+            raise SpecError(f"{where}.{key}: expected a list of patterns, found {type(v).__name__}")
+        for p in v:  # each alone, so an error names the pattern as the file holds it
+            compile_pattern(p, f"{where}.{key}: ")
         return [str(p) for p in v]
 
     categories: list[tuple[str, Kind]] = []
@@ -79,6 +88,8 @@ def import_rules_from_ucp_info(
         categories.append((p, SwiGLU(dim=0)))
     for i, e in enumerate(info.get(SUB_PARAMS) or []):
         ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
+        for p in ps:
+            compile_pattern(p, f"{where}.{SUB_PARAMS}[{i}]: ")
         categories += [(p, k) for p in ps]
     for p in pats(ROW_PARALLEL):
         categories.append((p, Partitioned(dim=1)))
@@ -98,16 +109,16 @@ def import_rules_from_ucp_info(
     def add(p: str | None, kind: Kind, label: str, required: bool):
         combos = [(v, q) for v in vocab + [None] for q in pipe + [None]]
         for v, q in combos:
-            look = "".join(f"(?=(?:{x}))" for x in (v, q) if x is not None)
             body = f"(?:{p}).*" if p is not None else ".*"
             req = required and v is None and q is None
             rules.append(
                 ImportRule(
-                    look + body,
+                    body,
                     wrap(kind, v is not None, q is not None),
                     required=req,
                     label=f"{label}{' + vocab ' + repr(v) if v else ''}"
                     f"{' + pipeline-replicated ' + repr(q) if q else ''}",
+                    also=tuple(f"(?:{x}).*" for x in (v, q) if x is not None),
                 )
             )
 
@@ -118,9 +129,15 @@ def import_rules_from_ucp_info(
 
 
 def spec_from_ucp_info(
-    info: Mapping[str, Any], *, name: str = "deepspeed-ucp-info", strict: bool = False, **settings
+    info: Mapping[str, Any],
+    *,
+    name: str = "deepspeed-ucp-info",
+    strict: bool = False,
+    where: str = "universal_checkpoint_info",
+    **settings,
 ) -> Spec:
-    """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc)."""
+    """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc);
+    ``where`` (the file holding ``info``) starts every error."""
     s = dict(settings)
     if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
         s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
@@ -129,6 +146,6 @@ def spec_from_ucp_info(
     return Spec(
         name=name,
         settings=s,
-        imports=tuple(import_rules_from_ucp_info(info, strict=strict)),
+        imports=tuple(import_rules_from_ucp_info(info, strict=strict, where=where)),
         strict=strict,
     )

@@ -220,8 +220,8 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
     """Where every parameter's pieces are, checked against the partitions' sizes before any
     tensor byte is read."""
     if checkpoint.stage in (1, 2):
-        plan = _plan_stage12(checkpoint)
         _check_stage12_partitions(checkpoint)
+        plan = _plan_stage12(checkpoint)
         _check_stage12_contiguity(checkpoint, plan)
     else:
         plan = _plan_stage3(checkpoint)
@@ -239,7 +239,13 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
 
 
 def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
-    """From every rank's ``param_slice_mappings``: name -> (group, pieces in rank order)."""
+    """From every rank's ``param_slice_mappings``: name -> (group, pieces in rank order).
+
+    Every fragment is checked before any tensor byte is read: a positive element count from a
+    non-negative start, inside its rank's partition, and no two parameters on the same
+    elements. The sum per parameter is checked against its shape by the caller. Without these,
+    a mapping onto another parameter's range (or a negative start, which numpy reads from the
+    end) imports wrong values whenever the model weights are not there to compare against."""
     plan = {
         name: ParameterFragments(group, [])
         for group, shapes in enumerate(checkpoint.param_shapes)
@@ -271,8 +277,44 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                     raise DeepSpeedImportError(
                         f"{path}: bad fragment_address for {name!r}: {address!r}"
                     )
-                fragments.pieces.append(Piece(dp_rank, int(address.start), int(address.numel)))
+                start, count = address.start, address.numel
+                size = optimizer_state["single_partition_of_fp32_groups"][group].size
+                if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
+                    raise DeepSpeedImportError(
+                        f"{path}: parameter {name!r}: fragment_address start={start!r} "
+                        f"numel={count!r}; expected a start >= 0 and numel > 0"
+                    )
+                if start + count > size:
+                    raise DeepSpeedImportError(
+                        f"{path}: parameter {name!r}: fragment [{start}, {start + count}) reaches "
+                        f"past the end of group {group}'s partition of {size} elements"
+                    )
+                fragments.pieces.append(Piece(dp_rank, int(start), int(count)))
+        _check_no_overlap(plan, dp_rank, path)
     return plan
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path: str) -> None:
+    """No element of DP rank ``dp_rank``'s partitions belongs to two parameters."""
+    spans = sorted(
+        (fragments.group, piece.start, piece.start + piece.numel, name)
+        for name, fragments in plan.items()
+        for piece in fragments.pieces
+        if piece.dp_rank == dp_rank
+    )
+    for (group, start, end, name), (next_group, next_start, next_end, other) in zip(
+        spans, spans[1:]
+    ):
+        if group == next_group and next_start < end:
+            raise DeepSpeedImportError(
+                f"{path}: parameters {name!r} (elements [{start}, {end})) and {other!r} "
+                f"([{next_start}, {next_end})) overlap in group {group}'s partition; each "
+                "element belongs to one parameter"
+            )
 
 
 def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
@@ -301,12 +343,23 @@ def _check_stage12_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
         path = checkpoint.optim_files[dp_rank]
         fp32 = require(optimizer_state, "single_partition_of_fp32_groups", path)
         inner = require(require(optimizer_state, "base_optimizer_state", path), "state", path)
+        if not isinstance(fp32, (list, tuple)) or not all(
+            isinstance(part, np.ndarray) for part in fp32
+        ):
+            raise DeepSpeedImportError(
+                f"{path}: single_partition_of_fp32_groups is not a list of tensors"
+            )
         if len(fp32) != groups:
             raise DeepSpeedImportError(f"{path}: {len(fp32)} fp32 partitions for {groups} groups")
         for group in range(len(fp32)):
             for state_name in ("exp_avg", "exp_avg_sq"):
                 group_state = require(inner, group, f"{path} state")
                 moment = require(group_state, state_name, f"{path} state[{group}]")
+                if not isinstance(moment, np.ndarray):
+                    raise DeepSpeedImportError(
+                        f"{path}: group {group} {state_name} is a {type(moment).__name__}, "
+                        "expected a tensor"
+                    )
                 if moment.size < fp32[group].size:
                     raise DeepSpeedImportError(
                         f"{path}: group {group} {state_name} has {moment.size} elements, "

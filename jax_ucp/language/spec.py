@@ -11,10 +11,10 @@ A ``Spec`` holds
   ``opt_state/**/mu``, ``opt_state/**/nu``, ...) gets the same rule, so a rule written for a
   parameter applies to its optimizer moments automatically.
 
-Patterns are Python regexes matched in full (``re.fullmatch``) against the parameter's name
-relative to its root: the single key component for flat imports (``decoder.layers.0.mlp.
-linear_fc1.weight``), or the components joined with ``/`` for nested trees
-(``layers/attn/qkv/kernel``).
+Patterns are regexes matched in full against the parameter's name relative to its root: the
+single key component for flat imports (``decoder.layers.0.mlp.linear_fc1.weight``), or the
+components joined with ``/`` for nested trees (``layers/attn/qkv/kernel``). They run on RE2
+(``patterns``: time linear in the name, whoever wrote the pattern), in Python's syntax.
 
 The dict form of a spec (what a TOML file holds: ``spec_from_dict`` / ``spec_to_dict``, and
 ``import_rule_from_dict``, ``restore_rule_from_dict``, ``root_from_dict`` for its tables) lives
@@ -24,7 +24,6 @@ here, next to the types it builds; ``toml_io`` only turns TOML text into that di
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
@@ -33,14 +32,8 @@ from typing import Any
 from jax_ucp.language.errors import SpecError, StrictnessError
 from jax_ucp.language.kinds import Kind, kind_from_obj
 from jax_ucp.language.ops import op_from_obj
+from jax_ucp.language.patterns import compile_pattern
 from jax_ucp.language.settings import canonical, derived, normalize, render
-
-
-def _compile_pattern(pattern: str, where: str) -> re.Pattern:
-    try:
-        return re.compile(pattern)
-    except re.error as e:
-        raise SpecError(f"{where}bad regex {pattern!r}: {e}") from None
 
 
 def _when_matches(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
@@ -78,21 +71,34 @@ class ImportRule:
     required: bool = True  # strict: an error if it matches nothing
     when: Mapping[str, Any] = field(default_factory=dict)  # active only if settings match
     label: str = ""  # for messages; defaults to "import rule #i"
+    # further patterns the whole name must match too (captures come from ``pattern`` alone):
+    # how a rule says "matches A and B", which RE2 has no look-ahead for
+    also: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(
             self, "kind", kind_from_obj(self.kind, where=f"{self.label or self.pattern}: ")
         )
-        object.__setattr__(
-            self, "_regex", _compile_pattern(self.pattern, f"{self.label or 'import rule'}: ")
-        )
+        where = f"{self.label or 'import rule'}: "
+        if isinstance(self.also, str) or not isinstance(self.also, (tuple, list)):
+            raise SpecError(f"{where}'also' must be a list of patterns, got {self.also!r}")
+        object.__setattr__(self, "also", tuple(self.also))
+        object.__setattr__(self, "_regex", compile_pattern(self.pattern, where))
+        object.__setattr__(self, "_also", tuple(compile_pattern(p, where) for p in self.also))
 
-    def fullmatch(self, name: str) -> re.Match | None:
-        """The match of ``pattern`` over the whole of ``name``, or None."""
-        return self._regex.fullmatch(name)
+    def fullmatch(self, name: str):
+        """The match of ``pattern`` over the whole of ``name`` (None unless every ``also``
+        pattern matches the whole name too)."""
+        m = self._regex.fullmatch(name)
+        if m is None or any(r.fullmatch(name) is None for r in self._also):
+            return None
+        return m
 
     def to_dict(self) -> dict:
-        return _with_rule_options({"pattern": self.pattern, **self.kind.to_dict()}, self)
+        d = {"pattern": self.pattern, **self.kind.to_dict()}
+        if self.also:
+            d["also"] = list(self.also)
+        return _with_rule_options(d, self)
 
 
 @dataclass(frozen=True)
@@ -114,9 +120,9 @@ class RestoreRule:
     def __post_init__(self):
         where = f"{self.label or self.pattern}: "
         object.__setattr__(self, "ops", tuple(op_from_obj(o, where=where) for o in self.ops))
-        object.__setattr__(self, "_regex", _compile_pattern(self.pattern, where))
+        object.__setattr__(self, "_regex", compile_pattern(self.pattern, where))
 
-    def fullmatch(self, name: str) -> re.Match | None:
+    def fullmatch(self, name: str):
         """The match of ``pattern`` over the whole of ``name`` (relative to its root), or None."""
         return self._regex.fullmatch(name)
 
@@ -344,12 +350,12 @@ def _prefixed(error: SpecError, where: str) -> SpecError:
     return SpecError(message if message.startswith(where) else f"{where}: {message}")
 
 
-_IMPORT_KEYS = {"pattern", "required", "when", "label"}
+_IMPORT_KEYS = {"pattern", "required", "when", "label", "also"}
 
 
 def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
     """An ``ImportRule`` from its dict form: ``pattern``, the kind (``kind`` and its parameters
-    inline), optional ``required``, ``when``, ``label``. Errors start with ``where``."""
+    inline), optional ``required``, ``when``, ``label``, ``also``. Errors start with ``where``."""
     if "pattern" not in obj:
         raise SpecError(f"{where}: missing 'pattern'")
     if "kind" not in obj:
@@ -362,6 +368,7 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
             required=bool(obj.get("required", True)),
             when=dict(obj.get("when", {})),
             label=obj.get("label", ""),
+            also=obj.get("also", ()),
         )
     except SpecError as e:
         raise _prefixed(e, where) from None

@@ -1,0 +1,278 @@
+"""Trust holes in the importers' inputs: patterns from files, spec files, DeepSpeed fragment maps
+and tracker files, safetensors headers. Each hostile input is built here from a real fixture (or
+from scratch), and is either a clear error naming the file or imports exactly; every test has a
+timeout, so a hang is a failure.
+
+DeepSpeed files are rewritten without torch: read with the importer's own restricted reader,
+changed, and written back with the exporter's torch-free ``torch.save`` writer.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from ucp_testing import REPO
+
+import jax_ucp
+from jax_ucp.exporters import torch_out
+from jax_ucp.importers import deepspeed_files
+from jax_ucp.importers.torch_pickle import StandIn
+from jax_ucp.language import SpecError, load_spec, spec_from_toml
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
+TAG = "global_step2"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _copy(tmp_path, name: str):
+    dst = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, name, "ckpt"), dst)
+    return dst
+
+
+def _as_nodes(obj, arrays: list):
+    """A loaded DeepSpeed object as the torch-free writer's nodes (tensors -> TensorSlot)."""
+    if isinstance(obj, np.ndarray):
+        arrays.append(obj)
+        return torch_out.TensorSlot(len(arrays) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, StandIn):
+        module, name = type(obj).qualname.rsplit(".", 1)
+        state = {k: _as_nodes(v, arrays) for k, v in obj.__dict__.items() if k != "args"}
+        return torch_out.New(torch_out.Global(module, name), state)
+    if isinstance(obj, int) and hasattr(type(obj), "qualname"):  # an IntEnum stand-in
+        module, name = type(obj).qualname.rsplit(".", 1)
+        return torch_out.Call(torch_out.Global(module, name), (int(obj),))
+    if isinstance(obj, dict):
+        return {k: _as_nodes(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_as_nodes(v, arrays) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_as_nodes(v, arrays) for v in obj)
+    return obj
+
+
+def _rewrite(path, edit) -> None:
+    """``edit(obj)`` on the unpickled file (copied out of its memory map), saved back in place
+    under the same name (the name inside the archive stays the file's)."""
+    obj = deepspeed_files.load_deepspeed_file(str(path))
+    arrays: list = []
+    nodes = _as_nodes(obj, arrays)
+    arrays = [np.array(a) for a in arrays]
+    edit(nodes, arrays)
+    os.unlink(path)
+    torch_out.save_file(str(path), nodes, arrays)
+
+
+def _restore_params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+# --------------------------------------------------------------------------- the rewriter
+
+
+@pytest.mark.timeout(120)
+def test_rewriting_a_deepspeed_file_keeps_it_exact(tmp_path):
+    """The helper every DeepSpeed case below relies on: a file read and written back unchanged
+    imports bit-exact."""
+    src = _copy(tmp_path, "z2_fp32_dp2")
+    for name in os.listdir(src / TAG):
+        _rewrite(src / TAG / name, lambda nodes, arrays: None)
+    jax_ucp.convert(src, tmp_path / "rewritten")
+    jax_ucp.convert(os.path.join(FIXTURES, "z2_fp32_dp2", "ckpt"), tmp_path / "original")
+    got, want = _restore_params(tmp_path / "rewritten"), _restore_params(tmp_path / "original")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+# --------------------------------------------------------------------------- patterns from files
+
+MEGATRON_DS = "megatron_ds_tp2_dp2_z1_bf16_synthetic"
+MP0 = "mp_rank_00_model_states.pt"
+CATASTROPHIC = r"(\w+\.?)+\.never"  # exponential backtracking in Python's re on every name
+
+
+def _add_ucp_info_pattern(src, key: str, pattern: str) -> None:
+    def edit(nodes, arrays):
+        nodes["universal_checkpoint_info"].setdefault(key, []).append(pattern)
+
+    _rewrite(src / TAG / MP0, edit)
+
+
+@pytest.mark.timeout(60)
+def test_catastrophic_pattern_in_universal_checkpoint_info_imports_exactly(tmp_path):
+    """A pattern that backtracks exponentially in Python's re matches in linear time on RE2: it
+    matches nothing here, so the import is the original's, bit for bit."""
+    src = _copy(tmp_path, MEGATRON_DS)
+    _add_ucp_info_pattern(src, "tp_replicated_parameter_patterns", CATASTROPHIC)
+    _add_ucp_info_pattern(src, "vocabulary_parameter_patterns", CATASTROPHIC)
+    jax_ucp.convert(src, tmp_path / "hostile")
+    jax_ucp.convert(os.path.join(FIXTURES, MEGATRON_DS, "ckpt"), tmp_path / "original")
+    got, want = jax_ucp.restore(tmp_path / "hostile"), jax_ucp.restore(tmp_path / "original")
+    for tree in ("params", "model_params"):
+        assert sorted(got[tree]) == sorted(want[tree])
+        for name in want[tree]:
+            np.testing.assert_array_equal(got[tree][name], want[tree][name])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "pattern, reason",
+    [
+        (r"(?=language)language_model\..*", r"invalid perl operator: \(\?="),
+        (r"(language)\1", r"invalid escape sequence: \\1"),
+    ],
+)
+def test_pattern_re2_cannot_run_is_an_error_naming_file_and_pattern(tmp_path, pattern, reason):
+    src = _copy(tmp_path, MEGATRON_DS)
+    _add_ucp_info_pattern(src, "parameter_with_row_parallelism_patterns", pattern)
+    with pytest.raises(jax_ucp.UCPError) as e:
+        jax_ucp.convert(src, tmp_path / "out")
+    message = str(e.value)
+    assert message.startswith(str(src / TAG / MP0) + ": universal_checkpoint_info.")
+    assert "parameter_with_row_parallelism_patterns" in message
+    assert repr(pattern) in message
+    assert re_search(reason, message)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+@pytest.mark.timeout(30)
+def test_catastrophic_pattern_in_a_spec_file_matches_in_bounded_time(tmp_path):
+    toml = tmp_path / "hostile.toml"
+    toml.write_text(
+        f"[[import]]\npattern = '{CATASTROPHIC}'\nkind = 'replicated'\n"
+        "[[import]]\npattern = '.*'\nkind = 'replicated'\n"
+    )
+    spec = load_spec(toml)
+    name = "language_model.encoder.layers.0.self_attention.query_key_value.weight" * 20
+    assert spec.match(name).index == 1  # the first rule does not match, the second does
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        (r"(?<=x)w", r"bad regex '\(\?<=x\)w': invalid perl operator"),
+        (r"(?P<a>x)(?P=a)", r"bad regex '\(\?P<a>x\)\(\?P=a\)'"),
+        (r"x{,3}", r"write '\{0,n\}' instead of '\{,n\}'"),
+        ("x" * 5000, r"5000 characters long; at most 4096"),
+    ],
+)
+def test_spec_file_pattern_re2_cannot_run_names_file_and_rule(tmp_path, pattern, message):
+    toml = tmp_path / "bad.toml"
+    toml.write_text(f"name = 'bad'\n\n[[restore]]\npattern = '{pattern}'\n")
+    with pytest.raises(SpecError, match=rf"bad\.toml line 3: restore rule #1: .*{message}"):
+        load_spec(toml)
+
+
+@pytest.mark.timeout(30)
+def test_also_patterns_round_trip_through_toml():
+    """``also`` (the name must match these too) is part of the file form."""
+    from jax_ucp.language import ImportRule, Spec, spec_to_toml
+
+    spec = Spec(imports=[ImportRule("a.*", "replicated", also=("(?:.*b)",))], strict=False)
+    back = spec_from_toml(spec_to_toml(spec))
+    assert back.imports == spec.imports
+    assert back.match("axb") is not None and back.match("axc") is None
+
+
+# --------------------------------------------------------------------------- ZeRO-1/2 fragment maps
+
+ZERO2 = "z2_fp32_dp2"
+RANK0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def _set_fragment(src, name: str, **address) -> None:
+    def edit(nodes, arrays):
+        nodes["optimizer_state_dict"]["param_slice_mappings"][0][name].state.update(address)
+
+    _rewrite(src / TAG / RANK0, edit)
+
+
+def _drop_module_weights(src) -> None:
+    """Without the model weights beside them, nothing else could catch a wrong master."""
+
+    def edit(nodes, arrays):
+        nodes["module"] = {}
+
+    _rewrite(src / TAG / MODEL, edit)
+
+
+def _set_shape(src, name: str, shape) -> None:
+    def edit(nodes, arrays):
+        nodes["param_shapes"][0][name] = torch_out.torch_size(shape)
+
+    _rewrite(src / TAG / MODEL, edit)
+
+
+FRAGMENT_CASES = {
+    # h.0.attn_proj.weight is [1552, 1808) of rank 0's partition, its bias [1808, 1824)
+    "a parameter mapped onto another's range": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", start=1552),
+        rf"{RANK0}: parameters 'h\.0\.attn_proj\.bias' \(elements \[1552, 1568\)\) and "
+        r"'h\.0\.attn_proj\.weight' \(\[1552, 1808\)\) overlap in group 0's partition",
+    ),
+    "a negative start": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", start=-16),
+        rf"{RANK0}: parameter 'h\.0\.attn_proj\.bias': fragment_address start=-16 numel=16; "
+        r"expected a start >= 0 and numel > 0",
+    ),
+    "a negative numel": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", numel=-16),
+        rf"{RANK0}: parameter 'h\.0\.attn_proj\.bias': fragment_address start=1808 numel=-16",
+    ),
+    "a fragment past its partition": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", start=3960),
+        rf"{RANK0}: parameter 'h\.0\.attn_proj\.bias': fragment \[3960, 3976\) reaches past the "
+        r"end of group 0's partition of 3964 elements",
+    ),
+    "a negative dim in param_shapes": (
+        lambda src: _set_shape(src, "h.0.attn_proj.weight", (-16, -16)),
+        rf"{MODEL}: param_shapes\['h\.0\.attn_proj\.weight'\] is \(-16, -16\); expected a shape "
+        r"of non-negative integers",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(FRAGMENT_CASES))
+def test_bad_fragment_map_is_refused_before_reading(tmp_path, case):
+    damage, message = FRAGMENT_CASES[case]
+    src = _copy(tmp_path, ZERO2)
+    _drop_module_weights(src)
+    damage(src)
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- tracker files
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"global_step2\x00", r"latest: names tag 'global_step2\\x00', which holds the control "),
+        (b"global_\x00step2\n", r"latest: names tag 'global_\\x00step2', which holds the control "),
+        (b"global_step2\xff", r"latest: not UTF-8 text \(byte 12\)"),
+    ],
+)
+def test_deepspeed_latest_with_a_nul_or_bad_bytes_is_a_clear_error(tmp_path, content, message):
+    src = _copy(tmp_path, ZERO2)
+    (src / "latest").write_bytes(content)
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
