@@ -6,6 +6,7 @@ Every hostile input is built here, in tmp_path."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import optax
@@ -85,3 +86,87 @@ def test_allow_listed_optax_states_are_rebuilt_even_from_a_moved_module(tmp_path
     assert type(out["opt"][1][0]) is optax.ScaleByAdamState
     assert type(out["opt"][0]) is optax.EmptyState and type(out["opt"][1][1]) is optax.EmptyState
     assert jax_ucp.inspect(tmp_path / "c").notices == []
+
+
+# --- 2. raw errors that named neither file nor tensor ----------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "tree,match",
+    [
+        ({"a": {"\ud800": np.ones(2)}}, r"Key path 'a/\\ud800': component '\\ud800' is not valid"),
+        ({"p": {1: np.ones(2), "1": np.ones(2)}}, r"Dict at key path 'p' mixes key types"),
+        ({1: np.ones(2), "b": np.ones(2)}, r"Dict at key path '\(the root\)' mixes key types"),
+    ],
+    ids=["lone-surrogate", "int-and-str-1", "int-and-str-b"],
+)
+def test_save_names_a_key_path_it_cannot_write(tmp_path, tree, match):
+    jax_ucp.save(tmp_path / "c", {"old": np.arange(3)})
+    with pytest.raises(jax_ucp.UCPError, match=match):
+        jax_ucp.save(tmp_path / "c", tree, force=True)
+    with pytest.raises(ValueError, match=match):  # TreeError is a ValueError too
+        jax_ucp.save(tmp_path / "new", tree)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing written or left
+    assert list(jax_ucp.restore(tmp_path / "c")) == ["old"]
+
+
+@pytest.mark.timeout(60)
+def test_save_of_a_deleted_or_donated_array_names_it_before_writing(tmp_path):
+    import jax
+    import jax.numpy as jnp
+
+    deleted = jnp.ones(4)
+    deleted.delete()
+    donated = jnp.ones((2, 3))
+    jax.jit(lambda a: a + 1, donate_argnums=0)(donated)
+    for key, leaf in (("x", deleted), ("y", donated)):
+        if not leaf.is_deleted():  # pragma: no cover - a backend without donation
+            continue
+        shape = tuple(leaf.shape)
+        with pytest.raises(
+            jax_ucp.UCPError,
+            match=rf"Leaf 'state/{key}': the jax.Array \(shape {re.escape(str(shape))}, float32\) "
+            r"has been deleted or donated",
+        ):
+            jax_ucp.save(tmp_path / "c", {"state": {"w": np.ones(2), key: leaf}})
+        assert not (tmp_path / "c").exists() and list(tmp_path.iterdir()) == []
+    assert donated.is_deleted() and deleted.is_deleted()
+
+
+def _huge(tmp_path):
+    """A checkpoint whose ucp.json and zarr.json both declare w as 2**20 x 2**20 float32
+    (4 TiB); no chunk exists."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32), "b": np.ones(3)}, checksum=None)
+    n = 2**20
+    manifest = json.loads((path / "ucp.json").read_text())
+    for entry in manifest["entries"]:
+        if entry["key"] == ["w"]:
+            entry.update(shape=[n, n], chunk_shape=[n, n], inner_chunk_shape=[n, n])
+    (path / "ucp.json").write_text(json.dumps(manifest))
+    zarr_json = path / "arrays" / "w" / "zarr.json"
+    z = json.loads(zarr_json.read_text())
+    z["shape"] = z["chunk_grid"]["configuration"]["chunk_shape"] = [n, n]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [n, n]
+    zarr_json.write_text(json.dumps(z))
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_larger_than_the_host_is_refused_before_allocating(tmp_path):
+    from ucp_testing import mesh
+
+    path = _huge(tmp_path)
+    match = (
+        rf"Tensor 'w' \({re.escape(str(path / 'arrays' / 'w'))}\): restoring it needs 4.0 TiB "
+        r"of host memory \(shape \(1048576, 1048576\), float32, the slices this process "
+        r"reads\), which exceeds (physical memory|the RLIMIT_\w+ limit) \("
+    )
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path)
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path, mesh=mesh((8,), ("x",)))
+    problems = jax_ucp.verify(path)
+    assert [name for name, _ in problems] == ["w"] and re.match(match, problems[0][1])
+    assert list(jax_ucp.restore(path, select="b")) == ["b"]  # the rest stays readable

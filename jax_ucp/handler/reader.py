@@ -323,6 +323,8 @@ def read(
     in_flight: collections.deque = collections.deque()
     budget = DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
     used = 0
+    kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU devices)
+    limit = sharding_lib.host_memory_limit()
     for position, item in enumerate(plan):
         if item[0] == "value":
             out[position] = item[1]
@@ -330,16 +332,20 @@ def read(
         _, req, found = item
         view = found.build({s.key: opener.get(s.key) for s in found.sources})
         fast = _fast_reader(root, found.sources[0], view) if found.stored else None
-        if fast is not None:
-            view = fast
-        elif not url:  # read by TensorStore: check every shard file it may open first
+        dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+        pending = sharding_lib.PendingArray(
+            view if fast is None else fast, found.shape, dtype, req.sharding
+        )
+        kept += _check_memory(root, found, pending, kept, limit)
+        if fast is None and not url:  # read by TensorStore: check every shard file it may open
             for src in found.sources:
                 verify_shard_files(root, src)
-        dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        pending = sharding_lib.PendingArray(view, found.shape, dtype, req.sharding)
         while in_flight and used + pending.read_bytes > budget:
             used -= _finish(root, in_flight.popleft(), out)
-        pending.start()
+        try:
+            pending.start()
+        except MemoryError:
+            raise _memory_error(root, found, pending, "could not be allocated") from None
         in_flight.append((position, req, found, pending))
         used += pending.read_bytes
     while in_flight:
@@ -349,6 +355,45 @@ def read(
 
 # Host bytes a restore may hold in read buffers at once (see ``restore(max_read_bytes=)``).
 DEFAULT_MAX_READ_BYTES = 256 << 20
+
+
+def _check_memory(root, found: Available, pending, kept: int, limit) -> int:
+    """Refuses, before allocating, a tensor whose buffers cannot fit this host (a manifest may
+    declare 2**40 elements), or whose result would take the host-resident results past it.
+    Returns the bytes its result keeps in host memory."""
+    keeps = pending.result_bytes if pending.on_host else 0
+    if limit is None:
+        return keeps
+    bytes_, what = limit
+    if pending.host_bytes > bytes_:
+        raise _memory_error(root, found, pending, f"exceeds {what} ({_human(bytes_)})")
+    if kept + keeps > bytes_:
+        raise _memory_error(
+            root,
+            found,
+            pending,
+            f"would take the {_human(kept)} this restore already holds in host memory past "
+            f"{what} ({_human(bytes_)})",
+        )
+    return keeps
+
+
+def _memory_error(root, found: Available, pending, why: str) -> CheckpointError:
+    files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+    return CheckpointError(
+        f"Tensor {found.name!r} ({files}): restoring it needs {_human(pending.host_bytes)} of "
+        f"host memory (shape {found.shape}, {pending.dtype}, the slices this process reads), "
+        f"which {why}. Restore it sharded over more processes, select= other tensors, or check "
+        f"the checkpoint's {fmt.MANIFEST_FILE} (it declares this shape)."
+    )
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def _finish(root: str, entry, out: list) -> int:

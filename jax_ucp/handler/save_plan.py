@@ -93,6 +93,14 @@ def prepare_tree(
 ) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
     """Manifest entries for every leaf and this process's writes (device→host copies done here)."""
     leaves, _ = tree_lib.flatten(tree)
+    for key, _, leaf in leaves:  # before anything is written or copied
+        value, _ = tree_lib.unbox(leaf)
+        if isinstance(value, jax.Array) and value.is_deleted():
+            raise tree_lib.TreeError(
+                f"Leaf {fmt.key_to_str(key)!r}: the jax.Array (shape {tuple(value.shape)}, "
+                f"{value.dtype}) has been deleted or donated (e.g. to a jit with "
+                f"donate_argnums) and holds no data; save the array the step returned."
+            )
     for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
         if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
             for _, data in shards_to_write(leaf):

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from jax_ucp.format import keypath as keypath_lib
+from jax_ucp.format.errors import UCPError
 
 
 def _is_leaf(x) -> bool:
@@ -23,14 +24,75 @@ def _is_leaf(x) -> bool:
         return False
 
 
+class TreeError(UCPError, ValueError):
+    """A pytree whose key paths cannot be written or matched: names the key path."""
+
+
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:
-    """[(key, key_types, leaf)] in flatten order, and the treedef. None is a leaf (a saved value)."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    """[(key, key_types, leaf)] in flatten order, and the treedef. None is a leaf (a saved value).
+
+    Key components must be UTF-8 text (they become ucp.json strings and directory names) and a
+    dict's keys must be sortable (JAX sorts them): otherwise a ``TreeError`` names the key path.
+    """
+    try:
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
+    except ValueError as e:
+        where = _unsortable_dict(tree)
+        if where is None:
+            raise
+        path, types = where
+        raise TreeError(
+            f"Dict at key path {_path_text(path)} mixes key types {types} (e.g. 1 and '1'); JAX "
+            f"sorts a dict's keys and a checkpoint names leaves by them: use keys of one type."
+        ) from e
     out = []
     for path, leaf in leaves:
         comps = [keypath_lib.component_of(p) for p in path]
-        out.append((tuple(c[1] for c in comps), tuple(c[0] for c in comps), leaf))
+        key = tuple(c[1] for c in comps)
+        for component in key:
+            if not component.isascii():
+                try:
+                    component.encode("utf-8")
+                except UnicodeEncodeError as e:
+                    raise TreeError(
+                        f"Key path {_path_text(key)}: component {component!r} is not valid "
+                        f"Unicode text ({e.reason} at position {e.start}); a checkpoint stores "
+                        f"keys as UTF-8. Rename that key."
+                    ) from None
+        out.append((key, tuple(c[0] for c in comps), leaf))
     return out, treedef
+
+
+def _path_text(path: Sequence[str]) -> str:
+    text = "/".join(path) if path else "(the root)"
+    return repr(text if len(text) <= 200 else text[:200] + "…")  # repr escapes surrogates
+
+
+def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
+    """(key path, key type names) of the first dict whose keys cannot be sorted, else None."""
+    stack = [((), tree)]
+    while stack:
+        prefix, node = stack.pop()
+        if _is_leaf(node):
+            continue
+        if isinstance(node, dict):
+            try:
+                sorted(node)
+            except TypeError:
+                return prefix, sorted({type(k).__name__ for k in node})
+            stack.extend((prefix + (str(k),), v) for k, v in node.items())
+            continue
+        try:
+            children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[
+                0
+            ]
+        except ValueError:  # a dict-like node (FrozenDict) whose own keys do not sort
+            return prefix, ["mixed"]
+        if len(children) == 1 and children[0][0] == ():
+            continue  # a leaf
+        for path, child in children:
+            stack.append((prefix + (keypath_lib.component_of(path[0])[1],), child))
+    return None
 
 
 def unbox(leaf) -> tuple[Any, tuple | None]:

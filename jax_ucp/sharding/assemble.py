@@ -6,6 +6,8 @@ transformed tensor is read slice by slice like a stored one.
 
 from __future__ import annotations
 
+import math
+import os
 from collections.abc import Sequence
 
 import jax
@@ -57,6 +59,26 @@ class PendingArray:
             _nbytes(tuple(len(range(*s.indices(n))) for s, n in zip(index, self.shape)), source)
             for index in self._slices.values()
         )
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory ``start`` + ``result`` allocate at most: the read buffers, plus the
+        converted copies when the dtype changes."""
+        if _stored_dtype(self._source) == self.dtype:
+            return self.read_bytes
+        return self.read_bytes + self.result_bytes
+
+    @property
+    def result_bytes(self) -> int:
+        """Bytes of this process's slices in the result's dtype (what a CPU result keeps)."""
+        return self.read_bytes // _stored_dtype(self._source).itemsize * self.dtype.itemsize
+
+    @property
+    def on_host(self) -> bool:
+        """The result lives in host memory: numpy, or jax.Arrays on CPU devices."""
+        if self.sharding is None:
+            return True
+        return all(d.platform == "cpu" for d in self.sharding.device_set)
 
     def start(self) -> None:
         """Issues the reads (separate from construction so a caller can budget them)."""
@@ -114,6 +136,30 @@ class PendingArray:
 _ALIGNMENT = 64  # XLA:CPU adopts a host buffer as a device buffer, uncopied, if this aligned
 
 
+def host_memory_limit() -> tuple[int, str] | None:
+    """(bytes, what limits them): the most this process can allocate, from the host's physical
+    memory and the address-space / data-segment rlimits; None where unknown."""
+    limits = []
+    try:
+        limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        pass
+    try:
+        import resource
+
+        for which, what in (
+            (resource.RLIMIT_AS, "RLIMIT_AS"),
+            (resource.RLIMIT_DATA, "RLIMIT_DATA"),
+        ):
+            soft = resource.getrlimit(which)[0]
+            if soft != resource.RLIM_INFINITY and soft > 0:
+                limits.append((soft, f"the {what} limit"))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        pass
+    limits = [x for x in limits if x[0] > 0]
+    return min(limits) if limits else None
+
+
 def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:
     """An uninitialised C-ordered array whose data starts at a multiple of 64 bytes."""
     dtype = np.dtype(dtype)
@@ -146,6 +192,9 @@ def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int]
     return box
 
 
+def _stored_dtype(source) -> np.dtype:
+    return np.dtype(getattr(source.dtype, "numpy_dtype", source.dtype))
+
+
 def _nbytes(shape, source) -> int:
-    itemsize = np.dtype(getattr(source.dtype, "numpy_dtype", source.dtype)).itemsize
-    return int(np.prod(shape, dtype=np.int64)) * itemsize
+    return math.prod(shape) * _stored_dtype(source).itemsize
