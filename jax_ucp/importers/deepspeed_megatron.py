@@ -530,14 +530,17 @@ def megatron_deepspeed_tensors(
     for row in checkpoint.ranks:
         for rank in row:
             found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
+    layer_tensors = []
     for file in sorted(os.listdir(checkpoint.tag_dir)):
         if deepspeed_files.LAYER_FILE.match(file):
             state = deepspeed_files.load_deepspeed_file(os.path.join(checkpoint.tag_dir, file))
-            found += [f"{file}:{n}" for n in tensor_names(state)]
+            layer_tensors += [f"{file}:{n}" for n in tensor_names(state)]
+    found += layer_tensors
     known = {
         entry[2]: name for name, stored in checkpoint.module.items() for entry in stored.values()
     }
-    for name in found:
+    # the stored model weights (module entries, layer files) that are not imported
+    for name in layer_tensors + [n for n in known if n not in layer_tensors]:
         if name in imported or name in (source.get("skipped") or {}):
             continue
         if name in known:

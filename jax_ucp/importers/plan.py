@@ -184,6 +184,12 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
                 f"{where}: output tensor {keypath.key_to_str(item.key)!r} is built from "
                 f"{_few(unknown)}, which the importer did not find in the checkpoint"
             )
+        both = [n for n in names if n in skipped]
+        if both:
+            raise UnaccountedTensorsError(
+                f"{where}: output tensor {keypath.key_to_str(item.key)!r} is built from "
+                f"{_few(both)}, which source.skipped says were not imported"
+            )
         imported.update(names)
         yield item
     lost = sorted(found - imported - set(skipped))
