@@ -92,8 +92,8 @@ def write_layout(src, tensors: dict, objects: dict) -> None:
     ``index_offsets`` when given (ints), else its offsets."""
     sdm, storage = {}, []
     for name, t in tensors.items():
-        chunks = []
-        for c in t["chunks"]:
+        chunks = [] if isinstance(t["chunks"], list) else t["chunks"]
+        for c in t["chunks"] or ():
             chunks.append(
                 T.New(
                     T.Global(_MD, "ChunkStorageMetadata"),
@@ -301,5 +301,152 @@ def test_missing_param_groups_points_at_weights_only(tmp_path):
         match=r"common\.pt: optimizer param_groups missing or empty; cannot recover the step\. "
         r"To import the model weights .*weights_only=True",
     ):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+    _untouched(tmp_path / "out")
+
+
+# ------------------------------------------- 2. every element of every tensor from a chunk
+
+HUGE = [2**62, 32]
+OUTPUT = "output_layer.weight"
+
+
+def _edited(tmp_path, edit, name: str = "moe_ep2"):
+    """A copy of fixture ``name`` whose ``.metadata`` entry of ``output_layer.weight`` (a
+    64 x 32 float32 tensor in one chunk) has been changed by ``edit(entry, chunk, file_size)``."""
+    src = _copy(name, tmp_path)
+    tensors, objects = read_layout(src)
+    entry = tensors[OUTPUT]
+    chunk = entry["chunks"][0]
+    edit(entry, chunk, (src / chunk["file"]).stat().st_size)
+    write_layout(src, tensors, objects)
+    return src
+
+
+def _no_chunks(entry, chunk, size):
+    entry["shape"], entry["chunks"] = list(HUGE), []
+
+
+def _huge_chunk(entry, chunk, size):
+    entry["shape"] = chunk["sizes"] = list(HUGE)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("vocab_size", [48, None])
+@pytest.mark.parametrize(
+    "edit, error",
+    [
+        (
+            _no_chunks,
+            r"chunks hold 0 of 147573952589676412928 elements of shape "
+            r"\[4611686018427387904, 32\]",
+        ),
+        (
+            _huge_chunk,
+            r"chunk at offsets \[0, 0\] sizes \[4611686018427387904, 32\] in \S+\.distcp: "
+            r"declares 590295810358705651712 bytes \(float32\), its storage entry holds only "
+            r"\d+",
+        ),
+    ],
+    ids=["no_chunks", "chunk_larger_than_its_bytes"],
+)
+def test_tensor_never_read_beyond_its_chunks(tmp_path, edit, error, vocab_size):
+    """.metadata declaring output_layer.weight as [2**62, 32] with no chunk (the element count
+    wrapped to 0 in int64, so the coverage check passed and the import returned uninitialised
+    memory with exit 0; with vocab_size=48, 48 rows of it), or with one chunk that claims the
+    whole shape over a few KiB of bytes: refused before anything is allocated or written,
+    naming the tensor and the file."""
+    src = _edited(tmp_path, edit)
+    with pytest.raises(
+        MegatronImportError, match=rf"tensor '{OUTPUT}' in \S+/\.metadata: .*{error}"
+    ):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=vocab_size)
+    _untouched(tmp_path / "out")
+
+
+def _chunk_field(field, value, index_offsets=None):
+    def edit(entry, chunk, size):
+        if index_offsets is not None:
+            chunk["index_offsets"] = index_offsets
+        chunk[field] = value(size) if callable(value) else value
+
+    return edit
+
+
+def _shape_field(value):
+    def edit(entry, chunk, size):
+        entry["shape"] = value
+
+    return edit
+
+
+def _chunks_field(value):
+    def edit(entry, chunk, size):
+        entry["chunks"] = value
+
+    return edit
+
+
+HOSTILE_FIELDS = {
+    # what the file says -> what the error must say
+    "float_offsets": (
+        _chunk_field("offsets", [0.0, 0.0], index_offsets=[0, 0]),
+        r"chunk 0 offsets \(0\.0, 0\.0\): expected non-negative integers",
+    ),
+    "negative_offset": (
+        _chunk_field("offsets", [-32, 0]),
+        r"chunk 0 offsets \(-32, 0\): expected non-negative integers",
+    ),
+    "negative_size": (
+        _chunk_field("sizes", [-64, 32]),
+        r"chunk 0 sizes \(-64, 32\): expected non-negative integers",
+    ),
+    "bool_size": (
+        _chunk_field("sizes", [True, 32]),
+        r"chunk 0 sizes \(True, 32\): expected non-negative integers",
+    ),
+    "string_shape": (_shape_field("ab"), r"size 'ab': expected non-negative integers"),
+    "float_shape": (
+        _shape_field([64.0, 32]),
+        r"size \(64\.0, 32\): expected non-negative integers",
+    ),
+    "chunks_not_a_list": (_chunks_field(None), r"chunks None: expected a list"),
+    "chunk_rank": (
+        _chunk_field("sizes", [64, 32, 1], index_offsets=[0, 0]),
+        r"chunk 0 sizes \[64, 32, 1\] has rank 3, the tensor rank 2",
+    ),
+    "storage_past_the_file": (
+        _chunk_field("offset", lambda size: size + 10),
+        r"shard file \S+/__0_0\.distcp has 32660 bytes, metadata needs 42439 \(truncated\)",
+    ),
+    "negative_storage_offset": (
+        _chunk_field("offset", -5),
+        r"chunk 0 storage entry \(file '__0_0\.distcp', offset -5, length \d+, transforms "
+        r"\(\)\): expected a file name in the checkpoint directory, non-negative integer",
+    ),
+    "float_storage_length": (
+        _chunk_field("length", 100.0),
+        r"chunk 0 storage entry \(file '__0_0\.distcp', offset \d+, length 100\.0, transforms "
+        r"\(\)\): expected a file name in the checkpoint directory, non-negative integer",
+    ),
+    "storage_file_outside": (
+        _chunk_field("file", "../__0_0.distcp"),
+        r"chunk 0 storage entry \(file '\.\./__0_0\.distcp', .*expected a file name in the "
+        r"checkpoint directory",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(HOSTILE_FIELDS))
+def test_hostile_chunk_metadata_is_a_clear_error(tmp_path, case):
+    """Chunk offsets as floats (a TypeError from slicing before), negative offsets or sizes,
+    bools, a shape that is a string, a storage entry past the end of its .distcp file or with a
+    negative offset / a float length, a file outside the checkpoint: each an error naming the
+    tensor and the .metadata file, nothing written."""
+    edit, error = HOSTILE_FIELDS[case]
+    src = _edited(tmp_path, edit)
+    where = "" if case == "storage_past_the_file" else r" in \S+/\.metadata"
+    with pytest.raises(MegatronImportError, match=rf"tensor '{OUTPUT}'{where}: {error}"):
         jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
     _untouched(tmp_path / "out")

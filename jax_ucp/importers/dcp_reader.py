@@ -20,10 +20,11 @@ dtype and shape agree with the metadata.
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -191,7 +192,8 @@ class DcpCheckpoint:
         ``rows`` keeps only the first ``rows`` entries of dim 0 (vocab padding stripped without
         ever materialising the padded tensor); chunks wholly past it are not read."""
         t = self.tensors[name]
-        check_coverage(t, self.path)
+        check_coverage(t, self.path / ".metadata")
+        self.check_files([t])  # so what is allocated below is at most the bytes on disk
         shape = t.shape
         if rows is not None:
             if not t.shape or not 0 <= rows <= t.shape[0]:
@@ -229,7 +231,7 @@ class DcpCheckpoint:
             if not isinstance(arr, np.ndarray):
                 raise DcpError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
-            n = int(np.prod(c.sizes)) * t.dtype.itemsize
+            n = math.prod(c.sizes) * t.dtype.itemsize
             if raw.size != n:
                 raise DcpError(
                     f"{where}: {raw.size} raw bytes, expected {n} ({list(c.sizes)} x {t.dtype})"
@@ -272,16 +274,18 @@ class DcpCheckpoint:
         except torch_pickle.TorchFileError as e:
             raise DcpError(f"{where}: {e}") from None
 
-    def check_files(self) -> None:
-        """Every file the metadata references exists and is long enough."""
+    def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
+        """Every file the metadata references (or ``tensors``' chunks reference) exists and is
+        long enough."""
         sizes: dict[str, int] = {}
+        objects = self.objects.values() if tensors is None else ()
         for name, file, end in itertools.chain(
             (
                 (t.name, c.file, c.byte_offset + c.byte_length)
-                for t in self.tensors.values()
+                for t in (self.tensors.values() if tensors is None else tensors)
                 for c in t.chunks
             ),
-            ((o.name, o.file, o.byte_offset + o.byte_length) for o in self.objects.values()),
+            ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
         ):
             if file not in sizes:
                 p = self.path / file
@@ -305,26 +309,30 @@ class DcpCheckpoint:
 
 
 def check_coverage(t: DcpTensor, where: Path | str) -> None:
-    """Chunks must tile the global shape exactly: inside bounds, no overlap, no gap."""
+    """Every element of ``t`` comes from exactly one chunk: each chunk inside the global shape,
+    no two overlapping (in the tensor or in their bytes), their element counts summing to the
+    tensor's, each chunk's stored bytes at least its elements' bytes. Counted in Python ints: a
+    shape like [2**62, 32] must not wrap to 0 in int64 and pass with no chunk at all."""
     nd = len(t.shape)
-    if not t.chunks:
-        if int(np.prod(t.shape)) == 0:
-            return
-        raise DcpError(
-            f"tensor {t.name!r} in {where}: no chunks recorded for shape {list(t.shape)}"
-        )
     total = 0
     for c in t.chunks:
+        place = f"chunk at offsets {list(c.offsets)} sizes {list(c.sizes)} in {c.file}"
         if len(c.offsets) != nd or len(c.sizes) != nd:
             raise DcpError(
-                f"tensor {t.name!r} in {where}: chunk rank {len(c.offsets)} != tensor rank {nd}"
+                f"tensor {t.name!r} in {where}: {place}: rank {len(c.sizes)}, the tensor's is {nd}"
             )
         if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(c.offsets, c.sizes, t.shape)):
             raise DcpError(
-                f"tensor {t.name!r}: chunk at {list(c.offsets)} size {list(c.sizes)} in "
-                f"{c.file} exceeds the global shape {list(t.shape)}"
+                f"tensor {t.name!r} in {where}: {place} exceeds the global shape {list(t.shape)}"
             )
-        total += int(np.prod(c.sizes, dtype=np.int64))
+        count = math.prod(c.sizes)
+        if count * t.dtype.itemsize > c.byte_length:
+            raise DcpError(
+                f"tensor {t.name!r} in {where}: {place}: declares {count * t.dtype.itemsize} "
+                f"bytes ({t.dtype}), its storage entry holds only {c.byte_length}"
+            )
+        total += count
+    # bounds checked above: every value below fits in int64
     lo = np.array([c.offsets for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
     hi = lo + np.array([c.sizes for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
     for i in range(len(t.chunks)):  # vectorised pairwise box intersection
@@ -334,14 +342,23 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
             a, b = t.chunks[i], t.chunks[j]
             raise DcpError(
                 f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
-                f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file}"
+                f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file} ({where})"
             )
-    want = int(np.prod(t.shape, dtype=np.int64))
+    want = math.prod(t.shape)
     if total != want:
         raise DcpError(
             f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
             f"{want} elements of shape {list(t.shape)} (files {t.files})"
         )
+    ranges = sorted(
+        (c.file, c.byte_offset, c.byte_offset + c.byte_length) for c in t.chunks if c.byte_length
+    )
+    for (file_a, start_a, end_a), (file_b, start_b, _) in zip(ranges, ranges[1:]):
+        if file_a == file_b and start_b < end_a:
+            raise DcpError(
+                f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "
+                f"{min(end_a, start_b + 1)}...) of {file_a}; each chunk has its own bytes"
+            )
 
 
 # ----------------------------------------------------------------- byte ranges
@@ -381,6 +398,11 @@ def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None
 
 
 # ----------------------------------------------------------------- opening
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative int that fits torch's int64 (a bool or a float is not one)."""
+    return type(value) is int and 0 <= value < 2**63
 
 
 def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
@@ -430,28 +452,59 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
             getattr(info, "offset", None),
             getattr(info, "length", None),
         )
+        trs = getattr(info, "transform_descriptors", None) or ()
         if (
             not isinstance(rp, str)
-            or type(bo) is not int
-            or type(bl) is not int
+            or not _is_count(bo)
+            or not _is_count(bl)
             or "/" in rp
+            or "\0" in rp
             or rp.startswith(".")
+            or not isinstance(trs, (list, tuple))
+            or not all(isinstance(tr, str) for tr in trs)
         ):
-            raise DcpError(f"tensor {name!r}: bad storage entry {info!r} in {mfile}")
-        trs = tuple(getattr(info, "transform_descriptors", None) or ())
-        return rp, bo, bl, trs
+            short = torch_pickle.short_repr
+            raise DcpError(
+                f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
+                f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
+                f"in the checkpoint directory, non-negative integer offset and length, strings"
+            )
+        return rp, bo, bl, tuple(trs)
+
+    def dims(name: str, what: str, value: Any, rank: int | None = None) -> tuple[int, ...]:
+        """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
+        if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
+            raise DcpError(
+                f"tensor {name!r} in {mfile}: {what} {torch_pickle.short_repr(value)}: expected "
+                f"non-negative integers below 2**63"
+            )
+        if rank is not None and len(value) != rank:
+            raise DcpError(
+                f"tensor {name!r} in {mfile}: {what} {list(value)} has rank {len(value)}, the "
+                f"tensor rank {rank}"
+            )
+        return tuple(value)
 
     tensors: dict[str, DcpTensor] = {}
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
+        if not isinstance(name, str):
+            raise DcpError(f"{mfile}: entry name {torch_pickle.short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
-            shape = tuple(m.size)
-            dt = _dtype_of(m.properties, name, mfile)
+            shape = dims(name, "size", getattr(m, "size", None))
+            dt = _dtype_of(getattr(m, "properties", None), name, mfile)
+            listed = getattr(m, "chunks", None)
+            if not isinstance(listed, (list, tuple)):
+                raise DcpError(
+                    f"tensor {name!r} in {mfile}: chunks {torch_pickle.short_repr(listed)}: "
+                    f"expected a list"
+                )
             chunks = []
-            for c in m.chunks:
-                offs, sizes = tuple(c.offsets), tuple(c.sizes)
-                rp, bo, bl, trs = ref(name, offs, "chunk")
+            for index, c in enumerate(listed):
+                offs = dims(name, f"chunk {index} offsets", getattr(c, "offsets", None), len(shape))
+                sizes = dims(name, f"chunk {index} sizes", getattr(c, "sizes", None), len(shape))
+                rp, bo, bl, trs = ref(name, offs, f"chunk {index}")
                 chunks.append(DcpChunk(offs, sizes, rp, bo, bl, trs))
             tensors[name] = DcpTensor(name, shape, dt, tuple(chunks))
         elif kind == "BytesStorageMetadata":
