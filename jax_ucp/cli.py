@@ -490,6 +490,40 @@ def convert_safetensors(
     )
 
 
+@convert_app.command("torch")
+@_user_errors
+def convert_torch(
+    src: str,
+    dst: str,
+    force: bool = typer.Option(False, help="replace DST"),
+    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    weights_only: bool = typer.Option(
+        False, "--weights-only", help="import the weights alone, skip the optimizer state"
+    ),
+    processes: int | None = typer.Option(
+        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
+    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
+):
+    """A torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save
+    files (pytorch_model.bin, .pt, .ckpt)."""
+    from jax_ucp import conversion
+
+    _run_convert(
+        conversion.convert_torch,
+        src,
+        dst,
+        force=force,
+        step=step,
+        weights_only=weights_only,
+        parallel=_Parallel(processes, coordinator, num_processes, process_id),
+    )
+
+
 def _parse_mesh(text: str) -> list[tuple[str, int]]:
     axes = []
     for part in filter(None, (p.strip() for p in text.split(","))):

@@ -146,3 +146,9 @@ def convert_safetensors(src, dst, **kwargs) -> str:
 def convert_megatron(src, dst, **kwargs) -> str:
     """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX)."""
     return convert(src, dst, format="megatron", **kwargs)
+
+
+def convert_torch(src, dst, **kwargs) -> str:
+    """``convert`` of a torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning)
+    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt)."""
+    return convert(src, dst, format="torch", **kwargs)

@@ -8,7 +8,14 @@ import os
 from typing import Any
 
 from jax_ucp.format import UCPError
-from jax_ucp.importers import deepspeed, deepspeed_files, megatron, safetensors_hf
+from jax_ucp.importers import (
+    deepspeed,
+    deepspeed_files,
+    megatron,
+    safetensors_hf,
+    torch_dcp,
+    torch_files,
+)
 from jax_ucp.importers.plan import WHOLE, ImportPlan, accounted
 
 
@@ -21,14 +28,20 @@ class SourceNotFoundError(SourceFormatError, FileNotFoundError):
 
 
 def detect_format(src) -> str:
-    """'deepspeed', 'megatron' or 'safetensors', from the files a path holds (none is unpickled)."""
+    """'deepspeed', 'megatron', 'safetensors' or 'torch' (torch DCP or torch.save files), from
+    the files a path holds (none is unpickled)."""
     src = os.fspath(src)
     if os.path.isfile(src) and src.endswith(".safetensors"):
         return "safetensors"
+    if os.path.isfile(src) and torch_files.is_torch_files(src):
+        return "torch"
     if not os.path.isdir(src):
         raise SourceNotFoundError(
-            f"{src}: not a directory (expected a DeepSpeed or Megatron checkpoint folder)."
+            f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
+            f".pt, .pth or .ckpt file)."
         )
+    if torch_dcp.is_torch_dcp(src):  # .metadata without megatron-core's common.pt/metadata.json
+        return "torch"
 
     def has(*patterns: str) -> bool:
         return any(glob.glob(os.path.join(src, pattern)) for pattern in patterns)
@@ -51,18 +64,25 @@ def detect_format(src) -> str:
         return "deepspeed"
     if safetensors_hf.is_safetensors(src):
         return "safetensors"
+    if torch_files.is_torch_files(src):
+        return "torch"
     runs = deepspeed_files.trainer_checkpoints(src)
     if runs:
         raise SourceFormatError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
         )
+    found = sorted(os.listdir(src))
+    listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     raise SourceFormatError(
-        f"{src}: cannot tell the checkpoint format. Expected DeepSpeed (`latest`, `global_stepN/`, "
-        f"`mp_rank_XX_model_states.pt`), Megatron (`latest_checkpointed_iteration.txt`, `iter_N/`, "
-        f"torch_dist `.metadata` + `*.distcp`) or Hugging Face safetensors (`*.safetensors`, "
-        f"`{safetensors_hf.INDEX_FILE}`). Use `jax-ucp convert deepspeed|megatron|safetensors` "
-        f"to force one."
+        f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Expected "
+        f"DeepSpeed (`latest`, `global_stepN/`, `mp_rank_XX_model_states.pt`), Megatron "
+        f"(`latest_checkpointed_iteration.txt`, `iter_N/`, torch_dist `.metadata` + `*.distcp` "
+        f"with `common.pt`), torch DCP (`.metadata` + `__R_S.distcp`, or Accelerate's "
+        f"`pytorch_model_fsdp_0/` + `optimizer_0/`), torch.save files (`pytorch_model.bin`, "
+        f"`{torch_files.INDEX_FILE}`, `pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` "
+        f"file) or Hugging Face safetensors (`*.safetensors`, `{safetensors_hf.INDEX_FILE}`). "
+        f"Use `jax-ucp convert deepspeed|megatron|safetensors|torch` to force one."
     )
 
 
@@ -80,8 +100,8 @@ def plan_import(
     importer = _IMPORTERS.get(checkpoint_format)
     if importer is None:
         raise SourceFormatError(
-            f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron' "
-            f"or 'safetensors')."
+            f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron', "
+            f"'safetensors' or 'torch')."
         )
     plan = importer(source, spec=spec, **options)
     whole = options.get("share", WHOLE).count == 1
@@ -89,8 +109,16 @@ def plan_import(
     return dataclasses.replace(plan, items=items)
 
 
+def _plan_torch(source, **options) -> ImportPlan:
+    """torch DCP (a folder with .metadata, or Accelerate's holding them) or torch.save files."""
+    if torch_dcp.dcp_dirs(source):
+        return torch_dcp.plan_torch_dcp(source, **options)
+    return torch_files.plan_torch_files(source, **options)
+
+
 _IMPORTERS = {
     "deepspeed": deepspeed.plan_deepspeed,
     "megatron": megatron.plan_megatron,
     "safetensors": safetensors_hf.plan_safetensors,
+    "torch": _plan_torch,
 }

@@ -1,0 +1,294 @@
+"""Torch state-dict conventions mapped onto the importer contract (docs/FORMAT.md 2.6).
+
+Shared by the torch DCP importer (:mod:`torch_dcp`) and the torch.save files importer
+(:mod:`torch_files`): both reduce a checkpoint to model tensors and per-parameter optimizer
+state keyed by parameter name (:class:`TorchState`), and this module turns that into the
+output tree, with nothing dropped silently:
+
+* ``params/<name>``: the model tensors as stored (fp32 when the run trained fp32 weights; a
+  bf16 model without fp32 masters stays bf16 and the manifest says so);
+* ``opt_state/mu|nu/<name>`` from Adam/AdamW's ``exp_avg`` / ``exp_avg_sq``, ``opt_state/count``
+  from ``step`` (every parameter must agree), ``opt_state/trace/<name>`` from SGD's
+  ``momentum_buffer``; any other per-parameter state under ``opt_state/<its name>/<name>``;
+* ``param_groups`` hyper-parameters recorded in the manifest's ``source.optimizer``;
+* everything else (objects, train state, schedulers) listed in ``source.skipped`` with why.
+
+Wrapper components in parameter names (DDP's leading ``module.``, torch.compile's
+``_orig_mod.``, FSDP1's ``_fsdp_wrapped_module.``, activation checkpointing's
+``_checkpoint_wrapped_module.``) are removed, as torch's own ``get_state_dict`` removes them,
+and counted in ``source.wrappers_removed``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_ucp import writer
+from jax_ucp.format import UCPError
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item
+
+__all__ = [
+    "TorchImportError",
+    "TensorRef",
+    "TorchState",
+    "strip_wrappers",
+    "clean_name",
+    "jsonable",
+    "plan_state",
+    "STATE_TREES",
+    "scalar_ref",
+]
+
+
+class TorchImportError(UCPError, ValueError):
+    """A torch checkpoint (DCP or torch.save files) that cannot be imported as it is."""
+
+
+#: torch optimizer state name -> where it goes in the output tree (the rest keep their names)
+STATE_TREES: dict[str, tuple[str, ...]] = {
+    "exp_avg": ("opt_state", "mu"),
+    "exp_avg_sq": ("opt_state", "nu"),
+    "momentum_buffer": ("opt_state", "trace"),
+}
+
+#: components torch's wrappers insert into parameter names (anywhere), and DDP's (leading)
+_WRAPPERS_ANYWHERE = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+_WRAPPERS_LEADING = ("module",)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorRef:
+    """A tensor not read yet: its shape and dtype (from metadata or a lazy view) and how to
+    read it; ``where`` names its file(s) in errors and provenance."""
+
+    name: str  # the source tensor's name, as the import accounting knows it
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[], np.ndarray]
+    where: dict
+
+
+def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:
+    """A pickled Python number (a step some optimizers keep as ``int``) as a 0-d tensor."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TorchImportError(f"{name}: a {type(value).__name__}, expected a number")
+    array = np.asarray(value, np.float64)
+    return TensorRef(name, (), array.dtype, lambda: array, where)
+
+
+@dataclasses.dataclass
+class TorchState:
+    """A checkpoint reduced to the contract's parts, names already free of containers.
+
+    ``params``: parameter (or buffer) name -> tensor; ``states``: parameter name -> {torch
+    optimizer state name -> tensor (a Python-number step as a 0-d one)}; ``param_groups``:
+    hyper-parameters per group (``params``: the names in it); ``skipped``: source name ->
+    reason it is not imported; ``found``: every source entry (tensors and pickled objects);
+    ``optimizer_sources``: the source entries of the optimizer (skipped with weights_only).
+    """
+
+    params: dict[str, TensorRef]
+    states: dict[str, dict[str, TensorRef]]
+    param_groups: list[dict]
+    skipped: dict[str, str]
+    where: str  # the checkpoint, for errors
+    found: list[str]
+    optimizer_sources: list[str]
+
+
+def clean_name(name: str) -> tuple[str, list[str]]:
+    """``name`` without wrapper components, and the components removed."""
+    parts = name.split(".")
+    kept: list[str] = []
+    removed: list[str] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if not last and (part in _WRAPPERS_ANYWHERE or (not kept and part in _WRAPPERS_LEADING)):
+            removed.append(part + ".")
+        else:
+            kept.append(part)
+    return ".".join(kept), removed
+
+
+def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[str, int]]:
+    """``{clean name: source name}`` and how many of each wrapper component were removed.
+
+    Refuses names that collide once clean (two parameters would become one)."""
+    clean: dict[str, str] = {}
+    removed: dict[str, int] = {}
+    for name in names:
+        new, gone = clean_name(name)
+        for part in gone:
+            removed[part] = removed.get(part, 0) + 1
+        if new in clean:
+            raise TorchImportError(
+                f"{where}: {clean[new]!r} and {name!r} are the same parameter {new!r} once "
+                f"wrapper prefixes ({', '.join(_WRAPPERS_LEADING + _WRAPPERS_ANYWHERE)}) are "
+                f"removed"
+            )
+        clean[new] = name
+    return clean, removed
+
+
+def jsonable(value: Any) -> Any:
+    """A hyper-parameter as JSON: tuples as lists, 0-d tensors as numbers, the rest as text."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else str(value)
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return jsonable(value.reshape(()).item())
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    return str(value)[:200]
+
+
+def _step_of(ref: TensorRef, name: str, where: str) -> float:
+    if ref.shape not in ((), (1,)):
+        raise TorchImportError(
+            f"{where}: optimizer step of {name!r} has shape {list(ref.shape)}, expected a scalar"
+        )
+    value = ref.read()
+    if isinstance(value, np.ndarray) and value.size == 1:
+        value = value.reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TorchImportError(
+            f"{where}: optimizer step of {name!r} is {type(value).__name__}, expected a number"
+        )
+    return float(value)
+
+
+def _check_states(state: TorchState) -> None:
+    """Every optimizer state names a model tensor and holds its shape (or is a scalar)."""
+    for name, states in state.states.items():
+        param = state.params.get(name)
+        if param is None:
+            near = sorted(state.params)[:3]
+            raise TorchImportError(
+                f"{state.where}: optimizer state for parameter {name!r}, which is not among the "
+                f"model's {len(state.params)} tensors (e.g. {near})"
+            )
+        for key, value in states.items():
+            if key == "step":
+                continue
+            if value.shape != param.shape:
+                raise TorchImportError(
+                    f"{state.where}: optimizer state {key!r} of {name!r} has shape "
+                    f"{list(value.shape)}, the parameter {list(param.shape)} "
+                    f"({value.where.get('files') or value.where})"
+                )
+
+
+def plan_state(
+    state: TorchState,
+    source: dict,
+    *,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of ``state``: checked (every optimizer state names a parameter of the same
+    shape, one step for all) before anything is read beyond scalars."""
+    skipped = dict(state.skipped)
+    has_optimizer = bool(state.optimizer_sources)
+    if weights_only:
+        for name in state.optimizer_sources:
+            skipped[name] = "weights_only: optimizer state not imported"
+        states: dict[str, dict[str, TensorRef]] = {}
+        groups: list[dict] = []
+    else:
+        states, groups = state.states, state.param_groups
+    _check_states(dataclasses.replace(state, states=states))
+    steps: dict[float, str] = {}
+    step_names: list[str] = []
+    for name, per in states.items():
+        if "step" in per:
+            steps.setdefault(_step_of(per["step"], name, state.where), f"({name})")
+            step_names.append(per["step"].name)
+    count = (
+        agreed_step(steps, state.where, recorded_by="parameters", error=TorchImportError)
+        if steps
+        else None
+    )
+    kept_states = sorted({k for per in states.values() for k in per if k != "step"})
+    dtypes = sorted({str(t.dtype) for t in state.params.values()})
+    source = dict(source)
+    source["model_dtype"] = ", ".join(dtypes)
+    if has_optimizer and not weights_only:
+        frozen = sorted(n for n in state.params if n not in states)
+        source["optimizer"] = {
+            "param_groups": [jsonable(g) for g in groups],
+            "state": kept_states + (["step"] if count is not None else []),
+            "no_state": frozen,
+        }
+        floating = [d for d in dtypes if d != "float32"]
+        if floating:
+            source.setdefault("notes", []).append(
+                f"the checkpoint holds no fp32 master weights: params are the model's "
+                f"{', '.join(floating)} weights as trained"
+            )
+    if skipped:
+        source["skipped"] = skipped
+    names = list(state.params)
+    mine = share.pick(names)
+    step = (count, step_names) if share.primary and count is not None else None
+    return ImportPlan(
+        _items(state, states, mine, step), source, len(mine), source_tensors=state.found
+    )
+
+
+def _items(
+    state: TorchState,
+    states: dict[str, dict[str, TensorRef]],
+    names: list[str],
+    step: tuple[int, list[str]] | None,
+) -> Iterator[writer.HostItem]:
+    for name in names:
+        param = state.params[name]
+        per = states.get(name, {})
+        value = param.read()
+        _check_read(value, param, name, state.where)
+        item = host_item(("params", name), value, {**param.where, "tensors": [param.name]})
+        if states and not per:
+            item = dataclasses.replace(item, frozen=True)
+        yield item
+        for key in sorted(per):
+            ref = per[key]
+            if key == "step":
+                continue
+            tree = STATE_TREES.get(key, ("opt_state", key))
+            value = ref.read()
+            _check_read(value, ref, f"{name} ({key})", state.where)
+            provenance = {**ref.where, "state": key, "tensors": [ref.name]}
+            if tree[1] in ("mu", "nu"):
+                yield host_item((*tree, name), value, provenance)
+            else:
+                yield writer.HostItem(
+                    (*tree, name), value, role="opt_state", sub_role=tree[1], provenance=provenance
+                )
+    if step is not None:
+        count, sources = step
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(count, np.int32),
+            {"pattern": "state.*.step", "tensors": sources},
+        )
+
+
+def _check_read(value: Any, ref: TensorRef, name: str, where: str) -> None:
+    if not isinstance(value, np.ndarray) or value.dtype != ref.dtype or value.shape != ref.shape:
+        found = (
+            f"{value.dtype} {list(value.shape)}"
+            if isinstance(value, np.ndarray)
+            else type(value).__name__
+        )
+        raise TorchImportError(
+            f"{where}: tensor {name!r} reads as {found}, expected {ref.dtype} {list(ref.shape)}"
+        )
