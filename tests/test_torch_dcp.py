@@ -36,9 +36,12 @@ def truth(name: str) -> dict[str, np.ndarray]:
     return out
 
 
-def assert_matches_run(restored: dict, name: str) -> None:
-    """params, every optimizer state and the step equal the live run's, bit for bit."""
-    want = truth(name)
+def assert_matches_run(restored: dict, name: str, prefix: str = "") -> None:
+    """params, every optimizer state and the step equal the live run's, bit for bit (the
+    imported names are the run's with ``prefix`` before them)."""
+    want = {
+        k if k == "step" else k.replace("/", "/" + prefix, 1): v for k, v in truth(name).items()
+    }
     params = {k.split("/", 1)[1]: v for k, v in want.items() if k.startswith("param/")}
     assert sorted(restored["params"]) == sorted(params)
     for key, value in want.items():

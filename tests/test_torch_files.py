@@ -1,0 +1,137 @@
+"""torch.save checkpoints written by torch 2.13 (tools/fixtures/make_torch_fixtures.py): a plain
+state-dict .pt, HF pytorch_model.bin single and sharded with its index, a Lightning .ckpt
+dictionary, Accelerate's full-state folder; imported torch-free, bit-exact to the run's live
+state; hostile and inconsistent inputs built by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from test_torch_dcp import FIX, assert_matches_run
+from ucp_testing import assert_destination_untouched
+
+import jax_ucp
+from jax_ucp.exporters import torch_out
+from jax_ucp.importers import detect
+from jax_ucp.importers.torch_state import TorchImportError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    "name", ["plain_state_dict.pt", "hf_bin", "hf_bin_sharded", "lightning.ckpt", "accelerate_full"]
+)
+def test_real_torch_save_files_import_bit_exact(tmp_path, name):
+    src = os.path.join(FIX, name)
+    assert detect.detect_format(src) == "torch"
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    restored = jax_ucp.restore(out)
+    if name == "lightning.ckpt":  # the LightningModule holds the model as `self.model`
+        assert_matches_run(restored, name, prefix="model.")
+    elif name == "accelerate_full":
+        assert_matches_run(restored, name)
+    else:  # weights only: the live parameters
+        assert set(restored) == {"params"}
+        want = {k: v for k, v in _truth(name).items() if k.startswith("param/")}
+        for key, value in want.items():
+            assert (restored["params"][key[len("param/") :]] == value).all(), key
+
+
+def _truth(name):
+    from test_torch_dcp import truth
+
+    return truth(name)
+
+
+def test_lightning_keeps_module_names_and_records_what_it_skips(tmp_path):
+    out = jax_ucp.convert(os.path.join(FIX, "lightning.ckpt"), tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keys"] == "parameter indices, in state-dict order"
+    assert source["optimizer"]["param_groups"][0]["params"][0] == "model.tok_embeddings.weight"
+    assert "lightning.ckpt:global_step" in source["other_entries"]
+    # Lightning's own prefix (the LightningModule attribute) is part of the torch name
+    restored = jax_ucp.restore(out)
+    assert "model.tok_embeddings.weight" in restored["params"]
+
+
+def test_ddp_and_compile_prefixes_are_removed_and_recorded(tmp_path):
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(2, np.float32)]
+    weights = {
+        "module._orig_mod.layer.weight": torch_out.TensorSlot(0, (2, 3), arrays[0].dtype),
+        "module._orig_mod.layer.bias": torch_out.TensorSlot(1, (2,), arrays[1].dtype),
+    }
+    torch_out.save_file(str(tmp_path / "ddp.pt"), weights, arrays)
+    out = jax_ucp.convert(tmp_path / "ddp.pt", tmp_path / "ucp")
+    restored = jax_ucp.restore(out)
+    assert sorted(restored["params"]) == ["layer.bias", "layer.weight"]
+    assert (restored["params"]["layer.weight"] == arrays[0]).all()
+    source = jax_ucp.inspect(out).source
+    assert source["wrappers_removed"] == {"module.": 2, "_orig_mod.": 2}
+
+
+def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
+    src = tmp_path / "acc"
+    shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
+    # a model file with one tensor fewer: index i no longer names the i-th parameter
+    from jax_ucp.importers import torch_pickle
+
+    sd = torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin")
+    names = list(sd)[1:]
+    arrays = [np.array(sd[n]) for n in names]  # copies: the file is replaced below
+    del sd
+    torch_out.save_file(
+        str(src / "new.bin"),
+        {
+            n: torch_out.TensorSlot(i, a.shape, a.dtype)
+            for i, (n, a) in enumerate(zip(names, arrays))
+        },
+        arrays,
+    )
+    os.replace(src / "new.bin", src / "pytorch_model_fsdp.bin")
+    dst = tmp_path / "out"
+    with pytest.raises(
+        TorchImportError,
+        match=r"optimizer\.bin: the optimizer numbers 12 parameters, the model state dict has "
+        r"11 distinct floating tensors",
+    ):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+    # the weights alone still import, the optimizer listed as skipped
+    out = jax_ucp.convert(src, dst, weights_only=True)
+    skipped = jax_ucp.inspect(out).source["skipped"]
+    assert skipped["optimizer.bin:state.0.exp_avg"] == "weights_only: optimizer state not imported"
+
+
+def test_sharded_index_naming_another_file_is_an_error(tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = json.loads((src / "pytorch_model.bin.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "pytorch_model-00002-of-00002.bin"
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(TorchImportError, match=r"in another file than listed \['tok_embeddings"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_sharded_index_escaping_its_folder_is_refused(tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = {"weight_map": {"x": "../../etc/passwd"}}
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(TorchImportError, match=r"weight_map names '\.\./\.\./etc/passwd'"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    marker = tmp_path / "ran"
+    obj = torch_out.Call(torch_out.Global("os", "system"), (f"touch {marker}",))
+    torch_out.save_file(str(src / "pytorch_model.bin"), {"w": obj})
+    with pytest.raises(TorchImportError, match=r"refusing to load global 'os\.system'"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not marker.exists()
