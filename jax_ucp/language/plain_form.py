@@ -9,6 +9,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_ucp.language.errors import SpecError
+from jax_ucp.language.settings import MAX_EXPRESSION_CHARS
+
+
+def _longest_string(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, (list, tuple)):
+        return max((_longest_string(v) for v in value), default=0)
+    return 0
 
 
 def parse_plain_form(
@@ -44,6 +53,11 @@ def parse_plain_form(
             raise SpecError(
                 f"{where}{noun} {name!r} has no parameter {key!r} "
                 f"(known: {', '.join(sorted(fields)) or 'none'})"
+            )
+        if _longest_string(value) > MAX_EXPRESSION_CHARS:  # expressions are short formulas
+            raise SpecError(
+                f"{where}{noun} {name!r}: parameter {key!r} holds a string of "
+                f"{_longest_string(value)} characters; at most {MAX_EXPRESSION_CHARS} are accepted"
             )
         kwargs[key] = convert(key, value)
     return cls, kwargs

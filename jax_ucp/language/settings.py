@@ -91,6 +91,22 @@ _BINARY_OPERATORS = {
 }
 
 
+#: An expression is a short formula over settings ("num_layers // pp"); longer or deeper ones
+#: are refused before Python's parser and the evaluator recurse over them.
+MAX_EXPRESSION_CHARS = 1000
+MAX_EXPRESSION_DEPTH = 64
+
+
+def _depth(tree: ast.AST) -> int:
+    """Nesting depth of an AST, without recursion."""
+    deepest, stack = 0, [(tree, 1)]
+    while stack:
+        node, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in ast.iter_child_nodes(node))
+    return deepest
+
+
 def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
     """An int, or a string expression over ``env`` (settings and captured variables)."""
     v = _as_int(expr)
@@ -98,11 +114,22 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
         return v
     if not isinstance(expr, str):
         raise SpecError(f"{where}expected an integer or an expression string, got {expr!r}")
+    if len(expr) > MAX_EXPRESSION_CHARS:
+        raise SpecError(
+            f"{where}expression {expr[:40]!r}... is {len(expr)} characters long; at most "
+            f"{MAX_EXPRESSION_CHARS} are accepted"
+        )
     env = normalize_env(env)
     try:
         tree = ast.parse(expr.strip(), mode="eval")
     except SyntaxError as e:
         raise SpecError(f"{where}bad expression {expr!r}: {e.msg}") from None
+    except (RecursionError, MemoryError):
+        tree = None
+    if tree is None or _depth(tree) > MAX_EXPRESSION_DEPTH:
+        raise SpecError(
+            f"{where}expression {expr[:40]!r}... nests deeper than {MAX_EXPRESSION_DEPTH} levels"
+        )
 
     def evaluate(n):
         if isinstance(n, ast.Expression):

@@ -32,7 +32,7 @@ from typing import Any
 from jax_ucp.language.errors import SpecError, StrictnessError
 from jax_ucp.language.kinds import Kind, kind_from_obj
 from jax_ucp.language.ops import op_from_obj
-from jax_ucp.language.patterns import compile_pattern
+from jax_ucp.language.patterns import MAX_PATTERN_CHARS, compile_pattern
 from jax_ucp.language.settings import canonical, derived, normalize, render
 
 
@@ -119,6 +119,13 @@ class RestoreRule:
 
     def __post_init__(self):
         where = f"{self.label or self.pattern}: "
+        if self.target is not None and (
+            not isinstance(self.target, str) or len(self.target) > MAX_PATTERN_CHARS
+        ):
+            raise SpecError(
+                f"{where}target must be a template string of at most {MAX_PATTERN_CHARS} "
+                f"characters, got {str(self.target)[:60]!r}"
+            )
         object.__setattr__(self, "ops", tuple(op_from_obj(o, where=where) for o in self.ops))
         object.__setattr__(self, "_regex", compile_pattern(self.pattern, where))
 

@@ -34,6 +34,59 @@ from jax_ucp.language.spec import Spec, spec_from_dict, spec_to_dict
 
 SPECS_DIR = Path(__file__).parent / "specs"
 
+#: A spec file is a few kilobytes; this bounds what reading and parsing one can cost.
+MAX_SPEC_BYTES = 4 << 20
+#: Deepest nesting accepted: arrays and inline tables, plus the components of a dotted key.
+#: Python's tomllib recurses per level (a RecursionError at about 1000) and copies the key
+#: path per dotted component (memory quadratic in their number: 20k components take 1.5 GB).
+MAX_TOML_DEPTH = 64
+
+
+def _check_nesting(text: str, source: str) -> None:
+    """Refuses TOML nested deeper than :data:`MAX_TOML_DEPTH` before ``tomllib`` parses it.
+
+    One pass over the text that skips strings and comments, counting the open ``[``/``{`` and
+    the dots of the key being read (a key starts a line, follows ``{`` or a ``,`` inside an
+    inline table, or is a ``[table]`` header; it ends at ``=`` or at the header's ``]``)."""
+    brackets: list[str] = []  # "h" for a table header's brackets
+    in_key, key_dots, i, n = True, 0, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "#":
+            end = text.find("\n", i)
+            i = n if end < 0 else end
+            continue
+        if c in "\"'":
+            quote = text[i : i + 3] if text[i : i + 3] in ('"""', "'''") else c
+            j = i + len(quote)
+            while j < n and not text.startswith(quote, j):
+                j += 2 if c == '"' and text[j] == "\\" else 1
+            i = j + len(quote)
+            continue
+        if c == "[" and in_key and all(b == "h" for b in brackets):
+            brackets.append("h")  # [table] or [[array of tables]]
+        elif c in "[{":
+            brackets.append(c)
+            in_key, key_dots = c == "{", 0
+        elif c in "]}" and brackets:
+            header = brackets.pop() == "h"
+            in_key = header and bool(brackets)
+            key_dots = key_dots if in_key else 0
+        elif c == "." and in_key:
+            key_dots += 1
+        elif c == "=":
+            in_key, key_dots = False, 0
+        elif c == "," and brackets and brackets[-1] == "{":
+            in_key = True
+        elif c == "\n" and not brackets:
+            in_key, key_dots = True, 0
+        if len(brackets) + key_dots > MAX_TOML_DEPTH:
+            raise SpecError(
+                f"{source} line {text.count(chr(10), 0, i) + 1}: nested deeper than "
+                f"{MAX_TOML_DEPTH} levels (arrays, inline tables, dotted keys); refused"
+            )
+        i += 1
+
 
 def _table_lines(text: str, table: str) -> list[int]:
     """The line number of each ``[[table]]`` header, in order."""
@@ -43,11 +96,20 @@ def _table_lines(text: str, table: str) -> list[int]:
 
 def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | None = None) -> Spec:
     """A spec from TOML text; ``settings`` override its ``[settings]``. Errors name ``source``
-    and the line of the offending ``[[import]]``/``[[restore]]``/``[[roots]]`` table."""
+    and the line of the offending ``[[import]]``/``[[restore]]``/``[[roots]]`` table. Text
+    longer than :data:`MAX_SPEC_BYTES` or nested deeper than :data:`MAX_TOML_DEPTH` is refused
+    before it is parsed."""
+    if len(text) > MAX_SPEC_BYTES:
+        raise SpecError(
+            f"{source}: {len(text)} characters; a spec file holds at most {MAX_SPEC_BYTES}"
+        )
+    _check_nesting(text, source)
     try:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise SpecError(f"{source}: invalid TOML: {e}") from None
+    except RecursionError:  # not reached below MAX_TOML_DEPTH; kept as the last line of defence
+        raise SpecError(f"{source}: nested too deeply") from None
     lines = {table: _table_lines(text, table) for table in ("import", "restore", "roots")}
     return spec_from_dict(d, source=source, settings=settings, table_lines=lines)
 
@@ -143,4 +205,12 @@ def load_spec(name_or_path: str | os.PathLike | Spec, **settings) -> Spec:
                 f"unknown spec {str(name_or_path)!r}: not a file and not a shipped spec "
                 f"(shipped: {', '.join(list_specs()) or 'none'})"
             )
-    return spec_from_toml(path.read_text(), source=str(path), settings=settings)
+    with open(path, "rb") as f:  # a regular file (is_file above); read no more than the cap
+        raw = f.read(MAX_SPEC_BYTES + 1)
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(f"{path}: more than {MAX_SPEC_BYTES} bytes; not a spec file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SpecError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    return spec_from_toml(text, source=str(path), settings=settings)
