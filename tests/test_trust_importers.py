@@ -9,8 +9,10 @@ changed, and written back with the exporter's torch-free ``torch.save`` writer.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -389,3 +391,98 @@ def test_cli_reports_a_spec_error_like_other_errors(tmp_path):
     assert "error:" in r.output and "nested deeper than 64 levels" in r.output
     assert "Traceback" not in r.output
     assert not os.path.exists(tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- safetensors
+
+
+def _safetensors(path, header_json: str, data: bytes) -> None:
+    """A safetensors file with this exact header text (duplicate keys survive)."""
+    raw = header_json.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+F32 = '{{"dtype": "F32", "shape": [2], "data_offsets": [{0}, {1}]}}'
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (
+            '{"w": ' + F32.format(0, 8) + ', "w": ' + F32.format(8, 16) + "}",
+            r"model\.safetensors: the header: names 'w' twice \(a JSON object with a duplicate key\)",
+        ),
+        (
+            '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "dtype": "I32"}}',
+            r"model\.safetensors: the header: names 'dtype' twice",
+        ),
+        (
+            '{"__metadata__": {"format": "pt", "format": "np"}, "w": ' + F32.format(0, 8) + "}",
+            r"model\.safetensors: the header: names 'format' twice",
+        ),
+    ],
+    ids=["tensor", "field", "metadata"],
+)
+def test_safetensors_header_with_a_duplicate_key_is_refused(tmp_path, header, message):
+    src = tmp_path / "hf"
+    src.mkdir()
+    _safetensors(src / "model.safetensors", header, np.arange(4, dtype=np.float32).tobytes())
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.timeout(30)
+def test_safetensors_index_with_a_duplicate_tensor_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(src / "one.safetensors"))
+    save_file({"b": np.ones(2, np.float32)}, str(src / "two.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "one.safetensors", "b": "two.safetensors", "a": "two.safetensors"}}'
+    )
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.safetensors\.index\.json: names 'a' twice"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def _dcp_shards(src, full: np.ndarray) -> list:
+    """What torch DCP's HuggingFaceStorageWriter writes without consolidation for a tensor
+    row-sharded over 2 ranks plus a replicated one: one file per rank, each tensor that rank's
+    piece, its place in the full tensor in ``__metadata__["DCP_SHARDING_INFO"]``."""
+    from safetensors.numpy import save_file
+
+    rows = full.shape[0] // 2
+    paths = []
+    for rank in range(2):
+        piece = np.ascontiguousarray(full[rank * rows : (rank + 1) * rows])
+        sharding = {"w": {"saved_offsets": [rank * rows, 0]}, "b": {"saved_offsets": [0]}}
+        path = src / f"shard-{rank:05d}-model-00001-of-00001.safetensors"
+        save_file(
+            {"w": piece, "b": np.ones(3, np.float32)},
+            str(path),
+            metadata={"DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0"},
+        )
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.timeout(30)
+def test_unconsolidated_dcp_shard_is_refused_as_a_file_and_as_a_folder(tmp_path):
+    src = tmp_path / "dcp_hf"
+    src.mkdir()
+    first, _ = _dcp_shards(src, np.arange(24, dtype=np.float32).reshape(4, 6))
+    expected = (
+        r"shard-00000-model-00001-of-00001\.safetensors: an unconsolidated shard of "
+        r"torch\.distributed\.checkpoint's Hugging Face writer \(__metadata__ has "
+        r"DCP_SHARDING_INFO\): its tensors are pieces of larger ones \(e\.g\. 'w' has "
+        r"saved_offsets \[0, 0\]\).*Consolidate the shards first"
+    )
+    with pytest.raises(jax_ucp.UCPError, match=expected):  # rank 0's half as the whole: refused
+        jax_ucp.convert(first, tmp_path / "one")
+    with pytest.raises(jax_ucp.UCPError, match=expected) as e:  # never "pass one file"
+        jax_ucp.convert(src, tmp_path / "all")
+    assert "pass one file" not in str(e.value) and "the one file" not in str(e.value)
+    assert not os.path.exists(tmp_path / "one") and not os.path.exists(tmp_path / "all")

@@ -54,6 +54,40 @@ class SafetensorsImportError(UCPError, ValueError):
     """A safetensors file or index that cannot be imported as it is (names the file)."""
 
 
+#: ``__metadata__`` key of torch.distributed.checkpoint's Hugging Face writer
+#: (``torch/distributed/checkpoint/_hf_utils.py``): a JSON map tensor -> {"saved_offsets": [...]}
+#: where each tensor of the file sits in the full tensor. Present in the unconsolidated
+#: ``shard-<rank>-model-<i>-of-<n>.safetensors`` files, which hold one rank's piece of each.
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """``json`` object hook: a key given twice is refused (``json`` keeps the last silently; the
+    safetensors package refuses such a header)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _strict_json(raw: bytes | str, what: str):
+    """JSON with every object's keys unique; errors start with ``what``."""
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise SafetensorsImportError(
+            f"{what}: names {e.key[:100]!r} twice (a JSON object with a duplicate key); which "
+            "one is meant cannot be told, so the file is refused"
+        ) from None
+
+
 def is_safetensors(src) -> bool:
     """A ``.safetensors`` file, or a directory holding one or an index."""
     src = os.fspath(src)
@@ -75,9 +109,11 @@ def shard_files(src) -> list[str]:
         return _files_from_index(src, index)
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:
+        for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
+            SafetensorsFile(os.path.join(src, name))
         raise SafetensorsImportError(
             f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
-            f"the model ({', '.join(names[:5])}); pass one file or add the index."
+            f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
         )
     if not names:
         raise SafetensorsImportError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
@@ -86,7 +122,9 @@ def shard_files(src) -> list[str]:
 
 def _files_from_index(src: str, index: str) -> list[str]:
     try:
-        data = json.loads(files.read_regular(index, MAX_INDEX_BYTES))
+        data = _strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
+    except SafetensorsImportError:
+        raise
     except (ValueError, RecursionError) as e:
         raise SafetensorsImportError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -136,12 +174,16 @@ class SafetensorsFile:
 
     def _parse(self, raw: bytes) -> tuple[dict, dict]:
         try:
-            header = json.loads(raw.decode("utf-8"))
+            header = _strict_json(raw.decode("utf-8"), f"{self.path}: the header")
+        except SafetensorsImportError:
+            raise
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise SafetensorsImportError(f"{self.path}: corrupt header ({str(e)[:200]}).") from None
         if not isinstance(header, dict):
             raise SafetensorsImportError(f"{self.path}: the header is not a JSON object.")
         metadata = header.pop("__metadata__", None) or {}
+        if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
+            self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
         tensors: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
         ranges = []
         for name, info in header.items():
@@ -156,6 +198,29 @@ class SafetensorsFile:
                     f"{self.path}: tensors {a[:100]!r} and {b[:100]!r} overlap in the file."
                 )
         return tensors, metadata if isinstance(metadata, dict) else {}
+
+    def _refuse_dcp_shard(self, sharding: Any) -> None:
+        """A file written by torch DCP's Hugging Face writer without consolidation holds one
+        rank's piece of each tensor, with no record of the full shapes: imported as it is, rank
+        0's half would become the whole tensor. Refused, whatever its offsets say (rank 0's are
+        all zeros)."""
+        example = ""
+        try:
+            info = json.loads(sharding) if isinstance(sharding, str) else {}
+            name, entry = next(iter(info.items()))
+            example = (
+                f" (e.g. {name[:100]!r} has saved_offsets {str(entry.get('saved_offsets'))[:60]})"
+            )
+        except (ValueError, RecursionError, StopIteration, AttributeError, TypeError):
+            pass
+        raise SafetensorsImportError(
+            f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
+            f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
+            f"ones{example}, and the full shapes are not in the files. Consolidate the shards "
+            "first (torch.distributed.checkpoint's consolidate_safetensors_files, or save with "
+            "HuggingFaceStorageWriter(enable_consolidation=True)) and import the consolidated "
+            "folder."
+        )
 
     def _entry(self, name: str, info: Any):
         where = f"{self.path}: tensor {name[:100]!r}"
@@ -217,7 +282,7 @@ def plan_safetensors(
             owner[name] = f
     index = os.path.join(src, INDEX_FILE) if os.path.isdir(src) else None
     if index and os.path.exists(index):
-        weight_map = json.loads(files.read_regular(index, MAX_INDEX_BYTES))["weight_map"]
+        weight_map = _strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)["weight_map"]
         missing = sorted(set(weight_map) - set(owner))
         unlisted = sorted(set(owner) - set(weight_map))
         if missing or unlisted:
