@@ -170,3 +170,63 @@ def test_a_tensor_larger_than_the_host_is_refused_before_allocating(tmp_path):
     problems = jax_ucp.verify(path)
     assert [name for name, _ in problems] == ["w"] and re.match(match, problems[0][1])
     assert list(jax_ucp.restore(path, select="b")) == ["b"]  # the rest stays readable
+
+
+# --- 3. narrowing float casts -----------------------------------------------------------------
+
+VALUES = np.array([1.0, 1e10, np.inf, -np.inf, np.nan, 500.0, -2.5, 448.0], np.float32)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "dtype,count,largest",
+    [("float8_e4m3fn", 4, "448.0"), ("float16", 1, "65504.0"), ("bfloat16", 0, None)],
+)
+def test_a_narrowing_cast_that_overflows_is_an_error_unless_unsafe(tmp_path, dtype, count, largest):
+    import warnings
+
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec
+    from ucp_testing import assert_bit_exact, mesh
+
+    target_dtype = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    jax_ucp.save(tmp_path / "c", {"x": VALUES})
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = VALUES.astype(target_dtype)
+    sharded = NamedSharding(mesh((4,), ("d",)), PartitionSpec("d"))
+    asks = [
+        {"dtype": target_dtype},
+        {"target": {"x": np.zeros(8, target_dtype)}},
+        {"target": {"x": jax.ShapeDtypeStruct((8,), target_dtype, sharding=sharded)}},
+    ]
+    for ask in asks:
+        if count == 0:  # bfloat16 keeps float32's range: nothing overflows, no warning
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert_bit_exact(jax_ucp.restore(tmp_path / "c", **ask)["x"], want)
+            continue
+        message = (
+            rf"Tensor 'x' \({re.escape(str(tmp_path / 'c' / 'arrays' / 'x'))}\): {count} of "
+            rf"its values \(of 8\) overflow {dtype} \(largest finite {largest}\) converting from "
+            r"float32: they became inf or NaN\."
+        )
+        with pytest.raises(jax_ucp.CheckpointError, match=message + " A 'same_kind' cast"):
+            jax_ucp.restore(tmp_path / "c", **ask)
+        with pytest.warns(RuntimeWarning, match=message + "$"):
+            got = jax_ucp.restore(tmp_path / "c", casting="unsafe", **ask)
+        assert_bit_exact(got["x"], want)
+
+
+@pytest.mark.timeout(60)
+def test_overflow_is_counted_exactly_across_conversion_blocks(tmp_path):
+    x = np.linspace(-60000.0, 60000.0, 300_001, dtype=np.float32)  # several 65536-value blocks
+    hits = [0, 70_000, 131_072, 300_000]
+    x[hits] = [1e6, -1e30, np.inf, 7e4]  # the inf stays inf in float16: not an overflow
+    jax_ucp.save(tmp_path / "c", {"x": x, "i": np.array([70000, 1, -65520], np.int32)})
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'x' .*: 3 of its values \(of 300001\)"):
+        jax_ucp.restore(tmp_path / "c", select="x", dtype=np.float16)
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'i' .*: 2 of its values \(of 3\) "):
+        jax_ucp.restore(tmp_path / "c", target={"i": np.zeros(3, np.float16)})
+    out = jax_ucp.restore(tmp_path / "c", select="x", dtype=np.float32)  # no cast, no check
+    assert np.array_equal(out["x"], x)

@@ -152,7 +152,13 @@ def restore(
       dtype: cast every tensor to this dtype.
       casting: which dtype conversions (to the target's or ``dtype``) are allowed, in numpy's
         terms: "same_kind" (default: float32 → bfloat16 yes, float → int no), "safe", "no", or
-        "unsafe" (anything, also a saved Python value into an array target).
+        "unsafe" (anything, also a saved Python value into an array target). Values are checked
+        too: a narrowing float cast (float32 → float16 / bfloat16 / float8, int32 → float16)
+        in which a finite value exceeds the target's largest (1e10 → float16 inf, 500 →
+        float8_e4m3fn NaN) or an inf meets a dtype without inf (float8_e4m3fn) is an error under
+        "same_kind" naming the tensor and how many values; under "unsafe" it is converted with a
+        RuntimeWarning saying the same. Casts that cannot overflow are not checked (no extra
+        pass); a checked cast is counted block by block as it is converted.
       select: restore only part of the checkpoint, without a target: a regex matched in full
         against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
         predicate on the name. Nothing else is read.

@@ -8,10 +8,12 @@ import itertools
 import math
 import os
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
@@ -215,7 +217,11 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
     """Refuses a dtype conversion ``casting`` does not allow (numpy's vocabulary).
 
     The default ``same_kind`` lets float32 become bfloat16 (a precision change users ask for)
-    but not int8 (300 would wrap to 44, NaN to 0): that needs ``casting="unsafe"``.
+    but not int8 (300 would wrap to 44, NaN to 0): that needs ``casting="unsafe"``. Values are
+    checked as they are converted (``sharding.convert``): under ``same_kind`` a narrowing float
+    cast in which a finite value overflows the target (1e10 into float16 or float8) or an inf
+    meets a dtype without inf (float8_e4m3fn) is an error after the read; under ``unsafe`` it is
+    a RuntimeWarning naming the tensor and the count.
     """
     if casting not in CASTINGS:
         raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}.")
@@ -341,7 +347,7 @@ def read(
             for src in found.sources:
                 verify_shard_files(root, src)
         while in_flight and used + pending.read_bytes > budget:
-            used -= _finish(root, in_flight.popleft(), out)
+            used -= _finish(root, in_flight.popleft(), out, casting)
         try:
             pending.start()
         except MemoryError:
@@ -349,7 +355,7 @@ def read(
         in_flight.append((position, req, found, pending))
         used += pending.read_bytes
     while in_flight:
-        _finish(root, in_flight.popleft(), out)
+        _finish(root, in_flight.popleft(), out, casting)
     return out
 
 
@@ -396,7 +402,7 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _finish(root: str, entry, out: list) -> int:
+def _finish(root: str, entry, out: list, casting: str) -> int:
     """Waits for one tensor's reads, stores its result; returns the read bytes it released."""
     position, req, found, pending = entry
     try:
@@ -413,10 +419,32 @@ def _finish(root: str, entry, out: list) -> int:
             else "corrupt or truncated data?"
         )
         raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed ({what}): {e}") from e
+    if pending.overflowed:
+        _overflow(root, found, pending, casting)
     if req.python_type is not None and getattr(result, "shape", None) == ():
         result = req.python_type(np.asarray(result).item())
     out[position] = result
     return pending.read_bytes
+
+
+def _overflow(root: str, found: Available, pending, casting: str) -> None:
+    """A narrowing float cast that overflowed: an error under ``same_kind`` (values would
+    change, as float → int does), a warning naming the tensor under ``unsafe``."""
+    files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+    target = pending.dtype
+    largest = np.finfo(target).max if target.kind == "c" else ml_dtypes.finfo(target).max
+    total = math.prod(found.shape)
+    message = (
+        f"Tensor {found.name!r} ({files}): {pending.overflowed} of its values (of {total}) "
+        f"overflow {target} (largest finite {largest}) converting from {found.dtype}: they "
+        f"became inf or NaN."
+    )
+    if casting != "unsafe":
+        raise CheckpointError(
+            f"{message} A {casting!r} cast keeps every value's magnitude; pass "
+            f"casting='unsafe' to convert anyway, or restore as {found.dtype}."
+        )
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
 def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):

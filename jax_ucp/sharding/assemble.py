@@ -6,11 +6,13 @@ transformed tensor is read slice by slice like a stored one.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Sequence
 
 import jax
+import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
@@ -43,6 +45,8 @@ class PendingArray:
         # one host array onto a replicated sharding does.
         self._direct = hasattr(source, "read_into") and len(self.shape) > 0
         self._outs: dict[tuple, np.ndarray] = {}
+        # Values that a narrowing cast turned into inf/NaN (see ``convert``), once read.
+        self.overflowed = 0
         if sharding is None:
             self._slices[()] = ()
             self.read_bytes = _nbytes(self.shape, source)
@@ -103,8 +107,8 @@ class PendingArray:
             data = np.asarray(self._reads[key].result())
         if data.dtype == self.dtype:
             return data
-        converted = aligned_empty(data.shape, self.dtype)
-        np.copyto(converted, data, casting="unsafe")  # the caller checked the cast is wanted
+        converted, overflowed = convert(data, self.dtype)  # the caller checked the cast is wanted
+        self.overflowed += overflowed
         return converted
 
     def result(self):
@@ -134,6 +138,65 @@ class PendingArray:
 
 
 _ALIGNMENT = 64  # XLA:CPU adopts a host buffer as a device buffer, uncopied, if this aligned
+
+
+def convert(data: np.ndarray, dtype) -> tuple[np.ndarray, int]:
+    """``data`` as ``dtype`` in a new 64-byte-aligned array, and how many of its values the cast
+    overflowed: finite values beyond the target's range (they become inf, or NaN in float8),
+    and infinities into a dtype without inf (they become NaN).
+
+    Only a cast into a float dtype of smaller range (float32 → float16/bfloat16/float8, int32 →
+    float16, an inf into float8_e4m3fn) is counted, block by block right after each block is
+    converted (still in cache): every other cast is a plain copy.
+    """
+    dtype = np.dtype(dtype)
+    out = aligned_empty(data.shape, dtype)
+    check = _overflow_check(np.dtype(data.dtype), dtype)
+    if check is None:
+        np.copyto(out, data, casting="unsafe")
+        return out, 0
+    source = np.ascontiguousarray(data).reshape(-1)
+    target = out.reshape(-1)
+    overflowed = 0
+    with np.errstate(over="ignore", invalid="ignore"):  # counted and named by the caller
+        for start in range(0, source.size, _CAST_BLOCK):
+            block = source[start : start + _CAST_BLOCK]
+            cast = target[start : start + _CAST_BLOCK]
+            np.copyto(cast, block, casting="unsafe")
+            lost = ~np.isfinite(cast)
+            if lost.any():
+                overflowed += int(np.count_nonzero(lost & check(block)))
+    return out, overflowed
+
+
+_CAST_BLOCK = 1 << 16  # elements converted and checked at once
+
+
+@functools.cache
+def _overflow_check(source: np.dtype, target: np.dtype):
+    """None when casting ``source`` into ``target`` cannot overflow; else a function giving,
+    for a block of source values, which ones must stay finite after the cast (finite values,
+    plus infinities when ``target`` has no inf)."""
+    if not _is_float(target):
+        return None
+    info = np.finfo(target) if target.kind == "c" else ml_dtypes.finfo(target)
+    has_inf = bool(np.isinf(np.array(np.inf).astype(target)))
+    if source.kind in "biu":
+        wider = float(np.iinfo(source).max if source.kind != "b" else 1) > float(info.max)
+        return (lambda block: np.ones(block.shape, bool)) if wider else None
+    if not _is_float(source):
+        return None
+    source_info = np.finfo(source) if source.kind == "c" else ml_dtypes.finfo(source)
+    if float(source_info.max) > float(info.max):
+        return np.isfinite if has_inf else (lambda block: ~np.isnan(block))
+    if not has_inf and bool(np.isinf(np.array(np.inf).astype(source))):
+        return lambda block: ~np.isnan(block)  # only infinities can turn into NaN
+    return None
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    """float and complex, numpy's or ml_dtypes' (bfloat16, float8_*)."""
+    return dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name)
 
 
 def host_memory_limit() -> tuple[int, str] | None:
