@@ -316,12 +316,17 @@ class _Parallel:
             )
 
 
-def _spawn_local(n: int) -> None:
+def _spawn_local(n: int, dst: str) -> None:
     """Runs this same command as ``n`` processes of a jax.distributed job on 127.0.0.1; the
-    first one's output is shown, the others' only if they fail."""
+    first one's output is shown, the others' only if they fail. A process killed by a signal
+    stops the others at once (one that fails with an error lets them finish reporting theirs,
+    10 s at most); then what the killed ones left beside DST is removed, and the error names
+    each failed process (index and pid) and whether DST was committed."""
+    import contextlib
     import socket
     import subprocess
     import sys
+    import tempfile
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -335,25 +340,124 @@ def _spawn_local(n: int) -> None:
         elif not arg.startswith("--processes="):
             argv.append(arg)
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    procs = []
-    for i in range(n):
-        cmd = [sys.executable, "-m", "jax_ucp.cli", *argv, "--coordinator", f"127.0.0.1:{port}"]
-        cmd += ["--num-processes", str(n), "--process-id", str(i)]
-        quiet = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT) if i else {}
-        procs.append(subprocess.Popen(cmd, env=env, text=True, **quiet))
-    codes = [p.wait() for p in procs]
-    for i, (p, code) in enumerate(zip(procs, codes)):
-        if i and code:
-            console.print(f"[red]process {i} failed:[/red]\n{p.stdout.read()[-4000:]}")
-    if any(codes):
+    before = _dir_identity(dst)
+    with contextlib.ExitStack() as stack:
+        procs, logs = [], []
+        try:
+            for i in range(n):
+                cmd = [sys.executable, "-m", "jax_ucp.cli", *argv]
+                cmd += ["--coordinator", f"127.0.0.1:{port}"]
+                cmd += ["--num-processes", str(n), "--process-id", str(i)]
+                log = stack.enter_context(tempfile.TemporaryFile("w+")) if i else None
+                logs.append(log)
+                quiet = dict(stdout=log, stderr=subprocess.STDOUT) if i else {}
+                procs.append(subprocess.Popen(cmd, env=env, text=True, **quiet))
+            failed, stopped = _wait_for_children(procs)
+        finally:
+            for p in procs:  # an error or Ctrl-C here: no process outlives the command
+                if p.poll() is None:
+                    p.kill()
+            for p in procs:
+                p.wait()
+        if not failed:
+            return
+        from jax_ucp import store, writer
+
+        if not store.is_url(dst):
+            writer.remove_abandoned(dst)
+        lines = []
+        for i in failed:
+            code = procs[i].returncode
+            why = f"exited with code {code}" if code > 0 else f"was killed by {_signal_name(-code)}"
+            lines.append(f"process {i} (pid {procs[i].pid}) {why}")
+            if i and code > 0:
+                logs[i].seek(0)
+                lines.append(logs[i].read()[-4000:].rstrip())
+        if stopped:
+            others = ", ".join(f"{i} (pid {procs[i].pid})" for i in stopped)
+            lines.append(f"stopped the other process(es): {others}")
+        after = _dir_identity(dst)
+        if after is not None and after != before:
+            lines.append(f"{dst} was committed before that, with every process's part")
+        else:
+            lines.append(f"nothing was committed: {dst} is {'unchanged' if after else 'absent'}")
+        console.print(f"[red]error:[/red] convert across {n} processes failed:", highlight=False)
+        console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def _wait_for_children(procs) -> tuple[list[int], list[int]]:
+    """Waits for every process; returns the indices of those that failed (the first one first)
+    and of those it stopped: once one is killed by a signal, the others are killed at once;
+    once one exits with an error, the others get 10 s to finish first (they report theirs)."""
+    import subprocess
+    import time
+
+    pending = dict(enumerate(procs))
+    failed: list[int] = []
+    while pending and not failed:
+        for i in _next_exits(pending):
+            del pending[i]
+            if procs[i].returncode != 0:
+                failed.append(i)
+    if failed and pending:
+        if procs[failed[0]].returncode > 0:
+            deadline = time.monotonic() + 10
+            for i, p in list(pending.items()):
+                try:
+                    p.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    continue
+                del pending[i]
+                if p.returncode != 0:
+                    failed.append(i)
+        for p in pending.values():
+            p.kill()
+            p.wait()
+    return failed, sorted(pending)
+
+
+def _next_exits(pending: dict) -> list[int]:
+    """Blocks until a child in ``pending`` exits; the indices of those that have, reaped. One
+    killed by SIGABRT comes after the others: jax aborts a process whose coordinator died."""
+    import signal
+    import time
+
+    if hasattr(os, "waitid"):
+        try:  # sleeps until a child exits, without reaping it (Popen does)
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:
+            pass
+    while True:
+        done = [i for i, p in pending.items() if p.poll() is not None]
+        if done:
+            return sorted(done, key=lambda i: (pending[i].returncode == -signal.SIGABRT, i))
+        time.sleep(0.02)  # waitid woke for a child that is not ours
+
+
+def _signal_name(number: int) -> str:
+    import signal
+
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+def _dir_identity(path: str):
+    """(device, inode) of a directory: a commit renames a new one into place."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
     """The bar appears with the first parameter written: a checkpoint refused while it is
     checked prints its error alone."""
     if parallel is not None and parallel.processes and parallel.processes > 1:
-        _spawn_local(parallel.processes)
+        _spawn_local(parallel.processes, dst)
         return dst
     if parallel is not None and parallel.coordinator:
         import jax
@@ -375,6 +479,23 @@ def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
 
     try:
         out = fn(src, dst, progress=on_progress, **kwargs)
+    except Exception as e:
+        import sys
+
+        from jax_ucp import conversion, writer
+
+        if not isinstance(e, writer.SharedWriteError):
+            raise
+        if task is not None:
+            progress.stop()
+        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        if isinstance(e, conversion.ProcessLostError):
+            # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
+            # timeout, 100 s) and then abort: the job is over, leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise typer.Exit(1) from e
     finally:
         if task is not None:
             progress.stop()

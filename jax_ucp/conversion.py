@@ -8,7 +8,10 @@ through Orbax's CheckpointManager (``handler.manager_step``), imported only then
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +19,7 @@ from jax_ucp import store, writer
 from jax_ucp.format import UCPError
 from jax_ucp.importers import detect
 from jax_ucp.importers.plan import Share
+from jax_ucp.writer import commit
 
 Progress = Callable[[str, int, int], None]
 
@@ -44,8 +48,9 @@ def convert(
     state is skipped whatever its layout (recorded under ``source.skipped`` in the manifest).
     ``distributed``: every process of a ``jax.distributed`` job calls ``convert`` with the same
     arguments; each reads and writes every N-th parameter into one directory on a shared file
-    system, and process 0 commits once all are done (``barrier_timeout`` seconds at most for
-    the slowest). Importer options (``tag=``, ``vocab_size=``) pass through.
+    system, and process 0 commits once every process reported its part (``barrier_timeout``
+    seconds at most for the slowest; a process on this host that dies is noticed at once, one on
+    another host by jax.distributed's heartbeat). Importer options (``tag=``, ``vocab_size=``) pass through.
     Everything that needs no tensor bytes is checked before anything is written, and a failure
     leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
     """
@@ -58,16 +63,23 @@ def convert(
         )
     if not remote:
         check_destination(source, dest)
-    if step is None and not remote and os.path.exists(dest) and not force:
-        raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
+    if not remote:  # refused before the source is read; checked again under the save lock
+        target = dest if step is None else os.path.join(dest, str(step))
+        commit.check_replaceable(os.path.abspath(target), force=force)
     if weights_only:
         importer_options["weights_only"] = True
-    share, barrier = _distributed_share(barrier_timeout) if distributed else (None, None)
+    share, gather = _distributed_share(dest, barrier_timeout) if distributed else (None, None)
     if share is not None:
         if step is not None:
             raise ValueError("convert: distributed=True writes a standalone checkpoint (step=None)")
         importer_options["share"] = share
-    plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
+        try:  # a process that refuses the source must not leave the others waiting
+            plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
+        except BaseException as e:
+            writer.agree(gather, "planned", e, dest)
+        writer.agree(gather, "planned", "", dest)
+    else:
+        plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
     items = writer.with_progress(plan.items, plan.total_params, progress)
     if share is not None:
         return writer.write_shared_checkpoint(
@@ -75,7 +87,7 @@ def convert(
             items,
             index=share.index,
             count=share.count,
-            barrier=barrier,
+            gather=gather,
             force=force,
             source=plan.source,
             compression=compression,
@@ -91,26 +103,117 @@ def convert(
     )
 
 
-_BARRIERS = itertools.count()
+_RUNS = itertools.count()
+_POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
 
 
-def _distributed_share(timeout: float):
+class ProcessLostError(writer.SharedWriteError):
+    """A process of a distributed conversion died while the others waited for it."""
+
+
+def _distributed_share(dest: str, timeout: float):
     """This process's share of a conversion by every process of the ``jax.distributed`` job,
-    and a barrier across them (jax.distributed's key-value barrier, no device collective);
-    ``(None, None)`` in a single-process job."""
+    and ``gather(step, value)``: every process's value for ``step`` (jax.distributed's
+    key-value store, no device collective). While it waits, the processes it waits for that run
+    on this host are checked every 0.2 s, so one that died is named at once instead of after
+    jax's heartbeat timeout (100 s) or ``timeout``. ``(None, None)`` in a single-process job."""
     import jax
 
     if jax.process_count() == 1:
         return None, None
+    from jax.errors import JaxRuntimeError
     from orbax.checkpoint import multihost
 
-    sync = multihost.get_barrier_sync_fn()
-    run = next(_BARRIERS)
+    client = multihost.get_jax_distributed_client()
+    index, count, run = jax.process_index(), jax.process_count(), next(_RUNS)
+    peers: list[dict] = []
 
-    def barrier(name: str) -> None:
-        sync(key=f"{name}:{run}", timeout_ms=int(timeout * 1000))
+    def gather(step: str, value: str) -> list[str]:
+        prefix = f"jax_ucp/convert/{run}/{step}/"
+        client.key_value_set(prefix + str(index), value)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got = dict(client.key_value_dir_get(prefix))
+                missing = [i for i in range(count) if prefix + str(i) not in got]
+                if not missing:
+                    return [got[prefix + str(i)] for i in range(count)]
+                _raise_if_lost(peers, missing, step, dest, index)
+                if time.monotonic() > deadline:
+                    raise writer.SharedWriteError(
+                        f"{dest}: not committed; process(es) {', '.join(map(str, missing))} did "
+                        f"not reach '{step}' within {timeout:g} s (convert's barrier_timeout)"
+                    )
+                client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
+            except JaxRuntimeError as e:  # a timed-out poll, or the coordinator (process 0) gone
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    _raise_if_lost(peers, range(count), step, dest, index)
+                    raise writer.SharedWriteError(
+                        f"{dest}: not committed; jax.distributed failed at '{step}': {e}"
+                    ) from e
 
-    return Share(jax.process_index(), jax.process_count()), barrier
+    hello = json.dumps(dict(_process_identity(os.getpid()), index=index))
+    peers.extend(json.loads(v) for v in gather("hello", hello))
+    return Share(index, count), gather
+
+
+def _raise_if_lost(peers: list[dict], indices, step: str, dest: str, me: int) -> None:
+    """``ProcessLostError`` naming the first of ``indices`` that ran on this host (same host,
+    boot and pid namespace) and is gone: no such pid, a zombie, or another process with it."""
+    here = _process_identity(os.getpid())
+    for i in indices:
+        if i >= len(peers) or i == me:
+            continue
+        peer = peers[i]
+        if any(peer[k] != here[k] for k in ("host", "boot", "pidns")):
+            continue  # another machine: jax.distributed's heartbeat notices it
+        now = _process_identity(peer["pid"])
+        if now is None or now.get("zombie") or now["start"] != peer["start"]:
+            raise ProcessLostError(
+                f"{dest}: not committed; process {i} (pid {peer['pid']} on {peer['host']}) died "
+                f"while process {me} waited for it at '{step}'"
+            )
+
+
+def _process_identity(pid: int) -> dict | None:
+    """Where process ``pid`` runs and when it started (None if there is no such process): the
+    start time tells a reused pid from the process it was."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: only the pid can be checked
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        stat = [b"?"] * 20
+    return {
+        "host": socket.gethostname(),
+        "boot": _read("/proc/sys/kernel/random/boot_id"),
+        "pidns": _link("/proc/self/ns/pid"),
+        "pid": pid,
+        "start": stat[19].decode(),  # field 22 of /proc/<pid>/stat: start time in clock ticks
+        "zombie": stat[0] in (b"Z", b"X"),
+    }
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 class DestinationError(UCPError, ValueError):

@@ -7,6 +7,7 @@ destination untouched."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
@@ -17,7 +18,6 @@ from safetensors.numpy import save_file
 from ucp_testing import REPO, free_port
 
 import jax_ucp
-from jax_ucp.writer import checkpoint as host_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 DS = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -153,20 +153,24 @@ def test_python_api_distributed_and_a_failing_process(tmp_path):
     assert "process 1: OSError: disk gone" in results[0][1]
     assert "disk gone" in results[1][1]
     assert jax_ucp.inspect(shared).save_id == before
-    assert not os.path.exists(shared + host_checkpoint.SHARED_TMP)
+    assert [d for d in os.listdir(tmp_path) if d.startswith("shared.")] == []  # no temporary
     assert jax_ucp.verify(shared) == []
 
 
-def test_leftover_of_a_killed_shared_import_is_replaced(tmp_path):
-    """A killed shared import leaves its temporary directory; the next one (holding the save
-    lock) starts from scratch and commits only its own files."""
+def test_leftover_of_a_killed_shared_import_is_removed(tmp_path):
+    """A killed shared import leaves its temporary directory, named after its primary process;
+    the next one (holding the save lock) removes it, as its primary is gone, and commits only
+    its own files."""
     src = _safetensors(tmp_path)
     shared = str(tmp_path / "shared")
-    stale = shared + host_checkpoint.SHARED_TMP
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that no longer runs
+    stale = f"{shared}.ucp-tmp-{socket.gethostname()}.{gone.pid}.1"
     os.makedirs(os.path.join(stale, "arrays", "stale"))
     with open(os.path.join(stale, "ucp.part-1.json"), "w") as f:
         f.write("{}")
     results = _run_job(tmp_path, src, shared)
     assert all(code == 0 for code, _ in results), results
+    assert not os.path.exists(stale)
     assert not os.path.exists(os.path.join(shared, "arrays", "stale"))
     assert sorted(jax_ucp.restore(shared)["params"]) == [f"layer.{i}.w" for i in range(7)]

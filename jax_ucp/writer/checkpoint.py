@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Iterable, Mapping
@@ -23,10 +24,7 @@ from jax_ucp.format import UCPError
 from jax_ucp.writer import commit
 from jax_ucp.writer.stream import HostItem, write_stream
 
-SHARED_TMP = ".ucp-shared-tmp"  # the one temporary directory of an import by several processes
 PART_FILE = "ucp.part-{}.json"  # one process's entries, merged into ucp.json by the primary
-FAILED_FILE = "ucp.part-{}.failed"  # one process's error
-ABORTED_FILE = "ABORTED"  # the primary's: the shared import was not committed
 
 
 def write_host_checkpoint(
@@ -85,13 +83,34 @@ class SharedWriteError(UCPError, RuntimeError):
     """A checkpoint written by several processes failed in one of them (names which, and why)."""
 
 
+Gather = Callable[[str, str], "list[str]"]
+_OK, _FAILED = "ok:", "failed:"
+
+
+def agree(gather: Gather, step: str, result: str | BaseException, where: str) -> list[str]:
+    """Every process's outcome of ``step``, exchanged through ``gather`` (each process's value, in
+    process order, once all have posted theirs): ``result`` is this process's payload, or its
+    error. Every process sees the same list, so all decide alike: this process's own error is
+    raised, else a ``SharedWriteError`` naming each process that failed and why; else the
+    payloads."""
+    failed = isinstance(result, BaseException)
+    mine = _FAILED + f"{type(result).__name__}: {result}"[:4000] if failed else _OK + result
+    values = gather(step, mine)
+    if failed:
+        raise result
+    errors = [f"process {i}: {v[len(_FAILED) :]}" for i, v in enumerate(values) if v[:3] != _OK]
+    if errors:
+        raise SharedWriteError(f"{where}: not committed; it failed in " + "; ".join(errors))
+    return [v[len(_OK) :] for v in values]
+
+
 def write_shared_checkpoint(
     dest,
     items: Iterable[HostItem],
     *,
     index: int,
     count: int,
-    barrier: Callable[[str], None],
+    gather: Gather,
     force: bool = False,
     source: Mapping | None = None,
     compression: str | None = None,
@@ -99,94 +118,101 @@ def write_shared_checkpoint(
     """One UCP checkpoint written by ``count`` processes on a shared file system, process
     ``index`` writing ``items`` (its share of the tensors).
 
-    All write into one temporary sibling of ``dest`` and list their entries in a part file;
-    once all have (``barrier``: every process waits there, e.g. jax.distributed's; this layer
-    stays JAX-free), the primary (index 0) merges the parts into ``ucp.json`` and commits with
-    one rename, as a single-process import does. A failure in any process leaves ``dest``
-    untouched and is raised in every process, naming the process and its error."""
+    ``gather(step, value)`` returns every process's value for ``step`` once all have posted
+    theirs (e.g. through jax.distributed's key-value store; this layer stays JAX-free), and
+    raises if a process is lost or too late. Three steps: "ready" (the primary, index 0, holds
+    the save lock and names the temporary directory: ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after
+    itself, so a later import removes it once the primary is gone), "written" (each process's
+    part file and its sha256) and "committed" (the primary's merge and rename, done only once
+    every process reported its part). Every process takes the same decision from the same
+    values: a failure anywhere leaves ``dest`` untouched, is raised in every process naming the
+    process and its error, and the primary removes the temporary directory."""
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    tmp = dest + SHARED_TMP
-    primary = index == 0
-    if os.path.exists(dest) and not force:  # every process sees it: all raise, none waits
-        raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
-    with commit.save_lock(dest) if primary else contextlib.nullcontext():
-        if primary:
-            commit.recover_interrupted_swap(dest)
-            if os.path.exists(dest):
-                commit.check_replaceable(dest)
-            commit.remove_stale_temporaries(dest)
-            shutil.rmtree(tmp, ignore_errors=True)  # a killed shared import's (we hold the lock)
-            os.makedirs(tmp)
-        barrier("jax_ucp:shared_write:ready")
-        failure: BaseException | None = None
+    primary, tmp = index == 0, None
+    with contextlib.ExitStack() as stack:
         try:
-            run_coroutine(
-                write_stream(
-                    tmp,
-                    items,
-                    source=source,
-                    compression=compression,
-                    sync=False,
-                    manifest_file=PART_FILE.format(index),
-                )
-            )
-        except BaseException as e:
-            failure = e
-            with contextlib.suppress(OSError):
-                with open(os.path.join(tmp, FAILED_FILE.format(index)), "w") as f:
-                    f.write(f"{type(e).__name__}: {e}"[:4000])
-        barrier("jax_ucp:shared_write:written")
-        if primary:
+            ready: str | BaseException = ""
+            if primary:
+                try:
+                    stack.enter_context(commit.save_lock(dest))
+                    commit.recover_interrupted_swap(dest)
+                    commit.claim(dest, force=force)
+                    commit.remove_stale_temporaries(dest)
+                    tmp = commit.temporary_path(dest)
+                    os.makedirs(tmp)
+                    ready = tmp
+                except BaseException as e:
+                    ready = e
+            shared = agree(gather, "ready", ready, dest)[0]
+            part = os.path.join(shared, PART_FILE.format(index))
+            written: str | BaseException
             try:
-                if failure is not None:
-                    raise failure
-                _merge_parts(tmp, count, source)
-                commit.commit(tmp, dest)
-            except BaseException as e:
-                failure = failure or e
-                shutil.rmtree(tmp, ignore_errors=True)
-                os.makedirs(tmp, exist_ok=True)
-                with open(os.path.join(tmp, ABORTED_FILE), "w") as f:
-                    f.write(f"{type(e).__name__}: {e}"[:4000])
-        barrier("jax_ucp:shared_write:committed")
-        aborted = os.path.join(tmp, ABORTED_FILE)
-        if not primary and failure is None and os.path.exists(aborted):
-            with open(aborted) as f:
-                failure = SharedWriteError(
-                    f"{dest}: not committed; the primary process (0) failed: {f.read()}"
+                run_coroutine(
+                    write_stream(
+                        shared,
+                        items,
+                        source=source,
+                        compression=compression,
+                        sync=False,
+                        manifest_file=PART_FILE.format(index),
+                    )
                 )
-        barrier("jax_ucp:shared_write:done")
-        if primary and failure is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if failure is not None:
-            raise failure
+                written = _sha256(part)
+            except BaseException as e:
+                written = e
+            digests = agree(gather, "written", written, dest)
+            committed: str | BaseException = ""
+            if primary:
+                try:
+                    _merge_parts(shared, digests, source)
+                    commit.commit(shared, dest)
+                    tmp = None
+                except BaseException as e:
+                    committed = e
+            agree(gather, "committed", committed, dest)
+        except BaseException:
+            if tmp is not None:  # the primary's, still holding the lock: never committed
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return dest
 
 
-def _merge_parts(tmp: str, count: int, source: Mapping | None) -> None:
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
     """The parts' entries as one ``ucp.json`` (per-parameter groups interleaved in the order the
-    processes took them round-robin); the part files removed. Any process's failure, or a
-    missing part, is raised naming the process."""
-    errors = []
-    for i in range(count):
-        failed = os.path.join(tmp, FAILED_FILE.format(i))
-        if os.path.exists(failed):
-            with open(failed) as f:
-                errors.append(f"process {i}: {f.read()}")
-        elif not os.path.exists(os.path.join(tmp, PART_FILE.format(i))):
-            errors.append(f"process {i}: wrote no {PART_FILE.format(i)}")
-    if errors:
-        raise SharedWriteError(f"{tmp}: the shared import failed in " + "; ".join(errors))
+    processes took them round-robin); the part files removed. Each part must be the one its
+    process reported (``digests``: their sha256), and no tensor may come from two parts."""
     groups: list[list[list[fmt.Entry]]] = []
-    for i in range(count):
+    seen: dict[tuple[str, ...], int] = {}
+    for i, digest in enumerate(digests):
         path = os.path.join(tmp, PART_FILE.format(i))
-        with open(path, "rb") as f:
-            part = fmt.Manifest.loads(f.read(), where=path)
-        os.remove(path)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            raise SharedWriteError(f"{path}: process {i} reported its part, but: {e}") from e
+        found = hashlib.sha256(data).hexdigest()
+        if found != digest:
+            raise SharedWriteError(
+                f"{path}: not the part process {i} reported (sha256 {digest}, found {found})"
+            )
+        part = fmt.Manifest.loads(data, where=path)
         mine: dict[str, list[fmt.Entry]] = {}
         for entry in part.entries:
+            if entry.key in seen:
+                raise SharedWriteError(
+                    f"{path}: {fmt.key_to_str(entry.key)!r} written by process {seen[entry.key]} "
+                    f"and process {i}"
+                )
+            seen[entry.key] = i
             mine.setdefault(entry.key[-1], []).append(entry)
         groups.append(list(mine.values()))
+    for i in range(len(digests)):
+        os.remove(os.path.join(tmp, PART_FILE.format(i)))
     entries = [
         entry
         for j in range(max(len(g) for g in groups))
@@ -197,6 +223,21 @@ def _merge_parts(tmp: str, count: int, source: Mapping | None) -> None:
     manifest = fmt.new_manifest(entries, source=source)
     with open(os.path.join(tmp, fmt.MANIFEST_FILE), "w") as f:
         f.write(manifest.dumps())
+
+
+def remove_abandoned(dest) -> list[str]:
+    """What writers of ``dest`` that were killed left beside it: an interrupted swap finished,
+    temporary directories whose writer (on this host) is gone removed. Nothing while another
+    save of ``dest`` holds its lock. Returns the names removed."""
+    dest = os.path.abspath(os.fspath(dest)).rstrip("/")
+    if not os.path.isdir(os.path.dirname(dest)):
+        return []
+    try:
+        with commit.save_lock(dest):
+            commit.recover_interrupted_swap(dest)
+            return commit.remove_stale_temporaries(dest)
+    except commit.SaveConflictError:
+        return []
 
 
 def run_coroutine(coro) -> None:
