@@ -450,3 +450,103 @@ def test_hostile_chunk_metadata_is_a_clear_error(tmp_path, case):
     with pytest.raises(MegatronImportError, match=rf"tensor '{OUTPUT}'{where}: {error}"):
         jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
     _untouched(tmp_path / "out")
+
+
+# --------------------------------------------------------- 4. legacy mp_rank_* checkpoints
+
+LEGACY_LLAMA = "legacy_llama_tp2_synthetic"  # TP=2, each rank's real megatron-core weights
+
+
+def _rewrite_rank(path, edit) -> None:
+    """Re-writes a legacy ``model_optim_rng.pt`` (torch-free) after ``edit(model)``: the run
+    arguments, version, iteration and model state dict kept, the RNG state left out."""
+    from jax_ucp.importers import megatron_legacy, torch_pickle
+
+    saved = torch_pickle.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
+    # copies: the loaded arrays are memory-mapped views of the file rewritten below
+    model = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in saved["model"].items()}
+    edit(model)
+    arrays, state = [], {}
+    for key, value in model.items():
+        if isinstance(value, np.ndarray):
+            state[key] = T.TensorSlot(len(arrays), value.shape, value.dtype)
+            arrays.append(value)
+        else:
+            state[key] = value
+    args = {
+        k: v
+        for k, v in vars(saved["args"]).items()
+        if k != "args" and isinstance(v, (int, float, str, bool, type(None)))
+    }
+    obj = {
+        "args": T.New(T.Global("argparse", "Namespace"), args),
+        "checkpoint_version": saved["checkpoint_version"],
+        "iteration": saved["iteration"],
+        "model": state,
+    }
+    T.save_file(str(path), obj, arrays)
+
+
+def _set(name, value):
+    return lambda model: model.__setitem__(name, value(model[name]))
+
+
+LEGACY_HOLES = {
+    "unchanged": (lambda model: None, None),
+    "tensor_missing_on_rank_1": (
+        lambda model: model.pop("decoder.layers.0.mlp.linear_fc2.weight"),
+        r"mp_rank_01/model_optim_rng\.pt and \S+/mp_rank_00/model_optim_rng\.pt hold different "
+        r"tensor names \(e\.g\. \['decoder\.layers\.0\.mlp\.linear_fc2\.weight'\]\)",
+    ),
+    "row_split_shape": (
+        _set("decoder.layers.0.self_attention.linear_proj.weight", lambda v: v[:31]),
+        r"tensor 'decoder\.layers\.0\.self_attention\.linear_proj\.weight': \S+/mp_rank_01/"
+        r"model_optim_rng\.pt holds \[31, 16\] float32, \S+/mp_rank_00/model_optim_rng\.pt "
+        r"holds \[32, 16\] float32; every tensor-parallel rank holds an equal share",
+    ),
+    "vocab_rows_uneven": (
+        _set("embedding.word_embeddings.weight", lambda v: v[:31]),
+        r"tensor 'embedding\.word_embeddings\.weight': \S+/mp_rank_01/model_optim_rng\.pt holds "
+        r"\[31, 32\] float32, .* holds \[32, 32\] float32; every tensor-parallel rank",
+    ),
+    "dtype_on_one_rank": (
+        _set("decoder.layers.0.mlp.linear_fc2.weight", lambda v: v.astype(np.float16)),
+        r"tensor 'decoder\.layers\.0\.mlp\.linear_fc2\.weight': \S+/mp_rank_01/"
+        r"model_optim_rng\.pt holds \[32, 24\] float16, .* holds \[32, 24\] float32",
+    ),
+    "not_a_tensor": (
+        _set("decoder.layers.0.mlp.linear_fc2.weight", lambda v: 3),
+        r"tensor 'decoder\.layers\.0\.mlp\.linear_fc2\.weight' in \S+/mp_rank_01/"
+        r"model_optim_rng\.pt: a int, expected a tensor",
+    ),
+    "replicated_norm_differs": (
+        _set("decoder.final_layernorm.weight", lambda v: v + 1),
+        r"decoder\.final_layernorm\.weight: replicated fragments disagree across TP ranks",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(LEGACY_HOLES))
+def test_legacy_rank_that_does_not_fit_is_a_clear_error(tmp_path, case):
+    """Legacy TP=2 checkpoint whose rank 1 lacks a tensor, holds a share of another shape (a
+    row-parallel weight, the vocab-parallel embedding) or dtype, a non-tensor, or a replicated
+    norm that differs: an error naming the tensor and both rank files, nothing written. Before,
+    uneven vocab rows and a float16 share on one rank were imported with exit 0 (the rows
+    concatenated to the wrong size, the dtypes promoted). Unchanged, the re-written rank
+    imports bit-exact (the test's writer is faithful)."""
+    edit, error = LEGACY_HOLES[case]
+    src = _copy(LEGACY_LLAMA, tmp_path)
+    _rewrite_rank(src / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt", edit)
+    dest = tmp_path / "out"
+    if error is None:
+        got = jax_ucp.restore(jax_ucp.convert(str(src), str(dest), vocab_size=61))["params"]
+        original = FIX / LEGACY_LLAMA
+        ref = jax_ucp.restore(jax_ucp.convert(str(original), str(tmp_path / "ref"), vocab_size=61))
+        assert sorted(got) == sorted(ref["params"]) and len(got) == 15
+        for name, want in ref["params"].items():
+            assert_bit_equal(got[name], want, name)
+        return
+    with pytest.raises(MegatronImportError, match=error):
+        jax_ucp.convert(str(src), str(dest), vocab_size=61)
+    _untouched(dest)

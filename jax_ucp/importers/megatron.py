@@ -1282,10 +1282,31 @@ def _add_grouped_experts(
             f"with TP > 1 are not supported"
         )
     holders = [checkpoint.ep_ranks[(stage, 0, ep_rank)] for ep_rank in range(checkpoint.ep)]
-    tensors.grouped.setdefault(global_name, {})[stage] = [r.model[name] for r in holders]
+    values = [r.model[name] for r in holders]
+    _check_equal_shares(name, values, [r.path for r in holders], "expert-parallel")
+    tensors.grouped.setdefault(global_name, {})[stage] = values
     tensors.files.setdefault(global_name, []).extend(
         os.path.relpath(r.path, checkpoint.iter_dir) for r in holders
     )
+
+
+def _check_equal_shares(name: str, values: list, paths: list, what: str) -> None:
+    """Megatron splits a tensor evenly over TP / EP ranks (or replicates it): every rank's
+    share has rank 0's shape and dtype. Unequal shares would concatenate into a tensor of the
+    wrong size, mixed dtypes be silently promoted."""
+    for value, path in zip(values, paths):
+        if not isinstance(value, np.ndarray):
+            raise MegatronImportError(
+                f"tensor {name!r} in {path}: a {type(value).__name__}, expected a tensor "
+                f"({paths[0]} holds one)"
+            )
+        first = values[0]
+        if value.shape != first.shape or value.dtype != first.dtype:
+            raise MegatronImportError(
+                f"tensor {name!r}: {path} holds {list(value.shape)} {value.dtype}, {paths[0]} "
+                f"holds {list(first.shape)} {first.dtype}; every {what} rank holds an equal "
+                f"share (same shape and dtype)"
+            )
 
 
 def _add_tp_fragments(
@@ -1304,17 +1325,11 @@ def _add_tp_fragments(
             if expert
             else global_name
         )
-        per_tp = []
-        for tp_rank in range(checkpoint.tp):
-            rank_file = checkpoint.ep_ranks[(stage, tp_rank, ep_rank)]
-            value = rank_file.model[name]
-            if not isinstance(value, np.ndarray):
-                raise MegatronImportError(
-                    f"tensor {name!r} in {rank_file.path}: a {type(value).__name__}, "
-                    f"expected a tensor (rank 0 holds one)"
-                )
-            per_tp.append(value)
-            if ep_rank == 0:
+        holders = [checkpoint.ep_ranks[(stage, tp, ep_rank)] for tp in range(checkpoint.tp)]
+        per_tp = [r.model[name] for r in holders]
+        _check_equal_shares(name, per_tp, [r.path for r in holders], "tensor-parallel")
+        if ep_rank == 0:
+            for tp_rank, value in enumerate(per_tp):
                 tensors.local[(stage, tp_rank)].append((name, expert_name, value))
         tensors.fragments.setdefault(expert_name, {})[stage] = per_tp
         tensors.files.setdefault(expert_name, []).extend(
