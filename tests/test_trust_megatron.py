@@ -550,3 +550,45 @@ def test_legacy_rank_that_does_not_fit_is_a_clear_error(tmp_path, case):
     with pytest.raises(MegatronImportError, match=error):
         jax_ucp.convert(str(src), str(dest), vocab_size=61)
     _untouched(dest)
+
+
+@pytest.mark.timeout(60)
+def test_chunks_sharing_bytes_are_refused(tmp_path):
+    """Two chunks of one tensor whose storage entries point at the same bytes (each declaring
+    rows of its own): refused, so a tensor never takes more memory than its bytes on disk."""
+
+    def split(entry, chunk, size):
+        top = dict(chunk, sizes=[32, 32])
+        bottom = dict(chunk, offsets=[32, 0], sizes=[32, 32])
+        entry["chunks"] = [top, bottom]
+
+    src = _edited(tmp_path, split)
+    with pytest.raises(
+        MegatronImportError,
+        match=rf"tensor '{OUTPUT}' in \S+/\.metadata: two chunks share bytes \[\d+, \d+\.\.\.\) "
+        r"of __0_0\.distcp",
+    ):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+    _untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["fifo", "huge", "deep"])
+def test_mcore_metadata_json_is_read_bounded(tmp_path, kind):
+    """megatron-core's metadata.json as a FIFO (no hang), larger than 1 MiB, or nested too deep
+    for the JSON parser: an error naming the file, nothing written."""
+    src = _copy("moe_ep2", tmp_path)
+    mj = src / "metadata.json"
+    mj.unlink()
+    if kind == "fifo":
+        os.mkfifo(mj)
+        error = r"not a regular file \(a FIFO\)"
+    elif kind == "huge":
+        mj.write_bytes(b" " * (2 << 20) + b"{}")
+        error = r"2097154 bytes, more than the 1048576"
+    else:
+        mj.write_bytes(b"[" * 200_000 + b"]" * 200_000)
+        error = r"not JSON"
+    with pytest.raises(MegatronImportError, match=rf"metadata\.json: .*{error}"):
+        jax_ucp.convert(str(src), str(tmp_path / "out"))
+    _untouched(tmp_path / "out")

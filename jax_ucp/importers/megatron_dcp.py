@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jax_ucp.format import files
 from jax_ucp.importers import dcp_reader, torch_pickle
 from jax_ucp.importers.dcp_reader import (
     SUPPORTED_TRANSFORMS,
@@ -53,6 +54,9 @@ MCORE_CLASSES: dict[str, Any] = {
     ],
 }
 
+#: Largest ``metadata.json`` read (megatron-core writes a few hundred bytes).
+MAX_MCORE_METADATA_BYTES = 1 << 20
+
 #: Classes a megatron-core ``.metadata`` pickle may reference, mapped to inert stand-ins.
 DCP_CLASSES: dict[str, Any] = {**dcp_reader.DCP_CLASSES, **MCORE_CLASSES}
 
@@ -67,11 +71,15 @@ def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     base = dcp_reader.open_dcp(path, MCORE_CLASSES)
     mcore = {}
     mj = Path(path) / "metadata.json"
-    if mj.is_file():
+    if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"
         try:
-            mcore = json.loads(mj.read_text())
-        except ValueError as e:
-            raise DcpError(f"{mj}: not JSON ({e})") from None
+            mcore = json.loads(files.read_regular(str(mj), MAX_MCORE_METADATA_BYTES))
+        except files.UnsafeFileError as e:  # names the file
+            raise DcpError(str(e)) from None
+        except (ValueError, RecursionError) as e:
+            raise DcpError(f"{mj}: not JSON ({str(e)[:200]})") from None
+        if not isinstance(mcore, dict):
+            raise DcpError(f"{mj}: a JSON {type(mcore).__name__}, expected an object")
     return MegatronDcpCheckpoint(
         base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
     )
