@@ -476,6 +476,23 @@ def _bytearray(x=b"", encoding=None):
     raise ValueError(f"bad bytearray args {short_repr(x)}")
 
 
+def _ordered_dict(items=()):
+    """``collections.OrderedDict(items)`` with every key checked by :func:`hashable_key` before
+    it is hashed: a key that is a tuple of shared tuples hashes in time exponential in its depth
+    (a 300-byte pickle would never finish). torch pickles an OrderedDict as a call with no
+    arguments followed by SETITEMS, which checks keys the same way."""
+    if isinstance(items, dict):  # built by this unpickler: its keys were checked
+        return collections.OrderedDict(items)
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"OrderedDict items must be a list of pairs, found {type(items).__name__}")
+    out = collections.OrderedDict()
+    for pair in items:
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"OrderedDict item {short_repr(pair, 80)} is not a (key, value) pair")
+        out[hashable_key(pair[0])] = pair[1]
+    return out
+
+
 def _set(items=()):
     return set(hashable_key(k, "set element") for k in items)
 
@@ -512,7 +529,7 @@ def _base_allowed() -> dict[str, Any]:
         "torch.nn.parameter.Parameter": _TensorType("torch.nn.Parameter"),
         "torch.Size": _torch_size,
         "torch.device": _torch_device,
-        "collections.OrderedDict": collections.OrderedDict,
+        "collections.OrderedDict": _ordered_dict,
         "builtins.set": _set,
         "builtins.frozenset": _frozenset,
         "builtins.slice": _slice,
