@@ -113,7 +113,7 @@ def export(
         spec = language.load_spec(spec)
     available = reader.available_tensors(manifest, spec)
     if to == "deepspeed-universal":
-        return _export_universal(root, dst, manifest, available, param_groups, progress)
+        return _export_universal(root, dst, manifest, available, param_groups, progress, force)
     chosen, values, skipped = _choose(available, manifest, select, with_values=to == "torch-dcp")
     want = None if dtype is None else np.dtype(dtype)
     tensors = []
@@ -158,7 +158,7 @@ def export(
         torch_out.write_dcp(tmp, items, read(tensors), str(manifest.save_id))
         return [torch_out.METADATA_FILE, torch_out.DATA_FILE]
 
-    files = _write_atomically(dst, write)
+    files = _write_atomically(dst, write, force)
     return Exported(
         path=dst,
         files=files,
@@ -168,7 +168,7 @@ def export(
     )
 
 
-def _export_universal(root, dst, manifest, available, param_groups, progress) -> Exported:
+def _export_universal(root, dst, manifest, available, param_groups, progress, force) -> Exported:
     """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
     by_key = {e.key: e for e in manifest.tensors}
     # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
@@ -236,6 +236,7 @@ def _export_universal(root, dst, manifest, available, param_groups, progress) ->
             model_weights=weights(),
             param_groups=param_groups,
         ),
+        force,
     )
     return Exported(
         path=dst,
@@ -251,24 +252,32 @@ def _export_universal(root, dst, manifest, available, param_groups, progress) ->
     )
 
 
-def _write_atomically(dst: str, write: Callable[[str], list[str]]) -> list[str]:
+def _write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
     """``write(tmp)`` into a temporary sibling of ``dst``, made durable and renamed into place
     (an earlier export there is swapped out, then removed); on any failure the temporary goes
     and ``dst`` is as it was. Returns what ``write`` returned (the files written)."""
-    commit.remove_stale_temporaries(dst)
-    tmp = commit.temporary_path(dst)
-    os.makedirs(tmp)
-    try:
-        files = write(tmp)
-        durable.make_tree_durable(tmp)
-        if os.path.lexists(dst):
-            commit.replace_committed(tmp, dst)
-        else:
-            os.rename(tmp, dst)
-            durable.fsync_path(os.path.dirname(dst))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with commit.save_lock(dst):
+        commit.recover_interrupted_swap(dst)
+        try:  # checked again: the destination may have changed while the tensors were read
+            replacing = commit.claim(dst, force=force, export=True)
+        except (commit.SaveConflictError, FileExistsError) as e:
+            raise ExportError(str(e)) from None
+        commit.remove_stale_temporaries(dst)
+        tmp = commit.temporary_path(dst)
+        os.makedirs(tmp)
+        try:
+            files = write(tmp)
+            commit.write_export_record(tmp)  # what a later force may replace: these files only
+            durable.make_tree_durable(tmp)
+            if replacing:
+                os.rename(tmp, dst + commit.REPLACING)
+                commit.replace_committed(dst + commit.REPLACING, dst)
+            else:
+                os.rename(tmp, dst)
+                durable.fsync_path(os.path.dirname(dst))
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return files
 
 
@@ -337,33 +346,7 @@ def _check_destination(root: str, dst: str, force: bool) -> None:
         raise ExportError(f"{dst}: the export destination is, or lies inside, the checkpoint")
     if real_root.startswith(real_dst + os.sep):
         raise ExportError(f"{dst}: the export destination contains the checkpoint {root}")
-    if not os.path.lexists(dst):
-        return
-    if not force:
-        raise ExportError(f"{dst}: already exists (pass force=True / --force to replace it)")
-    if not _is_export(dst):
-        raise ExportError(
-            f"{dst}: exists and is not an export (*.safetensors and *.json files with "
-            "model.safetensors or its index; .metadata and *.distcp; or latest_universal and "
-            "its tag folder); refusing to replace it"
-        )
-
-
-def _is_export(path: str) -> bool:
-    """A directory holding only what an export writes (safetensors or torch DCP files)."""
-    if os.path.islink(path) or not os.path.isdir(path):
-        return False
-    names = set(os.listdir(path))
-    safetensors = {safetensors_out.SINGLE_FILE, safetensors_out.INDEX_FILE} & names and all(
-        n.endswith((".safetensors", ".json")) for n in names
-    )
-    dcp = torch_out.METADATA_FILE in names and all(
-        n == torch_out.METADATA_FILE or n.endswith(".distcp") for n in names
-    )
-    if "latest_universal" in names:  # deepspeed-universal: the tracker and its tag folder
-        tags = names - {"latest_universal"}
-        return len(tags) == 1 and tags.pop().endswith("_universal")
-    return bool(safetensors or dcp) and all(
-        os.path.isfile(os.path.join(path, n)) and not os.path.islink(os.path.join(path, n))
-        for n in names
-    )
+    try:
+        commit.check_replaceable(dst, force=force, export=True)
+    except (commit.SaveConflictError, FileExistsError) as e:
+        raise ExportError(str(e)) from None

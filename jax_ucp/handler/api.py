@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jax_ucp import format as fmt
@@ -24,28 +25,41 @@ def _barrier(name: str) -> None:
         ocp.multihost.sync_global_processes(name)
 
 
+def _primary_decides(where: str, error: BaseException | None) -> None:
+    """The primary's preparation (``error`` None: it succeeded) decided in every process: each
+    raises when it failed, instead of waiting at a barrier the primary never reaches."""
+    if jax.process_count() > 1:
+        failed = int(ocp.multihost.broadcast_one_to_all(np.int32(error is not None)))
+        if failed and error is None:
+            raise commit.SaveConflictError(
+                f"{where}: the primary process refused this save (its error says why); nothing "
+                f"was written."
+            )
+    if error is not None:
+        raise error
+
+
 def atomic_save(path: str, args, *, force: bool) -> None:
     """Orbax's temporary path + commit; ``force`` never deletes the old checkpoint first.
 
     The new checkpoint is committed next to the old one and swapped in by two renames, so a
     failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
-    destination before writing).
+    destination before writing). ``force`` replaces only a jax_ucp checkpoint or an Orbax step
+    of one (``commit.check_replaceable``); an empty directory is used without it.
     """
     path = path.rstrip("/")
     primary = ocp.multihost.is_primary_host(0)
     # Only the primary touches directories, so only it takes the lock on saving to ``path``.
     with commit.save_lock(path) if primary else contextlib.nullcontext():
+        error = None
         if primary:
-            commit.recover_interrupted_swap(path)
-        _barrier("jax_ucp:recovered")
-        exists = os.path.exists(path)
-        if exists and not force:
-            raise FileExistsError(
-                f"{path} already exists; pass force=True to replace it "
-                f"(the old checkpoint is kept until the new one is committed)."
-            )
-        if exists:
-            commit.check_replaceable(path)
+            try:
+                commit.recover_interrupted_swap(path)
+                commit.claim(path, force=force)
+            except BaseException as e:
+                error = e
+        _primary_decides(path, error)
+        exists = os.path.exists(path)  # every process, once the primary has claimed ``path``
         target = path + commit.REPLACING if exists else path
         handler = checkpoint_handler.UCPCheckpointHandler()
         try:
@@ -99,28 +113,34 @@ def object_store_save(url: str, args, *, force: bool) -> None:
     """A save to ``s3://`` / ``gs://``: an object store has no rename, so the checkpoint is
     committed by its ``ucp.json``, written last by the primary once every process's shards are
     in place. Before that, the prefix is no checkpoint (restore, inspect and the manager say
-    so), so a killed save is never read. Leftovers of such a save are deleted first.
+    so), so a killed save is never read.
 
-    ``force`` cannot replace a committed checkpoint there: without a rename the old one would be
-    gone before the new one is whole. Save to a new prefix (e.g. the next step) instead.
+    The primary locks the prefix for the save (``commit.object_store_lock``: of two saves to one
+    prefix, one proceeds, the other fails at once having touched nothing), refuses a prefix
+    holding anything but a killed save's leftovers, and deletes those. ``force`` cannot replace
+    a committed checkpoint there: without a rename the old one would be gone before the new one
+    is whole. Save to a new prefix (e.g. the next step) instead.
     """
-    location = store.location
     url = url.rstrip("/")
-    location.kvstore_root(url)  # a malformed URL fails here, in every process
-    if location.exists(url, fmt.MANIFEST_FILE):
-        if not force:
-            raise FileExistsError(f"{url} already exists; pass force=True to replace it.")
-        raise location.cannot_replace(url)
+    store.location.kvstore_root(url)  # a malformed URL fails here, in every process
+    if store.location.exists(url, fmt.MANIFEST_FILE):  # every process sees it: all raise
+        commit.claim_object_store_prefix(url, force=force)
     primary = ocp.multihost.is_primary_host(0)
-    if primary:
-        location.delete_all(url)  # a killed save's objects: never a checkpoint (no ucp.json)
-    _barrier("jax_ucp:object_store:clean")
-    handler = checkpoint_handler.UCPCheckpointHandler()
-    handler.save(url, args=args)
-    _barrier("jax_ucp:object_store:written")
-    if primary:
-        handler.finalize(url)
-    _barrier("jax_ucp:object_store:committed")
+    with contextlib.ExitStack() as stack:
+        error = None
+        if primary:
+            try:
+                stack.enter_context(commit.object_store_lock(url))
+                commit.claim_object_store_prefix(url, force=force)
+            except BaseException as e:
+                error = e
+        _primary_decides(url, error)
+        handler = checkpoint_handler.UCPCheckpointHandler()
+        handler.save(url, args=args)
+        _barrier("jax_ucp:object_store:written")
+        if primary:
+            handler.finalize(url)
+        _barrier("jax_ucp:object_store:committed")
 
 
 def restore(

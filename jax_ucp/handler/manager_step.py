@@ -37,11 +37,7 @@ def write_manager_step(
 
 def _write_locked(dest, step_dir, items, step, force, source, item_name, compression) -> str:
     args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
-    replacing = os.path.exists(step_dir)
-    if replacing and not force:
-        raise FileExistsError(f"{step_dir} already exists; pass force=True to replace step {step}.")
-    if replacing:
-        commit.check_replaceable(step_dir)
+    replacing = commit.claim(step_dir, force=force, what=f"step {step}")  # UCP items only
     root = os.path.join(dest, f".ucp-staging-step-{step}") if replacing else dest
     if replacing and os.path.exists(root):
         shutil.rmtree(root)

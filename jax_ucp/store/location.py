@@ -104,6 +104,13 @@ def _kvstore(root: str | Mapping) -> ts.KvStore:
 def read(root: str, name: str, limit: int) -> bytes | None:
     """Object ``name`` under the prefix ``root``, or None when it does not exist. At most
     ``limit`` bytes are fetched; a larger object is an error, never read whole."""
+    stamped = read_stamped(root, name, limit)
+    return None if stamped is None else stamped[0]
+
+
+def read_stamped(root: str, name: str, limit: int) -> tuple[bytes, bytes] | None:
+    """``read``, with the object's storage generation (for a conditional write or delete of
+    exactly that version)."""
     kv = _kvstore(root)
     try:  # a byte past the limit: present means too large
         beyond = kv.read(name, byte_range=slice(limit, limit + 1)).result()
@@ -114,7 +121,7 @@ def read(root: str, name: str, limit: int) -> bytes | None:
             return None
         raise ObjectStoreError(f"{join(root, name)}: more than the {limit} bytes it may have")
     result = kv.read(name).result()
-    return bytes(result.value) if result.state == "value" else None
+    return (bytes(result.value), result.stamp.generation) if result.state == "value" else None
 
 
 def exists(root: str, name: str) -> bool:
@@ -124,6 +131,20 @@ def exists(root: str, name: str) -> bool:
 def write(root: str, name: str, data: bytes) -> None:
     """One object, whole (an object store's single PUT: readers see all of it or none)."""
     _kvstore(root).write(name, data).result()
+
+
+def create(root: str, name: str, data: bytes) -> bool:
+    """Writes object ``name`` only if there is none: True if this call created it.
+
+    A conditional PUT (TensorStore sends ``If-None-Match: *`` to S3, ``ifGenerationMatch=0`` to
+    GCS), so of several callers at once exactly one gets True where the server honours the
+    condition (S3 and GCS do, and moto; gcp-storage-emulator ignores it)."""
+    kv = _kvstore(root)
+    current = kv.read(name, byte_range=slice(0, 0)).result()
+    if current.state == "value":
+        return False
+    # A failed condition is no error in TensorStore: the returned generation is empty.
+    return kv.write(name, data, if_equal=current.stamp.generation).result().generation != b""
 
 
 def list_names(root: str, prefix: str = "") -> list[str]:
@@ -138,17 +159,20 @@ def list_names(root: str, prefix: str = "") -> list[str]:
     return sorted(k.decode()[len(spec["path"]) :] for k in keys if k.decode().startswith(full))
 
 
-def delete(root: str, name: str) -> None:
-    """One object (a single DELETE; deleting a missing one is not an error)."""
-    _kvstore(root).write(name, None).result()
+def delete(root: str, name: str, *, if_equal: bytes | None = None) -> bool:
+    """One object (a single DELETE; deleting a missing one is not an error). With ``if_equal``
+    (a generation from ``read_stamped``) only that version: False if the object changed."""
+    result = _kvstore(root).write(name, None, if_equal=if_equal).result()
+    return if_equal is None or result.generation != b""
 
 
-def delete_all(root: str) -> None:
-    """Every object under the prefix ``root`` (a failed save's leftovers), one DELETE each
-    after a filtered listing: never a range delete, which a server ignoring list ranges would
-    apply to the whole bucket."""
+def delete_names(root: str, names: list[str]) -> None:
+    """The objects ``names`` under the prefix ``root``, one DELETE each, all in flight at once:
+    never a range delete, which a server ignoring list ranges would apply to other prefixes.
+    The caller decides which names are its own (``writer.commit`` deletes only a killed save's
+    arrays and digest reports)."""
     kv = _kvstore(root)
-    futures = [kv.write(name, None) for name in list_names(root)]
+    futures = [kv.write(name, None) for name in names]
     for f in futures:
         f.result()
 
@@ -173,8 +197,12 @@ def read_manifest(root: str) -> fmt.Manifest:
 def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
     """``ucp.json`` (or a part of it): for an object store, one PUT, the commit."""
     text = manifest.dumps()
-    if is_url(root):
-        write(root, name, text.encode())
+    if is_url(root):  # created only if absent: never over another save's commit
+        if not create(root, name, text.encode()):
+            raise ObjectStoreError(
+                f"{join(root, name)}: already exists: another save committed this prefix while "
+                f"this one was writing; this save is not committed."
+            )
         return
     with open(os.path.join(root, name), "w") as f:
         f.write(text)

@@ -41,9 +41,7 @@ def write_host_checkpoint(
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
     with commit.save_lock(dest):
         commit.recover_interrupted_swap(dest)
-        if os.path.exists(dest) and not force:
-            raise FileExistsError(f"{dest} already exists; pass force=True to replace it.")
-        commit.check_replaceable(dest)
+        commit.claim(dest, force=force)
         commit.remove_stale_temporaries(dest)
         tmp = commit.temporary_path(dest)
         try:
@@ -60,22 +58,22 @@ def write_host_checkpoint(
 
 
 def _write_object_store_checkpoint(url, items, force, source, compression) -> str:
-    """``s3://`` / ``gs://``: no rename, so ``ucp.json`` written last is the commit; objects of
-    an earlier save that never committed are deleted first, and after a failure."""
-    location = store.location
+    """``s3://`` / ``gs://``: no rename, so ``ucp.json`` written last is the commit. The prefix
+    is locked for the save (``commit.object_store_lock``); a killed save's leftovers there are
+    deleted first, this save's own after a failure, and nothing else is ever deleted."""
     url = url.rstrip("/")
-    location.kvstore_root(url)  # a malformed URL fails before anything is read
-    if location.exists(url, fmt.MANIFEST_FILE):
-        if not force:
-            raise FileExistsError(f"{url} already exists; pass force=True to replace it.")
-        raise location.cannot_replace(url)
-    location.delete_all(url)
-    try:
-        run_coroutine(write_stream(url, items, source=source, compression=compression, sync=False))
-    except BaseException:
-        if not location.exists(url, fmt.MANIFEST_FILE):
-            location.delete_all(url)
-        raise
+    store.location.kvstore_root(url)  # a malformed URL fails before anything is read
+    if store.location.exists(url, fmt.MANIFEST_FILE):  # before the lock: no object written
+        commit.claim_object_store_prefix(url, force=force)
+    with commit.object_store_lock(url):
+        commit.claim_object_store_prefix(url, force=force)
+        try:
+            run_coroutine(
+                write_stream(url, items, source=source, compression=compression, sync=False)
+            )
+        except BaseException:
+            commit.remove_object_store_leftovers(url)
+            raise
     return url
 
 

@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import os
+import re
 import shutil
 import socket
+import stat
 import time
+import uuid
 
 from jax_ucp import format as fmt
+from jax_ucp import store
 from jax_ucp.format import UCPError
 from jax_ucp.writer import durable
 
@@ -165,37 +170,200 @@ def save_lock(path: str):
             os.close(fd)  # releases the lock
 
 
-def check_replaceable(path: str) -> None:
-    """``force`` replaces a jax_ucp checkpoint or an Orbax step directory, nothing else.
+class NotReplaceableError(SaveConflictError, FileExistsError):
+    """The destination holds something jax_ucp did not write; refused untouched, even with force."""
 
-    A user's folder that happens to sit at ``path`` is never deleted by mistake.
+
+ORBAX_STEP_FILES = (ORBAX_STEP_METADATA, "commit_success.txt")  # Orbax's, in what it commits
+EXPORT_RECORD = ".jax_ucp_export.json"  # the files an export wrote: force replaces only those
+_EXPORT_FORMAT = "jax_ucp export"
+_SHOWN = 5  # unexpected entries named in an error
+
+
+def check_replaceable(
+    path: str, *, force: bool = True, export: bool = False, what: str = "it"
+) -> bool:
+    """Whether writing ``path`` replaces something (True) or creates it (False: ``path`` is
+    absent, or an empty directory, which holds nothing to lose; ``claim`` removes it).
+
+    ``force`` replaces only what jax_ucp wrote: a checkpoint directory (``ucp.json`` and only
+    what the format and Orbax put beside it) or an Orbax step directory of such items; with
+    ``export``, only an earlier export (every file listed in its ``EXPORT_RECORD``). Anything
+    else is refused untouched whatever ``force`` says, the error naming what was found, so the
+    advice to pass ``force=True`` is only given where it would work; ``force=False`` refuses
+    a replaceable ``path`` too, with that advice. Pure: changes nothing.
     """
     if not os.path.lexists(path):
-        return
+        return False
     if os.path.islink(path) or not os.path.isdir(path):
-        raise SaveConflictError(
-            f"{path}: exists and is not a checkpoint directory (a file or link); refusing to "
+        kind = "an export" if export else "a checkpoint"
+        raise NotReplaceableError(
+            f"{path}: already exists and is not {kind} directory (a file or link); refusing to "
             f"replace it even with force=True. Remove it yourself or choose another path."
         )
-    if is_checkpoint_dir(path):
-        return
-    raise SaveConflictError(
-        f"{path}: exists and is not a jax_ucp checkpoint or an Orbax step (no {fmt.MANIFEST_FILE}, "
-        f"no {ORBAX_STEP_METADATA}); refusing to replace it even with force=True."
-    )
+    names = sorted(os.listdir(path))
+    if not names:
+        return False
+    if export:
+        kind, found = "an export written by jax_ucp", export_problems(path)
+    else:
+        kind, found = "a jax_ucp checkpoint or an Orbax step of one", checkpoint_problems(path)
+    if found:
+        shown = ", ".join(found[:_SHOWN]) + (
+            f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
+        )
+        raise NotReplaceableError(
+            f"{path}: already exists and is not {kind} (found {shown}); refusing to replace it "
+            f"even with force=True (nothing was changed). Remove it yourself or choose another "
+            f"path."
+        )
+    if not force:
+        raise FileExistsError(
+            f"{path} already exists; pass force=True to replace {what} (the old one is kept "
+            f"until the new one is committed)."
+        )
+    return True
+
+
+def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> bool:
+    """``check_replaceable``, then an empty directory at ``path`` removed so the new one can
+    take its place (``rmdir``: it removes nothing that appeared meanwhile)."""
+    replacing = check_replaceable(path, force=force, export=export, what=what)
+    if not replacing and os.path.isdir(path):
+        try:
+            os.rmdir(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise NotReplaceableError(
+                f"{path}: was an empty directory and is not anymore ({e.strerror}); nothing was "
+                f"changed."
+            ) from None
+    return replacing
 
 
 def is_checkpoint_dir(path: str) -> bool:
-    """A standalone UCP checkpoint, or an Orbax step directory (its metadata or UCP items)."""
-    if os.path.isfile(os.path.join(path, fmt.MANIFEST_FILE)):
-        return True
-    if os.path.isfile(os.path.join(path, ORBAX_STEP_METADATA)):
-        return True
+    """A jax_ucp checkpoint directory or an Orbax step of them, holding nothing else."""
+    return os.path.isdir(path) and not os.path.islink(path) and not checkpoint_problems(path)
+
+
+def checkpoint_problems(path: str) -> list[str]:
+    """What in the directory ``path`` is not part of a checkpoint (docs/FORMAT.md 1.1, 1.2):
+    ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step, item
+    directories that are such checkpoints. Empty when ``path`` is one; directories end in "/"."""
+    names = sorted(os.listdir(path))
+    if _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
+        found = []
+        for n in names:
+            full = os.path.join(path, n)
+            if n == fmt.MANIFEST_FILE or (n in ORBAX_STEP_FILES and _regular_file(full)):
+                continue
+            if n == fmt.ARRAYS_DIR and _real_dir(full):
+                found += [f"{n}/{a}" for a in _not_arrays(full)]
+                continue
+            found.append(_shown(path, n))
+        return found
+    found, items = [], 0
+    for n in names:
+        full = os.path.join(path, n)
+        if n in ORBAX_STEP_FILES and _regular_file(full):
+            continue
+        if _real_dir(full) and _regular_file(os.path.join(full, fmt.MANIFEST_FILE)):
+            inner = checkpoint_problems(full)
+            found += [f"{n}/{p}" for p in inner]
+            items += not inner
+            continue
+        found.append(_shown(path, n))
+    if not items and not found:
+        found.append(f"no {fmt.MANIFEST_FILE}")
+    return found
+
+
+def _not_arrays(arrays: str) -> list[str]:
+    """Entries of ``arrays/`` that are not array directories (each holds its ``zarr.json``)."""
+    return [
+        _shown(arrays, a)
+        for a in sorted(os.listdir(arrays))
+        if not (
+            _real_dir(os.path.join(arrays, a))
+            and _regular_file(os.path.join(arrays, a, "zarr.json"))
+        )
+    ]
+
+
+def write_export_record(directory: str) -> None:
+    """``EXPORT_RECORD`` in an export's temporary directory: every file in it and its size, so a
+    later forced export replaces that directory only while it holds nothing else."""
+    files = {}
+    for rel in _walk(directory):
+        full = os.path.join(directory, rel)
+        files[rel] = os.lstat(full).st_size
+    record = {"format": _EXPORT_FORMAT, "version": 1, "files": files}
+    with open(os.path.join(directory, EXPORT_RECORD), "w") as f:
+        json.dump(record, f, indent=1, sort_keys=True)
+        f.write("\n")
+
+
+def export_problems(path: str) -> list[str]:
+    """What in ``path`` is not a file its ``EXPORT_RECORD`` lists with that size (a file the
+    user added or changed, a link, a device); everything when there is no record."""
     try:
-        names = os.listdir(path)
+        raw = fmt.files.read_regular(os.path.join(path, EXPORT_RECORD), 16 << 20)
+        record = json.loads(raw)
+        recorded = record["files"]
+        if record.get("format") != _EXPORT_FORMAT or not isinstance(recorded, dict):
+            raise ValueError("not an export record")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        names = sorted(os.listdir(path))
+        return [f"no {EXPORT_RECORD}: {', '.join(_shown(path, n) for n in names[:_SHOWN])}"]
+    found = []
+    for rel in _walk(path, problems=found):
+        if rel == EXPORT_RECORD:
+            continue
+        size = os.lstat(os.path.join(path, rel)).st_size
+        if rel not in recorded:
+            found.append(rel)
+        elif recorded[rel] != size:
+            found.append(f"{rel} (changed since the export)")
+    return found
+
+
+def _walk(top: str, problems: list[str] | None = None):
+    """Relative paths of the regular files under ``top``; anything else (links, devices, FIFOs)
+    goes to ``problems`` (or is an error when there is no list), never followed."""
+    for root, dirs, files in os.walk(top):
+        for n in sorted(dirs + files):
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, top)
+            if _real_dir(full):
+                continue
+            if _regular_file(full):
+                yield rel
+            elif problems is not None:
+                problems.append(_shown(root, n) if root == top else rel)
+            else:
+                raise NotReplaceableError(f"{full}: not a regular file or directory")
+        dirs[:] = [d for d in dirs if _real_dir(os.path.join(root, d))]
+
+
+def _regular_file(path: str) -> bool:
+    return stat.S_ISREG(_lstat_mode(path))
+
+
+def _real_dir(path: str) -> bool:
+    return stat.S_ISDIR(_lstat_mode(path))
+
+
+def _lstat_mode(path: str) -> int:
+    try:
+        return os.lstat(path).st_mode
     except OSError:
-        return False
-    return any(os.path.isfile(os.path.join(path, n, fmt.MANIFEST_FILE)) for n in names)
+        return 0
+
+
+def _shown(parent: str, name: str) -> str:
+    """An entry as an error names it: directories with a trailing "/"."""
+    return name + "/" if _real_dir(os.path.join(parent, name)) else name
 
 
 def _remove(path: str) -> None:
@@ -204,3 +372,124 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     elif os.path.lexists(path):
         os.remove(path)
+
+
+# ----------------------------------------------------------------------------- object stores
+
+LOCK_OBJECT = ".ucp-lock"  # inside the prefix: a role scoped to it can write it
+# What a killed jax_ucp save of a prefix can have left there (docs/FORMAT.md 1.1, 6.1, 6.4): the
+# objects of its arrays (``zarr.json`` and shard objects ``c/i/j``, ``c`` when 0-d) and the
+# other processes' digest reports. Nothing else is ever deleted.
+_LEFTOVER = re.compile(
+    r"arrays/(?!\.\.?/)[A-Za-z0-9_%~.\-]+/(zarr\.json|c(/[0-9]+)*)|ucp\.digests\.[0-9]+\.json"
+)
+_held_locks: set[str] = set()  # tokens of the object-store locks this process holds
+
+
+@contextlib.contextmanager
+def object_store_lock(url: str):
+    """``save_lock`` for a prefix ``s3://`` / ``gs://``: the object ``<url>/.ucp-lock``, created
+    only if absent (a conditional PUT), so of two saves to one prefix exactly one proceeds; the
+    other gets ``SaveConflictError`` at once, having written and deleted nothing. The holder
+    deletes it at the end. A lock left by a killed save is taken over by the next save on the
+    same host once that process is gone; from another host the error names the object to
+    delete (no heartbeat tells a slow save from a dead one)."""
+    location = store.location
+    token = uuid.uuid4().hex
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}
+    where = location.join(url, LOCK_OBJECT)
+    for _ in range(3):
+        if location.create(url, LOCK_OBJECT, json.dumps(me).encode()):
+            break
+        held = location.read_stamped(url, LOCK_OBJECT, 1 << 16)
+        if held is None:
+            continue  # released meanwhile
+        owner = _lock_owner(held[0])
+        if _lock_is_stale(owner, me):
+            location.delete(url, LOCK_OBJECT, if_equal=held[1])  # of two takers, one wins
+            continue
+        who = (
+            f"host {owner['host']}, process {owner['pid']}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner['time']))}"
+            if owner
+            else "an unreadable lock"
+        )
+        raise SaveConflictError(
+            f"{url}: another save to this prefix is in progress ({who}: lock object {where}); "
+            f"nothing was written. If that save was killed, delete {where} and save again."
+        )
+    else:
+        raise SaveConflictError(f"{url}: could not take the lock {where}; nothing was written.")
+    _held_locks.add(token)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        _held_locks.discard(token)
+        try:
+            held = location.read_stamped(url, LOCK_OBJECT, 1 << 16)
+            if held is not None and (_lock_owner(held[0]) or {}).get("token") == token:
+                location.delete(url, LOCK_OBJECT)
+        except Exception:
+            if not failed:  # else the save's own error is the one to see
+                raise
+
+
+def _lock_owner(data: bytes) -> dict | None:
+    try:
+        owner = json.loads(data)
+        if (
+            isinstance(owner, dict)
+            and isinstance(owner.get("host"), str)
+            and type(owner.get("pid")) is int
+            and isinstance(owner.get("time"), (int, float))
+            and isinstance(owner.get("token"), str)
+        ):
+            return owner
+    except (ValueError, RecursionError):
+        pass
+    return None
+
+
+def _lock_is_stale(owner: dict | None, me: dict) -> bool:
+    """A lock of this host whose process is gone (or of this process, not held any more)."""
+    if owner is None or owner["host"] != me["host"]:
+        return False
+    if owner["pid"] == me["pid"]:
+        return owner["token"] not in _held_locks
+    return not _pid_alive(owner["pid"])
+
+
+def claim_object_store_prefix(url: str, *, force: bool) -> None:
+    """Before a save to the prefix ``url`` (lock held): refuses a committed checkpoint there
+    (an object store cannot replace one) and anything a killed jax_ucp save of this prefix
+    cannot have left, naming it; deletes such a save's leftovers (its arrays' objects and
+    digest reports, nothing else)."""
+    location = store.location
+    names = [n for n in location.list_names(url) if n != LOCK_OBJECT]
+    if fmt.MANIFEST_FILE in names:
+        if force:
+            raise location.cannot_replace(url)
+        raise FileExistsError(
+            f"{url} already exists (a committed checkpoint): an object store cannot replace one "
+            f"in place. Save to a new prefix (e.g. the next step)."
+        )
+    foreign = [n for n in names if not _LEFTOVER.fullmatch(n)]
+    if foreign:
+        shown = ", ".join(foreign[:_SHOWN]) + (
+            f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
+        )
+        raise NotReplaceableError(
+            f"{url}: holds objects that no jax_ucp save of this prefix wrote ({shown}); refusing "
+            f"to save here even with force=True (nothing was deleted). Choose a new prefix."
+        )
+    location.delete_names(url, names)
+
+
+def remove_object_store_leftovers(url: str) -> None:
+    """After a failed save to ``url`` (lock held): its own objects, if it did not commit."""
+    location = store.location
+    names = location.list_names(url)
+    if fmt.MANIFEST_FILE not in names:
+        location.delete_names(url, [n for n in names if _LEFTOVER.fullmatch(n)])
