@@ -685,16 +685,16 @@ def _padded(spec, ndim: int) -> tuple:
     return spec + (None,) * (ndim - len(spec))
 
 
-def _per_process(reads: dict[int, int]) -> str:
-    if len(set(reads.values())) == 1:
-        n = next(iter(reads.values()))
-        return _human(n) if len(reads) == 1 else f"{_human(n)} each ({len(reads)} processes)"
+def _per_process(reads) -> str:
+    """``reads``: a plan's IndexedBytes (lowest/highest without walking every process)."""
+    low, high = reads.lowest(), reads.highest()
+    if low == high:
+        return _human(high) if len(reads) == 1 else f"{_human(high)} each ({len(reads)} processes)"
     if len(reads) <= 4:
         return ", ".join(f"process {p}: {_human(b)}" for p, b in sorted(reads.items()))
-    most = max(reads, key=reads.get)
+    most = reads.highest_index()
     return (
-        f"{_human(min(reads.values()))} to {_human(reads[most])} (process {most} reads the "
-        f"most; {len(reads)} processes)"
+        f"{_human(low)} to {_human(high)} (process {most} reads the most; {len(reads)} processes)"
     )
 
 
@@ -740,7 +740,7 @@ def plan(
             t.dtype,
             "host" if t.on_host else _spec_text(_padded(t.partition_spec, len(t.shape))),
             _human(t.bytes_per_device or 0),
-            _human(max(t.read_bytes.values(), default=0)),
+            _human(t.read_bytes.highest()),
         ]
         for t in shown
     ]
@@ -751,7 +751,7 @@ def plan(
     )
     if len(shown) < len(result.tensors):
         console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
-    low, high = min(result.device_bytes.values()), max(result.device_bytes.values())
+    low, high = result.min_device_bytes, result.max_device_bytes
     console.print(
         "per device: "
         + (f"{_human(high)} each" if low == high else f"{_human(low)} to {_human(high)}"),

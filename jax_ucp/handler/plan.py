@@ -6,7 +6,9 @@ end up replicated, and which dimensions cannot be split as the saved spec or the
 
 It reads the manifest only (no tensor data) and needs no devices: the mesh may be a
 ``jax.sharding.AbstractMesh``, and the per-device slices are computed from shapes and
-PartitionSpecs. The PartitionSpecs come from the same functions ``restore`` uses
+PartitionSpecs. Its cost follows the checkpoint (tensors × the few distinct specs), never the
+mesh's device count: devices holding equal slices are one run of numbers, not a list (a plan on
+10**8 devices takes what one on 8 takes). The PartitionSpecs come from the same functions ``restore`` uses
 (``sharding.sharding_for`` with ``mesh=``/``rules=``, ``reader.requests_from_target`` with
 ``target=``/``shardings=``).
 """
@@ -16,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -42,7 +44,7 @@ class TensorPlan:
         bytes_per_device: bytes each device holding a shard of it keeps (the largest shard);
             0 on host, ``None`` when ``error`` says restore would refuse it.
         read_bytes: process index → bytes that process reads of it (devices of one process
-            holding the same slice share one read).
+            holding the same slice share one read), an ``IndexedBytes`` mapping.
         replicated: every device holds the whole tensor (a tensor of more than one element).
         on_host: restored as host numpy (no sharding: a ``None`` leaf of ``shardings``, or a
             64-bit tensor with ``mesh=`` while ``jax_enable_x64`` is off).
@@ -57,7 +59,7 @@ class TensorPlan:
     dtype: str
     partition_spec: PartitionSpec | None
     bytes_per_device: int | None
-    read_bytes: dict[int, int]
+    read_bytes: IndexedBytes
     replicated: bool = False
     on_host: bool = False
     not_divisible: tuple[str, ...] = ()
@@ -71,17 +73,19 @@ class RestorePlan:
     Attributes:
         path: the checkpoint directory planned (the one holding ``ucp.json``).
         tensors: one ``TensorPlan`` per tensor restore would produce, in manifest order.
-        device_bytes: device → bytes it will hold. Keys are device ids for a concrete mesh
-            or concrete shardings, and positions in the mesh (row-major) for an
-            ``AbstractMesh``.
-        process_read_bytes: process index → bytes it will read from the checkpoint.
+        device_bytes: device → bytes it will hold (an ``IndexedBytes`` mapping: a few numbers
+            for a mesh of any size; ``lowest()``/``highest()`` without walking it). Keys are
+            device ids for a concrete mesh or concrete shardings, and positions in the mesh
+            (row-major) for an ``AbstractMesh``.
+        process_read_bytes: process index → bytes it will read from the checkpoint (an
+            ``IndexedBytes`` too).
         values: how many saved Python values (no tensor data) restore would also return.
     """
 
     path: str
     tensors: list[TensorPlan]
-    device_bytes: dict[int, int]
-    process_read_bytes: dict[int, int]
+    device_bytes: IndexedBytes
+    process_read_bytes: IndexedBytes
     values: int = 0
 
     @property
@@ -107,7 +111,12 @@ class RestorePlan:
     @property
     def max_device_bytes(self) -> int:
         """The most any one device holds."""
-        return max(self.device_bytes.values(), default=0)
+        return self.device_bytes.highest()
+
+    @property
+    def min_device_bytes(self) -> int:
+        """The least any one device holds."""
+        return self.device_bytes.lowest()
 
 
 def abstract_mesh(axes: Sequence[tuple[str, int]]) -> jax.sharding.AbstractMesh:
@@ -195,8 +204,10 @@ def plan(
         n_values = len(values)
         placed = [_on_mesh(av, mesh, rules) for av in available.values()]
 
-    device_bytes = {device: 0 for device in layouts.devices_of(mesh)}
-    process_bytes = {p: 0 for p in layouts.processes_of(mesh)}
+    device_bytes, process_bytes = IndexedBytes(), IndexedBytes()
+    if mesh is not None:  # every device and process of the mesh is listed, 0 if it holds none
+        layouts.add_devices(mesh, 0, device_bytes)
+        process_bytes.merge(layouts.every_process(mesh, 0))
     tensors, on_host = [], []
     for av, dtype, sharding, not_divisible, error in placed:
         itemsize = np.dtype(dtype).itemsize
@@ -205,40 +216,46 @@ def plan(
             spec = sharding.spec if isinstance(sharding, NamedSharding) else None
             tensors.append(
                 TensorPlan(
-                    **common, partition_spec=spec, bytes_per_device=None, read_bytes={}, error=error
+                    **common,
+                    partition_spec=spec,
+                    bytes_per_device=None,
+                    read_bytes=IndexedBytes(),
+                    error=error,
                 )
             )
         elif sharding is None:
             on_host.append(len(tensors))
             tensors.append(
                 TensorPlan(
-                    **common, partition_spec=None, bytes_per_device=0, read_bytes={}, on_host=True
+                    **common,
+                    partition_spec=None,
+                    bytes_per_device=0,
+                    read_bytes=IndexedBytes(),
+                    on_host=True,
                 )
             )
         else:
-            per_device, reads = layouts.place(av.shape, sharding)
-            for device, n in per_device.items():
-                device_bytes[device] = device_bytes.get(device, 0) + n * itemsize
-            read_bytes = {p: n * itemsize for p, n in reads.items()}
-            for p, n in read_bytes.items():
-                process_bytes[p] = process_bytes.get(p, 0) + n
+            per_device, reads = layouts.place(av.shape, sharding, itemsize, device_bytes)
+            process_bytes.merge(reads)
             tensors.append(
                 TensorPlan(
                     **common,
                     partition_spec=sharding.spec if isinstance(sharding, NamedSharding) else None,
-                    bytes_per_device=max(per_device.values(), default=0) * itemsize,
-                    read_bytes=read_bytes,
+                    bytes_per_device=per_device,
+                    read_bytes=reads,
                     replicated=math.prod(av.shape) > 1 and _fully_replicated(sharding),
                 )
             )
     # Host numpy: every process reads the whole tensor.
-    host_processes = sorted(process_bytes) or list(range(jax.process_count()))
+    if on_host:
+        readers = layouts.every_process(mesh, 0) if mesh is not None else process_bytes.zeros_like()
+        if not len(readers):
+            readers = IndexedBytes.points({p: 0 for p in range(jax.process_count())})
     for i in on_host:
         t = tensors[i]
-        n = math.prod(t.shape) * np.dtype(t.dtype).itemsize
-        tensors[i] = dataclasses.replace(t, read_bytes={p: n for p in host_processes})
-        for p in host_processes:
-            process_bytes[p] = process_bytes.get(p, 0) + n
+        reads = readers.plus(math.prod(t.shape) * np.dtype(t.dtype).itemsize)
+        tensors[i] = dataclasses.replace(t, read_bytes=reads)
+        process_bytes.merge(reads)
     return RestorePlan(root, tensors, device_bytes, process_bytes, n_values)
 
 
@@ -329,12 +346,145 @@ def _fully_replicated(sharding) -> bool:
     return bool(sharding.is_fully_replicated)
 
 
+class IndexedBytes(Mapping[int, int]):
+    """Device or process index → bytes, kept as a few numbers however many indices there are.
+
+    A mesh of 10**8 devices holds every tensor of a ``NamedSharding`` evenly, so its devices
+    are one run ``0..n-1`` with the same bytes: runs are stored as (length, bytes), and only
+    indices that differ (devices of concrete shardings, processes of an uneven split) one by
+    one. ``lowest``/``highest`` are computed from the runs; iterating lists every index.
+    """
+
+    def __init__(self):
+        self._runs: dict[int, int] = {}  # n → bytes added to each index 0..n-1
+        self._points: dict[int, int] = {}
+        self._groups: dict[Any, list] = {}  # key → [indices, bytes added to each]
+
+    @classmethod
+    def run(cls, n: int, value: int) -> IndexedBytes:
+        out = cls()
+        out._runs[int(n)] = int(value)
+        return out
+
+    @classmethod
+    def points(cls, values: Mapping[int, int]) -> IndexedBytes:
+        out = cls()
+        out._points = {int(k): int(v) for k, v in values.items()}
+        return out
+
+    def add_run(self, n: int, value: int) -> None:
+        self._runs[n] = self._runs.get(n, 0) + value
+
+    def add(self, index: int, value: int) -> None:
+        self._points[index] = self._points.get(index, 0) + value
+
+    def add_group(self, key, indices: tuple[int, ...], value: int) -> None:
+        """``value`` more on each of ``indices`` (e.g. a concrete mesh's devices), added up per
+        ``key`` and spread over the indices once read."""
+        self._groups.setdefault(key, [indices, 0])[1] += value
+
+    def _fold(self) -> None:
+        groups, self._groups = self._groups, {}
+        for indices, value in groups.values():
+            for index in indices:
+                self.add(index, value)
+
+    def merge(self, other: IndexedBytes) -> None:
+        other._fold()
+        for n, value in other._runs.items():
+            self.add_run(n, value)
+        for index, value in other._points.items():
+            self.add(index, value)
+
+    def zeros_like(self) -> IndexedBytes:
+        """The same indices, each 0."""
+        self._fold()
+        out = IndexedBytes()
+        out._runs = dict.fromkeys(self._runs, 0)
+        out._points = dict.fromkeys(self._points, 0)
+        return out
+
+    def plus(self, value: int) -> IndexedBytes:
+        """The same indices, each ``value`` more."""
+        self._fold()
+        out = IndexedBytes()
+        out._runs = dict(self._runs)
+        out._points = dict(self._points)
+        span = self._span()
+        if span:
+            out.add_run(span, value)
+        for index in self._points:
+            if not 0 <= index < span:
+                out.add(index, value)
+        return out
+
+    def _span(self) -> int:
+        self._fold()
+        return max(self._runs, default=0)
+
+    def __getitem__(self, index) -> int:
+        self._fold()
+        if index not in self:
+            raise KeyError(index)
+        value = sum(v for n, v in self._runs.items() if index < n)
+        return value + self._points.get(index, 0)
+
+    def __contains__(self, index) -> bool:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            return False
+        return 0 <= index < self._span() or index in self._points
+
+    def __len__(self) -> int:
+        span = self._span()
+        return span + sum(1 for i in self._points if not 0 <= i < span)
+
+    def __iter__(self):
+        span = self._span()
+        yield from range(span)
+        yield from sorted(i for i in self._points if not 0 <= i < span)
+
+    def _segments(self):
+        """(first index, value) of each group of indices holding one value, plus every
+        explicit index: what ``lowest``/``highest`` need, without walking every index."""
+        self._fold()
+        bounds = sorted({0, *self._runs})
+        for lo, hi in zip(bounds, bounds[1:]):
+            base = sum(v for n, v in self._runs.items() if lo < n)
+            inside = [i for i in self._points if lo <= i < hi]
+            if len(inside) < hi - lo:  # an index with no explicit value
+                free = next(i for i in range(lo, hi) if i not in self._points)
+                yield free, base
+            for i in inside:
+                yield i, base + self._points[i]
+        span = self._span()
+        for i, value in self._points.items():
+            if not 0 <= i < span:
+                yield i, value
+
+    def lowest(self) -> int:
+        return min((v for _, v in self._segments()), default=0)
+
+    def highest(self) -> int:
+        return max((v for _, v in self._segments()), default=0)
+
+    def highest_index(self) -> int | None:
+        """An index holding the most (the first such), None when empty."""
+        best = max(self._segments(), key=lambda iv: (iv[1], -iv[0]), default=None)
+        return None if best is None else best[0]
+
+    def __repr__(self) -> str:
+        if len(self) <= 16:
+            return repr(dict(self.items()))
+        return f"IndexedBytes({len(self)} indices, {self.lowest()} to {self.highest()} bytes)"
+
+
 class _Layouts:
     """Devices and processes of meshes (concrete or abstract), and the slices a sharding gives
     each device, from shapes and PartitionSpecs alone."""
 
     def __init__(self, mesh, processes: int | None):
         self._processes = processes
+        self._cache: dict = {}
         if isinstance(mesh, jax.sharding.Mesh) and processes is not None:
             raise ValueError(
                 "processes= is for an AbstractMesh; a concrete Mesh knows its devices' processes."
@@ -353,29 +503,99 @@ class _Layouts:
             )
         return list(range(n)), [i // (n // p) for i in range(n)]
 
-    def devices_of(self, mesh) -> list[int]:
-        return [] if mesh is None else self._positions(mesh)[0]
-
-    def processes_of(self, mesh) -> list[int]:
-        return [] if mesh is None else sorted(set(self._positions(mesh)[1]))
-
-    def place(self, shape, sharding) -> tuple[dict[int, int], dict[int, int]]:
-        """Elements each device holds, and elements each process reads (its distinct slices)."""
-        slices: Iterable[tuple[int, int, tuple]]
-        if isinstance(sharding, NamedSharding):
-            slices = self._named(shape, sharding.spec, sharding.mesh)
-        else:  # any other sharding is concrete: ask it
-            slices = (
-                (d.id, d.process_index, tuple(s.indices(n)[:2] for s, n in zip(index, shape)))
-                for d, index in sharding.devices_indices_map(tuple(shape)).items()
+    def _split(self, mesh) -> tuple[int, int]:
+        """An AbstractMesh's device count and how many processes share it (contiguous blocks)."""
+        n = math.prod(mesh.shape[a] for a in mesh.axis_names)
+        p = 1 if self._processes is None else int(self._processes)
+        if p < 1 or n % p:
+            raise ValueError(
+                f"processes={self._processes} does not split the mesh's {n} devices evenly."
             )
-        per_device: dict[int, int] = {}
-        distinct: dict[int, set] = {}
-        for device, process, box in slices:
-            per_device[device] = math.prod(b - a for a, b in box)
-            distinct.setdefault(process, set()).add(box)
-        reads = {p: sum(math.prod(b - a for a, b in box) for box in s) for p, s in distinct.items()}
-        return per_device, reads
+        return n, p
+
+    def add_devices(self, mesh, value: int, device_bytes: IndexedBytes) -> None:
+        """``value`` more bytes on every device of ``mesh``."""
+        if isinstance(mesh, jax.sharding.Mesh):
+            device_bytes.add_group(mesh, tuple(d.id for d in mesh.devices.flat), value)
+        else:
+            device_bytes.add_run(self._split(mesh)[0], value)
+
+    def every_process(self, mesh, value: int) -> IndexedBytes:
+        """``value`` for every process holding devices of ``mesh``."""
+        if isinstance(mesh, jax.sharding.Mesh):
+            return IndexedBytes.points({d.process_index: value for d in mesh.devices.flat})
+        return IndexedBytes.run(self._split(mesh)[1], value)
+
+    def place(
+        self, shape, sharding, itemsize: int, device_bytes: IndexedBytes
+    ) -> tuple[int, IndexedBytes]:
+        """Adds what each device holds to ``device_bytes``; returns the most one device holds
+        and the bytes each process reads (its distinct slices), both in bytes.
+
+        A ``NamedSharding`` is computed from shapes and the mesh's axis sizes: every device
+        holds one equal slice (restore requires that the axes divide), and a process reads
+        as many distinct slices as its devices have distinct coordinates on the axes the spec
+        uses, so the cost follows the tensors, not the devices."""
+        if isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            names = tuple(mesh.axis_names)
+            spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+            used = frozenset(names.index(a) for entry in spec for a in _axes_of(entry))
+            elements = math.prod(
+                size // math.prod(mesh.shape[a] for a in _axes_of(entry))
+                for size, entry in zip(shape, spec)
+            )
+            slice_bytes = elements * itemsize
+            self.add_devices(mesh, slice_bytes, device_bytes)
+            counts = self._distinct_slices(mesh, used)
+            if isinstance(counts, tuple):  # (processes, slices each)
+                return slice_bytes, IndexedBytes.run(counts[0], counts[1] * slice_bytes)
+            return slice_bytes, IndexedBytes.points({p: c * slice_bytes for p, c in counts.items()})
+        # any other sharding is concrete (its devices exist): ask it
+        largest, distinct = 0, {}
+        for d, index in sharding.devices_indices_map(tuple(shape)).items():
+            box = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+            n_bytes = math.prod(b - a for a, b in box) * itemsize
+            device_bytes.add(d.id, n_bytes)
+            largest = max(largest, n_bytes)
+            distinct.setdefault(d.process_index, {})[box] = n_bytes
+        return largest, IndexedBytes.points({p: sum(b.values()) for p, b in distinct.items()})
+
+    def _distinct_slices(self, mesh, used: frozenset):
+        """Per process, how many distinct slices its devices hold of a tensor whose spec uses
+        the mesh axes ``used``: ``(processes, count)`` when every process holds as many, else
+        {process: count}. Cached per mesh and axes (tensors share a few)."""
+        key = (mesh, used)
+        if key not in self._cache:
+            self._cache[key] = self._count_slices(mesh, used)
+        return self._cache[key]
+
+    def _count_slices(self, mesh, used: frozenset):
+        sizes = tuple(mesh.shape[a] for a in mesh.axis_names)
+        if isinstance(mesh, jax.sharding.Mesh):  # real devices: look at each
+            seen: dict[int, set] = {}
+            for coords in np.ndindex(*sizes):
+                process = mesh.devices[coords].process_index
+                seen.setdefault(process, set()).add(tuple(coords[a] for a in sorted(used)))
+            return {p: len(s) for p, s in seen.items()}
+        n, p = self._split(mesh)
+        block = n // p  # process q holds positions q*block .. (q+1)*block-1 (row-major)
+        in_spec = tuple(a in used for a in range(len(sizes)))
+        for axis in range(len(sizes)):  # blocks that are boxes: the same count everywhere
+            inner = math.prod(sizes[axis + 1 :])
+            if block % inner == 0 and sizes[axis] % (block // inner) == 0:
+                count = block // inner if in_spec[axis] else 1
+                count *= math.prod(s for s, u in zip(sizes[axis + 1 :], in_spec[axis + 1 :]) if u)
+                return (p, count)
+        row = n // sizes[0] if sizes else 1
+        memo: dict[int, int] = {}
+        counts = {}
+        for q in range(p):  # an uneven split: the count depends on where the block starts
+            start = q * block % row
+            if start not in memo:
+                memo[start] = _distinct_projections([(start, start + block)], sizes, in_spec)
+            counts[q] = memo[start]
+        return counts
 
     def _named(self, shape, spec, mesh):
         """(device, process, ((start, stop) per dimension)) for each position of ``mesh``, as
@@ -395,3 +615,51 @@ class _Layouts:
                 block = size // parts
                 box.append((index * block, (index + 1) * block))
             yield devices[position], processes[position], tuple(box)
+
+
+def _distinct_projections(intervals, sizes: tuple[int, ...], in_spec: tuple[bool, ...]) -> int:
+    """How many distinct coordinate tuples on the axes marked ``in_spec`` the mesh positions in
+    ``intervals`` (disjoint [start, stop) ranges of row-major positions of a mesh of ``sizes``)
+    have: the distinct slices a process holding those devices reads. Recurses over the axes,
+    never over positions."""
+    if not intervals:
+        return 0
+    if not sizes:
+        return 1
+    total = math.prod(sizes)
+    everything = math.prod(s for s, u in zip(sizes, in_spec) if u)
+    if intervals == [(0, total)]:
+        return everything
+    row = total // sizes[0]
+    rest = everything // (sizes[0] if in_spec[0] else 1)
+    full, partial = 0, {}
+    for lo, hi in intervals:
+        first, last = lo // row, (hi - 1) // row
+        if first == last:
+            pieces = [(first, lo - first * row, hi - first * row)]
+        else:
+            pieces = [(first, lo - first * row, row), (last, 0, hi - last * row)]
+            full += last - first - 1
+        for r, a, b in pieces:
+            if (a, b) == (0, row):
+                full += 1
+            else:
+                partial.setdefault(r, []).append((a, b))
+    if in_spec[0]:  # rows have distinct coordinates: their slices never coincide
+        return full * rest + sum(
+            _distinct_projections(_merged(p), sizes[1:], in_spec[1:]) for p in partial.values()
+        )
+    if full:
+        return rest
+    merged = _merged([piece for p in partial.values() for piece in p])
+    return _distinct_projections(merged, sizes[1:], in_spec[1:])
+
+
+def _merged(intervals) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(a, b) for a, b in out]
