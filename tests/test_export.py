@@ -399,6 +399,7 @@ def _deepspeed_load_universal(tmp_path, batch: str, *, port: int) -> None:
 
 @pytest.mark.torch
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # DeepSpeed builds its CPU ops on the first run of a fresh machine
 def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_path):
     """A DP=2 ZeRO-2 run -> convert -> export; DeepSpeed at DP=1 with load_universal loads it
     (fp32 masters bit-exact) and one step on the next batch matches the DP=2 run's next step."""
