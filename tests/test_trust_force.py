@@ -1,0 +1,310 @@
+"""``force`` and object-store clean-up delete only what jax_ucp wrote.
+
+Every hostile layout is built here: a project folder or a run folder holding checkpoints, a
+checkpoint a user dropped a file into, a downloaded Hugging Face folder, an s3:// prefix of a
+data set or of committed steps, stale and foreign save locks, and two processes saving to one
+new prefix at the same instant. Each is refused untouched (the error names what was found) or,
+for what jax_ucp wrote, replaced."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from safetensors.numpy import load_file, save_file
+from test_object_store import s3_server  # noqa: F401  (the moto server fixture)
+from typer.testing import CliRunner
+
+import jax_ucp
+from jax_ucp.cli import app
+from jax_ucp.exporters import ExportError
+from jax_ucp.store import location
+from jax_ucp.writer import commit
+
+W = np.arange(12, dtype=np.float32).reshape(3, 4)
+
+
+def _snapshot(root) -> dict[str, bytes | None]:
+    """Every entry under ``root``: file contents, None for directories (links not followed)."""
+    out: dict[str, bytes | None] = {}
+    for parent, dirs, files in os.walk(root):
+        for n in dirs:
+            out[os.path.relpath(os.path.join(parent, n), root)] = None
+        for n in files:
+            with open(os.path.join(parent, n), "rb") as f:
+                out[os.path.relpath(os.path.join(parent, n), root)] = f.read()
+    return out
+
+
+def _hf_folder(path) -> str:
+    """A downloaded Hugging Face model folder: weights, config and tokenizer."""
+    os.makedirs(path)
+    save_file(
+        {"model.norm.weight": np.ones(4, np.float32)}, os.path.join(path, "model.safetensors")
+    )
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({"model_type": "llama"}, f)
+    with open(os.path.join(path, "tokenizer.json"), "w") as f:
+        json.dump({"model": {"vocab": {"a": 0}}}, f)
+    return str(path)
+
+
+def _project(tmp_path):
+    """A user's project folder: code, data and one checkpoint in a sub-folder."""
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "train.py").write_text("print('training')\n")
+    (project / "data" / "corpus.bin").write_bytes(bytes(range(256)))
+    jax_ucp.save(project / "ckpt_step_1", {"w": W})
+    return project
+
+
+@pytest.mark.timeout(120)
+def test_force_refuses_a_project_folder_holding_a_checkpoint(tmp_path):
+    project = _project(tmp_path)
+    src = _hf_folder(tmp_path / "hf")
+    before = _snapshot(project)
+    refused = r"not a jax_ucp checkpoint or an Orbax step of one \(found data/, train\.py\)"
+    with pytest.raises(commit.NotReplaceableError, match=refused):
+        jax_ucp.save(project, {"w": W + 1}, force=True)
+    with pytest.raises(commit.NotReplaceableError, match=refused):
+        jax_ucp.convert(src, project, force=True)
+    # Without force the same refusal: never the advice to pass a flag that would be refused.
+    with pytest.raises(FileExistsError, match="even with force=True") as e:
+        jax_ucp.save(project, {"w": W})
+    assert "pass force=True" not in str(e.value)
+    assert _snapshot(project) == before
+    assert sorted(os.listdir(tmp_path)) == ["hf", "project"]  # no lock or temporary left
+
+
+@pytest.mark.timeout(120)
+def test_force_refuses_a_run_folder_of_steps_and_a_step_with_other_items(tmp_path):
+    run = tmp_path / "run"
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(run, options=options) as mngr:
+        for step in (1, 2):
+            mngr.save(step, args=ocp.args.Composite(state=jax_ucp.UCPSave({"w": W + step})))
+        mngr.save(
+            3,
+            args=ocp.args.Composite(
+                state=jax_ucp.UCPSave({"w": W + 3}), meta=ocp.args.JsonSave({"lr": 0.1})
+            ),
+        )
+    src = _hf_folder(tmp_path / "hf")
+    before = _snapshot(run)
+    with pytest.raises(commit.NotReplaceableError, match=r"\(found 1/, 2/, 3/\)"):
+        jax_ucp.save(run, {"w": W}, force=True)
+    with pytest.raises(commit.NotReplaceableError, match=r"\(found 1/, 2/, 3/\)"):
+        jax_ucp.convert(src, run, force=True)
+    # step 3 holds another handler's item: replacing the step would delete it
+    with pytest.raises(commit.NotReplaceableError, match=r"3: already exists .*\(found meta/\)"):
+        jax_ucp.convert(src, run, step=3, force=True)
+    with pytest.raises(commit.NotReplaceableError, match=r"\(found meta/\)"):
+        jax_ucp.save(run / "3", {"w": W}, force=True)
+    assert _snapshot(run) == before
+    # a step of UCP items only is jax_ucp's to replace
+    out = jax_ucp.convert(src, run, step=2, force=True)
+    assert out == str(run / "2" / "state")
+    assert list(jax_ucp.restore(out)["params"]) == ["model.norm.weight"]
+    jax_ucp.save(run / "1", {"w": W * 5}, force=True)
+    assert np.array_equal(jax_ucp.restore(run / "1")["w"], W * 5)
+    assert _snapshot(run / "3") == {k[2:]: v for k, v in before.items() if k.startswith("3/")}
+
+
+@pytest.mark.timeout(120)
+def test_force_refuses_a_checkpoint_holding_a_users_file(tmp_path):
+    ckpt = tmp_path / "ck"
+    jax_ucp.save(ckpt, {"w": W})
+    (ckpt / "notes.txt").write_text("results of run 7")
+    with pytest.raises(commit.NotReplaceableError, match=r"\(found notes\.txt\)"):
+        jax_ucp.save(ckpt, {"w": W + 1}, force=True)
+    os.remove(ckpt / "notes.txt")
+    (ckpt / "arrays" / "README").write_text("mine")
+    with pytest.raises(commit.NotReplaceableError, match=r"\(found arrays/README\)"):
+        jax_ucp.save(ckpt, {"w": W + 1}, force=True)
+    os.remove(ckpt / "arrays" / "README")
+    assert np.array_equal(jax_ucp.restore(ckpt)["w"], W)
+    jax_ucp.save(ckpt, {"w": W + 1}, force=True)  # exactly a checkpoint again: replaced
+    assert np.array_equal(jax_ucp.restore(ckpt)["w"], W + 1)
+
+
+@pytest.mark.timeout(120)
+def test_an_empty_directory_is_used_without_force(tmp_path):
+    for name in ("save", "convert", "export"):
+        (tmp_path / name).mkdir()
+    jax_ucp.save(tmp_path / "save", {"w": W})
+    assert np.array_equal(jax_ucp.restore(tmp_path / "save")["w"], W)
+    src = _hf_folder(tmp_path / "hf")
+    jax_ucp.convert(src, tmp_path / "convert")
+    assert list(jax_ucp.restore(tmp_path / "convert")["params"]) == ["model.norm.weight"]
+    jax_ucp.export(tmp_path / "convert", tmp_path / "export")
+    assert list(load_file(str(tmp_path / "export" / "model.safetensors"))) == ["model.norm.weight"]
+
+
+@pytest.mark.timeout(120)
+def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
+    ckpt = str(tmp_path / "ck")
+    jax_ucp.save(ckpt, {"params": {"w": W}})
+    hf = _hf_folder(tmp_path / "hf")
+    before = _snapshot(hf)
+    with pytest.raises(
+        ExportError,
+        match=r"not an export written by jax_ucp \(found no \.jax_ucp_export\.json: "
+        r"config\.json, model\.safetensors, tokenizer\.json\)",
+    ):
+        jax_ucp.export(ckpt, hf, force=True)
+    assert _snapshot(hf) == before
+    # what the old check took for a DeepSpeed universal export: a tracker and a *_universal dir
+    uni = tmp_path / "uni"
+    (uni / "mine_universal").mkdir(parents=True)
+    (uni / "latest_universal").write_text("mine_universal")
+    (uni / "mine_universal" / "results.csv").write_text("step,loss\n")
+    before = _snapshot(uni)
+    r = CliRunner().invoke(app, ["export", ckpt, str(uni), "--force"])
+    assert r.exit_code == 1 and "no .jax_ucp_export.json" in r.output, r.output
+    assert _snapshot(uni) == before
+    # an export is replaced while it holds exactly its recorded files
+    out = tmp_path / "out"
+    jax_ucp.export(ckpt, out)
+    record = json.loads((out / commit.EXPORT_RECORD).read_text())
+    assert record["files"] == {"model.safetensors": (out / "model.safetensors").stat().st_size}
+    r = CliRunner().invoke(app, ["export", ckpt, str(out)])
+    assert r.exit_code == 1 and "pass --force to replace it" in " ".join(r.output.split())
+    assert "--force / --force" not in r.output
+    jax_ucp.export(ckpt, out, force=True, dtype="float16")
+    assert load_file(str(out / "model.safetensors"))["w"].dtype == np.float16
+    (out / "tokenizer.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"\(found tokenizer\.json\)"):
+        jax_ucp.export(ckpt, out, force=True)
+    os.remove(out / "tokenizer.json")
+    with open(out / "model.safetensors", "ab") as f:
+        f.write(b" ")
+    with pytest.raises(ExportError, match=r"model\.safetensors \(changed since the export\)"):
+        jax_ucp.export(ckpt, out, force=True)
+    assert (out / "model.safetensors").read_bytes().endswith(b" ")
+
+
+# ------------------------------------------------------------------ object stores (moto S3)
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch):  # noqa: F811
+    env, root = s3_server
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return root
+
+
+def _objects(url) -> dict[str, bytes]:
+    return {n: location.read(url, n, 1 << 20) for n in location.list_names(url)}
+
+
+@pytest.mark.timeout(120)
+def test_object_store_save_refuses_a_prefix_of_other_objects(s3, tmp_path):
+    datasets = f"{s3}/datasets-{os.getpid()}"
+    location.write(datasets, "README.md", b"# corpus\n")
+    location.write(datasets, "corpus/part-0000.bin", bytes(range(256)))
+    location.write(datasets, "arrays/not-a-zarr.txt", b"mine")  # under arrays/, not an array's
+    before = _objects(datasets)
+    found = r"\(README\.md, arrays/not-a-zarr\.txt, corpus/part-0000\.bin\)"
+    with pytest.raises(commit.NotReplaceableError, match=found):
+        jax_ucp.save(datasets, {"w": W})
+    with pytest.raises(commit.NotReplaceableError, match=found):
+        jax_ucp.convert(_hf_folder(tmp_path / "hf"), datasets)
+    assert _objects(datasets) == before
+    run = f"{s3}/run-{os.getpid()}"
+    jax_ucp.save(f"{run}/step_1", {"w": W + 1})
+    jax_ucp.save(f"{run}/step_2", {"w": W + 2})
+    before = _objects(run)
+    with pytest.raises(commit.NotReplaceableError, match=r"\(step_1/.*and \d+ more\)"):
+        jax_ucp.save(run, {"w": W}, force=True)
+    assert _objects(run) == before
+    assert np.array_equal(jax_ucp.restore(f"{run}/step_2")["w"], W + 2)
+
+
+@pytest.mark.timeout(120)
+def test_object_store_locks_left_by_killed_saves(s3):
+    url = f"{s3}/killed-{os.getpid()}"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    leftovers = {
+        "arrays/old/zarr.json": b"{}",
+        "arrays/old/c/0/0": b"x" * 10,
+        "ucp.digests.1.json": b"{}",
+    }
+    for name, data in leftovers.items():
+        location.write(url, name, data)
+    owner = {"host": "other-host", "pid": 4242, "time": 0, "token": "t"}
+    location.write(url, commit.LOCK_OBJECT, json.dumps(owner).encode())
+    with pytest.raises(
+        commit.SaveConflictError,
+        match=r"another save to this prefix is in progress \(host other-host, process 4242",
+    ):
+        jax_ucp.save(url, {"w": W})
+    assert _objects(url) == {**leftovers, commit.LOCK_OBJECT: json.dumps(owner).encode()}
+    # a lock of this host whose process is gone: taken over, the killed save's objects deleted
+    owner = {"host": socket.gethostname(), "pid": dead.pid, "time": 0, "token": "t"}
+    location.write(url, commit.LOCK_OBJECT, json.dumps(owner).encode())
+    jax_ucp.save(url, {"w": W})
+    assert sorted(location.list_names(url)) == ["arrays/w/c/0/0", "arrays/w/zarr.json", "ucp.json"]
+    assert np.array_equal(jax_ucp.restore(url)["w"], W)
+
+
+def _race_worker(index, barrier, results, base, trials):
+    """One of two processes saving to the same new prefix in every trial, started together."""
+    import jax_ucp
+    from jax_ucp import writer
+
+    for t in range(trials):
+        url = f"{base}/t{t}"
+        value = np.full((64, 64), 100 * t + index, np.float32)
+        barrier.wait(timeout=120)
+        try:
+            if t % 2:  # the host writer (convert's path) and jax_ucp.save's, alternately
+                writer.write_host_checkpoint(url, iter([writer.HostItem(("w",), value)]))
+            else:
+                jax_ucp.save(url, {"w": value})
+            results.put((t, index, "ok", ""))
+        except Exception as e:
+            results.put((t, index, type(e).__name__, str(e)))
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_saving_to_one_new_prefix(s3):
+    """Started together (a Barrier) 20 times: one save wins whole, the other gets an error at
+    once (the prefix lock) or sees the winner's commit; never two successes or a mix."""
+    trials = 20
+    base = f"{s3}/race-{os.getpid()}"
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(2), ctx.Queue()
+    procs = [
+        ctx.Process(target=_race_worker, args=(i, barrier, results, base, trials)) for i in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = [results.get(timeout=240) for _ in range(2 * trials)]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    for t in range(trials):
+        outcome = {i: (kind, msg) for tt, i, kind, msg in got if tt == t}
+        winners = [i for i, (kind, _) in outcome.items() if kind == "ok"]
+        assert len(winners) == 1, (t, outcome)
+        (loser,) = set(outcome) - set(winners)
+        kind, msg = outcome[loser]
+        assert kind in ("SaveConflictError", "FileExistsError"), (t, kind, msg)
+        url = f"{base}/t{t}"
+        want = np.full((64, 64), 100 * t + winners[0], np.float32)
+        assert np.array_equal(jax_ucp.restore(url)["w"], want), t
+        assert jax_ucp.verify(url) == []
+        assert commit.LOCK_OBJECT not in location.list_names(url)
