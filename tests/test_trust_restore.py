@@ -136,19 +136,19 @@ def test_save_of_a_deleted_or_donated_array_names_it_before_writing(tmp_path):
 
 def _huge(tmp_path):
     """A checkpoint whose ucp.json and zarr.json both declare w as 2**20 x 2**20 float32
-    (4 TiB); no chunk exists."""
+    (4 TiB) in one shard of 4 MiB inner chunks; no chunk exists."""
     path = tmp_path / "c"
     jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32), "b": np.ones(3)}, checksum=None)
     n = 2**20
     manifest = json.loads((path / "ucp.json").read_text())
     for entry in manifest["entries"]:
         if entry["key"] == ["w"]:
-            entry.update(shape=[n, n], chunk_shape=[n, n], inner_chunk_shape=[n, n])
+            entry.update(shape=[n, n], chunk_shape=[n, n], inner_chunk_shape=[1, n])
     (path / "ucp.json").write_text(json.dumps(manifest))
     zarr_json = path / "arrays" / "w" / "zarr.json"
     z = json.loads(zarr_json.read_text())
     z["shape"] = z["chunk_grid"]["configuration"]["chunk_shape"] = [n, n]
-    z["codecs"][0]["configuration"]["chunk_shape"] = [n, n]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [1, n]  # 4 MiB inner chunks
     zarr_json.write_text(json.dumps(z))
     return path
 
@@ -344,3 +344,33 @@ def test_plan_reads_per_process_match_every_device_enumerated():
                 assert set(size.values()) == {per_device}, (sizes, spec)
                 uneven += len(set(want.values())) > 1
     assert uneven > 10  # the uneven splits were exercised, not only the even ones
+
+
+@pytest.mark.timeout(60)
+def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
+    """A 4x4 tensor whose zarr.json declares 2**20 x 2**20 chunks made TensorStore abort the
+    process (std::bad_alloc); with the manifest saying the same, the manifest is refused."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32)}, checksum=None)
+    zarr_json = path / "arrays" / "w" / "zarr.json"
+    z = json.loads(zarr_json.read_text())
+    z["chunk_grid"]["configuration"]["chunk_shape"] = [2**20, 2**20]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [2**20, 2**20]
+    zarr_json.write_text(json.dumps(z))
+    match = (
+        rf"Tensor 'w': {re.escape(str(path / 'arrays' / 'w'))}/zarr.json has chunk shape "
+        r"\(1048576, 1048576\) and inner chunk shape \(1048576, 1048576\), but ucp.json says "
+        r"\(4, 4\) and \(4, 4\)\."
+    )
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path)
+    assert re.match(match, jax_ucp.verify(path)[0][1])
+    manifest = json.loads((path / "ucp.json").read_text())
+    manifest["entries"][0].update(chunk_shape=[2**20, 2**20], inner_chunk_shape=[2**20, 2**20])
+    (path / "ucp.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        jax_ucp.ManifestError,
+        match=r"ucp.json: entries\[0\] \('w'\)\.chunk_shape: expected extents at most shape "
+        r"\[4, 4\] \(1 for a zero-size dimension\), found a JSON array of 2 items\.",
+    ):
+        jax_ucp.restore(path)

@@ -163,6 +163,12 @@ class TensorEntry:
                 f"{len(shape)} dimensions like shape {list(shape)}",
                 d["chunk_shape"],
             )
+        if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
+            _fail(  # a chunk larger than its array would make a reader allocate for nothing
+                f"{w}.chunk_shape",
+                f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
+                d["chunk_shape"],
+            )
         if any(c % i for c, i in zip(chunk_shape, inner)):
             _fail(
                 f"{w}.inner_chunk_shape",

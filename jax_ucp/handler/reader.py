@@ -187,6 +187,17 @@ class _Opener:
                 f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
                 f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
             )
+        layout = t.chunk_layout
+        found_chunks = (
+            tuple(layout.write_chunk.shape or ()),  # None for a 0-d array
+            tuple(layout.read_chunk.shape or ()),
+        )
+        if entry.shape and found_chunks != (entry.chunk_shape, entry.inner_chunk_shape):
+            raise CheckpointError(  # the manifest's chunks are the ones checked for size
+                f"Tensor {entry.name!r}: {where}/zarr.json has chunk shape {found_chunks[0]} "
+                f"and inner chunk shape {found_chunks[1]}, but {fmt.MANIFEST_FILE} says "
+                f"{entry.chunk_shape} and {entry.inner_chunk_shape}."
+            )
         return t
 
 
@@ -371,6 +382,15 @@ def _check_memory(root, found: Available, pending, kept: int, limit) -> int:
     if limit is None:
         return keeps
     bytes_, what = limit
+    for src in found.sources:  # a reader decodes whole inner chunks
+        chunk = math.prod(src.inner_chunk_shape) * store.zarr3.numpy_dtype(src.dtype).itemsize
+        if src.shape and chunk > bytes_:
+            raise CheckpointError(
+                f"Tensor {found.name!r} ({os.path.join(root, src.dir)}): its inner chunks of "
+                f"shape {src.inner_chunk_shape} take {_human(chunk)} each, more than {what} "
+                f"({_human(bytes_)}); a reader decodes whole chunks. Check the checkpoint's "
+                f"{fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
+            )
     if pending.host_bytes > bytes_:
         raise _memory_error(root, found, pending, f"exceeds {what} ({_human(bytes_)})")
     if kept + keeps > bytes_:
