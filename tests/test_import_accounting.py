@@ -34,12 +34,6 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")
 OPTIMIZER_WORDS = re.compile(
     r"exp_avg|optimizer|fp32_from|param_state|bucket|gbuf|momentum_buffer|dp_group_idx"
 )
-MEGATRON_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="the Megatron importer (importers/megatron.py, reworked by engineer D for MoE and "
-    "distributed-optimizer buffers) does not yet report ImportPlan.source_tensors / "
-    "provenance['tensors'], so its imports are not yet held to the accounting rule",
-)
 
 
 def _walk(obj, prefix=""):
@@ -106,7 +100,7 @@ def _fixtures():
     )
     for path in megatron:
         rel = os.path.relpath(path, FIXTURES)
-        out.append(pytest.param("megatron", path, id=rel, marks=MEGATRON_XFAIL))
+        out.append(pytest.param("megatron", path, id=rel))
     for kind in ("single", "sharded", "trainer"):
         out.append(pytest.param("safetensors", kind, id=f"safetensors-{kind}"))
     return out
@@ -225,9 +219,15 @@ def test_accounting_refuses_bookkeeping_that_does_not_add_up():
     each with a reason; an item naming nothing is refused."""
     ok = _plan([_item(("params", "a"), "a")], ["a", "b"], {"b": "not a weight"})
     assert [i.key for i in plan_lib.accounted(ok, "src")] == [("params", "a")]
+    # built from no tensor (a step read from pickled param_groups): names the values instead
+    step = plan_lib.host_item(("opt_state", "count"), np.int32(2), {"values": ["common.pt:x"]})
+    assert list(plan_lib.accounted(_plan([step], []), "src")) == [step]
     cases = [
         (_plan([_item(("params", "a"), "a", "z")], ["a"]), r"built from 'z', which the importer"),
-        (_plan([_item(("params", "a"))], ["a"]), r"'params/a' names no source tensor"),
+        (
+            _plan([_item(("params", "a"))], ["a"]),
+            r"'params/a' names no source tensor .* and no other source value",
+        ),
         (_plan([_item(("params", "a"), "a")], ["a"], {"y": "r"}), r"skipped lists 'y'"),
         (_plan([_item(("params", "a"), "a")], ["a", "b"], {"b": ""}), r"skipped lists 'b'"),
         (_plan([], ["a"]), r"1 of the checkpoint's 1 tensors .*: 'a'"),

@@ -40,7 +40,16 @@ from jax_ucp.format import UCPError
 from jax_ucp.importers import megatron_dcp as dcp
 from jax_ucp.importers import megatron_legacy as legacy
 from jax_ucp.importers import torch_pickle
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item
+from jax_ucp.importers.plan import (
+    TENSORS,
+    VALUES,
+    WHOLE,
+    ImportPlan,
+    Share,
+    agreed_step,
+    host_item,
+    tensor_names,
+)
 from jax_ucp.language import (
     QKV,
     ImportRule,
@@ -161,7 +170,9 @@ def plan_megatron(
         source.setdefault("notes", []).append(
             "vocab padding kept: the original vocab size was not given (vocab_size= / --vocab-size)"
         )
-    return ImportPlan(_reader_errors_named(plan.items), source, plan.total_params)
+    return ImportPlan(
+        _reader_errors_named(plan.items), source, plan.total_params, plan.source_tensors
+    )
 
 
 def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
@@ -340,7 +351,7 @@ def _plan_torch_dist(
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
     optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
     chained = _chained_layouts(checkpoint, common)
-    skipped = None
+    skipped: dict[str, str] = {}  # source.skipped: every .metadata tensor not imported, and why
     buckets = None
     if weights_only:
         layout = (
@@ -393,6 +404,14 @@ def _plan_torch_dist(
     model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
     has_optimizer = bool(optimizer_tensors) or buckets is not None
     want_model = has_optimizer and any(d != np.dtype(np.float32) for d in model_dtypes)
+    if has_optimizer and not want_model:
+        for name in model_names:
+            skipped[name] = (
+                f"a float32 run's model weight: its fp32 master "
+                f"({_master_of(name, optimizer_tensors, buckets)}) is imported as params/"
+            )
+    if buckets is not None:
+        skipped.update(buckets.unread())
     iteration = common.get("iteration") if isinstance(common, dict) else None
     info = {
         "format": "torch_dist",
@@ -405,7 +424,7 @@ def _plan_torch_dist(
         "dcp_version": checkpoint.version,
         "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
     }
-    if skipped is not None:
+    if skipped:
         info["skipped"] = skipped
     # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
     untie = settings.get("untie_embeddings_and_output_weights")
@@ -421,7 +440,15 @@ def _plan_torch_dist(
         items = _bucket_items(reader, buckets, mine, step, want_model)
     else:
         items = _torch_dist_items(reader, mine, optimizer_tensors, step, want_model)
-    return ImportPlan(items, info, len(mine))
+    return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
+
+
+def _master_of(name: str, optimizer_tensors: dict, buckets: _RankStates | None) -> str:
+    """Where the fp32 master of model tensor ``name`` is read from (said in source.skipped)."""
+    if buckets is not None:
+        return f"the {buckets.LAYOUT} state, checked equal to this weight"
+    states = optimizer_tensors.get(name, {})
+    return repr(states.get("param") or states.get("fp32_param"))
 
 
 def _open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
@@ -776,6 +803,13 @@ class _RankStates:
             return None
         return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
 
+    def step_objects(self) -> list[str]:
+        """The objects the step is read from (one per model-parallel rank, when saved)."""
+        prefixes = tuple(
+            f"optimizer.distributed.dp_group_idx_{rank}.optimizer/" for rank in range(self.ranks)
+        )
+        return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
+
     def step(self) -> int:
         steps = set()
         for rank in range(self.ranks):
@@ -789,17 +823,23 @@ class _RankStates:
             )
         return steps.pop()
 
+    #: Whether :meth:`source` names .metadata tensors (else pickled objects).
+    FROM_TENSORS = True
+
     def files(self) -> list[str]:
         raise NotImplementedError
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
         raise NotImplementedError
 
-    def read(self, state: str, name: str) -> np.ndarray:
-        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
-        together from every TP rank's (and pipeline stage's) local piece."""
-        shape = self.checkpoint.tensors[name].shape
-        out = np.empty(shape, np.float32)
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``."""
+        raise NotImplementedError
+
+    def _pieces(self, name: str) -> Iterator[tuple]:
+        """What :meth:`read` takes for ``name``: (rank, layout key, layer, local shape, join
+        axis, chunks) of every TP rank's (and pipeline stage's) piece; a tensor replicated over
+        TP from TP rank 0 only, a pipeline-tied embedding from the first stage only."""
         skip = 1 if name in self.stacked else 0
         per_stage = self.layers // self.pp if self.layers else 1
         for tp_rank in range(self.tp):
@@ -812,18 +852,77 @@ class _RankStates:
                 else:
                     stage = 0 if name in self.before else self.pp - 1
                 rank = tp_rank + self.tp * stage
-                bucket, start, end = self.layout[rank][f"{name}#{layer}" if skip else name]
-                value = self.flat(rank, bucket, state, start, end).reshape(local)
-                target = out[layer] if skip else out
-                if axis is None:
-                    target[...] = value
+                key = f"{name}#{layer}" if skip else name
+                yield rank, key, layer, local, axis, chunks
+
+    def sources(self, state: str, name: str) -> list[str]:
+        """The tensors (or objects) :meth:`read` takes ``state`` of ``name`` from."""
+        return sorted(
+            {
+                self.source(rank, self.layout[rank][key][0], state)
+                for rank, key, *_ in self._pieces(name)
+            }
+        )
+
+    def unread(self) -> dict[str, str]:
+        """Flat state tensors :meth:`read` takes nothing from, and why: buckets holding only
+        the last stage's copy of a pipeline-tied embedding, or a TP rank > 0's copy of
+        parameters replicated over TP. A bucket holding anything else is left out (the import
+        is then refused as not accounting for it)."""
+        if not self.FROM_TENSORS:
+            return {}
+        names = [*self.before, *self.stacked, *self.after]
+        read = {(rank, key) for n in names for rank, key, *_ in self._pieces(n)}
+        out: dict[str, str] = {}
+        for rank, layout in self.layout.items():
+            per_bucket: dict[int, list[str]] = {}
+            for key, (bucket, _, _) in layout.items():
+                per_bucket.setdefault(bucket, []).append(key)
+            for bucket, keys in per_bucket.items():
+                if any((rank, key) in read for key in keys):
                     continue
-                at = 0
-                for c in chunks:  # the local piece is the rank's chunks joined along `axis`
-                    size = c.sizes[skip + axis]
-                    index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
-                    target[index] = np.take(value, range(at, at + size), axis=axis)
-                    at += size
+                why = [self._unread_why(rank, key) for key in keys]
+                if None in why:
+                    continue
+                for state in self.STATES:
+                    out[self.source(rank, bucket, state)] = (
+                        f"{self.LAYOUT} bucket of model-parallel rank {rank} holding only "
+                        f"{'; '.join(dict.fromkeys(why))}: not read"
+                    )
+        return out
+
+    def _unread_why(self, rank: int, key: str) -> str | None:
+        name = key.partition("#")[0]
+        if key == f"{self.tied_copy}#tied_output_copy":
+            return (
+                f"the last pipeline stage's copy of the tied embedding {name!r} (the first "
+                f"stage's state is imported)"
+            )
+        if rank % self.tp and self.piece(name, rank % self.tp)[1] is None:
+            return (
+                f"TP rank {rank % self.tp}'s copy of replicated {name!r} (TP rank 0's is imported)"
+            )
+        return None
+
+    def read(self, state: str, name: str) -> np.ndarray:
+        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
+        together from every TP rank's (and pipeline stage's) local piece."""
+        shape = self.checkpoint.tensors[name].shape
+        out = np.empty(shape, np.float32)
+        skip = 1 if name in self.stacked else 0
+        for rank, key, layer, local, axis, chunks in self._pieces(name):
+            bucket, start, end = self.layout[rank][key]
+            value = self.flat(rank, bucket, state, start, end).reshape(local)
+            target = out[layer] if skip else out
+            if axis is None:
+                target[...] = value
+                continue
+            at = 0
+            for c in chunks:  # the local piece is the rank's chunks joined along `axis`
+                size = c.sizes[skip + axis]
+                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
+                target[index] = np.take(value, range(at, at + size), axis=axis)
+                at += size
         return out
 
 
@@ -928,6 +1027,9 @@ class _BucketStates(_RankStates):
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
         return self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
 
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        return self.buckets[rank][bucket][state]
+
 
 class _GatheredStates(_RankStates):
     """megatron-core 0.13's ``dp_zero_gather_scatter``: per model-parallel rank one pickled
@@ -936,6 +1038,7 @@ class _GatheredStates(_RankStates):
     (``megatron_legacy.distrib_optim_layout``, the DDP bucket size from the saved args)."""
 
     LAYOUT = "dp_zero_gather_scatter"
+    FROM_TENSORS = False  # the state is pickled objects, not .metadata tensors
 
     def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
         where = checkpoint.path / ".metadata"
@@ -986,6 +1089,9 @@ class _GatheredStates(_RankStates):
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
         return getattr(self.buffers[rank], state)[start:end]
 
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        return self.names[rank]
+
 
 def _numel(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
@@ -1018,6 +1124,7 @@ def _bucket_items(
         for state, tree in zip(
             _RankStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
         ):
+            sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
             value = buckets.read(state, name)
             if rows is not None:
                 value = value[:rows]
@@ -1031,7 +1138,7 @@ def _bucket_items(
                     f"the model weight: the grad-buffer layout jax_ucp derived does not match this "
                     f"checkpoint (another megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
                 )
-            yield host_item((*tree, name), value, provenance)
+            yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
             yield host_item(
                 ("model_params", name),
@@ -1040,13 +1147,14 @@ def _bucket_items(
                     "format": "torch_dist",
                     "files": checkpoint.tensors[name].files,
                     "pattern": pattern,
+                    TENSORS: [name],
                 },
             )
     if count is not None:  # None: another process of a shared import writes the step
         yield host_item(
             ("opt_state", "count"),
             np.asarray(count, np.int32),
-            {"files": files, "pattern": "param_groups.step"},
+            {"files": files, "pattern": "param_groups.step", VALUES: buckets.step_objects()},
         )
 
 
@@ -1062,7 +1170,12 @@ def _torch_dist_items(
     checkpoint = reader.checkpoint
     for name in model_names:
         tensor = checkpoint.tensors[name]
-        provenance = {"format": "torch_dist", "files": tensor.files, "chunks": len(tensor.chunks)}
+        provenance = {
+            "format": "torch_dist",
+            "files": tensor.files,
+            "chunks": len(tensor.chunks),
+            TENSORS: [name],
+        }
         if not optimizer_tensors:
             value, pattern = reader.read(name, name)
             yield host_item(("params", name), value, {**provenance, "pattern": pattern})
@@ -1083,6 +1196,7 @@ def _torch_dist_items(
                 "files": source.files,
                 "source_name": source_name,
                 "pattern": pattern,
+                TENSORS: [source_name],
             }
             yield host_item((*tree, name), value, state_provenance)
         if want_model:
@@ -1092,7 +1206,11 @@ def _torch_dist_items(
         yield host_item(
             ("opt_state", "count"),
             np.asarray(count, np.int32),
-            {"files": ["common.pt"], "pattern": "param_groups.step"},
+            {
+                "files": ["common.pt"],
+                "pattern": "param_groups.step",
+                VALUES: ["common.pt:optimizer.optimizer.param_groups"],
+            },
         )
 
 
@@ -1124,6 +1242,10 @@ class _LegacyTensors:
     files: dict[str, list[str]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     grouped: dict[str, dict[int, list]] = field(default_factory=dict)  # grouped-GEMM: per EP rank
+    # global name -> the source tensors (``<rank dir>/<file>:model.<local name>``) merged into it
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    # source tensors of the rank files not merged into any weight -> why (source.skipped)
+    not_imported: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -1139,6 +1261,9 @@ class _LegacyImport:
     optimizer: dict[str, _Fragments] | None  # state name -> fragments (distrib_optim.pt)
     count: int | None
     want_model: bool
+    # state name -> global name -> the distrib_optim.pt tensors its fragments are cut from
+    optimizer_sources: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    step_sources: dict[str, list[str]] = field(default_factory=dict)  # tensors / values
 
 
 def _plan_legacy(
@@ -1163,30 +1288,118 @@ def _plan_legacy(
                 f"{checkpoint.iter_dir}: no import rule covers {uncovered[:10]} "
                 f"(pass a spec with rules for them)"
             )
-    if tensors.grouped and checkpoint.distrib_optim and not weights_only:
+    if (tensors.grouped or checkpoint.ep > 1) and checkpoint.distrib_optim and not weights_only:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir}: distrib_optim.pt with grouped-GEMM experts is not supported. "
-            f"{WEIGHTS_ONLY_HINT}"
+            f"{checkpoint.iter_dir}: distrib_optim.pt with "
+            f"{'grouped-GEMM' if tensors.grouped else 'expert-parallel'} experts is not "
+            f"supported. {WEIGHTS_ONLY_HINT}"
         )
+    found = _legacy_found(checkpoint)
+    _refuse_unread_optimizer(checkpoint, found, weights_only)
     names += list(tensors.grouped)
     for _, output_layer in tied_pairs:
         names.remove(output_layer)
     dtypes = {a.dtype for st in tensors.fragments.values() for per in st.values() for a in per}
     optimizer, count = (None, None)
+    optimizer_sources: dict[str, dict[str, list[str]]] = {}
     if checkpoint.distrib_optim and not weights_only:
-        optimizer, count = _legacy_distrib_optim(checkpoint, settings, tensors.local, tied_pairs)
+        optimizer, count, optimizer_sources = _legacy_distrib_optim(
+            checkpoint, settings, tensors.local, tied_pairs
+        )
     _fold_tied_copies(tensors.fragments, tied_pairs, tensors.files)
+    _fold_tied_lists(tensors.sources, tied_pairs)
     want_model = optimizer is not None and any(d != np.dtype(np.float32) for d in dtypes)
     plan = _LegacyImport(
-        checkpoint, import_spec, matches, names, tensors, tied_pairs, optimizer, count, want_model
+        checkpoint,
+        import_spec,
+        matches,
+        names,
+        tensors,
+        tied_pairs,
+        optimizer,
+        count,
+        want_model,
+        optimizer_sources,
+        _legacy_step_sources(checkpoint, found) if optimizer is not None else {},
     )
     info = _legacy_info(plan, dtypes)
-    if weights_only:
-        info["skipped"] = {
-            "optimizer": "distrib_optim.pt" if checkpoint.distrib_optim else "none",
-            "reason": "weights_only",
-        }
-    return ImportPlan(_legacy_items(plan, share), info, len(share.pick(names)))
+    skipped = _legacy_skipped(plan, found, weights_only)
+    if skipped:
+        info["skipped"] = skipped
+    return ImportPlan(
+        _legacy_items(plan, share), info, len(share.pick(names)), source_tensors=found
+    )
+
+
+def _rank_dir_file(checkpoint: legacy.LegacyCheckpoint, path: Path) -> str:
+    """``<rank dir>/<file>``: how a legacy rank file prefixes its source tensor names."""
+    return os.path.relpath(path, checkpoint.iter_dir)
+
+
+def _legacy_found(checkpoint: legacy.LegacyCheckpoint) -> list[str]:
+    """Every tensor of every rank's ``model_optim_rng.pt`` and ``distrib_optim.pt`` (of every
+    EP rank's directory too), as ``<rank dir>/<file>:<dotted path>``."""
+    found = []
+    for rank_file in checkpoint.ep_ranks.values():
+        prefix = _rank_dir_file(checkpoint, rank_file.path)
+        found += [f"{prefix}:{n}" for n in tensor_names(rank_file.state)]
+        optim = rank_file.path.parent / "distrib_optim.pt"
+        if os.path.lexists(optim):
+            prefix = _rank_dir_file(checkpoint, optim)
+            found += [f"{prefix}:{n}" for n in legacy.distrib_optim_tensors(optim)]
+    return found
+
+
+def _refuse_unread_optimizer(
+    checkpoint: legacy.LegacyCheckpoint, found: list[str], weights_only: bool
+) -> None:
+    """Optimizer state in model_optim_rng.pt (Megatron-LM without the distributed optimizer:
+    Adam's moments, fp32 masters) is not read: importing the weights alone must be asked for."""
+    if weights_only or checkpoint.distrib_optim:
+        return
+    held = [n for n in found if n.partition(":")[2].startswith("optimizer.")]
+    if held:
+        raise MegatronImportError(
+            f"{checkpoint.iter_dir / held[0].partition(':')[0]}: holds the state of a "
+            f"non-distributed optimizer ({len(held)} tensors, e.g. "
+            f"{held[0].partition(':')[2]!r}), which is not supported (only the distributed "
+            f"optimizer's distrib_optim.pt is read). {WEIGHTS_ONLY_HINT}"
+        )
+
+
+def _legacy_step_sources(checkpoint: legacy.LegacyCheckpoint, found: list[str]) -> dict:
+    """Where opt_state/count comes from: every rank's ``param_groups`` (a step that is a tensor
+    named as one)."""
+    prefixes = [_rank_dir_file(checkpoint, r.path) for r in checkpoint.ranks.values()]
+    step = re.compile(
+        rf"(?:{'|'.join(map(re.escape, prefixes))}):optimizer\.optimizer\.param_groups\.\d+\.step"
+    )
+    tensors = [n for n in found if step.fullmatch(n)]
+    values = {VALUES: [f"{p}:optimizer.optimizer.param_groups" for p in prefixes]}
+    return {TENSORS: tensors, **values} if tensors else values
+
+
+def _legacy_skipped(plan: _LegacyImport, found: list[str], weights_only: bool) -> dict[str, str]:
+    """source.skipped: every tensor of the rank files that no output is built from, and why.
+    Anything not named here and not merged is left for the accounting to refuse."""
+    tensors = plan.tensors
+    skipped = dict(tensors.not_imported)
+    if plan.optimizer is not None and not plan.want_model:
+        for name in plan.names:
+            for source in tensors.sources.get(name, []):
+                skipped[source] = (
+                    "a float32 run's model weight: its fp32 master in distrib_optim.pt is "
+                    "imported as params/"
+                )
+    for name in found:
+        file, _, path = name.partition(":")
+        if path.startswith("rng_state."):
+            skipped[name] = "random number generator state: not part of the imported state"
+        elif weights_only and (file.endswith("distrib_optim.pt") or path.startswith("optimizer.")):
+            skipped[name] = f"weights_only: optimizer state ({file})"
+        elif path.startswith("optimizer.grad_scaler."):
+            skipped[name] = "the fp16 loss scaler's state (grad_scaler): not imported"
+    return skipped
 
 
 def _legacy_settings(checkpoint: legacy.LegacyCheckpoint, settings: dict) -> None:
@@ -1241,6 +1454,12 @@ def _collect_legacy_tensors(
             first = checkpoint.ranks[(stage, 0)].model[name]
             if name.endswith("_extra_state") or not isinstance(first, np.ndarray):
                 tensors.skipped.append(name if checkpoint.pp == 1 else f"stage{stage}:{name}")
+                for (pp_rank, _, _), rank_file in checkpoint.ep_ranks.items():
+                    if pp_rank == stage and isinstance(rank_file.model[name], np.ndarray):
+                        source = f"{_rank_dir_file(checkpoint, rank_file.path)}:model.{name}"
+                        tensors.not_imported[source] = (
+                            "TransformerEngine _extra_state (FP8 scaling metadata), not a weight"
+                        )
                 continue
             layer = _LAYER.match(name)
             global_name = (
@@ -1287,6 +1506,9 @@ def _add_grouped_experts(
     tensors.grouped.setdefault(global_name, {})[stage] = values
     tensors.files.setdefault(global_name, []).extend(
         os.path.relpath(r.path, checkpoint.iter_dir) for r in holders
+    )
+    tensors.sources.setdefault(global_name, []).extend(
+        f"{_rank_dir_file(checkpoint, r.path)}:model.{name}" for r in holders
     )
 
 
@@ -1338,6 +1560,18 @@ def _add_tp_fragments(
             )
             for tp_rank in range(checkpoint.tp)
         )
+        tensors.sources.setdefault(expert_name, []).extend(
+            f"{_rank_dir_file(checkpoint, r.path)}:model.{name}" for r in holders
+        )
+    if expert is None:  # a non-expert tensor: every EP rank holds a copy, EP rank 0's is read
+        for ep_rank in range(1, checkpoint.ep):
+            for tp_rank in range(checkpoint.tp):
+                copy = checkpoint.ep_ranks[(stage, tp_rank, ep_rank)]
+                read = checkpoint.ep_ranks[(stage, tp_rank, 0)]
+                tensors.not_imported[f"{_rank_dir_file(checkpoint, copy.path)}:model.{name}"] = (
+                    f"expert-parallel rank {ep_rank}'s copy of a non-expert tensor: imported "
+                    f"from EP rank 0's {_rank_dir_file(checkpoint, read.path)}"
+                )
 
 
 def _tied_output_pairs(
@@ -1370,15 +1604,22 @@ def _fold_tied_copies(
             **{("emb", stage): v for stage, v in fragments[embedding].items()},
             **{("out", stage): v for stage, v in fragments.pop(output).items()},
         }
-        if files is not None:
-            files[embedding] += files.pop(output)
+    if files is not None:
+        _fold_tied_lists(files, tied_pairs)
+
+
+def _fold_tied_lists(lists: dict[str, list], tied_pairs: list[tuple[str, str]]) -> None:
+    """Per-name lists (files, source tensors): the output layer's join the embedding's."""
+    for embedding, output in tied_pairs:
+        lists[embedding] += lists.pop(output)
 
 
 def _legacy_distrib_optim(
     checkpoint: legacy.LegacyCheckpoint, settings: dict, local: dict, tied_pairs: list
-) -> tuple[dict[str, _Fragments], int]:
+) -> tuple[dict[str, _Fragments], int, dict[str, dict[str, list[str]]]]:
     """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, laid
-    out like megatron-core's grad buffer; returns ({state name: fragments}, step)."""
+    out like megatron-core's grad buffer; returns ({state name: fragments}, step, {state name:
+    {global name: the flat tensors its fragments are cut from}})."""
     missing = [key for key in checkpoint.ranks if key not in checkpoint.distrib_optim]
     if missing:
         raise MegatronImportError(
@@ -1391,9 +1632,10 @@ def _legacy_distrib_optim(
         bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
     tied = settings.get("untie_embeddings_and_output_weights") is False
     out: dict[str, _Fragments] = {state_name: {} for state_name, _ in _OPTIMIZER_BUFFERS}
+    sources: dict[str, dict[str, list[str]]] = {state_name: {} for state_name in out}
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
-        _slice_distrib_optim(checkpoint, stage, tp_rank, local, bucket_size, tied, out)
+        _slice_distrib_optim(checkpoint, stage, tp_rank, local, bucket_size, tied, out, sources)
         groups = _param_groups(rank_file.state.get("optimizer"))
         step = _step_from_param_groups(groups, f"{rank_file.path} ['optimizer']")
         steps.setdefault(step, f"in {rank_file.path}")
@@ -1402,7 +1644,9 @@ def _legacy_distrib_optim(
     )
     for per_name in out.values():  # the tied output layer's copy merges like the weights
         _fold_tied_copies(per_name, tied_pairs)
-    return out, count
+    for per_name in sources.values():
+        _fold_tied_lists(per_name, tied_pairs)
+    return out, count, sources
 
 
 def _slice_distrib_optim(
@@ -1413,6 +1657,7 @@ def _slice_distrib_optim(
     bucket_size: int | None,
     tied: bool,
     out: dict[str, _Fragments],
+    sources: dict[str, dict[str, list[str]]],
 ) -> None:
     """One rank's flat buffers cut at its parameters' places in the grad buffer."""
     buffers = legacy.read_distrib_optim(checkpoint.distrib_optim[(stage, tp_rank)])
@@ -1440,6 +1685,8 @@ def _slice_distrib_optim(
             per_stage = per_name.setdefault(global_name, {})
             per_tp = per_stage.setdefault(stage, [None] * checkpoint.tp)
             per_tp[tp_rank] = getattr(buffers, state_name)[start:end].reshape(value.shape)
+            flat = f"{_rank_dir_file(checkpoint, Path(buffers.path))}:{buffers.names[state_name]}"
+            sources[state_name].setdefault(global_name, []).append(flat)
 
 
 class _LegacyMerger:
@@ -1507,7 +1754,11 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
                 if name in tensors.grouped
                 else merger.merged(name, tensors.fragments[name], "model weights")
             )
-            yield host_item(("params", name), value, {**provenance, "pattern": pattern})
+            yield host_item(
+                ("params", name),
+                value,
+                {**provenance, "pattern": pattern, TENSORS: tensors.sources[name]},
+            )
             continue
         for state_name, tree in _OPTIMIZER_BUFFERS:
             what = f"distrib_optim.pt {state_name}"
@@ -1520,11 +1771,16 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
                     "files": sorted(set(files) | set(optimizer_files)),
                     "pattern": pattern,
                     "source": f"distrib_optim.pt:{state_name}",
+                    TENSORS: plan.optimizer_sources[state_name][name],
                 },
             )
         if plan.want_model:
             value, pattern = merger.merged(name, tensors.fragments[name], "model weights")
-            yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
+            yield host_item(
+                ("model_params", name),
+                value,
+                {**provenance, "pattern": pattern, TENSORS: tensors.sources[name]},
+            )
     if plan.optimizer is not None and share.primary:
         rank_files = (r.path for r in checkpoint.ranks.values())
         yield host_item(
@@ -1533,6 +1789,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
             {
                 "files": sorted(os.path.relpath(f, checkpoint.iter_dir) for f in rank_files),
                 "pattern": "optimizer.param_groups.step",
+                **plan.step_sources,
             },
         )
 
@@ -1562,7 +1819,9 @@ def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
         "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
         "optimizer": plan.optimizer is not None,
     }
-    if plan.optimizer is None and any("optimizer" in r.state for r in checkpoint.ranks.values()):
+    if not checkpoint.distrib_optim and any(
+        "optimizer" in r.state for r in checkpoint.ranks.values()
+    ):
         info["notes"] = [
             "model_optim_rng.pt holds a non-distributed optimizer state: not imported "
             "(only the distributed optimizer's distrib_optim.pt is supported)"

@@ -23,6 +23,7 @@ import numpy as np
 
 from jax_ucp.format import UCPError, files
 from jax_ucp.importers import torch_pickle
+from jax_ucp.importers.plan import tensor_names
 
 __all__ = [
     "LegacyError",
@@ -36,6 +37,7 @@ __all__ = [
     "distrib_optim_layout",
     "distrib_optim_state",
     "read_distrib_optim",
+    "distrib_optim_tensors",
     "args_dict",
 ]
 
@@ -376,15 +378,28 @@ class DistribOptimState:
     exp_avg: np.ndarray
     exp_avg_sq: np.ndarray
     numel_unpadded: int
+    #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
+    names: dict[str, str] = field(default_factory=dict)
+    #: the dotted path of every tensor in the loaded dict (import accounting)
+    found: list[str] = field(default_factory=list)
+
+
+def _load_distrib_optim(path: Path) -> Any:
+    try:
+        return torch_pickle.load_torch_file(path, LEGACY_CLASSES)
+    except torch_pickle.TorchFileError as e:
+        raise LegacyError(str(e)) from None
 
 
 def read_distrib_optim(path: Path) -> DistribOptimState:
     """The single buffer of a ``distrib_optim.pt`` (buckets coalesced; one dtype, no experts)."""
-    try:
-        saved = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
-    except torch_pickle.TorchFileError as e:
-        raise LegacyError(str(e)) from None
-    return distrib_optim_state(saved, path)
+    return distrib_optim_state(_load_distrib_optim(path), path)
+
+
+def distrib_optim_tensors(path: Path) -> list[str]:
+    """The dotted path of every tensor in a ``distrib_optim.pt`` (read through the restricted
+    unpickler, memory-mapped, nothing checked): what a weights_only import lists as skipped."""
+    return list(tensor_names(_load_distrib_optim(path)))
 
 
 def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
@@ -407,7 +422,7 @@ def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
             f"{path}: buffer 0 holds {len(per_dtype) if isinstance(per_dtype, dict) else '?'} "
             f"dtype groups, expected 1"
         )
-    (buffer,) = per_dtype.values()
+    ((dtypes, buffer),) = per_dtype.items()
     arrays = {}
     for state_name in ("param", "exp_avg", "exp_avg_sq"):
         array = buffer.get(state_name) if isinstance(buffer, dict) else None
@@ -423,4 +438,13 @@ def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
             f"{path}: numel_unpadded={numel!r} but the flat tensors hold "
             f"{[a.size for a in arrays.values()]} elements"
         )
-    return DistribOptimState(path, arrays["param"], arrays["exp_avg"], arrays["exp_avg_sq"], numel)
+    names = {state_name: f"0.{dtypes}.{state_name}" for state_name in arrays}
+    return DistribOptimState(
+        path,
+        arrays["param"],
+        arrays["exp_avg"],
+        arrays["exp_avg_sq"],
+        numel,
+        names,
+        list(tensor_names(saved)),
+    )

@@ -114,6 +114,9 @@ def agreed_step(
 SKIPPED = "skipped"
 #: ``provenance["tensors"]``: the source tensors an output tensor was built from.
 TENSORS = "tensors"
+#: ``provenance["values"]``: what an output tensor was built from when that is no source tensor
+#: (a pickled object, or a field such as Megatron's ``param_groups`` step): named, not counted.
+VALUES = "values"
 
 #: Names of optimizer state, never the name of a model weight: an output key under ``params/``
 #: or ``model_params/`` matching this is an optimizer buffer mistaken for a weight.
@@ -173,11 +176,12 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     for item in plan.items:
         _check_weight_name(item, where)
         names = (item.provenance or {}).get(TENSORS)
-        if not names:
+        if not names and not (item.provenance or {}).get(VALUES):
             raise UnaccountedTensorsError(
                 f"{where}: output tensor {keypath.key_to_str(item.key)!r} names no source tensor "
-                f"(provenance[{TENSORS!r}])"
+                f"(provenance[{TENSORS!r}]) and no other source value (provenance[{VALUES!r}])"
             )
+        names = names or []
         unknown = [n for n in names if n not in found]
         if unknown:
             raise UnaccountedTensorsError(
