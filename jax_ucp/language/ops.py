@@ -142,6 +142,27 @@ class Transpose(Op):
 
 
 @dataclass(frozen=True)
+class RopeHalf(Op):
+    """q/k rows from RoPE's interleaved pairs to rotate-half order, head by head (torchtitan and
+    Meta Llama checkpoints -> transformers / megatron-core / TransformerLM). Applied only to the
+    tensors whose variable ``over`` is one of ``parts`` (q, k), so one rule can take q, k, v and
+    merge them; a tensor without that variable is always permuted."""
+
+    op: ClassVar[str] = "rope_half"
+    axis: Any = 0
+    head_dim: Any = "head_dim"
+    over: str = "part"
+    parts: tuple = ("q", "k")
+
+    def apply(self, tensor, env):
+        if self.over in env and str(env[self.over]) not in self.parts:
+            return tensor
+        return views.rope_interleaved_to_half(
+            tensor, _int_value(self.axis, env, self.op), _int_value(self.head_dim, env, self.op)
+        )
+
+
+@dataclass(frozen=True)
 class SplitDim(Op):
     """Reshape one axis into two: sizes=[a, b] (one may be -1), e.g. [d, H*hd] -> [d, H, hd]."""
 
@@ -405,6 +426,7 @@ OPS: dict[str, type[Op]] = {
     c.op: c
     for c in (
         Transpose,
+        RopeHalf,
         SplitDim,
         MergeDims,
         GroupStages,

@@ -59,6 +59,23 @@ def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.T
     return zero_origin(tensor.transpose(perm))
 
 
+def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -> ts.TensorStore:
+    """Rows (along ``axis``) of every head of a q/k projection from RoPE's interleaved pair order
+    ``(x0, y0, x1, y1, ...)`` (Meta's Llama, torchtitan's complex RoPE) to rotate-half order
+    ``(x0, x1, ..., y0, y1, ...)`` (transformers, megatron-core): the permutation transformers'
+    ``convert_llama_weights_to_hf`` applies. One lazy index-array view, exact."""
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    n = tensor.shape[a]
+    if head_dim <= 0 or head_dim % 2 or n % head_dim:
+        raise TransformError(
+            f"rope_half: axis {a} of size {n} is not whole heads of an even head_dim {head_dim}"
+        )
+    within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
+    order = (np.arange(0, n, head_dim)[:, None] + within[None, :]).reshape(-1)
+    return zero_origin(tensor[ts.d[a].oindex[order]])
+
+
 def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
     """Select one index along ``axis``, dropping that axis."""
     tensor = as_view(tensor)
