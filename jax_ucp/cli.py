@@ -323,10 +323,12 @@ def _spawn_local(n: int, dst: str) -> None:
     10 s at most); then what the killed ones left beside DST is removed, and the error names
     each failed process (index and pid) and whether DST was committed."""
     import contextlib
+    import signal
     import socket
     import subprocess
     import sys
     import tempfile
+    import threading
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -343,6 +345,9 @@ def _spawn_local(n: int, dst: str) -> None:
     before = _dir_identity(dst)
     with contextlib.ExitStack() as stack:
         procs, logs = [], []
+        if threading.current_thread() is threading.main_thread():  # SIGTERM: clean up first
+            terminated = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+            stack.callback(signal.signal, signal.SIGTERM, terminated)
         try:
             for i in range(n):
                 cmd = [sys.executable, "-m", "jax_ucp.cli", *argv]
@@ -354,17 +359,15 @@ def _spawn_local(n: int, dst: str) -> None:
                 procs.append(subprocess.Popen(cmd, env=env, text=True, **quiet))
             failed, stopped = _wait_for_children(procs)
         finally:
-            for p in procs:  # an error or Ctrl-C here: no process outlives the command
+            for p in procs:  # Ctrl-C, SIGTERM or an error here: no process outlives the command
                 if p.poll() is None:
                     p.kill()
             for p in procs:
                 p.wait()
+            if any(p.returncode for p in procs):
+                _remove_abandoned(dst)
         if not failed:
             return
-        from jax_ucp import store, writer
-
-        if not store.is_url(dst):
-            writer.remove_abandoned(dst)
         lines = []
         for i in failed:
             code = procs[i].returncode
@@ -384,6 +387,14 @@ def _spawn_local(n: int, dst: str) -> None:
         console.print(f"[red]error:[/red] convert across {n} processes failed:", highlight=False)
         console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def _remove_abandoned(dst: str) -> None:
+    """What killed processes of a convert left beside ``dst`` (a local path)."""
+    from jax_ucp import store, writer
+
+    if not store.is_url(dst):
+        writer.remove_abandoned(dst)
 
 
 def _wait_for_children(procs) -> tuple[list[int], list[int]]:

@@ -113,7 +113,7 @@ class ProcessLostError(writer.SharedWriteError):
 
 def _distributed_share(dest: str, timeout: float):
     """This process's share of a conversion by every process of the ``jax.distributed`` job,
-    and ``gather(step, value)``: every process's value for ``step`` (jax.distributed's
+    and ``gather(step, value, wait=True)``: every process's value for ``step`` (jax.distributed's
     key-value store, no device collective). While it waits, the processes it waits for that run
     on this host are checked every 0.2 s, so one that died is named at once instead of after
     jax's heartbeat timeout (100 s) or ``timeout``. ``(None, None)`` in a single-process job."""
@@ -128,9 +128,11 @@ def _distributed_share(dest: str, timeout: float):
     index, count, run = jax.process_index(), jax.process_count(), next(_RUNS)
     peers: list[dict] = []
 
-    def gather(step: str, value: str) -> list[str]:
+    def gather(step: str, value: str, wait: bool = True) -> list[str]:
         prefix = f"jax_ucp/convert/{run}/{step}/"
         client.key_value_set(prefix + str(index), value)
+        if not wait:
+            return []
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -81,19 +81,21 @@ class SharedWriteError(UCPError, RuntimeError):
     """A checkpoint written by several processes failed in one of them (names which, and why)."""
 
 
-Gather = Callable[[str, str], "list[str]"]
+Gather = Callable[[str, str, bool], "list[str]"]
 _OK, _FAILED = "ok:", "failed:"
 
 
-def agree(gather: Gather, step: str, result: str | BaseException, where: str) -> list[str]:
+def agree(
+    gather: Gather, step: str, result: str | BaseException, where: str, wait: bool = True
+) -> list[str]:
     """Every process's outcome of ``step``, exchanged through ``gather`` (each process's value, in
     process order, once all have posted theirs): ``result`` is this process's payload, or its
     error. Every process sees the same list, so all decide alike: this process's own error is
     raised, else a ``SharedWriteError`` naming each process that failed and why; else the
-    payloads."""
+    payloads. ``wait=False`` only posts this process's outcome (the others wait for it)."""
     failed = isinstance(result, BaseException)
     mine = _FAILED + f"{type(result).__name__}: {result}"[:4000] if failed else _OK + result
-    values = gather(step, mine)
+    values = gather(step, mine, wait)
     if failed:
         raise result
     errors = [f"process {i}: {v[len(_FAILED) :]}" for i, v in enumerate(values) if v[:3] != _OK]
@@ -116,15 +118,16 @@ def write_shared_checkpoint(
     """One UCP checkpoint written by ``count`` processes on a shared file system, process
     ``index`` writing ``items`` (its share of the tensors).
 
-    ``gather(step, value)`` returns every process's value for ``step`` once all have posted
-    theirs (e.g. through jax.distributed's key-value store; this layer stays JAX-free), and
-    raises if a process is lost or too late. Three steps: "ready" (the primary, index 0, holds
-    the save lock and names the temporary directory: ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after
-    itself, so a later import removes it once the primary is gone), "written" (each process's
-    part file and its sha256) and "committed" (the primary's merge and rename, done only once
-    every process reported its part). Every process takes the same decision from the same
-    values: a failure anywhere leaves ``dest`` untouched, is raised in every process naming the
-    process and its error, and the primary removes the temporary directory."""
+    ``gather(step, value, wait)`` returns every process's value for ``step`` once all have
+    posted theirs (``wait=False``: only posts it), e.g. through jax.distributed's key-value
+    store (this layer stays JAX-free), and raises if a process is lost or too late. Three
+    steps: "ready" (the primary, index 0, holds the save lock and names the temporary
+    directory, ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after itself, so a later import removes it
+    once the primary is gone), "written" (each process's part file and its sha256) and
+    "committed" (the primary's merge and rename, done only once every process reported its
+    part). Every process takes the same decision from the same values: a failure anywhere
+    leaves ``dest`` untouched, is raised in every process naming the process and its error,
+    and the primary removes the temporary directory."""
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
     primary, tmp = index == 0, None
     with contextlib.ExitStack() as stack:
@@ -167,7 +170,9 @@ def write_shared_checkpoint(
                     tmp = None
                 except BaseException as e:
                     committed = e
-            agree(gather, "committed", committed, dest)
+            # Only the others wait for the primary's outcome: a process lost after it committed
+            # does not turn a whole, committed checkpoint into an error here.
+            agree(gather, "committed", committed, dest, wait=not primary)
         except BaseException:
             if tmp is not None:  # the primary's, still holding the lock: never committed
                 shutil.rmtree(tmp, ignore_errors=True)
