@@ -457,22 +457,29 @@ def test_hostile_chunk_metadata_is_a_clear_error(tmp_path, case):
 LEGACY_LLAMA = "legacy_llama_tp2_synthetic"  # TP=2, each rank's real megatron-core weights
 
 
-def _rewrite_rank(path, edit) -> None:
+def _rewrite_rank(path, edit, top=None) -> None:
     """Re-writes a legacy ``model_optim_rng.pt`` (torch-free) after ``edit(model)``: the run
-    arguments, version, iteration and model state dict kept, the RNG state left out."""
+    arguments, version, iteration and model state dict kept, the RNG state left out; ``top``:
+    more top-level entries (nested dicts of arrays and values)."""
     from jax_ucp.importers import megatron_legacy, torch_pickle
 
     saved = torch_pickle.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
     # copies: the loaded arrays are memory-mapped views of the file rewritten below
     model = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in saved["model"].items()}
     edit(model)
-    arrays, state = [], {}
-    for key, value in model.items():
+    arrays = []
+
+    def slots(value):
         if isinstance(value, np.ndarray):
-            state[key] = T.TensorSlot(len(arrays), value.shape, value.dtype)
             arrays.append(value)
-        else:
-            state[key] = value
+            return T.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
+        if isinstance(value, dict):
+            return {k: slots(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [slots(v) for v in value]
+        return value
+
+    state = slots(model)
     args = {
         k: v
         for k, v in vars(saved["args"]).items()
@@ -483,6 +490,7 @@ def _rewrite_rank(path, edit) -> None:
         "checkpoint_version": saved["checkpoint_version"],
         "iteration": saved["iteration"],
         "model": state,
+        **slots(top or {}),
     }
     T.save_file(str(path), obj, arrays)
 
@@ -592,3 +600,98 @@ def test_mcore_metadata_json_is_read_bounded(tmp_path, kind):
     with pytest.raises(MegatronImportError, match=rf"metadata\.json: .*{error}"):
         jax_ucp.convert(str(src), str(tmp_path / "out"))
     _untouched(tmp_path / "out")
+
+
+def _legacy_with(tmp_path, edit, top):
+    """The legacy Llama TP=2 fixture with both rank files re-written (``edit``, ``top``)."""
+    src = _copy(LEGACY_LLAMA, tmp_path)
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        _rewrite_rank(src / "iter_0000007" / rank / "model_optim_rng.pt", edit, top)
+    return src
+
+
+@pytest.mark.timeout(60)
+def test_legacy_non_distributed_optimizer_state_is_refused_or_listed(tmp_path):
+    """Megatron-LM without --use-distributed-optimizer keeps Adam's state in
+    model_optim_rng.pt, which is not read: refused, naming the file and the way out (before, the
+    weights were imported with exit 0 and the state dropped with a note). weights_only: the
+    weights imported bit-exact, every optimizer tensor of both ranks listed in source.skipped."""
+    moments = {"exp_avg": np.ones(4, np.float32), "exp_avg_sq": np.ones(4, np.float32)}
+    optimizer = {
+        "optimizer": {"state": {0: moments}, "param_groups": [{"step": 2, "lr": 0.1}]},
+        "fp32_from_fp16_params": {"0": np.zeros(4, np.float32)},
+    }
+    src = _legacy_with(tmp_path, lambda model: None, {"optimizer": optimizer})
+    dest = tmp_path / "out"
+    with pytest.raises(
+        MegatronImportError,
+        match=r"iter_0000007: the rank files hold the state of a non-distributed optimizer \(6 "
+        r"tensors, e\.g\. 'mp_rank_00/model_optim_rng\.pt:optimizer\.optimizer\.state\.0\."
+        r"exp_avg'\), which is not supported \(only the distributed "
+        r"optimizer's distrib_optim\.pt is read\)\. To import the model weights without the "
+        r"optimizer state: convert\(\.\.\., weights_only=True\)",
+    ):
+        jax_ucp.convert(str(src), str(dest), vocab_size=61)
+    _untouched(dest)
+    ckpt = jax_ucp.convert(str(src), str(dest), vocab_size=61, weights_only=True)
+    ref = jax_ucp.restore(
+        jax_ucp.convert(str(FIX / LEGACY_LLAMA), str(tmp_path / "ref"), vocab_size=61)
+    )
+    got = jax_ucp.restore(ckpt)
+    assert sorted(got) == ["params"] and sorted(got["params"]) == sorted(ref["params"])
+    for name, want in ref["params"].items():
+        assert_bit_equal(got["params"][name], want, name)
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    assert skipped == {
+        f"{rank}/model_optim_rng.pt:optimizer.{path}": (
+            f"weights_only: optimizer state ({rank}/model_optim_rng.pt)"
+        )
+        for rank in ("mp_rank_00", "mp_rank_01")
+        for path in (
+            "optimizer.state.0.exp_avg",
+            "optimizer.state.0.exp_avg_sq",
+            "fp32_from_fp16_params.0",
+        )
+    }
+
+
+@pytest.mark.timeout(60)
+def test_legacy_tensor_the_importer_does_not_know_commits_nothing(tmp_path):
+    """A tensor in a rank file that the importer neither reads nor knows to skip (here a
+    top-level ``grad_norms`` buffer, and a model entry holding a list of tensors): the import is
+    refused naming it, nothing written, instead of exiting 0 without it."""
+    from jax_ucp.importers.plan import UnaccountedTensorsError
+
+    src = _legacy_with(
+        tmp_path,
+        lambda model: model.__setitem__("decoder.extra", [np.ones(2, np.float32)]),
+        {"grad_norms": np.ones(3, np.float32)},
+    )
+    with pytest.raises(
+        UnaccountedTensorsError,
+        match=r"4 of the checkpoint's 34 tensors would be neither imported nor listed in "
+        r"source\.skipped: 'mp_rank_00/model_optim_rng\.pt:grad_norms', "
+        r"'mp_rank_00/model_optim_rng\.pt:model\.decoder\.extra\.0', "
+        r"'mp_rank_01/model_optim_rng\.pt:grad_norms', .*Nothing was committed",
+    ):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+    _untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(60)
+def test_legacy_extra_state_tensor_is_listed_not_imported(tmp_path):
+    """TransformerEngine's ``_extra_state`` saved as a tensor (FP8 metadata bytes): not a
+    weight, so not imported, and listed in source.skipped for each rank with the reason."""
+    name = "decoder.layers.0.self_attention.linear_proj._extra_state"
+    src = _legacy_with(
+        tmp_path, lambda model: model.__setitem__(name, np.arange(8, dtype=np.uint8)), None
+    )
+    ckpt = jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+    assert name not in jax_ucp.restore(ckpt)["params"]
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    assert skipped == {
+        f"{rank}/model_optim_rng.pt:model.{name}": (
+            "TransformerEngine _extra_state (FP8 scaling metadata), not a weight"
+        )
+        for rank in ("mp_rank_00", "mp_rank_01")
+    }

@@ -1360,10 +1360,9 @@ def _refuse_unread_optimizer(
     held = [n for n in found if n.partition(":")[2].startswith("optimizer.")]
     if held:
         raise MegatronImportError(
-            f"{checkpoint.iter_dir / held[0].partition(':')[0]}: holds the state of a "
-            f"non-distributed optimizer ({len(held)} tensors, e.g. "
-            f"{held[0].partition(':')[2]!r}), which is not supported (only the distributed "
-            f"optimizer's distrib_optim.pt is read). {WEIGHTS_ONLY_HINT}"
+            f"{checkpoint.iter_dir}: the rank files hold the state of a non-distributed "
+            f"optimizer ({len(held)} tensors, e.g. {held[0]!r}), which is not supported (only "
+            f"the distributed optimizer's distrib_optim.pt is read). {WEIGHTS_ONLY_HINT}"
         )
 
 
