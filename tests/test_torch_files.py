@@ -135,3 +135,66 @@ def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
     with pytest.raises(TorchImportError, match=r"refusing to load global 'os\.system'"):
         jax_ucp.convert(src, tmp_path / "out")
     assert not marker.exists()
+
+
+def _trainer_style_optimizer(src, with_names: bool) -> None:
+    """accelerate_full's optimizer.bin re-written as Hugging Face's Trainer groups parameters:
+    weight-decayed ones (2-D) first, then norms, numbered group after group as torch does."""
+    from jax_ucp.importers import torch_pickle
+
+    model = list(torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin"))
+    opt = torch_pickle.load_torch_file(src / "optimizer.bin")
+    (group,) = opt["param_groups"]
+    by_name = {model[i]: opt["state"][i] for i in group["params"]}
+    decay = [n for n in model if by_name[n]["exp_avg"].ndim == 2]
+    norms = [n for n in model if by_name[n]["exp_avg"].ndim == 1]
+    arrays, state, groups = [], {}, []
+    for names, wd in ((decay, 0.1), (norms, 0.0)):
+        hps = {k: v for k, v in group.items() if k != "params"}
+        g = {**hps, "weight_decay": wd, "params": []}
+        if with_names:
+            g["param_names"] = list(names)
+        for name in names:
+            index = len(state)
+            per = {}
+            for k, v in by_name[name].items():
+                per[k] = torch_out.TensorSlot(len(arrays), v.shape, v.dtype)
+                arrays.append(np.array(v))
+            state[index] = per
+            g["params"].append(index)
+        groups.append(g)
+    del opt
+    torch_out.save_file(str(src / "new.bin"), {"state": state, "param_groups": groups}, arrays)
+    os.replace(src / "new.bin", src / "optimizer.bin")
+
+
+def test_several_optimizer_groups_without_names_are_refused(tmp_path):
+    """Index i of a two-group optimizer (the Trainer's decay / no-decay split) is not the i-th
+    tensor of the model state dict: refused, never mapped by position."""
+    src = tmp_path / "trainer"
+    shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
+    _trainer_style_optimizer(src, with_names=False)
+    dst = tmp_path / "out"
+    with pytest.raises(
+        TorchImportError,
+        match=r"optimizer\.bin: the optimizer numbers its parameters over 2 groups \(sizes "
+        r"\[9, 3\]\) without their names.*weights_only=True",
+    ):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+
+
+def test_optimizer_groups_with_param_names_import_bit_exact(tmp_path):
+    """With param_names in its groups (torch >= 2.5, optimizer built from named_parameters) the
+    same two-group optimizer maps by name: moments bit-exact to the run, both groups recorded."""
+    src = tmp_path / "trainer"
+    shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
+    _trainer_style_optimizer(src, with_names=True)
+    out = jax_ucp.convert(src, tmp_path / "out")
+    assert_matches_run(jax_ucp.restore(out), "accelerate_full")
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keys"] == "parameter indices, named by the groups' param_names"
+    groups = source["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert all("param_names" not in g for g in groups)
+    assert groups[1]["params"] == [n for n in groups[1]["params"] if "norm" in n]

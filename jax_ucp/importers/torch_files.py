@@ -269,7 +269,23 @@ def _optimizer(
     keys = "names" if all(isinstance(k, str) for k in [*state, *ids]) else "indices"
     if keys == "names":
         to_name = {k: clean_name(k)[0] for k in {*state, *ids}}
+    elif _named_groups(groups):  # torch >= 2.5 with named parameters: param_names beside params
+        keys = "param_names"
+        to_name = {
+            i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
+        }
+        _check_named(to_name, state, clean, model, path)
     else:
+        if len(groups) > 1:
+            sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+            raise TorchImportError(
+                f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
+                f"(sizes {sizes}) without their names: torch numbers them group after group "
+                f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
+                f"after), so index i is not the i-th tensor of the model state dict and which "
+                f"state is whose cannot be told; convert with weights_only=True to import the "
+                f"weights alone"
+            )
         to_name = _by_index(ids, state, clean, model, path)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
@@ -288,12 +304,46 @@ def _optimizer(
     out_groups = []
     for g in groups:
         if isinstance(g, dict):
-            hps = {k: v for k, v in g.items() if k != "params"}
+            hps = {k: v for k, v in g.items() if k not in ("params", "param_names")}
             out_groups.append(
                 {**hps, "params": [to_name.get(p, str(p)) for p in g.get("params", [])]}
             )
-    how = "parameter names" if keys == "names" else "parameter indices, in state-dict order"
+    how = {
+        "names": "parameter names",
+        "param_names": "parameter indices, named by the groups' param_names",
+        "indices": "parameter indices, in state-dict order",
+    }[keys]
     return states, out_groups, how
+
+
+def _named_groups(groups: list) -> bool:
+    """Every group lists ``param_names`` (strings) one for one with its ``params``."""
+    return bool(groups) and all(
+        isinstance(g, dict)
+        and isinstance(g.get("param_names"), list)
+        and isinstance(g.get("params"), list)
+        and len(g["param_names"]) == len(g["params"])
+        and all(isinstance(n, str) for n in g["param_names"])
+        for g in groups
+    )
+
+
+def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str) -> None:
+    """Each named index is a model tensor of the state's shape."""
+    for key, per in state.items():
+        name = to_name.get(key)
+        if name is None or name not in clean:
+            raise TorchImportError(
+                f"{path}: optimizer state for index {key!r} ({name!r}), which is not a tensor "
+                f"of the model state dict"
+            )
+        shape = tuple(model[clean[name]][0].shape)
+        for k, v in per.items() if isinstance(per, dict) else ():
+            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
+                raise TorchImportError(
+                    f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
+                    f"{list(v.shape)}, the parameter {list(shape)}"
+                )
 
 
 def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: str) -> dict:
