@@ -589,13 +589,20 @@ def test_failed_import_leaves_existing_destination(tmp_path):
     src = _copy("gpt_tp2", tmp_path)
     (src / "__0_1.distcp").unlink()
     dest = tmp_path / "out"
-    dest.mkdir()
-    (dest / "keep.txt").write_text("x")
+    convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+    before = (dest / "ucp.json").read_bytes()
     with pytest.raises(MegatronImportError):
         convert_megatron(src, dest, vocab_size=VOCAB, force=True)
-    assert (dest / "keep.txt").read_text() == "x"
+    assert (dest / "ucp.json").read_bytes() == before  # the earlier import, whole
+    assert jax_ucp.verify(dest) == []
     with pytest.raises(FileExistsError):
         convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+    user = tmp_path / "user"  # a folder that is not a checkpoint: refused untouched, even forced
+    user.mkdir()
+    (user / "keep.txt").write_text("x")
+    with pytest.raises(FileExistsError, match="keep.txt"):
+        convert_megatron(FIX / "gpt_tp2", user, vocab_size=VOCAB, force=True)
+    assert (user / "keep.txt").read_text() == "x"
 
 
 def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
