@@ -11,11 +11,13 @@ from __future__ import annotations
 import glob
 import os
 import random
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -25,6 +27,7 @@ from safetensors.numpy import save_file
 from ucp_testing import REPO, free_port
 
 import jax_ucp
+from jax_ucp.writer import HostItem, SharedWriteError, write_shared_checkpoint
 
 BOUND = 60  # seconds any one run may take: a hang is a failure
 N_TENSORS = 12
@@ -172,18 +175,24 @@ def test_a_killed_process_fails_the_convert_and_the_next_one_succeeds(tmp_path):
             jax_ucp.convert(src, dst)
             before = jax_ucp.inspect(dst).save_id
         killed = tmp_path / "killed"
+        killed.unlink(missing_ok=True)
         spec = f"{rank}:{point}" + (f":{n}" if n is not None else "")
         env = _env(tmp_path, UCP_TEST_KILL=spec, UCP_TEST_KILLED=str(killed))
         proc = _convert(tmp_path, src, dst, *(["--force"] if forced else []), env=env)
-        if point == "random":
+        if point == "random":  # from the children's start until the commit at the latest
             deadline = time.monotonic() + BOUND
-            while not glob.glob(dst + ".ucp-tmp-*") and time.monotonic() < deadline:
+            while len(children := _children(proc.pid)) < 2 and time.monotonic() < deadline:
                 time.sleep(0.002)
-            time.sleep(rng.uniform(0, 0.3))
-            pid = _children(proc.pid)[rank]
-            os.kill(pid, signal.SIGKILL)
-            killed.write_text(str(pid))
+            deadline = time.monotonic() + rng.uniform(0, 4)
+            while not os.path.exists(dst) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            os.kill(children[rank], signal.SIGKILL)
+            killed.write_text(str(children[rank]))
         out, _ = proc.communicate(timeout=BOUND)
+        if point == "random" and proc.returncode == 0:  # it had exited: the kill came too late
+            _same(single, dst)
+            shutil.rmtree(dst)
+            continue
         assert proc.returncode == 1, f"{where}\n{out}"
         assert killed.exists(), f"{where}\n{out}"
         assert f"process {rank} (pid {killed.read_text()}) was killed by SIGKILL" in out, where
@@ -202,7 +211,6 @@ def test_a_killed_process_fails_the_convert_and_the_next_one_succeeds(tmp_path):
         else:
             assert f"nothing was committed: {dst} is absent" in out, f"{where}\n{out}"
             assert not os.path.lexists(dst) and _beside(tmp_path, "out") == [], where
-        killed.unlink()
     proc = _convert(tmp_path, src, dst, "--force", env=_env(tmp_path))
     out, _ = proc.communicate(timeout=BOUND)
     assert proc.returncode == 0, out
@@ -288,3 +296,99 @@ def test_library_job_names_a_lost_process_and_the_next_convert_cleans_up(tmp_pat
     single = str(tmp_path / "single")
     jax_ucp.convert(src, single)
     _same(single, dst)
+
+
+class _Exchange:
+    """``gather`` for threads standing in for the processes of a shared write."""
+
+    def __init__(self, count: int):
+        self.count, self.values, self.cond = count, {}, threading.Condition()
+
+    def gather_of(self, index: int, before=None):
+        def gather(step, value, wait=True):
+            if before is not None:
+                before(step)
+            with self.cond:
+                self.values[step, index] = value
+                self.cond.notify_all()
+                if not wait:
+                    return []
+                everyone = lambda: all((step, i) in self.values for i in range(self.count))  # noqa: E731
+                assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
+                return [self.values[step, i] for i in range(self.count)]
+
+        return gather
+
+
+def _shared_write(dest, keys_of, before_of=lambda i: None):
+    """Process i (a thread) writes ``keys_of(i)``; each thread's result or error."""
+    exchange, results = _Exchange(2), [None, None]
+
+    def items_of(i):
+        for k in keys_of(i):  # "step": a JSON scalar, no array
+            value = 7 if k == "step" else np.full((4, 3), len(k), np.float32)
+            yield HostItem(("params", k), value, role="param")
+
+    def run(i):
+        items = items_of(i)
+        gather = exchange.gather_of(i, before_of(i))
+        try:
+            results[i] = write_shared_checkpoint(dest, items, index=i, count=2, gather=gather)
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_shared_write_commits_only_the_parts_its_processes_reported(tmp_path):
+    """The primary merges a part only if it is byte for byte the one its process reported
+    (sha256 exchanged with its "done"): a part changed after it was reported is an error in
+    both processes naming it, and nothing is committed or left behind."""
+    dest = str(tmp_path / "out")
+
+    def change_after_reporting(i):
+        def before(step):
+            if i == 1 and step == "written":  # its sha256 is in the value it is posting
+                (part,) = glob.glob(dest + ".ucp-tmp-*/ucp.part-1.json")
+                with open(part, "a") as f:
+                    f.write(" ")
+
+        return before
+
+    keys = [["a", "c"], ["b", "d"]]
+    results = _shared_write(dest, keys.__getitem__, change_after_reporting)
+    assert isinstance(results[0], SharedWriteError), results
+    assert re.fullmatch(
+        r".*/out\.ucp-tmp-[^/]*/ucp\.part-1\.json: not the part process 1 reported "
+        r"\(sha256 [0-9a-f]{64}, found [0-9a-f]{64}\)",
+        str(results[0]),
+    ), results[0]
+    assert isinstance(results[1], SharedWriteError)
+    assert str(results[1]).startswith(
+        f"{dest}: not committed; it failed in process 0: SharedWriteError: "
+    )
+    assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []
+    results = _shared_write(dest, keys.__getitem__)  # the same, untouched: committed
+    assert results == [dest, dest]
+    assert sorted(jax_ucp.restore(dest)["params"]) == ["a", "b", "c", "d"]
+
+
+@pytest.mark.timeout(60)
+def test_shared_write_refuses_a_tensor_written_by_two_processes(tmp_path):
+    dest = str(tmp_path / "out")
+    """An entry in two processes' parts (their shares overlap) is refused by the merge: a
+    tensor's second writer already fails (its array exists), a JSON value has no file."""
+    keys = [["a", "step"], ["b", "step"]]
+    results = _shared_write(dest, keys.__getitem__)
+    assert isinstance(results[0], SharedWriteError)
+    assert str(results[0]).endswith(
+        "ucp.part-1.json: 'params/step' written by process 0 and process 1"
+    ), results[0]
+    assert str(results[1]).startswith(f"{dest}: not committed; it failed in process 0: ")
+    assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []
