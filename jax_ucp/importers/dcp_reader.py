@@ -308,11 +308,19 @@ class DcpCheckpoint:
                 )
 
 
+#: Most corner coordinates :func:`check_coverage` sorts for one tensor (chunks x 2**split dims x
+#: (split dims + 1)): 256 MiB of int64. A million chunks split along 3 dims stays below it.
+MAX_COVERAGE_CORNERS = 1 << 25
+
+
 def check_coverage(t: DcpTensor, where: Path | str) -> None:
     """Every element of ``t`` comes from exactly one chunk: each chunk inside the global shape,
     no two overlapping (in the tensor or in their bytes), their element counts summing to the
     tensor's, each chunk's stored bytes at least its elements' bytes. Counted in Python ints: a
-    shape like [2**62, 32] must not wrap to 0 in int64 and pass with no chunk at all."""
+    shape like [2**62, 32] must not wrap to 0 in int64 and pass with no chunk at all.
+
+    O(n log n) in the chunk count (:func:`_tiling_witness`): a .metadata of 10**5 chunks is
+    checked in a fraction of a second, not the minutes a pairwise check takes."""
     nd = len(t.shape)
     total = 0
     for c in t.chunks:
@@ -332,23 +340,23 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
                 f"bytes ({t.dtype}), its storage entry holds only {c.byte_length}"
             )
         total += count
-    # bounds checked above: every value below fits in int64
-    lo = np.array([c.offsets for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
-    hi = lo + np.array([c.sizes for c in t.chunks], np.int64).reshape(len(t.chunks), nd)
-    for i in range(len(t.chunks)):  # vectorised pairwise box intersection
-        inter = np.all((np.maximum(lo[i], lo[i + 1 :]) < np.minimum(hi[i], hi[i + 1 :])), axis=1)
-        if inter.any():
-            j = i + 1 + int(np.argmax(inter))
-            a, b = t.chunks[i], t.chunks[j]
-            raise DcpError(
-                f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
-                f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file} ({where})"
-            )
     want = math.prod(t.shape)
-    if total != want:
+    incomplete = (
+        f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
+        f"{want} elements of shape {list(t.shape)} (files {t.files})"
+    )
+    if total < want:
+        raise DcpError(incomplete)
+    witness = _tiling_witness(t, where)
+    if witness is not None:
+        element, holders = witness
+        if not holders:
+            raise DcpError(f"{incomplete}; element {element} is in no chunk")
+        a, b = holders[:2]
         raise DcpError(
-            f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
-            f"{want} elements of shape {list(t.shape)} (files {t.files})"
+            f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
+            f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file} both hold element "
+            f"{element} ({where})"
         )
     ranges = sorted(
         (c.file, c.byte_offset, c.byte_offset + c.byte_length) for c in t.chunks if c.byte_length
@@ -359,6 +367,58 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
                 f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "
                 f"{min(end_a, start_b + 1)}...) of {file_a}; each chunk has its own bytes"
             )
+
+
+def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[DcpChunk]] | None:
+    """None when the chunks (each inside the shape) tile ``t.shape`` exactly, else an element
+    that is in no chunk or in several, and the chunks holding it.
+
+    Why this is exact: let ``g = sum of the chunks' indicator functions - the tensor's``. The
+    chunks tile the tensor iff ``g == 0``. The mixed difference of a box's indicator is +-1 at
+    its 2**d corners (sign -1 per coordinate taken at the box's end), so ``D g`` is the signed
+    sum of all chunks' corners minus the tensor's: computed by sorting the corners. ``g`` is
+    the sum of ``D g`` over the points below it, so ``g == 0`` iff ``D g == 0``, and at the
+    lexicographically smallest point ``p`` where ``D g != 0`` (no other such point is below
+    it), ``g(p) = D g(p)``: > 0, ``p`` is in two chunks; < 0, in none. Dimensions every chunk
+    spans whole factor out (d = the others); empty chunks hold nothing and are left out.
+    """
+    chunks = [c for c in t.chunks if all(c.sizes)]
+    shape = np.array(t.shape, np.int64)
+    nd = len(t.shape)
+    lo = np.array([c.offsets for c in chunks], np.int64).reshape(len(chunks), nd)
+    hi = lo + np.array([c.sizes for c in chunks], np.int64).reshape(len(chunks), nd)
+    split = np.flatnonzero(~np.all((lo == 0) & (hi == shape), axis=0))
+    d = len(split)
+    rows = (len(chunks) + 1) << d
+    if rows * (d + 1) > MAX_COVERAGE_CORNERS:
+        raise DcpError(
+            f"tensor {t.name!r} in {where}: {len(chunks)} chunks split along {d} dimensions: "
+            f"too many to check that they tile the tensor ({rows} corners, at most "
+            f"{MAX_COVERAGE_CORNERS // (d + 1)})"
+        )
+    sign = np.ones(len(chunks) + 1, np.int64)
+    sign[-1] = -1 if all(t.shape) else 0  # the tensor's own box (none when it is empty)
+    starts = np.vstack([lo[:, split], np.zeros((1, d), np.int64)])
+    ends = np.vstack([hi[:, split], shape[split][None, :]])
+    points, weights = [], []
+    for corner in range(1 << d):
+        at_end = np.array([(corner >> k) & 1 for k in range(d)], bool)
+        points.append(np.where(at_end, ends, starts))
+        weights.append(sign * (-1) ** int(at_end.sum()))
+    point = np.concatenate(points)
+    weight = np.concatenate(weights)
+    if d:
+        order = np.lexsort(point.T[::-1])  # lexicographic: the first dimension first
+        point, weight = point[order], weight[order]
+    first = np.concatenate([[0], np.flatnonzero(np.any(point[1:] != point[:-1], axis=1)) + 1])
+    residual = np.flatnonzero(np.add.reduceat(weight, first)) if len(point) else []
+    if not len(residual):
+        return None
+    where_split = point[first[residual[0]]]
+    element = np.zeros(nd, np.int64)
+    element[split] = where_split
+    inside = np.all((lo <= element) & (element < hi), axis=1)
+    return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
 
 
 # ----------------------------------------------------------------- byte ranges
