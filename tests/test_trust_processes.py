@@ -101,7 +101,7 @@ def _env(tmp_path, **extra) -> dict:
     return env
 
 
-def _convert(tmp_path, src, dst, *extra, env):
+def _convert(src, dst, *extra, env):
     return subprocess.Popen(
         [sys.executable, "-m", "jax_ucp.cli", "convert", "safetensors", src, dst, *extra]
         + ["--processes", "2"],
@@ -152,7 +152,7 @@ def test_a_killed_process_fails_the_convert_and_the_next_one_succeeds(tmp_path):
     """Four runs of ``convert --processes 2``, each losing one process (index chosen at random)
     to SIGKILL: before anything is written, after a random number of tensors (replacing a
     committed DST with --force), after its whole part is written or just before the primary's
-    rename, and at a random moment while the temporary directory exists. Each exits 1 within
+    rename, and at a random moment from the children's start to the commit. Each exits 1 within
     the bound naming the killed process and its pid; DST is absent, or the old one intact
     (save_id, verify), or, if the kill came after the commit, committed and whole; nothing is
     left beside it. A following convert succeeds, bit-exact to a single process."""
@@ -178,7 +178,7 @@ def test_a_killed_process_fails_the_convert_and_the_next_one_succeeds(tmp_path):
         killed.unlink(missing_ok=True)
         spec = f"{rank}:{point}" + (f":{n}" if n is not None else "")
         env = _env(tmp_path, UCP_TEST_KILL=spec, UCP_TEST_KILLED=str(killed))
-        proc = _convert(tmp_path, src, dst, *(["--force"] if forced else []), env=env)
+        proc = _convert(src, dst, *(["--force"] if forced else []), env=env)
         if point == "random":  # from the children's start until the commit at the latest
             deadline = time.monotonic() + BOUND
             while len(children := _children(proc.pid)) < 2 and time.monotonic() < deadline:
@@ -211,7 +211,7 @@ def test_a_killed_process_fails_the_convert_and_the_next_one_succeeds(tmp_path):
         else:
             assert f"nothing was committed: {dst} is absent" in out, f"{where}\n{out}"
             assert not os.path.lexists(dst) and _beside(tmp_path, "out") == [], where
-    proc = _convert(tmp_path, src, dst, "--force", env=_env(tmp_path))
+    proc = _convert(src, dst, "--force", env=_env(tmp_path))
     out, _ = proc.communicate(timeout=BOUND)
     assert proc.returncode == 0, out
     _same(single, dst)
