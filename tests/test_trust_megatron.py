@@ -695,3 +695,33 @@ def test_legacy_extra_state_tensor_is_listed_not_imported(tmp_path):
         )
         for rank in ("mp_rank_00", "mp_rank_01")
     }
+
+
+@pytest.mark.timeout(60)
+def test_legacy_expert_parallel_distrib_optim_is_refused_or_listed(tmp_path):
+    """Legacy MoE with EP=2 and a distributed optimizer: the expert buffers of distrib_optim.pt
+    are not read, so the import is refused naming the layout and the way out (before, EP rank
+    1's distrib_optim.pt was never opened). weights_only: every tensor of every EP rank's
+    distrib_optim.pt listed in source.skipped (EP rank 1's directory included)."""
+    src = _copy("legacy_moe_ep2_synthetic", tmp_path)
+    flat = np.zeros(8, np.float32)
+    for rank in ("mp_rank_00_000", "mp_rank_00_001"):
+        buffer = {"param": T.TensorSlot(0, flat.shape, flat.dtype), "numel_unpadded": 8}
+        T.save_file(
+            str(src / "iter_0000007" / rank / "distrib_optim.pt"),
+            {"buckets_coalesced": True, 0: {"f32": buffer}},
+            [flat],
+        )
+    with pytest.raises(
+        MegatronImportError,
+        match=r"iter_0000007: distrib_optim\.pt with expert-parallel experts is not supported\. "
+        r"To import the model weights without the optimizer state",
+    ):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
+    _untouched(tmp_path / "out")
+    ckpt = jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61, weights_only=True)
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    assert {k: v for k, v in skipped.items() if "distrib_optim" in k} == {
+        f"{rank}/distrib_optim.pt:0.f32.param": f"weights_only: optimizer state ({rank}/distrib_optim.pt)"
+        for rank in ("mp_rank_00_000", "mp_rank_00_001")
+    }
