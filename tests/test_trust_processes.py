@@ -392,3 +392,39 @@ def test_shared_write_refuses_a_tensor_written_by_two_processes(tmp_path):
     ), results[0]
     assert str(results[1]).startswith(f"{dest}: not committed; it failed in process 0: ")
     assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []
+
+
+@pytest.mark.timeout(2 * BOUND)
+def test_coordinator_process_names_a_lost_peer_and_exits(tmp_path):
+    """``jax-ucp convert ... --coordinator`` (one process of a job, no parent watching): process
+    1 killed after two tensors, process 0 exits 1 at once with one line naming it, instead of
+    waiting in jax.distributed's shutdown for the lost process (its 100 s heartbeat timeout)
+    and aborting with a C++ stack; nothing is left beside DST."""
+    src = _source(tmp_path)
+    dst = str(tmp_path / "out")
+    env = _env(tmp_path, UCP_TEST_KILL="1:item:2", UCP_TEST_KILLED=str(tmp_path / "killed"))
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jax_ucp.cli", "convert", "safetensors", src, dst]
+            + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+            + ["--process-id", str(i)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=REPO,
+        )
+        for i in range(2)
+    ]
+    out = procs[0].communicate(timeout=BOUND)[0]
+    procs[1].communicate(timeout=BOUND)
+    assert procs[1].returncode == -signal.SIGKILL
+    assert procs[0].returncode == 1, out
+    pid = (tmp_path / "killed").read_text()
+    assert (
+        f"error: {dst}: not committed; process 1 (pid {pid} on {socket.gethostname()}) died "
+        f"while process 0 waited for it at 'written'"
+    ) in " ".join(out.split()), out
+    assert "Check failure stack trace" not in out
+    assert _beside(tmp_path, "out") == []
