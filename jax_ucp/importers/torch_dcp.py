@@ -118,7 +118,12 @@ def plan_torch_dcp(
         )
     except dcp_reader.DcpError as e:
         raise TorchImportError(str(e)) from None
-    return ImportPlan(_errors_named(plan.items), plan.source, plan.total_params)
+    return ImportPlan(
+        _errors_named(plan.items),
+        plan.source,
+        plan.total_params,
+        source_tensors=plan.source_tensors,
+    )
 
 
 def _errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
