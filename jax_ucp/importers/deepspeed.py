@@ -17,7 +17,12 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from jax_ucp.importers import deepspeed_files, deepspeed_megatron, deepspeed_zero
+from jax_ucp.importers import (
+    deepspeed_files,
+    deepspeed_megatron,
+    deepspeed_universal,
+    deepspeed_zero,
+)
 from jax_ucp.importers.deepspeed_files import DS_CLASSES, DeepSpeedImportError
 from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
 from jax_ucp.importers.deepspeed_zero import DeepSpeedCheckpoint
@@ -35,9 +40,14 @@ __all__ = [
 
 
 def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
-    """True for a folder holding ``latest`` + tag folders, or a tag folder with ZeRO files."""
+    """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
+    folder with ZeRO files or a universal checkpoint."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, "latest")):
+    if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(
+        os.path.join(path, deepspeed_universal.LATEST_UNIVERSAL)
+    ):
+        return True
+    if os.path.isdir(path) and deepspeed_universal.is_universal_tag_dir(path):
         return True
     return os.path.isdir(path) and any(
         deepspeed_files.OPTIMIZER_FILE.match(f) for f in os.listdir(path)
@@ -74,7 +84,16 @@ def plan_deepspeed(
     ``universal_checkpoint_info``. ``weights_only``: the weights alone (fp32 masters, or the
     module's weights of a ZeRO-0 checkpoint), the Adam moments and step skipped. Every file is
     found and checked before this returns.
+
+    A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
+    deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
+    ``latest_universal`` names it) is read by :mod:`deepspeed_universal`.
     """
+    universal = deepspeed_universal.universal_tag_dir(os.fspath(src), tag)
+    if universal is not None:
+        return deepspeed_universal.plan_universal(
+            universal, spec=spec, weights_only=weights_only, share=share
+        )
     tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
     zero0 = deepspeed_zero.zero0_model_file(tag_dir)
     if zero0 is not None:

@@ -137,7 +137,9 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         )
     raise DeepSpeedImportError(
         f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
-        f"'*zero_pp_rank_*_optim_states.pt' files)"
+        f"'*zero_pp_rank_*_optim_states.pt' files; for a universal checkpoint, a "
+        f"'latest_universal' file or a '<tag>_universal' folder holding 'zero/' and "
+        f"'mp_rank_XX_model_states.pt')"
     )
 
 

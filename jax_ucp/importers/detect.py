@@ -56,6 +56,7 @@ def detect_format(src) -> str:
         return "megatron"
     if has(
         "latest",
+        "latest_universal",
         "global_step*",
         "*mp_rank_*_model_states.pt",
         "*zero_pp_rank_*_optim_states.pt",
@@ -76,7 +77,8 @@ def detect_format(src) -> str:
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     raise SourceFormatError(
         f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Expected "
-        f"DeepSpeed (`latest`, `global_stepN/`, `mp_rank_XX_model_states.pt`), Megatron "
+        f"DeepSpeed (`latest`, `global_stepN/`, `mp_rank_XX_model_states.pt`; universal: "
+        f"`latest_universal`, `<tag>_universal/zero/`), Megatron "
         f"(`latest_checkpointed_iteration.txt`, `iter_N/`, torch_dist `.metadata` + `*.distcp` "
         f"with `common.pt`), torch DCP (`.metadata` + `__R_S.distcp`, or Accelerate's "
         f"`pytorch_model_fsdp_0/` + `optimizer_0/`), torch.save files (`pytorch_model.bin`, "
