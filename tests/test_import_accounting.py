@@ -19,6 +19,7 @@ from ucp_testing import REPO
 
 import jax_ucp
 from jax_ucp.importers import (
+    dcp_reader,
     deepspeed_files,
     deepspeed_zero,
     megatron_dcp,
@@ -87,6 +88,28 @@ def _safetensors_tensors(src: str) -> set[str]:
     return names
 
 
+def _torch_tensors(src: str) -> set[str]:
+    """DCP: every ``.metadata`` entry (tensors and pickled objects) of the folder, or of each
+    Accelerate sub-folder holding one; torch.save: ``<file>:<path>`` of every array of every
+    ``.bin`` / ``.pt`` / ``.ckpt`` file."""
+    if os.path.isdir(src):
+        dirs = [src] if os.path.exists(os.path.join(src, ".metadata")) else []
+        dirs = dirs or sorted(os.path.dirname(p) for p in glob.glob(f"{src}/*/.metadata"))
+        if dirs:
+            names: set[str] = set()
+            for d in dirs:
+                ck = dcp_reader.open_dcp(d)
+                names |= set(ck.tensors) | set(ck.objects)
+            return names
+    paths = [src] if os.path.isfile(src) else glob.glob(os.path.join(src, "*"))
+    return {
+        f"{os.path.basename(path)}:{name}"
+        for path in sorted(paths)
+        if path.endswith((".bin", ".pt", ".ckpt", ".pth"))
+        for name in _walk(load_torch_file(path))
+    }
+
+
 def _fixtures():
     out = []
     for path in sorted(glob.glob(os.path.join(FIXTURES, "deepspeed", "*", "ckpt"))):
@@ -101,6 +124,9 @@ def _fixtures():
     for path in megatron:
         rel = os.path.relpath(path, FIXTURES)
         out.append(pytest.param("megatron", path, id=rel))
+    for path in sorted(glob.glob(os.path.join(FIXTURES, "torch", "*"))):
+        if not path.endswith((".npz", ".json")):
+            out.append(pytest.param("torch", path, id=os.path.relpath(path, FIXTURES)))
     for kind in ("single", "sharded", "trainer"):
         out.append(pytest.param("safetensors", kind, id=f"safetensors-{kind}"))
     return out
@@ -149,6 +175,7 @@ def test_every_source_tensor_is_imported_or_skipped(tmp_path, importer, src, wei
         "deepspeed": _deepspeed_tensors,
         "megatron": _megatron_tensors,
         "safetensors": _safetensors_tensors,
+        "torch": _torch_tensors,
     }[importer](src)
     manifest = jax_ucp.inspect(jax_ucp.convert(src, str(tmp_path / "u"), weights_only=weights_only))
     weights = [e for e in manifest.tensors if e.key[0] in ("params", "model_params")]
