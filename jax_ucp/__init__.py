@@ -18,6 +18,8 @@ _LAZY = {
     "UCPCheckpointHandler": "jax_ucp.handler.checkpoint_handler",
     "UCPRestore": "jax_ucp.handler.checkpoint_handler",
     "UCPSave": "jax_ucp.handler.checkpoint_handler",
+    "UCPHandler": "jax_ucp.handler.orbax_v1",
+    "orbax_v1_context": "jax_ucp.handler.orbax_v1",
     "inspect": "jax_ucp.handler.api",
     "verify": "jax_ucp.handler.api",
     "plan": "jax_ucp.handler.plan",

@@ -25,7 +25,7 @@ from jax_ucp.writer import commit, durable
 
 __all__ = ["ExportError", "Exported", "FORMATS", "export"]
 
-FORMATS = ("safetensors", "torch-dcp", "deepspeed-universal")
+FORMATS = ("safetensors", "torch-dcp", "deepspeed-universal", "orbax")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +68,11 @@ def export(
             ``"deepspeed-universal"`` (what DeepSpeed's ``ds_to_universal`` writes: fp32 master,
             Adam moments and step per parameter, loadable at any DP size with
             ``"checkpoint": {"load_universal": true}``; needs the params, both moments and the
-            step count, found by their manifest roles).
+            step count, found by their manifest roles) or ``"orbax"`` (the whole tree, saved
+            containers included, as an Orbax ``PyTreeCheckpointHandler`` checkpoint that
+            ``ocp.StandardCheckpointer().restore(dst)`` reads bit-exact, written by Orbax one
+            tensor at a time; ``exporters.orbax_out.export_orbax`` writes a CheckpointManager
+            step; docs/ORBAX.md).
         select: the key-path prefix to export: ``"params"`` (the model weights), ``"opt_state/mu"``,
             ``""`` for everything. Default: ``"params"`` for safetensors, everything (params,
             optimizer state, saved Python values) for torch-dcp. Names are the rest of the key
@@ -98,6 +102,26 @@ def export(
             "deepspeed-universal writes the fp32 master, both Adam moments and the step of "
             "every parameter, found by their manifest roles: select=, dtype= and spec= do not "
             "apply to it"
+        )
+    if to == "orbax":
+        if select is not None or dtype is not None or spec or force:
+            raise ExportError(
+                "an Orbax export writes the whole tree as saved: select=, dtype=, spec= and "
+                "force= do not apply to it"
+            )
+        from jax_ucp.exporters import orbax_out
+
+        dst = os.path.abspath(os.fspath(dst))
+        root = reader.find_checkpoint_dir(ckpt)
+        _check_destination(root, dst, False)
+        path = orbax_out.export_orbax(root, dst, progress=progress)
+        manifest = store.read_manifest(root)
+        return Exported(
+            path=path,
+            files=sorted(os.listdir(path)),
+            tensors=len(manifest.tensors),
+            bytes=sum(e.nbytes for e in manifest.tensors),
+            skipped=[],
         )
     if config is not None and to != "safetensors":
         raise ExportError(f"config= (a config.json) applies to safetensors exports, not {to!r}")

@@ -12,6 +12,7 @@ from jax_ucp.importers import (
     deepspeed,
     deepspeed_files,
     megatron,
+    orbax,
     safetensors_hf,
     torch_dcp,
     torch_files,
@@ -28,8 +29,8 @@ class SourceNotFoundError(SourceFormatError, FileNotFoundError):
 
 
 def detect_format(src) -> str:
-    """'deepspeed', 'megatron', 'safetensors' or 'torch' (torch DCP or torch.save files), from
-    the files a path holds (none is unpickled)."""
+    """'deepspeed', 'megatron', 'orbax', 'safetensors' or 'torch' (torch DCP or torch.save
+    files), from the files a path holds (none is unpickled)."""
     src = os.fspath(src)
     if os.path.isfile(src) and src.endswith(".safetensors"):
         return "safetensors"
@@ -42,6 +43,8 @@ def detect_format(src) -> str:
         )
     if torch_dcp.is_torch_dcp(src):  # .metadata without megatron-core's common.pt/metadata.json
         return "torch"
+    if orbax.is_orbax(src):  # _METADATA / _CHECKPOINT_METADATA, or a manager root of steps
+        return "orbax"
 
     def has(*patterns: str) -> bool:
         return any(glob.glob(os.path.join(src, pattern)) for pattern in patterns)
@@ -84,7 +87,8 @@ def detect_format(src) -> str:
         f"`pytorch_model_fsdp_0/` + `optimizer_0/`), torch.save files (`pytorch_model.bin`, "
         f"`{torch_files.INDEX_FILE}`, `pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` "
         f"file) or Hugging Face safetensors (`*.safetensors`, `{safetensors_hf.INDEX_FILE}`). "
-        f"Use `jax-ucp convert deepspeed|megatron|safetensors|torch` to force one."
+        f"Orbax (`_CHECKPOINT_METADATA`, `_METADATA`, step folders). "
+        f"Use `jax-ucp convert deepspeed|megatron|orbax|safetensors|torch` to force one."
     )
 
 
@@ -103,7 +107,7 @@ def plan_import(
     if importer is None:
         raise SourceFormatError(
             f"Unknown checkpoint format {checkpoint_format!r} (expected 'deepspeed', 'megatron', "
-            f"'safetensors' or 'torch')."
+            f"'orbax', 'safetensors' or 'torch')."
         )
     plan = importer(source, spec=spec, **options)
     whole = options.get("share", WHOLE).count == 1
@@ -121,6 +125,7 @@ def _plan_torch(source, **options) -> ImportPlan:
 _IMPORTERS = {
     "deepspeed": deepspeed.plan_deepspeed,
     "megatron": megatron.plan_megatron,
+    "orbax": orbax.plan_orbax,
     "safetensors": safetensors_hf.plan_safetensors,
     "torch": _plan_torch,
 }

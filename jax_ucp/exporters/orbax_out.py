@@ -1,0 +1,152 @@
+"""jax_ucp → Orbax: a checkpoint ``ocp.StandardCheckpointer().restore`` (or a
+``CheckpointManager``) reads with Orbax's own API, written by Orbax itself.
+
+The saved tree (optax NamedTuples included, from ``ucp.json``'s ``tree``) goes to Orbax's
+``PyTreeCheckpointHandler`` with every tensor as a lazy leaf: a type handler that reads one tensor
+from the UCP checkpoint (digests and crc32c checked) and writes it with Orbax's own TensorStore
+spec (``ocp.type_handlers.get_json_tspec_write``) before reading the next. Orbax records it as
+``np.ndarray`` (its ``NumpyHandler``'s type), so any Orbax reader restores it; memory stays at
+one tensor, whatever the checkpoint size. Orbax's save is atomic (temporary + rename).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orbax.checkpoint as ocp
+import tensorstore as ts
+from etils import epath
+
+from jax_ucp import format as fmt
+from jax_ucp import store
+from jax_ucp.exporters.safetensors_out import ExportError
+from jax_ucp.handler import reader
+from jax_ucp.handler import tree as tree_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One UCP tensor, read only when Orbax's writer gets to it."""
+
+    root: str
+    manifest: fmt.Manifest
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    available: Any
+
+    def read(self) -> np.ndarray:
+        request = reader.Request(self.key)
+        (value,) = reader.read(self.root, self.manifest, [request], available=self.available)
+        return np.asarray(value)
+
+
+class _TensorHandler(ocp.type_handlers.NumpyHandler):
+    """Orbax's ``NumpyHandler`` on-disk format (typestr ``np.ndarray``), fed lazily: tensors
+    are read and written one at a time in the commit future."""
+
+    def __init__(self, progress: Callable[[str, int, int], None] | None = None, total: int = 0):
+        super().__init__()
+        self._progress, self._total = progress, total
+
+    async def serialize(self, values, infos, args=None):
+        args = args or [ocp.SaveArgs()] * len(values)
+        coro = self._write_all(list(values), list(infos), list(args))
+        return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_orbax_export")]
+
+    async def _write_all(self, values, infos, args) -> None:
+        for done, (value, info, arg) in enumerate(zip(values, infos, args), 1):
+            await info.await_path_creation()
+            ocdbt = bool(info.is_ocdbt_checkpoint)
+            tspec = ocp.type_handlers.get_json_tspec_write(
+                info,
+                use_ocdbt=ocdbt,
+                global_shape=value.shape,
+                local_shape=value.shape,
+                dtype=value.dtype,
+                process_index=ocp.multihost.process_index() if ocdbt else None,
+                arg=arg,
+            )
+            data = value.read()
+            t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
+            await t.write(data)
+            del data
+            if self._progress is not None:
+                self._progress(fmt.key_to_str(value.key), done, self._total)
+
+
+def lazy_tree(root: str, manifest: fmt.Manifest) -> tuple[Any, int]:
+    """The checkpoint's tree with each tensor a lazy ``_Tensor`` and each saved Python value
+    in place; the saved containers when ``ucp.json`` records them, else nested dicts/lists."""
+    available = reader.available_tensors(manifest)
+    leaves: dict[tuple, Any] = {}
+    key_types: dict[tuple, tuple] = {}
+    for key, av in available.items():
+        leaves[key] = _Tensor(root, manifest, key, tuple(av.shape), np.dtype(av.dtype), available)
+        key_types[key] = av.key_types
+    for v in manifest.values:
+        leaves[v.key] = v.value
+        key_types[v.key] = v.key_types
+    if manifest.tree is not None:
+        tree = tree_lib.rebuild_structure(
+            manifest.tree, lambda k: leaves.get(k, tree_lib.missing())
+        )
+    else:
+        tree = tree_lib.nest((k, key_types[k], x) for k, x in leaves.items())
+    return tree, len(available)
+
+
+def export_orbax(
+    ckpt: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    step: int | None = None,
+    item: str = "state",
+    use_ocdbt: bool = True,
+    use_zarr3: bool = False,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> str:
+    """Writes the UCP checkpoint ``ckpt`` as an Orbax checkpoint; returns the Orbax directory.
+
+    ``step=None``: ``dst`` is what ``ocp.StandardCheckpointer().restore(dst)`` reads.
+    ``step=N``: ``dst`` is a ``CheckpointManager`` root and the tree is item ``item`` of step
+    ``N`` (``mngr.restore(N, args=ocp.args.Composite(state=ocp.args.StandardRestore(...)))``).
+    ``use_ocdbt`` / ``use_zarr3``: Orbax's layout options (its defaults: OCDBT, zarr v2, zstd).
+    ``dst`` (the step, with ``step=N``) must not exist, or be an empty directory.
+    """
+    root = reader.find_checkpoint_dir(ckpt)
+    manifest = store.read_manifest(root)
+    tree, total = lazy_tree(root, manifest)
+    dst = os.path.abspath(os.fspath(dst))
+    target = dst if step is None else os.path.join(dst, str(step))
+    if os.path.isdir(target) and not os.listdir(target):
+        os.rmdir(target)  # an empty directory holds nothing to lose
+    if os.path.lexists(target):
+        raise ExportError(
+            f"{target}: already exists; an Orbax export is written to a new directory (remove "
+            f"it first, or choose another destination)"
+        )
+    pairs = [
+        (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
+    ]
+    registry = ocp.type_handlers.create_type_handler_registry(
+        *pairs, (_Tensor, _TensorHandler(progress, total))
+    )
+    handler = ocp.PyTreeCheckpointHandler(
+        use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, type_handler_registry=registry
+    )
+    if step is None:
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(epath.Path(dst), args=ocp.args.PyTreeSave(tree))
+        return dst
+    handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
+    handlers.add(item, ocp.args.PyTreeSave, handler)
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
+    with ocp.CheckpointManager(dst, options=options, handler_registry=handlers) as mngr:
+        mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}))
+        mngr.wait_until_finished()
+    return os.path.join(target, item)

@@ -1,0 +1,244 @@
+"""Orbax checkpoints in: a ``StandardCheckpointer`` / ``PyTreeCheckpointer`` directory, a
+``CheckpointManager`` step, or a manager root (its latest committed step), OCDBT or not.
+
+The tree and each array's name, shape and dtype come from Orbax's own public metadata
+(``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
+itself reads it with (``ocp.type_handlers.get_json_tspec_read``) and handed to the writer as a
+lazy ``tensorstore.TensorStore``: the writer reads one array at a time, so memory is bounded by
+the largest array (plus the writer's 256 MiB of writes in flight), never the whole tree.
+
+Orbax and JAX are imported only when an import is planned: detection (:func:`is_orbax`) reads
+file names and one small JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from jax_ucp import writer
+from jax_ucp.format import UCPError, files
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
+
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
+PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
+STRINGS_FILE = "_strings.json"  # Orbax's StringHandler: every str leaf of an item
+_MAX_JSON_BYTES = 256 << 20
+_TMP = ".orbax-checkpoint-tmp"
+_STEP = re.compile(r"(?:.*_)?(\d+)")
+# Orbax's handlers whose items are PyTrees of arrays (v0 and v1 names).
+_PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
+
+
+class OrbaxImportError(UCPError, ValueError):
+    """An Orbax checkpoint that cannot be imported as it is (names the directory and item)."""
+
+
+def is_orbax(src) -> bool:
+    """An Orbax item (``_METADATA``), step (``_CHECKPOINT_METADATA``) or a manager root whose
+    step directories hold one; from file names only."""
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        return False
+    if any(os.path.isfile(os.path.join(src, n)) for n in (PYTREE_METADATA, CHECKPOINT_METADATA)):
+        return not os.path.isfile(os.path.join(src, "ucp.json"))
+    return bool(_steps(src))
+
+
+def _steps(root: str) -> dict[int, str]:
+    """Committed steps of a manager root: step number -> directory (temporaries excluded)."""
+    out: dict[int, str] = {}
+    for name in os.listdir(root):
+        m = _STEP.fullmatch(name)
+        path = os.path.join(root, name)
+        if m and _TMP not in name and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)):
+            out.setdefault(int(m.group(1)), path)
+    return out
+
+
+def _read_json(path: str) -> Any:
+    try:
+        return json.loads(files.read_regular(path, _MAX_JSON_BYTES))
+    except (OSError, ValueError, RecursionError) as e:
+        raise OrbaxImportError(f"{path}: not a readable Orbax JSON file ({e})") from None
+
+
+def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
+    """(step directory, step, {item name: item directory} of its PyTree items, {item name:
+    why it is not imported}). A single item has the name ``""``."""
+    src = os.path.abspath(os.fspath(src))
+    if os.path.isfile(os.path.join(src, PYTREE_METADATA)):
+        if tag is not None:
+            raise OrbaxImportError(f"{src}: a single Orbax checkpoint has no steps (tag={tag!r})")
+        return src, None, {"": src}, {}
+    step = None
+    if not os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
+        steps = _steps(src) if os.path.isdir(src) else {}
+        if not steps:
+            raise OrbaxImportError(
+                f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
+                f"{CHECKPOINT_METADATA}, no committed step directories)"
+            )
+        if tag is None:
+            step = max(steps)
+        else:
+            try:
+                step = int(tag)
+            except ValueError:
+                step = -1
+            if step not in steps:
+                raise OrbaxImportError(
+                    f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}"
+                ) from None
+        src = steps[step]
+    elif tag is not None:
+        raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
+    meta = _read_json(os.path.join(src, CHECKPOINT_METADATA))
+    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+    if isinstance(handlers, str):  # one unnamed item saved into the step directory itself
+        handlers = {"": handlers}
+    if not isinstance(handlers, dict):  # older Orbax: no record; the subdirectories tell
+        handlers = {n: None for n in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, n))}
+    items, others = {}, {}
+    for name, typestr in sorted(handlers.items()):
+        path = os.path.join(src, name) if name else src
+        if os.path.isfile(os.path.join(path, "ucp.json")) or "jax_ucp" in str(typestr or ""):
+            raise OrbaxImportError(
+                f"{path}: item {name!r} is already a jax_ucp checkpoint (ucp.json); restore it "
+                f"with jax_ucp.restore({path!r}) instead of converting it"
+            )
+        is_tree = typestr is None or str(typestr).rsplit(".", 1)[-1] in _PYTREE_HANDLERS
+        if is_tree and os.path.isfile(os.path.join(path, PYTREE_METADATA)):
+            items[name] = path
+        elif os.path.exists(path):
+            others[name] = (
+                f"an Orbax {str(typestr).rsplit('.', 1)[-1]} item, not a PyTree of arrays"
+            )
+    if not items:
+        raise OrbaxImportError(
+            f"{src}: no PyTree item (StandardCheckpointHandler / PyTreeCheckpointHandler with "
+            f"{PYTREE_METADATA}) among its items {sorted(handlers)}"
+        )
+    return src, step, items, others
+
+
+def plan_orbax(
+    src,
+    *,
+    tag: int | str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
+    its tree path (under the item name when a step has several PyTree items).
+
+    ``tag``: the step of a manager root (default: the latest committed one). ``weights_only``:
+    only the ``params`` subtree (everything else listed in ``source.skipped``).
+    """
+    if spec is not None:
+        raise OrbaxImportError(
+            "Orbax imports keep the saved tree; apply a spec at restore time "
+            "(jax_ucp.restore(path, spec=...)) instead of at import."
+        )
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    step_dir, step, items, others = resolve(src, tag)
+    source: dict[str, Any] = {
+        "framework": "orbax",
+        "path": step_dir,
+        "step": step,
+        "items": sorted(items),
+        "orbax_version": ocp.__version__,
+    }
+    found: list[str] = []
+    leaves = []  # (output key, source name, item dir, metadata, ocdbt, zarr3)
+    for item, path in items.items():
+        md = ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+        ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
+        zarr3 = bool(getattr(md, "use_zarr3", False))
+        source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
+        for key, leaf in _flatten(md.tree):
+            name = f"{item}/{leaf.name}" if item else leaf.name
+            found.append(name)
+            out_key = ((item,) if len(items) > 1 else ()) + key
+            leaves.append((out_key, name, path, leaf, ocdbt, zarr3))
+    for item, why in others.items():
+        found.append(f"{item}/")
+        skip(source, [f"{item}/"], why)
+    if weights_only:
+        dropped = [lv for lv in leaves if lv[0][:1] != ("params",)]
+        skip(source, [lv[1] for lv in dropped], "weights_only: not under params/")
+        leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
+        if not leaves:
+            raise OrbaxImportError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
+    mine = share.pick(leaves)
+    params = sum(1 for lv in mine if lv[0][:1] == ("params",))
+    return ImportPlan(_items(mine), source, params, source_tensors=found)
+
+
+def _flatten(tree) -> list[tuple[tuple[str, ...], Any]]:
+    import jax
+
+    from jax_ucp.format import keypath
+
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        out.append((tuple(keypath.component_of(p)[1] for p in path), leaf))
+    return out
+
+
+def _items(leaves) -> Iterator[writer.HostItem]:
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    from jax_ucp.handler.save_plan import role_of
+
+    contexts: dict[bool, Any] = {}
+    strings: dict[str, dict] = {}
+    for key, name, path, leaf, ocdbt, zarr3 in leaves:
+        role, sub_role = role_of(key)
+        provenance = {"file": name, "tensors": [name]}
+        kind = type(leaf).__name__
+        if kind == "StringMetadata":
+            if path not in strings:
+                strings[path] = _read_json(os.path.join(path, STRINGS_FILE))
+            value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
+            if not isinstance(value, str):
+                raise OrbaxImportError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
+            yield writer.HostItem(key, value, role, sub_role, provenance)
+            continue
+        if kind not in ("ArrayMetadata", "ScalarMetadata"):
+            raise OrbaxImportError(
+                f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
+                f"scalars and strings"
+            )
+        if ocdbt not in contexts:
+            contexts[ocdbt] = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+        info = ocp.type_handlers.ParamInfo(
+            name=leaf.name,
+            parent_dir=epath.Path(path),
+            is_ocdbt_checkpoint=ocdbt,
+            use_zarr3=zarr3,
+            ts_context=contexts[ocdbt],
+        )
+        tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+        try:
+            array = ts.open(tspec, context=contexts[ocdbt], open=True, read=True).result()
+        except Exception as e:
+            raise OrbaxImportError(f"{path}: cannot open array {leaf.name!r}: {e}") from None
+        if tuple(array.shape) != tuple(leaf.shape):
+            raise OrbaxImportError(
+                f"{path}: array {leaf.name!r} has shape {tuple(array.shape)}, its metadata says "
+                f"{tuple(leaf.shape)}"
+            )
+        if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
+            value = array.read().result().item()
+            yield writer.HostItem(key, value, role, sub_role, provenance)
+            continue
+        yield writer.HostItem(key, array, role, sub_role, provenance)
