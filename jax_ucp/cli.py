@@ -8,19 +8,67 @@ malformed ``--mesh``/``--rules``).
 from __future__ import annotations
 
 import functools
+import inspect as inspect_lib
 import os
 import re
 from typing import Annotated
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from jax_ucp.format import ValueEntry
 
+
+def _plain_placeholders(params) -> None:
+    """Arguments named ``SRC``, flags without a ``<bool>`` value they do not take."""
+    for param in params:
+        if isinstance(param, typer.core.TyperArgument) and param.metavar is None:
+            param.metavar = param.name.upper()
+        elif getattr(param, "is_flag", False):
+            param.metavar = ""
+
+
+class _Command(typer.core.TyperCommand):
+    """Help in placeholders users know: ``SRC DST`` (typer 0.2x writes required arguments as
+    ``{src}``) and flags without ``<bool>``; a docstring's paragraphs re-flowed to the terminal
+    (Rich markup mode keeps the source's line breaks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.help:
+            self.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect_lib.cleandoc(self.help))
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)
+        _plain_placeholders(params)
+        return params
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, typer.core.TyperArgument):
+                name = param.metavar + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+
+class _Group(typer.core.TyperGroup):
+    """``--version`` and ``--help`` of the command groups without ``<bool>``."""
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)
+        _plain_placeholders(params)
+        return params
+
+
 app = typer.Typer(
+    cls=_Group,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
@@ -28,7 +76,7 @@ app = typer.Typer(
     "convert torch checkpoints, demo.",
 )
 convert_app = typer.Typer(
-    no_args_is_help=True, help="Import a torch checkpoint as a UCP checkpoint."
+    cls=_Group, no_args_is_help=True, help="Import a torch checkpoint as a UCP checkpoint."
 )
 app.add_typer(convert_app, name="convert")
 console = Console()
@@ -67,6 +115,17 @@ def _cli_wording(message: str) -> str:
     return re.sub(r"\bforce=True\b", "--force", message)
 
 
+def _os_error_text(e: OSError) -> str:
+    """``[Errno 2] No such file or directory: 'x'`` as ``x: no such file or directory``; an
+    OSError raised with a message of its own (jax_ucp's advice) is left as it is."""
+    if e.strerror and e.filename is not None:
+        text = f"{os.fsdecode(e.filename)}: {e.strerror[0].lower()}{e.strerror[1:]}"
+        if e.filename2 is not None:
+            text += f" ({os.fsdecode(e.filename2)})"
+        return text
+    return str(e)
+
+
 def _user_errors(fn):
     """Bad input (missing files, corrupt checkpoints, refused overwrites) → one clear line, exit 1."""
 
@@ -75,11 +134,22 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except (ValueError, OSError, TypeError, KeyError) as e:
-            message = _cli_wording(str(e))
-            console.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+            text = _os_error_text(e) if isinstance(e, OSError) else str(e)
+            _error(_cli_wording(text))
             raise typer.Exit(1) from e
 
     return wrapper
+
+
+def _say(text: str, style: str | None = None) -> None:
+    """Prints text that may come from a file (tensor names, paths) literally: never parsed as
+    Rich markup, where a name like ``a[/b]`` would raise MarkupError; wrapped at the console's
+    width."""
+    console.print(text, style=style, markup=False, highlight=False)
+
+
+def _error(text: str) -> None:
+    console.print(f"[red]error:[/red] {escape(text)}", highlight=False, soft_wrap=True)
 
 
 def _plural(n: int, word: str, plural: str | None = None) -> str:
@@ -156,10 +226,12 @@ def _wrap_path(name: str, width: int) -> str:
     return "\n".join(lines)
 
 
-def _table(header: list[str], rows: list[list[str]], *, right=(), optional=()) -> Table:
+def _table(header: list[str], rows: list[list[str]], *, right=(), optional=()) -> RenderableType:
     """A borderless table that fits the console: names (column 0) wrap at ``/``; the columns
     named in ``optional`` are dropped when empty, and otherwise last first while names would
-    get narrower than 40 columns (or than the longest name)."""
+    get narrower than 40 columns (or than the longest name). A column dropped for width is
+    named under the table with the width that shows it. Cells are plain text, never markup
+    (a tensor name is file content)."""
     columns = list(range(len(header)))
 
     def width(c):
@@ -172,12 +244,14 @@ def _table(header: list[str], rows: list[list[str]], *, right=(), optional=()) -
         if all(not r[header.index(name)] for r in rows):
             columns.remove(header.index(name))
     longest = width(0)
+    dropped = []
     for name in reversed(optional):
         if header.index(name) not in columns:
             continue
         if room(columns) >= min(longest, 40):
             break
         columns.remove(header.index(name))
+        dropped.insert(0, header.index(name))
     name_width = max(room(columns), 12)
     table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
     for c in columns:
@@ -188,8 +262,15 @@ def _table(header: list[str], rows: list[list[str]], *, right=(), optional=()) -
             no_wrap=c != 0,
         )
     for r in rows:
-        table.add_row(*[_wrap_path(r[0], name_width) if c == 0 else r[c] for c in columns])
-    return table
+        table.add_row(*[Text(_wrap_path(r[0], name_width) if c == 0 else r[c]) for c in columns])
+    if not dropped:
+        return table
+    wide = sum(width(c) + 2 for c in columns[1:] + dropped) + min(longest, 40)
+    note = Text(
+        f"not shown at {console.width} columns: {', '.join(header[c] for c in dropped)} "
+        f"(COLUMNS={wide} shows them)"
+    )
+    return Group(table, note)
 
 
 @app.command()
@@ -206,10 +287,9 @@ def inspect(
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
-    console.print(
+    _say(
         f"{path}: {_plural(len(m.tensors), 'tensor')}, {_plural(len(m.values), 'value')}, "
-        f"{_human(m.nbytes)} (format v{m.version}, {m.created_by})",
-        highlight=False,
+        f"{_human(m.nbytes)} (format v{m.version}, {m.created_by})"
     )
     entries = m.tensors + m.values
     shown = entries[:limit] if limit > 0 else entries
@@ -243,7 +323,7 @@ def inspect(
     if len(shown) < len(entries):
         console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
-        console.print(f"source: {m.source}", highlight=False, soft_wrap=False)
+        _say(f"source: {m.source}")
     for notice in m.notices:
         console.print(f"[yellow]![/yellow] {escape(notice)}", highlight=False)
 
@@ -272,7 +352,7 @@ def verify(path: str):
         console.print(f"[yellow]![/yellow] {escape(notice)}", highlight=False)
     if bad:
         for _, err in bad:  # each message names its tensor and file
-            console.print(f"[red]✗[/red] {err}", highlight=False)
+            console.print(f"[red]✗[/red] {escape(str(err))}", highlight=False)
         console.print(
             f"[red]{_plural(len(bad), 'tensor')} of {len(m.tensors)} failed[/red]", highlight=False
         )
@@ -486,7 +566,7 @@ def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
         if task is None:
             progress.start()
             task = progress.add_task("importing", total=total)
-        progress.update(task, completed=done, total=total, description=str(name)[-48:])
+        progress.update(task, completed=done, total=total, description=escape(str(name)[-48:]))
 
     try:
         out = fn(src, dst, progress=on_progress, **kwargs)
@@ -499,7 +579,7 @@ def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
             raise
         if task is not None:
             progress.stop()
-        console.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+        _error(str(e))
         if isinstance(e, conversion.ProcessLostError):
             # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
             # timeout, 100 s) and then abort: the job is over, leave now.
@@ -510,7 +590,7 @@ def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
     finally:
         if task is not None:
             progress.stop()
-    console.print(f"[green]✓ wrote {out}[/green]", highlight=False)
+    _say(f"✓ wrote {out}", style="green")
     return out
 
 
@@ -619,6 +699,34 @@ def convert_safetensors(
         step=step,
         weights_only=weights_only,
         parallel=_Parallel(processes, coordinator, num_processes, process_id),
+    )
+
+
+@convert_app.command("orbax")
+@_user_errors
+def convert_orbax(
+    src: str,
+    dst: str,
+    tag: int | None = typer.Option(None, help="step of a CheckpointManager dir (default: latest)"),
+    force: bool = typer.Option(False, help="replace DST"),
+    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    weights_only: bool = typer.Option(
+        False, "--weights-only", help="import the params/ subtree alone"
+    ),
+):
+    """An Orbax checkpoint (StandardCheckpointer / PyTreeCheckpointer dir, or a
+    CheckpointManager step or root; OCDBT or not)."""
+    from jax_ucp import conversion
+
+    _run_convert(
+        conversion.convert,
+        src,
+        dst,
+        format="orbax",
+        tag=tag,
+        force=force,
+        step=step,
+        weights_only=weights_only,
     )
 
 
@@ -737,11 +845,10 @@ def plan(
     _checkpoint_or_steps(path)
     result = jax_ucp.plan(path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes)
     n_devices = len(result.device_bytes)
-    console.print(
+    _say(
         f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
         f"({_plural(n_devices, 'device')}, {_plural(processes, 'process', 'processes')}): "
-        f"{_plural(len(result.tensors), 'tensor')}, {_plural(result.values, 'value')}",
-        highlight=False,
+        f"{_plural(len(result.tensors), 'tensor')}, {_plural(result.values, 'value')}"
     )
     shown = result.tensors[:limit] if limit > 0 else result.tensors
     rows = [
@@ -778,7 +885,7 @@ def plan(
         if names:
             console.print(f"{title} ({len(names)}):", highlight=False)
             for name in names[:cap]:
-                console.print(f"  {name}", highlight=False)
+                _say(f"  {name}")
             if len(names) > cap:
                 console.print(f"  … and {len(names) - cap} more", highlight=False)
 
@@ -812,20 +919,20 @@ def diff(a: str, b: str):
                 )
                 if x != y
             ]
-            console.print(f"≠ {t.name}: " + ", ".join(changes), highlight=False)
+            _say(f"≠ {t.name}: " + ", ".join(changes))
             continue
         text = f"≠ {t.name}: {t.differing} of {_plural(t.size, 'element')} differ"
         if t.max_abs is not None:
             text += f", max abs {t.max_abs:.4g}, max rel {t.max_rel:.4g}"
             if t.max_abs != t.max_abs:
                 text += " (NaN in one of them)"
-        console.print(text, highlight=False)
+        _say(text)
     for v in result.values:
-        console.print(f"≠ {v.name}: {v.a!r} vs {v.b!r}", highlight=False)
+        _say(f"≠ {v.name}: {v.a!r} vs {v.b!r}")
     for name in result.only_in_a:
-        console.print(f"- {name} (only in {a})", highlight=False)
+        _say(f"- {name} (only in {a})")
     for name in result.only_in_b:
-        console.print(f"+ {name} (only in {b})", highlight=False)
+        _say(f"+ {name} (only in {b})")
     leaves = _plural(result.same, "leaf", "leaves")
     if result.identical:
         console.print(f"[green]identical: {leaves}[/green]", highlight=False)
@@ -846,7 +953,7 @@ def export(
     ckpt: str,
     dst: str,
     to: str = typer.Option(
-        "safetensors", help="output format: safetensors, torch-dcp or deepspeed-universal"
+        "safetensors", help="output format: safetensors, torch-dcp, deepspeed-universal or orbax"
     ),
     select: str | None = typer.Option(
         None,
@@ -864,7 +971,8 @@ def export(
     ),
     force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
 ):
-    """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal)."""
+    """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal) or
+    Orbax (a StandardCheckpointer checkpoint)."""
     from jax_ucp import exporters
 
     progress, task = _progress(), None
@@ -874,7 +982,7 @@ def export(
         if task is None:
             progress.start()
             task = progress.add_task("exporting", total=total)
-        progress.update(task, completed=done, total=total, description=str(name)[-48:])
+        progress.update(task, completed=done, total=total, description=escape(str(name)[-48:]))
 
     try:
         out = exporters.export(
@@ -893,16 +1001,15 @@ def export(
     finally:
         if task is not None:
             progress.stop()
-    console.print(
-        f"[green]✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
-        f"{', '.join(out.files)}[/green]",
-        highlight=False,
+    _say(
+        f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
+        f"{', '.join(out.files)}",
+        style="green",
     )
     if out.skipped:
-        console.print(
+        _say(
             f"not exported ({len(out.skipped)}, outside --select or not tensors): "
-            f"{', '.join(out.skipped[:6])}{' ...' if len(out.skipped) > 6 else ''}",
-            highlight=False,
+            f"{', '.join(out.skipped[:6])}{' ...' if len(out.skipped) > 6 else ''}"
         )
 
 
@@ -931,6 +1038,12 @@ def demo(
 
     ok = demo_lib.run(directory, console=None)
     raise typer.Exit(0 if ok else 1)
+
+
+for _typer in (app, convert_app):  # every command, whoever defines it
+    for _info in _typer.registered_commands:
+        if _info.cls in (None, typer.core.TyperCommand):
+            _info.cls = _Command
 
 
 def main():  # pragma: no cover

@@ -119,6 +119,11 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def restore(
         self, directory: epath.Path, item: Any = None, args: UCPRestore | None = None
     ) -> Any:
+        if args is not None and not isinstance(args, UCPRestore):
+            raise ArgsError(
+                f"{directory}: restore args are a {type(args).__name__}; expected "
+                f"jax_ucp.UCPRestore."
+            )
         args = args or UCPRestore(target=item)
         return reader.restore_tree(
             str(directory),
@@ -194,21 +199,51 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         pass
 
 
+class ArgsError(fmt.UCPError, ValueError):
+    """A ``UCPSave`` / ``UCPRestore`` field of the wrong kind, named with what it accepts."""
+
+
+_CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
+
+
+def _refuse_args_as_item(cls: str, field: str, value) -> None:
+    """Args inside args (``UCPRestore(target=UCPRestore(...))``, what ``restore(dir, item)``
+    with args as the item gives) would be matched as a pytree; refused, never unwrapped."""
+    if isinstance(value, ocp.args.CheckpointArgs):
+        raise ArgsError(
+            f"{cls}.{field}: got a {type(value).__name__}, which is checkpoint args, not a "
+            f"pytree; pass it as args= (mngr.save(step, args=ocp.args.Composite(state="
+            f"jax_ucp.UCPSave(tree))), mngr.restore(step, args=ocp.args.Composite(state="
+            f"jax_ucp.UCPRestore(target=...))))."
+        )
+
+
+def _optional_positive_int(cls: str, field: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ArgsError(f"{cls}.{field}: expected None or a positive int, got {value!r}.")
+
+
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class UCPSave(ocp.args.CheckpointArgs):
-    """Save args: the pytree, plus layout options.
+    """Save args: the pytree, plus layout options. Checked when constructed (as Orbax's
+    ``StandardSaveArgs``), so a wrong option fails in the training loop's ``mngr.save`` call,
+    not later in the background commit.
 
     Attributes:
-      item: pytree of jax.Array / numpy arrays / Python scalars, strings, None.
+      item: pytree of jax.Array / numpy arrays / Python scalars, strings, None (flax
+        ``nn.Partitioned`` / ``LogicallyPartitioned`` boxes included).
       logical_axes: optional pytree (same structure) of flax-style logical axis-name tuples,
-        recorded so a restore can map them with new rules; flax ``nn.Partitioned`` boxes in
-        ``item`` are recorded automatically.
-      compression: None (default) or "zstd".
-      inner_chunk_bytes: bound on inner chunks (what a reader fetches at least).
+        recorded so a restore can map them with new rules; flax boxes in ``item`` are
+        recorded automatically.
+      compression: None (default: the fastest save and restore) or "zstd" (smaller on disk;
+        the trade-off is measured in docs/BENCHMARKS.md, "Compression").
+      compression_level: zstd level (-131072..22; default 3), used with "zstd".
+      inner_chunk_bytes: bound on inner chunks in bytes (what a reader fetches at least);
+        None: the store's default.
       checksum: "crc32c" (default: every inner chunk and shard index verified on read) or None
         (restores ~2x faster on 2 cores, corruption then goes undetected).
-      source: provenance recorded in the manifest.
+      source: provenance recorded in the manifest (a JSON object).
     """
 
     item: Any
@@ -219,11 +254,50 @@ class UCPSave(ocp.args.CheckpointArgs):
     checksum: str | None = "crc32c"
     source: dict | None = None
 
+    def __post_init__(self):
+        _refuse_args_as_item("UCPSave", "item", self.item)
+        if self.compression not in (None, "zstd"):
+            raise ArgsError(
+                f"UCPSave.compression: expected None or 'zstd', got {self.compression!r}."
+            )
+        level = self.compression_level
+        if isinstance(level, bool) or not isinstance(level, int) or not -131072 <= level <= 22:
+            raise ArgsError(
+                f"UCPSave.compression_level: expected an int in -131072..22 (zstd's levels), "
+                f"got {level!r}."
+            )
+        _optional_positive_int("UCPSave", "inner_chunk_bytes", self.inner_chunk_bytes)
+        if self.checksum not in ("crc32c", None):
+            raise ArgsError(f"UCPSave.checksum: expected 'crc32c' or None, got {self.checksum!r}.")
+        if self.source is not None and not isinstance(self.source, dict):
+            raise ArgsError(
+                f"UCPSave.source: expected None or a dict (a JSON object), got "
+                f"{type(self.source).__name__}."
+            )
+
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class UCPRestore(ocp.args.CheckpointArgs):
-    """Restore args; see ``jax_ucp.restore`` for what each field means."""
+    """Restore args: ``jax_ucp.restore``'s keywords (its docstring says what each does in
+    full). Checked when constructed.
+
+    Attributes:
+      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays, or
+        flax-boxed abstract state: the result has its structure, shardings and dtypes.
+      shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
+      mesh: a ``jax.sharding.Mesh``; alone, saved PartitionSpecs are reused where they fit.
+      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]``, with ``mesh``.
+      spec: a UCP-language spec (a ``jax_ucp.language.Spec``, a shipped spec's name with its
+        settings loaded by ``jax_ucp.language.load_spec``, or a spec file) applied as views.
+      dtype: cast every tensor to this dtype.
+      casting: numpy's casting rule for dtype conversions: "no", "equiv", "safe",
+        "same_kind" (default) or "unsafe".
+      select: a regex matched in full against "/"-joined names, or a predicate on the name:
+        only those leaves are restored (without a target).
+      max_read_bytes: host memory for reads in flight (None: 256 MiB).
+      strict: with ``mesh=``, refuse rules and mesh axes that name nothing in the checkpoint.
+    """
 
     target: Any = None
     shardings: Any = None
@@ -234,6 +308,46 @@ class UCPRestore(ocp.args.CheckpointArgs):
     casting: str = "same_kind"
     select: Any = None
     max_read_bytes: int | None = None
+    strict: bool = True
+
+    def __post_init__(self):
+        _refuse_args_as_item("UCPRestore", "target", self.target)
+        if self.mesh is not None and not isinstance(
+            self.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
+        ):
+            raise ArgsError(
+                f"UCPRestore.mesh: expected a jax.sharding.Mesh, got {type(self.mesh).__name__}."
+            )
+        if self.rules is not None:
+            bad = _bad_rule(self.rules)
+            if bad is not None:
+                raise ArgsError(
+                    f"UCPRestore.rules: expected (logical_name, mesh_axes) pairs, e.g. "
+                    f"[('embed', 'data'), ('mlp', 'model')], got {bad!r}."
+                )
+        if self.casting not in _CASTINGS:
+            raise ArgsError(
+                f"UCPRestore.casting: expected one of {', '.join(map(repr, _CASTINGS))}, got "
+                f"{self.casting!r}."
+            )
+        if self.select is not None and not (isinstance(self.select, str) or callable(self.select)):
+            raise ArgsError(
+                f"UCPRestore.select: expected a regex string or a predicate on the name, got "
+                f"{type(self.select).__name__}."
+            )
+        _optional_positive_int("UCPRestore", "max_read_bytes", self.max_read_bytes)
+        if not isinstance(self.strict, bool):
+            raise ArgsError(f"UCPRestore.strict: expected True or False, got {self.strict!r}.")
+
+
+def _bad_rule(rules):
+    """The first entry of ``rules`` that is no (name, mesh axes) pair, or ``rules`` itself."""
+    if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
+        return rules
+    for rule in rules:
+        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
+            return rule
+    return None
 
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

@@ -74,14 +74,57 @@ def find_checkpoint_dir(path) -> str:
     items = sorted(
         d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
-    if len(items) == 1:
+    if len(items) == 1 and is_step_dir(path):
         return os.path.join(path, items[0])
+    if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
+        raise CheckpointError(
+            f"{path}: no {fmt.MANIFEST_FILE} here; it is not a checkpoint nor an Orbax step "
+            f"directory, but holds one checkpoint: {os.path.join(path, items[0])} (pass that)."
+        )
     if not items:
+        steps = manager_steps(path)
+        if steps:
+            shown = ", ".join(name for name, _ in steps[-10:])
+            name, item = steps[-1]
+            raise CheckpointError(
+                f"{path}: a CheckpointManager directory, not a checkpoint: "
+                f"{len(steps)} step(s) with a UCP item ({'…, ' if len(steps) > 10 else ''}"
+                f"{shown}); pass a step's item, e.g. {os.path.join(path, name, item)} "
+                f"(or mngr.restore(step) in Orbax)."
+            )
         raise CheckpointError(
             f"{path}: no {fmt.MANIFEST_FILE} here nor in any item directory below "
             f"it; not a jax_ucp checkpoint (or the manifest was removed)."
         )
     raise CheckpointError(f"{path}: holds several UCP items {items}; pass one of them.")
+
+
+def is_step_dir(path: str) -> bool:
+    """An Orbax step directory: Orbax's step metadata or commit marker in it, or a step number
+    as its name (CheckpointManager's default step names)."""
+    return (
+        os.path.basename(path).isdigit()
+        or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
+        or os.path.exists(os.path.join(path, "commit_success.txt"))
+    )
+
+
+def manager_steps(path: str) -> list[tuple[str, str]]:
+    """(step directory, its first UCP item) of each step of a CheckpointManager root, in step
+    order (numeric names first)."""
+    steps = []
+    for name in os.listdir(path):
+        step = os.path.join(path, name)
+        if not os.path.isdir(step) or not is_step_dir(step):
+            continue
+        items = sorted(
+            i for i in os.listdir(step) if os.path.exists(os.path.join(step, i, fmt.MANIFEST_FILE))
+        )
+        if items:
+            steps.append((name, items[0]))
+    return sorted(
+        steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
+    )
 
 
 def _find_in_object_store(url: str) -> str:

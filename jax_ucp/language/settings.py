@@ -82,6 +82,33 @@ def _as_int(v) -> int | None:
     return None
 
 
+# settings derived when not given (``derived``): what to give instead
+_DERIVED_FROM = {
+    "head_dim": "hidden_size and num_attention_heads (head_dim = hidden_size // heads)",
+    "num_query_groups": "num_attention_heads (no GQA: as many groups as heads)",
+    "padded_vocab_size": "vocab_size (with make_vocab_size_divisible_by and tp)",
+}
+
+
+def missing_setting(name: str, env: Mapping[str, Any]) -> str:
+    """Why a setting is missing and how to pass it: a shipped spec loaded by name
+    (``restore(spec="hf_llama")``) has no model settings of its own."""
+    canon = canonical(name)
+    aliases = ALIASES.get(canon, ())
+    text = f"unknown setting {name!r}"
+    if aliases or canon != name:
+        text += f" (also written {', '.join(n for n in (canon, *aliases) if n != name)})"
+    text += ": needed here and not given"
+    if canon in _DERIVED_FROM:
+        text += f"; it is derived from {_DERIVED_FROM[canon]} when those are given"
+    known = ", ".join(sorted(env)) or "none"
+    return (
+        f"{text} (names known here: {known}). Pass the model's settings with the spec: "
+        f"jax_ucp.language.load_spec(<spec name or file>, {canon}=..., ...) or "
+        f"spec.with_settings({canon}=...), and that spec as restore(spec=...)"
+    )
+
+
 _BINARY_OPERATORS = {
     ast.Add: lambda a, b: a + b,
     ast.Sub: lambda a, b: a - b,
@@ -143,10 +170,7 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
         if isinstance(n, ast.Name):
             name = canonical(n.id)
             if name not in env:
-                raise SpecError(
-                    f"{where}expression {expr!r}: unknown setting {n.id!r} "
-                    f"(known: {', '.join(sorted(env)) or 'none'})"
-                )
+                raise SpecError(f"{where}expression {expr!r}: {missing_setting(n.id, env)}")
             val = _as_int(env[name])
             if val is None:
                 raise SpecError(
