@@ -27,6 +27,7 @@ _LAZY = {
     "restore": "jax_ucp.handler.api",
     "save": "jax_ucp.handler.api",
     "ShardingMismatchError": "jax_ucp.sharding.mesh_layout",
+    "ReplicationWarning": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
     "ExportError": "jax_ucp.exporters",

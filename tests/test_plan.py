@@ -152,7 +152,9 @@ def test_target_shapes_and_dtypes(tmp_path):
 def test_reads_no_tensor_data(tmp_path):
     path = _saved(tmp_path)
     shutil.rmtree(path / "arrays")  # only ucp.json is left
-    result = jax_ucp.plan(path, mesh=abstract_mesh([("x", 1024)]))  # no such devices either
+    result = jax_ucp.plan(
+        path, mesh=abstract_mesh([("x", 1024)]), strict=False
+    )  # no such devices either
     assert len(result.device_bytes) == 1024 and len(result.tensors) == 4
 
 
@@ -226,7 +228,7 @@ def test_spec_transforms_are_planned_like_restore(tmp_path):
     jax_ucp.save(tmp_path / "s", {"params": {"layers": {"w": np.ones((3, 4, 8), np.float32)}}})
     spec = L.Spec(restore=[L.RestoreRule(r"layers/(?P<r>.*)", "layers_{i}/{r}", ops=["unstack"])])
     m = mesh((2,), ("x",))
-    result = jax_ucp.plan(tmp_path / "s", mesh=m, spec=spec)
+    result = jax_ucp.plan(tmp_path / "s", mesh=m, spec=spec, strict=False)
     assert [(t.name, t.shape) for t in result.tensors] == [
         (f"params/layers_{i}/w", (4, 8)) for i in range(3)
     ]
@@ -234,5 +236,5 @@ def test_spec_transforms_are_planned_like_restore(tmp_path):
         f"params/layers_{i}/w" for i in range(3)
     ]  # no saved spec for views
     assert set(result.device_bytes.values()) == {3 * 4 * 8 * 4}
-    restored = jax_ucp.restore(tmp_path / "s", mesh=m, spec=spec)
+    restored = jax_ucp.restore(tmp_path / "s", mesh=m, spec=spec, strict=False)
     assert restored["params"]["layers_0"]["w"].sharding.spec == result.tensors[0].partition_spec

@@ -166,7 +166,7 @@ def test_a_tensor_larger_than_the_host_is_refused_before_allocating(tmp_path):
     with pytest.raises(jax_ucp.CheckpointError, match=match):
         jax_ucp.restore(path)
     with pytest.raises(jax_ucp.CheckpointError, match=match):
-        jax_ucp.restore(path, mesh=mesh((8,), ("x",)))
+        jax_ucp.restore(path, mesh=mesh((8,), ("x",)), strict=False)
     problems = jax_ucp.verify(path)
     assert [name for name, _ in problems] == ["w"] and re.match(match, problems[0][1])
     assert list(jax_ucp.restore(path, select="b")) == ["b"]  # the rest stays readable

@@ -155,18 +155,27 @@ def restore(
     casting: str = "same_kind",
     select: Any = None,
     max_read_bytes: int | None = None,
+    strict: bool = True,
 ):
     """Restores a UCP checkpoint onto any mesh.
 
     Args:
       path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP item.
       target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
-        result has its structure, shardings and dtypes (shapes must match).
+        result has its structure (its treedef: flax ``nn.LogicallyPartitioned`` /
+        ``nn.Partitioned`` boxes and ``nnx.Variable``s kept), shardings and dtypes (shapes must
+        match). A saved Python bool/int/float restored into an array leaf becomes an array
+        (a ``jax.Array`` on the leaf's sharding) when ``casting`` allows the conversion from
+        its type and the value survives it.
       mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the axis
         names exist in ``mesh`` and divide, and is replicated along the other dimensions.
       shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
       rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
-        applied to the logical axis names recorded at save time.
+        applied to the logical axis names recorded at save time. A rule for a name no tensor
+        carries, or a mesh axis (size > 1) that no rule and no saved PartitionSpec uses, is an
+        error naming it and the closest known names (see ``strict``). A tensor saved sharded
+        that would come back replicated on every device (no rule for its names, its saved
+        axes not in ``mesh``) gives a ``ReplicationWarning`` with the bytes per device.
       spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
         transpose, rename) are applied as lazy views.
       dtype: cast every tensor to this dtype.
@@ -181,10 +190,15 @@ def restore(
         pass); a checked cast is counted block by block as it is converted.
       select: restore only part of the checkpoint, without a target: a regex matched in full
         against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
-        predicate on the name. Nothing else is read.
+        predicate on the name. Only the matched leaves and the containers holding them come
+        back (a sequence missing positions as a dict of int keys); nothing else is read. A
+        selection matching nothing is an error listing the top-level names.
       max_read_bytes: host memory for read buffers in flight (default 256 MiB): peak host memory
         of a restore is about the restored arrays plus this (a tensor larger than it is read
         alone). Larger values overlap more reads.
+      strict: with ``mesh=``, refuse rules naming logical names the checkpoint lacks and mesh
+        axes nothing uses (default). ``strict=False`` allows them: rules shared with activation
+        names, a purely data-parallel axis, a mesh meant to replicate.
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
@@ -200,6 +214,7 @@ def restore(
         casting=casting,
         select=select,
         max_read_bytes=max_read_bytes,
+        strict=strict,
     )
 
 

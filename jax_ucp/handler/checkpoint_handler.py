@@ -136,6 +136,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             casting=args.casting,
             select=args.select,
             max_read_bytes=args.max_read_bytes,
+            strict=args.strict,
         )
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:

@@ -139,6 +139,7 @@ def plan(
     spec: Any = None,
     casting: str = "same_kind",
     processes: int | None = None,
+    strict: bool = True,
 ) -> RestorePlan:
     """What ``restore(path, ...)`` with the same arguments would place where, without reading
     tensor data or allocating.
@@ -159,6 +160,8 @@ def plan(
         processes: with an ``AbstractMesh``, how many processes share its devices (split in
             contiguous blocks of the mesh's row-major order, like ``jax.devices()`` across
             hosts); default 1. A concrete mesh knows each device's process.
+        strict: as for ``restore``: with ``mesh=`` (and no target), a rule for a logical name
+            no tensor carries or a mesh axis nothing uses is an error; ``False`` allows them.
 
     Returns:
         A ``RestorePlan``. Dimensions that do not divide are listed (``not_divisible``), and
@@ -166,7 +169,9 @@ def plan(
 
     Raises:
         CheckpointError: the checkpoint cannot be read, or a target names a tensor it lacks.
-        ShardingMismatchError: a rule names a mesh axis the mesh does not have.
+        ShardingMismatchError: a rule names a mesh axis the mesh does not have; with
+            ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
+            by no rule and no saved PartitionSpec (each names the closest known names).
         ValueError: neither ``mesh`` nor ``shardings``/``target`` was given, or ``processes``
             does not fit the mesh.
     """
@@ -179,9 +184,13 @@ def plan(
         raise ValueError("plan needs a mesh= (with or without rules=), shardings= or target=.")
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
-    if rules is not None:
-        sharding_lib.check_rules(rules, mesh)
     layouts = _Layouts(mesh, processes)
+    if mesh is not None:
+        layouts.every_process(mesh, 0)  # processes= fits the mesh
+    if explicit and rules is not None:
+        sharding_lib.check_rules(rules, mesh)
+    elif not explicit:
+        reader.check_mesh_names(root, available.values(), mesh, rules, strict)
     placed, n_values = [], 0  # (available tensor, dtype, sharding or None, not_divisible, error)
     if explicit:
         requests, _ = reader.requests_from_target(

@@ -338,15 +338,9 @@ def read(
                 f"({len(available)} tensors, e.g. {near})."
             )
         if isinstance(found, fmt.ValueEntry):
-            if req.wants_array and casting != "unsafe":
-                raise CheckpointError(
-                    f"Leaf {name!r}: the target asks for an array, but the checkpoint {root} "
-                    f"holds the Python {type(found.value).__name__} {_short(found.value)}. Pass "
-                    f"casting='unsafe' to turn it into an array anyway."
-                )
             value = found.value
             if req.wants_array:
-                value = np.asarray(value, dtype=req.dtype)
+                value = value_as_array(name, root, value, req, casting)
             plan.append(("value", value))
             continue
         if req.shape is not None and tuple(req.shape) != found.shape:
@@ -605,6 +599,56 @@ def verify_shard_objects(root: str, entries) -> None:
 _OBJECTS_PER_SWEEP = 4096
 
 
+def value_as_array(name: str, root: str, value: Any, req: Request, casting: str):
+    """A saved Python bool/int/float as the array a target leaf asks for (a ``jax.Array`` on
+    its sharding, as Orbax gives ``step=5`` restored into a ``jax.eval_shape`` target), when the
+    conversion keeps the value: the cast is one ``casting`` allows from the value's own type
+    (bool, int64, float64) and the value survives it (no int wraps, no float overflows).
+    Anything else (a str, None, a lossy cast) needs ``casting="unsafe"``."""
+    want = np.dtype(req.dtype) if req.dtype is not None else None
+    shape = tuple(req.shape) if req.shape is not None else ()
+    kind = type(value)
+    if shape != ():
+        raise CheckpointError(
+            f"Leaf {name!r}: the target asks for an array of shape {shape}, but the checkpoint "
+            f"{root} holds the Python {kind.__name__} {_short(value)} (a scalar)."
+        )
+    if casting != "unsafe":
+        why = None
+        if kind not in (bool, int, float):
+            why = f"holds the Python {kind.__name__} {_short(value)}"
+        elif want is not None:
+            natural = np.dtype(bool if kind is bool else np.int64 if kind is int else np.float64)
+            try:
+                check_cast(name, natural, want, casting)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    converted = np.asarray(value).astype(want)
+                back = converted.item()
+                if kind is int and back != value:
+                    why = f"holds the Python int {value}, which {want} cannot hold"
+                elif kind is float and np.isfinite(value) and not np.isfinite(float(back)):
+                    why = f"holds the Python float {value}, which overflows {want}"
+            except (CheckpointError, OverflowError):
+                why = (
+                    f"holds the Python {kind.__name__} {_short(value)}, and {natural} → {want} "
+                    f"is not a {casting!r} cast"
+                )
+        if why is not None:
+            raise CheckpointError(
+                f"Leaf {name!r}: the target asks for a {want if want is not None else ''} "
+                f"array, but the checkpoint {root} {why}. Pass "
+                f"casting='unsafe' to turn it into an array anyway."
+            )
+    try:
+        array = np.asarray(value, dtype=want)
+    except (OverflowError, ValueError, TypeError):
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = np.asarray(value).astype(want)
+    if req.sharding is not None:
+        return jax.device_put(array, req.sharding)
+    return array
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = repr(value) if not isinstance(value, str) else repr(value[:limit])
     return text[:limit] + ("…" if len(text) > limit else "")
@@ -663,6 +707,7 @@ def restore_tree(
     casting: str = "same_kind",
     select=None,
     max_read_bytes: int | None = None,
+    strict: bool = True,
 ):
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
 
@@ -675,7 +720,17 @@ def restore_tree(
         before = _identity(root)
         try:
             result = _restore_once(
-                root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes
+                root,
+                target,
+                shardings,
+                mesh,
+                rules,
+                spec,
+                dtype,
+                casting,
+                select,
+                max_read_bytes,
+                strict,
             )
         except fmt.UCPError:
             if _identity(root) == before or attempt == _SWAP_RETRIES:
@@ -713,7 +768,7 @@ def _selector(select) -> Callable[[str], bool]:
 
 
 def _restore_once(
-    root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes
+    root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes, strict
 ):
     manifest = store.read_manifest(root)
     if select is not None and (target is not None or shardings is not None):
@@ -721,9 +776,9 @@ def _restore_once(
             "select= restores part of a checkpoint without a target; a target "
             "already says which leaves to read."
         )
-    if rules is not None and mesh is not None:
-        sharding_lib.check_rules(rules, mesh)
     if target is not None or shardings is not None:
+        if rules is not None and mesh is not None:
+            sharding_lib.check_rules(rules, mesh)
         reqs, treedef = requests_from_target(
             target if target is not None else shardings, shardings if target is not None else None
         )
@@ -733,14 +788,25 @@ def _restore_once(
         results = read(
             root, manifest, reqs, spec=spec, casting=casting, max_read_bytes=max_read_bytes
         )
+        if target is not None:  # flax boxes (nn.LogicallyPartitioned, ...) keep their metadata
+            boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
+            results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
         return jax.tree_util.tree_unflatten(treedef, results)
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
+    every = available_tensors(manifest, spec)
+    if mesh is not None:
+        check_mesh_names(root, every.values(), mesh, rules, strict)
     selected = _selector(select)
-    available = {
-        k: av for k, av in available_tensors(manifest, spec).items() if selected(fmt.key_to_str(k))
-    }
-    reqs, key_types = [], []
+    available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
+    chosen_values = [v for v in manifest.values if selected(v.name)]
+    if select is not None and not available and not chosen_values:
+        raise CheckpointError(
+            f"select={_short(select)} matches no tensor or value of the checkpoint {root}; its "
+            f"top-level names: {_top_level(every, manifest)} (a regex is matched in full "
+            f"against '/'-joined names such as {_example_name(every, manifest)!r})."
+        )
+    reqs, key_types, replicated = [], [], []
     for key, av in available.items():
         sharding = None
         wide = np.dtype(jax.dtypes.canonicalize_dtype(dtype or av.dtype)) != np.dtype(
@@ -754,14 +820,29 @@ def _restore_once(
                 logical_axes=av.logical_axes,
                 rules=rules,
             )
+            if sharding_lib.replicated_unasked(
+                av.shape,
+                sharding.spec,
+                mesh=mesh,
+                saved=av.saved_sharding,
+                logical_axes=av.logical_axes,
+                rules=rules,
+            ):
+                itemsize = np.dtype(dtype or av.dtype).itemsize
+                replicated.append((av.name, math.prod(av.shape) * itemsize))
         reqs.append(
             Request(key=key, sharding=sharding, dtype=None if dtype is None else np.dtype(dtype))
         )
         key_types.append(av.key_types)
-    for v in manifest.values:
-        if selected(v.name):
-            reqs.append(Request(key=v.key))
-            key_types.append(v.key_types)
+    if replicated:
+        warnings.warn(
+            sharding_lib.replication_warning(root, replicated),
+            sharding_lib.ReplicationWarning,
+            stacklevel=4,
+        )
+    for v in chosen_values:
+        reqs.append(Request(key=v.key))
+        key_types.append(v.key_types)
     results = read(
         root,
         manifest,
@@ -770,10 +851,42 @@ def _restore_once(
         casting=casting,
         max_read_bytes=max_read_bytes,
     )
+    partial = select is not None
     if manifest.tree is not None and spec is None:  # the saved containers, NamedTuples included
         by_key = {r.key: x for r, x in zip(reqs, results)}
         tree = tree_lib.rebuild_structure(
-            manifest.tree, lambda key: by_key.get(key, tree_lib.missing())
+            manifest.tree, lambda key: by_key.get(key, tree_lib.missing()), partial=partial
         )
         return {} if tree is tree_lib.missing() else tree
-    return tree_lib.nest((r.key, k, x) for r, k, x in zip(reqs, key_types, results))
+    return tree_lib.nest(
+        ((r.key, k, x) for r, k, x in zip(reqs, key_types, results)), partial=partial
+    )
+
+
+def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
+    """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
+    place: the logical names they carry and the mesh axes they were saved with."""
+    names, axes = set(), set()
+    for av in available:
+        names.update(n for n in av.logical_axes or () if n is not None)
+        saved = av.saved_sharding
+        if saved is not None:
+            axes.update(saved.mesh_axis_names)
+            for entry in saved.partition_spec:
+                axes.update(entry if isinstance(entry, (tuple, list)) else (entry,))
+    axes.discard(None)
+    sharding_lib.check_names(
+        mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
+    )
+
+
+def _top_level(available: Mapping, manifest: fmt.Manifest) -> str:
+    tops = sorted({k[0] for k in available if k} | {v.key[0] for v in manifest.values if v.key})
+    shown = ", ".join(repr(t) for t in tops[:20])
+    return shown + (f", … ({len(tops)} in all)" if len(tops) > 20 else "") if tops else "none"
+
+
+def _example_name(available: Mapping, manifest: fmt.Manifest) -> str:
+    for key in available:
+        return fmt.key_to_str(key)
+    return manifest.values[0].name if manifest.values else "params/w"

@@ -105,7 +105,9 @@ def prepare_tree(
         if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
             for _, data in shards_to_write(leaf):
                 data.copy_to_host_async()
-    names_by_key = tree_lib.flatten_axes(logical_axes) if logical_axes is not None else {}
+    names_by_key = tree_lib.variable_axes(tree)  # nnx.Variable metadata
+    if logical_axes is not None:
+        names_by_key.update(tree_lib.flatten_axes(logical_axes))
     # Optimizer state that mirrors the params tree (opt_state/0/mu/<param path>, EMA, trace...)
     # inherits the logical axes of the parameter whose path it ends with and whose shape it
     # has, however it was built (boxed params with unboxed moments is the usual flax pattern),

@@ -107,9 +107,60 @@ def unbox(leaf) -> tuple[Any, tuple | None]:
     return leaf, None
 
 
-def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]]) -> Any:
+def rebox(target_leaf, value) -> Any:
+    """``value`` in the flax metadata box ``target_leaf`` is (``nn.LogicallyPartitioned``,
+    ``nn.Partitioned``, ...), so a restore gives back the target's treedef; else ``value``."""
+    try:
+        from flax.core import meta
+    except ImportError:  # pragma: no cover
+        return value
+    if isinstance(target_leaf, meta.AxisMetadata):
+        return target_leaf.replace_boxed(value)
+    return value
+
+
+def _is_variable(x) -> bool:
+    try:
+        from flax import nnx
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, nnx.Variable)
+
+
+# nnx.Variable metadata holding its axis names, by flax release (0.12: out_sharding).
+_VARIABLE_AXES_METADATA = ("out_sharding", "sharding_names", "sharding")
+
+
+def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
+    """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable of
+    ``tree`` whose metadata names them (``nnx.with_partitioning``), so a save records them as
+    it records linen boxes' names. Keys are those ``flatten`` gives (``…/kernel/value``)."""
+    if not any(_is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)):
+        return {}
+    out: dict[tuple[str, ...], tuple] = {}
+    nodes = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: _is_variable(x) or _is_leaf(x)
+    )[0]
+    for path, node in nodes:
+        if not _is_variable(node):
+            continue
+        metadata = node.get_metadata() if hasattr(node, "get_metadata") else {}
+        names = next(
+            (metadata[m] for m in _VARIABLE_AXES_METADATA if metadata.get(m) is not None), None
+        )
+        if names is None or not all(isinstance(n, (str, type(None))) for n in names):
+            continue
+        prefix = tuple(keypath_lib.component_of(p)[1] for p in path)
+        for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+            key = prefix + tuple(keypath_lib.component_of(p)[1] for p in inner)
+            out[key] = tuple(names)
+    return out
+
+
+def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]], *, partial=False) -> Any:
     """Nested dicts from (key, key_types, value); a level whose keys are all sequence indices
-    0..n-1 becomes a list (tuples and lists were saved that way)."""
+    0..n-1 becomes a list (tuples and lists were saved that way). ``partial`` (a selection):
+    a level of indices is a list only when no index is missing, else a dict of int keys."""
     root: dict = {}
     types_at: dict[tuple, set] = {}
     for key, key_types, value in items:
@@ -130,6 +181,8 @@ def nest(items: Iterable[tuple[Sequence[str], Sequence[str], Any]]) -> Any:
             str(i) for i in range(len(conv))
         ]:
             return [conv[str(i)] for i in range(len(conv))]
+        if partial and types_at.get(prefix) == {"index"}:
+            return {int(k): v for k, v in sorted(conv.items(), key=lambda kv: int(kv[0]))}
         return conv
 
     return convert(root, ())
@@ -262,19 +315,23 @@ def describe_structure(tree) -> dict:
 _MISSING = object()
 
 
-def rebuild_structure(description: dict, value_at: Any, prefix: tuple = ()) -> Any:
+def rebuild_structure(
+    description: dict, value_at: Any, prefix: tuple = (), *, partial: bool = False
+) -> Any:
     """The tree ``describe_structure`` described, with each leaf from ``value_at(key)`` (which
     returns ``_MISSING`` for leaves not restored, e.g. not selected): containers that lose
-    children become dicts, empty subtrees of a selection disappear."""
+    children become dicts (of int keys for a sequence's positions), empty subtrees of a
+    selection disappear. ``partial`` (a selection): only containers of restored leaves come
+    back, so childless ones (optax's ``EmptyState()``, ``{}``) are dropped too."""
     if description["type"] == "leaf":
         return value_at(prefix)
     kids = []
-    for name, _, child in description["children"]:
-        value = rebuild_structure(child, value_at, prefix + (name,))
+    for name, key_type, child in description["children"]:
+        value = rebuild_structure(child, value_at, prefix + (name,), partial=partial)
         if value is not _MISSING:
-            kids.append((name, value))
+            kids.append((int(name) if key_type == "index" else name, value))
     complete = len(kids) == len(description["children"])
-    if not kids and description["children"]:
+    if not kids and (description["children"] or partial):
         return _MISSING  # nothing of this subtree was restored
     kind = description["type"]
     if kind == "list" and complete:
@@ -286,8 +343,10 @@ def rebuild_structure(description: dict, value_at: Any, prefix: tuple = ()) -> A
         if cls is not None and kind == "namedtuple":
             return cls(*(v for _, v in kids))
         if cls is not None:
-            return cls(dict(kids))  # flax FrozenDict / nnx State
-    return dict(kids)  # a class outside the allow-list: its fields, by name
+            return cls({str(k): v for k, v in kids})  # flax FrozenDict / nnx State
+    if complete:  # a class outside the allow-list: its fields, by name
+        return {str(k): v for k, v in kids}
+    return dict(kids)  # part of a container (a selection): positions stay ints
 
 
 def _rebuildable(description: dict) -> type | None:

@@ -3,11 +3,15 @@
 from jax_ucp.sharding.assemble import PendingArray, host_memory_limit
 from jax_ucp.sharding.mesh_layout import (
     LogicalRules,
+    ReplicationWarning,
     ShardingMismatchError,
     check_divisible,
+    check_names,
     check_rules,
     describe,
     partition_spec_from_logical,
     partition_spec_from_saved,
+    replicated_unasked,
+    replication_warning,
     sharding_for,
 )

@@ -9,20 +9,27 @@ new mesh and divide the dimension, and replicates that dimension otherwise.
 
 from __future__ import annotations
 
+import difflib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_ucp.format import SavedSharding
+from jax_ucp.format.errors import UCPError
 
 LogicalRules = Sequence[tuple[str, Any]]
 
 
-class ShardingMismatchError(ValueError):
-    """A tensor dimension does not divide the mesh axes it is asked to be split over."""
+class ShardingMismatchError(UCPError, ValueError):
+    """A tensor dimension does not divide the mesh axes it is asked to be split over, or a
+    rule / mesh axis names something the checkpoint or the mesh does not have."""
+
+
+class ReplicationWarning(UserWarning):
+    """A restore replicates on every device tensors the checkpoint saved sharded."""
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -132,6 +139,136 @@ def check_rules(rules: LogicalRules, mesh: Mesh) -> None:
                 f"Logical-axis rule {tuple(rule)!r} names mesh axis {missing[0]!r}, which the "
                 f"mesh (axes {tuple(mesh.axis_names)}) does not have."
             )
+
+
+def _closest(name: str, known: Iterable[str]) -> str:
+    near = difflib.get_close_matches(name, sorted(set(known)), n=3, cutoff=0.5)
+    return ", ".join(repr(n) for n in near) if near else "none close"
+
+
+def _listed(names: Iterable[str], limit: int = 12) -> str:
+    names = sorted(set(names))
+    text = ", ".join(repr(n) for n in names[:limit])
+    return (text + f", … ({len(names)} in all)" if len(names) > limit else text) or "none"
+
+
+def check_names(
+    mesh: Mesh,
+    rules: LogicalRules | None,
+    *,
+    logical_names: Iterable[str],
+    saved_axes: Iterable[str],
+    where: str,
+    strict: bool = True,
+) -> None:
+    """Refuses, before anything is read, names that would make a restore replicate silently.
+
+    With ``rules``: a logical name no tensor of the checkpoint carries (``"embd"`` for
+    ``"embed"`` gave ``P(None, 'model')``). With or without: a mesh axis (of size > 1) that no
+    rule and no saved PartitionSpec or saved mesh names (``modle`` for ``model``; a mesh passed
+    alone whose axes the checkpoint never used): every tensor would be replicated along it.
+    ``strict=False`` allows both (rules shared with activations, a purely data-parallel axis).
+    A rule naming a mesh axis the mesh lacks is always an error (``check_rules``).
+    """
+    if rules is not None:
+        check_rules(rules, mesh)
+    if not strict:
+        return
+    logical_names = set(logical_names)
+    saved_axes = set(saved_axes)
+    advice = "or pass strict=False to allow it"
+    if rules is not None:
+        for name, _ in rules:
+            if name not in logical_names:
+                raise ShardingMismatchError(
+                    f"Logical-axis rule {name!r}: no tensor of the checkpoint {where} carries "
+                    f"that logical axis name (closest: {_closest(name, logical_names)}; the "
+                    f"checkpoint's names: {_listed(logical_names)}). Fix the name, {advice} "
+                    f"(e.g. rules shared with activation axes)."
+                )
+    rule_axes = {a for _, axes in rules or () for a in _axes_of(axes)}
+    known = rule_axes | saved_axes
+    for axis in mesh.axis_names:
+        if mesh.shape[axis] > 1 and axis not in known:
+            if rules is not None:
+                what = (
+                    f"no rule maps a logical name to it nor does any PartitionSpec the "
+                    f"checkpoint {where} was saved with use it (rules use {_listed(rule_axes)}; "
+                    f"saved axes {_listed(saved_axes)})"
+                )
+            elif saved_axes:
+                what = (
+                    f"the checkpoint {where} was saved on a mesh without it (saved axes "
+                    f"{_listed(saved_axes)}; closest: {_closest(axis, saved_axes)}); pass "
+                    f"rules= for the logical names {_listed(logical_names)}"
+                )
+            else:
+                what = (
+                    f"the checkpoint {where} records no PartitionSpec (saved from host arrays, "
+                    f"or imported); pass "
+                    + (
+                        f"rules= for its logical names {_listed(logical_names)}, "
+                        if logical_names
+                        else ""
+                    )
+                    + "a target or shardings="
+                )
+            raise ShardingMismatchError(
+                f"Mesh axis {axis!r} (size {mesh.shape[axis]}): {what}. Every tensor would be "
+                f"replicated along it. Fix the axis name, {advice}."
+            )
+
+
+def replicated_unasked(
+    shape: Sequence[int],
+    spec: PartitionSpec,
+    *,
+    mesh: Mesh,
+    saved: SavedSharding | None,
+    logical_axes: Sequence[str | None] | None,
+    rules: LogicalRules | None,
+) -> bool:
+    """The tensor was saved sharded, ``spec`` replicates it on every device of ``mesh``, and
+    no rule asked for that (every logical name of it mapped to ``None``)."""
+    if math.prod(mesh.shape.values()) < 2 or math.prod(shape) < 2:
+        return False
+    if any(_axes_of(entry) for entry in spec):
+        return False
+    if saved is None:
+        return False
+    sizes = dict(zip(saved.mesh_axis_names, saved.mesh_shape))
+    if not any(sizes.get(a, 1) > 1 for entry in saved.partition_spec for a in _axes_of(entry)):
+        return False  # saved replicated
+    if rules is not None and logical_axes is not None:
+        asked = True
+        for name in logical_axes:
+            if name is None:
+                continue
+            first = next((axes for rule_name, axes in rules if rule_name == name), ...)
+            asked = asked and first is not ... and not _axes_of(first)
+        return not asked
+    return True
+
+
+def replication_warning(where: str, tensors: Sequence[tuple[str, int]]) -> str:
+    """The message of a ``ReplicationWarning`` for ``[(name, bytes)]``."""
+    total = sum(n for _, n in tensors)
+    names = ", ".join(repr(name) for name, _ in tensors[:5])
+    more = f", … ({len(tensors)} in all)" if len(tensors) > 5 else ""
+    return (
+        f"{where}: {len(tensors)} tensor(s) saved sharded will be replicated on every device "
+        f"({_human(total)} per device): {names}{more}. Their saved mesh axes are not in the "
+        f"mesh or do not divide them, or no rule covers their logical names: pass rules= or a "
+        f"target to shard them (jax_ucp.plan shows the placement)."
+    )
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
 
 
 def sharding_for(
