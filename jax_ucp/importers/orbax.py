@@ -96,6 +96,9 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
         src = steps[step]
     elif tag is not None:
         raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
+    else:  # a step directory given itself: its number, when its name is one
+        m = _STEP.fullmatch(os.path.basename(src))
+        step = int(m.group(1)) if m else None
     meta = _read_json(os.path.join(src, CHECKPOINT_METADATA))
     handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
     if isinstance(handlers, str):  # one unnamed item saved into the step directory itself
