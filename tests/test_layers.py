@@ -22,7 +22,7 @@ ALLOWED = {
     "exporters": {"format", "store", "writer", "handler", "language"},
     "conversion": {"importers", "writer", "handler", "format", "store"},
 }
-BASE = {"lazy_names", "version"}  # leaf modules any layer may use
+BASE = {"lazy_names", "version", "errors"}  # leaf modules any layer may use
 
 
 def _layer_of(path: str) -> str:

@@ -1,8 +1,7 @@
-"""The library's exception base: every error jax_ucp raises on bad input derives from it."""
+"""The library's exception base, as the format layer exports it (defined in ``jax_ucp.errors``)."""
 
 from __future__ import annotations
 
+from jax_ucp.errors import UCPError
 
-class UCPError(Exception):
-    """A checkpoint, a source checkpoint or a request that jax_ucp refuses, with a message that
-    names the file and the tensor or field, and what was expected vs found."""
+__all__ = ["UCPError"]

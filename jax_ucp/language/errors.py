@@ -1,9 +1,12 @@
-"""Errors raised by the UCP language. All are ValueErrors and name what they are about."""
+"""Errors raised by the UCP language. All are ``jax_ucp.UCPError``s (and ValueErrors) and name
+what they are about."""
 
 from __future__ import annotations
 
+from jax_ucp.errors import UCPError
 
-class LanguageError(ValueError):
+
+class LanguageError(UCPError, ValueError):
     """Base class of every error of the UCP language."""
 
 
