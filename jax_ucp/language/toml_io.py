@@ -23,11 +23,10 @@ from __future__ import annotations
 import math
 import os
 import re
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.spec import Spec, spec_from_dict, spec_to_dict
