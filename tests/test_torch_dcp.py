@@ -241,3 +241,54 @@ def test_a_name_in_two_folders_is_refused(tmp_path):
     shutil.copytree(src / "optimizer_0", src / "optimizer_1")
     with pytest.raises(TorchImportError, match=r"is saved in two DCP folders"):
         jax_ucp.convert(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["in_turn", "threads"])
+def test_chunks_read_into_the_tensor_equal_the_mapped_chunks(monkeypatch, parallel):
+    """``DcpCheckpoint.read`` reads each chunk with preadv straight into its place in the
+    tensor (CRC-32 on the bytes read; large tensors' chunks on threads): every tensor of four
+    fixtures equals its chunks read through the memory map (``read_chunk``, CRC on the map)
+    placed at their offsets, byte for byte; ``rows`` cuts through a chunk as ``[:rows]``."""
+    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0 if parallel else 1 << 62)
+    real_preadv, calls = os.preadv, []
+
+    def preadv(fd, buffers, offset):
+        calls.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    chunks = 0
+    for fixture in ("fsdp2_fp32", "fsdp2_bf16", "torchtitan_fp32", "sgd_single"):
+        ck = dcp_reader.open_dcp(os.path.join(FIX, fixture))
+        for name, t in ck.tensors.items():
+            got = ck.read(name)
+            want = np.zeros(t.shape, t.dtype)
+            for c in t.chunks:
+                want[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] = ck.read_chunk(
+                    t, c
+                )
+                chunks += bool(np.prod(c.sizes))
+            assert (got.dtype, got.shape, got.tobytes()) == (t.dtype, t.shape, want.tobytes())
+            if len(t.shape) == 2 and len(t.chunks) > 1:
+                rows = t.chunks[0].sizes[0] + 1  # one row into the second chunk
+                assert ck.read(name, rows=rows).tobytes() == want[:rows].tobytes()
+    assert len(calls) >= chunks > 100
+
+
+def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0)
+    src = _copy(tmp_path)
+    ck = dcp_reader.open_dcp(src)
+    tensor = ck.tensors["optim.state.output.weight.exp_avg"]
+    chunk = tensor.chunks[1]
+    values = ck.read_chunk(tensor, chunk).tobytes()
+    f = src / chunk.file
+    data = bytearray(f.read_bytes())
+    data[data.index(values) + len(values) - 1] ^= 0x01  # the last byte of the second chunk
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        dcp_reader.DcpError,
+        match=r"optim\.state\.output\.weight\.exp_avg' chunk at offsets \[\d+, 0\] in "
+        r".*__1_0\.distcp: CRC-32 mismatch",
+    ):
+        dcp_reader.open_dcp(src).read("optim.state.output.weight.exp_avg")

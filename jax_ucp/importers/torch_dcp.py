@@ -101,8 +101,8 @@ def plan_torch_dcp(
         checkpoints = [dcp_reader.open_dcp(d) for d in dirs]
         for ck in checkpoints:
             ck.check_files()
-            for tensor in ck.tensors.values():
-                dcp_reader.check_coverage(tensor, ck.path / ".metadata")
+            for name in ck.tensors:
+                ck.check_tensor(name)
         state, info = _state(checkpoints, str(src))
         plan = plan_state(
             state,

@@ -814,15 +814,23 @@ class TorchArchive:
             self._f.close()
             raise
 
+    #: Storage members handed out with their CRC-32 not checked yet (``defer_crc``): member
+    #: name -> (offset of its bytes in the archive, size, the CRC-32 the archive records).
+    unchecked: dict[str, tuple[int, int, int]]
+    defer_crc = False
+
     @classmethod
-    def from_buffer(cls, view: np.ndarray, where: str) -> TorchArchive:
+    def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
         """An archive that is a byte range of a larger file (e.g. one torch DCP chunk).
 
         ``view``: a read-only uint8 array (typically a memory-mapped slice); ``where`` names it in
         errors.  Tensors come back as views into it, like those of a whole file.
+        ``defer_crc``: tensor storages are not CRC-checked here but listed in ``unchecked``; the
+        caller checks each CRC-32 on the bytes it copies out (one pass over them, not two).
         """
         self = cls.__new__(cls)
         self.path = where
+        self.defer_crc = defer_crc
         self._f = _BufferFile(view)
         self._open_zip(view, int(view.size), "embedded archive")
         return self
@@ -832,6 +840,7 @@ class TorchArchive:
         self._mm = mm
         self.size = size
         self._views: dict[str, np.ndarray] = {}
+        self.unchecked = {}
         try:
             self._zip = zipfile.ZipFile(self._f)
             infos = self._zip.infolist()
@@ -881,9 +890,12 @@ class TorchArchive:
             if info.file_size != info.compress_size:
                 raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
             view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
-            # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at a
-            # few GB/s; the copy that follows reads the same pages from the page cache).
-            self._check_crc(name, info, zlib.crc32(view))
+            if self.defer_crc and name.startswith(self.prefix + "data/"):
+                self.unchecked[name] = (data_off, info.file_size, info.CRC)
+            else:
+                # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
+                # a few GB/s; the copy that follows reads the same pages from the page cache).
+                self._check_crc(name, info, zlib.crc32(view))
         self._views[name] = view
         return view
 
