@@ -300,7 +300,7 @@ def _write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) 
                 os.rename(tmp, dst)
                 durable.fsync_path(os.path.dirname(dst))
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            commit.discard(tmp, "temporary directory of a failed export")
             raise
     return files
 

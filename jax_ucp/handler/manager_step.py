@@ -8,7 +8,6 @@ save: the new step is committed in a staging manager directory first, then swapp
 from __future__ import annotations
 
 import os
-import shutil
 from collections.abc import Iterable, Mapping
 
 import orbax.checkpoint as ocp
@@ -40,7 +39,7 @@ def _write_locked(dest, step_dir, items, step, force, source, item_name, compres
     replacing = commit.claim(step_dir, force=force, what=f"step {step}")  # UCP items only
     root = os.path.join(dest, f".ucp-staging-step-{step}") if replacing else dest
     if replacing and os.path.exists(root):
-        shutil.rmtree(root)
+        commit.discard(root, "staging directory of an earlier replacement of this step")
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
     with ocp.CheckpointManager(root, options=options) as mngr:
         try:
@@ -49,10 +48,10 @@ def _write_locked(dest, step_dir, items, step, force, source, item_name, compres
         except BaseException:
             commit.remove_failed_save_leftovers(os.path.join(root, str(step)))
             if replacing:
-                shutil.rmtree(root, ignore_errors=True)
+                commit.discard(root, "staging directory of a failed replacement")
             raise
     if replacing:  # committed beside the old step, then swapped in (see writer.commit)
         os.rename(os.path.join(root, str(step)), step_dir + commit.REPLACING)
         commit.replace_committed(step_dir + commit.REPLACING, step_dir)
-        shutil.rmtree(root)
+        commit.discard(root, "staging directory, its step now in place")
     return os.path.join(step_dir, item_name)

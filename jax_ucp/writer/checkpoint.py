@@ -15,7 +15,6 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
-import shutil
 from collections.abc import Callable, Iterable, Mapping
 
 from jax_ucp import format as fmt
@@ -52,7 +51,7 @@ def write_host_checkpoint(
             )
             commit.commit(tmp, dest)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            commit.discard(tmp, "temporary directory of a failed import")
             raise
     return dest
 
@@ -175,7 +174,7 @@ def write_shared_checkpoint(
             agree(gather, "committed", committed, dest, wait=not primary)
         except BaseException:
             if tmp is not None:  # the primary's, still holding the lock: never committed
-                shutil.rmtree(tmp, ignore_errors=True)
+                commit.discard(tmp, "temporary directory of a failed shared import")
             raise
     return dest
 

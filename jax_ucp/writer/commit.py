@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -23,6 +24,10 @@ from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.format import UCPError
 from jax_ucp.writer import durable
+
+# Every destructive file operation and every commit is logged here (as Orbax's atomicity module
+# logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
+log = logging.getLogger(__name__)
 
 ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
 TMP_MARK = ".ucp-tmp-"
@@ -69,7 +74,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
         except ValueError:
             continue
         if owner == host and pid_num != os.getpid() and not _pid_alive(pid_num):
-            shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
+            discard(os.path.join(parent, d), f"left by process {pid_num}, which is gone")
             removed.append(d)
     return removed
 
@@ -81,7 +86,14 @@ def remove_failed_save_leftovers(dest: str) -> None:
         return
     for d in os.listdir(parent):
         if d.startswith(name + ORBAX_TMP_MARK) or d.startswith(name + TMP_MARK):
-            shutil.rmtree(os.path.join(parent, d), ignore_errors=True)
+            discard(os.path.join(parent, d), "temporary directory of a failed save")
+
+
+def discard(path: str, why: str) -> None:
+    """Removes a temporary directory jax_ucp itself made (never a user's), logging it; errors are
+    ignored, as for any clean-up (the next save removes what is left)."""
+    log.info("removing %s (%s)", path, why)
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def commit(tmp: str, path: str) -> None:
@@ -92,6 +104,7 @@ def commit(tmp: str, path: str) -> None:
         replace_committed(path + REPLACING, path)
     else:
         os.rename(tmp, path)
+        log.info("committed %s", path)
     durable.fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
@@ -107,6 +120,7 @@ def replace_committed(new: str, path: str) -> None:
     os.rename(path, old)
     os.rename(new, path)
     durable.fsync_path(os.path.dirname(os.path.abspath(path)))
+    log.info("committed %s, replacing the checkpoint that was there", path)
     _remove(old)
 
 
@@ -121,6 +135,7 @@ def recover_interrupted_swap(path: str) -> None:
     if not os.path.lexists(path):
         for survivor in (newer, older):
             if os.path.isdir(survivor):
+                log.warning("completing an interrupted replacement: %s -> %s", survivor, path)
                 os.rename(survivor, path)
                 durable.fsync_path(os.path.dirname(os.path.abspath(path)))
                 break
@@ -232,6 +247,7 @@ def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> 
     if not replacing and os.path.isdir(path):
         try:
             os.rmdir(path)
+            log.info("removed the empty directory %s to save there", path)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -368,6 +384,8 @@ def _shown(parent: str, name: str) -> str:
 
 def _remove(path: str) -> None:
     """A directory tree, or a plain file / link that a forced write replaced."""
+    if os.path.lexists(path):
+        log.info("removing %s", path)
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path)
     elif os.path.lexists(path):
@@ -406,6 +424,7 @@ def object_store_lock(url: str):
             continue  # released meanwhile
         owner = _lock_owner(held[0])
         if _lock_is_stale(owner, me):
+            log.warning("taking over %s: its process %s is gone", where, (owner or {}).get("pid"))
             location.delete(url, LOCK_OBJECT, if_equal=held[1])  # of two takers, one wins
             continue
         who = (
@@ -484,6 +503,8 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
             f"{url}: holds objects that no jax_ucp save of this prefix wrote ({shown}); refusing "
             f"to save here even with force=True (nothing was deleted). Choose a new prefix."
         )
+    if names:
+        log.info("deleting %d objects a killed save of %s left there", len(names), url)
     location.delete_names(url, names)
 
 
@@ -492,4 +513,7 @@ def remove_object_store_leftovers(url: str) -> None:
     location = store.location
     names = location.list_names(url)
     if fmt.MANIFEST_FILE not in names:
-        location.delete_names(url, [n for n in names if _LEFTOVER.fullmatch(n)])
+        own = [n for n in names if _LEFTOVER.fullmatch(n)]
+        if own:
+            log.info("deleting %d objects of the failed save of %s", len(own), url)
+        location.delete_names(url, own)
