@@ -364,7 +364,7 @@ def run_experiment(
         f_base = ex.submit(_spawn, job("baseline", "baseline", TRAIN_MESH), 8, workdir, timeout)
         log(
             f"[{time.time() - t0:6.1f}s] train on 8 devices {TRAIN_MESH} killed at step "
-            f"{train['killed_at']}; committed checkpoints: {sorted(os.listdir(ckpt))}"
+            f"{train['killed_at']}\n          committed checkpoints: {sorted(os.listdir(ckpt))}"
         )
         futs = {}
         for v in variants:
@@ -387,8 +387,9 @@ def run_experiment(
         for v, f in futs.items():
             r = f.result()
             log(
-                f"[{time.time() - t0:6.1f}s] ({v}) {VARIANTS[v][3]}: resumed from step "
-                f"{r['restored_from']}, restored state bit-exact: {r['bit_exact']}"
+                f"[{time.time() - t0:6.1f}s] ({v}) {VARIANTS[v][3]}\n"
+                f"          resumed from step {r['restored_from']}, restored state bit-exact: "
+                f"{r['bit_exact']}"
             )
             results[v] = r
     for v, r in results.items():
@@ -415,13 +416,13 @@ def run_experiment(
 
 
 def format_table(result: dict, every: int = 1) -> str:
+    """The report, within 80 columns: per step the baseline loss and each variant's |Δ| from
+    it (the variants' own losses are in --json), then one line per run."""
     base, vs = result["baseline"]["losses"], result["variants"]
     names = list(vs)
     r0 = min(min(v["losses"]) for v in vs.values()) if vs else 0
     lines = []
-    hdr = f"{'step':>5} {'baseline':>12}" + "".join(
-        f" {'(' + n + ') loss':>12} {'|Δ|':>9}" for n in names
-    )
+    hdr = f"{'step':>5} {'baseline':>12}" + "".join(f" {'|Δ| (' + n + ')':>9}" for n in names)
     lines += [hdr, "-" * len(hdr)]
     steps = sorted(s for s in base if s >= r0)
     for i, s in enumerate(steps):
@@ -430,31 +431,45 @@ def format_table(result: dict, every: int = 1) -> str:
         row = f"{s:>5} {base[s]:>12.7f}"
         for n in names:
             got = vs[n]["losses"].get(s)
-            row += (
-                f" {got:>12.7f} {abs(got - base[s]):>9.2e}"
-                if got is not None
-                else f" {'':>12} {'':>9}"
-            )
+            row += f" {abs(got - base[s]):>9.2e}" if got is not None else f" {'':>9}"
         lines.append(row)
+    lines.append("|Δ|: |loss - baseline| of each variant resumed from the checkpoint")
     lines.append("")
     lines.append(
-        f"{'variant':<8} {'processes×devices':<18} {'mesh (data,fsdp,tp)':<20} {'from':>5} "
-        f"{'steps':>6} {'bit-exact':>10} {'max |Δloss|':>12} {'max rel':>9} {'= baseline':>11}"
+        f"{'run':<7} {'p×d':<4} {'mesh d,f,t':<10} {'from':>4} {'steps':>5} {'exact':>5} "
+        f"{'max |Δloss|':>11} {'max rel':>8} {'=base':>5}"
     )
     t = result["train"]
     lines.append(
-        f"{'train':<8} {'1×8':<18} {str(tuple(t['mesh'])):<20} {0:>5} {len(t['losses']):>6} "
-        f"{'-':>10} {0.0 if t['matches_baseline_bitwise'] else float('nan'):>12.2e} {'':>9}"
-        f"  (killed at step {t['killed_at']}; identical to baseline: {t['matches_baseline_bitwise']})"
+        f"{'train':<7} {'1×8':<4} {_mesh(t['mesh']):<10} {0:>4} {len(t['losses']):>5} "
+        f"{'-':>5} {'-':>11} {'-':>8} {str(t['matches_baseline_bitwise']):>5}"
     )
     for n, v in vs.items():
         pd = f"{v['processes']}×{v['devices'] // v['processes']}"
         lines.append(
-            f"({n}){'':<5} {pd:<18} {str(tuple(v['mesh'])):<20} {v['restored_from']:>5} "
-            f"{v['continued_steps']:>6} {str(v['bit_exact']):>10} {v['max_deviation']:>12.2e} "
-            f"{v['max_rel_deviation']:>9.2e} {str(v['matches_baseline_bitwise']):>11}"
+            f"{'(' + n + ')':<7} {pd:<4} {_mesh(v['mesh']):<10} {v['restored_from']:>4} "
+            f"{v['continued_steps']:>5} {str(v['bit_exact']):>5} {v['max_deviation']:>11.2e} "
+            f"{v['max_rel_deviation']:>8.1e} {str(v['matches_baseline_bitwise']):>5}"
         )
-    return "\n".join(lines)
+    lines.append(
+        f"train: killed at step {t['killed_at']}; its steps identical to the baseline's: "
+        f"{t['matches_baseline_bitwise']}. exact: the restored state's fingerprint equals the "
+        f"saved one; =base: every continued loss equals the baseline's bit for bit."
+    )
+    for n in names:
+        lines.append(f"({n}) {VARIANTS[n][3]}" if n in VARIANTS else f"({n})")
+    return "\n".join(_fold(line, 80) for line in lines)
+
+
+def _mesh(shape) -> str:
+    return ",".join(map(str, shape))
+
+
+def _fold(line: str, width: int) -> str:
+    """A prose line wrapped at spaces to ``width`` (table rows are built narrower)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, width, subsequent_indent="  ")) if line else line
 
 
 def plot(result: dict, path: str) -> None:
@@ -612,7 +627,8 @@ def main(argv=None) -> int:
 
     temporary = a.workdir is None  # ours to remove, except the plot and JSON the user keeps
     workdir = a.workdir or tempfile.mkdtemp(prefix="elastic_resume_")
-    print(f"setup: {setup}\nworkdir: {workdir}")
+    print(_fold(f"setup: {setup}", 80))
+    print(f"workdir: {workdir}")
     try:
         result = run_experiment(setup, workdir, variants=tuple(a.variants), jobs=a.jobs)
     finally:

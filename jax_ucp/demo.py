@@ -82,6 +82,42 @@ def _spec(a) -> str:
     return "host numpy"
 
 
+def _short_dtype(dtype) -> str:
+    return {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}.get(str(dtype), str(dtype))
+
+
+def _table(rows, width: int):
+    """The demo's table within ``width`` columns: tensor names wrap at ``/`` (continuation
+    lines indented), the other columns keep their width. Cells are plain text."""
+    from rich.table import Table
+    from rich.text import Text
+
+    header = ("params", "shape", "saved", "A", "B", "ok")
+    others = [max(len(header[c]), *(len(r[c]) for r in rows)) for c in range(1, 5)]
+    room = max(width - sum(w + 2 for w in others) - 4, 12)
+    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    for c, title in enumerate(header):
+        table.add_column(title, no_wrap=c != 0, overflow="fold")
+    for name, shape, saved, ra, rb, ok in rows:
+        mark = Text("✓", style="green") if ok else Text("✗", style="red")
+        cells = (_wrap(name, room), shape, saved, ra, rb)
+        table.add_row(*(Text(c) for c in cells), mark)
+    return table
+
+
+def _wrap(name: str, width: int) -> str:
+    """A ``/``-joined name cut at ``/`` into lines of at most ``width``."""
+    lines, line = [], ""
+    for i, part in enumerate(name.split("/")):
+        piece = part if i == 0 else "/" + part
+        if line.strip() and len(line) + len(piece) > width:
+            lines.append(line)
+            line = "  " + piece
+        else:
+            line += piece
+    return "\n".join([*lines, line])
+
+
 def run(directory: str | None = None, console=None) -> bool:
     """Runs the demo; returns True when every restored tensor is bit-exact.
 
@@ -99,12 +135,12 @@ def _run(directory: str, console) -> bool:
     import numpy as np
     from jax.sharding import Mesh
     from rich.console import Console
-    from rich.table import Table
+    from rich.markup import escape
 
     import jax_ucp
     from jax_ucp.handler.tree import flatten
 
-    console = console or Console(width=max(160, Console().width))
+    console = console or Console()
     if jax.device_count() < 8:
         raise RuntimeError(
             f"the demo needs 8 devices, JAX has {jax.device_count()} "
@@ -118,7 +154,7 @@ def _run(directory: str, console) -> bool:
     m = jax_ucp.inspect(path)
     console.print(
         f"[bold]Saved[/bold] {len(m.tensors)} tensors, {m.nbytes / 2**20:.1f} MiB, from an "
-        f"8-device mesh (data=2, model=4) to [cyan]{path}[/cyan]"
+        f"8-device mesh (data=2, model=4) to [cyan]{escape(path)}[/cyan]"
     )
 
     # Target A: 4 devices, other axis names → logical rules map the recorded axis names.
@@ -134,26 +170,12 @@ def _run(directory: str, console) -> bool:
         return {key: leaf for key, _, leaf in flatten(tree)[0]}
 
     fa, fb, fp = flat(a), flat(b), flat(plain)
-    table = Table(title="What moved where (PartitionSpec per tensor)")
-    for col in (
-        "tensor",
-        "shape",
-        "dtype",
-        "saved: 8 dev (data 2, model 4)",
-        "restored: 4 dev (fsdp 2, tp 2) via rules",
-        "restored: 2 dev (data 1, model 2) via mesh=",
-        "bit-exact",
-    ):
-        table.add_column(col, no_wrap=col == "tensor")
-    all_ok = True
+    rows, values, specs, all_ok = [], [], {}, True
     for key, x in flat(state).items():
-        name = "/".join(key)
         ra, rb, rp = fa.get(key), fb.get(key), fp.get(key)
         if not hasattr(x, "shape"):
             ok = ra == x and rb == x and rp == x
-            table.add_row(
-                name, "-", type(x).__name__, repr(x), repr(ra), repr(rb), "✓" if ok else "✗"
-            )
+            values.append(f"{'/'.join(key)}={x!r}{'' if ok else ' ✗'}")
             all_ok &= bool(ok)
             continue
         want = np.asarray(x)
@@ -164,16 +186,33 @@ def _run(directory: str, console) -> bool:
             for r in (ra, rb, rp)
         )
         all_ok &= ok
-        table.add_row(
-            name,
-            str(tuple(x.shape)),
-            str(x.dtype),
-            _spec(x),
-            _spec(ra),
-            _spec(rb),
-            "[green]✓[/green]" if ok else "[red]✗[/red]",
+        specs[key] = (_spec(x), _spec(ra), _spec(rb))
+        if key[0] == "params":
+            shape = "x".join(map(str, x.shape)) or "()"
+            rows.append(("/".join(key[1:]), f"{shape} {_short_dtype(x.dtype)}", *specs[key], ok))
+        elif not ok:
+            rows.append(("/".join(key), str(x.shape), *specs[key], ok))
+    console.print(
+        "Restored onto two other meshes and as host numpy, each byte checked:\n"
+        "  saved: 8 devices, mesh (data 2, model 4)\n"
+        "  A: 4 devices (fsdp 2, tp 2), logical rules vocab→tp, embed→fsdp, mlp→tp\n"
+        "  B: 2 devices (data 1, model 2), mesh= alone: saved specs kept where they fit",
+        highlight=False,
+    )
+    console.print(_table(rows, console.width), highlight=False)
+    moments = [k for k in specs if k[0] == "opt_state" and k[2] in ("mu", "nu")]
+    followed = [k for k in moments if specs[k] == specs.get(("params", *k[3:]))]
+    rest = len(specs) - len(rows) - len(moments)
+    console.print(
+        f"not listed: opt_state, {len(moments)} Adam moments ("
+        + (
+            "each with its parameter's specs in all three layouts"
+            if followed == moments
+            else f"{len(moments) - len(followed)} with other specs than their parameter"
         )
-    console.print(table)
+        + f") and {rest} other tensor(s), all ✓; values {', '.join(values)}",
+        highlight=False,
+    )
     console.print(
         "[bold green]All tensors restored bit-exact.[/bold green]"
         if all_ok

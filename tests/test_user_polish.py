@@ -283,3 +283,68 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_demo_fits_80_columns_and_says_what_it_left_out():
+    r = _cli("demo", columns=80)
+    assert r.exit_code == 0, r.output
+    assert _fits(r.output), r.output
+    lines = r.output.splitlines()
+    header = next(line for line in lines if line.startswith("params "))
+    assert header.split() == ["params", "shape", "saved", "A", "B", "ok"]
+    assert any(
+        line.split()[:5] == ["embedding", "512x64", "bf16", "(model,", "data)"] for line in lines
+    )
+    text = " ".join(r.output.split())
+    assert (
+        "not listed: opt_state, 18 Adam moments (each with its parameter's specs in all three "
+        "layouts) and 1 other tensor(s), all ✓; values data_position/epoch=3, "
+        "data_position/offset=12345, step=1000" in text
+    )
+    assert lines[-1] == "All tensors restored bit-exact."
+
+
+def test_elastic_resume_report_fits_80_columns_synthetic():
+    """The example's report from a made-up result (the real run is tests/test_elastic_resume)."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import elastic_resume as E
+
+    base = {s: 1.0 + s / 64 for s in range(40)}
+    variants = {
+        n: {
+            "losses": {s: base[s] + (0.0 if n == "e" else 2**-20) for s in range(20, 40)},
+            "processes": 2 if n == "d" else 1,
+            "devices": 4,
+            "mesh": list(E.VARIANTS[n][0]),
+            "restored_from": 20,
+            "continued_steps": 20,
+            "bit_exact": True,
+            "max_deviation": 0.0 if n == "e" else 2**-20,
+            "max_rel_deviation": 0.0 if n == "e" else 2**-21,
+            "matches_baseline_bitwise": n == "e",
+        }
+        for n in E.VARIANTS
+    }
+    train = {"mesh": [2, 2, 2], "losses": dict.fromkeys(range(24), 1.0)}
+    train |= {"matches_baseline_bitwise": True, "killed_at": 24}
+    table = E.format_table({"baseline": {"losses": base}, "variants": variants, "train": train})
+    assert _fits(table), table
+    lines = table.splitlines()
+    words = [w for n in E.VARIANTS for w in ("|Δ|", f"({n})")]
+    assert lines[0].split() == ["step", "baseline", *words]
+    assert lines[2].split() == ["20", "1.3125000", *(["9.54e-07"] * 4), "0.00e+00", "9.54e-07"]
+    row = next(line for line in lines if line.startswith("(d)"))
+    assert row.split() == [
+        "(d)",
+        "2×2",
+        "2,1,2",
+        "20",
+        "20",
+        "True",
+        "9.54e-07",
+        "4.8e-07",
+        "False",
+    ]
+    assert f"(d) {E.VARIANTS['d'][3]}" in lines
