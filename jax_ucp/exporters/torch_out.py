@@ -250,11 +250,6 @@ def _with_tensors(obj: Any, name: str) -> Any:
     return obj
 
 
-def tensor_pickle(array_shape: Sequence[int], dtype: np.dtype, name: str) -> bytes:
-    """``data.pkl`` of a ``torch.save``'d contiguous tensor stored as storage ``"0"``."""
-    return dumps(_rebuild(TensorSlot(0, tuple(array_shape), np.dtype(dtype)), name))
-
-
 def write_torch_save(
     f,
     obj: Any = None,

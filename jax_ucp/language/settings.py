@@ -204,10 +204,6 @@ def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
 _TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
 
 
-def template_fields(template: str) -> list[str]:
-    return _TEMPLATE_FIELD.findall(template.replace("{{", "").replace("}}", ""))
-
-
 def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
     """``{name}`` -> value of a captured variable or setting; ``{expr}`` -> integer expression
     (numbered regex groups are ``{1}`` or ``_1`` inside expressions); ``{{``/``}}`` escape braces."""

@@ -582,16 +582,6 @@ class ShardReader:
                 )
         return RegionRead(self, list(dests))
 
-    def read_region(self, region: tuple[tuple[int, int], ...]) -> np.ndarray:
-        """``region`` ((start, stop) per dimension) as a new array, read in this thread."""
-        out = np.empty(tuple(b - a for a, b in region), self.dtype)
-        dests = [(region, out)]
-        tasks = self._tasks([region])
-        for task in tasks:
-            self._read_part(*task, dests)
-        self.verify_digests({shard_key(pos) for pos, _ in tasks})
-        return out
-
     def _tasks(self, regions) -> list[tuple[tuple[int, ...], list]]:
         """(shard position, inner-chunk positions) batches covering every region, each chunk
         once: the units read in parallel (a batch is at most ~``_BATCH_BYTES``, so one big shard
