@@ -1,6 +1,9 @@
 """Orbax's v1 API (``orbax.checkpoint.experimental.v1``): jax_ucp as a registered
 ``CheckpointableHandler``, so ``ocp.save_checkpointables`` / ``ocp.load_checkpointables``,
-``ocp.save`` / ``ocp.load`` and ``ocp.training.Checkpointer`` write and read UCP checkpoints.
+``ocp.save`` and ``ocp.training.Checkpointer`` (``save``, ``load_checkpointables``) write and
+read UCP checkpoints. ``ocp.load`` / ``Checkpointer.load`` do not: Orbax checks for its own
+``_METADATA`` file before it asks any handler; ``load_checkpointables`` with the same name is
+the v1 call that reads them.
 
 The v1 handler is a thin adapter over the v0 :class:`UCPCheckpointHandler`: ``save`` decides the
 layout and copies this process's shards to host in the caller's thread (what v1 expects of the
@@ -9,8 +12,11 @@ directory, then ``ucp.json`` last. Orbax's v1 layer calls no ``finalize``, so th
 writes the manifest itself; v1 saves are therefore single-process (a multi-process job saves
 through the v0 ``CheckpointManager`` path, whose ``finalize`` runs after every process wrote).
 
-Importing this module registers :class:`UCPHandler` in v1's global registry (idempotent):
-``jax_ucp.UCPHandler`` does it on first use.
+Registered the way Orbax registers any handler: ``ocp.handlers.register_handler(
+jax_ucp.UCPHandler, secondary_typestrs=jax_ucp.handler.orbax_v1.SECONDARY_TYPESTRS)`` once
+per process (the typestrs: v0 CheckpointManager steps saved with ``UCPSave`` load too) (then ``UCPSave`` / ``UCPRestore`` checkpointables and
+every item it wrote resolve to it), or scoped with :func:`context`, which needs no global
+registration. Nothing is registered on import: a v1 user who does not ask keeps Orbax's handlers.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ from jax_ucp import store
 from jax_ucp.handler.checkpoint_handler import UCPCheckpointHandler, UCPRestore, UCPSave
 
 STATE = "state"  # Orbax v1's name for the pytree of ocp.save / ocp.load
+#: what Orbax records for items the v0 ``UCPCheckpointHandler`` wrote (CheckpointManager steps):
+#: ``register_handler(UCPHandler, secondary_typestrs=SECONDARY_TYPESTRS)`` lets v1 read them
+SECONDARY_TYPESTRS = (f"{UCPCheckpointHandler.__module__}.{UCPCheckpointHandler.__qualname__}",)
 
 
 class UCPHandler:
@@ -97,8 +106,9 @@ def context(name: str = STATE, *, base: Any = None):
     as in the global registry. ``base``: a ``Context`` whose other options are kept.
 
     ``with jax_ucp.orbax_v1_context(): ocp.save(path, state)`` then writes a UCP checkpoint
-    under ``path/state``, and ``ocp.load(path, abstract_state)`` restores it onto the shardings
-    of ``abstract_state``'s leaves (any mesh).
+    under ``path/state``, and ``ocp.load_checkpointables(path, {"state": abstract_state})``
+    restores it onto the shardings of ``abstract_state``'s leaves (any mesh). ``UCPSave`` /
+    ``UCPRestore`` under other names resolve to :class:`UCPHandler` too.
     """
     registry = ocp_v1.handlers.local_registry(include_global_registry=False)
     for handler, scoped in ocp_v1.handlers.global_registry().get_all_entries():
@@ -110,17 +120,11 @@ def context(name: str = STATE, *, base: Any = None):
                     handler
                 ),
             )
+    registry.add(UCPHandler, secondary_typestrs=SECONDARY_TYPESTRS)
     registry.add(UCPHandler, checkpointable_name=name)
-    options = ocp_v1.options.CheckpointablesOptions(registry=registry)
-    return ocp_v1.Context(base, checkpointables_options=options)
+    ctx = ocp_v1.Context(base)
+    ctx.checkpointables.registry = registry
+    return ctx
 
 
-def register() -> None:
-    """Adds :class:`UCPHandler` to Orbax v1's global registry (once)."""
-    registry = ocp_v1.handlers.global_registry()
-    if not any(h is UCPHandler for h, _ in registry.get_all_entries()):
-        ocp_v1.handlers.register_handler(UCPHandler)
-
-
-register()
 orbax_v1_context = context  # jax_ucp.orbax_v1_context

@@ -195,17 +195,32 @@ def _flatten(tree) -> list[tuple[tuple[str, ...], Any]]:
     return out
 
 
+_OPTAX_FIELDS = ("mu", "nu", "count", "trace", "ema", "master")
+
+
+def _role(key: tuple[str, ...]) -> tuple[str, str | None]:
+    """The manifest role a JAX save gives the same tree path (the handler's rule, which this
+    layer may not import): ``params`` -> param, ``opt_state``/``optimizer``/``opt`` ->
+    opt_state with the optax field as sub-role, anything else other."""
+    top = key[0] if key else None
+    if top == "params":
+        return "param", None
+    if top == "model_params":
+        return "param", "model"
+    if top in ("opt_state", "optimizer", "opt"):
+        return "opt_state", next((c for c in key[1:] if c in _OPTAX_FIELDS), None)
+    return "other", None
+
+
 def _items(leaves) -> Iterator[writer.HostItem]:
     import orbax.checkpoint as ocp
     import tensorstore as ts
     from etils import epath
 
-    from jax_ucp.handler.save_plan import role_of
-
     contexts: dict[bool, Any] = {}
     strings: dict[str, dict] = {}
     for key, name, path, leaf, ocdbt, zarr3 in leaves:
-        role, sub_role = role_of(key)
+        role, sub_role = _role(key)
         provenance = {"file": name, "tensors": [name]}
         kind = type(leaf).__name__
         if kind == "StringMetadata":
