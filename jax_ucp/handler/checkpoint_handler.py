@@ -243,7 +243,7 @@ class UCPSave(ocp.args.CheckpointArgs):
       inner_chunk_bytes: bound on inner chunks in bytes (what a reader fetches at least);
         None: the store's default.
       checksum: "crc32c" (default: every inner chunk and shard index verified on read) or None
-        (restores ~2x faster on 2 cores, corruption then goes undetected).
+        (corruption then goes undetected; restores no faster here: docs/BENCHMARKS.md).
       source: provenance recorded in the manifest (a JSON object).
     """
 
