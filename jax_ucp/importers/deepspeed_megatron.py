@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.importers import deepspeed_files, deepspeed_zero
+from jax_ucp.importers import deepspeed_affine, deepspeed_files, deepspeed_zero
 from jax_ucp.importers.deepspeed_files import DeepSpeedImportError
 from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
 from jax_ucp.importers.deepspeed_zero import (
@@ -88,6 +88,8 @@ class MegatronDeepSpeedCheckpoint:
     global_steps: int | None = None
     model_states: Mapping = field(default_factory=dict)
     matches: dict = field(default_factory=dict)  # name -> the spec's ImportMatch
+    # AutoTP: name -> its affine map (preferred to the rule's kind, as ds_to_universal does)
+    affine: dict[str, deepspeed_affine.AffineMap] = field(default_factory=dict)
 
     @property
     def optim_files(self) -> list[str]:
@@ -152,6 +154,23 @@ def open_megatron_deepspeed_checkpoint(
     missing = [name for name in names if name not in checkpoint.matches]
     if missing:
         raise DeepSpeedImportError(f"{tag_dir}: no import rule covers {missing[:10]}")
+    maps = deepspeed_affine.parse_affine_maps(
+        info, f"{rank_files.first_model_file}: universal_checkpoint_info", rank_files.tp
+    )
+    for name in names:
+        amap = deepspeed_affine.map_for(maps, name)
+        if amap is None:
+            continue
+        stage = holders[name][0]
+        for tp_rank, rank in enumerate(ranks[stage]):
+            local = rank.shapes[name]
+            if math.prod(local) != math.prod(amap.shard_shapes[tp_rank]):
+                raise DeepSpeedImportError(
+                    f"{rank.model_file}: {name!r} has param_shapes {tuple(local)} on TP rank "
+                    f"{tp_rank}; affine_map {amap.pattern!r} describes a shard of "
+                    f"{list(amap.shard_shapes[tp_rank])}"
+                )
+        checkpoint.affine[name] = amap
     return checkpoint
 
 
@@ -239,11 +258,6 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
         raise DeepSpeedImportError(
             f"{where}: universal_checkpoint_info marks parameters as not convertible: "
             + ", ".join(f"{p}: {why}" for p, why in sorted(dict(unsupported).items()))
-        )
-    if (info.get("affine_map") or {}).get("params"):
-        raise DeepSpeedImportError(
-            f"{where}: universal_checkpoint_info carries an affine_map (geometric per-parameter "
-            f"layouts); this importer does not read affine maps yet"
         )
     return spec, info
 
@@ -559,6 +573,9 @@ def _stored_copy_used(checkpoint: MegatronDeepSpeedCheckpoint, name: str) -> boo
     """Whether ``model_params/<name>`` is the stored copy merged (else the master cast)."""
     if name not in checkpoint.matches or checkpoint.model_dtype == np.dtype(np.float32):
         return False
+    if name in checkpoint.affine:
+        scaled = any(p.scale != 1.0 for ps in checkpoint.affine[name].pieces.values() for p in ps)
+        return not scaled and len(checkpoint.module.get(name, {})) == checkpoint.tp
     tp_kind, _ = _tp_kind(checkpoint, name, checkpoint.matches[name].kind)
     merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
     return (
@@ -585,12 +602,18 @@ def _parameter_items(
             for tp_rank in range(checkpoint.tp)
         )
 
+    amap = checkpoint.affine.get(name)
+    if amap is not None:
+        provenance["kind"] = {"kind": "affine_map", "pattern": amap.pattern}
     fp32 = None
     for state_name, tree in STATE_TREES:
         per_stage = [_tp_fragments(checkpoint, stage, name, state_name) for stage in stages]
-        value = _merge(
-            checkpoint, name, kind, per_stage if len(stages) > 1 else per_stage[0], files_of
-        )
+        if amap is not None:
+            value = _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of)
+        else:
+            value = _merge(
+                checkpoint, name, kind, per_stage if len(stages) > 1 else per_stage[0], files_of
+            )
         sources = [
             n
             for stage in stages
@@ -606,6 +629,33 @@ def _parameter_items(
         yield _model_copy_item(
             checkpoint, name, tp_kind, fp32, dict(provenance, tensors=fp32_sources)
         )
+
+
+def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np.ndarray:
+    """The parameter rebuilt by its affine map on every stage holding it (which must agree),
+    then the vocabulary padding stripped as ds_to_universal does after a map."""
+    try:
+        values = [deepspeed_affine.rebuild(amap, f, state_name, name) for f in per_stage]
+    except DeepSpeedImportError as e:
+        raise DeepSpeedImportError(f"{e} [files: {files_of()}]") from None
+    for stage, other in zip(checkpoint.holders[name][1:], values[1:]):
+        if other.tobytes() != values[0].tobytes():
+            raise DeepSpeedImportError(
+                f"{name}: pipeline stage {stage} holds another {state_name} than stage "
+                f"{checkpoint.holders[name][0]} [files: {files_of()}]"
+            )
+    value = values[0]
+    match = checkpoint.matches.get(name)
+    if match is not None and _is_vocab(match.kind):
+        size = checkpoint.info.get("original_vocab_size")
+        if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= value.shape[0]:
+            value = value[:size]
+    return value
+
+
+def _is_vocab(kind) -> bool:
+    kind = kind.inner if isinstance(kind, PipelineTied) else kind
+    return isinstance(kind, Vocab)
 
 
 def _tp_fragments(
@@ -650,6 +700,8 @@ def _model_copy_item(
     the master cast."""
     stored = checkpoint.module.get(name, {})
     merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
+    if name in checkpoint.affine:
+        merged = None if _stored_copy_used(checkpoint, name) else Averaged()
     if isinstance(merged, Averaged) or len(stored) != checkpoint.tp:
         return host_item(
             ("model_params", name),
@@ -671,7 +723,12 @@ def _model_copy_item(
                 f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
             )
     files = sorted({stored[tp_rank][1] for tp_rank in range(checkpoint.tp)})
-    value = _merge(checkpoint, name, tp_kind, fragments, lambda: files)
+    if name in checkpoint.affine:
+        value = _affine_merge(
+            checkpoint, name, checkpoint.affine[name], [fragments], "module", lambda: files
+        )
+    else:
+        value = _merge(checkpoint, name, tp_kind, fragments, lambda: files)
     sources = [stored[tp_rank][2] for tp_rank in range(checkpoint.tp)]
     return host_item(
         ("model_params", name),
