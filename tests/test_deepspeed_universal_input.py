@@ -22,7 +22,14 @@ from jax_ucp.importers.deepspeed_files import DeepSpeedImportError
 from jax_ucp.importers.detect import plan_import
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
-RUNS = ["z1_bf16_dp2", "z2_fp32_dp3", "z3_bf16_dp2", "z2_bf16_dp2_frozen", "z3_bf16_dp2_frozen"]
+RUNS = [
+    "z1_bf16_dp2",
+    "z2_fp32_dp3",
+    "z3_bf16_dp2",
+    "z2_bf16_dp2_frozen",
+    "z3_bf16_dp2_frozen",
+    "autotp_tp2_dp2_z2_bf16",
+]
 
 
 def _flat(path):
