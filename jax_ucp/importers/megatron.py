@@ -363,12 +363,8 @@ def _plan_torch_dist(
         skipped = {n: f"weights_only: optimizer state (layout {layout})" for n in optimizer_names}
         optimizer_tensors = {}
     elif chained is not None:
-        raise MegatronImportError(
-            f"{checkpoint.path / '.metadata'}: the optimizer state is megatron-core's "
-            f"ChainedOptimizer ({len(chained)} optimizers, layouts {chained}: e.g. MoE expert "
-            f"parameters in their own grad buffer and optimizer, keys 'chained_N.optimizer.*'), "
-            f"which is not supported ({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
-        )
+        buckets = _chained_states(checkpoint, model_names, settings, chained)
+        optimizer_tensors = {} if buckets is not None else _optimizer_tensors(checkpoint, common)
     elif _sharding_type(common) == "dp_reshardable":
         buckets = _BucketStates(checkpoint, model_names, settings)
         optimizer_tensors = {}
@@ -397,7 +393,19 @@ def _plan_torch_dist(
     if optimizer_tensors:
         _check_optimizer_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)
         optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
-        count = _step_from_param_groups(_param_groups(optimizer_state), str(common_path))
+        if chained is not None:  # one param_groups per ChainedOptimizer member, one step
+            steps = {
+                _step_from_param_groups(_param_groups(part), f"{common_path} (optimizer {i})")
+                for i, part in sorted(optimizer_state.items())
+            }
+            if len(steps) != 1:
+                raise MegatronImportError(
+                    f"{common_path}: the ChainedOptimizer's members disagree on the step "
+                    f"{sorted(steps)}"
+                )
+            count = steps.pop()
+        else:
+            count = _step_from_param_groups(_param_groups(optimizer_state), str(common_path))
     elif buckets is not None:
         count = buckets.step()
     reader = _TorchDistReader(checkpoint, _import_spec(spec, settings))
@@ -477,13 +485,20 @@ def _optimizer_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str, 
     """``{parameter: {state name: tensor name}}`` of the model-space optimizer state."""
     found: dict[str, dict[str, str]] = {}
     for tensor in (n for n in checkpoint.tensors if is_optimizer_name(n)):
-        if not tensor.startswith(_OPTIMIZER_PREFIX):
+        # a ChainedOptimizer (MoE: dense + experts) prefixes each member's keys with chained_N.
+        m = re.match(r"(chained_\d+\.)?" + re.escape(_OPTIMIZER_PREFIX), tensor)
+        if m is None:
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "
                 f"distributed-optimizer layout ({_sharding_type(common)!r}); "
                 f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
-        state_name, _, parameter = tensor[len(_OPTIMIZER_PREFIX) :].partition(".")
+        state_name, _, parameter = tensor[m.end() :].partition(".")
+        if state_name in found.get(parameter, {}):
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: both {found[parameter][state_name]!r} and "
+                f"{tensor!r} hold {state_name!r} of {parameter!r}"
+            )
         if state_name not in _OPTIMIZER_STATE_TREES:
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unknown optimizer state "
@@ -665,7 +680,7 @@ class _TorchDistReader:
 
 
 _BUCKET_KEY = re.compile(
-    r"optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+    r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
     r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
 )
 
@@ -686,13 +701,29 @@ class _RankStates:
     STATES = ("param", "exp_avg", "exp_avg_sq")
     layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
 
+    #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
+    prefix = ""
+    #: Whether this is the expert optimizer of a MoE ChainedOptimizer: its parameters are
+    #: SequentialMLP's experts, saved stacked ``[layers, experts, ...]``.
+    experts = False
+
     def __init__(
-        self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, ranks: int
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        ranks: int,
+        pp: int | None = None,
     ):
         self.checkpoint = checkpoint
         self.where = where = checkpoint.path / ".metadata"
         self.ranks = ranks
         stacked = [n for n in model_names if n.startswith("decoder.layers.")]
+        if self.experts and stacked != model_names:
+            raise MegatronImportError(
+                f"{where}: expert tensors {sorted(set(model_names) - set(stacked))} are not "
+                f"stacked decoder layers"
+            )
         first = model_names.index(stacked[0]) if stacked else len(model_names)
         if model_names[first : first + len(stacked)] != stacked:
             raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
@@ -701,6 +732,15 @@ class _RankStates:
             raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
         self.layers = layers.pop() if layers else 0
         self.stacked = stacked
+        # SequentialMLP experts, saved [layers, experts, ...]: in the expert optimizer's own
+        # buffer (EP > 1), or in the dense one with the other parameters (EP = 1)
+        self.expert_names = {n for n in stacked if _SEQUENTIAL_EXPERT.fullmatch(n)}
+        self.num_experts = 0
+        if self.expert_names:
+            counts = {checkpoint.tensors[n].shape[1] for n in self.expert_names}
+            if len(counts) != 1:
+                raise MegatronImportError(f"{where}: expert tensors disagree on the count {counts}")
+            self.num_experts = counts.pop()
         self.before = model_names[:first]  # on the first pipeline stage
         self.after = model_names[first + len(stacked) :]  # on the last
         self.tp = self._tp_size(model_names)
@@ -709,7 +749,18 @@ class _RankStates:
                 f"{where}: optimizer state of {ranks} model-parallel ranks, not a multiple of the "
                 f"tensor-parallel size {self.tp} the model tensors are split by"
             )
-        self.pp = ranks // self.tp
+        self.pp = ranks // self.tp if pp is None else pp
+        # the expert optimizer's ranks are megatron-core's expert tensor x expert x pipeline
+        # group ('tp-ep-pp' order): rank = etp_rank + ETP * (ep_rank + EP * stage)
+        self.ep = ranks // (self.tp * self.pp) if self.experts else 1
+        if self.experts and (
+            self.tp * self.ep * self.pp != ranks or not self.ep or self.num_experts % self.ep
+        ):
+            raise MegatronImportError(
+                f"{where}: expert optimizer state of {ranks} ranks does not split into expert "
+                f"TP={self.tp} x PP={self.pp} x EP ranks of {self.num_experts} experts. "
+                f"{WEIGHTS_ONLY_HINT}"
+            )
         if self.layers % self.pp:
             raise MegatronImportError(
                 f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
@@ -727,17 +778,38 @@ class _RankStates:
         )
 
     def _distinct(self, name: str) -> list[dcp.DcpChunk]:
-        """One chunk per distinct place outside the layer axis, sorted by offset."""
-        skip = 1 if name in self.stacked else 0
+        """One chunk per distinct place outside the layer (and expert) axes, sorted by offset."""
+        skip = self._lead(name)
         seen: dict[tuple, dcp.DcpChunk] = {}
         for c in self.checkpoint.tensors[name].chunks:
             seen.setdefault(c.offsets[skip:], c)
         return [seen[k] for k in sorted(seen)]
 
+    def _lead(self, name: str) -> int:
+        """How many leading axes index layers (and experts) rather than the parameter."""
+        return 2 if name in self.expert_names else 1 if name in self.stacked else 0
+
+    def _swiglu(self, name: str) -> bool:
+        """Whether ``name`` is a SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2``
+        takes): megatron-core saves it as two chunks per TP rank (gate, up), even at TP 1."""
+        fc2 = name.replace("linear_fc1.", "linear_fc2.", 1)
+        if fc2 == name:
+            return False
+        fc2 = fc2.rpartition(".")[0] + ".weight"
+        tensors = self.checkpoint.tensors
+        if fc2 not in tensors or not tensors[fc2].shape:
+            return False
+        axis = -2 if name.endswith(".weight") else -1
+        shape = tensors[name].shape
+        return len(shape) >= -axis and shape[axis] == 2 * tensors[fc2].shape[-1]
+
     def _tp_size(self, model_names: list[str]) -> int:
-        """The TP size: the chunk count of the least-split split tensor (SwiGLU's fc1 has two
-        per rank)."""
-        counts = {len(self._distinct(n)) for n in model_names}
+        """The TP size: the chunk count of the least-split split tensor, a SwiGLU fc1's halved
+        (two chunks per rank: at TP 1 it is the only split tensor)."""
+        counts = set()
+        for n in model_names:
+            count = len(self._distinct(n))
+            counts.add(count // 2 if self._swiglu(n) and count % 2 == 0 else count)
         tp = min((c for c in counts if c > 1), default=1)
         if any(c % tp for c in counts if c > 1):
             raise MegatronImportError(
@@ -750,7 +822,7 @@ class _RankStates:
         """TP rank ``tp_rank``'s local shape of ``name`` (per layer), the axis its chunks join
         along (None: replicated), and those chunks."""
         chunks = self._distinct(name)
-        skip = 1 if name in self.stacked else 0
+        skip = self._lead(name)
         shape = self.checkpoint.tensors[name].shape[skip:]
         if len(chunks) == 1:
             return tuple(shape), None, chunks
@@ -775,13 +847,15 @@ class _RankStates:
         per_stage = self.layers // self.pp
         params: list[tuple[str, int]] = []
         shared: set[str] = set()
+        if self.experts:  # the expert optimizer's ranks: expert TP x EP x PP
+            ep_rank, stage = (rank // self.tp) % self.ep, rank // (self.tp * self.ep)
+            for i in range(stage * per_stage, (stage + 1) * per_stage):
+                params += self._layer_params(i, tp_rank, ep_rank)
+            return params, shared
         if stage == 0:
             params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in self.before]
-        params += [
-            (f"{n}#{i}", _numel(self.piece(n, tp_rank)[0]))
-            for i in range(stage * per_stage, (stage + 1) * per_stage)
-            for n in self.stacked
-        ]
+        for i in range(stage * per_stage, (stage + 1) * per_stage):
+            params += self._layer_params(i, tp_rank, 0)
         if stage == self.pp - 1:
             params += [(n, _numel(self.piece(n, tp_rank)[0])) for n in self.after]
         if self.tied_copy is not None:
@@ -793,11 +867,32 @@ class _RankStates:
                 shared.add(copy)
         return params, shared
 
+    def _layer_params(self, layer: int, tp_rank: int, ep_rank: int) -> list[tuple[str, int]]:
+        """Layer ``layer``'s local parameters in module order: the stacked tensors in saved
+        order, a run of expert tensors expanded expert by expert (``local_experts.<e>.fc1,
+        fc2``; EP rank ``ep_rank``'s experts)."""
+        local = self.num_experts // self.ep if self.num_experts else 0
+        out: list[tuple[str, int]] = []
+        run: list[str] = []
+        for n in [*self.stacked, None]:
+            if n is not None and n in self.expert_names:
+                run.append(n)
+                continue
+            out += [
+                (f"{r}#{layer}#{e}", _numel(self.piece(r, tp_rank)[0]))
+                for e in range(ep_rank * local, (ep_rank + 1) * local)
+                for r in run
+            ]
+            run = []
+            if n is not None:
+                out.append((f"{n}#{layer}", _numel(self.piece(n, tp_rank)[0])))
+        return out
+
     def object(self, rank: int, what: str) -> Any:
         names = [
             n
             for n in self.checkpoint.objects
-            if n.startswith(f"optimizer.distributed.dp_group_idx_{rank}.{what}/")
+            if n.startswith(f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.{what}/")
         ]
         if not names:
             return None
@@ -806,7 +901,8 @@ class _RankStates:
     def step_objects(self) -> list[str]:
         """The objects the step is read from (one per model-parallel rank, when saved)."""
         prefixes = tuple(
-            f"optimizer.distributed.dp_group_idx_{rank}.optimizer/" for rank in range(self.ranks)
+            f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer/"
+            for rank in range(self.ranks)
         )
         return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
 
@@ -815,7 +911,9 @@ class _RankStates:
         for rank in range(self.ranks):
             state = self.object(rank, "optimizer")
             groups = state[0].get("param_groups") if isinstance(state, list) and state else None
-            where = f"{self.where} (optimizer.distributed.dp_group_idx_{rank}.optimizer)"
+            where = (
+                f"{self.where} ({self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer)"
+            )
             steps.add(_step_from_param_groups(groups, where))
         if len(steps) != 1:
             raise MegatronImportError(
@@ -840,12 +938,20 @@ class _RankStates:
         """What :meth:`read` takes for ``name``: (rank, layout key, layer, local shape, join
         axis, chunks) of every TP rank's (and pipeline stage's) piece; a tensor replicated over
         TP from TP rank 0 only, a pipeline-tied embedding from the first stage only."""
-        skip = 1 if name in self.stacked else 0
+        skip = self._lead(name)
         per_stage = self.layers // self.pp if self.layers else 1
         for tp_rank in range(self.tp):
             local, axis, chunks = self.piece(name, tp_rank)
             if axis is None and tp_rank:
                 break  # replicated over TP: rank 0's copy
+            if name in self.expert_names:  # expert e of layer i: EP rank e // local experts
+                local_experts = self.num_experts // self.ep
+                for layer in range(self.layers):
+                    for e in range(self.num_experts):
+                        ep_rank, stage = e // local_experts, layer // per_stage
+                        rank = tp_rank + self.tp * (ep_rank + self.ep * stage)
+                        yield rank, f"{name}#{layer}#{e}", (layer, e), local, axis, chunks
+                continue
             for layer in range(self.layers) if skip else [None]:
                 if skip:
                     stage = layer // per_stage
@@ -893,7 +999,7 @@ class _RankStates:
 
     def _unread_why(self, rank: int, key: str) -> str | None:
         name = key.partition("#")[0]
-        if key == f"{self.tied_copy}#tied_output_copy":
+        if not self.experts and key == f"{self.tied_copy}#tied_output_copy":
             return (
                 f"the last pipeline stage's copy of the tied embedding {name!r} (the first "
                 f"stage's state is imported)"
@@ -909,7 +1015,7 @@ class _RankStates:
         together from every TP rank's (and pipeline stage's) local piece."""
         shape = self.checkpoint.tensors[name].shape
         out = np.empty(shape, np.float32)
-        skip = 1 if name in self.stacked else 0
+        skip = self._lead(name)
         for rank, key, layer, local, axis, chunks in self._pieces(name):
             bucket, start, end = self.layout[rank][key]
             value = self.flat(rank, bucket, state, start, end).reshape(local)
@@ -934,19 +1040,29 @@ class _BucketStates(_RankStates):
 
     LAYOUT = "dp_reshardable"
 
-    def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
+    def __init__(
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        prefix: str = "",
+        experts: bool = False,
+        pp: int | None = None,
+    ):
+        self.prefix, self.experts = prefix, experts
         where = checkpoint.path / ".metadata"
         ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
         dtypes: dict[int, set[str]] = {}
         for name in checkpoint.tensors:
-            if not is_optimizer_name(name):
+            if not is_optimizer_name(name) or (prefix and not name.startswith(prefix)):
                 continue
             m = _BUCKET_KEY.fullmatch(name)
-            if m is None or m.group(2) != "0":
+            if m is None or m.group(2) != "0" or (not prefix and name.startswith("chained_")):
+                which = "expert" if experts else "dense"
                 raise MegatronImportError(
                     f"{where}: dp_reshardable optimizer tensor {name!r} is not in grad buffer 0 "
-                    f"of the dense parameters (several dtypes or expert-parallel buffers are not "
-                    f"supported). {WEIGHTS_ONLY_HINT}"
+                    f"of the {which} parameters (several parameter dtypes are not supported). "
+                    f"{WEIGHTS_ONLY_HINT}"
                 )
             rank, bucket = int(m.group(1)), int(m.group(4))
             ranks.setdefault(rank, {}).setdefault(bucket, {})[m.group(5)] = name
@@ -957,7 +1073,7 @@ class _BucketStates(_RankStates):
                 f"expected 0..N-1. {WEIGHTS_ONLY_HINT}"
             )
         self.buckets: dict[int, list[dict[str, str]]] = {}
-        for rank, per_bucket in ranks.items():
+        for rank, per_bucket in sorted(ranks.items()):
             if len(dtypes[rank]) != 1 or sorted(per_bucket) != list(range(len(per_bucket))):
                 raise MegatronImportError(
                     f"{where}: dp_reshardable state of model-parallel rank {rank}: buckets "
@@ -977,7 +1093,7 @@ class _BucketStates(_RankStates):
                         f"shapes {sorted(shapes)}, expected one flat vector per state"
                     )
             self.buckets[rank] = [per_bucket[b] for b in range(len(per_bucket))]
-        super().__init__(checkpoint, model_names, settings, len(ranks))
+        super().__init__(checkpoint, model_names, settings, len(ranks), pp)
         self.layout = {}
         for rank in self.buckets:
             params, shared = self.rank_params(rank)
@@ -1091,6 +1207,79 @@ class _GatheredStates(_RankStates):
 
     def source(self, rank: int, bucket: int, state: str) -> str:
         return self.names[rank]
+
+
+_EXPERT = re.compile(r"decoder\.layers\.mlp\.experts\.")
+_SEQUENTIAL_EXPERT = re.compile(
+    r"decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)"
+)
+
+
+def _chained_states(
+    checkpoint: dcp.DcpCheckpoint,
+    model_names: list[str],
+    settings: dict,
+    chained: list[str | None],
+) -> _ChainedStates | None:
+    """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
+    buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None
+    when every member is ``fully_reshardable`` (model-space tensors, read like a single
+    optimizer's). Anything else is refused naming the layouts."""
+    where = checkpoint.path / ".metadata"
+    experts = [n for n in model_names if _EXPERT.match(n)]
+    dense = [n for n in model_names if n not in experts]
+    if set(chained) == {"fully_reshardable"}:
+        return None
+    odd = [n for n in experts if not _SEQUENTIAL_EXPERT.fullmatch(n)]
+    if set(chained) != {"dp_reshardable"} or len(chained) != 2 or not experts or odd:
+        raise MegatronImportError(
+            f"{where}: the optimizer state is megatron-core's ChainedOptimizer "
+            f"({len(chained)} optimizers, layouts {chained}, expert tensors {odd or experts}); "
+            f"supported: two members (dense, then SequentialMLP experts) both 'dp_reshardable' "
+            f"or both 'fully_reshardable' ({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
+        )
+    first = _BucketStates(checkpoint, dense, settings, prefix="chained_0.")
+    second = _BucketStates(
+        checkpoint, experts, settings, prefix="chained_1.", experts=True, pp=first.pp
+    )
+    return _ChainedStates([first, second])
+
+
+class _ChainedStates:
+    """The members of a MoE ChainedOptimizer's ``dp_reshardable`` state read as one: each
+    model tensor's state from the member holding it (dense: ``chained_0``; experts:
+    ``chained_1``, placed by expert-parallel rank), one step for all."""
+
+    FROM_TENSORS = True
+
+    def __init__(self, parts: list[_RankStates]):
+        self.parts = parts
+        self.owner = {n: p for p in parts for n in (*p.before, *p.stacked, *p.after)}
+        self.LAYOUT = parts[0].LAYOUT
+        self.tp, self.pp, self.where = parts[0].tp, parts[0].pp, parts[0].where
+
+    def read(self, state: str, name: str) -> np.ndarray:
+        return self.owner[name].read(state, name)
+
+    def sources(self, state: str, name: str) -> list[str]:
+        return self.owner[name].sources(state, name)
+
+    def files(self) -> list[str]:
+        return sorted({f for p in self.parts for f in p.files()})
+
+    def unread(self) -> dict[str, str]:
+        return {k: v for p in self.parts for k, v in p.unread().items()}
+
+    def step_objects(self) -> list[str]:
+        return sorted(n for p in self.parts for n in p.step_objects())
+
+    def step(self) -> int:
+        steps = {p.step() for p in self.parts}
+        if len(steps) != 1:
+            raise MegatronImportError(
+                f"{self.where}: the ChainedOptimizer's members disagree on the step {sorted(steps)}"
+            )
+        return steps.pop()
 
 
 def _numel(shape) -> int:
