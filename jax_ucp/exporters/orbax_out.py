@@ -73,7 +73,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             )
             data = value.read()
             t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
-            await t.write(data)
+            await t.write(data, can_reference_source_data_indefinitely=True)  # ours alone
             del data
             if self._progress is not None:
                 self._progress(fmt.key_to_str(value.key), done, self._total)
