@@ -1,20 +1,19 @@
-"""Every ```python block in README.md and docs/*.md runs as written.
+"""Every ```python block in README.md and docs/*.md runs as written, alone.
 
-Each file runs in a fresh Python process (8 CPU devices, XLA_FLAGS as in the docs) whose blocks
-run in order, sharing one namespace, like cells of a notebook. The working directory is a fresh
-temporary directory, so nothing a snippet writes by a relative path lands in the repository; in
-it ``tests`` links to the repository's tests/ because the docs name the committed fixtures
-relative to the repository root (``tests/fixtures/...``). TMPDIR is a temporary directory too.
+Each block runs by itself in a fresh Python process (8 CPU devices, XLA_FLAGS as in the docs),
+as a reader copies one into a file or a notebook cell: its imports and data are its own. The
+working directory is a fresh temporary directory holding nothing of the repository, so a block
+reaches data only through the installed package (``jax_ucp.samples``) or by writing its own;
+TMPDIR is a temporary directory too. A failing block is reported with its file and line
+(tracebacks point into the Markdown file).
 
-A failing block is reported with its file and line (tracebacks point into the Markdown file);
-the blocks after it still run. Blocks known to fail are listed in XFAIL: they are expected
-failures, not strict ones (xfail(strict=False): once fixed they simply pass).
+Blocks known to fail are listed in XFAIL: expected failures, not strict ones (once fixed they
+simply pass).
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import subprocess
@@ -34,28 +33,13 @@ FENCE = re.compile(r"^```python\n(.*?)^```[ \t]*$", re.S | re.M)
 # fixed, not listed. Empty: every block runs.
 XFAIL: dict[str, dict[str, str]] = {}
 
-# Runs in the child: executes the blocks of one file in order in one namespace, recording for
-# each whether it raised (with the traceback), and writes the record as JSON.
+# Runs in the child: executes one block (line numbers padded to the Markdown file's).
 RUNNER = textwrap.dedent(
     """
-    import json, sys, traceback
+    import sys
 
-    doc, blocks_json, out = sys.argv[1:4]
-    with open(blocks_json) as f:
-        blocks = json.load(f)
-    namespace = {"__name__": "__main__"}
-    results = []
-    for line, source in blocks:
-        try:
-            # pad so that line numbers in tracebacks are the Markdown file's
-            exec(compile("\\n" * (line - 1) + source, doc, "exec"), namespace)
-            results.append(None)
-        except BaseException:
-            results.append(traceback.format_exc())
-        sys.stdout.flush()
-        sys.stderr.flush()
-        with open(out, "w") as f:
-            json.dump(results, f)
+    doc, line, source = sys.argv[1], int(sys.argv[2]), open(sys.argv[3]).read()
+    exec(compile("\\n" * (line - 1) + source, doc, "exec"), {"__name__": "__main__"})
     """
 )
 
@@ -87,15 +71,27 @@ def test_xfail_entries_name_existing_blocks():
             assert any(needle in code for code in sources), f"{name}: no block has {needle!r}"
 
 
-@pytest.mark.parametrize("name", [f for f in FILES if blocks(f)])
-def test_python_blocks_run(tmp_path, name):
+def test_no_block_names_a_repository_path():
+    """A block copied out of the repository cannot open tests/fixtures/...: data comes from
+    ``jax_ucp.samples`` or is written by the block."""
+    for name in FILES:
+        for line, code in blocks(name):
+            assert not re.search(r"""["'](\./)?(tests|examples|notebooks|benchmarks)/""", code), (
+                f"{name}, block at line {line} names a path in the repository"
+            )
+
+
+ALL_BLOCKS = [(name, line) for name in FILES for line, _ in blocks(name)]
+
+
+@pytest.mark.parametrize("name, line", ALL_BLOCKS, ids=[f"{n}:{line}" for n, line in ALL_BLOCKS])
+def test_python_block_runs_alone(tmp_path, name, line):
+    source = dict(blocks(name))[line]
     work, scratch = tmp_path / "cwd", tmp_path / "tmp"
     work.mkdir()
     scratch.mkdir()
-    os.symlink(os.path.join(REPO, "tests"), work / "tests")
     (tmp_path / "runner.py").write_text(RUNNER)
-    (tmp_path / "blocks.json").write_text(json.dumps(blocks(name)))
-    out = tmp_path / "results.json"
+    (tmp_path / "block.py").write_text(source)
     env = dict(
         os.environ,
         PYTHONPATH=REPO,
@@ -103,30 +99,18 @@ def test_python_blocks_run(tmp_path, name):
         JAX_PLATFORMS="cpu",
         TMPDIR=str(scratch),
     )
-    doc = os.path.join(REPO, name)
     r = subprocess.run(
-        [sys.executable, str(tmp_path / "runner.py"), doc, str(tmp_path / "blocks.json"), str(out)],
+        [sys.executable, str(tmp_path / "runner.py"), os.path.join(REPO, name), str(line)]
+        + [str(tmp_path / "block.py")],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
-    results = json.loads(out.read_text()) if out.exists() else []
-    assert r.returncode == 0 and len(results) == len(blocks(name)), (
-        f"{name}: the runner died (exit {r.returncode}) after {len(results)} blocks:\n"
-        f"{r.stderr[-4000:]}"
-    )
-    expected, unexpected = [], []
-    for (line, code), error in zip(blocks(name), results):
-        if error is None:
-            continue
-        reason = next((why for text, why in XFAIL.get(name, {}).items() if text in code), None)
-        if reason:
-            expected.append(f"{name}, block at line {line}: {reason}")
-        else:
-            unexpected.append(f"{name}, block at line {line}:\n{error}")
-    stderr = f"\nstderr:\n{r.stderr[-2000:]}" if r.stderr.strip() else ""
-    assert not unexpected, "\n".join(unexpected) + stderr
-    if expected:
-        pytest.xfail("; ".join(expected))
+    if r.returncode == 0:
+        return
+    reason = next((why for text, why in XFAIL.get(name, {}).items() if text in source), None)
+    if reason:
+        pytest.xfail(f"{name}, block at line {line}: {reason}")
+    raise AssertionError(f"{name}, block at line {line} fails alone:\n{r.stderr[-4000:]}")

@@ -1,0 +1,53 @@
+"""Small real checkpoints shipped with the package, so the docs' examples and the notebooks run
+from any directory (a pip install has no tests/ folder).
+
+Each is a copy of a test fixture written by the real framework (torch 2.13, megatron-core 0.16,
+DeepSpeed 0.19.8 on CPU; tests/test_user_polish.py checks the copies stay byte-equal):
+
+- ``megatron_llama_tp2``: a megatron-core ``torch_dist`` checkpoint of a Llama-style GPT
+  (TP=2, GQA 4 heads / 2 groups, SwiGLU, RoPE, RMSNorm; hidden 32, 2 layers, vocab 61 padded to
+  64) with its distributed-optimizer Adam state. Its model settings: ``settings(name)``; the
+  logits megatron-core computed for some tokens: ``reference(name)``.
+- ``deepspeed_z2_bf16_dp2``: a DeepSpeed ZeRO-2 bf16 run on 2 ranks (a GPT-2-style model, 2
+  steps), the folder holding ``latest``.
+
+The files are read-only inputs: convert them to a directory of your own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NAMES = ("megatron_llama_tp2", "deepspeed_z2_bf16_dp2")
+
+
+def _check(name: str) -> None:
+    if name not in NAMES:
+        raise KeyError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
+
+
+def path(name: str) -> str:
+    """The sample checkpoint's directory (pass it to ``jax_ucp.convert``)."""
+    _check(name)
+    return os.path.join(HERE, name)
+
+
+def settings(name: str) -> dict:
+    """The settings of the run that wrote the sample (model sizes, parallelism, versions)."""
+    _check(name)
+    with open(os.path.join(HERE, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def reference(name: str) -> dict[str, np.ndarray]:
+    """``tokens`` and the ``logits`` the source framework computed for them (padded vocab)."""
+    _check(name)
+    file = os.path.join(HERE, f"{name}.logits.npz")
+    if not os.path.exists(file):
+        raise KeyError(f"sample {name!r} ships no reference logits")
+    with np.load(file) as z:
+        return {k: z[k] for k in z.files}
