@@ -1544,6 +1544,12 @@ def _refuse_unread_optimizer(
 ) -> None:
     """Optimizer state in model_optim_rng.pt (Megatron-LM without the distributed optimizer:
     Adam's moments, fp32 masters) is not read: importing the weights alone must be asked for."""
+    if not weights_only and checkpoint.unread_distrib_optim:
+        raise MegatronImportError(
+            f"{checkpoint.unread_distrib_optim[0]}: the distributed optimizer of a virtual-pipeline "
+            f"run ({checkpoint.virtual_pipeline} model chunks per rank file; buffers per chunk) "
+            f"is not read. {WEIGHTS_ONLY_HINT}"
+        )
     if weights_only or checkpoint.distrib_optim:
         return
     held = [n for n in found if n.partition(":")[2].startswith("optimizer.")]
@@ -1644,7 +1650,8 @@ def _collect_legacy_tensors(
                 tensors.skipped.append(name if checkpoint.pp == 1 else f"stage{stage}:{name}")
                 for (pp_rank, _, _), rank_file in checkpoint.ep_ranks.items():
                     if pp_rank == stage and isinstance(rank_file.model[name], np.ndarray):
-                        source = f"{_rank_dir_file(checkpoint, rank_file.path)}:model.{name}"
+                        prefix = _rank_dir_file(checkpoint, rank_file.path)
+                        source = f"{prefix}:{rank_file.model_key}.{name}"
                         tensors.not_imported[source] = (
                             "TransformerEngine _extra_state (FP8 scaling metadata), not a weight"
                         )
@@ -1696,7 +1703,7 @@ def _add_grouped_experts(
         os.path.relpath(r.path, checkpoint.iter_dir) for r in holders
     )
     tensors.sources.setdefault(global_name, []).extend(
-        f"{_rank_dir_file(checkpoint, r.path)}:model.{name}" for r in holders
+        f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
     )
 
 
@@ -1749,14 +1756,15 @@ def _add_tp_fragments(
             for tp_rank in range(checkpoint.tp)
         )
         tensors.sources.setdefault(expert_name, []).extend(
-            f"{_rank_dir_file(checkpoint, r.path)}:model.{name}" for r in holders
+            f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
         )
     if expert is None:  # a non-expert tensor: every EP rank holds a copy, EP rank 0's is read
         for ep_rank in range(1, checkpoint.ep):
             for tp_rank in range(checkpoint.tp):
                 copy = checkpoint.ep_ranks[(stage, tp_rank, ep_rank)]
                 read = checkpoint.ep_ranks[(stage, tp_rank, 0)]
-                tensors.not_imported[f"{_rank_dir_file(checkpoint, copy.path)}:model.{name}"] = (
+                source = f"{_rank_dir_file(checkpoint, copy.path)}:{copy.model_key}.{name}"
+                tensors.not_imported[source] = (
                     f"expert-parallel rank {ep_rank}'s copy of a non-expert tensor: imported "
                     f"from EP rank 0's {_rank_dir_file(checkpoint, read.path)}"
                 )
@@ -1997,7 +2005,12 @@ def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
     info = {
         "format": "legacy",
         "tp": checkpoint.tp,
-        "pp": checkpoint.pp,
+        "pp": checkpoint.pp // checkpoint.virtual_pipeline,  # virtual stages: pp * vp
+        **(
+            {"virtual_pipeline": checkpoint.virtual_pipeline}
+            if checkpoint.virtual_pipeline > 1
+            else {}
+        ),
         "ep": checkpoint.ep,
         "iteration": checkpoint.iteration,
         "vocab_stripped": stripped,

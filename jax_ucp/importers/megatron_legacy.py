@@ -6,6 +6,13 @@
 'rng_state': [...numpy RNG state...], 'optimizer'?}``; ``distrib_optim.pt`` next to it holds the
 distributed optimizer's flat buffers.
 
+With a virtual pipeline (``--num-layers-per-virtual-pipeline-stage``) each rank file holds
+``model0``, ``model1``, ... instead of ``model``: one state dict per model chunk, layers numbered
+locally in each (Megatron-LM's ``checkpointing.py``: ``state_dict['model%d' % i]``). Chunk v of
+pipeline rank p is read as the virtual stage ``v * PP + p``: in that order the chunks hold the
+layers in order (megatron-core's ``get_transformer_layer_offset``), the embedding in the first
+and the output layer in the last, so the importer numbers layers as for a plain pipeline.
+
 ``argparse.Namespace`` and numpy's pickled arrays/dtypes (RNG state) become inert stand-ins
 (:data:`LEGACY_CLASSES`); nothing pickled is executed. Tensors stay memory-mapped.
 """
@@ -82,6 +89,7 @@ class RankFile:
     state: dict  # the unpickled top-level dict (tensors memory-mapped)
     model: dict[str, Any]  # flattened model state_dict (dotted names)
     ep: int = 0
+    model_key: str = "model"  # where ``model`` sits in ``state`` (``model<v>``: a VPP chunk)
 
 
 @dataclass
@@ -97,6 +105,11 @@ class LegacyCheckpoint:
     distrib_optim: dict[tuple[int, int], Path] = field(default_factory=dict)
     ep: int = 1
     ep_ranks: dict[tuple[int, int, int], RankFile] = field(default_factory=dict)  # (pp, tp, ep)
+    # virtual pipeline: model chunks per rank file (``pp`` then counts virtual stages, chunk v of
+    # pipeline rank p being stage v * (pp // virtual_pipeline) + p); 1 without
+    virtual_pipeline: int = 1
+    # distrib_optim.pt files of a virtual-pipeline run: per-chunk buffers, not read
+    unread_distrib_optim: list[Path] = field(default_factory=list)
 
 
 #: Megatron-LM's tracker file: the latest iteration number, or "release".
@@ -174,14 +187,28 @@ def _load_rank(path: Path) -> tuple[dict, dict]:
     if not isinstance(state, dict):
         raise LegacyError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state:
-        virtual_stages = [k for k in state if re.fullmatch(r"model\d+", str(k))]
-        if virtual_stages:
-            raise LegacyError(
-                f"{path}: virtual-pipeline checkpoints ({', '.join(virtual_stages)}) are not "
-                f"supported"
-            )
-        raise LegacyError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
+        if not model_chunks(state, path):
+            raise LegacyError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
+        return state, {}
     return state, flatten_state_dict(state["model"])
+
+
+def model_chunks(state: dict, path: Path) -> list[str]:
+    """The virtual-pipeline model chunks of a rank file, ``model0`` .. ``model<N-1>`` (empty
+    without a virtual pipeline); a gap in the numbering, or ``model`` beside them, is an error."""
+    chunks = sorted((int(k[len("model") :]), k) for k in state if re.fullmatch(r"model\d+", str(k)))
+    if not chunks:
+        return []
+    if "model" in state or [i for i, _ in chunks] != list(range(len(chunks))):
+        raise LegacyError(
+            f"{path}: model chunks {[k for _, k in chunks]}"
+            f"{' beside model' if 'model' in state else ''}; a virtual-pipeline rank file holds "
+            f"model0 .. model<N-1>"
+        )
+    for _, key in chunks:
+        if not isinstance(state[key], dict):
+            raise LegacyError(f"{path}: {key} is a {type(state[key]).__name__}, not a state dict")
+    return [key for _, key in chunks]
 
 
 @dataclass(frozen=True)
@@ -252,6 +279,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
+    virtual, unread = None, []
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
         directory = directories.found.get(key)
         if directory is None:
@@ -260,14 +288,30 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
                 f"PP={pp_size}, EP={ep_size} grid from the directories present)"
             )
         pp_rank, tp_rank, ep_rank = key
-        state, model = _load_rank(directory / "model_optim_rng.pt")
-        rank_file = RankFile(
-            tp_rank, pp_rank, directory / "model_optim_rng.pt", state, model, ep_rank
+        path = directory / "model_optim_rng.pt"
+        state, model = _load_rank(path)
+        chunks = model_chunks(state, path)
+        if virtual is None:
+            virtual = len(chunks) or 1
+        if (len(chunks) or 1) != virtual:
+            raise LegacyError(
+                f"{path}: {len(chunks) or 1} model chunk(s), the first rank file holds {virtual}"
+            )
+        # (stage, model key, flattened model): a virtual-pipeline chunk is its own stage
+        parts = (
+            [(v * pp_size + pp_rank, k, flatten_state_dict(state[k])) for v, k in enumerate(chunks)]
+            if chunks
+            else [(pp_rank, "model", model)]
         )
-        ep_ranks[key] = rank_file
-        if ep_rank == 0:
-            ranks[(pp_rank, tp_rank)] = rank_file
-            if (directory / "distrib_optim.pt").is_file():
+        for stage, model_key, flat in parts:
+            rank_file = RankFile(tp_rank, stage, path, state, flat, ep_rank, model_key)
+            ep_ranks[(stage, tp_rank, ep_rank)] = rank_file
+            if ep_rank == 0:
+                ranks[(stage, tp_rank)] = rank_file
+        if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
+            if chunks:
+                unread.append(directory / "distrib_optim.pt")
+            else:
                 distrib_optim[(pp_rank, tp_rank)] = directory / "distrib_optim.pt"
     first = ranks[(0, 0)]
     args = args_dict(first.state.get("args"))
@@ -280,19 +324,27 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             raise LegacyError(
                 f"{first.path}: args.{name}={args[name]} but the directory grid has {size}"
             )
+    recorded = args.get("virtual_pipeline_model_parallel_size")
+    if virtual > 1 and recorded is not None and recorded != virtual:
+        raise LegacyError(
+            f"{first.path}: args.virtual_pipeline_model_parallel_size={recorded} but the rank "
+            f"files hold {virtual} model chunks"
+        )
     version = first.state.get("checkpoint_version")
     return LegacyCheckpoint(
         root,
         iteration_dir,
         iteration if iteration is not None else first.state.get("iteration"),
         tp_size,
-        pp_size,
+        pp_size * virtual,
         ranks,
         args,
         float(version) if isinstance(version, (int, float)) else None,
         distrib_optim,
         ep_size,
         ep_ranks,
+        virtual,
+        unread,
     )
 
 

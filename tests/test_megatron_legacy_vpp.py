@@ -1,0 +1,119 @@
+"""Megatron-LM legacy checkpoints with a virtual pipeline: ``model0``, ``model1`` in each
+``mp_rank_TT_PPP/model_optim_rng.pt``.
+
+Fixture ``legacy_gpt_vpp2pp2_synthetic`` (``tools/fixtures/make_megatron_legacy_vpp_synthetic.py``):
+megatron-core 0.16.1's real GPT model chunks (PP=2, VP=2, 4 layers) saved the way Megatron-LM's
+``checkpointing.py`` does (Megatron-LM itself cannot be installed here, hence synthetic). Truth:
+the chunks' live ``state_dict()`` with each layer renamed to megatron-core's own global
+``layer_number`` (``.truth.npz``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.conversion import convert_megatron
+from jax_ucp.exporters import torch_out
+from jax_ucp.importers import megatron_legacy
+from jax_ucp.importers.megatron import MegatronImportError
+
+FIX = Path(__file__).parent / "fixtures" / "megatron"
+NAME = "legacy_gpt_vpp2pp2_synthetic"
+
+
+def _check_truth(out: Path) -> dict:
+    params = jax_ucp.restore(out)["params"]
+    truth = np.load(FIX / f"{NAME}.truth.npz")
+    assert sorted(params) == sorted(truth.files)
+    for key in truth.files:
+        got = np.asarray(params[key])
+        assert got.dtype == truth[key].dtype and got.tobytes() == truth[key].tobytes(), key
+    with open(Path(out) / "ucp.json") as f:
+        return json.load(f)["source"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_vpp_legacy_imports_every_layer_in_place(tmp_path, weights_only):
+    source = _check_truth(convert_megatron(FIX / NAME, tmp_path / "o", weights_only=weights_only))
+    assert (source["pp"], source["virtual_pipeline"], source["tp"]) == (2, 2, 1)
+    assert sorted(source["skipped"]) == [
+        f"mp_rank_00_00{p}/model_optim_rng.pt:rng_state.0.torch_rng_state" for p in (0, 1)
+    ]
+    with open(tmp_path / "o" / "ucp.json") as f:
+        entries = {tuple(e["key"]): e for e in json.load(f)["entries"]}
+    # global layer 2 is layer 0 of chunk 1 on pipeline rank 0
+    entry = entries[("params", "decoder.layers.2.mlp.linear_fc1.weight")]
+    assert entry["provenance"]["tensors"] == [
+        "mp_rank_00_000/model_optim_rng.pt:model1.decoder.layers.0.mlp.linear_fc1.weight"
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_vpp_chunk_layers_are_global_layers():
+    """Chunk v of pipeline rank p is virtual stage v * PP + p: global layer v * 2 + p."""
+    checkpoint = megatron_legacy.open_legacy(FIX / NAME)
+    assert (checkpoint.pp, checkpoint.virtual_pipeline) == (4, 2)
+    where = {
+        stage: (
+            checkpoint.ranks[(stage, 0)].path.parent.name,
+            checkpoint.ranks[(stage, 0)].model_key,
+        )
+        for stage in range(4)
+    }
+    assert where == {
+        0: ("mp_rank_00_000", "model0"),
+        1: ("mp_rank_00_001", "model0"),
+        2: ("mp_rank_00_000", "model1"),
+        3: ("mp_rank_00_001", "model1"),
+    }
+    assert "embedding.word_embeddings.weight" in checkpoint.ranks[(0, 0)].model
+    assert "output_layer.weight" in checkpoint.ranks[(3, 0)].model
+
+
+def _with_distrib_optim(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(FIX / NAME, src)
+    buffer = np.zeros(8, np.float32)
+    slot = torch_out.TensorSlot(0, (8,), buffer.dtype)
+    for rank_dir in sorted((src / "iter_0000005").iterdir()):
+        state = {0: {"torch.float32": {"param": slot, "exp_avg": slot, "exp_avg_sq": slot}}}
+        torch_out.save_file(str(rank_dir / "distrib_optim.pt"), state, [buffer])
+    return src
+
+
+@pytest.mark.timeout(120)
+def test_vpp_distributed_optimizer_refused_pointing_at_weights_only(tmp_path):
+    src = _with_distrib_optim(tmp_path)
+    with pytest.raises(
+        MegatronImportError,
+        match=r"mp_rank_00_000/distrib_optim\.pt: the distributed optimizer of a "
+        r"virtual-pipeline run \(2 model chunks per rank file; buffers per chunk\) is not read\. "
+        r"To import the model weights without the optimizer state: .*weights_only=True",
+    ):
+        convert_megatron(src, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+    source = _check_truth(convert_megatron(src, tmp_path / "w", weights_only=True))
+    reason = source["skipped"]["mp_rank_00_001/distrib_optim.pt:0.torch.float32.exp_avg"]
+    assert reason == "weights_only: optimizer state (mp_rank_00_001/distrib_optim.pt)"
+
+
+@pytest.mark.timeout(30)
+def test_vpp_model_chunks_must_be_numbered_from_zero():
+    where = Path("x/model_optim_rng.pt")
+    assert megatron_legacy.model_chunks({"model": {}, "args": None}, where) == []
+    assert megatron_legacy.model_chunks({"model1": {}, "model0": {}}, where) == ["model0", "model1"]
+    with pytest.raises(
+        megatron_legacy.LegacyError,
+        match=r"x/model_optim_rng\.pt: model chunks \['model0', 'model2'\]; a virtual-pipeline "
+        r"rank file holds model0 \.\. model<N-1>",
+    ):
+        megatron_legacy.model_chunks({"model0": {}, "model2": {}}, where)
+    with pytest.raises(megatron_legacy.LegacyError, match=r"\['model0'\] beside model;"):
+        megatron_legacy.model_chunks({"model0": {}, "model": {}}, where)
