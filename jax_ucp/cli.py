@@ -112,6 +112,7 @@ def _main(
 def _cli_wording(message: str) -> str:
     """Library advice in command-line terms (``force=True`` is ``--force`` here)."""
     message = re.sub(r"\bprocesses=(\d+)", r"--processes \1", message)
+    message = re.sub(r"\bstrict=False\b", "--no-strict", message)
     return re.sub(r"\bforce=True\b", "--force", message)
 
 
@@ -831,19 +832,28 @@ def plan(
     ] = None,
     processes: int = typer.Option(1, min=1, help="processes sharing the mesh's devices"),
     limit: int = typer.Option(0, help="show only the first N tensors (0: all)"),
+    strict: bool = typer.Option(
+        True,
+        "--strict/--no-strict",
+        help="refuse rules for logical names no tensor carries and mesh axes nothing uses",
+    ),
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
     Per tensor: the PartitionSpec restore(mesh=, rules=) would give it on MESH, the bytes each
     device holds and each process reads; then the totals, the tensors replicated on every
-    device and the dimensions that do not divide. Reads no tensor data and needs no devices."""
+    device and the dimensions that do not divide. Reads no tensor data and needs no devices.
+    A rule for a logical name no tensor carries, or a mesh axis no rule and no saved
+    PartitionSpec uses, is an error naming the closest known names (--no-strict plans it)."""
     import jax_ucp
     from jax_ucp.handler.plan import abstract_mesh
 
     axes = _parse_mesh(mesh)
     rule_pairs = _parse_rules(rules) if rules else None
     _checkpoint_or_steps(path)
-    result = jax_ucp.plan(path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes)
+    result = jax_ucp.plan(
+        path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes, strict=strict
+    )
     n_devices = len(result.device_bytes)
     _say(
         f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "

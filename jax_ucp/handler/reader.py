@@ -654,20 +654,46 @@ def _short(value: Any, limit: int = 60) -> str:
     return text[:limit] + ("…" if len(text) > limit else "")
 
 
-def requests_from_target(target, shardings=None) -> tuple[list[Request], Any]:
-    """One request per target leaf; shardings (same structure) override the target's own."""
+def _concrete(key, sharding, mesh):
+    """A target's ``NamedSharding`` on an ``AbstractMesh`` (what ``nnx.eval_shape`` under
+    ``jax.set_mesh`` gives) on the concrete mesh: ``mesh=`` or the one set by
+    ``jax.set_mesh``, when its axis names and sizes are the abstract mesh's."""
+    if not (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+    ):
+        return sharding
+    wanted = dict(sharding.mesh.shape)
+    candidates = [mesh] if mesh is not None else []
+    current = getattr(jax.sharding, "get_mesh", lambda: None)()
+    if current is not None and not getattr(current, "empty", True):
+        candidates.append(current)
+    for candidate in candidates:
+        if isinstance(candidate, jax.sharding.Mesh) and dict(candidate.shape) == wanted:
+            return jax.sharding.NamedSharding(candidate, sharding.spec)
+    found = f"; mesh= has axes {dict(mesh.shape)}" if mesh is not None else ""
+    raise CheckpointError(
+        f"Leaf {fmt.key_to_str(key)!r}: the target's sharding is on an AbstractMesh {wanted} "
+        f"(nnx.eval_shape under jax.set_mesh gives these), which has no devices{found}. Pass "
+        f"the concrete mesh as mesh=, or restore inside `with jax.set_mesh(mesh):`."
+    )
+
+
+def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
+    """One request per target leaf; shardings (same structure) override the target's own.
+    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``."""
     leaves, treedef = tree_lib.flatten(target)
     shard_by_key = {}
     if shardings is not None:
         for key, _, s in tree_lib.flatten(shardings)[0]:
-            shard_by_key[key] = s
+            shard_by_key[key] = _concrete(key, tree_lib.unbox(s)[0], mesh)
     reqs = []
     for key, _, leaf in leaves:
         leaf, _ = tree_lib.unbox(leaf)
         if isinstance(leaf, jax.sharding.Sharding):  # a pytree of shardings used as the target
-            reqs.append(Request(key=key, sharding=leaf))
+            reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
             continue
-        sharding = shard_by_key.get(key, getattr(leaf, "sharding", None))
+        sharding = shard_by_key.get(key, _concrete(key, getattr(leaf, "sharding", None), mesh))
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
             reqs.append(
                 Request(
@@ -780,7 +806,9 @@ def _restore_once(
         if rules is not None and mesh is not None:
             sharding_lib.check_rules(rules, mesh)
         reqs, treedef = requests_from_target(
-            target if target is not None else shardings, shardings if target is not None else None
+            target if target is not None else shardings,
+            shardings if target is not None else None,
+            mesh=mesh,
         )
         if dtype is not None:
             for r in reqs:

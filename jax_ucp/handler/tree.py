@@ -322,31 +322,68 @@ def rebuild_structure(
     returns ``_MISSING`` for leaves not restored, e.g. not selected): containers that lose
     children become dicts (of int keys for a sequence's positions), empty subtrees of a
     selection disappear. ``partial`` (a selection): only containers of restored leaves come
-    back, so childless ones (optax's ``EmptyState()``, ``{}``) are dropped too."""
+    back; a leafless node (optax's ``EmptyState()``) comes back only beside siblings restored
+    whole, so ``select=r"opt_state/.*"`` still gives the optimizer's tuple."""
+    return _rebuild(description, value_at, prefix, partial)[0]
+
+
+class _Leafless:
+    """A child without leaves (``EmptyState()``, ``{}``) whose place a selection decides."""
+
+    def __init__(self, description: dict):
+        self.description = description
+
+
+def _has_leaves(description: dict) -> bool:
     if description["type"] == "leaf":
-        return value_at(prefix)
-    kids = []
+        return True
+    return any(_has_leaves(child) for _, _, child in description["children"])
+
+
+def _rebuild(description: dict, value_at: Any, prefix: tuple, partial: bool) -> tuple[Any, bool]:
+    """(the rebuilt node or ``_MISSING``, whether every leaf under it was restored)."""
+    if description["type"] == "leaf":
+        value = value_at(prefix)
+        return value, value is not _MISSING
+    slots: list = []  # (key, value) per child in order; leafless ones decided below
+    whole = True
     for name, key_type, child in description["children"]:
-        value = rebuild_structure(child, value_at, prefix + (name,), partial=partial)
-        if value is not _MISSING:
-            kids.append((int(name) if key_type == "index" else name, value))
-    complete = len(kids) == len(description["children"])
-    if not kids and (description["children"] or partial):
-        return _MISSING  # nothing of this subtree was restored
+        key = int(name) if key_type == "index" else name
+        if partial and not _has_leaves(child):
+            slots.append((key, _Leafless(child)))
+            continue
+        value, child_whole = _rebuild(child, value_at, prefix + (name,), partial)
+        whole = whole and child_whole
+        slots.append((key, value))
+    restored = [(k, v) for k, v in slots if not isinstance(v, _Leafless) and v is not _MISSING]
+    if partial:
+        if not restored:
+            return _MISSING, False
+        if whole:  # every leaf below was restored: its leafless parts belong to it too
+            restored = [
+                (k, _rebuild(v.description, value_at, prefix, False)[0])
+                if isinstance(v, _Leafless)
+                else (k, v)
+                for k, v in slots
+            ]
+    elif not restored and description["children"]:
+        return _MISSING, False  # nothing of this subtree was restored
+    complete = len(restored) == len(description["children"])
+    kids = restored
     kind = description["type"]
     if kind == "list" and complete:
-        return [v for _, v in kids]
+        return [v for _, v in kids], whole
     if kind == "tuple" and complete:
-        return tuple(v for _, v in kids)
+        return tuple(v for _, v in kids), whole
     if kind in ("namedtuple", "object") and complete:
         cls = _rebuildable(description)
         if cls is not None and kind == "namedtuple":
-            return cls(*(v for _, v in kids))
+            return cls(*(v for _, v in kids)), whole
         if cls is not None:
-            return cls({str(k): v for k, v in kids})  # flax FrozenDict / nnx State
+            return cls({str(k): v for k, v in kids}), whole  # flax FrozenDict / nnx State
     if complete:  # a class outside the allow-list: its fields, by name
-        return {str(k): v for k, v in kids}
-    return dict(kids)  # part of a container (a selection): positions stay ints
+        return {str(k): v for k, v in kids}, whole
+    return dict(kids), False  # part of a container (a selection): positions stay ints
 
 
 def _rebuildable(description: dict) -> type | None:
