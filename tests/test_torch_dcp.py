@@ -1,6 +1,7 @@
 """Plain torch DCP checkpoints written by torch 2.13 itself (tools/fixtures/make_torch_fixtures.py:
 FSDP2 fully_shard over 2 gloo ranks, get_state_dict fp32 and bf16, torchtitan's layout,
-Accelerate's sharded save_state folders, SGD momentum), imported torch-free and compared bit for
+Accelerate's sharded save_state folders, SGD momentum, FSDP1 SHARDED_STATE_DICT +
+FSDP.optim_state_dict on 2 CPU ranks), imported torch-free and compared bit for
 bit with the run's own live state (<name>.truth.npz); layouts and damage built by the tests."""
 
 from __future__ import annotations
@@ -61,7 +62,15 @@ def assert_matches_run(restored: dict, name: str, prefix: str = "") -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["fsdp2_fp32", "fsdp2_bf16", "torchtitan_fp32", "accelerate_fsdp", "sgd_single"]
+    "name",
+    [
+        "fsdp2_fp32",
+        "fsdp2_bf16",
+        "torchtitan_fp32",
+        "accelerate_fsdp",
+        "sgd_single",
+        "fsdp1_sharded",
+    ],
 )
 def test_real_dcp_checkpoints_import_bit_exact(tmp_path, name):
     src = os.path.join(FIX, name)
@@ -73,6 +82,19 @@ def test_real_dcp_checkpoints_import_bit_exact(tmp_path, name):
     group = m.source["optimizer"]["param_groups"][0]
     assert group["lr"] > 0 and len(group["params"]) == 12
     assert m.source["optimizer"]["no_state"] == []
+
+
+def test_fsdp1_sharded_state_dict_is_read_from_its_sharded_tensors():
+    """FSDP1 (flat parameters, one per Block and the root) saves each parameter as a
+    ShardedTensor of its rows: 67 vocabulary rows in 34 + 33, the optimizer state alike."""
+    ck = dcp_reader.open_dcp(os.path.join(FIX, "fsdp1_sharded"))
+    for name in ("model.tok_embeddings.weight", "optim.state.tok_embeddings.weight.exp_avg"):
+        chunks = ck.tensors[name].chunks
+        assert [(c.offsets, c.sizes, c.file) for c in chunks] == [
+            ((0, 0), (34, 16), "__0_0.distcp"),
+            ((34, 0), (33, 16), "__1_0.distcp"),
+        ], name
+    assert not [n for n in ck.tensors if "_flat_param" in n or "_fsdp_wrapped" in n]
 
 
 def test_bf16_run_is_recorded_as_bf16_without_masters(tmp_path):

@@ -12,7 +12,7 @@ import shutil
 import numpy as np
 import pytest
 from test_torch_dcp import FIX, assert_matches_run
-from ucp_testing import assert_destination_untouched
+from ucp_testing import assert_bit_exact, assert_destination_untouched
 
 import jax_ucp
 from jax_ucp.exporters import torch_out
@@ -23,7 +23,15 @@ pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.mark.parametrize(
-    "name", ["plain_state_dict.pt", "hf_bin", "hf_bin_sharded", "lightning.ckpt", "accelerate_full"]
+    "name",
+    [
+        "plain_state_dict.pt",
+        "hf_bin",
+        "hf_bin_sharded",
+        "lightning.ckpt",
+        "accelerate_full",
+        "lightning_trainer.ckpt",
+    ],
 )
 def test_real_torch_save_files_import_bit_exact(tmp_path, name):
     src = os.path.join(FIX, name)
@@ -32,6 +40,8 @@ def test_real_torch_save_files_import_bit_exact(tmp_path, name):
     restored = jax_ucp.restore(out)
     if name == "lightning.ckpt":  # the LightningModule holds the model as `self.model`
         assert_matches_run(restored, name, prefix="model.")
+    elif name == "lightning_trainer.ckpt":  # Lightning's own: the run's names include `model.`
+        assert_matches_run(restored, name)
     elif name == "accelerate_full":
         assert_matches_run(restored, name)
     else:  # weights only: the live parameters
@@ -45,6 +55,47 @@ def _truth(name):
     from test_torch_dcp import truth
 
     return truth(name)
+
+
+def test_lightning_trainer_checkpoint_entries_are_recorded(tmp_path):
+    """Lightning 2.6.6's own Trainer.save_checkpoint: everything beside state_dict and
+    optimizer_states (loops, callbacks, schedulers, versions) is listed, nothing refused."""
+    out = jax_ucp.convert(os.path.join(FIX, "lightning_trainer.ckpt"), tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert sorted(e.split(":", 1)[1] for e in source["other_entries"]) == [
+        "callbacks",
+        "epoch",
+        "global_step",
+        "loops",
+        "lr_schedulers",
+        "pytorch-lightning_version",
+    ]
+    assert source["optimizer"]["state"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_accelerate_save_state_on_cpu_imports_weights_only(tmp_path):
+    """Accelerate 1.15's own save_state (2 CPU processes: DDP, model.safetensors +
+    optimizer.bin keyed by index + random_states_N.pkl): the optimizer cannot be matched to
+    safetensors' sorted names, so it is refused by name; the weights import bit-exact."""
+    src = os.path.join(FIX, "accelerate_save_state")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"accelerate_save_state/optimizer\.bin: an Accelerate save_state folder; its torch "
+        r"optimizer state \(optimizer\.bin, keyed by parameter index\) is not imported.*"
+        r"weights_only=True",
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    restored = jax_ucp.restore(out)
+    params = {k: v for k, v in _truth("accelerate_save_state").items() if k.startswith("param/")}
+    assert sorted(restored) == ["params"]
+    assert sorted(restored["params"]) == sorted(k[len("param/") :] for k in params)
+    for key, value in params.items():
+        assert_bit_exact(restored["params"][key[len("param/") :]], value, key)
+    assert jax_ucp.inspect(out).source["skipped"] == {
+        "optimizer.bin": "weights_only: Accelerate save_state's torch optimizer state"
+    }
 
 
 def test_lightning_keeps_module_names_and_records_what_it_skips(tmp_path):

@@ -300,18 +300,22 @@ def plan_safetensors(
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
     trainer_state = _trainer_optimizer(src)
+    optimizer_file = os.path.basename(trainer_state) if trainer_state is not None else None
     if trainer_state is not None:
+        trainer = optimizer_file == "optimizer.pt"
+        writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
         if not weights_only:
             raise SafetensorsImportError(
-                f"{trainer_state}: a Hugging Face Trainer checkpoint; its torch optimizer state "
-                f"(optimizer.pt, keyed by parameter index) is not imported. To import the model "
-                f"weights without it: convert(..., weights_only=True) / jax-ucp convert "
-                f"--weights-only"
+                f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
+                f"{'checkpoint' if trainer else 'folder'}; its "
+                f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
+                f"imported. To import the model weights without it: convert(..., "
+                f"weights_only=True) / jax-ucp convert --weights-only"
             )
         # not opened (it is not read): accounted for as one unit
-        skip(source, ["optimizer.pt"], "weights_only: Hugging Face Trainer's torch optimizer state")
+        skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
     mine = share.pick(names)
-    found = names + (["optimizer.pt"] if trainer_state is not None else [])
+    found = names + ([optimizer_file] if optimizer_file is not None else [])
     return ImportPlan(_items(owner, mine), source, len(mine), source_tensors=found)
 
 
@@ -319,8 +323,11 @@ def _trainer_optimizer(src: str) -> str | None:
     """``optimizer.pt`` in the folder given (a Trainer ``checkpoint-N/`` without DeepSpeed): its
     state would be lost without a word if the weights were imported alone. A file given by its
     own path is that file only."""
-    path = os.path.join(src, "optimizer.pt")
-    return path if os.path.isdir(src) and os.path.lexists(path) else None
+    for name in ("optimizer.pt", "optimizer.bin"):  # the Trainer's; Accelerate's save_state
+        path = os.path.join(src, name)
+        if os.path.isdir(src) and os.path.lexists(path):
+            return path
+    return None
 
 
 def _items(owner: dict[str, SafetensorsFile], names: list[str]) -> Iterator[writer.HostItem]:
