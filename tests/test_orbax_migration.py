@@ -97,7 +97,8 @@ def test_convert_orbax_checkpoint_bit_exact_onto_another_mesh(tmp_path, kind):
     assert roles["params/w"] == ("param", None)
     assert roles["opt_state/0/mu/w"] == ("opt_state", "mu")
     assert roles["opt_state/0/count"] == ("opt_state", "count")
-    assert [(v.name, v.value) for v in manifest.values] == [("step", 7)]
+    # Orbax's empty node (optax's EmptyState) and the Python step are manifest values
+    assert [(v.name, v.value) for v in manifest.values] == [("opt_state/1", None), ("step", 7)]
     assert manifest.source["framework"] == "orbax"
     if kind.startswith("manager"):
         assert manifest.source["step"] == 7  # the latest committed step of a root
@@ -118,6 +119,10 @@ def test_convert_orbax_checkpoint_bit_exact_onto_another_mesh(tmp_path, kind):
     _check(restored, state)
     assert restored["params"]["w"].sharding == abstract["params"]["w"].sharding
     assert isinstance(restored["opt_state"][0], optax.ScaleByAdamState)
+    # without a target: Orbax's tuple comes back as a list (sequence keys kept), as Orbax does
+    plain = jax_ucp.restore(dst)
+    assert isinstance(plain["opt_state"], list) and plain["opt_state"][1] is None
+    assert_bit_exact(plain["opt_state"][0]["nu"]["w"], np.asarray(state["opt_state"][0].nu["w"]))
 
 
 @pytest.mark.timeout(60)
@@ -129,7 +134,7 @@ def test_import_streams_one_lazy_array_at_a_time(tmp_path):
         c.save(tmp_path / "orbax", state)
     plan = plan_import(tmp_path / "orbax")
     items = list(plan.items)
-    arrays = [i for i in items if not isinstance(i.value, (int, float, str, bool))]
+    arrays = [i for i in items if not isinstance(i.value, (int, float, str, bool, type(None)))]
     assert len(arrays) == 7
     assert all(isinstance(i.value, ts.TensorStore) for i in arrays)
     assert plan.total_params == 2
@@ -173,6 +178,7 @@ def test_convert_strings_and_python_scalars(tmp_path):
         "name": "run-1",
         "lr": 0.5,
         "flag": True,
+        "none": None,
     }
     assert [e.name for e in manifest.tensors] == ["a"]
 
@@ -207,3 +213,57 @@ def test_export_orbax_restores_with_orbax_bit_exact(tmp_path):
     metadata = json.loads((tmp_path / "orbax" / "_METADATA").read_text())
     kinds = {k: v["value_metadata"]["value_type"] for k, v in metadata["tree_metadata"].items()}
     assert kinds["('params', 'w')"] == "np.ndarray" and kinds["('step',)"] == "scalar"
+
+
+@pytest.mark.timeout(120)
+def test_step_with_two_pytree_items_and_a_hostile_item_name(tmp_path):
+    state = _state()
+    ema = {"params": jax.tree.map(lambda x: x * 2, state["params"])}
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(
+            4,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), ema=ocp.args.StandardSave(ema)
+            ),
+        )
+        mngr.wait_until_finished()
+    manifest = jax_ucp.inspect(jax_ucp.convert(tmp_path / "run", tmp_path / "ucp"))
+    names = sorted(e.name for e in manifest.tensors)
+    assert names[:2] == ["ema/params/emb", "ema/params/w"] and "state/params/w" in names
+    assert manifest.source["items"] == ["ema", "state"]
+    got = jax_ucp.restore(tmp_path / "ucp", target={"ema": _abstract(ema)})
+    _check(got["ema"], ema)
+    meta = tmp_path / "run" / "4" / "_CHECKPOINT_METADATA"
+    record = json.loads(meta.read_text())
+    record["item_handlers"] = {"../../elsewhere": record["item_handlers"]["state"]}
+    meta.write_text(json.dumps(record))
+    with pytest.raises(OrbaxImportError, match=r"item name '\.\./\.\./elsewhere' is not a"):
+        jax_ucp.convert(tmp_path / "run", tmp_path / "bad")
+
+
+@pytest.mark.timeout(120)
+def test_cli_convert_and_export_orbax_at_80_columns(tmp_path):
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    state = _state()
+    with ocp.StandardCheckpointer() as c:
+        c.save(tmp_path / "orbax", state)
+    env = {"COLUMNS": "80"}
+    result = CliRunner().invoke(
+        app, ["convert", "orbax", str(tmp_path / "orbax"), str(tmp_path / "ucp")], env=env
+    )
+    assert result.exit_code == 0, result.output
+    assert f"wrote {tmp_path / 'ucp'}" in result.output.replace("\n", "")
+    result = CliRunner().invoke(
+        app, ["export", str(tmp_path / "ucp"), str(tmp_path / "back"), "--to", "orbax"], env=env
+    )
+    assert result.exit_code == 0, result.output
+    with ocp.StandardCheckpointer() as c:
+        _check(c.restore(tmp_path / "back", _abstract(state)), state)
+    result = CliRunner().invoke(
+        app, ["convert", "orbax", str(tmp_path / "orbax"), str(tmp_path / "x"), "--tag", "3"]
+    )
+    assert result.exit_code == 1
+    assert "a single Orbax checkpoint has no steps (tag=3)" in result.output.replace("\n", "")

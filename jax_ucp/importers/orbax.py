@@ -107,6 +107,11 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
         handlers = {n: None for n in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, n))}
     items, others = {}, {}
     for name, typestr in sorted(handlers.items()):
+        if not isinstance(name, str) or name in (".", "..") or os.path.basename(name) != name:
+            raise OrbaxImportError(
+                f"{src}/{CHECKPOINT_METADATA}: item name {str(name)[:100]!r} is not a directory "
+                f"name inside the step; refusing to read outside it"
+            )
         path = os.path.join(src, name) if name else src
         if os.path.isfile(os.path.join(path, "ucp.json")) or "jax_ucp" in str(typestr or ""):
             raise OrbaxImportError(
@@ -159,23 +164,35 @@ def plan_orbax(
         "orbax_version": ocp.__version__,
     }
     found: list[str] = []
-    leaves = []  # (output key, source name, item dir, metadata, ocdbt, zarr3)
+    leaves = []  # (output key, key types, source name, item dir, metadata, ocdbt, zarr3)
     for item, path in items.items():
         md = ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
         ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
         zarr3 = bool(getattr(md, "use_zarr3", False))
         source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
-        for key, leaf in _flatten(md.tree):
+        for key, key_types, leaf in _flatten(md.tree):
+            if leaf is None:  # an empty node: a None value, no tensor to account for
+                out_key = ((item,) if len(items) > 1 else ()) + key
+                types = (("key",) if len(items) > 1 else ()) + key_types
+                leaves.append((out_key, types, ".".join(key), path, None, ocdbt, zarr3))
+                continue
+            if not ocdbt and ".." in str(leaf.name).replace("\\", "/").split("/"):
+                raise OrbaxImportError(
+                    f"{path}/{PYTREE_METADATA}: array name {str(leaf.name)[:100]!r} would be read "
+                    f"from outside the checkpoint"
+                )
             name = f"{item}/{leaf.name}" if item else leaf.name
             found.append(name)
             out_key = ((item,) if len(items) > 1 else ()) + key
-            leaves.append((out_key, name, path, leaf, ocdbt, zarr3))
+            types = (("key",) if len(items) > 1 else ()) + key_types
+            leaves.append((out_key, types, name, path, leaf, ocdbt, zarr3))
     for item, why in others.items():
         found.append(f"{item}/")
         skip(source, [f"{item}/"], why)
     if weights_only:
         dropped = [lv for lv in leaves if lv[0][:1] != ("params",)]
-        skip(source, [lv[1] for lv in dropped], "weights_only: not under params/")
+        tensors = [lv[2] for lv in dropped if lv[4] is not None]  # empty nodes are no tensors
+        skip(source, tensors, "weights_only: not under params/")
         leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
         if not leaves:
             raise OrbaxImportError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
@@ -184,14 +201,19 @@ def plan_orbax(
     return ImportPlan(_items(mine), source, params, source_tensors=found)
 
 
-def _flatten(tree) -> list[tuple[tuple[str, ...], Any]]:
+def _flatten(tree) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:
+    """(key, key types, leaf metadata): sequence positions stay "index" components, so a
+    restore without a target rebuilds Orbax's lists and tuples as lists (FORMAT.md 5.2)."""
     import jax
 
     from jax_ucp.format import keypath
 
     out = []
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        out.append((tuple(keypath.component_of(p)[1] for p in path), leaf))
+    # None leaves kept: Orbax's record of an empty node (optax's EmptyState), so a tree exported
+    # back to Orbax has the structure an Orbax restore target expects
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        parts = [keypath.component_of(p) for p in path]
+        out.append((tuple(n for _, n in parts), tuple(t for t, _ in parts), leaf))
     return out
 
 
@@ -219,9 +241,13 @@ def _items(leaves) -> Iterator[writer.HostItem]:
 
     contexts: dict[bool, Any] = {}
     strings: dict[str, dict] = {}
-    for key, name, path, leaf, ocdbt, zarr3 in leaves:
+    for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
         role, sub_role = _role(key)
         provenance = {"file": name, "tensors": [name]}
+        if leaf is None:
+            provenance = {"values": [f"{name} (an empty node)"]}
+            yield writer.HostItem(key, None, role, sub_role, provenance, key_types=key_types)
+            continue
         kind = type(leaf).__name__
         if kind == "StringMetadata":
             if path not in strings:
@@ -229,7 +255,7 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
             if not isinstance(value, str):
                 raise OrbaxImportError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
-            yield writer.HostItem(key, value, role, sub_role, provenance)
+            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
             continue
         if kind not in ("ArrayMetadata", "ScalarMetadata"):
             raise OrbaxImportError(
@@ -257,6 +283,6 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             )
         if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
             value = array.read().result().item()
-            yield writer.HostItem(key, value, role, sub_role, provenance)
+            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
             continue
-        yield writer.HostItem(key, array, role, sub_role, provenance)
+        yield writer.HostItem(key, array, role, sub_role, provenance, key_types=key_types)

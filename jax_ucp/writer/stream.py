@@ -37,6 +37,7 @@ class HostItem:
     provenance: dict | None = None
     logical_axes: tuple | None = None
     frozen: bool = False  # a parameter the run did not train (no optimizer state)
+    key_types: tuple[str, ...] | None = None  # per component: "key", "index", "attr"; None: keys
 
 
 def with_progress(
@@ -88,7 +89,7 @@ async def write_stream(
     try:
         for item in items:
             key = tuple(str(k) for k in item.key)
-            key_types = ("key",) * len(key)
+            key_types = tuple(item.key_types or ("key",) * len(key))
             v = item.value
             if isinstance(v, _SCALARS):
                 entries.append(
