@@ -119,6 +119,15 @@ def test_convert_orbax_checkpoint_bit_exact_onto_another_mesh(tmp_path, kind):
     _check(restored, state)
     assert restored["params"]["w"].sharding == abstract["params"]["w"].sharding
     assert isinstance(restored["opt_state"][0], optax.ScaleByAdamState)
+    # Orbax's record of each array's sharding is kept: mesh= alone reuses the PartitionSpec
+    saved = {e.name: e.saved_sharding for e in manifest.tensors}
+    assert saved["params/w"].partition_spec == ("data", "model")
+    assert saved["params/w"].mesh_axis_names == ("data", "model")
+    assert saved["params/w"].mesh_shape == (2, 4)
+    assert saved["params/emb"] is None  # a single-device array: no NamedSharding
+    on_mesh = jax_ucp.restore(dst, mesh=mesh((4, 2), ("data", "model")))
+    assert on_mesh["params"]["w"].sharding.spec == P("data", "model")
+    assert_bit_exact(np.asarray(on_mesh["params"]["w"]), np.asarray(state["params"]["w"]))
     # without a target: Orbax's tuple comes back as a list (sequence keys kept), as Orbax does
     plain = jax_ucp.restore(dst)
     assert isinstance(plain["opt_state"], list) and plain["opt_state"][1] is None

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import SavedSharding, UCPError, files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
@@ -234,6 +234,28 @@ def _role(key: tuple[str, ...]) -> tuple[str, str | None]:
     return "other", None
 
 
+def _saved_sharding(leaf) -> SavedSharding | None:
+    """The NamedSharding Orbax recorded for an array (its mesh axis names and sizes and its
+    PartitionSpec), so ``restore(path, mesh=...)`` reuses it as it does a JAX save's; None for
+    any other sharding or a record that does not fit the array."""
+    meta = getattr(leaf, "sharding", None)
+    if type(meta).__name__ != "NamedShardingMetadata":
+        return None
+    try:
+        names = tuple(str(n) for n in meta.axis_names)
+        sizes = tuple(int(n) for n in meta.shape)
+        spec = tuple(
+            p if p is None or isinstance(p, str) else tuple(str(n) for n in p)
+            for p in meta.partition_spec
+        )
+    except (TypeError, ValueError):
+        return None
+    used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
+    if len(names) != len(sizes) or len(spec) > len(leaf.shape) or not set(used) <= set(names):
+        return None
+    return SavedSharding(mesh_axis_names=names, mesh_shape=sizes, partition_spec=spec)
+
+
 def _items(leaves) -> Iterator[writer.HostItem]:
     import orbax.checkpoint as ocp
     import tensorstore as ts
@@ -285,4 +307,12 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             value = array.read().result().item()
             yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
             continue
-        yield writer.HostItem(key, array, role, sub_role, provenance, key_types=key_types)
+        yield writer.HostItem(
+            key,
+            array,
+            role,
+            sub_role,
+            provenance,
+            key_types=key_types,
+            saved_sharding=_saved_sharding(leaf),
+        )

@@ -38,6 +38,7 @@ class HostItem:
     logical_axes: tuple | None = None
     frozen: bool = False  # a parameter the run did not train (no optimizer state)
     key_types: tuple[str, ...] | None = None  # per component: "key", "index", "attr"; None: keys
+    saved_sharding: fmt.SavedSharding | None = None  # the source's mesh + PartitionSpec, if known
 
 
 def with_progress(
@@ -113,6 +114,7 @@ async def write_stream(
                 sub_role=item.sub_role,
                 provenance=item.provenance,
                 logical_axes=item.logical_axes,
+                saved_sharding=item.saved_sharding,
                 frozen=item.frozen,
             )
             await writer.add(p)  # returns once in-flight tensors are under the byte cap
