@@ -15,7 +15,7 @@ import orbax.checkpoint as ocp
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.handler import checkpoint_handler, reader
+from jax_ucp.handler import checkpoint_handler, reader, safetensors_source
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.writer import commit
 
@@ -160,7 +160,11 @@ def restore(
     """Restores a UCP checkpoint onto any mesh.
 
     Args:
-      path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP item.
+      path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
+        item; or Hugging Face safetensors (a ``.safetensors`` file, or a folder of them with
+        ``model.safetensors.index.json``), read in place as its conversion would hold it
+        (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
+        (``"hf_llama"``) applied as lazy views; no copy on disk.
       target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
         result has its structure (its treedef: flax ``nn.LogicallyPartitioned`` /
         ``nn.Partitioned`` boxes and ``nnx.Variable``s kept), shardings and dtypes (shapes must
@@ -203,8 +207,7 @@ def restore(
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
     """
-    return reader.restore_tree(
-        path,
+    kwargs = dict(
         target=target,
         shardings=shardings,
         mesh=mesh,
@@ -216,6 +219,9 @@ def restore(
         max_read_bytes=max_read_bytes,
         strict=strict,
     )
+    if safetensors_source.is_source(path):  # Hugging Face files, read in place
+        return safetensors_source.restore(path, **kwargs)
+    return reader.restore_tree(path, **kwargs)
 
 
 class VerifyResult(list):

@@ -1,0 +1,280 @@
+"""Hugging Face safetensors files: the header parser and checks shared by the importer
+(``importers.safetensors_hf``) and the direct restore (``store.safetensors_file``).
+
+The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+[begin, end) byte offsets into the data that follows; plus ``__metadata__``) and the raw
+little-endian tensor bytes, each tensor one C-ordered byte range. Files are untrusted: the header
+is bounded, every range is checked against the file and against its dtype and shape, ranges may
+not overlap, keys may not repeat, and the index may only name files beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jax_ucp.format import files
+from jax_ucp.format.errors import UCPError
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # the safetensors crate refuses headers over 100 MB too
+MAX_INDEX_BYTES = 64 << 20
+
+DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("bool"),
+}
+
+
+class SafetensorsError(UCPError, ValueError):
+    """A safetensors file or index that cannot be read as it is (names the file and tensor)."""
+
+
+#: ``__metadata__`` key of torch.distributed.checkpoint's Hugging Face writer
+#: (``torch/distributed/checkpoint/_hf_utils.py``): a JSON map tensor -> {"saved_offsets": [...]}
+#: where each tensor of the file sits in the full tensor. Present in the unconsolidated
+#: ``shard-<rank>-model-<i>-of-<n>.safetensors`` files, which hold one rank's piece of each.
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    """``json`` object hook: a key given twice is refused (``json`` keeps the last silently; the
+    safetensors package refuses such a header)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def strict_json(raw: bytes | str, what: str):
+    """JSON with every object's keys unique; errors start with ``what``."""
+    try:
+        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as e:
+        raise SafetensorsError(
+            f"{what}: names {e.key[:100]!r} twice (a JSON object with a duplicate key); which "
+            "one is meant cannot be told, so the file is refused"
+        ) from None
+
+
+def is_safetensors(src) -> bool:
+    """A ``.safetensors`` file, or a directory holding one or an index."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        return src.endswith(".safetensors")
+    return os.path.isdir(src) and (
+        os.path.isfile(os.path.join(src, INDEX_FILE))
+        or any(n.endswith(".safetensors") for n in os.listdir(src))
+    )
+
+
+def shard_files(src) -> list[str]:
+    """The files of the checkpoint: the index's shards, a directory's files, or ``src`` itself."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        return [src]
+    index = os.path.join(src, INDEX_FILE)
+    if os.path.exists(index):
+        return _files_from_index(src, index)
+    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if len(names) > 1:
+        for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
+            SafetensorsFile(os.path.join(src, name))
+        raise SafetensorsError(
+            f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
+            f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
+        )
+    if not names:
+        raise SafetensorsError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
+    return [os.path.join(src, names[0])]
+
+
+def _files_from_index(src: str, index: str) -> list[str]:
+    try:
+        data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
+    except SafetensorsError:
+        raise
+    except (ValueError, RecursionError) as e:
+        raise SafetensorsError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise SafetensorsError(f"{index}: expected a 'weight_map' of tensor name -> file name.")
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if (
+            os.path.basename(name) != name
+            or name in (".", "..")
+            or not name.endswith(".safetensors")
+        ):
+            raise SafetensorsError(
+                f"{index}: weight_map names {name[:100]!r}; expected a .safetensors file beside the "
+                f"index (no directories)."
+            )
+    return [os.path.join(src, n) for n in names]
+
+
+class SafetensorsFile:
+    """One safetensors file: its validated header and read-only views of its tensors."""
+
+    def __init__(self, path: str):
+        self.path = path
+        fd = files.open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise SafetensorsError(f"{path}: {size} bytes, too short for a header.")
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        finally:
+            os.close(fd)
+        (header_len,) = np.frombuffer(self._map[:8], "<u8")
+        header_len = int(header_len)
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise SafetensorsError(
+                f"{path}: header of {header_len} bytes (file {size} bytes, at most "
+                f"{MAX_HEADER_BYTES} allowed)."
+            )
+        self.data_start = 8 + header_len
+        self.data_size = size - self.data_start
+        self.header, self.metadata = self._parse(self._map[8 : self.data_start])
+
+    def _parse(self, raw: bytes) -> tuple[dict, dict]:
+        try:
+            header = strict_json(raw.decode("utf-8"), f"{self.path}: the header")
+        except SafetensorsError:
+            raise
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise SafetensorsError(f"{self.path}: corrupt header ({str(e)[:200]}).") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{self.path}: the header is not a JSON object.")
+        metadata = header.pop("__metadata__", None) or {}
+        if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
+            self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
+        tensors: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
+        ranges = []
+        for name, info in header.items():
+            tensors[name] = self._entry(name, info)
+            _, _, begin, end = tensors[name]
+            if end > begin:
+                ranges.append((begin, end, name))
+        ranges.sort()
+        for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:]):
+            if begin < end:
+                raise SafetensorsError(
+                    f"{self.path}: tensors {a[:100]!r} and {b[:100]!r} overlap in the file."
+                )
+        return tensors, metadata if isinstance(metadata, dict) else {}
+
+    def _refuse_dcp_shard(self, sharding: Any) -> None:
+        """A file written by torch DCP's Hugging Face writer without consolidation holds one
+        rank's piece of each tensor, with no record of the full shapes: imported as it is, rank
+        0's half would become the whole tensor. Refused, whatever its offsets say (rank 0's are
+        all zeros)."""
+        example = ""
+        try:
+            info = json.loads(sharding) if isinstance(sharding, str) else {}
+            name, entry = next(iter(info.items()))
+            example = (
+                f" (e.g. {name[:100]!r} has saved_offsets {str(entry.get('saved_offsets'))[:60]})"
+            )
+        except (ValueError, RecursionError, StopIteration, AttributeError, TypeError):
+            pass
+        raise SafetensorsError(
+            f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
+            f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
+            f"ones{example}, and the full shapes are not in the files. Consolidate the shards "
+            "first (torch.distributed.checkpoint's consolidate_safetensors_files, or save with "
+            "HuggingFaceStorageWriter(enable_consolidation=True)) and import the consolidated "
+            "folder."
+        )
+
+    def _entry(self, name: str, info: Any):
+        where = f"{self.path}: tensor {name[:100]!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise SafetensorsError(f"{where}: expected dtype, shape and data_offsets.")
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise SafetensorsError(
+                f"{where}: dtype {str(info['dtype'])[:20]!r} is not supported "
+                f"(expected one of {', '.join(DTYPES)})."
+            )
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (
+            isinstance(shape, list)
+            and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape
+            )
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise SafetensorsError(f"{where}: malformed shape or data_offsets.")
+        begin, end = offsets
+        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if not 0 <= begin <= end <= self.data_size or end - begin != nbytes:
+            raise SafetensorsError(
+                f"{where}: bytes [{begin}, {end}) do not hold a {info['dtype']} array of shape "
+                f"{shape} ({nbytes} bytes) inside the file's {self.data_size} data bytes."
+            )
+        return dtype, tuple(shape), begin, end
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A read-only view of ``name`` (no copy; the map stays open while the view lives)."""
+        dtype, shape, begin, end = self.header[name]
+        start = self.data_start + begin
+        return np.frombuffer(
+            self._map, dtype, count=(end - begin) // dtype.itemsize, offset=start
+        ).reshape(shape)
+
+
+def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+    """Every file of the checkpoint at ``src`` opened and checked, and which file holds each
+    tensor: a tensor in two files, or an index whose ``weight_map`` and the files disagree, is
+    refused naming them."""
+    src = os.fspath(src)
+    opened = [SafetensorsFile(path) for path in shard_files(src)]
+    owner: dict[str, SafetensorsFile] = {}
+    for f in opened:
+        for name in f.header:
+            if name in owner:
+                raise SafetensorsError(
+                    f"{src}: tensor {name[:100]!r} is in both {owner[name].path} and {f.path}."
+                )
+            owner[name] = f
+    index = os.path.join(src, INDEX_FILE) if os.path.isdir(src) else None
+    if index and os.path.exists(index):
+        weight_map = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)["weight_map"]
+        missing = sorted(set(weight_map) - set(owner))
+        unlisted = sorted(set(owner) - set(weight_map))
+        if missing or unlisted:
+            raise SafetensorsError(
+                f"{index}: weight_map and the files disagree: missing from the files "
+                f"{missing[:5]}, not in the index {unlisted[:5]}."
+            )
+    return opened, owner

@@ -1,0 +1,264 @@
+"""Restore straight from Hugging Face safetensors (a file, or a folder with its index) onto a mesh.
+
+The tensors are seen as a converted checkpoint would hold them (``params/<HF name>``, the stored
+dtype), so ``restore(folder, spec="hf_llama", ...)`` gives what convert + restore gives, without
+the copy on disk. Each process reads only the byte ranges of the slices its devices hold
+(``store.safetensors_file``): a tensor restored as it is (or only renamed) is read region by
+region into each device's buffer; one a spec transforms (transpose, merge, concat) is read
+through the same lazy TensorStore views as a UCP checkpoint's. Host memory for reads in flight is
+bounded by ``max_read_bytes`` as for any restore.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import re
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jax_ucp import format as fmt
+from jax_ucp import sharding as sharding_lib
+from jax_ucp.format import safetensors
+from jax_ucp.handler import reader
+from jax_ucp.handler import tree as tree_lib
+from jax_ucp.store import safetensors_file
+
+ROOT = "params"  # where the importer puts the weights: a spec's param root
+
+
+def is_source(path) -> bool:
+    """A local ``.safetensors`` file, or a folder holding safetensors files and no ``ucp.json``
+    (a converted checkpoint's folder is read as one)."""
+    path = os.fspath(path)
+    if "://" in path or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return False
+    return safetensors.is_safetensors(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Available:
+    key: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sources: tuple[tuple[str, ...], ...]
+    build: Callable | None  # a spec's view over the sources' views; None: the source as it is
+    saved_sharding: Any = None
+    logical_axes: Any = None
+
+    @property
+    def name(self) -> str:
+        return fmt.key_to_str(self.key)
+
+
+def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
+    if spec is None:
+        return {k: _Available(k, t.shape, t.dtype, (k,), None) for k, t in tensors.items()}
+    from jax_ucp import language  # restore-time transforms
+
+    saved = {k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in tensors.items()}
+    out = {}
+    for key, plan in language.compile_restore_plan(spec, saved).items():
+        key = tuple(key)
+        sources = tuple(tuple(s) for s in plan.sources)
+        as_is = (  # only renamed: read region by region like a stored array
+            not plan.ops
+            and len(sources) == 1
+            and tuple(plan.shape) == tensors[sources[0]].shape
+            and np.dtype(plan.dtype) == tensors[sources[0]].dtype
+        )
+        out[key] = _Available(
+            key, tuple(plan.shape), np.dtype(plan.dtype), sources, None if as_is else plan.build
+        )
+    return out
+
+
+def restore(
+    path,
+    *,
+    target=None,
+    shardings=None,
+    mesh=None,
+    rules=None,
+    spec=None,
+    dtype=None,
+    casting: str = "same_kind",
+    select=None,
+    max_read_bytes: int | None = None,
+    strict: bool = True,
+):
+    """``jax_ucp.restore`` of a safetensors file or folder (see there for the arguments)."""
+    path = os.fspath(path)
+    parsed, owner = safetensors.open_checkpoint(path)
+    opened = {f.path: safetensors_file.OpenFile(f) for f in parsed}
+    try:
+        tensors = {(ROOT, name): opened[f.path].tensor(name) for name, f in owner.items()}
+        available = _available(tensors, spec)
+        if select is not None and (target is not None or shardings is not None):
+            raise ValueError(
+                "select= restores part of a checkpoint without a target; a target "
+                "already says which leaves to read."
+            )
+        if target is not None or shardings is not None:
+            if rules is not None and mesh is not None:
+                sharding_lib.check_rules(rules, mesh)
+            reqs, treedef = reader.requests_from_target(
+                target if target is not None else shardings,
+                shardings if target is not None else None,
+                mesh=mesh,
+            )
+            if dtype is not None:
+                for r in reqs:
+                    r.dtype = np.dtype(dtype)
+            results = _read(path, tensors, available, reqs, casting, max_read_bytes)
+            if target is not None:
+                boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
+                results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
+            return jax.tree_util.tree_unflatten(treedef, results)
+        if rules is not None and mesh is None:
+            raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
+        if mesh is not None:
+            reader.check_mesh_names(path, available.values(), mesh, rules, strict)
+        chosen = _selector(select)
+        picked = {k: av for k, av in available.items() if chosen(fmt.key_to_str(k))}
+        if select is not None and not picked:
+            tops = sorted({k[0] for k in available})
+            raise reader.CheckpointError(
+                f"select={select!r} matches no tensor of {path}; its top-level names: {tops} (a "
+                f"regex is matched in full against '/'-joined names such as "
+                f"{next(iter(available), ('params', 'w'))[0]}/...)."
+            )
+        reqs = []
+        for key, av in picked.items():
+            want = np.dtype(dtype or av.dtype)
+            sharding = None
+            if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
+                sharding = sharding_lib.sharding_for(
+                    av.shape, mesh=mesh, saved=None, logical_axes=None, rules=rules
+                )
+            reqs.append(
+                reader.Request(key=key, sharding=sharding, dtype=None if dtype is None else want)
+            )
+        results = _read(path, tensors, picked, reqs, casting, max_read_bytes)
+        return tree_lib.nest(
+            ((r.key, ("key",) * len(r.key), x) for r, x in zip(reqs, results)),
+            partial=select is not None,
+        )
+    finally:
+        for f in opened.values():
+            f.close()
+
+
+def _selector(select) -> Callable[[str], bool]:
+    if select is None:
+        return lambda name: True
+    if callable(select):
+        return select
+    if isinstance(select, str):
+        pattern = re.compile(select)
+        return lambda name: pattern.fullmatch(name) is not None
+    raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
+
+
+def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
+    """Reads the requests in order with at most ``max_read_bytes`` of read buffers in flight
+    (one tensor at least): a tensor's reads start once the budget has room, the oldest is
+    turned into its result to make room."""
+    checked = []
+    for req in requests:
+        key = tuple(str(k) for k in req.key)
+        name = fmt.key_to_str(key)
+        av = available.get(key)
+        if av is None:
+            near = [fmt.key_to_str(k) for k in list(available)[:5]]
+            raise reader.CheckpointError(
+                f"Tensor {name!r} is not in the safetensors checkpoint {path} "
+                f"({len(available)} tensors, e.g. {near})."
+            )
+        if req.shape is not None and tuple(req.shape) != av.shape:
+            raise reader.CheckpointError(
+                f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
+                f"{_where(path, tensors, av)} holds shape {av.shape}."
+            )
+        want = np.dtype(req.dtype) if req.dtype is not None else av.dtype
+        reader.check_cast(name, av.dtype, want, casting)
+        if req.python_type is not None:
+            raise reader.CheckpointError(
+                f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but "
+                f"{_where(path, tensors, av)} holds an array of shape {av.shape}."
+            )
+        if req.sharding is not None:
+            sharding_lib.check_divisible(name, av.shape, req.sharding)
+            if np.dtype(jax.dtypes.canonicalize_dtype(want)) != want:
+                raise reader.CheckpointError(
+                    f"Tensor {name!r} is {want}, which JAX would silently narrow to "
+                    f"{np.dtype(jax.dtypes.canonicalize_dtype(want))} on device; enable "
+                    f"jax_enable_x64, restore it to host (sharding None) or ask for a dtype."
+                )
+        checked.append((req, av, want))
+    budget = reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    limit = sharding_lib.host_memory_limit()
+    out: list = [None] * len(checked)
+    in_flight: collections.deque = collections.deque()
+    used = 0
+    for position, (req, av, want) in enumerate(checked):
+        if av.build is None and av.shape:
+            source = tensors[av.sources[0]]  # regions preadv'd into each device's buffer
+        else:
+            source = (av.build or (lambda opened, k=av.sources[0]: opened[k]))(
+                {k: tensors[k].view() for k in av.sources}
+            )
+        pending = sharding_lib.PendingArray(source, av.shape, want, req.sharding)
+        if limit is not None and pending.host_bytes > limit[0]:
+            raise reader.CheckpointError(
+                f"Tensor {av.name!r} ({_where(path, tensors, av)}): restoring it needs "
+                f"{pending.host_bytes} bytes of host memory (shape {av.shape}, {want}), more "
+                f"than {limit[1]} ({limit[0]} bytes). Restore it sharded over more processes or "
+                f"select= other tensors."
+            )
+        while in_flight and used + pending.read_bytes > budget:
+            used -= _finish(path, tensors, in_flight.popleft(), out, casting)
+        pending.start()
+        in_flight.append((position, av, pending))
+        used += pending.read_bytes
+    while in_flight:
+        _finish(path, tensors, in_flight.popleft(), out, casting)
+    return out
+
+
+def _where(path, tensors, av: _Available) -> str:
+    """The files and tensors ``av`` is read from."""
+    parts = [f"{tensors[k].file.path}:{k[-1]}" for k in av.sources[:3]]
+    return ", ".join(parts) + (f" (+{len(av.sources) - 3} more)" if len(av.sources) > 3 else "")
+
+
+def _finish(path, tensors, entry, out: list, casting: str) -> int:
+    position, av, pending = entry
+    try:
+        out[position] = pending.result()
+    except Exception as e:  # noqa: BLE001
+        raise reader.CheckpointError(
+            f"Tensor {av.name!r}: reading {_where(path, tensors, av)} failed: {e}"
+        ) from e
+    if pending.overflowed:
+        target = pending.dtype
+        largest = np.finfo(target).max if target.kind == "c" else ml_dtypes.finfo(target).max
+        message = (
+            f"Tensor {av.name!r} ({_where(path, tensors, av)}): {pending.overflowed} of its "
+            f"values (of {math.prod(av.shape)}) overflow {target} (largest finite {largest}) "
+            f"converting from {av.dtype}: they became inf or NaN."
+        )
+        if casting != "unsafe":
+            raise reader.CheckpointError(
+                f"{message} A {casting!r} cast keeps every value's magnitude; pass "
+                f"casting='unsafe' to convert anyway, or restore as {av.dtype}."
+            )
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    return pending.read_bytes

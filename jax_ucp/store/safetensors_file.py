@@ -1,0 +1,221 @@
+"""Regions of the tensors of a Hugging Face safetensors file, read in place (no copy on disk).
+
+A safetensors tensor is one C-ordered byte range of its file (``format.safetensors`` checks the
+header), so a region is read with ``preadv``: a block of whole rows (leading extents 1, one cut
+dimension, then whole trailing ones) straight into the caller's array, any other region as blocks
+of whole rows of bounded size read once into a scratch buffer and cut from there for every region
+that needs them (row-parallel weights split on their last dimension). ``SafetensorsTensor`` has
+``read_into`` like ``shard_file.ShardReader``, so ``sharding.PendingArray`` reads each device's
+slice into its own aligned buffer that ``jax.device_put`` adopts; ``view()`` is a TensorStore view
+(``virtual_chunked`` over row blocks) for the UCP language's lazy transforms.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+import os
+import threading
+
+import numpy as np
+import tensorstore as ts
+
+from jax_ucp.format import UCPError, files, safetensors
+from jax_ucp.store import shard_file
+
+_BLOCK_BYTES = 16 << 20  # bytes of whole rows read at once (one task of the read pool)
+_VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
+
+_BYTES_READ = [0]
+_BYTES_READ_LOCK = threading.Lock()
+
+
+class SafetensorsReadError(UCPError, OSError):
+    """A tensor's bytes could not be read from its file (names the file and tensor)."""
+
+
+def bytes_read() -> int:
+    """Bytes this process has read from safetensors files through ``SafetensorsTensor``."""
+    return _BYTES_READ[0]
+
+
+class OpenFile:
+    """One safetensors file opened for reading: its checked header and a descriptor kept open
+    (closed with the object), so the file read is the file whose header was checked."""
+
+    def __init__(self, parsed: safetensors.SafetensorsFile):
+        self.path = parsed.path
+        self.parsed = parsed
+        self.fd = files.open_regular(parsed.path)
+        st = os.fstat(self.fd)
+        if st.st_size != parsed.data_start + parsed.data_size:
+            os.close(self.fd)
+            raise safetensors.SafetensorsError(
+                f"{self.path}: changed while being opened ({st.st_size} bytes, the header was "
+                f"read from {parsed.data_start + parsed.data_size})."
+            )
+
+    def tensor(self, name: str) -> SafetensorsTensor:
+        dtype, shape, begin, _ = self.parsed.header[name]
+        return SafetensorsTensor(self, name, dtype, shape, self.parsed.data_start + begin)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self):
+        self.close()
+
+
+class SafetensorsTensor:
+    """One tensor of an open safetensors file: regions read like ``ShardReader.read_into``."""
+
+    def __init__(self, file: OpenFile, name: str, dtype: np.dtype, shape, offset: int):
+        self.file, self.name = file, name
+        self.dtype, self.shape, self.offset = np.dtype(dtype), tuple(shape), offset
+        inner = math.prod(self.shape[1:]) if self.shape else 1
+        self.row_bytes = inner * self.dtype.itemsize  # bytes of one index of dim 0
+
+    def _pread(self, buffer: np.ndarray, position: int) -> None:
+        view = memoryview(buffer.reshape(-1).view(np.uint8))
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(self.file.fd, [view[done:]], position + done)
+            if not got:
+                raise SafetensorsReadError(
+                    f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
+                    f"{position + view.nbytes}, the file ends at {position + done})."
+                )
+            done += got
+        with _BYTES_READ_LOCK:
+            _BYTES_READ[0] += done
+
+    def _rows_into(self, out: np.ndarray, row: int) -> None:
+        """Whole rows ``row, row + len(out)`` straight into ``out`` (C-contiguous)."""
+        self._pread(out, self.offset + row * self.row_bytes)
+
+    def read_into(self, dests) -> RegionsRead:
+        """Reads each region into its array: ``dests`` is a list of (region, out), region
+        ``((start, stop), ...)`` per dimension and out a writable C-contiguous array of the
+        tensor's dtype and the region's shape. Rows several regions need are read once."""
+        tasks = []
+        cut = []
+        for region, out in dests:
+            shape = tuple(b - a for a, b in region)
+            if (
+                len(region) != len(self.shape)
+                or tuple(out.shape) != shape
+                or out.dtype != self.dtype
+                or not out.flags.c_contiguous
+                or not out.flags.writeable
+            ):
+                raise ValueError(
+                    f"read_into: region {region} needs a writable C-contiguous {self.dtype} "
+                    f"array of shape {shape}, got {out.dtype} {tuple(out.shape)}"
+                )
+            if 0 in shape:
+                continue
+            if not self.shape:
+                tasks.append((self._rows_into, out.reshape(1), 0))
+            elif all(r == (0, n) for r, n in zip(region[1:], self.shape[1:])):
+                rows = max(1, _BLOCK_BYTES // max(1, self.row_bytes))
+                for r in range(0, shape[0], rows):  # consecutive bytes: straight into ``out``
+                    tasks.append((self._rows_into, out[r : r + rows], region[0][0] + r))
+            else:
+                cut.append((region, out))
+        tasks.extend(self._cut_tasks(cut))
+        pool = shard_file.read_pool()
+        return RegionsRead([pool.submit(*task) for task in tasks])
+
+    def _cut_tasks(self, dests) -> list:
+        """Blocks of whole rows covering every region not a row range, each block read once."""
+        if not dests:
+            return []
+        per_block = max(1, _BLOCK_BYTES // max(1, self.row_bytes))
+        merged: list[list[int]] = []
+        for a, b in sorted(region[0] for region, _ in dests):  # the union of their row ranges
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        blocks = [(r, min(r + per_block, b)) for a, b in merged for r in range(a, b, per_block)]
+        return [(self._read_block, a, b, dests) for a, b in blocks]
+
+    def _read_block(self, a: int, b: int, dests) -> None:
+        block = (
+            _scratch((b - a) * self.row_bytes).view(self.dtype).reshape((b - a,) + self.shape[1:])
+        )
+        self._rows_into(block, a)
+        for region, out in dests:
+            lo, hi = max(a, region[0][0]), min(b, region[0][1])
+            if lo >= hi:
+                continue
+            src = (slice(lo - a, hi - a),) + tuple(slice(s, e) for s, e in region[1:])
+            out[lo - region[0][0] : hi - region[0][0]] = block[src]
+
+    def view(self) -> ts.TensorStore:
+        """A lazy TensorStore view of the whole tensor (read in chunks of whole rows, each
+        ``preadv``'d straight into TensorStore's chunk buffer): the source of spec views."""
+        if not self.shape:
+            return ts.array(self.read_all())
+        rows = max(1, min(self.shape[0], _VIEW_CHUNK_BYTES // max(1, self.row_bytes)))
+
+        def read(domain, array, params):
+            del params
+            (a, _), *rest = [(d.inclusive_min, d.exclusive_max) for d in domain]
+            if (
+                any(r != (0, n) for r, n in zip(rest, self.shape[1:]))
+                or not array.flags.c_contiguous
+            ):
+                full = tuple((d.inclusive_min, d.exclusive_max) for d in domain)
+                tmp = np.empty(tuple(e - s for s, e in full), self.dtype)
+                self.read_into([(full, tmp)]).result()
+                array[...] = tmp
+                return
+            self._rows_into(array, a)
+
+        return ts.virtual_chunked(
+            read,
+            dtype=ts.dtype(self.dtype.name),
+            domain=ts.IndexDomain(shape=list(self.shape)),
+            chunk_layout=ts.ChunkLayout(read_chunk_shape=[rows, *self.shape[1:]]),
+            context=_VIEW_CONTEXT,
+        )
+
+    def read_all(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        self.read_into([(tuple((0, n) for n in self.shape), out)]).result()
+        return out
+
+
+_VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+
+
+class RegionsRead:
+    """The pending reads of one ``read_into``: ``result()`` waits for all of them (none may
+    still write into an array when it returns) and raises the first error."""
+
+    def __init__(self, parts: list[concurrent.futures.Future]):
+        self._parts = parts
+
+    def result(self) -> None:
+        errors = []
+        for part in self._parts:
+            try:
+                part.result()
+            except Exception as e:  # noqa: BLE001 - the first is raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable block buffer (rows cut into their regions, not kept)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
+    return buf[:nbytes]
