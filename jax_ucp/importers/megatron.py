@@ -366,7 +366,7 @@ def _plan_torch_dist(
         buckets = _chained_states(checkpoint, model_names, settings, chained)
         optimizer_tensors = {} if buckets is not None else _optimizer_tensors(checkpoint, common)
     elif _sharding_type(common) == "dp_reshardable":
-        buckets = _BucketStates(checkpoint, model_names, settings)
+        buckets = _in_module_order(_BucketStates, checkpoint, model_names, settings)
         optimizer_tensors = {}
     elif _sharding_type(common) == "dp_zero_gather_scatter":
         if optimizer_names:  # this layout saves objects only: a tensor is something else
@@ -375,7 +375,7 @@ def _plan_torch_dist(
                 f"dp_zero_gather_scatter checkpoint (whose optimizer state is objects); "
                 f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
             )
-        buckets = _GatheredStates(checkpoint, model_names, settings)
+        buckets = _in_module_order(_GatheredStates, checkpoint, model_names, settings)
         optimizer_tensors = {}
     else:
         optimizer_tensors = _optimizer_tensors(checkpoint, common)
@@ -473,11 +473,29 @@ def _open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
         dcp.check_coverage(tensor, checkpoint.path / ".metadata")
     common_path = checkpoint.path / "common.pt"
     common: Any = {}
+    # megatron-core >= 0.19 saves the common state (args, iteration, optimizer param_groups,
+    # sharding type) as one object of the checkpoint instead of common.pt
+    objects = sorted(n for n in checkpoint.objects if n.startswith("common_state/"))
     if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
         try:
             common = torch_pickle.load_torch_file(common_path, legacy.LEGACY_CLASSES)
         except torch_pickle.TorchFileError as e:
             raise MegatronImportError(str(e)) from None
+    elif objects:
+        if len(objects) != 1:
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: {len(objects)} common_state objects "
+                f"({objects}); megatron-core saves one"
+            )
+        common = checkpoint.read_object(objects[0], legacy.LEGACY_CLASSES)
+        if isinstance(common, list) and len(common) == 1:
+            (common,) = common
+        if not isinstance(common, dict):
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
+                f"{torch_pickle.short_repr(common)}, expected the common state dict"
+            )
+        common_path = checkpoint.path / objects[0]
     return checkpoint, common, common_path
 
 
@@ -1010,6 +1028,22 @@ class _RankStates:
             )
         return None
 
+    def spot_check(self, limit: int = 1 << 16) -> str | None:
+        """The first model tensor of at most ``limit`` elements (or the smallest one) whose
+        master does not equal (fp32) or round to (bf16) its weight, else None: a cheap test of
+        the derived order before anything is written (every tensor is checked when written)."""
+        names = [*self.before, *self.stacked, *self.after]
+        tensors = self.checkpoint.tensors
+        small = sorted(names, key=lambda n: _numel(tensors[n].shape))
+        for i, name in enumerate(small):
+            if i and _numel(tensors[name].shape) > limit:
+                break
+            weight = self.checkpoint.read(name)
+            master = self.read("param", name).astype(weight.dtype)
+            if master.tobytes() != np.ascontiguousarray(weight).tobytes():
+                return name
+        return None
+
     def read(self, state: str, name: str) -> np.ndarray:
         """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
         together from every TP rank's (and pipeline stage's) local piece."""
@@ -1238,9 +1272,9 @@ def _chained_states(
             f"supported: two members (dense, then SequentialMLP experts) both 'dp_reshardable' "
             f"or both 'fully_reshardable' ({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
         )
-    first = _BucketStates(checkpoint, dense, settings, prefix="chained_0.")
-    second = _BucketStates(
-        checkpoint, experts, settings, prefix="chained_1.", experts=True, pp=first.pp
+    first = _in_module_order(_BucketStates, checkpoint, dense, settings, prefix="chained_0.")
+    second = _in_module_order(
+        _BucketStates, checkpoint, experts, settings, prefix="chained_1.", experts=True, pp=first.pp
     )
     return _ChainedStates([first, second])
 
@@ -1280,6 +1314,98 @@ class _ChainedStates:
                 f"{self.where}: the ChainedOptimizer's members disagree on the step {sorted(steps)}"
             )
         return steps.pop()
+
+
+#: megatron-core's parameter registration order within a transformer layer (what its DDP grad
+#: buffer walks, reversed), by torch_dist name after ``decoder.layers.``. The local spec's
+#: input_layernorm (saved as ``linear_qkv.layer_norm_*``) precedes the attention; Transformer
+#: Engine's fused LayerNormLinear registers it inside linear_qkv, after linear_proj (``_TE``).
+_LAYER_ORDER = [
+    "input_layernorm.weight",
+    "input_layernorm.bias",
+    "self_attention.linear_qkv.layer_norm_weight",
+    "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias",
+    "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias",
+    "self_attention.q_layernorm.weight",
+    "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight",
+    "self_attention.k_layernorm.bias",
+    "pre_mlp_layernorm.weight",
+    "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.layer_norm_weight",
+    "mlp.linear_fc1.layer_norm_bias",
+    "mlp.linear_fc1.weight",
+    "mlp.linear_fc1.bias",
+    "mlp.linear_fc2.weight",
+    "mlp.linear_fc2.bias",
+    "mlp.router.weight",
+    "mlp.router.bias",
+    "mlp.experts.experts.linear_fc1.weight",
+    "mlp.experts.experts.linear_fc1.bias",
+    "mlp.experts.experts.linear_fc2.weight",
+    "mlp.experts.experts.linear_fc2.bias",
+    "mlp.shared_experts.linear_fc1.weight",
+    "mlp.shared_experts.linear_fc1.bias",
+    "mlp.shared_experts.linear_fc2.weight",
+    "mlp.shared_experts.linear_fc2.bias",
+    "mlp.shared_experts.gate_weight",
+]
+_TE = [*_LAYER_ORDER[:2], *_LAYER_ORDER[4:6], *_LAYER_ORDER[2:4], *_LAYER_ORDER[6:]]
+_TOP_BEFORE = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
+_TOP_AFTER = [
+    "decoder.final_layernorm.weight",
+    "decoder.final_layernorm.bias",
+    "output_layer.weight",
+    "output_layer.bias",
+]
+
+
+def _module_orders(names: list[str]) -> list[list[str]]:
+    """The orders megatron-core's modules can have registered ``names`` in (local spec, then
+    Transformer Engine's), when every name is known; then the order of ``.metadata``, which
+    is module order only for a save that was not split over data-parallel ranks (Megatron-LM's
+    default fully parallel save orders tensors by how the save work was split)."""
+    out = []
+    for layer in (_LAYER_ORDER, _TE):
+        rank = {n: i for i, n in enumerate(_TOP_BEFORE)}
+        rank.update({f"decoder.layers.{n}": len(_TOP_BEFORE) + i for i, n in enumerate(layer)})
+        rank.update({n: len(rank) + i for i, n in enumerate(_TOP_AFTER)})
+        if all(n in rank for n in names):
+            order = sorted(names, key=rank.__getitem__)
+            if order not in out:
+                out.append(order)
+    if names not in out:
+        out.append(list(names))
+    return out
+
+
+def _in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], *a, **k):
+    """``cls``'s state laid out over the first module order of ``names`` that fits the saved
+    buckets and whose masters equal (fp32) or round to (bf16) the model weights of the small
+    tensors (norms, biases: a wrong order misplaces them); the first error if none fits."""
+    first = None
+    orders = _module_orders(names)
+    for order in orders:
+        try:
+            states = cls(checkpoint, order, *a, **k)
+        except MegatronImportError as e:
+            first = first or e
+            continue
+        wrong = states.spot_check()
+        if wrong is None:
+            return states
+        if first is None:
+            rounds = "equal" if checkpoint.tensors[wrong].dtype == np.float32 else "round to"
+            first = MegatronImportError(
+                f"tensor {wrong!r}: the fp32 master found in the {states.LAYOUT} state of "
+                f"{states.where} does not {rounds} the model weight in megatron-core's parameter "
+                f"order (tried {len(orders)}: local spec, Transformer Engine, .metadata); "
+                f"another megatron-core version or DDP config? {WEIGHTS_ONLY_HINT}"
+            )
+    raise first
 
 
 def _numel(shape) -> int:
