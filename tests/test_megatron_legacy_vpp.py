@@ -1,17 +1,17 @@
 """Megatron-LM legacy checkpoints with a virtual pipeline: ``model0``, ``model1`` in each
 ``mp_rank_TT_PPP/model_optim_rng.pt``.
 
-Fixture ``legacy_gpt_vpp2pp2_synthetic`` (``tools/fixtures/make_megatron_legacy_vpp_synthetic.py``):
+Fixtures ``legacy_gpt_vpp2pp2_synthetic`` and ``legacy_gpt_vpp2pp2_distopt_synthetic`` (``tools/fixtures/make_megatron_legacy_vpp_synthetic.py``):
 megatron-core 0.16.1's real GPT model chunks (PP=2, VP=2, 4 layers) saved the way Megatron-LM's
 ``checkpointing.py`` does (Megatron-LM itself cannot be installed here, hence synthetic). Truth:
 the chunks' live ``state_dict()`` with each layer renamed to megatron-core's own global
-``layer_number`` (``.truth.npz``).
+``layer_number`` (``.truth.npz``), and for the distributed-optimizer run each parameter's fp32
+master and Adam moments read from the live DistributedOptimizer after two steps.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,9 +19,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert_megatron
-from jax_ucp.exporters import torch_out
 from jax_ucp.importers import megatron_legacy
-from jax_ucp.importers.megatron import MegatronImportError
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 NAME = "legacy_gpt_vpp2pp2_synthetic"
@@ -77,31 +75,49 @@ def test_vpp_chunk_layers_are_global_layers():
     assert "output_layer.weight" in checkpoint.ranks[(3, 0)].model
 
 
-def _with_distrib_optim(tmp_path: Path) -> Path:
-    src = tmp_path / "src"
-    shutil.copytree(FIX / NAME, src)
-    buffer = np.zeros(8, np.float32)
-    slot = torch_out.TensorSlot(0, (8,), buffer.dtype)
-    for rank_dir in sorted((src / "iter_0000005").iterdir()):
-        state = {0: {"torch.float32": {"param": slot, "exp_avg": slot, "exp_avg_sq": slot}}}
-        torch_out.save_file(str(rank_dir / "distrib_optim.pt"), state, [buffer])
-    return src
+DISTOPT = "legacy_gpt_vpp2pp2_distopt_synthetic"
 
 
 @pytest.mark.timeout(120)
-def test_vpp_distributed_optimizer_refused_pointing_at_weights_only(tmp_path):
-    src = _with_distrib_optim(tmp_path)
-    with pytest.raises(
-        MegatronImportError,
-        match=r"mp_rank_00_000/distrib_optim\.pt: the distributed optimizer of a "
-        r"virtual-pipeline run \(2 model chunks per rank file; buffers per chunk\) is not read\. "
-        r"To import the model weights without the optimizer state: .*weights_only=True",
-    ):
-        convert_megatron(src, tmp_path / "o")
-    assert not (tmp_path / "o").exists()
-    source = _check_truth(convert_megatron(src, tmp_path / "w", weights_only=True))
-    reason = source["skipped"]["mp_rank_00_001/distrib_optim.pt:0.torch.float32.exp_avg"]
-    assert reason == "weights_only: optimizer state (mp_rank_00_001/distrib_optim.pt)"
+def test_vpp_distributed_optimizer_bit_exact(tmp_path):
+    """megatron-core's DistributedOptimizer over both model chunks (one flat buffer per chunk in
+    distrib_optim.pt): fp32 masters, both moments and the step equal the live optimizer's."""
+    out = convert_megatron(FIX / DISTOPT, tmp_path / "o")
+    tree = jax_ucp.restore(out)
+    truth = np.load(FIX / f"{DISTOPT}.truth.npz")
+    where = {"param": tree["params"], "exp_avg": tree["opt_state"]["mu"]}
+    where["exp_avg_sq"] = tree["opt_state"]["nu"]
+    checked = 0
+    for key in truth.files:
+        state, _, name = key.rpartition("/")
+        got = np.asarray(where[state or "param"][name])
+        assert got.dtype == truth[key].dtype and got.tobytes() == truth[key].tobytes(), key
+        checked += 1
+    assert checked == 4 * len(tree["params"]) == 4 * 53  # weights + master + 2 moments
+    assert int(tree["opt_state"]["count"]) == 2
+    with open(Path(out) / "ucp.json") as f:
+        manifest = json.load(f)
+    assert (manifest["source"]["pp"], manifest["source"]["virtual_pipeline"]) == (2, 2)
+    entries = {tuple(e["key"]): e for e in manifest["entries"]}
+    # global layer 3 is chunk 1 of pipeline rank 1: its state is in buffer 1 of that rank's file
+    entry = entries[("opt_state", "mu", "decoder.layers.3.mlp.linear_fc2.weight")]
+    (flat,) = entry["provenance"]["tensors"]
+    assert flat.startswith("mp_rank_00_001/distrib_optim.pt:1.") and flat.endswith(".exp_avg")
+
+
+@pytest.mark.timeout(120)
+def test_vpp_distributed_optimizer_weights_only(tmp_path):
+    source = _check_truth(convert_megatron(FIX / NAME, tmp_path / "plain"))
+    assert set(jax_ucp.restore(tmp_path / "plain")) == {"params"}
+    out = convert_megatron(FIX / DISTOPT, tmp_path / "w", weights_only=True)
+    tree = jax_ucp.restore(out)
+    assert set(tree) == {"params"}
+    with open(Path(out) / "ucp.json") as f:
+        skipped = json.load(f)["source"]["skipped"]
+    buffers = [n for n in skipped if "distrib_optim.pt:" in n]
+    assert len(buffers) == 2 * 2 * 3  # 2 rank files x 2 chunk buffers x param/exp_avg/exp_avg_sq
+    assert all(skipped[n] == f"weights_only: optimizer state ({n.split(':')[0]})" for n in buffers)
+    assert source["pp"] == 2
 
 
 @pytest.mark.timeout(30)

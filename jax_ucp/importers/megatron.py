@@ -1670,12 +1670,6 @@ def _refuse_unread_optimizer(
 ) -> None:
     """Optimizer state in model_optim_rng.pt (Megatron-LM without the distributed optimizer:
     Adam's moments, fp32 masters) is not read: importing the weights alone must be asked for."""
-    if not weights_only and checkpoint.unread_distrib_optim:
-        raise MegatronImportError(
-            f"{checkpoint.unread_distrib_optim[0]}: the distributed optimizer of a virtual-pipeline "
-            f"run ({checkpoint.virtual_pipeline} model chunks per rank file; buffers per chunk) "
-            f"is not read. {WEIGHTS_ONLY_HINT}"
-        )
     if weights_only or checkpoint.distrib_optim:
         return
     held = [n for n in found if n.partition(":")[2].startswith("optimizer.")]
@@ -1982,7 +1976,10 @@ def _slice_distrib_optim(
     sources: dict[str, dict[str, list[str]]],
 ) -> None:
     """One rank's flat buffers cut at its parameters' places in the grad buffer."""
-    buffers = legacy.read_distrib_optim(checkpoint.distrib_optim[(stage, tp_rank)])
+    buffers = legacy.read_distrib_optim(
+        checkpoint.distrib_optim[(stage, tp_rank)],
+        *checkpoint.distrib_optim_buffer((stage, tp_rank)),
+    )
     rank_tensors = local[(stage, tp_rank)]
     params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
     shared = set()

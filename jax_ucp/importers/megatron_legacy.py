@@ -108,8 +108,14 @@ class LegacyCheckpoint:
     # virtual pipeline: model chunks per rank file (``pp`` then counts virtual stages, chunk v of
     # pipeline rank p being stage v * (pp // virtual_pipeline) + p); 1 without
     virtual_pipeline: int = 1
-    # distrib_optim.pt files of a virtual-pipeline run: per-chunk buffers, not read
-    unread_distrib_optim: list[Path] = field(default_factory=list)
+
+    def distrib_optim_buffer(self, key: tuple[int, int]) -> tuple[int, int]:
+        """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
+        with a virtual pipeline, megatron-core's DistributedOptimizer keeps one buffer per model
+        chunk (``gbuf_idx`` = chunk), so virtual stage v*PP + p reads buffer v."""
+        if self.virtual_pipeline == 1:
+            return 0, 1
+        return key[0] // (self.pp // self.virtual_pipeline), self.virtual_pipeline
 
 
 #: Megatron-LM's tracker file: the latest iteration number, or "release".
@@ -279,7 +285,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
-    virtual, unread = None, []
+    virtual = None
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
         directory = directories.found.get(key)
         if directory is None:
@@ -309,10 +315,8 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             if ep_rank == 0:
                 ranks[(stage, tp_rank)] = rank_file
         if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
-            if chunks:
-                unread.append(directory / "distrib_optim.pt")
-            else:
-                distrib_optim[(pp_rank, tp_rank)] = directory / "distrib_optim.pt"
+            for stage, _, _ in parts:
+                distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
     first = ranks[(0, 0)]
     args = args_dict(first.state.get("args"))
     for name, size in (
@@ -344,7 +348,6 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         ep_size,
         ep_ranks,
         virtual,
-        unread,
     )
 
 
@@ -443,9 +446,10 @@ def _load_distrib_optim(path: Path) -> Any:
         raise LegacyError(str(e)) from None
 
 
-def read_distrib_optim(path: Path) -> DistribOptimState:
-    """The single buffer of a ``distrib_optim.pt`` (buckets coalesced; one dtype, no experts)."""
-    return distrib_optim_state(_load_distrib_optim(path), path)
+def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
+    """Buffer ``buffer`` of a ``distrib_optim.pt`` holding ``count`` (one per virtual-pipeline
+    model chunk; buckets coalesced; one dtype, no experts)."""
+    return distrib_optim_state(_load_distrib_optim(path), path, buffer, count)
 
 
 def distrib_optim_tensors(path: Path) -> list[str]:
@@ -454,25 +458,28 @@ def distrib_optim_tensors(path: Path) -> list[str]:
     return list(tensor_names(_load_distrib_optim(path)))
 
 
-def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
-    """The single buffer of a loaded ``get_parameter_state_dp_zero`` dict, checked: the content
-    of a ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object."""
+def distrib_optim_state(
+    saved: Any, path: Path | str, index: int = 0, count: int = 1
+) -> DistribOptimState:
+    """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
+    buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
+    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object."""
     if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise LegacyError(
             f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
             f"(older per-bucket layouts are not supported)"
         )
     buffers = [k for k in saved if k != "buckets_coalesced"]
-    if buffers != [0]:
+    if buffers != list(range(count)):
         raise LegacyError(
-            f"{path}: {len(buffers)} gradient buffers {buffers}; only one (a single dtype, no "
-            f"expert-parallel buffer) is supported"
+            f"{path}: {len(buffers)} gradient buffers {buffers}; expected {count} (one per "
+            f"model chunk: a single dtype, no expert-parallel buffer)"
         )
-    per_dtype = saved[0]
+    per_dtype = saved[index]
     if not isinstance(per_dtype, dict) or len(per_dtype) != 1:
         raise LegacyError(
-            f"{path}: buffer 0 holds {len(per_dtype) if isinstance(per_dtype, dict) else '?'} "
-            f"dtype groups, expected 1"
+            f"{path}: buffer {index} holds "
+            f"{len(per_dtype) if isinstance(per_dtype, dict) else '?'} dtype groups, expected 1"
         )
     ((dtypes, buffer),) = per_dtype.items()
     arrays = {}
@@ -480,7 +487,7 @@ def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
         array = buffer.get(state_name) if isinstance(buffer, dict) else None
         if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.float32:
             raise LegacyError(
-                f"{path}: buffer 0 {state_name!r} must be a flat float32 tensor, found "
+                f"{path}: buffer {index} {state_name!r} must be a flat float32 tensor, found "
                 f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}"
             )
         arrays[state_name] = array
@@ -490,7 +497,7 @@ def distrib_optim_state(saved: Any, path: Path | str) -> DistribOptimState:
             f"{path}: numel_unpadded={numel!r} but the flat tensors hold "
             f"{[a.size for a in arrays.values()]} elements"
         )
-    names = {state_name: f"0.{dtypes}.{state_name}" for state_name in arrays}
+    names = {state_name: f"{index}.{dtypes}.{state_name}" for state_name in arrays}
     return DistribOptimState(
         path,
         arrays["param"],
