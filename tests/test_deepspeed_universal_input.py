@@ -259,3 +259,25 @@ def test_restricted_reader_equals_torch_load_on_universal_files():
             load_torch_file(path, deepspeed_files.DS_CLASSES),
             path,
         )
+
+
+@pytest.mark.timeout(120)
+def test_universal_cli_and_shares(tmp_path):
+    """``jax-ucp convert deepspeed`` on a universal folder; two processes' shares together name
+    every parameter once (the step in share 0 only)."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+    from jax_ucp.importers.plan import Share
+
+    src = os.path.join(FIXTURES, "z3_bf16_dp2", "universal")
+    result = CliRunner().invoke(app, ["convert", "deepspeed", src, str(tmp_path / "cli")])
+    assert result.exit_code == 0, result.output
+    jax_ucp.convert(os.path.join(FIXTURES, "z3_bf16_dp2", "ckpt"), tmp_path / "direct")
+    _assert_same(_flat(tmp_path / "direct"), _flat(tmp_path / "cli"))
+    keys = []
+    for index in range(2):
+        plan = plan_import(src, share=Share(index, 2))
+        keys += ["/".join(item.key) for item in plan.items]
+    assert len(keys) == len(set(keys)) == 4 * 30 + 1
+    assert keys.count("opt_state/count") == 1
