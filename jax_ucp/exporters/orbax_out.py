@@ -71,6 +71,8 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
                 process_index=ocp.multihost.process_index() if ocdbt else None,
                 arg=arg,
             )
+            if ocp.multihost.process_index() != 0:
+                continue  # host data: written once, by the primary (as NumpyHandler does)
             data = value.read()
             t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
             await t.write(data, can_reference_source_data_indefinitely=True)  # ours alone
