@@ -314,3 +314,49 @@ def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypat
         r".*__1_0\.distcp: CRC-32 mismatch",
     ):
         dcp_reader.open_dcp(src).read("optim.state.output.weight.exp_avg")
+
+
+@pytest.mark.timeout(10)
+def test_the_chunk_crc_is_zips_crc32():
+    """The CRC the reader checks chunks with (ISA-L's when installed) is zip's CRC-32, also
+    continued piece by piece as ``_pread_into`` does: the value torch writes per member."""
+    import zlib
+
+    data = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 17, np.uint8)
+    pieces = [data[:5], data[5 : 1 << 20], data[1 << 20 :]]
+    running = 0
+    for piece in pieces:
+        running = dcp_reader.zip_crc32(piece, running)
+    assert running == dcp_reader.zip_crc32(data) == zlib.crc32(data.tobytes())
+    assert dcp_reader.zip_crc32(b"123456789") == 0xCBF43926  # CRC-32/ISO-HDLC check value
+
+
+def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypatch):
+    """A chunk whose tensor is not exactly its storage's bytes (here: the unpickled tensor made
+    a copy, so it is not at the storage's address) takes the mapped path: the storage's CRC-32
+    is checked on the mapped bytes, then the tensor copied into place."""
+    from jax_ucp.importers import torch_pickle
+
+    real_load = torch_pickle.TorchArchive.load
+    monkeypatch.setattr(
+        torch_pickle.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy()
+    )
+    calls = []
+    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(a))  # must not be used
+    src = _copy(tmp_path)
+    ck = dcp_reader.open_dcp(src)
+    tensor = ck.tensors["model.output.weight"]
+    want = np.concatenate([ck.read_chunk(tensor, c) for c in tensor.chunks])
+    assert ck.read("model.output.weight").tobytes() == want.tobytes()
+    assert calls == []
+    values = ck.read_chunk(tensor, tensor.chunks[0]).tobytes()
+    f = src / tensor.chunks[0].file
+    data = bytearray(f.read_bytes())
+    data[data.index(values)] ^= 0x80
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        dcp_reader.DcpError,
+        match=r"'model\.output\.weight' chunk at offsets \[0, 0\] .*CRC-32 mismatch \(the chunk's "
+        r"archive records",
+    ):
+        dcp_reader.open_dcp(src).read("model.output.weight")
