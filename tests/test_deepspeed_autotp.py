@@ -162,10 +162,11 @@ def test_affine_uncovered_elements_named():
 def test_affine_rebuild_matches_deepspeeds_own(layout):
     """Maps built by DeepSpeed's own affine.py (uneven fused QKV over 3 ranks, a dim-1 split,
     replicated segments, non-adjacent blocks, a pre-divided bias), shards by its ``extract``:
-    the rebuild equals DeepSpeed's ``rebuild`` bit for bit (``affine_maps_synthetic``)."""
-    with open(os.path.join(FIXTURES, "affine_maps_synthetic.json")) as f:
+    the rebuild equals DeepSpeed's ``rebuild`` bit for bit (``deepspeed_affine_synthetic/``)."""
+    affine = os.path.join(os.path.dirname(FIXTURES), "deepspeed_affine_synthetic")
+    with open(os.path.join(affine, "maps.json")) as f:
         stored = json.load(f)[layout]
-    arrays = np.load(os.path.join(FIXTURES, "affine_maps_synthetic.npz"))
+    arrays = np.load(os.path.join(affine, "shards.npz"))
     tp = len(stored["ranks"])
     info = {"affine_map": {"version": 1, "params": {layout: stored}}}
     (amap,) = deepspeed_affine.parse_affine_maps(info, "f", tp)
