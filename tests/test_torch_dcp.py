@@ -360,3 +360,27 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
         r"archive records",
     ):
         dcp_reader.open_dcp(src).read("model.output.weight")
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_reads_chunks_on_its_own_threads(monkeypatch):
+    """A process forked after a threaded read has none of its parent's reading threads: work
+    queued to the inherited pool would never run (the child hung). It reads on its own."""
+    import signal
+    import time
+
+    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0)
+    src = os.path.join(FIX, "fsdp2_fp32")
+    want = dcp_reader.open_dcp(src).read("model.output.weight").tobytes()
+    time.sleep(0.5)  # the parent's threads idle: an inherited pool would start no new ones
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        same = dcp_reader.open_dcp(src).read("model.output.weight").tobytes() == want
+        os._exit(0 if same else 3)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

@@ -519,16 +519,20 @@ def _check_chunk(arr: Any, t: DcpTensor, c: DcpChunk, where: str) -> None:
 
 #: Tensors at least this large have their chunks read by :func:`_pool`'s threads at once.
 PARALLEL_BYTES = 4 << 20
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by process id
 _POOL_LOCK = threading.Lock()
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The reading threads of this process (a forked child has none of its parent's: it gets
+    its own pool, or work queued to the inherited one would never run)."""
     with _POOL_LOCK:
-        if not _POOL:
+        pool = _POOL.get(os.getpid())
+        if pool is None:
+            _POOL.clear()
             workers = max(2, min(4, os.cpu_count() or 1))
-            _POOL.append(concurrent.futures.ThreadPoolExecutor(workers, "dcp-read"))
-        return _POOL[0]
+            pool = _POOL[os.getpid()] = concurrent.futures.ThreadPoolExecutor(workers, "dcp-read")
+        return pool
 
 
 def _address(arr: np.ndarray) -> int:
