@@ -137,9 +137,21 @@ def test_dtypes_ranks_and_a_single_file(tmp_path):
 
 
 @pytest.mark.timeout(90)
-def test_hf_llama_spec_equals_convert_then_restore(tmp_path):
+def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
     """The spec's views (transpose, q/k/v merged, gate|up concatenated, renames) over the
-    files give, on a mesh and on host, exactly what the converted checkpoint gives."""
+    files give, on a mesh and on host, exactly what the converted checkpoint gives. Tensors the
+    spec only transposes (o_proj, down_proj, lm_head) are read by ``Transposed`` (row blocks and
+    tiles made small here so that several of each are cut)."""
+    monkeypatch.setattr(safetensors_file, "_BLOCK_BYTES", 200)
+    monkeypatch.setattr(safetensors_file, "_TILE", 3)
+    transposed = []
+    read_into = safetensors_file.Transposed.read_into
+
+    def counting(self, dests):
+        transposed.append(self.tensor.name)
+        return read_into(self, dests)
+
+    monkeypatch.setattr(safetensors_file.Transposed, "read_into", counting)
     weights = _llama(np.random.default_rng(2))
     src = _sharded_folder(tmp_path / "hf", weights)
     config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -152,19 +164,23 @@ def test_hf_llama_spec_equals_convert_then_restore(tmp_path):
     for (path, x), (_, y) in zip(flat(host_direct)[0], flat(host_converted)[0]):
         _assert_same(x, y, jax.tree_util.keystr(path))
     assert host_direct["params"]["layers_0"]["attn"]["qkv"]["kernel"].shape == (32, 64)
-    mesh = _mesh()
-    target = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(
-            x.shape, x.dtype, sharding=NamedSharding(mesh, P(None, "model") if x.ndim == 2 else P())
-        ),
-        host_converted,
+    assert sorted(set(transposed)) == sorted(
+        n for n in weights if "o_proj" in n or "down_proj" in n or "lm_head" in n
     )
-    direct, converted = (jax_ucp.restore(p, target=target, spec=spec) for p in (src, ckpt))
-    for (path, x), (_, y) in zip(flat(direct)[0], flat(converted)[0]):
-        assert x.sharding == y.sharding, jax.tree_util.keystr(path)
-        for sx, sy in zip(x.addressable_shards, y.addressable_shards):
-            assert sx.index == sy.index
-            _assert_same(sx.data, sy.data, jax.tree_util.keystr(path))
+    mesh = _mesh()
+    for spec2d in (P(None, "model"), P("model", None), P("data", "model")):
+        target = jax.tree.map(
+            lambda x, s=spec2d: jax.ShapeDtypeStruct(
+                x.shape, x.dtype, sharding=NamedSharding(mesh, s if x.ndim == 2 else P())
+            ),
+            host_converted,
+        )
+        direct, converted = (jax_ucp.restore(p, target=target, spec=spec) for p in (src, ckpt))
+        for (path, x), (_, y) in zip(flat(direct)[0], flat(converted)[0]):
+            assert x.sharding == y.sharding, jax.tree_util.keystr(path)
+            for sx, sy in zip(x.addressable_shards, y.addressable_shards):
+                assert sx.index == sy.index
+                _assert_same(sx.data, sy.data, jax.tree_util.keystr(path))
 
 
 @pytest.mark.timeout(60)

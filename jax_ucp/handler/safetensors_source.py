@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import ml_dtypes
 import numpy as np
+import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
@@ -50,6 +51,7 @@ class _Available:
     dtype: np.dtype
     sources: tuple[tuple[str, ...], ...]
     build: Callable | None  # a spec's view over the sources' views; None: the source as it is
+    transposed: bool = False  # the source's transpose: read by ``safetensors_file.Transposed``
     saved_sharding: Any = None
     logical_axes: Any = None
 
@@ -74,10 +76,46 @@ def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
             and tuple(plan.shape) == tensors[sources[0]].shape
             and np.dtype(plan.dtype) == tensors[sources[0]].dtype
         )
+        transposed = (
+            not as_is
+            and tuple(plan.ops) == ("transpose",)
+            and len(sources) == 1
+            and len(tensors[sources[0]].shape) == 2
+            and np.dtype(plan.dtype) == tensors[sources[0]].dtype
+            and _is_transpose(plan, sources[0], tensors[sources[0]].shape)
+        )
         out[key] = _Available(
-            key, tuple(plan.shape), np.dtype(plan.dtype), sources, None if as_is else plan.build
+            key,
+            tuple(plan.shape),
+            np.dtype(plan.dtype),
+            sources,
+            None if as_is or transposed else plan.build,
+            transposed=transposed,
         )
     return out
+
+
+def _is_transpose(plan, source, shape) -> bool:
+    """Whether ``plan``'s view of a rank-2 ``source`` is its transpose, tried on a probe whose
+    values are their own indices (a transpose op may also be given the identity order)."""
+    n0, n1 = shape
+
+    def fill(domain, array, params):
+        del params
+        rows, cols = np.indices(array.shape)
+        array[...] = (rows + domain[0].inclusive_min) * n1 + cols + domain[1].inclusive_min
+
+    probe = ts.virtual_chunked(
+        fill,
+        dtype=ts.int64,
+        domain=ts.IndexDomain(shape=[n0, n1]),
+        chunk_layout=ts.ChunkLayout(read_chunk_shape=[2, 2]),
+    )
+    view = plan.build({source: probe})
+    if tuple(view.shape) != (n1, n0):
+        return False
+    got = np.asarray(view[: min(2, n1), : min(2, n0)].read().result())
+    return np.array_equal(got, np.arange(min(2, n0))[None, :] * n1 + np.arange(min(2, n1))[:, None])
 
 
 def restore(
@@ -209,7 +247,9 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
     in_flight: collections.deque = collections.deque()
     used = 0
     for position, (req, av, want) in enumerate(checked):
-        if av.build is None and av.shape:
+        if av.transposed:
+            source = safetensors_file.Transposed(tensors[av.sources[0]])
+        elif av.build is None and av.shape:
             source = tensors[av.sources[0]]  # regions preadv'd into each device's buffer
         else:
             source = (av.build or (lambda opened, k=av.sources[0]: opened[k]))(

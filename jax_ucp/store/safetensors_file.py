@@ -189,6 +189,70 @@ class SafetensorsTensor:
         return out
 
 
+class Transposed:
+    """A 2-d tensor read as its transpose (torch ``[out, in]`` -> flax ``[in, out]``), region by
+    region like ``SafetensorsTensor``: each block of source rows is read once into a scratch
+    buffer and transposed into every region's array in tiles of ``_TILE`` rows (a whole-array
+    strided transpose copy runs ~15x slower on bf16 here)."""
+
+    def __init__(self, tensor: SafetensorsTensor):
+        if len(tensor.shape) != 2:
+            raise ValueError(f"Transposed: {tensor.name!r} has rank {len(tensor.shape)}, not 2")
+        self.tensor = tensor
+        self.dtype = tensor.dtype
+        self.shape = tensor.shape[::-1]
+
+    def read_into(self, dests) -> RegionsRead:
+        t = self.tensor
+        for region, out in dests:
+            shape = tuple(b - a for a, b in region)
+            if (
+                len(region) != 2
+                or tuple(out.shape) != shape
+                or out.dtype != self.dtype
+                or not out.flags.writeable
+            ):
+                raise ValueError(
+                    f"read_into: region {region} needs a writable {self.dtype} array of shape "
+                    f"{shape}, got {out.dtype} {tuple(out.shape)}"
+                )
+        dests = [(region, out) for region, out in dests if 0 not in out.shape]
+        if not dests:
+            return RegionsRead([])
+        # the regions in source coordinates: rows of the source are columns of the result
+        merged: list[list[int]] = []
+        for a, b in sorted(region[1] for region, _ in dests):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        per_block = max(1, _BLOCK_BYTES // max(1, t.row_bytes))
+        pool = shard_file.read_pool()
+        return RegionsRead(
+            [
+                pool.submit(self._read_block, r, min(r + per_block, b), dests)
+                for a, b in merged
+                for r in range(a, b, per_block)
+            ]
+        )
+
+    def _read_block(self, a: int, b: int, dests) -> None:
+        t = self.tensor
+        block = _scratch((b - a) * t.row_bytes).view(t.dtype).reshape((b - a,) + t.shape[1:])
+        t._rows_into(block, a)
+        for (rows, cols), out in dests:  # out[i, j] = source[cols[0] + j, rows[0] + i]
+            lo, hi = max(a, cols[0]), min(b, cols[1])
+            if lo >= hi:
+                continue
+            part = block[lo - a : hi - a, rows[0] : rows[1]]
+            for r in range(0, hi - lo, _TILE):
+                piece = part[r : r + _TILE]
+                out[:, lo - cols[0] + r : lo - cols[0] + r + len(piece)] = piece.T
+
+
+_TILE = 64  # source rows transposed at once (stays in cache)
+
+
 _VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
 
 
