@@ -39,14 +39,26 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._primary_host = options.primary_host
         # Primary only: the manifest of each save in flight, completed and written by finalize.
         self._pending: dict[str, tuple[fmt.Manifest, dict]] = {}
+        # An async save's private host copies, reused by the next one (released by close()).
+        self._copy_pool = save_plan.HostCopyPool()
+
+    @property
+    def copy_pool(self) -> save_plan.HostCopyPool:
+        """The private host copies kept between async saves (CPU devices)."""
+        return self._copy_pool
 
     def _is_primary(self) -> bool:
         return ocp.multihost.is_primary_host(self._primary_host)
 
-    async def _write(self, directory: str, prepared, primary: bool):
+    async def _write(self, directory: str, prepared, primary: bool, copies=()):
         # No fsync per file (each costs a disk round trip: thousands of small tensors spent most
         # of a save there); one syncfs makes this process's files durable before Orbax commits.
-        digests = await save_plan.write_all(directory, prepared, primary=primary, sync=False)
+        try:
+            digests = await save_plan.write_all(directory, prepared, primary=primary, sync=False)
+        finally:  # every write has settled: the next save may write over these copies
+            del prepared
+            if copies:
+                self._copy_pool.release(copies)
         if not store.is_url(directory):  # an object store's PUT is durable when it returns
             await asyncio.to_thread(durable.make_tree_durable, directory)
         if primary:
@@ -90,8 +102,15 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             checksum=args.checksum,
         )
         primary = self._is_primary()
+        copies: list = []
         entries, prepared = save_plan.prepare_tree(
-            args.item, options, primary=primary, copy=copy, logical_axes=args.logical_axes
+            args.item,
+            options,
+            primary=primary,
+            copy=copy,
+            logical_axes=args.logical_axes,
+            pool=self._copy_pool if copy else None,
+            copies_out=copies,
         )
         if primary:
             manifest = fmt.new_manifest(
@@ -101,7 +120,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 kvstore_driver=store.kvstore_driver(os.fspath(directory)),
             )
             self._pending[os.fspath(directory)] = (manifest, {})
-        coro = self._write(os.fspath(directory), prepared, primary)
+        coro = self._write(os.fspath(directory), prepared, primary, copies)
         return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
 
     async def async_save(
@@ -197,7 +216,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             os.remove(os.path.join(directory, name))
 
     def close(self):
-        pass
+        self._copy_pool.close()
 
 
 class ArgsError(fmt.UCPError, ValueError):
