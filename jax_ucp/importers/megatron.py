@@ -745,7 +745,19 @@ class _RankStates:
         first = model_names.index(stacked[0]) if stacked else len(model_names)
         if model_names[first : first + len(stacked)] != stacked:
             raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
-        layers = {checkpoint.tensors[n].shape[0] for n in stacked}
+        # singleton_local_shards: one tensor per layer (decoder.layers.<i>.*), a SwiGLU fc1 as
+        # two tensors <name>_w / <name>_v (one parameter [w; v] in the grad buffer)
+        self.layer_of = {
+            n: int(m.group(1)) for n in stacked if (m := _PER_LAYER.fullmatch(n)) is not None
+        }
+        if self.layer_of and (len(self.layer_of) != len(stacked) or self.experts):
+            raise MegatronImportError(
+                f"{where}: per-layer (singleton_local_shards) and stacked layer tensors mixed"
+            )
+        if self.layer_of:
+            layers = {max(self.layer_of.values()) + 1}
+        else:
+            layers = {checkpoint.tensors[n].shape[0] for n in stacked}
         if len(layers) > 1:
             raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
         self.layers = layers.pop() if layers else 0
@@ -805,7 +817,18 @@ class _RankStates:
 
     def _lead(self, name: str) -> int:
         """How many leading axes index layers (and experts) rather than the parameter."""
+        if name in self.layer_of:
+            return 0
         return 2 if name in self.expert_names else 1 if name in self.stacked else 0
+
+    def _pair(self, name: str) -> str | None:
+        """The grad-buffer parameter of a singleton_local_shards SwiGLU half (``X_w`` /
+        ``X_v`` -> ``X``), else None."""
+        base, half = name[:-2], name[-2:]
+        if name in self.layer_of and half in ("_w", "_v"):
+            if base + "_w" in self.layer_of and base + "_v" in self.layer_of:
+                return base
+        return None
 
     def _swiglu(self, name: str) -> bool:
         """Whether ``name`` is a SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2``
@@ -891,6 +914,16 @@ class _RankStates:
         fc2``; EP rank ``ep_rank``'s experts)."""
         local = self.num_experts // self.ep if self.num_experts else 0
         out: list[tuple[str, int]] = []
+        if self.layer_of:  # singleton_local_shards: this layer's own tensors
+            for n in self.stacked:
+                base = self._pair(n)
+                if self.layer_of[n] != layer or (base is not None and n.endswith("_v")):
+                    continue
+                numel = _numel(self.piece(n, tp_rank)[0])
+                if base is not None:
+                    numel += _numel(self.piece(base + "_v", tp_rank)[0])
+                out.append((base or n, numel))
+            return out
         run: list[str] = []
         for n in [*self.stacked, None]:
             if n is not None and n in self.expert_names:
@@ -969,6 +1002,10 @@ class _RankStates:
                         ep_rank, stage = e // local_experts, layer // per_stage
                         rank = tp_rank + self.tp * (ep_rank + self.ep * stage)
                         yield rank, f"{name}#{layer}#{e}", (layer, e), local, axis, chunks
+                continue
+            if name in self.layer_of:
+                stage = self.layer_of[name] // per_stage
+                yield tp_rank + self.tp * stage, self._pair(name) or name, None, local, axis, chunks
                 continue
             for layer in range(self.layers) if skip else [None]:
                 if skip:
@@ -1052,6 +1089,9 @@ class _RankStates:
         skip = self._lead(name)
         for rank, key, layer, local, axis, chunks in self._pieces(name):
             bucket, start, end = self.layout[rank][key]
+            if key != name and name.endswith("_v"):  # after the _w half of [w; v]
+                start += _numel(self.piece(key + "_w", rank % self.tp)[0])
+            end = start + _numel(local)
             value = self.flat(rank, bucket, state, start, end).reshape(local)
             target = out[layer] if skip else out
             if axis is None:
@@ -1354,6 +1394,7 @@ _LAYER_ORDER = [
     "mlp.shared_experts.gate_weight",
 ]
 _TE = [*_LAYER_ORDER[:2], *_LAYER_ORDER[4:6], *_LAYER_ORDER[2:4], *_LAYER_ORDER[6:]]
+_PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _TOP_BEFORE = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
 _TOP_AFTER = [
     "decoder.final_layernorm.weight",
@@ -1373,13 +1414,34 @@ def _module_orders(names: list[str]) -> list[list[str]]:
         rank = {n: i for i, n in enumerate(_TOP_BEFORE)}
         rank.update({f"decoder.layers.{n}": len(_TOP_BEFORE) + i for i, n in enumerate(layer)})
         rank.update({n: len(rank) + i for i, n in enumerate(_TOP_AFTER)})
-        if all(n in rank for n in names):
-            order = sorted(names, key=rank.__getitem__)
+        known = {n: _order_key(n, rank, layer) for n in names}
+        if None not in known.values():
+            order = sorted(names, key=known.__getitem__)
             if order not in out:
                 out.append(order)
     if names not in out:
         out.append(list(names))
     return out
+
+
+def _order_key(name: str, rank: dict[str, int], layer: list[str]) -> tuple | None:
+    """Where ``name`` sorts in module order (per-layer singleton_local_shards names by layer,
+    then as in ``layer``; a SwiGLU ``_w`` half before its ``_v``), None if unknown."""
+    if name in _TOP_BEFORE:
+        return (0, _TOP_BEFORE.index(name), 0, 0)
+    if name in _TOP_AFTER:
+        return (2, _TOP_AFTER.index(name), 0, 0)
+    if name in rank:  # stacked: all layers in one tensor
+        return (1, 0, rank[name], 0)
+    m = _PER_LAYER.fullmatch(name)
+    if m is None:
+        return None
+    rest, half = m.group(2), 0
+    if rest.endswith(("_w", "_v")):
+        rest, half = rest[:-2], 1 if rest.endswith("_v") else 0
+    if rest not in layer:
+        return None
+    return (1, int(m.group(1)), layer.index(rest), half)
 
 
 def _in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], *a, **k):
