@@ -164,7 +164,7 @@ def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeyp
 NEWER = {
     # release/name: (layout in source["optimizer"], model dtype, truth fixture of the same run)
     # Llama TP1 DP2 (SwiGLU fc1 saved as two chunks at TP1) through Megatron-LM's fully
-    # parallel save: .metadata in the order the save work was split over DP ranks (0.16, 0.17:
+    # parallel save: .metadata in the order the save work was split over DP ranks (0.16-0.18:
     # refused before, "stacked layer tensors are not contiguous")
     "0.16.1/llama_distopt_dp2_fully_parallel_dp_reshardable": (
         "dp_reshardable",
@@ -175,6 +175,11 @@ NEWER = {
         "dp_reshardable",
         "float32",
         "0.17.1/llama_distopt_dp2_fully_parallel_dp_reshardable",
+    ),
+    "0.18.2/llama_distopt_dp2_fully_parallel_dp_reshardable": (
+        "dp_reshardable",
+        "float32",
+        "0.18.2/llama_distopt_dp2_fully_parallel_dp_reshardable",
     ),
     # megatron-core 0.19: no common.pt (the common state is the object common_state/shard_0_1)
     "0.19.2/gpt_distopt_dp2_fully_reshardable": (
