@@ -23,7 +23,7 @@ import tensorstore as ts
 from jax_ucp.format import UCPError, files, safetensors
 from jax_ucp.store import shard_file
 
-_BLOCK_BYTES = 16 << 20  # bytes of whole rows read at once (one task of the read pool)
+_BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
 _VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
 
 _BYTES_READ = [0]
