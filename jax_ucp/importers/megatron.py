@@ -317,10 +317,11 @@ def _step_from_param_groups(groups: Any, where: str) -> int:
 
 _OPTIMIZER_PREFIX = "optimizer.state."
 SUPPORTED_LAYOUTS = (
-    "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.16, Megatron-LM's "
-    "default; dense parameters of one dtype), 'fully_reshardable' (0.15-0.16), "
-    "'fully_sharded_model_space' (0.13-0.14, Megatron-LM's default there), "
-    "'dp_zero_gather_scatter' (0.13-0.14)"
+    "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.15-0.19, "
+    "Megatron-LM's default; parameters of one dtype, MoE SequentialMLP experts in their own "
+    "ChainedOptimizer member), 'fully_reshardable' (0.15-0.19), "
+    "'fully_sharded_model_space' (0.13-0.15, Megatron-LM's default in 0.13/0.14), "
+    "'dp_zero_gather_scatter' (0.13-0.19)"
 )
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
