@@ -42,8 +42,16 @@ async def write_tensor(
     """
     kv = store.kvstore_config(root, p.entry.dir)
     try:
-        t = await store.create(kv, p.layout, primary=primary, sync=sync)
-        writes = _issue_writes(t, p, kv, sync)
+        # An async save's private copies may still be in flight: wait for this tensor's off the
+        # event loop (while it creates the array), so other tensors whose copies have landed go on
+        # being written meanwhile instead of queueing behind this one.
+        landed = asyncio.ensure_future(_landed(p.writes))
+        try:
+            t = await store.create(kv, p.layout, primary=primary, sync=sync)
+        except BaseException:
+            await asyncio.gather(landed, return_exceptions=True)
+            raise
+        writes = _issue_writes(t, p, kv, sync, await landed)
         results = await asyncio.gather(*(w for w, _ in writes), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -91,12 +99,28 @@ def _shard_keys(index, layout) -> list[str]:
     return [shard_file.shard_key(pos) for pos in itertools.product(*ranges)]
 
 
-def _issue_writes(t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], sync: bool) -> list:
-    """Starts every shard write of ``p`` -> [(awaitable, shard keys)]; whole shards of host
-    memory go through ``shard_file``."""
+async def _landed(writes: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
+    """``writes`` with every zero-argument producer replaced by its data, produced in threads."""
+    if not any(callable(data) for _, data in writes):
+        return writes
+    produced = await asyncio.gather(
+        *(asyncio.to_thread(data) if callable(data) else _given(data) for _, data in writes)
+    )
+    return [(index, data) for (index, _), data in zip(writes, produced)]
+
+
+async def _given(data):
+    return data
+
+
+def _issue_writes(
+    t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], sync: bool, writes=None
+) -> list:
+    """Starts every shard write of ``p`` (or of ``writes``, its data produced) ->
+    [(awaitable, shard keys)]; whole shards of host memory go through ``shard_file``."""
     commits = []
     loop = asyncio.get_running_loop()
-    for index, data in p.writes:
+    for index, data in p.writes if writes is None else writes:
         if callable(data):
             data = data()
         if p.layout.shape and 0 in p.layout.shape:
