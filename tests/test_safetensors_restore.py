@@ -286,3 +286,16 @@ def test_target_errors_name_the_tensor_and_file(tmp_path):
     save_file({"w": np.full((2,), 1e10, np.float32)}, str(big))
     with pytest.raises(jax_ucp.UCPError, match=r"'params/w' .*big\.safetensors:w.*2 of its values"):
         jax_ucp.restore(big, target={"params": {"w": sds((2,), np.float16)}})
+
+
+def test_a_ucp_checkpoint_beside_safetensors_is_read_as_ucp(tmp_path):
+    """A folder holding ucp.json (or an Orbax step holding a UCP item) stays a UCP checkpoint
+    even with a .safetensors file in it."""
+    file = tmp_path / "model.safetensors"
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(file))
+    ckpt = jax_ucp.convert(file, tmp_path / "step" / "100" / "state")
+    save_file({"w": np.zeros(6, np.float32)}, str(tmp_path / "step" / "100" / "model.safetensors"))
+    save_file({"w": np.zeros(6, np.float32)}, os.path.join(ckpt, "model.safetensors"))
+    for path in (ckpt, tmp_path / "step" / "100"):
+        _assert_same(jax_ucp.restore(path)["params"]["w"], np.arange(6, dtype=np.float32), "w")
+    _assert_same(jax_ucp.restore(file)["params"]["w"], np.arange(6, dtype=np.float32), "w")

@@ -36,10 +36,14 @@ ROOT = "params"  # where the importer puts the weights: a spec's param root
 
 
 def is_source(path) -> bool:
-    """A local ``.safetensors`` file, or a folder holding safetensors files and no ``ucp.json``
-    (a converted checkpoint's folder is read as one)."""
+    """A local ``.safetensors`` file, or a folder holding safetensors files and no ``ucp.json``,
+    itself or in an item directory (a converted checkpoint or an Orbax step is read as one)."""
     path = os.fspath(path)
     if "://" in path or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return False
+    if os.path.isdir(path) and any(  # an Orbax step directory holding a UCP item
+        os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE)) for d in os.listdir(path)
+    ):
         return False
     return safetensors.is_safetensors(path)
 
