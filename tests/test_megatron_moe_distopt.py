@@ -9,6 +9,7 @@ SequentialMLP experts of the local spec, SwiGLU, 4 experts, two Adam steps):
   1's experts 2-3);
 * ``moe_distopt_ep2_fully_reshardable``: the same run, model-space
   ``chained_N.optimizer.state.*`` tensors, the step in ``common.pt['optimizer'][N]``;
+* ``moe_distopt_tp2ep2_dp_reshardable``: TP2 x EP2 over 4 ranks (expert TP2);
 * ``moe_distopt_dp2_dp_reshardable``: EP1, DP2: megatron-core keeps the experts in the dense
   grad buffer (one optimizer, no ``chained_`` prefix), between each layer's router and the next
   layer.
@@ -38,6 +39,13 @@ FIXTURES = {
     # dp_reshardable run's (checked when generated), so that truth serves
     "moe_distopt_ep2_fully_reshardable": (True, 30, "moe_distopt_ep2_dp_reshardable"),
     "moe_distopt_dp2_dp_reshardable": ("dp_reshardable", 3, "moe_distopt_dp2_dp_reshardable"),
+    # TP2 x EP2 over 4 ranks: dense TP2 DP2; experts split over expert TP2 too, the expert
+    # optimizer's ranks etp_rank + 2 * ep_rank (dp_group_idx_0..3)
+    "moe_distopt_tp2ep2_dp_reshardable": (
+        "dp_reshardable",
+        18,
+        "moe_distopt_tp2ep2_dp_reshardable",
+    ),
 }
 
 
