@@ -269,7 +269,7 @@ def _table(header: list[str], rows: list[list[str]], *, right=(), optional=()) -
     wide = sum(width(c) + 2 for c in columns[1:] + dropped) + min(longest, 40)
     note = Text(
         f"not shown at {console.width} columns: {', '.join(header[c] for c in dropped)} "
-        f"(COLUMNS={wide} shows them)"
+        f"(COLUMNS={wide} shows {'them' if len(dropped) > 1 else 'it'})"
     )
     return Group(table, note)
 

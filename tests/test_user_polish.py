@@ -173,7 +173,8 @@ def test_inspect_at_80_columns_says_which_columns_it_left_out(tmp_path):
     assert r.exit_code == 0 and _fits(r.output), r.output
     note = "not shown at 80 columns: logical axes (COLUMNS="
     line = next(line for line in r.output.splitlines() if line.startswith(note))
-    wide = int(line[len(note) :].split(" ")[0].rstrip(")"))
+    assert line.endswith(" shows it)"), line
+    wide = int(line[len(note) :].split(" ")[0])
     r = _cli("inspect", tmp_path / "c", columns=wide)
     assert "(embed, mlp)" in r.output and "not shown" not in r.output, r.output
 
