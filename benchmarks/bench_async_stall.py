@@ -9,7 +9,9 @@ PartitionSpecs as in bench_save_restore), measures, alternating within each roun
     save's buffers); round 0 (the first save, empty pool) is reported apart;
   * the whole save of the same tree in a blocking manager (``enable_async_checkpointing=False``),
     and the ratio async ÷ blocking per round;
-  * the same async save with Orbax's ``StandardSave`` (defaults);
+  * the async save without reusing host copies (``UCPCheckpointHandler(reuse_host_copies=False)``:
+    every save copies into new memory, as before the pool);
+  * the same async save with Orbax's ``StandardSave`` (defaults; ``--no-orbax`` leaves it out);
   * the device→host copy of the same tree three ways: ``jax.device_get(tree)``;
     ``copy_to_host_async()`` on every replica-0 shard then ``np.asarray`` each (what an async
     save must at least do); and a private copy of every replica-0 shard (``np.array(copy=True)``),
@@ -17,7 +19,7 @@ PartitionSpecs as in bench_save_restore), measures, alternating within each roun
 
 The ratio stall / copy says how much of the blocking part is more than the unavoidable copy.
 
-  python benchmarks/bench_async_stall.py [--gib 1] [--rounds 5] [--dir /tmp/ucp_stall]
+  python benchmarks/bench_async_stall.py [--gib 1] [--rounds 5] [--dir /tmp/ucp_stall] [--no-orbax]
 """
 
 from __future__ import annotations
@@ -74,11 +76,16 @@ def manager_save(mngr, step, tree, args_fn):
     return stall, total
 
 
-# name -> (save args, async manager?)
+# name -> (save args, async manager?, item handler or None for Orbax's registered one)
 SAVES = {
-    "jax_ucp UCPSave async": (lambda t: jax_ucp.UCPSave(t), True),
-    "jax_ucp UCPSave blocking": (lambda t: jax_ucp.UCPSave(t), False),
-    "orbax StandardSave async": (lambda t: ocp.args.StandardSave(t), True),
+    "jax_ucp UCPSave async": (lambda t: jax_ucp.UCPSave(t), True, None),
+    "jax_ucp async, no reuse": (
+        lambda t: jax_ucp.UCPSave(t),
+        True,
+        lambda: jax_ucp.UCPCheckpointHandler(reuse_host_copies=False),
+    ),
+    "jax_ucp UCPSave blocking": (lambda t: jax_ucp.UCPSave(t), False, None),
+    "orbax StandardSave async": (lambda t: ocp.args.StandardSave(t), True, None),
 }
 COPIES = {
     "jax.device_get": copy_device_get,
@@ -93,7 +100,10 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/ucp_stall")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-orbax", action="store_true", help="leave Orbax's StandardSave out")
     args = ap.parse_args()
+    if args.no_orbax:
+        SAVES.pop("orbax StandardSave async")
     devs = np.array(jax.devices()[:8])
     tree = make_tree(args.gib, Mesh(devs.reshape(2, 4), ("data", "model")))
     jax.block_until_ready(tree)
@@ -111,9 +121,13 @@ def main():
     first = {}
     copy = {k: [] for k in COPIES}
     managers = {}
-    for i, (name, (_, use_async)) in enumerate(SAVES.items()):
+    for i, (name, (_, use_async, handler)) in enumerate(SAVES.items()):
         options = ocp.CheckpointManagerOptions(enable_async_checkpointing=use_async, create=True)
-        managers[name] = ocp.CheckpointManager(os.path.join(args.dir, str(i)), options=options)
+        managers[name] = ocp.CheckpointManager(
+            os.path.join(args.dir, str(i)),
+            options=options,
+            item_handlers=None if handler is None else {"state": handler()},
+        )
     for r in range(args.rounds + 1):
         names = list(SAVES) + list(COPIES)
         if r % 2:
@@ -157,13 +171,15 @@ def main():
             f"{name:30s} {med(stall[name]):8.3f} {med(stall[name]) / ref:15.2f} "
             f"{med(total[name]):13.2f} {spread(total[name]):>11s} {first[name][1]:13.2f}"
         )
-    ratios = [
-        a / b for a, b in zip(total["jax_ucp UCPSave async"], total["jax_ucp UCPSave blocking"])
-    ]
+    blocking = total["jax_ucp UCPSave blocking"]
+    ratios = [a / b for a, b in zip(total["jax_ucp UCPSave async"], blocking)]
+    no_reuse = [a / b for a, b in zip(total["jax_ucp async, no reuse"], blocking)]
     print(
         f"async ÷ blocking whole save, per round: median {med(ratios):.2f} "
         f"(min {min(ratios):.2f}, max {max(ratios):.2f}); first save (empty pool): "
-        f"{first['jax_ucp UCPSave async'][1] / first['jax_ucp UCPSave blocking'][1]:.2f}"
+        f"{first['jax_ucp UCPSave async'][1] / first['jax_ucp UCPSave blocking'][1]:.2f}; "
+        f"without reuse: median {med(no_reuse):.2f} (min {min(no_reuse):.2f}, "
+        f"max {max(no_reuse):.2f})"
     )
     for name in COPIES:
         print(f"{name:30s} {med(copy[name]):9.3f} {'':13s} {med(copy[name]) / ref:15.2f}")
@@ -174,12 +190,13 @@ def main():
                 {
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                     "command": f"python benchmarks/bench_async_stall.py --gib {args.gib} "
-                    f"--rounds {args.rounds}",
+                    f"--rounds {args.rounds}" + (" --no-orbax" if args.no_orbax else ""),
                     "bytes": nbytes,
                     "stall_s": stall,
                     "whole_save_s": total,
                     "first_save_s": first,
                     "async_over_blocking": ratios,
+                    "no_reuse_over_blocking": no_reuse,
                     "copy_s": copy,
                 },
                 f,

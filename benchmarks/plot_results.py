@@ -106,7 +106,8 @@ def plot_async_stall(data: dict, png: str) -> None:
     whole = {k: med(v) for k, v in data["whole_save_s"].items()}
     copy = med(data["copy_s"]["private copy (np.array)"])
     names = list(stall) + ["private host copy (np.array)"]
-    colors = dict(zip(names, ["tab:blue", "tab:orange", "tab:gray"]))
+    palette = ["tab:blue", "tab:cyan", "tab:green", "tab:orange"][: len(stall)] + ["tab:gray"]
+    colors = dict(zip(names, palette))
     fig, (left, right) = plt.subplots(1, 2, figsize=FIGSIZE, width_ratios=(3, 2))
 
     stall_vals = list(stall.values()) + [copy]
@@ -119,7 +120,7 @@ def plot_async_stall(data: dict, png: str) -> None:
     left.set_title("time training is blocked", fontsize=9)
     headroom(left, 1.25)
 
-    bars = right.bar(range(len(whole)), list(whole.values()), 0.6, color=["tab:blue", "tab:orange"])
+    bars = right.bar(range(len(whole)), list(whole.values()), 0.6, color=palette[: len(whole)])
     right.bar_label(bars, fmt="%.2f s", fontsize=8)
     right.set_xticks(range(len(whole)), [n.replace(" ", "\n", 1) for n in whole], fontsize=8)
     right.set_ylabel("whole save (until written), s (median)")

@@ -176,3 +176,20 @@ def test_another_tree_copies_afresh_and_replaces_the_pool(tmp_path, released):
         ckptr.wait_until_finished()
     assert_bit_exact(jax_ucp.restore(tmp_path / "a")["w"], first["w"])
     assert_bit_exact(jax_ucp.restore(tmp_path / "b")["w"], other["w"])
+
+
+@pytest.mark.timeout(180)
+def test_reuse_host_copies_false_keeps_no_copies_between_saves(tmp_path, released):
+    m = mesh((2, 4), ("data", "model"))
+    handler = jax_ucp.UCPCheckpointHandler(reuse_host_copies=False)
+    hosts = [_host(30), _host(31)]
+    with ocp.AsyncCheckpointer(handler) as ckptr:
+        for step, host in enumerate(hosts):
+            ckptr.save(tmp_path / str(step), args=jax_ucp.UCPSave(_on_mesh(host, m)))
+            ckptr.wait_until_finished()
+            assert not handler.copy_pool.ready(timeout=120)  # nothing kept
+    assert released == []
+    for step, host in enumerate(hosts):
+        back = jax_ucp.restore(tmp_path / str(step))
+        for k, v in host.items():
+            assert_bit_exact(back[k], v)

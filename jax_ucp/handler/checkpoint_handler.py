@@ -33,14 +33,20 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     """Saves a pytree as one consolidated zarr v3 array per leaf plus ``ucp.json``."""
 
     def __init__(
-        self, *, multiprocessing_options: ocp.options.MultiprocessingOptions | None = None
+        self,
+        *,
+        multiprocessing_options: ocp.options.MultiprocessingOptions | None = None,
+        reuse_host_copies: bool = True,
     ):
+        """``reuse_host_copies=False``: every async save copies into new memory and keeps none
+        between saves (the pool holds one copy of the process's replica-0 CPU shards)."""
         options = multiprocessing_options or ocp.options.MultiprocessingOptions()
         self._primary_host = options.primary_host
         # Primary only: the manifest of each save in flight, completed and written by finalize.
         self._pending: dict[str, tuple[fmt.Manifest, dict]] = {}
         # An async save's private host copies, reused by the next one (released by close()).
         self._copy_pool = save_plan.HostCopyPool()
+        self._reuse_host_copies = reuse_host_copies
 
     @property
     def copy_pool(self) -> save_plan.HostCopyPool:
@@ -57,7 +63,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             digests = await save_plan.write_all(directory, prepared, primary=primary, sync=False)
         finally:  # every write has settled: the next save may write over these copies
             del prepared
-            if copies:
+            if copies and self._reuse_host_copies:
                 self._copy_pool.release(copies)
         if not store.is_url(directory):  # an object store's PUT is durable when it returns
             await asyncio.to_thread(durable.make_tree_durable, directory)
@@ -109,7 +115,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             primary=primary,
             copy=copy,
             logical_axes=args.logical_axes,
-            pool=self._copy_pool if copy else None,
+            pool=self._copy_pool if copy and self._reuse_host_copies else None,
             copies_out=copies,
         )
         if primary:

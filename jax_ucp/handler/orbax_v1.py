@@ -57,7 +57,7 @@ class UCPHandler:
                 f"ocp.CheckpointManager and jax_ucp.UCPSave (docs/ORBAX.md)"
             )
         path = directory.path
-        v0 = UCPCheckpointHandler()
+        v0 = UCPCheckpointHandler(reuse_host_copies=False)  # one handler per save: no next save
         futures = await v0.async_save(path, args=args)  # layout + host copies, now
 
         async def write() -> None:

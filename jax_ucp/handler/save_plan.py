@@ -137,8 +137,13 @@ class HostCopyPool:
                 by_device.setdefault(next(iter(c.devices())), []).append(c)
         with self._lock:
             self._free = by_device
-        todo = [(d, cs) for d, cs in by_device.items() if (d, _signature(cs)) not in self._compiled]
-        if todo:
+        with self._lock:
+            todo = [
+                (d, _signature(cs))
+                for d, cs in by_device.items()
+                if (d, _signature(cs)) not in self._compiled
+            ]
+        if todo:  # shapes only: the thread holds no buffer
             self._compiling = threading.Thread(
                 target=self._compile, args=(todo,), name="ucp-copy-compile"
             )
@@ -155,15 +160,20 @@ class HostCopyPool:
             )
 
     def _compile(self, todo) -> None:
-        for device, arrays in todo:
+        for device, signature in todo:
             sharding = jax.sharding.SingleDeviceSharding(device)
-            abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in arrays]
+            abstract = [
+                jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in signature
+            ]
             flag = jax.ShapeDtypeStruct((), np.bool_, sharding=sharding)
             try:
                 compiled = _COPY_INTO.lower(abstract, abstract, flag).compile()
             except Exception:  # a dtype XLA cannot select on: those saves copy afresh
                 continue
-            self._compiled[(device, _signature(arrays))] = compiled
+            with self._lock:
+                while len(self._compiled) >= 64:  # trees that change shape: keep the newest
+                    self._compiled.pop(next(iter(self._compiled)))
+                self._compiled[(device, signature)] = compiled
 
     def close(self) -> None:
         """Drops the pooled copies (the memory goes back once nothing else holds them)."""
