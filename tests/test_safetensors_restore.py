@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from test_safetensors_import import BAD
 
 import jax_ucp
+from jax_ucp.handler import safetensors_source
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
 from jax_ucp.store import safetensors_file
@@ -139,19 +140,19 @@ def test_dtypes_ranks_and_a_single_file(tmp_path):
 @pytest.mark.timeout(90)
 def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
     """The spec's views (transpose, q/k/v merged, gate|up concatenated, renames) over the
-    files give, on a mesh and on host, exactly what the converted checkpoint gives. Tensors the
-    spec only transposes (o_proj, down_proj, lm_head) are read by ``Transposed`` (row blocks and
-    tiles made small here so that several of each are cut)."""
+    files give, on a mesh and on host, exactly what the converted checkpoint gives. Every kernel
+    (transposed, q/k/v merged, gate|up concatenated) is read by ``Gathered`` (row blocks and
+    tiles made small here so that several of each are cut), the rest as stored."""
     monkeypatch.setattr(safetensors_file, "_BLOCK_BYTES", 200)
     monkeypatch.setattr(safetensors_file, "_TILE", 3)
-    transposed = []
-    read_into = safetensors_file.Transposed.read_into
+    gathered = []
+    read_into = safetensors_file.Gathered.read_into
 
     def counting(self, dests):
-        transposed.append(self.tensor.name)
+        gathered.extend(t.name for t in self.sources)
         return read_into(self, dests)
 
-    monkeypatch.setattr(safetensors_file.Transposed, "read_into", counting)
+    monkeypatch.setattr(safetensors_file.Gathered, "read_into", counting)
     weights = _llama(np.random.default_rng(2))
     src = _sharded_folder(tmp_path / "hf", weights)
     config = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -164,9 +165,17 @@ def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
     for (path, x), (_, y) in zip(flat(host_direct)[0], flat(host_converted)[0]):
         _assert_same(x, y, jax.tree_util.keystr(path))
     assert host_direct["params"]["layers_0"]["attn"]["qkv"]["kernel"].shape == (32, 64)
-    assert sorted(set(transposed)) == sorted(
-        n for n in weights if "o_proj" in n or "down_proj" in n or "lm_head" in n
+    assert sorted(set(gathered)) == sorted(
+        n for n in weights if weights[n].ndim == 2 and "embed_tokens" not in n
     )
+    # the same through TensorStore's lazy views over the files (what any other op takes)
+    ops = safetensors_source._GATHER_OPS
+    monkeypatch.setattr(safetensors_source, "_GATHER_OPS", set())
+    gathered.clear()
+    for (path, x), (_, y) in zip(flat(jax_ucp.restore(src, spec=spec))[0], flat(host_converted)[0]):
+        _assert_same(x, y, jax.tree_util.keystr(path))
+    assert gathered == []
+    monkeypatch.setattr(safetensors_source, "_GATHER_OPS", ops)
     mesh = _mesh()
     for spec2d in (P(None, "model"), P("model", None), P("data", "model")):
         target = jax.tree.map(

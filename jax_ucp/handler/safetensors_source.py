@@ -55,7 +55,7 @@ class _Available:
     dtype: np.dtype
     sources: tuple[tuple[str, ...], ...]
     build: Callable | None  # a spec's view over the sources' views; None: the source as it is
-    transposed: bool = False  # the source's transpose: read by ``safetensors_file.Transposed``
+    gather: Any = None  # (which, rows): read by ``safetensors_file.Gathered`` (see _gather_map)
     saved_sharding: Any = None
     logical_axes: Any = None
 
@@ -80,46 +80,70 @@ def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
             and tuple(plan.shape) == tensors[sources[0]].shape
             and np.dtype(plan.dtype) == tensors[sources[0]].dtype
         )
-        transposed = (
-            not as_is
-            and tuple(plan.ops) == ("transpose",)
-            and len(sources) == 1
-            and len(tensors[sources[0]].shape) == 2
-            and np.dtype(plan.dtype) == tensors[sources[0]].dtype
-            and _is_transpose(plan, sources[0], tensors[sources[0]].shape)
-        )
+        gather = None if as_is else _gather_map(plan, sources, tensors)
         out[key] = _Available(
             key,
             tuple(plan.shape),
             np.dtype(plan.dtype),
             sources,
-            None if as_is or transposed else plan.build,
-            transposed=transposed,
+            None if as_is or gather is not None else plan.build,
+            gather=gather,
         )
     return out
 
 
-def _is_transpose(plan, source, shape) -> bool:
-    """Whether ``plan``'s view of a rank-2 ``source`` is its transpose, tried on a probe whose
-    values are their own indices (a transpose op may also be given the identity order)."""
-    n0, n1 = shape
+_GATHER_OPS = {"transpose", "merge_qkv", "concat"}
+_BITS = 24  # row and column fields of a probe's codes
 
-    def fill(domain, array, params):
-        del params
-        rows, cols = np.indices(array.shape)
-        array[...] = (rows + domain[0].inclusive_min) * n1 + cols + domain[1].inclusive_min
 
-    probe = ts.virtual_chunked(
-        fill,
-        dtype=ts.int64,
-        domain=ts.IndexDomain(shape=[n0, n1]),
-        chunk_layout=ts.ChunkLayout(read_chunk_shape=[2, 2]),
-    )
-    view = plan.build({source: probe})
-    if tuple(view.shape) != (n1, n0):
-        return False
-    got = np.asarray(view[: min(2, n1), : min(2, n0)].read().result())
-    return np.array_equal(got, np.arange(min(2, n0))[None, :] * n1 + np.arange(min(2, n1))[:, None])
+def _gather_map(plan, sources, tensors):
+    """``(which, rows)`` when ``plan``'s view is columns each taken whole from a row of a rank-2
+    source (``transpose`` first, then ``merge_qkv`` / ``concat`` of such columns): column ``j``
+    is row ``rows[j]`` of ``sources[which[j]]``, read by ``safetensors_file.Gathered``. Found
+    on probes whose values encode (source, row, column), checked on three rows of the view
+    (each must hold column ``i`` of the same source rows); None for any other view."""
+    ops = tuple(plan.ops)
+    shapes = [tensors[k].shape for k in sources]
+    if (
+        not ops
+        or ops[0] != "transpose"
+        or not set(ops) <= _GATHER_OPS
+        or any(len(sh) != 2 or max(sh) >= 1 << _BITS for sh in shapes)
+        or len({sh[1] for sh in shapes}) != 1
+        or any(tensors[k].dtype != np.dtype(plan.dtype) for k in sources)
+        or len(plan.shape) != 2
+        or plan.shape[0] != shapes[0][1]
+    ):
+        return None
+
+    def probe(sid, shape):
+        def fill(domain, array, params):
+            del params
+            rows, cols = np.indices(array.shape)
+            rows += domain[0].inclusive_min
+            cols += domain[1].inclusive_min
+            array[...] = (sid << (2 * _BITS)) | (rows << _BITS) | cols
+
+        return ts.virtual_chunked(
+            fill,
+            dtype=ts.int64,
+            domain=ts.IndexDomain(shape=list(shape)),
+            chunk_layout=ts.ChunkLayout(read_chunk_shape=[shape[0], 1]),
+        )
+
+    view = plan.build({k: probe(i, sh) for i, (k, sh) in enumerate(zip(sources, shapes))})
+    if tuple(view.shape) != tuple(plan.shape):
+        return None
+    first = np.asarray(view[0, :].read().result())
+    if np.any(first & ((1 << _BITS) - 1)):
+        return None
+    n_in = plan.shape[0]
+    for i in sorted({1, n_in - 1} - {0} if n_in > 1 else set()):
+        if not np.array_equal(np.asarray(view[i, :].read().result()), first + i):
+            return None
+    which = first >> (2 * _BITS)
+    rows = (first >> _BITS) & ((1 << _BITS) - 1)
+    return which, rows
 
 
 def restore(
@@ -251,8 +275,8 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
     in_flight: collections.deque = collections.deque()
     used = 0
     for position, (req, av, want) in enumerate(checked):
-        if av.transposed:
-            source = safetensors_file.Transposed(tensors[av.sources[0]])
+        if av.gather is not None:
+            source = safetensors_file.Gathered([tensors[k] for k in av.sources], *av.gather)
         elif av.build is None and av.shape:
             source = tensors[av.sources[0]]  # regions preadv'd into each device's buffer
         else:

@@ -189,21 +189,35 @@ class SafetensorsTensor:
         return out
 
 
-class Transposed:
-    """A 2-d tensor read as its transpose (torch ``[out, in]`` -> flax ``[in, out]``), region by
-    region like ``SafetensorsTensor``: each block of source rows is read once into a scratch
-    buffer and transposed into every region's array in tiles of ``_TILE`` rows (a whole-array
-    strided transpose copy runs ~15x slower on bf16 here)."""
+class Gathered:
+    """A 2-d array whose column ``j`` is row ``rows[j]`` of the 2-d source ``sources[which[j]]``
+    (a transpose: torch ``[out, in]`` -> flax ``[in, out]``; and concatenations or reorderings of
+    such columns: q/k/v merged, gate|up), read region by region like ``SafetensorsTensor``: each
+    run of consecutive source rows is read once, in blocks, and transposed into every region's
+    array in tiles of ``_TILE`` rows (a whole-array strided bf16 transpose copy runs ~15x
+    slower here)."""
 
-    def __init__(self, tensor: SafetensorsTensor):
-        if len(tensor.shape) != 2:
-            raise ValueError(f"Transposed: {tensor.name!r} has rank {len(tensor.shape)}, not 2")
-        self.tensor = tensor
-        self.dtype = tensor.dtype
-        self.shape = tensor.shape[::-1]
+    def __init__(self, sources: list[SafetensorsTensor], which, rows):
+        self.sources = list(sources)
+        self.which = np.asarray(which, np.int64)
+        self.rows = np.asarray(rows, np.int64)
+        inner = {t.shape[1:] for t in self.sources}
+        dtypes = {t.dtype for t in self.sources}
+        if len(inner) != 1 or len(dtypes) != 1 or any(len(t.shape) != 2 for t in self.sources):
+            raise ValueError("Gathered: sources must be 2-d with one row length and dtype")
+        self.dtype = dtypes.pop()
+        self.shape = (inner.pop()[0], len(self.rows))
+        # runs of columns reading consecutive rows of one source: (first column, source, row, n)
+        breaks = np.flatnonzero((np.diff(self.which) != 0) | (np.diff(self.rows) != 1)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64)
+        ends = np.concatenate([breaks, [len(self.rows)]]).astype(np.int64)
+        self._runs = [
+            (int(a), int(self.which[a]), int(self.rows[a]), int(b - a))
+            for a, b in zip(starts, ends)
+            if b > a
+        ]
 
     def read_into(self, dests) -> RegionsRead:
-        t = self.tensor
         for region, out in dests:
             shape = tuple(b - a for a, b in region)
             if (
@@ -217,37 +231,40 @@ class Transposed:
                     f"{shape}, got {out.dtype} {tuple(out.shape)}"
                 )
         dests = [(region, out) for region, out in dests if 0 not in out.shape]
-        if not dests:
-            return RegionsRead([])
-        # the regions in source coordinates: rows of the source are columns of the result
-        merged: list[list[int]] = []
-        for a, b in sorted(region[1] for region, _ in dests):
-            if merged and a <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], b)
-            else:
-                merged.append([a, b])
-        per_block = max(1, _BLOCK_BYTES // max(1, t.row_bytes))
-        pool = shard_file.read_pool()
-        return RegionsRead(
-            [
-                pool.submit(self._read_block, r, min(r + per_block, b), dests)
-                for a, b in merged
-                for r in range(a, b, per_block)
-            ]
-        )
-
-    def _read_block(self, a: int, b: int, dests) -> None:
-        t = self.tensor
-        block = _scratch((b - a) * t.row_bytes).view(t.dtype).reshape((b - a,) + t.shape[1:])
-        t._rows_into(block, a)
-        for (rows, cols), out in dests:  # out[i, j] = source[cols[0] + j, rows[0] + i]
-            lo, hi = max(a, cols[0]), min(b, cols[1])
-            if lo >= hi:
+        tasks = []
+        for first, src, row, n in self._runs:
+            lo = first
+            hi = first + n
+            if not any(c0 < hi and lo < c1 for (_, (c0, c1)), _ in dests):
                 continue
+            t = self.sources[src]
+            per_block = max(1, _BLOCK_BYTES // max(1, t.row_bytes))
+            for a in range(lo, hi, per_block):  # result columns [a, b): source rows from there
+                b = min(a + per_block, hi)
+                wanted = [d for d in dests if d[0][1][0] < b and a < d[0][1][1]]
+                if wanted:
+                    tasks.append((self._read_block, t, a, b, row + (a - first), wanted))
+        pool = shard_file.read_pool()
+        return RegionsRead([pool.submit(*task) for task in tasks])
+
+    @staticmethod
+    def _read_block(t: SafetensorsTensor, a: int, b: int, row: int, dests) -> None:
+        """Result columns ``[a, b)`` = source rows ``[row, row + b - a)`` of ``t``."""
+        block = _scratch((b - a) * t.row_bytes).view(t.dtype).reshape((b - a,) + t.shape[1:])
+        t._rows_into(block, row)
+        for (rows, cols), out in dests:  # out[i, j] = block[a + j - a, rows[0] + i]
+            lo, hi = max(a, cols[0]), min(b, cols[1])
             part = block[lo - a : hi - a, rows[0] : rows[1]]
             for r in range(0, hi - lo, _TILE):
                 piece = part[r : r + _TILE]
                 out[:, lo - cols[0] + r : lo - cols[0] + r + len(piece)] = piece.T
+
+
+def Transposed(tensor: SafetensorsTensor) -> Gathered:  # noqa: N802 - reads like a class
+    """A 2-d tensor read as its transpose."""
+    if len(tensor.shape) != 2:
+        raise ValueError(f"Transposed: {tensor.name!r} has rank {len(tensor.shape)}, not 2")
+    return Gathered([tensor], np.zeros(tensor.shape[0], np.int64), np.arange(tensor.shape[0]))
 
 
 _TILE = 64  # source rows transposed at once (stays in cache)
