@@ -65,7 +65,10 @@ class OpenFile:
             self.fd = -1
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except (AttributeError, TypeError, OSError):  # interpreter shutdown: ``os`` is gone
+            pass
 
 
 class SafetensorsTensor:
