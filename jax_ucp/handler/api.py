@@ -175,9 +175,10 @@ def restore(
         names exist in ``mesh`` and divide, and is replicated along the other dimensions.
       shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
       rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
-        applied to the logical axis names recorded at save time. A rule for a name no tensor
-        carries, or a mesh axis (size > 1) that no rule and no saved PartitionSpec uses, is an
-        error naming it and the closest known names (see ``strict``). A tensor saved sharded
+        applied to the logical axis names recorded at save time. A misspelt name — a rule for
+        a name no tensor carries but close to one that does, or a mesh axis (size > 1) that no
+        rule and no saved PartitionSpec uses but close to one that does — is an error naming
+        the closest known names (see ``strict``). A tensor saved sharded
         that would come back replicated on every device (no rule for its names, its saved
         axes not in ``mesh``) gives a ``ReplicationWarning`` with the bytes per device.
       spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
@@ -200,9 +201,9 @@ def restore(
       max_read_bytes: host memory for read buffers in flight (default 256 MiB): peak host memory
         of a restore is about the restored arrays plus this (a tensor larger than it is read
         alone). Larger values overlap more reads.
-      strict: with ``mesh=``, refuse rules naming logical names the checkpoint lacks and mesh
-        axes nothing uses (default). ``strict=False`` allows them: rules shared with activation
-        names, a purely data-parallel axis, a mesh meant to replicate.
+      strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes
+        (default). ``strict=False`` allows them. Names unlike every known one always pass
+        (rules shared with activation names, a purely data-parallel axis).
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.

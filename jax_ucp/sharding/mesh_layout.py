@@ -146,6 +146,14 @@ def _closest(name: str, known: Iterable[str]) -> str:
     return ", ".join(repr(n) for n in near) if near else "none close"
 
 
+def _near_miss(name: str, known: Iterable[str]) -> bool:
+    """``name`` reads like a misspelling of a known one (``modle``/``model``, ``embd``/``embed``).
+    Names unlike every known one are left alone: a purely data-parallel mesh axis, a mesh with new
+    axis names (tensors saved sharded then warn with the bytes per device), rules shared with
+    activation axes."""
+    return bool(difflib.get_close_matches(name, sorted(set(known)), n=1, cutoff=0.75))
+
+
 def _listed(names: Iterable[str], limit: int = 12) -> str:
     names = sorted(set(names))
     text = ", ".join(repr(n) for n in names[:limit])
@@ -161,13 +169,15 @@ def check_names(
     where: str,
     strict: bool = True,
 ) -> None:
-    """Refuses, before anything is read, names that would make a restore replicate silently.
+    """Refuses, before anything is read, misspelt names that would make a restore replicate
+    silently.
 
-    With ``rules``: a logical name no tensor of the checkpoint carries (``"embd"`` for
-    ``"embed"`` gave ``P(None, 'model')``). With or without: a mesh axis (of size > 1) that no
-    rule and no saved PartitionSpec or saved mesh names (``modle`` for ``model``; a mesh passed
-    alone whose axes the checkpoint never used): every tensor would be replicated along it.
-    ``strict=False`` allows both (rules shared with activations, a purely data-parallel axis).
+    With ``rules``: a logical name no tensor of the checkpoint carries but close to one that
+    does (``"embd"`` for ``"embed"`` gave ``P(None, 'model')``). With or without: a mesh axis (of
+    size > 1) that no rule and no saved PartitionSpec uses but close to one that is (``modle``
+    for ``model``): every tensor would be replicated along it. ``strict=False`` allows both.
+    Names unlike any known one pass (``_near_miss``); what then ends up replicated although
+    saved sharded is reported by a ``ReplicationWarning``.
     A rule naming a mesh axis the mesh lacks is always an error (``check_rules``).
     """
     if rules is not None:
@@ -179,7 +189,7 @@ def check_names(
     advice = "or pass strict=False to allow it"
     if rules is not None:
         for name, _ in rules:
-            if name not in logical_names:
+            if name not in logical_names and _near_miss(name, logical_names):
                 raise ShardingMismatchError(
                     f"Logical-axis rule {name!r}: no tensor of the checkpoint {where} carries "
                     f"that logical axis name (closest: {_closest(name, logical_names)}; the "
@@ -189,7 +199,7 @@ def check_names(
     rule_axes = {a for _, axes in rules or () for a in _axes_of(axes)}
     known = rule_axes | saved_axes
     for axis in mesh.axis_names:
-        if mesh.shape[axis] > 1 and axis not in known:
+        if mesh.shape[axis] > 1 and axis not in known and _near_miss(axis, known):
             if rules is not None:
                 what = (
                     f"no rule maps a logical name to it nor does any PartitionSpec the "
