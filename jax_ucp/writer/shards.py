@@ -45,13 +45,17 @@ async def write_tensor(
         # An async save's private copies may still be in flight: wait for this tensor's off the
         # event loop (while it creates the array), so other tensors whose copies have landed go on
         # being written meanwhile instead of queueing behind this one.
-        landed = asyncio.ensure_future(_landed(p.writes))
-        try:
+        if not any(callable(data) for _, data in p.writes):  # host data: nothing to wait for
             t = await store.create(kv, p.layout, primary=primary, sync=sync)
-        except BaseException:
-            await asyncio.gather(landed, return_exceptions=True)
-            raise
-        writes = _issue_writes(t, p, kv, sync, await landed)
+            writes = _issue_writes(t, p, kv, sync)
+        else:
+            landed = asyncio.ensure_future(_landed(p.writes))
+            try:
+                t = await store.create(kv, p.layout, primary=primary, sync=sync)
+            except BaseException:
+                await asyncio.gather(landed, return_exceptions=True)
+                raise
+            writes = _issue_writes(t, p, kv, sync, await landed)
         results = await asyncio.gather(*(w for w, _ in writes), return_exceptions=True)
         for r in results:
             if isinstance(r, BaseException):
@@ -101,8 +105,6 @@ def _shard_keys(index, layout) -> list[str]:
 
 async def _landed(writes: list[tuple[tuple, Any]]) -> list[tuple[tuple, Any]]:
     """``writes`` with every zero-argument producer replaced by its data, produced in threads."""
-    if not any(callable(data) for _, data in writes):
-        return writes
     produced = await asyncio.gather(
         *(asyncio.to_thread(data) if callable(data) else _given(data) for _, data in writes)
     )
