@@ -595,13 +595,28 @@ def _run_convert(fn, src, dst, parallel: _Parallel | None = None, **kwargs):
     return out
 
 
+# Options every convert command shares (one definition, typer's Annotated form).
+Force = Annotated[bool, typer.Option(help="replace DST")]
+Step = Annotated[int | None, typer.Option(help="write as step N of a CheckpointManager dir")]
+Processes = Annotated[
+    int | None,
+    typer.Option("--processes", help="convert with N local processes (each reads 1/N of it)"),
+]
+Coordinator = Annotated[
+    str | None,
+    typer.Option("--coordinator", help="host:port of the jax.distributed job this process is in"),
+]
+NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in it")]
+ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's index")]
+
+
 @convert_app.command("deepspeed")
 @_user_errors
 def convert_deepspeed(
     src: str,
     dst: str,
-    force: bool = typer.Option(False, help="replace DST"),
-    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    force: Force = False,
+    step: Step = None,
     spec: str | None = typer.Option(
         None,
         help="UCP-language spec file (Megatron-DeepSpeed TP/PP without universal_checkpoint_info)",
@@ -609,14 +624,10 @@ def convert_deepspeed(
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
-    processes: int | None = typer.Option(
-        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
-    ),
-    coordinator: str | None = typer.Option(
-        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
-    ),
-    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
-    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
+    processes: Processes = None,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
 ):
     """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
     from jax_ucp import conversion
@@ -640,19 +651,15 @@ def convert_megatron(
     dst: str,
     spec: str | None = typer.Option(None, help="UCP-language spec file"),
     vocab_size: int | None = typer.Option(None, help="original vocab size (strips padding)"),
-    force: bool = typer.Option(False, help="replace DST"),
-    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    force: Force = False,
+    step: Step = None,
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
-    processes: int | None = typer.Option(
-        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
-    ),
-    coordinator: str | None = typer.Option(
-        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
-    ),
-    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
-    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
+    processes: Processes = None,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
 ):
     """A Megatron checkpoint (torch_dist, or legacy iter_N/mp_rank_XX)."""
     from jax_ucp import conversion
@@ -675,19 +682,15 @@ def convert_megatron(
 def convert_safetensors(
     src: str,
     dst: str,
-    force: bool = typer.Option(False, help="replace DST"),
-    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    force: Force = False,
+    step: Step = None,
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone (a Trainer's optimizer.pt skipped)"
     ),
-    processes: int | None = typer.Option(
-        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
-    ),
-    coordinator: str | None = typer.Option(
-        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
-    ),
-    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
-    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
+    processes: Processes = None,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
 ):
     """Hugging Face safetensors (a .safetensors file, or a folder with shards and an index)."""
     from jax_ucp import conversion
@@ -709,8 +712,8 @@ def convert_orbax(
     src: str,
     dst: str,
     tag: int | None = typer.Option(None, help="step of a CheckpointManager dir (default: latest)"),
-    force: bool = typer.Option(False, help="replace DST"),
-    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    force: Force = False,
+    step: Step = None,
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the params/ subtree alone"
     ),
@@ -736,19 +739,15 @@ def convert_orbax(
 def convert_torch(
     src: str,
     dst: str,
-    force: bool = typer.Option(False, help="replace DST"),
-    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    force: Force = False,
+    step: Step = None,
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
-    processes: int | None = typer.Option(
-        None, "--processes", help="convert with N local processes (each reads 1/N of it)"
-    ),
-    coordinator: str | None = typer.Option(
-        None, "--coordinator", help="host:port of the jax.distributed job this process is in"
-    ),
-    num_processes: int | None = typer.Option(None, "--num-processes", help="processes in it"),
-    process_id: int | None = typer.Option(None, "--process-id", help="this process's index"),
+    processes: Processes = None,
+    coordinator: Coordinator = None,
+    num_processes: NumProcesses = None,
+    process_id: ProcessId = None,
 ):
     """A torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save
     files (pytorch_model.bin, .pt, .ckpt)."""
