@@ -105,18 +105,7 @@ class SafetensorsTensor:
         tasks = []
         cut = []
         for region, out in dests:
-            shape = tuple(b - a for a, b in region)
-            if (
-                len(region) != len(self.shape)
-                or tuple(out.shape) != shape
-                or out.dtype != self.dtype
-                or not out.flags.c_contiguous
-                or not out.flags.writeable
-            ):
-                raise ValueError(
-                    f"read_into: region {region} needs a writable C-contiguous {self.dtype} "
-                    f"array of shape {shape}, got {out.dtype} {tuple(out.shape)}"
-                )
+            shape = shard_file.check_destination(region, out, self.shape, self.dtype)
             if 0 in shape:
                 continue
             if not self.shape:

@@ -405,6 +405,25 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     return data
 
 
+def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
+    """The shape of ``region`` ((start, stop) per dimension of a tensor of ``shape``), once
+    ``out`` is checked to be a writable C-contiguous ``dtype`` array of it: what every reader's
+    ``read_into`` reads straight into."""
+    want = tuple(b - a for a, b in region)
+    if (
+        len(region) != len(shape)
+        or tuple(out.shape) != want
+        or out.dtype != dtype
+        or not out.flags.c_contiguous
+        or not out.flags.writeable
+    ):
+        raise ValueError(
+            f"read_into: region {region} needs a writable C-contiguous {dtype} "
+            f"array of shape {want}, got {out.dtype} {tuple(out.shape)}"
+        )
+    return want
+
+
 def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
     """Fills ``buffers`` (writable, contiguous bytes) with the file's bytes from ``offset`` on:
     one ``preadv`` straight into them (no intermediate bytes object), repeated for whatever the
@@ -568,18 +587,7 @@ class ShardReader:
         Every inner chunk is read once however many regions need it; one wholly inside a region,
         as a consecutive range of it, is read straight into that region's array (no copy)."""
         for region, out in dests:
-            shape = tuple(b - a for a, b in region)
-            if (
-                len(region) != len(self.shape)
-                or tuple(out.shape) != shape
-                or out.dtype != self.dtype
-                or not out.flags.c_contiguous
-                or not out.flags.writeable
-            ):
-                raise ValueError(
-                    f"read_into: region {region} needs a writable C-contiguous {self.dtype} "
-                    f"array of shape {shape}, got {out.dtype} {tuple(out.shape)}"
-                )
+            check_destination(region, out, self.shape, self.dtype)
         return RegionRead(self, list(dests))
 
     def _tasks(self, regions) -> list[tuple[tuple[int, ...], list]]:
