@@ -781,7 +781,37 @@ def _identity(root: str):
     return (st.st_dev, st.st_ino)
 
 
-def _selector(select) -> Callable[[str], bool]:
+def target_requests(target, shardings, mesh, rules, dtype, select) -> tuple[list[Request], Any]:
+    """The requests (and treedef) of a restore into ``target`` / ``shardings``, whatever the
+    source (a UCP checkpoint, a safetensors folder): ``select=`` has no place beside a target."""
+    if select is not None:
+        raise ValueError(
+            "select= restores part of a checkpoint without a target; a target "
+            "already says which leaves to read."
+        )
+    if rules is not None and mesh is not None:
+        sharding_lib.check_rules(rules, mesh)
+    reqs, treedef = requests_from_target(
+        target if target is not None else shardings,
+        shardings if target is not None else None,
+        mesh=mesh,
+    )
+    if dtype is not None:
+        for r in reqs:
+            r.dtype = np.dtype(dtype)
+    return reqs, treedef
+
+
+def target_tree(target, treedef, results: list) -> Any:
+    """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
+    their metadata."""
+    if target is not None:
+        boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
+        results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
+    return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def selector(select) -> Callable[[str], bool]:
     """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
     if select is None:
         return lambda name: True
@@ -797,35 +827,18 @@ def _restore_once(
     root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes, strict
 ):
     manifest = store.read_manifest(root)
-    if select is not None and (target is not None or shardings is not None):
-        raise ValueError(
-            "select= restores part of a checkpoint without a target; a target "
-            "already says which leaves to read."
-        )
     if target is not None or shardings is not None:
-        if rules is not None and mesh is not None:
-            sharding_lib.check_rules(rules, mesh)
-        reqs, treedef = requests_from_target(
-            target if target is not None else shardings,
-            shardings if target is not None else None,
-            mesh=mesh,
-        )
-        if dtype is not None:
-            for r in reqs:
-                r.dtype = np.dtype(dtype)
+        reqs, treedef = target_requests(target, shardings, mesh, rules, dtype, select)
         results = read(
             root, manifest, reqs, spec=spec, casting=casting, max_read_bytes=max_read_bytes
         )
-        if target is not None:  # flax boxes (nn.LogicallyPartitioned, ...) keep their metadata
-            boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
-            results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
-        return jax.tree_util.tree_unflatten(treedef, results)
+        return target_tree(target, treedef, results)
     if rules is not None and mesh is None:
         raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
     every = available_tensors(manifest, spec)
     if mesh is not None:
         check_mesh_names(root, every.values(), mesh, rules, strict)
-    selected = _selector(select)
+    selected = selector(select)
     available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
     chosen_values = [v for v in manifest.values if selected(v.name)]
     if select is not None and not available and not chosen_values:

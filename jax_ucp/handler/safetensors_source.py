@@ -15,7 +15,6 @@ import collections
 import dataclasses
 import math
 import os
-import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -167,32 +166,15 @@ def restore(
     try:
         tensors = {(ROOT, name): opened[f.path].tensor(name) for name, f in owner.items()}
         available = _available(tensors, spec)
-        if select is not None and (target is not None or shardings is not None):
-            raise ValueError(
-                "select= restores part of a checkpoint without a target; a target "
-                "already says which leaves to read."
-            )
         if target is not None or shardings is not None:
-            if rules is not None and mesh is not None:
-                sharding_lib.check_rules(rules, mesh)
-            reqs, treedef = reader.requests_from_target(
-                target if target is not None else shardings,
-                shardings if target is not None else None,
-                mesh=mesh,
-            )
-            if dtype is not None:
-                for r in reqs:
-                    r.dtype = np.dtype(dtype)
+            reqs, treedef = reader.target_requests(target, shardings, mesh, rules, dtype, select)
             results = _read(path, tensors, available, reqs, casting, max_read_bytes)
-            if target is not None:
-                boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
-                results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
-            return jax.tree_util.tree_unflatten(treedef, results)
+            return reader.target_tree(target, treedef, results)
         if rules is not None and mesh is None:
             raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
         if mesh is not None:
             reader.check_mesh_names(path, available.values(), mesh, rules, strict)
-        chosen = _selector(select)
+        chosen = reader.selector(select)
         picked = {k: av for k, av in available.items() if chosen(fmt.key_to_str(k))}
         if select is not None and not picked:
             tops = sorted({k[0] for k in available})
@@ -220,17 +202,6 @@ def restore(
     finally:
         for f in opened.values():
             f.close()
-
-
-def _selector(select) -> Callable[[str], bool]:
-    if select is None:
-        return lambda name: True
-    if callable(select):
-        return select
-    if isinstance(select, str):
-        pattern = re.compile(select)
-        return lambda name: pattern.fullmatch(name) is not None
-    raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
 
 
 def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
