@@ -199,7 +199,7 @@ def _optax_like_state():
 
 def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
     """Read with jax_ucp's own DCP reader (written for megatron-core's torch_dist files)."""
-    from jax_ucp.importers import megatron_dcp
+    from jax_ucp.importers.megatron import dcp as megatron_dcp
 
     state = _optax_like_state()
     jax_ucp.save(str(tmp_path / "ck"), state)
@@ -220,7 +220,7 @@ def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
 def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
     from ucp_testing import REPO
 
-    from jax_ucp.importers import megatron_dcp
+    from jax_ucp.importers.megatron import dcp as megatron_dcp
 
     src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))

@@ -22,11 +22,11 @@ from jax_ucp.importers import (
     dcp_reader,
     deepspeed_files,
     deepspeed_zero,
-    megatron_dcp,
-    megatron_legacy,
     safetensors_hf,
 )
 from jax_ucp.importers import plan as plan_lib
+from jax_ucp.importers.megatron import dcp as megatron_dcp
+from jax_ucp.importers.megatron import legacy as megatron_legacy
 from jax_ucp.importers.torch_pickle import load_torch_file
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")

@@ -19,8 +19,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert_megatron
-from jax_ucp.importers import megatron_dcp as dcp
-from jax_ucp.importers.megatron import MegatronImportError, detect_megatron
+from jax_ucp.importers.megatron import MegatronImportError, dcp, detect_megatron
 
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron_testing import (  # noqa: E402
@@ -248,7 +247,7 @@ def test_legacy_missing_distrib_optim(tmp_path):
 
 
 def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
-    from jax_ucp.importers import megatron_legacy as lg
+    from jax_ucp.importers.megatron import legacy as lg
 
     real = lg.distrib_optim_layout
     # one bucket per parameter: no 64-element start padding inside buckets -> totals disagree
@@ -281,7 +280,7 @@ def test_legacy_pipeline_tied_and_layer_numbers(converted):
 
 
 def test_legacy_rng_state_and_args_are_inert():
-    from jax_ucp.importers import megatron_legacy as lg
+    from jax_ucp.importers.megatron import legacy as lg
 
     ck = lg.open_legacy(FIX / "legacy_llama_tp2_synthetic")
     st = ck.ranks[(0, 0)].state
@@ -681,7 +680,7 @@ def test_legacy_missing_file_and_bad_tracker(tmp_path):
 
 
 def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
-    from jax_ucp.importers import megatron_legacy as lg
+    from jax_ucp.importers.megatron import legacy as lg
 
     real = lg.open_legacy
 
@@ -698,7 +697,7 @@ def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
 
 
 def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
-    from jax_ucp.importers import megatron_legacy as lg
+    from jax_ucp.importers.megatron import legacy as lg
 
     real = lg.open_legacy
 

@@ -19,7 +19,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert_megatron
-from jax_ucp.importers import megatron_legacy
+from jax_ucp.importers.megatron import legacy as megatron_legacy
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
 NAME = "legacy_gpt_vpp2pp2_synthetic"

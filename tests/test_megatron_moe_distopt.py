@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers import megatron_dcp
 from jax_ucp.importers.megatron import MegatronImportError
+from jax_ucp.importers.megatron import dcp as megatron_dcp
 
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron", "mcore_versions", "0.16.1")
 VOCAB = 61

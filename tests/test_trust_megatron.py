@@ -17,8 +17,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.exporters import torch_out as T
-from jax_ucp.importers import megatron_dcp as dcp
-from jax_ucp.importers.megatron import MegatronImportError
+from jax_ucp.importers.megatron import MegatronImportError, dcp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from megatron_testing import FIX, assert_bit_equal, load_reference  # noqa: E402
@@ -461,7 +460,8 @@ def _rewrite_rank(path, edit, top=None) -> None:
     """Re-writes a legacy ``model_optim_rng.pt`` (torch-free) after ``edit(model)``: the run
     arguments, version, iteration and model state dict kept, the RNG state left out; ``top``:
     more top-level entries (nested dicts of arrays and values)."""
-    from jax_ucp.importers import megatron_legacy, torch_pickle
+    from jax_ucp.importers import torch_pickle
+    from jax_ucp.importers.megatron import legacy as megatron_legacy
 
     saved = torch_pickle.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
     # copies: the loaded arrays are memory-mapped views of the file rewritten below

@@ -1,7 +1,7 @@
 """Read a torch Distributed Checkpoint (``torch.distributed.checkpoint``) without torch.
 
 Shared by the plain DCP importer (:mod:`torch_dcp`: FSDP1/FSDP2, torchtitan, Accelerate,
-Lightning) and megatron-core's ``torch_dist`` (:mod:`megatron_dcp` adds its own pieces).
+Lightning) and megatron-core's ``torch_dist`` (:mod:`jax_ucp.importers.megatron.dcp` adds its own pieces).
 
 On disk: ``.metadata`` (a pickle of ``torch.distributed.checkpoint.metadata.Metadata``: global
 shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, length)) and

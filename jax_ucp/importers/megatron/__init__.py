@@ -37,9 +37,8 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import UCPError
-from jax_ucp.importers import megatron_dcp as dcp
-from jax_ucp.importers import megatron_legacy as legacy
 from jax_ucp.importers import torch_pickle
+from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.plan import (
     TENSORS,
     VALUES,
