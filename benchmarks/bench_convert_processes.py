@@ -30,47 +30,24 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from bench_deepspeed_convert import _children, _status, tag_dir  # noqa: E402
+import rss  # noqa: E402
+from bench_deepspeed_convert import tag_dir  # noqa: E402
 
 
 def run_measured(cmd: list[str], env: dict) -> dict:
     """Wall times and peak RssAnon (tree total, and the largest process) of ``cmd``."""
-    os.sync()
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    peak = {"total": 0, "process": 0}
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            anon = [_status(pid).get("RssAnon", 0) for pid in [p.pid, *_children(p.pid)]]
-            peak["total"] = max(peak["total"], sum(anon))
-            peak["process"] = max(peak["process"], max(anon, default=0))
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out, err = p.communicate()
-    wall = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    os.sync()
-    durable = time.perf_counter() - t0
-    if p.returncode:
-        raise RuntimeError(f"{cmd[:6]} failed ({p.returncode}):\n{(out + err).decode()[-3000:]}")
+    res = rss.run_measured(cmd, env=env, cwd=ROOT)
     return {
-        "wall_s": wall,
-        "durable_s": durable,
-        "peak_rss_anon_total": peak["total"],
-        "peak_rss_anon_process": peak["process"],
+        "wall_s": res["wall_s"],
+        "durable_s": res["durable_s"],
+        "peak_rss_anon_total": res["peak_rss_anon"],
+        "peak_rss_anon_process": res["peak_rss_anon_process"],
     }
 
 

@@ -28,73 +28,19 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                k, _, v = line.partition(":")
-                if k in ("RssAnon", "VmRSS", "RssFile"):
-                    out[k] = int(v.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-    return kids + [g for k in kids for g in _children(k)]
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import rss  # noqa: E402
 
 
 def run_measured(cmd: list[str], env: dict | None = None) -> dict:
     """Wall time (to exit, and to durable output) and peak (process tree) RssAnon / VmRSS of ``cmd``."""
-    os.sync()  # nothing left over from an earlier run is charged to this one
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    peak = {"RssAnon": 0, "VmRSS": 0}
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            tot = {"RssAnon": 0, "VmRSS": 0}
-            for pid in [p.pid, *_children(p.pid)]:
-                s = _status(pid)
-                for k in tot:
-                    tot[k] += s.get(k, 0)
-            for k in tot:
-                peak[k] = max(peak[k], tot[k])
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out, err = p.communicate()
-    wall = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    os.sync()
-    durable = time.perf_counter() - t0
-    if p.returncode:
-        raise RuntimeError(f"{cmd[:4]}... failed ({p.returncode}):\n{err.decode()[-3000:]}")
-    res = {
-        "wall_s": wall,
-        "durable_s": durable,
-        "peak_rss_anon": peak["RssAnon"],
-        "peak_vm_rss": peak["VmRSS"],
-    }
-    for line in out.decode(errors="replace").splitlines():
+    res = rss.run_measured(cmd, env=env, cwd=ROOT)
+    for line in res.pop("stdout").splitlines():
         if line.startswith("CONVERT_S="):
             res["convert_s"] = float(line.split("=", 1)[1])
     return res

@@ -148,38 +148,16 @@ def generate(where: str) -> None:
 
 def run_side(cmd: list[str], env: dict) -> dict:
     """Run ``cmd`` (its last argument the output path) measured; parse the child's MEM line."""
-    import subprocess
-    import threading
+    import rss
 
-    from bench_deepspeed_convert import _children, _status
-
-    os.sync()
-    t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
-    peak = [0]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            anon = [_status(pid).get("RssAnon", 0) for pid in [p.pid, *_children(p.pid)]]
-            peak[0] = max(peak[0], sum(anon))
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    out, err = p.communicate()
-    wall = time.perf_counter() - t0
-    stop.set()
-    th.join()
-    os.sync()
-    durable = time.perf_counter() - t0
-    if p.returncode:
-        raise RuntimeError(f"{cmd[:3]} failed ({p.returncode}):\n{(out + err).decode()[-3000:]}")
-    mem = next(json.loads(line[3:]) for line in out.decode().splitlines() if line.startswith("MEM"))
+    res = rss.run_measured(cmd, env=env, cwd=ROOT)
+    mem = next(
+        json.loads(line[3:]) for line in res["stdout"].splitlines() if line.startswith("MEM")
+    )
     return {
-        "wall_s": wall,
-        "durable_s": durable,
-        "peak_rss_anon_sampled": peak[0],
+        "wall_s": res["wall_s"],
+        "durable_s": res["durable_s"],
+        "peak_rss_anon_sampled": res["peak_rss_anon"],
         "child_vm_hwm": mem["VmHWM"],
         "child_rss_anon_end": mem["RssAnon"],
     }
