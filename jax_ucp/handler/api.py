@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import contextlib
 import os
@@ -264,32 +263,26 @@ def verify(
         return None
 
     problems: list[tuple[str, str]] = []
-    in_flight: collections.deque = collections.deque()
-    used = 0
+    window = store.InFlightBytes(budget, max_items=_VERIFY_THREADS)
+    total, done = len(manifest.tensors), 0
 
-    def retire_oldest() -> None:
-        nonlocal used
-        future, entry = in_flight.popleft()
+    def retire(item) -> None:
+        nonlocal done
+        future, entry = item
         error = future.result()
-        used -= entry.nbytes
+        done += 1
         if error is not None:
             problems.append((entry.name, error))
         if progress is not None:
-            progress(entry.name, total - len(pending) - len(in_flight), total)
+            progress(entry.name, done, total)
 
-    total = len(manifest.tensors)
-    pending = collections.deque(manifest.tensors)
     with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS, "ucp-verify") as pool:
-        while pending:
-            entry = pending[0]
-            if in_flight and (used + entry.nbytes > budget or len(in_flight) >= _VERIFY_THREADS):
-                retire_oldest()
-                continue
-            pending.popleft()
-            in_flight.append((pool.submit(check, entry), entry))
-            used += entry.nbytes
-        while in_flight:
-            retire_oldest()
+        for entry in manifest.tensors:
+            for item in window.make_room(entry.nbytes):
+                retire(item)
+            window.add((pool.submit(check, entry), entry), entry.nbytes)
+        for item in window.drain():
+            retire(item)
     return VerifyResult(problems, tree_lib.class_notices(manifest.tree))
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import math
@@ -374,9 +373,9 @@ def read(
         sources = {s.key: s for item in plan if item[0] == "tensor" for s in item[2].sources}
         verify_shard_objects(root, sources.values())
     out: list = [None] * len(plan)
-    in_flight: collections.deque = collections.deque()
-    budget = DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
-    used = 0
+    window = store.InFlightBytes(
+        DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    )
     kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU devices)
     limit = sharding_lib.host_memory_limit()
     for position, item in enumerate(plan):
@@ -394,16 +393,15 @@ def read(
         if fast is None and not url:  # read by TensorStore: check every shard file it may open
             for src in found.sources:
                 verify_shard_files(root, src)
-        while in_flight and used + pending.read_bytes > budget:
-            used -= _finish(root, in_flight.popleft(), out, casting)
+        for done in window.make_room(pending.read_bytes):
+            _finish(root, done, out, casting)
         try:
             pending.start()
         except MemoryError:
             raise _memory_error(root, found, pending, "could not be allocated") from None
-        in_flight.append((position, req, found, pending))
-        used += pending.read_bytes
-    while in_flight:
-        _finish(root, in_flight.popleft(), out, casting)
+        window.add((position, req, found, pending), pending.read_bytes)
+    for done in window.drain():
+        _finish(root, done, out, casting)
     return out
 
 
@@ -459,8 +457,8 @@ def _human(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def _finish(root: str, entry, out: list, casting: str) -> int:
-    """Waits for one tensor's reads, stores its result; returns the read bytes it released."""
+def _finish(root: str, entry, out: list, casting: str) -> None:
+    """Waits for one tensor's reads, stores its result (its read buffers are then freed)."""
     position, req, found, pending = entry
     try:
         result = pending.result()
@@ -481,7 +479,6 @@ def _finish(root: str, entry, out: list, casting: str) -> int:
     if req.python_type is not None and getattr(result, "shape", None) == ():
         result = req.python_type(np.asarray(result).item())
     out[position] = result
-    return pending.read_bytes
 
 
 def _overflow(root: str, found: Available, pending, casting: str) -> None:

@@ -11,7 +11,6 @@ bounded by ``max_read_bytes`` as for any restore.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -26,6 +25,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
+from jax_ucp import store
 from jax_ucp.format import safetensors
 from jax_ucp.handler import reader
 from jax_ucp.handler import tree as tree_lib
@@ -240,11 +240,11 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
                     f"jax_enable_x64, restore it to host (sharding None) or ask for a dtype."
                 )
         checked.append((req, av, want))
-    budget = reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    window = store.InFlightBytes(
+        reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    )
     limit = sharding_lib.host_memory_limit()
     out: list = [None] * len(checked)
-    in_flight: collections.deque = collections.deque()
-    used = 0
     for position, (req, av, want) in enumerate(checked):
         if av.gather is not None:
             source = safetensors_file.Gathered([tensors[k] for k in av.sources], *av.gather)
@@ -262,13 +262,12 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
                 f"than {limit[1]} ({limit[0]} bytes). Restore it sharded over more processes or "
                 f"select= other tensors."
             )
-        while in_flight and used + pending.read_bytes > budget:
-            used -= _finish(path, tensors, in_flight.popleft(), out, casting)
+        for done in window.make_room(pending.read_bytes):
+            _finish(path, tensors, done, out, casting)
         pending.start()
-        in_flight.append((position, av, pending))
-        used += pending.read_bytes
-    while in_flight:
-        _finish(path, tensors, in_flight.popleft(), out, casting)
+        window.add((position, av, pending), pending.read_bytes)
+    for done in window.drain():
+        _finish(path, tensors, done, out, casting)
     return out
 
 
@@ -278,7 +277,7 @@ def _where(path, tensors, av: _Available) -> str:
     return ", ".join(parts) + (f" (+{len(av.sources) - 3} more)" if len(av.sources) > 3 else "")
 
 
-def _finish(path, tensors, entry, out: list, casting: str) -> int:
+def _finish(path, tensors, entry, out: list, casting: str) -> None:
     position, av, pending = entry
     try:
         out[position] = pending.result()
@@ -300,4 +299,3 @@ def _finish(path, tensors, entry, out: list, casting: str) -> int:
                 f"casting='unsafe' to convert anyway, or restore as {av.dtype}."
             )
         warnings.warn(message, RuntimeWarning, stacklevel=4)
-    return pending.read_bytes

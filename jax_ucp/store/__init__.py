@@ -2,6 +2,7 @@
 
 from jax_ucp.store import location, shard_file
 from jax_ucp.store.chunking import DEFAULT_INNER_CHUNK_BYTES, inner_chunk_shape, outer_chunk_shape
+from jax_ucp.store.in_flight import InFlightBytes
 from jax_ucp.store.location import is_url, read_manifest, write_manifest
 from jax_ucp.store.zarr3 import (
     ArrayLayout,

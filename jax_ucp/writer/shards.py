@@ -179,44 +179,48 @@ class PipelinedWriter:
         self.root = str(root)
         self.sync = sync
         self.max_bytes, self.max_tensors = max_bytes, max_tensors
-        self._pending: list[tuple[asyncio.Task, int, tuple]] = []
-        self._bytes = 0
+        self._window: store.InFlightBytes[tuple[asyncio.Task, tuple]] = store.InFlightBytes(
+            max_bytes, max_items=max_tensors
+        )
         self.digests: dict[tuple, dict[str, str]] = {}  # tensor key -> shard digests, once written
 
     @property
     def bytes_in_flight(self) -> int:
-        """Bytes of the tensors written but not yet retired (bounded by ``max_bytes``)."""
-        return self._bytes
+        """Bytes of the tensors written but not yet retired (at most ``max_bytes``, or one tensor)."""
+        return self._window.bytes
 
     @property
     def tensors_in_flight(self) -> int:
-        return len(self._pending)
+        return len(self._window)
 
     async def add(self, p: PreparedTensor) -> None:
+        for done in self._window.make_room(p.entry.nbytes):
+            await self._retire(done)
         task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
-        self._pending.append((task, p.entry.nbytes, p.entry.key))
-        self._bytes += p.entry.nbytes
+        self._window.add((task, p.entry.key), p.entry.nbytes)
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
-        while self._pending and (
-            self._bytes > self.max_bytes or len(self._pending) > self.max_tensors
-        ):
-            await self._retire_oldest()
         # Surface a failure early instead of after the whole stream was produced.
-        for task, _, _ in self._pending:
+        for task, _ in self._window:
             if task.done() and task.exception() is not None:
                 raise task.exception()
 
-    async def _retire_oldest(self) -> None:
-        task, nbytes, key = self._pending.pop(0)
+    async def reserve(self, nbytes: int) -> None:
+        """Retires written tensors until ``nbytes`` more fit under ``max_bytes``: called before
+        an importer allocates a tensor (``stream.Deferred``), so the tensor being built and the
+        tensors being written share one memory budget."""
+        for done in self._window.make_room(nbytes):
+            await self._retire(done)
+
+    async def _retire(self, done: tuple[asyncio.Task, tuple]) -> None:
+        task, key = done
         self.digests[key] = await task
-        self._bytes -= nbytes
 
     async def flush(self) -> None:
-        while self._pending:
-            await self._retire_oldest()
+        for done in self._window.drain():
+            await self._retire(done)
 
     async def abandon(self) -> None:
         """After a failure: let in-flight writes settle so cleanup does not race them."""
-        if self._pending:
-            await asyncio.gather(*(t for t, _, _ in self._pending), return_exceptions=True)
-        self._pending.clear()
+        tasks = [task for task, _ in self._window.drain()]
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
