@@ -1,0 +1,77 @@
+"""What every part of the Megatron importer shares: its error, the hints its refusals give,
+the optimizer-state names and the step of a saved torch optimizer state."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+
+from jax_ucp.format import UCPError
+from jax_ucp.importers.plan import (
+    agreed_step,
+)
+
+
+class MegatronImportError(UCPError, ValueError):
+    """The Megatron checkpoint is incomplete, inconsistent or unsupported (names tensor + file)."""
+
+
+SUPPORTED_LAYOUTS = (
+    "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.15-0.19, "
+    "Megatron-LM's default; parameters of one dtype, MoE SequentialMLP experts in their own "
+    "ChainedOptimizer member), 'fully_reshardable' (0.15-0.19), "
+    "'fully_sharded_model_space' (0.13-0.15, Megatron-LM's default in 0.13/0.14), "
+    "'dp_zero_gather_scatter' (0.13-0.19)"
+)
+WEIGHTS_ONLY_HINT = (
+    "To import the model weights without the optimizer state: "
+    "convert(..., weights_only=True) / jax-ucp convert --weights-only"
+)
+
+
+def step_from_param_groups(groups: Any, where: str) -> int:
+    """The optimizer step of a torch optimizer state's ``param_groups`` (all groups agree)."""
+    if not isinstance(groups, list) or not groups:
+        raise MegatronImportError(
+            f"{where}: optimizer param_groups missing or empty; cannot recover the step. "
+            f"{WEIGHTS_ONLY_HINT}"
+        )
+    seen: dict[float, str] = {}
+    for index, group in enumerate(groups):
+        if not isinstance(group, dict) or "step" not in group:
+            raise MegatronImportError(
+                f"{where}: optimizer param_groups[{index}] has no 'step'. {WEIGHTS_ONLY_HINT}"
+            )
+        seen.setdefault(float(np.asarray(group["step"])), f"(group {index})")
+    return agreed_step(seen, where, recorded_by="parameter groups", error=MegatronImportError)
+
+
+#: megatron-core's optimizer namespace in torch_dist keys: ``optimizer.*``, and
+#: ``chained_N.optimizer.*`` when a ChainedOptimizer (e.g. dense + MoE experts) prefixes them.
+_OPTIMIZER_NAME = re.compile(r"(?:chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_name(name: str) -> bool:
+    """A torch_dist key of optimizer state, never a model weight (imported as optimizer state,
+    skipped by name, or refused; never written under ``params/``)."""
+    return _OPTIMIZER_NAME.match(name) is not None or ".optimizer." in name
+
+
+def param_groups(optimizer_state: Any) -> Any:
+    """``param_groups`` of a saved Megatron optimizer state (``{"optimizer": torch state}``)."""
+    inner = optimizer_state.get("optimizer") if isinstance(optimizer_state, dict) else None
+    return inner.get("param_groups") if isinstance(inner, dict) else None
+
+
+def sharding_type(common: Any) -> str | None:
+    if isinstance(common, dict):
+        optimizer = common.get("optimizer")
+        if isinstance(optimizer, dict):
+            return optimizer.get("param_state_sharding_type")
+    return None
+
+
+def element_count(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))

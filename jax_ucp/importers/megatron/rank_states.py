@@ -1,0 +1,427 @@
+"""Distributed-optimizer state kept per model-parallel rank as flat vectors over the rank's grad
+buffer (no parameter names): which parameters a rank holds, in which order, and how their pieces
+join into global tensors. The layouts (:mod:`distopt`) say where the vectors are."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_ucp.importers.megatron import dcp, legacy
+from jax_ucp.importers.megatron.common import (
+    WEIGHTS_ONLY_HINT,
+    MegatronImportError,
+    element_count,
+    step_from_param_groups,
+)
+from jax_ucp.importers.megatron.module_order import PER_LAYER
+
+SEQUENTIAL_EXPERT = re.compile(
+    r"decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)"
+)
+
+
+class RankStates:
+    """Distributed-optimizer state saved per model-parallel rank (``dp_group_idx`` = TP rank +
+    TP x PP rank) as flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's
+    grad buffer, without parameter names. Their places are re-derived as megatron-core lays out
+    its grad buffers (``legacy``: the rank's local parameters in module order,
+    reversed, starts padded to 64, a pipeline-tied embedding alone in its bucket); every master
+    weight is then checked against the model weight it must equal (fp32) or round to (bf16).
+
+    A rank's local piece of a tensor is the tensor's saved chunks for that TP rank: the chunks
+    (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
+    up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
+    Subclasses say where the flat vectors are and how the buffer splits into buckets."""
+
+    STATES = ("param", "exp_avg", "exp_avg_sq")
+    layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
+
+    #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
+    prefix = ""
+    #: Whether this is the expert optimizer of a MoE ChainedOptimizer: its parameters are
+    #: SequentialMLP's experts, saved stacked ``[layers, experts, ...]``.
+    experts = False
+
+    def __init__(
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        ranks: int,
+        pp: int | None = None,
+    ):
+        self.checkpoint = checkpoint
+        self.where = where = checkpoint.path / ".metadata"
+        self.ranks = ranks
+        stacked = [n for n in model_names if n.startswith("decoder.layers.")]
+        if self.experts and stacked != model_names:
+            raise MegatronImportError(
+                f"{where}: expert tensors {sorted(set(model_names) - set(stacked))} are not "
+                f"stacked decoder layers"
+            )
+        first = model_names.index(stacked[0]) if stacked else len(model_names)
+        if model_names[first : first + len(stacked)] != stacked:
+            raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
+        # singleton_local_shards: one tensor per layer (decoder.layers.<i>.*), a SwiGLU fc1 as
+        # two tensors <name>_w / <name>_v (one parameter [w; v] in the grad buffer)
+        self.layer_of = {
+            n: int(m.group(1)) for n in stacked if (m := PER_LAYER.fullmatch(n)) is not None
+        }
+        if self.layer_of and (len(self.layer_of) != len(stacked) or self.experts):
+            raise MegatronImportError(
+                f"{where}: per-layer (singleton_local_shards) and stacked layer tensors mixed"
+            )
+        if self.layer_of:
+            layers = {max(self.layer_of.values()) + 1}
+        else:
+            layers = {checkpoint.tensors[n].shape[0] for n in stacked}
+        if len(layers) > 1:
+            raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
+        self.layers = layers.pop() if layers else 0
+        self.stacked = stacked
+        # SequentialMLP experts, saved [layers, experts, ...]: in the expert optimizer's own
+        # buffer (EP > 1), or in the dense one with the other parameters (EP = 1)
+        self.expert_names = {n for n in stacked if SEQUENTIAL_EXPERT.fullmatch(n)}
+        self.num_experts = 0
+        if self.expert_names:
+            counts = {checkpoint.tensors[n].shape[1] for n in self.expert_names}
+            if len(counts) != 1:
+                raise MegatronImportError(f"{where}: expert tensors disagree on the count {counts}")
+            self.num_experts = counts.pop()
+        self.before = model_names[:first]  # on the first pipeline stage
+        self.after = model_names[first + len(stacked) :]  # on the last
+        self.tp = self._tp_size(model_names)
+        if ranks % self.tp:
+            raise MegatronImportError(
+                f"{where}: optimizer state of {ranks} model-parallel ranks, not a multiple of the "
+                f"tensor-parallel size {self.tp} the model tensors are split by"
+            )
+        self.pp = ranks // self.tp if pp is None else pp
+        # the expert optimizer's ranks are megatron-core's expert tensor x expert x pipeline
+        # group ('tp-ep-pp' order): rank = etp_rank + ETP * (ep_rank + EP * stage)
+        self.ep = ranks // (self.tp * self.pp) if self.experts else 1
+        if self.experts and (
+            self.tp * self.ep * self.pp != ranks or not self.ep or self.num_experts % self.ep
+        ):
+            raise MegatronImportError(
+                f"{where}: expert optimizer state of {ranks} ranks does not split into expert "
+                f"TP={self.tp} x PP={self.pp} x EP ranks of {self.num_experts} experts. "
+                f"{WEIGHTS_ONLY_HINT}"
+            )
+        if self.layers % self.pp:
+            raise MegatronImportError(
+                f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
+                f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
+            )
+        has_output = any(n.endswith("output_layer.weight") for n in model_names)
+        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+        self.tied_copy = (
+            embedding[0]
+            if self.pp > 1
+            and embedding
+            and not has_output
+            and settings.get("untie_embeddings_and_output_weights") is not True
+            else None
+        )
+
+    def _distinct(self, name: str) -> list[dcp.DcpChunk]:
+        """One chunk per distinct place outside the layer (and expert) axes, sorted by offset."""
+        skip = self._lead(name)
+        seen: dict[tuple, dcp.DcpChunk] = {}
+        for c in self.checkpoint.tensors[name].chunks:
+            seen.setdefault(c.offsets[skip:], c)
+        return [seen[k] for k in sorted(seen)]
+
+    def _lead(self, name: str) -> int:
+        """How many leading axes index layers (and experts) rather than the parameter."""
+        if name in self.layer_of:
+            return 0
+        return 2 if name in self.expert_names else 1 if name in self.stacked else 0
+
+    def _pair(self, name: str) -> str | None:
+        """The grad-buffer parameter of a singleton_local_shards SwiGLU half (``X_w`` /
+        ``X_v`` -> ``X``), else None."""
+        base, half = name[:-2], name[-2:]
+        if name in self.layer_of and half in ("_w", "_v"):
+            if base + "_w" in self.layer_of and base + "_v" in self.layer_of:
+                return base
+        return None
+
+    def _swiglu(self, name: str) -> bool:
+        """Whether ``name`` is a SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2``
+        takes): megatron-core saves it as two chunks per TP rank (gate, up), even at TP 1."""
+        fc2 = name.replace("linear_fc1.", "linear_fc2.", 1)
+        if fc2 == name:
+            return False
+        fc2 = fc2.rpartition(".")[0] + ".weight"
+        tensors = self.checkpoint.tensors
+        if fc2 not in tensors or not tensors[fc2].shape:
+            return False
+        axis = -2 if name.endswith(".weight") else -1
+        shape = tensors[name].shape
+        return len(shape) >= -axis and shape[axis] == 2 * tensors[fc2].shape[-1]
+
+    def _tp_size(self, model_names: list[str]) -> int:
+        """The TP size: the chunk count of the least-split split tensor, a SwiGLU fc1's halved
+        (two chunks per rank: at TP 1 it is the only split tensor)."""
+        counts = set()
+        for n in model_names:
+            count = len(self._distinct(n))
+            counts.add(count // 2 if self._swiglu(n) and count % 2 == 0 else count)
+        tp = min((c for c in counts if c > 1), default=1)
+        if any(c % tp for c in counts if c > 1):
+            raise MegatronImportError(
+                f"{self.where}: model tensors are saved in {sorted(counts)} chunks; no common "
+                f"tensor-parallel size"
+            )
+        return tp
+
+    def piece(self, name: str, tp_rank: int) -> tuple[tuple[int, ...], int | None, list]:
+        """TP rank ``tp_rank``'s local shape of ``name`` (per layer), the axis its chunks join
+        along (None: replicated), and those chunks."""
+        chunks = self._distinct(name)
+        skip = self._lead(name)
+        shape = self.checkpoint.tensors[name].shape[skip:]
+        if len(chunks) == 1:
+            return tuple(shape), None, chunks
+        mine = chunks[tp_rank :: self.tp]
+        axes = {a for c in chunks for a in range(len(shape)) if c.sizes[skip + a] != shape[a]}
+        if len(axes) != 1 or len(chunks) % self.tp:
+            raise MegatronImportError(
+                f"{self.where}: tensor {name!r} is saved in {len(chunks)} chunks split along "
+                f"axes {sorted(axes)}; expected a split along one axis into a multiple of "
+                f"TP={self.tp}"
+            )
+        (axis,) = axes
+        local = list(shape)
+        local[axis] = sum(c.sizes[skip + axis] for c in mine)
+        return tuple(local), axis, mine
+
+    def rank_params(self, rank: int) -> tuple[list[tuple[str, int]], set[str]]:
+        """The local parameters of model-parallel rank ``rank`` in module order (a stacked
+        layer's as ``name#layer``), and which of them megatron-core puts alone in a bucket (a
+        pipeline-tied embedding and its copy on the last stage)."""
+        tp_rank, stage = rank % self.tp, rank // self.tp
+        per_stage = self.layers // self.pp
+        params: list[tuple[str, int]] = []
+        shared: set[str] = set()
+        if self.experts:  # the expert optimizer's ranks: expert TP x EP x PP
+            ep_rank, stage = (rank // self.tp) % self.ep, rank // (self.tp * self.ep)
+            for i in range(stage * per_stage, (stage + 1) * per_stage):
+                params += self._layer_params(i, tp_rank, ep_rank)
+            return params, shared
+        if stage == 0:
+            params += [(n, element_count(self.piece(n, tp_rank)[0])) for n in self.before]
+        for i in range(stage * per_stage, (stage + 1) * per_stage):
+            params += self._layer_params(i, tp_rank, 0)
+        if stage == self.pp - 1:
+            params += [(n, element_count(self.piece(n, tp_rank)[0])) for n in self.after]
+        if self.tied_copy is not None:
+            if stage == 0:
+                shared.add(self.tied_copy)
+            if stage == self.pp - 1:
+                copy = f"{self.tied_copy}#tied_output_copy"
+                params.append((copy, element_count(self.piece(self.tied_copy, tp_rank)[0])))
+                shared.add(copy)
+        return params, shared
+
+    def _layer_params(self, layer: int, tp_rank: int, ep_rank: int) -> list[tuple[str, int]]:
+        """Layer ``layer``'s local parameters in module order: the stacked tensors in saved
+        order, a run of expert tensors expanded expert by expert (``local_experts.<e>.fc1,
+        fc2``; EP rank ``ep_rank``'s experts)."""
+        local = self.num_experts // self.ep if self.num_experts else 0
+        out: list[tuple[str, int]] = []
+        if self.layer_of:  # singleton_local_shards: this layer's own tensors
+            for n in self.stacked:
+                base = self._pair(n)
+                if self.layer_of[n] != layer or (base is not None and n.endswith("_v")):
+                    continue
+                numel = element_count(self.piece(n, tp_rank)[0])
+                if base is not None:
+                    numel += element_count(self.piece(base + "_v", tp_rank)[0])
+                out.append((base or n, numel))
+            return out
+        run: list[str] = []
+        for n in [*self.stacked, None]:
+            if n is not None and n in self.expert_names:
+                run.append(n)
+                continue
+            out += [
+                (f"{r}#{layer}#{e}", element_count(self.piece(r, tp_rank)[0]))
+                for e in range(ep_rank * local, (ep_rank + 1) * local)
+                for r in run
+            ]
+            run = []
+            if n is not None:
+                out.append((f"{n}#{layer}", element_count(self.piece(n, tp_rank)[0])))
+        return out
+
+    def object(self, rank: int, what: str) -> Any:
+        names = [
+            n
+            for n in self.checkpoint.objects
+            if n.startswith(f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.{what}/")
+        ]
+        if not names:
+            return None
+        return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
+
+    def step_objects(self) -> list[str]:
+        """The objects the step is read from (one per model-parallel rank, when saved)."""
+        prefixes = tuple(
+            f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer/"
+            for rank in range(self.ranks)
+        )
+        return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
+
+    def step(self) -> int:
+        steps = set()
+        for rank in range(self.ranks):
+            state = self.object(rank, "optimizer")
+            groups = state[0].get("param_groups") if isinstance(state, list) and state else None
+            where = (
+                f"{self.where} ({self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer)"
+            )
+            steps.add(step_from_param_groups(groups, where))
+        if len(steps) != 1:
+            raise MegatronImportError(
+                f"{self.where}: model-parallel ranks disagree on the step {sorted(steps)}"
+            )
+        return steps.pop()
+
+    #: Whether :meth:`source` names .metadata tensors (else pickled objects).
+    FROM_TENSORS = True
+
+    def files(self) -> list[str]:
+        raise NotImplementedError
+
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``."""
+        raise NotImplementedError
+
+    def _pieces(self, name: str) -> Iterator[tuple]:
+        """What :meth:`read` takes for ``name``: (rank, layout key, layer, local shape, join
+        axis, chunks) of every TP rank's (and pipeline stage's) piece; a tensor replicated over
+        TP from TP rank 0 only, a pipeline-tied embedding from the first stage only."""
+        skip = self._lead(name)
+        per_stage = self.layers // self.pp if self.layers else 1
+        for tp_rank in range(self.tp):
+            local, axis, chunks = self.piece(name, tp_rank)
+            if axis is None and tp_rank:
+                break  # replicated over TP: rank 0's copy
+            if name in self.expert_names:  # expert e of layer i: EP rank e // local experts
+                local_experts = self.num_experts // self.ep
+                for layer in range(self.layers):
+                    for e in range(self.num_experts):
+                        ep_rank, stage = e // local_experts, layer // per_stage
+                        rank = tp_rank + self.tp * (ep_rank + self.ep * stage)
+                        yield rank, f"{name}#{layer}#{e}", (layer, e), local, axis, chunks
+                continue
+            if name in self.layer_of:
+                stage = self.layer_of[name] // per_stage
+                yield tp_rank + self.tp * stage, self._pair(name) or name, None, local, axis, chunks
+                continue
+            for layer in range(self.layers) if skip else [None]:
+                if skip:
+                    stage = layer // per_stage
+                else:
+                    stage = 0 if name in self.before else self.pp - 1
+                rank = tp_rank + self.tp * stage
+                key = f"{name}#{layer}" if skip else name
+                yield rank, key, layer, local, axis, chunks
+
+    def sources(self, state: str, name: str) -> list[str]:
+        """The tensors (or objects) :meth:`read` takes ``state`` of ``name`` from."""
+        return sorted(
+            {
+                self.source(rank, self.layout[rank][key][0], state)
+                for rank, key, *_ in self._pieces(name)
+            }
+        )
+
+    def unread(self) -> dict[str, str]:
+        """Flat state tensors :meth:`read` takes nothing from, and why: buckets holding only
+        the last stage's copy of a pipeline-tied embedding, or a TP rank > 0's copy of
+        parameters replicated over TP. A bucket holding anything else is left out (the import
+        is then refused as not accounting for it)."""
+        if not self.FROM_TENSORS:
+            return {}
+        names = [*self.before, *self.stacked, *self.after]
+        read = {(rank, key) for n in names for rank, key, *_ in self._pieces(n)}
+        out: dict[str, str] = {}
+        for rank, layout in self.layout.items():
+            per_bucket: dict[int, list[str]] = {}
+            for key, (bucket, _, _) in layout.items():
+                per_bucket.setdefault(bucket, []).append(key)
+            for bucket, keys in per_bucket.items():
+                if any((rank, key) in read for key in keys):
+                    continue
+                why = [self._unread_why(rank, key) for key in keys]
+                if None in why:
+                    continue
+                for state in self.STATES:
+                    out[self.source(rank, bucket, state)] = (
+                        f"{self.LAYOUT} bucket of model-parallel rank {rank} holding only "
+                        f"{'; '.join(dict.fromkeys(why))}: not read"
+                    )
+        return out
+
+    def _unread_why(self, rank: int, key: str) -> str | None:
+        name = key.partition("#")[0]
+        if not self.experts and key == f"{self.tied_copy}#tied_output_copy":
+            return (
+                f"the last pipeline stage's copy of the tied embedding {name!r} (the first "
+                f"stage's state is imported)"
+            )
+        if rank % self.tp and self.piece(name, rank % self.tp)[1] is None:
+            return (
+                f"TP rank {rank % self.tp}'s copy of replicated {name!r} (TP rank 0's is imported)"
+            )
+        return None
+
+    def spot_check(self, limit: int = 1 << 16) -> str | None:
+        """The first model tensor of at most ``limit`` elements (or the smallest one) whose
+        master does not equal (fp32) or round to (bf16) its weight, else None: a cheap test of
+        the derived order before anything is written (every tensor is checked when written)."""
+        names = [*self.before, *self.stacked, *self.after]
+        tensors = self.checkpoint.tensors
+        small = sorted(names, key=lambda n: element_count(tensors[n].shape))
+        for i, name in enumerate(small):
+            if i and element_count(tensors[name].shape) > limit:
+                break
+            weight = self.checkpoint.read(name)
+            master = self.read("param", name).astype(weight.dtype)
+            if master.tobytes() != np.ascontiguousarray(weight).tobytes():
+                return name
+        return None
+
+    def read(self, state: str, name: str) -> np.ndarray:
+        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
+        together from every TP rank's (and pipeline stage's) local piece."""
+        shape = self.checkpoint.tensors[name].shape
+        out = np.empty(shape, np.float32)
+        skip = self._lead(name)
+        for rank, key, layer, local, axis, chunks in self._pieces(name):
+            bucket, start, end = self.layout[rank][key]
+            if key != name and name.endswith("_v"):  # after the _w half of [w; v]
+                start += element_count(self.piece(key + "_w", rank % self.tp)[0])
+            end = start + element_count(local)
+            value = self.flat(rank, bucket, state, start, end).reshape(local)
+            target = out[layer] if skip else out
+            if axis is None:
+                target[...] = value
+                continue
+            at = 0
+            for c in chunks:  # the local piece is the rank's chunks joined along `axis`
+                size = c.sizes[skip + axis]
+                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
+                target[index] = np.take(value, range(at, at + size), axis=axis)
+                at += size
+        return out

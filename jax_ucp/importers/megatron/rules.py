@@ -1,0 +1,115 @@
+"""How Megatron tensors are spread over tensor-parallel ranks (the default import rules), and
+which saved run arguments become import settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jax_ucp.language import (
+    QKV,
+    ImportRule,
+    Partitioned,
+    Replicated,
+    Spec,
+    SwiGLU,
+    Vocab,
+)
+
+_VOCAB = r"(?:.*\.)?(?:embedding\.word_embeddings\.weight|output_layer\.(?:weight|bias))"
+
+# Megatron-LM run arguments (pickled argparse.Namespace) taken as import settings.
+ARG_SETTINGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "ffn_hidden_size",
+    "swiglu",
+    "padded_vocab_size",
+    "make_vocab_size_divisible_by",
+    "untie_embeddings_and_output_weights",
+    "group_query_attention",
+    "normalization",
+    "position_embedding_type",
+    "num_experts",
+    "vocab_size",
+    "overlap_grad_reduce",
+    "data_parallel_size",
+    "ddp_bucket_size",
+    "add_bias_linear",
+    "max_position_embeddings",
+)
+
+
+def default_import_rules(settings: Mapping[str, Any]) -> list:
+    """How each Megatron tensor is spread over TP ranks (megatron-core and older Megatron-LM names).
+
+    Dims count from the end so the same rule covers per-layer and stacked ``[L, ...]`` tensors.
+    ``qkv`` is used when the head counts are known (it checks the per-query-group layout),
+    ``swiglu`` when the MLP is gated; otherwise plain ``partitioned``.
+    """
+    vocab = (
+        Vocab(dim=0, vocab_size=int(settings["vocab_size"]))
+        if settings.get("vocab_size") is not None
+        else Partitioned(dim=0)
+    )
+    heads, groups = settings.get("num_attention_heads"), settings.get("num_query_groups")
+    head_dim = settings.get("head_dim")
+    if heads and head_dim:
+        kv_heads = int(groups or heads)
+        qkv_weight = QKV(
+            dim=-2, num_heads=int(heads), num_kv_heads=kv_heads, head_dim=int(head_dim)
+        )
+        qkv_bias = QKV(dim=-1, num_heads=int(heads), num_kv_heads=kv_heads, head_dim=int(head_dim))
+    else:
+        qkv_weight, qkv_bias = Partitioned(dim=-2), Partitioned(dim=-1)
+    gated = bool(settings.get("swiglu") or settings.get("gated_linear_unit"))
+    fc1_weight, fc1_bias = (
+        (SwiGLU(dim=-2), SwiGLU(dim=-1)) if gated else (Partitioned(dim=-2), Partitioned(dim=-1))
+    )
+    optional = dict(required=False)
+    row_parallel = r".*\.(?:linear_proj|dense|linear_fc2|dense_4h_to_h)"
+    return [
+        ImportRule(_VOCAB, vocab, label="vocab-parallel embedding / output layer", **optional),
+        ImportRule(r"(?:.*\.)?position_embeddings\.weight", Replicated(), **optional),
+        ImportRule(
+            r".*\.(?:linear_qkv|query_key_value)\.weight", qkv_weight, label="fused qkv", **optional
+        ),
+        ImportRule(
+            r".*\.(?:linear_qkv|query_key_value)\.bias",
+            qkv_bias,
+            label="fused qkv bias",
+            **optional,
+        ),
+        ImportRule(
+            r".*\.(?:linear_fc1|dense_h_to_4h)\.weight", fc1_weight, label="fc1", **optional
+        ),
+        ImportRule(
+            r".*\.(?:linear_fc1|dense_h_to_4h)\.bias", fc1_bias, label="fc1 bias", **optional
+        ),
+        ImportRule(
+            rf"{row_parallel}\.weight", Partitioned(dim=-1), label="row-parallel", **optional
+        ),
+        ImportRule(rf"{row_parallel}\.bias", Replicated(), label="row-parallel bias", **optional),
+        ImportRule(
+            r".*(?:norm|layer_norm)[^.]*\.(?:weight|bias)", Replicated(), label="norms", **optional
+        ),
+        ImportRule(
+            r".*\.router\.(?:weight|expert_bias)", Replicated(), label="MoE router", **optional
+        ),
+    ]
+
+
+def import_rules_spec(user_spec: Spec | None, settings: dict) -> Spec:
+    """The spec used to classify names: the user's import rules if it has any, else the defaults."""
+    known = {k: v for k, v in settings.items() if v is not None}
+    if user_spec is not None and user_spec.imports:
+        return user_spec.with_settings(**known)
+    return Spec(
+        name="megatron-default-import",
+        settings=known,
+        imports=tuple(default_import_rules(settings)),
+        strict=False,
+    )

@@ -1,0 +1,382 @@
+"""Planning the import of a megatron-core ``torch_dist`` checkpoint: the model tensors read whole
+(vocab padding stripped) and the optimizer state in whichever layout it was saved."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jax_ucp import writer
+from jax_ucp.importers import torch_pickle
+from jax_ucp.importers.megatron import dcp, legacy
+from jax_ucp.importers.megatron.common import (
+    SUPPORTED_LAYOUTS,
+    WEIGHTS_ONLY_HINT,
+    MegatronImportError,
+    is_optimizer_name,
+    param_groups,
+    sharding_type,
+    step_from_param_groups,
+)
+from jax_ucp.importers.megatron.detect import MegatronSource
+from jax_ucp.importers.megatron.distopt import (
+    BucketStates,
+    GatheredStates,
+    chained_layouts,
+    chained_states,
+)
+from jax_ucp.importers.megatron.model_space import (
+    OPTIMIZER_STATE_TREES,
+    check_model_space_tensors,
+    model_space_tensors,
+    unflatten,
+)
+from jax_ucp.importers.megatron.module_order import in_module_order
+from jax_ucp.importers.megatron.rank_states import RankStates
+from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.plan import (
+    TENSORS,
+    VALUES,
+    WHOLE,
+    ImportPlan,
+    Share,
+    host_item,
+)
+from jax_ucp.language import (
+    Spec,
+    Vocab,
+)
+
+
+def plan_torch_dist(
+    source_dir: MegatronSource,
+    spec: Spec | None,
+    settings: dict,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info."""
+    checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
+    if not settings.get("num_layers") and isinstance(common, dict):
+        for key, value in legacy.args_dict(common.get("args")).items():
+            if key in ARG_SETTINGS and settings.get(key) is None:
+                settings[key] = value
+    model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
+    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
+    chained = chained_layouts(checkpoint, common)
+    skipped: dict[str, str] = {}  # source.skipped: every .metadata tensor not imported, and why
+    buckets = None
+    if weights_only:
+        layout = (
+            f"ChainedOptimizer {chained}"
+            if chained is not None
+            else repr(sharding_type(common) or ("fully_reshardable" if optimizer_names else None))
+        )
+        # every optimizer tensor by name: none is dropped without a word
+        skipped = {n: f"weights_only: optimizer state (layout {layout})" for n in optimizer_names}
+        optimizer_tensors = {}
+    elif chained is not None:
+        buckets = chained_states(checkpoint, model_names, settings, chained)
+        optimizer_tensors = {} if buckets is not None else model_space_tensors(checkpoint, common)
+    elif sharding_type(common) == "dp_reshardable":
+        buckets = in_module_order(BucketStates, checkpoint, model_names, settings)
+        optimizer_tensors = {}
+    elif sharding_type(common) == "dp_zero_gather_scatter":
+        if optimizer_names:  # this layout saves objects only: a tensor is something else
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: optimizer tensor {optimizer_names[0]!r} in a "
+                f"dp_zero_gather_scatter checkpoint (whose optimizer state is objects); "
+                f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
+            )
+        buckets = in_module_order(GatheredStates, checkpoint, model_names, settings)
+        optimizer_tensors = {}
+    else:
+        optimizer_tensors = model_space_tensors(checkpoint, common)
+        objects = [n for n in checkpoint.objects if is_optimizer_name(n)]
+        if not optimizer_tensors and objects:
+            # e.g. megatron-core 0.13's dp_zero_gather_scatter: the state is pickled bucket
+            # objects; importing the weights alone without saying so would lose it silently
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: the optimizer state is saved as "
+                f"{len(objects)} objects ({objects[0]!r}, ...) in layout "
+                f"{sharding_type(common)!r}, which is not supported ({SUPPORTED_LAYOUTS}). "
+                f"{WEIGHTS_ONLY_HINT}"
+            )
+    count = None
+    if optimizer_tensors:
+        check_model_space_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)
+        optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
+        if chained is not None:  # one param_groups per ChainedOptimizer member, one step
+            steps = {
+                step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
+                for i, part in sorted(optimizer_state.items())
+            }
+            if len(steps) != 1:
+                raise MegatronImportError(
+                    f"{common_path}: the ChainedOptimizer's members disagree on the step "
+                    f"{sorted(steps)}"
+                )
+            count = steps.pop()
+        else:
+            count = step_from_param_groups(param_groups(optimizer_state), str(common_path))
+    elif buckets is not None:
+        count = buckets.step()
+    reader = TorchDistReader(checkpoint, import_rules_spec(spec, settings))
+    model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
+    has_optimizer = bool(optimizer_tensors) or buckets is not None
+    want_model = has_optimizer and any(d != np.dtype(np.float32) for d in model_dtypes)
+    if has_optimizer and not want_model:
+        for name in model_names:
+            skipped[name] = (
+                f"a float32 run's model weight: its fp32 master "
+                f"({_master_of(name, optimizer_tensors, buckets)}) is imported as params/"
+            )
+    if buckets is not None:
+        skipped.update(buckets.unread())
+    iteration = common.get("iteration") if isinstance(common, dict) else None
+    info = {
+        "format": "torch_dist",
+        "tensors": len(model_names),
+        "optimizer": buckets.LAYOUT if buckets is not None else bool(optimizer_tensors),
+        "iteration": iteration if type(iteration) is int else None,
+        "skipped_objects": sorted(checkpoint.objects),
+        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
+        "mcore_metadata": checkpoint.mcore_metadata,
+        "dcp_version": checkpoint.version,
+        "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
+    }
+    if skipped:
+        info["skipped"] = skipped
+    # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
+    untie = settings.get("untie_embeddings_and_output_weights")
+    has_output = any(n.endswith("output_layer.weight") for n in model_names)
+    info["tied_embeddings"] = (
+        [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+        if not has_output and untie is not True
+        else []
+    )
+    mine = share.pick(model_names)
+    step = count if share.primary else None
+    if buckets is not None:
+        items = bucket_items(reader, buckets, mine, step, want_model)
+    else:
+        items = torch_dist_items(reader, mine, optimizer_tensors, step, want_model)
+    return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
+
+
+def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -> str:
+    """Where the fp32 master of model tensor ``name`` is read from (said in source.skipped)."""
+    if buckets is not None:
+        return f"the {buckets.LAYOUT} state, checked equal to this weight"
+    states = optimizer_tensors.get(name, {})
+    return repr(states.get("param") or states.get("fp32_param"))
+
+
+def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
+    """The checkpoint with every shard file and chunk tiling checked, and its ``common.pt``."""
+    checkpoint = dcp.open_dcp(ckpt_dir)
+    backend = checkpoint.mcore_metadata.get("sharded_backend")
+    if backend not in (None, "torch_dist"):
+        raise MegatronImportError(
+            f"{checkpoint.path / 'metadata.json'}: sharded_backend {backend!r} is not supported "
+            f"(only 'torch_dist')"
+        )
+    checkpoint.check_files()
+    for tensor in checkpoint.tensors.values():
+        dcp.check_coverage(tensor, checkpoint.path / ".metadata")
+    common_path = checkpoint.path / "common.pt"
+    common: Any = {}
+    # megatron-core >= 0.19 saves the common state (args, iteration, optimizer param_groups,
+    # sharding type) as one object of the checkpoint instead of common.pt
+    objects = sorted(n for n in checkpoint.objects if n.startswith("common_state/"))
+    if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
+        try:
+            common = torch_pickle.load_torch_file(common_path, legacy.LEGACY_CLASSES)
+        except torch_pickle.TorchFileError as e:
+            raise MegatronImportError(str(e)) from None
+    elif objects:
+        if len(objects) != 1:
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: {len(objects)} common_state objects "
+                f"({objects}); megatron-core saves one"
+            )
+        common = checkpoint.read_object(objects[0], legacy.LEGACY_CLASSES)
+        if isinstance(common, list) and len(common) == 1:
+            (common,) = common
+        if not isinstance(common, dict):
+            raise MegatronImportError(
+                f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
+                f"{torch_pickle.short_repr(common)}, expected the common state dict"
+            )
+        common_path = checkpoint.path / objects[0]
+    return checkpoint, common, common_path
+
+
+class TorchDistReader:
+    """Reads torch_dist tensors whole, keeping only the tokenizer's rows of vocab-parallel ones."""
+
+    def __init__(self, checkpoint: dcp.DcpCheckpoint, spec: Spec):
+        self.checkpoint = checkpoint
+        self.spec = spec
+
+    def vocab_kind(self, name: str) -> Vocab | None:
+        """The vocab kind of ``name`` when its rule gives a vocab size (padding to strip)."""
+        match = self.spec.match(name)
+        if match is not None and isinstance(match.kind, Vocab):
+            if isinstance(match.kind.vocab_size, int):
+                return match.kind
+        return None
+
+    def stripped(self, names: list[str]) -> dict[str, list[int]]:
+        """name -> [padded rows, kept rows] of every tensor whose padding is stripped."""
+        out = {}
+        for name in names:
+            kind = self.vocab_kind(name)
+            rows = self.checkpoint.tensors[name].shape[0] if kind is not None else 0
+            if kind is not None and rows > int(kind.vocab_size):
+                out[name] = [rows, int(kind.vocab_size)]
+        return out
+
+    def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
+        """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
+        kind = self.vocab_kind(rule_name)
+        shape = self.checkpoint.tensors[rule_name].shape
+        if self.checkpoint.tensors[tensor].shape != shape:
+            # megatron-core < 0.15's flattened model-space optimizer state (see `unflatten`)
+            value = unflatten(self.checkpoint.read(tensor), shape, tensor)
+            if kind is None or kind.dim != 0 or shape[0] <= kind.vocab_size:
+                return value, "torch_dist-nd-flattened"
+            return value[
+                : kind.vocab_size
+            ], f"nd-flattened, vocab(strip {shape[0]} -> {kind.vocab_size})"
+        if kind is None or kind.dim != 0:
+            return self.checkpoint.read(tensor), "torch_dist-global"
+        rows = self.checkpoint.tensors[tensor].shape[0]
+        if rows < kind.vocab_size:
+            raise MegatronImportError(
+                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={kind.vocab_size} "
+                f"({self.checkpoint.path / '.metadata'})"
+            )
+        value = self.checkpoint.read(tensor, rows=kind.vocab_size)
+        return value, f"vocab(strip {rows} -> {kind.vocab_size})"
+
+
+def bucket_items(
+    reader: TorchDistReader,
+    buckets: RankStates,
+    model_names: list[str],
+    count: int,
+    want_model: bool,
+) -> Iterator[writer.HostItem]:
+    """dp_reshardable / dp_zero_gather_scatter: per parameter its master weight (checked against
+    the model weight) and moments from the flat vectors, vocab padding stripped like the
+    weights; then the step."""
+    checkpoint = reader.checkpoint
+    files = buckets.files()
+    for name in model_names:
+        weight, pattern = reader.read(name, name)
+        rows = (
+            weight.shape[0]
+            if weight.ndim and weight.shape != checkpoint.tensors[name].shape
+            else None
+        )
+        provenance = {
+            "format": "torch_dist",
+            "files": files,
+            "pattern": f"{buckets.LAYOUT} (TP={buckets.tp}, PP={buckets.pp})",
+        }
+        for state, tree in zip(
+            RankStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
+        ):
+            sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
+            value = buckets.read(state, name)
+            if rows is not None:
+                value = value[:rows]
+            if state == "param" and not np.array_equal(
+                value.astype(weight.dtype).view(np.uint8),
+                np.ascontiguousarray(weight).view(np.uint8),
+            ):
+                raise MegatronImportError(
+                    f"tensor {name!r}: the fp32 master found in the {buckets.LAYOUT} state "
+                    f"of {buckets.where} does not {'equal' if weight.dtype == np.float32 else 'round to'} "
+                    f"the model weight: the grad-buffer layout jax_ucp derived does not match this "
+                    f"checkpoint (another megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
+                )
+            yield host_item((*tree, name), value, {**provenance, **sources})
+        if want_model:
+            yield host_item(
+                ("model_params", name),
+                weight,
+                {
+                    "format": "torch_dist",
+                    "files": checkpoint.tensors[name].files,
+                    "pattern": pattern,
+                    TENSORS: [name],
+                },
+            )
+    if count is not None:  # None: another process of a shared import writes the step
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(count, np.int32),
+            {"files": files, "pattern": "param_groups.step", VALUES: buckets.step_objects()},
+        )
+
+
+def torch_dist_items(
+    reader: TorchDistReader,
+    model_names: list[str],
+    optimizer_tensors: dict[str, dict[str, str]],
+    count: int | None,
+    want_model: bool,
+) -> Iterator[writer.HostItem]:
+    """Per parameter: its master weight and moments (or the model weight when there is no
+    optimizer state), its model-precision copy; then the step."""
+    checkpoint = reader.checkpoint
+    for name in model_names:
+        tensor = checkpoint.tensors[name]
+        provenance = {
+            "format": "torch_dist",
+            "files": tensor.files,
+            "chunks": len(tensor.chunks),
+            TENSORS: [name],
+        }
+        if not optimizer_tensors:
+            value, pattern = reader.read(name, name)
+            yield host_item(("params", name), value, {**provenance, "pattern": pattern})
+            continue
+        for state_name, tree in OPTIMIZER_STATE_TREES.items():
+            source_name = optimizer_tensors[name].get(state_name)
+            if source_name is None:
+                continue
+            source = checkpoint.tensors[source_name]
+            if tree == ("params",) and source.dtype != np.dtype(np.float32):
+                raise MegatronImportError(
+                    f"tensor {source_name!r}: master weights have dtype {source.dtype}, "
+                    f"expected float32 ({', '.join(source.files)})"
+                )
+            value, pattern = reader.read(source_name, name)
+            state_provenance = {
+                "format": "torch_dist",
+                "files": source.files,
+                "source_name": source_name,
+                "pattern": pattern,
+                TENSORS: [source_name],
+            }
+            yield host_item((*tree, name), value, state_provenance)
+        if want_model:
+            value, pattern = reader.read(name, name)
+            yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
+    if optimizer_tensors and count is not None:
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(count, np.int32),
+            {
+                "files": ["common.pt"],
+                "pattern": "param_groups.step",
+                VALUES: ["common.pt:optimizer.optimizer.param_groups"],
+            },
+        )
