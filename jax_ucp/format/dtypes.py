@@ -9,6 +9,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from jax_ucp.errors import UnsupportedError
+
 _EXTENDED = {
     "bfloat16": ml_dtypes.bfloat16,
     "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
@@ -45,7 +47,7 @@ def dtype_name(dtype) -> str:
     dt = np.dtype(dtype)
     name = dt.name
     if name not in ZARR_NATIVE and name not in _EXTENDED:
-        raise TypeError(
+        raise UnsupportedError(
             f"dtype {dt} is not supported by the UCP format (expected one of "
             f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
         )
@@ -57,7 +59,7 @@ def to_numpy_dtype(name: str) -> np.dtype:
         return np.dtype(_EXTENDED[name])
     if name in ZARR_NATIVE:
         return np.dtype(name)
-    raise TypeError(
+    raise UnsupportedError(
         f"Unknown dtype {name!r} in manifest (expected one of "
         f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
     )

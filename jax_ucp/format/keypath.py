@@ -13,6 +13,8 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
+from jax_ucp.errors import RequestError
+
 KeyPath = tuple[str, ...]
 
 _SAFE = frozenset(string.ascii_letters + string.digits + "_-")
@@ -51,7 +53,7 @@ def unescape_component(escaped: str) -> str:
 def encode_key(key: Sequence[str]) -> str:
     """The directory name of a key path: escaped components joined by '.', hashed if too long."""
     if not key:
-        raise ValueError("A key path needs at least one component (a bare leaf has no name).")
+        raise RequestError("A key path needs at least one component (a bare leaf has no name).")
     name = ".".join(escape_component(str(c)) for c in key)
     if len(name) <= MAX_DIR_NAME:
         return name
@@ -62,7 +64,7 @@ def encode_key(key: Sequence[str]) -> str:
 def decode_key(name: str) -> KeyPath:
     """Inverse of :func:`encode_key` for names that were not shortened."""
     if "~" in name:
-        raise ValueError(
+        raise RequestError(
             f"Directory name {name!r} was shortened with a hash; read its key from ucp.json."
         )
     return tuple(unescape_component(part) for part in name.split("."))

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import UnsupportedError
 from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.format import files
 from jax_ucp.format import keypath as keypath_lib
@@ -288,7 +289,7 @@ class ValueEntry:
             _check_utf8(v, f"Leaf {self.name!r}: value")
             typed = {"type": "str", "value": v}
         else:
-            raise TypeError(
+            raise UnsupportedError(
                 f"Leaf {self.name!r}: {type(v).__name__} is not a storable value "
                 f"(expected None, bool, int, float, str or an array)."
             )
@@ -404,7 +405,7 @@ class Manifest:
         return json.dumps(self.to_json(), indent=1, allow_nan=False)
 
     @classmethod
-    def from_json(cls, d: Any, *, where: str = "ucp.json") -> Manifest:
+    def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
         if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
             found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
             raise ManifestError(
@@ -470,7 +471,7 @@ class Manifest:
         )
 
     @classmethod
-    def loads(cls, text: str | bytes, *, where: str = "ucp.json") -> Manifest:
+    def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
         if isinstance(text, bytes):
             try:
                 text = text.decode("utf-8")

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp.errors import RequestError
 from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.store import location
 
@@ -43,11 +44,11 @@ class ArrayLayout:
 
     def __post_init__(self):
         if self.compression not in COMPRESSIONS:
-            raise ValueError(
+            raise RequestError(
                 f"compression must be one of {COMPRESSIONS}, got {self.compression!r}."
             )
         if self.checksum not in (None, "crc32c"):
-            raise ValueError(f"checksum must be 'crc32c' or None, got {self.checksum!r}.")
+            raise RequestError(f"checksum must be 'crc32c' or None, got {self.checksum!r}.")
 
 
 def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -> dict:

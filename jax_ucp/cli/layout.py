@@ -1,0 +1,121 @@
+"""The command line's text layout: sizes, shapes and specs as short text, and a borderless
+table that fits the terminal (names wrap at ``/``, optional columns go first when it is
+narrow). Plain text in, Rich renderables out; no command logic."""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+
+def plural(n: int, word: str, plural_form: str | None = None) -> str:
+    """``1 tensor``, ``2 tensors`` (``plural_form`` where adding an s is wrong)."""
+    return f"{n} {word}" if n == 1 else f"{n} {plural_form or word + 's'}"
+
+
+def human(n: int) -> str:
+    """A byte count in binary units: ``512 B``, ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def shape_text(shape) -> str:
+    """``4x8``; ``()`` for a scalar."""
+    return "x".join(map(str, shape)) or "()"
+
+
+def spec_text(spec) -> str:
+    """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, None)``."""
+
+    def entry(e):
+        if isinstance(e, (tuple, list)):
+            return "(" + ", ".join(map(str, e)) + ")"
+        return str(e)
+
+    return "(" + ", ".join(entry(e) for e in spec) + ")"
+
+
+def short(value, limit: int = 40) -> str:
+    """A value's repr cut to ``limit`` characters with an ellipsis."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def wrap_path(name: str, width: int) -> str:
+    """A ``/``-joined name cut into lines at ``/`` boundaries to fit ``width`` (a component
+    longer than that is folded by the table); continuation lines are indented."""
+    if len(name) <= width:
+        return name
+    parts = name.split("/")
+    lines, line = [], ""
+    for i, part in enumerate(parts):
+        piece = part + ("/" if i < len(parts) - 1 else "")
+        if line.strip() and len(line) + len(piece) > width:
+            lines.append(line)
+            line = "  " + piece
+        else:
+            line += piece
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def table(
+    header: list[str], rows: list[list[str]], *, width: int, right=(), optional=()
+) -> RenderableType:
+    """A borderless table that fits ``width`` columns.
+
+    Names (column 0) wrap at ``/``; the columns named in ``optional`` are dropped when empty,
+    and otherwise last first while names would get narrower than 40 columns (or than the
+    longest name). A column dropped for width is named under the table with the width that
+    shows it. Cells are plain text, never markup (a tensor name is file content).
+
+    Args:
+        header: the column titles; column 0 holds the names.
+        rows: one list of cell texts per row, as long as ``header``.
+        width: the terminal's width in columns.
+        right: titles of the columns aligned right (numbers).
+        optional: titles of the columns that may be left out, least wanted last.
+    """
+    columns = list(range(len(header)))
+
+    def column_width(c):
+        return max([len(header[c])] + [len(r[c]) for r in rows])
+
+    def room(cols):  # what is left for the name column (2 spaces between columns)
+        return width - sum(column_width(c) + 2 for c in cols[1:])
+
+    for name in optional:  # an optional column empty in every row says nothing
+        if all(not r[header.index(name)] for r in rows):
+            columns.remove(header.index(name))
+    longest = column_width(0)
+    dropped = []
+    for name in reversed(optional):
+        if header.index(name) not in columns:
+            continue
+        if room(columns) >= min(longest, 40):
+            break
+        columns.remove(header.index(name))
+        dropped.insert(0, header.index(name))
+    name_width = max(room(columns), 12)
+    out = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
+    for c in columns:
+        out.add_column(
+            header[c],
+            justify="right" if header[c] in right else "left",
+            overflow="fold",
+            no_wrap=c != 0,
+        )
+    for r in rows:
+        out.add_row(*[Text(wrap_path(r[0], name_width) if c == 0 else r[c]) for c in columns])
+    if not dropped:
+        return out
+    wide = sum(column_width(c) + 2 for c in columns[1:] + dropped) + min(longest, 40)
+    note = Text(
+        f"not shown at {width} columns: {', '.join(header[c] for c in dropped)} "
+        f"(COLUMNS={wide} shows {'them' if len(dropped) > 1 else 'it'})"
+    )
+    return Group(out, note)
