@@ -21,6 +21,8 @@ CASES = [
     ("0.14.0", "gpt_tp2"),
     ("0.15.3", "gpt_tp2"),
     ("0.15.3", "gpt_distopt_dp2"),
+    # 0.19 writes no common.pt; its weights equal 0.16.1's from the same seed bit for bit
+    ("0.19.2", "gpt_tp2"),
 ]
 
 
@@ -180,6 +182,28 @@ NEWER = {
         "dp_reshardable",
         "float32",
         "0.18.2/llama_distopt_dp2_fully_parallel_dp_reshardable",
+    ),
+    # GPT TP1 DP2 fp32, the same seeded run as 0.19.2's (live state checked bit-identical when
+    # generated, so 0.19.2's truth serves)
+    "0.17.1/gpt_distopt_dp2_fully_reshardable": (
+        True,
+        "float32",
+        "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
+    ),
+    "0.17.1/gpt_distopt_dp2_dp_zero_gather_scatter": (
+        "dp_zero_gather_scatter",
+        "float32",
+        "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
+    ),
+    "0.18.2/gpt_distopt_dp2_fully_reshardable": (
+        True,
+        "float32",
+        "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
+    ),
+    "0.18.2/gpt_distopt_dp2_dp_zero_gather_scatter": (
+        "dp_zero_gather_scatter",
+        "float32",
+        "0.19.2/gpt_distopt_dp2_dp_zero_gather_scatter",
     ),
     # megatron-core 0.19: no common.pt (the common state is the object common_state/shard_0_1)
     "0.19.2/gpt_distopt_dp2_fully_reshardable": (

@@ -14,7 +14,7 @@ import orbax.checkpoint as ocp
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.handler import checkpoint_handler, reader, safetensors_source
+from jax_ucp.handler import checkpoint_handler, reader, restore_options, safetensors_source
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.writer import commit
 
@@ -207,7 +207,7 @@ def restore(
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
     """
-    kwargs = dict(
+    options = restore_options.RestoreOptions(
         target=target,
         shardings=shardings,
         mesh=mesh,
@@ -218,10 +218,11 @@ def restore(
         select=select,
         max_read_bytes=max_read_bytes,
         strict=strict,
+        replicated_read=replicated_read,
     )
     if safetensors_source.is_source(path):  # Hugging Face files, read in place
-        return safetensors_source.restore(path, **kwargs)
-    return reader.restore_tree(path, **kwargs)
+        return safetensors_source.restore(path, options)
+    return reader.restore_tree(path, options)
 
 
 class VerifyResult(list):

@@ -24,6 +24,7 @@ from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp.handler import reader, save_plan
 from jax_ucp.handler import tree as tree_lib
+from jax_ucp.handler.restore_options import ArgsError, RestoreOptions, check_optional_positive_int
 from jax_ucp.writer import durable
 
 DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize
@@ -150,19 +151,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jax_ucp.UCPRestore."
             )
         args = args or UCPRestore(target=item)
-        return reader.restore_tree(
-            str(directory),
-            target=args.target,
-            shardings=args.shardings,
-            mesh=args.mesh,
-            rules=args.rules,
-            spec=args.spec,
-            dtype=args.dtype,
-            casting=args.casting,
-            select=args.select,
-            max_read_bytes=args.max_read_bytes,
-            strict=args.strict,
-        )
+        return reader.restore_tree(str(directory), args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
@@ -225,13 +214,6 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._copy_pool.close()
 
 
-class ArgsError(fmt.UCPError, ValueError):
-    """A ``UCPSave`` / ``UCPRestore`` field of the wrong kind, named with what it accepts."""
-
-
-_CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
-
-
 def _refuse_args_as_item(cls: str, field: str, value) -> None:
     """Args inside args (``UCPRestore(target=UCPRestore(...))``, what ``restore(dir, item)``
     with args as the item gives) would be matched as a pytree; refused, never unwrapped."""
@@ -242,11 +224,6 @@ def _refuse_args_as_item(cls: str, field: str, value) -> None:
             f"jax_ucp.UCPSave(tree))), mngr.restore(step, args=ocp.args.Composite(state="
             f"jax_ucp.UCPRestore(target=...))))."
         )
-
-
-def _optional_positive_int(cls: str, field: str, value) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ArgsError(f"{cls}.{field}: expected None or a positive int, got {value!r}.")
 
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
@@ -292,7 +269,7 @@ class UCPSave(ocp.args.CheckpointArgs):
                 f"UCPSave.compression_level: expected an int in -131072..22 (zstd's levels), "
                 f"got {level!r}."
             )
-        _optional_positive_int("UCPSave", "inner_chunk_bytes", self.inner_chunk_bytes)
+        check_optional_positive_int("UCPSave.inner_chunk_bytes", self.inner_chunk_bytes)
         if self.checksum not in ("crc32c", None):
             raise ArgsError(f"UCPSave.checksum: expected 'crc32c' or None, got {self.checksum!r}.")
         if self.source is not None and not isinstance(self.source, dict):
@@ -338,42 +315,13 @@ class UCPRestore(ocp.args.CheckpointArgs):
 
     def __post_init__(self):
         _refuse_args_as_item("UCPRestore", "target", self.target)
-        if self.mesh is not None and not isinstance(
-            self.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
-        ):
-            raise ArgsError(
-                f"UCPRestore.mesh: expected a jax.sharding.Mesh, got {type(self.mesh).__name__}."
-            )
-        if self.rules is not None:
-            bad = _bad_rule(self.rules)
-            if bad is not None:
-                raise ArgsError(
-                    f"UCPRestore.rules: expected (logical_name, mesh_axes) pairs, e.g. "
-                    f"[('embed', 'data'), ('mlp', 'model')], got {bad!r}."
-                )
-        if self.casting not in _CASTINGS:
-            raise ArgsError(
-                f"UCPRestore.casting: expected one of {', '.join(map(repr, _CASTINGS))}, got "
-                f"{self.casting!r}."
-            )
-        if self.select is not None and not (isinstance(self.select, str) or callable(self.select)):
-            raise ArgsError(
-                f"UCPRestore.select: expected a regex string or a predicate on the name, got "
-                f"{type(self.select).__name__}."
-            )
-        _optional_positive_int("UCPRestore", "max_read_bytes", self.max_read_bytes)
-        if not isinstance(self.strict, bool):
-            raise ArgsError(f"UCPRestore.strict: expected True or False, got {self.strict!r}.")
+        _ = self.options  # checked now, in the training loop's mngr.restore call
 
-
-def _bad_rule(rules):
-    """The first entry of ``rules`` that is no (name, mesh axes) pair, or ``rules`` itself."""
-    if isinstance(rules, (str, bytes)) or not isinstance(rules, Iterable):
-        return rules
-    for rule in rules:
-        if not isinstance(rule, (tuple, list)) or len(rule) != 2 or not isinstance(rule[0], str):
-            return rule
-    return None
+    @property
+    def options(self) -> RestoreOptions:
+        """These args as the read path's one options object (checked)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return RestoreOptions(**fields, where="UCPRestore")
 
 
 @ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

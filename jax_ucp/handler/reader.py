@@ -7,6 +7,7 @@ import itertools
 import math
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.handler import tree as tree_lib
+from jax_ucp.handler.restore_options import CASTINGS, DEFAULT_MAX_READ_BYTES, RestoreOptions
 from jax_ucp.store import shard_file
 from jax_ucp.writer import commit
 
@@ -255,7 +257,6 @@ class Request:
     wants_array: bool = False  # target leaf was an array (a saved Python value does not fit)
 
 
-CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 
@@ -403,10 +404,6 @@ def read(
     for done in window.drain():
         _finish(root, done, out, casting)
     return out
-
-
-# Host bytes a restore may hold in read buffers at once (see ``restore(max_read_bytes=)``).
-DEFAULT_MAX_READ_BYTES = 256 << 20
 
 
 def _check_memory(root, found: Available, pending, kept: int, limit) -> int:
@@ -718,43 +715,22 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
     return reqs, treedef
 
 
-def restore_tree(
-    path,
-    *,
-    target=None,
-    shardings=None,
-    mesh=None,
-    rules=None,
-    spec=None,
-    dtype=None,
-    casting: str = "same_kind",
-    select=None,
-    max_read_bytes: int | None = None,
-    strict: bool = True,
-):
+def restore_tree(path, options: RestoreOptions):
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
 
     A concurrent forced save swaps directories: if the checkpoint directory changed while it was
     read, the restore starts over on the new one (a few times), so the result is never a mix of
     two saves.
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      options: what to restore and how (checked when constructed).
     """
     for attempt in range(_SWAP_RETRIES + 1):
         root = find_checkpoint_dir(path)
         before = _identity(root)
         try:
-            result = _restore_once(
-                root,
-                target,
-                shardings,
-                mesh,
-                rules,
-                spec,
-                dtype,
-                casting,
-                select,
-                max_read_bytes,
-                strict,
-            )
+            result = _restore_once(root, options)
         except fmt.UCPError:
             if _identity(root) == before or attempt == _SWAP_RETRIES:
                 raise
@@ -778,25 +754,32 @@ def _identity(root: str):
     return (st.st_dev, st.st_ino)
 
 
-def target_requests(target, shardings, mesh, rules, dtype, select) -> tuple[list[Request], Any]:
-    """The requests (and treedef) of a restore into ``target`` / ``shardings``, whatever the
-    source (a UCP checkpoint, a safetensors folder): ``select=`` has no place beside a target."""
-    if select is not None:
-        raise ValueError(
-            "select= restores part of a checkpoint without a target; a target "
-            "already says which leaves to read."
-        )
-    if rules is not None and mesh is not None:
-        sharding_lib.check_rules(rules, mesh)
+def target_requests(options: RestoreOptions) -> tuple[list[Request], Any]:
+    """The requests (and treedef) of a restore into ``options.target`` / ``.shardings``,
+    whatever the source (a UCP checkpoint, a safetensors folder)."""
+    if options.rules is not None and options.mesh is not None:
+        sharding_lib.check_rules(options.rules, options.mesh)
+    target, shardings = options.target, options.shardings
     reqs, treedef = requests_from_target(
         target if target is not None else shardings,
         shardings if target is not None else None,
-        mesh=mesh,
+        mesh=options.mesh,
     )
-    if dtype is not None:
+    if options.dtype is not None:
         for r in reqs:
-            r.dtype = np.dtype(dtype)
+            r.dtype = np.dtype(options.dtype)
     return reqs, treedef
+
+
+def restore_into_target(options: RestoreOptions, read_requests: Callable[[list], list]) -> Any:
+    """A restore into ``options.target`` / ``.shardings``, whatever the source.
+
+    Args:
+      options: a restore's options with a target or shardings.
+      read_requests: reads a list of ``Request`` from the source, in order.
+    """
+    reqs, treedef = target_requests(options)
+    return target_tree(options.target, treedef, read_requests(reqs))
 
 
 def target_tree(target, treedef, results: list) -> Any:
@@ -820,85 +803,125 @@ def selector(select) -> Callable[[str], bool]:
     raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
 
 
-def _restore_once(
-    root, target, shardings, mesh, rules, spec, dtype, casting, select, max_read_bytes, strict
-):
+def _restore_once(root: str, options: RestoreOptions):
     manifest = store.read_manifest(root)
-    if target is not None or shardings is not None:
-        reqs, treedef = target_requests(target, shardings, mesh, rules, dtype, select)
-        results = read(
-            root, manifest, reqs, spec=spec, casting=casting, max_read_bytes=max_read_bytes
+
+    def read_requests(reqs, available=None):
+        return read(
+            root,
+            manifest,
+            reqs,
+            spec=options.spec,
+            available=available,
+            casting=options.casting,
+            max_read_bytes=options.max_read_bytes,
         )
-        return target_tree(target, treedef, results)
-    if rules is not None and mesh is None:
-        raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
-    every = available_tensors(manifest, spec)
-    if mesh is not None:
-        check_mesh_names(root, every.values(), mesh, rules, strict)
-    selected = selector(select)
-    available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
-    chosen_values = [v for v in manifest.values if selected(v.name)]
-    if select is not None and not available and not chosen_values:
-        raise CheckpointError(
-            f"select={_short(select)} matches no tensor or value of the checkpoint {root}; its "
-            f"top-level names: {_top_level(every, manifest)} (a regex is matched in full "
-            f"against '/'-joined names such as {_example_name(every, manifest)!r})."
-        )
-    reqs, key_types, replicated = [], [], []
-    for key, av in available.items():
-        sharding = None
-        wide = np.dtype(jax.dtypes.canonicalize_dtype(dtype or av.dtype)) != np.dtype(
-            dtype or av.dtype
-        )
-        if mesh is not None and not wide:  # 64-bit without jax_enable_x64 stays on host, exact
-            sharding = sharding_lib.sharding_for(
-                av.shape,
-                mesh=mesh,
-                saved=av.saved_sharding,
-                logical_axes=av.logical_axes,
-                rules=rules,
-            )
-            if sharding_lib.replicated_unasked(
-                av.shape,
-                sharding.spec,
-                mesh=mesh,
-                saved=av.saved_sharding,
-                logical_axes=av.logical_axes,
-                rules=rules,
-            ):
-                itemsize = np.dtype(dtype or av.dtype).itemsize
-                replicated.append((av.name, math.prod(av.shape) * itemsize))
-        reqs.append(
-            Request(key=key, sharding=sharding, dtype=None if dtype is None else np.dtype(dtype))
-        )
-        key_types.append(av.key_types)
-    if replicated:
-        warnings.warn(
-            sharding_lib.replication_warning(root, replicated),
-            sharding_lib.ReplicationWarning,
-            stacklevel=4,
-        )
+
+    if options.has_target:
+        return restore_into_target(options, read_requests)
+    return restore_without_target(
+        root,
+        available_tensors(manifest, options.spec),
+        manifest.values,
+        options,
+        read_requests,
+        tree=manifest.tree if options.spec is None else None,
+    )
+
+
+def restore_without_target(
+    where: str,
+    every: Mapping,
+    values: Sequence[fmt.ValueEntry],
+    options: RestoreOptions,
+    read_requests: Callable[[list, Mapping], list],
+    *,
+    tree=None,
+):
+    """A restore without a target, whatever the source: every tensor (or those ``select``
+    matches) on ``mesh=`` (saved PartitionSpecs and logical axes through ``rules``) or to host.
+
+    Args:
+      where: the checkpoint, for errors and warnings.
+      every: key → what the source holds (``Available`` or alike: key, key_types, shape, dtype,
+        saved_sharding, logical_axes).
+      values: the saved Python values.
+      options: a restore's options without a target.
+      read_requests: reads a list of ``Request`` from the source, given the available tensors.
+      tree: the saved containers (``manifest.tree``), or None to nest by key.
+    """
+    if options.mesh is not None:
+        check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
+    available, chosen_values = _selected(where, every, values, options.select)
+    reqs, key_types = placed_requests(where, available.values(), options)
     for v in chosen_values:
         reqs.append(Request(key=v.key))
         key_types.append(v.key_types)
-    results = read(
-        root,
-        manifest,
-        reqs,
-        available=available,
-        casting=casting,
-        max_read_bytes=max_read_bytes,
-    )
-    partial = select is not None
-    if manifest.tree is not None and spec is None:  # the saved containers, NamedTuples included
+    results = read_requests(reqs, available)
+    partial = options.select is not None
+    if tree is not None:  # the saved containers, NamedTuples included
         by_key = {r.key: x for r, x in zip(reqs, results)}
-        tree = tree_lib.rebuild_structure(
-            manifest.tree, lambda key: by_key.get(key, tree_lib.missing()), partial=partial
+        rebuilt = tree_lib.rebuild_structure(
+            tree, lambda key: by_key.get(key, tree_lib.missing()), partial=partial
         )
-        return {} if tree is tree_lib.missing() else tree
+        return {} if rebuilt is tree_lib.missing() else rebuilt
     return tree_lib.nest(
         ((r.key, k, x) for r, k, x in zip(reqs, key_types, results)), partial=partial
     )
+
+
+def _selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
+    """The tensors and values ``select`` matches (all without it); matching none is an error."""
+    selected = selector(select)
+    available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
+    chosen_values = [v for v in values if selected(v.name)]
+    if select is not None and not available and not chosen_values:
+        raise CheckpointError(
+            f"select={_short(select)} matches no tensor or value of the checkpoint {where}; its "
+            f"top-level names: {_top_level(every, values)} (a regex is matched in full "
+            f"against '/'-joined names such as {_example_name(every, values)!r})."
+        )
+    return available, chosen_values
+
+
+def placed_requests(where: str, available, options: RestoreOptions):
+    """One request per tensor of ``available``, placed as ``restore(mesh=, rules=)`` places it
+    (host numpy without a mesh; a 64-bit tensor without jax_enable_x64 stays on host, exact).
+    A tensor saved sharded that comes back replicated without a rule asking for it is named in
+    one ``ReplicationWarning``. Returns (requests, key types)."""
+    dtype, mesh, rules = options.dtype, options.mesh, options.rules
+    reqs, key_types, replicated = [], [], []
+    for av in available:
+        want = np.dtype(dtype or av.dtype)
+        sharding = None
+        if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
+            placement = dict(
+                mesh=mesh, saved=av.saved_sharding, logical_axes=av.logical_axes, rules=rules
+            )
+            sharding = sharding_lib.sharding_for(av.shape, **placement)
+            if sharding_lib.replicated_unasked(av.shape, sharding.spec, **placement):
+                replicated.append((av.name, math.prod(av.shape) * want.itemsize))
+        reqs.append(Request(key=av.key, sharding=sharding, dtype=None if dtype is None else want))
+        key_types.append(av.key_types)
+    if replicated:
+        warnings.warn(
+            sharding_lib.replication_warning(where, replicated),
+            sharding_lib.ReplicationWarning,
+            stacklevel=_user_frame(),
+        )
+    return reqs, key_types
+
+
+def _user_frame() -> int:
+    """The ``stacklevel`` of the first frame outside jax_ucp (and Orbax): where the warning
+    is the caller's."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "jax_ucp",
+        "orbax",
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
@@ -918,13 +941,13 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
     )
 
 
-def _top_level(available: Mapping, manifest: fmt.Manifest) -> str:
-    tops = sorted({k[0] for k in available if k} | {v.key[0] for v in manifest.values if v.key})
+def _top_level(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
+    tops = sorted({k[0] for k in available if k} | {v.key[0] for v in values if v.key})
     shown = ", ".join(repr(t) for t in tops[:20])
     return shown + (f", … ({len(tops)} in all)" if len(tops) > 20 else "") if tops else "none"
 
 
-def _example_name(available: Mapping, manifest: fmt.Manifest) -> str:
+def _example_name(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
     for key in available:
         return fmt.key_to_str(key)
-    return manifest.values[0].name if manifest.values else "params/w"
+    return values[0].name if values else "params/w"

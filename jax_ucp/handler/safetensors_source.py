@@ -28,7 +28,7 @@ from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.format import safetensors
 from jax_ucp.handler import reader
-from jax_ucp.handler import tree as tree_lib
+from jax_ucp.handler.restore_options import RestoreOptions
 from jax_ucp.store import safetensors_file
 
 ROOT = "params"  # where the importer puts the weights: a spec's param root
@@ -61,6 +61,10 @@ class _Available:
     @property
     def name(self) -> str:
         return fmt.key_to_str(self.key)
+
+    @property
+    def key_types(self) -> tuple[str, ...]:
+        return ("key",) * len(self.key)
 
 
 def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
@@ -145,60 +149,26 @@ def _gather_map(plan, sources, tensors):
     return which, rows
 
 
-def restore(
-    path,
-    *,
-    target=None,
-    shardings=None,
-    mesh=None,
-    rules=None,
-    spec=None,
-    dtype=None,
-    casting: str = "same_kind",
-    select=None,
-    max_read_bytes: int | None = None,
-    strict: bool = True,
-):
-    """``jax_ucp.restore`` of a safetensors file or folder (see there for the arguments)."""
+def restore(path, options: RestoreOptions):
+    """``jax_ucp.restore`` of a safetensors file or folder (see there for the arguments).
+
+    Args:
+      path: a ``.safetensors`` file, or a folder of them (with its index when sharded).
+      options: what to restore and how (checked when constructed).
+    """
     path = os.fspath(path)
     parsed, owner = safetensors.open_checkpoint(path)
     opened = {f.path: safetensors_file.OpenFile(f) for f in parsed}
     try:
         tensors = {(ROOT, name): opened[f.path].tensor(name) for name, f in owner.items()}
-        available = _available(tensors, spec)
-        if target is not None or shardings is not None:
-            reqs, treedef = reader.target_requests(target, shardings, mesh, rules, dtype, select)
-            results = _read(path, tensors, available, reqs, casting, max_read_bytes)
-            return reader.target_tree(target, treedef, results)
-        if rules is not None and mesh is None:
-            raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
-        if mesh is not None:
-            reader.check_mesh_names(path, available.values(), mesh, rules, strict)
-        chosen = reader.selector(select)
-        picked = {k: av for k, av in available.items() if chosen(fmt.key_to_str(k))}
-        if select is not None and not picked:
-            tops = sorted({k[0] for k in available})
-            raise reader.CheckpointError(
-                f"select={select!r} matches no tensor of {path}; its top-level names: {tops} (a "
-                f"regex is matched in full against '/'-joined names such as "
-                f"{next(iter(available), ('params', 'w'))[0]}/...)."
-            )
-        reqs = []
-        for key, av in picked.items():
-            want = np.dtype(dtype or av.dtype)
-            sharding = None
-            if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
-                sharding = sharding_lib.sharding_for(
-                    av.shape, mesh=mesh, saved=None, logical_axes=None, rules=rules
-                )
-            reqs.append(
-                reader.Request(key=key, sharding=sharding, dtype=None if dtype is None else want)
-            )
-        results = _read(path, tensors, picked, reqs, casting, max_read_bytes)
-        return tree_lib.nest(
-            ((r.key, ("key",) * len(r.key), x) for r, x in zip(reqs, results)),
-            partial=select is not None,
-        )
+        every = _available(tensors, options.spec)
+
+        def read_requests(reqs, available=every):
+            return _read(path, tensors, available, reqs, options.casting, options.max_read_bytes)
+
+        if options.has_target:
+            return reader.restore_into_target(options, read_requests)
+        return reader.restore_without_target(path, every, (), options, read_requests)
     finally:
         for f in opened.values():
             f.close()

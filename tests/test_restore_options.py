@@ -1,0 +1,73 @@
+"""Restore options checked once (RestoreOptions) and passed down whole, for both sources."""
+
+import re
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.handler import reader, restore_options
+
+
+def _re(text: str) -> str:
+    return re.escape(text)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"casting": "lossless"}, "restore(casting=): expected one of 'no', 'equiv', 'safe', "),
+        (
+            {"max_read_bytes": 0},
+            "restore(max_read_bytes=): expected None or a positive int, got 0.",
+        ),
+        ({"dtype": "floaty"}, "restore(dtype=): expected a dtype (np.float32, jnp.bfloat16, "),
+        ({"select": 3}, "restore(select=): expected a regex string or a predicate on the name, "),
+        ({"rules": [("embed", "data")]}, "Logical-axis `rules` need a `mesh` to map onto."),
+        (
+            {"select": "w", "target": {"w": np.ones(2, np.float32)}},
+            "select= restores part of a checkpoint without a target; a target already says",
+        ),
+    ],
+)
+def test_restore_keywords_are_checked_before_anything_is_read(tmp_path, kwargs, message):
+    """Both sources refuse the same keywords with the same message, before opening a file."""
+    from safetensors.numpy import save_file
+
+    missing = tmp_path / "absent"  # never opened: the options are checked first
+    with pytest.raises(restore_options.ArgsError, match="^" + _re(message)):
+        jax_ucp.restore(missing, **kwargs)
+    save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "m.safetensors"))
+    with pytest.raises(restore_options.ArgsError, match="^" + _re(message)):
+        jax_ucp.restore(tmp_path / "m.safetensors", **kwargs)
+
+
+@pytest.mark.timeout(30)
+def test_rules_given_as_a_generator_are_read_once_and_kept():
+    options = restore_options.RestoreOptions(
+        mesh=None, target={"w": np.ones(2)}, rules=(r for r in [("embed", None)])
+    )
+    assert options.rules == (("embed", None),)
+    assert options.read_budget == restore_options.DEFAULT_MAX_READ_BYTES
+    assert restore_options.RestoreOptions(max_read_bytes=7).read_budget == 7
+
+
+@pytest.mark.timeout(60)
+def test_orbax_args_and_the_keywords_reach_the_reader_as_one_object(tmp_path, monkeypatch):
+    jax_ucp.save(tmp_path / "c", {"w": np.arange(4, dtype=np.float32), "step": 3})
+    seen = []
+    real = reader.restore_tree
+
+    def spy(path, options):
+        seen.append(options)
+        return real(path, options)
+
+    monkeypatch.setattr(reader, "restore_tree", spy)
+    by_keywords = jax_ucp.restore(tmp_path / "c", dtype=np.float16, select="w")
+    handler = jax_ucp.UCPCheckpointHandler()
+    by_args = handler.restore(tmp_path / "c", args=jax_ucp.UCPRestore(dtype=np.float16, select="w"))
+    assert seen[0] == seen[1] and seen[0].dtype is np.float16 and seen[0].select == "w"
+    for got in (by_keywords, by_args):
+        assert list(got) == ["w"] and got["w"].dtype == np.float16
+        assert got["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
