@@ -1,4 +1,5 @@
-"""store.shard_file writes exactly the bytes TensorStore writes, and only where it can."""
+"""store.shard_writer writes exactly the bytes TensorStore writes, and only where it can;
+store.shard_reader reads them back."""
 
 import asyncio
 import contextlib
@@ -20,7 +21,7 @@ from ucp_testing import assert_bit_exact
 import jax_ucp
 from jax_ucp import store
 from jax_ucp import writer as tensor_writes
-from jax_ucp.store import shard_file
+from jax_ucp.store import shard_file, shard_reader, shard_writer
 
 DTYPES = [
     np.bool_,
@@ -56,16 +57,16 @@ def _write(root, value, *, fast, inner_chunk_bytes, checksum, monkeypatch):
     opts = tensor_writes.SaveOptions(inner_chunk_bytes=inner_chunk_bytes, checksum=checksum)
     p = tensor_writes.prepare_host_tensor(("x",), ("key",), value, opts, primary=True)
     calls = []
-    real = shard_file.write
+    real = shard_writer.write
 
     def spy(*a, **kw):
         calls.append(a[1])
         return real(*a, **kw)
 
     with monkeypatch.context() as m:
-        m.setattr(shard_file, "write", spy)
+        m.setattr(shard_writer, "write", spy)
         if not fast:
-            m.setattr(shard_file, "can_write", lambda *a: False)
+            m.setattr(shard_writer, "can_write", lambda *a: False)
         asyncio.run(tensor_writes.write_tensor(str(root), p, primary=True))
     return p, calls
 
@@ -119,11 +120,11 @@ def test_whole_checkpoint_of_a_sharded_jax_save_is_identical(tmp_path, monkeypat
     }
     jax_ucp.save(tmp_path / "fast", tree)
     positions = []
-    real = shard_file.write
+    real = shard_writer.write
     monkeypatch.setattr(
-        shard_file, "write", lambda *a, **kw: positions.append(a[1]) or real(*a, **kw)
+        shard_writer, "write", lambda *a, **kw: positions.append(a[1]) or real(*a, **kw)
     )
-    monkeypatch.setattr(shard_file, "can_write", lambda *a: False)
+    monkeypatch.setattr(shard_writer, "can_write", lambda *a: False)
     jax_ucp.save(tmp_path / "ts", tree)
     assert not positions
     fast, slow = _files(tmp_path / "fast" / "arrays"), _files(tmp_path / "ts" / "arrays")
@@ -151,7 +152,7 @@ def test_falls_back_to_tensorstore_where_it_cannot_write(case):
         shape=(4, 6), dtype="float32", chunk_shape=(4, 6), inner_chunk_shape=(2, 6)
     )
     data, kv = np.zeros((4, 6), np.float32), {"driver": "file", "path": "/x/"}
-    assert shard_file.can_write(layout, data, kv)
+    assert shard_writer.can_write(layout, data, kv)
     if case == "zstd":
         layout = store.ArrayLayout(**{**layout.__dict__, "compression": "zstd"})
     elif case == "memory kvstore":
@@ -175,7 +176,7 @@ def test_falls_back_to_tensorstore_where_it_cannot_write(case):
             (4, 6), (1, 3)
         ) and shard_file.chunks_are_contiguous((4, 6), (4, 6))
         assert not shard_file.chunks_are_contiguous((4, 6), (4, 3))
-    assert not shard_file.can_write(layout, data, kv)
+    assert not shard_writer.can_write(layout, data, kv)
 
 
 def test_non_contiguous_source_and_bf16_import_stream(tmp_path):
@@ -196,7 +197,7 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
     """os.writev may write less than asked (signals, quotas, some file systems): the rest follows."""
     real_writev = os.writev
     monkeypatch.setattr(
-        shard_file.os,
+        shard_writer.os,
         "writev",
         lambda fd, bufs: real_writev(fd, [memoryview(bufs[0]).cast("B")[:5]]),
     )
@@ -206,10 +207,10 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
     value = np.arange(32, dtype=np.int16).reshape(8, 4)
     kv = store.kvstore_config(str(tmp_path), "a")
     store.create(kv, layout).result()
-    digest = shard_file.write(kv["path"], (0, 0), value, layout)
+    digest = shard_writer.write(kv["path"], (0, 0), value, layout)
     path = os.path.join(kv["path"], "c", "0", "0")
     assert os.path.getsize(path) == 4 * (16 + 4) + 4 * 16 + 4
-    assert digest == shard_file.file_digest(path, 4)
+    assert digest == shard_reader.file_digest(path, 4)
     assert_bit_exact(store.open_array(kv).result().read().result(), value)
 
 
@@ -234,7 +235,7 @@ def _ts_array(path, value, chunk_shape, inner_shape, checksum, store_fill=True):
 def _reader(t, path):
     layout = shard_file.layout_from_metadata(t.spec().to_json()["metadata"], t.dtype.numpy_dtype)
     assert layout is not None
-    return shard_file.ShardReader(str(path), layout, t.dtype.numpy_dtype)
+    return shard_reader.ShardReader(str(path), layout, t.dtype.numpy_dtype)
 
 
 @st.composite
@@ -329,20 +330,20 @@ def test_restore_uses_the_fast_reader_and_equals_tensorstore(tmp_path, monkeypat
     )
     jax_ucp.save(tmp_path / "c", {"w": w, "b": np.arange(6, dtype=np.int8)})
     regions = []
-    real = shard_file.RegionRead.__init__
+    real = shard_reader.RegionRead.__init__
 
     def recording(self, reader, dests, out=None):
         regions.append(sorted(region for region, _ in dests))
         real(self, reader, dests, out)
 
-    monkeypatch.setattr(shard_file.RegionRead, "__init__", recording)
+    monkeypatch.setattr(shard_reader.RegionRead, "__init__", recording)
     target = {
         "w": jax.ShapeDtypeStruct(
             (64, 48), jnp.float32, sharding=NamedSharding(mesh, P("model", None))
         ),
         "b": np.zeros(6, np.int8),
     }
-    before = shard_file.bytes_read()
+    before = shard_reader.bytes_read()
     back = jax_ucp.restore(tmp_path / "c", target=target)
     assert_bit_exact(np.asarray(back["w"]), np.asarray(w))
     # One read per tensor: w's 4 row blocks (each held by 2 devices) together, b whole; every
@@ -351,7 +352,7 @@ def test_restore_uses_the_fast_reader_and_equals_tensorstore(tmp_path, monkeypat
     assert sorted(regions) == [[((0, 6),)], rows]
     stored = sum(p.stat().st_size for p in (tmp_path / "c").rglob("c/*") if p.is_file())
     stored += sum(p.stat().st_size for p in (tmp_path / "c").rglob("c/*/*") if p.is_file())
-    assert shard_file.bytes_read() - before <= stored
+    assert shard_reader.bytes_read() - before <= stored
     # The read buffers became the device buffers (no copy on CPU): the two devices holding a
     # row block share one buffer, as jax.device_put of one host array onto them does.
     pointers = {s.data.unsafe_buffer_pointer() for s in back["w"].addressable_shards}
@@ -427,17 +428,17 @@ def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
     kv = store.kvstore_config(str(tmp_path), "a")
     store.create(kv, layout).result()
     value = np.arange(64, dtype=np.int16).reshape(16, 4)
-    want = [shard_file.write(kv["path"], (i, 0), value[8 * i : 8 * i + 8], layout) for i in (0, 1)]
+    want = [shard_writer.write(kv["path"], (i, 0), value[8 * i : 8 * i + 8], layout) for i in (0, 1)]
     os.makedirs(os.path.join(kv["path"], "c", "9"))
     with open(os.path.join(kv["path"], "c", "0", "0"), "rb") as f:  # a truncated copy
         open(os.path.join(kv["path"], "c", "9", "0"), "wb").write(f.read()[:-30])
     offset = shard_file.index_offset((2, 4), np.int16, 4, None) if fixed_index else None
     kvstore = ts.KvStore.open({**kv, "path": kv["path"] + "/"}).result()
     keys = ["c/0/0", "c/5/0", "c/1/0", "c/9/0"]
-    got = shard_file.object_digests([(kvstore, k, 4, k, offset) for k in keys])
+    got = shard_reader.object_digests([(kvstore, k, 4, k, offset) for k in keys])
     assert got[0] == want[0] and got[2] == want[1]
     assert isinstance(got[1], FileNotFoundError)
     assert isinstance(got[3], shard_file.ShardReadError) and "c/9/0" in str(got[3])
-    assert shard_file.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
+    assert shard_reader.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
     with pytest.raises(FileNotFoundError):
-        shard_file.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)
+        shard_reader.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)

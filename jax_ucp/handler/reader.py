@@ -22,7 +22,7 @@ from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.handler.restore_options import CASTINGS, DEFAULT_MAX_READ_BYTES, RestoreOptions
-from jax_ucp.store import shard_file
+from jax_ucp.store import shard_file, shard_reader
 from jax_ucp.writer import commit
 
 
@@ -42,7 +42,7 @@ class Available:
     build: Callable[[Mapping[tuple[str, ...], ts.TensorStore]], ts.TensorStore]
     saved_sharding: fmt.SavedSharding | None = None
     logical_axes: tuple | None = None
-    stored: bool = False  # the stored array itself (no view): may be read by store.shard_file
+    stored: bool = False  # the stored array itself (no view): may be read by store.shard_reader
 
     @property
     def name(self) -> str:
@@ -319,7 +319,7 @@ def read(
     (a request with a sharding), np.ndarray, or the saved Python value.
 
     The one read path of every restore (and of ``verify``): each process opens every array once
-    and reads only the slices its devices need, through ``store.shard_file`` where the layout
+    and reads only the slices its devices need, through ``store.shard_reader`` where the layout
     allows (hardware crc32c, shard digests) and TensorStore elsewhere (after checking every
     shard file it will open).
     """
@@ -499,7 +499,7 @@ def _overflow(root: str, found: Available, pending, casting: str) -> None:
 
 
 def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
-    """``store.shard_file``'s reader (hardware crc32c, shard digests checked) where the array's
+    """``store.shard_reader`` (hardware crc32c, shard digests checked) where the array's
     zarr.json allows it, else None."""
     kv = store.kvstore_config(root, entry.dir)
     if kv.get("driver") != "file":
@@ -509,7 +509,7 @@ def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
     )
     if layout is None:
         return None
-    return shard_file.ShardReader(
+    return shard_reader.ShardReader(
         kv["path"],
         layout,
         opened.dtype.numpy_dtype,
@@ -539,7 +539,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
         path = os.path.join(kv["path"], *key.split("/"))
         try:
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
-                found = shard_file.file_digest(path, n_chunks)
+                found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
             else:
                 fmt.files.check_regular(path)
@@ -574,7 +574,7 @@ def verify_shard_objects(root: str, entries) -> None:
             shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
             owners.append((entry, key, where))
     for start in range(0, len(shards), _OBJECTS_PER_SWEEP):
-        found = shard_file.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
+        found = shard_reader.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
         for (entry, key, where), digest in zip(owners[start:], found):
             try:
                 if isinstance(digest, BaseException):

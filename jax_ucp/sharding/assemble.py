@@ -39,7 +39,7 @@ class PendingArray:
         self._device_index: list[tuple[jax.Device, tuple]] = []
         self._slices: dict[tuple, tuple] = {}
         self._box = None
-        # A source that reads regions into arrays we hand it (``store.shard_file``): every slice
+        # A source that reads regions into arrays we hand it (``store.shard_reader``): every slice
         # is read into its own 64-byte-aligned buffer, which ``jax.device_put`` adopts without a
         # copy on CPU; devices holding the same slice share that buffer, as ``device_put`` of
         # one host array onto a replicated sharding does.

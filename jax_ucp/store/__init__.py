@@ -1,6 +1,6 @@
 """Layer 2: TensorStore I/O (zarr v3 arrays on any kvstore) and whole-shard file I/O."""
 
-from jax_ucp.store import location, shard_file
+from jax_ucp.store import location, shard_file, shard_reader, shard_writer
 from jax_ucp.store.chunking import DEFAULT_INNER_CHUNK_BYTES, inner_chunk_shape, outer_chunk_shape
 from jax_ucp.store.in_flight import InFlightBytes
 from jax_ucp.store.location import is_url, read_manifest, write_manifest
@@ -18,4 +18,4 @@ from jax_ucp.store.zarr3 import (
 
 def bytes_read() -> int:
     """Bytes this process has read from local checkpoint files, through every reader path."""
-    return file_bytes_read() + shard_file.bytes_read()
+    return file_bytes_read() + shard_reader.bytes_read()

@@ -5,7 +5,7 @@ header), so a region is read with ``preadv``: a block of whole rows (leading ext
 dimension, then whole trailing ones) straight into the caller's array, any other region as blocks
 of whole rows of bounded size read once into a scratch buffer and cut from there for every region
 that needs them (row-parallel weights split on their last dimension). ``SafetensorsTensor`` has
-``read_into`` like ``shard_file.ShardReader``, so ``sharding.PendingArray`` reads each device's
+``read_into`` like ``shard_reader.ShardReader``, so ``sharding.PendingArray`` reads each device's
 slice into its own aligned buffer that ``jax.device_put`` adopts; ``view()`` is a TensorStore view
 (``virtual_chunked`` over row blocks) for the UCP language's lazy transforms.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp.format import UCPError, files, safetensors
-from jax_ucp.store import shard_file
+from jax_ucp.store import shard_reader
 
 _BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
 _VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
@@ -105,7 +105,7 @@ class SafetensorsTensor:
         tasks = []
         cut = []
         for region, out in dests:
-            shape = shard_file.check_destination(region, out, self.shape, self.dtype)
+            shape = shard_reader.check_destination(region, out, self.shape, self.dtype)
             if 0 in shape:
                 continue
             if not self.shape:
@@ -117,7 +117,7 @@ class SafetensorsTensor:
             else:
                 cut.append((region, out))
         tasks.extend(self._cut_tasks(cut))
-        pool = shard_file.read_pool()
+        pool = shard_reader.read_pool()
         return RegionsRead([pool.submit(*task) for task in tasks])
 
     def _cut_tasks(self, dests) -> list:
@@ -236,7 +236,7 @@ class Gathered:
                 wanted = [d for d in dests if d[0][1][0] < b and a < d[0][1][1]]
                 if wanted:
                     tasks.append((self._read_block, t, a, b, row + (a - first), wanted))
-        pool = shard_file.read_pool()
+        pool = shard_reader.read_pool()
         return RegionsRead([pool.submit(*task) for task in tasks])
 
     @staticmethod

@@ -1,6 +1,6 @@
 """Writing a prepared tensor's shards, and a bounded pipeline of tensors in flight.
 
-Whole shards of host memory go through ``store.shard_file`` (TensorStore's bytes, hardware
+Whole shards of host memory go through ``store.shard_writer`` (TensorStore's bytes, hardware
 crc32c); anything else (compression, lazy sources, other kvstores) through TensorStore.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import tensorstore as ts
 
 from jax_ucp import store
-from jax_ucp.store import shard_file
+from jax_ucp.store import shard_file, shard_reader, shard_writer
 from jax_ucp.writer import durable
 from jax_ucp.writer.layout import PreparedTensor
 
@@ -68,11 +68,11 @@ async def write_tensor(
             return {keys[0]: r for (_, keys), r in zip(writes, results)}
         digests: dict[str, str] = {}
         for (_, keys), result in zip(writes, results):
-            if isinstance(result, str):  # written by shard_file, which knows its digest
+            if isinstance(result, str):  # written by shard_writer, which knows its digest
                 digests[keys[0]] = result
                 continue
             for key in keys:  # written by TensorStore: read the trailers back
-                digests[key] = shard_file.file_digest(
+                digests[key] = shard_reader.file_digest(
                     os.path.join(kv["path"], *key.split("/")), p.layout.inner_chunk_count
                 )
         return digests
@@ -119,7 +119,7 @@ def _issue_writes(
     t: ts.TensorStore, p: PreparedTensor, kv: Mapping[str, Any], sync: bool, writes=None
 ) -> list:
     """Starts every shard write of ``p`` (or of ``writes``, its data produced) ->
-    [(awaitable, shard keys)]; whole shards of host memory go through ``shard_file``."""
+    [(awaitable, shard keys)]; whole shards of host memory go through ``shard_writer``."""
     commits = []
     loop = asyncio.get_running_loop()
     for index, data in p.writes if writes is None else writes:
@@ -128,7 +128,7 @@ def _issue_writes(
         if p.layout.shape and 0 in p.layout.shape:
             continue  # nothing to store for a zero-size array; zarr.json says it all
         position = _chunk_position(index, p.layout.chunk_shape) if index else None
-        if position is not None and shard_file.can_write(p.layout, data, kv):
+        if position is not None and shard_writer.can_write(p.layout, data, kv):
             future = loop.run_in_executor(
                 durable.write_pool(),
                 functools.partial(_write_whole_shard, kv["path"], position, data, p, sync),
@@ -141,10 +141,10 @@ def _issue_writes(
             kv.get("driver") != "file"
             and position is not None
             and p.layout.checksum == "crc32c"
-            and shard_file.can_encode(p.layout, data)
+            and shard_writer.can_encode(p.layout, data)
         ):  # an object store: the digest of the object TensorStore writes, from the data
             digest = loop.run_in_executor(
-                durable.write_pool(), shard_file.digest_of_data, data, p.layout
+                durable.write_pool(), shard_writer.digest_of_data, data, p.layout
             )
             commits.append((_committed(written, digest), [shard_file.shard_key(position)]))
             continue
@@ -158,7 +158,7 @@ async def _committed(write_futures, digest=None) -> str | None:
 
 
 def _write_whole_shard(array_dir: str, position, data, p: PreparedTensor, sync: bool) -> str | None:
-    digest = shard_file.write(array_dir, position, data, p.layout, sync=sync)
+    digest = shard_writer.write(array_dir, position, data, p.layout, sync=sync)
     if sync:  # the file is on disk; now the directories that name it, up to the array's
         key = shard_file.shard_key(position)
         durable.fsync_tree_to(array_dir, os.path.dirname(key))

@@ -1,0 +1,133 @@
+"""Writes whole zarr v3 shard files from host memory, byte for byte what TensorStore writes
+(``shard_file`` describes the layout and when it applies: ``can_write``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import struct
+import sys
+from collections.abc import Sequence
+
+import crc32c as crc32c_lib
+import numpy as np
+
+from jax_ucp.store.shard_file import (
+    chunks_are_contiguous,
+    digest_of_trailers,
+    encodable_dtype,
+    shard_key,
+)
+from jax_ucp.store.zarr3 import ArrayLayout
+
+_IOV_MAX = 512  # buffers per writev call (Linux allows 1024)
+
+
+def can_encode(layout: ArrayLayout, data) -> bool:
+    """Whether ``data`` (one whole shard) is laid out so that ``encode`` gives its file."""
+    return (
+        sys.byteorder == "little"
+        and layout.compression is None
+        and layout.checksum in (None, "crc32c")
+        and isinstance(data, np.ndarray)
+        and data.ndim >= 1
+        and data.size > 0
+        and tuple(data.shape) == tuple(layout.chunk_shape)
+        and encodable_dtype(data.dtype)
+        and chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape)
+    )
+
+
+def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
+    """Whether ``data`` (one whole shard) can be written here instead of by TensorStore."""
+    return kvstore.get("driver") == "file" and can_encode(layout, data)
+
+
+def encode(data: np.ndarray, layout: ArrayLayout) -> list:
+    """The shard file as a list of buffers (views of ``data`` plus the small crc/index pieces)."""
+    flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+    chunk_bytes = math.prod(layout.inner_chunk_shape) * data.dtype.itemsize
+    n = flat.size // chunk_bytes
+    checksum = layout.checksum == "crc32c"
+    stored = chunk_bytes + (4 if checksum else 0)
+    parts: list = []
+    for i in range(n):
+        chunk = flat[i * chunk_bytes : (i + 1) * chunk_bytes]
+        parts.append(chunk)
+        if checksum:
+            parts.append(struct.pack("<I", crc32c_lib.crc32c(chunk)))
+    index = np.empty((n, 2), "<u8")
+    index[:, 0] = np.arange(n, dtype=np.uint64) * stored
+    index[:, 1] = stored
+    index_bytes = index.tobytes()
+    parts.append(index_bytes)
+    if checksum:
+        parts.append(struct.pack("<I", crc32c_lib.crc32c(index_bytes)))
+    return parts
+
+
+def digest_of_parts(parts: list) -> str:
+    """``digest_of_trailers`` of a shard being written (the trailers are every other part)."""
+    return digest_of_trailers(b"".join(parts[1:-2:2]))
+
+
+def digest_of_data(data: np.ndarray, layout: ArrayLayout) -> str:
+    """The digest of the shard file TensorStore writes for ``data`` (``can_encode``, crc32c):
+    for object stores, where the file is not ours to write or cheap to read back."""
+    return digest_of_parts(encode(data, layout))
+
+
+def write(
+    array_dir: str,
+    chunk_position: Sequence[int],
+    data: np.ndarray,
+    layout: ArrayLayout,
+    *,
+    sync: bool = True,
+) -> str | None:
+    """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its digest
+    (``digest_of_trailers``; None without checksums).
+
+    ``sync``: the file's data is on disk on return (fsync); the directories that gained entries
+    are the caller's to fsync (``writer.durable``). Otherwise only start the write-back (no
+    waiting) and leave durability to the caller's one syncfs before it commits the directory:
+    writers then never stall on the disk one file at a time.
+    The checkpoint directory is committed by rename afterwards, so a partially written file is
+    never visible under the final name.
+    """
+    key = shard_key(chunk_position)
+    path = os.path.join(array_dir, *key.split("/"))
+    parent = os.path.dirname(path)
+    os.makedirs(parent, exist_ok=True)
+    parts = encode(data, layout)
+    digest = digest_of_parts(parts) if layout.checksum == "crc32c" else None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        for i in range(0, len(parts), _IOV_MAX):
+            batch = parts[i : i + _IOV_MAX]
+            n = os.writev(fd, batch)
+            if n != sum(memoryview(p).nbytes for p in batch):  # short write: finish piece by piece
+                _write_rest(fd, batch, n)
+        if sync:
+            os.fsync(fd)
+        elif hasattr(os, "posix_fadvise"):
+            # Linux: DONTNEED starts write-back of the dirty pages now (and drops them once clean).
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    return digest
+
+
+def _write_rest(fd: int, batch: list, done: int) -> None:
+    for p in batch:
+        mv = memoryview(p).cast("B")
+        if done >= mv.nbytes:
+            done -= mv.nbytes
+            continue
+        mv = mv[done:]
+        done = 0
+        while mv.nbytes:
+            n = os.write(fd, mv)
+            if n <= 0:
+                raise OSError(f"write returned {n} with {mv.nbytes} bytes left")
+            mv = mv[n:]
