@@ -218,7 +218,6 @@ def restore(
         select=select,
         max_read_bytes=max_read_bytes,
         strict=strict,
-        replicated_read=replicated_read,
     )
     if safetensors_source.is_source(path):  # Hugging Face files, read in place
         return safetensors_source.restore(path, options)

@@ -596,6 +596,26 @@ def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None
 # ----------------------------------------------------------------- opening
 
 
+def refuse_fsdp_dtensor(names: list, where: str) -> None:
+    """Megatron-LM's ``--ckpt-format fsdp_dtensor`` (Megatron-FSDP) is plain torch DCP with the
+    distributed optimizer's state keyed by parameter name (megatron-core's
+    ``sharded_param_state_fsdp_dtensor``: ``optimizer.state.<param>.*`` beside
+    ``optimizer.param_to_group_meta.<param>.*``); read as torch DCP or torch_dist it would come
+    out as wrongly named weights, so it is refused by that key. (A model-only fsdp_dtensor save
+    has no such key: its ``model.module.*`` weights read as torch DCP, under those names.)"""
+    meta = next(
+        (n for n in names if isinstance(n, str) and n.startswith("optimizer.param_to_group_meta.")),
+        None,
+    )
+    if meta is None:
+        return
+    raise DcpError(
+        f"{where}: a megatron-core fsdp_dtensor checkpoint (Megatron-FSDP, --ckpt-format "
+        f"fsdp_dtensor; key {meta!r}): fsdp_dtensor is not supported (its per-parameter "
+        f"DTensor optimizer layout is not read; weights_only=True does not avoid it)"
+    )
+
+
 def _is_count(value: Any) -> bool:
     """A non-negative int that fits torch's int64 (a bool or a float is not one)."""
     return type(value) is int and 0 <= value < 2**63
@@ -630,6 +650,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     storage = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise DcpError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
+    refuse_fsdp_dtensor(list(sdm), str(mfile))
     by_fqn: dict[str, dict[Any, Any]] = {}
     for idx, info in storage.items():
         if not isinstance(idx, _MetadataIndex):
