@@ -178,7 +178,6 @@ def plan(
     root = reader.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
     available = reader.available_tensors(manifest, spec)
-    values = {e.key for e in manifest.values}
     explicit = target is not None or shardings is not None
     if not explicit and mesh is None:
         raise ValueError("plan needs a mesh= (with or without rules=), shardings= or target=.")
@@ -191,81 +190,93 @@ def plan(
         sharding_lib.check_rules(rules, mesh)
     elif not explicit:
         reader.check_mesh_names(root, available.values(), mesh, rules, strict)
-    placed, n_values = [], 0  # (available tensor, dtype, sharding or None, not_divisible, error)
     if explicit:
-        requests, _ = reader.requests_from_target(
-            target if target is not None else shardings,
-            shardings if target is not None else None,
-        )
-        for req in requests:
-            key = tuple(str(k) for k in req.key)
-            if key in available:
-                placed.append(_explicit(available[key], req, casting))
-            elif key in values:
-                n_values += 1
-            else:
-                near = [fmt.key_to_str(k) for k in list(available)[:5]]
-                raise reader.CheckpointError(
-                    f"Tensor {fmt.key_to_str(key)!r} is not in the checkpoint {root} "
-                    f"({len(available)} tensors, e.g. {near})."
-                )
+        placed, n_values = _placed_by_target(root, manifest, available, target, shardings, casting)
     else:
-        n_values = len(values)
         placed = [_on_mesh(av, mesh, rules) for av in available.values()]
-
+        n_values = len(manifest.values)
     device_bytes, process_bytes = IndexedBytes(), IndexedBytes()
     if mesh is not None:  # every device and process of the mesh is listed, 0 if it holds none
         layouts.add_devices(mesh, 0, device_bytes)
         process_bytes.merge(layouts.every_process(mesh, 0))
-    tensors, on_host = [], []
-    for av, dtype, sharding, not_divisible, error in placed:
-        itemsize = np.dtype(dtype).itemsize
-        common = dict(name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible)
-        if error is not None:
-            spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-            tensors.append(
-                TensorPlan(
-                    **common,
-                    partition_spec=spec,
-                    bytes_per_device=None,
-                    read_bytes=IndexedBytes(),
-                    error=error,
-                )
-            )
-        elif sharding is None:
-            on_host.append(len(tensors))
-            tensors.append(
-                TensorPlan(
-                    **common,
-                    partition_spec=None,
-                    bytes_per_device=0,
-                    read_bytes=IndexedBytes(),
-                    on_host=True,
-                )
-            )
+    tensors = [_tensor_plan(p, layouts, device_bytes, process_bytes) for p in placed]
+    _read_on_host(tensors, layouts, mesh, process_bytes)
+    return RestorePlan(root, tensors, device_bytes, process_bytes, n_values)
+
+
+def _placed_by_target(root, manifest, available, target, shardings, casting):
+    """``restore(target=/shardings=)``'s placement of each tensor the target names (see
+    ``_explicit``), and how many saved values it names. A name the checkpoint lacks is an
+    error, as in restore."""
+    values = {e.key for e in manifest.values}
+    placed, n_values = [], 0
+    requests, _ = reader.requests_from_target(
+        target if target is not None else shardings,
+        shardings if target is not None else None,
+    )
+    for req in requests:
+        key = tuple(str(k) for k in req.key)
+        if key in available:
+            placed.append(_explicit(available[key], req, casting))
+        elif key in values:
+            n_values += 1
         else:
-            per_device, reads = layouts.place(av.shape, sharding, itemsize, device_bytes)
-            process_bytes.merge(reads)
-            tensors.append(
-                TensorPlan(
-                    **common,
-                    partition_spec=sharding.spec if isinstance(sharding, NamedSharding) else None,
-                    bytes_per_device=per_device,
-                    read_bytes=reads,
-                    replicated=math.prod(av.shape) > 1 and _fully_replicated(sharding),
-                )
+            near = [fmt.key_to_str(k) for k in list(available)[:5]]
+            raise reader.CheckpointError(
+                f"Tensor {fmt.key_to_str(key)!r} is not in the checkpoint {root} "
+                f"({len(available)} tensors, e.g. {near})."
             )
-    # Host numpy: every process reads the whole tensor.
-    if on_host:
-        readers = layouts.every_process(mesh, 0) if mesh is not None else process_bytes.zeros_like()
-        if not len(readers):
-            readers = IndexedBytes.points({p: 0 for p in range(jax.process_count())})
+    return placed, n_values
+
+
+def _tensor_plan(placed, layouts, device_bytes, process_bytes) -> TensorPlan:
+    """One tensor's plan from its placement (available tensor, dtype, sharding or None,
+    not_divisible, error); its device and read bytes added to the totals. A tensor on host
+    gets its read bytes from ``_read_on_host`` once every process is known."""
+    av, dtype, sharding, not_divisible, error = placed
+    spec = sharding.spec if isinstance(sharding, NamedSharding) else None
+    common = dict(name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible)
+    if error is not None:
+        return TensorPlan(
+            **common,
+            partition_spec=spec,
+            bytes_per_device=None,
+            read_bytes=IndexedBytes(),
+            error=error,
+        )
+    if sharding is None:
+        return TensorPlan(
+            **common,
+            partition_spec=None,
+            bytes_per_device=0,
+            read_bytes=IndexedBytes(),
+            on_host=True,
+        )
+    itemsize = np.dtype(dtype).itemsize
+    per_device, reads = layouts.place(av.shape, sharding, itemsize, device_bytes)
+    process_bytes.merge(reads)
+    return TensorPlan(
+        **common,
+        partition_spec=spec,
+        bytes_per_device=per_device,
+        read_bytes=reads,
+        replicated=math.prod(av.shape) > 1 and _fully_replicated(sharding),
+    )
+
+
+def _read_on_host(tensors: list[TensorPlan], layouts, mesh, process_bytes) -> None:
+    """Host numpy: every process reads the whole tensor (its plan and the totals updated)."""
+    on_host = [i for i, t in enumerate(tensors) if t.on_host]
+    if not on_host:
+        return
+    readers = layouts.every_process(mesh, 0) if mesh is not None else process_bytes.zeros_like()
+    if not len(readers):
+        readers = IndexedBytes.points({p: 0 for p in range(jax.process_count())})
     for i in on_host:
         t = tensors[i]
         reads = readers.plus(math.prod(t.shape) * np.dtype(t.dtype).itemsize)
         tensors[i] = dataclasses.replace(t, read_bytes=reads)
         process_bytes.merge(reads)
-    return RestorePlan(root, tensors, device_bytes, process_bytes, n_values)
 
 
 def _on_mesh(av: reader.Available, mesh, rules):
