@@ -9,6 +9,7 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 
 from __future__ import annotations
 
+from jax_ucp.errors import ExportError, NotFoundError, RequestError, SetupError, UnsupportedError
 from jax_ucp.format import Manifest, ManifestError, TensorEntry, UCPError, ValueEntry
 from jax_ucp.lazy_names import lazy_attributes
 from jax_ucp.version import __version__
@@ -30,15 +31,19 @@ _LAZY = {
     "ReplicationWarning": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
-    "ExportError": "jax_ucp.exporters",
     "set_object_store_options": "jax_ucp.store.location",
 }
 
 __all__ = [
+    "ExportError",
     "Manifest",
     "ManifestError",
+    "NotFoundError",
+    "RequestError",
+    "SetupError",
     "TensorEntry",
     "UCPError",
+    "UnsupportedError",
     "ValueEntry",
     "__version__",
     *_LAZY,

@@ -17,6 +17,7 @@ from typing import Any
 
 from jax_ucp import store, writer
 from jax_ucp.format import UCPError
+from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import detect
 from jax_ucp.importers.plan import Share
 from jax_ucp.writer import commit
@@ -37,6 +38,7 @@ def convert(
     weights_only: bool = False,
     distributed: bool = False,
     barrier_timeout: float = 24 * 3600,
+    memory_budget: int | str | None = None,
     **importer_options,
 ) -> str:
     """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
@@ -50,10 +52,47 @@ def convert(
     arguments; each reads and writes every N-th parameter into one directory on a shared file
     system, and process 0 commits once every process reported its part (``barrier_timeout``
     seconds at most for the slowest; a process on this host that dies is noticed at once, one on
-    another host by jax.distributed's heartbeat). Importer options (``tag=``, ``vocab_size=``) pass through.
+    another host by jax.distributed's heartbeat). ``memory_budget``: bytes of tensor data the
+    import may hold at once (an int, or e.g. "256MiB", "1GiB"; default 256 MiB): the tensors the
+    writer has in flight plus what the importer is building (a tensor-parallel merge, chunks
+    read into place); each process of a distributed import has its own. Importer options
+    (``tag=``, ``vocab_size=``) pass through.
     Everything that needs no tensor bytes is checked before anything is written, and a failure
     leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
     """
+    budget = None if memory_budget is None else parse_size(memory_budget)
+    with writer.memory_budget_scope(budget):
+        return _convert(
+            source,
+            dest,
+            format=format,
+            spec=spec,
+            force=force,
+            step=step,
+            progress=progress,
+            compression=compression,
+            weights_only=weights_only,
+            distributed=distributed,
+            barrier_timeout=barrier_timeout,
+            **importer_options,
+        )
+
+
+def _convert(
+    source,
+    dest,
+    *,
+    format,
+    spec,
+    force,
+    step,
+    progress,
+    compression,
+    weights_only,
+    distributed,
+    barrier_timeout,
+    **importer_options,
+) -> str:
     dest = os.fspath(dest)
     remote = store.is_url(dest)
     if remote and (step is not None or distributed):

@@ -201,8 +201,8 @@ def inspect(
                     e.dtype,
                     layout.human(e.nbytes),
                     e.role + (f"/{e.sub_role}" if e.sub_role else ""),
-                    "" if ss is None else layout.spec_text(ss.partition_spec),
-                    "" if e.logical_axes is None else layout.spec_text(e.logical_axes),
+                    "" if ss is None else layout.partition_spec_text(ss.partition_spec),
+                    "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
                 ]
             )
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
@@ -584,7 +584,9 @@ def plan(
             t.name,
             layout.shape_text(t.shape),
             t.dtype,
-            "host" if t.on_host else layout.spec_text(_padded(t.partition_spec, len(t.shape))),
+            "host"
+            if t.on_host
+            else layout.partition_spec_text(_padded(t.partition_spec, len(t.shape))),
             layout.human(t.bytes_per_device or 0),
             layout.human(t.read_bytes.highest()),
         ]

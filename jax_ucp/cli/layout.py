@@ -28,7 +28,7 @@ def shape_text(shape) -> str:
     return "x".join(map(str, shape)) or "()"
 
 
-def spec_text(spec) -> str:
+def partition_spec_text(spec) -> str:
     """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, None)``."""
 
     def entry(e):

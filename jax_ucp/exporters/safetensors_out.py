@@ -18,36 +18,16 @@ import os
 import struct
 from collections.abc import Iterable, Sequence
 
-import ml_dtypes
 import numpy as np
 
-from jax_ucp.format import UCPError
+from jax_ucp.errors import ExportError
+from jax_ucp.format import safetensors
 
 SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+INDEX_FILE = safetensors.INDEX_FILE
 
-#: numpy dtype -> safetensors dtype name (the ones the format defines).
-DTYPE_NAMES: dict[np.dtype, str] = {
-    np.dtype(np.float64): "F64",
-    np.dtype(np.float32): "F32",
-    np.dtype(np.float16): "F16",
-    np.dtype(ml_dtypes.bfloat16): "BF16",
-    np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3",
-    np.dtype(ml_dtypes.float8_e5m2): "F8_E5M2",
-    np.dtype(np.int64): "I64",
-    np.dtype(np.int32): "I32",
-    np.dtype(np.int16): "I16",
-    np.dtype(np.int8): "I8",
-    np.dtype(np.uint64): "U64",
-    np.dtype(np.uint32): "U32",
-    np.dtype(np.uint16): "U16",
-    np.dtype(np.uint8): "U8",
-    np.dtype(np.bool_): "BOOL",
-}
-
-
-class ExportError(UCPError, ValueError):
-    """A checkpoint that cannot be exported as asked (names the tensor and what is wrong)."""
+#: numpy dtype -> safetensors dtype name: ``format.safetensors.DTYPES`` read the other way.
+DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in safetensors.DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,5 +18,5 @@ from jax_ucp.format.manifest import (
     ValueEntry,
     array_dir,
     new_manifest,
-    read_manifest,
+    read_manifest_file,
 )

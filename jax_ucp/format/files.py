@@ -76,6 +76,21 @@ def read_regular(path: str, max_bytes: int) -> bytes:
         os.close(fd)
 
 
+def overlap(path: str, other: str) -> str | None:
+    """How ``path`` sits against the directory ``other``, symlinks resolved: ``"same"``,
+    ``"inside"`` (lies inside it), ``"contains"`` (contains it), or None (apart). Why: a
+    destination written with ``force`` that overlaps its source would delete what it reads."""
+    real_path = os.path.realpath(os.fspath(path))
+    real_other = os.path.realpath(os.fspath(other))
+    if real_path == real_other:
+        return "same"
+    if os.path.commonpath([real_path, real_other]) == real_other:
+        return "inside"
+    if os.path.commonpath([real_path, real_other]) == real_path:
+        return "contains"
+    return None
+
+
 def _describe(mode: int) -> str:
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),

@@ -493,8 +493,9 @@ _MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source", "
 TREE_NODE_TYPES = ("leaf", "dict", "list", "tuple", "namedtuple", "object")
 
 
-def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """The manifest of the checkpoint in ``directory``, strictly validated.
+def read_manifest_file(directory: str | os.PathLike) -> Manifest:
+    """The manifest file of the checkpoint in the local ``directory``, strictly validated
+    (``store.read_manifest`` reads one anywhere, object stores included).
 
     Only a regular file is read (a FIFO or device is refused without blocking) and at most
     ``MAX_MANIFEST_BYTES`` of it; every error names the file and the field.

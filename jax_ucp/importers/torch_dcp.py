@@ -133,13 +133,22 @@ def _errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]
         raise TorchImportError(str(e)) from None
 
 
+def _read(ck: dcp_reader.DcpCheckpoint, name: str) -> Any:
+    """``ck.read(name)``, its errors as this importer's (the writer calls it, after the item
+    left ``_errors_named``: reads are deferred until the memory budget has room)."""
+    try:
+        return ck.read(name)
+    except dcp_reader.DcpError as e:
+        raise TorchImportError(str(e)) from None
+
+
 def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
     t = ck.tensors[name]
     return TensorRef(
         name,
         t.shape,
         t.dtype,
-        lambda: ck.read(name),
+        lambda: _read(ck, name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
     )
 

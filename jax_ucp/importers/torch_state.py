@@ -253,8 +253,7 @@ def _items(
     for name in names:
         param = state.params[name]
         per = states.get(name, {})
-        value = param.read()
-        _check_read(value, param, name, state.where)
+        value = _deferred(param, name, state.where)
         item = host_item(("params", name), value, {**param.where, "tensors": [param.name]})
         if states and not per:
             item = dataclasses.replace(item, frozen=True)
@@ -264,8 +263,7 @@ def _items(
             if key == "step":
                 continue
             tree = STATE_TREES.get(key, ("opt_state", key))
-            value = ref.read()
-            _check_read(value, ref, f"{name} ({key})", state.where)
+            value = _deferred(ref, f"{name} ({key})", state.where)
             provenance = {**ref.where, "state": key, "tensors": [ref.name]}
             if tree[1] in ("mu", "nu"):
                 yield host_item((*tree, name), value, provenance)
@@ -280,6 +278,18 @@ def _items(
             np.asarray(count, np.int32),
             {"pattern": "state.*.step", "tensors": sources},
         )
+
+
+def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
+    """``ref`` read (and checked) only once the writer has room for it in the memory budget:
+    a DCP tensor is assembled from its chunks in anonymous memory."""
+
+    def read() -> np.ndarray:
+        value = ref.read()
+        _check_read(value, ref, name, where)
+        return value
+
+    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read)
 
 
 def _check_read(value: Any, ref: TensorRef, name: str, where: str) -> None:

@@ -180,7 +180,7 @@ def delete_names(root: str, names: list[str]) -> None:
 def read_manifest(root: str) -> fmt.Manifest:
     """The checkpoint's ``ucp.json`` (strictly validated), local or in an object store."""
     if not is_url(root):
-        return fmt.read_manifest(root)
+        return fmt.read_manifest_file(root)
     where = join(root, fmt.MANIFEST_FILE)
     try:
         data = read(root, fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)

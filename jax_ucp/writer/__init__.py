@@ -22,4 +22,13 @@ from jax_ucp.writer.layout import (
     value_entry,
 )
 from jax_ucp.writer.shards import PipelinedWriter, write_tensor
-from jax_ucp.writer.stream import HostItem, with_digests, with_progress, write_stream
+from jax_ucp.writer.stream import (
+    DEFAULT_MEMORY_BUDGET,
+    Deferred,
+    HostItem,
+    memory_budget,
+    memory_budget_scope,
+    with_digests,
+    with_progress,
+    write_stream,
+)

@@ -6,6 +6,8 @@ scalar) with its key path, role and provenance. Free of JAX and Orbax: an import
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -21,6 +23,58 @@ from jax_ucp.writer.shards import PipelinedWriter
 
 _SCALARS = (type(None), bool, int, float, str)
 
+#: Bytes of tensors an import or export may hold at once when no budget is set.
+DEFAULT_MEMORY_BUDGET = 256 << 20
+_MEMORY_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+    "jax_ucp_memory_budget", default=None
+)
+
+
+def memory_budget() -> int:
+    """The bytes of tensor data the running conversion may hold at once (``convert`` /
+    ``export``'s ``memory_budget``): the writer's tensors in flight plus what an importer or
+    exporter builds. A context variable, so the importers, the writer and the exporters honour
+    one budget without threading it through every layer's signatures."""
+    return _MEMORY_BUDGET.get() or DEFAULT_MEMORY_BUDGET
+
+
+@contextlib.contextmanager
+def memory_budget_scope(nbytes: int | None):
+    """``memory_budget()`` is ``nbytes`` inside (``None``: the default)."""
+    token = _MEMORY_BUDGET.set(nbytes)
+    try:
+        yield
+    finally:
+        _MEMORY_BUDGET.reset(token)
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A tensor an importer must build in anonymous memory (a tensor-parallel merge, chunks read
+    into place): ``make()`` is called only once the writer has retired enough tensors for
+    ``nbytes`` more to fit in the memory budget (Orbax's ``LimitInFlightBytes`` reserves before
+    it reads, likewise), so the tensor being built counts against the same budget."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    make: Callable[[], np.ndarray]
+
+    @property
+    def nbytes(self) -> int:
+        n = np.dtype(self.dtype).itemsize
+        for d in self.shape:
+            n *= int(d)
+        return n
+
+    def build(self, name: str) -> np.ndarray:
+        value = self.make()
+        if tuple(value.shape) != tuple(self.shape) or value.dtype != np.dtype(self.dtype):
+            raise TypeError(
+                f"HostItem {name!r}: built {value.dtype}{list(value.shape)}, announced "
+                f"{np.dtype(self.dtype)}{list(self.shape)}"
+            )
+        return value
+
 
 @dataclasses.dataclass
 class HostItem:
@@ -31,7 +85,7 @@ class HostItem:
     """
 
     key: tuple[str, ...]
-    value: Any  # np.ndarray (incl. memmap, ml_dtypes), tensorstore.TensorStore, or JSON scalar
+    value: Any  # np.ndarray (incl. memmap, ml_dtypes), TensorStore, Deferred, or JSON scalar
     role: str = "other"  # one of format.ROLES
     sub_role: str | None = None
     provenance: dict | None = None
@@ -86,12 +140,15 @@ async def write_stream(
         inner_chunk_bytes=inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
     )
     entries: list[fmt.Entry] = []
-    writer = PipelinedWriter(directory, sync=sync)
+    writer = PipelinedWriter(directory, sync=sync, max_bytes=memory_budget())
     try:
         for item in items:
             key = tuple(str(k) for k in item.key)
             key_types = tuple(item.key_types or ("key",) * len(key))
             v = item.value
+            if isinstance(v, Deferred):  # room first, then the importer builds it
+                await writer.reserve(v.nbytes)
+                v = v.build(fmt.key_to_str(key))
             if isinstance(v, _SCALARS):
                 entries.append(
                     layout_lib.value_entry(
