@@ -136,22 +136,43 @@ def compile_restore_plan(
     """
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
-    env0 = spec.env
     rules = spec.active_restore()
     # a spec without restore rules (e.g. import-only) leaves every tensor as it is (roots still move)
     strict = (spec.strict if strict is None else strict) and bool(rules)
-    out: dict[Key, ViewPlan] = {}
-    origin: dict[Key, str] = {}
+    targets = _Targets()
+    per_rule, uncovered = _assign(spec, rules, saved, targets)
+    if strict:
+        _check_strict(spec, rules, per_rule, uncovered)
+    for key, info, tprefix, rel in uncovered:
+        targets.put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
+    for i, r in rules:
+        if per_rule[i]:
+            _emit_rule(r, i, per_rule[i], spec.env, targets)
+    return targets.plans
 
-    def put(tkey, plan, what):
+
+class _Targets:
+    """The plans by target key; a key two tensors map to is an error naming both."""
+
+    def __init__(self):
+        self.plans: dict[Key, ViewPlan] = {}
+        self._origin: dict[Key, str] = {}
+
+    def put(self, tkey, plan: ViewPlan, what: str) -> None:
         tkey = tuple(tkey)
-        if tkey in out:
+        if tkey in self.plans:
             raise LanguageError(
-                f"restore plan: {what} and {origin[tkey]} both map to {'/'.join(tkey)}"
+                f"restore plan: {what} and {self._origin[tkey]} both map to {'/'.join(tkey)}"
             )
-        out[tkey] = plan
-        origin[tkey] = what
+        self.plans[tkey] = plan
+        self._origin[tkey] = what
 
+
+def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
+    """Each saved tensor to the first restore rule matching it under its param root; tensors
+    outside param roots are put in ``targets`` at once (moved with their root, or as they are).
+    Returns (rule index → [(instance, target prefix, captured variables, node, relative
+    name)], the param tensors no rule covers as (key, info, target prefix, relative name))."""
     per_rule: dict[int, list] = {i: [] for i, _ in rules}
     uncovered = []
     # Parameters before the optimizer state that mirrors them, so an error names the parameter.
@@ -161,78 +182,77 @@ def compile_restore_plan(
         info = _tensor_info(info)
         found = _find_root(spec, key)
         if found is None:
-            put(key, _identity(key, info), "/".join(key))
+            targets.put(key, _identity(key, info), "/".join(key))
             continue
         root, n, caps = found
-        tprefix = root.target_prefix(key, n, caps, env0)
+        tprefix = root.target_prefix(key, n, caps, spec.env)
         if not root.params:
-            put(tprefix + key[n:], _identity(key, info, f"root {root.source!r}"), "/".join(key))
+            plan = _identity(key, info, f"root {root.source!r}")
+            targets.put(tprefix + key[n:], plan, "/".join(key))
             continue
         rel = "/".join(key[n:])
-        for i, r in rules:
-            m = r.fullmatch(rel)
-            if m:
-                named = set(m.re.groupindex.values())
-                vars_ = {
-                    str(j): g
-                    for j, g in enumerate(m.groups(), start=1)
-                    if g is not None and j not in named
-                }
-                vars_.update({k: v for k, v in m.groupdict().items() if v is not None})
-                node = _source_node(key, _placeholder(key, info))
-                per_rule[i].append((tuple(key[:n]), tprefix, vars_, node, rel))
-                break
-        else:
+        matched = _match_rule(rules, rel)
+        if matched is None:
             uncovered.append((key, info, tprefix, rel))
-
-    if strict:
-        problems = []
-        if uncovered:
-            names = ["/".join(u[0]) for u in uncovered]
-            problems.append(
-                f"{len(names)} tensor(s) covered by no restore rule: "
-                + ", ".join(names[:20])
-                + (" ..." if len(names) > 20 else "")
-            )
-        for i, r in rules:
-            if r.required and not per_rule[i]:
-                problems.append(f"{describe_rule(r, i, 'restore')} matched no tensor")
-        if problems:
-            raise StrictnessError(f"spec {spec.name!r}: " + "; ".join(problems))
-    for key, info, tprefix, rel in uncovered:
-        put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
-
-    for i, r in rules:
-        entries = per_rule[i]
-        if not entries:
             continue
-        what = describe_rule(r, i, "restore")
-        for op in r.ops:
-            entries = _apply_op(op, entries, env0, what)
-        for inst, tprefix, vars_, node, rel in entries:
-            env = dict(env0)
-            env.update(vars_)
-            try:
-                tgt = rel if r.target is None else render(r.target, env, where=f"{what}: ")
-            except LanguageError as e:
-                raise type(e)(
-                    f"{what}: target {r.target!r} for {'/'.join(inst)}/{rel}: {e}"
-                ) from None
-            tkey = tprefix + tuple(p for p in tgt.split("/") if p)
-            v = node.view
-            put(
-                tkey,
-                ViewPlan(
-                    tuple(v.shape),
-                    np.dtype(v.dtype.numpy_dtype),
-                    node.sources,
-                    node.fn,
-                    what,
-                    node.ops,
-                ),
-                f"{'/'.join(inst)}/{rel} ({what})",
-            )
-    return out
+        i, vars_ = matched
+        node = _source_node(key, _placeholder(key, info))
+        per_rule[i].append((tuple(key[:n]), tprefix, vars_, node, rel))
+    return per_rule, uncovered
+
+
+def _match_rule(rules, rel: str):
+    """(index, captured variables) of the first rule whose pattern matches ``rel`` in full:
+    unnamed groups by position ("1", "2", ...), named groups by name; None when none does."""
+    for i, r in rules:
+        m = r.fullmatch(rel)
+        if m:
+            named = set(m.re.groupindex.values())
+            vars_ = {
+                str(j): g
+                for j, g in enumerate(m.groups(), start=1)
+                if g is not None and j not in named
+            }
+            vars_.update({k: v for k, v in m.groupdict().items() if v is not None})
+            return i, vars_
+    return None
+
+
+def _check_strict(spec: Spec, rules, per_rule, uncovered) -> None:
+    """A strict spec: every parameter covered by a rule, every required rule matched."""
+    problems = []
+    if uncovered:
+        names = ["/".join(u[0]) for u in uncovered]
+        problems.append(
+            f"{len(names)} tensor(s) covered by no restore rule: "
+            + ", ".join(names[:20])
+            + (" ..." if len(names) > 20 else "")
+        )
+    for i, r in rules:
+        if r.required and not per_rule[i]:
+            problems.append(f"{describe_rule(r, i, 'restore')} matched no tensor")
+    if problems:
+        raise StrictnessError(f"spec {spec.name!r}: " + "; ".join(problems))
+
+
+def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
+    """Applies rule ``r``'s ops to the tensors it matched and puts each result at its target."""
+    what = describe_rule(r, i, "restore")
+    for op in r.ops:
+        entries = _apply_op(op, entries, env0, what)
+    for inst, tprefix, vars_, node, rel in entries:
+        env = dict(env0)
+        env.update(vars_)
+        try:
+            tgt = rel if r.target is None else render(r.target, env, where=f"{what}: ")
+        except LanguageError as e:
+            raise type(e)(f"{what}: target {r.target!r} for {'/'.join(inst)}/{rel}: {e}") from None
+        tkey = tprefix + tuple(p for p in tgt.split("/") if p)
+        v = node.view
+        plan = ViewPlan(
+            tuple(v.shape), np.dtype(v.dtype.numpy_dtype), node.sources, node.fn, what, node.ops
+        )
+        targets.put(tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
 
 
 def _apply_op(op, entries, env0, what):
