@@ -520,7 +520,14 @@ def new_manifest(
     kvstore_driver: str = "file",
     tree: dict | None = None,
 ) -> Manifest:
-    """The manifest of a new save: entries plus who wrote it, when, and from what."""
+    """The manifest of a new save: entries plus who wrote it, when, and from what.
+
+    Args:
+        entries: every tensor and value entry
+        source: where an import came from (format, path, ...), if it is one
+        kvstore_driver: ``file`` or the object store's driver
+        tree: the pytree's structure (node types), for restoring without a target
+    """
     return Manifest(
         entries=list(entries),
         save_id=uuid.uuid4().hex,

@@ -722,7 +722,14 @@ class Expert(Kind):
 
 
 def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: int) -> int:
-    """Megatron's numbering: EP rank r holds experts [r * E/ep, (r+1) * E/ep)."""
+    """Megatron's numbering: EP rank r holds experts [r * E/ep, (r+1) * E/ep).
+
+    Args:
+        local_index: the expert's index on its EP rank
+        ep_rank: the expert-parallel rank
+        num_experts: experts in the layer (all ranks)
+        ep: expert-parallel size
+    """
     if num_experts % ep:
         raise MergeError(f"{num_experts} experts do not divide over {ep} EP ranks")
     nl = num_experts // ep
@@ -785,7 +792,15 @@ def merge(
     settings: Mapping | None = None,
     lazy: bool = False,
 ):
-    """Merge per-rank fragments into the consolidated array (numpy; a lazy ts view if lazy)."""
+    """Merge per-rank fragments into the consolidated array (numpy; a lazy ts view if lazy).
+
+    Args:
+        kind: the fragments' kind (a ``language.kinds`` instance or its name)
+        fragments: one array per rank, in rank order
+        name: the tensor's name, for messages
+        settings: run settings the kind reads (head counts, ...)
+        lazy: return a lazy TensorStore view instead of numpy
+    """
     if len(fragments) == 0:
         raise MergeError(f"{name}: no fragments to merge")
     k = _resolved_kind(kind, settings, name)
@@ -793,7 +808,15 @@ def merge(
 
 
 def split(kind, full, n: int, *, name: str = "<tensor>", settings: Mapping | None = None) -> list:
-    """The inverse of ``merge``: the per-rank fragments of ``full`` over ``n`` ranks (numpy)."""
+    """The inverse of ``merge``: the per-rank fragments of ``full`` over ``n`` ranks (numpy).
+
+    Args:
+        kind: the kind of the fragments to produce
+        full: the consolidated array
+        n: how many ranks
+        name: the tensor's name, for messages
+        settings: run settings the kind reads
+    """
     if n <= 0:
         raise MergeError(f"{name}: cannot split over {n} ranks")
     k = _resolved_kind(kind, settings, name)
@@ -802,7 +825,13 @@ def split(kind, full, n: int, *, name: str = "<tensor>", settings: Mapping | Non
 
 
 def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
-    """Split a fused parameter into named parts: qkv -> q, k, v; swiglu -> gate, up."""
+    """Split a fused parameter into named parts: qkv -> q, k, v; swiglu -> gate, up.
+
+    Args:
+        kind: a fused kind (qkv, swiglu)
+        full: the fused array
+        settings: run settings the kind reads (head counts, ...)
+    """
     k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
         raise SpecError(f"kind {k.kind!r} has no named parts")

@@ -34,6 +34,14 @@ def parse_plain_form(
     ``registry`` maps names to dataclasses; ``convert(parameter, value)`` turns a plain value into
     the field's value. Unknown names and parameters are errors that list what is known, prefixed
     with ``where``.
+
+    Args:
+        obj: the plain value: a name, or a table with ``tag`` and parameters
+        tag: the key naming the class in a table (``kind``, ``op``)
+        registry: name -> dataclass
+        a_noun: what is parsed, for messages (``a kind``)
+        where: the message prefix (file, table, line)
+        convert: ``convert(parameter, value)`` -> the field's value
     """
     noun = a_noun.split(" ", 1)[1]
     if isinstance(obj, str):

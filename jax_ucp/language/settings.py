@@ -67,7 +67,13 @@ def derived(settings: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
-    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp."""
+    """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp.
+
+    Args:
+        vocab_size: the tokenizer's vocabulary size
+        divisible_by: Megatron's ``make_vocab_size_divisible_by``
+        tp: tensor-parallel size
+    """
     m = max(1, int(divisible_by)) * max(1, int(tp))
     return -(-int(vocab_size) // m) * m
 
@@ -135,18 +141,28 @@ def _depth(tree: ast.AST) -> int:
 
 
 def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
-    """An int, or a string expression over ``env`` (settings and captured variables)."""
+    """An int, or a string expression over ``env`` (settings and captured variables).
+
+    Args:
+        expr: an int, or an expression string (``hidden / heads``)
+        env: settings and captured variables it may name
+        where: the message prefix of an error
+    """
     v = _as_int(expr)
     if v is not None:
         return v
     if not isinstance(expr, str):
         raise SpecError(f"{where}expected an integer or an expression string, got {expr!r}")
+    return _evaluate(_parse(expr, where), expr, normalize_env(env), where)
+
+
+def _parse(expr: str, where: str) -> ast.Expression:
+    """The AST of a short expression; too long, too deep or no Python is a ``SpecError``."""
     if len(expr) > MAX_EXPRESSION_CHARS:
         raise SpecError(
             f"{where}expression {expr[:40]!r}... is {len(expr)} characters long; at most "
             f"{MAX_EXPRESSION_CHARS} are accepted"
         )
-    env = normalize_env(env)
     try:
         tree = ast.parse(expr.strip(), mode="eval")
     except SyntaxError as e:
@@ -157,38 +173,40 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
         raise SpecError(
             f"{where}expression {expr[:40]!r}... nests deeper than {MAX_EXPRESSION_DEPTH} levels"
         )
+    return tree
 
-    def evaluate(n):
-        if isinstance(n, ast.Expression):
-            return evaluate(n.body)
-        if (
-            isinstance(n, ast.Constant)
-            and isinstance(n.value, int)
-            and not isinstance(n.value, bool)
-        ):
-            return n.value
-        if isinstance(n, ast.Name):
-            name = canonical(n.id)
-            if name not in env:
-                raise SpecError(f"{where}expression {expr!r}: {missing_setting(n.id, env)}")
-            val = _as_int(env[name])
-            if val is None:
-                raise SpecError(
-                    f"{where}expression {expr!r}: setting {n.id!r} = {env[name]!r} is not an integer"
-                )
-            return val
-        if isinstance(n, ast.BinOp) and type(n.op) in _BINARY_OPERATORS:
-            a, b = evaluate(n.left), evaluate(n.right)
-            if isinstance(n.op, (ast.FloorDiv, ast.Mod)) and b == 0:
-                raise SpecError(f"{where}expression {expr!r} divides by zero")
-            return _BINARY_OPERATORS[type(n.op)](a, b)
-        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
-            return -evaluate(n.operand)
+
+def _evaluate(n: ast.AST, expr: str, env: Mapping[str, Any], where: str) -> int:
+    """The value of node ``n`` of ``expr``: integers, setting names and + - * // % only."""
+    if isinstance(n, ast.Expression):
+        return _evaluate(n.body, expr, env, where)
+    if isinstance(n, ast.Constant) and isinstance(n.value, int) and not isinstance(n.value, bool):
+        return n.value
+    if isinstance(n, ast.Name):
+        return _setting(n.id, expr, env, where)
+    if isinstance(n, ast.BinOp) and type(n.op) in _BINARY_OPERATORS:
+        a, b = _evaluate(n.left, expr, env, where), _evaluate(n.right, expr, env, where)
+        if isinstance(n.op, (ast.FloorDiv, ast.Mod)) and b == 0:
+            raise SpecError(f"{where}expression {expr!r} divides by zero")
+        return _BINARY_OPERATORS[type(n.op)](a, b)
+    if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+        return -_evaluate(n.operand, expr, env, where)
+    raise SpecError(
+        f"{where}expression {expr!r}: only integers, setting names and + - * // % are allowed"
+    )
+
+
+def _setting(name: str, expr: str, env: Mapping[str, Any], where: str) -> int:
+    """The integer value of setting ``name`` (canonical spelling) named in ``expr``."""
+    canon = canonical(name)
+    if canon not in env:
+        raise SpecError(f"{where}expression {expr!r}: {missing_setting(name, env)}")
+    val = _as_int(env[canon])
+    if val is None:
         raise SpecError(
-            f"{where}expression {expr!r}: only integers, setting names and + - * // % are allowed"
+            f"{where}expression {expr!r}: setting {name!r} = {env[canon]!r} is not an integer"
         )
-
-    return evaluate(tree)
+    return val
 
 
 def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
@@ -206,7 +224,13 @@ _TEMPLATE_FIELD = re.compile(r"\{([^{}]*)\}")
 
 def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
     """``{name}`` -> value of a captured variable or setting; ``{expr}`` -> integer expression
-    (numbered regex groups are ``{1}`` or ``_1`` inside expressions); ``{{``/``}}`` escape braces."""
+    (numbered regex groups are ``{1}`` or ``_1`` inside expressions); ``{{``/``}}`` escape braces.
+
+    Args:
+        template: text with ``{name}`` / ``{expr}`` fields
+        env: settings and captured variables
+        where: the message prefix of an error
+    """
 
     def sub(m):
         key = m.group(1).strip()

@@ -336,7 +336,13 @@ class Spec:
 
 
 def describe_rule(rule, index: int, side: str) -> str:
-    """``import rule #3 (label) pattern '...'``: how messages name a rule."""
+    """``import rule #3 (label) pattern '...'``: how messages name a rule.
+
+    Args:
+        rule: an import or restore rule
+        index: its position in the spec (0-based; shown 1-based)
+        side: ``import`` or ``restore``
+    """
     label = f" ({rule.label})" if rule.label else ""
     return f"{side} rule #{index + 1}{label} pattern {rule.pattern!r}"
 
@@ -442,6 +448,12 @@ def spec_from_dict(
 
     ``settings`` override the dict's. Errors name ``source``, the table and its number, and its
     line when ``table_lines`` gives the line of each ``[[import]]``/``[[restore]]``/``[[roots]]``.
+
+    Args:
+        d: the spec's dict form
+        source: the file it came from, for messages
+        settings: overrides of the dict's ``[settings]``
+        table_lines: table name -> the line of each of its entries, for messages
     """
     extra = set(d) - _TOP_LEVEL_KEYS
     if extra:

@@ -97,7 +97,13 @@ def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | Non
     """A spec from TOML text; ``settings`` override its ``[settings]``. Errors name ``source``
     and the line of the offending ``[[import]]``/``[[restore]]``/``[[roots]]`` table. Text
     longer than :data:`MAX_SPEC_BYTES` or nested deeper than :data:`MAX_TOML_DEPTH` is refused
-    before it is parsed."""
+    before it is parsed.
+
+    Args:
+        text: the TOML text
+        source: the file it came from, for messages
+        settings: overrides of its ``[settings]``
+    """
     if len(text) > MAX_SPEC_BYTES:
         raise SpecError(
             f"{source}: {len(text)} characters; a spec file holds at most {MAX_SPEC_BYTES}"

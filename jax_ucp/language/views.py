@@ -63,7 +63,13 @@ def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -
     """Rows (along ``axis``) of every head of a q/k projection from RoPE's interleaved pair order
     ``(x0, y0, x1, y1, ...)`` (Meta's Llama, torchtitan's complex RoPE) to rotate-half order
     ``(x0, x1, ..., y0, y1, ...)`` (transformers, megatron-core): the permutation transformers'
-    ``convert_llama_weights_to_hf`` applies. One lazy index-array view, exact."""
+    ``convert_llama_weights_to_hf`` applies. One lazy index-array view, exact.
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis of the heads' rows (whole heads of ``head_dim``)
+        head_dim: rows per head (even)
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     n = tensor.shape[a]
@@ -77,7 +83,13 @@ def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -
 
 
 def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
-    """Select one index along ``axis``, dropping that axis."""
+    """Select one index along ``axis``, dropping that axis.
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis to select on (negative counts from the end)
+        index: the index kept (negative counts from the end)
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     n = tensor.shape[a]
@@ -87,6 +99,14 @@ def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
 
 
 def slice_axis(tensor: ts.TensorStore, axis: int, start: int, stop: int) -> ts.TensorStore:
+    """The indices ``[start, stop)`` of ``axis``, the axis kept.
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis to cut
+        start: first index kept
+        stop: one past the last index kept
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     n = tensor.shape[a]
@@ -143,7 +163,13 @@ def unstack(tensor: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
 
 
 def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list[ts.TensorStore]:
-    """Split ``axis`` into consecutive pieces of the given sizes (which must add up)."""
+    """Split ``axis`` into consecutive pieces of the given sizes (which must add up).
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis to split
+        sizes: the pieces' extents, in order, adding up to the axis
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     if sum(sizes) != tensor.shape[a] or any(s < 0 for s in sizes):
@@ -159,6 +185,13 @@ def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list
 
 
 def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore]:
+    """Split ``axis`` into ``n`` consecutive pieces of equal size.
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis to split
+        n: how many equal pieces
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     if n <= 0 or tensor.shape[a] % n:
@@ -169,7 +202,13 @@ def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore
 
 
 def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.TensorStore:
-    """Reshape one axis of size a*b into two axes (a, b); one of them may be -1."""
+    """Reshape one axis of size a*b into two axes (a, b); one of them may be -1.
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis of size ``a*b`` to split
+        sizes: ``(a, b)``; one may be -1 (inferred)
+    """
     tensor = as_view(tensor)
     ax = _checked_axis(tensor, axis)
     n = tensor.shape[ax]
@@ -197,7 +236,13 @@ def merge_dims(tensor: ts.TensorStore, axis: int) -> ts.TensorStore:
 
 
 def group_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
-    """[L, ...] -> [stages, L/stages, ...] (pipeline grouping)."""
+    """[L, ...] -> [stages, L/stages, ...] (pipeline grouping).
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        stages: pipeline stages (must divide the layers)
+        axis: the layer axis
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     n = tensor.shape[a]
@@ -215,7 +260,13 @@ def ungroup_stages(tensor: ts.TensorStore, axis: int = 0) -> ts.TensorStore:
 
 
 def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.TensorStore:
-    """[S, L/S, ...] -> [stages, L/stages, ...]; an error if L does not divide by ``stages``."""
+    """[S, L/S, ...] -> [stages, L/stages, ...]; an error if L does not divide by ``stages``.
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        stages: the new number of pipeline stages
+        axis: the saved stage axis (the layer axis follows it)
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     if tensor.rank < a + 2:
@@ -236,7 +287,13 @@ def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Ten
 
 
 def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
-    """Zero-pad ``axis`` at its end to ``size`` (the padding is a small in-memory array)."""
+    """Zero-pad ``axis`` at its end to ``size`` (the padding is a small in-memory array).
+
+    Args:
+        tensor: a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
+        axis: the axis to pad at its end
+        size: the padded extent (at least the current one)
+    """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     n = tensor.shape[a]
@@ -254,7 +311,13 @@ def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
 
 
 def qkv_sizes(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int, int]:
-    """(rows per group for q, k, v): (heads_per_group*head_dim, head_dim, head_dim)."""
+    """(rows per group for q, k, v): (heads_per_group*head_dim, head_dim, head_dim).
+
+    Args:
+        num_heads: query heads
+        num_kv_heads: key/value heads (query groups; divides ``num_heads``)
+        head_dim: rows per head
+    """
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise TransformError(
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
@@ -274,6 +337,15 @@ def split_qkv(
 
     interleaved=True: Megatron layout, per query group g: [q heads of g, k_g, v_g].
     interleaved=False: plain [Q; K; V] concatenation.
+
+    Args:
+        tensor: the fused QKV a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are
+            wrapped)
+        axis: the fused axis
+        num_heads: query heads
+        num_kv_heads: key/value heads (query groups)
+        head_dim: rows per head
+        interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)
     """
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
@@ -295,6 +367,18 @@ def split_qkv(
 def merge_qkv(
     q, k, v, axis: int, num_heads: int, num_kv_heads: int, head_dim: int, interleaved: bool = True
 ) -> ts.TensorStore:
+    """The inverse of ``split_qkv``: q, k and v fused along ``axis``.
+
+    Args:
+        q: the query rows (``num_heads * head_dim`` on ``axis``)
+        k: the key rows (``num_kv_heads * head_dim``)
+        v: the value rows (``num_kv_heads * head_dim``)
+        axis: the axis to fuse along
+        num_heads: query heads
+        num_kv_heads: key/value heads (query groups)
+        head_dim: rows per head
+        interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)
+    """
     q, k, v = as_view(q), as_view(k), as_view(v)
     a = _checked_axis(q, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)

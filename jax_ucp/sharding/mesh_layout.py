@@ -45,7 +45,13 @@ def _axis_size(mesh: Mesh, axes: Sequence[str]) -> int:
 
 
 def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Sharding) -> None:
-    """Clear error (tensor, dimension, axis) instead of JAX's generic one."""
+    """Clear error (tensor, dimension, axis) instead of JAX's generic one.
+
+    Args:
+        name: the tensor's name, for the message
+        shape: its global shape
+        sharding: the sharding asked for it
+    """
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         if len(spec) > len(shape):
@@ -78,7 +84,13 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
 def partition_spec_from_saved(
     shape: Sequence[int], saved: SavedSharding | None, mesh: Mesh
 ) -> PartitionSpec:
-    """The saved PartitionSpec, kept per dimension where it still fits the new mesh."""
+    """The saved PartitionSpec, kept per dimension where it still fits the new mesh.
+
+    Args:
+        shape: the tensor's global shape
+        saved: its saved sharding from the manifest (None: replicated)
+        mesh: the mesh restored onto
+    """
     if saved is None:
         return PartitionSpec()
     out: list = []
@@ -102,7 +114,14 @@ def partition_spec_from_saved(
 def partition_spec_from_logical(
     shape: Sequence[int], logical_axes: Sequence[str | None], rules: LogicalRules, mesh: Mesh
 ) -> PartitionSpec:
-    """flax-style logical → mesh axes: the first rule for a name whose mesh axes are free and divide."""
+    """flax-style logical → mesh axes: the first rule for a name whose mesh axes are free and divide.
+
+    Args:
+        shape: the tensor's global shape
+        logical_axes: its logical axis name per dimension (None: unnamed)
+        rules: ``(logical name, mesh axes)`` pairs, first match wins
+        mesh: the mesh restored onto
+    """
     out: list = []
     used: set[str] = set()
     for dim, name in enumerate(logical_axes):
@@ -179,6 +198,14 @@ def check_names(
     Names unlike any known one pass (``_near_miss``); what then ends up replicated although
     saved sharded is reported by a ``ReplicationWarning``.
     A rule naming a mesh axis the mesh lacks is always an error (``check_rules``).
+
+    Args:
+        mesh: the mesh restored onto
+        rules: the logical-axis rules given, if any
+        logical_names: every logical name the checkpoint's tensors carry
+        saved_axes: every mesh axis a saved PartitionSpec uses
+        where: the checkpoint, for messages
+        strict: refuse near-miss names (False: allow them)
     """
     if rules is not None:
         check_rules(rules, mesh)
@@ -239,7 +266,16 @@ def replicated_unasked(
     rules: LogicalRules | None,
 ) -> bool:
     """The tensor was saved sharded, ``spec`` replicates it on every device of ``mesh``, and
-    no rule asked for that (every logical name of it mapped to ``None``)."""
+    no rule asked for that (every logical name of it mapped to ``None``).
+
+    Args:
+        shape: the tensor's global shape
+        spec: the PartitionSpec it gets
+        mesh: the mesh restored onto
+        saved: its saved sharding
+        logical_axes: its logical axis names
+        rules: the logical-axis rules given
+    """
     if math.prod(mesh.shape.values()) < 2 or math.prod(shape) < 2:
         return False
     if any(_axes_of(entry) for entry in spec):
@@ -289,6 +325,16 @@ def sharding_for(
     logical_axes: Sequence[str | None] | None,
     rules: LogicalRules | None,
 ) -> NamedSharding:
+    """The sharding a restore onto ``mesh`` gives a tensor: by the rules where they apply to
+    its logical axis names, else its saved PartitionSpec kept where it fits.
+
+    Args:
+        shape: the tensor's global shape
+        mesh: the mesh restored onto
+        saved: its saved sharding from the manifest
+        logical_axes: its logical axis names
+        rules: the logical-axis rules given (they win over the saved PartitionSpec)
+    """
     if rules is not None and logical_axes is not None:
         return NamedSharding(mesh, partition_spec_from_logical(shape, logical_axes, rules, mesh))
     return NamedSharding(mesh, partition_spec_from_saved(shape, saved, mesh))

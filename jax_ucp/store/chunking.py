@@ -35,6 +35,11 @@ def inner_chunk_shape(
     Trailing dimensions are kept whole as long as possible (contiguous rows read fastest); the
     first dimension that does not fit is cut to its largest divisor that fits (or, for extents
     without a usable divisor, the smallest one above the bound), and every dimension before it to 1.  Divisors, because zarr v3 sharding needs inner chunks that tile the shard.
+
+    Args:
+        shard_shape: the shard's shape
+        itemsize: bytes per element
+        max_bytes: the most bytes an inner chunk may hold
     """
     shard = outer_chunk_shape(shard_shape)
     if not shard:

@@ -103,14 +103,26 @@ def _kvstore(root: str | Mapping) -> ts.KvStore:
 
 def read(root: str, name: str, limit: int) -> bytes | None:
     """Object ``name`` under the prefix ``root``, or None when it does not exist. At most
-    ``limit`` bytes are fetched; a larger object is an error, never read whole."""
+    ``limit`` bytes are fetched; a larger object is an error, never read whole.
+
+    Args:
+        root: the object-store prefix (``s3://bucket/ckpt``, ``gs://...``)
+        name: the object's name under it
+        limit: the most bytes accepted
+    """
     stamped = read_stamped(root, name, limit)
     return None if stamped is None else stamped[0]
 
 
 def read_stamped(root: str, name: str, limit: int) -> tuple[bytes, bytes] | None:
     """``read``, with the object's storage generation (for a conditional write or delete of
-    exactly that version)."""
+    exactly that version).
+
+    Args:
+        root: the object-store prefix (``s3://bucket/ckpt``, ``gs://...``)
+        name: the object's name under it
+        limit: the most bytes accepted
+    """
     kv = _kvstore(root)
     try:  # a byte past the limit: present means too large
         beyond = kv.read(name, byte_range=slice(limit, limit + 1)).result()
@@ -129,7 +141,13 @@ def exists(root: str, name: str) -> bool:
 
 
 def write(root: str, name: str, data: bytes) -> None:
-    """One object, whole (an object store's single PUT: readers see all of it or none)."""
+    """One object, whole (an object store's single PUT: readers see all of it or none).
+
+    Args:
+        root: the object-store prefix (``s3://bucket/ckpt``, ``gs://...``)
+        name: the object's name under it
+        data: its whole content
+    """
     _kvstore(root).write(name, data).result()
 
 
@@ -138,7 +156,13 @@ def create(root: str, name: str, data: bytes) -> bool:
 
     A conditional PUT (TensorStore sends ``If-None-Match: *`` to S3, ``ifGenerationMatch=0`` to
     GCS), so of several callers at once exactly one gets True where the server honours the
-    condition (S3 and GCS do, and moto; gcp-storage-emulator ignores it)."""
+    condition (S3 and GCS do, and moto; gcp-storage-emulator ignores it).
+
+    Args:
+        root: the object-store prefix (``s3://bucket/ckpt``, ``gs://...``)
+        name: the object's name under it
+        data: its whole content
+    """
     kv = _kvstore(root)
     current = kv.read(name, byte_range=slice(0, 0)).result()
     if current.state == "value":
@@ -161,7 +185,13 @@ def list_names(root: str, prefix: str = "") -> list[str]:
 
 def delete(root: str, name: str, *, if_equal: bytes | None = None) -> bool:
     """One object (a single DELETE; deleting a missing one is not an error). With ``if_equal``
-    (a generation from ``read_stamped``) only that version: False if the object changed."""
+    (a generation from ``read_stamped``) only that version: False if the object changed.
+
+    Args:
+        root: the object-store prefix (``s3://bucket/ckpt``, ``gs://...``)
+        name: the object's name under it
+        if_equal: the generation to delete (None: whatever is there)
+    """
     result = _kvstore(root).write(name, None, if_equal=if_equal).result()
     return if_equal is None or result.generation != b""
 
@@ -195,7 +225,13 @@ def read_manifest(root: str) -> fmt.Manifest:
 
 
 def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
-    """``ucp.json`` (or a part of it): for an object store, one PUT, the commit."""
+    """``ucp.json`` (or a part of it): for an object store, one PUT, the commit.
+
+    Args:
+        root: the checkpoint (a local directory or an object-store prefix)
+        manifest: what to write
+        name: the file name (``ucp.json``, or a part's name)
+    """
     text = manifest.dumps()
     if is_url(root):  # created only if absent: never over another save's commit
         if not create(root, name, text.encode()):

@@ -83,7 +83,15 @@ class ShardReadError(UCPError, OSError):
 
 def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | None):
     """The shard index from its bytes (crc32c included), validated; ``limit``: where the data
-    ends (None: unknown, reads past the end fail later)."""
+    ends (None: unknown, reads past the end fail later).
+
+    Args:
+        raw: the index bytes (its crc32c last when ``crc``)
+        path: the shard file, for messages
+        n_chunks: inner chunks in the shard
+        crc: the index carries a crc32c
+        limit: where the data ends (None: unknown)
+    """
     if crc:
         (stored,) = struct.unpack("<I", raw[-4:])
         if crc32c_lib.crc32c(raw[:-4]) != stored:
@@ -105,7 +113,14 @@ def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | No
 
 def index_offset(inner_chunk_shape, dtype, n_chunks: int, compression: str | None) -> int | None:
     """Where the shard index starts in a shard with crc32c chunks, when the layout fixes it
-    (uncompressed, whole-byte dtype: every chunk its bytes + 4); else None."""
+    (uncompressed, whole-byte dtype: every chunk its bytes + 4); else None.
+
+    Args:
+        inner_chunk_shape: the inner chunks' shape
+        dtype: the array's dtype
+        n_chunks: inner chunks per shard
+        compression: the codec (None: uncompressed)
+    """
     dtype = np.dtype(dtype)
     if compression is not None or not encodable_dtype(dtype):
         return None
@@ -114,7 +129,14 @@ def index_offset(inner_chunk_shape, dtype, n_chunks: int, compression: str | Non
 
 def check_digest(path: str, found: str, expected: str | None, tensor: str) -> None:
     """Refuses a shard file the manifest does not list (``expected`` None) or whose digest is
-    not the one it lists for ``tensor``."""
+    not the one it lists for ``tensor``.
+
+    Args:
+        path: the shard file, for messages
+        found: its digest
+        expected: the manifest's (None: not listed)
+        tensor: the tensor's name, for messages
+    """
     if expected is None:
         raise ShardReadError(
             f"Tensor {tensor!r}: {path} is not a shard the manifest lists for it (a stray or "

@@ -29,7 +29,14 @@ from jax_ucp.store.zarr3 import ArrayLayout
 
 
 def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
-    """The ``[offset, nbytes]`` index (index_location end) of a shard file, validated."""
+    """The ``[offset, nbytes]`` index (index_location end) of a shard file, validated.
+
+    Args:
+        fd: the open shard file
+        path: its path, for messages
+        n_chunks: inner chunks in the shard
+        crc: the index carries a crc32c
+    """
     size = os.fstat(fd).st_size
     index_bytes = n_chunks * 16 + (4 if crc else 0)
     if size < index_bytes:
@@ -45,7 +52,15 @@ def object_digest(kvstore, key: str, n_chunks: int, where: str, data_bytes: int 
     its index, then the crc32c trailer of every inner chunk, read as byte ranges.
 
     ``data_bytes``: where the index starts when the layout fixes it (uncompressed chunks); else
-    the index is read as the object's suffix, which some servers (the GCS emulator) ignore."""
+    the index is read as the object's suffix, which some servers (the GCS emulator) ignore.
+
+    Args:
+        kvstore: the object store (a ``tensorstore.KvStore``)
+        key: the shard object's key
+        n_chunks: inner chunks in the shard
+        where: the object's address, for messages
+        data_bytes: where the index starts, when the layout fixes it
+    """
     found = object_digests([(kvstore, key, n_chunks, where, data_bytes)])[0]
     if isinstance(found, BaseException):
         raise found
@@ -103,7 +118,13 @@ def _read_error(e: Exception, where: str) -> Exception:
 
 
 def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:
-    """``digest_of_trailers`` of a shard file on disk (one 4-byte pread per inner chunk)."""
+    """``digest_of_trailers`` of a shard file on disk (one 4-byte pread per inner chunk).
+
+    Args:
+        fd: the open shard file
+        path: its path, for messages
+        index: its parsed index
+    """
     trailers = b"".join(_pread_exact(fd, 4, int(o + n - 4), path) for o, n in index)
     return digest_of_trailers(trailers)
 
@@ -147,7 +168,14 @@ def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
 def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
     """The shape of ``region`` ((start, stop) per dimension of a tensor of ``shape``), once
     ``out`` is checked to be a writable C-contiguous ``dtype`` array of it: what every reader's
-    ``read_into`` reads straight into."""
+    ``read_into`` reads straight into.
+
+    Args:
+        region: ``(start, stop)`` per dimension
+        out: the array to read into
+        shape: the tensor's shape
+        dtype: the tensor's dtype
+    """
     want = tuple(b - a for a, b in region)
     if (
         len(region) != len(shape)

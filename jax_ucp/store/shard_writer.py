@@ -39,7 +39,13 @@ def can_encode(layout: ArrayLayout, data) -> bool:
 
 
 def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
-    """Whether ``data`` (one whole shard) can be written here instead of by TensorStore."""
+    """Whether ``data`` (one whole shard) can be written here instead of by TensorStore.
+
+    Args:
+        layout: the array's layout
+        data: one whole shard's data
+        kvstore: where the array is (``kvstore_config``)
+    """
     return kvstore.get("driver") == "file" and can_encode(layout, data)
 
 
@@ -94,6 +100,13 @@ def write(
     writers then never stall on the disk one file at a time.
     The checkpoint directory is committed by rename afterwards, so a partially written file is
     never visible under the final name.
+
+    Args:
+        array_dir: the array's directory
+        chunk_position: the shard's position in the chunk grid
+        data: the shard's data (``can_write`` said yes)
+        layout: the array's layout
+        sync: fsync the file before returning
     """
     key = shard_key(chunk_position)
     path = os.path.join(array_dir, *key.split("/"))

@@ -157,6 +157,12 @@ def create(
 
     Other processes ``assume_metadata`` and never touch the metadata file, so writers on different
     hosts share no file at all.
+
+    Args:
+        kvstore: where the array goes (``kvstore_config``)
+        layout: its shape, dtype, chunking, codecs
+        primary: this process writes ``zarr.json`` (the others assume it)
+        sync: TensorStore fsyncs what it writes
     """
     spec = array_config(kvstore, layout)
     if primary:
@@ -171,7 +177,14 @@ def open_array(
     shape: Sequence[int] | None = None,
     context: ts.Context | None = None,
 ) -> ts.Future:
-    """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore."""
+    """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore.
+
+    Args:
+        kvstore: where the array is (``kvstore_config``)
+        dtype: the dtype expected (checked), if known
+        shape: the shape expected (checked), if known
+        context: a shared TensorStore context (cache pool, file I/O concurrency)
+    """
     # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
     spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
     kwargs: dict = {
