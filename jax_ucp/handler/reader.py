@@ -327,45 +327,10 @@ def read(
         available = available_tensors(manifest, spec)
     values = {e.key: e for e in manifest.values}
     opener = _Opener(root)
-    plan = []
-    for req in requests:
-        found = _match(req.key, available, values)
-        name = fmt.key_to_str(req.key)
-        if found is None:
-            near = [fmt.key_to_str(k) for k in list(available)[:5]]
-            raise CheckpointError(
-                f"Tensor {name!r} is not in the checkpoint {root} "
-                f"({len(available)} tensors, e.g. {near})."
-            )
-        if isinstance(found, fmt.ValueEntry):
-            value = found.value
-            if req.wants_array:
-                value = value_as_array(name, root, value, req, casting)
-            plan.append(("value", value))
-            continue
-        if req.shape is not None and tuple(req.shape) != found.shape:
-            raise CheckpointError(
-                f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
-                f"the checkpoint {root} holds shape {found.shape}."
-            )
-        want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        check_cast(name, found.dtype, want_dtype, casting)
-        if req.python_type is not None and found.shape != ():
-            raise CheckpointError(
-                f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but the "
-                f"checkpoint {root} holds an array of shape {found.shape}."
-            )
-        if req.sharding is not None:
-            sharding_lib.check_divisible(name, found.shape, req.sharding)
-            if np.dtype(jax.dtypes.canonicalize_dtype(want_dtype)) != want_dtype:
-                raise CheckpointError(
-                    f"Tensor {name!r} is {want_dtype}, which JAX would silently narrow to "
-                    f"{np.dtype(jax.dtypes.canonicalize_dtype(want_dtype))} on device; enable "
-                    f"jax_enable_x64, restore it to host (sharding None) or ask for a dtype."
-                )
-        for src in found.sources:
+    plan = [_plan_item(root, req, available, values, casting) for req in requests]
+    for item in plan:
+        for src in item[2].sources if item[0] == "tensor" else ():
             opener.request(src)
-        plan.append(("tensor", req, found))
     # All opens were issued above; now read with at most ``max_read_bytes`` of host buffers in
     # flight: a tensor's reads start once the budget has room (one tensor at least), and the
     # oldest is turned into its result (device arrays; its host buffers freed) to make room.
@@ -404,6 +369,47 @@ def read(
     for done in window.drain():
         _finish(root, done, out, casting)
     return out
+
+
+def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, casting: str):
+    """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
+    after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
+    target, divisibility by the sharding, a 64-bit dtype JAX would narrow on device."""
+    found = _match(req.key, available, values)
+    name = fmt.key_to_str(req.key)
+    if found is None:
+        near = [fmt.key_to_str(k) for k in list(available)[:5]]
+        raise CheckpointError(
+            f"Tensor {name!r} is not in the checkpoint {root} "
+            f"({len(available)} tensors, e.g. {near})."
+        )
+    if isinstance(found, fmt.ValueEntry):
+        value = found.value
+        if req.wants_array:
+            value = value_as_array(name, root, value, req, casting)
+        return ("value", value)
+    if req.shape is not None and tuple(req.shape) != found.shape:
+        raise CheckpointError(
+            f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
+            f"the checkpoint {root} holds shape {found.shape}."
+        )
+    want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+    check_cast(name, found.dtype, want_dtype, casting)
+    if req.python_type is not None and found.shape != ():
+        raise CheckpointError(
+            f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but the "
+            f"checkpoint {root} holds an array of shape {found.shape}."
+        )
+    if req.sharding is not None:
+        sharding_lib.check_divisible(name, found.shape, req.sharding)
+        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(want_dtype))
+        if narrowed != want_dtype:
+            raise CheckpointError(
+                f"Tensor {name!r} is {want_dtype}, which JAX would silently narrow to "
+                f"{narrowed} on device; enable jax_enable_x64, restore it to host (sharding "
+                f"None) or ask for a dtype."
+            )
+    return ("tensor", req, found)
 
 
 def _check_memory(root, found: Available, pending, kept: int, limit) -> int:
