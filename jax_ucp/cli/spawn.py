@@ -166,6 +166,7 @@ def next_exits(pending: dict) -> list[int]:
 
 
 def signal_name(number: int) -> str:
+    """The name of signal ``number`` (``SIGKILL``), for the message about a killed process."""
     import signal
 
     try:

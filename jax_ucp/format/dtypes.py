@@ -55,6 +55,7 @@ def dtype_name(dtype) -> str:
 
 
 def to_numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a manifest's dtype name (the inverse of ``dtype_name``)."""
     if name in _EXTENDED:
         return np.dtype(_EXTENDED[name])
     if name in ZARR_NATIVE:

@@ -35,6 +35,7 @@ def escape_component(component: str) -> str:
 
 
 def unescape_component(escaped: str) -> str:
+    """The inverse of ``escape_component``: a key component from its directory-name form."""
     if escaped == "%":
         return ""
     raw = bytearray()

@@ -540,6 +540,7 @@ def new_manifest(
 
 
 def array_dir(key: Sequence[str]) -> str:
+    """Where a tensor's zarr array lives, relative to the checkpoint (``arrays/<encoded key>``)."""
     return f"{ARRAYS_DIR}/{keypath_lib.encode_key(key)}"
 
 

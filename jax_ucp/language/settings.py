@@ -34,6 +34,7 @@ _CANONICAL_NAME = {alias: canon for canon, al in ALIASES.items() for alias in al
 
 
 def canonical(name: str) -> str:
+    """A setting's canonical name (an alias such as Hugging Face's spelling maps to it)."""
     return _CANONICAL_NAME.get(name, name)
 
 
@@ -210,6 +211,8 @@ def _setting(name: str, expr: str, env: Mapping[str, Any], where: str) -> int:
 
 
 def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
+    """An expression environment: every name also under its canonical name, and regex group
+    ``N`` also as ``_N`` (a valid name inside expressions)."""
     out = {}
     for k, v in env.items():
         out[k] = v

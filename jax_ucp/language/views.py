@@ -27,6 +27,7 @@ def as_view(x) -> ts.TensorStore:
 
 
 def zero_origin(tensor: ts.TensorStore) -> ts.TensorStore:
+    """The same view translated so every dimension starts at 0 (TensorStore keeps slice origins)."""
     if tensor.rank == 0:
         return tensor
     if all(o == 0 for o in tensor.domain.origin):
@@ -116,6 +117,7 @@ def slice_axis(tensor: ts.TensorStore, axis: int, start: int, stop: int) -> ts.T
 
 
 def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
+    """One lazy view of ``parts`` joined along ``axis`` (same dtype, other dimensions equal)."""
     parts = [as_view(p) for p in parts]
     if not parts:
         raise TransformError("concat of no tensors")
@@ -138,6 +140,7 @@ def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
 
 
 def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
+    """One lazy view of equal-shaped ``parts`` stacked along a new ``axis``."""
     parts = [as_view(p) for p in parts]
     if not parts:
         raise TransformError("stack of no tensors")
@@ -157,6 +160,7 @@ def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
 
 
 def unstack(tensor: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
+    """The inverse of ``stack``: one view per index of ``axis``, that axis dropped."""
     tensor = as_view(tensor)
     a = _checked_axis(tensor, axis)
     return [take(tensor, a, i) for i in range(tensor.shape[a])]

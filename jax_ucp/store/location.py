@@ -137,6 +137,7 @@ def read_stamped(root: str, name: str, limit: int) -> tuple[bytes, bytes] | None
 
 
 def exists(root: str, name: str) -> bool:
+    """Whether object ``name`` exists under ``root`` (a zero-byte ranged read)."""
     return _kvstore(root).read(name, byte_range=slice(0, 0)).result().state == "value"
 
 
@@ -245,6 +246,7 @@ def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_F
 
 
 def cannot_replace(url: str) -> ObjectStoreError:
+    """The error for replacing a committed checkpoint in an object store (no atomic rename there)."""
     return ObjectStoreError(
         f"{url}: replacing a committed checkpoint in an object store is not supported (no "
         f"atomic rename: the old one would be deleted before the new one is whole). Save to a "

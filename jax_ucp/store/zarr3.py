@@ -67,6 +67,7 @@ def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -
 
 
 def kvstore_driver(root) -> str:
+    """The TensorStore kvstore driver of a checkpoint root (``file``, ``s3``, ``gcs``, ...)."""
     if location.is_url(root):
         root = location.kvstore_root(root)
     if isinstance(root, Mapping):
@@ -97,6 +98,7 @@ def _codecs(layout: ArrayLayout) -> list:
 
 
 def array_config(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
+    """The TensorStore spec (JSON) of a zarr v3 array with ``layout`` in ``kvstore``."""
     return {
         "driver": "zarr3",
         "kvstore": dict(kvstore),
@@ -201,6 +203,7 @@ def open_array(
 
 
 def numpy_dtype(name: str) -> np.dtype:
+    """``format.dtypes.to_numpy_dtype``, for callers of the store layer."""
     return dtypes_lib.to_numpy_dtype(name)
 
 
