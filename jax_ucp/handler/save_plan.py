@@ -233,40 +233,12 @@ def prepare_tree(
     ``pool.release`` once they are written.
     """
     leaves, _ = tree_lib.flatten(tree)
-    for key, _, leaf in leaves:  # before anything is written or copied
-        value, _ = tree_lib.unbox(leaf)
-        if isinstance(value, jax.Array) and value.is_deleted():
-            raise tree_lib.TreeError(
-                f"Leaf {fmt.key_to_str(key)!r}: the jax.Array (shape {tuple(value.shape)}, "
-                f"{value.dtype}) has been deleted or donated (e.g. to a jit with "
-                f"donate_argnums) and holds no data; save the array the step returned."
-            )
+    _refuse_deleted(leaves)  # before anything is written or copied
     for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
         if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
             for _, data in shards_to_write(leaf):
                 data.copy_to_host_async()
-    names_by_key = tree_lib.variable_axes(tree)  # nnx.Variable metadata
-    if logical_axes is not None:
-        names_by_key.update(tree_lib.flatten_axes(logical_axes))
-    # Optimizer state that mirrors the params tree (opt_state/0/mu/<param path>, EMA, trace...)
-    # inherits the logical axes of the parameter whose path it ends with and whose shape it
-    # has, however it was built (boxed params with unboxed moments is the usual flax pattern),
-    # so rules shard moments like their parameters.
-    by_param_path: dict[tuple, tuple[tuple, tuple]] = {}
-    for key, _, leaf in leaves:
-        if len(key) > 1 and key[0] == "params":
-            value, boxed = tree_lib.unbox(leaf)
-            names = names_by_key.get(key, boxed)
-            if names is not None:
-                by_param_path[key[1:]] = (tuple(names), tuple(getattr(value, "shape", ())))
-
-    def inherited(key, shape):
-        for i in range(1, len(key)):
-            found = by_param_path.get(key[i:])
-            if found is not None and found[1] == tuple(shape):
-                return found[0]
-        return None
-
+    axis_names = _AxisNames(tree, leaves, logical_axes)
     entries: list[fmt.Entry] = []
     prepared: list[PreparedTensor] = []
     snapshots = _Snapshots(pool)
@@ -275,56 +247,19 @@ def prepare_tree(
             raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
         leaf, boxed_names = tree_lib.unbox(leaf)
         role, sub_role = role_of(key)
-        names = names_by_key.get(key, boxed_names)
-        if names is None and by_param_path and key[0] != "params":
-            names = inherited(key, getattr(leaf, "shape", ()))
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
             entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue
+        names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()))
+        tagged = dict(role=role, sub_role=sub_role, logical_axes=names)
         if isinstance(leaf, jax.Array):
-            shape = tuple(leaf.shape)
-            layout = array_layout(
-                shape,
-                fmt.dtype_name(leaf.dtype),
-                leaf.sharding.shard_shape(shape),
-                np.dtype(leaf.dtype).itemsize,
-                options,
-            )
-            # A process-local array (e.g. a step counter made on each host's first device) exists once
-            # per process: only the primary writes it, or two processes would write one shard file.
-            local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
-            writes = []
-            if primary or not local_copy:
-                for index, data in shards_to_write(leaf):
-                    host = snapshots.add(data) if (copy and _on_cpu(data)) else np.asarray(data)
-                    writes.append((index, host))
-            p = PreparedTensor(
-                tensor_entry(
-                    key,
-                    key_types,
-                    layout,
-                    role=role,
-                    sub_role=sub_role,
-                    logical_axes=names,
-                    saved_sharding=sharding_lib.describe(leaf.sharding),
-                ),
-                layout,
-                writes,
-                stable_source=copy,
-            )  # async saves write private host copies
+            writes = _device_writes(leaf, primary=primary, copy=copy, snapshots=snapshots)
+            p = _prepare_device_array(key, key_types, leaf, options, writes, copy, tagged)
         elif isinstance(leaf, (np.ndarray, np.generic, ts.TensorStore)):
             if copy and primary and not isinstance(leaf, ts.TensorStore):
                 leaf = np.array(leaf, copy=True)
             p = prepare_host_tensor(
-                key,
-                key_types,
-                leaf,
-                options,
-                primary=primary,
-                logical_axes=names,
-                stable_source=copy,
-                role=role,
-                sub_role=sub_role,
+                key, key_types, leaf, options, primary=primary, stable_source=copy, **tagged
             )
         else:
             raise TypeError(
@@ -338,6 +273,83 @@ def prepare_tree(
     if copies_out is not None:
         copies_out.extend(copies)
     return entries, prepared
+
+
+def _refuse_deleted(leaves) -> None:
+    """A deleted or donated jax.Array holds no data: refused before anything is written."""
+    for key, _, leaf in leaves:
+        value, _ = tree_lib.unbox(leaf)
+        if isinstance(value, jax.Array) and value.is_deleted():
+            raise tree_lib.TreeError(
+                f"Leaf {fmt.key_to_str(key)!r}: the jax.Array (shape {tuple(value.shape)}, "
+                f"{value.dtype}) has been deleted or donated (e.g. to a jit with "
+                f"donate_argnums) and holds no data; save the array the step returned."
+            )
+
+
+class _AxisNames:
+    """The logical axis names recorded for each leaf: ``logical_axes=``, nnx.Variable metadata
+    or flax boxes.
+
+    Optimizer state that mirrors the params tree (opt_state/0/mu/<param path>, EMA, trace...)
+    inherits the logical axes of the parameter whose path it ends with and whose shape it has,
+    however it was built (boxed params with unboxed moments is the usual flax pattern), so
+    rules shard moments like their parameters.
+    """
+
+    def __init__(self, tree, leaves, logical_axes):
+        self._by_key = tree_lib.variable_axes(tree)  # nnx.Variable metadata
+        if logical_axes is not None:
+            self._by_key.update(tree_lib.flatten_axes(logical_axes))
+        self._by_param_path: dict[tuple, tuple[tuple, tuple]] = {}
+        for key, _, leaf in leaves:
+            if len(key) > 1 and key[0] == "params":
+                value, boxed = tree_lib.unbox(leaf)
+                names = self._by_key.get(key, boxed)
+                if names is not None:
+                    shape = tuple(getattr(value, "shape", ()))
+                    self._by_param_path[key[1:]] = (tuple(names), shape)
+
+    def of(self, key, boxed_names, shape):
+        """The names of leaf ``key`` (of ``shape``; ``boxed_names`` from its flax box)."""
+        names = self._by_key.get(key, boxed_names)
+        if names is not None or not self._by_param_path or key[0] == "params":
+            return names
+        for i in range(1, len(key)):
+            found = self._by_param_path.get(key[i:])
+            if found is not None and found[1] == tuple(shape):
+                return found[0]
+        return None
+
+
+def _device_writes(leaf: jax.Array, *, primary: bool, copy: bool, snapshots: _Snapshots):
+    """This process's (index, host data) writes of ``leaf``: its replica-0 shards, a private
+    copy's producer for an async save of CPU shards."""
+    # A process-local array (e.g. a step counter made on each host's first device) exists once
+    # per process: only the primary writes it, or two processes would write one shard file.
+    local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
+    if not (primary or not local_copy):
+        return []
+    return [
+        (index, snapshots.add(data) if (copy and _on_cpu(data)) else np.asarray(data))
+        for index, data in shards_to_write(leaf)
+    ]
+
+
+def _prepare_device_array(key, key_types, leaf: jax.Array, options, writes, copy, tagged):
+    """A jax.Array's entry (layout from its sharding's shard shape) and writes."""
+    shape = tuple(leaf.shape)
+    layout = array_layout(
+        shape,
+        fmt.dtype_name(leaf.dtype),
+        leaf.sharding.shard_shape(shape),
+        np.dtype(leaf.dtype).itemsize,
+        options,
+    )
+    entry = tensor_entry(
+        key, key_types, layout, saved_sharding=sharding_lib.describe(leaf.sharding), **tagged
+    )
+    return PreparedTensor(entry, layout, writes, stable_source=copy)  # async: private copies
 
 
 async def write_all(
