@@ -91,6 +91,18 @@ def ucp_restore_tensorstore_reads(path, tree, shardings):
         reader._fast_reader = fast
 
 
+def ucp_save_tensorstore_writes(path, tree):
+    """jax_ucp save with every shard written by TensorStore (store.shard_writer off)."""
+    from jax_ucp.store import shard_writer
+
+    can_write = shard_writer.can_write
+    shard_writer.can_write = lambda *a: False
+    try:
+        return ucp_save(path, tree)
+    finally:
+        shard_writer.can_write = can_write
+
+
 def orbax_save(path, tree, use_compression=True):
     handler = ocp.PyTreeCheckpointHandler(use_compression=use_compression)
     with ocp.AsyncCheckpointer(handler) as ck:
@@ -481,6 +493,11 @@ def main():
     ap.add_argument("--png", default=os.path.join(ROOT, "docs", "benchmark_restore.png"))
     ap.add_argument("--no-write", action="store_true", help="--layouts: print only")
     ap.add_argument("--only-layouts", default="", help="--layouts: e.g. 'b,d' (for profiling)")
+    ap.add_argument(
+        "--contenders",
+        default="",
+        help="comma-separated subset, e.g. 'jax_ucp,jax_ucp TS reads,jax_ucp TS writes'",
+    )
     args = ap.parse_args()
     if args.rounds is None:
         args.rounds = 5 if args.layouts else 3
@@ -499,10 +516,13 @@ def main():
         "jax_ucp zstd": (lambda p, t: ucp_save(p, t, "zstd"), ucp_restore),
         "jax_ucp no-crc": (lambda p, t: ucp_save(p, t, checksum=None), ucp_restore),
         "jax_ucp TS reads": (ucp_save, ucp_restore_tensorstore_reads),
+        "jax_ucp TS writes": (ucp_save_tensorstore_writes, ucp_restore),
         "orbax default": (orbax_save, orbax_restore),
         "orbax no-compr": (lambda p, t: orbax_save(p, t, False), orbax_restore),
         "raw numpy": (raw_save, raw_restore),
     }
+    if args.contenders:
+        contenders = {k: contenders[k] for k in args.contenders.split(",")}
     save_t = {k: [] for k in contenders}
     load_t = {k: [] for k in contenders}
     size = {}
@@ -543,12 +563,16 @@ def main():
         f"\n{'contender':16s} {'save GB/s':>10s} {'restore GB/s':>13s} {'on disk':>9s} "
         f"{'save vs orbax':>14s} {'restore vs orbax':>17s} {'save vs raw':>12s} {'restore vs raw':>15s}"
     )
+
+    def ratio(ref, times, t):  # "-" when the reference was not run (--contenders)
+        return f"{med(times[ref]) / t:.2f}x" if ref in times else "-"
+
     for name in contenders:
         s, load = med(save_t[name]), med(load_t[name])
         print(
             f"{name:16s} {gb / s:10.3f} {gb / load:13.3f} {size[name] / 2**30:8.2f}G "
-            f"{med(save_t['orbax default']) / s:13.2f}x {med(load_t['orbax default']) / load:16.2f}x "
-            f"{med(save_t['raw numpy']) / s:11.2f}x {med(load_t['raw numpy']) / load:14.2f}x"
+            f"{ratio('orbax default', save_t, s):>14s} {ratio('orbax default', load_t, load):>17s} "
+            f"{ratio('raw numpy', save_t, s):>12s} {ratio('raw numpy', load_t, load):>15s}"
         )
     print("(ratios > 1 mean faster than the reference; medians of", args.rounds, "rounds)")
 
