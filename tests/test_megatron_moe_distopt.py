@@ -12,7 +12,11 @@ SequentialMLP experts of the local spec, SwiGLU, 4 experts, two Adam steps):
 * ``moe_distopt_tp2ep2_dp_reshardable``: TP2 x EP2 over 4 ranks (expert TP2);
 * ``moe_distopt_dp2_dp_reshardable``: EP1, DP2: megatron-core keeps the experts in the dense
   grad buffer (one optimizer, no ``chained_`` prefix), between each layer's router and the next
-  layer.
+  layer;
+* ``moe_grouped_distopt_ep2_dp_reshardable`` / ``moe_grouped_distopt_dp2_dp_reshardable``: the
+  same two runs with grouped-GEMM experts (the legacy GroupedMLP, ``moe_grouped_gemm``): saved
+  under SequentialMLP's names, but in the grad buffer as one ``weight1`` ``[h, E_local * 2 ffn]``
+  and one ``weight2`` ``[E_local * ffn, h]`` per layer, each expert's block transposed.
 
 Masters and moments bit-exact against the run's live optimizer state (every DP shard of every
 member gathered, placed by megatron-core's own model ``sharded_state_dict``, read by torch DCP:
@@ -45,6 +49,18 @@ FIXTURES = {
         "dp_reshardable",
         18,
         "moe_distopt_tp2ep2_dp_reshardable",
+    ),
+    # grouped-GEMM experts: EP2 (ChainedOptimizer, the experts' buffers per EP rank) and EP1
+    # (the experts in the dense buffer, after the router)
+    "moe_grouped_distopt_ep2_dp_reshardable": (
+        "dp_reshardable",
+        9,
+        "moe_grouped_distopt_ep2_dp_reshardable",
+    ),
+    "moe_grouped_distopt_dp2_dp_reshardable": (
+        "dp_reshardable",
+        3,
+        "moe_grouped_distopt_dp2_dp_reshardable",
     ),
 }
 
@@ -108,12 +124,15 @@ def test_moe_model_weights_match_torch_consolidation(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_moe_expert_state_of_swapped_expert_ranks_is_refused(tmp_path):
+@pytest.mark.parametrize(
+    "name", ["moe_distopt_ep2_dp_reshardable", "moe_grouped_distopt_ep2_dp_reshardable"]
+)
+def test_moe_expert_state_of_swapped_expert_ranks_is_refused(tmp_path, name):
     """The expert optimizer's buffers are placed by expert-parallel rank: with EP rank 0's and
     EP rank 1's buffers swapped (same sizes) the experts' masters no longer equal their
     weights, and the import is refused naming the tensor, nothing written."""
     src = tmp_path / "moe"
-    shutil.copytree(os.path.join(ROOT, "moe_distopt_ep2_dp_reshardable"), src)
+    shutil.copytree(os.path.join(ROOT, name), src)
     meta = (src / ".metadata").read_bytes()
     a, b = (f"chained_1.optimizer.distributed.dp_group_idx_{i}".encode() for i in (0, 1))
     assert a in meta and b in meta
@@ -125,4 +144,58 @@ def test_moe_expert_state_of_swapped_expert_ranks_is_refused(tmp_path):
         r"master found in the dp_reshardable state .* does not equal the model weight",
     ):
         jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=VOCAB)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "name", ["moe_grouped_distopt_ep2_dp_reshardable", "moe_grouped_distopt_dp2_dp_reshardable"]
+)
+def test_grouped_experts_weights_only(tmp_path, name):
+    """weights_only on the grouped-GEMM runs: the model weights as saved (a float32 run: equal
+    to the live fp32 masters), every optimizer tensor listed in source.skipped."""
+    src = os.path.join(ROOT, name)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"), vocab_size=VOCAB, weights_only=True)
+    got = jax_ucp.restore(ckpt)
+    truth = np.load(src + ".truth.npz")
+    masters = {
+        k[len("optimizer.state.param.") :]: truth[k]
+        for k in truth.files
+        if k.startswith("optimizer.state.param.")
+    }
+    assert sorted(got) == ["params"] and sorted(got["params"]) == sorted(masters)
+    for key, value in masters.items():
+        assert got["params"][key].tobytes() == _stripped(key, value).tobytes(), key
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    optimizer = [n for n in megatron_dcp.open_dcp(src).tensors if "optimizer." in n]
+    assert sorted(skipped) == sorted(optimizer)
+    assert all(why.startswith("weights_only: optimizer state") for why in skipped.values())
+
+
+@pytest.mark.timeout(120)
+def test_grouped_experts_are_not_read_as_sequential(monkeypatch, tmp_path):
+    """Read as SequentialMLP's grad buffer (expert by expert, not transposed), the grouped run's
+    buffers still fit every recorded bucket size (all sizes are multiples of 64), but the
+    masters do not equal the weights: the import is refused, naming the expert tensor and the
+    orders tried, nothing written. (The grouped layout is what makes it import.)"""
+    from jax_ucp.importers.megatron import rank_states
+
+    real = rank_states.RankStates.__init__
+
+    def sequential_only(self, checkpoint, model_names, settings, ranks, pp=None, grouped=False):
+        real(self, checkpoint, model_names, settings, ranks, pp, grouped=False)
+
+    monkeypatch.setattr(rank_states.RankStates, "__init__", sequential_only)
+    with pytest.raises(
+        MegatronImportError,
+        match=r"tensor 'decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight': the fp32 "
+        r"master found in the dp_reshardable state .* does not equal the model weight in "
+        r"megatron-core's parameter order \(tried 1: .*, each with SequentialMLP and GroupedMLP "
+        r"experts\)",
+    ):
+        jax_ucp.convert(
+            os.path.join(ROOT, "moe_grouped_distopt_ep2_dp_reshardable"),
+            str(tmp_path / "out"),
+            vocab_size=VOCAB,
+        )
     assert not (tmp_path / "out").exists()

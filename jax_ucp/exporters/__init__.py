@@ -7,25 +7,27 @@ casting rules) and below the CLI. Torch-free: every format is written byte by by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp import store
+from jax_ucp import store, writer
 from jax_ucp.exporters import deepspeed_out, safetensors_out, torch_out
 from jax_ucp.exporters.safetensors_out import ExportError
+from jax_ucp.format.sizes import parse_size
 from jax_ucp.handler import reader
 from jax_ucp.writer import commit, durable
 
-__all__ = ["ExportError", "Exported", "FORMATS", "export"]
+__all__ = ["ExportError", "ExportOptions", "Exported", "FORMATS", "export"]
 
 FORMATS = ("safetensors", "torch-dcp", "deepspeed-universal", "orbax")
+CASTING = ("no", "equiv", "safe", "same_kind", "unsafe")  # numpy's casting rules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +39,84 @@ class Exported:
     tensors: int
     bytes: int
     skipped: list[str]  # leaves outside ``select`` or not tensors (saved Python values)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportOptions:
+    """How ``export`` writes, checked once on construction (``ExportError`` naming the option)
+    and passed down whole. The fields are ``export``'s keywords, documented there.
+
+    Attributes:
+        to: the output format, one of ``FORMATS``.
+        select: the key-path prefix to export (None: the format's default, see ``prefix``).
+        spec: a UCP-language spec (name, path or ``Spec``) whose views are exported.
+        dtype: write every tensor in this dtype (None: as saved).
+        casting: numpy casting rule for ``dtype``.
+        max_file_bytes: safetensors: data bytes per file before the output is split.
+        param_groups: deepspeed-universal: the loading engine's optimizer param groups.
+        config: safetensors: a ``config.json`` (dict or JSON file path) to write beside.
+        force: replace an earlier export at the destination.
+        progress: ``progress(name, done, total)`` after each tensor.
+        memory_budget: bytes of tensor data an exporter may hold in flight (None: its default).
+    """
+
+    to: str = "safetensors"
+    select: str | None = None
+    spec: Any = None
+    dtype: Any = None
+    casting: str = "same_kind"
+    max_file_bytes: int = 5 * 10**9
+    param_groups: int = 1
+    config: Mapping[str, Any] | str | os.PathLike | None = None
+    force: bool = False
+    progress: Callable[[str, int, int], None] | None = None
+    memory_budget: int | None = None
+
+    def __post_init__(self):
+        if self.to not in FORMATS:
+            raise ExportError(f"export format {self.to!r} is not supported (choose from {FORMATS})")
+        if self.to == "deepspeed-universal" and (
+            self.select is not None or self.dtype is not None or self.spec
+        ):
+            raise ExportError(
+                "deepspeed-universal writes the fp32 master, both Adam moments and the step of "
+                "every parameter, found by their manifest roles: select=, dtype= and spec= do "
+                "not apply to it"
+            )
+        if self.to == "orbax" and (
+            self.select is not None or self.dtype is not None or self.spec or self.force
+        ):
+            raise ExportError(
+                "an Orbax export writes the whole tree as saved: select=, dtype=, spec= and "
+                "force= do not apply to it"
+            )
+        if self.config is not None and self.to != "safetensors":
+            raise ExportError(
+                f"config= (a config.json) applies to safetensors exports, not {self.to!r}"
+            )
+        if self.casting not in CASTING:
+            raise ExportError(f"casting={self.casting!r}: choose from {CASTING}")
+        for name in ("max_file_bytes", "param_groups", "memory_budget"):
+            value = getattr(self, name)
+            if value is None and name == "memory_budget":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ExportError(f"{name}={value!r}: a positive int")
+        if self.select is not None and not isinstance(self.select, str):
+            raise ExportError(f"select={self.select!r}: a key-path prefix such as 'params'")
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", np.dtype(self.dtype))
+            except TypeError as e:
+                raise ExportError(f"dtype={self.dtype!r}: not a dtype ({e})") from None
+
+    @property
+    def prefix(self) -> str:
+        """``select``, or the format's default: the weights (``"params"``) for safetensors,
+        everything for the others."""
+        if self.select is not None:
+            return self.select
+        return "params" if self.to == "safetensors" else ""
 
 
 def export(
@@ -53,11 +133,14 @@ def export(
     config: Mapping[str, Any] | str | os.PathLike | None = None,
     force: bool = False,
     progress: Callable[[str, int, int], None] | None = None,
+    memory_budget: int | str | None = None,
 ) -> Exported:
     """Writes the tensors of the checkpoint ``ckpt`` to ``dst`` in the format ``to``.
 
-    Streamed one tensor at a time (memory: the largest tensor), atomic (written into a temporary
-    sibling of ``dst`` and renamed into place: a failed export leaves ``dst`` as it was).
+    Streamed one tensor at a time (memory: the largest tensor), atomic (one
+    ``commit.transaction``: written into a temporary sibling of ``dst`` under the save lock and
+    renamed into place: a failed export leaves ``dst`` as it was). The keywords build an
+    ``ExportOptions`` (``export_with`` takes one directly).
 
     Args:
         ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).
@@ -83,106 +166,87 @@ def export(
         dtype: write every tensor in this dtype (e.g. ``"bfloat16"``); default: as saved.
         casting: numpy casting rule for ``dtype`` (a float narrowed to an int needs "unsafe").
         max_file_bytes: safetensors: data bytes per file before the output is split.
-        config: safetensors: a ``config.json`` to write beside the weights (a dict, or the path
-            of a JSON file), so ``transformers``' ``from_pretrained`` can load the export.
         param_groups: deepspeed-universal: how many param groups the loading engine's optimizer
             has (DeepSpeed pairs them by position; hyperparameters are the engine's own).
+        config: safetensors: a ``config.json`` to write beside the weights (a dict, or the path
+            of a JSON file), so ``transformers``' ``from_pretrained`` can load the export.
         force: replace ``dst`` if it is an earlier export (never any other directory).
         progress: called as ``progress(name, done, total)`` after each tensor.
+        memory_budget: bytes of tensor data held at once (an int, or e.g. "256MiB", "1GiB";
+            default 256 MiB), as ``convert``'s.
+
+    Returns:
+        ``Exported``: the destination, its files, the tensors and bytes written, what was left
+        out.
 
     Raises:
         ExportError: nothing can be exported as asked (a dtype the format cannot hold, a name
-            twice, an existing destination); nothing is written.
+            twice, an existing destination, an option that does not apply to ``to``); nothing
+            is written.
         CheckpointError: the checkpoint is missing or corrupt (names the tensor and the file).
     """
-    if to not in FORMATS:
-        raise ExportError(f"export format {to!r} is not supported (choose from {FORMATS})")
-    if to == "deepspeed-universal" and (select is not None or dtype is not None or spec):
-        raise ExportError(
-            "deepspeed-universal writes the fp32 master, both Adam moments and the step of "
-            "every parameter, found by their manifest roles: select=, dtype= and spec= do not "
-            "apply to it"
-        )
-    if to == "orbax":
-        if select is not None or dtype is not None or spec or force:
-            raise ExportError(
-                "an Orbax export writes the whole tree as saved: select=, dtype=, spec= and "
-                "force= do not apply to it"
-            )
-        from jax_ucp.exporters import orbax_out
+    options = ExportOptions(
+        to=to,
+        select=select,
+        spec=spec,
+        dtype=dtype,
+        casting=casting,
+        max_file_bytes=max_file_bytes,
+        param_groups=param_groups,
+        config=config,
+        force=force,
+        progress=progress,
+        memory_budget=None if memory_budget is None else parse_size(memory_budget),
+    )
+    return export_with(ckpt, dst, options)
 
-        dst = os.path.abspath(os.fspath(dst))
-        root = reader.find_checkpoint_dir(ckpt)
-        _check_destination(root, dst, False)
-        path = orbax_out.export_orbax(root, dst, progress=progress)
-        manifest = store.read_manifest(root)
-        return Exported(
-            path=path,
-            files=sorted(os.listdir(path)),
-            tensors=len(manifest.tensors),
-            bytes=sum(e.nbytes for e in manifest.tensors),
-            skipped=[],
-        )
-    if config is not None and to != "safetensors":
-        raise ExportError(f"config= (a config.json) applies to safetensors exports, not {to!r}")
-    if select is None:
-        select = "params" if to == "safetensors" else ""
+
+def export_with(
+    ckpt: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions
+) -> Exported:
+    """``export`` with its options as one ``ExportOptions``.
+
+    Args:
+        ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).
+        dst: the directory to create (or replace, with ``options.force``).
+        options: what to write and how.
+
+    Returns:
+        ``Exported``, as ``export``.
+    """
+    with writer.memory_budget_scope(options.memory_budget):  # what readers and writers hold
+        return _export(ckpt, dst, options)
+
+
+def _export(ckpt: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions) -> Exported:
     dst = os.path.abspath(os.fspath(dst))
     root = reader.find_checkpoint_dir(ckpt)
-    _check_destination(root, dst, force)
+    _check_destination(root, dst, options.force)
+    if options.to == "orbax":
+        return _export_orbax(root, dst, options)
     manifest = store.read_manifest(root)
+    spec = options.spec
     if isinstance(spec, (str, os.PathLike)):
         from jax_ucp import language
 
         spec = language.load_spec(spec)
     available = reader.available_tensors(manifest, spec)
-    if to == "deepspeed-universal":
-        return _export_universal(root, dst, manifest, available, param_groups, progress, force)
-    chosen, values, skipped = _choose(available, manifest, select, with_values=to == "torch-dcp")
-    want = None if dtype is None else np.dtype(dtype)
-    tensors = []
-    for name, key in chosen:
-        saved = available[key].dtype
-        target = saved if want is None else want
-        reader.check_cast(name, saved, target, casting)
-        if to == "safetensors":  # refused before anything is written
-            safetensors_out.dtype_name(name, target)
-        else:
-            torch_out.torch_dtype(name, target)
-        tensors.append(safetensors_out.Tensor(name, tuple(available[key].shape), target))
-    if not tensors:
-        raise ExportError(f"{root}: no tensor under {select!r} to export")
+    if options.to == "deepspeed-universal":
+        return _export_universal(root, dst, manifest, available, options)
+    source = _Source(root, manifest, spec, available, options)
+    chosen, values, skipped = _choose(
+        available, manifest, options.prefix, with_values=options.to == "torch-dcp"
+    )
+    tensors = _planned_tensors(root, chosen, available, options)
     keys = dict(chosen)
-    done = 0
-
-    def read(group):
-        nonlocal done
-        for tensor in group:
-            request = reader.Request(keys[tensor.name], dtype=tensor.dtype)
-            (value,) = reader.read(
-                root, manifest, [request], spec=spec, available=available, casting=casting
-            )
-            yield value
-            done += 1
-            if progress is not None:
-                progress(tensor.name, done, len(tensors))
-
-    def write(tmp: str) -> list[str]:
-        if to == "safetensors":
-            files = _write_safetensors(tmp, tensors, read, max_file_bytes, manifest.save_id)
-            if config is not None:
-                _write_config(os.path.join(tmp, "config.json"), config)
-                files.append("config.json")
-            return files
-        prefix = len([p for p in select.split("/") if p])
-        items = [
-            torch_out.DcpItem(t.name, tuple(keys[t.name][prefix:]), t.shape, t.dtype)
-            for t in tensors
-        ] + [torch_out.DcpItem(name, path, value=v) for name, path, v in values]
-        torch_out.write_dcp(tmp, items, read(tensors), str(manifest.save_id))
-        return [torch_out.METADATA_FILE, torch_out.DATA_FILE]
-
-    files = _write_atomically(dst, write, force)
+    if options.to == "safetensors":
+        files = _write_atomically(
+            dst, lambda tmp: _write_safetensors(tmp, tensors, keys, source), options.force
+        )
+    else:
+        files = _write_atomically(
+            dst, lambda tmp: _write_dcp(tmp, tensors, keys, values, source), options.force
+        )
     return Exported(
         path=dst,
         files=files,
@@ -192,7 +256,85 @@ def export(
     )
 
 
-def _export_universal(root, dst, manifest, available, param_groups, progress, force) -> Exported:
+def _export_orbax(root: str, dst: str, options: ExportOptions) -> Exported:
+    """The whole tree through Orbax's own writer, inside the export's transaction (the save
+    lock; Orbax writes its temporary directory and renames it)."""
+    from jax_ucp.exporters import orbax_out
+
+    with _transaction(dst, force=False, staged=False) as tx:
+        path = orbax_out.export_orbax(root, tx.path, progress=options.progress)
+    manifest = store.read_manifest(root)
+    return Exported(
+        path=path,
+        files=sorted(os.listdir(path)),
+        tensors=len(manifest.tensors),
+        bytes=sum(e.nbytes for e in manifest.tensors),
+        skipped=[],
+    )
+
+
+@dataclasses.dataclass
+class _Source:
+    """Reads the exported tensors one at a time, in order, counting them for ``progress``."""
+
+    root: str
+    manifest: fmt.Manifest
+    spec: Any
+    available: Any
+    options: ExportOptions
+    done: int = 0
+    total: int = 0
+
+    def read(self, tensors, keys):
+        """Yields the value of each of ``tensors`` (``safetensors_out.Tensor``) in its dtype."""
+        for tensor in tensors:
+            request = reader.Request(keys[tensor.name], dtype=tensor.dtype)
+            (value,) = reader.read(
+                self.root,
+                self.manifest,
+                [request],
+                spec=self.spec,
+                available=self.available,
+                casting=self.options.casting,
+                max_read_bytes=writer.memory_budget(),
+            )
+            yield value
+            self.done += 1
+            if self.options.progress is not None:
+                self.options.progress(tensor.name, self.done, self.total)
+
+
+def _planned_tensors(root, chosen, available, options: ExportOptions) -> list:
+    """Each chosen tensor with its output dtype, every cast and dtype checked before anything
+    is written."""
+    tensors = []
+    for name, key in chosen:
+        saved = available[key].dtype
+        target = saved if options.dtype is None else options.dtype
+        reader.check_cast(name, saved, target, options.casting)
+        if options.to == "safetensors":
+            safetensors_out.dtype_name(name, target)
+        else:
+            torch_out.torch_dtype(name, target)
+        tensors.append(safetensors_out.Tensor(name, tuple(available[key].shape), target))
+    if not tensors:
+        raise ExportError(f"{root}: no tensor under {options.prefix!r} to export")
+    return tensors
+
+
+def _write_dcp(tmp, tensors, keys, values, source: _Source) -> list[str]:
+    """A single-file DCP checkpoint: the tensors at their key paths below ``select``, then the
+    saved Python values."""
+    source.total = len(tensors)
+    prefix = len([p for p in source.options.prefix.split("/") if p])
+    items = [
+        torch_out.DcpItem(t.name, tuple(keys[t.name][prefix:]), t.shape, t.dtype) for t in tensors
+    ] + [torch_out.DcpItem(name, path, value=v) for name, path, v in values]
+    torch_out.write_dcp(tmp, items, source.read(tensors, keys), str(source.manifest.save_id))
+    return [torch_out.METADATA_FILE, torch_out.DATA_FILE]
+
+
+def _export_universal(root, dst, manifest, available, options: ExportOptions) -> Exported:
     """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
     by_key = {e.key: e for e in manifest.tensors}
     # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
@@ -232,15 +374,17 @@ def _export_universal(root, dst, manifest, available, param_groups, progress, fo
 
     def read(key, dtype=np.float32):
         request = reader.Request(key, dtype=np.dtype(dtype))
-        return reader.read(root, manifest, [request], available=available)[0]
+        return reader.read(
+            root, manifest, [request], available=available, max_read_bytes=writer.memory_budget()
+        )[0]
 
     def states():
         for done, (p, name) in enumerate(ds_names.items(), 1):
             yield name, "fp32", read(p)
             yield name, "exp_avg", read(moments[(p, "mu")])
             yield name, "exp_avg_sq", read(moments[(p, "nu")])
-            if progress is not None:
-                progress(name, done, len(ds_names))
+            if options.progress is not None:
+                options.progress(name, done, len(ds_names))
 
     def weights():
         for p, name in ds_names.items():
@@ -258,9 +402,9 @@ def _export_universal(root, dst, manifest, available, param_groups, progress, fo
             states(),
             step=int(step),
             model_weights=weights(),
-            param_groups=param_groups,
+            param_groups=options.param_groups,
         ),
-        force,
+        options.force,
     )
     return Exported(
         path=dst,
@@ -277,32 +421,28 @@ def _export_universal(root, dst, manifest, available, param_groups, progress, fo
 
 
 def _write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
-    """``write(tmp)`` into a temporary sibling of ``dst``, made durable and renamed into place
-    (an earlier export there is swapped out, then removed); on any failure the temporary goes
-    and ``dst`` is as it was. Returns what ``write`` returned (the files written)."""
-    with commit.save_lock(dst):
-        commit.recover_interrupted_swap(dst)
-        try:  # checked again: the destination may have changed while the tensors were read
-            replacing = commit.claim(dst, force=force, export=True)
+    """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a temporary sibling, recorded
+    (``EXPORT_RECORD``), made durable and renamed into place (an earlier export there swapped
+    out, then removed); on any failure the temporary goes and ``dst`` is as it was. Returns what
+    ``write`` returned (the files written)."""
+    with _transaction(dst, force=force) as tx:
+        files = write(tx.path)
+        commit.write_export_record(tx.path)  # what a later force may replace: these files only
+    return files
+
+
+@contextlib.contextmanager
+def _transaction(dst: str, *, force: bool, staged: bool = True):
+    """``commit.transaction`` of an export; a destination it refuses is an ``ExportError``
+    (checked again under the lock: it may have changed while the tensors were planned)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            tx = stack.enter_context(
+                commit.transaction(dst, force=force, kind="export", export=True, staged=staged)
+            )
         except (commit.SaveConflictError, FileExistsError) as e:
             raise ExportError(str(e)) from None
-        commit.remove_stale_temporaries(dst)
-        tmp = commit.temporary_path(dst)
-        os.makedirs(tmp)
-        try:
-            files = write(tmp)
-            commit.write_export_record(tmp)  # what a later force may replace: these files only
-            durable.make_tree_durable(tmp)
-            if replacing:
-                os.rename(tmp, dst + commit.REPLACING)
-                commit.replace_committed(dst + commit.REPLACING, dst)
-            else:
-                os.rename(tmp, dst)
-                durable.fsync_path(os.path.dirname(dst))
-        except BaseException:
-            commit.discard(tmp, "temporary directory of a failed export")
-            raise
-    return files
+        yield tx
 
 
 def _write_config(path: str, config) -> None:
@@ -315,23 +455,28 @@ def _write_config(path: str, config) -> None:
             raise ExportError(f"config {config}: not a readable JSON file ({e})") from None
         if not isinstance(config, dict):
             raise ExportError("config: a config.json holds a JSON object")
-    with open(path, "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    durable.write_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _write_safetensors(tmp, tensors, read, max_file_bytes, save_id) -> list[str]:
-    groups = safetensors_out.plan_files(tensors, max_file_bytes)
+def _write_safetensors(tmp, tensors, keys, source: _Source) -> list[str]:
+    """``model.safetensors`` (or shards of ``max_file_bytes`` and their index), and
+    ``config.json`` when one was given."""
+    options = source.options
+    source.total = len(tensors)
+    groups = safetensors_out.plan_files(tensors, options.max_file_bytes)
     names = safetensors_out.file_names(len(groups))
-    metadata = {"format": "pt", "jax_ucp.save_id": str(save_id)}
+    metadata = {"format": "pt", "jax_ucp.save_id": str(source.manifest.save_id)}
     for group, name in zip(groups, names):
-        safetensors_out.write_file(os.path.join(tmp, name), group, read(group), metadata)
-    if len(groups) == 1:
-        return names
-    safetensors_out.write_index(os.path.join(tmp, safetensors_out.INDEX_FILE), groups, names)
-    return names + [safetensors_out.INDEX_FILE]
+        path = os.path.join(tmp, name)
+        safetensors_out.write_file(path, group, source.read(group, keys), metadata)
+    files = list(names)
+    if len(groups) > 1:
+        safetensors_out.write_index(os.path.join(tmp, safetensors_out.INDEX_FILE), groups, names)
+        files.append(safetensors_out.INDEX_FILE)
+    if options.config is not None:
+        _write_config(os.path.join(tmp, "config.json"), options.config)
+        files.append("config.json")
+    return files
 
 
 def _choose(available, manifest, select, *, with_values: bool):

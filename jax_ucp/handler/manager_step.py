@@ -1,8 +1,10 @@
 """A stream of host tensors (an import) written as step N of an Orbax CheckpointManager directory.
 
 The standalone form needs no Orbax (``writer.write_host_checkpoint``); a manager step does, so
-this lives with the Orbax integration. An existing step is replaced like a forced standalone
-save: the new step is committed in a staging manager directory first, then swapped in.
+this lives with the Orbax integration. The step is written by a CheckpointManager rooted in the
+transaction's temporary directory (``<root>/<step>.ucp-tmp-<host>.<pid>.<ns>``, a name Orbax
+never reads as a step) and committed like any checkpoint: renamed into place, or swapped in
+for an existing step (``commit.transaction``).
 """
 
 from __future__ import annotations
@@ -26,32 +28,28 @@ def write_manager_step(
     item_name: str = "state",
     compression: str | None = None,
 ) -> str:
-    """Writes ``items`` as ``<dest>/<step>/<item_name>``; returns that UCP directory."""
+    """Writes ``items`` as ``<dest>/<step>/<item_name>``, the layout a CheckpointManager reads.
+
+    Args:
+        dest: the CheckpointManager root directory.
+        items: the tensors and values, written as they come.
+        step: the step number.
+        force: replace an existing step (only one holding jax_ucp checkpoints).
+        source: provenance recorded in the manifest.
+        item_name: the item's name in the step (``ocp.args.Composite(state=...)``).
+        compression: the arrays' codec (``None``: the format's default).
+
+    Returns:
+        The UCP directory ``<dest>/<step>/<item_name>``.
+    """
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
     step_dir = os.path.join(dest, str(step))
-    with commit.save_lock(step_dir):
-        commit.recover_interrupted_swap(step_dir)
-        return _write_locked(dest, step_dir, items, step, force, source, item_name, compression)
-
-
-def _write_locked(dest, step_dir, items, step, force, source, item_name, compression) -> str:
     args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
-    replacing = commit.claim(step_dir, force=force, what=f"step {step}")  # UCP items only
-    root = os.path.join(dest, f".ucp-staging-step-{step}") if replacing else dest
-    if replacing and os.path.exists(root):
-        commit.discard(root, "staging directory of an earlier replacement of this step")
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with ocp.CheckpointManager(root, options=options) as mngr:
-        try:
+    with commit.transaction(
+        step_dir, force=force, kind="import", what=f"step {step}", inner=str(step)
+    ) as tx:
+        with ocp.CheckpointManager(tx.path, options=options) as mngr:
             mngr.save(step, args=ocp.args.Composite(**{item_name: args}))
             mngr.wait_until_finished()
-        except BaseException:
-            commit.remove_failed_save_leftovers(os.path.join(root, str(step)))
-            if replacing:
-                commit.discard(root, "staging directory of a failed replacement")
-            raise
-    if replacing:  # committed beside the old step, then swapped in (see writer.commit)
-        os.rename(os.path.join(root, str(step)), step_dir + commit.REPLACING)
-        commit.replace_committed(step_dir + commit.REPLACING, step_dir)
-        commit.discard(root, "staging directory, its step now in place")
     return os.path.join(step_dir, item_name)

@@ -18,7 +18,6 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 
 from jax_ucp import format as fmt
-from jax_ucp import store
 from jax_ucp.format import UCPError
 from jax_ucp.writer import commit
 from jax_ucp.writer.stream import HostItem, write_stream
@@ -34,46 +33,25 @@ def write_host_checkpoint(
     source: Mapping | None = None,
     compression: str | None = None,
 ) -> str:
-    """Writes ``items`` as a UCP checkpoint at ``dest``; returns ``dest`` (the directory of ucp.json)."""
-    if store.is_url(dest):
-        return _write_object_store_checkpoint(dest, items, force, source, compression)
-    dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    with commit.save_lock(dest):
-        commit.recover_interrupted_swap(dest)
-        commit.claim(dest, force=force)
-        commit.remove_stale_temporaries(dest)
-        tmp = commit.temporary_path(dest)
-        try:
-            os.makedirs(tmp)
-            # Nothing fsynced per file: ``commit`` makes the directory durable with one syncfs.
-            run_coroutine(
-                write_stream(tmp, items, source=source, compression=compression, sync=False)
-            )
-            commit.commit(tmp, dest)
-        except BaseException:
-            commit.discard(tmp, "temporary directory of a failed import")
-            raise
-    return dest
+    """Writes ``items`` as a UCP checkpoint at ``dest`` in one ``commit.transaction``.
 
+    Args:
+        dest: a directory, or an ``s3://`` / ``gs://`` prefix (committed by its ``ucp.json``,
+            written last: an object store has no rename).
+        items: the tensors and values, written as they come.
+        force: replace a jax_ucp checkpoint at ``dest`` (kept whole until the new one is in).
+        source: provenance recorded in the manifest.
+        compression: the arrays' codec (``None``: the format's default).
 
-def _write_object_store_checkpoint(url, items, force, source, compression) -> str:
-    """``s3://`` / ``gs://``: no rename, so ``ucp.json`` written last is the commit. The prefix
-    is locked for the save (``commit.object_store_lock``); a killed save's leftovers there are
-    deleted first, this save's own after a failure, and nothing else is ever deleted."""
-    url = url.rstrip("/")
-    store.location.kvstore_root(url)  # a malformed URL fails before anything is read
-    if store.location.exists(url, fmt.MANIFEST_FILE):  # before the lock: no object written
-        commit.claim_object_store_prefix(url, force=force)
-    with commit.object_store_lock(url):
-        commit.claim_object_store_prefix(url, force=force)
-        try:
-            run_coroutine(
-                write_stream(url, items, source=source, compression=compression, sync=False)
-            )
-        except BaseException:
-            commit.remove_object_store_leftovers(url)
-            raise
-    return url
+    Returns:
+        ``dest`` (the directory of ``ucp.json``).
+    """
+    with commit.transaction(dest, force=force, kind="import") as tx:
+        # Nothing fsynced per file: the commit makes the directory durable with one syncfs.
+        run_coroutine(
+            write_stream(tx.path, items, source=source, compression=compression, sync=False)
+        )
+    return tx.dest
 
 
 class SharedWriteError(UCPError, RuntimeError):
@@ -128,54 +106,44 @@ def write_shared_checkpoint(
     leaves ``dest`` untouched, is raised in every process naming the process and its error,
     and the primary removes the temporary directory."""
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    primary, tmp = index == 0, None
+    primary = index == 0
     with contextlib.ExitStack() as stack:
-        try:
-            ready: str | BaseException = ""
-            if primary:
-                try:
-                    stack.enter_context(commit.save_lock(dest))
-                    commit.recover_interrupted_swap(dest)
-                    commit.claim(dest, force=force)
-                    commit.remove_stale_temporaries(dest)
-                    tmp = commit.temporary_path(dest)
-                    os.makedirs(tmp)
-                    ready = tmp
-                except BaseException as e:
-                    ready = e
-            shared = agree(gather, "ready", ready, dest)[0]
-            part = os.path.join(shared, PART_FILE.format(index))
-            written: str | BaseException
+        ready: str | BaseException = ""
+        tx = None
+        if primary:  # only the primary locks, claims and commits (the others write parts)
             try:
-                run_coroutine(
-                    write_stream(
-                        shared,
-                        items,
-                        source=source,
-                        compression=compression,
-                        sync=False,
-                        manifest_file=PART_FILE.format(index),
-                    )
-                )
-                written = _sha256(part)
+                tx = stack.enter_context(commit.transaction(dest, force=force, kind="import"))
+                ready = tx.path
             except BaseException as e:
-                written = e
-            digests = agree(gather, "written", written, dest)
-            committed: str | BaseException = ""
-            if primary:
-                try:
-                    _merge_parts(shared, digests, source)
-                    commit.commit(shared, dest)
-                    tmp = None
-                except BaseException as e:
-                    committed = e
-            # Only the others wait for the primary's outcome: a process lost after it committed
-            # does not turn a whole, committed checkpoint into an error here.
-            agree(gather, "committed", committed, dest, wait=not primary)
-        except BaseException:
-            if tmp is not None:  # the primary's, still holding the lock: never committed
-                commit.discard(tmp, "temporary directory of a failed shared import")
-            raise
+                ready = e
+        shared = agree(gather, "ready", ready, dest)[0]
+        part = os.path.join(shared, PART_FILE.format(index))
+        written: str | BaseException
+        try:
+            run_coroutine(
+                write_stream(
+                    shared,
+                    items,
+                    source=source,
+                    compression=compression,
+                    sync=False,
+                    manifest_file=PART_FILE.format(index),
+                )
+            )
+            written = _sha256(part)
+        except BaseException as e:
+            written = e
+        digests = agree(gather, "written", written, dest)
+        committed: str | BaseException = ""
+        if tx is not None:
+            try:
+                _merge_parts(shared, digests, source)
+                tx.commit()
+            except BaseException as e:
+                committed = e
+        # Only the others wait for the primary's outcome: a process lost after it committed
+        # does not turn a whole, committed checkpoint into an error here.
+        agree(gather, "committed", committed, dest, wait=not primary)
     return dest
 
 

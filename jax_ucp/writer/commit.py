@@ -1,14 +1,18 @@
 """Committing a checkpoint directory: temporary sibling, durable, then renamed into place.
 
-JAX saves go through Orbax's Checkpointer, which does the same (``<name>.orbax-checkpoint-tmp-*``
-+ rename).  Host-only imports commit with these primitives instead, so a conversion needs neither
-JAX nor Orbax (importing them costs a conversion about a second).
-Everything here is also what forced replacement uses (never delete the old checkpoint first).
+``transaction`` is the one way anything is committed (save, convert, export, a manager step,
+local or ``s3://`` / ``gs://``): lock, recover an interrupted swap, check ``force``, write into a
+temporary directory, commit or swap; on failure the temporary is discarded (logged) and the
+destination is as it was. JAX saves let Orbax's Checkpointer write and rename (its
+``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Host-only
+imports need neither JAX nor Orbax (importing them costs a conversion about a second).
+Forced replacement never deletes the old checkpoint first.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -29,7 +33,7 @@ from jax_ucp.writer import durable
 # logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
 log = logging.getLogger(__name__)
 
-ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
 TMP_MARK = ".ucp-tmp-"
 REPLACING = ".ucp-replacing"
 REPLACED = ".ucp-replaced"
@@ -142,6 +146,115 @@ def recover_interrupted_swap(path: str) -> None:
     for leftover in (newer, older):
         if os.path.lexists(leftover) and os.path.lexists(path):
             _remove(leftover)
+
+
+@dataclasses.dataclass
+class Transaction:
+    """One commit of ``dest`` in progress (see ``transaction``).
+
+    ``path`` is where the writer writes: a fresh temporary directory (``staged``), or, when the
+    writer commits atomically itself (Orbax's Checkpointer: temporary + rename), ``dest`` or
+    ``dest + REPLACING`` (not created); for an object store, the prefix itself. ``inner``: the
+    directory under ``path`` that is the checkpoint (a manager step Orbax wrote in a staging
+    manager root), else ``path`` itself.
+    """
+
+    dest: str
+    path: str
+    replacing: bool
+    staged: bool = True
+    inner: str | None = None
+    committed: bool = False
+
+    def commit(self) -> None:
+        """Commits now (the ``with`` block commits at its end otherwise); idempotent."""
+        if self.committed:
+            return
+        if store.is_url(self.dest):
+            pass  # the writer's ``ucp.json``, written last and only if absent, is the commit
+        elif self.staged:
+            content = os.path.join(self.path, self.inner) if self.inner else self.path
+            commit(content, self.dest)
+            if self.inner:
+                discard(self.path, "staging directory, its content now in place")
+        elif self.replacing:  # committed beside the old one by its writer: swap it in
+            replace_committed(self.path, self.dest)
+        self.committed = True
+
+
+@contextlib.contextmanager
+def transaction(
+    dest,
+    *,
+    force: bool,
+    kind: str = "save",
+    export: bool = False,
+    what: str = "it",
+    staged: bool = True,
+    inner: str | None = None,
+):
+    """Lock, recover, check ``force``, write, commit: ``with transaction(dest, force=f) as tx:``
+    write under ``tx.path``; the block's end commits (or ``tx.commit()`` inside it).
+
+    Args:
+        dest: the directory (or ``s3://`` / ``gs://`` prefix) to create or replace.
+        force: replace what is there if jax_ucp wrote it (``check_replaceable``); the old one
+            stays whole until the new one is committed.
+        kind: what is written ("save", "import", "export"), for the log of a failure.
+        export: ``dest`` is an export (``force`` replaces only an earlier export).
+        what: how ``FileExistsError`` names ``dest`` ("step 7").
+        staged: write into a new ``temporary_path`` directory that the transaction makes durable
+            and renames (or swaps) into place; False for a writer that commits atomically
+            itself (Orbax), which writes ``dest`` or ``dest + REPLACING``.
+        inner: staged only: the writer puts the checkpoint in ``tx.path/inner``.
+
+    Yields:
+        The ``Transaction``. On any error in the block (or in the commit) what the writer wrote
+        is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
+        entry (``SaveConflictError``, ``NotReplaceableError``, ``FileExistsError``) change
+        nothing.
+    """
+    dest = os.fspath(dest).rstrip("/")
+    if store.is_url(dest):
+        with _object_store_transaction(dest, force) as tx:
+            yield tx
+        return
+    dest = os.path.abspath(dest)
+    with save_lock(dest):
+        recover_interrupted_swap(dest)
+        replacing = claim(dest, force=force, export=export, what=what)
+        remove_stale_temporaries(dest)
+        if staged:
+            tx = Transaction(dest, temporary_path(dest), replacing, inner=inner)
+            os.makedirs(tx.path)
+        else:
+            tx = Transaction(dest, dest + REPLACING if replacing else dest, replacing, False)
+        try:
+            yield tx
+            tx.commit()
+        except BaseException:
+            if staged and os.path.lexists(tx.path):
+                discard(tx.path, f"temporary directory of a failed {kind}")
+            elif not tx.committed:  # the lock is ours: no other live save owns these
+                remove_failed_save_leftovers(tx.path)
+            raise
+
+
+@contextlib.contextmanager
+def _object_store_transaction(url: str, force: bool):
+    """A prefix has no rename: the lock object, a killed save's leftovers deleted first, the
+    writer's conditional ``ucp.json`` the commit, this save's own objects deleted on failure."""
+    store.location.kvstore_root(url)  # a malformed URL fails before anything is read
+    check_object_store_prefix(url, force=force)
+    with object_store_lock(url):
+        claim_object_store_prefix(url, force=force)
+        tx = Transaction(url, url, replacing=False, staged=False)
+        try:
+            yield tx
+            tx.commit()
+        except BaseException:
+            remove_object_store_leftovers(url)
+            raise
 
 
 class SaveConflictError(UCPError, OSError):
@@ -478,6 +591,13 @@ def _lock_is_stale(owner: dict | None, me: dict) -> bool:
     if owner["pid"] == me["pid"]:
         return owner["token"] not in _held_locks
     return not _pid_alive(owner["pid"])
+
+
+def check_object_store_prefix(url: str, *, force: bool) -> None:
+    """Refuses a prefix holding a committed checkpoint before any lock object is written (every
+    process of a save can call it, so all raise alike)."""
+    if store.location.exists(url, fmt.MANIFEST_FILE):
+        claim_object_store_prefix(url, force=force)
 
 
 def claim_object_store_prefix(url: str, *, force: bool) -> None:

@@ -7,6 +7,7 @@ on disk first; writers either fsync as they go (``sync=True``) or defer to one `
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import ctypes
 import os
 
@@ -33,6 +34,22 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def durable_file(path: str, mode: str = "wb"):
+    """``open(path, mode)`` whose content is on disk once the block ends (flush, then fsync):
+    the one way jax_ucp writes a small file that must survive a crash right after."""
+    with open(path, mode) as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_file(path: str, data: str | bytes) -> None:
+    """``data`` as the whole content of ``path``, on disk on return (``durable_file``)."""
+    with durable_file(path, "w" if isinstance(data, str) else "wb") as f:
+        f.write(data)
 
 
 def fsync_tree_to(root: str, relative: str) -> None:
@@ -74,11 +91,14 @@ def make_durable(root: str) -> None:
     """Everything under ``root`` on disk before it is committed.
 
     Writers that deferred durability (``sync=False``: no fsync per file, write-back started early)
-    are covered by one syncfs; then ``ucp.json`` and the directories that name new entries are
-    fsynced explicitly (cheap after syncfs; what a per-file fsync writer still needs).
+    are covered by one syncfs; then ``ucp.json`` (when ``root`` is a checkpoint, not an export or
+    a manager step) and the directories that name new entries are fsynced explicitly (cheap after
+    syncfs; what a per-file fsync writer still needs).
     """
     sync_filesystem(root)
-    fsync_path(os.path.join(root, fmt.MANIFEST_FILE))
+    manifest = os.path.join(root, fmt.MANIFEST_FILE)
+    if os.path.isfile(manifest):
+        fsync_path(manifest)
     arrays = os.path.join(root, fmt.ARRAYS_DIR)
     if os.path.isdir(arrays):
         fsync_path(arrays)

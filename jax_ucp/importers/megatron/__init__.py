@@ -18,9 +18,10 @@ The original vocab size is not recorded by either format: it comes from ``vocab_
 ``--vocab-size``) or the spec's settings. Without it the padded rows are kept and the manifest
 says so.
 
-Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` (fp32 master weights when optimizer state is
-present, else the model weights), ``opt_state`` {``mu``, ``nu``, ``count``}, ``model_params``
-(model-precision weights, only when they are not fp32). Keys are the source names.
+Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` (fp32 master
+weights when optimizer state is present, else the model weights), ``opt_state`` {``mu``, ``nu``,
+``count``}, ``model_params`` (model-precision weights, only when they are not fp32). Keys are
+the source names.
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ class MegatronImportError(UCPError, ValueError):
 
 SUPPORTED_LAYOUTS = (
     "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.15-0.19, "
-    "Megatron-LM's default; parameters of one dtype, MoE SequentialMLP experts in their own "
-    "ChainedOptimizer member), 'fully_reshardable' (0.15-0.19), "
+    "Megatron-LM's default; parameters of one dtype, MoE SequentialMLP or GroupedMLP experts in "
+    "their own ChainedOptimizer member), 'fully_reshardable' (0.15-0.19), "
     "'fully_sharded_model_space' (0.13-0.15, Megatron-LM's default in 0.13/0.14), "
     "'dp_zero_gather_scatter' (0.13-0.19)"
 )

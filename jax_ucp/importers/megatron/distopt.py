@@ -18,8 +18,8 @@ from jax_ucp.importers.megatron.common import (
     MegatronImportError,
     is_optimizer_name,
 )
-from jax_ucp.importers.megatron.module_order import in_module_order
-from jax_ucp.importers.megatron.rank_states import SEQUENTIAL_EXPERT, RankStates
+from jax_ucp.importers.megatron.module_order import STACKED_EXPERT, in_module_order
+from jax_ucp.importers.megatron.rank_states import RankStates
 
 _BUCKET_KEY = re.compile(
     r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
@@ -46,6 +46,7 @@ class BucketStates(RankStates):
         prefix: str = "",
         experts: bool = False,
         pp: int | None = None,
+        grouped: bool = False,
     ):
         self.prefix, self.experts = prefix, experts
         where = checkpoint.path / ".metadata"
@@ -91,7 +92,7 @@ class BucketStates(RankStates):
                         f"shapes {sorted(shapes)}, expected one flat vector per state"
                     )
             self.buckets[rank] = [per_bucket[b] for b in range(len(per_bucket))]
-        super().__init__(checkpoint, model_names, settings, len(ranks), pp)
+        super().__init__(checkpoint, model_names, settings, len(ranks), pp, grouped)
         self.layout = {}
         for rank in self.buckets:
             params, shared = self.rank_params(rank)
@@ -154,7 +155,13 @@ class GatheredStates(RankStates):
     LAYOUT = "dp_zero_gather_scatter"
     FROM_TENSORS = False  # the state is pickled objects, not .metadata tensors
 
-    def __init__(self, checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict):
+    def __init__(
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        grouped: bool = False,
+    ):
         where = checkpoint.path / ".metadata"
         found = {}
         for name in checkpoint.objects:
@@ -166,7 +173,7 @@ class GatheredStates(RankStates):
                 f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "
                 f"{sorted(found)}, expected 0..N-1. {WEIGHTS_ONLY_HINT}"
             )
-        super().__init__(checkpoint, model_names, settings, len(found))
+        super().__init__(checkpoint, model_names, settings, len(found), grouped=grouped)
         self.names = found
         dp = settings.get("data_parallel_size") or 1
         bucket_size = None
@@ -241,13 +248,14 @@ def chained_states(
     dense = [n for n in model_names if n not in experts]
     if set(chained) == {"fully_reshardable"}:
         return None
-    odd = [n for n in experts if not SEQUENTIAL_EXPERT.fullmatch(n)]
+    odd = [n for n in experts if not STACKED_EXPERT.fullmatch(n)]
     if set(chained) != {"dp_reshardable"} or len(chained) != 2 or not experts or odd:
         raise MegatronImportError(
             f"{where}: the optimizer state is megatron-core's ChainedOptimizer "
             f"({len(chained)} optimizers, layouts {chained}, expert tensors {odd or experts}); "
-            f"supported: two members (dense, then SequentialMLP experts) both 'dp_reshardable' "
-            f"or both 'fully_reshardable' ({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
+            f"supported: two members (dense, then SequentialMLP or GroupedMLP experts) both "
+            f"'dp_reshardable' or both 'fully_reshardable' ({SUPPORTED_LAYOUTS}). "
+            f"{WEIGHTS_ONLY_HINT}"
         )
     first = in_module_order(BucketStates, checkpoint, dense, settings, prefix="chained_0.")
     second = in_module_order(
@@ -267,6 +275,7 @@ class ChainedStates:
         self.parts = parts
         self.owner = {n: p for p in parts for n in (*p.before, *p.stacked, *p.after)}
         self.LAYOUT = parts[0].LAYOUT
+        self.checkpoint = parts[0].checkpoint
         self.tp, self.pp, self.where = parts[0].tp, parts[0].pp, parts[0].where
 
     def read(self, state: str, name: str) -> np.ndarray:

@@ -3,6 +3,7 @@ order (reversed), so it places the flat distributed-optimizer state of each para
 
 from __future__ import annotations
 
+import itertools
 import re
 
 import numpy as np
@@ -51,6 +52,9 @@ _LAYER_ORDER = [
     "mlp.shared_experts.gate_weight",
 ]
 _TE = [*_LAYER_ORDER[:2], *_LAYER_ORDER[4:6], *_LAYER_ORDER[2:4], *_LAYER_ORDER[6:]]
+#: Expert tensors as megatron-core saves them, stacked ``[layers, experts, ...]``: SequentialMLP's
+#: and (transposed from its ``weight1`` / ``weight2``) the legacy GroupedMLP's, under one name.
+STACKED_EXPERT = re.compile(r"decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)")
 PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
 _TOP_BEFORE = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
 _TOP_AFTER = [
@@ -107,9 +111,12 @@ def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], 
     tensors (norms, biases: a wrong order misplaces them); the first error if none fits."""
     first = None
     orders = _module_orders(names)
-    for order in orders:
+    # the legacy GroupedMLP's experts are saved like SequentialMLP's but sit in the grad buffer
+    # as one weight1 / weight2 per layer: tried when the SequentialMLP layout does not fit
+    grouped = (False, True) if any(STACKED_EXPERT.fullmatch(n) for n in names) else (False,)
+    for order, is_grouped in itertools.product(orders, grouped):
         try:
-            states = cls(checkpoint, order, *a, **k)
+            states = cls(checkpoint, order, *a, grouped=is_grouped, **k)
         except MegatronImportError as e:
             first = first or e
             continue
@@ -118,10 +125,11 @@ def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], 
             return states
         if first is None:
             rounds = "equal" if checkpoint.tensors[wrong].dtype == np.float32 else "round to"
+            experts = ", each with SequentialMLP and GroupedMLP experts" if len(grouped) > 1 else ""
             first = MegatronImportError(
                 f"tensor {wrong!r}: the fp32 master found in the {states.LAYOUT} state of "
                 f"{states.where} does not {rounds} the model weight in megatron-core's parameter "
-                f"order (tried {len(orders)}: local spec, Transformer Engine, .metadata); "
-                f"another megatron-core version or DDP config? {WEIGHTS_ONLY_HINT}"
+                f"order (tried {len(orders)}: local spec, Transformer Engine, .metadata"
+                f"{experts}); another megatron-core version or DDP config? {WEIGHTS_ONLY_HINT}"
             )
     raise first

@@ -4,7 +4,6 @@ join into global tensors. The layouts (:mod:`distopt`) say where the vectors are
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,11 +16,7 @@ from jax_ucp.importers.megatron.common import (
     element_count,
     step_from_param_groups,
 )
-from jax_ucp.importers.megatron.module_order import PER_LAYER
-
-SEQUENTIAL_EXPERT = re.compile(
-    r"decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)"
-)
+from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
 
 
 class RankStates:
@@ -43,7 +38,7 @@ class RankStates:
     #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
     prefix = ""
     #: Whether this is the expert optimizer of a MoE ChainedOptimizer: its parameters are
-    #: SequentialMLP's experts, saved stacked ``[layers, experts, ...]``.
+    #: SequentialMLP's (or GroupedMLP's) experts, saved stacked ``[layers, experts, ...]``.
     experts = False
 
     def __init__(
@@ -53,10 +48,34 @@ class RankStates:
         settings: dict,
         ranks: int,
         pp: int | None = None,
+        grouped: bool = False,
     ):
         self.checkpoint = checkpoint
-        self.where = where = checkpoint.path / ".metadata"
+        self.where = checkpoint.path / ".metadata"
         self.ranks = ranks
+        #: Whether the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
+        #: ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
+        #: each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
+        self.grouped = grouped
+        self._read_layers(model_names)
+        self._read_experts()
+        self.tp = self._tp_size(model_names)
+        self._read_parallelism(ranks, pp)
+        has_output = any(n.endswith("output_layer.weight") for n in model_names)
+        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+        self.tied_copy = (
+            embedding[0]
+            if self.pp > 1
+            and embedding
+            and not has_output
+            and settings.get("untie_embeddings_and_output_weights") is not True
+            else None
+        )
+
+    def _read_layers(self, model_names: list[str]) -> None:
+        """The stacked (or per-layer) decoder tensors, the layer count, and the tensors before
+        (first pipeline stage) and after them (last stage)."""
+        where = self.where
         stacked = [n for n in model_names if n.startswith("decoder.layers.")]
         if self.experts and stacked != model_names:
             raise MegatronImportError(
@@ -78,23 +97,36 @@ class RankStates:
         if self.layer_of:
             layers = {max(self.layer_of.values()) + 1}
         else:
-            layers = {checkpoint.tensors[n].shape[0] for n in stacked}
+            layers = {self.checkpoint.tensors[n].shape[0] for n in stacked}
         if len(layers) > 1:
             raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
         self.layers = layers.pop() if layers else 0
         self.stacked = stacked
-        # SequentialMLP experts, saved [layers, experts, ...]: in the expert optimizer's own
-        # buffer (EP > 1), or in the dense one with the other parameters (EP = 1)
-        self.expert_names = {n for n in stacked if SEQUENTIAL_EXPERT.fullmatch(n)}
-        self.num_experts = 0
-        if self.expert_names:
-            counts = {checkpoint.tensors[n].shape[1] for n in self.expert_names}
-            if len(counts) != 1:
-                raise MegatronImportError(f"{where}: expert tensors disagree on the count {counts}")
-            self.num_experts = counts.pop()
         self.before = model_names[:first]  # on the first pipeline stage
         self.after = model_names[first + len(stacked) :]  # on the last
-        self.tp = self._tp_size(model_names)
+
+    def _read_experts(self) -> None:
+        """SequentialMLP's (or GroupedMLP's) experts, saved ``[layers, experts, ...]``: in the
+        expert optimizer's own buffer (EP > 1), or in the dense one with the other parameters
+        (EP = 1)."""
+        self.expert_names = {n for n in self.stacked if STACKED_EXPERT.fullmatch(n)}
+        self.num_experts = 0
+        if self.expert_names:
+            counts = {self.checkpoint.tensors[n].shape[1] for n in self.expert_names}
+            if len(counts) != 1:
+                raise MegatronImportError(
+                    f"{self.where}: expert tensors disagree on the count {counts}"
+                )
+            self.num_experts = counts.pop()
+        odd = sorted(n for n in self.expert_names if not n.endswith(".weight"))
+        if self.grouped and odd:
+            raise MegatronImportError(
+                f"{self.where}: expert biases {odd}: megatron-core's GroupedMLP has none"
+            )
+
+    def _read_parallelism(self, ranks: int, pp: int | None) -> None:
+        """PP (and EP for the expert optimizer) from the rank count and the TP size."""
+        where = self.where
         if ranks % self.tp:
             raise MegatronImportError(
                 f"{where}: optimizer state of {ranks} model-parallel ranks, not a multiple of the "
@@ -117,16 +149,6 @@ class RankStates:
                 f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
                 f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
             )
-        has_output = any(n.endswith("output_layer.weight") for n in model_names)
-        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
-        self.tied_copy = (
-            embedding[0]
-            if self.pp > 1
-            and embedding
-            and not has_output
-            and settings.get("untie_embeddings_and_output_weights") is not True
-            else None
-        )
 
     def _distinct(self, name: str) -> list[dcp.DcpChunk]:
         """One chunk per distinct place outside the layer (and expert) axes, sorted by offset."""
@@ -232,7 +254,8 @@ class RankStates:
     def _layer_params(self, layer: int, tp_rank: int, ep_rank: int) -> list[tuple[str, int]]:
         """Layer ``layer``'s local parameters in module order: the stacked tensors in saved
         order, a run of expert tensors expanded expert by expert (``local_experts.<e>.fc1,
-        fc2``; EP rank ``ep_rank``'s experts)."""
+        fc2``; EP rank ``ep_rank``'s experts), or GroupedMLP's ``weight1``, ``weight2`` holding
+        all of them."""
         local = self.num_experts // self.ep if self.num_experts else 0
         out: list[tuple[str, int]] = []
         if self.layer_of:  # singleton_local_shards: this layer's own tensors
@@ -250,11 +273,17 @@ class RankStates:
             if n is not None and n in self.expert_names:
                 run.append(n)
                 continue
-            out += [
-                (f"{r}#{layer}#{e}", element_count(self.piece(r, tp_rank)[0]))
-                for e in range(ep_rank * local, (ep_rank + 1) * local)
-                for r in run
-            ]
+            if self.grouped:  # weight1 (fc1), weight2 (fc2): all local experts in each
+                out += [
+                    (f"{r}#{layer}#grouped", local * element_count(self.piece(r, tp_rank)[0]))
+                    for r in run
+                ]
+            else:
+                out += [
+                    (f"{r}#{layer}#{e}", element_count(self.piece(r, tp_rank)[0]))
+                    for e in range(ep_rank * local, (ep_rank + 1) * local)
+                    for r in run
+                ]
             run = []
             if n is not None:
                 out.append((f"{n}#{layer}", element_count(self.piece(n, tp_rank)[0])))
@@ -322,7 +351,8 @@ class RankStates:
                     for e in range(self.num_experts):
                         ep_rank, stage = e // local_experts, layer // per_stage
                         rank = tp_rank + self.tp * (ep_rank + self.ep * stage)
-                        yield rank, f"{name}#{layer}#{e}", (layer, e), local, axis, chunks
+                        key = f"{name}#{layer}#{'grouped' if self.grouped else e}"
+                        yield rank, key, (layer, e), local, axis, chunks
                 continue
             if name in self.layer_of:
                 stage = self.layer_of[name] // per_stage
@@ -412,8 +442,14 @@ class RankStates:
             bucket, start, end = self.layout[rank][key]
             if key != name and name.endswith("_v"):  # after the _w half of [w; v]
                 start += element_count(self.piece(key + "_w", rank % self.tp)[0])
-            end = start + element_count(local)
-            value = self.flat(rank, bucket, state, start, end).reshape(local)
+            if key.endswith("#grouped"):  # the local expert's block, saved transposed
+                start += layer[1] % (self.num_experts // self.ep) * element_count(local)
+                end = start + element_count(local)
+                value = self.flat(rank, bucket, state, start, end)
+                value = value.reshape(*local[:-2], local[-1], local[-2]).swapaxes(-1, -2)
+            else:
+                end = start + element_count(local)
+                value = self.flat(rank, bucket, state, start, end).reshape(local)
             target = out[layer] if skip else out
             if axis is None:
                 target[...] = value

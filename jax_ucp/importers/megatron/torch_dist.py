@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,21 @@ from jax_ucp.language import (
 )
 
 
+@dataclass
+class _OptimizerFound:
+    """The optimizer state of a torch_dist checkpoint, as this importer reads it: model-space
+    tensors (``tensors``) or per-rank flat state (``buckets``), or neither (no state, or
+    weights only); ``skipped``: the optimizer tensors not imported, and why."""
+
+    tensors: dict[str, dict[str, str]] = field(default_factory=dict)
+    buckets: Any = None  # a RankStates, ChainedStates or None
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def present(self) -> bool:
+        return bool(self.tensors) or self.buckets is not None
+
+
 def plan_torch_dist(
     source_dir: MegatronSource,
     spec: Spec | None,
@@ -66,106 +82,158 @@ def plan_torch_dist(
             if key in ARG_SETTINGS and settings.get(key) is None:
                 settings[key] = value
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
-    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
     chained = chained_layouts(checkpoint, common)
-    skipped: dict[str, str] = {}  # source.skipped: every .metadata tensor not imported, and why
-    buckets = None
     if weights_only:
-        layout = (
-            f"ChainedOptimizer {chained}"
-            if chained is not None
-            else repr(sharding_type(common) or ("fully_reshardable" if optimizer_names else None))
-        )
-        # every optimizer tensor by name: none is dropped without a word
-        skipped = {n: f"weights_only: optimizer state (layout {layout})" for n in optimizer_names}
-        optimizer_tensors = {}
-    elif chained is not None:
-        buckets = chained_states(checkpoint, model_names, settings, chained)
-        optimizer_tensors = {} if buckets is not None else model_space_tensors(checkpoint, common)
-    elif sharding_type(common) == "dp_reshardable":
-        buckets = in_module_order(BucketStates, checkpoint, model_names, settings)
-        optimizer_tensors = {}
-    elif sharding_type(common) == "dp_zero_gather_scatter":
-        if optimizer_names:  # this layout saves objects only: a tensor is something else
-            raise MegatronImportError(
-                f"{checkpoint.path / '.metadata'}: optimizer tensor {optimizer_names[0]!r} in a "
-                f"dp_zero_gather_scatter checkpoint (whose optimizer state is objects); "
-                f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
-            )
-        buckets = in_module_order(GatheredStates, checkpoint, model_names, settings)
-        optimizer_tensors = {}
+        optimizer = _weights_only(checkpoint, common, chained)
     else:
-        optimizer_tensors = model_space_tensors(checkpoint, common)
-        objects = [n for n in checkpoint.objects if is_optimizer_name(n)]
-        if not optimizer_tensors and objects:
-            # e.g. megatron-core 0.13's dp_zero_gather_scatter: the state is pickled bucket
-            # objects; importing the weights alone without saying so would lose it silently
-            raise MegatronImportError(
-                f"{checkpoint.path / '.metadata'}: the optimizer state is saved as "
-                f"{len(objects)} objects ({objects[0]!r}, ...) in layout "
-                f"{sharding_type(common)!r}, which is not supported ({SUPPORTED_LAYOUTS}). "
-                f"{WEIGHTS_ONLY_HINT}"
-            )
-    count = None
-    if optimizer_tensors:
-        check_model_space_tensors(checkpoint, common, common_path, optimizer_tensors, model_names)
-        optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
-        if chained is not None:  # one param_groups per ChainedOptimizer member, one step
-            steps = {
-                step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
-                for i, part in sorted(optimizer_state.items())
-            }
-            if len(steps) != 1:
-                raise MegatronImportError(
-                    f"{common_path}: the ChainedOptimizer's members disagree on the step "
-                    f"{sorted(steps)}"
-                )
-            count = steps.pop()
-        else:
-            count = step_from_param_groups(param_groups(optimizer_state), str(common_path))
-    elif buckets is not None:
-        count = buckets.step()
+        optimizer = _find_optimizer_state(checkpoint, common, chained, model_names, settings)
+    count = _optimizer_step(checkpoint, common, common_path, chained, optimizer, model_names)
     reader = TorchDistReader(checkpoint, import_rules_spec(spec, settings))
     model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
-    has_optimizer = bool(optimizer_tensors) or buckets is not None
-    want_model = has_optimizer and any(d != np.dtype(np.float32) for d in model_dtypes)
-    if has_optimizer and not want_model:
+    want_model = optimizer.present and any(d != np.dtype(np.float32) for d in model_dtypes)
+    skipped = dict(optimizer.skipped)  # source.skipped: every .metadata tensor not imported
+    if optimizer.present and not want_model:
         for name in model_names:
             skipped[name] = (
                 f"a float32 run's model weight: its fp32 master "
-                f"({_master_of(name, optimizer_tensors, buckets)}) is imported as params/"
+                f"({_master_of(name, optimizer.tensors, optimizer.buckets)}) is imported as "
+                f"params/"
             )
-    if buckets is not None:
-        skipped.update(buckets.unread())
+    if optimizer.buckets is not None:
+        skipped.update(optimizer.buckets.unread())
+    info = _torch_dist_info(checkpoint, common, model_names, optimizer, reader, settings, skipped)
+    mine = share.pick(model_names)
+    step = count if share.primary else None
+    if optimizer.buckets is not None:
+        items = bucket_items(reader, optimizer.buckets, mine, step, want_model)
+    else:
+        items = torch_dist_items(reader, mine, optimizer.tensors, step, want_model)
+    return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
+
+
+def _weights_only(checkpoint: dcp.DcpCheckpoint, common: Any, chained) -> _OptimizerFound:
+    """No optimizer state read; every optimizer tensor named as skipped (none dropped without
+    a word), with the layout it was saved in."""
+    names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
+    layout = (
+        f"ChainedOptimizer {chained}"
+        if chained is not None
+        else repr(sharding_type(common) or ("fully_reshardable" if names else None))
+    )
+    return _OptimizerFound(
+        skipped={n: f"weights_only: optimizer state (layout {layout})" for n in names}
+    )
+
+
+def _find_optimizer_state(
+    checkpoint: dcp.DcpCheckpoint,
+    common: Any,
+    chained: list[str | None] | None,
+    model_names: list[str],
+    settings: dict,
+) -> _OptimizerFound:
+    """The optimizer state in the layout ``common`` names (a ChainedOptimizer's per member);
+    a layout saved as objects this importer does not read is refused."""
+    where = checkpoint.path / ".metadata"
+    sharding = sharding_type(common)
+    if chained is not None:
+        buckets = chained_states(checkpoint, model_names, settings, chained)
+        if buckets is not None:
+            return _OptimizerFound(buckets=buckets)
+        return _OptimizerFound(tensors=model_space_tensors(checkpoint, common))
+    if sharding == "dp_reshardable":
+        return _OptimizerFound(
+            buckets=in_module_order(BucketStates, checkpoint, model_names, settings)
+        )
+    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
+    if sharding == "dp_zero_gather_scatter":
+        if optimizer_names:  # this layout saves objects only: a tensor is something else
+            raise MegatronImportError(
+                f"{where}: optimizer tensor {optimizer_names[0]!r} in a "
+                f"dp_zero_gather_scatter checkpoint (whose optimizer state is objects); "
+                f"{SUPPORTED_LAYOUTS}. {WEIGHTS_ONLY_HINT}"
+            )
+        return _OptimizerFound(
+            buckets=in_module_order(GatheredStates, checkpoint, model_names, settings)
+        )
+    tensors = model_space_tensors(checkpoint, common)
+    objects = [n for n in checkpoint.objects if is_optimizer_name(n)]
+    if not tensors and objects:
+        # e.g. megatron-core 0.13's dp_zero_gather_scatter: the state is pickled bucket
+        # objects; importing the weights alone without saying so would lose it silently
+        raise MegatronImportError(
+            f"{where}: the optimizer state is saved as {len(objects)} objects "
+            f"({objects[0]!r}, ...) in layout {sharding!r}, which is not supported "
+            f"({SUPPORTED_LAYOUTS}). {WEIGHTS_ONLY_HINT}"
+        )
+    return _OptimizerFound(tensors=tensors)
+
+
+def _optimizer_step(
+    checkpoint: dcp.DcpCheckpoint,
+    common: Any,
+    common_path: Path,
+    chained: list[str | None] | None,
+    optimizer: _OptimizerFound,
+    model_names: list[str],
+) -> int | None:
+    """The Adam step (None without optimizer state): from the per-rank state objects, or from
+    ``common.pt``'s param_groups (one per ChainedOptimizer member, which must agree)."""
+    if optimizer.buckets is not None:
+        return optimizer.buckets.step()
+    if not optimizer.tensors:
+        return None
+    check_model_space_tensors(checkpoint, common, common_path, optimizer.tensors, model_names)
+    optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
+    if chained is None:
+        return step_from_param_groups(param_groups(optimizer_state), str(common_path))
+    steps = {
+        step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
+        for i, part in sorted(optimizer_state.items())
+    }
+    if len(steps) != 1:
+        raise MegatronImportError(
+            f"{common_path}: the ChainedOptimizer's members disagree on the step {sorted(steps)}"
+        )
+    return steps.pop()
+
+
+def _torch_dist_info(
+    checkpoint: dcp.DcpCheckpoint,
+    common: Any,
+    model_names: list[str],
+    optimizer: _OptimizerFound,
+    reader: TorchDistReader,
+    settings: dict,
+    skipped: dict[str, str],
+) -> dict:
+    """What the manifest's source records about a torch_dist checkpoint."""
     iteration = common.get("iteration") if isinstance(common, dict) else None
+    buckets = optimizer.buckets
+    # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
+    untie = settings.get("untie_embeddings_and_output_weights")
+    has_output = any(n.endswith("output_layer.weight") for n in model_names)
     info = {
         "format": "torch_dist",
         "tensors": len(model_names),
-        "optimizer": buckets.LAYOUT if buckets is not None else bool(optimizer_tensors),
+        "optimizer": buckets.LAYOUT if buckets is not None else bool(optimizer.tensors),
         "iteration": iteration if type(iteration) is int else None,
         "skipped_objects": sorted(checkpoint.objects),
         "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
         "mcore_metadata": checkpoint.mcore_metadata,
         "dcp_version": checkpoint.version,
-        "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
+        "model_dtype": ", ".join(
+            sorted(str(d) for d in {checkpoint.tensors[n].dtype for n in model_names})
+        ),
     }
     if skipped:
         info["skipped"] = skipped
-    # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
-    untie = settings.get("untie_embeddings_and_output_weights")
-    has_output = any(n.endswith("output_layer.weight") for n in model_names)
     info["tied_embeddings"] = (
         [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
         if not has_output and untie is not True
         else []
     )
-    mine = share.pick(model_names)
-    step = count if share.primary else None
-    if buckets is not None:
-        items = bucket_items(reader, buckets, mine, step, want_model)
-    else:
-        items = torch_dist_items(reader, mine, optimizer_tensors, step, want_model)
-    return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
+    return info
 
 
 def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -> str:
