@@ -322,6 +322,15 @@ def read(
     and reads only the slices its devices need, through ``store.shard_reader`` where the layout
     allows (hardware crc32c, shard digests) and TensorStore elsewhere (after checking every
     shard file it will open).
+
+    Args:
+      root: the checkpoint directory (holding ucp.json).
+      manifest: its manifest.
+      requests: what to read, one result per request.
+      spec: a UCP-language spec whose views the requests name (when ``available`` is None).
+      available: what may be read (``available_tensors``); None: computed from the manifest.
+      casting: numpy's casting rule for the requests' dtypes.
+      max_read_bytes: host bytes of read buffers in flight (None: 256 MiB).
     """
     if available is None:
         available = available_tensors(manifest, spec)
@@ -894,7 +903,17 @@ def placed_requests(where: str, available, options: RestoreOptions):
     """One request per tensor of ``available``, placed as ``restore(mesh=, rules=)`` places it
     (host numpy without a mesh; a 64-bit tensor without jax_enable_x64 stays on host, exact).
     A tensor saved sharded that comes back replicated without a rule asking for it is named in
-    one ``ReplicationWarning``. Returns (requests, key types)."""
+    one ``ReplicationWarning``.
+
+    Args:
+      where: the checkpoint, for the warning.
+      available: ``Available``-like tensors (key, key_types, shape, dtype, saved_sharding,
+        logical_axes).
+      options: the restore's options (mesh, rules, dtype).
+
+    Returns:
+      (requests, key types), one each per tensor.
+    """
     dtype, mesh, rules = options.dtype, options.mesh, options.rules
     reqs, key_types, replicated = [], [], []
     for av in available:

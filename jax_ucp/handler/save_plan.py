@@ -229,8 +229,14 @@ def prepare_tree(
 ) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
     """Manifest entries for every leaf and this process's writes (device→host copies done here).
 
-    ``pool``: where an async save's private copies come from; ``copies_out`` receives them, for
-    ``pool.release`` once they are written.
+    Args:
+      tree: the pytree to save.
+      options: the layout options (compression, inner chunks, checksum).
+      primary: this process writes what exists once (process-local arrays, host data).
+      copy: an async save: CPU shards and host arrays get private copies (the caller goes on).
+      logical_axes: a pytree of logical axis-name tuples (same structure), or None.
+      pool: where an async save's private copies come from (None: new memory).
+      copies_out: receives those copies, for ``pool.release`` once they are written.
     """
     leaves, _ = tree_lib.flatten(tree)
     _refuse_deleted(leaves)  # before anything is written or copied

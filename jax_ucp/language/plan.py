@@ -133,6 +133,11 @@ def compile_restore_plan(
     wins) relative to that root; keys outside param roots move with their root (or stay). With
     ``strict`` (default: ``spec.strict``) a parameter no rule covers, or a required rule that matches
     nothing, is a ``StrictnessError`` naming them; otherwise uncovered keys pass through unchanged.
+
+    Args:
+      spec: a ``Spec``, or what ``load_spec`` takes (a shipped spec's name, a file).
+      saved: saved key → ``TensorInfo`` (or anything with ``shape`` and ``dtype``).
+      strict: refuse uncovered parameters and unmatched required rules (None: the spec's own).
     """
     if not isinstance(spec, Spec):
         spec = load_spec(spec)
