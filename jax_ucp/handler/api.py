@@ -39,39 +39,37 @@ def _primary_decides(where: str, error: BaseException | None) -> None:
 
 
 def atomic_save(path: str, args, *, force: bool) -> None:
-    """Orbax's temporary path + commit; ``force`` never deletes the old checkpoint first.
+    """A JAX save in one ``commit.transaction``: Orbax's Checkpointer writes and renames
+    (temporary path + commit); ``force`` never deletes the old checkpoint first.
 
     The new checkpoint is committed next to the old one and swapped in by two renames, so a
     failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
     destination before writing). ``force`` replaces only a jax_ucp checkpoint or an Orbax step
     of one (``commit.check_replaceable``); an empty directory is used without it.
+
+    Args:
+        path: the checkpoint directory (absolute).
+        args: the ``UCPSave`` every process passes.
+        force: replace a jax_ucp checkpoint at ``path``.
     """
     path = path.rstrip("/")
     primary = ocp.multihost.is_primary_host(0)
-    # Only the primary touches directories, so only it takes the lock on saving to ``path``.
-    with commit.save_lock(path) if primary else contextlib.nullcontext():
-        error = None
+    # Only the primary touches directories, so only it holds the transaction (and its lock).
+    with contextlib.ExitStack() as stack:
+        error, tx = None, None
         if primary:
             try:
-                commit.recover_interrupted_swap(path)
-                commit.claim(path, force=force)
+                tx = stack.enter_context(commit.transaction(path, force=force, staged=False))
             except BaseException as e:
                 error = e
         _primary_decides(path, error)
         exists = os.path.exists(path)  # every process, once the primary has claimed ``path``
-        target = path + commit.REPLACING if exists else path
+        target = tx.path if tx is not None else path + commit.REPLACING if exists else path
         handler = checkpoint_handler.UCPCheckpointHandler()
-        try:
-            with ocp.Checkpointer(handler) as ckptr:
-                ckptr.save(target, args=args, force=exists)
-        except BaseException:
-            if primary:  # the lock is ours: no other live save of this path owns these
-                commit.remove_failed_save_leftovers(target)
-            raise
-        if exists:
-            if primary:
-                commit.replace_committed(target, path)
-            _barrier("jax_ucp:force_swap")
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(target, args=args, force=exists)
+    if exists:  # the primary swapped it in when its transaction ended
+        _barrier("jax_ucp:force_swap")
 
 
 def save(
@@ -122,15 +120,13 @@ def object_store_save(url: str, args, *, force: bool) -> None:
     """
     url = url.rstrip("/")
     store.location.kvstore_root(url)  # a malformed URL fails here, in every process
-    if store.location.exists(url, fmt.MANIFEST_FILE):  # every process sees it: all raise
-        commit.claim_object_store_prefix(url, force=force)
+    commit.check_object_store_prefix(url, force=force)  # every process sees it: all raise
     primary = ocp.multihost.is_primary_host(0)
     with contextlib.ExitStack() as stack:
         error = None
         if primary:
             try:
-                stack.enter_context(commit.object_store_lock(url))
-                commit.claim_object_store_prefix(url, force=force)
+                stack.enter_context(commit.transaction(url, force=force))
             except BaseException as e:
                 error = e
         _primary_decides(url, error)
