@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import struct
 from collections.abc import Iterable, Sequence
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from jax_ucp.errors import ExportError
 from jax_ucp.format import safetensors
+from jax_ucp.writer import durable
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = safetensors.INDEX_FILE
@@ -98,7 +98,7 @@ def write_file(
     metadata: dict[str, str],
 ) -> None:
     """Writes one safetensors file; ``values`` yields the arrays of ``tensors`` in order."""
-    with open(path, "wb") as f:
+    with durable.durable_file(path) as f:
         f.write(header_bytes(tensors, metadata))
         for tensor, value in zip(tensors, values, strict=True):
             array = np.ascontiguousarray(value, dtype=tensor.dtype.newbyteorder("<"))
@@ -107,8 +107,6 @@ def write_file(
                     f"tensor {tensor.name!r}: read shape {array.shape}, planned {tensor.shape}"
                 )
             f.write(memoryview(array.reshape(-1).view(np.uint8)))
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:
@@ -117,8 +115,4 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
         "metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
         "weight_map": {t.name: name for group, name in zip(files, names) for t in group},
     }
-    with open(path, "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    durable.write_file(path, json.dumps(index, indent=2) + "\n")

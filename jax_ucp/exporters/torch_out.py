@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_ucp.exporters.safetensors_out import ExportError
+from jax_ucp.writer import durable
 
 METADATA_FILE = ".metadata"
 DATA_FILE = "__0_0.distcp"
@@ -281,10 +282,8 @@ def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray] = ()) -> None:
     archive is named after the file, as torch names it."""
     stem = os.path.basename(path)
     stem = stem[: -len(".pt")] if stem.endswith(".pt") else stem
-    with open(path, "wb") as f:
+    with durable.durable_file(path) as f:
         write_torch_save(f, obj, name=stem, arrays=arrays)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 # --------------------------------------------------------------------------- DCP
@@ -323,7 +322,7 @@ def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndar
     storage_data: list = []
     metadata: dict = {}
     tensors = iter(arrays)
-    with open(os.path.join(directory, DATA_FILE), "wb") as f:
+    with durable.durable_file(os.path.join(directory, DATA_FILE)) as f:
         for item in items:
             offset = f.tell()
             if item.shape is None:
@@ -363,8 +362,6 @@ def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndar
                 {"relative_path": DATA_FILE, "offset": offset, "length": length},
             )
             storage_data.append((index, info))
-        f.flush()
-        os.fsync(f.fileno())
     meta = New(
         Global(_DCP, "Metadata"),
         {
@@ -378,7 +375,4 @@ def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndar
             "version": "1.0.0",
         },
     )
-    with open(os.path.join(directory, METADATA_FILE), "wb") as f:
-        f.write(dumps(meta))
-        f.flush()
-        os.fsync(f.fileno())
+    durable.write_file(os.path.join(directory, METADATA_FILE), dumps(meta))

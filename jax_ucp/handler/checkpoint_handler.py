@@ -25,7 +25,7 @@ from jax_ucp import store, writer
 from jax_ucp.handler import reader, save_plan
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.handler.restore_options import ArgsError, RestoreOptions, check_optional_positive_int
-from jax_ucp.writer import durable
+from jax_ucp.writer import commit, durable
 
 DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize
 
@@ -75,10 +75,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             if store.is_url(directory):
                 store.location.write(directory, name, json.dumps(digests).encode())
                 return
-            with open(os.path.join(directory, name), "w") as f:
-                json.dump(digests, f)
-                f.flush()
-                os.fsync(f.fileno())
+            durable.write_file(os.path.join(directory, name), json.dumps(digests))
 
     def _commit_futures(self, directory, args, *, copy: bool) -> list[ocp.future.Future]:
         """Decides the layout, copies this process's shards to host, defers all I/O to a future.
@@ -86,7 +83,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         ``copy``: private host copies of CPU device buffers, for saves whose caller goes on (a
         donated or deleted array would change under the write); a blocking save skips them.
         """
-        if store.is_url(os.fspath(directory)) and ".orbax-checkpoint-tmp" in os.fspath(directory):
+        if store.is_url(os.fspath(directory)) and commit.ORBAX_TMP_MARK in os.fspath(directory):
             raise fmt.UCPError(
                 f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
                 f"an object store cannot do atomically. Pass CheckpointManagerOptions("
@@ -202,11 +199,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             for name in others:
                 store.location.delete(directory, name)
             return
-        path = os.path.join(directory, fmt.MANIFEST_FILE)
-        with open(path, "w") as f:
-            f.write(manifest.dumps())
-            f.flush()
-            os.fsync(f.fileno())
+        durable.write_file(os.path.join(directory, fmt.MANIFEST_FILE), manifest.dumps())
         for name in others:
             os.remove(os.path.join(directory, name))
 

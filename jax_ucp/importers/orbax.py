@@ -20,14 +20,14 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
-from jax_ucp.format import SavedSharding, UCPError, files
+from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
+from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
 STRINGS_FILE = "_strings.json"  # Orbax's StringHandler: every str leaf of an item
 _MAX_JSON_BYTES = 256 << 20
-_TMP = ".orbax-checkpoint-tmp"
 _STEP = re.compile(r"(?:.*_)?(\d+)")
 # Orbax's handlers whose items are PyTrees of arrays (v0 and v1 names).
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
@@ -44,7 +44,7 @@ def is_orbax(src) -> bool:
     if not os.path.isdir(src):
         return False
     if any(os.path.isfile(os.path.join(src, n)) for n in (PYTREE_METADATA, CHECKPOINT_METADATA)):
-        return not os.path.isfile(os.path.join(src, "ucp.json"))
+        return not os.path.isfile(os.path.join(src, MANIFEST_FILE))
     return bool(_steps(src))
 
 
@@ -54,7 +54,11 @@ def _steps(root: str) -> dict[int, str]:
     for name in os.listdir(root):
         m = _STEP.fullmatch(name)
         path = os.path.join(root, name)
-        if m and _TMP not in name and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA)):
+        if (
+            m
+            and ORBAX_TMP_MARK not in name
+            and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA))
+        ):
             out.setdefault(int(m.group(1)), path)
     return out
 
@@ -113,7 +117,7 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
                 f"name inside the step; refusing to read outside it"
             )
         path = os.path.join(src, name) if name else src
-        if os.path.isfile(os.path.join(path, "ucp.json")) or "jax_ucp" in str(typestr or ""):
+        if os.path.isfile(os.path.join(path, MANIFEST_FILE)) or "jax_ucp" in str(typestr or ""):
             raise OrbaxImportError(
                 f"{path}: item {name!r} is already a jax_ucp checkpoint (ucp.json); restore it "
                 f"with jax_ucp.restore({path!r}) instead of converting it"
