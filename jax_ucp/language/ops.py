@@ -50,6 +50,7 @@ class Op:
     arity: ClassVar[str] = "map"
 
     def to_dict(self) -> dict:
+        """The op's plain (TOML) form: ``{"op": name}`` plus every field not at its default."""
         d = {"op": self.op}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
@@ -61,6 +62,12 @@ class Op:
 
     # map
     def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
+        """A map op's result: one lazy view of ``tensor``.
+
+        Args:
+            tensor: the view the rule's previous op produced
+            env: settings and the variables the rule's pattern captured
+        """
         raise NotImplementedError
 
 
@@ -71,11 +78,19 @@ class FanOut(Op):
     var: str
 
     def labels(self, tensor: ts.TensorStore, env: Env) -> list[str]:  # pragma: no cover
+        """The values ``var`` takes, one per part (``"0"``, ``"1"``, ... or ``q``/``k``/``v``)."""
         raise NotImplementedError
 
     def part(
         self, tensor: ts.TensorStore, env: Env, index: int
     ) -> ts.TensorStore:  # pragma: no cover
+        """Part ``index`` of ``tensor`` (the one labelled ``labels(...)[index]``).
+
+        Args:
+            tensor: the view to split
+            env: settings and captured variables
+            index: which part
+        """
         raise NotImplementedError
 
 
@@ -86,11 +101,19 @@ class FanIn(Op):
     over: str
 
     def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:  # pragma: no cover
+        """The labels of the parts in the order they combine; an error names a missing one.
+
+        Args:
+            labels: the values ``over`` took among the matched tensors
+            env: settings and captured variables
+            where: the rule, for messages
+        """
         raise NotImplementedError
 
     def combine(
         self, parts: Sequence[ts.TensorStore], env: Env
     ) -> ts.TensorStore:  # pragma: no cover
+        """One lazy view of ``parts``, given in ``order``'s order."""
         raise NotImplementedError
 
 
