@@ -151,6 +151,7 @@ def restore(
     select: Any = None,
     max_read_bytes: int | None = None,
     strict: bool = True,
+    replicated_read: str | None = None,
 ):
     """Restores a UCP checkpoint onto any mesh.
 
@@ -199,6 +200,10 @@ def restore(
       strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes
         (default). ``strict=False`` allows them. Names unlike every known one always pass
         (rules shared with activation names, a purely data-parallel axis).
+      replicated_read: in a multi-process job, how a tensor every process needs whole (``P()``,
+        host numpy) is read: ``"each"`` (default) every process reads all of it; ``"once"``
+        each reads a share and the shares are all-gathered over JAX's collectives (gloo on
+        CPU), so the storage is read once in all (see ``handler/replicated.py``).
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.
@@ -214,6 +219,7 @@ def restore(
         select=select,
         max_read_bytes=max_read_bytes,
         strict=strict,
+        replicated_read=replicated_read,
     )
     if safetensors_source.is_source(path):  # Hugging Face files, read in place
         return safetensors_source.restore(path, options)

@@ -293,6 +293,8 @@ class UCPRestore(ocp.args.CheckpointArgs):
         only those leaves are restored (without a target).
       max_read_bytes: host memory for reads in flight (None: 256 MiB).
       strict: with ``mesh=``, refuse rules and mesh axes that name nothing in the checkpoint.
+      replicated_read: "each" (None: default) or "once": in a multi-process job, tensors every
+        process needs whole are read in shares and all-gathered (the storage read once).
     """
 
     target: Any = None
@@ -305,6 +307,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
     select: Any = None
     max_read_bytes: int | None = None
     strict: bool = True
+    replicated_read: str | None = None
 
     def __post_init__(self):
         _refuse_args_as_item("UCPRestore", "target", self.target)

@@ -20,6 +20,7 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
+from jax_ucp.handler import replicated
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.handler.restore_options import CASTINGS, DEFAULT_MAX_READ_BYTES, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
@@ -314,6 +315,7 @@ def read(
     available: Mapping | None = None,
     casting: str = "same_kind",
     max_read_bytes: int | None = None,
+    replicated_read: str | None = None,
 ) -> list:
     """Reads what ``requests`` ask of the checkpoint at ``root``, in request order: jax.Array
     (a request with a sharding), np.ndarray, or the saved Python value.
@@ -353,7 +355,31 @@ def read(
     )
     kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU devices)
     limit = sharding_lib.host_memory_limit()
+    # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
+    once = replicated.select(
+        [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
+        replicated.check_option(replicated_read),
+    )
+
+    def source_of(found):
+        view = found.build({s.key: opener.get(s.key) for s in found.sources})
+        fast = _fast_reader(root, found.sources[0], view) if found.stored else None
+        if fast is None and not url:
+            for src in found.sources:
+                verify_shard_files(root, src)
+        return view if fast is None else fast
+
+    def check(found, gathered):
+        nonlocal kept
+        kept += _check_memory(root, found, gathered, kept, limit)
+
+    shared = replicated.read_once(once, source_of, budget=window.max_bytes, check=check)
+    for done in shared:
+        _finish(root, done, out, casting)
+    read_once = {position for position, _, _ in once}
     for position, item in enumerate(plan):
+        if position in read_once:
+            continue
         if item[0] == "value":
             out[position] = item[1]
             continue
@@ -830,6 +856,7 @@ def _restore_once(root: str, options: RestoreOptions):
             available=available,
             casting=options.casting,
             max_read_bytes=options.max_read_bytes,
+            replicated_read=options.replicated_read,
         )
 
     if options.has_target:

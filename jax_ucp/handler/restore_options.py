@@ -51,6 +51,8 @@ class RestoreOptions:
         only those leaves are restored (without a target).
       max_read_bytes: host memory for read buffers in flight (None: 256 MiB).
       strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes.
+      replicated_read: "each" or "once" (None: "each"): how a multi-process restore reads a
+        tensor every process needs whole.
       where: how errors name a field: a class (``"UCPRestore"`` gives ``UCPRestore.casting``)
         or a function (``"restore"`` gives ``restore(casting=)``). Not a field.
     """
@@ -65,6 +67,7 @@ class RestoreOptions:
     select: Any = None
     max_read_bytes: int | None = None
     strict: bool = True
+    replicated_read: str | None = None
     where: dataclasses.InitVar[str] = "restore"
 
     def __post_init__(self, where: str):
@@ -131,6 +134,11 @@ def _check_kinds(options: RestoreOptions, field) -> None:
     check_optional_positive_int(field("max_read_bytes"), options.max_read_bytes)
     if not isinstance(options.strict, bool):
         raise ArgsError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
+    if options.replicated_read not in (None, "each", "once"):
+        raise ArgsError(
+            f"{field('replicated_read')}: expected 'each' or 'once', got "
+            f"{options.replicated_read!r}."
+        )
 
 
 def _bad_rule(rules):
