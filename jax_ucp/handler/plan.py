@@ -29,6 +29,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.handler import reader
+from jax_ucp.handler.restore_options import RestoreOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,9 +173,20 @@ def plan(
         ShardingMismatchError: a rule names a mesh axis the mesh does not have; with
             ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
             by no rule and no saved PartitionSpec (each names the closest known names).
+        ArgsError: an argument of the wrong kind (as for ``restore``).
         ValueError: neither ``mesh`` nor ``shardings``/``target`` was given, or ``processes``
             does not fit the mesh.
     """
+    RestoreOptions(  # the same checks as restore's keywords, before the checkpoint is read
+        target=target,
+        shardings=shardings,
+        mesh=mesh,
+        rules=rules,
+        spec=spec,
+        casting=casting,
+        strict=strict,
+        where="plan",
+    )
     root = reader.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
     available = reader.available_tensors(manifest, spec)
