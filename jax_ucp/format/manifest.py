@@ -59,6 +59,7 @@ class SavedSharding:
     partition_spec: tuple[Any, ...]  # entries: None, axis name, or tuple of axis names
 
     def to_json(self) -> dict:
+        """The JSON form recorded in ``ucp.json``."""
         return {
             "mesh": {"axis_names": list(self.mesh_axis_names), "shape": list(self.mesh_shape)},
             "partition_spec": [list(p) if isinstance(p, tuple) else p for p in self.partition_spec],
@@ -66,6 +67,7 @@ class SavedSharding:
 
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
+        """Parsed from its JSON form, strictly; errors name ``where``."""
         d = _object(
             d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
         )
@@ -118,13 +120,16 @@ class TensorEntry:
 
     @property
     def name(self) -> str:
+        """The key path as ``a/b/c`` (how messages and the CLI name a tensor)."""
         return keypath_lib.key_to_str(self.key)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the array (shape × itemsize)."""
         return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
 
     def to_json(self) -> dict:
+        """The JSON form recorded in ``ucp.json``."""
         d = {
             "entry": "tensor",
             "key": list(self.key),
@@ -151,6 +156,7 @@ class TensorEntry:
 
     @classmethod
     def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
+        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
         key = _key(d["key"], f"{where}.key")
         w = f"{where} ({keypath_lib.key_to_str(key)!r})"
@@ -263,13 +269,16 @@ class ValueEntry:
 
     @property
     def name(self) -> str:
+        """The key path as ``a/b/c``."""
         return keypath_lib.key_to_str(self.key)
 
     @property
     def nbytes(self) -> int:
+        """0: a value holds no array bytes."""
         return 0
 
     def to_json(self) -> dict:
+        """The JSON form recorded in ``ucp.json`` (floats as ``float.hex``, exact)."""
         v = self.value
         if v is None:
             typed = {"type": "none", "value": None}
@@ -304,6 +313,7 @@ class ValueEntry:
 
     @classmethod
     def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
+        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
         key = _key(d["key"], f"{where}.key")
         w = f"{where} ({keypath_lib.key_to_str(key)!r})"
@@ -359,6 +369,7 @@ class Manifest:
     notices: list[str] = dataclasses.field(default_factory=list, compare=False, repr=False)
 
     def __post_init__(self):
+        """Refuses two entries with one key path or one array directory."""
         seen: dict[tuple, str] = {}
         dirs: dict[str, str] = {}
         for e in self.entries:
@@ -375,20 +386,25 @@ class Manifest:
 
     @property
     def tensors(self) -> list[TensorEntry]:
+        """The tensor entries, in manifest order."""
         return [e for e in self.entries if isinstance(e, TensorEntry)]
 
     @property
     def values(self) -> list[ValueEntry]:
+        """The saved Python values, in manifest order."""
         return [e for e in self.entries if isinstance(e, ValueEntry)]
 
     def by_key(self) -> dict[tuple[str, ...], Entry]:
+        """Key path -> entry."""
         return {e.key: e for e in self.entries}
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every tensor."""
         return sum(e.nbytes for e in self.entries)
 
     def to_json(self) -> dict:
+        """The JSON form of ``ucp.json``."""
         return {
             "format": self.format,
             "version": self.version,
@@ -402,10 +418,12 @@ class Manifest:
         }
 
     def dumps(self) -> str:
+        """``ucp.json``'s text."""
         return json.dumps(self.to_json(), indent=1, allow_nan=False)
 
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
+        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
             found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
             raise ManifestError(
@@ -472,6 +490,7 @@ class Manifest:
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
+        """Parsed from ``ucp.json``'s text (size, depth, integers bounded); errors name ``where``."""
         if isinstance(text, bytes):
             try:
                 text = text.decode("utf-8")

@@ -95,6 +95,7 @@ class ImportRule:
         return m
 
     def to_dict(self) -> dict:
+        """The rule's plain (TOML) form."""
         d = {"pattern": self.pattern, **self.kind.to_dict()}
         if self.also:
             d["also"] = list(self.also)
@@ -134,6 +135,7 @@ class RestoreRule:
         return self._regex.fullmatch(name)
 
     def to_dict(self) -> dict:
+        """The rule's plain (TOML) form."""
         d: dict = {"pattern": self.pattern}
         if self.target is not None:
             d["target"] = self.target
@@ -198,6 +200,7 @@ class Root:
         )
 
     def to_dict(self) -> dict:
+        """The root's plain (TOML) form."""
         d: dict = {"source": self.source}
         if self.target is not None:
             d["target"] = self.target
@@ -271,6 +274,7 @@ class Spec:
 
     # -- settings
     def with_settings(self, **settings) -> Spec:
+        """The same spec with ``settings`` overriding its own."""
         s = dict(self.settings)
         s.update(normalize(settings))
         return dataclasses.replace(self, settings=s)
@@ -281,10 +285,12 @@ class Spec:
         return derived(self.settings)
 
     def active_imports(self) -> list[tuple[int, ImportRule]]:
+        """(index, rule) of every import rule whose ``when`` the settings meet."""
         env = self.env
         return [(i, r) for i, r in enumerate(self.imports) if _when_matches(r.when, env)]
 
     def active_restore(self) -> list[tuple[int, RestoreRule]]:
+        """(index, rule) of every restore rule whose ``when`` the settings meet."""
         env = self.env
         return [(i, r) for i, r in enumerate(self.restore) if _when_matches(r.when, env)]
 
