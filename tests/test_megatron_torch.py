@@ -155,17 +155,17 @@ def test_dp_reshardable_with_buckets_live(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_moe_distributed_optimizer_live(tmp_path):
-    """megatron-core 0.16 runs a MoE model (SequentialMLP, EP2: dense DP2, expert DP1) with the
-    distributed optimizer (a ChainedOptimizer) and saves it dp_reshardable with the live state
-    placed by its own model sharding; the import equals that truth bit for bit, and the run
-    equals the committed fixture's."""
+@pytest.mark.parametrize("name", ["moe_distopt_ep2", "moe_grouped_distopt_ep2"])
+def test_moe_distributed_optimizer_live(tmp_path, name):
+    """megatron-core 0.16 runs a MoE model (SequentialMLP or grouped-GEMM experts, EP2: dense
+    DP2, expert DP1) with the distributed optimizer (a ChainedOptimizer) and saves it
+    dp_reshardable with the live state placed by its own model sharding; the import equals that
+    truth bit for bit, and the run equals the committed fixture's."""
     mcore = pytest.importorskip("megatron.core")
     if not mcore.__version__.startswith("0.16"):
         pytest.skip(f"the MoE fixtures are megatron-core 0.16's (found {mcore.__version__})")
     import jax_ucp
 
-    name = "moe_distopt_ep2"
     out = tmp_path / "fx"
     env = dict(os.environ, MCORE_DISTOPT_SHARDING="dp_reshardable", MCORE_DISTOPT_TRUTH="1")
     r = subprocess.run(
@@ -178,9 +178,7 @@ def test_moe_distributed_optimizer_live(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     got = jax_ucp.restore(jax_ucp.convert(str(out / name), str(tmp_path / "ucp"), vocab_size=VOCAB))
     truth = np.load(out / f"{name}.truth.npz")
-    committed = np.load(
-        FIX / "mcore_versions" / "0.16.1" / "moe_distopt_ep2_dp_reshardable.truth.npz"
-    )
+    committed = np.load(FIX / "mcore_versions" / "0.16.1" / f"{name}_dp_reshardable.truth.npz")
     assert sorted(truth.files) == sorted(committed.files)
     trees = {"exp_avg": got["opt_state"]["mu"], "exp_avg_sq": got["opt_state"]["nu"]}
     for key in truth.files:
