@@ -71,3 +71,16 @@ def test_orbax_args_and_the_keywords_reach_the_reader_as_one_object(tmp_path, mo
     for got in (by_keywords, by_args):
         assert list(got) == ["w"] and got["w"].dtype == np.float16
         assert got["w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.timeout(30)
+def test_plan_checks_its_arguments_as_restore_does(tmp_path):
+    with pytest.raises(
+        restore_options.ArgsError,
+        match="^" + _re("plan(casting=): expected one of 'no', 'equiv', 'safe', 'same_kind', "),
+    ):
+        jax_ucp.plan(tmp_path / "absent", mesh=None, casting="lossless")
+    with pytest.raises(
+        restore_options.ArgsError, match="^" + _re("plan(strict=): expected True or False, got 1.")
+    ):
+        jax_ucp.plan(tmp_path / "absent", strict=1)
