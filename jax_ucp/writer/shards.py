@@ -170,7 +170,14 @@ class PipelinedWriter:
 
     An importer produces the next tensor while TensorStore is still creating and writing the
     previous ones (each create fsyncs its zarr.json, so awaiting them one by one dominated
-    imports); the byte and count caps bound the memory that pipelining adds.
+    imports); the byte and count caps (one ``store.InFlightBytes``) bound the memory that
+    pipelining adds.
+
+    Args:
+      root: the checkpoint directory written into.
+      max_bytes: bytes of tensors in flight (one tensor larger than it goes alone).
+      max_tensors: tensors in flight.
+      sync: fsync each file as it is written (False: the caller makes the tree durable).
     """
 
     def __init__(
