@@ -7,12 +7,14 @@ through Orbax's CheckpointManager (``handler.manager_step``), imported only then
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import operator
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_ucp import store, writer
@@ -23,6 +25,57 @@ from jax_ucp.importers.plan import Share
 from jax_ucp.writer import commit
 
 Progress = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvertOptions:
+    """How ``convert`` imports, checked once on construction and passed down whole. The fields
+    are ``convert``'s keywords (documented there); ``memory_budget`` is in bytes.
+
+    Attributes:
+        format: the source format ("deepspeed", "megatron", "safetensors", "torch", "orbax"),
+            None to detect it.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path).
+        force: replace a jax_ucp checkpoint at the destination.
+        step: write a CheckpointManager step (None: a standalone checkpoint).
+        progress: ``progress(name, done, total)`` per parameter.
+        compression: the arrays' codec (None: the format's default).
+        weights_only: the model weights alone, the optimizer state skipped.
+        distributed: every process of a ``jax.distributed`` job writes its share.
+        barrier_timeout: seconds a distributed import waits for its slowest process.
+        memory_budget: bytes of tensor data the import may hold at once (None: the default).
+        importer: options passed through to the importer (``tag=``, ``vocab_size=``).
+    """
+
+    format: str | None = None
+    spec: Any = None
+    force: bool = False
+    step: int | None = None
+    progress: Progress | None = None
+    compression: str | None = None
+    weights_only: bool = False
+    distributed: bool = False
+    barrier_timeout: float = 24 * 3600
+    memory_budget: int | None = None
+    importer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.step is not None:
+            try:
+                step = operator.index(self.step)
+            except TypeError:
+                step = -1
+            if isinstance(self.step, bool) or step < 0:
+                raise ValueError(f"convert: step={self.step!r}: a non-negative int, or None")
+            object.__setattr__(self, "step", step)
+        if self.distributed and self.step is not None:
+            raise ValueError("convert: distributed=True writes a standalone checkpoint (step=None)")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+        importer = dict(self.importer)
+        if self.weights_only:
+            importer["weights_only"] = True
+        object.__setattr__(self, "importer", importer)
 
 
 def convert(
@@ -43,103 +96,135 @@ def convert(
 ) -> str:
     """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
 
-    ``format``: "deepspeed" or "megatron" (detected from the files when None). ``spec``: a
-    UCP-language spec (``Spec``, shipped name or TOML path) with the import rules / settings.
-    ``step`` writes ``<dest>/<step>/state`` as a CheckpointManager step. ``progress(name, done,
-    total)`` is called per parameter. ``weights_only``: the model weights alone; the optimizer
-    state is skipped whatever its layout (recorded under ``source.skipped`` in the manifest).
-    ``distributed``: every process of a ``jax.distributed`` job calls ``convert`` with the same
-    arguments; each reads and writes every N-th parameter into one directory on a shared file
-    system, and process 0 commits once every process reported its part (``barrier_timeout``
-    seconds at most for the slowest; a process on this host that dies is noticed at once, one on
-    another host by jax.distributed's heartbeat). ``memory_budget``: bytes of tensor data the
-    import may hold at once (an int, or e.g. "256MiB", "1GiB"; default 256 MiB): the tensors the
-    writer has in flight plus what the importer is building (a tensor-parallel merge, chunks
-    read into place); each process of a distributed import has its own. Importer options
-    (``tag=``, ``vocab_size=``) pass through.
     Everything that needs no tensor bytes is checked before anything is written, and a failure
-    leaves ``dest`` untouched. Returns the UCP directory (the one holding ucp.json).
+    leaves ``dest`` untouched (one ``commit.transaction``). The keywords build a
+    ``ConvertOptions`` (``convert_with`` takes one directly).
+
+    Args:
+        source: the checkpoint directory (or file) to import.
+        dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
+        format: "deepspeed", "megatron", "safetensors", "torch" or "orbax" (detected from the
+            files when None).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules /
+            settings.
+        force: replace a jax_ucp checkpoint at ``dest`` (the old one kept whole until the new
+            one is committed).
+        step: write ``<dest>/<step>/state`` as a CheckpointManager step.
+        progress: called as ``progress(name, done, total)`` per parameter.
+        compression: the arrays' codec (None: the format's default).
+        weights_only: the model weights alone; the optimizer state is skipped whatever its
+            layout (recorded under ``source.skipped`` in the manifest).
+        distributed: every process of a ``jax.distributed`` job calls ``convert`` with the same
+            arguments; each reads and writes every N-th parameter into one directory on a shared
+            file system, and process 0 commits once every process reported its part.
+        barrier_timeout: with ``distributed``, seconds at most for the slowest process (a
+            process on this host that dies is noticed at once, one on another host by
+            jax.distributed's heartbeat).
+        memory_budget: bytes of tensor data the import may hold at once (an int, or e.g.
+            "256MiB", "1GiB"; default 256 MiB): the tensors the writer has in flight plus what
+            the importer is building (a tensor-parallel merge, chunks read into place); each
+            process of a distributed import has its own.
+        **importer_options: passed through to the importer (``tag=``, ``vocab_size=``).
+
+    Returns:
+        The UCP directory (the one holding ucp.json).
     """
-    budget = None if memory_budget is None else parse_size(memory_budget)
-    with writer.memory_budget_scope(budget):
-        return _convert(
-            source,
-            dest,
-            format=format,
-            spec=spec,
-            force=force,
-            step=step,
-            progress=progress,
-            compression=compression,
-            weights_only=weights_only,
-            distributed=distributed,
-            barrier_timeout=barrier_timeout,
-            **importer_options,
-        )
+    options = ConvertOptions(
+        format=format,
+        spec=spec,
+        force=force,
+        step=step,
+        progress=progress,
+        compression=compression,
+        weights_only=weights_only,
+        distributed=distributed,
+        barrier_timeout=barrier_timeout,
+        memory_budget=memory_budget,
+        importer=importer_options,
+    )
+    return convert_with(source, dest, options)
 
 
-def _convert(
-    source,
-    dest,
-    *,
-    format,
-    spec,
-    force,
-    step,
-    progress,
-    compression,
-    weights_only,
-    distributed,
-    barrier_timeout,
-    **importer_options,
-) -> str:
+def convert_with(source, dest, options: ConvertOptions) -> str:
+    """``convert`` with its options as one ``ConvertOptions``.
+
+    Args:
+        source: the checkpoint directory (or file) to import.
+        dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
+        options: what to import and how.
+
+    Returns:
+        The UCP directory (the one holding ucp.json).
+    """
     dest = os.fspath(dest)
-    remote = store.is_url(dest)
-    if remote and (step is not None or distributed):
-        raise ValueError(
-            f"convert: {dest} is an object store; step= and distributed=True write local (or "
-            f"shared file system) directories only"
+    _check_target(source, dest, options)
+    with writer.memory_budget_scope(options.memory_budget):
+        share, gather = (
+            _distributed_share(dest, options.barrier_timeout)
+            if options.distributed
+            else (None, None)
         )
-    if not remote:
-        check_destination(source, dest)
-    if not remote:  # refused before the source is read; checked again under the save lock
-        target = dest if step is None else os.path.join(dest, str(step))
-        commit.check_replaceable(os.path.abspath(target), force=force)
-    if weights_only:
-        importer_options["weights_only"] = True
-    share, gather = _distributed_share(dest, barrier_timeout) if distributed else (None, None)
-    if share is not None:
-        if step is not None:
-            raise ValueError("convert: distributed=True writes a standalone checkpoint (step=None)")
-        importer_options["share"] = share
-        try:  # a process that refuses the source must not leave the others waiting
-            plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
-        except BaseException as e:
-            writer.agree(gather, "planned", e, dest)
-        writer.agree(gather, "planned", "", dest)
-    else:
-        plan = detect.plan_import(source, format=format, spec=spec, **importer_options)
-    items = writer.with_progress(plan.items, plan.total_params, progress)
-    if share is not None:
-        return writer.write_shared_checkpoint(
+        plan = _plan(source, dest, options, share, gather)
+        items = writer.with_progress(plan.items, plan.total_params, options.progress)
+        if share is not None:
+            return writer.write_shared_checkpoint(
+                dest,
+                items,
+                index=share.index,
+                count=share.count,
+                gather=gather,
+                force=options.force,
+                source=plan.source,
+                compression=options.compression,
+            )
+        if options.step is None:
+            return writer.write_host_checkpoint(
+                dest,
+                items,
+                force=options.force,
+                source=plan.source,
+                compression=options.compression,
+            )
+        from jax_ucp.handler.manager_step import write_manager_step
+
+        return write_manager_step(
             dest,
             items,
-            index=share.index,
-            count=share.count,
-            gather=gather,
-            force=force,
+            step=options.step,
+            force=options.force,
             source=plan.source,
-            compression=compression,
+            compression=options.compression,
         )
-    if step is None:
-        return writer.write_host_checkpoint(
-            dest, items, force=force, source=plan.source, compression=compression
-        )
-    from jax_ucp.handler.manager_step import write_manager_step
 
-    return write_manager_step(
-        dest, items, step=step, force=force, source=plan.source, compression=compression
-    )
+
+def _check_target(source, dest: str, options: ConvertOptions) -> None:
+    """What the destination refuses, before the source is read (checked again under the save
+    lock, in the transaction)."""
+    if store.is_url(dest):
+        if options.step is not None or options.distributed:
+            raise ValueError(
+                f"convert: {dest} is an object store; step= and distributed=True write local "
+                f"(or shared file system) directories only"
+            )
+        return
+    check_destination(source, dest)
+    target = dest if options.step is None else os.path.join(dest, str(options.step))
+    commit.check_replaceable(os.path.abspath(target), force=options.force)
+
+
+def _plan(source, dest: str, options: ConvertOptions, share, gather):
+    """The importer's plan; in a distributed import every process's planning is agreed on, so a
+    process that refuses the source does not leave the others waiting."""
+    importer = dict(options.importer)
+    if share is None:
+        return detect.plan_import(source, format=options.format, spec=options.spec, **importer)
+    importer["share"] = share
+    try:
+        plan = detect.plan_import(source, format=options.format, spec=options.spec, **importer)
+    except BaseException as e:
+        writer.agree(gather, "planned", e, dest)
+    writer.agree(gather, "planned", "", dest)
+    return plan
 
 
 _RUNS = itertools.count()

@@ -150,12 +150,13 @@ def test_export_options_are_checked_once(tmp_path):
         ExportOptions(casting="sometimes")
     with pytest.raises(ExportError, match=r"max_file_bytes=0: a positive int"):
         ExportOptions(max_file_bytes=0)
-    with pytest.raises(ExportError, match=r"memory_budget=-1: a positive int"):
+    with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: must be a positive number"):
         ExportOptions(memory_budget=-1)
     with pytest.raises(ExportError, match="config= .* applies to safetensors exports"):
         ExportOptions(to="torch-dcp", config={"a": 1})
-    options = ExportOptions(dtype="float16", memory_budget=64 << 20)
+    options = ExportOptions(dtype="float16", memory_budget="64MiB")
     assert options.dtype == np.dtype(np.float16) and options.prefix == "params"
+    assert options.memory_budget == 64 << 20
     assert ExportOptions(to="torch-dcp").prefix == ""
     with pytest.raises(AttributeError):
         options.force = True  # frozen
@@ -163,3 +164,25 @@ def test_export_options_are_checked_once(tmp_path):
     jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
     out = exporters.export_with(ck, tmp_path / "out", options)
     assert out.files == ["model.safetensors"] and out.bytes == 8
+
+
+def test_convert_options_are_checked_once(tmp_path):
+    from jax_ucp.conversion import ConvertOptions, convert_with
+
+    with pytest.raises(ValueError, match=r"convert: step=-1: a non-negative int, or None"):
+        ConvertOptions(step=-1)
+    with pytest.raises(ValueError, match=r"distributed=True writes a standalone checkpoint"):
+        ConvertOptions(distributed=True, step=3)
+    with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: cannot read 'lots' as a size"):
+        ConvertOptions(memory_budget="lots")
+    options = ConvertOptions(step=np.int64(2), memory_budget="1MiB", weights_only=True)
+    assert options.step == 2 and type(options.step) is int and options.memory_budget == 1 << 20
+    assert options.importer == {"weights_only": True}
+    src = tmp_path / "hf"
+    src.mkdir()
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(src / "model.safetensors"))
+    out = convert_with(src, tmp_path / "run", ConvertOptions(step=5, memory_budget="1MiB"))
+    assert out == str(tmp_path / "run" / "5" / "state")
+    assert_bit_exact(jax_ucp.restore(out)["params"]["w"], np.arange(6, dtype=np.float32))

@@ -57,7 +57,8 @@ class ExportOptions:
         config: safetensors: a ``config.json`` (dict or JSON file path) to write beside.
         force: replace an earlier export at the destination.
         progress: ``progress(name, done, total)`` after each tensor.
-        memory_budget: bytes of tensor data an exporter may hold in flight (None: its default).
+        memory_budget: bytes of tensor data an exporter may hold in flight (an int, or e.g.
+            "256MiB"; None: its default).
     """
 
     to: str = "safetensors"
@@ -70,7 +71,7 @@ class ExportOptions:
     config: Mapping[str, Any] | str | os.PathLike | None = None
     force: bool = False
     progress: Callable[[str, int, int], None] | None = None
-    memory_budget: int | None = None
+    memory_budget: int | str | None = None
 
     def __post_init__(self):
         if self.to not in FORMATS:
@@ -96,12 +97,12 @@ class ExportOptions:
             )
         if self.casting not in CASTING:
             raise ExportError(f"casting={self.casting!r}: choose from {CASTING}")
-        for name in ("max_file_bytes", "param_groups", "memory_budget"):
+        for name in ("max_file_bytes", "param_groups"):
             value = getattr(self, name)
-            if value is None and name == "memory_budget":
-                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ExportError(f"{name}={value!r}: a positive int")
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
         if self.select is not None and not isinstance(self.select, str):
             raise ExportError(f"select={self.select!r}: a key-path prefix such as 'params'")
         if self.dtype is not None:
@@ -196,7 +197,7 @@ def export(
         config=config,
         force=force,
         progress=progress,
-        memory_budget=None if memory_budget is None else parse_size(memory_budget),
+        memory_budget=memory_budget,
     )
     return export_with(ckpt, dst, options)
 
