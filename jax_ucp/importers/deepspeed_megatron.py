@@ -119,11 +119,6 @@ def open_megatron_deepspeed_checkpoint(
     """Finds and validates every TP/PP/DP rank file of one tag folder (tensors stay
     memory-mapped); ``spec``: import rules to use instead of its ``universal_checkpoint_info``."""
     files = sorted(os.listdir(tag_dir))
-    if any(deepspeed_files.ZERO3_MODEL_FILE.match(f) for f in files):
-        raise DeepSpeedImportError(
-            f"{tag_dir}: ZeRO stage 3 with model parallelism (AutoTP) is not supported; "
-            f"Megatron-DeepSpeed TP/PP checkpoints are read for ZeRO stage 1 and 2"
-        )
     rank_files = _find_rank_files(tag_dir, files)
     spec, info = _import_spec(spec, rank_files)
     ranks = [
@@ -176,19 +171,31 @@ def open_megatron_deepspeed_checkpoint(
 
 def _find_rank_files(tag_dir: str, files: list[str]) -> _RankFiles:
     """The TP x PP grid (from rank 0's model states) and every rank's model and optimizer files;
-    a missing or surplus rank file is an error."""
-    first_model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    a missing or surplus rank file is an error. ZeRO-3 (AutoTP with ZeRO stage 3) keeps each
+    model-parallel rank's model states in ``zero_pp_rank_D_mp_rank_XX_model_states.pt``, one
+    per DP rank: DP rank 0's stands for the rank (the others are checked when it is opened)."""
+    zero3 = {
+        int(m.group(2)): f
+        for f in files
+        if (m := deepspeed_files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
+    }
+    if zero3:
+        model_files = zero3
+        pattern = "zero_pp_rank_0_mp_rank_{:02d}_model_states.pt"
+    else:
+        model_files = {
+            int(m.group(1)): f for f in files if (m := deepspeed_files.MP_MODEL_FILE.match(f))
+        }
+        pattern = "mp_rank_{:02d}_model_states.pt"
+    first_model_file = os.path.join(tag_dir, pattern.format(0))
     first_model_states = deepspeed_files.load_model_states(
         first_model_file, of_rank=" of model-parallel rank 0"
     )
-    tp, pp = _degrees(files, first_model_states, first_model_file)
+    tp, pp = _degrees(files, first_model_states, first_model_file, len(model_files))
     mp_world = tp * pp
-    model_files = {
-        int(m.group(1)): f for f in files if (m := deepspeed_files.MP_MODEL_FILE.match(f))
-    }
     for mp_rank in range(mp_world):
         if mp_rank not in model_files:
-            path = os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
+            path = os.path.join(tag_dir, pattern.format(mp_rank))
             raise DeepSpeedImportError(
                 f"{path}: missing model states file of model-parallel rank {mp_rank} "
                 f"(pp={mp_rank // tp}, tp={mp_rank % tp}; the checkpoint has tp={tp}, pp={pp})"
@@ -210,9 +217,10 @@ def _find_rank_files(tag_dir: str, files: list[str]) -> _RankFiles:
     )
 
 
-def _degrees(files: list[str], first_model_states: Mapping, first_model_file: str):
+def _degrees(
+    files: list[str], first_model_states: Mapping, first_model_file: str, model_file_count: int
+):
     """(tp, pp): from ``checkpoint_parallel_dimensions``, else from the files present."""
-    model_file_count = len([f for f in files if deepspeed_files.MP_MODEL_FILE.match(f)])
     dims = first_model_states.get("checkpoint_parallel_dimensions")
     if isinstance(dims, Mapping) and dims.get("tp_degree") and dims.get("pp_degree"):
         tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
@@ -286,12 +294,19 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
             f"{os.path.join(tag_dir, name)}: missing optimizer files{of_rank}"
         )
     optimizer = deepspeed_files.read_optimizer_states(tag_dir, files_by_dp_rank, of_rank=of_rank)
-    if optimizer.stage not in (1, 2):
+    if optimizer.stage not in (1, 2, 3):
         raise DeepSpeedImportError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}; Megatron-DeepSpeed TP/PP "
-            f"checkpoints are read for ZeRO stage 1 and 2"
+            f"checkpoints are read for ZeRO stage 1, 2 and 3"
         )
-    return deepspeed_zero.open_zero_rank(tag_dir, model_file, model_states, optimizer)
+    # the stage's own model states file name (and, for stage 3, every DP rank's present)
+    expected = deepspeed_zero.model_states_file(tag_dir, optimizer, mp_rank)
+    if os.path.basename(expected) != rank_files.model_files[mp_rank]:
+        raise DeepSpeedImportError(
+            f"{optimizer.files[0]}: zero_stage {optimizer.stage}{of_rank} is saved with "
+            f"{os.path.basename(expected)}, but the folder holds {rank_files.model_files[mp_rank]}"
+        )
+    return deepspeed_zero.open_zero_rank(tag_dir, model_file, model_states, optimizer, mp_rank)
 
 
 def _check_same_partitioning(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
@@ -352,6 +367,8 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, files: list[str]) ->
     weights: ModelWeights = {}
     for row in checkpoint.ranks:
         for tp_rank, rank in enumerate(row):
+            if rank.stage == 3:  # ZeRO-3's module holds placeholders: masters are the weights
+                continue
             for name, value in (rank.module or {}).items():
                 if isinstance(value, np.ndarray):
                     file = os.path.basename(rank.model_file)

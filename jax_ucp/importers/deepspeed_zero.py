@@ -86,6 +86,7 @@ class DeepSpeedCheckpoint:
     # whole in the model states file; stage 3: one partition per DP rank's model states file)
     frozen: dict[str, tuple[int, ...]] = field(default_factory=dict)
     frozen_files: list[str] = field(default_factory=list)
+    mp_rank: int = 0  # the model-parallel rank these files are of (stage-3 file names)
 
     @property
     def names(self) -> list[str]:
@@ -109,7 +110,7 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     if set(by_rank) != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched first)
         raise DeepSpeedImportError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
     optimizer = deepspeed_files.read_optimizer_states(tag_dir, by_rank[0])
-    model_file = _model_states_file(tag_dir, optimizer)
+    model_file = model_states_file(tag_dir, optimizer)
     model_states = deepspeed_files.load_model_states(model_file)
     if model_states.get("mp_world_size", 1) not in (None, 1):
         raise DeepSpeedImportError(
@@ -119,16 +120,22 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     return open_zero_rank(tag_dir, model_file, model_states, optimizer)
 
 
-def _model_states_file(tag_dir: str, optimizer: OptimizerStates) -> str:
-    """The model states file of the stage; stage 3 also needs one file per DP rank."""
+def zero3_model_file(tag_dir: str, dp_rank: int, mp_rank: int = 0) -> str:
+    """Stage 3's model states file of one DP rank of one model-parallel rank."""
+    return os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
+
+
+def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
+    """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
+    needs one file per DP rank."""
     if optimizer.stage in (1, 2):
-        return os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+        return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
     if optimizer.stage != 3:
         raise DeepSpeedImportError(
             f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}"
         )
     for dp_rank in range(optimizer.world_size):
-        path = os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_00_model_states.pt")
+        path = zero3_model_file(tag_dir, dp_rank, mp_rank)
         if not os.path.lexists(path):
             raise DeepSpeedImportError(
                 f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
@@ -137,17 +144,26 @@ def _model_states_file(tag_dir: str, optimizer: OptimizerStates) -> str:
             files.check_regular(path)
         except files.UnsafeFileError as e:
             raise DeepSpeedImportError(f"{e} (stage-3 model states of DP rank {dp_rank})") from None
-    found = [f for f in os.listdir(tag_dir) if deepspeed_files.ZERO3_MODEL_FILE.match(f)]
+    found = [
+        f
+        for f in os.listdir(tag_dir)
+        if (m := deepspeed_files.ZERO3_MODEL_FILE.match(f)) and int(m.group(2)) == mp_rank
+    ]
     if len(found) != optimizer.world_size:
         raise DeepSpeedImportError(
             f"{tag_dir}: world size metadata says {optimizer.world_size} DP ranks but found "
             f"{len(found)} stage-3 model states files"
+            + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
         )
-    return os.path.join(tag_dir, "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    return zero3_model_file(tag_dir, 0, mp_rank)
 
 
 def open_zero_rank(
-    tag_dir: str, model_file: str, model_states: Mapping, optimizer: OptimizerStates
+    tag_dir: str,
+    model_file: str,
+    model_states: Mapping,
+    optimizer: OptimizerStates,
+    mp_rank: int = 0,
 ) -> DeepSpeedCheckpoint:
     """One model-parallel rank from its model states and checked optimizer files; checks that
     the optimizer partitions hold exactly every parameter of ``param_shapes``."""
@@ -167,6 +183,7 @@ def open_zero_rank(
         global_steps=model_states.get("global_steps"),
         module=module,
         shared_params=shared_params_of(model_states, model_file),
+        mp_rank=mp_rank,
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
     checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file)
@@ -179,10 +196,7 @@ def open_zero_rank(
         checkpoint.frozen_files = (
             [model_file]
             if optimizer.stage in (1, 2)
-            else [
-                os.path.join(tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
-                for r in range(optimizer.world_size)
-            ]
+            else [zero3_model_file(tag_dir, r, mp_rank) for r in range(optimizer.world_size)]
         )
     return checkpoint
 
@@ -688,7 +702,7 @@ def zero_tensors(
 
 def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
     return [
-        os.path.join(checkpoint.tag_dir, f"zero_pp_rank_{r}_mp_rank_00_model_states.pt")
+        zero3_model_file(checkpoint.tag_dir, r, checkpoint.mp_rank)
         for r in range(checkpoint.world_size)
     ]
 
