@@ -85,8 +85,25 @@ def save(
 ) -> str:
     """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
 
-    Every process calls it; each writes only the replica-0 shards it holds, no gather.  Leaves:
-    ``jax.Array`` (any sharding), numpy arrays, Python scalars / strings / None.
+    Every process calls it; each writes only the replica-0 shards it holds, no gather. The
+    save is one ``commit.transaction``: a failed or killed save leaves ``path`` as it was.
+
+    Args:
+        path: the checkpoint directory, or an ``s3://`` / ``gs://`` prefix.
+        tree: the pytree to save. Leaves: ``jax.Array`` (any sharding), numpy arrays, Python
+            scalars / strings / None.
+        force: replace a jax_ucp checkpoint at ``path`` (kept whole until the new one is in
+            place; a committed object-store checkpoint is never replaced).
+        logical_axes: a pytree (same structure) of flax-style logical axis-name tuples,
+            recorded so a restore can map them with new ``rules=`` (flax boxes in ``tree`` are
+            recorded automatically).
+        compression: None (default) or "zstd".
+        inner_chunk_bytes: bound on inner chunks in bytes (None: the store's default).
+        checksum: "crc32c" (default: every inner chunk verified on read) or None.
+        source: provenance recorded in the manifest.
+
+    Returns:
+        The checkpoint path, once it is committed.
     """
     path = os.fspath(path)
     if not store.is_url(path):
@@ -117,6 +134,11 @@ def object_store_save(url: str, args, *, force: bool) -> None:
     holding anything but a killed save's leftovers, and deletes those. ``force`` cannot replace
     a committed checkpoint there: without a rename the old one would be gone before the new one
     is whole. Save to a new prefix (e.g. the next step) instead.
+
+    Args:
+        url: the ``s3://`` / ``gs://`` prefix.
+        args: the ``UCPSave`` every process passes.
+        force: as for ``save``; a committed checkpoint at ``url`` is refused even so.
     """
     url = url.rstrip("/")
     store.location.kvstore_root(url)  # a malformed URL fails here, in every process

@@ -56,10 +56,12 @@ class OpenFile:
             )
 
     def tensor(self, name: str) -> SafetensorsTensor:
+        """The tensor ``name`` of this file (its header entry, checked when parsed)."""
         dtype, shape, begin, _ = self.parsed.header[name]
         return SafetensorsTensor(self, name, dtype, shape, self.parsed.data_start + begin)
 
     def close(self) -> None:
+        """Closes the descriptor (again: nothing)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -176,6 +178,7 @@ class SafetensorsTensor:
         )
 
     def read_all(self) -> np.ndarray:
+        """The whole tensor as a new array."""
         out = np.empty(self.shape, self.dtype)
         self.read_into([(tuple((0, n) for n in self.shape), out)]).result()
         return out
@@ -210,6 +213,7 @@ class Gathered:
         ]
 
     def read_into(self, dests) -> RegionsRead:
+        """Reads each ``(region, out)`` of ``dests`` into ``out``, like ``ShardReader.read_into``."""
         for region, out in dests:
             shape = tuple(b - a for a, b in region)
             if (
@@ -273,6 +277,7 @@ class RegionsRead:
         self._parts = parts
 
     def result(self) -> None:
+        """Waits for every read; raises the first error."""
         errors = []
         for part in self._parts:
             try:

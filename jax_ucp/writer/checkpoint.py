@@ -69,7 +69,18 @@ def agree(
     process order, once all have posted theirs): ``result`` is this process's payload, or its
     error. Every process sees the same list, so all decide alike: this process's own error is
     raised, else a ``SharedWriteError`` naming each process that failed and why; else the
-    payloads. ``wait=False`` only posts this process's outcome (the others wait for it)."""
+    payloads. ``wait=False`` only posts this process's outcome (the others wait for it).
+
+    Args:
+        gather: the exchange (see ``write_shared_checkpoint``).
+        step: the name of the step agreed on ("ready", "written", "committed").
+        result: this process's payload, or the error it met.
+        where: the destination, for the error message.
+        wait: wait for every process's outcome (False: post this one's only).
+
+    Returns:
+        Every process's payload, in process order.
+    """
     failed = isinstance(result, BaseException)
     mine = _FAILED + f"{type(result).__name__}: {result}"[:4000] if failed else _OK + result
     values = gather(step, mine, wait)
@@ -104,7 +115,21 @@ def write_shared_checkpoint(
     "committed" (the primary's merge and rename, done only once every process reported its
     part). Every process takes the same decision from the same values: a failure anywhere
     leaves ``dest`` untouched, is raised in every process naming the process and its error,
-    and the primary removes the temporary directory."""
+    and the primary removes the temporary directory (its ``commit.transaction``).
+
+    Args:
+        dest: the checkpoint directory, on a file system every process sees.
+        items: this process's share of the tensors and values.
+        index: this process's index (0: the primary, which locks and commits).
+        count: how many processes write.
+        gather: the exchange of outcomes between the processes.
+        force: replace a jax_ucp checkpoint at ``dest``.
+        source: provenance recorded in the manifest.
+        compression: the arrays' codec (``None``: the format's default).
+
+    Returns:
+        ``dest``.
+    """
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
     primary = index == 0
     with contextlib.ExitStack() as stack:

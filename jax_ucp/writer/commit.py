@@ -320,6 +320,15 @@ def check_replaceable(
     else is refused untouched whatever ``force`` says, the error naming what was found, so the
     advice to pass ``force=True`` is only given where it would work; ``force=False`` refuses
     a replaceable ``path`` too, with that advice. Pure: changes nothing.
+
+    Args:
+        path: the destination.
+        force: whether replacing is allowed (False: a replaceable ``path`` is refused too).
+        export: ``path`` is an export's destination (only an earlier export is replaceable).
+        what: how the ``FileExistsError`` names ``path`` ("step 7").
+
+    Returns:
+        True when something is there to replace, False when ``path`` is new or empty.
     """
     if not os.path.lexists(path):
         return False
@@ -355,7 +364,17 @@ def check_replaceable(
 
 def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> bool:
     """``check_replaceable``, then an empty directory at ``path`` removed so the new one can
-    take its place (``rmdir``: it removes nothing that appeared meanwhile)."""
+    take its place (``rmdir``: it removes nothing that appeared meanwhile).
+
+    Args:
+        path: the destination.
+        force: whether replacing is allowed.
+        export: ``path`` is an export's destination.
+        what: how the ``FileExistsError`` names ``path``.
+
+    Returns:
+        True when a committed directory is to be replaced (swapped out at the commit).
+    """
     replacing = check_replaceable(path, force=force, export=export, what=what)
     if not replacing and os.path.isdir(path):
         try:
