@@ -29,7 +29,8 @@ class UnsupportedError(UCPError, TypeError, ValueError):
 class NotFoundError(UCPError, KeyError):
     """A name asked for does not exist (a bundled sample, ...); the message lists what does."""
 
-    def __str__(self) -> str:  # KeyError's own quotes the message like a key
+    def __str__(self) -> str:
+        """The message as given (``KeyError.__str__`` would quote it like a key)."""
         return Exception.__str__(self)
 
 

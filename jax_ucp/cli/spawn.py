@@ -17,6 +17,7 @@ class Parallel:
     (several hosts: run the same command on each, sharing one file system)."""
 
     def __init__(self, processes, coordinator, num_processes, process_id):
+        """Checks the options together (a usage error, exit 2, names the option)."""
         self.processes, self.coordinator = processes, coordinator
         self.num_processes, self.process_id = num_processes, process_id
         if processes is not None and processes < 1:

@@ -112,6 +112,7 @@ class PendingArray:
         return converted
 
     def result(self):
+        """The ``jax.Array`` (or host array without a sharding), once every read is done."""
         if not self._reads:
             self.start()
         if self._direct:

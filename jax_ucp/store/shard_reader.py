@@ -268,6 +268,7 @@ class ShardReader:
         self._crc = layout.checksum == "crc32c"
 
     def __getitem__(self, index) -> _Region:
+        """The region ``index`` selects (contiguous slices only), read by its ``read()``."""
         if not isinstance(index, tuple):
             index = (index,)
         region = []
@@ -280,6 +281,7 @@ class ShardReader:
         return _Region(self, tuple(region))
 
     def read(self) -> concurrent.futures.Future:
+        """The whole array, like ``tensorstore.TensorStore.read()``."""
         return _Region(self, tuple((0, n) for n in self.shape)).read()
 
     def _checks_digests(self) -> bool:
@@ -446,6 +448,8 @@ class RegionRead:
         self._parts = [pool.submit(reader._read_part, pos, chunks, dests) for pos, chunks in tasks]
 
     def result(self) -> np.ndarray | None:
+        """Waits for every part (none may still write into an array), raises the first error,
+        then checks the shard digests; returns ``out`` of a single-region read."""
         errors = []
         for part in self._parts:  # wait for every part: none may still write into ``out``
             try:
