@@ -124,3 +124,25 @@ def _flat(tree, prefix=""):
             yield from _flat(v, f"{prefix}/{k}")
     else:
         yield prefix, tree
+
+
+@pytest.mark.timeout(120)
+def test_cli_memory_budget_flag(tmp_path):
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    runner = CliRunner()
+    out = tmp_path / "ucp"
+    r = runner.invoke(app, ["convert", "torch", FSDP2, str(out), "--memory-budget", "64KiB"])
+    assert r.exit_code == 0, r.output
+    want = jax_ucp.restore(jax_ucp.convert(FSDP2, tmp_path / "default"))
+    got = jax_ucp.restore(out)
+    for key, value in dict(_flat(want)).items():
+        np.testing.assert_array_equal(dict(_flat(got))[key], value, err_msg=key)
+    r = runner.invoke(
+        app, ["convert", "torch", FSDP2, str(tmp_path / "bad"), "--memory-budget", "lots"]
+    )
+    assert r.exit_code != 0
+    assert "memory_budget: cannot read 'lots' as a size" in r.output
+    assert not os.path.exists(tmp_path / "bad")

@@ -127,7 +127,7 @@ def _user_errors(fn):
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (UCPError, OSError, ValueError, TypeError, KeyError) as e:  # narrowed below
+        except (UCPError, OSError) as e:
             text = _os_error_text(e) if isinstance(e, OSError) else str(e)
             output.error(_cli_wording(text))
             raise typer.Exit(1) from e
@@ -325,6 +325,14 @@ Coordinator = Annotated[
 ]
 NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in it")]
 ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's index")]
+MemoryBudget = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-budget",
+        help="tensor bytes held at once: in flight to disk plus being built (e.g. 256MiB, 1GiB; "
+        "default 256MiB)",
+    ),
+]
 
 
 @convert_app.command("deepspeed")
@@ -345,6 +353,7 @@ def convert_deepspeed(
     coordinator: Coordinator = None,
     num_processes: NumProcesses = None,
     process_id: ProcessId = None,
+    memory_budget: MemoryBudget = None,
 ):
     """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
     from jax_ucp import conversion
@@ -353,6 +362,7 @@ def convert_deepspeed(
         conversion.convert_deepspeed,
         src,
         dst,
+        memory_budget=memory_budget,
         force=force,
         step=step,
         spec=spec,
@@ -377,6 +387,7 @@ def convert_megatron(
     coordinator: Coordinator = None,
     num_processes: NumProcesses = None,
     process_id: ProcessId = None,
+    memory_budget: MemoryBudget = None,
 ):
     """A Megatron checkpoint (torch_dist, or legacy iter_N/mp_rank_XX)."""
     from jax_ucp import conversion
@@ -387,6 +398,7 @@ def convert_megatron(
         dst,
         spec=spec,
         vocab_size=vocab_size,
+        memory_budget=memory_budget,
         force=force,
         step=step,
         weights_only=weights_only,
@@ -408,6 +420,7 @@ def convert_safetensors(
     coordinator: Coordinator = None,
     num_processes: NumProcesses = None,
     process_id: ProcessId = None,
+    memory_budget: MemoryBudget = None,
 ):
     """Hugging Face safetensors (a .safetensors file, or a folder with shards and an index)."""
     from jax_ucp import conversion
@@ -416,6 +429,7 @@ def convert_safetensors(
         conversion.convert_safetensors,
         src,
         dst,
+        memory_budget=memory_budget,
         force=force,
         step=step,
         weights_only=weights_only,
@@ -434,6 +448,7 @@ def convert_orbax(
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the params/ subtree alone"
     ),
+    memory_budget: MemoryBudget = None,
 ):
     """An Orbax checkpoint (StandardCheckpointer / PyTreeCheckpointer dir, or a
     CheckpointManager step or root; OCDBT or not)."""
@@ -445,6 +460,7 @@ def convert_orbax(
         dst,
         format="orbax",
         tag=tag,
+        memory_budget=memory_budget,
         force=force,
         step=step,
         weights_only=weights_only,
@@ -465,6 +481,7 @@ def convert_torch(
     coordinator: Coordinator = None,
     num_processes: NumProcesses = None,
     process_id: ProcessId = None,
+    memory_budget: MemoryBudget = None,
 ):
     """A torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save
     files (pytorch_model.bin, .pt, .ckpt)."""
@@ -474,6 +491,7 @@ def convert_torch(
         conversion.convert_torch,
         src,
         dst,
+        memory_budget=memory_budget,
         force=force,
         step=step,
         weights_only=weights_only,
@@ -712,6 +730,7 @@ def export(
         None, help="safetensors: a config.json to write beside the weights (for from_pretrained)"
     ),
     force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
+    memory_budget: MemoryBudget = None,
 ):
     """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal) or
     Orbax (a StandardCheckpointer checkpoint)."""
@@ -738,6 +757,7 @@ def export(
             param_groups=param_groups,
             config=config,
             force=force,
+            memory_budget=memory_budget,
             progress=on_progress,
         )
     finally:

@@ -55,12 +55,15 @@ class Deferred:
     ``nbytes`` more to fit in the memory budget (Orbax's ``LimitInFlightBytes`` reserves before
     it reads, likewise), so the tensor being built counts against the same budget."""
 
-    shape: tuple[int, ...]
-    dtype: np.dtype
+    shape: tuple[int, ...] | None  # None: known once built (``bound`` then says how large)
+    dtype: np.dtype | None
     make: Callable[[], np.ndarray]
+    bound: int | None = None  # bytes at most, when the shape is not known before it is built
 
     @property
     def nbytes(self) -> int:
+        if self.shape is None:
+            return int(self.bound or 0)
         n = np.dtype(self.dtype).itemsize
         for d in self.shape:
             n *= int(d)
@@ -68,6 +71,13 @@ class Deferred:
 
     def build(self, name: str) -> np.ndarray:
         value = self.make()
+        if self.shape is None:
+            if not isinstance(value, np.ndarray) or value.nbytes > self.nbytes:
+                raise TypeError(
+                    f"HostItem {name!r}: built {getattr(value, 'nbytes', type(value).__name__)} "
+                    f"bytes, announced at most {self.nbytes}"
+                )
+            return value
         if tuple(value.shape) != tuple(self.shape) or value.dtype != np.dtype(self.dtype):
             raise TypeError(
                 f"HostItem {name!r}: built {value.dtype}{list(value.shape)}, announced "

@@ -541,6 +541,16 @@ class _LegacyMerger:
         except MergeError as e:
             raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
 
+    def deferred(self, name: str, stages: dict, what: str) -> tuple[writer.Deferred, str]:
+        """``merged``, built only once the writer has room for it in the memory budget: a
+        merge's result is at most its fragments' bytes (pipeline-tied copies: one stage's)."""
+        kind = self.plan.matches[name].kind
+        pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
+        bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in stages.values())
+        return writer.Deferred(
+            None, None, lambda: self.merged(name, stages, what)[0], bound=bound
+        ), pattern
+
     def grouped(self, name: str) -> tuple[np.ndarray, str]:
         """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
         weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
@@ -581,7 +591,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
             value, pattern = (
                 merger.grouped(name)
                 if name in tensors.grouped
-                else merger.merged(name, tensors.fragments[name], "model weights")
+                else merger.deferred(name, tensors.fragments[name], "model weights")
             )
             yield host_item(
                 ("params", name),
@@ -591,7 +601,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
             continue
         for state_name, tree in _OPTIMIZER_BUFFERS:
             what = f"distrib_optim.pt {state_name}"
-            value, pattern = merger.merged(name, plan.optimizer[state_name][name], what)
+            value, pattern = merger.deferred(name, plan.optimizer[state_name][name], what)
             yield host_item(
                 (*tree, name),
                 value,
@@ -604,7 +614,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
                 },
             )
         if plan.want_model:
-            value, pattern = merger.merged(name, tensors.fragments[name], "model weights")
+            value, pattern = merger.deferred(name, tensors.fragments[name], "model weights")
             yield host_item(
                 ("model_params", name),
                 value,

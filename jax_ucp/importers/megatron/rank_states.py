@@ -458,6 +458,7 @@ class RankStates:
             for c in chunks:  # the local piece is the rank's chunks joined along `axis`
                 size = c.sizes[skip + axis]
                 index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
-                target[index] = np.take(value, range(at, at + size), axis=axis)
+                # a view of the piece (np.take would copy it first)
+                target[index] = value[(slice(None),) * axis + (slice(at, at + size),)]
                 at += size
         return out

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -346,12 +347,10 @@ def bucket_items(
     checkpoint = reader.checkpoint
     files = buckets.files()
     for name in model_names:
-        weight, pattern = reader.read(name, name)
-        rows = (
-            weight.shape[0]
-            if weight.ndim and weight.shape != checkpoint.tensors[name].shape
-            else None
-        )
+        full = checkpoint.tensors[name]
+        weight = _ModelWeight(reader, name)
+        weight_bytes = math.prod(full.shape) * np.dtype(full.dtype).itemsize
+        state_bytes = math.prod(full.shape) * 4
         provenance = {
             "format": "torch_dist",
             "files": files,
@@ -361,28 +360,17 @@ def bucket_items(
             RankStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
         ):
             sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
-            value = buckets.read(state, name)
-            if rows is not None:
-                value = value[:rows]
-            if state == "param" and not np.array_equal(
-                value.astype(weight.dtype).view(np.uint8),
-                np.ascontiguousarray(weight).view(np.uint8),
-            ):
-                raise MegatronImportError(
-                    f"tensor {name!r}: the fp32 master found in the {buckets.LAYOUT} state "
-                    f"of {buckets.where} does not {'equal' if weight.dtype == np.float32 else 'round to'} "
-                    f"the model weight: the grad-buffer layout jax_ucp derived does not match this "
-                    f"checkpoint (another megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
-                )
+            value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
+            weight.get()  # read already by the states built before (the writer builds in order)
             yield host_item(
                 ("model_params", name),
-                weight,
+                writer.Deferred(None, None, weight.get, bound=weight_bytes),
                 {
                     "format": "torch_dist",
-                    "files": checkpoint.tensors[name].files,
-                    "pattern": pattern,
+                    "files": full.files,
+                    "pattern": weight.pattern,
                     TENSORS: [name],
                 },
             )
@@ -392,6 +380,68 @@ def bucket_items(
             np.asarray(count, np.int32),
             {"files": files, "pattern": "param_groups.step", VALUES: buckets.step_objects()},
         )
+
+
+class _ModelWeight:
+    """One parameter's model weight, read by the first of its states to be built (inside the
+    memory budget, which reserves its bytes beside each state's) and kept for the masters'
+    check and the model-precision copy."""
+
+    def __init__(self, reader: TorchDistReader, name: str):
+        self.reader, self.name = reader, name
+        self.value: np.ndarray | None = None
+        self.pattern: str | None = None
+
+    def get(self) -> np.ndarray:
+        if self.value is None:
+            try:
+                self.value, self.pattern = self.reader.read(self.name, self.name)
+            except (dcp.DcpError, legacy.LegacyError) as e:
+                raise MegatronImportError(str(e)) from None
+        return self.value
+
+
+def _bucket_state(
+    buckets: RankStates, state: str, name: str, model: _ModelWeight, bound: int
+) -> writer.Deferred:
+    """One optimizer state of ``name``, put together from every rank's flat buckets only once
+    the writer has room for it and the model weight (``bound`` bytes) in the memory budget
+    (``writer.Deferred``); vocab padding stripped like the weight's, the master checked
+    against it."""
+
+    def make() -> np.ndarray:
+        weight = model.get()
+        full = tuple(model.reader.checkpoint.tensors[name].shape)
+        try:
+            value = buckets.read(state, name)
+        except (dcp.DcpError, legacy.LegacyError) as e:
+            raise MegatronImportError(str(e)) from None
+        if weight.ndim and weight.shape != full:
+            value = value[: weight.shape[0]]
+        if state == "param" and not _rounds_to(value, weight):
+            rounds = "equal" if weight.dtype == np.float32 else "round to"
+            raise MegatronImportError(
+                f"tensor {name!r}: the fp32 master found in the {buckets.LAYOUT} state "
+                f"of {buckets.where} does not {rounds} the model weight: the grad-buffer "
+                f"layout jax_ucp derived does not match this checkpoint (another "
+                f"megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
+            )
+        return value
+
+    return writer.Deferred(None, None, make, bound=bound)
+
+
+def _rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> bool:
+    """``master`` cast to ``weight``'s dtype equals ``weight`` bit for bit; compared ``block``
+    elements at a time, so the temporaries are a few MiB instead of the tensor's size (the
+    cast copy and a byte-wise comparison of it were 1.5x the master under the memory budget)."""
+    if master.shape != weight.shape:
+        return False
+    m, w = master.reshape(-1), np.ascontiguousarray(weight).reshape(-1)
+    return all(
+        m[i : i + block].astype(w.dtype).tobytes() == w[i : i + block].tobytes()
+        for i in range(0, m.size, block)
+    )
 
 
 def torch_dist_items(
