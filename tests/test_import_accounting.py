@@ -67,6 +67,8 @@ def _megatron_tensors(src: str) -> set[str]:
     with open(os.path.join(src, megatron_legacy.TRACKER_FILE)) as f:
         iteration = f.read().strip()
     iter_dir = os.path.join(src, f"iter_{int(iteration):07d}")
+    if os.path.exists(os.path.join(iter_dir, ".metadata")):  # Megatron Bridge: torch_dist
+        return set(megatron_dcp.open_dcp(iter_dir).tensors)
     return {
         f"{os.path.relpath(path, iter_dir)}:{name}"
         for path in sorted(glob.glob(os.path.join(iter_dir, "mp_rank_*", "*.pt")))
@@ -125,6 +127,9 @@ def _fixtures():
     for path in megatron:
         rel = os.path.relpath(path, FIXTURES)
         out.append(pytest.param("megatron", path, id=rel))
+    for path in sorted(glob.glob(os.path.join(FIXTURES, "megatron_bridge", "*", "latest_*.pt"))):
+        path = os.path.dirname(path)  # a Megatron Bridge save directory
+        out.append(pytest.param("megatron", path, id=os.path.relpath(path, FIXTURES)))
     for path in sorted(glob.glob(os.path.join(FIXTURES, "torch", "*"))):
         if os.path.exists(os.path.join(path, "model.safetensors")):  # Accelerate's save_state
             out.append(pytest.param("safetensors", path, id=os.path.relpath(path, FIXTURES)))

@@ -12,6 +12,7 @@ from jax_ucp.importers import (
     deepspeed,
     deepspeed_files,
     megatron,
+    megatron_bridge,
     orbax,
     safetensors_hf,
     torch_dcp,
@@ -51,6 +52,8 @@ def detect_format(src) -> str:
 
     if has(
         "latest_checkpointed_iteration.txt",
+        megatron_bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
+        megatron_bridge.RUN_CONFIG_FILE,
         "iter_*",
         ".metadata",
         "metadata.json",
@@ -115,6 +118,14 @@ def plan_import(
     return dataclasses.replace(plan, items=items)
 
 
+def _plan_megatron(source, **options) -> ImportPlan:
+    """Megatron Bridge (``latest_train_state.pt``, ``train_state.pt`` + ``run_config.yaml``) or
+    Megatron-LM / megatron-core."""
+    if megatron_bridge.is_megatron_bridge(source):
+        return megatron_bridge.plan_megatron_bridge(source, **options)
+    return megatron.plan_megatron(source, **options)
+
+
 def _plan_torch(source, **options) -> ImportPlan:
     """torch DCP (a folder with .metadata, or Accelerate's holding them) or torch.save files."""
     if torch_dcp.dcp_dirs(source):
@@ -124,7 +135,7 @@ def _plan_torch(source, **options) -> ImportPlan:
 
 _IMPORTERS = {
     "deepspeed": deepspeed.plan_deepspeed,
-    "megatron": megatron.plan_megatron,
+    "megatron": _plan_megatron,
     "orbax": orbax.plan_orbax,
     "safetensors": safetensors_hf.plan_safetensors,
     "torch": _plan_torch,
