@@ -390,7 +390,15 @@ def _export_universal(root, dst, manifest, available, options: ExportOptions) ->
     def weights():
         for p, name in ds_names.items():
             key = model.get(params[p], p)
-            yield name, read(key, available[key].dtype)
+            dtype = available[key].dtype  # read when written: one weight held at a time
+            yield (
+                name,
+                torch_out.Deferred(
+                    tuple(available[key].shape),
+                    dtype,
+                    lambda key=key, dtype=dtype: read(key, dtype),
+                ),
+            )
 
     universal = [
         deepspeed_out.UniversalParam(ds_names[p], tuple(available[p].shape)) for p in params

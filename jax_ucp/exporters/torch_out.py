@@ -21,7 +21,7 @@ import os
 import pickle
 import struct
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -251,6 +251,17 @@ def _with_tensors(obj: Any, name: str) -> Any:
     return obj
 
 
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """An array of known shape and dtype, read only when :func:`write_torch_save` writes its
+    bytes: an archive of many tensors (DeepSpeed's model states) then holds one of them at a
+    time instead of all (the export's memory budget)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[], np.ndarray]
+
+
 def write_torch_save(
     f,
     obj: Any = None,
@@ -268,6 +279,8 @@ def write_torch_save(
         z.writestr(f"{name}/data.pkl", dumps(_with_tensors(obj, name)))
         z.writestr(f"{name}/byteorder", "little")
         for index, value in enumerate(arrays):
+            if isinstance(value, Deferred):
+                value = _read_deferred(value, f"{name}/data/{index}")
             flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
             info = zipfile.ZipInfo(f"{name}/data/{index}", date_time=(1980, 1, 1, 0, 0, 0))
             with z.open(info, "w", force_zip64=flat.size >= 0xFFFFFFFF) as member:
@@ -275,6 +288,16 @@ def write_torch_save(
                     member.write(memoryview(flat[at : at + (64 << 20)]))
         z.writestr(f"{name}/version", "3\n")
     return f.tell() - start
+
+
+def _read_deferred(value: Deferred, where: str) -> np.ndarray:
+    array = value.read()
+    if tuple(array.shape) != tuple(value.shape) or array.dtype != np.dtype(value.dtype):
+        raise ExportError(
+            f"{where}: read {array.dtype}{list(array.shape)}, planned "
+            f"{np.dtype(value.dtype)}{list(value.shape)}"
+        )
+    return array
 
 
 def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray] = ()) -> None:
