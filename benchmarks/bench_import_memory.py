@@ -15,6 +15,26 @@ pages are file-backed (RssFile), not charged.
 
 A case is ``name=path`` (the format is detected); ``--export`` also exports the first case's
 conversion to every target. ``--vocab-size`` is passed to Megatron cases.
+
+The checkpoints (>= 100M parameters each; torch in /work/venv-torch):
+
+    python benchmarks/bench_torch_import.py --generate /tmp/tbench          # torch DCP, 134M
+    python -c "import transformers as t; m = t.GPT2LMHeadModel(t.GPT2Config(n_embd=1024,
+        n_layer=12, n_head=16)); m.save_pretrained('/tmp/h7/hf/gpt2_203m');
+        m.save_pretrained('/tmp/h7/hf/gpt2_203m_bin', safe_serialization=False,
+        max_shard_size='10GB')"                                            # safetensors, .bin
+    DS_ACCELERATOR=cpu torchrun --nproc_per_node 2 tools/fixtures/ds_train.py \
+        --out /tmp/h7/ds/gpt110m --stage 2 --dtype bf16 --vocab 16001 --width 768 --layers 12 \
+        --heads 12 --seq 64 --mb 1 --steps 1 --no-next                     # DeepSpeed ZeRO-2
+    python -m deepspeed.checkpoint.ds_to_universal --input_folder \
+        /tmp/h7/ds/gpt110m/ckpt/global_step1 --output_folder /tmp/h7/ds/universal \
+        --inject_missing_state                                              # DeepSpeed universal
+    MCORE_BENCH_SIZE=1 MCORE_DISTOPT_SHARDING=dp_reshardable MCORE_DDP_BUCKET_SIZE=40000000 \
+        python tools/fixtures/make_megatron_fixtures.py --out /tmp/h7/mg llama_distopt_bf16_tp2dp2
+    MCORE_BENCH_SIZE=1 python tools/fixtures/make_megatron_fixtures.py --out /tmp/h7/mgl \
+        legacy_llama_tp2_synthetic                                          # Megatron legacy
+    # Orbax: ocp.StandardCheckpointer().save('/tmp/h7/orbax_133m', tree), tree = a float32
+    # (32000, 1024) embedding and 12 x {(1024, 4096), (4096, 1024)} (133M parameters)
 """
 
 from __future__ import annotations
