@@ -73,3 +73,22 @@ def test_autotp_zero3_missing_dp_rank_model_states_is_named(tmp_path):
     ):
         jax_ucp.convert(src, tmp_path / "u")
     assert not (tmp_path / "u").exists()
+
+
+@pytest.mark.timeout(60)
+def test_autotp_zero3_weights_only(tmp_path):
+    """weights_only: the merged fp32 masters and bf16 weights alone; the moments and the step
+    named in source.skipped."""
+    jax_ucp.convert(os.path.join(RUN, "ckpt"), tmp_path / "u", weights_only=True)
+    tree = jax_ucp.restore(tmp_path / "u")
+    assert sorted(tree) == ["model_params", "params"]
+    ref = np.load(os.path.join(RUN, "ref_universal.npz"))
+    for name, value in tree["params"].items():
+        assert _same(value, ref[f"{name}/fp32"]), name
+    with open(tmp_path / "u" / "ucp.json") as f:
+        skipped = json.load(f)["source"]["skipped"]
+    moment = (
+        "bf16_zero_pp_rank_1_mp_rank_01_optim_states.pt:"
+        "optimizer_state_dict.optimizer_state_dict.state.0.exp_avg"
+    )
+    assert skipped[moment] == "weights_only: Adam moment"
