@@ -253,3 +253,38 @@ def test_train_state_that_is_not_one_is_refused(bridge_copy, tmp_path):
     (bridge_copy / ITER / "train_state.pt").write_bytes(b"not a zip file")
     os.remove(bridge_copy / "latest_train_state.pt")
     _refused(bridge_copy / ITER, tmp_path, rf"{ITER}/train_state\.pt")
+
+
+def test_run_config_settings_alone_restore_into_flax(tmp_path):
+    """The settings read from run_config.yaml are all a flax model and the shipped llama spec
+    need: nothing completed by hand. Spec route (lazy views) == numpy mapping, bit for bit."""
+    import jax
+
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import LMConfig, TransformerLM, from_megatron
+
+    ckpt = jax_ucp.convert(FULL, str(tmp_path / "ucp"))
+    settings = jax_ucp.inspect(ckpt).source["settings"]
+    cfg = LMConfig.from_settings(settings)
+    assert (cfg.num_query_groups, cfg.gated, cfg.position, cfg.tied) == (2, True, "rope", False)
+    mine = from_megatron(jax_ucp.restore(ckpt)["params"], cfg)["params"]
+    keys = ("num_attention_heads", "num_query_groups", "hidden_size", "num_layers", "vocab_size")
+    spec = load_spec("llama", **{k: settings[k] for k in keys})
+    got = jax_ucp.restore(ckpt, spec=spec)["params"]
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(mine)
+    for (path, a), (_, b) in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree_util.tree_leaves_with_path(mine)
+    ):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), jax.tree_util.keystr(path)
+    logits = TransformerLM(cfg).apply({"params": got}, np.arange(8, dtype=np.int32)[None])
+    assert logits.shape == (1, 8, VOCAB) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_save_directory_without_latest_train_state_is_found_by_the_tracker(bridge_copy, tmp_path):
+    """Megatron-LM's tracker (which Bridge writes too) leads to the iteration directory; it is
+    still read as Bridge's (run_config.yaml's settings: the vocab padding stripped)."""
+    os.remove(bridge_copy / "latest_train_state.pt")
+    assert megatron_bridge.is_megatron_bridge(bridge_copy)
+    source = jax_ucp.inspect(jax_ucp.convert(str(bridge_copy), str(tmp_path / "u"))).source
+    assert source["framework"] == "megatron-bridge" and source["iteration"] == 2
+    assert source["vocab_stripped"]["output_layer.weight"] == [64, VOCAB]

@@ -92,14 +92,35 @@ class BridgeCheckpoint:
 
 
 def is_megatron_bridge(src: os.PathLike | str) -> bool:
-    """A Bridge save directory (``latest_train_state.pt``) or iteration directory
-    (``train_state.pt`` / ``run_config.yaml``), from file names alone."""
+    """A Bridge save directory (``latest_train_state.pt``, or Megatron-LM's tracker naming an
+    iteration directory of Bridge's) or iteration directory (``train_state.pt`` /
+    ``run_config.yaml``), from file names and the tracker's number alone."""
     path = Path(src)
     if not path.is_dir():
         return False
     names = (LATEST_TRAIN_STATE_FILE, TRAIN_STATE_FILE, RUN_CONFIG_FILE)
     # lexists: a tracker that is a FIFO or a symlink loop is this format's file gone wrong
-    return any(os.path.lexists(path / name) for name in names)
+    if any(os.path.lexists(path / name) for name in names):
+        return True
+    try:
+        step = _tracker_step(path / TRACKER_FILE)
+    except MegatronBridgeError:
+        return False  # Megatron-LM's importer names what is wrong with it
+    iter_dir = path / f"iter_{step:07d}" if step is not None else None
+    return iter_dir is not None and any(
+        os.path.lexists(iter_dir / name) for name in (TRAIN_STATE_FILE, RUN_CONFIG_FILE)
+    )
+
+
+def _tracker_step(tracker: Path) -> int | None:
+    """The iteration in Megatron-LM's tracker file (None: no file, or 'release')."""
+    if not os.path.lexists(tracker):
+        return None
+    try:
+        text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
+    except files.UnsafeFileError as e:
+        raise MegatronBridgeError(str(e)) from None
+    return int(text) if text.isdigit() else None
 
 
 def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
@@ -124,6 +145,9 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
                 f"{iter_dir / TRAIN_STATE_FILE}: step {state['step']}, but {latest} says {step}"
             )
         return BridgeCheckpoint(path, iter_dir, state)
+    step = None if os.path.lexists(path / TRAIN_STATE_FILE) else _tracker_step(path / TRACKER_FILE)
+    if step is not None:  # a save directory whose latest_train_state.pt is gone
+        path = path / f"iter_{step:07d}"
     state = read_train_state(path / TRAIN_STATE_FILE)
     match = _ITER_DIR.fullmatch(path.name)
     if match and int(match.group(1)) != state["step"]:
@@ -141,15 +165,10 @@ def _iter_dirs(root: Path) -> str:
 
 def _check_tracker(tracker: Path, step: int, latest: Path) -> None:
     """Megatron-LM's tracker (Bridge writes it with the same step) must not name another save."""
-    if not os.path.lexists(tracker):
-        return
-    try:
-        text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
-    except files.UnsafeFileError as e:
-        raise MegatronBridgeError(str(e)) from None
-    if text.isdigit() and int(text) != step:
+    found = _tracker_step(tracker)
+    if found is not None and found != step:
         raise MegatronBridgeError(
-            f"{tracker}: iteration {int(text)}, but {latest} says step {step}; the two trackers "
+            f"{tracker}: iteration {found}, but {latest} says step {step}; the two trackers "
             f"of one Bridge save agree (a later save by another tool?)"
         )
 
