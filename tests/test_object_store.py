@@ -212,6 +212,27 @@ def test_a_save_that_did_not_commit_is_never_a_checkpoint(bucket):
     assert jax_ucp.verify(sibling) == [] and list(jax_ucp.restore(sibling)) == ["keep"]
 
 
+def test_a_failed_save_removes_its_own_objects_and_its_lock(bucket):
+    """The save's transaction on a prefix: a save that fails before its ucp.json deletes the
+    objects it wrote and releases the lock object, so the prefix is as it was (empty)."""
+    _, root = bucket
+    url = _new(root, "failed")
+
+    def broken(self, directory):
+        raise OSError(28, "No space left on device")
+
+    real = jax_ucp.UCPCheckpointHandler.finalize
+    jax_ucp.UCPCheckpointHandler.finalize = broken  # not monkeypatch: undo() would drop the env
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            jax_ucp.save(url, {"w": np.zeros((4, 4), np.float32)})
+    finally:
+        jax_ucp.UCPCheckpointHandler.finalize = real
+    assert location.list_names(url) == []
+    jax_ucp.save(url, {"w": np.ones(3, np.float32)})  # no lock left behind
+    assert np.asarray(jax_ucp.restore(url)["w"]).tolist() == [1.0, 1.0, 1.0]
+
+
 def test_convert_and_cli_with_urls(bucket, tmp_path):
     env, root = bucket
     rng = np.random.default_rng(0)
