@@ -129,6 +129,13 @@ def with_digests(entry: fmt.Entry, digests: Mapping[str, str] | None) -> fmt.Ent
     return entry
 
 
+def _nbytes(v: ts.TensorStore) -> int:
+    n = v.dtype.numpy_dtype.itemsize
+    for d in v.shape:
+        n *= int(d)
+    return n
+
+
 async def write_stream(
     directory: os.PathLike | str,
     items: Iterable[HostItem],
@@ -159,6 +166,9 @@ async def write_stream(
             if isinstance(v, Deferred):  # room first, then the importer builds it
                 await writer.reserve(v.nbytes)
                 v = v.build(fmt.key_to_str(key))
+            elif isinstance(v, ts.TensorStore):  # a lazy source: read it once it fits, likewise
+                await writer.reserve(_nbytes(v))
+                v = await v.read()
             if isinstance(v, _SCALARS):
                 entries.append(
                     layout_lib.value_entry(
