@@ -209,7 +209,8 @@ def read_once(
         _tensor(position, (position, req, found), found, req) for position, req, found in items
     ]
     n, me = jax.process_count(), jax.process_index()
-    batch_bytes = max(1, int(budget) * n // (n + 1))
+    # own share + the gathered batch within the budget, the shares' rounding (1/8) included
+    batch_bytes = max(1, int(budget) * n * 8 // ((n + 1) * 9))
     batches = list(_batches(tensors, n, batch_bytes))
     peers = _Peers(timeout, _fingerprint(tensors, batches))
     try:
@@ -267,9 +268,10 @@ def _tensor(position, item, found, req) -> _Tensor:
 
 def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
     """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
-    batch cut into ``n`` runs of whole units balanced by bytes: process p's share."""
+    batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
+    handed out in an order rotating with the batch, so a unit too many evens out)."""
     runs: list[tuple[int, int, int]] = []  # (tensor, first unit, end unit)
-    size = 0
+    size, number = 0, 0
     for index, t in enumerate(tensors):
         unit_bytes = t.unit_rows * t.row_bytes
         u = 0
@@ -279,15 +281,15 @@ def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batc
             if take == 0 and not runs:
                 take = 1  # one unit larger than a batch travels alone
             if take == 0:
-                yield _cut(tensors, runs, n)
-                runs, size = [], 0
+                yield _cut(tensors, runs, n, number)
+                runs, size, number = [], 0, number + 1
                 continue
             runs.append((index, u, u + take))
             rows = t.unit_span(u, u + take)
             size += (rows[1] - rows[0]) * t.row_bytes
             u += take
     if runs:
-        yield _cut(tensors, runs, n)
+        yield _cut(tensors, runs, n, number)
 
 
 def _unit_bytes(t: _Tensor, k: int) -> int:
@@ -295,7 +297,7 @@ def _unit_bytes(t: _Tensor, k: int) -> int:
     return (b - a) * t.row_bytes
 
 
-def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int) -> _Batch:
+def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int, shift: int) -> _Batch:
     units = [(index, k) for index, u0, u1 in runs for k in range(u0, u1)]
     sizes = np.array([_unit_bytes(tensors[i], k) for i, k in units], dtype=np.int64)
     ends = np.cumsum(sizes)
@@ -303,6 +305,7 @@ def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int) -> _B
     # process p takes the units whose middle byte falls in [p*total/n, (p+1)*total/n)
     middles = ends - sizes / 2
     owner = np.minimum((middles * n // max(total, 1)).astype(np.int64), n - 1)
+    owner = (owner + shift) % n
     pieces: list[list[_Piece]] = [[] for _ in range(n)]
     for p in range(n):
         offset = 0
