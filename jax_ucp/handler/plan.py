@@ -29,7 +29,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.handler import reader
-from jax_ucp.handler.restore_options import RestoreOptions
+from jax_ucp.handler.restore_options import ArgsError, RestoreOptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,9 +173,9 @@ def plan(
         ShardingMismatchError: a rule names a mesh axis the mesh does not have; with
             ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
             by no rule and no saved PartitionSpec (each names the closest known names).
-        ArgsError: an argument of the wrong kind (as for ``restore``).
-        ValueError: neither ``mesh`` nor ``shardings``/``target`` was given, or ``processes``
-            does not fit the mesh.
+        ArgsError: an argument of the wrong kind (as for ``restore``), neither ``mesh`` nor
+            ``shardings``/``target`` given, or ``processes`` does not fit the mesh (a
+            ``ValueError`` too).
     """
     RestoreOptions(  # the same checks as restore's keywords, before the checkpoint is read
         target=target,
@@ -192,9 +192,9 @@ def plan(
     available = reader.available_tensors(manifest, spec)
     explicit = target is not None or shardings is not None
     if not explicit and mesh is None:
-        raise ValueError("plan needs a mesh= (with or without rules=), shardings= or target=.")
+        raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")
     if rules is not None and mesh is None:
-        raise ValueError("Logical-axis `rules` need a `mesh` to map onto.")
+        raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
     layouts = _Layouts(mesh, processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
@@ -518,7 +518,7 @@ class _Layouts:
         self._processes = processes
         self._cache: dict = {}
         if isinstance(mesh, jax.sharding.Mesh) and processes is not None:
-            raise ValueError(
+            raise ArgsError(
                 "processes= is for an AbstractMesh; a concrete Mesh knows its devices' processes."
             )
 
@@ -530,7 +530,7 @@ class _Layouts:
         n = math.prod(mesh.shape[a] for a in mesh.axis_names)
         p = 1 if self._processes is None else int(self._processes)
         if p < 1 or n % p:
-            raise ValueError(
+            raise ArgsError(
                 f"processes={self._processes} does not split the mesh's {n} devices evenly."
             )
         return list(range(n)), [i // (n // p) for i in range(n)]
@@ -540,7 +540,7 @@ class _Layouts:
         n = math.prod(mesh.shape[a] for a in mesh.axis_names)
         p = 1 if self._processes is None else int(self._processes)
         if p < 1 or n % p:
-            raise ValueError(
+            raise ArgsError(
                 f"processes={self._processes} does not split the mesh's {n} devices evenly."
             )
         return n, p

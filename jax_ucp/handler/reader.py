@@ -22,7 +22,12 @@ from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.handler import replicated
 from jax_ucp.handler import tree as tree_lib
-from jax_ucp.handler.restore_options import CASTINGS, DEFAULT_MAX_READ_BYTES, RestoreOptions
+from jax_ucp.handler.restore_options import (
+    CASTINGS,
+    DEFAULT_MAX_READ_BYTES,
+    ArgsError,
+    RestoreOptions,
+)
 from jax_ucp.store import shard_file, shard_reader
 from jax_ucp.writer import commit
 
@@ -279,7 +284,7 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
     a RuntimeWarning naming the tensor and the count.
     """
     if casting not in CASTINGS:
-        raise ValueError(f"casting must be one of {CASTINGS}, got {casting!r}.")
+        raise ArgsError(f"casting must be one of {CASTINGS}, got {casting!r}.")
     if saved == wanted or casting == "unsafe":
         return
     if casting == "same_kind":
