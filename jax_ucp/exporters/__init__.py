@@ -338,35 +338,7 @@ def _write_dcp(tmp, tensors, keys, values, source: _Source) -> list[str]:
 def _export_universal(root, dst, manifest, available, options: ExportOptions) -> Exported:
     """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
     by_key = {e.key: e for e in manifest.tensors}
-    # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
-    # them out of its optimizer); they are listed as skipped
-    params = {
-        k: k[1:]
-        for k, e in by_key.items()
-        if e.role == "param" and e.sub_role is None and not e.frozen
-    }
-    moments: dict[tuple[str, str], tuple] = {}
-    count = None
-    for key, entry in by_key.items():
-        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
-            for pkey, rel in params.items():
-                if (
-                    len(key) > len(rel)
-                    and key[-len(rel) :] == rel
-                    and key[-len(rel) - 1] == entry.sub_role
-                ):
-                    moments[(pkey, entry.sub_role)] = key
-        elif entry.role == "opt_state" and entry.sub_role == "count":
-            count = key
-    missing = [
-        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
-    ]
-    if not params or missing or count is None:
-        raise ExportError(
-            f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
-            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
-            f"{'' if count is not None else ' and opt_state count'}"
-        )
+    params, moments, count = _universal_keys(root, by_key)
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
         reader.check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
@@ -427,6 +399,42 @@ def _export_universal(root, dst, manifest, available, options: ExportOptions) ->
         ]
         + [fmt.key_to_str(v.key) for v in manifest.values],
     )
+
+
+def _universal_keys(root, by_key):
+    """The keys DeepSpeed universal needs, found by manifest role: each trainable parameter's
+    (key -> its path below the top level), its Adam moments ((param, "mu"/"nu") -> key) and the
+    step count; ``ExportError`` naming what is missing."""
+    # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
+    # them out of its optimizer); they are listed as skipped
+    params = {
+        k: k[1:]
+        for k, e in by_key.items()
+        if e.role == "param" and e.sub_role is None and not e.frozen
+    }
+    moments: dict[tuple[str, str], tuple] = {}
+    count = None
+    for key, entry in by_key.items():
+        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
+            for pkey, rel in params.items():
+                if (
+                    len(key) > len(rel)
+                    and key[-len(rel) :] == rel
+                    and key[-len(rel) - 1] == entry.sub_role
+                ):
+                    moments[(pkey, entry.sub_role)] = key
+        elif entry.role == "opt_state" and entry.sub_role == "count":
+            count = key
+    missing = [
+        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
+    ]
+    if not params or missing or count is None:
+        raise ExportError(
+            f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
+            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
+            f"{'' if count is not None else ' and opt_state count'}"
+        )
+    return params, moments, count
 
 
 def _write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
