@@ -146,3 +146,21 @@ def test_cli_memory_budget_flag(tmp_path):
     assert r.exit_code != 0
     assert "memory_budget: cannot read 'lots' as a size" in r.output
     assert not os.path.exists(tmp_path / "bad")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("step", [None, 1])
+def test_the_budget_reaches_the_writer(tmp_path, monkeypatch, step):
+    """Also through a CheckpointManager step, whose write Orbax runs in another thread."""
+    from jax_ucp.writer import shards
+
+    seen: list[int] = []
+    init = shards.PipelinedWriter.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(self.max_bytes)
+
+    monkeypatch.setattr(shards.PipelinedWriter, "__init__", recording_init)
+    jax_ucp.convert(FSDP2, tmp_path / "ucp", step=step, memory_budget="3KiB")
+    assert seen == [3072]

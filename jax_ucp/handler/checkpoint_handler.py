@@ -97,6 +97,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 source=args.source,
                 compression=args.compression,
                 inner_chunk_bytes=args.inner_chunk_bytes,
+                budget=args.memory_budget,
             )
             return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_stream_save")]
         options = writer.SaveOptions(
@@ -333,3 +334,6 @@ class UCPStreamSave(ocp.args.CheckpointArgs):
     source: dict | None = None
     compression: str | None = None
     inner_chunk_bytes: int | None = None
+    # bytes held at once (None: ``writer.memory_budget()`` where the write runs); Orbax may run
+    # the write in another thread, where the caller's budget context is not set
+    memory_budget: int | None = None

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import orbax.checkpoint as ocp
 
+from jax_ucp import writer
 from jax_ucp.handler.checkpoint_handler import UCPStreamSave
 from jax_ucp.writer import HostItem, commit
 
@@ -44,7 +45,12 @@ def write_manager_step(
     """
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
     step_dir = os.path.join(dest, str(step))
-    args = UCPStreamSave(items=items, source=dict(source or {}), compression=compression)
+    args = UCPStreamSave(
+        items=items,
+        source=dict(source or {}),
+        compression=compression,
+        memory_budget=writer.memory_budget(),  # convert's, set in this thread
+    )
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
     with commit.transaction(
         step_dir, force=force, kind="import", what=f"step {step}", inner=str(step)

@@ -145,11 +145,13 @@ async def write_stream(
     inner_chunk_bytes: int | None = None,
     sync: bool = True,
     manifest_file: str = fmt.MANIFEST_FILE,
+    budget: int | None = None,
 ) -> None:
     """Writes every item under ``directory``, then ``ucp.json`` (single process: the primary).
 
     ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
     ``manifest_file``: another name for the manifest (a shared import's part of it).
+    ``budget``: the bytes held at once (None: ``memory_budget()``).
     """
     directory = os.fspath(directory)
     options = layout_lib.SaveOptions(
@@ -157,7 +159,7 @@ async def write_stream(
         inner_chunk_bytes=inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
     )
     entries: list[fmt.Entry] = []
-    writer = PipelinedWriter(directory, sync=sync, max_bytes=memory_budget())
+    writer = PipelinedWriter(directory, sync=sync, max_bytes=budget or memory_budget())
     try:
         for item in items:
             key = tuple(str(k) for k in item.key)
