@@ -84,3 +84,27 @@ def test_plan_checks_its_arguments_as_restore_does(tmp_path):
         restore_options.ArgsError, match="^" + _re("plan(strict=): expected True or False, got 1.")
     ):
         jax_ucp.plan(tmp_path / "absent", strict=1)
+
+
+@pytest.mark.timeout(30)
+def test_both_sources_check_a_target_leaf_alike(tmp_path):
+    """One check of a target leaf (reader.check_tensor_request): a 0-d tensor fills a Python
+    scalar leaf from safetensors as from a UCP checkpoint; an array does not."""
+    from safetensors.numpy import save_file
+
+    tensors = {"step": np.array(7, np.int64), "w": np.ones(3, np.float32)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    jax_ucp.save(tmp_path / "c", {"params": tensors})
+    for path, holder in [
+        (tmp_path / "m.safetensors", r".*m\.safetensors:w"),
+        (tmp_path / "c", "the checkpoint .*c"),
+    ]:
+        back = jax_ucp.restore(path, target={"params": {"step": 0}})
+        assert back == {"params": {"step": 7}} and type(back["params"]["step"]) is int
+        with pytest.raises(
+            jax_ucp.UCPError,
+            match=r"^Leaf 'params/w': the target is a Python float, but "
+            + holder
+            + r" holds an array of shape \(3,\)\.$",
+        ):
+            jax_ucp.restore(path, target={"params": {"w": 0.0}})

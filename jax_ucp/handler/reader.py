@@ -428,17 +428,33 @@ def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, cas
         if req.wants_array:
             value = value_as_array(name, root, value, req, casting)
         return ("value", value)
+    check_tensor_request(name, req, found, f"the checkpoint {root}", casting)
+    return ("tensor", req, found)
+
+
+def check_tensor_request(name: str, req: Request, found, holder: str, casting: str) -> np.dtype:
+    """The checks of a request for a tensor that need no data, whatever the source: shape,
+    dtype cast, a Python scalar target (a 0-d tensor only), divisibility by the sharding, a
+    64-bit dtype JAX would narrow on device. Returns the dtype it is restored as.
+
+    Args:
+      name: the tensor's name.
+      req: the request.
+      found: what the source holds (``shape``, ``dtype``).
+      holder: names the source in errors ("the checkpoint <dir>", "<file>:<tensor>").
+      casting: numpy's casting rule.
+    """
     if req.shape is not None and tuple(req.shape) != found.shape:
         raise CheckpointError(
             f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
-            f"the checkpoint {root} holds shape {found.shape}."
+            f"{holder} holds shape {found.shape}."
         )
     want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
     check_cast(name, found.dtype, want_dtype, casting)
     if req.python_type is not None and found.shape != ():
         raise CheckpointError(
-            f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but the "
-            f"checkpoint {root} holds an array of shape {found.shape}."
+            f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but "
+            f"{holder} holds an array of shape {found.shape}."
         )
     if req.sharding is not None:
         sharding_lib.check_divisible(name, found.shape, req.sharding)
@@ -449,7 +465,7 @@ def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, cas
                 f"{narrowed} on device; enable jax_enable_x64, restore it to host (sharding "
                 f"None) or ask for a dtype."
             )
-    return ("tensor", req, found)
+    return want_dtype
 
 
 def _check_memory(root, found: Available, pending, kept: int, limit) -> int:

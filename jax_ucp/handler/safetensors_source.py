@@ -18,7 +18,6 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
@@ -189,26 +188,7 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
                 f"Tensor {name!r} is not in the safetensors checkpoint {path} "
                 f"({len(available)} tensors, e.g. {near})."
             )
-        if req.shape is not None and tuple(req.shape) != av.shape:
-            raise reader.CheckpointError(
-                f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
-                f"{_where(path, tensors, av)} holds shape {av.shape}."
-            )
-        want = np.dtype(req.dtype) if req.dtype is not None else av.dtype
-        reader.check_cast(name, av.dtype, want, casting)
-        if req.python_type is not None:
-            raise reader.CheckpointError(
-                f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but "
-                f"{_where(path, tensors, av)} holds an array of shape {av.shape}."
-            )
-        if req.sharding is not None:
-            sharding_lib.check_divisible(name, av.shape, req.sharding)
-            if np.dtype(jax.dtypes.canonicalize_dtype(want)) != want:
-                raise reader.CheckpointError(
-                    f"Tensor {name!r} is {want}, which JAX would silently narrow to "
-                    f"{np.dtype(jax.dtypes.canonicalize_dtype(want))} on device; enable "
-                    f"jax_enable_x64, restore it to host (sharding None) or ask for a dtype."
-                )
+        want = reader.check_tensor_request(name, req, av, _where(path, tensors, av), casting)
         checked.append((req, av, want))
     window = store.InFlightBytes(
         reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
@@ -235,7 +215,7 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
         for done in window.make_room(pending.read_bytes):
             _finish(path, tensors, done, out, casting)
         pending.start()
-        window.add((position, av, pending), pending.read_bytes)
+        window.add((position, req, av, pending), pending.read_bytes)
     for done in window.drain():
         _finish(path, tensors, done, out, casting)
     return out
@@ -248,7 +228,7 @@ def _where(path, tensors, av: _Available) -> str:
 
 
 def _finish(path, tensors, entry, out: list, casting: str) -> None:
-    position, av, pending = entry
+    position, req, av, pending = entry
     try:
         out[position] = pending.result()
     except Exception as e:  # noqa: BLE001
@@ -269,3 +249,5 @@ def _finish(path, tensors, entry, out: list, casting: str) -> None:
                 f"casting='unsafe' to convert anyway, or restore as {av.dtype}."
             )
         warnings.warn(message, RuntimeWarning, stacklevel=4)
+    if req.python_type is not None:  # a 0-d tensor into a Python scalar leaf
+        out[position] = req.python_type(np.asarray(out[position]).item())
