@@ -519,39 +519,48 @@ class _Peers:
         self.client.key_value_set(prefix + str(self.me), value)
         what = f"Reading {_shown(names)} once" if names else "Reading replicated tensors once"
         deadline = time.monotonic() + self.timeout
+        where = f"{what} across {self.count} processes"
+
+        def statuses() -> dict:
+            """This step's keys, after raising the first error one holds. A process that fails
+            sets its error before its abort and before it exits, so reading the abort keys
+            first, then these, never misses the error behind an abort or a death."""
+            got = dict(self.client.key_value_dir_get(prefix))
+            for i in range(self.count):
+                if got.get(prefix + str(i), "").startswith("error:"):
+                    raise ReplicatedReadError(
+                        f"{where}: process {i} failed to read its share: "
+                        f"{got[prefix + str(i)][len('error:') :]}"
+                    )
+            return got
+
         while True:
             try:
-                got = dict(self.client.key_value_dir_get(prefix))
-                for i in range(self.count):
-                    if got.get(prefix + str(i), "").startswith("error:"):
-                        raise ReplicatedReadError(
-                            f"{what} across {self.count} processes: process {i} failed to "
-                            f"read its share: {got[prefix + str(i)][len('error:') :]}"
-                        )
+                aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
+                got = statuses()
                 missing = [i for i in range(self.count) if prefix + str(i) not in got]
                 if not missing:
                     return [got[prefix + str(i)] for i in range(self.count)]
-                aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
                 if aborted:
                     key, why = sorted(aborted.items())[0]
                     raise ReplicatedReadError(
-                        f"{what} across {self.count} processes: process "
-                        f"{key.rsplit('/', 1)[-1]} left the restore ({why})."
+                        f"{where}: process {key.rsplit('/', 1)[-1]} left the restore ({why})."
                     )
-                self.raise_if_lost(f"{what} across {self.count} processes")
+                try:
+                    self.raise_if_lost(where)
+                except ReplicatedReadError:
+                    statuses()  # it may have set its error just before it exited
+                    raise
                 if time.monotonic() > deadline:
                     raise ReplicatedReadError(
-                        f"{what} across {self.count} processes: process(es) "
-                        f"{', '.join(map(str, missing))} did not finish reading their share "
-                        f"within {self.timeout:g} s."
+                        f"{where}: process(es) {', '.join(map(str, missing))} did not finish "
+                        f"reading their share within {self.timeout:g} s."
                     )
                 self.client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
             except JaxRuntimeError as e:  # a timed-out poll, or the coordinator gone
                 if "DEADLINE_EXCEEDED" not in str(e):
-                    self.raise_if_lost(f"{what} across {self.count} processes")
-                    raise ReplicatedReadError(
-                        f"{what} across {self.count} processes: jax.distributed failed: {e}"
-                    ) from e
+                    self.raise_if_lost(where)
+                    raise ReplicatedReadError(f"{where}: jax.distributed failed: {e}") from e
 
 
 def _identity(pid: int) -> dict | None:
