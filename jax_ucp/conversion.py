@@ -18,7 +18,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from jax_ucp import store, writer
-from jax_ucp.format import UCPError
+from jax_ucp.errors import RequestError
+from jax_ucp.format import UCPError, files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import detect
 from jax_ucp.importers.plan import Share
@@ -66,10 +67,12 @@ class ConvertOptions:
             except TypeError:
                 step = -1
             if isinstance(self.step, bool) or step < 0:
-                raise ValueError(f"convert: step={self.step!r}: a non-negative int, or None")
+                raise RequestError(f"convert: step={self.step!r}: a non-negative int, or None")
             object.__setattr__(self, "step", step)
         if self.distributed and self.step is not None:
-            raise ValueError("convert: distributed=True writes a standalone checkpoint (step=None)")
+            raise RequestError(
+                "convert: distributed=True writes a standalone checkpoint (step=None)"
+            )
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
         importer = dict(self.importer)
@@ -202,7 +205,7 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
     lock, in the transaction)."""
     if store.is_url(dest):
         if options.step is not None or options.distributed:
-            raise ValueError(
+            raise RequestError(
                 f"convert: {dest} is an object store; step= and distributed=True write local "
                 f"(or shared file system) directories only"
             )
@@ -349,17 +352,11 @@ class DestinationError(UCPError, ValueError):
 def check_destination(source, dest) -> None:
     """Refuses a destination that is, contains or lies inside the source: a forced convert
     there would delete the checkpoint it reads (or write into it)."""
-    src = os.path.realpath(os.fspath(source))
-    dst = os.path.realpath(os.fspath(dest))
-    if dst == src or _inside(dst, src) or _inside(src, dst):
+    if files.overlap(dest, source):
         raise DestinationError(
             f"convert: the destination {dest} is, contains or lies inside the source {source}; "
             f"choose a destination outside the source checkpoint (nothing was written)."
         )
-
-
-def _inside(path: str, directory: str) -> bool:
-    return os.path.commonpath([path, directory]) == directory
 
 
 def convert_deepspeed(src, dst, **kwargs) -> str:

@@ -138,11 +138,12 @@ def _run(directory: str, console) -> bool:
     from rich.markup import escape
 
     import jax_ucp
+    from jax_ucp.errors import SetupError
     from jax_ucp.handler.tree import flatten
 
     console = console or Console()
     if jax.device_count() < 8:
-        raise RuntimeError(
+        raise SetupError(
             f"the demo needs 8 devices, JAX has {jax.device_count()} "
             f"(set XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts)"
         )

@@ -1,5 +1,9 @@
 """The jax-ucp command line: inspect, verify (detects corruption), errors, demo."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -176,3 +180,48 @@ def test_verify_checks_several_tensors_at_once_and_reports_in_order(tmp_path, ma
     assert [name for name, _ in problems] == [n for n in order if n in damaged]
     assert all("checksum" in message for _, message in problems)
     assert seen == [(n, i, 12) for i, n in enumerate(order, 1)]
+
+
+def _inspect_raising(monkeypatch, error):
+    def broken(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(jax_ucp, "inspect", broken)
+
+
+@pytest.mark.timeout(60)
+def test_a_refusal_is_one_line_a_bug_is_not_caught_ctrl_c_exits_130(tmp_path, monkeypatch):
+    path = str(_ckpt(tmp_path))
+    _inspect_raising(monkeypatch, jax_ucp.RequestError(f"{path}: refused as asked"))
+    r = runner.invoke(app, ["inspect", path])
+    assert (r.exit_code, r.output.strip()) == (1, f"error: {path}: refused as asked")
+    _inspect_raising(monkeypatch, TypeError("unsupported operand type(s) for +: 'int' and 'str'"))
+    r = runner.invoke(app, ["inspect", path])
+    assert r.exit_code == 1 and "error:" not in r.output
+    assert isinstance(r.exception, TypeError) and "unsupported operand" in str(r.exception)
+    _inspect_raising(monkeypatch, KeyboardInterrupt())
+    r = runner.invoke(app, ["inspect", path])
+    assert r.exit_code == 130 and "error:" not in r.output
+
+
+@pytest.mark.timeout(120)
+def test_a_bug_prints_its_traceback_from_the_console_script(tmp_path):
+    code = (
+        "import sys, jax_ucp\n"
+        "from jax_ucp.cli import main\n"
+        "def broken(*a, **k):\n"
+        "    raise TypeError('a bug, not a refusal')\n"
+        "jax_ucp.inspect = broken\n"
+        "sys.argv = ['jax-ucp', 'inspect', sys.argv[1]]\n"
+        "main()\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(_ckpt(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env={**os.environ, "COLUMNS": "200", "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" in r.stderr and "TypeError: a bug, not a refusal" in r.stderr, r.stderr
+    assert "error:" not in r.stdout + r.stderr

@@ -18,8 +18,8 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
+from jax_ucp.errors import ExportError
 from jax_ucp.exporters import deepspeed_out, safetensors_out, torch_out
-from jax_ucp.exporters.safetensors_out import ExportError
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.handler import reader
 from jax_ucp.writer import commit, durable
@@ -527,10 +527,10 @@ def _choose(available, manifest, select, *, with_values: bool):
 
 def _check_destination(root: str, dst: str, force: bool) -> None:
     """``dst`` is new, or (with ``force``) an earlier export; never the checkpoint or inside it."""
-    real_root, real_dst = os.path.realpath(root), os.path.realpath(dst)
-    if real_dst == real_root or real_dst.startswith(real_root + os.sep):
+    where = fmt.files.overlap(dst, root)
+    if where in ("same", "inside"):
         raise ExportError(f"{dst}: the export destination is, or lies inside, the checkpoint")
-    if real_root.startswith(real_dst + os.sep):
+    if where == "contains":
         raise ExportError(f"{dst}: the export destination contains the checkpoint {root}")
     try:
         commit.check_replaceable(dst, force=force, export=True)

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from jax_ucp.errors import ExportError
 from jax_ucp.exporters import torch_out
-from jax_ucp.exporters.safetensors_out import ExportError
 
 #: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
 DS_VERSION = "0.19.8"

@@ -27,7 +27,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jax_ucp.exporters.safetensors_out import ExportError
+from jax_ucp.errors import ExportError
 from jax_ucp.writer import durable
 
 METADATA_FILE = ".metadata"

@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from jax_ucp import format as fmt
+from jax_ucp.errors import RequestError
 from jax_ucp.sharding import assemble
 
 MODES = ("each", "once")
@@ -59,7 +60,7 @@ def check_option(mode) -> str:
     if mode is None:
         return DEFAULT_MODE
     if mode not in MODES:
-        raise ValueError(f"replicated_read must be one of {MODES}, got {mode!r}.")
+        raise RequestError(f"replicated_read must be one of {MODES}, got {mode!r}.")
     return mode
 
 

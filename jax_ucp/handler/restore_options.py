@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jax_ucp import format as fmt
+from jax_ucp.errors import RequestError
 
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 
@@ -22,7 +22,7 @@ CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 DEFAULT_MAX_READ_BYTES = 256 << 20
 
 
-class ArgsError(fmt.UCPError, ValueError):
+class ArgsError(RequestError):
     """A ``UCPSave`` / ``UCPRestore`` field (or a ``restore`` keyword) of the wrong kind, named
     with what it accepts."""
 

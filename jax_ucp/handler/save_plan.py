@@ -18,6 +18,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
+from jax_ucp.errors import RequestError, UnsupportedError
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.writer import (
     PreparedTensor,
@@ -250,7 +251,7 @@ def prepare_tree(
     snapshots = _Snapshots(pool)
     for key, key_types, leaf in leaves:
         if not key:
-            raise ValueError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
+            raise RequestError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
         leaf, boxed_names = tree_lib.unbox(leaf)
         role, sub_role = role_of(key)
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
@@ -268,7 +269,7 @@ def prepare_tree(
                 key, key_types, leaf, options, primary=primary, stable_source=copy, **tagged
             )
         else:
-            raise TypeError(
+            raise UnsupportedError(
                 f"Leaf {fmt.key_to_str(key)!r}: cannot save a {type(leaf).__module__}."
                 f"{type(leaf).__qualname__} (expected jax.Array, numpy array, "
                 f"tensorstore.TensorStore, or None/bool/int/float/str)."

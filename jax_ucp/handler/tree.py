@@ -16,12 +16,9 @@ from jax_ucp.format.errors import UCPError
 def _is_leaf(x) -> bool:
     if x is None:
         return True
-    try:  # flax metadata boxes (nn.Partitioned, nn.LogicalPartitioned) carry axis names
-        from flax.core import meta
+    from flax.core import meta  # boxes (nn.Partitioned, nn.LogicallyPartitioned) name axes
 
-        return isinstance(x, meta.AxisMetadata)
-    except ImportError:  # pragma: no cover - flax is a core dependency
-        return False
+    return isinstance(x, meta.AxisMetadata)
 
 
 class TreeError(UCPError, ValueError):
@@ -97,10 +94,8 @@ def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
 
 def unbox(leaf) -> tuple[Any, tuple | None]:
     """(value, logical axis names) for flax metadata boxes; (leaf, None) otherwise."""
-    try:
-        from flax.core import meta
-    except ImportError:  # pragma: no cover
-        return leaf, None
+    from flax.core import meta
+
     if isinstance(leaf, meta.AxisMetadata):
         names = getattr(leaf, "names", None)
         return leaf.unbox(), (tuple(names) if names is not None else None)
@@ -110,20 +105,16 @@ def unbox(leaf) -> tuple[Any, tuple | None]:
 def rebox(target_leaf, value) -> Any:
     """``value`` in the flax metadata box ``target_leaf`` is (``nn.LogicallyPartitioned``,
     ``nn.Partitioned``, ...), so a restore gives back the target's treedef; else ``value``."""
-    try:
-        from flax.core import meta
-    except ImportError:  # pragma: no cover
-        return value
+    from flax.core import meta
+
     if isinstance(target_leaf, meta.AxisMetadata):
         return target_leaf.replace_boxed(value)
     return value
 
 
 def _is_variable(x) -> bool:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover
-        return False
+    from flax import nnx
+
     return isinstance(x, nnx.Variable)
 
 

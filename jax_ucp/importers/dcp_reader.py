@@ -26,7 +26,7 @@ import mmap
 import os
 import posixpath
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,7 +49,6 @@ __all__ = [
     "DcpCheckpoint",
     "open_dcp",
     "check_coverage",
-    "iter_tensors",
     "path_standin",
     "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
@@ -730,9 +729,3 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
         else:
             raise DcpError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
     return DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
-
-
-def iter_tensors(checkpoint: DcpCheckpoint) -> Iterator[tuple[str, np.ndarray]]:
-    """Every tensor of the checkpoint, assembled one at a time."""
-    for name in checkpoint.tensors:
-        yield name, checkpoint.read(name)

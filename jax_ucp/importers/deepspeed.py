@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jax_ucp.errors import RequestError
 from jax_ucp.importers import (
     deepspeed_files,
     deepspeed_megatron,
@@ -116,7 +117,7 @@ def plan_deepspeed(
             source_tensors=found,
         )
     if spec is not None:
-        raise ValueError(
+        raise RequestError(
             "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
             "keyed by DeepSpeed's parameter names, so an import spec has nothing to do; apply the "
             "name mapping at restore time: jax_ucp.restore(path, spec=...)"

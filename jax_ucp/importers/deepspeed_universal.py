@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import RequestError
 from jax_ucp.format import files
 from jax_ucp.importers import deepspeed_files, deepspeed_zero
 from jax_ucp.importers.deepspeed_files import DeepSpeedImportError, numel
@@ -579,7 +580,7 @@ def plan_universal(
 ) -> ImportPlan:
     """The import of a universal tag folder (every file found and checked before this returns)."""
     if spec is not None:
-        raise ValueError(
+        raise RequestError(
             "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed "
             "merged its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec "
             "has nothing to do; apply the name mapping at restore time: "

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.errors import RequestError
 from jax_ucp.format import UCPError, keypath
 
 
@@ -61,7 +62,7 @@ class Share:
 
     def __post_init__(self):
         if not 0 <= self.index < self.count:
-            raise ValueError(f"Share index {self.index} is not in [0, {self.count})")
+            raise RequestError(f"Share index {self.index} is not in [0, {self.count})")
 
     def pick(self, names):
         """This process's parameters of ``names`` (round-robin over their order)."""

@@ -21,13 +21,15 @@ import os
 
 import numpy as np
 
+from jax_ucp.errors import NotFoundError
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("megatron_llama_tp2", "deepspeed_z2_bf16_dp2")
 
 
 def _check(name: str) -> None:
     if name not in NAMES:
-        raise KeyError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
+        raise NotFoundError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
 
 
 def path(name: str) -> str:
@@ -48,6 +50,6 @@ def reference(name: str) -> dict[str, np.ndarray]:
     _check(name)
     file = os.path.join(HERE, f"{name}.logits.npz")
     if not os.path.exists(file):
-        raise KeyError(f"sample {name!r} ships no reference logits")
+        raise NotFoundError(f"sample {name!r} ships no reference logits")
     with np.load(file) as z:
         return {k: z[k] for k in z.files}

@@ -14,6 +14,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
+from jax_ucp.errors import RequestError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +71,7 @@ def tensor_entry(
             else None
         )
     if logical_axes is not None and len(logical_axes) != len(layout.shape):
-        raise ValueError(
+        raise RequestError(
             f"Leaf {fmt.key_to_str(key)!r}: {len(logical_axes)} logical axis names "
             f"{tuple(logical_axes)} for an array of shape {layout.shape}."
         )

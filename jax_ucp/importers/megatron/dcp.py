@@ -25,7 +25,6 @@ from jax_ucp.importers.dcp_reader import (
     DcpObject,
     DcpTensor,
     check_coverage,
-    iter_tensors,
 )
 
 __all__ = [
@@ -37,7 +36,6 @@ __all__ = [
     "MegatronDcpCheckpoint",
     "open_dcp",
     "check_coverage",
-    "iter_tensors",
     "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
     "MCORE_CLASSES",
