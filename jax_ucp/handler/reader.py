@@ -350,65 +350,91 @@ def read(
     # All opens were issued above; now read with at most ``max_read_bytes`` of host buffers in
     # flight: a tensor's reads start once the budget has room (one tensor at least), and the
     # oldest is turned into its result (device arrays; its host buffers freed) to make room.
-    url = store.location.is_url(root)
-    if url:  # every shard object's digest at once, before any of them is read
+    if store.location.is_url(root):  # every shard object's digest at once, before any read
         sources = {s.key: s for item in plan if item[0] == "tensor" for s in item[2].sources}
         verify_shard_objects(root, sources.values())
-    out: list = [None] * len(plan)
-    window = store.InFlightBytes(
-        DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
-    )
-    kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU devices)
-    limit = sharding_lib.host_memory_limit()
+    reads = _Reads(root, opener, casting, max_read_bytes, len(plan))
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
     once = replicated.select(
         [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
         replicated.check_option(replicated_read),
     )
-
-    def source_of(found):
-        view = found.build({s.key: opener.get(s.key) for s in found.sources})
-        fast = _fast_reader(root, found.sources[0], view) if found.stored else None
-        if fast is None and not url:
-            for src in found.sources:
-                verify_shard_files(root, src)
-        return view if fast is None else fast
-
-    def check(found, gathered):
-        nonlocal kept
-        kept += _check_memory(root, found, gathered, kept, limit)
-
-    shared = replicated.read_once(once, source_of, budget=window.max_bytes, check=check)
+    shared = replicated.read_once(
+        once, reads.source_of, budget=reads.window.max_bytes, check=reads.check
+    )
     for done in shared:
-        _finish(root, done, out, casting)
+        reads.finish(done)
     read_once = {position for position, _, _ in once}
     for position, item in enumerate(plan):
         if position in read_once:
             continue
         if item[0] == "value":
-            out[position] = item[1]
-            continue
-        _, req, found = item
-        view = found.build({s.key: opener.get(s.key) for s in found.sources})
-        fast = _fast_reader(root, found.sources[0], view) if found.stored else None
-        dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        pending = sharding_lib.PendingArray(
-            view if fast is None else fast, found.shape, dtype, req.sharding
+            reads.out[position] = item[1]
+        else:
+            reads.start(position, item[1], item[2])
+    for done in reads.window.drain():
+        reads.finish(done)
+    return reads.out
+
+
+class _Reads:
+    """The reads of one ``read`` call: at most ``max_read_bytes`` of host buffers in flight (a
+    tensor's reads start once the budget has room, one tensor at least; the oldest is turned
+    into its result, its host buffers freed, to make room), and the bytes its results keep in
+    host memory checked against the host's."""
+
+    def __init__(self, root: str, opener: _Opener, casting: str, max_read_bytes, n: int):
+        self.root, self.opener, self.casting = root, opener, casting
+        self.url = store.location.is_url(root)
+        self.out: list = [None] * n
+        self.window = store.InFlightBytes(
+            DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
         )
-        kept += _check_memory(root, found, pending, kept, limit)
-        if fast is None and not url:  # read by TensorStore: check every shard file it may open
+        self.kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU)
+        self.limit = sharding_lib.host_memory_limit()
+
+    def _source(self, found: Available):
+        """``found``'s source: ``store.shard_reader`` where its layout allows, else its view."""
+        view = found.build({s.key: self.opener.get(s.key) for s in found.sources})
+        fast = _fast_reader(self.root, found.sources[0], view) if found.stored else None
+        return (view, True) if fast is None else (fast, False)
+
+    def _verify(self, found: Available) -> None:
+        """Read by TensorStore: every shard file it may open checked first (object stores
+        were checked at once, before any read)."""
+        if not self.url:
             for src in found.sources:
-                verify_shard_files(root, src)
-        for done in window.make_room(pending.read_bytes):
-            _finish(root, done, out, casting)
+                verify_shard_files(self.root, src)
+
+    def source_of(self, found: Available):
+        """``found``'s checked source (for ``replicated.read_once``)."""
+        source, by_tensorstore = self._source(found)
+        if by_tensorstore:
+            self._verify(found)
+        return source
+
+    def check(self, found: Available, pending) -> None:
+        """``_check_memory`` of one tensor, its host-resident bytes counted."""
+        self.kept += _check_memory(self.root, found, pending, self.kept, self.limit)
+
+    def start(self, position: int, req: Request, found: Available) -> None:
+        """Starts one tensor's reads once the budget has room for them."""
+        source, by_tensorstore = self._source(found)
+        dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+        pending = sharding_lib.PendingArray(source, found.shape, dtype, req.sharding)
+        self.check(found, pending)
+        if by_tensorstore:
+            self._verify(found)
+        for done in self.window.make_room(pending.read_bytes):
+            self.finish(done)
         try:
             pending.start()
         except MemoryError:
-            raise _memory_error(root, found, pending, "could not be allocated") from None
-        window.add((position, req, found, pending), pending.read_bytes)
-    for done in window.drain():
-        _finish(root, done, out, casting)
-    return out
+            raise _memory_error(self.root, found, pending, "could not be allocated") from None
+        self.window.add((position, req, found, pending), pending.read_bytes)
+
+    def finish(self, done) -> None:
+        _finish(self.root, done, self.out, self.casting)
 
 
 def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, casting: str):
