@@ -177,24 +177,10 @@ def plan(
             ``shardings``/``target`` given, or ``processes`` does not fit the mesh (a
             ``ValueError`` too).
     """
-    RestoreOptions(  # the same checks as restore's keywords, before the checkpoint is read
-        target=target,
-        shardings=shardings,
-        mesh=mesh,
-        rules=rules,
-        spec=spec,
-        casting=casting,
-        strict=strict,
-        where="plan",
-    )
+    explicit = _checked(target, shardings, mesh, rules, spec, casting, strict).has_target
     root = reader.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
     available = reader.available_tensors(manifest, spec)
-    explicit = target is not None or shardings is not None
-    if not explicit and mesh is None:
-        raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")
-    if rules is not None and mesh is None:
-        raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
     layouts = _Layouts(mesh, processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
@@ -214,6 +200,26 @@ def plan(
     tensors = [_tensor_plan(p, layouts, device_bytes, process_bytes) for p in placed]
     _read_on_host(tensors, layouts, mesh, process_bytes)
     return RestorePlan(root, tensors, device_bytes, process_bytes, n_values)
+
+
+def _checked(target, shardings, mesh, rules, spec, casting, strict) -> RestoreOptions:
+    """plan()'s arguments checked as restore's keywords are, before anything is read; and a
+    mesh for rules, a mesh or a target to plan for."""
+    options = RestoreOptions(
+        target=target,
+        shardings=shardings,
+        mesh=mesh,
+        rules=rules,
+        spec=spec,
+        casting=casting,
+        strict=strict,
+        where="plan",
+    )
+    if not options.has_target and mesh is None:
+        raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")
+    if rules is not None and mesh is None:
+        raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
+    return options
 
 
 def _placed_by_target(root, manifest, available, target, shardings, casting):
