@@ -112,6 +112,13 @@ def dumps(obj: Any) -> bytes:
 
 
 def _emit(obj: Any, out: io.BytesIO) -> None:
+    """The opcodes of ``obj``: scalars first (a bool is an int), then containers, then nodes."""
+    if not (_emit_scalar(obj, out) or _emit_container(obj, out) or _emit_node(obj, out)):
+        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
+
+
+def _emit_scalar(obj: Any, out: io.BytesIO) -> bool:
+    """None, a bool, an int, a float or a str; False when ``obj`` is none of them."""
     w = out.write
     if obj is None:
         w(pickle.NONE)
@@ -128,7 +135,15 @@ def _emit(obj: Any, out: io.BytesIO) -> None:
     elif isinstance(obj, str):
         raw = obj.encode("utf-8", "surrogatepass")
         w(pickle.BINUNICODE + struct.pack("<I", len(raw)) + raw)
-    elif isinstance(obj, tuple):
+    else:
+        return False
+    return True
+
+
+def _emit_container(obj: Any, out: io.BytesIO) -> bool:
+    """A tuple, a list or a dict, items in order; False when ``obj`` is none of them."""
+    w = out.write
+    if isinstance(obj, tuple):
         w(pickle.MARK)
         for item in obj:
             _emit(item, out)
@@ -139,12 +154,25 @@ def _emit(obj: Any, out: io.BytesIO) -> None:
             _emit(item, out)
         w(pickle.APPENDS)
     elif isinstance(obj, dict):
-        w(pickle.EMPTY_DICT + pickle.MARK)
-        for key, value in obj.items():
-            _emit(key, out)
-            _emit(value, out)
-        w(pickle.SETITEMS)
-    elif isinstance(obj, Global):
+        _emit_items(obj.items(), out)
+    else:
+        return False
+    return True
+
+
+def _emit_items(items: Any, out: io.BytesIO) -> None:
+    """A dict's SETITEMS from (key, value) pairs, for a dict and for ``Pairs`` alike."""
+    out.write(pickle.EMPTY_DICT + pickle.MARK)
+    for key, value in items:
+        _emit(key, out)
+        _emit(value, out)
+    out.write(pickle.SETITEMS)
+
+
+def _emit_node(obj: Any, out: io.BytesIO) -> bool:
+    """A Global, Call, New, Pairs or Persistent node; False when ``obj`` is none of them."""
+    w = out.write
+    if isinstance(obj, Global):
         w(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
     elif isinstance(obj, Call):
         _emit(obj.fn, out)
@@ -156,16 +184,13 @@ def _emit(obj: Any, out: io.BytesIO) -> None:
         _emit(obj.state, out)
         w(pickle.BUILD)
     elif isinstance(obj, Pairs):
-        w(pickle.EMPTY_DICT + pickle.MARK)
-        for key, value in obj.items:
-            _emit(key, out)
-            _emit(value, out)
-        w(pickle.SETITEMS)
+        _emit_items(obj.items, out)
     elif isinstance(obj, Persistent):
         _emit(obj.pid, out)
         w(pickle.BINPERSID)
     else:
-        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
+        return False
+    return True
 
 
 def torch_size(dims: Sequence[int]) -> Call:
