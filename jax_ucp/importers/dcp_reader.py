@@ -630,10 +630,56 @@ def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
     return dt
 
 
-def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = None) -> DcpCheckpoint:
-    """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: stand-ins beyond
-    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's)."""
-    root = Path(path)
+def _storage_ref(by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str):
+    """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
+    info = by_fqn.get(name, {}).get(off)
+    if info is None:
+        raise DcpError(f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}")
+    rp, bo, bl = (
+        getattr(info, "relative_path", None),
+        getattr(info, "offset", None),
+        getattr(info, "length", None),
+    )
+    trs = getattr(info, "transform_descriptors", None) or ()
+    if (
+        not isinstance(rp, str)
+        or not _is_count(bo)
+        or not _is_count(bl)
+        or "/" in rp
+        or "\0" in rp
+        or rp.startswith(".")
+        or not isinstance(trs, (list, tuple))
+        or not all(isinstance(tr, str) for tr in trs)
+    ):
+        short = torch_pickle.short_repr
+        raise DcpError(
+            f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
+            f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
+            f"in the checkpoint directory, non-negative integer offset and length, strings"
+        )
+    return rp, bo, bl, tuple(trs)
+
+
+def _dims(
+    mfile: Path, name: str, what: str, value: Any, rank: int | None = None
+) -> tuple[int, ...]:
+    """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
+    if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
+        raise DcpError(
+            f"tensor {name!r} in {mfile}: {what} {torch_pickle.short_repr(value)}: expected "
+            f"non-negative integers below 2**63"
+        )
+    if rank is not None and len(value) != rank:
+        raise DcpError(
+            f"tensor {name!r} in {mfile}: {what} {list(value)} has rank {len(value)}, the "
+            f"tensor rank {rank}"
+        )
+    return tuple(value)
+
+
+def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
+    """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
+    ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
     mfile = root / ".metadata"
     if not os.path.lexists(mfile):
         raise DcpError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
@@ -649,58 +695,45 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     storage = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
         raise DcpError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
-    refuse_fsdp_dtensor(list(sdm), str(mfile))
+    return mfile, md, sdm, storage
+
+
+def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any, Any]]:
+    """``storage_data`` regrouped as name -> chunk offsets -> storage info."""
     by_fqn: dict[str, dict[Any, Any]] = {}
     for idx, info in storage.items():
         if not isinstance(idx, _MetadataIndex):
             raise DcpError(f"{mfile}: storage_data key {idx!r} is not a MetadataIndex")
         fqn, off, _ = idx._key()
         by_fqn.setdefault(fqn, {})[off] = info
+    return by_fqn
 
-    def ref(name: str, off, what: str):
-        info = by_fqn.get(name, {}).get(off)
-        if info is None:
-            raise DcpError(
-                f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
-            )
-        rp, bo, bl = (
-            getattr(info, "relative_path", None),
-            getattr(info, "offset", None),
-            getattr(info, "length", None),
+
+def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, Any]]) -> DcpTensor:
+    """One ``TensorStorageMetadata``: its shape, dtype and chunks, each with its storage entry."""
+    shape = _dims(mfile, name, "size", getattr(m, "size", None))
+    dt = _dtype_of(getattr(m, "properties", None), name, mfile)
+    listed = getattr(m, "chunks", None)
+    if not isinstance(listed, (list, tuple)):
+        raise DcpError(
+            f"tensor {name!r} in {mfile}: chunks {torch_pickle.short_repr(listed)}: expected a list"
         )
-        trs = getattr(info, "transform_descriptors", None) or ()
-        if (
-            not isinstance(rp, str)
-            or not _is_count(bo)
-            or not _is_count(bl)
-            or "/" in rp
-            or "\0" in rp
-            or rp.startswith(".")
-            or not isinstance(trs, (list, tuple))
-            or not all(isinstance(tr, str) for tr in trs)
-        ):
-            short = torch_pickle.short_repr
-            raise DcpError(
-                f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
-                f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
-                f"in the checkpoint directory, non-negative integer offset and length, strings"
-            )
-        return rp, bo, bl, tuple(trs)
+    chunks = []
+    for index, c in enumerate(listed):
+        offs = _dims(mfile, name, f"chunk {index} offsets", getattr(c, "offsets", None), len(shape))
+        sizes = _dims(mfile, name, f"chunk {index} sizes", getattr(c, "sizes", None), len(shape))
+        rp, bo, bl, trs = _storage_ref(by_fqn, mfile, name, offs, f"chunk {index}")
+        chunks.append(DcpChunk(offs, sizes, rp, bo, bl, trs))
+    return DcpTensor(name, shape, dt, tuple(chunks))
 
-    def dims(name: str, what: str, value: Any, rank: int | None = None) -> tuple[int, ...]:
-        """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
-        if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
-            raise DcpError(
-                f"tensor {name!r} in {mfile}: {what} {torch_pickle.short_repr(value)}: expected "
-                f"non-negative integers below 2**63"
-            )
-        if rank is not None and len(value) != rank:
-            raise DcpError(
-                f"tensor {name!r} in {mfile}: {what} {list(value)} has rank {len(value)}, the "
-                f"tensor rank {rank}"
-            )
-        return tuple(value)
 
+def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = None) -> DcpCheckpoint:
+    """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: stand-ins beyond
+    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's)."""
+    root = Path(path)
+    mfile, md, sdm, storage = _load_metadata(root, extra_classes)
+    refuse_fsdp_dtensor(list(sdm), str(mfile))
+    by_fqn = _storage_by_fqn(storage, mfile)
     tensors: dict[str, DcpTensor] = {}
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
@@ -708,23 +741,9 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
             raise DcpError(f"{mfile}: entry name {torch_pickle.short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
-            shape = dims(name, "size", getattr(m, "size", None))
-            dt = _dtype_of(getattr(m, "properties", None), name, mfile)
-            listed = getattr(m, "chunks", None)
-            if not isinstance(listed, (list, tuple)):
-                raise DcpError(
-                    f"tensor {name!r} in {mfile}: chunks {torch_pickle.short_repr(listed)}: "
-                    f"expected a list"
-                )
-            chunks = []
-            for index, c in enumerate(listed):
-                offs = dims(name, f"chunk {index} offsets", getattr(c, "offsets", None), len(shape))
-                sizes = dims(name, f"chunk {index} sizes", getattr(c, "sizes", None), len(shape))
-                rp, bo, bl, trs = ref(name, offs, f"chunk {index}")
-                chunks.append(DcpChunk(offs, sizes, rp, bo, bl, trs))
-            tensors[name] = DcpTensor(name, shape, dt, tuple(chunks))
+            tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
         elif kind == "BytesStorageMetadata":
-            rp, bo, bl, _ = ref(name, None, "object")
+            rp, bo, bl, _ = _storage_ref(by_fqn, mfile, name, None, "object")
             objects[name] = DcpObject(name, rp, bo, bl)
         else:
             raise DcpError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
