@@ -201,7 +201,7 @@ def read_once(
 
     Every process of the job must call this with the same items and ``budget`` (as a restore
     does): they meet at each batch. ``source_of(available)``: the reader of a tensor
-    (``store.shard_file``'s, or a TensorStore view). ``check(available, gathered)``: called
+    (``store.shard_reader``'s, or a TensorStore view). ``check(available, gathered)``: called
     before a tensor's host buffer is allocated (raises to refuse it).
     """
     if not items:
