@@ -133,60 +133,73 @@ def parse_affine_maps(info: Mapping, where: str, tp: int) -> list[AffineMap]:
             f"{where}: affine_map version {version!r:.50}; this reader knows up to "
             f"{FORMAT_VERSION} (DeepSpeed 0.19) and would misread newer fields"
         )
-    maps = []
-    for pattern, entry in section["params"].items():
-        at = f"{where}: affine_map[{pattern!r:.100}]"
+    return [_affine_map(pattern, entry, where, tp) for pattern, entry in section["params"].items()]
+
+
+def _affine_map(pattern: Any, entry: Any, where: str, tp: int) -> AffineMap:
+    """One pattern's map: the pattern compiles, every TP rank has its shard, each shard checked."""
+    at = f"{where}: affine_map[{pattern!r:.100}]"
+    try:
+        compile_pattern(str(pattern), f"{at}: ")
+    except SpecError as e:
+        raise DeepSpeedImportError(str(e)) from None
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), Mapping):
+        raise DeepSpeedImportError(f"{at}: expected a dict with logical_shape and ranks")
+    logical = _ints(entry.get("logical_shape"), "logical_shape", at)
+    ranks = _map_ranks(entry["ranks"], at, tp)
+    shard_shapes, pieces = {}, {}
+    full = math.prod(logical)
+    for rank, value in sorted(ranks.items()):
+        shard_shapes[rank], pieces[rank] = _rank_shard(value, f"{at} rank {rank}", rank, full, tp)
+    return AffineMap(str(pattern), logical, shard_shapes, pieces)
+
+
+def _map_ranks(entries: Mapping, at: str, tp: int) -> dict[int, Mapping]:
+    """The map's per-rank entries by integer TP rank: exactly the ranks 0..tp-1."""
+    ranks = {}
+    for rank, value in entries.items():
         try:
-            compile_pattern(str(pattern), f"{at}: ")
-        except SpecError as e:
-            raise DeepSpeedImportError(str(e)) from None
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), Mapping):
-            raise DeepSpeedImportError(f"{at}: expected a dict with logical_shape and ranks")
-        logical = _ints(entry.get("logical_shape"), "logical_shape", at)
-        ranks = {}
-        for rank, value in entry["ranks"].items():
-            try:
-                rank = int(rank)
-            except (TypeError, ValueError):
-                raise DeepSpeedImportError(f"{at}: rank {rank!r:.50} is not an integer") from None
-            if not 0 <= rank < tp or not isinstance(value, Mapping):
-                raise DeepSpeedImportError(f"{at}: rank {rank} outside TP ranks 0..{tp - 1}")
-            ranks[rank] = value
-        if sorted(ranks) != list(range(tp)):
+            rank = int(rank)
+        except (TypeError, ValueError):
+            raise DeepSpeedImportError(f"{at}: rank {rank!r:.50} is not an integer") from None
+        if not 0 <= rank < tp or not isinstance(value, Mapping):
+            raise DeepSpeedImportError(f"{at}: rank {rank} outside TP ranks 0..{tp - 1}")
+        ranks[rank] = value
+    if sorted(ranks) != list(range(tp)):
+        raise DeepSpeedImportError(
+            f"{at}: pieces for TP ranks {sorted(ranks)}; the checkpoint has tp={tp}"
+        )
+    return ranks
+
+
+def _rank_shard(
+    value: Mapping, at: str, rank: int, full: int, tp: int
+) -> tuple[tuple[int, ...], list[Piece]]:
+    """One rank's shard shape and pieces: each piece held by this rank, inside the parameter
+    (``full`` elements) and the shard, and the pieces together as large as the shard."""
+    shard = _ints(value.get("shard_shape"), "shard_shape", at)
+    held = value.get("pieces")
+    if not isinstance(held, (list, tuple)):
+        raise DeepSpeedImportError(f"{at}: pieces is not a list")
+    rank_pieces = [_piece(p, at, tp) for p in held]
+    for p in rank_pieces:
+        if rank not in p.locations:
             raise DeepSpeedImportError(
-                f"{at}: pieces for TP ranks {sorted(ranks)}; the checkpoint has tp={tp}"
+                f"{at}: a piece held by ranks {sorted(p.locations)} is listed on rank {rank}"
             )
-        shard_shapes, pieces = {}, {}
-        full = math.prod(logical)
-        for rank, value in sorted(ranks.items()):
-            shard = _ints(value.get("shard_shape"), "shard_shape", f"{at} rank {rank}")
-            held = value.get("pieces")
-            if not isinstance(held, (list, tuple)):
-                raise DeepSpeedImportError(f"{at} rank {rank}: pieces is not a list")
-            rank_pieces = [_piece(p, f"{at} rank {rank}", tp) for p in held]
-            for p in rank_pieces:
-                if rank not in p.locations:
-                    raise DeepSpeedImportError(
-                        f"{at} rank {rank}: a piece held by ranks {sorted(p.locations)} is "
-                        f"listed on rank {rank}"
-                    )
-                if _extent(p.shape, *p.source) > full or _extent(p.shape, *p.dest) > math.prod(
-                    shard
-                ):
-                    raise DeepSpeedImportError(
-                        f"{at} rank {rank}: piece {list(p.shape)} at source {p.source[0]} / dest "
-                        f"{p.dest[0]} reaches outside the parameter ({full} elements) or the "
-                        f"shard ({math.prod(shard)})"
-                    )
-            if sum(math.prod(p.shape) for p in rank_pieces) != math.prod(shard):
-                raise DeepSpeedImportError(
-                    f"{at} rank {rank}: pieces hold "
-                    f"{sum(math.prod(p.shape) for p in rank_pieces)} elements, the shard "
-                    f"{list(shard)} has {math.prod(shard)}"
-                )
-            shard_shapes[rank], pieces[rank] = shard, rank_pieces
-        maps.append(AffineMap(str(pattern), logical, shard_shapes, pieces))
-    return maps
+        if _extent(p.shape, *p.source) > full or _extent(p.shape, *p.dest) > math.prod(shard):
+            raise DeepSpeedImportError(
+                f"{at}: piece {list(p.shape)} at source {p.source[0]} / dest "
+                f"{p.dest[0]} reaches outside the parameter ({full} elements) or the "
+                f"shard ({math.prod(shard)})"
+            )
+    if sum(math.prod(p.shape) for p in rank_pieces) != math.prod(shard):
+        raise DeepSpeedImportError(
+            f"{at}: pieces hold "
+            f"{sum(math.prod(p.shape) for p in rank_pieces)} elements, the shard "
+            f"{list(shard)} has {math.prod(shard)}"
+        )
+    return shard, rank_pieces
 
 
 def map_for(maps: list[AffineMap], name: str) -> AffineMap | None:
