@@ -322,6 +322,16 @@ _MODEL_STRINGS = {
 def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
     """Import settings from a run config's ``model`` section (its ``transformer`` sub-section
     for Bridge's newer ``GPTModelConfig``): the values a spec needs, each type-checked."""
+    fields = _model_fields(run_config, where)
+    settings: dict[str, Any] = {}
+    _named_settings(fields, where, settings)
+    _vocab_settings(fields, where, settings)
+    _ddp_settings(run_config, where, settings)
+    return settings
+
+
+def _model_fields(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
+    """The ``model`` section, with a ``transformer`` sub-section's fields lifted beside it."""
     model = run_config.get("model")
     if not isinstance(model, dict):
         raise MegatronBridgeError(
@@ -331,7 +341,12 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
     fields = dict(model)
     if isinstance(model.get("transformer"), dict):  # GPTModelConfig keeps them one level down
         fields = {**model["transformer"], **{k: v for k, v in model.items() if k != "transformer"}}
-    settings: dict[str, Any] = {}
+    return fields
+
+
+def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
+    """The int, bool and name fields that map one to one onto a setting, and the tied-embedding
+    flag (inverted), into ``settings``."""
     for key, name in _MODEL_INTS.items():
         value = fields.get(key)
         if value is not None:
@@ -356,6 +371,11 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
                 f"true/false"
             )
         settings["untie_embeddings_and_output_weights"] = not share
+
+
+def _vocab_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
+    """``vocab_size`` into ``settings``: with its padding rule when Bridge pads it, else as the
+    embedding's row count."""
     vocab = fields.get("vocab_size")
     if vocab is not None:
         vocab = _int_field(vocab, "vocab_size", where)
@@ -368,13 +388,16 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
                 )
         else:  # vocab_size is the embedding's row count
             settings["padded_vocab_size"] = vocab
+
+
+def _ddp_settings(run_config: Mapping[str, Any], where: os.PathLike | str, settings: dict) -> None:
+    """The ``ddp`` section's gradient-bucket settings into ``settings``."""
     ddp = run_config.get("ddp")
     if isinstance(ddp, dict):
         if type(ddp.get("overlap_grad_reduce")) is bool:
             settings["overlap_grad_reduce"] = ddp["overlap_grad_reduce"]
         if ddp.get("bucket_size") is not None:
             settings["ddp_bucket_size"] = _int_field(ddp["bucket_size"], "ddp.bucket_size", where)
-    return settings
 
 
 def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
