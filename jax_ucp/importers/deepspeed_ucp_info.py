@@ -68,64 +68,84 @@ def import_rules_from_ucp_info(
 
     ``strict``: every pattern DeepSpeed lists must match some tensor (ds_to_universal --strict);
     by default unused patterns are allowed, as DeepSpeed only warns."""
+    categories = _categories(info, where)
+    vocab = _patterns(info, VOCABULARY, where)
+    pipe = _patterns(info, PIPELINE_REPLICATED, where)
+    vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
+    rules: list[ImportRule] = []
+    for p, k in categories:
+        rules += _rules_for(p, k, f"{k.kind} {p!r}", strict, vocab, pipe, vocab_size)
+    rules += _rules_for(
+        None, Partitioned(dim=0), "default: cat dim 0", False, vocab, pipe, vocab_size
+    )
+    return rules
 
-    def pats(key):
-        v = info.get(key) or []
-        if isinstance(v, str):
-            v = [v]
-        if not isinstance(v, (list, tuple)):
-            raise SpecError(f"{where}.{key}: expected a list of patterns, found {type(v).__name__}")
-        for p in v:  # each alone, so an error names the pattern as the file holds it
-            compile_pattern(p, f"{where}.{key}: ")
-        return [str(p) for p in v]
 
+def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
+    """The patterns ``info[key]`` lists (one string is a list of one), each RE2-compiled."""
+    v = info.get(key) or []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, (list, tuple)):
+        raise SpecError(f"{where}.{key}: expected a list of patterns, found {type(v).__name__}")
+    for p in v:  # each alone, so an error names the pattern as the file holds it
+        compile_pattern(p, f"{where}.{key}: ")
+    return [str(p) for p in v]
+
+
+def _categories(info: Mapping[str, Any], where: str) -> list[tuple[str, Kind]]:
+    """(pattern, kind) of every category, in ds_to_universal's order of precedence."""
     categories: list[tuple[str, Kind]] = []
-    for p in pats(TP_REPLICATED):
+    for p in _patterns(info, TP_REPLICATED, where):
         categories.append((p, Replicated()))
-    for p in pats(TO_AVERAGE):
+    for p in _patterns(info, TO_AVERAGE, where):
         categories.append((p, Averaged()))
-    for p in pats(TWO_SUB_PARAMS):
+    for p in _patterns(info, TWO_SUB_PARAMS, where):
         categories.append((p, SwiGLU(dim=0)))
     for i, e in enumerate(info.get(SUB_PARAMS) or []):
         ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
         for p in ps:
             compile_pattern(p, f"{where}.{SUB_PARAMS}[{i}]: ")
         categories += [(p, k) for p in ps]
-    for p in pats(ROW_PARALLEL):
+    for p in _patterns(info, ROW_PARALLEL, where):
         categories.append((p, Partitioned(dim=1)))
-    vocab = pats(VOCABULARY)
-    pipe = pats(PIPELINE_REPLICATED)
-    vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
+    return categories
 
-    def wrap(kind: Kind, with_vocab: bool, with_pipe: bool) -> Kind:
-        if with_vocab:
-            kind = Vocab(dim=0, vocab_size=vocab_size, inner=kind)
-        if with_pipe:
-            kind = PipelineTied(inner=kind)
-        return kind
 
-    rules: list[ImportRule] = []
-
-    def add(p: str | None, kind: Kind, label: str, required: bool):
-        combos = [(v, q) for v in vocab + [None] for q in pipe + [None]]
-        for v, q in combos:
-            body = f"(?:{p}).*" if p is not None else ".*"
-            req = required and v is None and q is None
-            rules.append(
-                ImportRule(
-                    body,
-                    wrap(kind, v is not None, q is not None),
-                    required=req,
-                    label=f"{label}{' + vocab ' + repr(v) if v else ''}"
-                    f"{' + pipeline-replicated ' + repr(q) if q else ''}",
-                    also=tuple(f"(?:{x}).*" for x in (v, q) if x is not None),
-                )
+def _rules_for(
+    p: str | None,
+    kind: Kind,
+    label: str,
+    required: bool,
+    vocab: list[str],
+    pipe: list[str],
+    vocab_size: Any,
+) -> list[ImportRule]:
+    """One category's rules: with each vocabulary and pipeline-replicated pattern it may also
+    match (the kind wrapped accordingly), then alone; only the plain rule may be required."""
+    rules = []
+    for v, q in [(v, q) for v in vocab + [None] for q in pipe + [None]]:
+        body = f"(?:{p}).*" if p is not None else ".*"
+        req = required and v is None and q is None
+        rules.append(
+            ImportRule(
+                body,
+                _wrap(kind, vocab_size, v is not None, q is not None),
+                required=req,
+                label=f"{label}{' + vocab ' + repr(v) if v else ''}"
+                f"{' + pipeline-replicated ' + repr(q) if q else ''}",
+                also=tuple(f"(?:{x}).*" for x in (v, q) if x is not None),
             )
-
-    for p, k in categories:
-        add(p, k, f"{k.kind} {p!r}", strict)
-    add(None, Partitioned(dim=0), "default: cat dim 0", False)
+        )
     return rules
+
+
+def _wrap(kind: Kind, vocab_size: Any, with_vocab: bool, with_pipe: bool) -> Kind:
+    if with_vocab:
+        kind = Vocab(dim=0, vocab_size=vocab_size, inner=kind)
+    if with_pipe:
+        kind = PipelineTied(inner=kind)
+    return kind
 
 
 def spec_from_ucp_info(
