@@ -78,6 +78,20 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
         if tag is not None:
             raise OrbaxImportError(f"{src}: a single Orbax checkpoint has no steps (tag={tag!r})")
         return src, None, {"": src}, {}
+    src, step = _step_dir(src, tag)
+    handlers = _item_handlers(src)
+    items, others = _split_items(src, handlers)
+    if not items:
+        raise OrbaxImportError(
+            f"{src}: no PyTree item (StandardCheckpointHandler / PyTreeCheckpointHandler with "
+            f"{PYTREE_METADATA}) among its items {sorted(handlers)}"
+        )
+    return src, step, items, others
+
+
+def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
+    """(step directory, step) of ``src``: a manager root's ``tag`` step (default: the latest
+    committed one), or ``src`` itself when it is one step (its number when its name is one)."""
     step = None
     if not os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
         steps = _steps(src) if os.path.isdir(src) else {}
@@ -103,12 +117,24 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
     else:  # a step directory given itself: its number, when its name is one
         m = _STEP.fullmatch(os.path.basename(src))
         step = int(m.group(1)) if m else None
+    return src, step
+
+
+def _item_handlers(src: str) -> dict:
+    """{item name: handler type name or None} of a step, from its checkpoint metadata (or its
+    subdirectories when an older Orbax recorded none)."""
     meta = _read_json(os.path.join(src, CHECKPOINT_METADATA))
     handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
     if isinstance(handlers, str):  # one unnamed item saved into the step directory itself
         handlers = {"": handlers}
     if not isinstance(handlers, dict):  # older Orbax: no record; the subdirectories tell
         handlers = {n: None for n in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, n))}
+    return handlers
+
+
+def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: directory} of the PyTree items, {name: why not imported} of the others); an item
+    name that leaves the step, or an item that is already a jax_ucp checkpoint, is refused."""
     items, others = {}, {}
     for name, typestr in sorted(handlers.items()):
         if not isinstance(name, str) or name in (".", "..") or os.path.basename(name) != name:
@@ -129,12 +155,7 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
             others[name] = (
                 f"an Orbax {str(typestr).rsplit('.', 1)[-1]} item, not a PyTree of arrays"
             )
-    if not items:
-        raise OrbaxImportError(
-            f"{src}: no PyTree item (StandardCheckpointHandler / PyTreeCheckpointHandler with "
-            f"{PYTREE_METADATA}) among its items {sorted(handlers)}"
-        )
-    return src, step, items, others
+    return items, others
 
 
 def plan_orbax(
