@@ -590,12 +590,18 @@ def plan(
     result = jax_ucp.plan(
         path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes, strict=strict
     )
-    n_devices = len(result.device_bytes)
     output.say(
         f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
-        f"({layout.plural(n_devices, 'device')}, {layout.plural(processes, 'process', 'processes')}): "
+        f"({layout.plural(len(result.device_bytes), 'device')}, "
+        f"{layout.plural(processes, 'process', 'processes')}): "
         f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
     )
+    _print_plan_table(result, limit)
+    _print_plan_totals(result, limit)
+
+
+def _print_plan_table(result, limit: int) -> None:
+    """One row per tensor (the first ``limit`` when > 0): its spec and bytes."""
     shown = result.tensors[:limit] if limit > 0 else result.tensors
     rows = [
         [
@@ -623,6 +629,10 @@ def plan(
     )
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
+
+
+def _print_plan_totals(result, limit: int) -> None:
+    """Bytes per device and per process, then what is replicated, on host or not divisible."""
     low, high = result.min_device_bytes, result.max_device_bytes
     output.console.print(
         "per device: "

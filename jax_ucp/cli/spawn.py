@@ -51,14 +51,7 @@ def spawn_local(n: int, dst: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-        elif arg == "--processes":
-            skip = True
-        elif not arg.startswith("--processes="):
-            argv.append(arg)
+    argv = child_argv(sys.argv[1:])
     env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
     before = dir_identity(dst)
     with contextlib.ExitStack() as stack:
@@ -86,17 +79,7 @@ def spawn_local(n: int, dst: str) -> None:
                 remove_abandoned(dst)
         if not failed:
             return
-        lines = []
-        for i in failed:
-            code = procs[i].returncode
-            why = f"exited with code {code}" if code > 0 else f"was killed by {signal_name(-code)}"
-            lines.append(f"process {i} (pid {procs[i].pid}) {why}")
-            if i and code > 0:
-                logs[i].seek(0)
-                lines.append(logs[i].read()[-4000:].rstrip())
-        if stopped:
-            others = ", ".join(f"{i} (pid {procs[i].pid})" for i in stopped)
-            lines.append(f"stopped the other process(es): {others}")
+        lines = failure_lines(procs, logs, failed, stopped)
         after = dir_identity(dst)
         if after is not None and after != before:
             lines.append(f"{dst} was committed before that, with every process's part")
@@ -107,6 +90,35 @@ def spawn_local(n: int, dst: str) -> None:
         )
         output.console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(1)
+
+
+def child_argv(argv: list[str]) -> list[str]:
+    """This command's arguments without ``--processes N`` (each child is one process)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--processes":
+            skip = True
+        elif not arg.startswith("--processes="):
+            out.append(arg)
+    return out
+
+
+def failure_lines(procs, logs, failed: list[int], stopped: list[int]) -> list[str]:
+    """One line per failed process (with the tail of its output), then the ones stopped."""
+    lines = []
+    for i in failed:
+        code = procs[i].returncode
+        why = f"exited with code {code}" if code > 0 else f"was killed by {signal_name(-code)}"
+        lines.append(f"process {i} (pid {procs[i].pid}) {why}")
+        if i and code > 0:
+            logs[i].seek(0)
+            lines.append(logs[i].read()[-4000:].rstrip())
+    if stopped:
+        others = ", ".join(f"{i} (pid {procs[i].pid})" for i in stopped)
+        lines.append(f"stopped the other process(es): {others}")
+    return lines
 
 
 def remove_abandoned(dst: str) -> None:
