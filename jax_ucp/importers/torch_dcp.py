@@ -156,28 +156,10 @@ def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
 def _state(
     checkpoints: list[dcp_reader.DcpCheckpoint], where: str
 ) -> tuple[TorchState, dict[str, Any]]:
-    tensors: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
-    objects: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
-    for ck in checkpoints:
-        for table, names in ((tensors, ck.tensors), (objects, ck.objects)):
-            for name in names:
-                if name in tensors or name in objects:
-                    raise TorchImportError(f"{where}: {name!r} is saved in two DCP folders")
-                table[name] = (ck, name)
+    tensors, objects = _tables(checkpoints, where)
     everything = list(tensors) + list(objects)
-    for name in tensors:
-        if name.endswith("_flat_param") or "._flat_param" in name:
-            raise TorchImportError(
-                f"{where}: tensor {name!r} is an FSDP1 flat parameter (LOCAL_STATE_DICT); save "
-                f"with SHARDED_STATE_DICT (or get_state_dict) to import it"
-            )
-    roots = sorted({m.group(1) for n in everything if (m := _GROUPS.match(n))})
-    if len(roots) > 1:
-        raise TorchImportError(
-            f"{where}: {len(roots)} optimizers ({', '.join(r.rstrip('.') or '<top>' for r in roots)}); "
-            f"importing several optimizers into one opt_state is not supported"
-        )
-    root = roots[0] if roots else None
+    _refuse_flat_params(tensors, where)
+    root = _optimizer_root(everything, where)
     skipped: dict[str, str] = {}
     states: dict[str, dict[str, Any]] = {}
     groups: list[dict] = []
@@ -187,23 +169,8 @@ def _state(
     in_optimizer = {n for n in everything if root is not None and n.startswith(root)}
     model_names = [n for n in tensors if n not in in_optimizer]
     container = _container(model_names, states, tensors, where)
-    params: dict[str, TensorRef] = {}
-    for name in model_names:
-        first = name.split(".", 1)[0]
-        if container and not name.startswith(container):
-            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
-        elif not container and first in NON_MODEL_ROOTS:
-            skipped[name] = f"{first}: training state, not a model parameter"
-        else:
-            ck, _ = tensors[name]
-            params[name[len(container) :]] = _ref(ck, name)
-    for name in everything:
-        if root is not None and name.startswith(f"{root}param_groups."):
-            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-        elif name in objects and name not in in_optimizer:
-            skipped.setdefault(name, "a pickled object, not a tensor")
-        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
-            skipped.setdefault(name, "optimizer entry outside state and param_groups")
+    params = _model_params(model_names, container, tensors, skipped)
+    _skip_the_rest(everything, root, objects, in_optimizer, skipped)
     clean, removed = strip_wrappers(list(params), where)
     params = {new: params[old] for new, old in clean.items()}
     states_clean, _ = strip_wrappers(list(states), where)
@@ -219,6 +186,75 @@ def _state(
         info["wrappers_removed"] = removed
     state = TorchState(params, states, groups, skipped, where, everything, sorted(in_optimizer))
     return state, info
+
+
+def _tables(checkpoints: list[dcp_reader.DcpCheckpoint], where: str) -> tuple[dict, dict]:
+    """({name: (checkpoint, name)} of the tensors, the same of the objects) of every DCP
+    folder; a name saved in two folders is refused."""
+    tensors: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
+    objects: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
+    for ck in checkpoints:
+        for table, names in ((tensors, ck.tensors), (objects, ck.objects)):
+            for name in names:
+                if name in tensors or name in objects:
+                    raise TorchImportError(f"{where}: {name!r} is saved in two DCP folders")
+                table[name] = (ck, name)
+    return tensors, objects
+
+
+def _refuse_flat_params(tensors: dict[str, Any], where: str) -> None:
+    """FSDP1's LOCAL_STATE_DICT flat parameters hold many parameters in one rank-local buffer."""
+    for name in tensors:
+        if name.endswith("_flat_param") or "._flat_param" in name:
+            raise TorchImportError(
+                f"{where}: tensor {name!r} is an FSDP1 flat parameter (LOCAL_STATE_DICT); save "
+                f"with SHARDED_STATE_DICT (or get_state_dict) to import it"
+            )
+
+
+def _optimizer_root(everything: list[str], where: str) -> str | None:
+    """The prefix of the one optimizer's ``param_groups`` (None without one); several refused."""
+    roots = sorted({m.group(1) for n in everything if (m := _GROUPS.match(n))})
+    if len(roots) > 1:
+        raise TorchImportError(
+            f"{where}: {len(roots)} optimizers ({', '.join(r.rstrip('.') or '<top>' for r in roots)}); "
+            f"importing several optimizers into one opt_state is not supported"
+        )
+    return roots[0] if roots else None
+
+
+def _model_params(
+    model_names: list[str], container: str, tensors: dict[str, Any], skipped: dict[str, str]
+) -> dict[str, TensorRef]:
+    """{name inside the container: TensorRef} of the model tensors; the others into ``skipped``."""
+    params: dict[str, TensorRef] = {}
+    for name in model_names:
+        first = name.split(".", 1)[0]
+        if container and not name.startswith(container):
+            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
+        elif not container and first in NON_MODEL_ROOTS:
+            skipped[name] = f"{first}: training state, not a model parameter"
+        else:
+            ck, _ = tensors[name]
+            params[name[len(container) :]] = _ref(ck, name)
+    return params
+
+
+def _skip_the_rest(
+    everything: list[str],
+    root: str | None,
+    objects: dict[str, Any],
+    in_optimizer: set[str],
+    skipped: dict[str, str],
+) -> None:
+    """Why each entry that is neither a parameter nor an optimizer state is not imported."""
+    for name in everything:
+        if root is not None and name.startswith(f"{root}param_groups."):
+            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+        elif name in objects and name not in in_optimizer:
+            skipped.setdefault(name, "a pickled object, not a tensor")
+        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
+            skipped.setdefault(name, "optimizer entry outside state and param_groups")
 
 
 _GROUPS = re.compile(r"^((?:[^.]+\.)*?)param_groups\.")
