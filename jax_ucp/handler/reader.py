@@ -159,6 +159,7 @@ def _find_in_object_store(url: str) -> str:
 
 
 def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:
+    """What a restore may ask for: the saved tensors, or the views ``spec`` makes of them."""
     by_key = {e.key: e for e in manifest.tensors}
     if spec is None:
         return {
@@ -338,6 +339,8 @@ def read(
       available: what may be read (``available_tensors``); None: computed from the manifest.
       casting: numpy's casting rule for the requests' dtypes.
       max_read_bytes: host bytes of read buffers in flight (None: 256 MiB).
+      replicated_read: "each" (None) or "once": in a multi-process job, tensors every process
+        needs whole are read once in all and all-gathered (``handler.replicated``).
     """
     if available is None:
         available = available_tensors(manifest, spec)

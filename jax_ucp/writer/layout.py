@@ -19,6 +19,8 @@ from jax_ucp.errors import RequestError
 
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
+    """How arrays are laid out on disk: compression, inner-chunk size, checksums."""
+
     compression: str | None = None  # None or "zstd" (see README: why off by default)
     compression_level: int = 3
     inner_chunk_bytes: int = store.DEFAULT_INNER_CHUNK_BYTES
@@ -27,6 +29,8 @@ class SaveOptions:
 
 @dataclasses.dataclass
 class PreparedTensor:
+    """A tensor ready to write: its manifest entry, its array layout and this process's writes."""
+
     entry: fmt.TensorEntry
     layout: store.ArrayLayout
     # (index into the global array, host data or a zero-arg producer) for this process to write
@@ -40,6 +44,7 @@ class PreparedTensor:
 def array_layout(
     shape, dtype_name: str, shard_shape, itemsize: int, options: SaveOptions
 ) -> store.ArrayLayout:
+    """The zarr layout of one array: one shard file per ``shard_shape``, inner chunks within."""
     return store.ArrayLayout(
         shape=tuple(int(d) for d in shape),
         dtype=dtype_name,
@@ -63,6 +68,7 @@ def tensor_entry(
     provenance=None,
     frozen: bool = False,
 ) -> fmt.TensorEntry:
+    """The manifest entry of one array (logical axes padded to its rank, as PartitionSpecs are)."""
     if logical_axes is not None and len(logical_axes) < len(layout.shape):
         # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
         logical_axes = (
@@ -97,6 +103,7 @@ def tensor_entry(
 def value_entry(
     key, key_types, value, *, role: str = "other", sub_role: str | None = None
 ) -> fmt.ValueEntry:
+    """The manifest entry of a JSON scalar leaf, type-checked now (naming the leaf)."""
     entry = fmt.ValueEntry(
         key=tuple(key), key_types=tuple(key_types), value=value, role=role, sub_role=sub_role
     )

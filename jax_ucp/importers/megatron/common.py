@@ -66,6 +66,7 @@ def param_groups(optimizer_state: Any) -> Any:
 
 
 def sharding_type(common: Any) -> str | None:
+    """The distributed optimizer's layout recorded in the common state (None: not recorded)."""
     if isinstance(common, dict):
         optimizer = common.get("optimizer")
         if isinstance(optimizer, dict):
@@ -74,4 +75,5 @@ def sharding_type(common: Any) -> str | None:
 
 
 def element_count(shape) -> int:
+    """Elements of ``shape``, in 64-bit integers (a torch_dist shape may exceed 2**31)."""
     return int(np.prod(shape, dtype=np.int64))

@@ -61,6 +61,8 @@ DCP_CLASSES: dict[str, Any] = {**dcp_reader.DCP_CLASSES, **MCORE_CLASSES}
 
 @dataclass
 class MegatronDcpCheckpoint(DcpCheckpoint):
+    """A torch_dist checkpoint: torch DCP's ``.metadata`` plus megatron-core's ``metadata.json``."""
+
     mcore_metadata: dict = field(default_factory=dict)  # metadata.json
 
 

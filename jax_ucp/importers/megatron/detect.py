@@ -12,6 +12,8 @@ from jax_ucp.importers.megatron import legacy
 
 @dataclass(frozen=True)
 class MegatronSource:
+    """Where a Megatron checkpoint is and which of its two formats it is."""
+
     format: str  # "torch_dist" | "legacy"
     root: Path  # the directory the user gave (or its checkpoint root)
     ckpt_dir: Path  # the directory holding .metadata (torch_dist) or the mp_rank_* dirs (legacy)
@@ -46,4 +48,5 @@ def _iteration_of(path: Path) -> int | None:
 
 
 def is_megatron_checkpoint(src: os.PathLike | str) -> bool:
+    """Whether ``src`` holds a Megatron checkpoint (``detect_megatron`` finds one)."""
     return detect_megatron(src) is not None

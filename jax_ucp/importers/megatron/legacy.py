@@ -83,6 +83,8 @@ _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 
 @dataclass
 class RankFile:
+    """One ``mp_rank_*`` file of a legacy checkpoint: its ranks and its model state."""
+
     tp: int
     pp: int
     path: Path
@@ -94,6 +96,8 @@ class RankFile:
 
 @dataclass
 class LegacyCheckpoint:
+    """A legacy (``mp_rank_*``) Megatron checkpoint: its rank files and run arguments."""
+
     root: Path
     iter_dir: Path
     iteration: int | None
