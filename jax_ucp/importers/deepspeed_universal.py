@@ -180,14 +180,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{tag_dir}: model states of model-parallel ranks {sorted(by_mp)}; expected "
             f"0..{len(by_mp) - 1}"
         )
-    model_files: dict[str, Mapping] = {}
-    for ranks in by_mp.values():
-        for path in ranks.values():
-            try:
-                files.check_regular(path)
-            except files.UnsafeFileError as e:
-                raise DeepSpeedImportError(str(e)) from None
-            model_files[path] = deepspeed_files.load_model_states(path)
+    model_files = _load_model_files(by_mp)
     first = by_mp[0].get(None) or by_mp[0][min(d for d in by_mp[0] if d is not None)]
     model_states = model_files[first]
     mp_world_size = len(by_mp)
@@ -198,46 +191,81 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{mp_world_size} model-parallel rank(s)"
         )
     zero = os.path.join(tag_dir, ZERO_DIR)
-    optimizer_path = os.path.join(zero, OPTIMIZER_STATE)
-    optimizer_state: Mapping = {}
-    if os.path.lexists(optimizer_path):
-        optimizer_state = deepspeed_files.load_deepspeed_file(optimizer_path)
-        if not isinstance(optimizer_state, Mapping):
-            raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
+    optimizer_state = _optimizer_state(os.path.join(zero, OPTIMIZER_STATE))
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)
     info = model_states.get("universal_checkpoint_info") or {}
     if not isinstance(info, Mapping):
         raise DeepSpeedImportError(f"{first}: universal_checkpoint_info is not a dict")
+    shapes = _trained_shapes(model_files)
+    frozen = deepspeed_files.frozen_shapes_of(model_states, first)
+    overlap = sorted(set(frozen) & set(shapes))
+    if overlap:
+        raise DeepSpeedImportError(f"{first}: parameters both frozen and trained: {overlap}")
+    params, frozen_fp32, untracked = _param_folders(zero, first, shapes, frozen, mp_world_size)
+    module = model_states.get("module") or {}
+    return UniversalCheckpoint(
+        tag_dir=tag_dir,
+        stage=stage,
+        model_file=first,
+        model_states=model_states,
+        model_files=model_files,
+        model_dtype=deepspeed_files.dtype_of_run(model_states.get("ds_config") or {}, module),
+        params=params,
+        frozen=frozen,
+        frozen_fp32=frozen_fp32,
+        untracked=untracked,
+        optimizer_state=optimizer_state,
+        world_size=world or int(model_states.get("dp_world_size") or 1),
+        mp_world_size=mp_world_size,
+        info=info,
+    )
+
+
+def _load_model_files(by_mp: dict[int, dict[int | None, str]]) -> dict[str, Mapping]:
+    """Every model states file, by path, each checked to be a regular file before it is read."""
+    model_files: dict[str, Mapping] = {}
+    for ranks in by_mp.values():
+        for path in ranks.values():
+            try:
+                files.check_regular(path)
+            except files.UnsafeFileError as e:
+                raise DeepSpeedImportError(str(e)) from None
+            model_files[path] = deepspeed_files.load_model_states(path)
+    return model_files
+
+
+def _optimizer_state(optimizer_path: str) -> Mapping:
+    """``zero/optimizer_state.pt`` (a dict), or an empty dict when the folder has none."""
+    optimizer_state: Mapping = {}
+    if os.path.lexists(optimizer_path):
+        optimizer_state = deepspeed_files.load_deepspeed_file(optimizer_path)
+        if not isinstance(optimizer_state, Mapping):
+            raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
+    return optimizer_state
+
+
+def _trained_shapes(model_files: dict[str, Mapping]) -> dict[str, Any]:
+    """Every trained parameter's ``param_shapes`` shape, the first file naming it winning."""
     shapes = {}
     for path, states in model_files.items():
         for group in deepspeed_files.param_shapes_of(states, path):
             for name, shape in group.items():
                 shapes.setdefault(name, shape)
-    frozen = deepspeed_files.frozen_shapes_of(model_states, first)
-    overlap = sorted(set(frozen) & set(shapes))
-    if overlap:
-        raise DeepSpeedImportError(f"{first}: parameters both frozen and trained: {overlap}")
-    found = sorted(n for n in os.listdir(zero) if n != OPTIMIZER_STATE)
+    return shapes
+
+
+def _param_folders(
+    zero: str, first: str, shapes: dict[str, Any], frozen: Mapping, mp_world_size: int
+) -> tuple[dict[str, UniversalParam], dict[str, str], dict[str, str]]:
+    """The folders under ``zero/``: trained parameters (in ``param_shapes`` order, none
+    missing), and the fp32 copies of frozen and of undescribed names."""
     params: dict[str, UniversalParam] = {}
     frozen_fp32: dict[str, str] = {}
     untracked: dict[str, str] = {}
-    for name in found:
+    for name in sorted(n for n in os.listdir(zero) if n != OPTIMIZER_STATE):
         folder = os.path.join(zero, name)
-        if not os.path.isdir(folder) or os.path.islink(folder):
-            raise DeepSpeedImportError(
-                f"{folder}: expected a parameter folder (or {OPTIMIZER_STATE}) under zero/"
-            )
-        present = {f[:-3] for f in os.listdir(folder) if f.endswith(".pt")}
-        unknown = sorted(set(os.listdir(folder)) - {f"{s}.pt" for s in present})
-        unknown += sorted(s for s in present if s not in ("fp32", "exp_avg", "exp_avg_sq", "step"))
-        if unknown:
-            raise DeepSpeedImportError(
-                f"{folder}: unexpected entries {unknown}; a universal parameter folder holds "
-                "fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt"
-            )
-        if "fp32" not in present:
-            raise DeepSpeedImportError(f"{folder}/fp32.pt: missing (parameter {name!r})")
+        present = _folder_states(folder, name)
         if name in frozen or name not in shapes:
             if present != {"fp32"}:
                 what = "frozen" if name in frozen else "not in param_shapes of " + first
@@ -265,23 +293,27 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
         )
     order = {name: i for i, name in enumerate(shapes)}
     params = dict(sorted(params.items(), key=lambda kv: order[kv[0]]))
-    module = model_states.get("module") or {}
-    return UniversalCheckpoint(
-        tag_dir=tag_dir,
-        stage=stage,
-        model_file=first,
-        model_states=model_states,
-        model_files=model_files,
-        model_dtype=deepspeed_files.dtype_of_run(model_states.get("ds_config") or {}, module),
-        params=params,
-        frozen=frozen,
-        frozen_fp32=frozen_fp32,
-        untracked=untracked,
-        optimizer_state=optimizer_state,
-        world_size=world or int(model_states.get("dp_world_size") or 1),
-        mp_world_size=mp_world_size,
-        info=info,
-    )
+    return params, frozen_fp32, untracked
+
+
+def _folder_states(folder: str, name: str) -> set[str]:
+    """The states a parameter folder holds: a real folder of known ``<state>.pt`` files, fp32.pt
+    among them."""
+    if not os.path.isdir(folder) or os.path.islink(folder):
+        raise DeepSpeedImportError(
+            f"{folder}: expected a parameter folder (or {OPTIMIZER_STATE}) under zero/"
+        )
+    present = {f[:-3] for f in os.listdir(folder) if f.endswith(".pt")}
+    unknown = sorted(set(os.listdir(folder)) - {f"{s}.pt" for s in present})
+    unknown += sorted(s for s in present if s not in ("fp32", "exp_avg", "exp_avg_sq", "step"))
+    if unknown:
+        raise DeepSpeedImportError(
+            f"{folder}: unexpected entries {unknown}; a universal parameter folder holds "
+            "fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt"
+        )
+    if "fp32" not in present:
+        raise DeepSpeedImportError(f"{folder}/fp32.pt: missing (parameter {name!r})")
+    return present
 
 
 def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> UniversalParam:
@@ -486,6 +518,16 @@ def universal_tensors(
         "fp32 copy ds_to_universal made of a module entry in neither param_shapes nor "
         "frozen_param_shapes (a buffer or a parameter DeepSpeed does not describe): not imported",
     )
+    found += _optimizer_tensors(checkpoint, source, weights_only=weights_only)
+    found += _model_states_tensors(checkpoint, source)
+    return found
+
+
+def _optimizer_tensors(
+    checkpoint: UniversalCheckpoint, source: dict, *, weights_only: bool
+) -> list[str]:
+    """The tensors of ``zero/optimizer_state.pt``, all skipped but the step when it is the one
+    read; under ``weights_only`` also the Adam moments and every step skipped."""
     step_names = [
         f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{k}.step"
         for k in ((checkpoint.optimizer_state.get("optimizer_state_dict") or {}).get("state") or {})
@@ -493,7 +535,6 @@ def universal_tensors(
     optimizer_found = [
         f"zero/{OPTIMIZER_STATE}:{n}" for n in tensor_names(checkpoint.optimizer_state)
     ]
-    found += optimizer_found
     uses_optimizer_step = not any(p.step is not None for p in checkpoint.params.values())
     for name in optimizer_found:
         if name in step_names and uses_optimizer_step:
@@ -511,6 +552,12 @@ def universal_tensors(
         skip(source, moments, "weights_only: Adam moment")
         steps = [p.step_source for p in checkpoint.params.values() if p.step_source]
         skip(source, steps + step_names, "weights_only: optimizer step")
+    return optimizer_found
+
+
+def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list[str]:
+    """The tensors of every model states file; all but the imported module weights and frozen
+    fragments skipped with the reason."""
     model_file = os.path.basename(checkpoint.model_file)
     module = checkpoint.model_states.get("module") or {}
     imported = set()
@@ -524,6 +571,7 @@ def universal_tensors(
             and stored.dtype == checkpoint.model_dtype
         }
     frozen_names = {f"frozen_param_fragments.{n}" for n in checkpoint.frozen}
+    found = []
     for path, states in checkpoint.model_files.items():
         file = os.path.basename(path)
         for name in tensor_names(states):
@@ -532,25 +580,26 @@ def universal_tensors(
             if full in imported or name in frozen_names:
                 continue
             key = name[len("module.") :] if name.startswith("module.") else None
-            if key in checkpoint.params and checkpoint.stage == 3:
-                why = "ZeRO-3 placeholder of the model weight; params/ is read from zero/"
-            elif key in checkpoint.params and checkpoint.model_dtype == np.dtype(np.float32):
-                why = "the model weight in fp32: the fp32 master of zero/<param>/fp32.pt"
-            elif key in checkpoint.params:
-                why = (
-                    "a model-parallel rank's piece of the weight; model_params/ is the master cast"
-                )
-            elif key in checkpoint.frozen:
-                why = "frozen parameter: imported from frozen_param_fragments"
-            elif key is not None:
-                why = (
-                    "in module but in neither param_shapes nor frozen_param_shapes (a buffer "
-                    "or a parameter DeepSpeed does not describe): not imported"
-                )
-            else:
-                why = "not a model weight"
-            skip(source, [full], why)
+            skip(source, [full], _why_not_imported(checkpoint, key))
     return found
+
+
+def _why_not_imported(checkpoint: UniversalCheckpoint, key: str | None) -> str:
+    """Why a model states tensor (``module.<key>``, or no module entry at all) is skipped."""
+    if key in checkpoint.params and checkpoint.stage == 3:
+        return "ZeRO-3 placeholder of the model weight; params/ is read from zero/"
+    if key in checkpoint.params and checkpoint.model_dtype == np.dtype(np.float32):
+        return "the model weight in fp32: the fp32 master of zero/<param>/fp32.pt"
+    if key in checkpoint.params:
+        return "a model-parallel rank's piece of the weight; model_params/ is the master cast"
+    if key in checkpoint.frozen:
+        return "frozen parameter: imported from frozen_param_fragments"
+    if key is not None:
+        return (
+            "in module but in neither param_shapes nor frozen_param_shapes (a buffer "
+            "or a parameter DeepSpeed does not describe): not imported"
+        )
+    return "not a model weight"
 
 
 def source_info(checkpoint: UniversalCheckpoint) -> dict:
