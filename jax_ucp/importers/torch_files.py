@@ -160,26 +160,7 @@ def plan_torch_files(
     if not os.path.exists(src):
         raise TorchImportError(f"{src}: no such file or folder")
     model_files, optimizer_file = _files_of(src)
-    model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
-    found: list[str] = []
-    other: list[str] = []
-    optimizer = optimizer_at = None
-    for path in model_files:
-        obj = _load(path)
-        base = os.path.basename(path)
-        key, sd, opt_prefix, opt = _split(obj, path)
-        found += [f"{base}:{n}" for n in tensor_names(obj)]
-        other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
-        if opt is not None:
-            optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
-        for name, value in sd.items():
-            if not isinstance(name, str):
-                raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
-            if not isinstance(value, np.ndarray):
-                continue  # a nested object's tensors are accounted as skipped below
-            if name in model:
-                raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
-            model[name] = (value, path, f"{base}:{key + '.' if key else ''}{name}")
+    model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
         _check_index(src, model)
     if optimizer_file is not None:
@@ -202,15 +183,7 @@ def plan_torch_files(
             states, groups, info["optimizer_keys"] = _optimizer(
                 optimizer, path, prefix, clean, model, skipped
             )
-    for name in optimizer_sources:
-        if ":param_groups." in name or ".param_groups." in name:
-            skipped.setdefault(name, "optimizer hyper-parameter, recorded in source.optimizer")
-    used = {r.name for r in params.values()} | {
-        r.name for per in states.values() for r in per.values()
-    }
-    for name in found:
-        if name not in used and name not in optimizer_sources:
-            skipped.setdefault(name, "not a model weight or optimizer state")
+    _skip_unused(found, optimizer_sources, params, states, skipped)
     if removed:
         info["wrappers_removed"] = removed
     if other:
@@ -223,6 +196,57 @@ def plan_torch_files(
         **info,
     }
     return plan_state(state, source, weights_only=weights_only, share=share)
+
+
+def _read_model_files(src: str, model_files: list[str]):
+    """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
+    found, the non-tensor entries, and an optimizer state saved inside them with (its file,
+    its source-name prefix)."""
+    model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
+    found: list[str] = []
+    other: list[str] = []
+    optimizer = optimizer_at = None
+    for path in model_files:
+        obj = _load(path)
+        base = os.path.basename(path)
+        key, sd, opt_prefix, opt = _split(obj, path)
+        found += [f"{base}:{n}" for n in tensor_names(obj)]
+        other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
+        if opt is not None:
+            optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
+        _add_state_dict(model, sd, src, path, f"{base}:{key + '.' if key else ''}")
+    return model, found, other, optimizer, optimizer_at
+
+
+def _add_state_dict(model: dict, sd: dict, src: str, path: str, source_prefix: str) -> None:
+    """One file's state dict tensors into ``model``; a name in two files is refused."""
+    for name, value in sd.items():
+        if not isinstance(name, str):
+            raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
+        if not isinstance(value, np.ndarray):
+            continue  # a nested object's tensors are accounted as skipped below
+        if name in model:
+            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+        model[name] = (value, path, f"{source_prefix}{name}")
+
+
+def _skip_unused(
+    found: list[str],
+    optimizer_sources: list[str],
+    params: dict[str, TensorRef],
+    states: dict[str, dict[str, TensorRef]],
+    skipped: dict[str, str],
+) -> None:
+    """Why each tensor found that is neither imported nor an optimizer state is left out."""
+    for name in optimizer_sources:
+        if ":param_groups." in name or ".param_groups." in name:
+            skipped.setdefault(name, "optimizer hyper-parameter, recorded in source.optimizer")
+    used = {r.name for r in params.values()} | {
+        r.name for per in states.values() for r in per.values()
+    }
+    for name in found:
+        if name not in used and name not in optimizer_sources:
+            skipped.setdefault(name, "not a model weight or optimizer state")
 
 
 def _has_tensors(value: Any) -> bool:
