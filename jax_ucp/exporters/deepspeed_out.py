@@ -66,11 +66,44 @@ def write_universal(
     tag_dir = os.path.join(root, tag)
     zero = os.path.join(tag_dir, "zero")
     os.makedirs(zero)
-    written = []
-    shapes = {p.name: p.shape for p in params}
     for p in params:
         check_name(p.name)
         os.makedirs(os.path.join(zero, p.name))
+    written = _write_states(zero, {p.name: p.shape for p in params}, states, step)
+    if len(written) != 4 * len(params):
+        raise ExportError(
+            f"DeepSpeed universal needs fp32, exp_avg and exp_avg_sq of every parameter; "
+            f"got {len(written)} files for {len(params)} parameters"
+        )
+    optimizer_state = {
+        "ds_version": DS_VERSION,
+        "param_groups": [{"params": []} for _ in range(param_groups)],
+    }
+    path = os.path.join(zero, "optimizer_state.pt")
+    torch_out.save_file(path, optimizer_state)
+    written.append(path)
+    module, arrays = {}, []
+    for name, weight in model_weights or ():
+        module[name] = torch_out.TensorSlot(len(arrays), tuple(weight.shape), weight.dtype)
+        arrays.append(weight)
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    torch_out.save_file(path, _model_states(params, module, step), arrays)
+    written.append(path)
+    with open(os.path.join(root, "latest_universal"), "w") as f:
+        f.write(tag)
+    written.append(os.path.join(root, "latest_universal"))
+    return [os.path.relpath(p, root) for p in written]
+
+
+def _write_states(
+    zero: str,
+    shapes: dict[str, tuple[int, ...]],
+    states: Iterator[tuple[str, str, np.ndarray]],
+    step: int,
+) -> list[str]:
+    """``zero/<param>/<state>.pt`` for every state yielded, each checked fp32 of the parameter's
+    shape, and ``step.pt`` after a parameter's last state. Returns the paths written."""
+    written = []
     step_tensor = np.asarray(float(step), np.float32)
     for name, state, array in states:
         if state not in STATES or name not in shapes:
@@ -90,23 +123,13 @@ def write_universal(
             slot = torch_out.TensorSlot(0, (), step_tensor.dtype)
             torch_out.save_file(step_path, slot, [step_tensor])
             written.append(step_path)
-    if len(written) != 4 * len(params):
-        raise ExportError(
-            f"DeepSpeed universal needs fp32, exp_avg and exp_avg_sq of every parameter; "
-            f"got {len(written)} files for {len(params)} parameters"
-        )
-    optimizer_state = {
-        "ds_version": DS_VERSION,
-        "param_groups": [{"params": []} for _ in range(param_groups)],
-    }
-    path = os.path.join(zero, "optimizer_state.pt")
-    torch_out.save_file(path, optimizer_state)
-    written.append(path)
-    module, arrays = {}, []
-    for name, weight in model_weights or ():
-        module[name] = torch_out.TensorSlot(len(arrays), tuple(weight.shape), weight.dtype)
-        arrays.append(weight)
-    model_states = {
+    return written
+
+
+def _model_states(params: list[UniversalParam], module: dict, step: int) -> dict:
+    """``mp_rank_00_model_states.pt``'s pickle: one rank, no parallelism, the step counters and
+    ``module`` (name -> tensor slot) as an OrderedDict."""
+    return {
         "module": torch_out.Call(
             torch_out.Global("collections", "OrderedDict"), ([[k, v] for k, v in module.items()],)
         ),
@@ -134,10 +157,3 @@ def write_universal(
         "ds_version": DS_VERSION,
         "universal_checkpoint_info": {"universal_checkpoint_version": 0.2},
     }
-    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    torch_out.save_file(path, model_states, arrays)
-    written.append(path)
-    with open(os.path.join(root, "latest_universal"), "w") as f:
-        f.write(tag)
-    written.append(os.path.join(root, "latest_universal"))
-    return [os.path.relpath(p, root) for p in written]
