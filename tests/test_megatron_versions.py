@@ -21,6 +21,10 @@ CASES = [
     ("0.14.0", "gpt_tp2"),
     ("0.15.3", "gpt_tp2"),
     ("0.15.3", "gpt_distopt_dp2"),
+    # 0.17.1 and 0.18.2 model-only: weights equal 0.16.1's from the same seed bit for bit
+    # (torch's consolidation and the CPU forward's logits compared when generated)
+    ("0.17.1", "gpt_tp2"),
+    ("0.18.2", "gpt_tp2"),
     # 0.19 writes no common.pt; its weights equal 0.16.1's from the same seed bit for bit
     ("0.19.2", "gpt_tp2"),
 ]
