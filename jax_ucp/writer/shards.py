@@ -9,12 +9,17 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import math
 import os
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import crc32c as crc32c_lib
+import numpy as np
 import tensorstore as ts
 
+from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.store import shard_file, shard_reader, shard_writer
 from jax_ucp.writer import durable
@@ -165,6 +170,95 @@ def _write_whole_shard(array_dir: str, position, data, p: PreparedTensor, sync: 
     return digest
 
 
+def can_stream(p: PreparedTensor, root) -> bool:
+    """Whether ``p`` (one shard: the whole tensor) can be written in row slabs straight into its
+    shard file, byte for byte what ``shard_writer.write`` writes for the whole tensor: a local
+    file, no compression, inner chunks that are consecutive byte ranges in row order."""
+    layout = p.layout
+    kv = store.kvstore_config(root, p.entry.dir)
+    return (
+        kv.get("driver") == "file"
+        and layout.compression is None
+        and layout.checksum in (None, "crc32c")
+        and len(layout.shape) >= 1
+        and 0 not in layout.shape
+        and tuple(layout.chunk_shape) == tuple(layout.shape)
+        and shard_file.chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape)
+        and shard_file.encodable_dtype(fmt.to_numpy_dtype(layout.dtype))
+        and np.little_endian
+    )
+
+
+def slab_rows(p: PreparedTensor, max_bytes: int) -> int:
+    """Rows per slab: a whole number of inner chunks along dim 0, at most ``max_bytes`` (at
+    least one chunk's rows)."""
+    layout = p.layout
+    step = int(layout.inner_chunk_shape[0])
+    row_bytes = math.prod(layout.shape[1:]) * fmt.to_numpy_dtype(layout.dtype).itemsize
+    return max(step, max_bytes // max(1, row_bytes * step) * step)
+
+
+def _write_slabs(
+    array_dir: str, p: PreparedTensor, rows: Callable[[int, int], np.ndarray], step: int, sync
+) -> str | None:
+    """Writes the one shard of ``p`` slab by slab (``rows(start, stop)`` builds rows of dim 0):
+    the inner chunks and their crc32c trailers in order, then the index, as
+    ``shard_writer.encode`` lays out the whole tensor. Returns the shard's digest."""
+    layout = p.layout
+    dtype = fmt.to_numpy_dtype(layout.dtype)
+    chunk_bytes = math.prod(layout.inner_chunk_shape) * dtype.itemsize
+    checksum = layout.checksum == "crc32c"
+    key = shard_file.shard_key((0,) * len(layout.shape))
+    path = os.path.join(array_dir, *key.split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    trailers = bytearray()
+    n = 0
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+    try:
+        for start in range(0, layout.shape[0], step):
+            stop = min(layout.shape[0], start + step)
+            slab = rows(start, stop)
+            want = (stop - start, *layout.shape[1:])
+            if tuple(slab.shape) != want or slab.dtype != dtype:
+                raise TypeError(
+                    f"HostItem {p.entry.name!r}: rows {start}:{stop} built "
+                    f"{slab.dtype}{list(slab.shape)}, expected {dtype}{list(want)}"
+                )
+            flat = np.ascontiguousarray(slab).reshape(-1).view(np.uint8)
+            for i in range(0, flat.size, chunk_bytes):
+                chunk = flat[i : i + chunk_bytes]
+                _write_all(fd, chunk)
+                if checksum:
+                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk))
+                    _write_all(fd, crc)
+                    trailers += crc
+                n += 1
+            del slab, flat
+        stored = chunk_bytes + (4 if checksum else 0)
+        index = np.empty((n, 2), "<u8")
+        index[:, 0] = np.arange(n, dtype=np.uint64) * stored
+        index[:, 1] = stored
+        _write_all(fd, index.tobytes())
+        if checksum:
+            _write_all(fd, struct.pack("<I", crc32c_lib.crc32c(index.tobytes())))
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if sync:
+        durable.fsync_tree_to(array_dir, os.path.dirname(key))
+    return shard_file.digest_of_trailers(bytes(trailers)) if checksum else None
+
+
+def _write_all(fd: int, data) -> None:
+    mv = memoryview(data).cast("B")
+    while mv.nbytes:
+        n = os.write(fd, mv)
+        if n <= 0:
+            raise OSError(f"write returned {n} with {mv.nbytes} bytes left")
+        mv = mv[n:]
+
+
 class PipelinedWriter:
     """Keeps a bounded number of host tensors in flight (single process, primary).
 
@@ -217,6 +311,30 @@ class PipelinedWriter:
         tensors being written share one memory budget."""
         for done in self._window.make_room(nbytes):
             await self._retire(done)
+
+    async def stream(
+        self, p: PreparedTensor, rows: Callable[[int, int], np.ndarray], max_bytes: int
+    ) -> None:
+        """Writes ``p`` (``can_stream``) alone, in row slabs of at most ``max_bytes`` built by
+        ``rows(start, stop)`` one at a time: a tensor larger than the memory budget is never
+        whole in memory. Its shard digest is the whole tensor's (same file, same bytes)."""
+        for done in self._window.drain():
+            await self._retire(done)
+        kv = store.kvstore_config(self.root, p.entry.dir)
+        try:
+            await store.create(kv, p.layout, primary=True, sync=self.sync)
+            digest = await asyncio.get_running_loop().run_in_executor(
+                durable.write_pool(),
+                functools.partial(
+                    _write_slabs, kv["path"], p, rows, slab_rows(p, max_bytes), self.sync
+                ),
+            )
+        except TypeError:
+            raise
+        except Exception as e:
+            raise _write_error(p, kv, e) from e
+        if digest is not None:
+            self.digests[p.entry.key] = {shard_file.shard_key((0,) * len(p.layout.shape)): digest}
 
     async def _retire(self, done: tuple[asyncio.Task, tuple]) -> None:
         task, key = done

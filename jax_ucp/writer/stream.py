@@ -19,6 +19,7 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.writer import layout as layout_lib
+from jax_ucp.writer import shards as shards_lib
 from jax_ucp.writer.shards import PipelinedWriter
 
 _SCALARS = (type(None), bool, int, float, str)
@@ -59,6 +60,9 @@ class Deferred:
     dtype: np.dtype | None
     make: Callable[[], np.ndarray]
     bound: int | None = None  # bytes at most, when the shape is not known before it is built
+    #: ``rows(start, stop)`` builds rows ``start:stop`` of dim 0 alone (shape known): a tensor
+    #: larger than the memory budget is then written in row slabs instead of built whole.
+    rows: Callable[[int, int], np.ndarray] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -136,6 +140,17 @@ def _nbytes(v: ts.TensorStore) -> int:
     return n
 
 
+def _streams(v, budget: int) -> bool:
+    """A ``Deferred`` larger than the budget that can build its rows alone."""
+    return (
+        isinstance(v, Deferred)
+        and v.rows is not None
+        and v.shape is not None
+        and len(v.shape) >= 1
+        and v.nbytes > budget
+    )
+
+
 async def write_stream(
     directory: os.PathLike | str,
     items: Iterable[HostItem],
@@ -159,12 +174,35 @@ async def write_stream(
         inner_chunk_bytes=inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
     )
     entries: list[fmt.Entry] = []
+
+    def _prepare(key, key_types, item: HostItem, v) -> layout_lib.PreparedTensor:
+        return layout_lib.prepare_host_tensor(
+            key,
+            key_types,
+            v,
+            options,
+            primary=True,
+            stable_source=True,
+            role=item.role,
+            sub_role=item.sub_role,
+            provenance=item.provenance,
+            logical_axes=item.logical_axes,
+            saved_sharding=item.saved_sharding,
+            frozen=item.frozen,
+        )
+
     writer = PipelinedWriter(directory, sync=sync, max_bytes=budget or memory_budget())
     try:
         for item in items:
             key = tuple(str(k) for k in item.key)
             key_types = tuple(item.key_types or ("key",) * len(key))
             v = item.value
+            if _streams(v, writer.max_bytes):
+                p = _prepare(key, key_types, item, np.broadcast_to(np.zeros((), v.dtype), v.shape))
+                if shards_lib.can_stream(p, directory):  # row slabs, each within the budget
+                    await writer.stream(p, v.rows, writer.max_bytes // 2)
+                    entries.append(p.entry)
+                    continue
             if isinstance(v, Deferred):  # room first, then the importer builds it
                 await writer.reserve(v.nbytes)
                 v = v.build(fmt.key_to_str(key))
@@ -182,20 +220,7 @@ async def write_stream(
                 raise TypeError(
                     f"HostItem {fmt.key_to_str(key)!r}: cannot write a {type(v).__name__}."
                 )
-            p = layout_lib.prepare_host_tensor(
-                key,
-                key_types,
-                v,
-                options,
-                primary=True,
-                stable_source=True,
-                role=item.role,
-                sub_role=item.sub_role,
-                provenance=item.provenance,
-                logical_axes=item.logical_axes,
-                saved_sharding=item.saved_sharding,
-                frozen=item.frozen,
-            )
+            p = _prepare(key, key_types, item, v)
             await writer.add(p)  # returns once in-flight tensors are under the byte cap
             entries.append(p.entry)
             del p, v

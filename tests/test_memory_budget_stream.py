@@ -1,0 +1,135 @@
+"""A tensor larger than the memory budget, written in row slabs (issue 26 item 4): a
+``writer.Deferred`` with ``rows`` is built slab by slab (whole inner chunks along dim 0, each
+within the budget) straight into its shard file, byte for byte the file of the whole tensor."""
+
+from __future__ import annotations
+
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp import store, writer
+from jax_ucp.writer import checkpoint as host_checkpoint
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+def _tensors_synthetic():
+    rng = np.random.default_rng(7)
+    return {
+        # 16 MiB, inner chunks of 1024 rows (4 MiB): slabs of whole chunks
+        "embed": rng.standard_normal((4096, 1024)).astype(np.float32),
+        # rows of 6 MiB: inner chunks cut inside a row, slabs of one row
+        "wide": rng.standard_normal((3, 3 << 20)).astype(ml_dtypes.bfloat16),
+        "small": np.arange(12, dtype=np.int32).reshape(3, 4),  # under the budget: built whole
+    }
+
+
+def _items(tensors, slabs: list | None, whole: list):
+    def make(name):
+        def f():
+            whole.append(name)
+            return tensors[name].copy()
+
+        return f
+
+    def rows(name):
+        def f(start, stop):
+            slabs.append((name, start, stop))
+            return tensors[name][start:stop].copy()
+
+        return f
+
+    return [
+        writer.HostItem(
+            ("params", name),
+            writer.Deferred(
+                t.shape, t.dtype, make(name), rows=None if slabs is None else rows(name)
+            ),
+            "param",
+        )
+        for name, t in tensors.items()
+    ]
+
+
+def _files(root):
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, root)] = fh.read()
+    return out
+
+
+def _entries(root):
+    return {e.name: e.to_json() for e in store.read_manifest(str(root)).entries}
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_over_the_budget_is_written_in_slabs_byte_for_byte(tmp_path):
+    tensors = _tensors_synthetic()
+    slabs, whole = [], []
+    with writer.memory_budget_scope(8 * MiB):
+        host_checkpoint.write_host_checkpoint(tmp_path / "slabs", _items(tensors, slabs, whole))
+    assert whole == ["small"]  # the two large tensors never built whole
+    assert [s for s in slabs if s[0] == "embed"] == [
+        ("embed", 0, 1024),
+        ("embed", 1024, 2048),
+        ("embed", 2048, 3072),
+        ("embed", 3072, 4096),
+    ]  # 4 MiB each: half the budget, whole inner chunks
+    assert [s for s in slabs if s[0] == "wide"] == [("wide", 0, 1), ("wide", 1, 2), ("wide", 2, 3)]
+    default_whole: list = []
+    host_checkpoint.write_host_checkpoint(tmp_path / "whole", _items(tensors, None, default_whole))
+    assert default_whole == ["embed", "wide", "small"]
+    got, want = _files(tmp_path / "slabs"), _files(tmp_path / "whole")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name != "ucp.json":
+            assert got[name] == want[name], name
+    e_got, e_want = _entries(tmp_path / "slabs"), _entries(tmp_path / "whole")
+    assert e_got == e_want  # shard digests included
+    assert e_want["params/embed"]["shard_digests"] == e_got["params/embed"]["shard_digests"]
+    assert sorted(e_got["params/embed"]["shard_digests"]) == ["c/0/0"]
+    restored = jax_ucp.restore(tmp_path / "slabs")
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(restored["params"][name], t)
+        assert restored["params"][name].dtype == t.dtype
+
+
+@pytest.mark.timeout(120)
+def test_a_compressed_tensor_over_the_budget_is_built_whole(tmp_path):
+    """zstd shards are not written slab by slab: the tensor is built whole (the fallback)."""
+    tensors = _tensors_synthetic()
+    slabs, whole = [], []
+    with writer.memory_budget_scope(8 * MiB):
+        host_checkpoint.write_host_checkpoint(
+            tmp_path / "z", _items(tensors, slabs, whole), compression="zstd"
+        )
+    assert slabs == [] and whole == ["embed", "wide", "small"]
+    restored = jax_ucp.restore(tmp_path / "z")
+    for name, t in tensors.items():
+        np.testing.assert_array_equal(restored["params"][name], t)
+
+
+@pytest.mark.timeout(60)
+def test_a_slab_must_be_what_was_asked(tmp_path):
+    t = np.zeros((4096, 1024), np.float32)
+    item = writer.HostItem(
+        ("params", "w"),
+        writer.Deferred(t.shape, t.dtype, t.copy, rows=lambda a, b: t[a : b + 1]),
+        "param",
+    )
+    with writer.memory_budget_scope(8 * MiB):
+        with pytest.raises(
+            TypeError,
+            match=r"HostItem 'params/w': rows 0:1024 built float32\[1025, 1024\], expected "
+            r"float32\[1024, 1024\]",
+        ):
+            host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
+    assert not os.path.exists(tmp_path / "ckpt")
