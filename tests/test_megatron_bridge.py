@@ -23,6 +23,9 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_bridge")
 FULL = os.path.join(ROOT, "llama_tp1dp2")  # TP1 DP2 fp32, optimizer + RNG state
 WEIGHTS = os.path.join(ROOT, "llama_bf16_tp2_weights")  # TP2 bf16, save_optim=False
+# the same seeded run as FULL saved fully_reshardable (model-space optimizer state); its live
+# state was bit-identical to FULL's (compared by the generator), so FULL's truth serves
+RESHARDABLE = os.path.join(ROOT, "llama_tp1dp2_fully_reshardable")
 VOCAB = 61  # run_config.yaml's model.vocab_size (Bridge pads it to 64)
 ITER = "iter_0000002"
 
@@ -45,10 +48,11 @@ def _truth(src: str) -> dict[str, np.ndarray]:
 
 def test_fixtures_are_small_and_what_bridge_writes():
     total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ROOT) for f in fs)
-    assert total <= 600_000, f"megatron_bridge fixtures take {total} bytes"
+    # 0.56 MB for the pretraining and weights-only saves, + 0.32 MB for fully_reshardable
+    assert total <= 900_000, f"megatron_bridge fixtures take {total} bytes"
     info = json.load(open(os.path.join(ROOT, "fixtures.json")))
     assert info["megatron_bridge"] == "0.6.2" and info["megatron_core"] == "0.19.2"
-    for src in (FULL, WEIGHTS):
+    for src in (FULL, WEIGHTS, RESHARDABLE):
         assert sorted(os.listdir(src)) == [
             ITER,
             "latest_checkpointed_iteration.txt",
@@ -104,6 +108,34 @@ def test_pretraining_save_imports_bit_exact(tmp_path, where):
     assert settings["vocab_size"] == VOCAB and settings["padded_vocab_size"] == 64
     assert source["vocab_stripped"]["embedding.word_embeddings.weight"] == [64, VOCAB]
     assert not any("vocab padding kept" in n for n in source.get("notes", []))
+
+
+def test_fully_reshardable_save_imports_bit_exact(tmp_path):
+    """fp32 TP1 DP2 with ``dist_ckpt_optim_fully_reshardable=True``: model-space optimizer
+    tensors (``optimizer.state.{param,exp_avg,exp_avg_sq}.*``), the step from the common state's
+    param_groups; masters and moments equal the run's live state bit for bit."""
+    from jax_ucp.importers.megatron import dcp as megatron_dcp
+
+    original = megatron_dcp.open_dcp(os.path.join(RESHARDABLE, ITER))
+    optimizer = sorted(n for n in original.tensors if n.startswith("optimizer."))
+    assert len(optimizer) == 27 and optimizer[0].startswith("optimizer.state.")  # model space
+    ckpt = jax_ucp.convert(RESHARDABLE, str(tmp_path / "ucp"))
+    source = jax_ucp.inspect(ckpt).source
+    assert source["framework"] == "megatron-bridge" and source["optimizer"] is True
+    model = [n for n in original.tensors if not n.startswith("optimizer.")]
+    assert sorted(source["skipped"]) == sorted(model)  # fp32: the masters are params/
+    got = jax_ucp.restore(ckpt)
+    truth = _truth(FULL)
+    trees = {"param": got["params"], "exp_avg": got["opt_state"]["mu"]}
+    trees["exp_avg_sq"] = got["opt_state"]["nu"]
+    states = [k for k in truth if k.startswith("optimizer.state.")]
+    assert len(states) == 27 and len(got["params"]) == 9
+    for key in states:
+        state, _, name = key[len("optimizer.state.") :].partition(".")
+        want = _stripped(name, truth[key])
+        assert trees[state][name].dtype == want.dtype and trees[state][name].shape == want.shape
+        assert trees[state][name].tobytes() == want.tobytes(), key
+    assert int(got["opt_state"]["count"]) == int(truth["step"]) == 2
 
 
 def test_weights_only_save_imports_bit_exact(tmp_path):
