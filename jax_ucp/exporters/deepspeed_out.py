@@ -42,6 +42,7 @@ class UniversalParam:
 
 
 def tag_for(step: int) -> str:
+    """The folder name ``ds_to_universal`` gives the step (``global_step<N>_universal``)."""
     return f"global_step{step}_universal"
 
 

@@ -194,6 +194,7 @@ def _emit_node(obj: Any, out: io.BytesIO) -> bool:
 
 
 def torch_size(dims: Sequence[int]) -> Call:
+    """A pickled ``torch.Size(dims)``, as torch writes tensor shapes."""
     return Call(Global("torch", "Size"), (tuple(int(d) for d in dims),))
 
 

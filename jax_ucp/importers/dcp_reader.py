@@ -154,6 +154,8 @@ SUPPORTED_TRANSFORMS: frozenset[str] = frozenset()
 
 @dataclass(frozen=True)
 class DcpChunk:
+    """One saved piece of a tensor: where it sits in the tensor and in which file's bytes."""
+
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     file: str  # relative path of the .distcp file
@@ -164,6 +166,8 @@ class DcpChunk:
 
 @dataclass(frozen=True)
 class DcpTensor:
+    """A tensor of a DCP checkpoint: global shape, dtype and the chunks that tile it."""
+
     name: str
     shape: tuple[int, ...]
     dtype: np.dtype
@@ -186,6 +190,8 @@ class DcpObject:
 
 @dataclass
 class DcpCheckpoint:
+    """A parsed, checked ``.metadata``: tensors, pickled objects and the torch version."""
+
     path: Path
     tensors: dict[str, DcpTensor]
     objects: dict[str, DcpObject]

@@ -38,6 +38,8 @@ SCALE_POWER = {"fp32": 1, "exp_avg": -1, "exp_avg_sq": -2}
 
 @dataclass(frozen=True)
 class Piece:
+    """One strided piece of an affine map: its shape, where it comes from and goes to."""
+
     shape: tuple[int, ...]
     source: tuple[int, tuple[int, ...]]
     dest: tuple[int, tuple[int, ...]]
@@ -47,6 +49,8 @@ class Piece:
 
 @dataclass(frozen=True)
 class AffineMap:
+    """DeepSpeed AutoTP's record of how one parameter's pieces tile its tensor-parallel shards."""
+
     pattern: str
     logical_shape: tuple[int, ...]
     shard_shapes: dict[int, tuple[int, ...]]

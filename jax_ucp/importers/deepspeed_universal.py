@@ -116,6 +116,8 @@ class UniversalParam:
 
 @dataclass
 class UniversalCheckpoint:
+    """A DeepSpeed universal folder: its model-states file, stage and per-parameter folders."""
+
     tag_dir: str
     stage: int | None
     model_file: str
