@@ -133,3 +133,53 @@ def test_a_slab_must_be_what_was_asked(tmp_path):
         ):
             host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
     assert not os.path.exists(tmp_path / "ckpt")
+
+
+MEGATRON = os.path.join(REPO, "tests", "fixtures", "megatron")
+MEGATRON_VOCAB = 61  # the fixtures' tokenizer vocab (padded to 64 in the checkpoint)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "mcore_versions/0.16.1/llama_distopt_bf16_tp2dp2_buckets",  # TP2, bf16 masters
+        "mcore_versions/0.16.1/gpt_distopt_tp2pp2_dp_reshardable",  # pipeline stages
+        "mcore_versions/0.16.1/llama_distopt_dp2_singleton_dp_reshardable",  # [w; v] halves
+        "mcore_versions/0.16.1/moe_grouped_distopt_ep2_dp_reshardable",  # grouped, chained
+        "mcore_versions/0.16.1/moe_distopt_tp2ep2_dp_reshardable",  # experts, TP2
+        "mcore_versions/0.13.1/gpt_distopt_dp_zero_gather_scatter",  # pickled buffers
+    ],
+)
+def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
+    tmp_path, monkeypatch, fixture
+):
+    """Megatron's per-rank flat buckets put together rows lo:hi at a time (masters checked
+    against the weight's rows): under a budget below every tensor, with inner chunks small
+    enough for several slabs per tensor, the checkpoint is the default one file for file."""
+    from jax_ucp.importers.megatron import rank_states
+
+    monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
+    asked: list = []
+    read = rank_states.RankStates.read
+
+    def spy(self, state, name, rows=None):
+        asked.append(rows)
+        return read(self, state, name, rows)
+
+    monkeypatch.setattr(rank_states.RankStates, "read", spy)
+    src = os.path.join(MEGATRON, fixture)
+    small = tmp_path / "small"
+    jax_ucp.convert(src, str(small), vocab_size=MEGATRON_VOCAB, memory_budget="2KiB")
+    slabs = [r for r in asked if r is not None]
+    assert slabs and any(lo > 0 for lo, _ in slabs)  # rows read apart, not whole tensors
+    asked.clear()
+    default = tmp_path / "default"
+    jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
+    assert asked and all(r is None for r in asked)
+    got, want = _files(small), _files(default)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name != "ucp.json":
+            assert got[name] == want[name], name
+    assert _entries(small) == _entries(default)  # shard digests included

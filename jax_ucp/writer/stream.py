@@ -59,7 +59,9 @@ class Deferred:
     shape: tuple[int, ...] | None  # None: known once built (``bound`` then says how large)
     dtype: np.dtype | None
     make: Callable[[], np.ndarray]
-    bound: int | None = None  # bytes at most, when the shape is not known before it is built
+    # bytes at most, when the shape is not known before it is built; with a shape: the bytes
+    # its building holds (e.g. with a weight it is checked against), when more than the tensor
+    bound: int | None = None
     #: ``rows(start, stop)`` builds rows ``start:stop`` of dim 0 alone (shape known): a tensor
     #: larger than the memory budget is then written in row slabs instead of built whole.
     rows: Callable[[int, int], np.ndarray] | None = None
@@ -71,7 +73,7 @@ class Deferred:
         n = np.dtype(self.dtype).itemsize
         for d in self.shape:
             n *= int(d)
-        return n
+        return max(n, int(self.bound or 0))
 
     def build(self, name: str) -> np.ndarray:
         value = self.make()

@@ -278,8 +278,8 @@ class ChainedStates:
         self.checkpoint = parts[0].checkpoint
         self.tp, self.pp, self.where = parts[0].tp, parts[0].pp, parts[0].where
 
-    def read(self, state: str, name: str) -> np.ndarray:
-        return self.owner[name].read(state, name)
+    def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        return self.owner[name].read(state, name, rows)
 
     def sources(self, state: str, name: str) -> list[str]:
         return self.owner[name].sources(state, name)

@@ -432,24 +432,35 @@ class RankStates:
                 return name
         return None
 
-    def read(self, state: str, name: str) -> np.ndarray:
+    def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
         """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
-        together from every TP rank's (and pipeline stage's) local piece."""
+        together from every TP rank's (and pipeline stage's) local piece; ``rows=(lo, hi)``:
+        rows ``lo:hi`` of dim 0 only, reading only their part of the flat buckets (a tensor
+        larger than the memory budget is written slab by slab, ``writer.Deferred.rows``)."""
         shape = self.checkpoint.tensors[name].shape
-        out = np.empty(shape, np.float32)
+        lo, hi = (0, shape[0] if shape else 0) if rows is None else rows
+        out = np.empty(shape if rows is None else (hi - lo, *shape[1:]), np.float32)
         skip = self._lead(name)
         for rank, key, layer, local, axis, chunks in self._pieces(name):
             bucket, start, end = self.layout[rank][key]
             if key != name and name.endswith("_v"):  # after the _w half of [w; v]
                 start += element_count(self.piece(key + "_w", rank % self.tp)[0])
+            if skip:  # dim 0 indexes layers: a piece is all in the rows or not at all
+                first = layer if isinstance(layer, int) else layer[0]
+                if not lo <= first < hi:
+                    continue
+                layer = first - lo if isinstance(layer, int) else (first - lo, *layer[1:])
             if key.endswith("#grouped"):  # the local expert's block, saved transposed
                 start += layer[1] % (self.num_experts // self.ep) * element_count(local)
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end)
                 value = value.reshape(*local[:-2], local[-1], local[-2]).swapaxes(-1, -2)
-            else:
+            elif skip or rows is None:
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end).reshape(local)
+            else:
+                self._place_rows(out, rank, bucket, state, start, local, axis, chunks, lo, hi)
+                continue
             target = out[layer] if skip else out
             if axis is None:
                 target[...] = value
@@ -462,3 +473,35 @@ class RankStates:
                 target[index] = value[(slice(None),) * axis + (slice(at, at + size),)]
                 at += size
         return out
+
+    def _place_rows(self, out, rank, bucket, state, start, local, axis, chunks, lo, hi) -> None:
+        """Rows ``lo:hi`` of one unstacked piece into ``out`` (rows ``lo:hi`` of the tensor),
+        read from the piece's flat range: its rows are consecutive in it (C order)."""
+        row = element_count(local[1:])
+
+        def local_rows(a: int, b: int) -> np.ndarray:
+            return self.flat(rank, bucket, state, start + a * row, start + b * row).reshape(
+                b - a, *local[1:]
+            )
+
+        if axis is None:  # replicated over TP: the local piece is the tensor
+            out[...] = local_rows(lo, hi)
+            return
+        if axis != 0:  # split along another axis: every piece holds all rows
+            value = local_rows(lo, hi)
+            at = 0
+            for c in chunks:
+                size = c.sizes[axis]
+                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[1:], c.sizes[1:]))
+                out[(slice(None), *index)] = value[(slice(None),) * axis + (slice(at, at + size),)]
+                at += size
+            return
+        at = 0
+        for c in chunks:  # split along dim 0: the chunks' rows that fall in lo:hi
+            size = c.sizes[0]
+            g0, g1 = max(lo, c.offsets[0]), min(hi, c.offsets[0] + size)
+            if g0 < g1:
+                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[1:], c.sizes[1:]))
+                a = at + g0 - c.offsets[0]
+                out[(slice(g0 - lo, g1 - lo), *index)] = local_rows(a, a + g1 - g0)
+            at += size

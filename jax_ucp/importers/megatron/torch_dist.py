@@ -428,7 +428,46 @@ def _bucket_state(
             )
         return value
 
-    return writer.Deferred(None, None, make, bound=bound)
+    shape = _state_shape(model.reader, name)
+    if shape is None:
+        return writer.Deferred(None, None, make, bound=bound)
+
+    def rows(lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` alone (the tensor is larger than the memory budget), checked the same."""
+        weight = model.get()
+        if tuple(weight.shape) != shape:
+            raise MegatronImportError(
+                f"tensor {name!r}: model weight {list(weight.shape)}, its optimizer state "
+                f"{list(shape)} ({buckets.where})"
+            )
+        try:
+            value = buckets.read(state, name, rows=(lo, hi))
+        except (dcp.DcpError, legacy.LegacyError) as e:
+            raise MegatronImportError(str(e)) from None
+        if state == "param" and not _rounds_to(value, weight[lo:hi]):
+            raise MegatronImportError(
+                f"tensor {name!r}: rows {lo}:{hi} of the fp32 master found in the "
+                f"{buckets.LAYOUT} state of {buckets.where} do not "
+                f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
+                f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
+                f"megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
+            )
+        return value
+
+    return writer.Deferred(shape, np.float32, make, bound=bound, rows=rows)
+
+
+def _state_shape(reader: TorchDistReader, name: str) -> tuple[int, ...] | None:
+    """The shape an optimizer state of ``name`` is imported with (vocab padding stripped from
+    dim 0 as ``TorchDistReader.read`` strips the weight's), when it can be built row by row:
+    None for megatron-core < 0.15's flattened model-space tensors and 0-d tensors."""
+    full = tuple(int(d) for d in reader.checkpoint.tensors[name].shape)
+    if not full or name not in reader.checkpoint.tensors:
+        return None
+    kind = reader.vocab_kind(name)
+    if kind is not None and kind.dim == 0 and full[0] > kind.vocab_size:
+        return (int(kind.vocab_size), *full[1:])
+    return full
 
 
 def _rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> bool:
