@@ -428,7 +428,9 @@ def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
     kv = store.kvstore_config(str(tmp_path), "a")
     store.create(kv, layout).result()
     value = np.arange(64, dtype=np.int16).reshape(16, 4)
-    want = [shard_writer.write(kv["path"], (i, 0), value[8 * i : 8 * i + 8], layout) for i in (0, 1)]
+    want = [
+        shard_writer.write(kv["path"], (i, 0), value[8 * i : 8 * i + 8], layout) for i in (0, 1)
+    ]
     os.makedirs(os.path.join(kv["path"], "c", "9"))
     with open(os.path.join(kv["path"], "c", "0", "0"), "rb") as f:  # a truncated copy
         open(os.path.join(kv["path"], "c", "9", "0"), "wb").write(f.read()[:-30])
