@@ -16,7 +16,9 @@ SequentialMLP experts of the local spec, SwiGLU, 4 experts, two Adam steps):
 * ``moe_grouped_distopt_ep2_dp_reshardable`` / ``moe_grouped_distopt_dp2_dp_reshardable``: the
   same two runs with grouped-GEMM experts (the legacy GroupedMLP, ``moe_grouped_gemm``): saved
   under SequentialMLP's names, but in the grad buffer as one ``weight1`` ``[h, E_local * 2 ffn]``
-  and one ``weight2`` ``[E_local * ffn, h]`` per layer, each expert's block transposed.
+  and one ``weight2`` ``[E_local * ffn, h]`` per layer, each expert's block transposed;
+* ``moe_grouped_distopt_ep2_fully_reshardable``: the grouped EP2 run, model-space;
+* ``moe_grouped_distopt_tp2ep2_dp_reshardable``: grouped experts over TP2 x EP2 (expert TP2).
 
 Masters and moments bit-exact against the run's live optimizer state (every DP shard of every
 member gathered, placed by megatron-core's own model ``sharded_state_dict``, read by torch DCP:
@@ -61,6 +63,20 @@ FIXTURES = {
         "dp_reshardable",
         3,
         "moe_grouped_distopt_dp2_dp_reshardable",
+    ),
+    # the grouped EP2 run saved fully_reshardable (model-space chained_N.optimizer.state.*):
+    # its live state was bit-identical to the dp_reshardable run's (compared when generated)
+    "moe_grouped_distopt_ep2_fully_reshardable": (
+        True,
+        30,
+        "moe_grouped_distopt_ep2_dp_reshardable",
+    ),
+    # grouped experts over TP2 x EP2 (4 ranks; expert TP2: each rank's weight1 holds its gate
+    # and up rows of every local expert; the expert optimizer's ranks etp_rank + 2 * ep_rank)
+    "moe_grouped_distopt_tp2ep2_dp_reshardable": (
+        "dp_reshardable",
+        18,
+        "moe_grouped_distopt_tp2ep2_dp_reshardable",
     ),
 }
 
@@ -149,7 +165,12 @@ def test_moe_expert_state_of_swapped_expert_ranks_is_refused(tmp_path, name):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
-    "name", ["moe_grouped_distopt_ep2_dp_reshardable", "moe_grouped_distopt_dp2_dp_reshardable"]
+    "name",
+    [
+        "moe_grouped_distopt_ep2_dp_reshardable",
+        "moe_grouped_distopt_dp2_dp_reshardable",
+        "moe_grouped_distopt_tp2ep2_dp_reshardable",
+    ],
 )
 def test_grouped_experts_weights_only(tmp_path, name):
     """weights_only on the grouped-GEMM runs: the model weights as saved (a float32 run: equal
