@@ -13,6 +13,7 @@ import pytest
 import jax_ucp
 from jax_ucp import store, writer
 from jax_ucp.writer import checkpoint as host_checkpoint
+from jax_ucp.writer import shards
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -183,3 +184,53 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
         if name != "ucp.json":
             assert got[name] == want[name], name
     assert _entries(small) == _entries(default)  # shard digests included
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "legacy_llama_tp2_synthetic",  # TP2 merges: vocab rows, qkv, swiglu, row-parallel
+        "legacy_gpt_tp2pp2_synthetic",  # + pipeline-tied embeddings (built whole)
+        "legacy_gpt_distopt_pp2dp2_synthetic",  # distrib_optim.pt states
+    ],
+)
+def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
+    tmp_path, monkeypatch, fixture
+):
+    """Legacy tensor-parallel merges read rows lo:hi of the lazy merge (a TensorStore view
+    over the fragments): under a budget below every tensor, with small inner chunks, the
+    checkpoint is the default one file for file."""
+    from jax_ucp.importers.megatron import legacy_import
+
+    monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
+    views: list = []
+    rows_view = legacy_import._LegacyMerger.rows_view
+
+    def spy(self, name, stages):
+        view = rows_view(self, name, stages)
+        views.append(view is not None)
+        return view
+
+    monkeypatch.setattr(legacy_import._LegacyMerger, "rows_view", spy)
+    streamed: list = []
+    stream = shards.PipelinedWriter.stream
+
+    async def stream_spy(self, p, rows, max_bytes):
+        streamed.append(p.layout.shape[0] > shards.slab_rows(p, max_bytes))
+        return await stream(self, p, rows, max_bytes)
+
+    monkeypatch.setattr(shards.PipelinedWriter, "stream", stream_spy)
+    src = os.path.join(MEGATRON, fixture)
+    small, default = tmp_path / "small", tmp_path / "default"
+    jax_ucp.convert(src, str(small), vocab_size=MEGATRON_VOCAB, memory_budget="2KiB")
+    assert any(views) and any(streamed)  # several slabs for some tensors
+    streamed.clear()
+    jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
+    assert streamed == []
+    got, want = _files(small), _files(default)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name != "ucp.json":
+            assert got[name] == want[name], name
+    assert _entries(small) == _entries(default)

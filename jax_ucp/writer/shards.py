@@ -233,7 +233,7 @@ def _write_slabs(
                     _write_all(fd, crc)
                     trailers += crc
                 n += 1
-            del slab, flat
+            del slab, flat, chunk  # nothing of this slab stays alive while the next is built
         stored = chunk_bytes + (4 if checksum else 0)
         index = np.empty((n, 2), "<u8")
         index[:, 0] = np.arange(n, dtype=np.uint64) * stored

@@ -34,9 +34,13 @@ from jax_ucp.importers.plan import (
     tensor_names,
 )
 from jax_ucp.language import (
+    QKV,
     MergeError,
+    Partitioned,
     PipelineTied,
     Spec,
+    SubParams,
+    SwiGLU,
     Vocab,
     merge,
 )
@@ -547,9 +551,31 @@ class _LegacyMerger:
         kind = self.plan.matches[name].kind
         pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
         bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in stages.values())
-        return writer.Deferred(
-            None, None, lambda: self.merged(name, stages, what)[0], bound=bound
-        ), pattern
+        make = lambda: self.merged(name, stages, what)[0]  # noqa: E731
+        view = self.rows_view(name, stages)
+        if view is None:
+            return writer.Deferred(None, None, make, bound=bound), pattern
+
+        def rows(lo: int, hi: int) -> np.ndarray:
+            return np.asarray(view[lo:hi].read().result())
+
+        shape, dtype = tuple(int(d) for d in view.shape), view.dtype.numpy_dtype
+        return writer.Deferred(shape, dtype, make, bound=bound, rows=rows), pattern
+
+    def rows_view(self, name: str, stages: dict):
+        """The lazy merge (a TensorStore view over the fragments, no copy) that rows of a
+        tensor larger than the memory budget are read from, for kinds that only rearrange their
+        fragments; None for the others, pipeline-tied copies (checked equal when merged), or a
+        merge that fails (``merged`` then raises, naming the files)."""
+        kind = self.plan.matches[name].kind
+        if len(stages) != 1 or not isinstance(kind, (Partitioned, Vocab, QKV, SwiGLU, SubParams)):
+            return None
+        (per_tp,) = stages.values()
+        try:
+            view = merge(kind, per_tp, name=name, settings=self.plan.spec.settings, lazy=True)
+        except MergeError:
+            return None
+        return view if view.rank >= 1 else None
 
     def grouped(self, name: str) -> tuple[np.ndarray, str]:
         """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
