@@ -119,6 +119,21 @@ def test_a_compressed_tensor_over_the_budget_is_built_whole(tmp_path):
 
 
 @pytest.mark.timeout(60)
+def test_an_importer_error_while_building_rows_passes_through(tmp_path):
+    def rows(lo, hi):
+        raise jax_ucp.UCPError(f"rows {lo}:{hi} of 'params/w' do not round to the weight")
+
+    t = np.zeros((4096, 1024), np.float32)
+    item = writer.HostItem(("params", "w"), writer.Deferred(t.shape, t.dtype, t.copy, rows=rows))
+    with writer.memory_budget_scope(8 * MiB):
+        with pytest.raises(
+            jax_ucp.UCPError, match=r"^rows 0:1024 of 'params/w' do not round to the weight$"
+        ):
+            host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
+@pytest.mark.timeout(60)
 def test_a_slab_must_be_what_was_asked(tmp_path):
     t = np.zeros((4096, 1024), np.float32)
     item = writer.HostItem(

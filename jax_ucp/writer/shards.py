@@ -323,15 +323,16 @@ class PipelinedWriter:
         kv = store.kvstore_config(self.root, p.entry.dir)
         try:
             await store.create(kv, p.layout, primary=True, sync=self.sync)
+        except Exception as e:
+            raise _write_error(p, kv, e) from e
+        try:  # the importer's own errors (raised by ``rows``) pass through as they are
             digest = await asyncio.get_running_loop().run_in_executor(
                 durable.write_pool(),
                 functools.partial(
                     _write_slabs, kv["path"], p, rows, slab_rows(p, max_bytes), self.sync
                 ),
             )
-        except TypeError:
-            raise
-        except Exception as e:
+        except OSError as e:
             raise _write_error(p, kv, e) from e
         if digest is not None:
             self.digests[p.entry.key] = {shard_file.shard_key((0,) * len(p.layout.shape)): digest}
