@@ -28,6 +28,7 @@ from jax_ucp.writer.stream import (
     HostItem,
     memory_budget,
     memory_budget_scope,
+    unpooled_empty,
     with_digests,
     with_progress,
     write_stream,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import tensorstore as ts
 
 from jax_ucp import writer
 from jax_ucp.importers.megatron import legacy
@@ -557,7 +558,9 @@ class _LegacyMerger:
             return writer.Deferred(None, None, make, bound=bound), pattern
 
         def rows(lo: int, hi: int) -> np.ndarray:
-            return np.asarray(view[lo:hi].read().result())
+            out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
+            ts.array(out, copy=False, write=True).write(view[lo:hi]).result()
+            return out
 
         shape, dtype = tuple(int(d) for d in view.shape), view.dtype.numpy_dtype
         return writer.Deferred(shape, dtype, make, bound=bound, rows=rows), pattern

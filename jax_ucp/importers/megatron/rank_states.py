@@ -4,12 +4,12 @@ join into global tensors. The layouts (:mod:`distopt`) say where the vectors are
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
+from jax_ucp import writer
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
     WEIGHTS_ONLY_HINT,
@@ -440,7 +440,7 @@ class RankStates:
         larger than the memory budget is written slab by slab, ``writer.Deferred.rows``)."""
         shape = self.checkpoint.tensors[name].shape
         lo, hi = (0, shape[0] if shape else 0) if rows is None else rows
-        out = _unpooled_empty(shape if rows is None else (hi - lo, *shape[1:]), np.float32)
+        out = writer.unpooled_empty(shape if rows is None else (hi - lo, *shape[1:]), np.float32)
         skip = self._lead(name)
         for rank, key, layer, local, axis, chunks in self._pieces(name):
             bucket, start, end = self.layout[rank][key]
@@ -506,13 +506,3 @@ class RankStates:
                 a = at + g0 - c.offsets[0]
                 out[(slice(g0 - lo, g1 - lo), *index)] = local_rows(a, a + g1 - g0)
             at += size
-
-
-def _unpooled_empty(shape, dtype) -> np.ndarray:
-    """``np.empty`` in its own anonymous mapping, unmapped as soon as the array is freed: glibc
-    keeps freed blocks under its (dynamic, up to 32 MiB) mmap threshold in the heap, where they
-    stayed resident (~60 MiB over an import measured) after the writer had dropped them."""
-    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if n == 0:
-        return np.empty(shape, dtype)
-    return np.frombuffer(mmap.mmap(-1, n), dtype).reshape(shape)
