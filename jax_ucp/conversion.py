@@ -12,7 +12,6 @@ import itertools
 import json
 import operator
 import os
-import socket
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,7 +22,7 @@ from jax_ucp.format import UCPError, files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import detect
 from jax_ucp.importers.plan import Share
-from jax_ucp.writer import commit
+from jax_ucp.writer import commit, liveness
 
 Progress = Callable[[str, int, int], None]
 
@@ -281,68 +280,20 @@ def _distributed_share(dest: str, timeout: float):
                         f"{dest}: not committed; jax.distributed failed at '{step}': {e}"
                     ) from e
 
-    hello = json.dumps(dict(_process_identity(os.getpid()), index=index))
+    hello = json.dumps(dict(liveness.identity(os.getpid()), index=index))
     peers.extend(json.loads(v) for v in gather("hello", hello))
     return Share(index, count), gather
 
 
 def _raise_if_lost(peers: list[dict], indices, step: str, dest: str, me: int) -> None:
-    """``ProcessLostError`` naming the first of ``indices`` that ran on this host (same host,
-    boot and pid namespace) and is gone: no such pid, a zombie, or another process with it."""
-    here = _process_identity(os.getpid())
-    for i in indices:
-        if i >= len(peers) or i == me:
-            continue
+    """``ProcessLostError`` naming the first of ``indices`` that ran on this host and is gone."""
+    i = liveness.first_lost(peers, indices, me)
+    if i is not None:
         peer = peers[i]
-        if any(peer[k] != here[k] for k in ("host", "boot", "pidns")):
-            continue  # another machine: jax.distributed's heartbeat notices it
-        now = _process_identity(peer["pid"])
-        if now is None or now.get("zombie") or now["start"] != peer["start"]:
-            raise ProcessLostError(
-                f"{dest}: not committed; process {i} (pid {peer['pid']} on {peer['host']}) died "
-                f"while process {me} waited for it at '{step}'"
-            )
-
-
-def _process_identity(pid: int) -> dict | None:
-    """Where process ``pid`` runs and when it started (None if there is no such process): the
-    start time tells a reused pid from the process it was."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().rsplit(b")", 1)[1].split()
-    except FileNotFoundError:
-        return None
-    except OSError:  # no /proc: only the pid can be checked
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return None
-        except PermissionError:
-            pass
-        stat = [b"?"] * 20
-    return {
-        "host": socket.gethostname(),
-        "boot": _read("/proc/sys/kernel/random/boot_id"),
-        "pidns": _link("/proc/self/ns/pid"),
-        "pid": pid,
-        "start": stat[19].decode(),  # field 22 of /proc/<pid>/stat: start time in clock ticks
-        "zombie": stat[0] in (b"Z", b"X"),
-    }
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _link(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
+        raise ProcessLostError(
+            f"{dest}: not committed; process {i} (pid {peer['pid']} on {peer['host']}) died "
+            f"while process {me} waited for it at '{step}'"
+        )
 
 
 class DestinationError(UCPError, ValueError):

@@ -27,7 +27,6 @@ import itertools
 import json
 import math
 import os
-import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -38,6 +37,7 @@ import numpy as np
 from jax_ucp import format as fmt
 from jax_ucp.errors import RequestError
 from jax_ucp.sharding import assemble
+from jax_ucp.writer import liveness
 
 MODES = ("each", "once")
 DEFAULT_MODE = "each"
@@ -462,7 +462,7 @@ class _Peers:
         self.prefix = f"jax_ucp/replicated/{next(_RUNS)}/"
         self.timeout = timeout
         self.identities: list[dict] = []
-        hello = dict(_identity(os.getpid()) or {}, plan=fingerprint)
+        hello = dict(liveness.identity(os.getpid()), plan=fingerprint)
         values = self._gather("hello", json.dumps(hello), [])
         self.identities = [json.loads(v) for v in values]
         plans = {i: v["plan"] for i, v in enumerate(self.identities)}
@@ -500,18 +500,13 @@ class _Peers:
 
     def raise_if_lost(self, where: str) -> None:
         """``ReplicatedReadError`` naming a process of this host that is gone."""
-        here = _identity(os.getpid())
-        for process, peer in enumerate(self.identities):
-            if process == self.me or here is None or not peer:
-                continue
-            if any(peer.get(k) != here[k] for k in ("host", "boot", "pidns")):
-                continue  # another machine: jax.distributed's heartbeat notices it
-            now = _identity(peer["pid"])
-            if now is None or now.get("zombie") or now["start"] != peer["start"]:
-                raise ReplicatedReadError(
-                    f"{where}: process {process} (pid {peer['pid']} on {peer['host']}) died "
-                    f"while process {self.me} waited for it."
-                )
+        process = liveness.first_lost(self.identities, range(len(self.identities)), self.me)
+        if process is not None:
+            peer = self.identities[process]
+            raise ReplicatedReadError(
+                f"{where}: process {process} (pid {peer['pid']} on {peer['host']}) died "
+                f"while process {self.me} waited for it."
+            )
 
     def _gather(self, step: str, value: str, names: list[str]) -> list[str]:
         from jax.errors import JaxRuntimeError
@@ -562,36 +557,3 @@ class _Peers:
                 if "DEADLINE_EXCEEDED" not in str(e):
                     self.raise_if_lost(where)
                     raise ReplicatedReadError(f"{where}: jax.distributed failed: {e}") from e
-
-
-def _identity(pid: int) -> dict | None:
-    """Where process ``pid`` runs and when it started (None: no such process); the start time
-    tells a reused pid from the process it was."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
-        return None
-    return {
-        "host": socket.gethostname(),
-        "boot": _read("/proc/sys/kernel/random/boot_id"),
-        "pidns": _link("/proc/self/ns/pid"),
-        "pid": pid,
-        "start": stat[19].decode(),
-        "zombie": stat[0] in (b"Z", b"X"),
-    }
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _link(path: str) -> str:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return ""
