@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 from test_safetensors_import import BAD
 
 import jax_ucp
+from jax_ucp import store
 from jax_ucp.handler import safetensors_source
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
@@ -208,14 +209,14 @@ def test_reads_only_the_needed_bytes_once(tmp_path):
             for n in picked
         }
     }
-    before = safetensors_file.bytes_read()
+    before = store.bytes_read()
     got = jax_ucp.restore(src, target=target)
-    assert safetensors_file.bytes_read() - before == sum(weights[n].nbytes for n in picked)
+    assert store.bytes_read() - before == sum(weights[n].nbytes for n in picked)
     for n in picked:
         _assert_same(np.asarray(got["params"][n]), weights[n], n)
-    before = safetensors_file.bytes_read()
+    before = store.bytes_read()
     sel = jax_ucp.restore(src, select=r"params/model\.norm\.weight")
-    assert safetensors_file.bytes_read() - before == weights["model.norm.weight"].nbytes
+    assert store.bytes_read() - before == weights["model.norm.weight"].nbytes
     assert list(sel["params"]) == ["model.norm.weight"]
     _assert_same(sel["params"]["model.norm.weight"], weights["model.norm.weight"], "norm")
 

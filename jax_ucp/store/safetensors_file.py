@@ -26,17 +26,9 @@ from jax_ucp.store import shard_reader
 _BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
 _VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
 
-_BYTES_READ = [0]
-_BYTES_READ_LOCK = threading.Lock()
-
 
 class SafetensorsReadError(UCPError, OSError):
     """A tensor's bytes could not be read from its file (names the file and tensor)."""
-
-
-def bytes_read() -> int:
-    """Bytes this process has read from safetensors files through ``SafetensorsTensor``."""
-    return _BYTES_READ[0]
 
 
 class OpenFile:
@@ -93,8 +85,7 @@ class SafetensorsTensor:
                     f"{position + view.nbytes}, the file ends at {position + done})."
                 )
             done += got
-        with _BYTES_READ_LOCK:
-            _BYTES_READ[0] += done
+        shard_reader.count_bytes_read(done)
 
     def _rows_into(self, out: np.ndarray, row: int) -> None:
         """Whole rows ``row, row + len(out)`` straight into ``out`` (C-contiguous)."""

@@ -138,22 +138,28 @@ def file_digest(path: str, n_chunks: int) -> str:
         os.close(fd)
 
 
-_BYTES_READ = [0]  # bytes pread by this process's ShardReaders (see ``bytes_read``)
+_BYTES_READ = [0]  # bytes pread by this process's own readers (see ``bytes_read``)
 
 
 _BYTES_READ_LOCK = threading.Lock()
 
 
 def bytes_read() -> int:
-    """Bytes this process has read from shard files through ``ShardReader`` (a metric, like
-    TensorStore's ``/tensorstore/kvstore/file/bytes_read``, which does not see these reads)."""
+    """Bytes this process has read from checkpoint files through jax_ucp's own readers
+    (``ShardReader``, ``safetensors_file``): a metric, like TensorStore's
+    ``/tensorstore/kvstore/file/bytes_read``, which does not see these reads."""
     return _BYTES_READ[0]
+
+
+def count_bytes_read(n: int) -> None:
+    """Adds ``n`` bytes read by one of jax_ucp's own readers to ``bytes_read``."""
+    with _BYTES_READ_LOCK:
+        _BYTES_READ[0] += n
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
     data = os.pread(fd, n, offset)
-    with _BYTES_READ_LOCK:
-        _BYTES_READ[0] += n
+    count_bytes_read(n)
     while len(data) < n:  # pread may return less; 0 means end of file
         more = os.pread(fd, n - len(data), offset + len(data))
         if not more:
@@ -213,8 +219,7 @@ def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
                 unfilled.append(v[got:])
                 got = 0
         rest = unfilled
-    with _BYTES_READ_LOCK:
-        _BYTES_READ[0] += total
+    count_bytes_read(total)
 
 
 _SCRATCH = threading.local()
