@@ -19,4 +19,5 @@ from jax_ucp.format.manifest import (
     array_dir,
     new_manifest,
     read_manifest_file,
+    role_of,
 )

@@ -32,9 +32,30 @@ MANIFEST_FILE = "ucp.json"
 ARRAYS_DIR = "arrays"
 
 ROLES = ("param", "opt_state", "other")
+# optax state fields recorded as an opt_state leaf's sub-role
+OPTAX_STATE_NAMES = ("mu", "nu", "count", "trace", "ema", "master")
 KEY_TYPES = ("key", "index", "attr")
 COMPRESSIONS = (None, "zstd")
 CHECKSUMS = (None, "crc32c")
+
+
+def role_of(key: Sequence[str]) -> tuple[str, str | None]:
+    """The manifest role of a JAX leaf, from the conventional top-level names of a train state.
+
+    ``params`` → param; ``model_params`` → param/model; ``opt_state`` (or ``optimizer``/``opt``)
+    → opt_state with the optax field (``mu``, ``nu``, ``count``, ...) as sub-role; else other.
+    One rule for a JAX save and an Orbax import, so both give a tree path the same role.
+    """
+    top = key[0] if key else None
+    if top == "params":
+        return "param", None
+    if top == "model_params":
+        return "param", "model"
+    if top in ("opt_state", "optimizer", "opt"):
+        sub = next((c for c in key[1:] if c in OPTAX_STATE_NAMES), None)
+        return "opt_state", sub
+    return "other", None
+
 
 # Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host.
 MAX_MANIFEST_BYTES = 512 << 20

@@ -32,24 +32,6 @@ from jax_ucp.writer import (
 
 _VALUE_TYPES = (type(None), bool, int, float, str)
 # optax state fields that hold per-parameter optimizer state, and the step counter.
-_OPTAX_STATE_NAMES = ("mu", "nu", "count", "trace", "ema", "master")
-
-
-def role_of(key: Sequence[str]) -> tuple[str, str | None]:
-    """The manifest role of a JAX leaf, from the conventional top-level names of a train state.
-
-    ``params`` → param; ``model_params`` → param/model; ``opt_state`` (or ``optimizer``/``opt``)
-    → opt_state with the optax field (``mu``, ``nu``, ``count``, ...) as sub-role; else other.
-    """
-    top = key[0] if key else None
-    if top == "params":
-        return "param", None
-    if top == "model_params":
-        return "param", "model"
-    if top in ("opt_state", "optimizer", "opt"):
-        sub = next((c for c in key[1:] if c in _OPTAX_STATE_NAMES), None)
-        return "opt_state", sub
-    return "other", None
 
 
 def shards_to_write(array: jax.Array) -> list:
@@ -253,7 +235,7 @@ def prepare_tree(
         if not key:
             raise RequestError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
         leaf, boxed_names = tree_lib.unbox(leaf)
-        role, sub_role = role_of(key)
+        role, sub_role = fmt.role_of(key)
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
             entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
-from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files
+from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
@@ -242,23 +242,6 @@ def _flatten(tree) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:
     return out
 
 
-_OPTAX_FIELDS = ("mu", "nu", "count", "trace", "ema", "master")
-
-
-def _role(key: tuple[str, ...]) -> tuple[str, str | None]:
-    """The manifest role a JAX save gives the same tree path (the handler's rule, which this
-    layer may not import): ``params`` -> param, ``opt_state``/``optimizer``/``opt`` ->
-    opt_state with the optax field as sub-role, anything else other."""
-    top = key[0] if key else None
-    if top == "params":
-        return "param", None
-    if top == "model_params":
-        return "param", "model"
-    if top in ("opt_state", "optimizer", "opt"):
-        return "opt_state", next((c for c in key[1:] if c in _OPTAX_FIELDS), None)
-    return "other", None
-
-
 def _saved_sharding(leaf) -> SavedSharding | None:
     """The NamedSharding Orbax recorded for an array (its mesh axis names and sizes and its
     PartitionSpec), so ``restore(path, mesh=...)`` reuses it as it does a JAX save's; None for
@@ -289,7 +272,7 @@ def _items(leaves) -> Iterator[writer.HostItem]:
     contexts: dict[bool, Any] = {}
     strings: dict[str, dict] = {}
     for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
-        role, sub_role = _role(key)
+        role, sub_role = role_of(key)
         provenance = {"file": name, "tensors": [name]}
         if leaf is None:
             provenance = {"values": [f"{name} (an empty node)"]}
