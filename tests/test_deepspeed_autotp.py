@@ -25,19 +25,19 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 RUNS = ["autotp_tp2_dp1_z1_fp32", "autotp_tp2_dp2_z2_bf16"]
 
 
-def _same(a, b) -> bool:
+def same_bits(a, b) -> bool:
     a, b = np.asarray(a), np.asarray(b)
     if b.dtype == np.dtype("V2"):  # bfloat16 as np.savez stores it
         b = b.view(ml_dtypes.bfloat16)
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("run", RUNS)
-def test_autotp_imports_bit_exact(run, tmp_path):
-    base = os.path.join(FIXTURES, run)
-    jax_ucp.convert(os.path.join(base, "ckpt"), tmp_path / "u")
-    tree = jax_ucp.restore(tmp_path / "u")
+def check_against_the_run(base: str, dest) -> tuple[dict, dict]:
+    """Imports the run at ``base`` into ``dest`` and checks it bit for bit against DeepSpeed's
+    ``ds_to_universal`` (masters, moments, step) and the engine's live weights; returns the
+    restored tree and the manifest."""
+    jax_ucp.convert(os.path.join(base, "ckpt"), dest)
+    tree = jax_ucp.restore(dest)
     ref = np.load(os.path.join(base, "ref_universal.npz"))
     where = {"fp32": tree["params"], "exp_avg": tree["opt_state"]["mu"]}
     where["exp_avg_sq"] = tree["opt_state"]["nu"]
@@ -47,17 +47,23 @@ def test_autotp_imports_bit_exact(run, tmp_path):
         if state == "step":
             assert int(tree["opt_state"]["count"]) == int(ref[key]) == 2
         else:
-            assert _same(where[state][name], ref[key]), key
+            assert same_bits(where[state][name], ref[key]), key
             states += 1
     assert states == 3 * len(tree["params"]) == 3 * 21
     live = np.load(os.path.join(base, "live.npz"))
     model = tree.get("model_params", tree["params"])
     assert sorted(live.files) == sorted(model)
-    assert [k for k in live.files if not _same(model[k], live[k])] == []
-    with open(tmp_path / "u" / "ucp.json") as f:
+    assert [k for k in live.files if not same_bits(model[k], live[k])] == []
+    with open(os.path.join(dest, "ucp.json")) as f:
         manifest = json.load(f)
-    source = manifest["source"]
-    assert (source["tp"], source["layout"]) == (2, "megatron-deepspeed")
+    assert (manifest["source"]["tp"], manifest["source"]["layout"]) == (2, "megatron-deepspeed")
+    return tree, manifest
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run", RUNS)
+def test_autotp_imports_bit_exact(run, tmp_path):
+    _, manifest = check_against_the_run(os.path.join(FIXTURES, run), tmp_path / "u")
     q = "model.layers.0.self_attn.q_proj.weight"
     entry = next(e for e in manifest["entries"] if e["key"] == ["params", q])
     assert entry["provenance"]["kind"] == {
@@ -82,7 +88,7 @@ def test_affine_rebuild_checks_every_piece():
     (amap,) = [m for m in deepspeed_affine.parse_affine_maps(info, "f", 2) if m.pattern == Q]
     shards = [np.arange(128, dtype=np.float32) + 1000 * r for r in range(2)]
     full = deepspeed_affine.rebuild(amap, shards, "fp32", "q")
-    assert _same(full, np.concatenate(shards).reshape(16, 16))
+    assert same_bits(full, np.concatenate(shards).reshape(16, 16))
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["params"][Q]["ranks"][1]["pieces"][0]["source"][0] = 200
@@ -120,7 +126,7 @@ def test_affine_replicated_pieces_must_agree_and_scaled_moments_refused():
     norm = r"^model\.norm\.weight$"
     (amap,) = [m for m in deepspeed_affine.parse_affine_maps(info, "f", 2) if m.pattern == norm]
     same = np.arange(16, dtype=np.float32)
-    assert _same(deepspeed_affine.rebuild(amap, [same, same.copy()], "fp32", "n"), same)
+    assert same_bits(deepspeed_affine.rebuild(amap, [same, same.copy()], "fp32", "n"), same)
     other = same.copy()
     other[3] = np.nextafter(other[3], np.float32(100))
     with pytest.raises(DeepSpeedImportError, match=r"n: TP ranks \[0, 1\] hold different exp_avg"):
@@ -129,7 +135,7 @@ def test_affine_replicated_pieces_must_agree_and_scaled_moments_refused():
     for rank in scaled["affine_map"]["params"][norm]["ranks"].values():
         rank["pieces"][0]["scale"] = 0.5
     (amap,) = [m for m in deepspeed_affine.parse_affine_maps(scaled, "f", 2) if m.pattern == norm]
-    assert _same(
+    assert same_bits(
         deepspeed_affine.rebuild(amap, [same, same.copy()], "fp32", "n"), same / np.float32(0.5)
     )
     with pytest.raises(
@@ -172,5 +178,5 @@ def test_affine_rebuild_matches_deepspeeds_own(layout):
     (amap,) = deepspeed_affine.parse_affine_maps(info, "f", tp)
     shards = [arrays[f"{layout}/shard{rank}"] for rank in range(tp)]
     rebuilt = deepspeed_affine.rebuild(amap, shards, "fp32", layout)
-    assert _same(rebuilt, arrays[f"{layout}/rebuilt"])
-    assert _same(rebuilt, arrays[f"{layout}/full"])  # a scale of 0.5 divides out exactly
+    assert same_bits(rebuilt, arrays[f"{layout}/rebuilt"])
+    assert same_bits(rebuilt, arrays[f"{layout}/full"])  # a scale of 0.5 divides out exactly

@@ -15,45 +15,22 @@ import json
 import os
 import shutil
 
-import ml_dtypes
 import numpy as np
 import pytest
+from test_deepspeed_autotp import check_against_the_run, same_bits
 
 import jax_ucp
 
 RUN = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed", "autotp_tp2_dp2_z3_bf16")
 
 
-def _same(a, b) -> bool:
-    a, b = np.asarray(a), np.asarray(b)
-    if b.dtype == np.dtype("V2"):  # bfloat16 as np.savez stores it
-        b = b.view(ml_dtypes.bfloat16)
-    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-
-
 @pytest.mark.timeout(120)
 def test_autotp_zero3_imports_bit_exact(tmp_path):
     names = sorted(os.listdir(os.path.join(RUN, "ckpt", "global_step2")))
     assert "zero_pp_rank_1_mp_rank_01_model_states.pt" in names  # what the fixture covers
-    jax_ucp.convert(os.path.join(RUN, "ckpt"), tmp_path / "u")
-    tree = jax_ucp.restore(tmp_path / "u")
-    ref = np.load(os.path.join(RUN, "ref_universal.npz"))
-    where = {"fp32": tree["params"], "exp_avg": tree["opt_state"]["mu"]}
-    where["exp_avg_sq"] = tree["opt_state"]["nu"]
-    states = 0
-    for key in ref.files:
-        name, state = key.rsplit("/", 1)
-        if state == "step":
-            assert int(tree["opt_state"]["count"]) == int(ref[key]) == 2
-        else:
-            assert _same(where[state][name], ref[key]), key
-            states += 1
-    assert states == 3 * len(tree["params"]) == 3 * 21
-    live = np.load(os.path.join(RUN, "live.npz"))
-    assert sorted(live.files) == sorted(tree["model_params"])
-    assert [k for k in live.files if not _same(tree["model_params"][k], live[k])] == []
-    with open(tmp_path / "u" / "ucp.json") as f:
-        source = json.load(f)["source"]
+    tree, manifest = check_against_the_run(RUN, tmp_path / "u")
+    assert "model_params" in tree  # bf16 run: the live weights are the model copy
+    source = manifest["source"]
     assert (source["tp"], source["zero_stage"], source["layout"]) == (2, 3, "megatron-deepspeed")
     # ZeRO-3's module entries are placeholders: listed as skipped, not imported
     placeholder = "zero_pp_rank_0_mp_rank_01_model_states.pt:module.lm_head.weight"
@@ -84,7 +61,7 @@ def test_autotp_zero3_weights_only(tmp_path):
     assert sorted(tree) == ["model_params", "params"]
     ref = np.load(os.path.join(RUN, "ref_universal.npz"))
     for name, value in tree["params"].items():
-        assert _same(value, ref[f"{name}/fp32"]), name
+        assert same_bits(value, ref[f"{name}/fp32"]), name
     with open(tmp_path / "u" / "ucp.json") as f:
         skipped = json.load(f)["source"]["skipped"]
     moment = (
