@@ -126,6 +126,14 @@ def _plan_megatron(source, **options) -> ImportPlan:
     return megatron.plan_megatron(source, **options)
 
 
+def _plan_safetensors(source, **options) -> ImportPlan:
+    """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``, Accelerate's
+    ``save_state``) the torch files importer maps its state, unless only weights are wanted."""
+    if not options.get("weights_only") and torch_files.has_torch_optimizer(source):
+        return torch_files.plan_torch_files(source, **options)
+    return safetensors_hf.plan_safetensors(source, **options)
+
+
 def _plan_torch(source, **options) -> ImportPlan:
     """torch DCP (a folder with .metadata, or Accelerate's holding them) or torch.save files."""
     if torch_dcp.dcp_dirs(source):
@@ -137,6 +145,6 @@ _IMPORTERS = {
     "deepspeed": deepspeed.plan_deepspeed,
     "megatron": _plan_megatron,
     "orbax": orbax.plan_orbax,
-    "safetensors": safetensors_hf.plan_safetensors,
+    "safetensors": _plan_safetensors,
     "torch": _plan_torch,
 }
