@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 from ucp_testing import REPO, assert_bit_exact, mesh
 
 import jax_ucp
-from jax_ucp.handler import orbax_v1
+from jax_ucp.orbax import v1 as orbax_v1
 
 
 def _state(step=3):

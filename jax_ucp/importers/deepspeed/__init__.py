@@ -18,15 +18,13 @@ import os
 from typing import Any
 
 from jax_ucp.errors import RequestError
-from jax_ucp.importers import (
-    deepspeed_files,
-    deepspeed_megatron,
-    deepspeed_universal,
-    deepspeed_zero,
-)
-from jax_ucp.importers.deepspeed_files import DS_CLASSES, DeepSpeedImportError
-from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
-from jax_ucp.importers.deepspeed_zero import DeepSpeedCheckpoint
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed import megatron as deepspeed_megatron
+from jax_ucp.importers.deepspeed import universal as deepspeed_universal
+from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp.importers.deepspeed.files import DS_CLASSES, DeepSpeedImportError
+from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
+from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 
 __all__ = [

@@ -29,15 +29,15 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import files
-from jax_ucp.importers import deepspeed_files
-from jax_ucp.importers.deepspeed_files import (
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed.files import (
     DeepSpeedImportError,
     OptimizerStates,
     numel,
     require,
 )
 from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
-from jax_ucp.importers.torch_pickle import StandIn
+from jax_ucp.importers.torch.unpickler import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
 STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (

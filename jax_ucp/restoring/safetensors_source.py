@@ -26,8 +26,8 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp.format import safetensors
-from jax_ucp.handler import reader
-from jax_ucp.handler.restore_options import RestoreOptions
+from jax_ucp.restoring import reader
+from jax_ucp.restoring.options import RestoreOptions
 from jax_ucp.store import safetensors_file
 
 ROOT = "params"  # where the importer puts the weights: a spec's param root

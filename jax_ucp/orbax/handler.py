@@ -22,9 +22,10 @@ from etils import epath
 
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
-from jax_ucp.handler import reader, save_plan
-from jax_ucp.handler import tree as tree_lib
-from jax_ucp.handler.restore_options import ArgsError, RestoreOptions, check_optional_positive_int
+from jax_ucp import tree as tree_lib
+from jax_ucp.restoring import reader
+from jax_ucp.restoring.options import ArgsError, RestoreOptions, check_optional_positive_int
+from jax_ucp.saving import plan as save_plan
 from jax_ucp.writer import commit, durable
 
 DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize

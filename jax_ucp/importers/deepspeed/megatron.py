@@ -34,10 +34,12 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.importers import deepspeed_affine, deepspeed_files, deepspeed_zero
-from jax_ucp.importers.deepspeed_files import DeepSpeedImportError
-from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
-from jax_ucp.importers.deepspeed_zero import (
+from jax_ucp.importers.deepspeed import affine as deepspeed_affine
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
+from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+from jax_ucp.importers.deepspeed.zero import (
     STATE_TREES,
     DeepSpeedCheckpoint,
     piece_tensors,

@@ -20,9 +20,9 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
-from jax_ucp.handler import replicated
-from jax_ucp.handler import tree as tree_lib
-from jax_ucp.handler.restore_options import (
+from jax_ucp import tree as tree_lib
+from jax_ucp.restoring import replicated
+from jax_ucp.restoring.options import (
     CASTINGS,
     DEFAULT_MAX_READ_BYTES,
     ArgsError,
@@ -340,7 +340,7 @@ def read(
       casting: numpy's casting rule for the requests' dtypes.
       max_read_bytes: host bytes of read buffers in flight (None: 256 MiB).
       replicated_read: "each" (None) or "once": in a multi-process job, tensors every process
-        needs whole are read once in all and all-gathered (``handler.replicated``).
+        needs whole are read once in all and all-gathered (``restoring.replicated``).
     """
     if available is None:
         available = available_tensors(manifest, spec)

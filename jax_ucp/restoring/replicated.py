@@ -36,8 +36,8 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp.errors import RequestError
+from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
-from jax_ucp.writer import liveness
 
 MODES = ("each", "once")
 DEFAULT_MODE = "each"

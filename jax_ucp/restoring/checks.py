@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.handler import reader
+from jax_ucp.restoring import reader
 
 # Elements compared at once (float64 temporaries of this many elements, a few of them).
 _BLOCK = 1 << 20

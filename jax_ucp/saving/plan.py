@@ -18,8 +18,8 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
+from jax_ucp import tree as tree_lib
 from jax_ucp.errors import RequestError, UnsupportedError
-from jax_ucp.handler import tree as tree_lib
 from jax_ucp.writer import (
     PreparedTensor,
     SaveOptions,

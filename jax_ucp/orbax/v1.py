@@ -13,7 +13,7 @@ writes the manifest itself; v1 saves are therefore single-process (a multi-proce
 through the v0 ``CheckpointManager`` path, whose ``finalize`` runs after every process wrote).
 
 Registered the way Orbax registers any handler: ``ocp.handlers.register_handler(
-jax_ucp.UCPHandler, secondary_typestrs=jax_ucp.handler.orbax_v1.SECONDARY_TYPESTRS)`` once
+jax_ucp.UCPHandler, secondary_typestrs=jax_ucp.orbax.v1.SECONDARY_TYPESTRS)`` once
 per process (the typestrs: v0 CheckpointManager steps saved with ``UCPSave`` load too) (then ``UCPSave`` / ``UCPRestore`` checkpointables and
 every item it wrote resolve to it), or scoped with :func:`context`, which needs no global
 registration. Nothing is registered on import: a v1 user who does not ask keeps Orbax's handlers.
@@ -30,12 +30,18 @@ import orbax.checkpoint.experimental.v1 as ocp_v1
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.handler.checkpoint_handler import UCPCheckpointHandler, UCPRestore, UCPSave
+from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
 
 STATE = "state"  # Orbax v1's name for the pytree of ocp.save / ocp.load
-#: what Orbax records for items the v0 ``UCPCheckpointHandler`` wrote (CheckpointManager steps):
-#: ``register_handler(UCPHandler, secondary_typestrs=SECONDARY_TYPESTRS)`` lets v1 read them
-SECONDARY_TYPESTRS = (f"{UCPCheckpointHandler.__module__}.{UCPCheckpointHandler.__qualname__}",)
+#: what Orbax records for items the v0 ``UCPCheckpointHandler`` wrote (CheckpointManager
+#: steps), and both handlers' names before they moved to ``jax_ucp.orbax`` (``jax_ucp.handler``
+#: keeps those modules importable): ``register_handler(UCPHandler,
+#: secondary_typestrs=SECONDARY_TYPESTRS)`` lets v1 read them
+SECONDARY_TYPESTRS = (
+    f"{UCPCheckpointHandler.__module__}.{UCPCheckpointHandler.__qualname__}",
+    "jax_ucp.handler.checkpoint_handler.UCPCheckpointHandler",
+    "jax_ucp.handler.orbax_v1.UCPHandler",
+)
 
 
 class UCPHandler:

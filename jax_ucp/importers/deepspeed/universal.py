@@ -37,8 +37,9 @@ import numpy as np
 
 from jax_ucp.errors import RequestError
 from jax_ucp.format import files
-from jax_ucp.importers import deepspeed_files, deepspeed_zero
-from jax_ucp.importers.deepspeed_files import DeepSpeedImportError, numel
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, numel
 from jax_ucp.importers.plan import (
     VALUES,
     WHOLE,

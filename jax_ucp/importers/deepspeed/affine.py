@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from jax_ucp.importers.deepspeed_files import MAX_DIM, DeepSpeedImportError
+from jax_ucp.importers.deepspeed.files import MAX_DIM, DeepSpeedImportError
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.patterns import compile_pattern
 

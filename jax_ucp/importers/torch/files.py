@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.format import files
-from jax_ucp.importers import torch_pickle
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
-from jax_ucp.importers.torch_state import (
+from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchImportError,
     TorchState,

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.format import UCPError, files
-from jax_ucp.importers.torch_pickle import TorchArchive, int_enum_standin, standin_class
+from jax_ucp.importers.torch.unpickler import TorchArchive, int_enum_standin, standin_class
 
 
 class DeepSpeedImportError(UCPError, ValueError):

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from jax_ucp import writer
-from jax_ucp.importers import dcp_reader
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
-from jax_ucp.importers.torch_state import (
+from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchImportError,
     TorchState,

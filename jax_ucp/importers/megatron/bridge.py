@@ -36,9 +36,9 @@ from typing import Any
 import yaml
 
 from jax_ucp.format import files
-from jax_ucp.importers import torch_pickle
 from jax_ucp.importers.megatron import MegatronImportError, plan_megatron
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
+from jax_ucp.importers.torch import unpickler as torch_pickle
 from jax_ucp.language import Spec, load_spec
 
 __all__ = [

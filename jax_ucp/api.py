@@ -14,8 +14,10 @@ import orbax.checkpoint as ocp
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.handler import checkpoint_handler, reader, restore_options, safetensors_source
-from jax_ucp.handler import tree as tree_lib
+from jax_ucp import tree as tree_lib
+from jax_ucp.orbax import handler as checkpoint_handler
+from jax_ucp.restoring import options as restore_options
+from jax_ucp.restoring import reader, safetensors_source
 from jax_ucp.writer import commit
 
 
@@ -225,7 +227,7 @@ def restore(
       replicated_read: in a multi-process job, how a tensor every process needs whole (``P()``,
         host numpy) is read: ``"each"`` (default) every process reads all of it; ``"once"``
         each reads a share and the shares are all-gathered over JAX's collectives (gloo on
-        CPU), so the storage is read once in all (see ``handler/replicated.py``).
+        CPU), so the storage is read once in all (see ``restoring/replicated.py``).
 
     Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
     Each process reads only the slices its devices need.

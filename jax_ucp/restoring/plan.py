@@ -28,8 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
-from jax_ucp.handler import reader
-from jax_ucp.handler.restore_options import ArgsError, RestoreOptions
+from jax_ucp.restoring import reader
+from jax_ucp.restoring.options import ArgsError, RestoreOptions
 
 
 @dataclasses.dataclass(frozen=True)

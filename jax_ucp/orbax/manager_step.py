@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 import orbax.checkpoint as ocp
 
 from jax_ucp import writer
-from jax_ucp.handler.checkpoint_handler import UCPStreamSave
+from jax_ucp.orbax.handler import UCPStreamSave
 from jax_ucp.writer import HostItem, commit
 
 
