@@ -136,7 +136,8 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
     """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
     import jax
 
-    from jax_ucp import inspect, language
+    from jax_ucp import language
+    from jax_ucp.api import inspect
     from jax_ucp.store import zarr3
 
     def of(names: list[str], leaf: str) -> bool:
@@ -192,7 +193,7 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
     import jax.numpy as jnp
     import optax
 
-    from jax_ucp import inspect, restore
+    from jax_ucp.api import inspect, restore
 
     manifest = inspect(ckpt)
     source = manifest.source or {}

@@ -17,8 +17,8 @@ import pytest
 from ucp_testing import assert_bit_exact, assert_destination_untouched
 
 import jax_ucp
-from jax_ucp.importers import torch_pickle
 from jax_ucp.importers.plan import tensor_names
+from jax_ucp.importers.torch import unpickler as torch_pickle
 
 pytestmark = pytest.mark.timeout(300)
 HERE = os.path.join(os.path.dirname(__file__), "fixtures")
