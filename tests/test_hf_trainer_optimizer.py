@@ -206,3 +206,25 @@ def test_accelerate_bare_indices_need_the_parameter_order(tmp_path, kind):
     swapped = [order[1], order[0], *order[2:]]  # embed_tokens <-> q_proj: shapes differ
     with pytest.raises(jax_ucp.UCPError, match=r"has shape"):
         jax_ucp.convert(src, tmp_path / "swapped", parameter_order=swapped)
+
+
+def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
+    """A Trainer + peft LoRA checkpoint (adapter_model.safetensors + optimizer.pt, no base
+    config.json): the order of the trainable parameters is not recorded, so it is refused naming
+    parameter_order= and weights_only; with the order (the peft model's trainable
+    named_parameters as saved: peft drops the adapter name ``.default``) every moment and the
+    step equal the run's; weights_only imports the adapter alone."""
+    src = trainer_src("trainer_lora")
+    with pytest.raises(jax_ucp.UCPError, match=r"peft adapter checkpoint.*parameter_order="):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    want = {
+        k.replace(".default.", "."): v
+        for k, v in truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
+        if not k.startswith("next_")
+    }
+    order = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
+    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    assert_matches_run(jax_ucp.restore(out), want)
+    weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w", weights_only=True))
+    assert sorted(weights["params"]) == sorted(order)

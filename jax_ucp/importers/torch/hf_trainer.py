@@ -30,6 +30,7 @@ __all__ = ["Candidate", "trainer_candidates", "trainer_record", "is_trainer_chec
 
 MAX_JSON_BYTES = 16 << 20
 CONFIG_FILE = "config.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's adapter (LoRA) beside adapter weights
 STATE_FILE = "trainer_state.json"
 ARGS_FILE = "training_args.bin"
 SCHEDULER_FILE = "scheduler.pt"
@@ -81,8 +82,17 @@ def _model_on_meta(folder: str):
     """The config's architecture, built by transformers on the meta device (no weights)."""
     path = os.path.join(folder, CONFIG_FILE)
     why = "cannot rebuild the Trainer's parameter order"
+    way_out = (
+        "pass parameter_order=[names as saved, in model.named_parameters() order of the "
+        "trainable parameters], or convert with weights_only=True"
+    )
+    if os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_FILE)):
+        raise TorchImportError(
+            f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
+            f"model's {CONFIG_FILE}: {why}; {way_out}"
+        )
     if not os.path.isfile(path):
-        raise TorchImportError(f"{folder}: no {CONFIG_FILE}: {why}")
+        raise TorchImportError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
     config = _json(path)
     if not isinstance(config, dict):
         raise TorchImportError(f"{path}: expected a JSON object")
