@@ -50,13 +50,18 @@ def continue_in_jax(ckpt: str, config: dict, tokens: np.ndarray) -> tuple[list[f
     return losses, run
 
 
-def _check(src: str, truth_path: str, tmp_path, **convert) -> None:
+def _check(src: str, truth_path: str, tmp_path, per_token: bool = False, **convert) -> None:
+    """``per_token``: the Trainer divided the summed loss by every label, the one the shift
+    drops included (transformers 4.46's ``num_items_in_batch``), so its logged loss is the
+    mean times (T - 1) / T; the gradient direction, hence AdamW's clipped step, is the same."""
     ckpt = jax_ucp.convert(src, tmp_path / "ucp", **convert)
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     with np.load(truth_path) as z:
         tokens, want, lrs = z["next_tokens"], z["next_losses"], z["next_lrs"]
     got, run = continue_in_jax(ckpt, config, tokens)
+    if per_token:
+        got = [g * (tokens.shape[-1] - 1) / tokens.shape[-1] for g in got]
     assert run.step == 3
     assert [float(run.schedule(3 + i)) for i in range(len(lrs))] == pytest.approx(lrs, rel=1e-6)
     assert any("linear schedule" in n for n in run.notes)
@@ -65,16 +70,20 @@ def _check(src: str, truth_path: str, tmp_path, **convert) -> None:
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
-def test_trainer_run_continues_in_jax_with_torchs_losses(tmp_path, monkeypatch):
-    """The committed Trainer fixture (torch-free: the Trainer's order given as parameter_order,
-    decay group then norms) continues with torch's recorded losses of steps 4 and 5."""
+@pytest.mark.parametrize("kind", ["trainer_fp32", "trainer_fp32_tf4"])
+def test_trainer_run_continues_in_jax_with_torchs_losses(tmp_path, monkeypatch, kind):
+    """The committed Trainer fixtures of transformers 5.23 and 4.46 (torch-free: the Trainer's
+    order given as parameter_order, decay group then norms) continue with torch's recorded
+    losses of steps 4 and 5."""
     monkeypatch.setitem(sys.modules, "transformers", None)
-    src = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
-    with np.load(os.path.join(FIX, "trainer_fp32.truth.npz")) as z:
+    src = os.path.join(FIX, kind, "checkpoint-3")
+    with np.load(os.path.join(FIX, f"{kind}.truth.npz")) as z:
         names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
     norms = [n for n in names if n.endswith("norm.weight")]
     order = [n for n in names if n not in norms] + norms
-    _check(src, os.path.join(FIX, "trainer_fp32.truth.npz"), tmp_path, parameter_order=order)
+    truth_path = os.path.join(FIX, f"{kind}.truth.npz")
+    per_token = kind.endswith("_tf4")
+    _check(src, truth_path, tmp_path, per_token=per_token, parameter_order=order)
 
 
 @pytest.mark.torch

@@ -79,9 +79,10 @@ def trainer_src(kind: str) -> str:
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("kind", ["trainer_fp32", "trainer_bf16"])
+@pytest.mark.parametrize("kind", ["trainer_fp32", "trainer_bf16", "trainer_fp32_tf4"])
 def test_trainer_checkpoint_imports_its_optimizer_bit_exact(tmp_path, kind):
-    """transformers 5.23's Trainer (decay / no-decay groups, fused AdamW, fp32 and bf16 models):
+    """transformers 5.23's Trainer (decay / no-decay groups, fused AdamW, fp32 and bf16 models)
+    and 4.46's (``trainer_fp32_tf4``: its pickled TrainingArguments carry cached properties):
     the indices of optimizer.pt are mapped through the Trainer's grouping of config.json's model
     rebuilt on the meta device; every moment and the step equal the run's."""
     out = jax_ucp.convert(trainer_src(kind), tmp_path / "ucp")

@@ -189,9 +189,24 @@ def _arg(value: Any) -> Any:
     return jsonable(value)
 
 
+class _TrainingArguments(torch_pickle.StandIn):
+    """``TrainingArguments`` as data; its ``cached_property`` values (``__cached__*``, pickled
+    by transformers 4.x) are dropped, not refused: they are not arguments."""
+
+    qualname = "transformers.training_args.TrainingArguments"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            state = {
+                k: v
+                for k, v in state.items()
+                if not (isinstance(k, str) and k.startswith("__cached__"))
+            }
+        super().__setstate__(state)
+
+
 def _args_classes() -> dict[str, Any]:
     names = [
-        "transformers.training_args.TrainingArguments",
         "transformers.training_args.OptimizerNames",
         "transformers.trainer_utils.SchedulerType",
         "transformers.trainer_utils.IntervalStrategy",
@@ -204,7 +219,9 @@ def _args_classes() -> dict[str, Any]:
         "accelerate.utils.dataclasses.DistributedType",
         "torch.device",
     ]
-    return {n: torch_pickle.standin_class(n) for n in names}
+    classes: dict[str, Any] = {n: torch_pickle.standin_class(n) for n in names}
+    classes[_TrainingArguments.qualname] = _TrainingArguments
+    return classes
 
 
 def trainer_record(folder: str) -> dict:
