@@ -113,3 +113,48 @@ def test_optax_from_torch_refuses_a_weights_only_import(tmp_path):
     ckpt = jax_ucp.convert(src, tmp_path / "w", weights_only=True)
     with pytest.raises(jax_ucp.UCPError, match=r"no torch optimizer recorded"):
         jax_ucp.optax_from_torch(ckpt)
+
+
+@pytest.mark.torch
+def test_optax_step_equals_torch_adamw_step_without_a_spec(tmp_path):
+    """A plain torch run (AdamW over named decay / no-decay groups, no scheduler recorded),
+    saved as torch.save({"model", "optimizer"}): with torch's names (no spec) the optax step from
+    optax_from_torch, fed torch's own gradients, gives torch's next parameters within 1e-6, the
+    no-decay parameters included; the learning rate is the optimizer's, constant, and said so."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [(n, p) for n, p in named if p.ndim >= 2], "weight_decay": 0.3},
+        {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=0.05, betas=(0.8, 0.95), eps=1e-6)
+    x = torch.randn(5, 8)
+
+    def grads_of():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+
+    for _ in range(3):
+        grads_of()
+        opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "run.pt")
+    grads_of()
+    grads = {n: p.grad.numpy().copy() for n, p in named}
+    opt.step()
+    want = {n: p.detach().numpy().copy() for n, p in named}
+
+    ckpt = jax_ucp.convert(str(tmp_path / "run.pt"), tmp_path / "ucp")
+    run = jax_ucp.optax_from_torch(ckpt)
+    assert run.step == 3
+    assert any("learning rate 0.05" in n and "no schedule" in n for n in run.notes)
+    assert any("weight decay 0.3 on 2 of 6 leaves" in n for n in run.notes)
+    params = jax.tree.map(jnp.asarray, run.params)
+    updates, _ = run.tx.update(jax.tree.map(jnp.asarray, grads), run.opt_state, params)
+    got = optax.apply_updates(params, updates)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=0, atol=1e-6, err_msg=name)

@@ -146,6 +146,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     for name, change, why in [
         ("custom", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "custom code"),
         ("unknown", {"architectures": ["EvilForCausalLM"]}, "not one transformers"),
+        ("huge", {"num_hidden_layers": 10**7}, r"num_hidden_layers = 10000000, but the "),
     ]:
         src = _copy(trainer_src("trainer_fp32"), tmp_path / name)
         with open(os.path.join(src, "config.json")) as f:

@@ -424,7 +424,7 @@ def _index_names(
         _check_named(to_name, state, clean, model, path)
     elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
         keys = "trainer"
-        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path)
+        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
         _check_named(to_name, state, clean, model, path)
     else:
         sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
@@ -465,13 +465,13 @@ def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
     return dict(zip(ids, names))
 
 
-def _trainer_order(src: str, groups: list, state: dict, path: str) -> tuple[dict, str]:
+def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) -> tuple[dict, str]:
     """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`): the one candidate
     whose group sizes and every state's shape fit, else refused naming why."""
     sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
     fits: list[tuple[dict, str]] = []
     misfits: list[str] = []
-    for c in hf_trainer.trainer_candidates(src):
+    for c in hf_trainer.trainer_candidates(src, len(model)):
         want = [len(g) for g in c.groups]
         if want != sizes:
             misfits.append(f"{c.rule}: groups of {want}")

@@ -78,8 +78,11 @@ def _json(path: str) -> Any:
         raise TorchImportError(f"{path}: not valid JSON ({str(e)[:200]})") from None
 
 
-def _model_on_meta(folder: str):
-    """The config's architecture, built by transformers on the meta device (no weights)."""
+def _model_on_meta(folder: str, n_tensors: int):
+    """The config's architecture, built by transformers on the meta device (no weights).
+
+    An untrusted config could ask for millions of layers (modules cost memory even on the meta
+    device): a layer count above the checkpoint's tensor count is refused before building."""
     path = os.path.join(folder, CONFIG_FILE)
     why = "cannot rebuild the Trainer's parameter order"
     way_out = (
@@ -105,6 +108,11 @@ def _model_on_meta(folder: str):
     model_type = config.get("model_type")
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
         raise TorchImportError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
+    for key, value in config.items():
+        if "layer" in key and isinstance(value, int) and not 0 <= value <= n_tensors:
+            raise TorchImportError(
+                f"{path}: {key} = {value}, but the checkpoint holds {n_tensors} tensors: {why}"
+            )
     try:
         import torch
         import transformers
@@ -154,10 +162,11 @@ def _installed_decay_names(model) -> list[str]:
     return list(Trainer.get_decay_parameter_names(None, model))
 
 
-def trainer_candidates(folder: str) -> list[Candidate]:
-    """The Trainer's groupings of the config's model: the installed transformers' decay rule,
-    and the 4.x rule (checkpoints written by an older transformers), distinct ones only."""
-    model, what = _model_on_meta(folder)
+def trainer_candidates(folder: str, n_tensors: int) -> list[Candidate]:
+    """The Trainer's groupings of the config's model (``n_tensors``: the checkpoint's model
+    tensors, a bound on its size): the installed transformers' decay rule, and the 4.x rule
+    (checkpoints written by an older transformers), distinct ones only."""
+    model, what = _model_on_meta(folder, n_tensors)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}
     out: list[Candidate] = []
