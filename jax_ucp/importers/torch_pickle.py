@@ -47,6 +47,7 @@ __all__ = [
     "MAX_COMPRESSED_MEMBER",
     "MAX_DEPTH",
     "MAX_EXPANDED_OBJECTS",
+    "MAX_INFLATED_TOTAL",
     "check_expansion",
     "hashable_key",
     "short_repr",
@@ -85,6 +86,10 @@ MAX_EXPANDED_OBJECTS = 4_000_000
 MAX_DEPTH = 200
 #: Largest deflate-compressed member inflated into memory (torch itself never compresses).
 MAX_COMPRESSED_MEMBER = 256 << 20
+#: Most bytes inflated from one archive's deflated members in total: inflated bytes live in
+#: anonymous memory for as long as the tensors viewing them, so many members each under the
+#: per-member cap would otherwise add up to any amount (16 x 255 MiB from a 4 MB file).
+MAX_INFLATED_TOTAL = 256 << 20
 
 
 class _BoundedRepr(reprlib.Repr):
@@ -840,6 +845,7 @@ class TorchArchive:
         self._mm = mm
         self.size = size
         self._views: dict[str, np.ndarray] = {}
+        self._inflated = 0  # bytes inflated from deflated members so far (MAX_INFLATED_TOTAL)
         self.unchecked = {}
         try:
             self._zip = zipfile.ZipFile(self._f)
@@ -860,10 +866,33 @@ class TorchArchive:
         self.byteorder = "<" if order == "little" else ">"
         self._storages: dict[str, np.ndarray] = {}
 
-    def _member_view(self, name: str) -> np.ndarray:
+    def _member_view(self, name: str, declared: int | None = None) -> np.ndarray:
+        """The bytes of member ``name`` (a view of the file, or inflated); ``declared``: the
+        bytes the pickle's storage needs from it, which a deflated member may not exceed."""
         info = self._infos.get(name)
         if info is None:
             raise TorchFileError(self.path, f"missing archive member {name!r}")
+        data_off = self._data_offset(name, info)
+        view = self._views.get(name)
+        if view is not None:
+            return view
+        if info.compress_type != zipfile.ZIP_STORED:
+            view = self._inflate(name, info, data_off, declared=declared)
+        else:
+            if info.file_size != info.compress_size:
+                raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
+            view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
+            if self.defer_crc and name.startswith(self.prefix + "data/"):
+                self.unchecked[name] = (data_off, info.file_size, info.CRC)
+            else:
+                # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
+                # a few GB/s; the copy that follows reads the same pages from the page cache).
+                self._check_crc(name, info, zlib.crc32(view))
+        self._views[name] = view
+        return view
+
+    def _data_offset(self, name: str, info: zipfile.ZipInfo) -> int:
+        """Where member ``name``'s bytes start, its local header and extent checked."""
         off = info.header_offset
         if off + _LOCAL_HEADER.size > self.size:
             raise TorchFileError(
@@ -881,23 +910,7 @@ class TorchArchive:
                 f"member {name!r} needs bytes up to {data_off + info.compress_size} "
                 f"but the file has {self.size} (truncated)",
             )
-        view = self._views.get(name)
-        if view is not None:
-            return view
-        if info.compress_type != zipfile.ZIP_STORED:
-            view = self._inflate(name, info, data_off)
-        else:
-            if info.file_size != info.compress_size:
-                raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
-            view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
-            if self.defer_crc and name.startswith(self.prefix + "data/"):
-                self.unchecked[name] = (data_off, info.file_size, info.CRC)
-            else:
-                # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
-                # a few GB/s; the copy that follows reads the same pages from the page cache).
-                self._check_crc(name, info, zlib.crc32(view))
-        self._views[name] = view
-        return view
+        return data_off
 
     def _check_crc(self, name: str, info: zipfile.ZipInfo, found: int) -> None:
         if found != info.CRC:
@@ -907,10 +920,20 @@ class TorchArchive:
                 f"bytes give {found:08x}): the file is corrupt",
             )
 
-    def _inflate(self, name: str, info: zipfile.ZipInfo, data_off: int) -> np.ndarray:
-        """A deflated member, streamed: never more than its declared size is produced, and at
-        most :data:`MAX_COMPRESSED_MEMBER` bytes (torch.save never compresses; a small deflate
-        stream can expand a thousandfold)."""
+    def _inflate(
+        self,
+        name: str,
+        info: zipfile.ZipInfo,
+        data_off: int,
+        *,
+        keep: bool = True,
+        declared: int | None = None,
+    ) -> np.ndarray:
+        """A deflated member, streamed: never more than its declared size is produced, at most
+        :data:`MAX_COMPRESSED_MEMBER` bytes, and at most :data:`MAX_INFLATED_TOTAL` kept from
+        one archive (torch.save never compresses; a small deflate stream can expand a
+        thousandfold). ``declared``: the bytes the pickle's storage needs, which the member may
+        not exceed. ``keep=False``: only its CRC-32 is checked, nothing is kept."""
         if info.compress_type != zipfile.ZIP_DEFLATED:
             raise TorchFileError(
                 self.path,
@@ -924,8 +947,23 @@ class TorchArchive:
                 f"compressed members above {MAX_COMPRESSED_MEMBER} bytes are refused "
                 "(torch.save stores members uncompressed: re-save the file with torch.save)",
             )
+        if declared is not None and info.file_size > declared:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes, "
+                f"but the pickle's storage needs {declared}; refused before inflating "
+                "(torch.save writes a storage's bytes exactly)",
+            )
+        if keep and self._inflated + info.file_size > MAX_INFLATED_TOTAL:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes, "
+                f"after {self._inflated} bytes inflated from other members: more than the "
+                f"{MAX_INFLATED_TOTAL} bytes inflated in total that one archive may take "
+                "(torch.save stores members uncompressed: re-save the file with torch.save)",
+            )
         src = memoryview(self._mm)[data_off : data_off + info.compress_size]
-        out = np.empty(info.file_size, np.uint8)
+        out = np.empty(info.file_size if keep else 0, np.uint8)
         inflater = zlib.decompressobj(-zlib.MAX_WBITS)
         pos, crc = 0, 0
         try:
@@ -939,7 +977,8 @@ class TorchArchive:
                             f"member {name!r} expands beyond its declared {info.file_size} "
                             "bytes (corrupt or hostile)",
                         )
-                    out[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
+                    if keep:
+                        out[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
                     pos += len(piece)
                     crc = zlib.crc32(piece, crc)
                     pending = inflater.unconsumed_tail
@@ -954,6 +993,8 @@ class TorchArchive:
                 f"{info.file_size} (truncated or corrupt)",
             )
         self._check_crc(name, info, crc)
+        if keep:
+            self._inflated += info.file_size
         out.flags.writeable = False
         return out
 
@@ -990,7 +1031,7 @@ class TorchArchive:
             if name not in self._infos and nbytes == 0:
                 raw = np.empty(0, np.uint8)
             else:
-                raw = self._member_view(name)
+                raw = self._member_view(name, nbytes)
             self._storages[key] = raw
         if raw.size < nbytes:
             raise TorchFileError(
@@ -1011,12 +1052,19 @@ class TorchArchive:
         return obj
 
     def verify_crc(self) -> None:
-        """Check every member's CRC-32 now, also members no pickle references (reads the file)."""
-        for name in self._infos:
-            self._member_view(name)
+        """Check every member's CRC-32 now, also members no pickle references (reads the file);
+        a deflated member is inflated only to check it, nothing kept."""
+        for name, info in self._infos.items():
+            if info.compress_type == zipfile.ZIP_STORED or name in self._views:
+                self._member_view(name)
+            else:
+                self._inflate(name, info, self._data_offset(name, info), keep=False)
 
     def close(self) -> None:
-        """Close the file handle; arrays already returned keep the mapping alive."""
+        """Close the file handle and drop the caches; arrays already returned keep the mapping
+        (or their inflated bytes) alive, nothing else does."""
+        self._views.clear()
+        self._storages.clear()
         self._zip.close()
         self._f.close()
 
