@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import io
 import itertools
-import mmap
 import os
 import pickle
 import pickletools
@@ -40,7 +39,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import UCPError, files, mapped_file
 
 __all__ = [
     "BASE_ALLOWED",
@@ -783,7 +782,7 @@ class _BufferFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._b.size - self._pos))
-        b[:n] = self._b[self._pos : self._pos + n].tobytes()
+        b[:n] = mapped_file.read_bytes(self._b, self._pos, n, "reading the zip directory")
         self._pos += n
         return n
 
@@ -812,9 +811,7 @@ class TorchArchive:
                         "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
                     )
                 raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
-            self._open_zip(
-                mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ), size, "zip archive"
-            )
+            self._open_zip(mapped_file.map_file(self.path, self._f.fileno()), size, "zip archive")
         except BaseException:
             self._f.close()
             raise
@@ -887,7 +884,7 @@ class TorchArchive:
             else:
                 # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
                 # a few GB/s; the copy that follows reads the same pages from the page cache).
-                self._check_crc(name, info, zlib.crc32(view))
+                self._check_crc(name, info, mapped_file.crc32(view))
         self._views[name] = view
         return view
 
@@ -898,7 +895,9 @@ class TorchArchive:
             raise TorchFileError(
                 self.path, f"member {name!r}: local header beyond end of file (truncated)"
             )
-        fields = _LOCAL_HEADER.unpack_from(self._mm, off)
+        fields = _LOCAL_HEADER.unpack(
+            mapped_file.read_bytes(self._mm, off, _LOCAL_HEADER.size, f"member {name!r}")
+        )
         if fields[0] != _LOCAL_MAGIC:
             raise TorchFileError(
                 self.path, f"member {name!r}: bad local header signature (corrupt)"
@@ -962,13 +961,13 @@ class TorchArchive:
                 f"{MAX_INFLATED_TOTAL} bytes inflated in total that one archive may take "
                 "(torch.save stores members uncompressed: re-save the file with torch.save)",
             )
-        src = memoryview(self._mm)[data_off : data_off + info.compress_size]
         out = np.empty(info.file_size if keep else 0, np.uint8)
         inflater = zlib.decompressobj(-zlib.MAX_WBITS)
         pos, crc = 0, 0
         try:
-            for start in range(0, len(src), 1 << 20):
-                pending = src[start : start + (1 << 20)]
+            for start in range(0, info.compress_size, 1 << 20):
+                n = min(1 << 20, info.compress_size - start)
+                pending = mapped_file.read_bytes(self._mm, data_off + start, n, f"member {name!r}")
                 while pending:
                     piece = inflater.decompress(pending, info.file_size - pos + 1)
                     if pos + len(piece) > info.file_size:
@@ -1005,7 +1004,8 @@ class TorchArchive:
         return self.prefix.rstrip("/")
 
     def read_member(self, name: str) -> bytes:
-        return self._member_view(name).tobytes()
+        view = self._member_view(name)
+        return mapped_file.read_bytes(view, 0, view.size, f"member {name!r}")
 
     def _persistent_load(self, pid: Any) -> _Storage:
         if (
