@@ -13,7 +13,10 @@ module interprets the pickle with a restricted opcode dispatcher instead:
 
 Tensors come back as read-only ``numpy`` arrays that view a single read-only ``mmap`` of the
 file (torch stores zip members uncompressed), so loading a checkpoint costs page-cache, not
-anonymous memory, and only touched bytes are read. bfloat16 / float8 map to ``ml_dtypes``.
+anonymous memory, and only touched bytes are read. Their bytes are read out with
+:func:`jax_ucp.format.mapped_file.read_out` (pread), never by touching the mapping: a file
+truncated meanwhile is then an error naming it, not SIGBUS. bfloat16 / float8 map to
+``ml_dtypes``.
 
 Public API (stable; also used by the Megatron importer):
 ``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
