@@ -206,6 +206,21 @@ def test_bridge_train_state_step_that_only_looks_like_a_tensor_is_named(tmp_path
     )
 
 
+def test_bridge_train_state_step_of_5000_digits_is_named(tmp_path):
+    """A pickled int past Python's 4300-digit repr limit: the error is built without repr()."""
+    from test_torch_pickle import D, prog, write_pt
+
+    src = _bridge(tmp_path)
+    os.remove(src / "latest_train_state.pt")
+    os.remove(src / ITER / "train_state.pt")
+    write_pt(src / ITER / "train_state.pt", prog(b"}" + D("step") + D(10**5000) + b"s"))
+    _bridge_refused(
+        src / ITER,
+        tmp_path,
+        ITER + r"/train_state\.pt: entry 'step' is <int of 16610 bits>, expected a 0-d tensor",
+    )
+
+
 def _run_config_with(src, key: str, value: str) -> None:
     path = src / ITER / "run_config.yaml"
     text = path.read_text()

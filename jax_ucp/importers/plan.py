@@ -170,8 +170,10 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     bad_skips = sorted(n for n, why in skipped.items() if n not in found or not why)
     if bad_skips:
         raise UnaccountedTensorsError(
-            f"{where}: source.skipped lists {_few(bad_skips)}, which the importer did not find "
-            f"in the checkpoint (or gives no reason)"
+            f"{where}: the import's record of what it leaves out (source.skipped lists "
+            f"{_few(bad_skips)}) names tensors the checkpoint does not hold, or gives no reason; "
+            f"nothing was committed. jax_ucp does not handle this layout correctly: please "
+            f"report it"
         )
     imported: set[str] = set()
     for item in plan.items:

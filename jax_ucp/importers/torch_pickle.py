@@ -114,6 +114,12 @@ class _BoundedRepr(reprlib.Repr):
             return self.repr_dict(x, level)
         return super().repr1(x, level)
 
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past Python's 4300-digit limit raises (and is quadratic before it)
+        if x.bit_length() > 256:
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
     def repr_dict(self, x: Any, level: int) -> str:  # insertion order: no sort of hostile keys
         if not x:
             return "{}"
