@@ -253,3 +253,34 @@ def test_a_file_truncated_after_it_was_mapped_is_an_error_naming_it(tmp_path, ki
     assert shrunk in result["error"] and "truncated" in result["error"], result["error"]
     assert not (tmp_path / "out").exists()
     assert sorted(os.listdir(tmp_path)) == sorted([src.name])  # no temporaries left
+
+
+def test_mapped_file_reads_views_with_pread_exactly(tmp_path):
+    """read_out / copy_into / crc32 / read_bytes give what touching the mapping would: C-order,
+    transposed, reversed and byte-swapped views; after the file shrinks, an error naming it."""
+    import numpy as np
+
+    from jax_ucp.format import mapped_file
+
+    path = tmp_path / "data.bin"
+    values = np.arange(4096, dtype=">f4")
+    path.write_bytes(b"head" + values.tobytes())
+    mm = mapped_file.map_file(str(path))
+    flat = np.frombuffer(mm, ">f4", count=4096, offset=4)
+    views = [flat, flat.reshape(64, 64).T, flat[::-3], flat.reshape(64, 64)[3:9, ::-2]]
+    for view in views:
+        out = mapped_file.read_out(view)
+        assert mapped_file.mapped_at(out) is None and out.dtype == view.dtype
+        assert np.array_equal(out, np.array(view))  # np.array: touching the intact mapping
+        region = np.empty(view.shape, view.dtype)
+        mapped_file.copy_into(region, view)
+        assert np.array_equal(region, np.array(view))
+    assert mapped_file.crc32(flat) == zlib.crc32(values.tobytes())
+    assert mapped_file.read_bytes(mm, 0, 4) == b"head"
+    assert mapped_file.read_out(values) is values  # not mapped: passed through
+    os.truncate(path, 1000)
+    with pytest.raises(mapped_file.FileShrankError, match=r"data\.bin: .*is 1000 now"):
+        mapped_file.read_out(flat)
+    with pytest.raises(mapped_file.FileShrankError, match=r"data\.bin"):
+        mapped_file.crc32(flat)
+    assert np.array_equal(mapped_file.read_out(flat[:10]), values[:10])  # still inside
