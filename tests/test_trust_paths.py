@@ -1,0 +1,167 @@
+"""Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+Every hostile checkpoint here is built by the test: a real fixture (written by torch, DeepSpeed,
+megatron-core, Orbax or safetensors themselves) copied into tmp_path, then a storage file
+replaced by a symlink leading out of it, or its metadata edited (torch-free: ``.metadata`` through
+the writer of tests/test_trust_megatron.py, Orbax's JSON, a safetensors index) to name a file
+outside it or another tensor's bytes. Each is refused with an error naming the file and the
+entry, nothing written; links that stay inside (a Hugging Face cache snapshot) keep working.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+from test_trust_megatron import read_layout, write_layout
+from ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+
+import jax_ucp
+from jax_ucp.format import files
+
+pytestmark = pytest.mark.timeout(120)
+
+FIX = os.path.join(REPO, "tests", "fixtures")
+
+
+def _copy(tmp_path, rel: str):
+    dst = tmp_path / os.path.basename(rel)
+    shutil.copytree(os.path.join(FIX, rel), dst)
+    return dst
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+def _params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+# --------------------------------------------------------------------------- the one function
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("/etc/passwd", r"'/etc/passwd' is an absolute path"),
+        ("../x", r"has a '\.\.' part"),
+        ("a/../../x", r"has a '\.\.' part"),
+        ("a\0b", r"holds a NUL character"),
+        ("", r"is not a non-empty string"),
+        (7, r"is not a non-empty string"),
+    ],
+)
+def test_inside_refuses_names_leading_out(tmp_path, name, message):
+    with pytest.raises(files.OutsideCheckpointError, match=r"^index\.json: file name .*" + message):
+        files.inside(tmp_path, name, "index.json")
+
+
+def test_inside_follows_links_that_stay_inside_and_refuses_those_that_leave(tmp_path):
+    root = tmp_path / "ckpt"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "real").write_bytes(b"x")
+    (root / "inner").symlink_to("sub/real")
+    (tmp_path / "outside").write_bytes(b"y")
+    (root / "outer").symlink_to(tmp_path / "outside")
+    (root / "dir").symlink_to(tmp_path, target_is_directory=True)
+    assert files.inside(root, "inner", "m") == os.path.realpath(root / "sub" / "real")
+    assert files.inside(root, "sub/real", "m") == os.path.realpath(root / "sub" / "real")
+    for name in ("outer", "dir/outside"):
+        with pytest.raises(files.OutsideCheckpointError, match=r"outside the checkpoint"):
+            files.inside(root, name, "m")
+    # the checkpoint folder reached through a link is its target: links inside it still count
+    (tmp_path / "alias").symlink_to(root, target_is_directory=True)
+    assert files.inside(tmp_path / "alias", "inner", "m") == os.path.realpath(root / "sub/real")
+
+
+# --------------------------------------------------------------------------- torch DCP
+
+
+@pytest.mark.timeout(120)
+def test_dcp_storage_file_linked_outside_is_refused(tmp_path):
+    """The issue's reproduction: ``__1_0.distcp`` a symlink to a file outside the checkpoint
+    folder. Before, ``convert`` succeeded and read the outside bytes."""
+    src = _copy(tmp_path, "torch/fsdp2_fp32")
+    _move_out(src / "__1_0.distcp", tmp_path / "elsewhere")
+    dst = tmp_path / "out"
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"fsdp2_fp32/\.metadata: storage file: file name '__1_0\.distcp' resolves to "
+        r"\S+/elsewhere/__1_0\.distcp, outside the checkpoint",
+    ):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+
+
+@pytest.mark.timeout(120)
+def test_dcp_storage_file_linked_inside_reads_exactly(tmp_path):
+    src = _copy(tmp_path, "torch/fsdp2_fp32")
+    want = _params(jax_ucp.convert(os.path.join(FIX, "torch/fsdp2_fp32"), tmp_path / "ref"))
+    (src / "blobs").mkdir()
+    shutil.move(src / "__1_0.distcp", src / "blobs" / "rank1")
+    (src / "__1_0.distcp").symlink_to("blobs/rank1")
+    got = _params(jax_ucp.convert(src, tmp_path / "out"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_bit_exact(got[name], want[name], name)
+
+
+def _same_shape_pair(tensors: dict) -> tuple[str, str]:
+    """Two weight tensors of one shape and dtype (the borrower reads as the lender)."""
+    seen: dict = {}
+    for name, t in sorted(tensors.items()):
+        if not name.startswith("model.") or not t["chunks"]:
+            continue
+        key = (tuple(t["shape"]), str(t["dtype"]), len(t["chunks"]))
+        if key in seen:
+            return seen[key], name
+        seen[key] = name
+    raise AssertionError("the fixture has no two tensors of one shape")
+
+
+@pytest.mark.timeout(120)
+def test_dcp_tensor_pointing_at_another_tensors_bytes_is_refused(tmp_path):
+    """Tensor b's storage entries set to a's file/offset/length: before, ``convert`` succeeded
+    and b restored with a's values. Now an error naming both tensors and the file."""
+    src = _copy(tmp_path, "torch/fsdp2_fp32")
+    tensors, objects = read_layout(src)
+    a, b = _same_shape_pair(tensors)
+    for ca, cb in zip(tensors[a]["chunks"], tensors[b]["chunks"]):
+        cb.update(file=ca["file"], offset=ca["offset"], length=ca["length"])
+    write_layout(src, tensors, objects)
+    dst = tmp_path / "out"
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"\.metadata: tensor '({a}|{b})' \(chunk at offsets \[\d+(, \d+)*\]\) and "
+        rf"tensor '({a}|{b})' \(chunk at offsets .*\) share bytes \[\d+, \d+\) of storage file "
+        r"__\d_0\.distcp",
+    ) as e:
+        jax_ucp.convert(src, dst)
+    assert a in str(e.value) and b in str(e.value)
+    assert_destination_untouched(dst)
+
+
+@pytest.mark.timeout(120)
+def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
+    """An entry lying inside a longer one of another tensor (not equal to it) is found too;
+    adjacent entries, and equal ranges of two files, are fine."""
+    from jax_ucp.importers.dcp_reader import DcpChunk, DcpError, DcpTensor, check_disjoint
+
+    f32 = np.dtype(np.float32)
+    tensors = {
+        "a": DcpTensor("a", (100,), f32, (DcpChunk((0,), (100,), "__0_0.distcp", 0, 400),)),
+        "c": DcpTensor("c", (2,), f32, (DcpChunk((0,), (2,), "__0_0.distcp", 8, 8),)),
+        "d": DcpTensor("d", (2,), f32, (DcpChunk((0,), (2,), "__1_0.distcp", 8, 8),)),
+    }
+    with pytest.raises(DcpError, match=r"tensor 'a' .* and tensor 'c' .* share bytes \[8, 16\)"):
+        check_disjoint(tensors, {}, "m")
+    tensors["c"] = DcpTensor("c", (2,), f32, (DcpChunk((0,), (2,), "__0_0.distcp", 400, 8),))
+    check_disjoint(tensors, {}, "m")  # adjacent, and equal ranges in two files: fine
