@@ -165,3 +165,136 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
         check_disjoint(tensors, {}, "m")
     tensors["c"] = DcpTensor("c", (2,), f32, (DcpChunk((0,), (2,), "__0_0.distcp", 400, 8),))
     check_disjoint(tensors, {}, "m")  # adjacent, and equal ranges in two files: fine
+
+
+# --------------------------------------------------------------------------- safetensors / .bin
+
+
+def _hf_cache(tmp_path, tensors: dict) -> tuple:
+    """A Hugging Face cache repo as ``huggingface_hub`` lays it out: the files in
+    ``blobs/<sha256>``, ``snapshots/<rev>/`` holding relative links to them (index included)."""
+    import hashlib
+    import json
+
+    from safetensors.numpy import save_file
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / ("c0ffee" * 6 + "beef")
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snap.name)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    weight_map = {}
+    for i, (name, value) in enumerate(sorted(tensors.items())):
+        shard = f"model-{i + 1:05d}-of-{len(tensors):05d}.safetensors"
+        save_file({name: value}, str(staging / shard))
+        weight_map[name] = shard
+    (staging / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for f in sorted(staging.iterdir()):
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.move(f, blobs / sha)
+        (snap / f.name).symlink_to(f"../../blobs/{sha}")
+    return repo, snap
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_cache_snapshot_imports_and_restores(tmp_path):
+    """Every file of a cache snapshot is a link to ``../../blobs/<sha>``, outside the snapshot
+    folder but inside the cache repo: imported and restored straight from it, exactly, under the
+    snapshot's file names."""
+    want = {
+        "embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "norm.weight": np.linspace(0, 1, 4).astype(np.float32),
+    }
+    _, snap = _hf_cache(tmp_path, want)
+    out = jax_ucp.convert(snap, tmp_path / "out")
+    got = _params(out)
+    for name, value in want.items():
+        assert_bit_exact(got[name], value, name)
+    assert jax_ucp.inspect(out).source["files"] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    direct = jax_ucp.restore(snap)  # restore straight from safetensors: the same checks
+    for name, value in want.items():
+        assert_bit_exact(direct["params"][name], value, name)
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_shard_linked_outside_is_refused(tmp_path):
+    """A snapshot link leading out of the cache repo, a folder's one file and an index's shard
+    linked elsewhere: refused naming the entry, on import and on restore."""
+    repo, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
+    shard = snap / "model-00002-of-00002.safetensors"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(shard, elsewhere / "b.safetensors")
+    shard.unlink()
+    shard.symlink_to(elsewhere / "b.safetensors")
+    message = (
+        r"model\.safetensors\.index\.json: weight_map entry 'b': file name "
+        r"'model-00002-of-00002\.safetensors' resolves to \S+/elsewhere/b\.safetensors, outside "
+        r"the checkpoint"
+    )
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(snap, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.restore(snap)
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "model.safetensors").symlink_to(elsewhere / "b.safetensors")
+    with pytest.raises(jax_ucp.UCPError, match=r"'model\.safetensors' resolves to .*outside"):
+        jax_ucp.convert(single, tmp_path / "out1")
+    assert_destination_untouched(tmp_path / "out1")
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_index_naming_a_file_with_a_nul_is_a_clear_error(tmp_path):
+    """Before: a raw ``ValueError: embedded null byte`` naming neither the index nor the entry."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(src / "model.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model.safetensors", "b": "mod\\u0000el.safetensors"}}'
+    )
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"hf/model\.safetensors\.index\.json: weight_map entry 'b': file name "
+        r"'mod\\x00el\.safetensors' holds a NUL character",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(60)
+def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
+    """``pytorch_model.bin.index.json`` shards: one linked elsewhere, or named with a NUL."""
+    import json
+
+    src = _copy(tmp_path, "torch/hf_bin_sharded")
+    _move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"pytorch_model\.bin\.index\.json: weight_map entry '.*': file name "
+        r"'pytorch_model-00002-of-00002\.bin' resolves to \S+/elsewhere/.*outside the checkpoint",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    index = src / "pytorch_model.bin.index.json"
+    data = json.loads(index.read_text())
+    name = sorted(data["weight_map"])[0]
+    data["weight_map"][name] = "pytorch\0model.bin"
+    index.write_text(json.dumps(data))
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"weight_map entry '{name}': file name .* holds a NUL character"
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    single = _copy(tmp_path, "torch/hf_bin")
+    _move_out(single / "pytorch_model.bin", tmp_path / "elsewhere2")
+    with pytest.raises(jax_ucp.UCPError, match=r"'pytorch_model\.bin' resolves to .*outside"):
+        jax_ucp.convert(single, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
