@@ -298,3 +298,95 @@ def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"'pytorch_model\.bin' resolves to .*outside"):
         jax_ucp.convert(single, tmp_path / "out")
     assert_destination_untouched(tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- Orbax
+
+
+def _orbax(path, tree, ocdbt: bool = False):
+    import orbax.checkpoint as ocp
+
+    ocp.PyTreeCheckpointer(use_ocdbt=ocdbt).save(path, tree)
+    return path
+
+
+def _rename_leaf(ckpt, old: tuple, keys: list) -> None:
+    """The ``_METADATA`` entry of leaf ``old`` given the key path ``keys`` instead (Orbax reads
+    the array from the directory or OCDBT key ``'.'.join(keys)``)."""
+    import json
+
+    meta_file = ckpt / "_METADATA"
+    meta = json.loads(meta_file.read_text())
+    entry = meta["tree_metadata"].pop(str(old))
+    entry["key_metadata"] = [{"key": k, "key_type": 2} for k in keys]
+    meta["tree_metadata"][str(tuple(keys))] = entry
+    meta_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_leaf_name_joining_to_an_absolute_path_is_refused(tmp_path, ocdbt):
+    """An Orbax ``_METADATA`` whose key path joins to another checkpoint's array directory
+    (``/abs/other/params`` + ``w``): before, the other checkpoint's array was imported and its
+    absolute path recorded as provenance."""
+    tree = {"params": {"w": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}}
+    other = _orbax(tmp_path / "other", {"params": {"w": np.full(4, 7, np.float32)}}, ocdbt)
+    mine = _orbax(tmp_path / "mine", tree, ocdbt)
+    _rename_leaf(mine, ("params", "w"), [f"{other}/params", "w"])
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"mine/_METADATA: array '{other}/params\.w': file name '{other}/params\.w' is an "
+        r"absolute path",
+    ):
+        jax_ucp.convert(mine, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+    for keys, message in (
+        (["", "", "/other/params", "w"], r"'\.\./other/params\.w' has a '\.\.' part"),
+        (["params", "w\0"], r"holds a NUL character"),
+    ):
+        _rename_leaf(mine, tuple(json_keys(mine)), keys)
+        with pytest.raises(jax_ucp.UCPError, match=message):
+            jax_ucp.convert(mine, tmp_path / "out")
+        assert_destination_untouched(tmp_path / "out")
+
+
+def json_keys(ckpt) -> list:
+    """The key path of the one ``_METADATA`` entry not named ``('params', 'b')``."""
+    import json
+
+    meta = json.loads((ckpt / "_METADATA").read_text())["tree_metadata"]
+    (entry,) = [e for k, e in meta.items() if k != str(("params", "b"))]
+    return [k["key"] for k in entry["key_metadata"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_files_linked_outside_are_refused_and_inside_links_read(tmp_path, ocdbt):
+    """A chunk file (zarr) or OCDBT data file that is a symlink leading out of the checkpoint:
+    refused naming it, nothing written (TensorStore would have read it). Linked within the
+    checkpoint, the same files import exactly."""
+    tree = {"params": {"w": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}}
+    mine = _orbax(tmp_path / "mine", tree, ocdbt)
+    data = sorted(
+        p for p in mine.rglob("*") if p.is_file() and (ocdbt and "/d/" in str(p) or p.name == "0")
+    )
+    assert data, "the fixture has no data file"
+    inner = mine / "moved"
+    inner.mkdir()
+    for i, p in enumerate(data):
+        shutil.move(p, inner / str(i))
+        p.symlink_to(inner / str(i))
+    got = _params(jax_ucp.convert(mine, tmp_path / "ok"))
+    for name, value in tree["params"].items():
+        assert_bit_exact(got[name], value, name)
+    target = _move_out(inner / "0", tmp_path / "elsewhere")
+    (inner / "0").unlink()
+    data[0].unlink()
+    data[0].symlink_to(target)
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"mine: file: file name '{os.path.relpath(data[0], mine)}' resolves to "
+        r"\S+/elsewhere/0, outside the checkpoint",
+    ):
+        jax_ucp.convert(mine, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
