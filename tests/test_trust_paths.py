@@ -390,3 +390,85 @@ def test_orbax_files_linked_outside_are_refused_and_inside_links_read(tmp_path, 
     ):
         jax_ucp.convert(mine, tmp_path / "out")
     assert_destination_untouched(tmp_path / "out")
+
+
+# --------------------------------------------------------------------------- DeepSpeed / Megatron
+
+DS = "deepspeed/z2_bf16_dp2/ckpt"
+DS_RANK1 = "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+LEGACY = "megatron/legacy_gpt_tp2pp2_synthetic"
+
+
+def _link_out(rel):
+    def damage(src, tmp):
+        _move_out(src / rel, tmp / "elsewhere")
+
+    return damage
+
+
+LINKED_OUT = {
+    "DeepSpeed optimizer rank file": (
+        DS,
+        _link_out(DS_RANK1),
+        r"global_step2: file name 'bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt' resolves "
+        r"to \S+/elsewhere/\S+, outside the checkpoint",
+    ),
+    "DeepSpeed model states file": (
+        DS,
+        _link_out("global_step2/mp_rank_00_model_states.pt"),
+        r"file name 'mp_rank_00_model_states\.pt' resolves to \S+/elsewhere/",
+    ),
+    "Megatron torch_dist .distcp": (
+        "megatron/gpt_tp2",
+        _link_out("__1_0.distcp"),
+        r"gpt_tp2/\.metadata: storage file: file name '__1_0\.distcp' resolves to "
+        r"\S+/elsewhere/__1_0\.distcp, outside the checkpoint",
+    ),
+    "Megatron torch_dist common.pt": (
+        "megatron/gpt_tp2",
+        _link_out("common.pt"),
+        r"gpt_tp2: file name 'common\.pt' resolves to \S+/elsewhere/common\.pt, outside",
+    ),
+    "Megatron legacy rank file": (
+        LEGACY,
+        _link_out("iter_0000007/mp_rank_01_001/model_optim_rng.pt"),
+        r"mp_rank_01_001: file name 'model_optim_rng\.pt' resolves to \S+/elsewhere/",
+    ),
+    "Megatron legacy rank directory": (
+        LEGACY,
+        _link_out("iter_0000007/mp_rank_01_000"),
+        r"iter_0000007: file name 'mp_rank_01_000' resolves to \S+/elsewhere/mp_rank_01_000, "
+        r"outside the checkpoint",
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(LINKED_OUT))
+def test_rank_files_linked_outside_are_refused(tmp_path, case):
+    """A rank file (or rank folder) of a real DeepSpeed / megatron-core checkpoint replaced by a
+    symlink to the same bytes moved elsewhere: refused naming it, nothing written. Before, each
+    was read through the link."""
+    rel, damage, message = LINKED_OUT[case]
+    src = _copy(tmp_path, rel)
+    damage(src, tmp_path)
+    dst = tmp_path / "out"
+    options = {"vocab_size": 61} if case.startswith("Megatron") else {}
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, dst, **options)
+    assert_destination_untouched(dst)
+
+
+@pytest.mark.timeout(120)
+def test_rank_files_linked_inside_their_folder_read_exactly(tmp_path):
+    """The same DeepSpeed rank file linked to a copy inside its tag folder imports exactly."""
+    want = _params(jax_ucp.convert(os.path.join(FIX, DS), tmp_path / "ref"))
+    src = _copy(tmp_path, DS)
+    rank1 = src / DS_RANK1
+    (rank1.parent / "store").mkdir()
+    shutil.move(rank1, rank1.parent / "store" / rank1.name)
+    rank1.symlink_to(f"store/{rank1.name}")
+    got = _params(jax_ucp.convert(src, tmp_path / "out"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_bit_exact(got[name], want[name], name)

@@ -130,6 +130,13 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     return real
 
 
+def in_own_folder(path: str | os.PathLike) -> str:
+    """:func:`inside` for a file found by its conventional name (a rank file, ``common.pt``):
+    ``path``, a link followed, stays in the folder holding it."""
+    folder, name = os.path.split(os.fspath(path))
+    return inside(folder or ".", name, folder or ".")
+
+
 def checkpoint_root(folder: str | os.PathLike) -> str:
     """The folder whose inside a checkpoint in ``folder`` may read: ``folder`` itself, or for a
     Hugging Face cache snapshot (``<repo>/snapshots/<rev>``, its files links to
