@@ -184,6 +184,7 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         )
     try:
         files.check_regular(str(path))
+        files.in_own_folder(path)
         size = os.stat(path).st_size
         if size > MAX_TRAIN_STATE_BYTES:
             raise MegatronBridgeError(

@@ -49,6 +49,7 @@ __all__ = [
     "DcpCheckpoint",
     "open_dcp",
     "check_coverage",
+    "check_disjoint",
     "path_standin",
     "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
@@ -197,6 +198,19 @@ class DcpCheckpoint:
     objects: dict[str, DcpObject]
     version: str | None = None
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def file_path(self, name: str) -> str:
+        """The real path of storage file ``name`` (symlinks resolved), refused unless it lies
+        inside the checkpoint folder: a ``.distcp`` linked to a file elsewhere is never read."""
+        real = self._real.get(name)
+        if real is None:
+            try:
+                real = files.inside(self.path, name, f"{self.path / '.metadata'}: storage file")
+            except files.UnsafeFileError as e:
+                raise DcpError(str(e)) from None
+            self._real[name] = real
+        return real
 
     def check_tensor(self, name: str) -> None:
         """:func:`check_coverage` of tensor ``name``, once per checkpoint."""
@@ -248,8 +262,8 @@ class DcpCheckpoint:
         with ``preadv`` straight into it and their zip CRC-32 is computed on them there, a few
         MiB at a time while they are in the CPU cache: one copy, one pass. Anything else goes
         through :meth:`read_chunk` (CRC on the mapped bytes, then a copy)."""
-        fpath = self.path / c.file
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {fpath}"
+        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+        fpath = Path(self.file_path(c.file))
         direct = region.flags.c_contiguous and region.shape == tuple(c.sizes) and region.size
         if direct and not c.transforms:
             raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
@@ -282,8 +296,8 @@ class DcpCheckpoint:
         region[...] = arr[tuple(slice(0, n) for n in region.shape)]
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        fpath = self.path / c.file
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {fpath}"
+        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+        fpath = Path(self.file_path(c.file))
         for tr in c.transforms:
             if tr not in SUPPORTED_TRANSFORMS:
                 raise DcpError(
@@ -326,8 +340,8 @@ class DcpCheckpoint:
     def read_object(self, name: str, extra_classes=None) -> Any:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
-        fpath = self.path / o.file
-        where = f"object {name!r} in {fpath}"
+        where = f"object {name!r} in {self.path / o.file}"
+        fpath = Path(self.file_path(o.file))
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
         try:
             return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
@@ -348,7 +362,7 @@ class DcpCheckpoint:
             ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
         ):
             if file not in sizes:
-                p = self.path / file
+                p = Path(self.file_path(file))
                 if os.path.lexists(p):
                     try:
                         files.check_regular(str(p))
@@ -753,4 +767,49 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
             objects[name] = DcpObject(name, rp, bo, bl)
         else:
             raise DcpError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
+    check_disjoint(tensors, objects, mfile)
     return DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
+
+
+def check_disjoint(
+    tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
+) -> None:
+    """No two storage entries of the checkpoint (chunks of any tensors, objects) share a byte of
+    a file: a tensor whose entry names another tensor's bytes would import with its values.
+    Sorted per file, O(n log n) in the entries."""
+    ranges = sorted(
+        itertools.chain(
+            (
+                (c.file, c.byte_offset, c.byte_offset + c.byte_length, t.name, list(c.offsets))
+                for t in tensors.values()
+                for c in t.chunks
+                if c.byte_length
+            ),
+            (
+                (o.file, o.byte_offset, o.byte_offset + o.byte_length, o.name, None)
+                for o in objects.values()
+                if o.byte_length
+            ),
+        ),
+        key=lambda e: (e[0], e[1], e[2]),
+    )
+    reach: tuple | None = None  # the entry reaching furthest so far in the current file
+    for entry in ranges:
+        file, start = entry[0], entry[1]
+        if reach is not None and reach[0] == file and start < reach[2]:
+            if reach[3] == entry[3] and entry[4] is not None and reach[4] is not None:
+                raise DcpError(  # the wording of check_coverage, which finds it too
+                    f"tensor {entry[3]!r} in {where}: two chunks share bytes [{start}, "
+                    f"{min(reach[2], start + 1)}...) of {file}; each chunk has its own bytes"
+                )
+            shown = [
+                f"{'object' if e[4] is None else 'tensor'} {e[3]!r}"
+                + ("" if e[4] is None else f" (chunk at offsets {e[4]})")
+                for e in (reach, entry)
+            ]
+            raise DcpError(
+                f"{where}: {shown[0]} and {shown[1]} share bytes [{start}, "
+                f"{min(reach[2], entry[2])}) of storage file {file}; each entry has its own bytes"
+            )
+        if reach is None or reach[0] != file or entry[2] > reach[2]:
+            reach = entry

@@ -84,17 +84,17 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
     if os.path.isfile(src):
         return [src], None
     names = set(os.listdir(src))
-    optimizer = next((os.path.join(src, n) for n in OPTIMIZER_FILES if n in names), None)
+    optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
     if INDEX_FILE in names:
         return _index_files(src), optimizer
     found = [n for n in MODEL_FILES if n in names]
     if len(found) > 1:
         raise TorchImportError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
-        return [os.path.join(src, found[0])], optimizer
+        return [_inside(src, found[0], src)], optimizer
     ckpt = _single_ckpt(src, names)
     if ckpt is not None:
-        return [os.path.join(src, ckpt)], None
+        return [_inside(src, ckpt, src)], None
     raise TorchImportError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
 
 
@@ -109,13 +109,25 @@ def _index_files(src: str) -> list[str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise TorchImportError(f"{index}: expected a 'weight_map' of tensor name -> file name")
-    names = sorted(set(weight_map.values()))
-    for name in names:
+    first: dict[str, str] = {}  # file name -> the first tensor naming it
+    for tensor, name in weight_map.items():
+        first.setdefault(name, tensor)
+    for name in sorted(first):
         if os.path.basename(name) != name or name in (".", ".."):
             raise TorchImportError(
                 f"{index}: weight_map names {name[:100]!r}; expected a file beside the index"
             )
-    return [os.path.join(src, n) for n in names]
+    return [_inside(src, n, f"{index}: weight_map entry {first[n][:100]!r}") for n in sorted(first)]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
+    inside its cache repo), never a link to a file elsewhere."""
+    try:
+        files.inside(files.checkpoint_root(src), name, what, folder=src)
+    except files.UnsafeFileError as e:
+        raise TorchImportError(str(e)) from None
+    return os.path.join(src, name)
 
 
 def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
