@@ -17,7 +17,7 @@ from test_trust_importers import TAG, _copy, _rewrite
 
 import jax_ucp
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers.torch_state import TorchImportError
+from jax_ucp.importers.torch.optimizer import TorchImportError
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -176,7 +176,7 @@ def _bridge(tmp_path):
 
 
 def _bridge_refused(src, tmp_path, match: str) -> str:
-    from jax_ucp.importers.megatron_bridge import MegatronBridgeError
+    from jax_ucp.importers.megatron.bridge import MegatronBridgeError
 
     with pytest.raises(MegatronBridgeError, match=match) as err:
         jax_ucp.convert(str(src), str(tmp_path / "ucp"))

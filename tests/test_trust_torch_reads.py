@@ -19,7 +19,7 @@ import pytest
 from test_torch_pickle import D, prog, tensor
 from ucp_testing import REPO
 
-from jax_ucp.importers.torch_pickle import MAX_INFLATED_TOTAL, TorchFileError, load_torch_file
+from jax_ucp.importers.torch.unpickler import MAX_INFLATED_TOTAL, TorchFileError, load_torch_file
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -168,7 +168,7 @@ def test_deflated_members_within_the_total_read_exactly(tmp_path):
 def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
     """verify_crc inflates an unreferenced deflated member only to check it: 2 x 255 MiB pass
     the check without counting against the archive's total (nothing is kept)."""
-    from jax_ucp.importers.torch_pickle import TorchArchive
+    from jax_ucp.importers.torch.unpickler import TorchArchive
 
     src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
     arch = TorchArchive(src)
@@ -188,7 +188,8 @@ import json, os, sys
 import numpy as np
 import jax_ucp
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers import dcp_reader, torch_pickle
+from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.torch import unpickler as torch_pickle
 
 kind, src, dst = sys.argv[1:]
 shrunk = []
