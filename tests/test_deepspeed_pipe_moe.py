@@ -157,31 +157,107 @@ def test_moe_zero2_imports_experts_by_global_index(tmp_path, run):
 
 
 @pytest.mark.timeout(120)
-def test_moe_zero0_refused_then_every_weight_with_weights_only(tmp_path):
-    """ZeRO-0 MoE: the optimizer state (torch state_dicts keyed by index) is refused naming its
-    files; ``weights_only`` imports all 27 weights, the 16 expert tensors included (before:
-    11 of 27, exit 0), and lists every optimizer tensor of every file as skipped."""
+def test_moe_zero0_imports_every_weight_and_the_moments(tmp_path):
+    """ZeRO-0 MoE (before: refused, and with weights_only 11 of 27 weights, exit 0): all 27
+    weights, the 16 expert tensors included, and Adam's moments from the expert-parallel ranks'
+    torch optimizer state (by index, mapped as DeepSpeed's MoE param groups order them),
+    bit-exact vs the live state; the dense replicas on rank 1 are checked and skipped."""
     run = "moe_ep2_z0_fp32"
     src = os.path.join(FIXTURES, run, "ckpt")
-    with pytest.raises(
-        DeepSpeedImportError,
-        match=r"MoE checkpoint at ZeRO stage 0 \(optimizer state in "
-        r"\['expp_rank_0_mp_rank_00_optim_states\.pt', 'expp_rank_1_mp_rank_00_optim_states\.pt'\]"
-        r".*weights_only=True",
-    ):
-        jax_ucp.convert(src, str(tmp_path / "refused"))
-    assert_destination_untouched(str(tmp_path / "refused"))
     dest = str(tmp_path / "u")
-    jax_ucp.convert(src, dest, weights_only=True)
+    jax_ucp.convert(src, dest)
     tree = jax_ucp.restore(dest)
-    assert sorted(tree) == ["params"]
-    assert check_against_live(tree, os.path.join(FIXTURES, run, "live.npz"), weights_only=True)
-    assert len(tree["params"]) == 27
+    assert check_against_live(tree, os.path.join(FIXTURES, run, "live.npz")) == 4 * 27
     assert len([n for n in tree["params"] if "deepspeed_experts" in n]) == 16
-    skipped = jax_ucp.inspect(dest).source["skipped"]
+    manifest = jax_ucp.inspect(dest)
+    skipped = manifest.source["skipped"]
+    assert skipped["expp_rank_1_mp_rank_00_optim_states.pt:optimizer.state.0.exp_avg"] == (
+        "replica of expp_rank_0_mp_rank_00_optim_states.pt:optimizer.state.0 (bit-identical)"
+    )
+    entry = {tuple(e.key): e for e in manifest.tensors}[
+        ("opt_state", "nu", EXPERT.format(layer=1, expert=1, key="fc2.bias"))
+    ]
+    assert entry.provenance["tensors"] == [
+        "expp_rank_1_mp_rank_00_optim_states.pt:optimizer.state.18.exp_avg_sq"
+    ]
+    # weights_only: the weights alone, every optimizer tensor listed as skipped
+    jax_ucp.convert(src, str(tmp_path / "w"), weights_only=True)
+    weights = jax_ucp.restore(str(tmp_path / "w"))
+    assert sorted(weights) == ["params"]
+    check_against_live(weights, os.path.join(FIXTURES, run, "live.npz"), weights_only=True)
+    skipped = jax_ucp.inspect(str(tmp_path / "w")).source["skipped"]
     for rank in (0, 1):
         key = f"expp_rank_{rank}_mp_rank_00_optim_states.pt:optimizer.state.11.exp_avg"
         assert skipped[key].startswith("weights_only: ZeRO-0 optimizer state")
+
+
+def _altered_optimizer(monkeypatch, file: str, alter) -> None:
+    """``load_deepspeed_file`` as the importer sees it, with ``alter(optimizer)`` applied to the
+    torch optimizer state of ``file`` (a hostile or differently built checkpoint)."""
+    from jax_ucp.importers import deepspeed_files
+
+    load = deepspeed_files.load_deepspeed_file
+
+    def altered(path):
+        state = load(path)
+        if os.path.basename(path) == file:
+            alter(state["optimizer"])
+        return state
+
+    monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", altered)
+
+
+@pytest.mark.timeout(120)
+def test_moe_zero0_moments_whose_order_is_unknown_are_refused(tmp_path, monkeypatch):
+    """The index -> name mapping is refused rather than guessed: a moment whose shape is not
+    its parameter's (another parameter order), or other param groups than DeepSpeed's MoE split
+    (weight-decay groups), name the file; nothing is written."""
+    src = os.path.join(FIXTURES, "moe_ep2_z0_fp32", "ckpt")
+    file = "expp_rank_1_mp_rank_00_optim_states.pt"
+
+    def swap(optimizer):  # h.0.ln.weight (8,) <-> h.0.moe...gate.wg.weight (2, 8)
+        state = optimizer["state"]
+        state[1], state[3] = state[3], state[1]
+
+    _altered_optimizer(monkeypatch, file, swap)
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=rf"{file}:optimizer\.state\.1\.exp_avg: shape \(2, 8\) but parameter "
+        r"'h\.0\.ln\.weight' \(at this index\) has shape \(8,\)",
+    ):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
+
+    def decay_groups(optimizer):
+        dense = optimizer["param_groups"][0]
+        optimizer["param_groups"].insert(1, dict(dense, params=dense["params"][5:]))
+        dense["params"] = dense["params"][:5]
+
+    _altered_optimizer(monkeypatch, file, decay_groups)
+    with pytest.raises(DeepSpeedImportError, match=rf"{file}: 2 dense and 1 expert param groups"):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
+
+
+@pytest.mark.timeout(120)
+def test_moe_zero0_replicas_that_disagree_are_refused(tmp_path, monkeypatch):
+    """The dense parameters' Adam state is a data-parallel replica on every expert-parallel
+    rank: a rank holding another value is files from different saves."""
+    src = os.path.join(FIXTURES, "moe_ep2_z0_fp32", "ckpt")
+    file = "expp_rank_1_mp_rank_00_optim_states.pt"
+
+    def stale(optimizer):
+        entry = optimizer["state"][0]
+        entry["exp_avg"] = entry["exp_avg"] * 2
+
+    _altered_optimizer(monkeypatch, file, stale)
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=rf"{file}:optimizer\.state\.0\.exp_avg: 'wte\.weight' differs from the same "
+        r"parameter's state on another rank",
+    ):
+        jax_ucp.convert(src, str(tmp_path / "out"))
+    assert_destination_untouched(str(tmp_path / "out"))
 
 
 @pytest.mark.timeout(120)
@@ -264,12 +340,11 @@ def test_a_fresh_deepspeed_run_imports_bit_exact(tmp_path, run):
     subprocess.run(
         cmd + make.PIPE_MOE[run], env=make.env(), check=True, capture_output=True, timeout=1500
     )
-    weights_only = "z0" in run
     dest = str(tmp_path / "u")
-    jax_ucp.convert(str(work / "ckpt"), dest, weights_only=weights_only)
+    jax_ucp.convert(str(work / "ckpt"), dest)
     tree = jax_ucp.restore(dest)
     live = {}
     for rank in (0, 1):
         live.update(np.load(work / f"live_rank{rank}.npz"))
     np.savez(tmp_path / "live.npz", **live)
-    assert check_against_live(tree, str(tmp_path / "live.npz"), weights_only=weights_only)
+    assert check_against_live(tree, str(tmp_path / "live.npz"))

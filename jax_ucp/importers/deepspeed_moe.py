@@ -15,7 +15,8 @@ rank ``r % E`` and expert-data-parallel rank ``r // E``):
   ``ep_size_E``) over the W/E expert-data-parallel ranks of each expert-parallel rank, keyed by
   local expert names;
 * ZeRO-0: ``expp_rank_P_mp_rank_00_optim_states.pt``: expert-parallel rank P's torch
-  ``optimizer.state_dict()`` (keyed by parameter index), and rank 0's inside the model states.
+  ``optimizer.state_dict()`` (keyed by parameter index), and rank 0's inside the model states
+  (index -> name: :func:`zero0_index_names`).
 
 Output: every expert parameter under its global name (as the expert files name it), e.g.
 ``params/h.0.moe.deepspeed_moe.experts.deepspeed_experts.1.fc1.weight``; the dense parameters
@@ -39,6 +40,7 @@ from jax_ucp.importers.plan import (
     WHOLE,
     ImportPlan,
     Share,
+    agreed_step,
     host_item,
     skip,
     tensor_names,
@@ -390,46 +392,32 @@ def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
 
 
 def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
-    """ZeRO-0 MoE: the dense weights from ``module``, every expert's from its expert file. The
-    optimizer state (``expp_rank_*`` and the model states' ``optimizer``) is a torch
-    ``optimizer.state_dict()`` keyed by parameter index, not imported (refused without
-    ``weights_only``, as for ZeRO-0 without experts)."""
+    """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
+    ``module`` and the expert files; Adam's moments and step from the torch
+    ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
+    index to name as :func:`zero0_index_names` says."""
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = deepspeed_files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
     optimizer_files = _expert_optimizer_files(tag_dir, model_states, model_file)
-    if not weights_only:
-        raise DeepSpeedImportError(
-            f"{model_file}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (optimizer state in "
-            f"{[os.path.basename(f) for f in optimizer_files]} and this file, keyed by parameter "
-            "index). Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages "
-            "1 and 2 for MoE). To import every weight, experts included: convert(..., "
-            "weights_only=True) / jax-ucp convert --weights-only"
-        )
     module = model_states.get("module")
     if not isinstance(module, Mapping) or not module:
         raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
     file = os.path.basename(model_file)
+    buffers = set(model_states.get("buffer_names") or [])
     weights = {
-        str(n): (v, f"{file}:module.{n}") for n, v in module.items() if isinstance(v, np.ndarray)
+        str(n): (v, f"{file}:module.{n}")
+        for n, v in module.items()
+        if isinstance(v, np.ndarray) and n not in buffers
     }
     clash = sorted(set(weights) & set(experts.weights))
     if clash:
         raise DeepSpeedImportError(
             f"{model_file}: expert parameters {clash[:5]} are also in module (expected apart)"
         )
+    dense = list(weights)
     weights.update(experts.weights)
     names = share.pick(weights)
-
-    def items():
-        for name in names:
-            value, tensor = weights[name]
-            yield host_item(
-                ("params", name),
-                value,
-                {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
-            )
-
     source = {
         "framework": "deepspeed",
         "path": os.path.abspath(tag_dir),
@@ -442,19 +430,195 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     source.update(_moe_source(experts, [len(optimizer_files)]))
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     found += [tensor for _, tensor in experts.weights.values()]
-    optimizer_tensors = [n for n in found if n.startswith(f"{file}:optimizer.")]
-    for path in optimizer_files:
-        state = deepspeed_files.load_deepspeed_file(path)
-        optimizer_tensors += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
-    found += [n for n in optimizer_tensors if n not in found]
+    states = {path: deepspeed_files.load_deepspeed_file(path) for path in optimizer_files}
+    for path, state in states.items():
+        found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
+    optimizer_tensors = [n for n in found if ":optimizer." in n]
+    moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
+    step = None
+    if weights_only:
+        skip(
+            source,
+            optimizer_tensors,
+            "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
+        )
+    else:
+        moments, step = zero0_moments(
+            model_states, model_file, states, dense, experts, weights, source
+        )
+    imported = {tensor for _, tensor in weights.values()}
+    imported |= {t for *_, tensors in moments.values() for t in tensors}
+    imported |= set(step[1]) if step is not None else set()
+    skipped = set(source.get("skipped") or {})
+    skip(source, sorted(set(found) - imported - skipped), "not a module weight")
+
+    def items():
+        for name in names:
+            value, tensor = weights[name]
+            yield host_item(
+                ("params", name),
+                value,
+                {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
+            )
+            if name not in moments:
+                continue
+            mu, nu, tensors = moments[name]
+            provenance = {
+                "files": sorted({t.split(":", 1)[0] for t in tensors}),
+                "pattern": "zero0-optimizer-index",
+            }
+            for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
+                yield host_item(
+                    ("opt_state", tree, name),
+                    value,
+                    dict(provenance, tensors=[t for t in tensors if t.endswith("." + state)]),
+                )
+        if step is not None and share.primary:
+            value, tensors = step
+            yield host_item(
+                ("opt_state", "count"),
+                np.asarray(value, np.int32),
+                {
+                    "files": sorted({t.split(":", 1)[0] for t in tensors}),
+                    "pattern": "step",
+                    "tensors": tensors,
+                },
+            )
+
+    return ImportPlan(items(), source, len(names), source_tensors=found)
+
+
+def zero0_index_names(
+    groups: list, dense: list[str], experts: Experts, ep_rank: int, ep_size: int, where: str
+) -> dict[int, str]:
+    """Parameter index -> name of one expert-parallel rank's ZeRO-0 torch optimizer.
+
+    ZeRO-0 hands the torch optimizer the parameter groups of the training script, and its
+    ``state_dict()`` keys the state by position; DeepSpeed's own resume loads it back by
+    position. DeepSpeed MoE requires the groups of ``split_params_into_different_moe_groups_
+    for_optimizer``, which keeps the module order within each group: one dense group (the
+    module's parameters without the experts) and one expert group ``ep_size_E`` (this rank's
+    experts, MoE layer by layer, local expert by local expert, each in its expert file's key
+    order). Anything else (several dense groups, e.g. weight-decay groups, or other sizes) is
+    refused: which parameter sits at which position would be a guess. The caller checks every
+    moment's shape against its parameter."""
+    dense_groups = [g for g in groups if isinstance(g, Mapping) and not g.get("moe")]
+    expert_groups = [g for g in groups if isinstance(g, Mapping) and g.get("moe")]
+    if len(groups) != 2 or len(dense_groups) != 1 or len(expert_groups) != 1:
+        raise DeepSpeedImportError(
+            f"{where}: {len(dense_groups)} dense and {len(expert_groups)} expert param groups; "
+            "the index -> parameter mapping of ZeRO-0 optimizer state is known for one dense "
+            "group and one expert group (split_params_into_different_moe_groups_for_optimizer "
+            "of model.parameters()); import the weights with weights_only=True"
+        )
+    local: list[str] = []
+    for layer in sorted(experts.files):
+        count = experts.count[layer] // ep_size
+        for expert in range(ep_rank * count, (ep_rank + 1) * count):
+            prefix = f"layer_{layer}_expert_{expert}_"
+            local += [
+                name for name, (_, tensor) in experts.weights.items() if tensor.startswith(prefix)
+            ]
+    out: dict[int, str] = {}
+    for group, names in ((dense_groups[0], dense), (expert_groups[0], local)):
+        params = group.get("params")
+        if not isinstance(params, (list, tuple)) or len(params) != len(names):
+            raise DeepSpeedImportError(
+                f"{where}: param group {group.get('name')!r} holds "
+                f"{len(params) if isinstance(params, (list, tuple)) else params!r} parameters, "
+                f"the checkpoint's {'expert' if group.get('moe') else 'dense'} parameters of "
+                f"expert-parallel rank {ep_rank} are {len(names)}; import the weights with "
+                "weights_only=True"
+            )
+        for index, name in zip(params, names):
+            if not isinstance(index, int) or isinstance(index, bool) or index in out:
+                raise DeepSpeedImportError(f"{where}: bad or repeated parameter index {index!r}")
+            out[index] = name
+    return out
+
+
+def zero0_moments(model_states, model_file, states, dense, experts, weights, source):
+    """``{name: (exp_avg, exp_avg_sq, source tensors)}`` and ``(step, tensors)`` of a ZeRO-0 MoE
+    run: each expert's from its expert-parallel rank's file, the dense ones from rank 0's, which
+    every other rank (and the model states' ``optimizer``, rank 0's own copy) must hold bit for
+    bit (data-parallel replicas; their copies are listed in ``source.skipped``)."""
+    if any(np.asarray(weights[n][0]).dtype != np.float32 for n in weights):
+        raise DeepSpeedImportError(
+            f"{model_file}: ZeRO-0 optimizer state is imported for fp32 runs (the weights are "
+            "then the trained values); import the weights with weights_only=True"
+        )
+    ep_size = len(states)
+    moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
+    steps: dict[float, str] = {}
+    step_tensors: list[str] = []
+    copies = [(model_file, model_states, 0)] + [
+        (path, state, rank) for rank, (path, state) in enumerate(states.items())
+    ]
+    for path, state, ep_rank in copies:
+        file = os.path.basename(path)
+        optimizer = require(state, "optimizer", path)
+        groups = require(optimizer, "param_groups", f"{path} optimizer")
+        inner = require(optimizer, "state", f"{path} optimizer")
+        by_index = zero0_index_names(list(groups), dense, experts, ep_rank, ep_size, path)
+        if set(inner) != set(by_index):
+            raise DeepSpeedImportError(
+                f"{path}: optimizer state for parameter indices {sorted(inner)[:8]}..., the param "
+                f"groups list {sorted(by_index)[:8]}...; every parameter needs its Adam state"
+            )
+        for index, name in by_index.items():
+            entry = inner[index]
+            where = f"{file}:optimizer.state.{index}"
+            pair = []
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = require(entry, key, where)
+                shape = np.asarray(weights[name][0]).shape
+                if not isinstance(value, np.ndarray) or value.shape != shape:
+                    raise DeepSpeedImportError(
+                        f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
+                        f"{name!r} (at this index) has shape {shape}: the parameter order is not "
+                        "the module's; import the weights with weights_only=True"
+                    )
+                pair.append(value)
+            if "step" in entry:
+                steps.setdefault(float(np.asarray(entry["step"])), f"in {where}")
+                if isinstance(entry["step"], np.ndarray):
+                    step_tensors.append(f"{where}.step")
+            tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
+            held = moments.get(name)
+            if held is None:
+                if path == model_file:  # rank 0's own copy: checked against expp_rank_0 below
+                    moments[name] = (pair[0], pair[1], [])
+                    continue
+                moments[name] = (pair[0], pair[1], tensors)
+                continue
+            for stored, value, tensor in zip(held[:2], pair, tensors):
+                if stored.tobytes() != value.tobytes():
+                    raise DeepSpeedImportError(
+                        f"{tensor}: {name!r} differs from the same parameter's state on another "
+                        "rank (data-parallel replicas hold the same Adam state): files from "
+                        "different saves"
+                    )
+            if not held[2]:
+                moments[name] = (held[0], held[1], tensors)
+            else:
+                skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
+    model_copy = os.path.basename(model_file)
     skip(
         source,
-        optimizer_tensors,
-        "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
+        [
+            f"{model_copy}:optimizer.state.{i}.{k}"
+            for i in require(model_states["optimizer"], "state", model_file)
+            for k in ("exp_avg", "exp_avg_sq")
+        ],
+        "rank 0's optimizer state, the same as expp_rank_0's (checked bit-identical)",
     )
-    imported = {tensor for _, tensor in weights.values()}
-    skip(source, sorted(set(found) - imported - set(optimizer_tensors)), "not a module weight")
-    return ImportPlan(items(), source, len(names), source_tensors=found)
+    count = agreed_step(
+        steps,
+        os.path.dirname(model_file),
+        recorded_by="ranks or parameters",
+        error=DeepSpeedImportError,
+    )
+    return moments, (count, step_tensors)
 
 
 def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
