@@ -348,3 +348,19 @@ def test_a_fresh_deepspeed_run_imports_bit_exact(tmp_path, run):
         live.update(np.load(work / f"live_rank{rank}.npz"))
     np.savez(tmp_path / "live.npz", **live)
     assert check_against_live(tree, str(tmp_path / "live.npz"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("run", ["moe_ep2_z0_fp32", "z0_fp32_dp2", "pipe_pp2_z1_bf16"])
+def test_the_tag_folder_itself_is_a_source(tmp_path, run):
+    """``global_step2/`` handed over directly (no ``latest`` beside it): a ZeRO-0 folder holds no
+    ZeRO optimizer file, and was refused as "no DeepSpeed checkpoint here"."""
+    tag = os.path.join(FIXTURES, run, "ckpt", "global_step2")
+    dest = str(tmp_path / "u")
+    jax_ucp.convert(tag, dest, weights_only=run == "z0_fp32_dp2")
+    whole = str(tmp_path / "whole")
+    jax_ucp.convert(os.path.dirname(tag), whole, weights_only=run == "z0_fp32_dp2")
+    got, want = jax_ucp.restore(dest), jax_ucp.restore(whole)
+    assert sorted(got["params"]) == sorted(want["params"])
+    for name, value in want["params"].items():
+        assert same_bits(got["params"][name], value), name

@@ -51,9 +51,7 @@ def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
         return True
     if os.path.isdir(path) and deepspeed_universal.is_universal_tag_dir(path):
         return True
-    return os.path.isdir(path) and any(
-        deepspeed_files.OPTIMIZER_FILE.match(f) for f in os.listdir(path)
-    )
+    return os.path.isdir(path) and deepspeed_files.is_tag_dir(path)
 
 
 def open_deepspeed_checkpoint(

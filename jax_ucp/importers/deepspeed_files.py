@@ -118,8 +118,8 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def resolve_tag_dir(src: str, tag: str | None) -> str:
-    """The tag folder to read: ``tag``, ``src`` itself when it holds ZeRO files, or ``latest``
-    (which may only name a folder inside ``src``)."""
+    """The tag folder to read: ``tag``, ``src`` itself when it is one (:func:`is_tag_dir`), or
+    ``latest`` (which may only name a folder inside ``src``)."""
     if not os.path.isdir(src):
         raise DeepSpeedImportError(f"{src}: not a directory")
     if tag is not None:
@@ -127,7 +127,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         if not os.path.isdir(tag_dir):
             raise DeepSpeedImportError(f"{tag_dir}: tag folder {tag!r} not found")
         return tag_dir
-    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(src)):
+    if is_tag_dir(src):
         return src
     latest = os.path.join(src, "latest")
     if os.path.lexists(latest):
@@ -192,6 +192,17 @@ def trainer_checkpoints(src: str) -> list[str]:
         if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
     ]
     return sorted(found, key=lambda n: int(n.split("-")[1]))
+
+
+def is_tag_dir(path: str) -> bool:
+    """A checkpoint tag folder itself: ZeRO optimizer files, or (ZeRO-0, MoE) model states or
+    expert files and no ``latest`` (a run folder holding both is read through ``latest``)."""
+    names = os.listdir(path)
+    if any(OPTIMIZER_FILE.match(f) for f in names):
+        return True
+    return "latest" not in names and any(
+        pattern.match(f) for f in names for pattern in (MP_MODEL_FILE, EXPERT_FILE)
+    )
 
 
 def is_moe(tag_dir: str) -> bool:

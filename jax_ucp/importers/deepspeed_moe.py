@@ -218,6 +218,11 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
     by_rank, _ = deepspeed_files.optimizer_files_by_rank(tag_dir)
+    if not by_rank:
+        raise DeepSpeedImportError(
+            f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
+            "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
+        )
     if set(by_rank) != {0}:
         raise DeepSpeedImportError(
             f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
