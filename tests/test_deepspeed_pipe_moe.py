@@ -24,7 +24,7 @@ import jax_ucp
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
-PIPE = ["pipe_pp2_z1_fp32", "pipe_pp2_z1_bf16"]
+PIPE = ["pipe_pp2_z1_fp32", "pipe_pp2_z1_bf16", "pipe_pp2_dp2_z1_bf16"]
 MOE_ZERO = ["moe_ep2_z2_fp32", "moe_ep2_z2_bf16", "moe_ep2_z1_bf16"]
 EXPERT = "h.{layer}.moe.deepspeed_moe.experts.deepspeed_experts.{expert}.{key}"
 
@@ -63,20 +63,21 @@ def check_against_live(tree: dict, live_path: str, *, weights_only: bool = False
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("run", PIPE)
 def test_pipeline_imports_by_auto_detection_bit_exact(tmp_path, run):
-    """2 pipeline stages (ZeRO-1, fp32 and bf16), no universal_checkpoint_info: detected and
-    imported without a spec; masters, moments, step and the bf16 layer-file weights equal the
-    run's live state."""
+    """2 pipeline stages (ZeRO-1, fp32 and bf16; bf16 also over 2 data-parallel ranks), no
+    universal_checkpoint_info: detected and imported without a spec; masters, moments, step and
+    the bf16 layer-file weights equal the run's live state."""
     dest = str(tmp_path / "u")
     jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), dest)
     tree = jax_ucp.restore(dest)
     assert check_against_live(tree, os.path.join(FIXTURES, run, "live.npz")) == 4 * 17
     assert ("model_params" in tree) == run.endswith("bf16")
     source = jax_ucp.inspect(dest).source
+    dp = 2 if "_dp2_" in run else 1
     assert (source["layout"], source["pp"], source["tp"], source["dp_world_size"]) == (
         "pipeline",
         2,
         1,
-        1,
+        dp,
     )
     assert source["ds_version"] == "0.19.8"
     # stage 0 holds layers 0-1, stage 1 layers 2-3, each under the engine's names
@@ -84,7 +85,7 @@ def test_pipeline_imports_by_auto_detection_bit_exact(tmp_path, run):
     layer_files = sorted(
         f for f in os.listdir(os.path.join(FIXTURES, run, "ckpt", "global_step2")) if "layer" in f
     )
-    suffix = "-model_00-model_states.pt" if run.endswith("bf16") else "-model_states.pt"
+    suffix = "-model_00-model_states.pt" if run == "pipe_pp2_z1_bf16" else "-model_states.pt"
     assert layer_files == [f"layer_0{i}{suffix}" for i in range(4)]
 
 
@@ -335,7 +336,8 @@ def test_a_fresh_deepspeed_run_imports_bit_exact(tmp_path, run):
     import make_deepspeed_fixtures as make
 
     work = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    processes = make.PIPE_MOE_PROCESSES.get(run, 2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
     cmd += ["--master_port", "29797", make.PIPE_MOE_TRAIN, "--out", str(work)]
     subprocess.run(
         cmd + make.PIPE_MOE[run], env=make.env(), check=True, capture_output=True, timeout=1500
@@ -344,7 +346,7 @@ def test_a_fresh_deepspeed_run_imports_bit_exact(tmp_path, run):
     jax_ucp.convert(str(work / "ckpt"), dest)
     tree = jax_ucp.restore(dest)
     live = {}
-    for rank in (0, 1):
+    for rank in range(processes):
         live.update(np.load(work / f"live_rank{rank}.npz"))
     np.savez(tmp_path / "live.npz", **live)
     assert check_against_live(tree, str(tmp_path / "live.npz"))
