@@ -21,11 +21,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files, safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
 from jax_ucp.importers.torch import hf_trainer
@@ -102,20 +104,20 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
     if os.path.isfile(src):
         return [src], None
     names = set(os.listdir(src))
-    optimizer = next((os.path.join(src, n) for n in OPTIMIZER_FILES if n in names), None)
+    optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
     if INDEX_FILE in names:
         return _index_files(src), optimizer
     found = [n for n in MODEL_FILES if n in names]
     if len(found) > 1:
         raise TorchImportError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
-        return [os.path.join(src, found[0])], optimizer
+        return [_inside(src, found[0], src)], optimizer
     if optimizer is not None and safetensors.is_safetensors(src):
         # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
         return safetensors.shard_files(src), optimizer
     ckpt = _single_ckpt(src, names)
     if ckpt is not None:
-        return [os.path.join(src, ckpt)], None
+        return [_inside(src, ckpt, src)], None
     raise TorchImportError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
 
 
@@ -130,13 +132,25 @@ def _index_files(src: str) -> list[str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise TorchImportError(f"{index}: expected a 'weight_map' of tensor name -> file name")
-    names = sorted(set(weight_map.values()))
-    for name in names:
+    first: dict[str, str] = {}  # file name -> the first tensor naming it
+    for tensor, name in weight_map.items():
+        first.setdefault(name, tensor)
+    for name in sorted(first):
         if os.path.basename(name) != name or name in (".", ".."):
             raise TorchImportError(
                 f"{index}: weight_map names {name[:100]!r}; expected a file beside the index"
             )
-    return [os.path.join(src, n) for n in names]
+    return [_inside(src, n, f"{index}: weight_map entry {first[n][:100]!r}") for n in sorted(first)]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
+    inside its cache repo), never a link to a file elsewhere."""
+    try:
+        files.inside(files.checkpoint_root(src), name, what, folder=src)
+    except files.UnsafeFileError as e:
+        raise TorchImportError(str(e)) from None
+    return os.path.join(src, name)
 
 
 def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
@@ -212,10 +226,13 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
+            notes: list[str] = []
             order = _Order(src, parameter_order, model_files[0].endswith(".safetensors"))
             states, groups, info["optimizer_keys"] = _optimizer(
-                optimizer, path, prefix, clean, model, skipped, order, info
+                optimizer, path, prefix, clean, model, skipped, notes, order, info
             )
+            if notes:
+                info["notes"] = notes
     if os.path.isdir(src) and os.path.basename(model_files[0]).endswith(".safetensors"):
         for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states (tensors): units
             if name.startswith("rng_state") and name.endswith(".pth"):
@@ -351,10 +368,12 @@ def _optimizer(
     clean: dict[str, str],
     model: dict,
     skipped: dict,
+    notes: list[str],
     order: _Order,
     info: dict,
 ) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
-    """Per-parameter state keyed by clean parameter name, the groups, and how keys were read."""
+    """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
+    an assumption the mapping rests on is appended to ``notes`` (and warned)."""
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
@@ -368,12 +387,15 @@ def _optimizer(
         to_name = {k: clean_name(k)[0] for k in {*state, *ids}}
     elif _named_groups(groups):  # torch >= 2.5 with named parameters: param_names beside params
         keys = "param_names"
+        _check_unique_names(groups, path)
         to_name = {
             i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
         }
         _check_named(to_name, state, clean, model, path)
     else:
         keys, to_name = _index_names(ids, groups, state, clean, model, path, order, info)
+        if keys == "indices":
+            _say_order_assumed(to_name, state, clean, model, path, notes)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -517,6 +539,24 @@ def _named_groups(groups: list) -> bool:
     )
 
 
+def _check_unique_names(groups: list, path: str) -> None:
+    """No parameter named twice across the groups' ``param_names`` (wrapper prefixes removed):
+    two indices would map to one parameter and one of their states would be lost."""
+    first: dict[str, tuple[int, str]] = {}  # clean name -> (group, name as written)
+    for group, g in enumerate(groups):
+        for index, name in zip(g["params"], g["param_names"]):
+            clean = clean_name(name)[0]
+            if clean in first:
+                other, written = first[clean]
+                raise TorchImportError(
+                    f"{path}: param_names names parameter {clean[:200]!r} twice: as "
+                    f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
+                    f"{torch_pickle.short_repr(index, 40)}) in group {group}; a parameter is "
+                    f"optimized once, so which of the two states is its own cannot be told"
+                )
+            first[clean] = (group, name)
+
+
 def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str) -> None:
     """Each named index is a model tensor of the state's shape."""
     for key, per in state.items():
@@ -533,6 +573,36 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
                     f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
                     f"{list(v.shape)}, the parameter {list(shape)}"
                 )
+
+
+def _say_order_assumed(
+    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, notes: list[str]
+) -> None:
+    """Index ``i`` -> ``i``-th parameter is torch's numbering when the optimizer was built from
+    ``model.parameters()``, but nothing in the file can confirm it: when two parameters with
+    state share a shape, states built in another order would land on the wrong one unseen.
+    Say so once (a warning) and in the manifest (``source.notes``)."""
+    by_shape: dict[tuple, list[str]] = {}
+    for key in state:
+        name = to_name.get(key)
+        if name is not None:
+            by_shape.setdefault(tuple(model[clean[name]][0].shape), []).append(name)
+    shared = {shape: names for shape, names in by_shape.items() if len(names) > 1}
+    if not shared:
+        return
+    count = sum(len(names) for names in shared.values())
+    shape, names = max(shared.items(), key=lambda item: len(item[1]))
+    example = ", ".join(repr(n[:100]) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    note = (
+        f"{os.path.basename(path)}: optimizer state keyed by index was mapped by order (index i "
+        f"-> the i-th distinct floating tensor of the model state dict, torch's numbering of "
+        f"model.parameters()); {count} parameters share a shape with another ({example} are "
+        f"all {list(shape)}), so states of an optimizer built in another order would not be "
+        f"told apart. To confirm the mapping, save the optimizer with param_names (torch >= 2.5: "
+        f"build it from model.named_parameters()) or keyed by name (get_optimizer_state_dict)"
+    )
+    notes.append(note)
+    warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
 
 
 def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: str) -> dict:
