@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +106,13 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args") or {}
     kind = args.get("lr_scheduler_type")
+    if "training_args_unread" in trainer:
+        note = (
+            f"the Trainer's training_args.bin was not read ({trainer['training_args_unread']}): "
+            f"no schedule and no clipping are known"
+        )
+        notes.append(note)
+        warnings.warn(f"{where}: {note}", UserWarning, stacklevel=3)
     if kind is None:
         notes.append(f"learning rate {lr}: the optimizer's for the next step; no schedule recorded")
         return lambda count: lr

@@ -230,3 +230,27 @@ def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
     assert_matches_run(jax_ucp.restore(out), want)
     weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w", weights_only=True))
     assert sorted(weights["params"]) == sorted(order)
+
+
+class _Pwn:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+@pytest.mark.torch
+def test_a_hostile_training_args_bin_is_neither_run_nor_read(tmp_path, monkeypatch):
+    """training_args.bin pickling a call of os.system: the import goes on (the schedule is
+    optional), nothing runs, and source.trainer says why the arguments were not read."""
+    import torch  # noqa: PLC0415
+
+    src = _copy(trainer_src("trainer_fp32"), tmp_path / "hostile")
+    torch.save({"args": _Pwn()}, os.path.join(src, "training_args.bin"))
+    monkeypatch.chdir(tmp_path)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert not (tmp_path / "PWNED").exists()
+    trainer = jax_ucp.inspect(out).source["trainer"]
+    assert "training_args" not in trainer
+    assert (
+        "os.system" in trainer["training_args_unread"]
+        or "posix.system" in (trainer["training_args_unread"])
+    )
