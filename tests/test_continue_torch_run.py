@@ -70,7 +70,7 @@ def _check(src: str, truth_path: str, tmp_path, per_token: bool = False, **conve
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["trainer_fp32", "trainer_fp32_tf4"])
+@pytest.mark.parametrize("kind", ["trainer_fp32", "trainer_fp32_tf4", "trainer_tied"])
 def test_trainer_run_continues_in_jax_with_torchs_losses(tmp_path, monkeypatch, kind):
     """The committed Trainer fixtures of transformers 5.23 and 4.46 (torch-free: the Trainer's
     order given as parameter_order, decay group then norms) continue with torch's recorded
