@@ -51,9 +51,15 @@ def plan_torchtune(
     spec: Any = None,
     weights_only: bool = False,
     share: Share = WHOLE,
+    parameter_order: Any = None,
 ) -> ImportPlan:
     """The latest epoch's weights; the recipe's optimizer state refused unless weights_only."""
     src = os.fspath(src)
+    if parameter_order is not None:
+        raise TorchImportError(
+            f"{src}: parameter_order does not apply to a torchtune folder (its optimizer state "
+            f"is not imported yet)"
+        )
     epochs = epoch_folders(src)
     if not epochs:
         raise TorchImportError(f"{src}: no torchtune epoch_N/ folder holding safetensors")
