@@ -42,3 +42,9 @@ class SetupError(UCPError, RuntimeError):
 class ExportError(UCPError, ValueError):
     """A universal checkpoint cannot be exported in the asked format (a dtype the target format
     cannot hold, a name it cannot carry, a destination inside the source, ...)."""
+
+
+class CheckpointReplacedError(UCPError, OSError):
+    """The checkpoint was replaced (a concurrent forced save swapped in a new one) while it was
+    being read: nothing is wrong with either checkpoint; read it again. Never raised for a
+    checkpoint that is itself damaged (that is a ``CheckpointError``)."""
