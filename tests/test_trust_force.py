@@ -71,7 +71,10 @@ def test_force_refuses_a_project_folder_holding_a_checkpoint(tmp_path):
     project = _project(tmp_path)
     src = _hf_folder(tmp_path / "hf")
     before = _snapshot(project)
-    refused = r"not a jax_ucp checkpoint or an Orbax step of one \(found data/, train\.py\)"
+    refused = (
+        r"not a jax_ucp checkpoint or an Orbax step of one \(found ckpt_step_1/, data/, "
+        r"train\.py\).* It holds 1 checkpoint \(ckpt_step_1/\) and no Orbax step metadata"
+    )
     with pytest.raises(commit.NotReplaceableError, match=refused):
         jax_ucp.save(project, {"w": W + 1}, force=True)
     with pytest.raises(commit.NotReplaceableError, match=refused):
@@ -116,6 +119,62 @@ def test_force_refuses_a_run_folder_of_steps_and_a_step_with_other_items(tmp_pat
     jax_ucp.save(run / "1", {"w": W * 5}, force=True)
     assert np.array_equal(jax_ucp.restore(run / "1")["w"], W * 5)
     assert _snapshot(run / "3") == {k[2:]: v for k, v in before.items() if k.startswith("3/")}
+
+
+@pytest.mark.timeout(120)
+def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metadata(tmp_path):
+    """``run/step_1..3``, each a jax_ucp checkpoint, no ``_CHECKPOINT_METADATA`` at ``run``:
+    once taken for "an Orbax step of only such items" and deleted whole by force. An Orbax step
+    is known by Orbax's own step metadata only; a copied one naming other items does not make
+    the folder a step either."""
+    run = tmp_path / "run"
+    for step in (1, 2, 3):
+        jax_ucp.save(run / f"step_{step}", {"w": W + step})
+    src = _hf_folder(tmp_path / "hf")
+    before = _snapshot(run)
+    found = (
+        r"\(found step_1/, step_2/, step_3/\); refusing to replace it even with force=True "
+        r"\(nothing was changed\)\. It holds 3 checkpoints \(step_1/, step_2/, step_3/\) and no "
+        r"Orbax step metadata \(_CHECKPOINT_METADATA\): a folder of checkpoints"
+    )
+    with pytest.raises(commit.NotReplaceableError, match=found):
+        jax_ucp.save(run, {"w": W}, force=True)
+    with pytest.raises(commit.NotReplaceableError, match=found):
+        jax_ucp.convert(src, run, force=True)
+    r = CliRunner().invoke(app, ["convert", "safetensors", src, str(run), "--force"])
+    assert r.exit_code == 1 and "a folder of checkpoints" in " ".join(r.output.split()), r.output
+    assert _snapshot(run) == before
+    # Orbax's step metadata copied in from a real step: it names that step's item, not these
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False)
+    with ocp.CheckpointManager(tmp_path / "mngr", options=options) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave({"w": W})))
+    metadata = (tmp_path / "mngr" / "1" / commit.ORBAX_STEP_METADATA).read_bytes()
+    assert list(json.loads(metadata)["item_handlers"]) == ["state"]
+    (run / commit.ORBAX_STEP_METADATA).write_bytes(metadata)
+    before = _snapshot(run)
+    with pytest.raises(
+        commit.NotReplaceableError,
+        match=r"\(found step_1/, step_2/, step_3/\).* Its Orbax step metadata "
+        r"\(_CHECKPOINT_METADATA\) does not name step_1/, step_2/, step_3/ as items",
+    ):
+        jax_ucp.save(run, {"w": W}, force=True)
+    # not JSON, or not Orbax's object: no step metadata at all
+    for bad in (b"", b"[1, 2]", b'{"item_handlers": "state"}'):
+        (run / commit.ORBAX_STEP_METADATA).write_bytes(bad)
+        with pytest.raises(commit.NotReplaceableError, match="no Orbax step metadata"):
+            jax_ucp.save(run, {"w": W}, force=True)
+    (run / commit.ORBAX_STEP_METADATA).write_bytes(metadata)
+    assert _snapshot(run) == before
+    # one checkpoint in a folder is no step either
+    alone = tmp_path / "alone"
+    jax_ucp.save(alone / "step_1", {"w": W})
+    with pytest.raises(commit.NotReplaceableError, match=r"It holds 1 checkpoint \(step_1/\)"):
+        jax_ucp.save(alone, {"w": W}, force=True)
+    for step in (1, 2, 3):
+        assert np.array_equal(jax_ucp.restore(run / f"step_{step}")["w"], W + step)
+    # the real step (Orbax's metadata names its item) is replaced, as before
+    jax_ucp.save(tmp_path / "mngr" / "1", {"w": W * 7}, force=True)
+    assert np.array_equal(jax_ucp.restore(tmp_path / "mngr" / "1")["w"], W * 7)
 
 
 @pytest.mark.timeout(120)

@@ -302,7 +302,8 @@ class NotReplaceableError(SaveConflictError, FileExistsError):
     """The destination holds something jax_ucp did not write; refused untouched, even with force."""
 
 
-ORBAX_STEP_FILES = (ORBAX_STEP_METADATA, "commit_success.txt")  # Orbax's, in what it commits
+# Orbax's own files in what it commits (``orbax.checkpoint``: the v1 API's empty marker)
+ORBAX_STEP_FILES = (ORBAX_STEP_METADATA, "commit_success.txt", "orbax.checkpoint")
 EXPORT_RECORD = ".jax_ucp_export.json"  # the files an export wrote: force replaces only those
 _EXPORT_FORMAT = "jax_ucp export"
 _SHOWN = 5  # unexpected entries named in an error
@@ -341,18 +342,21 @@ def check_replaceable(
     names = sorted(os.listdir(path))
     if not names:
         return False
+    why = ""
     if export:
         kind, found = "an export written by jax_ucp", export_problems(path)
     else:
         kind, found = "a jax_ucp checkpoint or an Orbax step of one", checkpoint_problems(path)
+        if found and not _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
+            why = _folder_of_checkpoints(path)
     if found:
         shown = ", ".join(found[:_SHOWN]) + (
             f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         )
         raise NotReplaceableError(
             f"{path}: already exists and is not {kind} (found {shown}); refusing to replace it "
-            f"even with force=True (nothing was changed). Remove it yourself or choose another "
-            f"path."
+            f"even with force=True (nothing was changed).{why} Remove it yourself or choose "
+            f"another path."
         )
     if not force:
         raise FileExistsError(
@@ -397,8 +401,10 @@ def is_checkpoint_dir(path: str) -> bool:
 
 def checkpoint_problems(path: str) -> list[str]:
     """What in the directory ``path`` is not part of a checkpoint (docs/FORMAT.md 1.1, 1.2):
-    ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step, item
-    directories that are such checkpoints. Empty when ``path`` is one; directories end in "/"."""
+    ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step (known
+    by Orbax's own step metadata, ``orbax_step_items``, never by the shape of its folders), item
+    directories that are such checkpoints and that the metadata names. Empty when ``path`` is
+    one; directories end in "/"."""
     names = sorted(os.listdir(path))
     if _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
         found = []
@@ -411,12 +417,19 @@ def checkpoint_problems(path: str) -> list[str]:
                 continue
             found.append(_shown(path, n))
         return found
+    step_items = orbax_step_items(path)
+    if step_items is None:  # not an Orbax step: nothing in it is jax_ucp's to replace
+        return [_shown(path, n) for n in names] or [f"no {fmt.MANIFEST_FILE}"]
     found, items = [], 0
     for n in names:
         full = os.path.join(path, n)
         if n in ORBAX_STEP_FILES and _regular_file(full):
             continue
-        if _real_dir(full) and _regular_file(os.path.join(full, fmt.MANIFEST_FILE)):
+        if (
+            n in step_items
+            and _real_dir(full)
+            and _regular_file(os.path.join(full, fmt.MANIFEST_FILE))
+        ):
             inner = checkpoint_problems(full)
             found += [f"{n}/{p}" for p in inner]
             items += not inner
@@ -425,6 +438,62 @@ def checkpoint_problems(path: str) -> list[str]:
     if not items and not found:
         found.append(f"no {fmt.MANIFEST_FILE}")
     return found
+
+
+def orbax_step_items(path: str) -> frozenset[str] | None:
+    """The item names of the Orbax step directory ``path``, from the step metadata Orbax writes
+    in every step it commits (``_CHECKPOINT_METADATA``, a JSON object whose ``item_handlers``
+    maps each item to its handler: orbax.checkpoint 0.12 ``metadata/checkpoint.py``); None when
+    ``path`` holds none (a folder of checkpoints or of steps is no step, whatever its
+    sub-folders look like)."""
+    meta = os.path.join(path, ORBAX_STEP_METADATA)
+    if not _regular_file(meta):
+        return None
+    try:
+        metadata = json.loads(fmt.files.read_regular(meta, _STEP_METADATA_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return None
+    handlers = metadata.get("item_handlers") if isinstance(metadata, dict) else None
+    if not isinstance(handlers, dict) or not all(isinstance(k, str) for k in handlers):
+        return None
+    return frozenset(handlers)
+
+
+_STEP_METADATA_LIMIT = 16 << 20  # Orbax's step metadata: item handlers, metrics, timestamps
+
+
+def _folder_of_checkpoints(path: str) -> str:
+    """Why a directory holding checkpoints (no ``ucp.json`` of its own) is no Orbax step of
+    them, for the refusal; "" when it holds none."""
+    inside = checkpoints_inside(path)
+    step_items = orbax_step_items(path)
+    if step_items is not None:
+        inside = [d for d in inside if d[:-1] not in step_items]
+    if not inside:
+        return ""
+    held = ", ".join(inside[:_SHOWN]) + (
+        f" and {len(inside) - _SHOWN} more" if len(inside) > _SHOWN else ""
+    )
+    if step_items is None:
+        return (
+            f" It holds {len(inside)} checkpoint{'s' if len(inside) > 1 else ''} ({held}) and no "
+            f"Orbax step metadata ({ORBAX_STEP_METADATA}): a folder of checkpoints, not an Orbax "
+            f"step; force replaces one checkpoint or one step, never a folder of them."
+        )
+    return (
+        f" Its Orbax step metadata ({ORBAX_STEP_METADATA}) does not name {held} as items of "
+        f"the step."
+    )
+
+
+def checkpoints_inside(path: str) -> list[str]:
+    """The sub-directories of ``path`` that hold a ``ucp.json`` (for an error to name)."""
+    return [
+        n + "/"
+        for n in sorted(os.listdir(path))
+        if _real_dir(os.path.join(path, n))
+        and _regular_file(os.path.join(path, n, fmt.MANIFEST_FILE))
+    ]
 
 
 def _not_arrays(arrays: str) -> list[str]:
