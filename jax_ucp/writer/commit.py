@@ -27,7 +27,7 @@ import uuid
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.format import UCPError
-from jax_ucp.writer import durable
+from jax_ucp.writer import durable, file_digest
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
 # logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
@@ -310,7 +310,7 @@ _SHOWN = 5  # unexpected entries named in an error
 
 
 def check_replaceable(
-    path: str, *, force: bool = True, export: bool = False, what: str = "it"
+    path: str, *, force: bool = True, export: bool = False, what: str = "it", content: bool = True
 ) -> bool:
     """Whether writing ``path`` replaces something (True) or creates it (False: ``path`` is
     absent, or an empty directory, which holds nothing to lose; ``claim`` removes it).
@@ -327,6 +327,9 @@ def check_replaceable(
         force: whether replacing is allowed (False: a replaceable ``path`` is refused too).
         export: ``path`` is an export's destination (only an earlier export is replaceable).
         what: how the ``FileExistsError`` names ``path`` ("step 7").
+        content: with ``export``, compare each file's content with its recorded digest (one
+            read of the export); False: names and sizes only (a quick check before the
+            transaction, which checks content under the lock).
 
     Returns:
         True when something is there to replace, False when ``path`` is new or empty.
@@ -344,7 +347,7 @@ def check_replaceable(
         return False
     why = ""
     if export:
-        kind, found = "an export written by jax_ucp", export_problems(path)
+        kind, found = "an export written by jax_ucp", export_problems(path, content=content)
     else:
         kind, found = "a jax_ucp checkpoint or an Orbax step of one", checkpoint_problems(path)
         if found and not _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
@@ -508,22 +511,41 @@ def _not_arrays(arrays: str) -> list[str]:
     ]
 
 
-def write_export_record(directory: str) -> None:
-    """``EXPORT_RECORD`` in an export's temporary directory: every file in it and its size, so a
-    later forced export replaces that directory only while it holds nothing else."""
+@contextlib.contextmanager
+def export_record(directory: str):
+    """Records what an export writes into its temporary ``directory``: the block's writes (through
+    ``durable.durable_file``) are digested as they are written (``file_digest``), then
+    ``EXPORT_RECORD`` lists every file with its size and digest, so a later forced export
+    replaces the directory only while it holds exactly those files with that content. A file
+    written some other way is digested by reading it (logged)."""
+    with file_digest.recording(directory) as digests:
+        yield
     files = {}
     for rel in _walk(directory):
-        full = os.path.join(directory, rel)
-        files[rel] = os.lstat(full).st_size
-    record = {"format": _EXPORT_FORMAT, "version": 1, "files": files}
-    with open(os.path.join(directory, EXPORT_RECORD), "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-        f.write("\n")
+        digest = digests.get(rel)
+        if digest is None:
+            log.info("digesting %s by reading it (not written through durable_file)", rel)
+            digest = file_digest.digest_file(os.path.join(directory, rel))
+        files[rel] = {"size": digest.size, "crc32c": digest.crc32c}
+    record = {
+        "format": _EXPORT_FORMAT,
+        "version": _EXPORT_RECORD_VERSION,
+        "digest": file_digest.KIND,
+        "files": files,
+    }
+    durable.write_file(
+        os.path.join(directory, EXPORT_RECORD), json.dumps(record, indent=1, sort_keys=True) + "\n"
+    )
 
 
-def export_problems(path: str) -> list[str]:
-    """What in ``path`` is not a file its ``EXPORT_RECORD`` lists with that size (a file the
-    user added or changed, a link, a device); everything when there is no record."""
+_EXPORT_RECORD_VERSION = 2  # 1: names and sizes only (no longer enough to replace an export)
+
+
+def export_problems(path: str, *, content: bool = True) -> list[str]:
+    """What in ``path`` is not a file its ``EXPORT_RECORD`` lists with that size and content (a
+    file the user added or edited, a link, a device); everything when there is no record, or
+    one without content digests (written before they were recorded, or forged from names and
+    sizes). ``content=False`` compares names and sizes only (a quick first check, no reads)."""
     try:
         raw = fmt.files.read_regular(os.path.join(path, EXPORT_RECORD), 16 << 20)
         record = json.loads(raw)
@@ -533,15 +555,32 @@ def export_problems(path: str) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         names = sorted(os.listdir(path))
         return [f"no {EXPORT_RECORD}: {', '.join(_shown(path, n) for n in names[:_SHOWN])}"]
+    if record.get("version") != _EXPORT_RECORD_VERSION or record.get("digest") != file_digest.KIND:
+        return [
+            f"{EXPORT_RECORD} without content digests (version {record.get('version')!r}; "
+            f"written by an older jax_ucp, or not by jax_ucp): its files cannot be told unchanged"
+        ]
     found = []
     for rel in _walk(path, problems=found):
         if rel == EXPORT_RECORD:
             continue
-        size = os.lstat(os.path.join(path, rel)).st_size
-        if rel not in recorded:
+        entry = recorded.get(rel)
+        if not isinstance(entry, dict) or not isinstance(entry.get("crc32c"), str):
             found.append(rel)
-        elif recorded[rel] != size:
-            found.append(f"{rel} (changed since the export)")
+            continue
+        full = os.path.join(path, rel)
+        if entry.get("size") != os.lstat(full).st_size:
+            found.append(f"{rel} (changed since the export: size)")
+            continue
+        if not content:
+            continue
+        try:
+            now = file_digest.digest_file(full)
+        except OSError as e:
+            found.append(f"{rel} (unreadable: {e})")
+            continue
+        if (now.size, now.crc32c) != (entry["size"], entry["crc32c"]):
+            found.append(f"{rel} (changed since the export: content)")
     return found
 
 
