@@ -204,3 +204,26 @@ def test_verify_racing_two_replaces_reports_no_damage(tmp_path):
     assert [name for name, _ in problems] == ["params/layer0.w"], problems
     with pytest.raises(jax_ucp.CheckpointError, match="crc32c"):
         jax_ucp.restore(out)
+
+
+def test_an_export_racing_two_replaces_of_its_source_starts_over(tmp_path):
+    """``export``'s progress callback (after the first tensor) replaces the source checkpoint
+    twice: the export starts over and holds the newest checkpoint whole, no temporary left."""
+    from safetensors.numpy import load_file
+
+    sources = [_source(str(tmp_path / f"src{i}"), b) for i, b in enumerate(_BASES)]
+    ckpt = str(tmp_path / "ckpt")
+    jax_ucp.convert(sources[0], ckpt)
+    replaced = []
+
+    def replace_twice(name, done, total):
+        if not replaced:
+            replaced.append(name)
+            jax_ucp.convert(sources[1], ckpt, force=True)
+            jax_ucp.convert(sources[2], ckpt, force=True)
+
+    out = tmp_path / "out"
+    jax_ucp.export(ckpt, out, progress=replace_twice)
+    assert replaced
+    assert _which({"params": load_file(str(out / "model.safetensors"))}) == _BASES[2]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "out", "src0", "src1", "src2"]

@@ -220,8 +220,13 @@ def export_with(
 
 
 def _export(ckpt: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions) -> Exported:
+    """One export; a read that fails because a concurrent forced save replaced ``ckpt`` meanwhile
+    starts over (its transaction removed what it wrote), never reported as damage."""
     dst = os.path.abspath(os.fspath(dst))
-    root = reader.find_checkpoint_dir(ckpt)
+    return reader.read_consistently(ckpt, lambda root: _export_root(root, dst, options), redo=False)
+
+
+def _export_root(root: str, dst: str, options: ExportOptions) -> Exported:
     _check_destination(root, dst, options.force)
     if options.to == "orbax":
         return _export_orbax(root, dst, options)
