@@ -19,7 +19,7 @@ from safetensors.numpy import save_file
 import jax_ucp
 from jax_ucp import store
 from jax_ucp.errors import CheckpointReplacedError
-from jax_ucp.handler import reader
+from jax_ucp.restoring import reader
 from jax_ucp.writer import commit
 
 _TENSORS = 6
