@@ -161,7 +161,9 @@ def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metad
     # not JSON, or not Orbax's object: no step metadata at all
     for bad in (b"", b"[1, 2]", b'{"item_handlers": "state"}'):
         (run / commit.ORBAX_STEP_METADATA).write_bytes(bad)
-        with pytest.raises(commit.NotReplaceableError, match="no Orbax step metadata"):
+        with pytest.raises(
+            commit.NotReplaceableError, match="a _CHECKPOINT_METADATA that is not Orbax's step"
+        ):
             jax_ucp.save(run, {"w": W}, force=True)
     (run / commit.ORBAX_STEP_METADATA).write_bytes(metadata)
     assert _snapshot(run) == before

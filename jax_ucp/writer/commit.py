@@ -478,10 +478,16 @@ def _folder_of_checkpoints(path: str) -> str:
         f" and {len(inside) - _SHOWN} more" if len(inside) > _SHOWN else ""
     )
     if step_items is None:
+        metadata = (
+            f"a {ORBAX_STEP_METADATA} that is not Orbax's step metadata (a JSON object whose "
+            f"item_handlers names the items)"
+            if _regular_file(os.path.join(path, ORBAX_STEP_METADATA))
+            else f"no Orbax step metadata ({ORBAX_STEP_METADATA})"
+        )
         return (
-            f" It holds {len(inside)} checkpoint{'s' if len(inside) > 1 else ''} ({held}) and no "
-            f"Orbax step metadata ({ORBAX_STEP_METADATA}): a folder of checkpoints, not an Orbax "
-            f"step; force replaces one checkpoint or one step, never a folder of them."
+            f" It holds {len(inside)} checkpoint{'s' if len(inside) > 1 else ''} ({held}) and "
+            f"{metadata}: a folder of checkpoints, not an Orbax step; force replaces one "
+            f"checkpoint or one step, never a folder of them."
         )
     return (
         f" Its Orbax step metadata ({ORBAX_STEP_METADATA}) does not name {held} as items of "
