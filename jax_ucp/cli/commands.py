@@ -12,6 +12,7 @@ import functools
 import inspect as inspect_lib
 import os
 import re
+import sys
 from typing import Annotated
 
 import typer
@@ -98,6 +99,25 @@ def _main(
     """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
     convert torch checkpoints, demo."""
     output.fresh_console()
+    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+
+
+class _QuietClosedLoop:
+    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
+    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
+    other arrays' futures, whose callbacks then find the loop closed and print a traceback
+    after the command's one error line. Every other report goes to the hook before."""
+
+    def __init__(self, before):
+        self.before = before
+
+    def __call__(self, report) -> None:
+        e = report.exc_value
+        if report.object is None and isinstance(e, RuntimeError):
+            if str(e) == "Event loop is closed":
+                return
+        self.before(report)
 
 
 def _cli_wording(message: str) -> str:
@@ -295,8 +315,6 @@ def _run_convert(fn, src, dst, parallel: spawn.Parallel | None = None, **kwargs)
     try:
         out = fn(src, dst, progress=on_progress, **kwargs)
     except Exception as e:
-        import sys
-
         from jax_ucp import conversion, writer
 
         if not isinstance(e, writer.SharedWriteError):

@@ -561,7 +561,9 @@ def _finish(root: str, entry, out: list, casting: str) -> None:
             if "is missing" in str(e) or "NOT_FOUND" in str(e)
             else "corrupt or truncated data?"
         )
-        raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed ({what}): {e}") from e
+        raise CheckpointError(
+            f"Tensor {found.name!r}: reading {files} failed ({what}): {store.ts_errors.message(e)}"
+        ) from e
     if pending.overflowed:
         _overflow(root, found, pending, casting)
     if req.python_type is not None and getattr(result, "shape", None) == ():

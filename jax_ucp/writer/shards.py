@@ -29,7 +29,7 @@ from jax_ucp.writer.layout import PreparedTensor
 def _write_error(p: PreparedTensor, kv, e: Exception) -> IOError:
     return OSError(
         f"Writing tensor {p.entry.name!r} (shape {p.layout.shape}, {p.layout.dtype}) "
-        f"to {kv.get('path', kv)}: {e}"
+        f"to {kv.get('path', kv)}: {store.ts_errors.message(e)}"
     )
 
 
