@@ -269,6 +269,8 @@ def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
     Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
     2**29 elements declared for 16 floats (a 64 KB zstd file) would decode into 2 GiB."""
     for chunk in chunks:
+        if chunk is None:  # TensorStore reports no such chunk (a 0-d array)
+            continue
         chunk = tuple(int(c) for c in chunk)
         if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape)):
             raise OrbaxImportError(
@@ -372,7 +374,7 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
             continue
         dtype = array.dtype.numpy_dtype
-        chunk = tuple(array.chunk_layout.read_chunk.shape)
+        chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
         at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, writer.memory_budget())
         if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
             limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
