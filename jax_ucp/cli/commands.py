@@ -19,7 +19,7 @@ import typer
 
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
-from jax_ucp.errors import RequestError, UCPError
+from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import ValueEntry
 
 
@@ -153,11 +153,9 @@ def _user_errors(fn):
             output.error(_cli_wording(text))
             raise typer.Exit(1) from e
         except ValueError as e:
-            from jax_ucp.store import ts_errors
-
-            if not ts_errors.is_io_error(e):
+            if not is_tensorstore_io_error(e):
                 raise
-            output.error(ts_errors.message(e))
+            output.error(tensorstore_message(e))
             raise typer.Exit(1) from e
         except KeyboardInterrupt:
             raise typer.Exit(130) from None

@@ -26,7 +26,12 @@ from etils import epath
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.errors import ExportError, UCPError
+from jax_ucp.errors import (
+    ExportError,
+    UCPError,
+    is_tensorstore_io_error,
+    tensorstore_message,
+)
 from jax_ucp.handler import reader
 from jax_ucp.handler import tree as tree_lib
 
@@ -88,7 +93,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             except ValueError as e:  # TensorStore's: a full disk, a write refused
                 raise ExportError(
                     f"{self._destination}: writing tensor {fmt.key_to_str(value.key)!r} failed: "
-                    f"{store.ts_errors.message(e)}; nothing was exported"
+                    f"{tensorstore_message(e)}; nothing was exported"
                 ) from None
             del data
             if self._progress is not None:
@@ -200,10 +205,10 @@ def _one_error(destination: str):
     except UCPError:
         raise
     except ValueError as e:
-        if not store.ts_errors.is_io_error(e):
+        if not is_tensorstore_io_error(e):
             raise
         raise ExportError(
-            f"{destination}: writing the Orbax export failed: {store.ts_errors.message(e)}; "
+            f"{destination}: writing the Orbax export failed: {tensorstore_message(e)}; "
             f"nothing was exported"
         ) from None
     finally:

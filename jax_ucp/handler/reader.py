@@ -20,6 +20,7 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
+from jax_ucp.errors import tensorstore_message
 from jax_ucp.handler import replicated
 from jax_ucp.handler import tree as tree_lib
 from jax_ucp.handler.restore_options import (
@@ -562,7 +563,7 @@ def _finish(root: str, entry, out: list, casting: str) -> None:
             else "corrupt or truncated data?"
         )
         raise CheckpointError(
-            f"Tensor {found.name!r}: reading {files} failed ({what}): {store.ts_errors.message(e)}"
+            f"Tensor {found.name!r}: reading {files} failed ({what}): {tensorstore_message(e)}"
         ) from e
     if pending.overflowed:
         _overflow(root, found, pending, casting)

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
-from jax_ucp.store import ts_errors
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
@@ -247,13 +247,13 @@ def _tree_metadata(path: str):
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except ValueError as e:
-        if not ts_errors.is_io_error(e):
+        if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
         what = f"the metadata of array {m.group(1)!r}" if m else "Orbax's metadata"
         raise OrbaxImportError(
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
-            f"{ts_errors.message(e)}"
+            f"{tensorstore_message(e)}"
         ) from None
 
 
@@ -405,7 +405,7 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
         array = ts.open(tspec, context=context, open=True, read=True).result()
     except Exception as e:
         raise OrbaxImportError(
-            f"{where}: cannot open array {name!r}: {ts_errors.message(e)}"
+            f"{where}: cannot open array {name!r}: {tensorstore_message(e)}"
         ) from None
     if tuple(array.shape) != tuple(shape):
         raise OrbaxImportError(
@@ -434,7 +434,7 @@ def _read(array, where: str, name: str):
         except ValueError as e:
             raise OrbaxImportError(
                 f"{where}: reading array {name!r} failed (missing, truncated or corrupt chunk "
-                f"data): {ts_errors.message(e)}"
+                f"data): {tensorstore_message(e)}"
             ) from None
 
     return read
