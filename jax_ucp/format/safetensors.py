@@ -1,5 +1,5 @@
 """Hugging Face safetensors files: the header parser and checks shared by the importer
-(``importers.safetensors_hf``) and the direct restore (``store.safetensors_file``).
+(``importers.safetensors``) and the direct restore (``store.safetensors_file``).
 
 The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
 [begin, end) byte offsets into the data that follows; plus ``__metadata__``) and the raw
@@ -95,26 +95,40 @@ def is_safetensors(src) -> bool:
 
 def shard_files(src) -> list[str]:
     """The files of the checkpoint: the index's shards, a directory's files, or ``src`` itself."""
+    return [shown for shown, _ in _shard_paths(src)]
+
+
+def _shard_paths(src) -> list[tuple[str, str]]:
+    """(path as named, real path) of each file of the checkpoint. Names from the folder or its
+    index resolve inside the folder (a Hugging Face cache snapshot: inside its cache repo,
+    whose ``blobs/`` its files link to), never to a file elsewhere."""
     src = os.fspath(src)
     if os.path.isfile(src):
-        return [src]
+        return [(src, src)]
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
         return _files_from_index(src, index)
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:
         for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
-            SafetensorsFile(os.path.join(src, name))
+            SafetensorsFile(os.path.join(src, name), _inside(src, name, src))
         raise SafetensorsError(
             f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
             f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
         )
     if not names:
         raise SafetensorsError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
-    return [os.path.join(src, names[0])]
+    return [(os.path.join(src, names[0]), _inside(src, names[0], src))]
 
 
-def _files_from_index(src: str, index: str) -> list[str]:
+def _inside(src: str, name: str, what: str) -> str:
+    try:
+        return files.inside(files.checkpoint_root(src), name, what, folder=src)
+    except files.UnsafeFileError as e:
+        raise SafetensorsError(str(e)) from None
+
+
+def _files_from_index(src: str, index: str) -> list[tuple[str, str]]:
     try:
         data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
     except SafetensorsError:
@@ -126,26 +140,31 @@ def _files_from_index(src: str, index: str) -> list[str]:
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise SafetensorsError(f"{index}: expected a 'weight_map' of tensor name -> file name.")
-    names = sorted(set(weight_map.values()))
-    for name in names:
-        if (
-            os.path.basename(name) != name
-            or name in (".", "..")
-            or not name.endswith(".safetensors")
-        ):
+    first: dict[str, str] = {}  # file name -> the first tensor naming it
+    for tensor, name in weight_map.items():
+        first.setdefault(name, tensor)
+    out = []
+    for name in sorted(first):
+        what = f"{index}: weight_map entry {first[name][:100]!r}"
+        beside = os.path.basename(name) == name and name not in (".", "..")
+        real = _inside(src, name, what) if beside else None  # NUL, links leading out
+        if not beside or not name.endswith(".safetensors"):
             raise SafetensorsError(
-                f"{index}: weight_map names {name[:100]!r}; expected a .safetensors file beside the "
-                f"index (no directories)."
+                f"{what} names {name[:100]!r}; expected a .safetensors file beside the index "
+                f"(no directories)."
             )
-    return [os.path.join(src, n) for n in names]
+        out.append((os.path.join(src, name), str(real)))
+    return out
 
 
 class SafetensorsFile:
     """One safetensors file: its validated header and read-only views of its tensors."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, real: str | None = None):
+        """``path`` as the checkpoint names it; ``real``, when given, what it resolved to (the
+        file opened)."""
         self.path = path
-        fd = files.open_regular(path)
+        fd = files.open_regular(real or path)
         try:
             size = os.fstat(fd).st_size
             if size < 8:
@@ -258,7 +277,7 @@ def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFi
     tensor: a tensor in two files, or an index whose ``weight_map`` and the files disagree, is
     refused naming them."""
     src = os.fspath(src)
-    opened = [SafetensorsFile(path) for path in shard_files(src)]
+    opened = [SafetensorsFile(path, real) for path, real in _shard_paths(src)]
     owner: dict[str, SafetensorsFile] = {}
     for f in opened:
         for name in f.header:

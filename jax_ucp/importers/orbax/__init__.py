@@ -1,0 +1,473 @@
+"""Orbax checkpoints in: a ``StandardCheckpointer`` / ``PyTreeCheckpointer`` directory, a
+``CheckpointManager`` step, or a manager root (its latest committed step), OCDBT or not.
+
+The tree and each array's name, shape and dtype come from Orbax's own public metadata
+(``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
+itself reads it with (``ocp.type_handlers.get_json_tspec_read``) and handed to the writer as a
+lazy ``tensorstore.TensorStore``: the writer reads one array at a time, so memory is bounded by
+the largest array (plus the writer's 256 MiB of writes in flight), never the whole tree.
+
+Orbax and JAX are imported only when an import is planned: detection (:func:`is_orbax`) reads
+file names and one small JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from jax_ucp import writer
+from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
+from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
+from jax_ucp.writer.commit import ORBAX_TMP_MARK
+
+CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
+PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
+STRINGS_FILE = "_strings.json"  # Orbax's StringHandler: every str leaf of an item
+_MAX_JSON_BYTES = 256 << 20
+_STEP = re.compile(r"(?:.*_)?(\d+)")
+# Orbax's handlers whose items are PyTrees of arrays (v0 and v1 names).
+_PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
+# the array a TensorStore error names: ``Error reading "params.w/.zarray"``
+_ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|\d+(?:[./]\d+)*)"')
+
+
+class OrbaxImportError(UCPError, ValueError):
+    """An Orbax checkpoint that cannot be imported as it is (names the directory and item)."""
+
+
+def is_orbax(src) -> bool:
+    """An Orbax item (``_METADATA``), step (``_CHECKPOINT_METADATA``) or a manager root whose
+    step directories hold one; from file names only."""
+    src = os.fspath(src)
+    if not os.path.isdir(src):
+        return False
+    if any(os.path.isfile(os.path.join(src, n)) for n in (PYTREE_METADATA, CHECKPOINT_METADATA)):
+        return not os.path.isfile(os.path.join(src, MANIFEST_FILE))
+    return bool(_steps(src))
+
+
+def _steps(root: str) -> dict[int, str]:
+    """Committed steps of a manager root: step number -> directory (temporaries excluded)."""
+    out: dict[int, str] = {}
+    for name in os.listdir(root):
+        m = _STEP.fullmatch(name)
+        path = os.path.join(root, name)
+        if (
+            m
+            and ORBAX_TMP_MARK not in name
+            and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA))
+        ):
+            out.setdefault(int(m.group(1)), path)
+    return out
+
+
+def _read_json(path: str) -> Any:
+    try:
+        return json.loads(files.read_regular(path, _MAX_JSON_BYTES))
+    except (OSError, ValueError, RecursionError) as e:
+        raise OrbaxImportError(f"{path}: not a readable Orbax JSON file ({e})") from None
+
+
+def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
+    """(step directory, step, {item name: item directory} of its PyTree items, {item name:
+    why it is not imported}). A single item has the name ``""``."""
+    src = os.path.abspath(os.fspath(src))
+    if os.path.isfile(os.path.join(src, PYTREE_METADATA)):
+        if tag is not None:
+            raise OrbaxImportError(f"{src}: a single Orbax checkpoint has no steps (tag={tag!r})")
+        return src, None, {"": src}, {}
+    src, step = _step_dir(src, tag)
+    handlers = _item_handlers(src)
+    items, others = _split_items(src, handlers)
+    if not items:
+        raise OrbaxImportError(
+            f"{src}: no PyTree item (StandardCheckpointHandler / PyTreeCheckpointHandler with "
+            f"{PYTREE_METADATA}) among its items {sorted(handlers)}"
+        )
+    return src, step, items, others
+
+
+def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
+    """(step directory, step) of ``src``: a manager root's ``tag`` step (default: the latest
+    committed one), or ``src`` itself when it is one step (its number when its name is one)."""
+    step = None
+    if not os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
+        steps = _steps(src) if os.path.isdir(src) else {}
+        if not steps:
+            raise OrbaxImportError(
+                f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
+                f"{CHECKPOINT_METADATA}, no committed step directories)"
+            )
+        if tag is None:
+            step = max(steps)
+        else:
+            try:
+                step = int(tag)
+            except ValueError:
+                step = -1
+            if step not in steps:
+                raise OrbaxImportError(
+                    f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}"
+                ) from None
+        _inside(src, os.path.basename(steps[step]), f"{src}: step directory")
+        src = steps[step]
+    elif tag is not None:
+        raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
+    else:  # a step directory given itself: its number, when its name is one
+        m = _STEP.fullmatch(os.path.basename(src))
+        step = int(m.group(1)) if m else None
+    return src, step
+
+
+def _item_handlers(src: str) -> dict:
+    """{item name: handler type name or None} of a step, from its checkpoint metadata (or its
+    subdirectories when an older Orbax recorded none)."""
+    meta = _read_json(os.path.join(src, CHECKPOINT_METADATA))
+    handlers = meta.get("item_handlers") if isinstance(meta, dict) else None
+    if isinstance(handlers, str):  # one unnamed item saved into the step directory itself
+        handlers = {"": handlers}
+    if not isinstance(handlers, dict):  # older Orbax: no record; the subdirectories tell
+        handlers = {n: None for n in sorted(os.listdir(src)) if os.path.isdir(os.path.join(src, n))}
+    return handlers
+
+
+def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """({name: directory} of the PyTree items, {name: why not imported} of the others); an item
+    name that leaves the step, or an item that is already a jax_ucp checkpoint, is refused."""
+    items, others = {}, {}
+    for name, typestr in sorted(handlers.items()):
+        if not isinstance(name, str) or name in (".", "..") or os.path.basename(name) != name:
+            raise OrbaxImportError(
+                f"{src}/{CHECKPOINT_METADATA}: item name {str(name)[:100]!r} is not a directory "
+                f"name inside the step; refusing to read outside it"
+            )
+        if name:
+            _inside(src, name, f"{src}/{CHECKPOINT_METADATA}: item {name[:100]!r}")
+        path = os.path.join(src, name) if name else src
+        if os.path.isfile(os.path.join(path, MANIFEST_FILE)) or "jax_ucp" in str(typestr or ""):
+            raise OrbaxImportError(
+                f"{path}: item {name!r} is already a jax_ucp checkpoint (ucp.json); restore it "
+                f"with jax_ucp.restore({path!r}) instead of converting it"
+            )
+        is_tree = typestr is None or str(typestr).rsplit(".", 1)[-1] in _PYTREE_HANDLERS
+        if is_tree and os.path.isfile(os.path.join(path, PYTREE_METADATA)):
+            items[name] = path
+        elif os.path.exists(path):
+            others[name] = (
+                f"an Orbax {str(typestr).rsplit('.', 1)[-1]} item, not a PyTree of arrays"
+            )
+    return items, others
+
+
+def plan_orbax(
+    src,
+    *,
+    tag: int | str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
+    its tree path (under the item name when a step has several PyTree items).
+
+    ``tag``: the step of a manager root (default: the latest committed one). ``weights_only``:
+    only the ``params`` subtree (everything else listed in ``source.skipped``).
+    """
+    if spec is not None:
+        raise OrbaxImportError(
+            "Orbax imports keep the saved tree; apply a spec at restore time "
+            "(jax_ucp.restore(path, spec=...)) instead of at import."
+        )
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    step_dir, step, items, others = resolve(src, tag)
+    source: dict[str, Any] = {
+        "framework": "orbax",
+        "path": step_dir,
+        "step": step,
+        "items": sorted(items),
+        "orbax_version": ocp.__version__,
+    }
+    found: list[str] = []
+    leaves = []  # (output key, key types, source name, item dir, metadata, ocdbt, zarr3)
+    for item, path in items.items():
+        _check_links(step_dir, path)
+        _check_names(path)  # before Orbax's metadata(), which opens every array itself
+        md = _tree_metadata(path)
+        ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
+        zarr3 = bool(getattr(md, "use_zarr3", False))
+        source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
+        for key, key_types, leaf in _flatten(md.tree):
+            if leaf is None:  # an empty node: a None value, no tensor to account for
+                out_key = ((item,) if len(items) > 1 else ()) + key
+                types = (("key",) if len(items) > 1 else ()) + key_types
+                leaves.append((out_key, types, ".".join(key), path, None, ocdbt, zarr3))
+                continue
+            # the array's directory (or OCDBT key) Orbax's read spec joins from its name
+            _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
+            name = f"{item}/{leaf.name}" if item else leaf.name
+            storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
+            if getattr(storage, "chunk_shape", None) is not None:
+                check_chunks(
+                    _metadata_file(path, leaf.name, ocdbt, zarr3),
+                    name,
+                    tuple(leaf.shape),
+                    [tuple(storage.chunk_shape)],
+                )
+            found.append(name)
+            out_key = ((item,) if len(items) > 1 else ()) + key
+            types = (("key",) if len(items) > 1 else ()) + key_types
+            leaves.append((out_key, types, name, path, leaf, ocdbt, zarr3))
+    for item, why in others.items():
+        found.append(f"{item}/")
+        skip(source, [f"{item}/"], why)
+    if weights_only:
+        dropped = [lv for lv in leaves if lv[0][:1] != ("params",)]
+        tensors = [lv[2] for lv in dropped if lv[4] is not None]  # empty nodes are no tensors
+        skip(source, tensors, "weights_only: not under params/")
+        leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
+        if not leaves:
+            raise OrbaxImportError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
+    mine = share.pick(leaves)
+    params = sum(1 for lv in mine if lv[0][:1] == ("params",))
+    return ImportPlan(_items(mine), source, params, source_tensors=found)
+
+
+def _tree_metadata(path: str):
+    """Orbax's own metadata of an item (its tree, each array's shape, dtype and chunks); a
+    missing or damaged file is an error naming the item and the file, not TensorStore's spec."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+    except ValueError as e:
+        if not is_tensorstore_io_error(e):
+            raise
+        m = _ARRAY_IN_MESSAGE.search(str(e))
+        what = f"the metadata of array {m.group(1)!r}" if m else "Orbax's metadata"
+        raise OrbaxImportError(
+            f"{path}: cannot read {what} (missing, truncated or corrupt file): "
+            f"{tensorstore_message(e)}"
+        ) from None
+
+
+def _metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
+    """Where an array's zarr metadata lies (inside the OCDBT database, for OCDBT)."""
+    meta = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
+    return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
+
+
+def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
+    """Refuses, before anything is read or decoded, an array whose declared chunks (each of
+    ``chunks``: the read and the write chunk shape) are larger than the array in any dimension:
+    Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
+    2**29 elements declared for 16 floats (a 64 KB zstd file) would decode into 2 GiB."""
+    for chunk in chunks:
+        if chunk is None:  # TensorStore reports no such chunk (a 0-d array)
+            continue
+        chunk = tuple(int(c) for c in chunk)
+        if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape)):
+            raise OrbaxImportError(
+                f"{where}: array {name!r} of shape {shape} declares chunks of shape {chunk}, "
+                f"larger than the array; an Orbax chunk is at most the array's shape (refused "
+                f"before decoding it: the file is damaged or forged)"
+            )
+
+
+def _decoding(shape, itemsize: int, chunk, budget: int) -> tuple[int, int]:
+    """(chunks TensorStore may decode at once, the bytes reading the array holds): the array
+    itself plus its decoded chunks in flight, as many as fit in ``budget`` beside the array
+    (at least one, at most one per CPU)."""
+    array = itemsize * math.prod(shape)
+    chunk_bytes = itemsize * math.prod(chunk)
+    count = math.prod(-(-d // max(c, 1)) for d, c in zip(shape, chunk))
+    at_once = max(1, min(count, os.cpu_count() or 1, (budget - array) // max(chunk_bytes, 1)))
+    return at_once, array + at_once * chunk_bytes
+
+
+def _inside(root: str, name: Any, what: str) -> str:
+    try:
+        return files.inside(root, name, what)
+    except files.UnsafeFileError as e:
+        raise OrbaxImportError(str(e)) from None
+
+
+def _check_links(root: str, item: str) -> None:
+    """Every symlink under the item directory (array folders, zarr chunk files, OCDBT data and
+    manifest files, which TensorStore opens itself) resolves inside the checkpoint ``root``."""
+    for folder, dirs, names in os.walk(item):
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                _inside(root, os.path.relpath(path, root), f"{item}: file")
+
+
+def _check_names(item: str) -> None:
+    """Every array name of the item's ``_METADATA`` (its key path joined by ".", as Orbax joins
+    it into the array's directory or OCDBT key) stays inside the item: an absolute name, a
+    ``..`` part or a NUL is refused before Orbax or TensorStore opens anything."""
+    where = os.path.join(item, PYTREE_METADATA)
+    meta = _read_json(where)
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    for entry in tree.values() if isinstance(tree, dict) else ():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        if isinstance(keys, list) and all(isinstance(k, dict) and "key" in k for k in keys):
+            name = ".".join(str(k["key"]) for k in keys)
+            _inside(item, name, f"{where}: array {name[:100]!r}")
+
+
+def _flatten(tree) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:
+    """(key, key types, leaf metadata): sequence positions stay "index" components, so a
+    restore without a target rebuilds Orbax's lists and tuples as lists (FORMAT.md 5.2)."""
+    import jax
+
+    from jax_ucp.format import keypath
+
+    out = []
+    # None leaves kept: Orbax's record of an empty node (optax's EmptyState), so a tree exported
+    # back to Orbax has the structure an Orbax restore target expects
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        parts = [keypath.component_of(p) for p in path]
+        out.append((tuple(n for _, n in parts), tuple(t for t, _ in parts), leaf))
+    return out
+
+
+def _saved_sharding(leaf) -> SavedSharding | None:
+    """The NamedSharding Orbax recorded for an array (its mesh axis names and sizes and its
+    PartitionSpec), so ``restore(path, mesh=...)`` reuses it as it does a JAX save's; None for
+    any other sharding or a record that does not fit the array."""
+    meta = getattr(leaf, "sharding", None)
+    if type(meta).__name__ != "NamedShardingMetadata":
+        return None
+    try:
+        names = tuple(str(n) for n in meta.axis_names)
+        sizes = tuple(int(n) for n in meta.shape)
+        spec = tuple(
+            p if p is None or isinstance(p, str) else tuple(str(n) for n in p)
+            for p in meta.partition_spec
+        )
+    except (TypeError, ValueError):
+        return None
+    used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
+    if len(names) != len(sizes) or len(spec) > len(leaf.shape) or not set(used) <= set(names):
+        return None
+    return SavedSharding(mesh_axis_names=names, mesh_shape=sizes, partition_spec=spec)
+
+
+def _items(leaves) -> Iterator[writer.HostItem]:
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    contexts: dict[bool, Any] = {}
+    strings: dict[str, dict] = {}
+    for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
+        role, sub_role = role_of(key)
+        provenance = {"file": name, "tensors": [name]}
+        if leaf is None:
+            provenance = {"values": [f"{name} (an empty node)"]}
+            yield writer.HostItem(key, None, role, sub_role, provenance, key_types=key_types)
+            continue
+        kind = type(leaf).__name__
+        if kind == "StringMetadata":
+            if path not in strings:
+                strings[path] = _read_json(os.path.join(path, STRINGS_FILE))
+            value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
+            if not isinstance(value, str):
+                raise OrbaxImportError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
+            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
+            continue
+        if kind not in ("ArrayMetadata", "ScalarMetadata"):
+            raise OrbaxImportError(
+                f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
+                f"scalars and strings"
+            )
+        if ocdbt not in contexts:
+            contexts[ocdbt] = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+        info = ocp.type_handlers.ParamInfo(
+            name=leaf.name,
+            parent_dir=epath.Path(path),
+            is_ocdbt_checkpoint=ocdbt,
+            use_zarr3=zarr3,
+            ts_context=contexts[ocdbt],
+        )
+        tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+        where = _metadata_file(path, leaf.name, ocdbt, zarr3)
+        array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
+        if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
+            value = _read(array, _data_files(path, leaf.name, ocdbt), name)().item()
+            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
+            continue
+        dtype = array.dtype.numpy_dtype
+        chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
+        at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, writer.memory_budget())
+        if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
+            limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
+            array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, array.shape)
+        yield writer.HostItem(
+            key,
+            # read once the writer has room for the array and its decoded chunks
+            writer.Deferred(
+                tuple(array.shape),
+                dtype,
+                _read(array, _data_files(path, leaf.name, ocdbt), name),
+                bound=holds,
+            ),
+            role,
+            sub_role,
+            provenance,
+            key_types=key_types,
+            saved_sharding=_saved_sharding(leaf),
+        )
+
+
+def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
+    """The array opened with Orbax's read spec (its metadata alone is read), its shape and
+    chunks checked before any chunk is."""
+    import tensorstore as ts
+
+    try:
+        array = ts.open(tspec, context=context, open=True, read=True).result()
+    except Exception as e:
+        raise OrbaxImportError(
+            f"{where}: cannot open array {name!r}: {tensorstore_message(e)}"
+        ) from None
+    if tuple(array.shape) != tuple(shape):
+        raise OrbaxImportError(
+            f"{where}: array {name!r} has shape {tuple(array.shape)}, its metadata says "
+            f"{tuple(shape)}"
+        )
+    layout = array.chunk_layout
+    check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
+    return array
+
+
+def _data_files(path: str, name: str, ocdbt: bool) -> str:
+    """Where an array's chunks lie: its directory, or the data files of the OCDBT database."""
+    if ocdbt:
+        return f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)"
+    return os.path.join(path, name)
+
+
+def _read(array, where: str, name: str):
+    """Reads the whole array; a missing, truncated or corrupt chunk file is an error naming the
+    array, where its chunks lie and the file TensorStore names."""
+
+    def read():
+        try:
+            return array.read().result()
+        except ValueError as e:
+            raise OrbaxImportError(
+                f"{where}: reading array {name!r} failed (missing, truncated or corrupt chunk "
+                f"data): {tensorstore_message(e)}"
+            ) from None
+
+    return read
