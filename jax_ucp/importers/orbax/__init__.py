@@ -3,9 +3,11 @@
 
 The tree and each array's name, shape and dtype come from Orbax's own public metadata
 (``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
-itself reads it with (``ocp.type_handlers.get_json_tspec_read``) and handed to the writer as a
-lazy ``tensorstore.TensorStore``: the writer reads one array at a time, so memory is bounded by
-the largest array (plus the writer's 256 MiB of writes in flight), never the whole tree.
+itself reads it with (``ocp.type_handlers.get_json_tspec_read``), its chunks checked against its
+shape before any is decoded, and handed to the writer unread (a ``writer.Deferred`` reserving the
+array and the chunks TensorStore decodes at once, as many as the memory budget leaves room for):
+the writer reads one array at a time, so memory is bounded by the largest array, never the whole
+tree.
 
 Orbax and JAX are imported only when an import is planned: detection (:func:`is_orbax`) reads
 file names and one small JSON file.
