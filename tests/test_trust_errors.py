@@ -448,3 +448,21 @@ def test_orbax_arrays_reserve_their_decoded_chunks_in_the_memory_budget(tmp_path
     assert item.value.nbytes == array + min(8, os.cpu_count() or 1) * chunk
     for out in ("small",):
         assert_bit_exact(jax_ucp.restore(tmp_path / out)["params"]["w"], w)
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_zarr_json_is_one_line_without_tensorstores_spec(tmp_path):
+    """A jax_ucp checkpoint whose array metadata is cut short: ``verify``, ``diff`` and
+    ``export`` name the tensor and the file in one line (TensorStore's spec dump cut)."""
+    ckpt = _ucp(tmp_path / "ckpt", {"params": {"w": np.arange(8, dtype=np.float32)}})
+    good = _ucp(tmp_path / "good", {"params": {"w": np.arange(8, dtype=np.float32)}})
+    meta = os.path.join(ckpt, "arrays", "params.w", "zarr.json")
+    os.truncate(meta, 20)
+    for args in (["verify", ckpt], ["diff", good, ckpt], ["export", ckpt, str(tmp_path / "o")]):
+        r = runner.invoke(app, args, env={"COLUMNS": "300"})
+        assert r.exit_code == 1, (args, r.output)
+        text = r.output.replace("✗", "error:") if args[0] == "verify" else r.output
+        assert "tensorstore_spec" not in text, text
+        line = [x for x in text.splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and "'params/w'" in line[0] and meta in line[0], (args, text)
+    assert not (tmp_path / "o").exists()

@@ -232,7 +232,9 @@ class _Opener:
                     f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
                     f"array {where}/zarr.json is missing."
                 ) from e
-            raise CheckpointError(f"Tensor {entry.name!r}: cannot open {where}: {e}") from e
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
+            ) from e
         found_dtype = t.dtype.numpy_dtype
         if tuple(t.shape) != entry.shape or found_dtype != store.zarr3.numpy_dtype(entry.dtype):
             raise CheckpointError(
