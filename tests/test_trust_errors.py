@@ -203,6 +203,14 @@ def test_a_deleted_orbax_chunk_file_is_one_error_naming_file_and_array(tmp_path)
     assert r.returncode == 1
     _assert_one_error_line(r.stdout + r.stderr, "'params.w'", chunk)
     _only_source_left(tmp_path, src)
+    zarray = os.path.join(src, "params.w", ".zarray")
+    for damage in (os.remove, lambda f: os.truncate(f, 10)):  # Orbax's metadata read fails
+        shutil.copy(os.path.join(src, "params.b", ".zarray"), zarray)
+        damage(zarray)
+        with pytest.raises(OrbaxImportError, match=r"metadata of array 'params\.w'") as e:
+            jax_ucp.convert(src, tmp_path / "out")
+        assert zarray in str(e.value) and "tensorstore_spec" not in str(e.value)
+        _only_source_left(tmp_path, src)
 
 
 @pytest.mark.timeout(300)

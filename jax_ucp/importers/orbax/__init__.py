@@ -254,7 +254,8 @@ def _tree_metadata(path: str):
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
-        what = f"the metadata of array {m.group(1)!r}" if m else "Orbax's metadata"
+        array = m and m.group(1).removeprefix(os.path.join(path, ""))  # a file's name: relative
+        what = f"the metadata of array {array!r}" if m else "Orbax's metadata"
         raise OrbaxImportError(
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
             f"{tensorstore_message(e)}"
