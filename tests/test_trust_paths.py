@@ -11,6 +11,7 @@ entry, nothing written; links that stay inside (a Hugging Face cache snapshot) k
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import numpy as np
@@ -472,3 +473,46 @@ def test_rank_files_linked_inside_their_folder_read_exactly(tmp_path):
     assert sorted(got) == sorted(want)
     for name in want:
         assert_bit_exact(got[name], want[name], name)
+
+
+# --------------------------------------------------------------------------- jax_ucp's own format
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "compression, checksum",
+    [(None, "crc32c"), (None, None), ("zstd", "crc32c"), ("zstd", None)],
+    ids=["plain", "no_checksum", "zstd", "zstd_no_checksum"],
+)
+def test_own_shard_file_or_array_linked_outside_is_refused(tmp_path, compression, checksum):
+    """A shard file of a jax_ucp checkpoint replaced by a symlink to an identical copy outside
+    (its digest matches, and without checksums there is none), or a whole array folder linked
+    elsewhere: ``restore`` and ``verify`` refuse it naming the file, on jax_ucp's own reader
+    (uncompressed) and before TensorStore reads (zstd). Linked inside, it reads exactly."""
+    tree = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.ones(5, np.float32)}
+    ckpt = tmp_path / "ckpt"
+    jax_ucp.save(ckpt, tree, compression=compression, checksum=checksum)
+    shard = next(p for p in (ckpt / "arrays").rglob("*") if p.is_file() and "/w/c" in str(p))
+    moved = ckpt / "kept" / "w-shard"
+    moved.parent.mkdir()
+    shutil.move(shard, moved)
+    shard.symlink_to(moved)
+    assert_bit_exact(jax_ucp.restore(ckpt)["w"], tree["w"], "w")  # a link that stays inside
+    target = _move_out(moved, tmp_path / "elsewhere")
+    shard.unlink()
+    shard.symlink_to(target)
+    outside = r"file name '\S*c/0(/0)?' resolves to \S+/elsewhere/w-shard, outside the checkpoint"
+    with pytest.raises(jax_ucp.UCPError, match=outside):
+        jax_ucp.restore(ckpt)
+    (problem,) = jax_ucp.verify(ckpt)
+    assert problem[0] == "w" and re.search(outside, problem[1]), problem
+    array = shard.parent
+    while array.parent.name != "arrays":
+        array = array.parent
+    _move_out(array, tmp_path / "arrays_elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"Tensor 'w': ucp\.json: file name 'arrays/{array.name}/zarr\.json' resolves to "
+        r"\S+/arrays_elsewhere/",
+    ):
+        jax_ucp.restore(ckpt)
