@@ -516,3 +516,21 @@ def test_own_shard_file_or_array_linked_outside_is_refused(tmp_path, compression
         r"\S+/arrays_elsewhere/",
     ):
         jax_ucp.restore(ckpt)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_export_of_a_key_naming_an_absolute_path_writes_nothing_outside(tmp_path, ocdbt):
+    """A jax_ucp checkpoint whose tensor key is an absolute path: Orbax would write that array's
+    folder there (its folder is the joined key path). The export is refused before Orbax runs;
+    nothing appears at that path."""
+    from jax_ucp.exporters import orbax_out
+
+    victim = tmp_path / "victim"
+    ckpt = tmp_path / "ckpt"
+    jax_ucp.save(ckpt, {str(victim): np.ones(3, np.float32), "ok": np.zeros(2, np.float32)})
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"ucp\.json: tensor '{victim}': file name .* is an absolute path"
+    ):
+        orbax_out.export_orbax(ckpt, tmp_path / "orbax", use_ocdbt=ocdbt)
+    assert not victim.exists() and not (tmp_path / "orbax").exists()
