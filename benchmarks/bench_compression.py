@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ucp  # noqa: E402
-from jax_ucp.handler import api  # noqa: E402
+from jax_ucp import api  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)

@@ -81,7 +81,7 @@ def ucp_restore(path, tree, shardings):
 
 def ucp_restore_tensorstore_reads(path, tree, shardings):
     """jax_ucp restore with every read through TensorStore (store.shard_file's reader off)."""
-    from jax_ucp.handler import reader
+    from jax_ucp.restoring import reader
 
     fast = reader._fast_reader
     reader._fast_reader = lambda root, entry, opened: opened

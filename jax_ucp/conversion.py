@@ -2,7 +2,7 @@
 
 Sits above the importers (which only read and yield ``writer.HostItem``s) and the writers: the
 standalone form commits without JAX or Orbax (``writer.write_host_checkpoint``); ``step=N`` goes
-through Orbax's CheckpointManager (``handler.manager_step``), imported only then.
+through Orbax's CheckpointManager (``orbax.manager_step``), imported only then.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from jax_ucp.format import UCPError, files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import detect
 from jax_ucp.importers.plan import Share
-from jax_ucp.writer import commit, liveness
+from jax_ucp.multihost import liveness
+from jax_ucp.writer import commit
 
 Progress = Callable[[str, int, int], None]
 
@@ -187,7 +188,7 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
                 source=plan.source,
                 compression=options.compression,
             )
-        from jax_ucp.handler.manager_step import write_manager_step
+        from jax_ucp.orbax.manager_step import write_manager_step
 
         return write_manager_step(
             dest,

@@ -181,7 +181,7 @@ def _compare(state, a, b, plain):
     of any mismatch, the scalar values, {key: the three specs} of the arrays, all equal)."""
     import numpy as np
 
-    from jax_ucp.handler.tree import flatten
+    from jax_ucp.tree import flatten
 
     def flat(tree):
         return {key: leaf for key, _, leaf in flatten(tree)[0]}

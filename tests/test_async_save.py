@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ucp_testing import assert_bit_exact, mesh
 
 import jax_ucp
-from jax_ucp.handler import save_plan
+from jax_ucp.saving import plan as save_plan
 
 
 def _host(seed):

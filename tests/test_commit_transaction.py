@@ -18,7 +18,7 @@ from ucp_testing import assert_bit_exact
 import jax_ucp
 from jax_ucp import exporters
 from jax_ucp.exporters import ExportError, ExportOptions
-from jax_ucp.handler import write_manager_step
+from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers import deepspeed_affine
-from jax_ucp.importers.deepspeed_files import DeepSpeedImportError, load_deepspeed_file
+from jax_ucp.importers.deepspeed import affine as deepspeed_affine
+from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, load_deepspeed_file
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 RUNS = ["autotp_tp2_dp1_z1_fp32", "autotp_tp2_dp2_z2_bf16"]

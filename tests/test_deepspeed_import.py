@@ -24,8 +24,8 @@ from jax_ucp.importers.deepspeed import (
     is_deepspeed_checkpoint,
     open_deepspeed_checkpoint,
 )
-from jax_ucp.importers.deepspeed_zero import optimizer_step
-from jax_ucp.importers.torch_pickle import TorchFileError
+from jax_ucp.importers.deepspeed.zero import optimizer_step
+from jax_ucp.importers.torch.unpickler import TorchFileError
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 # the stage x dtype x DP grid (frozen-parameter and ZeRO-0 runs: tests/test_import_reach.py)
@@ -105,7 +105,7 @@ def test_equals_ds_to_universal_and_zero_to_fp32(converted, name):
 def test_bf16_model_params_are_the_stored_module_weights(converted):
     """Stage 1/2 store the bf16 module; it must come through bit for bit (not re-cast)."""
     from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.importers.torch_pickle import load_torch_file
+    from jax_ucp.importers.torch.unpickler import load_torch_file
 
     name = "z2_bf16_dp3"
     ms = load_torch_file(

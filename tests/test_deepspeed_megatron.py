@@ -24,7 +24,7 @@ from ucp_testing import assert_destination_untouched, copy_deepspeed_fixture
 import jax_ucp
 from jax_ucp.conversion import convert_deepspeed
 from jax_ucp.importers.deepspeed import DeepSpeedImportError, open_deepspeed_checkpoint
-from jax_ucp.importers.deepspeed_megatron import MegatronDeepSpeedCheckpoint
+from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "tests", "fixtures", "deepspeed")
@@ -204,7 +204,7 @@ def _tamper_replicated(checkpoint, name: str, tp_rank: int, value: float) -> Non
 
 
 def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
-    from jax_ucp.importers import deepspeed_megatron as meg
+    from jax_ucp.importers.deepspeed import megatron as meg
 
     name = "language_model.encoder.layers.1.input_layernorm.weight"
     real_open = meg.open_megatron_deepspeed_checkpoint
@@ -226,7 +226,7 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
 
 
 def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
-    from jax_ucp.importers import deepspeed_megatron as meg
+    from jax_ucp.importers.deepspeed import megatron as meg
 
     name = "tied_modules.embed.word_embeddings.weight"
     real_open = meg.open_megatron_deepspeed_checkpoint
@@ -249,7 +249,7 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
 
 
 def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
-    from jax_ucp.importers import deepspeed_files
+    from jax_ucp.importers.deepspeed import files as deepspeed_files
 
     real_load = deepspeed_files.load_deepspeed_file
 
@@ -265,7 +265,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     with pytest.raises(DeepSpeedImportError, match="no universal_checkpoint_info"):
         convert_deepspeed(src, tmp_path / "out")
     # an explicit import spec stands in for the missing patterns
-    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
+    from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
 
     info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
         "universal_checkpoint_info"
@@ -278,7 +278,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
 
 def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
-    from jax_ucp.importers import deepspeed_megatron as meg
+    from jax_ucp.importers.deepspeed import megatron as meg
 
     checkpoint = open_deepspeed_checkpoint(
         os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt")
@@ -338,7 +338,7 @@ def test_regenerate_and_compare_live(tmp_path):
 def test_restricted_reader_matches_torch_load():
     torch = pytest.importorskip("torch")
     from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.importers.torch_pickle import load_torch_file
+    from jax_ucp.importers.torch.unpickler import load_torch_file
 
     for name in MEG:
         for f in glob.glob(os.path.join(FIX, name, "ckpt", TAG, "*.pt")):
@@ -356,8 +356,8 @@ def test_restricted_reader_matches_torch_load():
 
 def test_sub_params_legacy_count_and_uneven_shard_widths():
     """DeepSpeed's two sub-param metadata forms, resolved per tensor like merge_tp_slices."""
-    from jax_ucp.importers.deepspeed_megatron import resolve_sub_params
-    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
+    from jax_ucp.importers.deepspeed.megatron import resolve_sub_params
+    from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
     from jax_ucp.language import merge
 
     pat = r"layers.\d+.qkv.weight"
@@ -389,8 +389,8 @@ def test_sub_params_legacy_count_and_uneven_shard_widths():
 def test_spec_file_form(tmp_path):
     """A TOML spec (the plain file form) can stand in for universal_checkpoint_info."""
     from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
-    from jax_ucp.importers.torch_pickle import load_torch_file
+    from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+    from jax_ucp.importers.torch.unpickler import load_torch_file
     from jax_ucp.language import dump_spec
 
     name = "megatron_ds_tp2_dp3_z2_fp32_synthetic"

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_ucp import language as L
-from jax_ucp.importers.deepspeed_ucp_info import spec_from_ucp_info
+from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
 
 INFO = {
     "original_vocab_size": 50,

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers import deepspeed_files, detect
-from jax_ucp.importers.deepspeed_files import DeepSpeedImportError
+from jax_ucp.importers import detect
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
 from jax_ucp.importers.detect import plan_import
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
@@ -226,7 +227,7 @@ def test_restricted_reader_equals_torch_load_on_universal_files():
     torch = pytest.importorskip("torch")
     import glob
 
-    from jax_ucp.importers.torch_pickle import load_torch_file
+    from jax_ucp.importers.torch.unpickler import load_torch_file
 
     pattern = os.path.join(FIXTURES, "*", "universal", "*", "**", "*.pt")
     found = glob.glob(pattern, recursive=True)

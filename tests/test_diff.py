@@ -9,8 +9,8 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.handler import diff as diff_lib
-from jax_ucp.handler import reader
+from jax_ucp.restoring import checks as diff_lib
+from jax_ucp.restoring import reader
 
 runner = CliRunner()
 

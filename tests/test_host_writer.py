@@ -10,7 +10,7 @@ import tensorstore as ts
 from ucp_testing import assert_bit_exact
 
 import jax_ucp
-from jax_ucp.handler import write_manager_step
+from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, write_host_checkpoint
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from test_torch_pickle import D, G, prog, tensor, write_pt
 
-from jax_ucp.importers.torch_pickle import (
+from jax_ucp.importers.torch.unpickler import (
     MAX_COMPRESSED_MEMBER,
     TorchFileError,
     load_torch_file,
@@ -186,7 +186,7 @@ EXTRA = {"m.Thing": standin_class("m.Thing")}
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_hostile_torch_file_is_refused_fast(tmp_path, name):
     path, message = CASES[name](tmp_path)
-    from jax_ucp.importers.deepspeed_files import DS_CLASSES
+    from jax_ucp.importers.deepspeed.files import DS_CLASSES
 
     started = time.monotonic()
     with pytest.raises(TorchFileError) as err:
@@ -237,8 +237,8 @@ def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
 def test_expansion_bound_grows_with_the_pickle():
     """The bound is max(4M, 2 per pickle byte): a big real file (a large model's DCP .metadata)
     is never refused for its size, a tiny one for its expansion."""
-    from jax_ucp.importers.torch_pickle import TorchFileError as Refused
-    from jax_ucp.importers.torch_pickle import check_expansion
+    from jax_ucp.importers.torch.unpickler import TorchFileError as Refused
+    from jax_ucp.importers.torch.unpickler import check_expansion
 
     flat = list(range(3_000_000))
     check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted

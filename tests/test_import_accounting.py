@@ -18,16 +18,14 @@ import pytest
 from ucp_testing import REPO
 
 import jax_ucp
-from jax_ucp.importers import (
-    dcp_reader,
-    deepspeed_files,
-    deepspeed_zero,
-    safetensors_hf,
-)
 from jax_ucp.importers import plan as plan_lib
+from jax_ucp.importers import safetensors as safetensors_hf
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp.importers.megatron import dcp as megatron_dcp
 from jax_ucp.importers.megatron import legacy as megatron_legacy
-from jax_ucp.importers.torch_pickle import load_torch_file
+from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.torch.unpickler import load_torch_file
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.importers import detect, megatron_bridge
+from jax_ucp.importers import detect
+from jax_ucp.importers.megatron import bridge as megatron_bridge
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_bridge")

@@ -11,7 +11,7 @@ import os
 import pytest
 
 import jax_ucp
-from jax_ucp.importers import dcp_reader
+from jax_ucp.importers.torch import dcp_reader
 
 ROOT = os.path.join(os.path.dirname(__file__), "fixtures", "megatron_fsdp_dtensor_synthetic")
 ITER = os.path.join(ROOT, "iter_0000002")

@@ -1,16 +1,19 @@
 """jax_ucp inside Orbax's CheckpointManager: async saves, retention, composites, new process."""
 
+import importlib
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import orbax.checkpoint.experimental.v1 as ocp_v1
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from ucp_testing import assert_bit_exact, mesh, run_python
+from ucp_testing import REPO, assert_bit_exact, mesh, run_python
 
 import jax_ucp
 
@@ -127,3 +130,40 @@ def test_restore_in_new_process_with_fewer_devices(tmp_path):
         """,
             devices=devices,
         )
+
+
+def test_step_written_under_the_old_handler_name_restores(tmp_path):
+    """A step Orbax recorded as ``jax_ucp.handler.checkpoint_handler.UCPCheckpointHandler`` (the
+    handler's name before the package moves; tools/fixtures/make_orbax_manager_step.py) restores
+    through v0's CheckpointManager, v1's typestr lookup, and jax_ucp.restore."""
+    run = tmp_path / "run"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "orbax_manager_step"), run)
+    recorded = json.loads((run / "3" / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    assert recorded["model"] == "jax_ucp.handler.checkpoint_handler.UCPCheckpointHandler"
+    module, _, name = recorded["model"].rpartition(".")
+    assert getattr(importlib.import_module(module), name) is jax_ucp.UCPCheckpointHandler
+    w = np.arange(8 * 16, dtype=np.float32).reshape(8, 16) / 7
+    b = np.arange(16, dtype=np.int32)
+
+    def check(state, spec=None):
+        assert state["step"] == 3
+        assert_bit_exact(np.asarray(state["params"]["w"]), w)
+        assert_bit_exact(np.asarray(state["params"]["b"]), b)
+        if spec is not None:
+            assert state["params"]["w"].sharding.spec == spec
+
+    m2 = mesh((4, 2), ("model", "data"))
+    with ocp.CheckpointManager(run) as mngr:
+        assert mngr.all_steps() == [3]
+        out = mngr.restore(
+            3,
+            args=ocp.args.Composite(model=jax_ucp.UCPRestore(mesh=m2), meta=ocp.args.JsonRestore()),
+        )
+    assert out.meta == {"step": 3}
+    check(out.model, P("data", "model"))
+    # v1 finds the handler by the recorded name (the context scopes no name to it)
+    with jax_ucp.orbax_v1_context("elsewhere"):
+        loaded = ocp_v1.load_checkpointables(run / "3")
+    check(loaded["model"])
+    assert loaded["meta"] == {"step": 3}
+    check(jax_ucp.restore(run / "3"))

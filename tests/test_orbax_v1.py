@@ -1,7 +1,9 @@
 """jax_ucp through Orbax's v1 API (orbax.checkpoint.experimental.v1): a registered
 CheckpointableHandler, beside the v0 CheckpointManager path (each reads what the other wrote)."""
 
+import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +14,10 @@ import orbax.checkpoint.experimental.v1 as ocp
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from ucp_testing import assert_bit_exact, mesh
+from ucp_testing import REPO, assert_bit_exact, mesh
 
 import jax_ucp
-from jax_ucp.handler import orbax_v1
+from jax_ucp.orbax import v1 as orbax_v1
 
 
 def _state(step=3):
@@ -130,3 +132,23 @@ def test_v1_plain_pytrees_stay_with_orbax(tmp_path, registered):
 
 async def _await(coro):
     return await (await coro)
+
+
+def test_checkpoint_written_under_the_old_handler_name_loads(tmp_path, registered):
+    """A v1 checkpoint recording ``jax_ucp.handler.orbax_v1.UCPHandler`` (the handler's name
+    before the package moves; tools/fixtures/make_orbax_manager_step.py) loads by that name,
+    through the global registration and through the context."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "orbax_v1_checkpoint"), path)
+    recorded = json.loads((path / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    assert recorded == {"model": "jax_ucp.handler.orbax_v1.UCPHandler"}
+    want = {
+        "params": {
+            "b": np.arange(16, dtype=np.int32),
+            "w": np.arange(8 * 16, dtype=np.float32).reshape(8, 16) / 7,
+        },
+        "step": 3,
+    }
+    _check(ocp.load_checkpointables(path)["model"], want)
+    with jax_ucp.orbax_v1_context("elsewhere"):
+        _check(ocp.load_checkpointables(path)["model"], want)

@@ -15,7 +15,7 @@ from ucp_testing import mesh
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.handler.plan import _Layouts, abstract_mesh
+from jax_ucp.restoring.plan import _Layouts, abstract_mesh
 
 runner = CliRunner()
 RULES = [("embed", "fsdp"), ("mlp", "tp"), ("odd", "fsdp")]

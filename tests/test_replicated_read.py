@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from ucp_testing import REPO, free_port, mesh
 
 import jax_ucp
-from jax_ucp.handler import replicated
+from jax_ucp.restoring import replicated
 
 WORKER = r"""
 import json, os, sys, time
@@ -26,7 +26,7 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
 from jax_ucp import store
-from jax_ucp.handler import replicated
+from jax_ucp.restoring import replicated
 truth = np.load(path + ".truth.npz")
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 rep = NamedSharding(mesh, P())

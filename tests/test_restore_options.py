@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.handler import reader, restore_options
+from jax_ucp.restoring import options as restore_options
+from jax_ucp.restoring import reader
 
 
 def _re(text: str) -> str:

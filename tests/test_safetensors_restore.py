@@ -19,9 +19,9 @@ from test_safetensors_import import BAD
 
 import jax_ucp
 from jax_ucp import store
-from jax_ucp.handler import safetensors_source
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
+from jax_ucp.restoring import safetensors_source
 from jax_ucp.store import safetensors_file
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,9 @@ import pytest
 from ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 import jax_ucp
-from jax_ucp.importers import dcp_reader, detect
-from jax_ucp.importers.torch_state import TorchImportError
+from jax_ucp.importers import detect
+from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.torch.optimizer import TorchImportError
 
 FIX = os.path.join(REPO, "tests", "fixtures", "torch")
 STATES = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
@@ -335,7 +336,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
     """A chunk whose tensor is not exactly its storage's bytes (here: the unpickled tensor made
     a copy, so it is not at the storage's address) takes the mapped path: the storage's CRC-32
     is checked on the mapped bytes, then the tensor copied into place."""
-    from jax_ucp.importers import torch_pickle
+    from jax_ucp.importers.torch import unpickler as torch_pickle
 
     real_load = torch_pickle.TorchArchive.load
     monkeypatch.setattr(

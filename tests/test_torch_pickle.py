@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_ucp.importers.torch_pickle import (
+from jax_ucp.importers.torch.unpickler import (
     StandIn,
     TorchFileError,
     UnsafePickleError,

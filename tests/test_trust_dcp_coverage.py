@@ -13,8 +13,8 @@ import itertools
 import numpy as np
 import pytest
 
-from jax_ucp.importers import dcp_reader
-from jax_ucp.importers.dcp_reader import DcpChunk, DcpError, DcpTensor
+from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.torch.dcp_reader import DcpChunk, DcpError, DcpTensor
 
 
 def _tensor(shape, boxes, name="w") -> DcpTensor:

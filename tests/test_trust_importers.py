@@ -20,8 +20,8 @@ from ucp_testing import REPO
 
 import jax_ucp
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers import deepspeed_files
-from jax_ucp.importers.torch_pickle import StandIn
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.torch.unpickler import StandIn
 from jax_ucp.language import SpecError, load_spec, spec_from_toml
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -509,7 +509,7 @@ def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
     tuple (about 600 bytes of pickle) never finished hashing."""
     import pickle as P
 
-    from jax_ucp.importers.torch_pickle import TorchFileError, restricted_loads
+    from jax_ucp.importers.torch.unpickler import TorchFileError, restricted_loads
 
     key = _shared_tuple_key(64)
     bomb = (

@@ -154,7 +154,7 @@ def test_dcp_tensor_pointing_at_another_tensors_bytes_is_refused(tmp_path):
 def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
     """An entry lying inside a longer one of another tensor (not equal to it) is found too;
     adjacent entries, and equal ranges of two files, are fine."""
-    from jax_ucp.importers.dcp_reader import DcpChunk, DcpError, DcpTensor, check_disjoint
+    from jax_ucp.importers.torch.dcp_reader import DcpChunk, DcpError, DcpTensor, check_disjoint
 
     f32 = np.dtype(np.float32)
     tensors = {

@@ -260,7 +260,7 @@ def test_a_plan_on_a_mesh_of_10_8_devices_takes_small_memory(tmp_path):
 
     from jax.sharding import PartitionSpec as P
 
-    from jax_ucp.handler.plan import abstract_mesh
+    from jax_ucp.restoring.plan import abstract_mesh
 
     path = _planned_checkpoint(tmp_path)
     huge = abstract_mesh([("data", 10**8)])
@@ -310,7 +310,7 @@ def test_plan_reads_per_process_match_every_device_enumerated():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ucp.handler.plan import IndexedBytes, _Layouts, abstract_mesh
+    from jax_ucp.restoring.plan import IndexedBytes, _Layouts, abstract_mesh
 
     shape = (12, 12, 12)
     uneven = 0

@@ -582,7 +582,7 @@ def plan(
     A rule for a logical name no tensor carries, or a mesh axis no rule and no saved
     PartitionSpec uses, is an error naming the closest known names (--no-strict plans it)."""
     import jax_ucp
-    from jax_ucp.handler.plan import abstract_mesh
+    from jax_ucp.restoring.plan import abstract_mesh
 
     axes = _parse_mesh(mesh)
     rule_pairs = _parse_rules(rules) if rules else None

@@ -21,7 +21,7 @@ from jax_ucp import store, writer
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import deepspeed_out, safetensors_out, torch_out
 from jax_ucp.format.sizes import parse_size
-from jax_ucp.handler import reader
+from jax_ucp.restoring import reader
 from jax_ucp.writer import commit, durable
 
 __all__ = ["ExportError", "ExportOptions", "Exported", "FORMATS", "export"]

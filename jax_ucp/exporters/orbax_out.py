@@ -24,9 +24,9 @@ from etils import epath
 
 from jax_ucp import format as fmt
 from jax_ucp import store
+from jax_ucp import tree as tree_lib
 from jax_ucp.errors import ExportError
-from jax_ucp.handler import reader
-from jax_ucp.handler import tree as tree_lib
+from jax_ucp.restoring import reader
 
 
 @dataclasses.dataclass(frozen=True)

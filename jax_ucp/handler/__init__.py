@@ -1,25 +1,23 @@
-"""Layer 5: Orbax integration and the save/restore/inspect entry points.
+"""The names Orbax recorded before the handlers moved to ``jax_ucp.orbax`` (issue 31), kept so
+checkpoints written then still load.
 
-Names are loaded on first use, so importing the package costs nothing until JAX is needed.
+Orbax writes each item's handler by its qualified name into every step it saves
+(``_CHECKPOINT_METADATA``): ``jax_ucp.handler.checkpoint_handler.UCPCheckpointHandler`` for a
+CheckpointManager step, ``jax_ucp.handler.orbax_v1.UCPHandler`` for a v1 checkpoint. Both old
+module names are the new modules themselves (``sys.modules`` aliases, not copies), so a class
+looked up by either name is the one class. New code imports ``jax_ucp.orbax``.
 """
 
 from __future__ import annotations
 
-from jax_ucp.lazy_names import lazy_attributes
+import importlib
+import sys
 
-_LAZY = {
-    "inspect": "jax_ucp.handler.api",
-    "restore": "jax_ucp.handler.api",
-    "save": "jax_ucp.handler.api",
-    "UCPCheckpointHandler": "jax_ucp.handler.checkpoint_handler",
-    "UCPRestore": "jax_ucp.handler.checkpoint_handler",
-    "UCPSave": "jax_ucp.handler.checkpoint_handler",
-    "UCPStreamSave": "jax_ucp.handler.checkpoint_handler",
-    "CheckpointError": "jax_ucp.handler.reader",
-    "write_manager_step": "jax_ucp.handler.manager_step",
+#: old module name (under ``jax_ucp.handler``) -> the module it is now
+MOVED = {
+    "checkpoint_handler": "jax_ucp.orbax.handler",
+    "orbax_v1": "jax_ucp.orbax.v1",
 }
 
-__all__ = list(_LAZY)
-
-
-__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
+for _old, _new in MOVED.items():
+    globals()[_old] = sys.modules[f"{__name__}.{_old}"] = importlib.import_module(_new)

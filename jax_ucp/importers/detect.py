@@ -8,17 +8,13 @@ import os
 from typing import Any
 
 from jax_ucp.format import UCPError
-from jax_ucp.importers import (
-    deepspeed,
-    deepspeed_files,
-    megatron,
-    megatron_bridge,
-    orbax,
-    safetensors_hf,
-    torch_dcp,
-    torch_files,
-)
+from jax_ucp.importers import deepspeed, megatron, orbax
+from jax_ucp.importers import safetensors as safetensors_hf
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.megatron import bridge as megatron_bridge
 from jax_ucp.importers.plan import WHOLE, ImportPlan, accounted
+from jax_ucp.importers.torch import dcp as torch_dcp
+from jax_ucp.importers.torch import files as torch_files
 
 
 class SourceFormatError(UCPError, ValueError):

@@ -5,7 +5,7 @@ flight (``shards.PipelinedWriter``), so peak memory is a few tensors, not the ch
 checkpoint is written into a temporary sibling directory and renamed into place (``commit``)
 without importing JAX or Orbax — a conversion is a host-only job and their import was ~1 s of
 it. If the generator raises, the destination is untouched. (A CheckpointManager step is written
-by ``handler.manager_step`` on top of the same stream writer.)
+by ``orbax.manager_step`` on top of the same stream writer.)
 """
 
 from __future__ import annotations

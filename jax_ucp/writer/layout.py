@@ -1,6 +1,6 @@
 """What a save decides before writing: array layouts and manifest entries, from host or device data.
 
-Shared by JAX saves (``handler.save_plan``) and host streams (importers); free of JAX and Orbax so
+Shared by JAX saves (``saving.plan``) and host streams (importers); free of JAX and Orbax so
 a conversion, a host-only job, never pays their import.
 """
 

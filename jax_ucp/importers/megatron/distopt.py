@@ -10,7 +10,6 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.importers import torch_pickle
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
     SUPPORTED_LAYOUTS,
@@ -20,6 +19,7 @@ from jax_ucp.importers.megatron.common import (
 )
 from jax_ucp.importers.megatron.module_order import STACKED_EXPERT, in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
+from jax_ucp.importers.torch import unpickler as torch_pickle
 
 _BUCKET_KEY = re.compile(
     r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"

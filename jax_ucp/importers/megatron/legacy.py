@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.format import UCPError, files
-from jax_ucp.importers import torch_pickle
 from jax_ucp.importers.plan import tensor_names
+from jax_ucp.importers.torch import unpickler as torch_pickle
 
 __all__ = [
     "LegacyError",

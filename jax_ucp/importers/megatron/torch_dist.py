@@ -14,7 +14,6 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import files
-from jax_ucp.importers import torch_pickle
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
     SUPPORTED_LAYOUTS,
@@ -49,6 +48,7 @@ from jax_ucp.importers.plan import (
     Share,
     host_item,
 )
+from jax_ucp.importers.torch import unpickler as torch_pickle
 from jax_ucp.language import (
     Spec,
     Vocab,

@@ -1,0 +1,331 @@
+"""The public functions: ``save``, ``restore``, ``inspect``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jax_ucp import format as fmt
+from jax_ucp import store
+from jax_ucp import tree as tree_lib
+from jax_ucp.orbax import handler as checkpoint_handler
+from jax_ucp.restoring import options as restore_options
+from jax_ucp.restoring import reader, safetensors_source
+from jax_ucp.writer import commit
+
+
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        ocp.multihost.sync_global_processes(name)
+
+
+def _primary_decides(where: str, error: BaseException | None) -> None:
+    """The primary's preparation (``error`` None: it succeeded) decided in every process: each
+    raises when it failed, instead of waiting at a barrier the primary never reaches."""
+    if jax.process_count() > 1:
+        failed = int(ocp.multihost.broadcast_one_to_all(np.int32(error is not None)))
+        if failed and error is None:
+            raise commit.SaveConflictError(
+                f"{where}: the primary process refused this save (its error says why); nothing "
+                f"was written."
+            )
+    if error is not None:
+        raise error
+
+
+def atomic_save(path: str, args, *, force: bool) -> None:
+    """A JAX save in one ``commit.transaction``: Orbax's Checkpointer writes and renames
+    (temporary path + commit); ``force`` never deletes the old checkpoint first.
+
+    The new checkpoint is committed next to the old one and swapped in by two renames, so a
+    failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
+    destination before writing). ``force`` replaces only a jax_ucp checkpoint or an Orbax step
+    of one (``commit.check_replaceable``); an empty directory is used without it.
+
+    Args:
+        path: the checkpoint directory (absolute).
+        args: the ``UCPSave`` every process passes.
+        force: replace a jax_ucp checkpoint at ``path``.
+    """
+    path = path.rstrip("/")
+    primary = ocp.multihost.is_primary_host(0)
+    # Only the primary touches directories, so only it holds the transaction (and its lock).
+    with contextlib.ExitStack() as stack:
+        error, tx = None, None
+        if primary:
+            try:
+                tx = stack.enter_context(commit.transaction(path, force=force, staged=False))
+            except BaseException as e:
+                error = e
+        _primary_decides(path, error)
+        exists = os.path.exists(path)  # every process, once the primary has claimed ``path``
+        target = tx.path if tx is not None else path + commit.REPLACING if exists else path
+        handler = checkpoint_handler.UCPCheckpointHandler()
+        with ocp.Checkpointer(handler) as ckptr:
+            ckptr.save(target, args=args, force=exists)
+    if exists:  # the primary swapped it in when its transaction ended
+        _barrier("jax_ucp:force_swap")
+
+
+def save(
+    path: str | os.PathLike,
+    tree,
+    *,
+    force: bool = False,
+    logical_axes: Any = None,
+    compression: str | None = None,
+    inner_chunk_bytes: int | None = None,
+    checksum: str | None = "crc32c",
+    source: dict | None = None,
+) -> str:
+    """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
+
+    Every process calls it; each writes only the replica-0 shards it holds, no gather. The
+    save is one ``commit.transaction``: a failed or killed save leaves ``path`` as it was.
+
+    Args:
+        path: the checkpoint directory, or an ``s3://`` / ``gs://`` prefix.
+        tree: the pytree to save. Leaves: ``jax.Array`` (any sharding), numpy arrays, Python
+            scalars / strings / None.
+        force: replace a jax_ucp checkpoint at ``path`` (kept whole until the new one is in
+            place; a committed object-store checkpoint is never replaced).
+        logical_axes: a pytree (same structure) of flax-style logical axis-name tuples,
+            recorded so a restore can map them with new ``rules=`` (flax boxes in ``tree`` are
+            recorded automatically).
+        compression: None (default) or "zstd".
+        inner_chunk_bytes: bound on inner chunks in bytes (None: the store's default).
+        checksum: "crc32c" (default: every inner chunk verified on read) or None.
+        source: provenance recorded in the manifest.
+
+    Returns:
+        The checkpoint path, once it is committed.
+    """
+    path = os.fspath(path)
+    if not store.is_url(path):
+        path = os.path.abspath(path)
+    args = checkpoint_handler.UCPSave(
+        tree,
+        logical_axes=logical_axes,
+        compression=compression,
+        inner_chunk_bytes=inner_chunk_bytes,
+        checksum=checksum,
+        source=source,
+    )
+    if store.is_url(path):
+        object_store_save(path, args, force=force)
+    else:
+        atomic_save(path, args, force=force)
+    return path
+
+
+def object_store_save(url: str, args, *, force: bool) -> None:
+    """A save to ``s3://`` / ``gs://``: an object store has no rename, so the checkpoint is
+    committed by its ``ucp.json``, written last by the primary once every process's shards are
+    in place. Before that, the prefix is no checkpoint (restore, inspect and the manager say
+    so), so a killed save is never read.
+
+    The primary locks the prefix for the save (``commit.object_store_lock``: of two saves to one
+    prefix, one proceeds, the other fails at once having touched nothing), refuses a prefix
+    holding anything but a killed save's leftovers, and deletes those. ``force`` cannot replace
+    a committed checkpoint there: without a rename the old one would be gone before the new one
+    is whole. Save to a new prefix (e.g. the next step) instead.
+
+    Args:
+        url: the ``s3://`` / ``gs://`` prefix.
+        args: the ``UCPSave`` every process passes.
+        force: as for ``save``; a committed checkpoint at ``url`` is refused even so.
+    """
+    url = url.rstrip("/")
+    store.location.kvstore_root(url)  # a malformed URL fails here, in every process
+    commit.check_object_store_prefix(url, force=force)  # every process sees it: all raise
+    primary = ocp.multihost.is_primary_host(0)
+    with contextlib.ExitStack() as stack:
+        error = None
+        if primary:
+            try:
+                stack.enter_context(commit.transaction(url, force=force))
+            except BaseException as e:
+                error = e
+        _primary_decides(url, error)
+        handler = checkpoint_handler.UCPCheckpointHandler()
+        handler.save(url, args=args)
+        _barrier("jax_ucp:object_store:written")
+        if primary:
+            handler.finalize(url)
+        _barrier("jax_ucp:object_store:committed")
+
+
+def restore(
+    path: str | os.PathLike,
+    *,
+    target: Any = None,
+    mesh: jax.sharding.Mesh | None = None,
+    shardings: Any = None,
+    rules: Sequence[tuple[str, Any]] | None = None,
+    spec: Any = None,
+    dtype: Any = None,
+    casting: str = "same_kind",
+    select: Any = None,
+    max_read_bytes: int | None = None,
+    strict: bool = True,
+    replicated_read: str | None = None,
+):
+    """Restores a UCP checkpoint onto any mesh.
+
+    Args:
+      path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
+        item; or Hugging Face safetensors (a ``.safetensors`` file, or a folder of them with
+        ``model.safetensors.index.json``), read in place as its conversion would hold it
+        (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
+        (``"hf_llama"``) applied as lazy views; no copy on disk.
+      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
+        result has its structure (its treedef: flax ``nn.LogicallyPartitioned`` /
+        ``nn.Partitioned`` boxes and ``nnx.Variable``s kept), shardings and dtypes (shapes must
+        match). A saved Python bool/int/float restored into an array leaf becomes an array
+        (a ``jax.Array`` on the leaf's sharding) when ``casting`` allows the conversion from
+        its type and the value survives it.
+      mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the axis
+        names exist in ``mesh`` and divide, and is replicated along the other dimensions.
+      shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
+      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
+        applied to the logical axis names recorded at save time. A misspelt name — a rule for
+        a name no tensor carries but close to one that does, or a mesh axis (size > 1) that no
+        rule and no saved PartitionSpec uses but close to one that does — is an error naming
+        the closest known names (see ``strict``). A tensor saved sharded
+        that would come back replicated on every device (no rule for its names, its saved
+        axes not in ``mesh``) gives a ``ReplicationWarning`` with the bytes per device.
+      spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
+        transpose, rename) are applied as lazy views.
+      dtype: cast every tensor to this dtype.
+      casting: which dtype conversions (to the target's or ``dtype``) are allowed, in numpy's
+        terms: "same_kind" (default: float32 → bfloat16 yes, float → int no), "safe", "no", or
+        "unsafe" (anything, also a saved Python value into an array target). Values are checked
+        too: a narrowing float cast (float32 → float16 / bfloat16 / float8, int32 → float16)
+        in which a finite value exceeds the target's largest (1e10 → float16 inf, 500 →
+        float8_e4m3fn NaN) or an inf meets a dtype without inf (float8_e4m3fn) is an error under
+        "same_kind" naming the tensor and how many values; under "unsafe" it is converted with a
+        RuntimeWarning saying the same. Casts that cannot overflow are not checked (no extra
+        pass); a checked cast is counted block by block as it is converted.
+      select: restore only part of the checkpoint, without a target: a regex matched in full
+        against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
+        predicate on the name. Only the matched leaves and the containers holding them come
+        back (a sequence missing positions as a dict of int keys); nothing else is read. A
+        selection matching nothing is an error listing the top-level names.
+      max_read_bytes: host memory for read buffers in flight (default 256 MiB): peak host memory
+        of a restore is about the restored arrays plus this (a tensor larger than it is read
+        alone). Larger values overlap more reads.
+      strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes
+        (default). ``strict=False`` allows them. Names unlike every known one always pass
+        (rules shared with activation names, a purely data-parallel axis).
+      replicated_read: in a multi-process job, how a tensor every process needs whole (``P()``,
+        host numpy) is read: ``"each"`` (default) every process reads all of it; ``"once"``
+        each reads a share and the shares are all-gathered over JAX's collectives (gloo on
+        CPU), so the storage is read once in all (see ``restoring/replicated.py``).
+
+    Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
+    Each process reads only the slices its devices need.
+    """
+    options = restore_options.RestoreOptions(
+        target=target,
+        shardings=shardings,
+        mesh=mesh,
+        rules=rules,
+        spec=spec,
+        dtype=dtype,
+        casting=casting,
+        select=select,
+        max_read_bytes=max_read_bytes,
+        strict=strict,
+        replicated_read=replicated_read,
+    )
+    if safetensors_source.is_source(path):  # Hugging Face files, read in place
+        return safetensors_source.restore(path, options)
+    return reader.restore_tree(path, options)
+
+
+class VerifyResult(list):
+    """``[(tensor name, error message)]``, empty when the data is intact; ``notices`` lists
+    ``(tree node, message)`` for what a restore gives back differently without being an error
+    (a container class outside the allow-list comes back as a dict)."""
+
+    def __init__(self, problems=(), notices=()):
+        super().__init__(problems)
+        self.notices: list[tuple[str, str]] = list(notices)
+
+
+def verify(
+    path: str | os.PathLike, *, progress=None, max_read_bytes: int | None = None
+) -> VerifyResult:
+    """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
+
+    Every shard file is checked against its digest in the manifest (it is the file this save
+    wrote there, for this tensor and position) and every tensor is read in full (crc32c of each
+    inner chunk). Returns ``[(tensor name, error message)]`` in manifest order, empty when the
+    checkpoint is intact, with ``.notices``: ``[(tree node, message)]`` for each container
+    class of the manifest a restore without a target will not rebuild (not in the allow-list:
+    it comes back as a dict of its fields). ``progress(name, done, total)`` is called after
+    each tensor.
+
+    Tensors are checked several at a time, as many as fit in ``max_read_bytes`` (default as for
+    ``restore``; one at least), so an object store's latency is paid once per batch, not once
+    per tensor.
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
+      max_read_bytes: bytes of tensors checked at once (None: 256 MiB, as for ``restore``).
+    """
+    root = reader.find_checkpoint_dir(path)
+    manifest = store.read_manifest(root)
+    budget = reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+
+    def check(entry: fmt.TensorEntry) -> str | None:
+        try:  # the read checks every shard's digest, as a restore does
+            reader.read(root, manifest, [reader.Request(key=entry.key)])
+        except fmt.UCPError as e:
+            return str(e)
+        return None
+
+    problems: list[tuple[str, str]] = []
+    window = store.InFlightBytes(budget, max_items=_VERIFY_THREADS)
+    total, done = len(manifest.tensors), 0
+
+    def retire(item) -> None:
+        nonlocal done
+        future, entry = item
+        error = future.result()
+        done += 1
+        if error is not None:
+            problems.append((entry.name, error))
+        if progress is not None:
+            progress(entry.name, done, total)
+
+    with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS, "ucp-verify") as pool:
+        for entry in manifest.tensors:
+            for item in window.make_room(entry.nbytes):
+                retire(item)
+            window.add((pool.submit(check, entry), entry), entry.nbytes)
+        for item in window.drain():
+            retire(item)
+    return VerifyResult(problems, tree_lib.class_notices(manifest.tree))
+
+
+# Tensors ``verify`` checks at once (each waits mostly on I/O: object-store round trips).
+_VERIFY_THREADS = 16
+
+
+def inspect(path: str | os.PathLike) -> fmt.Manifest:
+    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding).
+
+    ``.notices`` lists what a restore without a target gives back differently from the save:
+    a container class outside the allow-list (rebuilt as a dict of its fields)."""
+    manifest = store.read_manifest(reader.find_checkpoint_dir(path))
+    manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
+    return manifest

@@ -1,0 +1,131 @@
+"""Import DeepSpeed checkpoints: ZeRO 1/2/3 (fp32 / bf16 / fp16) and Megatron-DeepSpeed TP/PP.
+
+The entry point of the DeepSpeed importers: finds the tag folder, dispatches on its layout
+(:mod:`deepspeed_zero` for one model-parallel rank, :mod:`deepspeed_megatron` for a TP/PP grid)
+and returns an :class:`ImportPlan` that :mod:`jax_ucp.conversion` streams into the writer, one
+parameter at a time (its fp32 master, Adam moments, model-precision copy), so peak anonymous
+memory is about one parameter, not the checkpoint. Files are read with :mod:`torch_pickle` (no
+torch, no pickled code executed; tensors are memory-mapped).
+
+Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp32 master weights keyed by DeepSpeed's
+``param_shapes`` names, ``opt_state`` = {``mu``, ``nu`` (same keys), ``count`` (int32 step)},
+``model_params`` = model-precision weights when the run was bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jax_ucp.errors import RequestError
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed import megatron as deepspeed_megatron
+from jax_ucp.importers.deepspeed import universal as deepspeed_universal
+from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp.importers.deepspeed.files import DS_CLASSES, DeepSpeedImportError
+from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
+from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
+
+__all__ = [
+    "DeepSpeedImportError",
+    "DeepSpeedCheckpoint",
+    "MegatronDeepSpeedCheckpoint",
+    "DS_CLASSES",
+    "is_deepspeed_checkpoint",
+    "open_deepspeed_checkpoint",
+    "plan_deepspeed",
+]
+
+
+def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
+    """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
+    folder with ZeRO files or a universal checkpoint."""
+    path = os.fspath(path)
+    if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(
+        os.path.join(path, deepspeed_universal.LATEST_UNIVERSAL)
+    ):
+        return True
+    if os.path.isdir(path) and deepspeed_universal.is_universal_tag_dir(path):
+        return True
+    return os.path.isdir(path) and any(
+        deepspeed_files.OPTIMIZER_FILE.match(f) for f in os.listdir(path)
+    )
+
+
+def open_deepspeed_checkpoint(
+    src: os.PathLike | str, tag: str | None = None, *, spec: Any = None
+) -> DeepSpeedCheckpoint | MegatronDeepSpeedCheckpoint:
+    """Finds and validates the files of one checkpoint tag; tensors stay memory-mapped.
+
+    A Megatron-DeepSpeed checkpoint with tensor/pipeline parallelism (several ``mp_rank_XX``
+    ranks or ``layer_XX-model_YY`` files) gives a :class:`MegatronDeepSpeedCheckpoint` (``spec``:
+    import rules to use instead of its ``universal_checkpoint_info``).
+    """
+    tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
+    if deepspeed_files.is_model_parallel(tag_dir):
+        return deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+    return deepspeed_zero.open_zero_checkpoint(tag_dir)
+
+
+def plan_deepspeed(
+    src: os.PathLike | str,
+    *,
+    tag: str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder).
+
+    ``tag`` picks a tag instead of ``latest``. ``spec`` (a ``Spec``, shipped name or TOML path)
+    gives the import rules of a Megatron-DeepSpeed TP/PP checkpoint instead of its
+    ``universal_checkpoint_info``. ``weights_only``: the weights alone (fp32 masters, or the
+    module's weights of a ZeRO-0 checkpoint), the Adam moments and step skipped. Every file is
+    found and checked before this returns.
+
+    A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
+    deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
+    ``latest_universal`` names it) is read by :mod:`deepspeed_universal`.
+    """
+    universal = deepspeed_universal.universal_tag_dir(os.fspath(src), tag)
+    if universal is not None:
+        return deepspeed_universal.plan_universal(
+            universal, spec=spec, weights_only=weights_only, share=share
+        )
+    tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
+    zero0 = deepspeed_zero.zero0_model_file(tag_dir)
+    if zero0 is not None:
+        return deepspeed_zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)
+    if deepspeed_files.is_model_parallel(tag_dir):
+        # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
+        # UCP language), or by the import rules of ``spec``
+        checkpoint = deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+        items = deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint, share)
+        source = deepspeed_megatron.source_info(checkpoint)
+        found = deepspeed_megatron.megatron_deepspeed_tensors(
+            checkpoint, source, weights_only=weights_only
+        )
+        if weights_only:
+            items = (item for item in items if item.role != "opt_state")
+        return ImportPlan(
+            items=items,
+            source=source,
+            total_params=len(share.pick(checkpoint.names)),
+            source_tensors=found,
+        )
+    if spec is not None:
+        raise RequestError(
+            "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
+            "keyed by DeepSpeed's parameter names, so an import spec has nothing to do; apply the "
+            "name mapping at restore time: jax_ucp.restore(path, spec=...)"
+        )
+    checkpoint = deepspeed_zero.open_zero_checkpoint(tag_dir)
+    source = deepspeed_zero.zero_source_info(checkpoint)
+    found = deepspeed_zero.zero_tensors(checkpoint, source, weights_only=weights_only)
+    return ImportPlan(
+        items=deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
+        source=source,
+        total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
+        source_tensors=found,
+    )

@@ -1,0 +1,391 @@
+"""The files of one DeepSpeed checkpoint tag, found and checked once for every reader.
+
+Shared by the ZeRO reader (:mod:`deepspeed_zero`) and the Megatron-DeepSpeed TP/PP reader
+(:mod:`deepspeed_megatron`): which tag folder to read, which optimizer file holds which
+(model-parallel, data-parallel) rank, that one model-parallel rank's optimizer files form one
+complete and consistent ZeRO partitioning, and what its model states file says. Files are read
+with :mod:`torch_pickle` (no torch, nothing pickled is executed; tensors stay memory-mapped).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jax_ucp.format import UCPError, files
+from jax_ucp.importers.torch.unpickler import TorchArchive, int_enum_standin, standin_class
+
+
+class DeepSpeedImportError(UCPError, ValueError):
+    """The DeepSpeed checkpoint is incomplete or inconsistent (message names the file)."""
+
+
+_ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
+
+#: DeepSpeed classes pickled into checkpoint files, mapped to inert stand-ins.
+DS_CLASSES: dict[str, Any] = {
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler": standin_class(
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler"
+    ),
+    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": standin_class(
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    ),
+    "deepspeed.runtime.zero.config.ZeroStageEnum": int_enum_standin(
+        "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
+    ),
+    "deepspeed.utils.tensor_fragment.fragment_address": standin_class(
+        "deepspeed.utils.tensor_fragment.fragment_address"
+    ),
+    "deepspeed.checkpoint.constants.SubparamShape": standin_class(
+        "deepspeed.checkpoint.constants.SubparamShape"
+    ),
+    "deepspeed.runtime.zero.stage3.SubParamGroupInfo": standin_class(
+        "deepspeed.runtime.zero.stage3.SubParamGroupInfo"
+    ),
+}
+
+#: ``[bf16_]zero_pp_rank_<DP rank>_mp_rank_<MP rank>_optim_states.pt``: one ZeRO partition.
+OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: ``zero_pp_rank_<DP rank>_mp_rank_<MP rank>_model_states.pt``: stage 3 keeps one per DP rank.
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: ``mp_rank_<MP rank>_model_states.pt``: param_shapes, module, config of a model-parallel rank.
+MP_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+#: ``layer_<layer>-model_<TP rank>-model_states.pt``: a pipeline layer's model weights.
+LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+
+
+def load_deepspeed_file(path: str) -> Any:
+    """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins.
+
+    Its rank is in its name only, so the name it was saved under (kept inside the archive by
+    ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
+    read as other ranks' partitions, i.e. wrong parameters.
+    """
+    try:
+        files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
+    except files.UnsafeFileError as e:
+        raise DeepSpeedImportError(str(e)) from None
+    archive = TorchArchive(path)
+    try:
+        check_saved_name(archive, path)
+        return archive.load(DS_CLASSES)
+    finally:
+        archive.close()
+
+
+def check_saved_name(archive: TorchArchive, path: str) -> None:
+    """Refuses a rank file whose archive says it was saved under another file name."""
+    name = os.path.basename(path)
+    stem = name[: -len(".pt")] if name.endswith(".pt") else name
+    saved = archive.saved_name
+    if saved not in (stem, "archive"):  # "archive": saved through a file object, no name kept
+        raise DeepSpeedImportError(
+            f"{path}: this file was saved as '{saved}.pt' (the name inside its zip archive) but "
+            f"is named '{name}'. DeepSpeed's rank is in the file name, so renamed or swapped rank "
+            "files would import as wrong parameters; give the files back their saved names"
+        )
+
+
+def require(mapping: Any, key: Any, where: str) -> Any:
+    """``mapping[key]``, or an error naming the file (``where``) that lacks it."""
+    if not isinstance(mapping, Mapping) or key not in mapping:
+        raise DeepSpeedImportError(f"{where}: missing {key!r}")
+    return mapping[key]
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Element count of a shape (1 for a scalar)."""
+    return int(math.prod(shape))
+
+
+# --------------------------------------------------------------------------- the tag folder
+
+
+def resolve_tag_dir(src: str, tag: str | None) -> str:
+    """The tag folder to read: ``tag``, ``src`` itself when it holds ZeRO files, or ``latest``
+    (which may only name a folder inside ``src``)."""
+    if not os.path.isdir(src):
+        raise DeepSpeedImportError(f"{src}: not a directory")
+    if tag is not None:
+        tag_dir = os.path.join(src, tag)
+        if not os.path.isdir(tag_dir):
+            raise DeepSpeedImportError(f"{tag_dir}: tag folder {tag!r} not found")
+        return tag_dir
+    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(src)):
+        return src
+    latest = os.path.join(src, "latest")
+    if os.path.lexists(latest):
+        latest_tag = read_tag_file(latest)
+        tag_dir = os.path.join(src, latest_tag)
+        if not inside(tag_dir, src) or latest_tag in ("", ".", ".."):
+            raise DeepSpeedImportError(
+                f"{latest} names tag {latest_tag[:100]!r}, which is not a folder inside {src}; "
+                f"refusing to follow it"
+            )
+        if not os.path.isdir(tag_dir):
+            raise DeepSpeedImportError(
+                f"{latest} names tag {latest_tag!r} but {tag_dir} does not exist"
+            )
+        return tag_dir
+    runs = trainer_checkpoints(src)
+    if runs:
+        raise DeepSpeedImportError(
+            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
+            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+        )
+    raise DeepSpeedImportError(
+        f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
+        f"'*zero_pp_rank_*_optim_states.pt' files; for a universal checkpoint, a "
+        f"'latest_universal' file or a '<tag>_universal' folder holding 'zero/' and "
+        f"'mp_rank_XX_model_states.pt')"
+    )
+
+
+def read_tag_file(path: str) -> str:
+    """The tag a tracker file (DeepSpeed's ``latest``) names: one line of printable UTF-8 text.
+    A NUL or another control character would otherwise reach the file system as a raw
+    "embedded null byte" error, or name a folder nobody wrote."""
+    try:
+        raw = files.read_regular(path, 4096)
+    except files.UnsafeFileError as e:
+        raise DeepSpeedImportError(str(e)) from None
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise DeepSpeedImportError(
+            f"{path}: not UTF-8 text (byte {e.start}); expected the name of a tag folder"
+        ) from None
+    if not tag.isprintable():
+        bad = next(c for c in tag if not c.isprintable())
+        raise DeepSpeedImportError(
+            f"{path}: names tag {tag[:100]!r}, which holds the control character {bad!r}; "
+            "expected the name of a tag folder"
+        )
+    return tag
+
+
+def trainer_checkpoints(src: str) -> list[str]:
+    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+    try:
+        names = os.listdir(src)
+    except OSError:
+        return []
+    found = [
+        n
+        for n in names
+        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
+    ]
+    return sorted(found, key=lambda n: int(n.split("-")[1]))
+
+
+def is_model_parallel(tag_dir: str) -> bool:
+    """True when the tag folder holds more than one model-parallel rank or pipeline layer files
+    (a Megatron-DeepSpeed TP/PP checkpoint)."""
+    files = os.listdir(tag_dir)
+    if any(LAYER_FILE.match(f) for f in files):
+        return True
+    mp_ranks = {int(m.group(3)) for m in map(OPTIMIZER_FILE.match, files) if m}
+    mp_ranks |= {int(m.group(1)) for m in map(MP_MODEL_FILE.match, files) if m}
+    return len(mp_ranks) > 1
+
+
+def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], str]:
+    """``{MP rank: {DP rank: path}}`` of the tag's ZeRO optimizer files, and their name prefix.
+
+    One file per (MP, DP) rank, all with or all without DeepSpeed's ``bf16_`` prefix: anything
+    else is two saves mixed in one folder.
+    """
+    by_rank: dict[int, dict[int, str]] = {}
+    prefixes = set()
+    for name in sorted(os.listdir(tag_dir)):
+        match = OPTIMIZER_FILE.match(name)
+        if not match:
+            continue
+        dp_rank, mp_rank = int(match.group(2)), int(match.group(3))
+        same_rank = by_rank.setdefault(mp_rank, {})
+        if dp_rank in same_rank:
+            raise DeepSpeedImportError(
+                f"{tag_dir}: two optimizer files for DP rank {dp_rank}: "
+                f"{os.path.basename(same_rank[dp_rank])} and {name}"
+            )
+        same_rank[dp_rank] = os.path.join(tag_dir, name)
+        prefixes.add(match.group(1) or "")
+    if len(prefixes) > 1:
+        raise DeepSpeedImportError(f"{tag_dir}: both 'bf16_' and plain optimizer files present")
+    return by_rank, prefixes.pop() if prefixes else ""
+
+
+# --------------------------------------------------------------------------- optimizer files
+
+
+@dataclass
+class OptimizerStates:
+    """The ZeRO optimizer files of one model-parallel rank: one complete, consistent partitioning."""
+
+    stage: int
+    world_size: int  # DP ranks, from partition_count
+    partition_count: Any  # as recorded (an int, or one per param group)
+    files: list[str]  # per DP rank
+    states: list[dict]  # per DP rank: its 'optimizer_state_dict'
+
+
+def read_optimizer_states(
+    tag_dir: str, files_by_dp_rank: Mapping[int, str], *, of_rank: str = ""
+) -> OptimizerStates:
+    """Reads one model-parallel rank's optimizer files; every DP rank of ``partition_count``
+    present, no other, all with the same stage and partition count (``of_rank`` names the
+    model-parallel rank in messages)."""
+    first_rank = min(files_by_dp_rank)
+    first = files_by_dp_rank[first_rank]
+    first_state = require(load_deepspeed_file(first), "optimizer_state_dict", first)
+    stage = int(require(first_state, "zero_stage", first))
+    partition_count = require(first_state, "partition_count", first)
+    world = (
+        max(partition_count) if isinstance(partition_count, (list, tuple)) else int(partition_count)
+    )
+    for dp_rank in range(world):
+        if dp_rank not in files_by_dp_rank:
+            path = os.path.join(
+                tag_dir,
+                os.path.basename(first).replace(
+                    f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_"
+                ),
+            )
+            raise DeepSpeedImportError(
+                f"{path}: missing optimizer file for DP rank {dp_rank}{of_rank} "
+                f"(partition_count in {first} is {world})"
+            )
+    if len(files_by_dp_rank) != world:
+        extra = sorted(set(files_by_dp_rank) - set(range(world)))
+        raise DeepSpeedImportError(
+            f"{tag_dir}: world size metadata says {world} DP ranks (partition_count in {first}) "
+            f"but found optimizer files{of_rank} for ranks {sorted(files_by_dp_rank)} (unexpected: "
+            f"{[os.path.basename(files_by_dp_rank[r]) for r in extra]})"
+        )
+    files = [files_by_dp_rank[dp_rank] for dp_rank in range(world)]
+    states = [first_state] + [
+        _matching_optimizer_state(path, stage, partition_count, first) for path in files[1:]
+    ]
+    return OptimizerStates(stage, world, partition_count, files, states)
+
+
+def _matching_optimizer_state(path: str, stage: int, partition_count: Any, first: str) -> dict:
+    """A further DP rank's 'optimizer_state_dict', which must agree with the first rank's."""
+    state = require(load_deepspeed_file(path), "optimizer_state_dict", path)
+    if int(require(state, "zero_stage", path)) != stage:
+        raise DeepSpeedImportError(
+            f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}"
+        )
+    count = require(state, "partition_count", path)
+    if count != partition_count:
+        raise DeepSpeedImportError(
+            f"{path}: partition_count {count}, {first} has {partition_count}"
+        )
+    return state
+
+
+# --------------------------------------------------------------------------- model states files
+
+
+def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
+    """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
+    if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
+        raise DeepSpeedImportError(f"{path}: missing model states file{of_rank}")
+    model_states = load_deepspeed_file(path)
+    if not isinstance(model_states, Mapping):
+        raise DeepSpeedImportError(f"{path}: expected a dict, found {type(model_states).__name__}")
+    return model_states
+
+
+def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: OptimizerStates):
+    """The model states' ``dp_world_size`` (when recorded) must be the optimizer files' count."""
+    recorded = model_states.get("dp_world_size")
+    if recorded is not None and int(recorded) != optimizer.world_size:
+        raise DeepSpeedImportError(
+            f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
+            f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
+        )
+
+
+def frozen_shapes_of(model_states: Mapping, model_file: str) -> dict[str, tuple[int, ...]]:
+    """``frozen_param_shapes``: the parameters the run did not train (requires_grad=False)."""
+    shapes = model_states.get("frozen_param_shapes") or {}
+    if not isinstance(shapes, Mapping):
+        raise DeepSpeedImportError(f"{model_file}: frozen_param_shapes is not a dict")
+    out = {}
+    for name, shape in shapes.items():
+        if not isinstance(name, str):
+            raise DeepSpeedImportError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
+        out[name] = checked_shape(shape, model_file, f"frozen_param_shapes[{name!r}]")
+    return out
+
+
+#: Largest dimension accepted in a shape read from a file (2**48 elements is 1 PiB of fp32).
+MAX_DIM = 2**48
+
+
+def checked_shape(shape: Any, model_file: str, what: str) -> tuple[int, ...]:
+    """A shape read from a file: a tuple or list of ints in ``[0, MAX_DIM)``. A negative
+    dimension would pass an element count check in pairs ((-2, -8) has 16 elements)."""
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
+    ):
+        raise DeepSpeedImportError(
+            f"{model_file}: {what} is {shape!r}; expected a shape of non-negative integers"
+        )
+    return tuple(int(d) for d in shape)
+
+
+def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes`` per param group (a single dict is one group)."""
+    groups = require(model_states, "param_shapes", model_file)
+    if isinstance(groups, Mapping):
+        groups = [groups]
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+        raise DeepSpeedImportError(f"{model_file}: param_shapes is not a list of dicts")
+    return [
+        {
+            str(name): checked_shape(shape, model_file, f"param_shapes[{name!r}]")
+            for name, shape in group.items()
+        }
+        for group in groups
+    ]
+
+
+def version_string(model_states: Mapping) -> str | None:
+    """``ds_version`` as the manifest records it: a short string, or None. It is copied from an
+    untrusted pickle into JSON, so anything else (a nested structure) is not copied."""
+    version = model_states.get("ds_version")
+    if isinstance(version, str) and len(version) <= 64 and version.isprintable():
+        return version
+    return None
+
+
+def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
+    """The model precision of the run: from its bf16 / fp16 config, else from its module weights."""
+    import ml_dtypes
+
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return np.dtype(ml_dtypes.bfloat16)
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return np.dtype(np.float16)
+    for value in module.values():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "fV" and value.size:
+            return value.dtype
+    return np.dtype(np.float32)
+
+
+def inside(path: str, root: str) -> bool:
+    """``path`` (symlinks resolved) lies strictly inside ``root``: a tracker file never leads
+    outside the checkpoint it belongs to (checked by ``files.inside``)."""
+    try:
+        real = files.inside(root, os.path.relpath(path, root), path)
+    except (files.UnsafeFileError, ValueError):
+        return False
+    return real != os.path.realpath(root)

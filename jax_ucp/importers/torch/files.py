@@ -1,0 +1,419 @@
+"""Import ``torch.save`` checkpoints as UCP, read through the safe unpickler (no torch).
+
+Covered: a plain ``torch.save(model.state_dict())`` file (``.pt``/``.pth``/``.bin``); Hugging
+Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
+``pytorch_model.bin.index.json``; Accelerate's full-state ``save_state`` folder
+(``pytorch_model.bin`` or ``pytorch_model_fsdp.bin``, ``optimizer.bin``) and HF Trainer's
+``optimizer.pt`` beside the weights; Lightning ``.ckpt`` files (``state_dict`` +
+``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
+``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
+
+Tensors are read-only memory maps of the files (:mod:`torch_pickle`), streamed one at a time.
+An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
+``i``-th parameter of the model state dict (tied copies that share storage counted once), the
+way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
+guess. Keys that are names (``get_optimizer_state_dict`` / FSDP full optimizer state) are used
+as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from jax_ucp.format import files
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
+from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch.optimizer import (
+    TensorRef,
+    TorchImportError,
+    TorchState,
+    clean_name,
+    plan_state,
+    scalar_ref,
+    strip_wrappers,
+)
+
+__all__ = ["is_torch_files", "plan_torch_files", "SUFFIXES", "MODEL_FILES", "OPTIMIZER_FILES"]
+
+SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+INDEX_FILE = "pytorch_model.bin.index.json"
+MODEL_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt", "model.bin")
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
+_MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
+_OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
+MAX_INDEX_BYTES = 64 << 20
+
+
+def _is_zip(path: str) -> bool:
+    try:
+        with open(files.open_regular(path), "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except (OSError, files.UnsafeFileError):
+        return False
+
+
+def is_torch_files(src: os.PathLike | str) -> bool:
+    """A torch.save file, or a folder with the model files this importer knows."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        return src.endswith(SUFFIXES) and _is_zip(src)
+    if not os.path.isdir(src):
+        return False
+    names = set(os.listdir(src))
+    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_ckpt(src, names) is not None
+
+
+def _single_ckpt(src: str, names: set[str]) -> str | None:
+    ckpts = sorted(n for n in names if n.endswith(".ckpt") and os.path.isfile(os.path.join(src, n)))
+    return ckpts[0] if len(ckpts) == 1 else None
+
+
+def _load(path: str) -> Any:
+    try:
+        return torch_pickle.load_torch_file(path)
+    except torch_pickle.TorchFileError as e:
+        raise TorchImportError(str(e)) from None
+
+
+def _files_of(src: str) -> tuple[list[str], str | None]:
+    """(model files, optimizer file or None) of a file or folder."""
+    if os.path.isfile(src):
+        return [src], None
+    names = set(os.listdir(src))
+    optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
+    if INDEX_FILE in names:
+        return _index_files(src), optimizer
+    found = [n for n in MODEL_FILES if n in names]
+    if len(found) > 1:
+        raise TorchImportError(f"{src}: several model files ({', '.join(found)}); pass one")
+    if found:
+        return [_inside(src, found[0], src)], optimizer
+    ckpt = _single_ckpt(src, names)
+    if ckpt is not None:
+        return [_inside(src, ckpt, src)], None
+    raise TorchImportError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
+
+
+def _index_files(src: str) -> list[str]:
+    index = os.path.join(src, INDEX_FILE)
+    try:
+        data = json.loads(files.read_regular(index, MAX_INDEX_BYTES))
+    except (ValueError, RecursionError) as e:
+        raise TorchImportError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise TorchImportError(f"{index}: expected a 'weight_map' of tensor name -> file name")
+    first: dict[str, str] = {}  # file name -> the first tensor naming it
+    for tensor, name in weight_map.items():
+        first.setdefault(name, tensor)
+    for name in sorted(first):
+        if os.path.basename(name) != name or name in (".", ".."):
+            raise TorchImportError(
+                f"{index}: weight_map names {name[:100]!r}; expected a file beside the index"
+            )
+    return [_inside(src, n, f"{index}: weight_map entry {first[n][:100]!r}") for n in sorted(first)]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
+    inside its cache repo), never a link to a file elsewhere."""
+    try:
+        files.inside(files.checkpoint_root(src), name, what, folder=src)
+    except files.UnsafeFileError as e:
+        raise TorchImportError(str(e)) from None
+    return os.path.join(src, name)
+
+
+def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
+    """(model key or None for a bare state dict, model state dict, optimizer path prefix,
+    optimizer state dict or None)."""
+    if not isinstance(obj, dict):
+        raise TorchImportError(f"{path}: holds a {type(obj).__name__}, expected a dict")
+    model_key = next((k for k in _MODEL_KEYS if isinstance(obj.get(k), dict)), None)
+    if model_key is None:
+        tensors = {k: v for k, v in obj.items() if isinstance(v, np.ndarray)}
+        if not tensors:
+            raise TorchImportError(
+                f"{path}: no tensors and none of the keys {', '.join(_MODEL_KEYS)} holding a "
+                f"state dict (top-level keys: {sorted(map(str, obj))[:8]})"
+            )
+        return None, tensors, None, None
+    optimizer_key = next((k for k in _OPTIMIZER_KEYS if k in obj), None)
+    optimizer = obj.get(optimizer_key) if optimizer_key else None
+    prefix = f"{optimizer_key}."
+    if optimizer_key == "optimizer_states":  # Lightning: a list, one per optimizer
+        if not isinstance(optimizer, list):
+            raise TorchImportError(f"{path}: optimizer_states is not a list")
+        if len(optimizer) > 1:
+            raise TorchImportError(
+                f"{path}: {len(optimizer)} optimizers in optimizer_states; importing several "
+                f"optimizers into one opt_state is not supported"
+            )
+        optimizer, prefix = (optimizer[0] if optimizer else None), "optimizer_states.0."
+    return model_key, obj[model_key], prefix if optimizer is not None else None, optimizer
+
+
+def plan_torch_files(
+    src: os.PathLike | str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
+) -> ImportPlan:
+    """The import of a torch.save checkpoint (file or folder)."""
+    if spec is not None:
+        raise TorchImportError(
+            "torch file imports keep torch's parameter names; apply a spec at restore time "
+            "(jax_ucp.restore(path, spec=...)) instead of at import."
+        )
+    src = os.fspath(src)
+    if not os.path.exists(src):
+        raise TorchImportError(f"{src}: no such file or folder")
+    model_files, optimizer_file = _files_of(src)
+    model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
+    if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
+        _check_index(src, model)
+    if optimizer_file is not None:
+        optimizer = _load(optimizer_file)
+        base = os.path.basename(optimizer_file)
+        optimizer_at = (optimizer_file, f"{base}:")
+        found += [f"{base}:{n}" for n in tensor_names(optimizer)]
+    clean, removed = strip_wrappers(list(model), src)
+    params = {new: _ref(*model[old]) for new, old in clean.items()}
+    states: dict[str, dict[str, TensorRef]] = {}
+    groups: list[dict] = []
+    info: dict[str, Any] = {}
+    optimizer_sources: list[str] = []
+    skipped: dict[str, str] = {}
+    if optimizer is not None:
+        path, prefix = optimizer_at
+        optimizer_sources = [n for n in found if n.startswith(prefix)]
+        info["optimizer_file"] = os.path.basename(path)
+        if not weights_only:
+            states, groups, info["optimizer_keys"] = _optimizer(
+                optimizer, path, prefix, clean, model, skipped
+            )
+    _skip_unused(found, optimizer_sources, params, states, skipped)
+    if removed:
+        info["wrappers_removed"] = removed
+    if other:
+        info["other_entries"] = other  # pickled values that are not tensors (epoch, versions...)
+    state = TorchState(params, states, groups, skipped, src, found, optimizer_sources)
+    source = {
+        "framework": "torch_files",
+        "path": os.path.abspath(src),
+        "files": [os.path.basename(p) for p in model_files],
+        **info,
+    }
+    return plan_state(state, source, weights_only=weights_only, share=share)
+
+
+def _read_model_files(src: str, model_files: list[str]):
+    """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
+    found, the non-tensor entries, and an optimizer state saved inside them with (its file,
+    its source-name prefix)."""
+    model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
+    found: list[str] = []
+    other: list[str] = []
+    optimizer = optimizer_at = None
+    for path in model_files:
+        obj = _load(path)
+        base = os.path.basename(path)
+        key, sd, opt_prefix, opt = _split(obj, path)
+        found += [f"{base}:{n}" for n in tensor_names(obj)]
+        other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
+        if opt is not None:
+            optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
+        _add_state_dict(model, sd, src, path, f"{base}:{key + '.' if key else ''}")
+    return model, found, other, optimizer, optimizer_at
+
+
+def _add_state_dict(model: dict, sd: dict, src: str, path: str, source_prefix: str) -> None:
+    """One file's state dict tensors into ``model``; a name in two files is refused."""
+    for name, value in sd.items():
+        if not isinstance(name, str):
+            raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
+        if not isinstance(value, np.ndarray):
+            continue  # a nested object's tensors are accounted as skipped below
+        if name in model:
+            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+        model[name] = (value, path, f"{source_prefix}{name}")
+
+
+def _skip_unused(
+    found: list[str],
+    optimizer_sources: list[str],
+    params: dict[str, TensorRef],
+    states: dict[str, dict[str, TensorRef]],
+    skipped: dict[str, str],
+) -> None:
+    """Why each tensor found that is neither imported nor an optimizer state is left out."""
+    for name in optimizer_sources:
+        if ":param_groups." in name or ".param_groups." in name:
+            skipped.setdefault(name, "optimizer hyper-parameter, recorded in source.optimizer")
+    used = {r.name for r in params.values()} | {
+        r.name for per in states.values() for r in per.values()
+    }
+    for name in found:
+        if name not in used and name not in optimizer_sources:
+            skipped.setdefault(name, "not a model weight or optimizer state")
+
+
+def _has_tensors(value: Any) -> bool:
+    return next(iter(tensor_names(value)), None) is not None
+
+
+def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
+    return TensorRef(
+        name,
+        tuple(value.shape),
+        value.dtype,
+        lambda: value,
+        {"format": "torch_files", "file": os.path.basename(path)},
+    )
+
+
+def _check_index(src: str, model: dict) -> None:
+    index = os.path.join(src, INDEX_FILE)
+    weight_map = json.loads(files.read_regular(index, MAX_INDEX_BYTES))["weight_map"]
+    wrong = sorted(n for n, f in weight_map.items() if n not in model)
+    unlisted = sorted(set(model) - set(weight_map))
+    moved = sorted(
+        n for n, f in weight_map.items() if n in model and os.path.basename(model[n][1]) != f
+    )
+    if wrong or unlisted or moved:
+        raise TorchImportError(
+            f"{index}: weight_map and the files disagree: missing from the files {wrong[:5]}, "
+            f"not in the index {unlisted[:5]}, in another file than listed {moved[:5]}"
+        )
+
+
+def _optimizer(
+    optimizer: Any, path: str, prefix: str, clean: dict[str, str], model: dict, skipped: dict
+) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
+    """Per-parameter state keyed by clean parameter name, the groups, and how keys were read."""
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        raise TorchImportError(
+            f"{path}: the optimizer state is not a torch optimizer state_dict ('state' and "
+            f"'param_groups'); convert with weights_only=True to import the weights alone"
+        )
+    ids = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+    keys = "names" if all(isinstance(k, str) for k in [*state, *ids]) else "indices"
+    if keys == "names":
+        to_name = {k: clean_name(k)[0] for k in {*state, *ids}}
+    elif _named_groups(groups):  # torch >= 2.5 with named parameters: param_names beside params
+        keys = "param_names"
+        to_name = {
+            i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
+        }
+        _check_named(to_name, state, clean, model, path)
+    else:
+        if len(groups) > 1:
+            sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+            raise TorchImportError(
+                f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
+                f"(sizes {sizes}) without their names: torch numbers them group after group "
+                f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
+                f"after), so index i is not the i-th tensor of the model state dict and which "
+                f"state is whose cannot be told; convert with weights_only=True to import the "
+                f"weights alone"
+            )
+        to_name = _by_index(ids, state, clean, model, path)
+    states: dict[str, dict[str, TensorRef]] = {}
+    for key, per in state.items():
+        if not isinstance(per, dict):
+            raise TorchImportError(f"{path}: state of parameter {key!r} is not a dict")
+        mine = states.setdefault(to_name[key], {})
+        for k, v in per.items():
+            name = f"{prefix}state.{key}.{k}"
+            if isinstance(v, np.ndarray):
+                mine[str(k)] = _ref(v, path, name)
+            elif k == "step":
+                mine["step"] = scalar_ref(name, v, {"file": os.path.basename(path)})
+            elif _has_tensors(v):
+                for n in tensor_names(v, name):
+                    skipped[n] = f"optimizer state {k!r} is not a tensor but holds tensors"
+    out_groups = []
+    for g in groups:
+        if isinstance(g, dict):
+            hps = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+            out_groups.append(
+                {**hps, "params": [to_name.get(p, str(p)) for p in g.get("params", [])]}
+            )
+    how = {
+        "names": "parameter names",
+        "param_names": "parameter indices, named by the groups' param_names",
+        "indices": "parameter indices, in state-dict order",
+    }[keys]
+    return states, out_groups, how
+
+
+def _named_groups(groups: list) -> bool:
+    """Every group lists ``param_names`` (strings) one for one with its ``params``."""
+    return bool(groups) and all(
+        isinstance(g, dict)
+        and isinstance(g.get("param_names"), list)
+        and isinstance(g.get("params"), list)
+        and len(g["param_names"]) == len(g["params"])
+        and all(isinstance(n, str) for n in g["param_names"])
+        for g in groups
+    )
+
+
+def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str) -> None:
+    """Each named index is a model tensor of the state's shape."""
+    for key, per in state.items():
+        name = to_name.get(key)
+        if name is None or name not in clean:
+            raise TorchImportError(
+                f"{path}: optimizer state for index {key!r} ({name!r}), which is not a tensor "
+                f"of the model state dict"
+            )
+        shape = tuple(model[clean[name]][0].shape)
+        for k, v in per.items() if isinstance(per, dict) else ():
+            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
+                raise TorchImportError(
+                    f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
+                    f"{list(v.shape)}, the parameter {list(shape)}"
+                )
+
+
+def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: str) -> dict:
+    """Index ``i`` -> the ``i``-th distinct floating tensor of the model state dict (torch
+    numbers ``model.parameters()`` so; tied copies share storage and count once)."""
+    seen: set[tuple] = set()
+    order = []
+    for new, old in clean.items():
+        value = model[old][0]
+        if not np.issubdtype(value.dtype, np.floating) and value.dtype.kind != "V":
+            continue
+        ident = (value.__array_interface__["data"][0], value.shape, value.strides)
+        if ident in seen:
+            continue
+        seen.add(ident)
+        order.append(new)
+    hint = "; convert with weights_only=True to import the weights alone"
+    if len(ids) != len(order) or sorted(ids, key=str) != sorted(set(ids), key=str):
+        raise TorchImportError(
+            f"{path}: the optimizer numbers {len(ids)} parameters, the model state dict has "
+            f"{len(order)} distinct floating tensors: cannot tell which state is whose "
+            f"(buffers or frozen parameters in the state dict?){hint}"
+        )
+    to_name = dict(zip(ids, order))
+    for key, per in state.items():
+        name = to_name.get(key)
+        if name is None:
+            raise TorchImportError(f"{path}: optimizer state for index {key!r}, not in any group")
+        shape = tuple(model[clean[name]][0].shape)
+        for k, v in per.items() if isinstance(per, dict) else ():
+            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
+                raise TorchImportError(
+                    f"{path}: optimizer state {k!r} of parameter index {key} has shape "
+                    f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
+                    f"order) has {list(shape)}{hint}"
+                )
+    return to_name

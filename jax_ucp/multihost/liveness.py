@@ -1,0 +1,71 @@
+"""Whether the processes of a multi-process job that run on this host are still alive.
+
+Each process records its ``identity`` when the job starts; a process waiting on a peer later
+compares that record with what ``/proc`` says now, so a dead peer is noticed within a poll
+instead of after ``jax.distributed``'s heartbeat (100 s). Only processes of this host (same host
+name, boot and pid namespace) can be checked; the others are left to the heartbeat. Used by the
+shared import (``conversion``) and by replicated reads (``restoring.replicated``).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Sequence
+
+
+def identity(pid: int) -> dict | None:
+    """Where process ``pid`` runs and when it started (None if there is no such process): the
+    start time tells a reused pid from the process it was."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().rsplit(b")", 1)[1].split()
+    except FileNotFoundError:
+        return None
+    except OSError:  # no /proc: only the pid can be checked
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        stat = [b"?"] * 20
+    return {
+        "host": socket.gethostname(),
+        "boot": _read("/proc/sys/kernel/random/boot_id"),
+        "pidns": _link("/proc/self/ns/pid"),
+        "pid": pid,
+        "start": stat[19].decode(),  # field 22 of /proc/<pid>/stat: start time in clock ticks
+        "zombie": stat[0] in (b"Z", b"X"),
+    }
+
+
+def first_lost(peers: Sequence[dict], indices: Iterable[int], me: int) -> int | None:
+    """The first of ``indices`` whose process (``peers[i]``, its ``identity`` when the job
+    started) ran on this host and is gone: no such pid, a zombie, or another process with it."""
+    here = identity(os.getpid())
+    for i in indices:
+        if i >= len(peers) or i == me or not peers[i]:
+            continue
+        peer = peers[i]
+        if any(peer.get(k) != here[k] for k in ("host", "boot", "pidns")):
+            continue  # another machine: jax.distributed's heartbeat notices it
+        now = identity(peer["pid"])
+        if now is None or now.get("zombie") or now["start"] != peer["start"]:
+            return i
+    return None
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""

@@ -1,0 +1,340 @@
+"""Orbax integration: ``UCPCheckpointHandler`` with registered ``UCPSave`` / ``UCPRestore`` args.
+
+Follows Orbax's own async handlers (``JsonCheckpointHandler``): the blocking part of
+``async_save`` only decides the layout and copies this process's shards to host memory; all file
+I/O runs in a commit future after Orbax has created the (temporary) item directory, and Orbax's
+temporary-path + commit machinery makes the save atomic. ``save`` is ``async_save`` plus waiting
+on its commit futures. Only Orbax's public API is used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from jax_ucp import format as fmt
+from jax_ucp import store, writer
+from jax_ucp import tree as tree_lib
+from jax_ucp.restoring import reader
+from jax_ucp.restoring.options import ArgsError, RestoreOptions, check_optional_positive_int
+from jax_ucp.saving import plan as save_plan
+from jax_ucp.writer import commit, durable
+
+DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize
+
+
+class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
+    """Saves a pytree as one consolidated zarr v3 array per leaf plus ``ucp.json``."""
+
+    def __init__(
+        self,
+        *,
+        multiprocessing_options: ocp.options.MultiprocessingOptions | None = None,
+        reuse_host_copies: bool = True,
+    ):
+        """``reuse_host_copies=False``: every async save copies into new memory and keeps none
+        between saves (the pool holds one copy of the process's replica-0 CPU shards)."""
+        options = multiprocessing_options or ocp.options.MultiprocessingOptions()
+        self._primary_host = options.primary_host
+        # Primary only: the manifest of each save in flight, completed and written by finalize.
+        self._pending: dict[str, tuple[fmt.Manifest, dict]] = {}
+        # An async save's private host copies, reused by the next one (released by close()).
+        self._copy_pool = save_plan.HostCopyPool()
+        self._reuse_host_copies = reuse_host_copies
+
+    @property
+    def copy_pool(self) -> save_plan.HostCopyPool:
+        """The private host copies kept between async saves (CPU devices)."""
+        return self._copy_pool
+
+    def _is_primary(self) -> bool:
+        return ocp.multihost.is_primary_host(self._primary_host)
+
+    async def _write(self, directory: str, prepared, primary: bool, copies=()):
+        # No fsync per file (each costs a disk round trip: thousands of small tensors spent most
+        # of a save there); one syncfs makes this process's files durable before Orbax commits.
+        try:
+            digests = await save_plan.write_all(directory, prepared, primary=primary, sync=False)
+        finally:  # every write has settled: the next save may write over these copies
+            del prepared
+            if copies and self._reuse_host_copies:
+                self._copy_pool.release(copies)
+        if not store.is_url(directory):  # an object store's PUT is durable when it returns
+            await asyncio.to_thread(durable.make_tree_durable, directory)
+        if primary:
+            self._pending[directory][1].update(digests)
+        else:  # the primary merges every process's digests into ucp.json in finalize
+            name = f"{DIGESTS_PREFIX}{jax.process_index()}.json"
+            if store.is_url(directory):
+                store.location.write(directory, name, json.dumps(digests).encode())
+                return
+            durable.write_file(os.path.join(directory, name), json.dumps(digests))
+
+    def _commit_futures(self, directory, args, *, copy: bool) -> list[ocp.future.Future]:
+        """Decides the layout, copies this process's shards to host, defers all I/O to a future.
+
+        ``copy``: private host copies of CPU device buffers, for saves whose caller goes on (a
+        donated or deleted array would change under the write); a blocking save skips them.
+        """
+        if store.is_url(os.fspath(directory)) and commit.ORBAX_TMP_MARK in os.fspath(directory):
+            raise fmt.UCPError(
+                f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
+                f"an object store cannot do atomically. Pass CheckpointManagerOptions("
+                f"temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath) (Orbax's "
+                f"default for gs://): each step is then committed by its commit_success.txt."
+            )
+        if isinstance(args, UCPStreamSave):
+            coro = writer.write_stream(
+                os.fspath(directory),
+                args.items,
+                source=args.source,
+                compression=args.compression,
+                inner_chunk_bytes=args.inner_chunk_bytes,
+                budget=args.memory_budget,
+            )
+            return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_stream_save")]
+        options = writer.SaveOptions(
+            compression=args.compression,
+            compression_level=args.compression_level,
+            inner_chunk_bytes=args.inner_chunk_bytes or store.DEFAULT_INNER_CHUNK_BYTES,
+            checksum=args.checksum,
+        )
+        primary = self._is_primary()
+        copies: list = []
+        entries, prepared = save_plan.prepare_tree(
+            args.item,
+            options,
+            primary=primary,
+            copy=copy,
+            logical_axes=args.logical_axes,
+            pool=self._copy_pool if copy and self._reuse_host_copies else None,
+            copies_out=copies,
+        )
+        if primary:
+            manifest = fmt.new_manifest(
+                entries,
+                source=args.source,
+                tree=tree_lib.describe_structure(args.item),
+                kvstore_driver=store.kvstore_driver(os.fspath(directory)),
+            )
+            self._pending[os.fspath(directory)] = (manifest, {})
+        coro = self._write(os.fspath(directory), prepared, primary, copies)
+        return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
+
+    async def async_save(
+        self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
+    ) -> list[ocp.future.Future] | None:
+        return self._commit_futures(directory, args or UCPSave(item), copy=True)
+
+    def save(
+        self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
+    ) -> None:
+        # The same path as async_save, waited on; the caller blocks, so no private copies.
+        for f in self._commit_futures(directory, args or UCPSave(item), copy=False):
+            f.result()
+
+    def restore(
+        self, directory: epath.Path, item: Any = None, args: UCPRestore | None = None
+    ) -> Any:
+        if args is not None and not isinstance(args, UCPRestore):
+            raise ArgsError(
+                f"{directory}: restore args are a {type(args).__name__}; expected "
+                f"jax_ucp.UCPRestore."
+            )
+        args = args or UCPRestore(target=item)
+        return reader.restore_tree(str(directory), args.options)
+
+    def metadata(self, directory: epath.Path) -> fmt.Manifest:
+        return store.read_manifest(str(directory))
+
+    def finalize(self, directory: epath.Path) -> None:
+        """Primary, after every process finished writing: ``ucp.json`` last, with the digest of
+        every shard file, so a checkpoint is listed only once all its data is in place."""
+        pending = self._pending.pop(os.fspath(directory), None)
+        if pending is None:  # a stream save (it writes its own manifest)
+            return
+        manifest, digests = pending
+        directory = os.fspath(directory)
+        remote = store.is_url(directory)
+        names = (
+            store.location.list_names(directory, DIGESTS_PREFIX)
+            if remote
+            else os.listdir(directory)
+        )
+        others = sorted(n for n in names if n.startswith(DIGESTS_PREFIX) and n.endswith(".json"))
+        expected = max(jax.process_count() - 1, 0)
+        if len(others) != expected:
+            raise fmt.UCPError(
+                f"{directory}: {len(others)} of the {expected} other processes reported their "
+                f"shard digests; the save is incomplete and is not committed."
+            )
+        for name in others:
+            if remote:
+                reported = json.loads(store.location.read(directory, name, 64 << 20) or b"{}")
+            else:
+                with open(os.path.join(directory, name)) as f:
+                    reported = json.load(f)
+            for array_dir, shard_digests in reported.items():
+                digests.setdefault(array_dir, {}).update(shard_digests)
+        entries = []
+        for e in manifest.entries:
+            if isinstance(e, fmt.TensorEntry) and e.dir in digests:
+                e = writer.with_digests(e, digests[e.dir])
+                missing = save_plan.missing_shards(e, e.shard_digests)
+                if missing:
+                    raise fmt.UCPError(
+                        f"{directory}: tensor {e.name!r}: no process wrote shard(s) "
+                        f"{missing[:5]}; the save is incomplete and is not committed."
+                    )
+            entries.append(e)
+        manifest = dataclasses.replace(manifest, entries=entries)
+        if remote:  # the commit: one PUT; the digest reports go after, as files do locally
+            store.write_manifest(directory, manifest)
+            for name in others:
+                store.location.delete(directory, name)
+            return
+        durable.write_file(os.path.join(directory, fmt.MANIFEST_FILE), manifest.dumps())
+        for name in others:
+            os.remove(os.path.join(directory, name))
+
+    def close(self):
+        self._copy_pool.close()
+
+
+def _refuse_args_as_item(cls: str, field: str, value) -> None:
+    """Args inside args (``UCPRestore(target=UCPRestore(...))``, what ``restore(dir, item)``
+    with args as the item gives) would be matched as a pytree; refused, never unwrapped."""
+    if isinstance(value, ocp.args.CheckpointArgs):
+        raise ArgsError(
+            f"{cls}.{field}: got a {type(value).__name__}, which is checkpoint args, not a "
+            f"pytree; pass it as args= (mngr.save(step, args=ocp.args.Composite(state="
+            f"jax_ucp.UCPSave(tree))), mngr.restore(step, args=ocp.args.Composite(state="
+            f"jax_ucp.UCPRestore(target=...))))."
+        )
+
+
+@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class UCPSave(ocp.args.CheckpointArgs):
+    """Save args: the pytree, plus layout options. Checked when constructed (as Orbax's
+    ``StandardSaveArgs``), so a wrong option fails in the training loop's ``mngr.save`` call,
+    not later in the background commit.
+
+    Attributes:
+      item: pytree of jax.Array / numpy arrays / Python scalars, strings, None (flax
+        ``nn.Partitioned`` / ``LogicallyPartitioned`` boxes included).
+      logical_axes: optional pytree (same structure) of flax-style logical axis-name tuples,
+        recorded so a restore can map them with new rules; flax boxes in ``item`` are
+        recorded automatically.
+      compression: None (default: the fastest save and restore) or "zstd" (smaller on disk;
+        the trade-off is measured in docs/BENCHMARKS.md, "Compression").
+      compression_level: zstd level (-131072..22; default 3), used with "zstd".
+      inner_chunk_bytes: bound on inner chunks in bytes (what a reader fetches at least);
+        None: the store's default.
+      checksum: "crc32c" (default: every inner chunk and shard index verified on read) or None
+        (corruption then goes undetected; restores no faster here: docs/BENCHMARKS.md).
+      source: provenance recorded in the manifest (a JSON object).
+    """
+
+    item: Any
+    logical_axes: Any = None
+    compression: str | None = None
+    compression_level: int = 3
+    inner_chunk_bytes: int | None = None
+    checksum: str | None = "crc32c"
+    source: dict | None = None
+
+    def __post_init__(self):
+        _refuse_args_as_item("UCPSave", "item", self.item)
+        if self.compression not in (None, "zstd"):
+            raise ArgsError(
+                f"UCPSave.compression: expected None or 'zstd', got {self.compression!r}."
+            )
+        level = self.compression_level
+        if isinstance(level, bool) or not isinstance(level, int) or not -131072 <= level <= 22:
+            raise ArgsError(
+                f"UCPSave.compression_level: expected an int in -131072..22 (zstd's levels), "
+                f"got {level!r}."
+            )
+        check_optional_positive_int("UCPSave.inner_chunk_bytes", self.inner_chunk_bytes)
+        if self.checksum not in ("crc32c", None):
+            raise ArgsError(f"UCPSave.checksum: expected 'crc32c' or None, got {self.checksum!r}.")
+        if self.source is not None and not isinstance(self.source, dict):
+            raise ArgsError(
+                f"UCPSave.source: expected None or a dict (a JSON object), got "
+                f"{type(self.source).__name__}."
+            )
+
+
+@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
+@dataclasses.dataclass
+class UCPRestore(ocp.args.CheckpointArgs):
+    """Restore args: ``jax_ucp.restore``'s keywords (its docstring says what each does in
+    full). Checked when constructed.
+
+    Attributes:
+      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays, or
+        flax-boxed abstract state: the result has its structure, shardings and dtypes.
+      shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
+      mesh: a ``jax.sharding.Mesh``; alone, saved PartitionSpecs are reused where they fit.
+      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]``, with ``mesh``.
+      spec: a UCP-language spec (a ``jax_ucp.language.Spec``, a shipped spec's name with its
+        settings loaded by ``jax_ucp.language.load_spec``, or a spec file) applied as views.
+      dtype: cast every tensor to this dtype.
+      casting: numpy's casting rule for dtype conversions: "no", "equiv", "safe",
+        "same_kind" (default) or "unsafe".
+      select: a regex matched in full against "/"-joined names, or a predicate on the name:
+        only those leaves are restored (without a target).
+      max_read_bytes: host memory for reads in flight (None: 256 MiB).
+      strict: with ``mesh=``, refuse rules and mesh axes that name nothing in the checkpoint.
+      replicated_read: "each" (None: default) or "once": in a multi-process job, tensors every
+        process needs whole are read in shares and all-gathered (the storage read once).
+    """
+
+    target: Any = None
+    shardings: Any = None
+    mesh: jax.sharding.Mesh | None = None
+    rules: Sequence[tuple[str, Any]] | None = None
+    spec: Any = None
+    dtype: Any = None
+    casting: str = "same_kind"
+    select: Any = None
+    max_read_bytes: int | None = None
+    strict: bool = True
+    replicated_read: str | None = None
+
+    def __post_init__(self):
+        _refuse_args_as_item("UCPRestore", "target", self.target)
+        _ = self.options  # checked now, in the training loop's mngr.restore call
+
+    @property
+    def options(self) -> RestoreOptions:
+        """These args as the read path's one options object (checked)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return RestoreOptions(**fields, where="UCPRestore")
+
+
+@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@dataclasses.dataclass
+class UCPStreamSave(ocp.args.CheckpointArgs):
+    """Save args for a stream of ``HostItem`` (single process: the primary writes everything).
+
+    What ``manager_step`` uses to write an import as a CheckpointManager step; a standalone
+    import commits without Orbax (``writer.write_host_checkpoint``).
+    """
+
+    items: Iterable[writer.HostItem]
+    source: dict | None = None
+    compression: str | None = None
+    inner_chunk_bytes: int | None = None
+    # bytes held at once (None: ``writer.memory_budget()`` where the write runs); Orbax may run
+    # the write in another thread, where the caller's budget context is not set
+    memory_budget: int | None = None

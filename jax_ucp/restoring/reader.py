@@ -1,0 +1,1058 @@
+"""Restore: match what the caller asks for to what is saved, read only the needed slices."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import os
+import re
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+
+from jax_ucp import format as fmt
+from jax_ucp import sharding as sharding_lib
+from jax_ucp import store
+from jax_ucp import tree as tree_lib
+from jax_ucp.restoring import replicated
+from jax_ucp.restoring.options import (
+    CASTINGS,
+    DEFAULT_MAX_READ_BYTES,
+    ArgsError,
+    RestoreOptions,
+)
+from jax_ucp.store import shard_file, shard_reader
+from jax_ucp.writer import commit
+
+
+class CheckpointError(fmt.UCPError, ValueError):
+    """A checkpoint cannot be restored as asked: names the tensor, the file, expected vs found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Available:
+    """A tensor restore can produce: stored as is, or a lazy view the UCP language built."""
+
+    key: tuple[str, ...]
+    key_types: tuple[str, ...]
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sources: tuple[fmt.TensorEntry, ...]
+    build: Callable[[Mapping[tuple[str, ...], ts.TensorStore]], ts.TensorStore]
+    saved_sharding: fmt.SavedSharding | None = None
+    logical_axes: tuple | None = None
+    stored: bool = False  # the stored array itself (no view): may be read by store.shard_reader
+
+    @property
+    def name(self) -> str:
+        return fmt.key_to_str(self.key)
+
+
+def find_checkpoint_dir(path) -> str:
+    """``path`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
+
+    A forced save killed between its two renames leaves ``path`` missing with both whole
+    checkpoints beside it: the newer one (``<path>.ucp-replacing``, committed before the swap
+    began) is read, else the older one (``<path>.ucp-replaced``). Reading never renames; the
+    next save to ``path`` completes the interrupted swap.
+    """
+    path = os.fspath(path).rstrip("/") or "/"
+    if store.is_url(path):
+        return _find_in_object_store(path)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return path
+    if not os.path.lexists(path):
+        for survivor in (path + commit.REPLACING, path + commit.REPLACED):
+            if os.path.isdir(survivor):
+                return find_checkpoint_dir(survivor)
+        raise CheckpointError(f"{path}: no such checkpoint directory.")
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{path}: is a file, not a checkpoint directory (expected a directory holding "
+            f"{fmt.MANIFEST_FILE}, or an Orbax step directory with one UCP item)."
+        )
+    items = sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
+    )
+    if len(items) == 1 and is_step_dir(path):
+        return os.path.join(path, items[0])
+    if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
+        raise CheckpointError(
+            f"{path}: no {fmt.MANIFEST_FILE} here; it is not a checkpoint nor an Orbax step "
+            f"directory, but holds one checkpoint: {os.path.join(path, items[0])} (pass that)."
+        )
+    if not items:
+        steps = manager_steps(path)
+        if steps:
+            shown = ", ".join(name for name, _ in steps[-10:])
+            name, item = steps[-1]
+            raise CheckpointError(
+                f"{path}: a CheckpointManager directory, not a checkpoint: "
+                f"{len(steps)} step(s) with a UCP item ({'…, ' if len(steps) > 10 else ''}"
+                f"{shown}); pass a step's item, e.g. {os.path.join(path, name, item)} "
+                f"(or mngr.restore(step) in Orbax)."
+            )
+        raise CheckpointError(
+            f"{path}: no {fmt.MANIFEST_FILE} here nor in any item directory below "
+            f"it; not a jax_ucp checkpoint (or the manifest was removed)."
+        )
+    raise CheckpointError(f"{path}: holds several UCP items {items}; pass one of them.")
+
+
+def is_step_dir(path: str) -> bool:
+    """An Orbax step directory: Orbax's step metadata or commit marker in it, or a step number
+    as its name (CheckpointManager's default step names)."""
+    return (
+        os.path.basename(path).isdigit()
+        or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
+        or os.path.exists(os.path.join(path, "commit_success.txt"))
+    )
+
+
+def manager_steps(path: str) -> list[tuple[str, str]]:
+    """(step directory, its first UCP item) of each step of a CheckpointManager root, in step
+    order (numeric names first)."""
+    steps = []
+    for name in os.listdir(path):
+        step = os.path.join(path, name)
+        if not os.path.isdir(step) or not is_step_dir(step):
+            continue
+        items = sorted(
+            i for i in os.listdir(step) if os.path.exists(os.path.join(step, i, fmt.MANIFEST_FILE))
+        )
+        if items:
+            steps.append((name, items[0]))
+    return sorted(
+        steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
+    )
+
+
+def _find_in_object_store(url: str) -> str:
+    """``url`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
+    A prefix without ucp.json is no checkpoint: a save that never completed."""
+    location = store.location
+    if location.exists(url, fmt.MANIFEST_FILE):
+        return url
+    items = sorted(
+        {
+            name.split("/")[0]
+            for name in location.list_names(url)
+            if name.count("/") == 1 and name.endswith("/" + fmt.MANIFEST_FILE)
+        }
+    )
+    if len(items) == 1:
+        return location.join(url, items[0])
+    if not items:
+        raise CheckpointError(
+            f"{url}: no {fmt.MANIFEST_FILE} here nor in any item below it; not a jax_ucp "
+            f"checkpoint (or its save did not complete: an object-store checkpoint exists once "
+            f"its {fmt.MANIFEST_FILE} is written)."
+        )
+    raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
+
+
+def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:
+    """What a restore may ask for: the saved tensors, or the views ``spec`` makes of them."""
+    by_key = {e.key: e for e in manifest.tensors}
+    if spec is None:
+        return {
+            e.key: Available(
+                key=e.key,
+                key_types=e.key_types,
+                shape=e.shape,
+                dtype=store.zarr3.numpy_dtype(e.dtype),
+                sources=(e,),
+                build=lambda opened, k=e.key: opened[k],
+                saved_sharding=e.saved_sharding,
+                logical_axes=e.logical_axes,
+                stored=True,
+            )
+            for e in manifest.tensors
+        }
+    from jax_ucp import language  # restore-time transforms (stack/unstack/split/merge/transpose)
+
+    saved = {
+        k: language.TensorInfo(shape=e.shape, dtype=store.zarr3.numpy_dtype(e.dtype))
+        for k, e in by_key.items()
+    }
+    plans = language.compile_restore_plan(spec, saved)
+    out = {}
+    for key, plan in plans.items():
+        srcs = tuple(by_key[s] for s in plan.sources)
+        identity = len(srcs) == 1 and srcs[0].key == key and tuple(plan.shape) == srcs[0].shape
+        out[tuple(key)] = Available(
+            key=tuple(key),
+            key_types=srcs[0].key_types if identity else ("key",) * len(key),
+            shape=tuple(plan.shape),
+            dtype=np.dtype(plan.dtype),
+            sources=srcs,
+            build=plan.build,
+            saved_sharding=srcs[0].saved_sharding if identity else None,
+            logical_axes=srcs[0].logical_axes if identity else None,
+        )
+    return out
+
+
+class _Opener:
+    """Opens each stored array once, concurrently, with errors that name tensor and file."""
+
+    def __init__(self, root: str):
+        self.root = root
+        self._context = store.zarr3.read_context()
+        self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
+
+    def request(self, entry: fmt.TensorEntry):
+        if entry.key not in self._futures:
+            kv = store.kvstore_config(self.root, entry.dir)
+            if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
+                try:  # an array folder linked out of the checkpoint is never read
+                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
+                    fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
+                except FileNotFoundError:
+                    pass  # reported with the tensor's name by get()
+                except fmt.files.UnsafeFileError as e:
+                    raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+            self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
+
+    def get(self, key) -> ts.TensorStore:
+        entry, fut = self._futures[key]
+        where = os.path.join(self.root, entry.dir)
+        try:
+            t = fut.result()
+        except Exception as e:  # noqa: BLE001
+            if not os.path.exists(os.path.join(where, "zarr.json")) and "://" not in where:
+                raise CheckpointError(
+                    f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
+                    f"array {where}/zarr.json is missing."
+                ) from e
+            raise CheckpointError(f"Tensor {entry.name!r}: cannot open {where}: {e}") from e
+        found_dtype = t.dtype.numpy_dtype
+        if tuple(t.shape) != entry.shape or found_dtype != store.zarr3.numpy_dtype(entry.dtype):
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
+                f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
+            )
+        layout = t.chunk_layout
+        found_chunks = (
+            tuple(layout.write_chunk.shape or ()),  # None for a 0-d array
+            tuple(layout.read_chunk.shape or ()),
+        )
+        if entry.shape and found_chunks != (entry.chunk_shape, entry.inner_chunk_shape):
+            raise CheckpointError(  # the manifest's chunks are the ones checked for size
+                f"Tensor {entry.name!r}: {where}/zarr.json has chunk shape {found_chunks[0]} "
+                f"and inner chunk shape {found_chunks[1]}, but {fmt.MANIFEST_FILE} says "
+                f"{entry.chunk_shape} and {entry.inner_chunk_shape}."
+            )
+        return t
+
+
+@dataclasses.dataclass
+class Request:
+    """What the caller wants for one leaf: a tensor (sharding None → host numpy) or a value."""
+
+    key: tuple[str, ...]
+    dtype: np.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    sharding: jax.sharding.Sharding | None = None
+    python_type: type | None = None  # target leaf was a Python scalar
+    wants_array: bool = False  # target leaf was an array (a saved Python value does not fit)
+
+
+_KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
+
+
+def _kind_rank(dtype: np.dtype) -> int:
+    """bool < integers < floats (bfloat16 and float8 included) < complex."""
+    if dtype.kind in _KIND_RANK:
+        return _KIND_RANK[dtype.kind]
+    return 2 if "float" in dtype.name else 1  # ml_dtypes: bfloat16/float8_* / int4
+
+
+def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> None:
+    """Refuses a dtype conversion ``casting`` does not allow (numpy's vocabulary).
+
+    The default ``same_kind`` lets float32 become bfloat16 (a precision change users ask for)
+    but not int8 (300 would wrap to 44, NaN to 0): that needs ``casting="unsafe"``. Values are
+    checked as they are converted (``sharding.convert``): under ``same_kind`` a narrowing float
+    cast in which a finite value overflows the target (1e10 into float16 or float8) or an inf
+    meets a dtype without inf (float8_e4m3fn) is an error after the read; under ``unsafe`` it is
+    a RuntimeWarning naming the tensor and the count.
+    """
+    if casting not in CASTINGS:
+        raise ArgsError(f"casting must be one of {CASTINGS}, got {casting!r}.")
+    if saved == wanted or casting == "unsafe":
+        return
+    if casting == "same_kind":
+        ok = _kind_rank(wanted) >= _kind_rank(saved)
+    else:
+        try:
+            ok = np.can_cast(saved, wanted, casting)
+        except TypeError:
+            ok = False
+    if not ok:
+        raise CheckpointError(
+            f"Tensor {name!r} was saved as {saved}; converting it to {wanted} is not a "
+            f"{casting!r} cast (values would change). Pass casting='unsafe' to convert anyway."
+        )
+
+
+def _match(key, available: Mapping, values: Mapping):
+    """Look a target key up; tolerant of int vs str components (lists vs dicts of indices)."""
+    key = tuple(str(k) for k in key)
+    if key in available:
+        return available[key]
+    if key in values:
+        return values[key]
+    return None
+
+
+def read(
+    root: str,
+    manifest: fmt.Manifest,
+    requests: Sequence[Request],
+    *,
+    spec=None,
+    available: Mapping | None = None,
+    casting: str = "same_kind",
+    max_read_bytes: int | None = None,
+    replicated_read: str | None = None,
+) -> list:
+    """Reads what ``requests`` ask of the checkpoint at ``root``, in request order: jax.Array
+    (a request with a sharding), np.ndarray, or the saved Python value.
+
+    The one read path of every restore (and of ``verify``): each process opens every array once
+    and reads only the slices its devices need, through ``store.shard_reader`` where the layout
+    allows (hardware crc32c, shard digests) and TensorStore elsewhere (after checking every
+    shard file it will open).
+
+    Args:
+      root: the checkpoint directory (holding ucp.json).
+      manifest: its manifest.
+      requests: what to read, one result per request.
+      spec: a UCP-language spec whose views the requests name (when ``available`` is None).
+      available: what may be read (``available_tensors``); None: computed from the manifest.
+      casting: numpy's casting rule for the requests' dtypes.
+      max_read_bytes: host bytes of read buffers in flight (None: 256 MiB).
+      replicated_read: "each" (None) or "once": in a multi-process job, tensors every process
+        needs whole are read once in all and all-gathered (``restoring.replicated``).
+    """
+    if available is None:
+        available = available_tensors(manifest, spec)
+    values = {e.key: e for e in manifest.values}
+    opener = _Opener(root)
+    plan = [_plan_item(root, req, available, values, casting) for req in requests]
+    for item in plan:
+        for src in item[2].sources if item[0] == "tensor" else ():
+            opener.request(src)
+    # All opens were issued above; now read with at most ``max_read_bytes`` of host buffers in
+    # flight: a tensor's reads start once the budget has room (one tensor at least), and the
+    # oldest is turned into its result (device arrays; its host buffers freed) to make room.
+    if store.location.is_url(root):  # every shard object's digest at once, before any read
+        sources = {s.key: s for item in plan if item[0] == "tensor" for s in item[2].sources}
+        verify_shard_objects(root, sources.values())
+    reads = _Reads(root, opener, casting, max_read_bytes, len(plan))
+    # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
+    once = replicated.select(
+        [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
+        replicated.check_option(replicated_read),
+    )
+    shared = replicated.read_once(
+        once, reads.source_of, budget=reads.window.max_bytes, check=reads.check
+    )
+    for done in shared:
+        reads.finish(done)
+    read_once = {position for position, _, _ in once}
+    for position, item in enumerate(plan):
+        if position in read_once:
+            continue
+        if item[0] == "value":
+            reads.out[position] = item[1]
+        else:
+            reads.start(position, item[1], item[2])
+    for done in reads.window.drain():
+        reads.finish(done)
+    return reads.out
+
+
+class _Reads:
+    """The reads of one ``read`` call: at most ``max_read_bytes`` of host buffers in flight (a
+    tensor's reads start once the budget has room, one tensor at least; the oldest is turned
+    into its result, its host buffers freed, to make room), and the bytes its results keep in
+    host memory checked against the host's."""
+
+    def __init__(self, root: str, opener: _Opener, casting: str, max_read_bytes, n: int):
+        self.root, self.opener, self.casting = root, opener, casting
+        self.url = store.location.is_url(root)
+        self.out: list = [None] * n
+        self.window = store.InFlightBytes(
+            DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+        )
+        self.kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU)
+        self.limit = sharding_lib.host_memory_limit()
+
+    def _source(self, found: Available):
+        """``found``'s source: ``store.shard_reader`` where its layout allows, else its view."""
+        view = found.build({s.key: self.opener.get(s.key) for s in found.sources})
+        fast = _fast_reader(self.root, found.sources[0], view) if found.stored else None
+        return (view, True) if fast is None else (fast, False)
+
+    def _verify(self, found: Available) -> None:
+        """Read by TensorStore: every shard file it may open checked first (object stores
+        were checked at once, before any read)."""
+        if not self.url:
+            for src in found.sources:
+                verify_shard_files(self.root, src)
+
+    def source_of(self, found: Available):
+        """``found``'s checked source (for ``replicated.read_once``)."""
+        source, by_tensorstore = self._source(found)
+        if by_tensorstore:
+            self._verify(found)
+        return source
+
+    def check(self, found: Available, pending) -> None:
+        """``_check_memory`` of one tensor, its host-resident bytes counted."""
+        self.kept += _check_memory(self.root, found, pending, self.kept, self.limit)
+
+    def start(self, position: int, req: Request, found: Available) -> None:
+        """Starts one tensor's reads once the budget has room for them."""
+        source, by_tensorstore = self._source(found)
+        dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+        pending = sharding_lib.PendingArray(source, found.shape, dtype, req.sharding)
+        self.check(found, pending)
+        if by_tensorstore:
+            self._verify(found)
+        for done in self.window.make_room(pending.read_bytes):
+            self.finish(done)
+        try:
+            pending.start()
+        except MemoryError:
+            raise _memory_error(self.root, found, pending, "could not be allocated") from None
+        self.window.add((position, req, found, pending), pending.read_bytes)
+
+    def finish(self, done) -> None:
+        _finish(self.root, done, self.out, self.casting)
+
+
+def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, casting: str):
+    """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
+    after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
+    target, divisibility by the sharding, a 64-bit dtype JAX would narrow on device."""
+    found = _match(req.key, available, values)
+    name = fmt.key_to_str(req.key)
+    if found is None:
+        near = [fmt.key_to_str(k) for k in list(available)[:5]]
+        raise CheckpointError(
+            f"Tensor {name!r} is not in the checkpoint {root} "
+            f"({len(available)} tensors, e.g. {near})."
+        )
+    if isinstance(found, fmt.ValueEntry):
+        value = found.value
+        if req.wants_array:
+            value = value_as_array(name, root, value, req, casting)
+        return ("value", value)
+    check_tensor_request(name, req, found, f"the checkpoint {root}", casting)
+    return ("tensor", req, found)
+
+
+def check_tensor_request(name: str, req: Request, found, holder: str, casting: str) -> np.dtype:
+    """The checks of a request for a tensor that need no data, whatever the source: shape,
+    dtype cast, a Python scalar target (a 0-d tensor only), divisibility by the sharding, a
+    64-bit dtype JAX would narrow on device. Returns the dtype it is restored as.
+
+    Args:
+      name: the tensor's name.
+      req: the request.
+      found: what the source holds (``shape``, ``dtype``).
+      holder: names the source in errors ("the checkpoint <dir>", "<file>:<tensor>").
+      casting: numpy's casting rule.
+    """
+    if req.shape is not None and tuple(req.shape) != found.shape:
+        raise CheckpointError(
+            f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, "
+            f"{holder} holds shape {found.shape}."
+        )
+    want_dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+    check_cast(name, found.dtype, want_dtype, casting)
+    if req.python_type is not None and found.shape != ():
+        raise CheckpointError(
+            f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but "
+            f"{holder} holds an array of shape {found.shape}."
+        )
+    if req.sharding is not None:
+        sharding_lib.check_divisible(name, found.shape, req.sharding)
+        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(want_dtype))
+        if narrowed != want_dtype:
+            raise CheckpointError(
+                f"Tensor {name!r} is {want_dtype}, which JAX would silently narrow to "
+                f"{narrowed} on device; enable jax_enable_x64, restore it to host (sharding "
+                f"None) or ask for a dtype."
+            )
+    return want_dtype
+
+
+def _check_memory(root, found: Available, pending, kept: int, limit) -> int:
+    """Refuses, before allocating, a tensor whose buffers cannot fit this host (a manifest may
+    declare 2**40 elements), or whose result would take the host-resident results past it.
+    Returns the bytes its result keeps in host memory."""
+    keeps = pending.result_bytes if pending.on_host else 0
+    if limit is None:
+        return keeps
+    bytes_, what = limit
+    for src in found.sources:  # a reader decodes whole inner chunks
+        chunk = math.prod(src.inner_chunk_shape) * store.zarr3.numpy_dtype(src.dtype).itemsize
+        if src.shape and chunk > bytes_:
+            raise CheckpointError(
+                f"Tensor {found.name!r} ({os.path.join(root, src.dir)}): its inner chunks of "
+                f"shape {src.inner_chunk_shape} take {_human(chunk)} each, more than {what} "
+                f"({_human(bytes_)}); a reader decodes whole chunks. Check the checkpoint's "
+                f"{fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
+            )
+    if pending.host_bytes > bytes_:
+        raise _memory_error(root, found, pending, f"exceeds {what} ({_human(bytes_)})")
+    if kept + keeps > bytes_:
+        raise _memory_error(
+            root,
+            found,
+            pending,
+            f"would take the {_human(kept)} this restore already holds in host memory past "
+            f"{what} ({_human(bytes_)})",
+        )
+    return keeps
+
+
+def _memory_error(root, found: Available, pending, why: str) -> CheckpointError:
+    files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+    return CheckpointError(
+        f"Tensor {found.name!r} ({files}): restoring it needs {_human(pending.host_bytes)} of "
+        f"host memory (shape {found.shape}, {pending.dtype}, the slices this process reads), "
+        f"which {why}. Restore it sharded over more processes, select= other tensors, or check "
+        f"the checkpoint's {fmt.MANIFEST_FILE} (it declares this shape)."
+    )
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _finish(root: str, entry, out: list, casting: str) -> None:
+    """Waits for one tensor's reads, stores its result (its read buffers are then freed)."""
+    position, req, found, pending = entry
+    try:
+        result = pending.result()
+    except Exception as e:  # noqa: BLE001
+        files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+        if isinstance(e, fmt.UCPError):
+            raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
+        what = (
+            "crc32c checksum mismatch: the data is corrupt"
+            if ("Digest mismatch" in str(e) or "crc32c checksum mismatch" in str(e))
+            else "missing data: the checkpoint is incomplete"
+            if "is missing" in str(e) or "NOT_FOUND" in str(e)
+            else "corrupt or truncated data?"
+        )
+        raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed ({what}): {e}") from e
+    if pending.overflowed:
+        _overflow(root, found, pending, casting)
+    if req.python_type is not None and getattr(result, "shape", None) == ():
+        result = req.python_type(np.asarray(result).item())
+    out[position] = result
+
+
+def _overflow(root: str, found: Available, pending, casting: str) -> None:
+    """A narrowing float cast that overflowed: an error under ``same_kind`` (values would
+    change, as float → int does), a warning naming the tensor under ``unsafe``."""
+    files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
+    target = pending.dtype
+    largest = np.finfo(target).max if target.kind == "c" else ml_dtypes.finfo(target).max
+    total = math.prod(found.shape)
+    message = (
+        f"Tensor {found.name!r} ({files}): {pending.overflowed} of its values (of {total}) "
+        f"overflow {target} (largest finite {largest}) converting from {found.dtype}: they "
+        f"became inf or NaN."
+    )
+    if casting != "unsafe":
+        raise CheckpointError(
+            f"{message} A {casting!r} cast keeps every value's magnitude; pass "
+            f"casting='unsafe' to convert anyway, or restore as {found.dtype}."
+        )
+    warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
+    """``store.shard_reader`` (hardware crc32c, shard digests checked) where the array's
+    zarr.json allows it, else None."""
+    kv = store.kvstore_config(root, entry.dir)
+    if kv.get("driver") != "file":
+        return None
+    layout = shard_file.layout_from_metadata(
+        opened.spec().to_json().get("metadata", {}), opened.dtype.numpy_dtype
+    )
+    if layout is None:
+        return None
+    return shard_reader.ShardReader(
+        kv["path"],
+        layout,
+        opened.dtype.numpy_dtype,
+        digests=entry.shard_digests,
+        tensor=entry.name,
+        root=root,
+    )
+
+
+def shard_keys(entry: fmt.TensorEntry) -> list[str]:
+    """Keys of every shard file of ``entry``'s chunk grid (none for a zero-size array)."""
+    if 0 in entry.shape:
+        return []
+    grid = [range(-(-n // c)) for n, c in zip(entry.shape, entry.chunk_shape)]
+    return [shard_file.shard_key(pos) for pos in itertools.product(*grid)]
+
+
+def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
+    """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
+    checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
+    is an error naming the file, and a FIFO never blocks the read."""
+    kv = store.kvstore_config(root, entry.dir)
+    if kv.get("driver") != "file":
+        verify_shard_objects(root, [entry])
+        return
+    n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    for key in shard_keys(entry):
+        path = os.path.join(kv["path"], *key.split("/"))
+        try:
+            fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
+            if entry.checksum == "crc32c" and entry.shard_digests is not None:
+                found = shard_reader.file_digest(path, n_chunks)
+                shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
+            else:
+                fmt.files.check_regular(path)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
+            ) from None
+        except fmt.UCPError as e:
+            raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+
+
+def verify_shard_objects(root: str, entries) -> None:
+    """``verify_shard_files`` for many tensors in an object store at once: each shard object's
+    digest from its index and chunk trailers, read as byte ranges, all objects' requests issued
+    together (two round trips for a whole restore, where one object after another took two
+    each)."""
+    entries = [e for e in entries if e.checksum == "crc32c" and e.shard_digests is not None]
+    if not entries:
+        return
+    kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
+    shards, owners = [], []
+    for entry in entries:
+        n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+        data_bytes = shard_file.index_offset(
+            entry.inner_chunk_shape,
+            store.zarr3.numpy_dtype(entry.dtype),
+            n_chunks,
+            entry.compression,
+        )
+        for key in shard_keys(entry):
+            where = store.location.join(root, entry.dir, key)
+            shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
+            owners.append((entry, key, where))
+    for start in range(0, len(shards), _OBJECTS_PER_SWEEP):
+        found = shard_reader.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
+        for (entry, key, where), digest in zip(owners[start:], found):
+            try:
+                if isinstance(digest, BaseException):
+                    raise digest
+                shard_file.check_digest(where, digest, entry.shard_digests.get(key), entry.name)
+            except FileNotFoundError:
+                raise CheckpointError(
+                    f"Tensor {entry.name!r}: shard object {where} is missing (the checkpoint is "
+                    f"incomplete)."
+                ) from None
+            except fmt.UCPError as e:
+                raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+
+
+# Shard objects whose digests are read together (each holds its index in memory meanwhile).
+_OBJECTS_PER_SWEEP = 4096
+
+
+def value_as_array(name: str, root: str, value: Any, req: Request, casting: str):
+    """A saved Python bool/int/float as the array a target leaf asks for (a ``jax.Array`` on
+    its sharding, as Orbax gives ``step=5`` restored into a ``jax.eval_shape`` target), when the
+    conversion keeps the value: the cast is one ``casting`` allows from the value's own type
+    (bool, int64, float64) and the value survives it (no int wraps, no float overflows).
+    Anything else (a str, None, a lossy cast) needs ``casting="unsafe"``."""
+    want = np.dtype(req.dtype) if req.dtype is not None else None
+    shape = tuple(req.shape) if req.shape is not None else ()
+    kind = type(value)
+    if shape != ():
+        raise CheckpointError(
+            f"Leaf {name!r}: the target asks for an array of shape {shape}, but the checkpoint "
+            f"{root} holds the Python {kind.__name__} {_short(value)} (a scalar)."
+        )
+    if casting != "unsafe":
+        why = None
+        if kind not in (bool, int, float):
+            why = f"holds the Python {kind.__name__} {_short(value)}"
+        elif want is not None:
+            natural = np.dtype(bool if kind is bool else np.int64 if kind is int else np.float64)
+            try:
+                check_cast(name, natural, want, casting)
+                with np.errstate(over="ignore", invalid="ignore"):
+                    converted = np.asarray(value).astype(want)
+                back = converted.item()
+                if kind is int and back != value:
+                    why = f"holds the Python int {value}, which {want} cannot hold"
+                elif kind is float and np.isfinite(value) and not np.isfinite(float(back)):
+                    why = f"holds the Python float {value}, which overflows {want}"
+            except (CheckpointError, OverflowError):
+                why = (
+                    f"holds the Python {kind.__name__} {_short(value)}, and {natural} → {want} "
+                    f"is not a {casting!r} cast"
+                )
+        if why is not None:
+            raise CheckpointError(
+                f"Leaf {name!r}: the target asks for a {want if want is not None else ''} "
+                f"array, but the checkpoint {root} {why}. Pass "
+                f"casting='unsafe' to turn it into an array anyway."
+            )
+    try:
+        array = np.asarray(value, dtype=want)
+    except (OverflowError, ValueError, TypeError):
+        with np.errstate(over="ignore", invalid="ignore"):
+            array = np.asarray(value).astype(want)
+    if req.sharding is not None:
+        return jax.device_put(array, req.sharding)
+    return array
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value) if not isinstance(value, str) else repr(value[:limit])
+    return text[:limit] + ("…" if len(text) > limit else "")
+
+
+def _concrete(key, sharding, mesh):
+    """A target's ``NamedSharding`` on an ``AbstractMesh`` (what ``nnx.eval_shape`` under
+    ``jax.set_mesh`` gives) on the concrete mesh: ``mesh=`` or the one set by
+    ``jax.set_mesh``, when its axis names and sizes are the abstract mesh's."""
+    if not (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+    ):
+        return sharding
+    wanted = dict(sharding.mesh.shape)
+    candidates = [mesh] if mesh is not None else []
+    current = getattr(jax.sharding, "get_mesh", lambda: None)()
+    if current is not None and not getattr(current, "empty", True):
+        candidates.append(current)
+    for candidate in candidates:
+        if isinstance(candidate, jax.sharding.Mesh) and dict(candidate.shape) == wanted:
+            return jax.sharding.NamedSharding(candidate, sharding.spec)
+    found = f"; mesh= has axes {dict(mesh.shape)}" if mesh is not None else ""
+    raise CheckpointError(
+        f"Leaf {fmt.key_to_str(key)!r}: the target's sharding is on an AbstractMesh {wanted} "
+        f"(nnx.eval_shape under jax.set_mesh gives these), which has no devices{found}. Pass "
+        f"the concrete mesh as mesh=, or restore inside `with jax.set_mesh(mesh):`."
+    )
+
+
+def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
+    """One request per target leaf; shardings (same structure) override the target's own.
+    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``."""
+    leaves, treedef = tree_lib.flatten(target)
+    shard_by_key = {}
+    if shardings is not None:
+        for key, _, s in tree_lib.flatten(shardings)[0]:
+            shard_by_key[key] = _concrete(key, tree_lib.unbox(s)[0], mesh)
+    reqs = []
+    for key, _, leaf in leaves:
+        leaf, _ = tree_lib.unbox(leaf)
+        if isinstance(leaf, jax.sharding.Sharding):  # a pytree of shardings used as the target
+            reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
+            continue
+        sharding = shard_by_key.get(key, _concrete(key, getattr(leaf, "sharding", None), mesh))
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
+            reqs.append(
+                Request(
+                    key=key,
+                    dtype=np.dtype(leaf.dtype),
+                    shape=tuple(leaf.shape),
+                    sharding=sharding,
+                    wants_array=True,
+                )
+            )
+        elif isinstance(leaf, (np.ndarray, np.generic)):
+            reqs.append(
+                Request(
+                    key=key,
+                    dtype=leaf.dtype,
+                    shape=tuple(np.shape(leaf)),
+                    sharding=shard_by_key.get(key),
+                    wants_array=True,
+                )
+            )
+        elif isinstance(leaf, (bool, int, float)):
+            reqs.append(Request(key=key, python_type=type(leaf), sharding=shard_by_key.get(key)))
+        else:  # None, str, or anything else: take what was saved
+            reqs.append(Request(key=key, sharding=shard_by_key.get(key)))
+    return reqs, treedef
+
+
+def restore_tree(path, options: RestoreOptions):
+    """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
+
+    A concurrent forced save swaps directories: if the checkpoint directory changed while it was
+    read, the restore starts over on the new one (a few times), so the result is never a mix of
+    two saves.
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      options: what to restore and how (checked when constructed).
+    """
+    for attempt in range(_SWAP_RETRIES + 1):
+        root = find_checkpoint_dir(path)
+        before = _identity(root)
+        try:
+            result = _restore_once(root, options)
+        except fmt.UCPError:
+            if _identity(root) == before or attempt == _SWAP_RETRIES:
+                raise
+            continue
+        if _identity(root) == before:
+            return result
+    raise CheckpointError(
+        f"{path}: the checkpoint was replaced {_SWAP_RETRIES + 1} times while being read; "
+        f"try again once the saves finish."
+    )
+
+
+_SWAP_RETRIES = 3
+
+
+def _identity(root: str):
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def target_requests(options: RestoreOptions) -> tuple[list[Request], Any]:
+    """The requests (and treedef) of a restore into ``options.target`` / ``.shardings``,
+    whatever the source (a UCP checkpoint, a safetensors folder)."""
+    if options.rules is not None and options.mesh is not None:
+        sharding_lib.check_rules(options.rules, options.mesh)
+    target, shardings = options.target, options.shardings
+    reqs, treedef = requests_from_target(
+        target if target is not None else shardings,
+        shardings if target is not None else None,
+        mesh=options.mesh,
+    )
+    if options.dtype is not None:
+        for r in reqs:
+            r.dtype = np.dtype(options.dtype)
+    return reqs, treedef
+
+
+def restore_into_target(options: RestoreOptions, read_requests: Callable[[list], list]) -> Any:
+    """A restore into ``options.target`` / ``.shardings``, whatever the source.
+
+    Args:
+      options: a restore's options with a target or shardings.
+      read_requests: reads a list of ``Request`` from the source, in order.
+    """
+    reqs, treedef = target_requests(options)
+    return target_tree(options.target, treedef, read_requests(reqs))
+
+
+def target_tree(target, treedef, results: list) -> Any:
+    """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
+    their metadata."""
+    if target is not None:
+        boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
+        results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
+    return jax.tree_util.tree_unflatten(treedef, results)
+
+
+def selector(select) -> Callable[[str], bool]:
+    """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
+    if select is None:
+        return lambda name: True
+    if callable(select):
+        return select
+    if isinstance(select, str):
+        pattern = re.compile(select)
+        return lambda name: pattern.fullmatch(name) is not None
+    raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
+
+
+def _restore_once(root: str, options: RestoreOptions):
+    manifest = store.read_manifest(root)
+
+    def read_requests(reqs, available=None):
+        return read(
+            root,
+            manifest,
+            reqs,
+            spec=options.spec,
+            available=available,
+            casting=options.casting,
+            max_read_bytes=options.max_read_bytes,
+            replicated_read=options.replicated_read,
+        )
+
+    if options.has_target:
+        return restore_into_target(options, read_requests)
+    return restore_without_target(
+        root,
+        available_tensors(manifest, options.spec),
+        manifest.values,
+        options,
+        read_requests,
+        tree=manifest.tree if options.spec is None else None,
+    )
+
+
+def restore_without_target(
+    where: str,
+    every: Mapping,
+    values: Sequence[fmt.ValueEntry],
+    options: RestoreOptions,
+    read_requests: Callable[[list, Mapping], list],
+    *,
+    tree=None,
+):
+    """A restore without a target, whatever the source: every tensor (or those ``select``
+    matches) on ``mesh=`` (saved PartitionSpecs and logical axes through ``rules``) or to host.
+
+    Args:
+      where: the checkpoint, for errors and warnings.
+      every: key → what the source holds (``Available`` or alike: key, key_types, shape, dtype,
+        saved_sharding, logical_axes).
+      values: the saved Python values.
+      options: a restore's options without a target.
+      read_requests: reads a list of ``Request`` from the source, given the available tensors.
+      tree: the saved containers (``manifest.tree``), or None to nest by key.
+    """
+    if options.mesh is not None:
+        check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
+    available, chosen_values = _selected(where, every, values, options.select)
+    reqs, key_types = placed_requests(where, available.values(), options)
+    for v in chosen_values:
+        reqs.append(Request(key=v.key))
+        key_types.append(v.key_types)
+    results = read_requests(reqs, available)
+    partial = options.select is not None
+    if tree is not None:  # the saved containers, NamedTuples included
+        by_key = {r.key: x for r, x in zip(reqs, results)}
+        rebuilt = tree_lib.rebuild_structure(
+            tree, lambda key: by_key.get(key, tree_lib.missing()), partial=partial
+        )
+        return {} if rebuilt is tree_lib.missing() else rebuilt
+    return tree_lib.nest(
+        ((r.key, k, x) for r, k, x in zip(reqs, key_types, results)), partial=partial
+    )
+
+
+def _selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
+    """The tensors and values ``select`` matches (all without it); matching none is an error."""
+    selected = selector(select)
+    available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
+    chosen_values = [v for v in values if selected(v.name)]
+    if select is not None and not available and not chosen_values:
+        raise CheckpointError(
+            f"select={_short(select)} matches no tensor or value of the checkpoint {where}; its "
+            f"top-level names: {_top_level(every, values)} (a regex is matched in full "
+            f"against '/'-joined names such as {_example_name(every, values)!r})."
+        )
+    return available, chosen_values
+
+
+def placed_requests(where: str, available, options: RestoreOptions):
+    """One request per tensor of ``available``, placed as ``restore(mesh=, rules=)`` places it
+    (host numpy without a mesh; a 64-bit tensor without jax_enable_x64 stays on host, exact).
+    A tensor saved sharded that comes back replicated without a rule asking for it is named in
+    one ``ReplicationWarning``.
+
+    Args:
+      where: the checkpoint, for the warning.
+      available: ``Available``-like tensors (key, key_types, shape, dtype, saved_sharding,
+        logical_axes).
+      options: the restore's options (mesh, rules, dtype).
+
+    Returns:
+      (requests, key types), one each per tensor.
+    """
+    dtype, mesh, rules = options.dtype, options.mesh, options.rules
+    reqs, key_types, replicated = [], [], []
+    for av in available:
+        want = np.dtype(dtype or av.dtype)
+        sharding = None
+        if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
+            placement = dict(
+                mesh=mesh, saved=av.saved_sharding, logical_axes=av.logical_axes, rules=rules
+            )
+            sharding = sharding_lib.sharding_for(av.shape, **placement)
+            if sharding_lib.replicated_unasked(av.shape, sharding.spec, **placement):
+                replicated.append((av.name, math.prod(av.shape) * want.itemsize))
+        reqs.append(Request(key=av.key, sharding=sharding, dtype=None if dtype is None else want))
+        key_types.append(av.key_types)
+    if replicated:
+        warnings.warn(
+            sharding_lib.replication_warning(where, replicated),
+            sharding_lib.ReplicationWarning,
+            stacklevel=_user_frame(),
+        )
+    return reqs, key_types
+
+
+def _user_frame() -> int:
+    """The ``stacklevel`` of the first frame outside jax_ucp (and Orbax): where the warning
+    is the caller's."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "jax_ucp",
+        "orbax",
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
+    """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
+    place: the logical names they carry and the mesh axes they were saved with."""
+    names, axes = set(), set()
+    for av in available:
+        names.update(n for n in av.logical_axes or () if n is not None)
+        saved = av.saved_sharding
+        if saved is not None:
+            axes.update(saved.mesh_axis_names)
+            for entry in saved.partition_spec:
+                axes.update(entry if isinstance(entry, (tuple, list)) else (entry,))
+    axes.discard(None)
+    sharding_lib.check_names(
+        mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
+    )
+
+
+def _top_level(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
+    tops = sorted({k[0] for k in available if k} | {v.key[0] for v in values if v.key})
+    shown = ", ".join(repr(t) for t in tops[:20])
+    return shown + (f", … ({len(tops)} in all)" if len(tops) > 20 else "") if tops else "none"
+
+
+def _example_name(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
+    for key in available:
+        return fmt.key_to_str(key)
+    return values[0].name if values else "params/w"

@@ -1,0 +1,559 @@
+"""Tensors every process of a ``jax.distributed`` job needs whole, read once across them.
+
+In a multi-process restore a tensor replicated over the processes (``P()``, a spec whose mesh
+axes stay inside each process, a host numpy result) is wanted whole by each process; read the
+usual way every process reads every byte of it (N× the checkpoint for N processes). With
+``replicated_read="once"`` each process reads a share instead (runs of whole inner chunks along
+dimension 0; the shares of a batch of tensors balanced by bytes), the shares travel by one
+all-gather over JAX's collectives (gloo on CPU) and every process builds its result from the
+gathered bytes: the storage is read once in all.
+
+Orbax's single-replica restore (``multislice.broadcast_one_replica_to_all``) reads on one
+replica and broadcasts by a summing all-reduce; here every process reads a share in parallel
+and an all-gather moves (N-1)/N of the bytes into each process. Before each all-gather the
+processes agree through ``jax.distributed``'s key-value store that every share was read, so a
+process that failed makes all of them raise its error, and one that died on this host is named
+at once (jax's own heartbeat ends the job after 100 s); a peer lost during the all-gather
+breaks gloo's connections, which raises. Host memory: one batch's own share plus the gathered
+batch, together within the reader's ``max_read_bytes``, besides the results themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jax_ucp import format as fmt
+from jax_ucp.errors import RequestError
+from jax_ucp.multihost import liveness
+from jax_ucp.sharding import assemble
+
+MODES = ("each", "once")
+DEFAULT_MODE = "each"
+
+# A process waits this long for the others to finish reading their shares of a batch (a peer
+# that died on this host is named at once; one on another host ends the job by jax's heartbeat).
+PEER_TIMEOUT_S = 600.0
+_POLL_MS = 200  # how often a waiting process checks that the peers it waits for still live
+_ALIGN = 64  # each piece of a share starts 64-byte aligned (a view of any dtype, adoptable)
+_MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are padded to it)
+
+
+class ReplicatedReadError(fmt.UCPError, RuntimeError):
+    """A tensor read once across processes could not be completed: another process failed
+    (its error is quoted), died, or did not answer in time; names the tensors and the process."""
+
+
+def check_option(mode) -> str:
+    """``replicated_read=`` as a mode (None: ``DEFAULT_MODE``); ``RestoreOptions`` checked it."""
+    if mode is None:
+        return DEFAULT_MODE
+    if mode not in MODES:
+        raise RequestError(f"replicated_read must be one of {MODES}, got {mode!r}.")
+    return mode
+
+
+@dataclasses.dataclass
+class Gathered:
+    """One tensor read once across the processes, as the reader finishes a ``PendingArray``:
+    ``result()``, the bytes this process read of it, values a narrowing cast overflowed."""
+
+    shape: tuple[int, ...]
+    stored: np.dtype  # dtype read
+    dtype: np.dtype  # dtype of the result
+    sharding: jax.sharding.Sharding | None
+    read_bytes: int = 0
+    overflowed: int = 0
+    value: Any = None
+
+    @property
+    def result_bytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def host_bytes(self) -> int:
+        """The whole tensor in this process (every process gets it whole), plus its converted
+        copy when the dtype changes."""
+        whole = math.prod(self.shape) * self.stored.itemsize
+        return whole + (self.result_bytes if self.dtype != self.stored else 0)
+
+    @property
+    def on_host(self) -> bool:
+        if self.sharding is None:
+            return True
+        return all(d.platform == "cpu" for d in self.sharding.device_set)
+
+    def result(self):
+        return self.value
+
+
+@dataclasses.dataclass
+class _Tensor:
+    position: int
+    item: Any  # what the caller passed (handed back with the result)
+    name: str
+    shape: tuple[int, ...]
+    stored: np.dtype
+    sharding: jax.sharding.Sharding | None
+    want: np.dtype
+    unit_rows: int  # rows read together (an inner chunk's extent along dimension 0)
+    source: Any = None
+    host: np.ndarray | None = None
+    gathered: Gathered | None = None
+    rows_done: int = 0
+
+    @property
+    def row_bytes(self) -> int:
+        return math.prod(self.shape[1:]) * self.stored.itemsize
+
+    @property
+    def units(self) -> int:
+        return -(-self.shape[0] // self.unit_rows)
+
+    def unit_span(self, u0: int, u1: int) -> tuple[int, int]:
+        return u0 * self.unit_rows, min(u1 * self.unit_rows, self.shape[0])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    tensor: int  # index into the session's tensors
+    rows: tuple[int, int]
+    offset: int  # where it lies in its process's share
+    nbytes: int
+
+
+@dataclasses.dataclass
+class _Batch:
+    pieces: list[list[_Piece]]  # per process
+    length: int  # bytes of every process's share (padded alike)
+    last_of: list[int]  # tensors whose final rows are in this batch
+
+
+def wanted_whole(shape: Sequence[int], sharding, processes: int) -> bool:
+    """Every process of the job needs all of the tensor: a host result (``sharding`` None), or
+    a sharding whose slices on each process's devices cover the whole tensor. Decided from the
+    global device map, so every process decides the same."""
+    if sharding is None:
+        return True
+    return _covers_every_process(tuple(shape), sharding, processes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _covers_every_process(shape: tuple[int, ...], sharding, processes: int) -> bool:
+    by_process: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        by_process.setdefault(device.process_index, set()).add(key)
+    if len(by_process) != processes:
+        return False
+    whole = tuple((0, n) for n in shape)
+    total = math.prod(shape)
+    for keys in by_process.values():
+        if whole in keys:
+            continue
+        if sum(math.prod(b - a for a, b in key) for key in keys) != total:
+            return False  # overlapping slices, or a part no device of this process holds
+        keys = list(keys)
+        for i, first in enumerate(keys):  # equal volume and pairwise disjoint: a tiling
+            for second in keys[i + 1 :]:
+                if all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2) in zip(first, second)):
+                    return False
+    return True
+
+
+def select(items: Sequence[tuple[int, Any, Any]], mode: str) -> list[tuple[int, Any, Any]]:
+    """The ``(position, request, available)`` items to read once: ``mode`` "once", several
+    processes, a tensor with at least one element and one dimension that every process needs
+    whole."""
+    if mode != "once" or jax.process_count() == 1:
+        return []
+    n = jax.process_count()
+    return [
+        (position, req, found)
+        for position, req, found in items
+        if len(found.shape) > 0
+        and math.prod(found.shape) > 0
+        and wanted_whole(found.shape, req.sharding, n)
+    ]
+
+
+def read_once(
+    items: Sequence[tuple[int, Any, Any]],
+    source_of: Callable[[Any], Any],
+    *,
+    budget: int,
+    check: Callable[[Any, Gathered], None] | None = None,
+    timeout: float = PEER_TIMEOUT_S,
+) -> Iterator[tuple[int, Any, Any, Gathered]]:
+    """Reads the ``select``ed items, each process a share of every batch, and yields
+    ``(position, request, available, Gathered)`` as each tensor is complete.
+
+    Every process of the job must call this with the same items and ``budget`` (as a restore
+    does): they meet at each batch. ``source_of(available)``: the reader of a tensor
+    (``store.shard_reader``'s, or a TensorStore view). ``check(available, gathered)``: called
+    before a tensor's host buffer is allocated (raises to refuse it).
+    """
+    if not items:
+        return
+    tensors = [
+        _tensor(position, (position, req, found), found, req) for position, req, found in items
+    ]
+    n, me = jax.process_count(), jax.process_index()
+    # own share + the gathered batch within the budget, the shares' rounding (1/8) included
+    batch_bytes = max(1, int(budget) * n * 8 // ((n + 1) * 9))
+    batches = list(_batches(tensors, n, batch_bytes))
+    peers = _Peers(timeout, _fingerprint(tensors, batches))
+    try:
+        for number, batch in enumerate(batches):
+            share = assemble.aligned_empty((batch.length,), np.uint8)
+            error = None
+            try:
+                _start(tensors, batch, check)
+                _read_share(tensors, batch.pieces[me], share, source_of)
+            except Exception as e:  # noqa: BLE001 - every process raises it, below
+                error = e
+            names = _names(tensors, batch)
+            peers.agree(f"batch{number}", error, names)
+            gathered = _all_gather(share, peers, names)
+            del share
+            for process, pieces in enumerate(batch.pieces):
+                base = process * batch.length
+                for piece in pieces:
+                    t = tensors[piece.tensor]
+                    start = piece.rows[0] * t.row_bytes
+                    flat = t.host.reshape(-1).view(np.uint8)
+                    flat[start : start + piece.nbytes] = gathered[
+                        base + piece.offset : base + piece.offset + piece.nbytes
+                    ]
+                    if process == me:
+                        t.gathered.read_bytes += piece.nbytes
+            del gathered
+            for index in batch.last_of:
+                t = tensors[index]
+                _finish(t)
+                yield (*t.item, t.gathered)
+                t.host = t.source = None
+    except BaseException as e:
+        peers.abort(e)
+        raise
+
+
+def _tensor(position, item, found, req) -> _Tensor:
+    stored = np.dtype(found.dtype)
+    want = np.dtype(req.dtype) if req.dtype is not None else stored
+    unit = 1
+    if getattr(found, "stored", False):  # the stored array: split on its inner chunks
+        unit = max(1, int(found.sources[0].inner_chunk_shape[0]))
+    return _Tensor(
+        position=position,
+        item=item,
+        name=found.name,
+        shape=tuple(found.shape),
+        stored=stored,
+        sharding=req.sharding,
+        want=want,
+        unit_rows=unit,
+    )
+
+
+def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
+    """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
+    batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
+    handed out in an order rotating with the batch, so a unit too many evens out)."""
+    runs: list[tuple[int, int, int]] = []  # (tensor, first unit, end unit)
+    size, number = 0, 0
+    for index, t in enumerate(tensors):
+        unit_bytes = t.unit_rows * t.row_bytes
+        u = 0
+        while u < t.units:
+            room = batch_bytes - size
+            take = min(t.units - u, max(room // max(unit_bytes, 1), 0))
+            if take == 0 and not runs:
+                take = 1  # one unit larger than a batch travels alone
+            if take == 0:
+                yield _cut(tensors, runs, n, number)
+                runs, size, number = [], 0, number + 1
+                continue
+            runs.append((index, u, u + take))
+            rows = t.unit_span(u, u + take)
+            size += (rows[1] - rows[0]) * t.row_bytes
+            u += take
+    if runs:
+        yield _cut(tensors, runs, n, number)
+
+
+def _unit_bytes(t: _Tensor, k: int) -> int:
+    a, b = t.unit_span(k, k + 1)
+    return (b - a) * t.row_bytes
+
+
+def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int, shift: int) -> _Batch:
+    units = [(index, k) for index, u0, u1 in runs for k in range(u0, u1)]
+    sizes = np.array([_unit_bytes(tensors[i], k) for i, k in units], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    total = int(ends[-1]) if len(ends) else 0
+    # process p takes the units whose middle byte falls in [p*total/n, (p+1)*total/n)
+    middles = ends - sizes / 2
+    owner = np.minimum((middles * n // max(total, 1)).astype(np.int64), n - 1)
+    owner = (owner + shift) % n
+    pieces: list[list[_Piece]] = [[] for _ in range(n)]
+    for p in range(n):
+        offset = 0
+        mine = [units[i] for i in np.flatnonzero(owner == p)]
+        for index, group in itertools.groupby(mine, key=lambda x: x[0]):
+            ks = [k for _, k in group]
+            t = tensors[index]
+            rows = (t.unit_span(ks[0], ks[0] + 1)[0], t.unit_span(ks[-1], ks[-1] + 1)[1])
+            nbytes = (rows[1] - rows[0]) * t.row_bytes
+            pieces[p].append(_Piece(index, rows, offset, nbytes))
+            offset += -(-nbytes // _ALIGN) * _ALIGN
+    longest = max(
+        (pc[-1].offset + -(-pc[-1].nbytes // _ALIGN) * _ALIGN for pc in pieces if pc), default=0
+    )
+    last_of = sorted({i for i, _, u1 in runs if u1 == tensors[i].units})
+    return _Batch(pieces, _bucket(longest), last_of)
+
+
+def _bucket(length: int) -> int:
+    """``length`` rounded up to one of few sizes (at most 1/8 more), so the all-gather of every
+    batch of a restore is compiled a few times, not once per batch."""
+    if length <= _MIN_SHARE:
+        return _MIN_SHARE
+    step = 1 << max(0, length.bit_length() - 4)
+    return -(-length // step) * step
+
+
+def _start(tensors, batch: _Batch, check) -> None:
+    """The host buffer of each tensor the batch starts, in every process (the pieces of the
+    others arrive by the all-gather); ``check`` refuses one this host cannot hold."""
+    for index in sorted({p.tensor for ps in batch.pieces for p in ps}):
+        t = tensors[index]
+        if t.host is not None:
+            continue
+        t.gathered = Gathered(t.shape, t.stored, t.want, t.sharding)
+        if check is not None:
+            check(t.item[2], t.gathered)
+        t.host = assemble.aligned_empty(t.shape, t.stored)
+
+
+def _read_share(tensors, pieces: list[_Piece], share: np.ndarray, source_of) -> None:
+    """Reads this process's pieces of a batch into ``share``."""
+    reads = []
+    for piece in pieces:
+        t = tensors[piece.tensor]
+        if t.source is None:
+            t.source = source_of(t.item[2])
+        out = share[piece.offset : piece.offset + piece.nbytes].view(t.stored)
+        out = out.reshape((piece.rows[1] - piece.rows[0],) + t.shape[1:])
+        region = (piece.rows,) + tuple((0, d) for d in t.shape[1:])
+        if hasattr(t.source, "read_into"):
+            reads.append((t.source.read_into([(region, out)]), None))
+        else:
+            reads.append((t.source[piece.rows[0] : piece.rows[1]].read(), out))
+    for future, out in reads:
+        got = future.result()
+        if out is not None:
+            np.copyto(out, np.asarray(got))
+
+
+def _names(tensors, batch: _Batch) -> list[str]:
+    return list(dict.fromkeys(tensors[p.tensor].name for ps in batch.pieces for p in ps))
+
+
+def _finish(t: _Tensor) -> None:
+    """The tensor's result from its whole host copy: numpy, or a jax.Array whose local devices
+    hold their slices (replicated devices share the one buffer, as ``PendingArray`` does)."""
+    host = t.host
+    if t.want != t.stored:
+        host, t.gathered.overflowed = assemble.convert(host, t.want)
+    if t.sharding is None:
+        t.gathered.value = host
+        return
+    singles = [
+        jax.device_put(host[index], device, may_alias=True)
+        for device, index in t.sharding.addressable_devices_indices_map(t.shape).items()
+    ]
+    t.gathered.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
+
+
+def _fingerprint(tensors, batches) -> str:
+    """What every process must agree on before the first all-gather: the same tensors and the
+    same batches (a restore called with other requests or another ``max_read_bytes`` in one
+    process would otherwise meet the others in mismatched collectives)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(repr((t.name, t.shape, str(t.stored))).encode())
+    for b in batches:
+        h.update(repr((b.length, [[(p.tensor, p.rows) for p in ps] for ps in b.pieces])).encode())
+    return h.hexdigest()[:16]
+
+
+@functools.cache
+def _gather_program(devices: tuple):
+    """An all-gather over one device of each process (replicated output: one copy per
+    process, the least gloo moves), and the sharding of its input."""
+    mesh = jax.sharding.Mesh(np.array(devices), ("process",))
+    spec = jax.sharding.PartitionSpec
+    out = jax.sharding.NamedSharding(mesh, spec())
+    return jax.sharding.NamedSharding(mesh, spec("process")), jax.jit(
+        lambda x: x, out_shardings=out
+    )
+
+
+def _process_devices() -> tuple:
+    firsts: dict[int, Any] = {}
+    for d in jax.devices():
+        if d.process_index not in firsts or d.id < firsts[d.process_index].id:
+            firsts[d.process_index] = d
+    return tuple(firsts[p] for p in sorted(firsts))
+
+
+def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarray:
+    """Every process's ``share`` concatenated in process order (host bytes of this process)."""
+    devices = _process_devices()
+    sharding, program = _gather_program(devices)
+    me = devices[jax.process_index()]
+    length = share.shape[0]
+    try:
+        local = jax.device_put(share, me, may_alias=True)
+        x = jax.make_array_from_single_device_arrays((length * len(devices),), sharding, [local])
+        y = program(x)
+        y.block_until_ready()
+    except Exception as e:  # noqa: BLE001 - gloo's errors come as JaxRuntimeError or ValueError
+        peers.raise_if_lost(
+            f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
+        )
+        raise ReplicatedReadError(
+            f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather "
+            f"of the shares failed ({e}); a process of the job died or left the restore."
+        ) from e
+    return np.asarray(y.addressable_shards[0].data)
+
+
+def _shown(names: list[str]) -> str:
+    shown = ", ".join(repr(n) for n in names[:3])
+    return f"tensor(s) {shown}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+_RUNS = itertools.count()
+
+
+class _Peers:
+    """The processes of this read meeting through ``jax.distributed``'s key-value store: once
+    at the start (who they are, and that they plan the same batches), then after each batch's
+    shares are read, before its all-gather."""
+
+    def __init__(self, timeout: float, fingerprint: str):
+        from orbax.checkpoint import multihost
+
+        self.client = multihost.get_jax_distributed_client()
+        self.me, self.count = jax.process_index(), jax.process_count()
+        self.prefix = f"jax_ucp/replicated/{next(_RUNS)}/"
+        self.timeout = timeout
+        self.identities: list[dict] = []
+        hello = dict(liveness.identity(os.getpid()), plan=fingerprint)
+        values = self._gather("hello", json.dumps(hello), [])
+        self.identities = [json.loads(v) for v in values]
+        plans = {i: v["plan"] for i, v in enumerate(self.identities)}
+        if len(set(plans.values())) > 1:
+            raise ReplicatedReadError(
+                f"Reading replicated tensors once across {self.count} processes: the processes "
+                f"asked for different restores (plans {plans}); every process must restore the "
+                f"same tensors with the same max_read_bytes."
+            )
+
+    def agree(self, step: str, error: BaseException | None, names: list[str]) -> None:
+        """Waits until every process has read its share of ``step``; raises (in every process)
+        the error of one that failed, as soon as it is known (the failing one without waiting)."""
+        if error is None:
+            self._gather(step, "ok", names)
+            return
+        self.client.key_value_set(
+            f"{self.prefix}{step}/{self.me}", f"error:{type(error).__name__}: {error}"[:4000]
+        )
+        if isinstance(error, fmt.UCPError):  # it names the tensor and file already
+            raise error
+        raise ReplicatedReadError(
+            f"Reading {_shown(names)} once across {self.count} processes: process "
+            f"{self.me} (this one) failed to read its share: {type(error).__name__}: {error}"
+        ) from error
+
+    def abort(self, error: BaseException) -> None:
+        """Tells the others this process left the read (they raise instead of waiting)."""
+        try:
+            self.client.key_value_set(
+                f"{self.prefix}abort/{self.me}", f"{type(error).__name__}: {error}"[:2000]
+            )
+        except Exception:  # noqa: BLE001 - the coordinator may be gone; nothing more to tell
+            pass
+
+    def raise_if_lost(self, where: str) -> None:
+        """``ReplicatedReadError`` naming a process of this host that is gone."""
+        process = liveness.first_lost(self.identities, range(len(self.identities)), self.me)
+        if process is not None:
+            peer = self.identities[process]
+            raise ReplicatedReadError(
+                f"{where}: process {process} (pid {peer['pid']} on {peer['host']}) died "
+                f"while process {self.me} waited for it."
+            )
+
+    def _gather(self, step: str, value: str, names: list[str]) -> list[str]:
+        from jax.errors import JaxRuntimeError
+
+        prefix = f"{self.prefix}{step}/"
+        self.client.key_value_set(prefix + str(self.me), value)
+        what = f"Reading {_shown(names)} once" if names else "Reading replicated tensors once"
+        deadline = time.monotonic() + self.timeout
+        where = f"{what} across {self.count} processes"
+
+        def statuses() -> dict:
+            """This step's keys, after raising the first error one holds. A process that fails
+            sets its error before its abort and before it exits, so reading the abort keys
+            first, then these, never misses the error behind an abort or a death."""
+            got = dict(self.client.key_value_dir_get(prefix))
+            for i in range(self.count):
+                if got.get(prefix + str(i), "").startswith("error:"):
+                    raise ReplicatedReadError(
+                        f"{where}: process {i} failed to read its share: "
+                        f"{got[prefix + str(i)][len('error:') :]}"
+                    )
+            return got
+
+        while True:
+            try:
+                aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
+                got = statuses()
+                missing = [i for i in range(self.count) if prefix + str(i) not in got]
+                if not missing:
+                    return [got[prefix + str(i)] for i in range(self.count)]
+                if aborted:
+                    key, why = sorted(aborted.items())[0]
+                    raise ReplicatedReadError(
+                        f"{where}: process {key.rsplit('/', 1)[-1]} left the restore ({why})."
+                    )
+                try:
+                    self.raise_if_lost(where)
+                except ReplicatedReadError:
+                    statuses()  # it may have set its error just before it exited
+                    raise
+                if time.monotonic() > deadline:
+                    raise ReplicatedReadError(
+                        f"{where}: process(es) {', '.join(map(str, missing))} did not finish "
+                        f"reading their share within {self.timeout:g} s."
+                    )
+                self.client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
+            except JaxRuntimeError as e:  # a timed-out poll, or the coordinator gone
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    self.raise_if_lost(where)
+                    raise ReplicatedReadError(f"{where}: jax.distributed failed: {e}") from e
