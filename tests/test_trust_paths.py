@@ -446,6 +446,16 @@ LINKED_OUT = {
         _link_out("global_step2_universal/zero"),
         r"global_step2_universal: file name 'zero' resolves to \S+/elsewhere/zero, outside",
     ),
+    "torch DCP .metadata": (
+        "torch/fsdp2_fp32",
+        _link_out(".metadata"),
+        r"fsdp2_fp32: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
+    ),
+    "torch .bin index": (
+        "torch/hf_bin_sharded",
+        _link_out("pytorch_model.bin.index.json"),
+        r"hf_bin_sharded: file name 'pytorch_model\.bin\.index\.json' resolves to \S+/elsewhere/",
+    ),
     "Megatron Bridge iteration folder": (
         "megatron_bridge/llama_tp1dp2",
         _link_out("iter_0000002"),
@@ -545,3 +555,23 @@ def test_orbax_export_of_a_key_naming_an_absolute_path_writes_nothing_outside(tm
     ):
         orbax_out.export_orbax(ckpt, tmp_path / "orbax", use_ocdbt=ocdbt)
     assert not victim.exists() and not (tmp_path / "orbax").exists()
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_index_linked_outside_is_refused(tmp_path):
+    """The index itself a link to another model's index (its shards beside it here): refused
+    before its names are read."""
+    _, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32)})
+    other = tmp_path / "other"
+    other.mkdir()
+    index = snap / "model.safetensors.index.json"
+    shutil.copy(index, other / "index.json")
+    index.unlink()
+    index.symlink_to(other / "index.json")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"file name 'model\.safetensors\.index\.json' resolves to \S+/other/index\.json, "
+        r"outside the checkpoint",
+    ):
+        jax_ucp.convert(snap, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")

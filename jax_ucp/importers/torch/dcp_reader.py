@@ -704,6 +704,7 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
     if not os.path.lexists(mfile):
         raise DcpError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     try:
+        files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
         md = torch_pickle.restricted_loads(
             files.read_regular(str(mfile), MAX_METADATA_BYTES),
             where=str(mfile),
