@@ -74,7 +74,7 @@ def test_inside_follows_links_that_stay_inside_and_refuses_those_that_leave(tmp_
     (root / "outer").symlink_to(tmp_path / "outside")
     (root / "dir").symlink_to(tmp_path, target_is_directory=True)
     assert files.inside(root, "inner", "m") == os.path.realpath(root / "sub" / "real")
-    assert files.inside(root, "sub/real", "m") == os.path.realpath(root / "sub" / "real")
+    assert os.path.samefile(files.inside(root, "sub/real", "m"), root / "sub" / "real")
     for name in ("outer", "dir/outside"):
         with pytest.raises(files.OutsideCheckpointError, match=r"outside the checkpoint"):
             files.inside(root, name, "m")
