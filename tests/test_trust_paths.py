@@ -168,6 +168,54 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
     check_disjoint(tensors, {}, "m")  # adjacent, and equal ranges in two files: fine
 
 
+@pytest.mark.timeout(60)
+def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
+    """Random storage entries (tensors' chunks and objects over 3 files, some empty): an error
+    exactly when some two entries share a byte, naming two entries that do."""
+    from jax_ucp.importers.torch.dcp_reader import (
+        DcpChunk,
+        DcpError,
+        DcpObject,
+        DcpTensor,
+        check_disjoint,
+    )
+
+    rng = np.random.default_rng(3)
+    f32 = np.dtype(np.float32)
+    verdicts = set()
+    for _ in range(400):
+        spans = [
+            (f"__{rng.integers(3)}_0.distcp", int(rng.integers(0, 60)), int(rng.integers(0, 8)))
+            for _ in range(int(rng.integers(2, 9)))
+        ]
+        tensors, objects = {}, {}
+        for k, (file, offset, length) in enumerate(spans):
+            if k % 3 == 2:
+                objects[f"o{k}"] = DcpObject(f"o{k}", file, offset, length)
+            else:
+                chunk = DcpChunk((k,), (1,), file, offset, length)
+                tensors[f"t{k}"] = DcpTensor(f"t{k}", (len(spans),), f32, (chunk,))
+        shared = {
+            (a, b)
+            for a in range(len(spans))
+            for b in range(len(spans))
+            if a < b
+            and spans[a][0] == spans[b][0]
+            and max(spans[a][1], spans[b][1])
+            < min(spans[a][1] + spans[a][2], spans[b][1] + spans[b][2])
+        }
+        try:
+            check_disjoint(tensors, objects, "m")
+        except DcpError as e:
+            named = {int(n[1:]) for n in re.findall(r"'([ot]\d+)'", str(e))}
+            assert any(set(pair) == named for pair in shared), (spans, str(e))
+            verdicts.add("shared")
+        else:
+            assert not shared, spans
+            verdicts.add("disjoint")
+    assert verdicts == {"shared", "disjoint"}
+
+
 # --------------------------------------------------------------------------- safetensors / .bin
 
 
