@@ -623,3 +623,20 @@ def test_safetensors_index_linked_outside_is_refused(tmp_path):
     ):
         jax_ucp.convert(snap, tmp_path / "out")
     assert_destination_untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(120)
+def test_orbax_step_whose_ucp_item_is_linked_outside_is_refused(tmp_path):
+    """An Orbax step (written by a CheckpointManager) whose UCP item folder is a link to
+    another checkpoint: ``restore(step)`` refuses it; the real item restores."""
+    step = tmp_path / "run" / "3"
+    shutil.copytree(os.path.join(FIX, "orbax_manager_step", "3"), step)
+    want = jax_ucp.restore(step)["params"]
+    _move_out(step / "model", tmp_path / "elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"file name 'model' resolves to \S+/elsewhere/model, outside"
+    ):
+        jax_ucp.restore(step)
+    got = jax_ucp.restore(tmp_path / "elsewhere" / "model")["params"]
+    for name in want:
+        assert_bit_exact(got[name], want[name], name)

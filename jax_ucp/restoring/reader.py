@@ -82,6 +82,10 @@ def find_checkpoint_dir(path) -> str:
         d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
     if len(items) == 1 and is_step_dir(path):
+        try:  # the step's item, never a link to another checkpoint
+            fmt.files.inside(path, items[0], path)
+        except fmt.files.UnsafeFileError as e:
+            raise CheckpointError(str(e)) from None
         return os.path.join(path, items[0])
     if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
         raise CheckpointError(
