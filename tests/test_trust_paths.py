@@ -499,6 +499,11 @@ LINKED_OUT = {
         _link_out(".metadata"),
         r"fsdp2_fp32: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
     ),
+    "torch Accelerate DCP folder": (
+        "torch/accelerate_fsdp",
+        _link_out("optimizer_0"),
+        r"accelerate_fsdp: file name 'optimizer_0' resolves to \S+/elsewhere/optimizer_0, outside",
+    ),
     "torch .bin index": (
         "torch/hf_bin_sharded",
         _link_out("pytorch_model.bin.index.json"),
