@@ -10,6 +10,7 @@ entry, nothing written; links that stay inside (a Hugging Face cache snapshot) k
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -223,7 +224,6 @@ def _hf_cache(tmp_path, tensors: dict) -> tuple:
     """A Hugging Face cache repo as ``huggingface_hub`` lays it out: the files in
     ``blobs/<sha256>``, ``snapshots/<rev>/`` holding relative links to them (index included)."""
     import hashlib
-    import json
 
     from safetensors.numpy import save_file
 
@@ -323,8 +323,6 @@ def test_safetensors_index_naming_a_file_with_a_nul_is_a_clear_error(tmp_path):
 @pytest.mark.timeout(60)
 def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
     """``pytorch_model.bin.index.json`` shards: one linked elsewhere, or named with a NUL."""
-    import json
-
     src = _copy(tmp_path, "torch/hf_bin_sharded")
     _move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
     with pytest.raises(
@@ -362,8 +360,6 @@ def _orbax(path, tree, ocdbt: bool = False):
 def _rename_leaf(ckpt, old: tuple, keys: list) -> None:
     """The ``_METADATA`` entry of leaf ``old`` given the key path ``keys`` instead (Orbax reads
     the array from the directory or OCDBT key ``'.'.join(keys)``)."""
-    import json
-
     meta_file = ckpt / "_METADATA"
     meta = json.loads(meta_file.read_text())
     entry = meta["tree_metadata"].pop(str(old))
@@ -393,16 +389,14 @@ def test_orbax_leaf_name_joining_to_an_absolute_path_is_refused(tmp_path, ocdbt)
         (["", "", "/other/params", "w"], r"'\.\./other/params\.w' has a '\.\.' part"),
         (["params", "w\0"], r"holds a NUL character"),
     ):
-        _rename_leaf(mine, tuple(json_keys(mine)), keys)
+        _rename_leaf(mine, tuple(_key_path(mine)), keys)
         with pytest.raises(jax_ucp.UCPError, match=message):
             jax_ucp.convert(mine, tmp_path / "out")
         assert_destination_untouched(tmp_path / "out")
 
 
-def json_keys(ckpt) -> list:
+def _key_path(ckpt) -> list:
     """The key path of the one ``_METADATA`` entry not named ``('params', 'b')``."""
-    import json
-
     meta = json.loads((ckpt / "_METADATA").read_text())["tree_metadata"]
     (entry,) = [e for k, e in meta.items() if k != str(("params", "b"))]
     return [k["key"] for k in entry["key_metadata"]]
