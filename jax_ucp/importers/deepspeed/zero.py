@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,16 @@ from jax_ucp.importers.deepspeed.files import (
     numel,
     require,
 )
-from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
+from jax_ucp.importers.plan import (
+    TENSORS,
+    VALUES,
+    WHOLE,
+    Share,
+    agreed_step,
+    host_item,
+    skip,
+    tensor_names,
+)
 from jax_ucp.importers.torch.unpickler import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
@@ -87,6 +96,14 @@ class DeepSpeedCheckpoint:
     frozen: dict[str, tuple[int, ...]] = field(default_factory=dict)
     frozen_files: list[str] = field(default_factory=list)
     mp_rank: int = 0  # the model-parallel rank these files are of (stage-3 file names)
+    # DeepSpeed MoE (stage 1/2): the output name of a name in DP rank r's param_slice_mappings
+    # of group g (local expert index -> global), and per group the DP-rank distance between
+    # consecutive ranks of its partition (expert groups are partitioned over the
+    # expert-data-parallel ranks, ``ep_size`` apart)
+    rename: Callable[[int, int, str], str] | None = None
+    rank_stride: dict[int, int] = field(default_factory=dict)
+    # where a ``module`` entry was read from when not ``<model file>:module.<name>`` (experts)
+    module_tensors: dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -275,6 +292,8 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
             )
         for group, mapping in enumerate(slice_mappings):
             for name, address in mapping.items():
+                if checkpoint.rename is not None:
+                    name = checkpoint.rename(dp_rank, group, name)
                 fragments = plan.get(name)
                 if fragments is None:
                     raise DeepSpeedImportError(
@@ -389,11 +408,12 @@ def _check_stage12_contiguity(
     the wrong order break this for every parameter that straddles two partitions."""
     for name, fragments in plan.items():
         pieces = fragments.pieces
+        stride = checkpoint.rank_stride.get(fragments.group, 1)
         for before, after in zip(pieces, pieces[1:]):
             partition = checkpoint.optim_states[before.dp_rank]["single_partition_of_fp32_groups"]
             end = partition[fragments.group].size
             if (
-                after.dp_rank != before.dp_rank + 1
+                after.dp_rank != before.dp_rank + stride
                 or before.start + before.numel != end
                 or after.start != 0
             ):
@@ -428,7 +448,8 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
             f"parameter {name!r}: the fp32 master in "
             f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in checkpoint.fragment_plan[name].pieces]} "
             f"gives {found[np.argmin(same)]!r} at flat index {flat}, the model weight in "
-            f"{checkpoint.model_file} is {want[np.argmin(same)]!r}: rank files renamed, swapped "
+            f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
+            f"{want[np.argmin(same)]!r}: rank files renamed, swapped "
             "or from different saves"
         )
 
@@ -581,7 +602,7 @@ def iter_zero_items(
     yield host_item(
         ("opt_state", "count"),
         np.asarray(optimizer_step(checkpoint), np.int32),
-        {"files": files, "pattern": "step", "tensors": step_tensors(checkpoint)},
+        {"files": files, "pattern": "step", **step_sources(checkpoint)},
     )
 
 
@@ -619,16 +640,33 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
     return out
 
 
-def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
-    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
+def _step_entries(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, bool]]:
+    """Every rank's per-group ``step`` (``<rank file>:<path>``), and whether it is a tensor (older
+    torch kept Adam's step as a Python number)."""
     template, keys = _state_prefix(checkpoint, "step")
     inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
-    return [
-        f"{os.path.basename(path)}:{template.format(key)}"
-        for path, state in zip(checkpoint.optim_files, checkpoint.optim_states)
-        for key in keys
-        if isinstance(state[inner]["state"][int(key)].get("step"), np.ndarray)
-    ]
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        for key in keys:
+            step = state[inner]["state"][int(key)].get("step")
+            if step is not None:
+                name = f"{os.path.basename(path)}:{template.format(key)}"
+                yield name, isinstance(step, np.ndarray)
+
+
+def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
+    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
+    return [name for name, is_tensor in _step_entries(checkpoint) if is_tensor]
+
+
+def step_sources(checkpoint: DeepSpeedCheckpoint) -> dict[str, list[str]]:
+    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
+    pickled as Python numbers (values, not tensors, but sources all the same)."""
+    entries = list(_step_entries(checkpoint))
+    out = {TENSORS: [n for n, is_tensor in entries if is_tensor]}
+    values = [n for n, is_tensor in entries if not is_tensor]
+    if values:
+        out[VALUES] = values
+    return out
 
 
 def zero_tensors(
@@ -724,14 +762,11 @@ def _model_copy_item(
                 f"{checkpoint.model_dtype}"
             )
         model_file = os.path.basename(checkpoint.model_file)
+        tensor = checkpoint.module_tensors.get(name, f"{model_file}:module.{name}")
         return host_item(
             ("model_params", name),
             stored,
-            {
-                "files": [model_file],
-                "pattern": "module",
-                "tensors": [f"{model_file}:module.{name}"],
-            },
+            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
         )
     return host_item(
         ("model_params", name),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
-import mmap
 import os
 import posixpath
 import threading
@@ -33,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import UCPError, files, mapped_file
 from jax_ucp.importers.torch import unpickler as torch_pickle
 
 try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
@@ -267,7 +266,7 @@ class DcpCheckpoint:
         direct = region.flags.c_contiguous and region.shape == tuple(c.sizes) and region.size
         if direct and not c.transforms:
             raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-            if bytes(raw[:4]) == b"PK\x03\x04":
+            if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
                 try:
                     arch = torch_pickle.TorchArchive.from_buffer(
                         raw, f"{fpath}@{c.byte_offset}", defer_crc=True
@@ -287,13 +286,13 @@ class DcpCheckpoint:
                         return
                 for start, size, crc in members:  # a view of a larger storage: check all
                     _check_crc(raw[start : start + size], crc, where)
-                region[...] = arr
+                mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
                 _pread_into(fpath, c.byte_offset, region, None, where)
                 return
         arr = self.read_chunk(t, c)
-        region[...] = arr[tuple(slice(0, n) for n in region.shape)]
+        mapped_file.copy_into(region, arr[tuple(slice(0, n) for n in region.shape)], where)
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
         where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
@@ -305,7 +304,7 @@ class DcpCheckpoint:
                     f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
                 )
         raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-        if bytes(raw[:4]) == b"PK\x03\x04":
+        if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
             try:
                 arr = _load_embedded(fpath, raw, c.byte_offset)
             except torch_pickle.TorchFileError as e:
@@ -334,7 +333,8 @@ class DcpCheckpoint:
             low, high = max(start, c.offsets[0]), min(end, c.offsets[0] + c.sizes[0])
             if low < high:
                 arr = self.read_chunk(t, c)
-                parts.append(arr[low - c.offsets[0] : high - c.offsets[0]])
+                part = arr[low - c.offsets[0] : high - c.offsets[0]]
+                parts.append(mapped_file.read_out(part, f"tensor {name!r} in {c.file}"))
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
     def read_object(self, name: str, extra_classes=None) -> Any:
@@ -499,7 +499,9 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
 
 
 def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
-    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``."""
+    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
+    read through :mod:`jax_ucp.format.mapped_file` (pread), never by touching the mapping, which
+    would kill the process if the file shrank since."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -516,9 +518,14 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     except files.UnsafeFileError as e:
         raise DcpError(f"{where}: {e}") from None
     try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        mm = mapped_file.map_file(str(path), fd)
     finally:
         os.close(fd)
+    if mm is None or len(mm) < offset + length:
+        raise DcpError(
+            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
+            f"{0 if mm is None else len(mm)} bytes (truncated)"
+        )
     return np.frombuffer(mm, np.uint8, count=length, offset=offset)
 
 
@@ -564,7 +571,7 @@ READ_PIECE = 4 << 20
 
 
 def _check_crc(view: np.ndarray, crc: int, where: str) -> None:
-    found = zip_crc32(view)
+    found = mapped_file.crc32(view, 0, zip_crc32, where)
     if found != crc:
         raise DcpError(
             f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
