@@ -27,6 +27,7 @@ import numpy as np
 
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import torch_out
+from jax_ucp.format import files
 from jax_ucp.writer import durable
 
 #: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
@@ -70,6 +71,7 @@ def write_universal(
     os.makedirs(zero)
     for p in params:
         check_name(p.name)
+        files.inside(zero, p.name, f"{zero}: parameter folder")
         os.makedirs(os.path.join(zero, p.name))
     written = _write_states(zero, {p.name: p.shape for p in params}, states, step)
     if len(written) != 4 * len(params):

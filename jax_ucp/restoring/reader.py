@@ -83,6 +83,10 @@ def find_checkpoint_dir(path) -> str:
         d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
     if len(items) == 1 and is_step_dir(path):
+        try:  # the step's item, never a link to another checkpoint
+            fmt.files.inside(path, items[0], path)
+        except fmt.files.UnsafeFileError as e:
+            raise CheckpointError(str(e)) from None
         return os.path.join(path, items[0])
     if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
         raise CheckpointError(
@@ -213,7 +217,8 @@ class _Opener:
         if entry.key not in self._futures:
             kv = store.kvstore_config(self.root, entry.dir)
             if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
-                try:
+                try:  # an array folder linked out of the checkpoint is never read
+                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
                     fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
                 except FileNotFoundError:
                     pass  # reported with the tensor's name by get()
@@ -611,6 +616,7 @@ def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
         opened.dtype.numpy_dtype,
         digests=entry.shard_digests,
         tensor=entry.name,
+        root=root,
     )
 
 
@@ -634,6 +640,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     for key in shard_keys(entry):
         path = os.path.join(kv["path"], *key.split("/"))
         try:
+            fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
                 found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
