@@ -73,3 +73,17 @@ def test_rule_matching_nothing_warns_and_plan_names_it(imported, spec, capsys):
         jax_ucp.plan(imported, mesh=mesh, rules=[("embed", "data")], spec=spec).unmatched_rules
         == ()
     )
+
+
+def test_cli_plan_says_the_rule_matched_nothing(imported):
+    """``jax-ucp plan --rules embed=data`` on an imported checkpoint (no names without a spec)
+    says the rule matched nothing, beside the replicated count."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    r = CliRunner().invoke(app, ["plan", imported, "--mesh", "data=2", "--rules", "embed=data"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "rules matching no tensor's logical axis names (1): embed" in text
+    assert "replicated on every device" in text
