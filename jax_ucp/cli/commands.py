@@ -668,6 +668,13 @@ def _print_plan_totals(result, limit: int) -> None:
         f"per process read: {_per_process(result.process_read_bytes)}", highlight=False
     )
     cap = limit if limit > 0 else 20
+    if result.unmatched_rules:
+        output.console.print(
+            f"rules matching no tensor's logical axis names ({len(result.unmatched_rules)}): "
+            + ", ".join(result.unmatched_rules)
+            + " (they shard nothing: everything they name is replicated)",
+            highlight=False,
+        )
     for title, names in (
         ("replicated on every device", result.replicated),
         ("kept on host (64-bit; jax_enable_x64 is off)", result.on_host),

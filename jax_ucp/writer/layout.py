@@ -67,6 +67,7 @@ def tensor_entry(
     saved_sharding=None,
     provenance=None,
     frozen: bool = False,
+    tied_to: str | None = None,
 ) -> fmt.TensorEntry:
     """The manifest entry of one array (logical axes padded to its rank, as PartitionSpecs are)."""
     if logical_axes is not None and len(logical_axes) < len(layout.shape):
@@ -97,6 +98,7 @@ def tensor_entry(
         saved_sharding=saved_sharding,
         provenance=provenance,
         frozen=frozen,
+        tied_to=tied_to,
     )
 
 

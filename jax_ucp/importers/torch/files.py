@@ -334,6 +334,17 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
         value.dtype,
         lambda: value,
         {"format": "torch_files", "file": os.path.basename(path)},
+        identity=_identity(value),
+    )
+
+
+def _identity(value: np.ndarray):
+    """Where an array's bytes are (tied tensors are views of one storage)."""
+    return (
+        value.__array_interface__["data"][0],
+        value.shape,
+        value.strides,
+        value.dtype.str,
     )
 
 
