@@ -59,18 +59,18 @@ BUDGET = 256 * MiB  # jax_ucp's default memory budget
 JAX_CONTENDERS = ("jax_ucp", "orbax default", "orbax no-compr")
 HF_CONTENDERS = ("jax_ucp", "orbax v1")
 DCP_CONTENDERS = ("jax_ucp.convert", "dcp_to_torch_save + torch.load")
-# estimated peak host memory of one measurement, in multiples of the checkpoint's bytes (from
-# bench_memory.py: Orbax's restore peaks at ~2.8× its arrays); a measurement runs only when this
-# plus MARGIN fits in MemAvailable
+# estimated peak host memory of one measurement, in multiples of the checkpoint's bytes: the
+# peaks measured at 4 GB by this script (Orbax: arrays + 0.75×; jax_ucp: arrays + < 0.1 GiB) plus
+# 10 %; a measurement runs only when this plus MARGIN fits in MemAvailable
 NEED = {
-    ("jax", "save", "jax_ucp"): 1.3,
-    ("jax", "save", "orbax default"): 2.2,
-    ("jax", "save", "orbax no-compr"): 2.2,
-    ("jax", "restore", "jax_ucp"): 1.3,
-    ("jax", "restore", "orbax default"): 2.9,
-    ("jax", "restore", "orbax no-compr"): 2.9,
-    ("hf", "restore", "jax_ucp"): 1.3,
-    ("hf", "restore", "orbax v1"): 2.0,
+    ("jax", "save", "jax_ucp"): 1.2,
+    ("jax", "save", "orbax default"): 2.0,
+    ("jax", "save", "orbax no-compr"): 1.2,
+    ("jax", "restore", "jax_ucp"): 1.2,
+    ("jax", "restore", "orbax default"): 2.0,
+    ("jax", "restore", "orbax no-compr"): 2.0,
+    ("hf", "restore", "jax_ucp"): 1.2,
+    ("hf", "restore", "orbax v1"): 1.9,
     ("dcp", "convert", "jax_ucp.convert"): 0.0,
     ("dcp", "convert", "dcp_to_torch_save + torch.load"): 1.3,
 }
@@ -488,6 +488,18 @@ class Results:
             json.dump(self.doc, f, indent=1)
 
 
+def data_bytes(rec: dict) -> int:
+    """The bytes a rate is per: the arrays for save/restore of jax trees (Orbax's compressed files
+    are smaller), the source checkpoint for an import or a safetensors restore."""
+    return rec["array_bytes"] if rec["part"] == "jax" else rec["checkpoint_bytes"]
+
+
+def rates(rec: dict) -> dict:
+    """s/GB and GB/s of a record (recomputed, so records of older runs agree)."""
+    b = data_bytes(rec) / GB
+    return rec | {"bytes": b * GB, "s_per_gb": rec["seconds"] / b, "gb_per_s": b / rec["seconds"]}
+
+
 def fits(part: str, op: str, contender: str, nbytes: float) -> tuple[bool, int, int]:
     need = int(NEED[(part, op, contender)] * nbytes + MARGIN)
     avail = mem_available()
@@ -522,9 +534,9 @@ def measure(results: Results, base: dict, fn, nbytes: int) -> None:
     else:
         try:
             rec.update(fn())
-            b = rec.get("checkpoint_bytes") or nbytes
-            rec["s_per_gb"] = rec["seconds"] / (b / GB)
-            rec["gb_per_s"] = (b / GB) / rec["seconds"]
+            rec["bytes"] = data_bytes(rec)
+            rec["s_per_gb"] = rec["seconds"] / (rec["bytes"] / GB)
+            rec["gb_per_s"] = (rec["bytes"] / GB) / rec["seconds"]
         except RuntimeError as e:
             rec["failed"] = str(e)[-1500:]
             print(rec["failed"], file=sys.stderr)
@@ -625,7 +637,7 @@ def plot(path_json: str = JSON, path_png: str = PNG) -> None:
     import matplotlib.pyplot as plt
 
     with open(path_json) as f:
-        recs = [r for r in json.load(f)["records"] if not r.get("skipped")]
+        recs = [rates(r) for r in json.load(f)["records"] if not r.get("skipped")]
     panels = [("jax", "save"), ("jax", "restore"), ("dcp", "convert"), ("hf", "restore")]
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for j, (part, op) in enumerate(panels):
@@ -653,6 +665,58 @@ def plot(path_json: str = JSON, path_png: str = PNG) -> None:
     print(f"wrote {path_png}")
 
 
+def table(path_json: str = JSON) -> str:
+    """The markdown table of docs/BENCHMARKS.md and the goals, from the JSON."""
+    with open(path_json) as f:
+        recs = [r if r.get("skipped") else rates(r) for r in json.load(f)["records"]]
+    order = {"jax": 0, "dcp": 1, "hf": 2}
+    recs.sort(key=lambda r: (order[r["part"]], r["op"] != "save", r["size_gb"], r["contender"]))
+    ours = {
+        (r["part"], r["op"], r["size_gb"]): r
+        for r in recs
+        if r["contender"].startswith("jax_ucp") and not r.get("skipped")
+    }
+    lines = [
+        "| part | op | size | contender | GB | s | s/GB | GB/s | peak RssAnon MiB | × jax_ucp time | UTC, load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        head = f"| {r['part']} | {r['op']} | {r['size_gb']} | {r['contender']} |"
+        if r.get("skipped"):
+            lines.append(
+                f"{head} — | skipped: {r['skipped']} | | | | | {r['utc']}, {r['load']:.0f} |"
+            )
+            continue
+        mem = r.get("rss_anon_peak_above_arrays", r.get("rss_anon_peak", 0))
+        mine = ours.get((r["part"], r["op"], r["size_gb"]))
+        ratio = "" if mine is None or mine is r else f"{r['seconds'] / mine['seconds']:.2f}"
+        lines.append(
+            f"{head} {r['bytes'] / GB:.2f} | {r['seconds']:.1f} | {r['s_per_gb']:.2f} | "
+            f"{r['gb_per_s']:.3f} | {mem / MiB:.0f} | {ratio} | {r['utc'][11:]}, {r['load']:.0f} |"
+        )
+    lines.append("")
+    for (part, op), rs in _by_key(ours.values()).items():
+        rs.sort(key=lambda r: r["size_gb"])
+        lo, hi = rs[0], rs[-1]
+        if lo is hi:
+            continue
+        lin = hi["s_per_gb"] / lo["s_per_gb"]
+        key = "rss_anon_peak" if part == "dcp" else "rss_anon_peak_above_arrays"
+        lines.append(
+            f"- jax_ucp {part} {op}: s/GB at {hi['size_gb']} GB / at {lo['size_gb']} GB = {lin:.2f} "
+            f"(goal ≤ 1.15); peak RssAnon{'' if part == 'dcp' else ' above arrays'} "
+            f"{lo[key] / MiB:.0f} → {hi[key] / MiB:.0f} MiB"
+        )
+    return "\n".join(lines)
+
+
+def _by_key(recs) -> dict:
+    out: dict = {}
+    for r in recs:
+        out.setdefault((r["part"], r["op"]), []).append(r)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="1,4,16", help="GB of checkpoint, comma-separated")
@@ -660,7 +724,8 @@ def main() -> int:
     ap.add_argument("--contenders", default=None, help="only these (comma-separated names)")
     ap.add_argument("--dir", default="/tmp/ucp_scale")
     ap.add_argument("--json", default=JSON)
-    ap.add_argument("--plot-only", action="store_true")
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    ap.add_argument("--table", action="store_true", help="print the markdown table from the JSON")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--contender", help=argparse.SUPPRESS)
     ap.add_argument("--path", help=argparse.SUPPRESS)
@@ -672,6 +737,9 @@ def main() -> int:
         print("RESULT " + json.dumps(fn(a)), flush=True)
         return 0
     png = os.path.splitext(a.json)[0] + ".png"
+    if a.table:
+        print(table(a.json))
+        return 0
     if a.plot_only:
         plot(a.json, png)
         return 0
