@@ -642,13 +642,17 @@ def plot(path_json: str = JSON, path_png: str = PNG) -> None:
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
     for j, (part, op) in enumerate(panels):
         mine = [r for r in recs if r["part"] == part and r["op"] == op]
-        for c in sorted({r["contender"] for r in mine}):
+        others = iter(("tab:orange", "tab:green", "tab:red"))
+        for c in sorted({r["contender"] for r in mine}, key=lambda c: not c.startswith("jax")):
             rs = sorted((r for r in mine if r["contender"] == c), key=lambda r: r["size_gb"])
-            xs = [r["size_gb"] for r in rs]
-            style = "o-" if c.startswith("jax_ucp") else "s--"
-            axes[0, j].plot(xs, [r["s_per_gb"] for r in rs], style, label=c)
+            xs = [r["bytes"] / GB for r in rs]
+            ours = c.startswith("jax_ucp")
+            style = {"marker": "o" if ours else "s", "linestyle": "-" if ours else "--"}
+            style["color"] = "tab:blue" if ours else next(others)
+            axes[0, j].plot(xs, [r["s_per_gb"] for r in rs], label=c, **style)
             key = "rss_anon_peak" if part == "dcp" else "rss_anon_peak_above_arrays"
-            axes[1, j].plot(xs, [r[key] / MiB for r in rs], style, label=c)
+            axes[1, j].plot(xs, [max(r[key], 0) / MiB for r in rs], label=c, **style)
+        axes[0, j].set_ylim(bottom=0)
         axes[0, j].set_title(f"{part} {op}: seconds per GB")
         axes[1, j].set_title(
             f"{part} {op}: peak RssAnon (MiB)" + ("" if part == "dcp" else " above arrays")
@@ -659,6 +663,7 @@ def plot(path_json: str = JSON, path_png: str = PNG) -> None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         axes[1, j].set_yscale("symlog", linthresh=100)
+        axes[1, j].set_ylim(bottom=0)
     fig.suptitle("bench_scale.py: cost per GB and memory as the checkpoint grows (2 cores, shared)")
     fig.tight_layout()
     fig.savefig(path_png, dpi=100)
