@@ -689,7 +689,8 @@ def table(path_json: str = JSON) -> str:
         head = f"| {r['part']} | {r['op']} | {r['size_gb']} | {r['contender']} |"
         if r.get("skipped"):
             lines.append(
-                f"{head} — | skipped: {r['skipped']} | | | | | {r['utc']}, {r['load']:.0f} |"
+                f"{head} — | — | — | — | skipped: {r['skipped']} | | "
+                f"{r['utc'][11:]}, {r['load']:.0f} |"
             )
             continue
         mem = r.get("rss_anon_peak_above_arrays", r.get("rss_anon_peak", 0))
