@@ -249,3 +249,131 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
         if name != "ucp.json":
             assert got[name] == want[name], name
     assert _entries(small) == _entries(default)
+
+
+TORCH = os.path.join(REPO, "tests", "fixtures", "torch")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fixture", ["fsdp2_fp32", "torchtitan_fp32"])
+def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkeypatch, fixture):
+    """torch DCP tensors read by rows of their chunks (a slab crossing the ranks' row shards):
+    under a budget below every tensor, with small inner chunks, the checkpoint is the default
+    one file for file, and no tensor over the budget is assembled whole."""
+    from jax_ucp.importers.torch import dcp_reader
+
+    monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
+    slabs: list = []
+    whole: list = []
+    read_rows, read = dcp_reader.DcpCheckpoint.read_rows, dcp_reader.DcpCheckpoint.read
+
+    def rows_spy(self, name, start, stop):
+        out = read_rows(self, name, start, stop)
+        slabs.append((name, start, stop, out.nbytes))
+        return out
+
+    def read_spy(self, name, rows=None):
+        out = read(self, name, rows)
+        whole.append(out.nbytes)
+        return out
+
+    monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read_rows", rows_spy)
+    monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read", read_spy)
+    src = os.path.join(TORCH, fixture)
+    small, default = tmp_path / "small", tmp_path / "default"
+    jax_ucp.convert(src, str(small), memory_budget="2KiB")
+    assert any(start > 0 for _, start, _, _ in slabs)  # several slabs of a tensor
+    assert all(n <= 1 << 10 for *_, n in slabs) and all(n <= 2 << 10 for n in whole)
+    slabs.clear()
+    jax_ucp.convert(src, str(default))
+    assert slabs == []
+    got, want = _files(small), _files(default)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name != "ucp.json":
+            assert got[name] == want[name], name
+    assert _entries(small) == _entries(default)
+
+
+def test_dcp_rows_are_the_rows_of_the_tensor():
+    """``read_rows`` at every cut against the whole tensor, and out-of-range rows refused."""
+    from jax_ucp.importers.torch import dcp_reader
+
+    ck = dcp_reader.open_dcp(os.path.join(TORCH, "fsdp2_fp32"))
+    name = "model.tok_embeddings.weight"  # (67, 16) in two row shards, 34 + 33
+    full = ck.read(name)
+    for start, stop in [(0, 67), (0, 1), (33, 35), (34, 67), (10, 60), (66, 67), (5, 5)]:
+        np.testing.assert_array_equal(ck.read_rows(name, start, stop), full[start:stop])
+    np.testing.assert_array_equal(ck.read(name, rows=40), full[:40])
+    with pytest.raises(dcp_reader.DcpError, match=r"no rows 60:68 in shape \[67, 16\]"):
+        ck.read_rows(name, 60, 68)
+
+
+_MEASURE = """
+import json, os, sys, threading, time
+import jax_ucp
+
+def anon():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('RssAnon:'):
+                return int(line.split()[1]) * 1024
+
+base, peak, done = anon(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+t = threading.Thread(target=sample, daemon=True)
+t.start()
+jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
+done.set()
+t.join()
+print('PEAK', json.dumps({'base': base, 'peak': max(peak[0], anon())}))
+"""
+
+
+def peak_over_baseline(src, dst, budget: str) -> int:
+    """RssAnon a fresh process's ``convert(src, dst, memory_budget=budget)`` peaks at, over
+    the process after ``import jax_ucp`` (sampled every 2 ms from a thread)."""
+    import json
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(src), str(dst), budget],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("PEAK"))
+    got = json.loads(line[4:])
+    return got["peak"] - got["base"]
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+def test_a_torch_dcp_tensor_over_the_budget_stays_within_it(tmp_path):
+    """A 128 MiB tensor saved by torch DCP (two row chunks), imported at a 32 MiB budget:
+    RssAnon stays well under the tensor (built whole it would be 128 MiB over the baseline)."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "dcp"
+    make = (
+        "import sys, torch, torch.distributed.checkpoint as dcp\n"
+        "from torch.distributed.checkpoint.metadata import ChunkStorageMetadata\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "w = torch.randn(32768, 1024, generator=g)\n"
+        "dcp.save({'embed.weight': w, 'small': torch.ones(3)}, checkpoint_id=sys.argv[1])\n"
+    )
+    subprocess.run([sys.executable, "-c", make, str(src)], check=True, timeout=600)
+    over = peak_over_baseline(src, tmp_path / "ucp", "32MiB")
+    assert over < 96 * MiB, over / MiB
+    got = jax_ucp.restore(str(tmp_path / "ucp"))
+    assert got["params"]["embed.weight"].shape == (32768, 1024)
