@@ -184,11 +184,23 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
         return read(self, state, name, rows)
 
     monkeypatch.setattr(rank_states.RankStates, "read", spy)
+    from jax_ucp.importers.megatron import torch_dist
+
+    weights: list = []  # the model weights read whole: none larger than the budget
+    weight_read = torch_dist.TorchDistReader.read
+
+    def weight_spy(self, tensor, rule_name):
+        value, pattern = weight_read(self, tensor, rule_name)
+        weights.append(value.nbytes)
+        return value, pattern
+
+    monkeypatch.setattr(torch_dist.TorchDistReader, "read", weight_spy)
     src = os.path.join(MEGATRON, fixture)
     small = tmp_path / "small"
     jax_ucp.convert(src, str(small), vocab_size=MEGATRON_VOCAB, memory_budget="2KiB")
     slabs = [r for r in asked if r is not None]
     assert slabs and any(lo > 0 for lo, _ in slabs)  # rows read apart, not whole tensors
+    assert weights and max(weights) <= 2 << 10, weights  # weights over it by rows, too
     asked.clear()
     default = tmp_path / "default"
     jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
