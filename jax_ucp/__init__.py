@@ -10,6 +10,7 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 from __future__ import annotations
 
 from jax_ucp.errors import (
+    CheckpointReplacedError,
     ExportError,
     NotFoundError,
     OptimizerOrderWarning,
@@ -39,9 +40,12 @@ _LAZY = {
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
     "set_object_store_options": "jax_ucp.store.location",
+    "optax_from_torch": "jax_ucp.optax_torch",
+    "TorchOptimizer": "jax_ucp.optax_torch",
 }
 
 __all__ = [
+    "CheckpointReplacedError",
     "ExportError",
     "Manifest",
     "ManifestError",
