@@ -401,22 +401,61 @@ def test_a_torch_dcp_tensor_over_the_budget_stays_within_it(tmp_path):
     subprocess.run([sys.executable, "-c", make, str(src)], check=True, timeout=600)
     over = peak_over_baseline(src, tmp_path / "ucp", "32MiB")
     assert over < 96 * MiB, over / MiB
-    got = jax_ucp.restore(str(tmp_path / "ucp"))
-    assert got["params"]["embed.weight"].shape == (32768, 1024)
+    _in_subprocess(  # the tensors compared outside pytest's process, kept small (ru_maxrss)
+        "import sys, numpy as np, jax_ucp, torch, torch.distributed.checkpoint as dcp\n"
+        "got = jax_ucp.restore(sys.argv[2])['params']['embed.weight']\n"
+        "want = {'embed.weight': torch.empty(32768, 1024), 'small': torch.empty(3)}\n"
+        "dcp.load(want, checkpoint_id=sys.argv[1])\n"
+        "assert np.array_equal(np.asarray(got), want['embed.weight'].numpy())\n",
+        src,
+        tmp_path / "ucp",
+    )
 
 
-def _save_orbax_chunked(path, rows: int, cols: int, chunk_bytes: int) -> np.ndarray:
-    """An Orbax StandardCheckpointer save of a (rows, cols) fp32 array in chunks of at most
-    ``chunk_bytes`` (``SaveArgs.chunk_byte_size``), beside a small array; returns the big one."""
-    import jax
-    import orbax.checkpoint as ocp
+_ORBAX_SAVE = """
+import sys, jax, numpy as np, orbax.checkpoint as ocp
+rows, cols, chunk = (int(x) for x in sys.argv[2:5])
+embed = np.random.default_rng(11).standard_normal((rows, cols)).astype(np.float32)
+tree = {"embed": embed, "b": np.ones(3)}
+args = jax.tree.map(lambda x: ocp.SaveArgs(chunk_byte_size=chunk), tree)
+with ocp.StandardCheckpointer() as c:
+    c.save(sys.argv[1], tree, save_args=args)
+"""
 
-    rng = np.random.default_rng(11)
-    tree = {"embed": rng.standard_normal((rows, cols)).astype(np.float32), "b": np.ones(3)}
-    args = jax.tree.map(lambda x: ocp.SaveArgs(chunk_byte_size=chunk_bytes), tree)
+_ORBAX_CHECK = """
+import sys, numpy as np, jax_ucp, orbax.checkpoint as ocp
+rows, cols = int(sys.argv[2]), int(sys.argv[3])
+embed = np.random.default_rng(11).standard_normal((rows, cols)).astype(np.float32)
+if sys.argv[4] == "ucp":
+    got = np.asarray(jax_ucp.restore(sys.argv[1])["embed"])
+else:
     with ocp.StandardCheckpointer() as c:
-        c.save(os.path.abspath(path), tree, save_args=args)
-    return tree["embed"]
+        got = c.restore(sys.argv[1])["embed"]
+assert got.dtype == embed.dtype and np.array_equal(got, embed)
+"""
+
+
+def _in_subprocess(code: str, *args) -> None:
+    """``code`` run by a fresh interpreter: large arrays stay out of pytest's own process,
+    whose peak RSS its children's ``ru_maxrss`` inherit across exec (other tests measure it)."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *(str(a) for a in args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _save_orbax_chunked(path, rows: int, cols: int, chunk_bytes: int) -> None:
+    """An Orbax StandardCheckpointer save of a seeded (rows, cols) fp32 array in chunks of at
+    most ``chunk_bytes`` (``SaveArgs.chunk_byte_size``), beside a small array."""
+    _in_subprocess(_ORBAX_SAVE, os.path.abspath(path), rows, cols, chunk_bytes)
 
 
 @pytest.mark.timeout(300)
@@ -424,7 +463,8 @@ def test_an_orbax_import_in_row_slabs_equals_the_default_one(tmp_path, monkeypat
     """An Orbax array saved in small chunks and larger than the budget is read rows lo:hi at a
     time (only the chunks holding them decoded) and re-chunked by the writer: the checkpoint
     is the default one file for file."""
-    embed = _save_orbax_chunked(tmp_path / "orbax", 256, 64, 4 << 10)  # 64 KiB, 4 KiB chunks
+    _save_orbax_chunked(tmp_path / "orbax", 256, 64, 4 << 10)  # 64 KiB, 4 KiB chunks
+    embed = np.random.default_rng(11).standard_normal((256, 64)).astype(np.float32)
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 2 << 10)  # both imports alike
     streamed: list = []
     stream = shards.PipelinedWriter.stream
@@ -454,10 +494,10 @@ def test_an_orbax_array_over_the_budget_stays_within_it(tmp_path):
     """A 160 MiB Orbax array saved in 4 MiB chunks, imported at a 32 MiB budget: RssAnon stays
     well under the array (read whole it would be 160 MiB and its decoded chunks over the
     baseline; in slabs ~60-110 MiB, glibc keeping TensorStore's freed chunk buffers)."""
-    embed = _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
+    _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
     over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB")
     assert over < 136 * MiB, over / MiB
-    np.testing.assert_array_equal(jax_ucp.restore(str(tmp_path / "ucp"))["embed"], embed)
+    _in_subprocess(_ORBAX_CHECK, tmp_path / "ucp", 40960, 1024, "ucp")
 
 
 @pytest.mark.timeout(600)
@@ -466,13 +506,8 @@ def test_an_orbax_export_over_the_budget_writes_chunk_by_chunk(tmp_path):
     of the budget, a slab of them at a time (Orbax's one chunk per array held its compressed
     copy too: +314 MiB measured), and ``ocp.StandardCheckpointer().restore`` reads it
     bit-exact. The tensor itself is still read whole (+160 MiB)."""
-    import orbax.checkpoint as ocp
-
-    embed = _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
-    ucp = jax_ucp.convert(tmp_path / "orbax", tmp_path / "ucp")
+    _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
+    ucp = jax_ucp.convert(tmp_path / "orbax", tmp_path / "ucp", memory_budget="64MiB")
     over = peak_over_baseline(ucp, tmp_path / "out", "32MiB", export_to="orbax")
     assert over < 240 * MiB, over / MiB
-    with ocp.StandardCheckpointer() as c:
-        got = c.restore(str(tmp_path / "out"))
-    np.testing.assert_array_equal(got["embed"], embed)
-    assert got["embed"].dtype == embed.dtype
+    _in_subprocess(_ORBAX_CHECK, tmp_path / "out", 40960, 1024, "orbax")
