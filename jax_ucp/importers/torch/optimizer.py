@@ -73,6 +73,9 @@ class TensorRef:
     # Same value => same tensor (tied weights share one storage, offset, shape and strides);
     # None when unknown.
     identity: Any = None
+    #: rows ``start:stop`` of dim 0 alone (a DCP tensor's chunks overlapping them), so that a
+    #: tensor larger than the memory budget is written in row slabs; None: read whole
+    rows: Callable[[int, int], np.ndarray] | None = None
 
 
 def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:
@@ -315,7 +318,17 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
 
-    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read)
+    rows = None
+    if ref.rows is not None and ref.shape:
+        read_rows = ref.rows
+
+        def rows(start: int, stop: int) -> np.ndarray:
+            value = read_rows(start, stop)
+            want = TensorRef(ref.name, (stop - start, *ref.shape[1:]), ref.dtype, ref.read, {})
+            _check_read(value, want, f"{name} rows {start}:{stop}", where)
+            return value
+
+    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
 
 
 def _check_read(value: Any, ref: TensorRef, name: str, where: str) -> None:
