@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
-from jax_ucp.importers.detect import plan_import
+from jax_ucp.importers.registry import plan_import
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 RUNS = [
@@ -66,7 +66,7 @@ def test_universal_imports_bit_exact_as_the_run(run, tmp_path):
     """Every tensor (fp32 masters, moments, step, bf16 model copy, frozen weights) equals the
     direct import of the checkpoint ds_to_universal read."""
     src = os.path.join(FIXTURES, run, "universal")
-    assert detect.detect_format(src) == "deepspeed"
+    assert registry.detect_format(src) == "deepspeed"
     jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), tmp_path / "direct")
     jax_ucp.convert(src, tmp_path / "universal")
     _assert_same(_flat(tmp_path / "direct"), _flat(tmp_path / "universal"))

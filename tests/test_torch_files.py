@@ -16,7 +16,7 @@ from ucp_testing import assert_bit_exact, assert_destination_untouched
 
 import jax_ucp
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.torch.optimizer import TorchImportError
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 )
 def test_real_torch_save_files_import_bit_exact(tmp_path, name):
     src = os.path.join(FIX, name)
-    assert detect.detect_format(src) == "torch"
+    assert registry.detect_format(src) == "torch"
     out = jax_ucp.convert(src, tmp_path / "ucp")
     restored = jax_ucp.restore(out)
     if name == "lightning.ckpt":  # the LightningModule holds the model as `self.model`
