@@ -177,6 +177,20 @@ def test_sharded_index_escaping_its_folder_is_refused(tmp_path):
         jax_ucp.convert(src, tmp_path / "out")
 
 
+def test_sharded_index_naming_a_tensor_twice_is_refused(tmp_path):
+    """The index is read as the safetensors one is (one reader): a repeated key in its JSON
+    (which of the two files is meant cannot be told) is refused, naming the key."""
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = json.loads((src / "pytorch_model.bin.index.json").read_text())
+    first, file = next(iter(index["weight_map"].items()))
+    text = json.dumps(index).replace('"weight_map": {', f'"weight_map": {{"{first}": "{file}", ', 1)
+    (src / "pytorch_model.bin.index.json").write_text(text)
+    with pytest.raises(TorchImportError, match=rf"names '{first}' twice"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
     src = tmp_path / "hf"
     src.mkdir()

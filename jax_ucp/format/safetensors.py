@@ -100,7 +100,8 @@ def shard_files(src) -> list[str]:
         return [src]
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
-        return _files_from_index(src, index)
+        names = sorted(set(read_weight_map(index, ".safetensors").values()))
+        return [os.path.join(src, name) for name in names]
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:
         for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
@@ -114,30 +115,40 @@ def shard_files(src) -> list[str]:
     return [os.path.join(src, names[0])]
 
 
-def _files_from_index(src: str, index: str) -> list[str]:
+def read_weight_map(
+    index: str, suffix: str = "", error: type[UCPError] = SafetensorsError
+) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> file name) of a Hugging Face index
+    (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``): read bounded, strict
+    JSON (a repeated key refused), every file a plain name beside the index ending in
+    ``suffix``. Errors are ``error``s naming the index.
+
+    Args:
+        index: the index file.
+        suffix: what every file name must end with ("" for any).
+        error: the error class raised (the caller's format's).
+
+    Returns:
+        The weight map as written.
+    """
     try:
         data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
-    except SafetensorsError:
-        raise
+    except SafetensorsError as e:  # a repeated key
+        raise (e if error is SafetensorsError else error(str(e))) from None
     except (ValueError, RecursionError) as e:
-        raise SafetensorsError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
+        raise error(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise SafetensorsError(f"{index}: expected a 'weight_map' of tensor name -> file name.")
-    names = sorted(set(weight_map.values()))
-    for name in names:
-        if (
-            os.path.basename(name) != name
-            or name in (".", "..")
-            or not name.endswith(".safetensors")
-        ):
-            raise SafetensorsError(
-                f"{index}: weight_map names {name[:100]!r}; expected a .safetensors file beside the "
-                f"index (no directories)."
+        raise error(f"{index}: expected a 'weight_map' of tensor name -> file name.")
+    for name in sorted(set(weight_map.values())):
+        if os.path.basename(name) != name or name in (".", "..") or not name.endswith(suffix):
+            raise error(
+                f"{index}: weight_map names {name[:100]!r}; expected a "
+                f"{suffix + ' ' if suffix else ''}file beside the index (no directories)."
             )
-    return [os.path.join(src, n) for n in names]
+    return weight_map
 
 
 class SafetensorsFile:
@@ -269,7 +280,7 @@ def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFi
             owner[name] = f
     index = os.path.join(src, INDEX_FILE) if os.path.isdir(src) else None
     if index and os.path.exists(index):
-        weight_map = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)["weight_map"]
+        weight_map = read_weight_map(index, ".safetensors")
         missing = sorted(set(weight_map) - set(owner))
         unlisted = sorted(set(owner) - set(weight_map))
         if missing or unlisted:

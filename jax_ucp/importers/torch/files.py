@@ -18,13 +18,13 @@ as they are.
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
 import numpy as np
 
 from jax_ucp.format import files
+from jax_ucp.format.safetensors import read_weight_map
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
 from jax_ucp.importers.torch import unpickler as torch_pickle
 from jax_ucp.importers.torch.optimizer import (
@@ -45,7 +45,6 @@ MODEL_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt", "model
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
 _MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
-MAX_INDEX_BYTES = 64 << 20
 
 
 def _is_zip(path: str) -> bool:
@@ -100,21 +99,7 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
 
 def _index_files(src: str) -> list[str]:
     index = os.path.join(src, INDEX_FILE)
-    try:
-        data = json.loads(files.read_regular(index, MAX_INDEX_BYTES))
-    except (ValueError, RecursionError) as e:
-        raise TorchImportError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise TorchImportError(f"{index}: expected a 'weight_map' of tensor name -> file name")
-    names = sorted(set(weight_map.values()))
-    for name in names:
-        if os.path.basename(name) != name or name in (".", ".."):
-            raise TorchImportError(
-                f"{index}: weight_map names {name[:100]!r}; expected a file beside the index"
-            )
+    names = sorted(set(read_weight_map(index, error=TorchImportError).values()))
     return [os.path.join(src, n) for n in names]
 
 
@@ -265,7 +250,7 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
 
 def _check_index(src: str, model: dict) -> None:
     index = os.path.join(src, INDEX_FILE)
-    weight_map = json.loads(files.read_regular(index, MAX_INDEX_BYTES))["weight_map"]
+    weight_map = read_weight_map(index, error=TorchImportError)
     wrong = sorted(n for n, f in weight_map.items() if n not in model)
     unlisted = sorted(set(model) - set(weight_map))
     moved = sorted(
