@@ -9,7 +9,14 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 
 from __future__ import annotations
 
-from jax_ucp.errors import ExportError, NotFoundError, RequestError, SetupError, UnsupportedError
+from jax_ucp.errors import (
+    ExportError,
+    NotFoundError,
+    OptimizerOrderWarning,
+    RequestError,
+    SetupError,
+    UnsupportedError,
+)
 from jax_ucp.format import Manifest, ManifestError, TensorEntry, UCPError, ValueEntry
 from jax_ucp.lazy_names import lazy_attributes
 from jax_ucp.version import __version__
@@ -39,6 +46,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "NotFoundError",
+    "OptimizerOrderWarning",
     "RequestError",
     "SetupError",
     "TensorEntry",

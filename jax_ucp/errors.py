@@ -1,4 +1,4 @@
-"""The library's exceptions: every error jax_ucp raises on bad input derives from ``UCPError``.
+"""The library's exceptions (and its one import warning): every error jax_ucp raises on bad input derives from ``UCPError``.
 
 A leaf module (it imports nothing of jax_ucp), so every layer — the pure-logic UCP language
 included — can derive its errors from it, and callers catch one class. The few general classes
@@ -42,3 +42,10 @@ class SetupError(UCPError, RuntimeError):
 class ExportError(UCPError, ValueError):
     """A universal checkpoint cannot be exported in the asked format (a dtype the target format
     cannot hold, a name it cannot carry, a destination inside the source, ...)."""
+
+
+class OptimizerOrderWarning(UserWarning):
+    """An imported optimizer's state was matched to parameters by position (index i -> i-th
+    parameter), which the checkpoint cannot confirm, and parameters of one shape could be
+    swapped unseen; the manifest's ``source.notes`` records the same. Save the optimizer with
+    ``param_names`` (or keyed by name) to make the mapping checkable."""

@@ -334,8 +334,9 @@ def test_the_chunk_crc_is_zips_crc32():
 
 def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypatch):
     """A chunk whose tensor is not exactly its storage's bytes (here: the unpickled tensor made
-    a copy, so it is not at the storage's address) takes the mapped path: the storage's CRC-32
-    is checked on the mapped bytes, then the tensor copied into place."""
+    a copy, so it is not at the storage's address) takes the mapped path, not the direct read:
+    the storage's CRC-32 is checked on its bytes (read with pread, never by touching the
+    mapping), then the tensor copied into place."""
     from jax_ucp.importers.torch import unpickler as torch_pickle
 
     real_load = torch_pickle.TorchArchive.load
@@ -343,7 +344,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
         torch_pickle.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy()
     )
     calls = []
-    monkeypatch.setattr(os, "preadv", lambda *a: calls.append(a))  # must not be used
+    monkeypatch.setattr(dcp_reader, "_pread_into", lambda *a: calls.append(a))  # not used
     src = _copy(tmp_path)
     ck = dcp_reader.open_dcp(src)
     tensor = ck.tensors["model.output.weight"]

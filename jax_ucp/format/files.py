@@ -91,6 +91,64 @@ def overlap(path: str, other: str) -> str | None:
     return None
 
 
+class OutsideCheckpointError(UnsafeFileError, ValueError):
+    """A name read from a checkpoint that would lead outside it (absolute, ``..``, NUL, or a
+    symlink whose target lies outside the checkpoint)."""
+
+
+def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str:
+    """The real path (symlinks resolved) of ``name``, read from a checkpoint's own files, relative
+    to ``folder`` (default ``root``), refused unless it lies inside ``root``'s real path.
+
+    The one place where a name from a checkpoint becomes a path: an absolute name, a ``..`` part,
+    a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
+    after resolution (a ``.distcp`` linked to another user's file) too; a link that stays inside
+    (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`checkpoint_root`) is
+    followed. ``what`` says where the name was read (file and entry) for the error."""
+    shown = repr(name)[:200]
+    if not isinstance(name, str) or not name:
+        raise OutsideCheckpointError(f"{what}: file name {shown} is not a non-empty string")
+    problem = None
+    if "\0" in name:
+        problem = "holds a NUL character"
+    elif os.path.isabs(name) or name.startswith("/"):
+        problem = "is an absolute path"
+    elif ".." in name.replace("\\", "/").split("/"):
+        problem = "has a '..' part"
+    if problem is not None:
+        raise OutsideCheckpointError(
+            f"{what}: file name {shown} {problem}; a checkpoint may name only files inside "
+            f"{os.fspath(root)}"
+        )
+    real_root = os.path.realpath(os.fspath(root))
+    real = os.path.realpath(os.path.join(os.fspath(folder if folder is not None else root), name))
+    if real != real_root and os.path.commonpath([real, real_root]) != real_root:
+        raise OutsideCheckpointError(
+            f"{what}: file name {shown} resolves to {real}, outside the checkpoint "
+            f"{real_root} (a symlink leading out of it); refusing to read it"
+        )
+    return real
+
+
+def in_own_folder(path: str | os.PathLike) -> str:
+    """:func:`inside` for a file found by its conventional name (a rank file, ``common.pt``):
+    ``path``, a link followed, stays in the folder holding it."""
+    folder, name = os.path.split(os.fspath(path))
+    return inside(folder or ".", name, folder or ".")
+
+
+def checkpoint_root(folder: str | os.PathLike) -> str:
+    """The folder whose inside a checkpoint in ``folder`` may read: ``folder`` itself, or for a
+    Hugging Face cache snapshot (``<repo>/snapshots/<rev>``, its files links to
+    ``<repo>/blobs/<sha>``) the cache's ``<repo>`` folder."""
+    real = os.path.realpath(os.fspath(folder))
+    parent = os.path.dirname(real)
+    repo = os.path.dirname(parent)
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
+        return repo
+    return real
+
+
 def _describe(mode: int) -> str:
     for test, name in (
         (stat.S_ISFIFO, "a FIFO"),

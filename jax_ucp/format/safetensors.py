@@ -95,24 +95,45 @@ def is_safetensors(src) -> bool:
 
 def shard_files(src) -> list[str]:
     """The files of the checkpoint: the index's shards, a directory's files, or ``src`` itself."""
+    return [shown for shown, _ in _shard_paths(src)]
+
+
+def _shard_paths(src) -> list[tuple[str, str]]:
+    """(path as named, real path) of each file of the checkpoint. Names from the folder or its
+    index resolve inside the folder (a Hugging Face cache snapshot: inside its cache repo,
+    whose ``blobs/`` its files link to), never to a file elsewhere."""
     src = os.fspath(src)
     if os.path.isfile(src):
-        return [src]
+        return [(src, src)]
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
-        names = sorted(set(read_weight_map(index, ".safetensors").values()))
-        return [os.path.join(src, name) for name in names]
+        return _files_from_index(src, index)
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:
         for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
-            SafetensorsFile(os.path.join(src, name))
+            SafetensorsFile(os.path.join(src, name), _inside(src, name, src))
         raise SafetensorsError(
             f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
             f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
         )
     if not names:
         raise SafetensorsError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
-    return [os.path.join(src, names[0])]
+    return [(os.path.join(src, names[0]), _inside(src, names[0], src))]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    try:
+        return files.inside(files.checkpoint_root(src), name, what, folder=src)
+    except files.UnsafeFileError as e:
+        raise SafetensorsError(str(e)) from None
+
+
+def _files_from_index(src: str, index: str) -> list[tuple[str, str]]:
+    first = first_tensors(read_weight_map(index, ".safetensors"))
+    return [
+        (os.path.join(src, name), str(_inside(src, name, f"{index}: weight_map entry {t[:100]!r}")))
+        for name, t in first.items()
+    ]
 
 
 def read_weight_map(
@@ -121,7 +142,7 @@ def read_weight_map(
     """The ``weight_map`` (tensor name -> file name) of a Hugging Face index
     (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``): read bounded, strict
     JSON (a repeated key refused), every file a plain name beside the index ending in
-    ``suffix``. Errors are ``error``s naming the index.
+    ``suffix``. Errors are ``error``s naming the index (and the entry).
 
     Args:
         index: the index file.
@@ -142,21 +163,32 @@ def read_weight_map(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise error(f"{index}: expected a 'weight_map' of tensor name -> file name.")
-    for name in sorted(set(weight_map.values())):
+    for name, tensor in first_tensors(weight_map).items():
         if os.path.basename(name) != name or name in (".", "..") or not name.endswith(suffix):
             raise error(
-                f"{index}: weight_map names {name[:100]!r}; expected a "
+                f"{index}: weight_map entry {tensor[:100]!r} names {name[:100]!r}; expected a "
                 f"{suffix + ' ' if suffix else ''}file beside the index (no directories)."
             )
     return weight_map
 
 
+def first_tensors(weight_map: dict[str, str]) -> dict[str, str]:
+    """File name -> the first tensor a ``weight_map`` puts in it, by file name (the entry an
+    error about the file names)."""
+    first: dict[str, str] = {}
+    for tensor, name in weight_map.items():
+        first.setdefault(name, tensor)
+    return dict(sorted(first.items()))
+
+
 class SafetensorsFile:
     """One safetensors file: its validated header and read-only views of its tensors."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, real: str | None = None):
+        """``path`` as the checkpoint names it; ``real``, when given, what it resolved to (the
+        file opened)."""
         self.path = path
-        fd = files.open_regular(path)
+        fd = files.open_regular(real or path)
         try:
             size = os.fstat(fd).st_size
             if size < 8:
@@ -269,7 +301,7 @@ def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFi
     tensor: a tensor in two files, or an index whose ``weight_map`` and the files disagree, is
     refused naming them."""
     src = os.fspath(src)
-    opened = [SafetensorsFile(path) for path in shard_files(src)]
+    opened = [SafetensorsFile(path, real) for path, real in _shard_paths(src)]
     owner: dict[str, SafetensorsFile] = {}
     for f in opened:
         for name in f.header:

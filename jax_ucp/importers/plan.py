@@ -218,8 +218,10 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     bad_skips = sorted(n for n, why in skipped.items() if n not in found or not why)
     if bad_skips:
         raise UnaccountedTensorsError(
-            f"{where}: source.skipped lists {_few(bad_skips)}, which the importer did not find "
-            f"in the checkpoint (or gives no reason)"
+            f"{where}: the import's record of what it leaves out (source.skipped lists "
+            f"{_few(bad_skips)}) names tensors the checkpoint does not hold, or gives no reason; "
+            f"nothing was committed. jax_ucp does not handle this layout correctly: please "
+            f"report it"
         )
     imported: set[str] = set()
     for item in plan.items:
@@ -227,30 +229,36 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
         names = (item.provenance or {}).get(TENSORS)
         if not names and not (item.provenance or {}).get(VALUES):
             raise UnaccountedTensorsError(
-                f"{where}: output tensor {keypath.key_to_str(item.key)!r} names no source tensor "
-                f"(provenance[{TENSORS!r}]) and no other source value (provenance[{VALUES!r}])"
+                f"{where}: the import cannot say which entries of the checkpoint "
+                f"{keypath.key_to_str(item.key)!r} would be built from, so it cannot show that "
+                f"nothing of the checkpoint is dropped; nothing was committed. jax_ucp does not "
+                f"handle this layout correctly: please report it (with `jax-ucp inspect` of "
+                f"the source, or its file names)"
             )
         names = names or []
         unknown = [n for n in names if n not in found]
         if unknown:
             raise UnaccountedTensorsError(
-                f"{where}: output tensor {keypath.key_to_str(item.key)!r} is built from "
-                f"{_few(unknown)}, which the importer did not find in the checkpoint"
+                f"{where}: {keypath.key_to_str(item.key)!r} would be built from "
+                f"{_few(unknown)}, which are not among the checkpoint's tensors; nothing was "
+                f"committed. jax_ucp does not handle this layout correctly: please report it"
             )
         both = [n for n in names if n in skipped]
         if both:
             raise UnaccountedTensorsError(
-                f"{where}: output tensor {keypath.key_to_str(item.key)!r} is built from "
-                f"{_few(both)}, which source.skipped says were not imported"
+                f"{where}: {keypath.key_to_str(item.key)!r} would be built from {_few(both)}, "
+                f"which the import also lists as not imported (source.skipped); nothing was "
+                f"committed. jax_ucp does not handle this layout correctly: please report it"
             )
         imported.update(names)
         yield item
     lost = sorted(found - imported - set(skipped))
     if lost and whole:
         raise UnaccountedTensorsError(
-            f"{where}: {len(lost)} of the checkpoint's {len(found)} tensors would be neither "
-            f"imported nor listed in source.skipped: {_few(lost)}. Nothing was committed; this "
-            f"is an importer bug or a layout it does not know (please report it)"
+            f"{where}: {len(lost)} of the checkpoint's {len(found)} tensors have no place in "
+            f"the import and no reason to be left out: {_few(lost)}. Nothing was committed "
+            f"(an import takes every tensor or says why not). The checkpoint holds state this "
+            f"importer does not know where to put; if it is a standard layout, please report it"
         )
 
 

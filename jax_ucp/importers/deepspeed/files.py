@@ -67,6 +67,10 @@ def load_deepspeed_file(path: str) -> Any:
     ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
     read as other ranks' partitions, i.e. wrong parameters.
     """
+    try:
+        files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
+    except files.UnsafeFileError as e:
+        raise DeepSpeedImportError(str(e)) from None
     archive = TorchArchive(path)
     try:
         check_saved_name(archive, path)

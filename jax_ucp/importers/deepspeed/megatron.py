@@ -43,7 +43,7 @@ from jax_ucp.importers.deepspeed.zero import (
     STATE_TREES,
     DeepSpeedCheckpoint,
     piece_tensors,
-    step_tensors,
+    step_sources,
     zero_tensors,
 )
 from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
@@ -543,9 +543,19 @@ def iter_megatron_deepspeed_items(
         {
             "files": [os.path.basename(f) for f in checkpoint.optim_files],
             "pattern": "step",
-            "tensors": [n for row in checkpoint.ranks for r in row for n in step_tensors(r)],
+            **_step_sources(checkpoint),
         },
     )
+
+
+def _step_sources(checkpoint: MegatronDeepSpeedCheckpoint) -> dict[str, list[str]]:
+    """Every rank's ``step`` entries, tensors and Python numbers (older torch) alike."""
+    out: dict[str, list[str]] = {"tensors": []}
+    for row in checkpoint.ranks:
+        for rank in row:
+            for kind, names in step_sources(rank).items():
+                out.setdefault(kind, []).extend(names)
+    return out
 
 
 def megatron_deepspeed_tensors(

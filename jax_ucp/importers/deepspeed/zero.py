@@ -36,7 +36,16 @@ from jax_ucp.importers.deepspeed.files import (
     numel,
     require,
 )
-from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
+from jax_ucp.importers.plan import (
+    TENSORS,
+    VALUES,
+    WHOLE,
+    Share,
+    agreed_step,
+    host_item,
+    skip,
+    tensor_names,
+)
 from jax_ucp.importers.torch.unpickler import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
@@ -567,7 +576,7 @@ def iter_zero_items(
     yield host_item(
         ("opt_state", "count"),
         np.asarray(optimizer_step(checkpoint), np.int32),
-        {"files": files, "pattern": "step", "tensors": step_tensors(checkpoint)},
+        {"files": files, "pattern": "step", **step_sources(checkpoint)},
     )
 
 
@@ -605,16 +614,33 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
     return out
 
 
-def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
-    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
+def _step_entries(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, bool]]:
+    """Every rank's per-group ``step`` (``<rank file>:<path>``), and whether it is a tensor (older
+    torch kept Adam's step as a Python number)."""
     template, keys = _state_prefix(checkpoint, "step")
     inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
-    return [
-        f"{os.path.basename(path)}:{template.format(key)}"
-        for path, state in zip(checkpoint.optim_files, checkpoint.optim_states)
-        for key in keys
-        if isinstance(state[inner]["state"][int(key)].get("step"), np.ndarray)
-    ]
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        for key in keys:
+            step = state[inner]["state"][int(key)].get("step")
+            if step is not None:
+                name = f"{os.path.basename(path)}:{template.format(key)}"
+                yield name, isinstance(step, np.ndarray)
+
+
+def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
+    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
+    return [name for name, is_tensor in _step_entries(checkpoint) if is_tensor]
+
+
+def step_sources(checkpoint: DeepSpeedCheckpoint) -> dict[str, list[str]]:
+    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
+    pickled as Python numbers (values, not tensors, but sources all the same)."""
+    entries = list(_step_entries(checkpoint))
+    out = {TENSORS: [n for n, is_tensor in entries if is_tensor]}
+    values = [n for n, is_tensor in entries if not is_tensor]
+    if values:
+        out[VALUES] = values
+    return out
 
 
 def zero_tensors(

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from jax_ucp.format import files
@@ -120,7 +121,14 @@ def _tracker_step(tracker: Path) -> int | None:
         text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
     except files.UnsafeFileError as e:
         raise MegatronBridgeError(str(e)) from None
-    return int(text) if text.isdigit() else None
+    if not text.isdigit():
+        return None
+    if not text.isascii() or len(text) > 18:
+        raise MegatronBridgeError(
+            f"{tracker}: iteration {text[:40]!r}{'...' if len(text) > 40 else ''} is not a "
+            f"number of at most 18 ASCII digits"
+        )
+    return int(text)
 
 
 def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
@@ -184,6 +192,7 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         )
     try:
         files.check_regular(str(path))
+        files.in_own_folder(path)
         size = os.stat(path).st_size
         if size > MAX_TRAIN_STATE_BYTES:
             raise MegatronBridgeError(
@@ -200,16 +209,19 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         )
     state: dict[str, Any] = {}
     for key, value in raw.items():
-        shape = getattr(value, "shape", None)
-        if not isinstance(key, str) or shape != ():
+        # a tensor, not anything else with a ``shape`` (an OrderedDict given one by BUILD)
+        if not isinstance(key, str) or not isinstance(value, np.ndarray) or value.shape != ():
             raise MegatronBridgeError(
-                f"{path}: entry {key!r} is {torch_pickle.short_repr(value)}, expected a 0-d "
-                f"tensor (Bridge's TrainState.state_dict)"
+                f"{path}: entry {torch_pickle.short_repr(key, 80)} is "
+                f"{torch_pickle.short_repr(value)}, expected a 0-d tensor (Bridge's "
+                f"TrainState.state_dict)"
             )
         state[key] = value.item()
     step = state["step"]
     if type(step) is not int or step < 0:
-        raise MegatronBridgeError(f"{path}: step {step!r}, expected a non-negative integer")
+        raise MegatronBridgeError(
+            f"{path}: step {torch_pickle.short_repr(step, 80)}, expected a non-negative integer"
+        )
     return state
 
 
@@ -238,6 +250,7 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
         if node is None:
             raise MegatronBridgeError(f"{path}: empty, expected Bridge's run config (a mapping)")
         _check_expanded_size(node, path)
+        _check_numbers(node, path)
         config = loader.construct_document(node)
     except yaml.YAMLError as e:
         raise MegatronBridgeError(f"{path}: not valid YAML ({_one_line(e)})") from None
@@ -287,6 +300,40 @@ def _check_expanded_size(root: yaml.Node, path: Path) -> None:
                 raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
             if id(child) not in size:
                 stack.append((child, False))
+
+
+#: Longest number a run config may spell (Bridge's are a few digits; Python refuses to build an
+#: int from 4300 decimal digits, and would build one from millions of hex digits).
+MAX_NUMBER_CHARS = 64
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
+def _check_numbers(root: yaml.Node, path: Path) -> None:
+    """Refuse, before anything is built, a number spelled with more than
+    :data:`MAX_NUMBER_CHARS` characters, naming its key and line (linear: each node once)."""
+    seen: set[int] = set()
+    stack: list[tuple[yaml.Node, str]] = [(root, "(document)")]
+    while stack:
+        node, key = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.ScalarNode):
+            if node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+                raise MegatronBridgeError(
+                    f"{path}: {key} (line {node.start_mark.line + 1}) is a number of "
+                    f"{len(node.value)} characters ({node.value[:20]}...); a run config's "
+                    f"numbers have at most {MAX_NUMBER_CHARS}"
+                )
+        elif isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                name = k.value[:100] if isinstance(k, yaml.ScalarNode) else "(a key)"
+                stack += [
+                    (k, f"a key under {key}"),
+                    (v, name if key == "(document)" else f"{key}.{name}"),
+                ]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += [(v, f"{key}[{i}]") for i, v in enumerate(node.value)]
 
 
 def _children(node: yaml.Node) -> list[yaml.Node]:
@@ -401,10 +448,15 @@ def _ddp_settings(run_config: Mapping[str, Any], where: os.PathLike | str, setti
 
 
 def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
-    if type(value) is not int or value < 0:
+    if type(value) is not int or not 0 <= value < 2**63:
+        shown = (
+            f"an integer of {value.bit_length()} bits"
+            if type(value) is int and value.bit_length() > 64
+            else torch_pickle.short_repr(value, 80)
+        )
         raise MegatronBridgeError(
-            f"{where}: {key if '.' in key else 'model.' + key} is {value!r}, expected a "
-            f"non-negative integer"
+            f"{where}: {key if '.' in key else 'model.' + key} is {shown}, expected a "
+            f"non-negative integer below 2**63"
         )
     return value
 

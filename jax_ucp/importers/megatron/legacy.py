@@ -191,8 +191,9 @@ def _load_rank(path: Path) -> tuple[dict, dict]:
     if not path.is_file():
         raise LegacyError(f"missing shard file {path}")
     try:
+        files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
         state = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
-    except torch_pickle.TorchFileError as e:
+    except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
         raise LegacyError(str(e)) from None
     if not isinstance(state, dict):
         raise LegacyError(f"{path}: top level is a {type(state).__name__}, expected a dict")
@@ -250,6 +251,10 @@ def _rank_directories(iteration_dir: Path) -> _RankDirectories:
     for directory in sorted(iteration_dir.iterdir()):
         match = _RANK_DIR.match(directory.name)
         if directory.is_dir() and match:
+            try:  # a rank directory linked to another run's is never read
+                files.inside(iteration_dir, directory.name, str(iteration_dir))
+            except files.UnsafeFileError as e:
+                raise LegacyError(str(e)) from None
             named.append((directory, int(match.group(1)), match.group(2), match.group(3)))
     if not named:
         raise LegacyError(f"{iteration_dir}: no mp_rank_* directories")
@@ -445,8 +450,9 @@ class DistribOptimState:
 
 def _load_distrib_optim(path: Path) -> Any:
     try:
+        files.in_own_folder(path)
         return torch_pickle.load_torch_file(path, LEGACY_CLASSES)
-    except torch_pickle.TorchFileError as e:
+    except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
         raise LegacyError(str(e)) from None
 
 

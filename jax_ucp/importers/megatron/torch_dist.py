@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.format import files
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
     SUPPORTED_LAYOUTS,
@@ -264,8 +265,9 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
     objects = sorted(n for n in checkpoint.objects if n.startswith("common_state/"))
     if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
         try:
+            files.in_own_folder(common_path)  # never a common.pt linked to another run's
             common = torch_pickle.load_torch_file(common_path, legacy.LEGACY_CLASSES)
-        except torch_pickle.TorchFileError as e:
+        except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
             raise MegatronImportError(str(e)) from None
     elif objects:
         if len(objects) != 1:

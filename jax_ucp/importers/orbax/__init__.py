@@ -112,6 +112,7 @@ def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
                 raise OrbaxImportError(
                     f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}"
                 ) from None
+        _inside(src, os.path.basename(steps[step]), f"{src}: step directory")
         src = steps[step]
     elif tag is not None:
         raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
@@ -143,6 +144,8 @@ def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, st
                 f"{src}/{CHECKPOINT_METADATA}: item name {str(name)[:100]!r} is not a directory "
                 f"name inside the step; refusing to read outside it"
             )
+        if name:
+            _inside(src, name, f"{src}/{CHECKPOINT_METADATA}: item {name[:100]!r}")
         path = os.path.join(src, name) if name else src
         if os.path.isfile(os.path.join(path, MANIFEST_FILE)) or "jax_ucp" in str(typestr or ""):
             raise OrbaxImportError(
@@ -192,6 +195,8 @@ def plan_orbax(
     found: list[str] = []
     leaves = []  # (output key, key types, source name, item dir, metadata, ocdbt, zarr3)
     for item, path in items.items():
+        _check_links(step_dir, path)
+        _check_names(path)  # before Orbax's metadata(), which opens every array itself
         md = ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
         ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
         zarr3 = bool(getattr(md, "use_zarr3", False))
@@ -202,11 +207,8 @@ def plan_orbax(
                 types = (("key",) if len(items) > 1 else ()) + key_types
                 leaves.append((out_key, types, ".".join(key), path, None, ocdbt, zarr3))
                 continue
-            if not ocdbt and ".." in str(leaf.name).replace("\\", "/").split("/"):
-                raise OrbaxImportError(
-                    f"{path}/{PYTREE_METADATA}: array name {str(leaf.name)[:100]!r} would be read "
-                    f"from outside the checkpoint"
-                )
+            # the array's directory (or OCDBT key) Orbax's read spec joins from its name
+            _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
             found.append(name)
             out_key = ((item,) if len(items) > 1 else ()) + key
@@ -225,6 +227,37 @@ def plan_orbax(
     mine = share.pick(leaves)
     params = sum(1 for lv in mine if lv[0][:1] == ("params",))
     return ImportPlan(_items(mine), source, params, source_tensors=found)
+
+
+def _inside(root: str, name: Any, what: str) -> str:
+    try:
+        return files.inside(root, name, what)
+    except files.UnsafeFileError as e:
+        raise OrbaxImportError(str(e)) from None
+
+
+def _check_links(root: str, item: str) -> None:
+    """Every symlink under the item directory (array folders, zarr chunk files, OCDBT data and
+    manifest files, which TensorStore opens itself) resolves inside the checkpoint ``root``."""
+    for folder, dirs, names in os.walk(item):
+        for name in dirs + names:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                _inside(root, os.path.relpath(path, root), f"{item}: file")
+
+
+def _check_names(item: str) -> None:
+    """Every array name of the item's ``_METADATA`` (its key path joined by ".", as Orbax joins
+    it into the array's directory or OCDBT key) stays inside the item: an absolute name, a
+    ``..`` part or a NUL is refused before Orbax or TensorStore opens anything."""
+    where = os.path.join(item, PYTREE_METADATA)
+    meta = _read_json(where)
+    tree = meta.get("tree_metadata") if isinstance(meta, dict) else None
+    for entry in tree.values() if isinstance(tree, dict) else ():
+        keys = entry.get("key_metadata") if isinstance(entry, dict) else None
+        if isinstance(keys, list) and all(isinstance(k, dict) and "key" in k for k in keys):
+            name = ".".join(str(k["key"]) for k in keys)
+            _inside(item, name, f"{where}: array {name[:100]!r}")
 
 
 def _flatten(tree) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import concurrent.futures
 import itertools
 import math
-import mmap
 import os
 import posixpath
 import threading
@@ -33,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import UCPError, files, mapped_file
 from jax_ucp.importers.torch import unpickler as torch_pickle
 
 try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
@@ -49,6 +48,7 @@ __all__ = [
     "DcpCheckpoint",
     "open_dcp",
     "check_coverage",
+    "check_disjoint",
     "path_standin",
     "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
@@ -197,6 +197,19 @@ class DcpCheckpoint:
     objects: dict[str, DcpObject]
     version: str | None = None
     _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def file_path(self, name: str) -> str:
+        """The real path of storage file ``name`` (symlinks resolved), refused unless it lies
+        inside the checkpoint folder: a ``.distcp`` linked to a file elsewhere is never read."""
+        real = self._real.get(name)
+        if real is None:
+            try:
+                real = files.inside(self.path, name, f"{self.path / '.metadata'}: storage file")
+            except files.UnsafeFileError as e:
+                raise DcpError(str(e)) from None
+            self._real[name] = real
+        return real
 
     def check_tensor(self, name: str) -> None:
         """:func:`check_coverage` of tensor ``name``, once per checkpoint."""
@@ -248,12 +261,12 @@ class DcpCheckpoint:
         with ``preadv`` straight into it and their zip CRC-32 is computed on them there, a few
         MiB at a time while they are in the CPU cache: one copy, one pass. Anything else goes
         through :meth:`read_chunk` (CRC on the mapped bytes, then a copy)."""
-        fpath = self.path / c.file
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {fpath}"
+        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+        fpath = Path(self.file_path(c.file))
         direct = region.flags.c_contiguous and region.shape == tuple(c.sizes) and region.size
         if direct and not c.transforms:
             raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-            if bytes(raw[:4]) == b"PK\x03\x04":
+            if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
                 try:
                     arch = torch_pickle.TorchArchive.from_buffer(
                         raw, f"{fpath}@{c.byte_offset}", defer_crc=True
@@ -273,17 +286,17 @@ class DcpCheckpoint:
                         return
                 for start, size, crc in members:  # a view of a larger storage: check all
                     _check_crc(raw[start : start + size], crc, where)
-                region[...] = arr
+                mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
                 _pread_into(fpath, c.byte_offset, region, None, where)
                 return
         arr = self.read_chunk(t, c)
-        region[...] = arr[tuple(slice(0, n) for n in region.shape)]
+        mapped_file.copy_into(region, arr[tuple(slice(0, n) for n in region.shape)], where)
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        fpath = self.path / c.file
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {fpath}"
+        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+        fpath = Path(self.file_path(c.file))
         for tr in c.transforms:
             if tr not in SUPPORTED_TRANSFORMS:
                 raise DcpError(
@@ -291,7 +304,7 @@ class DcpCheckpoint:
                     f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
                 )
         raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-        if bytes(raw[:4]) == b"PK\x03\x04":
+        if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
             try:
                 arr = _load_embedded(fpath, raw, c.byte_offset)
             except torch_pickle.TorchFileError as e:
@@ -320,14 +333,15 @@ class DcpCheckpoint:
             low, high = max(start, c.offsets[0]), min(end, c.offsets[0] + c.sizes[0])
             if low < high:
                 arr = self.read_chunk(t, c)
-                parts.append(arr[low - c.offsets[0] : high - c.offsets[0]])
+                part = arr[low - c.offsets[0] : high - c.offsets[0]]
+                parts.append(mapped_file.read_out(part, f"tensor {name!r} in {c.file}"))
         return np.concatenate(parts) if len(parts) != 1 else parts[0]
 
     def read_object(self, name: str, extra_classes=None) -> Any:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
         o = self.objects[name]
-        fpath = self.path / o.file
-        where = f"object {name!r} in {fpath}"
+        where = f"object {name!r} in {self.path / o.file}"
+        fpath = Path(self.file_path(o.file))
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
         try:
             return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
@@ -348,7 +362,7 @@ class DcpCheckpoint:
             ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
         ):
             if file not in sizes:
-                p = self.path / file
+                p = Path(self.file_path(file))
                 if os.path.lexists(p):
                     try:
                         files.check_regular(str(p))
@@ -485,7 +499,9 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
 
 
 def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
-    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``."""
+    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
+    read through :mod:`jax_ucp.format.mapped_file` (pread), never by touching the mapping, which
+    would kill the process if the file shrank since."""
     try:
         size = path.stat().st_size
     except FileNotFoundError:
@@ -502,9 +518,14 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     except files.UnsafeFileError as e:
         raise DcpError(f"{where}: {e}") from None
     try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        mm = mapped_file.map_file(str(path), fd)
     finally:
         os.close(fd)
+    if mm is None or len(mm) < offset + length:
+        raise DcpError(
+            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
+            f"{0 if mm is None else len(mm)} bytes (truncated)"
+        )
     return np.frombuffer(mm, np.uint8, count=length, offset=offset)
 
 
@@ -550,7 +571,7 @@ READ_PIECE = 4 << 20
 
 
 def _check_crc(view: np.ndarray, crc: int, where: str) -> None:
-    found = zip_crc32(view)
+    found = mapped_file.crc32(view, 0, zip_crc32, where)
     if found != crc:
         raise DcpError(
             f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
@@ -753,4 +774,49 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
             objects[name] = DcpObject(name, rp, bo, bl)
         else:
             raise DcpError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
+    check_disjoint(tensors, objects, mfile)
     return DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
+
+
+def check_disjoint(
+    tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
+) -> None:
+    """No two storage entries of the checkpoint (chunks of any tensors, objects) share a byte of
+    a file: a tensor whose entry names another tensor's bytes would import with its values.
+    Sorted per file, O(n log n) in the entries."""
+    ranges = sorted(
+        itertools.chain(
+            (
+                (c.file, c.byte_offset, c.byte_offset + c.byte_length, t.name, list(c.offsets))
+                for t in tensors.values()
+                for c in t.chunks
+                if c.byte_length
+            ),
+            (
+                (o.file, o.byte_offset, o.byte_offset + o.byte_length, o.name, None)
+                for o in objects.values()
+                if o.byte_length
+            ),
+        ),
+        key=lambda e: (e[0], e[1], e[2]),
+    )
+    reach: tuple | None = None  # the entry reaching furthest so far in the current file
+    for entry in ranges:
+        file, start = entry[0], entry[1]
+        if reach is not None and reach[0] == file and start < reach[2]:
+            if reach[3] == entry[3] and entry[4] is not None and reach[4] is not None:
+                raise DcpError(  # the wording of check_coverage, which finds it too
+                    f"tensor {entry[3]!r} in {where}: two chunks share bytes [{start}, "
+                    f"{min(reach[2], start + 1)}...) of {file}; each chunk has its own bytes"
+                )
+            shown = [
+                f"{'object' if e[4] is None else 'tensor'} {e[3]!r}"
+                + ("" if e[4] is None else f" (chunk at offsets {e[4]})")
+                for e in (reach, entry)
+            ]
+            raise DcpError(
+                f"{where}: {shown[0]} and {shown[1]} share bytes [{start}, "
+                f"{min(reach[2], entry[2])}) of storage file {file}; each entry has its own bytes"
+            )
+        if reach is None or reach[0] != file or entry[2] > reach[2]:
+            reach = entry

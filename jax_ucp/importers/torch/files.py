@@ -19,12 +19,14 @@ as they are.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files
-from jax_ucp.format.safetensors import read_weight_map
+from jax_ucp.format.safetensors import first_tensors, read_weight_map
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
 from jax_ucp.importers.torch import unpickler as torch_pickle
 from jax_ucp.importers.torch.optimizer import (
@@ -83,24 +85,34 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
     if os.path.isfile(src):
         return [src], None
     names = set(os.listdir(src))
-    optimizer = next((os.path.join(src, n) for n in OPTIMIZER_FILES if n in names), None)
+    optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
     if INDEX_FILE in names:
         return _index_files(src), optimizer
     found = [n for n in MODEL_FILES if n in names]
     if len(found) > 1:
         raise TorchImportError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
-        return [os.path.join(src, found[0])], optimizer
+        return [_inside(src, found[0], src)], optimizer
     ckpt = _single_ckpt(src, names)
     if ckpt is not None:
-        return [os.path.join(src, ckpt)], None
+        return [_inside(src, ckpt, src)], None
     raise TorchImportError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
 
 
 def _index_files(src: str) -> list[str]:
     index = os.path.join(src, INDEX_FILE)
-    names = sorted(set(read_weight_map(index, error=TorchImportError).values()))
-    return [os.path.join(src, n) for n in names]
+    first = first_tensors(read_weight_map(index, error=TorchImportError))
+    return [_inside(src, n, f"{index}: weight_map entry {t[:100]!r}") for n, t in first.items()]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
+    inside its cache repo), never a link to a file elsewhere."""
+    try:
+        files.inside(files.checkpoint_root(src), name, what, folder=src)
+    except files.UnsafeFileError as e:
+        raise TorchImportError(str(e)) from None
+    return os.path.join(src, name)
 
 
 def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
@@ -165,9 +177,12 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
+            notes: list[str] = []
             states, groups, info["optimizer_keys"] = _optimizer(
-                optimizer, path, prefix, clean, model, skipped
+                optimizer, path, prefix, clean, model, skipped, notes
             )
+            if notes:
+                info["notes"] = notes
     _skip_unused(found, optimizer_sources, params, states, skipped)
     if removed:
         info["wrappers_removed"] = removed
@@ -264,9 +279,16 @@ def _check_index(src: str, model: dict) -> None:
 
 
 def _optimizer(
-    optimizer: Any, path: str, prefix: str, clean: dict[str, str], model: dict, skipped: dict
+    optimizer: Any,
+    path: str,
+    prefix: str,
+    clean: dict[str, str],
+    model: dict,
+    skipped: dict,
+    notes: list[str],
 ) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
-    """Per-parameter state keyed by clean parameter name, the groups, and how keys were read."""
+    """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
+    an assumption the mapping rests on is appended to ``notes`` (and warned)."""
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
@@ -280,6 +302,7 @@ def _optimizer(
         to_name = {k: clean_name(k)[0] for k in {*state, *ids}}
     elif _named_groups(groups):  # torch >= 2.5 with named parameters: param_names beside params
         keys = "param_names"
+        _check_unique_names(groups, path)
         to_name = {
             i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
         }
@@ -296,6 +319,7 @@ def _optimizer(
                 f"weights alone"
             )
         to_name = _by_index(ids, state, clean, model, path)
+        _say_order_assumed(to_name, state, clean, model, path, notes)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -337,6 +361,24 @@ def _named_groups(groups: list) -> bool:
     )
 
 
+def _check_unique_names(groups: list, path: str) -> None:
+    """No parameter named twice across the groups' ``param_names`` (wrapper prefixes removed):
+    two indices would map to one parameter and one of their states would be lost."""
+    first: dict[str, tuple[int, str]] = {}  # clean name -> (group, name as written)
+    for group, g in enumerate(groups):
+        for index, name in zip(g["params"], g["param_names"]):
+            clean = clean_name(name)[0]
+            if clean in first:
+                other, written = first[clean]
+                raise TorchImportError(
+                    f"{path}: param_names names parameter {clean[:200]!r} twice: as "
+                    f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
+                    f"{torch_pickle.short_repr(index, 40)}) in group {group}; a parameter is "
+                    f"optimized once, so which of the two states is its own cannot be told"
+                )
+            first[clean] = (group, name)
+
+
 def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str) -> None:
     """Each named index is a model tensor of the state's shape."""
     for key, per in state.items():
@@ -353,6 +395,36 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
                     f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
                     f"{list(v.shape)}, the parameter {list(shape)}"
                 )
+
+
+def _say_order_assumed(
+    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, notes: list[str]
+) -> None:
+    """Index ``i`` -> ``i``-th parameter is torch's numbering when the optimizer was built from
+    ``model.parameters()``, but nothing in the file can confirm it: when two parameters with
+    state share a shape, states built in another order would land on the wrong one unseen.
+    Say so once (a warning) and in the manifest (``source.notes``)."""
+    by_shape: dict[tuple, list[str]] = {}
+    for key in state:
+        name = to_name.get(key)
+        if name is not None:
+            by_shape.setdefault(tuple(model[clean[name]][0].shape), []).append(name)
+    shared = {shape: names for shape, names in by_shape.items() if len(names) > 1}
+    if not shared:
+        return
+    count = sum(len(names) for names in shared.values())
+    shape, names = max(shared.items(), key=lambda item: len(item[1]))
+    example = ", ".join(repr(n[:100]) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    note = (
+        f"{os.path.basename(path)}: optimizer state keyed by index was mapped by order (index i "
+        f"-> the i-th distinct floating tensor of the model state dict, torch's numbering of "
+        f"model.parameters()); {count} parameters share a shape with another ({example} are "
+        f"all {list(shape)}), so states of an optimizer built in another order would not be "
+        f"told apart. To confirm the mapping, save the optimizer with param_names (torch >= 2.5: "
+        f"build it from model.named_parameters()) or keyed by name (get_optimizer_state_dict)"
+    )
+    notes.append(note)
+    warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
 
 
 def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: str) -> dict:

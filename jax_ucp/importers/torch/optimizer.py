@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.format import UCPError
+from jax_ucp.format import UCPError, mapped_file
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item
 
 __all__ = [
@@ -287,7 +287,9 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
     def read() -> np.ndarray:
         value = ref.read()
         _check_read(value, ref, name, where)
-        return value
+        # a view of a memory-mapped file is read out with pread: the writer never touches the
+        # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
+        return mapped_file.read_out(value, f"tensor {name!r}")
 
     return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read)
 

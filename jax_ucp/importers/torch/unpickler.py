@@ -13,7 +13,10 @@ module interprets the pickle with a restricted opcode dispatcher instead:
 
 Tensors come back as read-only ``numpy`` arrays that view a single read-only ``mmap`` of the
 file (torch stores zip members uncompressed), so loading a checkpoint costs page-cache, not
-anonymous memory, and only touched bytes are read. bfloat16 / float8 map to ``ml_dtypes``.
+anonymous memory, and only touched bytes are read. Their bytes are read out with
+:func:`jax_ucp.format.mapped_file.read_out` (pread), never by touching the mapping: a file
+truncated meanwhile is then an error naming it, not SIGBUS. bfloat16 / float8 map to
+``ml_dtypes``.
 
 Public API (stable; also used by the Megatron importer):
 ``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
@@ -25,7 +28,6 @@ from __future__ import annotations
 import collections
 import io
 import itertools
-import mmap
 import os
 import pickle
 import pickletools
@@ -40,13 +42,14 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import UCPError, files, mapped_file
 
 __all__ = [
     "BASE_ALLOWED",
     "MAX_COMPRESSED_MEMBER",
     "MAX_DEPTH",
     "MAX_EXPANDED_OBJECTS",
+    "MAX_INFLATED_TOTAL",
     "check_expansion",
     "hashable_key",
     "short_repr",
@@ -85,6 +88,10 @@ MAX_EXPANDED_OBJECTS = 4_000_000
 MAX_DEPTH = 200
 #: Largest deflate-compressed member inflated into memory (torch itself never compresses).
 MAX_COMPRESSED_MEMBER = 256 << 20
+#: Most bytes inflated from one archive's deflated members in total: inflated bytes live in
+#: anonymous memory for as long as the tensors viewing them, so many members each under the
+#: per-member cap would otherwise add up to any amount (16 x 255 MiB from a 4 MB file).
+MAX_INFLATED_TOTAL = 256 << 20
 
 
 class _BoundedRepr(reprlib.Repr):
@@ -106,6 +113,12 @@ class _BoundedRepr(reprlib.Repr):
         if type(x) is collections.OrderedDict:
             return self.repr_dict(x, level)
         return super().repr1(x, level)
+
+    def repr_int(self, x: int, level: int) -> str:
+        # repr() of an int past Python's 4300-digit limit raises (and is quadratic before it)
+        if x.bit_length() > 256:
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
 
     def repr_dict(self, x: Any, level: int) -> str:  # insertion order: no sort of hostile keys
         if not x:
@@ -778,7 +791,7 @@ class _BufferFile(io.RawIOBase):
 
     def readinto(self, b) -> int:
         n = max(0, min(len(b), self._b.size - self._pos))
-        b[:n] = self._b[self._pos : self._pos + n].tobytes()
+        b[:n] = mapped_file.read_bytes(self._b, self._pos, n, "reading the zip directory")
         self._pos += n
         return n
 
@@ -807,9 +820,7 @@ class TorchArchive:
                         "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
                     )
                 raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
-            self._open_zip(
-                mmap.mmap(self._f.fileno(), 0, access=mmap.ACCESS_READ), size, "zip archive"
-            )
+            self._open_zip(mapped_file.map_file(self.path, self._f.fileno()), size, "zip archive")
         except BaseException:
             self._f.close()
             raise
@@ -840,6 +851,7 @@ class TorchArchive:
         self._mm = mm
         self.size = size
         self._views: dict[str, np.ndarray] = {}
+        self._inflated = 0  # bytes inflated from deflated members so far (MAX_INFLATED_TOTAL)
         self.unchecked = {}
         try:
             self._zip = zipfile.ZipFile(self._f)
@@ -860,16 +872,41 @@ class TorchArchive:
         self.byteorder = "<" if order == "little" else ">"
         self._storages: dict[str, np.ndarray] = {}
 
-    def _member_view(self, name: str) -> np.ndarray:
+    def _member_view(self, name: str, declared: int | None = None) -> np.ndarray:
+        """The bytes of member ``name`` (a view of the file, or inflated); ``declared``: the
+        bytes the pickle's storage needs from it, which a deflated member may not exceed."""
         info = self._infos.get(name)
         if info is None:
             raise TorchFileError(self.path, f"missing archive member {name!r}")
+        data_off = self._data_offset(name, info)
+        view = self._views.get(name)
+        if view is not None:
+            return view
+        if info.compress_type != zipfile.ZIP_STORED:
+            view = self._inflate(name, info, data_off, declared=declared)
+        else:
+            if info.file_size != info.compress_size:
+                raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
+            view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
+            if self.defer_crc and name.startswith(self.prefix + "data/"):
+                self.unchecked[name] = (data_off, info.file_size, info.CRC)
+            else:
+                # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
+                # a few GB/s; the copy that follows reads the same pages from the page cache).
+                self._check_crc(name, info, mapped_file.crc32(view))
+        self._views[name] = view
+        return view
+
+    def _data_offset(self, name: str, info: zipfile.ZipInfo) -> int:
+        """Where member ``name``'s bytes start, its local header and extent checked."""
         off = info.header_offset
         if off + _LOCAL_HEADER.size > self.size:
             raise TorchFileError(
                 self.path, f"member {name!r}: local header beyond end of file (truncated)"
             )
-        fields = _LOCAL_HEADER.unpack_from(self._mm, off)
+        fields = _LOCAL_HEADER.unpack(
+            mapped_file.read_bytes(self._mm, off, _LOCAL_HEADER.size, f"member {name!r}")
+        )
         if fields[0] != _LOCAL_MAGIC:
             raise TorchFileError(
                 self.path, f"member {name!r}: bad local header signature (corrupt)"
@@ -881,23 +918,7 @@ class TorchArchive:
                 f"member {name!r} needs bytes up to {data_off + info.compress_size} "
                 f"but the file has {self.size} (truncated)",
             )
-        view = self._views.get(name)
-        if view is not None:
-            return view
-        if info.compress_type != zipfile.ZIP_STORED:
-            view = self._inflate(name, info, data_off)
-        else:
-            if info.file_size != info.compress_size:
-                raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
-            view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
-            if self.defer_crc and name.startswith(self.prefix + "data/"):
-                self.unchecked[name] = (data_off, info.file_size, info.CRC)
-            else:
-                # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
-                # a few GB/s; the copy that follows reads the same pages from the page cache).
-                self._check_crc(name, info, zlib.crc32(view))
-        self._views[name] = view
-        return view
+        return data_off
 
     def _check_crc(self, name: str, info: zipfile.ZipInfo, found: int) -> None:
         if found != info.CRC:
@@ -907,10 +928,20 @@ class TorchArchive:
                 f"bytes give {found:08x}): the file is corrupt",
             )
 
-    def _inflate(self, name: str, info: zipfile.ZipInfo, data_off: int) -> np.ndarray:
-        """A deflated member, streamed: never more than its declared size is produced, and at
-        most :data:`MAX_COMPRESSED_MEMBER` bytes (torch.save never compresses; a small deflate
-        stream can expand a thousandfold)."""
+    def _inflate(
+        self,
+        name: str,
+        info: zipfile.ZipInfo,
+        data_off: int,
+        *,
+        keep: bool = True,
+        declared: int | None = None,
+    ) -> np.ndarray:
+        """A deflated member, streamed: never more than its declared size is produced, at most
+        :data:`MAX_COMPRESSED_MEMBER` bytes, and at most :data:`MAX_INFLATED_TOTAL` kept from
+        one archive (torch.save never compresses; a small deflate stream can expand a
+        thousandfold). ``declared``: the bytes the pickle's storage needs, which the member may
+        not exceed. ``keep=False``: only its CRC-32 is checked, nothing is kept."""
         if info.compress_type != zipfile.ZIP_DEFLATED:
             raise TorchFileError(
                 self.path,
@@ -924,13 +955,28 @@ class TorchArchive:
                 f"compressed members above {MAX_COMPRESSED_MEMBER} bytes are refused "
                 "(torch.save stores members uncompressed: re-save the file with torch.save)",
             )
-        src = memoryview(self._mm)[data_off : data_off + info.compress_size]
-        out = np.empty(info.file_size, np.uint8)
+        if declared is not None and info.file_size > declared:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes, "
+                f"but the pickle's storage needs {declared}; refused before inflating "
+                "(torch.save writes a storage's bytes exactly)",
+            )
+        if keep and self._inflated + info.file_size > MAX_INFLATED_TOTAL:
+            raise TorchFileError(
+                self.path,
+                f"member {name!r} is deflate-compressed and declares {info.file_size} bytes, "
+                f"after {self._inflated} bytes inflated from other members: more than the "
+                f"{MAX_INFLATED_TOTAL} bytes inflated in total that one archive may take "
+                "(torch.save stores members uncompressed: re-save the file with torch.save)",
+            )
+        out = np.empty(info.file_size if keep else 0, np.uint8)
         inflater = zlib.decompressobj(-zlib.MAX_WBITS)
         pos, crc = 0, 0
         try:
-            for start in range(0, len(src), 1 << 20):
-                pending = src[start : start + (1 << 20)]
+            for start in range(0, info.compress_size, 1 << 20):
+                n = min(1 << 20, info.compress_size - start)
+                pending = mapped_file.read_bytes(self._mm, data_off + start, n, f"member {name!r}")
                 while pending:
                     piece = inflater.decompress(pending, info.file_size - pos + 1)
                     if pos + len(piece) > info.file_size:
@@ -939,7 +985,8 @@ class TorchArchive:
                             f"member {name!r} expands beyond its declared {info.file_size} "
                             "bytes (corrupt or hostile)",
                         )
-                    out[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
+                    if keep:
+                        out[pos : pos + len(piece)] = np.frombuffer(piece, np.uint8)
                     pos += len(piece)
                     crc = zlib.crc32(piece, crc)
                     pending = inflater.unconsumed_tail
@@ -954,6 +1001,8 @@ class TorchArchive:
                 f"{info.file_size} (truncated or corrupt)",
             )
         self._check_crc(name, info, crc)
+        if keep:
+            self._inflated += info.file_size
         out.flags.writeable = False
         return out
 
@@ -964,7 +1013,8 @@ class TorchArchive:
         return self.prefix.rstrip("/")
 
     def read_member(self, name: str) -> bytes:
-        return self._member_view(name).tobytes()
+        view = self._member_view(name)
+        return mapped_file.read_bytes(view, 0, view.size, f"member {name!r}")
 
     def _persistent_load(self, pid: Any) -> _Storage:
         if (
@@ -990,7 +1040,7 @@ class TorchArchive:
             if name not in self._infos and nbytes == 0:
                 raw = np.empty(0, np.uint8)
             else:
-                raw = self._member_view(name)
+                raw = self._member_view(name, nbytes)
             self._storages[key] = raw
         if raw.size < nbytes:
             raise TorchFileError(
@@ -1011,12 +1061,19 @@ class TorchArchive:
         return obj
 
     def verify_crc(self) -> None:
-        """Check every member's CRC-32 now, also members no pickle references (reads the file)."""
-        for name in self._infos:
-            self._member_view(name)
+        """Check every member's CRC-32 now, also members no pickle references (reads the file);
+        a deflated member is inflated only to check it, nothing kept."""
+        for name, info in self._infos.items():
+            if info.compress_type == zipfile.ZIP_STORED or name in self._views:
+                self._member_view(name)
+            else:
+                self._inflate(name, info, self._data_offset(name, info), keep=False)
 
     def close(self) -> None:
-        """Close the file handle; arrays already returned keep the mapping alive."""
+        """Close the file handle and drop the caches; arrays already returned keep the mapping
+        (or their inflated bytes) alive, nothing else does."""
+        self._views.clear()
+        self._storages.clear()
         self._zip.close()
         self._f.close()
 

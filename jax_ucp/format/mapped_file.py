@@ -1,0 +1,178 @@
+"""Memory-mapped files that may shrink while they are read.
+
+Readers map a user's checkpoint file so a tensor costs page cache, not anonymous memory, and only
+touched bytes are read. But a file truncated while it is mapped turns every later touch of a
+page past its new end into SIGBUS: the process dies with no message. So the bytes of a mapping
+are never touched in bulk: :func:`read_out`, :func:`copy_into` and :func:`crc32` read them with
+``pread`` from the mapping's file (a short read is :class:`FileShrankError`, naming the file), and
+:func:`read_bytes` serves the small reads of headers the same way. An array that views no
+:class:`FileMap` passes through them unchanged.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import zlib
+from typing import Any
+
+import numpy as np
+
+from jax_ucp.format.errors import UCPError
+from jax_ucp.format.files import open_regular
+
+__all__ = [
+    "FileMap",
+    "FileShrankError",
+    "map_file",
+    "mapped_at",
+    "read_bytes",
+    "read_out",
+    "copy_into",
+    "crc32",
+    "PIECE",
+]
+
+#: Bytes read per ``pread`` (and CRC-summed while still in the CPU cache).
+PIECE = 4 << 20
+
+
+class FileShrankError(UCPError, OSError):
+    """A mapped file is shorter than when it was mapped (truncated while being read)."""
+
+
+class FileMap(mmap.mmap):
+    """A read-only mapping of a whole regular file that knows its file: ``path``, a descriptor
+    ``fd`` of its own (the file's identity, whatever the path comes to name), and the address
+    of its first byte, so an array viewing it can be traced back to a file offset."""
+
+    path: str
+    fd: int
+    address: int
+
+    def __del__(self) -> None:
+        fd = getattr(self, "fd", -1)
+        if fd >= 0:
+            self.fd = -1
+            os.close(fd)
+
+
+def map_file(path: str, fd: int | None = None) -> FileMap | None:
+    """A :class:`FileMap` of the regular file ``path`` (None when it is empty). ``fd``: a
+    descriptor already open on it (duplicated; the caller still owns it)."""
+    own = os.dup(fd) if fd is not None else open_regular(path)
+    try:
+        if os.fstat(own).st_size == 0:
+            os.close(own)
+            return None
+        mm = FileMap(own, 0, access=mmap.ACCESS_READ)
+    except BaseException:
+        os.close(own)
+        raise
+    mm.path, mm.fd = path, own
+    mm.address = np.frombuffer(mm, np.uint8, count=1).__array_interface__["data"][0]
+    return mm
+
+
+def mapped_at(arr: Any) -> tuple[FileMap, int] | None:
+    """The :class:`FileMap` ``arr`` views and the file offset of ``arr``'s first element, or
+    None when it views none (anonymous memory, bytes)."""
+    base = arr
+    while base is not None and not isinstance(base, FileMap):
+        base = base.obj if isinstance(base, memoryview) else getattr(base, "base", None)
+    if base is None:
+        return None
+    if isinstance(arr, FileMap):
+        return arr, 0
+    return base, np.asarray(arr).__array_interface__["data"][0] - base.address
+
+
+def _extent(arr: np.ndarray) -> tuple[int, int]:
+    """Byte offsets ``[low, high)`` of ``arr``'s elements relative to its first element."""
+    low = high = 0
+    for n, s in zip(arr.shape, arr.strides):
+        if n == 0:
+            return 0, 0
+        if s < 0:
+            low += (n - 1) * s
+        else:
+            high += (n - 1) * s
+    return low, high + arr.itemsize
+
+
+def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
+    pos, size = 0, len(buf)
+    while pos < size:
+        n = os.preadv(mm.fd, [buf[pos : min(size, pos + PIECE)]], offset + pos)
+        if n <= 0:
+            raise FileShrankError(
+                f"{mm.path}: {what}: bytes [{offset}, {offset + size}) end at {offset + pos}; "
+                f"the file was {len(mm)} bytes when it was opened and is "
+                f"{os.fstat(mm.fd).st_size} now (truncated while being read?)"
+            )
+        pos += n
+
+
+def read_bytes(buf: Any, offset: int, length: int, what: str = "reading") -> bytes:
+    """``buf[offset:offset+length]`` as bytes (``buf``: a FileMap, an array viewing one, or any
+    buffer), read with ``pread`` when it is mapped."""
+    where = mapped_at(buf)
+    if where is None:
+        return bytes(memoryview(buf).cast("B")[offset : offset + length])
+    mm, start = where
+    out = bytearray(length)
+    _pread_into(mm, start + offset, memoryview(out), what)
+    return bytes(out)
+
+
+def read_out(arr: np.ndarray, what: str = "reading a tensor") -> np.ndarray:
+    """``arr``'s values in memory of their own, read with ``pread`` when ``arr`` views a
+    :class:`FileMap` (the mapping itself is never touched); ``arr`` itself otherwise."""
+    where = mapped_at(arr)
+    if where is None or arr.size == 0:
+        return arr
+    mm, start = where
+    out = np.empty(arr.shape, arr.dtype)
+    if arr.flags.c_contiguous:
+        _pread_into(mm, start, memoryview(out.reshape(-1).view(np.uint8)), what)
+        return out
+    low, high = _extent(arr)
+    raw = np.empty(high - low, np.uint8)
+    _pread_into(mm, start + low, memoryview(raw), what)
+    out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=-low, strides=arr.strides)
+    return out
+
+
+def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor") -> None:
+    """``region[...] = arr``, read with ``pread`` straight into ``region`` when ``arr`` views a
+    :class:`FileMap` and both are C-contiguous of one shape and dtype."""
+    where = mapped_at(arr)
+    if where is None:
+        region[...] = arr
+    elif (
+        arr.flags.c_contiguous
+        and region.flags.c_contiguous
+        and region.shape == arr.shape
+        and region.dtype == arr.dtype
+    ):
+        if arr.size:
+            _pread_into(where[0], where[1], memoryview(region.reshape(-1).view(np.uint8)), what)
+    else:
+        region[...] = read_out(arr, what)
+
+
+def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking a CRC") -> int:
+    """The zip CRC-32 of ``arr``'s bytes (C-contiguous), continuing ``value``; read with
+    ``pread`` a piece at a time when ``arr`` views a :class:`FileMap`. ``crc``: the CRC-32
+    function (ISA-L's is faster, same values)."""
+    where = mapped_at(arr)
+    if where is None:
+        return crc(arr, value)
+    mm, start = where
+    size = arr.nbytes
+    piece = np.empty(min(size, PIECE), np.uint8)
+    for pos in range(0, size, PIECE):
+        n = min(PIECE, size - pos)
+        _pread_into(mm, start + pos, memoryview(piece[:n]), what)
+        value = crc(piece[:n], value)
+    return value
