@@ -10,6 +10,7 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 from __future__ import annotations
 
 from jax_ucp.errors import (
+    CheckpointReplacedError,
     ExportError,
     NotFoundError,
     OptimizerOrderWarning,
@@ -42,6 +43,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "CheckpointReplacedError",
     "ExportError",
     "Manifest",
     "ManifestError",

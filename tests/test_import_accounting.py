@@ -160,7 +160,9 @@ def _build_safetensors(kind: str, tmp_path) -> str:
 
 
 # ZeRO-0 optimizer state is refused (the weights alone are imported with weights_only=True)
-REFUSED = {("z0_fp32_dp2", False): r"ZeRO stage 0 checkpoint.*--weights-only"}
+REFUSED = {
+    ("z0_fp32_dp2", False): r"ZeRO stage 0 checkpoint.*--weights-only",
+}
 
 
 @pytest.mark.timeout(120)

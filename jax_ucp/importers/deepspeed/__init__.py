@@ -21,6 +21,7 @@ from typing import Any
 from jax_ucp.errors import RequestError
 from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed import megatron as deepspeed_megatron
+from jax_ucp.importers.deepspeed import moe as deepspeed_moe
 from jax_ucp.importers.deepspeed import universal as deepspeed_universal
 from jax_ucp.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp.importers.deepspeed.files import DS_CLASSES, DeepSpeedImportError
@@ -59,9 +60,7 @@ def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
         return True
     if os.path.isdir(path) and deepspeed_universal.is_universal_tag_dir(path):
         return True
-    return os.path.isdir(path) and any(
-        deepspeed_files.OPTIMIZER_FILE.match(f) for f in os.listdir(path)
-    )
+    return os.path.isdir(path) and deepspeed_files.is_tag_dir(path)
 
 
 def open_deepspeed_checkpoint(
@@ -74,6 +73,8 @@ def open_deepspeed_checkpoint(
     import rules to use instead of its ``universal_checkpoint_info``).
     """
     tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
+    if deepspeed_files.is_moe(tag_dir):
+        return deepspeed_moe.open_moe_zero_checkpoint(tag_dir)[0]
     if deepspeed_files.is_model_parallel(tag_dir):
         return deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
     return deepspeed_zero.open_zero_checkpoint(tag_dir)
@@ -105,6 +106,23 @@ def plan_deepspeed(
             universal, spec=spec, weights_only=weights_only, share=share
         )
     tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
+    plan = _plan_training_checkpoint(tag_dir, spec=spec, weights_only=weights_only, share=share)
+    # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
+    deepspeed_files.check_every_file_read(tag_dir, plan.source_tensors)
+    return plan
+
+
+def _plan_training_checkpoint(
+    tag_dir: str, *, spec: Any, weights_only: bool, share: Share
+) -> ImportPlan:
+    if deepspeed_files.is_moe(tag_dir):
+        if spec is not None:
+            raise RequestError(
+                "convert_deepspeed: a DeepSpeed MoE checkpoint is imported raw (experts under "
+                "their global names), so an import spec has nothing to do; apply the name "
+                "mapping at restore time: jax_ucp.restore(path, spec=...)"
+            )
+        return deepspeed_moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
     zero0 = deepspeed_zero.zero0_model_file(tag_dir)
     if zero0 is not None:
         return deepspeed_zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)

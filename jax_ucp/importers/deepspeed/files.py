@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.format import UCPError, files
+from jax_ucp.importers.plan import tensor_names
 from jax_ucp.importers.torch.unpickler import TorchArchive, int_enum_standin, standin_class
 
 
@@ -56,8 +57,21 @@ OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_st
 ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
 #: ``mp_rank_<MP rank>_model_states.pt``: param_shapes, module, config of a model-parallel rank.
 MP_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-#: ``layer_<layer>-model_<TP rank>-model_states.pt``: a pipeline layer's model weights.
-LAYER_FILE = re.compile(r"^layer_(\d+)-model_(\d+)-model_states\.pt$")
+#: ``layer_<layer>-model_<TP rank>-model_states.pt``: a pipeline layer's model weights. Without a
+#: model axis in the topology (``PipelineModule(num_stages=...)``) DeepSpeed names it
+#: ``layer_<layer>-model_states.pt`` (group 2 is then None: TP rank 0).
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+#: ``layer_<MoE layer>_expert_<global expert>_mp_rank_<MP rank>_model_states.pt``: one expert's
+#: weights (DeepSpeed MoE), keyed by its full parameter names with the global expert index.
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: ``expp_rank_<EP rank>_mp_rank_<MP rank>_optim_states.pt``: DeepSpeed MoE without ZeRO: the
+#: torch ``optimizer.state_dict()`` of one expert-parallel rank (its experts + the dense part).
+EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def layer_tp_rank(match: re.Match) -> int:
+    """The TP rank of a :data:`LAYER_FILE` match (0 when the name has no ``-model_XX``)."""
+    return int(match.group(2) or 0)
 
 
 def load_deepspeed_file(path: str) -> Any:
@@ -108,8 +122,8 @@ def numel(shape: Sequence[int]) -> int:
 
 
 def resolve_tag_dir(src: str, tag: str | None) -> str:
-    """The tag folder to read: ``tag``, ``src`` itself when it holds ZeRO files, or ``latest``
-    (which may only name a folder inside ``src``)."""
+    """The tag folder to read: ``tag``, ``src`` itself when it is one (:func:`is_tag_dir`), or
+    ``latest`` (which may only name a folder inside ``src``)."""
     if not os.path.isdir(src):
         raise DeepSpeedImportError(f"{src}: not a directory")
     if tag is not None:
@@ -117,7 +131,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         if not os.path.isdir(tag_dir):
             raise DeepSpeedImportError(f"{tag_dir}: tag folder {tag!r} not found")
         return tag_dir
-    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(src)):
+    if is_tag_dir(src):
         return src
     latest = os.path.join(src, "latest")
     if os.path.lexists(latest):
@@ -182,6 +196,51 @@ def trainer_checkpoints(src: str) -> list[str]:
         if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
     ]
     return sorted(found, key=lambda n: int(n.split("-")[1]))
+
+
+def is_tag_dir(path: str) -> bool:
+    """A checkpoint tag folder itself: ZeRO optimizer files, or (ZeRO-0, MoE) model states or
+    expert files and no ``latest`` (a run folder holding both is read through ``latest``)."""
+    names = os.listdir(path)
+    if any(OPTIMIZER_FILE.match(f) for f in names):
+        return True
+    return "latest" not in names and any(
+        pattern.match(f) for f in names for pattern in (MP_MODEL_FILE, EXPERT_FILE)
+    )
+
+
+def is_moe(tag_dir: str) -> bool:
+    """True when the tag folder holds DeepSpeed MoE expert files."""
+    return any(EXPERT_FILE.match(f) for f in os.listdir(tag_dir))
+
+
+def check_every_file_read(tag_dir: str, source_tensors) -> None:
+    """Every entry of the tag folder is a file the import reads (it holds a tensor the import
+    accounts for: ``source_tensors``, named ``<file>:<path>``), else the import is refused
+    naming it: a file nobody reads is part of the checkpoint silently lost (an unknown layout,
+    or another save's leftovers). A DeepSpeed file with no tensor at all (a pipeline layer
+    without parameters) counts as read once it loads."""
+    covered = {name.split(":", 1)[0] for name in source_tensors or ()}
+    unread = []
+    for name in sorted(os.listdir(tag_dir)):
+        if name in covered:
+            continue
+        path = os.path.join(tag_dir, name)
+        known = any(
+            pattern.match(name)
+            for pattern in (LAYER_FILE, MP_MODEL_FILE, ZERO3_MODEL_FILE, OPTIMIZER_FILE)
+        )
+        if known and os.path.isfile(path) and not os.path.islink(path):
+            if not any(True for _ in tensor_names(load_deepspeed_file(path))):
+                continue
+        unread.append(name)
+    if unread:
+        raise DeepSpeedImportError(
+            f"{tag_dir}: the import would not read {len(unread)} of the folder's entries: "
+            f"{unread[:10]}{' ...' if len(unread) > 10 else ''}. Refusing to import part of a "
+            "checkpoint: this layout is not supported, or the files are not DeepSpeed's (move "
+            "them out of the tag folder)"
+        )
 
 
 def is_model_parallel(tag_dir: str) -> bool:
@@ -389,6 +448,9 @@ def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
 
 def inside(path: str, root: str) -> bool:
     """``path`` (symlinks resolved) lies strictly inside ``root``: a tracker file never leads
-    outside the checkpoint it belongs to."""
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    return real != base and os.path.commonpath([real, base]) == base
+    outside the checkpoint it belongs to (checked by ``files.inside``)."""
+    try:
+        real = files.inside(root, os.path.relpath(path, root), path)
+    except (files.UnsafeFileError, ValueError):
+        return False
+    return real != os.path.realpath(root)

@@ -228,7 +228,9 @@ def _degrees(
         tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
     else:
         layer_tp_ranks = {
-            int(m.group(2)) for m in map(deepspeed_files.LAYER_FILE.match, files) if m
+            deepspeed_files.layer_tp_rank(m)
+            for m in map(deepspeed_files.LAYER_FILE.match, files)
+            if m
         }
         if layer_tp_ranks:
             tp = max(layer_tp_ranks) + 1
@@ -252,6 +254,11 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
     if isinstance(spec, (str, os.PathLike)):
         spec = load_spec(os.fspath(spec))
     if spec is None:
+        if not isinstance(info, Mapping) and rank_files.tp == 1:
+            # pipeline parallelism alone (DeepSpeed's PipelineModule): every parameter is whole
+            # on the stage(s) holding it, so no TP merge rule is needed (stages holding the same
+            # name, tied layers, are still checked bit-identical)
+            return spec_from_ucp_info({}), {}
         if not isinstance(info, Mapping):
             raise DeepSpeedImportError(
                 f"{where}: no universal_checkpoint_info: a tensor-parallel checkpoint needs the "
@@ -378,7 +385,7 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, files: list[str]) ->
                         tp_rank, (value, file, f"{file}:module.{name}")
                     )
     layer_files = [
-        (int(m.group(1)), int(m.group(2)), f)
+        (int(m.group(1)), deepspeed_files.layer_tp_rank(m), f)
         for f in files
         if (m := deepspeed_files.LAYER_FILE.match(f))
     ]
@@ -392,14 +399,20 @@ def _check_layer_files(
     checkpoint: MegatronDeepSpeedCheckpoint, layer_files: list[tuple[int, int, str]]
 ) -> None:
     """Every pipeline layer has one file per TP rank, and no TP rank beyond the grid."""
-    tp_ranks_of_layer: dict[int, set[int]] = {}
+    tp_ranks_of_layer: dict[int, dict[int, str]] = {}
     for layer, tp_rank, name in layer_files:
         if tp_rank >= checkpoint.tp:
             raise DeepSpeedImportError(
                 f"{os.path.join(checkpoint.tag_dir, name)}: TP rank {tp_rank} beyond "
                 f"tp={checkpoint.tp}"
             )
-        tp_ranks_of_layer.setdefault(layer, set()).add(tp_rank)
+        same = tp_ranks_of_layer.setdefault(layer, {})
+        if tp_rank in same:  # layer_00-model_states.pt beside layer_00-model_00-model_states.pt
+            raise DeepSpeedImportError(
+                f"{checkpoint.tag_dir}: two files for pipeline layer {layer} on TP rank "
+                f"{tp_rank}: {same[tp_rank]} and {name} (two saves mixed in one folder?)"
+            )
+        same[tp_rank] = name
     for layer, tp_ranks in sorted(tp_ranks_of_layer.items()):
         for tp_rank in range(checkpoint.tp):
             if tp_rank not in tp_ranks:
@@ -771,7 +784,7 @@ def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:
     info = json.loads(json.dumps(checkpoint.info, default=lambda o: getattr(o, "__dict__", str(o))))
     return {
         "framework": "deepspeed",
-        "layout": "megatron-deepspeed",
+        "layout": "megatron-deepspeed" if checkpoint.info or checkpoint.tp > 1 else "pipeline",
         "path": os.path.abspath(checkpoint.tag_dir),
         "zero_stage": checkpoint.stage,
         "tp": checkpoint.tp,

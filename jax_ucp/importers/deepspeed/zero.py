@@ -96,6 +96,14 @@ class DeepSpeedCheckpoint:
     frozen: dict[str, tuple[int, ...]] = field(default_factory=dict)
     frozen_files: list[str] = field(default_factory=list)
     mp_rank: int = 0  # the model-parallel rank these files are of (stage-3 file names)
+    # DeepSpeed MoE (stage 1/2): the output name of a name in DP rank r's param_slice_mappings
+    # of group g (local expert index -> global), and per group the DP-rank distance between
+    # consecutive ranks of its partition (expert groups are partitioned over the
+    # expert-data-parallel ranks, ``ep_size`` apart)
+    rename: Callable[[int, int, str], str] | None = None
+    rank_stride: dict[int, int] = field(default_factory=dict)
+    # where a ``module`` entry was read from when not ``<model file>:module.<name>`` (experts)
+    module_tensors: dict[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -279,6 +287,8 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
             )
         for group, mapping in enumerate(slice_mappings):
             for name, address in mapping.items():
+                if checkpoint.rename is not None:
+                    name = checkpoint.rename(dp_rank, group, name)
                 fragments = plan.get(name)
                 if fragments is None:
                     raise DeepSpeedImportError(
@@ -393,11 +403,12 @@ def _check_stage12_contiguity(
     the wrong order break this for every parameter that straddles two partitions."""
     for name, fragments in plan.items():
         pieces = fragments.pieces
+        stride = checkpoint.rank_stride.get(fragments.group, 1)
         for before, after in zip(pieces, pieces[1:]):
             partition = checkpoint.optim_states[before.dp_rank]["single_partition_of_fp32_groups"]
             end = partition[fragments.group].size
             if (
-                after.dp_rank != before.dp_rank + 1
+                after.dp_rank != before.dp_rank + stride
                 or before.start + before.numel != end
                 or after.start != 0
             ):
@@ -432,7 +443,8 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
             f"parameter {name!r}: the fp32 master in "
             f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in checkpoint.fragment_plan[name].pieces]} "
             f"gives {found[np.argmin(same)]!r} at flat index {flat}, the model weight in "
-            f"{checkpoint.model_file} is {want[np.argmin(same)]!r}: rank files renamed, swapped "
+            f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
+            f"{want[np.argmin(same)]!r}: rank files renamed, swapped "
             "or from different saves"
         )
 
@@ -736,14 +748,11 @@ def _model_copy_item(
                 f"{checkpoint.model_dtype}"
             )
         model_file = os.path.basename(checkpoint.model_file)
+        tensor = checkpoint.module_tensors.get(name, f"{model_file}:module.{name}")
         return host_item(
             ("model_params", name),
             stored,
-            {
-                "files": [model_file],
-                "pattern": "module",
-                "tensors": [f"{model_file}:module.{name}"],
-            },
+            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
         )
     return host_item(
         ("model_params", name),

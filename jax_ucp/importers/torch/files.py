@@ -100,7 +100,7 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
 
 
 def _index_files(src: str) -> list[str]:
-    index = os.path.join(src, INDEX_FILE)
+    index = _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
     first = first_tensors(read_weight_map(index, error=TorchImportError))
     return [_inside(src, n, f"{index}: weight_map entry {t[:100]!r}") for n, t in first.items()]
 
