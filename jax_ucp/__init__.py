@@ -40,6 +40,8 @@ _LAZY = {
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
     "set_object_store_options": "jax_ucp.store.location",
+    "optax_from_torch": "jax_ucp.optax_torch",
+    "TorchOptimizer": "jax_ucp.optax_torch",
 }
 
 __all__ = [

@@ -14,7 +14,7 @@ import json
 import operator
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax_ucp import store, writer
@@ -48,6 +48,7 @@ class ConvertOptions:
         memory_budget: bytes of tensor data the import may hold at once (None: the default).
         tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step (None: the latest).
         vocab_size: Megatron's vocabulary size before padding (None: the spec's).
+        parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
     """
 
     format: str | None = None
@@ -62,6 +63,7 @@ class ConvertOptions:
     memory_budget: int | None = None
     tag: str | int | None = None
     vocab_size: int | None = None
+    parameter_order: Sequence[str] | None = None
 
     def __post_init__(self):
         if self.step is not None:
@@ -96,6 +98,7 @@ def convert(
     memory_budget: int | str | None = None,
     tag: str | int | None = None,
     vocab_size: int | None = None,
+    parameter_order: Sequence[str] | None = None,
 ) -> str:
     """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
 
@@ -131,6 +134,8 @@ def convert(
             the CheckpointManager step (default: the latest committed one).
         vocab_size: Megatron: the tokenizer's vocabulary size, before Megatron's padding (the
             padded rows are stripped; default: the spec's, else they are kept).
+        parameter_order: torch: the names of an index-keyed optimizer's parameters in the
+            order torch numbered them.
 
     Returns:
         The UCP directory (the one holding ucp.json).
@@ -148,6 +153,7 @@ def convert(
         memory_budget=memory_budget,
         tag=tag,
         vocab_size=vocab_size,
+        parameter_order=parameter_order,
     )
     return convert_with(source, dest, options)
 
@@ -230,6 +236,7 @@ def _plan(source, dest: str, options: ConvertOptions, share, gather):
         weights_only=options.weights_only,
         tag=options.tag,
         vocab_size=options.vocab_size,
+        parameter_order=options.parameter_order,
     )
     if share is None:
         return plan_import()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax_ucp.errors import RequestError
@@ -49,8 +49,8 @@ class Importer:
 IMPORTERS: dict[str, Importer] = {
     importer.name: importer
     for importer in (
-        Importer("safetensors", safetensors.detect, safetensors.plan, ImportOptions),
-        Importer("torch", torch.detect, torch.plan, ImportOptions),
+        Importer("safetensors", safetensors.detect, safetensors.plan, torch.TorchOptions),
+        Importer("torch", torch.detect, torch.plan, torch.TorchOptions),
         Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions),
         Importer("megatron", megatron.detect, megatron.plan, megatron.MegatronOptions),
         Importer("deepspeed", deepspeed.detect, deepspeed.plan, deepspeed.DeepSpeedOptions),
@@ -123,6 +123,7 @@ def plan_import(
     share: Share = WHOLE,
     tag: str | int | None = None,
     vocab_size: int | None = None,
+    parameter_order: Sequence[str] | None = None,
 ) -> ImportPlan:
     """The import of ``source`` by the importer of its format (detected unless given), its items
     held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
@@ -136,6 +137,7 @@ def plan_import(
         share: this process's part of a distributed import.
         tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step.
         vocab_size: Megatron's vocabulary size before padding.
+        parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
 
     Returns:
         The checked plan, its items accounted for.
@@ -154,6 +156,7 @@ def plan_import(
         share=share,
         tag=tag,
         vocab_size=vocab_size,
+        parameter_order=parameter_order,
     )
     plan = importer.plan(source, options)
     items = accounted(plan, f"{os.fspath(source)} ({checkpoint_format})", whole=share.count == 1)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.errors import RequestError
 from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import (
     WHOLE,
@@ -114,7 +115,18 @@ def detect(src: os.PathLike | str) -> Detection:
 
 
 def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
-    """:func:`plan_safetensors` with its options as one ``ImportOptions``."""
-    return plan_safetensors(
-        src, spec=options.spec, weights_only=options.weights_only, share=options.share
-    )
+    """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``,
+    Accelerate's ``save_state``) the torch files importer maps its state too, unless only
+    weights are wanted. ``options``: the torch importer's (``TorchOptions``)."""
+    from jax_ucp.importers.torch import files as torch_files  # torchtune imports this package
+
+    parameter_order = getattr(options, "parameter_order", None)
+    common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
+    if not options.weights_only and torch_files.has_torch_optimizer(src):
+        return torch_files.plan_torch_files(src, **common, parameter_order=parameter_order)
+    if parameter_order is not None:
+        raise RequestError(
+            f"{src}: parameter_order= orders a torch optimizer's state; these safetensors "
+            f"come without one (or weights_only=True)"
+        )
+    return plan_safetensors(src, **common)

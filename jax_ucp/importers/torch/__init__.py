@@ -3,10 +3,25 @@ importer, ``torch.save`` files, and torch optimizers' state conventions."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from collections.abc import Sequence
 
+from jax_ucp.errors import RequestError
 from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp.importers.torch import dcp, files
+from jax_ucp.importers.torch import dcp, files, torchtune
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchOptions(ImportOptions):
+    """``ImportOptions`` and the order of an index-keyed optimizer's parameters.
+
+    Attributes:
+        parameter_order: the names of the parameters an optimizer keys by index, in the order
+            torch numbered them (torch.save files, torchtune; None: from the files).
+    """
+
+    parameter_order: Sequence[str] | None = None
 
 
 def detect(src: os.PathLike | str) -> Detection:
@@ -20,6 +35,8 @@ def detect(src: os.PathLike | str) -> Detection:
         return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
     if os.path.isdir(src) and dcp.is_torch_dcp(src):
         return Detection(True, "torch DCP (.metadata)")
+    if os.path.isdir(src) and torchtune.is_torchtune(src):  # epoch_N/ (+ recipe_state/)
+        return Detection(True, "a torchtune checkpoint", weak=True)
     if os.path.isdir(src) and files.is_torch_files(src):
         return Detection(True, "torch.save files", weak=True)
     return Detection(
@@ -30,8 +47,17 @@ def detect(src: os.PathLike | str) -> Detection:
     )
 
 
-def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
-    """torch DCP (a folder with .metadata, or Accelerate's holding them) or torch.save files,
-    with the options as one ``ImportOptions``."""
-    planner = dcp.plan_torch_dcp if dcp.dcp_dirs(src) else files.plan_torch_files
-    return planner(src, spec=options.spec, weights_only=options.weights_only, share=options.share)
+def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
+    """torchtune, torch DCP (a folder with .metadata, or Accelerate's holding them) or
+    torch.save files, with the options as one ``TorchOptions``."""
+    common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
+    if torchtune.is_torchtune(src):
+        return torchtune.plan_torchtune(src, **common, parameter_order=options.parameter_order)
+    if dcp.dcp_dirs(src):
+        if options.parameter_order is not None:
+            raise RequestError(
+                f"{src}: parameter_order= applies to torch.save files and torchtune "
+                f"checkpoints; torch DCP records its optimizer state by name"
+            )
+        return dcp.plan_torch_dcp(src, **common)
+    return files.plan_torch_files(src, **common, parameter_order=options.parameter_order)
