@@ -24,7 +24,6 @@ from jax_ucp.importers.megatron.common import (
     sharding_type,
     step_from_param_groups,
 )
-from jax_ucp.importers.megatron.detect import MegatronSource
 from jax_ucp.importers.megatron.distopt import (
     BucketStates,
     GatheredStates,
@@ -40,6 +39,7 @@ from jax_ucp.importers.megatron.model_space import (
 from jax_ucp.importers.megatron.module_order import in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
 from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import (
     TENSORS,
     VALUES,

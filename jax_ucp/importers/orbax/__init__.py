@@ -15,6 +15,7 @@ file names and one small JSON file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from typing import Any
 from jax_ucp import writer
 from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
+from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, skip
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
@@ -519,3 +520,38 @@ def _read(array, where: str, name: str):
             ) from None
 
     return read
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxOptions(ImportOptions):
+    """``ImportOptions`` and the step to import.
+
+    Attributes:
+        tag: the step of a CheckpointManager directory (None: the latest committed one); a
+            string of digits is that step number.
+    """
+
+    tag: int | str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tag, str) and self.tag.isdigit():
+            object.__setattr__(self, "tag", int(self.tag))
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
+    file names (:func:`is_orbax`)."""
+    if is_orbax(src):
+        return Detection(True, "Orbax metadata")
+    return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
+
+
+def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
+    """:func:`plan_orbax` with its options as one ``OrbaxOptions``."""
+    return plan_orbax(
+        src,
+        tag=options.tag,
+        spec=options.spec,
+        weights_only=options.weights_only,
+        share=options.share,
+    )
