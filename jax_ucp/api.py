@@ -15,6 +15,7 @@ import orbax.checkpoint as ocp
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
+from jax_ucp.format.sizes import parse_optional_size
 from jax_ucp.orbax import handler as checkpoint_handler
 from jax_ucp.restoring import options as restore_options
 from jax_ucp.restoring import reader, safetensors_source
@@ -81,7 +82,7 @@ def save(
     force: bool = False,
     logical_axes: Any = None,
     compression: str | None = None,
-    inner_chunk_bytes: int | None = None,
+    inner_chunk_bytes: int | str | None = None,
     checksum: str | None = "crc32c",
     source: dict | None = None,
 ) -> str:
@@ -100,7 +101,8 @@ def save(
             recorded so a restore can map them with new ``rules=`` (flax boxes in ``tree`` are
             recorded automatically).
         compression: None (default) or "zstd".
-        inner_chunk_bytes: bound on inner chunks in bytes (None: the store's default).
+        inner_chunk_bytes: bound on inner chunks: bytes or e.g. "1MiB" (None: the store's
+            default).
         checksum: "crc32c" (default: every inner chunk verified on read) or None.
         source: provenance recorded in the manifest.
 
@@ -173,7 +175,7 @@ def restore(
     dtype: Any = None,
     casting: str = "same_kind",
     select: Any = None,
-    max_read_bytes: int | None = None,
+    max_read_bytes: int | str | None = None,
     strict: bool = True,
     replicated_read: str | None = None,
 ):
@@ -218,7 +220,8 @@ def restore(
         predicate on the name. Only the matched leaves and the containers holding them come
         back (a sequence missing positions as a dict of int keys); nothing else is read. A
         selection matching nothing is an error listing the top-level names.
-      max_read_bytes: host memory for read buffers in flight (default 256 MiB): peak host memory
+      max_read_bytes: host memory for read buffers in flight, bytes or e.g. "1GiB" (default
+        256 MiB): peak host memory
         of a restore is about the restored arrays plus this (a tensor larger than it is read
         alone). Larger values overlap more reads.
       strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes
@@ -261,7 +264,7 @@ class VerifyResult(list):
 
 
 def verify(
-    path: str | os.PathLike, *, progress=None, max_read_bytes: int | None = None
+    path: str | os.PathLike, *, progress=None, max_read_bytes: int | str | None = None
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
 
@@ -280,9 +283,11 @@ def verify(
     Args:
       path: the checkpoint directory, or an Orbax step directory holding one UCP item.
       progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
-      max_read_bytes: bytes of tensors checked at once (None: 256 MiB, as for ``restore``).
+      max_read_bytes: bytes of tensors checked at once, or e.g. "256MiB" (None: 256 MiB, as
+        for ``restore``).
     """
-    budget = reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    budget = parse_optional_size(max_read_bytes, "verify(max_read_bytes=)")
+    budget = reader.DEFAULT_MAX_READ_BYTES if budget is None else budget
     # A concurrent forced save is read again, not reported as damage (reader.read_consistently).
     return reader.read_consistently(path, lambda root: _verify(root, progress, budget))
 

@@ -148,7 +148,9 @@ def test_a_manager_step_is_staged_under_the_same_temporary_name(tmp_path):
 def test_export_options_are_checked_once(tmp_path):
     with pytest.raises(ExportError, match=r"casting='sometimes': choose from"):
         ExportOptions(casting="sometimes")
-    with pytest.raises(ExportError, match=r"max_file_bytes=0: a positive int"):
+    with pytest.raises(
+        ExportError, match=r"max_file_bytes: must be a positive number of bytes, got 0"
+    ):
         ExportOptions(max_file_bytes=0)
     with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: must be a positive number"):
         ExportOptions(memory_budget=-1)

@@ -174,7 +174,7 @@ def test_cli_export(tmp_path):
     r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "out")])
     assert r.exit_code == 1 and "already exists" in r.output
     r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "o2"), "--max-file-size", "lots"])
-    assert r.exit_code == 2 and "expected a size" in r.output
+    assert r.exit_code == 2 and "cannot read 'lots' as a size" in r.output
 
 
 # ------------------------------------------------------------------ torch DCP

@@ -21,7 +21,7 @@ def _re(text: str) -> str:
         ({"casting": "lossless"}, "restore(casting=): expected one of 'no', 'equiv', 'safe', "),
         (
             {"max_read_bytes": 0},
-            "restore(max_read_bytes=): expected None or a positive int, got 0.",
+            "restore(max_read_bytes=): must be a positive number of bytes, got 0.",
         ),
         ({"dtype": "floaty"}, "restore(dtype=): expected a dtype (np.float32, jnp.bfloat16, "),
         ({"select": 3}, "restore(select=): expected a regex string or a predicate on the name, "),

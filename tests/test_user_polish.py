@@ -189,7 +189,7 @@ def test_inspect_at_80_columns_says_which_columns_it_left_out(tmp_path):
         ),
         (
             {"inner_chunk_bytes": 0},
-            "UCPSave.inner_chunk_bytes: expected None or a positive int, got 0.",
+            "UCPSave.inner_chunk_bytes: must be a positive number of bytes, got 0.",
         ),
         ({"checksum": "md5"}, "UCPSave.checksum: expected 'crc32c' or None, got 'md5'."),
         ({"source": "me"}, "UCPSave.source: expected None or a dict (a JSON object), got str."),
@@ -220,7 +220,7 @@ def test_ucpsave_fields_are_checked_when_constructed(kwargs, message):
         ),
         (
             {"max_read_bytes": -1},
-            "UCPRestore.max_read_bytes: expected None or a positive int, got -1.",
+            "UCPRestore.max_read_bytes: must be a positive number of bytes, got -1.",
         ),
         ({"strict": "no"}, "UCPRestore.strict: expected True or False, got 'no'."),
     ],

@@ -343,12 +343,28 @@ Coordinator = Annotated[
 ]
 NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in it")]
 ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's index")]
+
+
+def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
+    """A byte-size option ("5G", "256MiB", "1.5GB", "1048576") in bytes, read by the one
+    parser of the Python API (format.sizes); an error names the option."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from jax_ucp.format.sizes import SizeError, parse_size
+
+    try:
+        return parse_size(value, param.opts[0] if param.opts else param.name)
+    except SizeError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 MemoryBudget = Annotated[
     str | None,
     typer.Option(
         "--memory-budget",
         help="tensor bytes held at once: in flight to disk plus being built (e.g. 256MiB, 1GiB; "
         "default 256MiB)",
+        callback=_size_option,
     ),
 ]
 
@@ -687,7 +703,9 @@ def export(
     ),
     spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
     dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
-    max_file_size: str = typer.Option("5GB", help="data per file before sharding (e.g. 500MB)"),
+    max_file_size: str = typer.Option(
+        "5GB", help="data per file before sharding (e.g. 500MB, 5G)", callback=_size_option
+    ),
     param_groups: int = typer.Option(
         1, help="deepspeed-universal: param groups of the loading engine's optimizer"
     ),
@@ -718,7 +736,7 @@ def export(
             select=select,
             spec=spec,
             dtype=dtype,
-            max_file_bytes=_parse_size(max_file_size),
+            max_file_bytes=max_file_size,
             param_groups=param_groups,
             config=config,
             force=force,
@@ -738,22 +756,6 @@ def export(
             f"not exported ({len(out.skipped)}, outside --select or not tensors): "
             f"{', '.join(out.skipped[:6])}{' ...' if len(out.skipped) > 6 else ''}"
         )
-
-
-def _parse_size(text: str) -> int:
-    """'5GB', '500MB', '2GiB', '1024' -> bytes (decimal units as transformers' max_shard_size)."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    units |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-    t = text.strip().upper()
-    number = t.rstrip("KMGTIB")
-    unit = t[len(number) :]
-    try:
-        value = float(number)
-    except ValueError:
-        value = -1.0
-    if unit not in units or value <= 0:
-        raise typer.BadParameter(f"expected a size like 5GB or 500MB, got {text!r}")
-    return int(value * units[unit])
 
 
 @app.command()

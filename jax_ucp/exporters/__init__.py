@@ -20,7 +20,7 @@ from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import deepspeed_out, safetensors_out, torch_out
-from jax_ucp.format.sizes import parse_size
+from jax_ucp.format.sizes import SizeError, parse_size
 from jax_ucp.restoring import reader
 from jax_ucp.writer import commit, durable
 
@@ -52,7 +52,8 @@ class ExportOptions:
         spec: a UCP-language spec (name, path or ``Spec``) whose views are exported.
         dtype: write every tensor in this dtype (None: as saved).
         casting: numpy casting rule for ``dtype``.
-        max_file_bytes: safetensors: data bytes per file before the output is split.
+        max_file_bytes: safetensors: data per file before the output is split: bytes or
+            e.g. "5GB".
         param_groups: deepspeed-universal: the loading engine's optimizer param groups.
         config: safetensors: a ``config.json`` (dict or JSON file path) to write beside.
         force: replace an earlier export at the destination.
@@ -66,7 +67,7 @@ class ExportOptions:
     spec: Any = None
     dtype: Any = None
     casting: str = "same_kind"
-    max_file_bytes: int = 5 * 10**9
+    max_file_bytes: int | str = 5 * 10**9
     param_groups: int = 1
     config: Mapping[str, Any] | str | os.PathLike | None = None
     force: bool = False
@@ -97,10 +98,15 @@ class ExportOptions:
             )
         if self.casting not in CASTING:
             raise ExportError(f"casting={self.casting!r}: choose from {CASTING}")
-        for name in ("max_file_bytes", "param_groups"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ExportError(f"{name}={value!r}: a positive int")
+        groups = self.param_groups
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise ExportError(f"param_groups={self.param_groups!r}: a positive int")
+        try:  # an int or a size such as "5GB", as every byte-size option
+            object.__setattr__(
+                self, "max_file_bytes", parse_size(self.max_file_bytes, "max_file_bytes")
+            )
+        except SizeError as e:
+            raise ExportError(str(e)) from None
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
         if self.select is not None and not isinstance(self.select, str):
@@ -129,7 +135,7 @@ def export(
     spec: Any = None,
     dtype: Any = None,
     casting: str = "same_kind",
-    max_file_bytes: int = 5 * 10**9,
+    max_file_bytes: int | str = 5 * 10**9,
     param_groups: int = 1,
     config: Mapping[str, Any] | str | os.PathLike | None = None,
     force: bool = False,
@@ -166,7 +172,8 @@ def export(
             exported instead of the stored arrays (renames, splits, stacks).
         dtype: write every tensor in this dtype (e.g. ``"bfloat16"``); default: as saved.
         casting: numpy casting rule for ``dtype`` (a float narrowed to an int needs "unsafe").
-        max_file_bytes: safetensors: data bytes per file before the output is split.
+        max_file_bytes: safetensors: data per file before the output is split: bytes or
+            e.g. "5GB".
         param_groups: deepspeed-universal: how many param groups the loading engine's optimizer
             has (DeepSpeed pairs them by position; hyperparameters are the engine's own).
         config: safetensors: a ``config.json`` to write beside the weights (a dict, or the path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import re
 
 from jax_ucp.format.errors import UCPError
@@ -22,7 +23,7 @@ _UNITS = {
     "tb": 10**12,
     "tib": 1 << 40,
 }
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+_SIZE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
 class SizeError(UCPError, ValueError):
@@ -30,14 +31,22 @@ class SizeError(UCPError, ValueError):
 
 
 def parse_size(value: int | str, what: str = "memory_budget") -> int:
-    """``value`` in bytes: an int, or a number with a unit (KiB/MiB/GiB/TiB are powers of 1024,
-    KB/MB/GB/TB of 1000; a bare K/M/G/T means the binary unit, as ``ulimit`` and ``free`` do)."""
+    """``value`` in bytes: an int, or a number with an optional unit ("5G", "256MiB", "1.5GB":
+    KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000; a bare K/M/G/T means the binary
+    unit, as ``ulimit`` and ``free`` do). Every byte-size option goes through it; ``what``
+    names the option in the error."""
     if isinstance(value, bool):
         raise SizeError(f"{what}: expected a number of bytes, got {value!r}")
-    if isinstance(value, int):
-        size = value
+    if not isinstance(value, str):
+        try:
+            size = operator.index(value)  # an int, numpy's included
+        except TypeError:
+            raise SizeError(
+                f"{what}: expected a number of bytes or a string such as '256MiB', got "
+                f"{type(value).__name__} {value!r}"
+            ) from None
     else:
-        m = _SIZE.fullmatch(str(value))
+        m = _SIZE.fullmatch(value)
         unit = m and _UNITS.get(m.group(2).lower())
         if unit is None:
             raise SizeError(
@@ -47,3 +56,8 @@ def parse_size(value: int | str, what: str = "memory_budget") -> int:
     if size <= 0:
         raise SizeError(f"{what}: must be a positive number of bytes, got {value!r}")
     return size
+
+
+def parse_optional_size(value: int | str | None, what: str) -> int | None:
+    """``parse_size``, with None (the caller's default) kept as None."""
+    return None if value is None else parse_size(value, what)

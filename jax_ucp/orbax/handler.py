@@ -23,8 +23,9 @@ from etils import epath
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp import tree as tree_lib
+from jax_ucp.format.sizes import SizeError, parse_optional_size
 from jax_ucp.restoring import reader
-from jax_ucp.restoring.options import ArgsError, RestoreOptions, check_optional_positive_int
+from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.saving import plan as save_plan
 from jax_ucp.writer import commit, durable
 
@@ -237,8 +238,8 @@ class UCPSave(ocp.args.CheckpointArgs):
       compression: None (default: the fastest save and restore) or "zstd" (smaller on disk;
         the trade-off is measured in docs/BENCHMARKS.md, "Compression").
       compression_level: zstd level (-131072..22; default 3), used with "zstd".
-      inner_chunk_bytes: bound on inner chunks in bytes (what a reader fetches at least);
-        None: the store's default.
+      inner_chunk_bytes: bound on inner chunks: bytes or e.g. "1MiB" (what a reader fetches
+        at least); None: the store's default.
       checksum: "crc32c" (default: every inner chunk and shard index verified on read) or None
         (corruption then goes undetected; restores no faster here: docs/BENCHMARKS.md).
       source: provenance recorded in the manifest (a JSON object).
@@ -248,7 +249,7 @@ class UCPSave(ocp.args.CheckpointArgs):
     logical_axes: Any = None
     compression: str | None = None
     compression_level: int = 3
-    inner_chunk_bytes: int | None = None
+    inner_chunk_bytes: int | str | None = None
     checksum: str | None = "crc32c"
     source: dict | None = None
 
@@ -264,7 +265,12 @@ class UCPSave(ocp.args.CheckpointArgs):
                 f"UCPSave.compression_level: expected an int in -131072..22 (zstd's levels), "
                 f"got {level!r}."
             )
-        check_optional_positive_int("UCPSave.inner_chunk_bytes", self.inner_chunk_bytes)
+        try:  # an int or a size such as "1MiB", as every byte-size option
+            self.inner_chunk_bytes = parse_optional_size(
+                self.inner_chunk_bytes, "UCPSave.inner_chunk_bytes"
+            )
+        except SizeError as e:
+            raise ArgsError(f"{e}.") from None
         if self.checksum not in ("crc32c", None):
             raise ArgsError(f"UCPSave.checksum: expected 'crc32c' or None, got {self.checksum!r}.")
         if self.source is not None and not isinstance(self.source, dict):
@@ -293,7 +299,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
         "same_kind" (default) or "unsafe".
       select: a regex matched in full against "/"-joined names, or a predicate on the name:
         only those leaves are restored (without a target).
-      max_read_bytes: host memory for reads in flight (None: 256 MiB).
+      max_read_bytes: host memory for reads in flight: bytes or e.g. "256MiB" (None: 256 MiB).
       strict: with ``mesh=``, refuse rules and mesh axes that name nothing in the checkpoint.
       replicated_read: "each" (None: default) or "once": in a multi-process job, tensors every
         process needs whole are read in shares and all-gathered (the storage read once).
@@ -307,7 +313,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
     dtype: Any = None
     casting: str = "same_kind"
     select: Any = None
-    max_read_bytes: int | None = None
+    max_read_bytes: int | str | None = None
     strict: bool = True
     replicated_read: str | None = None
 

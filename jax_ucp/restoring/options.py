@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jax_ucp.errors import RequestError
+from jax_ucp.format.sizes import SizeError, parse_optional_size
 from jax_ucp.restoring.adam_state import follow_adam_state
 
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
@@ -26,12 +27,6 @@ DEFAULT_MAX_READ_BYTES = 256 << 20
 class ArgsError(RequestError):
     """A ``UCPSave`` / ``UCPRestore`` field (or a ``restore`` keyword) of the wrong kind, named
     with what it accepts."""
-
-
-def check_optional_positive_int(where: str, value) -> None:
-    """Refuses anything but None or an int >= 1 (``where`` names the field)."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ArgsError(f"{where}: expected None or a positive int, got {value!r}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +45,8 @@ class RestoreOptions:
       casting: numpy's casting rule for dtype conversions (one of ``CASTINGS``).
       select: a regex matched in full against "/"-joined names, or a predicate on the name:
         only those leaves are restored (without a target).
-      max_read_bytes: host memory for read buffers in flight (None: 256 MiB).
+      max_read_bytes: host memory for read buffers in flight: bytes or e.g. "256MiB" (None:
+        256 MiB).
       strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes.
       replicated_read: "each" or "once" (None: "each"): how a multi-process restore reads a
         tensor every process needs whole.
@@ -66,7 +62,7 @@ class RestoreOptions:
     dtype: Any = None
     casting: str = "same_kind"
     select: Any = None
-    max_read_bytes: int | None = None
+    max_read_bytes: int | str | None = None
     strict: bool = True
     replicated_read: str | None = None
     where: dataclasses.InitVar[str] = "restore"
@@ -135,7 +131,11 @@ def _check_kinds(options: RestoreOptions, field) -> None:
             f"{field('select')}: expected a regex string or a predicate on the name, got "
             f"{type(options.select).__name__}."
         )
-    check_optional_positive_int(field("max_read_bytes"), options.max_read_bytes)
+    try:  # an int or a size such as "256MiB", as every byte-size option
+        read_bytes = parse_optional_size(options.max_read_bytes, field("max_read_bytes"))
+    except SizeError as e:
+        raise ArgsError(f"{e}.") from None
+    object.__setattr__(options, "max_read_bytes", read_bytes)
     if not isinstance(options.strict, bool):
         raise ArgsError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
     if options.replicated_read not in (None, "each", "once"):
