@@ -173,8 +173,12 @@ def test_cli_export(tmp_path):
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()
     r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "out")])
     assert r.exit_code == 1 and "already exists" in r.output
-    r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "o2"), "--max-file-size", "lots"])
-    assert r.exit_code == 2 and "cannot read 'lots' as a size" in r.output
+    r = CliRunner().invoke(
+        app,
+        ["export", ckpt, str(tmp_path / "o2"), "--max-file-size", "lots"],
+        env={"COLUMNS": "300"},
+    )
+    assert r.exit_code == 2 and "'--max-file-size': cannot read 'lots' as a size" in r.output
 
 
 # ------------------------------------------------------------------ torch DCP

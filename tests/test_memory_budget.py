@@ -141,10 +141,12 @@ def test_cli_memory_budget_flag(tmp_path):
     for key, value in dict(_flat(want)).items():
         np.testing.assert_array_equal(dict(_flat(got))[key], value, err_msg=key)
     r = runner.invoke(
-        app, ["convert", "torch", FSDP2, str(tmp_path / "bad"), "--memory-budget", "lots"]
+        app,
+        ["convert", "torch", FSDP2, str(tmp_path / "bad"), "--memory-budget", "lots"],
+        env={"COLUMNS": "300"},
     )
     assert r.exit_code != 0
-    assert "memory_budget: cannot read 'lots' as a size" in r.output
+    assert "'--memory-budget': cannot read 'lots' as a size" in r.output
     assert not os.path.exists(tmp_path / "bad")
 
 

@@ -98,7 +98,7 @@ def test_every_size_option_accepts_mib(tmp_path, command, option):
 def test_a_bad_size_is_a_usage_error_naming_the_option(tmp_path, command, option, value):
     r = runner.invoke(app, _args(command, option, value, tmp_path), env=WIDE)
     assert r.exit_code == 2, r.output
-    assert option in r.output and repr(value) in r.output
+    assert f"Invalid value for '{option}': " in r.output and repr(value) in r.output
     assert not (tmp_path / "out").exists()
 
 

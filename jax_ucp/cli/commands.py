@@ -352,10 +352,11 @@ def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | No
         return value
     from jax_ucp.format.sizes import SizeError, parse_size
 
+    what = param.opts[0] if param.opts else str(param.name)
     try:
-        return parse_size(value, param.opts[0] if param.opts else param.name)
-    except SizeError as e:
-        raise typer.BadParameter(str(e)) from None
+        return parse_size(value, what)
+    except SizeError as e:  # click's message names the option already
+        raise typer.BadParameter(str(e).removeprefix(f"{what}: ")) from None
 
 
 MemoryBudget = Annotated[
