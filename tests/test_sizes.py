@@ -31,6 +31,7 @@ SIZE_OPTIONS = [
         ("1048576", 1 << 20),
         (4096, 4096),
         (np.int64(4096), 4096),
+        (2e9, 2_000_000_000),
     ],
 )
 def test_sizes_are_read_as_users_write_them(value, expected):

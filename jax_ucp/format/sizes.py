@@ -37,7 +37,9 @@ def parse_size(value: int | str, what: str = "memory_budget") -> int:
     names the option in the error."""
     if isinstance(value, bool):
         raise SizeError(f"{what}: expected a number of bytes, got {value!r}")
-    if not isinstance(value, str):
+    if isinstance(value, float) and value.is_integer():  # 2e9, as before
+        size = int(value)
+    elif not isinstance(value, str):
         try:
             size = operator.index(value)  # an int, numpy's included
         except TypeError:
