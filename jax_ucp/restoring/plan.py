@@ -124,10 +124,7 @@ def abstract_mesh(axes: Sequence[tuple[str, int]]) -> jax.sharding.AbstractMesh:
     """A device-free mesh from ``[(axis name, size), ...]`` (e.g. for ``plan``)."""
     names = tuple(name for name, _ in axes)
     sizes = tuple(int(size) for _, size in axes)
-    try:
-        return jax.sharding.AbstractMesh(sizes, names)
-    except TypeError:  # JAX < 0.5: AbstractMesh(((name, size), ...))
-        return jax.sharding.AbstractMesh(tuple(zip(names, sizes)))
+    return jax.sharding.AbstractMesh(sizes, names)
 
 
 def plan(
@@ -185,6 +182,7 @@ def plan(
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
     if explicit and rules is not None:
+        assert mesh is not None  # _checked refuses rules without a mesh
         sharding_lib.check_rules(rules, mesh)
     elif not explicit:
         reader.check_mesh_names(root, available.values(), mesh, rules, strict)
@@ -253,7 +251,9 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes) -> TensorPlan:
     gets its read bytes from ``_read_on_host`` once every process is known."""
     av, dtype, sharding, not_divisible, error = placed
     spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-    common = dict(name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible)
+    common: dict[str, Any] = dict(
+        name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible
+    )
     if error is not None:
         return TensorPlan(
             **common,
@@ -349,7 +349,7 @@ def _axes_of(entry) -> tuple[str, ...]:
 def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
     """The dimensions the saved PartitionSpec or the rules wanted split over mesh axes whose
     size does not divide them (``sharding_for`` replicates those)."""
-    got = tuple(got) + (None,) * (len(av.shape) - len(got))
+    padded = tuple(got) + (None,) * (len(av.shape) - len(got))
     wanted: list[list[tuple[str, ...]]] = [[] for _ in av.shape]
     if rules is not None and av.logical_axes is not None:
         for dim, logical in enumerate(av.logical_axes):
@@ -364,7 +364,7 @@ def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tup
             if axes and all(a in mesh.shape for a in axes):
                 wanted[dim].append(axes)
     out = []
-    for dim, (size, have) in enumerate(zip(av.shape, got)):
+    for dim, (size, have) in enumerate(zip(av.shape, padded)):
         if have is not None:
             continue
         for axes in wanted[dim]:
@@ -470,7 +470,7 @@ class IndexedBytes(Mapping[int, int]):
     def __contains__(self, index) -> bool:
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
             return False
-        return 0 <= index < self._span() or index in self._points
+        return bool(0 <= index < self._span() or index in self._points)
 
     def __len__(self) -> int:
         span = self._span()
@@ -613,7 +613,8 @@ class _Layouts:
         if isinstance(mesh, jax.sharding.Mesh):  # real devices: look at each
             seen: dict[int, set] = {}
             for coords in np.ndindex(*sizes):
-                process = mesh.devices[coords].process_index
+                device: Any = mesh.devices[coords]
+                process = device.process_index
                 seen.setdefault(process, set()).add(tuple(coords[a] for a in sorted(used)))
             return {p: len(s) for p, s in seen.items()}
         n, p = self._split(mesh)

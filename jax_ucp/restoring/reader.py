@@ -10,7 +10,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import ml_dtypes
@@ -537,7 +537,7 @@ def _memory_error(root, found: Available, pending, why: str) -> CheckpointError:
     )
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -887,7 +887,7 @@ def selector(select) -> Callable[[str], bool]:
     if select is None:
         return lambda name: True
     if callable(select):
-        return select
+        return cast(Callable[[str], bool], select)
     if isinstance(select, str):
         pattern = re.compile(select)
         return lambda name: pattern.fullmatch(name) is not None
@@ -997,7 +997,7 @@ def placed_requests(where: str, available, options: RestoreOptions):
         want = np.dtype(dtype or av.dtype)
         sharding = None
         if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
-            placement = dict(
+            placement: dict[str, Any] = dict(
                 mesh=mesh, saved=av.saved_sharding, logical_axes=av.logical_axes, rules=rules
             )
             sharding = sharding_lib.sharding_for(av.shape, **placement)

@@ -231,6 +231,7 @@ def read_once(
                 base = process * batch.length
                 for piece in pieces:
                     t = tensors[piece.tensor]
+                    assert t.host is not None and t.gathered is not None  # freed only when done
                     start = piece.rows[0] * t.row_bytes
                     flat = t.host.reshape(-1).view(np.uint8)
                     flat[start : start + piece.nbytes] = gathered[
@@ -241,8 +242,8 @@ def read_once(
             del gathered
             for index in batch.last_of:
                 t = tensors[index]
-                _finish(t)
-                yield (*t.item, t.gathered)
+                gathered_t = _finish(t)
+                yield (*t.item, gathered_t)
                 t.host = t.source = None
     except BaseException as e:
         peers.abort(e)
@@ -371,20 +372,22 @@ def _names(tensors, batch: _Batch) -> list[str]:
     return list(dict.fromkeys(tensors[p.tensor].name for ps in batch.pieces for p in ps))
 
 
-def _finish(t: _Tensor) -> None:
+def _finish(t: _Tensor) -> Gathered:
     """The tensor's result from its whole host copy: numpy, or a jax.Array whose local devices
     hold their slices (replicated devices share the one buffer, as ``PendingArray`` does)."""
-    host = t.host
+    host, gathered = t.host, t.gathered
+    assert host is not None and gathered is not None  # set for every tensor of a batch
     if t.want != t.stored:
-        host, t.gathered.overflowed = assemble.convert(host, t.want)
+        host, gathered.overflowed = assemble.convert(host, t.want)
     if t.sharding is None:
-        t.gathered.value = host
-        return
+        gathered.value = host
+        return gathered
     singles = [
         jax.device_put(host[index], device, may_alias=True)
         for device, index in t.sharding.addressable_devices_indices_map(t.shape).items()
     ]
-    t.gathered.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
+    gathered.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
+    return gathered
 
 
 def _fingerprint(tensors, batches) -> str:
@@ -462,7 +465,7 @@ class _Peers:
         self.prefix = f"jax_ucp/replicated/{next(_RUNS)}/"
         self.timeout = timeout
         self.identities: list[dict] = []
-        hello = dict(liveness.identity(os.getpid()), plan=fingerprint)
+        hello = dict(liveness.identity(os.getpid()) or {}, plan=fingerprint)
         values = self._gather("hello", json.dumps(hello), [])
         self.identities = [json.loads(v) for v in values]
         plans = {i: v["plan"] for i, v in enumerate(self.identities)}

@@ -145,7 +145,7 @@ def partition_spec_from_logical(
     return PartitionSpec(*out)
 
 
-def check_rules(rules: LogicalRules, mesh: Mesh) -> None:
+def check_rules(rules: LogicalRules, mesh: Mesh | jax.sharding.AbstractMesh) -> None:
     """Every mesh axis a rule names exists in ``mesh`` (a typo would silently replicate)."""
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):

@@ -12,7 +12,7 @@ import dataclasses
 import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -24,6 +24,7 @@ from jax_ucp.writer import shards as shards_lib
 from jax_ucp.writer.shards import PipelinedWriter
 
 _SCALARS = (type(None), bool, int, float, str)
+_E = TypeVar("_E", fmt.TensorEntry, fmt.ValueEntry)
 
 #: Bytes of tensors an import or export may hold at once when no budget is set.
 DEFAULT_MEMORY_BUDGET = 256 << 20
@@ -143,7 +144,7 @@ def with_progress(
                 progress(item.key[-1], done, total)
 
 
-def with_digests(entry: fmt.Entry, digests: Mapping[str, str] | None) -> fmt.Entry:
+def with_digests(entry: _E, digests: Mapping[str, str] | None) -> _E:
     """``entry`` with the digests of its shard files, when the array has checksums to bind."""
     if isinstance(entry, fmt.TensorEntry) and entry.checksum == "crc32c" and digests is not None:
         return dataclasses.replace(entry, shard_digests=dict(sorted(digests.items())))

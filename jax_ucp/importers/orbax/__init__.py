@@ -280,7 +280,7 @@ def _saved_sharding(leaf) -> SavedSharding | None:
     PartitionSpec), so ``restore(path, mesh=...)`` reuses it as it does a JAX save's; None for
     any other sharding or a record that does not fit the array."""
     meta = getattr(leaf, "sharding", None)
-    if type(meta).__name__ != "NamedShardingMetadata":
+    if meta is None or type(meta).__name__ != "NamedShardingMetadata":
         return None
     try:
         names = tuple(str(n) for n in meta.axis_names)

@@ -573,6 +573,10 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Pure-Python unpickler whose code-running opcodes are replaced by checked versions."""
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    # pickle._Unpickler's own state, which typeshed does not declare
+    stack: list[Any]
+    append: Callable[[Any], None]
+    pop_mark: Callable[[], list[Any]]
 
     def __init__(
         self,
@@ -646,7 +650,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         except Exception as e:
             raise TorchFileError(self._where, f"NEWOBJ {cls.qualname}: {e}") from None
         if isinstance(obj, StandIn) and "args" not in obj.__dict__:
-            obj.__dict__["args"] = args
+            vars(obj)["args"] = args
         self.append(obj)
 
     def load_newobj_ex(self):
@@ -703,7 +707,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         except ValueError as e:
             raise self._err(str(e)) from None
 
-    def _target(self, kind: type, op: str):
+    def _target(self, kind: type, op: str) -> Any:
         t = self.stack[-1]
         if type(t) is not kind and not (kind is dict and type(t) is collections.OrderedDict):
             raise self._err(
@@ -1111,7 +1115,7 @@ def scan_globals(path: os.PathLike | str) -> set[str]:
     try:
         for op, arg, _pos in pickletools.genops(data):
             if op.name in ("GLOBAL", "INST"):
-                found.add(arg.replace(" ", ".").replace("__builtin__.", "builtins."))
+                found.add(str(arg).replace(" ", ".").replace("__builtin__.", "builtins."))
             elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
                 found.add(f"{strings[-2]}.{strings[-1]}")
             if isinstance(arg, str):
