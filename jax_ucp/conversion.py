@@ -142,7 +142,7 @@ def convert(
         weights_only=weights_only,
         distributed=distributed,
         barrier_timeout=barrier_timeout,
-        memory_budget=memory_budget,
+        memory_budget=None if memory_budget is None else parse_size(memory_budget),
         importer=importer_options,
     )
     return convert_with(source, dest, options)
@@ -170,6 +170,7 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         plan = _plan(source, dest, options, share, gather)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
         if share is not None:
+            assert gather is not None  # _distributed_share gives both
             return writer.write_shared_checkpoint(
                 dest,
                 items,
@@ -281,7 +282,7 @@ def _distributed_share(dest: str, timeout: float):
                         f"{dest}: not committed; jax.distributed failed at '{step}': {e}"
                     ) from e
 
-    hello = json.dumps(dict(liveness.identity(os.getpid()), index=index))
+    hello = json.dumps(dict(liveness.identity(os.getpid()) or {}, index=index))
     peers.extend(json.loads(v) for v in gather("hello", hello))
     return Share(index, count), gather
 

@@ -67,7 +67,7 @@ def _path_text(path: Sequence[str]) -> str:
 
 def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
     """(key path, key type names) of the first dict whose keys cannot be sorted, else None."""
-    stack = [((), tree)]
+    stack: list[tuple[tuple[str, ...], Any]] = [((), tree)]
     while stack:
         prefix, node = stack.pop()
         if _is_leaf(node):
@@ -260,7 +260,7 @@ def _by_package_and_qualname() -> dict[tuple[str, str], type | None]:
     return out
 
 
-def allowed_class(name: str) -> type | None:
+def allowed_class(name: object) -> type | None:
     """The class a manifest's ``"<module>:<qualname>"`` names, if the allow-list holds it: the
     exact name, or the same qualname in the same top package (a class optax has moved)."""
     if not isinstance(name, str):
@@ -387,7 +387,7 @@ def _rebuildable(description: dict) -> type | None:
     is_namedtuple = issubclass(cls, tuple)
     if (description["type"] == "namedtuple") != is_namedtuple:
         return None
-    if is_namedtuple and tuple(cls._fields) != names:
+    if is_namedtuple and tuple(getattr(cls, "_fields", ())) != names:
         return None
     return cls
 
@@ -396,7 +396,9 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
     """[(node path, notice)] for each "namedtuple"/"object" node a restore without a target
     gives back as a plain dict (its class is not in the allow-list, or its fields differ)."""
     out: list[tuple[str, str]] = []
-    stack = [((), description)] if description is not None else []
+    stack: list[tuple[tuple[str, ...], dict]] = (
+        [((), description)] if description is not None else []
+    )
     while stack:
         prefix, node = stack.pop()
         if node["type"] == "leaf":

@@ -14,6 +14,7 @@ import re
 from typing import Annotated
 
 import typer
+import typer.core
 from rich.markup import escape
 
 from jax_ucp import format as fmt
@@ -50,7 +51,8 @@ class _Command(typer.core.TyperCommand):
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
             if isinstance(param, typer.core.TyperArgument):
-                name = param.metavar + ("..." if param.nargs != 1 else "")
+                metavar = param.metavar or (param.name or "").upper()  # get_params sets it
+                name = metavar + ("..." if param.nargs != 1 else "")
                 pieces.append(name if param.required else f"[{name}]")
             else:
                 pieces.extend(param.get_usage_pieces(ctx))

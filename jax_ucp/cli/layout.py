@@ -14,7 +14,7 @@ def plural(n: int, word: str, plural_form: str | None = None) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {plural_form or word + 's'}"
 
 
-def human(n: int) -> str:
+def human(n: float) -> str:
     """A byte count in binary units: ``512 B``, ``1.5 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

@@ -58,7 +58,7 @@ def write_universal(
     states: Iterator[tuple[str, str, np.ndarray]],
     *,
     step: int,
-    model_weights: Iterator[tuple[str, np.ndarray]] | None = None,
+    model_weights: Iterator[tuple[str, np.ndarray | torch_out.Deferred]] | None = None,
     param_groups: int = 1,
 ) -> list[str]:
     """Writes the universal checkpoint under ``root``; ``states`` yields (param, state, fp32

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint import future as ocp_future
 import tensorstore as ts
 from etils import epath
 
@@ -56,7 +57,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
     async def serialize(self, values, infos, args=None):
         args = args or [ocp.SaveArgs()] * len(values)
         coro = self._write_all(list(values), list(infos), list(args))
-        return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_orbax_export")]
+        return [ocp_future.CommitFutureAwaitingContractedSignals(coro, name="ucp_orbax_export")]
 
     async def _write_all(self, values, infos, args) -> None:
         for done, (value, info, arg) in enumerate(zip(values, infos, args), 1):

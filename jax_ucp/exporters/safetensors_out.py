@@ -106,7 +106,7 @@ def write_file(
                 raise ExportError(
                     f"tensor {tensor.name!r}: read shape {array.shape}, planned {tensor.shape}"
                 )
-            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+            f.write(array.reshape(-1).view(np.uint8).data)
 
 
 def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:

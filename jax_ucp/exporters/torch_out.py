@@ -311,7 +311,7 @@ def write_torch_save(
             info = zipfile.ZipInfo(f"{name}/data/{index}", date_time=(1980, 1, 1, 0, 0, 0))
             with z.open(info, "w", force_zip64=flat.size >= 0xFFFFFFFF) as member:
                 for at in range(0, flat.size, 64 << 20):
-                    member.write(memoryview(flat[at : at + (64 << 20)]))
+                    member.write(flat[at : at + (64 << 20)].data)
         z.writestr(f"{name}/version", "3\n")
     return f.tell() - start
 
@@ -387,7 +387,7 @@ def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndar
                         f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
                         f"{item.shape} {item.dtype}"
                     )
-                torch_name, _ = torch_dtype(item.fqn, item.dtype)
+                torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
                 length = write_torch_save(f, array=array)
                 zeros = torch_size([0] * len(item.shape))
                 index = New(

@@ -134,11 +134,11 @@ def read_out(arr: np.ndarray, what: str = "reading a tensor") -> np.ndarray:
     mm, start = where
     out = np.empty(arr.shape, arr.dtype)
     if arr.flags.c_contiguous:
-        _pread_into(mm, start, memoryview(out.reshape(-1).view(np.uint8)), what)
+        _pread_into(mm, start, out.reshape(-1).view(np.uint8).data, what)
         return out
     low, high = _extent(arr)
     raw = np.empty(high - low, np.uint8)
-    _pread_into(mm, start + low, memoryview(raw), what)
+    _pread_into(mm, start + low, raw.data, what)
     out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=-low, strides=arr.strides)
     return out
 
@@ -156,7 +156,7 @@ def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor
         and region.dtype == arr.dtype
     ):
         if arr.size:
-            _pread_into(where[0], where[1], memoryview(region.reshape(-1).view(np.uint8)), what)
+            _pread_into(where[0], where[1], region.reshape(-1).view(np.uint8).data, what)
     else:
         region[...] = read_out(arr, what)
 
@@ -173,6 +173,6 @@ def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking
     piece = np.empty(min(size, PIECE), np.uint8)
     for pos in range(0, size, PIECE):
         n = min(PIECE, size - pos)
-        _pread_into(mm, start + pos, memoryview(piece[:n]), what)
+        _pread_into(mm, start + pos, piece[:n].data, what)
         value = crc(piece[:n], value)
     return value

@@ -208,7 +208,7 @@ class Kind:
         raise NotImplementedError
 
 
-def _int_field(default=None):
+def _int_field(default: Any = None) -> Any:  # a dataclass field, typed by its annotation
     return dataclasses.field(default=default, metadata={"int": True})
 
 
@@ -835,4 +835,4 @@ def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
     k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
         raise SpecError(f"kind {k.kind!r} has no named parts")
-    return k.parts(np.asarray(full))
+    return getattr(k, "parts")(np.asarray(full))

@@ -124,7 +124,7 @@ def _tensor_info(x) -> TensorInfo:
 
 
 def compile_restore_plan(
-    spec: Spec, saved: Mapping[Key, Any], *, strict: bool | None = None
+    spec: Spec | str, saved: Mapping[Key, Any], *, strict: bool | None = None
 ) -> dict[Key, ViewPlan]:
     """Target key -> ViewPlan for every saved tensor.
 
@@ -360,7 +360,9 @@ def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
                 tuple(np.shape(x)),
                 np.asarray(x).dtype
                 if not hasattr(x, "dtype")
-                else (x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else x.dtype),
+                else (
+                    x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else getattr(x, "dtype")
+                ),
             )
 
     rec((), tree_or_arrays)

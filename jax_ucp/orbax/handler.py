@@ -137,7 +137,10 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         return self._commit_futures(directory, args or UCPSave(item), copy=True)
 
     def save(
-        self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
+        self,
+        directory: epath.Path | str,  # a str: an object-store URL (api.save)
+        item: Any = None,
+        args: UCPSave | UCPStreamSave | None = None,
     ) -> None:
         # The same path as async_save, waited on; the caller blocks, so no private copies.
         for f in self._commit_futures(directory, args or UCPSave(item), copy=False):
@@ -157,7 +160,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
 
-    def finalize(self, directory: epath.Path) -> None:
+    def finalize(self, directory: epath.Path | str) -> None:
         """Primary, after every process finished writing: ``ucp.json`` last, with the digest of
         every shard file, so a checkpoint is listed only once all its data is in place."""
         pending = self._pending.pop(os.fspath(directory), None)
@@ -166,11 +169,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         manifest, digests = pending
         root = os.fspath(directory)
         remote = store.is_url(root)
-        names = (
-            store.location.list_names(root, DIGESTS_PREFIX)
-            if remote
-            else os.listdir(root)
-        )
+        names = store.location.list_names(root, DIGESTS_PREFIX) if remote else os.listdir(root)
         others = sorted(n for n in names if n.startswith(DIGESTS_PREFIX) and n.endswith(".json"))
         expected = max(jax.process_count() - 1, 0)
         if len(others) != expected:

@@ -40,7 +40,7 @@ def _axes_of(entry) -> tuple[str, ...]:
     return (entry,)
 
 
-def _axis_size(mesh: Mesh, axes: Sequence[str]) -> int:
+def _axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -309,7 +309,7 @@ def replication_warning(where: str, tensors: Sequence[tuple[str, int]]) -> str:
     )
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -70,7 +70,7 @@ async def write_tensor(
         if kv.get("driver") != "file":  # object store: digests computed from the data written
             if not all(isinstance(r, str) for r in results):
                 return None
-            return {keys[0]: r for (_, keys), r in zip(writes, results)}
+            return {keys[0]: str(r) for (_, keys), r in zip(writes, results)}
         digests: dict[str, str] = {}
         for (_, keys), result in zip(writes, results):
             if isinstance(result, str):  # written by shard_writer, which knows its digest
@@ -127,9 +127,8 @@ def _issue_writes(
     [(awaitable, shard keys)]; whole shards of host memory go through ``shard_writer``."""
     commits = []
     loop = asyncio.get_running_loop()
-    for index, data in p.writes if writes is None else writes:
-        if callable(data):
-            data = data()
+    for index, given in p.writes if writes is None else writes:
+        data: Any = given() if callable(given) else given
         if p.layout.shape and 0 in p.layout.shape:
             continue  # nothing to store for a zero-size array; zarr.json says it all
         position = _chunk_position(index, p.layout.chunk_shape) if index else None
@@ -229,7 +228,7 @@ def _write_slabs(
                 chunk = flat[i : i + chunk_bytes]
                 _write_all(fd, chunk)
                 if checksum:
-                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk))
+                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk.data))
                     _write_all(fd, crc)
                     trailers += crc
                 n += 1
@@ -302,8 +301,8 @@ class PipelinedWriter:
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
         # Surface a failure early instead of after the whole stream was produced.
         for task, _ in self._window:
-            if task.done() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and (error := task.exception()) is not None:
+                raise error
 
     async def reserve(self, nbytes: int) -> None:
         """Retires written tensors until ``nbytes`` more fit under ``max_bytes``: called before

@@ -24,7 +24,7 @@ from jax_ucp.writer import shards as shards_lib
 from jax_ucp.writer.shards import PipelinedWriter
 
 _SCALARS = (type(None), bool, int, float, str)
-_E = TypeVar("_E", fmt.TensorEntry, fmt.ValueEntry)
+_E = TypeVar("_E", bound=fmt.Entry)
 
 #: Bytes of tensors an import or export may hold at once when no budget is set.
 DEFAULT_MEMORY_BUDGET = 256 << 20

@@ -164,7 +164,7 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
                 f"expert files, layer {layer} here"
             )
         experts.weights[str(key)] = (value, f"{file}:{key}")
-    prefixes = {EXPERT_NAME.match(str(k)).group(1) for k in state}
+    prefixes = {m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None}
     if len(prefixes) != 1:
         raise DeepSpeedImportError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
 
@@ -326,7 +326,7 @@ def _checked_experts(
                 flat = int(np.argmax(value.reshape(-1) != stored.reshape(-1)))
                 raise DeepSpeedImportError(
                     f"expert parameter {item.key[1]!r}: the fp32 master from "
-                    f"{item.provenance.get('files')} disagrees with {tensor} (first at flat "
+                    f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
                     f"index {flat}: {value.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
                     "expert-parallel ranks assigned otherwise than DeepSpeed's default "
                     "expert-then-data topology, or files from different saves"

@@ -324,7 +324,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
     state takes the ``param_shapes`` shape, which only a single model-parallel rank records."""
     rel = f"zero/{name}"
     param = UniversalParam(name, ())
-    shape = None
+    shape: tuple[int, ...] | None = None
     for state, _ in STATES:
         array, source, _ = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
         if array.dtype != np.float32:
@@ -340,7 +340,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
                 f"param_shapes record only each rank's piece ({tuple(local_shape)})"
             )
         else:
-            full = array.shape
+            full = tuple(array.shape)
         if mp_world_size == 1 and numel(full) != numel(local_shape):
             raise DeepSpeedImportError(
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
@@ -353,6 +353,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
         shape = full
         param.arrays[state] = array
         param.sources[state] = source
+    assert shape is not None  # STATES is not empty
     param.shape = shape
     step_path = os.path.join(folder, "step.pt")
     if os.path.lexists(step_path):
@@ -434,7 +435,9 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
 def _frozen_reader(checkpoint: UniversalCheckpoint) -> deepspeed_zero.DeepSpeedCheckpoint:
     """The frozen parameters' view of the model states files, as the ZeRO reader reads them."""
     zero3 = sorted(
-        p for p in checkpoint.model_files if _MODEL_FILE.match(os.path.basename(p)).group(1)
+        p
+        for p in checkpoint.model_files
+        if (m := _MODEL_FILE.match(os.path.basename(p))) is not None and m.group(1)
     )
     return deepspeed_zero.DeepSpeedCheckpoint(
         tag_dir=checkpoint.tag_dir,
@@ -470,6 +473,7 @@ def iter_universal_items(
             }
             yield host_item((*tree, name), value, provenance)
         if cast:
+            assert fp32 is not None  # STATES[0] is "fp32"
             yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
     if checkpoint.frozen:
         reader = _frozen_reader(checkpoint)

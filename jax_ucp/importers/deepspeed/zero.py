@@ -310,7 +310,7 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                     raise DeepSpeedImportError(
                         f"{path}: bad fragment_address for {name!r}: {address!r}"
                     )
-                start, count = address.start, address.numel
+                start, count = getattr(address, "start"), getattr(address, "numel")  # a StandIn
                 size = optimizer_state["single_partition_of_fp32_groups"][group].size
                 if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
                     raise DeepSpeedImportError(
@@ -583,6 +583,7 @@ def iter_zero_items(
             sources = piece_tensors(checkpoint, name, state_name)
             yield host_item((*tree, name), value, dict(provenance, tensors=sources))
         if checkpoint.model_dtype != np.dtype(np.float32):
+            assert fp32 is not None  # STATE_TREES[0] is "fp32"
             yield _model_copy_item(
                 checkpoint, name, fp32, provenance["files"], piece_tensors(checkpoint, name, "fp32")
             )
@@ -634,6 +635,7 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
             out.append(f"{file}:{template.format(keys[fragments.group])}")
             continue
         vector = state_vectors(checkpoint, piece.dp_rank, state_name)
+        assert isinstance(vector, FlatVector)  # stage 3
         for key, low, high in zip(keys, vector.offsets, vector.offsets[1:]):
             if max(low, piece.start) < min(high, piece.start + piece.numel):
                 out.append(f"{file}:{template.format(key)}")

@@ -294,7 +294,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
-    virtual = None
+    virtual: int | None = None
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
         directory = directories.found.get(key)
         if directory is None:
@@ -327,6 +327,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             for stage, _, _ in parts:
                 distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
     first = ranks[(0, 0)]
+    assert virtual is not None  # set by the rank file of (0, 0)
     args = args_dict(first.state.get("args"))
     for name, size in (
         ("tensor_model_parallel_size", tp_size),

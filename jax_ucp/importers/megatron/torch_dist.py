@@ -189,9 +189,14 @@ def _optimizer_step(
     optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
     if chained is None:
         return step_from_param_groups(param_groups(optimizer_state), str(common_path))
+    members = (  # a ChainedOptimizer's states by index, or listed
+        optimizer_state.items()
+        if isinstance(optimizer_state, dict)
+        else enumerate(optimizer_state or ())
+    )
     steps = {
         step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
-        for i, part in sorted(optimizer_state.items())
+        for i, part in sorted(members)
     }
     if len(steps) != 1:
         raise MegatronImportError(
@@ -201,7 +206,7 @@ def _optimizer_step(
 
 
 def _torch_dist_info(
-    checkpoint: dcp.DcpCheckpoint,
+    checkpoint: dcp.MegatronDcpCheckpoint,
     common: Any,
     model_names: list[str],
     optimizer: _OptimizerFound,
@@ -246,7 +251,7 @@ def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -
     return repr(states.get("param") or states.get("fp32_param"))
 
 
-def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
+def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Path]:
     """The checkpoint with every shard file and chunk tiling checked, and its ``common.pt``."""
     checkpoint = dcp.open_dcp(ckpt_dir)
     backend = checkpoint.mcore_metadata.get("sharded_backend")
@@ -340,7 +345,7 @@ def bucket_items(
     reader: TorchDistReader,
     buckets: RankStates,
     model_names: list[str],
-    count: int,
+    count: int | None,
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
     """dp_reshardable / dp_zero_gather_scatter: per parameter its master weight (checked against
@@ -456,7 +461,7 @@ def _bucket_state(
             )
         return value
 
-    return writer.Deferred(shape, np.float32, make, bound=bound, rows=rows)
+    return writer.Deferred(shape, np.dtype(np.float32), make, bound=bound, rows=rows)
 
 
 def _state_shape(reader: TorchDistReader, name: str) -> tuple[int, ...] | None:

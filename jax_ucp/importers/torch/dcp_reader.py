@@ -582,7 +582,7 @@ def _check_crc(view: np.ndarray, crc: int, where: str) -> None:
 def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
     """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
     with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None."""
-    buf = memoryview(region.reshape(-1).view(np.uint8))
+    buf = region.reshape(-1).view(np.uint8).data
     try:
         fd = files.open_regular(str(path))
     except files.UnsafeFileError as e:
@@ -657,7 +657,9 @@ def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
     return dt
 
 
-def _storage_ref(by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str):
+def _storage_ref(
+    by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str
+) -> tuple[str, int, int, tuple[str, ...]]:
     """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
     info = by_fqn.get(name, {}).get(off)
     if info is None:
@@ -684,7 +686,7 @@ def _storage_ref(by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off,
             f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
         )
-    return rp, bo, bl, tuple(trs)
+    return rp, int(bo), int(bl), tuple(trs)  # int(): checked _is_count above
 
 
 def _dims(

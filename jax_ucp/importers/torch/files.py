@@ -190,6 +190,7 @@ def plan_torch_files(
     optimizer_sources: list[str] = []
     skipped: dict[str, str] = {}
     if optimizer is not None:
+        assert optimizer_at is not None  # found with the optimizer
         path, prefix = optimizer_at
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)

@@ -646,7 +646,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if not isinstance(args, tuple):
             raise self._err("NEWOBJ args must be a tuple")
         try:
-            obj = cls.fn.__new__(cls.fn, *args)
+            obj: Any = cls.fn.__new__(cls.fn, *args)
         except Exception as e:
             raise TorchFileError(self._where, f"NEWOBJ {cls.qualname}: {e}") from None
         if isinstance(obj, StandIn) and "args" not in obj.__dict__:
