@@ -20,10 +20,10 @@ def _ensure_devices(n: int) -> None:
 
 def _model_state(mesh):
     import flax.linen as nn
-    from flax.linen import spmd  # flax.linen re-exports logical_to_mesh_sharding without "as"
     import jax
     import jax.numpy as jnp
     import optax
+    from flax.linen import spmd  # flax.linen re-exports logical_to_mesh_sharding without "as"
 
     class Block(nn.Module):
         @nn.compact

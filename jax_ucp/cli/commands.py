@@ -693,7 +693,7 @@ def diff(a: str, b: str):
             ]
             output.say(f"≠ {t.name}: " + ", ".join(changes))
             continue
-        text = f"≠ {t.name}: {t.differing} of {layout.plural(t.size, 'element')} differ"
+        text = f"≠ {t.name}: {t.differing} of {layout.plural(t.size or 0, 'element')} differ"
         if t.max_abs is not None:
             text += f", max abs {t.max_abs:.4g}, max rel {t.max_rel:.4g}"
             if t.max_abs != t.max_abs:

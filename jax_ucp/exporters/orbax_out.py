@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint import future as ocp_future
 import tensorstore as ts
 from etils import epath
+from orbax.checkpoint import future as ocp_future
 
 from jax_ucp import format as fmt
 from jax_ucp import store

@@ -18,9 +18,9 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 from orbax.checkpoint import checkpoint_args as ocp_checkpoint_args
 from orbax.checkpoint import future as ocp_future
-from etils import epath
 
 from jax_ucp import format as fmt
 from jax_ucp import store, writer

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -686,7 +686,7 @@ def _storage_ref(
             f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
         )
-    return rp, int(bo), int(bl), tuple(trs)  # int(): checked _is_count above
+    return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
 
 
 def _dims(
