@@ -313,21 +313,45 @@ def check_destination(source, dest) -> None:
 
 
 def convert_deepspeed(src, dst, **kwargs) -> str:
-    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP)."""
+    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP).
+
+    Args:
+        src: the DeepSpeed checkpoint folder.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="deepspeed", **kwargs)
 
 
 def convert_safetensors(src, dst, **kwargs) -> str:
-    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index)."""
+    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index).
+
+    Args:
+        src: a ``.safetensors`` file, or a folder with shards and an index.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="safetensors", **kwargs)
 
 
 def convert_megatron(src, dst, **kwargs) -> str:
-    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX)."""
+    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX).
+
+    Args:
+        src: the Megatron checkpoint folder.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="megatron", **kwargs)
 
 
 def convert_torch(src, dst, **kwargs) -> str:
     """``convert`` of a torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning)
-    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt)."""
+    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt).
+
+    Args:
+        src: the DCP folder, or the torch.save file or folder.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="torch", **kwargs)

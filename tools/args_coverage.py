@@ -2,7 +2,9 @@
 
 Public: a module-level function or a method of a module-level class, neither name nor class
 starting with ``_``, in a module whose path has no ``_private`` part. ``self``/``cls`` do not
-count as parameters; ``*args``/``**kwargs`` do. ``--missing`` lists those without one.
+count as parameters; ``*args``/``**kwargs`` do. Typer commands (decorated ``...command(...)``)
+are left out: their docstring is the command's ``--help`` and each option has its own ``help=``.
+``--missing`` lists those without one.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def functions():
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             if fn.name.startswith("_") or _params(fn, method) < 3:
+                continue
+            if any("command" in ast.unparse(d) for d in fn.decorator_list):
                 continue
             doc = ast.get_docstring(fn) or ""
             yield f"{module}.{owner}{fn.name}", "Args:" in doc

@@ -120,6 +120,15 @@ def export_orbax(
     ``N`` (``mngr.restore(N, args=ocp.args.Composite(state=ocp.args.StandardRestore(...)))``).
     ``use_ocdbt`` / ``use_zarr3``: Orbax's layout options (its defaults: OCDBT, zarr v2, zstd).
     ``dst`` (the step, with ``step=N``) must not exist, or be an empty directory.
+
+    Args:
+        ckpt: the UCP checkpoint to export.
+        dst: the Orbax directory (or CheckpointManager root with ``step``).
+        step: write step ``N`` of a CheckpointManager root (None: a plain checkpoint).
+        item: the item name of that step.
+        use_ocdbt: Orbax's OCDBT layout.
+        use_zarr3: zarr v3 arrays instead of Orbax's default v2.
+        progress: called as ``progress(name, done, total)`` per tensor.
     """
     root = reader.find_checkpoint_dir(ckpt)
     manifest = store.read_manifest(root)

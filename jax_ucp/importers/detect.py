@@ -100,6 +100,13 @@ def plan_import(
 
     ``spec``: a UCP-language spec with import rules / settings. ``options`` are the importer's
     own (DeepSpeed: ``tag=``; Megatron: ``vocab_size=``).
+
+    Args:
+        source: the checkpoint file or folder.
+        format: the importer's format name (detected when None).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        **options: the importer's own options (``tag=``, ``vocab_size=``).
     """
     checkpoint_format = format or detect_format(source)
     importer = _IMPORTERS.get(checkpoint_format)

@@ -336,7 +336,14 @@ def _checked_experts(
 
 def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
     """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
-    ``expp_rank_*`` files)."""
+    ``expp_rank_*`` files).
+
+    Args:
+        tag_dir: the tag folder.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     names = os.listdir(tag_dir)
     if not any(deepspeed_files.OPTIMIZER_FILE.match(f) for f in names):
         return plan_moe_zero0(tag_dir, weights_only=weights_only, share=share)
@@ -401,7 +408,14 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
     ``module`` and the expert files; Adam's moments and step from the torch
     ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
-    index to name as :func:`zero0_index_names` says."""
+    index to name as :func:`zero0_index_names` says.
+
+    Args:
+        tag_dir: the tag folder.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = deepspeed_files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)

@@ -457,7 +457,13 @@ def _frozen_reader(checkpoint: UniversalCheckpoint) -> deepspeed_zero.DeepSpeedC
 def iter_universal_items(
     checkpoint: UniversalCheckpoint, *, weights_only: bool, share: Share = WHOLE
 ) -> Iterator:
-    """Per parameter: fp32 master, Adam moments, model-precision copy; frozen weights; step."""
+    """Per parameter: fp32 master, Adam moments, model-precision copy; frozen weights; step.
+
+    Args:
+        checkpoint: the opened universal folder.
+        weights_only: fp32 masters alone, no moments, copies or step.
+        share: this process's part of a distributed import (default: the whole).
+    """
     cast = checkpoint.model_dtype != np.dtype(np.float32)
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
@@ -512,7 +518,13 @@ def universal_tensors(
     checkpoint: UniversalCheckpoint, source: dict, *, weights_only: bool
 ) -> list[str]:
     """Every tensor of the folder (``<file relative to the tag folder>:<path>``); those not
-    imported listed in ``source["skipped"]`` with the reason."""
+    imported listed in ``source["skipped"]`` with the reason.
+
+    Args:
+        checkpoint: the opened universal folder.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        weights_only: whether the moments are skipped.
+    """
     found: list[str] = []
     for param in checkpoint.params.values():
         found += [param.sources[s] for s, _ in STATES]
@@ -634,7 +646,16 @@ def source_info(checkpoint: UniversalCheckpoint) -> dict:
 def plan_universal(
     tag_dir: str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
 ) -> ImportPlan:
-    """The import of a universal tag folder (every file found and checked before this returns)."""
+    """The import of a universal tag folder (every file found and checked before this returns).
+
+    Args:
+        tag_dir: the ``<tag>_universal`` folder.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     if spec is not None:
         raise RequestError(
             "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed "

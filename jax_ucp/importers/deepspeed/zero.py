@@ -562,7 +562,13 @@ def iter_zero_items(
     checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
     """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``
-    (``weights_only``: params and model_params alone); ``share``: this process's part."""
+    (``weights_only``: params and model_params alone); ``share``: this process's part.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint.
+        weights_only: params and model_params alone.
+        share: this process's part of a distributed import (default: the whole).
+    """
     vectors: dict[tuple[int, str], Any] = {}
     files = [os.path.basename(f) for f in checkpoint.optim_files]
     for name in share.pick(checkpoint.names):
@@ -680,7 +686,14 @@ def zero_tensors(
 ) -> list[str]:
     """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
     take listed in ``source["skipped"]`` with the reason. ``imported_module``: the ``module``
-    weights imported as ``model_params`` (default: those a plain ZeRO import takes)."""
+    weights imported as ``model_params`` (default: those a plain ZeRO import takes).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        weights_only: whether the optimizer state is skipped.
+        imported_module: the ``module`` weights imported as ``model_params``.
+    """
     found: list[str] = []
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
@@ -846,7 +859,15 @@ def zero0_model_file(tag_dir: str) -> str | None:
 def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Share = WHOLE):
     """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
     states file, keyed by parameter index. Importing it is not supported; the weights are (the
-    module's, in the run's precision)."""
+    module's, in the run's precision).
+
+    Args:
+        tag_dir: the tag folder.
+        model_file: its model states file.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     from jax_ucp.importers.plan import ImportPlan
 
     model_states = deepspeed_files.load_model_states(model_file)

@@ -174,6 +174,14 @@ def plan_orbax(
 
     ``tag``: the step of a manager root (default: the latest committed one). ``weights_only``:
     only the ``params`` subtree (everything else listed in ``source.skipped``).
+
+    Args:
+        src: the Orbax checkpoint, step or manager root.
+        tag: the step of a manager root (None: the latest committed).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: only the ``params`` subtree.
+        share: this process's part of a distributed import (default: the whole).
     """
     if spec is not None:
         raise OrbaxImportError(

@@ -164,7 +164,16 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
 def plan_torch_files(
     src: os.PathLike | str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
 ) -> ImportPlan:
-    """The import of a torch.save checkpoint (file or folder)."""
+    """The import of a torch.save checkpoint (file or folder).
+
+    Args:
+        src: a torch.save file, or a folder of them (sharded ``.bin``).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     if spec is not None:
         raise TorchImportError(
             "torch file imports keep torch's parameter names; apply a spec at restore time "

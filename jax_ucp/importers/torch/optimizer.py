@@ -195,7 +195,15 @@ def plan_state(
     share: Share = WHOLE,
 ) -> ImportPlan:
     """The import of ``state``: checked (every optimizer state names a parameter of the same
-    shape, one step for all) before anything is read beyond scalars."""
+    shape, one step for all) before anything is read beyond scalars.
+
+    Args:
+        state: the torch state read from the files.
+        source: the manifest's source record.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     skipped = dict(state.skipped)
     has_optimizer = bool(state.optimizer_sources)
     if weights_only:

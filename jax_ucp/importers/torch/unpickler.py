@@ -161,6 +161,11 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
     that contains a cycle.
 
     Linear in the number of distinct objects (each one's expanded size is computed once).
+
+    Args:
+        obj: the unpickled object graph.
+        where: names the file in errors.
+        pickle_bytes: the size of the pickle it came from.
     """
     limit = max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)
     size: dict[int, int] = {}
@@ -748,7 +753,14 @@ def restricted_loads(
     extra_classes: Mapping[str, Any] | None = None,
     persistent_load: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Unpickle ``data`` with the allow-list (+ ``extra_classes``); errors name ``where``."""
+    """Unpickle ``data`` with the allow-list (+ ``extra_classes``); errors name ``where``.
+
+    Args:
+        data: the pickle bytes.
+        where: names the data in errors.
+        extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
+        persistent_load: resolves persistent ids (torch's storages).
+    """
     allowed = dict(BASE_ALLOWED)
     if extra_classes:
         allowed.update(extra_classes)
@@ -1093,6 +1105,11 @@ def load_torch_file(
     ``extra_classes`` maps ``"module.QualName"`` to a stand-in: a :class:`StandIn` subclass (for
     pickled objects), an ``int_enum_standin`` (for IntEnums), or any side-effect-free callable
     that validates its arguments (it is called by REDUCE with pickled data).
+
+    Args:
+        path: the ``torch.save`` zip file.
+        extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
+        verify_crc: check every storage's CRC-32 while loading.
     """
     arch = TorchArchive(path)
     try:
