@@ -314,7 +314,14 @@ def rebuild_structure(
     children become dicts (of int keys for a sequence's positions), empty subtrees of a
     selection disappear. ``partial`` (a selection): only containers of restored leaves come
     back; a leafless node (optax's ``EmptyState()``) comes back only beside siblings restored
-    whole, so ``select=r"opt_state/.*"`` still gives the optimizer's tuple."""
+    whole, so ``select=r"opt_state/.*"`` still gives the optimizer's tuple.
+
+    Args:
+        description: what ``describe_structure`` recorded.
+        value_at: the value of a leaf, by key (``_MISSING`` when not restored).
+        prefix: the key of ``description``'s node.
+        partial: a selection: only containers of restored leaves.
+    """
     return _rebuild(description, value_at, prefix, partial)[0]
 
 

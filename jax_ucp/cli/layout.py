@@ -10,7 +10,13 @@ from rich.text import Text
 
 
 def plural(n: int, word: str, plural_form: str | None = None) -> str:
-    """``1 tensor``, ``2 tensors`` (``plural_form`` where adding an s is wrong)."""
+    """``1 tensor``, ``2 tensors`` (``plural_form`` where adding an s is wrong).
+
+    Args:
+        n: the count.
+        word: the singular.
+        plural_form: the plural, when it is not ``word`` + s.
+    """
     return f"{n} {word}" if n == 1 else f"{n} {plural_form or word + 's'}"
 
 

@@ -112,7 +112,14 @@ def child_argv(argv: list[str]) -> list[str]:
 
 
 def failure_lines(procs, logs, failed: list[int], stopped: list[int]) -> list[str]:
-    """One line per failed process (with the tail of its output), then the ones stopped."""
+    """One line per failed process (with the tail of its output), then the ones stopped.
+
+    Args:
+        procs: the child processes, by process index.
+        logs: each child's captured output (None: it printed to the terminal).
+        failed: indices of the processes that failed.
+        stopped: indices of those stopped because another failed.
+    """
     lines = []
     for i in failed:
         code = procs[i].returncode

@@ -701,7 +701,14 @@ class Expert(Kind):
 
     def split_tp(self, local, tp, *, num_local: int | None = None, name: str = "?") -> list:
         """Split one EP rank's local tensor over TP with ``inner``, expert by expert (the inverse of
-        the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank)."""
+        the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank).
+
+        Args:
+            local: one EP rank's local tensor.
+            tp: the tensor-parallel degree.
+            num_local: experts on this EP rank (grouped layout).
+            name: the tensor, for errors.
+        """
         if self.inner is None:
             return [local for _ in range(tp)]
         if self.layout == "per_expert":

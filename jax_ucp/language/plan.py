@@ -399,7 +399,13 @@ def apply_restore_plan(
     plan: Mapping[Key, ViewPlan], arrays: Mapping[Key, Any], *, read: bool = True
 ) -> dict[Key, Any]:
     """Build every view over in-memory ``arrays`` (numpy or TensorStore); read them to numpy
-    unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device."""
+    unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device.
+
+    Args:
+        plan: target key -> view plan.
+        arrays: saved key -> array (numpy or TensorStore).
+        read: read the views to numpy.
+    """
     opened = {k: views.as_view(v) for k, v in arrays.items()}
     out = {}
     for k, p in plan.items():
@@ -410,7 +416,13 @@ def apply_restore_plan(
 
 def apply_spec_to_tree(spec: Spec | str, tree: Mapping, *, strict: bool | None = None) -> dict:
     """Apply a spec's restore rules to an in-memory nested dict of arrays (e.g. ``{"params":
-    {torch name: array}}``): the nested dict restore would give, read into numpy."""
+    {torch name: array}}``): the nested dict restore would give, read into numpy.
+
+    Args:
+        spec: the spec (a ``Spec``, shipped name or file).
+        tree: a nested dict of arrays.
+        strict: override the spec's ``strict``.
+    """
     plan = compile_restore_plan(spec, saved_infos(tree), strict=strict)
     return unflatten_nested(apply_restore_plan(plan, flatten_nested(tree)))
 

@@ -418,7 +418,13 @@ class IndexedBytes(Mapping[int, int]):
 
     def add_group(self, key, indices: tuple[int, ...], value: int) -> None:
         """``value`` more on each of ``indices`` (e.g. a concrete mesh's devices), added up per
-        ``key`` and spread over the indices once read."""
+        ``key`` and spread over the indices once read.
+
+        Args:
+            key: what the bytes belong to (counted once per key).
+            indices: the devices or processes holding them.
+            value: the bytes each holds.
+        """
         self._groups.setdefault(key, [indices, 0])[1] += value
 
     def _fold(self) -> None:

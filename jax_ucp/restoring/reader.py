@@ -283,6 +283,12 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
     cast in which a finite value overflows the target (1e10 into float16 or float8) or an inf
     meets a dtype without inf (float8_e4m3fn) is an error after the read; under ``unsafe`` it is
     a RuntimeWarning naming the tensor and the count.
+
+    Args:
+        name: the tensor, for the error.
+        saved: its dtype in the checkpoint.
+        wanted: the dtype asked for.
+        casting: numpy's casting rule.
     """
     if casting not in CASTINGS:
         raise ArgsError(f"casting must be one of {CASTINGS}, got {casting!r}.")
@@ -689,7 +695,15 @@ def value_as_array(name: str, root: str, value: Any, req: Request, casting: str)
     its sharding, as Orbax gives ``step=5`` restored into a ``jax.eval_shape`` target), when the
     conversion keeps the value: the cast is one ``casting`` allows from the value's own type
     (bool, int64, float64) and the value survives it (no int wraps, no float overflows).
-    Anything else (a str, None, a lossy cast) needs ``casting="unsafe"``."""
+    Anything else (a str, None, a lossy cast) needs ``casting="unsafe"``.
+
+    Args:
+        name: the leaf, for errors.
+        root: the checkpoint, for errors.
+        value: the saved scalar.
+        req: what the target leaf asks for.
+        casting: numpy's casting rule.
+    """
     want = np.dtype(req.dtype) if req.dtype is not None else None
     shape = tuple(req.shape) if req.shape is not None else ()
     kind = type(value)
@@ -766,7 +780,13 @@ def _concrete(key, sharding, mesh):
 
 def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
     """One request per target leaf; shardings (same structure) override the target's own.
-    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``."""
+    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``.
+
+    Args:
+        target: the pytree to restore into.
+        shardings: shardings in the target's structure (override its own).
+        mesh: the concrete mesh for shardings on an ``AbstractMesh``.
+    """
     leaves, treedef = tree_lib.flatten(target)
     shard_by_key = {}
     if shardings is not None:
@@ -875,7 +895,13 @@ def restore_into_target(options: RestoreOptions, read_requests: Callable[[list],
 
 def target_tree(target, treedef, results: list) -> Any:
     """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
-    their metadata."""
+    their metadata.
+
+    Args:
+        target: the pytree restored into.
+        treedef: its structure.
+        results: one value per leaf, in order.
+    """
     if target is not None:
         boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
         results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
@@ -1028,7 +1054,15 @@ def _user_frame() -> int:
 
 def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
     """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
-    place: the logical names they carry and the mesh axes they were saved with."""
+    place: the logical names they carry and the mesh axes they were saved with.
+
+    Args:
+        root: the checkpoint, for errors.
+        available: the tensors to place.
+        mesh: the mesh restored onto.
+        rules: the logical-axis rules (or None).
+        strict: also refuse unused rules and mesh axes.
+    """
     names, axes = set(), set()
     for av in available:
         names.update(n for n in av.logical_axes or () if n is not None)

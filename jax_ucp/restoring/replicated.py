@@ -143,7 +143,13 @@ class _Batch:
 def wanted_whole(shape: Sequence[int], sharding, processes: int) -> bool:
     """Every process of the job needs all of the tensor: a host result (``sharding`` None), or
     a sharding whose slices on each process's devices cover the whole tensor. Decided from the
-    global device map, so every process decides the same."""
+    global device map, so every process decides the same.
+
+    Args:
+        shape: the tensor's shape.
+        sharding: its target sharding (None: a host result).
+        processes: the number of processes.
+    """
     if sharding is None:
         return True
     return _covers_every_process(tuple(shape), sharding, processes)
@@ -203,6 +209,13 @@ def read_once(
     does): they meet at each batch. ``source_of(available)``: the reader of a tensor
     (``store.shard_reader``'s, or a TensorStore view). ``check(available, gathered)``: called
     before a tensor's host buffer is allocated (raises to refuse it).
+
+    Args:
+        items: (position, request, available) of each tensor.
+        source_of: gives the reader of an available tensor.
+        budget: host bytes each batch may hold.
+        check: called before a tensor's host buffer is allocated.
+        timeout: seconds to wait for the other processes.
     """
     if not items:
         return

@@ -361,6 +361,13 @@ async def write_all(
 
     Returns {tensor dir: {shard key: digest}} for the shards this process wrote. Waits for
     every write even after one fails, so cleanup never races a write in flight.
+
+    Args:
+        root: the checkpoint directory.
+        prepared: the tensors, laid out.
+        primary: this process creates the arrays.
+        max_in_flight: tensors written at once.
+        sync: fsync each file (False: the caller makes the directory durable).
     """
     sem = asyncio.Semaphore(max_in_flight)
 

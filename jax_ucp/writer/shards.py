@@ -44,6 +44,12 @@ async def write_tensor(
     ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
     it (``durable.make_durable``). Every write is waited for, even after one fails, so a
     caller's cleanup never races a write still in flight.
+
+    Args:
+        root: the checkpoint directory.
+        p: the tensor, laid out.
+        primary: this process creates the array.
+        sync: fsync each file.
     """
     kv = store.kvstore_config(root, p.entry.dir)
     try:
@@ -316,7 +322,13 @@ class PipelinedWriter:
     ) -> None:
         """Writes ``p`` (``can_stream``) alone, in row slabs of at most ``max_bytes`` built by
         ``rows(start, stop)`` one at a time: a tensor larger than the memory budget is never
-        whole in memory. Its shard digest is the whole tensor's (same file, same bytes)."""
+        whole in memory. Its shard digest is the whole tensor's (same file, same bytes).
+
+        Args:
+            p: the tensor, laid out (``can_stream``).
+            rows: builds rows ``start:stop``.
+            max_bytes: bytes per slab at most.
+        """
         for done in self._window.drain():
             await self._retire(done)
         kv = store.kvstore_config(self.root, p.entry.dir)

@@ -134,6 +134,11 @@ def with_progress(
 
     Parameters (role ``param`` without a sub-role) are what a user waits on; moments and model
     copies follow them.
+
+    Args:
+        items: the items of an import.
+        total: the number of parameters.
+        progress: called as ``progress(name, done, total)`` (None: not at all).
     """
     done = 0
     for item in items:
@@ -185,6 +190,16 @@ async def write_stream(
     ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
     ``manifest_file``: another name for the manifest (a shared import's part of it).
     ``budget``: the bytes held at once (None: ``memory_budget()``).
+
+    Args:
+        directory: the checkpoint directory.
+        items: the items to write.
+        source: the manifest's source record.
+        compression: the arrays' codec (None: the default).
+        inner_chunk_bytes: the bytes of an inner chunk.
+        sync: fsync each file.
+        manifest_file: the manifest's file name.
+        budget: bytes held at once (None: ``memory_budget()``).
     """
     directory = os.fspath(directory)
     options = layout_lib.SaveOptions(

@@ -138,13 +138,25 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
 
 
 def zero3_model_file(tag_dir: str, dp_rank: int, mp_rank: int = 0) -> str:
-    """Stage 3's model states file of one DP rank of one model-parallel rank."""
+    """Stage 3's model states file of one DP rank of one model-parallel rank.
+
+    Args:
+        tag_dir: the tag folder.
+        dp_rank: the data-parallel rank.
+        mp_rank: the model-parallel rank.
+    """
     return os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
 
 
 def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
     """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
-    needs one file per DP rank."""
+    needs one file per DP rank.
+
+    Args:
+        tag_dir: the tag folder.
+        optimizer: the checked optimizer files (their stage).
+        mp_rank: the model-parallel rank.
+    """
     if optimizer.stage in (1, 2):
         return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
     if optimizer.stage != 3:
@@ -183,7 +195,15 @@ def open_zero_rank(
     mp_rank: int = 0,
 ) -> DeepSpeedCheckpoint:
     """One model-parallel rank from its model states and checked optimizer files; checks that
-    the optimizer partitions hold exactly every parameter of ``param_shapes``."""
+    the optimizer partitions hold exactly every parameter of ``param_shapes``.
+
+    Args:
+        tag_dir: the tag folder.
+        model_file: the rank's model states file.
+        model_states: its loaded content.
+        optimizer: the rank's checked optimizer files.
+        mp_rank: the model-parallel rank.
+    """
     deepspeed_files.check_dp_world_size(model_states, model_file, optimizer)
     param_shapes = deepspeed_files.param_shapes_of(model_states, model_file)
     module = model_states.get("module") or {}
@@ -430,7 +450,13 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
     """The fp32 master assembled from the rank files must round to the model weight DeepSpeed
     saved beside it (stage 1/2 keep the whole module; DeepSpeed copies master -> model after
     every step). Checked at both ends of every rank's piece: swapped or stale partitions
-    disagree there."""
+    disagree there.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        fp32: its assembled fp32 master.
+    """
     stored = checkpoint.module.get(name)
     if not (isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size):
         return
@@ -477,7 +503,13 @@ def state_vectors(
     checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
 ) -> FlatVector | list[np.ndarray]:
     """DP rank ``dp_rank``'s flat vectors of one optimizer state ("fp32", "exp_avg",
-    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3)."""
+    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        dp_rank: the data-parallel rank.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+    """
     optimizer_state = checkpoint.optim_states[dp_rank]
     path = checkpoint.optim_files[dp_rank]
     if checkpoint.stage in (1, 2):
@@ -503,7 +535,14 @@ def gather_parameter(
     checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
 ) -> np.ndarray:
     """One optimizer state of parameter ``name``, in its shape (a view of the memory map when it
-    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name)."""
+    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+        vectors: the cache of :func:`state_vectors`.
+    """
     fragments = checkpoint.fragment_plan[name]
     parts: list[np.ndarray] = []
     for piece in fragments.pieces:
@@ -631,7 +670,13 @@ def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str
 
 
 def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
-    """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from."""
+    """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+    """
     fragments = checkpoint.fragment_plan[name]
     template, keys = _state_prefix(checkpoint, state_name)
     out = []

@@ -377,6 +377,11 @@ def distrib_optim_layout(
     elements, a shared-embedding parameter in its own bucket, a bucket closed once it reaches
     ``bucket_size`` (None: never). ``get_parameter_state_dp_zero`` then concatenates the buckets
     without their end padding. Returns ({name: (start, end)}, total numel).
+
+    Args:
+        params: (name, numel) of the rank's local parameters, in module order.
+        shared: the pipeline-tied embedding parameters.
+        bucket_size: DDP's bucket size in elements (None: one bucket).
     """
     out: dict[str, tuple[int, int]] = {}
     base, rel, n_in_bucket = 0, 0, 0
@@ -402,6 +407,12 @@ def bucket_layout(
     shared embedding alone in its bucket), but a bucket closes where its recorded size says,
     so the DDP ``bucket_size`` (not saved, and ``None`` past the first pipeline stage) is not
     needed; every recorded size is checked, so a wrong parameter list cannot fit silently.
+
+    Args:
+        params: (name, numel) of the rank's local parameters, in module order.
+        shared: the pipeline-tied embedding parameters.
+        bucket_numels: the recorded unpadded size of every bucket.
+        where: the file, for errors.
     """
     out: dict[str, tuple[int, int, int]] = {}
     bucket, rel, count = 0, 0, 0
@@ -459,7 +470,13 @@ def _load_distrib_optim(path: Path) -> Any:
 
 def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
     """Buffer ``buffer`` of a ``distrib_optim.pt`` holding ``count`` (one per virtual-pipeline
-    model chunk; buckets coalesced; one dtype, no experts)."""
+    model chunk; buckets coalesced; one dtype, no experts).
+
+    Args:
+        path: the ``distrib_optim.pt`` file.
+        buffer: which buffer (model chunk).
+        count: how many buffers the file holds.
+    """
     return distrib_optim_state(_load_distrib_optim(path), path, buffer, count)
 
 
@@ -474,7 +491,14 @@ def distrib_optim_state(
 ) -> DistribOptimState:
     """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
     buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
-    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object."""
+    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object.
+
+    Args:
+        saved: the loaded dict.
+        path: where it was loaded from, for errors.
+        index: which buffer.
+        count: how many buffers it holds.
+    """
     if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise LegacyError(
             f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "

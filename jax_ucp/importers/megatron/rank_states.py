@@ -334,7 +334,13 @@ class RankStates:
         raise NotImplementedError
 
     def source(self, rank: int, bucket: int, state: str) -> str:
-        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``."""
+        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``.
+
+        Args:
+            rank: the model-parallel rank.
+            bucket: the bucket of that rank.
+            state: "param", "exp_avg" or "exp_avg_sq".
+        """
         raise NotImplementedError
 
     def _pieces(self, name: str) -> Iterator[tuple]:
@@ -438,7 +444,13 @@ class RankStates:
         """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
         together from every TP rank's (and pipeline stage's) local piece; ``rows=(lo, hi)``:
         rows ``lo:hi`` of dim 0 only, reading only their part of the flat buckets (a tensor
-        larger than the memory budget is written slab by slab, ``writer.Deferred.rows``)."""
+        larger than the memory budget is written slab by slab, ``writer.Deferred.rows``).
+
+        Args:
+            state: "param", "exp_avg" or "exp_avg_sq".
+            name: the model tensor.
+            rows: (lo, hi) rows of dim 0 alone (None: all).
+        """
         shape = self.checkpoint.tensors[name].shape
         lo, hi = (0, shape[0] if shape else 0) if rows is None else rows
         out = writer.unpooled_empty(shape if rows is None else (hi - lo, *shape[1:]), np.float32)

@@ -77,7 +77,16 @@ def plan_torch_dist(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info."""
+    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info.
+
+    Args:
+        source_dir: the detected torch_dist checkpoint.
+        spec: the spec with import rules / settings (None: the defaults).
+        settings: the run's model settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
         for key, value in legacy.args_dict(common.get("args")).items():
@@ -350,7 +359,15 @@ def bucket_items(
 ) -> Iterator[writer.HostItem]:
     """dp_reshardable / dp_zero_gather_scatter: per parameter its master weight (checked against
     the model weight) and moments from the flat vectors, vocab padding stripped like the
-    weights; then the step."""
+    weights; then the step.
+
+    Args:
+        reader: reads the model tensors (vocab rows stripped).
+        buckets: the per-rank flat optimizer state.
+        model_names: this process's model tensors.
+        count: the step (None: another process writes it).
+        want_model: also import the model-precision copy.
+    """
     checkpoint = reader.checkpoint
     files = buckets.files()
     for name in model_names:
@@ -498,7 +515,15 @@ def torch_dist_items(
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
     """Per parameter: its master weight and moments (or the model weight when there is no
-    optimizer state), its model-precision copy; then the step."""
+    optimizer state), its model-precision copy; then the step.
+
+    Args:
+        reader: reads the tensors (vocab rows stripped).
+        model_names: this process's model tensors.
+        optimizer_tensors: {parameter: {state: tensor name}}.
+        count: the step (None: another process writes it).
+        want_model: also import the model-precision copy.
+    """
     checkpoint = reader.checkpoint
     for name in model_names:
         tensor = checkpoint.tensors[name]

@@ -323,7 +323,13 @@ class DcpCheckpoint:
 
     def read_range(self, name: str, start: int, end: int) -> np.ndarray:
         """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap
-        them only (memory: the range, not the tensor)."""
+        them only (memory: the range, not the tensor).
+
+        Args:
+            name: the 1-D tensor.
+            start: the first element.
+            end: one past the last element.
+        """
         t = self.tensors[name]
         if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
             raise DcpError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
@@ -785,7 +791,13 @@ def check_disjoint(
 ) -> None:
     """No two storage entries of the checkpoint (chunks of any tensors, objects) share a byte of
     a file: a tensor whose entry names another tensor's bytes would import with its values.
-    Sorted per file, O(n log n) in the entries."""
+    Sorted per file, O(n log n) in the entries.
+
+    Args:
+        tensors: every tensor's chunks.
+        objects: every pickled object's entry.
+        where: the ``.metadata`` file, for errors.
+    """
     ranges = sorted(
         itertools.chain(
             (

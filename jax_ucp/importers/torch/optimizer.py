@@ -73,7 +73,13 @@ class TensorRef:
 
 
 def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:
-    """A pickled Python number (a step some optimizers keep as ``int``) as a 0-d tensor."""
+    """A pickled Python number (a step some optimizers keep as ``int``) as a 0-d tensor.
+
+    Args:
+        name: the source name of the value.
+        value: the pickled number.
+        where: the file it was read from.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TorchImportError(f"{name}: a {type(value).__name__}, expected a number")
     array = np.asarray(value, np.float64)

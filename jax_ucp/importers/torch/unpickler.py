@@ -854,6 +854,11 @@ class TorchArchive:
         errors.  Tensors come back as views into it, like those of a whole file.
         ``defer_crc``: tensor storages are not CRC-checked here but listed in ``unchecked``; the
         caller checks each CRC-32 on the bytes it copies out (one pass over them, not two).
+
+        Args:
+            view: a read-only uint8 array holding the archive.
+            where: names it in errors.
+            defer_crc: leave the storages' CRC-32 checks to the caller.
         """
         self = cls.__new__(cls)
         self.path = where
