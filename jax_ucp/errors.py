@@ -5,9 +5,18 @@ included — can derive its errors from it, and callers catch one class. The few
 here are for refusals that belong to no single file format or layer; each also derives from the
 builtin it replaced, so callers catching ``ValueError`` / ``TypeError`` / ``KeyError`` keep
 working. Errors about one kind of file live beside its reader (``ManifestError``,
-``SafetensorsError``, ``DcpError``, ...), and derive from ``UCPError`` too."""
+``SafetensorsError``, ``DcpError``, ...), and derive from ``UCPError`` too.
+
+TensorStore's own errors are plain ``ValueError``s whose text starts with an absl status code and
+ends with a dump of the whole spec (``[tensorstore_spec='{…}']``; Orbax adds its kvstore as
+``Tensorstore KvStore: KvStore({…})``): hundreds of characters that name no tensor. Every layer
+that knows the tensor and the file wraps ``tensorstore_message(e)`` in its own error; the command
+line recognises what is left over (``is_tensorstore_io_error``) as an I/O error, not a bug."""
 
 from __future__ import annotations
+
+import errno
+import re
 
 
 class UCPError(Exception):
@@ -49,3 +58,49 @@ class OptimizerOrderWarning(UserWarning):
     parameter), which the checkpoint cannot confirm, and parameters of one shape could be
     swapped unseen; the manifest's ``source.notes`` records the same. Save the optimizer with
     ``param_names`` (or keyed by name) to make the mapping checkable."""
+
+
+# absl status codes (TensorStore's prefix) that say something about the files or the machine,
+# never about how TensorStore was called
+_IO_STATUS = (
+    "NOT_FOUND",
+    "PERMISSION_DENIED",
+    "RESOURCE_EXHAUSTED",
+    "OUT_OF_RANGE",
+    "DATA_LOSS",
+    "UNAVAILABLE",
+    "FAILED_PRECONDITION",
+    "ALREADY_EXISTS",
+    "DEADLINE_EXCEEDED",
+)
+_DUMPS = (
+    re.compile(r"\s*\[tensorstore_spec='.*", re.S),  # always last
+    re.compile(r"\s*\[source locations='[^\]]*'\]"),
+    re.compile(r"\s*Tensorstore KvStore: KvStore\(\{.*", re.S),  # Orbax's, always last
+)
+_OS_ERROR = re.compile(r"\s*\[os_error_code='?(\d+)'?\]")
+_MAX_CHARS = 600
+
+
+def is_tensorstore_io_error(e: BaseException) -> bool:
+    """A TensorStore error about the files or the machine (missing, truncated, corrupt, no space,
+    no permission), not about how it was called."""
+    return isinstance(e, ValueError) and str(e).startswith(tuple(c + ": " for c in _IO_STATUS))
+
+
+def tensorstore_message(e: BaseException) -> str:
+    """``e``'s text without the spec dumps, on one line, at most 600 characters; an OS error code
+    TensorStore attaches becomes its name (``ENOSPC``)."""
+    text = str(e)
+    code = _tensorstore_errno(e)
+    text = _OS_ERROR.sub(f" ({errno.errorcode.get(code, code)})" if code else "", text)
+    for dump in _DUMPS:
+        text = dump.sub("", text)
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_CHARS else text[: _MAX_CHARS - 1] + "…"
+
+
+def _tensorstore_errno(e: BaseException) -> int | None:
+    """The OS error code (``errno.ENOSPC``, …) TensorStore attached to ``e``, if any."""
+    code = _OS_ERROR.search(str(e))
+    return int(code.group(1)) if code else None

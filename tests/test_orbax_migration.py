@@ -10,7 +10,6 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
-import tensorstore as ts
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from ucp_testing import assert_bit_exact, mesh
@@ -20,6 +19,7 @@ from jax_ucp.exporters import ExportError
 from jax_ucp.exporters.orbax_out import export_orbax
 from jax_ucp.importers import plan_import
 from jax_ucp.importers.orbax import OrbaxImportError
+from jax_ucp.writer import Deferred
 
 
 def _state():
@@ -136,8 +136,9 @@ def test_convert_orbax_checkpoint_bit_exact_onto_another_mesh(tmp_path, kind):
 
 @pytest.mark.timeout(60)
 def test_import_streams_one_lazy_array_at_a_time(tmp_path):
-    """Every array reaches the writer as a TensorStore opened with Orbax's read spec, unread:
-    the writer reads one at a time, so the tree is never in memory at once."""
+    """Every array reaches the writer unread (a ``Deferred`` over the TensorStore opened with
+    Orbax's read spec, reserving the array and its decoded chunks): the writer reads one at a
+    time, so the tree is never in memory at once."""
     state = _state()
     with ocp.StandardCheckpointer() as c:
         c.save(tmp_path / "orbax", state)
@@ -145,10 +146,15 @@ def test_import_streams_one_lazy_array_at_a_time(tmp_path):
     items = list(plan.items)
     arrays = [i for i in items if not isinstance(i.value, (int, float, str, bool, type(None)))]
     assert len(arrays) == 7
-    assert all(isinstance(i.value, ts.TensorStore) for i in arrays)
+    assert all(isinstance(i.value, Deferred) for i in arrays)
     assert plan.total_params == 2
     got = {"/".join(i.key): i.value for i in arrays}
-    assert_bit_exact(got["params/w"].read().result(), np.asarray(state["params"]["w"]))
+    w = got["params/w"]
+    assert (w.shape, w.dtype) == ((8, 16), np.float32)
+    # the array and its decoded chunks in flight: its (4, 4) chunks (one per device), at least
+    # one, at most all 8 at once
+    assert 8 * 16 * 4 + 4 * 4 * 4 <= w.nbytes <= 2 * 8 * 16 * 4
+    assert_bit_exact(w.build("params/w"), np.asarray(state["params"]["w"]))
 
 
 @pytest.mark.timeout(60)

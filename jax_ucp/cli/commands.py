@@ -1,8 +1,9 @@
 """The ``jax-ucp`` commands: inspect, verify, plan, diff, convert, export, demo.
 
-Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite; for
-``diff``: the checkpoints differ), 2 a usage error (unknown option, missing argument, a
-malformed ``--mesh``/``--rules``), 130 interrupted (Ctrl-C). A bug shows its traceback.
+Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite, a full
+disk: one ``error:`` line; for ``diff``: the checkpoints differ), 2 a usage error (unknown
+option, missing argument, a malformed ``--mesh``/``--rules``), 130 interrupted (Ctrl-C). A bug
+shows its traceback. Text from files is printed escaped (``output.printable``).
 """
 
 from __future__ import annotations
@@ -11,15 +12,15 @@ import functools
 import inspect as inspect_lib
 import os
 import re
+import sys
 from typing import Annotated
 
 import typer
 import typer.core
-from rich.markup import escape
 
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
-from jax_ucp.errors import RequestError, UCPError
+from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import ValueEntry
 
 
@@ -100,6 +101,25 @@ def _main(
     """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
     convert torch checkpoints, demo."""
     output.fresh_console()
+    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
+        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
+
+
+class _QuietClosedLoop:
+    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
+    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
+    other arrays' futures, whose callbacks then find the loop closed and print a traceback
+    after the command's one error line. Every other report goes to the hook before."""
+
+    def __init__(self, before):
+        self.before = before
+
+    def __call__(self, report) -> None:
+        e = report.exc_value
+        if report.object is None and isinstance(e, RuntimeError):
+            if str(e) == "Event loop is closed":
+                return
+        self.before(report)
 
 
 def _cli_wording(message: str) -> str:
@@ -121,9 +141,10 @@ def _os_error_text(e: OSError) -> str:
 
 
 def _user_errors(fn):
-    """Bad input (missing files, corrupt checkpoints, refused overwrites: a ``UCPError`` or an
-    ``OSError``) → one clear line, exit 1; Ctrl-C → exit 130. Anything else is a bug and shows
-    its traceback."""
+    """Bad input (missing files, corrupt checkpoints, refused overwrites, a full disk: a
+    ``UCPError``, an ``OSError``, or a TensorStore error about the files that no layer wrapped)
+    → one clear line, exit 1; Ctrl-C → exit 130. Anything else is a bug and shows its
+    traceback."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -132,6 +153,11 @@ def _user_errors(fn):
         except (UCPError, OSError) as e:
             text = _os_error_text(e) if isinstance(e, OSError) else str(e)
             output.error(_cli_wording(text))
+            raise typer.Exit(1) from e
+        except ValueError as e:
+            if not is_tensorstore_io_error(e):
+                raise
+            output.error(tensorstore_message(e))
             raise typer.Exit(1) from e
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
@@ -208,30 +234,28 @@ def inspect(
                 ]
             )
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
-        output.console.print(
+        output.table(
             layout.table(
                 header,
                 rows,
                 width=output.console.width,
                 right=("size",),
                 optional=("saved spec", "logical axes"),
-            ),
-            highlight=False,
+            )
         )
     if values:
         if tensors:
             output.console.print()
         rows = [[e.name, layout.short(e.value), type(e.value).__name__, e.role] for e in values]
-        output.console.print(
-            layout.table(["name", "value", "type", "role"], rows, width=output.console.width),
-            highlight=False,
+        output.table(
+            layout.table(["name", "value", "type", "role"], rows, width=output.console.width)
         )
     if len(shown) < len(entries):
         output.console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
         output.say(f"source: {m.source}")
     for notice in m.notices:
-        output.console.print(f"[yellow]![/yellow] {escape(notice)}", highlight=False)
+        output.marked("[yellow]![/yellow]", notice)
 
 
 @app.command()
@@ -250,10 +274,10 @@ def verify(path: str):
 
         bad = jax_ucp.verify(path, progress=on_progress)
     for _, notice in bad.notices:  # not errors: the data is intact
-        output.console.print(f"[yellow]![/yellow] {escape(notice)}", highlight=False)
+        output.marked("[yellow]![/yellow]", notice)
     if bad:
         for _, err in bad:  # each message names its tensor and file
-            output.console.print(f"[red]✗[/red] {escape(str(err))}", highlight=False)
+            output.marked("[red]✗[/red]", str(err))
         output.console.print(
             f"[red]{layout.plural(len(bad), 'tensor')} of {len(m.tensors)} failed[/red]",
             highlight=False,
@@ -286,13 +310,11 @@ def _run_convert(fn, src, dst, parallel: spawn.Parallel | None = None, **kwargs)
         if task is None:
             progress.start()
             task = progress.add_task("importing", total=total)
-        progress.update(task, completed=done, total=total, description=escape(str(name)[-48:]))
+        progress.update(task, completed=done, total=total, description=output.label(name))
 
     try:
         out = fn(src, dst, progress=on_progress, **kwargs)
     except Exception as e:
-        import sys
-
         from jax_ucp import conversion, writer
 
         if not isinstance(e, writer.SharedWriteError):
@@ -619,15 +641,14 @@ def _print_plan_table(result, limit: int) -> None:
         for t in shown
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
-    output.console.print(
+    output.table(
         layout.table(
             header,
             rows,
             width=output.console.width,
             right=("per device", "per process"),
             optional=("dtype",),
-        ),
-        highlight=False,
+        )
     )
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
@@ -755,7 +776,7 @@ def export(
         if task is None:
             progress.start()
             task = progress.add_task("exporting", total=total)
-        progress.update(task, completed=done, total=total, description=escape(str(name)[-48:]))
+        progress.update(task, completed=done, total=total, description=output.label(name))
 
     try:
         out = exporters.export(

@@ -8,6 +8,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from jax_ucp.cli.output import printable
+
 
 def plural(n: int, word: str, plural_form: str | None = None) -> str:
     """``1 tensor``, ``2 tensors`` (``plural_form`` where adding an s is wrong).
@@ -77,7 +79,8 @@ def table(
     Names (column 0) wrap at ``/``; the columns named in ``optional`` are dropped when empty,
     and otherwise last first while names would get narrower than 40 columns (or than the
     longest name). A column dropped for width is named under the table with the width that
-    shows it. Cells are plain text, never markup (a tensor name is file content).
+    shows it. Cells are plain text, never markup, control characters escaped (a tensor name
+    is file content).
 
     Args:
         header: the column titles; column 0 holds the names.
@@ -86,6 +89,7 @@ def table(
         right: titles of the columns aligned right (numbers).
         optional: titles of the columns that may be left out, least wanted last.
     """
+    rows = [[printable(cell) for cell in r] for r in rows]
     columns = list(range(len(header)))
 
     def column_width(c):

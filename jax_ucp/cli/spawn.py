@@ -94,7 +94,8 @@ def spawn_local(n: int, dst: str) -> None:
         output.console.print(
             f"[red]error:[/red] convert across {n} processes failed:", highlight=False
         )
-        output.console.print("\n".join(lines), highlight=False, markup=False, soft_wrap=True)
+        text = "\n".join(output.printable(part) for line in lines for part in line.split("\n"))
+        output.console.print(text, highlight=False, markup=False, soft_wrap=True)
         raise typer.Exit(1)
 
 

@@ -11,7 +11,10 @@ one tensor, whatever the checkpoint size. Orbax's save is atomic (temporary + re
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +28,12 @@ from orbax.checkpoint import future as ocp_future
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import (
+    ExportError,
+    UCPError,
+    is_tensorstore_io_error,
+    tensorstore_message,
+)
 from jax_ucp.restoring import reader
 
 
@@ -50,9 +58,14 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
     """Orbax's ``NumpyHandler`` on-disk format (typestr ``np.ndarray``), fed lazily: tensors
     are read and written one at a time in the commit future."""
 
-    def __init__(self, progress: Callable[[str, int, int], None] | None = None, total: int = 0):
+    def __init__(
+        self,
+        progress: Callable[[str, int, int], None] | None = None,
+        total: int = 0,
+        destination: str = "",
+    ):
         super().__init__()
-        self._progress, self._total = progress, total
+        self._progress, self._total, self._destination = progress, total, destination
 
     async def serialize(self, values, infos, args=None):
         args = args or [ocp.SaveArgs()] * len(values)
@@ -75,8 +88,14 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             if ocp.multihost.process_index() != 0:
                 continue  # host data: written once, by the primary (as NumpyHandler does)
             data = value.read()
-            t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
-            await t.write(data, can_reference_source_data_indefinitely=True)  # ours alone
+            try:
+                t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
+                await t.write(data, can_reference_source_data_indefinitely=True)  # ours alone
+            except ValueError as e:  # TensorStore's: a full disk, a write refused
+                raise ExportError(
+                    f"{self._destination}: writing tensor {fmt.key_to_str(value.key)!r} failed: "
+                    f"{tensorstore_message(e)}; nothing was exported"
+                ) from None
             del data
             if self._progress is not None:
                 self._progress(fmt.key_to_str(value.key), done, self._total)
@@ -132,6 +151,14 @@ def export_orbax(
     """
     root = reader.find_checkpoint_dir(ckpt)
     manifest = store.read_manifest(root)
+    empty = [e.name for e in manifest.tensors if math.prod(e.shape) == 0]
+    if empty:  # Orbax's own save refuses them ("Cannot save arrays with zero size")
+        raise ExportError(
+            f"{root}: {len(empty)} tensor(s) with no elements cannot be exported to Orbax, which "
+            f"stores no zero-size array (its own save refuses them): "
+            f"{', '.join(repr(n) for n in empty[:8])}{' …' if len(empty) > 8 else ''}; export "
+            f"to safetensors or torch-dcp, which hold them"
+        )
     tree, total = lazy_tree(root, manifest)
     dst = os.path.abspath(os.fspath(dst))
     target = dst if step is None else os.path.join(dst, str(step))
@@ -146,19 +173,53 @@ def export_orbax(
         (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
     ]
     registry = ocp.type_handlers.create_type_handler_registry(
-        *pairs, (_Tensor, _TensorHandler(progress, total))
+        *pairs, (_Tensor, _TensorHandler(progress, total, target))
     )
     handler = ocp.PyTreeCheckpointHandler(
         use_ocdbt=use_ocdbt, use_zarr3=use_zarr3, type_handler_registry=registry
     )
     if step is None:
-        with ocp.Checkpointer(handler) as checkpointer:
+        with _one_error(target), ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(epath.Path(dst), args=ocp.args.PyTreeSave(tree))
         return dst
     handlers = ocp.handlers.DefaultCheckpointHandlerRegistry()
     handlers.add(item, ocp.args.PyTreeSave, handler)
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with ocp.CheckpointManager(dst, options=options, handler_registry=handlers) as mngr:
+    with (
+        _one_error(target),
+        ocp.CheckpointManager(dst, options=options, handler_registry=handlers) as mngr,
+    ):
         mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}))
         mngr.wait_until_finished()
     return os.path.join(target, item)
+
+
+class _RaisedAgain(logging.Filter):
+    """Drops the tracebacks Orbax's commit threads log for an error its save then raises to
+    the caller (``_SignalingThread.run() raised an exception``): the caller reports it once."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and "raised an exception" in record.getMessage())
+
+
+@contextlib.contextmanager
+def _one_error(destination: str):
+    """An Orbax save whose failure is one error naming ``destination``: jax_ucp's own errors
+    pass as they are, TensorStore's (a full disk while Orbax writes its metadata) become an
+    ``ExportError``; Orbax's thread tracebacks for them are not logged a second time."""
+    quiet = _RaisedAgain()
+    absl = logging.getLogger("absl")
+    absl.addFilter(quiet)
+    try:
+        yield
+    except UCPError:
+        raise
+    except ValueError as e:
+        if not is_tensorstore_io_error(e):
+            raise
+        raise ExportError(
+            f"{destination}: writing the Orbax export failed: {tensorstore_message(e)}; "
+            f"nothing was exported"
+        ) from None
+    finally:
+        absl.removeFilter(quiet)

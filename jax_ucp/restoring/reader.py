@@ -21,6 +21,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
+from jax_ucp.errors import tensorstore_message
 from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import (
     CASTINGS,
@@ -231,7 +232,9 @@ class _Opener:
                     f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
                     f"array {where}/zarr.json is missing."
                 ) from e
-            raise CheckpointError(f"Tensor {entry.name!r}: cannot open {where}: {e}") from e
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
+            ) from e
         found_dtype = t.dtype.numpy_dtype
         if tuple(t.shape) != entry.shape or found_dtype != store.zarr3.numpy_dtype(entry.dtype):
             raise CheckpointError(
@@ -567,7 +570,9 @@ def _finish(root: str, entry, out: list, casting: str) -> None:
             if "is missing" in str(e) or "NOT_FOUND" in str(e)
             else "corrupt or truncated data?"
         )
-        raise CheckpointError(f"Tensor {found.name!r}: reading {files} failed ({what}): {e}") from e
+        raise CheckpointError(
+            f"Tensor {found.name!r}: reading {files} failed ({what}): {tensorstore_message(e)}"
+        ) from e
     if pending.overflowed:
         _overflow(root, found, pending, casting)
     if req.python_type is not None and getattr(result, "shape", None) == ():

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 import crc32c as crc32c_lib
 import numpy as np
 
+from jax_ucp.errors import tensorstore_message
 from jax_ucp.format import files
 from jax_ucp.store.shard_file import (
     ShardReadError,
@@ -114,7 +115,9 @@ def object_digests(shards) -> list:
 def _read_error(e: Exception, where: str) -> Exception:
     if isinstance(e, (FileNotFoundError, ShardReadError)):
         return e
-    return ShardReadError(f"{where}: cannot read the shard index or trailers ({e})")
+    return ShardReadError(
+        f"{where}: cannot read the shard index or trailers ({tensorstore_message(e)})"
+    )
 
 
 def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:

@@ -21,6 +21,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
+from jax_ucp.errors import tensorstore_message
 from jax_ucp.store import shard_file, shard_reader, shard_writer
 from jax_ucp.writer import durable
 from jax_ucp.writer.layout import PreparedTensor
@@ -29,7 +30,7 @@ from jax_ucp.writer.layout import PreparedTensor
 def _write_error(p: PreparedTensor, kv, e: Exception) -> IOError:
     return OSError(
         f"Writing tensor {p.entry.name!r} (shape {p.layout.shape}, {p.layout.dtype}) "
-        f"to {kv.get('path', kv)}: {e}"
+        f"to {kv.get('path', kv)}: {tensorstore_message(e)}"
     )
 
 

@@ -3,9 +3,11 @@
 
 The tree and each array's name, shape and dtype come from Orbax's own public metadata
 (``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
-itself reads it with (``ocp.type_handlers.get_json_tspec_read``) and handed to the writer as a
-lazy ``tensorstore.TensorStore``: the writer reads one array at a time, so memory is bounded by
-the largest array (plus the writer's 256 MiB of writes in flight), never the whole tree.
+itself reads it with (``ocp.type_handlers.get_json_tspec_read``), its chunks checked against its
+shape before any is decoded, and handed to the writer unread (a ``writer.Deferred`` reserving the
+array and the chunks TensorStore decodes at once, as many as the memory budget leaves room for):
+the writer reads one array at a time, so memory is bounded by the largest array, never the whole
+tree.
 
 Orbax and JAX are imported only when an import is planned: detection (:func:`is_orbax`) reads
 file names and one small JSON file.
@@ -14,12 +16,14 @@ file names and one small JSON file.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
@@ -31,6 +35,8 @@ _MAX_JSON_BYTES = 256 << 20
 _STEP = re.compile(r"(?:.*_)?(\d+)")
 # Orbax's handlers whose items are PyTrees of arrays (v0 and v1 names).
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
+# the array a TensorStore error names: ``Error reading "params.w/.zarray"``
+_ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|\d+(?:[./]\d+)*)"')
 
 
 class OrbaxImportError(UCPError, ValueError):
@@ -204,7 +210,7 @@ def plan_orbax(
     for item, path in items.items():
         _check_links(step_dir, path)
         _check_names(path)  # before Orbax's metadata(), which opens every array itself
-        md = ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+        md = _tree_metadata(path)
         ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
         zarr3 = bool(getattr(md, "use_zarr3", False))
         source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
@@ -217,6 +223,14 @@ def plan_orbax(
             # the array's directory (or OCDBT key) Orbax's read spec joins from its name
             _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
+            storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
+            if getattr(storage, "chunk_shape", None) is not None:
+                check_chunks(
+                    _metadata_file(path, leaf.name, ocdbt, zarr3),
+                    name,
+                    tuple(leaf.shape),
+                    [tuple(storage.chunk_shape)],
+                )
             found.append(name)
             out_key = ((item,) if len(items) > 1 else ()) + key
             types = (("key",) if len(items) > 1 else ()) + key_types
@@ -234,6 +248,60 @@ def plan_orbax(
     mine = share.pick(leaves)
     params = sum(1 for lv in mine if lv[0][:1] == ("params",))
     return ImportPlan(_items(mine), source, params, source_tensors=found)
+
+
+def _tree_metadata(path: str):
+    """Orbax's own metadata of an item (its tree, each array's shape, dtype and chunks); a
+    missing or damaged file is an error naming the item and the file, not TensorStore's spec."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+    except ValueError as e:
+        if not is_tensorstore_io_error(e):
+            raise
+        m = _ARRAY_IN_MESSAGE.search(str(e))
+        array = m and m.group(1).removeprefix(os.path.join(path, ""))  # a file's name: relative
+        what = f"the metadata of array {array!r}" if m else "Orbax's metadata"
+        raise OrbaxImportError(
+            f"{path}: cannot read {what} (missing, truncated or corrupt file): "
+            f"{tensorstore_message(e)}"
+        ) from None
+
+
+def _metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
+    """Where an array's zarr metadata lies (inside the OCDBT database, for OCDBT)."""
+    meta = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
+    return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
+
+
+def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
+    """Refuses, before anything is read or decoded, an array whose declared chunks (each of
+    ``chunks``: the read and the write chunk shape) are larger than the array in any dimension:
+    Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
+    2**29 elements declared for 16 floats (a 64 KB zstd file) would decode into 2 GiB."""
+    for chunk in chunks:
+        if chunk is None:  # TensorStore reports no such chunk (a 0-d array)
+            continue
+        chunk = tuple(int(c) for c in chunk)
+        if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape)):
+            raise OrbaxImportError(
+                f"{where}: array {name!r} of shape {shape} declares chunks of shape {chunk}, "
+                f"larger than the array; an Orbax chunk is at most the array's shape (refused "
+                f"before decoding it: the file is damaged or forged)"
+            )
+
+
+def _decoding(shape, itemsize: int, chunk, budget: int) -> tuple[int, int]:
+    """(chunks TensorStore may decode at once, the bytes reading the array holds): the array
+    itself plus its decoded chunks in flight, as many as fit in ``budget`` beside the array
+    (at least one, at most one per CPU)."""
+    array = itemsize * math.prod(shape)
+    chunk_bytes = itemsize * math.prod(chunk)
+    count = math.prod(-(-d // max(c, 1)) for d, c in zip(shape, chunk))
+    at_once = max(1, min(count, os.cpu_count() or 1, (budget - array) // max(chunk_bytes, 1)))
+    return at_once, array + at_once * chunk_bytes
 
 
 def _inside(root: str, name: Any, what: str) -> str:
@@ -343,25 +411,74 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             ts_context=contexts[ocdbt],
         )
         tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-        try:
-            array = ts.open(tspec, context=contexts[ocdbt], open=True, read=True).result()
-        except Exception as e:
-            raise OrbaxImportError(f"{path}: cannot open array {leaf.name!r}: {e}") from None
-        if tuple(array.shape) != tuple(leaf.shape):
-            raise OrbaxImportError(
-                f"{path}: array {leaf.name!r} has shape {tuple(array.shape)}, its metadata says "
-                f"{tuple(leaf.shape)}"
-            )
+        where = _metadata_file(path, leaf.name, ocdbt, zarr3)
+        array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
         if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
-            value = array.read().result().item()
+            value = _read(array, _data_files(path, leaf.name, ocdbt), name)().item()
             yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
             continue
+        dtype = array.dtype.numpy_dtype
+        chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
+        at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, writer.memory_budget())
+        if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
+            limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
+            array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, array.shape)
         yield writer.HostItem(
             key,
-            array,
+            # read once the writer has room for the array and its decoded chunks
+            writer.Deferred(
+                tuple(array.shape),
+                dtype,
+                _read(array, _data_files(path, leaf.name, ocdbt), name),
+                bound=holds,
+            ),
             role,
             sub_role,
             provenance,
             key_types=key_types,
             saved_sharding=_saved_sharding(leaf),
         )
+
+
+def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
+    """The array opened with Orbax's read spec (its metadata alone is read), its shape and
+    chunks checked before any chunk is."""
+    import tensorstore as ts
+
+    try:
+        array = ts.open(tspec, context=context, open=True, read=True).result()
+    except Exception as e:
+        raise OrbaxImportError(
+            f"{where}: cannot open array {name!r}: {tensorstore_message(e)}"
+        ) from None
+    if tuple(array.shape) != tuple(shape):
+        raise OrbaxImportError(
+            f"{where}: array {name!r} has shape {tuple(array.shape)}, its metadata says "
+            f"{tuple(shape)}"
+        )
+    layout = array.chunk_layout
+    check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
+    return array
+
+
+def _data_files(path: str, name: str, ocdbt: bool) -> str:
+    """Where an array's chunks lie: its directory, or the data files of the OCDBT database."""
+    if ocdbt:
+        return f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)"
+    return os.path.join(path, name)
+
+
+def _read(array, where: str, name: str):
+    """Reads the whole array; a missing, truncated or corrupt chunk file is an error naming the
+    array, where its chunks lie and the file TensorStore names."""
+
+    def read():
+        try:
+            return array.read().result()
+        except ValueError as e:
+            raise OrbaxImportError(
+                f"{where}: reading array {name!r} failed (missing, truncated or corrupt chunk "
+                f"data): {tensorstore_message(e)}"
+            ) from None
+
+    return read
