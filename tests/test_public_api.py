@@ -74,3 +74,25 @@ def test_version_has_one_source():
     attr = pyproject["tool"]["setuptools"]["dynamic"]["version"]["attr"]
     module, _, name = attr.rpartition(".")
     assert getattr(importlib.import_module(module), name) == jax_ucp.__version__
+
+
+def test_every_exception_class_of_the_package_derives_from_ucp_error():
+    """Not only the exported ones: any error jax_ucp raises is caught by ``except UCPError``
+    (``format/safetensors._DuplicateKey``, raised inside ``json.loads``, included)."""
+    import inspect
+    import pkgutil
+
+    outside = []
+    for info in pkgutil.walk_packages(jax_ucp.__path__, "jax_ucp."):
+        if info.name.endswith("__main__") or ".samples" in info.name:
+            continue  # __main__ runs the CLI
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if (
+                inspect.isclass(value)
+                and issubclass(value, BaseException)
+                and value.__module__ == module.__name__
+                and not issubclass(value, (jax_ucp.UCPError, Warning))
+            ):
+                outside.append(f"{module.__name__}.{value.__qualname__}")
+    assert outside == []
