@@ -224,12 +224,13 @@ def plan_orbax(
             _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
-            if getattr(storage, "chunk_shape", None) is not None:
+            chunk_shape = getattr(storage, "chunk_shape", None)
+            if chunk_shape is not None:
                 check_chunks(
                     _metadata_file(path, leaf.name, ocdbt, zarr3),
                     name,
                     tuple(leaf.shape),
-                    [tuple(storage.chunk_shape)],
+                    [tuple(chunk_shape)],
                 )
             found.append(name)
             out_key = ((item,) if len(items) > 1 else ()) + key
