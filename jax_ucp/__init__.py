@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jax_ucp.errors import (
+    CheckpointReplacedError,
     ExportError,
     NotFoundError,
     OptimizerOrderWarning,
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
 
 __all__ = [
     "CheckpointError",
+    "CheckpointReplacedError",
     "ExportError",
     "Manifest",
     "ManifestError",

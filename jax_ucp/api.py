@@ -282,9 +282,13 @@ def verify(
       progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
       max_read_bytes: bytes of tensors checked at once (None: 256 MiB, as for ``restore``).
     """
-    root = reader.find_checkpoint_dir(path)
-    manifest = store.read_manifest(root)
     budget = reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+    # A concurrent forced save is read again, not reported as damage (reader.read_consistently).
+    return reader.read_consistently(path, lambda root: _verify(root, progress, budget))
+
+
+def _verify(root: str, progress, budget: int) -> VerifyResult:
+    manifest = store.read_manifest(root)
 
     def check(entry: fmt.TensorEntry) -> str | None:
         try:  # the read checks every shard's digest, as a restore does
@@ -326,6 +330,6 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
 
     ``.notices`` lists what a restore without a target gives back differently from the save:
     a container class outside the allow-list (rebuilt as a dict of its fields)."""
-    manifest = store.read_manifest(reader.find_checkpoint_dir(path))
+    manifest = reader.read_consistently(path, store.read_manifest)
     manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
     return manifest

@@ -53,6 +53,12 @@ class ExportError(UCPError, ValueError):
     cannot hold, a name it cannot carry, a destination inside the source, ...)."""
 
 
+class CheckpointReplacedError(UCPError, OSError):
+    """The checkpoint was replaced (a concurrent forced save swapped in a new one) while it was
+    being read: nothing is wrong with either checkpoint; read it again. Never raised for a
+    checkpoint that is itself damaged (that is a ``CheckpointError``)."""
+
+
 class OptimizerOrderWarning(UserWarning):
     """An imported optimizer's state was matched to parameters by position (index i -> i-th
     parameter), which the checkpoint cannot confirm, and parameters of one shape could be

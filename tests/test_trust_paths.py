@@ -10,7 +10,9 @@ entry, nothing written; links that stay inside (a Hugging Face cache snapshot) k
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 
 import numpy as np
@@ -73,7 +75,7 @@ def test_inside_follows_links_that_stay_inside_and_refuses_those_that_leave(tmp_
     (root / "outer").symlink_to(tmp_path / "outside")
     (root / "dir").symlink_to(tmp_path, target_is_directory=True)
     assert files.inside(root, "inner", "m") == os.path.realpath(root / "sub" / "real")
-    assert files.inside(root, "sub/real", "m") == os.path.realpath(root / "sub" / "real")
+    assert os.path.samefile(files.inside(root, "sub/real", "m"), root / "sub" / "real")
     for name in ("outer", "dir/outside"):
         with pytest.raises(files.OutsideCheckpointError, match=r"outside the checkpoint"):
             files.inside(root, name, "m")
@@ -167,6 +169,54 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
     check_disjoint(tensors, {}, "m")  # adjacent, and equal ranges in two files: fine
 
 
+@pytest.mark.timeout(60)
+def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
+    """Random storage entries (tensors' chunks and objects over 3 files, some empty): an error
+    exactly when some two entries share a byte, naming two entries that do."""
+    from jax_ucp.importers.torch.dcp_reader import (
+        DcpChunk,
+        DcpError,
+        DcpObject,
+        DcpTensor,
+        check_disjoint,
+    )
+
+    rng = np.random.default_rng(3)
+    f32 = np.dtype(np.float32)
+    verdicts = set()
+    for _ in range(400):
+        spans = [
+            (f"__{rng.integers(3)}_0.distcp", int(rng.integers(0, 60)), int(rng.integers(0, 8)))
+            for _ in range(int(rng.integers(2, 9)))
+        ]
+        tensors, objects = {}, {}
+        for k, (file, offset, length) in enumerate(spans):
+            if k % 3 == 2:
+                objects[f"o{k}"] = DcpObject(f"o{k}", file, offset, length)
+            else:
+                chunk = DcpChunk((k,), (1,), file, offset, length)
+                tensors[f"t{k}"] = DcpTensor(f"t{k}", (len(spans),), f32, (chunk,))
+        shared = {
+            (a, b)
+            for a in range(len(spans))
+            for b in range(len(spans))
+            if a < b
+            and spans[a][0] == spans[b][0]
+            and max(spans[a][1], spans[b][1])
+            < min(spans[a][1] + spans[a][2], spans[b][1] + spans[b][2])
+        }
+        try:
+            check_disjoint(tensors, objects, "m")
+        except DcpError as e:
+            named = {int(n[1:]) for n in re.findall(r"'([ot]\d+)'", str(e))}
+            assert any(set(pair) == named for pair in shared), (spans, str(e))
+            verdicts.add("shared")
+        else:
+            assert not shared, spans
+            verdicts.add("disjoint")
+    assert verdicts == {"shared", "disjoint"}
+
+
 # --------------------------------------------------------------------------- safetensors / .bin
 
 
@@ -174,7 +224,6 @@ def _hf_cache(tmp_path, tensors: dict) -> tuple:
     """A Hugging Face cache repo as ``huggingface_hub`` lays it out: the files in
     ``blobs/<sha256>``, ``snapshots/<rev>/`` holding relative links to them (index included)."""
     import hashlib
-    import json
 
     from safetensors.numpy import save_file
 
@@ -274,8 +323,6 @@ def test_safetensors_index_naming_a_file_with_a_nul_is_a_clear_error(tmp_path):
 @pytest.mark.timeout(60)
 def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
     """``pytorch_model.bin.index.json`` shards: one linked elsewhere, or named with a NUL."""
-    import json
-
     src = _copy(tmp_path, "torch/hf_bin_sharded")
     _move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
     with pytest.raises(
@@ -313,8 +360,6 @@ def _orbax(path, tree, ocdbt: bool = False):
 def _rename_leaf(ckpt, old: tuple, keys: list) -> None:
     """The ``_METADATA`` entry of leaf ``old`` given the key path ``keys`` instead (Orbax reads
     the array from the directory or OCDBT key ``'.'.join(keys)``)."""
-    import json
-
     meta_file = ckpt / "_METADATA"
     meta = json.loads(meta_file.read_text())
     entry = meta["tree_metadata"].pop(str(old))
@@ -344,16 +389,14 @@ def test_orbax_leaf_name_joining_to_an_absolute_path_is_refused(tmp_path, ocdbt)
         (["", "", "/other/params", "w"], r"'\.\./other/params\.w' has a '\.\.' part"),
         (["params", "w\0"], r"holds a NUL character"),
     ):
-        _rename_leaf(mine, tuple(json_keys(mine)), keys)
+        _rename_leaf(mine, tuple(_key_path(mine)), keys)
         with pytest.raises(jax_ucp.UCPError, match=message):
             jax_ucp.convert(mine, tmp_path / "out")
         assert_destination_untouched(tmp_path / "out")
 
 
-def json_keys(ckpt) -> list:
+def _key_path(ckpt) -> list:
     """The key path of the one ``_METADATA`` entry not named ``('params', 'b')``."""
-    import json
-
     meta = json.loads((ckpt / "_METADATA").read_text())["tree_metadata"]
     (entry,) = [e for k, e in meta.items() if k != str(("params", "b"))]
     return [k["key"] for k in entry["key_metadata"]]
@@ -440,6 +483,32 @@ LINKED_OUT = {
         r"iter_0000007: file name 'mp_rank_01_000' resolves to \S+/elsewhere/mp_rank_01_000, "
         r"outside the checkpoint",
     ),
+    "DeepSpeed universal zero folder": (
+        "deepspeed/z1_bf16_dp2/universal",
+        _link_out("global_step2_universal/zero"),
+        r"global_step2_universal: file name 'zero' resolves to \S+/elsewhere/zero, outside",
+    ),
+    "torch DCP .metadata": (
+        "torch/fsdp2_fp32",
+        _link_out(".metadata"),
+        r"fsdp2_fp32: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
+    ),
+    "torch Accelerate DCP folder": (
+        "torch/accelerate_fsdp",
+        _link_out("optimizer_0"),
+        r"accelerate_fsdp: file name 'optimizer_0' resolves to \S+/elsewhere/optimizer_0, outside",
+    ),
+    "torch .bin index": (
+        "torch/hf_bin_sharded",
+        _link_out("pytorch_model.bin.index.json"),
+        r"hf_bin_sharded: file name 'pytorch_model\.bin\.index\.json' resolves to \S+/elsewhere/",
+    ),
+    "Megatron Bridge iteration folder": (
+        "megatron_bridge/llama_tp1dp2",
+        _link_out("iter_0000002"),
+        r"llama_tp1dp2: file name 'iter_0000002' resolves to \S+/elsewhere/iter_0000002, "
+        r"outside the checkpoint",
+    ),
 }
 
 
@@ -453,7 +522,7 @@ def test_rank_files_linked_outside_are_refused(tmp_path, case):
     src = _copy(tmp_path, rel)
     damage(src, tmp_path)
     dst = tmp_path / "out"
-    options = {"vocab_size": 61} if case.startswith("Megatron") else {}
+    options = {"vocab_size": 61} if case.startswith("Megatron ") and "Bridge" not in case else {}
     with pytest.raises(jax_ucp.UCPError, match=message):
         jax_ucp.convert(src, dst, **options)
     assert_destination_untouched(dst)
@@ -470,5 +539,103 @@ def test_rank_files_linked_inside_their_folder_read_exactly(tmp_path):
     rank1.symlink_to(f"store/{rank1.name}")
     got = _params(jax_ucp.convert(src, tmp_path / "out"))
     assert sorted(got) == sorted(want)
+    for name in want:
+        assert_bit_exact(got[name], want[name], name)
+
+
+# --------------------------------------------------------------------------- jax_ucp's own format
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "compression, checksum",
+    [(None, "crc32c"), (None, None), ("zstd", "crc32c"), ("zstd", None)],
+    ids=["plain", "no_checksum", "zstd", "zstd_no_checksum"],
+)
+def test_own_shard_file_or_array_linked_outside_is_refused(tmp_path, compression, checksum):
+    """A shard file of a jax_ucp checkpoint replaced by a symlink to an identical copy outside
+    (its digest matches, and without checksums there is none), or a whole array folder linked
+    elsewhere: ``restore`` and ``verify`` refuse it naming the file, on jax_ucp's own reader
+    (uncompressed) and before TensorStore reads (zstd). Linked inside, it reads exactly."""
+    tree = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.ones(5, np.float32)}
+    ckpt = tmp_path / "ckpt"
+    jax_ucp.save(ckpt, tree, compression=compression, checksum=checksum)
+    shard = next(p for p in (ckpt / "arrays").rglob("*") if p.is_file() and "/w/c" in str(p))
+    moved = ckpt / "kept" / "w-shard"
+    moved.parent.mkdir()
+    shutil.move(shard, moved)
+    shard.symlink_to(moved)
+    assert_bit_exact(jax_ucp.restore(ckpt)["w"], tree["w"], "w")  # a link that stays inside
+    target = _move_out(moved, tmp_path / "elsewhere")
+    shard.unlink()
+    shard.symlink_to(target)
+    outside = r"file name '\S*c/0(/0)?' resolves to \S+/elsewhere/w-shard, outside the checkpoint"
+    with pytest.raises(jax_ucp.UCPError, match=outside):
+        jax_ucp.restore(ckpt)
+    (problem,) = jax_ucp.verify(ckpt)
+    assert problem[0] == "w" and re.search(outside, problem[1]), problem
+    array = shard.parent
+    while array.parent.name != "arrays":
+        array = array.parent
+    _move_out(array, tmp_path / "arrays_elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"Tensor 'w': ucp\.json: file name 'arrays/{array.name}/zarr\.json' resolves to "
+        r"\S+/arrays_elsewhere/",
+    ):
+        jax_ucp.restore(ckpt)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_export_of_a_key_naming_an_absolute_path_writes_nothing_outside(tmp_path, ocdbt):
+    """A jax_ucp checkpoint whose tensor key is an absolute path: Orbax would write that array's
+    folder there (its folder is the joined key path). The export is refused before Orbax runs;
+    nothing appears at that path."""
+    from jax_ucp.exporters import orbax_out
+
+    victim = tmp_path / "victim"
+    ckpt = tmp_path / "ckpt"
+    jax_ucp.save(ckpt, {str(victim): np.ones(3, np.float32), "ok": np.zeros(2, np.float32)})
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"ucp\.json: tensor '{victim}': file name .* is an absolute path"
+    ):
+        orbax_out.export_orbax(ckpt, tmp_path / "orbax", use_ocdbt=ocdbt)
+    assert not victim.exists() and not (tmp_path / "orbax").exists()
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_index_linked_outside_is_refused(tmp_path):
+    """The index itself a link to another model's index (its shards beside it here): refused
+    before its names are read."""
+    _, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32)})
+    other = tmp_path / "other"
+    other.mkdir()
+    index = snap / "model.safetensors.index.json"
+    shutil.copy(index, other / "index.json")
+    index.unlink()
+    index.symlink_to(other / "index.json")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"file name 'model\.safetensors\.index\.json' resolves to \S+/other/index\.json, "
+        r"outside the checkpoint",
+    ):
+        jax_ucp.convert(snap, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(120)
+def test_orbax_step_whose_ucp_item_is_linked_outside_is_refused(tmp_path):
+    """An Orbax step (written by a CheckpointManager) whose UCP item folder is a link to
+    another checkpoint: ``restore(step)`` refuses it; the real item restores."""
+    step = tmp_path / "run" / "3"
+    shutil.copytree(os.path.join(FIX, "orbax_manager_step", "3"), step)
+    want = jax_ucp.restore(step)["params"]
+    _move_out(step / "model", tmp_path / "elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"file name 'model' resolves to \S+/elsewhere/model, outside"
+    ):
+        jax_ucp.restore(step)
+    got = jax_ucp.restore(tmp_path / "elsewhere" / "model")["params"]
     for name in want:
         assert_bit_exact(got[name], want[name], name)

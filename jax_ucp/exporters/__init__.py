@@ -222,8 +222,13 @@ def export_with(
 
 
 def _export(ckpt: str | os.PathLike, dst: str | os.PathLike, options: ExportOptions) -> Exported:
+    """One export; a read that fails because a concurrent forced save replaced ``ckpt`` meanwhile
+    starts over (its transaction removed what it wrote), never reported as damage."""
     dst = os.path.abspath(os.fspath(dst))
-    root = reader.find_checkpoint_dir(ckpt)
+    return reader.read_consistently(ckpt, lambda root: _export_root(root, dst, options), redo=False)
+
+
+def _export_root(root: str, dst: str, options: ExportOptions) -> Exported:
     _check_destination(root, dst, options.force)
     if options.to == "orbax":
         return _export_orbax(root, dst, options)
@@ -441,12 +446,13 @@ def _universal_keys(root, by_key):
 
 def _write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
     """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a temporary sibling, recorded
-    (``EXPORT_RECORD``), made durable and renamed into place (an earlier export there swapped
+    (``EXPORT_RECORD``: each file's size and content digest, taken as it is written), made
+    durable and renamed into place (an earlier export there swapped
     out, then removed); on any failure the temporary goes and ``dst`` is as it was. Returns what
     ``write`` returned (the files written)."""
     with _transaction(dst, force=force) as tx:
-        files = write(tx.path)
-        commit.write_export_record(tx.path)  # what a later force may replace: these files only
+        with commit.export_record(tx.path):  # what a later force may replace: these files only
+            files = write(tx.path)
     return files
 
 
@@ -535,6 +541,7 @@ def _check_destination(root: str, dst: str, force: bool) -> None:
     if where == "contains":
         raise ExportError(f"{dst}: the export destination contains the checkpoint {root}")
     try:
-        commit.check_replaceable(dst, force=force, export=True)
+        # names and sizes now; content under the lock, before anything is written
+        commit.check_replaceable(dst, force=force, export=True, content=False)
     except (commit.SaveConflictError, FileExistsError) as e:
         raise ExportError(str(e)) from None

@@ -27,6 +27,8 @@ import numpy as np
 
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import torch_out
+from jax_ucp.format import files
+from jax_ucp.writer import durable
 
 #: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
 DS_VERSION = "0.19.8"
@@ -78,6 +80,7 @@ def write_universal(
     os.makedirs(zero)
     for p in params:
         check_name(p.name)
+        files.inside(zero, p.name, f"{zero}: parameter folder")
         os.makedirs(os.path.join(zero, p.name))
     written = _write_states(zero, {p.name: p.shape for p in params}, states, step)
     if len(written) != 4 * len(params):
@@ -99,8 +102,7 @@ def write_universal(
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     torch_out.save_file(path, _model_states(params, module, step), arrays)
     written.append(path)
-    with open(os.path.join(root, "latest_universal"), "w") as f:
-        f.write(tag)
+    durable.write_file(os.path.join(root, "latest_universal"), tag)
     written.append(os.path.join(root, "latest_universal"))
     return [os.path.relpath(p, root) for p in written]
 

@@ -19,6 +19,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
@@ -169,6 +170,12 @@ def export_orbax(
             f"{target}: already exists; an Orbax export is written to a new directory (remove "
             f"it first, or choose another destination)"
         )
+    for name in jax.tree_util.tree_leaves(ocp.tree.get_param_names(tree)):
+        # Orbax writes each array to the folder (or OCDBT key) named by its joined key path
+        try:
+            fmt.files.inside(target, name, f"{root}/{fmt.MANIFEST_FILE}: tensor {name[:100]!r}")
+        except fmt.files.UnsafeFileError as e:
+            raise ExportError(f"{e} (as an Orbax array name)") from None
     pairs = [
         (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
     ]

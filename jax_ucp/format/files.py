@@ -97,8 +97,9 @@ class OutsideCheckpointError(UnsafeFileError, ValueError):
 
 
 def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str:
-    """The real path (symlinks resolved) of ``name``, read from a checkpoint's own files, relative
-    to ``folder`` (default ``root``), refused unless it lies inside ``root``'s real path.
+    """The path of ``name``, read from a checkpoint's own files, relative to ``folder`` (default
+    ``root``), refused unless it lies inside ``root``'s real path once symlinks are resolved (the
+    real path is returned when a link was followed).
 
     The one place where a name from a checkpoint becomes a path: an absolute name, a ``..`` part,
     a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
@@ -127,6 +128,8 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
             f"{what}: file name {shown} {problem}; a checkpoint may name only files inside "
             f"{os.fspath(root)}"
         )
+    if folder is None and not _has_link(os.fspath(root), name):
+        return os.path.join(os.fspath(root), name)  # nothing below the root to follow
     real_root = os.path.realpath(os.fspath(root))
     real = os.path.realpath(os.path.join(os.fspath(folder if folder is not None else root), name))
     if real != real_root and os.path.commonpath([real, real_root]) != real_root:
@@ -135,6 +138,22 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
             f"{real_root} (a symlink leading out of it); refusing to read it"
         )
     return real
+
+
+def _has_link(root: str, name: str) -> bool:
+    """Whether some part of ``name`` below ``root`` is a symlink (a few lstat calls: the common
+    case, no link, costs no ``realpath`` of the whole path)."""
+    path = root
+    for part in name.split("/"):
+        if part in ("", "."):
+            continue
+        path = os.path.join(path, part)
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False  # nothing further exists to follow
+    return False
 
 
 def in_own_folder(path: str | os.PathLike) -> str:

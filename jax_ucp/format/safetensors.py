@@ -109,6 +109,7 @@ def _shard_paths(src) -> list[tuple[str, str]]:
         return [(src, src)]
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
+        _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
         return _files_from_index(src, index)
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:

@@ -21,7 +21,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import tensorstore_message
+from jax_ucp.errors import CheckpointReplacedError, tensorstore_message
 from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import (
     CASTINGS,
@@ -83,6 +83,10 @@ def find_checkpoint_dir(path) -> str:
         d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
     if len(items) == 1 and is_step_dir(path):
+        try:  # the step's item, never a link to another checkpoint
+            fmt.files.inside(path, items[0], path)
+        except fmt.files.UnsafeFileError as e:
+            raise CheckpointError(str(e)) from None
         return os.path.join(path, items[0])
     if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
         raise CheckpointError(
@@ -213,7 +217,8 @@ class _Opener:
         if entry.key not in self._futures:
             kv = store.kvstore_config(self.root, entry.dir)
             if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
-                try:
+                try:  # an array folder linked out of the checkpoint is never read
+                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
                     fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
                 except FileNotFoundError:
                     pass  # reported with the tensor's name by get()
@@ -617,6 +622,7 @@ def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
         opened.dtype.numpy_dtype,
         digests=entry.shard_digests,
         tensor=entry.name,
+        root=root,
     )
 
 
@@ -640,6 +646,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     for key in shard_keys(entry):
         path = os.path.join(kv["path"], *key.split("/"))
         try:
+            fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
                 found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
@@ -834,40 +841,86 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
 def restore_tree(path, options: RestoreOptions):
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all.
 
-    A concurrent forced save swaps directories: if the checkpoint directory changed while it was
-    read, the restore starts over on the new one (a few times), so the result is never a mix of
-    two saves.
+    A concurrent forced save swaps directories: the restore starts over on the new one
+    (``read_consistently``), so the result is never a mix of two saves nor a false "corrupt".
 
     Args:
       path: the checkpoint directory, or an Orbax step directory holding one UCP item.
       options: what to restore and how (checked when constructed).
     """
-    for attempt in range(_SWAP_RETRIES + 1):
-        root = find_checkpoint_dir(path)
-        before = _identity(root)
+    return read_consistently(path, lambda root: _restore_once(root, options))
+
+
+def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
+    """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint_dir``), or of the one a
+    concurrent forced save swapped in while it ran.
+
+    A forced save commits a new directory beside ``path`` and swaps it in by two renames
+    (``writer.commit``); a reader may meanwhile see ``path`` missing, read a manifest from one
+    directory and shards from the next (``ShardReadError``: not the shard the manifest lists),
+    or its directory vanish. Each of those is told from damage by what changed around the read:
+    the directory read (device, inode and ctime: ext4 gives a freed inode to the next directory
+    at once, the ctime tells them apart) or the swap's names beside ``path`` (``.ucp-replacing``,
+    ``.ucp-replaced``). An error with nothing changed is the checkpoint's own; one with a change
+    is retried, and after ``_SWAP_RETRIES`` such retries ``CheckpointReplacedError`` ("being
+    replaced, retry") is raised, never a corrupt-checkpoint error.
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      read: reads the checkpoint directory it is given.
+      redo: a successful ``read`` during which the directory changed is run again (False for a
+        read with effects, as an export: a success is whole, every shard checked against the
+        manifest's digest).
+    """
+    path = os.fspath(path).rstrip("/") or "/"
+    error: BaseException | None = None
+    for _ in range(_SWAP_RETRIES + 1):
+        around = _swap_state(path)
+        root, stamp = None, None
         try:
-            result = _restore_once(root, options)
-        except fmt.UCPError:
-            if _identity(root) == before or attempt == _SWAP_RETRIES:
+            root = find_checkpoint_dir(path)
+            stamp = _identity(root)
+            result = read(root)
+        except fmt.UCPError as e:
+            if not _replaced(path, around, root, stamp):
                 raise
+            error = e
             continue
-        if _identity(root) == before:
+        if not redo or root is None or stamp is None or _identity(root) == stamp:
             return result
-    raise CheckpointError(
-        f"{path}: the checkpoint was replaced {_SWAP_RETRIES + 1} times while being read; "
-        f"try again once the saves finish."
-    )
+    raise CheckpointReplacedError(
+        f"{path}: the checkpoint was being replaced by a concurrent save while it was read "
+        f"({_SWAP_RETRIES + 1} attempts); nothing is wrong with it: read it again once the save "
+        f"finishes."
+    ) from error  # what the read met while the directory changed under it
 
 
 _SWAP_RETRIES = 3
 
 
 def _identity(root: str):
+    """What tells one directory at ``root`` from the next: a freed inode is given to the next
+    directory made on ext4 at once, the ctime (set when made or renamed) differs."""
+    if store.is_url(root):
+        return "url"  # an object-store checkpoint is never replaced (no rename there)
     try:
         st = os.stat(root)
     except OSError:
         return None
-    return (st.st_dev, st.st_ino)
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def _swap_state(path: str) -> tuple:
+    """``path`` and the names a forced replacement of it uses beside it."""
+    return tuple(_identity(p) for p in (path, path + commit.REPLACING, path + commit.REPLACED))
+
+
+def _replaced(path: str, around: tuple, root: str | None, stamp) -> bool:
+    """Whether a forced save changed ``path`` since ``around`` was taken, or the directory read
+    (``root``, whose identity was ``stamp``) since it was found."""
+    if _swap_state(path) != around:
+        return True
+    return root is not None and (stamp is None or _identity(root) != stamp)
 
 
 def target_requests(options: RestoreOptions) -> tuple[list[Request], Any]:

@@ -258,12 +258,16 @@ class ShardReader:
         *,
         digests: Mapping[str, str] | None = None,
         tensor: str = "",
+        root: str | None = None,
     ):
         """``digests``: shard key -> digest from the manifest; each shard file read is checked
-        against it (None: no identity check, e.g. arrays saved without checksums)."""
+        against it (None: no identity check, e.g. arrays saved without checksums). ``root``:
+        the checkpoint folder every shard file must resolve inside (default ``array_dir``)."""
         self.array_dir, self.layout, self.dtype = array_dir, layout, np.dtype(dtype)
+        self.root = array_dir if root is None else root
         self.digests, self.tensor = digests, tensor
         self._verified: set[str] = set()
+        self._inside: set[str] = set()  # shard keys found to resolve inside ``array_dir``
         # Per shard: its index and the crc32c trailers of the chunks read so far. A shard's
         # digest is checked once its reads are done, from these trailers (plus a 4-byte pread
         # for each chunk no read needed): whole-shard reads cost no extra I/O.
@@ -399,6 +403,10 @@ class ShardReader:
         key = shard_key(pos)
         path = os.path.join(self.array_dir, *key.split("/"))
         try:
+            if key not in self._inside:  # a shard file linked out of its array is never read
+                rel = os.path.relpath(path, self.root)
+                files.inside(self.root, rel, f"tensor {self.tensor!r}: shard file")
+                self._inside.add(key)
             fd = files.open_regular(path)
         except FileNotFoundError:
             raise ShardReadError(

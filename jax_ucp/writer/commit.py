@@ -27,7 +27,7 @@ import uuid
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp.format import UCPError
-from jax_ucp.writer import durable
+from jax_ucp.writer import durable, file_digest
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
 # logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
@@ -302,14 +302,15 @@ class NotReplaceableError(SaveConflictError, FileExistsError):
     """The destination holds something jax_ucp did not write; refused untouched, even with force."""
 
 
-ORBAX_STEP_FILES = (ORBAX_STEP_METADATA, "commit_success.txt")  # Orbax's, in what it commits
+# Orbax's own files in what it commits (``orbax.checkpoint``: the v1 API's empty marker)
+ORBAX_STEP_FILES = (ORBAX_STEP_METADATA, "commit_success.txt", "orbax.checkpoint")
 EXPORT_RECORD = ".jax_ucp_export.json"  # the files an export wrote: force replaces only those
 _EXPORT_FORMAT = "jax_ucp export"
 _SHOWN = 5  # unexpected entries named in an error
 
 
 def check_replaceable(
-    path: str, *, force: bool = True, export: bool = False, what: str = "it"
+    path: str, *, force: bool = True, export: bool = False, what: str = "it", content: bool = True
 ) -> bool:
     """Whether writing ``path`` replaces something (True) or creates it (False: ``path`` is
     absent, or an empty directory, which holds nothing to lose; ``claim`` removes it).
@@ -326,6 +327,9 @@ def check_replaceable(
         force: whether replacing is allowed (False: a replaceable ``path`` is refused too).
         export: ``path`` is an export's destination (only an earlier export is replaceable).
         what: how the ``FileExistsError`` names ``path`` ("step 7").
+        content: with ``export``, compare each file's content with its recorded digest (one
+            read of the export); False: names and sizes only (a quick check before the
+            transaction, which checks content under the lock).
 
     Returns:
         True when something is there to replace, False when ``path`` is new or empty.
@@ -341,18 +345,21 @@ def check_replaceable(
     names = sorted(os.listdir(path))
     if not names:
         return False
+    why = ""
     if export:
-        kind, found = "an export written by jax_ucp", export_problems(path)
+        kind, found = "an export written by jax_ucp", export_problems(path, content=content)
     else:
         kind, found = "a jax_ucp checkpoint or an Orbax step of one", checkpoint_problems(path)
+        if found and not _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
+            why = _folder_of_checkpoints(path)
     if found:
         shown = ", ".join(found[:_SHOWN]) + (
             f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
         )
         raise NotReplaceableError(
             f"{path}: already exists and is not {kind} (found {shown}); refusing to replace it "
-            f"even with force=True (nothing was changed). Remove it yourself or choose another "
-            f"path."
+            f"even with force=True (nothing was changed).{why} Remove it yourself or choose "
+            f"another path."
         )
     if not force:
         raise FileExistsError(
@@ -397,8 +404,10 @@ def is_checkpoint_dir(path: str) -> bool:
 
 def checkpoint_problems(path: str) -> list[str]:
     """What in the directory ``path`` is not part of a checkpoint (docs/FORMAT.md 1.1, 1.2):
-    ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step, item
-    directories that are such checkpoints. Empty when ``path`` is one; directories end in "/"."""
+    ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step (known
+    by Orbax's own step metadata, ``orbax_step_items``, never by the shape of its folders), item
+    directories that are such checkpoints and that the metadata names. Empty when ``path`` is
+    one; directories end in "/"."""
     names = sorted(os.listdir(path))
     if _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
         found = []
@@ -411,12 +420,19 @@ def checkpoint_problems(path: str) -> list[str]:
                 continue
             found.append(_shown(path, n))
         return found
+    step_items = orbax_step_items(path)
+    if step_items is None:  # not an Orbax step: nothing in it is jax_ucp's to replace
+        return [_shown(path, n) for n in names] or [f"no {fmt.MANIFEST_FILE}"]
     found, items = [], 0
     for n in names:
         full = os.path.join(path, n)
         if n in ORBAX_STEP_FILES and _regular_file(full):
             continue
-        if _real_dir(full) and _regular_file(os.path.join(full, fmt.MANIFEST_FILE)):
+        if (
+            n in step_items
+            and _real_dir(full)
+            and _regular_file(os.path.join(full, fmt.MANIFEST_FILE))
+        ):
             inner = checkpoint_problems(full)
             found += [f"{n}/{p}" for p in inner]
             items += not inner
@@ -425,6 +441,68 @@ def checkpoint_problems(path: str) -> list[str]:
     if not items and not found:
         found.append(f"no {fmt.MANIFEST_FILE}")
     return found
+
+
+def orbax_step_items(path: str) -> frozenset[str] | None:
+    """The item names of the Orbax step directory ``path``, from the step metadata Orbax writes
+    in every step it commits (``_CHECKPOINT_METADATA``, a JSON object whose ``item_handlers``
+    maps each item to its handler: orbax.checkpoint 0.12 ``metadata/checkpoint.py``); None when
+    ``path`` holds none (a folder of checkpoints or of steps is no step, whatever its
+    sub-folders look like)."""
+    meta = os.path.join(path, ORBAX_STEP_METADATA)
+    if not _regular_file(meta):
+        return None
+    try:
+        metadata = json.loads(fmt.files.read_regular(meta, _STEP_METADATA_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return None
+    handlers = metadata.get("item_handlers") if isinstance(metadata, dict) else None
+    if not isinstance(handlers, dict) or not all(isinstance(k, str) for k in handlers):
+        return None
+    return frozenset(handlers)
+
+
+_STEP_METADATA_LIMIT = 16 << 20  # Orbax's step metadata: item handlers, metrics, timestamps
+
+
+def _folder_of_checkpoints(path: str) -> str:
+    """Why a directory holding checkpoints (no ``ucp.json`` of its own) is no Orbax step of
+    them, for the refusal; "" when it holds none."""
+    inside = checkpoints_inside(path)
+    step_items = orbax_step_items(path)
+    if step_items is not None:
+        inside = [d for d in inside if d[:-1] not in step_items]
+    if not inside:
+        return ""
+    held = ", ".join(inside[:_SHOWN]) + (
+        f" and {len(inside) - _SHOWN} more" if len(inside) > _SHOWN else ""
+    )
+    if step_items is None:
+        metadata = (
+            f"a {ORBAX_STEP_METADATA} that is not Orbax's step metadata (a JSON object whose "
+            f"item_handlers names the items)"
+            if _regular_file(os.path.join(path, ORBAX_STEP_METADATA))
+            else f"no Orbax step metadata ({ORBAX_STEP_METADATA})"
+        )
+        return (
+            f" It holds {len(inside)} checkpoint{'s' if len(inside) > 1 else ''} ({held}) and "
+            f"{metadata}: a folder of checkpoints, not an Orbax step; force replaces one "
+            f"checkpoint or one step, never a folder of them."
+        )
+    return (
+        f" Its Orbax step metadata ({ORBAX_STEP_METADATA}) does not name {held} as items of "
+        f"the step."
+    )
+
+
+def checkpoints_inside(path: str) -> list[str]:
+    """The sub-directories of ``path`` that hold a ``ucp.json`` (for an error to name)."""
+    return [
+        n + "/"
+        for n in sorted(os.listdir(path))
+        if _real_dir(os.path.join(path, n))
+        and _regular_file(os.path.join(path, n, fmt.MANIFEST_FILE))
+    ]
 
 
 def _not_arrays(arrays: str) -> list[str]:
@@ -439,22 +517,41 @@ def _not_arrays(arrays: str) -> list[str]:
     ]
 
 
-def write_export_record(directory: str) -> None:
-    """``EXPORT_RECORD`` in an export's temporary directory: every file in it and its size, so a
-    later forced export replaces that directory only while it holds nothing else."""
+@contextlib.contextmanager
+def export_record(directory: str):
+    """Records what an export writes into its temporary ``directory``: the block's writes (through
+    ``durable.durable_file``) are digested as they are written (``file_digest``), then
+    ``EXPORT_RECORD`` lists every file with its size and digest, so a later forced export
+    replaces the directory only while it holds exactly those files with that content. A file
+    written some other way is digested by reading it (logged)."""
+    with file_digest.recording(directory) as digests:
+        yield
     files = {}
     for rel in _walk(directory):
-        full = os.path.join(directory, rel)
-        files[rel] = os.lstat(full).st_size
-    record = {"format": _EXPORT_FORMAT, "version": 1, "files": files}
-    with open(os.path.join(directory, EXPORT_RECORD), "w") as f:
-        json.dump(record, f, indent=1, sort_keys=True)
-        f.write("\n")
+        digest = digests.get(rel)
+        if digest is None:
+            log.info("digesting %s by reading it (not written through durable_file)", rel)
+            digest = file_digest.digest_file(os.path.join(directory, rel))
+        files[rel] = {"size": digest.size, "crc32c": digest.crc32c}
+    record = {
+        "format": _EXPORT_FORMAT,
+        "version": _EXPORT_RECORD_VERSION,
+        "digest": file_digest.KIND,
+        "files": files,
+    }
+    durable.write_file(
+        os.path.join(directory, EXPORT_RECORD), json.dumps(record, indent=1, sort_keys=True) + "\n"
+    )
 
 
-def export_problems(path: str) -> list[str]:
-    """What in ``path`` is not a file its ``EXPORT_RECORD`` lists with that size (a file the
-    user added or changed, a link, a device); everything when there is no record."""
+_EXPORT_RECORD_VERSION = 2  # 1: names and sizes only (no longer enough to replace an export)
+
+
+def export_problems(path: str, *, content: bool = True) -> list[str]:
+    """What in ``path`` is not a file its ``EXPORT_RECORD`` lists with that size and content (a
+    file the user added or edited, a link, a device); everything when there is no record, or
+    one without content digests (written before they were recorded, or forged from names and
+    sizes). ``content=False`` compares names and sizes only (a quick first check, no reads)."""
     try:
         raw = fmt.files.read_regular(os.path.join(path, EXPORT_RECORD), 16 << 20)
         record = json.loads(raw)
@@ -464,15 +561,32 @@ def export_problems(path: str) -> list[str]:
     except (OSError, ValueError, KeyError, TypeError, RecursionError):
         names = sorted(os.listdir(path))
         return [f"no {EXPORT_RECORD}: {', '.join(_shown(path, n) for n in names[:_SHOWN])}"]
+    if record.get("version") != _EXPORT_RECORD_VERSION or record.get("digest") != file_digest.KIND:
+        return [
+            f"{EXPORT_RECORD} without content digests (version {record.get('version')!r}; "
+            f"written by an older jax_ucp, or not by jax_ucp): its files cannot be told unchanged"
+        ]
     found = []
     for rel in _walk(path, problems=found):
         if rel == EXPORT_RECORD:
             continue
-        size = os.lstat(os.path.join(path, rel)).st_size
-        if rel not in recorded:
+        entry = recorded.get(rel)
+        if not isinstance(entry, dict) or not isinstance(entry.get("crc32c"), str):
             found.append(rel)
-        elif recorded[rel] != size:
-            found.append(f"{rel} (changed since the export)")
+            continue
+        full = os.path.join(path, rel)
+        if entry.get("size") != os.lstat(full).st_size:
+            found.append(f"{rel} (changed since the export: size)")
+            continue
+        if not content:
+            continue
+        try:
+            now = file_digest.digest_file(full)
+        except OSError as e:
+            found.append(f"{rel} (unreadable: {e})")
+            continue
+        if (now.size, now.crc32c) != (entry["size"], entry["crc32c"]):
+            found.append(f"{rel} (changed since the export: content)")
     return found
 
 

@@ -12,6 +12,7 @@ import ctypes
 import os
 
 from jax_ucp import format as fmt
+from jax_ucp.writer import file_digest
 
 _WRITE_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
@@ -37,19 +38,28 @@ def fsync_path(path: str) -> None:
 
 
 @contextlib.contextmanager
-def durable_file(path: str, mode: str = "wb"):
-    """``open(path, mode)`` whose content is on disk once the block ends (flush, then fsync):
-    the one way jax_ucp writes a small file that must survive a crash right after."""
-    with open(path, mode) as f:
-        yield f
+def durable_file(path: str):
+    """``open(path, "wb")`` whose content is on disk once the block ends (flush, then fsync):
+    the one way jax_ucp writes a file that must survive a crash right after. Under a
+    ``file_digest.recording`` of its directory the file is digested as it is written."""
+    with open(path, "wb") as f:
+        recorder = file_digest.recorder_for(path)
+        if recorder is None:
+            yield f
+        else:
+            digesting = file_digest.DigestingFile(f, path)
+            yield digesting
+            digests, relative = recorder
+            digests[relative] = digesting.finish()
         f.flush()
         os.fsync(f.fileno())
 
 
 def write_file(path: str, data: str | bytes) -> None:
-    """``data`` as the whole content of ``path``, on disk on return (``durable_file``)."""
-    with durable_file(path, "w" if isinstance(data, str) else "wb") as f:
-        f.write(data)
+    """``data`` (a str as UTF-8) as the whole content of ``path``, on disk on return
+    (``durable_file``)."""
+    with durable_file(path) as f:
+        f.write(data.encode() if isinstance(data, str) else data)
 
 
 def fsync_tree_to(root: str, relative: str) -> None:

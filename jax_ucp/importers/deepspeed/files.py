@@ -466,6 +466,9 @@ def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
 
 def inside(path: str, root: str) -> bool:
     """``path`` (symlinks resolved) lies strictly inside ``root``: a tracker file never leads
-    outside the checkpoint it belongs to."""
-    real, base = os.path.realpath(path), os.path.realpath(root)
-    return real != base and os.path.commonpath([real, base]) == base
+    outside the checkpoint it belongs to (checked by ``files.inside``)."""
+    try:
+        real = files.inside(root, os.path.relpath(path, root), path)
+    except (files.UnsafeFileError, ValueError):
+        return False
+    return real != os.path.realpath(root)

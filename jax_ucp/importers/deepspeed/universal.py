@@ -194,6 +194,10 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{mp_world_size} model-parallel rank(s)"
         )
     zero = os.path.join(tag_dir, ZERO_DIR)
+    try:  # zero/ linked to another run's folder is never read
+        files.inside(tag_dir, ZERO_DIR, tag_dir)
+    except files.UnsafeFileError as e:
+        raise DeepSpeedImportError(str(e)) from None
     optimizer_state = _optimizer_state(os.path.join(zero, OPTIMIZER_STATE))
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)

@@ -113,6 +113,15 @@ def is_megatron_bridge(src: os.PathLike | str) -> bool:
     )
 
 
+def _iteration_inside(root: Path, iter_dir: Path) -> None:
+    """The iteration directory a tracker names is a folder of ``root``, never a link to
+    another run's."""
+    try:
+        files.inside(root, iter_dir.name, str(root))
+    except files.UnsafeFileError as e:
+        raise MegatronBridgeError(str(e)) from None
+
+
 def _tracker_step(tracker: Path) -> int | None:
     """The iteration in Megatron-LM's tracker file (None: no file, or 'release')."""
     if not os.path.lexists(tracker):
@@ -152,9 +161,11 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
             raise MegatronBridgeError(
                 f"{iter_dir / TRAIN_STATE_FILE}: step {state['step']}, but {latest} says {step}"
             )
+        _iteration_inside(path, iter_dir)
         return BridgeCheckpoint(path, iter_dir, state)
     step = None if os.path.lexists(path / TRAIN_STATE_FILE) else _tracker_step(path / TRACKER_FILE)
     if step is not None:  # a save directory whose latest_train_state.pt is gone
+        _iteration_inside(path, path / f"iter_{step:07d}")
         path = path / f"iter_{step:07d}"
     state = read_train_state(path / TRAIN_STATE_FILE)
     match = _ITER_DIR.fullmatch(path.name)

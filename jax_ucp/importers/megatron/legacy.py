@@ -144,9 +144,13 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
                 f"{tracker}: expected an iteration number or 'release', found {text!r}"
             ) from None
         d = src / f"iter_{it:07d}"
-        real, base = os.path.realpath(d), os.path.realpath(src)
-        if d.is_dir() and os.path.commonpath([real, base]) != base:
-            raise LegacyError(f"{d} leads outside {src} (a symlink); refusing to follow it")
+        if d.is_dir():
+            try:
+                files.inside(src, d.name, str(tracker))
+            except files.UnsafeFileError:
+                raise LegacyError(
+                    f"{d} leads outside {src} (a symlink); refusing to follow it"
+                ) from None
         if not d.is_dir():
             raise LegacyError(f"{tracker} names iteration {it} but {d} does not exist")
         return src, d, it

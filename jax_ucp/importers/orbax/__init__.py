@@ -315,11 +315,14 @@ def _inside(root: str, name: Any, what: str) -> str:
 def _check_links(root: str, item: str) -> None:
     """Every symlink under the item directory (array folders, zarr chunk files, OCDBT data and
     manifest files, which TensorStore opens itself) resolves inside the checkpoint ``root``."""
-    for folder, dirs, names in os.walk(item):
-        for name in dirs + names:
-            path = os.path.join(folder, name)
-            if os.path.islink(path):
-                _inside(root, os.path.relpath(path, root), f"{item}: file")
+    folders = [item]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:  # the entry's type comes with the listing: no stat each
+                if entry.is_symlink():
+                    _inside(root, os.path.relpath(entry.path, root), f"{item}: file")
+                elif entry.is_dir():
+                    folders.append(entry.path)
 
 
 def _check_names(item: str) -> None:

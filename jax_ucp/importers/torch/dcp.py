@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.format import files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 from jax_ucp.importers.torch import dcp_reader
 from jax_ucp.importers.torch.optimizer import (
@@ -107,6 +108,9 @@ def plan_torch_dcp(
             f"one): not a torch DCP checkpoint"
         )
     try:
+        for d in dirs:  # Accelerate's folders inside src, never links to another run's
+            if d != Path(src):
+                files.inside(src, d.name, str(src))
         checkpoints = [dcp_reader.open_dcp(d) for d in dirs]
         for ck in checkpoints:
             ck.check_files()
@@ -125,7 +129,7 @@ def plan_torch_dcp(
             weights_only=weights_only,
             share=share,
         )
-    except dcp_reader.DcpError as e:
+    except (dcp_reader.DcpError, files.UnsafeFileError) as e:
         raise TorchImportError(str(e)) from None
     return ImportPlan(
         _errors_named(plan.items),

@@ -719,6 +719,7 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
     if not os.path.lexists(mfile):
         raise DcpError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     try:
+        files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
         md = torch_pickle.restricted_loads(
             files.read_regular(str(mfile), MAX_METADATA_BYTES),
             where=str(mfile),
@@ -791,46 +792,60 @@ def check_disjoint(
 ) -> None:
     """No two storage entries of the checkpoint (chunks of any tensors, objects) share a byte of
     a file: a tensor whose entry names another tensor's bytes would import with its values.
-    Sorted per file, O(n log n) in the entries.
+
+    Sorted per file by start, O(n log n) in the entries: if any entry overlaps a later one, it
+    overlaps the next one, so comparing neighbours finds every case.
 
     Args:
         tensors: every tensor's chunks.
         objects: every pickled object's entry.
         where: the ``.metadata`` file, for errors.
     """
-    ranges = sorted(
-        itertools.chain(
-            (
-                (c.file, c.byte_offset, c.byte_offset + c.byte_length, t.name, list(c.offsets))
-                for t in tensors.values()
-                for c in t.chunks
-                if c.byte_length
-            ),
-            (
-                (o.file, o.byte_offset, o.byte_offset + o.byte_length, o.name, None)
-                for o in objects.values()
-                if o.byte_length
-            ),
+    entries: list[tuple[str, DcpChunk | None]] = []  # (tensor or object name, chunk or None)
+    file_ids: dict[str, int] = {}
+    fids: list[int] = []
+    starts: list[int] = []
+    lengths: list[int] = []
+    for name, file, offset, length, chunk in itertools.chain(
+        (
+            (t.name, c.file, c.byte_offset, c.byte_length, c)
+            for t in tensors.values()
+            for c in t.chunks
         ),
-        key=lambda e: (e[0], e[1], e[2]),
+        ((o.name, o.file, o.byte_offset, o.byte_length, None) for o in objects.values()),
+    ):
+        if length:
+            entries.append((name, chunk))
+            fids.append(file_ids.setdefault(file, len(file_ids)))
+            starts.append(offset)
+            lengths.append(length)
+    if len(entries) < 2:
+        return
+    # offsets and lengths are below 2**63 (checked when read): their sums fit uint64
+    begin = np.array(starts, dtype=np.uint64)
+    stop = begin + np.array(lengths, dtype=np.uint64)
+    in_file = np.array(fids, dtype=np.int64)
+    order = np.lexsort((begin, in_file))
+    begin, stop, in_file = begin[order], stop[order], in_file[order]
+    hit = np.flatnonzero((in_file[1:] == in_file[:-1]) & (begin[1:] < stop[:-1]))
+    if not hit.size:
+        return
+    i, j = int(order[hit[0]]), int(order[hit[0] + 1])
+    file = next(f for f, k in file_ids.items() if k == fids[i])
+    first, last = starts[j], min(starts[i] + lengths[i], starts[j] + lengths[j])
+    (name_a, chunk_a), (name_b, chunk_b) = entries[i], entries[j]
+    if name_a == name_b and chunk_a is not None and chunk_b is not None:
+        raise DcpError(  # the wording of check_coverage, which finds it too
+            f"tensor {name_b!r} in {where}: two chunks share bytes [{first}, "
+            f"{min(last, first + 1)}...) of {file}; each chunk has its own bytes"
+        )
+    shown = [
+        f"object {name!r}"
+        if chunk is None
+        else f"tensor {name!r} (chunk at offsets {list(chunk.offsets)})"
+        for name, chunk in ((name_a, chunk_a), (name_b, chunk_b))
+    ]
+    raise DcpError(
+        f"{where}: {shown[0]} and {shown[1]} share bytes [{first}, {last}) of storage file "
+        f"{file}; each entry has its own bytes"
     )
-    reach: tuple | None = None  # the entry reaching furthest so far in the current file
-    for entry in ranges:
-        file, start = entry[0], entry[1]
-        if reach is not None and reach[0] == file and start < reach[2]:
-            if reach[3] == entry[3] and entry[4] is not None and reach[4] is not None:
-                raise DcpError(  # the wording of check_coverage, which finds it too
-                    f"tensor {entry[3]!r} in {where}: two chunks share bytes [{start}, "
-                    f"{min(reach[2], start + 1)}...) of {file}; each chunk has its own bytes"
-                )
-            shown = [
-                f"{'object' if e[4] is None else 'tensor'} {e[3]!r}"
-                + ("" if e[4] is None else f" (chunk at offsets {e[4]})")
-                for e in (reach, entry)
-            ]
-            raise DcpError(
-                f"{where}: {shown[0]} and {shown[1]} share bytes [{start}, "
-                f"{min(reach[2], entry[2])}) of storage file {file}; each entry has its own bytes"
-            )
-        if reach is None or reach[0] != file or entry[2] > reach[2]:
-            reach = entry

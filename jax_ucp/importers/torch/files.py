@@ -101,7 +101,7 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
 
 
 def _index_files(src: str) -> list[str]:
-    index = os.path.join(src, INDEX_FILE)
+    index = _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
     try:
         data = json.loads(files.read_regular(index, MAX_INDEX_BYTES))
     except (ValueError, RecursionError) as e:
