@@ -42,6 +42,8 @@ _LAZY = {
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
     "set_object_store_options": "jax_ucp.store.location",
+    "optax_from_torch": "jax_ucp.optax_torch",
+    "TorchOptimizer": "jax_ucp.optax_torch",
 }
 
 if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test_public_api)

@@ -127,7 +127,9 @@ def convert(
             "256MiB", "1GiB"; default 256 MiB): the tensors the writer has in flight plus what
             the importer is building (a tensor-parallel merge, chunks read into place); each
             process of a distributed import has its own.
-        **importer_options: passed through to the importer (``tag=``, ``vocab_size=``).
+        **importer_options: passed through to the importer (``tag=``, ``vocab_size=``;
+            torch: ``parameter_order=``, the names of an index-keyed optimizer's parameters in
+            the order torch numbered them).
 
     Returns:
         The UCP directory (the one holding ucp.json).

@@ -116,7 +116,9 @@ def _fixtures():
     for path in sorted(glob.glob(os.path.join(FIXTURES, "deepspeed", "*", "ckpt"))):
         out.append(pytest.param("deepspeed", path, id=os.path.relpath(path, FIXTURES)))
     for path in sorted(glob.glob(os.path.join(FIXTURES, "hf_trainer", "*", "checkpoint-*"))):
-        out.append(pytest.param("deepspeed", path, id=os.path.relpath(path, FIXTURES)))
+        # with DeepSpeed (``latest``), or the Trainer's own optimizer.pt beside model.safetensors
+        kind = "deepspeed" if os.path.exists(os.path.join(path, "latest")) else "trainer"
+        out.append(pytest.param(kind, path, id=os.path.relpath(path, FIXTURES)))
     megatron = sorted(
         os.path.dirname(p)
         for pattern in (".metadata", megatron_legacy.TRACKER_FILE)
@@ -175,6 +177,8 @@ def test_every_source_tensor_is_imported_or_skipped(tmp_path, importer, src, wei
         src = _build_safetensors(src, tmp_path)
     elif importer == "safetensors" and not weights_only:
         pytest.skip("optimizer.bin refused without weights_only (tests/test_torch_files.py)")
+    elif importer == "trainer" and not weights_only:
+        pytest.skip("optimizer.pt mapped with transformers (tests/test_hf_trainer_optimizer.py)")
     refused = REFUSED.get((os.path.basename(os.path.dirname(src)), weights_only))
     if refused:
         with pytest.raises(jax_ucp.UCPError, match=refused):
@@ -185,6 +189,7 @@ def test_every_source_tensor_is_imported_or_skipped(tmp_path, importer, src, wei
         "deepspeed": _deepspeed_tensors,
         "megatron": _megatron_tensors,
         "safetensors": _safetensors_tensors,
+        "trainer": _safetensors_tensors,  # weights_only: safetensors + optimizer.pt as a unit
         "torch": _torch_tensors,
     }[importer](src)
     manifest = jax_ucp.inspect(jax_ucp.convert(src, str(tmp_path / "u"), weights_only=weights_only))

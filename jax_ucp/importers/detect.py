@@ -15,6 +15,7 @@ from jax_ucp.importers.megatron import bridge as megatron_bridge
 from jax_ucp.importers.plan import WHOLE, ImportPlan, accounted
 from jax_ucp.importers.torch import dcp as torch_dcp
 from jax_ucp.importers.torch import files as torch_files
+from jax_ucp.importers.torch import torchtune
 
 
 class SourceFormatError(UCPError, ValueError):
@@ -67,6 +68,8 @@ def detect_format(src) -> str:
         return "deepspeed"
     if safetensors_hf.is_safetensors(src):
         return "safetensors"
+    if torchtune.is_torchtune(src):  # epoch_N/ safetensors (+ recipe_state/recipe_state.pt)
+        return "torch"
     if torch_files.is_torch_files(src):
         return "torch"
     runs = deepspeed_files.trainer_checkpoints(src)
@@ -129,8 +132,18 @@ def _plan_megatron(source, **options) -> ImportPlan:
     return megatron.plan_megatron(source, **options)
 
 
+def _plan_safetensors(source, **options) -> ImportPlan:
+    """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``, Accelerate's
+    ``save_state``) the torch files importer maps its state, unless only weights are wanted."""
+    if not options.get("weights_only") and torch_files.has_torch_optimizer(source):
+        return torch_files.plan_torch_files(source, **options)
+    return safetensors_hf.plan_safetensors(source, **options)
+
+
 def _plan_torch(source, **options) -> ImportPlan:
     """torch DCP (a folder with .metadata, or Accelerate's holding them) or torch.save files."""
+    if torchtune.is_torchtune(source):
+        return torchtune.plan_torchtune(source, **options)
     if torch_dcp.dcp_dirs(source):
         return torch_dcp.plan_torch_dcp(source, **options)
     return torch_files.plan_torch_files(source, **options)
@@ -140,6 +153,6 @@ _IMPORTERS = {
     "deepspeed": deepspeed.plan_deepspeed,
     "megatron": _plan_megatron,
     "orbax": orbax.plan_orbax,
-    "safetensors": safetensors_hf.plan_safetensors,
+    "safetensors": _plan_safetensors,
     "torch": _plan_torch,
 }

@@ -120,9 +120,11 @@ def _standins() -> dict[str, Any]:
     }
     d[m + "MetadataIndex"] = _MetadataIndex
     d[m + "_MEM_FORMAT_ENCODING"] = torch_pickle.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
-    d["torch.distributed.checkpoint.filesystem._StorageInfo"] = torch_pickle.standin_class(
-        "torch.distributed.checkpoint.filesystem._StorageInfo"
-    )
+    # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
+    # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
+    for owner in ("torch.distributed.checkpoint", "olmo_core.distributed.checkpoint"):
+        name = f"{owner}.filesystem._StorageInfo"
+        d[name] = torch_pickle.standin_class(name)
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
         d[p + n] = torch_pickle.standin_class(p + n)

@@ -18,16 +18,19 @@ as they are.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from jax_ucp.errors import OptimizerOrderWarning
-from jax_ucp.format import files
+from jax_ucp.format import files, safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
+from jax_ucp.importers.torch import hf_trainer
 from jax_ucp.importers.torch import unpickler as torch_pickle
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
@@ -39,7 +42,14 @@ from jax_ucp.importers.torch.optimizer import (
     strip_wrappers,
 )
 
-__all__ = ["is_torch_files", "plan_torch_files", "SUFFIXES", "MODEL_FILES", "OPTIMIZER_FILES"]
+__all__ = [
+    "is_torch_files",
+    "has_torch_optimizer",
+    "plan_torch_files",
+    "SUFFIXES",
+    "MODEL_FILES",
+    "OPTIMIZER_FILES",
+]
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
 INDEX_FILE = "pytorch_model.bin.index.json"
@@ -69,6 +79,14 @@ def is_torch_files(src: os.PathLike | str) -> bool:
     return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_ckpt(src, names) is not None
 
 
+def has_torch_optimizer(src: os.PathLike | str) -> bool:
+    """A folder with a torch optimizer file (``optimizer.pt`` / ``optimizer.bin``)."""
+    src = os.fspath(src)
+    return os.path.isdir(src) and any(
+        os.path.lexists(os.path.join(src, n)) for n in OPTIMIZER_FILES
+    )
+
+
 def _single_ckpt(src: str, names: set[str]) -> str | None:
     ckpts = sorted(n for n in names if n.endswith(".ckpt") and os.path.isfile(os.path.join(src, n)))
     return ckpts[0] if len(ckpts) == 1 else None
@@ -94,6 +112,9 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
         raise TorchImportError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
         return [_inside(src, found[0], src)], optimizer
+    if optimizer is not None and safetensors.is_safetensors(src):
+        # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
+        return safetensors.shard_files(src), optimizer
     ckpt = _single_ckpt(src, names)
     if ckpt is not None:
         return [_inside(src, ckpt, src)], None
@@ -162,17 +183,28 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
 
 
 def plan_torch_files(
-    src: os.PathLike | str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+    parameter_order: Sequence[str] | None = None,
 ) -> ImportPlan:
-    """The import of a torch.save checkpoint (file or folder).
+    """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
+    weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
 
     Args:
-        src: a torch.save file, or a folder of them (sharded ``.bin``).
+        src: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
+            beside ``optimizer.pt``).
         spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
             settings.
         weights_only: the model weights alone; the optimizer state is skipped and listed in
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
+        parameter_order: the names of the optimizer's parameters in the order torch numbered
+            them (group after group; for ``AdamW(model.parameters())``,
+            ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
+            indices whose order the files do not keep.
     """
     if spec is not None:
         raise TorchImportError(
@@ -205,12 +237,20 @@ def plan_torch_files(
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
             notes: list[str] = []
+            order = _Order(src, parameter_order, model_files[0].endswith(".safetensors"))
             states, groups, info["optimizer_keys"] = _optimizer(
-                optimizer, path, prefix, clean, model, skipped, notes
+                optimizer, path, prefix, clean, model, skipped, notes, order, info
             )
             if notes:
                 info["notes"] = notes
+    if os.path.isdir(src) and os.path.basename(model_files[0]).endswith(".safetensors"):
+        for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states (tensors): units
+            if name.startswith("rng_state") and name.endswith(".pth"):
+                found.append(name)
+                skipped[name] = "the torch run's RNG state, not imported"
     _skip_unused(found, optimizer_sources, params, states, skipped)
+    if os.path.isdir(src) and hf_trainer.is_trainer_checkpoint(src):
+        info["trainer"] = hf_trainer.trainer_record(src)  # the schedule, clipping, step
     if removed:
         info["wrappers_removed"] = removed
     if other:
@@ -234,8 +274,11 @@ def _read_model_files(src: str, model_files: list[str]):
     other: list[str] = []
     optimizer = optimizer_at = None
     for path in model_files:
-        obj = _load(path)
         base = os.path.basename(path)
+        if path.endswith(".safetensors"):
+            _add_safetensors(model, found, src, path)
+            continue
+        obj = _load(path)
         key, sd, opt_prefix, opt = _split(obj, path)
         found += [f"{base}:{n}" for n in tensor_names(obj)]
         other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
@@ -243,6 +286,20 @@ def _read_model_files(src: str, model_files: list[str]):
             optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
         _add_state_dict(model, sd, src, path, f"{base}:{key + '.' if key else ''}")
     return model, found, other, optimizer, optimizer_at
+
+
+def _add_safetensors(model: dict, found: list[str], src: str, path: str) -> None:
+    """One safetensors file's tensors (read-only views of its map) into ``model``."""
+    try:
+        f = safetensors.SafetensorsFile(path)
+    except safetensors.SafetensorsError as e:
+        raise TorchImportError(str(e)) from None
+    base = os.path.basename(path)
+    for name in f.header:
+        if name in model:
+            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+        model[name] = (f.tensor(name), path, f"{base}:{name}")
+        found.append(f"{base}:{name}")
 
 
 def _add_state_dict(model: dict, sd: dict, src: str, path: str, source_prefix: str) -> None:
@@ -305,6 +362,15 @@ def _check_index(src: str, model: dict) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class _Order:
+    """Where the order of an index-keyed optimizer's parameters may come from."""
+
+    src: str
+    given: Sequence[str] | None  # parameter_order=
+    safetensors: bool  # the weights are safetensors: their order is sorted, not the model's
+
+
 def _optimizer(
     optimizer: Any,
     path: str,
@@ -313,6 +379,8 @@ def _optimizer(
     model: dict,
     skipped: dict,
     notes: list[str],
+    order: _Order,
+    info: dict,
 ) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
     """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
     an assumption the mapping rests on is appended to ``notes`` (and warned)."""
@@ -335,18 +403,9 @@ def _optimizer(
         }
         _check_named(to_name, state, clean, model, path)
     else:
-        if len(groups) > 1:
-            sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
-            raise TorchImportError(
-                f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
-                f"(sizes {sizes}) without their names: torch numbers them group after group "
-                f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
-                f"after), so index i is not the i-th tensor of the model state dict and which "
-                f"state is whose cannot be told; convert with weights_only=True to import the "
-                f"weights alone"
-            )
-        to_name = _by_index(ids, state, clean, model, path)
-        _say_order_assumed(to_name, state, clean, model, path, notes)
+        keys, to_name = _index_names(ids, groups, state, clean, model, path, order, info)
+        if keys == "indices":
+            _say_order_assumed(to_name, state, clean, model, path, notes)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -372,8 +431,110 @@ def _optimizer(
         "names": "parameter names",
         "param_names": "parameter indices, named by the groups' param_names",
         "indices": "parameter indices, in state-dict order",
+        "parameter_order": "parameter indices, named by parameter_order",
+        "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
     }[keys]
     return states, out_groups, how
+
+
+def _index_names(
+    ids: list,
+    groups: list,
+    state: dict,
+    clean: dict,
+    model: dict,
+    path: str,
+    order: _Order,
+    info: dict,
+) -> tuple[str, dict]:
+    """How an optimizer keyed by bare indices is mapped, and index -> parameter name: by
+    ``parameter_order``, by the Trainer's groups rebuilt, or (one group, torch.save weights) by
+    the state-dict order; otherwise refused naming the way out."""
+    if order.given is not None:
+        keys = "parameter_order"
+        to_name = _given_order(order.given, ids, path)
+        _check_named(to_name, state, clean, model, path)
+    elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
+        keys = "trainer"
+        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
+        _check_named(to_name, state, clean, model, path)
+    else:
+        sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+        way_out = (
+            "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
+            "order the optimizer numbered them, group after group), or convert with "
+            "weights_only=True to import the weights alone"
+        )
+        if order.safetensors:
+            raise TorchImportError(
+                f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
+                f"{sizes}) without their names, and safetensors keeps no parameter order (its "
+                f"names are sorted), so which state is whose cannot be told; {way_out}"
+            )
+        if len(groups) > 1:
+            raise TorchImportError(
+                f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
+                f"(sizes {sizes}) without their names: torch numbers them group after group "
+                f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
+                f"after), so index i is not the i-th tensor of the model state dict and which "
+                f"state is whose cannot be told; {way_out}"
+            )
+        to_name = _by_index(ids, state, clean, model, path)
+        keys = "indices"
+    return keys, to_name
+
+
+def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
+    """Index ``ids[i]`` (group after group) -> ``given[i]``, wrapper prefixes removed."""
+    if isinstance(given, str) or not all(isinstance(n, str) for n in given):
+        raise TorchImportError("parameter_order: expected a list of parameter names")
+    names = [clean_name(n)[0] for n in given]
+    if len(names) != len(ids) or len(set(names)) != len(names):
+        raise TorchImportError(
+            f"{path}: parameter_order names {len(names)} parameters ({len(set(names))} distinct), "
+            f"the optimizer numbers {len(ids)}"
+        )
+    return dict(zip(ids, names))
+
+
+def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) -> tuple[dict, str]:
+    """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`): the one candidate
+    whose group sizes and every state's shape fit, else refused naming why."""
+    sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+    fits: list[tuple[dict, str]] = []
+    misfits: list[str] = []
+    for c in hf_trainer.trainer_candidates(src, len(model)):
+        want = [len(g) for g in c.groups]
+        if want != sizes:
+            misfits.append(f"{c.rule}: groups of {want}")
+            continue
+        to_name = {i: n for g, names in zip(groups, c.groups) for i, n in zip(g["params"], names)}
+        bad = [
+            f"index {key} ({to_name.get(key)}): {k} {list(v.shape)} vs {list(c.shapes[n])}"
+            for key, per in state.items()
+            if isinstance(per, dict)
+            for k, v in per.items()
+            if isinstance(v, np.ndarray)
+            and v.ndim
+            and ((n := to_name.get(key)) is None or tuple(v.shape) != c.shapes[n])
+        ]
+        if bad:
+            misfits.append(f"{c.rule}: {bad[0]}")
+            continue
+        fits.append((to_name, c.rule))
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        raise TorchImportError(
+            f"{path}: the Trainer's parameter order is ambiguous: {len(fits)} groupings fit the "
+            f"group sizes {sizes} and every shape ({'; '.join(r for _, r in fits)}); pass "
+            f"parameter_order=, or convert with weights_only=True"
+        )
+    raise TorchImportError(
+        f"{path}: the optimizer's groups (sizes {sizes}) are not the Trainer's grouping of "
+        f"config.json's model ({'; '.join(misfits)}): a custom optimizer or another model; "
+        f"pass parameter_order=, or convert with weights_only=True"
+    )
 
 
 def _named_groups(groups: list) -> bool:

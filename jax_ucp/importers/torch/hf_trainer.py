@@ -1,0 +1,265 @@
+"""A Hugging Face Trainer ``checkpoint-N/``: which parameter each index of ``optimizer.pt`` is,
+and the run's recorded hyper-parameters.
+
+``optimizer.pt`` numbers parameters group after group, and the Trainer makes two groups
+(weight-decayed, then the rest: biases and norms) from ``model.named_parameters()`` without
+keeping their names. The order is rebuilt the way the Trainer built it: the architecture named
+by ``config.json`` is instantiated on torch's meta device (no weights, no code from the folder:
+only classes transformers itself ships, never ``trust_remote_code``) and transformers' own
+decay rule splits its named parameters. transformers is optional: without it the mapping is
+refused, naming why. The caller checks each candidate against the checkpoint (group sizes,
+every moment's shape) and uses it only when exactly one fits.
+
+``training_args.bin`` (a pickled ``TrainingArguments``) is read through the restricted
+unpickler with inert stand-ins, for the schedule and clipping the run used; ``scheduler.pt`` and
+``trainer_state.json`` are plain data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from jax_ucp.format import files
+from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch.optimizer import TorchImportError, jsonable
+
+__all__ = ["Candidate", "trainer_candidates", "trainer_record", "is_trainer_checkpoint"]
+
+MAX_JSON_BYTES = 16 << 20
+CONFIG_FILE = "config.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's adapter (LoRA) beside adapter weights
+STATE_FILE = "trainer_state.json"
+ARGS_FILE = "training_args.bin"
+SCHEDULER_FILE = "scheduler.pt"
+
+#: TrainingArguments fields that say how the optimizer stepped (recorded in the manifest)
+ARG_FIELDS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_steps",
+    "num_train_epochs",
+    "optim",
+    "gradient_accumulation_steps",
+    "per_device_train_batch_size",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way the Trainer may have grouped the parameters: names per group, and shapes."""
+
+    rule: str  # which decay rule, for the manifest and errors
+    groups: tuple[tuple[str, ...], ...]
+    shapes: dict  # parameter name -> shape on the meta model
+
+
+def is_trainer_checkpoint(folder: str) -> bool:
+    """A folder the Trainer saved: ``optimizer.pt`` or ``trainer_state.json`` beside the weights."""
+    return os.path.isdir(folder) and any(
+        os.path.lexists(os.path.join(folder, n)) for n in ("optimizer.pt", STATE_FILE)
+    )
+
+
+def _json(path: str) -> Any:
+    try:
+        return json.loads(files.read_regular(path, MAX_JSON_BYTES))
+    except (ValueError, RecursionError) as e:
+        raise TorchImportError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+
+
+def _model_on_meta(folder: str, n_tensors: int):
+    """The config's architecture, built by transformers on the meta device (no weights).
+
+    An untrusted config could ask for millions of layers (modules cost memory even on the meta
+    device): a layer count above the checkpoint's tensor count is refused before building."""
+    path = os.path.join(folder, CONFIG_FILE)
+    why = "cannot rebuild the Trainer's parameter order"
+    way_out = (
+        "pass parameter_order=[names as saved, in model.named_parameters() order of the "
+        "trainable parameters], or convert with weights_only=True"
+    )
+    if os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_FILE)):
+        raise TorchImportError(
+            f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
+            f"model's {CONFIG_FILE}: {why}; {way_out}"
+        )
+    if not os.path.isfile(path):
+        raise TorchImportError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
+    config = _json(path)
+    if not isinstance(config, dict):
+        raise TorchImportError(f"{path}: expected a JSON object")
+    if "auto_map" in config:
+        raise TorchImportError(
+            f"{path}: the architecture is custom code (auto_map); jax_ucp never runs code from "
+            f"a checkpoint (trust_remote_code), so {why}"
+        )
+    archs = config.get("architectures")
+    model_type = config.get("model_type")
+    if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
+        raise TorchImportError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
+    for key, value in config.items():
+        if "layer" in key and isinstance(value, int) and not 0 <= value <= n_tensors:
+            raise TorchImportError(
+                f"{path}: {key} = {value}, but the checkpoint holds {n_tensors} tensors: {why}"
+            )
+    try:
+        import torch
+        import transformers
+        from transformers.models.auto import configuration_auto, modeling_auto
+    except ImportError as e:
+        raise TorchImportError(
+            f"{folder}: {why} without transformers ({e}); install transformers (with torch), "
+            f"or pass parameter_order=[names in model.named_parameters() order]"
+        ) from None
+    shipped = {
+        name
+        for attr, mapping in vars(modeling_auto).items()
+        if attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict)
+        for value in mapping.values()
+        for name in (value if isinstance(value, (list, tuple)) else (value,))
+    }
+    if archs[0] not in shipped or model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
+        raise TorchImportError(
+            f"{path}: architecture {archs[0]!r} (model_type {model_type!r}) is not one "
+            f"transformers {transformers.__version__} ships: {why}"
+        )
+    try:
+        cls = getattr(transformers, archs[0])
+        cfg = configuration_auto.CONFIG_MAPPING[model_type].from_dict(dict(config))
+        with torch.device("meta"):
+            model = cls(cfg)
+    except Exception as e:  # transformers' own refusal of this config
+        raise TorchImportError(
+            f"{path}: transformers {transformers.__version__} cannot build {archs[0]} from it "
+            f"({type(e).__name__}: {str(e)[:200]}): {why}"
+        ) from None
+    return model, f"transformers {transformers.__version__} {archs[0]}"
+
+
+def _legacy_decay_names(model) -> list[str]:
+    """transformers 4.x before the norm-name patterns: outside nn.LayerNorm, no 'bias'."""
+    from torch import nn
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    return [n for n in get_parameter_names(model, [nn.LayerNorm]) if "bias" not in n]
+
+
+def _installed_decay_names(model) -> list[str]:
+    """The installed transformers' Trainer rule (it does not use ``self``)."""
+    from transformers import Trainer
+
+    return list(Trainer.get_decay_parameter_names(None, model))
+
+
+def trainer_candidates(folder: str, n_tensors: int) -> list[Candidate]:
+    """The Trainer's groupings of the config's model (``n_tensors``: the checkpoint's model
+    tensors, a bound on its size): the installed transformers' decay rule, and the 4.x rule
+    (checkpoints written by an older transformers), distinct ones only."""
+    model, what = _model_on_meta(folder, n_tensors)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shapes = {n: tuple(p.shape) for n, p in named}
+    out: list[Candidate] = []
+    for rule, decay_names in (
+        (f"{what}, Trainer.get_decay_parameter_names", _installed_decay_names),
+        (f"{what}, transformers 4.x decay rule (no nn.LayerNorm, no 'bias')", _legacy_decay_names),
+    ):
+        try:
+            decay = set(decay_names(model))
+        except Exception as e:  # a rule this transformers cannot run
+            raise TorchImportError(
+                f"{folder}: {what}: the Trainer's decay rule failed ({type(e).__name__}: "
+                f"{str(e)[:200]})"
+            ) from None
+        groups = (
+            tuple(n for n, _ in named if n in decay),
+            tuple(n for n, _ in named if n not in decay),
+        )
+        if all(c.groups != groups for c in out):
+            out.append(Candidate(rule, groups, shapes))
+    return out
+
+
+def _arg(value: Any) -> Any:
+    """A TrainingArguments field as JSON: str enums (stand-ins) by their value."""
+    if isinstance(value, torch_pickle.StandIn):
+        args = getattr(value, "args", ())
+        return jsonable(args[0]) if len(args) == 1 else None
+    return jsonable(value)
+
+
+class _TrainingArguments(torch_pickle.StandIn):
+    """``TrainingArguments`` as data; its ``cached_property`` values (``__cached__*``, pickled
+    by transformers 4.x) are dropped, not refused: they are not arguments."""
+
+    qualname = "transformers.training_args.TrainingArguments"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            state = {
+                k: v
+                for k, v in state.items()
+                if not (isinstance(k, str) and k.startswith("__cached__"))
+            }
+        super().__setstate__(state)
+
+
+def _args_classes() -> dict[str, Any]:
+    names = [
+        "transformers.training_args.OptimizerNames",
+        "transformers.trainer_utils.SchedulerType",
+        "transformers.trainer_utils.IntervalStrategy",
+        "transformers.trainer_utils.SaveStrategy",
+        "transformers.trainer_utils.HubStrategy",
+        "transformers.trainer_utils.FSDPOption",
+        "transformers.trainer_pt_utils.AcceleratorConfig",
+        "transformers.debug_utils.DebugOption",
+        "accelerate.state.PartialState",
+        "accelerate.utils.dataclasses.DistributedType",
+        "torch.device",
+    ]
+    classes: dict[str, Any] = {n: torch_pickle.standin_class(n) for n in names}
+    classes[_TrainingArguments.qualname] = _TrainingArguments
+    return classes
+
+
+def trainer_record(folder: str) -> dict:
+    """What the Trainer recorded of its optimizer's schedule: ``training_args`` (the fields of
+    :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
+    ``global_step`` / ``max_steps``; absent files are absent keys."""
+    out: dict[str, Any] = {}
+    state_path = os.path.join(folder, STATE_FILE)
+    if os.path.isfile(state_path):
+        state = _json(state_path)
+        if isinstance(state, dict):
+            out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
+    args_path = os.path.join(folder, ARGS_FILE)
+    if os.path.isfile(args_path):
+        try:
+            args = torch_pickle.load_torch_file(args_path, _args_classes())
+        except torch_pickle.TorchFileError as e:
+            out["training_args_unread"] = str(e)[:300]
+        else:
+            fields = vars(args) if isinstance(args, torch_pickle.StandIn) else {}
+            out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
+    sched_path = os.path.join(folder, SCHEDULER_FILE)
+    if os.path.isfile(sched_path):
+        try:
+            sched = torch_pickle.load_torch_file(sched_path)
+        except torch_pickle.TorchFileError as e:
+            out["scheduler_unread"] = str(e)[:300]
+        else:
+            if isinstance(sched, dict):
+                keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
+                out["scheduler"] = {v: jsonable(sched[k]) for k, v in keys.items() if k in sched}
+    return out
