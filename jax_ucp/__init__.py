@@ -50,6 +50,7 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.api import inspect, restore, save, verify
     from jax_ucp.conversion import convert
     from jax_ucp.exporters import export
+    from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
     from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
     from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
     from jax_ucp.restoring.checks import diff
@@ -71,6 +72,7 @@ __all__ = [
     "SetupError",
     "ShardingMismatchError",
     "TensorEntry",
+    "TorchOptimizer",
     "UCPCheckpointHandler",
     "UCPError",
     "UCPHandler",
@@ -83,6 +85,7 @@ __all__ = [
     "diff",
     "export",
     "inspect",
+    "optax_from_torch",
     "orbax_v1_context",
     "plan",
     "restore",
