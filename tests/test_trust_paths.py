@@ -475,7 +475,8 @@ LINKED_OUT = {
     "Megatron legacy rank file": (
         LEGACY,
         _link_out("iter_0000007/mp_rank_01_001/model_optim_rng.pt"),
-        r"mp_rank_01_001: file name 'model_optim_rng\.pt' resolves to \S+/elsewhere/",
+        r"iter_0000007: file name 'mp_rank_01_001/model_optim_rng\.pt' resolves to "
+        r"\S+/elsewhere/",
     ),
     "Megatron legacy rank directory": (
         LEGACY,
@@ -529,18 +530,34 @@ def test_rank_files_linked_outside_are_refused(tmp_path, case):
 
 
 @pytest.mark.timeout(120)
-def test_rank_files_linked_inside_their_folder_read_exactly(tmp_path):
-    """The same DeepSpeed rank file linked to a copy inside its tag folder imports exactly."""
-    want = _params(jax_ucp.convert(os.path.join(FIX, DS), tmp_path / "ref"))
-    src = _copy(tmp_path, DS)
-    rank1 = src / DS_RANK1
-    (rank1.parent / "store").mkdir()
-    shutil.move(rank1, rank1.parent / "store" / rank1.name)
-    rank1.symlink_to(f"store/{rank1.name}")
-    got = _params(jax_ucp.convert(src, tmp_path / "out"))
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert_bit_exact(got[name], want[name], name)
+def test_rank_files_and_folders_linked_inside_read_exactly(tmp_path):
+    """Links that stay inside: a DeepSpeed tag folder linked to a folder elsewhere in the
+    checkpoint, a Megatron legacy rank file linked to a copy in its rank folder: both import
+    exactly as the originals."""
+    for rel, options, link in (
+        (DS, {}, lambda src: _link_within(src, "global_step2", src / "kept")),
+        (
+            LEGACY,
+            {"vocab_size": 61},
+            lambda src: _link_within(
+                src, "iter_0000007/mp_rank_01_001/model_optim_rng.pt", src / "iter_0000007/kept"
+            ),
+        ),
+    ):
+        want = _params(jax_ucp.convert(os.path.join(FIX, rel), tmp_path / "ref", **options))
+        src = _copy(tmp_path, rel)
+        link(src)
+        got = _params(jax_ucp.convert(src, tmp_path / "out", **options))
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert_bit_exact(got[name], want[name], name)
+        for path in (tmp_path / "ref", tmp_path / "out", src):
+            shutil.rmtree(path)
+
+
+def _link_within(src, rel: str, store) -> None:
+    """``src/rel`` moved into ``store`` (inside the checkpoint) and replaced by a link to it."""
+    _move_out(src / rel, store)
 
 
 # --------------------------------------------------------------------------- jax_ucp's own format

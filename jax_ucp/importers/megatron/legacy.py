@@ -190,12 +190,18 @@ def args_dict(args: Any) -> dict[str, Any]:
     return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
 
 
+def _inside_iteration(path: Path) -> None:
+    """``iter_N/mp_rank_XX/<file>``, links followed, stays inside ``iter_N``."""
+    iteration = path.parent.parent
+    files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
+
+
 def _load_rank(path: Path) -> tuple[dict, dict]:
     """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
     if not path.is_file():
         raise LegacyError(f"missing shard file {path}")
     try:
-        files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
+        _inside_iteration(path)  # a rank file linked to a file elsewhere is never read
         state = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
     except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
         raise LegacyError(str(e)) from None
@@ -466,7 +472,7 @@ class DistribOptimState:
 
 def _load_distrib_optim(path: Path) -> Any:
     try:
-        files.in_own_folder(path)
+        _inside_iteration(path)
         return torch_pickle.load_torch_file(path, LEGACY_CLASSES)
     except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
         raise LegacyError(str(e)) from None
