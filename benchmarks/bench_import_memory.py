@@ -8,13 +8,15 @@ and over the baseline), the time, and whether peak <= budget + 64 MiB (issue 26 
 on the absolute peak, the stricter reading). Input in the page cache; memory-mapped checkpoint
 pages are file-backed (RssFile), not charged.
 
-    python benchmarks/bench_import_memory.py --budget 256MiB \\
+    python benchmarks/bench_import_memory.py --budget 64MiB,128MiB,256MiB \\
         --case safetensors=/tmp/h7/hf/gpt2_203m --case torch_save=/tmp/h7/hf/gpt2_203m_bin \\
         --case dcp=/tmp/tbench/fsdp2_134m --case deepspeed=/tmp/h7/ds/gpt110m/ckpt \\
         --case megatron=/tmp/h7/mg/llama_distopt_bf16_tp2dp2 ... --export --json out.json
 
 A case is ``name=path`` (the format is detected); ``--export`` also exports the first case's
-conversion to every target. ``--vocab-size`` is passed to Megatron cases.
+conversion to every target. ``--vocab-size`` is passed to Megatron cases. ``--budget`` takes a
+comma-separated list (default 64, 128 and 256 MiB): every case runs at each, and a last table
+gives peak RssAnon per case and budget against budget + 64 MiB.
 
 The checkpoints (>= 100M parameters each; torch in /work/venv-torch):
 
@@ -93,7 +95,9 @@ def measure(cmd: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budget", default="256MiB", help="memory_budget (e.g. 256MiB, 1GiB)")
+    ap.add_argument(
+        "--budget", default="64MiB,128MiB,256MiB", help="memory_budget(s), comma-separated"
+    )
     ap.add_argument("--case", action="append", default=[], help="name=checkpoint path")
     ap.add_argument("--vocab-size", type=int)
     ap.add_argument("--export", action="store_true", help="export the first case to every target")
@@ -105,16 +109,46 @@ def main() -> None:
     ap.add_argument("--dst", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    if a.child:
-        return child(a)
     sys.path.insert(0, ROOT)
     from jax_ucp.format.sizes import parse_size
 
-    budget = parse_size(a.budget)
+    budgets = [parse_size(b) for b in a.budget.split(",") if b]
+    if a.child:
+        return child(a)
+    rows = []
+    for budget in budgets:
+        rows += run(a, budget)
+    table(rows, budgets)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"budgets": budgets, "rows": rows}, f, indent=1)
+
+
+def table(rows: list[dict], budgets: list[int]) -> None:
+    """Peak RssAnon (MiB, absolute) per case and budget, and whether it is <= budget + 64 MiB."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    by = {(r["case"], r["budget"]): r for r in rows}
+    head = " | ".join(f"{b / MiB:.0f} MiB (goal {(b + SLACK) / MiB:.0f})" for b in budgets)
+    print(f"\n| case | {head} |\n|---|{'---|' * len(budgets)}")
+    for case in cases:
+        cells = []
+        for b in budgets:
+            r = by.get((case, b))
+            if r is None:
+                cells.append("")
+            elif "error" in r:
+                cells.append("failed")
+            else:
+                cells.append(f"{r['peak'] / MiB:.0f}, {'yes' if r['met'] else '**no**'}")
+        print(f"| {case} | {' | '.join(cells)} |")
+
+
+def run(a, budget: int) -> list[dict]:
+    """Every case (and export) at one budget, each in a fresh process; one row each."""
     work = tempfile.mkdtemp(prefix="ucp_importmem_", dir=a.dir)
     me = [sys.executable, os.path.abspath(__file__), "--child", "--budget", str(budget)]
-    rows = []
-    print(f"memory_budget {budget / MiB:.0f} MiB; load {os.getloadavg()[0]:.1f}", flush=True)
+    rows: list[dict] = []
+    print(f"\nmemory_budget {budget / MiB:.0f} MiB; load {os.getloadavg()[0]:.1f}", flush=True)
     print(f"{'case':<28} {'budget':>8} {'base':>8} {'peak':>8} {'+base':>8} {'s':>7}  <= +64")
     try:
         first_ucp = None
@@ -156,9 +190,7 @@ def main() -> None:
                 shutil.rmtree(dst)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"budget": budget, "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

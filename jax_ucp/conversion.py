@@ -8,19 +8,20 @@ through Orbax's CheckpointManager (``orbax.manager_step``), imported only then.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import json
 import operator
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jax_ucp import store, writer
 from jax_ucp.errors import RequestError
 from jax_ucp.format import UCPError, files
 from jax_ucp.format.sizes import parse_size
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.plan import Share
 from jax_ucp.multihost import liveness
 from jax_ucp.writer import commit
@@ -45,7 +46,9 @@ class ConvertOptions:
         distributed: every process of a ``jax.distributed`` job writes its share.
         barrier_timeout: seconds a distributed import waits for its slowest process.
         memory_budget: bytes of tensor data the import may hold at once (None: the default).
-        importer: options passed through to the importer (``tag=``, ``vocab_size=``).
+        tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step (None: the latest).
+        vocab_size: Megatron's vocabulary size before padding (None: the spec's).
+        parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
     """
 
     format: str | None = None
@@ -58,7 +61,9 @@ class ConvertOptions:
     distributed: bool = False
     barrier_timeout: float = 24 * 3600
     memory_budget: int | None = None
-    importer: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    tag: str | int | None = None
+    vocab_size: int | None = None
+    parameter_order: Sequence[str] | None = None
 
     def __post_init__(self):
         if self.step is not None:
@@ -75,10 +80,6 @@ class ConvertOptions:
             )
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
-        importer = dict(self.importer)
-        if self.weights_only:
-            importer["weights_only"] = True
-        object.__setattr__(self, "importer", importer)
 
 
 def convert(
@@ -95,7 +96,9 @@ def convert(
     distributed: bool = False,
     barrier_timeout: float = 24 * 3600,
     memory_budget: int | str | None = None,
-    **importer_options,
+    tag: str | int | None = None,
+    vocab_size: int | None = None,
+    parameter_order: Sequence[str] | None = None,
 ) -> str:
     """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
 
@@ -127,9 +130,12 @@ def convert(
             "256MiB", "1GiB"; default 256 MiB): the tensors the writer has in flight plus what
             the importer is building (a tensor-parallel merge, chunks read into place); each
             process of a distributed import has its own.
-        **importer_options: passed through to the importer (``tag=``, ``vocab_size=``;
-            torch: ``parameter_order=``, the names of an index-keyed optimizer's parameters in
-            the order torch numbered them).
+        tag: DeepSpeed: the tag folder to import (default: the one ``latest`` names); Orbax:
+            the CheckpointManager step (default: the latest committed one).
+        vocab_size: Megatron: the tokenizer's vocabulary size, before Megatron's padding (the
+            padded rows are stripped; default: the spec's, else they are kept).
+        parameter_order: torch: the names of an index-keyed optimizer's parameters in the
+            order torch numbered them.
 
     Returns:
         The UCP directory (the one holding ucp.json).
@@ -144,8 +150,10 @@ def convert(
         weights_only=weights_only,
         distributed=distributed,
         barrier_timeout=barrier_timeout,
-        memory_budget=None if memory_budget is None else parse_size(memory_budget),
-        importer=importer_options,
+        memory_budget=memory_budget,
+        tag=tag,
+        vocab_size=vocab_size,
+        parameter_order=parameter_order,
     )
     return convert_with(source, dest, options)
 
@@ -221,12 +229,20 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
 def _plan(source, dest: str, options: ConvertOptions, share, gather):
     """The importer's plan; in a distributed import every process's planning is agreed on, so a
     process that refuses the source does not leave the others waiting."""
-    importer = dict(options.importer)
+    plan_import = functools.partial(
+        registry.plan_import,
+        source,
+        format=options.format,
+        spec=options.spec,
+        weights_only=options.weights_only,
+        tag=options.tag,
+        vocab_size=options.vocab_size,
+        parameter_order=options.parameter_order,
+    )
     if share is None:
-        return detect.plan_import(source, format=options.format, spec=options.spec, **importer)
-    importer["share"] = share
+        return plan_import()
     try:
-        plan = detect.plan_import(source, format=options.format, spec=options.spec, **importer)
+        plan = plan_import(share=share)
     except BaseException as e:
         writer.agree(gather, "planned", e, dest)
     writer.agree(gather, "planned", "", dest)

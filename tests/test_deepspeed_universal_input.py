@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
-from jax_ucp.importers.detect import plan_import
+from jax_ucp.importers.registry import plan_import
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "deepspeed")
 RUNS = [
@@ -66,7 +66,7 @@ def test_universal_imports_bit_exact_as_the_run(run, tmp_path):
     """Every tensor (fp32 masters, moments, step, bf16 model copy, frozen weights) equals the
     direct import of the checkpoint ds_to_universal read."""
     src = os.path.join(FIXTURES, run, "universal")
-    assert detect.detect_format(src) == "deepspeed"
+    assert registry.detect_format(src) == "deepspeed"
     jax_ucp.convert(os.path.join(FIXTURES, run, "ckpt"), tmp_path / "direct")
     jax_ucp.convert(src, tmp_path / "universal")
     _assert_same(_flat(tmp_path / "direct"), _flat(tmp_path / "universal"))
@@ -282,3 +282,34 @@ def test_universal_cli_and_shares(tmp_path):
         keys += ["/".join(item.key) for item in plan.items]
     assert len(keys) == len(set(keys)) == 4 * 30 + 1
     assert keys.count("opt_state/count") == 1
+
+
+@pytest.mark.timeout(60)
+def test_universal_frozen_copy_differing_from_the_fragments_is_refused(tmp_path):
+    """ds_to_universal writes zero/<name>/fp32.pt for a frozen parameter too; the import reads
+    the weights from frozen_param_fragments, as the direct import does, and refuses a copy that
+    disagrees (here: rewritten by the test) instead of picking one."""
+    from jax_ucp.exporters import torch_out
+
+    root, tag = _copy_universal("z2_bf16_dp2_frozen", tmp_path)
+    fp32 = tag / "zero" / "h.0.ln_1.bias" / "fp32.pt"
+    slot = torch_out.TensorSlot(0, (16,), np.dtype(np.float32))
+    torch_out.save_file(str(fp32), slot, [np.full(16, 7.0, np.float32)])
+    with pytest.raises(
+        DeepSpeedImportError,
+        match=r"zero/h\.0\.ln_1\.bias/fp32\.pt: frozen parameter 'h\.0\.ln_1\.bias' differs "
+        r"from its weights in frozen_param_fragments of \['mp_rank_00_model_states\.pt'\]$",
+    ):
+        jax_ucp.convert(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_parameter_both_frozen_and_trained_is_refused():
+    from jax_ucp.importers.deepspeed.files import frozen_shapes_of
+
+    states = {"frozen_param_shapes": {"a": (2,), "b": [3]}}
+    with pytest.raises(
+        DeepSpeedImportError, match=r"^f\.pt: parameters both frozen and trained: \['a'\]$"
+    ):
+        frozen_shapes_of(states, "f.pt", trained=["a", "c"])
+    assert frozen_shapes_of(states, "f.pt", trained=["c"]) == {"a": (2,), "b": (3,)}

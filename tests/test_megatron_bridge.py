@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.megatron import bridge as megatron_bridge
 
 pytestmark = pytest.mark.timeout(120)
@@ -77,7 +77,7 @@ def test_pretraining_save_imports_bit_exact(tmp_path, where):
     both Adam moments equal the run's live state bit for bit; the step is the train state's;
     the vocab padding is stripped with run_config.yaml's vocab size (no vocab_size= given)."""
     src = FULL if where == "root" else os.path.join(FULL, ITER)
-    assert detect.detect_format(src) == "megatron"
+    assert registry.detect_format(src) == "megatron"
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
     got = jax_ucp.restore(ckpt)
     truth = _truth(FULL)

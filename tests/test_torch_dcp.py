@@ -16,7 +16,7 @@ import pytest
 from ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 import jax_ucp
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.torch import dcp_reader
 from jax_ucp.importers.torch.optimizer import TorchImportError
 
@@ -75,7 +75,7 @@ def assert_matches_run(restored: dict, name: str, prefix: str = "") -> None:
 )
 def test_real_dcp_checkpoints_import_bit_exact(tmp_path, name):
     src = os.path.join(FIX, name)
-    assert detect.detect_format(src) == "torch"
+    assert registry.detect_format(src) == "torch"
     out = jax_ucp.convert(src, tmp_path / "ucp")
     assert_matches_run(jax_ucp.restore(out), name)
     m = jax_ucp.inspect(out)
@@ -156,14 +156,14 @@ def test_megatron_torch_dist_still_detected_as_megatron(tmp_path):
     src = tmp_path / "mcore"
     shutil.copytree(os.path.join(FIX, "fsdp2_fp32"), src)
     (src / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    assert detect.detect_format(src) == "megatron"
+    assert registry.detect_format(src) == "megatron"
 
 
 def test_unknown_folder_lists_what_it_holds(tmp_path):
     (tmp_path / "weights.npy").write_bytes(b"x")
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(
-        detect.SourceFormatError,
+        registry.SourceFormatError,
         match=r"cannot tell the checkpoint format; it holds: notes\.txt, weights\.npy\. .*"
         r"torch\.save files .*`\.bin`/`\.pt`/`\.pth`/`\.ckpt`",
     ):

@@ -16,7 +16,7 @@ from ucp_testing import assert_bit_exact, assert_destination_untouched
 
 import jax_ucp
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers import detect
+from jax_ucp.importers import registry
 from jax_ucp.importers.torch.optimizer import TorchImportError
 
 pytestmark = pytest.mark.timeout(120)
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 )
 def test_real_torch_save_files_import_bit_exact(tmp_path, name):
     src = os.path.join(FIX, name)
-    assert detect.detect_format(src) == "torch"
+    assert registry.detect_format(src) == "torch"
     out = jax_ucp.convert(src, tmp_path / "ucp")
     restored = jax_ucp.restore(out)
     if name == "lightning.ckpt":  # the LightningModule holds the model as `self.model`
@@ -173,8 +173,25 @@ def test_sharded_index_escaping_its_folder_is_refused(tmp_path):
     shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
     index = {"weight_map": {"x": "../../etc/passwd"}}
     (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-    with pytest.raises(TorchImportError, match=r"weight_map names '\.\./\.\./etc/passwd'"):
+    with pytest.raises(
+        TorchImportError,
+        match=r"weight_map entry 'x' names '\.\./\.\./etc/passwd'; expected a file beside",
+    ):
         jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_sharded_index_naming_a_tensor_twice_is_refused(tmp_path):
+    """The index is read as the safetensors one is (one reader): a repeated key in its JSON
+    (which of the two files is meant cannot be told) is refused, naming the key."""
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = json.loads((src / "pytorch_model.bin.index.json").read_text())
+    first, file = next(iter(index["weight_map"].items()))
+    text = json.dumps(index).replace('"weight_map": {', f'"weight_map": {{"{first}": "{file}", ', 1)
+    (src / "pytorch_model.bin.index.json").write_text(text)
+    with pytest.raises(TorchImportError, match=rf"names '{first}' twice"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):

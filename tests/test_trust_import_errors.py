@@ -156,10 +156,10 @@ def test_param_names_or_distinct_shapes_need_no_warning(tmp_path):
 
 def test_folder_builder_is_a_torch_save_folder(tmp_path):
     """The builder above writes what the torch importer detects as such."""
-    from jax_ucp.importers import detect
+    from jax_ucp.importers import registry
 
     src, _ = _folder(tmp_path, {"a": (4,)}, ["a"])
-    assert detect.detect_format(str(src)) == "torch"
+    assert registry.detect_format(str(src)) == "torch"
     assert os.path.getsize(src / "optimizer.bin") > 0
 
 

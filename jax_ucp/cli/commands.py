@@ -75,12 +75,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     help="Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints, "
-    "convert torch checkpoints, demo.",
+    "convert other frameworks' checkpoints, demo.",
 )
-convert_app = typer.Typer(
-    cls=_Group, no_args_is_help=True, help="Import a torch checkpoint as a UCP checkpoint."
-)
-app.add_typer(convert_app, name="convert")
 
 
 def _version(value: bool):
@@ -99,7 +95,7 @@ def _main(
     ),
 ):
     """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
-    convert torch checkpoints, demo."""
+    convert other frameworks' checkpoints, demo."""
     output.fresh_console()
     if not isinstance(sys.unraisablehook, _QuietClosedLoop):
         sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
@@ -359,49 +355,66 @@ MemoryBudget = Annotated[
 ]
 
 
-@convert_app.command("deepspeed")
+class _ConvertCommand(_Command):
+    """``jax-ucp convert FORMAT SRC DST`` (the form before ``--from``, kept for the docs and
+    scripts using it) read as ``jax-ucp convert SRC DST --from FORMAT``."""
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        positional = _positionals(self, ctx, args)
+        if len(positional) == 3:
+            from jax_ucp.importers.registry import FORMATS
+
+            fmt_at = positional[0]
+            if args[fmt_at] in FORMATS:
+                if any(a == "--from" or a.startswith("--from=") for a in args):
+                    raise typer.BadParameter(
+                        f"the format is named twice ({args[fmt_at]} before SRC, and --from)",
+                        param_hint="--from",
+                    )
+                args = ["--from", args[fmt_at], *args[:fmt_at], *args[fmt_at + 1 :]]
+        return super().parse_args(ctx, args)
+
+
+def _positionals(command: typer.core.TyperCommand, ctx, args: list[str]) -> list[int]:
+    """Where the positional arguments are in ``args`` (options and their values skipped)."""
+    takes_value = {
+        name: not param.is_flag and not param.count
+        for param in command.get_params(ctx)
+        if param.param_type_name == "option"
+        for name in (*param.opts, *param.secondary_opts)
+    }
+    out, i = [], 0
+    while i < len(args):
+        if args[i] == "--":
+            return out + list(range(i + 1, len(args)))
+        if args[i].startswith("-") and len(args[i]) > 1:
+            i += 2 if "=" not in args[i] and takes_value.get(args[i], False) else 1
+            continue
+        out.append(i)
+        i += 1
+    return out
+
+
+@app.command(cls=_ConvertCommand)
 @_user_errors
-def convert_deepspeed(
+def convert(
     src: str,
     dst: str,
-    force: Force = False,
-    step: Step = None,
-    spec: str | None = typer.Option(
+    from_: str | None = typer.Option(
         None,
-        help="UCP-language spec file (Megatron-DeepSpeed TP/PP without universal_checkpoint_info)",
+        "--from",
+        help="the source format: deepspeed, megatron, orbax, safetensors or torch (default: "
+        "detected from the files)",
     ),
-    weights_only: bool = typer.Option(
-        False, "--weights-only", help="import the weights alone, skip the optimizer state"
+    spec: str | None = typer.Option(None, help="UCP-language spec file (import rules, settings)"),
+    vocab_size: int | None = typer.Option(
+        None, help="megatron: the original vocab size (strips the padding)"
     ),
-    processes: Processes = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
-    memory_budget: MemoryBudget = None,
-):
-    """A DeepSpeed checkpoint (folder with `latest`, or a global_stepN folder; ZeRO 1/2/3, TP/PP)."""
-    from jax_ucp import conversion
-
-    _run_convert(
-        conversion.convert_deepspeed,
-        src,
-        dst,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
-        spec=spec,
-        weights_only=weights_only,
-        parallel=spawn.Parallel(processes, coordinator, num_processes, process_id),
-    )
-
-
-@convert_app.command("megatron")
-@_user_errors
-def convert_megatron(
-    src: str,
-    dst: str,
-    spec: str | None = typer.Option(None, help="UCP-language spec file"),
-    vocab_size: int | None = typer.Option(None, help="original vocab size (strips padding)"),
+    tag: str | None = typer.Option(
+        None,
+        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
+        "the latest)",
+    ),
     force: Force = False,
     step: Step = None,
     weights_only: bool = typer.Option(
@@ -413,108 +426,22 @@ def convert_megatron(
     process_id: ProcessId = None,
     memory_budget: MemoryBudget = None,
 ):
-    """A Megatron checkpoint (torch_dist, or legacy iter_N/mp_rank_XX)."""
-    from jax_ucp import conversion
+    """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
+    TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
+    torch DCP or torch.save files. The format is detected from the files unless --from names
+    it; when no format fits, the error says what each one looked for.
 
-    _run_convert(
-        conversion.convert_megatron,
-        src,
-        dst,
-        spec=spec,
-        vocab_size=vocab_size,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
-        weights_only=weights_only,
-        parallel=spawn.Parallel(processes, coordinator, num_processes, process_id),
-    )
-
-
-@convert_app.command("safetensors")
-@_user_errors
-def convert_safetensors(
-    src: str,
-    dst: str,
-    force: Force = False,
-    step: Step = None,
-    weights_only: bool = typer.Option(
-        False, "--weights-only", help="import the weights alone (a Trainer's optimizer.pt skipped)"
-    ),
-    processes: Processes = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
-    memory_budget: MemoryBudget = None,
-):
-    """Hugging Face safetensors (a .safetensors file, or a folder with shards and an index)."""
-    from jax_ucp import conversion
-
-    _run_convert(
-        conversion.convert_safetensors,
-        src,
-        dst,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
-        weights_only=weights_only,
-        parallel=spawn.Parallel(processes, coordinator, num_processes, process_id),
-    )
-
-
-@convert_app.command("orbax")
-@_user_errors
-def convert_orbax(
-    src: str,
-    dst: str,
-    tag: int | None = typer.Option(None, help="step of a CheckpointManager dir (default: latest)"),
-    force: Force = False,
-    step: Step = None,
-    weights_only: bool = typer.Option(
-        False, "--weights-only", help="import the params/ subtree alone"
-    ),
-    memory_budget: MemoryBudget = None,
-):
-    """An Orbax checkpoint (StandardCheckpointer / PyTreeCheckpointer dir, or a
-    CheckpointManager step or root; OCDBT or not)."""
+    `jax-ucp convert FORMAT SRC DST` is `jax-ucp convert SRC DST --from FORMAT`."""
     from jax_ucp import conversion
 
     _run_convert(
         conversion.convert,
         src,
         dst,
-        format="orbax",
+        format=from_,
+        spec=spec,
+        vocab_size=vocab_size,
         tag=tag,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
-        weights_only=weights_only,
-    )
-
-
-@convert_app.command("torch")
-@_user_errors
-def convert_torch(
-    src: str,
-    dst: str,
-    force: Force = False,
-    step: Step = None,
-    weights_only: bool = typer.Option(
-        False, "--weights-only", help="import the weights alone, skip the optimizer state"
-    ),
-    processes: Processes = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
-    memory_budget: MemoryBudget = None,
-):
-    """A torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save
-    files (pytorch_model.bin, .pt, .ckpt)."""
-    from jax_ucp import conversion
-
-    _run_convert(
-        conversion.convert_torch,
-        src,
-        dst,
         memory_budget=memory_budget,
         force=force,
         step=step,
@@ -670,6 +597,13 @@ def _print_plan_totals(result, limit: int) -> None:
         f"per process read: {_per_process(result.process_read_bytes)}", highlight=False
     )
     cap = limit if limit > 0 else 20
+    if result.unmatched_rules:
+        output.console.print(
+            f"rules matching no tensor's logical axis names ({len(result.unmatched_rules)}): "
+            + ", ".join(result.unmatched_rules)
+            + " (they shard nothing: everything they name is replicated)",
+            highlight=False,
+        )
     for title, names in (
         ("replicated on every device", result.replicated),
         ("kept on host (64-bit; jax_enable_x64 is off)", result.on_host),
@@ -835,10 +769,9 @@ def demo(
     raise typer.Exit(0 if ok else 1)
 
 
-for _typer in (app, convert_app):  # every command, whoever defines it
-    for _info in _typer.registered_commands:
-        if _info.cls in (None, typer.core.TyperCommand):
-            _info.cls = _Command
+for _info in app.registered_commands:  # every command, whoever defines it
+    if _info.cls in (None, typer.core.TyperCommand):
+        _info.cls = _Command
 
 
 def main():  # pragma: no cover

@@ -413,11 +413,11 @@ def _universal_keys(root, by_key):
     (key -> its path below the top level), its Adam moments ((param, "mu"/"nu") -> key) and the
     step count; ``ExportError`` naming what is missing."""
     # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
-    # them out of its optimizer); they are listed as skipped
+    # them out of its optimizer); they are listed as skipped. A tied one is its twin's.
     params = {
         k: k[1:]
         for k, e in by_key.items()
-        if e.role == "param" and e.sub_role is None and not e.frozen
+        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
     }
     moments: dict[tuple[str, str], tuple] = {}
     count = None

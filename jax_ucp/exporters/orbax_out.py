@@ -27,7 +27,7 @@ from etils import epath
 from orbax.checkpoint import future as ocp_future
 
 from jax_ucp import format as fmt
-from jax_ucp import store
+from jax_ucp import store, writer
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import (
     ExportError,
@@ -67,6 +67,8 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
     ):
         super().__init__()
         self._progress, self._total, self._destination = progress, total, destination
+        # read here: Orbax writes from its own thread, outside the export's context
+        self._budget = writer.memory_budget()
 
     async def serialize(self, values, infos, args=None):
         args = args or [ocp.SaveArgs()] * len(values)
@@ -77,6 +79,11 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
         for done, (value, info, arg) in enumerate(zip(values, infos, args), 1):
             await info.await_path_creation()
             ocdbt = bool(info.is_ocdbt_checkpoint)
+            nbytes = np.dtype(value.dtype).itemsize * math.prod(value.shape)
+            if value.shape and nbytes > self._budget // 4 and arg.chunk_byte_size is None:
+                # chunks of at most 1/16 of the budget, written a few at a time: Orbax's one
+                # chunk per array held the array's compressed copy beside its own (+416 MiB)
+                arg = dataclasses.replace(arg, chunk_byte_size=max(self._budget // 16, 1 << 20))
             tspec = ocp.type_handlers.get_json_tspec_write(
                 info,
                 use_ocdbt=ocdbt,
@@ -91,7 +98,10 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             data = value.read()
             try:
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
-                await t.write(data, can_reference_source_data_indefinitely=True)  # ours alone
+                if not data.ndim or not data.size:
+                    await t.write(data, can_reference_source_data_indefinitely=True)
+                for lo, hi in _slabs(t, data, self._budget // 4) if data.ndim and data.size else ():
+                    await t[lo:hi].write(data[lo:hi], can_reference_source_data_indefinitely=True)
             except ValueError as e:  # TensorStore's: a full disk, a write refused
                 raise ExportError(
                     f"{self._destination}: writing tensor {fmt.key_to_str(value.key)!r} failed: "
@@ -100,6 +110,16 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             del data
             if self._progress is not None:
                 self._progress(fmt.key_to_str(value.key), done, self._total)
+
+
+def _slabs(t, data: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of whole write chunks of ``t``, each at most ``max_bytes`` of ``data`` (at
+    least one chunk's rows): the chunks TensorStore encodes at once stay within the budget."""
+    rows = data.shape[0]
+    chunk = int((t.chunk_layout.write_chunk.shape or data.shape)[0] or rows)
+    row_bytes = data.nbytes // rows
+    step = max(chunk, max_bytes // max(row_bytes, 1) // chunk * chunk)
+    return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 
 
 def lazy_tree(root: str, manifest: fmt.Manifest) -> tuple[Any, int]:

@@ -136,6 +136,9 @@ class TensorEntry:
     shard_digests: Mapping[str, str] | None = None
     # A parameter the run did not train (requires_grad=False): no optimizer state exists for it.
     frozen: bool = False
+    # A parameter that is the same tensor as another (a tied lm_head.weight and its embedding):
+    # the other's key, "/"-joined. Its optimizer state is the other's.
+    tied_to: str | None = None
 
     entry_type = "tensor"
 
@@ -173,6 +176,8 @@ class TensorEntry:
         }
         if self.frozen:  # written only when set: manifests without frozen parameters unchanged
             d["frozen"] = True
+        if self.tied_to is not None:  # likewise written only when set
+            d["tied_to"] = self.tied_to
         return d
 
     @classmethod
@@ -228,6 +233,7 @@ class TensorEntry:
         frozen = d.get("frozen", False)
         if not isinstance(frozen, bool):
             _fail(f"{w}.frozen", "a JSON bool", frozen)
+        tied_to = _opt_string(d.get("tied_to"), f"{w}.tied_to")
         return cls(
             key=key,
             key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
@@ -247,6 +253,7 @@ class TensorEntry:
             provenance=provenance,
             shard_digests=None if digests is None else dict(digests),
             frozen=frozen,
+            tied_to=tied_to,
         )
 
 
@@ -270,6 +277,7 @@ _TENSOR_FIELDS = _TENSOR_REQUIRED + (
     "provenance",
     "shard_digests",
     "frozen",
+    "tied_to",
 )
 
 

@@ -132,32 +132,56 @@ def _inside(src: str, name: str, what: str) -> str:
 
 
 def _files_from_index(src: str, index: str) -> list[tuple[str, str]]:
+    first = first_tensors(read_weight_map(index, ".safetensors"))
+    return [
+        (os.path.join(src, name), str(_inside(src, name, f"{index}: weight_map entry {t[:100]!r}")))
+        for name, t in first.items()
+    ]
+
+
+def read_weight_map(
+    index: str, suffix: str = "", error: type[UCPError] = SafetensorsError
+) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> file name) of a Hugging Face index
+    (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``): read bounded, strict
+    JSON (a repeated key refused), every file a plain name beside the index ending in
+    ``suffix``. Errors are ``error``s naming the index (and the entry).
+
+    Args:
+        index: the index file.
+        suffix: what every file name must end with ("" for any).
+        error: the error class raised (the caller's format's).
+
+    Returns:
+        The weight map as written.
+    """
     try:
         data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
-    except SafetensorsError:
-        raise
+    except SafetensorsError as e:  # a repeated key
+        raise (e if error is SafetensorsError else error(str(e))) from None
     except (ValueError, RecursionError) as e:
-        raise SafetensorsError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
+        raise error(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise SafetensorsError(f"{index}: expected a 'weight_map' of tensor name -> file name.")
-    first: dict[str, str] = {}  # file name -> the first tensor naming it
+        raise error(f"{index}: expected a 'weight_map' of tensor name -> file name.")
+    for name, tensor in first_tensors(weight_map).items():
+        if os.path.basename(name) != name or name in (".", "..") or not name.endswith(suffix):
+            raise error(
+                f"{index}: weight_map entry {tensor[:100]!r} names {name[:100]!r}; expected a "
+                f"{suffix + ' ' if suffix else ''}file beside the index (no directories)."
+            )
+    return weight_map
+
+
+def first_tensors(weight_map: dict[str, str]) -> dict[str, str]:
+    """File name -> the first tensor a ``weight_map`` puts in it, by file name (the entry an
+    error about the file names)."""
+    first: dict[str, str] = {}
     for tensor, name in weight_map.items():
         first.setdefault(name, tensor)
-    out = []
-    for name in sorted(first):
-        what = f"{index}: weight_map entry {first[name][:100]!r}"
-        beside = os.path.basename(name) == name and name not in (".", "..")
-        real = _inside(src, name, what) if beside else None  # NUL, links leading out
-        if not beside or not name.endswith(".safetensors"):
-            raise SafetensorsError(
-                f"{what} names {name[:100]!r}; expected a .safetensors file beside the index "
-                f"(no directories)."
-            )
-        out.append((os.path.join(src, name), str(real)))
-    return out
+    return dict(sorted(first.items()))
 
 
 class SafetensorsFile:
@@ -291,7 +315,7 @@ def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFi
             owner[name] = f
     index = os.path.join(src, INDEX_FILE) if os.path.isdir(src) else None
     if index and os.path.exists(index):
-        weight_map = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)["weight_map"]
+        weight_map = read_weight_map(index, ".safetensors")
         missing = sorted(set(weight_map) - set(owner))
         unlisted = sorted(set(owner) - set(weight_map))
         if missing or unlisted:

@@ -1,8 +1,10 @@
-"""Importers of torch checkpoints (DeepSpeed, Megatron); torch files are read without torch.
+"""Importers of other frameworks' checkpoints, one package per source format (``deepspeed``,
+``megatron``, ``orbax``, ``safetensors``, ``torch``); torch files are read without torch.
 
-Each importer reads and checks a checkpoint and returns an ``ImportPlan`` (a lazy stream of
-``writer.HostItem``s); ``jax_ucp.conversion`` writes it.
+Each format's package exposes ``detect(path)`` and ``plan(path, options)``; ``registry`` holds
+them and picks one for a source. A plan is a checked, lazy stream of ``writer.HostItem``s
+(``ImportPlan``) that ``jax_ucp.conversion`` writes.
 """
 
-from jax_ucp.importers.detect import detect_format, plan_import
-from jax_ucp.importers.plan import ImportPlan
+from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
+from jax_ucp.importers.registry import FORMATS, IMPORTERS, detect_format, plan_import

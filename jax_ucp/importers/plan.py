@@ -8,6 +8,8 @@ from key names): :func:`host_item` is that contract, written once for every impo
 from __future__ import annotations
 
 import dataclasses
+import glob
+import os
 import re
 from collections.abc import Collection, Iterator, Mapping
 from typing import Any
@@ -74,6 +76,52 @@ class Share:
 
 
 WHOLE = Share()
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportOptions:
+    """What every importer takes; a format with options of its own subclasses it
+    (``DeepSpeedOptions``, ``MegatronOptions``, ``OrbaxOptions``).
+
+    Attributes:
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped (and listed under
+            ``source["skipped"]``).
+        share: this process's part of an import run by several processes.
+    """
+
+    spec: Any = None
+    weights_only: bool = False
+    share: Share = WHOLE
+
+
+@dataclasses.dataclass(frozen=True)
+class Detection:
+    """An importer's answer to "is this source a checkpoint of your format?", and why either
+    way: a source no importer claims is an error giving every importer's reason.
+
+    Attributes:
+        found: the source holds this format's files.
+        reason: what was found, or what is missing.
+        weak: found by files other formats' folders hold too (a ``.bin``, a ``.safetensors``
+            in a folder): a format found by its own markers comes first.
+    """
+
+    found: bool
+    reason: str
+    weak: bool = False
+
+
+def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str) -> Detection:
+    """Whether the folder ``src`` holds a file matching one of ``patterns`` (glob, names only:
+    nothing is opened)."""
+    if not os.path.isdir(src):
+        return Detection(False, "not a directory")
+    for pattern in patterns:
+        if glob.glob(os.path.join(src, pattern)):
+            return Detection(True, f"{found} ({pattern})")
+    return Detection(False, missing)
 
 
 def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.HostItem:

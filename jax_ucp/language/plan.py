@@ -56,6 +56,7 @@ class ViewPlan:
     build: Callable[[Mapping[Key, ts.TensorStore]], ts.TensorStore]  # lazy, exact
     rule: str = "identity"  # which rule produced it (for plans / errors)
     ops: tuple = ()  # op names applied, in order
+    logical_axes: tuple | None = None  # the rule's ``axes``: names for restore(mesh=, rules=)
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,19 @@ def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
             raise type(e)(f"{what}: target {r.target!r} for {'/'.join(inst)}/{rel}: {e}") from None
         tkey = tprefix + tuple(p for p in tgt.split("/") if p)
         v = node.view
+        if r.axes is not None and len(r.axes) != len(v.shape):
+            raise LanguageError(
+                f"{what}: axes {list(r.axes)} name {len(r.axes)} dimensions, but "
+                f"{'/'.join(inst)}/{rel} restores with shape {tuple(v.shape)}"
+            )
         plan = ViewPlan(
-            tuple(v.shape), np.dtype(v.dtype.numpy_dtype), node.sources, node.fn, what, node.ops
+            tuple(v.shape),
+            np.dtype(v.dtype.numpy_dtype),
+            node.sources,
+            node.fn,
+            what,
+            node.ops,
+            r.axes,
         )
         targets.put(tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
 

@@ -120,11 +120,22 @@ class RestoreRule:
     required: bool = True
     when: Mapping[str, Any] = field(default_factory=dict)
     label: str = ""
+    # logical axis names of the restored tensor (flax's: "embed", "mlp", "heads", "vocab"...), so
+    # ``restore(mesh=, rules=)`` places it like a flax parameter carrying them; None: unnamed
+    axes: tuple | None = None
     if TYPE_CHECKING:  # compiled by __post_init__
         _regex: Any = field(init=False)
 
     def __post_init__(self):
         where = f"{self.label or self.pattern}: "
+        if self.axes is not None:
+            if isinstance(self.axes, str) or not all(
+                a is None or (isinstance(a, str) and a) for a in self.axes
+            ):
+                raise SpecError(
+                    f"{where}axes must be a list of logical axis names, got {self.axes!r}"
+                )
+            object.__setattr__(self, "axes", tuple(self.axes))
         if self.target is not None and (
             not isinstance(self.target, str) or len(self.target) > MAX_PATTERN_CHARS
         ):
@@ -146,6 +157,8 @@ class RestoreRule:
             d["target"] = self.target
         if self.ops:
             d["ops"] = [o.to_dict() for o in self.ops]
+        if self.axes is not None:
+            d["axes"] = list(self.axes)
         return _with_rule_options(d, self)
 
 
@@ -400,7 +413,7 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
         raise _prefixed(e, where) from None
 
 
-_RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label"}
+_RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes"}
 
 
 def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
@@ -425,6 +438,7 @@ def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
             required=bool(obj.get("required", True)),
             when=dict(obj.get("when", {})),
             label=obj.get("label", ""),
+            axes=obj.get("axes"),
         )
     except SpecError as e:
         raise _prefixed(e, where) from None

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from jax_ucp.errors import RequestError
+from jax_ucp.restoring.adam_state import follow_adam_state
 
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 
@@ -84,6 +85,9 @@ class RestoreOptions:
             )
         if self.rules is not None and self.mesh is None and not self.has_target:
             raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
+        if self.spec is not None and self.has_target:  # the optimizer roots follow the target
+            target = self.target if self.target is not None else self.shardings
+            object.__setattr__(self, "spec", follow_adam_state(self.spec, target))
 
     @property
     def has_target(self) -> bool:

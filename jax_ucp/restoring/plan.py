@@ -88,6 +88,8 @@ class RestorePlan:
     device_bytes: IndexedBytes
     process_read_bytes: IndexedBytes
     values: int = 0
+    # the names of ``rules`` no tensor carries (those rules shard nothing)
+    unmatched_rules: tuple = ()
 
     @property
     def replicated(self) -> list[str]:
@@ -197,7 +199,11 @@ def plan(
         process_bytes.merge(layouts.every_process(mesh, 0))
     tensors = [_tensor_plan(p, layouts, device_bytes, process_bytes) for p in placed]
     _read_on_host(tensors, layouts, mesh, process_bytes)
-    return RestorePlan(root, tensors, device_bytes, process_bytes, n_values)
+    unmatched = ()
+    if not explicit and rules is not None:
+        names = {n for av in available.values() for n in av.logical_axes or () if n is not None}
+        unmatched = tuple(sharding_lib.unmatched_rules(rules, names))
+    return RestorePlan(root, tensors, device_bytes, process_bytes, n_values, unmatched)
 
 
 def _checked(target, shardings, mesh, rules, spec, casting, strict) -> RestoreOptions:

@@ -200,7 +200,9 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
             sources=srcs,
             build=plan.build,
             saved_sharding=srcs[0].saved_sharding if identity else None,
-            logical_axes=srcs[0].logical_axes if identity else None,
+            logical_axes=plan.logical_axes
+            if plan.logical_axes is not None
+            else (srcs[0].logical_axes if identity else None),
         )
     return out
 
@@ -1133,6 +1135,13 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
     sharding_lib.check_names(
         mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
     )
+    unmatched = sharding_lib.unmatched_rules(rules, names)
+    if unmatched:
+        warnings.warn(
+            sharding_lib.unmatched_rules_message(root, unmatched, names),
+            sharding_lib.ReplicationWarning,
+            stacklevel=_user_frame(),
+        )
 
 
 def _top_level(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:

@@ -90,6 +90,7 @@ def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
             sources,
             None if as_is or gather is not None else plan.build,
             gather=gather,
+            logical_axes=plan.logical_axes,
         )
     return out
 

@@ -14,4 +14,6 @@ from jax_ucp.sharding.mesh_layout import (
     replicated_unasked,
     replication_warning,
     sharding_for,
+    unmatched_rules,
+    unmatched_rules_message,
 )

@@ -179,6 +179,28 @@ def _listed(names: Iterable[str], limit: int = 12) -> str:
     return (text + f", … ({len(names)} in all)" if len(names) > limit else text) or "none"
 
 
+def unmatched_rules(rules: LogicalRules | None, logical_names: Iterable[str]) -> list[str]:
+    """The logical names of ``rules`` that no tensor carries: those rules shard nothing."""
+    known = set(logical_names)
+    return [name for name, _ in rules or () if name not in known]
+
+
+def unmatched_rules_message(where: str, unmatched: Sequence[str], logical_names) -> str:
+    """Why ``rules`` entries shard nothing, and what to do about it."""
+    carried = _listed(logical_names)
+    hint = (
+        "the checkpoint records no logical axis names: restore an imported model with the spec "
+        "that names them (spec='hf_llama', ...) or give a target carrying them"
+        if carried == "none"
+        else "fix the names or leave those rules out"
+    )
+    return (
+        f"{where}: rules for {_listed(unmatched)} match no logical axis name of the tensors "
+        f"(they carry: {carried}); what those rules should shard is replicated on every "
+        f"device: {hint}."
+    )
+
+
 def check_names(
     mesh: Mesh,
     rules: LogicalRules | None,

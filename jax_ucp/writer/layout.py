@@ -75,6 +75,7 @@ def tensor_entry(
     saved_sharding=None,
     provenance=None,
     frozen: bool = False,
+    tied_to: str | None = None,
 ) -> fmt.TensorEntry:
     """The manifest entry of one array (logical axes padded to its rank, as PartitionSpecs are).
 
@@ -117,6 +118,7 @@ def tensor_entry(
         saved_sharding=saved_sharding,
         provenance=provenance,
         frozen=frozen,
+        tied_to=tied_to,
     )
 
 

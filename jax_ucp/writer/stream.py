@@ -123,6 +123,7 @@ class HostItem:
     provenance: dict | None = None
     logical_axes: tuple | None = None
     frozen: bool = False  # a parameter the run did not train (no optimizer state)
+    tied_to: str | None = None  # the same tensor as this "/"-joined key (its state is that one's)
     key_types: tuple[str, ...] | None = None  # per component: "key", "index", "attr"; None: keys
     saved_sharding: fmt.SavedSharding | None = None  # the source's mesh + PartitionSpec, if known
 
@@ -222,6 +223,7 @@ async def write_stream(
             logical_axes=item.logical_axes,
             saved_sharding=item.saved_sharding,
             frozen=item.frozen,
+            tied_to=item.tied_to,
         )
 
     writer = PipelinedWriter(directory, sync=sync, max_bytes=budget or memory_budget())

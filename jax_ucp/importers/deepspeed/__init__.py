@@ -14,6 +14,7 @@ Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -26,13 +27,23 @@ from jax_ucp.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp.importers.deepspeed.files import DS_CLASSES, DeepSpeedImportError
 from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    glob_detection,
+)
 
 __all__ = [
     "DeepSpeedImportError",
     "DeepSpeedCheckpoint",
     "MegatronDeepSpeedCheckpoint",
     "DS_CLASSES",
+    "DeepSpeedOptions",
+    "detect",
+    "plan",
     "is_deepspeed_checkpoint",
     "open_deepspeed_checkpoint",
     "plan_deepspeed",
@@ -160,4 +171,48 @@ def _plan_training_checkpoint(
         source=source,
         total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
         source_tensors=found,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedOptions(ImportOptions):
+    """``ImportOptions`` and the tag to import.
+
+    Attributes:
+        tag: the tag folder (``global_step2``; None: the one ``latest`` names).
+    """
+
+    tag: str | None = None
+
+
+# Files only DeepSpeed writes: a folder holding one is read as DeepSpeed.
+MARKERS = (
+    "latest",
+    "latest_universal",
+    "global_step*",
+    "*mp_rank_*_model_states.pt",
+    "*zero_pp_rank_*_optim_states.pt",
+    "layer_*-model_*-model_states.pt",
+)
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a DeepSpeed checkpoint folder, from its file names."""
+    return glob_detection(
+        os.fspath(src),
+        MARKERS,
+        "DeepSpeed files",
+        "no `latest`, `global_stepN/`, `mp_rank_XX_model_states.pt` (universal: "
+        "`latest_universal`, `<tag>_universal/zero/`)",
+    )
+
+
+def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
+    """:func:`plan_deepspeed` with its options as one ``DeepSpeedOptions``."""
+    return plan_deepspeed(
+        src,
+        tag=options.tag,
+        spec=options.spec,
+        weights_only=options.weights_only,
+        share=options.share,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -390,8 +390,11 @@ def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: Optim
         )
 
 
-def frozen_shapes_of(model_states: Mapping, model_file: str) -> dict[str, tuple[int, ...]]:
-    """``frozen_param_shapes``: the parameters the run did not train (requires_grad=False)."""
+def frozen_shapes_of(
+    model_states: Mapping, model_file: str, trained: Collection[str] = ()
+) -> dict[str, tuple[int, ...]]:
+    """``frozen_param_shapes``: the parameters the run did not train (requires_grad=False); one
+    of them among the ``trained`` names is an error."""
     shapes = model_states.get("frozen_param_shapes") or {}
     if not isinstance(shapes, Mapping):
         raise DeepSpeedImportError(f"{model_file}: frozen_param_shapes is not a dict")
@@ -400,6 +403,9 @@ def frozen_shapes_of(model_states: Mapping, model_file: str) -> dict[str, tuple[
         if not isinstance(name, str):
             raise DeepSpeedImportError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
         out[name] = checked_shape(shape, model_file, f"frozen_param_shapes[{name!r}]")
+    overlap = sorted(set(out) & set(trained))
+    if overlap:
+        raise DeepSpeedImportError(f"{model_file}: parameters both frozen and trained: {overlap}")
     return out
 
 

@@ -27,6 +27,7 @@ in the run's precision from ``frozen_param_fragments``.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -205,10 +206,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     if not isinstance(info, Mapping):
         raise DeepSpeedImportError(f"{first}: universal_checkpoint_info is not a dict")
     shapes = _trained_shapes(model_files)
-    frozen = deepspeed_files.frozen_shapes_of(model_states, first)
-    overlap = sorted(set(frozen) & set(shapes))
-    if overlap:
-        raise DeepSpeedImportError(f"{first}: parameters both frozen and trained: {overlap}")
+    frozen = deepspeed_files.frozen_shapes_of(model_states, first, shapes)
     params, frozen_fp32, untracked = _param_folders(zero, first, shapes, frozen, mp_world_size)
     module = model_states.get("module") or {}
     return UniversalCheckpoint(
@@ -458,6 +456,22 @@ def _frozen_reader(checkpoint: UniversalCheckpoint) -> deepspeed_zero.DeepSpeedC
     )
 
 
+def _frozen_fp32(
+    checkpoint: UniversalCheckpoint, name: str, weight: np.ndarray, frozen_files: list[str]
+) -> list[str]:
+    """The ``zero/<name>/fp32.pt`` the universal converter wrote for a frozen parameter, if it
+    did: it must hold the weights of ``frozen_param_fragments``."""
+    if name not in checkpoint.frozen_fp32:
+        return []
+    copy = _load_state(os.path.join(checkpoint.tag_dir, ZERO_DIR, name, "fp32.pt"), "")[0]
+    if copy.shape != weight.shape or not np.array_equal(copy, weight.astype(np.float32)):
+        raise DeepSpeedImportError(
+            f"{checkpoint.tag_dir}/zero/{name}/fp32.pt: frozen parameter {name!r} "
+            f"differs from its weights in frozen_param_fragments of {frozen_files}"
+        )
+    return [checkpoint.frozen_fp32[name]]
+
+
 def iter_universal_items(
     checkpoint: UniversalCheckpoint, *, weights_only: bool, share: Share = WHOLE
 ) -> Iterator:
@@ -486,29 +500,11 @@ def iter_universal_items(
             assert fp32 is not None  # STATES[0] is "fp32"
             yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
     if checkpoint.frozen:
-        reader = _frozen_reader(checkpoint)
-        frozen_files = sorted({os.path.basename(f) for f in reader.frozen_files})
-        for name, weight in deepspeed_zero.frozen_weights(reader, share.pick(checkpoint.frozen)):
-            sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
-            if name in checkpoint.frozen_fp32:
-                copy = _load_state(os.path.join(checkpoint.tag_dir, ZERO_DIR, name, "fp32.pt"), "")[
-                    0
-                ]
-                if copy.shape != weight.shape or not np.array_equal(
-                    copy, weight.astype(np.float32)
-                ):
-                    raise DeepSpeedImportError(
-                        f"{checkpoint.tag_dir}/zero/{name}/fp32.pt: frozen parameter {name!r} "
-                        f"differs from its weights in frozen_param_fragments of {frozen_files}"
-                    )
-                sources.append(checkpoint.frozen_fp32[name])
-            item = host_item(
-                ("params", name),
-                weight,
-                {"files": frozen_files, "pattern": "frozen", "tensors": sources},
-            )
-            item.frozen = True
-            yield item
+        yield from deepspeed_zero.frozen_items(
+            _frozen_reader(checkpoint),
+            share.pick(checkpoint.frozen),
+            functools.partial(_frozen_fp32, checkpoint),
+        )
     if weights_only or not share.primary:
         return
     step, tensors, values = _step(checkpoint)

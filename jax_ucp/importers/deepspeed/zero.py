@@ -223,13 +223,8 @@ def open_zero_rank(
         mp_rank=mp_rank,
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
-    checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file)
+    checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file, checkpoint.names)
     if checkpoint.frozen:
-        overlap = sorted(set(checkpoint.frozen) & set(checkpoint.names))
-        if overlap:
-            raise DeepSpeedImportError(
-                f"{model_file}: parameters both frozen and trained: {overlap}"
-            )
         checkpoint.frozen_files = (
             [model_file]
             if optimizer.stage in (1, 2)
@@ -633,16 +628,7 @@ def iter_zero_items(
                 checkpoint, name, fp32, provenance["files"], piece_tensors(checkpoint, name, "fp32")
             )
         del fp32
-    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
-    for name, weight in frozen_weights(checkpoint, share.pick(checkpoint.frozen)):
-        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
-        item = host_item(
-            ("params", name),
-            weight,
-            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
-        )
-        item.frozen = True
-        yield item
+    yield from frozen_items(checkpoint, share.pick(checkpoint.frozen))
     if weights_only or not share.primary:
         return
     yield host_item(
@@ -847,6 +833,28 @@ def shared_params_of(model_states: Mapping, model_file: str) -> dict[str, str]:
     ):
         raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
     return dict(shared)
+
+
+def frozen_items(
+    checkpoint: DeepSpeedCheckpoint,
+    names: Sequence[str],
+    also: Callable[[str, np.ndarray, list[str]], list[str]] | None = None,
+) -> Iterator[writer.HostItem]:
+    """``params`` items of the frozen parameters ``names``, marked frozen, their weights rebuilt
+    from ``frozen_param_fragments`` (:func:`frozen_weights`). ``also(name, weight, files)``
+    names more source tensors holding the same weights (and checks that they do)."""
+    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
+    for name, weight in frozen_weights(checkpoint, names):
+        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
+        if also is not None:
+            sources += also(name, weight, frozen_files)
+        item = host_item(
+            ("params", name),
+            weight,
+            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
+        )
+        item.frozen = True
+        yield item
 
 
 def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tuple[str, np.ndarray]]:

@@ -26,6 +26,7 @@ the source names.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -40,20 +41,30 @@ from jax_ucp.importers.megatron.common import (
     MegatronImportError,
     is_optimizer_name,
 )
-from jax_ucp.importers.megatron.detect import (
+from jax_ucp.importers.megatron.legacy_import import plan_legacy
+from jax_ucp.importers.megatron.model_space import flattened_shape, unflatten
+from jax_ucp.importers.megatron.rules import default_import_rules
+from jax_ucp.importers.megatron.source import (
     MegatronSource,
     detect_megatron,
     is_megatron_checkpoint,
 )
-from jax_ucp.importers.megatron.legacy_import import plan_legacy
-from jax_ucp.importers.megatron.model_space import flattened_shape, unflatten
-from jax_ucp.importers.megatron.rules import default_import_rules
 from jax_ucp.importers.megatron.torch_dist import plan_torch_dist
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    glob_detection,
+)
 from jax_ucp.language import Spec, load_spec
 
 __all__ = [
     "MegatronImportError",
+    "MegatronOptions",
+    "detect",
+    "plan",
     "plan_megatron",
     "detect_megatron",
     "is_megatron_checkpoint",
@@ -154,3 +165,54 @@ def _jsonable(value: Any) -> Any:
     if isinstance(value, np.generic):
         return value.item()
     return str(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronOptions(ImportOptions):
+    """``ImportOptions`` and the vocabulary size.
+
+    Attributes:
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (None: the
+            spec's, else the padded rows are kept).
+    """
+
+    vocab_size: int | None = None
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a Megatron-LM / megatron-core / Megatron Bridge checkpoint folder, from
+    its file names."""
+    from jax_ucp.importers.megatron import bridge  # it imports this package
+
+    markers = (
+        "latest_checkpointed_iteration.txt",
+        bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
+        bridge.RUN_CONFIG_FILE,
+        "iter_*",
+        ".metadata",
+        "metadata.json",
+        "mp_rank_*/model_optim_rng.pt",
+    )
+    return glob_detection(
+        os.fspath(src),
+        markers,
+        "Megatron files",
+        "no `latest_checkpointed_iteration.txt`, `iter_N/`, torch_dist `.metadata` + "
+        "`*.distcp` with `common.pt`, Megatron Bridge `latest_train_state.pt` / "
+        "`run_config.yaml`",
+    )
+
+
+def plan(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
+    """Megatron Bridge (``latest_train_state.pt``, ``train_state.pt`` + ``run_config.yaml``)
+    or Megatron-LM / megatron-core, with its options as one ``MegatronOptions``."""
+    from jax_ucp.importers.megatron import bridge  # it imports this package
+
+    planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
+    return planner(
+        src,
+        spec=options.spec,
+        vocab_size=options.vocab_size,
+        weights_only=options.weights_only,
+        share=options.share,
+    )

@@ -22,8 +22,8 @@ from jax_ucp.importers.megatron.common import (
     param_groups,
     step_from_param_groups,
 )
-from jax_ucp.importers.megatron.detect import MegatronSource
 from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import (
     TENSORS,
     VALUES,

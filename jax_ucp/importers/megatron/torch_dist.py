@@ -24,7 +24,6 @@ from jax_ucp.importers.megatron.common import (
     sharding_type,
     step_from_param_groups,
 )
-from jax_ucp.importers.megatron.detect import MegatronSource
 from jax_ucp.importers.megatron.distopt import (
     BucketStates,
     GatheredStates,
@@ -40,6 +39,7 @@ from jax_ucp.importers.megatron.model_space import (
 from jax_ucp.importers.megatron.module_order import in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
 from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import (
     TENSORS,
     VALUES,
@@ -326,6 +326,22 @@ class TorchDistReader:
                 out[name] = [rows, int(kind.vocab_size)]
         return out
 
+    def pattern(self, name: str) -> str:
+        """The pattern ``read(name, name)`` records, known without reading the tensor."""
+        kind = self.vocab_kind(name)
+        if kind is None or kind.dim != 0:
+            return "torch_dist-global"
+        return f"vocab(strip {self.checkpoint.tensors[name].shape[0]} -> {kind.vocab_size})"
+
+    def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows ``lo:hi`` of ``read(name, name)`` alone, from the chunks holding them."""
+        kept = _state_shape(self, name)
+        if kept is None or not 0 <= lo <= hi <= kept[0]:
+            raise MegatronImportError(
+                f"tensor {name!r}: no rows {lo}:{hi} of {kept} ({self.checkpoint.path})"
+            )
+        return self.checkpoint.read_rows(name, lo, hi)
+
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
         kind = self.vocab_kind(rule_name)
@@ -387,10 +403,15 @@ def bucket_items(
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
         if want_model:
-            weight.get()  # read already by the states built before (the writer builds in order)
+            shape = _state_shape(reader, name)
+            model = (  # built whole once its states are (kept), else in row slabs like them
+                writer.Deferred(None, None, weight.get, bound=weight_bytes)
+                if shape is None
+                else writer.Deferred(shape, np.dtype(full.dtype), weight.get, rows=weight.rows)
+            )
             yield host_item(
                 ("model_params", name),
-                writer.Deferred(None, None, weight.get, bound=weight_bytes),
+                model,
                 {
                     "format": "torch_dist",
                     "files": full.files,
@@ -407,14 +428,15 @@ def bucket_items(
 
 
 class _ModelWeight:
-    """One parameter's model weight, read by the first of its states to be built (inside the
-    memory budget, which reserves its bytes beside each state's) and kept for the masters'
-    check and the model-precision copy."""
+    """One parameter's model weight, read whole by the first of its states to be built whole
+    (inside the memory budget, which reserves its bytes beside each state's) and kept for the
+    masters' check and the model-precision copy; a state written in row slabs reads only the
+    slab's rows of it instead (``rows``), so it is never held whole beside a slab."""
 
     def __init__(self, reader: TorchDistReader, name: str):
         self.reader, self.name = reader, name
         self.value: np.ndarray | None = None
-        self.pattern: str | None = None
+        self.pattern = reader.pattern(name)
 
     def get(self) -> np.ndarray:
         if self.value is None:
@@ -423,6 +445,14 @@ class _ModelWeight:
             except (dcp.DcpError, legacy.LegacyError) as e:
                 raise MegatronImportError(str(e)) from None
         return self.value
+
+    def rows(self, lo: int, hi: int) -> np.ndarray:
+        if self.value is not None:
+            return self.value[lo:hi]
+        try:
+            return self.reader.read_rows(self.name, lo, hi)
+        except (dcp.DcpError, legacy.LegacyError) as e:
+            raise MegatronImportError(str(e)) from None
 
 
 def _bucket_state(
@@ -457,18 +487,16 @@ def _bucket_state(
         return writer.Deferred(None, None, make, bound=bound)
 
     def rows(lo: int, hi: int) -> np.ndarray:
-        """Rows ``lo:hi`` alone (the tensor is larger than the memory budget), checked the same."""
-        weight = model.get()
-        if tuple(weight.shape) != shape:
-            raise MegatronImportError(
-                f"tensor {name!r}: model weight {list(weight.shape)}, its optimizer state "
-                f"{list(shape)} ({buckets.where})"
-            )
+        """Rows ``lo:hi`` alone (the tensor is larger than the memory budget), the master
+        checked against the same rows of the model weight (read alone too)."""
         try:
             value = buckets.read(state, name, rows=(lo, hi))
         except (dcp.DcpError, legacy.LegacyError) as e:
             raise MegatronImportError(str(e)) from None
-        if state == "param" and not _rounds_to(value, weight[lo:hi]):
+        if state != "param":
+            return value
+        weight = model.rows(lo, hi)
+        if not _rounds_to(value, weight):
             raise MegatronImportError(
                 f"tensor {name!r}: rows {lo}:{hi} of the fp32 master found in the "
                 f"{buckets.LAYOUT} state of {buckets.where} do not "

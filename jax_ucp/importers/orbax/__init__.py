@@ -15,6 +15,7 @@ file names and one small JSON file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -25,7 +26,7 @@ from typing import Any
 from jax_ucp import writer
 from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
+from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, skip
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
@@ -305,6 +306,16 @@ def _decoding(shape, itemsize: int, chunk, budget: int) -> tuple[int, int]:
     return at_once, array + at_once * chunk_bytes
 
 
+def _by_rows(shape, itemsize: int, chunk, budget: int) -> bool:
+    """Whether an array larger than ``budget`` is read in row slabs (re-chunked by the writer):
+    when its saved chunks are small enough for a slab and the chunks decoded beside it to fit
+    (one decoded chunk at most a quarter of the budget). An array saved as one chunk larger
+    than that (Orbax's default for a single-device array) is read whole: every slab would
+    decode the whole chunk again, as costly in memory as the whole read."""
+    chunk_bytes = itemsize * math.prod(min(c or d, d) for d, c in zip(shape, chunk))
+    return len(shape) >= 1 and 0 < chunk_bytes <= budget // 4
+
+
 def _inside(root: str, name: Any, what: str) -> str:
     try:
         return files.inside(root, name, what)
@@ -406,7 +417,12 @@ def _items(leaves) -> Iterator[writer.HostItem]:
                 f"scalars and strings"
             )
         if ocdbt not in contexts:
-            contexts[ocdbt] = ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt)
+            # Orbax's context keeps up to 100 MB of OCDBT data in its cache pool: nothing here
+            # is read twice, and the budget leaves no room for it (~50 MiB measured)
+            contexts[ocdbt] = ts.Context(
+                ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
+                ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
+            )
         info = ocp.type_handlers.ParamInfo(
             name=leaf.name,
             parent_dir=epath.Path(path),
@@ -423,7 +439,8 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             continue
         dtype = array.dtype.numpy_dtype
         chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
-        at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, writer.memory_budget())
+        budget = writer.memory_budget()
+        at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, budget)
         if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
             limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
             array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, array.shape)
@@ -435,6 +452,9 @@ def _items(leaves) -> Iterator[writer.HostItem]:
                 dtype,
                 _read(array, _data_files(path, leaf.name, ocdbt), name),
                 bound=holds,
+                rows=_rows(array, _data_files(path, leaf.name, ocdbt), name)
+                if _by_rows(array.shape, dtype.itemsize, chunk, budget)
+                else None,
             ),
             role,
             sub_role,
@@ -472,6 +492,29 @@ def _data_files(path: str, name: str, ocdbt: bool) -> str:
     return os.path.join(path, name)
 
 
+def _rows(array, where: str, name: str):
+    """Reads rows ``lo:hi`` of dim 0 alone (decoding only the chunks holding them), its errors
+    as the whole read's."""
+
+    import tensorstore as ts
+
+    def rows(lo: int, hi: int):
+        # read into a private mapping unmapped once written (``writer.unpooled_empty``): a slab
+        # TensorStore allocates stays resident in glibc's heap after it is freed
+        out = writer.unpooled_empty((hi - lo, *array.shape[1:]), array.dtype.numpy_dtype)
+        view = array[lo:hi].translate_to[(0,) * array.rank]
+        try:
+            ts.array(out, copy=False, write=True).write(view).result()
+        except ValueError as e:
+            raise OrbaxImportError(
+                f"{where}: reading rows {lo}:{hi} of array {name!r} failed (missing, truncated "
+                f"or corrupt chunk data): {tensorstore_message(e)}"
+            ) from None
+        return out
+
+    return rows
+
+
 def _read(array, where: str, name: str):
     """Reads the whole array; a missing, truncated or corrupt chunk file is an error naming the
     array, where its chunks lie and the file TensorStore names."""
@@ -486,3 +529,38 @@ def _read(array, where: str, name: str):
             ) from None
 
     return read
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxOptions(ImportOptions):
+    """``ImportOptions`` and the step to import.
+
+    Attributes:
+        tag: the step of a CheckpointManager directory (None: the latest committed one); a
+            string of digits is that step number.
+    """
+
+    tag: int | str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.tag, str) and self.tag.isdigit():
+            object.__setattr__(self, "tag", int(self.tag))
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
+    file names (:func:`is_orbax`)."""
+    if is_orbax(src):
+        return Detection(True, "Orbax metadata")
+    return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
+
+
+def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
+    """:func:`plan_orbax` with its options as one ``OrbaxOptions``."""
+    return plan_orbax(
+        src,
+        tag=options.tag,
+        spec=options.spec,
+        weights_only=options.weights_only,
+        share=options.share,
+    )

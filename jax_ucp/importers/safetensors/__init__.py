@@ -17,8 +17,17 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.errors import RequestError
 from jax_ucp.format import safetensors
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, host_item, skip
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    host_item,
+    skip,
+)
 
 # The header parser and its checks live in ``format.safetensors`` (the direct restore reads the
 # same files); these names stay importable from here.
@@ -98,3 +107,35 @@ def _items(owner: dict[str, SafetensorsFile], names: list[str]) -> Iterator[writ
         f = owner[name]
         provenance = {"file": os.path.basename(f.path), "tensors": [name]}
         yield host_item(("params", name), f.tensor(name), provenance)
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a ``.safetensors`` file or a folder of them (with or without the
+    index), from names and headers' lengths only. A folder is a weak claim: DeepSpeed,
+    Megatron, Orbax and torch DCP folders may hold safetensors too."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        if src.endswith(".safetensors"):
+            return Detection(True, "a .safetensors file")
+        return Detection(False, "not a .safetensors file")
+    if os.path.isdir(src) and is_safetensors(src):
+        return Detection(True, "Hugging Face safetensors", weak=True)
+    return Detection(False, f"no Hugging Face safetensors (`*.safetensors`, `{INDEX_FILE}`)")
+
+
+def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
+    """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``,
+    Accelerate's ``save_state``) the torch files importer maps its state too, unless only
+    weights are wanted. ``options``: the torch importer's (``TorchOptions``)."""
+    from jax_ucp.importers.torch import files as torch_files  # torchtune imports this package
+
+    parameter_order = getattr(options, "parameter_order", None)
+    common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
+    if not options.weights_only and torch_files.has_torch_optimizer(src):
+        return torch_files.plan_torch_files(src, **common, parameter_order=parameter_order)
+    if parameter_order is not None:
+        raise RequestError(
+            f"{src}: parameter_order= orders a torch optimizer's state; these safetensors "
+            f"come without one (or weights_only=True)"
+        )
+    return plan_safetensors(src, **common)

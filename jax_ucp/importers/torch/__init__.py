@@ -1,2 +1,63 @@
 """Torch checkpoints read without torch: the allow-listed unpickler, the torch DCP reader and
 importer, ``torch.save`` files, and torch optimizers' state conventions."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+
+from jax_ucp.errors import RequestError
+from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
+from jax_ucp.importers.torch import dcp, files, torchtune
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchOptions(ImportOptions):
+    """``ImportOptions`` and the order of an index-keyed optimizer's parameters.
+
+    Attributes:
+        parameter_order: the names of the parameters an optimizer keys by index, in the order
+            torch numbered them (torch.save files, torchtune; None: from the files).
+    """
+
+    parameter_order: Sequence[str] | None = None
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a torch DCP checkpoint or torch.save files, from names (and a zip's
+    signature). A folder of ``.bin`` / ``.pt`` files is a weak claim: DeepSpeed and Megatron
+    folders hold them too."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        if files.is_torch_files(src):
+            return Detection(True, "a torch.save file")
+        return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
+    if os.path.isdir(src) and dcp.is_torch_dcp(src):
+        return Detection(True, "torch DCP (.metadata)")
+    if os.path.isdir(src) and torchtune.is_torchtune(src):  # epoch_N/ (+ recipe_state/)
+        return Detection(True, "a torchtune checkpoint", weak=True)
+    if os.path.isdir(src) and files.is_torch_files(src):
+        return Detection(True, "torch.save files", weak=True)
+    return Detection(
+        False,
+        "no torch DCP (`.metadata` + `__R_S.distcp`, or Accelerate's `pytorch_model_fsdp_0/` + "
+        f"`optimizer_0/`) and no torch.save files (`pytorch_model.bin`, `{files.INDEX_FILE}`, "
+        "`pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` file)",
+    )
+
+
+def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
+    """torchtune, torch DCP (a folder with .metadata, or Accelerate's holding them) or
+    torch.save files, with the options as one ``TorchOptions``."""
+    common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
+    if torchtune.is_torchtune(src):
+        return torchtune.plan_torchtune(src, **common, parameter_order=options.parameter_order)
+    if dcp.dcp_dirs(src):
+        if options.parameter_order is not None:
+            raise RequestError(
+                f"{src}: parameter_order= applies to torch.save files and torchtune "
+                f"checkpoints; torch DCP records its optimizer state by name"
+            )
+        return dcp.plan_torch_dcp(src, **common)
+    return files.plan_torch_files(src, **common, parameter_order=options.parameter_order)

@@ -155,6 +155,14 @@ def _read(ck: dcp_reader.DcpCheckpoint, name: str) -> Any:
         raise TorchImportError(str(e)) from None
 
 
+def _read_rows(ck: dcp_reader.DcpCheckpoint, name: str, start: int, stop: int) -> Any:
+    """``ck.read_rows``, its errors as this importer's (called by the writer, like ``_read``)."""
+    try:
+        return ck.read_rows(name, start, stop)
+    except dcp_reader.DcpError as e:
+        raise TorchImportError(str(e)) from None
+
+
 def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
     t = ck.tensors[name]
     return TensorRef(
@@ -163,6 +171,7 @@ def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
         t.dtype,
         lambda: _read(ck, name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
+        rows=lambda start, stop: _read_rows(ck, name, start, stop),
     )
 
 

@@ -19,7 +19,6 @@ as they are.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import warnings
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import numpy as np
 
 from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files, safetensors
+from jax_ucp.format.safetensors import first_tensors, read_weight_map
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
 from jax_ucp.importers.torch import hf_trainer
 from jax_ucp.importers.torch import unpickler as torch_pickle
@@ -57,7 +57,6 @@ MODEL_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt", "model
 OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
 _MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
 _OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
-MAX_INDEX_BYTES = 64 << 20
 
 
 def _is_zip(path: str) -> bool:
@@ -123,24 +122,8 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
 
 def _index_files(src: str) -> list[str]:
     index = _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
-    try:
-        data = json.loads(files.read_regular(index, MAX_INDEX_BYTES))
-    except (ValueError, RecursionError) as e:
-        raise TorchImportError(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise TorchImportError(f"{index}: expected a 'weight_map' of tensor name -> file name")
-    first: dict[str, str] = {}  # file name -> the first tensor naming it
-    for tensor, name in weight_map.items():
-        first.setdefault(name, tensor)
-    for name in sorted(first):
-        if os.path.basename(name) != name or name in (".", ".."):
-            raise TorchImportError(
-                f"{index}: weight_map names {name[:100]!r}; expected a file beside the index"
-            )
-    return [_inside(src, n, f"{index}: weight_map entry {first[n][:100]!r}") for n in sorted(first)]
+    first = first_tensors(read_weight_map(index, error=TorchImportError))
+    return [_inside(src, n, f"{index}: weight_map entry {t[:100]!r}") for n, t in first.items()]
 
 
 def _inside(src: str, name: str, what: str) -> str:
@@ -344,12 +327,23 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
         value.dtype,
         lambda: value,
         {"format": "torch_files", "file": os.path.basename(path)},
+        identity=_identity(value),
+    )
+
+
+def _identity(value: np.ndarray):
+    """Where an array's bytes are (tied tensors are views of one storage)."""
+    return (
+        value.__array_interface__["data"][0],
+        value.shape,
+        value.strides,
+        value.dtype.str,
     )
 
 
 def _check_index(src: str, model: dict) -> None:
     index = os.path.join(src, INDEX_FILE)
-    weight_map = json.loads(files.read_regular(index, MAX_INDEX_BYTES))["weight_map"]
+    weight_map = read_weight_map(index, error=TorchImportError)
     wrong = sorted(n for n, f in weight_map.items() if n not in model)
     unlisted = sorted(set(model) - set(weight_map))
     moved = sorted(

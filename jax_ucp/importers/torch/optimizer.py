@@ -70,6 +70,12 @@ class TensorRef:
     dtype: np.dtype
     read: Callable[[], np.ndarray]
     where: dict
+    # Same value => same tensor (tied weights share one storage, offset, shape and strides);
+    # None when unknown.
+    identity: Any = None
+    #: rows ``start:stop`` of dim 0 alone (a DCP tensor's chunks overlapping them), so that a
+    #: tensor larger than the memory budget is written in row slabs; None: read whole
+    rows: Callable[[int, int], np.ndarray] | None = None
 
 
 def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:
@@ -236,12 +242,15 @@ def plan_state(
     source = dict(source)
     source["model_dtype"] = ", ".join(dtypes)
     if has_optimizer and not weights_only:
-        frozen = sorted(n for n in state.params if n not in states)
+        tied = tied_parameters(state.params, states)
+        frozen = sorted(n for n in state.params if n not in states and n not in tied)
         source["optimizer"] = {
             "param_groups": [jsonable(g) for g in groups],
             "state": kept_states + (["step"] if count is not None else []),
             "no_state": frozen,
         }
+        if tied:
+            source["optimizer"]["tied"] = dict(sorted(tied.items()))
         floating = [d for d in dtypes if d != "float32"]
         if floating:
             source.setdefault("notes", []).append(
@@ -258,18 +267,36 @@ def plan_state(
     )
 
 
+def tied_parameters(params: dict[str, TensorRef], states: dict) -> dict[str, str]:
+    """Parameter without optimizer state -> the parameter with state it is the same tensor as
+    (a tied ``lm_head.weight`` saved beside ``embed_tokens.weight``: one storage, so torch's
+    optimizer holds one state, under the other name)."""
+    trained = {}
+    for name, ref in params.items():
+        if name in states and ref.identity is not None:
+            trained.setdefault(ref.identity, name)
+    return {
+        name: trained[ref.identity]
+        for name, ref in params.items()
+        if states and name not in states and ref.identity in trained
+    }
+
+
 def _items(
     state: TorchState,
     states: dict[str, dict[str, TensorRef]],
     names: list[str],
     step: tuple[int, list[str]] | None,
 ) -> Iterator[writer.HostItem]:
+    tied = tied_parameters(state.params, states)
     for name in names:
         param = state.params[name]
         per = states.get(name, {})
         value = _deferred(param, name, state.where)
         item = host_item(("params", name), value, {**param.where, "tensors": [param.name]})
-        if states and not per:
+        if name in tied:
+            item = dataclasses.replace(item, tied_to=f"params/{tied[name]}")
+        elif states and not per:
             item = dataclasses.replace(item, frozen=True)
         yield item
         for key in sorted(per):
@@ -305,7 +332,17 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
 
-    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read)
+    rows = None
+    if ref.rows is not None and ref.shape:
+        read_rows = ref.rows
+
+        def rows(start: int, stop: int) -> np.ndarray:
+            value = read_rows(start, stop)
+            want = TensorRef(ref.name, (stop - start, *ref.shape[1:]), ref.dtype, ref.read, {})
+            _check_read(value, want, f"{name} rows {start}:{stop}", where)
+            return value
+
+    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
 
 
 def _check_read(value: Any, ref: TensorRef, name: str, where: str) -> None:

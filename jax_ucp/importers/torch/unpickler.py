@@ -144,6 +144,10 @@ def short_repr(obj: Any, limit: int = 200) -> str:
     return r if len(r) <= limit else r[: limit - 3] + "..."
 
 
+#: Types with no children: counted in check_expansion's walk, never pushed (exact types only).
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})
+
+
 def _children(x: Any) -> Iterable[Any]:
     if type(x) in (list, tuple, set, frozenset):
         return x
@@ -160,7 +164,8 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
     pickle_bytes)`` objects or nests deeper than :data:`MAX_DEPTH` when walked as a tree, or
     that contains a cycle.
 
-    Linear in the number of distinct objects (each one's expanded size is computed once).
+    Linear in the number of distinct objects (each one's expanded size is computed once);
+    atoms (numbers, strings, None) are counted, not visited, since a real pickle is mostly them.
 
     Args:
         obj: the unpickled object graph.
@@ -172,14 +177,15 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
     depth: dict[int, int] = {}
     active: set[int] = set()
     keep: list[Any] = []  # ids stay valid while the walk runs
-    stack: list[tuple[Any, bool]] = [(obj, False)]
+    # (object, None) to visit; (object, (its non-atom children, its atom count)) to finish
+    stack: list[tuple[Any, tuple[list[Any], int] | None]] = [(obj, None)]
     while stack:
         x, done = stack.pop()
         i = id(x)
-        if done:
-            kids = list(_children(x))
-            size[i] = 1 + sum(size[id(k)] for k in kids)
-            depth[i] = 1 + max((depth[id(k)] for k in kids), default=0)
+        if done is not None:
+            kids, atoms = done
+            size[i] = 1 + atoms + sum(size[id(k)] for k in kids)
+            depth[i] = 1 + max((depth[id(k)] for k in kids), default=1 if atoms else 0)
             active.discard(i)
             if size[i] > limit:
                 raise TorchFileError(
@@ -200,10 +206,11 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
         if not kids:
             size[i], depth[i] = 1, 1
             continue
+        inner = [k for k in kids if type(k) not in _ATOMS]
         active.add(i)
         keep.append(x)
-        stack.append((x, True))
-        stack.extend((k, False) for k in kids if id(k) not in size)
+        stack.append((x, (inner, len(kids) - len(inner))))
+        stack.extend((k, None) for k in inner if id(k) not in size)
 
 
 # --------------------------------------------------------------------------- stand-ins

@@ -1,0 +1,776 @@
+"""Scale benchmarks (issue 33): how time and host memory grow from 1 to 16 GB of checkpoint,
+jax_ucp side by side with what a user would pick instead, each contender in the same run.
+
+Parts (``--parts``, all by default):
+
+* ``jax``: ``--sizes`` GB of float32 (64 MiB tensors, every one fully sharded) saved from a 2×4
+  mesh and restored onto a 4×2 mesh with other PartitionSpecs: ``jax_ucp.save``/``restore`` vs
+  Orbax ``StandardCheckpointer`` (defaults: OCDBT + zstd) vs Orbax with ``use_compression=False``.
+  Each save and each restore runs in a fresh process (8 CPU devices), so its RssAnon is its own.
+* ``dcp``: a torch DCP checkpoint written by 2 gloo ranks holding FSDP2-style sharded state
+  (DTensors ``Shard(0)`` of a Llama-shaped model + AdamW ``exp_avg``/``exp_avg_sq``, fp32; the
+  layer count scaled to the size) → ``jax_ucp.convert`` (default 256 MiB budget) vs
+  ``dcp_to_torch_save`` + ``torch.load``, each in its own process.
+* ``hf``: a Hugging Face folder, Llama-3-8B-shaped bf16 (4 shards + index; at 16 GB the real
+  8B shapes, smaller sizes scale the layer count and the vocabulary by size/16) restored onto a
+  2×4 mesh, Megatron-style TP on ``model`` (column-parallel split on dim 0, row-parallel on dim
+  1) and FSDP on ``data`` (the other dim), norms replicated: ``jax_ucp.restore(folder)`` vs Orbax
+  v1 ``ocp.load`` with ``CheckpointLayout.SAFETENSORS``.
+
+Every read is from a cold page cache (the files' pages dropped with ``posix_fadvise`` after
+``fdatasync``: ``bench_save_restore.evict``; ``/proc/sys/vm/drop_caches`` would drop the caches of
+everyone sharing the host). Saves are timed to durable data (a ``sync`` after). Memory: RssAnon
+sampled every 5 ms in the measured process (and, for the convert contenders, over the process
+tree by ``rss.Peak``); "above the arrays" is the peak minus the baseline with the arrays in
+memory (save) or minus the restored arrays (restore). Data are generated on the fly and deleted
+after each size. A contender whose estimated peak does not fit in MemAvailable minus a margin is
+recorded as skipped, with the figures, instead of risking the shared host.
+
+    python benchmarks/bench_scale.py --sizes 1,4,16 [--parts jax,dcp,hf] [--dir /tmp/ucp_scale]
+
+Results are merged into docs/benchmark_scale.json (one record per part, size and contender) and
+drawn as docs/benchmark_scale.png (``--plot-only`` redraws from the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.join(ROOT, "benchmarks")
+DOCS = os.path.join(ROOT, "docs")
+JSON = os.path.join(DOCS, "benchmark_scale.json")
+PNG = os.path.join(DOCS, "benchmark_scale.png")
+GB = 10**9
+MiB = 2**20
+GiB = 2**30
+BUDGET = 256 * MiB  # jax_ucp's default memory budget
+
+JAX_CONTENDERS = ("jax_ucp", "orbax default", "orbax no-compr")
+HF_CONTENDERS = ("jax_ucp", "orbax v1")
+DCP_CONTENDERS = ("jax_ucp.convert", "dcp_to_torch_save + torch.load")
+# estimated peak host memory of one measurement, in multiples of the checkpoint's bytes: the
+# peaks measured at 4 GB by this script (Orbax: arrays + 0.75×; jax_ucp: arrays + < 0.1 GiB) plus
+# 10 %; a measurement runs only when this plus MARGIN fits in MemAvailable
+NEED = {
+    ("jax", "save", "jax_ucp"): 1.2,
+    ("jax", "save", "orbax default"): 2.0,
+    ("jax", "save", "orbax no-compr"): 1.2,
+    ("jax", "restore", "jax_ucp"): 1.2,
+    ("jax", "restore", "orbax default"): 2.0,
+    ("jax", "restore", "orbax no-compr"): 2.0,
+    ("hf", "restore", "jax_ucp"): 1.2,
+    ("hf", "restore", "orbax v1"): 1.9,
+    ("dcp", "convert", "jax_ucp.convert"): 0.0,
+    ("dcp", "convert", "dcp_to_torch_save + torch.load"): 1.3,
+}
+MARGIN = 4 * GiB
+
+
+# ------------------------------------------------------------------------------ measurement
+
+
+def status(pid="self") -> dict[str, int]:
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
+                out[k] = int(v.split()[0]) * 1024
+    return out
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class Sampler:
+    """Peak RssAnon of this process, sampled every ``period`` seconds in a thread."""
+
+    def __init__(self, period: float = 0.005):
+        self.peak = status()["RssAnon"]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
+        self._thread.start()
+
+    def _run(self, period):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, status()["RssAnon"])
+            time.sleep(period)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, status()["RssAnon"])
+        return self.peak
+
+
+def settle() -> None:
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def du(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def evict(path: str) -> None:
+    sys.path.insert(0, HERE)
+    from bench_save_restore import evict as _evict
+
+    _evict(path)
+
+
+# ------------------------------------------------------------------------------ shapes
+
+
+def llama8b_shapes(gb: float) -> dict[str, tuple[int, ...]]:
+    """Llama-3-8B (hidden 4096, 32 heads, 8 KV heads of 128, MLP 14336, vocab 128256, untied head,
+    32 layers) with the layer count and the vocabulary scaled by ``gb``/16: 16.06 GB of bf16 at 16."""
+    s = gb / 16
+    h, kv, f = 4096, 1024, 14336
+    v = max(64, round(128256 * s / 64) * 64)
+    layers = max(1, round(32 * s))
+    shapes = {"model.embed_tokens.weight": (v, h)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (h, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, h)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (f, h)
+        shapes[p + "mlp.up_proj.weight"] = (f, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, f)
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (v, h)
+    return shapes
+
+
+def dcp_shapes(gb: float) -> dict[str, tuple[int, ...]]:
+    """A Llama-shaped model (hidden 2048, 16 heads, 4 KV heads, MLP 5632, vocab 32000, untied)
+    whose parameters + two fp32 AdamW moments make ~``gb`` GB (12 bytes per parameter); layers
+    scaled to the size (16 GB ≈ 1.33B parameters, 1 GB = 1 layer and a 4096-row vocabulary)."""
+    h, kv, f = 2048, 512, 5632
+    per_layer = 2 * h * h + 2 * kv * h + 3 * f * h + 2 * h
+    params = gb * GB / 12
+    v = 32000 if params > 4 * 32000 * h else 4096
+    layers = max(1, round((params - 2 * v * h - h) / per_layer))
+    shapes = {"tok_embeddings.weight": (v, h)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (h,)
+        shapes[p + "attention.wq.weight"] = (h, h)
+        shapes[p + "attention.wk.weight"] = (kv, h)
+        shapes[p + "attention.wv.weight"] = (kv, h)
+        shapes[p + "attention.wo.weight"] = (h, h)
+        shapes[p + "ffn_norm.weight"] = (h,)
+        shapes[p + "feed_forward.w1.weight"] = (f, h)
+        shapes[p + "feed_forward.w3.weight"] = (f, h)
+        shapes[p + "feed_forward.w2.weight"] = (h, f)
+    shapes["norm.weight"] = (h,)
+    shapes["output.weight"] = (v, h)
+    return shapes
+
+
+def random_bits(rng, n: int, dtype):
+    """``n`` values of ``dtype`` (float32 / bfloat16) from random bits with the exponent's top bit
+    cleared: finite, |x| < 2, incompressible like trained weights' mantissas; fast to make."""
+    import numpy as np
+
+    if np.dtype(dtype).itemsize == 4:
+        return (rng.integers(0, 2**32, n, dtype=np.uint32) & 0xBFFFFFFF).view(dtype)
+    return (rng.integers(0, 2**16, n, dtype=np.uint16) & 0xBFFF).view(dtype)
+
+
+# ------------------------------------------------------------------------------ children
+
+
+def _jax_setup():
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import numpy as np
+
+    return jax, np, np.array(jax.devices()[:8])
+
+
+def child_jax(a) -> dict:
+    jax, np, devs = _jax_setup()
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ucp
+
+    n = max(1, round(a.gb * GB / (64 * MiB)))
+    names = [f"w{i:03d}" for i in range(n)]
+    shape = (4096, 4096)
+    if a.child == "jax-save":
+        mesh = Mesh(devs.reshape(2, 4), ("x", "y"))
+        specs = [P("x", "y"), P("y", "x"), P(None, ("x", "y")), P(("x", "y"), None)]
+        rng = np.random.default_rng(0)
+        tree = {}
+        for i, k in enumerate(names):
+            host = rng.standard_normal(shape, dtype=np.float32) * 0.02  # compresses like weights
+            tree[k] = jax.device_put(host, NamedSharding(mesh, specs[i % 4]))
+            del host
+        jax.block_until_ready(tree)
+        arrays = sum(s.data.nbytes for x in tree.values() for s in x.addressable_shards)
+    else:
+        mesh = Mesh(devs.reshape(4, 2), ("x", "y"))
+        specs = [P("y", "x"), P("x", "y"), P(("y", "x"), None), P(None, ("x", "y"))]
+        shardings = {k: NamedSharding(mesh, specs[i % 4]) for i, k in enumerate(names)}
+        evict(a.path)
+    settle()
+    open("/proc/self/clear_refs", "w").write("5")  # VmHWM := VmRSS
+    base = status()
+    os.sync()
+    sampler = Sampler()
+    t0 = time.perf_counter()
+    if a.child == "jax-save":
+        if a.contender == "jax_ucp":
+            jax_ucp.save(a.path, tree)
+        elif a.contender == "orbax default":
+            with ocp.StandardCheckpointer() as ck:
+                ck.save(a.path, tree)
+                ck.wait_until_finished()
+        else:
+            handler = ocp.PyTreeCheckpointHandler(use_compression=False)
+            with ocp.AsyncCheckpointer(handler) as ck:
+                ck.save(a.path, args=ocp.args.PyTreeSave(tree))
+                ck.wait_until_finished()
+        os.sync()  # durable
+    else:
+        if a.contender == "jax_ucp":
+            out = jax_ucp.restore(a.path, shardings=shardings)
+        else:
+            target = {
+                k: jax.ShapeDtypeStruct(shape, np.float32, sharding=shardings[k]) for k in names
+            }
+            with ocp.StandardCheckpointer() as ck:
+                out = ck.restore(a.path, target)
+        jax.block_until_ready(out)
+        arrays = sum(s.data.nbytes for x in out.values() for s in x.addressable_shards)
+        for k in names[:2]:  # the right layout came back
+            assert out[k].sharding == shardings[k], k
+    seconds = time.perf_counter() - t0
+    peak = sampler.stop()
+    end = status()
+    above = peak - base["RssAnon"] - (arrays if a.child == "jax-restore" else 0)
+    return {
+        "seconds": seconds,
+        "array_bytes": arrays,
+        "checkpoint_bytes": du(a.path),
+        "rss_anon_peak_above_arrays": above,
+        "vm_hwm_increase": end["VmHWM"] - base["VmRSS"],
+    }
+
+
+def hf_spec(name: str, shape):
+    from jax.sharding import PartitionSpec as P
+
+    if len(shape) == 1:
+        return P()
+    if any(r in name for r in ("o_proj", "down_proj")):  # row-parallel
+        return P("data", "model")
+    return P("model", "data")  # column-parallel (q/k/v, gate/up, embedding, lm_head)
+
+
+def child_hf(a) -> dict:
+    jax, np, devs = _jax_setup()
+    import ml_dtypes
+    from jax.sharding import Mesh, NamedSharding
+
+    import jax_ucp
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    shapes = llama8b_shapes(a.gb)
+    mesh = Mesh(devs.reshape(2, 4), ("data", "model"))
+    abstract = {
+        n: jax.ShapeDtypeStruct(s, bf16, sharding=NamedSharding(mesh, hf_spec(n, s)))
+        for n, s in shapes.items()
+    }
+    if a.contender == "orbax v1":
+        import orbax.checkpoint.experimental.v1 as ocp
+
+        ctx = ocp.Context()
+        ctx.checkpoint_layout = ocp.options.CheckpointLayout.SAFETENSORS
+    evict(a.path)
+    settle()
+    open("/proc/self/clear_refs", "w").write("5")
+    base = status()
+    sampler = Sampler()
+    t0 = time.perf_counter()
+    if a.contender == "jax_ucp":
+        out = jax_ucp.restore(a.path, target={"params": abstract})["params"]
+    else:
+        with ctx:
+            out = ocp.load(a.path, abstract)
+    jax.block_until_ready(out)
+    seconds = time.perf_counter() - t0
+    peak = sampler.stop()
+    end = status()
+    arrays = sum(s.data.nbytes for x in out.values() for s in x.addressable_shards)
+    for n in list(shapes)[:3]:
+        assert out[n].sharding == abstract[n].sharding and out[n].dtype == bf16, n
+    return {
+        "seconds": seconds,
+        "array_bytes": arrays,
+        "checkpoint_bytes": du(a.path),
+        "rss_anon_peak_above_arrays": peak - base["RssAnon"] - arrays,
+        "vm_hwm_increase": end["VmHWM"] - base["VmRSS"],
+    }
+
+
+def _dcp_rank(rank: int, world: int, port: int, out: str, gb: float, scratch: str) -> None:
+    """One FSDP2 rank: its Shard(0) halves of the parameters and AdamW moments as DTensors over
+    file-backed storage (so 16 GB of state does not need 16 GB of RAM), saved with DCP."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (world,))
+    shapes = dcp_shapes(gb)
+    local = {n: (s[0] // world, *s[1:]) for n, s in shapes.items()}
+    total = 3 * sum(int(np.prod(s)) for s in local.values())
+    path = f"{scratch}.rank{rank}"
+    rng = np.random.default_rng(rank)
+    with open(path, "wb") as f:
+        left = total
+        while left:
+            n = min(left, 16 * MiB)
+            random_bits(rng, n, np.float32).tofile(f)
+            left -= n
+    flat = torch.from_file(path, shared=True, size=total, dtype=torch.float32)
+    off = 0
+
+    def take(name):
+        nonlocal off
+        s = local[name]
+        n = int(np.prod(s))
+        t = flat[off : off + n].view(s)
+        off += n
+        full = shapes[name]
+        stride = tuple(int(np.prod(full[i + 1 :])) for i in range(len(full)))
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=full, stride=stride)
+
+    model, state = {}, {}
+    for name in shapes:
+        model[name] = take(name)
+        state[name] = {"step": torch.tensor(1.0), "exp_avg": take(name), "exp_avg_sq": take(name)}
+    group = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-4).param_groups[0]
+    group = {k: v for k, v in group.items() if k != "params"} | {"params": list(shapes)}
+    dcp.save(
+        {"model": model, "optim": {"state": state, "param_groups": [group]}}, checkpoint_id=out
+    )
+    del model, state
+    os.unlink(path)
+    dist.destroy_process_group()
+
+
+def child_dcp_gen(a) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    scratch = os.path.join(os.path.dirname(a.path), "scratch")
+    mp.spawn(_dcp_rank, args=(2, port, a.path, a.gb, scratch), nprocs=2, join=True)
+    shapes = dcp_shapes(a.gb)
+    params = sum(int(__import__("math").prod(s)) for s in shapes.values())
+    return {"checkpoint_bytes": du(a.path), "parameters": params, "tensors": 3 * len(shapes)}
+
+
+STATUS = (
+    "def _mem():\n"
+    "    d = {}\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        k, _, v = line.partition(':')\n"
+    "        if k in ('VmHWM', 'RssAnon'):\n"
+    "            d[k] = int(v.split()[0]) * 1024\n"
+    "    return d\n"
+)
+JAX_UCP_CONVERT = STATUS + (
+    "import sys, json\n"
+    "import jax_ucp\n"
+    "jax_ucp.convert(sys.argv[1], sys.argv[2])\n"
+    "print('MEM' + json.dumps(_mem()))\n"
+)
+TORCH_CONVERT = STATUS + (
+    "import sys, json\n"
+    "import torch\n"
+    "from torch.distributed.checkpoint.format_utils import dcp_to_torch_save\n"
+    "dcp_to_torch_save(sys.argv[1], sys.argv[2])\n"
+    "state = torch.load(sys.argv[2], weights_only=True)\n"
+    "print('MEM' + json.dumps(_mem()))\n"
+)
+
+
+# ------------------------------------------------------------------------------ orchestration
+
+
+def run_child(kind: str, contender: str, path: str, gb: float) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--contender", contender]
+    cmd += ["--path", path, "--gb", str(gb)]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"{kind} {contender} {gb} GB failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")  # fmt: skip
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+def run_convert(contender: str, src: str, dst: str) -> dict:
+    sys.path.insert(0, HERE)
+    import rss
+
+    code = JAX_UCP_CONVERT if contender.startswith("jax_ucp") else TORCH_CONVERT
+    env = dict(os.environ, PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    evict(src)
+    res = rss.run_measured([sys.executable, "-c", code, src, dst], env=env, cwd=ROOT)
+    mem = next(json.loads(x[3:]) for x in res["stdout"].splitlines() if x.startswith("MEM"))
+    return {
+        "seconds": res["durable_s"],
+        "seconds_to_exit": res["wall_s"],
+        "rss_anon_peak": res["peak_rss_anon"],
+        "vm_hwm": mem["VmHWM"],
+        "output_bytes": du(dst) if os.path.isdir(dst) else os.path.getsize(dst),
+    }
+
+
+class Results:
+    """docs/benchmark_scale.json: records keyed by (part, op, size, contender), merged across
+    runs, written after every measurement so a long run leaves what it measured."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.doc = {"records": []}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.doc = json.load(f)
+
+    def add(self, rec: dict) -> None:
+        key = (rec["part"], rec["op"], rec["size_gb"], rec["contender"])
+        self.doc["records"] = [
+            r
+            for r in self.doc["records"]
+            if (r["part"], r["op"], r["size_gb"], r["contender"]) != key
+        ] + [rec]
+        self.doc["host"] = {"cores": os.cpu_count(), "ram_gib": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GiB}  # fmt: skip
+        with open(self.path, "w") as f:
+            json.dump(self.doc, f, indent=1)
+
+
+def data_bytes(rec: dict) -> int:
+    """The bytes a rate is per: the arrays for save/restore of jax trees (Orbax's compressed files
+    are smaller), the source checkpoint for an import or a safetensors restore."""
+    return rec["array_bytes"] if rec["part"] == "jax" else rec["checkpoint_bytes"]
+
+
+def rates(rec: dict) -> dict:
+    """s/GB and GB/s of a record (recomputed, so records of older runs agree)."""
+    b = data_bytes(rec) / GB
+    return rec | {"bytes": b * GB, "s_per_gb": rec["seconds"] / b, "gb_per_s": b / rec["seconds"]}
+
+
+def fits(part: str, op: str, contender: str, nbytes: float) -> tuple[bool, int, int]:
+    need = int(NEED[(part, op, contender)] * nbytes + MARGIN)
+    avail = mem_available()
+    return avail >= need, need, avail
+
+
+def stamp(rec: dict) -> dict:
+    rec["utc"] = time.strftime("%Y-%m-%d %H:%M", time.gmtime())
+    rec["load"] = os.getloadavg()[0]
+    return rec
+
+
+def show(rec: dict) -> None:
+    if rec.get("skipped"):
+        print(f"  {rec['part']:4} {rec['op']:8} {rec['size_gb']:>4} GB {rec['contender']:32} "
+              f"SKIPPED: {rec['skipped']}", flush=True)  # fmt: skip
+        return
+    mem = rec.get("rss_anon_peak_above_arrays", rec.get("rss_anon_peak", 0))
+    print(f"  {rec['part']:4} {rec['op']:8} {rec['size_gb']:>4} GB {rec['contender']:32} "
+          f"{rec['seconds']:8.1f} s  {rec['s_per_gb']:6.2f} s/GB  "
+          f"{rec['gb_per_s']:6.3f} GB/s  RssAnon {mem / MiB:8.0f} MiB  load {rec['load']:.1f}",
+          flush=True)  # fmt: skip
+
+
+def measure(results: Results, base: dict, fn, nbytes: int) -> None:
+    ok, need, avail = fits(base["part"], base["op"], base["contender"], nbytes)
+    rec = dict(base)
+    if not ok:
+        rec["skipped"] = (
+            f"needs ~{need / GiB:.1f} GiB (estimate), MemAvailable {avail / GiB:.1f} GiB"
+        )
+    else:
+        try:
+            rec.update(fn())
+            rec["bytes"] = data_bytes(rec)
+            rec["s_per_gb"] = rec["seconds"] / (rec["bytes"] / GB)
+            rec["gb_per_s"] = (rec["bytes"] / GB) / rec["seconds"]
+        except RuntimeError as e:
+            rec["failed"] = str(e)[-1500:]
+            print(rec["failed"], file=sys.stderr)
+            rec["skipped"] = "failed (see 'failed')"
+    results.add(stamp(rec))
+    show(rec)
+
+
+def disk_free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def check_disk(where: str, need: float) -> None:
+    free = disk_free(where)
+    print(f"  disk free {free / GB:.1f} GB (need ~{need / GB:.1f}); MemAvailable "
+          f"{mem_available() / GiB:.1f} GiB", flush=True)  # fmt: skip
+    if free < need + 5 * GB:
+        raise SystemExit(f"not enough disk under {where}: {free / GB:.1f} GB free")
+
+
+def part_jax(results: Results, work: str, gb: float, contenders) -> None:
+    nbytes = max(1, round(gb * GB / (64 * MiB))) * 64 * MiB
+    check_disk(work, 1.2 * nbytes)
+    for c in contenders:
+        path = os.path.join(work, "jax_" + c.replace(" ", "_"))
+        for op in ("save", "restore"):
+            base = {"part": "jax", "op": op, "size_gb": gb, "contender": c}
+            measure(results, base, lambda: run_child(f"jax-{op}", c, path, gb), nbytes)
+            if op == "save" and not os.path.isdir(path):
+                break
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def part_hf(results: Results, work: str, gb: float, contenders) -> None:
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    shapes = llama8b_shapes(gb)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
+    check_disk(work, nbytes)
+    folder = os.path.join(work, "hf")
+    os.makedirs(folder)
+    t0 = time.perf_counter()
+    rng = np.random.default_rng(0)
+    names, weight_map, k, acc, part = list(shapes), {}, 1, 0, {}
+    for i, n in enumerate(names):  # 4 shards of ~equal bytes, in order, as save_pretrained
+        part[n] = random_bits(rng, int(np.prod(shapes[n])), bf16).reshape(shapes[n])
+        acc += part[n].nbytes
+        if acc >= k * nbytes / 4 or i == len(names) - 1:
+            file = f"model-{k:05d}-of-00004.safetensors"
+            save_file(part, os.path.join(folder, file), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, file))
+            part, k = {}, k + 1
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": nbytes}, "weight_map": weight_map}, f)
+    os.sync()
+    print(f"  wrote {folder}: {len(shapes)} tensors, {nbytes / GB:.2f} GB bf16 in {k - 1} "
+          f"files ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    del part
+    for c in contenders:
+        base = {"part": "hf", "op": "restore", "size_gb": gb, "contender": c}
+        measure(results, base, lambda: run_child("hf-restore", c, folder, gb), nbytes)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def part_dcp(results: Results, work: str, gb: float, contenders) -> None:
+    import math
+
+    nbytes = int(sum(math.prod(s) for s in dcp_shapes(gb).values()) * 12)
+    check_disk(work, 3.1 * nbytes)
+    src = os.path.join(work, "dcp")
+    t0 = time.perf_counter()
+    gen = run_child("dcp-gen", "-", src, gb)
+    print(f"  wrote {src}: {gen['parameters'] / 1e9:.2f}B parameters, {gen['tensors']} tensors, "
+          f"{gen['checkpoint_bytes'] / GB:.2f} GB ({time.perf_counter() - t0:.0f} s)", flush=True)  # fmt: skip
+    for c in contenders:
+        dst = os.path.join(work, "out_ucp" if c.startswith("jax") else "full.pt")
+        base = {"part": "dcp", "op": "convert", "size_gb": gb, "contender": c}
+        meas = lambda: run_convert(c, src, dst) | {"checkpoint_bytes": gen["checkpoint_bytes"]}  # noqa: E731
+        measure(results, base, meas, gen["checkpoint_bytes"])
+        if os.path.isdir(dst):
+            shutil.rmtree(dst, ignore_errors=True)
+        elif os.path.exists(dst):
+            os.unlink(dst)
+    shutil.rmtree(src, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ plot
+
+
+def plot(path_json: str = JSON, path_png: str = PNG) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path_json) as f:
+        recs = [rates(r) for r in json.load(f)["records"] if not r.get("skipped")]
+    panels = [("jax", "save"), ("jax", "restore"), ("dcp", "convert"), ("hf", "restore")]
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
+    for j, (part, op) in enumerate(panels):
+        mine = [r for r in recs if r["part"] == part and r["op"] == op]
+        others = iter(("tab:orange", "tab:green", "tab:red"))
+        for c in sorted({r["contender"] for r in mine}, key=lambda c: not c.startswith("jax")):
+            rs = sorted((r for r in mine if r["contender"] == c), key=lambda r: r["size_gb"])
+            xs = [r["bytes"] / GB for r in rs]
+            ours = c.startswith("jax_ucp")
+            style = {"marker": "o" if ours else "s", "linestyle": "-" if ours else "--"}
+            style["color"] = "tab:blue" if ours else next(others)
+            axes[0, j].plot(xs, [r["s_per_gb"] for r in rs], label=c, **style)
+            key = "rss_anon_peak" if part == "dcp" else "rss_anon_peak_above_arrays"
+            axes[1, j].plot(xs, [max(r[key], 0) / MiB for r in rs], label=c, **style)
+        axes[0, j].set_ylim(bottom=0)
+        axes[0, j].set_title(f"{part} {op}: seconds per GB")
+        axes[1, j].set_title(
+            f"{part} {op}: peak RssAnon (MiB)" + ("" if part == "dcp" else " above arrays")
+        )
+        for ax in axes[:, j]:
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("checkpoint GB")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[1, j].set_yscale("symlog", linthresh=100)
+        axes[1, j].set_ylim(bottom=0)
+    fig.suptitle("bench_scale.py: cost per GB and memory as the checkpoint grows (2 cores, shared)")
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=100)
+    print(f"wrote {path_png}")
+
+
+def table(path_json: str = JSON) -> str:
+    """The markdown table of docs/BENCHMARKS.md and the goals, from the JSON."""
+    with open(path_json) as f:
+        recs = [r if r.get("skipped") else rates(r) for r in json.load(f)["records"]]
+    order = {"jax": 0, "dcp": 1, "hf": 2}
+    recs.sort(key=lambda r: (order[r["part"]], r["op"] != "save", r["size_gb"], r["contender"]))
+    ours = {
+        (r["part"], r["op"], r["size_gb"]): r
+        for r in recs
+        if r["contender"].startswith("jax_ucp") and not r.get("skipped")
+    }
+    lines = [
+        "| part | op | size | contender | GB | s | s/GB | GB/s | peak RssAnon MiB | × jax_ucp time | UTC, load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in recs:
+        head = f"| {r['part']} | {r['op']} | {r['size_gb']} | {r['contender']} |"
+        if r.get("skipped"):
+            lines.append(
+                f"{head} — | — | — | — | skipped: {r['skipped']} | | "
+                f"{r['utc'][11:]}, {r['load']:.0f} |"
+            )
+            continue
+        mem = r.get("rss_anon_peak_above_arrays", r.get("rss_anon_peak", 0))
+        mine = ours.get((r["part"], r["op"], r["size_gb"]))
+        ratio = "" if mine is None or mine is r else f"{r['seconds'] / mine['seconds']:.2f}"
+        lines.append(
+            f"{head} {r['bytes'] / GB:.2f} | {r['seconds']:.1f} | {r['s_per_gb']:.2f} | "
+            f"{r['gb_per_s']:.3f} | {mem / MiB:.0f} | {ratio} | {r['utc'][11:]}, {r['load']:.0f} |"
+        )
+    lines.append("")
+    for (part, op), rs in _by_key(ours.values()).items():
+        rs.sort(key=lambda r: r["size_gb"])
+        lo, hi = rs[0], rs[-1]
+        if lo is hi:
+            continue
+        lin = hi["s_per_gb"] / lo["s_per_gb"]
+        key = "rss_anon_peak" if part == "dcp" else "rss_anon_peak_above_arrays"
+        lines.append(
+            f"- jax_ucp {part} {op}: s/GB at {hi['size_gb']} GB / at {lo['size_gb']} GB = {lin:.2f} "
+            f"(goal ≤ 1.15); peak RssAnon{'' if part == 'dcp' else ' above arrays'} "
+            f"{lo[key] / MiB:.0f} → {hi[key] / MiB:.0f} MiB"
+        )
+    return "\n".join(lines)
+
+
+def _by_key(recs) -> dict:
+    out: dict = {}
+    for r in recs:
+        out.setdefault((r["part"], r["op"]), []).append(r)
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1,4,16", help="GB of checkpoint, comma-separated")
+    ap.add_argument("--parts", default="jax,dcp,hf")
+    ap.add_argument("--contenders", default=None, help="only these (comma-separated names)")
+    ap.add_argument("--dir", default="/tmp/ucp_scale")
+    ap.add_argument("--json", default=JSON)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from the JSON")
+    ap.add_argument("--table", action="store_true", help="print the markdown table from the JSON")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--contender", help=argparse.SUPPRESS)
+    ap.add_argument("--path", help=argparse.SUPPRESS)
+    ap.add_argument("--gb", type=float, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        fn = {"jax-save": child_jax, "jax-restore": child_jax, "hf-restore": child_hf,
+              "dcp-gen": child_dcp_gen}[a.child]  # fmt: skip
+        print("RESULT " + json.dumps(fn(a)), flush=True)
+        return 0
+    png = os.path.splitext(a.json)[0] + ".png"
+    if a.table:
+        print(table(a.json))
+        return 0
+    if a.plot_only:
+        plot(a.json, png)
+        return 0
+    only = set(a.contenders.split(",")) if a.contenders else None
+    pick = lambda cs: [c for c in cs if only is None or c in only]  # noqa: E731
+    results = Results(a.json)
+    results.doc["command"] = "python " + " ".join(sys.argv)
+    for gb in [float(s) if "." in s else int(s) for s in a.sizes.split(",")]:
+        for part in a.parts.split(","):
+            work = os.path.join(a.dir, f"{part}_{gb}")
+            shutil.rmtree(work, ignore_errors=True)
+            os.makedirs(work)
+            print(f"[{part} {gb} GB] {time.strftime('%H:%M:%S', time.gmtime())} UTC, load "
+                  f"{os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            try:
+                {"jax": part_jax, "dcp": part_dcp, "hf": part_hf}[part](
+                    results, work, gb, pick(
+                        {"jax": JAX_CONTENDERS, "dcp": DCP_CONTENDERS, "hf": HF_CONTENDERS}[part]
+                    )
+                )  # fmt: skip
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    plot(a.json, png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

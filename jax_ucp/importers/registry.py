@@ -1,0 +1,163 @@
+"""The importers, one per source format, and which one a source is for.
+
+Each format's package exposes ``detect(path)`` (a :class:`Detection`: its files are there, or
+why not) and ``plan(path, options)`` with typed options (:class:`ImportOptions` or the format's
+subclass); this module holds them in the order detection asks them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax_ucp.errors import RequestError
+from jax_ucp.format import UCPError
+from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch
+from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, accounted
+
+
+class SourceFormatError(UCPError, ValueError):
+    """The source is not a checkpoint of a format jax_ucp imports (or not there at all)."""
+
+
+class SourceNotFoundError(SourceFormatError, FileNotFoundError):
+    """The source path does not exist or is not a directory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Importer:
+    """One source format: how its checkpoints are recognised and imported.
+
+    Attributes:
+        name: the format's name (``format=``, ``--from``).
+        detect: ``detect(path)``: whether ``path`` holds this format, and why (not).
+        plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
+        options: the format's options class (``ImportOptions`` or a subclass).
+    """
+
+    name: str
+    detect: Callable[[str], Detection]
+    plan: Callable[[str, Any], ImportPlan]
+    options: type[ImportOptions]
+
+
+# In the order detection asks them: the first claim by a format's own markers wins, else the
+# first weak claim (a folder of .safetensors, of .bin / .pt files).
+IMPORTERS: dict[str, Importer] = {
+    importer.name: importer
+    for importer in (
+        Importer("safetensors", safetensors.detect, safetensors.plan, torch.TorchOptions),
+        Importer("torch", torch.detect, torch.plan, torch.TorchOptions),
+        Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions),
+        Importer("megatron", megatron.detect, megatron.plan, megatron.MegatronOptions),
+        Importer("deepspeed", deepspeed.detect, deepspeed.plan, deepspeed.DeepSpeedOptions),
+    )
+}
+FORMATS = tuple(sorted(IMPORTERS))
+
+
+def detect_format(src) -> str:
+    """'deepspeed', 'megatron', 'orbax', 'safetensors' or 'torch' (torch DCP or torch.save
+    files), from the files a path holds (none is unpickled). A source no importer claims is an
+    error giving each importer's reason."""
+    src = os.fspath(src)
+    refused: dict[str, str] = {}
+    weak: list[str] = []
+    for name, importer in IMPORTERS.items():
+        answer = importer.detect(src)
+        if answer.found and not answer.weak:
+            return name
+        if answer.found:
+            weak.append(name)
+        else:
+            refused[name] = answer.reason
+    if weak:
+        return weak[0]
+    if not os.path.isdir(src):
+        raise SourceNotFoundError(
+            f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
+            f".pt, .pth or .ckpt file)."
+        )
+    runs = deepspeed_files.trainer_checkpoints(src)
+    if runs:
+        raise SourceFormatError(
+            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
+            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+        )
+    found = sorted(os.listdir(src))
+    listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
+    tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
+    raise SourceFormatError(
+        f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Tried "
+        f"{tried}. Use `--from {'|'.join(FORMATS)}` (`format=` in Python) to force one."
+    )
+
+
+def importer_options(importer: Importer, **fields: Any) -> ImportOptions:
+    """``importer``'s typed options from ``fields``; a field given (not None) that this format
+    does not take is an error naming the formats that take it."""
+    known = {f.name for f in dataclasses.fields(importer.options)}
+    for field, value in fields.items():
+        if value is not None and field not in known:
+            takers = [
+                name
+                for name, other in IMPORTERS.items()
+                if field in {f.name for f in dataclasses.fields(other.options)}
+            ]
+            raise RequestError(
+                f"{field}= applies to {' and '.join(takers)} checkpoints, not to "
+                f"{importer.name} ones"
+            )
+    return importer.options(**{k: v for k, v in fields.items() if k in known and v is not None})
+
+
+def plan_import(
+    source,
+    *,
+    format: str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+    tag: str | int | None = None,
+    vocab_size: int | None = None,
+    parameter_order: Sequence[str] | None = None,
+) -> ImportPlan:
+    """The import of ``source`` by the importer of its format (detected unless given), its items
+    held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
+    imported or listed in ``source["skipped"]`` with a reason, or nothing is committed.
+
+    Args:
+        source: the checkpoint directory (or file).
+        format: one of ``FORMATS`` (None: detected from the files).
+        spec: a UCP-language spec with import rules / settings.
+        weights_only: the model weights alone, the optimizer state skipped.
+        share: this process's part of a distributed import.
+        tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step.
+        vocab_size: Megatron's vocabulary size before padding.
+        parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
+
+    Returns:
+        The checked plan, its items accounted for.
+    """
+    checkpoint_format = format or detect_format(source)
+    importer = IMPORTERS.get(checkpoint_format)
+    if importer is None:
+        raise SourceFormatError(
+            f"Unknown checkpoint format {checkpoint_format!r} (expected "
+            f"{', '.join(repr(name) for name in FORMATS)})."
+        )
+    options = importer_options(
+        importer,
+        spec=spec,
+        weights_only=weights_only,
+        share=share,
+        tag=tag,
+        vocab_size=vocab_size,
+        parameter_order=parameter_order,
+    )
+    plan = importer.plan(source, options)
+    items = accounted(plan, f"{os.fspath(source)} ({checkpoint_format})", whole=share.count == 1)
+    return dataclasses.replace(plan, items=items)
