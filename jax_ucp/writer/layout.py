@@ -89,6 +89,7 @@ def tensor_entry(
         saved_sharding: the mesh and PartitionSpec it was saved with.
         provenance: where an import read it.
         frozen: a parameter not trained.
+        tied_to: the parameter whose weight this one shares (recorded in the manifest).
     """
     if logical_axes is not None and len(logical_axes) < len(layout.shape):
         # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
