@@ -150,7 +150,7 @@ def convert(
         weights_only=weights_only,
         distributed=distributed,
         barrier_timeout=barrier_timeout,
-        memory_budget=memory_budget,
+        memory_budget=None if memory_budget is None else parse_size(memory_budget),
         tag=tag,
         vocab_size=vocab_size,
         parameter_order=parameter_order,

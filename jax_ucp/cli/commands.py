@@ -378,7 +378,7 @@ class _ConvertCommand(_Command):
 def _positionals(command: typer.core.TyperCommand, ctx, args: list[str]) -> list[int]:
     """Where the positional arguments are in ``args`` (options and their values skipped)."""
     takes_value = {
-        name: not param.is_flag and not param.count
+        name: not getattr(param, "is_flag", False) and not getattr(param, "count", False)
         for param in command.get_params(ctx)
         if param.param_type_name == "option"
         for name in (*param.opts, *param.secondary_opts)

@@ -332,7 +332,7 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
 
-    rows = None
+    rows: Callable[[int, int], np.ndarray] | None = None
     if ref.rows is not None and ref.shape:
         read_rows = ref.rows
 
