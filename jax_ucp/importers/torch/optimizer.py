@@ -336,11 +336,13 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
     if ref.rows is not None and ref.shape:
         read_rows = ref.rows
 
-        def rows(start: int, stop: int) -> np.ndarray:
+        def checked_rows(start: int, stop: int) -> np.ndarray:
             value = read_rows(start, stop)
             want = TensorRef(ref.name, (stop - start, *ref.shape[1:]), ref.dtype, ref.read, {})
             _check_read(value, want, f"{name} rows {start}:{stop}", where)
             return value
+
+        rows = checked_rows
 
     return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
 
