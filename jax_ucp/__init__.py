@@ -9,6 +9,8 @@ command are host-only and start without paying JAX's and Orbax's import (~1 s).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from jax_ucp.errors import (
     CheckpointReplacedError,
     ExportError,
@@ -44,21 +46,52 @@ _LAZY = {
     "TorchOptimizer": "jax_ucp.optax_torch",
 }
 
+if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test_public_api)
+    from jax_ucp.api import inspect, restore, save, verify
+    from jax_ucp.conversion import convert
+    from jax_ucp.exporters import export
+    from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
+    from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
+    from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
+    from jax_ucp.restoring.checks import diff
+    from jax_ucp.restoring.plan import plan
+    from jax_ucp.restoring.reader import CheckpointError
+    from jax_ucp.sharding.mesh_layout import ReplicationWarning, ShardingMismatchError
+    from jax_ucp.store.location import set_object_store_options
+
 __all__ = [
+    "CheckpointError",
     "CheckpointReplacedError",
     "ExportError",
     "Manifest",
     "ManifestError",
     "NotFoundError",
     "OptimizerOrderWarning",
+    "ReplicationWarning",
     "RequestError",
     "SetupError",
+    "ShardingMismatchError",
     "TensorEntry",
+    "TorchOptimizer",
+    "UCPCheckpointHandler",
     "UCPError",
+    "UCPHandler",
+    "UCPRestore",
+    "UCPSave",
     "UnsupportedError",
     "ValueEntry",
     "__version__",
-    *_LAZY,
+    "convert",
+    "diff",
+    "export",
+    "inspect",
+    "optax_from_torch",
+    "orbax_v1_context",
+    "plan",
+    "restore",
+    "save",
+    "set_object_store_options",
+    "verify",
 ]
 
 

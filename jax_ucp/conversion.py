@@ -150,7 +150,7 @@ def convert(
         weights_only=weights_only,
         distributed=distributed,
         barrier_timeout=barrier_timeout,
-        memory_budget=memory_budget,
+        memory_budget=None if memory_budget is None else parse_size(memory_budget),
         tag=tag,
         vocab_size=vocab_size,
         parameter_order=parameter_order,
@@ -180,6 +180,7 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         plan = _plan(source, dest, options, share, gather)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
         if share is not None:
+            assert gather is not None  # _distributed_share gives both
             return writer.write_shared_checkpoint(
                 dest,
                 items,
@@ -299,7 +300,7 @@ def _distributed_share(dest: str, timeout: float):
                         f"{dest}: not committed; jax.distributed failed at '{step}': {e}"
                     ) from e
 
-    hello = json.dumps(dict(liveness.identity(os.getpid()), index=index))
+    hello = json.dumps(dict(liveness.identity(os.getpid()) or {}, index=index))
     peers.extend(json.loads(v) for v in gather("hello", hello))
     return Share(index, count), gather
 
@@ -330,21 +331,45 @@ def check_destination(source, dest) -> None:
 
 
 def convert_deepspeed(src, dst, **kwargs) -> str:
-    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP)."""
+    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP).
+
+    Args:
+        src: the DeepSpeed checkpoint folder.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="deepspeed", **kwargs)
 
 
 def convert_safetensors(src, dst, **kwargs) -> str:
-    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index)."""
+    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index).
+
+    Args:
+        src: a ``.safetensors`` file, or a folder with shards and an index.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="safetensors", **kwargs)
 
 
 def convert_megatron(src, dst, **kwargs) -> str:
-    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX)."""
+    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX).
+
+    Args:
+        src: the Megatron checkpoint folder.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="megatron", **kwargs)
 
 
 def convert_torch(src, dst, **kwargs) -> str:
     """``convert`` of a torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning)
-    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt)."""
+    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt).
+
+    Args:
+        src: the DCP folder, or the torch.save file or folder.
+        dst: the UCP directory to create.
+        **kwargs: ``convert``'s keywords.
+    """
     return convert(src, dst, format="torch", **kwargs)

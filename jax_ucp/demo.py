@@ -23,6 +23,7 @@ def _model_state(mesh):
     import jax
     import jax.numpy as jnp
     import optax
+    from flax.linen import spmd  # flax.linen re-exports logical_to_mesh_sharding without "as"
 
     class Block(nn.Module):
         @nn.compact
@@ -38,11 +39,13 @@ def _model_state(mesh):
     class Model(nn.Module):
         @nn.compact
         def __call__(self, tokens):
-            emb = self.param(
-                "embedding",
-                nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
-                (512, 64),
-                jnp.bfloat16,
+            emb = nn.unbox(  # the array: flax types self.param as its LogicallyPartitioned box
+                self.param(
+                    "embedding",
+                    nn.with_logical_partitioning(nn.initializers.normal(0.02), ("vocab", "embed")),
+                    (512, 64),
+                    jnp.bfloat16,
+                )
             )
             x = emb[tokens].astype(jnp.float32)
             for i in range(2):
@@ -53,7 +56,7 @@ def _model_state(mesh):
     boxed = model.init(jax.random.key(0), jnp.zeros((2, 8), jnp.int32))
     logical = nn.get_partition_spec(boxed)
     rules = [("vocab", "model"), ("embed", "data"), ("mlp", "model")]
-    shardings = nn.logical_to_mesh_sharding(logical, mesh, rules)
+    shardings = spmd.logical_to_mesh_sharding(logical, mesh, rules)
     params = jax.tree.map(lambda x, s: jax.device_put(x, s), nn.unbox(boxed), shardings)
     opt_state = optax.adamw(1e-3).init(params["params"])
     state = {

@@ -122,7 +122,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     warmup = args.get("warmup_steps") or 0
     warmup = int(warmup) if warmup >= 1 else math.ceil(total * float(args.get("warmup_ratio") or 0))
     base = _one(groups, "initial_lr", where)
-    base = float(base if base is not None else args.get("learning_rate"))
+    base = float(base if base is not None else args["learning_rate"])
     last = (trainer.get("scheduler") or {}).get("last_epoch")
     if last is not None and last != step:
         raise UnsupportedError(
@@ -155,7 +155,7 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
                 f"{where}: {leaf} is made of torch parameters {names} whose weight decay "
                 f"differs or is unknown"
             )
-        return flags.pop()
+        return bool(flags.pop())  # one flag, not None (checked above)
 
     if spec is None:
         return {name: of([name], name) for name in params}
@@ -239,7 +239,7 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
         notes.append(f"weight decay {rate} on {sum(_leaves(mask))} of {len(_leaves(mask))} leaves")
     parts.append(optax.scale_by_learning_rate(schedule))
     tx = optax.chain(*parts)
-    state = list(tx.init(params))
+    state = list(tx.init(params))  # pyright: ignore[reportArgumentType]  # optax types OptState as any pytree; a chain's is a tuple
     count = jnp.asarray(step, jnp.int32)
     for i, s in enumerate(state):
         if isinstance(s, optax.ScaleByAdamState):

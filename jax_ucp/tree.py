@@ -67,7 +67,7 @@ def _path_text(path: Sequence[str]) -> str:
 
 def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
     """(key path, key type names) of the first dict whose keys cannot be sorted, else None."""
-    stack = [((), tree)]
+    stack: list[tuple[tuple[str, ...], Any]] = [((), tree)]
     while stack:
         prefix, node = stack.pop()
         if _is_leaf(node):
@@ -260,7 +260,7 @@ def _by_package_and_qualname() -> dict[tuple[str, str], type | None]:
     return out
 
 
-def allowed_class(name: str) -> type | None:
+def allowed_class(name: object) -> type | None:
     """The class a manifest's ``"<module>:<qualname>"`` names, if the allow-list holds it: the
     exact name, or the same qualname in the same top package (a class optax has moved)."""
     if not isinstance(name, str):
@@ -314,7 +314,14 @@ def rebuild_structure(
     children become dicts (of int keys for a sequence's positions), empty subtrees of a
     selection disappear. ``partial`` (a selection): only containers of restored leaves come
     back; a leafless node (optax's ``EmptyState()``) comes back only beside siblings restored
-    whole, so ``select=r"opt_state/.*"`` still gives the optimizer's tuple."""
+    whole, so ``select=r"opt_state/.*"`` still gives the optimizer's tuple.
+
+    Args:
+        description: what ``describe_structure`` recorded.
+        value_at: the value of a leaf, by key (``_MISSING`` when not restored).
+        prefix: the key of ``description``'s node.
+        partial: a selection: only containers of restored leaves.
+    """
     return _rebuild(description, value_at, prefix, partial)[0]
 
 
@@ -387,7 +394,7 @@ def _rebuildable(description: dict) -> type | None:
     is_namedtuple = issubclass(cls, tuple)
     if (description["type"] == "namedtuple") != is_namedtuple:
         return None
-    if is_namedtuple and tuple(cls._fields) != names:
+    if is_namedtuple and tuple(getattr(cls, "_fields", ())) != names:
         return None
     return cls
 
@@ -396,7 +403,9 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
     """[(node path, notice)] for each "namedtuple"/"object" node a restore without a target
     gives back as a plain dict (its class is not in the allow-list, or its fields differ)."""
     out: list[tuple[str, str]] = []
-    stack = [((), description)] if description is not None else []
+    stack: list[tuple[tuple[str, ...], dict]] = (
+        [((), description)] if description is not None else []
+    )
     while stack:
         prefix, node = stack.pop()
         if node["type"] == "leaf":

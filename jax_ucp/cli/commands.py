@@ -16,6 +16,7 @@ import sys
 from typing import Annotated
 
 import typer
+import typer.core
 
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
@@ -51,7 +52,8 @@ class _Command(typer.core.TyperCommand):
         pieces = [self.options_metavar] if self.options_metavar else []
         for param in self.get_params(ctx):
             if isinstance(param, typer.core.TyperArgument):
-                name = param.metavar + ("..." if param.nargs != 1 else "")
+                metavar = param.metavar or (param.name or "").upper()  # get_params sets it
+                name = metavar + ("..." if param.nargs != 1 else "")
                 pieces.append(name if param.required else f"[{name}]")
             else:
                 pieces.extend(param.get_usage_pieces(ctx))
@@ -393,7 +395,7 @@ class _ConvertCommand(_Command):
 def _positionals(command: typer.core.TyperCommand, ctx, args: list[str]) -> list[int]:
     """Where the positional arguments are in ``args`` (options and their values skipped)."""
     takes_value = {
-        name: not param.is_flag and not param.count
+        name: not getattr(param, "is_flag", False) and not getattr(param, "count", False)
         for param in command.get_params(ctx)
         if param.param_type_name == "option"
         for name in (*param.opts, *param.secondary_opts)
@@ -663,7 +665,7 @@ def diff(a: str, b: str):
             ]
             output.say(f"≠ {t.name}: " + ", ".join(changes))
             continue
-        text = f"≠ {t.name}: {t.differing} of {layout.plural(t.size, 'element')} differ"
+        text = f"≠ {t.name}: {t.differing} of {layout.plural(t.size or 0, 'element')} differ"
         if t.max_abs is not None:
             text += f", max abs {t.max_abs:.4g}, max rel {t.max_rel:.4g}"
             if t.max_abs != t.max_abs:

@@ -12,11 +12,17 @@ from jax_ucp.cli.output import printable
 
 
 def plural(n: int, word: str, plural_form: str | None = None) -> str:
-    """``1 tensor``, ``2 tensors`` (``plural_form`` where adding an s is wrong)."""
+    """``1 tensor``, ``2 tensors`` (``plural_form`` where adding an s is wrong).
+
+    Args:
+        n: the count.
+        word: the singular.
+        plural_form: the plural, when it is not ``word`` + s.
+    """
     return f"{n} {word}" if n == 1 else f"{n} {plural_form or word + 's'}"
 
 
-def human(n: int) -> str:
+def human(n: float) -> str:
     """A byte count in binary units: ``512 B``, ``1.5 MiB``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":

@@ -66,8 +66,14 @@ def spawn_local(n: int, dst: str) -> None:
                 cmd += ["--num-processes", str(n), "--process-id", str(i)]
                 log = stack.enter_context(tempfile.TemporaryFile("w+")) if i else None
                 logs.append(log)
-                quiet = dict(stdout=log, stderr=subprocess.STDOUT) if i else {}
-                procs.append(subprocess.Popen(cmd, env=env, text=True, **quiet))
+                if log is None:  # process 0 talks to the terminal
+                    procs.append(subprocess.Popen(cmd, env=env, text=True))
+                else:
+                    procs.append(
+                        subprocess.Popen(
+                            cmd, env=env, text=True, stdout=log, stderr=subprocess.STDOUT
+                        )
+                    )
             failed, stopped = wait_for_children(procs)
         finally:
             for p in procs:  # Ctrl-C, SIGTERM or an error here: no process outlives the command
@@ -107,7 +113,14 @@ def child_argv(argv: list[str]) -> list[str]:
 
 
 def failure_lines(procs, logs, failed: list[int], stopped: list[int]) -> list[str]:
-    """One line per failed process (with the tail of its output), then the ones stopped."""
+    """One line per failed process (with the tail of its output), then the ones stopped.
+
+    Args:
+        procs: the child processes, by process index.
+        logs: each child's captured output (None: it printed to the terminal).
+        failed: indices of the processes that failed.
+        stopped: indices of those stopped because another failed.
+    """
     lines = []
     for i in failed:
         code = procs[i].returncode

@@ -222,7 +222,9 @@ def export_with(
     Returns:
         ``Exported``, as ``export``.
     """
-    with writer.memory_budget_scope(options.memory_budget):  # what readers and writers hold
+    budget = options.memory_budget
+    assert not isinstance(budget, str)  # ExportOptions.__post_init__ parsed it
+    with writer.memory_budget_scope(budget):  # what readers and writers hold
         return _export(ckpt, dst, options)
 
 

@@ -60,11 +60,20 @@ def write_universal(
     states: Iterator[tuple[str, str, np.ndarray]],
     *,
     step: int,
-    model_weights: Iterator[tuple[str, np.ndarray]] | None = None,
+    model_weights: Iterator[tuple[str, np.ndarray | torch_out.Deferred]] | None = None,
     param_groups: int = 1,
 ) -> list[str]:
     """Writes the universal checkpoint under ``root``; ``states`` yields (param, state, fp32
-    array) for every param and every state of :data:`STATES`. Returns the files written."""
+    array) for every param and every state of :data:`STATES`. Returns the files written.
+
+    Args:
+        root: the tag folder to write (``<tag>_universal``).
+        params: every parameter, its DeepSpeed name and shape.
+        states: (param, state, fp32 array) for every param and state.
+        step: the optimizer step recorded in each ``step.pt``.
+        model_weights: (name, array) of the model-precision weights, or None.
+        param_groups: param groups of the loading engine's optimizer.
+    """
     tag = tag_for(step)
     tag_dir = os.path.join(root, tag)
     zero = os.path.join(tag_dir, "zero")

@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
+from orbax.checkpoint import future as ocp_future
 
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
@@ -72,7 +73,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
     async def serialize(self, values, infos, args=None):
         args = args or [ocp.SaveArgs()] * len(values)
         coro = self._write_all(list(values), list(infos), list(args))
-        return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_orbax_export")]
+        return [ocp_future.CommitFutureAwaitingContractedSignals(coro, name="ucp_orbax_export")]
 
     async def _write_all(self, values, infos, args) -> None:
         for done, (value, info, arg) in enumerate(zip(values, infos, args), 1):
@@ -159,6 +160,15 @@ def export_orbax(
     ``N`` (``mngr.restore(N, args=ocp.args.Composite(state=ocp.args.StandardRestore(...)))``).
     ``use_ocdbt`` / ``use_zarr3``: Orbax's layout options (its defaults: OCDBT, zarr v2, zstd).
     ``dst`` (the step, with ``step=N``) must not exist, or be an empty directory.
+
+    Args:
+        ckpt: the UCP checkpoint to export.
+        dst: the Orbax directory (or CheckpointManager root with ``step``).
+        step: write step ``N`` of a CheckpointManager root (None: a plain checkpoint).
+        item: the item name of that step.
+        use_ocdbt: Orbax's OCDBT layout.
+        use_zarr3: zarr v3 arrays instead of Orbax's default v2.
+        progress: called as ``progress(name, done, total)`` per tensor.
     """
     root = reader.find_checkpoint_dir(ckpt)
     manifest = store.read_manifest(root)

@@ -97,7 +97,14 @@ def write_file(
     values: Iterable[np.ndarray],
     metadata: dict[str, str],
 ) -> None:
-    """Writes one safetensors file; ``values`` yields the arrays of ``tensors`` in order."""
+    """Writes one safetensors file; ``values`` yields the arrays of ``tensors`` in order.
+
+    Args:
+        path: the file to write.
+        tensors: name, dtype and shape of each tensor, in file order.
+        values: their arrays, in the same order.
+        metadata: the header's ``__metadata__`` strings.
+    """
     with durable.durable_file(path) as f:
         f.write(header_bytes(tensors, metadata))
         for tensor, value in zip(tensors, values, strict=True):
@@ -106,11 +113,17 @@ def write_file(
                 raise ExportError(
                     f"tensor {tensor.name!r}: read shape {array.shape}, planned {tensor.shape}"
                 )
-            f.write(memoryview(array.reshape(-1).view(np.uint8)))
+            f.write(array.reshape(-1).view(np.uint8).data)
 
 
 def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:
-    """``model.safetensors.index.json``: total size and the file of every tensor."""
+    """``model.safetensors.index.json``: total size and the file of every tensor.
+
+    Args:
+        path: the index file to write.
+        files: the tensors of each shard file, in file order.
+        names: the shard files' names.
+    """
     index = {
         "metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
         "weight_map": {t.name: name for group, name in zip(files, names) for t in group},

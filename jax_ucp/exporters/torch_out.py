@@ -297,7 +297,15 @@ def write_torch_save(
 ) -> int:
     """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
     ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
-    ``arrays[i]``). Tensor bytes are written in 64 MiB pieces. Returns the archive's length."""
+    ``arrays[i]``). Tensor bytes are written in 64 MiB pieces. Returns the archive's length.
+
+    Args:
+        f: a binary file open for writing, at the archive's start.
+        obj: the object to pickle when ``array`` is None.
+        array: a tensor to save on its own.
+        name: the archive's top folder (torch uses the file's stem).
+        arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
+    """
     if array is not None:
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
     start = f.tell()
@@ -311,7 +319,7 @@ def write_torch_save(
             info = zipfile.ZipInfo(f"{name}/data/{index}", date_time=(1980, 1, 1, 0, 0, 0))
             with z.open(info, "w", force_zip64=flat.size >= 0xFFFFFFFF) as member:
                 for at in range(0, flat.size, 64 << 20):
-                    member.write(memoryview(flat[at : at + (64 << 20)]))
+                    member.write(flat[at : at + (64 << 20)].data)
         z.writestr(f"{name}/version", "3\n")
     return f.tell() - start
 
@@ -328,7 +336,13 @@ def _read_deferred(value: Deferred, where: str) -> np.ndarray:
 
 def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray] = ()) -> None:
     """``torch.save(obj, path)`` without torch (see :func:`write_torch_save`), fsynced. The
-    archive is named after the file, as torch names it."""
+    archive is named after the file, as torch names it.
+
+    Args:
+        path: the file to write.
+        obj: plain data and nodes (``TensorSlot(i, ...)`` for ``arrays[i]``).
+        arrays: the tensors ``obj`` refers to.
+    """
     stem = os.path.basename(path)
     stem = stem[: -len(".pt")] if stem.endswith(".pt") else stem
     with durable.durable_file(path) as f:
@@ -367,7 +381,14 @@ class DcpItem:
 
 def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndarray], save_id: str):
     """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
-    order). Readable by ``torch.distributed.checkpoint.load`` at any world size."""
+    order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
+
+    Args:
+        directory: the DCP folder (exists, empty).
+        items: every entry: tensors and pickled objects, in order.
+        arrays: the tensors' values, in the order of the tensor items.
+        save_id: the ``storage_meta.save_id`` recorded in ``.metadata``.
+    """
     storage_data: list = []
     metadata: dict = {}
     tensors = iter(arrays)
@@ -387,7 +408,7 @@ def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndar
                         f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
                         f"{item.shape} {item.dtype}"
                     )
-                torch_name, _ = torch_dtype(item.fqn, item.dtype)
+                torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
                 length = write_torch_save(f, array=array)
                 zeros = torch_size([0] * len(item.shape))
                 index = New(

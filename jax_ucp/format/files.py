@@ -105,7 +105,14 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
     after resolution (a ``.distcp`` linked to another user's file) too; a link that stays inside
     (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`checkpoint_root`) is
-    followed. ``what`` says where the name was read (file and entry) for the error."""
+    followed. ``what`` says where the name was read (file and entry) for the error.
+
+    Args:
+        root: the checkpoint's root folder.
+        name: the name as read from the checkpoint's files.
+        what: where it was read (file and entry), for the error.
+        folder: the folder ``name`` is relative to (default ``root``).
+    """
     shown = repr(name)[:200]
     if not isinstance(name, str) or not name:
         raise OutsideCheckpointError(f"{what}: file name {shown} is not a non-empty string")

@@ -15,7 +15,7 @@ import re
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -606,7 +606,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return repr(value)[:limit]
 
 
-def _fail(where: str, expected: str, found: Any):
+def _fail(where: str, expected: str, found: Any) -> NoReturn:
     raise ManifestError(f"{where}: expected {expected}, found {_short(found)}.")
 
 

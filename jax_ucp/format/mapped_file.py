@@ -115,7 +115,14 @@ def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
 
 def read_bytes(buf: Any, offset: int, length: int, what: str = "reading") -> bytes:
     """``buf[offset:offset+length]`` as bytes (``buf``: a FileMap, an array viewing one, or any
-    buffer), read with ``pread`` when it is mapped."""
+    buffer), read with ``pread`` when it is mapped.
+
+    Args:
+        buf: a FileMap, an array viewing one, or any buffer.
+        offset: the first byte.
+        length: how many bytes.
+        what: what is being read, for the error.
+    """
     where = mapped_at(buf)
     if where is None:
         return bytes(memoryview(buf).cast("B")[offset : offset + length])
@@ -134,18 +141,24 @@ def read_out(arr: np.ndarray, what: str = "reading a tensor") -> np.ndarray:
     mm, start = where
     out = np.empty(arr.shape, arr.dtype)
     if arr.flags.c_contiguous:
-        _pread_into(mm, start, memoryview(out.reshape(-1).view(np.uint8)), what)
+        _pread_into(mm, start, out.reshape(-1).view(np.uint8).data, what)
         return out
     low, high = _extent(arr)
     raw = np.empty(high - low, np.uint8)
-    _pread_into(mm, start + low, memoryview(raw), what)
+    _pread_into(mm, start + low, raw.data, what)
     out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=-low, strides=arr.strides)
     return out
 
 
 def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor") -> None:
     """``region[...] = arr``, read with ``pread`` straight into ``region`` when ``arr`` views a
-    :class:`FileMap` and both are C-contiguous of one shape and dtype."""
+    :class:`FileMap` and both are C-contiguous of one shape and dtype.
+
+    Args:
+        region: the destination array.
+        arr: the source, possibly a view of a FileMap.
+        what: what is being read, for the error.
+    """
     where = mapped_at(arr)
     if where is None:
         region[...] = arr
@@ -156,7 +169,7 @@ def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor
         and region.dtype == arr.dtype
     ):
         if arr.size:
-            _pread_into(where[0], where[1], memoryview(region.reshape(-1).view(np.uint8)), what)
+            _pread_into(where[0], where[1], region.reshape(-1).view(np.uint8).data, what)
     else:
         region[...] = read_out(arr, what)
 
@@ -164,7 +177,14 @@ def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor
 def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking a CRC") -> int:
     """The zip CRC-32 of ``arr``'s bytes (C-contiguous), continuing ``value``; read with
     ``pread`` a piece at a time when ``arr`` views a :class:`FileMap`. ``crc``: the CRC-32
-    function (ISA-L's is faster, same values)."""
+    function (ISA-L's is faster, same values).
+
+    Args:
+        arr: the C-contiguous array whose bytes are checked.
+        value: the CRC-32 to continue.
+        crc: the CRC-32 function.
+        what: what is being read, for the error.
+    """
     where = mapped_at(arr)
     if where is None:
         return crc(arr, value)
@@ -173,6 +193,6 @@ def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking
     piece = np.empty(min(size, PIECE), np.uint8)
     for pos in range(0, size, PIECE):
         n = min(PIECE, size - pos)
-        _pread_into(mm, start + pos, memoryview(piece[:n]), what)
+        _pread_into(mm, start + pos, piece[:n].data, what)
         value = crc(piece[:n], value)
     return value

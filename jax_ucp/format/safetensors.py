@@ -55,7 +55,9 @@ class SafetensorsError(UCPError, ValueError):
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 
 
-class _DuplicateKey(Exception):
+class _DuplicateKey(UCPError):
+    """A JSON key given twice; ``strict_json`` turns it into a ``SafetensorsError``."""
+
     def __init__(self, key: str):
         self.key = key
 
@@ -194,7 +196,7 @@ class SafetensorsFile:
             size = os.fstat(fd).st_size
             if size < 8:
                 raise SafetensorsError(f"{path}: {size} bytes, too short for a header.")
-            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # size >= 8 here
         finally:
             os.close(fd)
         (header_len,) = np.frombuffer(self._map[:8], "<u8")

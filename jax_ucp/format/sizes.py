@@ -50,7 +50,7 @@ def parse_size(value: int | str, what: str = "memory_budget") -> int:
     else:
         m = _SIZE.fullmatch(value)
         unit = m and _UNITS.get(m.group(2).lower())
-        if unit is None:
+        if m is None or unit is None:
             raise SizeError(
                 f"{what}: cannot read {value!r} as a size (expected e.g. 268435456, 256MiB, 1GiB)"
             )

@@ -130,6 +130,11 @@ def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.Host
     ``params/<name>`` is a parameter (fp32 master), ``model_params/<name>`` its model-precision
     copy (sub-role "model"), ``opt_state/mu|nu/<name>`` Adam's moments, ``opt_state/count`` the
     step; anything else is "other".
+
+    Args:
+        key: the key path in the output tree.
+        value: the array or scalar.
+        provenance: where it was read (files, tensors, pattern).
     """
     role, sub_role = _ROLES.get(tuple(key[:2])) or _ROLES.get(tuple(key[:1]), ("other", None))
     return writer.HostItem(key, value, role=role, sub_role=sub_role, provenance=provenance)
@@ -143,6 +148,12 @@ def agreed_step(
     ``found`` maps each step seen to where it was first seen, phrased to follow the number
     ("in rank_0.pt group 0", "(group 1)"). Two steps mean files of different runs or saves were
     mixed; ``recorded_by`` says who disagrees ("ranks", "parameter groups").
+
+    Args:
+        found: each step seen -> where it was first seen.
+        where: the checkpoint, for the error.
+        recorded_by: who disagrees, for the error.
+        error: the error class to raise.
     """
     if not found:
         raise error(f"{where}: no optimizer step recorded in any group")
@@ -194,7 +205,13 @@ def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:
 
 
 def skip(source: dict[str, Any], names, reason: str) -> None:
-    """Lists ``names`` in ``source["skipped"]`` with ``reason`` (the first reason given stays)."""
+    """Lists ``names`` in ``source["skipped"]`` with ``reason`` (the first reason given stays).
+
+    Args:
+        source: the manifest's source record.
+        names: the source tensors not imported.
+        reason: why.
+    """
     skipped = source.setdefault(SKIPPED, {})
     for name in names:
         skipped.setdefault(name, reason)
@@ -209,6 +226,11 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     item (the writer commits only once the stream ends), naming the tensors. ``whole=False``
     (one process's share of an import): each item is checked, the whole is not (the other
     processes import the rest).
+
+    Args:
+        plan: the importer's plan.
+        where: the checkpoint, for the error.
+        whole: check the whole import (False: one process's share).
     """
     if plan.source_tensors is None:  # an importer not yet reporting its tensors
         yield from plan.items

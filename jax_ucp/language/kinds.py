@@ -208,7 +208,7 @@ class Kind:
         raise NotImplementedError
 
 
-def _int_field(default=None):
+def _int_field(default: Any = None) -> Any:  # a dataclass field, typed by its annotation
     return dataclasses.field(default=default, metadata={"int": True})
 
 
@@ -701,7 +701,14 @@ class Expert(Kind):
 
     def split_tp(self, local, tp, *, num_local: int | None = None, name: str = "?") -> list:
         """Split one EP rank's local tensor over TP with ``inner``, expert by expert (the inverse of
-        the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank)."""
+        the TP part of merge). Grouped layout needs ``num_local`` (experts on this EP rank).
+
+        Args:
+            local: one EP rank's local tensor.
+            tp: the tensor-parallel degree.
+            num_local: experts on this EP rank (grouped layout).
+            name: the tensor, for errors.
+        """
         if self.inner is None:
             return [local for _ in range(tp)]
         if self.layout == "per_expert":
@@ -835,4 +842,4 @@ def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
     k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
         raise SpecError(f"kind {k.kind!r} has no named parts")
-    return k.parts(np.asarray(full))
+    return getattr(k, "parts")(np.asarray(full))

@@ -51,7 +51,7 @@ class Op:
 
     def to_dict(self) -> dict:
         """The op's plain (TOML) form: ``{"op": name}`` plus every field not at its default."""
-        d = {"op": self.op}
+        d: dict[str, Any] = {"op": self.op}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if v != f.default and not (

@@ -125,7 +125,7 @@ def _tensor_info(x) -> TensorInfo:
 
 
 def compile_restore_plan(
-    spec: Spec, saved: Mapping[Key, Any], *, strict: bool | None = None
+    spec: Spec | str, saved: Mapping[Key, Any], *, strict: bool | None = None
 ) -> dict[Key, ViewPlan]:
     """Target key -> ViewPlan for every saved tensor.
 
@@ -372,7 +372,9 @@ def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
                 tuple(np.shape(x)),
                 np.asarray(x).dtype
                 if not hasattr(x, "dtype")
-                else (x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else x.dtype),
+                else (
+                    x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else getattr(x, "dtype")
+                ),
             )
 
     rec((), tree_or_arrays)
@@ -409,7 +411,13 @@ def apply_restore_plan(
     plan: Mapping[Key, ViewPlan], arrays: Mapping[Key, Any], *, read: bool = True
 ) -> dict[Key, Any]:
     """Build every view over in-memory ``arrays`` (numpy or TensorStore); read them to numpy
-    unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device."""
+    unless ``read=False``. Convenient for tests and small trees; ``restore`` reads per device.
+
+    Args:
+        plan: target key -> view plan.
+        arrays: saved key -> array (numpy or TensorStore).
+        read: read the views to numpy.
+    """
     opened = {k: views.as_view(v) for k, v in arrays.items()}
     out = {}
     for k, p in plan.items():
@@ -420,7 +428,13 @@ def apply_restore_plan(
 
 def apply_spec_to_tree(spec: Spec | str, tree: Mapping, *, strict: bool | None = None) -> dict:
     """Apply a spec's restore rules to an in-memory nested dict of arrays (e.g. ``{"params":
-    {torch name: array}}``): the nested dict restore would give, read into numpy."""
+    {torch name: array}}``): the nested dict restore would give, read into numpy.
+
+    Args:
+        spec: the spec (a ``Spec``, shipped name or file).
+        tree: a nested dict of arrays.
+        strict: override the spec's ``strict``.
+    """
     plan = compile_restore_plan(spec, saved_infos(tree), strict=strict)
     return unflatten_nested(apply_restore_plan(plan, flatten_nested(tree)))
 

@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import PurePath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jax_ucp.language.errors import SpecError, StrictnessError
 from jax_ucp.language.kinds import Kind, kind_from_obj
@@ -74,6 +74,9 @@ class ImportRule:
     # further patterns the whole name must match too (captures come from ``pattern`` alone):
     # how a rule says "matches A and B", which RE2 has no look-ahead for
     also: tuple = ()
+    if TYPE_CHECKING:  # compiled by __post_init__
+        _regex: Any = field(init=False)
+        _also: tuple = field(init=False)
 
     def __post_init__(self):
         object.__setattr__(
@@ -120,6 +123,8 @@ class RestoreRule:
     # logical axis names of the restored tensor (flax's: "embed", "mlp", "heads", "vocab"...), so
     # ``restore(mesh=, rules=)`` places it like a flax parameter carrying them; None: unnamed
     axes: tuple | None = None
+    if TYPE_CHECKING:  # compiled by __post_init__
+        _regex: Any = field(init=False)
 
     def __post_init__(self):
         where = f"{self.label or self.pattern}: "
@@ -172,6 +177,8 @@ class Root:
     source: str
     target: str | None = None
     params: bool = True
+    if TYPE_CHECKING:  # split by __post_init__
+        _parts: tuple[str, ...] = field(init=False)
 
     def __post_init__(self):
         parts = [p for p in self.source.split("/") if p]

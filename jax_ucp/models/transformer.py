@@ -76,7 +76,7 @@ class LMConfig:
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         if int(config.get("head_dim") or hidden // heads) != hidden // heads:
             raise UnsupportedError("config.json: head_dim other than hidden_size / heads")
-        kw = dict(
+        kw: dict[str, Any] = dict(
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             num_layers=int(config["num_hidden_layers"]),
@@ -103,7 +103,7 @@ class LMConfig:
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
             raise UnsupportedError(f"config.json: activation_function {act!r} is not a GELU")
         hidden = int(config.get("n_embd") or config["hidden_size"])
-        kw = dict(
+        kw: dict[str, Any] = dict(
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
             num_layers=int(config.get("n_layer") or config["num_hidden_layers"]),
@@ -134,7 +134,7 @@ class LMConfig:
     def from_settings(cls, s: Mapping[str, Any], **overrides) -> LMConfig:
         """From Megatron-LM argument names (as recorded in an import's manifest ``settings``)."""
         gated = bool(s.get("swiglu") or s.get("gated_linear_unit"))
-        kw = dict(
+        kw: dict[str, Any] = dict(
             vocab_size=int(s["vocab_size"]),
             hidden_size=int(s["hidden_size"]),
             num_layers=int(s["num_layers"]),
@@ -246,6 +246,7 @@ class MoE(nn.Module):
     def __call__(self, x):
         cfg = self.cfg
         experts, hidden_size, ffn = cfg.num_experts, cfg.hidden_size, cfg.ffn_hidden_size
+        assert experts is not None  # Block builds an MoE only when num_experts is set
         logits = nn.Dense(experts, use_bias=False, name="router")(x)
         top, index = jax.lax.top_k(logits, cfg.moe_router_topk)
         probs = jax.nn.softmax(top, axis=-1)

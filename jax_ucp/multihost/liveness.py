@@ -42,8 +42,14 @@ def identity(pid: int) -> dict | None:
 
 def first_lost(peers: Sequence[dict], indices: Iterable[int], me: int) -> int | None:
     """The first of ``indices`` whose process (``peers[i]``, its ``identity`` when the job
-    started) ran on this host and is gone: no such pid, a zombie, or another process with it."""
-    here = identity(os.getpid())
+    started) ran on this host and is gone: no such pid, a zombie, or another process with it.
+
+    Args:
+        peers: every process's ``identity`` when the job started.
+        indices: the processes to check.
+        me: this process's index (never checked).
+    """
+    here = identity(os.getpid()) or {}  # this process: always found
     for i in indices:
         if i >= len(peers) or i == me or not peers[i]:
             continue

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from orbax.checkpoint import checkpoint_args as ocp_checkpoint_args
+from orbax.checkpoint import future as ocp_future
 
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
@@ -79,7 +81,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 return
             durable.write_file(os.path.join(directory, name), json.dumps(digests))
 
-    def _commit_futures(self, directory, args, *, copy: bool) -> list[ocp.future.Future]:
+    def _commit_futures(self, directory, args, *, copy: bool) -> list[ocp_future.Future]:
         """Decides the layout, copies this process's shards to host, defers all I/O to a future.
 
         ``copy``: private host copies of CPU device buffers, for saves whose caller goes on (a
@@ -101,7 +103,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 inner_chunk_bytes=args.inner_chunk_bytes,
                 budget=args.memory_budget,
             )
-            return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_stream_save")]
+            return [ocp_future.CommitFutureAwaitingContractedSignals(coro, name="ucp_stream_save")]
         options = writer.SaveOptions(
             compression=args.compression,
             compression_level=args.compression_level,
@@ -128,15 +130,18 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             )
             self._pending[os.fspath(directory)] = (manifest, {})
         coro = self._write(os.fspath(directory), prepared, primary, copies)
-        return [ocp.future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
+        return [ocp_future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
 
     async def async_save(
         self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
-    ) -> list[ocp.future.Future] | None:
+    ) -> list[ocp_future.Future] | None:
         return self._commit_futures(directory, args or UCPSave(item), copy=True)
 
     def save(
-        self, directory: epath.Path, item: Any = None, args: UCPSave | UCPStreamSave | None = None
+        self,
+        directory: epath.Path | str,  # a str: an object-store URL (api.save)
+        item: Any = None,
+        args: UCPSave | UCPStreamSave | None = None,
     ) -> None:
         # The same path as async_save, waited on; the caller blocks, so no private copies.
         for f in self._commit_futures(directory, args or UCPSave(item), copy=False):
@@ -156,32 +161,28 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
 
-    def finalize(self, directory: epath.Path) -> None:
+    def finalize(self, directory: epath.Path | str) -> None:
         """Primary, after every process finished writing: ``ucp.json`` last, with the digest of
         every shard file, so a checkpoint is listed only once all its data is in place."""
         pending = self._pending.pop(os.fspath(directory), None)
         if pending is None:  # a stream save (it writes its own manifest)
             return
         manifest, digests = pending
-        directory = os.fspath(directory)
-        remote = store.is_url(directory)
-        names = (
-            store.location.list_names(directory, DIGESTS_PREFIX)
-            if remote
-            else os.listdir(directory)
-        )
+        root = os.fspath(directory)
+        remote = store.is_url(root)
+        names = store.location.list_names(root, DIGESTS_PREFIX) if remote else os.listdir(root)
         others = sorted(n for n in names if n.startswith(DIGESTS_PREFIX) and n.endswith(".json"))
         expected = max(jax.process_count() - 1, 0)
         if len(others) != expected:
             raise fmt.UCPError(
-                f"{directory}: {len(others)} of the {expected} other processes reported their "
+                f"{root}: {len(others)} of the {expected} other processes reported their "
                 f"shard digests; the save is incomplete and is not committed."
             )
         for name in others:
             if remote:
-                reported = json.loads(store.location.read(directory, name, 64 << 20) or b"{}")
+                reported = json.loads(store.location.read(root, name, 64 << 20) or b"{}")
             else:
-                with open(os.path.join(directory, name)) as f:
+                with open(os.path.join(root, name)) as f:
                     reported = json.load(f)
             for array_dir, shard_digests in reported.items():
                 digests.setdefault(array_dir, {}).update(shard_digests)
@@ -189,22 +190,22 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         for e in manifest.entries:
             if isinstance(e, fmt.TensorEntry) and e.dir in digests:
                 e = writer.with_digests(e, digests[e.dir])
-                missing = save_plan.missing_shards(e, e.shard_digests)
+                missing = save_plan.missing_shards(e, digests[e.dir])
                 if missing:
                     raise fmt.UCPError(
-                        f"{directory}: tensor {e.name!r}: no process wrote shard(s) "
+                        f"{root}: tensor {e.name!r}: no process wrote shard(s) "
                         f"{missing[:5]}; the save is incomplete and is not committed."
                     )
             entries.append(e)
         manifest = dataclasses.replace(manifest, entries=entries)
         if remote:  # the commit: one PUT; the digest reports go after, as files do locally
-            store.write_manifest(directory, manifest)
+            store.write_manifest(root, manifest)
             for name in others:
-                store.location.delete(directory, name)
+                store.location.delete(root, name)
             return
-        durable.write_file(os.path.join(directory, fmt.MANIFEST_FILE), manifest.dumps())
+        durable.write_file(os.path.join(root, fmt.MANIFEST_FILE), manifest.dumps())
         for name in others:
-            os.remove(os.path.join(directory, name))
+            os.remove(os.path.join(root, name))
 
     def close(self):
         self._copy_pool.close()
@@ -222,7 +223,7 @@ def _refuse_args_as_item(cls: str, field: str, value) -> None:
         )
 
 
-@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class UCPSave(ocp.args.CheckpointArgs):
     """Save args: the pytree, plus layout options. Checked when constructed (as Orbax's
@@ -280,7 +281,7 @@ class UCPSave(ocp.args.CheckpointArgs):
             )
 
 
-@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
+@ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
 class UCPRestore(ocp.args.CheckpointArgs):
     """Restore args: ``jax_ucp.restore``'s keywords (its docstring says what each does in
@@ -328,7 +329,7 @@ class UCPRestore(ocp.args.CheckpointArgs):
         return RestoreOptions(**fields, where="UCPRestore")
 
 
-@ocp.checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
+@ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class UCPStreamSave(ocp.args.CheckpointArgs):
     """Save args for a stream of ``HostItem`` (single process: the primary writes everything).

@@ -10,7 +10,7 @@ its keys (``count`` beside ``mu`` and ``nu``) at any depth, the roots are moved 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import RequestError
@@ -55,7 +55,7 @@ def follow_adam_state(spec: Any, target: Any) -> Any:
         shown = ", ".join("/".join(p) for p in found)
         raise AmbiguousAdamStateError(
             f"spec {spec.name!r} restores an Adam state (its roots put opt_state/mu, nu, count at "
-            f"{'/'.join(sorted(wanted)[0])}), but the target holds {len(found)} Adam states: "
+            f"{'/'.join(sorted(cast(set[tuple[str, ...]], wanted))[0])}), but the target holds {len(found)} Adam states: "
             f"{shown}. Say which in the spec's [[roots]] targets (e.g. "
             f'target = "{shown.split(", ")[0]}/mu").'
         )

@@ -126,10 +126,7 @@ def abstract_mesh(axes: Sequence[tuple[str, int]]) -> jax.sharding.AbstractMesh:
     """A device-free mesh from ``[(axis name, size), ...]`` (e.g. for ``plan``)."""
     names = tuple(name for name, _ in axes)
     sizes = tuple(int(size) for _, size in axes)
-    try:
-        return jax.sharding.AbstractMesh(sizes, names)
-    except TypeError:  # JAX < 0.5: AbstractMesh(((name, size), ...))
-        return jax.sharding.AbstractMesh(tuple(zip(names, sizes)))
+    return jax.sharding.AbstractMesh(sizes, names)
 
 
 def plan(
@@ -187,6 +184,7 @@ def plan(
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
     if explicit and rules is not None:
+        assert mesh is not None  # _checked refuses rules without a mesh
         sharding_lib.check_rules(rules, mesh)
     elif not explicit:
         reader.check_mesh_names(root, available.values(), mesh, rules, strict)
@@ -259,7 +257,9 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes) -> TensorPlan:
     gets its read bytes from ``_read_on_host`` once every process is known."""
     av, dtype, sharding, not_divisible, error = placed
     spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-    common = dict(name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible)
+    common: dict[str, Any] = dict(
+        name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible
+    )
     if error is not None:
         return TensorPlan(
             **common,
@@ -355,7 +355,7 @@ def _axes_of(entry) -> tuple[str, ...]:
 def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
     """The dimensions the saved PartitionSpec or the rules wanted split over mesh axes whose
     size does not divide them (``sharding_for`` replicates those)."""
-    got = tuple(got) + (None,) * (len(av.shape) - len(got))
+    padded = tuple(got) + (None,) * (len(av.shape) - len(got))
     wanted: list[list[tuple[str, ...]]] = [[] for _ in av.shape]
     if rules is not None and av.logical_axes is not None:
         for dim, logical in enumerate(av.logical_axes):
@@ -370,7 +370,7 @@ def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tup
             if axes and all(a in mesh.shape for a in axes):
                 wanted[dim].append(axes)
     out = []
-    for dim, (size, have) in enumerate(zip(av.shape, got)):
+    for dim, (size, have) in enumerate(zip(av.shape, padded)):
         if have is not None:
             continue
         for axes in wanted[dim]:
@@ -424,7 +424,13 @@ class IndexedBytes(Mapping[int, int]):
 
     def add_group(self, key, indices: tuple[int, ...], value: int) -> None:
         """``value`` more on each of ``indices`` (e.g. a concrete mesh's devices), added up per
-        ``key`` and spread over the indices once read."""
+        ``key`` and spread over the indices once read.
+
+        Args:
+            key: what the bytes belong to (counted once per key).
+            indices: the devices or processes holding them.
+            value: the bytes each holds.
+        """
         self._groups.setdefault(key, [indices, 0])[1] += value
 
     def _fold(self) -> None:
@@ -476,7 +482,7 @@ class IndexedBytes(Mapping[int, int]):
     def __contains__(self, index) -> bool:
         if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
             return False
-        return 0 <= index < self._span() or index in self._points
+        return bool(0 <= index < self._span() or index in self._points)
 
     def __len__(self) -> int:
         span = self._span()
@@ -619,7 +625,8 @@ class _Layouts:
         if isinstance(mesh, jax.sharding.Mesh):  # real devices: look at each
             seen: dict[int, set] = {}
             for coords in np.ndindex(*sizes):
-                process = mesh.devices[coords].process_index
+                device: Any = mesh.devices[coords]
+                process = device.process_index
                 seen.setdefault(process, set()).add(tuple(coords[a] for a in sorted(used)))
             return {p: len(s) for p, s in seen.items()}
         n, p = self._split(mesh)

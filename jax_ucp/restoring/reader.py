@@ -10,7 +10,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import ml_dtypes
@@ -293,6 +293,12 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
     cast in which a finite value overflows the target (1e10 into float16 or float8) or an inf
     meets a dtype without inf (float8_e4m3fn) is an error after the read; under ``unsafe`` it is
     a RuntimeWarning naming the tensor and the count.
+
+    Args:
+        name: the tensor, for the error.
+        saved: its dtype in the checkpoint.
+        wanted: the dtype asked for.
+        casting: numpy's casting rule.
     """
     if casting not in CASTINGS:
         raise ArgsError(f"casting must be one of {CASTINGS}, got {casting!r}.")
@@ -547,7 +553,7 @@ def _memory_error(root, found: Available, pending, why: str) -> CheckpointError:
     )
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
         if n < 1024 or unit == "PiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -703,7 +709,15 @@ def value_as_array(name: str, root: str, value: Any, req: Request, casting: str)
     its sharding, as Orbax gives ``step=5`` restored into a ``jax.eval_shape`` target), when the
     conversion keeps the value: the cast is one ``casting`` allows from the value's own type
     (bool, int64, float64) and the value survives it (no int wraps, no float overflows).
-    Anything else (a str, None, a lossy cast) needs ``casting="unsafe"``."""
+    Anything else (a str, None, a lossy cast) needs ``casting="unsafe"``.
+
+    Args:
+        name: the leaf, for errors.
+        root: the checkpoint, for errors.
+        value: the saved scalar.
+        req: what the target leaf asks for.
+        casting: numpy's casting rule.
+    """
     want = np.dtype(req.dtype) if req.dtype is not None else None
     shape = tuple(req.shape) if req.shape is not None else ()
     kind = type(value)
@@ -780,7 +794,13 @@ def _concrete(key, sharding, mesh):
 
 def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
     """One request per target leaf; shardings (same structure) override the target's own.
-    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``."""
+    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``.
+
+    Args:
+        target: the pytree to restore into.
+        shardings: shardings in the target's structure (override its own).
+        mesh: the concrete mesh for shardings on an ``AbstractMesh``.
+    """
     leaves, treedef = tree_lib.flatten(target)
     shard_by_key = {}
     if shardings is not None:
@@ -935,7 +955,13 @@ def restore_into_target(options: RestoreOptions, read_requests: Callable[[list],
 
 def target_tree(target, treedef, results: list) -> Any:
     """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
-    their metadata."""
+    their metadata.
+
+    Args:
+        target: the pytree restored into.
+        treedef: its structure.
+        results: one value per leaf, in order.
+    """
     if target is not None:
         boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
         results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
@@ -947,7 +973,7 @@ def selector(select) -> Callable[[str], bool]:
     if select is None:
         return lambda name: True
     if callable(select):
-        return select
+        return cast(Callable[[str], bool], select)
     if isinstance(select, str):
         pattern = re.compile(select)
         return lambda name: pattern.fullmatch(name) is not None
@@ -1057,7 +1083,7 @@ def placed_requests(where: str, available, options: RestoreOptions):
         want = np.dtype(dtype or av.dtype)
         sharding = None
         if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
-            placement = dict(
+            placement: dict[str, Any] = dict(
                 mesh=mesh, saved=av.saved_sharding, logical_axes=av.logical_axes, rules=rules
             )
             sharding = sharding_lib.sharding_for(av.shape, **placement)
@@ -1088,7 +1114,15 @@ def _user_frame() -> int:
 
 def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
     """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
-    place: the logical names they carry and the mesh axes they were saved with."""
+    place: the logical names they carry and the mesh axes they were saved with.
+
+    Args:
+        root: the checkpoint, for errors.
+        available: the tensors to place.
+        mesh: the mesh restored onto.
+        rules: the logical-axis rules (or None).
+        strict: also refuse unused rules and mesh axes.
+    """
     names, axes = set(), set()
     for av in available:
         names.update(n for n in av.logical_axes or () if n is not None)

@@ -143,7 +143,13 @@ class _Batch:
 def wanted_whole(shape: Sequence[int], sharding, processes: int) -> bool:
     """Every process of the job needs all of the tensor: a host result (``sharding`` None), or
     a sharding whose slices on each process's devices cover the whole tensor. Decided from the
-    global device map, so every process decides the same."""
+    global device map, so every process decides the same.
+
+    Args:
+        shape: the tensor's shape.
+        sharding: its target sharding (None: a host result).
+        processes: the number of processes.
+    """
     if sharding is None:
         return True
     return _covers_every_process(tuple(shape), sharding, processes)
@@ -203,6 +209,13 @@ def read_once(
     does): they meet at each batch. ``source_of(available)``: the reader of a tensor
     (``store.shard_reader``'s, or a TensorStore view). ``check(available, gathered)``: called
     before a tensor's host buffer is allocated (raises to refuse it).
+
+    Args:
+        items: (position, request, available) of each tensor.
+        source_of: gives the reader of an available tensor.
+        budget: host bytes each batch may hold.
+        check: called before a tensor's host buffer is allocated.
+        timeout: seconds to wait for the other processes.
     """
     if not items:
         return
@@ -231,6 +244,7 @@ def read_once(
                 base = process * batch.length
                 for piece in pieces:
                     t = tensors[piece.tensor]
+                    assert t.host is not None and t.gathered is not None  # freed only when done
                     start = piece.rows[0] * t.row_bytes
                     flat = t.host.reshape(-1).view(np.uint8)
                     flat[start : start + piece.nbytes] = gathered[
@@ -241,8 +255,8 @@ def read_once(
             del gathered
             for index in batch.last_of:
                 t = tensors[index]
-                _finish(t)
-                yield (*t.item, t.gathered)
+                gathered_t = _finish(t)
+                yield (*t.item, gathered_t)
                 t.host = t.source = None
     except BaseException as e:
         peers.abort(e)
@@ -371,20 +385,22 @@ def _names(tensors, batch: _Batch) -> list[str]:
     return list(dict.fromkeys(tensors[p.tensor].name for ps in batch.pieces for p in ps))
 
 
-def _finish(t: _Tensor) -> None:
+def _finish(t: _Tensor) -> Gathered:
     """The tensor's result from its whole host copy: numpy, or a jax.Array whose local devices
     hold their slices (replicated devices share the one buffer, as ``PendingArray`` does)."""
-    host = t.host
+    host, gathered = t.host, t.gathered
+    assert host is not None and gathered is not None  # set for every tensor of a batch
     if t.want != t.stored:
-        host, t.gathered.overflowed = assemble.convert(host, t.want)
+        host, gathered.overflowed = assemble.convert(host, t.want)
     if t.sharding is None:
-        t.gathered.value = host
-        return
+        gathered.value = host
+        return gathered
     singles = [
         jax.device_put(host[index], device, may_alias=True)
         for device, index in t.sharding.addressable_devices_indices_map(t.shape).items()
     ]
-    t.gathered.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
+    gathered.value = jax.make_array_from_single_device_arrays(t.shape, t.sharding, singles)
+    return gathered
 
 
 def _fingerprint(tensors, batches) -> str:
@@ -462,7 +478,7 @@ class _Peers:
         self.prefix = f"jax_ucp/replicated/{next(_RUNS)}/"
         self.timeout = timeout
         self.identities: list[dict] = []
-        hello = dict(liveness.identity(os.getpid()), plan=fingerprint)
+        hello = dict(liveness.identity(os.getpid()) or {}, plan=fingerprint)
         values = self._gather("hello", json.dumps(hello), [])
         self.identities = [json.loads(v) for v in values]
         plans = {i: v["plan"] for i, v in enumerate(self.identities)}

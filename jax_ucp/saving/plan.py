@@ -10,7 +10,7 @@ import asyncio
 import itertools
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
@@ -109,14 +109,17 @@ class HostCopyPool:
             for i, c in zip(fresh, new):
                 out[i] = c
             self.fresh_bytes = sum(shards[i].nbytes for i in fresh)
-        return out
+        return cast(list[jax.Array], out)  # every position filled above
 
     def release(self, copies: list[jax.Array]) -> None:
         """After the save that made ``copies`` wrote them: they become the pool (the previous
         pool, if any is left, is dropped); the copy for their shapes compiles in the background."""
         by_device: dict[Any, list[jax.Array]] = {}
         for c in copies:
-            if not c.is_deleted() and not jax.dtypes.issubdtype(c.dtype, jax.dtypes.extended):
+            if c.is_deleted():
+                continue
+            # jax/dtypes.py re-exports issubdtype without "as", which hides it from pyright
+            if not jax.dtypes.issubdtype(c.dtype, jax.dtypes.extended):  # pyright: ignore[reportPrivateImportUsage]
                 by_device.setdefault(next(iter(c.devices())), []).append(c)
         with self._lock:
             self._free = by_device
@@ -186,7 +189,12 @@ class _Snapshots:
         """A zero-argument producer of ``data``'s private host copy (valid after ``start``)."""
         position = len(self._shards)
         self._shards.append(data)
-        return lambda: np.asarray(self._copies[position])
+
+        def host_copy():
+            assert self._copies is not None, "start() has not run"
+            return np.asarray(self._copies[position])
+
+        return host_copy
 
     def start(self) -> list[jax.Array]:
         if self._shards:
@@ -287,7 +295,7 @@ class _AxisNames:
     """
 
     def __init__(self, tree, leaves, logical_axes):
-        self._by_key = tree_lib.variable_axes(tree)  # nnx.Variable metadata
+        self._by_key: dict[tuple[str, ...], tuple | None] = dict(tree_lib.variable_axes(tree))
         if logical_axes is not None:
             self._by_key.update(tree_lib.flatten_axes(logical_axes))
         self._by_param_path: dict[tuple, tuple[tuple, tuple]] = {}
@@ -353,6 +361,13 @@ async def write_all(
 
     Returns {tensor dir: {shard key: digest}} for the shards this process wrote. Waits for
     every write even after one fails, so cleanup never races a write in flight.
+
+    Args:
+        root: the checkpoint directory.
+        prepared: the tensors, laid out.
+        primary: this process creates the arrays.
+        max_in_flight: tensors written at once.
+        sync: fsync each file (False: the caller makes the directory durable).
     """
     sem = asyncio.Semaphore(max_in_flight)
 
@@ -364,7 +379,11 @@ async def write_all(
     for r in results:
         if isinstance(r, BaseException):
             raise r
-    return {p.entry.dir: r for p, r in zip(prepared, results) if r is not None}
+    return {
+        p.entry.dir: r
+        for p, r in zip(prepared, results)
+        if r is not None and not isinstance(r, BaseException)  # raised above
+    }
 
 
 def missing_shards(entry: fmt.TensorEntry, digests: dict[str, str]) -> list[str]:

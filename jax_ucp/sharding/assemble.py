@@ -10,6 +10,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -26,7 +27,7 @@ class PendingArray:
 
     def __init__(
         self,
-        source: ts.TensorStore,
+        source: Any,  # a ts.TensorStore, or a reader with ``read_into`` (see _direct below)
         shape: tuple[int, ...],
         dtype: np.dtype,
         sharding: jax.sharding.Sharding | None,
@@ -36,7 +37,7 @@ class PendingArray:
         self.sharding = sharding
         self._source = source
         self._reads: dict[tuple, ts.Future] = {}
-        self._device_index: list[tuple[jax.Device, tuple]] = []
+        self._device_index: list[tuple[Any, tuple]] = []  # (jax device, slice key)
         self._slices: dict[tuple, tuple] = {}
         self._box = None
         # A source that reads regions into arrays we hand it (``store.shard_reader``): every slice
@@ -52,6 +53,7 @@ class PendingArray:
             self.read_bytes = _nbytes(self.shape, source)
             return
         for device, index in sharding.addressable_devices_indices_map(self.shape).items():
+            assert index is not None  # an addressable device always holds an index
             key = _index_key(index, self.shape)
             self._slices.setdefault(key, index)  # devices holding the same slice share one read
             self._device_index.append((device, key))

@@ -40,7 +40,7 @@ def _axes_of(entry) -> tuple[str, ...]:
     return (entry,)
 
 
-def _axis_size(mesh: Mesh, axes: Sequence[str]) -> int:
+def _axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: Sequence[str]) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
@@ -145,7 +145,7 @@ def partition_spec_from_logical(
     return PartitionSpec(*out)
 
 
-def check_rules(rules: LogicalRules, mesh: Mesh) -> None:
+def check_rules(rules: LogicalRules, mesh: Mesh | jax.sharding.AbstractMesh) -> None:
     """Every mesh axis a rule names exists in ``mesh`` (a typo would silently replicate)."""
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
@@ -331,7 +331,7 @@ def replication_warning(where: str, tensors: Sequence[tuple[str, int]]) -> str:
     )
 
 
-def _human(n: int) -> str:
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"

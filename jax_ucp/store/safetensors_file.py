@@ -75,7 +75,7 @@ class SafetensorsTensor:
         self.row_bytes = inner * self.dtype.itemsize  # bytes of one index of dim 0
 
     def _pread(self, buffer: np.ndarray, position: int) -> None:
-        view = memoryview(buffer.reshape(-1).view(np.uint8))
+        view = buffer.reshape(-1).view(np.uint8).data
         done = 0
         while done < view.nbytes:
             got = os.preadv(self.file.fd, [view[done:]], position + done)

@@ -292,7 +292,7 @@ class ShardReader:
         region += [(0, n) for n in self.shape[len(region) :]]
         return _Region(self, tuple(region))
 
-    def read(self) -> concurrent.futures.Future:
+    def read(self) -> RegionRead:
         """The whole array, like ``tensorstore.TensorStore.read()``."""
         return _Region(self, tuple((0, n) for n in self.shape)).read()
 
@@ -302,7 +302,7 @@ class ShardReader:
     def _shard_index(self, fd: int, path: str, key: str) -> np.ndarray:
         index = read_index(fd, path, self._n_inner, self._crc)
         if self._checks_digests() and key not in self._verified:
-            if self.digests.get(key) is None:  # a file the manifest does not list: refuse early
+            if (self.digests or {}).get(key) is None:  # not listed in the manifest: refuse early
                 check_digest(path, "", None, self.tensor)
             self._seen.setdefault(key, (path, index, {}))
         return index
@@ -325,7 +325,7 @@ class ShardReader:
                 finally:
                     os.close(fd)
             found = digest_of_trailers(b"".join(trailers[i] for i in range(len(index))))
-            check_digest(path, found, self.digests.get(key), self.tensor)
+            check_digest(path, found, (self.digests or {}).get(key), self.tensor)
             self._verified.add(key)
 
     def _read_chunk(
@@ -349,7 +349,7 @@ class ShardReader:
             trailer = bytearray(4)
             _preadv_exact(fd, [raw, trailer], off, path)
             (stored,) = struct.unpack("<I", trailer)
-            if crc32c_lib.crc32c(raw) != stored:
+            if crc32c_lib.crc32c(raw.data) != stored:
                 raise ShardReadError(
                     f"{path}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)"
                 )

@@ -7,7 +7,8 @@ import math
 import os
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import crc32c as crc32c_lib
 import numpy as np
@@ -38,7 +39,7 @@ def can_encode(layout: ArrayLayout, data) -> bool:
     )
 
 
-def can_write(layout: ArrayLayout, data, kvstore: dict) -> bool:
+def can_write(layout: ArrayLayout, data, kvstore: Mapping[str, Any]) -> bool:
     """Whether ``data`` (one whole shard) can be written here instead of by TensorStore.
 
     Args:
@@ -61,7 +62,7 @@ def encode(data: np.ndarray, layout: ArrayLayout) -> list:
         chunk = flat[i * chunk_bytes : (i + 1) * chunk_bytes]
         parts.append(chunk)
         if checksum:
-            parts.append(struct.pack("<I", crc32c_lib.crc32c(chunk)))
+            parts.append(struct.pack("<I", crc32c_lib.crc32c(chunk.data)))
     index = np.empty((n, 2), "<u8")
     index[:, 0] = np.arange(n, dtype=np.uint64) * stored
     index[:, 1] = stored

@@ -55,7 +55,7 @@ def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -
     """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
     rel = "/".join(p.strip("/") for p in subpath if p)
     if location.is_url(root):
-        root = location.kvstore_root(root)
+        root = location.kvstore_root(str(root))  # a URL is a str
     if isinstance(root, Mapping):
         spec = dict(root)
         base = spec.get("path", "")

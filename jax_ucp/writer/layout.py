@@ -44,7 +44,15 @@ class PreparedTensor:
 def array_layout(
     shape, dtype_name: str, shard_shape, itemsize: int, options: SaveOptions
 ) -> store.ArrayLayout:
-    """The zarr layout of one array: one shard file per ``shard_shape``, inner chunks within."""
+    """The zarr layout of one array: one shard file per ``shard_shape``, inner chunks within.
+
+    Args:
+        shape: the array's shape.
+        dtype_name: its dtype's name.
+        shard_shape: the shape each shard file holds.
+        itemsize: bytes per element.
+        options: the save's options (chunking, compression, checksum).
+    """
     return store.ArrayLayout(
         shape=tuple(int(d) for d in shape),
         dtype=dtype_name,
@@ -69,7 +77,20 @@ def tensor_entry(
     frozen: bool = False,
     tied_to: str | None = None,
 ) -> fmt.TensorEntry:
-    """The manifest entry of one array (logical axes padded to its rank, as PartitionSpecs are)."""
+    """The manifest entry of one array (logical axes padded to its rank, as PartitionSpecs are).
+
+    Args:
+        key: the key path.
+        key_types: each key component's container type.
+        layout: the array's layout.
+        role: param, opt_state, ... (see the format).
+        sub_role: e.g. ``model`` for a model-precision copy.
+        logical_axes: the logical axis names.
+        saved_sharding: the mesh and PartitionSpec it was saved with.
+        provenance: where an import read it.
+        frozen: a parameter not trained.
+        tied_to: the parameter whose weight this one shares (recorded in the manifest).
+    """
     if logical_axes is not None and len(logical_axes) < len(layout.shape):
         # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
         logical_axes = (
@@ -105,7 +126,15 @@ def tensor_entry(
 def value_entry(
     key, key_types, value, *, role: str = "other", sub_role: str | None = None
 ) -> fmt.ValueEntry:
-    """The manifest entry of a JSON scalar leaf, type-checked now (naming the leaf)."""
+    """The manifest entry of a JSON scalar leaf, type-checked now (naming the leaf).
+
+    Args:
+        key: the key path.
+        key_types: each key component's container type.
+        value: the JSON scalar.
+        role: param, opt_state, ... (see the format).
+        sub_role: a finer role, if any.
+    """
     entry = fmt.ValueEntry(
         key=tuple(key), key_types=tuple(key_types), value=value, role=role, sub_role=sub_role
     )
@@ -123,7 +152,17 @@ def prepare_host_tensor(
     stable_source: bool = False,
     **entry_kw,
 ) -> PreparedTensor:
-    """A numpy array or TensorStore view: one shard, written by the primary process only."""
+    """A numpy array or TensorStore view: one shard, written by the primary process only.
+
+    Args:
+        key: the key path.
+        key_types: each key component's container type.
+        value: a numpy array or TensorStore view.
+        options: the save's options.
+        primary: this process writes it.
+        stable_source: ``value`` is not modified while written (no copy needed).
+        **entry_kw: :func:`tensor_entry`'s keywords.
+    """
     if isinstance(value, ts.TensorStore):
         shape, np_dtype = tuple(value.shape), value.dtype.numpy_dtype
         data: Any = lambda v=value: v.read().result()

@@ -45,6 +45,12 @@ async def write_tensor(
     ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
     it (``durable.make_durable``). Every write is waited for, even after one fails, so a
     caller's cleanup never races a write still in flight.
+
+    Args:
+        root: the checkpoint directory.
+        p: the tensor, laid out.
+        primary: this process creates the array.
+        sync: fsync each file.
     """
     kv = store.kvstore_config(root, p.entry.dir)
     try:
@@ -71,7 +77,7 @@ async def write_tensor(
         if kv.get("driver") != "file":  # object store: digests computed from the data written
             if not all(isinstance(r, str) for r in results):
                 return None
-            return {keys[0]: r for (_, keys), r in zip(writes, results)}
+            return {keys[0]: str(r) for (_, keys), r in zip(writes, results)}
         digests: dict[str, str] = {}
         for (_, keys), result in zip(writes, results):
             if isinstance(result, str):  # written by shard_writer, which knows its digest
@@ -128,9 +134,8 @@ def _issue_writes(
     [(awaitable, shard keys)]; whole shards of host memory go through ``shard_writer``."""
     commits = []
     loop = asyncio.get_running_loop()
-    for index, data in p.writes if writes is None else writes:
-        if callable(data):
-            data = data()
+    for index, given in p.writes if writes is None else writes:
+        data: Any = given() if callable(given) else given
         if p.layout.shape and 0 in p.layout.shape:
             continue  # nothing to store for a zero-size array; zarr.json says it all
         position = _chunk_position(index, p.layout.chunk_shape) if index else None
@@ -230,7 +235,7 @@ def _write_slabs(
                 chunk = flat[i : i + chunk_bytes]
                 _write_all(fd, chunk)
                 if checksum:
-                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk))
+                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk.data))
                     _write_all(fd, crc)
                     trailers += crc
                 n += 1
@@ -303,8 +308,8 @@ class PipelinedWriter:
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
         # Surface a failure early instead of after the whole stream was produced.
         for task, _ in self._window:
-            if task.done() and task.exception() is not None:
-                raise task.exception()
+            if task.done() and (error := task.exception()) is not None:
+                raise error
 
     async def reserve(self, nbytes: int) -> None:
         """Retires written tensors until ``nbytes`` more fit under ``max_bytes``: called before
@@ -318,7 +323,13 @@ class PipelinedWriter:
     ) -> None:
         """Writes ``p`` (``can_stream``) alone, in row slabs of at most ``max_bytes`` built by
         ``rows(start, stop)`` one at a time: a tensor larger than the memory budget is never
-        whole in memory. Its shard digest is the whole tensor's (same file, same bytes)."""
+        whole in memory. Its shard digest is the whole tensor's (same file, same bytes).
+
+        Args:
+            p: the tensor, laid out (``can_stream``).
+            rows: builds rows ``start:stop``.
+            max_bytes: bytes per slab at most.
+        """
         for done in self._window.drain():
             await self._retire(done)
         kv = store.kvstore_config(self.root, p.entry.dir)

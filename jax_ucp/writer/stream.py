@@ -12,7 +12,7 @@ import dataclasses
 import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import tensorstore as ts
@@ -24,6 +24,7 @@ from jax_ucp.writer import shards as shards_lib
 from jax_ucp.writer.shards import PipelinedWriter
 
 _SCALARS = (type(None), bool, int, float, str)
+_E = TypeVar("_E", bound=fmt.Entry)
 
 #: Bytes of tensors an import or export may hold at once when no budget is set.
 DEFAULT_MEMORY_BUDGET = 256 << 20
@@ -134,6 +135,11 @@ def with_progress(
 
     Parameters (role ``param`` without a sub-role) are what a user waits on; moments and model
     copies follow them.
+
+    Args:
+        items: the items of an import.
+        total: the number of parameters.
+        progress: called as ``progress(name, done, total)`` (None: not at all).
     """
     done = 0
     for item in items:
@@ -144,7 +150,7 @@ def with_progress(
                 progress(item.key[-1], done, total)
 
 
-def with_digests(entry: fmt.Entry, digests: Mapping[str, str] | None) -> fmt.Entry:
+def with_digests(entry: _E, digests: Mapping[str, str] | None) -> _E:
     """``entry`` with the digests of its shard files, when the array has checksums to bind."""
     if isinstance(entry, fmt.TensorEntry) and entry.checksum == "crc32c" and digests is not None:
         return dataclasses.replace(entry, shard_digests=dict(sorted(digests.items())))
@@ -185,6 +191,16 @@ async def write_stream(
     ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
     ``manifest_file``: another name for the manifest (a shared import's part of it).
     ``budget``: the bytes held at once (None: ``memory_budget()``).
+
+    Args:
+        directory: the checkpoint directory.
+        items: the items to write.
+        source: the manifest's source record.
+        compression: the arrays' codec (None: the default).
+        inner_chunk_bytes: the bytes of an inner chunk.
+        sync: fsync each file.
+        manifest_file: the manifest's file name.
+        budget: bytes held at once (None: ``memory_budget()``).
     """
     directory = os.fspath(directory)
     options = layout_lib.SaveOptions(

@@ -71,6 +71,11 @@ def open_deepspeed_checkpoint(
     A Megatron-DeepSpeed checkpoint with tensor/pipeline parallelism (several ``mp_rank_XX``
     ranks or ``layer_XX-model_YY`` files) gives a :class:`MegatronDeepSpeedCheckpoint` (``spec``:
     import rules to use instead of its ``universal_checkpoint_info``).
+
+    Args:
+        src: the checkpoint folder (``latest`` + tags) or one tag folder.
+        tag: the tag to open instead of ``latest``.
+        spec: import rules to use instead of ``universal_checkpoint_info``.
     """
     tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
     if deepspeed_files.is_moe(tag_dir):
@@ -99,6 +104,15 @@ def plan_deepspeed(
     A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
     deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
     ``latest_universal`` names it) is read by :mod:`deepspeed_universal`.
+
+    Args:
+        src: the checkpoint folder or one tag folder.
+        tag: the tag to import instead of ``latest``.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
     """
     universal = deepspeed_universal.universal_tag_dir(os.fspath(src), tag)
     if universal is not None:

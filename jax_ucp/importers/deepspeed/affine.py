@@ -125,7 +125,13 @@ def _piece(entry: Any, where: str, tp: int) -> Piece:
 
 
 def parse_affine_maps(info: Mapping, where: str, tp: int) -> list[AffineMap]:
-    """The checked affine maps of ``universal_checkpoint_info`` (empty when it has none)."""
+    """The checked affine maps of ``universal_checkpoint_info`` (empty when it has none).
+
+    Args:
+        info: ``universal_checkpoint_info``.
+        where: the file holding it, for errors.
+        tp: the tensor-parallel degree of the run.
+    """
     section = info.get("affine_map")
     if not section:
         return []
@@ -219,7 +225,14 @@ def map_for(maps: list[AffineMap], name: str) -> AffineMap | None:
 
 def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) -> np.ndarray:
     """The whole parameter from each TP rank's shard (``shards[tp_rank]``): every element
-    written once; a replicated piece checked bit-identical across its ranks."""
+    written once; a replicated piece checked bit-identical across its ranks.
+
+    Args:
+        amap: the parameter's checked affine map.
+        shards: each TP rank's shard, by rank.
+        state: the optimizer state being rebuilt, for errors.
+        name: the parameter, for errors.
+    """
     power = SCALE_POWER.get(state, 1)
     scaled = [p for ps in amap.pieces.values() for p in ps if p.scale != 1.0]
     if power != 1 and scaled:

@@ -107,7 +107,13 @@ def check_saved_name(archive: TorchArchive, path: str) -> None:
 
 
 def require(mapping: Any, key: Any, where: str) -> Any:
-    """``mapping[key]``, or an error naming the file (``where``) that lacks it."""
+    """``mapping[key]``, or an error naming the file (``where``) that lacks it.
+
+    Args:
+        mapping: the loaded object.
+        key: the entry it must have.
+        where: the file it was loaded from.
+    """
     if not isinstance(mapping, Mapping) or key not in mapping:
         raise DeepSpeedImportError(f"{where}: missing {key!r}")
     return mapping[key]
@@ -299,7 +305,13 @@ def read_optimizer_states(
 ) -> OptimizerStates:
     """Reads one model-parallel rank's optimizer files; every DP rank of ``partition_count``
     present, no other, all with the same stage and partition count (``of_rank`` names the
-    model-parallel rank in messages)."""
+    model-parallel rank in messages).
+
+    Args:
+        tag_dir: the tag folder.
+        files_by_dp_rank: the optimizer file of each data-parallel rank.
+        of_rank: names the model-parallel rank in messages.
+    """
     first_rank = min(files_by_dp_rank)
     first = files_by_dp_rank[first_rank]
     first_state = require(load_deepspeed_file(first), "optimizer_state_dict", first)
@@ -363,7 +375,13 @@ def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
 
 
 def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: OptimizerStates):
-    """The model states' ``dp_world_size`` (when recorded) must be the optimizer files' count."""
+    """The model states' ``dp_world_size`` (when recorded) must be the optimizer files' count.
+
+    Args:
+        model_states: the loaded model states file.
+        model_file: its path, for errors.
+        optimizer: the checked optimizer files.
+    """
     recorded = model_states.get("dp_world_size")
     if recorded is not None and int(recorded) != optimizer.world_size:
         raise DeepSpeedImportError(
@@ -397,7 +415,13 @@ MAX_DIM = 2**48
 
 def checked_shape(shape: Any, model_file: str, what: str) -> tuple[int, ...]:
     """A shape read from a file: a tuple or list of ints in ``[0, MAX_DIM)``. A negative
-    dimension would pass an element count check in pairs ((-2, -8) has 16 elements)."""
+    dimension would pass an element count check in pairs ((-2, -8) has 16 elements).
+
+    Args:
+        shape: the value read.
+        model_file: the file it was read from.
+        what: the entry it was read from.
+    """
     if not isinstance(shape, (tuple, list)) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
     ):

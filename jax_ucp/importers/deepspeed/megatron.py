@@ -469,7 +469,14 @@ def _sub_params_entries(info: Mapping) -> list[tuple[str, Mapping]]:
 def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
     """``kind`` with the DeepSpeed details the generic translation leaves open, resolved per
     tensor: legacy sub-param metadata giving a *count* of equal sub-params, and v0.4
-    ``sub_param_shard_widths`` (uneven). ``widths``: each TP fragment's size on the merge dim."""
+    ``sub_param_shard_widths`` (uneven). ``widths``: each TP fragment's size on the merge dim.
+
+    Args:
+        kind: the kind the generic translation gave.
+        name: the tensor.
+        info: ``universal_checkpoint_info``.
+        widths: each TP fragment's size on the merge dim.
+    """
     inner = getattr(kind, "inner", None)
     if inner is not None and not isinstance(kind, SubParams):
         return dataclasses.replace(kind, inner=resolve_sub_params(inner, name, info, widths))
@@ -575,7 +582,13 @@ def megatron_deepspeed_tensors(
     checkpoint: MegatronDeepSpeedCheckpoint, source: dict, *, weights_only: bool
 ) -> list[str]:
     """Every tensor of every rank's files and layer files (``<file>:<key>``); those not imported
-    listed in ``source["skipped"]`` with the reason."""
+    listed in ``source["skipped"]`` with the reason.
+
+    Args:
+        checkpoint: the opened Megatron-DeepSpeed checkpoint.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        weights_only: whether the optimizer state is skipped.
+    """
     imported = {
         entry[2]
         for name in checkpoint.names

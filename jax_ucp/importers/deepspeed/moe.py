@@ -63,7 +63,14 @@ class Experts:
     count: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts
 
     def global_name(self, name: str, ep_rank: int, ep_size: int, where: str) -> str:
-        """The global name of a local expert parameter of expert-parallel rank ``ep_rank``."""
+        """The global name of a local expert parameter of expert-parallel rank ``ep_rank``.
+
+        Args:
+            name: the local expert parameter's name.
+            ep_rank: the expert-parallel rank holding it.
+            ep_size: the expert-parallel degree.
+            where: the file, for errors.
+        """
         match = EXPERT_NAME.match(name)
         if match is None:
             raise DeepSpeedImportError(
@@ -95,7 +102,13 @@ class Experts:
 def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Experts:
     """Reads every ``layer_L_expert_X_mp_rank_XX_model_states.pt``: experts 0..N-1 of each layer
     (N = ``num_experts`` of the model states when recorded), each file holding the parameters
-    of its own expert only, one MoE module per layer."""
+    of its own expert only, one MoE module per layer.
+
+    Args:
+        tag_dir: the tag folder.
+        model_states: the loaded model states file.
+        model_file: its path, for errors.
+    """
     files: dict[int, dict[int, str]] = {}
     for name in sorted(os.listdir(tag_dir)):
         match = deepspeed_files.EXPERT_FILE.match(name)
@@ -164,7 +177,7 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
                 f"expert files, layer {layer} here"
             )
         experts.weights[str(key)] = (value, f"{file}:{key}")
-    prefixes = {EXPERT_NAME.match(str(k)).group(1) for k in state}
+    prefixes = {m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None}
     if len(prefixes) != 1:
         raise DeepSpeedImportError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
 
@@ -326,7 +339,7 @@ def _checked_experts(
                 flat = int(np.argmax(value.reshape(-1) != stored.reshape(-1)))
                 raise DeepSpeedImportError(
                     f"expert parameter {item.key[1]!r}: the fp32 master from "
-                    f"{item.provenance.get('files')} disagrees with {tensor} (first at flat "
+                    f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
                     f"index {flat}: {value.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
                     "expert-parallel ranks assigned otherwise than DeepSpeed's default "
                     "expert-then-data topology, or files from different saves"
@@ -336,7 +349,14 @@ def _checked_experts(
 
 def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
     """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
-    ``expp_rank_*`` files)."""
+    ``expp_rank_*`` files).
+
+    Args:
+        tag_dir: the tag folder.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     names = os.listdir(tag_dir)
     if not any(deepspeed_files.OPTIMIZER_FILE.match(f) for f in names):
         return plan_moe_zero0(tag_dir, weights_only=weights_only, share=share)
@@ -401,7 +421,14 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
     ``module`` and the expert files; Adam's moments and step from the torch
     ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
-    index to name as :func:`zero0_index_names` says."""
+    index to name as :func:`zero0_index_names` says.
+
+    Args:
+        tag_dir: the tag folder.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = deepspeed_files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
@@ -507,7 +534,16 @@ def zero0_index_names(
     experts, MoE layer by layer, local expert by local expert, each in its expert file's key
     order). Anything else (several dense groups, e.g. weight-decay groups, or other sizes) is
     refused: which parameter sits at which position would be a guess. The caller checks every
-    moment's shape against its parameter."""
+    moment's shape against its parameter.
+
+    Args:
+        groups: the torch optimizer's ``param_groups``.
+        dense: the module's parameters without the experts, in module order.
+        experts: the expert files read.
+        ep_rank: this expert-parallel rank.
+        ep_size: the expert-parallel degree.
+        where: the optimizer file, for errors.
+    """
     dense_groups = [g for g in groups if isinstance(g, Mapping) and not g.get("moe")]
     expert_groups = [g for g in groups if isinstance(g, Mapping) and g.get("moe")]
     if len(groups) != 2 or len(dense_groups) != 1 or len(expert_groups) != 1:
@@ -547,7 +583,17 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
     """``{name: (exp_avg, exp_avg_sq, source tensors)}`` and ``(step, tensors)`` of a ZeRO-0 MoE
     run: each expert's from its expert-parallel rank's file, the dense ones from rank 0's, which
     every other rank (and the model states' ``optimizer``, rank 0's own copy) must hold bit for
-    bit (data-parallel replicas; their copies are listed in ``source.skipped``)."""
+    bit (data-parallel replicas; their copies are listed in ``source.skipped``).
+
+    Args:
+        model_states: rank 0's loaded model states file.
+        model_file: its path.
+        states: each expert-parallel rank's optimizer file, loaded.
+        dense: the dense parameters' names.
+        experts: the expert files read.
+        weights: every parameter's weight, by name (for the shape checks).
+        source: the manifest's source record, whose ``skipped`` is filled.
+    """
     if any(np.asarray(weights[n][0]).dtype != np.float32 for n in weights):
         raise DeepSpeedImportError(
             f"{model_file}: ZeRO-0 optimizer state is imported for fp32 runs (the weights are "

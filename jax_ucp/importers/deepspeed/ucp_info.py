@@ -67,7 +67,13 @@ def import_rules_from_ucp_info(
     """Import rules equivalent to ds_to_universal's handling of ``info``.
 
     ``strict``: every pattern DeepSpeed lists must match some tensor (ds_to_universal --strict);
-    by default unused patterns are allowed, as DeepSpeed only warns."""
+    by default unused patterns are allowed, as DeepSpeed only warns.
+
+    Args:
+        info: ``universal_checkpoint_info``.
+        strict: every pattern must match some tensor.
+        where: the file holding ``info``, for errors.
+    """
     categories = _categories(info, where)
     vocab = _patterns(info, VOCABULARY, where)
     pipe = _patterns(info, PIPELINE_REPLICATED, where)
@@ -157,7 +163,15 @@ def spec_from_ucp_info(
     **settings,
 ) -> Spec:
     """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc);
-    ``where`` (the file holding ``info``) starts every error."""
+    ``where`` (the file holding ``info``) starts every error.
+
+    Args:
+        info: ``universal_checkpoint_info``.
+        name: the spec's name.
+        strict: every pattern must match some tensor.
+        where: the file holding ``info``, for errors.
+        **settings: the spec's settings (head counts, ...).
+    """
     s = dict(settings)
     if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
         s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])

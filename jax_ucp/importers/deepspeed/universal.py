@@ -326,7 +326,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
     state takes the ``param_shapes`` shape, which only a single model-parallel rank records."""
     rel = f"zero/{name}"
     param = UniversalParam(name, ())
-    shape = None
+    shape: tuple[int, ...] | None = None
     for state, _ in STATES:
         array, source, _ = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
         if array.dtype != np.float32:
@@ -342,7 +342,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
                 f"param_shapes record only each rank's piece ({tuple(local_shape)})"
             )
         else:
-            full = array.shape
+            full = tuple(array.shape)
         if mp_world_size == 1 and numel(full) != numel(local_shape):
             raise DeepSpeedImportError(
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
@@ -355,6 +355,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
         shape = full
         param.arrays[state] = array
         param.sources[state] = source
+    assert shape is not None  # STATES is not empty
     param.shape = shape
     step_path = os.path.join(folder, "step.pt")
     if os.path.lexists(step_path):
@@ -436,7 +437,9 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
 def _frozen_reader(checkpoint: UniversalCheckpoint) -> deepspeed_zero.DeepSpeedCheckpoint:
     """The frozen parameters' view of the model states files, as the ZeRO reader reads them."""
     zero3 = sorted(
-        p for p in checkpoint.model_files if _MODEL_FILE.match(os.path.basename(p)).group(1)
+        p
+        for p in checkpoint.model_files
+        if (m := _MODEL_FILE.match(os.path.basename(p))) is not None and m.group(1)
     )
     return deepspeed_zero.DeepSpeedCheckpoint(
         tag_dir=checkpoint.tag_dir,
@@ -472,7 +475,13 @@ def _frozen_fp32(
 def iter_universal_items(
     checkpoint: UniversalCheckpoint, *, weights_only: bool, share: Share = WHOLE
 ) -> Iterator:
-    """Per parameter: fp32 master, Adam moments, model-precision copy; frozen weights; step."""
+    """Per parameter: fp32 master, Adam moments, model-precision copy; frozen weights; step.
+
+    Args:
+        checkpoint: the opened universal folder.
+        weights_only: fp32 masters alone, no moments, copies or step.
+        share: this process's part of a distributed import (default: the whole).
+    """
     cast = checkpoint.model_dtype != np.dtype(np.float32)
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
@@ -488,6 +497,7 @@ def iter_universal_items(
             }
             yield host_item((*tree, name), value, provenance)
         if cast:
+            assert fp32 is not None  # STATES[0] is "fp32"
             yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
     if checkpoint.frozen:
         yield from deepspeed_zero.frozen_items(
@@ -508,7 +518,13 @@ def universal_tensors(
     checkpoint: UniversalCheckpoint, source: dict, *, weights_only: bool
 ) -> list[str]:
     """Every tensor of the folder (``<file relative to the tag folder>:<path>``); those not
-    imported listed in ``source["skipped"]`` with the reason."""
+    imported listed in ``source["skipped"]`` with the reason.
+
+    Args:
+        checkpoint: the opened universal folder.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        weights_only: whether the moments are skipped.
+    """
     found: list[str] = []
     for param in checkpoint.params.values():
         found += [param.sources[s] for s, _ in STATES]
@@ -630,7 +646,16 @@ def source_info(checkpoint: UniversalCheckpoint) -> dict:
 def plan_universal(
     tag_dir: str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
 ) -> ImportPlan:
-    """The import of a universal tag folder (every file found and checked before this returns)."""
+    """The import of a universal tag folder (every file found and checked before this returns).
+
+    Args:
+        tag_dir: the ``<tag>_universal`` folder.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     if spec is not None:
         raise RequestError(
             "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed "

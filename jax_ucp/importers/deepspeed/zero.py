@@ -138,13 +138,25 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
 
 
 def zero3_model_file(tag_dir: str, dp_rank: int, mp_rank: int = 0) -> str:
-    """Stage 3's model states file of one DP rank of one model-parallel rank."""
+    """Stage 3's model states file of one DP rank of one model-parallel rank.
+
+    Args:
+        tag_dir: the tag folder.
+        dp_rank: the data-parallel rank.
+        mp_rank: the model-parallel rank.
+    """
     return os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
 
 
 def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
     """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
-    needs one file per DP rank."""
+    needs one file per DP rank.
+
+    Args:
+        tag_dir: the tag folder.
+        optimizer: the checked optimizer files (their stage).
+        mp_rank: the model-parallel rank.
+    """
     if optimizer.stage in (1, 2):
         return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
     if optimizer.stage != 3:
@@ -183,7 +195,15 @@ def open_zero_rank(
     mp_rank: int = 0,
 ) -> DeepSpeedCheckpoint:
     """One model-parallel rank from its model states and checked optimizer files; checks that
-    the optimizer partitions hold exactly every parameter of ``param_shapes``."""
+    the optimizer partitions hold exactly every parameter of ``param_shapes``.
+
+    Args:
+        tag_dir: the tag folder.
+        model_file: the rank's model states file.
+        model_states: its loaded content.
+        optimizer: the rank's checked optimizer files.
+        mp_rank: the model-parallel rank.
+    """
     deepspeed_files.check_dp_world_size(model_states, model_file, optimizer)
     param_shapes = deepspeed_files.param_shapes_of(model_states, model_file)
     module = model_states.get("module") or {}
@@ -305,7 +325,7 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                     raise DeepSpeedImportError(
                         f"{path}: bad fragment_address for {name!r}: {address!r}"
                     )
-                start, count = address.start, address.numel
+                start, count = getattr(address, "start"), getattr(address, "numel")  # a StandIn
                 size = optimizer_state["single_partition_of_fp32_groups"][group].size
                 if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
                     raise DeepSpeedImportError(
@@ -425,7 +445,13 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
     """The fp32 master assembled from the rank files must round to the model weight DeepSpeed
     saved beside it (stage 1/2 keep the whole module; DeepSpeed copies master -> model after
     every step). Checked at both ends of every rank's piece: swapped or stale partitions
-    disagree there."""
+    disagree there.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        fp32: its assembled fp32 master.
+    """
     stored = checkpoint.module.get(name)
     if not (isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size):
         return
@@ -472,7 +498,13 @@ def state_vectors(
     checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
 ) -> FlatVector | list[np.ndarray]:
     """DP rank ``dp_rank``'s flat vectors of one optimizer state ("fp32", "exp_avg",
-    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3)."""
+    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        dp_rank: the data-parallel rank.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+    """
     optimizer_state = checkpoint.optim_states[dp_rank]
     path = checkpoint.optim_files[dp_rank]
     if checkpoint.stage in (1, 2):
@@ -498,7 +530,14 @@ def gather_parameter(
     checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
 ) -> np.ndarray:
     """One optimizer state of parameter ``name``, in its shape (a view of the memory map when it
-    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name)."""
+    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+        vectors: the cache of :func:`state_vectors`.
+    """
     fragments = checkpoint.fragment_plan[name]
     parts: list[np.ndarray] = []
     for piece in fragments.pieces:
@@ -557,7 +596,13 @@ def iter_zero_items(
     checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
     """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``
-    (``weights_only``: params and model_params alone); ``share``: this process's part."""
+    (``weights_only``: params and model_params alone); ``share``: this process's part.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint.
+        weights_only: params and model_params alone.
+        share: this process's part of a distributed import (default: the whole).
+    """
     vectors: dict[tuple[int, str], Any] = {}
     files = [os.path.basename(f) for f in checkpoint.optim_files]
     for name in share.pick(checkpoint.names):
@@ -578,6 +623,7 @@ def iter_zero_items(
             sources = piece_tensors(checkpoint, name, state_name)
             yield host_item((*tree, name), value, dict(provenance, tensors=sources))
         if checkpoint.model_dtype != np.dtype(np.float32):
+            assert fp32 is not None  # STATE_TREES[0] is "fp32"
             yield _model_copy_item(
                 checkpoint, name, fp32, provenance["files"], piece_tensors(checkpoint, name, "fp32")
             )
@@ -610,7 +656,13 @@ def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str
 
 
 def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
-    """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from."""
+    """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+    """
     fragments = checkpoint.fragment_plan[name]
     template, keys = _state_prefix(checkpoint, state_name)
     out = []
@@ -620,6 +672,7 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
             out.append(f"{file}:{template.format(keys[fragments.group])}")
             continue
         vector = state_vectors(checkpoint, piece.dp_rank, state_name)
+        assert isinstance(vector, FlatVector)  # stage 3
         for key, low, high in zip(keys, vector.offsets, vector.offsets[1:]):
             if max(low, piece.start) < min(high, piece.start + piece.numel):
                 out.append(f"{file}:{template.format(key)}")
@@ -664,7 +717,14 @@ def zero_tensors(
 ) -> list[str]:
     """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
     take listed in ``source["skipped"]`` with the reason. ``imported_module``: the ``module``
-    weights imported as ``model_params`` (default: those a plain ZeRO import takes)."""
+    weights imported as ``model_params`` (default: those a plain ZeRO import takes).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        weights_only: whether the optimizer state is skipped.
+        imported_module: the ``module`` weights imported as ``model_params``.
+    """
     found: list[str] = []
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
@@ -852,7 +912,15 @@ def zero0_model_file(tag_dir: str) -> str | None:
 def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Share = WHOLE):
     """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
     states file, keyed by parameter index. Importing it is not supported; the weights are (the
-    module's, in the run's precision)."""
+    module's, in the run's precision).
+
+    Args:
+        tag_dir: the tag folder.
+        model_file: its model states file.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     from jax_ucp.importers.plan import ImportPlan
 
     model_states = deepspeed_files.load_model_states(model_file)

@@ -98,6 +98,15 @@ def plan_megatron(
     Megatron's padding) overrides the spec's. ``weights_only``: the model weights alone, the
     optimizer state (whatever its layout) skipped and listed in the manifest's source. Every
     check that needs no tensor bytes runs before this returns.
+
+    Args:
+        src: the checkpoint folder (a save root or one ``iter_N``).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
     """
     try:
         source_dir = detect_megatron(src)

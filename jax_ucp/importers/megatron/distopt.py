@@ -242,7 +242,14 @@ def chained_states(
     """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
     buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None
     when every member is ``fully_reshardable`` (model-space tensors, read like a single
-    optimizer's). Anything else is refused naming the layouts."""
+    optimizer's). Anything else is refused naming the layouts.
+
+    Args:
+        checkpoint: the torch_dist checkpoint.
+        model_names: the model tensors, in save order.
+        settings: the run's model settings.
+        chained: each member's sharding type, from ``chained_layouts``.
+    """
     where = checkpoint.path / ".metadata"
     experts = [n for n in model_names if _EXPERT.match(n)]
     dense = [n for n in model_names if n not in experts]

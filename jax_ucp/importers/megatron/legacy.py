@@ -304,7 +304,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
-    virtual = None
+    virtual: int | None = None
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
         directory = directories.found.get(key)
         if directory is None:
@@ -337,6 +337,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
             for stage, _, _ in parts:
                 distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
     first = ranks[(0, 0)]
+    assert virtual is not None  # set by the rank file of (0, 0)
     args = args_dict(first.state.get("args"))
     for name, size in (
         ("tensor_model_parallel_size", tp_size),
@@ -386,6 +387,11 @@ def distrib_optim_layout(
     elements, a shared-embedding parameter in its own bucket, a bucket closed once it reaches
     ``bucket_size`` (None: never). ``get_parameter_state_dp_zero`` then concatenates the buckets
     without their end padding. Returns ({name: (start, end)}, total numel).
+
+    Args:
+        params: (name, numel) of the rank's local parameters, in module order.
+        shared: the pipeline-tied embedding parameters.
+        bucket_size: DDP's bucket size in elements (None: one bucket).
     """
     out: dict[str, tuple[int, int]] = {}
     base, rel, n_in_bucket = 0, 0, 0
@@ -411,6 +417,12 @@ def bucket_layout(
     shared embedding alone in its bucket), but a bucket closes where its recorded size says,
     so the DDP ``bucket_size`` (not saved, and ``None`` past the first pipeline stage) is not
     needed; every recorded size is checked, so a wrong parameter list cannot fit silently.
+
+    Args:
+        params: (name, numel) of the rank's local parameters, in module order.
+        shared: the pipeline-tied embedding parameters.
+        bucket_numels: the recorded unpadded size of every bucket.
+        where: the file, for errors.
     """
     out: dict[str, tuple[int, int, int]] = {}
     bucket, rel, count = 0, 0, 0
@@ -468,7 +480,13 @@ def _load_distrib_optim(path: Path) -> Any:
 
 def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
     """Buffer ``buffer`` of a ``distrib_optim.pt`` holding ``count`` (one per virtual-pipeline
-    model chunk; buckets coalesced; one dtype, no experts)."""
+    model chunk; buckets coalesced; one dtype, no experts).
+
+    Args:
+        path: the ``distrib_optim.pt`` file.
+        buffer: which buffer (model chunk).
+        count: how many buffers the file holds.
+    """
     return distrib_optim_state(_load_distrib_optim(path), path, buffer, count)
 
 
@@ -483,7 +501,14 @@ def distrib_optim_state(
 ) -> DistribOptimState:
     """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
     buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
-    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object."""
+    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object.
+
+    Args:
+        saved: the loaded dict.
+        path: where it was loaded from, for errors.
+        index: which buffer.
+        count: how many buffers it holds.
+    """
     if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
         raise LegacyError(
             f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "

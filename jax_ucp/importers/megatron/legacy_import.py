@@ -103,7 +103,16 @@ def plan_legacy(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """Legacy TP x PP (x EP): fragments merged per name by the spec's kinds."""
+    """Legacy TP x PP (x EP): fragments merged per name by the spec's kinds.
+
+    Args:
+        source_dir: the detected legacy checkpoint.
+        spec: the spec whose kinds merge the fragments (None: the default rules).
+        settings: the run's model settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     checkpoint = legacy.open_legacy(source_dir.ckpt_dir)
     _legacy_settings(checkpoint, settings)
     tensors = _collect_legacy_tensors(checkpoint, _stage_layer_offsets(checkpoint, settings))

@@ -66,7 +66,15 @@ def check_model_space_tensors(
     optimizer_tensors: dict[str, dict[str, str]],
     model_names: list[str],
 ) -> None:
-    """One master weight and both moments per parameter, shaped like it, none for an unknown one."""
+    """One master weight and both moments per parameter, shaped like it, none for an unknown one.
+
+    Args:
+        checkpoint: the torch_dist checkpoint.
+        common: its loaded ``common.pt``.
+        common_path: the path of ``common.pt``.
+        optimizer_tensors: {parameter: {state: tensor name}} found.
+        model_names: the model tensors.
+    """
     metadata = checkpoint.path / ".metadata"
     sharding = sharding_type(common)
     if sharding not in (None, "fully_reshardable", "fully_sharded_model_space"):
@@ -118,7 +126,13 @@ def flattened_shape(shape: tuple[int, ...], local: tuple[int, ...]) -> tuple[int
 
 
 def unflatten(flat: np.ndarray, shape: tuple[int, ...], name: str = "") -> np.ndarray:
-    """The global ``shape`` array of an N-D flattened tensor (inverse of ``flattened_shape``)."""
+    """The global ``shape`` array of an N-D flattened tensor (inverse of ``flattened_shape``).
+
+    Args:
+        flat: the flattened tensor as saved.
+        shape: its global shape.
+        name: the tensor, for errors.
+    """
     grid = flat.shape[:-1]
     if len(grid) != len(shape) or any(n == 0 or g % n for g, n in zip(shape, grid)):
         raise MegatronImportError(

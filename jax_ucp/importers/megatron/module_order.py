@@ -75,8 +75,9 @@ def _module_orders(names: list[str]) -> list[list[str]]:
         rank = {n: i for i, n in enumerate(_TOP_BEFORE)}
         rank.update({f"decoder.layers.{n}": len(_TOP_BEFORE) + i for i, n in enumerate(layer)})
         rank.update({n: len(rank) + i for i, n in enumerate(_TOP_AFTER)})
-        known = {n: _order_key(n, rank, layer) for n in names}
-        if None not in known.values():
+        keys = {n: _order_key(n, rank, layer) for n in names}
+        known = {n: k for n, k in keys.items() if k is not None}
+        if len(known) == len(keys):
             order = sorted(names, key=known.__getitem__)
             if order not in out:
                 out.append(order)
@@ -109,7 +110,7 @@ def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], 
     """``cls``'s state laid out over the first module order of ``names`` that fits the saved
     buckets and whose masters equal (fp32) or round to (bf16) the model weights of the small
     tensors (norms, biases: a wrong order misplaces them); the first error if none fits."""
-    first = None
+    first: MegatronImportError | None = None
     orders = _module_orders(names)
     # the legacy GroupedMLP's experts are saved like SequentialMLP's but sit in the grad buffer
     # as one weight1 / weight2 per layer: tried when the SequentialMLP layout does not fit
@@ -132,4 +133,5 @@ def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], 
                 f"order (tried {len(orders)}: local spec, Transformer Engine, .metadata"
                 f"{experts}); another megatron-core version or DDP config? {WEIGHTS_ONLY_HINT}"
             )
+    assert first is not None  # at least one order was tried
     raise first

@@ -34,6 +34,7 @@ class RankStates:
     Subclasses say where the flat vectors are and how the buffer splits into buckets."""
 
     STATES = ("param", "exp_avg", "exp_avg_sq")
+    LAYOUT: str  # megatron-core's name of the saved layout, set by each subclass
     layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
 
     #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
@@ -333,7 +334,13 @@ class RankStates:
         raise NotImplementedError
 
     def source(self, rank: int, bucket: int, state: str) -> str:
-        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``."""
+        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``.
+
+        Args:
+            rank: the model-parallel rank.
+            bucket: the bucket of that rank.
+            state: "param", "exp_avg" or "exp_avg_sq".
+        """
         raise NotImplementedError
 
     def _pieces(self, name: str) -> Iterator[tuple]:
@@ -360,7 +367,7 @@ class RankStates:
                 yield tp_rank + self.tp * stage, self._pair(name) or name, None, local, axis, chunks
                 continue
             for layer in range(self.layers) if skip else [None]:
-                if skip:
+                if layer is not None:  # skip: one piece per layer
                     stage = layer // per_stage
                 else:
                     stage = 0 if name in self.before else self.pp - 1
@@ -394,8 +401,8 @@ class RankStates:
             for bucket, keys in per_bucket.items():
                 if any((rank, key) in read for key in keys):
                     continue
-                why = [self._unread_why(rank, key) for key in keys]
-                if None in why:
+                why = [w for key in keys if (w := self._unread_why(rank, key)) is not None]
+                if len(why) != len(keys):
                     continue
                 for state in self.STATES:
                     out[self.source(rank, bucket, state)] = (
@@ -437,7 +444,13 @@ class RankStates:
         """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
         together from every TP rank's (and pipeline stage's) local piece; ``rows=(lo, hi)``:
         rows ``lo:hi`` of dim 0 only, reading only their part of the flat buckets (a tensor
-        larger than the memory budget is written slab by slab, ``writer.Deferred.rows``)."""
+        larger than the memory budget is written slab by slab, ``writer.Deferred.rows``).
+
+        Args:
+            state: "param", "exp_avg" or "exp_avg_sq".
+            name: the model tensor.
+            rows: (lo, hi) rows of dim 0 alone (None: all).
+        """
         shape = self.checkpoint.tensors[name].shape
         lo, hi = (0, shape[0] if shape else 0) if rows is None else rows
         out = writer.unpooled_empty(shape if rows is None else (hi - lo, *shape[1:]), np.float32)
@@ -452,6 +465,7 @@ class RankStates:
                     continue
                 layer = first - lo if isinstance(layer, int) else (first - lo, *layer[1:])
             if key.endswith("#grouped"):  # the local expert's block, saved transposed
+                assert layer is not None and not isinstance(layer, int)  # (layer, expert)
                 start += layer[1] % (self.num_experts // self.ep) * element_count(local)
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end)

@@ -69,7 +69,7 @@ def default_import_rules(settings: Mapping[str, Any]) -> list:
     fc1_weight, fc1_bias = (
         (SwiGLU(dim=-2), SwiGLU(dim=-1)) if gated else (Partitioned(dim=-2), Partitioned(dim=-1))
     )
-    optional = dict(required=False)
+    optional: dict[str, Any] = dict(required=False)
     row_parallel = r".*\.(?:linear_proj|dense|linear_fc2|dense_4h_to_h)"
     return [
         ImportRule(_VOCAB, vocab, label="vocab-parallel embedding / output layer", **optional),

@@ -77,7 +77,16 @@ def plan_torch_dist(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info."""
+    """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info.
+
+    Args:
+        source_dir: the detected torch_dist checkpoint.
+        spec: the spec with import rules / settings (None: the defaults).
+        settings: the run's model settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
         for key, value in legacy.args_dict(common.get("args")).items():
@@ -189,9 +198,14 @@ def _optimizer_step(
     optimizer_state = common.get("optimizer") if isinstance(common, dict) else None
     if chained is None:
         return step_from_param_groups(param_groups(optimizer_state), str(common_path))
+    members = (  # a ChainedOptimizer's states by index, or listed
+        optimizer_state.items()
+        if isinstance(optimizer_state, dict)
+        else enumerate(optimizer_state or ())
+    )
     steps = {
         step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
-        for i, part in sorted(optimizer_state.items())
+        for i, part in sorted(members)
     }
     if len(steps) != 1:
         raise MegatronImportError(
@@ -201,7 +215,7 @@ def _optimizer_step(
 
 
 def _torch_dist_info(
-    checkpoint: dcp.DcpCheckpoint,
+    checkpoint: dcp.MegatronDcpCheckpoint,
     common: Any,
     model_names: list[str],
     optimizer: _OptimizerFound,
@@ -246,7 +260,7 @@ def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -
     return repr(states.get("param") or states.get("fp32_param"))
 
 
-def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.DcpCheckpoint, Any, Path]:
+def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Path]:
     """The checkpoint with every shard file and chunk tiling checked, and its ``common.pt``."""
     checkpoint = dcp.open_dcp(ckpt_dir)
     backend = checkpoint.mcore_metadata.get("sharded_backend")
@@ -356,12 +370,20 @@ def bucket_items(
     reader: TorchDistReader,
     buckets: RankStates,
     model_names: list[str],
-    count: int,
+    count: int | None,
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
     """dp_reshardable / dp_zero_gather_scatter: per parameter its master weight (checked against
     the model weight) and moments from the flat vectors, vocab padding stripped like the
-    weights; then the step."""
+    weights; then the step.
+
+    Args:
+        reader: reads the model tensors (vocab rows stripped).
+        buckets: the per-rank flat optimizer state.
+        model_names: this process's model tensors.
+        count: the step (None: another process writes it).
+        want_model: also import the model-precision copy.
+    """
     checkpoint = reader.checkpoint
     files = buckets.files()
     for name in model_names:
@@ -484,7 +506,7 @@ def _bucket_state(
             )
         return value
 
-    return writer.Deferred(shape, np.float32, make, bound=bound, rows=rows)
+    return writer.Deferred(shape, np.dtype(np.float32), make, bound=bound, rows=rows)
 
 
 def _state_shape(reader: TorchDistReader, name: str) -> tuple[int, ...] | None:
@@ -521,7 +543,15 @@ def torch_dist_items(
     want_model: bool,
 ) -> Iterator[writer.HostItem]:
     """Per parameter: its master weight and moments (or the model weight when there is no
-    optimizer state), its model-precision copy; then the step."""
+    optimizer state), its model-precision copy; then the step.
+
+    Args:
+        reader: reads the tensors (vocab rows stripped).
+        model_names: this process's model tensors.
+        optimizer_tensors: {parameter: {state: tensor name}}.
+        count: the step (None: another process writes it).
+        want_model: also import the model-precision copy.
+    """
     checkpoint = reader.checkpoint
     for name in model_names:
         tensor = checkpoint.tensors[name]

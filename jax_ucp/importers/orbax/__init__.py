@@ -181,6 +181,14 @@ def plan_orbax(
 
     ``tag``: the step of a manager root (default: the latest committed one). ``weights_only``:
     only the ``params`` subtree (everything else listed in ``source.skipped``).
+
+    Args:
+        src: the Orbax checkpoint, step or manager root.
+        tag: the step of a manager root (None: the latest committed).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: only the ``params`` subtree.
+        share: this process's part of a distributed import (default: the whole).
     """
     if spec is not None:
         raise OrbaxImportError(
@@ -217,12 +225,13 @@ def plan_orbax(
             _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
-            if getattr(storage, "chunk_shape", None) is not None:
+            chunk_shape = getattr(storage, "chunk_shape", None)
+            if chunk_shape is not None:
                 check_chunks(
                     _metadata_file(path, leaf.name, ocdbt, zarr3),
                     name,
                     tuple(leaf.shape),
-                    [tuple(storage.chunk_shape)],
+                    [tuple(chunk_shape)],
                 )
             found.append(name)
             out_key = ((item,) if len(items) > 1 else ()) + key
@@ -362,7 +371,7 @@ def _saved_sharding(leaf) -> SavedSharding | None:
     PartitionSpec), so ``restore(path, mesh=...)`` reuses it as it does a JAX save's; None for
     any other sharding or a record that does not fit the array."""
     meta = getattr(leaf, "sharding", None)
-    if type(meta).__name__ != "NamedShardingMetadata":
+    if meta is None or type(meta).__name__ != "NamedShardingMetadata":
         return None
     try:
         names = tuple(str(n) for n in meta.axis_names)

@@ -45,7 +45,16 @@ shard_files = safetensors.shard_files
 def plan_safetensors(
     src, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
 ) -> ImportPlan:
-    """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index)."""
+    """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index).
+
+    Args:
+        src: a ``.safetensors`` file, a folder, or a sharded index.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     if spec is not None:
         raise SafetensorsImportError(
             "safetensors imports keep Hugging Face's names; apply a spec at restore time "

@@ -86,7 +86,16 @@ def plan_torch_dcp(
     """The import of a torch DCP checkpoint folder (or Accelerate's folder holding several).
 
     Every check that needs no tensor bytes (files present and long enough, chunks tiling each
-    tensor, optimizer state matching its parameters, one step) runs before this returns."""
+    tensor, optimizer state matching its parameters, one step) runs before this returns.
+
+    Args:
+        src: the DCP folder (or Accelerate's folder holding several).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     if spec is not None:
         raise TorchImportError(
             "torch DCP imports keep torch's parameter names; apply a spec at restore time "

@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -353,7 +353,13 @@ class DcpCheckpoint:
 
     def read_range(self, name: str, start: int, end: int) -> np.ndarray:
         """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap
-        them only (memory: the range, not the tensor)."""
+        them only (memory: the range, not the tensor).
+
+        Args:
+            name: the 1-D tensor.
+            start: the first element.
+            end: one past the last element.
+        """
         t = self.tensors[name]
         if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
             raise DcpError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
@@ -614,7 +620,7 @@ def _check_crc(view: np.ndarray, crc: int, where: str) -> None:
 def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
     """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
     with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None."""
-    buf = memoryview(region.reshape(-1).view(np.uint8))
+    buf = region.reshape(-1).view(np.uint8).data
     try:
         fd = files.open_regular(str(path))
     except files.UnsafeFileError as e:
@@ -689,7 +695,9 @@ def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
     return dt
 
 
-def _storage_ref(by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str):
+def _storage_ref(
+    by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str
+) -> tuple[str, int, int, tuple[str, ...]]:
     """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
     info = by_fqn.get(name, {}).get(off)
     if info is None:
@@ -716,7 +724,7 @@ def _storage_ref(by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off,
             f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
         )
-    return rp, bo, bl, tuple(trs)
+    return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
 
 
 def _dims(
@@ -818,7 +826,13 @@ def check_disjoint(
     a file: a tensor whose entry names another tensor's bytes would import with its values.
 
     Sorted per file by start, O(n log n) in the entries: if any entry overlaps a later one, it
-    overlaps the next one, so comparing neighbours finds every case."""
+    overlaps the next one, so comparing neighbours finds every case.
+
+    Args:
+        tensors: every tensor's chunks.
+        objects: every pickled object's entry.
+        where: the ``.metadata`` file, for errors.
+    """
     entries: list[tuple[str, DcpChunk | None]] = []  # (tensor or object name, chunk or None)
     file_ids: dict[str, int] = {}
     fids: list[int] = []

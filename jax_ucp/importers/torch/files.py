@@ -176,10 +176,19 @@ def plan_torch_files(
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
 
-    ``parameter_order``: the names of the optimizer's parameters in the order torch numbered
-    them (group after group; for ``AdamW(model.parameters())``,
-    ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare indices whose
-    order the files do not keep."""
+    Args:
+        src: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
+            beside ``optimizer.pt``).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
+            settings.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+        parameter_order: the names of the optimizer's parameters in the order torch numbered
+            them (group after group; for ``AdamW(model.parameters())``,
+            ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
+            indices whose order the files do not keep.
+    """
     if spec is not None:
         raise TorchImportError(
             "torch file imports keep torch's parameter names; apply a spec at restore time "
@@ -205,6 +214,7 @@ def plan_torch_files(
     optimizer_sources: list[str] = []
     skipped: dict[str, str] = {}
     if optimizer is not None:
+        assert optimizer_at is not None  # found with the optimizer
         path, prefix = optimizer_at
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)

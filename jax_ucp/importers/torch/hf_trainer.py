@@ -114,9 +114,12 @@ def _model_on_meta(folder: str, n_tensors: int):
                 f"{path}: {key} = {value}, but the checkpoint holds {n_tensors} tensors: {why}"
             )
     try:
-        import torch
-        import transformers
-        from transformers.models.auto import configuration_auto, modeling_auto
+        import torch  # pyright: ignore[reportMissingImports]  # the torch extra, absent in the default CI run
+        import transformers  # pyright: ignore[reportMissingImports]
+        from transformers.models.auto import (  # pyright: ignore[reportMissingImports]
+            configuration_auto,
+            modeling_auto,
+        )
     except ImportError as e:
         raise TorchImportError(
             f"{folder}: {why} without transformers ({e}); install transformers (with torch), "
@@ -129,14 +132,16 @@ def _model_on_meta(folder: str, n_tensors: int):
         for value in mapping.values()
         for name in (value if isinstance(value, (list, tuple)) else (value,))
     }
-    if archs[0] not in shipped or model_type not in configuration_auto.CONFIG_MAPPING_NAMES:
+    # transformers re-exports CONFIG_MAPPING_NAMES without "as", which hides it from pyright
+    config_names = configuration_auto.CONFIG_MAPPING_NAMES  # pyright: ignore[reportPrivateImportUsage]
+    if archs[0] not in shipped or model_type not in config_names:
         raise TorchImportError(
             f"{path}: architecture {archs[0]!r} (model_type {model_type!r}) is not one "
             f"transformers {transformers.__version__} ships: {why}"
         )
     try:
         cls = getattr(transformers, archs[0])
-        cfg = configuration_auto.CONFIG_MAPPING[model_type].from_dict(dict(config))
+        cfg = configuration_auto.CONFIG_MAPPING[str(model_type)].from_dict(dict(config))
         with torch.device("meta"):
             model = cls(cfg)
     except Exception as e:  # transformers' own refusal of this config
@@ -149,17 +154,19 @@ def _model_on_meta(folder: str, n_tensors: int):
 
 def _legacy_decay_names(model) -> list[str]:
     """transformers 4.x before the norm-name patterns: outside nn.LayerNorm, no 'bias'."""
-    from torch import nn
-    from transformers.trainer_pt_utils import get_parameter_names
+    from torch import nn  # pyright: ignore[reportMissingImports]  # the torch extra
+    from transformers.trainer_pt_utils import (  # pyright: ignore[reportMissingImports]
+        get_parameter_names,
+    )
 
     return [n for n in get_parameter_names(model, [nn.LayerNorm]) if "bias" not in n]
 
 
 def _installed_decay_names(model) -> list[str]:
     """The installed transformers' Trainer rule (it does not use ``self``)."""
-    from transformers import Trainer
+    from transformers import Trainer  # pyright: ignore[reportMissingImports]  # the torch extra
 
-    return list(Trainer.get_decay_parameter_names(None, model))
+    return list(Trainer.get_decay_parameter_names(None, model))  # pyright: ignore[reportArgumentType]  # self is unused
 
 
 def trainer_candidates(folder: str, n_tensors: int) -> list[Candidate]:

@@ -79,7 +79,13 @@ class TensorRef:
 
 
 def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:
-    """A pickled Python number (a step some optimizers keep as ``int``) as a 0-d tensor."""
+    """A pickled Python number (a step some optimizers keep as ``int``) as a 0-d tensor.
+
+    Args:
+        name: the source name of the value.
+        value: the pickled number.
+        where: the file it was read from.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TorchImportError(f"{name}: a {type(value).__name__}, expected a number")
     array = np.asarray(value, np.float64)
@@ -201,7 +207,15 @@ def plan_state(
     share: Share = WHOLE,
 ) -> ImportPlan:
     """The import of ``state``: checked (every optimizer state names a parameter of the same
-    shape, one step for all) before anything is read beyond scalars."""
+    shape, one step for all) before anything is read beyond scalars.
+
+    Args:
+        state: the torch state read from the files.
+        source: the manifest's source record.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
     skipped = dict(state.skipped)
     has_optimizer = bool(state.optimizer_sources)
     if weights_only:
@@ -318,15 +332,17 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
 
-    rows = None
+    rows: Callable[[int, int], np.ndarray] | None = None
     if ref.rows is not None and ref.shape:
         read_rows = ref.rows
 
-        def rows(start: int, stop: int) -> np.ndarray:
+        def checked_rows(start: int, stop: int) -> np.ndarray:
             value = read_rows(start, stop)
             want = TensorRef(ref.name, (stop - start, *ref.shape[1:]), ref.dtype, ref.read, {})
             _check_read(value, want, f"{name} rows {start}:{stop}", where)
             return value
+
+        rows = checked_rows
 
     return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
 

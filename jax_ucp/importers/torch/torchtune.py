@@ -82,4 +82,6 @@ def plan_torchtune(
     if has_recipe:
         units.append(RECIPE_STATE)
         skip(source, [RECIPE_STATE], "weights_only: torchtune's recipe state (optimizer, seed)")
-    return dataclasses.replace(plan, source=source, source_tensors=[*plan.source_tensors, *units])
+    return dataclasses.replace(
+        plan, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
+    )

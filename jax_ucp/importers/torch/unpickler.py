@@ -166,6 +166,11 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
 
     Linear in the number of distinct objects (each one's expanded size is computed once);
     atoms (numbers, strings, None) are counted, not visited, since a real pickle is mostly them.
+
+    Args:
+        obj: the unpickled object graph.
+        where: names the file in errors.
+        pickle_bytes: the size of the pickle it came from.
     """
     limit = max(MAX_EXPANDED_OBJECTS, 2 * pickle_bytes)
     size: dict[int, int] = {}
@@ -580,6 +585,10 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Pure-Python unpickler whose code-running opcodes are replaced by checked versions."""
 
     dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    # pickle._Unpickler's own state, which typeshed does not declare
+    stack: list[Any]
+    append: Callable[[Any], None]
+    pop_mark: Callable[[], list[Any]]
 
     def __init__(
         self,
@@ -649,11 +658,11 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if not isinstance(args, tuple):
             raise self._err("NEWOBJ args must be a tuple")
         try:
-            obj = cls.fn.__new__(cls.fn, *args)
+            obj: Any = cls.fn.__new__(cls.fn, *args)
         except Exception as e:
             raise TorchFileError(self._where, f"NEWOBJ {cls.qualname}: {e}") from None
         if isinstance(obj, StandIn) and "args" not in obj.__dict__:
-            obj.__dict__["args"] = args
+            vars(obj)["args"] = args
         self.append(obj)
 
     def load_newobj_ex(self):
@@ -710,7 +719,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         except ValueError as e:
             raise self._err(str(e)) from None
 
-    def _target(self, kind: type, op: str):
+    def _target(self, kind: type, op: str) -> Any:
         t = self.stack[-1]
         if type(t) is not kind and not (kind is dict and type(t) is collections.OrderedDict):
             raise self._err(
@@ -751,7 +760,14 @@ def restricted_loads(
     extra_classes: Mapping[str, Any] | None = None,
     persistent_load: Callable[[Any], Any] | None = None,
 ) -> Any:
-    """Unpickle ``data`` with the allow-list (+ ``extra_classes``); errors name ``where``."""
+    """Unpickle ``data`` with the allow-list (+ ``extra_classes``); errors name ``where``.
+
+    Args:
+        data: the pickle bytes.
+        where: names the data in errors.
+        extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
+        persistent_load: resolves persistent ids (torch's storages).
+    """
     allowed = dict(BASE_ALLOWED)
     if extra_classes:
         allowed.update(extra_classes)
@@ -845,6 +861,11 @@ class TorchArchive:
         errors.  Tensors come back as views into it, like those of a whole file.
         ``defer_crc``: tensor storages are not CRC-checked here but listed in ``unchecked``; the
         caller checks each CRC-32 on the bytes it copies out (one pass over them, not two).
+
+        Args:
+            view: a read-only uint8 array holding the archive.
+            where: names it in errors.
+            defer_crc: leave the storages' CRC-32 checks to the caller.
         """
         self = cls.__new__(cls)
         self.path = where
@@ -1096,6 +1117,11 @@ def load_torch_file(
     ``extra_classes`` maps ``"module.QualName"`` to a stand-in: a :class:`StandIn` subclass (for
     pickled objects), an ``int_enum_standin`` (for IntEnums), or any side-effect-free callable
     that validates its arguments (it is called by REDUCE with pickled data).
+
+    Args:
+        path: the ``torch.save`` zip file.
+        extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
+        verify_crc: check every storage's CRC-32 while loading.
     """
     arch = TorchArchive(path)
     try:
@@ -1118,7 +1144,7 @@ def scan_globals(path: os.PathLike | str) -> set[str]:
     try:
         for op, arg, _pos in pickletools.genops(data):
             if op.name in ("GLOBAL", "INST"):
-                found.add(arg.replace(" ", ".").replace("__builtin__.", "builtins."))
+                found.add(str(arg).replace(" ", ".").replace("__builtin__.", "builtins."))
             elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
                 found.add(f"{strings[-2]}.{strings[-1]}")
             if isinstance(arg, str):
