@@ -108,14 +108,17 @@ def _bomb(path, members: int, member_bytes: int, declared: int) -> str:
 
 
 _CONVERT_AND_MEASURE = """
-import json, resource, sys
+import json, sys
 import jax_ucp
 try:
     jax_ucp.convert(sys.argv[1], sys.argv[2])
     error = None
 except jax_ucp.UCPError as e:
     error = str(e)
-print(json.dumps({"error": error, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+# VmHWM, not ru_maxrss: the latter keeps the high-water mark of the process that forked this
+# one (a pytest worker that ran other tests), VmHWM is this program's own memory since exec.
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(json.dumps({"error": error, "peak": int(hwm.split()[1]) * 1024}))
 """
 
 

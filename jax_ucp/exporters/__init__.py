@@ -495,7 +495,7 @@ def _write_safetensors(tmp, tensors, keys, source: _Source) -> list[str]:
     ``config.json`` when one was given."""
     options = source.options
     source.total = len(tensors)
-    groups = safetensors_out.plan_files(tensors, options.max_file_bytes)
+    groups = safetensors_out.plan_files(tensors, int(options.max_file_bytes))  # parsed
     names = safetensors_out.file_names(len(groups))
     metadata = {"format": "pt", "jax_ucp.save_id": str(source.manifest.save_id)}
     for group, name in zip(groups, names):

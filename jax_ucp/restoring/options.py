@@ -93,7 +93,7 @@ class RestoreOptions:
     @property
     def read_budget(self) -> int:
         """``max_read_bytes``, or the default."""
-        return DEFAULT_MAX_READ_BYTES if self.max_read_bytes is None else self.max_read_bytes
+        return DEFAULT_MAX_READ_BYTES if self.max_read_bytes is None else int(self.max_read_bytes)
 
 
 def _check_kinds(options: RestoreOptions, field) -> None:

@@ -991,7 +991,7 @@ def _restore_once(root: str, options: RestoreOptions):
             spec=options.spec,
             available=available,
             casting=options.casting,
-            max_read_bytes=options.max_read_bytes,
+            max_read_bytes=options.read_budget,
             replicated_read=options.replicated_read,
         )
 
