@@ -142,7 +142,9 @@ def _model_on_meta(folder: str, n_tensors: int):
     try:
         cls = getattr(transformers, archs[0])
         cfg = configuration_auto.CONFIG_MAPPING[str(model_type)].from_dict(dict(config))
-        with torch.device("meta"):
+        # Without torch installed pyright resolves ``torch`` to this sibling package (its
+        # local-directory fallback), hence the ignore.
+        with torch.device("meta"):  # pyright: ignore[reportAttributeAccessIssue]
             model = cls(cfg)
     except Exception as e:  # transformers' own refusal of this config
         raise TorchImportError(
@@ -154,7 +156,7 @@ def _model_on_meta(folder: str, n_tensors: int):
 
 def _legacy_decay_names(model) -> list[str]:
     """transformers 4.x before the norm-name patterns: outside nn.LayerNorm, no 'bias'."""
-    from torch import nn  # pyright: ignore[reportMissingImports]  # the torch extra
+    from torch import nn  # pyright: ignore[reportMissingImports, reportAttributeAccessIssue]  # the torch extra (see _model_on_meta)
     from transformers.trainer_pt_utils import (  # pyright: ignore[reportMissingImports]
         get_parameter_names,
     )
