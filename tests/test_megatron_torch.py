@@ -34,8 +34,10 @@ def assert_regenerated(got: np.ndarray, want: np.ndarray, key: str, what: str, r
     masters of a bf16 run: those regenerate only to within one rounding (seen on three days: at
     most 2**-26 apart, or 1 ulp of values near 1, while the moments and weights were
     bit-identical; cause not pinned down, torch CPU kernels are the suspect). Every import is
-    still compared bit for bit against the regeneration it read."""
-    if not (key.startswith("optimizer.state.param.") and "bf16" in run):
+    still compared bit for bit against the regeneration it read. Seen since on the fp32 MoE
+    runs too (the embedding's master, within the same bound, with the code of 94bd6ba as well),
+    so the bound applies to the masters of every run; moments and weights stay bit-exact."""
+    if not key.startswith("optimizer.state.param."):
         assert_bit_equal(got, want, what)
         return
     assert got.dtype == want.dtype and got.shape == want.shape, what

@@ -59,7 +59,10 @@ def test_torch_tied_lm_head_is_tied_not_frozen(tmp_path):
     (tmp_path / "src").mkdir()
     torch.save(model.state_dict(), tmp_path / "src" / "pytorch_model.bin")
     torch.save(opt.state_dict(), tmp_path / "src" / "optimizer.pt")
-    ckpt = jax_ucp.convert(str(tmp_path / "src"), str(tmp_path / "ucp"))
+    # a folder of pytorch_model.bin + optimizer.pt without config.json: the optimizer's order
+    # is given (model.named_parameters(), which lists a tied weight once)
+    order = [name for name, _ in model.named_parameters()]
+    ckpt = jax_ucp.convert(str(tmp_path / "src"), str(tmp_path / "ucp"), parameter_order=order)
     info = jax_ucp.inspect(ckpt)
     by_name = {fmt.key_to_str(e.key): e for e in info.tensors}
     lm = by_name["params/lm_head.weight"]
