@@ -43,8 +43,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
+
+from bench_memory import Sampler, status  # the same RssAnon sampler as bench_memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.join(ROOT, "benchmarks")
@@ -80,43 +81,12 @@ MARGIN = 4 * GiB
 # ------------------------------------------------------------------------------ measurement
 
 
-def status(pid="self") -> dict[str, int]:
-    out = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            k, _, v = line.partition(":")
-            if k in ("VmHWM", "VmRSS", "RssAnon", "RssFile"):
-                out[k] = int(v.split()[0]) * 1024
-    return out
-
-
 def mem_available() -> int:
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-class Sampler:
-    """Peak RssAnon of this process, sampled every ``period`` seconds in a thread."""
-
-    def __init__(self, period: float = 0.005):
-        self.peak = status()["RssAnon"]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(period,), daemon=True)
-        self._thread.start()
-
-    def _run(self, period):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, status()["RssAnon"])
-            time.sleep(period)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, status()["RssAnon"])
-        return self.peak
 
 
 def settle() -> None:
