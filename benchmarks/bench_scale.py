@@ -475,6 +475,10 @@ def run_convert(part: str, contender: str, src: str, dst: str) -> dict:
     return out
 
 
+def key_of(rec: dict) -> tuple:
+    return (rec["part"], rec["op"], rec["size_gb"], rec["contender"])
+
+
 class Results:
     """docs/benchmark_scale.json: records keyed by (part, op, size, contender), merged across
     runs, written after every measurement so a long run leaves what it measured."""
@@ -489,12 +493,7 @@ class Results:
                 self.doc = json.load(f)
 
     def add(self, rec: dict) -> None:
-        key = (rec["part"], rec["op"], rec["size_gb"], rec["contender"])
-        self.doc["records"] = [
-            r
-            for r in self.doc["records"]
-            if (r["part"], r["op"], r["size_gb"], r["contender"]) != key
-        ] + [rec]
+        self.doc["records"] = [r for r in self.doc["records"] if key_of(r) != key_of(rec)] + [rec]
         self.doc["host"] = {"cores": os.cpu_count(), "ram_gib": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / GiB}  # fmt: skip
         with open(self.path, "w") as f:
             json.dump(self.doc, f, indent=1)
@@ -562,6 +561,10 @@ def measure(results: Results, base: dict, fn, nbytes: int) -> None:
     stamp(rec)
     if not rec.get("skipped"):
         done.append(rec)
+    earlier = next((r for r in results.doc["records"] if key_of(r) == key), None)
+    if not done and earlier is not None and not earlier.get("skipped"):
+        print(f"  ({key} skipped now: {rec['skipped']}; the earlier measurement stays)")
+        return
     if done:  # a skipped round keeps the rounds measured before it
         rec = dict(done[-1])
         rec["seconds"] = statistics.median(r["seconds"] for r in done)
@@ -611,6 +614,11 @@ def part_hf(results: Results, work: str, gb: float, contenders) -> None:
     shapes = llama8b_shapes(gb)
     bf16 = np.dtype(ml_dtypes.bfloat16)
     nbytes = sum(int(np.prod(s)) * 2 for s in shapes.values())
+    if not any(fits("hf", "restore", c, nbytes)[0] for c in contenders):  # no folder for nothing
+        for c in contenders:
+            base = {"part": "hf", "op": "restore", "size_gb": gb, "contender": c}
+            measure(results, base, lambda: {}, nbytes)
+        return
     check_disk(work, nbytes)
     folder = os.path.join(work, "hf")
     os.makedirs(folder)
@@ -827,57 +835,63 @@ def plot(path_json: str = JSON, path_png: str = PNG) -> None:
     print(f"wrote {path_png}")
 
 
+# the jax_ucp contender each other contender is timed against (default: plain jax_ucp)
+PAIRS = {"zero_to_fp32": "jax_ucp.convert weights_only"}
+
+
+def ours_for(r: dict) -> str:
+    if r["contender"] in PAIRS:
+        return PAIRS[r["contender"]]
+    return "jax_ucp" if r["part"] in ("jax", "hf") else "jax_ucp.convert"
+
+
 def table(path_json: str = JSON) -> str:
     """The markdown table of docs/BENCHMARKS.md and the goals, from the JSON."""
     with open(path_json) as f:
         recs = [r if r.get("skipped") else rates(r) for r in json.load(f)["records"]]
     order = {"jax": 0, "dcp": 1, "hf": 2, "zero3": 3, "megatron": 4}
     recs.sort(key=lambda r: (order[r["part"]], r["op"] != "save", r["size_gb"], r["contender"]))
-    ours = {
-        (r["part"], r["op"], r["size_gb"]): r
-        for r in recs
-        if r["contender"].startswith("jax_ucp") and not r.get("skipped")
-    }
+    ours = {key_of(r): r for r in recs if r["contender"].startswith("jax_ucp") and not r.get("skipped")}  # fmt: skip
     lines = [
-        "| part | op | size | contender | GB | s | s/GB | GB/s | peak RssAnon MiB | × jax_ucp time | UTC, load |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| part | op | size | contender | GB | s (median) | rounds (s) | s/GB | GB/s | peak RssAnon MiB | × jax_ucp time | UTC, load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in recs:
         head = f"| {r['part']} | {r['op']} | {r['size_gb']} | {r['contender']} |"
         if r.get("skipped"):
             lines.append(
-                f"{head} — | — | — | — | skipped: {r['skipped']} | | "
+                f"{head} — | — | — | — | — | skipped: {r['skipped']} | | "
                 f"{r['utc'][11:]}, {r['load']:.0f} |"
             )
             continue
         mem = r.get("rss_anon_peak_above_arrays", r.get("rss_anon_peak", 0))
-        mine = ours.get((r["part"], r["op"], r["size_gb"]))
+        mine = ours.get((r["part"], r["op"], r["size_gb"], ours_for(r)))
         ratio = "" if mine is None or mine is r else f"{r['seconds'] / mine['seconds']:.2f}"
+        rounds = r.get("rounds") or [r]
+        when = ", ".join(f"{x['utc'][11:]} ({x['load']:.0f})" for x in rounds)
+        each = ", ".join(f"{x['seconds']:.1f}" for x in rounds)
         lines.append(
-            f"{head} {r['bytes'] / GB:.2f} | {r['seconds']:.1f} | {r['s_per_gb']:.2f} | "
-            f"{r['gb_per_s']:.3f} | {mem / MiB:.0f} | {ratio} | {r['utc'][11:]}, {r['load']:.0f} |"
+            f"{head} {r['bytes'] / GB:.2f} | {r['seconds']:.1f} | {each} | {r['s_per_gb']:.2f} | "
+            f"{r['gb_per_s']:.3f} | {mem / MiB:.0f} | {ratio} | {when} |"
         )
     lines.append("")
-    for (part, op), rs in _by_key(ours.values()).items():
+    groups: dict = {}
+    for r in ours.values():
+        groups.setdefault((r["part"], r["op"], r["contender"]), []).append(r)
+    for (part, op, c), rs in groups.items():
         rs.sort(key=lambda r: r["size_gb"])
-        lo, hi = rs[0], rs[-1]
-        if lo is hi:
-            continue
-        lin = hi["s_per_gb"] / lo["s_per_gb"]
         key = "rss_anon_peak" if op == "convert" else "rss_anon_peak_above_arrays"
+        lo, hi = rs[0], rs[-1]
+        lin = f"{hi['s_per_gb'] / lo['s_per_gb']:.2f}" if lo is not hi else "—"
         lines.append(
-            f"- jax_ucp {part} {op}: s/GB at {hi['size_gb']} GB / at {lo['size_gb']} GB = {lin:.2f} "
+            f"- {c} {part} {op}: s/GB at {hi['size_gb']} GB / at {lo['size_gb']} GB = {lin} "
             f"(goal ≤ 1.15); peak RssAnon{'' if op == 'convert' else ' above arrays'} "
-            f"{lo[key] / MiB:.0f} → {hi[key] / MiB:.0f} MiB"
+            + " → ".join(f"{r[key] / MiB:.0f}" for r in rs)
+            + " MiB at "
+            + " / ".join(str(r["size_gb"]) for r in rs)
+            + " GB"
         )
     return "\n".join(lines)
-
-
-def _by_key(recs) -> dict:
-    out: dict = {}
-    for r in recs:
-        out.setdefault((r["part"], r["op"]), []).append(r)
-    return out
 
 
 def main() -> int:
