@@ -606,6 +606,10 @@ def part_jax(results: Results, work: str, gb: float, contenders) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def no_folder() -> dict:
+    raise RuntimeError("memory freed between the checks; no folder was written")
+
+
 def part_hf(results: Results, work: str, gb: float, contenders) -> None:
     import ml_dtypes
     import numpy as np
@@ -617,7 +621,7 @@ def part_hf(results: Results, work: str, gb: float, contenders) -> None:
     if not any(fits("hf", "restore", c, nbytes)[0] for c in contenders):  # no folder for nothing
         for c in contenders:
             base = {"part": "hf", "op": "restore", "size_gb": gb, "contender": c}
-            measure(results, base, lambda: {}, nbytes)
+            measure(results, base, no_folder, nbytes)
         return
     check_disk(work, nbytes)
     folder = os.path.join(work, "hf")
