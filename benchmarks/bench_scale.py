@@ -870,7 +870,8 @@ def table(path_json: str = JSON) -> str:
             continue
         mem = r.get("rss_anon_peak_above_arrays", r.get("rss_anon_peak", 0))
         mine = ours.get((r["part"], r["op"], r["size_gb"], ours_for(r)))
-        ratio = "" if mine is None or mine is r else f"{r['seconds'] / mine['seconds']:.2f}"
+        theirs = mine is not None and not r["contender"].startswith("jax_ucp")
+        ratio = f"{r['seconds'] / mine['seconds']:.2f}" if theirs else ""
         rounds = r.get("rounds") or [r]
         when = ", ".join(f"{x['utc'][11:]} ({x['load']:.0f})" for x in rounds)
         each = ", ".join(f"{x['seconds']:.1f}" for x in rounds)
