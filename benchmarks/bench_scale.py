@@ -1,7 +1,7 @@
 """Scale benchmarks (issue 33): how time and host memory grow from 1 to 16 GB of checkpoint,
 jax_ucp side by side with what a user would pick instead, each contender in the same run.
 
-Parts (``--parts``, all by default):
+Parts (``--parts``; jax, dcp and hf by default):
 
 * ``jax``: ``--sizes`` GB of float32 (64 MiB tensors, every one fully sharded) saved from a 2×4
   mesh and restored onto a 4×2 mesh with other PartitionSpecs: ``jax_ucp.save``/``restore`` vs
@@ -16,6 +16,16 @@ Parts (``--parts``, all by default):
   2×4 mesh, Megatron-style TP on ``model`` (column-parallel split on dim 0, row-parallel on dim
   1) and FSDP on ``data`` (the other dim), norms replicated: ``jax_ucp.restore(folder)`` vs Orbax
   v1 ``ocp.load`` with ``CheckpointLayout.SAFETENSORS``.
+* ``zero3``: a DeepSpeed ZeRO-3 bf16 checkpoint written by DeepSpeed (``tools/fixtures/
+  ds_train.py``, 2 gloo ranks, one Adam step) → ``jax_ucp.convert`` vs ``ds_to_universal`` and
+  ``jax_ucp.convert(weights_only=True)`` vs ``zero_to_fp32``.
+* ``megatron``: a megatron-core torch_dist checkpoint with the distributed optimizer as
+  ``dp_reshardable``, written by megatron-core (``tools/fixtures/make_megatron_fixtures.py``,
+  DP=2, bf16) → ``jax_ucp.convert`` vs ``dcp_to_torch_save`` + ``torch.load``.
+  (Both generators run niced; they are not measured. Their checkpoints are sized to ``--sizes``.)
+
+``--rounds N`` runs every contender N times, rounds outermost; a record keeps the median seconds
+and every round's seconds, UTC time and load.
 
 Every read is from a cold page cache (the files' pages dropped with ``posix_fadvise`` after
 ``fdatasync``: ``bench_save_restore.evict``; ``/proc/sys/vm/drop_caches`` would drop the caches of
@@ -24,9 +34,11 @@ sampled every 5 ms in the measured process (and, for the convert contenders, ove
 tree by ``rss.Peak``); "above the arrays" is the peak minus the baseline with the arrays in
 memory (save) or minus the restored arrays (restore). Data are generated on the fly and deleted
 after each size. A contender whose estimated peak does not fit in MemAvailable minus a margin is
-recorded as skipped, with the figures, instead of risking the shared host.
+recorded as skipped, with the figures, instead of risking the shared host (``--margin-gib``);
+a skip never replaces an earlier measurement in the JSON.
 
-    python benchmarks/bench_scale.py --sizes 1,4,16 [--parts jax,dcp,hf] [--dir /tmp/ucp_scale]
+    python benchmarks/bench_scale.py --sizes 1,4,16 [--parts jax,dcp,hf] [--rounds 2]
+    python benchmarks/bench_scale.py --sizes 4 --parts zero3,megatron
 
 Results are merged into docs/benchmark_scale.json (one record per part, size and contender) and
 drawn as docs/benchmark_scale.png (``--plot-only`` redraws from the JSON).
@@ -714,7 +726,9 @@ def generate(results, part: str, gb: float, contenders, cmd: list[str], env: dic
                f"with the {MARGIN / GiB:.0f} GiB margin), MemAvailable {avail / GiB:.1f} GiB")  # fmt: skip
         for c in contenders:
             rec = {"part": part, "op": "convert", "size_gb": gb, "contender": c, "skipped": why}
-            results.add(stamp(rec))
+            earlier = next((r for r in results.doc["records"] if key_of(r) == key_of(rec)), None)
+            if earlier is None or earlier.get("skipped"):  # never replaces a measurement
+                results.add(stamp(rec))
             show(rec)
         return False
     sys.path.insert(0, HERE)
