@@ -757,9 +757,9 @@ def part_zero3(results: Results, work: str, gb: float, contenders) -> None:
            str(m["layers"]), "--heads", str(m["heads"]), "--seq", str(m["seq"])]  # fmt: skip
     # per rank: the whole fp32 model (ds_train.py builds it before DeepSpeed partitions it), its
     # bf16 half, fp32 masters, moments and gradients of its half, and the save's copies: measured
-    # 12.7 GiB over both ranks for a 4.24 GB checkpoint (~3x)
+    # 12.7-13.3 GiB over both ranks for a 4.24 GB checkpoint (~3.4x)
     if not generate(results, "zero3", gb, contenders, cmd, {"DS_ACCELERATOR": "cpu"},
-                    int(3.1 * nbytes)):  # fmt: skip
+                    int(3.4 * nbytes)):  # fmt: skip
         return
     src = os.path.join(out, "ckpt")
     size = du(src)
