@@ -67,49 +67,42 @@ def _callers_level() -> int:
     return level
 
 
-def _build(options_type: Callable[..., T], where: str, args, kwargs) -> T:
-    token = _CALLER.set(where)
-    try:
-        return options_type(*args, **kwargs)
-    finally:
-        _CALLER.reset(token)
+def _taking(options_type, leading: int):
+    """``fn(*leading, options)`` called with ``options_type``'s fields after its ``leading``
+    arguments: they are checked by ``options_type`` (errors naming ``fn(field=)``), and
+    ``help(fn)`` lists them."""
 
+    def decorate(fn):
+        head_params = list(inspect.signature(fn).parameters.values())[:leading]
 
-def _with_signature(call, fn, options_type, leading: int):
-    """``call`` documented as ``fn`` with ``fn``'s first ``leading`` parameters followed by the
-    options' fields (``help(jax_ucp.restore)`` lists them)."""
-    functools.update_wrapper(call, fn)
-    del call.__wrapped__  # inspect.signature would show fn's (path, options)
-    head = list(inspect.signature(fn).parameters.values())[:leading]
-    fields = list(inspect.signature(options_type).parameters.values())
-    call.__signature__ = inspect.Signature(head + fields)
-    return call
+        def call(*args, **kwargs):
+            head = list(args[:leading])
+            head += [kwargs.pop(p.name) for p in head_params[len(head) :] if p.name in kwargs]
+            token = _CALLER.set(fn.__name__)
+            try:
+                options = options_type(*args[leading:], **kwargs)
+            finally:
+                _CALLER.reset(token)
+            return fn(*head, options)
+
+        functools.update_wrapper(call, fn)
+        del call.__wrapped__  # inspect.signature would show fn's (path, options)
+        fields = list(inspect.signature(options_type).parameters.values())
+        call.__signature__ = inspect.Signature(head_params + fields)  # type: ignore[attr-defined]
+        return call
+
+    return decorate
 
 
 def keywords_of(
     options_type: Callable[P, T],
 ) -> Callable[[Callable[[Any, T], R]], Callable[Concatenate[str | os.PathLike, P], R]]:
-    """``fn(path, options)`` called as ``fn(path, <options_type's fields>)``: the fields are
-    checked by ``options_type`` (errors naming ``fn(field=)``), then ``fn`` gets the object."""
-
-    def decorate(fn: Callable[[Any, T], R]) -> Callable[Concatenate[str | os.PathLike, P], R]:
-        def call(path, *args, **kwargs):
-            return fn(path, _build(options_type, fn.__name__, args, kwargs))
-
-        return _with_signature(call, fn, options_type, 1)
-
-    return decorate
+    """``fn(path, options)`` called as ``fn(path, <options_type's fields>)``."""
+    return _taking(options_type, 1)
 
 
 def keywords_of_2(
     options_type: Callable[P, T],
 ) -> Callable[[Callable[[Any, Any, T], R]], Callable[Concatenate[Any, Any, P], R]]:
-    """``keywords_of`` for ``fn(source, dest, options)``."""
-
-    def decorate(fn: Callable[[Any, Any, T], R]) -> Callable[Concatenate[Any, Any, P], R]:
-        def call(source, dest, *args, **kwargs):
-            return fn(source, dest, _build(options_type, fn.__name__, args, kwargs))
-
-        return _with_signature(call, fn, options_type, 2)
-
-    return decorate
+    """``fn(source, dest, options)`` called as ``fn(source, dest, <options_type's fields>)``."""
+    return _taking(options_type, 2)
