@@ -175,9 +175,7 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
         ``model.safetensors.index.json``), read in place as its conversion would hold it
         (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
         (``"hf_llama"``) applied as lazy views; no copy on disk.
-      options: built from the keywords (``target``, ``mesh``, ``shardings``, ``rules``,
-        ``spec``, ``dtype``, ``casting``, ``select``, ``memory_budget``, ``strict``,
-        ``replicated_read``), each documented in ``RestoreOptions``.
+      options: built from the keywords, each documented in ``RestoreOptions``.
     """
     if safetensors_source.is_source(path):  # Hugging Face files, read in place
         return safetensors_source.restore(path, options)

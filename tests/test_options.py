@@ -71,7 +71,7 @@ def test_max_read_bytes_still_works_with_a_deprecation_warning(tmp_path, monkeyp
     budgets = _budgets(monkeypatch)
     with pytest.warns(
         DeprecationWarning, match=r"max_read_bytes.* is deprecated; use memory_budget="
-    ):
+    ) as record:
         if call == "restore":
             back = jax_ucp.restore(path, max_read_bytes="3KiB")
             assert back["t3"].tolist() == tree["t3"].tolist()
@@ -83,6 +83,7 @@ def test_max_read_bytes_still_works_with_a_deprecation_warning(tmp_path, monkeyp
             back = jax_ucp.UCPCheckpointHandler().restore(path, args=args)
             assert back["t3"].tolist() == tree["t3"].tolist()
     assert 3072 in budgets
+    assert [w.filename for w in record] == [__file__]  # the warning points at the caller's line
 
 
 @pytest.mark.parametrize(

@@ -165,10 +165,8 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
     Args:
         path: a checkpoint directory (holding ``ucp.json``) or an Orbax step directory with
             one UCP item.
-        options: built from the keywords. ``mesh`` may be a ``jax.sharding.AbstractMesh`` (no
-            devices needed; see ``abstract_mesh``), a ``NamedSharding`` of ``shardings`` may
-            be on one; with ``strict`` (and no target) a rule for a logical name no tensor
-            carries or a mesh axis nothing uses is an error.
+        options: built from the keywords; ``mesh`` (and the ``NamedSharding``s of
+            ``shardings``) may be on a ``jax.sharding.AbstractMesh``: no devices needed.
 
     Returns:
         A ``RestorePlan``. Dimensions that do not divide are listed (``not_divisible``), and
