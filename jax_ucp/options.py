@@ -39,7 +39,15 @@ def field_namer(options: object) -> Callable[[str], str]:
 
 def renamed(new: str, new_value: Any, old: str, old_value: Any, name: Callable[[str], str]):
     """``new``'s value, or the deprecated ``old``'s with a DeprecationWarning; both given is
-    refused, naming both."""
+    refused, naming both.
+
+    Args:
+        new: the option's name.
+        new_value: the value given under it (None: not given).
+        old: its deprecated name.
+        old_value: the value given under that (None: not given).
+        name: how errors and the warning name an option (``field_namer``).
+    """
     if old_value is None:
         return new_value
     if new_value is not None:
