@@ -103,9 +103,10 @@ def test_both_spellings_together_are_refused_naming_both(tmp_path, call, where):
     assert str(e.value).startswith(where)
 
 
-def test_reading_the_old_name_fails_instead_of_giving_none():
-    with pytest.raises(AttributeError):
-        _ = jax_ucp.UCPRestore(memory_budget=5).max_read_bytes  # type: ignore[attr-defined]
+def test_dataclasses_replace_keeps_working_without_the_old_name(recwarn):
+    args = dataclasses.replace(jax_ucp.UCPRestore(memory_budget="1KiB"), casting="safe")
+    assert (args.memory_budget, args.casting, type(args)) == (1024, "safe", jax_ucp.UCPRestore)
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
 
 
 def test_one_default_for_restore_verify_and_the_writers(tmp_path, monkeypatch):

@@ -129,9 +129,6 @@ class RestoreOptions:
         return DEFAULT_MEMORY_BUDGET if self.memory_budget is None else int(self.memory_budget)
 
 
-delattr(RestoreOptions, "max_read_bytes")  # init-only: reading it fails, never gives None
-
-
 def _check_kinds(options: RestoreOptions, field) -> None:
     """Each field of the kind it accepts (``field(name)`` names it in the error)."""
     if options.mesh is not None and not isinstance(
