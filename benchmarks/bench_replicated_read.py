@@ -97,7 +97,7 @@ def worker(
             evict(path)
         multihost_utils.sync_global_devices("bench:start")
         b0, io0, t0 = store.bytes_read(), io_read_bytes(), time.perf_counter()
-        out = jax_ucp.restore(path, target=target, replicated_read=mode, max_read_bytes=budget)
+        out = jax_ucp.restore(path, target=target, replicated_read=mode, memory_budget=budget)
         jax.block_until_ready(out)
         seconds = time.perf_counter() - t0
         b1, io1 = store.bytes_read(), io_read_bytes()

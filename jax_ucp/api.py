@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -15,7 +14,8 @@ import orbax.checkpoint as ocp
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.format.sizes import parse_optional_size
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
+from jax_ucp.options import keywords_of, renamed
 from jax_ucp.orbax import handler as checkpoint_handler
 from jax_ucp.restoring import options as restore_options
 from jax_ucp.restoring import reader, safetensors_source
@@ -164,22 +164,10 @@ def object_store_save(url: str, args, *, force: bool) -> None:
         _barrier("jax_ucp:object_store:committed")
 
 
-def restore(
-    path: str | os.PathLike,
-    *,
-    target: Any = None,
-    mesh: jax.sharding.Mesh | None = None,
-    shardings: Any = None,
-    rules: Sequence[tuple[str, Any]] | None = None,
-    spec: Any = None,
-    dtype: Any = None,
-    casting: str = "same_kind",
-    select: Any = None,
-    max_read_bytes: int | str | None = None,
-    strict: bool = True,
-    replicated_read: str | None = None,
-):
-    """Restores a UCP checkpoint onto any mesh.
+@keywords_of(restore_options.RestoreOptions)
+def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
+    """Restores a UCP checkpoint onto any mesh; the keywords are ``RestoreOptions``' fields
+    (``target`` may be given second, positionally).
 
     Args:
       path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
@@ -187,67 +175,8 @@ def restore(
         ``model.safetensors.index.json``), read in place as its conversion would hold it
         (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
         (``"hf_llama"``) applied as lazy views; no copy on disk.
-      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
-        result has its structure (its treedef: flax ``nn.LogicallyPartitioned`` /
-        ``nn.Partitioned`` boxes and ``nnx.Variable``s kept), shardings and dtypes (shapes must
-        match). A saved Python bool/int/float restored into an array leaf becomes an array
-        (a ``jax.Array`` on the leaf's sharding) when ``casting`` allows the conversion from
-        its type and the value survives it.
-      mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the axis
-        names exist in ``mesh`` and divide, and is replicated along the other dimensions.
-      shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
-      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
-        applied to the logical axis names recorded at save time. A misspelt name — a rule for
-        a name no tensor carries but close to one that does, or a mesh axis (size > 1) that no
-        rule and no saved PartitionSpec uses but close to one that does — is an error naming
-        the closest known names (see ``strict``). A tensor saved sharded
-        that would come back replicated on every device (no rule for its names, its saved
-        axes not in ``mesh``) gives a ``ReplicationWarning`` with the bytes per device.
-      spec: a UCP-language spec whose restore-time transforms (stack/unstack, split/merge,
-        transpose, rename) are applied as lazy views.
-      dtype: cast every tensor to this dtype.
-      casting: which dtype conversions (to the target's or ``dtype``) are allowed, in numpy's
-        terms: "same_kind" (default: float32 → bfloat16 yes, float → int no), "safe", "no", or
-        "unsafe" (anything, also a saved Python value into an array target). Values are checked
-        too: a narrowing float cast (float32 → float16 / bfloat16 / float8, int32 → float16)
-        in which a finite value exceeds the target's largest (1e10 → float16 inf, 500 →
-        float8_e4m3fn NaN) or an inf meets a dtype without inf (float8_e4m3fn) is an error under
-        "same_kind" naming the tensor and how many values; under "unsafe" it is converted with a
-        RuntimeWarning saying the same. Casts that cannot overflow are not checked (no extra
-        pass); a checked cast is counted block by block as it is converted.
-      select: restore only part of the checkpoint, without a target: a regex matched in full
-        against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
-        predicate on the name. Only the matched leaves and the containers holding them come
-        back (a sequence missing positions as a dict of int keys); nothing else is read. A
-        selection matching nothing is an error listing the top-level names.
-      max_read_bytes: host memory for read buffers in flight, bytes or e.g. "1GiB" (default
-        256 MiB): peak host memory
-        of a restore is about the restored arrays plus this (a tensor larger than it is read
-        alone). Larger values overlap more reads.
-      strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes
-        (default). ``strict=False`` allows them. Names unlike every known one always pass
-        (rules shared with activation names, a purely data-parallel axis).
-      replicated_read: in a multi-process job, how a tensor every process needs whole (``P()``,
-        host numpy) is read: ``"each"`` (default) every process reads all of it; ``"once"``
-        each reads a share and the shares are all-gathered over JAX's collectives (gloo on
-        CPU), so the storage is read once in all (see ``restoring/replicated.py``).
-
-    Without target/shardings/mesh: nested dicts/lists of ``np.ndarray`` and the saved scalars.
-    Each process reads only the slices its devices need.
+      options: built from the keywords, each documented in ``RestoreOptions``.
     """
-    options = restore_options.RestoreOptions(
-        target=target,
-        shardings=shardings,
-        mesh=mesh,
-        rules=rules,
-        spec=spec,
-        dtype=dtype,
-        casting=casting,
-        select=select,
-        max_read_bytes=max_read_bytes,
-        strict=strict,
-        replicated_read=replicated_read,
-    )
     if safetensors_source.is_source(path):  # Hugging Face files, read in place
         return safetensors_source.restore(path, options)
     return reader.restore_tree(path, options)
@@ -264,7 +193,11 @@ class VerifyResult(list):
 
 
 def verify(
-    path: str | os.PathLike, *, progress=None, max_read_bytes: int | str | None = None
+    path: str | os.PathLike,
+    *,
+    progress=None,
+    memory_budget: int | str | None = None,
+    max_read_bytes: int | str | None = None,
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
 
@@ -276,18 +209,18 @@ def verify(
     it comes back as a dict of its fields). ``progress(name, done, total)`` is called after
     each tensor.
 
-    Tensors are checked several at a time, as many as fit in ``max_read_bytes`` (default as for
-    ``restore``; one at least), so an object store's latency is paid once per batch, not once
-    per tensor.
+    Tensors are checked several at a time, as many as fit in ``memory_budget`` (one at least),
+    so an object store's latency is paid once per batch, not once per tensor.
 
     Args:
       path: the checkpoint directory, or an Orbax step directory holding one UCP item.
       progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
-      max_read_bytes: bytes of tensors checked at once, or e.g. "256MiB" (None: 256 MiB, as
-        for ``restore``).
+      memory_budget: bytes of tensors checked at once, as ``RestoreOptions.memory_budget``.
+      max_read_bytes: the deprecated name of ``memory_budget``.
     """
-    budget = parse_optional_size(max_read_bytes, "verify(max_read_bytes=)")
-    budget = reader.DEFAULT_MAX_READ_BYTES if budget is None else budget
+    name = lambda field: f"verify({field}=)"  # noqa: E731
+    budget = renamed("memory_budget", memory_budget, "max_read_bytes", max_read_bytes, name)
+    budget = parse_size(DEFAULT_MEMORY_BUDGET if budget is None else budget, name("memory_budget"))
     # A concurrent forced save is read again, not reported as damage (reader.read_consistently).
     return reader.read_consistently(path, lambda root: _verify(root, progress, budget))
 

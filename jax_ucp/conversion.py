@@ -24,31 +24,46 @@ from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import registry
 from jax_ucp.importers.plan import Share
 from jax_ucp.multihost import liveness
+from jax_ucp.options import field_namer, keywords_of_2
 from jax_ucp.writer import commit
 
 Progress = Callable[[str, int, int], None]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
-    """How ``convert`` imports, checked once on construction and passed down whole. The fields
-    are ``convert``'s keywords (documented there); ``memory_budget`` is in bytes.
+    """How ``convert`` imports: the one definition of its keywords, checked once on
+    construction and passed down whole.
 
     Attributes:
-        format: the source format ("deepspeed", "megatron", "safetensors", "torch", "orbax"),
-            None to detect it.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path).
-        force: replace a jax_ucp checkpoint at the destination.
-        step: write a CheckpointManager step (None: a standalone checkpoint).
-        progress: ``progress(name, done, total)`` per parameter.
+        format: "deepspeed", "megatron", "safetensors", "torch" or "orbax" (detected from the
+            files when None).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules /
+            settings.
+        force: replace a jax_ucp checkpoint at ``dest`` (the old one kept whole until the new
+            one is committed).
+        step: write ``<dest>/<step>/state`` as a CheckpointManager step (None: a standalone
+            checkpoint).
+        progress: called as ``progress(name, done, total)`` per parameter.
         compression: the arrays' codec (None: the format's default).
-        weights_only: the model weights alone, the optimizer state skipped.
-        distributed: every process of a ``jax.distributed`` job writes its share.
-        barrier_timeout: seconds a distributed import waits for its slowest process.
-        memory_budget: bytes of tensor data the import may hold at once (None: the default).
-        tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step (None: the latest).
-        vocab_size: Megatron's vocabulary size before padding (None: the spec's).
-        parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
+        weights_only: the model weights alone; the optimizer state is skipped whatever its
+            layout (recorded under ``source.skipped`` in the manifest).
+        distributed: every process of a ``jax.distributed`` job calls ``convert`` with the same
+            arguments; each reads and writes every N-th parameter into one directory on a shared
+            file system, and process 0 commits once every process reported its part.
+        barrier_timeout: with ``distributed``, seconds at most for the slowest process (a
+            process on this host that dies is noticed at once, one on another host by
+            jax.distributed's heartbeat).
+        memory_budget: bytes of tensor data the import may hold at once: an int or a size such
+            as "1GiB" (None: ``DEFAULT_MEMORY_BUDGET``, 256 MiB); the tensors the writer has in
+            flight plus what the importer is building (a tensor-parallel merge, chunks read
+            into place); each process of a distributed import has its own.
+        tag: DeepSpeed: the tag folder to import (default: the one ``latest`` names); Orbax:
+            the CheckpointManager step (default: the latest committed one).
+        vocab_size: Megatron: the tokenizer's vocabulary size, before Megatron's padding (the
+            padded rows are stripped; default: the spec's, else they are kept).
+        parameter_order: torch: the names of an index-keyed optimizer's parameters in the
+            order torch numbered them.
     """
 
     format: str | None = None
@@ -60,7 +75,7 @@ class ConvertOptions:
     weights_only: bool = False
     distributed: bool = False
     barrier_timeout: float = 24 * 3600
-    memory_budget: int | None = None
+    memory_budget: int | str | None = None
     tag: str | int | None = None
     vocab_size: int | None = None
     parameter_order: Sequence[str] | None = None
@@ -79,82 +94,26 @@ class ConvertOptions:
                 "convert: distributed=True writes a standalone checkpoint (step=None)"
             )
         if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+            budget = parse_size(self.memory_budget, field_namer(self)("memory_budget"))
+            object.__setattr__(self, "memory_budget", budget)
 
 
-def convert(
-    source,
-    dest,
-    *,
-    format: str | None = None,
-    spec: Any = None,
-    force: bool = False,
-    step: int | None = None,
-    progress: Progress | None = None,
-    compression: str | None = None,
-    weights_only: bool = False,
-    distributed: bool = False,
-    barrier_timeout: float = 24 * 3600,
-    memory_budget: int | str | None = None,
-    tag: str | int | None = None,
-    vocab_size: int | None = None,
-    parameter_order: Sequence[str] | None = None,
-) -> str:
-    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
+@keywords_of_2(ConvertOptions)
+def convert(source, dest, options: ConvertOptions) -> str:
+    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``; the
+    keywords are ``ConvertOptions``' fields.
 
     Everything that needs no tensor bytes is checked before anything is written, and a failure
-    leaves ``dest`` untouched (one ``commit.transaction``). The keywords build a
-    ``ConvertOptions`` (``convert_with`` takes one directly).
+    leaves ``dest`` untouched (one ``commit.transaction``).
 
     Args:
         source: the checkpoint directory (or file) to import.
         dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
-        format: "deepspeed", "megatron", "safetensors", "torch" or "orbax" (detected from the
-            files when None).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules /
-            settings.
-        force: replace a jax_ucp checkpoint at ``dest`` (the old one kept whole until the new
-            one is committed).
-        step: write ``<dest>/<step>/state`` as a CheckpointManager step.
-        progress: called as ``progress(name, done, total)`` per parameter.
-        compression: the arrays' codec (None: the format's default).
-        weights_only: the model weights alone; the optimizer state is skipped whatever its
-            layout (recorded under ``source.skipped`` in the manifest).
-        distributed: every process of a ``jax.distributed`` job calls ``convert`` with the same
-            arguments; each reads and writes every N-th parameter into one directory on a shared
-            file system, and process 0 commits once every process reported its part.
-        barrier_timeout: with ``distributed``, seconds at most for the slowest process (a
-            process on this host that dies is noticed at once, one on another host by
-            jax.distributed's heartbeat).
-        memory_budget: bytes of tensor data the import may hold at once (an int, or e.g.
-            "256MiB", "1GiB"; default 256 MiB): the tensors the writer has in flight plus what
-            the importer is building (a tensor-parallel merge, chunks read into place); each
-            process of a distributed import has its own.
-        tag: DeepSpeed: the tag folder to import (default: the one ``latest`` names); Orbax:
-            the CheckpointManager step (default: the latest committed one).
-        vocab_size: Megatron: the tokenizer's vocabulary size, before Megatron's padding (the
-            padded rows are stripped; default: the spec's, else they are kept).
-        parameter_order: torch: the names of an index-keyed optimizer's parameters in the
-            order torch numbered them.
+        options: built from the keywords, each documented in ``ConvertOptions``.
 
     Returns:
         The UCP directory (the one holding ucp.json).
     """
-    options = ConvertOptions(
-        format=format,
-        spec=spec,
-        force=force,
-        step=step,
-        progress=progress,
-        compression=compression,
-        weights_only=weights_only,
-        distributed=distributed,
-        barrier_timeout=barrier_timeout,
-        memory_budget=None if memory_budget is None else parse_size(memory_budget),
-        tag=tag,
-        vocab_size=vocab_size,
-        parameter_order=parameter_order,
-    )
     return convert_with(source, dest, options)
 
 
@@ -171,7 +130,8 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
     """
     dest = os.fspath(dest)
     _check_target(source, dest, options)
-    with writer.memory_budget_scope(options.memory_budget):
+    budget = options.memory_budget
+    with writer.memory_budget_scope(None if budget is None else int(budget)):
         share, gather = (
             _distributed_share(dest, options.barrier_timeout)
             if options.distributed

@@ -31,7 +31,7 @@ ALLOWED = {
     "optax_torch": {"format", "store", "language", "api"},  # a converted torch run -> optax
 }
 TOP = {"cli", "demo", "__init__"}  # may import any layer
-BASE = {"lazy_names", "version", "errors"}  # leaf modules any layer may use
+BASE = {"lazy_names", "version", "errors", "options"}  # leaf modules any layer may use
 
 
 def _layer_of(path: str) -> str:

@@ -22,6 +22,7 @@ from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
 from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import ValueEntry
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_size
 
 
 def _plain_placeholders(params) -> None:
@@ -192,6 +193,29 @@ def _checkpoint_or_steps(path: str) -> None:
         )
 
 
+def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
+    """A byte-size option ("5G", "256MiB", "1.5GB", "1048576") in bytes, read by the one
+    parser of the Python API (format.sizes); an error names the option."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    what = param.opts[0] if param.opts else str(param.name)
+    try:
+        return parse_size(value, what)
+    except SizeError as e:  # click's message names the option already
+        raise typer.BadParameter(str(e).removeprefix(f"{what}: ")) from None
+
+
+MemoryBudget = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-budget",
+        help="bytes of tensor data in flight at once (e.g. 256MiB, 1G; default "
+        f"{DEFAULT_MEMORY_BUDGET >> 20}MiB)",
+        callback=_size_option,
+    ),
+]
+
+
 @app.command()
 @_user_errors
 def inspect(
@@ -256,7 +280,7 @@ def inspect(
 
 @app.command()
 @_user_errors
-def verify(path: str):
+def verify(path: str, memory_budget: MemoryBudget = None):
     """Read every tensor and check every shard file (crc32c, digests); report what is wrong."""
     import jax_ucp
 
@@ -268,7 +292,7 @@ def verify(path: str):
         def on_progress(name, done, total):
             progress.update(task, completed=done)
 
-        bad = jax_ucp.verify(path, progress=on_progress)
+        bad = jax_ucp.verify(path, progress=on_progress, memory_budget=memory_budget)
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
     if bad:
@@ -345,31 +369,6 @@ Coordinator = Annotated[
 ]
 NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in it")]
 ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's index")]
-
-
-def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
-    """A byte-size option ("5G", "256MiB", "1.5GB", "1048576") in bytes, read by the one
-    parser of the Python API (format.sizes); an error names the option."""
-    if value is None or ctx.resilient_parsing:
-        return value
-    from jax_ucp.format.sizes import SizeError, parse_size
-
-    what = param.opts[0] if param.opts else str(param.name)
-    try:
-        return parse_size(value, what)
-    except SizeError as e:  # click's message names the option already
-        raise typer.BadParameter(str(e).removeprefix(f"{what}: ")) from None
-
-
-MemoryBudget = Annotated[
-    str | None,
-    typer.Option(
-        "--memory-budget",
-        help="tensor bytes held at once: in flight to disk plus being built (e.g. 256MiB, 1GiB; "
-        "default 256MiB)",
-        callback=_size_option,
-    ),
-]
 
 
 class _ConvertCommand(_Command):

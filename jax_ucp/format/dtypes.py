@@ -11,6 +11,9 @@ import numpy as np
 
 from jax_ucp.errors import UnsupportedError
 
+#: numpy's casting rules, what every ``casting=`` option accepts (restore, plan, export).
+CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
+
 _EXTENDED = {
     "bfloat16": ml_dtypes.bfloat16,
     "float8_e4m3fn": ml_dtypes.float8_e4m3fn,

@@ -26,6 +26,11 @@ _UNITS = {
 _SIZE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 
 
+#: ``memory_budget``'s default everywhere (restore, plan, verify, convert, export, the writer):
+#: bytes of tensor data in flight at once.
+DEFAULT_MEMORY_BUDGET = 256 << 20
+
+
 class SizeError(UCPError, ValueError):
     """A byte size that cannot be read, or is not positive."""
 

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -283,50 +283,19 @@ class UCPSave(ocp.args.CheckpointArgs):
 
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_restore=True)
 @dataclasses.dataclass
-class UCPRestore(ocp.args.CheckpointArgs):
-    """Restore args: ``jax_ucp.restore``'s keywords (its docstring says what each does in
-    full). Checked when constructed.
+class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
+    """Restore args: ``RestoreOptions`` (``jax_ucp.restore``'s keywords, documented there) as
+    Orbax's args, checked when constructed: a wrong option fails in the training loop's
+    ``mngr.restore`` call."""
 
-    Attributes:
-      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays, or
-        flax-boxed abstract state: the result has its structure, shardings and dtypes.
-      shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
-      mesh: a ``jax.sharding.Mesh``; alone, saved PartitionSpecs are reused where they fit.
-      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]``, with ``mesh``.
-      spec: a UCP-language spec (a ``jax_ucp.language.Spec``, a shipped spec's name with its
-        settings loaded by ``jax_ucp.language.load_spec``, or a spec file) applied as views.
-      dtype: cast every tensor to this dtype.
-      casting: numpy's casting rule for dtype conversions: "no", "equiv", "safe",
-        "same_kind" (default) or "unsafe".
-      select: a regex matched in full against "/"-joined names, or a predicate on the name:
-        only those leaves are restored (without a target).
-      max_read_bytes: host memory for reads in flight: bytes or e.g. "256MiB" (None: 256 MiB).
-      strict: with ``mesh=``, refuse rules and mesh axes that name nothing in the checkpoint.
-      replicated_read: "each" (None: default) or "once": in a multi-process job, tensors every
-        process needs whole are read in shares and all-gathered (the storage read once).
-    """
-
-    target: Any = None
-    shardings: Any = None
-    mesh: jax.sharding.Mesh | None = None
-    rules: Sequence[tuple[str, Any]] | None = None
-    spec: Any = None
-    dtype: Any = None
-    casting: str = "same_kind"
-    select: Any = None
-    max_read_bytes: int | str | None = None
-    strict: bool = True
-    replicated_read: str | None = None
-
-    def __post_init__(self):
+    def __post_init__(self, max_read_bytes: int | str | None = None):
         _refuse_args_as_item("UCPRestore", "target", self.target)
-        _ = self.options  # checked now, in the training loop's mngr.restore call
+        super().__post_init__(max_read_bytes)
 
     @property
     def options(self) -> RestoreOptions:
-        """These args as the read path's one options object (checked)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return RestoreOptions(**fields, where="UCPRestore")
+        """These args as the read path's options (they are ``RestoreOptions``)."""
+        return self
 
 
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)

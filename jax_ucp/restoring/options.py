@@ -1,4 +1,5 @@
-"""A restore's options as one checked object: ``jax_ucp.restore``'s keywords and ``UCPRestore``.
+"""A restore's options as one checked object: ``jax_ucp.restore``'s and ``plan``'s keywords,
+and ``UCPRestore`` (a subclass).
 
 Checked once where they enter (the public function, or Orbax's args when constructed, as
 Orbax's ``StandardRestoreArgs`` are) and passed down the read path whole, so the UCP reader and
@@ -15,13 +16,10 @@ import jax
 import numpy as np
 
 from jax_ucp.errors import RequestError
-from jax_ucp.format.sizes import SizeError, parse_optional_size
+from jax_ucp.format.dtypes import CASTINGS
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_optional_size
+from jax_ucp.options import field_namer, renamed
 from jax_ucp.restoring.adam_state import follow_adam_state
-
-CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
-
-# Host bytes a restore may hold in read buffers at once (see ``restore(max_read_bytes=)``).
-DEFAULT_MAX_READ_BYTES = 256 << 20
 
 
 class ArgsError(RequestError):
@@ -29,50 +27,85 @@ class ArgsError(RequestError):
     with what it accepts."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class RestoreOptions:
-    """What a restore is asked: ``jax_ucp.restore``'s keywords (its docstring says what each
-    does in full), checked when constructed.
+    """What a restore is asked, checked when constructed: the one definition of the keywords of
+    ``jax_ucp.restore`` and ``jax_ucp.plan`` and the fields of ``UCPRestore``.
+
+    Without target/shardings/mesh a restore gives nested dicts/lists of ``np.ndarray`` and the
+    saved scalars. Each process reads only the slices its devices need.
 
     Attributes:
-      target: pytree of jax.Array / jax.ShapeDtypeStruct / numpy arrays (or flax-boxed abstract
-        state) whose structure, shardings and dtypes the result takes.
+      target: pytree of jax.Array / jax.ShapeDtypeStruct (with shardings) / numpy arrays; the
+        result has its structure (its treedef: flax ``nn.LogicallyPartitioned`` /
+        ``nn.Partitioned`` boxes and ``nnx.Variable``s kept), shardings and dtypes (shapes must
+        match). A saved Python bool/int/float restored into an array leaf becomes an array
+        (a ``jax.Array`` on the leaf's sharding) when ``casting`` allows the conversion from
+        its type and the value survives it.
       shardings: pytree of ``jax.sharding.Sharding`` (overrides the target's).
-      mesh: a ``jax.sharding.Mesh``; alone, saved PartitionSpecs are reused where they fit.
-      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]``, with ``mesh``.
-      spec: a UCP-language spec whose restore-time transforms are applied as lazy views.
-      dtype: cast every tensor to this dtype (None: the saved or the target's dtype).
-      casting: numpy's casting rule for dtype conversions (one of ``CASTINGS``).
-      select: a regex matched in full against "/"-joined names, or a predicate on the name:
-        only those leaves are restored (without a target).
-      max_read_bytes: host memory for read buffers in flight: bytes or e.g. "256MiB" (None:
-        256 MiB).
-      strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes.
-      replicated_read: "each" or "once" (None: "each"): how a multi-process restore reads a
-        tensor every process needs whole.
-      where: how errors name a field: a class (``"UCPRestore"`` gives ``UCPRestore.casting``)
-        or a function (``"restore"`` gives ``restore(casting=)``). Not a field.
+      mesh: alone, each tensor keeps its saved PartitionSpec dimension by dimension where the
+        axis names exist in ``mesh`` and divide, and is replicated along the other dimensions.
+      rules: flax-style logical-axis rules ``[(logical_name, mesh_axes), ...]`` with ``mesh``,
+        applied to the logical axis names recorded at save time. A misspelt name (a rule for a
+        name no tensor carries but close to one that does, or a mesh axis (size > 1) that no
+        rule and no saved PartitionSpec uses but close to one that does) is an error naming
+        the closest known names (see ``strict``). A tensor saved sharded that would come back
+        replicated on every device (no rule for its names, its saved axes not in ``mesh``)
+        gives a ``ReplicationWarning`` with the bytes per device.
+      spec: a UCP-language spec (a ``jax_ucp.language.Spec``, a shipped spec's name or a spec
+        file) whose restore-time transforms (stack/unstack, split/merge, transpose, rename)
+        are applied as lazy views.
+      dtype: cast every tensor to this dtype.
+      casting: which dtype conversions (to the target's or ``dtype``) are allowed, in numpy's
+        terms (``format.dtypes.CASTINGS``): "same_kind" (default: float32 → bfloat16 yes,
+        float → int no), "safe", "no", "equiv", or "unsafe" (anything, also a saved Python
+        value into an array target). Values are checked too: a narrowing float cast (float32
+        → float16 / bfloat16 / float8, int32 → float16) in which a finite value exceeds the
+        target's largest (1e10 → float16 inf, 500 → float8_e4m3fn NaN) or an inf meets a
+        dtype without inf (float8_e4m3fn) is an error under "same_kind" naming the tensor and
+        how many values; under "unsafe" it is converted with a RuntimeWarning saying the
+        same. Casts that cannot overflow are not checked (no extra pass); a checked cast is
+        counted block by block as it is converted.
+      select: restore only part of the checkpoint, without a target: a regex matched in full
+        against "/"-joined key names (``r"params/.*"``: weights without optimizer state) or a
+        predicate on the name. Only the matched leaves and the containers holding them come
+        back (a sequence missing positions as a dict of int keys); nothing else is read. A
+        selection matching nothing is an error listing the top-level names.
+      memory_budget: bytes of tensor data in flight: an int or a size such as "1GiB" (None:
+        ``DEFAULT_MEMORY_BUDGET``, 256 MiB). Peak host memory of a restore is about the
+        restored arrays plus this (a tensor larger than it is read alone); larger values
+        overlap more reads.
+      strict: with ``mesh=``, refuse misspelt logical names in rules and misspelt mesh axes
+        (default). ``strict=False`` allows them. Names unlike every known one always pass
+        (rules shared with activation names, a purely data-parallel axis).
+      replicated_read: in a multi-process job, how a tensor every process needs whole
+        (``P()``, host numpy) is read: "each" (None: default) every process reads all of it;
+        "once" each reads a share and the shares are all-gathered over JAX's collectives
+        (gloo on CPU), so the storage is read once in all (see ``restoring/replicated.py``).
+      max_read_bytes: the deprecated name of ``memory_budget`` (a DeprecationWarning).
     """
 
     target: Any = None
+    _: dataclasses.KW_ONLY
     shardings: Any = None
-    mesh: jax.sharding.Mesh | None = None
+    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None
     rules: Sequence[tuple[str, Any]] | None = None
     spec: Any = None
     dtype: Any = None
     casting: str = "same_kind"
     select: Any = None
-    max_read_bytes: int | str | None = None
+    memory_budget: int | str | None = None
     strict: bool = True
     replicated_read: str | None = None
-    where: dataclasses.InitVar[str] = "restore"
+    max_read_bytes: dataclasses.InitVar[int | str | None] = None
 
-    def __post_init__(self, where: str):
-        def field(name: str) -> str:
-            return f"{where}.{name}" if where[:1].isupper() else f"{where}({name}=)"
-
+    def __post_init__(self, max_read_bytes: int | str | None = None):
+        field = field_namer(self)
+        self.memory_budget = renamed(
+            "memory_budget", self.memory_budget, "max_read_bytes", max_read_bytes, field
+        )
         if isinstance(self.rules, Iterable) and not isinstance(self.rules, (str, bytes)):
-            object.__setattr__(self, "rules", tuple(self.rules))  # a generator is read once
+            self.rules = tuple(self.rules)  # a generator is read once
         _check_kinds(self, field)
         if self.select is not None and self.has_target:
             raise ArgsError(
@@ -83,7 +116,7 @@ class RestoreOptions:
             raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
         if self.spec is not None and self.has_target:  # the optimizer roots follow the target
             target = self.target if self.target is not None else self.shardings
-            object.__setattr__(self, "spec", follow_adam_state(self.spec, target))
+            self.spec = follow_adam_state(self.spec, target)
 
     @property
     def has_target(self) -> bool:
@@ -92,8 +125,8 @@ class RestoreOptions:
 
     @property
     def read_budget(self) -> int:
-        """``max_read_bytes``, or the default."""
-        return DEFAULT_MAX_READ_BYTES if self.max_read_bytes is None else int(self.max_read_bytes)
+        """``memory_budget`` in bytes (the default when None)."""
+        return DEFAULT_MEMORY_BUDGET if self.memory_budget is None else int(self.memory_budget)
 
 
 def _check_kinds(options: RestoreOptions, field) -> None:
@@ -132,10 +165,9 @@ def _check_kinds(options: RestoreOptions, field) -> None:
             f"{type(options.select).__name__}."
         )
     try:  # an int or a size such as "256MiB", as every byte-size option
-        read_bytes = parse_optional_size(options.max_read_bytes, field("max_read_bytes"))
+        options.memory_budget = parse_optional_size(options.memory_budget, field("memory_budget"))
     except SizeError as e:
         raise ArgsError(f"{e}.") from None
-    object.__setattr__(options, "max_read_bytes", read_bytes)
     if not isinstance(options.strict, bool):
         raise ArgsError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
     if options.replicated_read not in (None, "each", "once"):

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
+from jax_ucp.options import field_namer, keywords_of
 from jax_ucp.restoring import reader
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 
@@ -129,39 +130,43 @@ def abstract_mesh(axes: Sequence[tuple[str, int]]) -> jax.sharding.AbstractMesh:
     return jax.sharding.AbstractMesh(sizes, names)
 
 
-def plan(
-    path: str | os.PathLike,
-    *,
-    mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None = None,
-    rules: Sequence[tuple[str, Any]] | None = None,
-    shardings: Any = None,
-    target: Any = None,
-    spec: Any = None,
-    casting: str = "same_kind",
-    processes: int | None = None,
-    strict: bool = True,
-) -> RestorePlan:
-    """What ``restore(path, ...)`` with the same arguments would place where, without reading
-    tensor data or allocating.
+@dataclasses.dataclass
+class PlanOptions(RestoreOptions):
+    """``plan``'s keywords: ``RestoreOptions`` (the restore to plan) and ``processes``.
+
+    Attributes:
+        processes: with an ``AbstractMesh``, how many processes share its devices (split in
+            contiguous blocks of the mesh's row-major order, like ``jax.devices()`` across
+            hosts); default 1. A concrete mesh knows each device's process.
+    """
+
+    _: dataclasses.KW_ONLY
+    processes: int | None = None
+
+    def __post_init__(self, max_read_bytes: int | str | None = None):
+        super().__post_init__(max_read_bytes)
+        field = field_namer(self)
+        if not self.has_target and self.mesh is None:
+            raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")
+        if self.rules is not None and self.mesh is None:
+            raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
+        for name in ("dtype", "select", "replicated_read"):  # they would change what is read
+            if getattr(self, name) is not None:
+                raise ArgsError(f"{field(name)}: not planned yet; plan without it.")
+
+
+@keywords_of(PlanOptions)
+def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
+    """What ``restore(path, ...)`` with the same keywords would place where, without reading
+    tensor data or allocating. The keywords are ``RestoreOptions``' (``dtype``, ``select`` and
+    ``replicated_read`` are not planned yet; ``memory_budget`` changes no placement) and
+    ``processes``.
 
     Args:
         path: a checkpoint directory (holding ``ucp.json``) or an Orbax step directory with
             one UCP item.
-        mesh: a ``jax.sharding.Mesh``, or a ``jax.sharding.AbstractMesh`` (no devices needed;
-            see ``abstract_mesh``). Alone, each tensor keeps its saved PartitionSpec where the
-            axes exist and divide; with ``rules``, the logical axes recorded at save time are
-            mapped through them.
-        rules: flax-style logical-axis rules ``[(logical name, mesh axis or axes), ...]``.
-        shardings: a pytree of ``jax.sharding.Sharding`` (``None`` leaves: host numpy), as
-            for ``restore(shardings=)``; a ``NamedSharding`` may be on an ``AbstractMesh``.
-        target: a pytree like ``restore(target=)``'s; its shapes, dtypes and shardings.
-        spec: a UCP-language spec whose restore rules change the structure (see ``restore``).
-        casting: as for ``restore``: which dtype conversions a target may ask for.
-        processes: with an ``AbstractMesh``, how many processes share its devices (split in
-            contiguous blocks of the mesh's row-major order, like ``jax.devices()`` across
-            hosts); default 1. A concrete mesh knows each device's process.
-        strict: as for ``restore``: with ``mesh=`` (and no target), a rule for a logical name
-            no tensor carries or a mesh axis nothing uses is an error; ``False`` allows them.
+        options: built from the keywords; ``mesh`` (and the ``NamedSharding``s of
+            ``shardings``) may be on a ``jax.sharding.AbstractMesh``: no devices needed.
 
     Returns:
         A ``RestorePlan``. Dimensions that do not divide are listed (``not_divisible``), and
@@ -176,20 +181,22 @@ def plan(
             ``shardings``/``target`` given, or ``processes`` does not fit the mesh (a
             ``ValueError`` too).
     """
-    explicit = _checked(target, shardings, mesh, rules, spec, casting, strict).has_target
+    mesh, rules, explicit = options.mesh, options.rules, options.has_target
     root = reader.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
-    available = reader.available_tensors(manifest, spec)
-    layouts = _Layouts(mesh, processes)
+    available = reader.available_tensors(manifest, options.spec)
+    layouts = _Layouts(mesh, options.processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
     if explicit and rules is not None:
-        assert mesh is not None  # _checked refuses rules without a mesh
+        assert mesh is not None  # PlanOptions refuses rules without a mesh
         sharding_lib.check_rules(rules, mesh)
     elif not explicit:
-        reader.check_mesh_names(root, available.values(), mesh, rules, strict)
+        reader.check_mesh_names(root, available.values(), mesh, rules, options.strict)
     if explicit:
-        placed, n_values = _placed_by_target(root, manifest, available, target, shardings, casting)
+        placed, n_values = _placed_by_target(
+            root, manifest, available, options.target, options.shardings, options.casting
+        )
     else:
         placed = [_on_mesh(av, mesh, rules) for av in available.values()]
         n_values = len(manifest.values)
@@ -204,26 +211,6 @@ def plan(
         names = {n for av in available.values() for n in av.logical_axes or () if n is not None}
         unmatched = tuple(sharding_lib.unmatched_rules(rules, names))
     return RestorePlan(root, tensors, device_bytes, process_bytes, n_values, unmatched)
-
-
-def _checked(target, shardings, mesh, rules, spec, casting, strict) -> RestoreOptions:
-    """plan()'s arguments checked as restore's keywords are, before anything is read; and a
-    mesh for rules, a mesh or a target to plan for."""
-    options = RestoreOptions(
-        target=target,
-        shardings=shardings,
-        mesh=mesh,
-        rules=rules,
-        spec=spec,
-        casting=casting,
-        strict=strict,
-        where="plan",
-    )
-    if not options.has_target and mesh is None:
-        raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")
-    if rules is not None and mesh is None:
-        raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
-    return options
 
 
 def _placed_by_target(root, manifest, available, target, shardings, casting):

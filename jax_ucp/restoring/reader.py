@@ -22,13 +22,10 @@ from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointReplacedError, tensorstore_message
+from jax_ucp.format.dtypes import CASTINGS
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.restoring import replicated
-from jax_ucp.restoring.options import (
-    CASTINGS,
-    DEFAULT_MAX_READ_BYTES,
-    ArgsError,
-    RestoreOptions,
-)
+from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
 from jax_ucp.writer import commit
 
@@ -407,7 +404,7 @@ class _Reads:
         self.url = store.location.is_url(root)
         self.out: list = [None] * n
         self.window = store.InFlightBytes(
-            DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
+            DEFAULT_MEMORY_BUDGET if max_read_bytes is None else int(max_read_bytes)
         )
         self.kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU)
         self.limit = sharding_lib.host_memory_limit()

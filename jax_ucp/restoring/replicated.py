@@ -15,7 +15,7 @@ processes agree through ``jax.distributed``'s key-value store that every share w
 process that failed makes all of them raise its error, and one that died on this host is named
 at once (jax's own heartbeat ends the job after 100 s); a peer lost during the all-gather
 breaks gloo's connections, which raises. Host memory: one batch's own share plus the gathered
-batch, together within the reader's ``max_read_bytes``, besides the results themselves.
+batch, together within the restore's ``memory_budget``, besides the results themselves.
 """
 
 from __future__ import annotations
@@ -405,7 +405,7 @@ def _finish(t: _Tensor) -> Gathered:
 
 def _fingerprint(tensors, batches) -> str:
     """What every process must agree on before the first all-gather: the same tensors and the
-    same batches (a restore called with other requests or another ``max_read_bytes`` in one
+    same batches (a restore called with other requests or another ``memory_budget`` in one
     process would otherwise meet the others in mismatched collectives)."""
     h = hashlib.sha256()
     for t in tensors:
@@ -486,7 +486,7 @@ class _Peers:
             raise ReplicatedReadError(
                 f"Reading replicated tensors once across {self.count} processes: the processes "
                 f"asked for different restores (plans {plans}); every process must restore the "
-                f"same tensors with the same max_read_bytes."
+                f"same tensors with the same memory_budget."
             )
 
     def agree(self, step: str, error: BaseException | None, names: list[str]) -> None:

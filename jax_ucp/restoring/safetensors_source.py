@@ -6,7 +6,7 @@ the copy on disk. Each process reads only the byte ranges of the slices its devi
 (``store.safetensors_file``): a tensor restored as it is (or only renamed) is read region by
 region into each device's buffer; one a spec transforms (transpose, merge, concat) is read
 through the same lazy TensorStore views as a UCP checkpoint's. Host memory for reads in flight is
-bounded by ``max_read_bytes`` as for any restore.
+bounded by ``memory_budget`` as for any restore.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def restore(path, options: RestoreOptions):
         every = _available(tensors, options.spec)
 
         def read_requests(reqs, available=every):
-            return _read(path, tensors, available, reqs, options.casting, options.max_read_bytes)
+            return _read(path, tensors, available, reqs, options.casting, options.read_budget)
 
         if options.has_target:
             return reader.restore_into_target(options, read_requests)
@@ -174,7 +174,7 @@ def restore(path, options: RestoreOptions):
             f.close()
 
 
-def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
+def _read(path, tensors, available, requests, casting, max_read_bytes: int) -> list:
     """Reads the requests in order with at most ``max_read_bytes`` of read buffers in flight
     (one tensor at least): a tensor's reads start once the budget has room, the oldest is
     turned into its result to make room."""
@@ -191,9 +191,7 @@ def _read(path, tensors, available, requests, casting, max_read_bytes) -> list:
             )
         want = reader.check_tensor_request(name, req, av, _where(path, tensors, av), casting)
         checked.append((req, av, want))
-    window = store.InFlightBytes(
-        reader.DEFAULT_MAX_READ_BYTES if max_read_bytes is None else int(max_read_bytes)
-    )
+    window = store.InFlightBytes(max_read_bytes)
     limit = sharding_lib.host_memory_limit()
     out: list = [None] * len(checked)
     for position, (req, av, want) in enumerate(checked):

@@ -5,7 +5,7 @@ work reserves its bytes before it starts and releases them when it is done. Orba
 in any order and wait on a condition variable; a restore, ``verify`` and an import's pipelined
 writes hand their results back in order, so here the room for new work is made by finishing the
 oldest. Unlike Orbax's, one item larger than the whole budget is admitted (alone): a tensor
-larger than ``max_read_bytes`` is still read.
+larger than ``memory_budget`` is still read.
 """
 
 from __future__ import annotations

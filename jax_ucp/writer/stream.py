@@ -19,6 +19,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.writer import layout as layout_lib
 from jax_ucp.writer import shards as shards_lib
 from jax_ucp.writer.shards import PipelinedWriter
@@ -26,8 +27,6 @@ from jax_ucp.writer.shards import PipelinedWriter
 _SCALARS = (type(None), bool, int, float, str)
 _E = TypeVar("_E", bound=fmt.Entry)
 
-#: Bytes of tensors an import or export may hold at once when no budget is set.
-DEFAULT_MEMORY_BUDGET = 256 << 20
 _MEMORY_BUDGET: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "jax_ucp_memory_budget", default=None
 )

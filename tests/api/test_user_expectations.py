@@ -125,7 +125,7 @@ def test_partial_restore_reads_nothing_else(tmp_path):
         jax_ucp.restore(tmp_path / "c", select="x", target=tree)
 
 
-def test_restore_keeps_read_buffers_within_max_read_bytes(tmp_path, monkeypatch):
+def test_restore_keeps_read_buffers_within_memory_budget(tmp_path, monkeypatch):
     from jax_ucp.sharding import PendingArray
 
     tree = {f"t{i}": np.full((256, 1024), i, np.float32) for i in range(8)}  # 1 MiB each
@@ -146,7 +146,7 @@ def test_restore_keeps_read_buffers_within_max_read_bytes(tmp_path, monkeypatch)
     monkeypatch.setattr(PendingArray, "start", counting_start)
     monkeypatch.setattr(PendingArray, "result", counting_result)
     out = jax_ucp.restore(
-        tmp_path / "c", mesh=mesh((2, 4), ("x", "y")), max_read_bytes=2 << 20, strict=False
+        tmp_path / "c", mesh=mesh((2, 4), ("x", "y")), memory_budget=2 << 20, strict=False
     )
     assert peak[0] <= 2 << 20, peak
     for i in range(8):

@@ -159,8 +159,8 @@ def test_inspect_wraps_long_names_at_slashes_and_shows_values(tmp_path):
     assert "(embed, mlp)" in r.output
 
 
-@pytest.mark.parametrize("max_read_bytes", [1, 3 * 4096, None], ids=["one", "three", "default"])
-def test_verify_checks_several_tensors_at_once_and_reports_in_order(tmp_path, max_read_bytes):
+@pytest.mark.parametrize("budget", [1, 3 * 4096, None], ids=["one", "three", "default"])
+def test_verify_checks_several_tensors_at_once_and_reports_in_order(tmp_path, budget):
     """However many tensors are checked together (the read budget), every damaged one is
     reported once, in manifest order, and progress counts each tensor once, in order."""
     tree = {f"t{i}": np.full((32, 32), i, np.float32) for i in range(12)}  # 4 KiB each
@@ -174,7 +174,7 @@ def test_verify_checks_several_tensors_at_once_and_reports_in_order(tmp_path, ma
         shard.write_bytes(bytes(data))
     seen = []
     problems = jax_ucp.verify(
-        path, max_read_bytes=max_read_bytes, progress=lambda n, d, t: seen.append((n, d, t))
+        path, memory_budget=budget, progress=lambda n, d, t: seen.append((n, d, t))
     )
     order = [e.name for e in jax_ucp.inspect(path).tensors]
     assert [name for name, _ in problems] == [n for n in order if n in damaged]

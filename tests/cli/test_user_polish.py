@@ -220,8 +220,8 @@ def test_ucpsave_fields_are_checked_when_constructed(kwargs, message):
             "UCPRestore.select: expected a regex string or a predicate on the name, got int.",
         ),
         (
-            {"max_read_bytes": -1},
-            "UCPRestore.max_read_bytes: must be a positive number of bytes, got -1.",
+            {"memory_budget": -1},
+            "UCPRestore.memory_budget: must be a positive number of bytes, got -1.",
         ),
         ({"strict": "no"}, "UCPRestore.strict: expected True or False, got 'no'."),
     ],

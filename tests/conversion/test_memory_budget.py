@@ -54,7 +54,9 @@ def test_unreadable_budgets_are_refused(bad, why):
 
 @pytest.mark.timeout(30)
 def test_convert_refuses_a_bad_budget_before_reading(tmp_path):
-    with pytest.raises(SizeError, match=r"memory_budget: cannot read '1 lot' as a size"):
+    with pytest.raises(
+        SizeError, match=r"^convert\(memory_budget=\): cannot read '1 lot' as a size"
+    ):
         jax_ucp.convert(FSDP2, tmp_path / "ucp", memory_budget="1 lot")
     assert not os.path.exists(tmp_path / "ucp")
 

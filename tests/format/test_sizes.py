@@ -15,6 +15,7 @@ WIDE = {"COLUMNS": "300"}
 # (command, option) for every byte-size option of the CLI; the test below checks the list is whole
 SIZE_OPTIONS = [
     ("convert", "--memory-budget"),
+    ("verify", "--memory-budget"),
     ("export", "--memory-budget"),
     ("export", "--max-file-size"),
 ]
@@ -85,6 +86,8 @@ def _args(command: str, option: str, value: str, tmp_path) -> list[str]:
     if command == "convert":
         return ["convert", str(_hf(tmp_path)), str(tmp_path / "out"), option, value]
     ckpt = jax_ucp.save(tmp_path / "ucp", {"params": {"w": np.arange(6, dtype=np.float32)}})
+    if command == "verify":
+        return ["verify", ckpt, option, value]
     return ["export", ckpt, str(tmp_path / "out"), option, value]
 
 
@@ -114,23 +117,23 @@ def test_max_file_size_takes_the_units_memory_budget_does(tmp_path):
 def test_python_api_byte_sizes_take_the_same_strings(tmp_path):
     tree = {"params": {"w": np.arange(4096, dtype=np.float32), "b": np.ones(3, np.float32)}}
     assert jax_ucp.UCPSave(tree, inner_chunk_bytes="4KiB").inner_chunk_bytes == 4096
-    assert RestoreOptions(max_read_bytes="1MiB").read_budget == 1 << 20
-    assert RestoreOptions(max_read_bytes=7).read_budget == 7  # ints as before
-    assert jax_ucp.UCPRestore(max_read_bytes="2MiB").options.max_read_bytes == 2 << 20
+    assert RestoreOptions(memory_budget="1MiB").read_budget == 1 << 20
+    assert RestoreOptions(memory_budget=7).read_budget == 7  # ints as before
+    assert jax_ucp.UCPRestore(memory_budget="2MiB").options.memory_budget == 2 << 20
     path = jax_ucp.save(tmp_path / "c", tree, inner_chunk_bytes="4KiB")
-    back = jax_ucp.restore(path, max_read_bytes="1KiB")
+    back = jax_ucp.restore(path, memory_budget="1KiB")
     np.testing.assert_array_equal(back["params"]["w"], tree["params"]["w"])
-    assert jax_ucp.verify(path, max_read_bytes="1KiB") == []
+    assert jax_ucp.verify(path, memory_budget="1KiB") == []
     out = jax_ucp.export(path, tmp_path / "st", max_file_bytes="10KB")
     assert "model-00002-of-00002.safetensors" in out.files  # 16 KB of w split off from b
     assert jax_ucp.export(path, tmp_path / "one", max_file_bytes="20KB").files == [
         "model.safetensors"
     ]
-    with pytest.raises(ArgsError, match=r"^restore\(max_read_bytes=\): cannot read 'lots'"):
-        jax_ucp.restore(path, max_read_bytes="lots")
+    with pytest.raises(ArgsError, match=r"^restore\(memory_budget=\): cannot read 'lots'"):
+        jax_ucp.restore(path, memory_budget="lots")
     with pytest.raises(ArgsError, match=r"^UCPSave\.inner_chunk_bytes: must be a positive"):
         jax_ucp.UCPSave(tree, inner_chunk_bytes="-1MiB")
-    with pytest.raises(SizeError, match=r"^verify\(max_read_bytes=\): cannot read"):
-        jax_ucp.verify(path, max_read_bytes="1 lot")
+    with pytest.raises(SizeError, match=r"^verify\(memory_budget=\): cannot read"):
+        jax_ucp.verify(path, memory_budget="1 lot")
     with pytest.raises(jax_ucp.UCPError, match=r"^max_file_bytes: cannot read '5 lots'"):
         jax_ucp.export(path, tmp_path / "bad", max_file_bytes="5 lots")

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.restoring import options as restore_options
 from jax_ucp.restoring import reader
 
@@ -20,8 +21,8 @@ def _re(text: str) -> str:
     [
         ({"casting": "lossless"}, "restore(casting=): expected one of 'no', 'equiv', 'safe', "),
         (
-            {"max_read_bytes": 0},
-            "restore(max_read_bytes=): must be a positive number of bytes, got 0.",
+            {"memory_budget": 0},
+            "restore(memory_budget=): must be a positive number of bytes, got 0.",
         ),
         ({"dtype": "floaty"}, "restore(dtype=): expected a dtype (np.float32, jnp.bfloat16, "),
         ({"select": 3}, "restore(select=): expected a regex string or a predicate on the name, "),
@@ -50,8 +51,8 @@ def test_rules_given_as_a_generator_are_read_once_and_kept():
         mesh=None, target={"w": np.ones(2)}, rules=(r for r in [("embed", None)])
     )
     assert options.rules == (("embed", None),)
-    assert options.read_budget == restore_options.DEFAULT_MAX_READ_BYTES
-    assert restore_options.RestoreOptions(max_read_bytes=7).read_budget == 7
+    assert options.read_budget == DEFAULT_MEMORY_BUDGET
+    assert restore_options.RestoreOptions(memory_budget=7).read_budget == 7
 
 
 @pytest.mark.timeout(60)
@@ -68,7 +69,9 @@ def test_orbax_args_and_the_keywords_reach_the_reader_as_one_object(tmp_path, mo
     by_keywords = jax_ucp.restore(tmp_path / "c", dtype=np.float16, select="w")
     handler = jax_ucp.UCPCheckpointHandler()
     by_args = handler.restore(tmp_path / "c", args=jax_ucp.UCPRestore(dtype=np.float16, select="w"))
-    assert seen[0] == seen[1] and seen[0].dtype is np.float16 and seen[0].select == "w"
+    assert isinstance(seen[1], restore_options.RestoreOptions)  # UCPRestore is the options
+    assert vars(seen[0]) == vars(seen[1]) and seen[0].dtype is np.float16
+    assert seen[0].select == "w"
     for got in (by_keywords, by_args):
         assert list(got) == ["w"] and got["w"].dtype == np.float16
         assert got["w"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -51,11 +51,11 @@ if mode == "restore":
     for how in ("once", "each", "host"):
         before = store.bytes_read()
         if how == "host":  # no target: numpy in every process
-            out = jax_ucp.restore(path, replicated_read="once", max_read_bytes=budget)
+            out = jax_ucp.restore(path, replicated_read="once", memory_budget=budget)
             exact(out["params"]["w"].view(np.uint16), truth["w"])
             exact(out["params"]["e"], truth["e"])
         else:
-            out = jax_ucp.restore(path, target=target, replicated_read=how, max_read_bytes=budget)
+            out = jax_ucp.restore(path, target=target, replicated_read=how, memory_budget=budget)
             check(out)
         report[how] = store.bytes_read() - before
     print("REPORT " + json.dumps(report), flush=True)
@@ -79,7 +79,7 @@ start = time.monotonic()
 if mode == "mismatch" and pid == 1:  # another budget: other batches, mismatched all-gathers
     budget *= 2
 try:
-    jax_ucp.restore(path, target=target, replicated_read="once", max_read_bytes=budget)
+    jax_ucp.restore(path, target=target, replicated_read="once", memory_budget=budget)
     print("RESTORED", flush=True)
 except Exception as e:
     print(f"FAILED after {time.monotonic() - start:.1f} s: {type(e).__name__}: {e}", flush=True)

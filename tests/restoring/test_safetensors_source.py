@@ -239,7 +239,7 @@ def test_small_blocks_and_budget(tmp_path, monkeypatch):
                 for n, w in weights.items()
             }
         }
-        got = jax_ucp.restore(src, target=target, max_read_bytes=1000)["params"]
+        got = jax_ucp.restore(src, target=target, memory_budget=1000)["params"]
         for n, w in weights.items():
             for shard in got[n].addressable_shards:  # float32 -> bfloat16 as asked
                 _assert_same(shard.data, w.astype(BF16)[shard.index], n)

@@ -193,7 +193,7 @@ def test_verify_racing_two_replaces_reports_no_damage(tmp_path):
             jax_ucp.convert(sources[1], out, force=True)
             jax_ucp.convert(sources[2], out, force=True)
 
-    assert jax_ucp.verify(out, progress=replace_twice, max_read_bytes=1) == []
+    assert jax_ucp.verify(out, progress=replace_twice, memory_budget=1) == []
     assert replaced and _which(jax_ucp.restore(out)) == _BASES[2]
     shard = os.path.join(out, "arrays", "params.layer0%2Ew", "c", "0", "0")
     data = bytearray(open(shard, "rb").read())

@@ -71,7 +71,7 @@ def test_async_callers_await_inside_the_loop():
 
 
 @pytest.mark.timeout(60)
-def test_restore_and_verify_read_within_max_read_bytes(tmp_path, monkeypatch):
+def test_restore_and_verify_read_within_memory_budget(tmp_path, monkeypatch):
     """A restore starts a tensor's reads only once the ones in flight fit the budget with it."""
     tree = {f"t{i}": np.full(256, i, np.float32) for i in range(6)}  # 1 KiB each
     jax_ucp.save(tmp_path / "c", tree)
@@ -83,11 +83,11 @@ def test_restore_and_verify_read_within_max_read_bytes(tmp_path, monkeypatch):
         peaks.append((self.max_bytes, len(self), self.bytes))
 
     monkeypatch.setattr(store.InFlightBytes, "add", add)
-    back = jax_ucp.restore(tmp_path / "c", max_read_bytes=2048)
+    back = jax_ucp.restore(tmp_path / "c", memory_budget=2048)
     assert {k: v.tolist() for k, v in back.items()} == {k: v.tolist() for k, v in tree.items()}
     assert [p for p in peaks if p[0] == 2048] == [(2048, 1, 1024)] + [(2048, 2, 2048)] * 5
     peaks.clear()
-    assert jax_ucp.verify(tmp_path / "c", max_read_bytes=3072) == []
+    assert jax_ucp.verify(tmp_path / "c", memory_budget=3072) == []
     assert [p for p in peaks if p[0] == 3072] == [(3072, 1, 1024), (3072, 2, 2048)] + [
         (3072, 3, 3072)
     ] * 4

@@ -1,0 +1,116 @@
+"""An operation's options, defined once: a typed dataclass whose fields are the keywords.
+
+``restore``, ``plan`` and ``convert`` take their dataclass's fields as keywords through
+``keywords_of``: the signature a type checker (and ``help()``) sees is the dataclass's
+``__init__``, so each option's name, type, default and doc live in one place. A leaf module (it
+imports nothing of jax_ucp), as ``errors``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+P = ParamSpec("P")
+R = TypeVar("R")
+T = TypeVar("T")
+
+# the public function whose keywords are being checked, so errors say ``restore(casting=)``
+_CALLER: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "jax_ucp_options_caller", default=None
+)
+
+
+def field_namer(options: object) -> Callable[[str], str]:
+    """How errors name a field of ``options``: ``restore(casting=)`` when built from a
+    function's keywords, else ``UCPRestore.casting`` (its class)."""
+    caller = _CALLER.get()
+    if caller is not None:
+        return lambda name: f"{caller}({name}=)"
+    cls = type(options).__name__
+    return lambda name: f"{cls}.{name}"
+
+
+def renamed(new: str, new_value: Any, old: str, old_value: Any, name: Callable[[str], str]):
+    """``new``'s value, or the deprecated ``old``'s with a DeprecationWarning; both given is
+    refused, naming both.
+
+    Args:
+        new: the option's name.
+        new_value: the value given under it (None: not given).
+        old: its deprecated name.
+        old_value: the value given under that (None: not given).
+        name: how errors and the warning name an option (``field_namer``).
+    """
+    if old_value is None:
+        return new_value
+    if new_value is not None:
+        from jax_ucp.errors import RequestError
+
+        raise RequestError(
+            f"{name(new)} and {name(old)} are the same option ({old} is its deprecated name); "
+            f"give {new} alone."
+        )
+    warnings.warn(
+        f"{name(old)} is deprecated; use {new}=.", DeprecationWarning, stacklevel=_callers_level()
+    )
+    return old_value
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` of the first frame outside jax_ucp (and dataclasses' generated
+    ``__init__``): the user's line that gave the deprecated option."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _taking(options_type, leading: int):
+    """``fn(*leading, options)`` called with ``options_type``'s fields after its ``leading``
+    arguments: they are checked by ``options_type`` (errors naming ``fn(field=)``), and
+    ``help(fn)`` lists them."""
+
+    def decorate(fn):
+        head_params = list(inspect.signature(fn).parameters.values())[:leading]
+
+        def call(*args, **kwargs):
+            head = list(args[:leading])
+            head += [kwargs.pop(p.name) for p in head_params[len(head) :] if p.name in kwargs]
+            token = _CALLER.set(fn.__name__)
+            try:
+                options = options_type(*args[leading:], **kwargs)
+            finally:
+                _CALLER.reset(token)
+            return fn(*head, options)
+
+        functools.update_wrapper(call, fn)
+        del call.__wrapped__  # inspect.signature would show fn's (path, options)
+        fields = list(inspect.signature(options_type).parameters.values())
+        call.__signature__ = inspect.Signature(head_params + fields)  # type: ignore[attr-defined]
+        return call
+
+    return decorate
+
+
+def keywords_of(
+    options_type: Callable[P, T],
+) -> Callable[[Callable[[Any, T], R]], Callable[Concatenate[str | os.PathLike, P], R]]:
+    """``fn(path, options)`` called as ``fn(path, <options_type's fields>)``."""
+    return _taking(options_type, 1)
+
+
+def keywords_of_2(
+    options_type: Callable[P, T],
+) -> Callable[[Callable[[Any, Any, T], R]], Callable[Concatenate[Any, Any, P], R]]:
+    """``fn(source, dest, options)`` called as ``fn(source, dest, <options_type's fields>)``."""
+    return _taking(options_type, 2)

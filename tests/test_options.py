@@ -1,0 +1,157 @@
+"""Each option defined once (jax_ucp/options.py): restore / plan / UCPRestore take
+RestoreOptions' fields, convert ConvertOptions'; one memory knob, ``memory_budget``, with
+``max_read_bytes`` its deprecated name."""
+
+import dataclasses
+import inspect
+import os
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import jax_ucp
+from jax_ucp import conversion, store, writer
+from jax_ucp.cli import app
+from jax_ucp.errors import RequestError
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
+from jax_ucp.restoring.options import RestoreOptions
+from jax_ucp.restoring.plan import abstract_mesh
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FSDP2 = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_fp32")
+runner = CliRunner()
+
+
+def _ckpt(tmp_path):
+    tree = {f"t{i}": np.full(256, i, np.float32) for i in range(4)}  # 1 KiB each
+    return jax_ucp.save(tmp_path / "c", tree), tree
+
+
+def _budgets(monkeypatch) -> list[int]:
+    """The budget of every read window opened from now on."""
+    seen: list[int] = []
+    real = store.InFlightBytes.__init__
+
+    def init(self, max_bytes, *args, **kwargs):
+        seen.append(max_bytes)
+        real(self, max_bytes, *args, **kwargs)
+
+    monkeypatch.setattr(store.InFlightBytes, "__init__", init)
+    return seen
+
+
+def test_the_signatures_are_the_dataclasses_fields():
+    fields = [f.name for f in dataclasses.fields(RestoreOptions)] + ["max_read_bytes"]
+    assert list(inspect.signature(jax_ucp.restore).parameters) == ["path", *fields]
+    assert list(inspect.signature(jax_ucp.UCPRestore).parameters) == fields
+    assert list(inspect.signature(jax_ucp.plan).parameters) == ["path", *fields, "processes"]
+    convert_fields = [f.name for f in dataclasses.fields(conversion.ConvertOptions)]
+    assert list(inspect.signature(jax_ucp.convert).parameters) == ["source", "dest"] + (
+        convert_fields
+    )
+    default = inspect.signature(jax_ucp.restore).parameters["casting"].default
+    assert default == "same_kind" and issubclass(jax_ucp.UCPRestore, RestoreOptions)
+
+
+def test_restore_takes_the_target_second_and_memory_budget_as_a_size(tmp_path, monkeypatch):
+    path, tree = _ckpt(tmp_path)
+    budgets = _budgets(monkeypatch)
+    target = {k: np.zeros(256, np.float32) for k in tree}
+    back = jax_ucp.restore(path, target, memory_budget="2KiB")
+    assert {k: v.tolist() for k, v in back.items()} == {k: v.tolist() for k, v in tree.items()}
+    assert 2048 in budgets
+    with pytest.raises(TypeError):
+        jax_ucp.restore(path, target, None)  # only the target is positional
+
+
+@pytest.mark.parametrize("call", ["restore", "verify", "UCPRestore"])
+def test_max_read_bytes_still_works_with_a_deprecation_warning(tmp_path, monkeypatch, call):
+    path, tree = _ckpt(tmp_path)
+    budgets = _budgets(monkeypatch)
+    with pytest.warns(
+        DeprecationWarning, match=r"max_read_bytes.* is deprecated; use memory_budget="
+    ) as record:
+        if call == "restore":
+            back = jax_ucp.restore(path, max_read_bytes="3KiB")
+            assert back["t3"].tolist() == tree["t3"].tolist()
+        elif call == "verify":
+            assert jax_ucp.verify(path, max_read_bytes="3KiB") == []
+        else:
+            args = jax_ucp.UCPRestore(max_read_bytes="3KiB")
+            assert args.memory_budget == 3072
+            back = jax_ucp.UCPCheckpointHandler().restore(path, args=args)
+            assert back["t3"].tolist() == tree["t3"].tolist()
+    assert 3072 in budgets
+    assert [w.filename for w in record] == [__file__]  # the warning points at the caller's line
+
+
+@pytest.mark.parametrize(
+    "call, where",
+    [
+        (lambda p: jax_ucp.restore(p, memory_budget=1, max_read_bytes=2), "restore("),
+        (lambda p: jax_ucp.verify(p, memory_budget=1, max_read_bytes=2), "verify("),
+        (lambda p: jax_ucp.UCPRestore(memory_budget=1, max_read_bytes=2), "UCPRestore."),
+        (lambda p: RestoreOptions(memory_budget=1, max_read_bytes=2), "RestoreOptions."),
+    ],
+    ids=["restore", "verify", "UCPRestore", "RestoreOptions"],
+)
+def test_both_spellings_together_are_refused_naming_both(tmp_path, call, where):
+    with pytest.raises(RequestError) as e:
+        call(tmp_path / "absent")  # refused before the path is looked at
+    assert "memory_budget" in str(e.value) and "max_read_bytes" in str(e.value)
+    assert str(e.value).startswith(where)
+
+
+def test_dataclasses_replace_keeps_working_without_the_old_name(recwarn):
+    args = dataclasses.replace(jax_ucp.UCPRestore(memory_budget="1KiB"), casting="safe")
+    assert (args.memory_budget, args.casting, type(args)) == (1024, "safe", jax_ucp.UCPRestore)
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_one_default_for_restore_verify_and_the_writers(tmp_path, monkeypatch):
+    path, _ = _ckpt(tmp_path)
+    budgets = _budgets(monkeypatch)
+    assert jax_ucp.verify(path) == []
+    assert RestoreOptions().read_budget == DEFAULT_MEMORY_BUDGET == writer.memory_budget()
+    assert budgets[0] == DEFAULT_MEMORY_BUDGET  # verify's window (then one per tensor read)
+
+
+def test_plan_takes_restores_keywords_and_refuses_what_it_does_not_plan(tmp_path):
+    path, _ = _ckpt(tmp_path)
+    mesh = abstract_mesh([("data", 2)])
+    plan = jax_ucp.plan(path, mesh=mesh, processes=2, memory_budget="1GiB")
+    assert [t.name for t in plan.tensors] == ["t0", "t1", "t2", "t3"]
+    assert len(plan.process_read_bytes) == 2
+    with pytest.raises(jax_ucp.RequestError, match=r"^plan\(dtype=\): not planned yet"):
+        jax_ucp.plan(path, mesh=mesh, dtype=np.float16)
+    with pytest.raises(jax_ucp.RequestError, match=r"^plan\(casting=\): expected one of"):
+        jax_ucp.plan(path, mesh=mesh, casting="lossless")
+
+
+def test_convert_takes_its_options_keywords_only(tmp_path):
+    with pytest.raises(TypeError):
+        jax_ucp.convert(FSDP2, tmp_path / "u", "torch")  # type: ignore[misc]
+    with pytest.raises(TypeError, match="bogus"):
+        jax_ucp.convert(FSDP2, tmp_path / "u", bogus=1)  # type: ignore[call-arg]
+    assert not (tmp_path / "u").exists()
+
+
+def test_the_cli_takes_memory_budget_for_verify_and_convert(tmp_path, monkeypatch):
+    path, _ = _ckpt(tmp_path)
+    budgets = _budgets(monkeypatch)
+    r = runner.invoke(app, ["verify", path, "--memory-budget", "1G"])
+    assert r.exit_code == 0, r.output
+    assert budgets[0] == 1 << 30  # verify's window (then one per tensor read)
+    seen = []
+    real = writer.memory_budget_scope
+
+    def scope(nbytes):
+        seen.append(nbytes)
+        return real(nbytes)
+
+    monkeypatch.setattr(writer, "memory_budget_scope", scope)
+    r = runner.invoke(app, ["convert", FSDP2, str(tmp_path / "u"), "--memory-budget", "1G"])
+    assert r.exit_code == 0, r.output
+    assert seen == [1 << 30]
+    assert jax_ucp.verify(tmp_path / "u") == []
