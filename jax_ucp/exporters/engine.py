@@ -140,10 +140,15 @@ def export_with(ckpt: str | os.PathLike, dst: str | os.PathLike, options: Option
     dst = os.path.abspath(os.fspath(dst))
     # a read that fails because a concurrent forced save replaced ``ckpt`` starts over (its
     # transaction removed what it wrote), never reported as damage
-    with writer.memory_budget_scope(budget):  # what readers and writers hold
+    # what readers and writers hold; Orbax's writer threads share one malloc arena
+    orbax = isinstance(options, OrbaxExport)
+    with writer.memory_budget_scope(budget), writer.one_malloc_arena() if orbax else _nothing():
         return reader.read_consistently(
             ckpt, lambda root: _export_root(root, dst, options), redo=False
         )
+
+
+_nothing = contextlib.nullcontext
 
 
 def _export_root(root: str, dst: str, options: Options) -> Exported:
