@@ -445,7 +445,10 @@ class _Reads:
         if req.rows is not None:  # a slab: its rows' bytes alone are read and held
             lo, hi = req.rows
             shape = (hi - lo, *shape[1:])
-            source = source[lo:hi].translate_to[0] if by_tensorstore else _Rows(source, lo)
+            if isinstance(source, shard_reader.ShardReader):
+                source = _Rows(source, lo)
+            else:
+                source = source[lo:hi].translate_to[0]
         pending = sharding_lib.PendingArray(source, shape, dtype, req.sharding)
         self.check(found, pending)
         if by_tensorstore:
