@@ -302,17 +302,22 @@ def write_torch_save(
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
     start = f.tell()
     with zipfile.ZipFile(_Window(f, start), "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-        z.writestr(f"{name}/data.pkl", dumps(_with_tensors(obj, name)))
-        z.writestr(f"{name}/byteorder", "little")
+        z.writestr(_member(f"{name}/data.pkl"), dumps(_with_tensors(obj, name)))
+        z.writestr(_member(f"{name}/byteorder"), "little")
         for index, value in enumerate(arrays):
-            info = zipfile.ZipInfo(f"{name}/data/{index}", date_time=(1980, 1, 1, 0, 0, 0))
+            info = _member(f"{name}/data/{index}")
             nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
             with z.open(info, "w", force_zip64=nbytes >= 0xFFFFFFFF) as member:
                 for piece in pieces(value, info.filename):
                     member.write(piece.reshape(-1).view(np.uint8).data)
                     del piece
-        z.writestr(f"{name}/version", "3\n")
+        z.writestr(_member(f"{name}/version"), "3\n")
     return f.tell() - start
+
+
+def _member(name: str) -> zipfile.ZipInfo:
+    """A stored member dated 1980-01-01: the same export gives the same bytes."""
+    return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
 
 
 def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray | Deferred] = ()) -> None:
