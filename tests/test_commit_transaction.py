@@ -172,7 +172,7 @@ def test_export_options_are_checked_once(tmp_path):
         ExportOptions(to="torch-dcp", config={"a": 1})
     ck = str(tmp_path / "ck")
     jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
-    out = exporters.export_with(ck, tmp_path / "out", options)
+    out = exporters.export(ck, tmp_path / "out", options)
     assert out.files == ["model.safetensors"] and out.bytes == 8
     with pytest.raises(ExportError, match="pass SafetensorsExport or keywords, not both"):
         jax_ucp.export(ck, tmp_path / "o2", options, dtype="float32")

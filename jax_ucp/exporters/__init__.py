@@ -7,7 +7,7 @@ is ``engine``, the typed options per format ``options``, the streamed reads ``so
 """
 
 from jax_ucp.errors import ExportError
-from jax_ucp.exporters.engine import export, export_with
+from jax_ucp.exporters.engine import export
 from jax_ucp.exporters.options import (
     FORMATS,
     DeepSpeedUniversalExport,
@@ -28,5 +28,4 @@ __all__ = [
     "SafetensorsExport",
     "TorchDcpExport",
     "export",
-    "export_with",
 ]

@@ -121,34 +121,19 @@ def export(
         v is not None and v is not False for v in given.values()
     ):
         raise ExportError(f"export: pass {type(options).__name__} or keywords, not both")
-    return export_with(ckpt, dst, options)
-
-
-def export_with(ckpt: str | os.PathLike, dst: str | os.PathLike, options: Options) -> Exported:
-    """``export`` of one format's options.
-
-    Args:
-        ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).
-        dst: the directory to create (or replace, with ``options.force``).
-        options: what to write and how.
-
-    Returns:
-        ``Exported``, as ``export``.
-    """
     budget = options.memory_budget
     assert not isinstance(budget, str)  # parsed by the options
     dst = os.path.abspath(os.fspath(dst))
     # a read that fails because a concurrent forced save replaced ``ckpt`` starts over (its
     # transaction removed what it wrote), never reported as damage
     # what readers and writers hold; Orbax's writer threads share one malloc arena
-    orbax = isinstance(options, OrbaxExport)
-    with writer.memory_budget_scope(budget), writer.one_malloc_arena() if orbax else _nothing():
+    arena = (
+        writer.one_malloc_arena() if isinstance(options, OrbaxExport) else contextlib.nullcontext()
+    )
+    with writer.memory_budget_scope(budget), arena:
         return reader.read_consistently(
             ckpt, lambda root: _export_root(root, dst, options), redo=False
         )
-
-
-_nothing = contextlib.nullcontext
 
 
 def _export_root(root: str, dst: str, options: Options) -> Exported:
