@@ -705,11 +705,13 @@ def export(
     ),
     spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
     dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
-    max_file_size: str = typer.Option(
-        "5GB", help="data per file before sharding (e.g. 500MB, 5G)", callback=_size_option
+    max_file_size: str | None = typer.Option(
+        None,
+        help="safetensors: data per file before sharding (e.g. 500MB, 5G; default 5GB)",
+        callback=_size_option,
     ),
-    param_groups: int = typer.Option(
-        1, help="deepspeed-universal: param groups of the loading engine's optimizer"
+    param_groups: int | None = typer.Option(
+        None, help="deepspeed-universal: param groups of the loading engine's optimizer (1)"
     ),
     config: str | None = typer.Option(
         None, help="safetensors: a config.json to write beside the weights (for from_pretrained)"

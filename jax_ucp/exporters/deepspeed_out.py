@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 import numpy as np
 
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import torch_out
+from jax_ucp.exporters.source import Deferred
 from jax_ucp.format import files
 from jax_ucp.writer import durable
 
@@ -57,10 +58,10 @@ def check_name(name: str) -> None:
 def write_universal(
     root: str,
     params: list[UniversalParam],
-    states: Iterator[tuple[str, str, np.ndarray]],
+    states: Iterable[tuple[str, str, np.ndarray | Deferred]],
     *,
     step: int,
-    model_weights: Iterator[tuple[str, np.ndarray | torch_out.Deferred]] | None = None,
+    model_weights: Iterable[tuple[str, np.ndarray | Deferred]] | None = None,
     param_groups: int = 1,
 ) -> list[str]:
     """Writes the universal checkpoint under ``root``; ``states`` yields (param, state, fp32
@@ -110,7 +111,7 @@ def write_universal(
 def _write_states(
     zero: str,
     shapes: dict[str, tuple[int, ...]],
-    states: Iterator[tuple[str, str, np.ndarray]],
+    states: Iterable[tuple[str, str, np.ndarray | Deferred]],
     step: int,
 ) -> list[str]:
     """``zero/<param>/<state>.pt`` for every state yielded, each checked fp32 of the parameter's
@@ -120,14 +121,13 @@ def _write_states(
     for name, state, array in states:
         if state not in STATES or name not in shapes:
             raise ExportError(f"unexpected state {state!r} of {name!r} for DeepSpeed universal")
-        array = np.asarray(array)
-        if array.shape != shapes[name] or array.dtype != np.float32:
+        if tuple(array.shape) != shapes[name] or array.dtype != np.float32:
             raise ExportError(
                 f"parameter {name!r} {state}: {array.shape} {array.dtype}, DeepSpeed universal "
                 f"wants fp32 {shapes[name]}"
             )
         path = os.path.join(zero, name, f"{state}.pt")
-        slot = torch_out.TensorSlot(0, array.shape, array.dtype)
+        slot = torch_out.TensorSlot(0, tuple(array.shape), array.dtype)
         torch_out.save_file(path, {"param": slot, "cat_dim": 0}, [array])
         written.append(path)
         if state == STATES[-1]:

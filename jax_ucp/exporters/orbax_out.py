@@ -49,8 +49,9 @@ class _Tensor:
     dtype: np.dtype
     available: Any
 
-    def read(self) -> np.ndarray:
-        request = reader.Request(self.key)
+    def read(self, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """The tensor, or its rows ``lo:hi``."""
+        request = reader.Request(self.key, rows=rows)
         (value,) = reader.read(self.root, self.manifest, [request], available=self.available)
         return np.asarray(value)
 
@@ -95,29 +96,32 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             )
             if ocp.multihost.process_index() != 0:
                 continue  # host data: written once, by the primary (as NumpyHandler does)
-            data = value.read()
             try:
                 t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
-                if not data.ndim or not data.size:
-                    await t.write(data, can_reference_source_data_indefinitely=True)
-                for lo, hi in _slabs(t, data, self._budget // 4) if data.ndim and data.size else ():
-                    await t[lo:hi].write(data[lo:hi], can_reference_source_data_indefinitely=True)
+                if not value.shape or not nbytes:
+                    await t.write(value.read(), can_reference_source_data_indefinitely=True)
+                for lo, hi in (
+                    _slabs(t, value.shape, nbytes, self._budget // 4) if value.shape else ()
+                ):
+                    slab = value.read((lo, hi))  # read and written a slab at a time
+                    await t[lo:hi].write(slab, can_reference_source_data_indefinitely=True)
+                    del slab
             except ValueError as e:  # TensorStore's: a full disk, a write refused
                 raise ExportError(
                     f"{self._destination}: writing tensor {fmt.key_to_str(value.key)!r} failed: "
                     f"{tensorstore_message(e)}; nothing was exported"
                 ) from None
-            del data
             if self._progress is not None:
                 self._progress(fmt.key_to_str(value.key), done, self._total)
 
 
-def _slabs(t, data: np.ndarray, max_bytes: int) -> list[tuple[int, int]]:
-    """Row ranges of whole write chunks of ``t``, each at most ``max_bytes`` of ``data`` (at
-    least one chunk's rows): the chunks TensorStore encodes at once stay within the budget."""
-    rows = data.shape[0]
-    chunk = int((t.chunk_layout.write_chunk.shape or data.shape)[0] or rows)
-    row_bytes = data.nbytes // rows
+def _slabs(t, shape: tuple[int, ...], nbytes: int, max_bytes: int) -> list[tuple[int, int]]:
+    """Row ranges of whole write chunks of ``t``, each at most ``max_bytes`` of the tensor's
+    ``nbytes`` (at least one chunk's rows): what is read and what TensorStore encodes at once
+    stay within the budget."""
+    rows = shape[0]
+    chunk = int((t.chunk_layout.write_chunk.shape or shape)[0] or rows)
+    row_bytes = nbytes // rows
     step = max(chunk, max_bytes // max(row_bytes, 1) // chunk * chunk)
     return [(lo, min(lo + step, rows)) for lo in range(0, rows, step)]
 

@@ -7,7 +7,7 @@ every tensor, back to back in header order. Several files are tied together by
 ``model.safetensors.index.json`` (``weight_map``: name -> file), as ``transformers`` writes them.
 
 Every header is computed from shapes and dtypes before a byte is written, so each file is
-written front to back in one pass and only one tensor is in memory at a time.
+written front to back in one pass and only one row slab of a tensor is in memory at a time.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from jax_ucp.errors import ExportError
+from jax_ucp.exporters.source import Deferred, pieces
 from jax_ucp.format import safetensors
 from jax_ucp.writer import durable
 
@@ -94,26 +95,28 @@ def header_bytes(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
 def write_file(
     path: str,
     tensors: Sequence[Tensor],
-    values: Iterable[np.ndarray],
+    values: Sequence[np.ndarray | Deferred],
     metadata: dict[str, str],
 ) -> None:
-    """Writes one safetensors file; ``values`` yields the arrays of ``tensors`` in order.
+    """Writes one safetensors file, each tensor's bytes slab by slab at its data offset.
 
     Args:
         path: the file to write.
         tensors: name, dtype and shape of each tensor, in file order.
-        values: their arrays, in the same order.
+        values: their arrays (or ``Deferred`` ones, read as they are written), in that order.
         metadata: the header's ``__metadata__`` strings.
     """
     with durable.durable_file(path) as f:
         f.write(header_bytes(tensors, metadata))
         for tensor, value in zip(tensors, values, strict=True):
-            array = np.ascontiguousarray(value, dtype=tensor.dtype.newbyteorder("<"))
-            if array.shape != tensor.shape:
+            if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
                 raise ExportError(
-                    f"tensor {tensor.name!r}: read shape {array.shape}, planned {tensor.shape}"
+                    f"tensor {tensor.name!r}: read {value.dtype}{list(value.shape)}, planned "
+                    f"{tensor.dtype}{list(tensor.shape)}"
                 )
-            f.write(array.reshape(-1).view(np.uint8).data)
+            for piece in pieces(value, f"tensor {tensor.name!r}"):
+                f.write(piece.reshape(-1).view(np.uint8).data)
+                del piece
 
 
 def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:

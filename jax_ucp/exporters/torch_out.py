@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 import pickle
 import struct
 import zipfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 from jax_ucp.errors import ExportError
+from jax_ucp.exporters.source import Deferred, pieces
 from jax_ucp.writer import durable
 
 METADATA_FILE = ".metadata"
@@ -277,64 +279,48 @@ def _with_tensors(obj: Any, name: str) -> Any:
     return obj
 
 
-@dataclasses.dataclass(frozen=True)
-class Deferred:
-    """An array of known shape and dtype, read only when :func:`write_torch_save` writes its
-    bytes: an archive of many tensors (DeepSpeed's model states) then holds one of them at a
-    time instead of all (the export's memory budget)."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    read: Callable[[], np.ndarray]
-
-
 def write_torch_save(
     f,
     obj: Any = None,
-    array: np.ndarray | None = None,
+    array: np.ndarray | Deferred | None = None,
     name: str = "archive",
-    arrays: Sequence[np.ndarray] = (),
+    arrays: Sequence[np.ndarray | Deferred] = (),
 ) -> int:
     """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
-    ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
-    ``arrays[i]``). Tensor bytes are written in 64 MiB pieces. Returns the archive's length.
+        ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
+        ``arrays[i]``; a ``Deferred`` is read slab by slab as its stored member is written, the CRC
+    computed on the way). Returns the archive's length.
 
-    Args:
-        f: a binary file open for writing, at the archive's start.
-        obj: the object to pickle when ``array`` is None.
-        array: a tensor to save on its own.
-        name: the archive's top folder (torch uses the file's stem).
-        arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
+        Args:
+            f: a binary file open for writing, at the archive's start.
+            obj: the object to pickle when ``array`` is None.
+            array: a tensor to save on its own.
+            name: the archive's top folder (torch uses the file's stem).
+            arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
     """
     if array is not None:
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
     start = f.tell()
     with zipfile.ZipFile(_Window(f, start), "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-        z.writestr(f"{name}/data.pkl", dumps(_with_tensors(obj, name)))
-        z.writestr(f"{name}/byteorder", "little")
+        z.writestr(_member(f"{name}/data.pkl"), dumps(_with_tensors(obj, name)))
+        z.writestr(_member(f"{name}/byteorder"), "little")
         for index, value in enumerate(arrays):
-            if isinstance(value, Deferred):
-                value = _read_deferred(value, f"{name}/data/{index}")
-            flat = np.ascontiguousarray(value).reshape(-1).view(np.uint8)
-            info = zipfile.ZipInfo(f"{name}/data/{index}", date_time=(1980, 1, 1, 0, 0, 0))
-            with z.open(info, "w", force_zip64=flat.size >= 0xFFFFFFFF) as member:
-                for at in range(0, flat.size, 64 << 20):
-                    member.write(flat[at : at + (64 << 20)].data)
-        z.writestr(f"{name}/version", "3\n")
+            info = _member(f"{name}/data/{index}")
+            nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+            with z.open(info, "w", force_zip64=nbytes >= 0xFFFFFFFF) as member:
+                for piece in pieces(value, info.filename):
+                    member.write(piece.reshape(-1).view(np.uint8).data)
+                    del piece
+        z.writestr(_member(f"{name}/version"), "3\n")
     return f.tell() - start
 
 
-def _read_deferred(value: Deferred, where: str) -> np.ndarray:
-    array = value.read()
-    if tuple(array.shape) != tuple(value.shape) or array.dtype != np.dtype(value.dtype):
-        raise ExportError(
-            f"{where}: read {array.dtype}{list(array.shape)}, planned "
-            f"{np.dtype(value.dtype)}{list(value.shape)}"
-        )
-    return array
+def _member(name: str) -> zipfile.ZipInfo:
+    """A stored member dated 1980-01-01: the same export gives the same bytes."""
+    return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
 
 
-def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray] = ()) -> None:
+def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray | Deferred] = ()) -> None:
     """``torch.save(obj, path)`` without torch (see :func:`write_torch_save`), fsynced. The
     archive is named after the file, as torch names it.
 
@@ -379,7 +365,12 @@ class DcpItem:
     value: Any = None
 
 
-def write_dcp(directory: str, items: Sequence[DcpItem], arrays: Iterable[np.ndarray], save_id: str):
+def write_dcp(
+    directory: str,
+    items: Sequence[DcpItem],
+    arrays: Iterable[np.ndarray | Deferred],
+    save_id: str,
+):
     """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
     order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
 

@@ -9,7 +9,7 @@ import os
 import re
 import sys
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import jax
@@ -269,6 +269,7 @@ class Request:
     sharding: jax.sharding.Sharding | None = None
     python_type: type | None = None  # target leaf was a Python scalar
     wants_array: bool = False  # target leaf was an array (a saved Python value does not fit)
+    rows: tuple[int, int] | None = None  # only rows lo:hi of the first axis (a host read)
 
 
 _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
@@ -437,7 +438,15 @@ class _Reads:
         """Starts one tensor's reads once the budget has room for them."""
         source, by_tensorstore = self._source(found)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        pending = sharding_lib.PendingArray(source, found.shape, dtype, req.sharding)
+        shape = found.shape
+        if req.rows is not None:  # a slab: its rows' bytes alone are read and held
+            lo, hi = req.rows
+            shape = (hi - lo, *shape[1:])
+            if isinstance(source, shard_reader.ShardReader):
+                source = _Rows(source, lo)
+            else:
+                source = source[lo:hi].translate_to[0]
+        pending = sharding_lib.PendingArray(source, shape, dtype, req.sharding)
         self.check(found, pending)
         if by_tensorstore:
             self._verify(found)
@@ -451,6 +460,62 @@ class _Reads:
 
     def finish(self, done) -> None:
         _finish(self.root, done, self.out, self.casting)
+
+
+class _Rows:
+    """A shard reader seen from row ``lo`` on: regions of a slab read as the tensor's."""
+
+    def __init__(self, source: shard_reader.ShardReader, lo: int):
+        self._source, self._lo, self.dtype = source, lo, source.dtype
+
+    def read_into(self, dests) -> shard_reader.RegionRead:
+        lo = self._lo
+        return self._source.read_into(
+            [(((a + lo, b + lo), *rest), out) for ((a, b), *rest), out in dests]
+        )
+
+
+def read_rows(
+    root: str,
+    manifest: fmt.Manifest,
+    key: tuple[str, ...],
+    *,
+    available: Mapping,
+    dtype: np.dtype | None = None,
+    casting: str = "same_kind",
+    max_bytes: int,
+) -> Iterator[np.ndarray]:
+    """Tensor ``key`` as consecutive slabs of rows (the first axis), each read as ``read`` reads
+    (digests, crc32c, casting) and holding at most ``max_bytes`` of read and converted data
+    (one row at least; whole inner chunks where the stored layout allows): a writer streams a
+    tensor of any size in bounded memory. A 0-d or empty tensor is one slab."""
+    found = available[key]
+    out_dtype = found.dtype if dtype is None else np.dtype(dtype)
+    for rows in row_ranges(found, out_dtype, max_bytes):
+        request = Request(key, dtype=out_dtype, rows=rows)
+        (slab,) = read(
+            root,
+            manifest,
+            [request],
+            available=available,
+            casting=casting,
+            max_read_bytes=max_bytes,
+        )
+        yield slab
+        del slab
+
+
+def row_ranges(found: Available, dtype: np.dtype, max_bytes: int) -> list:
+    """The ``rows`` of each slab ``read_rows`` reads (``[None]``: the whole tensor at once)."""
+    shape = found.shape
+    if not shape or not math.prod(shape):
+        return [None]
+    row = math.prod(shape[1:]) * (found.dtype.itemsize + (dtype != found.dtype) * dtype.itemsize)
+    step = max(1, max_bytes // max(row, 1))
+    inner = found.sources[0].inner_chunk_shape[0] if found.stored and found.sources else 1
+    if step > inner:  # whole inner chunks: none decoded twice
+        step -= step % inner
+    return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
 
 
 def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, casting: str):

@@ -28,6 +28,7 @@ from jax_ucp.writer.stream import (
     HostItem,
     memory_budget,
     memory_budget_scope,
+    one_malloc_arena,
     unpooled_empty,
     with_digests,
     with_progress,

@@ -524,9 +524,26 @@ def test_deepspeed_universal_leaves_frozen_parameters_out(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"to": "deepspeed-universal", "dtype": "bfloat16"}, "do not apply"),
-        ({"to": "deepspeed-universal", "select": "params"}, "do not apply"),
-        ({"to": "torch-dcp", "config": {"model_type": "llama"}}, "applies to safetensors"),
+        (
+            {"to": "deepspeed-universal", "dtype": "bfloat16"},
+            "^dtype= does not apply to 'deepspeed-universal' exports",
+        ),
+        (
+            {"to": "deepspeed-universal", "select": "params"},
+            "^select= does not apply to 'deepspeed-universal' exports",
+        ),
+        (
+            {"to": "torch-dcp", "config": {"model_type": "llama"}},
+            "^config= does not apply to 'torch-dcp' exports",
+        ),
+        (
+            {"to": "orbax", "max_file_bytes": "1GB"},
+            "^max_file_bytes= does not apply to 'orbax' exports",
+        ),
+        (
+            {"to": "safetensors", "param_groups": 2},
+            "^param_groups= does not apply to 'safetensors' exports",
+        ),
     ],
 )
 def test_options_that_do_not_apply_are_refused(tmp_path, kwargs, message):

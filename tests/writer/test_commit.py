@@ -16,7 +16,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp import exporters
-from jax_ucp.exporters import ExportError, ExportOptions
+from jax_ucp.exporters import ExportError, ExportOptions, SafetensorsExport, TorchDcpExport
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
 from tests.ucp_testing import assert_bit_exact
@@ -147,25 +147,37 @@ def test_a_manager_step_is_staged_under_the_same_temporary_name(tmp_path):
 
 def test_export_options_are_checked_once(tmp_path):
     with pytest.raises(ExportError, match=r"casting='sometimes': choose from"):
-        ExportOptions(casting="sometimes")
+        TorchDcpExport(casting="sometimes")
     with pytest.raises(
         ExportError, match=r"max_file_bytes: must be a positive number of bytes, got 0"
     ):
-        ExportOptions(max_file_bytes=0)
+        SafetensorsExport(max_file_bytes=0)
     with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: must be a positive number"):
-        ExportOptions(memory_budget=-1)
-    with pytest.raises(ExportError, match="config= .* applies to safetensors exports"):
-        ExportOptions(to="torch-dcp", config={"a": 1})
-    options = ExportOptions(dtype="float16", memory_budget="64MiB")
+        SafetensorsExport(memory_budget=-1)
+    with pytest.raises(TypeError, match="config"):
+        TorchDcpExport(config={"a": 1})  # type: ignore[call-arg]  # not a DCP option
+    options = SafetensorsExport(dtype="float16", memory_budget="64MiB")
     assert options.dtype == np.dtype(np.float16) and options.prefix == "params"
     assert options.memory_budget == 64 << 20
-    assert ExportOptions(to="torch-dcp").prefix == ""
+    assert TorchDcpExport().prefix == ""
     with pytest.raises(AttributeError):
-        options.force = True  # frozen
+        options.force = True  # type: ignore[misc]  # frozen
+    with pytest.warns(DeprecationWarning, match="ExportOptions is deprecated"):
+        old = ExportOptions(to="torch-dcp", select="params")
+    assert old == TorchDcpExport(select="params")
+    with (
+        pytest.warns(DeprecationWarning),
+        pytest.raises(ExportError, match="^config= does not apply to 'torch-dcp' exports"),
+    ):
+        ExportOptions(to="torch-dcp", config={"a": 1})
     ck = str(tmp_path / "ck")
     jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
-    out = exporters.export_with(ck, tmp_path / "out", options)
+    out = exporters.export(ck, tmp_path / "out", options)
     assert out.files == ["model.safetensors"] and out.bytes == 8
+    with pytest.raises(ExportError, match="pass SafetensorsExport or keywords, not both"):
+        jax_ucp.export(ck, tmp_path / "o2", options, dtype="float32")
+    out = jax_ucp.export(ck, tmp_path / "o3", TorchDcpExport(select="params"))
+    assert out.files == [".metadata", "__0_0.distcp"] and out.bytes == 16
 
 
 def test_convert_options_are_checked_once(tmp_path):

@@ -496,7 +496,7 @@ def test_orbax_exports_are_never_forced(tmp_path):
     out = tmp_path / "orbax"
     jax_ucp.export(ckpt, out, to="orbax")
     before = _snapshot(out)
-    with pytest.raises(ExportError, match="force= do not apply"):
+    with pytest.raises(ExportError, match="^force= does not apply to 'orbax' exports"):
         jax_ucp.export(ckpt, out, to="orbax", force=True)
     with pytest.raises(ExportError, match="no .jax_ucp_export.json"):
         jax_ucp.export(ckpt, out, force=True)
