@@ -281,7 +281,8 @@ class TensorSource(Protocol):
     of torch DCP's ``StorageReader``. The engine plans, budgets, checks memory, reads and
     finishes; a source only says where a tensor's bytes are and what to check first."""
 
-    where: str  # names the source in errors: "the checkpoint <dir>"
+    path: str  # the checkpoint (a directory, URL or file)
+    where: str  # names it in errors: "the checkpoint <dir>"
     metadata: str  # what declares a tensor's shape there, for errors ("ucp.json")
 
     def files(self, found: Available) -> str:
@@ -585,7 +586,7 @@ class CheckpointSource(TensorSource):
     metadata = fmt.MANIFEST_FILE
 
     def __init__(self, root: str):
-        self.root = root
+        self.root = self.path = root
         self.where = f"the checkpoint {root}"
         self.url = store.location.is_url(root)
         self._context = store.zarr3.read_context()
@@ -1008,17 +1009,6 @@ def target_requests(options: RestoreOptions) -> tuple[list[Request], Any]:
     return reqs, treedef
 
 
-def restore_into_target(options: RestoreOptions, read_requests: Callable[[list], list]) -> Any:
-    """A restore into ``options.target`` / ``.shardings``, whatever the source.
-
-    Args:
-      options: a restore's options with a target or shardings.
-      read_requests: reads a list of ``Request`` from the source, in order.
-    """
-    reqs, treedef = target_requests(options)
-    return target_tree(options.target, treedef, read_requests(reqs))
-
-
 def target_tree(target, treedef, results: list) -> Any:
     """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
     their metadata.
@@ -1048,52 +1038,51 @@ def selector(select) -> Callable[[str], bool]:
 
 def _restore_once(root: str, options: RestoreOptions):
     manifest = store.read_manifest(root)
+    return restore_from(
+        CheckpointSource(root),
+        available_tensors(manifest, options.spec),
+        manifest.values,
+        options,
+        tree=manifest.tree if options.spec is None else None,
+    )
 
-    def read_requests(reqs, available=None):
-        return read(
-            root,
-            manifest,
+
+def restore_from(
+    source: TensorSource,
+    every: Mapping,
+    values: Sequence[fmt.ValueEntry],
+    options: RestoreOptions,
+    *,
+    tree=None,
+):
+    """A restore from ``source``, whatever it is: into ``options.target`` / ``.shardings``, or
+    every tensor (or those ``select`` matches) on ``mesh=`` (saved PartitionSpecs and logical
+    axes through ``rules``) or to host.
+
+    Args:
+      source: what the tensors are read from.
+      every: key → ``Available``, what the source holds (a spec's views of it).
+      values: the saved Python values.
+      options: a restore's options.
+      tree: the saved containers (``manifest.tree``), or None to nest by key.
+    """
+    saved_values = {v.key: v for v in values}
+
+    def read_requests(reqs, available=every):
+        return read_from(
+            source,
             reqs,
-            spec=options.spec,
-            available=available,
+            available,
+            saved_values,
             casting=options.casting,
             max_read_bytes=options.read_budget,
             replicated_read=options.replicated_read,
         )
 
     if options.has_target:
-        return restore_into_target(options, read_requests)
-    return restore_without_target(
-        root,
-        available_tensors(manifest, options.spec),
-        manifest.values,
-        options,
-        read_requests,
-        tree=manifest.tree if options.spec is None else None,
-    )
-
-
-def restore_without_target(
-    where: str,
-    every: Mapping,
-    values: Sequence[fmt.ValueEntry],
-    options: RestoreOptions,
-    read_requests: Callable[[list, Mapping], list],
-    *,
-    tree=None,
-):
-    """A restore without a target, whatever the source: every tensor (or those ``select``
-    matches) on ``mesh=`` (saved PartitionSpecs and logical axes through ``rules``) or to host.
-
-    Args:
-      where: the checkpoint, for errors and warnings.
-      every: key → what the source holds (``Available`` or alike: key, key_types, shape, dtype,
-        saved_sharding, logical_axes).
-      values: the saved Python values.
-      options: a restore's options without a target.
-      read_requests: reads a list of ``Request`` from the source, given the available tensors.
-      tree: the saved containers (``manifest.tree``), or None to nest by key.
-    """
+        reqs, treedef = target_requests(options)
+        return target_tree(options.target, treedef, read_requests(reqs))
+    where = source.path
     if options.mesh is not None:
         check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
     available, chosen_values = _selected(where, every, values, options.select)

@@ -154,21 +154,7 @@ def restore(path, options: RestoreOptions):
     try:
         tensors = {(ROOT, name): opened[f.path].tensor(name) for name, f in owner.items()}
         every, gathers = _available(tensors, options.spec)
-        source = SafetensorsSource(path, tensors, gathers)
-
-        def read_requests(reqs, available=every):
-            return reader.read_from(
-                source,
-                reqs,
-                available,
-                casting=options.casting,
-                max_read_bytes=options.read_budget,
-                replicated_read=options.replicated_read,
-            )
-
-        if options.has_target:
-            return reader.restore_into_target(options, read_requests)
-        return reader.restore_without_target(path, every, (), options, read_requests)
+        return reader.restore_from(SafetensorsSource(path, tensors, gathers), every, (), options)
     finally:
         for f in opened.values():
             f.close()
@@ -182,7 +168,7 @@ class SafetensorsSource(reader.TensorSource):
     metadata = "safetensors header"
 
     def __init__(self, path: str, tensors: dict, gathers: dict):
-        self.where = f"the safetensors checkpoint {path}"
+        self.path, self.where = path, f"the safetensors checkpoint {path}"
         self.tensors, self.gathers = tensors, gathers
 
     def files(self, found: reader.Available) -> str:
