@@ -285,9 +285,9 @@ class TensorSource(Protocol):
     where: str  # names it in errors: "the checkpoint <dir>"
     metadata: str  # what declares a tensor's shape there, for errors ("ucp.json")
 
-    def files(self, found: Available) -> str:
-        """The files ``found`` is read from, for errors."""
-        ...
+    def files(self, found: Available) -> str: ...  # the files ``found`` is read from, for errors
+
+    def reader(self, found: Available) -> sharding_lib.RegionReader | ts.TensorStore: ...
 
     def holder(self, found: Available) -> str:
         """What holds ``found``, in errors about a request that does not fit it."""
@@ -296,13 +296,9 @@ class TensorSource(Protocol):
     def prepare(self, tensors: Sequence[Available]) -> None:
         """Called once with every tensor to read, before any read (opens them together)."""
 
-    def reader(self, found: Available) -> sharding_lib.RegionReader | ts.TensorStore:
-        """What ``found``'s slices are read from."""
-        ...
-
     def check_fits(self, found: Available, limit: int, what: str) -> None:
-        """Refuses, before allocating, a tensor whose reader needs more than ``limit`` bytes
-        of host memory (``what`` limits them) however little of it is asked for."""
+        """Refuses, before allocating, a tensor whose reader alone needs more than ``limit``
+        bytes of host memory (``what`` limits them)."""
 
     def verify(self, found: Available, reader: Any) -> None:
         """Checks ``found``'s files before its reads start."""
@@ -323,11 +319,8 @@ def read(
     max_read_bytes: int | None = None,
     replicated_read: str | None = None,
 ) -> list:
-    """Reads what ``requests`` ask of the checkpoint at ``root``, in request order: jax.Array
-    (a request with a sharding), np.ndarray, or the saved Python value.
-
-    The read path of every restore (and of ``verify``) of a UCP checkpoint: ``read_from`` a
-    ``CheckpointSource``.
+    """``read_from`` the checkpoint at ``root``: jax.Array (a request with a sharding),
+    np.ndarray, or the saved Python value, in request order.
 
     Args:
       root: the checkpoint directory (holding ucp.json).
@@ -337,8 +330,7 @@ def read(
       available: what may be read (``available_tensors``); None: computed from the manifest.
       casting: numpy's casting rule for the requests' dtypes.
       max_read_bytes: host bytes of read buffers in flight (None: 256 MiB).
-      replicated_read: "each" (None) or "once": in a multi-process job, tensors every process
-        needs whole are read once in all and all-gathered (``restoring.replicated``).
+      replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
     if available is None:
         available = available_tensors(manifest, spec)
@@ -992,38 +984,6 @@ def _replaced(path: str, around: tuple, root: str | None, stamp) -> bool:
     return root is not None and (stamp is None or _identity(root) != stamp)
 
 
-def target_requests(options: RestoreOptions) -> tuple[list[Request], Any]:
-    """The requests (and treedef) of a restore into ``options.target`` / ``.shardings``,
-    whatever the source (a UCP checkpoint, a safetensors folder)."""
-    if options.rules is not None and options.mesh is not None:
-        sharding_lib.check_rules(options.rules, options.mesh)
-    target, shardings = options.target, options.shardings
-    reqs, treedef = requests_from_target(
-        target if target is not None else shardings,
-        shardings if target is not None else None,
-        mesh=options.mesh,
-    )
-    if options.dtype is not None:
-        for r in reqs:
-            r.dtype = np.dtype(options.dtype)
-    return reqs, treedef
-
-
-def target_tree(target, treedef, results: list) -> Any:
-    """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
-    their metadata.
-
-    Args:
-        target: the pytree restored into.
-        treedef: its structure.
-        results: one value per leaf, in order.
-    """
-    if target is not None:
-        boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
-        results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
-    return jax.tree_util.tree_unflatten(treedef, results)
-
-
 def selector(select) -> Callable[[str], bool]:
     """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
     if select is None:
@@ -1079,9 +1039,22 @@ def restore_from(
             replicated_read=options.replicated_read,
         )
 
-    if options.has_target:
-        reqs, treedef = target_requests(options)
-        return target_tree(options.target, treedef, read_requests(reqs))
+    if options.has_target:  # one request per leaf, the results in the target's structure
+        if options.rules is not None and options.mesh is not None:
+            sharding_lib.check_rules(options.rules, options.mesh)
+        target, shardings = options.target, options.shardings
+        reqs, treedef = requests_from_target(
+            target if target is not None else shardings,
+            shardings if target is not None else None,
+            mesh=options.mesh,
+        )
+        for r in reqs if options.dtype is not None else ():
+            r.dtype = np.dtype(options.dtype)
+        results = read_requests(reqs)
+        if target is not None:  # flax boxes (nn.LogicallyPartitioned, ...) keep their metadata
+            boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
+            results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
+        return jax.tree_util.tree_unflatten(treedef, results)
     where = source.path
     if options.mesh is not None:
         check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
