@@ -678,7 +678,7 @@ class CheckpointSource(TensorSource):
     def verify(self, found: Available, reader) -> None:
         """Read by TensorStore: every shard file it may open checked first (object stores
         were checked at once, by ``prepare``)."""
-        if not self.url and isinstance(reader, ts.TensorStore):
+        if not self.url and not isinstance(reader, shard_reader.ShardReader):
             for src in found.sources:
                 verify_shard_files(self.root, src)
 
