@@ -1,6 +1,6 @@
 """A safetensors restore goes through the one read engine, so ``replicated_read="once"`` reads
 each replicated byte once across the processes of a jax.distributed job (2 processes x 2 CPU
-devices on 127.0.0.1), as for a UCP checkpoint (tests/test_replicated_read.py)."""
+devices on 127.0.0.1), as for a UCP checkpoint (tests/restoring/test_replicated.py)."""
 
 import json
 import os
@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from ucp_testing import REPO, free_port
+
+from tests.ucp_testing import REPO, free_port
 
 WORKER = r"""
 import json, os, sys
