@@ -10,7 +10,7 @@ import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import jax
 import ml_dtypes
@@ -21,7 +21,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import CheckpointReplacedError, tensorstore_message
+from jax_ucp.errors import CheckpointReplacedError, tensorstore_failure, tensorstore_message
 from jax_ucp.format.dtypes import CASTINGS
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.restoring import replicated
@@ -36,17 +36,19 @@ class CheckpointError(fmt.UCPError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Available:
-    """A tensor restore can produce: stored as is, or a lazy view the UCP language built."""
+    """A tensor restore can produce: stored as is, or a lazy view the UCP language built over
+    stored tensors (``sources``: their manifest entries, or the keys a ``TensorSource`` knows
+    them by)."""
 
     key: tuple[str, ...]
     key_types: tuple[str, ...]
     shape: tuple[int, ...]
     dtype: np.dtype
-    sources: tuple[fmt.TensorEntry, ...]
+    sources: tuple[Any, ...]
     build: Callable[[Mapping[tuple[str, ...], ts.TensorStore]], ts.TensorStore]
     saved_sharding: fmt.SavedSharding | None = None
     logical_axes: tuple | None = None
-    stored: bool = False  # the stored array itself (no view): may be read by store.shard_reader
+    stored: bool = False  # the stored tensor itself (no view): may be read region by region
 
     @property
     def name(self) -> str:
@@ -204,61 +206,6 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
     return out
 
 
-class _Opener:
-    """Opens each stored array once, concurrently, with errors that name tensor and file."""
-
-    def __init__(self, root: str):
-        self.root = root
-        self._context = store.zarr3.read_context()
-        self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
-
-    def request(self, entry: fmt.TensorEntry):
-        if entry.key not in self._futures:
-            kv = store.kvstore_config(self.root, entry.dir)
-            if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
-                try:  # an array folder linked out of the checkpoint is never read
-                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
-                    fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
-                except FileNotFoundError:
-                    pass  # reported with the tensor's name by get()
-                except fmt.files.UnsafeFileError as e:
-                    raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
-            self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
-
-    def get(self, key) -> ts.TensorStore:
-        entry, fut = self._futures[key]
-        where = os.path.join(self.root, entry.dir)
-        try:
-            t = fut.result()
-        except Exception as e:  # noqa: BLE001
-            if not os.path.exists(os.path.join(where, "zarr.json")) and "://" not in where:
-                raise CheckpointError(
-                    f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
-                    f"array {where}/zarr.json is missing."
-                ) from e
-            raise CheckpointError(
-                f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
-            ) from e
-        found_dtype = t.dtype.numpy_dtype
-        if tuple(t.shape) != entry.shape or found_dtype != store.zarr3.numpy_dtype(entry.dtype):
-            raise CheckpointError(
-                f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
-                f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
-            )
-        layout = t.chunk_layout
-        found_chunks = (
-            tuple(layout.write_chunk.shape or ()),  # None for a 0-d array
-            tuple(layout.read_chunk.shape or ()),
-        )
-        if entry.shape and found_chunks != (entry.chunk_shape, entry.inner_chunk_shape):
-            raise CheckpointError(  # the manifest's chunks are the ones checked for size
-                f"Tensor {entry.name!r}: {where}/zarr.json has chunk shape {found_chunks[0]} "
-                f"and inner chunk shape {found_chunks[1]}, but {fmt.MANIFEST_FILE} says "
-                f"{entry.chunk_shape} and {entry.inner_chunk_shape}."
-            )
-        return t
-
-
 @dataclasses.dataclass
 class Request:
     """What the caller wants for one leaf: a tensor (sharding None → host numpy) or a value."""
@@ -326,6 +273,39 @@ def _match(key, available: Mapping, values: Mapping):
     return None
 
 
+class TensorSource(Protocol):
+    """What the read engine (``read_from``) reads tensors from: a UCP checkpoint's arrays
+    (``CheckpointSource``), a safetensors file read in place (``safetensors_source``); the idea
+    of torch DCP's ``StorageReader``. The engine plans, budgets, checks memory, reads and
+    finishes; a source only says where a tensor's bytes are and what to check first."""
+
+    path: str  # the checkpoint (a directory, URL or file)
+    where: str  # names it in errors: "the checkpoint <dir>"
+    metadata: str  # what declares a tensor's shape there, for errors ("ucp.json")
+
+    def files(self, found: Available) -> str: ...  # the files ``found`` is read from, for errors
+
+    def reader(self, found: Available) -> sharding_lib.RegionReader | ts.TensorStore: ...
+
+    def holder(self, found: Available) -> str:
+        """What holds ``found``, in errors about a request that does not fit it."""
+        return self.where
+
+    def prepare(self, tensors: Sequence[Available]) -> None:
+        """Called once with every tensor to read, before any read (opens them together)."""
+
+    def check_fits(self, found: Available, limit: int, what: str) -> None:
+        """Refuses, before allocating, a tensor whose reader alone needs more than ``limit``
+        bytes of host memory (``what`` limits them)."""
+
+    def verify(self, found: Available, reader: Any) -> None:
+        """Checks ``found``'s files before its reads start."""
+
+    def unit_rows(self, found: Available) -> int:
+        """Rows of ``found`` read together (split no finer across processes)."""
+        return 1
+
+
 def read(
     root: str,
     manifest: fmt.Manifest,
@@ -334,16 +314,11 @@ def read(
     spec=None,
     available: Mapping | None = None,
     casting: str = "same_kind",
-    max_read_bytes: int | None = None,
+    memory_budget: int | None = None,
     replicated_read: str | None = None,
 ) -> list:
-    """Reads what ``requests`` ask of the checkpoint at ``root``, in request order: jax.Array
-    (a request with a sharding), np.ndarray, or the saved Python value.
-
-    The one read path of every restore (and of ``verify``): each process opens every array once
-    and reads only the slices its devices need, through ``store.shard_reader`` where the layout
-    allows (hardware crc32c, shard digests) and TensorStore elsewhere (after checking every
-    shard file it will open).
+    """``read_from`` the checkpoint at ``root``: jax.Array (a request with a sharding),
+    np.ndarray, or the saved Python value, in request order.
 
     Args:
       root: the checkpoint directory (holding ucp.json).
@@ -352,32 +327,62 @@ def read(
       spec: a UCP-language spec whose views the requests name (when ``available`` is None).
       available: what may be read (``available_tensors``); None: computed from the manifest.
       casting: numpy's casting rule for the requests' dtypes.
-      max_read_bytes: host bytes of read buffers in flight (None: 256 MiB).
-      replicated_read: "each" (None) or "once": in a multi-process job, tensors every process
-        needs whole are read once in all and all-gathered (``restoring.replicated``).
+      memory_budget: host bytes of read buffers in flight (None: 256 MiB).
+      replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
     if available is None:
         available = available_tensors(manifest, spec)
     values = {e.key: e for e in manifest.values}
-    opener = _Opener(root)
-    plan = [_plan_item(root, req, available, values, casting) for req in requests]
-    for item in plan:
-        for src in item[2].sources if item[0] == "tensor" else ():
-            opener.request(src)
-    # All opens were issued above; now read with at most ``max_read_bytes`` of host buffers in
-    # flight: a tensor's reads start once the budget has room (one tensor at least), and the
-    # oldest is turned into its result (device arrays; its host buffers freed) to make room.
-    if store.location.is_url(root):  # every shard object's digest at once, before any read
-        sources = {s.key: s for item in plan if item[0] == "tensor" for s in item[2].sources}
-        verify_shard_objects(root, sources.values())
-    reads = _Reads(root, opener, casting, max_read_bytes, len(plan))
+    return read_from(
+        CheckpointSource(root),
+        requests,
+        available,
+        values,
+        casting=casting,
+        memory_budget=memory_budget,
+        replicated_read=replicated_read,
+    )
+
+
+def read_from(
+    source: TensorSource,
+    requests: Sequence[Request],
+    available: Mapping,
+    values: Mapping | None = None,
+    *,
+    casting: str = "same_kind",
+    memory_budget: int | None = None,
+    replicated_read: str | None = None,
+) -> list:
+    """The one read loop of every restore, whatever the source: each request checked before
+    any data is read, every tensor opened at once, then each read with at most
+    ``memory_budget`` of host buffers in flight (a tensor's reads start once the budget has
+    room, one tensor at least; the oldest is turned into its result, its host buffers freed,
+    to make room) and the bytes results keep in host memory checked against the host's.
+
+    Args:
+      source: where the tensors are read from.
+      requests: what to read, one result per request, in order.
+      available: key → ``Available``, what may be read.
+      values: key → ``fmt.ValueEntry``, the saved Python values.
+      casting: numpy's casting rule for the requests' dtypes.
+      memory_budget: host bytes of read buffers in flight (None: 256 MiB).
+      replicated_read: "each" (None) or "once" (``restoring.replicated``).
+    """
+    plan = [_plan_item(source, req, available, values or {}, casting) for req in requests]
+    source.prepare([item[2] for item in plan if item[0] == "tensor"])
+    reads = _Reads(source, casting, memory_budget, len(plan))
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
     once = replicated.select(
         [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
         replicated.check_option(replicated_read),
     )
     shared = replicated.read_once(
-        once, reads.source_of, budget=reads.window.max_bytes, check=reads.check
+        once,
+        reads.source_of,
+        budget=reads.window.max_bytes,
+        check=reads.check,
+        unit_rows=source.unit_rows,
     )
     for done in shared:
         reads.finish(done)
@@ -395,71 +400,109 @@ def read(
 
 
 class _Reads:
-    """The reads of one ``read`` call: at most ``max_read_bytes`` of host buffers in flight (a
-    tensor's reads start once the budget has room, one tensor at least; the oldest is turned
-    into its result, its host buffers freed, to make room), and the bytes its results keep in
-    host memory checked against the host's."""
+    """The reads of one ``read_from`` call: the window of buffers in flight, the results, the
+    bytes they keep in host memory."""
 
-    def __init__(self, root: str, opener: _Opener, casting: str, max_read_bytes, n: int):
-        self.root, self.opener, self.casting = root, opener, casting
-        self.url = store.location.is_url(root)
+    def __init__(self, source: TensorSource, casting: str, memory_budget, n: int):
+        self.source, self.casting = source, casting
         self.out: list = [None] * n
         self.window = store.InFlightBytes(
-            DEFAULT_MEMORY_BUDGET if max_read_bytes is None else int(max_read_bytes)
+            DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
         )
         self.kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU)
         self.limit = sharding_lib.host_memory_limit()
 
-    def _source(self, found: Available):
-        """``found``'s source: ``store.shard_reader`` where its layout allows, else its view."""
-        view = found.build({s.key: self.opener.get(s.key) for s in found.sources})
-        fast = _fast_reader(self.root, found.sources[0], view) if found.stored else None
-        return (view, True) if fast is None else (fast, False)
-
-    def _verify(self, found: Available) -> None:
-        """Read by TensorStore: every shard file it may open checked first (object stores
-        were checked at once, before any read)."""
-        if not self.url:
-            for src in found.sources:
-                verify_shard_files(self.root, src)
-
     def source_of(self, found: Available):
-        """``found``'s checked source (for ``replicated.read_once``)."""
-        source, by_tensorstore = self._source(found)
-        if by_tensorstore:
-            self._verify(found)
-        return source
+        """``found``'s checked reader (for ``replicated.read_once``)."""
+        reader = self.source.reader(found)
+        self.source.verify(found, reader)
+        return reader
 
     def check(self, found: Available, pending) -> None:
-        """``_check_memory`` of one tensor, its host-resident bytes counted."""
-        self.kept += _check_memory(self.root, found, pending, self.kept, self.limit)
+        """Refuses, before allocating, a tensor whose buffers cannot fit this host (a manifest
+        may declare 2**40 elements), or whose result would take the host-resident results
+        past it; counts the bytes its result keeps in host memory."""
+        keeps = pending.result_bytes if pending.on_host else 0
+        if self.limit is not None:
+            bytes_, what = self.limit
+            self.source.check_fits(found, bytes_, what)
+            if pending.host_bytes > bytes_:
+                raise self._memory_error(found, pending, f"exceeds {what} ({_human(bytes_)})")
+            if self.kept + keeps > bytes_:
+                raise self._memory_error(
+                    found,
+                    pending,
+                    f"would take the {_human(self.kept)} this restore already holds in host "
+                    f"memory past {what} ({_human(bytes_)})",
+                )
+        self.kept += keeps
+
+    def _memory_error(self, found: Available, pending, why: str) -> CheckpointError:
+        return CheckpointError(
+            f"Tensor {found.name!r} ({self.source.files(found)}): restoring it needs "
+            f"{_human(pending.host_bytes)} of host memory (shape {found.shape}, {pending.dtype}, "
+            f"the slices this process reads), which {why}. Restore it sharded over more "
+            f"processes, select= other tensors, or check the checkpoint's "
+            f"{self.source.metadata} (it declares this shape)."
+        )
 
     def start(self, position: int, req: Request, found: Available) -> None:
         """Starts one tensor's reads once the budget has room for them."""
-        source, by_tensorstore = self._source(found)
+        reader = self.source.reader(found)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
+        self.source.verify(found, reader)
         shape = found.shape
         if req.rows is not None:  # a slab: its rows' bytes alone are read and held
             lo, hi = req.rows
             shape = (hi - lo, *shape[1:])
-            if isinstance(source, shard_reader.ShardReader):
-                source = _Rows(source, lo)
+            if isinstance(reader, shard_reader.ShardReader):
+                reader = _Rows(reader, lo)
             else:
-                source = source[lo:hi].translate_to[0]
-        pending = sharding_lib.PendingArray(source, shape, dtype, req.sharding)
+                reader = reader[lo:hi].translate_to[0]
+        pending = sharding_lib.PendingArray(reader, shape, dtype, req.sharding)
         self.check(found, pending)
-        if by_tensorstore:
-            self._verify(found)
         for done in self.window.make_room(pending.read_bytes):
             self.finish(done)
         try:
             pending.start()
         except MemoryError:
-            raise _memory_error(self.root, found, pending, "could not be allocated") from None
+            raise self._memory_error(found, pending, "could not be allocated") from None
         self.window.add((position, req, found, pending), pending.read_bytes)
 
     def finish(self, done) -> None:
-        _finish(self.root, done, self.out, self.casting)
+        """Waits for one tensor's reads, stores its result (its read buffers are then freed)."""
+        position, req, found, pending = done
+        try:
+            result = pending.result()
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, fmt.UCPError):  # names the file already
+                raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
+            raise CheckpointError(
+                f"Tensor {found.name!r}: reading {self.source.files(found)} failed "
+                f"({_READ_FAILURES[tensorstore_failure(e)]}): {tensorstore_message(e)}"
+            ) from e
+        if pending.overflowed:
+            self._overflow(found, pending)
+        if req.python_type is not None and getattr(result, "shape", None) == ():
+            result = req.python_type(np.asarray(result).item())
+        self.out[position] = result
+
+    def _overflow(self, found: Available, pending) -> None:
+        """A narrowing float cast that overflowed: an error under ``same_kind`` (values would
+        change, as float → int does), a warning naming the tensor under ``unsafe``."""
+        target = pending.dtype
+        largest = np.finfo(target).max if target.kind == "c" else ml_dtypes.finfo(target).max
+        message = (
+            f"Tensor {found.name!r} ({self.source.files(found)}): {pending.overflowed} of its "
+            f"values (of {math.prod(found.shape)}) overflow {target} (largest finite {largest}) "
+            f"converting from {found.dtype}: they became inf or NaN."
+        )
+        if self.casting != "unsafe":
+            raise CheckpointError(
+                f"{message} A {self.casting!r} cast keeps every value's magnitude; pass "
+                f"casting='unsafe' to convert anyway, or restore as {found.dtype}."
+            )
+        warnings.warn(message, RuntimeWarning, stacklevel=_user_frame())
 
 
 class _Rows:
@@ -499,7 +542,7 @@ def read_rows(
             [request],
             available=available,
             casting=casting,
-            max_read_bytes=max_bytes,
+            memory_budget=max_bytes,
         )
         yield slab
         del slab
@@ -518,7 +561,22 @@ def row_ranges(found: Available, dtype: np.dtype, max_bytes: int) -> list:
     return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
 
 
-def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, casting: str):
+_READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tells the user
+    "corrupt": "crc32c checksum mismatch: the data is corrupt",
+    "missing": "missing data: the checkpoint is incomplete",
+    "other": "corrupt or truncated data?",
+}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _plan_item(source: TensorSource, req: Request, available: Mapping, values: Mapping, casting):
     """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
     after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
     target, divisibility by the sharding, a 64-bit dtype JAX would narrow on device."""
@@ -527,15 +585,14 @@ def _plan_item(root: str, req: Request, available: Mapping, values: Mapping, cas
     if found is None:
         near = [fmt.key_to_str(k) for k in list(available)[:5]]
         raise CheckpointError(
-            f"Tensor {name!r} is not in the checkpoint {root} "
-            f"({len(available)} tensors, e.g. {near})."
+            f"Tensor {name!r} is not in {source.where} ({len(available)} tensors, e.g. {near})."
         )
     if isinstance(found, fmt.ValueEntry):
         value = found.value
         if req.wants_array:
-            value = value_as_array(name, root, value, req, casting)
+            value = value_as_array(name, source.where, value, req, casting)
         return ("value", value)
-    check_tensor_request(name, req, found, f"the checkpoint {root}", casting)
+    check_tensor_request(name, req, found, source.holder(found), casting)
     return ("tensor", req, found)
 
 
@@ -575,119 +632,121 @@ def check_tensor_request(name: str, req: Request, found, holder: str, casting: s
     return want_dtype
 
 
-def _check_memory(root, found: Available, pending, kept: int, limit) -> int:
-    """Refuses, before allocating, a tensor whose buffers cannot fit this host (a manifest may
-    declare 2**40 elements), or whose result would take the host-resident results past it.
-    Returns the bytes its result keeps in host memory."""
-    keeps = pending.result_bytes if pending.on_host else 0
-    if limit is None:
-        return keeps
-    bytes_, what = limit
-    for src in found.sources:  # a reader decodes whole inner chunks
-        chunk = math.prod(src.inner_chunk_shape) * store.zarr3.numpy_dtype(src.dtype).itemsize
-        if src.shape and chunk > bytes_:
+class CheckpointSource(TensorSource):
+    """A UCP checkpoint's arrays: each opened once, concurrently, with errors that name tensor
+    and file; read by ``store.shard_reader`` where the layout allows (hardware crc32c, shard
+    digests), by TensorStore elsewhere (after checking every shard file it will open)."""
+
+    metadata = fmt.MANIFEST_FILE
+
+    def __init__(self, root: str):
+        self.root = self.path = root
+        self.where = f"the checkpoint {root}"
+        self.url = store.location.is_url(root)
+        self._context = store.zarr3.read_context()
+        self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
+
+    def files(self, found: Available) -> str:
+        return ", ".join(os.path.join(self.root, s.dir) for s in found.sources)
+
+    def prepare(self, tensors: Sequence[Available]) -> None:
+        """Every array opened at once; in an object store every shard object's digest checked
+        at once, before any read."""
+        for found in tensors:
+            for src in found.sources:
+                self._open(src)
+        if self.url:
+            sources = {s.key: s for found in tensors for s in found.sources}
+            verify_shard_objects(self.root, sources.values())
+
+    def _open(self, entry: fmt.TensorEntry) -> None:
+        if entry.key not in self._futures:
+            kv = store.kvstore_config(self.root, entry.dir)
+            if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
+                try:  # an array folder linked out of the checkpoint is never read
+                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
+                    fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
+                except FileNotFoundError:
+                    pass  # reported with the tensor's name by _get()
+                except fmt.files.UnsafeFileError as e:
+                    raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+            self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
+
+    def _get(self, key) -> ts.TensorStore:
+        entry, fut = self._futures[key]
+        where = os.path.join(self.root, entry.dir)
+        try:
+            t = fut.result()
+        except Exception as e:  # noqa: BLE001
+            if not os.path.exists(os.path.join(where, "zarr.json")) and "://" not in where:
+                raise CheckpointError(
+                    f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
+                    f"array {where}/zarr.json is missing."
+                ) from e
             raise CheckpointError(
-                f"Tensor {found.name!r} ({os.path.join(root, src.dir)}): its inner chunks of "
-                f"shape {src.inner_chunk_shape} take {_human(chunk)} each, more than {what} "
-                f"({_human(bytes_)}); a reader decodes whole chunks. Check the checkpoint's "
-                f"{fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
+                f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
+            ) from e
+        found_dtype = t.dtype.numpy_dtype
+        if tuple(t.shape) != entry.shape or found_dtype != store.zarr3.numpy_dtype(entry.dtype):
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
+                f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
             )
-    if pending.host_bytes > bytes_:
-        raise _memory_error(root, found, pending, f"exceeds {what} ({_human(bytes_)})")
-    if kept + keeps > bytes_:
-        raise _memory_error(
-            root,
-            found,
-            pending,
-            f"would take the {_human(kept)} this restore already holds in host memory past "
-            f"{what} ({_human(bytes_)})",
+        layout = t.chunk_layout
+        found_chunks = (
+            tuple(layout.write_chunk.shape or ()),  # None for a 0-d array
+            tuple(layout.read_chunk.shape or ()),
         )
-    return keeps
+        if entry.shape and found_chunks != (entry.chunk_shape, entry.inner_chunk_shape):
+            raise CheckpointError(  # the manifest's chunks are the ones checked for size
+                f"Tensor {entry.name!r}: {where}/zarr.json has chunk shape {found_chunks[0]} "
+                f"and inner chunk shape {found_chunks[1]}, but {fmt.MANIFEST_FILE} says "
+                f"{entry.chunk_shape} and {entry.inner_chunk_shape}."
+            )
+        return t
 
-
-def _memory_error(root, found: Available, pending, why: str) -> CheckpointError:
-    files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
-    return CheckpointError(
-        f"Tensor {found.name!r} ({files}): restoring it needs {_human(pending.host_bytes)} of "
-        f"host memory (shape {found.shape}, {pending.dtype}, the slices this process reads), "
-        f"which {why}. Restore it sharded over more processes, select= other tensors, or check "
-        f"the checkpoint's {fmt.MANIFEST_FILE} (it declares this shape)."
-    )
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
-def _finish(root: str, entry, out: list, casting: str) -> None:
-    """Waits for one tensor's reads, stores its result (its read buffers are then freed)."""
-    position, req, found, pending = entry
-    try:
-        result = pending.result()
-    except Exception as e:  # noqa: BLE001
-        files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
-        if isinstance(e, fmt.UCPError):
-            raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
-        what = (
-            "crc32c checksum mismatch: the data is corrupt"
-            if ("Digest mismatch" in str(e) or "crc32c checksum mismatch" in str(e))
-            else "missing data: the checkpoint is incomplete"
-            if "is missing" in str(e) or "NOT_FOUND" in str(e)
-            else "corrupt or truncated data?"
+    def reader(self, found: Available):
+        """``store.shard_reader`` where the stored array's zarr.json allows it, else the view."""
+        view = found.build({s.key: self._get(s.key) for s in found.sources})
+        entry = found.sources[0]
+        kv = store.kvstore_config(self.root, entry.dir)
+        if not found.stored or kv.get("driver") != "file":
+            return view
+        layout = shard_file.layout_from_metadata(
+            view.spec().to_json().get("metadata", {}), view.dtype.numpy_dtype
         )
-        raise CheckpointError(
-            f"Tensor {found.name!r}: reading {files} failed ({what}): {tensorstore_message(e)}"
-        ) from e
-    if pending.overflowed:
-        _overflow(root, found, pending, casting)
-    if req.python_type is not None and getattr(result, "shape", None) == ():
-        result = req.python_type(np.asarray(result).item())
-    out[position] = result
-
-
-def _overflow(root: str, found: Available, pending, casting: str) -> None:
-    """A narrowing float cast that overflowed: an error under ``same_kind`` (values would
-    change, as float → int does), a warning naming the tensor under ``unsafe``."""
-    files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
-    target = pending.dtype
-    largest = np.finfo(target).max if target.kind == "c" else ml_dtypes.finfo(target).max
-    total = math.prod(found.shape)
-    message = (
-        f"Tensor {found.name!r} ({files}): {pending.overflowed} of its values (of {total}) "
-        f"overflow {target} (largest finite {largest}) converting from {found.dtype}: they "
-        f"became inf or NaN."
-    )
-    if casting != "unsafe":
-        raise CheckpointError(
-            f"{message} A {casting!r} cast keeps every value's magnitude; pass "
-            f"casting='unsafe' to convert anyway, or restore as {found.dtype}."
+        if layout is None:
+            return view
+        return shard_reader.ShardReader(
+            kv["path"],
+            layout,
+            view.dtype.numpy_dtype,
+            digests=entry.shard_digests,
+            tensor=entry.name,
+            root=self.root,
         )
-    warnings.warn(message, RuntimeWarning, stacklevel=2)
 
+    def check_fits(self, found: Available, limit: int, what: str) -> None:
+        for src in found.sources:  # a reader decodes whole inner chunks
+            chunk = math.prod(src.inner_chunk_shape) * store.zarr3.numpy_dtype(src.dtype).itemsize
+            if src.shape and chunk > limit:
+                raise CheckpointError(
+                    f"Tensor {found.name!r} ({os.path.join(self.root, src.dir)}): its inner "
+                    f"chunks of shape {src.inner_chunk_shape} take {_human(chunk)} each, more "
+                    f"than {what} ({_human(limit)}); a reader decodes whole chunks. Check the "
+                    f"checkpoint's {fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
+                )
 
-def _fast_reader(root: str, entry: fmt.TensorEntry, opened: ts.TensorStore):
-    """``store.shard_reader`` (hardware crc32c, shard digests checked) where the array's
-    zarr.json allows it, else None."""
-    kv = store.kvstore_config(root, entry.dir)
-    if kv.get("driver") != "file":
-        return None
-    layout = shard_file.layout_from_metadata(
-        opened.spec().to_json().get("metadata", {}), opened.dtype.numpy_dtype
-    )
-    if layout is None:
-        return None
-    return shard_reader.ShardReader(
-        kv["path"],
-        layout,
-        opened.dtype.numpy_dtype,
-        digests=entry.shard_digests,
-        tensor=entry.name,
-        root=root,
-    )
+    def verify(self, found: Available, reader) -> None:
+        """Read by TensorStore: every shard file it may open checked first (object stores
+        were checked at once, by ``prepare``)."""
+        if not self.url and not isinstance(reader, shard_reader.ShardReader):
+            for src in found.sources:
+                verify_shard_files(self.root, src)
+
+    def unit_rows(self, found: Available) -> int:
+        """The stored array is split on its inner chunks."""
+        return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
 
 
 def shard_keys(entry: fmt.TensorEntry) -> list[str]:
@@ -766,7 +825,7 @@ def verify_shard_objects(root: str, entries) -> None:
 _OBJECTS_PER_SWEEP = 4096
 
 
-def value_as_array(name: str, root: str, value: Any, req: Request, casting: str):
+def value_as_array(name: str, where: str, value: Any, req: Request, casting: str):
     """A saved Python bool/int/float as the array a target leaf asks for (a ``jax.Array`` on
     its sharding, as Orbax gives ``step=5`` restored into a ``jax.eval_shape`` target), when the
     conversion keeps the value: the cast is one ``casting`` allows from the value's own type
@@ -775,7 +834,7 @@ def value_as_array(name: str, root: str, value: Any, req: Request, casting: str)
 
     Args:
         name: the leaf, for errors.
-        root: the checkpoint, for errors.
+        where: the checkpoint, for errors ("the checkpoint <dir>").
         value: the saved scalar.
         req: what the target leaf asks for.
         casting: numpy's casting rule.
@@ -785,8 +844,8 @@ def value_as_array(name: str, root: str, value: Any, req: Request, casting: str)
     kind = type(value)
     if shape != ():
         raise CheckpointError(
-            f"Leaf {name!r}: the target asks for an array of shape {shape}, but the checkpoint "
-            f"{root} holds the Python {kind.__name__} {_short(value)} (a scalar)."
+            f"Leaf {name!r}: the target asks for an array of shape {shape}, but "
+            f"{where} holds the Python {kind.__name__} {_short(value)} (a scalar)."
         )
     if casting != "unsafe":
         why = None
@@ -811,7 +870,7 @@ def value_as_array(name: str, root: str, value: Any, req: Request, casting: str)
         if why is not None:
             raise CheckpointError(
                 f"Leaf {name!r}: the target asks for a {want if want is not None else ''} "
-                f"array, but the checkpoint {root} {why}. Pass "
+                f"array, but {where} {why}. Pass "
                 f"casting='unsafe' to turn it into an array anyway."
             )
     try:
@@ -987,49 +1046,6 @@ def _replaced(path: str, around: tuple, root: str | None, stamp) -> bool:
     return root is not None and (stamp is None or _identity(root) != stamp)
 
 
-def target_requests(options: RestoreOptions) -> tuple[list[Request], Any]:
-    """The requests (and treedef) of a restore into ``options.target`` / ``.shardings``,
-    whatever the source (a UCP checkpoint, a safetensors folder)."""
-    if options.rules is not None and options.mesh is not None:
-        sharding_lib.check_rules(options.rules, options.mesh)
-    target, shardings = options.target, options.shardings
-    reqs, treedef = requests_from_target(
-        target if target is not None else shardings,
-        shardings if target is not None else None,
-        mesh=options.mesh,
-    )
-    if options.dtype is not None:
-        for r in reqs:
-            r.dtype = np.dtype(options.dtype)
-    return reqs, treedef
-
-
-def restore_into_target(options: RestoreOptions, read_requests: Callable[[list], list]) -> Any:
-    """A restore into ``options.target`` / ``.shardings``, whatever the source.
-
-    Args:
-      options: a restore's options with a target or shardings.
-      read_requests: reads a list of ``Request`` from the source, in order.
-    """
-    reqs, treedef = target_requests(options)
-    return target_tree(options.target, treedef, read_requests(reqs))
-
-
-def target_tree(target, treedef, results: list) -> Any:
-    """``results`` in the target's structure; flax boxes (nn.LogicallyPartitioned, ...) keep
-    their metadata.
-
-    Args:
-        target: the pytree restored into.
-        treedef: its structure.
-        results: one value per leaf, in order.
-    """
-    if target is not None:
-        boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
-        results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
-    return jax.tree_util.tree_unflatten(treedef, results)
-
-
 def selector(select) -> Callable[[str], bool]:
     """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
     if select is None:
@@ -1044,52 +1060,64 @@ def selector(select) -> Callable[[str], bool]:
 
 def _restore_once(root: str, options: RestoreOptions):
     manifest = store.read_manifest(root)
-
-    def read_requests(reqs, available=None):
-        return read(
-            root,
-            manifest,
-            reqs,
-            spec=options.spec,
-            available=available,
-            casting=options.casting,
-            max_read_bytes=options.read_budget,
-            replicated_read=options.replicated_read,
-        )
-
-    if options.has_target:
-        return restore_into_target(options, read_requests)
-    return restore_without_target(
-        root,
+    return restore_from(
+        CheckpointSource(root),
         available_tensors(manifest, options.spec),
         manifest.values,
         options,
-        read_requests,
         tree=manifest.tree if options.spec is None else None,
     )
 
 
-def restore_without_target(
-    where: str,
+def restore_from(
+    source: TensorSource,
     every: Mapping,
     values: Sequence[fmt.ValueEntry],
     options: RestoreOptions,
-    read_requests: Callable[[list, Mapping], list],
     *,
     tree=None,
 ):
-    """A restore without a target, whatever the source: every tensor (or those ``select``
-    matches) on ``mesh=`` (saved PartitionSpecs and logical axes through ``rules``) or to host.
+    """A restore from ``source``, whatever it is: into ``options.target`` / ``.shardings``, or
+    every tensor (or those ``select`` matches) on ``mesh=`` (saved PartitionSpecs and logical
+    axes through ``rules``) or to host.
 
     Args:
-      where: the checkpoint, for errors and warnings.
-      every: key → what the source holds (``Available`` or alike: key, key_types, shape, dtype,
-        saved_sharding, logical_axes).
+      source: what the tensors are read from.
+      every: key → ``Available``, what the source holds (a spec's views of it).
       values: the saved Python values.
-      options: a restore's options without a target.
-      read_requests: reads a list of ``Request`` from the source, given the available tensors.
+      options: a restore's options.
       tree: the saved containers (``manifest.tree``), or None to nest by key.
     """
+    saved_values = {v.key: v for v in values}
+
+    def read_requests(reqs, available=every):
+        return read_from(
+            source,
+            reqs,
+            available,
+            saved_values,
+            casting=options.casting,
+            memory_budget=options.read_budget,
+            replicated_read=options.replicated_read,
+        )
+
+    if options.has_target:  # one request per leaf, the results in the target's structure
+        if options.rules is not None and options.mesh is not None:
+            sharding_lib.check_rules(options.rules, options.mesh)
+        target, shardings = options.target, options.shardings
+        reqs, treedef = requests_from_target(
+            target if target is not None else shardings,
+            shardings if target is not None else None,
+            mesh=options.mesh,
+        )
+        for r in reqs if options.dtype is not None else ():
+            r.dtype = np.dtype(options.dtype)
+        results = read_requests(reqs)
+        if target is not None:  # flax boxes (nn.LogicallyPartitioned, ...) keep their metadata
+            boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
+            results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
+        return jax.tree_util.tree_unflatten(treedef, results)
+    where = source.path
     if options.mesh is not None:
         check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
     available, chosen_values = _selected(where, every, values, options.select)

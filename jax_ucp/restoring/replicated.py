@@ -200,6 +200,7 @@ def read_once(
     *,
     budget: int,
     check: Callable[[Any, Gathered], None] | None = None,
+    unit_rows: Callable[[Any], int] = lambda found: 1,
     timeout: float = PEER_TIMEOUT_S,
 ) -> Iterator[tuple[int, Any, Any, Gathered]]:
     """Reads the ``select``ed items, each process a share of every batch, and yields
@@ -207,7 +208,7 @@ def read_once(
 
     Every process of the job must call this with the same items and ``budget`` (as a restore
     does): they meet at each batch. ``source_of(available)``: the reader of a tensor
-    (``store.shard_reader``'s, or a TensorStore view). ``check(available, gathered)``: called
+    (a ``sharding.RegionReader``, or a TensorStore view). ``check(available, gathered)``: called
     before a tensor's host buffer is allocated (raises to refuse it).
 
     Args:
@@ -215,12 +216,14 @@ def read_once(
         source_of: gives the reader of an available tensor.
         budget: host bytes each batch may hold.
         check: called before a tensor's host buffer is allocated.
+        unit_rows: rows of an available tensor read together (a share holds whole units).
         timeout: seconds to wait for the other processes.
     """
     if not items:
         return
     tensors = [
-        _tensor(position, (position, req, found), found, req) for position, req, found in items
+        _tensor(position, (position, req, found), found, req, unit_rows(found))
+        for position, req, found in items
     ]
     n, me = jax.process_count(), jax.process_index()
     # own share + the gathered batch within the budget, the shares' rounding (1/8) included
@@ -263,12 +266,9 @@ def read_once(
         raise
 
 
-def _tensor(position, item, found, req) -> _Tensor:
+def _tensor(position, item, found, req, unit: int) -> _Tensor:
     stored = np.dtype(found.dtype)
     want = np.dtype(req.dtype) if req.dtype is not None else stored
-    unit = 1
-    if getattr(found, "stored", False):  # the stored array: split on its inner chunks
-        unit = max(1, int(found.sources[0].inner_chunk_shape[0]))
     return _Tensor(
         position=position,
         item=item,
@@ -371,7 +371,7 @@ def _read_share(tensors, pieces: list[_Piece], share: np.ndarray, source_of) -> 
         out = share[piece.offset : piece.offset + piece.nbytes].view(t.stored)
         out = out.reshape((piece.rows[1] - piece.rows[0],) + t.shape[1:])
         region = (piece.rows,) + tuple((0, d) for d in t.shape[1:])
-        if hasattr(t.source, "read_into"):
+        if isinstance(t.source, assemble.RegionReader):
             reads.append((t.source.read_into([(region, out)]), None))
         else:
             reads.append((t.source[piece.rows[0] : piece.rows[1]].read(), out))

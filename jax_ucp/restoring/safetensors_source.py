@@ -5,26 +5,18 @@ dtype), so ``restore(folder, spec="hf_llama", ...)`` gives what convert + restor
 the copy on disk. Each process reads only the byte ranges of the slices its devices hold
 (``store.safetensors_file``): a tensor restored as it is (or only renamed) is read region by
 region into each device's buffer; one a spec transforms (transpose, merge, concat) is read
-through the same lazy TensorStore views as a UCP checkpoint's. Host memory for reads in flight is
-bounded by ``memory_budget`` as for any restore.
+through the same lazy TensorStore views as a UCP checkpoint's. ``SafetensorsSource`` is a
+``reader.TensorSource``: the read engine of every restore plans, budgets and checks the reads.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-import warnings
-from collections.abc import Callable
-from typing import Any
 
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 
 from jax_ucp import format as fmt
-from jax_ucp import sharding as sharding_lib
-from jax_ucp import store
 from jax_ucp.format import safetensors
 from jax_ucp.restoring import reader
 from jax_ucp.restoring.options import RestoreOptions
@@ -46,33 +38,15 @@ def is_source(path) -> bool:
     return safetensors.is_safetensors(path)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Available:
-    key: tuple[str, ...]
-    shape: tuple[int, ...]
-    dtype: np.dtype
-    sources: tuple[tuple[str, ...], ...]
-    build: Callable | None  # a spec's view over the sources' views; None: the source as it is
-    gather: Any = None  # (which, rows): read by ``safetensors_file.Gathered`` (see _gather_map)
-    saved_sharding: Any = None
-    logical_axes: Any = None
-
-    @property
-    def name(self) -> str:
-        return fmt.key_to_str(self.key)
-
-    @property
-    def key_types(self) -> tuple[str, ...]:
-        return ("key",) * len(self.key)
-
-
-def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
+def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], reader.Available], dict]:
+    """What may be restored (the tensors, or ``spec``'s views of them), and the views read by
+    ``safetensors_file.Gathered`` (key → ``(which, rows)``, see ``_gather_map``)."""
     if spec is None:
-        return {k: _Available(k, t.shape, t.dtype, (k,), None) for k, t in tensors.items()}
+        return {k: _as_is(k, t.shape, t.dtype, k, None) for k, t in tensors.items()}, {}
     from jax_ucp import language  # restore-time transforms
 
     saved = {k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in tensors.items()}
-    out = {}
+    out, gathers = {}, {}
     for key, plan in language.compile_restore_plan(spec, saved).items():
         key = tuple(key)
         sources = tuple(tuple(s) for s in plan.sources)
@@ -83,16 +57,34 @@ def _available(tensors: dict, spec) -> dict[tuple[str, ...], _Available]:
             and np.dtype(plan.dtype) == tensors[sources[0]].dtype
         )
         gather = None if as_is else _gather_map(plan, sources, tensors)
-        out[key] = _Available(
-            key,
-            tuple(plan.shape),
-            np.dtype(plan.dtype),
-            sources,
-            None if as_is or gather is not None else plan.build,
-            gather=gather,
-            logical_axes=plan.logical_axes,
-        )
-    return out
+        if gather is not None:
+            gathers[key] = gather
+        if as_is:
+            out[key] = _as_is(key, plan.shape, plan.dtype, sources[0], plan.logical_axes)
+        else:
+            out[key] = reader.Available(
+                key=key,
+                key_types=("key",) * len(key),
+                shape=tuple(plan.shape),
+                dtype=np.dtype(plan.dtype),
+                sources=sources,
+                build=plan.build,
+                logical_axes=plan.logical_axes,
+            )
+    return out, gathers
+
+
+def _as_is(key, shape, dtype, source, logical_axes) -> reader.Available:
+    return reader.Available(
+        key=key,
+        key_types=("key",) * len(key),
+        shape=tuple(shape),
+        dtype=np.dtype(dtype),
+        sources=(source,),
+        build=lambda opened: opened[source],
+        logical_axes=logical_axes,
+        stored=True,
+    )
 
 
 _GATHER_OPS = {"transpose", "merge_qkv", "concat"}
@@ -161,92 +153,36 @@ def restore(path, options: RestoreOptions):
     opened = {f.path: safetensors_file.OpenFile(f) for f in parsed}
     try:
         tensors = {(ROOT, name): opened[f.path].tensor(name) for name, f in owner.items()}
-        every = _available(tensors, options.spec)
-
-        def read_requests(reqs, available=every):
-            return _read(path, tensors, available, reqs, options.casting, options.read_budget)
-
-        if options.has_target:
-            return reader.restore_into_target(options, read_requests)
-        return reader.restore_without_target(path, every, (), options, read_requests)
+        every, gathers = _available(tensors, options.spec)
+        return reader.restore_from(SafetensorsSource(path, tensors, gathers), every, (), options)
     finally:
         for f in opened.values():
             f.close()
 
 
-def _read(path, tensors, available, requests, casting, max_read_bytes: int) -> list:
-    """Reads the requests in order with at most ``max_read_bytes`` of read buffers in flight
-    (one tensor at least): a tensor's reads start once the budget has room, the oldest is
-    turned into its result to make room."""
-    checked = []
-    for req in requests:
-        key = tuple(str(k) for k in req.key)
-        name = fmt.key_to_str(key)
-        av = available.get(key)
-        if av is None:
-            near = [fmt.key_to_str(k) for k in list(available)[:5]]
-            raise reader.CheckpointError(
-                f"Tensor {name!r} is not in the safetensors checkpoint {path} "
-                f"({len(available)} tensors, e.g. {near})."
-            )
-        want = reader.check_tensor_request(name, req, av, _where(path, tensors, av), casting)
-        checked.append((req, av, want))
-    window = store.InFlightBytes(max_read_bytes)
-    limit = sharding_lib.host_memory_limit()
-    out: list = [None] * len(checked)
-    for position, (req, av, want) in enumerate(checked):
-        if av.gather is not None:
-            source = safetensors_file.Gathered([tensors[k] for k in av.sources], *av.gather)
-        elif av.build is None and av.shape:
-            source = tensors[av.sources[0]]  # regions preadv'd into each device's buffer
-        else:
-            source = (av.build or (lambda opened, k=av.sources[0]: opened[k]))(
-                {k: tensors[k].view() for k in av.sources}
-            )
-        pending = sharding_lib.PendingArray(source, av.shape, want, req.sharding)
-        if limit is not None and pending.host_bytes > limit[0]:
-            raise reader.CheckpointError(
-                f"Tensor {av.name!r} ({_where(path, tensors, av)}): restoring it needs "
-                f"{pending.host_bytes} bytes of host memory (shape {av.shape}, {want}), more "
-                f"than {limit[1]} ({limit[0]} bytes). Restore it sharded over more processes or "
-                f"select= other tensors."
-            )
-        for done in window.make_room(pending.read_bytes):
-            _finish(path, tensors, done, out, casting)
-        pending.start()
-        window.add((position, req, av, pending), pending.read_bytes)
-    for done in window.drain():
-        _finish(path, tensors, done, out, casting)
-    return out
+class SafetensorsSource(reader.TensorSource):
+    """Safetensors files read in place: a tensor as it is (or only renamed) region by region
+    into each device's buffer, a transpose / merge of rank-2 tensors by
+    ``safetensors_file.Gathered``, any other view through TensorStore views of its sources."""
 
+    metadata = "safetensors header"
 
-def _where(path, tensors, av: _Available) -> str:
-    """The files and tensors ``av`` is read from."""
-    parts = [f"{tensors[k].file.path}:{k[-1]}" for k in av.sources[:3]]
-    return ", ".join(parts) + (f" (+{len(av.sources) - 3} more)" if len(av.sources) > 3 else "")
+    def __init__(self, path: str, tensors: dict, gathers: dict):
+        self.path, self.where = path, f"the safetensors checkpoint {path}"
+        self.tensors, self.gathers = tensors, gathers
 
+    def files(self, found: reader.Available) -> str:
+        parts = [f"{self.tensors[k].file.path}:{k[-1]}" for k in found.sources[:3]]
+        more = len(found.sources) - 3
+        return ", ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
-def _finish(path, tensors, entry, out: list, casting: str) -> None:
-    position, req, av, pending = entry
-    try:
-        out[position] = pending.result()
-    except Exception as e:  # noqa: BLE001
-        raise reader.CheckpointError(
-            f"Tensor {av.name!r}: reading {_where(path, tensors, av)} failed: {e}"
-        ) from e
-    if pending.overflowed:
-        target = pending.dtype
-        largest = np.finfo(target).max if target.kind == "c" else ml_dtypes.finfo(target).max
-        message = (
-            f"Tensor {av.name!r} ({_where(path, tensors, av)}): {pending.overflowed} of its "
-            f"values (of {math.prod(av.shape)}) overflow {target} (largest finite {largest}) "
-            f"converting from {av.dtype}: they became inf or NaN."
-        )
-        if casting != "unsafe":
-            raise reader.CheckpointError(
-                f"{message} A {casting!r} cast keeps every value's magnitude; pass "
-                f"casting='unsafe' to convert anyway, or restore as {av.dtype}."
-            )
-        warnings.warn(message, RuntimeWarning, stacklevel=4)
-    if req.python_type is not None:  # a 0-d tensor into a Python scalar leaf
-        out[position] = req.python_type(np.asarray(out[position]).item())
+    def holder(self, found: reader.Available) -> str:
+        return self.files(found)
+
+    def reader(self, found: reader.Available):
+        sources = [self.tensors[k] for k in found.sources]
+        if found.key in self.gathers:
+            return safetensors_file.Gathered(sources, *self.gathers[found.key])
+        if found.stored and found.shape:
+            return sources[0]  # regions preadv'd into each device's buffer
+        return found.build({k: t.view() for k, t in zip(found.sources, sources)})

@@ -1,6 +1,6 @@
 """Layer 4: slices for a mesh (target shardings, per-device reads, assembly)."""
 
-from jax_ucp.sharding.assemble import PendingArray, host_memory_limit
+from jax_ucp.sharding.assemble import PendingArray, RegionReader, host_memory_limit
 from jax_ucp.sharding.mesh_layout import (
     LogicalRules,
     ReplicationWarning,

@@ -10,12 +10,32 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, cast, runtime_checkable
 
 import jax
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
+
+
+class Waitable(Protocol):
+    """Reads in flight: ``result()`` waits for every one and raises the first error."""
+
+    def result(self) -> Any: ...
+
+
+@runtime_checkable
+class RegionReader(Protocol):
+    """A tensor read region by region straight into arrays the caller allocates
+    (``store.shard_reader.ShardReader``, ``store.safetensors_file.SafetensorsTensor``)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def read_into(self, dests: list[tuple[tuple[tuple[int, int], ...], np.ndarray]]) -> Waitable:
+        """Reads each ``(region, out)``: ``(start, stop)`` per dimension into a writable
+        C-contiguous array of ``dtype`` and the region's shape."""
+        ...
 
 
 def _index_key(index: tuple, shape: Sequence[int]) -> tuple:
@@ -27,7 +47,7 @@ class PendingArray:
 
     def __init__(
         self,
-        source: Any,  # a ts.TensorStore, or a reader with ``read_into`` (see _direct below)
+        source: RegionReader | ts.TensorStore,
         shape: tuple[int, ...],
         dtype: np.dtype,
         sharding: jax.sharding.Sharding | None,
@@ -36,7 +56,7 @@ class PendingArray:
         self.dtype = np.dtype(dtype)
         self.sharding = sharding
         self._source = source
-        self._reads: dict[tuple, ts.Future] = {}
+        self._reads: dict[tuple, ts.Future | Waitable] = {}
         self._device_index: list[tuple[Any, tuple]] = []  # (jax device, slice key)
         self._slices: dict[tuple, tuple] = {}
         self._box = None
@@ -44,7 +64,7 @@ class PendingArray:
         # is read into its own 64-byte-aligned buffer, which ``jax.device_put`` adopts without a
         # copy on CPU; devices holding the same slice share that buffer, as ``device_put`` of
         # one host array onto a replicated sharding does.
-        self._direct = hasattr(source, "read_into") and len(self.shape) > 0
+        self._reader = source if isinstance(source, RegionReader) and self.shape else None
         self._outs: dict[tuple, np.ndarray] = {}
         # Values that a narrowing cast turned into inf/NaN (see ``convert``), once read.
         self.overflowed = 0
@@ -57,7 +77,7 @@ class PendingArray:
             key = _index_key(index, self.shape)
             self._slices.setdefault(key, index)  # devices holding the same slice share one read
             self._device_index.append((device, key))
-        if not self._direct:
+        if self._reader is None:
             self._box = _tiled_box(list(self._slices), self.shape)
         if self._box is not None:  # the slices tile one box: read it once, cut it on the host
             self._slices = {(): tuple(slice(a, b) for a, b in self._box)}
@@ -88,8 +108,8 @@ class PendingArray:
 
     def start(self) -> None:
         """Issues the reads (separate from construction so a caller can budget them)."""
-        if self._direct:
-            stored = np.dtype(self._source.dtype)
+        if self._reader is not None:
+            stored = np.dtype(self._reader.dtype)
             dests = []
             for key in self._slices:
                 region = (
@@ -97,13 +117,14 @@ class PendingArray:
                 )
                 self._outs[key] = aligned_empty(tuple(b - a for a, b in region), stored)
                 dests.append((region, self._outs[key]))
-            self._reads[()] = self._source.read_into(dests)
+            self._reads[()] = self._reader.read_into(dests)
             return
+        view = cast(ts.TensorStore, self._source)  # or a 0-d ShardReader, sliced alike
         for key, index in self._slices.items():
-            self._reads[key] = self._source[index].read() if index else self._source[()].read()
+            self._reads[key] = view[index].read() if index else view[()].read()
 
     def _host(self, key) -> np.ndarray:
-        if self._direct:
+        if self._reader is not None:
             data = self._outs[key]
         else:
             data = np.asarray(self._reads[key].result())
@@ -117,7 +138,7 @@ class PendingArray:
         """The ``jax.Array`` (or host array without a sharding), once every read is done."""
         if not self._reads:
             self.start()
-        if self._direct:
+        if self._reader is not None:
             self._reads[()].result()  # every slice read (errors raised here)
             if self.sharding is None:
                 return self._host(())

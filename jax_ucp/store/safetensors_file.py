@@ -206,17 +206,7 @@ class Gathered:
     def read_into(self, dests) -> RegionsRead:
         """Reads each ``(region, out)`` of ``dests`` into ``out``, like ``ShardReader.read_into``."""
         for region, out in dests:
-            shape = tuple(b - a for a, b in region)
-            if (
-                len(region) != 2
-                or tuple(out.shape) != shape
-                or out.dtype != self.dtype
-                or not out.flags.writeable
-            ):
-                raise ValueError(
-                    f"read_into: region {region} needs a writable {self.dtype} array of shape "
-                    f"{shape}, got {out.dtype} {tuple(out.shape)}"
-                )
+            shard_reader.check_destination(region, out, self.shape, self.dtype)
         dests = [(region, out) for region, out in dests if 0 not in out.shape]
         tasks = []
         for first, src, row, n in self._runs:
@@ -247,13 +237,6 @@ class Gathered:
                 out[:, lo - cols[0] + r : lo - cols[0] + r + len(piece)] = piece.T
 
 
-def Transposed(tensor: SafetensorsTensor) -> Gathered:  # noqa: N802 - reads like a class
-    """A 2-d tensor read as its transpose."""
-    if len(tensor.shape) != 2:
-        raise ValueError(f"Transposed: {tensor.name!r} has rank {len(tensor.shape)}, not 2")
-    return Gathered([tensor], np.zeros(tensor.shape[0], np.int64), np.arange(tensor.shape[0]))
-
-
 _TILE = 64  # source rows transposed at once (stays in cache)
 
 
@@ -269,14 +252,7 @@ class RegionsRead:
 
     def result(self) -> None:
         """Waits for every read; raises the first error."""
-        errors = []
-        for part in self._parts:
-            try:
-                part.result()
-            except Exception as e:  # noqa: BLE001 - the first is raised below
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        shard_reader.wait_all(self._parts)
 
 
 _SCRATCH = threading.local()

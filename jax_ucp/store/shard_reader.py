@@ -466,16 +466,22 @@ class RegionRead:
     def result(self) -> np.ndarray | None:
         """Waits for every part (none may still write into an array), raises the first error,
         then checks the shard digests; returns ``out`` of a single-region read."""
-        errors = []
-        for part in self._parts:  # wait for every part: none may still write into ``out``
-            try:
-                part.result()
-            except Exception as e:  # noqa: BLE001 - the first is raised below
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        wait_all(self._parts)
         self._reader.verify_digests(self._keys)
         return self.out
+
+
+def wait_all(parts: list[concurrent.futures.Future]) -> None:
+    """Waits for every part of a read (none may still write into an array when this returns),
+    then raises the first error."""
+    errors = []
+    for part in parts:
+        try:
+            part.result()
+        except Exception as e:  # noqa: BLE001 - the first is raised below
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 class _Region:
