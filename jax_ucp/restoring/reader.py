@@ -456,7 +456,7 @@ class _Reads:
             lo, hi = req.rows
             shape = (hi - lo, *shape[1:])
             if isinstance(reader, shard_reader.ShardReader):
-                reader = _Rows(reader, lo)
+                reader = _Rows(reader, lo, hi)
             else:
                 reader = reader[lo:hi].translate_to[0]
         pending = sharding_lib.PendingArray(reader, shape, dtype, req.sharding)
@@ -508,8 +508,9 @@ class _Reads:
 class _Rows:
     """A shard reader seen from row ``lo`` on: regions of a slab read as the tensor's."""
 
-    def __init__(self, source: shard_reader.ShardReader, lo: int):
+    def __init__(self, source: shard_reader.ShardReader, lo: int, hi: int):
         self._source, self._lo, self.dtype = source, lo, source.dtype
+        self.shape = (hi - lo, *source.shape[1:])  # a ``sharding.RegionReader``
 
     def read_into(self, dests) -> shard_reader.RegionRead:
         lo = self._lo
