@@ -197,10 +197,10 @@ def rows_reader(
     ):
         return None
     dtype = array.dtype.numpy_dtype
-    declared = meta.get("dtype")
+    declared = str(meta.get("dtype"))
     try:  # little-endian (or single-byte) as stored, or bfloat16 (always little-endian)
         same = declared == "bfloat16" or (declared[:1] in "<|" and np.dtype(declared) == dtype)
-    except (TypeError, IndexError):
+    except TypeError:
         same = False
     if not same or not np.little_endian:
         return None
@@ -227,7 +227,7 @@ def rows_reader(
 
     def rows(lo: int, hi: int) -> np.ndarray:
         out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
-        flat = memoryview(out.reshape(-1).view(np.uint8))
+        flat = memoryview(out.reshape(-1).view(np.uint8).data)
         at = lo
         try:
             while at < hi:
