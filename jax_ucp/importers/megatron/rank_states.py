@@ -20,7 +20,7 @@ from jax_ucp.importers.megatron.common import (
 from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
 
 #: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
-_BLOCK_BYTES = 4 << 20
+_BLOCK_BYTES = 16 << 20
 
 
 class RankStates:
