@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.errors import tensorstore_message
 
 #: Compressed bytes read from the kvstore at once.
 PIECE_BYTES = 1 << 20
@@ -243,9 +244,10 @@ def rows_reader(
                 at = end
         except (ZstdChunkError, ValueError) as e:
             state["frame"], state["chunk"] = None, -1
+            why = str(e) if isinstance(e, ZstdChunkError) else tensorstore_message(e)
             raise error(
-                f"{where}: reading rows {lo}:{hi} of array {name!r} failed (missing, truncated "
-                f"or corrupt chunk data): {e}"
+                f"{where}: reading array {name!r} failed (rows {lo}:{hi}; missing, truncated "
+                f"or corrupt chunk data): {why}"
             ) from None
         finally:
             del flat

@@ -100,7 +100,7 @@ def test_a_damaged_chunk_is_an_error_naming_the_array(tmp_path, how):
     intact chunk before it still read exactly)."""
     rows, value = _damage(tmp_path, how)
     np.testing.assert_array_equal(rows(0, 32), value[:32])
-    with pytest.raises(OrbaxImportError, match=r"where: reading rows 32:64 of array 'w' failed"):
+    with pytest.raises(OrbaxImportError, match=r"where: reading array .w. failed \(rows 32:64; "):
         rows(32, 64)
 
 
