@@ -4,8 +4,10 @@
 The tree and each array's name, shape and dtype come from Orbax's own public metadata
 (``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
 itself reads it with (``ocp.type_handlers.get_json_tspec_read``), its chunks checked against its
-shape before any is decoded, and handed to the writer unread (a ``writer.Deferred`` reserving the
-array and the chunks TensorStore decodes at once, as many as the memory budget leaves room for):
+shape before any is decoded, and handed to the writer unread (a ``writer.Deferred``; Orbax's
+default zstd chunks are decoded as a stream into the rows written, ``zstd_rows``, other layouts
+read by TensorStore reserve the array and the chunks it decodes at once, as many as the memory
+budget leaves room for):
 the writer reads one array at a time, so memory is bounded by the largest array, never the whole
 tree.
 
