@@ -25,10 +25,13 @@ under their own names; the importer contract otherwise as for ZeRO (docs/DEEPSPE
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -333,18 +336,28 @@ def _checked_experts(
     rank's partition (a topology we mis-assume) cannot pass."""
     for item in items:
         if item.key[0] == "params" and item.key[1] in experts.weights:
-            stored, tensor = experts.weights[item.key[1]]
-            value = np.asarray(item.value).astype(stored.dtype)
-            if value.tobytes() != np.ascontiguousarray(stored).tobytes():
-                flat = int(np.argmax(value.reshape(-1) != stored.reshape(-1)))
-                raise DeepSpeedImportError(
-                    f"expert parameter {item.key[1]!r}: the fp32 master from "
-                    f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
-                    f"index {flat}: {value.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
-                    "expert-parallel ranks assigned otherwise than DeepSpeed's default "
-                    "expert-then-data topology, or files from different saves"
-                )
+            check = functools.partial(_check_expert, item, *experts.weights[item.key[1]])
+            if isinstance(item.value, writer.Deferred):  # checked once the writer builds it
+                make = item.value.make
+                item.value = dataclasses.replace(item.value, make=lambda c=check, m=make: c(m()))
+            else:
+                check(item.value)
         yield item
+
+
+def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
+    """``value`` (the fp32 master of ``item``) rounds to ``stored`` (``tensor``) everywhere."""
+    cast = np.asarray(value).astype(stored.dtype)
+    if cast.tobytes() != np.ascontiguousarray(stored).tobytes():
+        flat = int(np.argmax(cast.reshape(-1) != stored.reshape(-1)))
+        raise DeepSpeedImportError(
+            f"expert parameter {item.key[1]!r}: the fp32 master from "
+            f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
+            f"index {flat}: {cast.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
+            "expert-parallel ranks assigned otherwise than DeepSpeed's default "
+            "expert-then-data topology, or files from different saves"
+        )
+    return value
 
 
 def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:

@@ -19,6 +19,7 @@ A plain ZeRO checkpoint is one such rank; a Megatron-DeepSpeed TP/PP checkpoint 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -538,6 +539,14 @@ def gather_parameter(
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
         vectors: the cache of :func:`state_vectors`.
     """
+    parts = _parts(checkpoint, name, state_name, vectors)
+    if len(parts) == 1:
+        return parts[0].reshape(checkpoint.shapes[name])
+    return _joined(parts, checkpoint.shapes[name], parts[0].dtype)
+
+
+def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
+    """The views of the rank files (memory maps) that hold ``name``'s ``state_name``, in order."""
     fragments = checkpoint.fragment_plan[name]
     parts: list[np.ndarray] = []
     for piece in fragments.pieces:
@@ -557,8 +566,43 @@ def gather_parameter(
                 f"of {flat.size}"
             )
         parts.append(flat[piece.start : end])
-    flat = np.concatenate(parts) if len(parts) != 1 else parts[0]
-    return flat.reshape(checkpoint.shapes[name])
+    return parts
+
+
+def _joined(parts: list, shape, dtype) -> np.ndarray:
+    """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
+    drops it (``writer.unpooled_empty``)."""
+    out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
+    at = 0
+    for part in parts:
+        out[at : at + part.size] = part
+        at += part.size
+    return out.reshape(shape)
+
+
+def _state_item(
+    checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
+) -> np.ndarray | writer.Deferred:
+    """A view of the rank file when the state sits on one rank, else a ``writer.Deferred``
+    joining its pieces once the writer has room for it (ZeRO-3 splits every parameter over
+    the ranks: joined in the generator, each was held beside the writer's window); the fp32
+    master checked against the stored module weight either way."""
+    parts = _parts(checkpoint, name, state_name, vectors)
+    shape = tuple(checkpoint.shapes[name])
+    check = state_name == "fp32" and checkpoint.stage in (1, 2)
+    if len(parts) == 1:
+        value = parts[0].reshape(shape)
+        if check:
+            check_against_module(checkpoint, name, value)
+        return value
+
+    def make() -> np.ndarray:
+        value = _joined(parts, shape, parts[0].dtype)
+        if check:
+            check_against_module(checkpoint, name, value)
+        return value
+
+    return writer.Deferred(shape, parts[0].dtype, make)
 
 
 def steps_seen(checkpoint: DeepSpeedCheckpoint) -> dict[float, str]:
@@ -613,21 +657,19 @@ def iter_zero_items(
             "pattern": f"zero{checkpoint.stage}-flat",
             "dp_ranks": [piece.dp_rank for piece in pieces],
         }
-        fp32 = None
         for state_name, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
-            value = gather_parameter(checkpoint, name, state_name, vectors)
-            if state_name == "fp32":
-                fp32 = value
-                if checkpoint.stage in (1, 2):
-                    check_against_module(checkpoint, name, fp32)
+            value = _state_item(checkpoint, name, state_name, vectors)
             sources = piece_tensors(checkpoint, name, state_name)
             yield host_item((*tree, name), value, dict(provenance, tensors=sources))
+            del value
         if checkpoint.model_dtype != np.dtype(np.float32):
-            assert fp32 is not None  # STATE_TREES[0] is "fp32"
             yield _model_copy_item(
-                checkpoint, name, fp32, provenance["files"], piece_tensors(checkpoint, name, "fp32")
+                checkpoint,
+                name,
+                _parts(checkpoint, name, "fp32", vectors),
+                provenance["files"],
+                piece_tensors(checkpoint, name, "fp32"),
             )
-        del fp32
     yield from frozen_items(checkpoint, share.pick(checkpoint.frozen))
     if weights_only or not share.primary:
         return
@@ -794,14 +836,16 @@ def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
 def _model_copy_item(
     checkpoint: DeepSpeedCheckpoint,
     name: str,
-    fp32: np.ndarray,
+    fp32: list[np.ndarray],
     files: list[str],
     fp32_tensors: list[str],
 ) -> writer.HostItem:
     """The model-precision weight: the stored module weight (stage 1/2), else the fp32 master
-    cast the way DeepSpeed re-derives it (stage 3 keeps no model-precision copy)."""
+    (its pieces ``fp32``) cast the way DeepSpeed re-derives it (stage 3 keeps no
+    model-precision copy), piece by piece once the writer has room for it."""
+    shape = tuple(checkpoint.shapes[name])
     stored = checkpoint.module.get(name) if checkpoint.stage in (1, 2) else None
-    if isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size:
+    if isinstance(stored, np.ndarray) and stored.shape == shape and stored.size:
         if stored.dtype != checkpoint.model_dtype:
             raise DeepSpeedImportError(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
@@ -814,9 +858,10 @@ def _model_copy_item(
             stored,
             {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
         )
+    dtype = np.dtype(checkpoint.model_dtype)
     return host_item(
         ("model_params", name),
-        fp32.astype(checkpoint.model_dtype),
+        writer.Deferred(shape, dtype, functools.partial(_joined, fp32, shape, dtype)),
         {
             "files": files,
             "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",

@@ -19,6 +19,9 @@ from jax_ucp.importers.megatron.common import (
 )
 from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
 
+#: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
+_BLOCK_BYTES = 16 << 20
+
 
 class RankStates:
     """Distributed-optimizer state saved per model-parallel rank (``dp_group_idx`` = TP rank +
@@ -470,11 +473,15 @@ class RankStates:
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end)
                 value = value.reshape(*local[:-2], local[-1], local[-2]).swapaxes(-1, -2)
-            elif skip or rows is None:
+            elif skip or not shape:
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end).reshape(local)
-            else:
-                self._place_rows(out, rank, bucket, state, start, local, axis, chunks, lo, hi)
+            else:  # a few MiB of rows at a time: a whole TP piece beside ``out`` was +50% of it
+                step = max(1, _BLOCK_BYTES // max(1, 4 * element_count(shape[1:])))
+                for a in range(lo, hi, step):
+                    b = min(hi, a + step)
+                    block = out[a - lo : b - lo]
+                    self._place_rows(block, rank, bucket, state, start, local, axis, chunks, a, b)
                 continue
             target = out[layer] if skip else out
             if axis is None:

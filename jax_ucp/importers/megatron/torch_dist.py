@@ -405,9 +405,9 @@ def bucket_items(
         if want_model:
             shape = _state_shape(reader, name)
             model = (  # built whole once its states are (kept), else in row slabs like them
-                writer.Deferred(None, None, weight.get, bound=weight_bytes)
+                writer.Deferred(None, None, weight.take, bound=weight_bytes)
                 if shape is None
-                else writer.Deferred(shape, np.dtype(full.dtype), weight.get, rows=weight.rows)
+                else writer.Deferred(shape, np.dtype(full.dtype), weight.take, rows=weight.rows)
             )
             yield host_item(
                 ("model_params", name),
@@ -445,6 +445,14 @@ class _ModelWeight:
             except (dcp.DcpError, legacy.LegacyError) as e:
                 raise MegatronImportError(str(e)) from None
         return self.value
+
+    def take(self) -> np.ndarray:
+        """The weight for its model-precision copy, the last use: no longer kept here (this
+        object outlives the item, and a kept weight stayed resident beside the next
+        parameter's states: +72 MiB at a 128 MiB budget measured)."""
+        value = self.get()
+        self.value = None
+        return value
 
     def rows(self, lo: int, hi: int) -> np.ndarray:
         if self.value is not None:

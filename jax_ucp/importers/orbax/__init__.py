@@ -4,8 +4,10 @@
 The tree and each array's name, shape and dtype come from Orbax's own public metadata
 (``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
 itself reads it with (``ocp.type_handlers.get_json_tspec_read``), its chunks checked against its
-shape before any is decoded, and handed to the writer unread (a ``writer.Deferred`` reserving the
-array and the chunks TensorStore decodes at once, as many as the memory budget leaves room for):
+shape before any is decoded, and handed to the writer unread (a ``writer.Deferred``; Orbax's
+default zstd chunks are decoded as a stream into the rows written, ``zstd_rows``, other layouts
+read by TensorStore reserve the array and the chunks it decodes at once, as many as the memory
+budget leaves room for):
 the writer reads one array at a time, so memory is bounded by the largest array, never the whole
 tree.
 
@@ -16,6 +18,7 @@ file names and one small JSON file.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -26,6 +29,7 @@ from typing import Any
 from jax_ucp import writer
 from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
+from jax_ucp.importers.orbax import zstd_rows
 from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, skip
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
@@ -438,6 +442,23 @@ def _items(leaves) -> Iterator[writer.HostItem]:
             yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
             continue
         dtype = array.dtype.numpy_dtype
+        streamed = zstd_rows.rows_reader(
+            array, _data_files(path, leaf.name, ocdbt), name, OrbaxImportError
+        )
+        if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
+            shape = tuple(array.shape)
+            yield writer.HostItem(
+                key,
+                writer.Deferred(
+                    shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
+                ),
+                role,
+                sub_role,
+                provenance,
+                key_types=key_types,
+                saved_sharding=_saved_sharding(leaf),
+            )
+            continue
         chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
         budget = writer.memory_budget()
         at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, budget)

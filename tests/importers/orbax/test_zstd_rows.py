@@ -1,0 +1,171 @@
+"""Rows of an Orbax array decoded from its zstd chunks as a stream (``importers.orbax.zstd_rows``,
+issue 33): exact rows in any order, damaged chunks refused naming the array, and an array saved
+as one chunk (Orbax's default) imported within the memory budget instead of decoded whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import ml_dtypes
+import numcodecs
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from jax_ucp.importers.orbax import OrbaxImportError, zstd_rows
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+MiB = 1 << 20
+
+pytestmark = pytest.mark.skipif(zstd_rows._lib() is None, reason="no libzstd")
+
+
+def _zarr(path, value: np.ndarray, chunk_rows: int):
+    """A zarr v2 array written by TensorStore (zstd, as Orbax writes it) in chunks of rows."""
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "file", "path": str(path)},
+        "metadata": {
+            "shape": list(value.shape),
+            "chunks": [chunk_rows, *value.shape[1:]],
+            "dtype": "bfloat16" if value.dtype == ml_dtypes.bfloat16 else value.dtype.str,
+            "compressor": {"id": "zstd", "level": 1},
+        },
+        "create": True,
+    }
+    ts.open(spec).result().write(value).result()
+    return ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(path)}}).result()
+
+
+def _rows(array):
+    rows = zstd_rows.rows_reader(array, "where", "w", OrbaxImportError)
+    assert rows is not None
+    return rows
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int8])
+def test_rows_in_any_order_equal_the_array(tmp_path, monkeypatch, dtype):
+    """Small pieces (the value's end reached by zstd's hints), slabs across chunk borders, the
+    same rows twice and rows before ones already decoded (a restart)."""
+    monkeypatch.setattr(zstd_rows, "PIECE_BYTES", 97)
+    value = (np.random.default_rng(0).standard_normal((101, 33)) * 50).astype(dtype)
+    rows = _rows(_zarr(tmp_path / "a", value, 40))
+    for lo, hi in [(0, 7), (7, 45), (45, 101), (3, 5), (3, 5), (0, 101), (80, 81), (60, 100)]:
+        np.testing.assert_array_equal(rows(lo, hi), value[lo:hi])
+
+
+def test_other_layouts_are_left_to_tensorstore(tmp_path):
+    """Chunks that split a row, or no compressor: None (read through TensorStore)."""
+    value = np.arange(64, dtype=np.float32).reshape(8, 8)
+    spec = {
+        "driver": "zarr",
+        "kvstore": {"driver": "file", "path": str(tmp_path / "split")},
+        "metadata": {"shape": [8, 8], "chunks": [8, 4], "dtype": "<f4", "compressor": None},
+        "create": True,
+    }
+    split = ts.open(spec).result()
+    split.write(value).result()
+    assert zstd_rows.rows_reader(split, "w", "x", OrbaxImportError) is None
+    spec["kvstore"]["path"] = str(tmp_path / "raw")
+    spec["metadata"]["chunks"] = [4, 8]
+    assert zstd_rows.rows_reader(ts.open(spec).result(), "w", "x", OrbaxImportError) is None
+
+
+def _damage(tmp_path, how: str):
+    value = np.random.default_rng(1).standard_normal((64, 16)).astype(np.float32)
+    array = _zarr(tmp_path / "a", value, 32)
+    chunk = tmp_path / "a" / "1.0"
+    raw = chunk.read_bytes()
+    if how == "truncated":
+        chunk.write_bytes(raw[: len(raw) // 2])
+    elif how == "trailing":
+        chunk.write_bytes(raw + b"\0")
+    elif how == "longer":
+        chunk.write_bytes(numcodecs.Zstd().encode(np.zeros((33, 16), np.float32).tobytes()))
+    elif how == "shorter":
+        chunk.write_bytes(numcodecs.Zstd().encode(np.zeros((31, 16), np.float32).tobytes()))
+    elif how == "garbage":
+        chunk.write_bytes(b"not a zstd frame at all")
+    elif how == "empty":
+        chunk.write_bytes(b"")
+    return _rows(array), value
+
+
+@pytest.mark.parametrize("how", ["truncated", "trailing", "longer", "shorter", "garbage", "empty"])
+def test_a_damaged_chunk_is_an_error_naming_the_array(tmp_path, how):
+    """Every way a chunk can disagree with its declared bytes is refused (the rows of the
+    intact chunk before it still read exactly)."""
+    rows, value = _damage(tmp_path, how)
+    np.testing.assert_array_equal(rows(0, 32), value[:32])
+    with pytest.raises(OrbaxImportError, match=r"where: reading array .w. failed \(rows 32:64; "):
+        rows(32, 64)
+
+
+_SAVE = """
+import sys, numpy as np, orbax.checkpoint as ocp
+embed = np.random.default_rng(5).standard_normal((40960, 1024)).astype(np.float32)
+with ocp.StandardCheckpointer() as c:  # defaults: OCDBT, zstd, one chunk per array
+    c.save(sys.argv[1], {"embed": embed, "b": np.ones(3, np.float32)})
+"""
+
+_MEASURE = """
+import json, sys, threading, time
+import jax_ucp, orbax.checkpoint  # the importer imports Orbax and JAX: in the baseline
+
+def anon():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('RssAnon:'):
+                return int(line.split()[1]) * 1024
+
+base, peak, done = anon(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+t = threading.Thread(target=sample, daemon=True)
+t.start()
+jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
+done.set()
+t.join()
+print('PEAK', json.dumps({'base': base, 'peak': max(peak[0], anon())}))
+"""
+
+_CHECK = """
+import sys, numpy as np, jax_ucp
+embed = np.random.default_rng(5).standard_normal((40960, 1024)).astype(np.float32)
+assert np.array_equal(np.asarray(jax_ucp.restore(sys.argv[1])["embed"]), embed)
+"""
+
+
+def _child(code: str, *args) -> str:
+    """``code`` in a fresh interpreter (large arrays stay out of pytest's process)."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *(str(a) for a in args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+@pytest.mark.timeout(900)
+def test_a_one_chunk_orbax_array_over_the_budget_stays_within_it(tmp_path):
+    """A 160 MiB array saved by Orbax's defaults (one zstd chunk of 147 MiB compressed),
+    imported at a 32 MiB budget: the process's RssAnon stays within budget + 64 MiB over its
+    baseline (Orbax and JAX imported), where TensorStore's whole-chunk decode held the
+    compressed chunk, the decoded chunk and the array (~+430 MiB)."""
+    _child(_SAVE, tmp_path / "orbax")
+    out = _child(_MEASURE, tmp_path / "orbax", tmp_path / "ucp", "32MiB")
+    got = json.loads(next(x for x in out.splitlines() if x.startswith("PEAK"))[4:])
+    over = got["peak"] - got["base"]
+    assert over < 32 * MiB + 64 * MiB, over / MiB
+    _child(_CHECK, tmp_path / "ucp")
