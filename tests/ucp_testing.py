@@ -61,6 +61,33 @@ def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True
     return p
 
 
+def python_lines(fn, *args, **kwargs):
+    """(what ``fn`` returned or raised, the number of lines of jax_ucp's Python code it ran): a
+    bound on work that holds on a loaded host, unlike a bound in seconds."""
+    import jax_ucp
+
+    package = os.path.dirname(os.path.abspath(jax_ucp.__file__)) + os.sep
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(package) else None
+
+    before = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:  # the caller checks which error
+        result = e
+    finally:
+        sys.settrace(before)
+    return result, count
+
+
 def copy_deepspeed_fixture(tmp_path, name: str) -> str:
     """A writable copy of tests/fixtures/deepspeed/<name>/ckpt (bad-input tests damage it)."""
     dst = tmp_path / name
