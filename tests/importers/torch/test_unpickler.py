@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
 import pickle
 import shutil
 import struct
+import subprocess
+import sys
 import zipfile
 import zlib
 
@@ -17,6 +20,7 @@ import pytest
 
 from jax_ucp.importers.torch.unpickler import (
     MAX_COMPRESSED_MEMBER,
+    MAX_INFLATED_TOTAL,
     StandIn,
     TorchFileError,
     UnsafePickleError,
@@ -622,3 +626,175 @@ def test_expansion_bound_grows_with_the_pickle():
     check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted
     with pytest.raises(Refused, match="billion laughs"):
         check_expansion([flat, flat], "small.pt", pickle_bytes=1_000)
+
+
+# Reading torch files a user hands over, bounded in total and safe against files that change
+# underneath (issue 30, round 3): a zip of many deflated members, each under the per-member cap, is
+# bounded by what the pickle declares and by one total for the archive (peak memory measured in a
+# subprocess, by the process itself); a file truncated between planning and reading is an error
+# naming it, never SIGBUS. Every hostile file is built here, without torch.
+
+
+MIB = 1 << 20
+
+
+def _deflated_zeros(size: int) -> tuple[bytes, int]:
+    """A raw deflate stream of ``size`` zero bytes and their CRC-32, built in 1 MiB steps."""
+    assert size % MIB == 0
+    z = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    block = bytes(MIB)
+    out, crc = [], 0
+    for _ in range(size // MIB):
+        out.append(z.compress(block))
+        crc = zlib.crc32(block, crc)
+    out.append(z.flush())
+    return b"".join(out), crc
+
+
+def _zip(path, members: list[tuple[str, bytes, int, int, int]]) -> str:
+    """A zip written byte by byte: ``(name, data, method, crc, uncompressed size)`` per member,
+    so one compressed stream serves many members (zipfile would compress each again)."""
+    central, offset = [], 0
+    with open(path, "wb") as f:
+        for name, data, method, crc, size in members:
+            n = name.encode()
+            header = struct.pack(
+                "<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(data), size, len(n), 0
+            )
+            f.write(header + n + data)
+            central.append(
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    20,
+                    20,
+                    0,
+                    method,
+                    0,
+                    0x21,
+                    crc,
+                    len(data),
+                    size,
+                    len(n),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    offset,
+                )  # fmt: skip
+                + n
+            )
+            offset += len(header) + len(n) + len(data)
+        directory = b"".join(central)
+        f.write(directory)
+        f.write(
+            struct.pack(
+                "<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(directory), offset, 0
+            )
+        )
+    return str(path)
+
+
+def _stored(name: str, data: bytes) -> tuple[str, bytes, int, int, int]:
+    return name, data, 0, zlib.crc32(data), len(data)
+
+
+def _bomb(path, members: int, member_bytes: int, declared: int) -> str:
+    """``members`` deflated members of ``member_bytes`` zeros each (one 255 MiB stream is
+    ~250 KB), the pickle a dict of uint8 tensors each declaring ``declared`` bytes."""
+    data, crc = _deflated_zeros(member_bytes)
+    body = b"}" + b"".join(
+        D(f"t{i}") + tensor("ByteStorage", str(i), declared, 0, (declared,), (1,)) + b"s"
+        for i in range(members)
+    )
+    return _zip(
+        path,
+        [
+            _stored("archive/data.pkl", prog(body)),
+            _stored("archive/byteorder", b"little"),
+            *[(f"archive/data/{i}", data, 8, crc, member_bytes) for i in range(members)],
+            _stored("archive/version", b"3\n"),
+        ],
+    )
+
+
+_CONVERT_AND_MEASURE = """
+import json, sys
+import jax_ucp
+try:
+    jax_ucp.convert(sys.argv[1], sys.argv[2])
+    error = None
+except jax_ucp.UCPError as e:
+    error = str(e)
+# VmHWM, not ru_maxrss: the latter keeps the high-water mark of the process that forked this
+# one (a pytest worker that ran other tests), VmHWM is this program's own memory since exec.
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(json.dumps({"error": error, "peak": int(hwm.split()[1]) * 1024}))
+"""
+
+
+def _convert_in_subprocess(src, dst) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _CONVERT_AND_MEASURE, str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_sixteen_deflated_members_each_under_the_cap_stay_bounded_in_total(tmp_path):
+    """16 deflated members of 255 MiB of zeros (each under the 256 MiB per-member cap; 4 GiB in
+    all from a ~4 MB file) declared as 16 tensors: refused once the archive's inflated total
+    would pass MAX_INFLATED_TOTAL, with the process's own peak RSS far below what it declares
+    (it reached 4.6 GB before)."""
+    src = _bomb(tmp_path / "bomb.pt", 16, 255 * MIB, 255 * MIB)
+    assert os.path.getsize(src) < 8 * MIB
+    result = _convert_in_subprocess(src, tmp_path / "out")
+    assert result["error"] is not None, "the bomb converted"
+    assert "bomb.pt" in result["error"]
+    assert f"more than the {MAX_INFLATED_TOTAL} bytes inflated in total" in result["error"]
+    assert result["peak"] < 1 << 30, result
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(180)
+def test_deflated_member_larger_than_its_storage_is_refused_before_inflating(tmp_path):
+    """The pickle declares 16 bytes per storage, each member inflates to 255 MiB: refused by what
+    the pickle declares, before any member is inflated (peak memory: the interpreter's)."""
+    src = _bomb(tmp_path / "small_storages.pt", 16, 255 * MIB, 16)
+    result = _convert_in_subprocess(src, tmp_path / "out")
+    assert "small_storages.pt" in (result["error"] or "")
+    assert "declares 267386880 bytes, but the pickle's storage needs 16" in result["error"]
+    assert result["peak"] < 1 << 30, result
+
+
+@pytest.mark.timeout(180)
+def test_deflated_members_within_the_total_read_exactly(tmp_path):
+    """Legitimate compressed archives under the total still load, byte for byte, and a CRC
+    check of every member keeps nothing inflated."""
+    src = _bomb(tmp_path / "ok.pt", 3, 4 * MIB, 4 * MIB)
+    loaded = load_torch_file(src, verify_crc=True)
+    assert sorted(loaded) == ["t0", "t1", "t2"]
+    assert all(v.shape == (4 * MIB,) and not v.any() for v in loaded.values())
+
+
+@pytest.mark.timeout(180)
+def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
+    """verify_crc inflates an unreferenced deflated member only to check it: 2 x 255 MiB pass
+    the check without counting against the archive's total (nothing is kept)."""
+    from jax_ucp.importers.torch.unpickler import TorchArchive
+
+    src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
+    arch = TorchArchive(src)
+    try:
+        arch.verify_crc()
+        assert arch._inflated == 0
+    finally:
+        arch.close()
+    with pytest.raises(TorchFileError, match="but the pickle's storage needs 0"):
+        load_torch_file(src)
