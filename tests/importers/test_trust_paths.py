@@ -20,7 +20,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.format import files
-from tests.importers.megatron.test_trust_megatron import read_layout, write_layout
+from tests.importers.megatron.test_dcp import read_layout, write_layout
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
