@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -161,3 +162,58 @@ def test_trainer_checkpoint_with_optimizer_state_needs_weights_only(tmp_path):
     # the file by its own path is that file only
     ckpt = jax_ucp.convert(str(folder / "model.safetensors"), str(tmp_path / "file"))
     assert_bit_exact(jax_ucp.restore(ckpt)["params"]["w"], tensors["w"])
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+def _safetensors(path, header_json: str, data: bytes) -> None:
+    """A safetensors file with this exact header text (duplicate keys survive)."""
+    raw = header_json.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+F32 = '{{"dtype": "F32", "shape": [2], "data_offsets": [{0}, {1}]}}'
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (
+            '{"w": ' + F32.format(0, 8) + ', "w": ' + F32.format(8, 16) + "}",
+            r"model\.safetensors: the header: names 'w' twice \(a JSON object with a duplicate key\)",
+        ),
+        (
+            '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "dtype": "I32"}}',
+            r"model\.safetensors: the header: names 'dtype' twice",
+        ),
+        (
+            '{"__metadata__": {"format": "pt", "format": "np"}, "w": ' + F32.format(0, 8) + "}",
+            r"model\.safetensors: the header: names 'format' twice",
+        ),
+    ],
+    ids=["tensor", "field", "metadata"],
+)
+def test_safetensors_header_with_a_duplicate_key_is_refused(tmp_path, header, message):
+    src = tmp_path / "hf"
+    src.mkdir()
+    _safetensors(src / "model.safetensors", header, np.arange(4, dtype=np.float32).tobytes())
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.timeout(30)
+def test_safetensors_index_with_a_duplicate_tensor_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(src / "one.safetensors"))
+    save_file({"b": np.ones(2, np.float32)}, str(src / "two.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "one.safetensors", "b": "two.safetensors", "a": "two.safetensors"}}'
+    )
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.safetensors\.index\.json: names 'a' twice"):
+        jax_ucp.convert(src, tmp_path / "out")

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import jax_ucp
 from jax_ucp.importers.torch.unpickler import (
     MAX_COMPRESSED_MEMBER,
     MAX_INFLATED_TOTAL,
@@ -599,7 +600,6 @@ def test_shared_references_of_real_size_still_load(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
-    import jax_ucp
     from jax_ucp.format import UCPError
 
     src = tmp_path / "src"
@@ -798,3 +798,43 @@ def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
         arch.close()
     with pytest.raises(TorchFileError, match="but the pickle's storage needs 0"):
         load_torch_file(src)
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+def _shared_tuple_key(levels: int) -> bytes:
+    """Pickle ops leaving ``t[levels-1]`` on the stack, ``t[k] = (t[k-1], t[k-1])``: a few bytes
+    per level, ``2**levels`` work to hash."""
+    import pickle as P
+
+    ops = P.EMPTY_TUPLE + P.BINPUT + b"\x00" + P.POP
+    for k in range(1, levels):
+        ops += P.BINGET + bytes([k - 1]) + P.BINGET + bytes([k - 1]) + P.TUPLE2
+        ops += P.BINPUT + bytes([k]) + P.POP
+    return ops + P.BINGET + bytes([levels - 1])
+
+
+@pytest.mark.timeout(10)
+def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
+    """``REDUCE(OrderedDict, ([(key, None)],))`` hashed its key unchecked: a 64-level shared
+    tuple (about 600 bytes of pickle) never finished hashing."""
+    import pickle as P
+
+    from jax_ucp.importers.torch.unpickler import TorchFileError, restricted_loads
+
+    key = _shared_tuple_key(64)
+    bomb = (
+        b"\x80\x02" + P.GLOBAL + b"collections\nOrderedDict\n"
+        + P.MARK + key + P.NONE + P.TUPLE2 + P.LIST + P.TUPLE1 + P.REDUCE + P.STOP
+    )  # fmt: skip
+    with pytest.raises(
+        TorchFileError,
+        match=r"^bomb\.pt: REDUCE collections\.OrderedDict: dict key .* is not a scalar or a flat "
+        r"tuple of scalars",
+    ):
+        restricted_loads(bomb, where="bomb.pt")
+    plain = b"\x80\x02" + P.GLOBAL + b"collections\nOrderedDict\n"
+    plain += P.MARK + P.BINUNICODE + struct.pack("<I", 1) + b"a" + P.NONE + P.TUPLE2
+    plain += P.LIST + P.TUPLE1 + P.REDUCE + P.STOP
+    assert restricted_loads(plain, where="ok.pt") == {"a": None}
