@@ -27,7 +27,12 @@ from jax_ucp.importers.deepspeed import (
 from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed.zero import optimizer_step
 from jax_ucp.importers.torch.unpickler import StandIn, TorchFileError
-from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
+from tests.ucp_testing import (
+    REPO,
+    assert_bit_exact,
+    assert_destination_untouched,
+    copy_deepspeed_fixture,
+)
 
 FIX = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 # the stage x dtype x DP grid (frozen-parameter and ZeRO-0 runs: tests/importers/test_reach.py)
@@ -450,3 +455,157 @@ def test_zero1_adam_step_pickled_as_an_int_imports(tmp_path):
     entry = next(e for e in jax_ucp.inspect(out).tensors if list(e.key) == ["opt_state", "count"])
     values = entry.provenance["values"]
     assert len(values) == 2 and all(v.endswith("base_optimizer_state.state.0.step") for v in values)
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
+
+
+def _copy_fixture(tmp_path, rel: str):
+    dst = tmp_path / os.path.basename(rel)
+    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
+    return dst
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+def _params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+DS = "deepspeed/z2_bf16_dp2/ckpt"
+
+
+DS_RANK1 = "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+LEGACY = "megatron/legacy_gpt_tp2pp2_synthetic"
+
+
+def _link_out(rel):
+    def damage(src, tmp):
+        _move_out(src / rel, tmp / "elsewhere")
+
+    return damage
+
+
+LINKED_OUT = {
+    "DeepSpeed optimizer rank file": (
+        DS,
+        _link_out(DS_RANK1),
+        r"global_step2: file name 'bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt' resolves "
+        r"to \S+/elsewhere/\S+, outside the checkpoint",
+    ),
+    "DeepSpeed model states file": (
+        DS,
+        _link_out("global_step2/mp_rank_00_model_states.pt"),
+        r"file name 'mp_rank_00_model_states\.pt' resolves to \S+/elsewhere/",
+    ),
+    "Megatron torch_dist .distcp": (
+        "megatron/gpt_tp2",
+        _link_out("__1_0.distcp"),
+        r"gpt_tp2/\.metadata: storage file: file name '__1_0\.distcp' resolves to "
+        r"\S+/elsewhere/__1_0\.distcp, outside the checkpoint",
+    ),
+    "Megatron torch_dist common.pt": (
+        "megatron/gpt_tp2",
+        _link_out("common.pt"),
+        r"gpt_tp2: file name 'common\.pt' resolves to \S+/elsewhere/common\.pt, outside",
+    ),
+    "Megatron legacy rank file": (
+        LEGACY,
+        _link_out("iter_0000007/mp_rank_01_001/model_optim_rng.pt"),
+        r"iter_0000007: file name 'mp_rank_01_001/model_optim_rng\.pt' resolves to "
+        r"\S+/elsewhere/",
+    ),
+    "Megatron legacy rank directory": (
+        LEGACY,
+        _link_out("iter_0000007/mp_rank_01_000"),
+        r"iter_0000007: file name 'mp_rank_01_000' resolves to \S+/elsewhere/mp_rank_01_000, "
+        r"outside the checkpoint",
+    ),
+    "DeepSpeed universal zero folder": (
+        "deepspeed/z1_bf16_dp2/universal",
+        _link_out("global_step2_universal/zero"),
+        r"global_step2_universal: file name 'zero' resolves to \S+/elsewhere/zero, outside",
+    ),
+    "torch DCP .metadata": (
+        "torch/fsdp2_fp32",
+        _link_out(".metadata"),
+        r"fsdp2_fp32: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
+    ),
+    "torch Accelerate DCP folder": (
+        "torch/accelerate_fsdp",
+        _link_out("optimizer_0"),
+        r"accelerate_fsdp: file name 'optimizer_0' resolves to \S+/elsewhere/optimizer_0, outside",
+    ),
+    "torch .bin index": (
+        "torch/hf_bin_sharded",
+        _link_out("pytorch_model.bin.index.json"),
+        r"hf_bin_sharded: file name 'pytorch_model\.bin\.index\.json' resolves to \S+/elsewhere/",
+    ),
+    "Megatron Bridge iteration folder": (
+        "megatron_bridge/llama_tp1dp2",
+        _link_out("iter_0000002"),
+        r"llama_tp1dp2: file name 'iter_0000002' resolves to \S+/elsewhere/iter_0000002, "
+        r"outside the checkpoint",
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(LINKED_OUT))
+def test_rank_files_linked_outside_are_refused(tmp_path, case):
+    """A rank file (or rank folder) of a real DeepSpeed / megatron-core checkpoint replaced by a
+    symlink to the same bytes moved elsewhere: refused naming it, nothing written. Before, each
+    was read through the link."""
+    rel, damage, message = LINKED_OUT[case]
+    src = _copy_fixture(tmp_path, rel)
+    damage(src, tmp_path)
+    dst = tmp_path / "out"
+    options = {"vocab_size": 61} if case.startswith("Megatron ") and "Bridge" not in case else {}
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, dst, **options)
+    assert_destination_untouched(dst)
+
+
+@pytest.mark.timeout(120)
+def test_rank_files_and_folders_linked_inside_read_exactly(tmp_path):
+    """Links that stay inside: a DeepSpeed tag folder linked to a folder elsewhere in the
+    checkpoint, a Megatron legacy rank file linked to a copy in its rank folder: both import
+    exactly as the originals."""
+    for rel, options, link in (
+        (DS, {}, lambda src: _link_within(src, "global_step2", src / "kept")),
+        (
+            LEGACY,
+            {"vocab_size": 61},
+            lambda src: _link_within(
+                src, "iter_0000007/mp_rank_01_001/model_optim_rng.pt", src / "iter_0000007/kept"
+            ),
+        ),
+    ):
+        want = _params(
+            jax_ucp.convert(os.path.join(FIXTURE_ROOT, rel), tmp_path / "ref", **options)
+        )
+        src = _copy_fixture(tmp_path, rel)
+        link(src)
+        got = _params(jax_ucp.convert(src, tmp_path / "out", **options))
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert_bit_exact(got[name], want[name], name)
+        for path in (tmp_path / "ref", tmp_path / "out", src):
+            shutil.rmtree(path)
+
+
+def _link_within(src, rel: str, store) -> None:
+    """``src/rel`` moved into ``store`` (inside the checkpoint) and replaced by a link to it."""
+    _move_out(src / rel, store)

@@ -17,7 +17,7 @@ from jax_ucp.exporters import torch_out
 from jax_ucp.importers import registry
 from jax_ucp.importers.torch.optimizer import TorchImportError
 from tests.importers.torch.test_dcp import FIX, assert_matches_run
-from tests.ucp_testing import assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -313,3 +313,51 @@ def test_folder_builder_is_a_torch_save_folder(tmp_path):
     src, _ = _folder(tmp_path, {"a": (4,)}, ["a"])
     assert registry.detect_format(str(src)) == "torch"
     assert os.path.getsize(src / "optimizer.bin") > 0
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
+
+
+def _copy_fixture(tmp_path, rel: str):
+    dst = tmp_path / os.path.basename(rel)
+    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
+    return dst
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+@pytest.mark.timeout(60)
+def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
+    """``pytorch_model.bin.index.json`` shards: one linked elsewhere, or named with a NUL."""
+    src = _copy_fixture(tmp_path, "torch/hf_bin_sharded")
+    _move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"pytorch_model\.bin\.index\.json: weight_map entry '.*': file name "
+        r"'pytorch_model-00002-of-00002\.bin' resolves to \S+/elsewhere/.*outside the checkpoint",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    index = src / "pytorch_model.bin.index.json"
+    data = json.loads(index.read_text())
+    name = sorted(data["weight_map"])[0]
+    data["weight_map"][name] = "pytorch\0model.bin"
+    index.write_text(json.dumps(data))
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"weight_map entry '{name}': file name .* holds a NUL character"
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    single = _copy_fixture(tmp_path, "torch/hf_bin")
+    _move_out(single / "pytorch_model.bin", tmp_path / "elsewhere2")
+    with pytest.raises(jax_ucp.UCPError, match=r"'pytorch_model\.bin' resolves to .*outside"):
+        jax_ucp.convert(single, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
