@@ -45,9 +45,8 @@ def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True
     e = dict(os.environ)
     e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     e["JAX_PLATFORMS"] = "cpu"
-    e["PYTHONPATH"] = os.pathsep.join(
-        [REPO, os.path.dirname(os.path.abspath(__file__)), e.get("PYTHONPATH", "")]
-    )
+    # the repository only: tests/ holds packages named like real ones (tests/orbax/)
+    e["PYTHONPATH"] = os.pathsep.join([REPO, e.get("PYTHONPATH", "")])
     e.update(env or {})
     p = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
