@@ -45,9 +45,8 @@ def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True
     e = dict(os.environ)
     e["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     e["JAX_PLATFORMS"] = "cpu"
-    e["PYTHONPATH"] = os.pathsep.join(
-        [REPO, os.path.dirname(os.path.abspath(__file__)), e.get("PYTHONPATH", "")]
-    )
+    # the repository only: tests/ holds packages named like real ones (tests/orbax/)
+    e["PYTHONPATH"] = os.pathsep.join([REPO, e.get("PYTHONPATH", "")])
     e.update(env or {})
     p = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -59,6 +58,33 @@ def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True
     if check and p.returncode != 0:
         raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr[-4000:]}")
     return p
+
+
+def python_lines(fn, *args, **kwargs):
+    """(what ``fn`` returned or raised, the number of lines of jax_ucp's Python code it ran): a
+    bound on work that holds on a loaded host, unlike a bound in seconds."""
+    import jax_ucp
+
+    package = os.path.dirname(os.path.abspath(jax_ucp.__file__)) + os.sep
+    count = 0
+
+    def local(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename.startswith(package) else None
+
+    before = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        result = fn(*args, **kwargs)
+    except Exception as e:  # the caller checks which error
+        result = e
+    finally:
+        sys.settrace(before)
+    return result, count
 
 
 def copy_deepspeed_fixture(tmp_path, name: str) -> str:

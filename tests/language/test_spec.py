@@ -1,13 +1,26 @@
 """Specs: the TOML file form (round trip, validation errors that name the rule and line),
 import-side matching and strictness, settings expressions."""
 
+from __future__ import annotations
+
+import os
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_ucp import language as L
-from jax_ucp.language import ImportRule, RestoreRule, Root, Spec, SpecError, StrictnessError
+from jax_ucp.language import (
+    ImportRule,
+    RestoreRule,
+    Root,
+    Spec,
+    SpecError,
+    StrictnessError,
+    load_spec,
+    spec_from_toml,
+)
 from tests.ucp_testing import REPO
 
 FEW = settings(max_examples=15, deadline=None)
@@ -312,3 +325,165 @@ def test_megatron_lm_names_map_like_megatron_core():
         dim=1
     )
     assert m["language_model.encoder.layers.1.self_attention.dense.bias"].kind == L.Replicated()
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
+
+
+MEGATRON_DS = "megatron_ds_tp2_dp2_z1_bf16_synthetic"
+
+
+CATASTROPHIC = r"(\w+\.?)+\.never"  # exponential backtracking in Python's re on every name
+
+
+@pytest.mark.timeout(30)
+def test_catastrophic_pattern_in_a_spec_file_matches_in_bounded_time(tmp_path):
+    toml = tmp_path / "hostile.toml"
+    toml.write_text(
+        f"[[import]]\npattern = '{CATASTROPHIC}'\nkind = 'replicated'\n"
+        "[[import]]\npattern = '.*'\nkind = 'replicated'\n"
+    )
+    spec = load_spec(toml)
+    name = "language_model.encoder.layers.0.self_attention.query_key_value.weight" * 20
+    assert spec.match(name).index == 1  # the first rule does not match, the second does
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        (r"(?<=x)w", r"bad regex '\(\?<=x\)w': invalid perl operator"),
+        (r"(?P<a>x)(?P=a)", r"bad regex '\(\?P<a>x\)\(\?P=a\)'"),
+        (r"x{,3}", r"write '\{0,n\}' instead of '\{,n\}'"),
+        ("x" * 5000, r"5000 characters long; at most 4096"),
+    ],
+)
+def test_spec_file_pattern_re2_cannot_run_names_file_and_rule(tmp_path, pattern, message):
+    toml = tmp_path / "bad.toml"
+    toml.write_text(f"name = 'bad'\n\n[[restore]]\npattern = '{pattern}'\n")
+    with pytest.raises(SpecError, match=rf"bad\.toml line 3: restore rule #1: .*{message}"):
+        load_spec(toml)
+
+
+@pytest.mark.timeout(30)
+def test_also_patterns_round_trip_through_toml():
+    """``also`` (the name must match these too) is part of the file form."""
+    from jax_ucp.language import ImportRule, Spec, spec_to_toml
+
+    spec = Spec(imports=[ImportRule("a.*", "replicated", also=("(?:.*b)",))], strict=False)
+    back = spec_from_toml(spec_to_toml(spec))
+    assert back.imports == spec.imports
+    assert back.match("axb") is not None and back.match("axc") is None
+
+
+DEEP_TOML = {
+    "arrays nested 100k deep": "name = 'x'\nsettings = {a = "
+    + "[" * 100_000
+    + "]" * 100_000
+    + "}\n",
+    "inline tables nested 100k deep": "[settings]\na = " + "{b = " * 100_000 + "1" + "}" * 100_000,
+    "a dotted key of 100k parts": "[settings]\n" + ".".join(["k"] * 100_000) + " = 1\n",
+    "a table header of 100k parts": "[" + ".".join(["k"] * 100_000) + "]\n",
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", sorted(DEEP_TOML))
+def test_deeply_nested_spec_file_is_refused_naming_it(tmp_path, case):
+    toml = tmp_path / "deep.toml"
+    toml.write_text(DEEP_TOML[case])
+    with pytest.raises(SpecError, match=r"deep\.toml line \d+: nested deeper than 64 levels"):
+        load_spec(toml)
+
+
+@pytest.mark.timeout(30)
+def test_nesting_inside_strings_and_comments_is_not_counted():
+    """Brackets and dots in regexes, strings and comments are text, not nesting."""
+    deep = "[" * 100 + "." * 100
+    text = (
+        f"name = 'x' # {deep}\n"
+        f'description = """{deep}\\""""\n'
+        f"[[import]]\npattern = '{'[a]' * 100}.*'\nlabel = \"{deep}\"\nkind = 'replicated'\n"
+    )
+    spec = spec_from_toml(text, source="ok.toml")
+    assert spec.description == deep + '"'
+    assert spec.match("a" * 100 + "b") is not None
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "toml, message",
+    [
+        (
+            "[[import]]\npattern = 'w'\nkind = 'partitioned'\ndim = '" + "1+" * 50_000 + "1'\n",
+            r"big\.toml line 1: import rule #1: kind 'partitioned': parameter 'dim' holds a string "
+            r"of 100001 characters; at most 1000",
+        ),
+        (
+            "[[restore]]\npattern = 'w'\nops = [{op = 'transpose', perm = ['"
+            + "1+" * 50_000
+            + "1', '0']}]\n",
+            r"big\.toml line 1: restore rule #1 op #1: op 'transpose': parameter 'perm' holds a "
+            r"string of 100001 characters",
+        ),
+        (
+            "[[restore]]\npattern = 'w'\ntarget = 'w_{" + "1+" * 50_000 + "1}'\n",
+            r"big\.toml line 1: restore rule #1: w: target must be a template string of at most "
+            r"4096 characters",
+        ),
+    ],
+)
+def test_huge_expression_in_a_spec_file_is_refused_naming_it(tmp_path, toml, message):
+    path = tmp_path / "big.toml"
+    path.write_text(toml)
+    with pytest.raises(SpecError, match=message):
+        load_spec(path)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("1+" * 50_000 + "1", r"is 100001 characters long; at most 1000"),
+        ("-" * 999 + "1", r"nests deeper than 64 levels"),
+        ("1+" * 400 + "1", r"nests deeper than 64 levels"),
+    ],
+)
+def test_expression_size_and_depth_are_bounded(expression, message):
+    from jax_ucp.language.settings import eval_int
+
+    with pytest.raises(SpecError, match=rf"^rule: expression .*{message}"):
+        eval_int(expression, {}, where="rule: ")
+    assert eval_int("(" * 150 + "hidden * 4" + ")" * 150, {"hidden": 3}) == 12
+
+
+@pytest.mark.timeout(30)
+def test_spec_file_bigger_than_the_cap_is_refused_unread(tmp_path):
+    path = tmp_path / "huge.toml"
+    with open(path, "wb") as f:
+        f.truncate((4 << 20) + 1)
+    with pytest.raises(SpecError, match=r"huge\.toml: more than 4194304 bytes; not a spec file"):
+        load_spec(path)
+
+
+@pytest.mark.timeout(60)
+def test_cli_reports_a_spec_error_like_other_errors(tmp_path):
+    """A deep spec file given to ``jax-ucp convert`` is one clear line and exit 1, not a
+    traceback (a RecursionError before)."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    toml = tmp_path / "deep.toml"
+    toml.write_text(DEEP_TOML["arrays nested 100k deep"])
+    src = os.path.join(FIXTURES, MEGATRON_DS, "ckpt")
+    r = CliRunner().invoke(
+        app, ["convert", "deepspeed", src, str(tmp_path / "out"), "--spec", str(toml)]
+    )
+    assert r.exit_code == 1, r.output
+    assert "error:" in r.output and "nested deeper than 64 levels" in r.output
+    assert "Traceback" not in r.output
+    assert not os.path.exists(tmp_path / "out")

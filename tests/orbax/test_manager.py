@@ -1,5 +1,7 @@
 """jax_ucp inside Orbax's CheckpointManager: async saves, retention, composites, new process."""
 
+from __future__ import annotations
+
 import importlib
 import json
 import os
@@ -11,6 +13,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import orbax.checkpoint.experimental.v1 as ocp_v1
+import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -167,3 +170,35 @@ def test_step_written_under_the_old_handler_name_restores(tmp_path):
     check(loaded["model"])
     assert loaded["meta"] == {"step": 3}
     check(jax_ucp.restore(run / "3"))
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+@pytest.mark.timeout(120)
+def test_orbax_step_whose_ucp_item_is_linked_outside_is_refused(tmp_path):
+    """An Orbax step (written by a CheckpointManager) whose UCP item folder is a link to
+    another checkpoint: ``restore(step)`` refuses it; the real item restores."""
+    step = tmp_path / "run" / "3"
+    shutil.copytree(os.path.join(FIXTURE_ROOT, "orbax_manager_step", "3"), step)
+    want = jax_ucp.restore(step)["params"]
+    _move_out(step / "model", tmp_path / "elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"file name 'model' resolves to \S+/elsewhere/model, outside"
+    ):
+        jax_ucp.restore(step)
+    got = jax_ucp.restore(tmp_path / "elsewhere" / "model")["params"]
+    for name in want:
+        assert_bit_exact(got[name], want[name], name)

@@ -31,7 +31,9 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def _wait_for(port: int, proc: subprocess.Popen, what: str) -> None:
-    for _ in range(200):
+    """Until the server listens or exits: a start slowed by a loaded host is no failure (the
+    test's timeout guards a server that neither listens nor exits)."""
+    while True:
         if proc.poll() is not None:
             proc.stdout.seek(0)
             raise RuntimeError(f"{what} exited: {proc.stdout.read()[-2000:]}")
@@ -39,7 +41,6 @@ def _wait_for(port: int, proc: subprocess.Popen, what: str) -> None:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
         time.sleep(0.05)
-    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port}")
 
 
 def _server(cmd: list[str], port: int, what: str):

@@ -1,10 +1,14 @@
 """store.shard_writer writes exactly the bytes TensorStore writes, and only where it can;
 store.shard_reader reads them back."""
 
+from __future__ import annotations
+
 import asyncio
 import contextlib
 import itertools
 import os
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -444,3 +448,55 @@ def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
     assert shard_reader.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
     with pytest.raises(FileNotFoundError):
         shard_reader.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "compression, checksum",
+    [(None, "crc32c"), (None, None), ("zstd", "crc32c"), ("zstd", None)],
+    ids=["plain", "no_checksum", "zstd", "zstd_no_checksum"],
+)
+def test_own_shard_file_or_array_linked_outside_is_refused(tmp_path, compression, checksum):
+    """A shard file of a jax_ucp checkpoint replaced by a symlink to an identical copy outside
+    (its digest matches, and without checksums there is none), or a whole array folder linked
+    elsewhere: ``restore`` and ``verify`` refuse it naming the file, on jax_ucp's own reader
+    (uncompressed) and before TensorStore reads (zstd). Linked inside, it reads exactly."""
+    tree = {"w": np.arange(24, dtype=np.float32).reshape(4, 6), "b": np.ones(5, np.float32)}
+    ckpt = tmp_path / "ckpt"
+    jax_ucp.save(ckpt, tree, compression=compression, checksum=checksum)
+    shard = next(p for p in (ckpt / "arrays").rglob("*") if p.is_file() and "/w/c" in str(p))
+    moved = ckpt / "kept" / "w-shard"
+    moved.parent.mkdir()
+    shutil.move(shard, moved)
+    shard.symlink_to(moved)
+    assert_bit_exact(jax_ucp.restore(ckpt)["w"], tree["w"], "w")  # a link that stays inside
+    target = _move_out(moved, tmp_path / "elsewhere")
+    shard.unlink()
+    shard.symlink_to(target)
+    outside = r"file name '\S*c/0(/0)?' resolves to \S+/elsewhere/w-shard, outside the checkpoint"
+    with pytest.raises(jax_ucp.UCPError, match=outside):
+        jax_ucp.restore(ckpt)
+    (problem,) = jax_ucp.verify(ckpt)
+    assert problem[0] == "w" and re.search(outside, problem[1]), problem
+    array = shard.parent
+    while array.parent.name != "arrays":
+        array = array.parent
+    _move_out(array, tmp_path / "arrays_elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"Tensor 'w': ucp\.json: file name 'arrays/{array.name}/zarr\.json' resolves to "
+        r"\S+/arrays_elsewhere/",
+    ):
+        jax_ucp.restore(ckpt)

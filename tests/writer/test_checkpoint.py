@@ -1,6 +1,11 @@
 """The importers' write path: a stream of host tensors, one at a time, committed atomically."""
 
+from __future__ import annotations
+
+import glob
 import os
+import re
+import threading
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +15,12 @@ import tensorstore as ts
 
 import jax_ucp
 from jax_ucp.orbax.manager_step import write_manager_step
-from jax_ucp.writer import HostItem, write_host_checkpoint
+from jax_ucp.writer import (
+    HostItem,
+    SharedWriteError,
+    write_host_checkpoint,
+    write_shared_checkpoint,
+)
 from tests.ucp_testing import assert_bit_exact
 
 
@@ -131,3 +141,107 @@ def test_standalone_write_creates_parents_and_force_never_replaces_a_plain_file(
         write_host_checkpoint(tmp_path / "f", iter([HostItem(("x",), np.zeros(2))]), force=True)
     assert (tmp_path / "f").read_text() == "not a checkpoint"  # the user's file is untouched
     assert sorted(os.listdir(tmp_path)) == ["a", "f"]
+
+
+# write_shared_checkpoint: each process writes its tensors; only what every process reported
+# is committed.
+
+
+def _beside(tmp_path, name) -> list[str]:
+    return sorted(d for d in os.listdir(tmp_path) if d.startswith((name + ".", "." + name + ".")))
+
+
+class _Exchange:
+    """``gather`` for threads standing in for the processes of a shared write."""
+
+    def __init__(self, count: int):
+        self.count, self.values, self.cond = count, {}, threading.Condition()
+
+    def gather_of(self, index: int, before=None):
+        def gather(step, value, wait=True):
+            if before is not None:
+                before(step)
+            with self.cond:
+                self.values[step, index] = value
+                self.cond.notify_all()
+                if not wait:
+                    return []
+                everyone = lambda: all((step, i) in self.values for i in range(self.count))  # noqa: E731
+                assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
+                return [self.values[step, i] for i in range(self.count)]
+
+        return gather
+
+
+def _shared_write(dest, keys_of, before_of=lambda i: None):
+    """Process i (a thread) writes ``keys_of(i)``; each thread's result or error."""
+    exchange, results = _Exchange(2), [None, None]
+
+    def items_of(i):
+        for k in keys_of(i):  # "step": a JSON scalar, no array
+            value = 7 if k == "step" else np.full((4, 3), len(k), np.float32)
+            yield HostItem(("params", k), value, role="param")
+
+    def run(i):
+        items = items_of(i)
+        gather = exchange.gather_of(i, before_of(i))
+        try:
+            results[i] = write_shared_checkpoint(dest, items, index=i, count=2, gather=gather)
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results
+
+
+@pytest.mark.timeout(60)
+def test_shared_write_commits_only_the_parts_its_processes_reported(tmp_path):
+    """The primary merges a part only if it is byte for byte the one its process reported
+    (sha256 exchanged with its "done"): a part changed after it was reported is an error in
+    both processes naming it, and nothing is committed or left behind."""
+    dest = str(tmp_path / "out")
+
+    def change_after_reporting(i):
+        def before(step):
+            if i == 1 and step == "written":  # its sha256 is in the value it is posting
+                (part,) = glob.glob(dest + ".ucp-tmp-*/ucp.part-1.json")
+                with open(part, "a") as f:
+                    f.write(" ")
+
+        return before
+
+    keys = [["a", "c"], ["b", "d"]]
+    results = _shared_write(dest, keys.__getitem__, change_after_reporting)
+    assert isinstance(results[0], SharedWriteError), results
+    assert re.fullmatch(
+        r".*/out\.ucp-tmp-[^/]*/ucp\.part-1\.json: not the part process 1 reported "
+        r"\(sha256 [0-9a-f]{64}, found [0-9a-f]{64}\)",
+        str(results[0]),
+    ), results[0]
+    assert isinstance(results[1], SharedWriteError)
+    assert str(results[1]).startswith(
+        f"{dest}: not committed; it failed in process 0: SharedWriteError: "
+    )
+    assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []
+    results = _shared_write(dest, keys.__getitem__)  # the same, untouched: committed
+    assert results == [dest, dest]
+    assert sorted(jax_ucp.restore(dest)["params"]) == ["a", "b", "c", "d"]
+
+
+@pytest.mark.timeout(60)
+def test_shared_write_refuses_a_tensor_written_by_two_processes(tmp_path):
+    dest = str(tmp_path / "out")
+    """An entry in two processes' parts (their shares overlap) is refused by the merge: a
+    tensor's second writer already fails (its array exists), a JSON value has no file."""
+    keys = [["a", "step"], ["b", "step"]]
+    results = _shared_write(dest, keys.__getitem__)
+    assert isinstance(results[0], SharedWriteError)
+    assert str(results[0]).endswith(
+        "ucp.part-1.json: 'params/step' written by process 0 and process 1"
+    ), results[0]
+    assert str(results[1]).startswith(f"{dest}: not committed; it failed in process 0: ")
+    assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []

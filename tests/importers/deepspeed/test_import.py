@@ -18,14 +18,21 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert_deepspeed
+from jax_ucp.exporters import torch_out
 from jax_ucp.importers.deepspeed import (
     DeepSpeedImportError,
     is_deepspeed_checkpoint,
     open_deepspeed_checkpoint,
 )
+from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed.zero import optimizer_step
-from jax_ucp.importers.torch.unpickler import TorchFileError
-from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
+from jax_ucp.importers.torch.unpickler import StandIn, TorchFileError
+from tests.ucp_testing import (
+    REPO,
+    assert_bit_exact,
+    assert_destination_untouched,
+    copy_deepspeed_fixture,
+)
 
 FIX = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 # the stage x dtype x DP grid (frozen-parameter and ZeRO-0 runs: tests/importers/test_reach.py)
@@ -247,3 +254,358 @@ def test_groups_disagreeing_on_step_is_an_error():
         DeepSpeedImportError, match="disagree on the optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"
     ):
         optimizer_step(checkpoint)
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
+
+
+TAG = "global_step2"
+
+
+def _copy(tmp_path, name: str):
+    dst = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, name, "ckpt"), dst)
+    return dst
+
+
+def _as_nodes(obj, arrays: list):
+    """A loaded DeepSpeed object as the torch-free writer's nodes (tensors -> TensorSlot)."""
+    if isinstance(obj, np.ndarray):
+        arrays.append(obj)
+        return torch_out.TensorSlot(len(arrays) - 1, tuple(obj.shape), obj.dtype)
+    if isinstance(obj, StandIn):
+        module, name = type(obj).qualname.rsplit(".", 1)
+        state = {k: _as_nodes(v, arrays) for k, v in obj.__dict__.items() if k != "args"}
+        return torch_out.New(torch_out.Global(module, name), state)
+    if isinstance(obj, int) and hasattr(type(obj), "qualname"):  # an IntEnum stand-in
+        module, name = type(obj).qualname.rsplit(".", 1)
+        return torch_out.Call(torch_out.Global(module, name), (int(obj),))
+    if isinstance(obj, dict):
+        return {k: _as_nodes(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_as_nodes(v, arrays) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_as_nodes(v, arrays) for v in obj)
+    return obj
+
+
+def _rewrite(path, edit) -> None:
+    """``edit(obj)`` on the unpickled file (copied out of its memory map), saved back in place
+    under the same name (the name inside the archive stays the file's)."""
+    obj = deepspeed_files.load_deepspeed_file(str(path))
+    arrays: list = []
+    nodes = _as_nodes(obj, arrays)
+    arrays = [np.array(a) for a in arrays]
+    edit(nodes, arrays)
+    os.unlink(path)
+    torch_out.save_file(str(path), nodes, arrays)
+
+
+def _restore_params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+@pytest.mark.timeout(120)
+def test_rewriting_a_deepspeed_file_keeps_it_exact(tmp_path):
+    """The helper every DeepSpeed case below relies on: a file read and written back unchanged
+    imports bit-exact."""
+    src = _copy(tmp_path, "z2_fp32_dp2")
+    for name in os.listdir(src / TAG):
+        _rewrite(src / TAG / name, lambda nodes, arrays: None)
+    jax_ucp.convert(src, tmp_path / "rewritten")
+    jax_ucp.convert(os.path.join(FIXTURES, "z2_fp32_dp2", "ckpt"), tmp_path / "original")
+    got, want = _restore_params(tmp_path / "rewritten"), _restore_params(tmp_path / "original")
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+
+
+ZERO2 = "z2_fp32_dp2"
+
+
+RANK0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+
+
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def _set_fragment(src, name: str, **address) -> None:
+    def edit(nodes, arrays):
+        nodes["optimizer_state_dict"]["param_slice_mappings"][0][name].state.update(address)
+
+    _rewrite(src / TAG / RANK0, edit)
+
+
+def _drop_module_weights(src) -> None:
+    """Without the model weights beside them, nothing else could catch a wrong master."""
+
+    def edit(nodes, arrays):
+        nodes["module"] = {}
+
+    _rewrite(src / TAG / MODEL, edit)
+
+
+def _set_shape(src, name: str, shape) -> None:
+    def edit(nodes, arrays):
+        nodes["param_shapes"][0][name] = torch_out.torch_size(shape)
+
+    _rewrite(src / TAG / MODEL, edit)
+
+
+FRAGMENT_CASES = {
+    # h.0.attn_proj.weight is [1552, 1808) of rank 0's partition, its bias [1808, 1824)
+    "a parameter mapped onto another's range": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", start=1552),
+        rf"{RANK0}: parameters 'h\.0\.attn_proj\.bias' \(elements \[1552, 1568\)\) and "
+        r"'h\.0\.attn_proj\.weight' \(\[1552, 1808\)\) overlap in group 0's partition",
+    ),
+    "a negative start": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", start=-16),
+        rf"{RANK0}: parameter 'h\.0\.attn_proj\.bias': fragment_address start=-16 numel=16; "
+        r"expected a start >= 0 and numel > 0",
+    ),
+    "a negative numel": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", numel=-16),
+        rf"{RANK0}: parameter 'h\.0\.attn_proj\.bias': fragment_address start=1808 numel=-16",
+    ),
+    "a fragment past its partition": (
+        lambda src: _set_fragment(src, "h.0.attn_proj.bias", start=3960),
+        rf"{RANK0}: parameter 'h\.0\.attn_proj\.bias': fragment \[3960, 3976\) reaches past the "
+        r"end of group 0's partition of 3964 elements",
+    ),
+    "a negative dim in param_shapes": (
+        lambda src: _set_shape(src, "h.0.attn_proj.weight", (-16, -16)),
+        rf"{MODEL}: param_shapes\['h\.0\.attn_proj\.weight'\] is \(-16, -16\); expected a shape "
+        r"of non-negative integers",
+    ),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("case", sorted(FRAGMENT_CASES))
+def test_bad_fragment_map_is_refused_before_reading(tmp_path, case):
+    damage, message = FRAGMENT_CASES[case]
+    src = _copy(tmp_path, ZERO2)
+    _drop_module_weights(src)
+    damage(src)
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"global_step2\x00", r"latest: names tag 'global_step2\\x00', which holds the control "),
+        (b"global_\x00step2\n", r"latest: names tag 'global_\\x00step2', which holds the control "),
+        (b"global_step2\xff", r"latest: not UTF-8 text \(byte 12\)"),
+    ],
+)
+def test_deepspeed_latest_with_a_nul_or_bad_bytes_is_a_clear_error(tmp_path, content, message):
+    src = _copy(tmp_path, ZERO2)
+    (src / "latest").write_bytes(content)
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+# Inputs a careless or hostile user hands over, built here torch-free: each imports exactly or is
+# refused naming the file, the key and the cause (never an internal "please report").
+
+
+def _steps_as_ints(src) -> float:
+    """Every rank's Adam ``step`` rewritten as a Python int (older torch pickled ints); returns
+    the step the tensors held."""
+    steps = []
+    for path in sorted((src / TAG).glob("*optim_states.pt")):
+
+        def edit(nodes, arrays):
+            for group in nodes["optimizer_state_dict"]["base_optimizer_state"]["state"].values():
+                value = float(arrays[group["step"].index].reshape(()))
+                steps.append(value)
+                group["step"] = int(value)
+
+        _rewrite(path, edit)
+    assert len(set(steps)) == 1 and steps
+    return steps[0]
+
+
+def _flat(tree, prefix=()) -> dict:
+    if isinstance(tree, dict):
+        return {k: v for name, sub in tree.items() for k, v in _flat(sub, (*prefix, name)).items()}
+    return {prefix: tree}
+
+
+@pytest.mark.timeout(120)
+def test_zero1_adam_step_pickled_as_an_int_imports(tmp_path):
+    src = _copy(tmp_path, "z1_fp32_dp2")
+    truth = jax_ucp.restore(jax_ucp.convert(_copy(tmp_path / "t", "z1_fp32_dp2"), tmp_path / "u"))
+    step = _steps_as_ints(src)
+    out = jax_ucp.convert(src, tmp_path / "out")
+    restored = jax_ucp.restore(out)
+    assert int(restored["opt_state"]["count"]) == int(step) == int(truth["opt_state"]["count"])
+    flat, want = _flat(restored), _flat(truth)
+    assert flat.keys() == want.keys()
+    for key, value in want.items():
+        assert np.array_equal(np.asarray(flat[key]), np.asarray(value)), key
+    entry = next(e for e in jax_ucp.inspect(out).tensors if list(e.key) == ["opt_state", "count"])
+    values = entry.provenance["values"]
+    assert len(values) == 2 and all(v.endswith("base_optimizer_state.state.0.step") for v in values)
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
+
+
+def _copy_fixture(tmp_path, rel: str):
+    dst = tmp_path / os.path.basename(rel)
+    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
+    return dst
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+def _params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+DS = "deepspeed/z2_bf16_dp2/ckpt"
+
+
+DS_RANK1 = "global_step2/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+
+
+LEGACY = "megatron/legacy_gpt_tp2pp2_synthetic"
+
+
+def _link_out(rel):
+    def damage(src, tmp):
+        _move_out(src / rel, tmp / "elsewhere")
+
+    return damage
+
+
+LINKED_OUT = {
+    "DeepSpeed optimizer rank file": (
+        DS,
+        _link_out(DS_RANK1),
+        r"global_step2: file name 'bf16_zero_pp_rank_1_mp_rank_00_optim_states\.pt' resolves "
+        r"to \S+/elsewhere/\S+, outside the checkpoint",
+    ),
+    "DeepSpeed model states file": (
+        DS,
+        _link_out("global_step2/mp_rank_00_model_states.pt"),
+        r"file name 'mp_rank_00_model_states\.pt' resolves to \S+/elsewhere/",
+    ),
+    "Megatron torch_dist .distcp": (
+        "megatron/gpt_tp2",
+        _link_out("__1_0.distcp"),
+        r"gpt_tp2/\.metadata: storage file: file name '__1_0\.distcp' resolves to "
+        r"\S+/elsewhere/__1_0\.distcp, outside the checkpoint",
+    ),
+    "Megatron torch_dist common.pt": (
+        "megatron/gpt_tp2",
+        _link_out("common.pt"),
+        r"gpt_tp2: file name 'common\.pt' resolves to \S+/elsewhere/common\.pt, outside",
+    ),
+    "Megatron legacy rank file": (
+        LEGACY,
+        _link_out("iter_0000007/mp_rank_01_001/model_optim_rng.pt"),
+        r"iter_0000007: file name 'mp_rank_01_001/model_optim_rng\.pt' resolves to "
+        r"\S+/elsewhere/",
+    ),
+    "Megatron legacy rank directory": (
+        LEGACY,
+        _link_out("iter_0000007/mp_rank_01_000"),
+        r"iter_0000007: file name 'mp_rank_01_000' resolves to \S+/elsewhere/mp_rank_01_000, "
+        r"outside the checkpoint",
+    ),
+    "DeepSpeed universal zero folder": (
+        "deepspeed/z1_bf16_dp2/universal",
+        _link_out("global_step2_universal/zero"),
+        r"global_step2_universal: file name 'zero' resolves to \S+/elsewhere/zero, outside",
+    ),
+    "torch DCP .metadata": (
+        "torch/fsdp2_fp32",
+        _link_out(".metadata"),
+        r"fsdp2_fp32: file name '\.metadata' resolves to \S+/elsewhere/\.metadata, outside",
+    ),
+    "torch Accelerate DCP folder": (
+        "torch/accelerate_fsdp",
+        _link_out("optimizer_0"),
+        r"accelerate_fsdp: file name 'optimizer_0' resolves to \S+/elsewhere/optimizer_0, outside",
+    ),
+    "torch .bin index": (
+        "torch/hf_bin_sharded",
+        _link_out("pytorch_model.bin.index.json"),
+        r"hf_bin_sharded: file name 'pytorch_model\.bin\.index\.json' resolves to \S+/elsewhere/",
+    ),
+    "Megatron Bridge iteration folder": (
+        "megatron_bridge/llama_tp1dp2",
+        _link_out("iter_0000002"),
+        r"llama_tp1dp2: file name 'iter_0000002' resolves to \S+/elsewhere/iter_0000002, "
+        r"outside the checkpoint",
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(LINKED_OUT))
+def test_rank_files_linked_outside_are_refused(tmp_path, case):
+    """A rank file (or rank folder) of a real DeepSpeed / megatron-core checkpoint replaced by a
+    symlink to the same bytes moved elsewhere: refused naming it, nothing written. Before, each
+    was read through the link."""
+    rel, damage, message = LINKED_OUT[case]
+    src = _copy_fixture(tmp_path, rel)
+    damage(src, tmp_path)
+    dst = tmp_path / "out"
+    options = {"vocab_size": 61} if case.startswith("Megatron ") and "Bridge" not in case else {}
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, dst, **options)
+    assert_destination_untouched(dst)
+
+
+@pytest.mark.timeout(120)
+def test_rank_files_and_folders_linked_inside_read_exactly(tmp_path):
+    """Links that stay inside: a DeepSpeed tag folder linked to a folder elsewhere in the
+    checkpoint, a Megatron legacy rank file linked to a copy in its rank folder: both import
+    exactly as the originals."""
+    for rel, options, link in (
+        (DS, {}, lambda src: _link_within(src, "global_step2", src / "kept")),
+        (
+            LEGACY,
+            {"vocab_size": 61},
+            lambda src: _link_within(
+                src, "iter_0000007/mp_rank_01_001/model_optim_rng.pt", src / "iter_0000007/kept"
+            ),
+        ),
+    ):
+        want = _params(
+            jax_ucp.convert(os.path.join(FIXTURE_ROOT, rel), tmp_path / "ref", **options)
+        )
+        src = _copy_fixture(tmp_path, rel)
+        link(src)
+        got = _params(jax_ucp.convert(src, tmp_path / "out", **options))
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert_bit_exact(got[name], want[name], name)
+        for path in (tmp_path / "ref", tmp_path / "out", src):
+            shutil.rmtree(path)
+
+
+def _link_within(src, rel: str, store) -> None:
+    """``src/rel`` moved into ``store`` (inside the checkpoint) and replaced by a link to it."""
+    _move_out(src / rel, store)

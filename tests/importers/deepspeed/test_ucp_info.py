@@ -1,6 +1,9 @@
 """DeepSpeed universal_checkpoint_info -> UCP-language import rules, checked against a numpy
 transcription of ds_to_universal's merge_tp_slices decision."""
 
+from __future__ import annotations
+
+import os
 import re
 
 import numpy as np
@@ -8,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import jax_ucp
 from jax_ucp import language as L
 from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+from tests.importers.deepspeed.test_import import FIXTURES, TAG, _copy, _rewrite
 
 INFO = {
     "original_vocab_size": 50,
@@ -138,3 +143,65 @@ def test_spec_from_info_settings_and_strictness():
         strict.classify([n for n in NAMES if "post_attention" not in n])
     with pytest.raises(L.SpecError, match="parameter_with_sub_params"):
         spec_from_ucp_info({"parameter_with_sub_params": [{"patterns": ["x"]}]})
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+MEGATRON_DS = "megatron_ds_tp2_dp2_z1_bf16_synthetic"
+
+
+MP0 = "mp_rank_00_model_states.pt"
+
+
+CATASTROPHIC = r"(\w+\.?)+\.never"  # exponential backtracking in Python's re on every name
+
+
+def _add_ucp_info_pattern(src, key: str, pattern: str) -> None:
+    def edit(nodes, arrays):
+        nodes["universal_checkpoint_info"].setdefault(key, []).append(pattern)
+
+    _rewrite(src / TAG / MP0, edit)
+
+
+@pytest.mark.timeout(60)
+def test_catastrophic_pattern_in_universal_checkpoint_info_imports_exactly(tmp_path):
+    """A pattern that backtracks exponentially in Python's re matches in linear time on RE2: it
+    matches nothing here, so the import is the original's, bit for bit."""
+    src = _copy(tmp_path, MEGATRON_DS)
+    _add_ucp_info_pattern(src, "tp_replicated_parameter_patterns", CATASTROPHIC)
+    _add_ucp_info_pattern(src, "vocabulary_parameter_patterns", CATASTROPHIC)
+    jax_ucp.convert(src, tmp_path / "hostile")
+    jax_ucp.convert(os.path.join(FIXTURES, MEGATRON_DS, "ckpt"), tmp_path / "original")
+    got, want = jax_ucp.restore(tmp_path / "hostile"), jax_ucp.restore(tmp_path / "original")
+    for tree in ("params", "model_params"):
+        assert sorted(got[tree]) == sorted(want[tree])
+        for name in want[tree]:
+            np.testing.assert_array_equal(got[tree][name], want[tree][name])
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "pattern, reason",
+    [
+        (r"(?=language)language_model\..*", r"invalid perl operator: \(\?="),
+        (r"(language)\1", r"invalid escape sequence: \\1"),
+    ],
+)
+def test_pattern_re2_cannot_run_is_an_error_naming_file_and_pattern(tmp_path, pattern, reason):
+    src = _copy(tmp_path, MEGATRON_DS)
+    _add_ucp_info_pattern(src, "parameter_with_row_parallelism_patterns", pattern)
+    with pytest.raises(jax_ucp.UCPError) as e:
+        jax_ucp.convert(src, tmp_path / "out")
+    message = str(e.value)
+    assert message.startswith(str(src / TAG / MP0) + ": universal_checkpoint_info.")
+    assert "parameter_with_row_parallelism_patterns" in message
+    assert repr(pattern) in message
+    assert re_search(reason, message)
+    assert not os.path.exists(tmp_path / "out")
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None

@@ -322,3 +322,99 @@ def test_save_directory_without_latest_train_state_is_found_by_the_tracker(bridg
     source = jax_ucp.inspect(jax_ucp.convert(str(bridge_copy), str(tmp_path / "u"))).source
     assert source["framework"] == "megatron-bridge" and source["iteration"] == 2
     assert source["vocab_stripped"]["output_layer.weight"] == [64, VOCAB]
+
+
+# Inputs a careless or hostile user hands over, built here torch-free: each imports exactly or is
+# refused naming the file, the key and the cause (never an internal "please report").
+
+
+BRIDGE = os.path.join(REPO, "tests", "fixtures", "megatron_bridge", "llama_tp1dp2")
+
+
+def _bridge(tmp_path):
+    dst = tmp_path / "bridge"
+    shutil.copytree(BRIDGE, dst)
+    return dst
+
+
+def _bridge_refused(src, tmp_path, match: str) -> str:
+    from jax_ucp.importers.megatron.bridge import MegatronBridgeError
+
+    with pytest.raises(MegatronBridgeError, match=match) as err:
+        jax_ucp.convert(str(src), str(tmp_path / "ucp"))
+    assert not (tmp_path / "ucp").exists()
+    assert len(str(err.value)) < 1000
+    return str(err.value)
+
+
+def test_bridge_train_state_step_that_only_looks_like_a_tensor_is_named(tmp_path):
+    """``step`` pickled as an OrderedDict given a ``shape`` attribute by BUILD: it has the shape
+    of a 0-d tensor but is none (was a raw AttributeError on ``.item()``)."""
+    import pickle as P
+
+    from tests.importers.torch.test_unpickler import D, G, prog, write_pt
+
+    src = _bridge(tmp_path)
+    step = G("collections", "OrderedDict") + P.EMPTY_TUPLE + P.REDUCE
+    step += P.EMPTY_DICT + D("shape") + D(()) + P.SETITEM + P.BUILD
+    body = P.EMPTY_DICT + D("step") + step + P.SETITEM
+    os.remove(src / "latest_train_state.pt")
+    os.remove(src / ITER / "train_state.pt")
+    write_pt(src / ITER / "train_state.pt", prog(body))
+    _bridge_refused(
+        src / ITER,
+        tmp_path,
+        ITER + r"/train_state\.pt: entry 'step' is \{\}, expected a 0-d tensor",
+    )
+
+
+def test_bridge_train_state_step_of_5000_digits_is_named(tmp_path):
+    """A pickled int past Python's 4300-digit repr limit: the error is built without repr()."""
+    from tests.importers.torch.test_unpickler import D, prog, write_pt
+
+    src = _bridge(tmp_path)
+    os.remove(src / "latest_train_state.pt")
+    os.remove(src / ITER / "train_state.pt")
+    write_pt(src / ITER / "train_state.pt", prog(b"}" + D("step") + D(10**5000) + b"s"))
+    _bridge_refused(
+        src / ITER,
+        tmp_path,
+        ITER + r"/train_state\.pt: entry 'step' is <int of 16610 bits>, expected a 0-d tensor",
+    )
+
+
+def _run_config_with(src, key: str, value: str) -> None:
+    path = src / ITER / "run_config.yaml"
+    text = path.read_text()
+    old = next(line for line in text.splitlines() if line.startswith(f"  {key}: "))
+    path.write_text(text.replace(old + "\n", f"  {key}: {value}\n", 1))
+
+
+@pytest.mark.parametrize(
+    "key, value, shown",
+    [
+        ("hidden_size", "9" * 5000, "9" * 20),  # Python's int-digit limit: was a raw ValueError
+        ("vocab_size", "0x" + "f" * 2_000_000, "0x" + "f" * 18),  # was raised formatting ours
+    ],
+    ids=["5000-digit hidden_size", "2-million-hex-digit vocab_size"],
+)
+def test_bridge_run_config_number_too_long_is_named(tmp_path, key, value, shown):
+    src = _bridge(tmp_path)
+    _run_config_with(src, key, value)
+    _bridge_refused(
+        src,
+        tmp_path,
+        rf"{ITER}/run_config\.yaml: model\.{key} \(line \d+\) is a number of {len(value)} "
+        rf"characters \({shown}\.\.\.\); a run config's numbers have at most 64",
+    )
+
+
+def test_bridge_run_config_integer_beyond_int64_is_named(tmp_path):
+    src = _bridge(tmp_path)
+    _run_config_with(src, "vocab_size", "0x" + "f" * 40)  # 160 bits, short enough to spell
+    _bridge_refused(
+        src,
+        tmp_path,
+        r"run_config\.yaml: model\.vocab_size is an integer of 160 bits, expected a "
+        r"non-negative integer below 2\*\*63",
+    )

@@ -33,8 +33,11 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.exporters import torch_out as T
 from jax_ucp.importers.megatron import MegatronImportError
 from jax_ucp.importers.megatron import dcp as megatron_dcp
+from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
+from tests.megatron_testing import FIX, assert_bit_equal, load_reference
 from tests.ucp_testing import REPO
 
 ROOT = os.path.join(REPO, "tests", "fixtures", "megatron", "mcore_versions", "0.16.1")
@@ -221,3 +224,106 @@ def test_grouped_experts_are_not_read_as_sequential(monkeypatch, tmp_path):
             vocab_size=VOCAB,
         )
     assert not (tmp_path / "out").exists()
+
+
+# ChainedOptimizer states of other layouts (synthetic, built on the real moe_ep2 fixture).
+
+
+def _copy(name, tmp_path):
+    dst = tmp_path / name.replace("/", "_")
+    shutil.copytree(FIX / name, dst)
+    return dst
+
+
+def _untouched(dest):
+    assert not dest.exists()
+    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")]
+
+
+_DTYPE = "dtype_(torch.float32, torch.float32)"
+
+
+_GROUPS = [{"lr": 0.01, "betas": (0.9, 0.95), "eps": 1e-08, "weight_decay": 0.0, "step": 2.0}]
+
+
+def _chained_moe(tmp_path, layout: str):
+    """Synthetic: the real ``moe_ep2`` torch_dist fixture (megatron-core 0.16.1) with the state
+    megatron-core's ChainedOptimizer saves for a MoE model with the distributed optimizer added:
+    optimizer 0 for the dense parameters, optimizer 1 for the experts (their own grad buffer),
+    ``common.pt['optimizer']`` keyed by optimizer index. ``dp_reshardable``: flat bucket vectors
+    under ``chained_N.optimizer.distributed.*`` and per-rank objects; ``fully_reshardable``:
+    model-space ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` (no prefix)."""
+    src = _copy("moe_ep2", tmp_path)
+    tensors, objects = read_layout(src)
+    model = dict(tensors)
+    extra = ExtraFile(src)
+    rng = np.random.default_rng(0)
+    added = []
+    if layout == "dp_reshardable":
+        for index, numel in ((0, 6208), (1, 6144)):
+            prefix = f"chained_{index}.optimizer.distributed.dp_group_idx_0"
+            for state in ("param", "exp_avg", "exp_avg_sq"):
+                name = f"{prefix}.gbuf_idx_0.{_DTYPE}.bucket_idx_0.{state}"
+                tensors[name] = extra.tensor(rng.standard_normal(numel, np.float32))
+                added.append(name)
+            objects[f"{prefix}.optimizer/shard_0_1"] = extra.object([{"param_groups": _GROUPS}])
+            for what in ("per_bucket_numel", "per_bucket_numel_unpadded"):
+                objects[f"{prefix}.{what}/shard_0_1"] = extra.object([[{("f", "f"): [numel]}]])
+    else:
+        for name, t in model.items():
+            for state in ("param", "exp_avg", "exp_avg_sq"):
+                key = f"optimizer.state.{state}.{name}"
+                value = rng.standard_normal(t["shape"]).astype(np.float32)
+                tensors[key] = extra.tensor(value)
+                added.append(key)
+    write_layout(src, tensors, objects)
+    common = {
+        "optimizer": {
+            index: {
+                "param_state_sharding_type": layout,
+                **({"optimizer": {"param_groups": _GROUPS}} if layout != "dp_reshardable" else {}),
+            }
+            for index in (0, 1)
+        }
+    }
+    T.save_file(str(src / "common.pt"), common)
+    return src, added
+
+
+@pytest.mark.timeout(60)
+def test_synthetic_moe_chained_optimizer_of_another_layout_is_refused(tmp_path):
+    """A MoE run's ChainedOptimizer state (dense and expert parameters each with their own
+    optimizer) is imported when its buckets are megatron-core's layout (real fixtures:
+    the tests above); synthetic buckets of other sizes are refused naming
+    the bucket, the recorded size and the way out, nothing written. Before: dp_reshardable
+    exited 0 with the flat bucket buffers written as weights under params/ and the Adam state
+    dropped."""
+    src, _ = _chained_moe(tmp_path, "dp_reshardable")
+    dest = tmp_path / "out"
+    with pytest.raises(
+        MegatronImportError,
+        match=r"\.metadata \(model-parallel rank 0\): bucket 0 would end after "
+        r"'embedding\.word_embeddings\.weight' at element 7488, but megatron-core recorded 6208 "
+        r".*convert\(\.\.\., weights_only=True\) / jax-ucp convert --weights-only",
+    ):
+        jax_ucp.convert(str(src), str(dest), vocab_size=61)
+    _untouched(dest)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("layout", ["dp_reshardable", "fully_reshardable"])
+def test_synthetic_moe_chained_optimizer_weights_only_lists_every_optimizer_tensor(
+    tmp_path, layout
+):
+    """weights_only=True: the model weights exactly as saved, nothing else under params/, and
+    every optimizer tensor named in source.skipped with its reason."""
+    src, added = _chained_moe(tmp_path, layout)
+    ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"), weights_only=True)
+    got = jax_ucp.restore(ckpt)
+    ref = load_reference("moe_ep2")
+    assert sorted(got) == ["params"] and sorted(got["params"]) == sorted(ref)
+    for name, want in ref.items():
+        assert_bit_equal(got["params"][name], want, name)
+    skipped = jax_ucp.inspect(ckpt).source["skipped"]
+    assert sorted(skipped) == sorted(added)
+    assert all(why.startswith("weights_only: optimizer state") for why in skipped.values())

@@ -1,8 +1,11 @@
 """Orbax checkpoints in (convert) and out (export to="orbax"): every layout Orbax writes, checked
 bit-exact against the live state Orbax was given, restored onto another mesh."""
 
+from __future__ import annotations
+
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +22,7 @@ from jax_ucp.exporters.orbax_out import export_orbax
 from jax_ucp.importers import plan_import
 from jax_ucp.importers.orbax import OrbaxImportError
 from jax_ucp.writer import Deferred
-from tests.ucp_testing import assert_bit_exact, mesh
+from tests.ucp_testing import assert_bit_exact, assert_destination_untouched, mesh
 
 
 def _state():
@@ -282,3 +285,122 @@ def test_cli_convert_and_export_orbax_at_80_columns(tmp_path):
     )
     assert result.exit_code == 1
     assert "a single Orbax checkpoint has no steps (tag=3)" in result.output.replace("\n", "")
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+def _params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+def _orbax(path, tree, ocdbt: bool = False):
+    import orbax.checkpoint as ocp
+
+    ocp.PyTreeCheckpointer(use_ocdbt=ocdbt).save(path, tree)
+    return path
+
+
+def _rename_leaf(ckpt, old: tuple, keys: list) -> None:
+    """The ``_METADATA`` entry of leaf ``old`` given the key path ``keys`` instead (Orbax reads
+    the array from the directory or OCDBT key ``'.'.join(keys)``)."""
+    meta_file = ckpt / "_METADATA"
+    meta = json.loads(meta_file.read_text())
+    entry = meta["tree_metadata"].pop(str(old))
+    entry["key_metadata"] = [{"key": k, "key_type": 2} for k in keys]
+    meta["tree_metadata"][str(tuple(keys))] = entry
+    meta_file.write_text(json.dumps(meta))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_leaf_name_joining_to_an_absolute_path_is_refused(tmp_path, ocdbt):
+    """An Orbax ``_METADATA`` whose key path joins to another checkpoint's array directory
+    (``/abs/other/params`` + ``w``): before, the other checkpoint's array was imported and its
+    absolute path recorded as provenance."""
+    tree = {"params": {"w": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}}
+    other = _orbax(tmp_path / "other", {"params": {"w": np.full(4, 7, np.float32)}}, ocdbt)
+    mine = _orbax(tmp_path / "mine", tree, ocdbt)
+    _rename_leaf(mine, ("params", "w"), [f"{other}/params", "w"])
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"mine/_METADATA: array '{other}/params\.w': file name '{other}/params\.w' is an "
+        r"absolute path",
+    ):
+        jax_ucp.convert(mine, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+    for keys, message in (
+        (["", "", "/other/params", "w"], r"'\.\./other/params\.w' has a '\.\.' part"),
+        (["params", "w\0"], r"holds a NUL character"),
+    ):
+        _rename_leaf(mine, tuple(_key_path(mine)), keys)
+        with pytest.raises(jax_ucp.UCPError, match=message):
+            jax_ucp.convert(mine, tmp_path / "out")
+        assert_destination_untouched(tmp_path / "out")
+
+
+def _key_path(ckpt) -> list:
+    """The key path of the one ``_METADATA`` entry not named ``('params', 'b')``."""
+    meta = json.loads((ckpt / "_METADATA").read_text())["tree_metadata"]
+    (entry,) = [e for k, e in meta.items() if k != str(("params", "b"))]
+    return [k["key"] for k in entry["key_metadata"]]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_files_linked_outside_are_refused_and_inside_links_read(tmp_path, ocdbt):
+    """A chunk file (zarr) or OCDBT data file that is a symlink leading out of the checkpoint:
+    refused naming it, nothing written (TensorStore would have read it). Linked within the
+    checkpoint, the same files import exactly."""
+    tree = {"params": {"w": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}}
+    mine = _orbax(tmp_path / "mine", tree, ocdbt)
+    data = sorted(
+        p for p in mine.rglob("*") if p.is_file() and (ocdbt and "/d/" in str(p) or p.name == "0")
+    )
+    assert data, "the fixture has no data file"
+    inner = mine / "moved"
+    inner.mkdir()
+    for i, p in enumerate(data):
+        shutil.move(p, inner / str(i))
+        p.symlink_to(inner / str(i))
+    got = _params(jax_ucp.convert(mine, tmp_path / "ok"))
+    for name, value in tree["params"].items():
+        assert_bit_exact(got[name], value, name)
+    target = _move_out(inner / "0", tmp_path / "elsewhere")
+    (inner / "0").unlink()
+    data[0].unlink()
+    data[0].symlink_to(target)
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=rf"mine: file: file name '{os.path.relpath(data[0], mine)}' resolves to "
+        r"\S+/elsewhere/0, outside the checkpoint",
+    ):
+        jax_ucp.convert(mine, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ocdbt", [False, True], ids=["zarr", "ocdbt"])
+def test_orbax_export_of_a_key_naming_an_absolute_path_writes_nothing_outside(tmp_path, ocdbt):
+    """A jax_ucp checkpoint whose tensor key is an absolute path: Orbax would write that array's
+    folder there (its folder is the joined key path). The export is refused before Orbax runs;
+    nothing appears at that path."""
+    from jax_ucp.exporters import orbax_out
+
+    victim = tmp_path / "victim"
+    ckpt = tmp_path / "ckpt"
+    jax_ucp.save(ckpt, {str(victim): np.ones(3, np.float32), "ok": np.zeros(2, np.float32)})
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"ucp\.json: tensor '{victim}': file name .* is an absolute path"
+    ):
+        orbax_out.export_orbax(ckpt, tmp_path / "orbax", use_ocdbt=ocdbt)
+    assert not victim.exists() and not (tmp_path / "orbax").exists()

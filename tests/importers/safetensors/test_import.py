@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jax_ucp
-from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -161,3 +163,185 @@ def test_trainer_checkpoint_with_optimizer_state_needs_weights_only(tmp_path):
     # the file by its own path is that file only
     ckpt = jax_ucp.convert(str(folder / "model.safetensors"), str(tmp_path / "file"))
     assert_bit_exact(jax_ucp.restore(ckpt)["params"]["w"], tensors["w"])
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+def _safetensors(path, header_json: str, data: bytes) -> None:
+    """A safetensors file with this exact header text (duplicate keys survive)."""
+    raw = header_json.encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)
+
+
+F32 = '{{"dtype": "F32", "shape": [2], "data_offsets": [{0}, {1}]}}'
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "header, message",
+    [
+        (
+            '{"w": ' + F32.format(0, 8) + ', "w": ' + F32.format(8, 16) + "}",
+            r"model\.safetensors: the header: names 'w' twice \(a JSON object with a duplicate key\)",
+        ),
+        (
+            '{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8], "dtype": "I32"}}',
+            r"model\.safetensors: the header: names 'dtype' twice",
+        ),
+        (
+            '{"__metadata__": {"format": "pt", "format": "np"}, "w": ' + F32.format(0, 8) + "}",
+            r"model\.safetensors: the header: names 'format' twice",
+        ),
+    ],
+    ids=["tensor", "field", "metadata"],
+)
+def test_safetensors_header_with_a_duplicate_key_is_refused(tmp_path, header, message):
+    src = tmp_path / "hf"
+    src.mkdir()
+    _safetensors(src / "model.safetensors", header, np.arange(4, dtype=np.float32).tobytes())
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.timeout(30)
+def test_safetensors_index_with_a_duplicate_tensor_is_refused(tmp_path):
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(src / "one.safetensors"))
+    save_file({"b": np.ones(2, np.float32)}, str(src / "two.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "one.safetensors", "b": "two.safetensors", "a": "two.safetensors"}}'
+    )
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.safetensors\.index\.json: names 'a' twice"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+def _params(path) -> dict:
+    return jax_ucp.restore(path)["params"]
+
+
+def _hf_cache(tmp_path, tensors: dict) -> tuple:
+    """A Hugging Face cache repo as ``huggingface_hub`` lays it out: the files in
+    ``blobs/<sha256>``, ``snapshots/<rev>/`` holding relative links to them (index included)."""
+    import hashlib
+
+    from safetensors.numpy import save_file
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, snap = repo / "blobs", repo / "snapshots" / ("c0ffee" * 6 + "beef")
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(snap.name)
+    staging = tmp_path / "staging"
+    staging.mkdir()
+    weight_map = {}
+    for i, (name, value) in enumerate(sorted(tensors.items())):
+        shard = f"model-{i + 1:05d}-of-{len(tensors):05d}.safetensors"
+        save_file({name: value}, str(staging / shard))
+        weight_map[name] = shard
+    (staging / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    for f in sorted(staging.iterdir()):
+        sha = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.move(f, blobs / sha)
+        (snap / f.name).symlink_to(f"../../blobs/{sha}")
+    return repo, snap
+
+
+@pytest.mark.timeout(120)
+def test_hugging_face_cache_snapshot_imports_and_restores(tmp_path):
+    """Every file of a cache snapshot is a link to ``../../blobs/<sha>``, outside the snapshot
+    folder but inside the cache repo: imported and restored straight from it, exactly, under the
+    snapshot's file names."""
+    want = {
+        "embed.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
+        "norm.weight": np.linspace(0, 1, 4).astype(np.float32),
+    }
+    _, snap = _hf_cache(tmp_path, want)
+    out = jax_ucp.convert(snap, tmp_path / "out")
+    got = _params(out)
+    for name, value in want.items():
+        assert_bit_exact(got[name], value, name)
+    assert jax_ucp.inspect(out).source["files"] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
+    direct = jax_ucp.restore(snap)  # restore straight from safetensors: the same checks
+    for name, value in want.items():
+        assert_bit_exact(direct["params"][name], value, name)
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_shard_linked_outside_is_refused(tmp_path):
+    """A snapshot link leading out of the cache repo, a folder's one file and an index's shard
+    linked elsewhere: refused naming the entry, on import and on restore."""
+    repo, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
+    shard = snap / "model-00002-of-00002.safetensors"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(shard, elsewhere / "b.safetensors")
+    shard.unlink()
+    shard.symlink_to(elsewhere / "b.safetensors")
+    message = (
+        r"model\.safetensors\.index\.json: weight_map entry 'b': file name "
+        r"'model-00002-of-00002\.safetensors' resolves to \S+/elsewhere/b\.safetensors, outside "
+        r"the checkpoint"
+    )
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.convert(snap, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.restore(snap)
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "model.safetensors").symlink_to(elsewhere / "b.safetensors")
+    with pytest.raises(jax_ucp.UCPError, match=r"'model\.safetensors' resolves to .*outside"):
+        jax_ucp.convert(single, tmp_path / "out1")
+    assert_destination_untouched(tmp_path / "out1")
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_index_naming_a_file_with_a_nul_is_a_clear_error(tmp_path):
+    """Before: a raw ``ValueError: embedded null byte`` naming neither the index nor the entry."""
+    from safetensors.numpy import save_file
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(src / "model.safetensors"))
+    (src / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model.safetensors", "b": "mod\\u0000el.safetensors"}}'
+    )
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"hf/model\.safetensors\.index\.json: weight_map entry 'b': file name "
+        r"'mod\\x00el\.safetensors' holds a NUL character",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(60)
+def test_safetensors_index_linked_outside_is_refused(tmp_path):
+    """The index itself a link to another model's index (its shards beside it here): refused
+    before its names are read."""
+    _, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32)})
+    other = tmp_path / "other"
+    other.mkdir()
+    index = snap / "model.safetensors.index.json"
+    shutil.copy(index, other / "index.json")
+    index.unlink()
+    index.symlink_to(other / "index.json")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"file name 'model\.safetensors\.index\.json' resolves to \S+/other/index\.json, "
+        r"outside the checkpoint",
+    ):
+        jax_ucp.convert(snap, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")

@@ -6,6 +6,7 @@ bit with the run's own live state (<name>.truth.npz); layouts and damage built b
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -386,3 +387,46 @@ def test_a_forked_child_reads_chunks_on_its_own_threads(monkeypatch):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+def _dcp_shards(src, full: np.ndarray) -> list:
+    """What torch DCP's HuggingFaceStorageWriter writes without consolidation for a tensor
+    row-sharded over 2 ranks plus a replicated one: one file per rank, each tensor that rank's
+    piece, its place in the full tensor in ``__metadata__["DCP_SHARDING_INFO"]``."""
+    from safetensors.numpy import save_file
+
+    rows = full.shape[0] // 2
+    paths = []
+    for rank in range(2):
+        piece = np.ascontiguousarray(full[rank * rows : (rank + 1) * rows])
+        sharding = {"w": {"saved_offsets": [rank * rows, 0]}, "b": {"saved_offsets": [0]}}
+        path = src / f"shard-{rank:05d}-model-00001-of-00001.safetensors"
+        save_file(
+            {"w": piece, "b": np.ones(3, np.float32)},
+            str(path),
+            metadata={"DCP_SHARDING_INFO": json.dumps(sharding), "DCP_VERSION": "1.0"},
+        )
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.timeout(30)
+def test_unconsolidated_dcp_shard_is_refused_as_a_file_and_as_a_folder(tmp_path):
+    src = tmp_path / "dcp_hf"
+    src.mkdir()
+    first, _ = _dcp_shards(src, np.arange(24, dtype=np.float32).reshape(4, 6))
+    expected = (
+        r"shard-00000-model-00001-of-00001\.safetensors: an unconsolidated shard of "
+        r"torch\.distributed\.checkpoint's Hugging Face writer \(__metadata__ has "
+        r"DCP_SHARDING_INFO\): its tensors are pieces of larger ones \(e\.g\. 'w' has "
+        r"saved_offsets \[0, 0\]\).*Consolidate the shards first"
+    )
+    with pytest.raises(jax_ucp.UCPError, match=expected):  # rank 0's half as the whole: refused
+        jax_ucp.convert(first, tmp_path / "one")
+    with pytest.raises(jax_ucp.UCPError, match=expected) as e:  # never "pass one file"
+        jax_ucp.convert(src, tmp_path / "all")
+    assert "pass one file" not in str(e.value) and "the one file" not in str(e.value)
+    assert not os.path.exists(tmp_path / "one") and not os.path.exists(tmp_path / "all")

@@ -17,7 +17,7 @@ from jax_ucp.exporters import torch_out
 from jax_ucp.importers import registry
 from jax_ucp.importers.torch.optimizer import TorchImportError
 from tests.importers.torch.test_dcp import FIX, assert_matches_run
-from tests.ucp_testing import assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -266,3 +266,98 @@ def test_optimizer_groups_with_param_names_import_bit_exact(tmp_path):
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert all("param_names" not in g for g in groups)
     assert groups[1]["params"] == [n for n in groups[1]["params"] if "norm" in n]
+
+
+# Inputs a careless or hostile user hands over, built here torch-free: each imports exactly or is
+# refused naming the file, the key and the cause (never an internal "please report").
+
+
+def _folder(tmp_path, shapes: dict, order: list[str], param_names: list[str] | None = None):
+    """A Hugging Face style folder: ``pytorch_model.bin`` holding ``shapes`` (in that order) and
+    an ``optimizer.bin`` of one Adam group whose index ``i`` holds the moments of ``order[i]``
+    (exp_avg = the parameter + 1000 * (i + 1), so whose moment it is can be read off);
+    ``param_names``: the group's param_names, when given."""
+    src = tmp_path / "src"
+    src.mkdir()
+    weights = {
+        n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + k
+        for k, (n, s) in enumerate(shapes.items())
+    }
+    arrays = list(weights.values())
+    model = {
+        n: torch_out.TensorSlot(i, a.shape, a.dtype) for i, (n, a) in enumerate(weights.items())
+    }
+    torch_out.save_file(str(src / "pytorch_model.bin"), model, arrays)
+    arrays, state = [], {}
+    for i, name in enumerate(order):
+        per = {}
+        for k, scale in (("exp_avg", 1000), ("exp_avg_sq", 2000)):
+            arrays.append(weights[name] + scale * (i + 1))
+            per[k] = torch_out.TensorSlot(len(arrays) - 1, arrays[-1].shape, arrays[-1].dtype)
+        arrays.append(np.asarray(3.0, np.float32))
+        per["step"] = torch_out.TensorSlot(len(arrays) - 1, (), np.dtype(np.float32))
+        state[i] = per
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(order)))}
+    if param_names is not None:
+        group["param_names"] = param_names
+    torch_out.save_file(
+        str(src / "optimizer.bin"), {"state": state, "param_groups": [group]}, arrays
+    )
+    return src, weights
+
+
+def test_folder_builder_is_a_torch_save_folder(tmp_path):
+    """The builder above writes what the torch importer detects as such."""
+    from jax_ucp.importers import registry
+
+    src, _ = _folder(tmp_path, {"a": (4,)}, ["a"])
+    assert registry.detect_format(str(src)) == "torch"
+    assert os.path.getsize(src / "optimizer.bin") > 0
+
+
+# Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
+
+
+FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
+
+
+def _copy_fixture(tmp_path, rel: str):
+    dst = tmp_path / os.path.basename(rel)
+    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
+    return dst
+
+
+def _move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+@pytest.mark.timeout(60)
+def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
+    """``pytorch_model.bin.index.json`` shards: one linked elsewhere, or named with a NUL."""
+    src = _copy_fixture(tmp_path, "torch/hf_bin_sharded")
+    _move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"pytorch_model\.bin\.index\.json: weight_map entry '.*': file name "
+        r"'pytorch_model-00002-of-00002\.bin' resolves to \S+/elsewhere/.*outside the checkpoint",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    index = src / "pytorch_model.bin.index.json"
+    data = json.loads(index.read_text())
+    name = sorted(data["weight_map"])[0]
+    data["weight_map"][name] = "pytorch\0model.bin"
+    index.write_text(json.dumps(data))
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"weight_map entry '{name}': file name .* holds a NUL character"
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+    single = _copy_fixture(tmp_path, "torch/hf_bin")
+    _move_out(single / "pytorch_model.bin", tmp_path / "elsewhere2")
+    with pytest.raises(jax_ucp.UCPError, match=r"'pytorch_model\.bin' resolves to .*outside"):
+        jax_ucp.convert(single, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import collections
 import glob
+import json
 import os
 import pickle
+import shutil
+import struct
+import subprocess
+import sys
 import zipfile
+import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import jax_ucp
 from jax_ucp.importers.torch.unpickler import (
+    MAX_COMPRESSED_MEMBER,
+    MAX_INFLATED_TOTAL,
     StandIn,
     TorchFileError,
     UnsafePickleError,
@@ -20,9 +29,10 @@ from jax_ucp.importers.torch.unpickler import (
     load_torch_file,
     restricted_loads,
     scan_globals,
+    short_repr,
     standin_class,
 )
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, python_lines
 
 FIX = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 
@@ -384,3 +394,447 @@ def test_matches_torch_load(tmp_path):
             assert a == b
 
     cmp(ref, got)
+
+
+# Hostile torch files: each a few hundred bytes to a few MB, each refused with a clear
+# TorchFileError after bounded work (lines of Python counted) and memory (a hang is a failure:
+# per-test timeout).
+
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+
+def laughs(levels: int) -> bytes:
+    """[[x, x], [x, x]] ... ``levels`` deep through the memo: 2**levels leaves, ~9 bytes a level."""
+    out = P.EMPTY_LIST + P.BINPUT + b"\x00" + P.POP
+    for i in range(levels):
+        get = P.BINGET + bytes([i])
+        out += P.EMPTY_LIST + P.MARK + get + get + P.APPENDS + P.BINPUT + bytes([i + 1]) + P.POP
+    return out + P.BINGET + bytes([levels])
+
+
+def laughs_tuple(levels: int) -> bytes:
+    out = P.EMPTY_TUPLE + P.BINPUT + b"\x00" + P.POP
+    for i in range(levels):
+        get = P.BINGET + bytes([i])
+        out += get + get + P.TUPLE2 + P.BINPUT + bytes([i + 1]) + P.POP
+    return out + P.BINGET + bytes([levels])
+
+
+def _patch_sizes(path: str, member: str, size: int) -> None:
+    """Rewrite the declared uncompressed size of ``member`` in both zip headers."""
+    raw = bytearray(open(path, "rb").read())
+    name = member.encode()
+    i = 0
+    while (i := raw.find(b"PK\x03\x04", i)) >= 0:
+        n = struct.unpack_from("<H", raw, i + 26)[0]
+        if raw[i + 30 : i + 30 + n] == name:
+            struct.pack_into("<I", raw, i + 22, size)
+        i += 4
+    i = 0
+    while (i := raw.find(b"PK\x01\x02", i)) >= 0:
+        n = struct.unpack_from("<H", raw, i + 28)[0]
+        if raw[i + 46 : i + 46 + n] == name:
+            struct.pack_into("<I", raw, i + 24, size)
+        i += 4
+    open(path, "wb").write(bytes(raw))
+
+
+def _deflated_pt(tmp_path, payload: bytes, numel: int) -> str:
+    p = str(tmp_path / "deflated.pt")
+    pkl = prog(tensor("ByteStorage", "0", numel, 0, (numel,), (1,)))
+    with zipfile.ZipFile(p, "w") as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/byteorder", "little")
+        z.writestr("archive/data/0", payload, compress_type=zipfile.ZIP_DEFLATED)
+    return p
+
+
+def _case_laughs_list(tmp_path):
+    return write_pt(tmp_path / "laughs.pt", prog(laughs(100))), "billion laughs"
+
+
+def _case_laughs_in_dict_value(tmp_path):
+    body = P.EMPTY_DICT + D("ds_version") + laughs(90) + P.SETITEM
+    return write_pt(tmp_path / "ds_version.pt", prog(body)), "billion laughs"
+
+
+def _case_laughs_tuple_as_key(tmp_path):
+    body = P.EMPTY_DICT + laughs_tuple(90) + D(1) + P.SETITEM
+    return write_pt(tmp_path / "key.pt", prog(body)), "not a scalar or a flat tuple"
+
+
+def _case_laughs_tuple_in_set(tmp_path):
+    body = G("builtins", "set") + P.EMPTY_LIST + laughs_tuple(90) + P.APPEND + P.TUPLE1 + P.REDUCE
+    return write_pt(tmp_path / "set.pt", prog(body)), "not a scalar or a flat tuple"
+
+
+def _case_laughs_in_error_args(tmp_path):
+    # a refused call whose arguments are 2**90 leaves: the error message must stay short
+    body = G("builtins", "slice") + laughs(90) + P.TUPLE1 + P.REDUCE
+    return write_pt(tmp_path / "args.pt", prog(body)), "bad slice args"
+
+
+def _case_self_containing_list(tmp_path):
+    body = P.EMPTY_LIST + P.BINPUT + b"\x00" + P.BINGET + b"\x00" + P.APPEND
+    return write_pt(tmp_path / "cycle.pt", prog(body)), "contains itself"
+
+
+def _case_deep_nesting(tmp_path):
+    body = P.EMPTY_LIST * 5000 + P.APPEND * 4999
+    return write_pt(tmp_path / "deep.pt", prog(body)), "nests deeper"
+
+
+def _case_stride0_8gib(tmp_path):
+    pkl = prog(tensor("FloatStorage", "0", 1, 0, (1 << 31,), (0,)))
+    return write_pt(tmp_path / "stride0.pt", pkl, {"0": b"\0" * 4}), "stride-0 or overlapping"
+
+
+def _case_overlapping_strides(tmp_path):
+    pkl = prog(tensor("FloatStorage", "0", 31, 0, (16, 16), (1, 1)))
+    return write_pt(tmp_path / "overlap.pt", pkl, {"0": b"\0" * 124}), "stride-0 or overlapping"
+
+
+def _case_deflate_declares_3gib(tmp_path):
+    p = _deflated_pt(tmp_path, b"\0" * (1 << 20), 1 << 20)
+    _patch_sizes(p, "archive/data/0", 3 << 30)
+    return p, f"compressed members above {MAX_COMPRESSED_MEMBER} bytes are refused"
+
+
+def _case_deflate_expands_past_declared(tmp_path):
+    p = _deflated_pt(tmp_path, b"\0" * (64 << 20), 1024)
+    _patch_sizes(p, "archive/data/0", 1024)
+    return p, "expands beyond its declared 1024 bytes"
+
+
+def _case_deflate_corrupt_crc(tmp_path):
+    p = _deflated_pt(tmp_path, bytes(range(256)) * 16, 4096)
+    raw = bytearray(open(p, "rb").read())
+    i = raw.rindex(b"PK\x01\x02")  # the last central entry: archive/data/0
+    struct.pack_into("<I", raw, i + 16, struct.unpack_from("<I", raw, i + 16)[0] ^ 1)
+    open(p, "wb").write(bytes(raw))
+    return p, "CRC-32 mismatch"
+
+
+def _case_ordered_dict_get(tmp_path):
+    body = (
+        G("collections", "OrderedDict")
+        + P.EMPTY_TUPLE
+        + P.REDUCE
+        + P.EMPTY_DICT
+        + D("get")
+        + D(3)
+        + P.SETITEM
+        + P.BUILD
+    )
+    return write_pt(tmp_path / "od_get.pt", prog(body)), "refusing attribute 'get'"
+
+
+def _case_standin_shadows_method(tmp_path):
+    body = G("m", "Thing") + P.EMPTY_TUPLE + P.NEWOBJ + P.EMPTY_DICT
+    body += D("_set_attrs") + D(1) + P.SETITEM + P.BUILD
+    return write_pt(tmp_path / "shadow.pt", prog(body)), "refusing attribute '_set_attrs'"
+
+
+def _case_flipped_storage_byte(tmp_path):
+    src = os.path.join(FIXTURES, "deepspeed", "z2_fp32_dp2", "ckpt")
+    path = next(
+        os.path.join(d, f)
+        for d, _, fs in os.walk(src)
+        for f in sorted(fs)
+        if f.endswith("optim_states.pt")
+    )
+    raw = bytearray(open(path, "rb").read())
+    raw[raw.index(b"data/0") + 300] ^= 0x01
+    p = tmp_path / "flipped_optim_states.pt"
+    p.write_bytes(bytes(raw))
+    return str(p), "CRC-32 mismatch"
+
+
+CASES = {
+    f.__name__[len("_case_") :]: f
+    for f in list(globals().values())
+    if callable(f) and getattr(f, "__name__", "").startswith("_case_")
+}
+
+
+EXTRA = {"m.Thing": standin_class("m.Thing")}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_hostile_torch_file_is_refused_fast(tmp_path, name):
+    path, message = CASES[name](tmp_path)
+    from jax_ucp.importers.deepspeed.files import DS_CLASSES
+
+    error, lines = python_lines(load_torch_file, path, {**DS_CLASSES, **EXTRA})
+    assert isinstance(error, TorchFileError), error
+    assert message in str(error), str(error)
+    assert os.path.basename(path) in str(error)
+    assert len(str(error)) < 2000  # reprs are cut before they are built
+    assert lines < 10**6, lines  # bounded work (measured at most 123251, deep_nesting)
+
+
+@pytest.mark.timeout(60)
+def test_short_repr_is_bounded_on_shared_structures():
+    x: list = []
+    for _ in range(200):
+        x = [x, x]
+    assert len(short_repr(x)) <= 200
+    assert short_repr(np.zeros((3, 4), np.float32)) == "<array (3, 4) float32>"
+
+
+@pytest.mark.timeout(60)
+def test_deflated_member_within_limits_reads_exactly(tmp_path):
+    data = np.arange(1000, dtype=np.uint8).tobytes()
+    p = _deflated_pt(tmp_path, data, len(data))
+    assert load_torch_file(p).tobytes() == data
+
+
+@pytest.mark.timeout(60)
+def test_shared_references_of_real_size_still_load(tmp_path):
+    # sharing itself is legal (torch shares storages and dtypes): only expansion is bounded
+    body = laughs(10)  # 1024 leaves
+    assert len(load_torch_file(write_pt(tmp_path / "ok.pt", prog(body)))) == 2
+
+
+@pytest.mark.timeout(60)
+def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
+    from jax_ucp.format import UCPError
+
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, "deepspeed", "z2_fp32_dp2", "ckpt"), src)
+    optim = sorted(src.rglob("*optim_states.pt"))[0]
+    raw = bytearray(optim.read_bytes())
+    raw[raw.index(b"data/0") + 300] ^= 0x01
+    optim.write_bytes(bytes(raw))
+    with pytest.raises(UCPError, match="CRC-32 mismatch") as err:
+        jax_ucp.convert(str(src), str(tmp_path / "dst"))
+    assert optim.name in str(err.value)
+    assert not (tmp_path / "dst").exists()
+    assert zlib  # imported for the deflate helpers' clarity
+
+
+@pytest.mark.timeout(60)
+def test_expansion_bound_grows_with_the_pickle():
+    """The bound is max(4M, 2 per pickle byte): a big real file (a large model's DCP .metadata)
+    is never refused for its size, a tiny one for its expansion."""
+    from jax_ucp.importers.torch.unpickler import TorchFileError as Refused
+    from jax_ucp.importers.torch.unpickler import check_expansion
+
+    flat = list(range(3_000_000))
+    check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted
+    with pytest.raises(Refused, match="billion laughs"):
+        check_expansion([flat, flat], "small.pt", pickle_bytes=1_000)
+
+
+# Reading torch files a user hands over, bounded in total and safe against files that change
+# underneath (issue 30, round 3): a zip of many deflated members, each under the per-member cap, is
+# bounded by what the pickle declares and by one total for the archive (peak memory measured in a
+# subprocess, by the process itself); a file truncated between planning and reading is an error
+# naming it, never SIGBUS. Every hostile file is built here, without torch.
+
+
+MIB = 1 << 20
+
+
+def _deflated_zeros(size: int) -> tuple[bytes, int]:
+    """A raw deflate stream of ``size`` zero bytes and their CRC-32, built in 1 MiB steps."""
+    assert size % MIB == 0
+    z = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    block = bytes(MIB)
+    out, crc = [], 0
+    for _ in range(size // MIB):
+        out.append(z.compress(block))
+        crc = zlib.crc32(block, crc)
+    out.append(z.flush())
+    return b"".join(out), crc
+
+
+def _zip(path, members: list[tuple[str, bytes, int, int, int]]) -> str:
+    """A zip written byte by byte: ``(name, data, method, crc, uncompressed size)`` per member,
+    so one compressed stream serves many members (zipfile would compress each again)."""
+    central, offset = [], 0
+    with open(path, "wb") as f:
+        for name, data, method, crc, size in members:
+            n = name.encode()
+            header = struct.pack(
+                "<IHHHHHIIIHH", 0x04034B50, 20, 0, method, 0, 0x21, crc, len(data), size, len(n), 0
+            )
+            f.write(header + n + data)
+            central.append(
+                struct.pack(
+                    "<IHHHHHHIIIHHHHHII",
+                    0x02014B50,
+                    20,
+                    20,
+                    0,
+                    method,
+                    0,
+                    0x21,
+                    crc,
+                    len(data),
+                    size,
+                    len(n),
+                    0,
+                    0,
+                    0,
+                    0,
+                    0,
+                    offset,
+                )  # fmt: skip
+                + n
+            )
+            offset += len(header) + len(n) + len(data)
+        directory = b"".join(central)
+        f.write(directory)
+        f.write(
+            struct.pack(
+                "<IHHHHIIH", 0x06054B50, 0, 0, len(members), len(members), len(directory), offset, 0
+            )
+        )
+    return str(path)
+
+
+def _stored(name: str, data: bytes) -> tuple[str, bytes, int, int, int]:
+    return name, data, 0, zlib.crc32(data), len(data)
+
+
+def _bomb(path, members: int, member_bytes: int, declared: int) -> str:
+    """``members`` deflated members of ``member_bytes`` zeros each (one 255 MiB stream is
+    ~250 KB), the pickle a dict of uint8 tensors each declaring ``declared`` bytes."""
+    data, crc = _deflated_zeros(member_bytes)
+    body = b"}" + b"".join(
+        D(f"t{i}") + tensor("ByteStorage", str(i), declared, 0, (declared,), (1,)) + b"s"
+        for i in range(members)
+    )
+    return _zip(
+        path,
+        [
+            _stored("archive/data.pkl", prog(body)),
+            _stored("archive/byteorder", b"little"),
+            *[(f"archive/data/{i}", data, 8, crc, member_bytes) for i in range(members)],
+            _stored("archive/version", b"3\n"),
+        ],
+    )
+
+
+_CONVERT_AND_MEASURE = """
+import json, sys
+import jax_ucp
+try:
+    jax_ucp.convert(sys.argv[1], sys.argv[2])
+    error = None
+except jax_ucp.UCPError as e:
+    error = str(e)
+# VmHWM, not ru_maxrss: the latter keeps the high-water mark of the process that forked this
+# one (a pytest worker that ran other tests), VmHWM is this program's own memory since exec.
+hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")][0]
+print(json.dumps({"error": error, "peak": int(hwm.split()[1]) * 1024}))
+"""
+
+
+def _convert_in_subprocess(src, dst) -> dict:
+    done = subprocess.run(
+        [sys.executable, "-c", _CONVERT_AND_MEASURE, str(src), str(dst)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=170,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_sixteen_deflated_members_each_under_the_cap_stay_bounded_in_total(tmp_path):
+    """16 deflated members of 255 MiB of zeros (each under the 256 MiB per-member cap; 4 GiB in
+    all from a ~4 MB file) declared as 16 tensors: refused once the archive's inflated total
+    would pass MAX_INFLATED_TOTAL, with the process's own peak RSS far below what it declares
+    (it reached 4.6 GB before)."""
+    src = _bomb(tmp_path / "bomb.pt", 16, 255 * MIB, 255 * MIB)
+    assert os.path.getsize(src) < 8 * MIB
+    result = _convert_in_subprocess(src, tmp_path / "out")
+    assert result["error"] is not None, "the bomb converted"
+    assert "bomb.pt" in result["error"]
+    assert f"more than the {MAX_INFLATED_TOTAL} bytes inflated in total" in result["error"]
+    assert result["peak"] < 1 << 30, result
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(180)
+def test_deflated_member_larger_than_its_storage_is_refused_before_inflating(tmp_path):
+    """The pickle declares 16 bytes per storage, each member inflates to 255 MiB: refused by what
+    the pickle declares, before any member is inflated (peak memory: the interpreter's)."""
+    src = _bomb(tmp_path / "small_storages.pt", 16, 255 * MIB, 16)
+    result = _convert_in_subprocess(src, tmp_path / "out")
+    assert "small_storages.pt" in (result["error"] or "")
+    assert "declares 267386880 bytes, but the pickle's storage needs 16" in result["error"]
+    assert result["peak"] < 1 << 30, result
+
+
+@pytest.mark.timeout(180)
+def test_deflated_members_within_the_total_read_exactly(tmp_path):
+    """Legitimate compressed archives under the total still load, byte for byte, and a CRC
+    check of every member keeps nothing inflated."""
+    src = _bomb(tmp_path / "ok.pt", 3, 4 * MIB, 4 * MIB)
+    loaded = load_torch_file(src, verify_crc=True)
+    assert sorted(loaded) == ["t0", "t1", "t2"]
+    assert all(v.shape == (4 * MIB,) and not v.any() for v in loaded.values())
+
+
+@pytest.mark.timeout(180)
+def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
+    """verify_crc inflates an unreferenced deflated member only to check it: 2 x 255 MiB pass
+    the check without counting against the archive's total (nothing is kept)."""
+    from jax_ucp.importers.torch.unpickler import TorchArchive
+
+    src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
+    arch = TorchArchive(src)
+    try:
+        arch.verify_crc()
+        assert arch._inflated == 0
+    finally:
+        arch.close()
+    with pytest.raises(TorchFileError, match="but the pickle's storage needs 0"):
+        load_torch_file(src)
+
+
+# Hostile inputs, each built here: a clear error naming the file, or an exact import.
+
+
+def _shared_tuple_key(levels: int) -> bytes:
+    """Pickle ops leaving ``t[levels-1]`` on the stack, ``t[k] = (t[k-1], t[k-1])``: a few bytes
+    per level, ``2**levels`` work to hash."""
+    import pickle as P
+
+    ops = P.EMPTY_TUPLE + P.BINPUT + b"\x00" + P.POP
+    for k in range(1, levels):
+        ops += P.BINGET + bytes([k - 1]) + P.BINGET + bytes([k - 1]) + P.TUPLE2
+        ops += P.BINPUT + bytes([k]) + P.POP
+    return ops + P.BINGET + bytes([levels - 1])
+
+
+@pytest.mark.timeout(10)
+def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
+    """``REDUCE(OrderedDict, ([(key, None)],))`` hashed its key unchecked: a 64-level shared
+    tuple (about 600 bytes of pickle) never finished hashing."""
+    import pickle as P
+
+    from jax_ucp.importers.torch.unpickler import TorchFileError, restricted_loads
+
+    key = _shared_tuple_key(64)
+    bomb = (
+        b"\x80\x02" + P.GLOBAL + b"collections\nOrderedDict\n"
+        + P.MARK + key + P.NONE + P.TUPLE2 + P.LIST + P.TUPLE1 + P.REDUCE + P.STOP
+    )  # fmt: skip
+    with pytest.raises(
+        TorchFileError,
+        match=r"^bomb\.pt: REDUCE collections\.OrderedDict: dict key .* is not a scalar or a flat "
+        r"tuple of scalars",
+    ):
+        restricted_loads(bomb, where="bomb.pt")
+    plain = b"\x80\x02" + P.GLOBAL + b"collections\nOrderedDict\n"
+    plain += P.MARK + P.BINUNICODE + struct.pack("<I", 1) + b"a" + P.NONE + P.TUPLE2
+    plain += P.LIST + P.TUPLE1 + P.REDUCE + P.STOP
+    assert restricted_loads(plain, where="ok.pt") == {"a": None}
