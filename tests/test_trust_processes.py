@@ -27,7 +27,8 @@ from safetensors.numpy import save_file
 from ucp_testing import REPO, free_port
 
 import jax_ucp
-from jax_ucp.writer import HostItem, SharedWriteError, write_shared_checkpoint
+from jax_ucp.multihost.agreement import SharedWriteError
+from jax_ucp.writer import HostItem, write_shared_checkpoint
 
 BOUND = 60  # seconds any one run may take: a hang is a failure
 N_TENSORS = 12
@@ -41,7 +42,7 @@ if _spec:
         _argv = f.read().decode().split("\0")
     _rank, _point, *_n = _spec.split(":")
     if "--process-id" in _argv and _argv[_argv.index("--process-id") + 1] == _rank:
-        import jax_ucp.writer
+        import jax_ucp.multihost.agreement
         import jax_ucp.writer.checkpoint as ck
 
         def _die():
@@ -56,7 +57,7 @@ if _spec:
                 _die()
             return _agree(gather, step, *args, **kwargs)
 
-        ck.agree = jax_ucp.writer.agree = agree
+        ck.agree = jax_ucp.multihost.agreement.agree = agree
         _write_stream = ck.write_stream
 
         def write_stream(directory, items, **kwargs):

@@ -6,8 +6,6 @@ write through it; it knows nothing of Orbax, JAX or torch.
 """
 
 from jax_ucp.writer.checkpoint import (
-    SharedWriteError,
-    agree,
     remove_abandoned,
     run_coroutine,
     write_host_checkpoint,
