@@ -127,12 +127,13 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``,
     Accelerate's ``save_state``) the torch files importer maps its state too, unless only
     weights are wanted. ``options``: the torch importer's (``TorchOptions``)."""
-    from jax_ucp.importers.torch import files as torch_files  # torchtune imports this package
+    # imported here: torchtune imports this package
+    from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
 
     parameter_order = getattr(options, "parameter_order", None)
     common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
-    if not options.weights_only and torch_files.has_torch_optimizer(src):
-        return torch_files.plan_torch_files(src, **common, parameter_order=parameter_order)
+    if not options.weights_only and has_torch_optimizer(src):
+        return plan_torch_files(src, **common, parameter_order=parameter_order)
     if parameter_order is not None:
         raise RequestError(
             f"{src}: parameter_order= orders a torch optimizer's state; these safetensors "

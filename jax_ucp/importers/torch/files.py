@@ -8,7 +8,7 @@ Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
 ``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
 ``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
 
-Tensors are read-only memory maps of the files (:mod:`torch_pickle`), streamed one at a time.
+Tensors are read-only memory maps of the files (:mod:`torch.unpickler`), streamed one at a time.
 An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
 ``i``-th parameter of the model state dict (tied copies that share storage counted once), the
 way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
@@ -30,8 +30,7 @@ from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files, safetensors
 from jax_ucp.format.safetensors import first_tensors, read_weight_map
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
-from jax_ucp.importers.torch import hf_trainer
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import hf_trainer, unpickler
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchImportError,
@@ -93,8 +92,8 @@ def _single_ckpt(src: str, names: set[str]) -> str | None:
 
 def _load(path: str) -> Any:
     try:
-        return torch_pickle.load_torch_file(path)
-    except torch_pickle.TorchFileError as e:
+        return unpickler.load_torch_file(path)
+    except unpickler.TorchFileError as e:
         raise TorchImportError(str(e)) from None
 
 
@@ -555,7 +554,7 @@ def _check_unique_names(groups: list, path: str) -> None:
                 raise TorchImportError(
                     f"{path}: param_names names parameter {clean[:200]!r} twice: as "
                     f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
-                    f"{torch_pickle.short_repr(index, 40)}) in group {group}; a parameter is "
+                    f"{unpickler.short_repr(index, 40)}) in group {group}; a parameter is "
                     f"optimized once, so which of the two states is its own cannot be told"
                 )
             first[clean] = (group, name)
