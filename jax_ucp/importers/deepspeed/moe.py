@@ -131,7 +131,8 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
     for index, (layer, by_expert) in enumerate(sorted(by_layer.items())):
         if layer != index:
             raise DeepSpeedImportError(
-                f"{tag_dir}: expert files of MoE layers {sorted(by_layer)}; layer {index} is missing"
+                f"{tag_dir}: expert files of MoE layers {sorted(by_layer)}; layer {index} is "
+                "missing"
             )
         count = len(by_expert)
         if isinstance(recorded, (list, tuple)):
@@ -294,28 +295,19 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             return name
         return experts.global_name(name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank])
 
-    files.check_dp_world_size(model_states, model_file, optimizer)
     module = dict(model_states.get("module") or {})
     module.update({name: weight for name, (weight, _) in experts.weights.items()})
-    checkpoint = DeepSpeedCheckpoint(
-        tag_dir=tag_dir,
-        stage=optimizer.stage,
-        world_size=optimizer.world_size,
-        model_dtype=files.dtype_of_run(model_states.get("ds_config") or {}, module),
+    checkpoint = zero.open_zero_rank(
+        tag_dir,
+        model_file,
+        model_states,
+        optimizer,
         param_shapes=shapes,
-        model_file=model_file,
-        optim_files=optimizer.files,
-        model_states=model_states,
-        optim_states=optimizer.states,
-        global_steps=model_states.get("global_steps"),
         module=module,
-        shared_params=zero.shared_params_of(model_states, model_file),
         rename=rename,
         rank_stride=dict(ep_of_group),
         module_tensors={name: tensor for name, (_, tensor) in experts.weights.items()},
     )
-    checkpoint.fragment_plan = zero.plan_fragments(checkpoint)
-    checkpoint.frozen = files.frozen_shapes_of(model_states, model_file)
     if checkpoint.frozen:
         raise DeepSpeedImportError(
             f"{model_file}: frozen parameters {sorted(checkpoint.frozen)[:5]} in a MoE "

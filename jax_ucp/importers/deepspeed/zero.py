@@ -202,6 +202,10 @@ def open_zero_rank(
     model_states: Mapping,
     optimizer: OptimizerStates,
     mp_rank: int = 0,
+    *,
+    param_shapes: list[dict[str, tuple[int, ...]]] | None = None,
+    module: Mapping | None = None,
+    **layout: Any,
 ) -> DeepSpeedCheckpoint:
     """One model-parallel rank from its model states and checked optimizer files; checks that
     the optimizer partitions hold exactly every parameter of ``param_shapes``.
@@ -212,10 +216,16 @@ def open_zero_rank(
         model_states: its loaded content.
         optimizer: the rank's checked optimizer files.
         mp_rank: the model-parallel rank.
+        param_shapes: each group's parameter shapes (None: the model states' ``param_shapes``).
+        module: the model weights (None: the model states' ``module``).
+        layout: further ``DeepSpeedCheckpoint`` fields (MoE: ``rename``, ``rank_stride``,
+            ``module_tensors``).
     """
     check_dp_world_size(model_states, model_file, optimizer)
-    param_shapes = param_shapes_of(model_states, model_file)
-    module = model_states.get("module") or {}
+    if param_shapes is None:
+        param_shapes = param_shapes_of(model_states, model_file)
+    if module is None:
+        module = model_states.get("module") or {}
     checkpoint = DeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=optimizer.stage,
@@ -230,6 +240,7 @@ def open_zero_rank(
         module=module,
         shared_params=shared_params_of(model_states, model_file),
         mp_rank=mp_rank,
+        **layout,
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
     checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
