@@ -38,6 +38,7 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     glob_detection,
+    refuse_spec,
 )
 
 __all__ = [
@@ -134,12 +135,11 @@ def _plan_training_checkpoint(
     tag_dir: str, *, spec: Any, weights_only: bool, share: Share
 ) -> ImportPlan:
     if is_moe(tag_dir):
-        if spec is not None:
-            raise RequestError(
-                "convert_deepspeed: a DeepSpeed MoE checkpoint is imported raw (experts under "
-                "their global names), so an import spec has nothing to do; apply the name "
-                "mapping at restore time: jax_ucp.restore(path, spec=...)"
-            )
+        refuse_spec(
+            spec,
+            "convert_deepspeed: a DeepSpeed MoE checkpoint is imported raw (experts under their "
+            "global names), so an import spec has nothing to do",
+        )
         return moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
     zero0 = zero.zero0_model_file(tag_dir)
     if zero0 is not None:
@@ -159,12 +159,11 @@ def _plan_training_checkpoint(
             total_params=len(share.pick(checkpoint.names)),
             source_tensors=found,
         )
-    if spec is not None:
-        raise RequestError(
-            "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
-            "keyed by DeepSpeed's parameter names, so an import spec has nothing to do; apply the "
-            "name mapping at restore time: jax_ucp.restore(path, spec=...)"
-        )
+    refuse_spec(
+        spec,
+        "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
+        "keyed by DeepSpeed's parameter names, so an import spec has nothing to do",
+    )
     checkpoint = zero.open_zero_checkpoint(tag_dir)
     source = zero.zero_source_info(checkpoint)
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)

@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import RequestError
 from jax_ucp.format import files
 from jax_ucp.importers.deepspeed.files import (
     DeepSpeedImportError,
@@ -58,6 +57,7 @@ from jax_ucp.importers.plan import (
     Share,
     agreed_step,
     host_item,
+    refuse_spec,
     skip,
     tensor_names,
 )
@@ -666,13 +666,12 @@ def plan_universal(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise RequestError(
-            "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed "
-            "merged its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec "
-            "has nothing to do; apply the name mapping at restore time: "
-            "jax_ucp.restore(path, spec=...)"
-        )
+    refuse_spec(
+        spec,
+        "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed merged"
+        " its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec has nothing "
+        "to do",
+    )
     checkpoint = open_universal_checkpoint(tag_dir)
     source = source_info(checkpoint)
     found = universal_tensors(checkpoint, source, weights_only=weights_only)

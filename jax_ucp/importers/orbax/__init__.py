@@ -26,7 +26,15 @@ from typing import Any
 from jax_ucp import writer
 from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
-from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, skip
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    refuse_spec,
+    skip,
+)
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
@@ -190,11 +198,7 @@ def plan_orbax(
         weights_only: only the ``params`` subtree.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise OrbaxImportError(
-            "Orbax imports keep the saved tree; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "Orbax imports keep the saved tree", OrbaxImportError)
     import orbax.checkpoint as ocp
     from etils import epath
 

@@ -26,6 +26,7 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     host_item,
+    refuse_spec,
     skip,
 )
 
@@ -55,11 +56,7 @@ def plan_safetensors(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise SafetensorsImportError(
-            "safetensors imports keep Hugging Face's names; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "safetensors imports keep Hugging Face's names", SafetensorsImportError)
     src = os.fspath(src)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)

@@ -29,7 +29,7 @@ import numpy as np
 from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files, safetensors
 from jax_ucp.format.safetensors import first_tensors, read_weight_map
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
 from jax_ucp.importers.torch import hf_trainer, unpickler
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
@@ -188,11 +188,7 @@ def plan_torch_files(
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
     """
-    if spec is not None:
-        raise TorchImportError(
-            "torch file imports keep torch's parameter names; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "torch file imports keep torch's parameter names", TorchImportError)
     src = os.fspath(src)
     if not os.path.exists(src):
         raise TorchImportError(f"{src}: no such file or folder")
