@@ -499,13 +499,11 @@ def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) 
             continue
         to_name = {i: n for g, names in zip(groups, c.groups) for i, n in zip(g["params"], names)}
         bad = [
-            f"index {key} ({to_name.get(key)}): {k} {list(v.shape)} vs {list(c.shapes[n])}"
+            f"index {key} ({n}): {k} {list(v.shape)} vs {want and list(want)}"
             for key, per in state.items()
-            if isinstance(per, dict)
-            for k, v in per.items()
-            if isinstance(v, np.ndarray)
-            and v.ndim
-            and ((n := to_name.get(key)) is None or tuple(v.shape) != c.shapes[n])
+            for n in [to_name.get(key)]
+            for want in [None if n is None else c.shapes[n]]
+            for k, v in _misfits(per, want)
         ]
         if bad:
             misfits.append(f"{c.rule}: {bad[0]}")
@@ -566,12 +564,11 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
                 f"of the model state dict"
             )
         shape = tuple(model[clean[name]][0].shape)
-        for k, v in per.items() if isinstance(per, dict) else ():
-            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
-                raise TorchImportError(
-                    f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
-                    f"{list(v.shape)}, the parameter {list(shape)}"
-                )
+        for k, v in _misfits(per, shape):
+            raise TorchImportError(
+                f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
+                f"{list(v.shape)}, the parameter {list(shape)}"
+            )
 
 
 def _say_order_assumed(
@@ -631,11 +628,20 @@ def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: 
         if name is None:
             raise TorchImportError(f"{path}: optimizer state for index {key!r}, not in any group")
         shape = tuple(model[clean[name]][0].shape)
-        for k, v in per.items() if isinstance(per, dict) else ():
-            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
-                raise TorchImportError(
-                    f"{path}: optimizer state {k!r} of parameter index {key} has shape "
-                    f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
-                    f"order) has {list(shape)}{hint}"
-                )
+        for k, v in _misfits(per, shape):
+            raise TorchImportError(
+                f"{path}: optimizer state {k!r} of parameter index {key} has shape "
+                f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
+                f"order) has {list(shape)}{hint}"
+            )
     return to_name
+
+
+def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:
+    """The state tensors of one parameter's state ``per`` whose shape is not ``shape`` (every
+    one when ``shape`` is None: no parameter to hold them); scalars (``step``) fit any."""
+    return [
+        (k, v)
+        for k, v in (per.items() if isinstance(per, dict) else ())
+        if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape
+    ]
