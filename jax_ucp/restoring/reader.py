@@ -225,7 +225,7 @@ class _Opener:
                 except FileNotFoundError:
                     pass  # reported with the tensor's name by get()
                 except fmt.files.UnsafeFileError as e:
-                    raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+                    raise _tensor_error(entry.name, e) from None
             self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
 
     def get(self, key) -> ts.TensorStore:
@@ -561,6 +561,13 @@ def _human(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _tensor_error(name: str, e: BaseException) -> CheckpointError:
+    """``e`` as a ``CheckpointError`` naming tensor ``name`` once (a store error, e.g. a shard
+    digest's, may name it already)."""
+    prefix, message = f"Tensor {name!r}: ", str(e)
+    return CheckpointError(message if message.startswith(prefix) else prefix + message)
+
+
 def _finish(root: str, entry, out: list, casting: str) -> None:
     """Waits for one tensor's reads, stores its result (its read buffers are then freed)."""
     position, req, found, pending = entry
@@ -569,7 +576,7 @@ def _finish(root: str, entry, out: list, casting: str) -> None:
     except Exception as e:  # noqa: BLE001
         files = ", ".join(os.path.join(root, s.dir) for s in found.sources)
         if isinstance(e, fmt.UCPError):
-            raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
+            raise _tensor_error(found.name, e) from e
         what = (
             "crc32c checksum mismatch: the data is corrupt"
             if ("Digest mismatch" in str(e) or "crc32c checksum mismatch" in str(e))
@@ -659,7 +666,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
                 f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
             ) from None
         except fmt.UCPError as e:
-            raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+            raise _tensor_error(entry.name, e) from None
 
 
 def verify_shard_objects(root: str, entries) -> None:
@@ -697,7 +704,7 @@ def verify_shard_objects(root: str, entries) -> None:
                     f"incomplete)."
                 ) from None
             except fmt.UCPError as e:
-                raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+                raise _tensor_error(entry.name, e) from None
 
 
 # Shard objects whose digests are read together (each holds its index in memory meanwhile).
