@@ -90,7 +90,7 @@ pid, n, port, src, dst = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
                            process_id=pid, initialization_timeout=120)
 import jax_ucp
-from jax_ucp.importers import safetensors as safetensors_hf
+from jax_ucp.format import safetensors as safetensors_hf
 if os.environ.get("FAIL_PROCESS") == str(pid):
     def broken(self, name):
         raise OSError(f"disk gone while reading {name}")

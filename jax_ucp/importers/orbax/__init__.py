@@ -9,7 +9,7 @@ array and the chunks TensorStore decodes at once, as many as the memory budget l
 the writer reads one array at a time, so memory is bounded by the largest array, never the whole
 tree.
 
-Orbax and JAX are imported only when an import is planned: detection (:func:`is_orbax`) reads
+Orbax and JAX are imported only when an import is planned: detection (``detect``) reads
 file names and one small JSON file.
 """
 
@@ -37,6 +37,14 @@ from jax_ucp.importers.plan import (
 )
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
+__all__ = [
+    "OrbaxImportError",
+    "OrbaxOptions",
+    "detect",
+    "plan",
+    "plan_orbax",
+]
+
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
 STRINGS_FILE = "_strings.json"  # Orbax's StringHandler: every str leaf of an item
@@ -52,7 +60,7 @@ class OrbaxImportError(UCPError, ValueError):
     """An Orbax checkpoint that cannot be imported as it is (names the directory and item)."""
 
 
-def is_orbax(src) -> bool:
+def _is_orbax(src) -> bool:
     """An Orbax item (``_METADATA``), step (``_CHECKPOINT_METADATA``) or a manager root whose
     step directories hold one; from file names only."""
     src = os.fspath(src)
@@ -85,7 +93,7 @@ def _read_json(path: str) -> Any:
         raise OrbaxImportError(f"{path}: not a readable Orbax JSON file ({e})") from None
 
 
-def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
+def _resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
     """(step directory, step, {item name: item directory} of its PyTree items, {item name:
     why it is not imported}). A single item has the name ``""``."""
     src = os.path.abspath(os.fspath(src))
@@ -202,7 +210,7 @@ def plan_orbax(
     import orbax.checkpoint as ocp
     from etils import epath
 
-    step_dir, step, items, others = resolve(src, tag)
+    step_dir, step, items, others = _resolve(src, tag)
     source: dict[str, Any] = {
         "framework": "orbax",
         "path": step_dir,
@@ -231,7 +239,7 @@ def plan_orbax(
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
             chunk_shape = getattr(storage, "chunk_shape", None)
             if chunk_shape is not None:
-                check_chunks(
+                _check_chunks(
                     _metadata_file(path, leaf.name, ocdbt, zarr3),
                     name,
                     tuple(leaf.shape),
@@ -282,7 +290,7 @@ def _metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
     return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
 
 
-def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
+def _check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
     """Refuses, before anything is read or decoded, an array whose declared chunks (each of
     ``chunks``: the read and the write chunk shape) are larger than the array in any dimension:
     Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
@@ -485,7 +493,7 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
             f"{tuple(shape)}"
         )
     layout = array.chunk_layout
-    check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
+    _check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
     return array
 
 
@@ -553,8 +561,8 @@ class OrbaxOptions(ImportOptions):
 
 def detect(src: os.PathLike | str) -> Detection:
     """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
-    file names (:func:`is_orbax`)."""
-    if is_orbax(src):
+    file names."""
+    if _is_orbax(src):
         return Detection(True, "Orbax metadata")
     return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
 

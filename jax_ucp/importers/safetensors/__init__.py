@@ -30,17 +30,11 @@ from jax_ucp.importers.plan import (
     skip,
 )
 
-# The header parser and its checks live in ``format.safetensors`` (the direct restore reads the
-# same files); these names stay importable from here.
-INDEX_FILE = safetensors.INDEX_FILE
-MAX_HEADER_BYTES = safetensors.MAX_HEADER_BYTES
-MAX_INDEX_BYTES = safetensors.MAX_INDEX_BYTES
-DTYPES = safetensors.DTYPES
-DCP_SHARDING_INFO = safetensors.DCP_SHARDING_INFO
-SafetensorsImportError = safetensors.SafetensorsError
-SafetensorsFile = safetensors.SafetensorsFile
-is_safetensors = safetensors.is_safetensors
-shard_files = safetensors.shard_files
+__all__ = [
+    "detect",
+    "plan",
+    "plan_safetensors",
+]
 
 
 def plan_safetensors(
@@ -56,7 +50,7 @@ def plan_safetensors(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    refuse_spec(spec, "safetensors imports keep Hugging Face's names", SafetensorsImportError)
+    refuse_spec(spec, "safetensors imports keep Hugging Face's names", safetensors.SafetensorsError)
     src = os.fspath(src)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
@@ -74,7 +68,7 @@ def plan_safetensors(
         trainer = optimizer_file == "optimizer.pt"
         writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
         if not weights_only:
-            raise SafetensorsImportError(
+            raise safetensors.SafetensorsError(
                 f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
                 f"{'checkpoint' if trainer else 'folder'}; its "
                 f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
@@ -99,7 +93,9 @@ def _trainer_optimizer(src: str) -> str | None:
     return None
 
 
-def _items(owner: dict[str, SafetensorsFile], names: list[str]) -> Iterator[writer.HostItem]:
+def _items(
+    owner: dict[str, safetensors.SafetensorsFile], names: list[str]
+) -> Iterator[writer.HostItem]:
     for name in names:
         f = owner[name]
         provenance = {"file": os.path.basename(f.path), "tensors": [name]}
@@ -115,9 +111,11 @@ def detect(src: os.PathLike | str) -> Detection:
         if src.endswith(".safetensors"):
             return Detection(True, "a .safetensors file")
         return Detection(False, "not a .safetensors file")
-    if os.path.isdir(src) and is_safetensors(src):
+    if os.path.isdir(src) and safetensors.is_safetensors(src):
         return Detection(True, "Hugging Face safetensors", weak=True)
-    return Detection(False, f"no Hugging Face safetensors (`*.safetensors`, `{INDEX_FILE}`)")
+    return Detection(
+        False, f"no Hugging Face safetensors (`*.safetensors`, `{safetensors.INDEX_FILE}`)"
+    )
 
 
 def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
