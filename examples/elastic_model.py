@@ -1,7 +1,7 @@
 """A small GPT in flax + optax AdamW, a learnable synthetic task, and mesh-aware training.
 
 Shared by ``examples/elastic_resume.py`` (the elastic-resume experiment) and the tests
-(``tests/test_elastic_resume.py``, ``tests/test_structure_transforms.py``).
+(``tests/api/test_elastic_resume.py``, ``tests/language/test_structure_transforms.py``).
 
 - ``GPTConfig`` / ``GPT``: pre-norm decoder-only transformer. Three parameter layouts of the same
   math: ``layout="layers"`` (``layers_0 … layers_{L-1}``), ``"scanned"`` (one ``layers`` subtree,

@@ -21,7 +21,8 @@ import sys
 import textwrap
 
 import pytest
-from ucp_testing import REPO
+
+from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import os
 
-from ucp_testing import REPO
+from tests.ucp_testing import REPO
 
 PACKAGE = os.path.join(REPO, "jax_ucp")
 

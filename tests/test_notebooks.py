@@ -10,7 +10,8 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
-from ucp_testing import REPO
+
+from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,140 @@
+"""The importer registry: one package per source format, each with ``detect`` and ``plan`` and
+typed options; detection order, its refusal message, options a format does not take, and the
+one ``jax-ucp convert SRC DST [--from FMT]`` (with ``convert FMT SRC DST`` kept)."""
+
+import dataclasses
+import importlib
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from typer.testing import CliRunner
+
+import jax_ucp
+from jax_ucp.cli import app
+from jax_ucp.errors import RequestError
+from jax_ucp.importers import registry
+from jax_ucp.importers.orbax import OrbaxOptions
+from jax_ucp.importers.plan import Detection, ImportOptions
+from tests.ucp_testing import REPO, assert_bit_exact
+
+FIX = os.path.join(REPO, "tests", "fixtures")
+DEEPSPEED = os.path.join(FIX, "deepspeed", "z0_fp32_dp2", "ckpt")
+runner = CliRunner()
+
+
+def _hf(path, value=1.0):
+    """A Hugging Face folder with one safetensors file."""
+    os.makedirs(path, exist_ok=True)
+    save_file({"w": np.full(3, value, np.float32)}, os.path.join(path, "model.safetensors"))
+    return str(path)
+
+
+def test_every_format_is_a_package_with_detect_plan_and_typed_options():
+    assert registry.FORMATS == ("deepspeed", "megatron", "orbax", "safetensors", "torch")
+    for name, importer in registry.IMPORTERS.items():
+        package = importlib.import_module(f"jax_ucp.importers.{name}")
+        assert importer.detect is package.detect and importer.plan is package.plan
+        assert dataclasses.is_dataclass(importer.options)
+        assert issubclass(importer.options, ImportOptions)
+        assert isinstance(package.detect(os.path.join(FIX, "no such dir")), Detection)
+
+
+@pytest.mark.parametrize(
+    "path, expected",
+    [
+        (DEEPSPEED, "deepspeed"),
+        (os.path.join(FIX, "megatron", "gpt_tp2"), "megatron"),
+        (os.path.join(FIX, "torch", "fsdp2_fp32"), "torch"),
+        (os.path.join(FIX, "torch", "accelerate_full"), "torch"),
+    ],
+)
+def test_real_checkpoints_are_detected_as_their_format(path, expected):
+    assert registry.detect_format(path) == expected
+
+
+def test_own_markers_win_over_files_other_folders_hold_too(tmp_path):
+    """safetensors and .bin files in a DeepSpeed folder: DeepSpeed; safetensors beside a
+    pytorch_model.bin: safetensors (the first weak claim), as before the registry."""
+    ds = tmp_path / "ds"
+    shutil.copytree(DEEPSPEED, ds)
+    _hf(ds)
+    (ds / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
+    assert registry.IMPORTERS["safetensors"].detect(str(ds)) == Detection(
+        True, "Hugging Face safetensors", weak=True
+    )
+    assert registry.detect_format(ds) == "deepspeed"
+    hf = _hf(tmp_path / "hf")
+    (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
+    assert registry.IMPORTERS["torch"].detect(hf).found
+    assert registry.detect_format(hf) == "safetensors"
+    assert registry.detect_format(os.path.join(hf, "model.safetensors")) == "safetensors"
+
+
+def test_an_unknown_folder_says_what_each_format_looked_for(tmp_path):
+    (tmp_path / "weights.npy").write_bytes(b"x")
+    with pytest.raises(registry.SourceFormatError) as e:
+        registry.detect_format(tmp_path)
+    message = str(e.value)
+    assert message.startswith(f"{tmp_path}: cannot tell the checkpoint format; it holds: weights")
+    for name, importer in registry.IMPORTERS.items():
+        reason = importer.detect(str(tmp_path)).reason
+        assert f"{name}: {reason}" in message
+    assert "deepspeed: no `latest`, `global_stepN/`" in message
+    assert "megatron: no `latest_checkpointed_iteration.txt`" in message
+    assert "orbax: no Orbax `_CHECKPOINT_METADATA`" in message
+    assert "`--from deepspeed|megatron|orbax|safetensors|torch`" in message
+    with pytest.raises(registry.SourceNotFoundError, match="not a directory"):
+        registry.detect_format(tmp_path / "weights.npy")
+
+
+def test_an_option_the_format_does_not_take_is_refused_before_writing(tmp_path):
+    hf = _hf(tmp_path / "hf")
+    with pytest.raises(
+        RequestError,
+        match=r"^vocab_size= applies to megatron checkpoints, not to safetensors ones$",
+    ):
+        jax_ucp.convert(hf, tmp_path / "a", vocab_size=61)
+    with pytest.raises(
+        RequestError, match=r"^tag= applies to orbax and deepspeed checkpoints, not to torch ones$"
+    ):
+        jax_ucp.convert(hf, tmp_path / "b", format="torch", tag="global_step1")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    assert OrbaxOptions(tag="3").tag == 3 and OrbaxOptions(tag="last").tag == "last"
+
+
+def test_cli_convert_detects_or_takes_from_or_the_format_first(tmp_path, monkeypatch):
+    hf = _hf(tmp_path / "hf", 2.0)
+    forms = (
+        ["{src}", "{dst}"],
+        ["{src}", "{dst}", "--from", "safetensors"],
+        ["safetensors", "{src}", "{dst}"],
+        ["--memory-budget", "1MiB", "safetensors", "{src}", "--force", "{dst}"],
+    )
+    for i, form in enumerate(forms):
+        dst = str(tmp_path / f"out{i}")
+        args = [a.format(src=hf, dst=dst) for a in form]
+        r = runner.invoke(app, ["convert", *args], env={"COLUMNS": "200"})
+        assert r.exit_code == 0, (args, r.output)
+        assert_bit_exact(jax_ucp.restore(dst)["params"]["w"], np.full(3, 2.0, np.float32))
+    r = runner.invoke(app, ["convert", "torch", hf, str(tmp_path / "x"), "--from", "torch"])
+    assert r.exit_code == 2 and "named twice" in r.output, r.output
+    r = runner.invoke(app, ["convert", hf, str(tmp_path / "y"), "--from", "orbax"])
+    assert r.exit_code == 1 and "error:" in r.output and not (tmp_path / "y").exists()
+    # a source folder named like a format, given as SRC DST: a path, not the format
+    monkeypatch.chdir(tmp_path)
+    _hf(tmp_path / "torch", 3.0)
+    r = runner.invoke(app, ["convert", "torch", "z"])
+    assert r.exit_code == 0, r.output
+    assert_bit_exact(jax_ucp.restore(tmp_path / "z")["params"]["w"], np.full(3, 3.0, np.float32))
+
+
+def test_cli_convert_help_names_every_format():
+    r = runner.invoke(app, ["convert", "--help"], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    for name in registry.FORMATS:
+        assert name in text
+    assert "jax-ucp convert FORMAT SRC DST" in text

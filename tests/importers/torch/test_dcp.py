@@ -1,0 +1,388 @@
+"""Plain torch DCP checkpoints written by torch 2.13 itself (tools/fixtures/make_torch_fixtures.py:
+FSDP2 fully_shard over 2 gloo ranks, get_state_dict fp32 and bf16, torchtitan's layout,
+Accelerate's sharded save_state folders, SGD momentum, FSDP1 SHARDED_STATE_DICT +
+FSDP.optim_state_dict on 2 CPU ranks), imported torch-free and compared bit for
+bit with the run's own live state (<name>.truth.npz); layouts and damage built by the tests."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.importers import registry
+from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.torch.optimizer import TorchImportError
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+
+FIX = os.path.join(REPO, "tests", "fixtures", "torch")
+STATES = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def truth(name: str) -> dict[str, np.ndarray]:
+    """The run's live state: ``{"param/<name>": array, ..., "step": float}``, bf16 restored."""
+    out = {}
+    with np.load(os.path.join(FIX, name + ".truth.npz")) as z:
+        for key in z.files:
+            value = z[key]
+            if key.endswith("::bfloat16"):
+                key, value = key[: -len("::bfloat16")], value.view(ml_dtypes.bfloat16)
+            out[key] = value
+    return out
+
+
+def assert_matches_run(restored: dict, name: str, prefix: str = "") -> None:
+    """params, every optimizer state and the step equal the live run's, bit for bit (the
+    imported names are the run's with ``prefix`` before them)."""
+    want = {
+        k if k == "step" else k.replace("/", "/" + prefix, 1): v for k, v in truth(name).items()
+    }
+    params = {k.split("/", 1)[1]: v for k, v in want.items() if k.startswith("param/")}
+    assert sorted(restored["params"]) == sorted(params)
+    for key, value in want.items():
+        if key == "step":
+            assert restored["opt_state"]["count"] == np.int32(value), key
+            assert np.asarray(restored["opt_state"]["count"]).dtype == np.int32
+            continue
+        state, param = key.split("/", 1)
+        got = (
+            restored["params"][param]
+            if state == "param"
+            else restored["opt_state"][STATES[state]][param]
+        )
+        assert_bit_exact(got, value, key)
+    if "step" not in want:
+        assert "count" not in restored.get("opt_state", {})
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "fsdp2_fp32",
+        "fsdp2_bf16",
+        "torchtitan_fp32",
+        "accelerate_fsdp",
+        "sgd_single",
+        "fsdp1_sharded",
+    ],
+)
+def test_real_dcp_checkpoints_import_bit_exact(tmp_path, name):
+    src = os.path.join(FIX, name)
+    assert registry.detect_format(src) == "torch"
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), name)
+    m = jax_ucp.inspect(out)
+    assert m.source["framework"] == "torch_dcp"
+    group = m.source["optimizer"]["param_groups"][0]
+    assert group["lr"] > 0 and len(group["params"]) == 12
+    assert m.source["optimizer"]["no_state"] == []
+
+
+def test_fsdp1_sharded_state_dict_is_read_from_its_sharded_tensors():
+    """FSDP1 (flat parameters, one per Block and the root) saves each parameter as a
+    ShardedTensor of its rows: 67 vocabulary rows in 34 + 33, the optimizer state alike."""
+    ck = dcp_reader.open_dcp(os.path.join(FIX, "fsdp1_sharded"))
+    for name in ("model.tok_embeddings.weight", "optim.state.tok_embeddings.weight.exp_avg"):
+        chunks = ck.tensors[name].chunks
+        assert [(c.offsets, c.sizes, c.file) for c in chunks] == [
+            ((0, 0), (34, 16), "__0_0.distcp"),
+            ((34, 0), (33, 16), "__1_0.distcp"),
+        ], name
+    assert not [n for n in ck.tensors if "_flat_param" in n or "_fsdp_wrapped" in n]
+
+
+def test_bf16_run_is_recorded_as_bf16_without_masters(tmp_path):
+    out = jax_ucp.convert(os.path.join(FIX, "fsdp2_bf16"), tmp_path / "ucp")
+    m = jax_ucp.inspect(out)
+    assert m.source["model_dtype"] == "bfloat16"
+    assert any("no fp32 master weights" in n for n in m.source["notes"])
+    assert {str(e.dtype) for e in m.tensors if e.role == "param"} == {"bfloat16"}
+
+
+def test_torchtitan_training_state_is_listed_as_skipped(tmp_path):
+    out = jax_ucp.convert(os.path.join(FIX, "torchtitan_fp32"), tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert source["model_container"] is None and source["optimizer_root"] == "optimizer"
+    skipped = source["skipped"]
+    assert skipped["train_state.step"] == "train_state: training state, not a model parameter"
+    assert skipped["train_state.losses"] == "a pickled object, not a tensor"
+    assert any(k.startswith("lr_scheduler.") for k in skipped)
+    # the flattened per-parameter hyper-parameters collapse into the one group they came from
+    assert len(source["optimizer"]["param_groups"]) == 1
+    assert source["optimizer"]["param_groups"][0]["initial_lr"] == 0.01
+
+
+def test_sgd_momentum_becomes_trace(tmp_path):
+    out = jax_ucp.convert(os.path.join(FIX, "sgd_single"), tmp_path / "ucp")
+    m = jax_ucp.inspect(out)
+    traces = [e for e in m.tensors if e.key[:2] == ("opt_state", "trace")]
+    assert len(traces) == 12 and {e.sub_role for e in traces} == {"trace"}
+
+
+def test_weights_only_skips_and_records_the_optimizer(tmp_path):
+    out = jax_ucp.convert(os.path.join(FIX, "fsdp2_fp32"), tmp_path / "ucp", weights_only=True)
+    restored = jax_ucp.restore(out)
+    assert set(restored) == {"params"}
+    want = truth("fsdp2_fp32")
+    for name, value in restored["params"].items():
+        assert_bit_exact(value, want[f"param/{name}"], name)
+    skipped = jax_ucp.inspect(out).source["skipped"]
+    optimizer = {k: v for k, v in skipped.items() if k.startswith("optim.")}
+    assert len(optimizer) == 36 + 12  # exp_avg, exp_avg_sq, step of 12; 12 hyper-parameters
+    assert set(optimizer.values()) == {"weights_only: optimizer state not imported"}
+
+
+def test_cli_convert_torch(tmp_path):
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    dst = tmp_path / "ucp"
+    result = CliRunner().invoke(
+        app, ["convert", "torch", os.path.join(FIX, "fsdp2_fp32"), str(dst)]
+    )
+    assert result.exit_code == 0, result.output
+    assert_matches_run(jax_ucp.restore(dst), "fsdp2_fp32")
+
+
+def test_megatron_torch_dist_still_detected_as_megatron(tmp_path):
+    src = tmp_path / "mcore"
+    shutil.copytree(os.path.join(FIX, "fsdp2_fp32"), src)
+    (src / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    assert registry.detect_format(src) == "megatron"
+
+
+def test_unknown_folder_lists_what_it_holds(tmp_path):
+    (tmp_path / "weights.npy").write_bytes(b"x")
+    (tmp_path / "notes.txt").write_text("hi")
+    with pytest.raises(
+        registry.SourceFormatError,
+        match=r"cannot tell the checkpoint format; it holds: notes\.txt, weights\.npy\. .*"
+        r"torch\.save files .*`\.bin`/`\.pt`/`\.pth`/`\.ckpt`",
+    ):
+        jax_ucp.convert(tmp_path, tmp_path.parent / "out")
+
+
+# ----------------------------------------------------------------------------- damage
+
+
+def _copy(tmp_path, name="fsdp2_fp32"):
+    src = tmp_path / name
+    shutil.copytree(os.path.join(FIX, name), src)
+    return src
+
+
+def test_missing_rank_file_is_an_error_before_writing(tmp_path):
+    src = _copy(tmp_path)
+    os.remove(src / "__1_0.distcp")
+    dst = tmp_path / "out"
+    with pytest.raises(TorchImportError, match=r"__1_0\.distcp is missing"):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+
+
+def test_truncated_rank_file_is_an_error(tmp_path):
+    src = _copy(tmp_path)
+    f = src / "__0_0.distcp"
+    f.write_bytes(f.read_bytes()[:5000])
+    with pytest.raises(TorchImportError, match=r"__0_0\.distcp has 5000 bytes.*truncated"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_flipped_byte_in_a_chunk_is_an_error(tmp_path):
+    src = _copy(tmp_path)
+    ck = dcp_reader.open_dcp(src)
+    tensor = ck.tensors["model.output.weight"]
+    values = ck.read_chunk(tensor, tensor.chunks[0]).tobytes()
+    f = src / tensor.chunks[0].file
+    data = bytearray(f.read_bytes())
+    at = data.index(values) + len(values) // 2  # inside the tensor's own bytes
+    data[at] ^= 0xFF
+    f.write_bytes(bytes(data))
+    dst = tmp_path / "out"
+    with pytest.raises(TorchImportError, match=r"model\.output\.weight.*CRC-32 mismatch"):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+
+
+def test_metadata_naming_code_is_refused_without_running_it(tmp_path):
+    src = _copy(tmp_path)
+    marker = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    (src / ".metadata").write_bytes(pickle.dumps(Evil(), protocol=2))
+    with pytest.raises(TorchImportError, match=r"refusing to load global '(posix|os)\.system'"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not marker.exists()
+
+
+def test_optimizer_state_of_another_shape_is_an_error(tmp_path, monkeypatch):
+    src = _copy(tmp_path)
+    real = dcp_reader.open_dcp
+
+    def shrunk(path, extra_classes=None):
+        ck = real(path, extra_classes)
+        name = "optim.state.norm.weight.exp_avg"
+        t = ck.tensors[name]
+        ck.tensors[name] = dcp_reader.DcpTensor(t.name, (8,), t.dtype, t.chunks[:1])
+        return ck
+
+    monkeypatch.setattr(dcp_reader, "open_dcp", shrunk)
+    with pytest.raises(
+        TorchImportError,
+        match=r"optimizer state 'exp_avg' of 'norm.weight' has shape \[8\], "
+        r"the parameter \[16\]",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_steps_that_disagree_are_an_error(tmp_path, monkeypatch):
+    src = _copy(tmp_path)
+    real = dcp_reader.DcpCheckpoint.read
+
+    def read(self, name, rows=None):
+        value = real(self, name, rows)
+        return np.asarray(7.0, value.dtype) if name == "optim.state.norm.weight.step" else value
+
+    monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read", read)
+    with pytest.raises(TorchImportError, match=r"parameters disagree on the optimizer step: 3 .*7"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_a_name_in_two_folders_is_refused(tmp_path):
+    src = _copy(tmp_path, "accelerate_fsdp")
+    shutil.copytree(src / "optimizer_0", src / "optimizer_1")
+    with pytest.raises(TorchImportError, match=r"is saved in two DCP folders"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+@pytest.mark.parametrize("parallel", [False, True], ids=["in_turn", "threads"])
+def test_chunks_read_into_the_tensor_equal_the_mapped_chunks(monkeypatch, parallel):
+    """``DcpCheckpoint.read`` reads each chunk with preadv straight into its place in the
+    tensor (CRC-32 on the bytes read; large tensors' chunks on threads): every tensor of four
+    fixtures equals its chunks read through the memory map (``read_chunk``, CRC on the map)
+    placed at their offsets, byte for byte; ``rows`` cuts through a chunk as ``[:rows]``."""
+    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0 if parallel else 1 << 62)
+    real_preadv, calls = os.preadv, []
+
+    def preadv(fd, buffers, offset):
+        calls.append(offset)
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    chunks = 0
+    for fixture in ("fsdp2_fp32", "fsdp2_bf16", "torchtitan_fp32", "sgd_single"):
+        ck = dcp_reader.open_dcp(os.path.join(FIX, fixture))
+        for name, t in ck.tensors.items():
+            got = ck.read(name)
+            want = np.zeros(t.shape, t.dtype)
+            for c in t.chunks:
+                want[tuple(slice(o, o + s) for o, s in zip(c.offsets, c.sizes))] = ck.read_chunk(
+                    t, c
+                )
+                chunks += bool(np.prod(c.sizes))
+            assert (got.dtype, got.shape, got.tobytes()) == (t.dtype, t.shape, want.tobytes())
+            if len(t.shape) == 2 and len(t.chunks) > 1:
+                rows = t.chunks[0].sizes[0] + 1  # one row into the second chunk
+                assert ck.read(name, rows=rows).tobytes() == want[:rows].tobytes()
+    assert len(calls) >= chunks > 100
+
+
+def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0)
+    src = _copy(tmp_path)
+    ck = dcp_reader.open_dcp(src)
+    tensor = ck.tensors["optim.state.output.weight.exp_avg"]
+    chunk = tensor.chunks[1]
+    values = ck.read_chunk(tensor, chunk).tobytes()
+    f = src / chunk.file
+    data = bytearray(f.read_bytes())
+    data[data.index(values) + len(values) - 1] ^= 0x01  # the last byte of the second chunk
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        dcp_reader.DcpError,
+        match=r"optim\.state\.output\.weight\.exp_avg' chunk at offsets \[\d+, 0\] in "
+        r".*__1_0\.distcp: CRC-32 mismatch",
+    ):
+        dcp_reader.open_dcp(src).read("optim.state.output.weight.exp_avg")
+
+
+@pytest.mark.timeout(10)
+def test_the_chunk_crc_is_zips_crc32():
+    """The CRC the reader checks chunks with (ISA-L's when installed) is zip's CRC-32, also
+    continued piece by piece as ``_pread_into`` does: the value torch writes per member."""
+    import zlib
+
+    data = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 17, np.uint8)
+    pieces = [data[:5], data[5 : 1 << 20], data[1 << 20 :]]
+    running = 0
+    for piece in pieces:
+        running = dcp_reader.zip_crc32(piece, running)
+    assert running == dcp_reader.zip_crc32(data) == zlib.crc32(data.tobytes())
+    assert dcp_reader.zip_crc32(b"123456789") == 0xCBF43926  # CRC-32/ISO-HDLC check value
+
+
+def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypatch):
+    """A chunk whose tensor is not exactly its storage's bytes (here: the unpickled tensor made
+    a copy, so it is not at the storage's address) takes the mapped path, not the direct read:
+    the storage's CRC-32 is checked on its bytes (read with pread, never by touching the
+    mapping), then the tensor copied into place."""
+    from jax_ucp.importers.torch import unpickler as torch_pickle
+
+    real_load = torch_pickle.TorchArchive.load
+    monkeypatch.setattr(
+        torch_pickle.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy()
+    )
+    calls = []
+    monkeypatch.setattr(dcp_reader, "_pread_into", lambda *a: calls.append(a))  # not used
+    src = _copy(tmp_path)
+    ck = dcp_reader.open_dcp(src)
+    tensor = ck.tensors["model.output.weight"]
+    want = np.concatenate([ck.read_chunk(tensor, c) for c in tensor.chunks])
+    assert ck.read("model.output.weight").tobytes() == want.tobytes()
+    assert calls == []
+    values = ck.read_chunk(tensor, tensor.chunks[0]).tobytes()
+    f = src / tensor.chunks[0].file
+    data = bytearray(f.read_bytes())
+    data[data.index(values)] ^= 0x80
+    f.write_bytes(bytes(data))
+    with pytest.raises(
+        dcp_reader.DcpError,
+        match=r"'model\.output\.weight' chunk at offsets \[0, 0\] .*CRC-32 mismatch \(the chunk's "
+        r"archive records",
+    ):
+        dcp_reader.open_dcp(src).read("model.output.weight")
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_reads_chunks_on_its_own_threads(monkeypatch):
+    """A process forked after a threaded read has none of its parent's reading threads: work
+    queued to the inherited pool would never run (the child hung). It reads on its own."""
+    import signal
+    import time
+
+    monkeypatch.setattr(dcp_reader, "PARALLEL_BYTES", 0)
+    src = os.path.join(FIX, "fsdp2_fp32")
+    want = dcp_reader.open_dcp(src).read("model.output.weight").tobytes()
+    time.sleep(0.5)  # the parent's threads idle: an inherited pool would start no new ones
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        same = dcp_reader.open_dcp(src).read("model.output.weight").tobytes() == want
+        os._exit(0 if same else 3)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0

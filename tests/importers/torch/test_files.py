@@ -1,0 +1,268 @@
+"""torch.save checkpoints written by torch 2.13 (tools/fixtures/make_torch_fixtures.py): a plain
+state-dict .pt, HF pytorch_model.bin single and sharded with its index, a Lightning .ckpt
+dictionary, Accelerate's full-state folder; imported torch-free, bit-exact to the run's live
+state; hostile and inconsistent inputs built by the tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.exporters import torch_out
+from jax_ucp.importers import registry
+from jax_ucp.importers.torch.optimizer import TorchImportError
+from tests.importers.torch.test_dcp import FIX, assert_matches_run
+from tests.ucp_testing import assert_bit_exact, assert_destination_untouched
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "plain_state_dict.pt",
+        "hf_bin",
+        "hf_bin_sharded",
+        "lightning.ckpt",
+        "accelerate_full",
+        "lightning_trainer.ckpt",
+    ],
+)
+def test_real_torch_save_files_import_bit_exact(tmp_path, name):
+    src = os.path.join(FIX, name)
+    assert registry.detect_format(src) == "torch"
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    restored = jax_ucp.restore(out)
+    if name == "lightning.ckpt":  # the LightningModule holds the model as `self.model`
+        assert_matches_run(restored, name, prefix="model.")
+    elif name == "lightning_trainer.ckpt":  # Lightning's own: the run's names include `model.`
+        assert_matches_run(restored, name)
+    elif name == "accelerate_full":
+        assert_matches_run(restored, name)
+    else:  # weights only: the live parameters
+        assert set(restored) == {"params"}
+        want = {k: v for k, v in _truth(name).items() if k.startswith("param/")}
+        for key, value in want.items():
+            assert (restored["params"][key[len("param/") :]] == value).all(), key
+
+
+def _truth(name):
+    from tests.importers.torch.test_dcp import truth
+
+    return truth(name)
+
+
+def test_lightning_trainer_checkpoint_entries_are_recorded(tmp_path):
+    """Lightning 2.6.6's own Trainer.save_checkpoint: everything beside state_dict and
+    optimizer_states (loops, callbacks, schedulers, versions) is listed, nothing refused."""
+    out = jax_ucp.convert(os.path.join(FIX, "lightning_trainer.ckpt"), tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert sorted(e.split(":", 1)[1] for e in source["other_entries"]) == [
+        "callbacks",
+        "epoch",
+        "global_step",
+        "loops",
+        "lr_schedulers",
+        "pytorch-lightning_version",
+    ]
+    assert source["optimizer"]["state"] == ["exp_avg", "exp_avg_sq", "step"]
+
+
+def test_accelerate_save_state_on_cpu_imports_weights_only(tmp_path):
+    """Accelerate 1.15's own save_state (2 CPU processes: DDP, model.safetensors +
+    optimizer.bin keyed by index + random_states_N.pkl): the optimizer cannot be matched to
+    safetensors' sorted names, so it is refused naming parameter_order= and weights_only; the
+    weights import bit-exact."""
+    src = os.path.join(FIX, "accelerate_save_state")
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"accelerate_save_state/optimizer\.bin: the optimizer numbers \d+ parameters by "
+        r"index .*safetensors keeps no parameter order.*parameter_order=.*weights_only=True",
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    restored = jax_ucp.restore(out)
+    params = {k: v for k, v in _truth("accelerate_save_state").items() if k.startswith("param/")}
+    assert sorted(restored) == ["params"]
+    assert sorted(restored["params"]) == sorted(k[len("param/") :] for k in params)
+    for key, value in params.items():
+        assert_bit_exact(restored["params"][key[len("param/") :]], value, key)
+    assert jax_ucp.inspect(out).source["skipped"] == {
+        "optimizer.bin": "weights_only: Accelerate save_state's torch optimizer state"
+    }
+
+
+def test_lightning_keeps_module_names_and_records_what_it_skips(tmp_path):
+    out = jax_ucp.convert(os.path.join(FIX, "lightning.ckpt"), tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keys"] == "parameter indices, in state-dict order"
+    assert source["optimizer"]["param_groups"][0]["params"][0] == "model.tok_embeddings.weight"
+    assert "lightning.ckpt:global_step" in source["other_entries"]
+    # Lightning's own prefix (the LightningModule attribute) is part of the torch name
+    restored = jax_ucp.restore(out)
+    assert "model.tok_embeddings.weight" in restored["params"]
+
+
+def test_ddp_and_compile_prefixes_are_removed_and_recorded(tmp_path):
+    arrays = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(2, np.float32)]
+    weights = {
+        "module._orig_mod.layer.weight": torch_out.TensorSlot(0, (2, 3), arrays[0].dtype),
+        "module._orig_mod.layer.bias": torch_out.TensorSlot(1, (2,), arrays[1].dtype),
+    }
+    torch_out.save_file(str(tmp_path / "ddp.pt"), weights, arrays)
+    out = jax_ucp.convert(tmp_path / "ddp.pt", tmp_path / "ucp")
+    restored = jax_ucp.restore(out)
+    assert sorted(restored["params"]) == ["layer.bias", "layer.weight"]
+    assert (restored["params"]["layer.weight"] == arrays[0]).all()
+    source = jax_ucp.inspect(out).source
+    assert source["wrappers_removed"] == {"module.": 2, "_orig_mod.": 2}
+
+
+def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
+    src = tmp_path / "acc"
+    shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
+    # a model file with one tensor fewer: index i no longer names the i-th parameter
+    from jax_ucp.importers.torch import unpickler as torch_pickle
+
+    sd = torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin")
+    names = list(sd)[1:]
+    arrays = [np.array(sd[n]) for n in names]  # copies: the file is replaced below
+    del sd
+    torch_out.save_file(
+        str(src / "new.bin"),
+        {
+            n: torch_out.TensorSlot(i, a.shape, a.dtype)
+            for i, (n, a) in enumerate(zip(names, arrays))
+        },
+        arrays,
+    )
+    os.replace(src / "new.bin", src / "pytorch_model_fsdp.bin")
+    dst = tmp_path / "out"
+    with pytest.raises(
+        TorchImportError,
+        match=r"optimizer\.bin: the optimizer numbers 12 parameters, the model state dict has "
+        r"11 distinct floating tensors",
+    ):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+    # the weights alone still import, the optimizer listed as skipped
+    out = jax_ucp.convert(src, dst, weights_only=True)
+    skipped = jax_ucp.inspect(out).source["skipped"]
+    assert skipped["optimizer.bin:state.0.exp_avg"] == "weights_only: optimizer state not imported"
+
+
+def test_sharded_index_naming_another_file_is_an_error(tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = json.loads((src / "pytorch_model.bin.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = "pytorch_model-00002-of-00002.bin"
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(TorchImportError, match=r"in another file than listed \['tok_embeddings"):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_sharded_index_escaping_its_folder_is_refused(tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = {"weight_map": {"x": "../../etc/passwd"}}
+    (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        TorchImportError,
+        match=r"weight_map entry 'x' names '\.\./\.\./etc/passwd'; expected a file beside",
+    ):
+        jax_ucp.convert(src, tmp_path / "out")
+
+
+def test_sharded_index_naming_a_tensor_twice_is_refused(tmp_path):
+    """The index is read as the safetensors one is (one reader): a repeated key in its JSON
+    (which of the two files is meant cannot be told) is refused, naming the key."""
+    src = tmp_path / "hf"
+    shutil.copytree(os.path.join(FIX, "hf_bin_sharded"), src)
+    index = json.loads((src / "pytorch_model.bin.index.json").read_text())
+    first, file = next(iter(index["weight_map"].items()))
+    text = json.dumps(index).replace('"weight_map": {', f'"weight_map": {{"{first}": "{file}", ', 1)
+    (src / "pytorch_model.bin.index.json").write_text(text)
+    with pytest.raises(TorchImportError, match=rf"names '{first}' twice"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
+    src = tmp_path / "hf"
+    src.mkdir()
+    marker = tmp_path / "ran"
+    obj = torch_out.Call(torch_out.Global("os", "system"), (f"touch {marker}",))
+    torch_out.save_file(str(src / "pytorch_model.bin"), {"w": obj})
+    with pytest.raises(TorchImportError, match=r"refusing to load global 'os\.system'"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not marker.exists()
+
+
+def _trainer_style_optimizer(src, with_names: bool) -> None:
+    """accelerate_full's optimizer.bin re-written as Hugging Face's Trainer groups parameters:
+    weight-decayed ones (2-D) first, then norms, numbered group after group as torch does."""
+    from jax_ucp.importers.torch import unpickler as torch_pickle
+
+    model = list(torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin"))
+    opt = torch_pickle.load_torch_file(src / "optimizer.bin")
+    (group,) = opt["param_groups"]
+    by_name = {model[i]: opt["state"][i] for i in group["params"]}
+    decay = [n for n in model if by_name[n]["exp_avg"].ndim == 2]
+    norms = [n for n in model if by_name[n]["exp_avg"].ndim == 1]
+    arrays, state, groups = [], {}, []
+    for names, wd in ((decay, 0.1), (norms, 0.0)):
+        hps = {k: v for k, v in group.items() if k != "params"}
+        g = {**hps, "weight_decay": wd, "params": []}
+        if with_names:
+            g["param_names"] = list(names)
+        for name in names:
+            index = len(state)
+            per = {}
+            for k, v in by_name[name].items():
+                per[k] = torch_out.TensorSlot(len(arrays), v.shape, v.dtype)
+                arrays.append(np.array(v))
+            state[index] = per
+            g["params"].append(index)
+        groups.append(g)
+    del opt
+    torch_out.save_file(str(src / "new.bin"), {"state": state, "param_groups": groups}, arrays)
+    os.replace(src / "new.bin", src / "optimizer.bin")
+
+
+def test_several_optimizer_groups_without_names_are_refused(tmp_path):
+    """Index i of a two-group optimizer (the Trainer's decay / no-decay split) is not the i-th
+    tensor of the model state dict: refused, never mapped by position."""
+    src = tmp_path / "trainer"
+    shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
+    _trainer_style_optimizer(src, with_names=False)
+    dst = tmp_path / "out"
+    with pytest.raises(
+        TorchImportError,
+        match=r"optimizer\.bin: the optimizer numbers its parameters over 2 groups \(sizes "
+        r"\[9, 3\]\) without their names.*weights_only=True",
+    ):
+        jax_ucp.convert(src, dst)
+    assert_destination_untouched(dst)
+
+
+def test_optimizer_groups_with_param_names_import_bit_exact(tmp_path):
+    """With param_names in its groups (torch >= 2.5, optimizer built from named_parameters) the
+    same two-group optimizer maps by name: moments bit-exact to the run, both groups recorded."""
+    src = tmp_path / "trainer"
+    shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
+    _trainer_style_optimizer(src, with_names=True)
+    out = jax_ucp.convert(src, tmp_path / "out")
+    assert_matches_run(jax_ucp.restore(out), "accelerate_full")
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keys"] == "parameter indices, named by the groups' param_names"
+    groups = source["optimizer"]["param_groups"]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
+    assert all("param_names" not in g for g in groups)
+    assert groups[1]["params"] == [n for n in groups[1]["params"] if "norm" in n]

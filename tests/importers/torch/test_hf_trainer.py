@@ -1,0 +1,259 @@
+"""Hugging Face Trainer ``checkpoint-N/`` and Accelerate ``save_state`` folders written by the
+libraries themselves (tools/fixtures/make_hf_trainer_checkpoints.py,
+tools/fixtures/make_accelerate_save_state.py): imported by auto-detection with the optimizer,
+weights, moments and step bit-exact to the run's live state; refused, naming why, when the
+optimizer's indices cannot be mapped soundly."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.importers.plan import tensor_names
+from jax_ucp.importers.torch import unpickler as torch_pickle
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+
+pytestmark = pytest.mark.timeout(300)
+HERE = os.path.join(REPO, "tests", "fixtures")
+TRAINER = os.path.join(HERE, "hf_trainer")
+ACCELERATE = os.path.join(HERE, "accelerate")
+STATES = {"exp_avg": "mu", "exp_avg_sq": "nu"}
+
+
+def truth(path: str) -> dict[str, np.ndarray]:
+    out = {}
+    with np.load(path) as z:
+        for key in z.files:
+            value = z[key]
+            if key.endswith("::bfloat16"):
+                key, value = key[: -len("::bfloat16")], value.view(ml_dtypes.bfloat16)
+            out[key] = value
+    return out
+
+
+def assert_matches_run(restored: dict, want: dict) -> None:
+    """params, mu, nu and the step equal the run's live state, bit for bit, and nothing else
+    is there."""
+    params = sorted(k.split("/", 1)[1] for k in want if k.startswith("param/"))
+    assert sorted(restored["params"]) == params
+    assert sorted(restored["opt_state"]) == ["count", "mu", "nu"]
+    for key, value in want.items():
+        kind, _, name = key.partition("/")
+        if kind == "param":
+            assert_bit_exact(restored["params"][name], value, key)
+        elif kind in STATES:
+            assert_bit_exact(restored["opt_state"][STATES[kind]][name], value, key)
+    for tree in ("mu", "nu"):
+        assert sorted(restored["opt_state"][tree]) == params
+    assert restored["opt_state"]["count"] == np.int32(want["step"])
+
+
+def assert_accounted(out: str, src: str, optimizer: str) -> None:
+    """Every tensor of the folder (safetensors weights, the optimizer file's tensors, the
+    Trainer's RNG state as a unit) is imported or in source.skipped, never both."""
+    with open(os.path.join(src, "model.safetensors"), "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    found = {f"model.safetensors:{n}" for n in header if n != "__metadata__"}
+    found |= {
+        f"{optimizer}:{n}"
+        for n in tensor_names(torch_pickle.load_torch_file(os.path.join(src, optimizer)))
+    }
+    found |= {n for n in os.listdir(src) if n.startswith("rng_state") and n.endswith(".pth")}
+    manifest = jax_ucp.inspect(out)
+    imported = {t for e in manifest.tensors for t in (e.provenance or {}).get("tensors", [])}
+    skipped = set(manifest.source.get("skipped", {}))
+    assert imported & skipped == set()
+    assert imported | skipped == found
+
+
+def trainer_src(kind: str) -> str:
+    return os.path.join(TRAINER, kind, "checkpoint-3")
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(
+    "kind", ["trainer_fp32", "trainer_bf16", "trainer_fp32_tf4", "trainer_tied"]
+)
+def test_trainer_checkpoint_imports_its_optimizer_bit_exact(tmp_path, kind):
+    """transformers 5.23's Trainer (decay / no-decay groups, fused AdamW, fp32 and bf16 models)
+    and 4.46's (``trainer_fp32_tf4``: its pickled TrainingArguments carry cached properties):
+    the indices of optimizer.pt are mapped through the Trainer's grouping of config.json's model
+    rebuilt on the meta device; every moment and the step equal the run's."""
+    out = jax_ucp.convert(trainer_src(kind), tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), truth(os.path.join(TRAINER, f"{kind}.truth.npz")))
+    assert_accounted(out, trainer_src(kind), "optimizer.pt")
+    source = jax_ucp.inspect(out).source
+    assert source["framework"] == "torch_files"
+    assert source["parameter_order"].endswith("LlamaForCausalLM, Trainer.get_decay_parameter_names")
+    decay, no_decay = source["optimizer"]["param_groups"]
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(n.endswith("norm.weight") for n in no_decay["params"])
+    tied = kind == "trainer_tied"  # lm_head is embed_tokens: one parameter, saved once
+    assert len(no_decay["params"]) == 5 and len(decay["params"]) == 16 - tied
+    args = source["trainer"]["training_args"]
+    assert (args["lr_scheduler_type"], args["warmup_steps"], args["max_grad_norm"]) == (
+        "linear",
+        1,
+        1.0,
+    )
+    assert source["trainer"]["scheduler"] == {
+        "last_epoch": 3,
+        "base_lrs": [0.01, 0.01],
+        "last_lr": [0.005, 0.005],
+    }
+
+
+def _copy(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+@pytest.mark.torch
+def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
+    """optimizer.pt whose groups are not the Trainer's grouping of the config's model (one
+    parameter moved to the other group), a config naming custom code, and one naming an
+    architecture transformers does not ship: each refused naming why; nothing written; the
+    weights still import with weights_only."""
+    src = _copy(trainer_src("trainer_fp32"), tmp_path / "moved")
+    opt = torch_pickle.load_torch_file(os.path.join(src, "optimizer.pt"))
+    import torch  # noqa: PLC0415
+
+    raw = torch.load(os.path.join(src, "optimizer.pt"), weights_only=True)
+    moved = raw["param_groups"][0]["params"].pop()
+    raw["param_groups"][1]["params"].insert(0, moved)
+    torch.save(raw, os.path.join(src, "optimizer.pt"))
+    assert len(opt["param_groups"][0]["params"]) == 16
+    with pytest.raises(jax_ucp.UCPError, match=r"sizes \[15, 6\]\) are not the Trainer's group"):
+        jax_ucp.convert(src, tmp_path / "u1")
+    assert_destination_untouched(tmp_path / "u1")
+    weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w1", weights_only=True))
+    assert sorted(weights) == ["params"]
+    # same group sizes, two indices traded between the groups: the shapes give it away
+    g0, g1 = raw["param_groups"][0]["params"], raw["param_groups"][1]["params"]
+    g1.pop(0)
+    g0.append(moved)
+    g0[-1], g1[0] = g1[0], g0[-1]
+    torch.save(raw, os.path.join(src, "optimizer.pt"))
+    with pytest.raises(jax_ucp.UCPError, match=r"sizes \[16, 5\]\) are not.*exp_avg \["):
+        jax_ucp.convert(src, tmp_path / "u2")
+    assert_destination_untouched(tmp_path / "u2")
+
+    for name, change, why in [
+        ("custom", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "custom code"),
+        ("unknown", {"architectures": ["EvilForCausalLM"]}, "not one transformers"),
+        ("huge", {"num_hidden_layers": 10**7}, r"num_hidden_layers = 10000000, but the "),
+    ]:
+        src = _copy(trainer_src("trainer_fp32"), tmp_path / name)
+        with open(os.path.join(src, "config.json")) as f:
+            config = json.load(f)
+        with open(os.path.join(src, "config.json"), "w") as f:
+            json.dump({**config, **change}, f)
+        with pytest.raises(jax_ucp.UCPError, match=why):
+            jax_ucp.convert(src, tmp_path / f"u_{name}")
+        assert_destination_untouched(tmp_path / f"u_{name}")
+
+
+def test_trainer_without_transformers_is_refused_naming_why(tmp_path, monkeypatch):
+    """Without transformers the Trainer's order cannot be rebuilt: refused, naming transformers
+    and parameter_order; the weights import with weights_only, and parameter_order= (the
+    Trainer's groups, decay then no-decay) imports the optimizer bit-exact."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    src = trainer_src("trainer_fp32")
+    with pytest.raises(jax_ucp.UCPError, match=r"without transformers.*parameter_order"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    want = truth(os.path.join(TRAINER, "trainer_fp32.truth.npz"))
+    names = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
+    no_decay = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in no_decay] + no_decay
+    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    assert_matches_run(jax_ucp.restore(out), want)
+    assert_accounted(out, src, "optimizer.pt")
+    assert jax_ucp.inspect(out).source["skipped"]["rng_state.pth"].startswith("the torch run's")
+
+
+@pytest.mark.parametrize("kind", ["accelerate_named", "accelerate_named_groups"])
+def test_accelerate_named_groups_map_by_param_names(tmp_path, kind):
+    """Accelerate 1.15 save_state of AdamW(model.named_parameters()) (and of named decay /
+    no-decay groups): torch keeps param_names beside the indices; mapped by name, bit-exact."""
+    out = jax_ucp.convert(os.path.join(ACCELERATE, kind), tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), truth(os.path.join(ACCELERATE, f"{kind}.truth.npz")))
+    assert jax_ucp.inspect(out).source["optimizer_keys"].endswith("param_names")
+    assert_accounted(out, os.path.join(ACCELERATE, kind), "optimizer.bin")
+
+
+@pytest.mark.parametrize("kind", ["accelerate_plain", "accelerate_groups"])
+def test_accelerate_bare_indices_need_the_parameter_order(tmp_path, kind):
+    """AdamW(model.parameters()) or bare decay / no-decay groups: safetensors keeps its names
+    sorted, not in the model's order, so the indices are refused naming parameter_order=; given
+    the order (the names of model.named_parameters(), group after group) it is bit-exact."""
+    src = os.path.join(ACCELERATE, kind)
+    with pytest.raises(jax_ucp.UCPError, match=r"safetensors keeps no parameter order.*parameter"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    want = truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
+    order = [str(n) for n in want.pop("order")]
+    if kind == "accelerate_groups":  # the generator's groups: matrices, then vectors
+        ndim = {n: want[f"param/{n}"].ndim for n in order}
+        order = [n for n in order if ndim[n] >= 2] + [n for n in order if ndim[n] < 2]
+    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    assert_matches_run(jax_ucp.restore(out), want)
+    with pytest.raises(jax_ucp.UCPError, match=r"parameter_order names 20 parameters"):
+        jax_ucp.convert(src, tmp_path / "short", parameter_order=order[:-1])
+    swapped = [order[1], order[0], *order[2:]]  # embed_tokens <-> q_proj: shapes differ
+    with pytest.raises(jax_ucp.UCPError, match=r"has shape"):
+        jax_ucp.convert(src, tmp_path / "swapped", parameter_order=swapped)
+
+
+def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
+    """A Trainer + peft LoRA checkpoint (adapter_model.safetensors + optimizer.pt, no base
+    config.json): the order of the trainable parameters is not recorded, so it is refused naming
+    parameter_order= and weights_only; with the order (the peft model's trainable
+    named_parameters as saved: peft drops the adapter name ``.default``) every moment and the
+    step equal the run's; weights_only imports the adapter alone."""
+    src = trainer_src("trainer_lora")
+    with pytest.raises(jax_ucp.UCPError, match=r"peft adapter checkpoint.*parameter_order="):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    want = {
+        k.replace(".default.", "."): v
+        for k, v in truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
+        if not k.startswith("next_")
+    }
+    order = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
+    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    assert_matches_run(jax_ucp.restore(out), want)
+    weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w", weights_only=True))
+    assert sorted(weights["params"]) == sorted(order)
+
+
+class _Pwn:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+@pytest.mark.torch
+def test_a_hostile_training_args_bin_is_neither_run_nor_read(tmp_path, monkeypatch):
+    """training_args.bin pickling a call of os.system: the import goes on (the schedule is
+    optional), nothing runs, and source.trainer says why the arguments were not read."""
+    import torch  # noqa: PLC0415
+
+    src = _copy(trainer_src("trainer_fp32"), tmp_path / "hostile")
+    torch.save({"args": _Pwn()}, os.path.join(src, "training_args.bin"))
+    monkeypatch.chdir(tmp_path)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert not (tmp_path / "PWNED").exists()
+    trainer = jax_ucp.inspect(out).source["trainer"]
+    assert "training_args" not in trainer
+    assert (
+        "os.system" in trainer["training_args_unread"]
+        or "posix.system" in (trainer["training_args_unread"])
+    )

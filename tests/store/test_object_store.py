@@ -1,0 +1,409 @@
+"""s3:// and gs:// checkpoints, against real local servers started here on 127.0.0.1 and
+stopped after: moto's S3 server (``moto_server``) and ``gcp-storage-emulator``. TensorStore's
+own ``s3`` / ``gcs`` kvstore drivers do the I/O; credentials and endpoints come from the usual
+environment variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
+
+import jax_ucp
+from jax_ucp.store import location
+from jax_ucp.writer import commit
+from tests.ucp_testing import REPO, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _wait_for(port: int, proc: subprocess.Popen, what: str) -> None:
+    for _ in range(200):
+        if proc.poll() is not None:
+            proc.stdout.seek(0)
+            raise RuntimeError(f"{what} exited: {proc.stdout.read()[-2000:]}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port}")
+
+
+def _server(cmd: list[str], port: int, what: str):
+    exe = shutil.which(cmd[0])
+    if exe is None:
+        pytest.fail(f"{cmd[0]} is not installed (pip install -e '.[dev]')")
+    # The servers log every request: into a file, since a pipe nobody reads fills up (64 KiB)
+    # and then blocks the server in the middle of a request.
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen([exe, *cmd[1:]], stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.stdout = log
+    _wait_for(port, proc, what)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    port = free_port()
+    proc = _server(["moto_server", "-H", "127.0.0.1", "-p", str(port)], port, "moto_server")
+    endpoint = f"http://127.0.0.1:{port}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/ucp-test", method="PUT"))
+    yield (
+        {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": endpoint,
+        },
+        "s3://ucp-test",
+    )
+    proc.terminate()
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def gcs_server():
+    port = free_port()
+    cmd = ["gcp-storage-emulator", "start", "--host=127.0.0.1", f"--port={port}", "--in-memory"]
+    proc = _server(cmd, port, "gcp-storage-emulator")
+    endpoint = f"http://127.0.0.1:{port}"
+    body = json.dumps({"name": "ucp-test"}).encode()
+    request = urllib.request.Request(
+        f"{endpoint}/storage/v1/b?project=test",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(request)
+    yield {"STORAGE_EMULATOR_HOST": endpoint}, "gs://ucp-test"
+    proc.terminate()
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
+@pytest.fixture(params=["s3", "gs"])
+def bucket(request, monkeypatch):
+    """(environment, bucket URL) of a live local server of each kind."""
+    env, url = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env, url
+
+
+def _new(url: str, name: str) -> str:
+    return f"{url}/{name}-{time.time_ns()}"
+
+
+def _mesh(shape):
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), ("x", "y"))
+
+
+def test_save_restore_onto_another_mesh_inspect_verify(bucket):
+    _, root = bucket
+    url = _new(root, "ck")
+    w = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
+    e = (np.arange(40) - 7).astype(jax.numpy.bfloat16).reshape(8, 5)
+    tree = {
+        "params": {
+            "w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y"))),
+            "e": jax.device_put(e, NamedSharding(_mesh((2, 4)), P())),
+        },
+        "step": 7,
+    }
+    assert jax_ucp.save(url, tree) == url
+    target = _mesh((4, 2))
+    out = jax_ucp.restore(
+        url,
+        shardings={
+            "params": {
+                "w": NamedSharding(target, P("y", "x")),
+                "e": NamedSharding(target, P("x")),
+            },
+            "step": None,
+        },
+    )
+    assert out["params"]["w"].sharding.spec == P("y", "x")
+    assert np.asarray(out["params"]["w"]).tobytes() == w.tobytes()
+    assert np.asarray(out["params"]["e"]).tobytes() == e.tobytes()
+    assert out["step"] == 7
+    m = jax_ucp.inspect(url)
+    assert m.kvstore_driver == ("s3" if url.startswith("s3") else "gcs")
+    assert sorted(e.name for e in m.tensors) == ["params/e", "params/w"]
+    assert jax_ucp.verify(url) == []
+    with pytest.raises(FileExistsError, match="already exists"):
+        jax_ucp.save(url, tree)
+    with pytest.raises(jax_ucp.UCPError, match="no atomic rename"):
+        jax_ucp.save(url, tree, force=True)
+    assert np.asarray(jax_ucp.restore(url)["params"]["w"]).tobytes() == w.tobytes()
+
+
+def test_swapped_or_missing_shard_objects_are_errors(bucket):
+    """Each shard object's digest is in ucp.json, as for files: two shard objects swapped
+    (each chunk still passes its crc32c) or one deleted is an error naming the object, never
+    the wrong values."""
+    from jax_ucp.store import location
+
+    _, root = bucket
+    url = _new(root, "swap")
+    w = np.arange(64 * 96, dtype=np.float32).reshape(64, 96)
+    jax_ucp.save(url, {"w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))})
+    (entry,) = jax_ucp.inspect(url).tensors
+    assert sorted(entry.shard_digests) == [f"c/{i}/{j}" for i in range(2) for j in range(4)]
+    a, b = f"{entry.dir}/c/0/0", f"{entry.dir}/c/1/3"
+    first, second = location.read(url, a, 1 << 20), location.read(url, b, 1 << 20)
+    assert first != second and len(first) == len(second)
+    location.write(url, a, second)
+    location.write(url, b, first)
+    with pytest.raises(jax_ucp.UCPError, match=r"c/0/0 is not the shard file this checkpoint"):
+        jax_ucp.restore(url)
+    assert any("c/0/0 is not the shard file" in message for _, message in jax_ucp.verify(url))
+    location.write(url, a, first)
+    location.write(url, b, second)
+    assert np.asarray(jax_ucp.restore(url)["w"]).tobytes() == w.tobytes()
+    location.delete(url, b)
+    with pytest.raises(jax_ucp.UCPError, match=r"c/1/3 is missing"):
+        jax_ucp.restore(url)
+
+
+def test_a_save_that_did_not_commit_is_never_a_checkpoint(bucket):
+    """Killed before its ucp.json: restore/inspect/verify say it is no checkpoint; the next
+    save to the prefix deletes the leftovers and commits only its own objects."""
+    _, root = bucket
+    url = _new(root, "killed")
+    sibling = url + "-sibling"  # shares the prefix text: cleanup must not touch it
+    jax_ucp.save(sibling, {"keep": np.full(3, 2.0, np.float32)})
+
+    def killed(self, directory):
+        raise KeyboardInterrupt("killed before the commit")
+
+    real = jax_ucp.UCPCheckpointHandler.finalize
+    real_cleanup = commit.remove_object_store_leftovers
+    jax_ucp.UCPCheckpointHandler.finalize = killed  # not monkeypatch: undo() would drop the env
+    commit.remove_object_store_leftovers = lambda url: None  # a killed save cleans up nothing
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            jax_ucp.save(url, {"old": np.ones((4, 4), np.float32), "w": np.zeros(3, np.float32)})
+    finally:
+        jax_ucp.UCPCheckpointHandler.finalize = real
+        commit.remove_object_store_leftovers = real_cleanup
+    assert any(n.startswith("arrays/") for n in location.list_names(url))  # the data is there
+    for read in (jax_ucp.restore, jax_ucp.inspect, jax_ucp.verify):
+        with pytest.raises(jax_ucp.UCPError, match="did not complete"):
+            read(url)
+    jax_ucp.save(url, {"w": np.arange(3, dtype=np.float32)})
+    assert not [n for n in location.list_names(url) if "old" in n]
+    assert (
+        np.asarray(jax_ucp.restore(url)["w"]).tobytes() == np.arange(3, dtype=np.float32).tobytes()
+    )
+    assert jax_ucp.verify(sibling) == [] and list(jax_ucp.restore(sibling)) == ["keep"]
+
+
+def test_a_failed_save_removes_its_own_objects_and_its_lock(bucket):
+    """The save's transaction on a prefix: a save that fails before its ucp.json deletes the
+    objects it wrote and releases the lock object, so the prefix is as it was (empty)."""
+    _, root = bucket
+    url = _new(root, "failed")
+
+    def broken(self, directory):
+        raise OSError(28, "No space left on device")
+
+    real = jax_ucp.UCPCheckpointHandler.finalize
+    jax_ucp.UCPCheckpointHandler.finalize = broken  # not monkeypatch: undo() would drop the env
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            jax_ucp.save(url, {"w": np.zeros((4, 4), np.float32)})
+    finally:
+        jax_ucp.UCPCheckpointHandler.finalize = real
+    assert location.list_names(url) == []
+    jax_ucp.save(url, {"w": np.ones(3, np.float32)})  # no lock left behind
+    assert np.asarray(jax_ucp.restore(url)["w"]).tolist() == [1.0, 1.0, 1.0]
+
+
+def test_convert_and_cli_with_urls(bucket, tmp_path):
+    env, root = bucket
+    rng = np.random.default_rng(0)
+    tensors = {
+        "model.embed_tokens.weight": rng.standard_normal((32, 16)).astype(np.float32),
+        "model.norm.weight": np.ones(16, np.float32),
+    }
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    url = _new(root, "converted")
+    assert jax_ucp.convert(str(tmp_path / "hf"), url) == url
+    got = jax_ucp.restore(url)["params"]
+    for name, value in tensors.items():
+        assert np.asarray(got[name]).tobytes() == value.tobytes(), name
+    cli_env = dict(os.environ, **env, JAX_PLATFORMS="cpu")
+    cli_env.pop("XLA_FLAGS", None)
+
+    def cli(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "jax_ucp.cli", *args],
+            capture_output=True,
+            text=True,
+            env=cli_env,
+            cwd=REPO,
+            timeout=120,
+        )
+
+    r = cli("inspect", url)
+    assert r.returncode == 0 and "model.embed_tokens.weight" in r.stdout, r.stdout + r.stderr
+    r = cli("verify", url)
+    assert r.returncode == 0 and "read back intact" in r.stdout, r.stdout + r.stderr
+    second = _new(root, "cli")
+    r = cli("convert", "safetensors", str(tmp_path / "hf"), second)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert jax_ucp.inspect(second).source["framework"] == "safetensors"
+    with pytest.raises(ValueError, match="object store"):
+        jax_ucp.convert(str(tmp_path / "hf"), _new(root, "step"), step=1)
+
+
+@pytest.mark.parametrize(
+    "url, message",
+    [
+        ("s3://only-a-bucket", "never a bucket root"),
+        ("s3://bucket/a/../b", r"'\.\.' path components"),
+        ("gs://bucket//x", "empty"),
+    ],
+)
+def test_malformed_urls_are_refused(url, message):
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.save(url, {"w": np.zeros(2, np.float32)})
+
+
+MULTI = r"""
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+pid, n, port, url = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
+                           process_id=pid, initialization_timeout=120)
+import jax_ucp
+mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+W = np.arange(128 * 96, dtype=np.float32).reshape(128, 96)
+w = jax.make_array_from_callback(W.shape, NamedSharding(mesh, P("data", "model")), lambda i: W[i])
+jax_ucp.save(url, {"w": w, "step": 5})
+out = jax_ucp.restore(url, shardings={"w": NamedSharding(mesh, P("model", "data")), "step": None})
+for s in out["w"].addressable_shards:
+    assert np.array_equal(np.asarray(s.data), W[s.index])
+print("OK", pid)
+"""
+
+
+def test_two_processes_save_to_the_object_store(bucket):
+    """The real multi-host path (2 processes x 2 CPU devices, jax.distributed on 127.0.0.1):
+    each process writes only its own shards to the bucket; process 0 commits ucp.json last."""
+    env, root = bucket
+    url = _new(root, "multi")
+    port = str(free_port())
+    run_env = dict(
+        os.environ,
+        **env,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=REPO,
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", MULTI, str(i), "2", port, url],
+            env=run_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-3000:]
+    w = np.arange(128 * 96, dtype=np.float32).reshape(128, 96)
+    assert np.asarray(jax_ucp.restore(url)["w"]).tobytes() == w.tobytes()
+    assert not [n for n in location.list_names(url) if n.startswith("ucp.digests")]
+
+
+def test_checkpoint_manager_on_an_object_store(bucket):
+    """Orbax's CheckpointManager on s3:// and gs:// (Orbax reaches them through etils.epath:
+    s3fs / gcsfs), each step committed by Orbax's commit_success.txt, no rename: steps kept and
+    deleted by max_to_keep, restored onto another mesh; a step whose save never committed is
+    never listed; on s3:// Orbax's default rename-to-commit is refused with the way out."""
+    import orbax.checkpoint as ocp
+
+    _, root = bucket
+    url = _new(root, "run")
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=2, temporary_path_class=ocp.path.atomicity.CommitFileTemporaryPath
+    )
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    sharded = jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))
+    with ocp.CheckpointManager(url, options=options) as mngr:
+        for step in range(3):
+            mngr.save(
+                step,
+                args=ocp.args.Composite(
+                    state=jax_ucp.UCPSave({"w": sharded + step}),
+                    meta=ocp.args.JsonSave({"step": step}),
+                ),
+            )
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [1, 2]
+        out = mngr.restore(
+            2,
+            args=ocp.args.Composite(
+                state=jax_ucp.UCPRestore(mesh=_mesh((4, 2))), meta=ocp.args.JsonRestore()
+            ),
+        )
+    assert out.meta == {"step": 2}
+    assert out.state["w"].sharding.mesh.shape == {"x": 4, "y": 2}
+    assert np.asarray(out.state["w"]).tobytes() == (w + 2).tobytes()
+    assert np.asarray(jax_ucp.restore(f"{url}/2")["w"]).tobytes() == (w + 2).tobytes()
+    assert not location.list_names(url, "0/")  # deleted by max_to_keep
+    # A save killed before Orbax committed it: all its objects but commit_success.txt.
+    for name in location.list_names(url, "2/"):
+        if not name.endswith("commit_success.txt"):
+            location.write(url, "7/" + name[2:], location.read(url, name, 1 << 20))
+    with ocp.CheckpointManager(url, options=options) as mngr:
+        assert 7 not in mngr.all_steps() and mngr.latest_step() == 2
+    if url.startswith("s3://"):  # Orbax's default there: a temporary prefix renamed at the end
+        with pytest.raises(Exception, match="CommitFileTemporaryPath"):
+            with ocp.CheckpointManager(_new(root, "renamed")) as mngr:
+                mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({"w": sharded})))
+                mngr.wait_until_finished()
+
+
+def test_explicit_options_override_the_environment(s3_server, monkeypatch):
+    """``set_object_store_options`` reaches a server the environment does not name: with
+    AWS_ENDPOINT_URL pointing at a closed port, the explicit endpoint is the one used."""
+    env, root = s3_server
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    monkeypatch.delenv("AWS_REGION")
+    with pytest.raises(location.ObjectStoreError, match="'bucket' comes from each URL"):
+        jax_ucp.set_object_store_options("s3", bucket="other")
+    jax_ucp.set_object_store_options(
+        "s3", endpoint=env["AWS_ENDPOINT_URL"], aws_region=env["AWS_REGION"]
+    )
+    try:
+        url = _new(root, "explicit")
+        w = np.arange(48 * 32, dtype=np.float32).reshape(48, 32)
+        jax_ucp.save(url, {"w": jax.device_put(w, NamedSharding(_mesh((2, 4)), P("x", "y")))})
+        got = jax_ucp.restore(url, mesh=_mesh((4, 2)))["w"]
+        assert np.asarray(got).tobytes() == w.tobytes()
+        assert location.kvstore_root(url)["endpoint"] == env["AWS_ENDPOINT_URL"]
+    finally:
+        jax_ucp.set_object_store_options("s3", endpoint=None, aws_region=None)
+    assert location.kvstore_root(url)["endpoint"] != env["AWS_ENDPOINT_URL"]

@@ -1,0 +1,190 @@
+"""``commit.transaction``: the one commit of save, convert, export and manager steps.
+
+A failure inside leaves the previous checkpoint whole and removes (and logs) the temporary; an
+interrupted swap is recovered on entry; the lock refuses a second writer of the same path
+(exports included); every writer stages under one temporary-name scheme.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp import exporters
+from jax_ucp.exporters import ExportError, ExportOptions
+from jax_ucp.orbax.manager_step import write_manager_step
+from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
+from tests.ucp_testing import assert_bit_exact
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("jax_ucp")]
+
+
+def _items(value: float, n: int = 3):
+    return iter([HostItem(("params", f"w{i}"), np.full(4, value, np.float32)) for i in range(n)])
+
+
+def test_a_failure_inside_keeps_the_previous_checkpoint_and_logs_the_removal(tmp_path, caplog):
+    dest = str(tmp_path / "ck")
+    write_host_checkpoint(dest, _items(1.0))
+    caplog.set_level(logging.INFO, logger="jax_ucp")
+    with pytest.raises(RuntimeError, match="writer broke"):
+        with commit.transaction(dest, force=True, kind="import") as tx:
+            assert tx.replacing and tx.staged
+            assert os.path.basename(tx.path).startswith(
+                f"ck{commit.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
+            )
+            with open(os.path.join(tx.path, "half-written"), "w") as f:
+                f.write("x")
+            raise RuntimeError("writer broke")
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert f"removing {tx.path} (temporary directory of a failed import)" in _messages(caplog)
+    assert_bit_exact(jax_ucp.restore(dest)["params"]["w0"], np.full(4, 1.0, np.float32))
+
+
+def test_a_failed_commit_is_discarded_and_an_explicit_commit_is_not_repeated(
+    tmp_path, caplog, monkeypatch
+):
+    dest = str(tmp_path / "ck")
+    write_host_checkpoint(dest, _items(1.0))
+
+    def io_error(root):
+        raise OSError(5, "Input/output error", root)
+
+    monkeypatch.setattr(durable, "make_durable", io_error)
+    caplog.set_level(logging.INFO, logger="jax_ucp")
+    with pytest.raises(OSError, match="Input/output error"):
+        write_host_checkpoint(dest, _items(2.0), force=True)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert any(
+        m.startswith(f"removing {dest}{commit.TMP_MARK}")
+        and m.endswith("(temporary directory of a failed import)")
+        for m in _messages(caplog)
+    )
+    assert_bit_exact(jax_ucp.restore(dest)["params"]["w0"], np.full(4, 1.0, np.float32))
+    monkeypatch.undo()
+    with commit.transaction(dest, force=True) as tx:
+        write_host_checkpoint(tx.path + "-x", _items(3.0))
+        os.rmdir(tx.path)
+        os.rename(tx.path + "-x", tx.path)  # a checkpoint written elsewhere, moved in (test only)
+        tx.commit()
+        assert tx.committed and not os.path.exists(tx.path)
+        assert_bit_exact(jax_ucp.restore(dest)["params"]["w0"], np.full(4, 3.0, np.float32))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # the block's end did not commit again
+
+
+def test_an_interrupted_swap_is_completed_on_entry(tmp_path, caplog):
+    """Killed between the two renames of a forced save: the path is missing, the new checkpoint
+    sits at ``.ucp-replacing``; the next transaction puts it in place before it checks ``force``."""
+    dest = str(tmp_path / "ck")
+    write_host_checkpoint(dest, _items(2.0))
+    os.rename(dest, dest + commit.REPLACING)
+    caplog.set_level(logging.INFO, logger="jax_ucp")
+    with pytest.raises(FileExistsError, match="pass force=True"):
+        with commit.transaction(dest, force=False):
+            pass
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert f"completing an interrupted replacement: {dest}{commit.REPLACING} -> {dest}" in (
+        _messages(caplog)
+    )
+    assert_bit_exact(jax_ucp.restore(dest)["params"]["w1"], np.full(4, 2.0, np.float32))
+
+
+def test_leftovers_of_a_swap_beside_a_whole_checkpoint_are_removed(tmp_path):
+    dest = str(tmp_path / "ck")
+    write_host_checkpoint(dest, _items(3.0))
+    write_host_checkpoint(dest + commit.REPLACED, _items(0.0))
+    write_host_checkpoint(dest, _items(4.0), force=True)
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert_bit_exact(jax_ucp.restore(dest)["params"]["w2"], np.full(4, 4.0, np.float32))
+
+
+def test_a_second_writer_of_the_path_is_refused_export_included(tmp_path):
+    ck = str(tmp_path / "ck")
+    jax_ucp.save(ck, {"params": {"w": np.ones(4, np.float32)}})
+    out = str(tmp_path / "out")
+    with commit.save_lock(out):
+        with pytest.raises(ExportError, match="another save to this path is in progress"):
+            jax_ucp.export(ck, out)
+        with pytest.raises(ExportError, match="another save to this path is in progress"):
+            jax_ucp.export(ck, out, to="orbax")
+        with pytest.raises(commit.SaveConflictError, match="another save to this path"):
+            write_host_checkpoint(out, _items(1.0))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    jax_ucp.export(ck, out)  # the lock released: the same export goes through
+    assert sorted(os.listdir(out)) == [commit.EXPORT_RECORD, "model.safetensors"]
+
+
+def test_a_manager_step_is_staged_under_the_same_temporary_name(tmp_path):
+    root = str(tmp_path / "run")
+    seen = []
+
+    def items(value):
+        for i in range(2):
+            seen.append(sorted(os.listdir(root)))
+            yield HostItem(("params", f"w{i}"), np.full(3, value, np.float32))
+
+    write_manager_step(root, items(1.0), step=7)
+    prefix = f"7{commit.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
+    lock = f".7{commit.LOCK_SUFFIX}"  # held while the step is written
+    assert len(seen[0]) == 2 and seen[0][0] == lock and seen[0][1].startswith(prefix)
+    assert sorted(os.listdir(root)) == ["7"]
+    seen.clear()
+    write_manager_step(root, items(2.0), step=7, force=True)  # replaced: swapped in
+    assert seen[0][:2] == [lock, "7"] and seen[0][2].startswith(prefix)
+    assert sorted(os.listdir(root)) == ["7"]
+    back = jax_ucp.restore(os.path.join(root, "7", "state"))
+    assert_bit_exact(back["params"]["w1"], np.full(3, 2.0, np.float32))
+
+
+def test_export_options_are_checked_once(tmp_path):
+    with pytest.raises(ExportError, match=r"casting='sometimes': choose from"):
+        ExportOptions(casting="sometimes")
+    with pytest.raises(
+        ExportError, match=r"max_file_bytes: must be a positive number of bytes, got 0"
+    ):
+        ExportOptions(max_file_bytes=0)
+    with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: must be a positive number"):
+        ExportOptions(memory_budget=-1)
+    with pytest.raises(ExportError, match="config= .* applies to safetensors exports"):
+        ExportOptions(to="torch-dcp", config={"a": 1})
+    options = ExportOptions(dtype="float16", memory_budget="64MiB")
+    assert options.dtype == np.dtype(np.float16) and options.prefix == "params"
+    assert options.memory_budget == 64 << 20
+    assert ExportOptions(to="torch-dcp").prefix == ""
+    with pytest.raises(AttributeError):
+        options.force = True  # frozen
+    ck = str(tmp_path / "ck")
+    jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
+    out = exporters.export_with(ck, tmp_path / "out", options)
+    assert out.files == ["model.safetensors"] and out.bytes == 8
+
+
+def test_convert_options_are_checked_once(tmp_path):
+    from jax_ucp.conversion import ConvertOptions, convert_with
+
+    with pytest.raises(ValueError, match=r"convert: step=-1: a non-negative int, or None"):
+        ConvertOptions(step=-1)
+    with pytest.raises(ValueError, match=r"distributed=True writes a standalone checkpoint"):
+        ConvertOptions(distributed=True, step=3)
+    with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: cannot read 'lots' as a size"):
+        ConvertOptions(memory_budget="lots")
+    options = ConvertOptions(step=np.int64(2), memory_budget="1MiB", weights_only=True)
+    assert options.step == 2 and type(options.step) is int and options.memory_budget == 1 << 20
+    assert options.weights_only is True and (options.tag, options.vocab_size) == (None, None)
+    src = tmp_path / "hf"
+    src.mkdir()
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.arange(6, dtype=np.float32)}, str(src / "model.safetensors"))
+    out = convert_with(src, tmp_path / "run", ConvertOptions(step=5, memory_budget="1MiB"))
+    assert out == str(tmp_path / "run" / "5" / "state")
+    assert_bit_exact(jax_ucp.restore(out)["params"]["w"], np.arange(6, dtype=np.float32))

@@ -1,0 +1,143 @@
+"""SIGKILL at random moments of forced saves, manager saves and converts: every checkpoint that
+was committed before restores bit-exact afterwards, and the path is never left unreadable.
+
+Each case starts a worker that saves in a loop (each save with its own values), kills it after
+a random (seeded) delay, and then checks what is on disk: the checkpoint at the path is one
+whole earlier save, never a mix, and never missing once one save committed.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from tests.ucp_testing import REPO, assert_bit_exact
+
+pytestmark = pytest.mark.timeout(180)
+
+FORCED = textwrap.dedent(
+    """
+    import sys, numpy as np, jax_ucp
+    path = sys.argv[1]
+    print("READY", flush=True)
+    for v in range(1, 1000):
+        jax_ucp.save(path, {f"t{i}": np.full((256, 512), v, np.float32) for i in range(24)},
+                     force=True)
+        print("SAVED", v, flush=True)
+    """
+)
+
+MANAGER = textwrap.dedent(
+    """
+    import sys, numpy as np, jax, orbax.checkpoint as ocp, jax_ucp
+    root = sys.argv[1]
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        print("READY", flush=True)
+        for step in range(1000):
+            state = {f"t{i}": jax.numpy.full((256, 512), step, np.float32) for i in range(24)}
+            mngr.save(step, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+            print("SAVED", step, flush=True)
+    """
+)
+
+CONVERT = textwrap.dedent(
+    """
+    import sys, jax_ucp
+    src, dest = sys.argv[1], sys.argv[2]
+    print("READY", flush=True)
+    for n in range(1000):
+        jax_ucp.convert(src, dest, force=True)
+        print("SAVED", n, flush=True)
+    """
+)
+
+DS_FIXTURE = os.path.join(REPO, "tests", "fixtures", "deepspeed", "z2_bf16_dp2", "ckpt")
+
+
+def _run_and_kill(script, args, seed, max_delay):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"),
+    )
+    assert proc.stdout.readline().startswith("READY"), proc.stderr.read()[-3000:]
+    time.sleep(random.Random(seed).uniform(0.05, max_delay))
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate(timeout=60)
+    return out
+
+
+def _single_value(tree) -> float:
+    values = {float(np.unique(np.asarray(a))[0]) for a in tree.values()}
+    assert len(values) == 1, f"a mix of saves: {sorted(values)}"
+    return values.pop()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_sigkill_during_forced_saves(tmp_path, seed):
+    path = tmp_path / "c"
+    out = _run_and_kill(FORCED, [path], seed, 4.0)
+    committed = [int(line.split()[1]) for line in out.splitlines() if line.startswith("SAVED")]
+    if not committed and not os.path.exists(path):
+        return  # killed before the first save committed: nothing was promised
+    got = jax_ucp.restore(path)
+    assert len(got) == 24
+    value = _single_value(got)
+    # The last save reported, or the one after it (committed, killed before printing).
+    last = committed[-1] if committed else 0
+    assert value in (last, last + 1), (value, committed[-3:])
+    jax_ucp.save(path, {"x": np.ones(3)}, force=True)  # the next save recovers any leftovers
+    assert sorted(n for n in os.listdir(tmp_path)) == ["c"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sigkill_during_manager_saves(tmp_path, seed):
+    import orbax.checkpoint as ocp
+
+    root = tmp_path / "run"
+    _run_and_kill(MANAGER, [root], 100 + seed, 6.0)
+    if not os.path.exists(root):
+        return
+    with ocp.CheckpointManager(root) as mngr:
+        steps = mngr.all_steps()
+        for step in steps:
+            try:
+                got = mngr.restore(step, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+            except jax_ucp.UCPError as e:
+                # Orbax deletes steps beyond max_to_keep=2 with a plain rmtree: a kill during
+                # that deletion leaves a half-deleted old step listed. It must be one of those
+                # being deleted (never a kept one) and read as a clear error, not garbage.
+                assert step < sorted(steps)[-2] and "missing" in str(e), (step, steps, e)
+                continue
+            assert len(got.state) == 24
+            assert _single_value(got.state) == step
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sigkill_during_converts(tmp_path, seed):
+    reference = jax_ucp.convert(DS_FIXTURE, tmp_path / "reference")
+    want = jax_ucp.restore(reference)
+    dest = tmp_path / "c"
+    _run_and_kill(CONVERT, [DS_FIXTURE, dest], 200 + seed, 2.5)
+    if not os.path.exists(dest) and not os.path.exists(str(dest) + ".ucp-replacing"):
+        return
+    got = jax_ucp.restore(dest)
+    for top in want:
+        for name, value in want[top].items() if isinstance(want[top], dict) else []:
+            if isinstance(value, dict):
+                for k, v in value.items():
+                    assert_bit_exact(got[top][name][k], v, f"{top}/{name}/{k}")
+            else:
+                assert_bit_exact(got[top][name], value, f"{top}/{name}")
