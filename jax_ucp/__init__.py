@@ -25,6 +25,7 @@ from jax_ucp.lazy_names import lazy_attributes
 from jax_ucp.version import __version__
 
 _LAZY = {
+    "AmbiguousAdamStateError": "jax_ucp.restoring.adam_state",
     "CheckpointError": "jax_ucp.restoring.reader",
     "UCPCheckpointHandler": "jax_ucp.orbax.handler",
     "UCPRestore": "jax_ucp.orbax.handler",
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
     from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
     from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
+    from jax_ucp.restoring.adam_state import AmbiguousAdamStateError
     from jax_ucp.restoring.checks import diff
     from jax_ucp.restoring.plan import plan
     from jax_ucp.restoring.reader import CheckpointError
@@ -60,6 +62,7 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.store.location import set_object_store_options
 
 __all__ = [
+    "AmbiguousAdamStateError",
     "CheckpointError",
     "CheckpointReplacedError",
     "ExportError",

@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import json
 import operator
 import os
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +20,8 @@ from jax_ucp.format import UCPError, files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import registry
 from jax_ucp.importers.plan import Share
-from jax_ucp.multihost import liveness
+from jax_ucp.multihost import agreement
+from jax_ucp.multihost.agreement import Gather
 from jax_ucp.options import field_namer, keywords_of_2
 from jax_ucp.writer import commit
 
@@ -132,20 +130,16 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
     _check_target(source, dest, options)
     budget = options.memory_budget
     with writer.memory_budget_scope(None if budget is None else int(budget)):
-        share, gather = (
-            _distributed_share(dest, options.barrier_timeout)
-            if options.distributed
-            else (None, None)
-        )
-        plan = _plan(source, dest, options, share, gather)
+        job = agreement.join(dest, options.barrier_timeout) if options.distributed else None
+        plan = _plan(source, dest, options, job)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
-        if share is not None:
-            assert gather is not None  # _distributed_share gives both
+        if job is not None:
+            index, count, gather = job
             return writer.write_shared_checkpoint(
                 dest,
                 items,
-                index=share.index,
-                count=share.count,
+                index=index,
+                count=count,
                 gather=gather,
                 force=options.force,
                 source=plan.source,
@@ -186,7 +180,7 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
     commit.check_replaceable(os.path.abspath(target), force=options.force)
 
 
-def _plan(source, dest: str, options: ConvertOptions, share, gather):
+def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gather] | None):
     """The importer's plan; in a distributed import every process's planning is agreed on, so a
     process that refuses the source does not leave the others waiting."""
     plan_import = functools.partial(
@@ -199,81 +193,15 @@ def _plan(source, dest: str, options: ConvertOptions, share, gather):
         vocab_size=options.vocab_size,
         parameter_order=options.parameter_order,
     )
-    if share is None:
+    if job is None:
         return plan_import()
+    index, count, gather = job
     try:
-        plan = plan_import(share=share)
+        plan = plan_import(share=Share(index, count))
     except BaseException as e:
-        writer.agree(gather, "planned", e, dest)
-    writer.agree(gather, "planned", "", dest)
+        agreement.agree(gather, "planned", e, dest)
+    agreement.agree(gather, "planned", "", dest)
     return plan
-
-
-_RUNS = itertools.count()
-_POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
-
-
-class ProcessLostError(writer.SharedWriteError):
-    """A process of a distributed conversion died while the others waited for it."""
-
-
-def _distributed_share(dest: str, timeout: float):
-    """This process's share of a conversion by every process of the ``jax.distributed`` job,
-    and ``gather(step, value, wait=True)``: every process's value for ``step`` (jax.distributed's
-    key-value store, no device collective). While it waits, the processes it waits for that run
-    on this host are checked every 0.2 s, so one that died is named at once instead of after
-    jax's heartbeat timeout (100 s) or ``timeout``. ``(None, None)`` in a single-process job."""
-    import jax
-
-    if jax.process_count() == 1:
-        return None, None
-    from jax.errors import JaxRuntimeError
-    from orbax.checkpoint import multihost
-
-    client = multihost.get_jax_distributed_client()
-    index, count, run = jax.process_index(), jax.process_count(), next(_RUNS)
-    peers: list[dict] = []
-
-    def gather(step: str, value: str, wait: bool = True) -> list[str]:
-        prefix = f"jax_ucp/convert/{run}/{step}/"
-        client.key_value_set(prefix + str(index), value)
-        if not wait:
-            return []
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got = dict(client.key_value_dir_get(prefix))
-                missing = [i for i in range(count) if prefix + str(i) not in got]
-                if not missing:
-                    return [got[prefix + str(i)] for i in range(count)]
-                _raise_if_lost(peers, missing, step, dest, index)
-                if time.monotonic() > deadline:
-                    raise writer.SharedWriteError(
-                        f"{dest}: not committed; process(es) {', '.join(map(str, missing))} did "
-                        f"not reach '{step}' within {timeout:g} s (convert's barrier_timeout)"
-                    )
-                client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
-            except JaxRuntimeError as e:  # a timed-out poll, or the coordinator (process 0) gone
-                if "DEADLINE_EXCEEDED" not in str(e):
-                    _raise_if_lost(peers, range(count), step, dest, index)
-                    raise writer.SharedWriteError(
-                        f"{dest}: not committed; jax.distributed failed at '{step}': {e}"
-                    ) from e
-
-    hello = json.dumps(dict(liveness.identity(os.getpid()) or {}, index=index))
-    peers.extend(json.loads(v) for v in gather("hello", hello))
-    return Share(index, count), gather
-
-
-def _raise_if_lost(peers: list[dict], indices, step: str, dest: str, me: int) -> None:
-    """``ProcessLostError`` naming the first of ``indices`` that ran on this host and is gone."""
-    i = liveness.first_lost(peers, indices, me)
-    if i is not None:
-        peer = peers[i]
-        raise ProcessLostError(
-            f"{dest}: not committed; process {i} (pid {peer['pid']} on {peer['host']}) died "
-            f"while process {me} waited for it at '{step}'"
-        )
 
 
 class DestinationError(UCPError, ValueError):

@@ -96,3 +96,209 @@ def test_every_exception_class_of_the_package_derives_from_ucp_error():
             ):
                 outside.append(f"{module.__name__}.{value.__qualname__}")
     assert outside == []
+
+
+# What each subpackage exports (its ``__all__``): the names users or other layers import from
+# it. A change here is a change of the package's surface, made on purpose.
+SURFACE: dict[str, set[str]] = {
+    "jax_ucp.cli": {"app", "main"},
+    "jax_ucp.format": {
+        "ARRAYS_DIR",
+        "Entry",
+        "FORMAT_VERSION",
+        "MANIFEST_FILE",
+        "MAX_MANIFEST_BYTES",
+        "Manifest",
+        "ManifestError",
+        "SavedSharding",
+        "TensorEntry",
+        "UCPError",
+        "ValueEntry",
+        "array_dir",
+        "dtype_name",
+        "encode_key",
+        "key_to_str",
+        "new_manifest",
+        "read_manifest_file",
+        "role_of",
+        "to_numpy_dtype",
+    },
+    "jax_ucp.importers": {"plan_import"},
+    "jax_ucp.importers.deepspeed": {
+        "DS_CLASSES",
+        "DeepSpeedCheckpoint",
+        "DeepSpeedImportError",
+        "DeepSpeedOptions",
+        "MegatronDeepSpeedCheckpoint",
+        "detect",
+        "is_deepspeed_checkpoint",
+        "open_deepspeed_checkpoint",
+        "plan",
+        "plan_deepspeed",
+    },
+    "jax_ucp.importers.megatron": {
+        "MegatronImportError",
+        "MegatronOptions",
+        "detect",
+        "detect_megatron",
+        "plan",
+        "plan_megatron",
+    },
+    "jax_ucp.importers.orbax": {"OrbaxImportError", "OrbaxOptions", "detect", "plan", "plan_orbax"},
+    "jax_ucp.importers.safetensors": {"detect", "plan", "plan_safetensors"},
+    "jax_ucp.importers.torch": {"TorchOptions", "detect", "plan"},
+    "jax_ucp.language": {
+        "Averaged",
+        "DEFAULT_ROOTS",
+        "Expert",
+        "ImportMatch",
+        "ImportRule",
+        "KINDS",
+        "Kind",
+        "LanguageError",
+        "MergeError",
+        "OPS",
+        "Op",
+        "Partitioned",
+        "PipelineTied",
+        "QKV",
+        "Replicated",
+        "RestoreRule",
+        "Root",
+        "Spec",
+        "SpecError",
+        "StrictnessError",
+        "SubParams",
+        "SwiGLU",
+        "TensorInfo",
+        "TransformError",
+        "ViewPlan",
+        "Vocab",
+        "apply_restore_plan",
+        "apply_spec_to_tree",
+        "compile_restore_plan",
+        "describe_plan",
+        "dump_spec",
+        "expert_global_index",
+        "flatten_nested",
+        "head_split",
+        "kind_from_obj",
+        "list_specs",
+        "load_spec",
+        "merge",
+        "op_from_obj",
+        "optax_chain_roots",
+        "padded_vocab_size",
+        "saved_infos",
+        "spec_from_dict",
+        "spec_from_toml",
+        "spec_to_dict",
+        "spec_to_toml",
+        "split",
+        "split_parts",
+        "unflatten_nested",
+    },
+    "jax_ucp.models": {"LMConfig", "TransformerLM", "from_megatron", "shipped_spec_for"},
+    "jax_ucp.multihost": set(),
+    "jax_ucp.orbax": set(),
+    "jax_ucp.restoring": set(),
+    "jax_ucp.samples": {"NAMES", "path", "reference", "settings"},
+    "jax_ucp.saving": set(),
+    "jax_ucp.sharding": {
+        "PendingArray",
+        "ReplicationWarning",
+        "ShardingMismatchError",
+        "check_divisible",
+        "check_names",
+        "check_rules",
+        "describe",
+        "host_memory_limit",
+        "replicated_unasked",
+        "replication_warning",
+        "sharding_for",
+        "unmatched_rules",
+        "unmatched_rules_message",
+    },
+    "jax_ucp.store": {
+        "ArrayLayout",
+        "DEFAULT_INNER_CHUNK_BYTES",
+        "InFlightBytes",
+        "array_config",
+        "bytes_read",
+        "create",
+        "inner_chunk_shape",
+        "is_url",
+        "kvstore_config",
+        "kvstore_driver",
+        "open_array",
+        "outer_chunk_shape",
+        "read_manifest",
+        "write_manifest",
+    },
+    "jax_ucp.writer": {
+        "DEFAULT_MEMORY_BUDGET",
+        "Deferred",
+        "HostItem",
+        "PipelinedWriter",
+        "PreparedTensor",
+        "SaveOptions",
+        "array_layout",
+        "memory_budget",
+        "memory_budget_scope",
+        "prepare_host_tensor",
+        "remove_abandoned",
+        "tensor_entry",
+        "unpooled_empty",
+        "value_entry",
+        "with_digests",
+        "with_progress",
+        "write_host_checkpoint",
+        "write_shared_checkpoint",
+        "write_stream",
+        "write_tensor",
+    },
+}
+# handler/ keeps the old module names Orbax records (aliases, no surface of its own); exporters/
+# pins its own ``__all__`` (its options are being split per format).
+UNPINNED = {"jax_ucp.handler", "jax_ucp.exporters"}
+
+
+def _subpackages():
+    import pkgutil
+
+    for info in pkgutil.walk_packages(jax_ucp.__path__, "jax_ucp."):
+        if info.ispkg:
+            yield info.name, importlib.import_module(info.name)
+
+
+def test_every_subpackage_surface_is_pinned():
+    found = {name: set(getattr(module, "__all__", [])) for name, module in _subpackages()}
+    assert set(found) - UNPINNED == set(SURFACE), "a new subpackage: pin its __all__ in SURFACE"
+    for name, names in SURFACE.items():
+        assert found[name] == names, (name, found[name] ^ names)
+
+
+def test_exported_names_resolve():
+    for name, module in _subpackages():
+        for attribute in getattr(module, "__all__", []):
+            assert hasattr(module, attribute), (name, attribute)
+
+
+def test_functions_and_classes_of_an_init_are_exported_or_private():
+    """A function or class written in a subpackage's ``__init__`` is in its ``__all__`` or has a
+    ``_`` name: an internal helper does not look public."""
+    import inspect
+
+    loose = []
+    for name, module in _subpackages():
+        if name in UNPINNED:
+            continue
+        for attribute, value in vars(module).items():
+            if (
+                (inspect.isfunction(value) or inspect.isclass(value))
+                and value.__module__ == name
+                and not attribute.startswith("_")
+                and attribute not in module.__all__
+            ):
+                loose.append(f"{name}.{attribute}")
+    assert loose == []

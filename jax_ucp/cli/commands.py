@@ -335,14 +335,14 @@ def _run_convert(fn, src, dst, parallel: spawn.Parallel | None = None, **kwargs)
     try:
         out = fn(src, dst, progress=on_progress, **kwargs)
     except Exception as e:
-        from jax_ucp import conversion, writer
+        from jax_ucp.multihost import agreement
 
-        if not isinstance(e, writer.SharedWriteError):
+        if not isinstance(e, agreement.SharedWriteError):
             raise
         if task is not None:
             progress.stop()
         output.error(str(e))
-        if isinstance(e, conversion.ProcessLostError):
+        if isinstance(e, agreement.ProcessLostError):
             # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
             # timeout, 100 s) and then abort: the job is over, leave now.
             sys.stdout.flush()

@@ -1,12 +1,11 @@
 """Layer 1: what is on disk. No JAX, no I/O beyond JSON."""
 
 from jax_ucp.format import files
-from jax_ucp.format.dtypes import ZARR_NATIVE, dtype_name, to_numpy_dtype
+from jax_ucp.format.dtypes import dtype_name, to_numpy_dtype
 from jax_ucp.format.errors import UCPError
-from jax_ucp.format.keypath import KeyPath, decode_key, encode_key, key_to_str
+from jax_ucp.format.keypath import encode_key, key_to_str
 from jax_ucp.format.manifest import (
     ARRAYS_DIR,
-    FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
@@ -21,3 +20,25 @@ from jax_ucp.format.manifest import (
     read_manifest_file,
     role_of,
 )
+
+__all__ = [
+    "ARRAYS_DIR",
+    "Entry",
+    "FORMAT_VERSION",
+    "MANIFEST_FILE",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "ManifestError",
+    "SavedSharding",
+    "TensorEntry",
+    "UCPError",
+    "ValueEntry",
+    "array_dir",
+    "dtype_name",
+    "encode_key",
+    "key_to_str",
+    "new_manifest",
+    "read_manifest_file",
+    "role_of",
+    "to_numpy_dtype",
+]

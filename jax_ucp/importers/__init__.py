@@ -6,5 +6,8 @@ them and picks one for a source. A plan is a checked, lazy stream of ``writer.Ho
 (``ImportPlan``) that ``jax_ucp.conversion`` writes.
 """
 
-from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp.importers.registry import FORMATS, IMPORTERS, detect_format, plan_import
+from jax_ucp.importers.registry import plan_import
+
+__all__ = [
+    "plan_import",
+]

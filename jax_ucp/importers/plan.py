@@ -124,6 +124,16 @@ def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str
     return Detection(False, missing)
 
 
+def refuse_spec(spec: Any, keeps: str, error: type[Exception] = RequestError) -> None:
+    """Refuses a spec given to an import that keeps the source's names (``keeps`` says which):
+    a spec maps them at restore time, not at import."""
+    if spec is not None:
+        raise error(
+            f"{keeps}; apply a spec at restore time (jax_ucp.restore(path, spec=...)) instead "
+            f"of at import."
+        )
+
+
 def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.HostItem:
     """``value`` at ``key`` with the role its place in the output tree means.
 

@@ -15,7 +15,7 @@ from typing import Any
 from jax_ucp.errors import RequestError
 from jax_ucp.format import UCPError
 from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch
-from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed.files import trainer_checkpoints
 from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, accounted
 
 
@@ -81,7 +81,7 @@ def detect_format(src) -> str:
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         )
-    runs = deepspeed_files.trainer_checkpoints(src)
+    runs = trainer_checkpoints(src)
     if runs:
         raise SourceFormatError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "

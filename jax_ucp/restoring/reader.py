@@ -476,7 +476,7 @@ class _Reads:
             result = pending.result()
         except Exception as e:  # noqa: BLE001
             if isinstance(e, fmt.UCPError):  # names the file already
-                raise CheckpointError(f"Tensor {found.name!r}: {e}") from e
+                raise _tensor_error(found.name, e) from e
             raise CheckpointError(
                 f"Tensor {found.name!r}: reading {self.source.files(found)} failed "
                 f"({_READ_FAILURES[tensorstore_failure(e)]}): {tensorstore_message(e)}"
@@ -560,6 +560,13 @@ def row_ranges(found: Available, dtype: np.dtype, max_bytes: int) -> list:
     if step > inner:  # whole inner chunks: none decoded twice
         step -= step % inner
     return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+
+
+def _tensor_error(name: str, e: BaseException) -> CheckpointError:
+    """``e`` as a ``CheckpointError`` naming tensor ``name`` once (a store error, e.g. a shard
+    digest's, may name it already)."""
+    prefix, message = f"Tensor {name!r}: ", str(e)
+    return CheckpointError(message if message.startswith(prefix) else prefix + message)
 
 
 _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tells the user
@@ -670,7 +677,7 @@ class CheckpointSource(TensorSource):
                 except FileNotFoundError:
                     pass  # reported with the tensor's name by _get()
                 except fmt.files.UnsafeFileError as e:
-                    raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+                    raise _tensor_error(entry.name, e) from None
             self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
 
     def _get(self, key) -> ts.TensorStore:
@@ -781,7 +788,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
                 f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
             ) from None
         except fmt.UCPError as e:
-            raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+            raise _tensor_error(entry.name, e) from None
 
 
 def verify_shard_objects(root: str, entries) -> None:
@@ -819,7 +826,7 @@ def verify_shard_objects(root: str, entries) -> None:
                     f"incomplete)."
                 ) from None
             except fmt.UCPError as e:
-                raise CheckpointError(f"Tensor {entry.name!r}: {e}") from None
+                raise _tensor_error(entry.name, e) from None
 
 
 # Shard objects whose digests are read together (each holds its index in memory meanwhile).

@@ -23,7 +23,14 @@ import numpy as np
 
 from jax_ucp.errors import NotFoundError
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+__all__ = [
+    "NAMES",
+    "path",
+    "reference",
+    "settings",
+]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("megatron_llama_tp2", "deepspeed_z2_bf16_dp2")
 
 
@@ -35,20 +42,20 @@ def _check(name: str) -> None:
 def path(name: str) -> str:
     """The sample checkpoint's directory (pass it to ``jax_ucp.convert``)."""
     _check(name)
-    return os.path.join(HERE, name)
+    return os.path.join(_HERE, name)
 
 
 def settings(name: str) -> dict:
     """The settings of the run that wrote the sample (model sizes, parallelism, versions)."""
     _check(name)
-    with open(os.path.join(HERE, f"{name}.json")) as f:
+    with open(os.path.join(_HERE, f"{name}.json")) as f:
         return json.load(f)
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
     """``tokens`` and the ``logits`` the source framework computed for them (padded vocab)."""
     _check(name)
-    file = os.path.join(HERE, f"{name}.logits.npz")
+    file = os.path.join(_HERE, f"{name}.logits.npz")
     if not os.path.exists(file):
         raise NotFoundError(f"sample {name!r} ships no reference logits")
     with np.load(file) as z:

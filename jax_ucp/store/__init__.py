@@ -7,13 +7,29 @@ from jax_ucp.store.location import is_url, read_manifest, write_manifest
 from jax_ucp.store.zarr3 import (
     ArrayLayout,
     array_config,
-    context,
     create,
     file_bytes_read,
     kvstore_config,
     kvstore_driver,
     open_array,
 )
+
+__all__ = [
+    "ArrayLayout",
+    "DEFAULT_INNER_CHUNK_BYTES",
+    "InFlightBytes",
+    "array_config",
+    "bytes_read",
+    "create",
+    "inner_chunk_shape",
+    "is_url",
+    "kvstore_config",
+    "kvstore_driver",
+    "open_array",
+    "outer_chunk_shape",
+    "read_manifest",
+    "write_manifest",
+]
 
 
 def bytes_read() -> int:

@@ -6,10 +6,7 @@ write through it; it knows nothing of Orbax, JAX or torch.
 """
 
 from jax_ucp.writer.checkpoint import (
-    SharedWriteError,
-    agree,
     remove_abandoned,
-    run_coroutine,
     write_host_checkpoint,
     write_shared_checkpoint,
 )
@@ -34,3 +31,26 @@ from jax_ucp.writer.stream import (
     with_progress,
     write_stream,
 )
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "Deferred",
+    "HostItem",
+    "PipelinedWriter",
+    "PreparedTensor",
+    "SaveOptions",
+    "array_layout",
+    "memory_budget",
+    "memory_budget_scope",
+    "prepare_host_tensor",
+    "remove_abandoned",
+    "tensor_entry",
+    "unpooled_empty",
+    "value_entry",
+    "with_digests",
+    "with_progress",
+    "write_host_checkpoint",
+    "write_shared_checkpoint",
+    "write_stream",
+    "write_tensor",
+]

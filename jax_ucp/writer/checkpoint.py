@@ -15,10 +15,10 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 from jax_ucp import format as fmt
-from jax_ucp.format import UCPError
+from jax_ucp.multihost.agreement import Gather, SharedWriteError, agree
 from jax_ucp.writer import commit
 from jax_ucp.writer.stream import HostItem, write_stream
 
@@ -52,44 +52,6 @@ def write_host_checkpoint(
             write_stream(tx.path, items, source=source, compression=compression, sync=False)
         )
     return tx.dest
-
-
-class SharedWriteError(UCPError, RuntimeError):
-    """A checkpoint written by several processes failed in one of them (names which, and why)."""
-
-
-Gather = Callable[[str, str, bool], "list[str]"]
-_OK, _FAILED = "ok:", "failed:"
-
-
-def agree(
-    gather: Gather, step: str, result: str | BaseException, where: str, wait: bool = True
-) -> list[str]:
-    """Every process's outcome of ``step``, exchanged through ``gather`` (each process's value, in
-    process order, once all have posted theirs): ``result`` is this process's payload, or its
-    error. Every process sees the same list, so all decide alike: this process's own error is
-    raised, else a ``SharedWriteError`` naming each process that failed and why; else the
-    payloads. ``wait=False`` only posts this process's outcome (the others wait for it).
-
-    Args:
-        gather: the exchange (see ``write_shared_checkpoint``).
-        step: the name of the step agreed on ("ready", "written", "committed").
-        result: this process's payload, or the error it met.
-        where: the destination, for the error message.
-        wait: wait for every process's outcome (False: post this one's only).
-
-    Returns:
-        Every process's payload, in process order.
-    """
-    failed = isinstance(result, BaseException)
-    mine = _FAILED + f"{type(result).__name__}: {result}"[:4000] if failed else _OK + result
-    values = gather(step, mine, wait)
-    if failed:
-        raise result
-    errors = [f"process {i}: {v[len(_FAILED) :]}" for i, v in enumerate(values) if v[:3] != _OK]
-    if errors:
-        raise SharedWriteError(f"{where}: not committed; it failed in " + "; ".join(errors))
-    return [v[len(_OK) :] for v in values]
 
 
 def write_shared_checkpoint(

@@ -94,7 +94,7 @@ pid, n, port, src, dst = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
                            process_id=pid, initialization_timeout=120)
 import jax_ucp
-from jax_ucp.importers import safetensors as safetensors_hf
+from jax_ucp.format import safetensors as safetensors_hf
 if os.environ.get("FAIL_PROCESS") == str(pid):
     def broken(self, name):
         raise OSError(f"disk gone while reading {name}")
@@ -200,7 +200,7 @@ if _spec:
         _argv = f.read().decode().split("\0")
     _rank, _point, *_n = _spec.split(":")
     if "--process-id" in _argv and _argv[_argv.index("--process-id") + 1] == _rank:
-        import jax_ucp.writer
+        import jax_ucp.multihost.agreement
         import jax_ucp.writer.checkpoint as ck
 
         def _die():
@@ -215,7 +215,7 @@ if _spec:
                 _die()
             return _agree(gather, step, *args, **kwargs)
 
-        ck.agree = jax_ucp.writer.agree = agree
+        ck.agree = jax_ucp.multihost.agreement.agree = agree
         _write_stream = ck.write_stream
 
         def write_stream(directory, items, **kwargs):

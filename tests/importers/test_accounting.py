@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.format import safetensors as safetensors_hf
 from jax_ucp.importers import plan as plan_lib
-from jax_ucp.importers import safetensors as safetensors_hf
 from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp.importers.megatron import dcp as megatron_dcp

@@ -14,13 +14,9 @@ import pytest
 import tensorstore as ts
 
 import jax_ucp
+from jax_ucp.multihost.agreement import SharedWriteError
 from jax_ucp.orbax.manager_step import write_manager_step
-from jax_ucp.writer import (
-    HostItem,
-    SharedWriteError,
-    write_host_checkpoint,
-    write_shared_checkpoint,
-)
+from jax_ucp.writer import HostItem, write_host_checkpoint, write_shared_checkpoint
 from tests.ucp_testing import assert_bit_exact
 
 

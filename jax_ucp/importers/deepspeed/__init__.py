@@ -1,10 +1,10 @@
 """Import DeepSpeed checkpoints: ZeRO 1/2/3 (fp32 / bf16 / fp16) and Megatron-DeepSpeed TP/PP.
 
 The entry point of the DeepSpeed importers: finds the tag folder, dispatches on its layout
-(:mod:`deepspeed_zero` for one model-parallel rank, :mod:`deepspeed_megatron` for a TP/PP grid)
+(:mod:`deepspeed.zero` for one model-parallel rank, :mod:`deepspeed.megatron` for a TP/PP grid)
 and returns an :class:`ImportPlan` that :mod:`jax_ucp.conversion` streams into the writer, one
 parameter at a time (its fp32 master, Adam moments, model-precision copy), so peak anonymous
-memory is about one parameter, not the checkpoint. Files are read with :mod:`torch_pickle` (no
+memory is about one parameter, not the checkpoint. Files are read with :mod:`torch.unpickler` (no
 torch, no pickled code executed; tensors are memory-mapped).
 
 Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp32 master weights keyed by DeepSpeed's
@@ -19,12 +19,16 @@ import os
 from typing import Any
 
 from jax_ucp.errors import RequestError
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed import megatron as deepspeed_megatron
-from jax_ucp.importers.deepspeed import moe as deepspeed_moe
-from jax_ucp.importers.deepspeed import universal as deepspeed_universal
-from jax_ucp.importers.deepspeed import zero as deepspeed_zero
-from jax_ucp.importers.deepspeed.files import DS_CLASSES, DeepSpeedImportError
+from jax_ucp.importers.deepspeed import megatron, moe, universal, zero
+from jax_ucp.importers.deepspeed.files import (
+    DS_CLASSES,
+    DeepSpeedImportError,
+    check_every_file_read,
+    is_model_parallel,
+    is_moe,
+    is_tag_dir,
+    resolve_tag_dir,
+)
 from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp.importers.plan import (
@@ -34,6 +38,7 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     glob_detection,
+    refuse_spec,
 )
 
 __all__ = [
@@ -55,12 +60,12 @@ def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
     folder with ZeRO files or a universal checkpoint."""
     path = os.fspath(path)
     if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(
-        os.path.join(path, deepspeed_universal.LATEST_UNIVERSAL)
+        os.path.join(path, universal.LATEST_UNIVERSAL)
     ):
         return True
-    if os.path.isdir(path) and deepspeed_universal.is_universal_tag_dir(path):
+    if os.path.isdir(path) and universal.is_universal_tag_dir(path):
         return True
-    return os.path.isdir(path) and deepspeed_files.is_tag_dir(path)
+    return os.path.isdir(path) and is_tag_dir(path)
 
 
 def open_deepspeed_checkpoint(
@@ -77,12 +82,12 @@ def open_deepspeed_checkpoint(
         tag: the tag to open instead of ``latest``.
         spec: import rules to use instead of ``universal_checkpoint_info``.
     """
-    tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
-    if deepspeed_files.is_moe(tag_dir):
-        return deepspeed_moe.open_moe_zero_checkpoint(tag_dir)[0]
-    if deepspeed_files.is_model_parallel(tag_dir):
-        return deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
-    return deepspeed_zero.open_zero_checkpoint(tag_dir)
+    tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    if is_moe(tag_dir):
+        return moe.open_moe_zero_checkpoint(tag_dir)[0]
+    if is_model_parallel(tag_dir):
+        return megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+    return zero.open_zero_checkpoint(tag_dir)
 
 
 def plan_deepspeed(
@@ -103,7 +108,7 @@ def plan_deepspeed(
 
     A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
     deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
-    ``latest_universal`` names it) is read by :mod:`deepspeed_universal`.
+    ``latest_universal`` names it) is read by :mod:`deepspeed.universal`.
 
     Args:
         src: the checkpoint folder or one tag folder.
@@ -114,41 +119,38 @@ def plan_deepspeed(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    universal = deepspeed_universal.universal_tag_dir(os.fspath(src), tag)
-    if universal is not None:
-        return deepspeed_universal.plan_universal(
-            universal, spec=spec, weights_only=weights_only, share=share
+    universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
+    if universal_dir is not None:
+        return universal.plan_universal(
+            universal_dir, spec=spec, weights_only=weights_only, share=share
         )
-    tag_dir = deepspeed_files.resolve_tag_dir(os.fspath(src), tag)
+    tag_dir = resolve_tag_dir(os.fspath(src), tag)
     plan = _plan_training_checkpoint(tag_dir, spec=spec, weights_only=weights_only, share=share)
     # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
-    deepspeed_files.check_every_file_read(tag_dir, plan.source_tensors)
+    check_every_file_read(tag_dir, plan.source_tensors)
     return plan
 
 
 def _plan_training_checkpoint(
     tag_dir: str, *, spec: Any, weights_only: bool, share: Share
 ) -> ImportPlan:
-    if deepspeed_files.is_moe(tag_dir):
-        if spec is not None:
-            raise RequestError(
-                "convert_deepspeed: a DeepSpeed MoE checkpoint is imported raw (experts under "
-                "their global names), so an import spec has nothing to do; apply the name "
-                "mapping at restore time: jax_ucp.restore(path, spec=...)"
-            )
-        return deepspeed_moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
-    zero0 = deepspeed_zero.zero0_model_file(tag_dir)
+    if is_moe(tag_dir):
+        refuse_spec(
+            spec,
+            "convert_deepspeed: a DeepSpeed MoE checkpoint is imported raw (experts under their "
+            "global names), so an import spec has nothing to do",
+        )
+        return moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
+    zero0 = zero.zero0_model_file(tag_dir)
     if zero0 is not None:
-        return deepspeed_zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)
-    if deepspeed_files.is_model_parallel(tag_dir):
+        return zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)
+    if is_model_parallel(tag_dir):
         # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
         # UCP language), or by the import rules of ``spec``
-        checkpoint = deepspeed_megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
-        items = deepspeed_megatron.iter_megatron_deepspeed_items(checkpoint, share)
-        source = deepspeed_megatron.source_info(checkpoint)
-        found = deepspeed_megatron.megatron_deepspeed_tensors(
-            checkpoint, source, weights_only=weights_only
-        )
+        checkpoint = megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+        items = megatron.iter_megatron_deepspeed_items(checkpoint, share)
+        source = megatron.source_info(checkpoint)
+        found = megatron.megatron_deepspeed_tensors(checkpoint, source, weights_only=weights_only)
         if weights_only:
             items = (item for item in items if item.role != "opt_state")
         return ImportPlan(
@@ -157,17 +159,16 @@ def _plan_training_checkpoint(
             total_params=len(share.pick(checkpoint.names)),
             source_tensors=found,
         )
-    if spec is not None:
-        raise RequestError(
-            "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
-            "keyed by DeepSpeed's parameter names, so an import spec has nothing to do; apply the "
-            "name mapping at restore time: jax_ucp.restore(path, spec=...)"
-        )
-    checkpoint = deepspeed_zero.open_zero_checkpoint(tag_dir)
-    source = deepspeed_zero.zero_source_info(checkpoint)
-    found = deepspeed_zero.zero_tensors(checkpoint, source, weights_only=weights_only)
+    refuse_spec(
+        spec,
+        "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
+        "keyed by DeepSpeed's parameter names, so an import spec has nothing to do",
+    )
+    checkpoint = zero.open_zero_checkpoint(tag_dir)
+    source = zero.zero_source_info(checkpoint)
+    found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
     return ImportPlan(
-        items=deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
+        items=zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
         source=source,
         total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
         source_tensors=found,

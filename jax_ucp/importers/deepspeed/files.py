@@ -1,10 +1,10 @@
 """The files of one DeepSpeed checkpoint tag, found and checked once for every reader.
 
-Shared by the ZeRO reader (:mod:`deepspeed_zero`) and the Megatron-DeepSpeed TP/PP reader
-(:mod:`deepspeed_megatron`): which tag folder to read, which optimizer file holds which
+Shared by the ZeRO reader (:mod:`deepspeed.zero`) and the Megatron-DeepSpeed TP/PP reader
+(:mod:`deepspeed.megatron`): which tag folder to read, which optimizer file holds which
 (model-parallel, data-parallel) rank, that one model-parallel rank's optimizer files form one
 complete and consistent ZeRO partitioning, and what its model states file says. Files are read
-with :mod:`torch_pickle` (no torch, nothing pickled is executed; tensors stay memory-mapped).
+with :mod:`torch.unpickler` (no torch, nothing pickled is executed; tensors stay memory-mapped).
 """
 
 from __future__ import annotations

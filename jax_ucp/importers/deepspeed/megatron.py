@@ -13,7 +13,7 @@ Layout (DeepSpeed 0.19 ``deepspeed/checkpoint``, as ``ds_to_universal`` reads it
   rank XX's parameters over DP rank D, ``param_slice_mappings`` keyed by the TP-local names.
 
 Each model-parallel rank is read and checked like a plain ZeRO checkpoint
-(:func:`deepspeed_zero.open_zero_rank`). Per parameter the importer gathers every TP rank's
+(:func:`zero.open_zero_rank`). Per parameter the importer gathers every TP rank's
 fragment, merges them with the kind the UCP language gives it
 (:func:`deepspeed_ucp_info.spec_from_ucp_info`: replicated (checked bit-identical), averaged,
 row/column partitioned, sub-params, 2 sub-params cat dim 0, vocab with the padding stripped to
@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.importers.deepspeed import affine as deepspeed_affine
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp.importers.deepspeed import affine, files, zero
+from jax_ucp.importers.deepspeed.affine import AffineMap
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
 from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
 from jax_ucp.importers.deepspeed.zero import (
@@ -91,7 +90,7 @@ class MegatronDeepSpeedCheckpoint:
     model_states: Mapping = field(default_factory=dict)
     matches: dict = field(default_factory=dict)  # name -> the spec's ImportMatch
     # AutoTP: name -> its affine map (preferred to the rule's kind, as ds_to_universal does)
-    affine: dict[str, deepspeed_affine.AffineMap] = field(default_factory=dict)
+    affine: dict[str, AffineMap] = field(default_factory=dict)
 
     @property
     def optim_files(self) -> list[str]:
@@ -120,8 +119,8 @@ def open_megatron_deepspeed_checkpoint(
 ) -> MegatronDeepSpeedCheckpoint:
     """Finds and validates every TP/PP/DP rank file of one tag folder (tensors stay
     memory-mapped); ``spec``: import rules to use instead of its ``universal_checkpoint_info``."""
-    files = sorted(os.listdir(tag_dir))
-    rank_files = _find_rank_files(tag_dir, files)
+    listing = sorted(os.listdir(tag_dir))
+    rank_files = _find_rank_files(tag_dir, listing)
     spec, info = _import_spec(spec, rank_files)
     ranks = [
         [_open_rank(rank_files, pp_rank, tp_rank) for tp_rank in range(rank_files.tp)]
@@ -145,17 +144,17 @@ def open_megatron_deepspeed_checkpoint(
         global_steps=rank_files.first_model_states.get("global_steps"),
         model_states=rank_files.first_model_states,
     )
-    checkpoint.module = _model_weights(checkpoint, files)
+    checkpoint.module = _model_weights(checkpoint, listing)
     # classify every name up front (strictness errors before anything is written)
     checkpoint.matches = spec.classify(names)
     missing = [name for name in names if name not in checkpoint.matches]
     if missing:
         raise DeepSpeedImportError(f"{tag_dir}: no import rule covers {missing[:10]}")
-    maps = deepspeed_affine.parse_affine_maps(
+    maps = affine.parse_affine_maps(
         info, f"{rank_files.first_model_file}: universal_checkpoint_info", rank_files.tp
     )
     for name in names:
-        amap = deepspeed_affine.map_for(maps, name)
+        amap = affine.map_for(maps, name)
         if amap is None:
             continue
         stage = holders[name][0]
@@ -171,29 +170,27 @@ def open_megatron_deepspeed_checkpoint(
     return checkpoint
 
 
-def _find_rank_files(tag_dir: str, files: list[str]) -> _RankFiles:
+def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
     """The TP x PP grid (from rank 0's model states) and every rank's model and optimizer files;
     a missing or surplus rank file is an error. ZeRO-3 (AutoTP with ZeRO stage 3) keeps each
     model-parallel rank's model states in ``zero_pp_rank_D_mp_rank_XX_model_states.pt``, one
     per DP rank: DP rank 0's stands for the rank (the others are checked when it is opened)."""
     zero3 = {
         int(m.group(2)): f
-        for f in files
-        if (m := deepspeed_files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
+        for f in names
+        if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
     }
     if zero3:
         model_files = zero3
         pattern = "zero_pp_rank_0_mp_rank_{:02d}_model_states.pt"
     else:
-        model_files = {
-            int(m.group(1)): f for f in files if (m := deepspeed_files.MP_MODEL_FILE.match(f))
-        }
+        model_files = {int(m.group(1)): f for f in names if (m := files.MP_MODEL_FILE.match(f))}
         pattern = "mp_rank_{:02d}_model_states.pt"
     first_model_file = os.path.join(tag_dir, pattern.format(0))
-    first_model_states = deepspeed_files.load_model_states(
+    first_model_states = files.load_model_states(
         first_model_file, of_rank=" of model-parallel rank 0"
     )
-    tp, pp = _degrees(files, first_model_states, first_model_file, len(model_files))
+    tp, pp = _degrees(names, first_model_states, first_model_file, len(model_files))
     mp_world = tp * pp
     for mp_rank in range(mp_world):
         if mp_rank not in model_files:
@@ -208,7 +205,7 @@ def _find_rank_files(tag_dir: str, files: list[str]) -> _RankFiles:
             f"{tag_dir}: model states files for ranks {extra} beyond tp={tp} x pp={pp}: "
             f"{[model_files[mp_rank] for mp_rank in extra]}"
         )
-    optimizer_files, prefix = deepspeed_files.optimizer_files_by_rank(tag_dir)
+    optimizer_files, prefix = files.optimizer_files_by_rank(tag_dir)
     extra = sorted(set(optimizer_files) - set(range(mp_world)))
     if extra:
         raise DeepSpeedImportError(
@@ -220,18 +217,14 @@ def _find_rank_files(tag_dir: str, files: list[str]) -> _RankFiles:
 
 
 def _degrees(
-    files: list[str], first_model_states: Mapping, first_model_file: str, model_file_count: int
+    names: list[str], first_model_states: Mapping, first_model_file: str, model_file_count: int
 ):
     """(tp, pp): from ``checkpoint_parallel_dimensions``, else from the files present."""
     dims = first_model_states.get("checkpoint_parallel_dimensions")
     if isinstance(dims, Mapping) and dims.get("tp_degree") and dims.get("pp_degree"):
         tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
     else:
-        layer_tp_ranks = {
-            deepspeed_files.layer_tp_rank(m)
-            for m in map(deepspeed_files.LAYER_FILE.match, files)
-            if m
-        }
+        layer_tp_ranks = {files.layer_tp_rank(m) for m in map(files.LAYER_FILE.match, names) if m}
         if layer_tp_ranks:
             tp = max(layer_tp_ranks) + 1
             pp = max(1, math.ceil(model_file_count / tp))
@@ -285,9 +278,7 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     mp_rank = pp_rank * rank_files.tp + tp_rank
     model_file = os.path.join(tag_dir, rank_files.model_files[mp_rank])
     model_states = (
-        rank_files.first_model_states
-        if mp_rank == 0
-        else deepspeed_files.load_model_states(model_file)
+        rank_files.first_model_states if mp_rank == 0 else files.load_model_states(model_file)
     )
     recorded = model_states.get("mp_world_size")
     if recorded is not None and int(recorded) != mp_world:
@@ -302,20 +293,20 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
         raise DeepSpeedImportError(
             f"{os.path.join(tag_dir, name)}: missing optimizer files{of_rank}"
         )
-    optimizer = deepspeed_files.read_optimizer_states(tag_dir, files_by_dp_rank, of_rank=of_rank)
+    optimizer = files.read_optimizer_states(tag_dir, files_by_dp_rank, of_rank=of_rank)
     if optimizer.stage not in (1, 2, 3):
         raise DeepSpeedImportError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}; Megatron-DeepSpeed TP/PP "
             f"checkpoints are read for ZeRO stage 1, 2 and 3"
         )
     # the stage's own model states file name (and, for stage 3, every DP rank's present)
-    expected = deepspeed_zero.model_states_file(tag_dir, optimizer, mp_rank)
+    expected = zero.model_states_file(tag_dir, optimizer, mp_rank)
     if os.path.basename(expected) != rank_files.model_files[mp_rank]:
         raise DeepSpeedImportError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}{of_rank} is saved with "
             f"{os.path.basename(expected)}, but the folder holds {rank_files.model_files[mp_rank]}"
         )
-    return deepspeed_zero.open_zero_rank(tag_dir, model_file, model_states, optimizer, mp_rank)
+    return zero.open_zero_rank(tag_dir, model_file, model_states, optimizer, mp_rank)
 
 
 def _check_same_partitioning(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
@@ -371,7 +362,7 @@ def _run_dtype(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype
 # --------------------------------------------------------------------------- model weights
 
 
-def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, files: list[str]) -> ModelWeights:
+def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, names: list[str]) -> ModelWeights:
     """Model-precision weights per name and TP rank: from ``module`` (no PP) or the layer files."""
     weights: ModelWeights = {}
     for row in checkpoint.ranks:
@@ -385,9 +376,9 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, files: list[str]) ->
                         tp_rank, (value, file, f"{file}:module.{name}")
                     )
     layer_files = [
-        (int(m.group(1)), deepspeed_files.layer_tp_rank(m), f)
-        for f in files
-        if (m := deepspeed_files.LAYER_FILE.match(f))
+        (int(m.group(1)), files.layer_tp_rank(m), f)
+        for f in names
+        if (m := files.LAYER_FILE.match(f))
     ]
     if layer_files:
         _check_layer_files(checkpoint, layer_files)
@@ -436,7 +427,7 @@ def _add_layer_weights(
     known = set(checkpoint.names)
     for layer, tp_rank, file_name in layer_files:
         path = os.path.join(checkpoint.tag_dir, file_name)
-        state_dict = deepspeed_files.load_deepspeed_file(path)
+        state_dict = files.load_deepspeed_file(path)
         if not isinstance(state_dict, Mapping):
             raise DeepSpeedImportError(
                 f"{path}: expected a state dict, found {type(state_dict).__name__}"
@@ -537,7 +528,7 @@ def optimizer_step(checkpoint: MegatronDeepSpeedCheckpoint) -> int:
     seen: dict[float, str] = {}
     for row in checkpoint.ranks:
         for rank in row:
-            for step, place in deepspeed_zero.steps_seen(rank).items():
+            for step, place in zero.steps_seen(rank).items():
                 seen.setdefault(step, place)
     return agreed_step(
         seen,
@@ -601,8 +592,8 @@ def megatron_deepspeed_tensors(
             found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
     layer_tensors = []
     for file in sorted(os.listdir(checkpoint.tag_dir)):
-        if deepspeed_files.LAYER_FILE.match(file):
-            state = deepspeed_files.load_deepspeed_file(os.path.join(checkpoint.tag_dir, file))
+        if files.LAYER_FILE.match(file):
+            state = files.load_deepspeed_file(os.path.join(checkpoint.tag_dir, file))
             layer_tensors += [f"{file}:{n}" for n in tensor_names(state)]
     found += layer_tensors
     known = {
@@ -690,7 +681,7 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
     """The parameter rebuilt by its affine map on every stage holding it (which must agree),
     then the vocabulary padding stripped as ds_to_universal does after a map."""
     try:
-        values = [deepspeed_affine.rebuild(amap, f, state_name, name) for f in per_stage]
+        values = [affine.rebuild(amap, f, state_name, name) for f in per_stage]
     except DeepSpeedImportError as e:
         raise DeepSpeedImportError(f"{e} [files: {files_of()}]") from None
     for stage, other in zip(checkpoint.holders[name][1:], values[1:]):
@@ -717,10 +708,7 @@ def _tp_fragments(
     checkpoint: MegatronDeepSpeedCheckpoint, stage: int, name: str, state_name: str
 ) -> list[np.ndarray]:
     """The TP fragments of ``name`` on pipeline stage ``stage``, each in its TP-local shape."""
-    return [
-        deepspeed_zero.gather_parameter(rank, name, state_name, {})
-        for rank in checkpoint.ranks[stage]
-    ]
+    return [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
 
 
 def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, widths) -> dict:
@@ -805,7 +793,7 @@ def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:
         "dp_world_size": checkpoint.dp,
         "model_dtype": str(checkpoint.model_dtype),
         "global_steps": checkpoint.global_steps,
-        "ds_version": deepspeed_files.version_string(checkpoint.model_states),
+        "ds_version": files.version_string(checkpoint.model_states),
         "original_vocab_size": checkpoint.info.get("original_vocab_size"),
         "padded_vocab_size": checkpoint.info.get("padded_vocab_size"),
         "universal_checkpoint_info": info,

@@ -36,8 +36,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp.importers.deepspeed import files, zero
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, require
 from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp.importers.plan import (
@@ -112,9 +111,9 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         model_states: the loaded model states file.
         model_file: its path, for errors.
     """
-    files: dict[int, dict[int, str]] = {}
+    by_layer: dict[int, dict[int, str]] = {}
     for name in sorted(os.listdir(tag_dir)):
-        match = deepspeed_files.EXPERT_FILE.match(name)
+        match = files.EXPERT_FILE.match(name)
         if not match:
             continue
         layer, expert, mp_rank = (int(g) for g in match.groups())
@@ -124,18 +123,19 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
                 "DeepSpeed MoE with tensor or pipeline parallelism is not supported (supported: "
                 "expert + data parallelism, ZeRO 0/1/2)"
             )
-        files.setdefault(layer, {})[expert] = name
+        by_layer.setdefault(layer, {})[expert] = name
     recorded = model_states.get("num_experts")
-    if isinstance(recorded, (list, tuple)) and len(recorded) != len(files):
+    if isinstance(recorded, (list, tuple)) and len(recorded) != len(by_layer):
         raise DeepSpeedImportError(
             f"{model_file}: num_experts records {len(recorded)} MoE layers, the folder has expert "
-            f"files of {len(files)} (layers {sorted(files)})"
+            f"files of {len(by_layer)} (layers {sorted(by_layer)})"
         )
-    experts = Experts(files, {})
-    for index, (layer, by_expert) in enumerate(sorted(files.items())):
+    experts = Experts(by_layer, {})
+    for index, (layer, by_expert) in enumerate(sorted(by_layer.items())):
         if layer != index:
             raise DeepSpeedImportError(
-                f"{tag_dir}: expert files of MoE layers {sorted(files)}; layer {index} is missing"
+                f"{tag_dir}: expert files of MoE layers {sorted(by_layer)}; layer {index} is "
+                "missing"
             )
         count = len(by_expert)
         if isinstance(recorded, (list, tuple)):
@@ -160,7 +160,7 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
 
 
 def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> None:
-    state = deepspeed_files.load_deepspeed_file(path)
+    state = files.load_deepspeed_file(path)
     file = os.path.basename(path)
     if not isinstance(state, Mapping) or not state:
         raise DeepSpeedImportError(f"{path}: expected a state dict of expert weights")
@@ -188,7 +188,7 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
 # --------------------------------------------------------------------------- ZeRO 1/2
 
 
-def _expert_groups(optimizer: deepspeed_files.OptimizerStates) -> dict[int, int]:
+def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     """{param group: expert parallel size} of the expert groups, from DP rank 0's
     ``base_optimizer_state.param_groups`` (``moe``, ``name`` = ``ep_size_E``), checked against
     ``partition_count`` (an expert group is partitioned over W / E ranks)."""
@@ -234,7 +234,7 @@ def _expert_groups(optimizer: deepspeed_files.OptimizerStates) -> dict[int, int]
 def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
-    by_rank, _ = deepspeed_files.optimizer_files_by_rank(tag_dir)
+    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
     if not by_rank:
         raise DeepSpeedImportError(
             f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
@@ -245,17 +245,17 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
             "MoE with tensor or pipeline parallelism is not supported"
         )
-    optimizer = deepspeed_files.read_optimizer_states(tag_dir, by_rank[0])
+    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
     if optimizer.stage not in (1, 2):
         raise DeepSpeedImportError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}; DeepSpeed MoE checkpoints are "
             "read for ZeRO stages 0, 1 and 2"
         )
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    model_states = deepspeed_files.load_model_states(model_file)
+    model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
     ep_of_group = _expert_groups(optimizer)
-    local_shapes = deepspeed_files.param_shapes_of(model_states, model_file)
+    local_shapes = files.param_shapes_of(model_states, model_file)
     if len(local_shapes) != len(optimizer.states[0]["single_partition_of_fp32_groups"]):
         raise DeepSpeedImportError(
             f"{model_file}: {len(local_shapes)} param groups in param_shapes, the optimizer "
@@ -298,28 +298,19 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             return name
         return experts.global_name(name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank])
 
-    deepspeed_files.check_dp_world_size(model_states, model_file, optimizer)
     module = dict(model_states.get("module") or {})
     module.update({name: weight for name, (weight, _) in experts.weights.items()})
-    checkpoint = DeepSpeedCheckpoint(
-        tag_dir=tag_dir,
-        stage=optimizer.stage,
-        world_size=optimizer.world_size,
-        model_dtype=deepspeed_files.dtype_of_run(model_states.get("ds_config") or {}, module),
+    checkpoint = zero.open_zero_rank(
+        tag_dir,
+        model_file,
+        model_states,
+        optimizer,
         param_shapes=shapes,
-        model_file=model_file,
-        optim_files=optimizer.files,
-        model_states=model_states,
-        optim_states=optimizer.states,
-        global_steps=model_states.get("global_steps"),
         module=module,
-        shared_params=deepspeed_zero.shared_params_of(model_states, model_file),
         rename=rename,
         rank_stride=dict(ep_of_group),
         module_tensors={name: tensor for name, (_, tensor) in experts.weights.items()},
     )
-    checkpoint.fragment_plan = deepspeed_zero.plan_fragments(checkpoint)
-    checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file)
     if checkpoint.frozen:
         raise DeepSpeedImportError(
             f"{model_file}: frozen parameters {sorted(checkpoint.frozen)[:5]} in a MoE "
@@ -371,19 +362,19 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
         share: this process's part of a distributed import (default: the whole).
     """
     names = os.listdir(tag_dir)
-    if not any(deepspeed_files.OPTIMIZER_FILE.match(f) for f in names):
+    if not any(files.OPTIMIZER_FILE.match(f) for f in names):
         return plan_moe_zero0(tag_dir, weights_only=weights_only, share=share)
     checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
-    source = deepspeed_zero.zero_source_info(checkpoint)
+    source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
-    found = deepspeed_zero.zero_tensors(
+    found = zero.zero_tensors(
         checkpoint,
         source,
         weights_only=weights_only,
         imported_module=_imported_module(checkpoint, experts),
     )
     found += _expert_tensors(checkpoint, experts, source)
-    items = deepspeed_zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
+    items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
     return ImportPlan(
         items=_checked_experts(items, checkpoint, experts),
         source=source,
@@ -443,7 +434,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
         share: this process's part of a distributed import (default: the whole).
     """
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    model_states = deepspeed_files.load_model_states(model_file)
+    model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
     optimizer_files = _expert_optimizer_files(tag_dir, model_states, model_file)
     module = model_states.get("module")
@@ -468,7 +459,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
         "framework": "deepspeed",
         "path": os.path.abspath(tag_dir),
         "zero_stage": 0,
-        "ds_version": deepspeed_files.version_string(model_states),
+        "ds_version": files.version_string(model_states),
         "global_steps": model_states.get("global_steps")
         if type(model_states.get("global_steps")) is int
         else None,
@@ -476,7 +467,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     source.update(_moe_source(experts, [len(optimizer_files)]))
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     found += [tensor for _, tensor in experts.weights.values()]
-    states = {path: deepspeed_files.load_deepspeed_file(path) for path in optimizer_files}
+    states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
     for path, state in states.items():
         found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
     optimizer_tensors = [n for n in found if ":optimizer." in n]
@@ -691,7 +682,7 @@ def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str
     group's name ``ep_size_E`` in the model states' optimizer), no other."""
     found: dict[int, str] = {}
     for name in sorted(os.listdir(tag_dir)):
-        match = deepspeed_files.EXPERT_OPTIMIZER_FILE.match(name)
+        match = files.EXPERT_OPTIMIZER_FILE.match(name)
         if match:
             if int(match.group(2)) != 0:
                 raise DeepSpeedImportError(

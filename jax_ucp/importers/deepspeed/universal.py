@@ -36,11 +36,20 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import RequestError
 from jax_ucp.format import files
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed import zero as deepspeed_zero
-from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, numel
+from jax_ucp.importers.deepspeed.files import (
+    DeepSpeedImportError,
+    dtype_of_run,
+    frozen_shapes_of,
+    inside,
+    load_deepspeed_file,
+    load_model_states,
+    numel,
+    param_shapes_of,
+    read_tag_file,
+    version_string,
+)
+from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint, frozen_items
 from jax_ucp.importers.plan import (
     VALUES,
     WHOLE,
@@ -48,6 +57,7 @@ from jax_ucp.importers.plan import (
     Share,
     agreed_step,
     host_item,
+    refuse_spec,
     skip,
     tensor_names,
 )
@@ -87,9 +97,9 @@ def universal_tag_dir(src: str, tag: str | None) -> str | None:
     tracker = os.path.join(src, LATEST_UNIVERSAL)
     if not os.path.lexists(tracker) or os.path.lexists(os.path.join(src, "latest")):
         return None
-    name = deepspeed_files.read_tag_file(tracker)
+    name = read_tag_file(tracker)
     tag_dir = os.path.join(src, name)
-    if name in ("", ".", "..") or not deepspeed_files.inside(tag_dir, src):
+    if name in ("", ".", "..") or not inside(tag_dir, src):
         raise DeepSpeedImportError(
             f"{tracker} names tag {name[:100]!r}, which is not a folder inside {src}; refusing "
             "to follow it"
@@ -146,7 +156,7 @@ def _load_state(path: str, rel: str) -> tuple[np.ndarray, str, Mapping | None]:
         files.check_regular(path)
     except files.UnsafeFileError as e:
         raise DeepSpeedImportError(str(e)) from None
-    value = deepspeed_files.load_deepspeed_file(path)
+    value = load_deepspeed_file(path)
     if isinstance(value, np.ndarray):
         return value, f"{rel}:", None
     if isinstance(value, Mapping) and isinstance(value.get("param"), np.ndarray):
@@ -206,7 +216,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     if not isinstance(info, Mapping):
         raise DeepSpeedImportError(f"{first}: universal_checkpoint_info is not a dict")
     shapes = _trained_shapes(model_files)
-    frozen = deepspeed_files.frozen_shapes_of(model_states, first, shapes)
+    frozen = frozen_shapes_of(model_states, first, shapes)
     params, frozen_fp32, untracked = _param_folders(zero, first, shapes, frozen, mp_world_size)
     module = model_states.get("module") or {}
     return UniversalCheckpoint(
@@ -215,7 +225,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
         model_file=first,
         model_states=model_states,
         model_files=model_files,
-        model_dtype=deepspeed_files.dtype_of_run(model_states.get("ds_config") or {}, module),
+        model_dtype=dtype_of_run(model_states.get("ds_config") or {}, module),
         params=params,
         frozen=frozen,
         frozen_fp32=frozen_fp32,
@@ -236,7 +246,7 @@ def _load_model_files(by_mp: dict[int, dict[int | None, str]]) -> dict[str, Mapp
                 files.check_regular(path)
             except files.UnsafeFileError as e:
                 raise DeepSpeedImportError(str(e)) from None
-            model_files[path] = deepspeed_files.load_model_states(path)
+            model_files[path] = load_model_states(path)
     return model_files
 
 
@@ -244,7 +254,7 @@ def _optimizer_state(optimizer_path: str) -> Mapping:
     """``zero/optimizer_state.pt`` (a dict), or an empty dict when the folder has none."""
     optimizer_state: Mapping = {}
     if os.path.lexists(optimizer_path):
-        optimizer_state = deepspeed_files.load_deepspeed_file(optimizer_path)
+        optimizer_state = load_deepspeed_file(optimizer_path)
         if not isinstance(optimizer_state, Mapping):
             raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
     return optimizer_state
@@ -254,7 +264,7 @@ def _trained_shapes(model_files: dict[str, Mapping]) -> dict[str, Any]:
     """Every trained parameter's ``param_shapes`` shape, the first file naming it winning."""
     shapes = {}
     for path, states in model_files.items():
-        for group in deepspeed_files.param_shapes_of(states, path):
+        for group in param_shapes_of(states, path):
             for name, shape in group.items():
                 shapes.setdefault(name, shape)
     return shapes
@@ -363,7 +373,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
             files.check_regular(step_path)
         except files.UnsafeFileError as e:
             raise DeepSpeedImportError(str(e)) from None
-        step = deepspeed_files.load_deepspeed_file(step_path)
+        step = load_deepspeed_file(step_path)
         if isinstance(step, np.ndarray) and step.size == 1:
             param.step, param.step_source = float(step.reshape(())), f"{rel}/step.pt:"
         elif isinstance(step, (int, float)) and not isinstance(step, bool):
@@ -434,14 +444,14 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
     return host_item(("model_params", name), fp32.astype(checkpoint.model_dtype), provenance)
 
 
-def _frozen_reader(checkpoint: UniversalCheckpoint) -> deepspeed_zero.DeepSpeedCheckpoint:
+def _frozen_reader(checkpoint: UniversalCheckpoint) -> DeepSpeedCheckpoint:
     """The frozen parameters' view of the model states files, as the ZeRO reader reads them."""
     zero3 = sorted(
         p
         for p in checkpoint.model_files
         if (m := _MODEL_FILE.match(os.path.basename(p))) is not None and m.group(1)
     )
-    return deepspeed_zero.DeepSpeedCheckpoint(
+    return DeepSpeedCheckpoint(
         tag_dir=checkpoint.tag_dir,
         stage=3 if zero3 else (checkpoint.stage or 2),
         world_size=checkpoint.world_size,
@@ -500,7 +510,7 @@ def iter_universal_items(
             assert fp32 is not None  # STATES[0] is "fp32"
             yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
     if checkpoint.frozen:
-        yield from deepspeed_zero.frozen_items(
+        yield from frozen_items(
             _frozen_reader(checkpoint),
             share.pick(checkpoint.frozen),
             functools.partial(_frozen_fp32, checkpoint),
@@ -634,8 +644,8 @@ def source_info(checkpoint: UniversalCheckpoint) -> dict:
         "mp_world_size": checkpoint.mp_world_size,
         "model_dtype": str(checkpoint.model_dtype),
         "global_steps": steps if type(steps) is int else None,
-        "ds_version": deepspeed_files.version_string(checkpoint.model_states)
-        or deepspeed_files.version_string(checkpoint.optimizer_state),
+        "ds_version": version_string(checkpoint.model_states)
+        or version_string(checkpoint.optimizer_state),
         "universal_checkpoint_version": float(version)
         if isinstance(version, (int, float)) and not isinstance(version, bool)
         else None,
@@ -656,13 +666,12 @@ def plan_universal(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise RequestError(
-            "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed "
-            "merged its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec "
-            "has nothing to do; apply the name mapping at restore time: "
-            "jax_ucp.restore(path, spec=...)"
-        )
+    refuse_spec(
+        spec,
+        "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed merged"
+        " its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec has nothing "
+        "to do",
+    )
     checkpoint = open_universal_checkpoint(tag_dir)
     source = source_info(checkpoint)
     found = universal_tensors(checkpoint, source, weights_only=weights_only)

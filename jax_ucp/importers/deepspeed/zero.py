@@ -14,7 +14,7 @@ Layouts (DeepSpeed 0.19, checked against ``ds_to_universal`` and ``zero_to_fp32`
   rank r holds elements ``[r*p, (r+1)*p)`` of the flattened parameter, the tail padded.
 
 A plain ZeRO checkpoint is one such rank; a Megatron-DeepSpeed TP/PP checkpoint is a grid of them
-(:mod:`deepspeed_megatron`). Everything stays memory-mapped until a parameter is yielded.
+(:mod:`deepspeed.megatron`). Everything stays memory-mapped until a parameter is yielded.
 """
 
 from __future__ import annotations
@@ -30,12 +30,21 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import files
-from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed.files import (
+    OPTIMIZER_FILE,
+    ZERO3_MODEL_FILE,
     DeepSpeedImportError,
     OptimizerStates,
+    check_dp_world_size,
+    dtype_of_run,
+    frozen_shapes_of,
+    load_model_states,
     numel,
+    optimizer_files_by_rank,
+    param_shapes_of,
+    read_optimizer_states,
     require,
+    version_string,
 )
 from jax_ucp.importers.plan import (
     TENSORS,
@@ -120,16 +129,16 @@ class DeepSpeedCheckpoint:
 
 def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     """The ZeRO files of a tag folder without tensor/pipeline parallelism (MP rank 0 only)."""
-    by_rank, _ = deepspeed_files.optimizer_files_by_rank(tag_dir)
+    by_rank, _ = optimizer_files_by_rank(tag_dir)
     if not by_rank.get(0):
         raise DeepSpeedImportError(
             f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files"
         )
     if set(by_rank) != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched first)
         raise DeepSpeedImportError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
-    optimizer = deepspeed_files.read_optimizer_states(tag_dir, by_rank[0])
+    optimizer = read_optimizer_states(tag_dir, by_rank[0])
     model_file = model_states_file(tag_dir, optimizer)
-    model_states = deepspeed_files.load_model_states(model_file)
+    model_states = load_model_states(model_file)
     if model_states.get("mp_world_size", 1) not in (None, 1):
         raise DeepSpeedImportError(
             f"{model_file}: mp_world_size is {model_states['mp_world_size']} but the folder holds "
@@ -177,7 +186,7 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
     found = [
         f
         for f in os.listdir(tag_dir)
-        if (m := deepspeed_files.ZERO3_MODEL_FILE.match(f)) and int(m.group(2)) == mp_rank
+        if (m := ZERO3_MODEL_FILE.match(f)) and int(m.group(2)) == mp_rank
     ]
     if len(found) != optimizer.world_size:
         raise DeepSpeedImportError(
@@ -194,6 +203,10 @@ def open_zero_rank(
     model_states: Mapping,
     optimizer: OptimizerStates,
     mp_rank: int = 0,
+    *,
+    param_shapes: list[dict[str, tuple[int, ...]]] | None = None,
+    module: Mapping | None = None,
+    **layout: Any,
 ) -> DeepSpeedCheckpoint:
     """One model-parallel rank from its model states and checked optimizer files; checks that
     the optimizer partitions hold exactly every parameter of ``param_shapes``.
@@ -204,15 +217,21 @@ def open_zero_rank(
         model_states: its loaded content.
         optimizer: the rank's checked optimizer files.
         mp_rank: the model-parallel rank.
+        param_shapes: each group's parameter shapes (None: the model states' ``param_shapes``).
+        module: the model weights (None: the model states' ``module``).
+        layout: further ``DeepSpeedCheckpoint`` fields (MoE: ``rename``, ``rank_stride``,
+            ``module_tensors``).
     """
-    deepspeed_files.check_dp_world_size(model_states, model_file, optimizer)
-    param_shapes = deepspeed_files.param_shapes_of(model_states, model_file)
-    module = model_states.get("module") or {}
+    check_dp_world_size(model_states, model_file, optimizer)
+    if param_shapes is None:
+        param_shapes = param_shapes_of(model_states, model_file)
+    if module is None:
+        module = model_states.get("module") or {}
     checkpoint = DeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=optimizer.stage,
         world_size=optimizer.world_size,
-        model_dtype=deepspeed_files.dtype_of_run(model_states.get("ds_config") or {}, module),
+        model_dtype=dtype_of_run(model_states.get("ds_config") or {}, module),
         param_shapes=param_shapes,
         model_file=model_file,
         optim_files=optimizer.files,
@@ -222,9 +241,10 @@ def open_zero_rank(
         module=module,
         shared_params=shared_params_of(model_states, model_file),
         mp_rank=mp_rank,
+        **layout,
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
-    checkpoint.frozen = deepspeed_files.frozen_shapes_of(model_states, model_file, checkpoint.names)
+    checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
     if checkpoint.frozen:
         checkpoint.frozen_files = (
             [model_file]
@@ -775,7 +795,7 @@ def zero_tensors(
     if checkpoint.stage == 3:
         for path in checkpoint.frozen_files or _zero3_model_files(checkpoint):
             if path not in model_files:
-                model_files[path] = deepspeed_files.load_model_states(path)
+                model_files[path] = load_model_states(path)
     module_found = []
     for path, states in model_files.items():
         names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
@@ -910,9 +930,7 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tupl
     fragments = []
     for path in checkpoint.frozen_files:
         states = (
-            checkpoint.model_states
-            if path == checkpoint.model_file
-            else deepspeed_files.load_model_states(path)
+            checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
         )
         found = states.get("frozen_param_fragments")
         if not isinstance(found, Mapping):
@@ -948,7 +966,7 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tupl
 def zero0_model_file(tag_dir: str) -> str | None:
     """The model states file of a ZeRO-0 (optimizer not partitioned) checkpoint: no ZeRO
     optimizer files, and the optimizer state inside ``mp_rank_00_model_states.pt``."""
-    if any(deepspeed_files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
         return None
     path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     return path if os.path.lexists(path) else None
@@ -968,7 +986,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     """
     from jax_ucp.importers.plan import ImportPlan
 
-    model_states = deepspeed_files.load_model_states(model_file)
+    model_states = load_model_states(model_file)
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None
         raise DeepSpeedImportError(
@@ -996,7 +1014,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
         "framework": "deepspeed",
         "path": os.path.abspath(tag_dir),
         "zero_stage": 0,
-        "ds_version": deepspeed_files.version_string(model_states),
+        "ds_version": version_string(model_states),
         "global_steps": model_states.get("global_steps")
         if type(model_states.get("global_steps")) is int
         else None,
@@ -1018,7 +1036,7 @@ def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
         "dp_world_size": checkpoint.world_size,
         "model_dtype": str(checkpoint.model_dtype),
         "global_steps": checkpoint.global_steps,
-        "ds_version": deepspeed_files.version_string(checkpoint.model_states),
+        "ds_version": version_string(checkpoint.model_states),
         # tied weights (GPT-2's lm_head = wte): stored once, under the second name
         "shared_params": dict(checkpoint.shared_params),
         "frozen_params": sorted(checkpoint.frozen),

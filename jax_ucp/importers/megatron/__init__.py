@@ -35,20 +35,9 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.importers.megatron import dcp, legacy
-from jax_ucp.importers.megatron.common import (
-    SUPPORTED_LAYOUTS,
-    WEIGHTS_ONLY_HINT,
-    MegatronImportError,
-    is_optimizer_name,
-)
+from jax_ucp.importers.megatron.common import MegatronImportError
 from jax_ucp.importers.megatron.legacy_import import plan_legacy
-from jax_ucp.importers.megatron.model_space import flattened_shape, unflatten
-from jax_ucp.importers.megatron.rules import default_import_rules
-from jax_ucp.importers.megatron.source import (
-    MegatronSource,
-    detect_megatron,
-    is_megatron_checkpoint,
-)
+from jax_ucp.importers.megatron.source import detect_megatron
 from jax_ucp.importers.megatron.torch_dist import plan_torch_dist
 from jax_ucp.importers.plan import (
     WHOLE,
@@ -64,19 +53,9 @@ __all__ = [
     "MegatronImportError",
     "MegatronOptions",
     "detect",
+    "detect_megatron",
     "plan",
     "plan_megatron",
-    "detect_megatron",
-    "is_megatron_checkpoint",
-    "default_import_rules",
-    "MegatronSource",
-    "SUPPORTED_LAYOUTS",
-    "WEIGHTS_ONLY_HINT",
-    "is_optimizer_name",
-    "flattened_shape",
-    "unflatten",
-    "dcp",
-    "legacy",
 ]
 
 

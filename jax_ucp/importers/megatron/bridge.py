@@ -16,7 +16,7 @@ channels, SwiGLU, the tokenizer's vocab size before padding, ...) come from ``ru
 ``model`` section. That file is parsed with ``yaml.safe_load`` semantics only (no tag builds an
 object), from at most :data:`MAX_RUN_CONFIG_BYTES`, and refused when its aliases would expand
 past :data:`MAX_YAML_NODES` nodes (a billion-laughs file). ``train_state.pt`` is read by the
-allow-listed unpickler (:mod:`torch_pickle`); nothing pickled is executed.
+allow-listed unpickler (:mod:`torch.unpickler`); nothing pickled is executed.
 
 Output: the Megatron importer's tree (``params``, ``opt_state`` {``mu``, ``nu``, ``count``},
 ``model_params``), ``source.framework = "megatron-bridge"``, ``source.iteration`` = the train
@@ -39,7 +39,7 @@ import yaml
 from jax_ucp.format import files
 from jax_ucp.importers.megatron import MegatronImportError, plan_megatron
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import unpickler
 from jax_ucp.language import Spec, load_spec
 
 __all__ = [
@@ -210,12 +210,12 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
                 f"{path}: {size} bytes, more than the {MAX_TRAIN_STATE_BYTES} a train state may "
                 f"have (Bridge's is a few KB)"
             )
-        raw = torch_pickle.load_torch_file(path)
-    except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
+        raw = unpickler.load_torch_file(path)
+    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
         raise MegatronBridgeError(str(e)) from None
     if not isinstance(raw, dict) or "step" not in raw:
         raise MegatronBridgeError(
-            f"{path}: holds {torch_pickle.short_repr(raw)}, expected Bridge's train state "
+            f"{path}: holds {unpickler.short_repr(raw)}, expected Bridge's train state "
             f"(a dict with 'step')"
         )
     state: dict[str, Any] = {}
@@ -223,15 +223,15 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         # a tensor, not anything else with a ``shape`` (an OrderedDict given one by BUILD)
         if not isinstance(key, str) or not isinstance(value, np.ndarray) or value.shape != ():
             raise MegatronBridgeError(
-                f"{path}: entry {torch_pickle.short_repr(key, 80)} is "
-                f"{torch_pickle.short_repr(value)}, expected a 0-d tensor (Bridge's "
+                f"{path}: entry {unpickler.short_repr(key, 80)} is "
+                f"{unpickler.short_repr(value)}, expected a 0-d tensor (Bridge's "
                 f"TrainState.state_dict)"
             )
         state[key] = value.item()
     step = state["step"]
     if type(step) is not int or step < 0:
         raise MegatronBridgeError(
-            f"{path}: step {torch_pickle.short_repr(step, 80)}, expected a non-negative integer"
+            f"{path}: step {unpickler.short_repr(step, 80)}, expected a non-negative integer"
         )
     return state
 
@@ -463,7 +463,7 @@ def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
         shown = (
             f"an integer of {value.bit_length()} bits"
             if type(value) is int and value.bit_length() > 64
-            else torch_pickle.short_repr(value, 80)
+            else unpickler.short_repr(value, 80)
         )
         raise MegatronBridgeError(
             f"{where}: {key if '.' in key else 'model.' + key} is {shown}, expected a "

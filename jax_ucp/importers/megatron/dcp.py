@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from jax_ucp.format import files
-from jax_ucp.importers.torch import dcp_reader
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import dcp_reader, unpickler
 from jax_ucp.importers.torch.dcp_reader import (
     SUPPORTED_TRANSFORMS,
     DcpCheckpoint,
@@ -47,7 +46,7 @@ _MCORE = "megatron.core.dist_checkpointing.strategies.torch."
 #: megatron-core 0.13-0.15 subclass two torch classes: MCoreSavePlan (0.13, 0.14) in the cached
 #: save plans, MCoreMetadata (0.15) as the whole ``.metadata``.
 MCORE_CLASSES: dict[str, Any] = {
-    _MCORE + "MCoreSavePlan": torch_pickle.standin_class(_MCORE + "MCoreSavePlan"),
+    _MCORE + "MCoreSavePlan": unpickler.standin_class(_MCORE + "MCoreSavePlan"),
     _MCORE + "MCoreMetadata": dcp_reader.DCP_CLASSES[
         "torch.distributed.checkpoint.metadata.Metadata"
     ],

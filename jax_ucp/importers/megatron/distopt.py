@@ -19,7 +19,7 @@ from jax_ucp.importers.megatron.common import (
 )
 from jax_ucp.importers.megatron.module_order import STACKED_EXPERT, in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import unpickler
 
 _BUCKET_KEY = re.compile(
     r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
@@ -125,7 +125,7 @@ class BucketStates(RankStates):
         except (TypeError, ValueError, AttributeError):
             raise MegatronImportError(
                 f"{self.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
-                f"{torch_pickle.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
+                f"{unpickler.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
             ) from None
 
     def files(self) -> list[str]:

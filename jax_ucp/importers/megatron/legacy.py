@@ -30,7 +30,7 @@ import numpy as np
 
 from jax_ucp.format import UCPError, files
 from jax_ucp.importers.plan import tensor_names
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import unpickler
 
 __all__ = [
     "LegacyError",
@@ -58,22 +58,22 @@ def _np_reconstruct(*args):
     return _NumpyArrayStandIn(*args)
 
 
-class _NumpyArrayStandIn(torch_pickle.StandIn):
+class _NumpyArrayStandIn(unpickler.StandIn):
     qualname = "numpy.ndarray"
 
 
 #: Classes a legacy Megatron pickle may reference (beyond torch's), as inert stand-ins.
 LEGACY_CLASSES: dict[str, Any] = {
-    "argparse.Namespace": torch_pickle.standin_class("argparse.Namespace"),
+    "argparse.Namespace": unpickler.standin_class("argparse.Namespace"),
     "numpy.ndarray": _NumpyArrayStandIn,
     "numpy.core.multiarray._reconstruct": _np_reconstruct,
     "numpy._core.multiarray._reconstruct": _np_reconstruct,
-    "numpy.dtype": torch_pickle.standin_class("numpy.dtype"),
-    "numpy.core.multiarray.scalar": torch_pickle.standin_class("numpy.scalar"),
-    "numpy._core.multiarray.scalar": torch_pickle.standin_class("numpy.scalar"),
+    "numpy.dtype": unpickler.standin_class("numpy.dtype"),
+    "numpy.core.multiarray.scalar": unpickler.standin_class("numpy.scalar"),
+    "numpy._core.multiarray.scalar": unpickler.standin_class("numpy.scalar"),
     # megatron-core enums that Megatron-LM pickles into args
-    "megatron.core.enums.ModelType": torch_pickle.int_enum_standin("megatron.core.enums.ModelType"),
-    "megatron.core.transformer.enums.AttnBackend": torch_pickle.int_enum_standin(
+    "megatron.core.enums.ModelType": unpickler.int_enum_standin("megatron.core.enums.ModelType"),
+    "megatron.core.transformer.enums.AttnBackend": unpickler.int_enum_standin(
         "megatron.core.transformer.enums.AttnBackend"
     ),
 }
@@ -202,8 +202,8 @@ def _load_rank(path: Path) -> tuple[dict, dict]:
         raise LegacyError(f"missing shard file {path}")
     try:
         _inside_iteration(path)  # a rank file linked to a file elsewhere is never read
-        state = torch_pickle.load_torch_file(path, LEGACY_CLASSES)
-    except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
+        state = unpickler.load_torch_file(path, LEGACY_CLASSES)
+    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
         raise LegacyError(str(e)) from None
     if not isinstance(state, dict):
         raise LegacyError(f"{path}: top level is a {type(state).__name__}, expected a dict")
@@ -473,8 +473,8 @@ class DistribOptimState:
 def _load_distrib_optim(path: Path) -> Any:
     try:
         _inside_iteration(path)
-        return torch_pickle.load_torch_file(path, LEGACY_CLASSES)
-    except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
+        return unpickler.load_torch_file(path, LEGACY_CLASSES)
+    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
         raise LegacyError(str(e)) from None
 
 

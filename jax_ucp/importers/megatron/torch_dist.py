@@ -48,7 +48,7 @@ from jax_ucp.importers.plan import (
     Share,
     host_item,
 )
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import unpickler
 from jax_ucp.language import (
     Spec,
     Vocab,
@@ -280,8 +280,8 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
     if os.path.lexists(common_path):  # a FIFO or device there is an error, not "no common.pt"
         try:
             files.in_own_folder(common_path)  # never a common.pt linked to another run's
-            common = torch_pickle.load_torch_file(common_path, legacy.LEGACY_CLASSES)
-        except (files.UnsafeFileError, torch_pickle.TorchFileError) as e:
+            common = unpickler.load_torch_file(common_path, legacy.LEGACY_CLASSES)
+        except (files.UnsafeFileError, unpickler.TorchFileError) as e:
             raise MegatronImportError(str(e)) from None
     elif objects:
         if len(objects) != 1:
@@ -295,7 +295,7 @@ def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Pat
         if not isinstance(common, dict):
             raise MegatronImportError(
                 f"{checkpoint.path / '.metadata'}: object {objects[0]!r} holds "
-                f"{torch_pickle.short_repr(common)}, expected the common state dict"
+                f"{unpickler.short_repr(common)}, expected the common state dict"
             )
         common_path = checkpoint.path / objects[0]
     return checkpoint, common, common_path

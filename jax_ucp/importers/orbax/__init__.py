@@ -11,7 +11,7 @@ budget leaves room for):
 the writer reads one array at a time, so memory is bounded by the largest array, never the whole
 tree.
 
-Orbax and JAX are imported only when an import is planned: detection (:func:`is_orbax`) reads
+Orbax and JAX are imported only when an import is planned: detection (``detect``) reads
 file names and one small JSON file.
 """
 
@@ -30,8 +30,24 @@ from jax_ucp import writer
 from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
 from jax_ucp.importers.orbax import zstd_rows
-from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, skip
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    refuse_spec,
+    skip,
+)
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
+
+__all__ = [
+    "OrbaxImportError",
+    "OrbaxOptions",
+    "detect",
+    "plan",
+    "plan_orbax",
+]
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
@@ -48,7 +64,7 @@ class OrbaxImportError(UCPError, ValueError):
     """An Orbax checkpoint that cannot be imported as it is (names the directory and item)."""
 
 
-def is_orbax(src) -> bool:
+def _is_orbax(src) -> bool:
     """An Orbax item (``_METADATA``), step (``_CHECKPOINT_METADATA``) or a manager root whose
     step directories hold one; from file names only."""
     src = os.fspath(src)
@@ -81,7 +97,7 @@ def _read_json(path: str) -> Any:
         raise OrbaxImportError(f"{path}: not a readable Orbax JSON file ({e})") from None
 
 
-def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
+def _resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
     """(step directory, step, {item name: item directory} of its PyTree items, {item name:
     why it is not imported}). A single item has the name ``""``."""
     src = os.path.abspath(os.fspath(src))
@@ -194,15 +210,11 @@ def plan_orbax(
         weights_only: only the ``params`` subtree.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise OrbaxImportError(
-            "Orbax imports keep the saved tree; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "Orbax imports keep the saved tree", OrbaxImportError)
     import orbax.checkpoint as ocp
     from etils import epath
 
-    step_dir, step, items, others = resolve(src, tag)
+    step_dir, step, items, others = _resolve(src, tag)
     source: dict[str, Any] = {
         "framework": "orbax",
         "path": step_dir,
@@ -231,7 +243,7 @@ def plan_orbax(
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
             chunk_shape = getattr(storage, "chunk_shape", None)
             if chunk_shape is not None:
-                check_chunks(
+                _check_chunks(
                     _metadata_file(path, leaf.name, ocdbt, zarr3),
                     name,
                     tuple(leaf.shape),
@@ -282,7 +294,7 @@ def _metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
     return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
 
 
-def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
+def _check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
     """Refuses, before anything is read or decoded, an array whose declared chunks (each of
     ``chunks``: the read and the write chunk shape) are larger than the array in any dimension:
     Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
@@ -502,7 +514,7 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
             f"{tuple(shape)}"
         )
     layout = array.chunk_layout
-    check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
+    _check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
     return array
 
 
@@ -570,8 +582,8 @@ class OrbaxOptions(ImportOptions):
 
 def detect(src: os.PathLike | str) -> Detection:
     """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
-    file names (:func:`is_orbax`)."""
-    if is_orbax(src):
+    file names."""
+    if _is_orbax(src):
         return Detection(True, "Orbax metadata")
     return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
 

@@ -26,20 +26,15 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     host_item,
+    refuse_spec,
     skip,
 )
 
-# The header parser and its checks live in ``format.safetensors`` (the direct restore reads the
-# same files); these names stay importable from here.
-INDEX_FILE = safetensors.INDEX_FILE
-MAX_HEADER_BYTES = safetensors.MAX_HEADER_BYTES
-MAX_INDEX_BYTES = safetensors.MAX_INDEX_BYTES
-DTYPES = safetensors.DTYPES
-DCP_SHARDING_INFO = safetensors.DCP_SHARDING_INFO
-SafetensorsImportError = safetensors.SafetensorsError
-SafetensorsFile = safetensors.SafetensorsFile
-is_safetensors = safetensors.is_safetensors
-shard_files = safetensors.shard_files
+__all__ = [
+    "detect",
+    "plan",
+    "plan_safetensors",
+]
 
 
 def plan_safetensors(
@@ -55,11 +50,7 @@ def plan_safetensors(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise SafetensorsImportError(
-            "safetensors imports keep Hugging Face's names; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "safetensors imports keep Hugging Face's names", safetensors.SafetensorsError)
     src = os.fspath(src)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
@@ -77,7 +68,7 @@ def plan_safetensors(
         trainer = optimizer_file == "optimizer.pt"
         writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
         if not weights_only:
-            raise SafetensorsImportError(
+            raise safetensors.SafetensorsError(
                 f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
                 f"{'checkpoint' if trainer else 'folder'}; its "
                 f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
@@ -102,7 +93,9 @@ def _trainer_optimizer(src: str) -> str | None:
     return None
 
 
-def _items(owner: dict[str, SafetensorsFile], names: list[str]) -> Iterator[writer.HostItem]:
+def _items(
+    owner: dict[str, safetensors.SafetensorsFile], names: list[str]
+) -> Iterator[writer.HostItem]:
     for name in names:
         f = owner[name]
         provenance = {"file": os.path.basename(f.path), "tensors": [name]}
@@ -118,21 +111,24 @@ def detect(src: os.PathLike | str) -> Detection:
         if src.endswith(".safetensors"):
             return Detection(True, "a .safetensors file")
         return Detection(False, "not a .safetensors file")
-    if os.path.isdir(src) and is_safetensors(src):
+    if os.path.isdir(src) and safetensors.is_safetensors(src):
         return Detection(True, "Hugging Face safetensors", weak=True)
-    return Detection(False, f"no Hugging Face safetensors (`*.safetensors`, `{INDEX_FILE}`)")
+    return Detection(
+        False, f"no Hugging Face safetensors (`*.safetensors`, `{safetensors.INDEX_FILE}`)"
+    )
 
 
 def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``,
     Accelerate's ``save_state``) the torch files importer maps its state too, unless only
     weights are wanted. ``options``: the torch importer's (``TorchOptions``)."""
-    from jax_ucp.importers.torch import files as torch_files  # torchtune imports this package
+    # imported here: torchtune imports this package
+    from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
 
     parameter_order = getattr(options, "parameter_order", None)
     common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
-    if not options.weights_only and torch_files.has_torch_optimizer(src):
-        return torch_files.plan_torch_files(src, **common, parameter_order=parameter_order)
+    if not options.weights_only and has_torch_optimizer(src):
+        return plan_torch_files(src, **common, parameter_order=parameter_order)
     if parameter_order is not None:
         raise RequestError(
             f"{src}: parameter_order= orders a torch optimizer's state; these safetensors "

@@ -11,6 +11,12 @@ from jax_ucp.errors import RequestError
 from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
 from jax_ucp.importers.torch import dcp, files, torchtune
 
+__all__ = [
+    "TorchOptions",
+    "detect",
+    "plan",
+]
+
 
 @dataclasses.dataclass(frozen=True)
 class TorchOptions(ImportOptions):

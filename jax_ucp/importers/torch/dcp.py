@@ -32,7 +32,7 @@ from typing import Any
 
 from jax_ucp import writer
 from jax_ucp.format import files
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec
 from jax_ucp.importers.torch import dcp_reader
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
@@ -96,11 +96,7 @@ def plan_torch_dcp(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    if spec is not None:
-        raise TorchImportError(
-            "torch DCP imports keep torch's parameter names; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "torch DCP imports keep torch's parameter names", TorchImportError)
     dirs = dcp_dirs(src)
     if not dirs:
         raise TorchImportError(

@@ -34,7 +34,7 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.format import UCPError, files, mapped_file
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import unpickler
 
 try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
     from isal.isal_zlib import crc32 as zip_crc32
@@ -64,7 +64,7 @@ class DcpError(UCPError, ValueError):
 # ----------------------------------------------------------------- stand-ins for .metadata
 
 
-class _MetadataIndex(torch_pickle.StandIn):
+class _MetadataIndex(unpickler.StandIn):
     """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
 
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
@@ -81,7 +81,7 @@ class _MetadataIndex(torch_pickle.StandIn):
             )
             or not (index is None or type(index) is int)
         ):
-            raise ValueError(f"bad MetadataIndex {torch_pickle.short_repr(d)}")
+            raise ValueError(f"bad MetadataIndex {unpickler.short_repr(d)}")
         return (fqn, tuple(off) if off is not None else None, index)
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -101,7 +101,7 @@ def path_standin(*parts: Any) -> str:
     """A pickled ``pathlib`` path (``REDUCE(PosixPath, parts)``) as the plain string it names:
     only strings are accepted and nothing on the file system is touched."""
     if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
-        raise ValueError(f"bad path parts {torch_pickle.short_repr(parts)}")
+        raise ValueError(f"bad path parts {unpickler.short_repr(parts)}")
     return posixpath.join(*parts) if parts else "."
 
 
@@ -109,7 +109,7 @@ def _standins() -> dict[str, Any]:
     m = "torch.distributed.checkpoint.metadata."
     p = "torch.distributed.checkpoint.planner."
     d: dict[str, Any] = {
-        m + n: torch_pickle.standin_class(m + n)
+        m + n: unpickler.standin_class(m + n)
         for n in (
             "Metadata",
             "TensorStorageMetadata",
@@ -120,17 +120,17 @@ def _standins() -> dict[str, Any]:
         )
     }
     d[m + "MetadataIndex"] = _MetadataIndex
-    d[m + "_MEM_FORMAT_ENCODING"] = torch_pickle.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
+    d[m + "_MEM_FORMAT_ENCODING"] = unpickler.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
     # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
     # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
     for owner in ("torch.distributed.checkpoint", "olmo_core.distributed.checkpoint"):
         name = f"{owner}.filesystem._StorageInfo"
-        d[name] = torch_pickle.standin_class(name)
+        d[name] = unpickler.standin_class(name)
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
-        d[p + n] = torch_pickle.standin_class(p + n)
-    d[p + "WriteItemType"] = torch_pickle.int_enum_standin(p + "WriteItemType")
-    d[p + "LoadItemType"] = torch_pickle.int_enum_standin(p + "LoadItemType")
+        d[p + n] = unpickler.standin_class(p + n)
+    d[p + "WriteItemType"] = unpickler.int_enum_standin(p + "WriteItemType")
+    d[p + "LoadItemType"] = unpickler.int_enum_standin(p + "LoadItemType")
     d["torch.serialization._get_layout"] = _get_layout
     d["torch.layout"] = _get_layout
     # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
@@ -296,14 +296,14 @@ class DcpCheckpoint:
             raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
             if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
                 try:
-                    arch = torch_pickle.TorchArchive.from_buffer(
+                    arch = unpickler.TorchArchive.from_buffer(
                         raw, f"{fpath}@{c.byte_offset}", defer_crc=True
                     )
                     try:
                         arr = arch.load()
                     finally:
                         arch.close()
-                except torch_pickle.TorchFileError as e:
+                except unpickler.TorchFileError as e:
                     raise DcpError(f"{where}: {e}") from None
                 _check_chunk(arr, t, c, where)
                 members = list(arch.unchecked.values())
@@ -337,7 +337,7 @@ class DcpCheckpoint:
         if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
             try:
                 arr = _load_embedded(fpath, raw, c.byte_offset)
-            except torch_pickle.TorchFileError as e:
+            except unpickler.TorchFileError as e:
                 raise DcpError(f"{where}: {e}") from None
             if not isinstance(arr, np.ndarray):
                 raise DcpError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
@@ -383,7 +383,7 @@ class DcpCheckpoint:
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
         try:
             return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
-        except torch_pickle.TorchFileError as e:
+        except unpickler.TorchFileError as e:
             raise DcpError(f"{where}: {e}") from None
 
     def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
@@ -650,7 +650,7 @@ def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, wh
 
 def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None):
     """One DCP chunk: a ``torch.save`` archive that is a byte range of a ``.distcp`` file."""
-    arch = torch_pickle.TorchArchive.from_buffer(view, f"{path}@{offset}")
+    arch = unpickler.TorchArchive.from_buffer(view, f"{path}@{offset}")
     try:
         return arch.load(extra_classes)
     finally:
@@ -718,7 +718,7 @@ def _storage_ref(
         or not isinstance(trs, (list, tuple))
         or not all(isinstance(tr, str) for tr in trs)
     ):
-        short = torch_pickle.short_repr
+        short = unpickler.short_repr
         raise DcpError(
             f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
             f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
@@ -733,7 +733,7 @@ def _dims(
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
         raise DcpError(
-            f"tensor {name!r} in {mfile}: {what} {torch_pickle.short_repr(value)}: expected "
+            f"tensor {name!r} in {mfile}: {what} {unpickler.short_repr(value)}: expected "
             f"non-negative integers below 2**63"
         )
     if rank is not None and len(value) != rank:
@@ -752,12 +752,12 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
         raise DcpError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     try:
         files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
-        md = torch_pickle.restricted_loads(
+        md = unpickler.restricted_loads(
             files.read_regular(str(mfile), MAX_METADATA_BYTES),
             where=str(mfile),
             extra_classes={**DCP_CLASSES, **(extra_classes or {})},
         )
-    except (torch_pickle.TorchFileError, files.UnsafeFileError) as e:
+    except (unpickler.TorchFileError, files.UnsafeFileError) as e:
         raise DcpError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
@@ -784,7 +784,7 @@ def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, An
     listed = getattr(m, "chunks", None)
     if not isinstance(listed, (list, tuple)):
         raise DcpError(
-            f"tensor {name!r} in {mfile}: chunks {torch_pickle.short_repr(listed)}: expected a list"
+            f"tensor {name!r} in {mfile}: chunks {unpickler.short_repr(listed)}: expected a list"
         )
     chunks = []
     for index, c in enumerate(listed):
@@ -806,7 +806,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
         if not isinstance(name, str):
-            raise DcpError(f"{mfile}: entry name {torch_pickle.short_repr(name)} is not a string")
+            raise DcpError(f"{mfile}: entry name {unpickler.short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
             tensors[name] = _tensor_entry(name, m, mfile, by_fqn)

@@ -8,7 +8,7 @@ Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
 ``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
 ``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
 
-Tensors are read-only memory maps of the files (:mod:`torch_pickle`), streamed one at a time.
+Tensors are read-only memory maps of the files (:mod:`torch.unpickler`), streamed one at a time.
 An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
 ``i``-th parameter of the model state dict (tied copies that share storage counted once), the
 way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
@@ -29,9 +29,8 @@ import numpy as np
 from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files, safetensors
 from jax_ucp.format.safetensors import first_tensors, read_weight_map
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, tensor_names
-from jax_ucp.importers.torch import hf_trainer
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
+from jax_ucp.importers.torch import hf_trainer, unpickler
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchImportError,
@@ -93,8 +92,8 @@ def _single_ckpt(src: str, names: set[str]) -> str | None:
 
 def _load(path: str) -> Any:
     try:
-        return torch_pickle.load_torch_file(path)
-    except torch_pickle.TorchFileError as e:
+        return unpickler.load_torch_file(path)
+    except unpickler.TorchFileError as e:
         raise TorchImportError(str(e)) from None
 
 
@@ -189,11 +188,7 @@ def plan_torch_files(
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
     """
-    if spec is not None:
-        raise TorchImportError(
-            "torch file imports keep torch's parameter names; apply a spec at restore time "
-            "(jax_ucp.restore(path, spec=...)) instead of at import."
-        )
+    refuse_spec(spec, "torch file imports keep torch's parameter names", TorchImportError)
     src = os.fspath(src)
     if not os.path.exists(src):
         raise TorchImportError(f"{src}: no such file or folder")
@@ -504,13 +499,11 @@ def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) 
             continue
         to_name = {i: n for g, names in zip(groups, c.groups) for i, n in zip(g["params"], names)}
         bad = [
-            f"index {key} ({to_name.get(key)}): {k} {list(v.shape)} vs {list(c.shapes[n])}"
+            f"index {key} ({n}): {k} {list(v.shape)} vs {want and list(want)}"
             for key, per in state.items()
-            if isinstance(per, dict)
-            for k, v in per.items()
-            if isinstance(v, np.ndarray)
-            and v.ndim
-            and ((n := to_name.get(key)) is None or tuple(v.shape) != c.shapes[n])
+            for n in [to_name.get(key)]
+            for want in [None if n is None else c.shapes[n]]
+            for k, v in _misfits(per, want)
         ]
         if bad:
             misfits.append(f"{c.rule}: {bad[0]}")
@@ -555,7 +548,7 @@ def _check_unique_names(groups: list, path: str) -> None:
                 raise TorchImportError(
                     f"{path}: param_names names parameter {clean[:200]!r} twice: as "
                     f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
-                    f"{torch_pickle.short_repr(index, 40)}) in group {group}; a parameter is "
+                    f"{unpickler.short_repr(index, 40)}) in group {group}; a parameter is "
                     f"optimized once, so which of the two states is its own cannot be told"
                 )
             first[clean] = (group, name)
@@ -571,12 +564,11 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
                 f"of the model state dict"
             )
         shape = tuple(model[clean[name]][0].shape)
-        for k, v in per.items() if isinstance(per, dict) else ():
-            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
-                raise TorchImportError(
-                    f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
-                    f"{list(v.shape)}, the parameter {list(shape)}"
-                )
+        for k, v in _misfits(per, shape):
+            raise TorchImportError(
+                f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
+                f"{list(v.shape)}, the parameter {list(shape)}"
+            )
 
 
 def _say_order_assumed(
@@ -636,11 +628,20 @@ def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: 
         if name is None:
             raise TorchImportError(f"{path}: optimizer state for index {key!r}, not in any group")
         shape = tuple(model[clean[name]][0].shape)
-        for k, v in per.items() if isinstance(per, dict) else ():
-            if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape:
-                raise TorchImportError(
-                    f"{path}: optimizer state {k!r} of parameter index {key} has shape "
-                    f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
-                    f"order) has {list(shape)}{hint}"
-                )
+        for k, v in _misfits(per, shape):
+            raise TorchImportError(
+                f"{path}: optimizer state {k!r} of parameter index {key} has shape "
+                f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
+                f"order) has {list(shape)}{hint}"
+            )
     return to_name
+
+
+def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:
+    """The state tensors of one parameter's state ``per`` whose shape is not ``shape`` (every
+    one when ``shape`` is None: no parameter to hold them); scalars (``step``) fit any."""
+    return [
+        (k, v)
+        for k, v in (per.items() if isinstance(per, dict) else ())
+        if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape
+    ]

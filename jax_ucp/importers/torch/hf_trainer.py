@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from jax_ucp.format import files
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.importers.torch import unpickler
 from jax_ucp.importers.torch.optimizer import TorchImportError, jsonable
 
 __all__ = ["Candidate", "trainer_candidates", "trainer_record", "is_trainer_checkpoint"]
@@ -201,13 +201,13 @@ def trainer_candidates(folder: str, n_tensors: int) -> list[Candidate]:
 
 def _arg(value: Any) -> Any:
     """A TrainingArguments field as JSON: str enums (stand-ins) by their value."""
-    if isinstance(value, torch_pickle.StandIn):
+    if isinstance(value, unpickler.StandIn):
         args = getattr(value, "args", ())
         return jsonable(args[0]) if len(args) == 1 else None
     return jsonable(value)
 
 
-class _TrainingArguments(torch_pickle.StandIn):
+class _TrainingArguments(unpickler.StandIn):
     """``TrainingArguments`` as data; its ``cached_property`` values (``__cached__*``, pickled
     by transformers 4.x) are dropped, not refused: they are not arguments."""
 
@@ -237,7 +237,7 @@ def _args_classes() -> dict[str, Any]:
         "accelerate.utils.dataclasses.DistributedType",
         "torch.device",
     ]
-    classes: dict[str, Any] = {n: torch_pickle.standin_class(n) for n in names}
+    classes: dict[str, Any] = {n: unpickler.standin_class(n) for n in names}
     classes[_TrainingArguments.qualname] = _TrainingArguments
     return classes
 
@@ -255,17 +255,17 @@ def trainer_record(folder: str) -> dict:
     args_path = os.path.join(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
-            args = torch_pickle.load_torch_file(args_path, _args_classes())
-        except torch_pickle.TorchFileError as e:
+            args = unpickler.load_torch_file(args_path, _args_classes())
+        except unpickler.TorchFileError as e:
             out["training_args_unread"] = str(e)[:300]
         else:
-            fields = vars(args) if isinstance(args, torch_pickle.StandIn) else {}
+            fields = vars(args) if isinstance(args, unpickler.StandIn) else {}
             out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
     sched_path = os.path.join(folder, SCHEDULER_FILE)
     if os.path.isfile(sched_path):
         try:
-            sched = torch_pickle.load_torch_file(sched_path)
-        except torch_pickle.TorchFileError as e:
+            sched = unpickler.load_torch_file(sched_path)
+        except unpickler.TorchFileError as e:
             out["scheduler_unread"] = str(e)[:300]
         else:
             if isinstance(sched, dict):

@@ -1,7 +1,7 @@
 """Torch state-dict conventions mapped onto the importer contract (docs/FORMAT.md 2.6).
 
 Shared by the torch DCP importer (:mod:`torch_dcp`) and the torch.save files importer
-(:mod:`torch_files`): both reduce a checkpoint to model tensors and per-parameter optimizer
+(:mod:`torch.files`): both reduce a checkpoint to model tensors and per-parameter optimizer
 state keyed by parameter name (:class:`TorchState`), and this module turns that into the
 output tree, with nothing dropped silently:
 

@@ -17,7 +17,7 @@ import os
 import re
 from typing import Any
 
-from jax_ucp.importers import safetensors as safetensors_importer
+from jax_ucp.importers import safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
 from jax_ucp.importers.torch.optimizer import TorchImportError
 
@@ -74,7 +74,7 @@ def plan_torchtune(
             f"import {epochs[-1]}/'s weights"
         )
     latest = os.path.join(src, epochs[-1])
-    plan = safetensors_importer.plan_safetensors(latest, spec=spec, share=share)
+    plan = safetensors.plan_safetensors(latest, spec=spec, share=share)
     source = dict(plan.source)
     source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
     units = [f"{e}/" for e in epochs[:-1]]
