@@ -384,7 +384,7 @@ index, port, src, dst, die = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.arg
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=index, initialization_timeout=60)
 import jax_ucp
-from jax_ucp.importers import safetensors as safetensors_hf
+from jax_ucp.format import safetensors as safetensors_hf
 read = safetensors_hf.SafetensorsFile.tensor
 count = [0]
 def tensor(self, name):
