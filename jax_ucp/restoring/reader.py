@@ -457,8 +457,10 @@ class _Reads:
             shape = (hi - lo, *shape[1:])
             if isinstance(reader, shard_reader.ShardReader):
                 reader = _Rows(reader, lo, hi)
-            else:
+            elif isinstance(reader, ts.TensorStore):
                 reader = reader[lo:hi].translate_to[0]
+            else:  # e.g. a safetensors tensor: exports read UCP checkpoints only
+                raise TypeError(f"rows= cannot slice a {type(reader).__name__}")
         pending = sharding_lib.PendingArray(reader, shape, dtype, req.sharding)
         self.check(found, pending)
         for done in self.window.make_room(pending.read_bytes):
