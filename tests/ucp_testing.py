@@ -99,3 +99,39 @@ def assert_destination_untouched(dst) -> None:
     assert not os.path.exists(dst)
     leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
     assert not leftovers, leftovers
+
+
+def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[str] | None = None):
+    """A Hugging Face style folder: ``pytorch_model.bin`` holding ``shapes`` (in that order) and
+    an ``optimizer.bin`` of one Adam group whose index ``i`` holds the moments of ``order[i]``
+    (exp_avg = the parameter + 1000 * (i + 1), so whose moment it is can be read off);
+    ``param_names``: the group's param_names, when given."""
+    from jax_ucp.exporters import torch_out  # torch-free torch.save writer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    weights = {
+        n: np.arange(np.prod(s), dtype=np.float32).reshape(s) + k
+        for k, (n, s) in enumerate(shapes.items())
+    }
+    arrays = list(weights.values())
+    model = {
+        n: torch_out.TensorSlot(i, a.shape, a.dtype) for i, (n, a) in enumerate(weights.items())
+    }
+    torch_out.save_file(str(src / "pytorch_model.bin"), model, arrays)
+    arrays, state = [], {}
+    for i, name in enumerate(order):
+        per = {}
+        for k, scale in (("exp_avg", 1000), ("exp_avg_sq", 2000)):
+            arrays.append(weights[name] + scale * (i + 1))
+            per[k] = torch_out.TensorSlot(len(arrays) - 1, arrays[-1].shape, arrays[-1].dtype)
+        arrays.append(np.asarray(3.0, np.float32))
+        per["step"] = torch_out.TensorSlot(len(arrays) - 1, (), np.dtype(np.float32))
+        state[i] = per
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(order)))}
+    if param_names is not None:
+        group["param_names"] = param_names
+    torch_out.save_file(
+        str(src / "optimizer.bin"), {"state": state, "param_groups": [group]}, arrays
+    )
+    return src, weights
