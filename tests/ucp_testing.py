@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -58,6 +59,43 @@ def run_python(code: str, *, devices: int = 8, env=None, timeout=300, check=True
     if check and p.returncode != 0:
         raise AssertionError(f"subprocess failed ({p.returncode}):\n{p.stdout}\n{p.stderr[-4000:]}")
     return p
+
+
+def run_workers(
+    tmp_path, script: str, *args: str, processes: int = 2, devices: int = 2, timeout=150
+):
+    """Runs ``script`` as ``processes`` processes of one jax.distributed job on 127.0.0.1, each
+    given ``index port *args``; returns ``(returncode, stdout, stderr)`` per process, none left
+    running."""
+    path = tmp_path / "worker.py"
+    path.write_text(script)
+    env = dict(
+        os.environ,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=REPO,
+    )
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(path), str(i), port, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(processes)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
 
 
 def python_lines(fn, *args, **kwargs):
@@ -135,3 +173,67 @@ def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[
         str(src / "optimizer.bin"), {"state": state, "param_groups": [group]}, arrays
     )
     return src, weights
+
+
+MEASURE_SCRIPT = """
+import json, os, sys, threading, time
+import jax_ucp
+
+def anon():
+    with open('/proc/self/status') as f:
+        for line in f:
+            if line.startswith('RssAnon:'):
+                return int(line.split()[1]) * 1024
+
+base, peak, done = anon(), [0], threading.Event()
+
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], anon())
+        time.sleep(0.002)
+
+t = threading.Thread(target=sample, daemon=True)
+t.start()
+if len(sys.argv) > 4 or os.environ.get("UCP_TEST_BASELINE_ORBAX"):
+    import orbax.checkpoint  # imported by the export / Orbax import itself: in the baseline
+    base = anon()
+if len(sys.argv) > 4:
+    jax_ucp.export(sys.argv[1], sys.argv[2], to=sys.argv[4], memory_budget=sys.argv[3])
+else:
+    jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
+done.set()
+t.join()
+print('PEAK', json.dumps({'base': base, 'peak': max(peak[0], anon())}))
+"""
+
+
+def peak_over_baseline(
+    src, dst, budget: str, export_to: str | None = None, orbax_in_baseline: bool = False
+) -> int:
+    """RssAnon a fresh process's ``convert(src, dst, memory_budget=budget)`` (or ``export``
+    to ``export_to``) peaks at, over the process after ``import jax_ucp`` (sampled every 2 ms
+    from a thread); ``orbax_in_baseline``: after ``import orbax.checkpoint`` too (an export, or
+    an importer that loads Orbax, counts it in the baseline)."""
+
+    env = dict(os.environ, PYTHONPATH=REPO)
+    if orbax_in_baseline:
+        env["UCP_TEST_BASELINE_ORBAX"] = "1"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            MEASURE_SCRIPT,
+            str(src),
+            str(dst),
+            budget,
+            *([export_to] * bool(export_to)),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("PEAK"))
+    got = json.loads(line[4:])
+    return got["peak"] - got["base"]

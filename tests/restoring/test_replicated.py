@@ -2,9 +2,6 @@
 2 processes x 2 CPU devices on 127.0.0.1, each reading a share and all-gathering the rest."""
 
 import json
-import os
-import subprocess
-import sys
 
 import jax
 import ml_dtypes
@@ -15,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ucp
 from jax_ucp.restoring import replicated
-from tests.ucp_testing import REPO, free_port, mesh
+from tests.ucp_testing import mesh, run_workers
 
 WORKER = r"""
 import json, os, sys, time
@@ -89,35 +86,7 @@ os._exit(0)
 
 
 def _job(tmp_path, path, mode):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO,
-    )
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(i), port, str(path), mode],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=150)
-            results.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
+    return run_workers(tmp_path, WORKER, str(path), mode)
 
 
 def _checkpoint(tmp_path):

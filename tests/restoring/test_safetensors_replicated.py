@@ -3,15 +3,12 @@ each replicated byte once across the processes of a jax.distributed job (2 proce
 devices on 127.0.0.1), as for a UCP checkpoint (tests/restoring/test_replicated.py)."""
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from tests.ucp_testing import REPO, free_port
+from tests.ucp_testing import run_workers
 
 WORKER = r"""
 import json, os, sys
@@ -51,34 +48,7 @@ def test_two_processes_read_each_replicated_safetensors_byte_once(tmp_path):
     save_file(tensors, str(path))
     np.savez(str(path) + ".truth.npz", **tensors)
     data = sum(t.nbytes for t in tensors.values())
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=2",
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=REPO,
-    )
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script), str(i), port, str(path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=150)
-            results.append((p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    results = run_workers(tmp_path, WORKER, str(path))
     reports = []
     for code, out, err in results:
         assert code == 0, f"{out}\n{err[-3000:]}"

@@ -14,7 +14,7 @@ import jax_ucp
 from jax_ucp import store, writer
 from jax_ucp.writer import checkpoint as host_checkpoint
 from jax_ucp.writer import shards
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, peak_over_baseline
 
 MiB = 1 << 20
 
@@ -319,67 +319,6 @@ def test_dcp_rows_are_the_rows_of_the_tensor():
     np.testing.assert_array_equal(ck.read(name, rows=40), full[:40])
     with pytest.raises(dcp_reader.DcpError, match=r"no rows 60:68 in shape \[67, 16\]"):
         ck.read_rows(name, 60, 68)
-
-
-_MEASURE = """
-import json, os, sys, threading, time
-import jax_ucp
-
-def anon():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('RssAnon:'):
-                return int(line.split()[1]) * 1024
-
-base, peak, done = anon(), [0], threading.Event()
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-
-t = threading.Thread(target=sample, daemon=True)
-t.start()
-if len(sys.argv) > 4:
-    import orbax.checkpoint  # imported by the export itself: counted in the baseline
-    base = anon()
-    jax_ucp.export(sys.argv[1], sys.argv[2], to=sys.argv[4], memory_budget=sys.argv[3])
-else:
-    jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
-done.set()
-t.join()
-print('PEAK', json.dumps({'base': base, 'peak': max(peak[0], anon())}))
-"""
-
-
-def peak_over_baseline(src, dst, budget: str, export_to: str | None = None) -> int:
-    """RssAnon a fresh process's ``convert(src, dst, memory_budget=budget)`` (or ``export``
-    to ``export_to``) peaks at, over the process after ``import jax_ucp`` (sampled every 2 ms
-    from a thread)."""
-    import json
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PYTHONPATH=REPO)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _MEASURE,
-            str(src),
-            str(dst),
-            budget,
-            *([export_to] * bool(export_to)),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    line = next(x for x in out.stdout.splitlines() if x.startswith("PEAK"))
-    got = json.loads(line[4:])
-    return got["peak"] - got["base"]
 
 
 @pytest.mark.torch

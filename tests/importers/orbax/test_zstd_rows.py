@@ -4,7 +4,6 @@ as one chunk (Orbax's default) imported within the memory budget instead of deco
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -16,8 +15,8 @@ import pytest
 import tensorstore as ts
 
 from jax_ucp.importers.orbax import OrbaxImportError, zstd_rows
+from tests.ucp_testing import REPO, peak_over_baseline
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MiB = 1 << 20
 
 pytestmark = pytest.mark.skipif(zstd_rows._lib() is None, reason="no libzstd")
@@ -111,31 +110,6 @@ with ocp.StandardCheckpointer() as c:  # defaults: OCDBT, zstd, one chunk per ar
     c.save(sys.argv[1], {"embed": embed, "b": np.ones(3, np.float32)})
 """
 
-_MEASURE = """
-import json, sys, threading, time
-import jax_ucp, orbax.checkpoint  # the importer imports Orbax and JAX: in the baseline
-
-def anon():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('RssAnon:'):
-                return int(line.split()[1]) * 1024
-
-base, peak, done = anon(), [0], threading.Event()
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-
-t = threading.Thread(target=sample, daemon=True)
-t.start()
-jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
-done.set()
-t.join()
-print('PEAK', json.dumps({'base': base, 'peak': max(peak[0], anon())}))
-"""
-
 _CHECK = """
 import sys, numpy as np, jax_ucp
 embed = np.random.default_rng(5).standard_normal((40960, 1024)).astype(np.float32)
@@ -164,8 +138,6 @@ def test_a_one_chunk_orbax_array_over_the_budget_stays_within_it(tmp_path):
     baseline (Orbax and JAX imported), where TensorStore's whole-chunk decode held the
     compressed chunk, the decoded chunk and the array (~+430 MiB)."""
     _child(_SAVE, tmp_path / "orbax")
-    out = _child(_MEASURE, tmp_path / "orbax", tmp_path / "ucp", "32MiB")
-    got = json.loads(next(x for x in out.splitlines() if x.startswith("PEAK"))[4:])
-    over = got["peak"] - got["base"]
+    over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB", orbax_in_baseline=True)
     assert over < 32 * MiB + 64 * MiB, over / MiB
     _child(_CHECK, tmp_path / "ucp")
