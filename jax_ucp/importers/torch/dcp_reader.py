@@ -134,10 +134,8 @@ def _standins() -> dict[str, Any]:
     d["torch.serialization._get_layout"] = _get_layout
     d["torch.layout"] = _get_layout
     # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
-    d["pathlib.PosixPath"] = path_standin
-    d["pathlib.WindowsPath"] = path_standin
-    d["pathlib.PurePosixPath"] = path_standin
-    d["pathlib.PureWindowsPath"] = path_standin
+    for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        d["pathlib." + n] = path_standin
     return d
 
 
@@ -257,8 +255,8 @@ class DcpCheckpoint:
             skip = 0
             if stop is not None:
                 low, high = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
-                if low >= high and c.sizes[0]:
-                    continue
+                if low > high or (low == high and c.sizes[0]):
+                    continue  # outside the rows (an empty chunk before them too)
                 sl[0] = slice(low - start, high - start)
                 skip = low - c.offsets[0]
             jobs.append((c, out[(*sl, Ellipsis)], skip))  # a view, also when 0-d
@@ -284,36 +282,26 @@ class DcpCheckpoint:
         with ``preadv`` straight into it and their zip CRC-32 is computed on them there, a few
         MiB at a time while they are in the CPU cache: one copy, one pass. Anything else goes
         through :meth:`read_chunk` (CRC on the mapped bytes, then a copy)."""
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
-        fpath = Path(self.file_path(c.file))
-        direct = (
+        if (
             not skip
             and region.flags.c_contiguous
             and region.shape == tuple(c.sizes)
             and region.size
-        )
-        if direct and not c.transforms:
-            raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-            if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
-                try:
-                    arch = unpickler.TorchArchive.from_buffer(
-                        raw, f"{fpath}@{c.byte_offset}", defer_crc=True
-                    )
-                    try:
-                        arr = arch.load()
-                    finally:
-                        arch.close()
-                except unpickler.TorchFileError as e:
-                    raise DcpError(f"{where}: {e}") from None
+            and not c.transforms
+        ):
+            where, fpath, raw, archive = self._chunk_bytes(t, c)
+            if archive:
+                arr, unchecked = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where, True)
                 _check_chunk(arr, t, c, where)
-                members = list(arch.unchecked.values())
+                members = list(unchecked.values())
                 if len(members) == 1 and arr.flags.c_contiguous:
                     start, size, crc = members[0]
                     if size == arr.nbytes and _address(arr) - _address(raw) == start:
                         _pread_into(fpath, c.byte_offset + start, region, crc, where)
                         return
                 for start, size, crc in members:  # a view of a larger storage: check all
-                    _check_crc(raw[start : start + size], crc, where)
+                    view = raw[start : start + size]
+                    _check_crc(mapped_file.crc32(view, 0, zip_crc32, where), crc, where)
                 mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
@@ -322,25 +310,28 @@ class DcpCheckpoint:
         arr = self.read_chunk(t, c)
         first = (slice(skip, skip + region.shape[0]),) if region.ndim else ()
         part = arr[(*first, *(slice(0, n) for n in region.shape[1:]))]
-        mapped_file.copy_into(region, part, where)
+        mapped_file.copy_into(region, part, self._where(t, c))
+
+    def _where(self, t: DcpTensor, c: DcpChunk) -> str:
+        return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+
+    def _chunk_bytes(self, t: DcpTensor, c: DcpChunk) -> tuple[str, Path, np.ndarray, bool]:
+        """(``c`` named in errors, its file, its mapped bytes, whether they are a torch.save
+        archive rather than a tensor's raw bytes)."""
+        where, fpath = self._where(t, c), Path(self.file_path(c.file))
+        raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
+        return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
 
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
-        where = f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
-        fpath = Path(self.file_path(c.file))
         for tr in c.transforms:
             if tr not in SUPPORTED_TRANSFORMS:
                 raise DcpError(
-                    f"{where}: unsupported transform descriptor {tr!r} "
+                    f"{self._where(t, c)}: unsupported transform descriptor {tr!r} "
                     f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
                 )
-        raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
-        if mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04":
-            try:
-                arr = _load_embedded(fpath, raw, c.byte_offset)
-            except unpickler.TorchFileError as e:
-                raise DcpError(f"{where}: {e}") from None
-            if not isinstance(arr, np.ndarray):
-                raise DcpError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
+        where, fpath, raw, archive = self._chunk_bytes(t, c)
+        if archive:
+            arr, _ = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where)
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
             n = math.prod(c.sizes) * t.dtype.itemsize
             if raw.size != n:
@@ -363,17 +354,7 @@ class DcpCheckpoint:
         t = self.tensors[name]
         if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
             raise DcpError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
-        self.check_tensor(name)  # once per tensor: Megatron's buckets are read range by range
-        # a private mapping, as in ``_assemble`` (Megatron's flat buckets are read range by range)
-        out = writer.unpooled_empty((end - start,), t.dtype)
-        for c in sorted(t.chunks, key=lambda c: c.offsets[0]):
-            low, high = max(start, c.offsets[0]), min(end, c.offsets[0] + c.sizes[0])
-            if low < high:
-                arr = self.read_chunk(t, c)
-                part = arr[low - c.offsets[0] : high - c.offsets[0]]
-                region = out[low - start : high - start]
-                mapped_file.copy_into(region, part, f"tensor {name!r} in {c.file}")
-        return out
+        return self._assemble(t, start, end)
 
     def read_object(self, name: str, extra_classes=None) -> Any:
         """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
@@ -381,10 +362,9 @@ class DcpCheckpoint:
         where = f"object {name!r} in {self.path / o.file}"
         fpath = Path(self.file_path(o.file))
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
-        try:
-            return _load_embedded(fpath, raw, o.byte_offset, extra_classes)
-        except unpickler.TorchFileError as e:
-            raise DcpError(f"{where}: {e}") from None
+        return _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)[
+            0
+        ]
 
     def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
         """Every file the metadata references (or ``tensors``' chunks reference) exists and is
@@ -608,9 +588,8 @@ def _address(arr: np.ndarray) -> int:
 READ_PIECE = 4 << 20
 
 
-def _check_crc(view: np.ndarray, crc: int, where: str) -> None:
-    found = mapped_file.crc32(view, 0, zip_crc32, where)
-    if found != crc:
+def _check_crc(found: int, crc: int | None, where: str) -> None:
+    if crc is not None and found != crc:
         raise DcpError(
             f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
             f"{found:08x}): the file is corrupt"
@@ -641,20 +620,23 @@ def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, wh
             pos += n
     finally:
         os.close(fd)
-    if crc is not None and found != crc:
-        raise DcpError(
-            f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
-            f"{found:08x}): the file is corrupt"
-        )
+    _check_crc(found, crc, where)
 
 
-def _load_embedded(path: Path, view: np.ndarray, offset: int, extra_classes=None):
-    """One DCP chunk: a ``torch.save`` archive that is a byte range of a ``.distcp`` file."""
-    arch = unpickler.TorchArchive.from_buffer(view, f"{path}@{offset}")
+def _load_embedded(
+    view: np.ndarray, archive: str, where: str, defer_crc: bool = False, extra_classes=None
+) -> tuple[Any, dict[str, tuple[int, int, int]]]:
+    """One DCP chunk or object: a ``torch.save`` archive that is a byte range of a ``.distcp``
+    file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
+    ``defer_crc`` leaves to the caller. Errors name ``where``."""
     try:
-        return arch.load(extra_classes)
-    finally:
-        arch.close()
+        arch = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        try:
+            return arch.load(extra_classes), arch.unchecked
+        finally:
+            arch.close()
+    except unpickler.TorchFileError as e:
+        raise DcpError(f"{where}: {e}") from None
 
 
 # ----------------------------------------------------------------- opening
