@@ -28,6 +28,7 @@ from __future__ import annotations
 import collections
 import io
 import itertools
+import math
 import os
 import pickle
 import pickletools
@@ -130,8 +131,6 @@ class _BoundedRepr(reprlib.Repr):
             for k, v in itertools.islice(x.items(), self.maxdict)
         ]
         return "{" + ", ".join(items) + (", ...}" if len(x) > self.maxdict else "}")
-
-    repr_OrderedDict = repr_dict
 
 
 _BOUNDED_REPR = _BoundedRepr()
@@ -393,12 +392,7 @@ def _rebuild_tensor(
             "stride-0 or overlapping views are not materialised (save a contiguous copy)"
         )
     flat = storage.raw[: n_elems * dt.itemsize].view(dt)
-    contiguous = []
-    acc = 1
-    for n in reversed(shape):
-        contiguous.append(acc)
-        acc *= n
-    if tuple(reversed(contiguous)) == strides or numel == 1:
+    if strides == tuple(math.prod(shape[i + 1 :]) for i in range(len(shape))) or numel == 1:
         out = flat[storage_offset : storage_offset + numel].reshape(shape)
     else:
         out = np.lib.stride_tricks.as_strided(
@@ -432,14 +426,12 @@ def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=Non
     return data
 
 
+@dataclass(frozen=True, slots=True, eq=False)
 class _Allowed:
     """A resolved global that may be called (REDUCE/INST/OBJ) or instantiated (NEWOBJ)."""
 
-    __slots__ = ("qualname", "fn")
-
-    def __init__(self, qualname: str, fn: Callable[..., Any]):
-        self.qualname = qualname
-        self.fn = fn
+    qualname: str
+    fn: Callable[..., Any]
 
     def __repr__(self) -> str:
         return f"<allowed {self.qualname}>"
@@ -737,20 +729,14 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         raise self._err("out-of-band buffers are not allowed")
 
 
-for _name, _meth in [
-    ("REDUCE", _RestrictedUnpickler.load_reduce),
-    ("NEWOBJ", _RestrictedUnpickler.load_newobj),
-    ("NEWOBJ_EX", _RestrictedUnpickler.load_newobj_ex),
-    ("BUILD", _RestrictedUnpickler.load_build),
-    ("APPEND", _RestrictedUnpickler.load_append),
-    ("APPENDS", _RestrictedUnpickler.load_appends),
-    ("SETITEM", _RestrictedUnpickler.load_setitem),
-    ("SETITEMS", _RestrictedUnpickler.load_setitems),
-    ("ADDITEMS", _RestrictedUnpickler.load_additems),
-    ("PERSID", _RestrictedUnpickler.load_persid),
-    ("NEXT_BUFFER", _RestrictedUnpickler.load_next_buffer),
-]:
-    _RestrictedUnpickler.dispatch[_op[_name]] = _meth
+# the opcodes replaced above, each by its ``load_<name>`` method
+_REPLACED = (
+    "REDUCE NEWOBJ NEWOBJ_EX BUILD APPEND APPENDS SETITEM SETITEMS ADDITEMS PERSID NEXT_BUFFER"
+)
+for _name in _REPLACED.split():
+    _RestrictedUnpickler.dispatch[_op[_name]] = getattr(
+        _RestrictedUnpickler, f"load_{_name.lower()}"
+    )
 
 
 def restricted_loads(
@@ -788,7 +774,6 @@ def restricted_loads(
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_MAGIC = 0x04034B50
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
 class _BufferFile(io.RawIOBase):
@@ -1079,14 +1064,12 @@ class TorchArchive:
         return _Storage(key, dtype, raw[:nbytes])
 
     def load(self, extra_classes: Mapping[str, Any] | None = None) -> Any:
-        data = self.read_member(self.prefix + "data.pkl")
-        obj = restricted_loads(
-            data,
+        return restricted_loads(
+            self.read_member(self.prefix + "data.pkl"),
             where=self.path,
             extra_classes=extra_classes,
             persistent_load=self._persistent_load,
         )
-        return obj
 
     def verify_crc(self) -> None:
         """Check every member's CRC-32 now, also members no pickle references (reads the file);
