@@ -44,10 +44,8 @@ def plan_safetensors(
 
     Args:
         src: a ``.safetensors`` file, a folder, or a sharded index.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
     refuse_spec(spec, "safetensors imports keep Hugging Face's names", safetensors.SafetensorsError)

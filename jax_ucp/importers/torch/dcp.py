@@ -24,9 +24,10 @@ model and the optimizer sit:
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,10 +91,8 @@ def plan_torch_dcp(
 
     Args:
         src: the DCP folder (or Accelerate's folder holding several).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", TorchImportError)
@@ -127,12 +126,7 @@ def plan_torch_dcp(
         )
     except (dcp_reader.DcpError, files.UnsafeFileError) as e:
         raise TorchImportError(str(e)) from None
-    return ImportPlan(
-        _errors_named(plan.items),
-        plan.source,
-        plan.total_params,
-        source_tensors=plan.source_tensors,
-    )
+    return dataclasses.replace(plan, items=_errors_named(plan.items))
 
 
 def _errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
@@ -142,19 +136,12 @@ def _errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]
         raise TorchImportError(str(e)) from None
 
 
-def _read(ck: dcp_reader.DcpCheckpoint, name: str) -> Any:
-    """``ck.read(name)``, its errors as this importer's (the writer calls it, after the item
-    left ``_errors_named``: reads are deferred until the memory budget has room)."""
+def _read(read: Callable[..., Any], *args: Any) -> Any:
+    """``read(*args)`` (``ck.read``, ``ck.read_rows``), its errors as this importer's (the
+    writer calls it, after the item left ``_errors_named``: reads are deferred until the memory
+    budget has room)."""
     try:
-        return ck.read(name)
-    except dcp_reader.DcpError as e:
-        raise TorchImportError(str(e)) from None
-
-
-def _read_rows(ck: dcp_reader.DcpCheckpoint, name: str, start: int, stop: int) -> Any:
-    """``ck.read_rows``, its errors as this importer's (called by the writer, like ``_read``)."""
-    try:
-        return ck.read_rows(name, start, stop)
+        return read(*args)
     except dcp_reader.DcpError as e:
         raise TorchImportError(str(e)) from None
 
@@ -165,9 +152,9 @@ def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
         name,
         t.shape,
         t.dtype,
-        lambda: _read(ck, name),
+        lambda: _read(ck.read, name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
-        rows=lambda start, stop: _read_rows(ck, name, start, stop),
+        rows=lambda start, stop: _read(ck.read_rows, name, start, stop),
     )
 
 
@@ -287,18 +274,18 @@ def _optimizer_states(
     """``{parameter: {state: TensorRef or number}}`` from ``<root>state.<param>.<state>``."""
     prefix = root + "state."
     states: dict[str, dict[str, Any]] = {}
-    for name, (ck, _) in tensors.items():
-        if name.startswith(prefix) and "." in name[len(prefix) :]:
+    for table in (tensors, objects):
+        for name, (ck, _) in table.items():
+            if not (name.startswith(prefix) and "." in name[len(prefix) :]):
+                continue
             param, key = name[len(prefix) :].rsplit(".", 1)
-            states.setdefault(param, {})[key] = _ref(ck, name)
-    for name, (ck, _) in objects.items():
-        if name.startswith(prefix) and "." in name[len(prefix) :]:
-            param, key = name[len(prefix) :].rsplit(".", 1)
-            if key == "step":  # a Python number in some optimizers
+            if table is tensors:
+                states.setdefault(param, {})[key] = _ref(ck, name)
+            elif key == "step":  # a Python number in some optimizers
                 where = {
                     "format": "torch_dcp",
                     "source_name": name,
-                    "files": [objects[name][0].objects[name].file],
+                    "files": [ck.objects[name].file],
                 }
                 states.setdefault(param, {})[key] = scalar_ref(name, ck.read_object(name), where)
             else:
@@ -325,16 +312,12 @@ def _param_groups(
     grouped: list[dict] = []
     for param, hps in values.items():
         for group in grouped:
-            if _same({k: v for k, v in group.items() if k != "params"}, hps):
+            if jsonable({k: v for k, v in group.items() if k != "params"}) == jsonable(hps):
                 group["params"].append(param)
                 break
         else:
             grouped.append({**hps, "params": [param]})
     return grouped
-
-
-def _same(a: dict, b: dict) -> bool:
-    return jsonable(a) == jsonable(b)
 
 
 def _container(

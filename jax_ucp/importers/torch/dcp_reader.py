@@ -453,7 +453,7 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
     ranges = sorted(
         (c.file, c.byte_offset, c.byte_offset + c.byte_length) for c in t.chunks if c.byte_length
     )
-    for (file_a, start_a, end_a), (file_b, start_b, _) in zip(ranges, ranges[1:]):
+    for (file_a, _, end_a), (file_b, start_b, _) in zip(ranges, ranges[1:]):
         if file_a == file_b and start_b < end_a:
             raise DcpError(
                 f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "

@@ -178,10 +178,8 @@ def plan_torch_files(
     Args:
         src: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
             beside ``optimizer.pt``).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
         parameter_order: the names of the optimizer's parameters in the order torch numbered
             them (group after group; for ``AdamW(model.parameters())``,
@@ -322,17 +320,13 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
         value.dtype,
         lambda: value,
         {"format": "torch_files", "file": os.path.basename(path)},
-        identity=_identity(value),
-    )
-
-
-def _identity(value: np.ndarray):
-    """Where an array's bytes are (tied tensors are views of one storage)."""
-    return (
-        value.__array_interface__["data"][0],
-        value.shape,
-        value.strides,
-        value.dtype.str,
+        # where its bytes are: tied tensors are views of one storage
+        identity=(
+            value.__array_interface__["data"][0],
+            value.shape,
+            value.strides,
+            value.dtype.str,
+        ),
     )
 
 
@@ -448,7 +442,7 @@ def _index_names(
         to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
         _check_named(to_name, state, clean, model, path)
     else:
-        sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+        sizes = _group_sizes(groups)
         way_out = (
             "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
             "order the optimizer numbered them, group after group), or convert with "
@@ -489,7 +483,7 @@ def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
 def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) -> tuple[dict, str]:
     """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`): the one candidate
     whose group sizes and every state's shape fit, else refused naming why."""
-    sizes = [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+    sizes = _group_sizes(groups)
     fits: list[tuple[dict, str]] = []
     misfits: list[str] = []
     for c in hf_trainer.trainer_candidates(src, len(model)):
@@ -522,6 +516,10 @@ def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) 
         f"config.json's model ({'; '.join(misfits)}): a custom optimizer or another model; "
         f"pass parameter_order=, or convert with weights_only=True"
     )
+
+
+def _group_sizes(groups: list) -> list[int | None]:
+    return [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
 
 
 def _named_groups(groups: list) -> bool:

@@ -212,8 +212,7 @@ def plan_state(
     Args:
         state: the torch state read from the files.
         source: the manifest's source record.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
     skipped = dict(state.skipped)
@@ -241,8 +240,8 @@ def plan_state(
     dtypes = sorted({str(t.dtype) for t in state.params.values()})
     source = dict(source)
     source["model_dtype"] = ", ".join(dtypes)
+    tied = tied_parameters(state.params, states)
     if has_optimizer and not weights_only:
-        tied = tied_parameters(state.params, states)
         frozen = sorted(n for n in state.params if n not in states and n not in tied)
         source["optimizer"] = {
             "param_groups": [jsonable(g) for g in groups],
@@ -263,7 +262,7 @@ def plan_state(
     mine = share.pick(names)
     step = (count, step_names) if share.primary and count is not None else None
     return ImportPlan(
-        _items(state, states, mine, step), source, len(mine), source_tensors=state.found
+        _items(state, states, tied, mine, step), source, len(mine), source_tensors=state.found
     )
 
 
@@ -285,10 +284,10 @@ def tied_parameters(params: dict[str, TensorRef], states: dict) -> dict[str, str
 def _items(
     state: TorchState,
     states: dict[str, dict[str, TensorRef]],
+    tied: dict[str, str],
     names: list[str],
     step: tuple[int, list[str]] | None,
 ) -> Iterator[writer.HostItem]:
-    tied = tied_parameters(state.params, states)
     for name in names:
         param = state.params[name]
         per = states.get(name, {})
@@ -327,7 +326,7 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
 
     def read() -> np.ndarray:
         value = ref.read()
-        _check_read(value, ref, name, where)
+        _check_read(value, ref.dtype, ref.shape, name, where)
         # a view of a memory-mapped file is read out with pread: the writer never touches the
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
@@ -338,8 +337,8 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
 
         def checked_rows(start: int, stop: int) -> np.ndarray:
             value = read_rows(start, stop)
-            want = TensorRef(ref.name, (stop - start, *ref.shape[1:]), ref.dtype, ref.read, {})
-            _check_read(value, want, f"{name} rows {start}:{stop}", where)
+            shape = (stop - start, *ref.shape[1:])
+            _check_read(value, ref.dtype, shape, f"{name} rows {start}:{stop}", where)
             return value
 
         rows = checked_rows
@@ -347,13 +346,13 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
     return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
 
 
-def _check_read(value: Any, ref: TensorRef, name: str, where: str) -> None:
-    if not isinstance(value, np.ndarray) or value.dtype != ref.dtype or value.shape != ref.shape:
+def _check_read(value: Any, dtype: np.dtype, shape: tuple, name: str, where: str) -> None:
+    if not isinstance(value, np.ndarray) or value.dtype != dtype or value.shape != shape:
         found = (
             f"{value.dtype} {list(value.shape)}"
             if isinstance(value, np.ndarray)
             else type(value).__name__
         )
         raise TorchImportError(
-            f"{where}: tensor {name!r} reads as {found}, expected {ref.dtype} {list(ref.shape)}"
+            f"{where}: tensor {name!r} reads as {found}, expected {dtype} {list(shape)}"
         )

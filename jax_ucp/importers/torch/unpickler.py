@@ -306,35 +306,28 @@ class _Storage:
         return f"<storage {self.key!r} {self.raw.size} bytes as {self.dtype}>"
 
 
+#: torch dtype name -> numpy dtype (bfloat16 and float8 from ``ml_dtypes``)
 _TORCH_DTYPES: dict[str, np.dtype] = {
-    "float64": np.dtype(np.float64),
-    "double": np.dtype(np.float64),
-    "float32": np.dtype(np.float32),
-    "float": np.dtype(np.float32),
-    "float16": np.dtype(np.float16),
-    "half": np.dtype(np.float16),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
-    "float8_e5m2": np.dtype(ml_dtypes.float8_e5m2),
-    "float8_e4m3fnuz": np.dtype(ml_dtypes.float8_e4m3fnuz),
-    "float8_e5m2fnuz": np.dtype(ml_dtypes.float8_e5m2fnuz),
-    "int64": np.dtype(np.int64),
-    "long": np.dtype(np.int64),
-    "int32": np.dtype(np.int32),
-    "int": np.dtype(np.int32),
-    "int16": np.dtype(np.int16),
-    "short": np.dtype(np.int16),
-    "int8": np.dtype(np.int8),
-    "uint8": np.dtype(np.uint8),
-    "uint16": np.dtype(np.uint16),
-    "uint32": np.dtype(np.uint32),
-    "uint64": np.dtype(np.uint64),
-    "bool": np.dtype(np.bool_),
-    "complex64": np.dtype(np.complex64),
-    "cfloat": np.dtype(np.complex64),
-    "complex128": np.dtype(np.complex128),
-    "cdouble": np.dtype(np.complex128),
+    name: np.dtype(getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else name)
+    for name in (
+        "float64 float32 float16 bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
+        "float8_e5m2fnuz int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool complex64 "
+        "complex128"
+    ).split()
 }
+_TORCH_DTYPES.update(  # torch's other names for some of them
+    (alias, _TORCH_DTYPES[name])
+    for alias, name in {
+        "double": "float64",
+        "float": "float32",
+        "half": "float16",
+        "long": "int64",
+        "int": "int32",
+        "short": "int16",
+        "cfloat": "complex64",
+        "cdouble": "complex128",
+    }.items()
+)
 
 _STORAGE_TYPES: dict[str, str] = {
     "DoubleStorage": "float64",
