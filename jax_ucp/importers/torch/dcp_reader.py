@@ -815,39 +815,27 @@ def check_disjoint(
         objects: every pickled object's entry.
         where: the ``.metadata`` file, for errors.
     """
-    entries: list[tuple[str, DcpChunk | None]] = []  # (tensor or object name, chunk or None)
-    file_ids: dict[str, int] = {}
-    fids: list[int] = []
-    starts: list[int] = []
-    lengths: list[int] = []
-    for name, file, offset, length, chunk in itertools.chain(
+    file_ids: dict[str, int] = {}  # files in the order met: the order of the sort
+    entries = sorted(  # (file id, start, end, file, tensor or object name, chunk or None)
         (
-            (t.name, c.file, c.byte_offset, c.byte_length, c)
-            for t in tensors.values()
-            for c in t.chunks
+            (file_ids.setdefault(file, len(file_ids)), offset, offset + length, file, name, chunk)
+            for name, file, offset, length, chunk in itertools.chain(
+                (
+                    (t.name, c.file, c.byte_offset, c.byte_length, c)
+                    for t in tensors.values()
+                    for c in t.chunks
+                ),
+                ((o.name, o.file, o.byte_offset, o.byte_length, None) for o in objects.values()),
+            )
+            if length
         ),
-        ((o.name, o.file, o.byte_offset, o.byte_length, None) for o in objects.values()),
-    ):
-        if length:
-            entries.append((name, chunk))
-            fids.append(file_ids.setdefault(file, len(file_ids)))
-            starts.append(offset)
-            lengths.append(length)
-    if len(entries) < 2:
+        key=lambda e: e[:2],
+    )
+    hit = next(((a, b) for a, b in zip(entries, entries[1:]) if a[0] == b[0] and b[1] < a[2]), None)
+    if hit is None:
         return
-    # offsets and lengths are below 2**63 (checked when read): their sums fit uint64
-    begin = np.array(starts, dtype=np.uint64)
-    stop = begin + np.array(lengths, dtype=np.uint64)
-    in_file = np.array(fids, dtype=np.int64)
-    order = np.lexsort((begin, in_file))
-    begin, stop, in_file = begin[order], stop[order], in_file[order]
-    hit = np.flatnonzero((in_file[1:] == in_file[:-1]) & (begin[1:] < stop[:-1]))
-    if not hit.size:
-        return
-    i, j = int(order[hit[0]]), int(order[hit[0] + 1])
-    file = next(f for f, k in file_ids.items() if k == fids[i])
-    first, last = starts[j], min(starts[i] + lengths[i], starts[j] + lengths[j])
-    (name_a, chunk_a), (name_b, chunk_b) = entries[i], entries[j]
+    (_, _, end_a, file, name_a, chunk_a), (_, first, end_b, _, name_b, chunk_b) = hit
+    last = min(end_a, end_b)
     if name_a == name_b and chunk_a is not None and chunk_b is not None:
         raise DcpError(  # the wording of check_coverage, which finds it too
             f"tensor {name_b!r} in {where}: two chunks share bytes [{first}, "
