@@ -60,9 +60,10 @@ def plan_safetensors(
         "dtypes": dtypes,
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
+    found = list(names)
     trainer_state = _trainer_optimizer(src)
-    optimizer_file = os.path.basename(trainer_state) if trainer_state is not None else None
     if trainer_state is not None:
+        optimizer_file = os.path.basename(trainer_state)
         trainer = optimizer_file == "optimizer.pt"
         writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
         if not weights_only:
@@ -75,8 +76,8 @@ def plan_safetensors(
             )
         # not opened (it is not read): accounted for as one unit
         skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
+        found.append(optimizer_file)
     mine = share.pick(names)
-    found = names + ([optimizer_file] if optimizer_file is not None else [])
     return ImportPlan(_items(owner, mine), source, len(mine), source_tensors=found)
 
 

@@ -803,28 +803,27 @@ class TorchArchive:
     def __init__(self, path: os.PathLike | str):
         self.path = os.fspath(path)
         try:  # a regular file only: a FIFO or device would block or never end
-            self._f = os.fdopen(files.open_regular(self.path), "rb")
+            fd = files.open_regular(self.path)
         except files.UnsafeFileError as e:
             raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
         try:
-            size = os.fstat(self._f.fileno()).st_size
-            if size == 0:
-                raise TorchFileError(self.path, "file is empty")
-            head = self._f.read(8)
-            if not head.startswith(b"PK"):
-                if head[:1] == b"\x80":
-                    raise TorchFileError(
-                        self.path,
-                        "legacy (pre-zip, torch<1.6) serialization is not supported; "
-                        "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
-                    )
-                raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
-            self._open_zip(mapped_file.map_file(self.path, self._f.fileno()), size, "zip archive")
-        except BaseException:
-            self._f.close()
-            raise
+            mm = mapped_file.map_file(self.path, fd)
+        finally:
+            os.close(fd)
+        if mm is None:
+            raise TorchFileError(self.path, "file is empty")
+        head = mapped_file.read_bytes(mm, 0, min(8, len(mm)), "reading the file's signature")
+        if not head.startswith(b"PK"):
+            if head[:1] == b"\x80":
+                raise TorchFileError(
+                    self.path,
+                    "legacy (pre-zip, torch<1.6) serialization is not supported; "
+                    "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
+                )
+            raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
+        self._open_zip(np.frombuffer(mm, np.uint8), "zip archive")
 
     #: Storage members handed out with their CRC-32 not checked yet (``defer_crc``): member
     #: name -> (offset of its bytes in the archive, size, the CRC-32 the archive records).
@@ -833,29 +832,28 @@ class TorchArchive:
 
     @classmethod
     def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
-        """An archive that is a byte range of a larger file (e.g. one torch DCP chunk).
-
-        ``view``: a read-only uint8 array (typically a memory-mapped slice); ``where`` names it in
-        errors.  Tensors come back as views into it, like those of a whole file.
-        ``defer_crc``: tensor storages are not CRC-checked here but listed in ``unchecked``; the
-        caller checks each CRC-32 on the bytes it copies out (one pass over them, not two).
+        """An archive that is a byte range of a larger file (e.g. one torch DCP chunk); its
+        tensors come back as views into it, like those of a whole file.
 
         Args:
-            view: a read-only uint8 array holding the archive.
+            view: a read-only uint8 array holding the archive (typically a memory-mapped slice).
             where: names it in errors.
-            defer_crc: leave the storages' CRC-32 checks to the caller.
+            defer_crc: tensor storages are not CRC-checked here but listed in ``unchecked``; the
+                caller checks each CRC-32 on the bytes it copies out (one pass over them, not
+                two).
         """
         self = cls.__new__(cls)
         self.path = where
         self.defer_crc = defer_crc
-        self._f = _BufferFile(view)
-        self._open_zip(view, int(view.size), "embedded archive")
+        self._open_zip(view, "embedded archive")
         return self
 
-    def _open_zip(self, mm, size: int, what: str) -> None:
-        """Member table, pickle prefix and byte order: the same for a file and a byte range."""
-        self._mm = mm
-        self.size = size
+    def _open_zip(self, view: np.ndarray, what: str) -> None:
+        """Member table, pickle prefix and byte order: the same for a file and a byte range
+        (``view``: its bytes, the central directory read from them with pread)."""
+        self._mm = view
+        self.size = int(view.size)
+        self._f = _BufferFile(view)
         self._views: dict[str, np.ndarray] = {}
         self._inflated = 0  # bytes inflated from deflated members so far (MAX_INFLATED_TOTAL)
         self.unchecked = {}
@@ -1090,13 +1088,12 @@ def load_torch_file(
 ) -> Any:
     """Load a ``torch.save`` zip file safely; tensors become read-only memory-mapped numpy arrays.
 
-    ``extra_classes`` maps ``"module.QualName"`` to a stand-in: a :class:`StandIn` subclass (for
-    pickled objects), an ``int_enum_standin`` (for IntEnums), or any side-effect-free callable
-    that validates its arguments (it is called by REDUCE with pickled data).
-
     Args:
         path: the ``torch.save`` zip file.
-        extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
+        extra_classes: more allow-listed classes, ``"module.QualName"`` -> a :class:`StandIn`
+            subclass (for pickled objects), an ``int_enum_standin`` (for IntEnums), or any
+            side-effect-free callable that validates its arguments (REDUCE calls it with
+            pickled data).
         verify_crc: check every storage's CRC-32 while loading.
     """
     arch = TorchArchive(path)
