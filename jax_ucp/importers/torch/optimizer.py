@@ -189,9 +189,7 @@ def _check_states(state: TorchState) -> None:
                 f"model's {len(state.params)} tensors (e.g. {near})"
             )
         for key, value in states.items():
-            if key == "step":
-                continue
-            if value.shape != param.shape:
+            if key != "step" and value.shape != param.shape:
                 raise TorchImportError(
                     f"{state.where}: optimizer state {key!r} of {name!r} has shape "
                     f"{list(value.shape)}, the parameter {list(param.shape)} "
@@ -298,10 +296,8 @@ def _items(
         elif states and not per:
             item = dataclasses.replace(item, frozen=True)
         yield item
-        for key in sorted(per):
+        for key in sorted(k for k in per if k != "step"):
             ref = per[key]
-            if key == "step":
-                continue
             tree = STATE_TREES.get(key, ("opt_state", key))
             value = _deferred(ref, f"{name} ({key})", state.where)
             provenance = {**ref.where, "state": key, "tensors": [ref.name]}
