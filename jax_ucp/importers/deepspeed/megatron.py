@@ -45,7 +45,7 @@ from jax_ucp.importers.deepspeed.zero import (
     step_sources,
     zero_tensors,
 )
-from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
+from jax_ucp.importers.plan import WHOLE, Share, host_item, skip, tensor_names
 from jax_ucp.language import (
     Averaged,
     MergeError,
@@ -86,15 +86,18 @@ class MegatronDeepSpeedCheckpoint:
     names: list[str]  # output order (stage order, tied once)
     holders: dict[str, list[int]]  # name -> pipeline stages holding it
     module: ModelWeights = field(default_factory=dict)
-    global_steps: int | None = None
     model_states: Mapping = field(default_factory=dict)
     matches: dict = field(default_factory=dict)  # name -> the spec's ImportMatch
     # AutoTP: name -> its affine map (preferred to the rule's kind, as ds_to_universal does)
     affine: dict[str, AffineMap] = field(default_factory=dict)
 
     @property
+    def every_rank(self) -> list[DeepSpeedCheckpoint]:
+        return [rank for row in self.ranks for rank in row]
+
+    @property
     def optim_files(self) -> list[str]:
-        return [f for row in self.ranks for rank in row for f in rank.optim_files]
+        return [f for rank in self.every_rank for f in rank.optim_files]
 
 
 @dataclass(frozen=True)
@@ -141,7 +144,6 @@ def open_megatron_deepspeed_checkpoint(
         ranks=ranks,
         names=names,
         holders=holders,
-        global_steps=rank_files.first_model_states.get("global_steps"),
         model_states=rank_files.first_model_states,
     )
     checkpoint.module = _model_weights(checkpoint, listing)
@@ -525,17 +527,7 @@ def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files
 
 def optimizer_step(checkpoint: MegatronDeepSpeedCheckpoint) -> int:
     """The step every rank and param group of every model-parallel rank agrees on."""
-    seen: dict[float, str] = {}
-    for row in checkpoint.ranks:
-        for rank in row:
-            for step, place in zero.steps_seen(rank).items():
-                seen.setdefault(step, place)
-    return agreed_step(
-        seen,
-        checkpoint.tag_dir,
-        recorded_by="ranks or parameter groups",
-        error=DeepSpeedImportError,
-    )
+    return zero.optimizer_step(*checkpoint.every_rank)
 
 
 def iter_megatron_deepspeed_items(
@@ -554,19 +546,9 @@ def iter_megatron_deepspeed_items(
         {
             "files": [os.path.basename(f) for f in checkpoint.optim_files],
             "pattern": "step",
-            **_step_sources(checkpoint),
+            **step_sources(*checkpoint.every_rank),
         },
     )
-
-
-def _step_sources(checkpoint: MegatronDeepSpeedCheckpoint) -> dict[str, list[str]]:
-    """Every rank's ``step`` entries, tensors and Python numbers (older torch) alike."""
-    out: dict[str, list[str]] = {"tensors": []}
-    for row in checkpoint.ranks:
-        for rank in row:
-            for kind, names in step_sources(rank).items():
-                out.setdefault(kind, []).extend(names)
-    return out
 
 
 def megatron_deepspeed_tensors(
@@ -587,9 +569,8 @@ def megatron_deepspeed_tensors(
         for entry in stored.values()
     }
     found = []
-    for row in checkpoint.ranks:
-        for rank in row:
-            found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
+    for rank in checkpoint.every_rank:
+        found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
     layer_tensors = []
     for file in sorted(os.listdir(checkpoint.tag_dir)):
         if files.LAYER_FILE.match(file):
@@ -783,18 +764,16 @@ def _model_copy_item(
 def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:
     """What the manifest records about a Megatron-DeepSpeed checkpoint (its info made JSON)."""
     info = json.loads(json.dumps(checkpoint.info, default=lambda o: getattr(o, "__dict__", str(o))))
-    return {
-        "framework": "deepspeed",
-        "layout": "megatron-deepspeed" if checkpoint.info or checkpoint.tp > 1 else "pipeline",
-        "path": os.path.abspath(checkpoint.tag_dir),
-        "zero_stage": checkpoint.stage,
-        "tp": checkpoint.tp,
-        "pp": checkpoint.pp,
-        "dp_world_size": checkpoint.dp,
-        "model_dtype": str(checkpoint.model_dtype),
-        "global_steps": checkpoint.global_steps,
-        "ds_version": files.version_string(checkpoint.model_states),
-        "original_vocab_size": checkpoint.info.get("original_vocab_size"),
-        "padded_vocab_size": checkpoint.info.get("padded_vocab_size"),
-        "universal_checkpoint_info": info,
-    }
+    return files.source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        layout="megatron-deepspeed" if checkpoint.info or checkpoint.tp > 1 else "pipeline",
+        tp=checkpoint.tp,
+        pp=checkpoint.pp,
+        dp_world_size=checkpoint.dp,
+        model_dtype=str(checkpoint.model_dtype),
+        original_vocab_size=checkpoint.info.get("original_vocab_size"),
+        padded_vocab_size=checkpoint.info.get("padded_vocab_size"),
+        universal_checkpoint_info=info,
+    )

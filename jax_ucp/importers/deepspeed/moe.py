@@ -367,12 +367,7 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
     checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
-    found = zero.zero_tensors(
-        checkpoint,
-        source,
-        weights_only=weights_only,
-        imported_module=_imported_module(checkpoint, experts),
-    )
+    found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
     found += _expert_tensors(checkpoint, experts, source)
     items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
     return ImportPlan(
@@ -381,18 +376,6 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
         total_params=len(share.pick(checkpoint.names)),
         source_tensors=found,
     )
-
-
-def _imported_module(checkpoint: DeepSpeedCheckpoint, experts: Experts) -> set[str]:
-    """The stored model-precision weights a bf16/fp16 run imports as ``model_params``."""
-    if checkpoint.model_dtype == np.dtype(np.float32):
-        return set()
-    model_file = os.path.basename(checkpoint.model_file)
-    return {
-        checkpoint.module_tensors.get(name, f"{model_file}:module.{name}")
-        for name in checkpoint.names
-        if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
-    }
 
 
 def _expert_tensors(checkpoint: DeepSpeedCheckpoint, experts: Experts, source: dict) -> list[str]:
@@ -455,16 +438,9 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     dense = list(weights)
     weights.update(experts.weights)
     names = share.pick(weights)
-    source = {
-        "framework": "deepspeed",
-        "path": os.path.abspath(tag_dir),
-        "zero_stage": 0,
-        "ds_version": files.version_string(model_states),
-        "global_steps": model_states.get("global_steps")
-        if type(model_states.get("global_steps")) is int
-        else None,
-    }
-    source.update(_moe_source(experts, [len(optimizer_files)]))
+    source = files.source_record(
+        tag_dir, model_states, 0, **_moe_source(experts, [len(optimizer_files)])
+    )
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     found += [tensor for _, tensor in experts.weights.values()]
     states = {path: files.load_deepspeed_file(path) for path in optimizer_files}

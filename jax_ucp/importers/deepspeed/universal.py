@@ -40,16 +40,17 @@ from jax_ucp.format import files
 from jax_ucp.importers.deepspeed.files import (
     DeepSpeedImportError,
     dtype_of_run,
+    follow_tracker,
     frozen_shapes_of,
-    inside,
     load_deepspeed_file,
     load_model_states,
     numel,
     param_shapes_of,
-    read_tag_file,
+    source_record,
+    unsafe_files_refused,
     version_string,
 )
-from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint, frozen_items
+from jax_ucp.importers.deepspeed.zero import STATE_TREES, DeepSpeedCheckpoint, frozen_items
 from jax_ucp.importers.plan import (
     VALUES,
     WHOLE,
@@ -66,11 +67,6 @@ from jax_ucp.importers.plan import (
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
-STATES = (
-    ("fp32", ("params",)),
-    ("exp_avg", ("opt_state", "mu")),
-    ("exp_avg_sq", ("opt_state", "nu")),
-)
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 
 
@@ -97,15 +93,7 @@ def universal_tag_dir(src: str, tag: str | None) -> str | None:
     tracker = os.path.join(src, LATEST_UNIVERSAL)
     if not os.path.lexists(tracker) or os.path.lexists(os.path.join(src, "latest")):
         return None
-    name = read_tag_file(tracker)
-    tag_dir = os.path.join(src, name)
-    if name in ("", ".", "..") or not inside(tag_dir, src):
-        raise DeepSpeedImportError(
-            f"{tracker} names tag {name[:100]!r}, which is not a folder inside {src}; refusing "
-            "to follow it"
-        )
-    if not os.path.isdir(tag_dir):
-        raise DeepSpeedImportError(f"{tracker} names tag {name!r} but {tag_dir} does not exist")
+    tag_dir = follow_tracker(src, tracker)
     if not is_universal_tag_dir(tag_dir):
         raise DeepSpeedImportError(
             f"{tracker} names {tag_dir}, which holds no universal checkpoint (expected a 'zero/' "
@@ -146,16 +134,10 @@ class UniversalCheckpoint:
     info: Mapping
 
 
-def _rel(checkpoint_dir: str, path: str) -> str:
-    return os.path.relpath(path, checkpoint_dir)
-
-
 def _load_state(path: str, rel: str) -> tuple[np.ndarray, str, Mapping | None]:
     """A ``zero/<param>/<state>.pt``: the array, its source-tensor name, the dict around it."""
-    try:
+    with unsafe_files_refused():
         files.check_regular(path)
-    except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(str(e)) from None
     value = load_deepspeed_file(path)
     if isinstance(value, np.ndarray):
         return value, f"{rel}:", None
@@ -205,10 +187,8 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{mp_world_size} model-parallel rank(s)"
         )
     zero = os.path.join(tag_dir, ZERO_DIR)
-    try:  # zero/ linked to another run's folder is never read
+    with unsafe_files_refused():  # zero/ linked to another run's folder is never read
         files.inside(tag_dir, ZERO_DIR, tag_dir)
-    except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(str(e)) from None
     optimizer_state = _optimizer_state(os.path.join(zero, OPTIMIZER_STATE))
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)
@@ -242,10 +222,8 @@ def _load_model_files(by_mp: dict[int, dict[int | None, str]]) -> dict[str, Mapp
     model_files: dict[str, Mapping] = {}
     for ranks in by_mp.values():
         for path in ranks.values():
-            try:
+            with unsafe_files_refused():
                 files.check_regular(path)
-            except files.UnsafeFileError as e:
-                raise DeepSpeedImportError(str(e)) from None
             model_files[path] = load_model_states(path)
     return model_files
 
@@ -337,7 +315,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
     rel = f"zero/{name}"
     param = UniversalParam(name, ())
     shape: tuple[int, ...] | None = None
-    for state, _ in STATES:
+    for state, _ in STATE_TREES:
         array, source, _ = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
         if array.dtype != np.float32:
             raise DeepSpeedImportError(
@@ -365,14 +343,12 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
         shape = full
         param.arrays[state] = array
         param.sources[state] = source
-    assert shape is not None  # STATES is not empty
+    assert shape is not None  # STATE_TREES is not empty
     param.shape = shape
     step_path = os.path.join(folder, "step.pt")
     if os.path.lexists(step_path):
-        try:
+        with unsafe_files_refused():
             files.check_regular(step_path)
-        except files.UnsafeFileError as e:
-            raise DeepSpeedImportError(str(e)) from None
         step = load_deepspeed_file(step_path)
         if isinstance(step, np.ndarray) and step.size == 1:
             param.step, param.step_source = float(step.reshape(())), f"{rel}/step.pt:"
@@ -496,7 +472,7 @@ def iter_universal_items(
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
         fp32 = None
-        for state, tree in STATES[:1] if weights_only else STATES:
+        for state, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
             value = np.asarray(param.arrays[state]).reshape(param.shape)
             if state == "fp32":
                 fp32 = value
@@ -507,7 +483,7 @@ def iter_universal_items(
             }
             yield host_item((*tree, name), value, provenance)
         if cast:
-            assert fp32 is not None  # STATES[0] is "fp32"
+            assert fp32 is not None  # STATE_TREES[0] is "fp32"
             yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
     if checkpoint.frozen:
         yield from frozen_items(
@@ -537,7 +513,7 @@ def universal_tensors(
     """
     found: list[str] = []
     for param in checkpoint.params.values():
-        found += [param.sources[s] for s, _ in STATES]
+        found += [param.sources[s] for s, _ in STATE_TREES]
         if param.step_source:
             found.append(param.step_source)
     found += list(checkpoint.frozen_fp32.values()) + list(checkpoint.untracked.values())
@@ -634,23 +610,21 @@ def _why_not_imported(checkpoint: UniversalCheckpoint, key: str | None) -> str:
 def source_info(checkpoint: UniversalCheckpoint) -> dict:
     """What the manifest records about a universal checkpoint."""
     version = checkpoint.info.get("universal_checkpoint_version")
-    steps = checkpoint.model_states.get("global_steps")
-    return {
-        "framework": "deepspeed",
-        "layout": "universal",
-        "path": os.path.abspath(checkpoint.tag_dir),
-        "zero_stage": checkpoint.stage,
-        "dp_world_size": checkpoint.world_size,
-        "mp_world_size": checkpoint.mp_world_size,
-        "model_dtype": str(checkpoint.model_dtype),
-        "global_steps": steps if type(steps) is int else None,
-        "ds_version": version_string(checkpoint.model_states)
+    return source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        layout="universal",
+        dp_world_size=checkpoint.world_size,
+        mp_world_size=checkpoint.mp_world_size,
+        model_dtype=str(checkpoint.model_dtype),
+        ds_version=version_string(checkpoint.model_states)
         or version_string(checkpoint.optimizer_state),
-        "universal_checkpoint_version": float(version)
+        universal_checkpoint_version=float(version)
         if isinstance(version, (int, float)) and not isinstance(version, bool)
         else None,
-        "frozen_params": sorted(checkpoint.frozen),
-    }
+        frozen_params=sorted(checkpoint.frozen),
+    )
 
 
 def plan_universal(

@@ -44,7 +44,8 @@ from jax_ucp.importers.deepspeed.files import (
     param_shapes_of,
     read_optimizer_states,
     require,
-    version_string,
+    source_record,
+    unsafe_files_refused,
 )
 from jax_ucp.importers.plan import (
     TENSORS,
@@ -97,7 +98,6 @@ class DeepSpeedCheckpoint:
     optim_files: list[str]
     model_states: Mapping
     optim_states: list[dict]  # per DP rank: the 'optimizer_state_dict'
-    global_steps: int | None = None
     module: Mapping[str, np.ndarray] = field(default_factory=dict)
     shared_params: Mapping[str, str] = field(default_factory=dict)
     fragment_plan: dict[str, ParameterFragments] = field(default_factory=dict)
@@ -122,6 +122,11 @@ class DeepSpeedCheckpoint:
     @property
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_shapes for name, shape in group.items()}
+
+    def module_tensor(self, name: str) -> str:
+        """The source tensor (``<file>:<key>``) of ``module`` entry ``name``."""
+        default = f"{os.path.basename(self.model_file)}:module.{name}"
+        return self.module_tensors.get(name, default)
 
 
 # --------------------------------------------------------------------------- opening
@@ -179,10 +184,8 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
             raise DeepSpeedImportError(
                 f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
             )
-        try:
+        with unsafe_files_refused(f" (stage-3 model states of DP rank {dp_rank})"):
             files.check_regular(path)
-        except files.UnsafeFileError as e:
-            raise DeepSpeedImportError(f"{e} (stage-3 model states of DP rank {dp_rank})") from None
     found = [
         f
         for f in os.listdir(tag_dir)
@@ -237,7 +240,6 @@ def open_zero_rank(
         optim_files=optimizer.files,
         model_states=model_states,
         optim_states=optimizer.states,
-        global_steps=model_states.get("global_steps"),
         module=module,
         shared_params=shared_params_of(model_states, model_file),
         mp_rank=mp_rank,
@@ -625,32 +627,41 @@ def _state_item(
     return writer.Deferred(shape, parts[0].dtype, make)
 
 
-def steps_seen(checkpoint: DeepSpeedCheckpoint) -> dict[float, str]:
-    """Every optimizer step the ranks' param groups record: step -> where it was first seen."""
-    seen: dict[float, str] = {}
-    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
-        inner = (
-            optimizer_state["base_optimizer_state"]["state"]
-            if checkpoint.stage in (1, 2)
-            else optimizer_state["optimizer_state_dict"]["state"]
-        )
-        for group, group_state in inner.items():
+def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
+    """Every rank's per-group ``step``: its source name (``<rank file>:<path>``), where it is
+    (for messages) and its value (older torch kept Adam's step as a Python number)."""
+    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        file = os.path.basename(path)
+        for group, group_state in state[inner]["state"].items():
             if "step" in group_state:
-                seen.setdefault(
-                    float(np.asarray(group_state["step"])),
-                    f"in {os.path.basename(checkpoint.optim_files[dp_rank])} group {group}",
-                )
-    return seen
+                name = f"{file}:optimizer_state_dict.{inner}.state.{group}.step"
+                yield name, f"in {file} group {group}", group_state["step"]
 
 
-def optimizer_step(checkpoint: DeepSpeedCheckpoint) -> int:
-    """The step every rank and param group agrees on (``opt_state.count``)."""
+def optimizer_step(*checkpoints: DeepSpeedCheckpoint) -> int:
+    """The step every rank and param group (of every model-parallel rank given) agrees on
+    (``opt_state.count``)."""
+    seen: dict[float, str] = {}
+    for checkpoint in checkpoints:
+        for _, place, step in _steps(checkpoint):
+            seen.setdefault(float(np.asarray(step)), place)
     return agreed_step(
-        steps_seen(checkpoint),
-        checkpoint.tag_dir,
+        seen,
+        checkpoints[0].tag_dir,
         recorded_by="ranks or parameter groups",
         error=DeepSpeedImportError,
     )
+
+
+def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
+    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
+    pickled as Python numbers (values, not tensors, but sources all the same)."""
+    steps = [(name, isinstance(v, np.ndarray)) for c in checkpoints for name, _, v in _steps(c)]
+    out = {TENSORS: [name for name, is_tensor in steps if is_tensor]}
+    if values := [name for name, is_tensor in steps if not is_tensor]:
+        out[VALUES] = values
+    return out
 
 
 # --------------------------------------------------------------------------- streaming
@@ -741,35 +752,6 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
     return out
 
 
-def _step_entries(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, bool]]:
-    """Every rank's per-group ``step`` (``<rank file>:<path>``), and whether it is a tensor (older
-    torch kept Adam's step as a Python number)."""
-    template, keys = _state_prefix(checkpoint, "step")
-    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
-    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
-        for key in keys:
-            step = state[inner]["state"][int(key)].get("step")
-            if step is not None:
-                name = f"{os.path.basename(path)}:{template.format(key)}"
-                yield name, isinstance(step, np.ndarray)
-
-
-def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
-    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
-    return [name for name, is_tensor in _step_entries(checkpoint) if is_tensor]
-
-
-def step_sources(checkpoint: DeepSpeedCheckpoint) -> dict[str, list[str]]:
-    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
-    pickled as Python numbers (values, not tensors, but sources all the same)."""
-    entries = list(_step_entries(checkpoint))
-    out = {TENSORS: [n for n, is_tensor in entries if is_tensor]}
-    values = [n for n, is_tensor in entries if not is_tensor]
-    if values:
-        out[VALUES] = values
-    return out
-
-
 def zero_tensors(
     checkpoint: DeepSpeedCheckpoint,
     source: dict,
@@ -804,21 +786,17 @@ def zero_tensors(
     if weights_only:
         moments = [n for n in found if n.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")]
         skip(source, moments, "weights_only: Adam moment")
-        skip(source, step_tensors(checkpoint), "weights_only: optimizer step")
+        skip(source, step_sources(checkpoint)[TENSORS], "weights_only: optimizer step")
     model_file = os.path.basename(checkpoint.model_file)
-    imported_module = (
-        imported_module
-        if imported_module is not None
-        else (
-            {
-                f"{model_file}:module.{name}"
-                for name in checkpoint.names
-                if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
-            }
-            if checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
-            else set()
-        )
-    )
+    if imported_module is None:  # the stored weights a bf16/fp16 ZeRO 1/2 run imports
+        cast = checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
+        imported_module = {
+            checkpoint.module_tensor(name)
+            for name in checkpoint.names
+            if cast
+            and isinstance(stored := checkpoint.module.get(name), np.ndarray)
+            and stored.size
+        }
     for name in module_found:
         if name in imported_module:
             continue
@@ -871,8 +849,7 @@ def _model_copy_item(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
                 f"{checkpoint.model_dtype}"
             )
-        model_file = os.path.basename(checkpoint.model_file)
-        tensor = checkpoint.module_tensors.get(name, f"{model_file}:module.{name}")
+        tensor = checkpoint.module_tensor(name)
         return host_item(
             ("model_params", name),
             stored,
@@ -1010,15 +987,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
                 {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
             )
 
-    source = {
-        "framework": "deepspeed",
-        "path": os.path.abspath(tag_dir),
-        "zero_stage": 0,
-        "ds_version": version_string(model_states),
-        "global_steps": model_states.get("global_steps")
-        if type(model_states.get("global_steps")) is int
-        else None,
-    }
+    source = source_record(tag_dir, model_states, 0)
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
     optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
@@ -1029,15 +998,13 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
 
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
     """What the manifest records about a ZeRO checkpoint."""
-    return {
-        "framework": "deepspeed",
-        "path": os.path.abspath(checkpoint.tag_dir),
-        "zero_stage": checkpoint.stage,
-        "dp_world_size": checkpoint.world_size,
-        "model_dtype": str(checkpoint.model_dtype),
-        "global_steps": checkpoint.global_steps,
-        "ds_version": version_string(checkpoint.model_states),
+    return source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        dp_world_size=checkpoint.world_size,
+        model_dtype=str(checkpoint.model_dtype),
         # tied weights (GPT-2's lm_head = wte): stored once, under the second name
-        "shared_params": dict(checkpoint.shared_params),
-        "frozen_params": sorted(checkpoint.frozen),
-    }
+        shared_params=dict(checkpoint.shared_params),
+        frozen_params=sorted(checkpoint.frozen),
+    )
