@@ -59,13 +59,9 @@ def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
     """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
     folder with ZeRO files or a universal checkpoint."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(
-        os.path.join(path, universal.LATEST_UNIVERSAL)
-    ):
+    if any(os.path.isfile(os.path.join(path, t)) for t in ("latest", universal.LATEST_UNIVERSAL)):
         return True
-    if os.path.isdir(path) and universal.is_universal_tag_dir(path):
-        return True
-    return os.path.isdir(path) and is_tag_dir(path)
+    return os.path.isdir(path) and (universal.is_universal_tag_dir(path) or is_tag_dir(path))
 
 
 def open_deepspeed_checkpoint(
@@ -211,9 +207,5 @@ def detect(src: os.PathLike | str) -> Detection:
 def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
     """:func:`plan_deepspeed` with its options as one ``DeepSpeedOptions``."""
     return plan_deepspeed(
-        src,
-        tag=options.tag,
-        spec=options.spec,
-        weights_only=options.weights_only,
-        share=options.share,
+        src, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     )

@@ -32,25 +32,18 @@ _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weight
 
 #: DeepSpeed classes pickled into checkpoint files, mapped to inert stand-ins.
 DS_CLASSES: dict[str, Any] = {
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler": standin_class(
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler"
-    ),
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": standin_class(
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
-    ),
-    "deepspeed.runtime.zero.config.ZeroStageEnum": int_enum_standin(
-        "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
-    ),
-    "deepspeed.utils.tensor_fragment.fragment_address": standin_class(
-        "deepspeed.utils.tensor_fragment.fragment_address"
-    ),
-    "deepspeed.checkpoint.constants.SubparamShape": standin_class(
-        "deepspeed.checkpoint.constants.SubparamShape"
-    ),
-    "deepspeed.runtime.zero.stage3.SubParamGroupInfo": standin_class(
-        "deepspeed.runtime.zero.stage3.SubParamGroupInfo"
-    ),
+    name: standin_class(name)
+    for name in (
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.checkpoint.constants.SubparamShape",
+        "deepspeed.runtime.zero.stage3.SubParamGroupInfo",
+    )
 }
+DS_CLASSES["deepspeed.runtime.zero.config.ZeroStageEnum"] = int_enum_standin(
+    "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
+)
 
 #: ``[bf16_]zero_pp_rank_<DP rank>_mp_rank_<MP rank>_optim_states.pt``: one ZeRO partition.
 OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")

@@ -462,8 +462,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     imported = {tensor for _, tensor in weights.values()}
     imported |= {t for *_, tensors in moments.values() for t in tensors}
     imported |= set(step[1]) if step is not None else set()
-    skipped = set(source.get("skipped") or {})
-    skip(source, sorted(set(found) - imported - skipped), "not a module weight")
+    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
 
     def items():
         for name in names:

@@ -249,9 +249,7 @@ def open_zero_rank(
     checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
     if checkpoint.frozen:
         checkpoint.frozen_files = (
-            [model_file]
-            if optimizer.stage in (1, 2)
-            else [zero3_model_file(tag_dir, r, mp_rank) for r in range(optimizer.world_size)]
+            [model_file] if optimizer.stage in (1, 2) else _zero3_model_files(checkpoint)
         )
     return checkpoint
 
@@ -611,20 +609,16 @@ def _state_item(
     master checked against the stored module weight either way."""
     parts = _parts(checkpoint, name, state_name, vectors)
     shape = tuple(checkpoint.shapes[name])
-    check = state_name == "fp32" and checkpoint.stage in (1, 2)
-    if len(parts) == 1:
-        value = parts[0].reshape(shape)
-        if check:
-            check_against_module(checkpoint, name, value)
-        return value
 
     def make() -> np.ndarray:
-        value = _joined(parts, shape, parts[0].dtype)
-        if check:
+        value = (
+            parts[0].reshape(shape) if len(parts) == 1 else _joined(parts, shape, parts[0].dtype)
+        )
+        if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
 
-    return writer.Deferred(shape, parts[0].dtype, make)
+    return make() if len(parts) == 1 else writer.Deferred(shape, parts[0].dtype, make)
 
 
 def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
@@ -775,7 +769,7 @@ def zero_tensors(
         found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
     model_files = {checkpoint.model_file: checkpoint.model_states}
     if checkpoint.stage == 3:
-        for path in checkpoint.frozen_files or _zero3_model_files(checkpoint):
+        for path in _zero3_model_files(checkpoint):
             if path not in model_files:
                 model_files[path] = load_model_states(path)
     module_found = []
