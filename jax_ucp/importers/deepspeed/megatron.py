@@ -129,7 +129,6 @@ def open_megatron_deepspeed_checkpoint(
         [_open_rank(rank_files, pp_rank, tp_rank) for tp_rank in range(rank_files.tp)]
         for pp_rank in range(rank_files.pp)
     ]
-    _check_same_partitioning(ranks)
     _check_same_parameters_per_stage(ranks)
     names, holders = _output_order(ranks)
     checkpoint = MegatronDeepSpeedCheckpoint(
@@ -138,7 +137,7 @@ def open_megatron_deepspeed_checkpoint(
         tp=rank_files.tp,
         pp=rank_files.pp,
         dp=ranks[0][0].world_size,
-        model_dtype=_run_dtype(tag_dir, ranks),
+        model_dtype=_check_same_partitioning(tag_dir, ranks),
         info=info,
         spec=spec,
         ranks=ranks,
@@ -311,8 +310,9 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     return zero.open_zero_rank(tag_dir, model_file, model_states, optimizer, mp_rank)
 
 
-def _check_same_partitioning(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
-    """Every model-parallel rank was partitioned over the same DP ranks with the same stage."""
+def _check_same_partitioning(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype:
+    """Every model-parallel rank was partitioned over the same DP ranks with the same stage, in
+    the same model dtype (returned)."""
     reference = ranks[0][0]
     for rank in (rank for row in ranks for rank in row):
         if (rank.world_size, rank.stage) != (reference.world_size, reference.stage):
@@ -321,6 +321,13 @@ def _check_same_partitioning(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
                 f"{rank.world_size}, model-parallel rank 0 has {reference.stage} / "
                 f"{reference.world_size}"
             )
+    dtypes = {rank.model_dtype for row in ranks for rank in row}
+    if len(dtypes) != 1:
+        raise DeepSpeedImportError(
+            f"{tag_dir}: model-parallel ranks disagree on the model dtype: "
+            f"{sorted(map(str, dtypes))}"
+        )
+    return dtypes.pop()
 
 
 def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
@@ -349,16 +356,6 @@ def _output_order(ranks: list[list[DeepSpeedCheckpoint]]) -> tuple[list[str], di
                 names.append(name)
             holders[name].append(pp_rank)
     return names, holders
-
-
-def _run_dtype(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype:
-    dtypes = {rank.model_dtype for row in ranks for rank in row}
-    if len(dtypes) != 1:
-        raise DeepSpeedImportError(
-            f"{tag_dir}: model-parallel ranks disagree on the model dtype: "
-            f"{sorted(map(str, dtypes))}"
-        )
-    return dtypes.pop()
 
 
 # --------------------------------------------------------------------------- model weights
@@ -723,10 +720,7 @@ def _model_copy_item(
     (DeepSpeed re-derives its model copy from the fp32 master) or one with no stored copy is
     the master cast."""
     stored = checkpoint.module.get(name, {})
-    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
-    if name in checkpoint.affine:
-        merged = None if _stored_copy_used(checkpoint, name) else Averaged()
-    if isinstance(merged, Averaged) or len(stored) != checkpoint.tp:
+    if not _stored_copy_used(checkpoint, name):
         return host_item(
             ("model_params", name),
             fp32.astype(checkpoint.model_dtype),

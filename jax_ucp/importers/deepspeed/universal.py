@@ -113,6 +113,10 @@ class UniversalParam:
     step: Any = None  # step.pt's value, if any
     step_source: str | None = None
 
+    def value(self, state: str) -> np.ndarray:
+        """The state in the parameter's shape (a view of the memory map)."""
+        return np.asarray(self.arrays[state]).reshape(self.shape)
+
 
 @dataclass
 class UniversalCheckpoint:
@@ -134,15 +138,15 @@ class UniversalCheckpoint:
     info: Mapping
 
 
-def _load_state(path: str, rel: str) -> tuple[np.ndarray, str, Mapping | None]:
-    """A ``zero/<param>/<state>.pt``: the array, its source-tensor name, the dict around it."""
+def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
+    """A ``zero/<param>/<state>.pt``: the array and its source-tensor name."""
     with unsafe_files_refused():
         files.check_regular(path)
     value = load_deepspeed_file(path)
     if isinstance(value, np.ndarray):
-        return value, f"{rel}:", None
+        return value, f"{rel}:"
     if isinstance(value, Mapping) and isinstance(value.get("param"), np.ndarray):
-        return value["param"], f"{rel}:param", value
+        return value["param"], f"{rel}:param"
     raise DeepSpeedImportError(
         f"{path}: expected a tensor or a dict with a 'param' tensor (ds_to_universal's "
         f"layout), found {type(value).__name__}"
@@ -266,7 +270,7 @@ def _param_folders(
                     f"{folder}: parameter {name!r} is {what} but has optimizer state "
                     f"{sorted(present - {'fp32'})}"
                 )
-            _, source, _ = _load_state(os.path.join(folder, "fp32.pt"), f"zero/{name}/fp32.pt")
+            _, source = _load_state(os.path.join(folder, "fp32.pt"), f"zero/{name}/fp32.pt")
             (frozen_fp32 if name in frozen else untracked)[name] = source
             continue
         missing = sorted({"exp_avg", "exp_avg_sq"} - present)
@@ -314,9 +318,8 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
     state takes the ``param_shapes`` shape, which only a single model-parallel rank records."""
     rel = f"zero/{name}"
     param = UniversalParam(name, ())
-    shape: tuple[int, ...] | None = None
     for state, _ in STATE_TREES:
-        array, source, _ = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
+        array, source = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
         if array.dtype != np.float32:
             raise DeepSpeedImportError(
                 f"{folder}/{state}.pt: parameter {name!r} is {array.dtype}, expected float32"
@@ -336,15 +339,14 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
                 f"{array.shape}; param_shapes says {tuple(local_shape)}"
             )
-        if shape is not None and full != shape:
+        if param.arrays and full != param.shape:
             raise DeepSpeedImportError(
-                f"{folder}/{state}.pt: parameter {name!r} has shape {full}, fp32.pt has {shape}"
+                f"{folder}/{state}.pt: parameter {name!r} has shape {full}, fp32.pt has "
+                f"{param.shape}"
             )
-        shape = full
+        param.shape = full
         param.arrays[state] = array
         param.sources[state] = source
-    assert shape is not None  # STATE_TREES is not empty
-    param.shape = shape
     step_path = os.path.join(folder, "step.pt")
     if os.path.lexists(step_path):
         with unsafe_files_refused():
@@ -468,23 +470,17 @@ def iter_universal_items(
         weights_only: fp32 masters alone, no moments, copies or step.
         share: this process's part of a distributed import (default: the whole).
     """
-    cast = checkpoint.model_dtype != np.dtype(np.float32)
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
-        fp32 = None
         for state, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
-            value = np.asarray(param.arrays[state]).reshape(param.shape)
-            if state == "fp32":
-                fp32 = value
             provenance = {
                 "files": [f"zero/{name}/{state}.pt"],
                 "pattern": "deepspeed-universal",
                 "tensors": [param.sources[state]],
             }
-            yield host_item((*tree, name), value, provenance)
-        if cast:
-            assert fp32 is not None  # STATE_TREES[0] is "fp32"
-            yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
+            yield host_item((*tree, name), param.value(state), provenance)
+        if checkpoint.model_dtype != np.dtype(np.float32):
+            yield _model_weight(checkpoint, name, param.value("fp32"), param.sources["fp32"])
     if checkpoint.frozen:
         yield from frozen_items(
             _frozen_reader(checkpoint),

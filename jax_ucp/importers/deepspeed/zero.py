@@ -51,6 +51,7 @@ from jax_ucp.importers.plan import (
     TENSORS,
     VALUES,
     WHOLE,
+    ImportPlan,
     Share,
     agreed_step,
     host_item,
@@ -65,6 +66,10 @@ STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("exp_avg", ("opt_state", "mu")),
     ("exp_avg_sq", ("opt_state", "nu")),
 )
+
+
+#: Stage 3's model states file of one (DP rank, model-parallel rank).
+ZERO3_MODEL_NAME = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt"
 
 
 @dataclass(frozen=True)
@@ -152,17 +157,6 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     return open_zero_rank(tag_dir, model_file, model_states, optimizer)
 
 
-def zero3_model_file(tag_dir: str, dp_rank: int, mp_rank: int = 0) -> str:
-    """Stage 3's model states file of one DP rank of one model-parallel rank.
-
-    Args:
-        tag_dir: the tag folder.
-        dp_rank: the data-parallel rank.
-        mp_rank: the model-parallel rank.
-    """
-    return os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
-
-
 def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
     """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
     needs one file per DP rank.
@@ -179,7 +173,7 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
             f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}"
         )
     for dp_rank in range(optimizer.world_size):
-        path = zero3_model_file(tag_dir, dp_rank, mp_rank)
+        path = os.path.join(tag_dir, ZERO3_MODEL_NAME.format(dp_rank, mp_rank))
         if not os.path.lexists(path):
             raise DeepSpeedImportError(
                 f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
@@ -197,7 +191,7 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
             f"{len(found)} stage-3 model states files"
             + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
         )
-    return zero3_model_file(tag_dir, 0, mp_rank)
+    return os.path.join(tag_dir, ZERO3_MODEL_NAME.format(0, mp_rank))
 
 
 def open_zero_rank(
@@ -820,7 +814,7 @@ def zero_tensors(
 
 def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
     return [
-        zero3_model_file(checkpoint.tag_dir, r, checkpoint.mp_rank)
+        os.path.join(checkpoint.tag_dir, ZERO3_MODEL_NAME.format(r, checkpoint.mp_rank))
         for r in range(checkpoint.world_size)
     ]
 
@@ -955,8 +949,6 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    from jax_ucp.importers.plan import ImportPlan
-
     model_states = load_model_states(model_file)
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None
