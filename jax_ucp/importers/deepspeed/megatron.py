@@ -448,14 +448,6 @@ def _add_layer_weights(
 # --------------------------------------------------------------------------- merge kinds
 
 
-def _sub_params_entries(info: Mapping) -> list[tuple[str, Mapping]]:
-    return [
-        (str(pattern), entry)
-        for entry in info.get("parameter_with_sub_params") or []
-        for pattern in entry.get("patterns") or []
-    ]
-
-
 def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
     """``kind`` with the DeepSpeed details the generic translation leaves open, resolved per
     tensor: legacy sub-param metadata giving a *count* of equal sub-params, and v0.4
@@ -472,7 +464,8 @@ def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
         return dataclasses.replace(kind, inner=resolve_sub_params(inner, name, info, widths))
     if not isinstance(kind, SubParams):
         return kind
-    for pattern, entry in _sub_params_entries(info):
+    entries = info.get("parameter_with_sub_params") or []
+    for pattern, entry in ((str(p), e) for e in entries for p in e.get("patterns") or []):
         # re.match semantics (anchored at the start only), on RE2: the pattern is from the file
         if compile_pattern(pattern, "universal_checkpoint_info: ").match(name) is None:
             continue
@@ -631,7 +624,10 @@ def _parameter_items(
         provenance["kind"] = {"kind": "affine_map", "pattern": amap.pattern}
     fp32 = None
     for state_name, tree in STATE_TREES:
-        per_stage = [_tp_fragments(checkpoint, stage, name, state_name) for stage in stages]
+        per_stage = [  # each stage's TP fragments, in their TP-local shapes
+            [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
+            for stage in stages
+        ]
         if amap is not None:
             value = _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of)
         else:
@@ -670,23 +666,12 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
             )
     value = values[0]
     match = checkpoint.matches.get(name)
-    if match is not None and _is_vocab(match.kind):
+    kind = match.kind if match is not None else None
+    if isinstance(kind.inner if isinstance(kind, PipelineTied) else kind, Vocab):
         size = checkpoint.info.get("original_vocab_size")
         if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= value.shape[0]:
             value = value[:size]
     return value
-
-
-def _is_vocab(kind) -> bool:
-    kind = kind.inner if isinstance(kind, PipelineTied) else kind
-    return isinstance(kind, Vocab)
-
-
-def _tp_fragments(
-    checkpoint: MegatronDeepSpeedCheckpoint, stage: int, name: str, state_name: str
-) -> list[np.ndarray]:
-    """The TP fragments of ``name`` on pipeline stage ``stage``, each in its TP-local shape."""
-    return [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
 
 
 def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, widths) -> dict:

@@ -616,21 +616,16 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
                     step_tensors.append(f"{where}.step")
             tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
             held = moments.get(name)
-            if held is None:
-                if path == model_file:  # rank 0's own copy: checked against expp_rank_0 below
-                    moments[name] = (pair[0], pair[1], [])
-                    continue
-                moments[name] = (pair[0], pair[1], tensors)
-                continue
-            for stored, value, tensor in zip(held[:2], pair, tensors):
+            for stored, value, tensor in zip(held[:2] if held else (), pair, tensors):
                 if stored.tobytes() != value.tobytes():
                     raise DeepSpeedImportError(
                         f"{tensor}: {name!r} differs from the same parameter's state on another "
                         "rank (data-parallel replicas hold the same Adam state): files from "
                         "different saves"
                     )
-            if not held[2]:
-                moments[name] = (held[0], held[1], tensors)
+            if held is None or not held[2]:  # rank 0's own copy is listed below, not here
+                first = held or pair
+                moments[name] = (first[0], first[1], [] if path == model_file else tensors)
             else:
                 skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
     model_copy = os.path.basename(model_file)

@@ -964,14 +964,14 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
         raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
     names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
     file = os.path.basename(model_file)
-
-    def items():
-        for name in names:
-            yield host_item(
-                ("params", name),
-                module[name],
-                {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
-            )
+    items = (
+        host_item(
+            ("params", name),
+            module[name],
+            {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
+        )
+        for name in names
+    )
 
     source = source_record(tag_dir, model_states, 0)
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
@@ -979,7 +979,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
     skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict())")
     skip(source, sorted(set(found) - imported - set(optimizer)), "not a module weight")
-    return ImportPlan(items(), source, len(names), source_tensors=found)
+    return ImportPlan(items, source, len(names), source_tensors=found)
 
 
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
