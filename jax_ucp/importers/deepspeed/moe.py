@@ -261,19 +261,16 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             f"{model_file}: {len(local_shapes)} param groups in param_shapes, the optimizer "
             f"files have {len(optimizer.states[0]['single_partition_of_fp32_groups'])}"
         )
-    shapes: list[dict[str, tuple[int, ...]]] = []
-    for group, group_shapes in enumerate(local_shapes):
-        ep_size = ep_of_group.get(group)
-        if ep_size is None:
-            shapes.append(group_shapes)
-            continue
-        shapes.append(
-            {
-                experts.global_name(name, ep_rank, ep_size, model_file): shape
-                for ep_rank in range(ep_size)
-                for name, shape in group_shapes.items()
-            }
-        )
+    shapes = [  # an expert group's local names, as every expert-parallel rank's global ones
+        {
+            experts.global_name(name, ep_rank, ep_of_group[group], model_file): shape
+            for ep_rank in range(ep_of_group[group])
+            for name, shape in group_shapes.items()
+        }
+        if group in ep_of_group
+        else group_shapes
+        for group, group_shapes in enumerate(local_shapes)
+    ]
     expert_names = {name for group in ep_of_group for name in shapes[group]}
     if expert_names != set(experts.weights):
         missing = sorted(set(experts.weights) - expert_names)

@@ -761,11 +761,8 @@ def zero_tensors(
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
         found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
-    model_files = {checkpoint.model_file: checkpoint.model_states}
-    if checkpoint.stage == 3:
-        for path in _zero3_model_files(checkpoint):
-            if path not in model_files:
-                model_files[path] = load_model_states(path)
+    paths = _zero3_model_files(checkpoint) if checkpoint.stage == 3 else [checkpoint.model_file]
+    model_files = {path: _model_states(checkpoint, path) for path in paths}
     module_found = []
     for path, states in model_files.items():
         names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
@@ -810,6 +807,11 @@ def zero_tensors(
             )
         skip(source, [name], why)
     return found
+
+
+def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
+    """The model states file ``path`` of the rank (the one already read, or read now)."""
+    return checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
 
 
 def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
@@ -894,10 +896,7 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tupl
     there is no fp32 master)."""
     fragments = []
     for path in checkpoint.frozen_files:
-        states = (
-            checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
-        )
-        found = states.get("frozen_param_fragments")
+        found = _model_states(checkpoint, path).get("frozen_param_fragments")
         if not isinstance(found, Mapping):
             raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
