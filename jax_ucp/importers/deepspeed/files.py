@@ -163,7 +163,11 @@ def follow_tracker(src: str, tracker: str) -> str:
     may only be a folder inside ``src``."""
     tag = read_tag_file(tracker)
     tag_dir = os.path.join(src, tag)
-    if tag in ("", ".", "..") or not inside(tag_dir, src):
+    try:  # symlinks resolved, strictly inside: a tracker never leads out of its checkpoint
+        real = files.inside(src, os.path.relpath(tag_dir, src), tag_dir)
+    except (files.UnsafeFileError, ValueError):
+        real = None
+    if tag in ("", ".", "..") or real in (None, os.path.realpath(src)):
         raise DeepSpeedImportError(
             f"{tracker} names tag {tag[:100]!r}, which is not a folder inside {src}; refusing "
             "to follow it"
@@ -492,13 +496,3 @@ def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
         if isinstance(value, np.ndarray) and value.dtype.kind in "fV" and value.size:
             return value.dtype
     return np.dtype(np.float32)
-
-
-def inside(path: str, root: str) -> bool:
-    """``path`` (symlinks resolved) lies strictly inside ``root``: a tracker file never leads
-    outside the checkpoint it belongs to (checked by ``files.inside``)."""
-    try:
-        real = files.inside(root, os.path.relpath(path, root), path)
-    except (files.UnsafeFileError, ValueError):
-        return False
-    return real != os.path.realpath(root)

@@ -180,7 +180,11 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{tag_dir}: model states of model-parallel ranks {sorted(by_mp)}; expected "
             f"0..{len(by_mp) - 1}"
         )
-    model_files = _load_model_files(by_mp)
+    model_files: dict[str, Mapping] = {}  # by path, each a regular file before it is read
+    for path in (path for ranks in by_mp.values() for path in ranks.values()):
+        with unsafe_files_refused():
+            files.check_regular(path)
+        model_files[path] = load_model_states(path)
     first = by_mp[0].get(None) or by_mp[0][min(d for d in by_mp[0] if d is not None)]
     model_states = model_files[first]
     mp_world_size = len(by_mp)
@@ -219,17 +223,6 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
         mp_world_size=mp_world_size,
         info=info,
     )
-
-
-def _load_model_files(by_mp: dict[int, dict[int | None, str]]) -> dict[str, Mapping]:
-    """Every model states file, by path, each checked to be a regular file before it is read."""
-    model_files: dict[str, Mapping] = {}
-    for ranks in by_mp.values():
-        for path in ranks.values():
-            with unsafe_files_refused():
-                files.check_regular(path)
-            model_files[path] = load_model_states(path)
-    return model_files
 
 
 def _optimizer_state(optimizer_path: str) -> Mapping:
