@@ -203,7 +203,11 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     info = model_states.get("universal_checkpoint_info") or {}
     if not isinstance(info, Mapping):
         raise DeepSpeedImportError(f"{first}: universal_checkpoint_info is not a dict")
-    shapes = _trained_shapes(model_files)
+    shapes: dict[str, Any] = {}  # every trained parameter's shape, the first file naming it wins
+    for path, states in model_files.items():
+        for group in param_shapes_of(states, path):
+            for name, shape in group.items():
+                shapes.setdefault(name, shape)
     frozen = frozen_shapes_of(model_states, first, shapes)
     params, frozen_fp32, untracked = _param_folders(zero, first, shapes, frozen, mp_world_size)
     module = model_states.get("module") or {}
@@ -233,16 +237,6 @@ def _optimizer_state(optimizer_path: str) -> Mapping:
         if not isinstance(optimizer_state, Mapping):
             raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
     return optimizer_state
-
-
-def _trained_shapes(model_files: dict[str, Mapping]) -> dict[str, Any]:
-    """Every trained parameter's ``param_shapes`` shape, the first file naming it winning."""
-    shapes = {}
-    for path, states in model_files.items():
-        for group in param_shapes_of(states, path):
-            for name, shape in group.items():
-                shapes.setdefault(name, shape)
-    return shapes
 
 
 def _param_folders(
@@ -373,12 +367,13 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
     if not found and isinstance(state, Mapping):
         for key, group in state.items():
             step = group.get("step") if isinstance(group, Mapping) else None
-            if isinstance(step, np.ndarray) and step.size == 1:
-                found.setdefault(float(step.reshape(())), f"in zero/{OPTIMIZER_STATE} group {key}")
-                tensors.append(f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step")
-            elif isinstance(step, (int, float)) and not isinstance(step, bool):
-                found.setdefault(float(step), f"in zero/{OPTIMIZER_STATE} group {key}")
-                values.append(f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step")
+            tensor = isinstance(step, np.ndarray) and step.size == 1
+            if tensor or (isinstance(step, (int, float)) and not isinstance(step, bool)):
+                found.setdefault(
+                    float(np.asarray(step).reshape(())), f"in zero/{OPTIMIZER_STATE} group {key}"
+                )
+                name = f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step"
+                (tensors if tensor else values).append(name)
     where = os.path.join(checkpoint.tag_dir, ZERO_DIR)
     if not found:
         raise DeepSpeedImportError(
@@ -530,15 +525,12 @@ def _optimizer_tensors(
         f"zero/{OPTIMIZER_STATE}:{n}" for n in tensor_names(checkpoint.optimizer_state)
     ]
     uses_optimizer_step = not any(p.step is not None for p in checkpoint.params.values())
-    for name in optimizer_found:
-        if name in step_names and uses_optimizer_step:
-            continue
-        skip(
-            source,
-            [name],
-            "DP rank 0's flat partition, copied into optimizer_state.pt by ds_to_universal; the "
-            "whole parameters are read from zero/<param>/",
-        )
+    skip(
+        source,
+        [n for n in optimizer_found if not (n in step_names and uses_optimizer_step)],
+        "DP rank 0's flat partition, copied into optimizer_state.pt by ds_to_universal; the "
+        "whole parameters are read from zero/<param>/",
+    )
     if weights_only:
         moments = [
             p.sources[s] for p in checkpoint.params.values() for s in ("exp_avg", "exp_avg_sq")
