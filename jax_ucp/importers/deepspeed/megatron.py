@@ -347,15 +347,11 @@ def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> 
 
 def _output_order(ranks: list[list[DeepSpeedCheckpoint]]) -> tuple[list[str], dict[str, list[int]]]:
     """Names in stage order (a tied parameter once) and the stages holding each."""
-    names: list[str] = []
     holders: dict[str, list[int]] = {}
     for pp_rank, row in enumerate(ranks):
         for name in row[0].names:
-            if name not in holders:
-                holders[name] = []
-                names.append(name)
-            holders[name].append(pp_rank)
-    return names, holders
+            holders.setdefault(name, []).append(pp_rank)
+    return list(holders), holders
 
 
 # --------------------------------------------------------------------------- model weights

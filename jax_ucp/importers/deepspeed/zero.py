@@ -389,11 +389,8 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
         for name, shape in shapes.items():
             count = numel(shape)
             part = math.ceil(count / world)
-            pieces = []
-            for dp_rank in range(world):
-                take = max(0, min(part, count - dp_rank * part))
-                if take:
-                    pieces.append(Piece(dp_rank, offset, take))
+            takes = ((dp_rank, min(part, count - dp_rank * part)) for dp_rank in range(world))
+            pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
             plan[name] = ParameterFragments(group, pieces)
             offset += part
     return plan
