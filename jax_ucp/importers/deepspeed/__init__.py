@@ -59,13 +59,9 @@ def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
     """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
     folder with ZeRO files or a universal checkpoint."""
     path = os.fspath(path)
-    if os.path.isfile(os.path.join(path, "latest")) or os.path.isfile(
-        os.path.join(path, universal.LATEST_UNIVERSAL)
-    ):
+    if any(os.path.isfile(os.path.join(path, t)) for t in ("latest", universal.LATEST_UNIVERSAL)):
         return True
-    if os.path.isdir(path) and universal.is_universal_tag_dir(path):
-        return True
-    return os.path.isdir(path) and is_tag_dir(path)
+    return os.path.isdir(path) and (universal.is_universal_tag_dir(path) or is_tag_dir(path))
 
 
 def open_deepspeed_checkpoint(
@@ -74,8 +70,7 @@ def open_deepspeed_checkpoint(
     """Finds and validates the files of one checkpoint tag; tensors stay memory-mapped.
 
     A Megatron-DeepSpeed checkpoint with tensor/pipeline parallelism (several ``mp_rank_XX``
-    ranks or ``layer_XX-model_YY`` files) gives a :class:`MegatronDeepSpeedCheckpoint` (``spec``:
-    import rules to use instead of its ``universal_checkpoint_info``).
+    ranks or ``layer_XX-model_YY`` files) gives a :class:`MegatronDeepSpeedCheckpoint`.
 
     Args:
         src: the checkpoint folder (``latest`` + tags) or one tag folder.
@@ -98,13 +93,8 @@ def plan_deepspeed(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder).
-
-    ``tag`` picks a tag instead of ``latest``. ``spec`` (a ``Spec``, shipped name or TOML path)
-    gives the import rules of a Megatron-DeepSpeed TP/PP checkpoint instead of its
-    ``universal_checkpoint_info``. ``weights_only``: the weights alone (fp32 masters, or the
-    module's weights of a ZeRO-0 checkpoint), the Adam moments and step skipped. Every file is
-    found and checked before this returns.
+    """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder); every
+    file is found and checked before this returns.
 
     A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
     deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
@@ -113,10 +103,10 @@ def plan_deepspeed(
     Args:
         src: the checkpoint folder or one tag folder.
         tag: the tag to import instead of ``latest``.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules of
+            a Megatron-DeepSpeed TP/PP checkpoint, instead of its ``universal_checkpoint_info``.
+        weights_only: the model weights alone (fp32 masters, or the module's weights of a ZeRO-0
+            checkpoint); the optimizer state is skipped and listed in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
     universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
@@ -211,9 +201,5 @@ def detect(src: os.PathLike | str) -> Detection:
 def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
     """:func:`plan_deepspeed` with its options as one ``DeepSpeedOptions``."""
     return plan_deepspeed(
-        src,
-        tag=options.tag,
-        spec=options.spec,
-        weights_only=options.weights_only,
-        share=options.share,
+        src, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
     )

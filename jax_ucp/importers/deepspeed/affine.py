@@ -96,14 +96,13 @@ def _piece(entry: Any, where: str, tp: int) -> Piece:
         raise DeepSpeedImportError(
             f"{where}: a piece needs shape, source, dest and locations ({e!r:.100})"
         ) from None
-    source = (
-        _ints([src_off], "source offset", where)[0],
-        _ints(src_str, "source strides", where, length=len(shape)),
-    )
-    dest = (
-        _ints([dst_off], "dest offset", where)[0],
-        _ints(dst_str, "dest strides", where, length=len(shape)),
-    )
+    source, dest = [
+        (
+            _ints([offset], f"{what} offset", where)[0],
+            _ints(strides, f"{what} strides", where, length=len(shape)),
+        )
+        for what, offset, strides in (("source", src_off, src_str), ("dest", dst_off, dst_str))
+    ]
     for what, (_, strides) in (("source", source), ("dest", dest)):
         if not _no_self_overlap(shape, strides):
             raise DeepSpeedImportError(

@@ -9,10 +9,11 @@ with :mod:`torch.unpickler` (no torch, nothing pickled is executed; tensors stay
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,25 +32,18 @@ _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weight
 
 #: DeepSpeed classes pickled into checkpoint files, mapped to inert stand-ins.
 DS_CLASSES: dict[str, Any] = {
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler": standin_class(
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler"
-    ),
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": standin_class(
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
-    ),
-    "deepspeed.runtime.zero.config.ZeroStageEnum": int_enum_standin(
-        "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
-    ),
-    "deepspeed.utils.tensor_fragment.fragment_address": standin_class(
-        "deepspeed.utils.tensor_fragment.fragment_address"
-    ),
-    "deepspeed.checkpoint.constants.SubparamShape": standin_class(
-        "deepspeed.checkpoint.constants.SubparamShape"
-    ),
-    "deepspeed.runtime.zero.stage3.SubParamGroupInfo": standin_class(
-        "deepspeed.runtime.zero.stage3.SubParamGroupInfo"
-    ),
+    name: standin_class(name)
+    for name in (
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.checkpoint.constants.SubparamShape",
+        "deepspeed.runtime.zero.stage3.SubParamGroupInfo",
+    )
 }
+DS_CLASSES["deepspeed.runtime.zero.config.ZeroStageEnum"] = int_enum_standin(
+    "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
+)
 
 #: ``[bf16_]zero_pp_rank_<DP rank>_mp_rank_<MP rank>_optim_states.pt``: one ZeRO partition.
 OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -81,16 +75,24 @@ def load_deepspeed_file(path: str) -> Any:
     ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
     read as other ranks' partitions, i.e. wrong parameters.
     """
-    try:
+    with unsafe_files_refused():
         files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
-    except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(str(e)) from None
     archive = TorchArchive(path)
     try:
         check_saved_name(archive, path)
         return archive.load(DS_CLASSES)
     finally:
         archive.close()
+
+
+@contextlib.contextmanager
+def unsafe_files_refused(note: str = "") -> Iterator[None]:
+    """A file the format layer refuses to read (not regular, linked outside) refused as a
+    ``DeepSpeedImportError`` (its message and ``note``)."""
+    try:
+        yield
+    except files.UnsafeFileError as e:
+        raise DeepSpeedImportError(f"{e}{note}") from None
 
 
 def check_saved_name(archive: TorchArchive, path: str) -> None:
@@ -141,18 +143,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         return src
     latest = os.path.join(src, "latest")
     if os.path.lexists(latest):
-        latest_tag = read_tag_file(latest)
-        tag_dir = os.path.join(src, latest_tag)
-        if not inside(tag_dir, src) or latest_tag in ("", ".", ".."):
-            raise DeepSpeedImportError(
-                f"{latest} names tag {latest_tag[:100]!r}, which is not a folder inside {src}; "
-                f"refusing to follow it"
-            )
-        if not os.path.isdir(tag_dir):
-            raise DeepSpeedImportError(
-                f"{latest} names tag {latest_tag!r} but {tag_dir} does not exist"
-            )
-        return tag_dir
+        return follow_tracker(src, latest)
     runs = trainer_checkpoints(src)
     if runs:
         raise DeepSpeedImportError(
@@ -167,14 +158,31 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
     )
 
 
+def follow_tracker(src: str, tracker: str) -> str:
+    """The tag folder a tracker file of ``src`` (``latest``, ``latest_universal``) names, which
+    may only be a folder inside ``src``."""
+    tag = read_tag_file(tracker)
+    tag_dir = os.path.join(src, tag)
+    try:  # symlinks resolved, strictly inside: a tracker never leads out of its checkpoint
+        real = files.inside(src, os.path.relpath(tag_dir, src), tag_dir)
+    except (files.UnsafeFileError, ValueError):
+        real = None
+    if tag in ("", ".", "..") or real in (None, os.path.realpath(src)):
+        raise DeepSpeedImportError(
+            f"{tracker} names tag {tag[:100]!r}, which is not a folder inside {src}; refusing "
+            "to follow it"
+        )
+    if not os.path.isdir(tag_dir):
+        raise DeepSpeedImportError(f"{tracker} names tag {tag!r} but {tag_dir} does not exist")
+    return tag_dir
+
+
 def read_tag_file(path: str) -> str:
     """The tag a tracker file (DeepSpeed's ``latest``) names: one line of printable UTF-8 text.
     A NUL or another control character would otherwise reach the file system as a raw
     "embedded null byte" error, or name a folder nobody wrote."""
-    try:
+    with unsafe_files_refused():
         raw = files.read_regular(path, 4096)
-    except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(str(e)) from None
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
@@ -447,6 +455,26 @@ def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tu
     ]
 
 
+def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more: Any) -> dict:
+    """What the manifest records about every DeepSpeed source, and the layout's own ``more``.
+
+    Args:
+        tag_dir: the tag folder.
+        model_states: its (first) model states file, loaded.
+        stage: the ZeRO stage.
+        more: further entries (they win over these).
+    """
+    steps = model_states.get("global_steps")
+    return {
+        "framework": "deepspeed",
+        "path": os.path.abspath(tag_dir),
+        "zero_stage": stage,
+        "ds_version": version_string(model_states),
+        "global_steps": steps if type(steps) is int else None,
+        **more,
+    }
+
+
 def version_string(model_states: Mapping) -> str | None:
     """``ds_version`` as the manifest records it: a short string, or None. It is copied from an
     untrusted pickle into JSON, so anything else (a nested structure) is not copied."""
@@ -468,13 +496,3 @@ def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
         if isinstance(value, np.ndarray) and value.dtype.kind in "fV" and value.size:
             return value.dtype
     return np.dtype(np.float32)
-
-
-def inside(path: str, root: str) -> bool:
-    """``path`` (symlinks resolved) lies strictly inside ``root``: a tracker file never leads
-    outside the checkpoint it belongs to (checked by ``files.inside``)."""
-    try:
-        real = files.inside(root, os.path.relpath(path, root), path)
-    except (files.UnsafeFileError, ValueError):
-        return False
-    return real != os.path.realpath(root)

@@ -45,7 +45,7 @@ from jax_ucp.importers.deepspeed.zero import (
     step_sources,
     zero_tensors,
 )
-from jax_ucp.importers.plan import WHOLE, Share, agreed_step, host_item, skip, tensor_names
+from jax_ucp.importers.plan import WHOLE, Share, host_item, skip, tensor_names
 from jax_ucp.language import (
     Averaged,
     MergeError,
@@ -86,15 +86,18 @@ class MegatronDeepSpeedCheckpoint:
     names: list[str]  # output order (stage order, tied once)
     holders: dict[str, list[int]]  # name -> pipeline stages holding it
     module: ModelWeights = field(default_factory=dict)
-    global_steps: int | None = None
     model_states: Mapping = field(default_factory=dict)
     matches: dict = field(default_factory=dict)  # name -> the spec's ImportMatch
     # AutoTP: name -> its affine map (preferred to the rule's kind, as ds_to_universal does)
     affine: dict[str, AffineMap] = field(default_factory=dict)
 
     @property
+    def every_rank(self) -> list[DeepSpeedCheckpoint]:
+        return [rank for row in self.ranks for rank in row]
+
+    @property
     def optim_files(self) -> list[str]:
-        return [f for row in self.ranks for rank in row for f in rank.optim_files]
+        return [f for rank in self.every_rank for f in rank.optim_files]
 
 
 @dataclass(frozen=True)
@@ -126,7 +129,6 @@ def open_megatron_deepspeed_checkpoint(
         [_open_rank(rank_files, pp_rank, tp_rank) for tp_rank in range(rank_files.tp)]
         for pp_rank in range(rank_files.pp)
     ]
-    _check_same_partitioning(ranks)
     _check_same_parameters_per_stage(ranks)
     names, holders = _output_order(ranks)
     checkpoint = MegatronDeepSpeedCheckpoint(
@@ -135,13 +137,12 @@ def open_megatron_deepspeed_checkpoint(
         tp=rank_files.tp,
         pp=rank_files.pp,
         dp=ranks[0][0].world_size,
-        model_dtype=_run_dtype(tag_dir, ranks),
+        model_dtype=_check_same_partitioning(tag_dir, ranks),
         info=info,
         spec=spec,
         ranks=ranks,
         names=names,
         holders=holders,
-        global_steps=rank_files.first_model_states.get("global_steps"),
         model_states=rank_files.first_model_states,
     )
     checkpoint.module = _model_weights(checkpoint, listing)
@@ -309,8 +310,9 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     return zero.open_zero_rank(tag_dir, model_file, model_states, optimizer, mp_rank)
 
 
-def _check_same_partitioning(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
-    """Every model-parallel rank was partitioned over the same DP ranks with the same stage."""
+def _check_same_partitioning(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype:
+    """Every model-parallel rank was partitioned over the same DP ranks with the same stage, in
+    the same model dtype (returned)."""
     reference = ranks[0][0]
     for rank in (rank for row in ranks for rank in row):
         if (rank.world_size, rank.stage) != (reference.world_size, reference.stage):
@@ -319,6 +321,13 @@ def _check_same_partitioning(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
                 f"{rank.world_size}, model-parallel rank 0 has {reference.stage} / "
                 f"{reference.world_size}"
             )
+    dtypes = {rank.model_dtype for row in ranks for rank in row}
+    if len(dtypes) != 1:
+        raise DeepSpeedImportError(
+            f"{tag_dir}: model-parallel ranks disagree on the model dtype: "
+            f"{sorted(map(str, dtypes))}"
+        )
+    return dtypes.pop()
 
 
 def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> None:
@@ -338,25 +347,11 @@ def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> 
 
 def _output_order(ranks: list[list[DeepSpeedCheckpoint]]) -> tuple[list[str], dict[str, list[int]]]:
     """Names in stage order (a tied parameter once) and the stages holding each."""
-    names: list[str] = []
     holders: dict[str, list[int]] = {}
     for pp_rank, row in enumerate(ranks):
         for name in row[0].names:
-            if name not in holders:
-                holders[name] = []
-                names.append(name)
-            holders[name].append(pp_rank)
-    return names, holders
-
-
-def _run_dtype(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]]) -> np.dtype:
-    dtypes = {rank.model_dtype for row in ranks for rank in row}
-    if len(dtypes) != 1:
-        raise DeepSpeedImportError(
-            f"{tag_dir}: model-parallel ranks disagree on the model dtype: "
-            f"{sorted(map(str, dtypes))}"
-        )
-    return dtypes.pop()
+            holders.setdefault(name, []).append(pp_rank)
+    return list(holders), holders
 
 
 # --------------------------------------------------------------------------- model weights
@@ -449,14 +444,6 @@ def _add_layer_weights(
 # --------------------------------------------------------------------------- merge kinds
 
 
-def _sub_params_entries(info: Mapping) -> list[tuple[str, Mapping]]:
-    return [
-        (str(pattern), entry)
-        for entry in info.get("parameter_with_sub_params") or []
-        for pattern in entry.get("patterns") or []
-    ]
-
-
 def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
     """``kind`` with the DeepSpeed details the generic translation leaves open, resolved per
     tensor: legacy sub-param metadata giving a *count* of equal sub-params, and v0.4
@@ -473,7 +460,8 @@ def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
         return dataclasses.replace(kind, inner=resolve_sub_params(inner, name, info, widths))
     if not isinstance(kind, SubParams):
         return kind
-    for pattern, entry in _sub_params_entries(info):
+    entries = info.get("parameter_with_sub_params") or []
+    for pattern, entry in ((str(p), e) for e in entries for p in e.get("patterns") or []):
         # re.match semantics (anchored at the start only), on RE2: the pattern is from the file
         if compile_pattern(pattern, "universal_checkpoint_info: ").match(name) is None:
             continue
@@ -525,17 +513,7 @@ def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files
 
 def optimizer_step(checkpoint: MegatronDeepSpeedCheckpoint) -> int:
     """The step every rank and param group of every model-parallel rank agrees on."""
-    seen: dict[float, str] = {}
-    for row in checkpoint.ranks:
-        for rank in row:
-            for step, place in zero.steps_seen(rank).items():
-                seen.setdefault(step, place)
-    return agreed_step(
-        seen,
-        checkpoint.tag_dir,
-        recorded_by="ranks or parameter groups",
-        error=DeepSpeedImportError,
-    )
+    return zero.optimizer_step(*checkpoint.every_rank)
 
 
 def iter_megatron_deepspeed_items(
@@ -554,19 +532,9 @@ def iter_megatron_deepspeed_items(
         {
             "files": [os.path.basename(f) for f in checkpoint.optim_files],
             "pattern": "step",
-            **_step_sources(checkpoint),
+            **step_sources(*checkpoint.every_rank),
         },
     )
-
-
-def _step_sources(checkpoint: MegatronDeepSpeedCheckpoint) -> dict[str, list[str]]:
-    """Every rank's ``step`` entries, tensors and Python numbers (older torch) alike."""
-    out: dict[str, list[str]] = {"tensors": []}
-    for row in checkpoint.ranks:
-        for rank in row:
-            for kind, names in step_sources(rank).items():
-                out.setdefault(kind, []).extend(names)
-    return out
 
 
 def megatron_deepspeed_tensors(
@@ -587,9 +555,8 @@ def megatron_deepspeed_tensors(
         for entry in stored.values()
     }
     found = []
-    for row in checkpoint.ranks:
-        for rank in row:
-            found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
+    for rank in checkpoint.every_rank:
+        found += zero_tensors(rank, source, weights_only=weights_only, imported_module=imported)
     layer_tensors = []
     for file in sorted(os.listdir(checkpoint.tag_dir)):
         if files.LAYER_FILE.match(file):
@@ -653,7 +620,10 @@ def _parameter_items(
         provenance["kind"] = {"kind": "affine_map", "pattern": amap.pattern}
     fp32 = None
     for state_name, tree in STATE_TREES:
-        per_stage = [_tp_fragments(checkpoint, stage, name, state_name) for stage in stages]
+        per_stage = [  # each stage's TP fragments, in their TP-local shapes
+            [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
+            for stage in stages
+        ]
         if amap is not None:
             value = _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of)
         else:
@@ -692,23 +662,12 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
             )
     value = values[0]
     match = checkpoint.matches.get(name)
-    if match is not None and _is_vocab(match.kind):
+    kind = match.kind if match is not None else None
+    if isinstance(kind.inner if isinstance(kind, PipelineTied) else kind, Vocab):
         size = checkpoint.info.get("original_vocab_size")
         if isinstance(size, int) and not isinstance(size, bool) and 0 < size <= value.shape[0]:
             value = value[:size]
     return value
-
-
-def _is_vocab(kind) -> bool:
-    kind = kind.inner if isinstance(kind, PipelineTied) else kind
-    return isinstance(kind, Vocab)
-
-
-def _tp_fragments(
-    checkpoint: MegatronDeepSpeedCheckpoint, stage: int, name: str, state_name: str
-) -> list[np.ndarray]:
-    """The TP fragments of ``name`` on pipeline stage ``stage``, each in its TP-local shape."""
-    return [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
 
 
 def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, widths) -> dict:
@@ -742,10 +701,7 @@ def _model_copy_item(
     (DeepSpeed re-derives its model copy from the fp32 master) or one with no stored copy is
     the master cast."""
     stored = checkpoint.module.get(name, {})
-    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
-    if name in checkpoint.affine:
-        merged = None if _stored_copy_used(checkpoint, name) else Averaged()
-    if isinstance(merged, Averaged) or len(stored) != checkpoint.tp:
+    if not _stored_copy_used(checkpoint, name):
         return host_item(
             ("model_params", name),
             fp32.astype(checkpoint.model_dtype),
@@ -783,18 +739,16 @@ def _model_copy_item(
 def source_info(checkpoint: MegatronDeepSpeedCheckpoint) -> dict:
     """What the manifest records about a Megatron-DeepSpeed checkpoint (its info made JSON)."""
     info = json.loads(json.dumps(checkpoint.info, default=lambda o: getattr(o, "__dict__", str(o))))
-    return {
-        "framework": "deepspeed",
-        "layout": "megatron-deepspeed" if checkpoint.info or checkpoint.tp > 1 else "pipeline",
-        "path": os.path.abspath(checkpoint.tag_dir),
-        "zero_stage": checkpoint.stage,
-        "tp": checkpoint.tp,
-        "pp": checkpoint.pp,
-        "dp_world_size": checkpoint.dp,
-        "model_dtype": str(checkpoint.model_dtype),
-        "global_steps": checkpoint.global_steps,
-        "ds_version": files.version_string(checkpoint.model_states),
-        "original_vocab_size": checkpoint.info.get("original_vocab_size"),
-        "padded_vocab_size": checkpoint.info.get("padded_vocab_size"),
-        "universal_checkpoint_info": info,
-    }
+    return files.source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        layout="megatron-deepspeed" if checkpoint.info or checkpoint.tp > 1 else "pipeline",
+        tp=checkpoint.tp,
+        pp=checkpoint.pp,
+        dp_world_size=checkpoint.dp,
+        model_dtype=str(checkpoint.model_dtype),
+        original_vocab_size=checkpoint.info.get("original_vocab_size"),
+        padded_vocab_size=checkpoint.info.get("padded_vocab_size"),
+        universal_checkpoint_info=info,
+    )

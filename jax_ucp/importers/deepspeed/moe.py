@@ -261,19 +261,16 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             f"{model_file}: {len(local_shapes)} param groups in param_shapes, the optimizer "
             f"files have {len(optimizer.states[0]['single_partition_of_fp32_groups'])}"
         )
-    shapes: list[dict[str, tuple[int, ...]]] = []
-    for group, group_shapes in enumerate(local_shapes):
-        ep_size = ep_of_group.get(group)
-        if ep_size is None:
-            shapes.append(group_shapes)
-            continue
-        shapes.append(
-            {
-                experts.global_name(name, ep_rank, ep_size, model_file): shape
-                for ep_rank in range(ep_size)
-                for name, shape in group_shapes.items()
-            }
-        )
+    shapes = [  # an expert group's local names, as every expert-parallel rank's global ones
+        {
+            experts.global_name(name, ep_rank, ep_of_group[group], model_file): shape
+            for ep_rank in range(ep_of_group[group])
+            for name, shape in group_shapes.items()
+        }
+        if group in ep_of_group
+        else group_shapes
+        for group, group_shapes in enumerate(local_shapes)
+    ]
     expert_names = {name for group in ep_of_group for name in shapes[group]}
     if expert_names != set(experts.weights):
         missing = sorted(set(experts.weights) - expert_names)
@@ -367,12 +364,7 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
     checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
-    found = zero.zero_tensors(
-        checkpoint,
-        source,
-        weights_only=weights_only,
-        imported_module=_imported_module(checkpoint, experts),
-    )
+    found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
     found += _expert_tensors(checkpoint, experts, source)
     items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
     return ImportPlan(
@@ -381,18 +373,6 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
         total_params=len(share.pick(checkpoint.names)),
         source_tensors=found,
     )
-
-
-def _imported_module(checkpoint: DeepSpeedCheckpoint, experts: Experts) -> set[str]:
-    """The stored model-precision weights a bf16/fp16 run imports as ``model_params``."""
-    if checkpoint.model_dtype == np.dtype(np.float32):
-        return set()
-    model_file = os.path.basename(checkpoint.model_file)
-    return {
-        checkpoint.module_tensors.get(name, f"{model_file}:module.{name}")
-        for name in checkpoint.names
-        if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
-    }
 
 
 def _expert_tensors(checkpoint: DeepSpeedCheckpoint, experts: Experts, source: dict) -> list[str]:
@@ -455,16 +435,9 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     dense = list(weights)
     weights.update(experts.weights)
     names = share.pick(weights)
-    source = {
-        "framework": "deepspeed",
-        "path": os.path.abspath(tag_dir),
-        "zero_stage": 0,
-        "ds_version": files.version_string(model_states),
-        "global_steps": model_states.get("global_steps")
-        if type(model_states.get("global_steps")) is int
-        else None,
-    }
-    source.update(_moe_source(experts, [len(optimizer_files)]))
+    source = files.source_record(
+        tag_dir, model_states, 0, **_moe_source(experts, [len(optimizer_files)])
+    )
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     found += [tensor for _, tensor in experts.weights.values()]
     states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
@@ -486,8 +459,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     imported = {tensor for _, tensor in weights.values()}
     imported |= {t for *_, tensors in moments.values() for t in tensors}
     imported |= set(step[1]) if step is not None else set()
-    skipped = set(source.get("skipped") or {})
-    skip(source, sorted(set(found) - imported - skipped), "not a module weight")
+    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
 
     def items():
         for name in names:
@@ -641,21 +613,16 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
                     step_tensors.append(f"{where}.step")
             tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
             held = moments.get(name)
-            if held is None:
-                if path == model_file:  # rank 0's own copy: checked against expp_rank_0 below
-                    moments[name] = (pair[0], pair[1], [])
-                    continue
-                moments[name] = (pair[0], pair[1], tensors)
-                continue
-            for stored, value, tensor in zip(held[:2], pair, tensors):
+            for stored, value, tensor in zip(held[:2] if held else (), pair, tensors):
                 if stored.tobytes() != value.tobytes():
                     raise DeepSpeedImportError(
                         f"{tensor}: {name!r} differs from the same parameter's state on another "
                         "rank (data-parallel replicas hold the same Adam state): files from "
                         "different saves"
                     )
-            if not held[2]:
-                moments[name] = (held[0], held[1], tensors)
+            if held is None or not held[2]:  # rank 0's own copy is listed below, not here
+                first = held or pair
+                moments[name] = (first[0], first[1], [] if path == model_file else tensors)
             else:
                 skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
     model_copy = os.path.basename(model_file)

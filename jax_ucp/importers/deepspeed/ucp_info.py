@@ -101,21 +101,18 @@ def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
 
 def _categories(info: Mapping[str, Any], where: str) -> list[tuple[str, Kind]]:
     """(pattern, kind) of every category, in ds_to_universal's order of precedence."""
-    categories: list[tuple[str, Kind]] = []
-    for p in _patterns(info, TP_REPLICATED, where):
-        categories.append((p, Replicated()))
-    for p in _patterns(info, TO_AVERAGE, where):
-        categories.append((p, Averaged()))
-    for p in _patterns(info, TWO_SUB_PARAMS, where):
-        categories.append((p, SwiGLU(dim=0)))
+    first = (
+        (TP_REPLICATED, Replicated()),
+        (TO_AVERAGE, Averaged()),
+        (TWO_SUB_PARAMS, SwiGLU(dim=0)),
+    )
+    categories = [(p, k) for key, k in first for p in _patterns(info, key, where)]
     for i, e in enumerate(info.get(SUB_PARAMS) or []):
         ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
         for p in ps:
             compile_pattern(p, f"{where}.{SUB_PARAMS}[{i}]: ")
         categories += [(p, k) for p in ps]
-    for p in _patterns(info, ROW_PARALLEL, where):
-        categories.append((p, Partitioned(dim=1)))
-    return categories
+    return categories + [(p, Partitioned(dim=1)) for p in _patterns(info, ROW_PARALLEL, where)]
 
 
 def _rules_for(

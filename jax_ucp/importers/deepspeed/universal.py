@@ -40,16 +40,17 @@ from jax_ucp.format import files
 from jax_ucp.importers.deepspeed.files import (
     DeepSpeedImportError,
     dtype_of_run,
+    follow_tracker,
     frozen_shapes_of,
-    inside,
     load_deepspeed_file,
     load_model_states,
     numel,
     param_shapes_of,
-    read_tag_file,
+    source_record,
+    unsafe_files_refused,
     version_string,
 )
-from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint, frozen_items
+from jax_ucp.importers.deepspeed.zero import STATE_TREES, DeepSpeedCheckpoint, frozen_items
 from jax_ucp.importers.plan import (
     VALUES,
     WHOLE,
@@ -66,11 +67,6 @@ from jax_ucp.importers.plan import (
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
-STATES = (
-    ("fp32", ("params",)),
-    ("exp_avg", ("opt_state", "mu")),
-    ("exp_avg_sq", ("opt_state", "nu")),
-)
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 
 
@@ -97,15 +93,7 @@ def universal_tag_dir(src: str, tag: str | None) -> str | None:
     tracker = os.path.join(src, LATEST_UNIVERSAL)
     if not os.path.lexists(tracker) or os.path.lexists(os.path.join(src, "latest")):
         return None
-    name = read_tag_file(tracker)
-    tag_dir = os.path.join(src, name)
-    if name in ("", ".", "..") or not inside(tag_dir, src):
-        raise DeepSpeedImportError(
-            f"{tracker} names tag {name[:100]!r}, which is not a folder inside {src}; refusing "
-            "to follow it"
-        )
-    if not os.path.isdir(tag_dir):
-        raise DeepSpeedImportError(f"{tracker} names tag {name!r} but {tag_dir} does not exist")
+    tag_dir = follow_tracker(src, tracker)
     if not is_universal_tag_dir(tag_dir):
         raise DeepSpeedImportError(
             f"{tracker} names {tag_dir}, which holds no universal checkpoint (expected a 'zero/' "
@@ -124,6 +112,10 @@ class UniversalParam:
     sources: dict[str, str] = field(default_factory=dict)  # state -> source tensor name
     step: Any = None  # step.pt's value, if any
     step_source: str | None = None
+
+    def value(self, state: str) -> np.ndarray:
+        """The state in the parameter's shape (a view of the memory map)."""
+        return np.asarray(self.arrays[state]).reshape(self.shape)
 
 
 @dataclass
@@ -146,21 +138,15 @@ class UniversalCheckpoint:
     info: Mapping
 
 
-def _rel(checkpoint_dir: str, path: str) -> str:
-    return os.path.relpath(path, checkpoint_dir)
-
-
-def _load_state(path: str, rel: str) -> tuple[np.ndarray, str, Mapping | None]:
-    """A ``zero/<param>/<state>.pt``: the array, its source-tensor name, the dict around it."""
-    try:
+def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
+    """A ``zero/<param>/<state>.pt``: the array and its source-tensor name."""
+    with unsafe_files_refused():
         files.check_regular(path)
-    except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(str(e)) from None
     value = load_deepspeed_file(path)
     if isinstance(value, np.ndarray):
-        return value, f"{rel}:", None
+        return value, f"{rel}:"
     if isinstance(value, Mapping) and isinstance(value.get("param"), np.ndarray):
-        return value["param"], f"{rel}:param", value
+        return value["param"], f"{rel}:param"
     raise DeepSpeedImportError(
         f"{path}: expected a tensor or a dict with a 'param' tensor (ds_to_universal's "
         f"layout), found {type(value).__name__}"
@@ -194,7 +180,11 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{tag_dir}: model states of model-parallel ranks {sorted(by_mp)}; expected "
             f"0..{len(by_mp) - 1}"
         )
-    model_files = _load_model_files(by_mp)
+    model_files: dict[str, Mapping] = {}  # by path, each a regular file before it is read
+    for path in (path for ranks in by_mp.values() for path in ranks.values()):
+        with unsafe_files_refused():
+            files.check_regular(path)
+        model_files[path] = load_model_states(path)
     first = by_mp[0].get(None) or by_mp[0][min(d for d in by_mp[0] if d is not None)]
     model_states = model_files[first]
     mp_world_size = len(by_mp)
@@ -205,17 +195,19 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{mp_world_size} model-parallel rank(s)"
         )
     zero = os.path.join(tag_dir, ZERO_DIR)
-    try:  # zero/ linked to another run's folder is never read
+    with unsafe_files_refused():  # zero/ linked to another run's folder is never read
         files.inside(tag_dir, ZERO_DIR, tag_dir)
-    except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(str(e)) from None
     optimizer_state = _optimizer_state(os.path.join(zero, OPTIMIZER_STATE))
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)
     info = model_states.get("universal_checkpoint_info") or {}
     if not isinstance(info, Mapping):
         raise DeepSpeedImportError(f"{first}: universal_checkpoint_info is not a dict")
-    shapes = _trained_shapes(model_files)
+    shapes: dict[str, Any] = {}  # every trained parameter's shape, the first file naming it wins
+    for path, states in model_files.items():
+        for group in param_shapes_of(states, path):
+            for name, shape in group.items():
+                shapes.setdefault(name, shape)
     frozen = frozen_shapes_of(model_states, first, shapes)
     params, frozen_fp32, untracked = _param_folders(zero, first, shapes, frozen, mp_world_size)
     module = model_states.get("module") or {}
@@ -237,19 +229,6 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     )
 
 
-def _load_model_files(by_mp: dict[int, dict[int | None, str]]) -> dict[str, Mapping]:
-    """Every model states file, by path, each checked to be a regular file before it is read."""
-    model_files: dict[str, Mapping] = {}
-    for ranks in by_mp.values():
-        for path in ranks.values():
-            try:
-                files.check_regular(path)
-            except files.UnsafeFileError as e:
-                raise DeepSpeedImportError(str(e)) from None
-            model_files[path] = load_model_states(path)
-    return model_files
-
-
 def _optimizer_state(optimizer_path: str) -> Mapping:
     """``zero/optimizer_state.pt`` (a dict), or an empty dict when the folder has none."""
     optimizer_state: Mapping = {}
@@ -258,16 +237,6 @@ def _optimizer_state(optimizer_path: str) -> Mapping:
         if not isinstance(optimizer_state, Mapping):
             raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
     return optimizer_state
-
-
-def _trained_shapes(model_files: dict[str, Mapping]) -> dict[str, Any]:
-    """Every trained parameter's ``param_shapes`` shape, the first file naming it winning."""
-    shapes = {}
-    for path, states in model_files.items():
-        for group in param_shapes_of(states, path):
-            for name, shape in group.items():
-                shapes.setdefault(name, shape)
-    return shapes
 
 
 def _param_folders(
@@ -288,7 +257,7 @@ def _param_folders(
                     f"{folder}: parameter {name!r} is {what} but has optimizer state "
                     f"{sorted(present - {'fp32'})}"
                 )
-            _, source, _ = _load_state(os.path.join(folder, "fp32.pt"), f"zero/{name}/fp32.pt")
+            _, source = _load_state(os.path.join(folder, "fp32.pt"), f"zero/{name}/fp32.pt")
             (frozen_fp32 if name in frozen else untracked)[name] = source
             continue
         missing = sorted({"exp_avg", "exp_avg_sq"} - present)
@@ -336,9 +305,8 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
     state takes the ``param_shapes`` shape, which only a single model-parallel rank records."""
     rel = f"zero/{name}"
     param = UniversalParam(name, ())
-    shape: tuple[int, ...] | None = None
-    for state, _ in STATES:
-        array, source, _ = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
+    for state, _ in STATE_TREES:
+        array, source = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
         if array.dtype != np.float32:
             raise DeepSpeedImportError(
                 f"{folder}/{state}.pt: parameter {name!r} is {array.dtype}, expected float32"
@@ -358,21 +326,18 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
                 f"{array.shape}; param_shapes says {tuple(local_shape)}"
             )
-        if shape is not None and full != shape:
+        if param.arrays and full != param.shape:
             raise DeepSpeedImportError(
-                f"{folder}/{state}.pt: parameter {name!r} has shape {full}, fp32.pt has {shape}"
+                f"{folder}/{state}.pt: parameter {name!r} has shape {full}, fp32.pt has "
+                f"{param.shape}"
             )
-        shape = full
+        param.shape = full
         param.arrays[state] = array
         param.sources[state] = source
-    assert shape is not None  # STATES is not empty
-    param.shape = shape
     step_path = os.path.join(folder, "step.pt")
     if os.path.lexists(step_path):
-        try:
+        with unsafe_files_refused():
             files.check_regular(step_path)
-        except files.UnsafeFileError as e:
-            raise DeepSpeedImportError(str(e)) from None
         step = load_deepspeed_file(step_path)
         if isinstance(step, np.ndarray) and step.size == 1:
             param.step, param.step_source = float(step.reshape(())), f"{rel}/step.pt:"
@@ -402,12 +367,13 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
     if not found and isinstance(state, Mapping):
         for key, group in state.items():
             step = group.get("step") if isinstance(group, Mapping) else None
-            if isinstance(step, np.ndarray) and step.size == 1:
-                found.setdefault(float(step.reshape(())), f"in zero/{OPTIMIZER_STATE} group {key}")
-                tensors.append(f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step")
-            elif isinstance(step, (int, float)) and not isinstance(step, bool):
-                found.setdefault(float(step), f"in zero/{OPTIMIZER_STATE} group {key}")
-                values.append(f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step")
+            tensor = isinstance(step, np.ndarray) and step.size == 1
+            if tensor or (isinstance(step, (int, float)) and not isinstance(step, bool)):
+                found.setdefault(
+                    float(np.asarray(step).reshape(())), f"in zero/{OPTIMIZER_STATE} group {key}"
+                )
+                name = f"zero/{OPTIMIZER_STATE}:optimizer_state_dict.state.{key}.step"
+                (tensors if tensor else values).append(name)
     where = os.path.join(checkpoint.tag_dir, ZERO_DIR)
     if not found:
         raise DeepSpeedImportError(
@@ -492,23 +458,17 @@ def iter_universal_items(
         weights_only: fp32 masters alone, no moments, copies or step.
         share: this process's part of a distributed import (default: the whole).
     """
-    cast = checkpoint.model_dtype != np.dtype(np.float32)
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
-        fp32 = None
-        for state, tree in STATES[:1] if weights_only else STATES:
-            value = np.asarray(param.arrays[state]).reshape(param.shape)
-            if state == "fp32":
-                fp32 = value
+        for state, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
             provenance = {
                 "files": [f"zero/{name}/{state}.pt"],
                 "pattern": "deepspeed-universal",
                 "tensors": [param.sources[state]],
             }
-            yield host_item((*tree, name), value, provenance)
-        if cast:
-            assert fp32 is not None  # STATES[0] is "fp32"
-            yield _model_weight(checkpoint, name, fp32, param.sources["fp32"])
+            yield host_item((*tree, name), param.value(state), provenance)
+        if checkpoint.model_dtype != np.dtype(np.float32):
+            yield _model_weight(checkpoint, name, param.value("fp32"), param.sources["fp32"])
     if checkpoint.frozen:
         yield from frozen_items(
             _frozen_reader(checkpoint),
@@ -537,7 +497,7 @@ def universal_tensors(
     """
     found: list[str] = []
     for param in checkpoint.params.values():
-        found += [param.sources[s] for s, _ in STATES]
+        found += [param.sources[s] for s, _ in STATE_TREES]
         if param.step_source:
             found.append(param.step_source)
     found += list(checkpoint.frozen_fp32.values()) + list(checkpoint.untracked.values())
@@ -565,15 +525,12 @@ def _optimizer_tensors(
         f"zero/{OPTIMIZER_STATE}:{n}" for n in tensor_names(checkpoint.optimizer_state)
     ]
     uses_optimizer_step = not any(p.step is not None for p in checkpoint.params.values())
-    for name in optimizer_found:
-        if name in step_names and uses_optimizer_step:
-            continue
-        skip(
-            source,
-            [name],
-            "DP rank 0's flat partition, copied into optimizer_state.pt by ds_to_universal; the "
-            "whole parameters are read from zero/<param>/",
-        )
+    skip(
+        source,
+        [n for n in optimizer_found if not (n in step_names and uses_optimizer_step)],
+        "DP rank 0's flat partition, copied into optimizer_state.pt by ds_to_universal; the "
+        "whole parameters are read from zero/<param>/",
+    )
     if weights_only:
         moments = [
             p.sources[s] for p in checkpoint.params.values() for s in ("exp_avg", "exp_avg_sq")
@@ -634,23 +591,21 @@ def _why_not_imported(checkpoint: UniversalCheckpoint, key: str | None) -> str:
 def source_info(checkpoint: UniversalCheckpoint) -> dict:
     """What the manifest records about a universal checkpoint."""
     version = checkpoint.info.get("universal_checkpoint_version")
-    steps = checkpoint.model_states.get("global_steps")
-    return {
-        "framework": "deepspeed",
-        "layout": "universal",
-        "path": os.path.abspath(checkpoint.tag_dir),
-        "zero_stage": checkpoint.stage,
-        "dp_world_size": checkpoint.world_size,
-        "mp_world_size": checkpoint.mp_world_size,
-        "model_dtype": str(checkpoint.model_dtype),
-        "global_steps": steps if type(steps) is int else None,
-        "ds_version": version_string(checkpoint.model_states)
+    return source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        layout="universal",
+        dp_world_size=checkpoint.world_size,
+        mp_world_size=checkpoint.mp_world_size,
+        model_dtype=str(checkpoint.model_dtype),
+        ds_version=version_string(checkpoint.model_states)
         or version_string(checkpoint.optimizer_state),
-        "universal_checkpoint_version": float(version)
+        universal_checkpoint_version=float(version)
         if isinstance(version, (int, float)) and not isinstance(version, bool)
         else None,
-        "frozen_params": sorted(checkpoint.frozen),
-    }
+        frozen_params=sorted(checkpoint.frozen),
+    )
 
 
 def plan_universal(

@@ -44,12 +44,14 @@ from jax_ucp.importers.deepspeed.files import (
     param_shapes_of,
     read_optimizer_states,
     require,
-    version_string,
+    source_record,
+    unsafe_files_refused,
 )
 from jax_ucp.importers.plan import (
     TENSORS,
     VALUES,
     WHOLE,
+    ImportPlan,
     Share,
     agreed_step,
     host_item,
@@ -64,6 +66,10 @@ STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("exp_avg", ("opt_state", "mu")),
     ("exp_avg_sq", ("opt_state", "nu")),
 )
+
+
+#: Stage 3's model states file of one (DP rank, model-parallel rank).
+ZERO3_MODEL_NAME = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt"
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,6 @@ class DeepSpeedCheckpoint:
     optim_files: list[str]
     model_states: Mapping
     optim_states: list[dict]  # per DP rank: the 'optimizer_state_dict'
-    global_steps: int | None = None
     module: Mapping[str, np.ndarray] = field(default_factory=dict)
     shared_params: Mapping[str, str] = field(default_factory=dict)
     fragment_plan: dict[str, ParameterFragments] = field(default_factory=dict)
@@ -123,6 +128,11 @@ class DeepSpeedCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_shapes for name, shape in group.items()}
 
+    def module_tensor(self, name: str) -> str:
+        """The source tensor (``<file>:<key>``) of ``module`` entry ``name``."""
+        default = f"{os.path.basename(self.model_file)}:module.{name}"
+        return self.module_tensors.get(name, default)
+
 
 # --------------------------------------------------------------------------- opening
 
@@ -147,17 +157,6 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     return open_zero_rank(tag_dir, model_file, model_states, optimizer)
 
 
-def zero3_model_file(tag_dir: str, dp_rank: int, mp_rank: int = 0) -> str:
-    """Stage 3's model states file of one DP rank of one model-parallel rank.
-
-    Args:
-        tag_dir: the tag folder.
-        dp_rank: the data-parallel rank.
-        mp_rank: the model-parallel rank.
-    """
-    return os.path.join(tag_dir, f"zero_pp_rank_{dp_rank}_mp_rank_{mp_rank:02d}_model_states.pt")
-
-
 def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
     """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
     needs one file per DP rank.
@@ -174,15 +173,13 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
             f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}"
         )
     for dp_rank in range(optimizer.world_size):
-        path = zero3_model_file(tag_dir, dp_rank, mp_rank)
+        path = os.path.join(tag_dir, ZERO3_MODEL_NAME.format(dp_rank, mp_rank))
         if not os.path.lexists(path):
             raise DeepSpeedImportError(
                 f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
             )
-        try:
+        with unsafe_files_refused(f" (stage-3 model states of DP rank {dp_rank})"):
             files.check_regular(path)
-        except files.UnsafeFileError as e:
-            raise DeepSpeedImportError(f"{e} (stage-3 model states of DP rank {dp_rank})") from None
     found = [
         f
         for f in os.listdir(tag_dir)
@@ -194,7 +191,7 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
             f"{len(found)} stage-3 model states files"
             + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
         )
-    return zero3_model_file(tag_dir, 0, mp_rank)
+    return os.path.join(tag_dir, ZERO3_MODEL_NAME.format(0, mp_rank))
 
 
 def open_zero_rank(
@@ -237,7 +234,6 @@ def open_zero_rank(
         optim_files=optimizer.files,
         model_states=model_states,
         optim_states=optimizer.states,
-        global_steps=model_states.get("global_steps"),
         module=module,
         shared_params=shared_params_of(model_states, model_file),
         mp_rank=mp_rank,
@@ -247,9 +243,7 @@ def open_zero_rank(
     checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
     if checkpoint.frozen:
         checkpoint.frozen_files = (
-            [model_file]
-            if optimizer.stage in (1, 2)
-            else [zero3_model_file(tag_dir, r, mp_rank) for r in range(optimizer.world_size)]
+            [model_file] if optimizer.stage in (1, 2) else _zero3_model_files(checkpoint)
         )
     return checkpoint
 
@@ -395,11 +389,8 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
         for name, shape in shapes.items():
             count = numel(shape)
             part = math.ceil(count / world)
-            pieces = []
-            for dp_rank in range(world):
-                take = max(0, min(part, count - dp_rank * part))
-                if take:
-                    pieces.append(Piece(dp_rank, offset, take))
+            takes = ((dp_rank, min(part, count - dp_rank * part)) for dp_rank in range(world))
+            pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
             plan[name] = ParameterFragments(group, pieces)
             offset += part
     return plan
@@ -609,48 +600,53 @@ def _state_item(
     master checked against the stored module weight either way."""
     parts = _parts(checkpoint, name, state_name, vectors)
     shape = tuple(checkpoint.shapes[name])
-    check = state_name == "fp32" and checkpoint.stage in (1, 2)
-    if len(parts) == 1:
-        value = parts[0].reshape(shape)
-        if check:
-            check_against_module(checkpoint, name, value)
-        return value
 
     def make() -> np.ndarray:
-        value = _joined(parts, shape, parts[0].dtype)
-        if check:
+        value = (
+            parts[0].reshape(shape) if len(parts) == 1 else _joined(parts, shape, parts[0].dtype)
+        )
+        if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
 
-    return writer.Deferred(shape, parts[0].dtype, make)
+    return make() if len(parts) == 1 else writer.Deferred(shape, parts[0].dtype, make)
 
 
-def steps_seen(checkpoint: DeepSpeedCheckpoint) -> dict[float, str]:
-    """Every optimizer step the ranks' param groups record: step -> where it was first seen."""
-    seen: dict[float, str] = {}
-    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
-        inner = (
-            optimizer_state["base_optimizer_state"]["state"]
-            if checkpoint.stage in (1, 2)
-            else optimizer_state["optimizer_state_dict"]["state"]
-        )
-        for group, group_state in inner.items():
+def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
+    """Every rank's per-group ``step``: its source name (``<rank file>:<path>``), where it is
+    (for messages) and its value (older torch kept Adam's step as a Python number)."""
+    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        file = os.path.basename(path)
+        for group, group_state in state[inner]["state"].items():
             if "step" in group_state:
-                seen.setdefault(
-                    float(np.asarray(group_state["step"])),
-                    f"in {os.path.basename(checkpoint.optim_files[dp_rank])} group {group}",
-                )
-    return seen
+                name = f"{file}:optimizer_state_dict.{inner}.state.{group}.step"
+                yield name, f"in {file} group {group}", group_state["step"]
 
 
-def optimizer_step(checkpoint: DeepSpeedCheckpoint) -> int:
-    """The step every rank and param group agrees on (``opt_state.count``)."""
+def optimizer_step(*checkpoints: DeepSpeedCheckpoint) -> int:
+    """The step every rank and param group (of every model-parallel rank given) agrees on
+    (``opt_state.count``)."""
+    seen: dict[float, str] = {}
+    for checkpoint in checkpoints:
+        for _, place, step in _steps(checkpoint):
+            seen.setdefault(float(np.asarray(step)), place)
     return agreed_step(
-        steps_seen(checkpoint),
-        checkpoint.tag_dir,
+        seen,
+        checkpoints[0].tag_dir,
         recorded_by="ranks or parameter groups",
         error=DeepSpeedImportError,
     )
+
+
+def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
+    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
+    pickled as Python numbers (values, not tensors, but sources all the same)."""
+    steps = [(name, isinstance(v, np.ndarray)) for c in checkpoints for name, _, v in _steps(c)]
+    out = {TENSORS: [name for name, is_tensor in steps if is_tensor]}
+    if values := [name for name, is_tensor in steps if not is_tensor]:
+        out[VALUES] = values
+    return out
 
 
 # --------------------------------------------------------------------------- streaming
@@ -741,35 +737,6 @@ def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -
     return out
 
 
-def _step_entries(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, bool]]:
-    """Every rank's per-group ``step`` (``<rank file>:<path>``), and whether it is a tensor (older
-    torch kept Adam's step as a Python number)."""
-    template, keys = _state_prefix(checkpoint, "step")
-    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
-    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
-        for key in keys:
-            step = state[inner]["state"][int(key)].get("step")
-            if step is not None:
-                name = f"{os.path.basename(path)}:{template.format(key)}"
-                yield name, isinstance(step, np.ndarray)
-
-
-def step_tensors(checkpoint: DeepSpeedCheckpoint) -> list[str]:
-    """Every rank's per-group ``step`` tensors (``opt_state.count`` comes from all of them)."""
-    return [name for name, is_tensor in _step_entries(checkpoint) if is_tensor]
-
-
-def step_sources(checkpoint: DeepSpeedCheckpoint) -> dict[str, list[str]]:
-    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
-    pickled as Python numbers (values, not tensors, but sources all the same)."""
-    entries = list(_step_entries(checkpoint))
-    out = {TENSORS: [n for n, is_tensor in entries if is_tensor]}
-    values = [n for n, is_tensor in entries if not is_tensor]
-    if values:
-        out[VALUES] = values
-    return out
-
-
 def zero_tensors(
     checkpoint: DeepSpeedCheckpoint,
     source: dict,
@@ -791,11 +758,8 @@ def zero_tensors(
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
         found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
-    model_files = {checkpoint.model_file: checkpoint.model_states}
-    if checkpoint.stage == 3:
-        for path in checkpoint.frozen_files or _zero3_model_files(checkpoint):
-            if path not in model_files:
-                model_files[path] = load_model_states(path)
+    paths = _zero3_model_files(checkpoint) if checkpoint.stage == 3 else [checkpoint.model_file]
+    model_files = {path: _model_states(checkpoint, path) for path in paths}
     module_found = []
     for path, states in model_files.items():
         names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
@@ -804,21 +768,17 @@ def zero_tensors(
     if weights_only:
         moments = [n for n in found if n.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")]
         skip(source, moments, "weights_only: Adam moment")
-        skip(source, step_tensors(checkpoint), "weights_only: optimizer step")
+        skip(source, step_sources(checkpoint)[TENSORS], "weights_only: optimizer step")
     model_file = os.path.basename(checkpoint.model_file)
-    imported_module = (
-        imported_module
-        if imported_module is not None
-        else (
-            {
-                f"{model_file}:module.{name}"
-                for name in checkpoint.names
-                if isinstance(stored := checkpoint.module.get(name), np.ndarray) and stored.size
-            }
-            if checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
-            else set()
-        )
-    )
+    if imported_module is None:  # the stored weights a bf16/fp16 ZeRO 1/2 run imports
+        cast = checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
+        imported_module = {
+            checkpoint.module_tensor(name)
+            for name in checkpoint.names
+            if cast
+            and isinstance(stored := checkpoint.module.get(name), np.ndarray)
+            and stored.size
+        }
     for name in module_found:
         if name in imported_module:
             continue
@@ -846,9 +806,14 @@ def zero_tensors(
     return found
 
 
+def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
+    """The model states file ``path`` of the rank (the one already read, or read now)."""
+    return checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
+
+
 def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
     return [
-        zero3_model_file(checkpoint.tag_dir, r, checkpoint.mp_rank)
+        os.path.join(checkpoint.tag_dir, ZERO3_MODEL_NAME.format(r, checkpoint.mp_rank))
         for r in range(checkpoint.world_size)
     ]
 
@@ -871,8 +836,7 @@ def _model_copy_item(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
                 f"{checkpoint.model_dtype}"
             )
-        model_file = os.path.basename(checkpoint.model_file)
-        tensor = checkpoint.module_tensors.get(name, f"{model_file}:module.{name}")
+        tensor = checkpoint.module_tensor(name)
         return host_item(
             ("model_params", name),
             stored,
@@ -929,10 +893,7 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tupl
     there is no fp32 master)."""
     fragments = []
     for path in checkpoint.frozen_files:
-        states = (
-            checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
-        )
-        found = states.get("frozen_param_fragments")
+        found = _model_states(checkpoint, path).get("frozen_param_fragments")
         if not isinstance(found, Mapping):
             raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
@@ -984,8 +945,6 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    from jax_ucp.importers.plan import ImportPlan
-
     model_states = load_model_states(model_file)
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None
@@ -1001,43 +960,33 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
         raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
     names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
     file = os.path.basename(model_file)
+    items = (
+        host_item(
+            ("params", name),
+            module[name],
+            {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
+        )
+        for name in names
+    )
 
-    def items():
-        for name in names:
-            yield host_item(
-                ("params", name),
-                module[name],
-                {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
-            )
-
-    source = {
-        "framework": "deepspeed",
-        "path": os.path.abspath(tag_dir),
-        "zero_stage": 0,
-        "ds_version": version_string(model_states),
-        "global_steps": model_states.get("global_steps")
-        if type(model_states.get("global_steps")) is int
-        else None,
-    }
+    source = source_record(tag_dir, model_states, 0)
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
     optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
     skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict())")
     skip(source, sorted(set(found) - imported - set(optimizer)), "not a module weight")
-    return ImportPlan(items(), source, len(names), source_tensors=found)
+    return ImportPlan(items, source, len(names), source_tensors=found)
 
 
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
     """What the manifest records about a ZeRO checkpoint."""
-    return {
-        "framework": "deepspeed",
-        "path": os.path.abspath(checkpoint.tag_dir),
-        "zero_stage": checkpoint.stage,
-        "dp_world_size": checkpoint.world_size,
-        "model_dtype": str(checkpoint.model_dtype),
-        "global_steps": checkpoint.global_steps,
-        "ds_version": version_string(checkpoint.model_states),
+    return source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        dp_world_size=checkpoint.world_size,
+        model_dtype=str(checkpoint.model_dtype),
         # tied weights (GPT-2's lm_head = wte): stored once, under the second name
-        "shared_params": dict(checkpoint.shared_params),
-        "frozen_params": sorted(checkpoint.frozen),
-    }
+        shared_params=dict(checkpoint.shared_params),
+        frozen_params=sorted(checkpoint.frozen),
+    )
