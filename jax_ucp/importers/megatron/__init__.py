@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.importers.megatron import dcp, legacy
-from jax_ucp.importers.megatron.common import MegatronImportError
+from jax_ucp.importers.megatron.common import MegatronImportError, named_errors
 from jax_ucp.importers.megatron.legacy_import import plan_legacy
 from jax_ucp.importers.megatron.source import detect_megatron
 from jax_ucp.importers.megatron.torch_dist import plan_torch_dist
@@ -87,10 +86,8 @@ def plan_megatron(
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    try:
+    with named_errors():
         source_dir = detect_megatron(src)
-    except legacy.LegacyError as e:
-        raise MegatronImportError(str(e)) from None
     if source_dir is None:
         raise MegatronImportError(
             f"{src}: not a Megatron checkpoint (no .metadata, no "
@@ -100,13 +97,9 @@ def plan_megatron(
     settings: dict[str, Any] = dict(user_spec.env) if user_spec is not None else {}
     if vocab_size is not None:
         settings["vocab_size"] = int(vocab_size)
-    try:
-        if source_dir.format == "torch_dist":
-            plan = plan_torch_dist(source_dir, user_spec, settings, weights_only, share)
-        else:
-            plan = plan_legacy(source_dir, user_spec, settings, weights_only, share)
-    except (dcp.DcpError, legacy.LegacyError) as e:
-        raise MegatronImportError(str(e)) from None
+    planner = plan_torch_dist if source_dir.format == "torch_dist" else plan_legacy
+    with named_errors():
+        plan = planner(source_dir, user_spec, settings, weights_only, share)
     info = dict(plan.source)
     iteration = info.pop("iteration", None)
     source = {
@@ -128,10 +121,8 @@ def plan_megatron(
 
 def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
     """``items``, with the readers' errors met while reading raised as this importer's."""
-    try:
+    with named_errors():
         yield from items
-    except (dcp.DcpError, legacy.LegacyError) as e:
-        raise MegatronImportError(str(e)) from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -188,10 +179,4 @@ def plan(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
     from jax_ucp.importers.megatron import bridge  # it imports this package
 
     planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
-    return planner(
-        src,
-        spec=options.spec,
-        vocab_size=options.vocab_size,
-        weights_only=options.weights_only,
-        share=options.share,
-    )
+    return planner(src, **vars(options))  # every option is one of the planners' keywords

@@ -3,19 +3,31 @@ the optimizer-state names and the step of a saved torch optimizer state."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from jax_ucp.format import UCPError
-from jax_ucp.importers.plan import (
-    agreed_step,
-)
+from jax_ucp.importers.megatron import legacy
+from jax_ucp.importers.plan import agreed_step
+from jax_ucp.importers.torch.dcp_reader import DcpError
 
 
 class MegatronImportError(UCPError, ValueError):
     """The Megatron checkpoint is incomplete, inconsistent or unsupported (names tensor + file)."""
+
+
+@contextlib.contextmanager
+def named_errors() -> Iterator[None]:
+    """The readers' errors (torch_dist ``.metadata`` and chunks, legacy rank files), which name
+    the file, raised as this importer's."""
+    try:
+        yield
+    except (DcpError, legacy.LegacyError) as e:
+        raise MegatronImportError(str(e)) from None
 
 
 SUPPORTED_LAYOUTS = (
@@ -72,6 +84,14 @@ def sharding_type(common: Any) -> str | None:
         if isinstance(optimizer, dict):
             return optimizer.get("param_state_sharding_type")
     return None
+
+
+def ddp_bucket_size(settings: dict) -> int | None:
+    """Megatron-LM's DDP bucket size in elements (None: one bucket, without overlap_grad_reduce)."""
+    if not settings.get("overlap_grad_reduce"):
+        return None
+    dp = int(settings.get("data_parallel_size") or 1)
+    return int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
 
 
 def element_count(shape) -> int:

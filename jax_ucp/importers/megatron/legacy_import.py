@@ -19,10 +19,11 @@ from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.megatron.common import (
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
+    ddp_bucket_size,
     param_groups,
     step_from_param_groups,
 )
-from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import (
     TENSORS,
@@ -69,13 +70,16 @@ class _LegacyTensors:
     local: dict[tuple[int, int], list] = field(
         default_factory=dict
     )  # (pp, tp) -> [(local, global, array)]
-    files: dict[str, list[str]] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     grouped: dict[str, dict[int, list]] = field(default_factory=dict)  # grouped-GEMM: per EP rank
     # global name -> the source tensors (``<rank dir>/<file>:model.<local name>``) merged into it
     sources: dict[str, list[str]] = field(default_factory=dict)
     # source tensors of the rank files not merged into any weight -> why (source.skipped)
     not_imported: dict[str, str] = field(default_factory=dict)
+
+    def files(self, name: str) -> list[str]:
+        """The rank files (``<rank dir>/<file>``) the fragments of ``name`` come from."""
+        return sorted({source.partition(":")[0] for source in self.sources[name]})
 
 
 @dataclass
@@ -145,7 +149,7 @@ def plan_legacy(
         optimizer, count, optimizer_sources = _legacy_distrib_optim(
             checkpoint, settings, tensors.local, tied_pairs
         )
-    _fold_tied_copies(tensors.fragments, tied_pairs, tensors.files)
+    _fold_tied_copies(tensors.fragments, tied_pairs)
     _fold_tied_lists(tensors.sources, tied_pairs)
     want_model = optimizer is not None and any(d != np.dtype(np.float32) for d in dtypes)
     plan = _LegacyImport(
@@ -248,9 +252,7 @@ def _legacy_settings(checkpoint: legacy.LegacyCheckpoint, settings: dict) -> Non
             f"{checkpoint.ranks[(0, 0)].path}: checkpoint_version {checkpoint.checkpoint_version} "
             f"uses the pre-2.0 fused QKV ordering, which is not supported"
         )
-    for key, value in checkpoint.args.items():
-        if key in ARG_SETTINGS and settings.get(key) is None:
-            settings[key] = value
+    add_arg_settings(checkpoint.args, settings)
     if settings.get("kv_channels") and not settings.get("head_dim"):
         settings["head_dim"] = settings["kv_channels"]
     heads, hidden = settings.get("num_attention_heads"), settings.get("hidden_size")
@@ -343,9 +345,6 @@ def _add_grouped_experts(
     values = [r.model[name] for r in holders]
     _check_equal_shares(name, values, [r.path for r in holders], "expert-parallel")
     tensors.grouped.setdefault(global_name, {})[stage] = values
-    tensors.files.setdefault(global_name, []).extend(
-        os.path.relpath(r.path, checkpoint.iter_dir) for r in holders
-    )
     tensors.sources.setdefault(global_name, []).extend(
         f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
     )
@@ -393,12 +392,6 @@ def _add_tp_fragments(
             for tp_rank, value in enumerate(per_tp):
                 tensors.local[(stage, tp_rank)].append((name, expert_name, value))
         tensors.fragments.setdefault(expert_name, {})[stage] = per_tp
-        tensors.files.setdefault(expert_name, []).extend(
-            os.path.relpath(
-                checkpoint.ep_ranks[(stage, tp_rank, ep_rank)].path, checkpoint.iter_dir
-            )
-            for tp_rank in range(checkpoint.tp)
-        )
         tensors.sources.setdefault(expert_name, []).extend(
             f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
         )
@@ -435,17 +428,13 @@ def _tied_output_pairs(
     return pairs
 
 
-def _fold_tied_copies(
-    fragments: _Fragments, tied_pairs: list[tuple[str, str]], files: dict | None = None
-) -> None:
+def _fold_tied_copies(fragments: _Fragments, tied_pairs: list[tuple[str, str]]) -> None:
     """The output layer's stages join the embedding's (merged as pipeline-tied copies)."""
     for embedding, output in tied_pairs:
         fragments[embedding] = {
             **{("emb", stage): v for stage, v in fragments[embedding].items()},
             **{("out", stage): v for stage, v in fragments.pop(output).items()},
         }
-    if files is not None:
-        _fold_tied_lists(files, tied_pairs)
 
 
 def _fold_tied_lists(lists: dict[str, list], tied_pairs: list[tuple[str, str]]) -> None:
@@ -466,10 +455,7 @@ def _legacy_distrib_optim(
             f"missing shard file {checkpoint.ranks[missing[0]].path.parent / 'distrib_optim.pt'} "
             f"(other ranks have one)"
         )
-    bucket_size = None
-    if settings.get("overlap_grad_reduce"):
-        dp = int(settings.get("data_parallel_size") or 1)
-        bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+    bucket_size = ddp_bucket_size(settings)
     tied = settings.get("untie_embeddings_and_output_weights") is False
     out: dict[str, _Fragments] = {state_name: {} for state_name, _ in _OPTIMIZER_BUFFERS}
     sources: dict[str, dict[str, list[str]]] = {state_name: {} for state_name in out}
@@ -539,7 +525,7 @@ class _LegacyMerger:
         self.plan = plan
 
     def files_of(self, name: str) -> str:
-        return ", ".join(sorted(set(self.plan.tensors.files[name])))
+        return ", ".join(self.plan.tensors.files(name))
 
     def merged(self, name: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
         """TP fragments merged by the name's kind; several stages: pipeline-tied copies."""
@@ -617,25 +603,17 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
         os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )
     for name in share.pick(plan.names):
-        files = sorted(set(tensors.files[name]))
-        provenance = {
-            "format": "legacy",
-            "files": files,
-            "tp": checkpoint.tp,
-            "pp": checkpoint.pp,
-            "ep": checkpoint.ep,
-        }
+        files = tensors.files(name)
+        parallel = {"tp": checkpoint.tp, "pp": checkpoint.pp, "ep": checkpoint.ep}
+        provenance = {"format": "legacy", "files": files, **parallel}
+        weights = {**provenance, TENSORS: tensors.sources[name]}
         if name in tensors.grouped or plan.optimizer is None:
             value, pattern = (
                 merger.grouped(name)
                 if name in tensors.grouped
                 else merger.deferred(name, tensors.fragments[name], "model weights")
             )
-            yield host_item(
-                ("params", name),
-                value,
-                {**provenance, "pattern": pattern, TENSORS: tensors.sources[name]},
-            )
+            yield host_item(("params", name), value, {**weights, "pattern": pattern})
             continue
         for state_name, tree in _OPTIMIZER_BUFFERS:
             what = f"distrib_optim.pt {state_name}"
@@ -653,11 +631,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
             )
         if plan.want_model:
             value, pattern = merger.deferred(name, tensors.fragments[name], "model weights")
-            yield host_item(
-                ("model_params", name),
-                value,
-                {**provenance, "pattern": pattern, TENSORS: tensors.sources[name]},
-            )
+            yield host_item(("model_params", name), value, {**weights, "pattern": pattern})
     if plan.optimizer is not None and share.primary:
         rank_files = (r.path for r in checkpoint.ranks.values())
         yield host_item(

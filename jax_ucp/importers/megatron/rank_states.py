@@ -18,6 +18,7 @@ from jax_ucp.importers.megatron.common import (
     step_from_param_groups,
 )
 from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
+from jax_ucp.importers.plan import agreed_step
 
 #: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
 _BLOCK_BYTES = 16 << 20
@@ -294,38 +295,29 @@ class RankStates:
                 out.append((f"{n}#{layer}", element_count(self.piece(n, tp_rank)[0])))
         return out
 
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}"
+
     def object(self, rank: int, what: str) -> Any:
-        names = [
-            n
-            for n in self.checkpoint.objects
-            if n.startswith(f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.{what}/")
-        ]
-        if not names:
-            return None
-        return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
+        prefix = f"{self._key(rank)}.{what}/"
+        name = next((n for n in self.checkpoint.objects if n.startswith(prefix)), None)
+        return None if name is None else self.checkpoint.read_object(name, legacy.LEGACY_CLASSES)
 
     def step_objects(self) -> list[str]:
         """The objects the step is read from (one per model-parallel rank, when saved)."""
-        prefixes = tuple(
-            f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer/"
-            for rank in range(self.ranks)
-        )
+        prefixes = tuple(f"{self._key(rank)}.optimizer/" for rank in range(self.ranks))
         return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
 
     def step(self) -> int:
-        steps = set()
+        steps: dict[float, str] = {}
         for rank in range(self.ranks):
             state = self.object(rank, "optimizer")
             groups = state[0].get("param_groups") if isinstance(state, list) and state else None
-            where = (
-                f"{self.where} ({self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer)"
-            )
-            steps.add(step_from_param_groups(groups, where))
-        if len(steps) != 1:
-            raise MegatronImportError(
-                f"{self.where}: model-parallel ranks disagree on the step {sorted(steps)}"
-            )
-        return steps.pop()
+            where = f"{self.where} ({self._key(rank)}.optimizer)"
+            steps.setdefault(step_from_param_groups(groups, where), f"in rank {rank}")
+        return agreed_step(
+            steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError
+        )
 
     #: Whether :meth:`source` names .metadata tensors (else pickled objects).
     FROM_TENSORS = True

@@ -43,6 +43,13 @@ ARG_SETTINGS = (
 )
 
 
+def add_arg_settings(args: Mapping[str, Any], settings: dict) -> None:
+    """The saved run arguments that are import settings, where ``settings`` has none yet."""
+    settings.update(
+        {k: v for k, v in args.items() if k in ARG_SETTINGS and settings.get(k) is None}
+    )
+
+
 def default_import_rules(settings: Mapping[str, Any]) -> list:
     """How each Megatron tensor is spread over TP ranks (megatron-core and older Megatron-LM names).
 

@@ -45,8 +45,3 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
 def _iteration_of(path: Path) -> int | None:
     match = re.fullmatch(r"iter_(\d+)", path.name)
     return int(match.group(1)) if match else None
-
-
-def is_megatron_checkpoint(src: os.PathLike | str) -> bool:
-    """Whether ``src`` holds a Megatron checkpoint (``detect_megatron`` finds one)."""
-    return detect_megatron(src) is not None

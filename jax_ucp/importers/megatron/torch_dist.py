@@ -20,6 +20,7 @@ from jax_ucp.importers.megatron.common import (
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
     is_optimizer_name,
+    named_errors,
     param_groups,
     sharding_type,
     step_from_param_groups,
@@ -38,7 +39,7 @@ from jax_ucp.importers.megatron.model_space import (
 )
 from jax_ucp.importers.megatron.module_order import in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
-from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import (
     TENSORS,
@@ -46,6 +47,7 @@ from jax_ucp.importers.plan import (
     WHOLE,
     ImportPlan,
     Share,
+    agreed_step,
     host_item,
 )
 from jax_ucp.importers.torch import unpickler
@@ -89,9 +91,7 @@ def plan_torch_dist(
     """
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
-        for key, value in legacy.args_dict(common.get("args")).items():
-            if key in ARG_SETTINGS and settings.get(key) is None:
-                settings[key] = value
+        add_arg_settings(legacy.args_dict(common.get("args")), settings)
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
     chained = chained_layouts(checkpoint, common)
     if weights_only:
@@ -203,15 +203,13 @@ def _optimizer_step(
         if isinstance(optimizer_state, dict)
         else enumerate(optimizer_state or ())
     )
-    steps = {
-        step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
-        for i, part in sorted(members)
-    }
-    if len(steps) != 1:
-        raise MegatronImportError(
-            f"{common_path}: the ChainedOptimizer's members disagree on the step {sorted(steps)}"
-        )
-    return steps.pop()
+    steps: dict[float, str] = {}
+    for i, part in sorted(members):
+        step = step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
+        steps.setdefault(step, f"in optimizer {i}")
+    return agreed_step(
+        steps, str(common_path), recorded_by="ChainedOptimizer members", error=MegatronImportError
+    )
 
 
 def _torch_dist_info(
@@ -440,10 +438,8 @@ class _ModelWeight:
 
     def get(self) -> np.ndarray:
         if self.value is None:
-            try:
+            with named_errors():
                 self.value, self.pattern = self.reader.read(self.name, self.name)
-            except (dcp.DcpError, legacy.LegacyError) as e:
-                raise MegatronImportError(str(e)) from None
         return self.value
 
     def take(self) -> np.ndarray:
@@ -457,10 +453,8 @@ class _ModelWeight:
     def rows(self, lo: int, hi: int) -> np.ndarray:
         if self.value is not None:
             return self.value[lo:hi]
-        try:
+        with named_errors():
             return self.reader.read_rows(self.name, lo, hi)
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
 
 
 def _bucket_state(
@@ -471,24 +465,25 @@ def _bucket_state(
     (``writer.Deferred``); vocab padding stripped like the weight's, the master checked
     against it."""
 
-    def make() -> np.ndarray:
-        weight = model.get()
-        full = tuple(model.reader.checkpoint.tensors[name].shape)
-        try:
-            value = buckets.read(state, name)
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
-        if weight.ndim and weight.shape != full:
-            value = value[: weight.shape[0]]
+    def checked(value: np.ndarray, weight: np.ndarray, what: str, does: str) -> np.ndarray:
         if state == "param" and not _rounds_to(value, weight):
-            rounds = "equal" if weight.dtype == np.float32 else "round to"
             raise MegatronImportError(
-                f"tensor {name!r}: the fp32 master found in the {buckets.LAYOUT} state "
-                f"of {buckets.where} does not {rounds} the model weight: the grad-buffer "
-                f"layout jax_ucp derived does not match this checkpoint (another "
+                f"tensor {name!r}: {what} found in the {buckets.LAYOUT} state of "
+                f"{buckets.where} {does} "
+                f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
+                f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
                 f"megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
             )
         return value
+
+    def make() -> np.ndarray:
+        weight = model.get()
+        full = tuple(model.reader.checkpoint.tensors[name].shape)
+        with named_errors():
+            value = buckets.read(state, name)
+        if weight.ndim and weight.shape != full:
+            value = value[: weight.shape[0]]
+        return checked(value, weight, "the fp32 master", "does not")
 
     shape = _state_shape(model.reader, name)
     if shape is None:
@@ -497,22 +492,11 @@ def _bucket_state(
     def rows(lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` alone (the tensor is larger than the memory budget), the master
         checked against the same rows of the model weight (read alone too)."""
-        try:
+        with named_errors():
             value = buckets.read(state, name, rows=(lo, hi))
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
         if state != "param":
             return value
-        weight = model.rows(lo, hi)
-        if not _rounds_to(value, weight):
-            raise MegatronImportError(
-                f"tensor {name!r}: rows {lo}:{hi} of the fp32 master found in the "
-                f"{buckets.LAYOUT} state of {buckets.where} do not "
-                f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
-                f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
-                f"megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
-            )
-        return value
+        return checked(value, model.rows(lo, hi), f"rows {lo}:{hi} of the fp32 master", "do not")
 
     return writer.Deferred(shape, np.dtype(np.float32), make, bound=bound, rows=rows)
 

@@ -590,10 +590,4 @@ def detect(src: os.PathLike | str) -> Detection:
 
 def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
     """:func:`plan_orbax` with its options as one ``OrbaxOptions``."""
-    return plan_orbax(
-        src,
-        tag=options.tag,
-        spec=options.spec,
-        weights_only=options.weights_only,
-        share=options.share,
-    )
+    return plan_orbax(src, **vars(options))  # every option is one of its keywords
