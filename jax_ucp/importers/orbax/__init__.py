@@ -231,28 +231,21 @@ def plan_orbax(
         ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
         zarr3 = bool(getattr(md, "use_zarr3", False))
         source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
+        under = ((item,), ("key",)) if len(items) > 1 else ((), ())
         for key, key_types, leaf in _flatten(md.tree):
+            out = (under[0] + key, under[1] + key_types)
             if leaf is None:  # an empty node: a None value, no tensor to account for
-                out_key = ((item,) if len(items) > 1 else ()) + key
-                types = (("key",) if len(items) > 1 else ()) + key_types
-                leaves.append((out_key, types, ".".join(key), path, None, ocdbt, zarr3))
+                leaves.append((*out, ".".join(key), path, None, ocdbt, zarr3))
                 continue
             # the array's directory (or OCDBT key) Orbax's read spec joins from its name
             _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
-            chunk_shape = getattr(storage, "chunk_shape", None)
-            if chunk_shape is not None:
-                _check_chunks(
-                    _metadata_file(path, leaf.name, ocdbt, zarr3),
-                    name,
-                    tuple(leaf.shape),
-                    [tuple(chunk_shape)],
-                )
+            if getattr(storage, "chunk_shape", None) is not None:
+                where = _metadata_file(path, leaf.name, ocdbt, zarr3)
+                _check_chunks(where, name, tuple(leaf.shape), [tuple(storage.chunk_shape)])
             found.append(name)
-            out_key = ((item,) if len(items) > 1 else ()) + key
-            types = (("key",) if len(items) > 1 else ()) + key_types
-            leaves.append((out_key, types, name, path, leaf, ocdbt, zarr3))
+            leaves.append((*out, name, path, leaf, ocdbt, zarr3))
     for item, why in others.items():
         found.append(f"{item}/")
         skip(source, [f"{item}/"], why)
@@ -405,96 +398,77 @@ def _saved_sharding(leaf) -> SavedSharding | None:
 
 
 def _items(leaves) -> Iterator[writer.HostItem]:
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
-    from etils import epath
-
     contexts: dict[bool, Any] = {}
     strings: dict[str, dict] = {}
     for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
-        role, sub_role = role_of(key)
-        provenance = {"file": name, "tensors": [name]}
+        provenance: dict = {"file": name, "tensors": [name]}
         if leaf is None:
-            provenance = {"values": [f"{name} (an empty node)"]}
-            yield writer.HostItem(key, None, role, sub_role, provenance, key_types=key_types)
-            continue
-        kind = type(leaf).__name__
-        if kind == "StringMetadata":
+            value, provenance = None, {"values": [f"{name} (an empty node)"]}
+        elif type(leaf).__name__ == "StringMetadata":
             if path not in strings:
                 strings[path] = _read_json(os.path.join(path, STRINGS_FILE))
             value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
             if not isinstance(value, str):
                 raise OrbaxImportError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
-            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
-            continue
-        if kind not in ("ArrayMetadata", "ScalarMetadata"):
-            raise OrbaxImportError(
-                f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
-                f"scalars and strings"
-            )
-        if ocdbt not in contexts:
-            # Orbax's context keeps up to 100 MB of OCDBT data in its cache pool: nothing here
-            # is read twice, and the budget leaves no room for it (~50 MiB measured)
-            contexts[ocdbt] = ts.Context(
-                ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
-                ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
-            )
-        info = ocp.type_handlers.ParamInfo(
-            name=leaf.name,
-            parent_dir=epath.Path(path),
-            is_ocdbt_checkpoint=ocdbt,
-            use_zarr3=zarr3,
-            ts_context=contexts[ocdbt],
-        )
-        tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-        where = _metadata_file(path, leaf.name, ocdbt, zarr3)
-        array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
-        if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
-            value = _read(array, _data_files(path, leaf.name, ocdbt), name)().item()
-            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
-            continue
-        dtype = array.dtype.numpy_dtype
-        streamed = zstd_rows.rows_reader(
-            array, _data_files(path, leaf.name, ocdbt), name, OrbaxImportError
-        )
-        if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
-            shape = tuple(array.shape)
-            yield writer.HostItem(
-                key,
-                writer.Deferred(
-                    shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
-                ),
-                role,
-                sub_role,
-                provenance,
-                key_types=key_types,
-                saved_sharding=_saved_sharding(leaf),
-            )
-            continue
-        chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
-        budget = writer.memory_budget()
-        at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, budget)
-        if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
-            limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
-            array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, array.shape)
+        else:
+            value = _array(leaf, name, path, ocdbt, zarr3, contexts)
         yield writer.HostItem(
             key,
-            # read once the writer has room for the array and its decoded chunks
-            writer.Deferred(
-                tuple(array.shape),
-                dtype,
-                _read(array, _data_files(path, leaf.name, ocdbt), name),
-                bound=holds,
-                rows=_rows(array, _data_files(path, leaf.name, ocdbt), name)
-                if _by_rows(array.shape, dtype.itemsize, chunk, budget)
-                else None,
-            ),
-            role,
-            sub_role,
+            value,
+            *role_of(key),
             provenance,
             key_types=key_types,
-            saved_sharding=_saved_sharding(leaf),
+            saved_sharding=_saved_sharding(leaf) if isinstance(value, writer.Deferred) else None,
         )
+
+
+def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict):
+    """An array leaf as a ``writer.Deferred``, read once the writer has room for it (zstd chunks
+    decoded as a stream into the rows, else through TensorStore); a scalar leaf as its value."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    kind = type(leaf).__name__
+    if kind not in ("ArrayMetadata", "ScalarMetadata"):
+        raise OrbaxImportError(
+            f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
+            f"scalars and strings"
+        )
+    if ocdbt not in contexts:
+        # Orbax's context keeps up to 100 MB of OCDBT data in its cache pool: nothing here
+        # is read twice, and the budget leaves no room for it (~50 MiB measured)
+        contexts[ocdbt] = ts.Context(
+            ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
+            ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
+        )
+    info = ocp.type_handlers.ParamInfo(
+        name=leaf.name,
+        parent_dir=epath.Path(path),
+        is_ocdbt_checkpoint=ocdbt,
+        use_zarr3=zarr3,
+        ts_context=contexts[ocdbt],
+    )
+    tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+    where, data = _metadata_file(path, leaf.name, ocdbt, zarr3), _data_files(path, leaf.name, ocdbt)
+    array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
+    if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
+        return _read(array, data, name)().item()
+    shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
+    streamed = zstd_rows.rows_reader(array, data, name, OrbaxImportError)
+    if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
+        return writer.Deferred(
+            shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
+        )
+    chunk = tuple(array.chunk_layout.read_chunk.shape or shape)
+    budget = writer.memory_budget()
+    at_once, holds = _decoding(shape, dtype.itemsize, chunk, budget)
+    if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
+        limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
+        array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, shape)
+    rows = _rows(array, data, name) if _by_rows(shape, dtype.itemsize, chunk, budget) else None
+    # read once the writer has room for the array and its decoded chunks
+    return writer.Deferred(shape, dtype, _read(array, data, name), bound=holds, rows=rows)
 
 
 def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
