@@ -233,10 +233,7 @@ def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | No
 
 
 def chained_states(
-    checkpoint: dcp.DcpCheckpoint,
-    model_names: list[str],
-    settings: dict,
-    chained: list[str | None],
+    checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, chained: list[str | None]
 ) -> ChainedStates | None:
     """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
     buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None

@@ -9,10 +9,7 @@ import re
 import numpy as np
 
 from jax_ucp.importers.megatron import dcp
-from jax_ucp.importers.megatron.common import (
-    WEIGHTS_ONLY_HINT,
-    MegatronImportError,
-)
+from jax_ucp.importers.megatron.common import WEIGHTS_ONLY_HINT, MegatronImportError
 
 #: megatron-core's parameter registration order within a transformer layer (what its DDP grad
 #: buffer walks, reversed), by torch_dist name after ``decoder.layers.``. The local spec's

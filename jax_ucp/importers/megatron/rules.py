@@ -6,15 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jax_ucp.language import (
-    QKV,
-    ImportRule,
-    Partitioned,
-    Replicated,
-    Spec,
-    SwiGLU,
-    Vocab,
-)
+from jax_ucp.language import QKV, ImportRule, Partitioned, Replicated, Spec, SwiGLU, Vocab
 
 _VOCAB = r"(?:.*\.)?(?:embedding\.word_embeddings\.weight|output_layer\.(?:weight|bias))"
 

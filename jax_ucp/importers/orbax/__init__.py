@@ -41,13 +41,7 @@ from jax_ucp.importers.plan import (
 )
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
-__all__ = [
-    "OrbaxImportError",
-    "OrbaxOptions",
-    "detect",
-    "plan",
-    "plan_orbax",
-]
+__all__ = ["OrbaxImportError", "OrbaxOptions", "detect", "plan", "plan_orbax"]
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
