@@ -264,7 +264,8 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
         _check_numbers(node, path)
         config = loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise MegatronBridgeError(f"{path}: not valid YAML ({_one_line(e)})") from None
+        why = " ".join(str(e).split())[:300]  # on one line
+        raise MegatronBridgeError(f"{path}: not valid YAML ({why})") from None
     except RecursionError:
         raise MegatronBridgeError(f"{path}: nested too deeply to be a run config") from None
     finally:
@@ -275,10 +276,6 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
             f"with a 'model' section)"
         )
     return config
-
-
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())[:300]
 
 
 def _check_expanded_size(root: yaml.Node, path: Path) -> None:
@@ -370,7 +367,11 @@ _MODEL_INTS = {
     "pipeline_model_parallel_size": "pp",
     "expert_model_parallel_size": "ep",
 }
-_MODEL_BOOLS = {"gated_linear_unit": "swiglu", "add_bias_linear": "add_bias_linear"}
+_MODEL_BOOLS = {
+    "gated_linear_unit": "swiglu",
+    "add_bias_linear": "add_bias_linear",
+    "share_embeddings_and_output_weights": "untie_embeddings_and_output_weights",  # inverted
+}
 _MODEL_STRINGS = {
     "normalization": "normalization",
     "position_embedding_type": "position_embedding_type",
@@ -414,21 +415,13 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
         if value is not None:
             if type(value) is not bool:
                 raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected true/false")
-            settings[name] = value
+            settings[name] = not value if name.startswith("untie_") else value
     for key, name in _MODEL_STRINGS.items():
         value = fields.get(key)
         if value is not None:
             if not isinstance(value, str) or len(value) > 100:
                 raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected a name")
             settings[name] = value
-    share = fields.get("share_embeddings_and_output_weights")
-    if share is not None:
-        if type(share) is not bool:
-            raise MegatronBridgeError(
-                f"{where}: model.share_embeddings_and_output_weights is {share!r}, expected "
-                f"true/false"
-            )
-        settings["untie_embeddings_and_output_weights"] = not share
 
 
 def _vocab_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
@@ -529,14 +522,10 @@ def plan_megatron_bridge(
     source["framework"] = "megatron-bridge"
     source["iteration"] = checkpoint.step
     source["bridge"] = _bridge_info(checkpoint, run_config, config_path)
-    notes = list(source.get("notes", []))
-    notes = [n for n in notes if not n.startswith("vocab padding kept")] + _notes(
-        checkpoint, run_config, source
-    )
+    notes = [n for n in source.pop("notes", []) if not n.startswith("vocab padding kept")]
+    notes += _notes(checkpoint, run_config, source)
     if notes:
         source["notes"] = notes
-    else:
-        source.pop("notes", None)
     return dataclasses.replace(plan, source=source)
 
 

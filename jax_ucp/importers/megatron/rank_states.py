@@ -475,17 +475,7 @@ class RankStates:
                     block = out[a - lo : b - lo]
                     self._place_rows(block, rank, bucket, state, start, local, axis, chunks, a, b)
                 continue
-            target = out[layer] if skip else out
-            if axis is None:
-                target[...] = value
-                continue
-            at = 0
-            for c in chunks:  # the local piece is the rank's chunks joined along `axis`
-                size = c.sizes[skip + axis]
-                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
-                # a view of the piece (np.take would copy it first)
-                target[index] = value[(slice(None),) * axis + (slice(at, at + size),)]
-                at += size
+            _place(out[layer] if skip else out, value, axis, chunks, skip)
         return out
 
     def _place_rows(self, out, rank, bucket, state, start, local, axis, chunks, lo, hi) -> None:
@@ -498,17 +488,8 @@ class RankStates:
                 b - a, *local[1:]
             )
 
-        if axis is None:  # replicated over TP: the local piece is the tensor
-            out[...] = local_rows(lo, hi)
-            return
-        if axis != 0:  # split along another axis: every piece holds all rows
-            value = local_rows(lo, hi)
-            at = 0
-            for c in chunks:
-                size = c.sizes[axis]
-                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[1:], c.sizes[1:]))
-                out[(slice(None), *index)] = value[(slice(None),) * axis + (slice(at, at + size),)]
-                at += size
+        if axis != 0:  # replicated, or split along another axis: every piece holds all rows
+            _place(out, local_rows(lo, hi), axis, chunks, 0, rows=True)
             return
         at = 0
         for c in chunks:  # split along dim 0: the chunks' rows that fall in lo:hi
@@ -519,3 +500,21 @@ class RankStates:
                 a = at + g0 - c.offsets[0]
                 out[(slice(g0 - lo, g1 - lo), *index)] = local_rows(a, a + g1 - g0)
             at += size
+
+
+def _place(target, value, axis, chunks, skip: int, rows: bool = False) -> None:
+    """A rank's local piece ``value`` (its ``chunks`` joined along ``axis``; None: replicated,
+    the piece is the tensor) into ``target`` at the chunks' places, past ``skip`` leading layer
+    (and expert) axes; ``rows``: ``target`` and ``value`` are rows of dim 0 only."""
+    if axis is None:
+        target[...] = value
+        return
+    at = 0
+    for c in chunks:
+        size = c.sizes[skip + axis]
+        index = [slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:])]
+        if rows:  # every row of the chunk's dim 0 is in ``value``
+            index[0] = slice(None)
+        # a view of the piece (np.take would copy it first)
+        target[tuple(index)] = value[(slice(None),) * axis + (slice(at, at + size),)]
+        at += size
