@@ -235,9 +235,9 @@ def plan_orbax(
             _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
-            if getattr(storage, "chunk_shape", None) is not None:
+            if (chunk_shape := getattr(storage, "chunk_shape", None)) is not None:
                 where = _metadata_file(path, leaf.name, ocdbt, zarr3)
-                _check_chunks(where, name, tuple(leaf.shape), [tuple(storage.chunk_shape)])
+                _check_chunks(where, name, tuple(leaf.shape), [tuple(chunk_shape)])
             found.append(name)
             leaves.append((*out, name, path, leaf, ocdbt, zarr3))
     for item, why in others.items():
