@@ -295,30 +295,30 @@ class TorchDistReader:
         self.checkpoint = checkpoint
         self.spec = spec
 
-    def vocab_kind(self, name: str) -> Vocab | None:
-        """The vocab kind of ``name`` when its rule gives a vocab size (padding to strip)."""
+    def vocab_rows(self, name: str) -> int | None:
+        """The tokenizer's rows of ``name`` when its rule is a dim-0 vocab with a size (the
+        padding rows past them are stripped), else None."""
         match = self.spec.match(name)
-        if match is not None and isinstance(match.kind, Vocab):
-            if isinstance(match.kind.vocab_size, int):
-                return match.kind
+        kind = None if match is None else match.kind
+        if isinstance(kind, Vocab) and isinstance(kind.vocab_size, int) and kind.dim == 0:
+            return kind.vocab_size
         return None
 
     def stripped(self, names: list[str]) -> dict[str, list[int]]:
         """name -> [padded rows, kept rows] of every tensor whose padding is stripped."""
-        out = {}
-        for name in names:
-            kind = self.vocab_kind(name)
-            rows = self.checkpoint.tensors[name].shape[0] if kind is not None else 0
-            if kind is not None and rows > int(kind.vocab_size):
-                out[name] = [rows, int(kind.vocab_size)]
-        return out
+        return {
+            name: [rows, vocab]
+            for name in names
+            if (vocab := self.vocab_rows(name)) is not None
+            and (rows := self.checkpoint.tensors[name].shape[0]) > vocab
+        }
 
     def pattern(self, name: str) -> str:
         """The pattern ``read(name, name)`` records, known without reading the tensor."""
-        kind = self.vocab_kind(name)
-        if kind is None or kind.dim != 0:
+        vocab = self.vocab_rows(name)
+        if vocab is None:
             return "torch_dist-global"
-        return f"vocab(strip {self.checkpoint.tensors[name].shape[0]} -> {kind.vocab_size})"
+        return f"vocab(strip {self.checkpoint.tensors[name].shape[0]} -> {vocab})"
 
     def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of ``read(name, name)`` alone, from the chunks holding them."""
@@ -331,26 +331,23 @@ class TorchDistReader:
 
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
-        kind = self.vocab_kind(rule_name)
+        vocab = self.vocab_rows(rule_name)
         shape = self.checkpoint.tensors[rule_name].shape
         if self.checkpoint.tensors[tensor].shape != shape:
             # megatron-core < 0.15's flattened model-space optimizer state (see `unflatten`)
             value = unflatten(self.checkpoint.read(tensor), shape, tensor)
-            if kind is None or kind.dim != 0 or shape[0] <= kind.vocab_size:
+            if vocab is None or shape[0] <= vocab:
                 return value, "torch_dist-nd-flattened"
-            return value[
-                : kind.vocab_size
-            ], f"nd-flattened, vocab(strip {shape[0]} -> {kind.vocab_size})"
-        if kind is None or kind.dim != 0:
+            return value[:vocab], f"nd-flattened, vocab(strip {shape[0]} -> {vocab})"
+        if vocab is None:
             return self.checkpoint.read(tensor), "torch_dist-global"
         rows = self.checkpoint.tensors[tensor].shape[0]
-        if rows < kind.vocab_size:
+        if rows < vocab:
             raise MegatronImportError(
-                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={kind.vocab_size} "
+                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={vocab} "
                 f"({self.checkpoint.path / '.metadata'})"
             )
-        value = self.checkpoint.read(tensor, rows=kind.vocab_size)
-        return value, f"vocab(strip {rows} -> {kind.vocab_size})"
+        return self.checkpoint.read(tensor, rows=vocab), f"vocab(strip {rows} -> {vocab})"
 
 
 def bucket_items(
@@ -495,12 +492,10 @@ def _state_shape(reader: TorchDistReader, name: str) -> tuple[int, ...] | None:
     dim 0 as ``TorchDistReader.read`` strips the weight's), when it can be built row by row:
     None for megatron-core < 0.15's flattened model-space tensors and 0-d tensors."""
     full = tuple(int(d) for d in reader.checkpoint.tensors[name].shape)
-    if not full or name not in reader.checkpoint.tensors:
+    if not full:
         return None
-    kind = reader.vocab_kind(name)
-    if kind is not None and kind.dim == 0 and full[0] > kind.vocab_size:
-        return (int(kind.vocab_size), *full[1:])
-    return full
+    vocab = reader.vocab_rows(name)
+    return full if vocab is None or full[0] <= vocab else (vocab, *full[1:])
 
 
 def _rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> bool:
