@@ -69,21 +69,17 @@ def plan_megatron(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """The import of a Megatron checkpoint (torch_dist or legacy; detected).
-
-    ``spec``: a :class:`jax_ucp.language.Spec`, a shipped spec name or a TOML path; its settings
-    (e.g. ``vocab_size``) and import rules are used. ``vocab_size`` (the tokenizer's, before
-    Megatron's padding) overrides the spec's. ``weights_only``: the model weights alone, the
-    optimizer state (whatever its layout) skipped and listed in the manifest's source. Every
-    check that needs no tensor bytes runs before this returns.
+    """The import of a Megatron checkpoint (torch_dist or legacy; detected). Every check that
+    needs no tensor bytes runs before this returns.
 
     Args:
         src: the checkpoint folder (a save root or one ``iter_N``).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        vocab_size: the tokenizer's vocabulary size, before Megatron's padding.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path); its settings (e.g.
+            ``vocab_size``) and import rules are used.
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
+            spec's).
+        weights_only: the model weights alone; the optimizer state (whatever its layout) is
+            skipped and listed in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
     with named_errors():

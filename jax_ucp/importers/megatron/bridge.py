@@ -478,17 +478,15 @@ def plan_megatron_bridge(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """The import of a Megatron Bridge checkpoint (a save directory or one ``iter_N/``).
-
-    The model settings come from ``run_config.yaml``; a ``spec``'s own settings and
-    ``vocab_size`` override them. ``weights_only``: the optimizer state skipped and listed in
-    the manifest's source. The rest is the Megatron importer's torch_dist import.
+    """The import of a Megatron Bridge checkpoint: the model settings from ``run_config.yaml``,
+    the rest the Megatron importer's torch_dist import.
 
     Args:
         src: a Bridge save directory or one ``iter_N/``.
         spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        vocab_size: the tokenizer's vocabulary size, before Megatron's padding.
+            settings; its own settings override the run config's.
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
+            run config's).
         weights_only: the model weights alone; the optimizer state is skipped and listed in
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).

@@ -207,7 +207,7 @@ class GatheredStates(RankStates):
         return sorted({self.checkpoint.objects[n].file for n in self.names.values()})
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        return getattr(self.buffers[rank], state)[start:end]
+        return self.buffers[rank].arrays[state][start:end]
 
     def source(self, rank: int, bucket: int, state: str) -> str:
         return self.names[rank]

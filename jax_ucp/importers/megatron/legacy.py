@@ -459,10 +459,10 @@ def bucket_layout(
 
 @dataclass
 class DistribOptimState:
+    """One buffer of a ``distrib_optim.pt``: its flat fp32 states, checked."""
+
     path: Path | str
-    param: np.ndarray  # flat fp32 master weights
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
+    arrays: dict[str, np.ndarray]  # "param" (fp32 masters), "exp_avg", "exp_avg_sq"
     numel_unpadded: int
     #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
     names: dict[str, str] = field(default_factory=dict)
@@ -535,12 +535,4 @@ def distrib_optim_state(
             f"{[a.size for a in arrays.values()]} elements"
         )
     names = {state_name: f"{index}.{dtypes}.{state_name}" for state_name in arrays}
-    return DistribOptimState(
-        path,
-        arrays["param"],
-        arrays["exp_avg"],
-        arrays["exp_avg_sq"],
-        numel,
-        names,
-        list(tensor_names(saved)),
-    )
+    return DistribOptimState(path, arrays, numel, names, list(tensor_names(saved)))

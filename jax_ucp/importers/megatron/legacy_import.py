@@ -513,7 +513,7 @@ def _slice_distrib_optim(
         for state_name, per_name in out.items():
             per_stage = per_name.setdefault(global_name, {})
             per_tp = per_stage.setdefault(stage, [None] * checkpoint.tp)
-            per_tp[tp_rank] = getattr(buffers, state_name)[start:end].reshape(value.shape)
+            per_tp[tp_rank] = buffers.arrays[state_name][start:end].reshape(value.shape)
             flat = f"{_rank_dir_file(checkpoint, Path(buffers.path))}:{buffers.names[state_name]}"
             sources[state_name].setdefault(global_name, []).append(flat)
 

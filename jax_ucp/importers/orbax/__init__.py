@@ -193,15 +193,12 @@ def plan_orbax(
     """The import of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
     its tree path (under the item name when a step has several PyTree items).
 
-    ``tag``: the step of a manager root (default: the latest committed one). ``weights_only``:
-    only the ``params`` subtree (everything else listed in ``source.skipped``).
-
     Args:
         src: the Orbax checkpoint, step or manager root.
         tag: the step of a manager root (None: the latest committed).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: only the ``params`` subtree.
+        spec: refused (an Orbax import keeps the saved tree).
+        weights_only: only the ``params`` subtree (everything else listed in
+            ``source.skipped``).
         share: this process's part of a distributed import (default: the whole).
     """
     refuse_spec(spec, "Orbax imports keep the saved tree", OrbaxImportError)
