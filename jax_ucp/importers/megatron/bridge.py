@@ -380,17 +380,8 @@ _MODEL_STRINGS = {
 
 def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
     """Import settings from a run config's ``model`` section (its ``transformer`` sub-section
-    for Bridge's newer ``GPTModelConfig``): the values a spec needs, each type-checked."""
-    fields = _model_fields(run_config, where)
-    settings: dict[str, Any] = {}
-    _named_settings(fields, where, settings)
-    _vocab_settings(fields, where, settings)
-    _ddp_settings(run_config, where, settings)
-    return settings
-
-
-def _model_fields(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
-    """The ``model`` section, with a ``transformer`` sub-section's fields lifted beside it."""
+    for Bridge's newer ``GPTModelConfig``) and its ``ddp`` gradient-bucket settings: the values
+    a spec needs, each type-checked."""
     model = run_config.get("model")
     if not isinstance(model, dict):
         raise MegatronBridgeError(
@@ -400,7 +391,22 @@ def _model_fields(run_config: Mapping[str, Any], where: os.PathLike | str) -> di
     fields = dict(model)
     if isinstance(model.get("transformer"), dict):  # GPTModelConfig keeps them one level down
         fields = {**model["transformer"], **{k: v for k, v in model.items() if k != "transformer"}}
-    return fields
+    settings: dict[str, Any] = {}
+    _named_settings(fields, where, settings)
+    if fields.get("vocab_size") is not None:
+        vocab = settings["vocab_size"] = _int_field(fields["vocab_size"], "vocab_size", where)
+        if fields.get("should_pad_vocab") is not True:  # vocab_size is the embedding's row count
+            settings["padded_vocab_size"] = vocab
+        elif (divisible := fields.get("make_vocab_size_divisible_by")) is not None:
+            # Bridge pads it to a multiple of divisible_by * TP
+            key = "make_vocab_size_divisible_by"
+            settings[key] = _int_field(divisible, key, where)
+    ddp = _section(run_config, "ddp")
+    if type(ddp.get("overlap_grad_reduce")) is bool:
+        settings["overlap_grad_reduce"] = ddp["overlap_grad_reduce"]
+    if ddp.get("bucket_size") is not None:
+        settings["ddp_bucket_size"] = _int_field(ddp["bucket_size"], "ddp.bucket_size", where)
+    return settings
 
 
 def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
@@ -422,33 +428,6 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
             if not isinstance(value, str) or len(value) > 100:
                 raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected a name")
             settings[name] = value
-
-
-def _vocab_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
-    """``vocab_size`` into ``settings``: with its padding rule when Bridge pads it, else as the
-    embedding's row count."""
-    vocab = fields.get("vocab_size")
-    if vocab is not None:
-        vocab = _int_field(vocab, "vocab_size", where)
-        settings["vocab_size"] = vocab
-        if fields.get("should_pad_vocab") is True:  # Bridge pads it (divisible_by * TP)
-            divisible = fields.get("make_vocab_size_divisible_by")
-            if divisible is not None:
-                settings["make_vocab_size_divisible_by"] = _int_field(
-                    divisible, "make_vocab_size_divisible_by", where
-                )
-        else:  # vocab_size is the embedding's row count
-            settings["padded_vocab_size"] = vocab
-
-
-def _ddp_settings(run_config: Mapping[str, Any], where: os.PathLike | str, settings: dict) -> None:
-    """The ``ddp`` section's gradient-bucket settings into ``settings``."""
-    ddp = run_config.get("ddp")
-    if isinstance(ddp, dict):
-        if type(ddp.get("overlap_grad_reduce")) is bool:
-            settings["overlap_grad_reduce"] = ddp["overlap_grad_reduce"]
-        if ddp.get("bucket_size") is not None:
-            settings["ddp_bucket_size"] = _int_field(ddp["bucket_size"], "ddp.bucket_size", where)
 
 
 def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:

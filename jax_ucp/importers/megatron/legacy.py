@@ -182,16 +182,12 @@ def args_dict(args: Any) -> dict[str, Any]:
     }
 
 
-def _inside_iteration(path: Path) -> None:
-    """``iter_N/mp_rank_XX/<file>``, links followed, stays inside ``iter_N``."""
-    iteration = path.parent.parent
-    files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
-
-
 def _load(path: Path) -> Any:
-    """A rank directory's torch file, through the restricted unpickler."""
+    """A rank directory's torch file (``iter_N/mp_rank_XX/<file>``), through the restricted
+    unpickler; one linked to a file outside ``iter_N`` is never read."""
+    iteration = path.parent.parent
     try:
-        _inside_iteration(path)  # a rank file linked to a file elsewhere is never read
+        files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
         return unpickler.load_torch_file(path, LEGACY_CLASSES)
     except (files.UnsafeFileError, unpickler.TorchFileError) as e:
         raise LegacyError(str(e)) from None
