@@ -444,7 +444,7 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
     where, data = _metadata_file(path, leaf.name, ocdbt, zarr3), _data_files(path, leaf.name, ocdbt)
     array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
     if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
-        return _read(array, data, name)().item()
+        return _read(array, data, name).item()
     shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
     streamed = zstd_rows.rows_reader(array, data, name, OrbaxImportError)
     if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
@@ -457,9 +457,10 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
     if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
         limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
         array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, shape)
-    rows = _rows(array, data, name) if _by_rows(shape, dtype.itemsize, chunk, budget) else None
+    read = functools.partial(_read, array, data, name)
+    rows = read if _by_rows(shape, dtype.itemsize, chunk, budget) else None
     # read once the writer has room for the array and its decoded chunks
-    return writer.Deferred(shape, dtype, _read(array, data, name), bound=holds, rows=rows)
+    return writer.Deferred(shape, dtype, read, bound=holds, rows=rows)
 
 
 def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
@@ -490,43 +491,27 @@ def _data_files(path: str, name: str, ocdbt: bool) -> str:
     return os.path.join(path, name)
 
 
-def _rows(array, where: str, name: str):
-    """Reads rows ``lo:hi`` of dim 0 alone (decoding only the chunks holding them), its errors
-    as the whole read's."""
-
+def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = None):
+    """The whole array, or rows ``lo:hi`` of dim 0 alone (decoding only the chunks holding
+    them); a missing, truncated or corrupt chunk file is an error naming the array, where its
+    chunks lie and the file TensorStore names."""
     import tensorstore as ts
 
-    def rows(lo: int, hi: int):
+    try:
+        if lo is None or hi is None:
+            return array.read().result()
         # read into a private mapping unmapped once written (``writer.unpooled_empty``): a slab
         # TensorStore allocates stays resident in glibc's heap after it is freed
         out = writer.unpooled_empty((hi - lo, *array.shape[1:]), array.dtype.numpy_dtype)
         view = array[lo:hi].translate_to[(0,) * array.rank]
-        try:
-            ts.array(out, copy=False, write=True).write(view).result()
-        except ValueError as e:
-            raise OrbaxImportError(
-                f"{where}: reading rows {lo}:{hi} of array {name!r} failed (missing, truncated "
-                f"or corrupt chunk data): {tensorstore_message(e)}"
-            ) from None
+        ts.array(out, copy=False, write=True).write(view).result()
         return out
-
-    return rows
-
-
-def _read(array, where: str, name: str):
-    """Reads the whole array; a missing, truncated or corrupt chunk file is an error naming the
-    array, where its chunks lie and the file TensorStore names."""
-
-    def read():
-        try:
-            return array.read().result()
-        except ValueError as e:
-            raise OrbaxImportError(
-                f"{where}: reading array {name!r} failed (missing, truncated or corrupt chunk "
-                f"data): {tensorstore_message(e)}"
-            ) from None
-
-    return read
+    except ValueError as e:
+        rows = "" if lo is None else f"rows {lo}:{hi} of "
+        raise OrbaxImportError(
+            f"{where}: reading {rows}array {name!r} failed (missing, truncated or corrupt chunk "
+            f"data): {tensorstore_message(e)}"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
