@@ -260,8 +260,7 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
         node = loader.get_single_node()
         if node is None:
             raise MegatronBridgeError(f"{path}: empty, expected Bridge's run config (a mapping)")
-        _check_expanded_size(node, path)
-        _check_numbers(node, path)
+        _check_nodes(node, path)
         config = loader.construct_document(node)
     except yaml.YAMLError as e:
         why = " ".join(str(e).split())[:300]  # on one line
@@ -278,78 +277,63 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
     return config
 
 
-def _check_expanded_size(root: yaml.Node, path: Path) -> None:
-    """Refuse a document whose nodes, aliases expanded, exceed MAX_YAML_NODES or that contains
-    itself; linear in the composed graph (each node's expanded size is computed once)."""
-    size: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        key = id(node)
-        if done:
-            on_path.discard(key)
-            total = 1 + sum(size[id(child)] for child in _children(node))
-            if total > MAX_YAML_NODES:
-                raise MegatronBridgeError(
-                    f"{path}: more than {MAX_YAML_NODES} YAML nodes once its aliases are "
-                    f"expanded (an alias bomb?); Bridge's run config has a few thousand"
-                )
-            size[key] = total
-            continue
-        if key in size:
-            continue
-        if key in on_path:
-            raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
-        on_path.add(key)
-        stack.append((node, True))
-        for child in _children(node):
-            if id(child) in on_path:
-                raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
-            if id(child) not in size:
-                stack.append((child, False))
-
-
 #: Longest number a run config may spell (Bridge's are a few digits; Python refuses to build an
 #: int from 4300 decimal digits, and would build one from millions of hex digits).
 MAX_NUMBER_CHARS = 64
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
-def _check_numbers(root: yaml.Node, path: Path) -> None:
-    """Refuse, before anything is built, a number spelled with more than
-    :data:`MAX_NUMBER_CHARS` characters, naming its key and line (linear: each node once)."""
-    seen: set[int] = set()
-    stack: list[tuple[yaml.Node, str]] = [(root, "(document)")]
+def _check_nodes(root: yaml.Node, path: Path) -> None:
+    """Refuse, before anything is built, a document whose nodes, aliases expanded, exceed
+    MAX_YAML_NODES, that contains itself, or that spells a number with more than
+    :data:`MAX_NUMBER_CHARS` characters (naming its key and line); linear in the composed graph
+    (each node checked once, its expanded size computed once)."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, str, bool]] = [(root, "(document)", False)]
     while stack:
-        node, key = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.ScalarNode):
-            if node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+        node, key, done = stack.pop()
+        if done:
+            on_path.discard(id(node))
+            total = 1 + sum(size[id(child)] for child, _ in _children(node, key))
+            if total > MAX_YAML_NODES:
                 raise MegatronBridgeError(
-                    f"{path}: {key} (line {node.start_mark.line + 1}) is a number of "
-                    f"{len(node.value)} characters ({node.value[:20]}...); a run config's "
-                    f"numbers have at most {MAX_NUMBER_CHARS}"
+                    f"{path}: more than {MAX_YAML_NODES} YAML nodes once its aliases are "
+                    f"expanded (an alias bomb?); Bridge's run config has a few thousand"
                 )
-        elif isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                name = k.value[:100] if isinstance(k, yaml.ScalarNode) else "(a key)"
-                stack += [
-                    (k, f"a key under {key}"),
-                    (v, name if key == "(document)" else f"{key}.{name}"),
-                ]
-        elif isinstance(node, yaml.SequenceNode):
-            stack += [(v, f"{key}[{i}]") for i, v in enumerate(node.value)]
+            size[id(node)] = total
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in on_path:
+            raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
+        number = isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS
+        if number and len(node.value) > MAX_NUMBER_CHARS:
+            raise MegatronBridgeError(
+                f"{path}: {key} (line {node.start_mark.line + 1}) is a number of "
+                f"{len(node.value)} characters ({node.value[:20]}...); a run config's "
+                f"numbers have at most {MAX_NUMBER_CHARS}"
+            )
+        on_path.add(id(node))
+        stack.append((node, key, True))
+        for child, child_key in _children(node, key):
+            if id(child) in on_path:
+                raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
+            if id(child) not in size:
+                stack.append((child, child_key, False))
 
 
-def _children(node: yaml.Node) -> list[yaml.Node]:
+def _children(node: yaml.Node, key: str) -> list[tuple[yaml.Node, str]]:
+    """A node's children, each with the key path errors name it by."""
     if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
+        return [(v, f"{key}[{i}]") for i, v in enumerate(node.value)]
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    out = []
+    for k, v in node.value:
+        name = k.value[:100] if isinstance(k, yaml.ScalarNode) else "(a key)"
+        out += [(k, f"a key under {key}"), (v, name if key == "(document)" else f"{key}.{name}")]
+    return out
 
 
 # run_config.yaml model field -> import setting (Megatron-LM's argument names, which the
