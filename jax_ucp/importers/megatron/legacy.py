@@ -19,6 +19,7 @@ and the output layer in the last, so the importer numbers layers as for a plain 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -98,15 +99,19 @@ class LegacyCheckpoint:
     iteration: int | None
     tp: int
     pp: int
-    ranks: dict[tuple[int, int], RankFile]  # (pp, tp) -> file
-    args: dict[str, Any] = field(default_factory=dict)
-    checkpoint_version: float | None = None
-    distrib_optim: dict[tuple[int, int], Path] = field(default_factory=dict)
-    ep: int = 1
-    ep_ranks: dict[tuple[int, int, int], RankFile] = field(default_factory=dict)  # (pp, tp, ep)
+    ep: int
+    ep_ranks: dict[tuple[int, int, int], RankFile]  # (pp, tp, ep) -> file
+    args: dict[str, Any]
+    checkpoint_version: float | None
+    distrib_optim: dict[tuple[int, int], Path]  # (pp, tp) -> EP rank 0's distrib_optim.pt
     # virtual pipeline: model chunks per rank file (``pp`` then counts virtual stages, chunk v of
     # pipeline rank p being stage v * (pp // virtual_pipeline) + p); 1 without
-    virtual_pipeline: int = 1
+    virtual_pipeline: int
+
+    @functools.cached_property
+    def ranks(self) -> dict[tuple[int, int], RankFile]:
+        """(pp, tp) -> EP rank 0's file."""
+        return {(pp, tp): r for (pp, tp, ep), r in self.ep_ranks.items() if ep == 0}
 
     def distrib_optim_buffer(self, key: tuple[int, int]) -> tuple[int, int]:
         """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
@@ -294,7 +299,6 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     root, iteration_dir, iteration = resolve_iteration_dir(Path(src))
     directories = _rank_directories(iteration_dir)
     pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
-    ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
     virtual: int | None = None
@@ -324,12 +328,10 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         for stage, model_key, flat in parts:
             rank_file = RankFile(tp_rank, stage, path, state, flat, ep_rank, model_key)
             ep_ranks[(stage, tp_rank, ep_rank)] = rank_file
-            if ep_rank == 0:
-                ranks[(stage, tp_rank)] = rank_file
         if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
             for stage, _, _ in parts:
                 distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
-    first = ranks[(0, 0)]
+    first = ep_ranks[(0, 0, 0)]
     assert virtual is not None  # set by the rank file of (0, 0)
     args = args_dict(first.state.get("args"))
     for name, size in (
@@ -354,12 +356,11 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         iteration if iteration is not None else first.state.get("iteration"),
         tp_size,
         pp_size * virtual,
-        ranks,
+        ep_size,
+        ep_ranks,
         args,
         float(version) if isinstance(version, (int, float)) else None,
         distrib_optim,
-        ep_size,
-        ep_ranks,
         virtual,
     )
 

@@ -661,11 +661,6 @@ def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
         "format": "legacy",
         "tp": checkpoint.tp,
         "pp": checkpoint.pp // checkpoint.virtual_pipeline,  # virtual stages: pp * vp
-        **(
-            {"virtual_pipeline": checkpoint.virtual_pipeline}
-            if checkpoint.virtual_pipeline > 1
-            else {}
-        ),
         "ep": checkpoint.ep,
         "iteration": checkpoint.iteration,
         "vocab_stripped": stripped,
@@ -675,6 +670,8 @@ def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
         "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
         "optimizer": plan.optimizer is not None,
     }
+    if checkpoint.virtual_pipeline > 1:
+        info["virtual_pipeline"] = checkpoint.virtual_pipeline
     if not checkpoint.distrib_optim and any(
         "optimizer" in r.state for r in checkpoint.ranks.values()
     ):
