@@ -530,19 +530,8 @@ def torch_dist_items(
     """
     checkpoint = reader.checkpoint
     for name in model_names:
-        tensor = checkpoint.tensors[name]
-        provenance = {
-            "format": "torch_dist",
-            "files": tensor.files,
-            "chunks": len(tensor.chunks),
-            TENSORS: [name],
-        }
-        if not optimizer_tensors:
-            value, pattern = reader.read(name, name)
-            yield host_item(("params", name), value, {**provenance, "pattern": pattern})
-            continue
         for state_name, tree in OPTIMIZER_STATE_TREES.items():
-            source_name = optimizer_tensors[name].get(state_name)
+            source_name = optimizer_tensors[name].get(state_name) if optimizer_tensors else None
             if source_name is None:
                 continue
             source = checkpoint.tensors[source_name]
@@ -552,17 +541,26 @@ def torch_dist_items(
                     f"expected float32 ({', '.join(source.files)})"
                 )
             value, pattern = reader.read(source_name, name)
-            state_provenance = {
+            provenance = {
                 "format": "torch_dist",
                 "files": source.files,
                 "source_name": source_name,
                 "pattern": pattern,
                 TENSORS: [source_name],
             }
-            yield host_item((*tree, name), value, state_provenance)
-        if want_model:
+            yield host_item((*tree, name), value, provenance)
+        if want_model or not optimizer_tensors:  # the model weight, or its model-precision copy
+            tensor = checkpoint.tensors[name]
             value, pattern = reader.read(name, name)
-            yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
+            provenance = {
+                "format": "torch_dist",
+                "files": tensor.files,
+                "chunks": len(tensor.chunks),
+                TENSORS: [name],
+                "pattern": pattern,
+            }
+            root = "model_params" if optimizer_tensors else "params"
+            yield host_item((root, name), value, provenance)
     if optimizer_tensors and count is not None:
         yield host_item(
             ("opt_state", "count"),
