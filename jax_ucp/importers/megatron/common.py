@@ -37,6 +37,13 @@ SUPPORTED_LAYOUTS = (
     "'fully_sharded_model_space' (0.13-0.15, Megatron-LM's default in 0.13/0.14), "
     "'dp_zero_gather_scatter' (0.13-0.19)"
 )
+#: Adam's state in megatron-core's flat buffers (``distrib_optim.pt``, the per-rank layouts),
+#: and where each goes in the output tree.
+STATE_TREES = {
+    "param": ("params",),
+    "exp_avg": ("opt_state", "mu"),
+    "exp_avg_sq": ("opt_state", "nu"),
+}
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
     "convert(..., weights_only=True) / jax-ucp convert --weights-only"

@@ -17,6 +17,7 @@ import tensorstore as ts
 from jax_ucp import writer
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.megatron.common import (
+    STATE_TREES,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
     ddp_bucket_size,
@@ -50,12 +51,6 @@ from jax_ucp.language import (
 _LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.weight[12]$")
-# distrib_optim.pt's flat buffers, and where each goes in the output tree
-_OPTIMIZER_BUFFERS = (
-    ("param", ("params",)),
-    ("exp_avg", ("opt_state", "mu")),
-    ("exp_avg_sq", ("opt_state", "nu")),
-)
 
 # global name -> {stage (or ("emb" | "out", stage) once tied): [per-TP arrays]}
 _Fragments = dict[str, dict[Any, list]]
@@ -457,7 +452,7 @@ def _legacy_distrib_optim(
         )
     bucket_size = ddp_bucket_size(settings)
     tied = settings.get("untie_embeddings_and_output_weights") is False
-    out: dict[str, _Fragments] = {state_name: {} for state_name, _ in _OPTIMIZER_BUFFERS}
+    out: dict[str, _Fragments] = {state_name: {} for state_name in STATE_TREES}
     sources: dict[str, dict[str, list[str]]] = {state_name: {} for state_name in out}
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
@@ -615,7 +610,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
             )
             yield host_item(("params", name), value, {**weights, "pattern": pattern})
             continue
-        for state_name, tree in _OPTIMIZER_BUFFERS:
+        for state_name, tree in STATE_TREES.items():
             what = f"distrib_optim.pt {state_name}"
             value, pattern = merger.deferred(name, plan.optimizer[state_name][name], what)
             yield host_item(

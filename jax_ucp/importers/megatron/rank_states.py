@@ -12,6 +12,7 @@ import numpy as np
 from jax_ucp import writer
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
+    STATE_TREES,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
     element_count,
@@ -37,7 +38,7 @@ class RankStates:
     up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
     Subclasses say where the flat vectors are and how the buffer splits into buckets."""
 
-    STATES = ("param", "exp_avg", "exp_avg_sq")
+    STATES = tuple(STATE_TREES)
     LAYOUT: str  # megatron-core's name of the saved layout, set by each subclass
     layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
 

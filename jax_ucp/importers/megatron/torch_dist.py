@@ -16,6 +16,7 @@ from jax_ucp import writer
 from jax_ucp.format import files
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
+    STATE_TREES,
     SUPPORTED_LAYOUTS,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
@@ -380,9 +381,7 @@ def bucket_items(
             "files": files,
             "pattern": f"{buckets.LAYOUT} (TP={buckets.tp}, PP={buckets.pp})",
         }
-        for state, tree in zip(
-            RankStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
-        ):
+        for state, tree in STATE_TREES.items():
             sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
