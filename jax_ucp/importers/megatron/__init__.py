@@ -46,6 +46,7 @@ from jax_ucp.importers.plan import (
     Share,
     glob_detection,
 )
+from jax_ucp.importers.torch.optimizer import jsonable
 from jax_ucp.language import Spec, load_spec
 
 __all__ = [
@@ -103,8 +104,8 @@ def plan_megatron(
         "path": os.path.abspath(source_dir.ckpt_dir),
         "iteration": source_dir.iteration if source_dir.iteration is not None else iteration,
         "vocab_size": settings.get("vocab_size"),
-        "settings": _jsonable(settings),
-        **_jsonable(info),
+        "settings": jsonable(settings),
+        **jsonable(info),
     }
     if settings.get("vocab_size") is None:
         source.setdefault("notes", []).append(
@@ -119,18 +120,6 @@ def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.Ho
     """``items``, with the readers' errors met while reading raised as this importer's."""
     with named_errors():
         yield from items
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)
 
 
 @dataclasses.dataclass(frozen=True)
