@@ -113,33 +113,25 @@ def _resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[s
 def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
     """(step directory, step) of ``src``: a manager root's ``tag`` step (default: the latest
     committed one), or ``src`` itself when it is one step (its number when its name is one)."""
-    step = None
-    if not os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
-        steps = _steps(src) if os.path.isdir(src) else {}
-        if not steps:
-            raise OrbaxImportError(
-                f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
-                f"{CHECKPOINT_METADATA}, no committed step directories)"
-            )
-        if tag is None:
-            step = max(steps)
-        else:
-            try:
-                step = int(tag)
-            except ValueError:
-                step = -1
-            if step not in steps:
-                raise OrbaxImportError(
-                    f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}"
-                ) from None
-        _inside(src, os.path.basename(steps[step]), f"{src}: step directory")
-        src = steps[step]
-    elif tag is not None:
-        raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
-    else:  # a step directory given itself: its number, when its name is one
+    if os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
+        if tag is not None:
+            raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
         m = _STEP.fullmatch(os.path.basename(src))
-        step = int(m.group(1)) if m else None
-    return src, step
+        return src, int(m.group(1)) if m else None
+    steps = _steps(src) if os.path.isdir(src) else {}
+    if not steps:
+        raise OrbaxImportError(
+            f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
+            f"{CHECKPOINT_METADATA}, no committed step directories)"
+        )
+    try:
+        step = max(steps) if tag is None else int(tag)
+    except ValueError:
+        step = None
+    if step not in steps:
+        raise OrbaxImportError(f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}")
+    _inside(src, os.path.basename(steps[step]), f"{src}: step directory")
+    return steps[step], step
 
 
 def _item_handlers(src: str) -> dict:
