@@ -101,6 +101,15 @@ def ddp_bucket_size(settings: dict) -> int | None:
     return int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
 
 
+def tied_embeddings(model_names: list[str], settings: dict) -> list[str]:
+    """The word embeddings that are the output layer too: megatron-core saves a tied output
+    layer only as the embedding (no ``output_layer.weight``)."""
+    untied = settings.get("untie_embeddings_and_output_weights") is True
+    if untied or any(n.endswith("output_layer.weight") for n in model_names):
+        return []
+    return [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+
+
 def element_count(shape) -> int:
     """Elements of ``shape``, in 64-bit integers (a torch_dist shape may exceed 2**31)."""
     return int(np.prod(shape, dtype=np.int64))

@@ -17,6 +17,7 @@ from jax_ucp.importers.megatron.common import (
     MegatronImportError,
     element_count,
     step_from_param_groups,
+    tied_embeddings,
 )
 from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
 from jax_ucp.importers.plan import agreed_step
@@ -68,16 +69,8 @@ class RankStates:
         self._read_experts()
         self.tp = self._tp_size(model_names)
         self._read_parallelism(ranks, pp)
-        has_output = any(n.endswith("output_layer.weight") for n in model_names)
-        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
-        self.tied_copy = (
-            embedding[0]
-            if self.pp > 1
-            and embedding
-            and not has_output
-            and settings.get("untie_embeddings_and_output_weights") is not True
-            else None
-        )
+        tied = tied_embeddings(model_names, settings)
+        self.tied_copy = tied[0] if self.pp > 1 and tied else None
 
     def _read_layers(self, model_names: list[str]) -> None:
         """The stacked (or per-layer) decoder tensors, the layer count, and the tensors before

@@ -25,6 +25,7 @@ from jax_ucp.importers.megatron.common import (
     param_groups,
     sharding_type,
     step_from_param_groups,
+    tied_embeddings,
 )
 from jax_ucp.importers.megatron.distopt import (
     BucketStates,
@@ -214,9 +215,6 @@ def _torch_dist_info(
     """What the manifest's source records about a torch_dist checkpoint."""
     iteration = common.get("iteration") if isinstance(common, dict) else None
     buckets = optimizer.buckets
-    # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
-    untie = settings.get("untie_embeddings_and_output_weights")
-    has_output = any(n.endswith("output_layer.weight") for n in model_names)
     info = {
         "format": "torch_dist",
         "tensors": len(model_names),
@@ -232,11 +230,7 @@ def _torch_dist_info(
     }
     if skipped:
         info["skipped"] = skipped
-    info["tied_embeddings"] = (
-        [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
-        if not has_output and untie is not True
-        else []
-    )
+    info["tied_embeddings"] = tied_embeddings(model_names, settings)
     return info
 
 
