@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 
 from jax_ucp.format import files
-from jax_ucp.importers.megatron import MegatronImportError, plan_megatron
+from jax_ucp.importers.megatron import MegatronImportError, legacy, plan_megatron
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 from jax_ucp.importers.torch import unpickler
 from jax_ucp.language import Spec, load_spec
@@ -61,7 +61,7 @@ __all__ = [
 TRAIN_STATE_FILE = "train_state.pt"
 LATEST_TRAIN_STATE_FILE = "latest_train_state.pt"
 RUN_CONFIG_FILE = "run_config.yaml"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = legacy.TRACKER_FILE
 #: Bridge's run_config.yaml is ~25 KB for a full ConfigContainer; 16 MiB leaves room for
 #: very large recipes and keeps a hostile file from being read whole into memory.
 MAX_RUN_CONFIG_BYTES = 16 << 20
@@ -150,11 +150,19 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
     if os.path.lexists(latest) and not os.path.lexists(path / TRAIN_STATE_FILE):
         step = read_train_state(latest)["step"]
         iter_dir = path / f"iter_{step:07d}"
-        _check_tracker(path / TRACKER_FILE, step, latest)
+        # Megatron-LM's tracker (Bridge writes it with the same step) must not name another save
+        tracked = _tracker_step(path / TRACKER_FILE)
+        if tracked is not None and tracked != step:
+            raise MegatronBridgeError(
+                f"{path / TRACKER_FILE}: iteration {tracked}, but {latest} says step {step}; the "
+                f"two trackers of one Bridge save agree (a later save by another tool?)"
+            )
         if not iter_dir.is_dir():
+            found = sorted(p.name for p in path.iterdir() if _ITER_DIR.fullmatch(p.name))
+            shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
             raise MegatronBridgeError(
                 f"{latest}: step {step}, but {iter_dir} (its iteration directory) is missing; "
-                f"iteration directories here: {_iter_dirs(path) or 'none'}"
+                f"iteration directories here: {shown or 'none'}"
             )
         state = read_train_state(iter_dir / TRAIN_STATE_FILE)
         if state["step"] != step:
@@ -175,21 +183,6 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
             f"{path.name} (iteration {int(match.group(1))})"
         )
     return BridgeCheckpoint(path.parent, path, state)
-
-
-def _iter_dirs(root: Path) -> str:
-    found = sorted(p.name for p in root.iterdir() if _ITER_DIR.fullmatch(p.name))
-    return ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
-
-
-def _check_tracker(tracker: Path, step: int, latest: Path) -> None:
-    """Megatron-LM's tracker (Bridge writes it with the same step) must not name another save."""
-    found = _tracker_step(tracker)
-    if found is not None and found != step:
-        raise MegatronBridgeError(
-            f"{tracker}: iteration {found}, but {latest} says step {step}; the two trackers "
-            f"of one Bridge save agree (a later save by another tool?)"
-        )
 
 
 def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
