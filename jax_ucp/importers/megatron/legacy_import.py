@@ -441,9 +441,9 @@ def _fold_tied_lists(lists: dict[str, list], tied_pairs: list[tuple[str, str]]) 
 def _legacy_distrib_optim(
     checkpoint: legacy.LegacyCheckpoint, settings: dict, local: dict, tied_pairs: list
 ) -> tuple[dict[str, _Fragments], int, dict[str, dict[str, list[str]]]]:
-    """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, laid
-    out like megatron-core's grad buffer; returns ({state name: fragments}, step, {state name:
-    {global name: the flat tensors its fragments are cut from}})."""
+    """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, cut
+    at its parameters' places in megatron-core's grad buffer; returns ({state name: fragments},
+    step, {state name: {global name: the flat tensors its fragments are cut from}})."""
     missing = [key for key in checkpoint.ranks if key not in checkpoint.distrib_optim]
     if missing:
         raise MegatronImportError(
@@ -456,7 +456,38 @@ def _legacy_distrib_optim(
     sources: dict[str, dict[str, list[str]]] = {state_name: {} for state_name in out}
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
-        _slice_distrib_optim(checkpoint, stage, tp_rank, local, bucket_size, tied, out, sources)
+        path = checkpoint.distrib_optim[(stage, tp_rank)]
+        buffers = legacy.read_distrib_optim(
+            path, *checkpoint.distrib_optim_buffer((stage, tp_rank))
+        )
+        rank_tensors = local[(stage, tp_rank)]
+        params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
+        shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
+            n
+            for n, _, _ in rank_tensors
+            if checkpoint.pp > 1
+            and (
+                (stage == 0 and n.endswith("embedding.word_embeddings.weight"))
+                or (stage == checkpoint.pp - 1 and tied and n.endswith("output_layer.weight"))
+            )
+        }
+        layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
+        if total != buffers.numel_unpadded:
+            raise MegatronImportError(
+                f"{buffers.path}: the flat buffers hold {buffers.numel_unpadded} elements but the "
+                f"{len(params)} parameters of {rank_file.path.name} lay out to {total} "
+                f"(megatron-core 0.16 buffer layout, bucket_size={bucket_size}); a different "
+                f"megatron version or DDP bucket setting?"
+            )
+        for local_name, global_name, value in rank_tensors:
+            start, end = layout[local_name]
+            for state_name, per_name in out.items():
+                per_tp = per_name.setdefault(global_name, {}).setdefault(
+                    stage, [None] * checkpoint.tp
+                )
+                per_tp[tp_rank] = buffers.arrays[state_name][start:end].reshape(value.shape)
+                flat = f"{_rank_dir_file(checkpoint, path)}:{buffers.names[state_name]}"
+                sources[state_name].setdefault(global_name, []).append(flat)
         groups = param_groups(rank_file.state.get("optimizer"))
         step = step_from_param_groups(groups, f"{rank_file.path} ['optimizer']")
         steps.setdefault(step, f"in {rank_file.path}")
@@ -468,49 +499,6 @@ def _legacy_distrib_optim(
     for per_name in sources.values():
         _fold_tied_lists(per_name, tied_pairs)
     return out, count, sources
-
-
-def _slice_distrib_optim(
-    checkpoint: legacy.LegacyCheckpoint,
-    stage: int,
-    tp_rank: int,
-    local: dict,
-    bucket_size: int | None,
-    tied: bool,
-    out: dict[str, _Fragments],
-    sources: dict[str, dict[str, list[str]]],
-) -> None:
-    """One rank's flat buffers cut at its parameters' places in the grad buffer."""
-    buffers = legacy.read_distrib_optim(
-        checkpoint.distrib_optim[(stage, tp_rank)],
-        *checkpoint.distrib_optim_buffer((stage, tp_rank)),
-    )
-    rank_tensors = local[(stage, tp_rank)]
-    params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
-    shared = set()
-    if checkpoint.pp > 1:
-        if stage == 0:
-            shared |= {
-                n for n, _, _ in rank_tensors if n.endswith("embedding.word_embeddings.weight")
-            }
-        if stage == checkpoint.pp - 1 and tied:
-            shared |= {n for n, _, _ in rank_tensors if n.endswith("output_layer.weight")}
-    layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
-    if total != buffers.numel_unpadded:
-        raise MegatronImportError(
-            f"{buffers.path}: the flat buffers hold {buffers.numel_unpadded} elements but the "
-            f"{len(params)} parameters of {checkpoint.ranks[(stage, tp_rank)].path.name} lay out "
-            f"to {total} (megatron-core 0.16 buffer layout, bucket_size={bucket_size}); a "
-            f"different megatron version or DDP bucket setting?"
-        )
-    for local_name, global_name, value in rank_tensors:
-        start, end = layout[local_name]
-        for state_name, per_name in out.items():
-            per_stage = per_name.setdefault(global_name, {})
-            per_tp = per_stage.setdefault(stage, [None] * checkpoint.tp)
-            per_tp[tp_rank] = buffers.arrays[state_name][start:end].reshape(value.shape)
-            flat = f"{_rank_dir_file(checkpoint, Path(buffers.path))}:{buffers.names[state_name]}"
-            sources[state_name].setdefault(global_name, []).append(flat)
 
 
 class _LegacyMerger:
