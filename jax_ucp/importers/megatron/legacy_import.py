@@ -62,9 +62,8 @@ class _LegacyTensors:
     global), before merging."""
 
     fragments: _Fragments = field(default_factory=dict)
-    local: dict[tuple[int, int], list] = field(
-        default_factory=dict
-    )  # (pp, tp) -> [(local, global, array)]
+    # (pp, tp) -> [(local name, global name, array)] of EP rank 0, in state-dict order
+    local: dict[tuple[int, int], list] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     grouped: dict[str, dict[int, list]] = field(default_factory=dict)  # grouped-GEMM: per EP rank
     # global name -> the source tensors (``<rank dir>/<file>:model.<local name>``) merged into it
