@@ -34,8 +34,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.importers.megatron import dcp, legacy
-from jax_ucp.importers.megatron.common import MegatronImportError
+from jax_ucp.importers.megatron.common import MegatronImportError, named_errors
 from jax_ucp.importers.megatron.legacy_import import plan_legacy
 from jax_ucp.importers.megatron.source import detect_megatron
 from jax_ucp.importers.megatron.torch_dist import plan_torch_dist
@@ -47,6 +46,7 @@ from jax_ucp.importers.plan import (
     Share,
     glob_detection,
 )
+from jax_ucp.importers.torch.optimizer import jsonable
 from jax_ucp.language import Spec, load_spec
 
 __all__ = [
@@ -70,27 +70,21 @@ def plan_megatron(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """The import of a Megatron checkpoint (torch_dist or legacy; detected).
-
-    ``spec``: a :class:`jax_ucp.language.Spec`, a shipped spec name or a TOML path; its settings
-    (e.g. ``vocab_size``) and import rules are used. ``vocab_size`` (the tokenizer's, before
-    Megatron's padding) overrides the spec's. ``weights_only``: the model weights alone, the
-    optimizer state (whatever its layout) skipped and listed in the manifest's source. Every
-    check that needs no tensor bytes runs before this returns.
+    """The import of a Megatron checkpoint (torch_dist or legacy; detected). Every check that
+    needs no tensor bytes runs before this returns.
 
     Args:
         src: the checkpoint folder (a save root or one ``iter_N``).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        vocab_size: the tokenizer's vocabulary size, before Megatron's padding.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path); its settings (e.g.
+            ``vocab_size``) and import rules are used.
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
+            spec's).
+        weights_only: the model weights alone; the optimizer state (whatever its layout) is
+            skipped and listed in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    try:
+    with named_errors():
         source_dir = detect_megatron(src)
-    except legacy.LegacyError as e:
-        raise MegatronImportError(str(e)) from None
     if source_dir is None:
         raise MegatronImportError(
             f"{src}: not a Megatron checkpoint (no .metadata, no "
@@ -100,13 +94,9 @@ def plan_megatron(
     settings: dict[str, Any] = dict(user_spec.env) if user_spec is not None else {}
     if vocab_size is not None:
         settings["vocab_size"] = int(vocab_size)
-    try:
-        if source_dir.format == "torch_dist":
-            plan = plan_torch_dist(source_dir, user_spec, settings, weights_only, share)
-        else:
-            plan = plan_legacy(source_dir, user_spec, settings, weights_only, share)
-    except (dcp.DcpError, legacy.LegacyError) as e:
-        raise MegatronImportError(str(e)) from None
+    planner = plan_torch_dist if source_dir.format == "torch_dist" else plan_legacy
+    with named_errors():
+        plan = planner(source_dir, user_spec, settings, weights_only, share)
     info = dict(plan.source)
     iteration = info.pop("iteration", None)
     source = {
@@ -114,8 +104,8 @@ def plan_megatron(
         "path": os.path.abspath(source_dir.ckpt_dir),
         "iteration": source_dir.iteration if source_dir.iteration is not None else iteration,
         "vocab_size": settings.get("vocab_size"),
-        "settings": _jsonable(settings),
-        **_jsonable(info),
+        "settings": jsonable(settings),
+        **jsonable(info),
     }
     if settings.get("vocab_size") is None:
         source.setdefault("notes", []).append(
@@ -128,22 +118,8 @@ def plan_megatron(
 
 def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
     """``items``, with the readers' errors met while reading raised as this importer's."""
-    try:
+    with named_errors():
         yield from items
-    except (dcp.DcpError, legacy.LegacyError) as e:
-        raise MegatronImportError(str(e)) from None
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, (str, int, float, bool)) or value is None:
-        return value
-    if isinstance(value, np.generic):
-        return value.item()
-    return str(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,10 +164,4 @@ def plan(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
     from jax_ucp.importers.megatron import bridge  # it imports this package
 
     planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
-    return planner(
-        src,
-        spec=options.spec,
-        vocab_size=options.vocab_size,
-        weights_only=options.weights_only,
-        share=options.share,
-    )
+    return planner(src, **vars(options))  # every option is one of the planners' keywords

@@ -37,7 +37,7 @@ import numpy as np
 import yaml
 
 from jax_ucp.format import files
-from jax_ucp.importers.megatron import MegatronImportError, plan_megatron
+from jax_ucp.importers.megatron import MegatronImportError, legacy, plan_megatron
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 from jax_ucp.importers.torch import unpickler
 from jax_ucp.language import Spec, load_spec
@@ -61,7 +61,7 @@ __all__ = [
 TRAIN_STATE_FILE = "train_state.pt"
 LATEST_TRAIN_STATE_FILE = "latest_train_state.pt"
 RUN_CONFIG_FILE = "run_config.yaml"
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
+TRACKER_FILE = legacy.TRACKER_FILE
 #: Bridge's run_config.yaml is ~25 KB for a full ConfigContainer; 16 MiB leaves room for
 #: very large recipes and keeps a hostile file from being read whole into memory.
 MAX_RUN_CONFIG_BYTES = 16 << 20
@@ -150,11 +150,19 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
     if os.path.lexists(latest) and not os.path.lexists(path / TRAIN_STATE_FILE):
         step = read_train_state(latest)["step"]
         iter_dir = path / f"iter_{step:07d}"
-        _check_tracker(path / TRACKER_FILE, step, latest)
+        # Megatron-LM's tracker (Bridge writes it with the same step) must not name another save
+        tracked = _tracker_step(path / TRACKER_FILE)
+        if tracked is not None and tracked != step:
+            raise MegatronBridgeError(
+                f"{path / TRACKER_FILE}: iteration {tracked}, but {latest} says step {step}; the "
+                f"two trackers of one Bridge save agree (a later save by another tool?)"
+            )
         if not iter_dir.is_dir():
+            found = sorted(p.name for p in path.iterdir() if _ITER_DIR.fullmatch(p.name))
+            shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
             raise MegatronBridgeError(
                 f"{latest}: step {step}, but {iter_dir} (its iteration directory) is missing; "
-                f"iteration directories here: {_iter_dirs(path) or 'none'}"
+                f"iteration directories here: {shown or 'none'}"
             )
         state = read_train_state(iter_dir / TRAIN_STATE_FILE)
         if state["step"] != step:
@@ -175,21 +183,6 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
             f"{path.name} (iteration {int(match.group(1))})"
         )
     return BridgeCheckpoint(path.parent, path, state)
-
-
-def _iter_dirs(root: Path) -> str:
-    found = sorted(p.name for p in root.iterdir() if _ITER_DIR.fullmatch(p.name))
-    return ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
-
-
-def _check_tracker(tracker: Path, step: int, latest: Path) -> None:
-    """Megatron-LM's tracker (Bridge writes it with the same step) must not name another save."""
-    found = _tracker_step(tracker)
-    if found is not None and found != step:
-        raise MegatronBridgeError(
-            f"{tracker}: iteration {found}, but {latest} says step {step}; the two trackers "
-            f"of one Bridge save agree (a later save by another tool?)"
-        )
 
 
 def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
@@ -260,11 +253,11 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
         node = loader.get_single_node()
         if node is None:
             raise MegatronBridgeError(f"{path}: empty, expected Bridge's run config (a mapping)")
-        _check_expanded_size(node, path)
-        _check_numbers(node, path)
+        _check_nodes(node, path)
         config = loader.construct_document(node)
     except yaml.YAMLError as e:
-        raise MegatronBridgeError(f"{path}: not valid YAML ({_one_line(e)})") from None
+        why = " ".join(str(e).split())[:300]  # on one line
+        raise MegatronBridgeError(f"{path}: not valid YAML ({why})") from None
     except RecursionError:
         raise MegatronBridgeError(f"{path}: nested too deeply to be a run config") from None
     finally:
@@ -277,82 +270,63 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
     return config
 
 
-def _one_line(error: Exception) -> str:
-    return " ".join(str(error).split())[:300]
-
-
-def _check_expanded_size(root: yaml.Node, path: Path) -> None:
-    """Refuse a document whose nodes, aliases expanded, exceed MAX_YAML_NODES or that contains
-    itself; linear in the composed graph (each node's expanded size is computed once)."""
-    size: dict[int, int] = {}
-    on_path: set[int] = set()
-    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
-    while stack:
-        node, done = stack.pop()
-        key = id(node)
-        if done:
-            on_path.discard(key)
-            total = 1 + sum(size[id(child)] for child in _children(node))
-            if total > MAX_YAML_NODES:
-                raise MegatronBridgeError(
-                    f"{path}: more than {MAX_YAML_NODES} YAML nodes once its aliases are "
-                    f"expanded (an alias bomb?); Bridge's run config has a few thousand"
-                )
-            size[key] = total
-            continue
-        if key in size:
-            continue
-        if key in on_path:
-            raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
-        on_path.add(key)
-        stack.append((node, True))
-        for child in _children(node):
-            if id(child) in on_path:
-                raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
-            if id(child) not in size:
-                stack.append((child, False))
-
-
 #: Longest number a run config may spell (Bridge's are a few digits; Python refuses to build an
 #: int from 4300 decimal digits, and would build one from millions of hex digits).
 MAX_NUMBER_CHARS = 64
 _NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
-def _check_numbers(root: yaml.Node, path: Path) -> None:
-    """Refuse, before anything is built, a number spelled with more than
-    :data:`MAX_NUMBER_CHARS` characters, naming its key and line (linear: each node once)."""
-    seen: set[int] = set()
-    stack: list[tuple[yaml.Node, str]] = [(root, "(document)")]
+def _check_nodes(root: yaml.Node, path: Path) -> None:
+    """Refuse, before anything is built, a document whose nodes, aliases expanded, exceed
+    MAX_YAML_NODES, that contains itself, or that spells a number with more than
+    :data:`MAX_NUMBER_CHARS` characters (naming its key and line); linear in the composed graph
+    (each node checked once, its expanded size computed once)."""
+    size: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, str, bool]] = [(root, "(document)", False)]
     while stack:
-        node, key = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, yaml.ScalarNode):
-            if node.tag in _NUMBER_TAGS and len(node.value) > MAX_NUMBER_CHARS:
+        node, key, done = stack.pop()
+        if done:
+            on_path.discard(id(node))
+            total = 1 + sum(size[id(child)] for child, _ in _children(node, key))
+            if total > MAX_YAML_NODES:
                 raise MegatronBridgeError(
-                    f"{path}: {key} (line {node.start_mark.line + 1}) is a number of "
-                    f"{len(node.value)} characters ({node.value[:20]}...); a run config's "
-                    f"numbers have at most {MAX_NUMBER_CHARS}"
+                    f"{path}: more than {MAX_YAML_NODES} YAML nodes once its aliases are "
+                    f"expanded (an alias bomb?); Bridge's run config has a few thousand"
                 )
-        elif isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                name = k.value[:100] if isinstance(k, yaml.ScalarNode) else "(a key)"
-                stack += [
-                    (k, f"a key under {key}"),
-                    (v, name if key == "(document)" else f"{key}.{name}"),
-                ]
-        elif isinstance(node, yaml.SequenceNode):
-            stack += [(v, f"{key}[{i}]") for i, v in enumerate(node.value)]
+            size[id(node)] = total
+            continue
+        if id(node) in size:
+            continue
+        if id(node) in on_path:
+            raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
+        number = isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS
+        if number and len(node.value) > MAX_NUMBER_CHARS:
+            raise MegatronBridgeError(
+                f"{path}: {key} (line {node.start_mark.line + 1}) is a number of "
+                f"{len(node.value)} characters ({node.value[:20]}...); a run config's "
+                f"numbers have at most {MAX_NUMBER_CHARS}"
+            )
+        on_path.add(id(node))
+        stack.append((node, key, True))
+        for child, child_key in _children(node, key):
+            if id(child) in on_path:
+                raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
+            if id(child) not in size:
+                stack.append((child, child_key, False))
 
 
-def _children(node: yaml.Node) -> list[yaml.Node]:
+def _children(node: yaml.Node, key: str) -> list[tuple[yaml.Node, str]]:
+    """A node's children, each with the key path errors name it by."""
     if isinstance(node, yaml.SequenceNode):
-        return list(node.value)
-    if isinstance(node, yaml.MappingNode):
-        return [n for pair in node.value for n in pair]
-    return []
+        return [(v, f"{key}[{i}]") for i, v in enumerate(node.value)]
+    if not isinstance(node, yaml.MappingNode):
+        return []
+    out = []
+    for k, v in node.value:
+        name = k.value[:100] if isinstance(k, yaml.ScalarNode) else "(a key)"
+        out += [(k, f"a key under {key}"), (v, name if key == "(document)" else f"{key}.{name}")]
+    return out
 
 
 # run_config.yaml model field -> import setting (Megatron-LM's argument names, which the
@@ -370,7 +344,11 @@ _MODEL_INTS = {
     "pipeline_model_parallel_size": "pp",
     "expert_model_parallel_size": "ep",
 }
-_MODEL_BOOLS = {"gated_linear_unit": "swiglu", "add_bias_linear": "add_bias_linear"}
+_MODEL_BOOLS = {
+    "gated_linear_unit": "swiglu",
+    "add_bias_linear": "add_bias_linear",
+    "share_embeddings_and_output_weights": "untie_embeddings_and_output_weights",  # inverted
+}
 _MODEL_STRINGS = {
     "normalization": "normalization",
     "position_embedding_type": "position_embedding_type",
@@ -379,17 +357,8 @@ _MODEL_STRINGS = {
 
 def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
     """Import settings from a run config's ``model`` section (its ``transformer`` sub-section
-    for Bridge's newer ``GPTModelConfig``): the values a spec needs, each type-checked."""
-    fields = _model_fields(run_config, where)
-    settings: dict[str, Any] = {}
-    _named_settings(fields, where, settings)
-    _vocab_settings(fields, where, settings)
-    _ddp_settings(run_config, where, settings)
-    return settings
-
-
-def _model_fields(run_config: Mapping[str, Any], where: os.PathLike | str) -> dict[str, Any]:
-    """The ``model`` section, with a ``transformer`` sub-section's fields lifted beside it."""
+    for Bridge's newer ``GPTModelConfig``) and its ``ddp`` gradient-bucket settings: the values
+    a spec needs, each type-checked."""
     model = run_config.get("model")
     if not isinstance(model, dict):
         raise MegatronBridgeError(
@@ -399,7 +368,22 @@ def _model_fields(run_config: Mapping[str, Any], where: os.PathLike | str) -> di
     fields = dict(model)
     if isinstance(model.get("transformer"), dict):  # GPTModelConfig keeps them one level down
         fields = {**model["transformer"], **{k: v for k, v in model.items() if k != "transformer"}}
-    return fields
+    settings: dict[str, Any] = {}
+    _named_settings(fields, where, settings)
+    if fields.get("vocab_size") is not None:
+        vocab = settings["vocab_size"] = _int_field(fields["vocab_size"], "vocab_size", where)
+        if fields.get("should_pad_vocab") is not True:  # vocab_size is the embedding's row count
+            settings["padded_vocab_size"] = vocab
+        elif (divisible := fields.get("make_vocab_size_divisible_by")) is not None:
+            # Bridge pads it to a multiple of divisible_by * TP
+            key = "make_vocab_size_divisible_by"
+            settings[key] = _int_field(divisible, key, where)
+    ddp = _section(run_config, "ddp")
+    if type(ddp.get("overlap_grad_reduce")) is bool:
+        settings["overlap_grad_reduce"] = ddp["overlap_grad_reduce"]
+    if ddp.get("bucket_size") is not None:
+        settings["ddp_bucket_size"] = _int_field(ddp["bucket_size"], "ddp.bucket_size", where)
+    return settings
 
 
 def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
@@ -414,48 +398,13 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
         if value is not None:
             if type(value) is not bool:
                 raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected true/false")
-            settings[name] = value
+            settings[name] = not value if name.startswith("untie_") else value
     for key, name in _MODEL_STRINGS.items():
         value = fields.get(key)
         if value is not None:
             if not isinstance(value, str) or len(value) > 100:
                 raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected a name")
             settings[name] = value
-    share = fields.get("share_embeddings_and_output_weights")
-    if share is not None:
-        if type(share) is not bool:
-            raise MegatronBridgeError(
-                f"{where}: model.share_embeddings_and_output_weights is {share!r}, expected "
-                f"true/false"
-            )
-        settings["untie_embeddings_and_output_weights"] = not share
-
-
-def _vocab_settings(fields: dict[str, Any], where: os.PathLike | str, settings: dict) -> None:
-    """``vocab_size`` into ``settings``: with its padding rule when Bridge pads it, else as the
-    embedding's row count."""
-    vocab = fields.get("vocab_size")
-    if vocab is not None:
-        vocab = _int_field(vocab, "vocab_size", where)
-        settings["vocab_size"] = vocab
-        if fields.get("should_pad_vocab") is True:  # Bridge pads it (divisible_by * TP)
-            divisible = fields.get("make_vocab_size_divisible_by")
-            if divisible is not None:
-                settings["make_vocab_size_divisible_by"] = _int_field(
-                    divisible, "make_vocab_size_divisible_by", where
-                )
-        else:  # vocab_size is the embedding's row count
-            settings["padded_vocab_size"] = vocab
-
-
-def _ddp_settings(run_config: Mapping[str, Any], where: os.PathLike | str, settings: dict) -> None:
-    """The ``ddp`` section's gradient-bucket settings into ``settings``."""
-    ddp = run_config.get("ddp")
-    if isinstance(ddp, dict):
-        if type(ddp.get("overlap_grad_reduce")) is bool:
-            settings["overlap_grad_reduce"] = ddp["overlap_grad_reduce"]
-        if ddp.get("bucket_size") is not None:
-            settings["ddp_bucket_size"] = _int_field(ddp["bucket_size"], "ddp.bucket_size", where)
 
 
 def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
@@ -485,17 +434,15 @@ def plan_megatron_bridge(
     weights_only: bool = False,
     share: Share = WHOLE,
 ) -> ImportPlan:
-    """The import of a Megatron Bridge checkpoint (a save directory or one ``iter_N/``).
-
-    The model settings come from ``run_config.yaml``; a ``spec``'s own settings and
-    ``vocab_size`` override them. ``weights_only``: the optimizer state skipped and listed in
-    the manifest's source. The rest is the Megatron importer's torch_dist import.
+    """The import of a Megatron Bridge checkpoint: the model settings from ``run_config.yaml``,
+    the rest the Megatron importer's torch_dist import.
 
     Args:
         src: a Bridge save directory or one ``iter_N/``.
         spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        vocab_size: the tokenizer's vocabulary size, before Megatron's padding.
+            settings; its own settings override the run config's.
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
+            run config's).
         weights_only: the model weights alone; the optimizer state is skipped and listed in
             ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
@@ -529,14 +476,10 @@ def plan_megatron_bridge(
     source["framework"] = "megatron-bridge"
     source["iteration"] = checkpoint.step
     source["bridge"] = _bridge_info(checkpoint, run_config, config_path)
-    notes = list(source.get("notes", []))
-    notes = [n for n in notes if not n.startswith("vocab padding kept")] + _notes(
-        checkpoint, run_config, source
-    )
+    notes = [n for n in source.pop("notes", []) if not n.startswith("vocab padding kept")]
+    notes += _notes(checkpoint, run_config, source)
     if notes:
         source["notes"] = notes
-    else:
-        source.pop("notes", None)
     return dataclasses.replace(plan, source=source)
 
 

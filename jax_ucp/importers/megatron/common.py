@@ -3,19 +3,31 @@ the optimizer-state names and the step of a saved torch optimizer state."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from jax_ucp.format import UCPError
-from jax_ucp.importers.plan import (
-    agreed_step,
-)
+from jax_ucp.importers.megatron import legacy
+from jax_ucp.importers.plan import agreed_step
+from jax_ucp.importers.torch.dcp_reader import DcpError
 
 
 class MegatronImportError(UCPError, ValueError):
     """The Megatron checkpoint is incomplete, inconsistent or unsupported (names tensor + file)."""
+
+
+@contextlib.contextmanager
+def named_errors() -> Iterator[None]:
+    """The readers' errors (torch_dist ``.metadata`` and chunks, legacy rank files), which name
+    the file, raised as this importer's."""
+    try:
+        yield
+    except (DcpError, legacy.LegacyError) as e:
+        raise MegatronImportError(str(e)) from None
 
 
 SUPPORTED_LAYOUTS = (
@@ -25,6 +37,13 @@ SUPPORTED_LAYOUTS = (
     "'fully_sharded_model_space' (0.13-0.15, Megatron-LM's default in 0.13/0.14), "
     "'dp_zero_gather_scatter' (0.13-0.19)"
 )
+#: Adam's state in megatron-core's flat buffers (``distrib_optim.pt``, the per-rank layouts),
+#: and where each goes in the output tree.
+STATE_TREES = {
+    "param": ("params",),
+    "exp_avg": ("opt_state", "mu"),
+    "exp_avg_sq": ("opt_state", "nu"),
+}
 WEIGHTS_ONLY_HINT = (
     "To import the model weights without the optimizer state: "
     "convert(..., weights_only=True) / jax-ucp convert --weights-only"
@@ -72,6 +91,23 @@ def sharding_type(common: Any) -> str | None:
         if isinstance(optimizer, dict):
             return optimizer.get("param_state_sharding_type")
     return None
+
+
+def ddp_bucket_size(settings: dict) -> int | None:
+    """Megatron-LM's DDP bucket size in elements (None: one bucket, without overlap_grad_reduce)."""
+    if not settings.get("overlap_grad_reduce"):
+        return None
+    dp = int(settings.get("data_parallel_size") or 1)
+    return int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+
+
+def tied_embeddings(model_names: list[str], settings: dict) -> list[str]:
+    """The word embeddings that are the output layer too: megatron-core saves a tied output
+    layer only as the embedding (no ``output_layer.weight``)."""
+    untied = settings.get("untie_embeddings_and_output_weights") is True
+    if untied or any(n.endswith("output_layer.weight") for n in model_names):
+        return []
+    return [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
 
 
 def element_count(shape) -> int:

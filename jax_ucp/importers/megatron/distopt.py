@@ -15,10 +15,12 @@ from jax_ucp.importers.megatron.common import (
     SUPPORTED_LAYOUTS,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
+    ddp_bucket_size,
     is_optimizer_name,
 )
 from jax_ucp.importers.megatron.module_order import STACKED_EXPERT, in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
+from jax_ucp.importers.plan import agreed_step
 from jax_ucp.importers.torch import unpickler
 
 _BUCKET_KEY = re.compile(
@@ -175,10 +177,7 @@ class GatheredStates(RankStates):
             )
         super().__init__(checkpoint, model_names, settings, len(found), grouped=grouped)
         self.names = found
-        dp = settings.get("data_parallel_size") or 1
-        bucket_size = None
-        if settings.get("overlap_grad_reduce"):
-            bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+        bucket_size = ddp_bucket_size(settings)
         self.buffers: dict[int, legacy.DistribOptimState] = {}
         self.layout = {}
         for rank, name in found.items():
@@ -208,7 +207,7 @@ class GatheredStates(RankStates):
         return sorted({self.checkpoint.objects[n].file for n in self.names.values()})
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
-        return getattr(self.buffers[rank], state)[start:end]
+        return self.buffers[rank].arrays[state][start:end]
 
     def source(self, rank: int, bucket: int, state: str) -> str:
         return self.names[rank]
@@ -234,10 +233,7 @@ def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | No
 
 
 def chained_states(
-    checkpoint: dcp.DcpCheckpoint,
-    model_names: list[str],
-    settings: dict,
-    chained: list[str | None],
+    checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, chained: list[str | None]
 ) -> ChainedStates | None:
     """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
     buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None
@@ -301,9 +297,12 @@ class ChainedStates:
         return sorted(n for p in self.parts for n in p.step_objects())
 
     def step(self) -> int:
-        steps = {p.step() for p in self.parts}
-        if len(steps) != 1:
-            raise MegatronImportError(
-                f"{self.where}: the ChainedOptimizer's members disagree on the step {sorted(steps)}"
-            )
-        return steps.pop()
+        steps: dict[float, str] = {}
+        for part in self.parts:
+            steps.setdefault(part.step(), f"in {part.prefix}optimizer")
+        return agreed_step(
+            steps,
+            str(self.where),
+            recorded_by="ChainedOptimizer members",
+            error=MegatronImportError,
+        )

@@ -19,9 +19,11 @@ and the output layer in the last, so the importer numbers layers as for a plain 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,21 +55,15 @@ class LegacyError(UCPError, ValueError):
     """A legacy Megatron checkpoint is incomplete or inconsistent (names the file)."""
 
 
-def _np_reconstruct(*args):
-    """``numpy.core.multiarray._reconstruct`` stand-in: an inert placeholder, never numpy's code."""
-    return _NumpyArrayStandIn(*args)
-
-
-class _NumpyArrayStandIn(unpickler.StandIn):
-    qualname = "numpy.ndarray"
-
+# numpy's pickled arrays (``_reconstruct(ndarray, ...)``) become inert placeholders
+_NumpyArrayStandIn = unpickler.standin_class("numpy.ndarray")
 
 #: Classes a legacy Megatron pickle may reference (beyond torch's), as inert stand-ins.
 LEGACY_CLASSES: dict[str, Any] = {
     "argparse.Namespace": unpickler.standin_class("argparse.Namespace"),
     "numpy.ndarray": _NumpyArrayStandIn,
-    "numpy.core.multiarray._reconstruct": _np_reconstruct,
-    "numpy._core.multiarray._reconstruct": _np_reconstruct,
+    "numpy.core.multiarray._reconstruct": _NumpyArrayStandIn,
+    "numpy._core.multiarray._reconstruct": _NumpyArrayStandIn,
     "numpy.dtype": unpickler.standin_class("numpy.dtype"),
     "numpy.core.multiarray.scalar": unpickler.standin_class("numpy.scalar"),
     "numpy._core.multiarray.scalar": unpickler.standin_class("numpy.scalar"),
@@ -103,15 +99,19 @@ class LegacyCheckpoint:
     iteration: int | None
     tp: int
     pp: int
-    ranks: dict[tuple[int, int], RankFile]  # (pp, tp) -> file
-    args: dict[str, Any] = field(default_factory=dict)
-    checkpoint_version: float | None = None
-    distrib_optim: dict[tuple[int, int], Path] = field(default_factory=dict)
-    ep: int = 1
-    ep_ranks: dict[tuple[int, int, int], RankFile] = field(default_factory=dict)  # (pp, tp, ep)
+    ep: int
+    ep_ranks: dict[tuple[int, int, int], RankFile]  # (pp, tp, ep) -> file
+    args: dict[str, Any]
+    checkpoint_version: float | None
+    distrib_optim: dict[tuple[int, int], Path]  # (pp, tp) -> EP rank 0's distrib_optim.pt
     # virtual pipeline: model chunks per rank file (``pp`` then counts virtual stages, chunk v of
     # pipeline rank p being stage v * (pp // virtual_pipeline) + p); 1 without
-    virtual_pipeline: int = 1
+    virtual_pipeline: int
+
+    @functools.cached_property
+    def ranks(self) -> dict[tuple[int, int], RankFile]:
+        """(pp, tp) -> EP rank 0's file."""
+        return {(pp, tp): r for (pp, tp, ep), r in self.ep_ranks.items() if ep == 0}
 
     def distrib_optim_buffer(self, key: tuple[int, int]) -> tuple[int, int]:
         """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
@@ -144,15 +144,14 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
                 f"{tracker}: expected an iteration number or 'release', found {text!r}"
             ) from None
         d = src / f"iter_{it:07d}"
-        if d.is_dir():
-            try:
-                files.inside(src, d.name, str(tracker))
-            except files.UnsafeFileError:
-                raise LegacyError(
-                    f"{d} leads outside {src} (a symlink); refusing to follow it"
-                ) from None
         if not d.is_dir():
             raise LegacyError(f"{tracker} names iteration {it} but {d} does not exist")
+        try:
+            files.inside(src, d.name, str(tracker))
+        except files.UnsafeFileError:
+            raise LegacyError(
+                f"{d} leads outside {src} (a symlink); refusing to follow it"
+            ) from None
         return src, d, it
     m = re.fullmatch(r"iter_(\d+)", src.name)
     if m:
@@ -180,31 +179,30 @@ def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
 def args_dict(args: Any) -> dict[str, Any]:
     """The scalar fields of a pickled ``argparse.Namespace`` (a stand-in): Megatron-LM's run
     arguments, which give the import settings (layer and head counts, vocab, ...)."""
-    if args is None:
-        return {}
-    d = (
-        {k: v for k, v in vars(args).items() if k not in ("args", "kwargs")}
-        if hasattr(args, "__dict__")
-        else {}
-    )
-    return {k: v for k, v in d.items() if isinstance(v, (int, float, str, bool, type(None)))}
+    fields = vars(args) if hasattr(args, "__dict__") else {}  # None: no args saved
+    return {
+        k: v
+        for k, v in fields.items()
+        if k not in ("args", "kwargs") and isinstance(v, (int, float, str, bool, type(None)))
+    }
 
 
-def _inside_iteration(path: Path) -> None:
-    """``iter_N/mp_rank_XX/<file>``, links followed, stays inside ``iter_N``."""
+def _load(path: Path) -> Any:
+    """A rank directory's torch file (``iter_N/mp_rank_XX/<file>``), through the restricted
+    unpickler; one linked to a file outside ``iter_N`` is never read."""
     iteration = path.parent.parent
-    files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
+    try:
+        files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
+        return unpickler.load_torch_file(path, LEGACY_CLASSES)
+    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
+        raise LegacyError(str(e)) from None
 
 
 def _load_rank(path: Path) -> tuple[dict, dict]:
     """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
     if not path.is_file():
         raise LegacyError(f"missing shard file {path}")
-    try:
-        _inside_iteration(path)  # a rank file linked to a file elsewhere is never read
-        state = unpickler.load_torch_file(path, LEGACY_CLASSES)
-    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
-        raise LegacyError(str(e)) from None
+    state = _load(path)
     if not isinstance(state, dict):
         raise LegacyError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state:
@@ -301,7 +299,6 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     root, iteration_dir, iteration = resolve_iteration_dir(Path(src))
     directories = _rank_directories(iteration_dir)
     pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
-    ranks: dict[tuple[int, int], RankFile] = {}
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
     virtual: int | None = None
@@ -331,12 +328,10 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         for stage, model_key, flat in parts:
             rank_file = RankFile(tp_rank, stage, path, state, flat, ep_rank, model_key)
             ep_ranks[(stage, tp_rank, ep_rank)] = rank_file
-            if ep_rank == 0:
-                ranks[(stage, tp_rank)] = rank_file
         if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
             for stage, _, _ in parts:
                 distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
-    first = ranks[(0, 0)]
+    first = ep_ranks[(0, 0, 0)]
     assert virtual is not None  # set by the rank file of (0, 0)
     args = args_dict(first.state.get("args"))
     for name, size in (
@@ -361,12 +356,11 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         iteration if iteration is not None else first.state.get("iteration"),
         tp_size,
         pp_size * virtual,
-        ranks,
+        ep_size,
+        ep_ranks,
         args,
         float(version) if isinstance(version, (int, float)) else None,
         distrib_optim,
-        ep_size,
-        ep_ranks,
         virtual,
     )
 
@@ -374,19 +368,38 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
 # ----------------------------------------------------------------------------- distrib_optim.pt
 
 
-def _pad(n: int, d: int) -> int:
-    return -(-n // d) * d
+def _buckets(
+    params: list[tuple[str, int]], shared: set[str], limit: Callable[[int], int | None]
+) -> list[tuple[dict[str, tuple[int, int]], int]]:
+    """megatron-core's grad-buffer walk (``_ParamAndGradBuffer``, 0.16): parameters in reverse
+    module order, each start padded to 64 elements, a shared-embedding parameter alone in its
+    bucket, a bucket closed once it holds ``limit(bucket)`` elements (None: never). Returns
+    every bucket's ({name: (start, end)} within it, its size)."""
+    out: list[tuple[dict[str, tuple[int, int]], int]] = []
+    places: dict[str, tuple[int, int]] = {}
+    rel = 0
+    for name, numel in reversed(params):
+        rel = -(-rel // 64) * 64
+        if name in shared and places:
+            out.append((places, rel))
+            places, rel = {}, 0
+        places[name] = (rel, rel + numel)
+        rel += numel
+        size = limit(len(out))
+        if name in shared or (size is not None and rel >= size):
+            out.append((places, rel))
+            places, rel = {}, 0
+    if places:
+        out.append((places, rel))
+    return out
 
 
 def distrib_optim_layout(
     params: list[tuple[str, int]], shared: set[str], bucket_size: int | None
 ) -> tuple[dict[str, tuple[int, int]], int]:
-    """Where each parameter sits in a ``distrib_optim.pt`` flat buffer (megatron-core 0.16).
-
-    Mirrors ``_ParamAndGradBuffer``: parameters in reverse order, each start padded to 64
-    elements, a shared-embedding parameter in its own bucket, a bucket closed once it reaches
-    ``bucket_size`` (None: never). ``get_parameter_state_dp_zero`` then concatenates the buckets
-    without their end padding. Returns ({name: (start, end)}, total numel).
+    """Where each parameter sits in a ``distrib_optim.pt`` flat buffer (megatron-core 0.16):
+    the buckets of ``_buckets`` concatenated without their end padding, as
+    ``get_parameter_state_dp_zero`` does. Returns ({name: (start, end)}, total numel).
 
     Args:
         params: (name, numel) of the rank's local parameters, in module order.
@@ -394,17 +407,11 @@ def distrib_optim_layout(
         bucket_size: DDP's bucket size in elements (None: one bucket).
     """
     out: dict[str, tuple[int, int]] = {}
-    base, rel, n_in_bucket = 0, 0, 0
-    for name, numel in reversed(params):
-        rel = _pad(rel, 64)
-        if name in shared and n_in_bucket:
-            base, rel, n_in_bucket = base + rel, 0, 0
-        out[name] = (base + rel, base + rel + numel)
-        rel += numel
-        n_in_bucket += 1
-        if name in shared or (bucket_size is not None and rel >= bucket_size):
-            base, rel, n_in_bucket = base + rel, 0, 0
-    return out, base + rel
+    base = 0
+    for places, size in _buckets(params, shared, lambda _: bucket_size):
+        out.update({name: (base + a, base + b) for name, (a, b) in places.items()})
+        base += size
+    return out, base
 
 
 def bucket_layout(
@@ -413,10 +420,9 @@ def bucket_layout(
     """Where each parameter sits in megatron-core's grad-buffer buckets, given the unpadded
     size of every bucket (which megatron-core records): ``{name: (bucket, start, end)}``.
 
-    The same walk as ``distrib_optim_layout`` (reverse module order, starts padded to 64, a
-    shared embedding alone in its bucket), but a bucket closes where its recorded size says,
-    so the DDP ``bucket_size`` (not saved, and ``None`` past the first pipeline stage) is not
-    needed; every recorded size is checked, so a wrong parameter list cannot fit silently.
+    A bucket closes where its recorded size says, so the DDP ``bucket_size`` (not saved, and
+    ``None`` past the first pipeline stage) is not needed; every recorded size is checked, so
+    a wrong parameter list cannot fit silently.
 
     Args:
         params: (name, numel) of the rank's local parameters, in module order.
@@ -424,58 +430,41 @@ def bucket_layout(
         bucket_numels: the recorded unpadded size of every bucket.
         where: the file, for errors.
     """
-    out: dict[str, tuple[int, int, int]] = {}
-    bucket, rel, count = 0, 0, 0
-
-    def close(at: int, name: str) -> None:
-        nonlocal bucket, rel, count
-        if bucket >= len(bucket_numels) or at != bucket_numels[bucket]:
+    buckets = _buckets(
+        params, shared, lambda b: bucket_numels[b] if b < len(bucket_numels) else None
+    )
+    for bucket, (places, size) in enumerate(buckets):
+        if bucket >= len(bucket_numels) or size != bucket_numels[bucket]:
             recorded = bucket_numels[bucket] if bucket < len(bucket_numels) else None
             raise LegacyError(
-                f"{where}: bucket {bucket} would end after {name!r} at element {at}, but "
-                f"megatron-core recorded {recorded} elements (buckets {bucket_numels}); the "
-                f"parameter list does not match this checkpoint's grad buffer"
+                f"{where}: bucket {bucket} would end after {list(places)[-1]!r} at element "
+                f"{size}, but megatron-core recorded {recorded} elements (buckets "
+                f"{bucket_numels}); the parameter list does not match this checkpoint's grad "
+                f"buffer"
             )
-        bucket, rel, count = bucket + 1, 0, 0
-
-    for name, numel in reversed(params):
-        rel = _pad(rel, 64)
-        if name in shared and count:
-            close(rel, name)
-        out[name] = (bucket, rel, rel + numel)
-        rel += numel
-        count += 1
-        if name in shared or (bucket < len(bucket_numels) and rel >= bucket_numels[bucket]):
-            close(rel, name)
-    if count:
-        close(rel, "the last parameter")
-    if bucket != len(bucket_numels):
+    if len(buckets) != len(bucket_numels):
         raise LegacyError(
-            f"{where}: the parameters fill {bucket} buckets, megatron-core recorded "
+            f"{where}: the parameters fill {len(buckets)} buckets, megatron-core recorded "
             f"{len(bucket_numels)} ({bucket_numels})"
         )
-    return out
+    return {
+        name: (bucket, a, b)
+        for bucket, (places, _) in enumerate(buckets)
+        for name, (a, b) in places.items()
+    }
 
 
 @dataclass
 class DistribOptimState:
+    """One buffer of a ``distrib_optim.pt``: its flat fp32 states, checked."""
+
     path: Path | str
-    param: np.ndarray  # flat fp32 master weights
-    exp_avg: np.ndarray
-    exp_avg_sq: np.ndarray
+    arrays: dict[str, np.ndarray]  # "param" (fp32 masters), "exp_avg", "exp_avg_sq"
     numel_unpadded: int
     #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
     names: dict[str, str] = field(default_factory=dict)
     #: the dotted path of every tensor in the loaded dict (import accounting)
     found: list[str] = field(default_factory=list)
-
-
-def _load_distrib_optim(path: Path) -> Any:
-    try:
-        _inside_iteration(path)
-        return unpickler.load_torch_file(path, LEGACY_CLASSES)
-    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
-        raise LegacyError(str(e)) from None
 
 
 def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
@@ -487,13 +476,13 @@ def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOp
         buffer: which buffer (model chunk).
         count: how many buffers the file holds.
     """
-    return distrib_optim_state(_load_distrib_optim(path), path, buffer, count)
+    return distrib_optim_state(_load(path), path, buffer, count)
 
 
 def distrib_optim_tensors(path: Path) -> list[str]:
     """The dotted path of every tensor in a ``distrib_optim.pt`` (read through the restricted
     unpickler, memory-mapped, nothing checked): what a weights_only import lists as skipped."""
-    return list(tensor_names(_load_distrib_optim(path)))
+    return list(tensor_names(_load(path)))
 
 
 def distrib_optim_state(
@@ -543,12 +532,4 @@ def distrib_optim_state(
             f"{[a.size for a in arrays.values()]} elements"
         )
     names = {state_name: f"{index}.{dtypes}.{state_name}" for state_name in arrays}
-    return DistribOptimState(
-        path,
-        arrays["param"],
-        arrays["exp_avg"],
-        arrays["exp_avg_sq"],
-        numel,
-        names,
-        list(tensor_names(saved)),
-    )
+    return DistribOptimState(path, arrays, numel, names, list(tensor_names(saved)))

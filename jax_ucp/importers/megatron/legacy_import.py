@@ -17,12 +17,14 @@ import tensorstore as ts
 from jax_ucp import writer
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.megatron.common import (
+    STATE_TREES,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
+    ddp_bucket_size,
     param_groups,
     step_from_param_groups,
 )
-from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import (
     TENSORS,
@@ -49,12 +51,6 @@ from jax_ucp.language import (
 _LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
 _LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.weight[12]$")
-# distrib_optim.pt's flat buffers, and where each goes in the output tree
-_OPTIMIZER_BUFFERS = (
-    ("param", ("params",)),
-    ("exp_avg", ("opt_state", "mu")),
-    ("exp_avg_sq", ("opt_state", "nu")),
-)
 
 # global name -> {stage (or ("emb" | "out", stage) once tied): [per-TP arrays]}
 _Fragments = dict[str, dict[Any, list]]
@@ -66,16 +62,18 @@ class _LegacyTensors:
     global), before merging."""
 
     fragments: _Fragments = field(default_factory=dict)
-    local: dict[tuple[int, int], list] = field(
-        default_factory=dict
-    )  # (pp, tp) -> [(local, global, array)]
-    files: dict[str, list[str]] = field(default_factory=dict)
+    # (pp, tp) -> [(local name, global name, array)] of EP rank 0, in state-dict order
+    local: dict[tuple[int, int], list] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
     grouped: dict[str, dict[int, list]] = field(default_factory=dict)  # grouped-GEMM: per EP rank
     # global name -> the source tensors (``<rank dir>/<file>:model.<local name>``) merged into it
     sources: dict[str, list[str]] = field(default_factory=dict)
     # source tensors of the rank files not merged into any weight -> why (source.skipped)
     not_imported: dict[str, str] = field(default_factory=dict)
+
+    def files(self, name: str) -> list[str]:
+        """The rank files (``<rank dir>/<file>``) the fragments of ``name`` come from."""
+        return sorted({source.partition(":")[0] for source in self.sources[name]})
 
 
 @dataclass
@@ -145,7 +143,7 @@ def plan_legacy(
         optimizer, count, optimizer_sources = _legacy_distrib_optim(
             checkpoint, settings, tensors.local, tied_pairs
         )
-    _fold_tied_copies(tensors.fragments, tied_pairs, tensors.files)
+    _fold_tied_copies(tensors.fragments, tied_pairs)
     _fold_tied_lists(tensors.sources, tied_pairs)
     want_model = optimizer is not None and any(d != np.dtype(np.float32) for d in dtypes)
     plan = _LegacyImport(
@@ -248,9 +246,7 @@ def _legacy_settings(checkpoint: legacy.LegacyCheckpoint, settings: dict) -> Non
             f"{checkpoint.ranks[(0, 0)].path}: checkpoint_version {checkpoint.checkpoint_version} "
             f"uses the pre-2.0 fused QKV ordering, which is not supported"
         )
-    for key, value in checkpoint.args.items():
-        if key in ARG_SETTINGS and settings.get(key) is None:
-            settings[key] = value
+    add_arg_settings(checkpoint.args, settings)
     if settings.get("kv_channels") and not settings.get("head_dim"):
         settings["head_dim"] = settings["kv_channels"]
     heads, hidden = settings.get("num_attention_heads"), settings.get("hidden_size")
@@ -343,9 +339,6 @@ def _add_grouped_experts(
     values = [r.model[name] for r in holders]
     _check_equal_shares(name, values, [r.path for r in holders], "expert-parallel")
     tensors.grouped.setdefault(global_name, {})[stage] = values
-    tensors.files.setdefault(global_name, []).extend(
-        os.path.relpath(r.path, checkpoint.iter_dir) for r in holders
-    )
     tensors.sources.setdefault(global_name, []).extend(
         f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
     )
@@ -393,12 +386,6 @@ def _add_tp_fragments(
             for tp_rank, value in enumerate(per_tp):
                 tensors.local[(stage, tp_rank)].append((name, expert_name, value))
         tensors.fragments.setdefault(expert_name, {})[stage] = per_tp
-        tensors.files.setdefault(expert_name, []).extend(
-            os.path.relpath(
-                checkpoint.ep_ranks[(stage, tp_rank, ep_rank)].path, checkpoint.iter_dir
-            )
-            for tp_rank in range(checkpoint.tp)
-        )
         tensors.sources.setdefault(expert_name, []).extend(
             f"{_rank_dir_file(checkpoint, r.path)}:{r.model_key}.{name}" for r in holders
         )
@@ -435,17 +422,13 @@ def _tied_output_pairs(
     return pairs
 
 
-def _fold_tied_copies(
-    fragments: _Fragments, tied_pairs: list[tuple[str, str]], files: dict | None = None
-) -> None:
+def _fold_tied_copies(fragments: _Fragments, tied_pairs: list[tuple[str, str]]) -> None:
     """The output layer's stages join the embedding's (merged as pipeline-tied copies)."""
     for embedding, output in tied_pairs:
         fragments[embedding] = {
             **{("emb", stage): v for stage, v in fragments[embedding].items()},
             **{("out", stage): v for stage, v in fragments.pop(output).items()},
         }
-    if files is not None:
-        _fold_tied_lists(files, tied_pairs)
 
 
 def _fold_tied_lists(lists: dict[str, list], tied_pairs: list[tuple[str, str]]) -> None:
@@ -457,25 +440,53 @@ def _fold_tied_lists(lists: dict[str, list], tied_pairs: list[tuple[str, str]]) 
 def _legacy_distrib_optim(
     checkpoint: legacy.LegacyCheckpoint, settings: dict, local: dict, tied_pairs: list
 ) -> tuple[dict[str, _Fragments], int, dict[str, dict[str, list[str]]]]:
-    """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, laid
-    out like megatron-core's grad buffer; returns ({state name: fragments}, step, {state name:
-    {global name: the flat tensors its fragments are cut from}})."""
+    """Slice every rank's distrib_optim.pt flat buffers into per-parameter local fragments, cut
+    at its parameters' places in megatron-core's grad buffer; returns ({state name: fragments},
+    step, {state name: {global name: the flat tensors its fragments are cut from}})."""
     missing = [key for key in checkpoint.ranks if key not in checkpoint.distrib_optim]
     if missing:
         raise MegatronImportError(
             f"missing shard file {checkpoint.ranks[missing[0]].path.parent / 'distrib_optim.pt'} "
             f"(other ranks have one)"
         )
-    bucket_size = None
-    if settings.get("overlap_grad_reduce"):
-        dp = int(settings.get("data_parallel_size") or 1)
-        bucket_size = int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+    bucket_size = ddp_bucket_size(settings)
     tied = settings.get("untie_embeddings_and_output_weights") is False
-    out: dict[str, _Fragments] = {state_name: {} for state_name, _ in _OPTIMIZER_BUFFERS}
+    out: dict[str, _Fragments] = {state_name: {} for state_name in STATE_TREES}
     sources: dict[str, dict[str, list[str]]] = {state_name: {} for state_name in out}
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
-        _slice_distrib_optim(checkpoint, stage, tp_rank, local, bucket_size, tied, out, sources)
+        path = checkpoint.distrib_optim[(stage, tp_rank)]
+        buffers = legacy.read_distrib_optim(
+            path, *checkpoint.distrib_optim_buffer((stage, tp_rank))
+        )
+        rank_tensors = local[(stage, tp_rank)]
+        params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
+        shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
+            n
+            for n, _, _ in rank_tensors
+            if checkpoint.pp > 1
+            and (
+                (stage == 0 and n.endswith("embedding.word_embeddings.weight"))
+                or (stage == checkpoint.pp - 1 and tied and n.endswith("output_layer.weight"))
+            )
+        }
+        layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
+        if total != buffers.numel_unpadded:
+            raise MegatronImportError(
+                f"{buffers.path}: the flat buffers hold {buffers.numel_unpadded} elements but the "
+                f"{len(params)} parameters of {rank_file.path.name} lay out to {total} "
+                f"(megatron-core 0.16 buffer layout, bucket_size={bucket_size}); a different "
+                f"megatron version or DDP bucket setting?"
+            )
+        for local_name, global_name, value in rank_tensors:
+            start, end = layout[local_name]
+            for state_name, per_name in out.items():
+                per_tp = per_name.setdefault(global_name, {}).setdefault(
+                    stage, [None] * checkpoint.tp
+                )
+                per_tp[tp_rank] = buffers.arrays[state_name][start:end].reshape(value.shape)
+                flat = f"{_rank_dir_file(checkpoint, path)}:{buffers.names[state_name]}"
+                sources[state_name].setdefault(global_name, []).append(flat)
         groups = param_groups(rank_file.state.get("optimizer"))
         step = step_from_param_groups(groups, f"{rank_file.path} ['optimizer']")
         steps.setdefault(step, f"in {rank_file.path}")
@@ -489,49 +500,6 @@ def _legacy_distrib_optim(
     return out, count, sources
 
 
-def _slice_distrib_optim(
-    checkpoint: legacy.LegacyCheckpoint,
-    stage: int,
-    tp_rank: int,
-    local: dict,
-    bucket_size: int | None,
-    tied: bool,
-    out: dict[str, _Fragments],
-    sources: dict[str, dict[str, list[str]]],
-) -> None:
-    """One rank's flat buffers cut at its parameters' places in the grad buffer."""
-    buffers = legacy.read_distrib_optim(
-        checkpoint.distrib_optim[(stage, tp_rank)],
-        *checkpoint.distrib_optim_buffer((stage, tp_rank)),
-    )
-    rank_tensors = local[(stage, tp_rank)]
-    params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
-    shared = set()
-    if checkpoint.pp > 1:
-        if stage == 0:
-            shared |= {
-                n for n, _, _ in rank_tensors if n.endswith("embedding.word_embeddings.weight")
-            }
-        if stage == checkpoint.pp - 1 and tied:
-            shared |= {n for n, _, _ in rank_tensors if n.endswith("output_layer.weight")}
-    layout, total = legacy.distrib_optim_layout(params, shared, bucket_size)
-    if total != buffers.numel_unpadded:
-        raise MegatronImportError(
-            f"{buffers.path}: the flat buffers hold {buffers.numel_unpadded} elements but the "
-            f"{len(params)} parameters of {checkpoint.ranks[(stage, tp_rank)].path.name} lay out "
-            f"to {total} (megatron-core 0.16 buffer layout, bucket_size={bucket_size}); a "
-            f"different megatron version or DDP bucket setting?"
-        )
-    for local_name, global_name, value in rank_tensors:
-        start, end = layout[local_name]
-        for state_name, per_name in out.items():
-            per_stage = per_name.setdefault(global_name, {})
-            per_tp = per_stage.setdefault(stage, [None] * checkpoint.tp)
-            per_tp[tp_rank] = getattr(buffers, state_name)[start:end].reshape(value.shape)
-            flat = f"{_rank_dir_file(checkpoint, Path(buffers.path))}:{buffers.names[state_name]}"
-            sources[state_name].setdefault(global_name, []).append(flat)
-
-
 class _LegacyMerger:
     """Merges one name's fragments with its kind, errors naming the files."""
 
@@ -539,7 +507,7 @@ class _LegacyMerger:
         self.plan = plan
 
     def files_of(self, name: str) -> str:
-        return ", ".join(sorted(set(self.plan.tensors.files[name])))
+        return ", ".join(self.plan.tensors.files(name))
 
     def merged(self, name: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
         """TP fragments merged by the name's kind; several stages: pipeline-tied copies."""
@@ -617,27 +585,19 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
         os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )
     for name in share.pick(plan.names):
-        files = sorted(set(tensors.files[name]))
-        provenance = {
-            "format": "legacy",
-            "files": files,
-            "tp": checkpoint.tp,
-            "pp": checkpoint.pp,
-            "ep": checkpoint.ep,
-        }
+        files = tensors.files(name)
+        parallel = {"tp": checkpoint.tp, "pp": checkpoint.pp, "ep": checkpoint.ep}
+        provenance = {"format": "legacy", "files": files, **parallel}
+        weights = {**provenance, TENSORS: tensors.sources[name]}
         if name in tensors.grouped or plan.optimizer is None:
             value, pattern = (
                 merger.grouped(name)
                 if name in tensors.grouped
                 else merger.deferred(name, tensors.fragments[name], "model weights")
             )
-            yield host_item(
-                ("params", name),
-                value,
-                {**provenance, "pattern": pattern, TENSORS: tensors.sources[name]},
-            )
+            yield host_item(("params", name), value, {**weights, "pattern": pattern})
             continue
-        for state_name, tree in _OPTIMIZER_BUFFERS:
+        for state_name, tree in STATE_TREES.items():
             what = f"distrib_optim.pt {state_name}"
             value, pattern = merger.deferred(name, plan.optimizer[state_name][name], what)
             yield host_item(
@@ -653,11 +613,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
             )
         if plan.want_model:
             value, pattern = merger.deferred(name, tensors.fragments[name], "model weights")
-            yield host_item(
-                ("model_params", name),
-                value,
-                {**provenance, "pattern": pattern, TENSORS: tensors.sources[name]},
-            )
+            yield host_item(("model_params", name), value, {**weights, "pattern": pattern})
     if plan.optimizer is not None and share.primary:
         rank_files = (r.path for r in checkpoint.ranks.values())
         yield host_item(
@@ -687,11 +643,6 @@ def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
         "format": "legacy",
         "tp": checkpoint.tp,
         "pp": checkpoint.pp // checkpoint.virtual_pipeline,  # virtual stages: pp * vp
-        **(
-            {"virtual_pipeline": checkpoint.virtual_pipeline}
-            if checkpoint.virtual_pipeline > 1
-            else {}
-        ),
         "ep": checkpoint.ep,
         "iteration": checkpoint.iteration,
         "vocab_stripped": stripped,
@@ -701,6 +652,8 @@ def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
         "model_dtype": ", ".join(sorted(str(d) for d in dtypes)),
         "optimizer": plan.optimizer is not None,
     }
+    if checkpoint.virtual_pipeline > 1:
+        info["virtual_pipeline"] = checkpoint.virtual_pipeline
     if not checkpoint.distrib_optim and any(
         "optimizer" in r.state for r in checkpoint.ranks.values()
     ):

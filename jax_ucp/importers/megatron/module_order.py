@@ -9,10 +9,7 @@ import re
 import numpy as np
 
 from jax_ucp.importers.megatron import dcp
-from jax_ucp.importers.megatron.common import (
-    WEIGHTS_ONLY_HINT,
-    MegatronImportError,
-)
+from jax_ucp.importers.megatron.common import WEIGHTS_ONLY_HINT, MegatronImportError
 
 #: megatron-core's parameter registration order within a transformer layer (what its DDP grad
 #: buffer walks, reversed), by torch_dist name after ``decoder.layers.``. The local spec's
@@ -72,13 +69,9 @@ def _module_orders(names: list[str]) -> list[list[str]]:
     default fully parallel save orders tensors by how the save work was split)."""
     out = []
     for layer in (_LAYER_ORDER, _TE):
-        rank = {n: i for i, n in enumerate(_TOP_BEFORE)}
-        rank.update({f"decoder.layers.{n}": len(_TOP_BEFORE) + i for i, n in enumerate(layer)})
-        rank.update({n: len(rank) + i for i, n in enumerate(_TOP_AFTER)})
-        keys = {n: _order_key(n, rank, layer) for n in names}
-        known = {n: k for n, k in keys.items() if k is not None}
-        if len(known) == len(keys):
-            order = sorted(names, key=known.__getitem__)
+        keys = {n: k for n in names if (k := _order_key(n, layer)) is not None}
+        if len(keys) == len(names):
+            order = sorted(names, key=keys.__getitem__)
             if order not in out:
                 out.append(order)
     if names not in out:
@@ -86,15 +79,16 @@ def _module_orders(names: list[str]) -> list[list[str]]:
     return out
 
 
-def _order_key(name: str, rank: dict[str, int], layer: list[str]) -> tuple | None:
+def _order_key(name: str, layer: list[str]) -> tuple | None:
     """Where ``name`` sorts in module order (per-layer singleton_local_shards names by layer,
     then as in ``layer``; a SwiGLU ``_w`` half before its ``_v``), None if unknown."""
     if name in _TOP_BEFORE:
         return (0, _TOP_BEFORE.index(name), 0, 0)
     if name in _TOP_AFTER:
         return (2, _TOP_AFTER.index(name), 0, 0)
-    if name in rank:  # stacked: all layers in one tensor
-        return (1, 0, rank[name], 0)
+    stacked = name.removeprefix("decoder.layers.")
+    if stacked != name and stacked in layer:  # all layers in one tensor
+        return (1, 0, layer.index(stacked), 0)
     m = PER_LAYER.fullmatch(name)
     if m is None:
         return None

@@ -12,12 +12,15 @@ import numpy as np
 from jax_ucp import writer
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
+    STATE_TREES,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
     element_count,
     step_from_param_groups,
+    tied_embeddings,
 )
 from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
+from jax_ucp.importers.plan import agreed_step
 
 #: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
 _BLOCK_BYTES = 16 << 20
@@ -36,7 +39,7 @@ class RankStates:
     up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
     Subclasses say where the flat vectors are and how the buffer splits into buckets."""
 
-    STATES = ("param", "exp_avg", "exp_avg_sq")
+    STATES = tuple(STATE_TREES)
     LAYOUT: str  # megatron-core's name of the saved layout, set by each subclass
     layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
 
@@ -66,16 +69,8 @@ class RankStates:
         self._read_experts()
         self.tp = self._tp_size(model_names)
         self._read_parallelism(ranks, pp)
-        has_output = any(n.endswith("output_layer.weight") for n in model_names)
-        embedding = [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
-        self.tied_copy = (
-            embedding[0]
-            if self.pp > 1
-            and embedding
-            and not has_output
-            and settings.get("untie_embeddings_and_output_weights") is not True
-            else None
-        )
+        tied = tied_embeddings(model_names, settings)
+        self.tied_copy = tied[0] if self.pp > 1 and tied else None
 
     def _read_layers(self, model_names: list[str]) -> None:
         """The stacked (or per-layer) decoder tensors, the layer count, and the tensors before
@@ -294,38 +289,29 @@ class RankStates:
                 out.append((f"{n}#{layer}", element_count(self.piece(n, tp_rank)[0])))
         return out
 
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}"
+
     def object(self, rank: int, what: str) -> Any:
-        names = [
-            n
-            for n in self.checkpoint.objects
-            if n.startswith(f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.{what}/")
-        ]
-        if not names:
-            return None
-        return self.checkpoint.read_object(names[0], legacy.LEGACY_CLASSES)
+        prefix = f"{self._key(rank)}.{what}/"
+        name = next((n for n in self.checkpoint.objects if n.startswith(prefix)), None)
+        return None if name is None else self.checkpoint.read_object(name, legacy.LEGACY_CLASSES)
 
     def step_objects(self) -> list[str]:
         """The objects the step is read from (one per model-parallel rank, when saved)."""
-        prefixes = tuple(
-            f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer/"
-            for rank in range(self.ranks)
-        )
+        prefixes = tuple(f"{self._key(rank)}.optimizer/" for rank in range(self.ranks))
         return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
 
     def step(self) -> int:
-        steps = set()
+        steps: dict[float, str] = {}
         for rank in range(self.ranks):
             state = self.object(rank, "optimizer")
             groups = state[0].get("param_groups") if isinstance(state, list) and state else None
-            where = (
-                f"{self.where} ({self.prefix}optimizer.distributed.dp_group_idx_{rank}.optimizer)"
-            )
-            steps.add(step_from_param_groups(groups, where))
-        if len(steps) != 1:
-            raise MegatronImportError(
-                f"{self.where}: model-parallel ranks disagree on the step {sorted(steps)}"
-            )
-        return steps.pop()
+            where = f"{self.where} ({self._key(rank)}.optimizer)"
+            steps.setdefault(step_from_param_groups(groups, where), f"in rank {rank}")
+        return agreed_step(
+            steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError
+        )
 
     #: Whether :meth:`source` names .metadata tensors (else pickled objects).
     FROM_TENSORS = True
@@ -483,17 +469,7 @@ class RankStates:
                     block = out[a - lo : b - lo]
                     self._place_rows(block, rank, bucket, state, start, local, axis, chunks, a, b)
                 continue
-            target = out[layer] if skip else out
-            if axis is None:
-                target[...] = value
-                continue
-            at = 0
-            for c in chunks:  # the local piece is the rank's chunks joined along `axis`
-                size = c.sizes[skip + axis]
-                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:]))
-                # a view of the piece (np.take would copy it first)
-                target[index] = value[(slice(None),) * axis + (slice(at, at + size),)]
-                at += size
+            _place(out[layer] if skip else out, value, axis, chunks, skip)
         return out
 
     def _place_rows(self, out, rank, bucket, state, start, local, axis, chunks, lo, hi) -> None:
@@ -506,17 +482,8 @@ class RankStates:
                 b - a, *local[1:]
             )
 
-        if axis is None:  # replicated over TP: the local piece is the tensor
-            out[...] = local_rows(lo, hi)
-            return
-        if axis != 0:  # split along another axis: every piece holds all rows
-            value = local_rows(lo, hi)
-            at = 0
-            for c in chunks:
-                size = c.sizes[axis]
-                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[1:], c.sizes[1:]))
-                out[(slice(None), *index)] = value[(slice(None),) * axis + (slice(at, at + size),)]
-                at += size
+        if axis != 0:  # replicated, or split along another axis: every piece holds all rows
+            _place(out, local_rows(lo, hi), axis, chunks, 0, rows=True)
             return
         at = 0
         for c in chunks:  # split along dim 0: the chunks' rows that fall in lo:hi
@@ -527,3 +494,21 @@ class RankStates:
                 a = at + g0 - c.offsets[0]
                 out[(slice(g0 - lo, g1 - lo), *index)] = local_rows(a, a + g1 - g0)
             at += size
+
+
+def _place(target, value, axis, chunks, skip: int, rows: bool = False) -> None:
+    """A rank's local piece ``value`` (its ``chunks`` joined along ``axis``; None: replicated,
+    the piece is the tensor) into ``target`` at the chunks' places, past ``skip`` leading layer
+    (and expert) axes; ``rows``: ``target`` and ``value`` are rows of dim 0 only."""
+    if axis is None:
+        target[...] = value
+        return
+    at = 0
+    for c in chunks:
+        size = c.sizes[skip + axis]
+        index = [slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:])]
+        if rows:  # every row of the chunk's dim 0 is in ``value``
+            index[0] = slice(None)
+        # a view of the piece (np.take would copy it first)
+        target[tuple(index)] = value[(slice(None),) * axis + (slice(at, at + size),)]
+        at += size

@@ -6,15 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jax_ucp.language import (
-    QKV,
-    ImportRule,
-    Partitioned,
-    Replicated,
-    Spec,
-    SwiGLU,
-    Vocab,
-)
+from jax_ucp.language import QKV, ImportRule, Partitioned, Replicated, Spec, SwiGLU, Vocab
 
 _VOCAB = r"(?:.*\.)?(?:embedding\.word_embeddings\.weight|output_layer\.(?:weight|bias))"
 
@@ -43,6 +35,13 @@ ARG_SETTINGS = (
 )
 
 
+def add_arg_settings(args: Mapping[str, Any], settings: dict) -> None:
+    """The saved run arguments that are import settings, where ``settings`` has none yet."""
+    settings.update(
+        {k: v for k, v in args.items() if k in ARG_SETTINGS and settings.get(k) is None}
+    )
+
+
 def default_import_rules(settings: Mapping[str, Any]) -> list:
     """How each Megatron tensor is spread over TP ranks (megatron-core and older Megatron-LM names).
 
@@ -55,51 +54,32 @@ def default_import_rules(settings: Mapping[str, Any]) -> list:
         if settings.get("vocab_size") is not None
         else Partitioned(dim=0)
     )
-    heads, groups = settings.get("num_attention_heads"), settings.get("num_query_groups")
-    head_dim = settings.get("head_dim")
+    heads, head_dim = settings.get("num_attention_heads"), settings.get("head_dim")
     if heads and head_dim:
-        kv_heads = int(groups or heads)
-        qkv_weight = QKV(
-            dim=-2, num_heads=int(heads), num_kv_heads=kv_heads, head_dim=int(head_dim)
+        groups = int(settings.get("num_query_groups") or heads)
+        layout: dict[str, Any] = dict(
+            num_heads=int(heads), num_kv_heads=groups, head_dim=int(head_dim)
         )
-        qkv_bias = QKV(dim=-1, num_heads=int(heads), num_kv_heads=kv_heads, head_dim=int(head_dim))
+        qkv_weight, qkv_bias = QKV(dim=-2, **layout), QKV(dim=-1, **layout)
     else:
         qkv_weight, qkv_bias = Partitioned(dim=-2), Partitioned(dim=-1)
-    gated = bool(settings.get("swiglu") or settings.get("gated_linear_unit"))
-    fc1_weight, fc1_bias = (
-        (SwiGLU(dim=-2), SwiGLU(dim=-1)) if gated else (Partitioned(dim=-2), Partitioned(dim=-1))
-    )
-    optional: dict[str, Any] = dict(required=False)
+    fc1 = SwiGLU if settings.get("swiglu") or settings.get("gated_linear_unit") else Partitioned
+    qkv = r".*\.(?:linear_qkv|query_key_value)"
+    column_parallel = r".*\.(?:linear_fc1|dense_h_to_4h)"
     row_parallel = r".*\.(?:linear_proj|dense|linear_fc2|dense_4h_to_h)"
-    return [
-        ImportRule(_VOCAB, vocab, label="vocab-parallel embedding / output layer", **optional),
-        ImportRule(r"(?:.*\.)?position_embeddings\.weight", Replicated(), **optional),
-        ImportRule(
-            r".*\.(?:linear_qkv|query_key_value)\.weight", qkv_weight, label="fused qkv", **optional
-        ),
-        ImportRule(
-            r".*\.(?:linear_qkv|query_key_value)\.bias",
-            qkv_bias,
-            label="fused qkv bias",
-            **optional,
-        ),
-        ImportRule(
-            r".*\.(?:linear_fc1|dense_h_to_4h)\.weight", fc1_weight, label="fc1", **optional
-        ),
-        ImportRule(
-            r".*\.(?:linear_fc1|dense_h_to_4h)\.bias", fc1_bias, label="fc1 bias", **optional
-        ),
-        ImportRule(
-            rf"{row_parallel}\.weight", Partitioned(dim=-1), label="row-parallel", **optional
-        ),
-        ImportRule(rf"{row_parallel}\.bias", Replicated(), label="row-parallel bias", **optional),
-        ImportRule(
-            r".*(?:norm|layer_norm)[^.]*\.(?:weight|bias)", Replicated(), label="norms", **optional
-        ),
-        ImportRule(
-            r".*\.router\.(?:weight|expert_bias)", Replicated(), label="MoE router", **optional
-        ),
+    rules = [
+        (_VOCAB, vocab, "vocab-parallel embedding / output layer"),
+        (r"(?:.*\.)?position_embeddings\.weight", Replicated(), ""),
+        (rf"{qkv}\.weight", qkv_weight, "fused qkv"),
+        (rf"{qkv}\.bias", qkv_bias, "fused qkv bias"),
+        (rf"{column_parallel}\.weight", fc1(dim=-2), "fc1"),
+        (rf"{column_parallel}\.bias", fc1(dim=-1), "fc1 bias"),
+        (rf"{row_parallel}\.weight", Partitioned(dim=-1), "row-parallel"),
+        (rf"{row_parallel}\.bias", Replicated(), "row-parallel bias"),
+        (r".*(?:norm|layer_norm)[^.]*\.(?:weight|bias)", Replicated(), "norms"),
+        (r".*\.router\.(?:weight|expert_bias)", Replicated(), "MoE router"),
     ]
+    return [ImportRule(p, kind, label=label, required=False) for p, kind, label in rules]
 
 
 def import_rules_spec(user_spec: Spec | None, settings: dict) -> Spec:

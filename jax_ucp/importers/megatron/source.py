@@ -28,7 +28,8 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     # lexists, not is_file: a .metadata or tracker that is a FIFO, a device or too large is
     # this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
     if os.path.lexists(path / ".metadata"):
-        return MegatronSource("torch_dist", path, path, _iteration_of(path))
+        match = re.fullmatch(r"iter_(\d+)", path.name)
+        return MegatronSource("torch_dist", path, path, int(match.group(1)) if match else None)
     try:
         root, iteration_dir, iteration = legacy.resolve_iteration_dir(path)
     except legacy.LegacyError:
@@ -40,13 +41,3 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
         return MegatronSource("legacy", root, iteration_dir, iteration)
     return None
-
-
-def _iteration_of(path: Path) -> int | None:
-    match = re.fullmatch(r"iter_(\d+)", path.name)
-    return int(match.group(1)) if match else None
-
-
-def is_megatron_checkpoint(src: os.PathLike | str) -> bool:
-    """Whether ``src`` holds a Megatron checkpoint (``detect_megatron`` finds one)."""
-    return detect_megatron(src) is not None

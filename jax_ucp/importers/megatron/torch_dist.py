@@ -16,13 +16,16 @@ from jax_ucp import writer
 from jax_ucp.format import files
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
+    STATE_TREES,
     SUPPORTED_LAYOUTS,
     WEIGHTS_ONLY_HINT,
     MegatronImportError,
     is_optimizer_name,
+    named_errors,
     param_groups,
     sharding_type,
     step_from_param_groups,
+    tied_embeddings,
 )
 from jax_ucp.importers.megatron.distopt import (
     BucketStates,
@@ -38,21 +41,11 @@ from jax_ucp.importers.megatron.model_space import (
 )
 from jax_ucp.importers.megatron.module_order import in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
-from jax_ucp.importers.megatron.rules import ARG_SETTINGS, import_rules_spec
+from jax_ucp.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp.importers.megatron.source import MegatronSource
-from jax_ucp.importers.plan import (
-    TENSORS,
-    VALUES,
-    WHOLE,
-    ImportPlan,
-    Share,
-    host_item,
-)
+from jax_ucp.importers.plan import TENSORS, VALUES, WHOLE, ImportPlan, Share, agreed_step, host_item
 from jax_ucp.importers.torch import unpickler
-from jax_ucp.language import (
-    Spec,
-    Vocab,
-)
+from jax_ucp.language import Spec, Vocab
 
 
 @dataclass
@@ -89,9 +82,7 @@ def plan_torch_dist(
     """
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
-        for key, value in legacy.args_dict(common.get("args")).items():
-            if key in ARG_SETTINGS and settings.get(key) is None:
-                settings[key] = value
+        add_arg_settings(legacy.args_dict(common.get("args")), settings)
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
     chained = chained_layouts(checkpoint, common)
     if weights_only:
@@ -203,15 +194,13 @@ def _optimizer_step(
         if isinstance(optimizer_state, dict)
         else enumerate(optimizer_state or ())
     )
-    steps = {
-        step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
-        for i, part in sorted(members)
-    }
-    if len(steps) != 1:
-        raise MegatronImportError(
-            f"{common_path}: the ChainedOptimizer's members disagree on the step {sorted(steps)}"
-        )
-    return steps.pop()
+    steps: dict[float, str] = {}
+    for i, part in sorted(members):
+        step = step_from_param_groups(param_groups(part), f"{common_path} (optimizer {i})")
+        steps.setdefault(step, f"in optimizer {i}")
+    return agreed_step(
+        steps, str(common_path), recorded_by="ChainedOptimizer members", error=MegatronImportError
+    )
 
 
 def _torch_dist_info(
@@ -226,9 +215,6 @@ def _torch_dist_info(
     """What the manifest's source records about a torch_dist checkpoint."""
     iteration = common.get("iteration") if isinstance(common, dict) else None
     buckets = optimizer.buckets
-    # megatron-core stores a tied output layer only as the embedding (no output_layer.weight)
-    untie = settings.get("untie_embeddings_and_output_weights")
-    has_output = any(n.endswith("output_layer.weight") for n in model_names)
     info = {
         "format": "torch_dist",
         "tensors": len(model_names),
@@ -244,11 +230,7 @@ def _torch_dist_info(
     }
     if skipped:
         info["skipped"] = skipped
-    info["tied_embeddings"] = (
-        [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
-        if not has_output and untie is not True
-        else []
-    )
+    info["tied_embeddings"] = tied_embeddings(model_names, settings)
     return info
 
 
@@ -308,30 +290,30 @@ class TorchDistReader:
         self.checkpoint = checkpoint
         self.spec = spec
 
-    def vocab_kind(self, name: str) -> Vocab | None:
-        """The vocab kind of ``name`` when its rule gives a vocab size (padding to strip)."""
+    def vocab_rows(self, name: str) -> int | None:
+        """The tokenizer's rows of ``name`` when its rule is a dim-0 vocab with a size (the
+        padding rows past them are stripped), else None."""
         match = self.spec.match(name)
-        if match is not None and isinstance(match.kind, Vocab):
-            if isinstance(match.kind.vocab_size, int):
-                return match.kind
+        kind = None if match is None else match.kind
+        if isinstance(kind, Vocab) and isinstance(kind.vocab_size, int) and kind.dim == 0:
+            return kind.vocab_size
         return None
 
     def stripped(self, names: list[str]) -> dict[str, list[int]]:
         """name -> [padded rows, kept rows] of every tensor whose padding is stripped."""
-        out = {}
-        for name in names:
-            kind = self.vocab_kind(name)
-            rows = self.checkpoint.tensors[name].shape[0] if kind is not None else 0
-            if kind is not None and rows > int(kind.vocab_size):
-                out[name] = [rows, int(kind.vocab_size)]
-        return out
+        return {
+            name: [rows, vocab]
+            for name in names
+            if (vocab := self.vocab_rows(name)) is not None
+            and (rows := self.checkpoint.tensors[name].shape[0]) > vocab
+        }
 
     def pattern(self, name: str) -> str:
         """The pattern ``read(name, name)`` records, known without reading the tensor."""
-        kind = self.vocab_kind(name)
-        if kind is None or kind.dim != 0:
+        vocab = self.vocab_rows(name)
+        if vocab is None:
             return "torch_dist-global"
-        return f"vocab(strip {self.checkpoint.tensors[name].shape[0]} -> {kind.vocab_size})"
+        return f"vocab(strip {self.checkpoint.tensors[name].shape[0]} -> {vocab})"
 
     def read_rows(self, name: str, lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` of ``read(name, name)`` alone, from the chunks holding them."""
@@ -344,26 +326,23 @@ class TorchDistReader:
 
     def read(self, tensor: str, rule_name: str) -> tuple[np.ndarray, str]:
         """One tensor (ruled as ``rule_name``), and the pattern the provenance records."""
-        kind = self.vocab_kind(rule_name)
+        vocab = self.vocab_rows(rule_name)
         shape = self.checkpoint.tensors[rule_name].shape
         if self.checkpoint.tensors[tensor].shape != shape:
             # megatron-core < 0.15's flattened model-space optimizer state (see `unflatten`)
             value = unflatten(self.checkpoint.read(tensor), shape, tensor)
-            if kind is None or kind.dim != 0 or shape[0] <= kind.vocab_size:
+            if vocab is None or shape[0] <= vocab:
                 return value, "torch_dist-nd-flattened"
-            return value[
-                : kind.vocab_size
-            ], f"nd-flattened, vocab(strip {shape[0]} -> {kind.vocab_size})"
-        if kind is None or kind.dim != 0:
+            return value[:vocab], f"nd-flattened, vocab(strip {shape[0]} -> {vocab})"
+        if vocab is None:
             return self.checkpoint.read(tensor), "torch_dist-global"
         rows = self.checkpoint.tensors[tensor].shape[0]
-        if rows < kind.vocab_size:
+        if rows < vocab:
             raise MegatronImportError(
-                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={kind.vocab_size} "
+                f"tensor {tensor!r}: {rows} rows, fewer than vocab_size={vocab} "
                 f"({self.checkpoint.path / '.metadata'})"
             )
-        value = self.checkpoint.read(tensor, rows=kind.vocab_size)
-        return value, f"vocab(strip {rows} -> {kind.vocab_size})"
+        return self.checkpoint.read(tensor, rows=vocab), f"vocab(strip {rows} -> {vocab})"
 
 
 def bucket_items(
@@ -396,9 +375,7 @@ def bucket_items(
             "files": files,
             "pattern": f"{buckets.LAYOUT} (TP={buckets.tp}, PP={buckets.pp})",
         }
-        for state, tree in zip(
-            RankStates.STATES, (("params",), ("opt_state", "mu"), ("opt_state", "nu"))
-        ):
+        for state, tree in STATE_TREES.items():
             sources = {TENSORS if buckets.FROM_TENSORS else VALUES: buckets.sources(state, name)}
             value = _bucket_state(buckets, state, name, weight, state_bytes + weight_bytes)
             yield host_item((*tree, name), value, {**provenance, **sources})
@@ -440,10 +417,8 @@ class _ModelWeight:
 
     def get(self) -> np.ndarray:
         if self.value is None:
-            try:
+            with named_errors():
                 self.value, self.pattern = self.reader.read(self.name, self.name)
-            except (dcp.DcpError, legacy.LegacyError) as e:
-                raise MegatronImportError(str(e)) from None
         return self.value
 
     def take(self) -> np.ndarray:
@@ -457,10 +432,8 @@ class _ModelWeight:
     def rows(self, lo: int, hi: int) -> np.ndarray:
         if self.value is not None:
             return self.value[lo:hi]
-        try:
+        with named_errors():
             return self.reader.read_rows(self.name, lo, hi)
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
 
 
 def _bucket_state(
@@ -471,24 +444,25 @@ def _bucket_state(
     (``writer.Deferred``); vocab padding stripped like the weight's, the master checked
     against it."""
 
-    def make() -> np.ndarray:
-        weight = model.get()
-        full = tuple(model.reader.checkpoint.tensors[name].shape)
-        try:
-            value = buckets.read(state, name)
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
-        if weight.ndim and weight.shape != full:
-            value = value[: weight.shape[0]]
+    def checked(value: np.ndarray, weight: np.ndarray, what: str, does: str) -> np.ndarray:
         if state == "param" and not _rounds_to(value, weight):
-            rounds = "equal" if weight.dtype == np.float32 else "round to"
             raise MegatronImportError(
-                f"tensor {name!r}: the fp32 master found in the {buckets.LAYOUT} state "
-                f"of {buckets.where} does not {rounds} the model weight: the grad-buffer "
-                f"layout jax_ucp derived does not match this checkpoint (another "
+                f"tensor {name!r}: {what} found in the {buckets.LAYOUT} state of "
+                f"{buckets.where} {does} "
+                f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
+                f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
                 f"megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
             )
         return value
+
+    def make() -> np.ndarray:
+        weight = model.get()
+        full = tuple(model.reader.checkpoint.tensors[name].shape)
+        with named_errors():
+            value = buckets.read(state, name)
+        if weight.ndim and weight.shape != full:
+            value = value[: weight.shape[0]]
+        return checked(value, weight, "the fp32 master", "does not")
 
     shape = _state_shape(model.reader, name)
     if shape is None:
@@ -497,22 +471,11 @@ def _bucket_state(
     def rows(lo: int, hi: int) -> np.ndarray:
         """Rows ``lo:hi`` alone (the tensor is larger than the memory budget), the master
         checked against the same rows of the model weight (read alone too)."""
-        try:
+        with named_errors():
             value = buckets.read(state, name, rows=(lo, hi))
-        except (dcp.DcpError, legacy.LegacyError) as e:
-            raise MegatronImportError(str(e)) from None
         if state != "param":
             return value
-        weight = model.rows(lo, hi)
-        if not _rounds_to(value, weight):
-            raise MegatronImportError(
-                f"tensor {name!r}: rows {lo}:{hi} of the fp32 master found in the "
-                f"{buckets.LAYOUT} state of {buckets.where} do not "
-                f"{'equal' if weight.dtype == np.float32 else 'round to'} the model weight: the "
-                f"grad-buffer layout jax_ucp derived does not match this checkpoint (another "
-                f"megatron-core version or DDP config?). {WEIGHTS_ONLY_HINT}"
-            )
-        return value
+        return checked(value, model.rows(lo, hi), f"rows {lo}:{hi} of the fp32 master", "do not")
 
     return writer.Deferred(shape, np.dtype(np.float32), make, bound=bound, rows=rows)
 
@@ -522,12 +485,10 @@ def _state_shape(reader: TorchDistReader, name: str) -> tuple[int, ...] | None:
     dim 0 as ``TorchDistReader.read`` strips the weight's), when it can be built row by row:
     None for megatron-core < 0.15's flattened model-space tensors and 0-d tensors."""
     full = tuple(int(d) for d in reader.checkpoint.tensors[name].shape)
-    if not full or name not in reader.checkpoint.tensors:
+    if not full:
         return None
-    kind = reader.vocab_kind(name)
-    if kind is not None and kind.dim == 0 and full[0] > kind.vocab_size:
-        return (int(kind.vocab_size), *full[1:])
-    return full
+    vocab = reader.vocab_rows(name)
+    return full if vocab is None or full[0] <= vocab else (vocab, *full[1:])
 
 
 def _rounds_to(master: np.ndarray, weight: np.ndarray, block: int = 1 << 20) -> bool:
@@ -562,19 +523,8 @@ def torch_dist_items(
     """
     checkpoint = reader.checkpoint
     for name in model_names:
-        tensor = checkpoint.tensors[name]
-        provenance = {
-            "format": "torch_dist",
-            "files": tensor.files,
-            "chunks": len(tensor.chunks),
-            TENSORS: [name],
-        }
-        if not optimizer_tensors:
-            value, pattern = reader.read(name, name)
-            yield host_item(("params", name), value, {**provenance, "pattern": pattern})
-            continue
         for state_name, tree in OPTIMIZER_STATE_TREES.items():
-            source_name = optimizer_tensors[name].get(state_name)
+            source_name = optimizer_tensors[name].get(state_name) if optimizer_tensors else None
             if source_name is None:
                 continue
             source = checkpoint.tensors[source_name]
@@ -584,17 +534,26 @@ def torch_dist_items(
                     f"expected float32 ({', '.join(source.files)})"
                 )
             value, pattern = reader.read(source_name, name)
-            state_provenance = {
+            provenance = {
                 "format": "torch_dist",
                 "files": source.files,
                 "source_name": source_name,
                 "pattern": pattern,
                 TENSORS: [source_name],
             }
-            yield host_item((*tree, name), value, state_provenance)
-        if want_model:
+            yield host_item((*tree, name), value, provenance)
+        if want_model or not optimizer_tensors:  # the model weight, or its model-precision copy
+            tensor = checkpoint.tensors[name]
             value, pattern = reader.read(name, name)
-            yield host_item(("model_params", name), value, {**provenance, "pattern": pattern})
+            provenance = {
+                "format": "torch_dist",
+                "files": tensor.files,
+                "chunks": len(tensor.chunks),
+                TENSORS: [name],
+                "pattern": pattern,
+            }
+            root = "model_params" if optimizer_tensors else "params"
+            yield host_item((root, name), value, provenance)
     if optimizer_tensors and count is not None:
         yield host_item(
             ("opt_state", "count"),

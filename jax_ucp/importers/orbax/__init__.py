@@ -41,13 +41,7 @@ from jax_ucp.importers.plan import (
 )
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
-__all__ = [
-    "OrbaxImportError",
-    "OrbaxOptions",
-    "detect",
-    "plan",
-    "plan_orbax",
-]
+__all__ = ["OrbaxImportError", "OrbaxOptions", "detect", "plan", "plan_orbax"]
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
@@ -119,33 +113,25 @@ def _resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[s
 def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
     """(step directory, step) of ``src``: a manager root's ``tag`` step (default: the latest
     committed one), or ``src`` itself when it is one step (its number when its name is one)."""
-    step = None
-    if not os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
-        steps = _steps(src) if os.path.isdir(src) else {}
-        if not steps:
-            raise OrbaxImportError(
-                f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
-                f"{CHECKPOINT_METADATA}, no committed step directories)"
-            )
-        if tag is None:
-            step = max(steps)
-        else:
-            try:
-                step = int(tag)
-            except ValueError:
-                step = -1
-            if step not in steps:
-                raise OrbaxImportError(
-                    f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}"
-                ) from None
-        _inside(src, os.path.basename(steps[step]), f"{src}: step directory")
-        src = steps[step]
-    elif tag is not None:
-        raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
-    else:  # a step directory given itself: its number, when its name is one
+    if os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
+        if tag is not None:
+            raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
         m = _STEP.fullmatch(os.path.basename(src))
-        step = int(m.group(1)) if m else None
-    return src, step
+        return src, int(m.group(1)) if m else None
+    steps = _steps(src) if os.path.isdir(src) else {}
+    if not steps:
+        raise OrbaxImportError(
+            f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
+            f"{CHECKPOINT_METADATA}, no committed step directories)"
+        )
+    try:
+        step = max(steps) if tag is None else int(tag)
+    except ValueError:
+        step = None
+    if step not in steps:
+        raise OrbaxImportError(f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}")
+    _inside(src, os.path.basename(steps[step]), f"{src}: step directory")
+    return steps[step], step
 
 
 def _item_handlers(src: str) -> dict:
@@ -199,15 +185,12 @@ def plan_orbax(
     """The import of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
     its tree path (under the item name when a step has several PyTree items).
 
-    ``tag``: the step of a manager root (default: the latest committed one). ``weights_only``:
-    only the ``params`` subtree (everything else listed in ``source.skipped``).
-
     Args:
         src: the Orbax checkpoint, step or manager root.
         tag: the step of a manager root (None: the latest committed).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: only the ``params`` subtree.
+        spec: refused (an Orbax import keeps the saved tree).
+        weights_only: only the ``params`` subtree (everything else listed in
+            ``source.skipped``).
         share: this process's part of a distributed import (default: the whole).
     """
     refuse_spec(spec, "Orbax imports keep the saved tree", OrbaxImportError)
@@ -231,28 +214,21 @@ def plan_orbax(
         ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
         zarr3 = bool(getattr(md, "use_zarr3", False))
         source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
+        under = ((item,), ("key",)) if len(items) > 1 else ((), ())
         for key, key_types, leaf in _flatten(md.tree):
+            out = (under[0] + key, under[1] + key_types)
             if leaf is None:  # an empty node: a None value, no tensor to account for
-                out_key = ((item,) if len(items) > 1 else ()) + key
-                types = (("key",) if len(items) > 1 else ()) + key_types
-                leaves.append((out_key, types, ".".join(key), path, None, ocdbt, zarr3))
+                leaves.append((*out, ".".join(key), path, None, ocdbt, zarr3))
                 continue
             # the array's directory (or OCDBT key) Orbax's read spec joins from its name
             _inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
             name = f"{item}/{leaf.name}" if item else leaf.name
             storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
-            chunk_shape = getattr(storage, "chunk_shape", None)
-            if chunk_shape is not None:
-                _check_chunks(
-                    _metadata_file(path, leaf.name, ocdbt, zarr3),
-                    name,
-                    tuple(leaf.shape),
-                    [tuple(chunk_shape)],
-                )
+            if (chunk_shape := getattr(storage, "chunk_shape", None)) is not None:
+                where = _metadata_file(path, leaf.name, ocdbt, zarr3)
+                _check_chunks(where, name, tuple(leaf.shape), [tuple(chunk_shape)])
             found.append(name)
-            out_key = ((item,) if len(items) > 1 else ()) + key
-            types = (("key",) if len(items) > 1 else ()) + key_types
-            leaves.append((out_key, types, name, path, leaf, ocdbt, zarr3))
+            leaves.append((*out, name, path, leaf, ocdbt, zarr3))
     for item, why in others.items():
         found.append(f"{item}/")
         skip(source, [f"{item}/"], why)
@@ -405,96 +381,78 @@ def _saved_sharding(leaf) -> SavedSharding | None:
 
 
 def _items(leaves) -> Iterator[writer.HostItem]:
-    import orbax.checkpoint as ocp
-    import tensorstore as ts
-    from etils import epath
-
     contexts: dict[bool, Any] = {}
     strings: dict[str, dict] = {}
     for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
-        role, sub_role = role_of(key)
-        provenance = {"file": name, "tensors": [name]}
+        provenance: dict = {"file": name, "tensors": [name]}
         if leaf is None:
-            provenance = {"values": [f"{name} (an empty node)"]}
-            yield writer.HostItem(key, None, role, sub_role, provenance, key_types=key_types)
-            continue
-        kind = type(leaf).__name__
-        if kind == "StringMetadata":
+            value, provenance = None, {"values": [f"{name} (an empty node)"]}
+        elif type(leaf).__name__ == "StringMetadata":
             if path not in strings:
                 strings[path] = _read_json(os.path.join(path, STRINGS_FILE))
             value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
             if not isinstance(value, str):
                 raise OrbaxImportError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
-            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
-            continue
-        if kind not in ("ArrayMetadata", "ScalarMetadata"):
-            raise OrbaxImportError(
-                f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
-                f"scalars and strings"
-            )
-        if ocdbt not in contexts:
-            # Orbax's context keeps up to 100 MB of OCDBT data in its cache pool: nothing here
-            # is read twice, and the budget leaves no room for it (~50 MiB measured)
-            contexts[ocdbt] = ts.Context(
-                ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
-                ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
-            )
-        info = ocp.type_handlers.ParamInfo(
-            name=leaf.name,
-            parent_dir=epath.Path(path),
-            is_ocdbt_checkpoint=ocdbt,
-            use_zarr3=zarr3,
-            ts_context=contexts[ocdbt],
-        )
-        tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-        where = _metadata_file(path, leaf.name, ocdbt, zarr3)
-        array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
-        if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
-            value = _read(array, _data_files(path, leaf.name, ocdbt), name)().item()
-            yield writer.HostItem(key, value, role, sub_role, provenance, key_types=key_types)
-            continue
-        dtype = array.dtype.numpy_dtype
-        streamed = zstd_rows.rows_reader(
-            array, _data_files(path, leaf.name, ocdbt), name, OrbaxImportError
-        )
-        if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
-            shape = tuple(array.shape)
-            yield writer.HostItem(
-                key,
-                writer.Deferred(
-                    shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
-                ),
-                role,
-                sub_role,
-                provenance,
-                key_types=key_types,
-                saved_sharding=_saved_sharding(leaf),
-            )
-            continue
-        chunk = tuple(array.chunk_layout.read_chunk.shape or array.shape)
-        budget = writer.memory_budget()
-        at_once, holds = _decoding(array.shape, dtype.itemsize, chunk, budget)
-        if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
-            limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
-            array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, array.shape)
+        else:
+            value = _array(leaf, name, path, ocdbt, zarr3, contexts)
         yield writer.HostItem(
             key,
-            # read once the writer has room for the array and its decoded chunks
-            writer.Deferred(
-                tuple(array.shape),
-                dtype,
-                _read(array, _data_files(path, leaf.name, ocdbt), name),
-                bound=holds,
-                rows=_rows(array, _data_files(path, leaf.name, ocdbt), name)
-                if _by_rows(array.shape, dtype.itemsize, chunk, budget)
-                else None,
-            ),
-            role,
-            sub_role,
+            value,
+            *role_of(key),
             provenance,
             key_types=key_types,
-            saved_sharding=_saved_sharding(leaf),
+            saved_sharding=_saved_sharding(leaf) if isinstance(value, writer.Deferred) else None,
         )
+
+
+def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict):
+    """An array leaf as a ``writer.Deferred``, read once the writer has room for it (zstd chunks
+    decoded as a stream into the rows, else through TensorStore); a scalar leaf as its value."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    kind = type(leaf).__name__
+    if kind not in ("ArrayMetadata", "ScalarMetadata"):
+        raise OrbaxImportError(
+            f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
+            f"scalars and strings"
+        )
+    if ocdbt not in contexts:
+        # Orbax's context keeps up to 100 MB of OCDBT data in its cache pool: nothing here
+        # is read twice, and the budget leaves no room for it (~50 MiB measured)
+        contexts[ocdbt] = ts.Context(
+            ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
+            ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
+        )
+    info = ocp.type_handlers.ParamInfo(
+        name=leaf.name,
+        parent_dir=epath.Path(path),
+        is_ocdbt_checkpoint=ocdbt,
+        use_zarr3=zarr3,
+        ts_context=contexts[ocdbt],
+    )
+    tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+    where, data = _metadata_file(path, leaf.name, ocdbt, zarr3), _data_files(path, leaf.name, ocdbt)
+    array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
+    if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
+        return _read(array, data, name).item()
+    shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
+    streamed = zstd_rows.rows_reader(array, data, name, OrbaxImportError)
+    if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
+        return writer.Deferred(
+            shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
+        )
+    chunk = tuple(array.chunk_layout.read_chunk.shape or shape)
+    budget = writer.memory_budget()
+    at_once, holds = _decoding(shape, dtype.itemsize, chunk, budget)
+    if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
+        limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
+        array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, shape)
+    read = functools.partial(_read, array, data, name)
+    rows = read if _by_rows(shape, dtype.itemsize, chunk, budget) else None
+    # read once the writer has room for the array and its decoded chunks
+    return writer.Deferred(shape, dtype, read, bound=holds, rows=rows)
 
 
 def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
@@ -525,43 +483,27 @@ def _data_files(path: str, name: str, ocdbt: bool) -> str:
     return os.path.join(path, name)
 
 
-def _rows(array, where: str, name: str):
-    """Reads rows ``lo:hi`` of dim 0 alone (decoding only the chunks holding them), its errors
-    as the whole read's."""
-
+def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = None):
+    """The whole array, or rows ``lo:hi`` of dim 0 alone (decoding only the chunks holding
+    them); a missing, truncated or corrupt chunk file is an error naming the array, where its
+    chunks lie and the file TensorStore names."""
     import tensorstore as ts
 
-    def rows(lo: int, hi: int):
+    try:
+        if lo is None or hi is None:
+            return array.read().result()
         # read into a private mapping unmapped once written (``writer.unpooled_empty``): a slab
         # TensorStore allocates stays resident in glibc's heap after it is freed
         out = writer.unpooled_empty((hi - lo, *array.shape[1:]), array.dtype.numpy_dtype)
         view = array[lo:hi].translate_to[(0,) * array.rank]
-        try:
-            ts.array(out, copy=False, write=True).write(view).result()
-        except ValueError as e:
-            raise OrbaxImportError(
-                f"{where}: reading rows {lo}:{hi} of array {name!r} failed (missing, truncated "
-                f"or corrupt chunk data): {tensorstore_message(e)}"
-            ) from None
+        ts.array(out, copy=False, write=True).write(view).result()
         return out
-
-    return rows
-
-
-def _read(array, where: str, name: str):
-    """Reads the whole array; a missing, truncated or corrupt chunk file is an error naming the
-    array, where its chunks lie and the file TensorStore names."""
-
-    def read():
-        try:
-            return array.read().result()
-        except ValueError as e:
-            raise OrbaxImportError(
-                f"{where}: reading array {name!r} failed (missing, truncated or corrupt chunk "
-                f"data): {tensorstore_message(e)}"
-            ) from None
-
-    return read
+    except ValueError as e:
+        rows = "" if lo is None else f"rows {lo}:{hi} of "
+        raise OrbaxImportError(
+            f"{where}: reading {rows}array {name!r} failed (missing, truncated or corrupt chunk "
+            f"data): {tensorstore_message(e)}"
+        ) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,10 +532,4 @@ def detect(src: os.PathLike | str) -> Detection:
 
 def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
     """:func:`plan_orbax` with its options as one ``OrbaxOptions``."""
-    return plan_orbax(
-        src,
-        tag=options.tag,
-        spec=options.spec,
-        weights_only=options.weights_only,
-        share=options.share,
-    )
+    return plan_orbax(src, **vars(options))  # every option is one of its keywords

@@ -42,22 +42,20 @@ def _lib() -> Any:
     name = ctypes.util.find_library("zstd")
     if name is None:
         return None
+    void, size, buffer = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Buffer)
+    signatures = {  # name: (argument types, result type)
+        "ZSTD_createDStream": ([], void),
+        "ZSTD_freeDStream": ([void], size),
+        "ZSTD_initDStream": ([void], size),
+        "ZSTD_decompressStream": ([void, buffer, buffer], size),
+        "ZSTD_isError": ([size], ctypes.c_uint),
+        "ZSTD_getErrorName": ([size], ctypes.c_char_p),
+    }
     try:
         lib = ctypes.CDLL(name)
-        lib.ZSTD_createDStream.restype = ctypes.c_void_p
-        lib.ZSTD_freeDStream.argtypes = [ctypes.c_void_p]
-        lib.ZSTD_initDStream.argtypes = [ctypes.c_void_p]
-        lib.ZSTD_initDStream.restype = ctypes.c_size_t
-        lib.ZSTD_decompressStream.argtypes = [
-            ctypes.c_void_p,
-            ctypes.POINTER(_Buffer),
-            ctypes.POINTER(_Buffer),
-        ]
-        lib.ZSTD_decompressStream.restype = ctypes.c_size_t
-        lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
-        lib.ZSTD_isError.restype = ctypes.c_uint
-        lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]
-        lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+        for function, (argtypes, restype) in signatures.items():
+            getattr(lib, function).argtypes = argtypes
+            getattr(lib, function).restype = restype
     except (OSError, AttributeError):
         return None
     return lib
