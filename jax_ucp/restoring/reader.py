@@ -23,7 +23,7 @@ from jax_ucp import store
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointReplacedError, tensorstore_failure, tensorstore_message
 from jax_ucp.format.dtypes import CASTINGS
-from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, format_size
 from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
@@ -427,20 +427,20 @@ class _Reads:
             bytes_, what = self.limit
             self.source.check_fits(found, bytes_, what)
             if pending.host_bytes > bytes_:
-                raise self._memory_error(found, pending, f"exceeds {what} ({_human(bytes_)})")
+                raise self._memory_error(found, pending, f"exceeds {what} ({format_size(bytes_)})")
             if self.kept + keeps > bytes_:
                 raise self._memory_error(
                     found,
                     pending,
-                    f"would take the {_human(self.kept)} this restore already holds in host "
-                    f"memory past {what} ({_human(bytes_)})",
+                    f"would take the {format_size(self.kept)} this restore already holds in host "
+                    f"memory past {what} ({format_size(bytes_)})",
                 )
         self.kept += keeps
 
     def _memory_error(self, found: Available, pending, why: str) -> CheckpointError:
         return CheckpointError(
             f"Tensor {found.name!r} ({self.source.files(found)}): restoring it needs "
-            f"{_human(pending.host_bytes)} of host memory (shape {found.shape}, {pending.dtype}, "
+            f"{format_size(pending.host_bytes)} of host memory (shape {found.shape}, {pending.dtype}, "
             f"the slices this process reads), which {why}. Restore it sharded over more "
             f"processes, select= other tensors, or check the checkpoint's "
             f"{self.source.metadata} (it declares this shape)."
@@ -576,14 +576,6 @@ _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tell
     "missing": "missing data: the checkpoint is incomplete",
     "other": "corrupt or truncated data?",
 }
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _plan_item(source: TensorSource, req: Request, available: Mapping, values: Mapping, casting):
@@ -742,8 +734,8 @@ class CheckpointSource(TensorSource):
             if src.shape and chunk > limit:
                 raise CheckpointError(
                     f"Tensor {found.name!r} ({os.path.join(self.root, src.dir)}): its inner "
-                    f"chunks of shape {src.inner_chunk_shape} take {_human(chunk)} each, more "
-                    f"than {what} ({_human(limit)}); a reader decodes whole chunks. Check the "
+                    f"chunks of shape {src.inner_chunk_shape} take {format_size(chunk)} each, more "
+                    f"than {what} ({format_size(limit)}); a reader decodes whole chunks. Check the "
                     f"checkpoint's {fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
                 )
 

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_ucp.format import SavedSharding
 from jax_ucp.format.errors import UCPError
+from jax_ucp.format.sizes import format_size
 
 LogicalRules = Sequence[tuple[str, Any]]
 
@@ -325,18 +326,10 @@ def replication_warning(where: str, tensors: Sequence[tuple[str, int]]) -> str:
     more = f", … ({len(tensors)} in all)" if len(tensors) > 5 else ""
     return (
         f"{where}: {len(tensors)} tensor(s) saved sharded will be replicated on every device "
-        f"({_human(total)} per device): {names}{more}. Their saved mesh axes are not in the "
+        f"({format_size(total)} per device): {names}{more}. Their saved mesh axes are not in the "
         f"mesh or do not divide them, or no rule covers their logical names: pass rules= or a "
         f"target to shard them (jax_ucp.plan shows the placement)."
     )
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def sharding_for(
