@@ -111,7 +111,6 @@ class _Tensor:
     source: Any = None
     host: np.ndarray | None = None
     gathered: Gathered | None = None
-    rows_done: int = 0
 
     @property
     def row_bytes(self) -> int:
