@@ -218,46 +218,28 @@ def check_destination(source, dest) -> None:
         )
 
 
-def convert_deepspeed(src, dst, **kwargs) -> str:
-    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP).
+def _convert_as(format: str, what: str) -> Callable[..., str]:
+    def convert_format(src, dst, **kwargs) -> str:
+        return convert(src, dst, format=format, **kwargs)
 
-    Args:
-        src: the DeepSpeed checkpoint folder.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="deepspeed", **kwargs)
-
-
-def convert_safetensors(src, dst, **kwargs) -> str:
-    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index).
-
-    Args:
-        src: a ``.safetensors`` file, or a folder with shards and an index.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="safetensors", **kwargs)
+    convert_format.__name__ = convert_format.__qualname__ = f"convert_{format}"
+    convert_format.__doc__ = (
+        f"``convert(src, dst, format={format!r}, **kwargs)``: ``src`` is {what}."
+    )
+    return convert_format
 
 
-def convert_megatron(src, dst, **kwargs) -> str:
-    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX).
-
-    Args:
-        src: the Megatron checkpoint folder.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="megatron", **kwargs)
-
-
-def convert_torch(src, dst, **kwargs) -> str:
-    """``convert`` of a torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning)
-    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt).
-
-    Args:
-        src: the DCP folder, or the torch.save file or folder.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="torch", **kwargs)
+convert_deepspeed = _convert_as(
+    "deepspeed", "a DeepSpeed checkpoint folder (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP)"
+)
+convert_safetensors = _convert_as(
+    "safetensors", "a ``.safetensors`` file, or a folder with shards and an index"
+)
+convert_megatron = _convert_as(
+    "megatron", "a Megatron checkpoint folder (torch_dist or legacy iter_N/mp_rank_XX)"
+)
+convert_torch = _convert_as(
+    "torch",
+    "a torch DCP folder (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save files "
+    "(pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt)",
+)
