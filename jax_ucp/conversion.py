@@ -133,36 +133,19 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         job = agreement.join(dest, options.barrier_timeout) if options.distributed else None
         plan = _plan(source, dest, options, job)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
+        common: dict[str, Any] = dict(
+            force=options.force, source=plan.source, compression=options.compression
+        )
         if job is not None:
             index, count, gather = job
             return writer.write_shared_checkpoint(
-                dest,
-                items,
-                index=index,
-                count=count,
-                gather=gather,
-                force=options.force,
-                source=plan.source,
-                compression=options.compression,
+                dest, items, index=index, count=count, gather=gather, **common
             )
         if options.step is None:
-            return writer.write_host_checkpoint(
-                dest,
-                items,
-                force=options.force,
-                source=plan.source,
-                compression=options.compression,
-            )
+            return writer.write_host_checkpoint(dest, items, **common)
         from jax_ucp.orbax.manager_step import write_manager_step
 
-        return write_manager_step(
-            dest,
-            items,
-            step=options.step,
-            force=options.force,
-            source=plan.source,
-            compression=options.compression,
-        )
+        return write_manager_step(dest, items, step=options.step, **common)
 
 
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
