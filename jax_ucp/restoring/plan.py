@@ -527,6 +527,19 @@ class _Layouts:
                 "processes= is for an AbstractMesh; a concrete Mesh knows its devices' processes."
             )
 
+    def _positions(self, mesh) -> tuple[list[int], list[int]]:
+        """Per mesh position (row-major): device key and process index."""
+        if isinstance(mesh, jax.sharding.Mesh):
+            devices = list(mesh.devices.flat)
+            return [d.id for d in devices], [d.process_index for d in devices]
+        n = math.prod(mesh.shape[a] for a in mesh.axis_names)
+        p = 1 if self._processes is None else int(self._processes)
+        if p < 1 or n % p:
+            raise ArgsError(
+                f"processes={self._processes} does not split the mesh's {n} devices evenly."
+            )
+        return list(range(n)), [i // (n // p) for i in range(n)]
+
     def _split(self, mesh) -> tuple[int, int]:
         """An AbstractMesh's device count and how many processes share it (contiguous blocks)."""
         n = math.prod(mesh.shape[a] for a in mesh.axis_names)
@@ -621,6 +634,25 @@ class _Layouts:
                 memo[start] = _distinct_projections([(start, start + block)], sizes, in_spec)
             counts[q] = memo[start]
         return counts
+
+    def _named(self, shape, spec, mesh):
+        """(device, process, ((start, stop) per dimension)) for each position of ``mesh``, as
+        ``NamedSharding.devices_indices_map`` would give (the axes of one entry major first)."""
+        names = tuple(mesh.axis_names)
+        sizes = tuple(mesh.shape[a] for a in names)
+        spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+        dims = [[names.index(a) for a in _axes_of(entry)] for entry in spec]
+        devices, processes = self._positions(mesh)
+        for position, coords in enumerate(np.ndindex(*sizes)):
+            box = []
+            for size, axes in zip(shape, dims):
+                parts, index = 1, 0
+                for a in axes:
+                    index = index * sizes[a] + coords[a]
+                    parts *= sizes[a]
+                block = size // parts
+                box.append((index * block, (index + 1) * block))
+            yield devices[position], processes[position], tuple(box)
 
 
 def _distinct_projections(intervals, sizes: tuple[int, ...], in_spec: tuple[bool, ...]) -> int:
