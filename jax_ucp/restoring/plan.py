@@ -230,11 +230,7 @@ def _placed_by_target(root, manifest, available, target, shardings, casting):
         elif key in values:
             n_values += 1
         else:
-            near = [fmt.key_to_str(k) for k in list(available)[:5]]
-            raise reader.CheckpointError(
-                f"Tensor {fmt.key_to_str(key)!r} is not in the checkpoint {root} "
-                f"({len(available)} tensors, e.g. {near})."
-            )
+            raise reader.not_found(fmt.key_to_str(key), f"the checkpoint {root}", available)
     return placed, n_values
 
 
@@ -243,35 +239,25 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes) -> TensorPlan:
     not_divisible, error); its device and read bytes added to the totals. A tensor on host
     gets its read bytes from ``_read_on_host`` once every process is known."""
     av, dtype, sharding, not_divisible, error = placed
-    spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-    common: dict[str, Any] = dict(
-        name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible
+    plan = TensorPlan(
+        name=av.name,
+        shape=av.shape,
+        dtype=str(dtype),
+        partition_spec=sharding.spec if isinstance(sharding, NamedSharding) else None,
+        bytes_per_device=None,
+        read_bytes=IndexedBytes(),
+        not_divisible=not_divisible,
+        error=error,
     )
     if error is not None:
-        return TensorPlan(
-            **common,
-            partition_spec=spec,
-            bytes_per_device=None,
-            read_bytes=IndexedBytes(),
-            error=error,
-        )
+        return plan
     if sharding is None:
-        return TensorPlan(
-            **common,
-            partition_spec=None,
-            bytes_per_device=0,
-            read_bytes=IndexedBytes(),
-            on_host=True,
-        )
-    itemsize = np.dtype(dtype).itemsize
-    per_device, reads = layouts.place(av.shape, sharding, itemsize, device_bytes)
+        return dataclasses.replace(plan, bytes_per_device=0, on_host=True)
+    per_device, reads = layouts.place(av.shape, sharding, np.dtype(dtype).itemsize, device_bytes)
     process_bytes.merge(reads)
-    return TensorPlan(
-        **common,
-        partition_spec=spec,
-        bytes_per_device=per_device,
-        read_bytes=reads,
-        replicated=math.prod(av.shape) > 1 and _fully_replicated(sharding),
+    replicated = math.prod(av.shape) > 1 and _fully_replicated(sharding)
+    return dataclasses.replace(
+        plan, bytes_per_device=per_device, read_bytes=reads, replicated=replicated
     )
 
 
@@ -303,33 +289,11 @@ def _on_mesh(av: reader.Available, mesh, rules):
 
 def _explicit(av: reader.Available, req: reader.Request, casting: str):
     """``restore(target=/shardings=)``'s checks for one tensor, as a message instead of raised."""
-    name, error = av.name, None
-    dtype = np.dtype(req.dtype) if req.dtype is not None else av.dtype
-    if req.shape is not None and tuple(req.shape) != av.shape:
-        error = (
-            f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, the checkpoint "
-            f"holds shape {av.shape}."
-        )
-    elif req.python_type is not None and av.shape != ():
-        error = (
-            f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but the "
-            f"checkpoint holds an array of shape {av.shape}."
-        )
-    else:
-        try:
-            reader.check_cast(name, av.dtype, dtype, casting)
-            if req.sharding is not None:
-                sharding_lib.check_divisible(name, av.shape, req.sharding)
-        except (reader.CheckpointError, sharding_lib.ShardingMismatchError) as e:
-            error = str(e)
-    if error is None and req.sharding is not None:
-        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-        if narrowed != dtype:
-            error = (
-                f"Tensor {name!r} is {dtype}, which JAX would silently narrow to {narrowed} on "
-                f"device; enable jax_enable_x64, restore it to host (sharding None) or ask for "
-                f"a dtype."
-            )
+    dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
+    try:
+        reader.check_tensor_request(av.name, req, av, "the checkpoint", casting)
+    except (reader.CheckpointError, sharding_lib.ShardingMismatchError) as e:
+        error = str(e)
     return av, dtype, req.sharding, (), error
 
 

@@ -585,10 +585,7 @@ def _plan_item(source: TensorSource, req: Request, available: Mapping, values: M
     found = _match(req.key, available, values)
     name = fmt.key_to_str(req.key)
     if found is None:
-        near = [fmt.key_to_str(k) for k in list(available)[:5]]
-        raise CheckpointError(
-            f"Tensor {name!r} is not in {source.where} ({len(available)} tensors, e.g. {near})."
-        )
+        raise not_found(name, source.where, available)
     if isinstance(found, fmt.ValueEntry):
         value = found.value
         if req.wants_array:
@@ -596,6 +593,14 @@ def _plan_item(source: TensorSource, req: Request, available: Mapping, values: M
         return ("value", value)
     check_tensor_request(name, req, found, source.holder(found), casting)
     return ("tensor", req, found)
+
+
+def not_found(name: str, where: str, available: Mapping) -> CheckpointError:
+    """A requested tensor ``where`` lacks, naming a few it holds."""
+    near = [fmt.key_to_str(k) for k in list(available)[:5]]
+    return CheckpointError(
+        f"Tensor {name!r} is not in {where} ({len(available)} tensors, e.g. {near})."
+    )
 
 
 def check_tensor_request(name: str, req: Request, found, holder: str, casting: str) -> np.dtype:
