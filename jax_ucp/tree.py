@@ -272,6 +272,9 @@ def allowed_class(name: object) -> type | None:
     return _by_package_and_qualname().get((module.split(".")[0], qualname))
 
 
+_PLAIN_KINDS = {dict: "dict", list: "list", tuple: "tuple"}
+
+
 def describe_structure(tree) -> dict:
     """The container structure of ``tree`` as JSON: node types, classes, child names."""
 
@@ -285,20 +288,11 @@ def describe_structure(tree) -> dict:
         for path, child in children:
             key_type, name = keypath_lib.component_of(path[0])
             kids.append([name, key_type, node(child)])
-        if type(x) is dict:
-            kind = "dict"
-        elif type(x) is list:
-            kind = "list"
-        elif type(x) is tuple:
-            kind = "tuple"
-        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
-            kind = "namedtuple"
-        else:
-            kind = "object"
-        out: dict = {"type": kind, "children": kids}
-        if kind in ("namedtuple", "object"):
-            out["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
-        return out
+        kind = _PLAIN_KINDS.get(type(x))
+        if kind is not None:
+            return {"type": kind, "children": kids}
+        kind = "namedtuple" if isinstance(x, tuple) and hasattr(type(x), "_fields") else "object"
+        return {"type": kind, "children": kids, "class": class_name(type(x))}
 
     return node(tree)
 
