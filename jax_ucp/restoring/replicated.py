@@ -90,9 +90,7 @@ class Gathered:
 
     @property
     def on_host(self) -> bool:
-        if self.sharding is None:
-            return True
-        return all(d.platform == "cpu" for d in self.sharding.device_set)
+        return assemble.on_host(self.sharding)
 
     def result(self):
         return self.value
@@ -163,18 +161,9 @@ def _covers_every_process(shape: tuple[int, ...], sharding, processes: int) -> b
     if len(by_process) != processes:
         return False
     whole = tuple((0, n) for n in shape)
-    total = math.prod(shape)
-    for keys in by_process.values():
-        if whole in keys:
-            continue
-        if sum(math.prod(b - a for a, b in key) for key in keys) != total:
-            return False  # overlapping slices, or a part no device of this process holds
-        keys = list(keys)
-        for i, first in enumerate(keys):  # equal volume and pairwise disjoint: a tiling
-            for second in keys[i + 1 :]:
-                if all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2) in zip(first, second)):
-                    return False
-    return True
+    return all(
+        whole in keys or assemble.tile(list(keys), math.prod(shape)) for keys in by_process.values()
+    )
 
 
 def select(items: Sequence[tuple[int, Any, Any]], mode: str) -> list[tuple[int, Any, Any]]:
