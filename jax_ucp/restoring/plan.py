@@ -31,6 +31,7 @@ from jax_ucp import store
 from jax_ucp.options import field_namer, keywords_of
 from jax_ucp.restoring import reader
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
+from jax_ucp.sharding.mesh_layout import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,12 +298,6 @@ def _explicit(av: reader.Available, req: reader.Request, casting: str):
     return av, dtype, req.sharding, (), error
 
 
-def _axes_of(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
 def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
     """The dimensions the saved PartitionSpec or the rules wanted split over mesh axes whose
     size does not divide them (``sharding_for`` replicates those)."""
@@ -312,12 +307,12 @@ def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tup
         for dim, logical in enumerate(av.logical_axes):
             for rule_name, mesh_axes in rules if logical is not None else ():
                 if rule_name == logical:
-                    if not _axes_of(mesh_axes):
+                    if not axes_of(mesh_axes):
                         break  # explicitly replicated
-                    wanted[dim].append(_axes_of(mesh_axes))
+                    wanted[dim].append(axes_of(mesh_axes))
     elif av.saved_sharding is not None:
         for dim, entry in enumerate(av.saved_sharding.partition_spec[: len(av.shape)]):
-            axes = _axes_of(entry)
+            axes = axes_of(entry)
             if axes and all(a in mesh.shape for a in axes):
                 wanted[dim].append(axes)
     out = []
@@ -337,7 +332,7 @@ def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tup
 
 def _fully_replicated(sharding) -> bool:
     if isinstance(sharding, NamedSharding):
-        return all(not _axes_of(entry) for entry in sharding.spec)
+        return all(not axes_of(entry) for entry in sharding.spec)
     return bool(sharding.is_fully_replicated)
 
 
@@ -541,9 +536,9 @@ class _Layouts:
             mesh = sharding.mesh
             names = tuple(mesh.axis_names)
             spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-            used = frozenset(names.index(a) for entry in spec for a in _axes_of(entry))
+            used = frozenset(names.index(a) for entry in spec for a in axes_of(entry))
             elements = math.prod(
-                size // math.prod(mesh.shape[a] for a in _axes_of(entry))
+                size // math.prod(mesh.shape[a] for a in axes_of(entry))
                 for size, entry in zip(shape, spec)
             )
             slice_bytes = elements * itemsize
@@ -605,7 +600,7 @@ class _Layouts:
         names = tuple(mesh.axis_names)
         sizes = tuple(mesh.shape[a] for a in names)
         spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-        dims = [[names.index(a) for a in _axes_of(entry)] for entry in spec]
+        dims = [[names.index(a) for a in axes_of(entry)] for entry in spec]
         devices, processes = self._positions(mesh)
         for position, coords in enumerate(np.ndindex(*sizes)):
             box = []
