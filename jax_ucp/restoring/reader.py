@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import re
@@ -756,14 +755,6 @@ class CheckpointSource(TensorSource):
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
 
 
-def shard_keys(entry: fmt.TensorEntry) -> list[str]:
-    """Keys of every shard file of ``entry``'s chunk grid (none for a zero-size array)."""
-    if 0 in entry.shape:
-        return []
-    grid = [range(-(-n // c)) for n, c in zip(entry.shape, entry.chunk_shape)]
-    return [shard_file.shard_key(pos) for pos in itertools.product(*grid)]
-
-
 def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
     checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
@@ -773,7 +764,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
         verify_shard_objects(root, [entry])
         return
     n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
-    for key in shard_keys(entry):
+    for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
         path = os.path.join(kv["path"], *key.split("/"))
         try:
             fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
@@ -808,7 +799,7 @@ def verify_shard_objects(root: str, entries) -> None:
             n_chunks,
             entry.compression,
         )
-        for key in shard_keys(entry):
+        for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
             where = store.location.join(root, entry.dir, key)
             shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
             owners.append((entry, key, where))
