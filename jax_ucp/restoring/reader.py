@@ -932,28 +932,11 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
             reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
             continue
         sharding = shard_by_key.get(key, _concrete(key, getattr(leaf, "sharding", None), mesh))
-        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-            reqs.append(
-                Request(
-                    key=key,
-                    dtype=np.dtype(leaf.dtype),
-                    shape=tuple(leaf.shape),
-                    sharding=sharding,
-                    wants_array=True,
-                )
-            )
-        elif isinstance(leaf, (np.ndarray, np.generic)):
-            reqs.append(
-                Request(
-                    key=key,
-                    dtype=leaf.dtype,
-                    shape=tuple(np.shape(leaf)),
-                    sharding=shard_by_key.get(key),
-                    wants_array=True,
-                )
-            )
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+            dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+            reqs.append(Request(key, dtype, shape, sharding, wants_array=True))
         elif isinstance(leaf, (bool, int, float)):
-            reqs.append(Request(key=key, python_type=type(leaf), sharding=shard_by_key.get(key)))
+            reqs.append(Request(key=key, python_type=type(leaf), sharding=sharding))
         else:  # None, str, or anything else: take what was saved
             reqs.append(Request(key=key, sharding=shard_by_key.get(key)))
     return reqs, treedef
