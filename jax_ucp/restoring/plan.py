@@ -491,12 +491,7 @@ class _Layouts:
         if isinstance(mesh, jax.sharding.Mesh):
             devices = list(mesh.devices.flat)
             return [d.id for d in devices], [d.process_index for d in devices]
-        n = math.prod(mesh.shape[a] for a in mesh.axis_names)
-        p = 1 if self._processes is None else int(self._processes)
-        if p < 1 or n % p:
-            raise ArgsError(
-                f"processes={self._processes} does not split the mesh's {n} devices evenly."
-            )
+        n, p = self._split(mesh)
         return list(range(n)), [i // (n // p) for i in range(n)]
 
     def _split(self, mesh) -> tuple[int, int]:
