@@ -374,7 +374,7 @@ def read_from(
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
     once = replicated.select(
         [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
-        replicated.check_option(replicated_read),
+        replicated_read,
     )
     shared = replicated.read_once(
         once,

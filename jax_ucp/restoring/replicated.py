@@ -35,12 +35,8 @@ import jax
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import RequestError
 from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
-
-MODES = ("each", "once")
-DEFAULT_MODE = "each"
 
 # A process waits this long for the others to finish reading their shares of a batch (a peer
 # that died on this host is named at once; one on another host ends the job by jax's heartbeat).
@@ -53,15 +49,6 @@ _MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are
 class ReplicatedReadError(fmt.UCPError, RuntimeError):
     """A tensor read once across processes could not be completed: another process failed
     (its error is quoted), died, or did not answer in time; names the tensors and the process."""
-
-
-def check_option(mode) -> str:
-    """``replicated_read=`` as a mode (None: ``DEFAULT_MODE``); ``RestoreOptions`` checked it."""
-    if mode is None:
-        return DEFAULT_MODE
-    if mode not in MODES:
-        raise RequestError(f"replicated_read must be one of {MODES}, got {mode!r}.")
-    return mode
 
 
 @dataclasses.dataclass
@@ -166,7 +153,7 @@ def _covers_every_process(shape: tuple[int, ...], sharding, processes: int) -> b
     )
 
 
-def select(items: Sequence[tuple[int, Any, Any]], mode: str) -> list[tuple[int, Any, Any]]:
+def select(items: Sequence[tuple[int, Any, Any]], mode: str | None) -> list[tuple[int, Any, Any]]:
     """The ``(position, request, available)`` items to read once: ``mode`` "once", several
     processes, a tensor with at least one element and one dimension that every process needs
     whole."""
