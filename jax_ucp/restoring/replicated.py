@@ -197,7 +197,16 @@ def read_once(
     if not items:
         return
     tensors = [
-        _tensor(position, (position, req, found), found, req, unit_rows(found))
+        _Tensor(
+            position=position,
+            item=(position, req, found),
+            name=found.name,
+            shape=tuple(found.shape),
+            stored=np.dtype(found.dtype),
+            sharding=req.sharding,
+            want=np.dtype(req.dtype if req.dtype is not None else found.dtype),
+            unit_rows=unit_rows(found),
+        )
         for position, req, found in items
     ]
     n, me = jax.process_count(), jax.process_index()
@@ -241,21 +250,6 @@ def read_once(
         raise
 
 
-def _tensor(position, item, found, req, unit: int) -> _Tensor:
-    stored = np.dtype(found.dtype)
-    want = np.dtype(req.dtype) if req.dtype is not None else stored
-    return _Tensor(
-        position=position,
-        item=item,
-        name=found.name,
-        shape=tuple(found.shape),
-        stored=stored,
-        sharding=req.sharding,
-        want=want,
-        unit_rows=unit,
-    )
-
-
 def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
     """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
     batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
@@ -282,14 +276,12 @@ def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batc
         yield _cut(tensors, runs, n, number)
 
 
-def _unit_bytes(t: _Tensor, k: int) -> int:
-    a, b = t.unit_span(k, k + 1)
-    return (b - a) * t.row_bytes
-
-
 def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int, shift: int) -> _Batch:
     units = [(index, k) for index, u0, u1 in runs for k in range(u0, u1)]
-    sizes = np.array([_unit_bytes(tensors[i], k) for i, k in units], dtype=np.int64)
+    spans = [tensors[i].unit_span(k, k + 1) for i, k in units]
+    sizes = np.array(
+        [(b - a) * tensors[i].row_bytes for (i, _), (a, b) in zip(units, spans)], dtype=np.int64
+    )
     ends = np.cumsum(sizes)
     total = int(ends[-1]) if len(ends) else 0
     # process p takes the units whose middle byte falls in [p*total/n, (p+1)*total/n)
