@@ -220,10 +220,7 @@ def _placed_by_target(root, manifest, available, target, shardings, casting):
     error, as in restore."""
     values = {e.key for e in manifest.values}
     placed, n_values = [], 0
-    requests, _ = reader.requests_from_target(
-        target if target is not None else shardings,
-        shardings if target is not None else None,
-    )
+    requests, _ = reader.requests_from_target(target, shardings)
     for req in requests:
         key = tuple(str(k) for k in req.key)
         if key in available:

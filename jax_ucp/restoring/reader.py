@@ -913,13 +913,14 @@ def _concrete(key, sharding, mesh):
 
 def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
     """One request per target leaf; shardings (same structure) override the target's own.
-    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``.
 
     Args:
-        target: the pytree to restore into.
+        target: the pytree to restore into (None: ``shardings`` are the target).
         shardings: shardings in the target's structure (override its own).
         mesh: the concrete mesh for shardings on an ``AbstractMesh``.
     """
+    if target is None:
+        target, shardings = shardings, None
     leaves, treedef = tree_lib.flatten(target)
     shard_by_key = {}
     if shardings is not None:
@@ -1085,12 +1086,8 @@ def restore_from(
     if options.has_target:  # one request per leaf, the results in the target's structure
         if options.rules is not None and options.mesh is not None:
             sharding_lib.check_rules(options.rules, options.mesh)
-        target, shardings = options.target, options.shardings
-        reqs, treedef = requests_from_target(
-            target if target is not None else shardings,
-            shardings if target is not None else None,
-            mesh=options.mesh,
-        )
+        target = options.target
+        reqs, treedef = requests_from_target(target, options.shardings, mesh=options.mesh)
         for r in reqs if options.dtype is not None else ():
             r.dtype = np.dtype(options.dtype)
         results = read_requests(reqs)
