@@ -148,6 +148,10 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         return write_manager_step(dest, items, step=options.step, **common)
 
 
+class DestinationError(UCPError, ValueError):
+    """A conversion destination that would overwrite or nest inside its own source."""
+
+
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
     """What the destination refuses, before the source is read (checked again under the save
     lock, in the transaction)."""
@@ -158,7 +162,11 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
                 f"(or shared file system) directories only"
             )
         return
-    check_destination(source, dest)
+    if files.overlap(dest, source):  # a forced convert there would delete what it reads
+        raise DestinationError(
+            f"convert: the destination {dest} is, contains or lies inside the source {source}; "
+            f"choose a destination outside the source checkpoint (nothing was written)."
+        )
     target = dest if options.step is None else os.path.join(dest, str(options.step))
     commit.check_replaceable(os.path.abspath(target), force=options.force)
 
@@ -185,20 +193,6 @@ def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gathe
         agreement.agree(gather, "planned", e, dest)
     agreement.agree(gather, "planned", "", dest)
     return plan
-
-
-class DestinationError(UCPError, ValueError):
-    """A conversion destination that would overwrite or nest inside its own source."""
-
-
-def check_destination(source, dest) -> None:
-    """Refuses a destination that is, contains or lies inside the source: a forced convert
-    there would delete the checkpoint it reads (or write into it)."""
-    if files.overlap(dest, source):
-        raise DestinationError(
-            f"convert: the destination {dest} is, contains or lies inside the source {source}; "
-            f"choose a destination outside the source checkpoint (nothing was written)."
-        )
 
 
 def _convert_as(format: str, what: str) -> Callable[..., str]:
