@@ -6,7 +6,6 @@ import dataclasses
 import math
 import os
 import re
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -23,6 +22,7 @@ from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointReplacedError, tensorstore_failure, tensorstore_message
 from jax_ucp.format.dtypes import CASTINGS
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, format_size
+from jax_ucp.options import user_stacklevel
 from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
@@ -503,7 +503,7 @@ class _Reads:
                 f"{message} A {self.casting!r} cast keeps every value's magnitude; pass "
                 f"casting='unsafe' to convert anyway, or restore as {found.dtype}."
             )
-        warnings.warn(message, RuntimeWarning, stacklevel=_user_frame())
+        warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 class _Rows:
@@ -1163,21 +1163,9 @@ def placed_requests(where: str, available, options: RestoreOptions):
         warnings.warn(
             sharding_lib.replication_warning(where, replicated),
             sharding_lib.ReplicationWarning,
-            stacklevel=_user_frame(),
+            stacklevel=user_stacklevel(),
         )
     return reqs, key_types
-
-
-def _user_frame() -> int:
-    """The ``stacklevel`` of the first frame outside jax_ucp (and Orbax): where the warning
-    is the caller's."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
-        "jax_ucp",
-        "orbax",
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
@@ -1208,7 +1196,7 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
         warnings.warn(
             sharding_lib.unmatched_rules_message(root, unmatched, names),
             sharding_lib.ReplicationWarning,
-            stacklevel=_user_frame(),
+            stacklevel=user_stacklevel(),
         )
 
 
