@@ -157,7 +157,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jax_ucp.UCPRestore."
             )
         args = args or UCPRestore(target=item)
-        return reader.restore_tree(str(directory), args)  # UCPRestore is a RestoreOptions
+        return reader.restore_tree(str(directory), args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))
@@ -293,6 +293,11 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
     def __post_init__(self, max_read_bytes: int | str | None = None):
         _refuse_args_as_item("UCPRestore", "target", self.target)
         super().__post_init__(max_read_bytes)
+
+    @property
+    def options(self) -> RestoreOptions:
+        """These args as the read path's options (they are ``RestoreOptions``)."""
+        return self
 
 
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
