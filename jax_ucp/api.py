@@ -27,18 +27,29 @@ def _barrier(name: str) -> None:
         ocp.multihost.sync_global_processes(name)
 
 
-def _primary_decides(where: str, error: BaseException | None) -> None:
-    """The primary's preparation (``error`` None: it succeeded) decided in every process: each
-    raises when it failed, instead of waiting at a barrier the primary never reaches."""
-    if jax.process_count() > 1:
-        failed = int(ocp.multihost.broadcast_one_to_all(np.int32(error is not None)))
-        if failed and error is None:
-            raise commit.SaveConflictError(
-                f"{where}: the primary process refused this save (its error says why); nothing "
-                f"was written."
-            )
-    if error is not None:
-        raise error
+@contextlib.contextmanager
+def _primary_transaction(path: str, force: bool, **kwargs):
+    """The primary's ``commit.transaction`` (None in the others; only the primary touches
+    directories, so only it holds the transaction and its lock), decided in every process: each
+    raises when the primary could not start it, instead of waiting at a barrier the primary
+    never reaches."""
+    with contextlib.ExitStack() as stack:
+        error, tx = None, None
+        if ocp.multihost.is_primary_host(0):
+            try:
+                tx = stack.enter_context(commit.transaction(path, force=force, **kwargs))
+            except BaseException as e:
+                error = e
+        if jax.process_count() > 1:
+            failed = int(ocp.multihost.broadcast_one_to_all(np.int32(error is not None)))
+            if failed and error is None:
+                raise commit.SaveConflictError(
+                    f"{path}: the primary process refused this save (its error says why); "
+                    f"nothing was written."
+                )
+        if error is not None:
+            raise error
+        yield tx
 
 
 def atomic_save(path: str, args, *, force: bool) -> None:
@@ -56,16 +67,7 @@ def atomic_save(path: str, args, *, force: bool) -> None:
         force: replace a jax_ucp checkpoint at ``path``.
     """
     path = path.rstrip("/")
-    primary = ocp.multihost.is_primary_host(0)
-    # Only the primary touches directories, so only it holds the transaction (and its lock).
-    with contextlib.ExitStack() as stack:
-        error, tx = None, None
-        if primary:
-            try:
-                tx = stack.enter_context(commit.transaction(path, force=force, staged=False))
-            except BaseException as e:
-                error = e
-        _primary_decides(path, error)
+    with _primary_transaction(path, force, staged=False) as tx:
         exists = os.path.exists(path)  # every process, once the primary has claimed ``path``
         target = tx.path if tx is not None else path + commit.REPLACING if exists else path
         handler = checkpoint_handler.UCPCheckpointHandler()
@@ -147,19 +149,11 @@ def object_store_save(url: str, args, *, force: bool) -> None:
     url = url.rstrip("/")
     store.location.kvstore_root(url)  # a malformed URL fails here, in every process
     commit.check_object_store_prefix(url, force=force)  # every process sees it: all raise
-    primary = ocp.multihost.is_primary_host(0)
-    with contextlib.ExitStack() as stack:
-        error = None
-        if primary:
-            try:
-                stack.enter_context(commit.transaction(url, force=force))
-            except BaseException as e:
-                error = e
-        _primary_decides(url, error)
+    with _primary_transaction(url, force):
         handler = checkpoint_handler.UCPCheckpointHandler()
         handler.save(url, args=args)
         _barrier("jax_ucp:object_store:written")
-        if primary:
+        if ocp.multihost.is_primary_host(0):
             handler.finalize(url)
         _barrier("jax_ucp:object_store:committed")
 

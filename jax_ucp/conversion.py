@@ -133,36 +133,23 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         job = agreement.join(dest, options.barrier_timeout) if options.distributed else None
         plan = _plan(source, dest, options, job)
         items = writer.with_progress(plan.items, plan.total_params, options.progress)
+        common: dict[str, Any] = dict(
+            force=options.force, source=plan.source, compression=options.compression
+        )
         if job is not None:
             index, count, gather = job
             return writer.write_shared_checkpoint(
-                dest,
-                items,
-                index=index,
-                count=count,
-                gather=gather,
-                force=options.force,
-                source=plan.source,
-                compression=options.compression,
+                dest, items, index=index, count=count, gather=gather, **common
             )
         if options.step is None:
-            return writer.write_host_checkpoint(
-                dest,
-                items,
-                force=options.force,
-                source=plan.source,
-                compression=options.compression,
-            )
+            return writer.write_host_checkpoint(dest, items, **common)
         from jax_ucp.orbax.manager_step import write_manager_step
 
-        return write_manager_step(
-            dest,
-            items,
-            step=options.step,
-            force=options.force,
-            source=plan.source,
-            compression=options.compression,
-        )
+        return write_manager_step(dest, items, step=options.step, **common)
+
+
+class DestinationError(UCPError, ValueError):
+    """A conversion destination that would overwrite or nest inside its own source."""
 
 
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
@@ -175,7 +162,11 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
                 f"(or shared file system) directories only"
             )
         return
-    check_destination(source, dest)
+    if files.overlap(dest, source):  # a forced convert there would delete what it reads
+        raise DestinationError(
+            f"convert: the destination {dest} is, contains or lies inside the source {source}; "
+            f"choose a destination outside the source checkpoint (nothing was written)."
+        )
     target = dest if options.step is None else os.path.join(dest, str(options.step))
     commit.check_replaceable(os.path.abspath(target), force=options.force)
 
@@ -204,60 +195,28 @@ def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gathe
     return plan
 
 
-class DestinationError(UCPError, ValueError):
-    """A conversion destination that would overwrite or nest inside its own source."""
+def _convert_as(format: str, what: str) -> Callable[..., str]:
+    def convert_format(src, dst, **kwargs) -> str:
+        return convert(src, dst, format=format, **kwargs)
+
+    convert_format.__name__ = convert_format.__qualname__ = f"convert_{format}"
+    convert_format.__doc__ = (
+        f"``convert(src, dst, format={format!r}, **kwargs)``: ``src`` is {what}."
+    )
+    return convert_format
 
 
-def check_destination(source, dest) -> None:
-    """Refuses a destination that is, contains or lies inside the source: a forced convert
-    there would delete the checkpoint it reads (or write into it)."""
-    if files.overlap(dest, source):
-        raise DestinationError(
-            f"convert: the destination {dest} is, contains or lies inside the source {source}; "
-            f"choose a destination outside the source checkpoint (nothing was written)."
-        )
-
-
-def convert_deepspeed(src, dst, **kwargs) -> str:
-    """``convert`` of a DeepSpeed checkpoint (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP).
-
-    Args:
-        src: the DeepSpeed checkpoint folder.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="deepspeed", **kwargs)
-
-
-def convert_safetensors(src, dst, **kwargs) -> str:
-    """``convert`` of Hugging Face safetensors (a file, or a folder with shards and an index).
-
-    Args:
-        src: a ``.safetensors`` file, or a folder with shards and an index.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="safetensors", **kwargs)
-
-
-def convert_megatron(src, dst, **kwargs) -> str:
-    """``convert`` of a Megatron checkpoint (torch_dist or legacy iter_N/mp_rank_XX).
-
-    Args:
-        src: the Megatron checkpoint folder.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="megatron", **kwargs)
-
-
-def convert_torch(src, dst, **kwargs) -> str:
-    """``convert`` of a torch DCP checkpoint (FSDP1/FSDP2, torchtitan, Accelerate, Lightning)
-    or torch.save files (pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt).
-
-    Args:
-        src: the DCP folder, or the torch.save file or folder.
-        dst: the UCP directory to create.
-        **kwargs: ``convert``'s keywords.
-    """
-    return convert(src, dst, format="torch", **kwargs)
+convert_deepspeed = _convert_as(
+    "deepspeed", "a DeepSpeed checkpoint folder (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP)"
+)
+convert_safetensors = _convert_as(
+    "safetensors", "a ``.safetensors`` file, or a folder with shards and an index"
+)
+convert_megatron = _convert_as(
+    "megatron", "a Megatron checkpoint folder (torch_dist or legacy iter_N/mp_rank_XX)"
+)
+convert_torch = _convert_as(
+    "torch",
+    "a torch DCP folder (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save files "
+    "(pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt)",
+)

@@ -58,18 +58,18 @@ def renamed(new: str, new_value: Any, old: str, old_value: Any, name: Callable[[
             f"give {new} alone."
         )
     warnings.warn(
-        f"{name(old)} is deprecated; use {new}=.", DeprecationWarning, stacklevel=_callers_level()
+        f"{name(old)} is deprecated; use {new}=.", DeprecationWarning, stacklevel=user_stacklevel()
     )
     return old_value
 
 
-def _callers_level() -> int:
-    """The ``stacklevel`` of the first frame outside jax_ucp (and dataclasses' generated
-    ``__init__``): the user's line that gave the deprecated option."""
-    package = os.path.dirname(os.path.abspath(__file__))
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of the first frame outside jax_ucp and Orbax (dataclasses' generated
+    ``__init__`` runs in its class's module): the user's line a warning is about."""
     frame, level = sys._getframe(1), 1
-    while frame is not None and (
-        frame.f_code.co_filename.startswith(package) or frame.f_code.co_filename == "<string>"
+    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
+        "jax_ucp",
+        "orbax",
     ):
         frame, level = frame.f_back, level + 1
     return level

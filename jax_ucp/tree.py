@@ -80,16 +80,18 @@ def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
             stack.extend((prefix + (str(k),), v) for k, v in node.items())
             continue
         try:
-            children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[
-                0
-            ]
+            children = _children(node)
         except ValueError:  # a dict-like node (FrozenDict) whose own keys do not sort
             return prefix, ["mixed"]
-        if len(children) == 1 and children[0][0] == ():
-            continue  # a leaf
-        for path, child in children:
+        for path, child in children or ():
             stack.append((prefix + (keypath_lib.component_of(path[0])[1],), child))
     return None
+
+
+def _children(node) -> list | None:
+    """(key path entry, child) of each child of ``node``; None when it is no container."""
+    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[0]
+    return None if len(children) == 1 and children[0][0] == () else children
 
 
 def unbox(leaf) -> tuple[Any, tuple | None]:
@@ -272,33 +274,25 @@ def allowed_class(name: object) -> type | None:
     return _by_package_and_qualname().get((module.split(".")[0], qualname))
 
 
+_PLAIN_KINDS = {dict: "dict", list: "list", tuple: "tuple"}
+
+
 def describe_structure(tree) -> dict:
     """The container structure of ``tree`` as JSON: node types, classes, child names."""
 
     def node(x) -> dict:
-        if _is_leaf(x):
-            return {"type": "leaf"}
-        children = jax.tree_util.tree_flatten_with_path(x, is_leaf=lambda c: c is not x)[0]
-        if len(children) == 1 and children[0][0] == ():  # not a container
+        children = None if _is_leaf(x) else _children(x)
+        if children is None:
             return {"type": "leaf"}
         kids = []
         for path, child in children:
             key_type, name = keypath_lib.component_of(path[0])
             kids.append([name, key_type, node(child)])
-        if type(x) is dict:
-            kind = "dict"
-        elif type(x) is list:
-            kind = "list"
-        elif type(x) is tuple:
-            kind = "tuple"
-        elif isinstance(x, tuple) and hasattr(type(x), "_fields"):
-            kind = "namedtuple"
-        else:
-            kind = "object"
-        out: dict = {"type": kind, "children": kids}
-        if kind in ("namedtuple", "object"):
-            out["class"] = f"{type(x).__module__}:{type(x).__qualname__}"
-        return out
+        kind = _PLAIN_KINDS.get(type(x))
+        if kind is not None:
+            return {"type": kind, "children": kids}
+        kind = "namedtuple" if isinstance(x, tuple) and hasattr(type(x), "_fields") else "object"
+        return {"type": kind, "children": kids, "class": class_name(type(x))}
 
     return node(tree)
 

@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from jax_ucp.cli.output import printable
+from jax_ucp.format.sizes import format_size as human  # noqa: F401 (commands use layout.human)
 
 
 def plural(n: int, word: str, plural_form: str | None = None) -> str:
@@ -20,15 +21,6 @@ def plural(n: int, word: str, plural_form: str | None = None) -> str:
         plural_form: the plural, when it is not ``word`` + s.
     """
     return f"{n} {word}" if n == 1 else f"{n} {plural_form or word + 's'}"
-
-
-def human(n: float) -> str:
-    """A byte count in binary units: ``512 B``, ``1.5 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def shape_text(shape) -> str:

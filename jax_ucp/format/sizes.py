@@ -65,6 +65,17 @@ def parse_size(value: int | str, what: str = "memory_budget") -> int:
     return size
 
 
+def format_size(n: float) -> str:
+    """A byte count in binary units, as errors and the CLI print it: ``512 B``, ``1.5 MiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024:
+            break
+        n /= 1024
+    else:
+        unit = "PiB"
+    return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+
+
 def parse_optional_size(value: int | str | None, what: str) -> int | None:
     """``parse_size``, with None (the caller's default) kept as None."""
     return None if value is None else parse_size(value, what)

@@ -29,6 +29,7 @@ from jax_ucp.format.sizes import SizeError, parse_optional_size
 from jax_ucp.restoring import reader
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.saving import plan as save_plan
+from jax_ucp.store import shard_file
 from jax_ucp.writer import commit, durable
 
 DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary's finalize
@@ -190,7 +191,8 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         for e in manifest.entries:
             if isinstance(e, fmt.TensorEntry) and e.dir in digests:
                 e = writer.with_digests(e, digests[e.dir])
-                missing = save_plan.missing_shards(e, digests[e.dir])
+                keys = shard_file.grid_keys(e.shape, e.chunk_shape)
+                missing = [k for k in keys if k not in digests[e.dir]]
                 if missing:
                     raise fmt.UCPError(
                         f"{root}: tensor {e.name!r}: no process wrote shard(s) "

@@ -31,6 +31,7 @@ from jax_ucp import store
 from jax_ucp.options import field_namer, keywords_of
 from jax_ucp.restoring import reader
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
+from jax_ucp.sharding.mesh_layout import axes_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,10 +220,7 @@ def _placed_by_target(root, manifest, available, target, shardings, casting):
     error, as in restore."""
     values = {e.key for e in manifest.values}
     placed, n_values = [], 0
-    requests, _ = reader.requests_from_target(
-        target if target is not None else shardings,
-        shardings if target is not None else None,
-    )
+    requests, _ = reader.requests_from_target(target, shardings)
     for req in requests:
         key = tuple(str(k) for k in req.key)
         if key in available:
@@ -230,11 +228,7 @@ def _placed_by_target(root, manifest, available, target, shardings, casting):
         elif key in values:
             n_values += 1
         else:
-            near = [fmt.key_to_str(k) for k in list(available)[:5]]
-            raise reader.CheckpointError(
-                f"Tensor {fmt.key_to_str(key)!r} is not in the checkpoint {root} "
-                f"({len(available)} tensors, e.g. {near})."
-            )
+            raise reader.not_found(fmt.key_to_str(key), f"the checkpoint {root}", available)
     return placed, n_values
 
 
@@ -243,35 +237,25 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes) -> TensorPlan:
     not_divisible, error); its device and read bytes added to the totals. A tensor on host
     gets its read bytes from ``_read_on_host`` once every process is known."""
     av, dtype, sharding, not_divisible, error = placed
-    spec = sharding.spec if isinstance(sharding, NamedSharding) else None
-    common: dict[str, Any] = dict(
-        name=av.name, shape=av.shape, dtype=str(dtype), not_divisible=not_divisible
+    plan = TensorPlan(
+        name=av.name,
+        shape=av.shape,
+        dtype=str(dtype),
+        partition_spec=sharding.spec if isinstance(sharding, NamedSharding) else None,
+        bytes_per_device=None,
+        read_bytes=IndexedBytes(),
+        not_divisible=not_divisible,
+        error=error,
     )
     if error is not None:
-        return TensorPlan(
-            **common,
-            partition_spec=spec,
-            bytes_per_device=None,
-            read_bytes=IndexedBytes(),
-            error=error,
-        )
+        return plan
     if sharding is None:
-        return TensorPlan(
-            **common,
-            partition_spec=None,
-            bytes_per_device=0,
-            read_bytes=IndexedBytes(),
-            on_host=True,
-        )
-    itemsize = np.dtype(dtype).itemsize
-    per_device, reads = layouts.place(av.shape, sharding, itemsize, device_bytes)
+        return dataclasses.replace(plan, bytes_per_device=0, on_host=True)
+    per_device, reads = layouts.place(av.shape, sharding, np.dtype(dtype).itemsize, device_bytes)
     process_bytes.merge(reads)
-    return TensorPlan(
-        **common,
-        partition_spec=spec,
-        bytes_per_device=per_device,
-        read_bytes=reads,
-        replicated=math.prod(av.shape) > 1 and _fully_replicated(sharding),
+    replicated = math.prod(av.shape) > 1 and _fully_replicated(sharding)
+    return dataclasses.replace(
+        plan, bytes_per_device=per_device, read_bytes=reads, replicated=replicated
     )
 
 
@@ -303,40 +287,12 @@ def _on_mesh(av: reader.Available, mesh, rules):
 
 def _explicit(av: reader.Available, req: reader.Request, casting: str):
     """``restore(target=/shardings=)``'s checks for one tensor, as a message instead of raised."""
-    name, error = av.name, None
-    dtype = np.dtype(req.dtype) if req.dtype is not None else av.dtype
-    if req.shape is not None and tuple(req.shape) != av.shape:
-        error = (
-            f"Tensor {name!r}: the target asks for shape {tuple(req.shape)}, the checkpoint "
-            f"holds shape {av.shape}."
-        )
-    elif req.python_type is not None and av.shape != ():
-        error = (
-            f"Leaf {name!r}: the target is a Python {req.python_type.__name__}, but the "
-            f"checkpoint holds an array of shape {av.shape}."
-        )
-    else:
-        try:
-            reader.check_cast(name, av.dtype, dtype, casting)
-            if req.sharding is not None:
-                sharding_lib.check_divisible(name, av.shape, req.sharding)
-        except (reader.CheckpointError, sharding_lib.ShardingMismatchError) as e:
-            error = str(e)
-    if error is None and req.sharding is not None:
-        narrowed = np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-        if narrowed != dtype:
-            error = (
-                f"Tensor {name!r} is {dtype}, which JAX would silently narrow to {narrowed} on "
-                f"device; enable jax_enable_x64, restore it to host (sharding None) or ask for "
-                f"a dtype."
-            )
+    dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
+    try:
+        reader.check_tensor_request(av.name, req, av, "the checkpoint", casting)
+    except (reader.CheckpointError, sharding_lib.ShardingMismatchError) as e:
+        error = str(e)
     return av, dtype, req.sharding, (), error
-
-
-def _axes_of(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
 def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
@@ -348,12 +304,12 @@ def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tup
         for dim, logical in enumerate(av.logical_axes):
             for rule_name, mesh_axes in rules if logical is not None else ():
                 if rule_name == logical:
-                    if not _axes_of(mesh_axes):
+                    if not axes_of(mesh_axes):
                         break  # explicitly replicated
-                    wanted[dim].append(_axes_of(mesh_axes))
+                    wanted[dim].append(axes_of(mesh_axes))
     elif av.saved_sharding is not None:
         for dim, entry in enumerate(av.saved_sharding.partition_spec[: len(av.shape)]):
-            axes = _axes_of(entry)
+            axes = axes_of(entry)
             if axes and all(a in mesh.shape for a in axes):
                 wanted[dim].append(axes)
     out = []
@@ -373,7 +329,7 @@ def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tup
 
 def _fully_replicated(sharding) -> bool:
     if isinstance(sharding, NamedSharding):
-        return all(not _axes_of(entry) for entry in sharding.spec)
+        return all(not axes_of(entry) for entry in sharding.spec)
     return bool(sharding.is_fully_replicated)
 
 
@@ -532,12 +488,7 @@ class _Layouts:
         if isinstance(mesh, jax.sharding.Mesh):
             devices = list(mesh.devices.flat)
             return [d.id for d in devices], [d.process_index for d in devices]
-        n = math.prod(mesh.shape[a] for a in mesh.axis_names)
-        p = 1 if self._processes is None else int(self._processes)
-        if p < 1 or n % p:
-            raise ArgsError(
-                f"processes={self._processes} does not split the mesh's {n} devices evenly."
-            )
+        n, p = self._split(mesh)
         return list(range(n)), [i // (n // p) for i in range(n)]
 
     def _split(self, mesh) -> tuple[int, int]:
@@ -577,9 +528,9 @@ class _Layouts:
             mesh = sharding.mesh
             names = tuple(mesh.axis_names)
             spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
-            used = frozenset(names.index(a) for entry in spec for a in _axes_of(entry))
+            used = frozenset(names.index(a) for entry in spec for a in axes_of(entry))
             elements = math.prod(
-                size // math.prod(mesh.shape[a] for a in _axes_of(entry))
+                size // math.prod(mesh.shape[a] for a in axes_of(entry))
                 for size, entry in zip(shape, spec)
             )
             slice_bytes = elements * itemsize
@@ -641,7 +592,7 @@ class _Layouts:
         names = tuple(mesh.axis_names)
         sizes = tuple(mesh.shape[a] for a in names)
         spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-        dims = [[names.index(a) for a in _axes_of(entry)] for entry in spec]
+        dims = [[names.index(a) for a in axes_of(entry)] for entry in spec]
         devices, processes = self._positions(mesh)
         for position, coords in enumerate(np.ndindex(*sizes)):
             box = []

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import os
 import re
-import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol, cast
@@ -23,7 +21,8 @@ from jax_ucp import store
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointReplacedError, tensorstore_failure, tensorstore_message
 from jax_ucp.format.dtypes import CASTINGS
-from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, format_size
+from jax_ucp.options import user_stacklevel
 from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
@@ -375,7 +374,7 @@ def read_from(
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
     once = replicated.select(
         [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
-        replicated.check_option(replicated_read),
+        replicated_read,
     )
     shared = replicated.read_once(
         once,
@@ -427,20 +426,20 @@ class _Reads:
             bytes_, what = self.limit
             self.source.check_fits(found, bytes_, what)
             if pending.host_bytes > bytes_:
-                raise self._memory_error(found, pending, f"exceeds {what} ({_human(bytes_)})")
+                raise self._memory_error(found, pending, f"exceeds {what} ({format_size(bytes_)})")
             if self.kept + keeps > bytes_:
                 raise self._memory_error(
                     found,
                     pending,
-                    f"would take the {_human(self.kept)} this restore already holds in host "
-                    f"memory past {what} ({_human(bytes_)})",
+                    f"would take the {format_size(self.kept)} this restore already holds in host "
+                    f"memory past {what} ({format_size(bytes_)})",
                 )
         self.kept += keeps
 
     def _memory_error(self, found: Available, pending, why: str) -> CheckpointError:
         return CheckpointError(
             f"Tensor {found.name!r} ({self.source.files(found)}): restoring it needs "
-            f"{_human(pending.host_bytes)} of host memory (shape {found.shape}, {pending.dtype}, "
+            f"{format_size(pending.host_bytes)} of host memory (shape {found.shape}, {pending.dtype}, "
             f"the slices this process reads), which {why}. Restore it sharded over more "
             f"processes, select= other tensors, or check the checkpoint's "
             f"{self.source.metadata} (it declares this shape)."
@@ -504,7 +503,7 @@ class _Reads:
                 f"{message} A {self.casting!r} cast keeps every value's magnitude; pass "
                 f"casting='unsafe' to convert anyway, or restore as {found.dtype}."
             )
-        warnings.warn(message, RuntimeWarning, stacklevel=_user_frame())
+        warnings.warn(message, RuntimeWarning, stacklevel=user_stacklevel())
 
 
 class _Rows:
@@ -578,14 +577,6 @@ _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tell
 }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if n < 1024 or unit == "PiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
-
-
 def _plan_item(source: TensorSource, req: Request, available: Mapping, values: Mapping, casting):
     """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
     after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
@@ -593,10 +584,7 @@ def _plan_item(source: TensorSource, req: Request, available: Mapping, values: M
     found = _match(req.key, available, values)
     name = fmt.key_to_str(req.key)
     if found is None:
-        near = [fmt.key_to_str(k) for k in list(available)[:5]]
-        raise CheckpointError(
-            f"Tensor {name!r} is not in {source.where} ({len(available)} tensors, e.g. {near})."
-        )
+        raise not_found(name, source.where, available)
     if isinstance(found, fmt.ValueEntry):
         value = found.value
         if req.wants_array:
@@ -604,6 +592,14 @@ def _plan_item(source: TensorSource, req: Request, available: Mapping, values: M
         return ("value", value)
     check_tensor_request(name, req, found, source.holder(found), casting)
     return ("tensor", req, found)
+
+
+def not_found(name: str, where: str, available: Mapping) -> CheckpointError:
+    """A requested tensor ``where`` lacks, naming a few it holds."""
+    near = [fmt.key_to_str(k) for k in list(available)[:5]]
+    return CheckpointError(
+        f"Tensor {name!r} is not in {where} ({len(available)} tensors, e.g. {near})."
+    )
 
 
 def check_tensor_request(name: str, req: Request, found, holder: str, casting: str) -> np.dtype:
@@ -742,8 +738,8 @@ class CheckpointSource(TensorSource):
             if src.shape and chunk > limit:
                 raise CheckpointError(
                     f"Tensor {found.name!r} ({os.path.join(self.root, src.dir)}): its inner "
-                    f"chunks of shape {src.inner_chunk_shape} take {_human(chunk)} each, more "
-                    f"than {what} ({_human(limit)}); a reader decodes whole chunks. Check the "
+                    f"chunks of shape {src.inner_chunk_shape} take {format_size(chunk)} each, more "
+                    f"than {what} ({format_size(limit)}); a reader decodes whole chunks. Check the "
                     f"checkpoint's {fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
                 )
 
@@ -759,14 +755,6 @@ class CheckpointSource(TensorSource):
         return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
 
 
-def shard_keys(entry: fmt.TensorEntry) -> list[str]:
-    """Keys of every shard file of ``entry``'s chunk grid (none for a zero-size array)."""
-    if 0 in entry.shape:
-        return []
-    grid = [range(-(-n // c)) for n, c in zip(entry.shape, entry.chunk_shape)]
-    return [shard_file.shard_key(pos) for pos in itertools.product(*grid)]
-
-
 def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
     checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
@@ -776,7 +764,7 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
         verify_shard_objects(root, [entry])
         return
     n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
-    for key in shard_keys(entry):
+    for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
         path = os.path.join(kv["path"], *key.split("/"))
         try:
             fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
@@ -811,7 +799,7 @@ def verify_shard_objects(root: str, entries) -> None:
             n_chunks,
             entry.compression,
         )
-        for key in shard_keys(entry):
+        for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
             where = store.location.join(root, entry.dir, key)
             shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
             owners.append((entry, key, where))
@@ -925,13 +913,14 @@ def _concrete(key, sharding, mesh):
 
 def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
     """One request per target leaf; shardings (same structure) override the target's own.
-    ``mesh``: the concrete mesh for shardings on an ``AbstractMesh``.
 
     Args:
-        target: the pytree to restore into.
+        target: the pytree to restore into (None: ``shardings`` are the target).
         shardings: shardings in the target's structure (override its own).
         mesh: the concrete mesh for shardings on an ``AbstractMesh``.
     """
+    if target is None:
+        target, shardings = shardings, None
     leaves, treedef = tree_lib.flatten(target)
     shard_by_key = {}
     if shardings is not None:
@@ -944,28 +933,11 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
             reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
             continue
         sharding = shard_by_key.get(key, _concrete(key, getattr(leaf, "sharding", None), mesh))
-        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)):
-            reqs.append(
-                Request(
-                    key=key,
-                    dtype=np.dtype(leaf.dtype),
-                    shape=tuple(leaf.shape),
-                    sharding=sharding,
-                    wants_array=True,
-                )
-            )
-        elif isinstance(leaf, (np.ndarray, np.generic)):
-            reqs.append(
-                Request(
-                    key=key,
-                    dtype=leaf.dtype,
-                    shape=tuple(np.shape(leaf)),
-                    sharding=shard_by_key.get(key),
-                    wants_array=True,
-                )
-            )
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+            dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+            reqs.append(Request(key, dtype, shape, sharding, wants_array=True))
         elif isinstance(leaf, (bool, int, float)):
-            reqs.append(Request(key=key, python_type=type(leaf), sharding=shard_by_key.get(key)))
+            reqs.append(Request(key=key, python_type=type(leaf), sharding=sharding))
         else:  # None, str, or anything else: take what was saved
             reqs.append(Request(key=key, sharding=shard_by_key.get(key)))
     return reqs, treedef
@@ -1114,12 +1086,8 @@ def restore_from(
     if options.has_target:  # one request per leaf, the results in the target's structure
         if options.rules is not None and options.mesh is not None:
             sharding_lib.check_rules(options.rules, options.mesh)
-        target, shardings = options.target, options.shardings
-        reqs, treedef = requests_from_target(
-            target if target is not None else shardings,
-            shardings if target is not None else None,
-            mesh=options.mesh,
-        )
+        target = options.target
+        reqs, treedef = requests_from_target(target, options.shardings, mesh=options.mesh)
         for r in reqs if options.dtype is not None else ():
             r.dtype = np.dtype(options.dtype)
         results = read_requests(reqs)
@@ -1195,21 +1163,9 @@ def placed_requests(where: str, available, options: RestoreOptions):
         warnings.warn(
             sharding_lib.replication_warning(where, replicated),
             sharding_lib.ReplicationWarning,
-            stacklevel=_user_frame(),
+            stacklevel=user_stacklevel(),
         )
     return reqs, key_types
-
-
-def _user_frame() -> int:
-    """The ``stacklevel`` of the first frame outside jax_ucp (and Orbax): where the warning
-    is the caller's."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] in (
-        "jax_ucp",
-        "orbax",
-    ):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
@@ -1240,7 +1196,7 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
         warnings.warn(
             sharding_lib.unmatched_rules_message(root, unmatched, names),
             sharding_lib.ReplicationWarning,
-            stacklevel=_user_frame(),
+            stacklevel=user_stacklevel(),
         )
 
 

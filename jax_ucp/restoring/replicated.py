@@ -35,12 +35,8 @@ import jax
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import RequestError
 from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
-
-MODES = ("each", "once")
-DEFAULT_MODE = "each"
 
 # A process waits this long for the others to finish reading their shares of a batch (a peer
 # that died on this host is named at once; one on another host ends the job by jax's heartbeat).
@@ -53,15 +49,6 @@ _MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are
 class ReplicatedReadError(fmt.UCPError, RuntimeError):
     """A tensor read once across processes could not be completed: another process failed
     (its error is quoted), died, or did not answer in time; names the tensors and the process."""
-
-
-def check_option(mode) -> str:
-    """``replicated_read=`` as a mode (None: ``DEFAULT_MODE``); ``RestoreOptions`` checked it."""
-    if mode is None:
-        return DEFAULT_MODE
-    if mode not in MODES:
-        raise RequestError(f"replicated_read must be one of {MODES}, got {mode!r}.")
-    return mode
 
 
 @dataclasses.dataclass
@@ -90,9 +77,7 @@ class Gathered:
 
     @property
     def on_host(self) -> bool:
-        if self.sharding is None:
-            return True
-        return all(d.platform == "cpu" for d in self.sharding.device_set)
+        return assemble.on_host(self.sharding)
 
     def result(self):
         return self.value
@@ -111,7 +96,6 @@ class _Tensor:
     source: Any = None
     host: np.ndarray | None = None
     gathered: Gathered | None = None
-    rows_done: int = 0
 
     @property
     def row_bytes(self) -> int:
@@ -164,21 +148,12 @@ def _covers_every_process(shape: tuple[int, ...], sharding, processes: int) -> b
     if len(by_process) != processes:
         return False
     whole = tuple((0, n) for n in shape)
-    total = math.prod(shape)
-    for keys in by_process.values():
-        if whole in keys:
-            continue
-        if sum(math.prod(b - a for a, b in key) for key in keys) != total:
-            return False  # overlapping slices, or a part no device of this process holds
-        keys = list(keys)
-        for i, first in enumerate(keys):  # equal volume and pairwise disjoint: a tiling
-            for second in keys[i + 1 :]:
-                if all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2) in zip(first, second)):
-                    return False
-    return True
+    return all(
+        whole in keys or assemble.tile(list(keys), math.prod(shape)) for keys in by_process.values()
+    )
 
 
-def select(items: Sequence[tuple[int, Any, Any]], mode: str) -> list[tuple[int, Any, Any]]:
+def select(items: Sequence[tuple[int, Any, Any]], mode: str | None) -> list[tuple[int, Any, Any]]:
     """The ``(position, request, available)`` items to read once: ``mode`` "once", several
     processes, a tensor with at least one element and one dimension that every process needs
     whole."""
@@ -222,7 +197,16 @@ def read_once(
     if not items:
         return
     tensors = [
-        _tensor(position, (position, req, found), found, req, unit_rows(found))
+        _Tensor(
+            position=position,
+            item=(position, req, found),
+            name=found.name,
+            shape=tuple(found.shape),
+            stored=np.dtype(found.dtype),
+            sharding=req.sharding,
+            want=np.dtype(req.dtype if req.dtype is not None else found.dtype),
+            unit_rows=unit_rows(found),
+        )
         for position, req, found in items
     ]
     n, me = jax.process_count(), jax.process_index()
@@ -266,21 +250,6 @@ def read_once(
         raise
 
 
-def _tensor(position, item, found, req, unit: int) -> _Tensor:
-    stored = np.dtype(found.dtype)
-    want = np.dtype(req.dtype) if req.dtype is not None else stored
-    return _Tensor(
-        position=position,
-        item=item,
-        name=found.name,
-        shape=tuple(found.shape),
-        stored=stored,
-        sharding=req.sharding,
-        want=want,
-        unit_rows=unit,
-    )
-
-
 def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
     """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
     batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
@@ -307,14 +276,12 @@ def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batc
         yield _cut(tensors, runs, n, number)
 
 
-def _unit_bytes(t: _Tensor, k: int) -> int:
-    a, b = t.unit_span(k, k + 1)
-    return (b - a) * t.row_bytes
-
-
 def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int, shift: int) -> _Batch:
     units = [(index, k) for index, u0, u1 in runs for k in range(u0, u1)]
-    sizes = np.array([_unit_bytes(tensors[i], k) for i, k in units], dtype=np.int64)
+    spans = [tensors[i].unit_span(k, k + 1) for i, k in units]
+    sizes = np.array(
+        [(b - a) * tensors[i].row_bytes for (i, _), (a, b) in zip(units, spans)], dtype=np.int64
+    )
     ends = np.cumsum(sizes)
     total = int(ends[-1]) if len(ends) else 0
     # process p takes the units whose middle byte falls in [p*total/n, (p+1)*total/n)

@@ -7,7 +7,6 @@ copying this process's replica-0 shards to host memory.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any, cast
@@ -31,7 +30,6 @@ from jax_ucp.writer import (
 )
 
 _VALUE_TYPES = (type(None), bool, int, float, str)
-# optax state fields that hold per-parameter optimizer state, and the step counter.
 
 
 def shards_to_write(array: jax.Array) -> list:
@@ -384,12 +382,3 @@ async def write_all(
         for p, r in zip(prepared, results)
         if r is not None and not isinstance(r, BaseException)  # raised above
     }
-
-
-def missing_shards(entry: fmt.TensorEntry, digests: dict[str, str]) -> list[str]:
-    """Shard keys of ``entry``'s chunk grid that no process reported writing."""
-    if 0 in entry.shape:
-        return []
-    grid = [range(-(-n // c)) for n, c in zip(entry.shape, entry.chunk_shape)]
-    keys = ("/".join(["c", *map(str, pos)]) for pos in itertools.product(*grid))
-    return [k for k in keys if k not in digests]

@@ -101,10 +101,7 @@ class PendingArray:
 
     @property
     def on_host(self) -> bool:
-        """The result lives in host memory: numpy, or jax.Arrays on CPU devices."""
-        if self.sharding is None:
-            return True
-        return all(d.platform == "cpu" for d in self.sharding.device_set)
+        return on_host(self.sharding)
 
     def start(self) -> None:
         """Issues the reads (separate from construction so a caller can budget them)."""
@@ -269,14 +266,25 @@ def _tiled_box(keys: list[tuple], shape: Sequence[int]) -> tuple[tuple[int, int]
     box = tuple(
         (min(key[d][0] for key in keys), max(key[d][1] for key in keys)) for d in range(len(shape))
     )
-    volume = int(np.prod([b - a for a, b in box]))
-    if volume != sum(int(np.prod([b - a for a, b, _ in key])) for key in keys):
-        return None
-    for i, first in enumerate(keys):  # equal volumes and pairwise disjoint: an exact tiling
-        for second in keys[i + 1 :]:
-            if all(a1 < b2 and a2 < b1 for (a1, b1, _), (a2, b2, _) in zip(first, second)):
-                return None
-    return box
+    boxes = [tuple((a, b) for a, b, _ in key) for key in keys]
+    return box if tile(boxes, math.prod(b - a for a, b in box)) else None
+
+
+def tile(boxes: Sequence[tuple[tuple[int, int], ...]], volume: int) -> bool:
+    """Whether ``boxes`` ((start, stop) per dimension) cover ``volume`` elements exactly: their
+    volumes add up to it and no two overlap."""
+    if sum(math.prod(b - a for a, b in box) for box in boxes) != volume:
+        return False
+    return not any(
+        all(a1 < b2 and a2 < b1 for (a1, b1), (a2, b2) in zip(first, second))
+        for i, first in enumerate(boxes)
+        for second in boxes[i + 1 :]
+    )
+
+
+def on_host(sharding: jax.sharding.Sharding | None) -> bool:
+    """A result on ``sharding`` lives in host memory: numpy (None), or jax.Arrays on CPU."""
+    return sharding is None or all(d.platform == "cpu" for d in sharding.device_set)
 
 
 def _stored_dtype(source) -> np.dtype:

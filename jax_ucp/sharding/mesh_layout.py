@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jax_ucp.format import SavedSharding
 from jax_ucp.format.errors import UCPError
+from jax_ucp.format.sizes import format_size
 
 LogicalRules = Sequence[tuple[str, Any]]
 
@@ -32,12 +33,11 @@ class ReplicationWarning(UserWarning):
     """A restore replicates on every device tensors the checkpoint saved sharded."""
 
 
-def _axes_of(entry) -> tuple[str, ...]:
+def axes_of(entry) -> tuple[str, ...]:
+    """The mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
     if entry is None:
         return ()
-    if isinstance(entry, (tuple, list)):
-        return tuple(entry)
-    return (entry,)
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
 def _axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: Sequence[str]) -> int:
@@ -60,7 +60,7 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
                 f"PartitionSpec {sharding.spec} has {len(sharding.spec)} entries."
             )
         for dim, entry in enumerate(spec):
-            axes = _axes_of(entry)
+            axes = axes_of(entry)
             for a in axes:
                 if a not in sharding.mesh.shape:
                     raise ShardingMismatchError(
@@ -97,7 +97,7 @@ def partition_spec_from_saved(
     used: set[str] = set()
     for dim, size in enumerate(shape):
         entry = saved.partition_spec[dim] if dim < len(saved.partition_spec) else None
-        axes = _axes_of(entry)
+        axes = axes_of(entry)
         if (
             axes
             and all(a in mesh.shape for a in axes)
@@ -130,7 +130,7 @@ def partition_spec_from_logical(
             for rule_name, mesh_axes in rules:
                 if rule_name != name:
                     continue
-                axes = _axes_of(mesh_axes)
+                axes = axes_of(mesh_axes)
                 if not axes:
                     break  # explicitly replicated
                 if (
@@ -152,7 +152,7 @@ def check_rules(rules: LogicalRules, mesh: Mesh | jax.sharding.AbstractMesh) -> 
             raise ShardingMismatchError(
                 f"Logical-axis rule {rule!r}: expected (logical name, mesh axis or axes or None)."
             )
-        missing = [a for a in _axes_of(rule[1]) if a not in mesh.shape]
+        missing = [a for a in axes_of(rule[1]) if a not in mesh.shape]
         if missing:
             raise ShardingMismatchError(
                 f"Logical-axis rule {tuple(rule)!r} names mesh axis {missing[0]!r}, which the "
@@ -245,7 +245,7 @@ def check_names(
                     f"checkpoint's names: {_listed(logical_names)}). Fix the name, {advice} "
                     f"(e.g. rules shared with activation axes)."
                 )
-    rule_axes = {a for _, axes in rules or () for a in _axes_of(axes)}
+    rule_axes = {a for _, axes in rules or () for a in axes_of(axes)}
     known = rule_axes | saved_axes
     for axis in mesh.axis_names:
         if mesh.shape[axis] > 1 and axis not in known and _near_miss(axis, known):
@@ -300,12 +300,12 @@ def replicated_unasked(
     """
     if math.prod(mesh.shape.values()) < 2 or math.prod(shape) < 2:
         return False
-    if any(_axes_of(entry) for entry in spec):
+    if any(axes_of(entry) for entry in spec):
         return False
     if saved is None:
         return False
     sizes = dict(zip(saved.mesh_axis_names, saved.mesh_shape))
-    if not any(sizes.get(a, 1) > 1 for entry in saved.partition_spec for a in _axes_of(entry)):
+    if not any(sizes.get(a, 1) > 1 for entry in saved.partition_spec for a in axes_of(entry)):
         return False  # saved replicated
     if rules is not None and logical_axes is not None:
         asked = True
@@ -313,7 +313,7 @@ def replicated_unasked(
             if name is None:
                 continue
             first = next((axes for rule_name, axes in rules if rule_name == name), ...)
-            asked = asked and first is not ... and not _axes_of(first)
+            asked = asked and first is not ... and not axes_of(first)
         return not asked
     return True
 
@@ -325,18 +325,10 @@ def replication_warning(where: str, tensors: Sequence[tuple[str, int]]) -> str:
     more = f", … ({len(tensors)} in all)" if len(tensors) > 5 else ""
     return (
         f"{where}: {len(tensors)} tensor(s) saved sharded will be replicated on every device "
-        f"({_human(total)} per device): {names}{more}. Their saved mesh axes are not in the "
+        f"({format_size(total)} per device): {names}{more}. Their saved mesh axes are not in the "
         f"mesh or do not divide them, or no rule covers their logical names: pass rules= or a "
         f"target to shard them (jax_ucp.plan shows the placement)."
     )
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def sharding_for(

@@ -17,6 +17,7 @@ non-file kvstores, sub-byte dtypes) goes through TensorStore.
 
 from __future__ import annotations
 
+import itertools
 import math
 import struct
 import sys
@@ -64,6 +65,14 @@ def chunks_are_contiguous(shard_shape: Sequence[int], inner: Sequence[int]) -> b
 def shard_key(chunk_position: Sequence[int]) -> str:
     """zarr v3 "default" chunk key encoding ("/"-separated)."""
     return "/".join(["c", *(str(int(i)) for i in chunk_position)])
+
+
+def grid_keys(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[str]:
+    """Keys of every shard of an array's chunk grid (none for a zero-size array)."""
+    if 0 in shape:
+        return []
+    grid = (range(-(-n // c)) for n, c in zip(shape, chunk_shape))
+    return [shard_key(pos) for pos in itertools.product(*grid)]
 
 
 def digest_of_trailers(trailers: bytes) -> str:
