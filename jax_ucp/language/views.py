@@ -159,13 +159,6 @@ def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
     return zero_origin(ts.stack(parts, axis=a))
 
 
-def unstack(tensor: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
-    """The inverse of ``stack``: one view per index of ``axis``, that axis dropped."""
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    return [take(tensor, a, i) for i in range(tensor.shape[a])]
-
-
 def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list[ts.TensorStore]:
     """Split ``axis`` into consecutive pieces of the given sizes (which must add up).
 

@@ -397,11 +397,6 @@ def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> 
     return replacing
 
 
-def is_checkpoint_dir(path: str) -> bool:
-    """A jax_ucp checkpoint directory or an Orbax step of them, holding nothing else."""
-    return os.path.isdir(path) and not os.path.islink(path) and not checkpoint_problems(path)
-
-
 def checkpoint_problems(path: str) -> list[str]:
     """What in the directory ``path`` is not part of a checkpoint (docs/FORMAT.md 1.1, 1.2):
     ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step (known
