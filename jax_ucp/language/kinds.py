@@ -21,6 +21,7 @@ Kinds (TOML name -> class):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -78,10 +79,10 @@ class _LazyBackend:
     def shape(x):
         return tuple(x.shape)
 
-    concat = staticmethod(lambda xs, axis: views.concat(xs, axis))
-    stack = staticmethod(lambda xs, axis: views.stack(xs, axis))
-    take = staticmethod(lambda x, axis, i: views.take(x, axis, i))
-    slice = staticmethod(lambda x, axis, a, b: views.slice_axis(x, axis, a, b))
+    concat = staticmethod(views.concat)
+    stack = staticmethod(views.stack)
+    take = staticmethod(views.take)
+    slice = staticmethod(views.slice_axis)
 
 
 def _checked_axis(shape, dim, name, kind):
@@ -93,11 +94,8 @@ def _checked_axis(shape, dim, name, kind):
 
 
 def _split_sizes(backend, x, axis, sizes):
-    out, off = [], 0
-    for s in sizes:
-        out.append(backend.slice(x, axis, off, off + s))
-        off += s
-    return out
+    ends = list(itertools.accumulate(sizes))
+    return [backend.slice(x, axis, end - s, end) for s, end in zip(sizes, ends)]
 
 
 def head_split(n: int, tp: int) -> list[int]:
@@ -204,8 +202,9 @@ class Kind:
     def _merge(self, backend, frags, name):  # pragma: no cover
         raise NotImplementedError
 
-    def _split(self, full, n, name) -> list:  # pragma: no cover
-        raise NotImplementedError
+    def _split(self, full, n, name) -> list:
+        """The per-rank fragments of ``full``; by default every rank holds all of it."""
+        return [full] * n
 
 
 def _int_field(default: Any = None) -> Any:  # a dataclass field, typed by its annotation
@@ -229,9 +228,6 @@ class Replicated(Kind):
                     f"rank(s) {bad} ({detail})"
                 )
         return backend.wrap(frags[0])
-
-    def _split(self, full, n, name):
-        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -258,9 +254,6 @@ class Averaged(Kind):
             else acc // len(arrs)
         )
         return backend.wrap(out)
-
-    def _split(self, full, n, name):
-        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -433,6 +426,10 @@ class QKV(Kind):
             )
 
     @property
+    def _heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim
+
+    @property
     def group_rows(self):
         return (self.num_heads // self.num_kv_heads + 2) * self.head_dim
 
@@ -486,32 +483,14 @@ class QKV(Kind):
         """{'q', 'k', 'v'}: q has the heads in order (group by group)."""
         self._check("?")
         d = _checked_axis(full.shape, self.dim, "?", self.kind)
-        qkv = views.split_qkv(
-            views.as_view(full),
-            d,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            interleaved=self.interleaved,
-        )
+        qkv = views.split_qkv(views.as_view(full), d, *self._heads, interleaved=self.interleaved)
         return {k: x.read().result() for k, x in zip("qkv", qkv)}
 
     def join(self, q, k, v) -> np.ndarray:
         self._check("?")
         d = _checked_axis(np.shape(q), self.dim, "?", self.kind)
         return (
-            views.merge_qkv(
-                q,
-                k,
-                v,
-                d,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                interleaved=self.interleaved,
-            )
-            .read()
-            .result()
+            views.merge_qkv(q, k, v, d, *self._heads, interleaved=self.interleaved).read().result()
         )
 
 
@@ -586,10 +565,6 @@ class PipelineTied(Kind):
         if backend.lazy and self.inner is not None:
             return self.inner._merge(backend, frags[0], name)
         return backend.wrap(frags[0] if self.inner is None else per_stage[0])
-
-    def _split(self, full, n, name):
-        # n = number of stages holding the weight; each gets the full tensor (split it with inner)
-        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
