@@ -162,10 +162,7 @@ def _toml_value(v: Any) -> str:
 def spec_to_toml(spec: Spec) -> str:
     """TOML text of ``spec`` (its dict form); ``spec_from_toml`` gives the spec back."""
     d = spec_to_dict(spec)
-    lines = []
-    for k in ("name", "description", "strict"):
-        if k in d:
-            lines.append(f"{k} = {_toml_value(d[k])}")
+    lines = [f"{k} = {_toml_value(d[k])}" for k in ("name", "description", "strict") if k in d]
     if "settings" in d:
         lines += ["", "[settings]"] + [
             f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["settings"].items()
@@ -173,10 +170,9 @@ def spec_to_toml(spec: Spec) -> str:
     for table in ("roots", "import", "restore"):
         for item in d.get(table, []):
             lines += ["", f"[[{table}]]"]
-            for k, v in item.items():
-                if v is None:
-                    continue
-                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+            lines += [
+                f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items() if v is not None
+            ]
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ beyond what numpy already holds).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,9 +29,7 @@ def as_view(x) -> ts.TensorStore:
 
 def zero_origin(tensor: ts.TensorStore) -> ts.TensorStore:
     """The same view translated so every dimension starts at 0 (TensorStore keeps slice origins)."""
-    if tensor.rank == 0:
-        return tensor
-    if all(o == 0 for o in tensor.domain.origin):
+    if tensor.rank == 0 or all(o == 0 for o in tensor.domain.origin):
         return tensor
     return tensor[ts.d[:].translate_to[0]]
 
@@ -174,11 +173,8 @@ def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list
             f"split of axis {a} (size {tensor.shape[a]}) into sizes {list(sizes)}: "
             f"they add up to {sum(sizes)}"
         )
-    out, off = [], 0
-    for s in sizes:
-        out.append(slice_axis(tensor, a, off, off + s))
-        off += s
-    return out
+    ends = itertools.accumulate(sizes)
+    return [slice_axis(tensor, a, end - s, end) for s, end in zip(sizes, ends)]
 
 
 def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore]:
@@ -389,7 +385,4 @@ def merge_qkv(
     if not interleaved:
         return concat([q, k, v], axis=a)
     qs, ks, vs = split_even(q, a, g), split_even(k, a, g), split_even(v, a, g)
-    pieces = []
-    for i in range(g):
-        pieces += [qs[i], ks[i], vs[i]]
-    return concat(pieces, axis=a)
+    return concat([x for i in range(g) for x in (qs[i], ks[i], vs[i])], axis=a)
