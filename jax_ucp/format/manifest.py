@@ -153,31 +153,18 @@ class TensorEntry:
         return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
 
     def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json``."""
-        d = {
-            "entry": "tensor",
-            "key": list(self.key),
-            "key_types": list(self.key_types),
-            "dir": self.dir,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "chunk_shape": list(self.chunk_shape),
-            "inner_chunk_shape": list(self.inner_chunk_shape),
-            "compression": self.compression,
-            "checksum": self.checksum,
-            "role": self.role,
-            "sub_role": self.sub_role,
-            "logical_axes": None if self.logical_axes is None else list(self.logical_axes),
-            "saved_sharding": None
-            if self.saved_sharding is None
-            else self.saved_sharding.to_json(),
-            "provenance": self.provenance,
-            "shard_digests": None if self.shard_digests is None else dict(self.shard_digests),
-        }
-        if self.frozen:  # written only when set: manifests without frozen parameters unchanged
-            d["frozen"] = True
-        if self.tied_to is not None:  # likewise written only when set
-            d["tied_to"] = self.tied_to
+        """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
+        ``frozen`` and ``tied_to`` at their defaults (manifests without them stay unchanged)."""
+        d: dict = {"entry": self.entry_type}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("frozen", "tied_to") and v == f.default:
+                continue
+            if isinstance(v, SavedSharding):
+                v = v.to_json()
+            d[f.name] = (
+                list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v
+            )
         return d
 
     @classmethod
@@ -267,17 +254,8 @@ _TENSOR_REQUIRED = (
     "inner_chunk_shape",
     "role",
 )
-_TENSOR_FIELDS = _TENSOR_REQUIRED + (
-    "key_types",
-    "compression",
-    "checksum",
-    "sub_role",
-    "logical_axes",
-    "saved_sharding",
-    "provenance",
-    "shard_digests",
-    "frozen",
-    "tied_to",
+_TENSOR_FIELDS = _TENSOR_REQUIRED + tuple(
+    f.name for f in dataclasses.fields(TensorEntry) if f.name not in _TENSOR_REQUIRED
 )
 
 
@@ -332,7 +310,7 @@ class ValueEntry:
                 f"(expected None, bool, int, float, str or an array)."
             )
         return {
-            "entry": "value",
+            "entry": self.entry_type,
             "key": list(self.key),
             "key_types": list(self.key_types),
             "role": self.role,
