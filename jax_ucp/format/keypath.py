@@ -25,13 +25,9 @@ _HASH_LEN = 16
 
 def escape_component(component: str) -> str:
     """Percent-escapes every byte outside ``[A-Za-z0-9_-]`` (so '.', '/', '%' never appear raw)."""
-    out = []
-    for byte in component.encode("utf-8"):
-        ch = chr(byte)
-        out.append(ch if ch in _SAFE else f"%{byte:02X}")
-    escaped = "".join(out)
+    escaped = "".join(chr(b) if chr(b) in _SAFE else f"%{b:02X}" for b in component.encode("utf-8"))
     # An empty component would produce '..' sequences; give it a visible, reversible form.
-    return escaped if escaped else "%"
+    return escaped or "%"
 
 
 def unescape_component(escaped: str) -> str:
