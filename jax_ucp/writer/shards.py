@@ -94,15 +94,10 @@ async def write_tensor(
 
 def _chunk_position(index, chunk_shape) -> tuple[int, ...] | None:
     """Grid position of the shard that ``index`` (a tuple of slices) covers exactly, else None."""
-    if len(index) != len(chunk_shape):
+    starts = [sl.start or 0 for sl in index]
+    if len(index) != len(chunk_shape) or any(s % c for s, c in zip(starts, chunk_shape)):
         return None
-    pos = []
-    for sl, c in zip(index, chunk_shape):
-        start = sl.start or 0
-        if start % c:
-            return None
-        pos.append(start // c)
-    return tuple(pos)
+    return tuple(s // c for s, c in zip(starts, chunk_shape))
 
 
 def _shard_keys(index, layout) -> list[str]:
@@ -301,8 +296,7 @@ class PipelinedWriter:
         return len(self._window)
 
     async def add(self, p: PreparedTensor) -> None:
-        for done in self._window.make_room(p.entry.nbytes):
-            await self._retire(done)
+        await self.reserve(p.entry.nbytes)
         task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
         self._window.add((task, p.entry.key), p.entry.nbytes)
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
@@ -330,8 +324,7 @@ class PipelinedWriter:
             rows: builds rows ``start:stop``.
             max_bytes: bytes per slab at most.
         """
-        for done in self._window.drain():
-            await self._retire(done)
+        await self.flush()
         kv = store.kvstore_config(self.root, p.entry.dir)
         try:
             await store.create(kv, p.layout, primary=True, sync=self.sync)
