@@ -11,11 +11,9 @@ import functools
 import itertools
 import math
 import os
-import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import crc32c as crc32c_lib
 import numpy as np
 import tensorstore as ts
 
@@ -225,23 +223,12 @@ def _write_slabs(
                     f"HostItem {p.entry.name!r}: rows {start}:{stop} built "
                     f"{slab.dtype}{list(slab.shape)}, expected {dtype}{list(want)}"
                 )
-            flat = np.ascontiguousarray(slab).reshape(-1).view(np.uint8)
-            for i in range(0, flat.size, chunk_bytes):
-                chunk = flat[i : i + chunk_bytes]
-                _write_all(fd, chunk)
-                if checksum:
-                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk.data))
-                    _write_all(fd, crc)
-                    trailers += crc
-                n += 1
-            del slab, flat, chunk  # nothing of this slab stays alive while the next is built
-        stored = chunk_bytes + (4 if checksum else 0)
-        index = np.empty((n, 2), "<u8")
-        index[:, 0] = np.arange(n, dtype=np.uint64) * stored
-        index[:, 1] = stored
-        _write_all(fd, index.tobytes())
-        if checksum:
-            _write_all(fd, struct.pack("<I", crc32c_lib.crc32c(index.tobytes())))
+            parts = shard_writer.chunk_parts(slab, layout)
+            shard_writer.write_parts(fd, parts)
+            trailers += b"".join(parts[1::2]) if checksum else b""
+            n += len(parts) // (2 if checksum else 1)
+            del slab, parts  # nothing of this slab stays alive while the next is built
+        shard_writer.write_parts(fd, shard_writer.index_parts(n, chunk_bytes, checksum))
         if sync:
             os.fsync(fd)
     finally:
@@ -249,15 +236,6 @@ def _write_slabs(
     if sync:
         durable.fsync_tree_to(array_dir, os.path.dirname(key))
     return shard_file.digest_of_trailers(bytes(trailers)) if checksum else None
-
-
-def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B")
-    while mv.nbytes:
-        n = os.write(fd, mv)
-        if n <= 0:
-            raise OSError(f"write returned {n} with {mv.nbytes} bytes left")
-        mv = mv[n:]
 
 
 class PipelinedWriter:
