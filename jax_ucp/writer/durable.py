@@ -105,11 +105,7 @@ def make_durable(root: str) -> None:
     a manager step) and the directories that name new entries are fsynced explicitly (cheap after
     syncfs; what a per-file fsync writer still needs).
     """
-    sync_filesystem(root)
+    make_tree_durable(root)
     manifest = os.path.join(root, fmt.MANIFEST_FILE)
     if os.path.isfile(manifest):
         fsync_path(manifest)
-    arrays = os.path.join(root, fmt.ARRAYS_DIR)
-    if os.path.isdir(arrays):
-        fsync_path(arrays)
-    fsync_path(root)
