@@ -611,15 +611,13 @@ class Expert(Kind):
             if self.layout == "per_expert":
                 if len(f) != nl:
                     raise MergeError(f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}")
-                for e in range(nl):
-                    experts.append(
-                        self.inner._merge(backend, f[e], name) if self.inner else backend.wrap(f[e])
-                    )
+                experts += [
+                    self.inner._merge(backend, x, name) if self.inner else backend.wrap(x)
+                    for x in f
+                ]
                 continue
-            tps = list(f) if self.inner is not None else [f]
-            tps = [backend.wrap(x) for x in tps]
-            shape = backend.shape(tps[0])
-            d = _checked_axis(shape, self.dim, name, self.kind)
+            tps = [backend.wrap(x) for x in (f if self.inner is not None else [f])]
+            d = _checked_axis(backend.shape(tps[0]), self.dim, name, self.kind)
             for t, x in enumerate(tps):
                 if self.layout == "stacked" and backend.shape(x)[d] != nl:
                     raise MergeError(
@@ -631,19 +629,14 @@ class Expert(Kind):
                         f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {backend.shape(x)[d]} "
                         f"does not hold {nl} equal expert blocks"
                     )
+            if self.layout == "stacked":
+                per_tp = [[backend.take(x, d, e) for e in range(nl)] for x in tps]
+            else:
+                per_tp = [
+                    _split_sizes(backend, x, d, [backend.shape(x)[d] // nl] * nl) for x in tps
+                ]
             for e in range(nl):
-                if self.layout == "stacked":
-                    blocks = [backend.take(x, d, e) for x in tps]
-                else:
-                    blocks = [
-                        backend.slice(
-                            x,
-                            d,
-                            e * (backend.shape(x)[d] // nl),
-                            (e + 1) * (backend.shape(x)[d] // nl),
-                        )
-                        for x in tps
-                    ]
+                blocks = [p[e] for p in per_tp]
                 experts.append(
                     self.inner._merge(backend, blocks, f"{name}[expert {r * nl + e}]")
                     if self.inner is not None
