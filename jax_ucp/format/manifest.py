@@ -465,35 +465,31 @@ class Manifest:
         created_at = d.get("created_at", 0.0)
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             _fail(f"{where}: created_at", "a number", created_at)
-        try:
-            return cls._checked(d, entries, version, kvstore, created_at, where)
-        except ManifestError as e:
-            if str(e).startswith(where):
-                raise
-            raise ManifestError(f"{where}: {e}") from None
-
-    @classmethod
-    def _checked(cls, d, entries, version, kvstore, created_at, where) -> Manifest:
-        if d.get("tree") is not None:
-            leaves = set(_tree_leaves(_tree_node(d["tree"], f"{where}: tree")))
-            keys = {e.key for e in entries}
+        tree = None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree")
+        if tree is not None:
+            leaves, keys = set(_tree_leaves(tree)), {e.key for e in entries}
             if leaves != keys:
                 odd = sorted(leaves ^ keys)[:3]
                 raise ManifestError(
                     f"{where}: tree: its leaves and the entries differ (e.g. "
                     f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
                 )
-        return cls(
-            entries=entries,
-            save_id=_string(d["save_id"], f"{where}: save_id"),
-            kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
-            created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
-            created_at=float(created_at),
-            source=_object(d.get("source", {}), f"{where}: source"),
-            tree=None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree"),
-            version=version,
-            format=d["format"],
-        )
+        try:  # Manifest's own checks (a key or directory twice) name the file too
+            return cls(
+                entries=entries,
+                save_id=_string(d["save_id"], f"{where}: save_id"),
+                kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
+                created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
+                created_at=float(created_at),
+                source=_object(d.get("source", {}), f"{where}: source"),
+                tree=tree,
+                version=version,
+                format=d["format"],
+            )
+        except ManifestError as e:
+            if str(e).startswith(where):
+                raise
+            raise ManifestError(f"{where}: {e}") from None
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
