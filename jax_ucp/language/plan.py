@@ -278,15 +278,8 @@ def _apply_op(op, entries, env0, what):
             for j, lab in enumerate(labels):
                 view = _with_context(lambda: op.part(node.view, env, j), op, what, inst, rel)
                 fn = lambda opened, node=node, env=env, j=j: op.part(node.fn(opened), env, j)
-                out.append(
-                    (
-                        inst,
-                        tp,
-                        {**vars_, op.var: lab},
-                        _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",)),
-                        f"{rel}[{op.var}={lab}]",
-                    )
-                )
+                part = _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",))
+                out.append((inst, tp, {**vars_, op.var: lab}, part, f"{rel}[{op.var}={lab}]"))
         return out
     # fan-in
     groups: dict = {}
@@ -309,13 +302,8 @@ def _apply_op(op, entries, env0, what):
             by[lab] = (node, rel)
         env = {**env0, **dict(rest)}
         first_rel = items[0][2]
-        order = _with_context(
-            lambda: op.order(list(by), env, f"{what} at {'/'.join(inst)}/{first_rel}"),
-            op,
-            what,
-            inst,
-            first_rel,
-        )
+        at = f"{what} at {'/'.join(inst)}/{first_rel}"
+        order = _with_context(lambda: op.order(list(by), env, at), op, what, inst, first_rel)
         nodes = [by[lab][0] for lab in order]
         view = _with_context(
             lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel
