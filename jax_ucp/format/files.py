@@ -76,15 +76,11 @@ def overlap(path: str, other: str) -> str | None:
     """How ``path`` sits against the directory ``other``, symlinks resolved: ``"same"``,
     ``"inside"`` (lies inside it), ``"contains"`` (contains it), or None (apart). Why: a
     destination written with ``force`` that overlaps its source would delete what it reads."""
-    real_path = os.path.realpath(os.fspath(path))
-    real_other = os.path.realpath(os.fspath(other))
+    real_path, real_other = (os.path.realpath(os.fspath(p)) for p in (path, other))
+    common = os.path.commonpath([real_path, real_other])
     if real_path == real_other:
         return "same"
-    if os.path.commonpath([real_path, real_other]) == real_other:
-        return "inside"
-    if os.path.commonpath([real_path, real_other]) == real_path:
-        return "contains"
-    return None
+    return "inside" if common == real_other else "contains" if common == real_path else None
 
 
 class OutsideCheckpointError(UnsafeFileError, ValueError):

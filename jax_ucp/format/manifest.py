@@ -103,13 +103,13 @@ class SavedSharding:
         spec = d["partition_spec"]
         if not isinstance(spec, list):
             _fail(f"{where}.partition_spec", "a list", spec)
-        entries: list = []
-        for i, p in enumerate(spec):
-            if p is None or isinstance(p, str):
-                entries.append(p)
-            else:
-                entries.append(tuple(_str_list(p, f"{where}.partition_spec[{i}]")))
-        return cls(mesh_axis_names=tuple(names), mesh_shape=shape, partition_spec=tuple(entries))
+        entries = tuple(
+            p
+            if p is None or isinstance(p, str)
+            else tuple(_str_list(p, f"{where}.partition_spec[{i}]"))
+            for i, p in enumerate(spec)
+        )
+        return cls(mesh_axis_names=tuple(names), mesh_shape=shape, partition_spec=entries)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -113,11 +113,7 @@ def _bit_patterns(x: np.ndarray) -> np.ndarray:
 
 def _disagreements(arrs, label: str) -> tuple[list[int], str]:
     """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
-    bad = {}
-    for r in range(1, len(arrs)):
-        d = _first_diff(arrs[0], arrs[r])
-        if d:
-            bad[r] = d
+    bad = {r: d for r in range(1, len(arrs)) if (d := _first_diff(arrs[0], arrs[r]))}
     return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
 
 
