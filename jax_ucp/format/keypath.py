@@ -9,6 +9,7 @@ system are shortened with a hash suffix (the manifest keeps the full key, so not
 from __future__ import annotations
 
 import hashlib
+import re
 import string
 from collections.abc import Sequence
 from typing import Any
@@ -34,17 +35,8 @@ def unescape_component(escaped: str) -> str:
     """The inverse of ``escape_component``: a key component from its directory-name form."""
     if escaped == "%":
         return ""
-    raw = bytearray()
-    i = 0
-    while i < len(escaped):
-        ch = escaped[i]
-        if ch == "%":
-            raw.append(int(escaped[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw.append(ord(ch))
-            i += 1
-    return raw.decode("utf-8")
+    raw = escaped.encode("latin-1")  # one byte per character (a wider one is a ValueError)
+    return re.sub(rb"%(.{0,2})", lambda m: bytes([int(m[1], 16)]), raw, flags=re.S).decode("utf-8")
 
 
 def encode_key(key: Sequence[str]) -> str:
