@@ -20,7 +20,6 @@ specs (``specs/*.toml``) found by name with ``load_spec``.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
@@ -141,11 +140,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
+        return repr(float(v))  # inf, -inf and nan are spelled as TOML spells them
     if isinstance(v, str):
         return _toml_string(v)
     if isinstance(v, (list, tuple)):
