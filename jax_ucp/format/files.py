@@ -29,11 +29,7 @@ def open_regular(path: str) -> int:
     except IsADirectoryError:
         raise UnsafeFileError(f"{path}: is a directory, expected a regular file") from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise UnsafeFileError(
-                f"{path}: not a regular file ({_describe(mode)}); refusing to read it"
-            )
+        _check_mode(path, os.fstat(fd).st_mode)
         os.set_blocking(fd, True)
         return fd
     except BaseException:
@@ -43,10 +39,10 @@ def open_regular(path: str) -> int:
 
 def check_regular(path: str) -> None:
     """Raises unless ``path`` exists and is (or links to) a regular file; never opens it."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise
+    _check_mode(path, os.stat(path).st_mode)
+
+
+def _check_mode(path: str, mode: int) -> None:
     if not stat.S_ISREG(mode):
         raise UnsafeFileError(
             f"{path}: not a regular file ({_describe(mode)}); refusing to read it"
@@ -80,15 +76,11 @@ def overlap(path: str, other: str) -> str | None:
     """How ``path`` sits against the directory ``other``, symlinks resolved: ``"same"``,
     ``"inside"`` (lies inside it), ``"contains"`` (contains it), or None (apart). Why: a
     destination written with ``force`` that overlaps its source would delete what it reads."""
-    real_path = os.path.realpath(os.fspath(path))
-    real_other = os.path.realpath(os.fspath(other))
+    real_path, real_other = (os.path.realpath(os.fspath(p)) for p in (path, other))
+    common = os.path.commonpath([real_path, real_other])
     if real_path == real_other:
         return "same"
-    if os.path.commonpath([real_path, real_other]) == real_other:
-        return "inside"
-    if os.path.commonpath([real_path, real_other]) == real_path:
-        return "contains"
-    return None
+    return "inside" if common == real_other else "contains" if common == real_path else None
 
 
 class OutsideCheckpointError(UnsafeFileError, ValueError):

@@ -9,6 +9,7 @@ system are shortened with a hash suffix (the manifest keeps the full key, so not
 from __future__ import annotations
 
 import hashlib
+import re
 import string
 from collections.abc import Sequence
 from typing import Any
@@ -25,30 +26,17 @@ _HASH_LEN = 16
 
 def escape_component(component: str) -> str:
     """Percent-escapes every byte outside ``[A-Za-z0-9_-]`` (so '.', '/', '%' never appear raw)."""
-    out = []
-    for byte in component.encode("utf-8"):
-        ch = chr(byte)
-        out.append(ch if ch in _SAFE else f"%{byte:02X}")
-    escaped = "".join(out)
+    escaped = "".join(chr(b) if chr(b) in _SAFE else f"%{b:02X}" for b in component.encode("utf-8"))
     # An empty component would produce '..' sequences; give it a visible, reversible form.
-    return escaped if escaped else "%"
+    return escaped or "%"
 
 
 def unescape_component(escaped: str) -> str:
     """The inverse of ``escape_component``: a key component from its directory-name form."""
     if escaped == "%":
         return ""
-    raw = bytearray()
-    i = 0
-    while i < len(escaped):
-        ch = escaped[i]
-        if ch == "%":
-            raw.append(int(escaped[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw.append(ord(ch))
-            i += 1
-    return raw.decode("utf-8")
+    raw = escaped.encode("latin-1")  # one byte per character (a wider one is a ValueError)
+    return re.sub(rb"%(.{0,2})", lambda m: bytes([int(m[1], 16)]), raw, flags=re.S).decode("utf-8")
 
 
 def encode_key(key: Sequence[str]) -> str:

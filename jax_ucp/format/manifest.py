@@ -103,13 +103,13 @@ class SavedSharding:
         spec = d["partition_spec"]
         if not isinstance(spec, list):
             _fail(f"{where}.partition_spec", "a list", spec)
-        entries: list = []
-        for i, p in enumerate(spec):
-            if p is None or isinstance(p, str):
-                entries.append(p)
-            else:
-                entries.append(tuple(_str_list(p, f"{where}.partition_spec[{i}]")))
-        return cls(mesh_axis_names=tuple(names), mesh_shape=shape, partition_spec=tuple(entries))
+        entries = tuple(
+            p
+            if p is None or isinstance(p, str)
+            else tuple(_str_list(p, f"{where}.partition_spec[{i}]"))
+            for i, p in enumerate(spec)
+        )
+        return cls(mesh_axis_names=tuple(names), mesh_shape=shape, partition_spec=entries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,31 +153,18 @@ class TensorEntry:
         return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
 
     def to_json(self) -> dict:
-        """The JSON form recorded in ``ucp.json``."""
-        d = {
-            "entry": "tensor",
-            "key": list(self.key),
-            "key_types": list(self.key_types),
-            "dir": self.dir,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "chunk_shape": list(self.chunk_shape),
-            "inner_chunk_shape": list(self.inner_chunk_shape),
-            "compression": self.compression,
-            "checksum": self.checksum,
-            "role": self.role,
-            "sub_role": self.sub_role,
-            "logical_axes": None if self.logical_axes is None else list(self.logical_axes),
-            "saved_sharding": None
-            if self.saved_sharding is None
-            else self.saved_sharding.to_json(),
-            "provenance": self.provenance,
-            "shard_digests": None if self.shard_digests is None else dict(self.shard_digests),
-        }
-        if self.frozen:  # written only when set: manifests without frozen parameters unchanged
-            d["frozen"] = True
-        if self.tied_to is not None:  # likewise written only when set
-            d["tied_to"] = self.tied_to
+        """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
+        ``frozen`` and ``tied_to`` at their defaults (manifests without them stay unchanged)."""
+        d: dict = {"entry": self.entry_type}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name in ("frozen", "tied_to") and v == f.default:
+                continue
+            if isinstance(v, SavedSharding):
+                v = v.to_json()
+            d[f.name] = (
+                list(v) if isinstance(v, tuple) else dict(v) if isinstance(v, Mapping) else v
+            )
         return d
 
     @classmethod
@@ -267,17 +254,8 @@ _TENSOR_REQUIRED = (
     "inner_chunk_shape",
     "role",
 )
-_TENSOR_FIELDS = _TENSOR_REQUIRED + (
-    "key_types",
-    "compression",
-    "checksum",
-    "sub_role",
-    "logical_axes",
-    "saved_sharding",
-    "provenance",
-    "shard_digests",
-    "frozen",
-    "tied_to",
+_TENSOR_FIELDS = _TENSOR_REQUIRED + tuple(
+    f.name for f in dataclasses.fields(TensorEntry) if f.name not in _TENSOR_REQUIRED
 )
 
 
@@ -332,7 +310,7 @@ class ValueEntry:
                 f"(expected None, bool, int, float, str or an array)."
             )
         return {
-            "entry": "value",
+            "entry": self.entry_type,
             "key": list(self.key),
             "key_types": list(self.key_types),
             "role": self.role,
@@ -487,35 +465,31 @@ class Manifest:
         created_at = d.get("created_at", 0.0)
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             _fail(f"{where}: created_at", "a number", created_at)
-        try:
-            return cls._checked(d, entries, version, kvstore, created_at, where)
-        except ManifestError as e:
-            if str(e).startswith(where):
-                raise
-            raise ManifestError(f"{where}: {e}") from None
-
-    @classmethod
-    def _checked(cls, d, entries, version, kvstore, created_at, where) -> Manifest:
-        if d.get("tree") is not None:
-            leaves = set(_tree_leaves(_tree_node(d["tree"], f"{where}: tree")))
-            keys = {e.key for e in entries}
+        tree = None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree")
+        if tree is not None:
+            leaves, keys = set(_tree_leaves(tree)), {e.key for e in entries}
             if leaves != keys:
                 odd = sorted(leaves ^ keys)[:3]
                 raise ManifestError(
                     f"{where}: tree: its leaves and the entries differ (e.g. "
                     f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
                 )
-        return cls(
-            entries=entries,
-            save_id=_string(d["save_id"], f"{where}: save_id"),
-            kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
-            created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
-            created_at=float(created_at),
-            source=_object(d.get("source", {}), f"{where}: source"),
-            tree=None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree"),
-            version=version,
-            format=d["format"],
-        )
+        try:  # Manifest's own checks (a key or directory twice) name the file too
+            return cls(
+                entries=entries,
+                save_id=_string(d["save_id"], f"{where}: save_id"),
+                kvstore_driver=_string(kvstore["driver"], f"{where}: kvstore.driver"),
+                created_by=_string(d.get("created_by", ""), f"{where}: created_by"),
+                created_at=float(created_at),
+                source=_object(d.get("source", {}), f"{where}: source"),
+                tree=tree,
+                version=version,
+                format=d["format"],
+            )
+        except ManifestError as e:
+            if str(e).startswith(where):
+                raise
+            raise ManifestError(f"{where}: {e}") from None
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:

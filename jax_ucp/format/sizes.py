@@ -7,21 +7,11 @@ import re
 
 from jax_ucp.format.errors import UCPError
 
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1 << 10,
-    "kb": 10**3,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mb": 10**6,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gb": 10**9,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tb": 10**12,
-    "tib": 1 << 40,
+# K, M, G, T: with "iB" or bare, powers of 1024; with "B", of 1000
+_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: scale
+    for i, prefix in enumerate("kmgt", start=1)
+    for suffix, scale in (("", 1 << 10 * i), ("ib", 1 << 10 * i), ("b", 10 ** (3 * i)))
 }
 _SIZE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 

@@ -16,7 +16,7 @@ Public API:
   compile_restore_plan(spec, saved) -> {target key: ViewPlan}, TensorInfo, ViewPlan,
   apply_restore_plan, apply_spec_to_tree, describe_plan, saved_infos,
   flatten_nested, unflatten_nested                                                 (restore side)
-  views: lazy TensorStore primitives (transpose, stack/unstack, stages, qkv, ...)
+  views: lazy TensorStore primitives (transpose, stack/take, stages, qkv, ...)
 See docs/LANGUAGE.md.
 """
 

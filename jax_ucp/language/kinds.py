@@ -21,6 +21,7 @@ Kinds (TOML name -> class):
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -78,10 +79,10 @@ class _LazyBackend:
     def shape(x):
         return tuple(x.shape)
 
-    concat = staticmethod(lambda xs, axis: views.concat(xs, axis))
-    stack = staticmethod(lambda xs, axis: views.stack(xs, axis))
-    take = staticmethod(lambda x, axis, i: views.take(x, axis, i))
-    slice = staticmethod(lambda x, axis, a, b: views.slice_axis(x, axis, a, b))
+    concat = staticmethod(views.concat)
+    stack = staticmethod(views.stack)
+    take = staticmethod(views.take)
+    slice = staticmethod(views.slice_axis)
 
 
 def _checked_axis(shape, dim, name, kind):
@@ -93,11 +94,8 @@ def _checked_axis(shape, dim, name, kind):
 
 
 def _split_sizes(backend, x, axis, sizes):
-    out, off = [], 0
-    for s in sizes:
-        out.append(backend.slice(x, axis, off, off + s))
-        off += s
-    return out
+    ends = list(itertools.accumulate(sizes))
+    return [backend.slice(x, axis, end - s, end) for s, end in zip(sizes, ends)]
 
 
 def head_split(n: int, tp: int) -> list[int]:
@@ -115,11 +113,7 @@ def _bit_patterns(x: np.ndarray) -> np.ndarray:
 
 def _disagreements(arrs, label: str) -> tuple[list[int], str]:
     """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
-    bad = {}
-    for r in range(1, len(arrs)):
-        d = _first_diff(arrs[0], arrs[r])
-        if d:
-            bad[r] = d
+    bad = {r: d for r in range(1, len(arrs)) if (d := _first_diff(arrs[0], arrs[r]))}
     return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
 
 
@@ -204,8 +198,9 @@ class Kind:
     def _merge(self, backend, frags, name):  # pragma: no cover
         raise NotImplementedError
 
-    def _split(self, full, n, name) -> list:  # pragma: no cover
-        raise NotImplementedError
+    def _split(self, full, n, name) -> list:
+        """The per-rank fragments of ``full``; by default every rank holds all of it."""
+        return [full] * n
 
 
 def _int_field(default: Any = None) -> Any:  # a dataclass field, typed by its annotation
@@ -229,9 +224,6 @@ class Replicated(Kind):
                     f"rank(s) {bad} ({detail})"
                 )
         return backend.wrap(frags[0])
-
-    def _split(self, full, n, name):
-        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -258,9 +250,6 @@ class Averaged(Kind):
             else acc // len(arrs)
         )
         return backend.wrap(out)
-
-    def _split(self, full, n, name):
-        return [full for _ in range(n)]
 
 
 @dataclass(frozen=True)
@@ -433,6 +422,10 @@ class QKV(Kind):
             )
 
     @property
+    def _heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim
+
+    @property
     def group_rows(self):
         return (self.num_heads // self.num_kv_heads + 2) * self.head_dim
 
@@ -486,32 +479,14 @@ class QKV(Kind):
         """{'q', 'k', 'v'}: q has the heads in order (group by group)."""
         self._check("?")
         d = _checked_axis(full.shape, self.dim, "?", self.kind)
-        qkv = views.split_qkv(
-            views.as_view(full),
-            d,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            interleaved=self.interleaved,
-        )
+        qkv = views.split_qkv(views.as_view(full), d, *self._heads, interleaved=self.interleaved)
         return {k: x.read().result() for k, x in zip("qkv", qkv)}
 
     def join(self, q, k, v) -> np.ndarray:
         self._check("?")
         d = _checked_axis(np.shape(q), self.dim, "?", self.kind)
         return (
-            views.merge_qkv(
-                q,
-                k,
-                v,
-                d,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                interleaved=self.interleaved,
-            )
-            .read()
-            .result()
+            views.merge_qkv(q, k, v, d, *self._heads, interleaved=self.interleaved).read().result()
         )
 
 
@@ -587,10 +562,6 @@ class PipelineTied(Kind):
             return self.inner._merge(backend, frags[0], name)
         return backend.wrap(frags[0] if self.inner is None else per_stage[0])
 
-    def _split(self, full, n, name):
-        # n = number of stages holding the weight; each gets the full tensor (split it with inner)
-        return [full for _ in range(n)]
-
 
 @dataclass(frozen=True)
 class Expert(Kind):
@@ -636,15 +607,13 @@ class Expert(Kind):
             if self.layout == "per_expert":
                 if len(f) != nl:
                     raise MergeError(f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}")
-                for e in range(nl):
-                    experts.append(
-                        self.inner._merge(backend, f[e], name) if self.inner else backend.wrap(f[e])
-                    )
+                experts += [
+                    self.inner._merge(backend, x, name) if self.inner else backend.wrap(x)
+                    for x in f
+                ]
                 continue
-            tps = list(f) if self.inner is not None else [f]
-            tps = [backend.wrap(x) for x in tps]
-            shape = backend.shape(tps[0])
-            d = _checked_axis(shape, self.dim, name, self.kind)
+            tps = [backend.wrap(x) for x in (f if self.inner is not None else [f])]
+            d = _checked_axis(backend.shape(tps[0]), self.dim, name, self.kind)
             for t, x in enumerate(tps):
                 if self.layout == "stacked" and backend.shape(x)[d] != nl:
                     raise MergeError(
@@ -656,19 +625,14 @@ class Expert(Kind):
                         f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {backend.shape(x)[d]} "
                         f"does not hold {nl} equal expert blocks"
                     )
+            if self.layout == "stacked":
+                per_tp = [[backend.take(x, d, e) for e in range(nl)] for x in tps]
+            else:
+                per_tp = [
+                    _split_sizes(backend, x, d, [backend.shape(x)[d] // nl] * nl) for x in tps
+                ]
             for e in range(nl):
-                if self.layout == "stacked":
-                    blocks = [backend.take(x, d, e) for x in tps]
-                else:
-                    blocks = [
-                        backend.slice(
-                            x,
-                            d,
-                            e * (backend.shape(x)[d] // nl),
-                            (e + 1) * (backend.shape(x)[d] // nl),
-                        )
-                        for x in tps
-                    ]
+                blocks = [p[e] for p in per_tp]
                 experts.append(
                     self.inner._merge(backend, blocks, f"{name}[expert {r * nl + e}]")
                     if self.inner is not None

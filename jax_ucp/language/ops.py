@@ -32,11 +32,6 @@ from jax_ucp.language.settings import eval_int
 Env = Mapping[str, Any]
 
 
-def _int_value(value, env, op_name):
-    """An op parameter as an int: a literal or a setting expression evaluated over ``env``."""
-    return eval_int(value, env, where=f"{op_name}: ")
-
-
 @dataclass(frozen=True)
 class Op:
     """One step of a restore rule: a lazy, exact change of structure (transpose, unstack, split,
@@ -59,6 +54,14 @@ class Op:
             ):
                 d[f.name] = list(v) if isinstance(v, tuple) else v
         return d
+
+    def _int(self, value, env: Env) -> int:
+        """An op parameter as an int: a literal or a setting expression evaluated over ``env``."""
+        return eval_int(value, env, where=f"{self.op}: ")
+
+    def _ints(self, env: Env, *names: str) -> list[int]:
+        """The named fields as ints (``_int`` of each)."""
+        return [self._int(getattr(self, n), env) for n in names]
 
     # map
     def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
@@ -160,7 +163,7 @@ class Transpose(Op):
 
     def apply(self, tensor, env):
         return views.transpose(
-            tensor, None if self.perm is None else [_int_value(p, env, self.op) for p in self.perm]
+            tensor, None if self.perm is None else [self._int(p, env) for p in self.perm]
         )
 
 
@@ -180,9 +183,7 @@ class RopeHalf(Op):
     def apply(self, tensor, env):
         if self.over in env and str(env[self.over]) not in self.parts:
             return tensor
-        return views.rope_interleaved_to_half(
-            tensor, _int_value(self.axis, env, self.op), _int_value(self.head_dim, env, self.op)
-        )
+        return views.rope_interleaved_to_half(tensor, *self._ints(env, "axis", "head_dim"))
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,8 @@ class SplitDim(Op):
             raise SpecError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
         return views.split_dim(
             tensor,
-            _int_value(self.axis, env, self.op),
-            [_int_value(s, env, self.op) for s in self.sizes],
+            self._int(self.axis, env),
+            [self._int(s, env) for s in self.sizes],
         )
 
 
@@ -211,7 +212,7 @@ class MergeDims(Op):
     axis: Any = 0
 
     def apply(self, tensor, env):
-        return views.merge_dims(tensor, _int_value(self.axis, env, self.op))
+        return views.merge_dims(tensor, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -223,9 +224,7 @@ class GroupStages(Op):
     axis: Any = 0
 
     def apply(self, tensor, env):
-        return views.group_stages(
-            tensor, _int_value(self.stages, env, self.op), _int_value(self.axis, env, self.op)
-        )
+        return views.group_stages(tensor, *self._ints(env, "stages", "axis"))
 
 
 @dataclass(frozen=True)
@@ -236,7 +235,7 @@ class UngroupStages(Op):
     axis: Any = 0
 
     def apply(self, tensor, env):
-        return views.ungroup_stages(tensor, _int_value(self.axis, env, self.op))
+        return views.ungroup_stages(tensor, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -248,9 +247,7 @@ class RegroupStages(Op):
     axis: Any = 0
 
     def apply(self, tensor, env):
-        return views.regroup_stages(
-            tensor, _int_value(self.stages, env, self.op), _int_value(self.axis, env, self.op)
-        )
+        return views.regroup_stages(tensor, *self._ints(env, "stages", "axis"))
 
 
 @dataclass(frozen=True)
@@ -264,9 +261,9 @@ class Slice(Op):
 
     def apply(self, tensor, env):
         tensor = views.as_view(tensor)
-        a = _int_value(self.axis, env, self.op)
-        stop = tensor.shape[a] if self.stop is None else _int_value(self.stop, env, self.op)
-        return views.slice_axis(tensor, a, _int_value(self.start, env, self.op), stop)
+        a = self._int(self.axis, env)
+        stop = tensor.shape[a] if self.stop is None else self._int(self.stop, env)
+        return views.slice_axis(tensor, a, self._int(self.start, env), stop)
 
 
 @dataclass(frozen=True)
@@ -280,12 +277,12 @@ class Pad(Op):
 
     def apply(self, tensor, env):
         tensor = views.as_view(tensor)
-        a = _int_value(self.axis, env, self.op)
+        a = self._int(self.axis, env)
         n = tensor.shape[a]
         if self.size is not None:
-            size = _int_value(self.size, env, self.op)
+            size = self._int(self.size, env)
         elif self.multiple is not None:
-            m = _int_value(self.multiple, env, self.op)
+            m = self._int(self.multiple, env)
             size = -(-n // m) * m
         else:
             raise SpecError("pad needs size= or multiple=")
@@ -309,10 +306,10 @@ class Unstack(FanOut):
     if_unbound: bool = False
 
     def labels(self, tensor, env):
-        return [str(i) for i in range(tensor.shape[_int_value(self.axis, env, self.op)])]
+        return [str(i) for i in range(tensor.shape[self._int(self.axis, env)])]
 
     def part(self, tensor, env, index):
-        return views.take(tensor, _int_value(self.axis, env, self.op), index)
+        return views.take(tensor, self._int(self.axis, env), index)
 
 
 @dataclass(frozen=True)
@@ -326,12 +323,12 @@ class Split(FanOut):
     var: str = "part"
 
     def _pieces(self, tensor, env):
-        a = _int_value(self.axis, env, self.op)
+        a = self._int(self.axis, env)
         if self.sizes is None:
             return views.split_even(tensor, a, len(self.parts))
         if len(self.sizes) != len(self.parts):
             raise SpecError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
-        return views.split_sizes(tensor, a, [_int_value(s, env, self.op) for s in self.sizes])
+        return views.split_sizes(tensor, a, [self._int(s, env) for s in self.sizes])
 
     def labels(self, tensor, env):
         self._pieces(tensor, env)  # validates
@@ -356,29 +353,16 @@ class SplitQKV(FanOut):
     num_kv_heads: Any = "num_query_groups"
     head_dim: Any = "head_dim"
 
-    def _args(self, env):
-        return (
-            _int_value(self.num_heads, env, self.op),
-            _int_value(self.num_kv_heads, env, self.op),
-            _int_value(self.head_dim, env, self.op),
-        )
+    def _pieces(self, tensor, env):
+        args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
+        return views.split_qkv(tensor, *args, interleaved=self.interleaved)
 
     def labels(self, tensor, env):
-        views.split_qkv(
-            tensor,
-            _int_value(self.axis, env, self.op),
-            *self._args(env),
-            interleaved=self.interleaved,
-        )
+        self._pieces(tensor, env)  # validates
         return list(self.parts)
 
     def part(self, tensor, env, index):
-        return views.split_qkv(
-            tensor,
-            _int_value(self.axis, env, self.op),
-            *self._args(env),
-            interleaved=self.interleaved,
-        )[index]
+        return self._pieces(tensor, env)[index]
 
 
 # -------------------------------------------------------------------------------- fan-in ops
@@ -396,7 +380,7 @@ class Stack(FanIn):
         return _numeric_order(labels, self.over, where)
 
     def combine(self, parts, env):
-        return views.stack(parts, _int_value(self.axis, env, self.op))
+        return views.stack(parts, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -412,7 +396,7 @@ class Concat(FanIn):
         return _named_order(labels, self.parts, self.over, where)
 
     def combine(self, parts, env):
-        return views.concat(parts, _int_value(self.axis, env, self.op))
+        return views.concat(parts, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -432,17 +416,9 @@ class MergeQKV(FanIn):
         return _named_order(labels, self.parts, self.over, where)
 
     def combine(self, parts, env):
+        args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
         q, k, v = parts
-        return views.merge_qkv(
-            q,
-            k,
-            v,
-            _int_value(self.axis, env, self.op),
-            _int_value(self.num_heads, env, self.op),
-            _int_value(self.num_kv_heads, env, self.op),
-            _int_value(self.head_dim, env, self.op),
-            interleaved=self.interleaved,
-        )
+        return views.merge_qkv(q, k, v, *args, interleaved=self.interleaved)
 
 
 OPS: dict[str, type[Op]] = {

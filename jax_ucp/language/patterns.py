@@ -16,6 +16,7 @@ came from; so is ``{,n}``, which Python reads as ``{0,n}`` and RE2 as literal te
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import re2
@@ -35,29 +36,9 @@ _OPTIONS.max_mem = MAX_PROGRAM_BYTES
 def _python_only_quantifier(pattern: str) -> bool:
     """True when ``pattern`` holds ``{,n}`` outside a character class (Python: ``{0,n}``; RE2:
     the literal text), i.e. a pattern the two engines would read differently."""
-    i, in_class = 0, False
-    while i < len(pattern):
-        c = pattern[i]
-        if c == "\\":
-            i += 2
-            continue
-        if in_class:
-            if c == "]":
-                in_class = False
-        elif c == "[":
-            in_class = True
-            if pattern[i + 1 : i + 2] == "^":
-                i += 1
-            if pattern[i + 1 : i + 2] == "]":  # a leading ']' is a literal in both engines
-                i += 1
-        elif c == "{" and pattern[i + 1 : i + 2] == ",":
-            j = i + 2
-            while j < len(pattern) and pattern[j].isdigit():
-                j += 1
-            if j > i + 2 and pattern[j : j + 1] == "}":
-                return True
-        i += 1
-    return False
+    plain = re.sub(r"\\.", "e", pattern, flags=re.S)  # escapes out of the way, then classes
+    plain = re.sub(r"\[\^?\]?[^\]]*(?:\]|$)", "c", plain)  # (a leading ']' is a literal)
+    return re.search(r"\{,\d+\}", plain) is not None
 
 
 def compile_pattern(pattern: Any, where: str = "") -> Any:

@@ -21,9 +21,9 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp.language import views
-from jax_ucp.language.errors import LanguageError, StrictnessError, TransformError
+from jax_ucp.language.errors import LanguageError, TransformError
 from jax_ucp.language.settings import render
-from jax_ucp.language.spec import Spec, describe_rule
+from jax_ucp.language.spec import Spec, check_strict, describe_rule
 from jax_ucp.language.toml_io import load_spec
 
 Key = tuple
@@ -148,7 +148,10 @@ def compile_restore_plan(
     targets = _Targets()
     per_rule, uncovered = _assign(spec, rules, saved, targets)
     if strict:
-        _check_strict(spec, rules, per_rule, uncovered)
+        uncovered_names = ["/".join(u[0]) for u in uncovered]
+        check_strict(
+            spec.name, "restore", uncovered_names, rules, [i for i in per_rule if per_rule[i]]
+        )
     for key, info, tprefix, rel in uncovered:
         targets.put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
     for i, r in rules:
@@ -224,23 +227,6 @@ def _match_rule(rules, rel: str):
     return None
 
 
-def _check_strict(spec: Spec, rules, per_rule, uncovered) -> None:
-    """A strict spec: every parameter covered by a rule, every required rule matched."""
-    problems = []
-    if uncovered:
-        names = ["/".join(u[0]) for u in uncovered]
-        problems.append(
-            f"{len(names)} tensor(s) covered by no restore rule: "
-            + ", ".join(names[:20])
-            + (" ..." if len(names) > 20 else "")
-        )
-    for i, r in rules:
-        if r.required and not per_rule[i]:
-            problems.append(f"{describe_rule(r, i, 'restore')} matched no tensor")
-    if problems:
-        raise StrictnessError(f"spec {spec.name!r}: " + "; ".join(problems))
-
-
 def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
     """Applies rule ``r``'s ops to the tensors it matched and puts each result at its target."""
     what = describe_rule(r, i, "restore")
@@ -292,15 +278,8 @@ def _apply_op(op, entries, env0, what):
             for j, lab in enumerate(labels):
                 view = _with_context(lambda: op.part(node.view, env, j), op, what, inst, rel)
                 fn = lambda opened, node=node, env=env, j=j: op.part(node.fn(opened), env, j)
-                out.append(
-                    (
-                        inst,
-                        tp,
-                        {**vars_, op.var: lab},
-                        _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",)),
-                        f"{rel}[{op.var}={lab}]",
-                    )
-                )
+                part = _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",))
+                out.append((inst, tp, {**vars_, op.var: lab}, part, f"{rel}[{op.var}={lab}]"))
         return out
     # fan-in
     groups: dict = {}
@@ -323,13 +302,8 @@ def _apply_op(op, entries, env0, what):
             by[lab] = (node, rel)
         env = {**env0, **dict(rest)}
         first_rel = items[0][2]
-        order = _with_context(
-            lambda: op.order(list(by), env, f"{what} at {'/'.join(inst)}/{first_rel}"),
-            op,
-            what,
-            inst,
-            first_rel,
-        )
+        at = f"{what} at {'/'.join(inst)}/{first_rel}"
+        order = _with_context(lambda: op.order(list(by), env, at), op, what, inst, first_rel)
         nodes = [by[lab][0] for lab in order]
         view = _with_context(
             lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel
@@ -345,11 +319,9 @@ def _with_context(thunk, op, what, inst, rel):
     """Run ``thunk``; a transform error names the rule, the op and the tensor."""
     try:
         return thunk()
-    except TransformError as e:
-        raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
-    except LanguageError:
-        raise
     except (ValueError, IndexError) as e:
+        if isinstance(e, LanguageError) and not isinstance(e, TransformError):
+            raise
         raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
 
 
@@ -358,39 +330,29 @@ def _with_context(thunk, op, what, inst, rel):
 
 def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
     """Flat {key tuple: TensorInfo} from a nested dict of arrays (tests, in-memory use)."""
-    out = {}
-
-    def rec(prefix, x):
-        if isinstance(x, Mapping):
-            for k, v in x.items():
-                rec(prefix + (str(k),), v)
-        elif isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
-            for k, v in enumerate(x):
-                rec(prefix + (str(k),), v)
-        else:
-            out[prefix] = TensorInfo(
-                tuple(np.shape(x)),
-                np.asarray(x).dtype
-                if not hasattr(x, "dtype")
-                else (
-                    x.dtype.numpy_dtype if isinstance(x, ts.TensorStore) else getattr(x, "dtype")
-                ),
-            )
-
-    rec((), tree_or_arrays)
-    return out
+    leaves = _flat(tree_or_arrays, into_sequences=True)
+    return {k: _tensor_info(x if hasattr(x, "dtype") else np.asarray(x)) for k, x in leaves.items()}
 
 
 def flatten_nested(tree: Mapping) -> dict[Key, Any]:
     """A nested dict -> {key tuple: leaf} (the inverse of ``unflatten_nested``)."""
+    return _flat(tree, into_sequences=False)
+
+
+def _flat(tree, into_sequences: bool) -> dict[Key, Any]:
+    """{key tuple: leaf} of nested mappings (and lists/tuples if ``into_sequences``)."""
     out = {}
 
     def rec(prefix, x):
         if isinstance(x, Mapping):
-            for k, v in x.items():
-                rec(prefix + (str(k),), v)
+            items = x.items()
+        elif into_sequences and isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
+            items = enumerate(x)
         else:
             out[prefix] = x
+            return
+        for k, v in items:
+            rec(prefix + (str(k),), v)
 
     rec((), tree)
     return out

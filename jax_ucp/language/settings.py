@@ -80,9 +80,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
 
 
 def _as_int(v) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
+    if isinstance(v, int) and not isinstance(v, bool):
         return v
     if isinstance(v, str) and re.fullmatch(r"-?\d+", v.strip()):
         return int(v)
@@ -243,9 +241,7 @@ def render(template: str, env: Mapping[str, Any], *, where: str = "") -> str:
             return str(env[canonical(key)])
         return str(eval_int(key, env, where=where))
 
-    parts = template.split("{{")
-    out = []
-    for p in parts:
-        q = p.split("}}")
-        out.append("}".join(_TEMPLATE_FIELD.sub(sub, x) for x in q))
-    return "{".join(out)
+    return "{".join(
+        "}".join(_TEMPLATE_FIELD.sub(sub, x) for x in part.split("}}"))
+        for part in template.split("{{")
+    )

@@ -38,14 +38,12 @@ from jax_ucp.language.settings import canonical, derived, normalize, render
 
 def _when_matches(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
     """Whether the settings satisfy a rule's ``when`` (a value, or a list of accepted values)."""
-    for name, wanted in when.items():
+
+    def met(name, wanted):
         have = settings.get(canonical(name), settings.get(name))
-        if isinstance(wanted, (list, tuple)):
-            if have not in wanted:
-                return False
-        elif have != wanted:
-            return False
-    return True
+        return have in wanted if isinstance(wanted, (list, tuple)) else have == wanted
+
+    return all(met(name, wanted) for name, wanted in when.items())
 
 
 def _with_rule_options(d: dict, rule) -> dict:
@@ -220,13 +218,9 @@ class Root:
         )
 
     def to_dict(self) -> dict:
-        """The root's plain (TOML) form."""
-        d: dict = {"source": self.source}
-        if self.target is not None:
-            d["target"] = self.target
-        if not self.params:
-            d["params"] = False
-        return d
+        """The root's plain (TOML) form: every field not at its default."""
+        fields = dataclasses.fields(self)
+        return {f.name: getattr(self, f.name) for f in fields if getattr(self, f.name) != f.default}
 
 
 DEFAULT_ROOTS: tuple[Root, ...] = (
@@ -332,28 +326,16 @@ class Spec:
     ) -> dict[str, ImportMatch]:
         """Match every name; strict (default: the spec's) -> an error naming each uncovered name and
         each required rule that matched nothing."""
-        strict = self.strict if strict is None else strict
-        out, uncovered, used = {}, [], set()
+        out, uncovered = {}, []
         for n in names:
             m = self.match(n)
             if m is None:
                 uncovered.append(n)
             else:
                 out[n] = m
-                used.add(m.index)
-        if strict:
-            problems = []
-            if uncovered:
-                problems.append(
-                    f"{len(uncovered)} tensor(s) covered by no import rule: "
-                    + ", ".join(uncovered[:20])
-                    + (" ..." if len(uncovered) > 20 else "")
-                )
-            for i, r in self.active_imports():
-                if r.required and i not in used:
-                    problems.append(f"{describe_rule(r, i, 'import')} matched no tensor")
-            if problems:
-                raise StrictnessError(f"spec {self.name!r}: " + "; ".join(problems))
+        if self.strict if strict is None else strict:
+            used = {m.index for m in out.values()}
+            check_strict(self.name, "import", uncovered, self.active_imports(), used)
         return out
 
     def to_dict(self) -> dict:
@@ -371,6 +353,28 @@ def describe_rule(rule, index: int, side: str) -> str:
     """
     label = f" ({rule.label})" if rule.label else ""
     return f"{side} rule #{index + 1}{label} pattern {rule.pattern!r}"
+
+
+def check_strict(
+    spec_name: str, side: str, uncovered: Sequence[str], rules, matched: Iterable[int]
+) -> None:
+    """A strict spec: a ``StrictnessError`` naming every uncovered tensor and every required rule
+    of ``rules`` ((index, rule) pairs, ``side`` import or restore) whose index is not ``matched``."""
+    problems = []
+    if uncovered:
+        problems.append(
+            f"{len(uncovered)} tensor(s) covered by no {side} rule: "
+            + ", ".join(uncovered[:20])
+            + (" ..." if len(uncovered) > 20 else "")
+        )
+    matched = set(matched)
+    problems += [
+        f"{describe_rule(r, i, side)} matched no tensor"
+        for i, r in rules
+        if r.required and i not in matched
+    ]
+    if problems:
+        raise StrictnessError(f"spec {spec_name!r}: " + "; ".join(problems))
 
 
 # ------------------------------------------------------------------------------- dict form

@@ -20,7 +20,6 @@ specs (``specs/*.toml``) found by name with ``load_spec``.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import tomllib
@@ -141,11 +140,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)
+        return repr(float(v))  # inf, -inf and nan are spelled as TOML spells them
     if isinstance(v, str):
         return _toml_string(v)
     if isinstance(v, (list, tuple)):
@@ -162,10 +157,7 @@ def _toml_value(v: Any) -> str:
 def spec_to_toml(spec: Spec) -> str:
     """TOML text of ``spec`` (its dict form); ``spec_from_toml`` gives the spec back."""
     d = spec_to_dict(spec)
-    lines = []
-    for k in ("name", "description", "strict"):
-        if k in d:
-            lines.append(f"{k} = {_toml_value(d[k])}")
+    lines = [f"{k} = {_toml_value(d[k])}" for k in ("name", "description", "strict") if k in d]
     if "settings" in d:
         lines += ["", "[settings]"] + [
             f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["settings"].items()
@@ -173,10 +165,9 @@ def spec_to_toml(spec: Spec) -> str:
     for table in ("roots", "import", "restore"):
         for item in d.get(table, []):
             lines += ["", f"[[{table}]]"]
-            for k, v in item.items():
-                if v is None:
-                    continue
-                lines.append(f"{_toml_key(k)} = {_toml_value(v)}")
+            lines += [
+                f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items() if v is not None
+            ]
     return "\n".join(lines) + "\n"
 
 

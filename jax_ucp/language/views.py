@@ -11,6 +11,7 @@ beyond what numpy already holds).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,9 +29,7 @@ def as_view(x) -> ts.TensorStore:
 
 def zero_origin(tensor: ts.TensorStore) -> ts.TensorStore:
     """The same view translated so every dimension starts at 0 (TensorStore keeps slice origins)."""
-    if tensor.rank == 0:
-        return tensor
-    if all(o == 0 for o in tensor.domain.origin):
+    if tensor.rank == 0 or all(o == 0 for o in tensor.domain.origin):
         return tensor
     return tensor[ts.d[:].translate_to[0]]
 
@@ -43,6 +42,13 @@ def _checked_axis(tensor: ts.TensorStore, axis: int, what: str = "axis") -> int:
             f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(tensor.shape)}"
         )
     return a
+
+
+def _view_axis(tensor, axis: int) -> tuple[ts.TensorStore, int, int]:
+    """``tensor`` as a view, ``axis`` checked and made non-negative, and its size."""
+    tensor = as_view(tensor)
+    a = _checked_axis(tensor, axis)
+    return tensor, a, tensor.shape[a]
 
 
 def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.TensorStore:
@@ -71,9 +77,7 @@ def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -
         axis: the axis of the heads' rows (whole heads of ``head_dim``)
         head_dim: rows per head (even)
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    n = tensor.shape[a]
+    tensor, a, n = _view_axis(tensor, axis)
     if head_dim <= 0 or head_dim % 2 or n % head_dim:
         raise TransformError(
             f"rope_half: axis {a} of size {n} is not whole heads of an even head_dim {head_dim}"
@@ -91,9 +95,7 @@ def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
         axis: the axis to select on (negative counts from the end)
         index: the index kept (negative counts from the end)
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    n = tensor.shape[a]
+    tensor, a, n = _view_axis(tensor, axis)
     if not -n <= index < n:
         raise TransformError(f"index {index} out of range for axis {a} of size {n}")
     return zero_origin(tensor[ts.d[a][index % n]])
@@ -108,9 +110,7 @@ def slice_axis(tensor: ts.TensorStore, axis: int, start: int, stop: int) -> ts.T
         start: first index kept
         stop: one past the last index kept
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    n = tensor.shape[a]
+    tensor, a, n = _view_axis(tensor, axis)
     if not 0 <= start <= stop <= n:
         raise TransformError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
     return zero_origin(tensor[ts.d[a][start:stop]])
@@ -159,13 +159,6 @@ def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
     return zero_origin(ts.stack(parts, axis=a))
 
 
-def unstack(tensor: ts.TensorStore, axis: int = 0) -> list[ts.TensorStore]:
-    """The inverse of ``stack``: one view per index of ``axis``, that axis dropped."""
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    return [take(tensor, a, i) for i in range(tensor.shape[a])]
-
-
 def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list[ts.TensorStore]:
     """Split ``axis`` into consecutive pieces of the given sizes (which must add up).
 
@@ -174,18 +167,14 @@ def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list
         axis: the axis to split
         sizes: the pieces' extents, in order, adding up to the axis
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
+    tensor, a, _ = _view_axis(tensor, axis)
     if sum(sizes) != tensor.shape[a] or any(s < 0 for s in sizes):
         raise TransformError(
             f"split of axis {a} (size {tensor.shape[a]}) into sizes {list(sizes)}: "
             f"they add up to {sum(sizes)}"
         )
-    out, off = [], 0
-    for s in sizes:
-        out.append(slice_axis(tensor, a, off, off + s))
-        off += s
-    return out
+    ends = itertools.accumulate(sizes)
+    return [slice_axis(tensor, a, end - s, end) for s, end in zip(sizes, ends)]
 
 
 def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore]:
@@ -196,8 +185,7 @@ def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore
         axis: the axis to split
         n: how many equal pieces
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
+    tensor, a, _ = _view_axis(tensor, axis)
     if n <= 0 or tensor.shape[a] % n:
         raise TransformError(
             f"axis {a} of size {tensor.shape[a]} does not split into {n} equal parts"
@@ -213,9 +201,7 @@ def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.Ten
         axis: the axis of size ``a*b`` to split
         sizes: ``(a, b)``; one may be -1 (inferred)
     """
-    tensor = as_view(tensor)
-    ax = _checked_axis(tensor, axis)
-    n = tensor.shape[ax]
+    tensor, ax, n = _view_axis(tensor, axis)
     a, b = int(sizes[0]), int(sizes[1])
     if a == -1 and b > 0 and n % b == 0:
         a = n // b
@@ -230,8 +216,7 @@ def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.Ten
 
 def merge_dims(tensor: ts.TensorStore, axis: int) -> ts.TensorStore:
     """Reshape axes (axis, axis+1) of sizes (a, b) into one axis of size a*b (row-major)."""
-    tensor = as_view(tensor)
-    ax = _checked_axis(tensor, axis)
+    tensor, ax, _ = _view_axis(tensor, axis)
     if ax + 1 >= tensor.rank:
         raise TransformError(
             f"merge_dims: axis {ax} has no following axis (shape {tuple(tensor.shape)})"
@@ -247,9 +232,7 @@ def group_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Tenso
         stages: pipeline stages (must divide the layers)
         axis: the layer axis
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    n = tensor.shape[a]
+    tensor, a, n = _view_axis(tensor, axis)
     if stages <= 0 or n % stages:
         raise TransformError(
             f"cannot group {n} layers into {stages} pipeline stages: "
@@ -271,8 +254,7 @@ def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Ten
         stages: the new number of pipeline stages
         axis: the saved stage axis (the layer axis follows it)
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
+    tensor, a, _ = _view_axis(tensor, axis)
     if tensor.rank < a + 2:
         raise TransformError(
             f"regroup_stages needs a [stages, layers_per_stage, ...] tensor, got "
@@ -298,9 +280,7 @@ def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
         axis: the axis to pad at its end
         size: the padded extent (at least the current one)
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
-    n = tensor.shape[a]
+    tensor, a, n = _view_axis(tensor, axis)
     if size < n:
         raise TransformError(f"pad: axis {a} has size {n} > requested {size}")
     if size == n:
@@ -351,8 +331,7 @@ def split_qkv(
         head_dim: rows per head
         interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)
     """
-    tensor = as_view(tensor)
-    a = _checked_axis(tensor, axis)
+    tensor, a, _ = _view_axis(tensor, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)
     g = num_kv_heads
     total = g * (qg + kg + vg)
@@ -396,7 +375,4 @@ def merge_qkv(
     if not interleaved:
         return concat([q, k, v], axis=a)
     qs, ks, vs = split_even(q, a, g), split_even(k, a, g), split_even(v, a, g)
-    pieces = []
-    for i in range(g):
-        pieces += [qs[i], ks[i], vs[i]]
-    return concat(pieces, axis=a)
+    return concat([x for i in range(g) for x in (qs[i], ks[i], vs[i])], axis=a)

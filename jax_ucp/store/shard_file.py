@@ -176,12 +176,9 @@ def layout_from_metadata(metadata: dict, dtype: np.dtype) -> ArrayLayout | None:
     codecs, index_codecs = cfg.get("codecs"), cfg.get("index_codecs")
     if codecs and codecs[0] == {"name": "bytes"} and np.dtype(dtype).itemsize == 1:
         codecs = [bytes_le, *codecs[1:]]  # single-byte types carry no endianness
-    if codecs == [bytes_le] and index_codecs == [bytes_le]:
+    if codecs == index_codecs == [bytes_le]:
         checksum = None
-    elif codecs == [bytes_le, {"name": "crc32c"}] and index_codecs == [
-        bytes_le,
-        {"name": "crc32c"},
-    ]:
+    elif codecs == index_codecs == [bytes_le, {"name": "crc32c"}]:
         checksum = "crc32c"
     else:
         return None

@@ -7,6 +7,7 @@ anything else is read by TensorStore."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import math
 import os
@@ -493,15 +494,9 @@ class _Region:
         return RegionRead(self.reader, [(self.region, out)], out)
 
 
-_READ_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
+@functools.cache
 def read_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for region reads: a cold restore waits on the disk in pread, so it wants more reads
     in flight than cores (TensorStore allows 128 file operations)."""
-    if not _READ_POOL:
-        threads = max(16, 4 * (os.cpu_count() or 2))
-        _READ_POOL.append(
-            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ucp-read")
-        )
-    return _READ_POOL[0]
+    threads = max(16, 4 * (os.cpu_count() or 2))
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ucp-read")

@@ -52,25 +52,34 @@ def can_write(layout: ArrayLayout, data, kvstore: Mapping[str, Any]) -> bool:
 
 def encode(data: np.ndarray, layout: ArrayLayout) -> list:
     """The shard file as a list of buffers (views of ``data`` plus the small crc/index pieces)."""
+    checksum = layout.checksum == "crc32c"
+    chunk_bytes = math.prod(layout.inner_chunk_shape) * data.dtype.itemsize
+    parts = chunk_parts(data, layout)
+    return parts + index_parts(len(parts) // (2 if checksum else 1), chunk_bytes, checksum)
+
+
+def chunk_parts(data: np.ndarray, layout: ArrayLayout) -> list:
+    """The inner chunks of ``data`` (whole inner chunks, consecutive in the shard) as the file
+    holds them: each chunk's bytes (a view), then its crc32c trailer when the layout has one."""
     flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
     chunk_bytes = math.prod(layout.inner_chunk_shape) * data.dtype.itemsize
-    n = flat.size // chunk_bytes
-    checksum = layout.checksum == "crc32c"
-    stored = chunk_bytes + (4 if checksum else 0)
     parts: list = []
-    for i in range(n):
-        chunk = flat[i * chunk_bytes : (i + 1) * chunk_bytes]
-        parts.append(chunk)
-        if checksum:
-            parts.append(struct.pack("<I", crc32c_lib.crc32c(chunk.data)))
+    for i in range(0, flat.size, chunk_bytes):
+        parts.append(flat[i : i + chunk_bytes])
+        if layout.checksum == "crc32c":
+            parts.append(struct.pack("<I", crc32c_lib.crc32c(parts[-1].data)))
+    return parts
+
+
+def index_parts(n: int, chunk_bytes: int, checksum: bool) -> list:
+    """The shard index (index_location end) of ``n`` inner chunks of ``chunk_bytes`` stored in
+    order, each with a crc32c trailer when ``checksum``, then the index's own trailer."""
+    stored = chunk_bytes + (4 if checksum else 0)
     index = np.empty((n, 2), "<u8")
     index[:, 0] = np.arange(n, dtype=np.uint64) * stored
     index[:, 1] = stored
     index_bytes = index.tobytes()
-    parts.append(index_bytes)
-    if checksum:
-        parts.append(struct.pack("<I", crc32c_lib.crc32c(index_bytes)))
-    return parts
+    return [index_bytes] + ([struct.pack("<I", crc32c_lib.crc32c(index_bytes))] if checksum else [])
 
 
 def digest_of_parts(parts: list) -> str:
@@ -117,11 +126,7 @@ def write(
     digest = digest_of_parts(parts) if layout.checksum == "crc32c" else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        for i in range(0, len(parts), _IOV_MAX):
-            batch = parts[i : i + _IOV_MAX]
-            n = os.writev(fd, batch)
-            if n != sum(memoryview(p).nbytes for p in batch):  # short write: finish piece by piece
-                _write_rest(fd, batch, n)
+        write_parts(fd, parts)
         if sync:
             os.fsync(fd)
         elif hasattr(os, "posix_fadvise"):
@@ -130,6 +135,16 @@ def write(
     finally:
         os.close(fd)
     return digest
+
+
+def write_parts(fd: int, parts: list) -> None:
+    """Writes the buffers ``parts`` in order at ``fd``'s position (writev, then piece by piece
+    after a short write)."""
+    for i in range(0, len(parts), _IOV_MAX):
+        batch = parts[i : i + _IOV_MAX]
+        n = os.writev(fd, batch)
+        if n != sum(memoryview(p).nbytes for p in batch):
+            _write_rest(fd, batch, n)
 
 
 def _write_rest(fd: int, batch: list, done: int) -> None:

@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import os
+import pathlib
 from collections.abc import Iterable, Mapping
 
 from jax_ucp import format as fmt
@@ -117,7 +118,7 @@ def write_shared_checkpoint(
                     manifest_file=PART_FILE.format(index),
                 )
             )
-            written = _sha256(part)
+            written = hashlib.sha256(pathlib.Path(part).read_bytes()).hexdigest()
         except BaseException as e:
             written = e
         digests = agree(gather, "written", written, dest)
@@ -134,11 +135,6 @@ def write_shared_checkpoint(
     return dest
 
 
-def _sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
-
-
 def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
     """The parts' entries as one ``ucp.json`` (per-parameter groups interleaved in the order the
     processes took them round-robin); the part files removed. Each part must be the one its
@@ -148,8 +144,7 @@ def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
     for i, digest in enumerate(digests):
         path = os.path.join(tmp, PART_FILE.format(i))
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = pathlib.Path(path).read_bytes()
         except OSError as e:
             raise SharedWriteError(f"{path}: process {i} reported its part, but: {e}") from e
         found = hashlib.sha256(data).hexdigest()

@@ -353,11 +353,8 @@ def check_replaceable(
         if found and not _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
             why = _folder_of_checkpoints(path)
     if found:
-        shown = ", ".join(found[:_SHOWN]) + (
-            f" and {len(found) - _SHOWN} more" if len(found) > _SHOWN else ""
-        )
         raise NotReplaceableError(
-            f"{path}: already exists and is not {kind} (found {shown}); refusing to replace it "
+            f"{path}: already exists and is not {kind} (found {_listed(found)}); refusing to replace it "
             f"even with force=True (nothing was changed).{why} Remove it yourself or choose "
             f"another path."
         )
@@ -395,11 +392,6 @@ def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> 
                 f"changed."
             ) from None
     return replacing
-
-
-def is_checkpoint_dir(path: str) -> bool:
-    """A jax_ucp checkpoint directory or an Orbax step of them, holding nothing else."""
-    return os.path.isdir(path) and not os.path.islink(path) and not checkpoint_problems(path)
 
 
 def checkpoint_problems(path: str) -> list[str]:
@@ -474,9 +466,7 @@ def _folder_of_checkpoints(path: str) -> str:
         inside = [d for d in inside if d[:-1] not in step_items]
     if not inside:
         return ""
-    held = ", ".join(inside[:_SHOWN]) + (
-        f" and {len(inside) - _SHOWN} more" if len(inside) > _SHOWN else ""
-    )
+    held = _listed(inside)
     if step_items is None:
         metadata = (
             f"a {ORBAX_STEP_METADATA} that is not Orbax's step metadata (a JSON object whose "
@@ -623,6 +613,12 @@ def _lstat_mode(path: str) -> int:
         return 0
 
 
+def _listed(names: list[str]) -> str:
+    """The first ``_SHOWN`` names, and how many more there are."""
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
 def _shown(parent: str, name: str) -> str:
     """An entry as an error names it: directories with a trailing "/"."""
     return name + "/" if _real_dir(os.path.join(parent, name)) else name
@@ -749,11 +745,8 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
         )
     foreign = [n for n in names if not _LEFTOVER.fullmatch(n)]
     if foreign:
-        shown = ", ".join(foreign[:_SHOWN]) + (
-            f" and {len(foreign) - _SHOWN} more" if len(foreign) > _SHOWN else ""
-        )
         raise NotReplaceableError(
-            f"{url}: holds objects that no jax_ucp save of this prefix wrote ({shown}); refusing "
+            f"{url}: holds objects that no jax_ucp save of this prefix wrote ({_listed(foreign)}); refusing "
             f"to save here even with force=True (nothing was deleted). Choose a new prefix."
         )
     if names:

@@ -9,23 +9,19 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import ctypes
+import functools
 import os
 
 from jax_ucp import format as fmt
 from jax_ucp.writer import file_digest
 
-_WRITE_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
 
-
+@functools.cache
 def write_pool() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for shard writes: crc32c and os.writev/fsync release the GIL, and fsync-bound
     writes need several in flight (4 did as well as 8 or 16 on 2 cores)."""
-    if not _WRITE_POOL:
-        threads = max(4, os.cpu_count() or 2)
-        _WRITE_POOL.append(
-            concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ucp-write")
-        )
-    return _WRITE_POOL[0]
+    threads = max(4, os.cpu_count() or 2)
+    return concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="ucp-write")
 
 
 def fsync_path(path: str) -> None:
@@ -105,11 +101,7 @@ def make_durable(root: str) -> None:
     a manager step) and the directories that name new entries are fsynced explicitly (cheap after
     syncfs; what a per-file fsync writer still needs).
     """
-    sync_filesystem(root)
+    make_tree_durable(root)
     manifest = os.path.join(root, fmt.MANIFEST_FILE)
     if os.path.isfile(manifest):
         fsync_path(manifest)
-    arrays = os.path.join(root, fmt.ARRAYS_DIR)
-    if os.path.isdir(arrays):
-        fsync_path(arrays)
-    fsync_path(root)

@@ -11,11 +11,9 @@ import functools
 import itertools
 import math
 import os
-import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import crc32c as crc32c_lib
 import numpy as np
 import tensorstore as ts
 
@@ -94,15 +92,10 @@ async def write_tensor(
 
 def _chunk_position(index, chunk_shape) -> tuple[int, ...] | None:
     """Grid position of the shard that ``index`` (a tuple of slices) covers exactly, else None."""
-    if len(index) != len(chunk_shape):
+    starts = [sl.start or 0 for sl in index]
+    if len(index) != len(chunk_shape) or any(s % c for s, c in zip(starts, chunk_shape)):
         return None
-    pos = []
-    for sl, c in zip(index, chunk_shape):
-        start = sl.start or 0
-        if start % c:
-            return None
-        pos.append(start // c)
-    return tuple(pos)
+    return tuple(s // c for s, c in zip(starts, chunk_shape))
 
 
 def _shard_keys(index, layout) -> list[str]:
@@ -230,23 +223,12 @@ def _write_slabs(
                     f"HostItem {p.entry.name!r}: rows {start}:{stop} built "
                     f"{slab.dtype}{list(slab.shape)}, expected {dtype}{list(want)}"
                 )
-            flat = np.ascontiguousarray(slab).reshape(-1).view(np.uint8)
-            for i in range(0, flat.size, chunk_bytes):
-                chunk = flat[i : i + chunk_bytes]
-                _write_all(fd, chunk)
-                if checksum:
-                    crc = struct.pack("<I", crc32c_lib.crc32c(chunk.data))
-                    _write_all(fd, crc)
-                    trailers += crc
-                n += 1
-            del slab, flat, chunk  # nothing of this slab stays alive while the next is built
-        stored = chunk_bytes + (4 if checksum else 0)
-        index = np.empty((n, 2), "<u8")
-        index[:, 0] = np.arange(n, dtype=np.uint64) * stored
-        index[:, 1] = stored
-        _write_all(fd, index.tobytes())
-        if checksum:
-            _write_all(fd, struct.pack("<I", crc32c_lib.crc32c(index.tobytes())))
+            parts = shard_writer.chunk_parts(slab, layout)
+            shard_writer.write_parts(fd, parts)
+            trailers += b"".join(parts[1::2]) if checksum else b""
+            n += len(parts) // (2 if checksum else 1)
+            del slab, parts  # nothing of this slab stays alive while the next is built
+        shard_writer.write_parts(fd, shard_writer.index_parts(n, chunk_bytes, checksum))
         if sync:
             os.fsync(fd)
     finally:
@@ -254,15 +236,6 @@ def _write_slabs(
     if sync:
         durable.fsync_tree_to(array_dir, os.path.dirname(key))
     return shard_file.digest_of_trailers(bytes(trailers)) if checksum else None
-
-
-def _write_all(fd: int, data) -> None:
-    mv = memoryview(data).cast("B")
-    while mv.nbytes:
-        n = os.write(fd, mv)
-        if n <= 0:
-            raise OSError(f"write returned {n} with {mv.nbytes} bytes left")
-        mv = mv[n:]
 
 
 class PipelinedWriter:
@@ -301,8 +274,7 @@ class PipelinedWriter:
         return len(self._window)
 
     async def add(self, p: PreparedTensor) -> None:
-        for done in self._window.make_room(p.entry.nbytes):
-            await self._retire(done)
+        await self.reserve(p.entry.nbytes)
         task = asyncio.ensure_future(write_tensor(self.root, p, primary=True, sync=self.sync))
         self._window.add((task, p.entry.key), p.entry.nbytes)
         await asyncio.sleep(0)  # let the new task issue its create before the next tensor is made
@@ -330,8 +302,7 @@ class PipelinedWriter:
             rows: builds rows ``start:stop``.
             max_bytes: bytes per slab at most.
         """
-        for done in self._window.drain():
-            await self._retire(done)
+        await self.flush()
         kv = store.kvstore_config(self.root, p.entry.dir)
         try:
             await store.create(kv, p.layout, primary=True, sync=self.sync)

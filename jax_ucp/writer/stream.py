@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import ctypes
 import dataclasses
+import math
 import mmap
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -106,9 +107,7 @@ class Deferred:
     def nbytes(self) -> int:
         if self.shape is None:
             return int(self.bound or 0)
-        n = np.dtype(self.dtype).itemsize
-        for d in self.shape:
-            n *= int(d)
+        n = np.dtype(self.dtype).itemsize * math.prod(int(d) for d in self.shape)
         return max(n, int(self.bound or 0))
 
     def build(self, name: str) -> np.ndarray:
@@ -148,6 +147,18 @@ class HostItem:
     saved_sharding: fmt.SavedSharding | None = None  # the source's mesh + PartitionSpec, if known
 
 
+# the HostItem fields a tensor's manifest entry records (``layout.tensor_entry``'s keywords)
+_ENTRY_FIELDS = (
+    "role",
+    "sub_role",
+    "provenance",
+    "logical_axes",
+    "saved_sharding",
+    "frozen",
+    "tied_to",
+)
+
+
 def with_progress(
     items: Iterable[HostItem], total: int, progress: Callable[[str, int, int], None] | None
 ) -> Iterator[HostItem]:
@@ -178,10 +189,7 @@ def with_digests(entry: _E, digests: Mapping[str, str] | None) -> _E:
 
 
 def _nbytes(v: ts.TensorStore) -> int:
-    n = v.dtype.numpy_dtype.itemsize
-    for d in v.shape:
-        n *= int(d)
-    return n
+    return v.dtype.numpy_dtype.itemsize * math.prod(int(d) for d in v.shape)
 
 
 def _streams(v, budget: int) -> bool:
@@ -230,20 +238,9 @@ async def write_stream(
     entries: list[fmt.Entry] = []
 
     def _prepare(key, key_types, item: HostItem, v) -> layout_lib.PreparedTensor:
+        entry_kw = {name: getattr(item, name) for name in _ENTRY_FIELDS}
         return layout_lib.prepare_host_tensor(
-            key,
-            key_types,
-            v,
-            options,
-            primary=True,
-            stable_source=True,
-            role=item.role,
-            sub_role=item.sub_role,
-            provenance=item.provenance,
-            logical_axes=item.logical_axes,
-            saved_sharding=item.saved_sharding,
-            frozen=item.frozen,
-            tied_to=item.tied_to,
+            key, key_types, v, options, primary=True, stable_source=True, **entry_kw
         )
 
     writer = PipelinedWriter(directory, sync=sync, max_bytes=budget or memory_budget())
