@@ -114,13 +114,7 @@ def dumps(obj: Any) -> bytes:
 
 
 def _emit(obj: Any, out: io.BytesIO) -> None:
-    """The opcodes of ``obj``: scalars first (a bool is an int), then containers, then nodes."""
-    if not (_emit_scalar(obj, out) or _emit_container(obj, out) or _emit_node(obj, out)):
-        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
-
-
-def _emit_scalar(obj: Any, out: io.BytesIO) -> bool:
-    """None, a bool, an int, a float or a str; False when ``obj`` is none of them."""
+    """The opcodes of ``obj``: scalars (a bool before an int: it is one), containers, nodes."""
     w = out.write
     if obj is None:
         w(pickle.NONE)
@@ -137,44 +131,18 @@ def _emit_scalar(obj: Any, out: io.BytesIO) -> bool:
     elif isinstance(obj, str):
         raw = obj.encode("utf-8", "surrogatepass")
         w(pickle.BINUNICODE + struct.pack("<I", len(raw)) + raw)
-    else:
-        return False
-    return True
-
-
-def _emit_container(obj: Any, out: io.BytesIO) -> bool:
-    """A tuple, a list or a dict, items in order; False when ``obj`` is none of them."""
-    w = out.write
-    if isinstance(obj, tuple):
-        w(pickle.MARK)
+    elif isinstance(obj, (tuple, list)):
+        w(pickle.MARK if isinstance(obj, tuple) else pickle.EMPTY_LIST + pickle.MARK)
         for item in obj:
             _emit(item, out)
-        w(pickle.TUPLE)
-    elif isinstance(obj, list):
-        w(pickle.EMPTY_LIST + pickle.MARK)
-        for item in obj:
-            _emit(item, out)
-        w(pickle.APPENDS)
-    elif isinstance(obj, dict):
-        _emit_items(obj.items(), out)
-    else:
-        return False
-    return True
-
-
-def _emit_items(items: Any, out: io.BytesIO) -> None:
-    """A dict's SETITEMS from (key, value) pairs, for a dict and for ``Pairs`` alike."""
-    out.write(pickle.EMPTY_DICT + pickle.MARK)
-    for key, value in items:
-        _emit(key, out)
-        _emit(value, out)
-    out.write(pickle.SETITEMS)
-
-
-def _emit_node(obj: Any, out: io.BytesIO) -> bool:
-    """A Global, Call, New, Pairs or Persistent node; False when ``obj`` is none of them."""
-    w = out.write
-    if isinstance(obj, Global):
+        w(pickle.TUPLE if isinstance(obj, tuple) else pickle.APPENDS)
+    elif isinstance(obj, (dict, Pairs)):  # SETITEMS from (key, value) pairs
+        w(pickle.EMPTY_DICT + pickle.MARK)
+        for key, value in obj.items() if isinstance(obj, dict) else obj.items:
+            _emit(key, out)
+            _emit(value, out)
+        w(pickle.SETITEMS)
+    elif isinstance(obj, Global):
         w(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
     elif isinstance(obj, Call):
         _emit(obj.fn, out)
@@ -185,14 +153,11 @@ def _emit_node(obj: Any, out: io.BytesIO) -> bool:
         w(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
         _emit(obj.state, out)
         w(pickle.BUILD)
-    elif isinstance(obj, Pairs):
-        _emit_items(obj.items, out)
     elif isinstance(obj, Persistent):
         _emit(obj.pid, out)
         w(pickle.BINPERSID)
     else:
-        return False
-    return True
+        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
 
 
 def torch_size(dims: Sequence[int]) -> Call:
@@ -244,18 +209,15 @@ class TensorSlot:
 def _rebuild(slot: TensorSlot, name: str) -> Call:
     _, storage = torch_dtype(name, slot.dtype)
     shape = tuple(int(d) for d in slot.shape)
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    numel = int(np.prod(shape, dtype=np.int64))
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # C order
+    numel = math.prod(shape)
     return Call(
         Global("torch._utils", "_rebuild_tensor_v2"),
         (
             Persistent(("storage", Global("torch", storage), str(slot.index), "cpu", numel)),
             0,
             shape,
-            tuple(reversed(strides)),
+            strides,
             False,
             Call(Global("collections", "OrderedDict"), ()),
         ),
