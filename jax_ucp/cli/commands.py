@@ -8,6 +8,7 @@ shows its traceback. Text from files is printed escaped (``output.printable``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect as inspect_lib
 import os
@@ -162,34 +163,17 @@ def _user_errors(fn):
     return wrapper
 
 
-def _manager_steps(path: str) -> list[str]:
-    """Step directories of an Orbax CheckpointManager root (numeric names with a UCP item)."""
-    if not os.path.isdir(path):
-        return []
-    steps = []
-    for name in os.listdir(path):
-        step = os.path.join(path, name)
-        if name.isdigit() and os.path.isdir(step):
-            if any(
-                os.path.isfile(os.path.join(step, i, fmt.MANIFEST_FILE)) for i in os.listdir(step)
-            ):
-                steps.append(name)
-    return sorted(steps, key=int)
-
-
 def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
-    steps = _manager_steps(path)
+    from jax_ucp.restoring import reader
+
+    steps = reader.manager_steps(path) if os.path.isdir(path) else []
     if steps and not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
-        step = os.path.join(path, steps[-1])
-        items = sorted(
-            i for i in os.listdir(step) if os.path.isfile(os.path.join(step, i, fmt.MANIFEST_FILE))
-        )
-        shown = ", ".join(steps[-10:])
+        shown = ", ".join(name for name, _ in steps[-10:])
         raise RequestError(
             f"{path} is a CheckpointManager directory with {layout.plural(len(steps), 'step')} "
             f"({'… ' if len(steps) > 10 else ''}{shown}); pick one, e.g. "
-            f"{os.path.join(step, items[0])}"
+            f"{os.path.join(path, *steps[-1])}"
         )
 
 
@@ -308,67 +292,24 @@ def verify(path: str, memory_budget: MemoryBudget = None):
     )
 
 
-def _run_convert(fn, src, dst, parallel: spawn.Parallel | None = None, **kwargs):
-    """The bar appears with the first parameter written: a checkpoint refused while it is
-    checked prints its error alone."""
-    if parallel is not None and parallel.processes and parallel.processes > 1:
-        spawn.spawn_local(parallel.processes, dst)
-        return dst
-    if parallel is not None and parallel.coordinator:
-        import jax
-
-        jax.distributed.initialize(
-            coordinator_address=parallel.coordinator,
-            num_processes=parallel.num_processes,
-            process_id=parallel.process_id,
-        )
-        kwargs["distributed"] = True
+@contextlib.contextmanager
+def _bar(what: str):
+    """``progress(name, done, total)`` drawing a bar that appears with the first item done
+    (input refused while it is checked prints its error alone) and is stopped at the end."""
     progress, task = output.progress(), None
 
     def on_progress(name, done, total):
         nonlocal task
         if task is None:
             progress.start()
-            task = progress.add_task("importing", total=total)
+            task = progress.add_task(what, total=total)
         progress.update(task, completed=done, total=total, description=output.label(name))
 
     try:
-        out = fn(src, dst, progress=on_progress, **kwargs)
-    except Exception as e:
-        from jax_ucp.multihost import agreement
-
-        if not isinstance(e, agreement.SharedWriteError):
-            raise
-        if task is not None:
-            progress.stop()
-        output.error(str(e))
-        if isinstance(e, agreement.ProcessLostError):
-            # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
-            # timeout, 100 s) and then abort: the job is over, leave now.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        raise typer.Exit(1) from e
+        yield on_progress
     finally:
         if task is not None:
             progress.stop()
-    output.say(f"✓ wrote {out}", style="green")
-    return out
-
-
-# Options every convert command shares (one definition, typer's Annotated form).
-Force = Annotated[bool, typer.Option(help="replace DST")]
-Step = Annotated[int | None, typer.Option(help="write as step N of a CheckpointManager dir")]
-Processes = Annotated[
-    int | None,
-    typer.Option("--processes", help="convert with N local processes (each reads 1/N of it)"),
-]
-Coordinator = Annotated[
-    str | None,
-    typer.Option("--coordinator", help="host:port of the jax.distributed job this process is in"),
-]
-NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in it")]
-ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's index")]
 
 
 class _ConvertCommand(_Command):
@@ -431,15 +372,19 @@ def convert(
         help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
         "the latest)",
     ),
-    force: Force = False,
-    step: Step = None,
+    force: bool = typer.Option(False, help="replace DST"),
+    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
-    processes: Processes = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
+    processes: int | None = typer.Option(
+        None, help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, help="processes in it"),
+    process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
@@ -449,21 +394,44 @@ def convert(
 
     `jax-ucp convert FORMAT SRC DST` is `jax-ucp convert SRC DST --from FORMAT`."""
     from jax_ucp import conversion
+    from jax_ucp.multihost import agreement
 
-    _run_convert(
-        conversion.convert,
-        src,
-        dst,
-        format=from_,
-        spec=spec,
-        vocab_size=vocab_size,
-        tag=tag,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
-        weights_only=weights_only,
-        parallel=spawn.Parallel(processes, coordinator, num_processes, process_id),
-    )
+    spawn.check_parallel(processes, coordinator, num_processes, process_id)
+    if processes and processes > 1:
+        spawn.spawn_local(processes, dst)
+        return
+    if coordinator:
+        import jax
+
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    try:
+        with _bar("importing") as on_progress:
+            out = conversion.convert(
+                src,
+                dst,
+                format=from_,
+                spec=spec,
+                vocab_size=vocab_size,
+                tag=tag,
+                memory_budget=memory_budget,
+                force=force,
+                step=step,
+                weights_only=weights_only,
+                distributed=bool(coordinator),
+                progress=on_progress,
+            )
+    except agreement.SharedWriteError as e:
+        output.error(str(e))
+        if isinstance(e, agreement.ProcessLostError):
+            # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
+            # timeout, 100 s) and then abort: the job is over, leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise typer.Exit(1) from e
+    output.say(f"✓ wrote {out}", style="green")
 
 
 def _parse_mesh(text: str) -> list[tuple[str, int]]:
@@ -723,16 +691,7 @@ def export(
     Orbax (a StandardCheckpointer checkpoint)."""
     from jax_ucp import exporters
 
-    progress, task = output.progress(), None
-
-    def on_progress(name, done, total):
-        nonlocal task
-        if task is None:
-            progress.start()
-            task = progress.add_task("exporting", total=total)
-        progress.update(task, completed=done, total=total, description=output.label(name))
-
-    try:
+    with _bar("exporting") as on_progress:
         out = exporters.export(
             ckpt,
             dst,
@@ -747,9 +706,6 @@ def export(
             memory_budget=memory_budget,
             progress=on_progress,
         )
-    finally:
-        if task is not None:
-            progress.stop()
     output.say(
         f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
         f"{', '.join(out.files)}",

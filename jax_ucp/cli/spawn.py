@@ -11,27 +11,23 @@ import typer
 from jax_ucp.cli import output
 
 
-class Parallel:
+def check_parallel(processes, coordinator, num_processes, process_id) -> None:
     """How many processes convert: ``--processes N`` spawns N local ones; ``--coordinator``,
     ``--num-processes`` and ``--process-id`` make this one process of a jax.distributed job
-    (several hosts: run the same command on each, sharing one file system)."""
-
-    def __init__(self, processes, coordinator, num_processes, process_id):
-        """Checks the options together (a usage error, exit 2, names the option)."""
-        self.processes, self.coordinator = processes, coordinator
-        self.num_processes, self.process_id = num_processes, process_id
-        if processes is not None and processes < 1:
-            raise typer.BadParameter("must be at least 1", param_hint="--processes")
-        if processes and processes > 1 and coordinator:
-            raise typer.BadParameter(
-                "--processes spawns its own job; use --coordinator without it",
-                param_hint="--processes",
-            )
-        if coordinator and (num_processes is None or process_id is None):
-            raise typer.BadParameter(
-                "--coordinator needs --num-processes and --process-id",
-                param_hint="--coordinator",
-            )
+    (several hosts: run the same command on each, sharing one file system). Checked together:
+    a usage error (exit 2) names the option."""
+    if processes is not None and processes < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--processes")
+    if processes and processes > 1 and coordinator:
+        raise typer.BadParameter(
+            "--processes spawns its own job; use --coordinator without it",
+            param_hint="--processes",
+        )
+    if coordinator and (num_processes is None or process_id is None):
+        raise typer.BadParameter(
+            "--coordinator needs --num-processes and --process-id",
+            param_hint="--coordinator",
+        )
 
 
 def spawn_local(n: int, dst: str) -> None:
