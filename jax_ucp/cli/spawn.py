@@ -44,6 +44,8 @@ def spawn_local(n: int, dst: str) -> None:
     import tempfile
     import threading
 
+    from jax_ucp import store, writer
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -61,15 +63,9 @@ def spawn_local(n: int, dst: str) -> None:
                 cmd += ["--coordinator", f"127.0.0.1:{port}"]
                 cmd += ["--num-processes", str(n), "--process-id", str(i)]
                 log = stack.enter_context(tempfile.TemporaryFile("w+")) if i else None
-                logs.append(log)
-                if log is None:  # process 0 talks to the terminal
-                    procs.append(subprocess.Popen(cmd, env=env, text=True))
-                else:
-                    procs.append(
-                        subprocess.Popen(
-                            cmd, env=env, text=True, stdout=log, stderr=subprocess.STDOUT
-                        )
-                    )
+                logs.append(log)  # process 0 talks to the terminal
+                stderr = None if log is None else subprocess.STDOUT
+                procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=log, stderr=stderr))
             failed, stopped = wait_for_children(procs)
         finally:
             for p in procs:  # Ctrl-C, SIGTERM or an error here: no process outlives the command
@@ -77,8 +73,8 @@ def spawn_local(n: int, dst: str) -> None:
                     p.kill()
             for p in procs:
                 p.wait()
-            if any(p.returncode for p in procs):
-                remove_abandoned(dst)
+            if any(p.returncode for p in procs) and not store.is_url(dst):
+                writer.remove_abandoned(dst)  # what killed processes left beside dst
         if not failed:
             return
         lines = failure_lines(procs, logs, failed, stopped)
@@ -129,14 +125,6 @@ def failure_lines(procs, logs, failed: list[int], stopped: list[int]) -> list[st
         others = ", ".join(f"{i} (pid {procs[i].pid})" for i in stopped)
         lines.append(f"stopped the other process(es): {others}")
     return lines
-
-
-def remove_abandoned(dst: str) -> None:
-    """What killed processes of a convert left beside ``dst`` (a local path)."""
-    from jax_ucp import store, writer
-
-    if not store.is_url(dst):
-        writer.remove_abandoned(dst)
 
 
 def wait_for_children(procs) -> tuple[list[int], list[int]]:
