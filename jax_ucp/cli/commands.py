@@ -200,6 +200,27 @@ MemoryBudget = Annotated[
 ]
 
 
+@contextlib.contextmanager
+def _bar(what: str, transient: bool = False):
+    """``progress(name, done, total)`` drawing a bar that appears with the first item done
+    (input refused while it is checked prints its error alone) and is stopped at the end
+    (``transient``: erased, and not drawn outside a terminal)."""
+    progress, task = output.progress(transient), None
+
+    def on_progress(name, done, total):
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task(what, total=total)
+        progress.update(task, completed=done, total=total, description=output.label(name))
+
+    try:
+        yield on_progress
+    finally:
+        if task is not None:
+            progress.stop()
+
+
 @app.command()
 @_user_errors
 def inspect(
@@ -270,12 +291,7 @@ def verify(path: str, memory_budget: MemoryBudget = None):
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
-    with output.progress(transient=True) as progress:
-        task = progress.add_task("verifying", total=len(m.tensors))
-
-        def on_progress(name, done, total):
-            progress.update(task, completed=done)
-
+    with _bar("verifying", transient=True) as on_progress:
         bad = jax_ucp.verify(path, progress=on_progress, memory_budget=memory_budget)
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
@@ -290,26 +306,6 @@ def verify(path: str, memory_budget: MemoryBudget = None):
     output.console.print(
         f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"
     )
-
-
-@contextlib.contextmanager
-def _bar(what: str):
-    """``progress(name, done, total)`` drawing a bar that appears with the first item done
-    (input refused while it is checked prints its error alone) and is stopped at the end."""
-    progress, task = output.progress(), None
-
-    def on_progress(name, done, total):
-        nonlocal task
-        if task is None:
-            progress.start()
-            task = progress.add_task(what, total=total)
-        progress.update(task, completed=done, total=total, description=output.label(name))
-
-    try:
-        yield on_progress
-    finally:
-        if task is not None:
-            progress.stop()
 
 
 class _ConvertCommand(_Command):
@@ -613,12 +609,7 @@ def diff(a: str, b: str):
 
     _checkpoint_or_steps(a)
     _checkpoint_or_steps(b)
-    with output.progress(transient=True) as progress:
-        task = progress.add_task("comparing", total=None)
-
-        def on_progress(name, done, total):
-            progress.update(task, completed=done, total=total)
-
+    with _bar("comparing", transient=True) as on_progress:
         result = jax_ucp.diff(a, b, progress=on_progress)
     for t in result.tensors:
         if not t.compared:
