@@ -291,8 +291,7 @@ def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray | Deferred] = ())
         obj: plain data and nodes (``TensorSlot(i, ...)`` for ``arrays[i]``).
         arrays: the tensors ``obj`` refers to.
     """
-    stem = os.path.basename(path)
-    stem = stem[: -len(".pt")] if stem.endswith(".pt") else stem
+    stem = os.path.basename(path).removesuffix(".pt")
     with durable.durable_file(path) as f:
         write_torch_save(f, obj, name=stem, arrays=arrays)
 
@@ -350,9 +349,7 @@ def write_dcp(
             offset = f.tell()
             if item.shape is None:
                 length = write_torch_save(f, obj=item.value)
-                index = New(
-                    Global(_DCP, "MetadataIndex"), {"fqn": item.fqn, "index": None, "offset": None}
-                )
+                where: dict = {"index": None, "offset": None}
                 metadata[item.fqn] = New(Global(_DCP, "BytesStorageMetadata"), {})
             else:
                 array = next(tensors)
@@ -364,10 +361,7 @@ def write_dcp(
                 torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
                 length = write_torch_save(f, array=array)
                 zeros = torch_size([0] * len(item.shape))
-                index = New(
-                    Global(_DCP, "MetadataIndex"),
-                    {"fqn": item.fqn, "index": 0, "offset": zeros},
-                )
+                where = {"index": 0, "offset": zeros}
                 chunk = New(
                     Global(_DCP, "ChunkStorageMetadata"),
                     {"offsets": zeros, "sizes": torch_size(item.shape)},
@@ -384,6 +378,7 @@ def write_dcp(
                 Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                 {"relative_path": DATA_FILE, "offset": offset, "length": length},
             )
+            index = New(Global(_DCP, "MetadataIndex"), {"fqn": item.fqn, **where})
             storage_data.append((index, info))
     meta = New(
         Global(_DCP, "Metadata"),
