@@ -29,6 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from jax_ucp.errors import ExportError
+from jax_ucp.exporters import source
+from jax_ucp.exporters.options import Exported, TorchDcpExport
 from jax_ucp.exporters.source import Deferred, pieces
 from jax_ucp.writer import durable
 
@@ -394,3 +396,17 @@ def write_dcp(
         },
     )
     durable.write_file(os.path.join(directory, METADATA_FILE), dumps(meta))
+
+
+def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
+    """The tensors and saved Python values under ``select`` as a single-file DCP checkpoint,
+    under their key paths below ``select`` (DCP's nested state dicts)."""
+    chosen = source.select(root, options, torch_dtype, with_values=True)
+    items = [DcpItem(t.name, p, t.shape, t.dtype) for t, p in zip(chosen.tensors, chosen.paths)]
+    items += [DcpItem(name, path, value=v) for name, path, v in chosen.values]
+
+    def write(tmp: str) -> list[str]:
+        write_dcp(tmp, items, chosen.arrays, chosen.save_id)
+        return [METADATA_FILE, DATA_FILE]
+
+    return chosen.exported(dst, source.write_atomically(dst, write, options.force))
