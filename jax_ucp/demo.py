@@ -96,11 +96,7 @@ def run(directory: str | None = None, console=None) -> bool:
     """
     if directory is None:
         with tempfile.TemporaryDirectory(prefix="jax_ucp_demo_") as tmp:
-            return _run(tmp, console)
-    return _run(directory, console)
-
-
-def _run(directory: str, console) -> bool:
+            return run(tmp, console)
     _ensure_devices(8)
     import jax
     import numpy as np

@@ -96,9 +96,7 @@ def _main(
         False, "--version", callback=_version, is_eager=True, help="print the version and exit"
     ),
 ):
-    """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
-    convert other frameworks' checkpoints, demo."""
-    output.fresh_console()
+    output.fresh_console()  # the help is the app's
     if not isinstance(sys.unraisablehook, _QuietClosedLoop):
         sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
 
@@ -244,20 +242,20 @@ def inspect(
     tensors = [e for e in shown if not isinstance(e, ValueEntry)]
     values = [e for e in shown if isinstance(e, ValueEntry)]
     if tensors:
-        rows = []
-        for e in tensors:
-            ss = e.saved_sharding
-            rows.append(
-                [
-                    e.name,
-                    layout.shape_text(e.shape),
-                    e.dtype,
-                    layout.human(e.nbytes),
-                    e.role + (f"/{e.sub_role}" if e.sub_role else ""),
-                    "" if ss is None else layout.partition_spec_text(ss.partition_spec),
-                    "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
-                ]
-            )
+        rows = [
+            [
+                e.name,
+                layout.shape_text(e.shape),
+                e.dtype,
+                layout.human(e.nbytes),
+                e.role + (f"/{e.sub_role}" if e.sub_role else ""),
+                ""
+                if e.saved_sharding is None
+                else layout.partition_spec_text(e.saved_sharding.partition_spec),
+                "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
+            ]
+            for e in tensors
+        ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
         output.table(
             layout.table(
