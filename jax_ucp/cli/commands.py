@@ -257,22 +257,13 @@ def inspect(
             for e in tensors
         ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
-        output.table(
-            layout.table(
-                header,
-                rows,
-                width=output.console.width,
-                right=("size",),
-                optional=("saved spec", "logical axes"),
-            )
-        )
+        optional = ("saved spec", "logical axes")
+        output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
             output.console.print()
         rows = [[e.name, layout.short(e.value), type(e.value).__name__, e.role] for e in values]
-        output.table(
-            layout.table(["name", "value", "type", "role"], rows, width=output.console.width)
-        )
+        output.table(layout.table(["name", "value", "type", "role"], rows))
     if len(shown) < len(entries):
         output.console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
@@ -525,12 +516,6 @@ def plan(
         f"{layout.plural(processes, 'process', 'processes')}): "
         f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
     )
-    _print_plan_table(result, limit)
-    _print_plan_totals(result, limit)
-
-
-def _print_plan_table(result, limit: int) -> None:
-    """One row per tensor (the first ``limit`` when > 0): its spec and bytes."""
     shown = result.tensors[:limit] if limit > 0 else result.tensors
     rows = [
         [
@@ -546,17 +531,11 @@ def _print_plan_table(result, limit: int) -> None:
         for t in shown
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
-    output.table(
-        layout.table(
-            header,
-            rows,
-            width=output.console.width,
-            right=("per device", "per process"),
-            optional=("dtype",),
-        )
-    )
+    right = ("per device", "per process")
+    output.table(layout.table(header, rows, right=right, optional=("dtype",)))
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
+    _print_plan_totals(result, limit)
 
 
 def _print_plan_totals(result, limit: int) -> None:
