@@ -540,26 +540,15 @@ def plan(
 
 def _print_plan_totals(result, limit: int) -> None:
     """Bytes per device and per process, then what is replicated, on host or not divisible."""
-    low, high = result.min_device_bytes, result.max_device_bytes
-    output.console.print(
-        "per device: "
-        + (
-            f"{layout.human(high)} each"
-            if low == high
-            else f"{layout.human(low)} to {layout.human(high)}"
-        ),
-        highlight=False,
-    )
-    output.console.print(
-        f"per process read: {_per_process(result.process_read_bytes)}", highlight=False
-    )
+    low, high = (layout.human(b) for b in (result.min_device_bytes, result.max_device_bytes))
+    output.say(f"per device: {high} each" if low == high else f"per device: {low} to {high}")
+    output.say(f"per process read: {_per_process(result.process_read_bytes)}")
     cap = limit if limit > 0 else 20
     if result.unmatched_rules:
-        output.console.print(
+        output.say(
             f"rules matching no tensor's logical axis names ({len(result.unmatched_rules)}): "
-            + ", ".join(result.unmatched_rules)
-            + " (they shard nothing: everything they name is replicated)",
-            highlight=False,
+            f"{', '.join(result.unmatched_rules)} (they shard nothing: everything they name is "
+            "replicated)"
         )
     for title, names in (
         ("replicated on every device", result.replicated),
@@ -567,11 +556,11 @@ def _print_plan_totals(result, limit: int) -> None:
         ("not divisible", [f"{t.name}: {m}" for t in result.tensors for m in t.not_divisible]),
     ):
         if names:
-            output.console.print(f"{title} ({len(names)}):", highlight=False)
+            output.say(f"{title} ({len(names)}):")
             for name in names[:cap]:
                 output.say(f"  {name}")
             if len(names) > cap:
-                output.console.print(f"  … and {len(names) - cap} more", highlight=False)
+                output.say(f"  … and {len(names) - cap} more")
 
 
 @app.command()

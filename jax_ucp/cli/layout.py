@@ -38,14 +38,9 @@ def shape_text(shape) -> str:
 
 
 def partition_spec_text(spec) -> str:
-    """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, None)``."""
-
-    def entry(e):
-        if isinstance(e, (tuple, list)):
-            return "(" + ", ".join(map(str, e)) + ")"
-        return str(e)
-
-    return "(" + ", ".join(entry(e) for e in spec) + ")"
+    """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, (fsdp, tp), None)``."""
+    texts = (partition_spec_text(e) if isinstance(e, (tuple, list)) else str(e) for e in spec)
+    return "(" + ", ".join(texts) + ")"
 
 
 def short(value, limit: int = 40) -> str:
