@@ -232,10 +232,8 @@ def _with_tensors(obj: Any, name: str) -> Any:
         return _rebuild(obj, name)
     if isinstance(obj, dict):
         return {k: _with_tensors(v, name) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_with_tensors(v, name) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_with_tensors(v, name) for v in obj)
+    if isinstance(obj, (list, tuple)):
+        return (list if isinstance(obj, list) else tuple)(_with_tensors(v, name) for v in obj)
     if isinstance(obj, New):
         return New(obj.cls, _with_tensors(obj.state, name))
     if isinstance(obj, Call):
@@ -251,16 +249,16 @@ def write_torch_save(
     arrays: Sequence[np.ndarray | Deferred] = (),
 ) -> int:
     """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
-        ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
-        ``arrays[i]``; a ``Deferred`` is read slab by slab as its stored member is written, the CRC
+    ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
+    ``arrays[i]``; a ``Deferred`` is read slab by slab as its stored member is written, the CRC
     computed on the way). Returns the archive's length.
 
-        Args:
-            f: a binary file open for writing, at the archive's start.
-            obj: the object to pickle when ``array`` is None.
-            array: a tensor to save on its own.
-            name: the archive's top folder (torch uses the file's stem).
-            arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
+    Args:
+        f: a binary file open for writing, at the archive's start.
+        obj: the object to pickle when ``array`` is None.
+        array: a tensor to save on its own.
+        name: the archive's top folder (torch uses the file's stem).
+        arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
     """
     if array is not None:
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
