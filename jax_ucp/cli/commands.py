@@ -363,7 +363,7 @@ def convert(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
     processes: int | None = typer.Option(
-        None, help="convert with N local processes (each reads 1/N of it)"
+        None, min=1, help="convert with N local processes (each reads 1/N of it)"
     ),
     coordinator: str | None = typer.Option(
         None, help="host:port of the jax.distributed job this process is in"

@@ -15,9 +15,7 @@ def check_parallel(processes, coordinator, num_processes, process_id) -> None:
     """How many processes convert: ``--processes N`` spawns N local ones; ``--coordinator``,
     ``--num-processes`` and ``--process-id`` make this one process of a jax.distributed job
     (several hosts: run the same command on each, sharing one file system). Checked together:
-    a usage error (exit 2) names the option."""
-    if processes is not None and processes < 1:
-        raise typer.BadParameter("must be at least 1", param_hint="--processes")
+    a usage error (exit 2) names the option (``--processes`` is at least 1: typer's ``min``)."""
     if processes and processes > 1 and coordinator:
         raise typer.BadParameter(
             "--processes spawns its own job; use --coordinator without it",
