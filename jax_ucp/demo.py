@@ -89,38 +89,6 @@ def _short_dtype(dtype) -> str:
     return {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}.get(str(dtype), str(dtype))
 
 
-def _table(rows, width: int):
-    """The demo's table within ``width`` columns: tensor names wrap at ``/`` (continuation
-    lines indented), the other columns keep their width. Cells are plain text."""
-    from rich.table import Table
-    from rich.text import Text
-
-    header = ("params", "shape", "saved", "A", "B", "ok")
-    others = [max(len(header[c]), *(len(r[c]) for r in rows)) for c in range(1, 5)]
-    room = max(width - sum(w + 2 for w in others) - 4, 12)
-    table = Table(box=None, pad_edge=False, header_style="bold", show_edge=False)
-    for c, title in enumerate(header):
-        table.add_column(title, no_wrap=c != 0, overflow="fold")
-    for name, shape, saved, ra, rb, ok in rows:
-        mark = Text("✓", style="green") if ok else Text("✗", style="red")
-        cells = (_wrap(name, room), shape, saved, ra, rb)
-        table.add_row(*(Text(c) for c in cells), mark)
-    return table
-
-
-def _wrap(name: str, width: int) -> str:
-    """A ``/``-joined name cut at ``/`` into lines of at most ``width``."""
-    lines, line = [], ""
-    for i, part in enumerate(name.split("/")):
-        piece = part if i == 0 else "/" + part
-        if line.strip() and len(line) + len(piece) > width:
-            lines.append(line)
-            line = "  " + piece
-        else:
-            line += piece
-    return "\n".join([*lines, line])
-
-
 def run(directory: str | None = None, console=None) -> bool:
     """Runs the demo; returns True when every restored tensor is bit-exact.
 
@@ -128,11 +96,7 @@ def run(directory: str | None = None, console=None) -> bool:
     """
     if directory is None:
         with tempfile.TemporaryDirectory(prefix="jax_ucp_demo_") as tmp:
-            return _run(tmp, console)
-    return _run(directory, console)
-
-
-def _run(directory: str, console) -> bool:
+            return run(tmp, console)
     _ensure_devices(8)
     import jax
     import numpy as np
@@ -217,7 +181,10 @@ def _compare(state, a, b, plain):
 
 def _report(console, rows, values, specs) -> None:
     """The three layouts' table, and one line for what it leaves out (optimizer moments, whether
-    they follow their parameter's specs, and the scalars)."""
+    they follow their parameter's specs, and the scalars); the table is the CLI's (names
+    wrapped at ``/`` to fit the terminal)."""
+    from jax_ucp.cli import layout
+
     console.print(
         "Restored onto two other meshes and as host numpy, each byte checked:\n"
         "  saved: 8 devices, mesh (data 2, model 4)\n"
@@ -225,7 +192,9 @@ def _report(console, rows, values, specs) -> None:
         "  B: 2 devices (data 1, model 2), mesh= alone: saved specs kept where they fit",
         highlight=False,
     )
-    console.print(_table(rows, console.width), highlight=False)
+    header = ["params", "shape", "saved", "A", "B", "ok"]
+    cells = [[*row[:5], "✓" if row[5] else "✗"] for row in rows]
+    console.print(layout.table(header, cells, width=console.width), highlight=False)
     moments = [k for k in specs if k[0] == "opt_state" and k[2] in ("mu", "nu")]
     followed = [k for k in moments if specs[k] == specs.get(("params", *k[3:]))]
     rest = len(specs) - len(rows) - len(moments)

@@ -198,6 +198,7 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
         (clipping, AdamW with its no-decay groups, the scheduler's learning rate).
     """
+    import jax
     import jax.numpy as jnp
     import optax
 
@@ -236,7 +237,8 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
     if rate:
         mask = _mask_tree(ckpt, spec, params, decayed, where)
         parts.append(optax.add_decayed_weights(rate, mask))
-        notes.append(f"weight decay {rate} on {sum(_leaves(mask))} of {len(_leaves(mask))} leaves")
+        leaves = jax.tree.leaves(mask)
+        notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves")
     parts.append(optax.scale_by_learning_rate(schedule))
     tx = optax.chain(*parts)
     state = list(tx.init(params))  # pyright: ignore[reportArgumentType]  # optax types OptState as any pytree; a chain's is a tuple
@@ -270,9 +272,3 @@ def _walk(node, key=None):
             yield from _walk(v, k)
     else:
         yield key, node
-
-
-def _leaves(tree) -> list:
-    import jax
-
-    return jax.tree.leaves(tree)

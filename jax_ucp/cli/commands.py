@@ -8,6 +8,7 @@ shows its traceback. Text from files is printed escaped (``output.printable``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect as inspect_lib
 import os
@@ -95,9 +96,7 @@ def _main(
         False, "--version", callback=_version, is_eager=True, help="print the version and exit"
     ),
 ):
-    """Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints,
-    convert other frameworks' checkpoints, demo."""
-    output.fresh_console()
+    output.fresh_console()  # the help is the app's
     if not isinstance(sys.unraisablehook, _QuietClosedLoop):
         sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
 
@@ -162,34 +161,17 @@ def _user_errors(fn):
     return wrapper
 
 
-def _manager_steps(path: str) -> list[str]:
-    """Step directories of an Orbax CheckpointManager root (numeric names with a UCP item)."""
-    if not os.path.isdir(path):
-        return []
-    steps = []
-    for name in os.listdir(path):
-        step = os.path.join(path, name)
-        if name.isdigit() and os.path.isdir(step):
-            if any(
-                os.path.isfile(os.path.join(step, i, fmt.MANIFEST_FILE)) for i in os.listdir(step)
-            ):
-                steps.append(name)
-    return sorted(steps, key=int)
-
-
 def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
-    steps = _manager_steps(path)
+    from jax_ucp.restoring import reader
+
+    steps = reader.manager_steps(path) if os.path.isdir(path) else []
     if steps and not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
-        step = os.path.join(path, steps[-1])
-        items = sorted(
-            i for i in os.listdir(step) if os.path.isfile(os.path.join(step, i, fmt.MANIFEST_FILE))
-        )
-        shown = ", ".join(steps[-10:])
+        shown = ", ".join(name for name, _ in steps[-10:])
         raise RequestError(
             f"{path} is a CheckpointManager directory with {layout.plural(len(steps), 'step')} "
             f"({'… ' if len(steps) > 10 else ''}{shown}); pick one, e.g. "
-            f"{os.path.join(step, items[0])}"
+            f"{os.path.join(path, *steps[-1])}"
         )
 
 
@@ -216,6 +198,27 @@ MemoryBudget = Annotated[
 ]
 
 
+@contextlib.contextmanager
+def _bar(what: str, transient: bool = False):
+    """``progress(name, done, total)`` drawing a bar that appears with the first item done
+    (input refused while it is checked prints its error alone) and is stopped at the end
+    (``transient``: erased, and not drawn outside a terminal)."""
+    progress, task = output.progress(transient), None
+
+    def on_progress(name, done, total):
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task(what, total=total)
+        progress.update(task, completed=done, total=total, description=output.label(name))
+
+    try:
+        yield on_progress
+    finally:
+        if task is not None:
+            progress.stop()
+
+
 @app.command()
 @_user_errors
 def inspect(
@@ -239,37 +242,28 @@ def inspect(
     tensors = [e for e in shown if not isinstance(e, ValueEntry)]
     values = [e for e in shown if isinstance(e, ValueEntry)]
     if tensors:
-        rows = []
-        for e in tensors:
-            ss = e.saved_sharding
-            rows.append(
-                [
-                    e.name,
-                    layout.shape_text(e.shape),
-                    e.dtype,
-                    layout.human(e.nbytes),
-                    e.role + (f"/{e.sub_role}" if e.sub_role else ""),
-                    "" if ss is None else layout.partition_spec_text(ss.partition_spec),
-                    "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
-                ]
-            )
+        rows = [
+            [
+                e.name,
+                layout.shape_text(e.shape),
+                e.dtype,
+                layout.human(e.nbytes),
+                e.role + (f"/{e.sub_role}" if e.sub_role else ""),
+                ""
+                if e.saved_sharding is None
+                else layout.partition_spec_text(e.saved_sharding.partition_spec),
+                "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
+            ]
+            for e in tensors
+        ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
-        output.table(
-            layout.table(
-                header,
-                rows,
-                width=output.console.width,
-                right=("size",),
-                optional=("saved spec", "logical axes"),
-            )
-        )
+        optional = ("saved spec", "logical axes")
+        output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
             output.console.print()
         rows = [[e.name, layout.short(e.value), type(e.value).__name__, e.role] for e in values]
-        output.table(
-            layout.table(["name", "value", "type", "role"], rows, width=output.console.width)
-        )
+        output.table(layout.table(["name", "value", "type", "role"], rows))
     if len(shown) < len(entries):
         output.console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
     if m.source:
@@ -286,12 +280,7 @@ def verify(path: str, memory_budget: MemoryBudget = None):
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
-    with output.progress(transient=True) as progress:
-        task = progress.add_task("verifying", total=len(m.tensors))
-
-        def on_progress(name, done, total):
-            progress.update(task, completed=done)
-
+    with _bar("verifying", transient=True) as on_progress:
         bad = jax_ucp.verify(path, progress=on_progress, memory_budget=memory_budget)
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
@@ -306,69 +295,6 @@ def verify(path: str, memory_budget: MemoryBudget = None):
     output.console.print(
         f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"
     )
-
-
-def _run_convert(fn, src, dst, parallel: spawn.Parallel | None = None, **kwargs):
-    """The bar appears with the first parameter written: a checkpoint refused while it is
-    checked prints its error alone."""
-    if parallel is not None and parallel.processes and parallel.processes > 1:
-        spawn.spawn_local(parallel.processes, dst)
-        return dst
-    if parallel is not None and parallel.coordinator:
-        import jax
-
-        jax.distributed.initialize(
-            coordinator_address=parallel.coordinator,
-            num_processes=parallel.num_processes,
-            process_id=parallel.process_id,
-        )
-        kwargs["distributed"] = True
-    progress, task = output.progress(), None
-
-    def on_progress(name, done, total):
-        nonlocal task
-        if task is None:
-            progress.start()
-            task = progress.add_task("importing", total=total)
-        progress.update(task, completed=done, total=total, description=output.label(name))
-
-    try:
-        out = fn(src, dst, progress=on_progress, **kwargs)
-    except Exception as e:
-        from jax_ucp.multihost import agreement
-
-        if not isinstance(e, agreement.SharedWriteError):
-            raise
-        if task is not None:
-            progress.stop()
-        output.error(str(e))
-        if isinstance(e, agreement.ProcessLostError):
-            # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
-            # timeout, 100 s) and then abort: the job is over, leave now.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(1)
-        raise typer.Exit(1) from e
-    finally:
-        if task is not None:
-            progress.stop()
-    output.say(f"✓ wrote {out}", style="green")
-    return out
-
-
-# Options every convert command shares (one definition, typer's Annotated form).
-Force = Annotated[bool, typer.Option(help="replace DST")]
-Step = Annotated[int | None, typer.Option(help="write as step N of a CheckpointManager dir")]
-Processes = Annotated[
-    int | None,
-    typer.Option("--processes", help="convert with N local processes (each reads 1/N of it)"),
-]
-Coordinator = Annotated[
-    str | None,
-    typer.Option("--coordinator", help="host:port of the jax.distributed job this process is in"),
-]
-NumProcesses = Annotated[int | None, typer.Option("--num-processes", help="processes in it")]
-ProcessId = Annotated[int | None, typer.Option("--process-id", help="this process's index")]
 
 
 class _ConvertCommand(_Command):
@@ -431,15 +357,19 @@ def convert(
         help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
         "the latest)",
     ),
-    force: Force = False,
-    step: Step = None,
+    force: bool = typer.Option(False, help="replace DST"),
+    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
     weights_only: bool = typer.Option(
         False, "--weights-only", help="import the weights alone, skip the optimizer state"
     ),
-    processes: Processes = None,
-    coordinator: Coordinator = None,
-    num_processes: NumProcesses = None,
-    process_id: ProcessId = None,
+    processes: int | None = typer.Option(
+        None, min=1, help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, help="processes in it"),
+    process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
@@ -449,21 +379,44 @@ def convert(
 
     `jax-ucp convert FORMAT SRC DST` is `jax-ucp convert SRC DST --from FORMAT`."""
     from jax_ucp import conversion
+    from jax_ucp.multihost import agreement
 
-    _run_convert(
-        conversion.convert,
-        src,
-        dst,
-        format=from_,
-        spec=spec,
-        vocab_size=vocab_size,
-        tag=tag,
-        memory_budget=memory_budget,
-        force=force,
-        step=step,
-        weights_only=weights_only,
-        parallel=spawn.Parallel(processes, coordinator, num_processes, process_id),
-    )
+    spawn.check_parallel(processes, coordinator, num_processes, process_id)
+    if processes and processes > 1:
+        spawn.spawn_local(processes, dst)
+        return
+    if coordinator:
+        import jax
+
+        jax.distributed.initialize(
+            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
+        )
+    try:
+        with _bar("importing") as on_progress:
+            out = conversion.convert(
+                src,
+                dst,
+                format=from_,
+                spec=spec,
+                vocab_size=vocab_size,
+                tag=tag,
+                memory_budget=memory_budget,
+                force=force,
+                step=step,
+                weights_only=weights_only,
+                distributed=bool(coordinator),
+                progress=on_progress,
+            )
+    except agreement.SharedWriteError as e:
+        output.error(str(e))
+        if isinstance(e, agreement.ProcessLostError):
+            # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
+            # timeout, 100 s) and then abort: the job is over, leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise typer.Exit(1) from e
+    output.say(f"✓ wrote {out}", style="green")
 
 
 def _parse_mesh(text: str) -> list[tuple[str, int]]:
@@ -563,12 +516,6 @@ def plan(
         f"{layout.plural(processes, 'process', 'processes')}): "
         f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
     )
-    _print_plan_table(result, limit)
-    _print_plan_totals(result, limit)
-
-
-def _print_plan_table(result, limit: int) -> None:
-    """One row per tensor (the first ``limit`` when > 0): its spec and bytes."""
     shown = result.tensors[:limit] if limit > 0 else result.tensors
     rows = [
         [
@@ -584,41 +531,24 @@ def _print_plan_table(result, limit: int) -> None:
         for t in shown
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
-    output.table(
-        layout.table(
-            header,
-            rows,
-            width=output.console.width,
-            right=("per device", "per process"),
-            optional=("dtype",),
-        )
-    )
+    right = ("per device", "per process")
+    output.table(layout.table(header, rows, right=right, optional=("dtype",)))
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
+    _print_plan_totals(result, limit)
 
 
 def _print_plan_totals(result, limit: int) -> None:
     """Bytes per device and per process, then what is replicated, on host or not divisible."""
-    low, high = result.min_device_bytes, result.max_device_bytes
-    output.console.print(
-        "per device: "
-        + (
-            f"{layout.human(high)} each"
-            if low == high
-            else f"{layout.human(low)} to {layout.human(high)}"
-        ),
-        highlight=False,
-    )
-    output.console.print(
-        f"per process read: {_per_process(result.process_read_bytes)}", highlight=False
-    )
+    low, high = (layout.human(b) for b in (result.min_device_bytes, result.max_device_bytes))
+    output.say(f"per device: {high} each" if low == high else f"per device: {low} to {high}")
+    output.say(f"per process read: {_per_process(result.process_read_bytes)}")
     cap = limit if limit > 0 else 20
     if result.unmatched_rules:
-        output.console.print(
+        output.say(
             f"rules matching no tensor's logical axis names ({len(result.unmatched_rules)}): "
-            + ", ".join(result.unmatched_rules)
-            + " (they shard nothing: everything they name is replicated)",
-            highlight=False,
+            f"{', '.join(result.unmatched_rules)} (they shard nothing: everything they name is "
+            "replicated)"
         )
     for title, names in (
         ("replicated on every device", result.replicated),
@@ -626,11 +556,11 @@ def _print_plan_totals(result, limit: int) -> None:
         ("not divisible", [f"{t.name}: {m}" for t in result.tensors for m in t.not_divisible]),
     ):
         if names:
-            output.console.print(f"{title} ({len(names)}):", highlight=False)
+            output.say(f"{title} ({len(names)}):")
             for name in names[:cap]:
                 output.say(f"  {name}")
             if len(names) > cap:
-                output.console.print(f"  … and {len(names) - cap} more", highlight=False)
+                output.say(f"  … and {len(names) - cap} more")
 
 
 @app.command()
@@ -645,12 +575,7 @@ def diff(a: str, b: str):
 
     _checkpoint_or_steps(a)
     _checkpoint_or_steps(b)
-    with output.progress(transient=True) as progress:
-        task = progress.add_task("comparing", total=None)
-
-        def on_progress(name, done, total):
-            progress.update(task, completed=done, total=total)
-
+    with _bar("comparing", transient=True) as on_progress:
         result = jax_ucp.diff(a, b, progress=on_progress)
     for t in result.tensors:
         if not t.compared:
@@ -723,16 +648,7 @@ def export(
     Orbax (a StandardCheckpointer checkpoint)."""
     from jax_ucp import exporters
 
-    progress, task = output.progress(), None
-
-    def on_progress(name, done, total):
-        nonlocal task
-        if task is None:
-            progress.start()
-            task = progress.add_task("exporting", total=total)
-        progress.update(task, completed=done, total=total, description=output.label(name))
-
-    try:
+    with _bar("exporting") as on_progress:
         out = exporters.export(
             ckpt,
             dst,
@@ -747,9 +663,6 @@ def export(
             memory_budget=memory_budget,
             progress=on_progress,
         )
-    finally:
-        if task is not None:
-            progress.stop()
     output.say(
         f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
         f"{', '.join(out.files)}",

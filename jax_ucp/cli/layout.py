@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from jax_ucp.cli import output
 from jax_ucp.cli.output import printable
 from jax_ucp.format.sizes import format_size as human  # noqa: F401 (commands use layout.human)
 
@@ -29,14 +30,9 @@ def shape_text(shape) -> str:
 
 
 def partition_spec_text(spec) -> str:
-    """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, None)``."""
-
-    def entry(e):
-        if isinstance(e, (tuple, list)):
-            return "(" + ", ".join(map(str, e)) + ")"
-        return str(e)
-
-    return "(" + ", ".join(entry(e) for e in spec) + ")"
+    """A PartitionSpec (or saved spec / logical axes) compactly: ``(data, (fsdp, tp), None)``."""
+    texts = (partition_spec_text(e) if isinstance(e, (tuple, list)) else str(e) for e in spec)
+    return "(" + ", ".join(texts) + ")"
 
 
 def short(value, limit: int = 40) -> str:
@@ -64,9 +60,9 @@ def wrap_path(name: str, width: int) -> str:
 
 
 def table(
-    header: list[str], rows: list[list[str]], *, width: int, right=(), optional=()
+    header: list[str], rows: list[list[str]], *, width: int | None = None, right=(), optional=()
 ) -> RenderableType:
-    """A borderless table that fits ``width`` columns.
+    """A borderless table that fits ``width`` columns (default: the terminal's).
 
     Names (column 0) wrap at ``/``; the columns named in ``optional`` are dropped when empty,
     and otherwise last first while names would get narrower than 40 columns (or than the
@@ -77,10 +73,11 @@ def table(
     Args:
         header: the column titles; column 0 holds the names.
         rows: one list of cell texts per row, as long as ``header``.
-        width: the terminal's width in columns.
+        width: the width in columns (None: the console's, ``output.console.width``).
         right: titles of the columns aligned right (numbers).
         optional: titles of the columns that may be left out, least wanted last.
     """
+    width = output.console.width if width is None else width
     rows = [[printable(cell) for cell in r] for r in rows]
     columns = list(range(len(header)))
 

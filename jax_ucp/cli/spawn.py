@@ -11,27 +11,21 @@ import typer
 from jax_ucp.cli import output
 
 
-class Parallel:
+def check_parallel(processes, coordinator, num_processes, process_id) -> None:
     """How many processes convert: ``--processes N`` spawns N local ones; ``--coordinator``,
     ``--num-processes`` and ``--process-id`` make this one process of a jax.distributed job
-    (several hosts: run the same command on each, sharing one file system)."""
-
-    def __init__(self, processes, coordinator, num_processes, process_id):
-        """Checks the options together (a usage error, exit 2, names the option)."""
-        self.processes, self.coordinator = processes, coordinator
-        self.num_processes, self.process_id = num_processes, process_id
-        if processes is not None and processes < 1:
-            raise typer.BadParameter("must be at least 1", param_hint="--processes")
-        if processes and processes > 1 and coordinator:
-            raise typer.BadParameter(
-                "--processes spawns its own job; use --coordinator without it",
-                param_hint="--processes",
-            )
-        if coordinator and (num_processes is None or process_id is None):
-            raise typer.BadParameter(
-                "--coordinator needs --num-processes and --process-id",
-                param_hint="--coordinator",
-            )
+    (several hosts: run the same command on each, sharing one file system). Checked together:
+    a usage error (exit 2) names the option (``--processes`` is at least 1: typer's ``min``)."""
+    if processes and processes > 1 and coordinator:
+        raise typer.BadParameter(
+            "--processes spawns its own job; use --coordinator without it",
+            param_hint="--processes",
+        )
+    if coordinator and (num_processes is None or process_id is None):
+        raise typer.BadParameter(
+            "--coordinator needs --num-processes and --process-id",
+            param_hint="--coordinator",
+        )
 
 
 def spawn_local(n: int, dst: str) -> None:
@@ -47,6 +41,8 @@ def spawn_local(n: int, dst: str) -> None:
     import sys
     import tempfile
     import threading
+
+    from jax_ucp import store, writer
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -65,15 +61,9 @@ def spawn_local(n: int, dst: str) -> None:
                 cmd += ["--coordinator", f"127.0.0.1:{port}"]
                 cmd += ["--num-processes", str(n), "--process-id", str(i)]
                 log = stack.enter_context(tempfile.TemporaryFile("w+")) if i else None
-                logs.append(log)
-                if log is None:  # process 0 talks to the terminal
-                    procs.append(subprocess.Popen(cmd, env=env, text=True))
-                else:
-                    procs.append(
-                        subprocess.Popen(
-                            cmd, env=env, text=True, stdout=log, stderr=subprocess.STDOUT
-                        )
-                    )
+                logs.append(log)  # process 0 talks to the terminal
+                stderr = None if log is None else subprocess.STDOUT
+                procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=log, stderr=stderr))
             failed, stopped = wait_for_children(procs)
         finally:
             for p in procs:  # Ctrl-C, SIGTERM or an error here: no process outlives the command
@@ -81,8 +71,8 @@ def spawn_local(n: int, dst: str) -> None:
                     p.kill()
             for p in procs:
                 p.wait()
-            if any(p.returncode for p in procs):
-                remove_abandoned(dst)
+            if any(p.returncode for p in procs) and not store.is_url(dst):
+                writer.remove_abandoned(dst)  # what killed processes left beside dst
         if not failed:
             return
         lines = failure_lines(procs, logs, failed, stopped)
@@ -133,14 +123,6 @@ def failure_lines(procs, logs, failed: list[int], stopped: list[int]) -> list[st
         others = ", ".join(f"{i} (pid {procs[i].pid})" for i in stopped)
         lines.append(f"stopped the other process(es): {others}")
     return lines
-
-
-def remove_abandoned(dst: str) -> None:
-    """What killed processes of a convert left beside ``dst`` (a local path)."""
-    from jax_ucp import store, writer
-
-    if not store.is_url(dst):
-        writer.remove_abandoned(dst)
 
 
 def wait_for_children(procs) -> tuple[list[int], list[int]]:

@@ -2,8 +2,9 @@
 
 Above the restore engine (it reads through the same strict reader as a restore: digests,
 crc32c, casting rules) and below the CLI. Torch-free: every format is written byte by byte
-(``safetensors_out``, ``torch_out``, ``deepspeed_out``; ``orbax_out`` through Orbax). The flow
-is ``engine``, the typed options per format ``options``, the streamed reads ``source``.
+(``safetensors_out``, ``torch_out``, ``deepspeed_out``; ``orbax_out`` through Orbax), each
+exporting itself; ``engine`` checks and dispatches, ``options`` holds the typed options per
+format, ``source`` the streamed reads, the choice of tensors and the export transaction.
 """
 
 from jax_ucp.errors import ExportError

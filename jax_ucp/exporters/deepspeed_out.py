@@ -19,34 +19,25 @@ the step counters from ``mp_rank_00_model_states.pt``.
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import os
 from collections.abc import Iterable
 
 import numpy as np
 
+from jax_ucp import format as fmt
+from jax_ucp import store
 from jax_ucp.errors import ExportError
-from jax_ucp.exporters import torch_out
+from jax_ucp.exporters import source, torch_out
+from jax_ucp.exporters.options import DeepSpeedUniversalExport, Exported
 from jax_ucp.exporters.source import Deferred
 from jax_ucp.format import files
+from jax_ucp.restoring import reader
 from jax_ucp.writer import durable
 
 #: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
 DS_VERSION = "0.19.8"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-@dataclasses.dataclass(frozen=True)
-class UniversalParam:
-    """One parameter: its DeepSpeed name and shape (every state is fp32 of this shape)."""
-
-    name: str
-    shape: tuple[int, ...]
-
-
-def tag_for(step: int) -> str:
-    """The folder name ``ds_to_universal`` gives the step (``global_step<N>_universal``)."""
-    return f"global_step{step}_universal"
 
 
 def check_name(name: str) -> None:
@@ -57,7 +48,7 @@ def check_name(name: str) -> None:
 
 def write_universal(
     root: str,
-    params: list[UniversalParam],
+    params: list[tuple[str, tuple[int, ...]]],
     states: Iterable[tuple[str, str, np.ndarray | Deferred]],
     *,
     step: int,
@@ -69,21 +60,21 @@ def write_universal(
 
     Args:
         root: the tag folder to write (``<tag>_universal``).
-        params: every parameter, its DeepSpeed name and shape.
+        params: every parameter's DeepSpeed name and shape (each state is fp32 of it).
         states: (param, state, fp32 array) for every param and state.
         step: the optimizer step recorded in each ``step.pt``.
         model_weights: (name, array) of the model-precision weights, or None.
         param_groups: param groups of the loading engine's optimizer.
     """
-    tag = tag_for(step)
+    tag = f"global_step{step}_universal"  # the folder name ds_to_universal gives the step
     tag_dir = os.path.join(root, tag)
     zero = os.path.join(tag_dir, "zero")
     os.makedirs(zero)
-    for p in params:
-        check_name(p.name)
-        files.inside(zero, p.name, f"{zero}: parameter folder")
-        os.makedirs(os.path.join(zero, p.name))
-    written = _write_states(zero, {p.name: p.shape for p in params}, states, step)
+    for name, _ in params:
+        check_name(name)
+        files.inside(zero, name, f"{zero}: parameter folder")
+        os.makedirs(os.path.join(zero, name))
+    written = _write_states(zero, dict(params), states, step)
     if len(written) != 4 * len(params):
         raise ExportError(
             f"DeepSpeed universal needs fp32, exp_avg and exp_avg_sq of every parameter; "
@@ -138,7 +129,7 @@ def _write_states(
     return written
 
 
-def _model_states(params: list[UniversalParam], module: dict, step: int) -> dict:
+def _model_states(params: list[tuple[str, tuple[int, ...]]], module: dict, step: int) -> dict:
     """``mp_rank_00_model_states.pt``'s pickle: one rank, no parallelism, the step counters and
     ``module`` (name -> tensor slot) as an OrderedDict."""
     return {
@@ -150,7 +141,7 @@ def _model_states(params: list[UniversalParam], module: dict, step: int) -> dict
         "param_shapes": [
             torch_out.Call(
                 torch_out.Global("collections", "OrderedDict"),
-                ([[p.name, torch_out.torch_size(p.shape)] for p in params],),
+                ([[name, torch_out.torch_size(shape)] for name, shape in params],),
             )
         ],
         "frozen_param_shapes": {},
@@ -169,3 +160,86 @@ def _model_states(params: list[UniversalParam], module: dict, step: int) -> dict
         "ds_version": DS_VERSION,
         "universal_checkpoint_info": {"universal_checkpoint_version": 0.2},
     }
+
+
+def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
+    """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
+    manifest = store.read_manifest(root)
+    available = reader.available_tensors(manifest)
+    by_key = {e.key: e for e in manifest.tensors}
+    params, moments, count = _universal_keys(root, by_key)
+    ds_names = {p: ".".join(rel) for p, rel in params.items()}
+    for p in params:
+        reader.check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
+    (step,) = reader.read(root, manifest, [reader.Request(count)], available=available)
+    model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
+    reads = source.Source(root, manifest, available, progress=options.progress, total=len(ds_names))
+
+    def states():
+        for p, name in ds_names.items():
+            yield name, "fp32", reads.tensor(p, np.float32)
+            yield name, "exp_avg", reads.tensor(moments[(p, "mu")], np.float32)
+            yield name, "exp_avg_sq", reads.tensor(moments[(p, "nu")], np.float32, name)
+
+    weights = [(name, reads.tensor(model.get(params[p]) or p)) for p, name in ds_names.items()]
+    shapes = [(ds_names[p], tuple(available[p].shape)) for p in params]
+    written = source.write_atomically(
+        dst,
+        lambda tmp: write_universal(
+            tmp,
+            shapes,
+            states(),
+            step=int(step),
+            model_weights=weights,
+            param_groups=options.param_groups,
+        ),
+        options.force,
+    )
+    return Exported(
+        path=dst,
+        files=written,
+        tensors=3 * len(shapes),
+        bytes=3 * sum(4 * math.prod(shape) for _, shape in shapes),
+        skipped=[
+            fmt.key_to_str(k)
+            for k in by_key
+            if k not in params and k != count and k not in set(moments.values())
+        ]
+        + [fmt.key_to_str(v.key) for v in manifest.values],
+    )
+
+
+def _universal_keys(root, by_key):
+    """The keys DeepSpeed universal needs, found by manifest role: each trainable parameter's
+    (key -> its path below the top level), its Adam moments ((param, "mu"/"nu") -> key) and the
+    step count; ``ExportError`` naming what is missing."""
+    # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
+    # them out of its optimizer); they are listed as skipped. A tied one is its twin's.
+    params = {
+        k: k[1:]
+        for k, e in by_key.items()
+        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
+    }
+    moments: dict[tuple[str, str], tuple] = {}
+    count = None
+    for key, entry in by_key.items():
+        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
+            for pkey, rel in params.items():
+                if (
+                    len(key) > len(rel)
+                    and key[-len(rel) :] == rel
+                    and key[-len(rel) - 1] == entry.sub_role
+                ):
+                    moments[(pkey, entry.sub_role)] = key
+        elif entry.role == "opt_state" and entry.sub_role == "count":
+            count = key
+    missing = [
+        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
+    ]
+    if not params or missing or count is None:
+        raise ExportError(
+            f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
+            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
+            f"{'' if count is not None else ' and opt_state count'}"
+        )
+    return params, moments, count

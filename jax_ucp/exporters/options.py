@@ -27,13 +27,6 @@ class Exported:
     skipped: list[str]  # leaves outside ``select`` or not tensors (saved Python values)
 
 
-def _size(value: int | str, what: str) -> int:
-    try:
-        return parse_size(value, what)
-    except SizeError as e:
-        raise ExportError(str(e)) from None
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Export:
     """What every export takes (checked on construction, an ``ExportError`` naming the option).
@@ -143,7 +136,11 @@ class SafetensorsExport(_TensorsExport):
 
     def __post_init__(self):
         super().__post_init__()
-        object.__setattr__(self, "max_file_bytes", _size(self.max_file_bytes, "max_file_bytes"))
+        try:
+            size = parse_size(self.max_file_bytes, "max_file_bytes")
+        except SizeError as e:
+            raise ExportError(str(e)) from None
+        object.__setattr__(self, "max_file_bytes", size)
 
 
 Options = OrbaxExport | DeepSpeedUniversalExport | TorchDcpExport | SafetensorsExport

@@ -35,6 +35,8 @@ from jax_ucp.errors import (
     is_tensorstore_io_error,
     tensorstore_message,
 )
+from jax_ucp.exporters import source
+from jax_ucp.exporters.options import Exported, OrbaxExport
 from jax_ucp.restoring import reader
 
 
@@ -223,6 +225,22 @@ def export_orbax(
         mngr.save(step, args=ocp.args.Composite(**{item: ocp.args.PyTreeSave(tree)}))
         mngr.wait_until_finished()
     return os.path.join(target, item)
+
+
+def export(root: str, dst: str, options: OrbaxExport) -> Exported:
+    """The whole tree through Orbax's own writer, inside the export's transaction (the save
+    lock; Orbax writes its temporary directory and renames it); Orbax's writer threads share
+    one malloc arena."""
+    with writer.one_malloc_arena(), source.transaction(dst, force=False, staged=False) as tx:
+        path = export_orbax(root, tx.path, progress=options.progress)
+    manifest = store.read_manifest(root)
+    return Exported(
+        path=path,
+        files=sorted(os.listdir(path)),
+        tensors=len(manifest.tensors),
+        bytes=sum(e.nbytes for e in manifest.tensors),
+        skipped=[],
+    )
 
 
 class _RaisedAgain(logging.Filter):

@@ -12,15 +12,18 @@ written front to back in one pass and only one row slab of a tensor is in memory
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from jax_ucp import format as fmt
 from jax_ucp.errors import ExportError
-from jax_ucp.exporters.source import Deferred, pieces
+from jax_ucp.exporters import source
+from jax_ucp.exporters.options import Exported, SafetensorsExport
+from jax_ucp.exporters.source import Deferred, Tensor, pieces
 from jax_ucp.format import safetensors
 from jax_ucp.writer import durable
 
@@ -29,19 +32,6 @@ INDEX_FILE = safetensors.INDEX_FILE
 
 #: numpy dtype -> safetensors dtype name: ``format.safetensors.DTYPES`` read the other way.
 DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in safetensors.DTYPES.items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class Tensor:
-    """One tensor to export: its name in the output, shape and dtype (as written)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 def dtype_name(tensor: str, dtype: np.dtype) -> str:
@@ -132,3 +122,39 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
         "weight_map": {t.name: name for group, name in zip(files, names) for t in group},
     }
     durable.write_file(path, json.dumps(index, indent=2) + "\n")
+
+
+def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
+    """The tensors under ``select`` as ``model.safetensors`` (or shards of ``max_file_bytes``
+    and their index), and ``config.json`` when one was given."""
+    chosen = source.select(root, options, dtype_name, with_values=False)
+
+    def write(tmp: str) -> list[str]:
+        groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed
+        names = file_names(len(groups))
+        metadata = {"format": "pt", "jax_ucp.save_id": chosen.save_id}
+        arrays = dict(zip((t.name for t in chosen.tensors), chosen.arrays))
+        for group, name in zip(groups, names):
+            write_file(os.path.join(tmp, name), group, [arrays[t.name] for t in group], metadata)
+        if len(groups) > 1:
+            write_index(os.path.join(tmp, INDEX_FILE), groups, names)
+            names.append(INDEX_FILE)
+        if options.config is not None:
+            _write_config(os.path.join(tmp, "config.json"), options.config)
+            names.append("config.json")
+        return names
+
+    return chosen.exported(dst, source.write_atomically(dst, write, options.force))
+
+
+def _write_config(path: str, config) -> None:
+    """``config.json``: a dict as JSON, or a JSON file's content (checked, size-bounded)."""
+    if not isinstance(config, Mapping):
+        try:
+            raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
+            config = json.loads(raw)
+        except (OSError, ValueError) as e:
+            raise ExportError(f"config {config}: not a readable JSON file ({e})") from None
+        if not isinstance(config, dict):
+            raise ExportError("config: a config.json holds a JSON object")
+    durable.write_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -1,20 +1,25 @@
-"""The exporters' side of the read engine: tensors of a UCP checkpoint as ``Deferred`` arrays,
-read row slab by row slab (``reader.read_rows``, at most half the memory budget each) only when
-a writer writes their bytes, so an export holds one slab at a time whatever the tensor size."""
+"""What every format's exporter shares: tensors of a UCP checkpoint as ``Deferred`` arrays, read
+row slab by row slab (``reader.read_rows``, at most half the memory budget each) only when a
+writer writes their bytes, so an export holds one slab at a time whatever the tensor size; the
+named tensors under ``select`` (``select``); the transaction the files are written in."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp import writer
+from jax_ucp import store, writer
 from jax_ucp.errors import ExportError
+from jax_ucp.exporters.options import Exported
 from jax_ucp.restoring import reader
+from jax_ucp.writer import commit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,3 +84,109 @@ class Source:
             self.done += 1
             if self.progress is not None:
                 self.progress(name, self.done, self.total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor to export: its name in the output, shape and dtype (as written)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The tensors under ``select`` as written (each with its ``Deferred`` values and its key
+    path below ``select``), the saved Python values under it (name, path, value) when the format
+    holds them, and the names of every other leaf."""
+
+    tensors: list[Tensor]
+    arrays: list[Deferred]
+    paths: list[tuple[str, ...]]
+    values: list[tuple[str, tuple[str, ...], Any]]
+    skipped: list[str]
+    save_id: str
+
+    def exported(self, path: str, files: list[str]) -> Exported:
+        nbytes = sum(t.nbytes for t in self.tensors)
+        return Exported(path, files, len(self.tensors), nbytes, self.skipped)
+
+
+def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
+    """The tensors (and with ``with_values`` the saved values) under ``options.select``, named by
+    their key path below it joined with ``.``; each output dtype checked by ``check_dtype(name,
+    dtype)`` and each cast by the casting rule before anything is written."""
+    manifest = store.read_manifest(root)
+    spec = options.spec
+    if isinstance(spec, (str, os.PathLike)):
+        from jax_ucp import language
+
+        spec = language.load_spec(spec)
+    available = reader.available_tensors(manifest, spec)
+    prefix = tuple(p for p in (options.prefix or "").split("/") if p)
+    chosen, values, skipped, seen = [], [], [], {}
+
+    def name_of(key):
+        name = ".".join(key[len(prefix) :]) or key[-1]
+        if name in seen:
+            raise ExportError(
+                f"leaves {fmt.key_to_str(seen[name])!r} and {fmt.key_to_str(key)!r} would both "
+                f"be named {name!r} in the export"
+            )
+        seen[name] = key
+        return name
+
+    for key in available:
+        if tuple(key[: len(prefix)]) != prefix:
+            skipped.append(fmt.key_to_str(key))
+        else:
+            chosen.append((name_of(key), key))
+    for entry in manifest.values:
+        if with_values and tuple(entry.key[: len(prefix)]) == prefix:
+            values.append((name_of(entry.key), tuple(entry.key[len(prefix) :]), entry.value))
+        else:
+            skipped.append(fmt.key_to_str(entry.key))
+    tensors = []
+    for name, key in chosen:  # every dtype and cast checked before anything is written
+        saved = available[key].dtype
+        target = saved if options.dtype is None else options.dtype
+        reader.check_cast(name, saved, target, options.casting)
+        check_dtype(name, target)
+        tensors.append(Tensor(name, tuple(available[key].shape), target))
+    if not tensors:
+        raise ExportError(f"{root}: no tensor under {options.prefix!r} to export")
+    source = Source(root, manifest, available, options.casting, options.progress, len(tensors))
+    arrays = [source.tensor(k, t.dtype, t.name) for (_, k), t in zip(chosen, tensors)]
+    paths = [tuple(k[len(prefix) :]) for _, k in chosen]
+    return Selection(tensors, arrays, paths, values, skipped, str(manifest.save_id))
+
+
+@contextlib.contextmanager
+def transaction(dst: str, *, force: bool, staged: bool = True):
+    """``commit.transaction`` of an export; a destination it refuses is an ``ExportError``
+    (checked again under the lock: it may have changed while the tensors were planned)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            tx = stack.enter_context(
+                commit.transaction(dst, force=force, kind="export", export=True, staged=staged)
+            )
+        except (commit.SaveConflictError, FileExistsError) as e:
+            raise ExportError(str(e)) from None
+        yield tx
+
+
+def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
+    """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a temporary sibling, recorded
+    (``EXPORT_RECORD``: each file's size and content digest, taken as it is written), made
+    durable and renamed into place (an earlier export there swapped out, then removed); on any
+    failure the temporary goes and ``dst`` is as it was. Returns what ``write`` returned (the
+    files written)."""
+    with transaction(dst, force=force) as tx:
+        with commit.export_record(tx.path):  # what a later force may replace: these files only
+            files = write(tx.path)
+    return files

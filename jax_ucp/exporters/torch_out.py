@@ -29,6 +29,8 @@ import ml_dtypes
 import numpy as np
 
 from jax_ucp.errors import ExportError
+from jax_ucp.exporters import source
+from jax_ucp.exporters.options import Exported, TorchDcpExport
 from jax_ucp.exporters.source import Deferred, pieces
 from jax_ucp.writer import durable
 
@@ -114,13 +116,7 @@ def dumps(obj: Any) -> bytes:
 
 
 def _emit(obj: Any, out: io.BytesIO) -> None:
-    """The opcodes of ``obj``: scalars first (a bool is an int), then containers, then nodes."""
-    if not (_emit_scalar(obj, out) or _emit_container(obj, out) or _emit_node(obj, out)):
-        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
-
-
-def _emit_scalar(obj: Any, out: io.BytesIO) -> bool:
-    """None, a bool, an int, a float or a str; False when ``obj`` is none of them."""
+    """The opcodes of ``obj``: scalars (a bool before an int: it is one), containers, nodes."""
     w = out.write
     if obj is None:
         w(pickle.NONE)
@@ -137,44 +133,18 @@ def _emit_scalar(obj: Any, out: io.BytesIO) -> bool:
     elif isinstance(obj, str):
         raw = obj.encode("utf-8", "surrogatepass")
         w(pickle.BINUNICODE + struct.pack("<I", len(raw)) + raw)
-    else:
-        return False
-    return True
-
-
-def _emit_container(obj: Any, out: io.BytesIO) -> bool:
-    """A tuple, a list or a dict, items in order; False when ``obj`` is none of them."""
-    w = out.write
-    if isinstance(obj, tuple):
-        w(pickle.MARK)
+    elif isinstance(obj, (tuple, list)):
+        w(pickle.MARK if isinstance(obj, tuple) else pickle.EMPTY_LIST + pickle.MARK)
         for item in obj:
             _emit(item, out)
-        w(pickle.TUPLE)
-    elif isinstance(obj, list):
-        w(pickle.EMPTY_LIST + pickle.MARK)
-        for item in obj:
-            _emit(item, out)
-        w(pickle.APPENDS)
-    elif isinstance(obj, dict):
-        _emit_items(obj.items(), out)
-    else:
-        return False
-    return True
-
-
-def _emit_items(items: Any, out: io.BytesIO) -> None:
-    """A dict's SETITEMS from (key, value) pairs, for a dict and for ``Pairs`` alike."""
-    out.write(pickle.EMPTY_DICT + pickle.MARK)
-    for key, value in items:
-        _emit(key, out)
-        _emit(value, out)
-    out.write(pickle.SETITEMS)
-
-
-def _emit_node(obj: Any, out: io.BytesIO) -> bool:
-    """A Global, Call, New, Pairs or Persistent node; False when ``obj`` is none of them."""
-    w = out.write
-    if isinstance(obj, Global):
+        w(pickle.TUPLE if isinstance(obj, tuple) else pickle.APPENDS)
+    elif isinstance(obj, (dict, Pairs)):  # SETITEMS from (key, value) pairs
+        w(pickle.EMPTY_DICT + pickle.MARK)
+        for key, value in obj.items() if isinstance(obj, dict) else obj.items:
+            _emit(key, out)
+            _emit(value, out)
+        w(pickle.SETITEMS)
+    elif isinstance(obj, Global):
         w(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
     elif isinstance(obj, Call):
         _emit(obj.fn, out)
@@ -185,14 +155,11 @@ def _emit_node(obj: Any, out: io.BytesIO) -> bool:
         w(pickle.EMPTY_TUPLE + pickle.NEWOBJ)
         _emit(obj.state, out)
         w(pickle.BUILD)
-    elif isinstance(obj, Pairs):
-        _emit_items(obj.items, out)
     elif isinstance(obj, Persistent):
         _emit(obj.pid, out)
         w(pickle.BINPERSID)
     else:
-        return False
-    return True
+        raise TypeError(f"cannot pickle {type(obj).__name__} for torch")
 
 
 def torch_size(dims: Sequence[int]) -> Call:
@@ -244,18 +211,15 @@ class TensorSlot:
 def _rebuild(slot: TensorSlot, name: str) -> Call:
     _, storage = torch_dtype(name, slot.dtype)
     shape = tuple(int(d) for d in slot.shape)
-    strides, acc = [], 1
-    for n in reversed(shape):
-        strides.append(acc)
-        acc *= n
-    numel = int(np.prod(shape, dtype=np.int64))
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # C order
+    numel = math.prod(shape)
     return Call(
         Global("torch._utils", "_rebuild_tensor_v2"),
         (
             Persistent(("storage", Global("torch", storage), str(slot.index), "cpu", numel)),
             0,
             shape,
-            tuple(reversed(strides)),
+            strides,
             False,
             Call(Global("collections", "OrderedDict"), ()),
         ),
@@ -268,10 +232,8 @@ def _with_tensors(obj: Any, name: str) -> Any:
         return _rebuild(obj, name)
     if isinstance(obj, dict):
         return {k: _with_tensors(v, name) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_with_tensors(v, name) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_with_tensors(v, name) for v in obj)
+    if isinstance(obj, (list, tuple)):
+        return (list if isinstance(obj, list) else tuple)(_with_tensors(v, name) for v in obj)
     if isinstance(obj, New):
         return New(obj.cls, _with_tensors(obj.state, name))
     if isinstance(obj, Call):
@@ -287,16 +249,16 @@ def write_torch_save(
     arrays: Sequence[np.ndarray | Deferred] = (),
 ) -> int:
     """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
-        ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
-        ``arrays[i]``; a ``Deferred`` is read slab by slab as its stored member is written, the CRC
+    ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
+    ``arrays[i]``; a ``Deferred`` is read slab by slab as its stored member is written, the CRC
     computed on the way). Returns the archive's length.
 
-        Args:
-            f: a binary file open for writing, at the archive's start.
-            obj: the object to pickle when ``array`` is None.
-            array: a tensor to save on its own.
-            name: the archive's top folder (torch uses the file's stem).
-            arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
+    Args:
+        f: a binary file open for writing, at the archive's start.
+        obj: the object to pickle when ``array`` is None.
+        array: a tensor to save on its own.
+        name: the archive's top folder (torch uses the file's stem).
+        arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.
     """
     if array is not None:
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
@@ -329,8 +291,7 @@ def save_file(path: str, obj: Any, arrays: Sequence[np.ndarray | Deferred] = ())
         obj: plain data and nodes (``TensorSlot(i, ...)`` for ``arrays[i]``).
         arrays: the tensors ``obj`` refers to.
     """
-    stem = os.path.basename(path)
-    stem = stem[: -len(".pt")] if stem.endswith(".pt") else stem
+    stem = os.path.basename(path).removesuffix(".pt")
     with durable.durable_file(path) as f:
         write_torch_save(f, obj, name=stem, arrays=arrays)
 
@@ -388,9 +349,7 @@ def write_dcp(
             offset = f.tell()
             if item.shape is None:
                 length = write_torch_save(f, obj=item.value)
-                index = New(
-                    Global(_DCP, "MetadataIndex"), {"fqn": item.fqn, "index": None, "offset": None}
-                )
+                where: dict = {"index": None, "offset": None}
                 metadata[item.fqn] = New(Global(_DCP, "BytesStorageMetadata"), {})
             else:
                 array = next(tensors)
@@ -402,10 +361,7 @@ def write_dcp(
                 torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
                 length = write_torch_save(f, array=array)
                 zeros = torch_size([0] * len(item.shape))
-                index = New(
-                    Global(_DCP, "MetadataIndex"),
-                    {"fqn": item.fqn, "index": 0, "offset": zeros},
-                )
+                where = {"index": 0, "offset": zeros}
                 chunk = New(
                     Global(_DCP, "ChunkStorageMetadata"),
                     {"offsets": zeros, "sizes": torch_size(item.shape)},
@@ -422,6 +378,7 @@ def write_dcp(
                 Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
                 {"relative_path": DATA_FILE, "offset": offset, "length": length},
             )
+            index = New(Global(_DCP, "MetadataIndex"), {"fqn": item.fqn, **where})
             storage_data.append((index, info))
     meta = New(
         Global(_DCP, "Metadata"),
@@ -437,3 +394,17 @@ def write_dcp(
         },
     )
     durable.write_file(os.path.join(directory, METADATA_FILE), dumps(meta))
+
+
+def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
+    """The tensors and saved Python values under ``select`` as a single-file DCP checkpoint,
+    under their key paths below ``select`` (DCP's nested state dicts)."""
+    chosen = source.select(root, options, torch_dtype, with_values=True)
+    items = [DcpItem(t.name, p, t.shape, t.dtype) for t, p in zip(chosen.tensors, chosen.paths)]
+    items += [DcpItem(name, path, value=v) for name, path, v in chosen.values]
+
+    def write(tmp: str) -> list[str]:
+        write_dcp(tmp, items, chosen.arrays, chosen.save_id)
+        return [METADATA_FILE, DATA_FILE]
+
+    return chosen.exported(dst, source.write_atomically(dst, write, options.force))

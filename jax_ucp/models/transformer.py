@@ -92,8 +92,7 @@ class LMConfig:
             eps=float(config.get("rms_norm_eps") or 1e-6),
             tied=bool(config.get("tie_word_embeddings", False)),
         )
-        kw.update(overrides)
-        return cls(**kw)
+        return cls(**kw | overrides)
 
     @classmethod
     def from_hf_gpt2(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
@@ -118,8 +117,7 @@ class LMConfig:
             tied=bool(config.get("tie_word_embeddings", True)),
             gelu_tanh=act != "gelu",
         )
-        kw.update(overrides)
-        return cls(**kw)
+        return cls(**kw | overrides)
 
     @property
     def head_settings(self) -> dict[str, int]:
@@ -150,8 +148,7 @@ class LMConfig:
             num_experts=int(s["num_experts"]) if s.get("num_experts") else None,
             moe_router_topk=int(s.get("moe_router_topk") or 2),
         )
-        kw.update(overrides)
-        return cls(**kw)
+        return cls(**kw | overrides)
 
 
 def _norm_layer(cfg: LMConfig, name: str):
