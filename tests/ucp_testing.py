@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -237,3 +238,14 @@ def peak_over_baseline(
     line = next(x for x in out.stdout.splitlines() if x.startswith("PEAK"))
     got = json.loads(line[4:])
     return got["peak"] - got["base"]
+
+
+def tree_digest(path):
+    """A digest of every file name and byte under ``path``: a failed call left it untouched."""
+    h = hashlib.sha256()
+    for d, _, fs in sorted(os.walk(path)):
+        for f in sorted(fs):
+            h.update(os.path.relpath(os.path.join(d, f), path).encode())
+            with open(os.path.join(d, f), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()

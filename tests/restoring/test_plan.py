@@ -16,6 +16,7 @@ import jax_ucp
 from jax_ucp.cli import app
 from jax_ucp.restoring.plan import _Layouts, abstract_mesh
 from tests.ucp_testing import mesh
+from tests.ucp_testing import tree_digest as _digest
 
 runner = CliRunner()
 RULES = [("embed", "fsdp"), ("mlp", "tp"), ("odd", "fsdp")]
@@ -238,3 +239,29 @@ def test_spec_transforms_are_planned_like_restore(tmp_path):
     assert set(result.device_bytes.values()) == {3 * 4 * 8 * 4}
     restored = jax_ucp.restore(tmp_path / "s", mesh=m, spec=spec, strict=False)
     assert restored["params"]["layers_0"]["w"].sharding.spec == result.tensors[0].partition_spec
+
+
+def test_target_shape_mismatch(ckpt):
+    before = _digest(ckpt)
+    t = {"params": {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}}
+    with pytest.raises(
+        jax_ucp.CheckpointError, match=r"params/w.*shape \(8, 4\).*holds shape \(8, 8\)"
+    ):
+        jax_ucp.restore(ckpt, target=t)
+    assert _digest(ckpt) == before
+
+
+def test_missing_tensor_in_checkpoint(ckpt):
+    t = {"params": {"gamma": jax.ShapeDtypeStruct((8,), np.float32)}}
+    with pytest.raises(jax_ucp.CheckpointError, match=r"params/gamma.*not in the checkpoint"):
+        jax_ucp.restore(ckpt, target=t)
+
+
+def test_64bit_onto_devices_without_x64_is_refused(tmp_path):
+    jax_ucp.save(tmp_path / "c", {"d": np.arange(8, dtype=np.float64)})
+    m = mesh((2,), ("x",))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'d' is float64.*narrow"):
+        jax_ucp.restore(tmp_path / "c", shardings={"d": NamedSharding(m, P("x"))})
+    # mesh-only restore keeps it exact on host
+    out = jax_ucp.restore(tmp_path / "c", mesh=m, strict=False)
+    assert isinstance(out["d"], np.ndarray) and out["d"].dtype == np.float64

@@ -20,6 +20,7 @@ from jax_ucp.exporters import ExportError, ExportOptions, SafetensorsExport, Tor
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
 from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import tree_digest as _digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,3 +201,18 @@ def test_convert_options_are_checked_once(tmp_path):
     out = convert_with(src, tmp_path / "run", ConvertOptions(step=5, memory_budget="1MiB"))
     assert out == str(tmp_path / "run" / "5" / "state")
     assert_bit_exact(jax_ucp.restore(out)["params"]["w"], np.arange(6, dtype=np.float32))
+
+
+def test_existing_destination_is_refused_and_untouched(ckpt):
+    before = _digest(ckpt)
+    with pytest.raises(FileExistsError, match="already exists"):
+        jax_ucp.save(ckpt, {"x": np.zeros(2)})
+    assert _digest(ckpt) == before
+
+
+def test_failed_save_leaves_previous_checkpoint(ckpt):
+    before = _digest(ckpt)
+    with pytest.raises(TypeError, match=r"'bad'.*cannot save"):
+        jax_ucp.save(ckpt, {"bad": object()}, force=True)
+    assert _digest(ckpt) == before
+    assert sorted(os.listdir(ckpt.parent)) == ["c"]
