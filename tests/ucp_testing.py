@@ -249,3 +249,40 @@ def tree_digest(path):
             with open(os.path.join(d, f), "rb") as fh:
                 h.update(fh.read())
     return h.hexdigest()
+
+
+# The small tree the damage tests save and then break (w spans many inner chunks)
+TREE_W = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) / 7
+TREE_COUNT = np.asarray(1000, np.int32)
+
+
+def save_small_tree(path, **kw):
+    """Save params/w (TREE_W), params/b (int8), count (0-d) and step (a value) at ``path``."""
+    import jax_ucp
+
+    tree = {
+        "params": {"w": TREE_W, "b": np.arange(6, dtype=np.int8)},
+        "count": TREE_COUNT,
+        "step": 5,
+    }
+    return jax_ucp.save(path, tree, inner_chunk_bytes=1024, **kw)
+
+
+def fifo_damage(rel):
+    """A damage: the file ``rel`` of a checkpoint replaced by a FIFO (a read would block)."""
+
+    def damage(path):
+        target = path / rel
+        target.unlink()
+        os.mkfifo(target)
+
+    return damage
+
+
+def remove_damage(rel):
+    """A damage: the file ``rel`` of a checkpoint deleted."""
+
+    def damage(path):
+        (path / rel).unlink()
+
+    return damage

@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 import jax_ucp
 from jax_ucp.cli import app
 from jax_ucp.restoring.plan import _Layouts, abstract_mesh
-from tests.ucp_testing import mesh
+from tests.ucp_testing import assert_bit_exact, mesh
+from tests.ucp_testing import save_small_tree as _save
 from tests.ucp_testing import tree_digest as _digest
 
 runner = CliRunner()
@@ -265,3 +266,28 @@ def test_64bit_onto_devices_without_x64_is_refused(tmp_path):
     # mesh-only restore keeps it exact on host
     out = jax_ucp.restore(tmp_path / "c", mesh=m, strict=False)
     assert isinstance(out["d"], np.ndarray) and out["d"].dtype == np.float64
+
+
+# --- restore: what the target asks for vs what was saved --------------------------------------------
+@pytest.mark.timeout(120)
+def test_value_saved_where_the_target_wants_an_array(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    target = {"step": np.zeros((), np.int32)}  # int 5 → int32 keeps the value (as Orbax does)
+    assert_bit_exact(jax_ucp.restore(path, target=target)["step"], np.asarray(5, np.int32))
+    target = {"step": np.zeros((), np.bool_)}
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"Leaf 'step': the target asks for a bool array.*int 5"
+    ):
+        jax_ucp.restore(path, target=target)
+    got = jax_ucp.restore(path, target=target, casting="unsafe")
+    assert_bit_exact(got["step"], np.asarray(True))
+
+
+@pytest.mark.timeout(120)
+def test_array_saved_where_the_target_is_a_python_scalar(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    assert jax_ucp.restore(path, target={"count": 0}) == {"count": 1000}
+    with pytest.raises(jax_ucp.UCPError, match=r"'params/w': the target is a Python float"):
+        jax_ucp.restore(path, target={"params": {"w": 0.0}})

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
+import jax
+import ml_dtypes
+import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.language import Spec
+from tests.ucp_testing import TREE_COUNT as COUNT
+from tests.ucp_testing import TREE_W as W
+from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import fifo_damage as _fifo
+from tests.ucp_testing import remove_damage as _remove
 
 
 def test_missing_manifest(ckpt):
@@ -46,3 +56,188 @@ def test_not_a_checkpoint(tmp_path):
         jax_ucp.restore(tmp_path / "empty")
     with pytest.raises(jax_ucp.CheckpointError, match="no such checkpoint"):
         jax_ucp.restore(tmp_path / "nope")
+
+
+def _save_sharded(path):
+    """w in 8 shard files (saved from a 2x4 mesh), so shards can be swapped."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    w = jax.device_put(W, NamedSharding(mesh, P("x", "y")))
+    return jax_ucp.save(
+        path, {"w": w, "v": jax.device_put(W + 1, NamedSharding(mesh, P("x", "y")))}
+    )
+
+
+# --- shard files: missing, swapped, stale, FIFOs, corrupt -------------------------------------------
+def _swap(a, b):
+    def damage(path):
+        pa, pb = path / a, path / b
+        tmp = pa.with_name("swap")
+        pa.rename(tmp)
+        pb.rename(pa)
+        tmp.rename(pb)
+
+    return damage
+
+
+def _stale(rel):
+    """The same shard file from an older save of the same tensors (other values)."""
+
+    def damage(path):
+        older = path.parent / "older"
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", "y")))  # noqa: E731
+        jax_ucp.save(older, {"w": put(W * 2), "v": put(W - 1)})
+        shutil.copy(older / rel, path / rel)
+
+    return damage
+
+
+def _flip(rel, offset=10):
+    def damage(path):
+        with open(path / rel, "r+b") as f:
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+
+    return damage
+
+
+def _truncate(rel):
+    def damage(path):
+        with open(path / rel, "r+b") as f:
+            f.truncate(os.path.getsize(path / rel) // 2)
+
+    return damage
+
+
+SHARD_CASES = {
+    "deleted shard": (_save_sharded, _remove("arrays/w/c/1/2"), r"arrays/w/c/1/2.*missing"),
+    "swapped shards of one tensor": (
+        _save_sharded,
+        _swap("arrays/w/c/0/0", "arrays/w/c/1/3"),
+        r"w/c/(0/0|1/3) is not the shard file this checkpoint saved there",
+    ),
+    "swapped shards of two tensors": (
+        _save_sharded,
+        _swap("arrays/w/c/0/1", "arrays/v/c/0/1"),
+        r"is not the shard file this checkpoint saved there",
+    ),
+    "stale shard from an older save": (
+        _save_sharded,
+        _stale("arrays/w/c/1/1"),
+        r"w/c/1/1 is not the shard file .* left from\s+another save",
+    ),
+    "shard file is a FIFO": (
+        _save_sharded,
+        _fifo("arrays/w/c/0/0"),
+        r"w/c/0/0: not a regular file \(a FIFO\)",
+    ),
+    "zarr.json is a FIFO": (
+        _save_sharded,
+        _fifo("arrays/w/zarr.json"),
+        r"w/zarr\.json: not a regular file",
+    ),
+    "zarr.json missing": (
+        _save_sharded,
+        _remove("arrays/w/zarr.json"),
+        r"'w' is listed in ucp\.json but its array .*zarr\.json is missing",
+    ),
+    "flipped data byte": (_save_sharded, _flip("arrays/w/c/0/0"), r"crc32c checksum mismatch"),
+    "truncated shard": (_save_sharded, _truncate("arrays/w/c/0/0"), r"w/c/0/0"),
+    "stray shard beyond the grid listed nowhere": (
+        _save_sharded,
+        lambda p: shutil.copy(p / "arrays/w/c/0/0", p / "arrays/w/c/0/9"),
+        None,
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(SHARD_CASES))
+def test_damaged_shards_are_errors_on_restore_and_verify(tmp_path, case):
+    save, damage, message = SHARD_CASES[case]
+    path = tmp_path / "c"
+    save(path)
+    damage(path)
+    if message is None:  # harmless: restore exact, verify clean
+        assert_bit_exact(jax_ucp.restore(path)["w"], W)
+        assert jax_ucp.verify(path) == []
+        return
+    with pytest.raises(jax_ucp.UCPError, match=message):
+        jax_ucp.restore(path)
+    problems = jax_ucp.verify(path)
+    assert problems and any(re.search(message, err) for _, err in problems), problems
+
+
+def _zero_d_case(path):
+    jax_ucp.save(path, {"count": COUNT})
+    return "arrays/count/c", "count"
+
+
+def _zstd_case(path):
+    jax_ucp.save(path, {"w": W}, compression="zstd")
+    return "arrays/w/c/0/0", "w"
+
+
+def _int4_case(path):
+    jax_ucp.save(path, {"q": np.arange(-8, 8, dtype=ml_dtypes.int4).reshape(4, 4)})
+    return "arrays/q/c/0/0", "q"
+
+
+def _no_checksum_case(path):
+    jax_ucp.save(path, {"w": W}, checksum=None)
+    return "arrays/w/c/0/0", "w"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("make", [_zero_d_case, _zstd_case, _int4_case, _no_checksum_case])
+def test_a_deleted_shard_is_never_read_as_zeros_on_any_read_path(tmp_path, make):
+    path = tmp_path / "c"
+    rel, name = make(path)
+    os.remove(path / rel)
+    with pytest.raises(jax_ucp.UCPError, match="missing"):
+        jax_ucp.restore(path)
+    assert jax_ucp.verify(path), "verify must report the missing shard"
+
+
+@pytest.mark.timeout(120)
+def test_a_deleted_shard_is_an_error_through_a_spec_view(tmp_path):
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"params": {"w": W}})
+    os.remove(path / "arrays/params.w/c/0/0")
+    spec = Spec(restore=[{"pattern": "w", "target": "w_t", "ops": ["transpose"]}])
+    with pytest.raises(jax_ucp.UCPError, match=r"params\.w/c/0/0 is missing"):
+        jax_ucp.restore(path, spec=spec)
+
+
+@pytest.mark.timeout(120)
+def test_float_into_int_is_refused_unless_unsafe(tmp_path):
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"x": np.array([300.0, np.nan], np.float32)})
+    with pytest.raises(jax_ucp.UCPError, match=r"'x' was saved as float32; converting it to int8"):
+        jax_ucp.restore(path, target={"x": np.zeros(2, np.int8)})
+    with pytest.raises(jax_ucp.UCPError, match="casting='unsafe'"):
+        jax_ucp.restore(path, dtype=np.int8)
+    assert jax_ucp.restore(path, dtype=np.int8, casting="unsafe")["x"].dtype == np.int8
+
+
+@pytest.mark.timeout(120)
+def test_float32_into_bfloat16_is_a_requested_precision_change(tmp_path):
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"x": W})
+    got = jax_ucp.restore(path, target={"x": np.zeros(W.shape, ml_dtypes.bfloat16)})["x"]
+    assert_bit_exact(got, W.astype(ml_dtypes.bfloat16))
+
+
+@pytest.mark.timeout(120)
+def test_restore_of_a_plain_file_says_so(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(jax_ucp.UCPError, match="is a file, not a checkpoint directory"):
+        jax_ucp.restore(tmp_path / "f")
