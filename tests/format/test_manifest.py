@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import re
 
+import numpy as np
 import pytest
 
 import jax_ucp
@@ -200,3 +202,33 @@ def test_hostile_manifest_is_a_clear_error(tmp_path, case):
         or "no such" in str(info.value)
     )
     assert len(str(info.value)) < 2000  # cut, never the whole hostile input
+
+
+@pytest.mark.timeout(60)
+def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
+    """A 4x4 tensor whose zarr.json declares 2**20 x 2**20 chunks made TensorStore abort the
+    process (std::bad_alloc); with the manifest saying the same, the manifest is refused."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32)}, checksum=None)
+    zarr_json = path / "arrays" / "w" / "zarr.json"
+    z = json.loads(zarr_json.read_text())
+    z["chunk_grid"]["configuration"]["chunk_shape"] = [2**20, 2**20]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [2**20, 2**20]
+    zarr_json.write_text(json.dumps(z))
+    match = (
+        rf"Tensor 'w': {re.escape(str(path / 'arrays' / 'w'))}/zarr.json has chunk shape "
+        r"\(1048576, 1048576\) and inner chunk shape \(1048576, 1048576\), but ucp.json says "
+        r"\(4, 4\) and \(4, 4\)\."
+    )
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path)
+    assert re.match(match, jax_ucp.verify(path)[0][1])
+    manifest = json.loads((path / "ucp.json").read_text())
+    manifest["entries"][0].update(chunk_shape=[2**20, 2**20], inner_chunk_shape=[2**20, 2**20])
+    (path / "ucp.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        jax_ucp.ManifestError,
+        match=r"ucp.json: entries\[0\] \('w'\)\.chunk_shape: expected extents at most shape "
+        r"\[4, 4\] \(1 for a zero-size dimension\), found a JSON array of 2 items\.",
+    ):
+        jax_ucp.restore(path)

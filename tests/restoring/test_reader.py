@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -241,3 +242,100 @@ def test_restore_of_a_plain_file_says_so(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(jax_ucp.UCPError, match="is a file, not a checkpoint directory"):
         jax_ucp.restore(tmp_path / "f")
+
+
+def _huge(tmp_path):
+    """A checkpoint whose ucp.json and zarr.json both declare w as 2**20 x 2**20 float32
+    (4 TiB) in one shard of 4 MiB inner chunks; no chunk exists."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32), "b": np.ones(3)}, checksum=None)
+    n = 2**20
+    manifest = json.loads((path / "ucp.json").read_text())
+    for entry in manifest["entries"]:
+        if entry["key"] == ["w"]:
+            entry.update(shape=[n, n], chunk_shape=[n, n], inner_chunk_shape=[1, n])
+    (path / "ucp.json").write_text(json.dumps(manifest))
+    zarr_json = path / "arrays" / "w" / "zarr.json"
+    z = json.loads(zarr_json.read_text())
+    z["shape"] = z["chunk_grid"]["configuration"]["chunk_shape"] = [n, n]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [1, n]  # 4 MiB inner chunks
+    zarr_json.write_text(json.dumps(z))
+    return path
+
+
+@pytest.mark.timeout(60)
+def test_a_tensor_larger_than_the_host_is_refused_before_allocating(tmp_path):
+    from tests.ucp_testing import mesh
+
+    path = _huge(tmp_path)
+    match = (
+        rf"Tensor 'w' \({re.escape(str(path / 'arrays' / 'w'))}\): restoring it needs 4.0 TiB "
+        r"of host memory \(shape \(1048576, 1048576\), float32, the slices this process "
+        r"reads\), which exceeds (physical memory|the RLIMIT_\w+ limit) \("
+    )
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path)
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path, mesh=mesh((8,), ("x",)), strict=False)
+    problems = jax_ucp.verify(path)
+    assert [name for name, _ in problems] == ["w"] and re.match(match, problems[0][1])
+    assert list(jax_ucp.restore(path, select="b")) == ["b"]  # the rest stays readable
+
+
+VALUES = np.array([1.0, 1e10, np.inf, -np.inf, np.nan, 500.0, -2.5, 448.0], np.float32)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "dtype,count,largest",
+    [("float8_e4m3fn", 4, "448.0"), ("float16", 1, "65504.0"), ("bfloat16", 0, None)],
+)
+def test_a_narrowing_cast_that_overflows_is_an_error_unless_unsafe(tmp_path, dtype, count, largest):
+    import warnings
+
+    import jax
+    import ml_dtypes
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tests.ucp_testing import assert_bit_exact, mesh
+
+    target_dtype = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
+    jax_ucp.save(tmp_path / "c", {"x": VALUES})
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = VALUES.astype(target_dtype)
+    sharded = NamedSharding(mesh((4,), ("d",)), PartitionSpec("d"))
+    asks = [
+        {"dtype": target_dtype},
+        {"target": {"x": np.zeros(8, target_dtype)}},
+        {"target": {"x": jax.ShapeDtypeStruct((8,), target_dtype, sharding=sharded)}},
+    ]
+    for ask in asks:
+        if count == 0:  # bfloat16 keeps float32's range: nothing overflows, no warning
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                assert_bit_exact(jax_ucp.restore(tmp_path / "c", **ask)["x"], want)
+            continue
+        message = (
+            rf"Tensor 'x' \({re.escape(str(tmp_path / 'c' / 'arrays' / 'x'))}\): {count} of "
+            rf"its values \(of 8\) overflow {dtype} \(largest finite {largest}\) converting from "
+            r"float32: they became inf or NaN\."
+        )
+        with pytest.raises(jax_ucp.CheckpointError, match=message + " A 'same_kind' cast"):
+            jax_ucp.restore(tmp_path / "c", **ask)
+        with pytest.warns(RuntimeWarning, match=message + "$"):
+            got = jax_ucp.restore(tmp_path / "c", casting="unsafe", **ask)
+        assert_bit_exact(got["x"], want)
+
+
+@pytest.mark.timeout(60)
+def test_overflow_is_counted_exactly_across_conversion_blocks(tmp_path):
+    x = np.linspace(-60000.0, 60000.0, 300_001, dtype=np.float32)  # several 65536-value blocks
+    hits = [0, 70_000, 131_072, 300_000]
+    x[hits] = [1e6, -1e30, np.inf, 7e4]  # the inf stays inf in float16: not an overflow
+    jax_ucp.save(tmp_path / "c", {"x": x, "i": np.array([70000, 1, -65520], np.int32)})
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'x' .*: 3 of its values \(of 300001\)"):
+        jax_ucp.restore(tmp_path / "c", select="x", dtype=np.float16)
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'i' .*: 2 of its values \(of 3\) "):
+        jax_ucp.restore(tmp_path / "c", target={"i": np.zeros(3, np.float16)})
+    out = jax_ucp.restore(tmp_path / "c", select="x", dtype=np.float32)  # no cast, no check
+    assert np.array_equal(out["x"], x)
