@@ -80,3 +80,17 @@ def test_allow_listed_optax_states_are_rebuilt_even_from_a_moved_module(tmp_path
     assert type(out["opt"][1][0]) is optax.ScaleByAdamState
     assert type(out["opt"][0]) is optax.EmptyState and type(out["opt"][1][1]) is optax.EmptyState
     assert jax_ucp.inspect(tmp_path / "c").notices == []
+
+
+def test_a_manifest_never_makes_us_import_a_module_outside_the_allow_list(tmp_path):
+    import json
+
+    jax_ucp.save(tmp_path / "c", {"s": optax.EmptyState(), "t": (np.ones(2),)})
+    path = tmp_path / "c" / "ucp.json"
+    d = json.loads(path.read_text())
+    node = d["tree"]["children"][1][2]
+    node.update(type="namedtuple", **{"class": "os:_wrap_close"})
+    d["tree"]["children"][0][2]["class"] = "subprocess:CompletedProcess"
+    path.write_text(json.dumps(d))
+    out = jax_ucp.restore(tmp_path / "c")
+    assert out["s"] == {} and isinstance(out["t"], dict)  # plain containers instead

@@ -16,7 +16,7 @@ import jax_ucp
 from jax_ucp.language import Spec
 from tests.ucp_testing import TREE_COUNT as COUNT
 from tests.ucp_testing import TREE_W as W
-from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import assert_bit_exact, mesh
 from tests.ucp_testing import fifo_damage as _fifo
 from tests.ucp_testing import remove_damage as _remove
 
@@ -339,3 +339,34 @@ def test_overflow_is_counted_exactly_across_conversion_blocks(tmp_path):
         jax_ucp.restore(tmp_path / "c", target={"i": np.zeros(3, np.float16)})
     out = jax_ucp.restore(tmp_path / "c", select="x", dtype=np.float32)  # no cast, no check
     assert np.array_equal(out["x"], x)
+
+
+def test_restore_keeps_read_buffers_within_memory_budget(tmp_path, monkeypatch):
+    from jax_ucp.sharding import PendingArray
+
+    tree = {f"t{i}": np.full((256, 1024), i, np.float32) for i in range(8)}  # 1 MiB each
+    jax_ucp.save(tmp_path / "c", tree)
+    live, peak = [0], [0]
+    start, result = PendingArray.start, PendingArray.result
+
+    def counting_start(self):
+        live[0] += self.read_bytes
+        peak[0] = max(peak[0], live[0])
+        return start(self)
+
+    def counting_result(self):
+        out = result(self)
+        live[0] -= self.read_bytes
+        return out
+
+    monkeypatch.setattr(PendingArray, "start", counting_start)
+    monkeypatch.setattr(PendingArray, "result", counting_result)
+    out = jax_ucp.restore(
+        tmp_path / "c", mesh=mesh((2, 4), ("x", "y")), memory_budget=2 << 20, strict=False
+    )
+    assert peak[0] <= 2 << 20, peak
+    for i in range(8):
+        assert_bit_exact(np.asarray(out[f"t{i}"]), tree[f"t{i}"])
+    peak[0] = 0
+    jax_ucp.restore(tmp_path / "c")  # default budget: all 8 MiB at once
+    assert peak[0] == 8 << 20
