@@ -286,3 +286,13 @@ def remove_damage(rel):
         (path / rel).unlink()
 
     return damage
+
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+
+def copy_fixture(tmp_path, rel):
+    """A writable copy of tests/fixtures/<rel> at tmp_path/src (symlinks kept), to damage."""
+    dst = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, rel), dst, symlinks=True)
+    return dst
