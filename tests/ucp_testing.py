@@ -296,3 +296,24 @@ def copy_fixture(tmp_path, rel):
     dst = tmp_path / "src"
     shutil.copytree(os.path.join(FIXTURES, rel), dst, symlinks=True)
     return dst
+
+
+def assert_one_error_line(out: str, *needles: str) -> str:
+    """Exactly one ``error:`` line, holding every needle; no traceback, no TensorStore spec."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, out
+    assert "Traceback" not in out and "tensorstore_spec" not in out and "KvStore(" not in out, out
+    # nothing but the progress bar of the tensors written before may precede it
+    assert all(line.startswith("error:") or "━" in line for line in lines), out
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def save_and_name(path, tree) -> str:
+    """Save ``tree`` at ``path`` and return the path as a string (a CLI argument)."""
+    import jax_ucp
+
+    jax_ucp.save(path, tree)
+    return os.fspath(path)
