@@ -8,6 +8,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 hypothesis.settings.register_profile(
     "ci",
@@ -21,3 +22,24 @@ hypothesis.settings.register_profile(
 )
 hypothesis.settings.register_profile("thorough", max_examples=200, deadline=None)
 hypothesis.settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """A small saved checkpoint (params/w 8x8, params/b, step) for the bad-input tests to damage."""
+    import numpy as np
+
+    import jax_ucp
+
+    path = tmp_path / "c"
+    jax_ucp.save(
+        path,
+        {
+            "params": {
+                "w": np.arange(64, dtype=np.float32).reshape(8, 8),
+                "b": np.ones(8, np.float32),
+            },
+            "step": 1,
+        },
+    )
+    return path

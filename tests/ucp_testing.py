@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -237,3 +238,82 @@ def peak_over_baseline(
     line = next(x for x in out.stdout.splitlines() if x.startswith("PEAK"))
     got = json.loads(line[4:])
     return got["peak"] - got["base"]
+
+
+def tree_digest(path):
+    """A digest of every file name and byte under ``path``: a failed call left it untouched."""
+    h = hashlib.sha256()
+    for d, _, fs in sorted(os.walk(path)):
+        for f in sorted(fs):
+            h.update(os.path.relpath(os.path.join(d, f), path).encode())
+            with open(os.path.join(d, f), "rb") as fh:
+                h.update(fh.read())
+    return h.hexdigest()
+
+
+# The small tree the damage tests save and then break (w spans many inner chunks)
+TREE_W = np.arange(64 * 48, dtype=np.float32).reshape(64, 48) / 7
+TREE_COUNT = np.asarray(1000, np.int32)
+
+
+def save_small_tree(path, **kw):
+    """Save params/w (TREE_W), params/b (int8), count (0-d) and step (a value) at ``path``."""
+    import jax_ucp
+
+    tree = {
+        "params": {"w": TREE_W, "b": np.arange(6, dtype=np.int8)},
+        "count": TREE_COUNT,
+        "step": 5,
+    }
+    return jax_ucp.save(path, tree, inner_chunk_bytes=1024, **kw)
+
+
+def fifo_damage(rel):
+    """A damage: the file ``rel`` of a checkpoint replaced by a FIFO (a read would block)."""
+
+    def damage(path):
+        target = path / rel
+        target.unlink()
+        os.mkfifo(target)
+
+    return damage
+
+
+def remove_damage(rel):
+    """A damage: the file ``rel`` of a checkpoint deleted."""
+
+    def damage(path):
+        (path / rel).unlink()
+
+    return damage
+
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+
+def copy_fixture(tmp_path, rel):
+    """A writable copy of tests/fixtures/<rel> at tmp_path/src (symlinks kept), to damage."""
+    dst = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, rel), dst, symlinks=True)
+    return dst
+
+
+def assert_one_error_line(out: str, *needles: str) -> str:
+    """Exactly one ``error:`` line, holding every needle; no traceback, no TensorStore spec."""
+    lines = [line for line in out.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    assert len(errors) == 1, out
+    assert "Traceback" not in out and "tensorstore_spec" not in out and "KvStore(" not in out, out
+    # nothing but the progress bar of the tensors written before may precede it
+    assert all(line.startswith("error:") or "━" in line for line in lines), out
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
+
+
+def save_and_name(path, tree) -> str:
+    """Save ``tree`` at ``path`` and return the path as a string (a CLI argument)."""
+    import jax_ucp
+
+    jax_ucp.save(path, tree)
+    return os.fspath(path)

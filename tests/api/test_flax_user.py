@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp import store
 from jax_ucp.cli import app
 from tests.ucp_testing import assert_bit_exact, mesh
 
@@ -390,3 +391,23 @@ def test_python_scalars_restore_into_an_eval_shape_target_as_orbax_does(tmp_path
     )
     assert isinstance(unsafe["lr"], jax.Array) and unsafe["lr"].sharding == replicated
     assert int(unsafe["lr"]) == 0
+
+
+def test_partial_restore_reads_nothing_else(tmp_path):
+    big = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    tree = {"params": {"w": big[:64]}, "opt_state": {"mu": {"w": big}, "nu": {"w": big}}}
+    jax_ucp.save(tmp_path / "c", tree)
+    before = store.bytes_read()
+    out = jax_ucp.restore(tmp_path / "c", select=r"params/.*")
+    read = store.bytes_read() - before
+    assert list(out) == ["params"]
+    assert_bit_exact(out["params"]["w"], big[:64])
+    assert big[:64].nbytes <= read < 2 * big[:64].nbytes  # the moments (2 MiB) were not read
+    one = jax_ucp.restore(tmp_path / "c", select=lambda name: name == "opt_state/nu/w")
+    assert list(one) == ["opt_state"] and list(one["opt_state"]) == ["nu"]
+    sharded = jax_ucp.restore(
+        tmp_path / "c", select="opt_state/mu/.*", mesh=mesh((4,), ("x",)), strict=False
+    )
+    assert isinstance(sharded["opt_state"]["mu"]["w"].sharding, NamedSharding)
+    with pytest.raises(ValueError, match="select="):
+        jax_ucp.restore(tmp_path / "c", select="x", target=tree)

@@ -8,6 +8,7 @@ import pathlib
 import numpy as np
 import pytest
 
+import jax_ucp
 from jax_ucp import language as L
 from tests.ucp_testing import REPO
 
@@ -39,3 +40,47 @@ def test_mixtral_spec_on_real_moe_checkpoint():
     np.testing.assert_array_equal(
         out["params"]["layers_0"]["moe"]["fc2"]["kernel"], fc2[0].transpose(0, 2, 1)
     )  # [E, F, H]
+
+
+@pytest.mark.timeout(120)
+def test_a_shipped_spec_without_settings_says_which_to_pass(tmp_path):
+    from safetensors.numpy import save_file
+
+    h, f = 8, 16
+    t = {"model.embed_tokens.weight": np.ones((10, h), np.float32)}
+    t["model.norm.weight"] = np.ones(h, np.float32)
+    t["lm_head.weight"] = np.ones((10, h), np.float32)
+    for n in "qkvo":
+        t[f"model.layers.0.self_attn.{n}_proj.weight"] = np.ones((h, h), np.float32)
+    for n in ("gate", "up"):
+        t[f"model.layers.0.mlp.{n}_proj.weight"] = np.ones((f, h), np.float32)
+    t["model.layers.0.mlp.down_proj.weight"] = np.ones((h, f), np.float32)
+    for n in ("input_layernorm", "post_attention_layernorm"):
+        t[f"model.layers.0.{n}.weight"] = np.ones(h, np.float32)
+    (tmp_path / "hf_synthetic").mkdir()
+    save_file(t, str(tmp_path / "hf_synthetic" / "model.safetensors"))
+    ckpt = jax_ucp.convert(tmp_path / "hf_synthetic", tmp_path / "ucp")
+    with pytest.raises(
+        L.SpecError,
+        match=_re(
+            "unknown setting 'num_attention_heads' (also written num_heads, heads, n_head): "
+            "needed here and not given (names known here: i). Pass the model's settings with "
+            "the spec: jax_ucp.language.load_spec(<spec name or file>, num_attention_heads=..."
+        ),
+    ):
+        jax_ucp.restore(ckpt, spec="hf_llama")
+    with pytest.raises(L.SpecError, match=r"'head_dim'.*derived from hidden_size and num_att"):
+        jax_ucp.restore(ckpt, spec=L.load_spec("hf_llama", num_heads=2))
+    spec = L.load_spec("hf_llama", num_heads=2, num_kv_heads=2, hidden_size=h)
+    assert sorted(jax_ucp.restore(ckpt, spec=spec)["params"]) == [
+        "layers_0",
+        "lm_head",
+        "ln_f",
+        "wte",
+    ]
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)

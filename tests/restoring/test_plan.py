@@ -3,6 +3,7 @@ no devices needed), with the same PartitionSpecs restore gives."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import jax
@@ -15,7 +16,9 @@ from typer.testing import CliRunner
 import jax_ucp
 from jax_ucp.cli import app
 from jax_ucp.restoring.plan import _Layouts, abstract_mesh
-from tests.ucp_testing import mesh
+from tests.ucp_testing import assert_bit_exact, mesh
+from tests.ucp_testing import save_small_tree as _save
+from tests.ucp_testing import tree_digest as _digest
 
 runner = CliRunner()
 RULES = [("embed", "fsdp"), ("mlp", "tp"), ("odd", "fsdp")]
@@ -238,3 +241,165 @@ def test_spec_transforms_are_planned_like_restore(tmp_path):
     assert set(result.device_bytes.values()) == {3 * 4 * 8 * 4}
     restored = jax_ucp.restore(tmp_path / "s", mesh=m, spec=spec, strict=False)
     assert restored["params"]["layers_0"]["w"].sharding.spec == result.tensors[0].partition_spec
+
+
+def test_target_shape_mismatch(ckpt):
+    before = _digest(ckpt)
+    t = {"params": {"w": jax.ShapeDtypeStruct((8, 4), np.float32)}}
+    with pytest.raises(
+        jax_ucp.CheckpointError, match=r"params/w.*shape \(8, 4\).*holds shape \(8, 8\)"
+    ):
+        jax_ucp.restore(ckpt, target=t)
+    assert _digest(ckpt) == before
+
+
+def test_missing_tensor_in_checkpoint(ckpt):
+    t = {"params": {"gamma": jax.ShapeDtypeStruct((8,), np.float32)}}
+    with pytest.raises(jax_ucp.CheckpointError, match=r"params/gamma.*not in the checkpoint"):
+        jax_ucp.restore(ckpt, target=t)
+
+
+def test_64bit_onto_devices_without_x64_is_refused(tmp_path):
+    jax_ucp.save(tmp_path / "c", {"d": np.arange(8, dtype=np.float64)})
+    m = mesh((2,), ("x",))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'d' is float64.*narrow"):
+        jax_ucp.restore(tmp_path / "c", shardings={"d": NamedSharding(m, P("x"))})
+    # mesh-only restore keeps it exact on host
+    out = jax_ucp.restore(tmp_path / "c", mesh=m, strict=False)
+    assert isinstance(out["d"], np.ndarray) and out["d"].dtype == np.float64
+
+
+# --- restore: what the target asks for vs what was saved --------------------------------------------
+@pytest.mark.timeout(120)
+def test_value_saved_where_the_target_wants_an_array(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    target = {"step": np.zeros((), np.int32)}  # int 5 → int32 keeps the value (as Orbax does)
+    assert_bit_exact(jax_ucp.restore(path, target=target)["step"], np.asarray(5, np.int32))
+    target = {"step": np.zeros((), np.bool_)}
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"Leaf 'step': the target asks for a bool array.*int 5"
+    ):
+        jax_ucp.restore(path, target=target)
+    got = jax_ucp.restore(path, target=target, casting="unsafe")
+    assert_bit_exact(got["step"], np.asarray(True))
+
+
+@pytest.mark.timeout(120)
+def test_array_saved_where_the_target_is_a_python_scalar(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    assert jax_ucp.restore(path, target={"count": 0}) == {"count": 1000}
+    with pytest.raises(jax_ucp.UCPError, match=r"'params/w': the target is a Python float"):
+        jax_ucp.restore(path, target={"params": {"w": 0.0}})
+
+
+def _planned_checkpoint(tmp_path):
+    """A manifest (no arrays: plan reads none) with w of shape (8 * 10**8, 4) float32 whose
+    first dimension is the logical axis "embed", and a small b."""
+    path = tmp_path / "c"
+    jax_ucp.save(
+        path,
+        {"w": np.zeros((8, 4), np.float32), "b": np.ones(16, np.float32)},
+        logical_axes={"w": ("embed", None), "b": None},
+        checksum=None,
+    )
+    manifest = json.loads((path / "ucp.json").read_text())
+    for entry in manifest["entries"]:
+        if entry["key"] == ["w"]:
+            entry.update(shape=[8 * 10**8, 4], chunk_shape=[8 * 10**8, 4])
+            entry.update(inner_chunk_shape=[8 * 10**8, 4])
+    (path / "ucp.json").write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_on_a_mesh_of_10_8_devices_takes_small_memory(tmp_path):
+    import tracemalloc
+
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ucp.restoring.plan import abstract_mesh
+
+    path = _planned_checkpoint(tmp_path)
+    huge = abstract_mesh([("data", 10**8)])
+    rules = [("embed", "data")]
+    tracemalloc.start()
+    try:
+        one = jax_ucp.plan(path, mesh=huge, rules=rules)
+        every = jax_ucp.plan(path, mesh=huge, rules=rules, processes=10**8)
+        uneven = jax_ucp.plan(  # 1.25 mesh rows per process: counted, not enumerated
+            path,
+            mesh=abstract_mesh([("a", 5), ("b", 2 * 10**7)]),
+            rules=[("embed", ("a", "b"))],
+            processes=4,
+        )
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 50 << 20  # a per-device list of 10**8 ints alone is > 800 MiB
+    b, w = one.tensors  # manifest order
+    assert w.partition_spec == P("data", None) and w.bytes_per_device == 8 * 4 * 4
+    assert b.replicated and b.bytes_per_device == 16 * 4
+    assert len(one.device_bytes) == 10**8 and 10**8 - 1 in one.device_bytes
+    assert one.device_bytes[12345] == 128 + 64 and 10**8 not in one.device_bytes
+    assert one.max_device_bytes == one.min_device_bytes == 128 + 64
+    assert dict(one.process_read_bytes) == {0: 8 * 10**8 * 16 + 64}
+    assert len(every.process_read_bytes) == 10**8 and every.process_read_bytes[99] == 128 + 64
+    assert every.process_read_bytes.highest() == every.process_read_bytes.lowest() == 128 + 64
+    assert every.tensors[1].read_bytes.highest() == 128
+    assert uneven.tensors[1].partition_spec == P(("a", "b"), None)
+    assert dict(uneven.process_read_bytes) == dict.fromkeys(range(4), 2 * 10**8 * 16 + 64)
+    r = runner.invoke(
+        app,
+        ["plan", str(path), "--mesh", "data=100000000", "--rules", "embed=data"],
+        env={"COLUMNS": "200"},
+    )
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "(100000000 devices, 1 process)" in text and "per device: 192 B each" in text
+
+
+@pytest.mark.timeout(60)
+def test_plan_reads_per_process_match_every_device_enumerated():
+    """The arithmetic per-process reads equal those of enumerating every device's slice, for
+    every small mesh, spec and process split (even and uneven)."""
+    import itertools
+
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jax_ucp.restoring.plan import IndexedBytes, _Layouts, abstract_mesh
+
+    shape = (12, 12, 12)
+    uneven = 0
+    for sizes in [(2, 3), (3, 4), (2, 2, 3), (4, 3), (6,), (2, 3, 2)]:
+        names = tuple("xyz"[: len(sizes)])
+        m = abstract_mesh(list(zip(names, sizes)))
+        n = int(np.prod(sizes))
+        specs = [P()]
+        for k in range(1, len(names) + 1):
+            for axes in itertools.permutations(names, k):
+                specs.append(P(*axes))  # one axis per dimension
+                specs.append(P(axes))  # all on dimension 0
+        for p in [d for d in range(1, n + 1) if n % d == 0]:
+            layouts = _Layouts(m, p)
+            for spec in specs:
+                devices = IndexedBytes()
+                per_device, reads = layouts.place(shape, NamedSharding(m, spec), 2, devices)
+                seen: dict[int, set] = {}
+                for _, process, box in layouts._named(shape, spec, m):
+                    seen.setdefault(process, set()).add(box)
+                size = {
+                    box: 2 * int(np.prod([b - a for a, b in box]))
+                    for s in seen.values()
+                    for box in s
+                }
+                want = {q: sum(size[box] for box in boxes) for q, boxes in seen.items()}
+                assert dict(reads) == want, (sizes, p, spec)
+                assert reads.highest() == max(want.values()), (sizes, p, spec)
+                assert reads.lowest() == min(want.values()), (sizes, p, spec)
+                assert dict(devices) == dict.fromkeys(range(n), per_device), (sizes, spec)
+                assert set(size.values()) == {per_device}, (sizes, spec)
+                uneven += len(set(want.values())) > 1
+    assert uneven > 10  # the uneven splits were exercised, not only the even ones

@@ -5,6 +5,8 @@ from __future__ import annotations
 import glob
 import os
 import re
+import subprocess
+import sys
 import threading
 
 import ml_dtypes
@@ -17,7 +19,7 @@ import jax_ucp
 from jax_ucp.multihost.agreement import SharedWriteError
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, write_host_checkpoint, write_shared_checkpoint
-from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import REPO, assert_bit_exact
 
 
 def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkeypatch):
@@ -241,3 +243,35 @@ def test_shared_write_refuses_a_tensor_written_by_two_processes(tmp_path):
     ), results[0]
     assert str(results[1]).startswith(f"{dest}: not committed; it failed in process 0: ")
     assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []
+
+
+@pytest.mark.parametrize("fixture", ["deepspeed/z2_bf16_dp2/ckpt", "megatron/gpt_tp2"])
+def test_import_path_needs_neither_jax_nor_orbax(tmp_path, fixture):
+    """A conversion is host-only: it must not pay JAX's and Orbax's import (~1 s)."""
+    code = (
+        "import sys; from jax_ucp.conversion import convert; convert(sys.argv[1], sys.argv[2]); "
+        "import jax_ucp.cli; print(sorted(m for m in ('jax', 'orbax.checkpoint', 'torch') if m in sys.modules))"
+    )
+    src = os.path.join(REPO, "tests", "fixtures", *fixture.split("/"))
+    out = subprocess.run(
+        [sys.executable, "-c", code, src, str(tmp_path / "ucp")],
+        env=dict(os.environ, PYTHONPATH=REPO),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    assert "params" in jax_ucp.restore(tmp_path / "ucp")
+
+
+def test_host_write_from_inside_a_running_event_loop(tmp_path):
+    """Notebooks run an event loop: the standalone write must not call asyncio.run on it."""
+    import asyncio
+
+    from jax_ucp.writer import HostItem, write_host_checkpoint
+
+    async def main():
+        return write_host_checkpoint(tmp_path / "c", iter([HostItem(("x",), np.arange(4.0))]))
+
+    out = asyncio.run(main())
+    assert_bit_exact(jax_ucp.restore(out)["x"], np.arange(4.0))

@@ -10,6 +10,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
+import textwrap
+import threading
 
 import numpy as np
 import pytest
@@ -19,7 +23,10 @@ from jax_ucp import exporters
 from jax_ucp.exporters import ExportError, ExportOptions, SafetensorsExport, TorchDcpExport
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
-from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import REPO, assert_bit_exact
+from tests.ucp_testing import TREE_W as W
+from tests.ucp_testing import save_small_tree as _save
+from tests.ucp_testing import tree_digest as _digest
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -200,3 +207,167 @@ def test_convert_options_are_checked_once(tmp_path):
     out = convert_with(src, tmp_path / "run", ConvertOptions(step=5, memory_budget="1MiB"))
     assert out == str(tmp_path / "run" / "5" / "state")
     assert_bit_exact(jax_ucp.restore(out)["params"]["w"], np.arange(6, dtype=np.float32))
+
+
+def test_existing_destination_is_refused_and_untouched(ckpt):
+    before = _digest(ckpt)
+    with pytest.raises(FileExistsError, match="already exists"):
+        jax_ucp.save(ckpt, {"x": np.zeros(2)})
+    assert _digest(ckpt) == before
+
+
+def test_failed_save_leaves_previous_checkpoint(ckpt):
+    before = _digest(ckpt)
+    with pytest.raises(TypeError, match=r"'bad'.*cannot save"):
+        jax_ucp.save(ckpt, {"bad": object()}, force=True)
+    assert _digest(ckpt) == before
+    assert sorted(os.listdir(ckpt.parent)) == ["c"]
+
+
+def test_force_never_replaces_a_users_folder_or_file(tmp_path):
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("precious")
+    with pytest.raises(jax_ucp.UCPError, match="not a jax_ucp checkpoint or an Orbax step"):
+        jax_ucp.save(folder, {"x": W}, force=True)
+    assert (folder / "notes.txt").read_text() == "precious"
+    (tmp_path / "file").write_text("precious")
+    with pytest.raises(jax_ucp.UCPError, match="not a checkpoint directory"):
+        jax_ucp.save(tmp_path / "file", {"x": W}, force=True)
+    assert (tmp_path / "file").read_text() == "precious"
+    with pytest.raises(FileExistsError, match="force=True"):
+        jax_ucp.save(folder, {"x": W})
+
+
+def test_force_replaces_a_checkpoint(tmp_path):
+    path = tmp_path / "c"
+    _save(path)
+    jax_ucp.save(path, {"x": W + 1}, force=True)
+    assert_bit_exact(jax_ucp.restore(path)["x"], W + 1)
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+FILL_DISK = textwrap.dedent(
+    """
+    import os, resource, signal, sys
+    import numpy as np
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+    import jax_ucp
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    try:
+        jax_ucp.save(sys.argv[1], {f"t{i}": np.full((512, 1024), i, np.float32) for i in range(8)},
+                     force=True)
+    except Exception as e:
+        print("FAILED", type(e).__name__, str(e)[:300])
+    """
+)
+
+
+def test_a_failed_save_leaves_no_temporary_directory_and_the_old_checkpoint(tmp_path):
+    """File-size limit hit mid-save (like a full disk): clean failure, previous checkpoint whole."""
+    path = tmp_path / "c"
+    _save(path)
+    out = subprocess.run(
+        [sys.executable, "-c", FILL_DISK, str(path)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=REPO),
+        timeout=120,
+    )
+    assert "FAILED" in out.stdout, out.stdout + out.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    assert_bit_exact(jax_ucp.restore(path)["params"]["w"], W)
+
+
+# --- concurrency -----------------------------------------------------------------------------------
+SAVER = textwrap.dedent(
+    """
+    import sys, numpy as np, jax_ucp
+    path, value, force = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
+    try:
+        jax_ucp.save(path, {f"t{i}": np.full((256, 256), value, np.float32) for i in range(16)},
+                     force=force)
+        print("SAVED")
+    except jax_ucp.UCPError as e:
+        print("REFUSED", e)
+    except FileExistsError as e:
+        print("EXISTS", e)
+    """
+)
+
+
+def _savers(path, values, force):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(path), str(v), "1" if force else "0"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for v in values
+    ]
+    return [p.communicate(timeout=120)[0] for p in procs]
+
+
+def _whole(path) -> float:
+    """The single value every tensor of the checkpoint holds (asserts it is not a mix)."""
+    got = jax_ucp.restore(path)
+    assert len(got) == 16, sorted(got)
+    values = {float(np.unique(a)[0]) for a in got.values()}
+    assert len(values) == 1, values
+    return values.pop()
+
+
+@pytest.mark.parametrize("force", [False, True], ids=["new path", "force"])
+def test_two_savers_of_one_path_never_commit_a_mix(tmp_path, force):
+    path = tmp_path / "c"
+    if force:
+        _save(path)
+    outs = _savers(path, [1.0, 2.0], force)
+    saved = [o for o in outs if o.startswith("SAVED")]
+    assert saved, outs
+    for o in outs:
+        assert o.startswith(("SAVED", "REFUSED", "EXISTS")), outs
+        if o.startswith("REFUSED"):
+            assert "another save to this path is in progress" in o
+    assert _whole(path) in (1.0, 2.0)
+    assert [n for n in os.listdir(tmp_path) if not n.startswith(".")] == ["c"]
+
+
+def test_restores_during_forced_saves_are_whole_old_or_whole_new(tmp_path):
+    path = tmp_path / "c"
+    jax_ucp.save(path, {f"t{i}": np.full((256, 256), 0.0, np.float32) for i in range(16)})
+    seen, errors = set(), []
+    stop = threading.Event()
+
+    def restore_loop():
+        while not stop.is_set():
+            try:
+                seen.add(_whole(path))
+            except jax_ucp.UCPError as e:  # allowed: a clear error, never a mix
+                errors.append(str(e))
+
+    reader = threading.Thread(target=restore_loop)
+    reader.start()
+    try:
+        for v in (1.0, 2.0, 3.0, 4.0):
+            _savers(path, [v], force=True)
+    finally:
+        stop.set()
+        reader.join()
+    assert seen, errors
+    assert seen <= {0.0, 1.0, 2.0, 3.0, 4.0}
+
+
+def test_an_interrupted_swap_is_readable_and_the_next_save_recovers_it(tmp_path):
+    """Killed between the two renames of a forced save: both whole checkpoints sit beside path."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"x": W})
+    jax_ucp.save(tmp_path / "c.ucp-replacing", {"x": W + 1})
+    os.rename(path, tmp_path / "c.ucp-replaced")
+    assert_bit_exact(jax_ucp.restore(path)["x"], W + 1)  # the newer one, read in place
+    jax_ucp.save(path, {"x": W + 2}, force=True)
+    assert_bit_exact(jax_ucp.restore(path)["x"], W + 2)
+    assert sorted(os.listdir(tmp_path)) == ["c"]

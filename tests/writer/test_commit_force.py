@@ -255,9 +255,6 @@ def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
     assert (out / "model.safetensors").read_bytes().endswith(b" ")
 
 
-# ------------------------------------------------------------------ object stores (moto S3)
-
-
 @pytest.fixture
 def s3(s3_server, monkeypatch):  # noqa: F811
     env, root = s3_server
@@ -372,9 +369,6 @@ def test_two_processes_saving_to_one_new_prefix(s3):
         assert np.array_equal(jax_ucp.restore(url)["w"], want), t
         assert jax_ucp.verify(url) == []
         assert commit.LOCK_OBJECT not in location.list_names(url)
-
-
-# ------------------------------------------------------- export records bound to content
 
 
 def _train_state(tmp_path) -> str:
@@ -501,40 +495,3 @@ def test_orbax_exports_are_never_forced(tmp_path):
     with pytest.raises(ExportError, match="no .jax_ucp_export.json"):
         jax_ucp.export(ckpt, out, force=True)
     assert _snapshot(out) == before
-
-
-def test_digests_taken_while_writing_survive_seeks_back_holes_and_truncation(tmp_path):
-    """``DigestingFile`` against a plain read of the file it wrote: appends across blocks, a
-    patch of an earlier block and of the current one, a write past the end, a truncation."""
-    from jax_ucp.writer import file_digest
-
-    block = file_digest.BLOCK
-    rng = np.random.default_rng(0)
-    scripts = {
-        "in order": [("write", 3 * block + 17)],
-        "patched back": [
-            ("write", 2 * block + 5),
-            ("seek", 10),
-            ("write", 30),
-            ("seek", -1),
-            ("write", block),
-        ],
-        "patched current": [("write", 100), ("seek", 3), ("write", 4), ("seek", -1), ("write", 50)],
-        "hole": [("write", 10), ("seek", block + 3), ("write", 20)],
-        "truncated": [("write", 2 * block), ("truncate", block + 1), ("seek", -1), ("write", 9)],
-        "empty": [],
-    }
-    for name, script in scripts.items():
-        path = str(tmp_path / name.replace(" ", "_"))
-        with open(path, "wb") as raw:
-            f = file_digest.DigestingFile(raw, path)
-            for op, arg in script:
-                if op == "write":
-                    f.write(rng.integers(0, 256, arg, dtype=np.uint8).tobytes())
-                elif op == "seek":
-                    f.seek(0, 2) if arg < 0 else f.seek(arg)
-                else:
-                    f.truncate(arg)
-            got = f.finish()
-        assert got == file_digest.digest_file(path), name
-        assert got.size == os.path.getsize(path), name

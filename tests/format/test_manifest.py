@@ -1,0 +1,234 @@
+"""ucp.json is untrusted input: every malformed or hostile manifest is an error naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp import format as fmt
+from tests.ucp_testing import fifo_damage as _fifo
+from tests.ucp_testing import remove_damage as _remove
+from tests.ucp_testing import save_small_tree as _save
+
+
+def test_corrupt_manifest(ckpt):
+    (ckpt / "ucp.json").write_text('{"format": "jax_ucp", "version": 1, "entries": [')
+    with pytest.raises(fmt.ManifestError, match=r"ucp\.json: corrupt manifest"):
+        jax_ucp.restore(ckpt)
+
+
+def test_newer_format_version(ckpt):
+    d = json.loads((ckpt / "ucp.json").read_text())
+    d["version"] = 99
+    (ckpt / "ucp.json").write_text(json.dumps(d))
+    with pytest.raises(fmt.ManifestError, match="version 99 is newer"):
+        jax_ucp.inspect(ckpt)
+
+
+def _manifest(path) -> dict:
+    return json.loads((path / "ucp.json").read_text())
+
+
+def _write_manifest(path, d) -> None:
+    (path / "ucp.json").write_text(json.dumps(d))
+
+
+def _tensor(d, name):
+    return next(e for e in d["entries"] if "/".join(e["key"]) == name)
+
+
+def _edit(fn):
+    """A case that edits the manifest dict in place."""
+
+    def damage(path):
+        d = _manifest(path)
+        fn(d)
+        _write_manifest(path, d)
+
+    return damage
+
+
+def _raw(text: bytes):
+    def damage(path):
+        (path / "ucp.json").write_bytes(text)
+
+    return damage
+
+
+def _symlink(rel, to):
+    def damage(path):
+        target = path / rel
+        target.unlink()
+        target.symlink_to(to)
+
+    return damage
+
+
+# --- the manifest: every error names ucp.json and the field -------------------------------------
+MANIFEST_CASES = {
+    "missing": (_remove("ucp.json"), r"no such checkpoint|no ucp\.json|not a jax_ucp"),
+    "not json": (_raw(b"{nope"), r"ucp\.json: corrupt manifest, not valid JSON"),
+    "empty file": (_raw(b""), r"ucp\.json: corrupt manifest"),
+    "fifo": (_fifo("ucp.json"), r"ucp\.json: not a regular file \(a FIFO\)"),
+    "symlink to /dev/zero": (
+        _symlink("ucp.json", "/dev/zero"),
+        r"not a regular file \(a character device\)",
+    ),
+    "non utf-8": (_raw(b'{"format": "\xff"}'), r"ucp\.json: not UTF-8"),
+    "5000-digit int": (
+        _raw(b'{"format": "jax_ucp", "version": ' + b"9" * 5000 + b"}"),
+        r"integer of 5000 digits",
+    ),
+    "200k-deep nesting": (_raw(b"[" * 200_000 + b"]" * 200_000), r"nested deeper than 512"),
+    "NaN literal": (_raw(b'{"format": "jax_ucp", "version": NaN}'), r"NaN is not valid JSON"),
+    "a JSON list": (_raw(b"[1, 2]"), r"not a jax_ucp manifest"),
+    "other format": (_edit(lambda d: d.update(format="orbax")), r"not a jax_ucp manifest"),
+    "newer version": (_edit(lambda d: d.update(version=99)), r"version 99 is newer"),
+    "version as string": (_edit(lambda d: d.update(version="1")), r"version: expected an integer"),
+    "version as bool": (_edit(lambda d: d.update(version=True)), r"version: expected an integer"),
+    "kvstore as string": (
+        _edit(lambda d: d.update(kvstore="x")),
+        r"kvstore: expected a JSON object",
+    ),
+    "no save_id": (_edit(lambda d: d.pop("save_id")), r"missing field 'save_id'"),
+    "unknown top-level field": (
+        _edit(lambda d: d.update(extra=1)),
+        r"unknown field\(s\) \['extra'\]",
+    ),
+    "entries not a list": (_edit(lambda d: d.update(entries={})), r"entries: expected a list"),
+    "empty key": (
+        _edit(lambda d: d["entries"][0].update(key=[])),
+        r"entries\[0\]\.key: expected a non-empty list",
+    ),
+    "key as string": (
+        _edit(lambda d: d["entries"][0].update(key="params")),
+        r"entries\[0\]\.key: expected a non-empty list of strings",
+    ),
+    "key of ints": (
+        _edit(lambda d: d["entries"][0].update(key=[1, 2])),
+        r"expected a list of strings",
+    ),
+    "dir with ..": (
+        _edit(lambda d: _tensor(d, "params/w").update(dir="arrays/../../etc")),
+        r"\.dir: expected 'arrays/<escaped key>'",
+    ),
+    "dir absolute": (
+        _edit(lambda d: _tensor(d, "params/w").update(dir="/etc")),
+        r"\.dir: expected",
+    ),
+    "dtype float128": (
+        _edit(lambda d: _tensor(d, "params/w").update(dtype="float128")),
+        r"\.dtype: expected one of",
+    ),
+    "dtype uint4": (
+        _edit(lambda d: _tensor(d, "params/w").update(dtype="uint4")),
+        r"\.dtype: expected one of",
+    ),
+    "negative dim": (
+        _edit(lambda d: _tensor(d, "params/w").update(shape=[-1, 48])),
+        r"\.shape: expected a list of integers ≥ 0",
+    ),
+    "bool dim": (
+        _edit(lambda d: _tensor(d, "params/w").update(shape=[True, 48])),
+        r"\.shape: expected a list of integers",
+    ),
+    "rank mismatch": (
+        _edit(lambda d: _tensor(d, "params/w").update(chunk_shape=[64])),
+        r"\.chunk_shape: expected 2 dimensions",
+    ),
+    "zero chunk": (
+        _edit(lambda d: _tensor(d, "params/w").update(chunk_shape=[0, 48])),
+        r"\.chunk_shape: expected a list of integers ≥ 1",
+    ),
+    "bad role": (
+        _edit(lambda d: _tensor(d, "params/w").update(role="weights")),
+        r"\.role: expected one of",
+    ),
+    "bad checksum": (
+        _edit(lambda d: _tensor(d, "params/w").update(checksum="md5")),
+        r"\.checksum: expected one of",
+    ),
+    "bad digest": (
+        _edit(lambda d: _tensor(d, "params/w")["shard_digests"].update({"c/0/0": "zz"})),
+        r"\.shard_digests: expected shard key -> 8 hex digits",
+    ),
+    "bool value as string": (
+        _edit(lambda d: _tensor(d, "step").update(type="bool", value="false")),
+        r"\.value: expected a JSON boolean",
+    ),
+    "int value as float": (
+        _edit(lambda d: _tensor(d, "step").update(value=5.5)),
+        r"\.value: expected a JSON integer",
+    ),
+    "float value not hex": (
+        _edit(lambda d: _tensor(d, "step").update(type="float", value="0xZ")),
+        r"\.value: expected a float\.hex string",
+    ),
+    "unknown entry type": (
+        _edit(lambda d: d["entries"][0].update(entry="blob")),
+        r"entries\[0\]\.entry: expected \"tensor\" or \"value\"",
+    ),
+    "duplicate leaf": (
+        _edit(lambda d: d["entries"].append(dict(d["entries"][0]))),
+        r"Duplicate leaf",
+    ),
+    "shape differs from zarr.json": (
+        _edit(
+            lambda d: _tensor(d, "params/w").update(
+                shape=[48, 64], chunk_shape=[48, 64], inner_chunk_shape=[1, 64]
+            )
+        ),
+        r"zarr\.json has shape \(64, 48\)",
+    ),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", sorted(MANIFEST_CASES))
+def test_hostile_manifest_is_a_clear_error(tmp_path, case):
+    damage, message = MANIFEST_CASES[case]
+    path = tmp_path / "c"
+    _save(path)
+    damage(path)
+    with pytest.raises(jax_ucp.UCPError, match=message) as info:
+        jax_ucp.restore(path)
+    assert (
+        "ucp.json" in str(info.value)
+        or "zarr.json" in str(info.value)
+        or "no such" in str(info.value)
+    )
+    assert len(str(info.value)) < 2000  # cut, never the whole hostile input
+
+
+@pytest.mark.timeout(60)
+def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
+    """A 4x4 tensor whose zarr.json declares 2**20 x 2**20 chunks made TensorStore abort the
+    process (std::bad_alloc); with the manifest saying the same, the manifest is refused."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32)}, checksum=None)
+    zarr_json = path / "arrays" / "w" / "zarr.json"
+    z = json.loads(zarr_json.read_text())
+    z["chunk_grid"]["configuration"]["chunk_shape"] = [2**20, 2**20]
+    z["codecs"][0]["configuration"]["chunk_shape"] = [2**20, 2**20]
+    zarr_json.write_text(json.dumps(z))
+    match = (
+        rf"Tensor 'w': {re.escape(str(path / 'arrays' / 'w'))}/zarr.json has chunk shape "
+        r"\(1048576, 1048576\) and inner chunk shape \(1048576, 1048576\), but ucp.json says "
+        r"\(4, 4\) and \(4, 4\)\."
+    )
+    with pytest.raises(jax_ucp.CheckpointError, match=match):
+        jax_ucp.restore(path)
+    assert re.match(match, jax_ucp.verify(path)[0][1])
+    manifest = json.loads((path / "ucp.json").read_text())
+    manifest["entries"][0].update(chunk_shape=[2**20, 2**20], inner_chunk_shape=[2**20, 2**20])
+    (path / "ucp.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        jax_ucp.ManifestError,
+        match=r"ucp.json: entries\[0\] \('w'\)\.chunk_shape: expected extents at most shape "
+        r"\[4, 4\] \(1 for a zero-size dimension\), found a JSON array of 2 items\.",
+    ):
+        jax_ucp.restore(path)

@@ -1,0 +1,258 @@
+"""Importing damaged or hostile Orbax checkpoints: a deleted chunk file, truncated OCDBT files, a
+damaged zarr.json are one error line naming the file and the array; a chunk declared larger
+than its array is refused before it is decoded; decoded chunks count in the memory budget.
+Every hostile input is built here."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from typer.testing import CliRunner
+
+import jax_ucp
+from jax_ucp import writer
+from jax_ucp.cli import app
+from jax_ucp.importers import plan_import
+from jax_ucp.importers.orbax import OrbaxImportError
+from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
+from tests.ucp_testing import save_and_name as _ucp
+
+runner = CliRunner()
+
+
+def _run_cli(*args: str, env=None, timeout=240) -> subprocess.CompletedProcess:
+    """``jax-ucp ARGS`` in a fresh process (stderr as the terminal would show it)."""
+    return subprocess.run(
+        [sys.executable, "-m", "jax_ucp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "COLUMNS": "300", **(env or {})},
+    )
+
+
+def _orbax(path, *, ocdbt: bool, zarr3: bool = False, tree=None) -> dict:
+    rng = np.random.default_rng(0)
+    tree = tree or {
+        "params": {
+            "w": rng.standard_normal((64, 64)).astype(np.float32),
+            "b": rng.standard_normal(64).astype(np.float32),
+        }
+    }
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt, use_zarr3=zarr3)
+    with ocp.Checkpointer(handler) as c:
+        c.save(os.fspath(path), args=ocp.args.PyTreeSave(tree))
+    return tree
+
+
+def _only_source_left(tmp_path, src: str) -> None:
+    assert sorted(os.listdir(tmp_path)) == [os.path.basename(src)]
+
+
+@pytest.mark.timeout(240)
+def test_a_deleted_orbax_chunk_file_is_one_error_naming_file_and_array(tmp_path):
+    src = str(tmp_path / "orbax")
+    _orbax(src, ocdbt=False)
+    chunk = os.path.join(src, "params.w", "0.0")
+    assert os.path.isfile(chunk)
+    os.remove(chunk)
+    with pytest.raises(OrbaxImportError, match=r"array 'params\.w'.*is missing") as e:
+        jax_ucp.convert(src, tmp_path / "out")
+    assert chunk in str(e.value) and "tensorstore_spec" not in str(e.value)
+    _only_source_left(tmp_path, src)
+    r = _run_cli("convert", "orbax", src, str(tmp_path / "out"))
+    assert r.returncode == 1
+    _assert_one_error_line(r.stdout + r.stderr, "'params.w'", chunk)
+    _only_source_left(tmp_path, src)
+    zarray = os.path.join(src, "params.w", ".zarray")
+    for damage in (os.remove, lambda f: os.truncate(f, 10)):  # Orbax's metadata read fails
+        shutil.copy(os.path.join(src, "params.b", ".zarray"), zarray)
+        damage(zarray)
+        with pytest.raises(OrbaxImportError, match=r"metadata of array 'params\.w'") as e:
+            jax_ucp.convert(src, tmp_path / "out")
+        assert zarray in str(e.value) and "tensorstore_spec" not in str(e.value)
+        _only_source_left(tmp_path, src)
+
+
+@pytest.mark.timeout(300)
+def test_truncated_ocdbt_files_are_one_error_naming_file_and_array(tmp_path):
+    """Each data file of an OCDBT checkpoint truncated to half, one at a time: the import is
+    bit-exact (a file the merged database no longer uses) or one error naming the array and the
+    database; never TensorStore's spec dump."""
+    src = str(tmp_path / "orbax")
+    tree = _orbax(src, ocdbt=True)
+    data_files = sorted(
+        os.path.relpath(os.path.join(d, f), src)
+        for d, _, fs in os.walk(src)
+        for f in fs
+        if os.path.basename(d) == "d"
+    )
+    assert len(data_files) >= 2
+    refused = []
+    for rel in data_files:
+        copy = str(tmp_path / "copy")
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(src, copy)
+        os.truncate(os.path.join(copy, rel), os.path.getsize(os.path.join(src, rel)) // 2)
+        out = tmp_path / "out"
+        try:
+            jax_ucp.convert(copy, out)
+        except OrbaxImportError as e:
+            text = str(e)
+            assert "tensorstore_spec" not in text and "\n" not in text, text
+            assert copy in text and ("'params.w'" in text or "'params.b'" in text), text
+            assert not out.exists()
+            refused.append((rel, text))
+            continue
+        got = jax_ucp.restore(out)
+        assert_bit_exact(got["params"]["w"], tree["params"]["w"])
+        assert_bit_exact(got["params"]["b"], tree["params"]["b"])
+        shutil.rmtree(out)
+    # the metadata B-tree (read by Orbax's metadata) and the chunk data (read by the import)
+    assert any("cannot read the metadata of array" in t for _, t in refused), refused
+    assert any("reading array 'params.w' failed" in t for _, t in refused), refused
+    rel, _ = next((r, t) for r, t in refused if "reading array" in t)
+    copy = str(tmp_path / "copy")
+    shutil.rmtree(copy)
+    shutil.copytree(src, copy)
+    os.truncate(os.path.join(copy, rel), os.path.getsize(os.path.join(src, rel)) // 2)
+    r = _run_cli("convert", "orbax", copy, str(tmp_path / "out"))
+    assert r.returncode == 1
+    _assert_one_error_line(r.stdout + r.stderr, "'params.w'", copy, "OCDBT")
+
+
+def zstd_zeros(n: int) -> bytes:
+    """A zstd frame that decodes to ``n`` zero bytes, made of RLE blocks of 128 KiB (4 bytes
+    each): 2 GiB in 64 KB."""
+    out = bytearray(struct.pack("<IB", 0xFD2FB528, 0xA0))  # magic; single segment, 4-byte size
+    out += struct.pack("<I", n)
+    while n:
+        size = min(n, 1 << 17)
+        n -= size
+        header = (size << 3) | (1 << 1) | (n == 0)  # block size, type RLE, last block
+        out += header.to_bytes(3, "little") + b"\0"
+    return bytes(out)
+
+
+def test_the_zstd_bomb_builder_makes_valid_frames():
+    import numcodecs
+
+    for n in (1, 5, 1 << 17, (1 << 17) + 3, 300_000):
+        assert numcodecs.Zstd().decode(zstd_zeros(n)) == bytes(n)
+    assert len(zstd_zeros(1 << 31)) < 70_000
+
+
+@pytest.mark.timeout(300)
+def test_an_orbax_chunk_declared_larger_than_its_array_is_refused_before_decoding(tmp_path):
+    """16 floats whose ``.zarray`` declares one zstd chunk of 2**29 elements, its file a 64 KB
+    frame that decodes to 2 GiB: refused naming the file and the array, the process stays far
+    below the 2 GiB (2.7 GB before)."""
+    src = str(tmp_path / "orbax")
+    _orbax(src, ocdbt=False, tree={"params": {"w": np.arange(16, dtype=np.float32)}})
+    array = os.path.join(src, "params.w")
+    zarray = json.load(open(os.path.join(array, ".zarray")))
+    assert zarray["chunks"] == [16] and zarray["compressor"]["id"] == "zstd"
+    zarray["chunks"] = [1 << 29]
+    json.dump(zarray, open(os.path.join(array, ".zarray"), "w"))
+    (chunk,) = [f for f in os.listdir(array) if f != ".zarray"]
+    open(os.path.join(array, chunk), "wb").write(zstd_zeros(4 << 29))
+    assert os.path.getsize(os.path.join(array, chunk)) < 70_000
+    # The CLI's own peak memory since exec (VmHWM, written at exit): ru_maxrss would keep the
+    # high-water mark of the pytest worker that forked it.
+    peak_file = tmp_path / "vmhwm"
+    launcher = (
+        "import atexit, runpy, sys\n"
+        "def _peak():\n"
+        "    hwm = [l for l in open('/proc/self/status') if l.startswith('VmHWM:')][0]\n"
+        f"    open({str(peak_file)!r}, 'w').write(hwm.split()[1])\n"
+        "atexit.register(_peak)\n"
+        "sys.argv = ['jax-ucp'] + sys.argv[1:]\n"
+        "runpy.run_module('jax_ucp.cli', run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", launcher, "convert", "orbax", src, str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "COLUMNS": "300"},
+    )
+    out = proc.stdout
+    assert proc.returncode == 1, out
+    _assert_one_error_line(
+        out, os.path.join(array, ".zarray"), "'params.w'", "(536870912,)", "larger than the array"
+    )
+    peak_kib = int(peak_file.read_text())
+    peak_file.unlink()
+    assert 0 < peak_kib < 1 << 20, peak_kib  # KiB: under 1 GiB
+    _only_source_left(tmp_path, src)
+
+
+@pytest.mark.timeout(120)
+def test_a_zarr3_chunk_grid_larger_than_its_array_is_refused(tmp_path):
+    src = str(tmp_path / "orbax")
+    _orbax(src, ocdbt=False, zarr3=True, tree={"params": {"w": np.arange(16, dtype=np.float32)}})
+    meta_file = os.path.join(src, "params.w", "zarr.json")
+    meta = json.load(open(meta_file))
+    meta["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 29]
+    json.dump(meta, open(meta_file, "w"))
+    with pytest.raises(OrbaxImportError, match=r"larger than the array") as e:
+        jax_ucp.convert(src, tmp_path / "out")
+    assert meta_file in str(e.value) and "'params.w'" in str(e.value)
+    _only_source_left(tmp_path, src)
+
+
+@pytest.mark.timeout(240)
+def test_orbax_arrays_reserve_their_decoded_chunks_in_the_memory_budget(tmp_path):
+    """A (256, 256) float32 array saved as 8 chunks of 32 KiB. Read through TensorStore (zarr3):
+    under a budget with room for the array and one chunk, its read reserves exactly that
+    (TensorStore decodes one chunk at a time); under the default budget, more chunks at once.
+    Orbax's default zarr v2 zstd chunks are decoded as a stream into the array: it reserves
+    the array alone. Every import bit-exact."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from tests.ucp_testing import mesh
+
+    w = np.random.default_rng(2).standard_normal((256, 256)).astype(np.float32)
+    sharded = jax.device_put(w, NamedSharding(mesh((8,), ("x",)), P("x")))
+    array, chunk = w.nbytes, w.nbytes // 8
+    budget = array + chunk + chunk // 2
+    for zarr3 in (True, False):
+        src = str(tmp_path / f"orbax{zarr3}")
+        _orbax(src, ocdbt=True, zarr3=zarr3, tree={"params": {"w": sharded}})
+        with writer.memory_budget_scope(budget):
+            (item,) = list(plan_import(src).items)
+            assert item.value.nbytes == (array + chunk if zarr3 else array)
+            jax_ucp.convert(src, tmp_path / f"small{zarr3}", memory_budget=budget)
+        (item,) = list(plan_import(src).items)
+        want = array + min(8, os.cpu_count() or 1) * chunk if zarr3 else array
+        assert item.value.nbytes == want
+        assert_bit_exact(jax_ucp.restore(tmp_path / f"small{zarr3}")["params"]["w"], w)
+
+
+@pytest.mark.timeout(120)
+def test_a_damaged_zarr_json_is_one_line_without_tensorstores_spec(tmp_path):
+    """A jax_ucp checkpoint whose array metadata is cut short: ``verify``, ``diff`` and
+    ``export`` name the tensor and the file in one line (TensorStore's spec dump cut)."""
+    ckpt = _ucp(tmp_path / "ckpt", {"params": {"w": np.arange(8, dtype=np.float32)}})
+    good = _ucp(tmp_path / "good", {"params": {"w": np.arange(8, dtype=np.float32)}})
+    meta = os.path.join(ckpt, "arrays", "params.w", "zarr.json")
+    os.truncate(meta, 20)
+    for args in (["verify", ckpt], ["diff", good, ckpt], ["export", ckpt, str(tmp_path / "o")]):
+        r = runner.invoke(app, args, env={"COLUMNS": "300"})
+        assert r.exit_code == 1, (args, r.output)
+        text = r.output.replace("✗", "error:") if args[0] == "verify" else r.output
+        assert "tensorstore_spec" not in text, text
+        line = [x for x in text.splitlines() if x.startswith("error:")]
+        assert len(line) == 1 and "'params/w'" in line[0] and meta in line[0], (args, text)
+    assert not (tmp_path / "o").exists()
