@@ -16,7 +16,7 @@ from typing import Any
 
 from jax_ucp import store, writer
 from jax_ucp.errors import RequestError
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import registry
 from jax_ucp.importers.plan import Share
@@ -204,8 +204,7 @@ def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gathe
     return plan
 
 
-class DestinationError(UCPError, ValueError):
-    """A conversion destination that would overwrite or nest inside its own source."""
+DestinationError = RequestError  # a destination that would overwrite or nest inside its source
 
 
 def check_destination(source, dest) -> None:

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import MultiProcessError, RequestError
 from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
 
@@ -50,9 +50,7 @@ _ALIGN = 64  # each piece of a share starts 64-byte aligned (a view of any dtype
 _MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are padded to it)
 
 
-class ReplicatedReadError(fmt.UCPError, RuntimeError):
-    """A tensor read once across processes could not be completed: another process failed
-    (its error is quoted), died, or did not answer in time; names the tensors and the process."""
+ReplicatedReadError = MultiProcessError  # another process of a read-once restore failed
 
 
 def check_option(mode) -> str:

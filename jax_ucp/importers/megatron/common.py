@@ -8,14 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.plan import (
     agreed_step,
 )
 
-
-class MegatronImportError(UCPError, ValueError):
-    """The Megatron checkpoint is incomplete, inconsistent or unsupported (names tensor + file)."""
+MegatronImportError = SourceError  # the Megatron checkpoint is incomplete or unsupported
 
 
 SUPPORTED_LAYOUTS = (

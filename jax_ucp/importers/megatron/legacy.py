@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.errors import SourceError
+from jax_ucp.format import files
 from jax_ucp.importers.plan import tensor_names
 from jax_ucp.importers.torch import unpickler
 
@@ -49,8 +50,7 @@ __all__ = [
 ]
 
 
-class LegacyError(UCPError, ValueError):
-    """A legacy Megatron checkpoint is incomplete or inconsistent (names the file)."""
+LegacyError = SourceError  # a legacy Megatron checkpoint is incomplete or inconsistent
 
 
 def _np_reconstruct(*args):
