@@ -65,6 +65,12 @@ class UnsafePickleError(TorchFileError):
     """The pickle asks for something outside the allow-list; nothing was executed."""
 
 
+class MegatronImportError(SourceError):
+    """A Megatron checkpoint (torch_dist, legacy or Bridge) is incomplete, inconsistent or
+    unsupported. A class of its own because the importer tries its next module order on this
+    error alone: a read error of the checkpoint (a ``SourceError``) is not retried."""
+
+
 class CheckpointError(UCPError, ValueError):
     """A jax_ucp checkpoint cannot be read or restored as asked: not a checkpoint, a manifest
     missing, unreadable or of another version, a tensor absent, of another shape, or not

@@ -8,13 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import SourceError
+from jax_ucp.errors import MegatronImportError
 from jax_ucp.importers.plan import (
     agreed_step,
 )
-
-MegatronImportError = SourceError  # the Megatron checkpoint is incomplete or unsupported
-
 
 SUPPORTED_LAYOUTS = (
     "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.15-0.19, "
