@@ -5,7 +5,8 @@ A leaf module (it imports nothing of jax_ucp), so every layer — the pure-logic
 included — raises these, and callers catch one class. Each class also derives from the builtin(s)
 it replaced, so ``except ValueError`` / ``OSError`` / ``KeyError`` / ... keeps working. The
 modules' own names (``DcpError``, ``ManifestError``, ``SizeError``, ...) are aliases of their
-group, importable where they always were.
+group, importable where they always were; a class of its own below a group only where it carries
+something (another builtin, an attribute, or code that catches it alone).
 
 TensorStore's own errors are plain ``ValueError``s whose text starts with an absl status code and
 ends with a dump of the whole spec (``[tensorstore_spec='{…}']``; Orbax adds its kvstore as
