@@ -95,9 +95,14 @@ class OutsideCheckpointError(UnsafeFileError, ValueError):
 
 
 class SaveConflictError(UCPError, OSError):
-    """Another writer is in the way: a save to the same path is in progress, or a concurrent
-    forced save replaced the checkpoint while it was read (nothing is damaged: read it again;
-    never raised for a damaged checkpoint, that is a ``CheckpointError``)."""
+    """Another writer is in the way: a save to the same path is in progress, or the path is not
+    ours to replace."""
+
+
+class CheckpointReplacedError(SaveConflictError):
+    """The checkpoint was replaced (a concurrent forced save swapped in a new one) while it was
+    being read: nothing is wrong with either checkpoint; read it again. Never raised for a
+    checkpoint that is itself damaged (that is a ``CheckpointError``)."""
 
 
 class NotReplaceableError(SaveConflictError, FileExistsError):
@@ -111,6 +116,11 @@ class MultiProcessError(UCPError, RuntimeError):
 
 class ProcessLostError(MultiProcessError):
     """A process of a distributed conversion died while the others waited for it."""
+
+
+class ReplicatedReadError(MultiProcessError):
+    """A tensor read once across processes could not be completed: another process failed
+    (its error is quoted), died, or did not answer in time; names the tensors and the process."""
 
 
 class LanguageError(UCPError, ValueError):
@@ -149,7 +159,6 @@ class SetupError(UCPError, RuntimeError):
 # the public names of a group's members (each module's own, ``DcpError`` & co., live beside it)
 AmbiguousAdamStateError = RequestError  # which of several Adam states a moment belongs to
 ExportError = RequestError  # an export the target format cannot hold, a destination in the source
-CheckpointReplacedError = SaveConflictError  # a concurrent forced save replaced it while read
 
 
 class OptimizerOrderWarning(UserWarning):

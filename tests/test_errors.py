@@ -82,8 +82,10 @@ TREE: dict[str, tuple[str | None, tuple[type, ...]]] = {
     "OutsideCheckpointError": ("UnsafeFileError", (ValueError, OSError)),
     "SaveConflictError": ("UCPError", (OSError,)),
     "NotReplaceableError": ("SaveConflictError", (OSError, FileExistsError)),
+    "CheckpointReplacedError": ("SaveConflictError", (OSError,)),
     "MultiProcessError": ("UCPError", (RuntimeError,)),
     "ProcessLostError": ("MultiProcessError", (RuntimeError,)),
+    "ReplicatedReadError": ("MultiProcessError", (RuntimeError,)),
     "LanguageError": ("UCPError", (ValueError,)),
     "SpecError": ("LanguageError", (ValueError,)),
     "StrictnessError": ("LanguageError", (ValueError,)),
@@ -164,9 +166,11 @@ def test_old_names_are_aliases_of_their_group():
     assert manifest.ManifestError is jax_ucp.CheckpointError
     assert sizes.SizeError is jax_ucp.ExportError is jax_ucp.RequestError
     assert shard_file.ShardReadError is jax_ucp.FileReadError
-    assert agreement.SharedWriteError is replicated.ReplicatedReadError is jax_ucp.MultiProcessError
-    assert jax_ucp.CheckpointReplacedError is commit.SaveConflictError is jax_ucp.SaveConflictError
+    assert agreement.SharedWriteError is jax_ucp.MultiProcessError
+    assert issubclass(replicated.ReplicatedReadError, jax_ucp.MultiProcessError)
+    assert commit.SaveConflictError is jax_ucp.SaveConflictError
     assert issubclass(commit.NotReplaceableError, jax_ucp.SaveConflictError)
+    assert issubclass(jax_ucp.CheckpointReplacedError, jax_ucp.SaveConflictError)
 
 
 def test_a_torch_file_error_keeps_its_path():
