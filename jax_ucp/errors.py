@@ -114,7 +114,11 @@ class MultiProcessError(UCPError, RuntimeError):
     answer in time: a checkpoint written by several processes, a tensor read once across them."""
 
 
-class ProcessLostError(MultiProcessError):
+class SharedWriteError(MultiProcessError):
+    """A checkpoint written by several processes failed in one of them (names which, and why)."""
+
+
+class ProcessLostError(SharedWriteError):
     """A process of a distributed conversion died while the others waited for it."""
 
 

@@ -84,7 +84,8 @@ TREE: dict[str, tuple[str | None, tuple[type, ...]]] = {
     "NotReplaceableError": ("SaveConflictError", (OSError, FileExistsError)),
     "CheckpointReplacedError": ("SaveConflictError", (OSError,)),
     "MultiProcessError": ("UCPError", (RuntimeError,)),
-    "ProcessLostError": ("MultiProcessError", (RuntimeError,)),
+    "SharedWriteError": ("MultiProcessError", (RuntimeError,)),
+    "ProcessLostError": ("SharedWriteError", (RuntimeError,)),
     "ReplicatedReadError": ("MultiProcessError", (RuntimeError,)),
     "LanguageError": ("UCPError", (ValueError,)),
     "SpecError": ("LanguageError", (ValueError,)),
@@ -166,7 +167,8 @@ def test_old_names_are_aliases_of_their_group():
     assert manifest.ManifestError is jax_ucp.CheckpointError
     assert sizes.SizeError is jax_ucp.ExportError is jax_ucp.RequestError
     assert shard_file.ShardReadError is jax_ucp.FileReadError
-    assert agreement.SharedWriteError is jax_ucp.MultiProcessError
+    assert issubclass(agreement.ProcessLostError, agreement.SharedWriteError)
+    assert issubclass(agreement.SharedWriteError, jax_ucp.MultiProcessError)
     assert issubclass(replicated.ReplicatedReadError, jax_ucp.MultiProcessError)
     assert commit.SaveConflictError is jax_ucp.SaveConflictError
     assert issubclass(commit.NotReplaceableError, jax_ucp.SaveConflictError)

@@ -11,11 +11,8 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from jax_ucp.errors import MultiProcessError, ProcessLostError
+from jax_ucp.errors import ProcessLostError, SharedWriteError
 from jax_ucp.multihost import liveness
-
-SharedWriteError = MultiProcessError  # a checkpoint written by several processes failed in one
-
 
 Gather = Callable[[str, str, bool], "list[str]"]
 _OK, _FAILED = "ok:", "failed:"
