@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
+from jax_ucp.errors import RequestError
 from jax_ucp.format import keypath as keypath_lib
-from jax_ucp.format.errors import UCPError
 
 
 def _is_leaf(x) -> bool:
@@ -21,8 +21,7 @@ def _is_leaf(x) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
-class TreeError(UCPError, ValueError):
-    """A pytree whose key paths cannot be written or matched: names the key path."""
+TreeError = RequestError  # a pytree whose key paths cannot be written or matched
 
 
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:

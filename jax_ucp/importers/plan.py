@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.errors import RequestError
-from jax_ucp.format import UCPError, keypath
+from jax_ucp.errors import RequestError, SourceError
+from jax_ucp.format import keypath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +196,7 @@ OPTIMIZER_NAME = re.compile(
 )
 
 
-class UnaccountedTensorsError(UCPError, ValueError):
-    """An import would drop source tensors without a word, or write optimizer state as weights."""
+UnaccountedTensorsError = SourceError  # an import that would drop source tensors unsaid
 
 
 def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:

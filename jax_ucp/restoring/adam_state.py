@@ -13,13 +13,9 @@ import dataclasses
 from typing import Any, cast
 
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import AmbiguousAdamStateError
 
 MOMENTS = ("mu", "nu", "count")
-
-
-class AmbiguousAdamStateError(RequestError):
-    """The target holds several Adam states: which one an imported moment belongs to is unknown."""
 
 
 def adam_states(target: Any, top: str = "opt_state") -> list[tuple[str, ...]]:

@@ -19,7 +19,12 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import CheckpointReplacedError, tensorstore_failure, tensorstore_message
+from jax_ucp.errors import (
+    CheckpointError,
+    CheckpointReplacedError,
+    tensorstore_failure,
+    tensorstore_message,
+)
 from jax_ucp.format.dtypes import CASTINGS
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, format_size
 from jax_ucp.options import user_stacklevel
@@ -27,10 +32,6 @@ from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
 from jax_ucp.writer import commit
-
-
-class CheckpointError(fmt.UCPError, ValueError):
-    """A checkpoint cannot be restored as asked: names the tensor, the file, expected vs found."""
 
 
 @dataclasses.dataclass(frozen=True)
