@@ -212,13 +212,10 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
-            notes: list[str] = []
             order = _Order(src, parameter_order, model_files[0].endswith(".safetensors"))
             states, groups, info["optimizer_keys"] = _optimizer(
-                optimizer, path, prefix, clean, model, skipped, notes, order, info
+                optimizer, path, prefix, clean, model, skipped, order, info
             )
-            if notes:
-                info["notes"] = notes
     if os.path.isdir(src) and os.path.basename(model_files[0]).endswith(".safetensors"):
         for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states (tensors): units
             if name.startswith("rng_state") and name.endswith(".pth"):
@@ -244,7 +241,7 @@ def plan_torch_files(
 def _read_model_files(src: str, model_files: list[str]):
     """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
     found, the non-tensor entries, and an optimizer state saved inside them with (its file,
-    its source-name prefix)."""
+    its source-name prefix). A name in two files is refused."""
     model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
     found: list[str] = []
     other: list[str] = []
@@ -252,42 +249,29 @@ def _read_model_files(src: str, model_files: list[str]):
     for path in model_files:
         base = os.path.basename(path)
         if path.endswith(".safetensors"):
-            _add_safetensors(model, found, src, path)
-            continue
-        obj = _load(path)
-        key, sd, opt_prefix, opt = _split(obj, path)
-        found += [f"{base}:{n}" for n in tensor_names(obj)]
-        other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
-        if opt is not None:
-            optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
-        _add_state_dict(model, sd, src, path, f"{base}:{key + '.' if key else ''}")
+            try:
+                f = safetensors.SafetensorsFile(path)  # read-only views of its map
+            except safetensors.SafetensorsError as e:
+                raise TorchImportError(str(e)) from None
+            sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
+            found += [f"{base}:{n}" for n in sd]
+        else:
+            obj = _load(path)
+            key, sd, opt_prefix, opt = _split(obj, path)
+            found += [f"{base}:{n}" for n in tensor_names(obj)]
+            other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
+            if opt is not None:
+                optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
+            prefix = f"{base}:{key + '.' if key else ''}"
+        for name, value in sd.items():
+            if not isinstance(name, str):
+                raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
+            if not isinstance(value, np.ndarray):
+                continue  # a nested object's tensors are accounted as skipped below
+            if name in model:
+                raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+            model[name] = (value, path, f"{prefix}{name}")
     return model, found, other, optimizer, optimizer_at
-
-
-def _add_safetensors(model: dict, found: list[str], src: str, path: str) -> None:
-    """One safetensors file's tensors (read-only views of its map) into ``model``."""
-    try:
-        f = safetensors.SafetensorsFile(path)
-    except safetensors.SafetensorsError as e:
-        raise TorchImportError(str(e)) from None
-    base = os.path.basename(path)
-    for name in f.header:
-        if name in model:
-            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
-        model[name] = (f.tensor(name), path, f"{base}:{name}")
-        found.append(f"{base}:{name}")
-
-
-def _add_state_dict(model: dict, sd: dict, src: str, path: str, source_prefix: str) -> None:
-    """One file's state dict tensors into ``model``; a name in two files is refused."""
-    for name, value in sd.items():
-        if not isinstance(name, str):
-            raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
-        if not isinstance(value, np.ndarray):
-            continue  # a nested object's tensors are accounted as skipped below
-        if name in model:
-            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
-        model[name] = (value, path, f"{source_prefix}{name}")
 
 
 def _skip_unused(
@@ -361,12 +345,11 @@ def _optimizer(
     clean: dict[str, str],
     model: dict,
     skipped: dict,
-    notes: list[str],
     order: _Order,
     info: dict,
 ) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
     """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
-    an assumption the mapping rests on is appended to ``notes`` (and warned)."""
+    an assumption the mapping rests on is added to ``info["notes"]`` (and warned)."""
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
@@ -388,7 +371,7 @@ def _optimizer(
     else:
         keys, to_name = _index_names(ids, groups, state, clean, model, path, order, info)
         if keys == "indices":
-            _say_order_assumed(to_name, state, clean, model, path, notes)
+            _say_order_assumed(to_name, state, clean, model, path, info)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -570,7 +553,7 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
 
 
 def _say_order_assumed(
-    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, notes: list[str]
+    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, info: dict
 ) -> None:
     """Index ``i`` -> ``i``-th parameter is torch's numbering when the optimizer was built from
     ``model.parameters()``, but nothing in the file can confirm it: when two parameters with
@@ -595,7 +578,7 @@ def _say_order_assumed(
         f"told apart. To confirm the mapping, save the optimizer with param_names (torch >= 2.5: "
         f"build it from model.named_parameters()) or keyed by name (get_optimizer_state_dict)"
     )
-    notes.append(note)
+    info.setdefault("notes", []).append(note)
     warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
 
 
