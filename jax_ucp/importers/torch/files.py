@@ -367,11 +367,17 @@ def _optimizer(
         to_name = {
             i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
         }
+    elif order.given is not None:
+        keys, to_name = "parameter_order", _given_order(order.given, ids, path)
+    elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
+        keys = "trainer"
+        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
+    else:  # one group, torch.save weights: by the state-dict order, else refused
+        keys = "indices"
+        to_name = _by_index(ids, groups, state, clean, model, path, order.safetensors)
+        _say_order_assumed(to_name, state, clean, model, path, info)
+    if keys not in ("names", "indices"):
         _check_named(to_name, state, clean, model, path)
-    else:
-        keys, to_name = _index_names(ids, groups, state, clean, model, path, order, info)
-        if keys == "indices":
-            _say_order_assumed(to_name, state, clean, model, path, info)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -386,13 +392,14 @@ def _optimizer(
             elif _has_tensors(v):
                 for n in tensor_names(v, name):
                     skipped[n] = f"optimizer state {k!r} is not a tensor but holds tensors"
-    out_groups = []
-    for g in groups:
-        if isinstance(g, dict):
-            hps = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            out_groups.append(
-                {**hps, "params": [to_name.get(p, str(p)) for p in g.get("params", [])]}
-            )
+    out_groups = [
+        {
+            **{k: v for k, v in g.items() if k not in ("params", "param_names")},
+            "params": [to_name.get(p, str(p)) for p in g.get("params", [])],
+        }
+        for g in groups
+        if isinstance(g, dict)
+    ]
     how = {
         "names": "parameter names",
         "param_names": "parameter indices, named by the groups' param_names",
@@ -401,53 +408,6 @@ def _optimizer(
         "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
     }[keys]
     return states, out_groups, how
-
-
-def _index_names(
-    ids: list,
-    groups: list,
-    state: dict,
-    clean: dict,
-    model: dict,
-    path: str,
-    order: _Order,
-    info: dict,
-) -> tuple[str, dict]:
-    """How an optimizer keyed by bare indices is mapped, and index -> parameter name: by
-    ``parameter_order``, by the Trainer's groups rebuilt, or (one group, torch.save weights) by
-    the state-dict order; otherwise refused naming the way out."""
-    if order.given is not None:
-        keys = "parameter_order"
-        to_name = _given_order(order.given, ids, path)
-        _check_named(to_name, state, clean, model, path)
-    elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
-        keys = "trainer"
-        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
-        _check_named(to_name, state, clean, model, path)
-    else:
-        sizes = _group_sizes(groups)
-        way_out = (
-            "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
-            "order the optimizer numbered them, group after group), or convert with "
-            "weights_only=True to import the weights alone"
-        )
-        if order.safetensors:
-            raise TorchImportError(
-                f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
-                f"{sizes}) without their names, and safetensors keeps no parameter order (its "
-                f"names are sorted), so which state is whose cannot be told; {way_out}"
-            )
-        if len(groups) > 1:
-            raise TorchImportError(
-                f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
-                f"(sizes {sizes}) without their names: torch numbers them group after group "
-                f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
-                f"after), so index i is not the i-th tensor of the model state dict and which "
-                f"state is whose cannot be told; {way_out}"
-            )
-        to_name = _by_index(ids, state, clean, model, path)
-        keys = "indices"
-    return keys, to_name
 
 
 def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
@@ -582,9 +542,39 @@ def _say_order_assumed(
     warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
 
 
-def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: str) -> dict:
+def _by_index(
+    ids: list,
+    groups: list,
+    state: dict,
+    clean: dict[str, str],
+    model: dict,
+    path: str,
+    sorted_weights: bool,
+) -> dict:
     """Index ``i`` -> the ``i``-th distinct floating tensor of the model state dict (torch
-    numbers ``model.parameters()`` so; tied copies share storage and count once)."""
+    numbers ``model.parameters()`` so; tied copies share storage and count once). Refused, naming
+    the way out, when that order cannot hold: safetensors weights (sorted names) or several
+    groups."""
+    sizes = _group_sizes(groups)
+    way_out = (
+        "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
+        "order the optimizer numbered them, group after group), or convert with "
+        "weights_only=True to import the weights alone"
+    )
+    if sorted_weights:
+        raise TorchImportError(
+            f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
+            f"{sizes}) without their names, and safetensors keeps no parameter order (its "
+            f"names are sorted), so which state is whose cannot be told; {way_out}"
+        )
+    if len(groups) > 1:
+        raise TorchImportError(
+            f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
+            f"(sizes {sizes}) without their names: torch numbers them group after group "
+            f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
+            f"after), so index i is not the i-th tensor of the model state dict and which "
+            f"state is whose cannot be told; {way_out}"
+        )
     seen: set[tuple] = set()
     order = []
     for new, old in clean.items():
