@@ -60,6 +60,11 @@ def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], A
     return out, treedef
 
 
+def _key_of(path) -> tuple[str, ...]:
+    """The key (component names) of a JAX key path."""
+    return tuple(keypath_lib.component_of(p)[1] for p in path)
+
+
 def _path_text(path: Sequence[str]) -> str:
     text = "/".join(path) if path else "(the root)"
     return repr(text if len(text) <= 200 else text[:200] + "…")  # repr escapes surrogates
@@ -83,8 +88,7 @@ def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
             children = _children(node)
         except ValueError:  # a dict-like node (FrozenDict) whose own keys do not sort
             return prefix, ["mixed"]
-        for path, child in children or ():
-            stack.append((prefix + (keypath_lib.component_of(path[0])[1],), child))
+        stack.extend((prefix + _key_of(path), child) for path, child in children or ())
     return None
 
 
@@ -141,10 +145,8 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
         )
         if names is None or not all(isinstance(n, (str, type(None))) for n in names):
             continue
-        prefix = tuple(keypath_lib.component_of(p)[1] for p in path)
         for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
-            key = prefix + tuple(keypath_lib.component_of(p)[1] for p in inner)
-            out[key] = tuple(names)
+            out[_key_of(path) + _key_of(inner)] = tuple(names)
     return out
 
 
@@ -186,12 +188,7 @@ def _is_axes(x) -> bool:
 def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
     """A pytree of logical axis-name tuples (or PartitionSpecs of names) → {key: names}."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=_is_axes)
-    return {
-        tuple(keypath_lib.component_of(p)[1] for p in path): (
-            None if names is None else tuple(names)
-        )
-        for path, names in leaves
-    }
+    return {_key_of(path): None if names is None else tuple(names) for path, names in leaves}
 
 
 # --- container types: recorded at save, rebuilt on restore without a target ----------------------
