@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -53,6 +54,14 @@ class Available:
     def name(self) -> str:
         return fmt.key_to_str(self.key)
 
+    @classmethod
+    def view(cls, key, plan, sources: tuple, **fields) -> Available:
+        """The view ``plan`` (``language.compile_restore_plan``) builds over ``sources``."""
+        key = tuple(key)
+        fields.setdefault("logical_axes", plan.logical_axes)
+        shape, dtype = tuple(plan.shape), np.dtype(plan.dtype)
+        return cls(key, ("key",) * len(key), shape, dtype, sources, plan.build, **fields)
+
 
 def find_checkpoint_dir(path) -> str:
     """``path`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
@@ -77,9 +86,7 @@ def find_checkpoint_dir(path) -> str:
             f"{path}: is a file, not a checkpoint directory (expected a directory holding "
             f"{fmt.MANIFEST_FILE}, or an Orbax step directory with one UCP item)."
         )
-    items = sorted(
-        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
-    )
+    items = _ucp_items(path)
     if len(items) == 1 and is_step_dir(path):
         try:  # the step's item, never a link to another checkpoint
             fmt.files.inside(path, items[0], path)
@@ -127,13 +134,18 @@ def manager_steps(path: str) -> list[tuple[str, str]]:
         step = os.path.join(path, name)
         if not os.path.isdir(step) or not is_step_dir(step):
             continue
-        items = sorted(
-            i for i in os.listdir(step) if os.path.exists(os.path.join(step, i, fmt.MANIFEST_FILE))
-        )
+        items = _ucp_items(step)
         if items:
             steps.append((name, items[0]))
     return sorted(
         steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
+    )
+
+
+def _ucp_items(path: str) -> list[str]:
+    """The item directories of ``path`` holding a ucp.json, sorted."""
+    return sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
 
 
@@ -185,23 +197,19 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
         k: language.TensorInfo(shape=e.shape, dtype=store.zarr3.numpy_dtype(e.dtype))
         for k, e in by_key.items()
     }
-    plans = language.compile_restore_plan(spec, saved)
     out = {}
-    for key, plan in plans.items():
+    for key, plan in language.compile_restore_plan(spec, saved).items():
         srcs = tuple(by_key[s] for s in plan.sources)
-        identity = len(srcs) == 1 and srcs[0].key == key and tuple(plan.shape) == srcs[0].shape
-        out[tuple(key)] = Available(
-            key=tuple(key),
-            key_types=srcs[0].key_types if identity else ("key",) * len(key),
-            shape=tuple(plan.shape),
-            dtype=np.dtype(plan.dtype),
-            sources=srcs,
-            build=plan.build,
-            saved_sharding=srcs[0].saved_sharding if identity else None,
-            logical_axes=plan.logical_axes
-            if plan.logical_axes is not None
-            else (srcs[0].logical_axes if identity else None),
-        )
+        view = Available.view(key, plan, srcs)
+        if len(srcs) == 1 and srcs[0].key == view.key and view.shape == srcs[0].shape:
+            axes = srcs[0].logical_axes if view.logical_axes is None else view.logical_axes
+            view = dataclasses.replace(  # the stored tensor under its own name
+                view,
+                key_types=srcs[0].key_types,
+                saved_sharding=srcs[0].saved_sharding,
+                logical_axes=axes,
+            )
+        out[view.key] = view
     return out
 
 
@@ -260,16 +268,6 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
             f"Tensor {name!r} was saved as {saved}; converting it to {wanted} is not a "
             f"{casting!r} cast (values would change). Pass casting='unsafe' to convert anyway."
         )
-
-
-def _match(key, available: Mapping, values: Mapping):
-    """Look a target key up; tolerant of int vs str components (lists vs dicts of indices)."""
-    key = tuple(str(k) for k in key)
-    if key in available:
-        return available[key]
-    if key in values:
-        return values[key]
-    return None
 
 
 class TensorSource(Protocol):
@@ -447,9 +445,8 @@ class _Reads:
 
     def start(self, position: int, req: Request, found: Available) -> None:
         """Starts one tensor's reads once the budget has room for them."""
-        reader = self.source.reader(found)
+        reader = self.source_of(found)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        self.source.verify(found, reader)
         shape = found.shape
         if req.rows is not None:  # a slab: its rows' bytes alone are read and held
             lo, hi = req.rows
@@ -581,7 +578,8 @@ def _plan_item(source: TensorSource, req: Request, available: Mapping, values: M
     """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
     after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
     target, divisibility by the sharding, a 64-bit dtype JAX would narrow on device."""
-    found = _match(req.key, available, values)
+    key = tuple(map(str, req.key))  # int vs str components (lists vs dicts of indices)
+    found = available.get(key, values.get(key))
     name = fmt.key_to_str(req.key)
     if found is None:
         raise not_found(name, source.where, available)
@@ -763,22 +761,35 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     if kv.get("driver") != "file":
         verify_shard_objects(root, [entry])
         return
-    n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    n_chunks = _chunks_per_shard(entry)
     for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
         path = os.path.join(kv["path"], *key.split("/"))
-        try:
+        with _shard_checked(entry, "file", path):
             fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
                 found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
             else:
                 fmt.files.check_regular(path)
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
-            ) from None
-        except fmt.UCPError as e:
-            raise _tensor_error(entry.name, e) from None
+
+
+def _chunks_per_shard(entry: fmt.TensorEntry) -> int:
+    return math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+
+
+@contextlib.contextmanager
+def _shard_checked(entry: fmt.TensorEntry, kind: str, where: str):
+    """A missing shard (``kind``: file or object) or a failed check as an error naming the
+    tensor."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Tensor {entry.name!r}: shard {kind} {where} is missing (the checkpoint is "
+            f"incomplete)."
+        ) from None
+    except fmt.UCPError as e:
+        raise _tensor_error(entry.name, e) from None
 
 
 def verify_shard_objects(root: str, entries) -> None:
@@ -792,7 +803,7 @@ def verify_shard_objects(root: str, entries) -> None:
     kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
     shards, owners = [], []
     for entry in entries:
-        n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+        n_chunks = _chunks_per_shard(entry)
         data_bytes = shard_file.index_offset(
             entry.inner_chunk_shape,
             store.zarr3.numpy_dtype(entry.dtype),
@@ -806,17 +817,10 @@ def verify_shard_objects(root: str, entries) -> None:
     for start in range(0, len(shards), _OBJECTS_PER_SWEEP):
         found = shard_reader.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
         for (entry, key, where), digest in zip(owners[start:], found):
-            try:
+            with _shard_checked(entry, "object", where):
                 if isinstance(digest, BaseException):
                     raise digest
                 shard_file.check_digest(where, digest, entry.shard_digests.get(key), entry.name)
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"Tensor {entry.name!r}: shard object {where} is missing (the checkpoint is "
-                    f"incomplete)."
-                ) from None
-            except fmt.UCPError as e:
-                raise _tensor_error(entry.name, e) from None
 
 
 # Shard objects whose digests are read together (each holds its index in memory meanwhile).
@@ -1122,10 +1126,11 @@ def _selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], sele
     available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
     chosen_values = [v for v in values if selected(v.name)]
     if select is not None and not available and not chosen_values:
+        example = next(map(fmt.key_to_str, every), values[0].name if values else "params/w")
         raise CheckpointError(
             f"select={_short(select)} matches no tensor or value of the checkpoint {where}; its "
             f"top-level names: {_top_level(every, values)} (a regex is matched in full "
-            f"against '/'-joined names such as {_example_name(every, values)!r})."
+            f"against '/'-joined names such as {example!r})."
         )
     return available, chosen_values
 
@@ -1204,9 +1209,3 @@ def _top_level(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
     tops = sorted({k[0] for k in available if k} | {v.key[0] for v in values if v.key})
     shown = ", ".join(repr(t) for t in tops[:20])
     return shown + (f", … ({len(tops)} in all)" if len(tops) > 20 else "") if tops else "none"
-
-
-def _example_name(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
-    for key in available:
-        return fmt.key_to_str(key)
-    return values[0].name if values else "params/w"
