@@ -231,9 +231,8 @@ _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 def _kind_rank(dtype: np.dtype) -> int:
     """bool < integers < floats (bfloat16 and float8 included) < complex."""
-    if dtype.kind in _KIND_RANK:
-        return _KIND_RANK[dtype.kind]
-    return 2 if "float" in dtype.name else 1  # ml_dtypes: bfloat16/float8_* / int4
+    # ml_dtypes (kind "V"): bfloat16/float8_* are floats, int4 an integer
+    return _KIND_RANK.get(dtype.kind, 2 if "float" in dtype.name else 1)
 
 
 def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> None:
@@ -329,12 +328,11 @@ def read(
     """
     if available is None:
         available = available_tensors(manifest, spec)
-    values = {e.key: e for e in manifest.values}
     return read_from(
         CheckpointSource(root),
         requests,
         available,
-        values,
+        {e.key: e for e in manifest.values},
         casting=casting,
         memory_budget=memory_budget,
         replicated_read=replicated_read,
@@ -367,13 +365,11 @@ def read_from(
       replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
     plan = [_plan_item(source, req, available, values or {}, casting) for req in requests]
-    source.prepare([item[2] for item in plan if item[0] == "tensor"])
+    tensors = [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"]
+    source.prepare([found for _, _, found in tensors])
     reads = _Reads(source, casting, memory_budget, len(plan))
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
-    once = replicated.select(
-        [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
-        replicated_read,
-    )
+    once = replicated.select(tensors, replicated_read)
     shared = replicated.read_once(
         once,
         reads.source_of,
@@ -926,10 +922,10 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
     if target is None:
         target, shardings = shardings, None
     leaves, treedef = tree_lib.flatten(target)
-    shard_by_key = {}
-    if shardings is not None:
-        for key, _, s in tree_lib.flatten(shardings)[0]:
-            shard_by_key[key] = _concrete(key, tree_lib.unbox(s)[0], mesh)
+    shard_by_key = {
+        key: _concrete(key, tree_lib.unbox(s)[0], mesh)
+        for key, _, s in (tree_lib.flatten(shardings)[0] if shardings is not None else ())
+    }
     reqs = []
     for key, _, leaf in leaves:
         leaf, _ = tree_lib.unbox(leaf)
@@ -990,8 +986,9 @@ def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
             root = find_checkpoint_dir(path)
             stamp = _identity(root)
             result = read(root)
-        except fmt.UCPError as e:
-            if not _replaced(path, around, root, stamp):
+        except fmt.UCPError as e:  # the checkpoint's own, unless path or root changed meanwhile
+            moved = root is not None and (stamp is None or _identity(root) != stamp)
+            if _swap_state(path) == around and not moved:
                 raise
             error = e
             continue
@@ -1022,26 +1019,6 @@ def _identity(root: str):
 def _swap_state(path: str) -> tuple:
     """``path`` and the names a forced replacement of it uses beside it."""
     return tuple(_identity(p) for p in (path, path + commit.REPLACING, path + commit.REPLACED))
-
-
-def _replaced(path: str, around: tuple, root: str | None, stamp) -> bool:
-    """Whether a forced save changed ``path`` since ``around`` was taken, or the directory read
-    (``root``, whose identity was ``stamp``) since it was found."""
-    if _swap_state(path) != around:
-        return True
-    return root is not None and (stamp is None or _identity(root) != stamp)
-
-
-def selector(select) -> Callable[[str], bool]:
-    """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
-    if select is None:
-        return lambda name: True
-    if callable(select):
-        return cast(Callable[[str], bool], select)
-    if isinstance(select, str):
-        pattern = re.compile(select)
-        return lambda name: pattern.fullmatch(name) is not None
-    raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
 
 
 def _restore_once(root: str, options: RestoreOptions):
@@ -1121,15 +1098,29 @@ def restore_from(
 
 
 def _selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
-    """The tensors and values ``select`` matches (all without it); matching none is an error."""
-    selected = selector(select)
+    """The tensors and values ``select`` (a regex matched in full against "a/b/c" names, or a
+    predicate on the name) matches (all without it); matching none is an error."""
+    if select is None:
+        return dict(every), list(values)
+    if isinstance(select, str):
+        selected = re.compile(select).fullmatch
+    elif callable(select):
+        selected = cast(Callable[[str], Any], select)
+    else:
+        raise TypeError(
+            f"select must be a regex string or a predicate, got {type(select).__name__}."
+        )
     available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
     chosen_values = [v for v in values if selected(v.name)]
-    if select is not None and not available and not chosen_values:
+    if not available and not chosen_values:
+        tops = sorted({k[0] for k in every if k} | {v.key[0] for v in values if v.key})
+        shown = ", ".join(map(repr, tops[:20])) + (
+            f", … ({len(tops)} in all)" if len(tops) > 20 else ""
+        )
         example = next(map(fmt.key_to_str, every), values[0].name if values else "params/w")
         raise CheckpointError(
             f"select={_short(select)} matches no tensor or value of the checkpoint {where}; its "
-            f"top-level names: {_top_level(every, values)} (a regex is matched in full "
+            f"top-level names: {shown or 'none'} (a regex is matched in full "
             f"against '/'-joined names such as {example!r})."
         )
     return available, chosen_values
@@ -1203,9 +1194,3 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
             sharding_lib.ReplicationWarning,
             stacklevel=user_stacklevel(),
         )
-
-
-def _top_level(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
-    tops = sorted({k[0] for k in available if k} | {v.key[0] for v in values if v.key})
-    shown = ", ".join(repr(t) for t in tops[:20])
-    return shown + (f", … ({len(tops)} in all)" if len(tops) > 20 else "") if tops else "none"
