@@ -468,9 +468,9 @@ class _Reads:
         position, req, found, pending = done
         try:
             result = pending.result()
+        except fmt.UCPError as e:  # names the file already
+            raise _tensor_error(found.name, e) from e
         except Exception as e:  # noqa: BLE001
-            if isinstance(e, fmt.UCPError):  # names the file already
-                raise _tensor_error(found.name, e) from e
             raise CheckpointError(
                 f"Tensor {found.name!r}: reading {self.source.files(found)} failed "
                 f"({_READ_FAILURES[tensorstore_failure(e)]}): {tensorstore_message(e)}"
@@ -572,8 +572,7 @@ _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tell
 
 def _plan_item(source: TensorSource, req: Request, available: Mapping, values: Mapping, casting):
     """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
-    after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
-    target, divisibility by the sharding, a 64-bit dtype JAX would narrow on device."""
+    after every check that needs no data (the name exists, ``check_tensor_request``)."""
     key = tuple(map(str, req.key))  # int vs str components (lists vs dicts of indices)
     found = available.get(key, values.get(key))
     name = fmt.key_to_str(req.key)
@@ -652,11 +651,10 @@ class CheckpointSource(TensorSource):
     def prepare(self, tensors: Sequence[Available]) -> None:
         """Every array opened at once; in an object store every shard object's digest checked
         at once, before any read."""
-        for found in tensors:
-            for src in found.sources:
-                self._open(src)
+        sources = {s.key: s for found in tensors for s in found.sources}
+        for src in sources.values():
+            self._open(src)
         if self.url:
-            sources = {s.key: s for found in tensors for s in found.sources}
             verify_shard_objects(self.root, sources.values())
 
     def _open(self, entry: fmt.TensorEntry) -> None:
