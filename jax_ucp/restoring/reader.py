@@ -326,12 +326,10 @@ def read(
       memory_budget: host bytes of read buffers in flight (None: 256 MiB).
       replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
-    if available is None:
-        available = available_tensors(manifest, spec)
     return read_from(
         CheckpointSource(root),
         requests,
-        available,
+        available if available is not None else available_tensors(manifest, spec),
         {e.key: e for e in manifest.values},
         casting=casting,
         memory_budget=memory_budget,
