@@ -492,12 +492,16 @@ def _tp_kind(checkpoint: MegatronDeepSpeedCheckpoint, name: str, kind) -> tuple[
     tp_kind = kind.inner if isinstance(kind, PipelineTied) else kind
     if tp_kind is None:
         tp_kind = Replicated()
-    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
-    dim = getattr(merged, "dim", 0) or 0
+    dim = getattr(_merged_kind(tp_kind), "dim", 0) or 0
     stage = checkpoint.holders[name][0]
     shapes = [checkpoint.ranks[stage][tp_rank].shapes[name] for tp_rank in range(checkpoint.tp)]
     widths = [s[dim] if len(s) > abs(dim) else 0 for s in shapes] if shapes[0] else []
     return resolve_sub_params(tp_kind, name, checkpoint.info, widths), widths
+
+
+def _merged_kind(tp_kind):
+    """The kind a TP kind's fragments merge with (a vocabulary's inner kind)."""
+    return tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
 
 
 def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files_of) -> np.ndarray:
@@ -570,30 +574,28 @@ def megatron_deepspeed_tensors(
     for name in layer_tensors + [n for n in known if n not in layer_tensors]:
         if name in imported or name in (source.get("skipped") or {}):
             continue
-        if name in known:
-            why = (
-                "model-precision copy of an averaged parameter (re-derived from its fp32 master)"
-                if not _stored_copy_used(checkpoint, known[name])
-                else "not imported"
-            )
-        else:
+        if name not in known:
             why = "not a trained parameter of param_shapes (a buffer or a tied copy)"
+        elif _stored_copy_used(checkpoint, known[name]):
+            why = "not imported"
+        else:
+            why = "model-precision copy of an averaged parameter (re-derived from its fp32 master)"
         skip(source, [name], why)
     return found
 
 
 def _stored_copy_used(checkpoint: MegatronDeepSpeedCheckpoint, name: str) -> bool:
     """Whether ``model_params/<name>`` is the stored copy merged (else the master cast)."""
-    if name not in checkpoint.matches or checkpoint.model_dtype == np.dtype(np.float32):
+    if (
+        name not in checkpoint.matches
+        or checkpoint.model_dtype == np.dtype(np.float32)
+        or len(checkpoint.module.get(name, {})) != checkpoint.tp
+    ):
         return False
     if name in checkpoint.affine:
-        scaled = any(p.scale != 1.0 for ps in checkpoint.affine[name].pieces.values() for p in ps)
-        return not scaled and len(checkpoint.module.get(name, {})) == checkpoint.tp
+        return all(p.scale == 1.0 for ps in checkpoint.affine[name].pieces.values() for p in ps)
     tp_kind, _ = _tp_kind(checkpoint, name, checkpoint.matches[name].kind)
-    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
-    return (
-        not isinstance(merged, Averaged) and len(checkpoint.module.get(name, {})) == checkpoint.tp
-    )
+    return not isinstance(_merged_kind(tp_kind), Averaged)
 
 
 def _parameter_items(
@@ -708,9 +710,8 @@ def _model_copy_item(
             dict(provenance, pattern=f"cast(fp32 -> {checkpoint.model_dtype})", state="module"),
         )
     stage = checkpoint.holders[name][0]
-    fragments = [stored[tp_rank][0] for tp_rank in range(checkpoint.tp)]
-    for tp_rank, fragment in enumerate(fragments):
-        path = stored[tp_rank][1]
+    fragments, paths, sources = (list(e) for e in zip(*(stored[t] for t in range(checkpoint.tp))))
+    for tp_rank, (fragment, path) in enumerate(zip(fragments, paths)):
         if fragment.dtype != checkpoint.model_dtype:
             raise DeepSpeedImportError(
                 f"{path}: {name!r} has dtype {fragment.dtype}, run dtype is {checkpoint.model_dtype}"
@@ -721,14 +722,13 @@ def _model_copy_item(
                 f"{path}: {name!r} has shape {tuple(fragment.shape)}, param_shapes in "
                 f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
             )
-    files = sorted({stored[tp_rank][1] for tp_rank in range(checkpoint.tp)})
+    files = sorted(set(paths))
     if name in checkpoint.affine:
         value = _affine_merge(
             checkpoint, name, checkpoint.affine[name], [fragments], "module", lambda: files
         )
     else:
         value = _merge(checkpoint, name, tp_kind, fragments, lambda: files)
-    sources = [stored[tp_rank][2] for tp_rank in range(checkpoint.tp)]
     return host_item(
         ("model_params", name),
         value,

@@ -197,7 +197,10 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     zero = os.path.join(tag_dir, ZERO_DIR)
     with unsafe_files_refused():  # zero/ linked to another run's folder is never read
         files.inside(tag_dir, ZERO_DIR, tag_dir)
-    optimizer_state = _optimizer_state(os.path.join(zero, OPTIMIZER_STATE))
+    optimizer_path = os.path.join(zero, OPTIMIZER_STATE)  # absent: an empty dict
+    optimizer_state = load_deepspeed_file(optimizer_path) if os.path.lexists(optimizer_path) else {}
+    if not isinstance(optimizer_state, Mapping):
+        raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)
     info = model_states.get("universal_checkpoint_info") or {}
@@ -227,16 +230,6 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
         mp_world_size=mp_world_size,
         info=info,
     )
-
-
-def _optimizer_state(optimizer_path: str) -> Mapping:
-    """``zero/optimizer_state.pt`` (a dict), or an empty dict when the folder has none."""
-    optimizer_state: Mapping = {}
-    if os.path.lexists(optimizer_path):
-        optimizer_state = load_deepspeed_file(optimizer_path)
-        if not isinstance(optimizer_state, Mapping):
-            raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
-    return optimizer_state
 
 
 def _param_folders(

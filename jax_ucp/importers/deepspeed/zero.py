@@ -467,23 +467,20 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
     stored = checkpoint.module.get(name)
     if not (isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size):
         return
-    ends, at = [], 0
-    for piece in checkpoint.fragment_plan[name].pieces:
-        ends += [at, at + piece.numel - 1]
-        at += piece.numel
-    index = np.unique(np.asarray(ends, np.int64))
+    pieces = checkpoint.fragment_plan[name].pieces
+    at = np.cumsum([0] + [piece.numel for piece in pieces])
+    index = np.unique(np.concatenate([at[:-1], at[1:] - 1]).astype(np.int64))
     want = stored.reshape(-1)[index]
     found = fp32.reshape(-1)[index].astype(stored.dtype)
     same = (want.view(np.uint8) == found.view(np.uint8)).reshape(len(index), -1).all(axis=1)
     if not same.all():
-        flat = int(index[np.argmin(same)])
+        bad = int(np.argmin(same))
         raise DeepSpeedImportError(
             f"parameter {name!r}: the fp32 master in "
-            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in checkpoint.fragment_plan[name].pieces]} "
-            f"gives {found[np.argmin(same)]!r} at flat index {flat}, the model weight in "
+            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in pieces]} "
+            f"gives {found[bad]!r} at flat index {int(index[bad])}, the model weight in "
             f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
-            f"{want[np.argmin(same)]!r}: rank files renamed, swapped "
-            "or from different saves"
+            f"{want[bad]!r}: rank files renamed, swapped or from different saves"
         )
 
 
@@ -550,10 +547,7 @@ def gather_parameter(
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
         vectors: the cache of :func:`state_vectors`.
     """
-    parts = _parts(checkpoint, name, state_name, vectors)
-    if len(parts) == 1:
-        return parts[0].reshape(checkpoint.shapes[name])
-    return _joined(parts, checkpoint.shapes[name], parts[0].dtype)
+    return _joined(_parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name])
 
 
 def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
@@ -580,9 +574,11 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
     return parts
 
 
-def _joined(parts: list, shape, dtype) -> np.ndarray:
+def _joined(parts: list, shape, dtype=None) -> np.ndarray:
     """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
-    drops it (``writer.unpooled_empty``)."""
+    drops it (``writer.unpooled_empty``); a single part of that dtype is a view of it."""
+    if len(parts) == 1 and dtype in (None, parts[0].dtype):
+        return parts[0].reshape(shape)
     out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
     at = 0
     for part in parts:
@@ -602,9 +598,7 @@ def _state_item(
     shape = tuple(checkpoint.shapes[name])
 
     def make() -> np.ndarray:
-        value = (
-            parts[0].reshape(shape) if len(parts) == 1 else _joined(parts, shape, parts[0].dtype)
-        )
+        value = _joined(parts, shape)
         if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
