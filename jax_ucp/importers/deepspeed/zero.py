@@ -577,7 +577,8 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
 def _joined(parts: list, shape, dtype=None) -> np.ndarray:
     """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
     drops it (``writer.unpooled_empty``); a single part of that dtype is a view of it."""
-    if len(parts) == 1 and dtype in (None, parts[0].dtype):
+    dtype = parts[0].dtype if dtype is None else dtype
+    if len(parts) == 1 and dtype == parts[0].dtype:
         return parts[0].reshape(shape)
     out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
     at = 0
@@ -693,18 +694,13 @@ def iter_zero_items(
 def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:
     """Where one optimizer state's flat arrays sit in every rank's optimizer file: the dotted
     prefix and the keys of its arrays (stage 1/2: one per param group; stage 3: sub-groups)."""
-    if checkpoint.stage in (1, 2):
-        keys = [str(g) for g in range(len(checkpoint.param_shapes))]
-        if state_name == "fp32":
-            return "optimizer_state_dict.single_partition_of_fp32_groups.{}", keys
-        return "optimizer_state_dict.base_optimizer_state.state.{}." + state_name, keys
+    first, stage12 = checkpoint.optim_states[0], checkpoint.stage in (1, 2)
     if state_name == "fp32":
-        count = len(checkpoint.optim_states[0]["fp32_flat_groups"])
-        return "optimizer_state_dict.fp32_flat_groups.{}", [str(i) for i in range(count)]
-    inner = checkpoint.optim_states[0]["optimizer_state_dict"]["state"]
-    return "optimizer_state_dict.optimizer_state_dict.state.{}." + state_name, [
-        str(i) for i in sorted(inner)
-    ]
+        key = "single_partition_of_fp32_groups" if stage12 else "fp32_flat_groups"
+        return f"optimizer_state_dict.{key}.{{}}", [str(i) for i in range(len(first[key]))]
+    inner = "base_optimizer_state" if stage12 else "optimizer_state_dict"
+    keys = range(len(checkpoint.param_shapes)) if stage12 else sorted(first[inner]["state"])
+    return f"optimizer_state_dict.{inner}.state.{{}}.{state_name}", [str(k) for k in keys]
 
 
 def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
@@ -864,34 +860,19 @@ def frozen_items(
     also: Callable[[str, np.ndarray, list[str]], list[str]] | None = None,
 ) -> Iterator[writer.HostItem]:
     """``params`` items of the frozen parameters ``names``, marked frozen, their weights rebuilt
-    from ``frozen_param_fragments`` (:func:`frozen_weights`). ``also(name, weight, files)``
-    names more source tensors holding the same weights (and checks that they do)."""
-    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
-    for name, weight in frozen_weights(checkpoint, names):
-        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
-        if also is not None:
-            sources += also(name, weight, frozen_files)
-        item = host_item(
-            ("params", name),
-            weight,
-            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
-        )
-        item.frozen = True
-        yield item
-
-
-def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, weight) of every frozen parameter, as DeepSpeed's zero_to_fp32 rebuilds them:
-    stage 1/2 keep each whole; stage 3 keeps a ``ceil(numel / W)`` partition per DP rank,
-    concatenated in rank order and cut to ``numel``. In the run's precision (never trained,
-    there is no fp32 master)."""
+    from ``frozen_param_fragments`` as DeepSpeed's zero_to_fp32 does: stage 1/2 keep each whole;
+    stage 3 keeps a ``ceil(numel / W)`` partition per DP rank, concatenated in rank order and
+    cut to ``numel``. In the run's precision (never trained, there is no fp32 master).
+    ``also(name, weight, files)`` names more source tensors holding the same weights (and checks
+    that they do)."""
     fragments = []
     for path in checkpoint.frozen_files:
         found = _model_states(checkpoint, path).get("frozen_param_fragments")
         if not isinstance(found, Mapping):
             raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
-    for name in checkpoint.frozen if names is None else names:
+    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
+    for name in names:
         shape = checkpoint.frozen[name]
         count = numel(shape)
         parts = []
@@ -915,7 +896,17 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tupl
                 f"{checkpoint.frozen_files[0]}: frozen parameter {name!r} shape {shape} needs "
                 f"{count} elements, the files hold {flat.size}"
             )
-        yield name, flat[:count].reshape(shape)
+        weight = flat[:count].reshape(shape)
+        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
+        if also is not None:
+            sources += also(name, weight, frozen_files)
+        item = host_item(
+            ("params", name),
+            weight,
+            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
+        )
+        item.frozen = True
+        yield item
 
 
 def zero0_model_file(tag_dir: str) -> str | None:
