@@ -128,6 +128,16 @@ class DeepSpeedCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_shapes for name, shape in group.items()}
 
+    @property
+    def model_files(self) -> list[str]:
+        """The rank's model states files: one, or stage 3's one per DP rank."""
+        if self.stage != 3:
+            return [self.model_file]
+        return [
+            os.path.join(self.tag_dir, ZERO3_MODEL_NAME.format(r, self.mp_rank))
+            for r in range(self.world_size)
+        ]
+
     def module_tensor(self, name: str) -> str:
         """The source tensor (``<file>:<key>``) of ``module`` entry ``name``."""
         default = f"{os.path.basename(self.model_file)}:module.{name}"
@@ -224,6 +234,12 @@ def open_zero_rank(
         param_shapes = param_shapes_of(model_states, model_file)
     if module is None:
         module = model_states.get("module") or {}
+    # DeepSpeed's shared_params: tied name (not stored) -> the stored parameter's name
+    shared = model_states.get("shared_params") or {}
+    if not isinstance(shared, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
+    ):
+        raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
     checkpoint = DeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=optimizer.stage,
@@ -235,16 +251,14 @@ def open_zero_rank(
         model_states=model_states,
         optim_states=optimizer.states,
         module=module,
-        shared_params=shared_params_of(model_states, model_file),
+        shared_params=dict(shared),
         mp_rank=mp_rank,
         **layout,
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
     checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
     if checkpoint.frozen:
-        checkpoint.frozen_files = (
-            [model_file] if optimizer.stage in (1, 2) else _zero3_model_files(checkpoint)
-        )
+        checkpoint.frozen_files = checkpoint.model_files
     return checkpoint
 
 
@@ -286,7 +300,6 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
         _check_stage12_contiguity(checkpoint, plan)
     else:
         plan = _plan_stage3(checkpoint)
-        _check_stage3_partitions(checkpoint)
     shapes = checkpoint.shapes
     for name, fragments in plan.items():
         held = sum(piece.numel for piece in fragments.pieces)
@@ -381,7 +394,8 @@ def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path
 
 
 def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
-    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order."""
+    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order;
+    every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
     plan: dict[str, ParameterFragments] = {}
     offset = 0
     world = checkpoint.world_size
@@ -393,6 +407,16 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
             pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
             plan[name] = ParameterFragments(group, pieces)
             offset += part
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        fp32 = FlatVector(
+            require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
+        )
+        if fp32.size != offset:
+            raise DeepSpeedImportError(
+                f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
+                f"{checkpoint.model_file} with {world} DP ranks need {offset}"
+            )
     return plan
 
 
@@ -482,22 +506,6 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
             f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
             f"{want[bad]!r}: rank files renamed, swapped or from different saves"
         )
-
-
-def _check_stage3_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
-    """Every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
-    world = checkpoint.world_size
-    need = sum(math.ceil(numel(shape) / world) for shape in checkpoint.shapes.values())
-    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
-        path = checkpoint.optim_files[dp_rank]
-        fp32 = FlatVector(
-            require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
-        )
-        if fp32.size != need:
-            raise DeepSpeedImportError(
-                f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
-                f"{checkpoint.model_file} with {world} DP ranks need {need}"
-            )
 
 
 # --------------------------------------------------------------------------- reading
@@ -735,23 +743,22 @@ def zero_tensors(
     imported_module: set[str] | None = None,
 ) -> list[str]:
     """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
-    take listed in ``source["skipped"]`` with the reason. ``imported_module``: the ``module``
-    weights imported as ``model_params`` (default: those a plain ZeRO import takes).
+    take listed in ``source["skipped"]`` with the reason.
 
     Args:
         checkpoint: the opened ZeRO checkpoint.
         source: the manifest's source record, whose ``skipped`` is filled.
         weights_only: whether the optimizer state is skipped.
-        imported_module: the ``module`` weights imported as ``model_params``.
+        imported_module: the ``module`` weights imported as ``model_params`` (default: those a
+            plain ZeRO import takes).
     """
     found: list[str] = []
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
         found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
-    paths = _zero3_model_files(checkpoint) if checkpoint.stage == 3 else [checkpoint.model_file]
-    model_files = {path: _model_states(checkpoint, path) for path in paths}
     module_found = []
-    for path, states in model_files.items():
+    for path in checkpoint.model_files:
+        states = _model_states(checkpoint, path)
         names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
         found += names
         module_found += [n for n in names if n.split(":", 1)[1].startswith("module.")]
@@ -801,13 +808,6 @@ def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
     return checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
 
 
-def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
-    return [
-        os.path.join(checkpoint.tag_dir, ZERO3_MODEL_NAME.format(r, checkpoint.mp_rank))
-        for r in range(checkpoint.world_size)
-    ]
-
-
 def _model_copy_item(
     checkpoint: DeepSpeedCheckpoint,
     name: str,
@@ -842,16 +842,6 @@ def _model_copy_item(
             "tensors": fp32_tensors,
         },
     )
-
-
-def shared_params_of(model_states: Mapping, model_file: str) -> dict[str, str]:
-    """DeepSpeed's ``shared_params``: tied name (not stored) -> the stored parameter's name."""
-    shared = model_states.get("shared_params") or {}
-    if not isinstance(shared, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
-    ):
-        raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
-    return dict(shared)
 
 
 def frozen_items(
