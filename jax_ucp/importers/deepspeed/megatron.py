@@ -130,7 +130,11 @@ def open_megatron_deepspeed_checkpoint(
         for pp_rank in range(rank_files.pp)
     ]
     _check_same_parameters_per_stage(ranks)
-    names, holders = _output_order(ranks)
+    holders: dict[str, list[int]] = {}  # in stage order, a tied parameter once
+    for pp_rank, row in enumerate(ranks):
+        for name in row[0].names:
+            holders.setdefault(name, []).append(pp_rank)
+    names = list(holders)
     checkpoint = MegatronDeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=ranks[0][0].stage,
@@ -343,15 +347,6 @@ def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> 
                     f"parameters than {reference.model_file}: "
                     f"{diff if isinstance(diff, str) else diff[:5]}"
                 )
-
-
-def _output_order(ranks: list[list[DeepSpeedCheckpoint]]) -> tuple[list[str], dict[str, list[int]]]:
-    """Names in stage order (a tied parameter once) and the stages holding each."""
-    holders: dict[str, list[int]] = {}
-    for pp_rank, row in enumerate(ranks):
-        for name in row[0].names:
-            holders.setdefault(name, []).append(pp_rank)
-    return list(holders), holders
 
 
 # --------------------------------------------------------------------------- model weights
@@ -620,7 +615,6 @@ def _parameter_items(
     amap = checkpoint.affine.get(name)
     if amap is not None:
         provenance["kind"] = {"kind": "affine_map", "pattern": amap.pattern}
-    fp32 = None
     for state_name, tree in STATE_TREES:
         per_stage = [  # each stage's TP fragments, in their TP-local shapes
             [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
@@ -640,8 +634,7 @@ def _parameter_items(
         ]
         yield host_item((*tree, name), value, dict(provenance, state=state_name, tensors=sources))
         if state_name == "fp32":
-            fp32_sources = sources
-            fp32 = value
+            fp32, fp32_sources = value, sources
         del per_stage
     if checkpoint.model_dtype != np.dtype(np.float32):
         yield _model_copy_item(
@@ -674,9 +667,7 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
 
 def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, widths) -> dict:
     stages = checkpoint.holders[name]
-    holding = [
-        checkpoint.ranks[stage][tp_rank] for stage in stages for tp_rank in range(checkpoint.tp)
-    ]
+    holding = [rank for stage in stages for rank in checkpoint.ranks[stage]]
     files = {
         os.path.basename(rank.optim_files[piece.dp_rank])
         for rank in holding

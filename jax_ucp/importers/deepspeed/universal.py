@@ -381,14 +381,9 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
 def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, fp32_source: str):
     """The model-precision copy: the module weight as stored when it is whole, else the fp32
     master cast (a ZeRO-3 placeholder, or a tensor-parallel rank's piece)."""
-    stored = (checkpoint.model_states.get("module") or {}).get(name)
+    stored = _stored_weight(checkpoint, name, fp32.shape)
     model_file = os.path.basename(checkpoint.model_file)
-    if (
-        isinstance(stored, np.ndarray)
-        and stored.size
-        and stored.shape == fp32.shape
-        and stored.dtype == checkpoint.model_dtype
-    ):
+    if stored is not None:
         provenance = {
             "files": [model_file],
             "pattern": "module",
@@ -401,6 +396,14 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
         "tensors": [fp32_source],
     }
     return host_item(("model_params", name), fp32.astype(checkpoint.model_dtype), provenance)
+
+
+def _stored_weight(checkpoint: UniversalCheckpoint, name: str, shape) -> np.ndarray | None:
+    """The module weight of ``name`` when it is whole (``shape``) and in the run's precision."""
+    stored = (checkpoint.model_states.get("module") or {}).get(name)
+    if isinstance(stored, np.ndarray) and stored.size and stored.shape == shape:
+        return stored if stored.dtype == checkpoint.model_dtype else None
+    return None
 
 
 def _frozen_reader(checkpoint: UniversalCheckpoint) -> DeepSpeedCheckpoint:
@@ -538,16 +541,12 @@ def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list
     """The tensors of every model states file; all but the imported module weights and frozen
     fragments skipped with the reason."""
     model_file = os.path.basename(checkpoint.model_file)
-    module = checkpoint.model_states.get("module") or {}
     imported = set()
     if checkpoint.model_dtype != np.dtype(np.float32):
         imported = {
             f"{model_file}:module.{name}"
             for name, param in checkpoint.params.items()
-            if isinstance(stored := module.get(name), np.ndarray)
-            and stored.size
-            and stored.shape == param.shape
-            and stored.dtype == checkpoint.model_dtype
+            if _stored_weight(checkpoint, name, param.shape) is not None
         }
     frozen_names = {f"frozen_param_fragments.{n}" for n in checkpoint.frozen}
     found = []
