@@ -326,14 +326,10 @@ def read_optimizer_states(
     )
     for dp_rank in range(world):
         if dp_rank not in files_by_dp_rank:
-            path = os.path.join(
-                tag_dir,
-                os.path.basename(first).replace(
-                    f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_"
-                ),
-            )
+            name = os.path.basename(first)
+            name = name.replace(f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_")
             raise DeepSpeedImportError(
-                f"{path}: missing optimizer file for DP rank {dp_rank}{of_rank} "
+                f"{os.path.join(tag_dir, name)}: missing optimizer file for DP rank {dp_rank}{of_rank} "
                 f"(partition_count in {first} is {world})"
             )
     if len(files_by_dp_rank) != world:

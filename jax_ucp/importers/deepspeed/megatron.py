@@ -341,11 +341,10 @@ def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> 
         for tp_rank, rank in enumerate(row[1:], start=1):
             expected, held = list(reference.shapes), list(rank.shapes)
             if expected != held:
-                diff = sorted(set(expected) ^ set(held)) or "a different order"
+                diff = sorted(set(expected) ^ set(held))[:5] or "a different order"
                 raise DeepSpeedImportError(
                     f"{rank.model_file}: TP rank {tp_rank} of stage {pp_rank} holds other "
-                    f"parameters than {reference.model_file}: "
-                    f"{diff if isinstance(diff, str) else diff[:5]}"
+                    f"parameters than {reference.model_file}: {diff}"
                 )
 
 

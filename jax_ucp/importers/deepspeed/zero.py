@@ -658,8 +658,7 @@ def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
 def iter_zero_items(
     checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
-    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``
-    (``weights_only``: params and model_params alone); ``share``: this process's part.
+    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``.
 
     Args:
         checkpoint: the opened ZeRO checkpoint.
