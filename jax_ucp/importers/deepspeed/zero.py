@@ -555,7 +555,10 @@ def gather_parameter(
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
         vectors: the cache of :func:`state_vectors`.
     """
-    return _joined(_parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name])
+    parts = _parts(checkpoint, name, state_name, vectors)
+    if len(parts) == 1:
+        return parts[0].reshape(checkpoint.shapes[name])
+    return _joined(parts, checkpoint.shapes[name], parts[0].dtype)
 
 
 def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
@@ -582,12 +585,9 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
     return parts
 
 
-def _joined(parts: list, shape, dtype=None) -> np.ndarray:
+def _joined(parts: list, shape, dtype) -> np.ndarray:
     """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
-    drops it (``writer.unpooled_empty``); a single part of that dtype is a view of it."""
-    dtype = parts[0].dtype if dtype is None else dtype
-    if len(parts) == 1 and dtype == parts[0].dtype:
-        return parts[0].reshape(shape)
+    drops it (``writer.unpooled_empty``)."""
     out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
     at = 0
     for part in parts:
@@ -607,7 +607,9 @@ def _state_item(
     shape = tuple(checkpoint.shapes[name])
 
     def make() -> np.ndarray:
-        value = _joined(parts, shape)
+        value = (
+            parts[0].reshape(shape) if len(parts) == 1 else _joined(parts, shape, parts[0].dtype)
+        )
         if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
