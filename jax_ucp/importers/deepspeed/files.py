@@ -78,7 +78,16 @@ def load_deepspeed_file(path: str) -> Any:
         files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
     archive = TorchArchive(path)
     try:
-        check_saved_name(archive, path)
+        name = os.path.basename(path)
+        saved = archive.saved_name
+        # "archive": saved through a file object, no name kept
+        if saved not in (name.removesuffix(".pt"), "archive"):
+            raise DeepSpeedImportError(
+                f"{path}: this file was saved as '{saved}.pt' (the name inside its zip archive) "
+                f"but is named '{name}'. DeepSpeed's rank is in the file name, so renamed or "
+                "swapped rank files would import as wrong parameters; give the files back their "
+                "saved names"
+            )
         return archive.load(DS_CLASSES)
     finally:
         archive.close()
@@ -92,19 +101,6 @@ def unsafe_files_refused(note: str = "") -> Iterator[None]:
         yield
     except files.UnsafeFileError as e:
         raise DeepSpeedImportError(f"{e}{note}") from None
-
-
-def check_saved_name(archive: TorchArchive, path: str) -> None:
-    """Refuses a rank file whose archive says it was saved under another file name."""
-    name = os.path.basename(path)
-    stem = name[: -len(".pt")] if name.endswith(".pt") else name
-    saved = archive.saved_name
-    if saved not in (stem, "archive"):  # "archive": saved through a file object, no name kept
-        raise DeepSpeedImportError(
-            f"{path}: this file was saved as '{saved}.pt' (the name inside its zip archive) but "
-            f"is named '{name}'. DeepSpeed's rank is in the file name, so renamed or swapped rank "
-            "files would import as wrong parameters; give the files back their saved names"
-        )
 
 
 def require(mapping: Any, key: Any, where: str) -> Any:
@@ -329,14 +325,10 @@ def read_optimizer_states(
     )
     for dp_rank in range(world):
         if dp_rank not in files_by_dp_rank:
-            path = os.path.join(
-                tag_dir,
-                os.path.basename(first).replace(
-                    f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_"
-                ),
-            )
+            name = os.path.basename(first)
+            name = name.replace(f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_")
             raise DeepSpeedImportError(
-                f"{path}: missing optimizer file for DP rank {dp_rank}{of_rank} "
+                f"{os.path.join(tag_dir, name)}: missing optimizer file for DP rank {dp_rank}{of_rank} "
                 f"(partition_count in {first} is {world})"
             )
     if len(files_by_dp_rank) != world:
@@ -347,25 +339,20 @@ def read_optimizer_states(
             f"{[os.path.basename(files_by_dp_rank[r]) for r in extra]})"
         )
     files = [files_by_dp_rank[dp_rank] for dp_rank in range(world)]
-    states = [first_state] + [
-        _matching_optimizer_state(path, stage, partition_count, first) for path in files[1:]
-    ]
+    states = [first_state]
+    for path in files[1:]:  # every further DP rank must agree with the first
+        state = require(load_deepspeed_file(path), "optimizer_state_dict", path)
+        if int(require(state, "zero_stage", path)) != stage:
+            raise DeepSpeedImportError(
+                f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}"
+            )
+        count = require(state, "partition_count", path)
+        if count != partition_count:
+            raise DeepSpeedImportError(
+                f"{path}: partition_count {count}, {first} has {partition_count}"
+            )
+        states.append(state)
     return OptimizerStates(stage, world, partition_count, files, states)
-
-
-def _matching_optimizer_state(path: str, stage: int, partition_count: Any, first: str) -> dict:
-    """A further DP rank's 'optimizer_state_dict', which must agree with the first rank's."""
-    state = require(load_deepspeed_file(path), "optimizer_state_dict", path)
-    if int(require(state, "zero_stage", path)) != stage:
-        raise DeepSpeedImportError(
-            f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}"
-        )
-    count = require(state, "partition_count", path)
-    if count != partition_count:
-        raise DeepSpeedImportError(
-            f"{path}: partition_count {count}, {first} has {partition_count}"
-        )
-    return state
 
 
 # --------------------------------------------------------------------------- model states files

@@ -130,7 +130,11 @@ def open_megatron_deepspeed_checkpoint(
         for pp_rank in range(rank_files.pp)
     ]
     _check_same_parameters_per_stage(ranks)
-    names, holders = _output_order(ranks)
+    holders: dict[str, list[int]] = {}  # in stage order, a tied parameter once
+    for pp_rank, row in enumerate(ranks):
+        for name in row[0].names:
+            holders.setdefault(name, []).append(pp_rank)
+    names = list(holders)
     checkpoint = MegatronDeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=ranks[0][0].stage,
@@ -337,21 +341,11 @@ def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> 
         for tp_rank, rank in enumerate(row[1:], start=1):
             expected, held = list(reference.shapes), list(rank.shapes)
             if expected != held:
-                diff = sorted(set(expected) ^ set(held)) or "a different order"
+                diff = sorted(set(expected) ^ set(held))[:5] or "a different order"
                 raise DeepSpeedImportError(
                     f"{rank.model_file}: TP rank {tp_rank} of stage {pp_rank} holds other "
-                    f"parameters than {reference.model_file}: "
-                    f"{diff if isinstance(diff, str) else diff[:5]}"
+                    f"parameters than {reference.model_file}: {diff}"
                 )
-
-
-def _output_order(ranks: list[list[DeepSpeedCheckpoint]]) -> tuple[list[str], dict[str, list[int]]]:
-    """Names in stage order (a tied parameter once) and the stages holding each."""
-    holders: dict[str, list[int]] = {}
-    for pp_rank, row in enumerate(ranks):
-        for name in row[0].names:
-            holders.setdefault(name, []).append(pp_rank)
-    return list(holders), holders
 
 
 # --------------------------------------------------------------------------- model weights
@@ -492,12 +486,16 @@ def _tp_kind(checkpoint: MegatronDeepSpeedCheckpoint, name: str, kind) -> tuple[
     tp_kind = kind.inner if isinstance(kind, PipelineTied) else kind
     if tp_kind is None:
         tp_kind = Replicated()
-    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
-    dim = getattr(merged, "dim", 0) or 0
+    dim = getattr(_merged_kind(tp_kind), "dim", 0) or 0
     stage = checkpoint.holders[name][0]
     shapes = [checkpoint.ranks[stage][tp_rank].shapes[name] for tp_rank in range(checkpoint.tp)]
     widths = [s[dim] if len(s) > abs(dim) else 0 for s in shapes] if shapes[0] else []
     return resolve_sub_params(tp_kind, name, checkpoint.info, widths), widths
+
+
+def _merged_kind(tp_kind):
+    """The kind a TP kind's fragments merge with (a vocabulary's inner kind)."""
+    return tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
 
 
 def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files_of) -> np.ndarray:
@@ -570,30 +568,28 @@ def megatron_deepspeed_tensors(
     for name in layer_tensors + [n for n in known if n not in layer_tensors]:
         if name in imported or name in (source.get("skipped") or {}):
             continue
-        if name in known:
-            why = (
-                "model-precision copy of an averaged parameter (re-derived from its fp32 master)"
-                if not _stored_copy_used(checkpoint, known[name])
-                else "not imported"
-            )
-        else:
+        if name not in known:
             why = "not a trained parameter of param_shapes (a buffer or a tied copy)"
+        elif _stored_copy_used(checkpoint, known[name]):
+            why = "not imported"
+        else:
+            why = "model-precision copy of an averaged parameter (re-derived from its fp32 master)"
         skip(source, [name], why)
     return found
 
 
 def _stored_copy_used(checkpoint: MegatronDeepSpeedCheckpoint, name: str) -> bool:
     """Whether ``model_params/<name>`` is the stored copy merged (else the master cast)."""
-    if name not in checkpoint.matches or checkpoint.model_dtype == np.dtype(np.float32):
+    if (
+        name not in checkpoint.matches
+        or checkpoint.model_dtype == np.dtype(np.float32)
+        or len(checkpoint.module.get(name, {})) != checkpoint.tp
+    ):
         return False
     if name in checkpoint.affine:
-        scaled = any(p.scale != 1.0 for ps in checkpoint.affine[name].pieces.values() for p in ps)
-        return not scaled and len(checkpoint.module.get(name, {})) == checkpoint.tp
+        return all(p.scale == 1.0 for ps in checkpoint.affine[name].pieces.values() for p in ps)
     tp_kind, _ = _tp_kind(checkpoint, name, checkpoint.matches[name].kind)
-    merged = tp_kind.inner if isinstance(tp_kind, Vocab) and tp_kind.inner is not None else tp_kind
-    return (
-        not isinstance(merged, Averaged) and len(checkpoint.module.get(name, {})) == checkpoint.tp
-    )
+    return not isinstance(_merged_kind(tp_kind), Averaged)
 
 
 def _parameter_items(
@@ -618,7 +614,6 @@ def _parameter_items(
     amap = checkpoint.affine.get(name)
     if amap is not None:
         provenance["kind"] = {"kind": "affine_map", "pattern": amap.pattern}
-    fp32 = None
     for state_name, tree in STATE_TREES:
         per_stage = [  # each stage's TP fragments, in their TP-local shapes
             [zero.gather_parameter(rank, name, state_name, {}) for rank in checkpoint.ranks[stage]]
@@ -638,8 +633,7 @@ def _parameter_items(
         ]
         yield host_item((*tree, name), value, dict(provenance, state=state_name, tensors=sources))
         if state_name == "fp32":
-            fp32_sources = sources
-            fp32 = value
+            fp32, fp32_sources = value, sources
         del per_stage
     if checkpoint.model_dtype != np.dtype(np.float32):
         yield _model_copy_item(
@@ -672,9 +666,7 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
 
 def _provenance(checkpoint: MegatronDeepSpeedCheckpoint, name, match, tp_kind, widths) -> dict:
     stages = checkpoint.holders[name]
-    holding = [
-        checkpoint.ranks[stage][tp_rank] for stage in stages for tp_rank in range(checkpoint.tp)
-    ]
+    holding = [rank for stage in stages for rank in checkpoint.ranks[stage]]
     files = {
         os.path.basename(rank.optim_files[piece.dp_rank])
         for rank in holding
@@ -708,9 +700,8 @@ def _model_copy_item(
             dict(provenance, pattern=f"cast(fp32 -> {checkpoint.model_dtype})", state="module"),
         )
     stage = checkpoint.holders[name][0]
-    fragments = [stored[tp_rank][0] for tp_rank in range(checkpoint.tp)]
-    for tp_rank, fragment in enumerate(fragments):
-        path = stored[tp_rank][1]
+    fragments, paths, sources = (list(e) for e in zip(*(stored[t] for t in range(checkpoint.tp))))
+    for tp_rank, (fragment, path) in enumerate(zip(fragments, paths)):
         if fragment.dtype != checkpoint.model_dtype:
             raise DeepSpeedImportError(
                 f"{path}: {name!r} has dtype {fragment.dtype}, run dtype is {checkpoint.model_dtype}"
@@ -721,14 +712,13 @@ def _model_copy_item(
                 f"{path}: {name!r} has shape {tuple(fragment.shape)}, param_shapes in "
                 f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
             )
-    files = sorted({stored[tp_rank][1] for tp_rank in range(checkpoint.tp)})
+    files = sorted(set(paths))
     if name in checkpoint.affine:
         value = _affine_merge(
             checkpoint, name, checkpoint.affine[name], [fragments], "module", lambda: files
         )
     else:
         value = _merge(checkpoint, name, tp_kind, fragments, lambda: files)
-    sources = [stored[tp_rank][2] for tp_rank in range(checkpoint.tp)]
     return host_item(
         ("model_params", name),
         value,

@@ -365,7 +365,15 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
-    found += _expert_tensors(checkpoint, experts, source)
+    expert_tensors = [tensor for _, tensor in experts.weights.values()]
+    if checkpoint.model_dtype == np.dtype(np.float32):  # checked element by element
+        skip(
+            source,
+            expert_tensors,
+            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
+            "master (checked), imported as params/",
+        )
+    found += expert_tensors
     items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
     return ImportPlan(
         items=_checked_experts(items, checkpoint, experts),
@@ -373,20 +381,6 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
         total_params=len(share.pick(checkpoint.names)),
         source_tensors=found,
     )
-
-
-def _expert_tensors(checkpoint: DeepSpeedCheckpoint, experts: Experts, source: dict) -> list[str]:
-    """The expert files' tensors; an fp32 run's are its masters' values (checked element by
-    element), listed in ``source.skipped``."""
-    found = [tensor for _, tensor in experts.weights.values()]
-    if checkpoint.model_dtype == np.dtype(np.float32):
-        skip(
-            source,
-            found,
-            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
-            "master (checked), imported as params/",
-        )
-    return found
 
 
 def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:

@@ -197,7 +197,10 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     zero = os.path.join(tag_dir, ZERO_DIR)
     with unsafe_files_refused():  # zero/ linked to another run's folder is never read
         files.inside(tag_dir, ZERO_DIR, tag_dir)
-    optimizer_state = _optimizer_state(os.path.join(zero, OPTIMIZER_STATE))
+    optimizer_path = os.path.join(zero, OPTIMIZER_STATE)  # absent: an empty dict
+    optimizer_state = load_deepspeed_file(optimizer_path) if os.path.lexists(optimizer_path) else {}
+    if not isinstance(optimizer_state, Mapping):
+        raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)
     info = model_states.get("universal_checkpoint_info") or {}
@@ -227,16 +230,6 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
         mp_world_size=mp_world_size,
         info=info,
     )
-
-
-def _optimizer_state(optimizer_path: str) -> Mapping:
-    """``zero/optimizer_state.pt`` (a dict), or an empty dict when the folder has none."""
-    optimizer_state: Mapping = {}
-    if os.path.lexists(optimizer_path):
-        optimizer_state = load_deepspeed_file(optimizer_path)
-        if not isinstance(optimizer_state, Mapping):
-            raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
-    return optimizer_state
 
 
 def _param_folders(
@@ -388,14 +381,9 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
 def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, fp32_source: str):
     """The model-precision copy: the module weight as stored when it is whole, else the fp32
     master cast (a ZeRO-3 placeholder, or a tensor-parallel rank's piece)."""
-    stored = (checkpoint.model_states.get("module") or {}).get(name)
+    stored = _stored_weight(checkpoint, name, fp32.shape)
     model_file = os.path.basename(checkpoint.model_file)
-    if (
-        isinstance(stored, np.ndarray)
-        and stored.size
-        and stored.shape == fp32.shape
-        and stored.dtype == checkpoint.model_dtype
-    ):
+    if stored is not None:
         provenance = {
             "files": [model_file],
             "pattern": "module",
@@ -408,6 +396,14 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
         "tensors": [fp32_source],
     }
     return host_item(("model_params", name), fp32.astype(checkpoint.model_dtype), provenance)
+
+
+def _stored_weight(checkpoint: UniversalCheckpoint, name: str, shape) -> np.ndarray | None:
+    """The module weight of ``name`` when it is whole (``shape``) and in the run's precision."""
+    stored = (checkpoint.model_states.get("module") or {}).get(name)
+    if isinstance(stored, np.ndarray) and stored.size and stored.shape == shape:
+        return stored if stored.dtype == checkpoint.model_dtype else None
+    return None
 
 
 def _frozen_reader(checkpoint: UniversalCheckpoint) -> DeepSpeedCheckpoint:
@@ -545,16 +541,12 @@ def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list
     """The tensors of every model states file; all but the imported module weights and frozen
     fragments skipped with the reason."""
     model_file = os.path.basename(checkpoint.model_file)
-    module = checkpoint.model_states.get("module") or {}
     imported = set()
     if checkpoint.model_dtype != np.dtype(np.float32):
         imported = {
             f"{model_file}:module.{name}"
             for name, param in checkpoint.params.items()
-            if isinstance(stored := module.get(name), np.ndarray)
-            and stored.size
-            and stored.shape == param.shape
-            and stored.dtype == checkpoint.model_dtype
+            if _stored_weight(checkpoint, name, param.shape) is not None
         }
     frozen_names = {f"frozen_param_fragments.{n}" for n in checkpoint.frozen}
     found = []

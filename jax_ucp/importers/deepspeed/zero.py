@@ -128,6 +128,16 @@ class DeepSpeedCheckpoint:
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: shape for group in self.param_shapes for name, shape in group.items()}
 
+    @property
+    def model_files(self) -> list[str]:
+        """The rank's model states files: one, or stage 3's one per DP rank."""
+        if self.stage != 3:
+            return [self.model_file]
+        return [
+            os.path.join(self.tag_dir, ZERO3_MODEL_NAME.format(r, self.mp_rank))
+            for r in range(self.world_size)
+        ]
+
     def module_tensor(self, name: str) -> str:
         """The source tensor (``<file>:<key>``) of ``module`` entry ``name``."""
         default = f"{os.path.basename(self.model_file)}:module.{name}"
@@ -224,6 +234,12 @@ def open_zero_rank(
         param_shapes = param_shapes_of(model_states, model_file)
     if module is None:
         module = model_states.get("module") or {}
+    # DeepSpeed's shared_params: tied name (not stored) -> the stored parameter's name
+    shared = model_states.get("shared_params") or {}
+    if not isinstance(shared, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
+    ):
+        raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
     checkpoint = DeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=optimizer.stage,
@@ -235,16 +251,14 @@ def open_zero_rank(
         model_states=model_states,
         optim_states=optimizer.states,
         module=module,
-        shared_params=shared_params_of(model_states, model_file),
+        shared_params=dict(shared),
         mp_rank=mp_rank,
         **layout,
     )
     checkpoint.fragment_plan = plan_fragments(checkpoint)
     checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
     if checkpoint.frozen:
-        checkpoint.frozen_files = (
-            [model_file] if optimizer.stage in (1, 2) else _zero3_model_files(checkpoint)
-        )
+        checkpoint.frozen_files = checkpoint.model_files
     return checkpoint
 
 
@@ -286,7 +300,6 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
         _check_stage12_contiguity(checkpoint, plan)
     else:
         plan = _plan_stage3(checkpoint)
-        _check_stage3_partitions(checkpoint)
     shapes = checkpoint.shapes
     for name, fragments in plan.items():
         held = sum(piece.numel for piece in fragments.pieces)
@@ -381,7 +394,8 @@ def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path
 
 
 def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
-    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order."""
+    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order;
+    every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
     plan: dict[str, ParameterFragments] = {}
     offset = 0
     world = checkpoint.world_size
@@ -393,6 +407,16 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
             pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
             plan[name] = ParameterFragments(group, pieces)
             offset += part
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        fp32 = FlatVector(
+            require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
+        )
+        if fp32.size != offset:
+            raise DeepSpeedImportError(
+                f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
+                f"{checkpoint.model_file} with {world} DP ranks need {offset}"
+            )
     return plan
 
 
@@ -467,40 +491,21 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
     stored = checkpoint.module.get(name)
     if not (isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size):
         return
-    ends, at = [], 0
-    for piece in checkpoint.fragment_plan[name].pieces:
-        ends += [at, at + piece.numel - 1]
-        at += piece.numel
-    index = np.unique(np.asarray(ends, np.int64))
+    pieces = checkpoint.fragment_plan[name].pieces
+    at = np.cumsum([0] + [piece.numel for piece in pieces])
+    index = np.unique(np.concatenate([at[:-1], at[1:] - 1]).astype(np.int64))
     want = stored.reshape(-1)[index]
     found = fp32.reshape(-1)[index].astype(stored.dtype)
     same = (want.view(np.uint8) == found.view(np.uint8)).reshape(len(index), -1).all(axis=1)
     if not same.all():
-        flat = int(index[np.argmin(same)])
+        bad = int(np.argmin(same))
         raise DeepSpeedImportError(
             f"parameter {name!r}: the fp32 master in "
-            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in checkpoint.fragment_plan[name].pieces]} "
-            f"gives {found[np.argmin(same)]!r} at flat index {flat}, the model weight in "
+            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in pieces]} "
+            f"gives {found[bad]!r} at flat index {int(index[bad])}, the model weight in "
             f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
-            f"{want[np.argmin(same)]!r}: rank files renamed, swapped "
-            "or from different saves"
+            f"{want[bad]!r}: rank files renamed, swapped or from different saves"
         )
-
-
-def _check_stage3_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
-    """Every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
-    world = checkpoint.world_size
-    need = sum(math.ceil(numel(shape) / world) for shape in checkpoint.shapes.values())
-    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
-        path = checkpoint.optim_files[dp_rank]
-        fp32 = FlatVector(
-            require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
-        )
-        if fp32.size != need:
-            raise DeepSpeedImportError(
-                f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
-                f"{checkpoint.model_file} with {world} DP ranks need {need}"
-            )
 
 
 # --------------------------------------------------------------------------- reading
@@ -655,8 +660,7 @@ def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
 def iter_zero_items(
     checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
 ) -> Iterator[writer.HostItem]:
-    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``
-    (``weights_only``: params and model_params alone); ``share``: this process's part.
+    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``.
 
     Args:
         checkpoint: the opened ZeRO checkpoint.
@@ -699,18 +703,13 @@ def iter_zero_items(
 def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:
     """Where one optimizer state's flat arrays sit in every rank's optimizer file: the dotted
     prefix and the keys of its arrays (stage 1/2: one per param group; stage 3: sub-groups)."""
-    if checkpoint.stage in (1, 2):
-        keys = [str(g) for g in range(len(checkpoint.param_shapes))]
-        if state_name == "fp32":
-            return "optimizer_state_dict.single_partition_of_fp32_groups.{}", keys
-        return "optimizer_state_dict.base_optimizer_state.state.{}." + state_name, keys
+    first, stage12 = checkpoint.optim_states[0], checkpoint.stage in (1, 2)
     if state_name == "fp32":
-        count = len(checkpoint.optim_states[0]["fp32_flat_groups"])
-        return "optimizer_state_dict.fp32_flat_groups.{}", [str(i) for i in range(count)]
-    inner = checkpoint.optim_states[0]["optimizer_state_dict"]["state"]
-    return "optimizer_state_dict.optimizer_state_dict.state.{}." + state_name, [
-        str(i) for i in sorted(inner)
-    ]
+        key = "single_partition_of_fp32_groups" if stage12 else "fp32_flat_groups"
+        return f"optimizer_state_dict.{key}.{{}}", [str(i) for i in range(len(first[key]))]
+    inner = "base_optimizer_state" if stage12 else "optimizer_state_dict"
+    keys = range(len(checkpoint.param_shapes)) if stage12 else sorted(first[inner]["state"])
+    return f"optimizer_state_dict.{inner}.state.{{}}.{state_name}", [str(k) for k in keys]
 
 
 def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
@@ -745,23 +744,22 @@ def zero_tensors(
     imported_module: set[str] | None = None,
 ) -> list[str]:
     """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
-    take listed in ``source["skipped"]`` with the reason. ``imported_module``: the ``module``
-    weights imported as ``model_params`` (default: those a plain ZeRO import takes).
+    take listed in ``source["skipped"]`` with the reason.
 
     Args:
         checkpoint: the opened ZeRO checkpoint.
         source: the manifest's source record, whose ``skipped`` is filled.
         weights_only: whether the optimizer state is skipped.
-        imported_module: the ``module`` weights imported as ``model_params``.
+        imported_module: the ``module`` weights imported as ``model_params`` (default: those a
+            plain ZeRO import takes).
     """
     found: list[str] = []
     for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
         file = os.path.basename(path)
         found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
-    paths = _zero3_model_files(checkpoint) if checkpoint.stage == 3 else [checkpoint.model_file]
-    model_files = {path: _model_states(checkpoint, path) for path in paths}
     module_found = []
-    for path, states in model_files.items():
+    for path in checkpoint.model_files:
+        states = _model_states(checkpoint, path)
         names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
         found += names
         module_found += [n for n in names if n.split(":", 1)[1].startswith("module.")]
@@ -811,13 +809,6 @@ def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
     return checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
 
 
-def _zero3_model_files(checkpoint: DeepSpeedCheckpoint) -> list[str]:
-    return [
-        os.path.join(checkpoint.tag_dir, ZERO3_MODEL_NAME.format(r, checkpoint.mp_rank))
-        for r in range(checkpoint.world_size)
-    ]
-
-
 def _model_copy_item(
     checkpoint: DeepSpeedCheckpoint,
     name: str,
@@ -854,50 +845,25 @@ def _model_copy_item(
     )
 
 
-def shared_params_of(model_states: Mapping, model_file: str) -> dict[str, str]:
-    """DeepSpeed's ``shared_params``: tied name (not stored) -> the stored parameter's name."""
-    shared = model_states.get("shared_params") or {}
-    if not isinstance(shared, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
-    ):
-        raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
-    return dict(shared)
-
-
 def frozen_items(
     checkpoint: DeepSpeedCheckpoint,
     names: Sequence[str],
     also: Callable[[str, np.ndarray, list[str]], list[str]] | None = None,
 ) -> Iterator[writer.HostItem]:
     """``params`` items of the frozen parameters ``names``, marked frozen, their weights rebuilt
-    from ``frozen_param_fragments`` (:func:`frozen_weights`). ``also(name, weight, files)``
-    names more source tensors holding the same weights (and checks that they do)."""
-    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
-    for name, weight in frozen_weights(checkpoint, names):
-        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
-        if also is not None:
-            sources += also(name, weight, frozen_files)
-        item = host_item(
-            ("params", name),
-            weight,
-            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
-        )
-        item.frozen = True
-        yield item
-
-
-def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, weight) of every frozen parameter, as DeepSpeed's zero_to_fp32 rebuilds them:
-    stage 1/2 keep each whole; stage 3 keeps a ``ceil(numel / W)`` partition per DP rank,
-    concatenated in rank order and cut to ``numel``. In the run's precision (never trained,
-    there is no fp32 master)."""
+    from ``frozen_param_fragments`` as DeepSpeed's zero_to_fp32 does: stage 1/2 keep each whole;
+    stage 3 keeps a ``ceil(numel / W)`` partition per DP rank, concatenated in rank order and
+    cut to ``numel``. In the run's precision (never trained, there is no fp32 master).
+    ``also(name, weight, files)`` names more source tensors holding the same weights (and checks
+    that they do)."""
     fragments = []
     for path in checkpoint.frozen_files:
         found = _model_states(checkpoint, path).get("frozen_param_fragments")
         if not isinstance(found, Mapping):
             raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
-    for name in checkpoint.frozen if names is None else names:
+    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
+    for name in names:
         shape = checkpoint.frozen[name]
         count = numel(shape)
         parts = []
@@ -921,7 +887,17 @@ def frozen_weights(checkpoint: DeepSpeedCheckpoint, names=None) -> Iterator[tupl
                 f"{checkpoint.frozen_files[0]}: frozen parameter {name!r} shape {shape} needs "
                 f"{count} elements, the files hold {flat.size}"
             )
-        yield name, flat[:count].reshape(shape)
+        weight = flat[:count].reshape(shape)
+        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
+        if also is not None:
+            sources += also(name, weight, frozen_files)
+        item = host_item(
+            ("params", name),
+            weight,
+            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
+        )
+        item.frozen = True
+        yield item
 
 
 def zero0_model_file(tag_dir: str) -> str | None:
