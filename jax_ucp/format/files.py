@@ -72,6 +72,30 @@ def read_regular(path: str, max_bytes: int) -> bytes:
         os.close(fd)
 
 
+def preadv_full(fd: int, buffers: list, offset: int) -> int:
+    """Reads the file's bytes from ``offset`` on straight into ``buffers`` (writable, contiguous
+    bytes), repeating ``preadv`` for whatever the kernel left unfilled. Returns the bytes read:
+    fewer than ``buffers`` hold only at the end of the file (the caller's error names it).
+
+    Args:
+        fd: the open file.
+        buffers: where the bytes go, in order.
+        offset: the file offset of the first byte.
+    """
+    rest = [memoryview(b).cast("B") for b in buffers]
+    done = 0
+    while rest:
+        got = os.preadv(fd, rest, offset + done)
+        if not got:
+            break
+        done += got
+        while rest and got >= rest[0].nbytes:
+            got -= rest.pop(0).nbytes
+        if rest:
+            rest[0] = rest[0][got:]
+    return done
+
+
 def overlap(path: str, other: str) -> str | None:
     """How ``path`` sits against the directory ``other``, symlinks resolved: ``"same"``,
     ``"inside"`` (lies inside it), ``"contains"`` (contains it), or None (apart). Why: a

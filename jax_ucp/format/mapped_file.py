@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.format.errors import UCPError
-from jax_ucp.format.files import open_regular
+from jax_ucp.format.files import open_regular, preadv_full
 
 __all__ = [
     "FileMap",
@@ -101,16 +101,13 @@ def _extent(arr: np.ndarray) -> tuple[int, int]:
 
 
 def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
-    pos, size = 0, len(buf)
-    while pos < size:
-        n = os.preadv(mm.fd, [buf[pos : min(size, pos + PIECE)]], offset + pos)
-        if n <= 0:
-            raise FileShrankError(
-                f"{mm.path}: {what}: bytes [{offset}, {offset + size}) end at {offset + pos}; "
-                f"the file was {len(mm)} bytes when it was opened and is "
-                f"{os.fstat(mm.fd).st_size} now (truncated while being read?)"
-            )
-        pos += n
+    got = preadv_full(mm.fd, [buf], offset)
+    if got < len(buf):
+        raise FileShrankError(
+            f"{mm.path}: {what}: bytes [{offset}, {offset + len(buf)}) end at {offset + got}; "
+            f"the file was {len(mm)} bytes when it was opened and is "
+            f"{os.fstat(mm.fd).st_size} now (truncated while being read?)"
+        )
 
 
 def read_bytes(buf: Any, offset: int, length: int, what: str = "reading") -> bytes:

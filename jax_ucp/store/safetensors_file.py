@@ -74,22 +74,16 @@ class SafetensorsTensor:
         inner = math.prod(self.shape[1:]) if self.shape else 1
         self.row_bytes = inner * self.dtype.itemsize  # bytes of one index of dim 0
 
-    def _pread(self, buffer: np.ndarray, position: int) -> None:
-        view = buffer.reshape(-1).view(np.uint8).data
-        done = 0
-        while done < view.nbytes:
-            got = os.preadv(self.file.fd, [view[done:]], position + done)
-            if not got:
-                raise SafetensorsReadError(
-                    f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
-                    f"{position + view.nbytes}, the file ends at {position + done})."
-                )
-            done += got
-        shard_reader.count_bytes_read(done)
-
     def _rows_into(self, out: np.ndarray, row: int) -> None:
         """Whole rows ``row, row + len(out)`` straight into ``out`` (C-contiguous)."""
-        self._pread(out, self.offset + row * self.row_bytes)
+        position = self.offset + row * self.row_bytes
+        got = files.preadv_full(self.file.fd, [out.reshape(-1).view(np.uint8).data], position)
+        shard_reader.count_bytes_read(got)
+        if got < out.nbytes:
+            raise SafetensorsReadError(
+                f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
+                f"{position + out.nbytes}, the file ends at {position + got})."
+            )
 
     def read_into(self, dests) -> RegionsRead:
         """Reads each region into its array: ``dests`` is a list of (region, out), region

@@ -162,17 +162,9 @@ def count_bytes_read(n: int) -> None:
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    count_bytes_read(n)
-    while len(data) < n:  # pread may return less; 0 means end of file
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            raise ShardReadError(
-                f"{path}: truncated (needs bytes up to {offset + n}, file ends at "
-                f"{offset + len(data)})"
-            )
-        data += more
-    return data
+    out = bytearray(n)
+    _preadv_exact(fd, [out], offset, path)
+    return bytes(out)
 
 
 def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
@@ -202,28 +194,14 @@ def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
 
 
 def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
-    """Fills ``buffers`` (writable, contiguous bytes) with the file's bytes from ``offset`` on:
-    one ``preadv`` straight into them (no intermediate bytes object), repeated for whatever the
-    kernel left unfilled."""
-    rest = [memoryview(b).cast("B") for b in buffers]
-    total = sum(v.nbytes for v in rest)
-    position = offset
-    while rest:
-        got = os.preadv(fd, rest, position)
-        if not got:
-            raise ShardReadError(
-                f"{path}: truncated (needs bytes up to {offset + total}, file ends at {position})"
-            )
-        position += got
-        unfilled = []
-        for v in rest:
-            if got >= v.nbytes:
-                got -= v.nbytes
-            else:
-                unfilled.append(v[got:])
-                got = 0
-        rest = unfilled
-    count_bytes_read(total)
+    """Fills ``buffers`` with the file's bytes from ``offset`` on, no intermediate copy."""
+    total = sum(memoryview(b).nbytes for b in buffers)
+    got = files.preadv_full(fd, buffers, offset)
+    count_bytes_read(got)
+    if got < total:
+        raise ShardReadError(
+            f"{path}: truncated (needs bytes up to {offset + total}, file ends at {offset + got})"
+        )
 
 
 _SCRATCH = threading.local()
