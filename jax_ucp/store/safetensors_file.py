@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-import threading
 
 import numpy as np
 import tensorstore as ts
@@ -85,6 +84,13 @@ class SafetensorsTensor:
                 f"{position + out.nbytes}, the file ends at {position + got})."
             )
 
+    def _rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``[a, b)`` in this thread's scratch buffer (valid until its next read)."""
+        block = shard_reader.scratch((b - a) * self.row_bytes).view(self.dtype)
+        block = block.reshape((b - a,) + self.shape[1:])
+        self._rows_into(block, a)
+        return block
+
     def read_into(self, dests) -> RegionsRead:
         """Reads each region into its array: ``dests`` is a list of (region, out), region
         ``((start, stop), ...)`` per dimension and out a writable C-contiguous array of the
@@ -122,10 +128,7 @@ class SafetensorsTensor:
         return [(self._read_block, a, b, dests) for a, b in blocks]
 
     def _read_block(self, a: int, b: int, dests) -> None:
-        block = (
-            _scratch((b - a) * self.row_bytes).view(self.dtype).reshape((b - a,) + self.shape[1:])
-        )
-        self._rows_into(block, a)
+        block = self._rows(a, b)
         for region, out in dests:
             lo, hi = max(a, region[0][0]), min(b, region[0][1])
             if lo >= hi:
@@ -221,8 +224,7 @@ class Gathered:
     @staticmethod
     def _read_block(t: SafetensorsTensor, a: int, b: int, row: int, dests) -> None:
         """Result columns ``[a, b)`` = source rows ``[row, row + b - a)`` of ``t``."""
-        block = _scratch((b - a) * t.row_bytes).view(t.dtype).reshape((b - a,) + t.shape[1:])
-        t._rows_into(block, row)
+        block = t._rows(row, row + b - a)
         for (rows, cols), out in dests:  # out[i, j] = block[a + j - a, rows[0] + i]
             lo, hi = max(a, cols[0]), min(b, cols[1])
             part = block[lo - a : hi - a, rows[0] : rows[1]]
@@ -247,14 +249,3 @@ class RegionsRead:
     def result(self) -> None:
         """Waits for every read; raises the first error."""
         shard_reader.wait_all(self._parts)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable block buffer (rows cut into their regions, not kept)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
-    return buf[:nbytes]

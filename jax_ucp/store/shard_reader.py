@@ -207,8 +207,9 @@ def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
 _SCRATCH = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable read buffer (a chunk that is copied on, not kept)."""
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer (for bytes copied on, not kept): a chunk, a block of
+    rows cut into their regions."""
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.nbytes < nbytes:
         buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
@@ -320,7 +321,7 @@ class ShardReader:
                 f"{path}: inner chunk {i} holds {nbytes} bytes, expected {want} (corrupt)"
             )
         if into is None:
-            raw = _scratch(self._chunk_bytes)
+            raw = scratch(self._chunk_bytes)
             chunk = raw.view(self.dtype).reshape(self._inner)
         else:
             chunk, raw = into, into.reshape(-1).view(np.uint8)
