@@ -89,11 +89,17 @@ def preadv_full(fd: int, buffers: list, offset: int) -> int:
         if not got:
             break
         done += got
-        while rest and got >= rest[0].nbytes:
-            got -= rest.pop(0).nbytes
-        if rest:
-            rest[0] = rest[0][got:]
+        advance(rest, got)
     return done
+
+
+def advance(buffers: list, n: int) -> None:
+    """Drops the first ``n`` bytes of ``buffers`` (byte memoryviews, in place): what is left
+    after a ``preadv`` or ``writev`` that moved ``n`` bytes."""
+    while buffers and n >= buffers[0].nbytes:
+        n -= buffers.pop(0).nbytes
+    if buffers:
+        buffers[0] = buffers[0][n:]
 
 
 def overlap(path: str, other: str) -> str | None:
