@@ -207,13 +207,12 @@ class Gathered:
         dests = [(region, out) for region, out in dests if 0 not in out.shape]
         tasks = []
         for first, src, row, n in self._runs:
-            lo = first
             hi = first + n
-            if not any(c0 < hi and lo < c1 for (_, (c0, c1)), _ in dests):
+            if not any(c0 < hi and first < c1 for (_, (c0, c1)), _ in dests):
                 continue
             t = self.sources[src]
             per_block = max(1, _BLOCK_BYTES // max(1, t.row_bytes))
-            for a in range(lo, hi, per_block):  # result columns [a, b): source rows from there
+            for a in range(first, hi, per_block):  # result columns [a, b): source rows from there
                 b = min(a + per_block, hi)
                 wanted = [d for d in dests if d[0][1][0] < b and a < d[0][1][1]]
                 if wanted:

@@ -121,23 +121,13 @@ def _read_error(e: Exception, where: str) -> Exception:
     )
 
 
-def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:
-    """``digest_of_trailers`` of a shard file on disk (one 4-byte pread per inner chunk).
-
-    Args:
-        fd: the open shard file
-        path: its path, for messages
-        index: its parsed index
-    """
-    trailers = b"".join(_pread_exact(fd, 4, int(o + n - 4), path) for o, n in index)
-    return digest_of_trailers(trailers)
-
-
 def file_digest(path: str, n_chunks: int) -> str:
     """The digest of the shard file ``path`` (any sharding_indexed layout with crc32c codecs)."""
     fd = files.open_regular(path)
     try:
-        return trailers_digest(fd, path, read_index(fd, path, n_chunks, True))
+        index = read_index(fd, path, n_chunks, True)
+        trailers = (_pread_exact(fd, 4, int(o + n - 4), path) for o, n in index)
+        return digest_of_trailers(b"".join(trailers))
     finally:
         os.close(fd)
 
