@@ -72,6 +72,7 @@ class SafetensorsTensor:
         self.dtype, self.shape, self.offset = np.dtype(dtype), tuple(shape), offset
         inner = math.prod(self.shape[1:]) if self.shape else 1
         self.row_bytes = inner * self.dtype.itemsize  # bytes of one index of dim 0
+        self.block_rows = max(1, _BLOCK_BYTES // max(1, self.row_bytes))  # rows per read task
 
     def _rows_into(self, out: np.ndarray, row: int) -> None:
         """Whole rows ``row, row + len(out)`` straight into ``out`` (C-contiguous)."""
@@ -104,9 +105,8 @@ class SafetensorsTensor:
             if not self.shape:
                 tasks.append((self._rows_into, out.reshape(1), 0))
             elif all(r == (0, n) for r, n in zip(region[1:], self.shape[1:])):
-                rows = max(1, _BLOCK_BYTES // max(1, self.row_bytes))
-                for r in range(0, shape[0], rows):  # consecutive bytes: straight into ``out``
-                    tasks.append((self._rows_into, out[r : r + rows], region[0][0] + r))
+                for r in range(0, shape[0], self.block_rows):  # consecutive bytes: into ``out``
+                    tasks.append((self._rows_into, out[r : r + self.block_rows], region[0][0] + r))
             else:
                 cut.append((region, out))
         tasks.extend(self._cut_tasks(cut))
@@ -117,7 +117,7 @@ class SafetensorsTensor:
         """Blocks of whole rows covering every region not a row range, each block read once."""
         if not dests:
             return []
-        per_block = max(1, _BLOCK_BYTES // max(1, self.row_bytes))
+        per_block = self.block_rows
         merged: list[list[int]] = []
         for a, b in sorted(region[0] for region, _ in dests):  # the union of their row ranges
             if merged and a <= merged[-1][1]:
@@ -211,9 +211,8 @@ class Gathered:
             if not any(c0 < hi and first < c1 for (_, (c0, c1)), _ in dests):
                 continue
             t = self.sources[src]
-            per_block = max(1, _BLOCK_BYTES // max(1, t.row_bytes))
-            for a in range(first, hi, per_block):  # result columns [a, b): source rows from there
-                b = min(a + per_block, hi)
+            for a in range(first, hi, t.block_rows):  # result columns [a, b): rows from there
+                b = min(a + t.block_rows, hi)
                 wanted = [d for d in dests if d[0][1][0] < b and a < d[0][1][1]]
                 if wanted:
                     tasks.append((self._read_block, t, a, b, row + (a - first), wanted))
