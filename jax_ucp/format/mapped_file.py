@@ -111,8 +111,7 @@ def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
 
 
 def read_bytes(buf: Any, offset: int, length: int, what: str = "reading") -> bytes:
-    """``buf[offset:offset+length]`` as bytes (``buf``: a FileMap, an array viewing one, or any
-    buffer), read with ``pread`` when it is mapped.
+    """``buf[offset:offset+length]`` as bytes, read with ``pread`` when ``buf`` is mapped.
 
     Args:
         buf: a FileMap, an array viewing one, or any buffer.
@@ -165,8 +164,7 @@ def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor
         and region.shape == arr.shape
         and region.dtype == arr.dtype
     ):
-        if arr.size:
-            _pread_into(where[0], where[1], region.reshape(-1).view(np.uint8).data, what)
+        _pread_into(where[0], where[1], region.reshape(-1).view(np.uint8).data, what)
     else:
         region[...] = read_out(arr, what)
 
