@@ -17,6 +17,7 @@ import zlib
 from typing import Any
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from jax_ucp.format.errors import UCPError
 from jax_ucp.format.files import open_regular, preadv_full
@@ -87,19 +88,6 @@ def mapped_at(arr: Any) -> tuple[FileMap, int] | None:
     return base, np.asarray(arr).__array_interface__["data"][0] - base.address
 
 
-def _extent(arr: np.ndarray) -> tuple[int, int]:
-    """Byte offsets ``[low, high)`` of ``arr``'s elements relative to its first element."""
-    low = high = 0
-    for n, s in zip(arr.shape, arr.strides):
-        if n == 0:
-            return 0, 0
-        if s < 0:
-            low += (n - 1) * s
-        else:
-            high += (n - 1) * s
-    return low, high + arr.itemsize
-
-
 def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
     got = preadv_full(mm.fd, [buf], offset)
     if got < len(buf):
@@ -139,10 +127,11 @@ def read_out(arr: np.ndarray, what: str = "reading a tensor") -> np.ndarray:
     if arr.flags.c_contiguous:
         _pread_into(mm, start, out.reshape(-1).view(np.uint8).data, what)
         return out
-    low, high = _extent(arr)
+    low, high = byte_bounds(arr)  # addresses; ``start`` is the file offset of element 0
+    first = arr.__array_interface__["data"][0]
     raw = np.empty(high - low, np.uint8)
-    _pread_into(mm, start + low, raw.data, what)
-    out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=-low, strides=arr.strides)
+    _pread_into(mm, start + low - first, raw.data, what)
+    out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=first - low, strides=arr.strides)
     return out
 
 
