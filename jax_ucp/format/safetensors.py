@@ -195,8 +195,7 @@ class SafetensorsFile:
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # size >= 8 here
         finally:
             os.close(fd)
-        (header_len,) = np.frombuffer(self._map[:8], "<u8")
-        header_len = int(header_len)
+        header_len = int.from_bytes(self._map[:8], "little")
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise SafetensorsError(
                 f"{path}: header of {header_len} bytes (file {size} bytes, at most "
