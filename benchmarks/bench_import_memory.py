@@ -65,9 +65,9 @@ TARGETS = ("safetensors", "torch-dcp", "deepspeed-universal", "orbax")
 def child(a) -> None:
     sys.path.insert(0, ROOT)
     import jax_ucp
-    from jax_ucp.importers.orbax import is_orbax
+    from jax_ucp.importers.registry import detect_format
 
-    if a.target == "orbax" or (not a.target and is_orbax(a.src)):
+    if a.target == "orbax" or (not a.target and detect_format(a.src) == "orbax"):
         # Orbax (and JAX, ~57 MiB) is imported by the export or import itself: in the baseline
         import orbax.checkpoint  # noqa: F401
     base = rss.status()["RssAnon"]

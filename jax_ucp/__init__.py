@@ -12,12 +12,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jax_ucp.errors import (
+    AmbiguousAdamStateError,
+    CheckpointError,
     CheckpointReplacedError,
     ExportError,
+    FileReadError,
+    LanguageError,
+    MultiProcessError,
     NotFoundError,
     OptimizerOrderWarning,
     RequestError,
+    SaveConflictError,
     SetupError,
+    ShardingMismatchError,
+    SourceError,
+    UnsafeFileError,
     UnsupportedError,
 )
 from jax_ucp.format import Manifest, ManifestError, TensorEntry, UCPError, ValueEntry
@@ -25,8 +34,6 @@ from jax_ucp.lazy_names import lazy_attributes
 from jax_ucp.version import __version__
 
 _LAZY = {
-    "AmbiguousAdamStateError": "jax_ucp.restoring.adam_state",
-    "CheckpointError": "jax_ucp.restoring.reader",
     "UCPCheckpointHandler": "jax_ucp.orbax.handler",
     "UCPRestore": "jax_ucp.orbax.handler",
     "UCPSave": "jax_ucp.orbax.handler",
@@ -38,7 +45,6 @@ _LAZY = {
     "diff": "jax_ucp.restoring.checks",
     "restore": "jax_ucp.api",
     "save": "jax_ucp.api",
-    "ShardingMismatchError": "jax_ucp.sharding.mesh_layout",
     "ReplicationWarning": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
     "export": "jax_ucp.exporters",
@@ -54,11 +60,9 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
     from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
     from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
-    from jax_ucp.restoring.adam_state import AmbiguousAdamStateError
     from jax_ucp.restoring.checks import diff
     from jax_ucp.restoring.plan import plan
-    from jax_ucp.restoring.reader import CheckpointError
-    from jax_ucp.sharding.mesh_layout import ReplicationWarning, ShardingMismatchError
+    from jax_ucp.sharding.mesh_layout import ReplicationWarning
     from jax_ucp.store.location import set_object_store_options
 
 __all__ = [
@@ -66,14 +70,19 @@ __all__ = [
     "CheckpointError",
     "CheckpointReplacedError",
     "ExportError",
+    "FileReadError",
+    "LanguageError",
     "Manifest",
     "ManifestError",
+    "MultiProcessError",
     "NotFoundError",
     "OptimizerOrderWarning",
     "ReplicationWarning",
     "RequestError",
+    "SaveConflictError",
     "SetupError",
     "ShardingMismatchError",
+    "SourceError",
     "TensorEntry",
     "TorchOptimizer",
     "UCPCheckpointHandler",
@@ -81,6 +90,7 @@ __all__ = [
     "UCPHandler",
     "UCPRestore",
     "UCPSave",
+    "UnsafeFileError",
     "UnsupportedError",
     "ValueEntry",
     "__version__",

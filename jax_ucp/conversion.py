@@ -16,7 +16,7 @@ from typing import Any
 
 from jax_ucp import store, writer
 from jax_ucp.errors import RequestError
-from jax_ucp.format import UCPError, files
+from jax_ucp.format import files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import registry
 from jax_ucp.importers.plan import Share
@@ -148,8 +148,7 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         return write_manager_step(dest, items, step=options.step, **common)
 
 
-class DestinationError(UCPError, ValueError):
-    """A conversion destination that would overwrite or nest inside its own source."""
+DestinationError = RequestError  # a destination that would overwrite or nest inside its source
 
 
 def _check_target(source, dest: str, options: ConvertOptions) -> None:

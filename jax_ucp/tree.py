@@ -9,8 +9,8 @@ from typing import Any
 
 import jax
 
+from jax_ucp.errors import RequestError
 from jax_ucp.format import keypath as keypath_lib
-from jax_ucp.format.errors import UCPError
 
 
 def _is_leaf(x) -> bool:
@@ -21,8 +21,7 @@ def _is_leaf(x) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
-class TreeError(UCPError, ValueError):
-    """A pytree whose key paths cannot be written or matched: names the key path."""
+TreeError = RequestError  # a pytree whose key paths cannot be written or matched
 
 
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:
@@ -60,6 +59,11 @@ def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], A
     return out, treedef
 
 
+def _key_of(path) -> tuple[str, ...]:
+    """The key (component names) of a JAX key path."""
+    return tuple(keypath_lib.component_of(p)[1] for p in path)
+
+
 def _path_text(path: Sequence[str]) -> str:
     text = "/".join(path) if path else "(the root)"
     return repr(text if len(text) <= 200 else text[:200] + "…")  # repr escapes surrogates
@@ -83,8 +87,7 @@ def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
             children = _children(node)
         except ValueError:  # a dict-like node (FrozenDict) whose own keys do not sort
             return prefix, ["mixed"]
-        for path, child in children or ():
-            stack.append((prefix + (keypath_lib.component_of(path[0])[1],), child))
+        stack.extend((prefix + _key_of(path), child) for path, child in children or ())
     return None
 
 
@@ -128,8 +131,6 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
     """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable of
     ``tree`` whose metadata names them (``nnx.with_partitioning``), so a save records them as
     it records linen boxes' names. Keys are those ``flatten`` gives (``…/kernel/value``)."""
-    if not any(_is_variable(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_variable)):
-        return {}
     out: dict[tuple[str, ...], tuple] = {}
     nodes = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: _is_variable(x) or _is_leaf(x)
@@ -143,10 +144,8 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
         )
         if names is None or not all(isinstance(n, (str, type(None))) for n in names):
             continue
-        prefix = tuple(keypath_lib.component_of(p)[1] for p in path)
         for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
-            key = prefix + tuple(keypath_lib.component_of(p)[1] for p in inner)
-            out[key] = tuple(names)
+            out[_key_of(path) + _key_of(inner)] = tuple(names)
     return out
 
 
@@ -188,12 +187,7 @@ def _is_axes(x) -> bool:
 def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
     """A pytree of logical axis-name tuples (or PartitionSpecs of names) → {key: names}."""
     leaves, _ = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=_is_axes)
-    return {
-        tuple(keypath_lib.component_of(p)[1] for p in path): (
-            None if names is None else tuple(names)
-        )
-        for path, names in leaves
-    }
+    return {_key_of(path): None if names is None else tuple(names) for path, names in leaves}
 
 
 # --- container types: recorded at save, rebuilt on restore without a target ----------------------
@@ -360,22 +354,16 @@ def _rebuild(description: dict, value_at: Any, prefix: tuple, partial: bool) -> 
             ]
     elif not restored and description["children"]:
         return _MISSING, False  # nothing of this subtree was restored
-    complete = len(restored) == len(description["children"])
-    kids = restored
-    kind = description["type"]
-    if kind == "list" and complete:
-        return [v for _, v in kids], whole
-    if kind == "tuple" and complete:
-        return tuple(v for _, v in kids), whole
-    if kind in ("namedtuple", "object") and complete:
-        cls = _rebuildable(description)
-        if cls is not None and kind == "namedtuple":
-            return cls(*(v for _, v in kids)), whole
-        if cls is not None:
-            return cls({str(k): v for k, v in kids}), whole  # flax FrozenDict / nnx State
-    if complete:  # a class outside the allow-list: its fields, by name
-        return {str(k): v for k, v in kids}, whole
-    return dict(kids), False  # part of a container (a selection): positions stay ints
+    if len(restored) < len(description["children"]):
+        return dict(restored), False  # part of a container (a selection): positions stay ints
+    kind, values = description["type"], [v for _, v in restored]
+    fields = {str(k): v for k, v in restored}
+    if kind in ("list", "tuple"):
+        return (list if kind == "list" else tuple)(values), whole
+    cls = _rebuildable(description)  # None: a dict, or a class outside the allow-list
+    if cls is None:
+        return fields, whole  # its fields, by name
+    return (cls(*values) if kind == "namedtuple" else cls(fields)), whole  # FrozenDict, State
 
 
 def _rebuildable(description: dict) -> type | None:
@@ -410,7 +398,8 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
             why = (
                 "is not in the allow-list of container classes"
                 if cls is None
-                else f"is allow-listed but its fields are not {_short_names(node)}"
+                else "is allow-listed but its fields are not "
+                + _short_text(tuple(name for name, _, _ in node["children"]))
             )
             where = "/".join(prefix) or "the root"
             out.append(
@@ -428,10 +417,6 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
 def _short_text(text, limit: int = 120) -> str:
     text = repr(text)
     return text if len(text) <= limit else text[:limit] + "…"
-
-
-def _short_names(node: dict) -> str:
-    return _short_text(tuple(name for name, _, _ in node["children"]))
 
 
 def missing() -> Any:

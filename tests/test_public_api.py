@@ -78,7 +78,7 @@ def test_version_has_one_source():
 
 def test_every_exception_class_of_the_package_derives_from_ucp_error():
     """Not only the exported ones: any error jax_ucp raises is caught by ``except UCPError``
-    (``format/safetensors._DuplicateKey``, raised inside ``json.loads``, included)."""
+    (one raised inside ``json.loads``'s hook included)."""
     import inspect
     import pkgutil
 

@@ -26,16 +26,21 @@ from jax_ucp.format import ValueEntry
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_size
 
 
-def _plain_placeholders(params) -> None:
-    """Arguments named ``SRC``, flags without a ``<bool>`` value they do not take."""
-    for param in params:
-        if isinstance(param, typer.core.TyperArgument) and param.metavar is None:
-            param.metavar = param.name.upper()
-        elif getattr(param, "is_flag", False):
-            param.metavar = ""
+class _PlainPlaceholders:
+    """Arguments named ``SRC``, flags without a ``<bool>`` value they do not take (for the
+    commands and for the groups' ``--version``/``--help``)."""
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)  # pyright: ignore[reportAttributeAccessIssue]
+        for param in params:
+            if isinstance(param, typer.core.TyperArgument) and param.metavar is None:
+                param.metavar = param.name.upper()
+            elif getattr(param, "is_flag", False):
+                param.metavar = ""
+        return params
 
 
-class _Command(typer.core.TyperCommand):
+class _Command(_PlainPlaceholders, typer.core.TyperCommand):
     """Help in placeholders users know: ``SRC DST`` (typer 0.2x writes required arguments as
     ``{src}``) and flags without ``<bool>``; a docstring's paragraphs re-flowed to the terminal
     (Rich markup mode keeps the source's line breaks)."""
@@ -44,11 +49,6 @@ class _Command(typer.core.TyperCommand):
         super().__init__(*args, **kwargs)
         if self.help:
             self.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect_lib.cleandoc(self.help))
-
-    def get_params(self, ctx) -> list:
-        params = super().get_params(ctx)
-        _plain_placeholders(params)
-        return params
 
     def collect_usage_pieces(self, ctx) -> list[str]:
         pieces = [self.options_metavar] if self.options_metavar else []
@@ -62,13 +62,8 @@ class _Command(typer.core.TyperCommand):
         return pieces
 
 
-class _Group(typer.core.TyperGroup):
-    """``--version`` and ``--help`` of the command groups without ``<bool>``."""
-
-    def get_params(self, ctx) -> list:
-        params = super().get_params(ctx)
-        _plain_placeholders(params)
-        return params
+class _Group(_PlainPlaceholders, typer.core.TyperGroup):
+    pass
 
 
 app = typer.Typer(

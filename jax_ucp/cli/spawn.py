@@ -91,12 +91,10 @@ def spawn_local(n: int, dst: str) -> None:
 
 def child_argv(argv: list[str]) -> list[str]:
     """This command's arguments without ``--processes N`` (each child is one process)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg == "--processes":
-            skip = True
+    out, args = [], iter(argv)
+    for arg in args:
+        if arg == "--processes":
+            next(args, None)  # its value
         elif not arg.startswith("--processes="):
             out.append(arg)
     return out

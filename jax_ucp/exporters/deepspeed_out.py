@@ -163,7 +163,13 @@ def _model_states(params: list[tuple[str, tuple[int, ...]]], module: dict, step:
 
 
 def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
-    """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal."""
+    """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal.
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them).
+    """
     manifest = store.read_manifest(root)
     available = reader.available_tensors(manifest)
     by_key = {e.key: e for e in manifest.tensors}

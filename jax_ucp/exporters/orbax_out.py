@@ -230,7 +230,13 @@ def export_orbax(
 def export(root: str, dst: str, options: OrbaxExport) -> Exported:
     """The whole tree through Orbax's own writer, inside the export's transaction (the save
     lock; Orbax writes its temporary directory and renames it); Orbax's writer threads share
-    one malloc arena."""
+    one malloc arena.
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them).
+    """
     with writer.one_malloc_arena(), source.transaction(dst, force=False, staged=False) as tx:
         path = export_orbax(root, tx.path, progress=options.progress)
     manifest = store.read_manifest(root)

@@ -126,7 +126,13 @@ def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[st
 
 def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
     """The tensors under ``select`` as ``model.safetensors`` (or shards of ``max_file_bytes``
-    and their index), and ``config.json`` when one was given."""
+    and their index), and ``config.json`` when one was given.
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them).
+    """
     chosen = source.select(root, options, dtype_name, with_values=False)
 
     def write(tmp: str) -> list[str]:

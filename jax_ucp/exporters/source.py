@@ -120,7 +120,14 @@ class Selection:
 def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
     """The tensors (and with ``with_values`` the saved values) under ``options.select``, named by
     their key path below it joined with ``.``; each output dtype checked by ``check_dtype(name,
-    dtype)`` and each cast by the casting rule before anything is written."""
+    dtype)`` and each cast by the casting rule before anything is written.
+
+    Args:
+        root: the UCP checkpoint directory.
+        options: the format's options (``select``, ``spec``, ``dtype``, ``casting``).
+        check_dtype: refuses an output dtype the format cannot store.
+        with_values: also the saved Python values (formats that can hold them).
+    """
     manifest = store.read_manifest(root)
     spec = options.spec
     if isinstance(spec, (str, os.PathLike)):
@@ -169,7 +176,13 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
 @contextlib.contextmanager
 def transaction(dst: str, *, force: bool, staged: bool = True):
     """``commit.transaction`` of an export; a destination it refuses is an ``ExportError``
-    (checked again under the lock: it may have changed while the tensors were planned)."""
+    (checked again under the lock: it may have changed while the tensors were planned).
+
+    Args:
+        dst: the export's destination directory.
+        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
+        staged: write into a temporary sibling renamed into place (Orbax renames its own).
+    """
     with contextlib.ExitStack() as stack:
         try:
             tx = stack.enter_context(
@@ -185,7 +198,13 @@ def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -
     (``EXPORT_RECORD``: each file's size and content digest, taken as it is written), made
     durable and renamed into place (an earlier export there swapped out, then removed); on any
     failure the temporary goes and ``dst`` is as it was. Returns what ``write`` returned (the
-    files written)."""
+    files written).
+
+    Args:
+        dst: the export's destination directory.
+        write: writes the files into the temporary directory it is given.
+        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
+    """
     with transaction(dst, force=force) as tx:
         with commit.export_record(tx.path):  # what a later force may replace: these files only
             files = write(tx.path)

@@ -398,7 +398,13 @@ def write_dcp(
 
 def export(root: str, dst: str, options: TorchDcpExport) -> Exported:
     """The tensors and saved Python values under ``select`` as a single-file DCP checkpoint,
-    under their key paths below ``select`` (DCP's nested state dicts)."""
+    under their key paths below ``select`` (DCP's nested state dicts).
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them).
+    """
     chosen = source.select(root, options, torch_dtype, with_values=True)
     items = [DcpItem(t.name, p, t.shape, t.dtype) for t, p in zip(chosen.tensors, chosen.paths)]
     items += [DcpItem(name, path, value=v) for name, path, v in chosen.values]

@@ -11,11 +11,7 @@ from __future__ import annotations
 import os
 import stat
 
-from jax_ucp.format.errors import UCPError
-
-
-class UnsafeFileError(UCPError, OSError):
-    """A path that is not a regular file, or a file larger than the caller allows."""
+from jax_ucp.errors import OutsideCheckpointError, UnsafeFileError
 
 
 def open_regular(path: str) -> int:
@@ -111,11 +107,6 @@ def overlap(path: str, other: str) -> str | None:
     if real_path == real_other:
         return "same"
     return "inside" if common == real_other else "contains" if common == real_path else None
-
-
-class OutsideCheckpointError(UnsafeFileError, ValueError):
-    """A name read from a checkpoint that would lead outside it (absolute, ``..``, NUL, or a
-    symlink whose target lies outside the checkpoint)."""
 
 
 def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str:

@@ -19,11 +19,10 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from jax_ucp.errors import UnsupportedError
+from jax_ucp.errors import CheckpointError, UnsupportedError
 from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.format import files
 from jax_ucp.format import keypath as keypath_lib
-from jax_ucp.format.errors import UCPError
 from jax_ucp.version import __version__
 
 FORMAT_NAME = "jax_ucp"
@@ -67,8 +66,7 @@ _SHARD_KEY_RE = re.compile(r"c(/[0-9]+)*")
 _FLOAT_HEX_RE = re.compile(r"-?(0x[0-9a-fA-F](\.[0-9a-fA-F]*)?p[+-]?[0-9]+|inf|nan)")
 
 
-class ManifestError(UCPError, ValueError):
-    """A manifest is missing, unreadable, or not one this version understands."""
+ManifestError = CheckpointError  # a manifest missing, unreadable, or of another version
 
 
 @dataclasses.dataclass(frozen=True)

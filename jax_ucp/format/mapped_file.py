@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
-from jax_ucp.format.errors import UCPError
+from jax_ucp.errors import FileReadError
 from jax_ucp.format.files import open_regular, preadv_full
 
 __all__ = [
@@ -38,8 +38,7 @@ __all__ = [
 PIECE = 4 << 20
 
 
-class FileShrankError(UCPError, OSError):
-    """A mapped file is shorter than when it was mapped (truncated while being read)."""
+FileShrankError = FileReadError  # a mapped file truncated while being read
 
 
 class FileMap(mmap.mmap):

@@ -18,8 +18,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from jax_ucp.errors import SourceError, UCPError
 from jax_ucp.format import files
-from jax_ucp.format.errors import UCPError
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors crate refuses headers over 100 MB too
@@ -44,8 +44,7 @@ DTYPES = {
 }
 
 
-class SafetensorsError(UCPError, ValueError):
-    """A safetensors file or index that cannot be read as it is (names the file and tensor)."""
+SafetensorsError = SourceError  # a safetensors file or index that cannot be read as it is
 
 
 #: ``__metadata__`` key of torch.distributed.checkpoint's Hugging Face writer
@@ -55,33 +54,22 @@ class SafetensorsError(UCPError, ValueError):
 DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
 
 
-class _DuplicateKey(UCPError):
-    """A JSON key given twice; ``strict_json`` turns it into a ``SafetensorsError``."""
-
-    def __init__(self, key: str):
-        self.key = key
-
-
-def _no_duplicate_keys(pairs: list) -> dict:
-    """``json`` object hook: a key given twice is refused (``json`` keeps the last silently; the
-    safetensors package refuses such a header)."""
-    out: dict = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
 def strict_json(raw: bytes | str, what: str):
-    """JSON with every object's keys unique; errors start with ``what``."""
-    try:
-        return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-    except _DuplicateKey as e:
-        raise SafetensorsError(
-            f"{what}: names {e.key[:100]!r} twice (a JSON object with a duplicate key); which "
-            "one is meant cannot be told, so the file is refused"
-        ) from None
+    """JSON with every object's keys unique (``json`` keeps the last silently; the safetensors
+    package refuses such a header); errors start with ``what``."""
+
+    def unique(pairs: list) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                raise SafetensorsError(
+                    f"{what}: names {key[:100]!r} twice (a JSON object with a duplicate key); "
+                    "which one is meant cannot be told, so the file is refused"
+                )
+            out[key] = value
+        return out
+
+    return json.loads(raw, object_pairs_hook=unique)
 
 
 def is_safetensors(src) -> bool:

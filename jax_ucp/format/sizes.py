@@ -5,7 +5,7 @@ from __future__ import annotations
 import operator
 import re
 
-from jax_ucp.format.errors import UCPError
+from jax_ucp.errors import RequestError
 
 # K, M, G, T: with "iB" or bare, powers of 1024; with "B", of 1000
 _UNITS = {"": 1, "b": 1} | {
@@ -21,8 +21,7 @@ _SIZE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 DEFAULT_MEMORY_BUDGET = 256 << 20
 
 
-class SizeError(UCPError, ValueError):
-    """A byte size that cannot be read, or is not positive."""
+SizeError = RequestError  # a byte size that cannot be read, or is not positive
 
 
 def parse_size(value: int | str, what: str = "memory_budget") -> int:

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.errors import RequestError
-from jax_ucp.format import UCPError, keypath
+from jax_ucp.errors import RequestError, SourceError
+from jax_ucp.format import keypath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,16 +153,14 @@ def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.Host
 def agreed_step(
     found: Mapping[float, str], where: str, *, recorded_by: str, error: type[Exception]
 ) -> int:
-    """The optimizer step every rank and parameter group recorded, as an int32 count.
-
-    ``found`` maps each step seen to where it was first seen, phrased to follow the number
-    ("in rank_0.pt group 0", "(group 1)"). Two steps mean files of different runs or saves were
-    mixed; ``recorded_by`` says who disagrees ("ranks", "parameter groups").
+    """The optimizer step every rank and parameter group recorded, as an int32 count. Two steps
+    mean files of different runs or saves were mixed.
 
     Args:
-        found: each step seen -> where it was first seen.
+        found: each step seen -> where it was first seen, phrased to follow the number ("in
+            rank_0.pt group 0", "(group 1)").
         where: the checkpoint, for the error.
-        recorded_by: who disagrees, for the error.
+        recorded_by: who disagrees, for the error ("ranks", "parameter groups").
         error: the error class to raise.
     """
     if not found:
@@ -196,8 +194,7 @@ OPTIMIZER_NAME = re.compile(
 )
 
 
-class UnaccountedTensorsError(UCPError, ValueError):
-    """An import would drop source tensors without a word, or write optimizer state as weights."""
+UnaccountedTensorsError = SourceError  # an import that would drop source tensors unsaid
 
 
 def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:
@@ -257,7 +254,13 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
         )
     imported: set[str] = set()
     for item in plan.items:
-        _check_weight_name(item, where)
+        if item.key[:1] in (("params",), ("model_params",)) and any(
+            OPTIMIZER_NAME.search(part) for part in item.key[1:]
+        ):
+            raise UnaccountedTensorsError(
+                f"{where}: output tensor {keypath.key_to_str(item.key)!r} is named like optimizer "
+                f"state, not a model weight; refusing to write it under {item.key[0]!r}"
+            )
         names = (item.provenance or {}).get(TENSORS)
         if not names and not (item.provenance or {}).get(VALUES):
             raise UnaccountedTensorsError(
@@ -291,16 +294,6 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
             f"the import and no reason to be left out: {_few(lost)}. Nothing was committed "
             f"(an import takes every tensor or says why not). The checkpoint holds state this "
             f"importer does not know where to put; if it is a standard layout, please report it"
-        )
-
-
-def _check_weight_name(item: writer.HostItem, where: str) -> None:
-    if item.key[:1] in (("params",), ("model_params",)) and any(
-        OPTIMIZER_NAME.search(part) for part in item.key[1:]
-    ):
-        raise UnaccountedTensorsError(
-            f"{where}: output tensor {keypath.key_to_str(item.key)!r} is named like optimizer "
-            f"state, not a model weight; refusing to write it under {item.key[0]!r}"
         )
 
 

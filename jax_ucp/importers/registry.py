@@ -12,19 +12,12 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jax_ucp.errors import RequestError
-from jax_ucp.format import UCPError
+from jax_ucp.errors import RequestError, SourceError, SourceNotFoundError
 from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch
 from jax_ucp.importers.deepspeed.files import trainer_checkpoints
 from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, accounted
 
-
-class SourceFormatError(UCPError, ValueError):
-    """The source is not a checkpoint of a format jax_ucp imports (or not there at all)."""
-
-
-class SourceNotFoundError(SourceFormatError, FileNotFoundError):
-    """The source path does not exist or is not a directory."""
+SourceFormatError = SourceError  # not a checkpoint of a format jax_ucp imports
 
 
 @dataclasses.dataclass(frozen=True)

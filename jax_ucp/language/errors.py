@@ -1,26 +1,8 @@
-"""Errors raised by the UCP language. All are ``jax_ucp.UCPError``s (and ValueErrors) and name
-what they are about."""
+"""Errors raised by the UCP language (defined in ``jax_ucp.errors``): all are
+``jax_ucp.UCPError``s (and ValueErrors) and name what they are about."""
 
 from __future__ import annotations
 
-from jax_ucp.errors import UCPError
+from jax_ucp.errors import LanguageError, MergeError, SpecError, StrictnessError, TransformError
 
-
-class LanguageError(UCPError, ValueError):
-    """Base class of every error of the UCP language."""
-
-
-class SpecError(LanguageError):
-    """A spec (Python object or TOML file) is malformed; the message names the rule / line."""
-
-
-class StrictnessError(LanguageError):
-    """Strict matching failed: a rule matched nothing, or a tensor is covered by no rule."""
-
-
-class MergeError(LanguageError):
-    """Fragments cannot be merged (disagreeing replicas, wrong shapes, ...); names the tensor."""
-
-
-class TransformError(LanguageError):
-    """A restore-side transform cannot be applied (non-divisible stages, bad axis, ...)."""
+__all__ = ["LanguageError", "MergeError", "SpecError", "StrictnessError", "TransformError"]

@@ -359,7 +359,15 @@ def check_strict(
     spec_name: str, side: str, uncovered: Sequence[str], rules, matched: Iterable[int]
 ) -> None:
     """A strict spec: a ``StrictnessError`` naming every uncovered tensor and every required rule
-    of ``rules`` ((index, rule) pairs, ``side`` import or restore) whose index is not ``matched``."""
+    of ``rules`` whose index is not ``matched``.
+
+    Args:
+        spec_name: the spec, as named in the error.
+        side: ``"import"`` or ``"restore"``.
+        uncovered: the tensors no rule covers.
+        rules: (index, rule) pairs of the spec's rules on this side.
+        matched: the indices of the rules that matched a tensor.
+    """
     problems = []
     if uncovered:
         problems.append(

@@ -265,9 +265,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         x = x + Attention(self.cfg, name="attn")(_norm_layer(self.cfg, "ln_1")(x))
-        if self.cfg.num_experts:
-            return x + MoE(self.cfg, name="moe")(_norm_layer(self.cfg, "ln_2")(x))
-        return x + MLP(self.cfg, name="mlp")(_norm_layer(self.cfg, "ln_2")(x))
+        ffn = MoE(self.cfg, name="moe") if self.cfg.num_experts else MLP(self.cfg, name="mlp")
+        return x + ffn(_norm_layer(self.cfg, "ln_2")(x))
 
 
 class TransformerLM(nn.Module):

@@ -11,17 +11,8 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from jax_ucp.format import UCPError
+from jax_ucp.errors import ProcessLostError, SharedWriteError
 from jax_ucp.multihost import liveness
-
-
-class SharedWriteError(UCPError, RuntimeError):
-    """A checkpoint written by several processes failed in one of them (names which, and why)."""
-
-
-class ProcessLostError(SharedWriteError):
-    """A process of a distributed conversion died while the others waited for it."""
-
 
 Gather = Callable[[str, str, bool], "list[str]"]
 _OK, _FAILED = "ok:", "failed:"

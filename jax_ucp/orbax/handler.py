@@ -50,14 +50,10 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self._primary_host = options.primary_host
         # Primary only: the manifest of each save in flight, completed and written by finalize.
         self._pending: dict[str, tuple[fmt.Manifest, dict]] = {}
-        # An async save's private host copies, reused by the next one (released by close()).
-        self._copy_pool = save_plan.HostCopyPool()
+        # An async save's private host copies (CPU devices), reused by the next one (released
+        # by close()).
+        self.copy_pool = save_plan.HostCopyPool()
         self._reuse_host_copies = reuse_host_copies
-
-    @property
-    def copy_pool(self) -> save_plan.HostCopyPool:
-        """The private host copies kept between async saves (CPU devices)."""
-        return self._copy_pool
 
     def _is_primary(self) -> bool:
         return ocp.multihost.is_primary_host(self._primary_host)
@@ -70,7 +66,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         finally:  # every write has settled: the next save may write over these copies
             del prepared
             if copies and self._reuse_host_copies:
-                self._copy_pool.release(copies)
+                self.copy_pool.release(copies)
         if not store.is_url(directory):  # an object store's PUT is durable when it returns
             await asyncio.to_thread(durable.make_tree_durable, directory)
         if primary:
@@ -119,7 +115,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             primary=primary,
             copy=copy,
             logical_axes=args.logical_axes,
-            pool=self._copy_pool if copy and self._reuse_host_copies else None,
+            pool=self.copy_pool if copy and self._reuse_host_copies else None,
             copies_out=copies,
         )
         if primary:
@@ -210,7 +206,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
             os.remove(os.path.join(root, name))
 
     def close(self):
-        self._copy_pool.close()
+        self.copy_pool.close()
 
 
 def _refuse_args_as_item(cls: str, field: str, value) -> None:

@@ -117,15 +117,11 @@ def context(name: str = STATE, *, base: Any = None):
     ``UCPRestore`` under other names resolve to :class:`UCPHandler` too.
     """
     registry = ocp_v1.handlers.local_registry(include_global_registry=False)
-    for handler, scoped in ocp_v1.handlers.global_registry().get_all_entries():
+    known = ocp_v1.handlers.global_registry()
+    for handler, scoped in known.get_all_entries():
         if scoped != name and handler is not UCPHandler:
-            registry.add(
-                handler,
-                checkpointable_name=scoped,
-                secondary_typestrs=ocp_v1.handlers.global_registry().get_secondary_typestrs(
-                    handler
-                ),
-            )
+            typestrs = known.get_secondary_typestrs(handler)
+            registry.add(handler, checkpointable_name=scoped, secondary_typestrs=typestrs)
     registry.add(UCPHandler, secondary_typestrs=SECONDARY_TYPESTRS)
     registry.add(UCPHandler, checkpointable_name=name)
     ctx = ocp_v1.Context(base)

@@ -13,26 +13,20 @@ import dataclasses
 from typing import Any, cast
 
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import AmbiguousAdamStateError
 
 MOMENTS = ("mu", "nu", "count")
-
-
-class AmbiguousAdamStateError(RequestError):
-    """The target holds several Adam states: which one an imported moment belongs to is unknown."""
 
 
 def adam_states(target: Any, top: str = "opt_state") -> list[tuple[str, ...]]:
     """Key prefixes under ``top`` holding an Adam state (``count``, ``mu`` and ``nu`` together)."""
     keys = [key for key, _, _ in tree_lib.flatten(target)[0]]
     counts = {k[:-1] for k in keys if len(k) >= 2 and k[0] == top and k[-1] == "count"}
-    found = []
-    for prefix in sorted(counts):
-        n = len(prefix)
-        has = {k[n] for k in keys if len(k) > n and k[:n] == prefix}
-        if {"mu", "nu"} <= has:
-            found.append(prefix)
-    return found
+    return [
+        p
+        for p in sorted(counts)
+        if {"mu", "nu"} <= {k[len(p)] for k in keys if len(k) > len(p) and k[: len(p)] == p}
+    ]
 
 
 def follow_adam_state(spec: Any, target: Any) -> Any:

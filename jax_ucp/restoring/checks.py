@@ -121,11 +121,10 @@ def diff(
     for done, key in enumerate(common, 1):
         ea, eb = by_a[key], by_b[key]
         if isinstance(ea, fmt.ValueEntry) or isinstance(eb, fmt.ValueEntry):
-            va, vb = _as_value(ea), _as_value(eb)
             if _same_value(ea, eb):
                 same += 1
             else:
-                values.append(ValueDiff(ea.name, va, vb))
+                values.append(ValueDiff(ea.name, _as_value(ea), _as_value(eb)))
         else:
             result = _compare(root_a, man_a, ea, root_b, man_b, eb)
             if result is None:

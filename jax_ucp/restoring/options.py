@@ -21,10 +21,7 @@ from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_optiona
 from jax_ucp.options import field_namer, renamed
 from jax_ucp.restoring.adam_state import follow_adam_state
 
-
-class ArgsError(RequestError):
-    """A ``UCPSave`` / ``UCPRestore`` field (or a ``restore`` keyword) of the wrong kind, named
-    with what it accepts."""
+ArgsError = RequestError  # a UCPSave / UCPRestore field (or restore keyword) of the wrong kind
 
 
 @dataclasses.dataclass

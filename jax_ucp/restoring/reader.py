@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -19,7 +20,12 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import CheckpointReplacedError, tensorstore_failure, tensorstore_message
+from jax_ucp.errors import (
+    CheckpointError,
+    CheckpointReplacedError,
+    tensorstore_failure,
+    tensorstore_message,
+)
 from jax_ucp.format.dtypes import CASTINGS
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, format_size
 from jax_ucp.options import user_stacklevel
@@ -27,10 +33,6 @@ from jax_ucp.restoring import replicated
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.store import shard_file, shard_reader
 from jax_ucp.writer import commit
-
-
-class CheckpointError(fmt.UCPError, ValueError):
-    """A checkpoint cannot be restored as asked: names the tensor, the file, expected vs found."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,14 @@ class Available:
     @property
     def name(self) -> str:
         return fmt.key_to_str(self.key)
+
+    @classmethod
+    def view(cls, key, plan, sources: tuple, **fields) -> Available:
+        """The view ``plan`` (``language.compile_restore_plan``) builds over ``sources``."""
+        key = tuple(key)
+        fields.setdefault("logical_axes", plan.logical_axes)
+        shape, dtype = tuple(plan.shape), np.dtype(plan.dtype)
+        return cls(key, ("key",) * len(key), shape, dtype, sources, plan.build, **fields)
 
 
 def find_checkpoint_dir(path) -> str:
@@ -77,9 +87,7 @@ def find_checkpoint_dir(path) -> str:
             f"{path}: is a file, not a checkpoint directory (expected a directory holding "
             f"{fmt.MANIFEST_FILE}, or an Orbax step directory with one UCP item)."
         )
-    items = sorted(
-        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
-    )
+    items = _ucp_items(path)
     if len(items) == 1 and is_step_dir(path):
         try:  # the step's item, never a link to another checkpoint
             fmt.files.inside(path, items[0], path)
@@ -127,13 +135,18 @@ def manager_steps(path: str) -> list[tuple[str, str]]:
         step = os.path.join(path, name)
         if not os.path.isdir(step) or not is_step_dir(step):
             continue
-        items = sorted(
-            i for i in os.listdir(step) if os.path.exists(os.path.join(step, i, fmt.MANIFEST_FILE))
-        )
+        items = _ucp_items(step)
         if items:
             steps.append((name, items[0]))
     return sorted(
         steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
+    )
+
+
+def _ucp_items(path: str) -> list[str]:
+    """The item directories of ``path`` holding a ucp.json, sorted."""
+    return sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
     )
 
 
@@ -185,23 +198,19 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
         k: language.TensorInfo(shape=e.shape, dtype=store.zarr3.numpy_dtype(e.dtype))
         for k, e in by_key.items()
     }
-    plans = language.compile_restore_plan(spec, saved)
     out = {}
-    for key, plan in plans.items():
+    for key, plan in language.compile_restore_plan(spec, saved).items():
         srcs = tuple(by_key[s] for s in plan.sources)
-        identity = len(srcs) == 1 and srcs[0].key == key and tuple(plan.shape) == srcs[0].shape
-        out[tuple(key)] = Available(
-            key=tuple(key),
-            key_types=srcs[0].key_types if identity else ("key",) * len(key),
-            shape=tuple(plan.shape),
-            dtype=np.dtype(plan.dtype),
-            sources=srcs,
-            build=plan.build,
-            saved_sharding=srcs[0].saved_sharding if identity else None,
-            logical_axes=plan.logical_axes
-            if plan.logical_axes is not None
-            else (srcs[0].logical_axes if identity else None),
-        )
+        view = Available.view(key, plan, srcs)
+        if len(srcs) == 1 and srcs[0].key == view.key and view.shape == srcs[0].shape:
+            axes = srcs[0].logical_axes if view.logical_axes is None else view.logical_axes
+            view = dataclasses.replace(  # the stored tensor under its own name
+                view,
+                key_types=srcs[0].key_types,
+                saved_sharding=srcs[0].saved_sharding,
+                logical_axes=axes,
+            )
+        out[view.key] = view
     return out
 
 
@@ -223,9 +232,8 @@ _KIND_RANK = {"b": 0, "u": 1, "i": 1, "f": 2, "c": 3}
 
 def _kind_rank(dtype: np.dtype) -> int:
     """bool < integers < floats (bfloat16 and float8 included) < complex."""
-    if dtype.kind in _KIND_RANK:
-        return _KIND_RANK[dtype.kind]
-    return 2 if "float" in dtype.name else 1  # ml_dtypes: bfloat16/float8_* / int4
+    # ml_dtypes (kind "V"): bfloat16/float8_* are floats, int4 an integer
+    return _KIND_RANK.get(dtype.kind, 2 if "float" in dtype.name else 1)
 
 
 def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> None:
@@ -260,16 +268,6 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
             f"Tensor {name!r} was saved as {saved}; converting it to {wanted} is not a "
             f"{casting!r} cast (values would change). Pass casting='unsafe' to convert anyway."
         )
-
-
-def _match(key, available: Mapping, values: Mapping):
-    """Look a target key up; tolerant of int vs str components (lists vs dicts of indices)."""
-    key = tuple(str(k) for k in key)
-    if key in available:
-        return available[key]
-    if key in values:
-        return values[key]
-    return None
 
 
 class TensorSource(Protocol):
@@ -329,14 +327,11 @@ def read(
       memory_budget: host bytes of read buffers in flight (None: 256 MiB).
       replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
-    if available is None:
-        available = available_tensors(manifest, spec)
-    values = {e.key: e for e in manifest.values}
     return read_from(
         CheckpointSource(root),
         requests,
-        available,
-        values,
+        available if available is not None else available_tensors(manifest, spec),
+        {e.key: e for e in manifest.values},
         casting=casting,
         memory_budget=memory_budget,
         replicated_read=replicated_read,
@@ -369,13 +364,11 @@ def read_from(
       replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
     plan = [_plan_item(source, req, available, values or {}, casting) for req in requests]
-    source.prepare([item[2] for item in plan if item[0] == "tensor"])
+    tensors = [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"]
+    source.prepare([found for _, _, found in tensors])
     reads = _Reads(source, casting, memory_budget, len(plan))
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
-    once = replicated.select(
-        [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"],
-        replicated_read,
-    )
+    once = replicated.select(tensors, replicated_read)
     shared = replicated.read_once(
         once,
         reads.source_of,
@@ -447,9 +440,8 @@ class _Reads:
 
     def start(self, position: int, req: Request, found: Available) -> None:
         """Starts one tensor's reads once the budget has room for them."""
-        reader = self.source.reader(found)
+        reader = self.source_of(found)
         dtype = np.dtype(req.dtype) if req.dtype is not None else found.dtype
-        self.source.verify(found, reader)
         shape = found.shape
         if req.rows is not None:  # a slab: its rows' bytes alone are read and held
             lo, hi = req.rows
@@ -475,9 +467,9 @@ class _Reads:
         position, req, found, pending = done
         try:
             result = pending.result()
+        except fmt.UCPError as e:  # names the file already
+            raise _tensor_error(found.name, e) from e
         except Exception as e:  # noqa: BLE001
-            if isinstance(e, fmt.UCPError):  # names the file already
-                raise _tensor_error(found.name, e) from e
             raise CheckpointError(
                 f"Tensor {found.name!r}: reading {self.source.files(found)} failed "
                 f"({_READ_FAILURES[tensorstore_failure(e)]}): {tensorstore_message(e)}"
@@ -579,9 +571,9 @@ _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tell
 
 def _plan_item(source: TensorSource, req: Request, available: Mapping, values: Mapping, casting):
     """``("value", the saved value)`` or ``("tensor", req, the Available)`` for one request,
-    after every check that needs no data: the name exists, shape, dtype cast, a Python scalar
-    target, divisibility by the sharding, a 64-bit dtype JAX would narrow on device."""
-    found = _match(req.key, available, values)
+    after every check that needs no data (the name exists, ``check_tensor_request``)."""
+    key = tuple(map(str, req.key))  # int vs str components (lists vs dicts of indices)
+    found = available.get(key, values.get(key))
     name = fmt.key_to_str(req.key)
     if found is None:
         raise not_found(name, source.where, available)
@@ -658,11 +650,10 @@ class CheckpointSource(TensorSource):
     def prepare(self, tensors: Sequence[Available]) -> None:
         """Every array opened at once; in an object store every shard object's digest checked
         at once, before any read."""
-        for found in tensors:
-            for src in found.sources:
-                self._open(src)
+        sources = {s.key: s for found in tensors for s in found.sources}
+        for src in sources.values():
+            self._open(src)
         if self.url:
-            sources = {s.key: s for found in tensors for s in found.sources}
             verify_shard_objects(self.root, sources.values())
 
     def _open(self, entry: fmt.TensorEntry) -> None:
@@ -763,22 +754,35 @@ def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
     if kv.get("driver") != "file":
         verify_shard_objects(root, [entry])
         return
-    n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+    n_chunks = _chunks_per_shard(entry)
     for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
         path = os.path.join(kv["path"], *key.split("/"))
-        try:
+        with _shard_checked(entry, "file", path):
             fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
             if entry.checksum == "crc32c" and entry.shard_digests is not None:
                 found = shard_reader.file_digest(path, n_chunks)
                 shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
             else:
                 fmt.files.check_regular(path)
-        except FileNotFoundError:
-            raise CheckpointError(
-                f"Tensor {entry.name!r}: shard file {path} is missing (the checkpoint is incomplete)."
-            ) from None
-        except fmt.UCPError as e:
-            raise _tensor_error(entry.name, e) from None
+
+
+def _chunks_per_shard(entry: fmt.TensorEntry) -> int:
+    return math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+
+
+@contextlib.contextmanager
+def _shard_checked(entry: fmt.TensorEntry, kind: str, where: str):
+    """A missing shard (``kind``: file or object) or a failed check as an error naming the
+    tensor."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Tensor {entry.name!r}: shard {kind} {where} is missing (the checkpoint is "
+            f"incomplete)."
+        ) from None
+    except fmt.UCPError as e:
+        raise _tensor_error(entry.name, e) from None
 
 
 def verify_shard_objects(root: str, entries) -> None:
@@ -792,7 +796,7 @@ def verify_shard_objects(root: str, entries) -> None:
     kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
     shards, owners = [], []
     for entry in entries:
-        n_chunks = math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+        n_chunks = _chunks_per_shard(entry)
         data_bytes = shard_file.index_offset(
             entry.inner_chunk_shape,
             store.zarr3.numpy_dtype(entry.dtype),
@@ -806,17 +810,10 @@ def verify_shard_objects(root: str, entries) -> None:
     for start in range(0, len(shards), _OBJECTS_PER_SWEEP):
         found = shard_reader.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
         for (entry, key, where), digest in zip(owners[start:], found):
-            try:
+            with _shard_checked(entry, "object", where):
                 if isinstance(digest, BaseException):
                     raise digest
                 shard_file.check_digest(where, digest, entry.shard_digests.get(key), entry.name)
-            except FileNotFoundError:
-                raise CheckpointError(
-                    f"Tensor {entry.name!r}: shard object {where} is missing (the checkpoint is "
-                    f"incomplete)."
-                ) from None
-            except fmt.UCPError as e:
-                raise _tensor_error(entry.name, e) from None
 
 
 # Shard objects whose digests are read together (each holds its index in memory meanwhile).
@@ -922,10 +919,10 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
     if target is None:
         target, shardings = shardings, None
     leaves, treedef = tree_lib.flatten(target)
-    shard_by_key = {}
-    if shardings is not None:
-        for key, _, s in tree_lib.flatten(shardings)[0]:
-            shard_by_key[key] = _concrete(key, tree_lib.unbox(s)[0], mesh)
+    shard_by_key = {
+        key: _concrete(key, tree_lib.unbox(s)[0], mesh)
+        for key, _, s in (tree_lib.flatten(shardings)[0] if shardings is not None else ())
+    }
     reqs = []
     for key, _, leaf in leaves:
         leaf, _ = tree_lib.unbox(leaf)
@@ -986,8 +983,9 @@ def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
             root = find_checkpoint_dir(path)
             stamp = _identity(root)
             result = read(root)
-        except fmt.UCPError as e:
-            if not _replaced(path, around, root, stamp):
+        except fmt.UCPError as e:  # the checkpoint's own, unless path or root changed meanwhile
+            moved = root is not None and (stamp is None or _identity(root) != stamp)
+            if _swap_state(path) == around and not moved:
                 raise
             error = e
             continue
@@ -1018,26 +1016,6 @@ def _identity(root: str):
 def _swap_state(path: str) -> tuple:
     """``path`` and the names a forced replacement of it uses beside it."""
     return tuple(_identity(p) for p in (path, path + commit.REPLACING, path + commit.REPLACED))
-
-
-def _replaced(path: str, around: tuple, root: str | None, stamp) -> bool:
-    """Whether a forced save changed ``path`` since ``around`` was taken, or the directory read
-    (``root``, whose identity was ``stamp``) since it was found."""
-    if _swap_state(path) != around:
-        return True
-    return root is not None and (stamp is None or _identity(root) != stamp)
-
-
-def selector(select) -> Callable[[str], bool]:
-    """``select``: a regex (full match over "a/b/c" key names) or a predicate on the name."""
-    if select is None:
-        return lambda name: True
-    if callable(select):
-        return cast(Callable[[str], bool], select)
-    if isinstance(select, str):
-        pattern = re.compile(select)
-        return lambda name: pattern.fullmatch(name) is not None
-    raise TypeError(f"select must be a regex string or a predicate, got {type(select).__name__}.")
 
 
 def _restore_once(root: str, options: RestoreOptions):
@@ -1117,15 +1095,30 @@ def restore_from(
 
 
 def _selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
-    """The tensors and values ``select`` matches (all without it); matching none is an error."""
-    selected = selector(select)
+    """The tensors and values ``select`` (a regex matched in full against "a/b/c" names, or a
+    predicate on the name) matches (all without it); matching none is an error."""
+    if select is None:
+        return dict(every), list(values)
+    if isinstance(select, str):
+        selected = re.compile(select).fullmatch
+    elif callable(select):
+        selected = cast(Callable[[str], Any], select)
+    else:
+        raise TypeError(
+            f"select must be a regex string or a predicate, got {type(select).__name__}."
+        )
     available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
     chosen_values = [v for v in values if selected(v.name)]
-    if select is not None and not available and not chosen_values:
+    if not available and not chosen_values:
+        tops = sorted({k[0] for k in every if k} | {v.key[0] for v in values if v.key})
+        shown = ", ".join(map(repr, tops[:20])) + (
+            f", … ({len(tops)} in all)" if len(tops) > 20 else ""
+        )
+        example = next(map(fmt.key_to_str, every), values[0].name if values else "params/w")
         raise CheckpointError(
             f"select={_short(select)} matches no tensor or value of the checkpoint {where}; its "
-            f"top-level names: {_top_level(every, values)} (a regex is matched in full "
-            f"against '/'-joined names such as {_example_name(every, values)!r})."
+            f"top-level names: {shown or 'none'} (a regex is matched in full "
+            f"against '/'-joined names such as {example!r})."
         )
     return available, chosen_values
 
@@ -1198,15 +1191,3 @@ def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
             sharding_lib.ReplicationWarning,
             stacklevel=user_stacklevel(),
         )
-
-
-def _top_level(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
-    tops = sorted({k[0] for k in available if k} | {v.key[0] for v in values if v.key})
-    shown = ", ".join(repr(t) for t in tops[:20])
-    return shown + (f", … ({len(tops)} in all)" if len(tops) > 20 else "") if tops else "none"
-
-
-def _example_name(available: Mapping, values: Sequence[fmt.ValueEntry]) -> str:
-    for key in available:
-        return fmt.key_to_str(key)
-    return values[0].name if values else "params/w"

@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from jax_ucp import format as fmt
+from jax_ucp.errors import ReplicatedReadError
 from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
 
@@ -44,11 +45,6 @@ PEER_TIMEOUT_S = 600.0
 _POLL_MS = 200  # how often a waiting process checks that the peers it waits for still live
 _ALIGN = 64  # each piece of a share starts 64-byte aligned (a view of any dtype, adoptable)
 _MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are padded to it)
-
-
-class ReplicatedReadError(fmt.UCPError, RuntimeError):
-    """A tensor read once across processes could not be completed: another process failed
-    (its error is quoted), died, or did not answer in time; names the tensors and the process."""
 
 
 @dataclasses.dataclass

@@ -42,46 +42,31 @@ def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], reader.Availa
     """What may be restored (the tensors, or ``spec``'s views of them), and the views read by
     ``safetensors_file.Gathered`` (key → ``(which, rows)``, see ``_gather_map``)."""
     if spec is None:
-        return {k: _as_is(k, t.shape, t.dtype, k, None) for k, t in tensors.items()}, {}
+        return {k: _stored(k, (k,), t.shape, t.dtype) for k, t in tensors.items()}, {}
     from jax_ucp import language  # restore-time transforms
 
     saved = {k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in tensors.items()}
     out, gathers = {}, {}
     for key, plan in language.compile_restore_plan(spec, saved).items():
-        key = tuple(key)
-        sources = tuple(tuple(s) for s in plan.sources)
-        as_is = (  # only renamed: read region by region like a stored array
-            not plan.ops
-            and len(sources) == 1
-            and tuple(plan.shape) == tensors[sources[0]].shape
-            and np.dtype(plan.dtype) == tensors[sources[0]].dtype
-        )
-        gather = None if as_is else _gather_map(plan, sources, tensors)
-        if gather is not None:
-            gathers[key] = gather
-        if as_is:
-            out[key] = _as_is(key, plan.shape, plan.dtype, sources[0], plan.logical_axes)
-        else:
-            out[key] = reader.Available(
-                key=key,
-                key_types=("key",) * len(key),
-                shape=tuple(plan.shape),
-                dtype=np.dtype(plan.dtype),
-                sources=sources,
-                build=plan.build,
-                logical_axes=plan.logical_axes,
-            )
+        view = reader.Available.view(key, plan, tuple(tuple(s) for s in plan.sources))
+        one = tensors[view.sources[0]] if len(view.sources) == 1 else None
+        if not plan.ops and one is not None and (view.shape, view.dtype) == (one.shape, one.dtype):
+            view = _stored(view.key, view.sources, view.shape, view.dtype, plan.logical_axes)
+        elif (gather := _gather_map(plan, view.sources, tensors)) is not None:
+            gathers[view.key] = gather
+        out[view.key] = view
     return out, gathers
 
 
-def _as_is(key, shape, dtype, source, logical_axes) -> reader.Available:
+def _stored(key, sources, shape, dtype, logical_axes=None) -> reader.Available:
+    """A tensor read as it is (only renamed): region by region like a stored array."""
     return reader.Available(
         key=key,
         key_types=("key",) * len(key),
         shape=tuple(shape),
         dtype=np.dtype(dtype),
-        sources=(source,),
-        build=lambda opened: opened[source],
+        sources=sources,
+        build=lambda opened: opened[sources[0]],
         logical_axes=logical_axes,
         stored=True,
     )

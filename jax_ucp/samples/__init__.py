@@ -2,7 +2,7 @@
 from any directory (a pip install has no tests/ folder).
 
 Each is a copy of a test fixture written by the real framework (torch 2.13, megatron-core 0.16,
-DeepSpeed 0.19.8 on CPU; tests/cli/test_user_polish.py checks the copies stay byte-equal):
+DeepSpeed 0.19.8 on CPU; tests/test_samples.py checks the copies stay byte-equal):
 
 - ``megatron_llama_tp2``: a megatron-core ``torch_dist`` checkpoint of a Llama-style GPT
   (TP=2, GQA 4 heads / 2 groups, SwiGLU, RoPE, RMSNorm; hidden 32, 2 layers, vocab 61 padded to

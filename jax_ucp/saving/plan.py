@@ -121,7 +121,6 @@ class HostCopyPool:
                 by_device.setdefault(next(iter(c.devices())), []).append(c)
         with self._lock:
             self._free = by_device
-        with self._lock:
             todo = [
                 (d, _signature(cs))
                 for d, cs in by_device.items()
@@ -374,11 +373,10 @@ async def write_all(
             return await write_tensor(root, p, primary=primary, sync=sync)
 
     results = await asyncio.gather(*(one(p) for p in prepared), return_exceptions=True)
-    for r in results:
+    digests = {}
+    for p, r in zip(prepared, results):
         if isinstance(r, BaseException):
             raise r
-    return {
-        p.entry.dir: r
-        for p, r in zip(prepared, results)
-        if r is not None and not isinstance(r, BaseException)  # raised above
-    }
+        if r is not None:
+            digests[p.entry.dir] = r
+    return digests

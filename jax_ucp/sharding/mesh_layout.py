@@ -17,16 +17,11 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jax_ucp.errors import ShardingMismatchError
 from jax_ucp.format import SavedSharding
-from jax_ucp.format.errors import UCPError
 from jax_ucp.format.sizes import format_size
 
 LogicalRules = Sequence[tuple[str, Any]]
-
-
-class ShardingMismatchError(UCPError, ValueError):
-    """A tensor dimension does not divide the mesh axes it is asked to be split over, or a
-    rule / mesh axis names something the checkpoint or the mesh does not have."""
 
 
 class ReplicationWarning(UserWarning):

@@ -22,14 +22,13 @@ from typing import Any
 import tensorstore as ts
 
 from jax_ucp import format as fmt
+from jax_ucp.errors import RequestError
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 _options: dict[str, dict[str, Any]] = {}
 
 
-class ObjectStoreError(fmt.UCPError, ValueError):
-    """An object-store URL that cannot be used, or what an object store cannot do the way a
-    file system does (names the URL, and what to do instead)."""
+ObjectStoreError = RequestError  # an object-store URL or option that cannot be used
 
 
 def is_url(path: Any) -> bool:

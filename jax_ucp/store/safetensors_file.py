@@ -19,15 +19,15 @@ import os
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp.format import UCPError, files, safetensors
+from jax_ucp.errors import FileReadError
+from jax_ucp.format import files, safetensors
 from jax_ucp.store import shard_reader
 
 _BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
 _VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
 
 
-class SafetensorsReadError(UCPError, OSError):
-    """A tensor's bytes could not be read from its file (names the file and tensor)."""
+SafetensorsReadError = FileReadError  # a tensor's bytes could not be read from its file
 
 
 class OpenFile:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import crc32c as crc32c_lib
 import numpy as np
 
-from jax_ucp.format import UCPError
+from jax_ucp.errors import FileReadError
 from jax_ucp.store.zarr3 import ArrayLayout
 
 # Dtypes whose zarr v3 "bytes" encoding is the little-endian in-memory layout (itemsize >= 1).
@@ -78,9 +78,7 @@ def digest_of_trailers(trailers: bytes) -> str:
 _MISSING = (1 << 64) - 1
 
 
-class ShardReadError(UCPError, OSError):
-    """A shard file that is missing, truncated, fails its crc32c, or is not the one the manifest
-    lists (digest mismatch: swapped, or from another save)."""
+ShardReadError = FileReadError  # a shard missing, truncated, failing its crc32c or swapped
 
 
 def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | None):

@@ -26,7 +26,7 @@ import uuid
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.format import UCPError
+from jax_ucp.errors import NotReplaceableError, SaveConflictError
 from jax_ucp.writer import durable, file_digest
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
@@ -257,10 +257,6 @@ def _object_store_transaction(url: str, force: bool):
             raise
 
 
-class SaveConflictError(UCPError, OSError):
-    """Another save to the same path is in progress, or the path is not ours to replace."""
-
-
 @contextlib.contextmanager
 def save_lock(path: str):
     """An exclusive lock on saving to ``path`` (``flock`` on ``.<name>.ucp-lock`` beside it).
@@ -296,10 +292,6 @@ def save_lock(path: str):
             os.remove(lock_path)
         finally:
             os.close(fd)  # releases the lock
-
-
-class NotReplaceableError(SaveConflictError, FileExistsError):
-    """The destination holds something jax_ucp did not write; refused untouched, even with force."""
 
 
 # Orbax's own files in what it commits (``orbax.checkpoint``: the v1 API's empty marker)

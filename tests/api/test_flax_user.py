@@ -212,15 +212,13 @@ def test_names_that_would_replicate_are_errors_naming_the_closest(tmp_path):
     m = mesh((2, 4), ("data", "model"))
     with pytest.raises(
         jax_ucp.ShardingMismatchError,
-        match=r"Logical-axis rule 'embd': no tensor of the checkpoint .* carries that logical "
-        r"axis name \(closest: 'embed'; the checkpoint's names: 'embed', 'mlp'\).*strict=False",
+        match=r"'embd'.*\(closest: 'embed'; the checkpoint's names: 'embed', 'mlp'\).*strict=False",
     ):
         jax_ucp.restore(path, mesh=m, rules=[("embd", "data"), ("mlp", "model")])
     typo = mesh((2, 4), ("data", "modle"))
     with pytest.raises(
         jax_ucp.ShardingMismatchError,
-        match=r"Mesh axis 'modle' \(size 4\): the checkpoint .* was saved on a mesh without it "
-        r"\(saved axes 'data', 'model'; closest: 'model'\).*strict=False",
+        match=r"'modle' \(size 4\).*\(saved axes 'data', 'model'; closest: 'model'\).*strict=False",
     ):
         jax_ucp.restore(path, mesh=typo)
     with pytest.raises(jax_ucp.ShardingMismatchError, match=r"Mesh axis 'modle' \(size 4\)"):
@@ -264,8 +262,7 @@ def test_mesh_alone_that_replicates_everything_warns_with_the_bytes(tmp_path):
     other = mesh((4,), ("fsdp",))  # axis names of another job: no typo, so a warning
     with pytest.warns(
         jax_ucp.ReplicationWarning,
-        match=r"6 tensor\(s\) saved sharded will be replicated on every device \(6\.0 KiB per "
-        r"device\): 'params/Dense_0/kernel', 'params/Dense_1/kernel', 'opt_state/0/mu/Dense_0/kernel'",
+        match=r"6 tensor\(s\).*replicated.*\(6\.0 KiB per device\): 'params/Dense_0/kernel', 'params/Dense_1/kernel', 'opt_state/0/mu/Dense_0/kernel'",
     ):
         out = jax_ucp.restore(path, mesh=other)
     assert out["params"]["Dense_0"]["kernel"].sharding.is_fully_replicated
@@ -324,8 +321,7 @@ def test_select_returns_only_matched_leaves_and_their_containers(tmp_path):
     assert type(whole["opt_state"][1]).__name__ == "EmptyState"
     with pytest.raises(
         jax_ucp.CheckpointError,
-        match=r"select='param/\.\*' matches no tensor or value of the checkpoint .*; its "
-        r"top-level names: 'opt_state', 'params', 'step'",
+        match=r"select='param/\.\*'.*top-level names: 'opt_state', 'params', 'step'",
     ):
         jax_ucp.restore(tmp_path / "c", select=r"param/.*")
     with pytest.raises(jax_ucp.CheckpointError, match=r"matches no tensor or value"):
@@ -371,19 +367,15 @@ def test_python_scalars_restore_into_an_eval_shape_target_as_orbax_does(tmp_path
     sds = jax.ShapeDtypeStruct
     with pytest.raises(
         jax_ucp.CheckpointError,
-        match=r"Leaf 'lr': the target asks for a int32 array, but the checkpoint .* holds the "
-        r"Python float 0\.5, and float64 → int32 is not a 'same_kind' cast.*casting='unsafe'",
+        match=r"'lr'.*int32.*Python float 0\.5.*float64 → int32.*'same_kind'.*casting='unsafe'",
     ):
         one({"lr": sds((), jnp.int32, sharding=replicated)})
     jax_ucp.save(tmp_path / "big", {"step": 2**40})
-    with pytest.raises(
-        jax_ucp.CheckpointError, match=r"holds the Python int 1099511627776, which int32 cannot"
-    ):
+    with pytest.raises(jax_ucp.CheckpointError, match=r"1099511627776.*int32"):
         jax_ucp.restore(tmp_path / "big", target={"step": sds((), jnp.int32, sharding=replicated)})
     with pytest.raises(
         jax_ucp.CheckpointError,
-        match=r"Leaf 'step': the target asks for an array of shape \(2,\), but the checkpoint .* "
-        r"holds the Python int 5 \(a scalar\)",
+        match=r"'step'.*shape \(2,\).*Python int 5 \(a scalar\)",
     ):
         one({"step": sds((2,), jnp.int32, sharding=replicated)})
     unsafe = jax_ucp.restore(

@@ -126,7 +126,7 @@ def test_destination_rules(tmp_path):
     with pytest.raises(ExportError, match="not an export"):
         jax_ucp.export(path, mine, force=True)
     assert (mine / "notes.txt").read_text() == "keep me"
-    with pytest.raises(ExportError, match="lies inside, the checkpoint"):
+    with pytest.raises(ExportError, match=r"ck/out:.*lies inside"):
         jax_ucp.export(path, tmp_path / "ck" / "out")
     jax_ucp.export(path, tmp_path / "out")
     jax_ucp.export(path, tmp_path / "out", force=True, dtype="float16")  # an export: replaced
@@ -237,7 +237,7 @@ def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
 
 def test_dcp_refuses_what_torch_cannot_hold(tmp_path):
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, ml_dtypes.float8_e4m3fn)}})
-    with pytest.raises(ExportError, match="no torch storage type"):
+    with pytest.raises(ExportError, match=r"'params\.w': dtype float8_e4m3fn.*dtype="):
         jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
     assert not (tmp_path / "dcp").exists()
 

@@ -131,7 +131,7 @@ def test_python_api_byte_sizes_take_the_same_strings(tmp_path):
     ]
     with pytest.raises(ArgsError, match=r"^restore\(memory_budget=\): cannot read 'lots'"):
         jax_ucp.restore(path, memory_budget="lots")
-    with pytest.raises(ArgsError, match=r"^UCPSave\.inner_chunk_bytes: must be a positive"):
+    with pytest.raises(ArgsError, match=r"^UCPSave\.inner_chunk_bytes:.*positive"):
         jax_ucp.UCPSave(tree, inner_chunk_bytes="-1MiB")
     with pytest.raises(SizeError, match=r"^verify\(memory_budget=\): cannot read"):
         jax_ucp.verify(path, memory_budget="1 lot")

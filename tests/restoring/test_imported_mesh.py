@@ -61,7 +61,7 @@ def test_imported_llama_shards_by_its_logical_names(imported, spec):
 
 def test_rule_matching_nothing_warns_and_plan_names_it(imported, spec, capsys):
     mesh = _mesh()
-    with pytest.warns(jax_ucp.ReplicationWarning, match="'embed'.*match no logical axis name"):
+    with pytest.warns(jax_ucp.ReplicationWarning, match=r"'embed'.*logical axis"):
         jax_ucp.restore(imported, mesh=mesh, rules=[("embed", "data")])  # no spec: no names
     with pytest.warns(jax_ucp.ReplicationWarning, match="'embd'"):
         jax_ucp.restore(imported, spec=spec, mesh=mesh, rules=[("embd", "data")], strict=False)

@@ -148,7 +148,7 @@ def test_target_shapes_and_dtypes(tmp_path):
     assert by["w"].dtype == "bfloat16" and by["w"].bytes_per_device == 4 * 16 * 2
     assert "the target asks for shape (6, 5), the checkpoint holds shape (6, 4)" in by["v"].error
     assert result.values == 1
-    with pytest.raises(jax_ucp.CheckpointError, match="not in the checkpoint"):
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'nope'.*not in"):
         jax_ucp.plan(path, target={"nope": np.zeros(2)})
 
 
@@ -255,7 +255,7 @@ def test_target_shape_mismatch(ckpt):
 
 def test_missing_tensor_in_checkpoint(ckpt):
     t = {"params": {"gamma": jax.ShapeDtypeStruct((8,), np.float32)}}
-    with pytest.raises(jax_ucp.CheckpointError, match=r"params/gamma.*not in the checkpoint"):
+    with pytest.raises(jax_ucp.CheckpointError, match=r"params/gamma.*not in"):
         jax_ucp.restore(ckpt, target=t)
 
 
@@ -277,9 +277,7 @@ def test_value_saved_where_the_target_wants_an_array(tmp_path):
     target = {"step": np.zeros((), np.int32)}  # int 5 → int32 keeps the value (as Orbax does)
     assert_bit_exact(jax_ucp.restore(path, target=target)["step"], np.asarray(5, np.int32))
     target = {"step": np.zeros((), np.bool_)}
-    with pytest.raises(
-        jax_ucp.UCPError, match=r"Leaf 'step': the target asks for a bool array.*int 5"
-    ):
+    with pytest.raises(jax_ucp.UCPError, match=r"'step'.*bool.*int 5"):
         jax_ucp.restore(path, target=target)
     got = jax_ucp.restore(path, target=target, casting="unsafe")
     assert_bit_exact(got["step"], np.asarray(True))
@@ -290,7 +288,7 @@ def test_array_saved_where_the_target_is_a_python_scalar(tmp_path):
     path = tmp_path / "c"
     _save(path)
     assert jax_ucp.restore(path, target={"count": 0}) == {"count": 1000}
-    with pytest.raises(jax_ucp.UCPError, match=r"'params/w': the target is a Python float"):
+    with pytest.raises(jax_ucp.UCPError, match=r"'params/w'.*Python float"):
         jax_ucp.restore(path, target={"params": {"w": 0.0}})
 
 

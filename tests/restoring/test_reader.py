@@ -246,7 +246,7 @@ def test_float32_into_bfloat16_is_a_requested_precision_change(tmp_path):
 @pytest.mark.timeout(120)
 def test_restore_of_a_plain_file_says_so(tmp_path):
     (tmp_path / "f").write_text("x")
-    with pytest.raises(jax_ucp.UCPError, match="is a file, not a checkpoint directory"):
+    with pytest.raises(jax_ucp.UCPError, match=r"/f\b.*is a file"):
         jax_ucp.restore(tmp_path / "f")
 
 

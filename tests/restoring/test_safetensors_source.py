@@ -284,7 +284,7 @@ def test_target_errors_name_the_tensor_and_file(tmp_path):
         match=r"'params/w': the target asks for shape \(6, 4\), .*model\.safetensors:w holds shape \(4, 6\)",
     ):
         jax_ucp.restore(file, target={"params": {"w": sds((6, 4), np.float32)}})
-    with pytest.raises(jax_ucp.UCPError, match=r"'params/x' is not in the safetensors checkpoint"):
+    with pytest.raises(jax_ucp.UCPError, match=r"'params/x'.*safetensors"):
         jax_ucp.restore(file, target={"params": {"x": sds((4, 6), np.float32)}})
     with pytest.raises(
         jax_ucp.UCPError, match=r"'params/w' was saved as float32; converting it to int8"

@@ -44,9 +44,9 @@ def test_max_items_bounds_the_count():
 
 @pytest.mark.timeout(10)
 def test_budget_must_be_positive():
-    with pytest.raises(ValueError, match=r"^max_bytes must be positive, got 0\.$"):
+    with pytest.raises(ValueError, match=r"^max_bytes.*got 0\.$"):
         store.InFlightBytes(0)
-    with pytest.raises(ValueError, match=r"^max_items must be positive, got 0\.$"):
+    with pytest.raises(ValueError, match=r"^max_items.*got 0\.$"):
         store.InFlightBytes(1, max_items=0)
 
 

@@ -169,7 +169,7 @@ def test_swapped_or_missing_shard_objects_are_errors(bucket):
     assert first != second and len(first) == len(second)
     location.write(url, a, second)
     location.write(url, b, first)
-    with pytest.raises(jax_ucp.UCPError, match=r"c/0/0 is not the shard file this checkpoint"):
+    with pytest.raises(jax_ucp.UCPError, match=r"c/0/0.*shard file"):
         jax_ucp.restore(url)
     assert any("c/0/0 is not the shard file" in message for _, message in jax_ucp.verify(url))
     location.write(url, a, first)
@@ -393,7 +393,7 @@ def test_explicit_options_override_the_environment(s3_server, monkeypatch):
         monkeypatch.setenv(k, v)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
     monkeypatch.delenv("AWS_REGION")
-    with pytest.raises(location.ObjectStoreError, match="'bucket' comes from each URL"):
+    with pytest.raises(location.ObjectStoreError, match=r"'bucket'.*URL"):
         jax_ucp.set_object_store_options("s3", bucket="other")
     jax_ucp.set_object_store_options(
         "s3", endpoint=env["AWS_ENDPOINT_URL"], aws_region=env["AWS_REGION"]

@@ -119,11 +119,11 @@ def test_a_second_writer_of_the_path_is_refused_export_included(tmp_path):
     jax_ucp.save(ck, {"params": {"w": np.ones(4, np.float32)}})
     out = str(tmp_path / "out")
     with commit.save_lock(out):
-        with pytest.raises(ExportError, match="another save to this path is in progress"):
+        with pytest.raises(ExportError, match=r"another save.*in progress"):
             jax_ucp.export(ck, out)
-        with pytest.raises(ExportError, match="another save to this path is in progress"):
+        with pytest.raises(ExportError, match=r"another save.*in progress"):
             jax_ucp.export(ck, out, to="orbax")
-        with pytest.raises(commit.SaveConflictError, match="another save to this path"):
+        with pytest.raises(commit.SaveConflictError, match=r"another save.*path"):
             write_host_checkpoint(out, _items(1.0))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     jax_ucp.export(ck, out)  # the lock released: the same export goes through
@@ -155,11 +155,9 @@ def test_a_manager_step_is_staged_under_the_same_temporary_name(tmp_path):
 def test_export_options_are_checked_once(tmp_path):
     with pytest.raises(ExportError, match=r"casting='sometimes': choose from"):
         TorchDcpExport(casting="sometimes")
-    with pytest.raises(
-        ExportError, match=r"max_file_bytes: must be a positive number of bytes, got 0"
-    ):
+    with pytest.raises(ExportError, match=r"max_file_bytes.*positive.*got 0"):
         SafetensorsExport(max_file_bytes=0)
-    with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: must be a positive number"):
+    with pytest.raises(jax_ucp.UCPError, match=r"memory_budget.*positive"):
         SafetensorsExport(memory_budget=-1)
     with pytest.raises(TypeError, match="config"):
         TorchDcpExport(config={"a": 1})  # type: ignore[call-arg]  # not a DCP option
@@ -174,14 +172,14 @@ def test_export_options_are_checked_once(tmp_path):
     assert old == TorchDcpExport(select="params")
     with (
         pytest.warns(DeprecationWarning),
-        pytest.raises(ExportError, match="^config= does not apply to 'torch-dcp' exports"),
+        pytest.raises(ExportError, match=r"^config=.*'torch-dcp'"),
     ):
         ExportOptions(to="torch-dcp", config={"a": 1})
     ck = str(tmp_path / "ck")
     jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
     out = exporters.export(ck, tmp_path / "out", options)
     assert out.files == ["model.safetensors"] and out.bytes == 8
-    with pytest.raises(ExportError, match="pass SafetensorsExport or keywords, not both"):
+    with pytest.raises(ExportError, match=r"SafetensorsExport or keywords"):
         jax_ucp.export(ck, tmp_path / "o2", options, dtype="float32")
     out = jax_ucp.export(ck, tmp_path / "o3", TorchDcpExport(select="params"))
     assert out.files == [".metadata", "__0_0.distcp"] and out.bytes == 16
@@ -192,7 +190,7 @@ def test_convert_options_are_checked_once(tmp_path):
 
     with pytest.raises(ValueError, match=r"convert: step=-1: a non-negative int, or None"):
         ConvertOptions(step=-1)
-    with pytest.raises(ValueError, match=r"distributed=True writes a standalone checkpoint"):
+    with pytest.raises(ValueError, match=r"distributed=True.*standalone"):
         ConvertOptions(distributed=True, step=3)
     with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: cannot read 'lots' as a size"):
         ConvertOptions(memory_budget="lots")
@@ -228,11 +226,11 @@ def test_force_never_replaces_a_users_folder_or_file(tmp_path):
     folder = tmp_path / "mine"
     folder.mkdir()
     (folder / "notes.txt").write_text("precious")
-    with pytest.raises(jax_ucp.UCPError, match="not a jax_ucp checkpoint or an Orbax step"):
+    with pytest.raises(jax_ucp.UCPError, match=r"mine.*not a jax_ucp checkpoint"):
         jax_ucp.save(folder, {"x": W}, force=True)
     assert (folder / "notes.txt").read_text() == "precious"
     (tmp_path / "file").write_text("precious")
-    with pytest.raises(jax_ucp.UCPError, match="not a checkpoint directory"):
+    with pytest.raises(jax_ucp.UCPError, match=r"file\b.*not a checkpoint"):
         jax_ucp.save(tmp_path / "file", {"x": W}, force=True)
     assert (tmp_path / "file").read_text() == "precious"
     with pytest.raises(FileExistsError, match="force=True"):

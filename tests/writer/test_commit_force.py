@@ -306,7 +306,7 @@ def test_object_store_locks_left_by_killed_saves(s3):
     location.write(url, commit.LOCK_OBJECT, json.dumps(owner).encode())
     with pytest.raises(
         commit.SaveConflictError,
-        match=r"another save to this prefix is in progress \(host other-host, process 4242",
+        match=r"another save.*\(host other-host, process 4242",
     ):
         jax_ucp.save(url, {"w": W})
     assert _objects(url) == {**leftovers, commit.LOCK_OBJECT: json.dumps(owner).encode()}
@@ -490,7 +490,7 @@ def test_orbax_exports_are_never_forced(tmp_path):
     out = tmp_path / "orbax"
     jax_ucp.export(ckpt, out, to="orbax")
     before = _snapshot(out)
-    with pytest.raises(ExportError, match="^force= does not apply to 'orbax' exports"):
+    with pytest.raises(ExportError, match=r"^force=.*'orbax'"):
         jax_ucp.export(ckpt, out, to="orbax", force=True)
     with pytest.raises(ExportError, match="no .jax_ucp_export.json"):
         jax_ucp.export(ckpt, out, force=True)

@@ -126,9 +126,7 @@ def test_an_importer_error_while_building_rows_passes_through(tmp_path):
     t = np.zeros((4096, 1024), np.float32)
     item = writer.HostItem(("params", "w"), writer.Deferred(t.shape, t.dtype, t.copy, rows=rows))
     with writer.memory_budget_scope(8 * MiB):
-        with pytest.raises(
-            jax_ucp.UCPError, match=r"^rows 0:1024 of 'params/w' do not round to the weight$"
-        ):
+        with pytest.raises(jax_ucp.UCPError, match=r"^rows 0:1024 of 'params/w'.*round"):
             host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
     assert not os.path.exists(tmp_path / "ckpt")
 

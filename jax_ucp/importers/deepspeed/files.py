@@ -19,13 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.errors import SourceError
+from jax_ucp.format import files
 from jax_ucp.importers.plan import tensor_names
 from jax_ucp.importers.torch.unpickler import TorchArchive, int_enum_standin, standin_class
 
-
-class DeepSpeedImportError(UCPError, ValueError):
-    """The DeepSpeed checkpoint is incomplete or inconsistent (message names the file)."""
+DeepSpeedImportError = SourceError  # the DeepSpeed checkpoint is incomplete or inconsistent
 
 
 _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}

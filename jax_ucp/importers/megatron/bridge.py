@@ -75,8 +75,7 @@ _KNOWN_FILES = {".metadata", "metadata.json", "common.pt", TRAIN_STATE_FILE, RUN
 _ITER_DIR = re.compile(r"iter_(\d+)")
 
 
-class MegatronBridgeError(MegatronImportError):
-    """A Megatron Bridge checkpoint is incomplete, inconsistent or unsupported (names the file)."""
+MegatronBridgeError = MegatronImportError  # a Megatron Bridge checkpoint gone wrong
 
 
 @dataclasses.dataclass(frozen=True)

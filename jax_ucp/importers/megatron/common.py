@@ -10,22 +10,20 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError
+from jax_ucp.errors import MegatronImportError, TorchFileError
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.plan import agreed_step
 from jax_ucp.importers.torch.dcp_reader import DcpError
 
 
-class MegatronImportError(UCPError, ValueError):
-    """The Megatron checkpoint is incomplete, inconsistent or unsupported (names tensor + file)."""
-
-
 @contextlib.contextmanager
 def named_errors() -> Iterator[None]:
     """The readers' errors (torch_dist ``.metadata`` and chunks, legacy rank files), which name
-    the file, raised as this importer's."""
+    the file, raised as this importer's (a torch file refusal keeps its class)."""
     try:
         yield
+    except (TorchFileError, MegatronImportError):
+        raise  # DcpError and LegacyError are SourceError, the group of both
     except (DcpError, legacy.LegacyError) as e:
         raise MegatronImportError(str(e)) from None
 

@@ -30,7 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import UCPError, files
+from jax_ucp.errors import SourceError
+from jax_ucp.format import files
 from jax_ucp.importers.plan import tensor_names
 from jax_ucp.importers.torch import unpickler
 
@@ -51,8 +52,7 @@ __all__ = [
 ]
 
 
-class LegacyError(UCPError, ValueError):
-    """A legacy Megatron checkpoint is incomplete or inconsistent (names the file)."""
+LegacyError = SourceError  # a legacy Megatron checkpoint is incomplete or inconsistent
 
 
 # numpy's pickled arrays (``_reconstruct(ndarray, ...)``) become inert placeholders

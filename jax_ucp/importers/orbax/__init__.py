@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
-from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
+from jax_ucp.errors import SourceError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import MANIFEST_FILE, SavedSharding, UCPError, files, role_of
 from jax_ucp.importers.orbax import zstd_rows
 from jax_ucp.importers.plan import (
@@ -54,8 +54,7 @@ _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyT
 _ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|\d+(?:[./]\d+)*)"')
 
 
-class OrbaxImportError(UCPError, ValueError):
-    """An Orbax checkpoint that cannot be imported as it is (names the directory and item)."""
+OrbaxImportError = SourceError  # an Orbax checkpoint that cannot be imported as it is
 
 
 def _is_orbax(src) -> bool:

@@ -21,15 +21,14 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.errors import UCPError, tensorstore_message
+from jax_ucp.errors import SourceError, tensorstore_message
 
 #: Compressed bytes read from the kvstore at once.
 PIECE_BYTES = 1 << 20
 _SCRATCH_BYTES = 1 << 20  # decoded rows skipped over (a slab asked for out of order)
 
 
-class ZstdChunkError(UCPError, ValueError):
-    """A chunk that does not decode to its declared bytes (truncated, corrupt or padded)."""
+ZstdChunkError = SourceError  # a chunk that does not decode to its declared bytes
 
 
 class _Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer have one layout

@@ -13,10 +13,8 @@ masters: bf16 stays bf16, bit for bit), no optimizer state.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from typing import Any
 
-from jax_ucp import writer
 from jax_ucp.errors import RequestError
 from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import (
@@ -78,27 +76,23 @@ def plan_safetensors(
         skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
         found.append(optimizer_file)
     mine = share.pick(names)
-    return ImportPlan(_items(owner, mine), source, len(mine), source_tensors=found)
+    items = (
+        host_item(
+            ("params", n),
+            owner[n].tensor(n),
+            {"file": os.path.basename(owner[n].path), "tensors": [n]},
+        )
+        for n in mine
+    )
+    return ImportPlan(items, source, len(mine), source_tensors=found)
 
 
 def _trainer_optimizer(src: str) -> str | None:
     """``optimizer.pt`` in the folder given (a Trainer ``checkpoint-N/`` without DeepSpeed): its
     state would be lost without a word if the weights were imported alone. A file given by its
     own path is that file only."""
-    for name in ("optimizer.pt", "optimizer.bin"):  # the Trainer's; Accelerate's save_state
-        path = os.path.join(src, name)
-        if os.path.isdir(src) and os.path.lexists(path):
-            return path
-    return None
-
-
-def _items(
-    owner: dict[str, safetensors.SafetensorsFile], names: list[str]
-) -> Iterator[writer.HostItem]:
-    for name in names:
-        f = owner[name]
-        provenance = {"file": os.path.basename(f.path), "tensors": [name]}
-        yield host_item(("params", name), f.tensor(name), provenance)
+    paths = [os.path.join(src, n) for n in ("optimizer.pt", "optimizer.bin")]  # Trainer, Accelerate
+    return next((p for p in paths if os.path.lexists(p)), None) if os.path.isdir(src) else None
 
 
 def detect(src: os.PathLike | str) -> Detection:

@@ -33,7 +33,8 @@ from typing import Any, cast
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.format import UCPError, files, mapped_file
+from jax_ucp.errors import SourceError
+from jax_ucp.format import files, mapped_file
 from jax_ucp.importers.torch import unpickler
 
 try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
@@ -57,8 +58,7 @@ __all__ = [
 ]
 
 
-class DcpError(UCPError, ValueError):
-    """A torch DCP checkpoint is inconsistent, incomplete or unsupported (names tensor + file)."""
+DcpError = SourceError  # a torch DCP checkpoint is inconsistent, incomplete or unsupported
 
 
 # ----------------------------------------------------------------- stand-ins for .metadata

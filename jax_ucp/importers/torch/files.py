@@ -212,13 +212,10 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
-            notes: list[str] = []
             order = _Order(src, parameter_order, model_files[0].endswith(".safetensors"))
             states, groups, info["optimizer_keys"] = _optimizer(
-                optimizer, path, prefix, clean, model, skipped, notes, order, info
+                optimizer, path, prefix, clean, model, skipped, order, info
             )
-            if notes:
-                info["notes"] = notes
     if os.path.isdir(src) and os.path.basename(model_files[0]).endswith(".safetensors"):
         for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states (tensors): units
             if name.startswith("rng_state") and name.endswith(".pth"):
@@ -244,7 +241,7 @@ def plan_torch_files(
 def _read_model_files(src: str, model_files: list[str]):
     """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
     found, the non-tensor entries, and an optimizer state saved inside them with (its file,
-    its source-name prefix)."""
+    its source-name prefix). A name in two files is refused."""
     model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
     found: list[str] = []
     other: list[str] = []
@@ -252,42 +249,29 @@ def _read_model_files(src: str, model_files: list[str]):
     for path in model_files:
         base = os.path.basename(path)
         if path.endswith(".safetensors"):
-            _add_safetensors(model, found, src, path)
-            continue
-        obj = _load(path)
-        key, sd, opt_prefix, opt = _split(obj, path)
-        found += [f"{base}:{n}" for n in tensor_names(obj)]
-        other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
-        if opt is not None:
-            optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
-        _add_state_dict(model, sd, src, path, f"{base}:{key + '.' if key else ''}")
+            try:
+                f = safetensors.SafetensorsFile(path)  # read-only views of its map
+            except safetensors.SafetensorsError as e:
+                raise TorchImportError(str(e)) from None
+            sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
+            found += [f"{base}:{n}" for n in sd]
+        else:
+            obj = _load(path)
+            key, sd, opt_prefix, opt = _split(obj, path)
+            found += [f"{base}:{n}" for n in tensor_names(obj)]
+            other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
+            if opt is not None:
+                optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
+            prefix = f"{base}:{key + '.' if key else ''}"
+        for name, value in sd.items():
+            if not isinstance(name, str):
+                raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
+            if not isinstance(value, np.ndarray):
+                continue  # a nested object's tensors are accounted as skipped below
+            if name in model:
+                raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+            model[name] = (value, path, f"{prefix}{name}")
     return model, found, other, optimizer, optimizer_at
-
-
-def _add_safetensors(model: dict, found: list[str], src: str, path: str) -> None:
-    """One safetensors file's tensors (read-only views of its map) into ``model``."""
-    try:
-        f = safetensors.SafetensorsFile(path)
-    except safetensors.SafetensorsError as e:
-        raise TorchImportError(str(e)) from None
-    base = os.path.basename(path)
-    for name in f.header:
-        if name in model:
-            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
-        model[name] = (f.tensor(name), path, f"{base}:{name}")
-        found.append(f"{base}:{name}")
-
-
-def _add_state_dict(model: dict, sd: dict, src: str, path: str, source_prefix: str) -> None:
-    """One file's state dict tensors into ``model``; a name in two files is refused."""
-    for name, value in sd.items():
-        if not isinstance(name, str):
-            raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
-        if not isinstance(value, np.ndarray):
-            continue  # a nested object's tensors are accounted as skipped below
-        if name in model:
-            raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
-        model[name] = (value, path, f"{source_prefix}{name}")
 
 
 def _skip_unused(
@@ -361,12 +345,11 @@ def _optimizer(
     clean: dict[str, str],
     model: dict,
     skipped: dict,
-    notes: list[str],
     order: _Order,
     info: dict,
 ) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
     """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
-    an assumption the mapping rests on is appended to ``notes`` (and warned)."""
+    an assumption the mapping rests on is added to ``info["notes"]`` (and warned)."""
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
@@ -384,11 +367,17 @@ def _optimizer(
         to_name = {
             i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
         }
+    elif order.given is not None:
+        keys, to_name = "parameter_order", _given_order(order.given, ids, path)
+    elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
+        keys = "trainer"
+        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
+    else:  # one group, torch.save weights: by the state-dict order, else refused
+        keys = "indices"
+        to_name = _by_index(ids, groups, state, clean, model, path, order.safetensors)
+        _say_order_assumed(to_name, state, clean, model, path, info)
+    if keys not in ("names", "indices"):
         _check_named(to_name, state, clean, model, path)
-    else:
-        keys, to_name = _index_names(ids, groups, state, clean, model, path, order, info)
-        if keys == "indices":
-            _say_order_assumed(to_name, state, clean, model, path, notes)
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -403,13 +392,14 @@ def _optimizer(
             elif _has_tensors(v):
                 for n in tensor_names(v, name):
                     skipped[n] = f"optimizer state {k!r} is not a tensor but holds tensors"
-    out_groups = []
-    for g in groups:
-        if isinstance(g, dict):
-            hps = {k: v for k, v in g.items() if k not in ("params", "param_names")}
-            out_groups.append(
-                {**hps, "params": [to_name.get(p, str(p)) for p in g.get("params", [])]}
-            )
+    out_groups = [
+        {
+            **{k: v for k, v in g.items() if k not in ("params", "param_names")},
+            "params": [to_name.get(p, str(p)) for p in g.get("params", [])],
+        }
+        for g in groups
+        if isinstance(g, dict)
+    ]
     how = {
         "names": "parameter names",
         "param_names": "parameter indices, named by the groups' param_names",
@@ -418,53 +408,6 @@ def _optimizer(
         "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
     }[keys]
     return states, out_groups, how
-
-
-def _index_names(
-    ids: list,
-    groups: list,
-    state: dict,
-    clean: dict,
-    model: dict,
-    path: str,
-    order: _Order,
-    info: dict,
-) -> tuple[str, dict]:
-    """How an optimizer keyed by bare indices is mapped, and index -> parameter name: by
-    ``parameter_order``, by the Trainer's groups rebuilt, or (one group, torch.save weights) by
-    the state-dict order; otherwise refused naming the way out."""
-    if order.given is not None:
-        keys = "parameter_order"
-        to_name = _given_order(order.given, ids, path)
-        _check_named(to_name, state, clean, model, path)
-    elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
-        keys = "trainer"
-        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
-        _check_named(to_name, state, clean, model, path)
-    else:
-        sizes = _group_sizes(groups)
-        way_out = (
-            "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
-            "order the optimizer numbered them, group after group), or convert with "
-            "weights_only=True to import the weights alone"
-        )
-        if order.safetensors:
-            raise TorchImportError(
-                f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
-                f"{sizes}) without their names, and safetensors keeps no parameter order (its "
-                f"names are sorted), so which state is whose cannot be told; {way_out}"
-            )
-        if len(groups) > 1:
-            raise TorchImportError(
-                f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
-                f"(sizes {sizes}) without their names: torch numbers them group after group "
-                f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
-                f"after), so index i is not the i-th tensor of the model state dict and which "
-                f"state is whose cannot be told; {way_out}"
-            )
-        to_name = _by_index(ids, state, clean, model, path)
-        keys = "indices"
-    return keys, to_name
 
 
 def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
@@ -570,7 +513,7 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
 
 
 def _say_order_assumed(
-    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, notes: list[str]
+    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, info: dict
 ) -> None:
     """Index ``i`` -> ``i``-th parameter is torch's numbering when the optimizer was built from
     ``model.parameters()``, but nothing in the file can confirm it: when two parameters with
@@ -595,13 +538,43 @@ def _say_order_assumed(
         f"told apart. To confirm the mapping, save the optimizer with param_names (torch >= 2.5: "
         f"build it from model.named_parameters()) or keyed by name (get_optimizer_state_dict)"
     )
-    notes.append(note)
+    info.setdefault("notes", []).append(note)
     warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
 
 
-def _by_index(ids: list, state: dict, clean: dict[str, str], model: dict, path: str) -> dict:
+def _by_index(
+    ids: list,
+    groups: list,
+    state: dict,
+    clean: dict[str, str],
+    model: dict,
+    path: str,
+    sorted_weights: bool,
+) -> dict:
     """Index ``i`` -> the ``i``-th distinct floating tensor of the model state dict (torch
-    numbers ``model.parameters()`` so; tied copies share storage and count once)."""
+    numbers ``model.parameters()`` so; tied copies share storage and count once). Refused, naming
+    the way out, when that order cannot hold: safetensors weights (sorted names) or several
+    groups."""
+    sizes = _group_sizes(groups)
+    way_out = (
+        "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
+        "order the optimizer numbered them, group after group), or convert with "
+        "weights_only=True to import the weights alone"
+    )
+    if sorted_weights:
+        raise TorchImportError(
+            f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
+            f"{sizes}) without their names, and safetensors keeps no parameter order (its "
+            f"names are sorted), so which state is whose cannot be told; {way_out}"
+        )
+    if len(groups) > 1:
+        raise TorchImportError(
+            f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
+            f"(sizes {sizes}) without their names: torch numbers them group after group "
+            f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
+            f"after), so index i is not the i-th tensor of the model state dict and which "
+            f"state is whose cannot be told; {way_out}"
+        )
     seen: set[tuple] = set()
     order = []
     for new, old in clean.items():

@@ -53,6 +53,20 @@ ARG_FIELDS = (
     "gradient_accumulation_steps",
     "per_device_train_batch_size",
 )
+#: what a pickled TrainingArguments refers to, read as inert stand-ins
+ARG_CLASSES = (
+    "transformers.training_args.OptimizerNames",
+    "transformers.trainer_utils.SchedulerType",
+    "transformers.trainer_utils.IntervalStrategy",
+    "transformers.trainer_utils.SaveStrategy",
+    "transformers.trainer_utils.HubStrategy",
+    "transformers.trainer_utils.FSDPOption",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
+    "transformers.debug_utils.DebugOption",
+    "accelerate.state.PartialState",
+    "accelerate.utils.dataclasses.DistributedType",
+    "torch.device",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,25 +237,6 @@ class _TrainingArguments(unpickler.StandIn):
         super().__setstate__(state)
 
 
-def _args_classes() -> dict[str, Any]:
-    names = [
-        "transformers.training_args.OptimizerNames",
-        "transformers.trainer_utils.SchedulerType",
-        "transformers.trainer_utils.IntervalStrategy",
-        "transformers.trainer_utils.SaveStrategy",
-        "transformers.trainer_utils.HubStrategy",
-        "transformers.trainer_utils.FSDPOption",
-        "transformers.trainer_pt_utils.AcceleratorConfig",
-        "transformers.debug_utils.DebugOption",
-        "accelerate.state.PartialState",
-        "accelerate.utils.dataclasses.DistributedType",
-        "torch.device",
-    ]
-    classes: dict[str, Any] = {n: unpickler.standin_class(n) for n in names}
-    classes[_TrainingArguments.qualname] = _TrainingArguments
-    return classes
-
-
 def trainer_record(folder: str) -> dict:
     """What the Trainer recorded of its optimizer's schedule: ``training_args`` (the fields of
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
@@ -255,7 +250,9 @@ def trainer_record(folder: str) -> dict:
     args_path = os.path.join(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
-            args = unpickler.load_torch_file(args_path, _args_classes())
+            classes = {n: unpickler.standin_class(n) for n in ARG_CLASSES}
+            classes[_TrainingArguments.qualname] = _TrainingArguments
+            args = unpickler.load_torch_file(args_path, classes)
         except unpickler.TorchFileError as e:
             out["training_args_unread"] = str(e)[:300]
         else:

@@ -28,7 +28,8 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.format import UCPError, mapped_file
+from jax_ucp.errors import SourceError
+from jax_ucp.format import mapped_file
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item
 
 __all__ = [
@@ -44,8 +45,7 @@ __all__ = [
 ]
 
 
-class TorchImportError(UCPError, ValueError):
-    """A torch checkpoint (DCP or torch.save files) that cannot be imported as it is."""
+TorchImportError = SourceError  # a torch checkpoint that cannot be imported as it is
 
 
 #: torch optimizer state name -> where it goes in the output tree (the rest keep their names)

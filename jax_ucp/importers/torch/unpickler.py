@@ -43,7 +43,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from jax_ucp.format import UCPError, files, mapped_file
+from jax_ucp.errors import TorchFileError, UnsafePickleError
+from jax_ucp.format import files, mapped_file
 
 __all__ = [
     "BASE_ALLOWED",
@@ -63,18 +64,6 @@ __all__ = [
     "standin_class",
     "TorchArchive",
 ]
-
-
-class TorchFileError(UCPError, ValueError):
-    """A torch file is missing, truncated, corrupt or in an unsupported format."""
-
-    def __init__(self, path: os.PathLike | str, message: str):
-        self.path = str(path)
-        super().__init__(f"{self.path}: {message}")
-
-
-class UnsafePickleError(TorchFileError):
-    """The pickle asks for something outside the allow-list; nothing was executed."""
 
 
 # --------------------------------------------------------------------------- bounds

@@ -108,16 +108,12 @@ def test_affine_rebuild_checks_every_piece():
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["params"][Q]["ranks"][0]["pieces"][0]["source"][1] = [0, 1]
-    with pytest.raises(
-        DeepSpeedImportError, match=r"source strides \[0, 1\] .* address some element twice"
-    ):
+    with pytest.raises(DeepSpeedImportError, match=r"source strides \[0, 1\] .* twice"):
         deepspeed_affine.parse_affine_maps(bad, "f", 2)
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["version"] = 2
-    with pytest.raises(
-        DeepSpeedImportError, match=r"affine_map version 2; this reader knows up to 1"
-    ):
+    with pytest.raises(DeepSpeedImportError, match=r"affine_map version 2;.*up to 1"):
         deepspeed_affine.parse_affine_maps(bad, "f", 2)
 
 
@@ -157,7 +153,7 @@ def test_affine_uncovered_elements_named():
     shards = [np.zeros(128, np.float32), np.zeros(64, np.float32)]
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"leaves 64 element\(s\) of \[16, 16\] uncovered, the first at offset 192",
+        match=r"64 element\(s\) of \[16, 16\] uncovered.*offset 192",
     ):
         deepspeed_affine.rebuild(amap, shards, "fp32", "q")
 

@@ -174,7 +174,7 @@ def test_missing_dp_rank_file(tmp_path, name):
     dst = str(tmp_path / "out")
     with pytest.raises(
         DeepSpeedImportError,
-        match=os.path.basename(victim) + ".*missing optimizer file for DP rank 1",
+        match=os.path.basename(victim) + ".*optimizer file.*DP rank 1",
     ):
         convert_deepspeed(src, dst)
     assert_destination_untouched(dst)
@@ -197,9 +197,7 @@ def test_world_size_metadata_disagrees_with_files(tmp_path):
         os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
         os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
     )
-    with pytest.raises(
-        DeepSpeedImportError, match=r"world size metadata says 2 DP ranks.*zero_pp_rank_2"
-    ):
+    with pytest.raises(DeepSpeedImportError, match=r"2 DP ranks.*zero_pp_rank_2"):
         convert_deepspeed(src, tmp_path / "out")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -215,8 +213,7 @@ def test_checkpoint_from_another_world_size_mixed_in(tmp_path):
     )
     with pytest.raises(
         DeepSpeedImportError,
-        match="mp_rank_00_model_states.pt: dp_world_size is 2 but the optimizer "
-        "files say 3|missing optimizer file for DP rank 2",
+        match="mp_rank_00_model_states.pt: dp_world_size is 2.*3|optimizer file.*DP rank 2",
     ):
         convert_deepspeed(src, tmp_path / "out")
     assert_destination_untouched(str(tmp_path / "out"))
@@ -251,7 +248,7 @@ def test_groups_disagreeing_on_step_is_an_error():
     group_state = checkpoint.optim_states[2]["base_optimizer_state"]["state"][0]
     group_state["step"] = np.float32(3)
     with pytest.raises(
-        DeepSpeedImportError, match="disagree on the optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"
+        DeepSpeedImportError, match=r"optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"
     ):
         optimizer_step(checkpoint)
 

@@ -218,8 +218,7 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
     dst = str(tmp_path / "out")
     with pytest.raises(
         DeepSpeedImportError,
-        match=rf"{name}: replicated fragments disagree across TP ranks: rank 0 vs "
-        rf"rank\(s\) \[1\].*mp_rank_01_model_states\.pt",
+        match=rf"{name}:.*TP ranks: rank 0 vs rank\(s\) \[1\].*mp_rank_01_model_states\.pt",
     ):
         convert_deepspeed(os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"), dst)
     assert_destination_untouched(dst)
@@ -288,7 +287,7 @@ def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
     rank.optim_states[1]["base_optimizer_state"]["state"][0]["step"] = np.float32(3)
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"disagree on the optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01",
+        match=r"optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01",
     ):
         meg.optimizer_step(checkpoint)
 

@@ -110,8 +110,7 @@ def test_pipeline_two_saves_of_one_layer_are_refused(tmp_path):
     shutil.copy(os.path.join(bf16_tag, "layer_00-model_00-model_states.pt"), tag)
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"two files for pipeline layer 0 on TP rank 0: layer_00-model_00-model_states\.pt "
-        r"and layer_00-model_states\.pt",
+        match=r"layer 0 on TP rank 0: layer_00-model_00-model_states\.pt and layer_00-model_states\.pt",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"))
     assert_destination_untouched(str(tmp_path / "out"))
@@ -254,8 +253,7 @@ def test_moe_zero0_replicas_that_disagree_are_refused(tmp_path, monkeypatch):
     _altered_optimizer(monkeypatch, file, stale)
     with pytest.raises(
         DeepSpeedImportError,
-        match=rf"{file}:optimizer\.state\.0\.exp_avg: 'wte\.weight' differs from the same "
-        r"parameter's state on another rank",
+        match=rf"{file}:optimizer\.state\.0\.exp_avg: 'wte\.weight' differs",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"))
     assert_destination_untouched(str(tmp_path / "out"))
@@ -268,8 +266,7 @@ def test_moe_missing_expert_file_is_named(tmp_path, run):
     os.remove(os.path.join(src, "global_step2", "layer_1_expert_1_mp_rank_00_model_states.pt"))
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"layer_1_expert_1_mp_rank_00_model_states\.pt: missing file of expert 1 of MoE "
-        r"layer 1 \(2 experts\)",
+        match=r"layer_1_expert_1_mp_rank_00_model_states\.pt:.*expert 1 of MoE layer 1 \(2 experts\)",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"), weights_only=True)
     assert_destination_untouched(str(tmp_path / "out"))
@@ -281,8 +278,7 @@ def test_moe_missing_expert_parallel_optimizer_file_is_named(tmp_path):
     os.remove(os.path.join(src, "global_step2", "expp_rank_1_mp_rank_00_optim_states.pt"))
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"expp_rank_1_mp_rank_00_optim_states\.pt: missing optimizer file of "
-        r"expert-parallel rank 1 \(expert parallel size 2\)",
+        match=r"expp_rank_1_mp_rank_00_optim_states\.pt:.*expert-parallel rank 1 \(expert parallel size 2\)",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"), weights_only=True)
     assert_destination_untouched(str(tmp_path / "out"))
@@ -315,7 +311,7 @@ def test_a_file_the_import_would_not_read_is_refused(tmp_path, run, stray):
     for weights_only in (True,) if run.startswith("z0") else (False, True):
         with pytest.raises(
             DeepSpeedImportError,
-            match=rf"the import would not read 1 of the folder's entries: \['{stray}'\]",
+            match=rf"not read 1 of the folder's entries: \['{stray}'\]",
         ):
             jax_ucp.convert(src, str(tmp_path / "out"), weights_only=weights_only)
         assert_destination_untouched(str(tmp_path / "out"))

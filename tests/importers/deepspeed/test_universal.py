@@ -176,8 +176,7 @@ def test_universal_missing_parameter_folder_named(tmp_path):
     shutil.rmtree(tag / "zero" / "h.1.mlp_fc.bias")
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"zero: no folder for parameter\(s\) \['h\.1\.mlp_fc\.bias'\] of param_shapes in "
-        r".*zero_pp_rank_0_mp_rank_00_model_states\.pt \(1 missing\)",
+        match=r"zero:.*\['h\.1\.mlp_fc\.bias'\].*zero_pp_rank_0_mp_rank_00_model_states\.pt \(1 missing\)",
     ):
         plan_import(root)
 
@@ -192,8 +191,7 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
     torch_out.save_file(str(step), slot, [np.asarray(7.0, np.float32)])
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"zero: parameters disagree on the optimizer step: 2 in zero/.*, 7 in "
-        r"zero/ln_f\.bias/step\.pt",
+        match=r"zero:.*optimizer step: 2 in zero/.*, 7 in zero/ln_f\.bias/step\.pt",
     ):
         plan_import(root)
     root, tag = _copy_universal("z3_bf16_dp2", tmp_path / "b")
@@ -298,8 +296,7 @@ def test_universal_frozen_copy_differing_from_the_fragments_is_refused(tmp_path)
     torch_out.save_file(str(fp32), slot, [np.full(16, 7.0, np.float32)])
     with pytest.raises(
         DeepSpeedImportError,
-        match=r"zero/h\.0\.ln_1\.bias/fp32\.pt: frozen parameter 'h\.0\.ln_1\.bias' differs "
-        r"from its weights in frozen_param_fragments of \['mp_rank_00_model_states\.pt'\]$",
+        match=r"zero/h\.0\.ln_1\.bias/fp32\.pt: frozen parameter 'h\.0\.ln_1\.bias'.*frozen_param_fragments of \['mp_rank_00_model_states\.pt'\]$",
     ):
         jax_ucp.convert(root, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -309,8 +306,6 @@ def test_a_parameter_both_frozen_and_trained_is_refused():
     from jax_ucp.importers.deepspeed.files import frozen_shapes_of
 
     states = {"frozen_param_shapes": {"a": (2,), "b": [3]}}
-    with pytest.raises(
-        DeepSpeedImportError, match=r"^f\.pt: parameters both frozen and trained: \['a'\]$"
-    ):
+    with pytest.raises(DeepSpeedImportError, match=r"^f\.pt:.*frozen and trained: \['a'\]$"):
         frozen_shapes_of(states, "f.pt", trained=["a", "c"])
     assert frozen_shapes_of(states, "f.pt", trained=["c"]) == {"a": (2,), "b": (3,)}

@@ -255,7 +255,7 @@ def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
     monkeypatch.setattr(lg, "distrib_optim_layout", lambda p, shared, bs: real(p, shared, 1))
     with pytest.raises(
         MegatronImportError,
-        match=r"distrib_optim\.pt: the flat buffers hold \d+ elements but .* lay out to",
+        match=r"distrib_optim\.pt:.*\d+ elements.*lay out to",
     ):
         convert_megatron(
             FIX / "legacy_gpt_distopt_pp2dp2_synthetic", tmp_path / "out", vocab_size=VOCAB
@@ -580,8 +580,7 @@ def test_dtype_disagreement_on_disk(tmp_path):
     dest = tmp_path / "out"
     with pytest.raises(
         MegatronImportError,
-        match=r"tensor '.+' chunk .*/__1_0\.distcp: dtype disagreement: metadata says float32, "
-        r"bytes hold int16",
+        match=r"'.+' chunk .*/__1_0\.distcp:.*float32.*int16",
     ):
         convert_megatron(src, dest, vocab_size=VOCAB)
     _untouched(dest)

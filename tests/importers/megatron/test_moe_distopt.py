@@ -160,8 +160,7 @@ def test_moe_expert_state_of_swapped_expert_ranks_is_refused(tmp_path, name):
     (src / ".metadata").write_bytes(swapped)
     with pytest.raises(
         MegatronImportError,
-        match=r"tensor 'decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight': the fp32 "
-        r"master found in the dp_reshardable state .* does not equal the model weight",
+        match=r"'decoder\.layers\.mlp\.experts\.experts\.linear_fc2\.weight': the fp32 master.*dp_reshardable.*model weight",
     ):
         jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=VOCAB)
     assert not (tmp_path / "out").exists()

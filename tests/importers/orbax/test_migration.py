@@ -172,7 +172,7 @@ def test_convert_step_tag_weights_only_and_refusals(tmp_path):
     assert skipped["state/opt_state.0.mu.w"] == "weights_only: not under params/"
     assert skipped["state/step"] == "weights_only: not under params/"
     assert skipped["meta/"] == "an Orbax JsonCheckpointHandler item, not a PyTree of arrays"
-    with pytest.raises(OrbaxImportError, match=r"run: no committed step 5; steps found: \[3, 7\]"):
+    with pytest.raises(OrbaxImportError, match=r"run:.*step 5; steps found: \[3, 7\]"):
         jax_ucp.convert(root, tmp_path / "x", tag=5)
     with ocp.CheckpointManager(tmp_path / "ucp_run") as mngr:
         mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
@@ -226,7 +226,7 @@ def test_export_orbax_restores_with_orbax_bit_exact(tmp_path):
         ExportError, match=r"orbax: already exists and is not an export written by jax_ucp"
     ):
         jax_ucp.export(tmp_path / "ucp", tmp_path / "orbax", to="orbax")
-    with pytest.raises(ExportError, match=r"^select= does not apply to 'orbax' exports"):
+    with pytest.raises(ExportError, match=r"^select=.*'orbax'"):
         jax_ucp.export(tmp_path / "ucp", tmp_path / "o2", to="orbax", select="params")
     metadata = json.loads((tmp_path / "orbax" / "_METADATA").read_text())
     kinds = {k: v["value_metadata"]["value_type"] for k, v in metadata["tree_metadata"].items()}

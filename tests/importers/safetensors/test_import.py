@@ -320,8 +320,7 @@ def test_safetensors_index_naming_a_file_with_a_nul_is_a_clear_error(tmp_path):
     )
     with pytest.raises(
         jax_ucp.UCPError,
-        match=r"hf/model\.safetensors\.index\.json: weight_map entry 'b': file name "
-        r"'mod\\x00el\.safetensors' holds a NUL character",
+        match=r"hf/model\.safetensors\.index\.json: weight_map entry 'b':.*'mod\\x00el\.safetensors'.*NUL",
     ):
         jax_ucp.convert(src, tmp_path / "out")
     assert_destination_untouched(tmp_path / "out")

@@ -256,7 +256,7 @@ def test_steps_that_disagree_are_an_error(tmp_path, monkeypatch):
         return np.asarray(7.0, value.dtype) if name == "optim.state.norm.weight.step" else value
 
     monkeypatch.setattr(dcp_reader.DcpCheckpoint, "read", read)
-    with pytest.raises(TorchImportError, match=r"parameters disagree on the optimizer step: 3 .*7"):
+    with pytest.raises(TorchImportError, match=r"optimizer step: 3 .*7"):
         jax_ucp.convert(src, tmp_path / "out")
 
 

@@ -144,8 +144,7 @@ def test_gap_and_overlap_with_the_right_element_count_are_found():
         dcp_reader.check_coverage(_tensor((4, 2), [((0, 0), (3, 2)), ((2, 0), (1, 2))]), "m")
     with pytest.raises(
         DcpError,
-        match=r"incomplete shard coverage: chunks hold 8 of 8 elements of shape \[4, 2\] "
-        r".*; element \[0, 0\] is in no chunk",
+        match=r"8 of 8 elements of shape \[4, 2\] .*; element \[0, 0\] is in no chunk",
     ):
         dcp_reader.check_coverage(_tensor((4, 2), [((1, 0), (3, 2)), ((3, 0), (1, 2))]), "m")
 
@@ -158,8 +157,7 @@ def test_chunks_split_along_too_many_dimensions_are_refused():
     boxes = [(list(corner), [1] * 12) for corner in itertools.product((0, 1), repeat=12)]
     with pytest.raises(
         DcpError,
-        match=r"tensor 'w' in m: 4096 chunks split along 12 dimensions: too many to check that "
-        r"they tile the tensor \(16781312 corners, at most 2581110\)",
+        match=r"'w' in m: 4096 chunks split along 12 dimensions:.*\(16781312 corners, at most 2581110\)",
     ):
         dcp_reader.check_coverage(_tensor(shape, boxes), "m")
 
@@ -198,8 +196,7 @@ def test_dcp_storage_file_linked_outside_is_refused(tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(
         jax_ucp.UCPError,
-        match=r"fsdp2_fp32/\.metadata: storage file: file name '__1_0\.distcp' resolves to "
-        r"\S+/elsewhere/__1_0\.distcp, outside the checkpoint",
+        match=r"fsdp2_fp32/\.metadata:.*'__1_0\.distcp' resolves to \S+/elsewhere/__1_0\.distcp, outside",
     ):
         jax_ucp.convert(src, dst)
     assert_destination_untouched(dst)

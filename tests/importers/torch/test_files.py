@@ -146,8 +146,7 @@ def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(
         TorchImportError,
-        match=r"optimizer\.bin: the optimizer numbers 12 parameters, the model state dict has "
-        r"11 distinct floating tensors",
+        match=r"optimizer\.bin:.*12 parameters.*11 distinct floating tensors",
     ):
         jax_ucp.convert(src, dst)
     assert_destination_untouched(dst)
@@ -164,7 +163,7 @@ def test_sharded_index_naming_another_file_is_an_error(tmp_path):
     first = next(iter(index["weight_map"]))
     index["weight_map"][first] = "pytorch_model-00002-of-00002.bin"
     (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
-    with pytest.raises(TorchImportError, match=r"in another file than listed \['tok_embeddings"):
+    with pytest.raises(TorchImportError, match=r"another file.*\['tok_embeddings"):
         jax_ucp.convert(src, tmp_path / "out")
 
 
@@ -175,7 +174,7 @@ def test_sharded_index_escaping_its_folder_is_refused(tmp_path):
     (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
     with pytest.raises(
         TorchImportError,
-        match=r"weight_map entry 'x' names '\.\./\.\./etc/passwd'; expected a file beside",
+        match=r"weight_map entry 'x' names '\.\./\.\./etc/passwd'",
     ):
         jax_ucp.convert(src, tmp_path / "out")
 

@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import sys
+import tomllib
 
 import ml_dtypes
 import numpy as np
@@ -25,6 +26,13 @@ HERE = os.path.join(REPO, "tests", "fixtures")
 TRAINER = os.path.join(HERE, "hf_trainer")
 ACCELERATE = os.path.join(HERE, "accelerate")
 STATES = {"exp_avg": "mu", "exp_avg_sq": "nu"}
+
+
+def test_torch_extra_installs_accelerate_for_the_trainer():
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extra = tomllib.load(f)["project"]["optional-dependencies"]["torch"]
+    names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in extra}
+    assert {"torch", "transformers", "accelerate", "safetensors"} <= names
 
 
 def truth(path: str) -> dict[str, np.ndarray]:
