@@ -15,33 +15,15 @@ from jax_ucp.errors import UnsupportedError
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 
 _EXTENDED = {
-    "bfloat16": ml_dtypes.bfloat16,
-    "float8_e4m3fn": ml_dtypes.float8_e4m3fn,
-    "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
-    "float8_e4m3b11fnuz": ml_dtypes.float8_e4m3b11fnuz,
-    "float8_e5m2": ml_dtypes.float8_e5m2,
-    "float8_e5m2fnuz": ml_dtypes.float8_e5m2fnuz,
-    "int4": ml_dtypes.int4,
+    name: getattr(ml_dtypes, name)
+    for name in "bfloat16 float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 "
+    "float8_e5m2fnuz int4".split()
 }
 
 # dtypes zarr-python reads natively (the format promise: `zarr.open` works on these).
 ZARR_NATIVE = frozenset(
-    [
-        "bool",
-        "int8",
-        "int16",
-        "int32",
-        "int64",
-        "uint8",
-        "uint16",
-        "uint32",
-        "uint64",
-        "float16",
-        "float32",
-        "float64",
-        "complex64",
-        "complex128",
-    ]
+    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 "
+    "complex128".split()
 )
 
 
@@ -49,24 +31,20 @@ def dtype_name(dtype) -> str:
     """Canonical name of a numpy/ml_dtypes/jax dtype."""
     dt = np.dtype(dtype)
     name = dt.name
-    if name not in ZARR_NATIVE and name not in _EXTENDED:
+    if name not in SUPPORTED:
         raise UnsupportedError(
-            f"dtype {dt} is not supported by the UCP format (expected one of "
-            f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
+            f"dtype {dt} is not supported by the UCP format (expected one of {list(SUPPORTED)})."
         )
     return name
 
 
 def to_numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a manifest's dtype name (the inverse of ``dtype_name``)."""
-    if name in _EXTENDED:
-        return np.dtype(_EXTENDED[name])
-    if name in ZARR_NATIVE:
-        return np.dtype(name)
-    raise UnsupportedError(
-        f"Unknown dtype {name!r} in manifest (expected one of "
-        f"{sorted(ZARR_NATIVE | set(_EXTENDED))})."
-    )
+    if name not in SUPPORTED:
+        raise UnsupportedError(
+            f"Unknown dtype {name!r} in manifest (expected one of {list(SUPPORTED)})."
+        )
+    return np.dtype(_EXTENDED.get(name, name))
 
 
 # Every dtype a manifest may name (TensorStore's zarr3 driver stores all of them; uint4 it does not).

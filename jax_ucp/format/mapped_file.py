@@ -17,9 +17,10 @@ import zlib
 from typing import Any
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from jax_ucp.errors import FileReadError
-from jax_ucp.format.files import open_regular
+from jax_ucp.format.files import open_regular, preadv_full
 
 __all__ = [
     "FileMap",
@@ -86,35 +87,18 @@ def mapped_at(arr: Any) -> tuple[FileMap, int] | None:
     return base, np.asarray(arr).__array_interface__["data"][0] - base.address
 
 
-def _extent(arr: np.ndarray) -> tuple[int, int]:
-    """Byte offsets ``[low, high)`` of ``arr``'s elements relative to its first element."""
-    low = high = 0
-    for n, s in zip(arr.shape, arr.strides):
-        if n == 0:
-            return 0, 0
-        if s < 0:
-            low += (n - 1) * s
-        else:
-            high += (n - 1) * s
-    return low, high + arr.itemsize
-
-
 def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
-    pos, size = 0, len(buf)
-    while pos < size:
-        n = os.preadv(mm.fd, [buf[pos : min(size, pos + PIECE)]], offset + pos)
-        if n <= 0:
-            raise FileShrankError(
-                f"{mm.path}: {what}: bytes [{offset}, {offset + size}) end at {offset + pos}; "
-                f"the file was {len(mm)} bytes when it was opened and is "
-                f"{os.fstat(mm.fd).st_size} now (truncated while being read?)"
-            )
-        pos += n
+    got = preadv_full(mm.fd, [buf], offset)
+    if got < len(buf):
+        raise FileShrankError(
+            f"{mm.path}: {what}: bytes [{offset}, {offset + len(buf)}) end at {offset + got}; "
+            f"the file was {len(mm)} bytes when it was opened and is "
+            f"{os.fstat(mm.fd).st_size} now (truncated while being read?)"
+        )
 
 
 def read_bytes(buf: Any, offset: int, length: int, what: str = "reading") -> bytes:
-    """``buf[offset:offset+length]`` as bytes (``buf``: a FileMap, an array viewing one, or any
-    buffer), read with ``pread`` when it is mapped.
+    """``buf[offset:offset+length]`` as bytes, read with ``pread`` when ``buf`` is mapped.
 
     Args:
         buf: a FileMap, an array viewing one, or any buffer.
@@ -142,10 +126,11 @@ def read_out(arr: np.ndarray, what: str = "reading a tensor") -> np.ndarray:
     if arr.flags.c_contiguous:
         _pread_into(mm, start, out.reshape(-1).view(np.uint8).data, what)
         return out
-    low, high = _extent(arr)
+    low, high = byte_bounds(arr)  # addresses; ``start`` is the file offset of element 0
+    first = arr.__array_interface__["data"][0]
     raw = np.empty(high - low, np.uint8)
-    _pread_into(mm, start + low, raw.data, what)
-    out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=-low, strides=arr.strides)
+    _pread_into(mm, start + low - first, raw.data, what)
+    out[...] = np.ndarray(arr.shape, arr.dtype, buffer=raw, offset=first - low, strides=arr.strides)
     return out
 
 
@@ -167,8 +152,7 @@ def copy_into(region: np.ndarray, arr: np.ndarray, what: str = "reading a tensor
         and region.shape == arr.shape
         and region.dtype == arr.dtype
     ):
-        if arr.size:
-            _pread_into(where[0], where[1], region.reshape(-1).view(np.uint8).data, what)
+        _pread_into(where[0], where[1], region.reshape(-1).view(np.uint8).data, what)
     else:
         region[...] = read_out(arr, what)
 

@@ -98,7 +98,11 @@ def _shard_paths(src) -> list[tuple[str, str]]:
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
         _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
-        return _files_from_index(src, index)
+        first = first_tensors(read_weight_map(index, ".safetensors"))
+        return [
+            (os.path.join(src, name), _inside(src, name, f"{index}: weight_map entry {t[:100]!r}"))
+            for name, t in first.items()
+        ]
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:
         for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
@@ -117,14 +121,6 @@ def _inside(src: str, name: str, what: str) -> str:
         return files.inside(files.checkpoint_root(src), name, what, folder=src)
     except files.UnsafeFileError as e:
         raise SafetensorsError(str(e)) from None
-
-
-def _files_from_index(src: str, index: str) -> list[tuple[str, str]]:
-    first = first_tensors(read_weight_map(index, ".safetensors"))
-    return [
-        (os.path.join(src, name), str(_inside(src, name, f"{index}: weight_map entry {t[:100]!r}")))
-        for name, t in first.items()
-    ]
 
 
 def read_weight_map(
@@ -187,8 +183,7 @@ class SafetensorsFile:
             self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # size >= 8 here
         finally:
             os.close(fd)
-        (header_len,) = np.frombuffer(self._map[:8], "<u8")
-        header_len = int(header_len)
+        header_len = int.from_bytes(self._map[:8], "little")
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise SafetensorsError(
                 f"{path}: header of {header_len} bytes (file {size} bytes, at most "
@@ -210,14 +205,8 @@ class SafetensorsFile:
         metadata = header.pop("__metadata__", None) or {}
         if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
             self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
-        tensors: dict[str, tuple[np.dtype, tuple[int, ...], int, int]] = {}
-        ranges = []
-        for name, info in header.items():
-            tensors[name] = self._entry(name, info)
-            _, _, begin, end = tensors[name]
-            if end > begin:
-                ranges.append((begin, end, name))
-        ranges.sort()
+        tensors = {name: self._entry(name, info) for name, info in header.items()}
+        ranges = sorted((b, e, name) for name, (_, _, b, e) in tensors.items() if e > b)
         for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:]):
             if begin < end:
                 raise SafetensorsError(
@@ -248,7 +237,7 @@ class SafetensorsFile:
             "folder."
         )
 
-    def _entry(self, name: str, info: Any):
+    def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
         where = f"{self.path}: tensor {name[:100]!r}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise SafetensorsError(f"{where}: expected dtype, shape and data_offsets.")

@@ -17,11 +17,6 @@ from collections.abc import Sequence
 DEFAULT_INNER_CHUNK_BYTES = 4 << 20
 
 
-def _divisors_desc(n: int) -> list[int]:
-    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
-    return sorted(set(small + [n // d for d in small]), reverse=True)
-
-
 def outer_chunk_shape(shard_shape: Sequence[int]) -> tuple[int, ...]:
     """zarr needs positive chunk extents; a zero-size dimension still gets extent 1."""
     return tuple(max(1, int(d)) for d in shard_shape)
@@ -52,14 +47,13 @@ def inner_chunk_shape(
             inner *= shard[axis]
             continue
         fit = max(1, budget // inner)
-        divisors = _divisors_desc(shard[axis])
+        small = [d for d in range(1, math.isqrt(shard[axis]) + 1) if shard[axis] % d == 0]
+        divisors = sorted({*small, *(shard[axis] // d for d in small)}, reverse=True)
         best = next(d for d in divisors if d <= fit)
         if best * 16 < fit:
             # Badly divisible extent (e.g. a prime): millions of tiny chunks would cost more than a
             # chunk somewhat over budget, so take the smallest divisor above the bound instead.
             best = min(d for d in divisors if d >= fit)
-        chunk[axis] = best
-        for earlier in range(axis):
-            chunk[earlier] = 1
+        chunk[: axis + 1] = [1] * axis + [best]
         break
     return tuple(chunk)

@@ -44,17 +44,12 @@ def set_object_store_options(scheme: str, **options: Any) -> None:
     a multi-process save or restore sets the same. ``None`` removes one."""
     if scheme not in SCHEMES:
         raise ObjectStoreError(f"unknown scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
-    for k in options:
-        if k in ("driver", "bucket", "path"):
-            raise ObjectStoreError(
-                f"set_object_store_options({scheme!r}): {k!r} comes from each URL, not an option"
-            )
-    current = _options.setdefault(scheme, {})
-    for k, v in options.items():
-        if v is None:
-            current.pop(k, None)
-        else:
-            current[k] = v
+    for k in sorted(options.keys() & {"driver", "bucket", "path"}):
+        raise ObjectStoreError(
+            f"set_object_store_options({scheme!r}): {k!r} comes from each URL, not an option"
+        )
+    merged = {**_options.get(scheme, {}), **options}
+    _options[scheme] = {k: v for k, v in merged.items() if v is not None}
 
 
 def kvstore_root(url: str) -> dict:
@@ -202,8 +197,7 @@ def delete_names(root: str, names: list[str]) -> None:
     The caller decides which names are its own (``writer.commit`` deletes only a killed save's
     arrays and digest reports)."""
     kv = _kvstore(root)
-    futures = [kv.write(name, None) for name in names]
-    for f in futures:
+    for f in [kv.write(name, None) for name in names]:
         f.result()
 
 

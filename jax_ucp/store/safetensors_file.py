@@ -15,7 +15,6 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
-import threading
 
 import numpy as np
 import tensorstore as ts
@@ -73,23 +72,25 @@ class SafetensorsTensor:
         self.dtype, self.shape, self.offset = np.dtype(dtype), tuple(shape), offset
         inner = math.prod(self.shape[1:]) if self.shape else 1
         self.row_bytes = inner * self.dtype.itemsize  # bytes of one index of dim 0
-
-    def _pread(self, buffer: np.ndarray, position: int) -> None:
-        view = buffer.reshape(-1).view(np.uint8).data
-        done = 0
-        while done < view.nbytes:
-            got = os.preadv(self.file.fd, [view[done:]], position + done)
-            if not got:
-                raise SafetensorsReadError(
-                    f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
-                    f"{position + view.nbytes}, the file ends at {position + done})."
-                )
-            done += got
-        shard_reader.count_bytes_read(done)
+        self.block_rows = max(1, _BLOCK_BYTES // max(1, self.row_bytes))  # rows per read task
 
     def _rows_into(self, out: np.ndarray, row: int) -> None:
         """Whole rows ``row, row + len(out)`` straight into ``out`` (C-contiguous)."""
-        self._pread(out, self.offset + row * self.row_bytes)
+        position = self.offset + row * self.row_bytes
+        got = files.preadv_full(self.file.fd, [out.reshape(-1).view(np.uint8).data], position)
+        shard_reader.count_bytes_read(got)
+        if got < out.nbytes:
+            raise SafetensorsReadError(
+                f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
+                f"{position + out.nbytes}, the file ends at {position + got})."
+            )
+
+    def _rows(self, a: int, b: int) -> np.ndarray:
+        """Rows ``[a, b)`` in this thread's scratch buffer (valid until its next read)."""
+        block = shard_reader.scratch((b - a) * self.row_bytes).view(self.dtype)
+        block = block.reshape((b - a,) + self.shape[1:])
+        self._rows_into(block, a)
+        return block
 
     def read_into(self, dests) -> RegionsRead:
         """Reads each region into its array: ``dests`` is a list of (region, out), region
@@ -104,9 +105,8 @@ class SafetensorsTensor:
             if not self.shape:
                 tasks.append((self._rows_into, out.reshape(1), 0))
             elif all(r == (0, n) for r, n in zip(region[1:], self.shape[1:])):
-                rows = max(1, _BLOCK_BYTES // max(1, self.row_bytes))
-                for r in range(0, shape[0], rows):  # consecutive bytes: straight into ``out``
-                    tasks.append((self._rows_into, out[r : r + rows], region[0][0] + r))
+                for r in range(0, shape[0], self.block_rows):  # consecutive bytes: into ``out``
+                    tasks.append((self._rows_into, out[r : r + self.block_rows], region[0][0] + r))
             else:
                 cut.append((region, out))
         tasks.extend(self._cut_tasks(cut))
@@ -117,7 +117,7 @@ class SafetensorsTensor:
         """Blocks of whole rows covering every region not a row range, each block read once."""
         if not dests:
             return []
-        per_block = max(1, _BLOCK_BYTES // max(1, self.row_bytes))
+        per_block = self.block_rows
         merged: list[list[int]] = []
         for a, b in sorted(region[0] for region, _ in dests):  # the union of their row ranges
             if merged and a <= merged[-1][1]:
@@ -128,10 +128,7 @@ class SafetensorsTensor:
         return [(self._read_block, a, b, dests) for a, b in blocks]
 
     def _read_block(self, a: int, b: int, dests) -> None:
-        block = (
-            _scratch((b - a) * self.row_bytes).view(self.dtype).reshape((b - a,) + self.shape[1:])
-        )
-        self._rows_into(block, a)
+        block = self._rows(a, b)
         for region, out in dests:
             lo, hi = max(a, region[0][0]), min(b, region[0][1])
             if lo >= hi:
@@ -210,14 +207,12 @@ class Gathered:
         dests = [(region, out) for region, out in dests if 0 not in out.shape]
         tasks = []
         for first, src, row, n in self._runs:
-            lo = first
             hi = first + n
-            if not any(c0 < hi and lo < c1 for (_, (c0, c1)), _ in dests):
+            if not any(c0 < hi and first < c1 for (_, (c0, c1)), _ in dests):
                 continue
             t = self.sources[src]
-            per_block = max(1, _BLOCK_BYTES // max(1, t.row_bytes))
-            for a in range(lo, hi, per_block):  # result columns [a, b): source rows from there
-                b = min(a + per_block, hi)
+            for a in range(first, hi, t.block_rows):  # result columns [a, b): rows from there
+                b = min(a + t.block_rows, hi)
                 wanted = [d for d in dests if d[0][1][0] < b and a < d[0][1][1]]
                 if wanted:
                     tasks.append((self._read_block, t, a, b, row + (a - first), wanted))
@@ -227,8 +222,7 @@ class Gathered:
     @staticmethod
     def _read_block(t: SafetensorsTensor, a: int, b: int, row: int, dests) -> None:
         """Result columns ``[a, b)`` = source rows ``[row, row + b - a)`` of ``t``."""
-        block = _scratch((b - a) * t.row_bytes).view(t.dtype).reshape((b - a,) + t.shape[1:])
-        t._rows_into(block, row)
+        block = t._rows(row, row + b - a)
         for (rows, cols), out in dests:  # out[i, j] = block[a + j - a, rows[0] + i]
             lo, hi = max(a, cols[0]), min(b, cols[1])
             part = block[lo - a : hi - a, rows[0] : rows[1]]
@@ -253,14 +247,3 @@ class RegionsRead:
     def result(self) -> None:
         """Waits for every read; raises the first error."""
         shard_reader.wait_all(self._parts)
-
-
-_SCRATCH = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable block buffer (rows cut into their regions, not kept)."""
-    buf = getattr(_SCRATCH, "buf", None)
-    if buf is None or buf.nbytes < nbytes:
-        buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
-    return buf[:nbytes]

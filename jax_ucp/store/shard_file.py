@@ -35,15 +35,8 @@ _BYTES_KINDS = "biufc"
 
 
 _ML_DTYPES_1_2_BYTES = (
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e4m3b11fnuz",
-    "float8_e3m4",
-    "float8_e4m3",
-    "float8_e8m0fnu",
+    "bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e4m3b11fnuz "
+    "float8_e3m4 float8_e4m3 float8_e8m0fnu".split()
 )
 
 

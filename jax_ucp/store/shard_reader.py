@@ -121,23 +121,13 @@ def _read_error(e: Exception, where: str) -> Exception:
     )
 
 
-def trailers_digest(fd: int, path: str, index: np.ndarray) -> str:
-    """``digest_of_trailers`` of a shard file on disk (one 4-byte pread per inner chunk).
-
-    Args:
-        fd: the open shard file
-        path: its path, for messages
-        index: its parsed index
-    """
-    trailers = b"".join(_pread_exact(fd, 4, int(o + n - 4), path) for o, n in index)
-    return digest_of_trailers(trailers)
-
-
 def file_digest(path: str, n_chunks: int) -> str:
     """The digest of the shard file ``path`` (any sharding_indexed layout with crc32c codecs)."""
     fd = files.open_regular(path)
     try:
-        return trailers_digest(fd, path, read_index(fd, path, n_chunks, True))
+        index = read_index(fd, path, n_chunks, True)
+        trailers = (_pread_exact(fd, 4, int(o + n - 4), path) for o, n in index)
+        return digest_of_trailers(b"".join(trailers))
     finally:
         os.close(fd)
 
@@ -162,17 +152,9 @@ def count_bytes_read(n: int) -> None:
 
 
 def _pread_exact(fd: int, n: int, offset: int, path: str) -> bytes:
-    data = os.pread(fd, n, offset)
-    count_bytes_read(n)
-    while len(data) < n:  # pread may return less; 0 means end of file
-        more = os.pread(fd, n - len(data), offset + len(data))
-        if not more:
-            raise ShardReadError(
-                f"{path}: truncated (needs bytes up to {offset + n}, file ends at "
-                f"{offset + len(data)})"
-            )
-        data += more
-    return data
+    out = bytearray(n)
+    _preadv_exact(fd, [out], offset, path)
+    return bytes(out)
 
 
 def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
@@ -202,35 +184,22 @@ def check_destination(region, out: np.ndarray, shape, dtype) -> tuple[int, ...]:
 
 
 def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
-    """Fills ``buffers`` (writable, contiguous bytes) with the file's bytes from ``offset`` on:
-    one ``preadv`` straight into them (no intermediate bytes object), repeated for whatever the
-    kernel left unfilled."""
-    rest = [memoryview(b).cast("B") for b in buffers]
-    total = sum(v.nbytes for v in rest)
-    position = offset
-    while rest:
-        got = os.preadv(fd, rest, position)
-        if not got:
-            raise ShardReadError(
-                f"{path}: truncated (needs bytes up to {offset + total}, file ends at {position})"
-            )
-        position += got
-        unfilled = []
-        for v in rest:
-            if got >= v.nbytes:
-                got -= v.nbytes
-            else:
-                unfilled.append(v[got:])
-                got = 0
-        rest = unfilled
-    count_bytes_read(total)
+    """Fills ``buffers`` with the file's bytes from ``offset`` on, no intermediate copy."""
+    total = sum(memoryview(b).nbytes for b in buffers)
+    got = files.preadv_full(fd, buffers, offset)
+    count_bytes_read(got)
+    if got < total:
+        raise ShardReadError(
+            f"{path}: truncated (needs bytes up to {offset + total}, file ends at {offset + got})"
+        )
 
 
 _SCRATCH = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's reusable read buffer (a chunk that is copied on, not kept)."""
+def scratch(nbytes: int) -> np.ndarray:
+    """This thread's reusable read buffer (for bytes copied on, not kept): a chunk, a block of
+    rows cut into their regions."""
     buf = getattr(_SCRATCH, "buf", None)
     if buf is None or buf.nbytes < nbytes:
         buf = _SCRATCH.buf = np.empty(nbytes, np.uint8)
@@ -342,7 +311,7 @@ class ShardReader:
                 f"{path}: inner chunk {i} holds {nbytes} bytes, expected {want} (corrupt)"
             )
         if into is None:
-            raw = _scratch(self._chunk_bytes)
+            raw = scratch(self._chunk_bytes)
             chunk = raw.view(self.dtype).reshape(self._inner)
         else:
             chunk, raw = into, into.reshape(-1).view(np.uint8)

@@ -13,6 +13,7 @@ from typing import Any
 import crc32c as crc32c_lib
 import numpy as np
 
+from jax_ucp.format import files
 from jax_ucp.store.shard_file import (
     chunks_are_contiguous,
     digest_of_trailers,
@@ -138,25 +139,12 @@ def write(
 
 
 def write_parts(fd: int, parts: list) -> None:
-    """Writes the buffers ``parts`` in order at ``fd``'s position (writev, then piece by piece
-    after a short write)."""
+    """Writes the buffers ``parts`` in order at ``fd``'s position (writev, repeated for what a
+    short write left)."""
     for i in range(0, len(parts), _IOV_MAX):
-        batch = parts[i : i + _IOV_MAX]
-        n = os.writev(fd, batch)
-        if n != sum(memoryview(p).nbytes for p in batch):
-            _write_rest(fd, batch, n)
-
-
-def _write_rest(fd: int, batch: list, done: int) -> None:
-    for p in batch:
-        mv = memoryview(p).cast("B")
-        if done >= mv.nbytes:
-            done -= mv.nbytes
-            continue
-        mv = mv[done:]
-        done = 0
-        while mv.nbytes:
-            n = os.write(fd, mv)
+        rest = [memoryview(p).cast("B") for p in parts[i : i + _IOV_MAX]]
+        while rest:
+            n = os.writev(fd, rest)
             if n <= 0:
-                raise OSError(f"write returned {n} with {mv.nbytes} bytes left")
-            mv = mv[n:]
+                raise OSError(f"write returned {n} with {sum(v.nbytes for v in rest)} bytes left")
+            files.advance(rest, n)

@@ -70,27 +70,20 @@ def kvstore_driver(root) -> str:
     """The TensorStore kvstore driver of a checkpoint root (``file``, ``s3``, ``gcs``, ...)."""
     if location.is_url(root):
         root = location.kvstore_root(root)
-    if isinstance(root, Mapping):
-        return str(root.get("driver", "file"))
-    return "file"
+    return str(root.get("driver", "file")) if isinstance(root, Mapping) else "file"
 
 
 def _codecs(layout: ArrayLayout) -> list:
-    inner: list = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if layout.compression == "zstd":
-        inner.append({"name": "zstd", "configuration": {"level": layout.compression_level}})
-    if layout.checksum:
-        inner.append({"name": "crc32c"})
-    index: list = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    if layout.checksum:
-        index.append({"name": "crc32c"})
+    bytes_le = {"name": "bytes", "configuration": {"endian": "little"}}
+    crc = [{"name": "crc32c"}] if layout.checksum else []
+    zstd = {"name": "zstd", "configuration": {"level": layout.compression_level}}
     return [
         {
             "name": "sharding_indexed",
             "configuration": {
                 "chunk_shape": list(layout.inner_chunk_shape),
-                "codecs": inner,
-                "index_codecs": index,
+                "codecs": [bytes_le, *([zstd] if layout.compression == "zstd" else []), *crc],
+                "index_codecs": [bytes_le, *crc],
                 "index_location": "end",
             },
         }
@@ -189,17 +182,12 @@ def open_array(
     """
     # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
     spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
-    kwargs: dict = {
-        "open": True,
-        "read": True,
-        "write": False,
-        "context": context if context is not None else read_context(),
-    }
+    kwargs: dict = {"context": context if context is not None else read_context()}
     if dtype is not None:
         kwargs["dtype"] = ts.dtype(dtype)
     if shape is not None:
         kwargs["shape"] = list(shape)
-    return ts.open(spec, **kwargs)
+    return ts.open(spec, open=True, read=True, write=False, **kwargs)
 
 
 def numpy_dtype(name: str) -> np.dtype:
