@@ -259,7 +259,14 @@ _TENSOR_FIELDS = _TENSOR_REQUIRED + tuple(
 )
 
 
-_VALUE_TYPES = ("none", "bool", "int", "float", "str")
+# JSON "type" of a value entry -> (what its "value" must be, the check)
+_VALUE_TYPES = {
+    "none": ("null", lambda v: v is None),
+    "bool": ("a JSON boolean", lambda v: isinstance(v, bool)),
+    "int": ("a JSON integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
+    "str": ("a JSON string", lambda v: isinstance(v, str)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,23 +331,16 @@ class ValueEntry:
         _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
         key = _key(d["key"], f"{where}.key")
         w = f"{where} ({keypath_lib.key_to_str(key)!r})"
-        t = _enum(d["type"], f"{w}.type", _VALUE_TYPES)
+        t = _enum(d["type"], f"{w}.type", tuple(_VALUE_TYPES))
         v = d["value"]
-        if t == "none" and v is not None:
-            _fail(f"{w}.value", "null", v)
-        elif t == "bool" and not isinstance(v, bool):
-            _fail(f"{w}.value", "a JSON boolean", v)
-        elif t == "int" and (isinstance(v, bool) or not isinstance(v, int)):
-            _fail(f"{w}.value", "a JSON integer", v)
-        elif t == "str" and not isinstance(v, str):
-            _fail(f"{w}.value", "a JSON string", v)
-        elif t == "float":
-            if not isinstance(v, str) or not _FLOAT_HEX_RE.fullmatch(v):
-                _fail(f"{w}.value", "a float.hex string", v)
+        expected, valid = _VALUE_TYPES[t]
+        if not valid(v):
+            _fail(f"{w}.value", expected, v)
+        if t == "float":
             try:
                 v = float.fromhex(v)
             except (ValueError, OverflowError):
-                _fail(f"{w}.value", "a float.hex string", d["value"])
+                _fail(f"{w}.value", expected, d["value"])
         return cls(
             key=key,
             key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
