@@ -164,7 +164,6 @@ def export_orbax(
     ``step=None``: ``dst`` is what ``ocp.StandardCheckpointer().restore(dst)`` reads.
     ``step=N``: ``dst`` is a ``CheckpointManager`` root and the tree is item ``item`` of step
     ``N`` (``mngr.restore(N, args=ocp.args.Composite(state=ocp.args.StandardRestore(...)))``).
-    ``use_ocdbt`` / ``use_zarr3``: Orbax's layout options (its defaults: OCDBT, zarr v2, zstd).
     ``dst`` (the step, with ``step=N``) must not exist, or be an empty directory.
 
     Args:
@@ -172,7 +171,7 @@ def export_orbax(
         dst: the Orbax directory (or CheckpointManager root with ``step``).
         step: write step ``N`` of a CheckpointManager root (None: a plain checkpoint).
         item: the item name of that step.
-        use_ocdbt: Orbax's OCDBT layout.
+        use_ocdbt: Orbax's OCDBT layout (Orbax's default, as is zstd).
         use_zarr3: zarr v3 arrays instead of Orbax's default v2.
         progress: called as ``progress(name, done, total)`` per tensor.
     """

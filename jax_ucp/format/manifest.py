@@ -169,8 +169,7 @@ class TensorEntry:
     def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
-        key = _key(d["key"], f"{where}.key")
-        w = f"{where} ({keypath_lib.key_to_str(key)!r})"
+        key, key_types, w = _key(d, where)
         dtype = _enum(d["dtype"], f"{w}.dtype", dtypes_lib.SUPPORTED)
         shape = _dims(d["shape"], f"{w}.shape")
         chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
@@ -221,7 +220,7 @@ class TensorEntry:
         tied_to = _opt_string(d.get("tied_to"), f"{w}.tied_to")
         return cls(
             key=key,
-            key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
+            key_types=key_types,
             dir=directory,
             shape=shape,
             dtype=dtype,
@@ -257,7 +256,14 @@ _TENSOR_FIELDS = _TENSOR_REQUIRED + tuple(
 )
 
 
-_VALUE_TYPES = ("none", "bool", "int", "float", "str")
+# JSON "type" of a value entry -> (what its "value" must be, the check)
+_VALUE_TYPES = {
+    "none": ("null", lambda v: v is None),
+    "bool": ("a JSON boolean", lambda v: isinstance(v, bool)),
+    "int": ("a JSON integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a float.hex string", lambda v: isinstance(v, str) and _FLOAT_HEX_RE.fullmatch(v)),
+    "str": ("a JSON string", lambda v: isinstance(v, str)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,28 +326,20 @@ class ValueEntry:
     def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
-        key = _key(d["key"], f"{where}.key")
-        w = f"{where} ({keypath_lib.key_to_str(key)!r})"
-        t = _enum(d["type"], f"{w}.type", _VALUE_TYPES)
+        key, key_types, w = _key(d, where)
+        t = _enum(d["type"], f"{w}.type", tuple(_VALUE_TYPES))
         v = d["value"]
-        if t == "none" and v is not None:
-            _fail(f"{w}.value", "null", v)
-        elif t == "bool" and not isinstance(v, bool):
-            _fail(f"{w}.value", "a JSON boolean", v)
-        elif t == "int" and (isinstance(v, bool) or not isinstance(v, int)):
-            _fail(f"{w}.value", "a JSON integer", v)
-        elif t == "str" and not isinstance(v, str):
-            _fail(f"{w}.value", "a JSON string", v)
-        elif t == "float":
-            if not isinstance(v, str) or not _FLOAT_HEX_RE.fullmatch(v):
-                _fail(f"{w}.value", "a float.hex string", v)
+        expected, valid = _VALUE_TYPES[t]
+        if not valid(v):
+            _fail(f"{w}.value", expected, v)
+        if t == "float":
             try:
                 v = float.fromhex(v)
             except (ValueError, OverflowError):
-                _fail(f"{w}.value", "a float.hex string", d["value"])
+                _fail(f"{w}.value", expected, d["value"])
         return cls(
             key=key,
-            key_types=_key_types(d.get("key_types", _ABSENT), len(key), f"{w}.key_types"),
+            key_types=key_types,
             value=v,
             role=_enum(d.get("role", "other"), f"{w}.role", ROLES),
             sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
@@ -507,7 +505,6 @@ class Manifest:
         return cls.from_json(d, where=where)
 
 
-_ABSENT = object()
 _MANIFEST_REQUIRED = ("format", "version", "save_id", "kvstore", "entries")
 _MANIFEST_FIELDS = _MANIFEST_REQUIRED + ("created_by", "created_at", "source", "tree")
 TREE_NODE_TYPES = ("leaf", "dict", "list", "tuple", "namedtuple", "object")
@@ -667,18 +664,17 @@ def _opt_str_list(v: Any, where: str) -> list:
     return v
 
 
-def _key(v: Any, where: str) -> tuple[str, ...]:
+def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
+    """An entry's key path, its key types (absent: all "key"), and how errors name the entry."""
+    v = d["key"]
     if not isinstance(v, list) or not v:
-        _fail(where, "a non-empty list of strings", v)
-    return tuple(_str_list(v, where))
-
-
-def _key_types(v: Any, n: int, where: str) -> tuple[str, ...]:
-    if v is _ABSENT:
-        return ("key",) * n
-    if not isinstance(v, list) or len(v) != n or not all(x in KEY_TYPES for x in v):
-        _fail(where, f"a list of {n} of {list(KEY_TYPES)}", v)
-    return tuple(v)
+        _fail(f"{where}.key", "a non-empty list of strings", v)
+    key = tuple(_str_list(v, f"{where}.key"))
+    w = f"{where} ({keypath_lib.key_to_str(key)!r})"
+    n, types = len(key), d.get("key_types", ["key"] * len(key))
+    if not isinstance(types, list) or len(types) != n or not all(t in KEY_TYPES for t in types):
+        _fail(f"{w}.key_types", f"a list of {n} of {list(KEY_TYPES)}", types)
+    return key, tuple(types), w
 
 
 def _check_utf8(text: str, where: str) -> None:

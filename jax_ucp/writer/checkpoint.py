@@ -14,6 +14,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import hashlib
+import itertools
 import os
 import pathlib
 from collections.abc import Iterable, Mapping
@@ -165,16 +166,10 @@ def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
         groups.append(list(mine.values()))
     for i in range(len(digests)):
         os.remove(os.path.join(tmp, PART_FILE.format(i)))
-    entries = [
-        entry
-        for j in range(max(len(g) for g in groups))
-        for g in groups
-        if j < len(g)
-        for entry in g[j]
-    ]
+    rounds = itertools.zip_longest(*groups, fillvalue=[])
+    entries = [entry for round_ in rounds for group in round_ for entry in group]
     manifest = fmt.new_manifest(entries, source=source)
-    with open(os.path.join(tmp, fmt.MANIFEST_FILE), "w") as f:
-        f.write(manifest.dumps())
+    pathlib.Path(tmp, fmt.MANIFEST_FILE).write_text(manifest.dumps())
 
 
 def remove_abandoned(dest) -> list[str]:

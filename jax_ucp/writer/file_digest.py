@@ -157,23 +157,14 @@ class DigestingFile:
             fd = os.open(self._path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             try:
                 for k in sorted(again):
-                    blocks[k] = crc32c_lib.crc32c(_pread_all(fd, k * BLOCK, size))
+                    want = min(BLOCK, size - k * BLOCK)
+                    block = _read_block(fd, k * BLOCK, want)
+                    if len(block) < want:
+                        raise OSError(f"{fd}: file shorter than {size} bytes while digesting it")
+                    blocks[k] = crc32c_lib.crc32c(block)
             finally:
                 os.close(fd)
         return FileDigest(size, combine(blocks))
-
-
-def _pread_all(fd: int, offset: int, size: int) -> bytes:
-    """The block at ``offset`` (shorter at the end of a file of ``size`` bytes)."""
-    want = min(BLOCK, size - offset)
-    parts, got = [], 0
-    while got < want:
-        part = os.pread(fd, want - got, offset + got)
-        if not part:
-            raise OSError(f"{fd}: file shorter than {size} bytes while digesting it")
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
 
 
 def digest_file(path: str) -> FileDigest:
@@ -186,7 +177,7 @@ def digest_file(path: str) -> FileDigest:
             raise OSError(f"{path}: not a regular file")
         blocks, size = [], 0
         while True:
-            block = _read_block(fd)
+            block = _read_block(fd, size)
             if not block:
                 break
             blocks.append(crc32c_lib.crc32c(block))
@@ -198,10 +189,11 @@ def digest_file(path: str) -> FileDigest:
         os.close(fd)
 
 
-def _read_block(fd: int) -> bytes:
+def _read_block(fd: int, offset: int, want: int = BLOCK) -> bytes:
+    """``want`` bytes at ``offset``, fewer only at the end of the file."""
     parts, got = [], 0
-    while got < BLOCK:
-        part = os.read(fd, BLOCK - got)
+    while got < want:
+        part = os.pread(fd, want - got, offset + got)
         if not part:
             break
         parts.append(part)

@@ -73,9 +73,8 @@ async def write_tensor(
         if p.layout.checksum != "crc32c":
             return None
         if kv.get("driver") != "file":  # object store: digests computed from the data written
-            if not all(isinstance(r, str) for r in results):
-                return None
-            return {keys[0]: str(r) for (_, keys), r in zip(writes, results)}
+            whole = all(isinstance(r, str) for r in results)
+            return {keys[0]: str(r) for (_, keys), r in zip(writes, results)} if whole else None
         digests: dict[str, str] = {}
         for (_, keys), result in zip(writes, results):
             if isinstance(result, str):  # written by shard_writer, which knows its digest
@@ -330,6 +329,4 @@ class PipelinedWriter:
 
     async def abandon(self) -> None:
         """After a failure: let in-flight writes settle so cleanup does not race them."""
-        tasks = [task for task, _ in self._window.drain()]
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(task for task, _ in self._window.drain()), return_exceptions=True)

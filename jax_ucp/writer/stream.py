@@ -148,14 +148,8 @@ class HostItem:
 
 
 # the HostItem fields a tensor's manifest entry records (``layout.tensor_entry``'s keywords)
-_ENTRY_FIELDS = (
-    "role",
-    "sub_role",
-    "provenance",
-    "logical_axes",
-    "saved_sharding",
-    "frozen",
-    "tied_to",
+_ENTRY_FIELDS = tuple(
+    f.name for f in dataclasses.fields(HostItem) if f.name not in ("key", "value", "key_types")
 )
 
 
@@ -188,10 +182,6 @@ def with_digests(entry: _E, digests: Mapping[str, str] | None) -> _E:
     return entry
 
 
-def _nbytes(v: ts.TensorStore) -> int:
-    return v.dtype.numpy_dtype.itemsize * math.prod(int(d) for d in v.shape)
-
-
 def _streams(v, budget: int) -> bool:
     """A ``Deferred`` larger than the budget that can build its rows alone."""
     return (
@@ -216,18 +206,15 @@ async def write_stream(
 ) -> None:
     """Writes every item under ``directory``, then ``ucp.json`` (single process: the primary).
 
-    ``sync=False`` defers durability to the caller (``commit.commit`` syncs the file system once).
-    ``manifest_file``: another name for the manifest (a shared import's part of it).
-    ``budget``: the bytes held at once (None: ``memory_budget()``).
-
     Args:
         directory: the checkpoint directory.
         items: the items to write.
         source: the manifest's source record.
         compression: the arrays' codec (None: the default).
         inner_chunk_bytes: the bytes of an inner chunk.
-        sync: fsync each file.
-        manifest_file: the manifest's file name.
+        sync: fsync each file (False: the caller does, ``commit.commit`` syncs the file
+            system once).
+        manifest_file: the manifest's file name (another: a shared import's part of it).
         budget: bytes held at once (None: ``memory_budget()``).
     """
     directory = os.fspath(directory)
@@ -259,7 +246,7 @@ async def write_stream(
                 await writer.reserve(v.nbytes)
                 v = v.build(fmt.key_to_str(key))
             elif isinstance(v, ts.TensorStore):  # a lazy source: read it once it fits, likewise
-                await writer.reserve(_nbytes(v))
+                await writer.reserve(v.dtype.numpy_dtype.itemsize * math.prod(v.shape))
                 v = await v.read()
             if isinstance(v, _SCALARS):
                 entries.append(
