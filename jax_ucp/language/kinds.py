@@ -69,16 +69,11 @@ class _NumpyBackend:
         return x[(slice(None),) * axis + (slice(a, b),)]
 
 
-class _LazyBackend:
+class _LazyBackend(_NumpyBackend):
     """The lazy backend: TensorStore views (``ts.concat``/``ts.stack``) over the fragments."""
 
     lazy = True
     wrap = staticmethod(views.as_view)
-
-    @staticmethod
-    def shape(x):
-        return tuple(x.shape)
-
     concat = staticmethod(views.concat)
     stack = staticmethod(views.stack)
     take = staticmethod(views.take)
@@ -155,7 +150,9 @@ class Kind:
         """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
         ``lenient``: leave an expression whose settings are unknown as it is (resolved later)."""
 
-        def evaluate(x, fname):
+        def evaluate(x, fname):  # tuples (sizes, rank_sizes) element by element
+            if isinstance(x, (tuple, list)):
+                return tuple(evaluate(y, fname) for y in x)
             try:
                 return eval_int(x, env, where=f"{self.kind}.{fname}: ")
             except SpecError:
@@ -169,15 +166,7 @@ class Kind:
             if isinstance(v, Kind):
                 v = v.resolve(env, lenient=lenient)
             elif f.metadata.get("int") and v is not None:
-                if isinstance(v, (tuple, list)):
-                    v = tuple(
-                        tuple(evaluate(y, f.name) for y in x)
-                        if isinstance(x, (tuple, list))
-                        else evaluate(x, f.name)
-                        for x in v
-                    )
-                else:
-                    v = evaluate(v, f.name)
+                v = evaluate(v, f.name)
             kw[f.name] = v
         return type(self)(**kw)
 
@@ -241,9 +230,7 @@ class Averaged(Kind):
                     f"{arrs[0].shape}"
                 )
         # like DeepSpeed's sum(slices) / len(slices): Python's sum starts from 0 (so -0.0 -> 0.0)
-        acc = np.zeros_like(arrs[0])
-        for a in arrs:
-            acc += a
+        acc = sum(arrs, np.zeros_like(arrs[0]))
         out = (
             (acc / np.asarray(len(arrs), dtype=acc.dtype)).astype(acc.dtype)
             if acc.dtype.kind == "f"
