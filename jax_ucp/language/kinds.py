@@ -202,14 +202,13 @@ class Replicated(Kind):
 
     kind: ClassVar[str] = "replicated"
     check: bool = True
-    what: ClassVar[str] = "TP ranks"
 
     def _merge(self, backend, frags, name):
         if self.check and len(frags) > 1:
             bad, detail = _disagreements([_NumpyBackend.wrap(f) for f in frags], "rank")
             if bad:
                 raise MergeError(
-                    f"{name}: {self.kind} fragments disagree across {self.what}: rank 0 vs "
+                    f"{name}: {self.kind} fragments disagree across TP ranks: rank 0 vs "
                     f"rank(s) {bad} ({detail})"
                 )
         return backend.wrap(frags[0])

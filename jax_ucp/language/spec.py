@@ -518,8 +518,7 @@ def spec_from_dict(
     roots = parsed("roots", root_from_dict)
     if not isinstance(d.get("settings", {}), Mapping):
         raise SpecError(f"{source}: [settings] must be a table")
-    merged_settings = dict(d.get("settings", {}))
-    merged_settings.update(settings or {})
+    merged_settings = {**d.get("settings", {}), **(settings or {})}
     strict = d.get("strict", True)
     if not isinstance(strict, bool):
         raise SpecError(f"{source}: strict must be true or false")
