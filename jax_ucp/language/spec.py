@@ -211,8 +211,7 @@ class Root:
     ) -> tuple[str, ...]:
         if self.target is None:
             return tuple(key[:n])
-        env = dict(settings)
-        env.update({str(i + 1): c for i, c in enumerate(caps)})
+        env = {**settings, **{str(i + 1): c for i, c in enumerate(caps)}}
         return tuple(
             p for p in render(self.target, env, where=f"root {self.source!r}: ").split("/") if p
         )
@@ -289,9 +288,7 @@ class Spec:
     # -- settings
     def with_settings(self, **settings) -> Spec:
         """The same spec with ``settings`` overriding its own."""
-        s = dict(self.settings)
-        s.update(normalize(settings))
-        return dataclasses.replace(self, settings=s)
+        return dataclasses.replace(self, settings={**self.settings, **normalize(settings)})
 
     @property
     def env(self) -> dict:
