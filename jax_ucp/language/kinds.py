@@ -106,10 +106,12 @@ def _bit_patterns(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint8).reshape(x.shape + (-1,)).copy().view(np.dtype(("V", x.dtype.itemsize)))
 
 
-def _disagreements(arrs, label: str) -> tuple[list[int], str]:
-    """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
+def _check_agree(arrs, label: str, what: str) -> None:
+    """A MergeError naming the copies that differ from copy 0 and their first few differences."""
     bad = {r: d for r in range(1, len(arrs)) if (d := _first_diff(arrs[0], arrs[r]))}
-    return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
+    if bad:
+        detail = "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
+        raise MergeError(f"{what}: {label} 0 vs {label}(s) {sorted(bad)} ({detail})")
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | None:
@@ -205,12 +207,8 @@ class Replicated(Kind):
 
     def _merge(self, backend, frags, name):
         if self.check and len(frags) > 1:
-            bad, detail = _disagreements([_NumpyBackend.wrap(f) for f in frags], "rank")
-            if bad:
-                raise MergeError(
-                    f"{name}: {self.kind} fragments disagree across TP ranks: rank 0 vs "
-                    f"rank(s) {bad} ({detail})"
-                )
+            arrs = [_NumpyBackend.wrap(f) for f in frags]
+            _check_agree(arrs, "rank", f"{name}: {self.kind} fragments disagree across TP ranks")
         return backend.wrap(frags[0])
 
 
@@ -319,10 +317,7 @@ class SubParams(Kind):
                     f"{d}, expected {sum(rs[r])} = {' + '.join(map(str, rs[r]))}"
                 )
             pieces.append(_split_sizes(backend, backend.wrap(f), d, rs[r]))
-        return backend.concat(
-            [backend.concat([pieces[r][j] for r in range(tp)], d) for j in range(len(self.sizes))],
-            d,
-        )
+        return backend.concat([backend.concat(part, d) for part in zip(*pieces)], d)
 
     def _split(self, full, n, name):
         d = _checked_axis(full.shape, self.dim, name, self.kind)
@@ -337,9 +332,7 @@ class SubParams(Kind):
             _split_sizes(_NumpyBackend, p, d, [rs[r][j] for r in range(n)])
             for j, p in enumerate(parts)
         ]
-        return [
-            np.concatenate([per_part[j][r] for j in range(len(parts))], axis=d) for r in range(n)
-        ]
+        return [np.concatenate(rank, axis=d) for rank in zip(*per_part)]
 
     def parts(self, full, names=None) -> dict:
         names = names or [f"part{j}" for j in range(len(self.sizes))]
@@ -539,11 +532,7 @@ class PipelineTied(Kind):
             else _NumpyBackend.wrap(f)
             for f in frags
         ]
-        bad, detail = _disagreements(per_stage, "stage")
-        if bad:
-            raise MergeError(
-                f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {bad} ({detail})"
-            )
+        _check_agree(per_stage, "stage", f"{name}: pipeline-tied copies disagree")
         if backend.lazy and self.inner is not None:
             return self.inner._merge(backend, frags[0], name)
         return backend.wrap(frags[0] if self.inner is None else per_stage[0])
