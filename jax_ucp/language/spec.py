@@ -323,13 +323,9 @@ class Spec:
     ) -> dict[str, ImportMatch]:
         """Match every name; strict (default: the spec's) -> an error naming each uncovered name and
         each required rule that matched nothing."""
-        out, uncovered = {}, []
-        for n in names:
-            m = self.match(n)
-            if m is None:
-                uncovered.append(n)
-            else:
-                out[n] = m
+        matches = {n: self.match(n) for n in names}
+        out = {n: m for n, m in matches.items() if m is not None}
+        uncovered = [n for n, m in matches.items() if m is None]
         if self.strict if strict is None else strict:
             used = {m.index for m in out.values()}
             check_strict(self.name, "import", uncovered, self.active_imports(), used)
