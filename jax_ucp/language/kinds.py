@@ -69,11 +69,12 @@ class _NumpyBackend:
         return x[(slice(None),) * axis + (slice(a, b),)]
 
 
-class _LazyBackend(_NumpyBackend):
+class _LazyBackend:
     """The lazy backend: TensorStore views (``ts.concat``/``ts.stack``) over the fragments."""
 
     lazy = True
     wrap = staticmethod(views.as_view)
+    shape = staticmethod(_NumpyBackend.shape)
     concat = staticmethod(views.concat)
     stack = staticmethod(views.stack)
     take = staticmethod(views.take)
