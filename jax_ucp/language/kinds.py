@@ -74,11 +74,7 @@ class _LazyBackend:
 
     lazy = True
     wrap = staticmethod(views.as_view)
-
-    @staticmethod
-    def shape(x):
-        return tuple(x.shape)
-
+    shape = staticmethod(_NumpyBackend.shape)
     concat = staticmethod(views.concat)
     stack = staticmethod(views.stack)
     take = staticmethod(views.take)
@@ -111,10 +107,12 @@ def _bit_patterns(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint8).reshape(x.shape + (-1,)).copy().view(np.dtype(("V", x.dtype.itemsize)))
 
 
-def _disagreements(arrs, label: str) -> tuple[list[int], str]:
-    """Which copies differ from copy 0 (sorted indices) and the first few differences, described."""
+def _check_agree(arrs, label: str, what: str) -> None:
+    """A MergeError naming the copies that differ from copy 0 and their first few differences."""
     bad = {r: d for r in range(1, len(arrs)) if (d := _first_diff(arrs[0], arrs[r]))}
-    return sorted(bad), "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
+    if bad:
+        detail = "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
+        raise MergeError(f"{what}: {label} 0 vs {label}(s) {sorted(bad)} ({detail})")
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | None:
@@ -155,7 +153,9 @@ class Kind:
         """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
         ``lenient``: leave an expression whose settings are unknown as it is (resolved later)."""
 
-        def evaluate(x, fname):
+        def evaluate(x, fname):  # tuples (sizes, rank_sizes) element by element
+            if isinstance(x, (tuple, list)):
+                return tuple(evaluate(y, fname) for y in x)
             try:
                 return eval_int(x, env, where=f"{self.kind}.{fname}: ")
             except SpecError:
@@ -169,15 +169,7 @@ class Kind:
             if isinstance(v, Kind):
                 v = v.resolve(env, lenient=lenient)
             elif f.metadata.get("int") and v is not None:
-                if isinstance(v, (tuple, list)):
-                    v = tuple(
-                        tuple(evaluate(y, f.name) for y in x)
-                        if isinstance(x, (tuple, list))
-                        else evaluate(x, f.name)
-                        for x in v
-                    )
-                else:
-                    v = evaluate(v, f.name)
+                v = evaluate(v, f.name)
             kw[f.name] = v
         return type(self)(**kw)
 
@@ -213,16 +205,11 @@ class Replicated(Kind):
 
     kind: ClassVar[str] = "replicated"
     check: bool = True
-    what: ClassVar[str] = "TP ranks"
 
     def _merge(self, backend, frags, name):
         if self.check and len(frags) > 1:
-            bad, detail = _disagreements([_NumpyBackend.wrap(f) for f in frags], "rank")
-            if bad:
-                raise MergeError(
-                    f"{name}: {self.kind} fragments disagree across {self.what}: rank 0 vs "
-                    f"rank(s) {bad} ({detail})"
-                )
+            arrs = [_NumpyBackend.wrap(f) for f in frags]
+            _check_agree(arrs, "rank", f"{name}: {self.kind} fragments disagree across TP ranks")
         return backend.wrap(frags[0])
 
 
@@ -241,9 +228,7 @@ class Averaged(Kind):
                     f"{arrs[0].shape}"
                 )
         # like DeepSpeed's sum(slices) / len(slices): Python's sum starts from 0 (so -0.0 -> 0.0)
-        acc = np.zeros_like(arrs[0])
-        for a in arrs:
-            acc += a
+        acc = sum(arrs, np.zeros_like(arrs[0]))
         out = (
             (acc / np.asarray(len(arrs), dtype=acc.dtype)).astype(acc.dtype)
             if acc.dtype.kind == "f"
@@ -333,10 +318,7 @@ class SubParams(Kind):
                     f"{d}, expected {sum(rs[r])} = {' + '.join(map(str, rs[r]))}"
                 )
             pieces.append(_split_sizes(backend, backend.wrap(f), d, rs[r]))
-        return backend.concat(
-            [backend.concat([pieces[r][j] for r in range(tp)], d) for j in range(len(self.sizes))],
-            d,
-        )
+        return backend.concat([backend.concat(part, d) for part in zip(*pieces)], d)
 
     def _split(self, full, n, name):
         d = _checked_axis(full.shape, self.dim, name, self.kind)
@@ -351,9 +333,7 @@ class SubParams(Kind):
             _split_sizes(_NumpyBackend, p, d, [rs[r][j] for r in range(n)])
             for j, p in enumerate(parts)
         ]
-        return [
-            np.concatenate([per_part[j][r] for j in range(len(parts))], axis=d) for r in range(n)
-        ]
+        return [np.concatenate(rank, axis=d) for rank in zip(*per_part)]
 
     def parts(self, full, names=None) -> dict:
         names = names or [f"part{j}" for j in range(len(self.sizes))]
@@ -553,11 +533,7 @@ class PipelineTied(Kind):
             else _NumpyBackend.wrap(f)
             for f in frags
         ]
-        bad, detail = _disagreements(per_stage, "stage")
-        if bad:
-            raise MergeError(
-                f"{name}: pipeline-tied copies disagree: stage 0 vs stage(s) {bad} ({detail})"
-            )
+        _check_agree(per_stage, "stage", f"{name}: pipeline-tied copies disagree")
         if backend.lazy and self.inner is not None:
             return self.inner._merge(backend, frags[0], name)
         return backend.wrap(frags[0] if self.inner is None else per_stage[0])

@@ -75,18 +75,22 @@ class Op:
 
 
 class FanOut(Op):
-    """An op that turns one tensor into several, labelled by the variable ``var``."""
+    """An op that turns one tensor into several, labelled by the variable ``var``. By default the
+    labels are the op's named ``parts`` and ``_pieces`` cuts (and validates) them."""
 
     arity: ClassVar[str] = "fanout"
     var: str
+    parts: tuple
 
-    def labels(self, tensor: ts.TensorStore, env: Env) -> list[str]:  # pragma: no cover
-        """The values ``var`` takes, one per part (``"0"``, ``"1"``, ... or ``q``/``k``/``v``)."""
+    def _pieces(self, tensor: ts.TensorStore, env: Env) -> list:  # pragma: no cover
         raise NotImplementedError
 
-    def part(
-        self, tensor: ts.TensorStore, env: Env, index: int
-    ) -> ts.TensorStore:  # pragma: no cover
+    def labels(self, tensor: ts.TensorStore, env: Env) -> list[str]:
+        """The values ``var`` takes, one per part (``"0"``, ``"1"``, ... or ``q``/``k``/``v``)."""
+        self._pieces(tensor, env)  # validates
+        return list(self.parts)
+
+    def part(self, tensor: ts.TensorStore, env: Env, index: int) -> ts.TensorStore:
         """Part ``index`` of ``tensor`` (the one labelled ``labels(...)[index]``).
 
         Args:
@@ -94,7 +98,7 @@ class FanOut(Op):
             env: settings and captured variables
             index: which part
         """
-        raise NotImplementedError
+        return self._pieces(tensor, env)[index]
 
 
 class FanIn(Op):
@@ -102,53 +106,31 @@ class FanIn(Op):
 
     arity: ClassVar[str] = "fanin"
     over: str
+    parts: tuple
 
-    def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:  # pragma: no cover
-        """The labels of the parts in the order they combine; an error names a missing one.
+    def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:
+        """The labels of the parts in the order they combine (by default exactly the named
+        ``parts``); an error names a missing one.
 
         Args:
             labels: the values ``over`` took among the matched tensors
             env: settings and captured variables
             where: the rule, for messages
         """
-        raise NotImplementedError
+        if sorted(labels) != sorted(self.parts):
+            missing = [p for p in self.parts if p not in labels]
+            extra = [x for x in labels if x not in self.parts]
+            raise TransformError(
+                f"{where}: {self.over!r} parts must be exactly {list(self.parts)}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        return list(self.parts)
 
     def combine(
         self, parts: Sequence[ts.TensorStore], env: Env
     ) -> ts.TensorStore:  # pragma: no cover
         """One lazy view of ``parts``, given in ``order``'s order."""
         raise NotImplementedError
-
-
-def _numeric_order(labels, over, where):
-    try:
-        idx = sorted(int(x) for x in labels)
-    except ValueError:
-        raise TransformError(
-            f"{where}: stack over {over!r} needs integer values, got {sorted(labels)}"
-        ) from None
-    if len(set(idx)) != len(labels):
-        raise TransformError(f"{where}: duplicate {over!r} values in {sorted(labels)}")
-    missing = sorted(set(range(len(idx))) - set(idx))
-    if idx[0] != 0 or idx[-1] != len(idx) - 1:
-        raise TransformError(
-            f"{where}: {over!r} values must be 0..{len(idx) - 1} without gaps; "
-            f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
-            f"{missing[:8] or 'values below ' + str(idx[0])}"
-        )
-    by = {int(x): x for x in labels}
-    return [by[i] for i in range(len(idx))]
-
-
-def _named_order(labels, parts, over, where):
-    if sorted(labels) != sorted(parts):
-        missing = [p for p in parts if p not in labels]
-        extra = [x for x in labels if x not in parts]
-        raise TransformError(
-            f"{where}: {over!r} parts must be exactly {list(parts)}; "
-            f"missing {missing}, unexpected {extra}"
-        )
-    return list(parts)
 
 
 # ----------------------------------------------------------------------------------- map ops
@@ -330,13 +312,6 @@ class Split(FanOut):
             raise SpecError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
         return views.split_sizes(tensor, a, [self._int(s, env) for s in self.sizes])
 
-    def labels(self, tensor, env):
-        self._pieces(tensor, env)  # validates
-        return list(self.parts)
-
-    def part(self, tensor, env, index):
-        return self._pieces(tensor, env)[index]
-
 
 @dataclass(frozen=True)
 class SplitQKV(FanOut):
@@ -357,13 +332,6 @@ class SplitQKV(FanOut):
         args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
         return views.split_qkv(tensor, *args, interleaved=self.interleaved)
 
-    def labels(self, tensor, env):
-        self._pieces(tensor, env)  # validates
-        return list(self.parts)
-
-    def part(self, tensor, env, index):
-        return self._pieces(tensor, env)[index]
-
 
 # -------------------------------------------------------------------------------- fan-in ops
 
@@ -377,7 +345,23 @@ class Stack(FanIn):
     axis: Any = 0
 
     def order(self, labels, env, where):
-        return _numeric_order(labels, self.over, where)
+        try:
+            idx = sorted(int(x) for x in labels)
+        except ValueError:
+            raise TransformError(
+                f"{where}: stack over {self.over!r} needs integer values, got {sorted(labels)}"
+            ) from None
+        if len(set(idx)) != len(labels):
+            raise TransformError(f"{where}: duplicate {self.over!r} values in {sorted(labels)}")
+        missing = sorted(set(range(len(idx))) - set(idx))
+        if idx[0] != 0 or idx[-1] != len(idx) - 1:
+            raise TransformError(
+                f"{where}: {self.over!r} values must be 0..{len(idx) - 1} without gaps; "
+                f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
+                f"{missing[:8] or 'values below ' + str(idx[0])}"
+            )
+        by = {int(x): x for x in labels}
+        return [by[i] for i in range(len(idx))]
 
     def combine(self, parts, env):
         return views.stack(parts, self._int(self.axis, env))
@@ -391,9 +375,6 @@ class Concat(FanIn):
     over: str = "part"
     axis: Any = 0
     parts: tuple = ("gate", "up")
-
-    def order(self, labels, env, where):
-        return _named_order(labels, self.parts, self.over, where)
 
     def combine(self, parts, env):
         return views.concat(parts, self._int(self.axis, env))
@@ -411,9 +392,6 @@ class MergeQKV(FanIn):
     num_heads: Any = "num_attention_heads"
     num_kv_heads: Any = "num_query_groups"
     head_dim: Any = "head_dim"
-
-    def order(self, labels, env, where):
-        return _named_order(labels, self.parts, self.over, where)
 
     def combine(self, parts, env):
         args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")

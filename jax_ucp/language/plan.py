@@ -233,8 +233,7 @@ def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
     for op in r.ops:
         entries = _apply_op(op, entries, env0, what)
     for inst, tprefix, vars_, node, rel in entries:
-        env = dict(env0)
-        env.update(vars_)
+        env = {**env0, **vars_}
         try:
             tgt = rel if r.target is None else render(r.target, env, where=f"{what}: ")
         except LanguageError as e:
@@ -381,11 +380,8 @@ def apply_restore_plan(
         read: read the views to numpy.
     """
     opened = {k: views.as_view(v) for k, v in arrays.items()}
-    out = {}
-    for k, p in plan.items():
-        t = p.build(opened)
-        out[k] = t.read().result() if read else t
-    return out
+    built = {k: p.build(opened) for k, p in plan.items()}
+    return {k: t.read().result() for k, t in built.items()} if read else built
 
 
 def apply_spec_to_tree(spec: Spec | str, tree: Mapping, *, strict: bool | None = None) -> dict:

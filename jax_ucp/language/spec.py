@@ -211,8 +211,7 @@ class Root:
     ) -> tuple[str, ...]:
         if self.target is None:
             return tuple(key[:n])
-        env = dict(settings)
-        env.update({str(i + 1): c for i, c in enumerate(caps)})
+        env = {**settings, **{str(i + 1): c for i, c in enumerate(caps)}}
         return tuple(
             p for p in render(self.target, env, where=f"root {self.source!r}: ").split("/") if p
         )
@@ -289,9 +288,7 @@ class Spec:
     # -- settings
     def with_settings(self, **settings) -> Spec:
         """The same spec with ``settings`` overriding its own."""
-        s = dict(self.settings)
-        s.update(normalize(settings))
-        return dataclasses.replace(self, settings=s)
+        return dataclasses.replace(self, settings={**self.settings, **normalize(settings)})
 
     @property
     def env(self) -> dict:
@@ -326,13 +323,9 @@ class Spec:
     ) -> dict[str, ImportMatch]:
         """Match every name; strict (default: the spec's) -> an error naming each uncovered name and
         each required rule that matched nothing."""
-        out, uncovered = {}, []
-        for n in names:
-            m = self.match(n)
-            if m is None:
-                uncovered.append(n)
-            else:
-                out[n] = m
+        matches = {n: self.match(n) for n in names}
+        out = {n: m for n, m in matches.items() if m is not None}
+        uncovered = [n for n, m in matches.items() if m is None]
         if self.strict if strict is None else strict:
             used = {m.index for m in out.values()}
             check_strict(self.name, "import", uncovered, self.active_imports(), used)
@@ -518,8 +511,7 @@ def spec_from_dict(
     roots = parsed("roots", root_from_dict)
     if not isinstance(d.get("settings", {}), Mapping):
         raise SpecError(f"{source}: [settings] must be a table")
-    merged_settings = dict(d.get("settings", {}))
-    merged_settings.update(settings or {})
+    merged_settings = {**d.get("settings", {}), **(settings or {})}
     strict = d.get("strict", True)
     if not isinstance(strict, bool):
         raise SpecError(f"{source}: strict must be true or false")

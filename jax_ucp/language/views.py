@@ -209,8 +209,6 @@ def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.Ten
         b = n // a
     if a <= 0 or b <= 0 or a * b != n:
         raise TransformError(f"cannot split axis {ax} of size {n} into {list(sizes)}")
-    if a == 1:
-        return stack([tensor], axis=ax)
     return stack([slice_axis(tensor, ax, i * b, (i + 1) * b) for i in range(a)], axis=ax)
 
 
