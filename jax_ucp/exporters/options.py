@@ -13,7 +13,7 @@ import numpy as np
 
 from jax_ucp.errors import ExportError
 from jax_ucp.format.dtypes import CASTINGS
-from jax_ucp.format.sizes import SizeError, parse_size
+from jax_ucp.format.sizes import parse_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +136,7 @@ class SafetensorsExport(_TensorsExport):
 
     def __post_init__(self):
         super().__post_init__()
-        try:
-            size = parse_size(self.max_file_bytes, "max_file_bytes")
-        except SizeError as e:
-            raise ExportError(str(e)) from None
+        size = parse_size(self.max_file_bytes, "max_file_bytes")  # a SizeError is an ExportError
         object.__setattr__(self, "max_file_bytes", size)
 
 

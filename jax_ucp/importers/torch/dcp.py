@@ -24,14 +24,11 @@ model and the optimizer sit:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from jax_ucp import writer
 from jax_ucp.format import files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec
 from jax_ucp.importers.torch import dcp_reader
@@ -124,26 +121,9 @@ def plan_torch_dcp(
             weights_only=weights_only,
             share=share,
         )
-    except (dcp_reader.DcpError, files.UnsafeFileError) as e:
+    except files.UnsafeFileError as e:  # the reader's own errors are already this group's
         raise TorchImportError(str(e)) from None
-    return dataclasses.replace(plan, items=_errors_named(plan.items))
-
-
-def _errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
-    try:
-        yield from items
-    except dcp_reader.DcpError as e:
-        raise TorchImportError(str(e)) from None
-
-
-def _read(read: Callable[..., Any], *args: Any) -> Any:
-    """``read(*args)`` (``ck.read``, ``ck.read_rows``), its errors as this importer's (the
-    writer calls it, after the item left ``_errors_named``: reads are deferred until the memory
-    budget has room)."""
-    try:
-        return read(*args)
-    except dcp_reader.DcpError as e:
-        raise TorchImportError(str(e)) from None
+    return plan
 
 
 def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
@@ -152,9 +132,9 @@ def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
         name,
         t.shape,
         t.dtype,
-        lambda: _read(ck.read, name),
+        lambda: ck.read(name),
         {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
-        rows=lambda start, stop: _read(ck.read_rows, name, start, stop),
+        rows=lambda start, stop: ck.read_rows(name, start, stop),
     )
 
 
