@@ -5,20 +5,24 @@ nor the decoded one. TensorStore decodes a chunk whole, and Orbax saves a single
 one chunk: reading rows of it through TensorStore held compressed + decoded chunk + the rows
 (333 MiB for a 125 MiB array at a 64 MiB budget).
 
-libzstd is called through ctypes (the decoder TensorStore bundles is not exposed); without it, or
-for any other layout, :func:`rows_reader` returns None and the caller reads through TensorStore.
+Each frame is decoded to its end, its checksum (when it has one) checked and nothing allowed
+after it, before any of its rows is handed out: a chunk whose rows a call covers whole is
+decoded into them and then to its end (an edge chunk's rows past the array included); a chunk
+read in part is first decoded to its end into a scratch buffer (issue 38). The decoder is the
+``zstandard`` wheel's stream reader; the frame's own structure (header, block headers, the
+checksum) is walked as its bytes are read, so the value's end is read exactly and a frame cut
+short anywhere, its checksum included, is refused. Any other layout: :func:`rows_reader` returns
+None and the caller reads through TensorStore.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import zstandard
 
 from jax_ucp import writer
 from jax_ucp.errors import SourceError, tensorstore_message
@@ -26,116 +30,105 @@ from jax_ucp.errors import SourceError, tensorstore_message
 #: Compressed bytes read from the kvstore at once.
 PIECE_BYTES = 1 << 20
 _SCRATCH_BYTES = 1 << 20  # decoded rows skipped over (a slab asked for out of order)
+_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes
 
 
 ZstdChunkError = SourceError  # a chunk that does not decode to its declared bytes
 
 
-class _Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer have one layout
-    _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+class _Source:
+    """A chunk's compressed bytes read from the kvstore piece by piece, its zstd frame's
+    structure walked on the way: ``end`` (the frame's length) is known once its last block
+    header is read, and no read goes past the structure still to come (the kvstore refuses a
+    range past the value's end and does not say its size)."""
 
+    def __init__(self, kvstore, key: str):
+        self.kv, self.key = kvstore, key
+        self.offset = 0  # bytes handed to the decoder
+        self.next, self.head = 0, b""  # the next header's offset, its bytes read so far
+        self.in_frame, self.checksum = False, False  # past the frame header; its flag
+        self.end: int | None = None
 
-@functools.cache
-def _lib() -> Any:
-    """libzstd, or None when it cannot be loaded."""
-    name = ctypes.util.find_library("zstd")
-    if name is None:
-        return None
-    void, size, buffer = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Buffer)
-    signatures = {  # name: (argument types, result type)
-        "ZSTD_createDStream": ([], void),
-        "ZSTD_freeDStream": ([void], size),
-        "ZSTD_initDStream": ([void], size),
-        "ZSTD_decompressStream": ([void, buffer, buffer], size),
-        "ZSTD_isError": ([size], ctypes.c_uint),
-        "ZSTD_getErrorName": ([size], ctypes.c_char_p),
-    }
-    try:
-        lib = ctypes.CDLL(name)
-        for function, (argtypes, restype) in signatures.items():
-            getattr(lib, function).argtypes = argtypes
-            getattr(lib, function).restype = restype
-    except (OSError, AttributeError):
-        return None
-    return lib
-
-
-class _Frame:
-    """One chunk's zstd frame decoded front to back, its compressed bytes read piece by piece."""
-
-    def __init__(self, kvstore, key: str, nbytes: int, where: str):
-        self.lib, self.kv, self.key, self.where = _lib(), kvstore, key, where
-        self.nbytes, self.done = nbytes, 0  # decoded bytes declared / handed out so far
-        self.stream = self.lib.ZSTD_createDStream()
-        if not self.stream:
-            raise MemoryError("ZSTD_createDStream failed")
-        # zstd's hint: the input it needs next, never past the frame's end
-        self.hint = self._check(self.lib.ZSTD_initDStream(self.stream))
-        self.offset, self.ended, self.near_end = 0, False, False  # compressed bytes read so far
-        self.piece, self.inbuf = b"", _Buffer(None, 0, 0)
-
-    def __del__(self):
-        if getattr(self, "stream", None):
-            self.lib.ZSTD_freeDStream(self.stream)
-            self.stream = None
-
-    def _check(self, ret: int) -> int:
-        if self.lib.ZSTD_isError(ret):
-            raise ZstdChunkError(
-                f"chunk {self.key!r} is not a valid zstd frame "
-                f"({self.lib.ZSTD_getErrorName(ret).decode()})"
-            )
-        return ret
-
-    def _read(self, n: int) -> bytes | None:
-        """``n`` compressed bytes from ``offset`` (None: the value ends before that)."""
+    def fetch(self, start: int, n: int) -> bytes | None:
+        """``n`` bytes at ``start`` (None: the value ends before that)."""
         try:
-            r = self.kv.read(self.key, byte_range=slice(self.offset, self.offset + n)).result()
+            r = self.kv.read(self.key, byte_range=slice(start, start + n)).result()
         except ValueError as e:
             if "OUT_OF_RANGE" not in str(e):
                 raise
             return None
         return r.value if r.state == "value" else b""
 
-    def _refill(self) -> None:
-        """The next piece of compressed bytes: ``PIECE_BYTES``, or zstd's hint once fewer are
-        left (the kvstore refuses a range past the value's end and does not say its size)."""
-        piece = None if self.near_end else self._read(PIECE_BYTES)
-        if piece is None:
-            self.near_end = True
-            piece = self._read(max(1, self.hint))
+    def read(self, n: int) -> bytes:
+        """The decoder's next piece: up to ``n`` bytes, none past the frame's end."""
+        if self.end is not None:
+            n = min(n, self.end - self.offset)
+            if n <= 0:
+                return b""
+        piece = self.fetch(self.offset, n)
+        if piece is None:  # fewer left: read up to the next header's end
+            boundary = self.next + (3 if self.in_frame else 5)
+            piece = self.fetch(self.offset, max(1, boundary - self.offset))
         if not piece:
             raise ZstdChunkError(
-                f"chunk {self.key!r} ends after {self.offset} compressed bytes, {self.done} of "
-                f"{self.nbytes} decoded (truncated)"
+                f"chunk {self.key!r} ends after {self.offset} compressed bytes, inside its zstd "
+                f"frame (truncated)"
             )
-        self.piece = piece
+        self._walk(piece)
         self.offset += len(piece)
-        self.inbuf = _Buffer(ctypes.cast(ctypes.c_char_p(piece), ctypes.c_void_p), len(piece), 0)
+        return piece
 
-    def _decode(self, target, size: int) -> int:
-        """Decodes up to ``size`` bytes into ``target``; fewer only where the frame ends."""
-        ptr = (ctypes.c_char * len(target)).from_buffer(target)
-        out = _Buffer(ctypes.addressof(ptr), size, 0)
-        while out.pos < size and not self.ended:
-            if self.inbuf.pos == self.inbuf.size:
-                self._refill()
-            self.hint = self._check(
-                self.lib.ZSTD_decompressStream(
-                    self.stream, ctypes.byref(out), ctypes.byref(self.inbuf)
-                )
-            )
-            self.ended = self.hint == 0  # the frame is over and flushed
-        del ptr
-        return out.pos
+    def _walk(self, piece: bytes) -> None:
+        """Parses the frame header and block headers lying in ``piece``."""
+        stop = self.offset + len(piece)
+        while self.end is None and self.next < stop:
+            need = 3 if self.in_frame else 5
+            at = self.next + len(self.head) - self.offset
+            self.head += piece[at : at + need - len(self.head)]
+            if len(self.head) < need:
+                return
+            head, self.head = self.head, b""
+            if not self.in_frame:
+                if head[:4] != _MAGIC or head[4] & 0x08:
+                    raise ZstdChunkError(f"chunk {self.key!r} is not a zstd frame")
+                fhd = head[4]
+                single = fhd >> 5 & 1
+                size = 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
+                self.next, self.in_frame, self.checksum = size, True, bool(fhd & 0x04)
+                continue
+            block = int.from_bytes(head, "little")
+            kind, size = block >> 1 & 3, block >> 3
+            if kind == 3:
+                raise ZstdChunkError(f"chunk {self.key!r}: zstd block of reserved type (damaged)")
+            self.next += 3 + (1 if kind == 1 else size)
+            if block & 1:  # the last block: the checksum follows
+                self.end = self.next + 4 * self.checksum
+
+
+class _Frame:
+    """One chunk's zstd frame decoded front to back, its compressed bytes read piece by piece."""
+
+    def __init__(self, kvstore, key: str, nbytes: int):
+        self.key, self.nbytes, self.done = key, nbytes, 0  # decoded bytes declared / handed out
+        self.source = _Source(kvstore, key)
+        self.reader = zstandard.ZstdDecompressor().stream_reader(
+            self.source, read_size=PIECE_BYTES, read_across_frames=False, closefd=False
+        )
+
+    def _decode(self, target) -> int:
+        try:
+            return self.reader.readinto(target)
+        except zstandard.ZstdError as e:
+            raise ZstdChunkError(f"chunk {self.key!r} is not a valid zstd frame ({e})") from None
 
     def into(self, out, n: int) -> None:
-        """Decodes the next ``n`` bytes into the writable buffer ``out`` (None: skips them)."""
+        """Decodes the next ``n`` bytes into the writable buffer ``out`` (None: skips them);
+        once the declared bytes are decoded, checks the frame ends there."""
         if self.done + n > self.nbytes:
             raise ValueError(f"chunk {self.key!r}: {self.done + n} bytes asked of {self.nbytes}")
-        scratch = bytearray(min(_SCRATCH_BYTES, n)) if out is None else None
+        scratch = memoryview(bytearray(min(_SCRATCH_BYTES, n))) if out is None else None
         while n:
-            got = self._decode(scratch, min(n, len(scratch))) if scratch else self._decode(out, n)
+            got = self._decode(scratch[: min(n, len(scratch))] if scratch else out[:n])
             if not got:
                 raise ZstdChunkError(
                     f"chunk {self.key!r} decodes to {self.done} bytes, expected {self.nbytes} "
@@ -147,15 +140,22 @@ class _Frame:
         if self.done == self.nbytes:
             self._finish()
 
+    def to_end(self) -> None:
+        """Decodes the rest of the frame (rows past the array's end) and checks its end."""
+        self.into(None, self.nbytes - self.done)
+
     def _finish(self) -> None:
-        """After the declared bytes: the frame must end there, with nothing after it."""
-        if not self.ended and self._decode(bytearray(1), 1):
+        """After the declared bytes: the frame must end there (its checksum checked by the
+        decoder as it reads it), with nothing after it."""
+        if self._decode(bytearray(1)):
             raise ZstdChunkError(
                 f"chunk {self.key!r} decodes to more than its {self.nbytes} bytes (damaged)"
             )
-        if self.inbuf.size - self.inbuf.pos or self._read(1):
+        src = self.source
+        if src.end is None or src.offset != src.end:
+            raise ZstdChunkError(f"chunk {self.key!r}: its zstd frame does not end (truncated)")
+        if src.fetch(src.end, 1):
             raise ZstdChunkError(f"chunk {self.key!r} has bytes after its zstd frame (damaged)")
-        self.piece, self.inbuf = b"", _Buffer(None, 0, 0)
 
 
 def rows_reader(
@@ -163,9 +163,10 @@ def rows_reader(
 ) -> Callable[[int, int], np.ndarray] | None:
     """``rows(lo, hi)``: rows ``lo:hi`` of dim 0 of the TensorStore ``array`` (opened on a zarr
     v2 array), decoded from its chunks' zstd frames as a stream; rows asked for in order (as the
-    writer's slabs are) decode each chunk once. None where this does not apply: no libzstd, not
-    zarr v2 with only a zstd compressor in C order, chunks that split a row (dims after the
-    first), a 0-d or empty array. A chunk that is not in the store is TensorStore's to read
+    writer's slabs are) decode each chunk once (a chunk read in part: twice, its first pass
+    checking the whole frame). None where this does not apply: not zarr v2 with only a zstd
+    compressor in C order, chunks that split a row (dims after the first), a 0-d or empty
+    array. A chunk that is not in the store is TensorStore's to read
     (its fill value).
 
     Args:
@@ -174,7 +175,80 @@ def rows_reader(
         name: the array's name (for errors).
         error: the exception raised for a damaged chunk (names the array and file).
     """
-    if _lib() is None or array.rank < 1 or 0 in array.shape:
+    meta = _streamable(array)
+    if meta is None:
+        return None
+    chunks, shape, dtype = (
+        [int(c) for c in meta["chunks"]],
+        list(array.shape),
+        array.dtype.numpy_dtype,
+    )
+    sep = meta.get("dimension_separator") or "."
+    kvstore = array.kvstore
+    row_bytes = math.prod(shape[1:]) * dtype.itemsize
+    state: dict[str, Any] = {"frame": None, "chunk": -1}
+    checked: set[int] = set()  # chunks whose frames were decoded to their end and checked
+
+    def frame(index: int, row: int) -> _Frame | None:
+        """The decoder of chunk ``index`` at its row ``row`` (restarted if it passed it); None
+        for a chunk not in the store."""
+        f = state["frame"]
+        if state["chunk"] != index or f is None or f.done > row * row_bytes:
+            state["frame"], state["chunk"] = None, -1
+            key = sep.join([str(index)] + ["0"] * (len(shape) - 1))
+            if not _present(kvstore, key):
+                return None
+            # a zarr v2 chunk always has the full chunk shape, the last (edge) one too
+            f = _Frame(kvstore, key, chunks[0] * row_bytes)
+            state["frame"], state["chunk"] = f, index
+        if f.done < row * row_bytes:
+            f.into(None, row * row_bytes - f.done)
+        return f
+
+    def rows(lo: int, hi: int) -> np.ndarray:
+        out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
+        flat = memoryview(out.reshape(-1).view(np.uint8).data)
+        at = lo
+        try:
+            while at < hi:
+                index = at // chunks[0]
+                end = min(hi, (index + 1) * chunks[0])
+                first, last = index * chunks[0], min(shape[0], (index + 1) * chunks[0])
+                whole = at == first and end == last  # every row of the chunk in this call
+                if index not in checked and not whole:  # its frame checked before any row
+                    key = sep.join([str(index)] + ["0"] * (len(shape) - 1))
+                    if _present(kvstore, key):
+                        _Frame(kvstore, key, chunks[0] * row_bytes).to_end()
+                    checked.add(index)
+                f = frame(index, at - first)
+                if f is None:  # TensorStore's to read: its fill value, or its error
+                    out[at - lo : end - lo] = array[at:end].read().result()
+                else:
+                    f.into(
+                        flat[(at - lo) * row_bytes : (end - lo) * row_bytes], (end - at) * row_bytes
+                    )
+                    if end == last:  # the rows past the array's end, the frame's end
+                        f.to_end()
+                        checked.add(index)
+                at = end
+        except (ZstdChunkError, ValueError) as e:
+            state["frame"], state["chunk"] = None, -1
+            why = str(e) if isinstance(e, ZstdChunkError) else tensorstore_message(e)
+            raise error(
+                f"{where}: reading array {name!r} failed (rows {lo}:{hi}; missing, truncated "
+                f"or corrupt chunk data): {why}"
+            ) from None
+        finally:
+            del flat
+        return out
+
+    return rows
+
+
+def _streamable(array) -> dict | None:
+    """The zarr v2 metadata of ``array`` when its chunks can be decoded here as a stream: zstd
+    alone, C order, whole rows per chunk, little-endian as stored; else None."""
+    if array.rank < 1 or 0 in array.shape:
         return None
     spec = array.spec().to_json()
     meta = spec.get("metadata") or {}
@@ -194,63 +268,14 @@ def rows_reader(
         or meta.get("shape") != shape
     ):
         return None
-    dtype = array.dtype.numpy_dtype
     declared = str(meta.get("dtype"))
     try:  # little-endian (or single-byte) as stored, or bfloat16 (always little-endian)
-        same = declared == "bfloat16" or (declared[:1] in "<|" and np.dtype(declared) == dtype)
+        same = declared == "bfloat16" or (
+            declared[:1] in "<|" and np.dtype(declared) == array.dtype.numpy_dtype
+        )
     except TypeError:
         same = False
-    if not same or not np.little_endian:
-        return None
-    sep = meta.get("dimension_separator") or "."
-    kvstore = array.kvstore
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    state: dict[str, Any] = {"frame": None, "chunk": -1}
-
-    def frame(index: int, row: int) -> _Frame | None:
-        """The decoder of chunk ``index`` at its row ``row`` (restarted if it passed it); None
-        for a chunk not in the store."""
-        f = state["frame"]
-        if state["chunk"] != index or f is None or f.done > row * row_bytes:
-            state["frame"], state["chunk"] = None, -1
-            key = sep.join([str(index)] + ["0"] * (len(shape) - 1))
-            if not _present(kvstore, key):
-                return None
-            # a zarr v2 chunk always has the full chunk shape, the last (edge) one too
-            f = _Frame(kvstore, key, chunks[0] * row_bytes, where)
-            state["frame"], state["chunk"] = f, index
-        if f.done < row * row_bytes:
-            f.into(None, row * row_bytes - f.done)
-        return f
-
-    def rows(lo: int, hi: int) -> np.ndarray:
-        out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
-        flat = memoryview(out.reshape(-1).view(np.uint8).data)
-        at = lo
-        try:
-            while at < hi:
-                index = at // chunks[0]
-                end = min(hi, (index + 1) * chunks[0])
-                f = frame(index, at - index * chunks[0])
-                if f is None:  # TensorStore's to read: its fill value, or its error
-                    out[at - lo : end - lo] = array[at:end].read().result()
-                else:
-                    f.into(
-                        flat[(at - lo) * row_bytes : (end - lo) * row_bytes], (end - at) * row_bytes
-                    )
-                at = end
-        except (ZstdChunkError, ValueError) as e:
-            state["frame"], state["chunk"] = None, -1
-            why = str(e) if isinstance(e, ZstdChunkError) else tensorstore_message(e)
-            raise error(
-                f"{where}: reading array {name!r} failed (rows {lo}:{hi}; missing, truncated "
-                f"or corrupt chunk data): {why}"
-            ) from None
-        finally:
-            del flat
-        return out
-
-    return rows
+    return meta if same and np.little_endian else None
 
 
 def _present(kvstore, key: str) -> bool:

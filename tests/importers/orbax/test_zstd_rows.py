@@ -4,6 +4,7 @@ as one chunk (Orbax's default) imported within the memory budget instead of deco
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -14,12 +15,11 @@ import numpy as np
 import pytest
 import tensorstore as ts
 
+import jax_ucp
 from jax_ucp.importers.orbax import OrbaxImportError, zstd_rows
 from tests.ucp_testing import REPO, peak_over_baseline
 
 MiB = 1 << 20
-
-pytestmark = pytest.mark.skipif(zstd_rows._lib() is None, reason="no libzstd")
 
 
 def _zarr(path, value: np.ndarray, chunk_rows: int):
@@ -141,3 +141,73 @@ def test_a_one_chunk_orbax_array_over_the_budget_stays_within_it(tmp_path):
     over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB", orbax_in_baseline=True)
     assert over < 32 * MiB + 64 * MiB, over / MiB
     _child(_CHECK, tmp_path / "ucp")
+
+
+def _checksummed_orbax(path, value: np.ndarray, chunk_rows: int) -> list[bytes]:
+    """An Orbax checkpoint (zarr v2, no OCDBT) holding ``value`` as array ``w`` re-chunked by
+    rows, every chunk a zstd frame with the content-checksum flag set (the edge chunk padded to
+    the full chunk shape, as zarr v2 stores it); returns the frames."""
+    import orbax.checkpoint as ocp
+    import zstandard
+
+    handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
+    with ocp.Checkpointer(handler) as c:
+        c.save(os.fspath(path), args=ocp.args.PyTreeSave({"w": value}))
+    folder = path / "w"
+    zarray = json.loads((folder / ".zarray").read_text())
+    zarray["chunks"] = [chunk_rows, *value.shape[1:]]
+    (folder / ".zarray").write_text(json.dumps(zarray))
+    for old in folder.iterdir():
+        if old.name != ".zarray" and not old.name.startswith("."):
+            old.unlink()
+    frames = []
+    compressor = zstandard.ZstdCompressor(write_checksum=True, write_content_size=True)
+    for index in range(-(-value.shape[0] // chunk_rows)):
+        chunk = np.zeros((chunk_rows, *value.shape[1:]), value.dtype)
+        rows = value[index * chunk_rows : (index + 1) * chunk_rows]
+        chunk[: len(rows)] = rows
+        frames.append(compressor.compress(chunk.tobytes()))
+        (folder / ".".join([str(index)] + ["0"] * (value.ndim - 1))).write_bytes(frames[-1])
+    return frames
+
+
+def test_a_flipped_byte_in_an_edge_chunk_fails_its_checksum(tmp_path):
+    """Issue 38: a (10, 4) array in chunks of 4 rows, each a checksummed zstd frame; one byte
+    of row 9 changed inside the edge chunk (rows 8..11, rows 10 and 11 past the array's end).
+    The frame is decoded to its end and its checksum checked before any of its rows is
+    handed out: ``convert`` refuses naming the array, where it once gave a wrong row 9."""
+    import zstandard
+
+    value = np.random.default_rng(7).standard_normal((10, 4)).astype(np.float32)
+    src = tmp_path / "orbax"
+    frames = _checksummed_orbax(src, value, 4)
+    assert zstandard.get_frame_parameters(frames[2]).has_checksum
+    np.testing.assert_array_equal(jax_ucp.restore(_converted(src, tmp_path / "ok"))["w"], value)
+
+    at = frames[2].find(value[9].tobytes())  # the row is stored as is (random floats)
+    assert at > 0
+    bad = bytearray(frames[2])
+    bad[at + 1] ^= 0x40
+    (src / "w" / "2.0").write_bytes(bytes(bad))
+    with pytest.raises(zstandard.ZstdError, match="checksum"):
+        zstandard.ZstdDecompressor().decompress(bytes(bad))  # what the one-shot decoder says
+    with pytest.raises(OrbaxImportError, match=r"'w'.*(rows 8:10|rows 0:10)") as e:
+        jax_ucp.convert(src, tmp_path / "out")
+    assert os.fspath(src / "w") in str(e.value) and "checksum" in str(e.value)
+    assert not (tmp_path / "out").exists()
+    # the rows alone, the edge rows asked for last or by themselves
+    array = ts.open({"driver": "zarr", "kvstore": {"driver": "file", "path": str(src / "w")}})
+    rows = _rows(array.result())
+    np.testing.assert_array_equal(rows(0, 8), value[:8])
+    for lo, hi in [(8, 10), (9, 10), (8, 9)]:
+        with pytest.raises(OrbaxImportError, match="checksum"):
+            rows(lo, hi)
+    # the frame cut inside its checksum: every row decodes, the frame does not end
+    (src / "w" / "2.0").write_bytes(frames[2][:-2])
+    with pytest.raises(OrbaxImportError, match=r"'w'.*truncated"):
+        _rows(array.result())(0, 10)
+
+
+def _converted(src, dst) -> str:
+    jax_ucp.convert(src, dst)
+    return os.fspath(dst)
