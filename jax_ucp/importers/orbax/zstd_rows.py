@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import zstandard
@@ -112,7 +112,10 @@ class _Frame:
         self.key, self.nbytes, self.done = key, nbytes, 0  # decoded bytes declared / handed out
         self.source = _Source(kvstore, key)
         self.reader = zstandard.ZstdDecompressor().stream_reader(
-            self.source, read_size=PIECE_BYTES, read_across_frames=False, closefd=False
+            cast("IO[bytes]", self.source),  # read() is what it calls
+            read_size=PIECE_BYTES,
+            read_across_frames=False,
+            closefd=False,
         )
 
     def _decode(self, target) -> int:
@@ -126,9 +129,9 @@ class _Frame:
         once the declared bytes are decoded, checks the frame ends there."""
         if self.done + n > self.nbytes:
             raise ValueError(f"chunk {self.key!r}: {self.done + n} bytes asked of {self.nbytes}")
-        scratch = memoryview(bytearray(min(_SCRATCH_BYTES, n))) if out is None else None
+        scratch = memoryview(bytearray(min(_SCRATCH_BYTES, n) if out is None else 0))
         while n:
-            got = self._decode(scratch[: min(n, len(scratch))] if scratch else out[:n])
+            got = self._decode(out[:n] if out is not None else scratch[: min(n, len(scratch))])
             if not got:
                 raise ZstdChunkError(
                     f"chunk {self.key!r} decodes to {self.done} bytes, expected {self.nbytes} "
