@@ -308,10 +308,17 @@ def _by_rows(shape, itemsize: int, chunk, budget: int) -> bool:
 
 
 def _inside(root: str, name: Any, what: str) -> str:
+    """``root``/``name``, refused unless it stays inside ``root``; a name the file system
+    cannot look up (too long) is an error naming ``what``, not a raw OSError."""
     try:
         return files.inside(root, name, what)
     except files.UnsafeFileError as e:
         raise OrbaxImportError(str(e)) from None
+    except OSError as e:
+        raise OrbaxImportError(
+            f"{what}: not a file name this file system can look up under {root} "
+            f"({os.strerror(e.errno) if e.errno else e}; {len(str(name))} characters)"
+        ) from None
 
 
 def _check_links(root: str, item: str) -> None:

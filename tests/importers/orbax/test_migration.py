@@ -257,6 +257,12 @@ def test_step_with_two_pytree_items_and_a_hostile_item_name(tmp_path):
     meta.write_text(json.dumps(record))
     with pytest.raises(OrbaxImportError, match=r"item name '\.\./\.\./elsewhere' is not a"):
         jax_ucp.convert(tmp_path / "run", tmp_path / "bad")
+    # an item name of 10 000 characters: the file and the field named, not ENAMETOOLONG raw
+    record["item_handlers"] = {"x" * 10_000: record["item_handlers"]["../../elsewhere"]}
+    meta.write_text(json.dumps(record))
+    with pytest.raises(OrbaxImportError, match=r"_CHECKPOINT_METADATA: item 'x+': .*10000") as e:
+        jax_ucp.convert(tmp_path / "run", tmp_path / "bad")
+    assert str(meta) in str(e.value) and len(str(e.value)) < 500
 
 
 @pytest.mark.timeout(120)
