@@ -122,7 +122,9 @@ class _Frame:
         try:
             return self.reader.readinto(target)
         except zstandard.ZstdError as e:
-            raise ZstdChunkError(f"chunk {self.key!r} is not a valid zstd frame ({e})") from None
+            raise ZstdChunkError(
+                f"chunk {self.key!r}: its zstd frame does not decode ({e})"
+            ) from None
 
     def into(self, out, n: int) -> None:
         """Decodes the next ``n`` bytes into the writable buffer ``out`` (None: skips them);
