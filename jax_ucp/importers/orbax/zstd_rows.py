@@ -5,20 +5,21 @@ nor the decoded one. TensorStore decodes a chunk whole, and Orbax saves a single
 one chunk: reading rows of it through TensorStore held compressed + decoded chunk + the rows
 (333 MiB for a 125 MiB array at a 64 MiB budget).
 
-libzstd is called through ctypes (the decoder TensorStore bundles is not exposed); without it, or
-for any other layout, :func:`rows_reader` returns None and the caller reads through TensorStore.
+Decoding is the ``zstandard`` wheel's streaming reader. Every frame is decoded to its end — an
+edge chunk's rows past the array too — so zstd verifies the frame's content checksum before the
+last rows of the chunk are handed out, and the frame's structure is walked alongside
+(:class:`_FrameEnd`): the streaming reader stops quietly at a truncated input, so the walk is
+what proves the frame complete, checksum included, with nothing after it.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import zstandard
 
 from jax_ucp import writer
 from jax_ucp.errors import SourceError, tensorstore_message
@@ -26,108 +27,118 @@ from jax_ucp.errors import SourceError, tensorstore_message
 #: Compressed bytes read from the kvstore at once.
 PIECE_BYTES = 1 << 20
 _SCRATCH_BYTES = 1 << 20  # decoded rows skipped over (a slab asked for out of order)
+_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first four bytes
 
 
 ZstdChunkError = SourceError  # a chunk that does not decode to its declared bytes
 
 
-class _Buffer(ctypes.Structure):  # ZSTD_inBuffer and ZSTD_outBuffer have one layout
-    _fields_ = [("ptr", ctypes.c_void_p), ("size", ctypes.c_size_t), ("pos", ctypes.c_size_t)]
+class _FrameEnd:
+    """Follows a zstd frame's structure over the compressed bytes as they pass (header, block
+    headers, content checksum) to tell where the frame ends: the streaming decoder does not say
+    whether it stopped at the frame's end or at the end of its input."""
+
+    def __init__(self, key: str):
+        self.key, self.head, self.skip = key, b"", 0
+        self.state = "header"  # header -> block ... -> checksum (last block, checksum) -> end
+        self.checksum, self.after = False, 0  # bytes seen after the frame's end
+
+    def feed(self, data: bytes) -> None:
+        at = 0
+        while at < len(data):
+            if self.state == "end":
+                self.after += len(data) - at
+                return
+            if self.skip:
+                n = min(self.skip, len(data) - at)
+                self.skip, at = self.skip - n, at + n
+                if not self.skip and self.state == "checksum":
+                    self.state = "end"
+                continue
+            need = self._need()
+            n = min(need - len(self.head), len(data) - at)
+            self.head, at = self.head + data[at : at + n], at + n
+            if len(self.head) == need:
+                self._parsed()
+
+    def _need(self) -> int:
+        if self.state == "block":
+            return 3
+        if len(self.head) < 5:
+            return 5
+        return zstandard.frame_header_size(self.head + bytes(13))
+
+    def _parsed(self) -> None:
+        head, self.head = self.head, b""
+        if self.state == "header":
+            if head[:4] != _MAGIC:
+                raise ZstdChunkError(f"chunk {self.key!r} is not a zstd frame")
+            if len(head) == 5:  # the descriptor read: the header's size follows from it
+                self.head = head
+                return
+            self.checksum, self.state = bool(head[4] & 0x04), "block"
+            return
+        word = int.from_bytes(head, "little")
+        last, kind, size = word & 1, (word >> 1) & 3, word >> 3
+        if kind == 3:
+            raise ZstdChunkError(f"chunk {self.key!r}: reserved zstd block type (damaged)")
+        self.skip = 1 if kind == 1 else size
+        if last:  # the last block's content, then the checksum, then the frame's end
+            self.skip += 4 if self.checksum else 0
+            self.state = "checksum" if self.skip else "end"
 
 
-@functools.cache
-def _lib() -> Any:
-    """libzstd, or None when it cannot be loaded."""
-    name = ctypes.util.find_library("zstd")
-    if name is None:
-        return None
-    void, size, buffer = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(_Buffer)
-    signatures = {  # name: (argument types, result type)
-        "ZSTD_createDStream": ([], void),
-        "ZSTD_freeDStream": ([void], size),
-        "ZSTD_initDStream": ([void], size),
-        "ZSTD_decompressStream": ([void, buffer, buffer], size),
-        "ZSTD_isError": ([size], ctypes.c_uint),
-        "ZSTD_getErrorName": ([size], ctypes.c_char_p),
-    }
-    try:
-        lib = ctypes.CDLL(name)
-        for function, (argtypes, restype) in signatures.items():
-            getattr(lib, function).argtypes = argtypes
-            getattr(lib, function).restype = restype
-    except (OSError, AttributeError):
-        return None
-    return lib
+class _Source:
+    """The compressed bytes of one chunk as a file the decoder reads, piece by piece from the
+    kvstore (which refuses a range past the value's end and does not say its size: the rest
+    is then read to the end, fewer than ``PIECE_BYTES`` bytes)."""
+
+    def __init__(self, kvstore, key: str):
+        self.kv, self.key, self.offset, self.eof = kvstore, key, 0, False
+        self.frame = _FrameEnd(key)
+
+    def read(self, n: int = -1) -> bytes:
+        if self.eof or n == 0:
+            return b""
+        n = PIECE_BYTES if n is None or n < 0 else min(n, PIECE_BYTES)
+        try:
+            r = self.kv.read(self.key, byte_range=slice(self.offset, self.offset + n)).result()
+        except ValueError as e:
+            if "OUT_OF_RANGE" not in str(e):
+                raise
+            r = self.kv.read(self.key, byte_range=slice(self.offset, None)).result()
+        piece = r.value if r.state == "value" else b""
+        self.eof = len(piece) < n
+        self.offset += len(piece)
+        self.frame.feed(piece)
+        return piece
 
 
 class _Frame:
     """One chunk's zstd frame decoded front to back, its compressed bytes read piece by piece."""
 
     def __init__(self, kvstore, key: str, nbytes: int, where: str):
-        self.lib, self.kv, self.key, self.where = _lib(), kvstore, key, where
+        self.key, self.where = key, where
         self.nbytes, self.done = nbytes, 0  # decoded bytes declared / handed out so far
-        self.stream = self.lib.ZSTD_createDStream()
-        if not self.stream:
-            raise MemoryError("ZSTD_createDStream failed")
-        # zstd's hint: the input it needs next, never past the frame's end
-        self.hint = self._check(self.lib.ZSTD_initDStream(self.stream))
-        self.offset, self.ended, self.near_end = 0, False, False  # compressed bytes read so far
-        self.piece, self.inbuf = b"", _Buffer(None, 0, 0)
-
-    def __del__(self):
-        if getattr(self, "stream", None):
-            self.lib.ZSTD_freeDStream(self.stream)
-            self.stream = None
-
-    def _check(self, ret: int) -> int:
-        if self.lib.ZSTD_isError(ret):
-            raise ZstdChunkError(
-                f"chunk {self.key!r} is not a valid zstd frame "
-                f"({self.lib.ZSTD_getErrorName(ret).decode()})"
-            )
-        return ret
-
-    def _read(self, n: int) -> bytes | None:
-        """``n`` compressed bytes from ``offset`` (None: the value ends before that)."""
-        try:
-            r = self.kv.read(self.key, byte_range=slice(self.offset, self.offset + n)).result()
-        except ValueError as e:
-            if "OUT_OF_RANGE" not in str(e):
-                raise
-            return None
-        return r.value if r.state == "value" else b""
-
-    def _refill(self) -> None:
-        """The next piece of compressed bytes: ``PIECE_BYTES``, or zstd's hint once fewer are
-        left (the kvstore refuses a range past the value's end and does not say its size)."""
-        piece = None if self.near_end else self._read(PIECE_BYTES)
-        if piece is None:
-            self.near_end = True
-            piece = self._read(max(1, self.hint))
-        if not piece:
-            raise ZstdChunkError(
-                f"chunk {self.key!r} ends after {self.offset} compressed bytes, {self.done} of "
-                f"{self.nbytes} decoded (truncated)"
-            )
-        self.piece = piece
-        self.offset += len(piece)
-        self.inbuf = _Buffer(ctypes.cast(ctypes.c_char_p(piece), ctypes.c_void_p), len(piece), 0)
+        self.source = _Source(kvstore, key)
+        self.reader = zstandard.ZstdDecompressor().stream_reader(
+            self.source, read_size=PIECE_BYTES, read_across_frames=False, closefd=False
+        )
 
     def _decode(self, target, size: int) -> int:
-        """Decodes up to ``size`` bytes into ``target``; fewer only where the frame ends."""
-        ptr = (ctypes.c_char * len(target)).from_buffer(target)
-        out = _Buffer(ctypes.addressof(ptr), size, 0)
-        while out.pos < size and not self.ended:
-            if self.inbuf.pos == self.inbuf.size:
-                self._refill()
-            self.hint = self._check(
-                self.lib.ZSTD_decompressStream(
-                    self.stream, ctypes.byref(out), ctypes.byref(self.inbuf)
-                )
-            )
-            self.ended = self.hint == 0  # the frame is over and flushed
-        del ptr
-        return out.pos
+        """Decodes up to ``size`` bytes into ``target``; fewer only where the input ends."""
+        view, got = memoryview(target)[:size], 0
+        try:
+            while got < size:
+                n = self.reader.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+        except zstandard.ZstdError as e:
+            raise ZstdChunkError(f"chunk {self.key!r} is not a valid zstd frame ({e})") from None
+        finally:
+            view.release()
+        return got
 
     def into(self, out, n: int) -> None:
         """Decodes the next ``n`` bytes into the writable buffer ``out`` (None: skips them)."""
@@ -147,15 +158,29 @@ class _Frame:
         if self.done == self.nbytes:
             self._finish()
 
+    def finish(self) -> None:
+        """Decodes what is left of the frame (an edge chunk's rows past the array) to its end."""
+        if self.done < self.nbytes:
+            self.into(None, self.nbytes - self.done)
+
     def _finish(self) -> None:
-        """After the declared bytes: the frame must end there, with nothing after it."""
-        if not self.ended and self._decode(bytearray(1), 1):
+        """After the declared bytes: the frame must end there (its checksum verified by zstd on
+        the way), complete, with nothing after it."""
+        if self._decode(bytearray(1), 1):
             raise ZstdChunkError(
                 f"chunk {self.key!r} decodes to more than its {self.nbytes} bytes (damaged)"
             )
-        if self.inbuf.size - self.inbuf.pos or self._read(1):
+        frame = self.source.frame
+        if frame.state == "end" and not self.source.eof:
+            self.source.read(1)  # one byte more in the value: something after the frame
+        if frame.state != "end":
+            raise ZstdChunkError(
+                f"chunk {self.key!r} ends after {self.source.offset} compressed bytes, before "
+                f"its zstd frame's end{' and content checksum' if frame.checksum else ''} "
+                f"(truncated)"
+            )
+        if frame.after:
             raise ZstdChunkError(f"chunk {self.key!r} has bytes after its zstd frame (damaged)")
-        self.piece, self.inbuf = b"", _Buffer(None, 0, 0)
 
 
 def rows_reader(
@@ -163,8 +188,7 @@ def rows_reader(
 ) -> Callable[[int, int], np.ndarray] | None:
     """``rows(lo, hi)``: rows ``lo:hi`` of dim 0 of the TensorStore ``array`` (opened on a zarr
     v2 array), decoded from its chunks' zstd frames as a stream; rows asked for in order (as the
-    writer's slabs are) decode each chunk once. None where this does not apply: no libzstd, not
-    zarr v2 with only a zstd compressor in C order, chunks that split a row (dims after the
+    writer's slabs are) decode each chunk once. None where this does not apply: not zarr v2 with only a zstd compressor in C order, chunks that split a row (dims after the
     first), a 0-d or empty array. A chunk that is not in the store is TensorStore's to read
     (its fill value).
 
@@ -174,7 +198,7 @@ def rows_reader(
         name: the array's name (for errors).
         error: the exception raised for a damaged chunk (names the array and file).
     """
-    if _lib() is None or array.rank < 1 or 0 in array.shape:
+    if array.rank < 1 or 0 in array.shape:
         return None
     spec = array.spec().to_json()
     meta = spec.get("metadata") or {}
@@ -238,6 +262,8 @@ def rows_reader(
                     f.into(
                         flat[(at - lo) * row_bytes : (end - lo) * row_bytes], (end - at) * row_bytes
                     )
+                    if end == shape[0]:  # the edge chunk: its frame decoded and checked to its end
+                        f.finish()
                 at = end
         except (ZstdChunkError, ValueError) as e:
             state["frame"], state["chunk"] = None, -1

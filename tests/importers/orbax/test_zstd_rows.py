@@ -13,13 +13,12 @@ import numcodecs
 import numpy as np
 import pytest
 import tensorstore as ts
+import zstandard
 
 from jax_ucp.importers.orbax import OrbaxImportError, zstd_rows
 from tests.ucp_testing import REPO, peak_over_baseline
 
 MiB = 1 << 20
-
-pytestmark = pytest.mark.skipif(zstd_rows._lib() is None, reason="no libzstd")
 
 
 def _zarr(path, value: np.ndarray, chunk_rows: int):
@@ -141,3 +140,29 @@ def test_a_one_chunk_orbax_array_over_the_budget_stays_within_it(tmp_path):
     over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB", orbax_in_baseline=True)
     assert over < 32 * MiB + 64 * MiB, over / MiB
     _child(_CHECK, tmp_path / "ucp")
+
+
+def test_a_damaged_edge_chunk_is_refused_although_its_padding_is_never_asked_for(tmp_path):
+    """(10, 4) float32 in chunks of 4 rows: the edge chunk covers rows 8..11, rows 10 and 11 lie
+    outside the array. One byte of row 9 changed inside its zstd frame (content checksum set):
+    the frame's XXH64 no longer matches, which zstd only checks at the frame's end — past the
+    last row anyone asks for. The rows are refused, never returned with row 9 wrong."""
+    value = np.random.default_rng(2).standard_normal((10, 4)).astype(np.float32)
+    array = _zarr(tmp_path / "a", value, 4)
+    chunk = tmp_path / "a" / "2.0"
+    content = np.zeros((4, 4), np.float32)
+    content[:2] = value[8:]
+    level0 = zstandard.ZstdCompressor(level=1, write_checksum=True)
+    frame = bytearray(level0.compress(content.tobytes()))
+    at = bytes(frame).find(value[9].tobytes())
+    assert at > 0, "row 9 is stored as literal bytes in the frame"
+    frame[at + 1] ^= 0x40
+    chunk.write_bytes(bytes(frame))
+    with pytest.raises(zstandard.ZstdError, match="checksum"):  # libzstd's own one-shot verdict
+        zstandard.ZstdDecompressor().decompress(bytes(frame))
+    rows = _rows(array)
+    np.testing.assert_array_equal(rows(0, 8), value[:8])
+    with pytest.raises(OrbaxImportError, match=r"rows 8:10.*checksum"):
+        rows(8, 10)
+    with pytest.raises(OrbaxImportError, match=r"rows 0:10.*checksum"):
+        _rows(array)(0, 10)
