@@ -265,3 +265,24 @@ def test_a_hostile_training_args_bin_is_neither_run_nor_read(tmp_path, monkeypat
         "os.system" in trainer["training_args_unread"]
         or "posix.system" in (trainer["training_args_unread"])
     )
+
+
+@pytest.mark.torch
+def test_same_shaped_states_named_by_the_trainer_rule_are_said_out_loud(tmp_path):
+    """A Trainer subclass with its own ``create_optimizer()`` numbers parameters otherwise: with
+    q_proj / o_proj (both [32, 32]) states swapped in ``optimizer.pt``, the Trainer's grouping
+    rebuilt from config.json still fits every shape, so nothing in the files can tell. The
+    import says so, as the one-group index rule does: one warning, one note in the manifest."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "checkpoint-3"
+    shutil.copytree(os.path.join(TRAINER, "trainer_fp32", "checkpoint-3"), src)
+    opt = torch.load(src / "optimizer.pt", weights_only=True)
+    square = [i for i, s in opt["state"].items() if tuple(s["exp_avg"].shape) == (32, 32)]
+    a, b = square[0], square[-1]
+    opt["state"][a], opt["state"][b] = opt["state"][b], opt["state"][a]
+    torch.save(opt, src / "optimizer.pt")
+    with pytest.warns(jax_ucp.OptimizerOrderWarning, match="Trainer's default grouping"):
+        jax_ucp.convert(str(src), str(tmp_path / "out"))
+    notes = jax_ucp.inspect(str(tmp_path / "out")).source.get("notes", [])
+    said = [n for n in notes if "Trainer's default grouping" in n]
+    assert len(said) == 1 and "share a shape" in said[0], notes
