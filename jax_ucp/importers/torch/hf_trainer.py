@@ -26,7 +26,13 @@ from jax_ucp.format import files
 from jax_ucp.importers.torch import unpickler
 from jax_ucp.importers.torch.optimizer import TorchImportError, jsonable
 
-__all__ = ["Candidate", "trainer_candidates", "trainer_record", "is_trainer_checkpoint"]
+__all__ = [
+    "Candidate",
+    "trainer_candidates",
+    "trainer_record",
+    "is_trainer_checkpoint",
+    "side_file",
+]
 
 MAX_JSON_BYTES = 16 << 20
 CONFIG_FILE = "config.json"
@@ -92,18 +98,26 @@ def _json(path: str) -> Any:
         raise TorchImportError(f"{path}: not valid JSON ({str(e)[:200]})") from None
 
 
+def side_file(folder: str, name: str) -> str:
+    """The path of the Trainer's side file ``name`` in ``folder`` (``trainer_state.json``,
+    ``training_args.bin``, ``scheduler.pt``, ``config.json``, ...), through
+    :func:`jax_ucp.format.files.inside`: a link leading out of the checkpoint is refused, never
+    read into the new manifest."""
+    return files.inside(folder, name, f"{folder}: the Trainer's {name}")
+
+
 def _model_on_meta(folder: str, n_tensors: int):
     """The config's architecture, built by transformers on the meta device (no weights).
 
     An untrusted config could ask for millions of layers (modules cost memory even on the meta
     device): a layer count above the checkpoint's tensor count is refused before building."""
-    path = os.path.join(folder, CONFIG_FILE)
+    path = side_file(folder, CONFIG_FILE)
     why = "cannot rebuild the Trainer's parameter order"
     way_out = (
         "pass parameter_order=[names as saved, in model.named_parameters() order of the "
         "trainable parameters], or convert with weights_only=True"
     )
-    if os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_FILE)):
+    if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
         raise TorchImportError(
             f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
             f"model's {CONFIG_FILE}: {why}; {way_out}"
@@ -242,12 +256,12 @@ def trainer_record(folder: str) -> dict:
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
     ``global_step`` / ``max_steps``; absent files are absent keys."""
     out: dict[str, Any] = {}
-    state_path = os.path.join(folder, STATE_FILE)
+    state_path = side_file(folder, STATE_FILE)
     if os.path.isfile(state_path):
         state = _json(state_path)
         if isinstance(state, dict):
             out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
-    args_path = os.path.join(folder, ARGS_FILE)
+    args_path = side_file(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
             classes = {n: unpickler.standin_class(n) for n in ARG_CLASSES}
@@ -258,7 +272,7 @@ def trainer_record(folder: str) -> dict:
         else:
             fields = vars(args) if isinstance(args, unpickler.StandIn) else {}
             out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
-    sched_path = os.path.join(folder, SCHEDULER_FILE)
+    sched_path = side_file(folder, SCHEDULER_FILE)
     if os.path.isfile(sched_path):
         try:
             sched = unpickler.load_torch_file(sched_path)

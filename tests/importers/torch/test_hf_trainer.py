@@ -286,3 +286,23 @@ def test_same_shaped_states_named_by_the_trainer_rule_are_said_out_loud(tmp_path
     notes = jax_ucp.inspect(str(tmp_path / "out")).source.get("notes", [])
     said = [n for n in notes if "Trainer's default grouping" in n]
     assert len(said) == 1 and "share a shape" in said[0], notes
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "trainer_state.json", "training_args.bin"])
+def test_a_trainer_side_file_linking_out_of_the_checkpoint_is_refused(tmp_path, monkeypatch, name):
+    """The Trainer's side files are read through ``inside``: one that is a symlink to a file
+    elsewhere is refused naming it, its values never land in the new manifest."""
+    src = tmp_path / "checkpoint-3"
+    shutil.copytree(os.path.join(TRAINER, "trainer_fp32", "checkpoint-3"), src)
+    elsewhere = tmp_path / "private"
+    elsewhere.mkdir()
+    (src / name).rename(elsewhere / name)
+    (src / name).symlink_to(elsewhere / name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as in the torch-free default set
+    with np.load(os.path.join(TRAINER, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms  # the Trainer's: decayed, then norms
+    with pytest.raises(jax_ucp.UCPError, match=rf"{name}.*outside the checkpoint"):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), parameter_order=order)
+    assert not (tmp_path / "out").exists()
