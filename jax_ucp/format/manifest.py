@@ -59,6 +59,9 @@ def role_of(key: Sequence[str]) -> tuple[str, str | None]:
 # Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host.
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree level
+#: containers nested in a saved tree: what ``ucp.json`` can record within ``MAX_JSON_DEPTH``
+#: (checked at save, so what ``save`` writes ``restore`` reads)
+MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
 MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
 _DIR_RE = re.compile(r"arrays/[A-Za-z0-9_%~.\-]+")
 _DIGEST_RE = re.compile(r"[0-9a-f]{8}")
@@ -421,8 +424,10 @@ class Manifest:
         }
 
     def dumps(self) -> str:
-        """``ucp.json``'s text."""
-        return json.dumps(self.to_json(), indent=1, allow_nan=False)
+        """``ucp.json``'s text, refused when nested deeper than a reader accepts."""
+        text = json.dumps(self.to_json(), indent=1, allow_nan=False)
+        _check_depth(text, f"{MANIFEST_FILE} to be written (the saved tree nests too deep)")
+        return text
 
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
@@ -692,6 +697,28 @@ def _bounded_int(text: str) -> int:
 
 def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
+
+
+def check_tree_depth(tree: Any) -> None:
+    """Refuses a tree whose dicts, lists and tuples nest deeper than :data:`MAX_TREE_DEPTH`,
+    walking it without recursion, before anything recursive (flattening, the manifest) runs:
+    ``ucp.json`` could not record it, and a reader would refuse it."""
+    stack = [(tree, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, Mapping):
+            children = [(f"{path}/{k}", v) for k, v in node.items()]
+        elif isinstance(node, list | tuple):
+            children = [(f"{path}/{i}", v) for i, v in enumerate(node)]
+        else:
+            continue
+        if depth > MAX_TREE_DEPTH:
+            raise UnsupportedError(
+                f"the tree nests containers deeper than {MAX_TREE_DEPTH} levels (at "
+                f"{path[:120]!r}...): {MANIFEST_FILE} records at most {MAX_JSON_DEPTH} JSON "
+                f"levels, so such a checkpoint could not be restored; flatten part of the tree"
+            )
+        stack.extend((v, depth + 1, p) for p, v in children)
 
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')

@@ -292,3 +292,29 @@ def test_compression_is_an_option_of_save_and_ucpsave(tmp_path):
         got = jax_ucp.restore(path, mesh=new, strict=False)
         assert np.asarray(got["params"]["w"]).tobytes() == np.asarray(w).tobytes()
         assert not np.asarray(got["opt_state"]["mu"]["w"]).any()
+
+
+def _nested(levels: int) -> dict:
+    tree: dict = {"x": np.arange(3, dtype=np.float32)}
+    for _ in range(levels - 1):
+        tree = {"a": tree}
+    return tree
+
+
+@pytest.mark.parametrize("levels", [300, 700])
+def test_a_tree_too_deep_to_read_back_is_refused_at_save(tmp_path, levels):
+    """What save writes, restore reads: one depth limit, checked at save with a clear error
+    (not a checkpoint restore then refuses, nor a RecursionError), nothing written."""
+    with pytest.raises(jax_ucp.UCPError, match=r"nests containers deeper than 170 levels"):
+        jax_ucp.save(tmp_path / "c", _nested(levels))
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_tree_at_the_depth_limit_round_trips(tmp_path):
+    from jax_ucp.format import MAX_TREE_DEPTH
+
+    jax_ucp.save(tmp_path / "c", _nested(MAX_TREE_DEPTH))
+    back = jax_ucp.restore(tmp_path / "c")
+    for _ in range(MAX_TREE_DEPTH - 1):
+        back = back["a"]
+    np.testing.assert_array_equal(back["x"], np.arange(3, dtype=np.float32))
