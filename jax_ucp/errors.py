@@ -217,8 +217,15 @@ def tensorstore_status(e: BaseException) -> str | None:
 
 def tensorstore_failure(e: BaseException) -> str:
     """What a failed TensorStore read of checkpoint data means: "corrupt" (a crc32c digest
-    mismatch), "missing" (a chunk or file not found) or "other" (truncated, unreadable, ...)."""
+    mismatch), "missing" (a chunk or file not found), "denied" (the file is there but this user
+    may not read it: not corruption) or "other" (truncated, unreadable, ...)."""
     status = tensorstore_status(e)
+    if (
+        isinstance(e, PermissionError)
+        or status == "PERMISSION_DENIED"
+        or (isinstance(e, ValueError) and "Permission denied" in str(e))
+    ):
+        return "denied"
     if status == "DATA_LOSS" and DIGEST_MISMATCH in str(e):
         return "corrupt"
     return "missing" if status == "NOT_FOUND" else "other"

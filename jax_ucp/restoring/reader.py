@@ -565,6 +565,7 @@ def _tensor_error(name: str, e: BaseException) -> CheckpointError:
 _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tells the user
     "corrupt": "crc32c checksum mismatch: the data is corrupt",
     "missing": "missing data: the checkpoint is incomplete",
+    "denied": "permission denied: the file is there but this user may not read it",
     "other": "corrupt or truncated data?",
 }
 

@@ -1,5 +1,7 @@
 """Save on one mesh, restore on another: every byte equal."""
 
+import os
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -318,3 +320,32 @@ def test_a_tree_at_the_depth_limit_round_trips(tmp_path):
     for _ in range(MAX_TREE_DEPTH - 1):
         back = back["a"]
     np.testing.assert_array_equal(back["x"], np.arange(3, dtype=np.float32))
+
+
+def test_an_unreadable_shard_is_called_permission_denied_not_corruption(tmp_path):
+    """A shard file this user may not read (chmod 000): verify names the permission, it does not
+    guess at corruption. As root the read is made as a user without CAP_DAC_OVERRIDE."""
+    import glob
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.ucp_testing import REPO
+
+    ckpt = tmp_path / "c"
+    jax_ucp.save(ckpt, {"w": np.arange(64, dtype=np.float32).reshape(8, 8)})
+    for f in glob.glob(str(ckpt / "arrays" / "w" / "c" / "**"), recursive=True):
+        if os.path.isfile(f):
+            os.chmod(f, 0)
+    code = "import sys, jax_ucp; print(jax_ucp.verify(sys.argv[1]))"
+    cmd = [sys.executable, "-c", code, str(ckpt)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: cannot read as a user the file mode stops")
+        drop = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *cmd]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "permission denied" in done.stdout and "corrupt" not in done.stdout, done.stdout
