@@ -22,7 +22,7 @@ from jax_ucp import writer
 from jax_ucp.cli import app
 from jax_ucp.importers import plan_import
 from jax_ucp.importers.orbax import OrbaxImportError
-from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import REPO, assert_bit_exact
 from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
 from tests.ucp_testing import save_and_name as _ucp
 
@@ -256,3 +256,21 @@ def test_a_damaged_zarr_json_is_one_line_without_tensorstores_spec(tmp_path):
         line = [x for x in text.splitlines() if x.startswith("error:")]
         assert len(line) == 1 and "'params/w'" in line[0] and meta in line[0], (args, text)
     assert not (tmp_path / "o").exists()
+
+
+def test_an_item_name_longer_than_a_file_name_is_a_clear_error(tmp_path):
+    """A step whose _CHECKPOINT_METADATA names an item of 10 000 characters: an error naming the
+    file and what is wrong, not a raw OSError (File name too long)."""
+    step = tmp_path / "3"
+    shutil.copytree(os.path.join(REPO, "tests", "fixtures", "orbax_manager_step", "3"), step)
+    meta_file = step / "_CHECKPOINT_METADATA"
+    meta = json.loads(meta_file.read_text())
+    meta["item_handlers"] = {
+        "x"
+        * 10_000: "orbax.checkpoint._src.handlers.pytree_checkpoint_handler.PyTreeCheckpointHandler"
+    }
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"_CHECKPOINT_METADATA: item name of 10000 characters"
+    ):
+        jax_ucp.convert(step, tmp_path / "out", format="orbax")
