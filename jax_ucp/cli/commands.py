@@ -92,25 +92,6 @@ def _main(
     ),
 ):
     output.fresh_console()  # the help is the app's
-    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
-        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
-
-
-class _QuietClosedLoop:
-    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
-    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
-    other arrays' futures, whose callbacks then find the loop closed and print a traceback
-    after the command's one error line. Every other report goes to the hook before."""
-
-    def __init__(self, before):
-        self.before = before
-
-    def __call__(self, report) -> None:
-        e = report.exc_value
-        if report.object is None and isinstance(e, RuntimeError):
-            if str(e) == "Event loop is closed":
-                return
-        self.before(report)
 
 
 def _cli_wording(message: str) -> str:
