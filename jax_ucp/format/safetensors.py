@@ -93,8 +93,9 @@ def _shard_paths(src) -> list[tuple[str, str]]:
     index resolve inside the folder (a Hugging Face cache snapshot: inside its cache repo,
     whose ``blobs/`` its files link to), never to a file elsewhere."""
     src = os.fspath(src)
-    if os.path.isfile(src):
-        return [(src, src)]
+    if os.path.isfile(src):  # one file: the rule of its folder (a cache snapshot's links too)
+        folder, name = os.path.split(os.path.abspath(src))
+        return [(src, _inside(folder, name, src))]
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
         _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
@@ -118,7 +119,7 @@ def _shard_paths(src) -> list[tuple[str, str]]:
 
 def _inside(src: str, name: str, what: str) -> str:
     try:
-        return files.inside(files.checkpoint_root(src), name, what, folder=src)
+        return files.inside_checkpoint(src, name, what)
     except files.UnsafeFileError as e:
         raise SafetensorsError(str(e)) from None
 

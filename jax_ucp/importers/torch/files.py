@@ -129,7 +129,7 @@ def _inside(src: str, name: str, what: str) -> str:
     """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
     inside its cache repo), never a link to a file elsewhere."""
     try:
-        files.inside(files.checkpoint_root(src), name, what, folder=src)
+        files.inside_checkpoint(src, name, what)
     except files.UnsafeFileError as e:
         raise TorchImportError(str(e)) from None
     return os.path.join(src, name)
