@@ -20,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp.format import files
@@ -106,6 +108,34 @@ def side_file(folder: str, name: str) -> str:
     return files.inside(folder, name, f"{folder}: the Trainer's {name}")
 
 
+#: config keys that count modules transformers builds (layers, blocks, stages, experts)
+_COUNT_KEY = re.compile(r"layer|depth|block|stage|expert", re.IGNORECASE)
+
+
+def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
+    """Every module count a config asks for, wherever it nests (``text_config``'s
+    ``num_hidden_layers``, ConvNext's ``depths`` list, summed): each costs memory even on the
+    meta device, so each is bounded by the checkpoint before anything is built. Walked without
+    recursion into a config nested absurdly deep (the JSON reader bounds the depth)."""
+    stack = [(path, config)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                name = f"{where}.{key}" if where else str(key)
+                counted = isinstance(key, str) and _COUNT_KEY.search(key)
+                if counted and isinstance(value, int) and not isinstance(value, bool):
+                    yield name, value
+                elif counted and isinstance(value, list) and value:
+                    ints = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+                    if len(ints) == len(value):
+                        yield name, sum(ints)
+                if isinstance(value, dict | list):
+                    stack.append((name, value))
+        elif isinstance(node, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
+
+
 def _model_on_meta(folder: str, n_tensors: int):
     """The config's architecture, built by transformers on the meta device (no weights).
 
@@ -136,10 +166,11 @@ def _model_on_meta(folder: str, n_tensors: int):
     model_type = config.get("model_type")
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
         raise TorchImportError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
-    for key, value in config.items():
-        if "layer" in key and isinstance(value, int) and not 0 <= value <= n_tensors:
+    for key, count in _module_counts(config):
+        if not 0 <= count <= n_tensors:
             raise TorchImportError(
-                f"{path}: {key} = {value}, but the checkpoint holds {n_tensors} tensors: {why}"
+                f"{path}: {key} asks for {count} modules, but the checkpoint holds {n_tensors} "
+                f"tensors: {why}"
             )
     try:
         import torch  # pyright: ignore[reportMissingImports]  # the torch extra, absent in the default CI run

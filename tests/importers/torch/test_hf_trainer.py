@@ -157,7 +157,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     for name, change, why in [
         ("custom", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "custom code"),
         ("unknown", {"architectures": ["EvilForCausalLM"]}, "not one transformers"),
-        ("huge", {"num_hidden_layers": 10**7}, r"num_hidden_layers = 10000000, but the "),
+        ("huge", {"num_hidden_layers": 10**7}, r"num_hidden_layers asks for 10000000 modules"),
     ]:
         src = _copy(trainer_src("trainer_fp32"), tmp_path / name)
         with open(os.path.join(src, "config.json")) as f:
@@ -306,3 +306,33 @@ def test_a_trainer_side_file_linking_out_of_the_checkpoint_is_refused(tmp_path, 
     with pytest.raises(jax_ucp.UCPError, match=rf"{name}.*outside the checkpoint"):
         jax_ucp.convert(str(src), str(tmp_path / "out"), parameter_order=order)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (
+            {"architectures": ["LlavaForConditionalGeneration"],
+             "text_config": {"num_hidden_layers": 1_000_000}},
+            r"text_config\.num_hidden_layers asks for 1000000 modules",
+        ),
+        (
+            {"architectures": ["ConvNextModel"], "depths": [1_000_000, 1, 1, 1]},
+            r"depths asks for 1000003 modules",
+        ),
+    ],
+)  # fmt: skip
+def test_a_config_asking_for_more_modules_than_the_checkpoint_holds_is_refused_first(
+    tmp_path, change, key
+):
+    """A layer count nested in a sub-config or given as a list passes no more than a top-level
+    one: each is bounded by the checkpoint's tensor count before transformers builds anything
+    (10**6 layers on the meta device grew past 2 GB in minutes)."""
+    src = _copy(trainer_src("trainer_fp32"), tmp_path / "src")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump({**config, **change}, f)
+    with pytest.raises(jax_ucp.UCPError, match=key):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
