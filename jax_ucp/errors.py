@@ -165,6 +165,11 @@ AmbiguousAdamStateError = RequestError  # which of several Adam states a moment 
 ExportError = RequestError  # an export the target format cannot hold, a destination in the source
 
 
+class ResumeWarning(UserWarning):
+    """``restore(run_root, step="latest", fallback=True)`` passed over a committed step that
+    could not be read (named, with why) for an older one."""
+
+
 class OptimizerOrderWarning(UserWarning):
     """An imported optimizer's state was matched to parameters by position (index i -> i-th
     parameter), which the checkpoint cannot confirm, and parameters of one shape could be

@@ -260,7 +260,7 @@ def _tree_metadata(path: str):
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except ValueError as e:
-        QuietClosedLoop.install()  # Orbax's loop is closed while TensorStore still completes
+        _QuietClosedLoop.install()  # Orbax's loop is closed while TensorStore still completes
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
@@ -272,7 +272,7 @@ def _tree_metadata(path: str):
         ) from None
 
 
-class QuietClosedLoop:
+class _QuietClosedLoop:
     """An unraisable-exception hook without one harmless report: when Orbax's metadata read
     fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
     other arrays' futures, whose callbacks then find the loop closed and print a traceback
