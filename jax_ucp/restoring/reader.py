@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import json
+import math
 import os
 import re
 import warnings
