@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect as inspect_lib
+import json
 import os
 import re
 import sys
@@ -200,19 +201,37 @@ def _bar(what: str, transient: bool = False):
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest's rows as JSON"),
 ):
     """Show the manifest: tensors and saved Python values.
 
-    Per tensor: shape, dtype, size, role, and (when the terminal is wide enough) the saved
-    PartitionSpec and logical axes."""
+    Per tensor: shape, dtype, logical axes, saved PartitionSpec, and as the terminal allows,
+    size and role (the saved mesh above the table). --json prints every row, for scripts."""
     import jax_ucp
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
+    if as_json:
+        rows = m.to_rows()
+        _print_json(
+            {
+                "path": path,
+                "format_version": m.version,
+                "created_by": m.created_by,
+                "bytes": m.nbytes,
+                "saved_meshes": m.saved_meshes,
+                "source": m.source,
+                "tensors": rows[: len(m.tensors)],
+                "values": rows[len(m.tensors) :],
+            }
+        )
+        return
     output.say(
         f"{path}: {layout.plural(len(m.tensors), 'tensor')}, {layout.plural(len(m.values), 'value')}, "
         f"{layout.human(m.nbytes)} (format v{m.version}, {m.created_by})"
     )
+    if m.saved_meshes:
+        output.say(f"saved mesh: {'; '.join(m.saved_meshes)}")
     entries = m.tensors + m.values
     shown = entries[:limit] if limit > 0 else entries
     tensors = [e for e in shown if not isinstance(e, ValueEntry)]
@@ -233,7 +252,7 @@ def inspect(
             for e in tensors
         ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
-        optional = ("saved spec", "logical axes")
+        optional = ("saved spec", "logical axes", "dtype", "size", "role")  # role goes first
         output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
@@ -469,6 +488,7 @@ def plan(
         "--strict/--no-strict",
         help="refuse rules for logical names no tensor carries and mesh axes nothing uses",
     ),
+    as_json: bool = typer.Option(False, "--json", help="print the plan's rows as JSON"),
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
@@ -486,6 +506,20 @@ def plan(
     result = jax_ucp.plan(
         path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes, strict=strict
     )
+    if as_json:
+        _print_json(
+            {
+                "path": path,
+                "mesh": dict(axes),
+                "processes": processes,
+                "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
+                "process_read_bytes": {"max": result.process_read_bytes.highest()},
+                "replicated": result.replicated,
+                "unmatched_rules": list(result.unmatched_rules),
+                "tensors": result.to_rows(),
+            }
+        )
+        return
     output.say(
         f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
         f"({layout.plural(len(result.device_bytes), 'device')}, "
@@ -512,6 +546,11 @@ def plan(
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
     _print_plan_totals(result, limit)
+
+
+def _print_json(data: dict) -> None:
+    """``data`` as JSON on stdout, unwrapped (tuples as lists; anything else as its text)."""
+    typer.echo(json.dumps(data, indent=1, default=str))
 
 
 def _print_plan_totals(result, limit: int) -> None:

@@ -20,9 +20,10 @@ from typing import Any, NoReturn
 import numpy as np
 
 from jax_ucp.errors import CheckpointError, UnsupportedError
+from jax_ucp.format import display, files
 from jax_ucp.format import dtypes as dtypes_lib
-from jax_ucp.format import files
 from jax_ucp.format import keypath as keypath_lib
+from jax_ucp.format.sizes import format_size
 from jax_ucp.version import __version__
 
 FORMAT_NAME = "jax_ucp"
@@ -152,6 +153,36 @@ class TensorEntry:
     def nbytes(self) -> int:
         """Bytes of the array (shape × itemsize)."""
         return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
+
+    def to_row(self) -> dict[str, Any]:
+        """One row of :meth:`Manifest.to_rows`: name, shape, dtype, bytes, role, logical axes,
+        saved PartitionSpec and mesh, and where an import read it from."""
+        saved = self.saved_sharding
+        return {
+            "name": self.name,
+            "shape": tuple(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.nbytes,
+            "role": self.role + (f"/{self.sub_role}" if self.sub_role else ""),
+            "logical_axes": None if self.logical_axes is None else tuple(self.logical_axes),
+            "saved_spec": None if saved is None else tuple(saved.partition_spec),
+            "saved_mesh": None
+            if saved is None
+            else display.mesh_text(saved.mesh_axis_names, saved.mesh_shape),
+            "source": ", ".join((self.provenance or {}).get("tensors", [])[:3]) or None,
+        }
+
+    def _table(self):
+        return f"tensor {self.name}", [], [self.to_row()], _ENTRY_COLUMNS
+
+    def _repr_html_(self) -> str:
+        return display.html_table(*self._table())
+
+    def _repr_markdown_(self) -> str:
+        return display.markdown_table(*self._table())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(display.text_table(*self._table()))
 
     def to_json(self) -> dict:
         """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
@@ -350,6 +381,8 @@ class ValueEntry:
 
 
 _VALUE_FIELDS = ("entry", "key", "key_types", "role", "sub_role", "type", "value")
+#: what a table of tensors shows (``to_rows`` has a few more)
+_ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec")
 
 
 Entry = TensorEntry | ValueEntry
@@ -408,6 +441,58 @@ class Manifest:
     def nbytes(self) -> int:
         """Bytes of every tensor."""
         return sum(e.nbytes for e in self.entries)
+
+    @property
+    def saved_meshes(self) -> list[str]:
+        """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
+        counts: dict[str, int] = {}
+        for e in self.tensors:
+            if e.saved_sharding is not None:
+                m = e.saved_sharding
+                text = display.mesh_text(m.mesh_axis_names, m.mesh_shape)
+                counts[text] = counts.get(text, 0) + 1
+        return sorted(counts, key=lambda t: -counts[t])
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict per tensor (:meth:`TensorEntry.to_row`), then one per saved value (name,
+        value, role): ``pandas.DataFrame(m.to_rows())`` without jax_ucp depending on pandas."""
+        rows = [e.to_row() for e in self.tensors]
+        rows += [{"name": e.name, "value": e.value, "role": e.role} for e in self.values]
+        return rows
+
+    def summary_lines(self) -> list[str]:
+        """What a display shows above the table: sizes, the saved mesh, the source."""
+        lines = [
+            f"{len(self.tensors)} tensors, {len(self.values)} values, {format_size(self.nbytes)} "
+            f"(format v{self.version}, {self.created_by})"
+        ]
+        meshes = self.saved_meshes
+        if meshes:
+            lines.append("saved mesh: " + "; ".join(meshes))
+        source = self.source or {}
+        if source.get("path"):  # an import
+            framework = source.get("framework") or source.get("format") or "torch"
+            lines.append(f"imported from {framework}: {source['path']}")
+        return lines
+
+    def _table(self):
+        rows = [e.to_row() for e in self.tensors]
+        return "jax_ucp checkpoint", self.summary_lines(), rows, _ENTRY_COLUMNS
+
+    def __repr__(self) -> str:
+        return (
+            f"Manifest({len(self.tensors)} tensors, {len(self.values)} values, "
+            f"{format_size(self.nbytes)}, format v{self.version})"
+        )
+
+    def _repr_html_(self) -> str:
+        return display.html_table(*self._table())
+
+    def _repr_markdown_(self) -> str:
+        return display.markdown_table(*self._table())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(display.text_table(*self._table()))
 
     def to_json(self) -> dict:
         """The JSON form of ``ucp.json``."""

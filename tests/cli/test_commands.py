@@ -389,9 +389,10 @@ def test_inspect_at_80_columns_says_which_columns_it_left_out(tmp_path):
     )
     r = _cli("inspect", tmp_path / "c")
     assert r.exit_code == 0 and _fits(r.output), r.output
-    note = "not shown at 80 columns: logical axes (COLUMNS="
+    assert "(embed, mlp)" in r.output, r.output  # what the user asks is kept; role goes first
+    note = "not shown at 80 columns: size, role (COLUMNS="
     line = next(line for line in r.output.splitlines() if line.startswith(note))
-    assert line.endswith(" shows it)"), line
+    assert line.endswith(" shows them)"), line
     wide = int(line[len(note) :].split(" ")[0])
     r = _cli("inspect", tmp_path / "c", columns=wide)
     assert "(embed, mlp)" in r.output and "not shown" not in r.output, r.output
