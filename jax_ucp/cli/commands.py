@@ -202,6 +202,9 @@ def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
     as_json: bool = typer.Option(False, "--json", help="print the manifest's rows as JSON"),
+    every: bool = typer.Option(
+        False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
+    ),
 ):
     """Show the manifest: tensors and saved Python values.
 
@@ -253,6 +256,13 @@ def inspect(
         ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
         optional = ("saved spec", "logical axes", "dtype", "size", "role")  # role goes first
+        if len(rows) > layout.GROUP_AT and not every and limit <= 0:
+            names = [e.name for e in tensors]
+            rows = layout.grouped(names, rows, {3: [e.nbytes for e in tensors]})
+            output.say(
+                f"{len(tensors)} tensors in {len(rows)} name patterns (digits as *; --all lists "
+                f"each, --json gives every row)"
+            )
         output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
@@ -489,6 +499,9 @@ def plan(
         help="refuse rules for logical names no tensor carries and mesh axes nothing uses",
     ),
     as_json: bool = typer.Option(False, "--json", help="print the plan's rows as JSON"),
+    every: bool = typer.Option(
+        False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
+    ),
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
@@ -542,6 +555,16 @@ def plan(
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
+    if len(rows) > layout.GROUP_AT and not every and limit <= 0:
+        sums = {
+            4: [t.bytes_per_device or 0 for t in shown],
+            5: [t.read_bytes.highest() for t in shown],
+        }
+        rows = layout.grouped([t.name for t in shown], rows, sums)
+        output.say(
+            f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "
+            f"--json gives every row)"
+        )
     output.table(layout.table(header, rows, right=right, optional=("dtype",)))
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")

@@ -14,10 +14,8 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
-
-import numpy as np
 
 from jax_ucp.errors import CheckpointError, UnsupportedError
 from jax_ucp.format import display, files
@@ -510,9 +508,9 @@ class Manifest:
 
     def dumps(self) -> str:
         """``ucp.json``'s text, refused when nested deeper than a reader accepts."""
-        text = json.dumps(self.to_json(), indent=1, allow_nan=False)
-        _check_depth(text, f"{MANIFEST_FILE} to be written (the saved tree nests too deep)")
-        return text
+        d = self.to_json()
+        _check_nesting(d, f"{MANIFEST_FILE} to be written (the saved tree nests too deep)")
+        return json.dumps(d, indent=1, allow_nan=False)
 
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
@@ -585,13 +583,22 @@ class Manifest:
                 text = text.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ManifestError(f"{where}: not UTF-8 text ({e}).") from None
-        _check_depth(text, where)
+        # Integers are bounded by a hook only when the text holds a run of digits that long
+        # (the hook costs a Python call per integer: seconds for 100 000 entries).
+        exact = _LONG_DIGITS.search(text) is not None
         try:
-            d = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+            d = json.loads(
+                text, parse_int=_bounded_int if exact else None, parse_constant=_no_constant
+            )
+        except RecursionError:  # the C scanner's own guard, far below the stack's end
+            raise ManifestError(
+                f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
+            ) from None
         except json.JSONDecodeError as e:
             raise ManifestError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
         except ValueError as e:
             raise ManifestError(f"{where}: {e}") from None
+        _check_nesting(d, where)
         return cls.from_json(d, where=where)
 
 
@@ -806,16 +813,27 @@ def check_tree_depth(tree: Any) -> None:
         stack.extend((v, depth + 1, p) for p, v in children)
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_LONG_DIGITS = re.compile(rf"\d{{{MAX_INT_DIGITS + 1}}}")
 
 
-def _check_depth(text: str, where: str) -> None:
-    """Refuses nesting deeper than ``MAX_JSON_DEPTH`` before the parser recurses into it."""
-    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)
-    step = np.isin(brackets, _OPEN).astype(np.int32) - np.isin(brackets, _CLOSE).astype(np.int32)
-    if step.size and int(np.cumsum(step).max()) > MAX_JSON_DEPTH:
-        raise ManifestError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-
-
-_OPEN = np.frombuffer(b"[{", np.uint8)
-_CLOSE = np.frombuffer(b"]}", np.uint8)
+def _check_nesting(d: Any, where: str) -> None:
+    """Refuses a manifest nesting deeper than ``MAX_JSON_DEPTH``. Only its free-form parts can
+    nest (the tree, the source record, each entry's provenance): every other field is checked
+    against its one shape by ``from_json``, so only those are walked (without recursion)."""
+    if not isinstance(d, dict):
+        return
+    stack: list[tuple[Any, int]] = [(d.get("tree"), 2), (d.get("source"), 2)]
+    entries = d.get("entries")
+    if isinstance(entries, list):
+        stack += [(e.get("provenance"), 4) for e in entries if isinstance(e, dict)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable[Any] = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))

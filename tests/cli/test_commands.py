@@ -469,3 +469,18 @@ def test_elastic_resume_report_fits_80_columns_synthetic():
         "False",
     ]
     assert f"(d) {E.VARIANTS['d'][3]}" in lines
+
+
+def test_inspect_and_plan_group_many_tensors_by_name_pattern(tmp_path):
+    """Past layout.GROUP_AT tensors the tables show one row per name pattern (digits as *),
+    with the count and summed sizes; --all lists each."""
+    tree = {f"layer{i}": {"w": np.zeros((4, 4), np.float32)} for i in range(210)}
+    jax_ucp.save(tmp_path / "c", tree)
+    r = _cli("inspect", tmp_path / "c", columns=120)
+    assert r.exit_code == 0, r.output
+    assert "210 tensors in 1 name patterns" in r.output and "layer*/w (210)" in r.output
+    assert "13.1 KiB" in r.output, r.output  # 210 × 64 B
+    r = _cli("plan", tmp_path / "c", "--mesh", "data=2", columns=120)
+    assert r.exit_code == 0 and "layer*/w (210)" in r.output, r.output
+    r = _cli("inspect", tmp_path / "c", "--all", columns=120)
+    assert "layer209/w" in r.output and "name patterns" not in r.output
