@@ -23,7 +23,7 @@ import typer.core
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
 from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
-from jax_ucp.format import ValueEntry
+from jax_ucp.format import ValueEntry, files
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_size
 
 
@@ -376,6 +376,12 @@ def convert(
     num_processes: int | None = typer.Option(None, help="processes in it"),
     process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
+    parameter_order: str | None = typer.Option(
+        None,
+        "--parameter-order",
+        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
+        "order (one name a line, or a JSON list)",
+    ),
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
@@ -387,6 +393,7 @@ def convert(
     from jax_ucp.multihost import agreement
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
+    order = _read_parameter_order(parameter_order) if parameter_order is not None else None
     if processes and processes > 1:
         spawn.spawn_local(processes, dst)
         return
@@ -411,6 +418,7 @@ def convert(
                 weights_only=weights_only,
                 distributed=bool(coordinator),
                 progress=on_progress,
+                **({"parameter_order": order} if order is not None else {}),
             )
     except agreement.SharedWriteError as e:
         output.error(str(e))
@@ -422,6 +430,58 @@ def convert(
             os._exit(1)
         raise typer.Exit(1) from e
     output.say(f"✓ wrote {out}", style="green")
+    if not coordinator or process_id == 0:
+        _say_imported(str(out))
+
+
+def _read_parameter_order(path: str) -> list[str]:
+    """``--parameter-order FILE``: a JSON list of names, or one name a line."""
+    try:
+        text = files.read_regular(str(path), 64 << 20).decode("utf-8")
+    except (OSError, UnicodeDecodeError, UCPError) as e:
+        raise typer.BadParameter(f"{path}: {e}", param_hint="--parameter-order") from None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError as e:
+            raise typer.BadParameter(
+                f"{path}: not a JSON list ({e})", param_hint="--parameter-order"
+            ) from None
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise typer.BadParameter(
+            f"{path}: expected parameter names (one a line, or a JSON list of strings)",
+            param_hint="--parameter-order",
+        )
+    return names
+
+
+def _say_imported(out: str) -> None:
+    """What the import brought (tensors, bytes, moments, step, skipped) and how to use it."""
+    import jax_ucp
+
+    m = jax_ucp.inspect(out)
+    tensors = m.tensors
+    moments = sum(1 for e in tensors if e.role == "opt_state" and e.sub_role in ("mu", "nu"))
+    params = sum(1 for e in tensors if e.role == "param")
+    count = next((e.value for e in m.values if e.name == "opt_state/count"), None)
+    if count is None and any(e.name == "opt_state/count" for e in tensors):
+        count = int(jax_ucp.restore(out, select="opt_state/count")["opt_state"]["count"])
+    skipped = (m.source or {}).get("skipped") or {}
+    parts = [
+        f"{layout.plural(len(tensors), 'tensor')} ({layout.human(m.nbytes)}): "
+        f"{layout.plural(params, 'parameter')}, {layout.plural(moments, 'optimizer moment')}",
+        f"step {count}" if count is not None else "no optimizer step",
+        f"{layout.plural(len(skipped), 'source entry', 'source entries')} skipped (listed in "
+        f"source.skipped)"
+        if skipped
+        else "nothing skipped",
+    ]
+    output.say("imported: " + "; ".join(parts))
+    for note in ((m.source or {}).get("notes") or [])[:5]:
+        output.say(f"note: {note}")
+    output.say(f"next: jax-ucp inspect {out}   |   python: jax_ucp.restore({out!r}, mesh=...)")
 
 
 def _parse_mesh(text: str) -> list[tuple[str, int]]:

@@ -484,3 +484,33 @@ def test_inspect_and_plan_group_many_tensors_by_name_pattern(tmp_path):
     assert r.exit_code == 0 and "layer*/w (210)" in r.output, r.output
     r = _cli("inspect", tmp_path / "c", "--all", columns=120)
     assert "layer209/w" in r.output and "name patterns" not in r.output
+
+
+@pytest.mark.parametrize("form", ["lines", "json"])
+def test_convert_takes_the_parameter_order_from_a_file_and_says_what_it_imported(
+    tmp_path, monkeypatch, form
+):
+    """``--parameter-order FILE`` (one name a line, or a JSON list) reaches the torch importer:
+    a Trainer checkpoint without transformers imports its optimizer; the summary names
+    tensors, moments, the step and what was skipped, and how to restore it."""
+    import json
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    fix = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
+    with np.load(os.path.join(fix, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+        step = int(z["step"])
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms
+    listing = tmp_path / "order.txt"
+    listing.write_text(json.dumps(order) if form == "json" else "\n".join(order) + "\n")
+    src = os.path.join(fix, "trainer_fp32", "checkpoint-3")
+    r = _cli("convert", src, tmp_path / "out", "--parameter-order", listing, columns=200)
+    assert r.exit_code == 0, r.output
+    assert f"{len(names)} parameters, {2 * len(names)} optimizer moments; step {step}" in r.output
+    assert "skipped (listed in source.skipped)" in r.output and "jax-ucp inspect" in r.output
+    restored = jax_ucp.restore(tmp_path / "out")
+    assert sorted(restored["opt_state"]["mu"]) == sorted(names)
+    listing.write_text("[1, 2]")
+    r = _cli("convert", src, tmp_path / "bad", "--parameter-order", listing)
+    assert r.exit_code == 2 and "--parameter-order" in r.output
