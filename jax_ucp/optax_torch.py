@@ -402,6 +402,7 @@ def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) ->
         )
     groups = recorded["param_groups"]
     check_groups(groups, where)
+    spec = _spec_with_recorded_settings(spec, source, notes := [])
     trainer_args = (source.get("trainer") or {}).get("training_args") or {}
     kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
@@ -414,7 +415,7 @@ def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) ->
     if len(counts) != 1:
         raise UnsupportedError(f"{where}: expected one step count in opt_state, found {counts}")
     step = int(counts[0])
-    notes: list[str] = [f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}"]
+    notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
     eps = float(_one(groups, "eps", where))
     rate, decayed = _decay(groups, where)
@@ -454,6 +455,25 @@ def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) ->
         elif isinstance(s, optax.ScaleByScheduleState):
             state[i] = optax.ScaleByScheduleState(count=count)
     return TorchOptimizer(tx, tuple(state), params, schedule, step, notes, unrecovered, kind)
+
+
+def _spec_with_recorded_settings(spec: Any, source: dict, notes: list[str]) -> Any:
+    """A spec given by name (``"hf_llama"``) with the model's head settings taken from the
+    config.json the import recorded, when the caller gave none."""
+    if not isinstance(spec, str):
+        return spec
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import LMConfig
+
+    config = (source.get("trainer") or {}).get("model_config")
+    if not config:
+        return load_spec(spec)
+    try:
+        settings = LMConfig.from_hf_llama(config).head_settings
+    except (KeyError, TypeError, ValueError):  # not a Llama-style config: the spec as named
+        return load_spec(spec)
+    notes.append(f"spec {spec!r} with the recorded config.json's settings {settings}")
+    return load_spec(spec, **settings)
 
 
 def _unrecovered(source: dict) -> list[str]:

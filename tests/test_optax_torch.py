@@ -337,3 +337,23 @@ def test_every_recorded_scheduler_argument_is_used_or_refused():
         schedule_kwargs({"lr_scheduler_kwargs": {"power": 2}}, "linear", "c")
     with pytest.raises(jax_ucp.UCPError, match=r"'min_lr'"):
         schedule_kwargs({"lr_scheduler_kwargs": {"num_cycles": 1, "min_lr": 0.1}}, "cosine", "c")
+
+
+def test_a_spec_by_name_takes_the_recorded_config_settings(tmp_path, monkeypatch):
+    """``optax_from_torch(ckpt, spec="hf_llama")``: the head settings come from the config.json
+    the import recorded, as ``load_spec("hf_llama", **LMConfig...head_settings)`` by hand."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    src = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
+    with np.load(os.path.join(FIX, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms  # the Trainer's: decayed, then norms
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = LMConfig.from_hf_llama(json.load(f))
+    by_hand = jax_ucp.optax_from_torch(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))
+    by_name = jax_ucp.optax_from_torch(ckpt, spec="hf_llama")
+    assert jax.tree.structure(by_name.params) == jax.tree.structure(by_hand.params)
+    for a, b in zip(jax.tree.leaves(by_name.params), jax.tree.leaves(by_hand.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any("recorded config.json" in n for n in by_name.notes)

@@ -61,6 +61,22 @@ ARG_FIELDS = (
     "gradient_accumulation_steps",
     "per_device_train_batch_size",
 )
+#: config.json fields recorded (source.trainer.model_config): the model's shape, for specs
+MODEL_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
 #: what a pickled TrainingArguments refers to, read as inert stand-ins
 ARG_CLASSES = (
     "transformers.training_args.OptimizerNames",
@@ -287,6 +303,11 @@ def trainer_record(folder: str) -> dict:
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
     ``global_step`` / ``max_steps``; absent files are absent keys."""
     out: dict[str, Any] = {}
+    config_path = side_file(folder, CONFIG_FILE)
+    if os.path.isfile(config_path):
+        config = _json(config_path)
+        if isinstance(config, dict):  # what a spec needs to restore the model (head settings)
+            out["model_config"] = {k: jsonable(config[k]) for k in MODEL_FIELDS if k in config}
     state_path = side_file(folder, STATE_FILE)
     if os.path.isfile(state_path):
         state = _json(state_path)
