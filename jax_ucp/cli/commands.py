@@ -778,7 +778,7 @@ def demo(
     directory: str | None = typer.Option(None, help="where to write (default: a temp dir)"),
 ):
     """Save a small model on 8 CPU devices, restore onto two other meshes, check every byte."""
-    from jax_ucp import demo as demo_lib
+    from jax_ucp.cli import demo as demo_lib
 
     ok = demo_lib.run(directory, console=None)
     raise typer.Exit(0 if ok else 1)

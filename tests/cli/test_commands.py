@@ -11,7 +11,7 @@ import typer.main
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp import demo
+from jax_ucp.cli import demo
 from jax_ucp.cli import app
 from tests.ucp_testing import REPO
 
