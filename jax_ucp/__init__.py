@@ -22,6 +22,7 @@ from jax_ucp.errors import (
     NotFoundError,
     OptimizerOrderWarning,
     RequestError,
+    ResumeWarning,
     SaveConflictError,
     SetupError,
     ShardingMismatchError,
@@ -40,7 +41,9 @@ _LAZY = {
     "UCPHandler": "jax_ucp.orbax.v1",
     "orbax_v1_context": "jax_ucp.orbax.v1",
     "inspect": "jax_ucp.api",
+    "latest_step": "jax_ucp.api",
     "verify": "jax_ucp.api",
+    "abstract_mesh": "jax_ucp.restoring.plan",
     "plan": "jax_ucp.restoring.plan",
     "diff": "jax_ucp.restoring.checks",
     "restore": "jax_ucp.api",
@@ -54,14 +57,14 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test_public_api)
-    from jax_ucp.api import inspect, restore, save, verify
+    from jax_ucp.api import inspect, latest_step, restore, save, verify
     from jax_ucp.conversion import convert
     from jax_ucp.exporters import export
     from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
     from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
     from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
     from jax_ucp.restoring.checks import diff
-    from jax_ucp.restoring.plan import plan
+    from jax_ucp.restoring.plan import abstract_mesh, plan
     from jax_ucp.sharding.mesh_layout import ReplicationWarning
     from jax_ucp.store.location import set_object_store_options
 
@@ -79,6 +82,7 @@ __all__ = [
     "OptimizerOrderWarning",
     "ReplicationWarning",
     "RequestError",
+    "ResumeWarning",
     "SaveConflictError",
     "SetupError",
     "ShardingMismatchError",
@@ -94,10 +98,12 @@ __all__ = [
     "UnsupportedError",
     "ValueEntry",
     "__version__",
+    "abstract_mesh",
     "convert",
     "diff",
     "export",
     "inspect",
+    "latest_step",
     "optax_from_torch",
     "orbax_v1_context",
     "plan",
@@ -108,4 +114,9 @@ __all__ = [
 ]
 
 
-__getattr__, __dir__ = lazy_attributes(globals(), _LAZY)
+__getattr__, _ = lazy_attributes(globals(), _LAZY)
+
+
+def __dir__() -> list[str]:
+    """The public API only (not this module's imports and helpers)."""
+    return sorted(__all__)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -14,6 +16,7 @@ import orbax.checkpoint as ocp
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
+from jax_ucp.errors import CheckpointError, ResumeWarning
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp.options import keywords_of, renamed
 from jax_ucp.orbax import handler as checkpoint_handler
@@ -171,9 +174,75 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
         (``"hf_llama"``) applied as lazy views; no copy on disk.
       options: built from the keywords, each documented in ``RestoreOptions``.
     """
+    if options.step is not None:  # a CheckpointManager root: one of its committed steps
+        return _restore_step(os.fspath(path), options)
     if safetensors_source.is_source(path):  # Hugging Face files, read in place
         return safetensors_source.restore(path, options)
     return reader.restore_tree(path, options)
+
+
+def _restore_step(root: str, options: restore_options.RestoreOptions):
+    """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
+    "latest" the newest committed step that reads, older ones only with ``fallback``."""
+    steps = reader.committed_steps(root)
+    listed = ", ".join(str(s) for s, _ in steps[:10]) or "none"
+    plain = dataclasses.replace(options, step=None, fallback=False)
+    if options.step != "latest":
+        chosen = [item for s, item in steps if s == options.step]
+        if not chosen:
+            raise CheckpointError(
+                f"{root}: no committed step {options.step} with a UCP item (committed: {listed})."
+            )
+        return reader.restore_tree(chosen[0], plain)
+    if not steps:
+        raise CheckpointError(f"{root}: no committed step with a UCP item.")
+    why: list[str] = []
+    for step, item in steps:
+        try:
+            reader.check_readable(item)
+            return reader.restore_tree(item, plain)
+        except CheckpointError as e:
+            if not options.fallback:
+                raise CheckpointError(
+                    f"{root}: the latest committed step {step} cannot be read: {e} "
+                    f"(committed steps: {listed}; step='latest', fallback=True moves on to the "
+                    f"next older one)"
+                ) from e
+            why.append(f"step {step}: {e}")
+            warnings.warn(
+                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=3
+            )
+    raise CheckpointError(f"{root}: no committed step can be read: {'; '.join(why)[:2000]}")
+
+
+def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:
+    """The newest step of a CheckpointManager root that is committed (never one still being
+    written) and readable — its manifest parses and every shard file it lists is there; the
+    digests are checked when it is restored — for ``mngr.restore(step, ...)``.
+
+    Args:
+      run_root: the CheckpointManager's directory.
+      fallback: pass over unreadable steps to older ones, each with a ``ResumeWarning``
+        (default: the error, naming the newest step and why).
+    """
+    root = os.fspath(run_root)
+    steps = reader.committed_steps(root)
+    if not steps:
+        raise CheckpointError(f"{root}: no committed step with a UCP item.")
+    for step, item in steps:
+        try:
+            reader.check_readable(item)
+            return step
+        except CheckpointError as e:
+            if not fallback:
+                raise CheckpointError(
+                    f"{root}: the latest committed step {step} cannot be read: {e} "
+                    f"(fallback=True moves on to older steps)"
+                ) from e
+            warnings.warn(
+                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=2
+            )
+    raise CheckpointError(f"{root}: no committed step can be read.")
 
 
 class VerifyResult(list):

@@ -165,6 +165,11 @@ AmbiguousAdamStateError = RequestError  # which of several Adam states a moment 
 ExportError = RequestError  # an export the target format cannot hold, a destination in the source
 
 
+class ResumeWarning(UserWarning):
+    """``restore(run_root, step="latest", fallback=True)`` passed over a committed step that
+    could not be read (named, with why) for an older one."""
+
+
 class OptimizerOrderWarning(UserWarning):
     """An imported optimizer's state was matched to parameters by position (index i -> i-th
     parameter), which the checkpoint cannot confirm, and parameters of one shape could be
@@ -217,8 +222,15 @@ def tensorstore_status(e: BaseException) -> str | None:
 
 def tensorstore_failure(e: BaseException) -> str:
     """What a failed TensorStore read of checkpoint data means: "corrupt" (a crc32c digest
-    mismatch), "missing" (a chunk or file not found) or "other" (truncated, unreadable, ...)."""
+    mismatch), "missing" (a chunk or file not found), "denied" (the file is there but this user
+    may not read it: not corruption) or "other" (truncated, unreadable, ...)."""
     status = tensorstore_status(e)
+    if (
+        isinstance(e, PermissionError)
+        or status == "PERMISSION_DENIED"
+        or (isinstance(e, ValueError) and "Permission denied" in str(e))
+    ):
+        return "denied"
     if status == "DATA_LOSS" and DIGEST_MISMATCH in str(e):
         return "corrupt"
     return "missing" if status == "NOT_FOUND" else "other"

@@ -1,6 +1,12 @@
 """Continue a PyTorch run in JAX: torch's recorded Adam/AdamW hyper-parameters as an optax
 transformation, with its state restored from the converted checkpoint.
 
+A translation is built only from what the files positively identify (:func:`identify`): the
+optimizer by the keys its ``param_groups`` hold (and the Trainer's recorded ``optim``), Adam's
+coupled L2 decay told from AdamW's decoupled decay by ``decoupled_weight_decay`` or a record,
+every scheduler argument used. Anything else is refused naming what it looks like, and what
+could not be recovered (no schedule, no clipping recorded) is listed on the result and warned.
+
 An import records the optimizer's ``param_groups`` (betas, eps, weight decay, learning rate,
 which parameters each group holds) and, for a Hugging Face Trainer checkpoint, the training
 arguments (schedule, warm-up, ``max_grad_norm``) and the scheduler's position. This module turns
@@ -12,6 +18,7 @@ with the imported moments and step, so the next optax step is torch's next step.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import warnings
 from collections.abc import Callable
@@ -39,10 +46,59 @@ class TorchOptimizer:
     schedule: Callable[[Any], Any]
     step: int
     notes: list[str]
+    #: what the run may have had that the files do not record (a schedule, clipping): the
+    #: translation goes on without it, and says so here and in a warning
+    unrecovered: list[str] = dataclasses.field(default_factory=list)
+    #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay), and why
+    optimizer: str = "adamw"
 
 
-def hf_schedule(kind: str, base_lr: float, warmup: int, total: int) -> Callable[[Any], Any]:
-    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``."""
+#: the optimizer choices :func:`optax_from_torch` translates exactly
+OPTIMIZERS = ("adam", "adamw")
+#: Trainer ``optim`` values that are torch's AdamW (``transformers.training_args.OptimizerNames``)
+TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+#: group keys every torch optimizer may carry that say nothing of which one it is
+_NEUTRAL_KEYS = frozenset(
+    {
+        "params",
+        "param_names",
+        "initial_lr",
+        "lr",
+        "weight_decay",
+        "foreach",
+        "maximize",
+        "capturable",
+        "differentiable",
+        "fused",
+        "name",
+        "moe",
+    }
+)
+#: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
+_LOOKALIKES = (
+    ("momentum_decay", "NAdam"),
+    ("nesterov", "SGD"),
+    ("dampening", "SGD"),
+    ("lr_decay", "Adagrad"),
+    ("initial_accumulator_value", "Adagrad"),
+    ("rho", "Adadelta"),
+    ("centered", "RMSprop"),
+    ("lambd", "ASGD"),
+    ("etas", "Rprop"),
+    ("beta2_decay", "Adafactor"),
+    ("history_size", "LBFGS"),
+    ("decoupled_weight_decay", "RAdam"),  # betas + decoupled_weight_decay without amsgrad
+    ("betas", "RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
+)
+#: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule
+SCHEDULE_KWARGS = {"cosine": ("num_cycles",)}
+
+
+def hf_schedule(
+    kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
+) -> Callable[[Any], Any]:
+    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``
+    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``)."""
     import jax.numpy as jnp
 
     if kind not in SCHEDULES:
@@ -56,7 +112,9 @@ def hf_schedule(kind: str, base_lr: float, warmup: int, total: int) -> Callable[
         progress = (s - warmup) / max(1, total - warmup)
         after = {
             "linear": jnp.maximum(0.0, (total - s) / max(1, total - warmup)),
-            "cosine": jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * progress))),
+            "cosine": jnp.maximum(
+                0.0, 0.5 * (1.0 + jnp.cos(math.pi * float(num_cycles) * 2.0 * progress))
+            ),
             "constant": jnp.ones_like(s),
             "constant_with_warmup": jnp.ones_like(s),
         }[kind]
@@ -75,15 +133,120 @@ def _one(groups: list[dict], key: str, where: str) -> Any:
 
 
 def _check_adam(groups: list[dict], where: str) -> None:
-    for g in groups:
+    for i, g in enumerate(groups):
         for flag in ("amsgrad", "maximize", "nesterov"):
             if g.get(flag):
-                raise UnsupportedError(f"{where}: torch {flag}=True is not translated to optax")
-        if g.get("weight_decay") and g.get("decoupled_weight_decay") is False:
+                raise UnsupportedError(
+                    f"{where}: param_groups[{i}]: torch {flag}=True is not translated to optax"
+                )
+
+
+def _number(value: Any, field: str, where: str, *, below: float | None = None) -> float:
+    """``value`` as a finite float >= 0 (and < ``below``), else refused naming the field."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    number = float(value) if ok else math.nan
+    if not ok or not math.isfinite(number) or number < 0 or (below is not None and number >= below):
+        bound = f"in [0, {below})" if below is not None else ">= 0"
+        raise UnsupportedError(
+            f"{where}: {field} = {value!r}: expected a finite number {bound} (torch refuses "
+            f"anything else when the optimizer is built)"
+        )
+    return number
+
+
+def check_groups(groups: list, where: str) -> None:
+    """Every group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` as torch would accept them,
+    else refused naming the group and the field (a damaged or hand-made record)."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise UnsupportedError(f"{where}: param_groups is not a list of groups")
+    for i, g in enumerate(groups):
+        at = f"param_groups[{i}]"
+        for key in ("lr", "betas", "eps"):
+            if key not in g:
+                raise UnsupportedError(f"{where}: {at} has no {key!r}")
+        _number(g["lr"], f"{at}.lr", where)
+        _number(g["eps"], f"{at}.eps", where)
+        _number(g.get("weight_decay", 0.0), f"{at}.weight_decay", where)
+        betas = g["betas"]
+        if not isinstance(betas, list | tuple) or len(betas) != 2:
             raise UnsupportedError(
-                f"{where}: torch Adam with L2 weight_decay (not AdamW's decoupled decay) is not "
-                f"translated to optax"
+                f"{where}: {at}.betas = {betas!r}: expected two numbers (beta1, beta2)"
             )
+        for j, b in enumerate(betas):
+            _number(b, f"{at}.betas[{j}]", where, below=1.0)
+
+
+def identify(
+    groups: list[dict], trainer_args: dict, where: str, choice: str | None = None
+) -> tuple[str, str]:
+    """Which optimizer wrote ``groups``: ``("adam" | "adamw", how it was told)``, or refused.
+
+    Torch's Adam and AdamW are the groups holding ``amsgrad`` with ``betas`` (every torch since
+    1.0); ``decoupled_weight_decay`` (newer torch) tells them apart. Older torch writes the same
+    keys for both, so a non-zero weight decay then needs a record (the Trainer's ``optim``) or the
+    caller's ``choice``; a missing key is never taken for a value. Any other key set is another
+    optimizer, refused naming the one it looks like.
+
+    Args:
+        groups: the recorded ``param_groups``.
+        trainer_args: the Trainer's recorded training arguments ({} without them).
+        where: the checkpoint, for errors.
+        choice: the caller's ``optimizer=`` ("adam" or "adamw"), for what the files cannot tell.
+    """
+    if choice is not None and choice not in OPTIMIZERS:
+        raise UnsupportedError(f"optimizer={choice!r}: expected one of {OPTIMIZERS}")
+    modes = set()
+    for i, g in enumerate(groups):
+        keys = set(g) - _NEUTRAL_KEYS
+        if not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys:
+            like = next((name for key, name in _LOOKALIKES if key in keys), None)
+            raise UnsupportedError(
+                f"{where}: param_groups[{i}] holds the keys of torch's "
+                f"{like or 'unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
+                f"translates torch's Adam and AdamW only; restore the weights "
+                f"(select=r'params/.*') and start a new optimizer"
+            )
+        modes.add(g.get("decoupled_weight_decay"))
+    if len(modes) > 1:
+        raise UnsupportedError(
+            f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
+        )
+    recorded = modes.pop() if modes else None
+    optim = trainer_args.get("optim")
+    said = None
+    if optim is not None:
+        if optim not in TRAINER_ADAMW:
+            raise UnsupportedError(
+                f"{where}: the Trainer ran optim={optim!r}; translated are "
+                f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
+            )
+        said = "adamw"
+    if recorded is not None:
+        found = "adamw" if recorded else "adam"
+        how = f"param_groups' decoupled_weight_decay={recorded}"
+        if said is not None and said != found:
+            raise UnsupportedError(
+                f"{where}: {how} (torch {found}) but the Trainer recorded optim={optim!r}"
+            )
+    elif said is not None:
+        found, how = said, f"the Trainer's optim={optim!r}"
+    else:
+        found, how = None, ""
+    if choice is not None and found is not None and choice != found:
+        raise UnsupportedError(f"{where}: optimizer={choice!r}, but {how} says {found!r}")
+    if found is not None:
+        return found, how
+    if choice is not None:
+        return choice, f"optimizer={choice!r} (the files cannot tell Adam from AdamW)"
+    rates = sorted({float(g.get("weight_decay") or 0.0) for g in groups} - {0.0})
+    if not rates:  # no decay: Adam and AdamW are the same update
+        return "adamw", "Adam/AdamW without weight decay (the same update)"
+    raise UnsupportedError(
+        f"{where}: the optimizer records weight_decay {rates} without decoupled_weight_decay "
+        f"(torch releases before that key write the same keys for Adam and AdamW) and no Trainer record: it "
+        f"may be Adam with L2 decay added to the gradient or AdamW's decoupled decay. Pass "
+        f"optimizer='adam' or optimizer='adamw'"
+    )
 
 
 def _decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
@@ -129,7 +292,7 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
             f"{where}: the scheduler stepped {last} times, the optimizer {step}: cannot tell "
             f"where the schedule stands"
         )
-    schedule = hf_schedule(kind, base, warmup, total)
+    schedule = hf_schedule(kind, base, warmup, total, **schedule_kwargs(args, kind, where))
     want = float(schedule(step))
     if not math.isclose(want, lr, rel_tol=1e-6, abs_tol=1e-12):
         raise UnsupportedError(
@@ -138,6 +301,27 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
         )
     notes.append(f"{kind} schedule: lr {base}, warm-up {warmup} steps, {total} steps")
     return schedule
+
+
+def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
+    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused."""
+    kwargs = args.get("lr_scheduler_kwargs") or {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise UnsupportedError(f"{where}: lr_scheduler_kwargs {kwargs!r} is not a dict")
+    allowed = SCHEDULE_KWARGS.get(kind, ())
+    for key, value in kwargs.items():
+        if key not in allowed:
+            raise UnsupportedError(
+                f"{where}: the Trainer's {kind} schedule has lr_scheduler_kwargs {key!r}="
+                f"{value!r}, which is not reproduced (reproduced: {list(allowed) or 'none'})"
+            )
+        _number(value, f"lr_scheduler_kwargs[{key!r}]", where)
+    return {k: float(v) for k, v in kwargs.items()}
 
 
 def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
@@ -184,7 +368,7 @@ def _adam_state(opt: dict, where: str) -> tuple[Any, Any]:
     raise UnsupportedError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
 
 
-def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
+def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) -> TorchOptimizer:
     """The optax optimizer and state that continue the torch run converted at ``ckpt``.
 
     Args:
@@ -193,6 +377,10 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
         spec: the spec the parameters are restored with (e.g. ``hf_llama``), or None for
             torch's names; the moments follow it, and the weight-decay mask is computed on the
             restored tree from the torch parameters each leaf is made of.
+        optimizer: "adam" or "adamw", only for what the files cannot tell: a non-zero weight
+            decay recorded by a torch that writes the same keys for Adam (L2 decay added to the
+            gradient) and AdamW (decoupled decay), with no Trainer record. A choice the files
+            contradict is refused.
 
     Returns:
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
@@ -207,12 +395,16 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
     manifest = inspect(ckpt)
     source = manifest.source or {}
     where = str(source.get("path") or ckpt)
-    optimizer = source.get("optimizer")
-    if not optimizer or not optimizer.get("param_groups"):
+    recorded = source.get("optimizer")
+    if not recorded or not recorded.get("param_groups"):
         raise UnsupportedError(
             f"{where}: no torch optimizer recorded (imported with weights_only, or not from torch)"
         )
-    groups = optimizer["param_groups"]
+    groups = recorded["param_groups"]
+    check_groups(groups, where)
+    spec = _spec_with_recorded_settings(spec, source, notes := [])
+    trainer_args = (source.get("trainer") or {}).get("training_args") or {}
+    kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
     tree = restore(ckpt, spec=spec)
     if "opt_state" not in tree:
@@ -223,23 +415,37 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
     if len(counts) != 1:
         raise UnsupportedError(f"{where}: expected one step count in opt_state, found {counts}")
     step = int(counts[0])
-    notes: list[str] = []
+    notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
     eps = float(_one(groups, "eps", where))
     rate, decayed = _decay(groups, where)
     schedule = _schedule(source, groups, step, notes)
-    parts = []
-    max_norm = ((source.get("trainer") or {}).get("training_args") or {}).get("max_grad_norm")
+    parts, unrecovered = [], _unrecovered(source)
+    max_norm = trainer_args.get("max_grad_norm")
     if max_norm:
-        parts.append(optax.clip_by_global_norm(float(max_norm)))
+        parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
         notes.append(f"gradients clipped to global norm {max_norm}")
-    parts.append(optax.scale_by_adam(b1, b2, eps))
+    decay = None
     if rate:
         mask = _mask_tree(ckpt, spec, params, decayed, where)
-        parts.append(optax.add_decayed_weights(rate, mask))
+        decay = optax.add_decayed_weights(rate, mask)
         leaves = jax.tree.leaves(mask)
-        notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves")
+        style = "decoupled (AdamW)" if kind == "adamw" else "L2, added to the gradient (Adam)"
+        notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves, {style}")
+    if decay is not None and kind == "adam":  # torch Adam: grad + wd * param, then the moments
+        parts.append(decay)
+    parts.append(optax.scale_by_adam(b1, b2, eps))
+    if decay is not None and kind == "adamw":
+        parts.append(decay)
     parts.append(optax.scale_by_learning_rate(schedule))
+    if unrecovered:
+        notes.extend(f"not recovered: {u}" for u in unrecovered)
+        warnings.warn(
+            f"{where}: the translation goes on without what the files do not record: "
+            + "; ".join(unrecovered),
+            UserWarning,
+            stacklevel=2,
+        )
     tx = optax.chain(*parts)
     state = list(tx.init(params))  # pyright: ignore[reportArgumentType]  # optax types OptState as any pytree; a chain's is a tuple
     count = jnp.asarray(step, jnp.int32)
@@ -248,7 +454,41 @@ def optax_from_torch(ckpt, *, spec: Any = None) -> TorchOptimizer:
             state[i] = optax.ScaleByAdamState(count=count, mu=_like(mu, s.mu), nu=_like(nu, s.nu))
         elif isinstance(s, optax.ScaleByScheduleState):
             state[i] = optax.ScaleByScheduleState(count=count)
-    return TorchOptimizer(tx, tuple(state), params, schedule, step, notes)
+    return TorchOptimizer(tx, tuple(state), params, schedule, step, notes, unrecovered, kind)
+
+
+def _spec_with_recorded_settings(spec: Any, source: dict, notes: list[str]) -> Any:
+    """A spec given by name (``"hf_llama"``) with the model's head settings taken from the
+    config.json the import recorded, when the caller gave none."""
+    if not isinstance(spec, str):
+        return spec
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import LMConfig
+
+    config = (source.get("trainer") or {}).get("model_config")
+    if not config:
+        return load_spec(spec)
+    try:
+        settings = LMConfig.from_hf_llama(config).head_settings
+    except (KeyError, TypeError, ValueError):  # not a Llama-style config: the spec as named
+        return load_spec(spec)
+    notes.append(f"spec {spec!r} with the recorded config.json's settings {settings}")
+    return load_spec(spec, **settings)
+
+
+def _unrecovered(source: dict) -> list[str]:
+    """What a run may have had that the import found no record of: without the Trainer's
+    training arguments, its schedule and clipping are unknown (a plain torch run records
+    neither in its files)."""
+    trainer = source.get("trainer") or {}
+    args = trainer.get("training_args")
+    if args is None:
+        return [
+            "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
+            "next step, held constant)",
+            "gradient clipping (none recorded: add optax.clip_by_global_norm if the run clipped)",
+        ]
+    return [] if args.get("lr_scheduler_type") is not None else ["the learning-rate schedule"]
 
 
 def _like(moment, init):

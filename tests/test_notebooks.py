@@ -43,6 +43,21 @@ def test_notebook_runs_out_of_the_repository_and_cleans_up(name, tmp_path, monke
     assert not _errors(nb), _errors(nb)
     assert list(scratch.iterdir()) == [], "the notebook left files in the temp dir"
     assert sorted(os.listdir(elsewhere)) == [name]
+    _check_displays(nb, name)
+
+
+def _check_displays(nb, name: str) -> None:
+    """Every cell that draws a figure (``figure=True``, ``plt.``) produced an image, and every
+    cell that displays a checkpoint or a plan produced its HTML table: a figure that silently
+    went nowhere (a non-inline backend) or a missing table fails."""
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        kinds = {k for o in cell.get("outputs", []) for k in o.get("data", {})}
+        if "figure=True" in cell.source:
+            assert "image/png" in kinds, f"{name} cell {i} drew no figure: {cell.source[:80]!r}"
+        if "display(" in cell.source:
+            assert "text/html" in kinds, f"{name} cell {i} showed no table: {cell.source[:80]!r}"
 
 
 def test_nbconvert_executes_a_copied_notebook(tmp_path):

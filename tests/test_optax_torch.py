@@ -158,3 +158,202 @@ def test_optax_step_equals_torch_adamw_step_without_a_spec(tmp_path):
     got = optax.apply_updates(params, updates)
     for name, value in want.items():
         np.testing.assert_allclose(np.asarray(got[name]), value, rtol=0, atol=1e-6, err_msg=name)
+
+
+# --- what the files identify, and nothing else (issue 38) -----------------------------------
+
+from jax_ucp.optax_torch import check_groups, hf_schedule, identify  # noqa: E402
+
+ADAM_KEYS = dict(
+    lr=0.01, betas=[0.9, 0.999], eps=1e-8, amsgrad=False, maximize=False, foreach=None,
+    capturable=False, differentiable=False, fused=None, params=["w"],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "extra, looks_like",
+    [
+        ({"amsgrad": None, "decoupled_weight_decay": False}, "RAdam"),
+        ({"momentum_decay": 0.004, "decoupled_weight_decay": False}, "NAdam"),
+        ({"momentum": 0.9, "nesterov": False, "dampening": 0}, "SGD"),
+        ({"rho": 0.9}, "Adadelta"),
+    ],
+)
+def test_an_optimizer_that_is_not_adam_is_refused_by_the_name_it_looks_like(extra, looks_like):
+    group = {k: v for k, v in {**ADAM_KEYS, **extra}.items() if v is not None or k != "amsgrad"}
+    if looks_like in ("SGD", "Adadelta"):
+        group = {k: v for k, v in group.items() if k not in ("betas", "amsgrad")}
+    with pytest.raises(
+        jax_ucp.UCPError, match=rf"param_groups\[0\] holds the keys of torch's {looks_like}"
+    ):
+        identify([group], {}, "ckpt")
+
+
+def test_adam_and_adamw_are_told_apart_only_by_what_was_written():
+    dec = {**ADAM_KEYS, "weight_decay": 0.1}
+    assert identify([{**dec, "decoupled_weight_decay": True}], {}, "c")[0] == "adamw"
+    assert identify([{**dec, "decoupled_weight_decay": False}], {}, "c")[0] == "adam"
+    # an older torch writes the same keys for both: a record decides, or the caller, or refused
+    assert identify([dec], {"optim": "adamw_torch"}, "c")[0] == "adamw"
+    assert identify([dec], {}, "c", "adam")[0] == "adam"
+    with pytest.raises(jax_ucp.UCPError, match=r"optimizer='adam' or optimizer='adamw'"):
+        identify([dec], {}, "c")
+    assert identify([{**ADAM_KEYS, "weight_decay": 0.0}], {}, "c")[0] == "adamw"  # same update
+    with pytest.raises(jax_ucp.UCPError, match=r"optimizer='adam', but .* says 'adamw'"):
+        identify([{**dec, "decoupled_weight_decay": True}], {}, "c", "adam")
+    with pytest.raises(jax_ucp.UCPError, match=r"the Trainer ran optim='adafactor'"):
+        identify([dec], {"optim": "adafactor"}, "c")
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("betas", [0.9, 0.99, 0.5], r"param_groups\[1\]\.betas = \[0\.9, 0\.99, 0\.5\]"),
+        ("betas", None, r"param_groups\[1\]\.betas = None"),
+        ("eps", None, r"param_groups\[1\]\.eps = None"),
+        ("lr", "abc", r"param_groups\[1\]\.lr = 'abc'"),
+        ("lr", float("nan"), r"param_groups\[1\]\.lr = nan"),
+        ("betas", [1.5, 0.99], r"param_groups\[1\]\.betas\[0\] = 1\.5"),
+        ("weight_decay", -0.1, r"param_groups\[1\]\.weight_decay = -0\.1"),
+    ],
+)
+def test_a_damaged_hyper_parameter_is_refused_naming_group_and_field(field, value, says):
+    groups = [dict(ADAM_KEYS), {**ADAM_KEYS, field: value}]
+    with pytest.raises(jax_ucp.UCPError, match=rf"^ckpt/optimizer\.pt: {says}"):
+        check_groups(groups, "ckpt/optimizer.pt")
+
+
+def test_optax_from_torch_lists_what_it_could_not_recover(tmp_path):
+    """A plain torch run (no Trainer record): no schedule and no clipping are known; the
+    translation goes on, listing both on the result and in a warning."""
+    src = os.path.join(REPO, "tests", "fixtures", "torch", "accelerate_fsdp")
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    with pytest.warns(UserWarning, match=r"gradient clipping"):
+        run = jax_ucp.optax_from_torch(ckpt)
+    assert any("schedule" in u for u in run.unrecovered)
+    assert any("clipping" in u for u in run.unrecovered)
+    assert any(n.startswith("not recovered: gradient clipping") for n in run.notes)
+
+
+@pytest.mark.torch
+def test_cosine_schedule_arguments_match_transformers_get_scheduler():
+    """Every recorded scheduler argument is used: cosine with num_cycles=2 equals transformers'
+    own get_scheduler at several future steps."""
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    sched = get_scheduler(
+        "cosine", opt, num_warmup_steps=5, num_training_steps=50,
+        scheduler_specific_kwargs={"num_cycles": 2},
+    )  # fmt: skip
+    want = []
+    for _ in range(50):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    ours = hf_schedule("cosine", 0.01, 5, 50, num_cycles=2)
+    np.testing.assert_allclose([float(ours(s)) for s in range(50)], want, rtol=1e-5, atol=1e-9)
+
+
+def _torch_run(tmp_path, make_opt, drop_key=None):
+    """Three torch steps of a small model, saved as torch.save({"model", "optimizer"}); the
+    fourth step's gradients and torch's parameters after it."""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    named = list(model.named_parameters())
+    opt = make_opt([p for _, p in named])
+    x = torch.randn(5, 8)
+
+    def grads_of():
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+
+    for _ in range(3):
+        grads_of()
+        opt.step()
+    state = opt.state_dict()
+    if drop_key:
+        for g in state["param_groups"]:
+            g.pop(drop_key, None)
+    torch.save({"model": model.state_dict(), "optimizer": state}, tmp_path / "run.pt")
+    grads_of()
+    grads = {n: p.grad.numpy().copy() for n, p in named}
+    opt.step()
+    return (
+        jax_ucp.convert(str(tmp_path / "run.pt"), tmp_path / "ucp"),
+        grads,
+        {n: p.detach().numpy().copy() for n, p in named},
+    )
+
+
+def _one_step(run, grads):
+    params = jax.tree.map(jnp.asarray, run.params)
+    updates, _ = run.tx.update(jax.tree.map(jnp.asarray, grads), run.opt_state, params)
+    return optax.apply_updates(params, updates)
+
+
+@pytest.mark.torch
+def test_radam_is_refused_not_continued_as_adam(tmp_path):
+    import torch
+
+    ckpt, _, _ = _torch_run(tmp_path, lambda p: torch.optim.RAdam(p, lr=1e-2))
+    with pytest.raises(jax_ucp.UCPError, match=r"keys of torch's RAdam"):
+        jax_ucp.optax_from_torch(ckpt)
+
+
+@pytest.mark.torch
+def test_adam_l2_decay_without_the_key_is_refused_then_translated_exactly(tmp_path):
+    """torch.optim.Adam(weight_decay=0.1) saved without decoupled_weight_decay (older torch
+    layouts): refused naming both readings; with optimizer='adam' the optax step equals torch's
+    (L2 added to the gradient before the moments) within 1e-6."""
+    import torch
+
+    ckpt, grads, want = _torch_run(
+        tmp_path,
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1),
+        drop_key="decoupled_weight_decay",
+    )
+    with pytest.raises(jax_ucp.UCPError, match=r"optimizer='adam' or optimizer='adamw'"):
+        jax_ucp.optax_from_torch(ckpt)
+    with pytest.warns(UserWarning, match="not record"):
+        run = jax_ucp.optax_from_torch(ckpt, optimizer="adam")
+    assert run.optimizer == "adam"
+    got = _one_step(run, grads)
+    for name, value in want.items():
+        np.testing.assert_allclose(np.asarray(got[name]), value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_every_recorded_scheduler_argument_is_used_or_refused():
+    from jax_ucp.optax_torch import schedule_kwargs
+
+    assert schedule_kwargs({"lr_scheduler_kwargs": {"num_cycles": 2}}, "cosine", "c") == {
+        "num_cycles": 2.0
+    }
+    assert schedule_kwargs({"lr_scheduler_kwargs": {}}, "linear", "c") == {}
+    with pytest.raises(jax_ucp.UCPError, match=r"lr_scheduler_kwargs 'power'=2"):
+        schedule_kwargs({"lr_scheduler_kwargs": {"power": 2}}, "linear", "c")
+    with pytest.raises(jax_ucp.UCPError, match=r"'min_lr'"):
+        schedule_kwargs({"lr_scheduler_kwargs": {"num_cycles": 1, "min_lr": 0.1}}, "cosine", "c")
+
+
+def test_a_spec_by_name_takes_the_recorded_config_settings(tmp_path, monkeypatch):
+    """``optax_from_torch(ckpt, spec="hf_llama")``: the head settings come from the config.json
+    the import recorded, as ``load_spec("hf_llama", **LMConfig...head_settings)`` by hand."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    src = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
+    with np.load(os.path.join(FIX, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms  # the Trainer's: decayed, then norms
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = LMConfig.from_hf_llama(json.load(f))
+    by_hand = jax_ucp.optax_from_torch(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))
+    by_name = jax_ucp.optax_from_torch(ckpt, spec="hf_llama")
+    assert jax.tree.structure(by_name.params) == jax.tree.structure(by_hand.params)
+    for a, b in zip(jax.tree.leaves(by_name.params), jax.tree.leaves(by_hand.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert any("recorded config.json" in n for n in by_name.notes)

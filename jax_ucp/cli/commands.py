@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect as inspect_lib
+import json
 import os
 import re
 import sys
@@ -22,7 +23,7 @@ import typer.core
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
 from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
-from jax_ucp.format import ValueEntry
+from jax_ucp.format import ValueEntry, files
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_size
 
 
@@ -92,25 +93,6 @@ def _main(
     ),
 ):
     output.fresh_console()  # the help is the app's
-    if not isinstance(sys.unraisablehook, _QuietClosedLoop):
-        sys.unraisablehook = _QuietClosedLoop(sys.unraisablehook)
-
-
-class _QuietClosedLoop:
-    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
-    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
-    other arrays' futures, whose callbacks then find the loop closed and print a traceback
-    after the command's one error line. Every other report goes to the hook before."""
-
-    def __init__(self, before):
-        self.before = before
-
-    def __call__(self, report) -> None:
-        e = report.exc_value
-        if report.object is None and isinstance(e, RuntimeError):
-            if str(e) == "Event loop is closed":
-                return
-        self.before(report)
 
 
 def _cli_wording(message: str) -> str:
@@ -219,19 +201,40 @@ def _bar(what: str, transient: bool = False):
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest's rows as JSON"),
+    every: bool = typer.Option(
+        False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
+    ),
 ):
     """Show the manifest: tensors and saved Python values.
 
-    Per tensor: shape, dtype, size, role, and (when the terminal is wide enough) the saved
-    PartitionSpec and logical axes."""
+    Per tensor: shape, dtype, logical axes, saved PartitionSpec, and as the terminal allows,
+    size and role (the saved mesh above the table). --json prints every row, for scripts."""
     import jax_ucp
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
+    if as_json:
+        rows = m.to_rows()
+        _print_json(
+            {
+                "path": path,
+                "format_version": m.version,
+                "created_by": m.created_by,
+                "bytes": m.nbytes,
+                "saved_meshes": m.saved_meshes,
+                "source": m.source,
+                "tensors": rows[: len(m.tensors)],
+                "values": rows[len(m.tensors) :],
+            }
+        )
+        return
     output.say(
         f"{path}: {layout.plural(len(m.tensors), 'tensor')}, {layout.plural(len(m.values), 'value')}, "
         f"{layout.human(m.nbytes)} (format v{m.version}, {m.created_by})"
     )
+    if m.saved_meshes:
+        output.say(f"saved mesh: {'; '.join(m.saved_meshes)}")
     entries = m.tensors + m.values
     shown = entries[:limit] if limit > 0 else entries
     tensors = [e for e in shown if not isinstance(e, ValueEntry)]
@@ -252,7 +255,14 @@ def inspect(
             for e in tensors
         ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
-        optional = ("saved spec", "logical axes")
+        optional = ("saved spec", "logical axes", "dtype", "size", "role")  # role goes first
+        if len(rows) > layout.GROUP_AT and not every and limit <= 0:
+            names = [e.name for e in tensors]
+            rows = layout.grouped(names, rows, {3: [e.nbytes for e in tensors]})
+            output.say(
+                f"{len(tensors)} tensors in {len(rows)} name patterns (digits as *; --all lists "
+                f"each, --json gives every row)"
+            )
         output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
@@ -366,6 +376,12 @@ def convert(
     num_processes: int | None = typer.Option(None, help="processes in it"),
     process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
+    parameter_order: str | None = typer.Option(
+        None,
+        "--parameter-order",
+        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
+        "order (one name a line, or a JSON list)",
+    ),
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
@@ -377,6 +393,7 @@ def convert(
     from jax_ucp.multihost import agreement
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
+    order = _read_parameter_order(parameter_order) if parameter_order is not None else None
     if processes and processes > 1:
         spawn.spawn_local(processes, dst)
         return
@@ -401,6 +418,7 @@ def convert(
                 weights_only=weights_only,
                 distributed=bool(coordinator),
                 progress=on_progress,
+                **({"parameter_order": order} if order is not None else {}),
             )
     except agreement.SharedWriteError as e:
         output.error(str(e))
@@ -412,6 +430,58 @@ def convert(
             os._exit(1)
         raise typer.Exit(1) from e
     output.say(f"✓ wrote {out}", style="green")
+    if not coordinator or process_id == 0:
+        _say_imported(str(out))
+
+
+def _read_parameter_order(path: str) -> list[str]:
+    """``--parameter-order FILE``: a JSON list of names, or one name a line."""
+    try:
+        text = files.read_regular(str(path), 64 << 20).decode("utf-8")
+    except (OSError, UnicodeDecodeError, UCPError) as e:
+        raise typer.BadParameter(f"{path}: {e}", param_hint="--parameter-order") from None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError as e:
+            raise typer.BadParameter(
+                f"{path}: not a JSON list ({e})", param_hint="--parameter-order"
+            ) from None
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise typer.BadParameter(
+            f"{path}: expected parameter names (one a line, or a JSON list of strings)",
+            param_hint="--parameter-order",
+        )
+    return names
+
+
+def _say_imported(out: str) -> None:
+    """What the import brought (tensors, bytes, moments, step, skipped) and how to use it."""
+    import jax_ucp
+
+    m = jax_ucp.inspect(out)
+    tensors = m.tensors
+    moments = sum(1 for e in tensors if e.role == "opt_state" and e.sub_role in ("mu", "nu"))
+    params = sum(1 for e in tensors if e.role == "param")
+    count = next((e.value for e in m.values if e.name == "opt_state/count"), None)
+    if count is None and any(e.name == "opt_state/count" for e in tensors):
+        count = int(jax_ucp.restore(out, select="opt_state/count")["opt_state"]["count"])
+    skipped = (m.source or {}).get("skipped") or {}
+    parts = [
+        f"{layout.plural(len(tensors), 'tensor')} ({layout.human(m.nbytes)}): "
+        f"{layout.plural(params, 'parameter')}, {layout.plural(moments, 'optimizer moment')}",
+        f"step {count}" if count is not None else "no optimizer step",
+        f"{layout.plural(len(skipped), 'source entry', 'source entries')} skipped (listed in "
+        f"source.skipped)"
+        if skipped
+        else "nothing skipped",
+    ]
+    output.say("imported: " + "; ".join(parts))
+    for note in ((m.source or {}).get("notes") or [])[:5]:
+        output.say(f"note: {note}")
+    output.say(f"next: jax-ucp inspect {out}   |   python: jax_ucp.restore({out!r}, mesh=...)")
 
 
 def _parse_mesh(text: str) -> list[tuple[str, int]]:
@@ -488,6 +558,10 @@ def plan(
         "--strict/--no-strict",
         help="refuse rules for logical names no tensor carries and mesh axes nothing uses",
     ),
+    as_json: bool = typer.Option(False, "--json", help="print the plan's rows as JSON"),
+    every: bool = typer.Option(
+        False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
+    ),
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
@@ -505,6 +579,20 @@ def plan(
     result = jax_ucp.plan(
         path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes, strict=strict
     )
+    if as_json:
+        _print_json(
+            {
+                "path": path,
+                "mesh": dict(axes),
+                "processes": processes,
+                "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
+                "process_read_bytes": {"max": result.process_read_bytes.highest()},
+                "replicated": result.replicated,
+                "unmatched_rules": list(result.unmatched_rules),
+                "tensors": result.to_rows(),
+            }
+        )
+        return
     output.say(
         f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
         f"({layout.plural(len(result.device_bytes), 'device')}, "
@@ -527,10 +615,25 @@ def plan(
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
+    if len(rows) > layout.GROUP_AT and not every and limit <= 0:
+        sums = {
+            4: [t.bytes_per_device or 0 for t in shown],
+            5: [t.read_bytes.highest() for t in shown],
+        }
+        rows = layout.grouped([t.name for t in shown], rows, sums)
+        output.say(
+            f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "
+            f"--json gives every row)"
+        )
     output.table(layout.table(header, rows, right=right, optional=("dtype",)))
     if len(shown) < len(result.tensors):
         output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
     _print_plan_totals(result, limit)
+
+
+def _print_json(data: dict) -> None:
+    """``data`` as JSON on stdout, unwrapped (tuples as lists; anything else as its text)."""
+    typer.echo(json.dumps(data, indent=1, default=str))
 
 
 def _print_plan_totals(result, limit: int) -> None:
@@ -675,7 +778,7 @@ def demo(
     directory: str | None = typer.Option(None, help="where to write (default: a temp dir)"),
 ):
     """Save a small model on 8 CPU devices, restore onto two other meshes, check every byte."""
-    from jax_ucp import demo as demo_lib
+    from jax_ucp.cli import demo as demo_lib
 
     ok = demo_lib.run(directory, console=None)
     raise typer.Exit(0 if ok else 1)

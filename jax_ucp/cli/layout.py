@@ -4,6 +4,8 @@ narrow). Plain text in, Rich renderables out; no command logic."""
 
 from __future__ import annotations
 
+import re
+
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -118,3 +120,29 @@ def table(
         f"(COLUMNS={wide} shows {'them' if len(dropped) > 1 else 'it'})"
     )
     return Group(out, note)
+
+
+#: more rows than this are shown grouped by name pattern (digits as ``*``) unless asked for all
+GROUP_AT = 200
+_DIGITS = re.compile(r"\d+")
+
+
+def grouped(names: list[str], rows: list[list[str]], sums: dict[int, list[int]]) -> list[list[str]]:
+    """``rows`` (cells as text, column 0 the name) merged by name pattern, digits as ``*``
+    (``layers/*/mlp/w``): the name shows the count, a column whose cells agree shows that cell,
+    else how many kinds; the columns in ``sums`` (index -> a number per row) show their total
+    through :func:`human`. Keeps a 100 000-tensor table to the few lines a reader takes in."""
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(names):
+        groups.setdefault(_DIGITS.sub("*", name), []).append(i)
+    out = []
+    for pattern, members in groups.items():
+        row = [pattern if len(members) == 1 else f"{pattern} ({len(members)})"]
+        for c in range(1, len(rows[0])):
+            if c in sums:
+                row.append(human(sum(sums[c][i] for i in members)))
+                continue
+            kinds = {rows[i][c] for i in members}
+            row.append(kinds.pop() if len(kinds) == 1 else f"{len(kinds)} kinds")
+        out.append(row)
+    return out

@@ -10,12 +10,44 @@ import typer
 
 from jax_ucp.cli import output
 
+#: host memory one convert process takes before it reads anything (JAX, TensorStore and
+#: jax_ucp imported, measured ~350 MiB), with room for its reads
+PROCESS_MEMORY = 512 << 20
+#: local processes per CPU: converting is I/O-bound, but each process is a whole JAX runtime
+PROCESSES_PER_CPU = 4
+
+
+def local_process_limit() -> tuple[int, str]:
+    """How many local convert processes this machine can hold, and what sets the limit."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    by_cpu = max(1, (cpus or 1) * PROCESSES_PER_CPU)
+    available = _available_memory()
+    if available is None:
+        return by_cpu, f"{cpus} CPUs x {PROCESSES_PER_CPU}"
+    by_memory = max(1, available // PROCESS_MEMORY)
+    if by_memory < by_cpu:
+        return by_memory, f"{available >> 20} MiB available / {PROCESS_MEMORY >> 20} MiB each"
+    return by_cpu, f"{cpus} CPUs x {PROCESSES_PER_CPU}"
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
 
 def check_parallel(processes, coordinator, num_processes, process_id) -> None:
     """How many processes convert: ``--processes N`` spawns N local ones; ``--coordinator``,
     ``--num-processes`` and ``--process-id`` make this one process of a jax.distributed job
     (several hosts: run the same command on each, sharing one file system). Checked together:
-    a usage error (exit 2) names the option (``--processes`` is at least 1: typer's ``min``)."""
+    a usage error (exit 2) names the option (``--processes`` is at least 1: typer's ``min``,
+    and at most what the machine holds: :func:`local_process_limit`, before anything starts)."""
     if processes and processes > 1 and coordinator:
         raise typer.BadParameter(
             "--processes spawns its own job; use --coordinator without it",
@@ -26,6 +58,14 @@ def check_parallel(processes, coordinator, num_processes, process_id) -> None:
             "--coordinator needs --num-processes and --process-id",
             param_hint="--coordinator",
         )
+    if processes and processes > 1:
+        limit, why = local_process_limit()
+        if processes > limit:
+            raise typer.BadParameter(
+                f"{processes} local processes is more than this machine holds: at most {limit} "
+                f"({why}); use fewer, or --coordinator across hosts",
+                param_hint="--processes",
+            )
 
 
 def spawn_local(n: int, dst: str) -> None:

@@ -9,6 +9,7 @@ use ``open_regular`` and check sizes themselves.
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 from jax_ucp.errors import OutsideCheckpointError, UnsafeFileError
@@ -117,7 +118,7 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     The one place where a name from a checkpoint becomes a path: an absolute name, a ``..`` part,
     a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
     after resolution (a ``.distcp`` linked to another user's file) too; a link that stays inside
-    (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`checkpoint_root`) is
+    (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`inside_checkpoint`) is
     followed. ``what`` says where the name was read (file and entry) for the error.
 
     Args:
@@ -176,16 +177,46 @@ def in_own_folder(path: str | os.PathLike) -> str:
     return inside(folder or ".", name, folder or ".")
 
 
-def checkpoint_root(folder: str | os.PathLike) -> str:
-    """The folder whose inside a checkpoint in ``folder`` may read: ``folder`` itself, or for a
-    Hugging Face cache snapshot (``<repo>/snapshots/<rev>``, its files links to
-    ``<repo>/blobs/<sha>``) the cache's ``<repo>`` folder."""
+#: a Hugging Face cache blob's name: the file's git sha1 (40 hex) or LFS sha256 (64 hex)
+_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def cache_repo(folder: str | os.PathLike) -> str | None:
+    """The cache repo of a Hugging Face cache snapshot ``<repo>/snapshots/<rev>`` whose
+    ``<repo>/blobs`` is a real directory (not a link), as ``huggingface_hub`` lays it out; None
+    for any other folder."""
     real = os.path.realpath(os.fspath(folder))
     parent = os.path.dirname(real)
     repo = os.path.dirname(parent)
-    if os.path.basename(parent) == "snapshots" and os.path.isdir(os.path.join(repo, "blobs")):
-        return repo
-    return real
+    blobs = os.path.join(repo, "blobs")
+    if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs):
+        if not os.path.islink(blobs):
+            return repo
+    return None
+
+
+def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
+    """:func:`inside` for a checkpoint folder, one rule for every entry point (convert and
+    restore, a folder or one file of it): ``name`` resolves inside ``folder``, or — for a Hugging
+    Face cache snapshot only (:func:`cache_repo`) — to a blob of its own cache repo,
+    ``<repo>/blobs/<sha>``. A link into another repo, out of the cache, to a non-blob file of
+    the repo or through a linked ``blobs/`` is refused. Returns the real path."""
+    repo = cache_repo(folder)
+    if repo is None:
+        return inside(folder, name, what)
+    real = inside(repo, name, what, folder=folder)  # never outside the repo
+    real_folder = os.path.realpath(os.fspath(folder))
+    if os.path.commonpath([real, real_folder]) == real_folder:
+        return real
+    if os.path.dirname(real) == os.path.join(repo, "blobs") and _BLOB_NAME.fullmatch(
+        os.path.basename(real)
+    ):
+        return real
+    raise OutsideCheckpointError(
+        f"{what}: file name {name[:200]!r} resolves to {real}, outside the snapshot "
+        f"{real_folder} and not a blob of its cache repo ({repo}/blobs/<sha>); refusing to "
+        f"read it"
+    )
 
 
 def _describe(mode: int) -> str:

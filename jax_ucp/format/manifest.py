@@ -14,15 +14,14 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
-import numpy as np
-
 from jax_ucp.errors import CheckpointError, UnsupportedError
+from jax_ucp.format import display, files
 from jax_ucp.format import dtypes as dtypes_lib
-from jax_ucp.format import files
 from jax_ucp.format import keypath as keypath_lib
+from jax_ucp.format.sizes import format_size
 from jax_ucp.version import __version__
 
 FORMAT_NAME = "jax_ucp"
@@ -59,6 +58,9 @@ def role_of(key: Sequence[str]) -> tuple[str, str | None]:
 # Bounds on what a manifest may be: a hostile ucp.json must fail fast, not exhaust the host.
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_JSON_DEPTH = 512  # a recorded tree structure nests 3 JSON levels per pytree level
+#: containers nested in a saved tree: what ``ucp.json`` can record within ``MAX_JSON_DEPTH``
+#: (checked at save, so what ``save`` writes ``restore`` reads)
+MAX_TREE_DEPTH = MAX_JSON_DEPTH // 3
 MAX_INT_DIGITS = 64  # Python values may be large ints (2**70); a 5000-digit one is an attack
 _DIR_RE = re.compile(r"arrays/[A-Za-z0-9_%~.\-]+")
 _DIGEST_RE = re.compile(r"[0-9a-f]{8}")
@@ -149,6 +151,36 @@ class TensorEntry:
     def nbytes(self) -> int:
         """Bytes of the array (shape × itemsize)."""
         return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
+
+    def to_row(self) -> dict[str, Any]:
+        """One row of :meth:`Manifest.to_rows`: name, shape, dtype, bytes, role, logical axes,
+        saved PartitionSpec and mesh, and where an import read it from."""
+        saved = self.saved_sharding
+        return {
+            "name": self.name,
+            "shape": tuple(self.shape),
+            "dtype": self.dtype,
+            "bytes": self.nbytes,
+            "role": self.role + (f"/{self.sub_role}" if self.sub_role else ""),
+            "logical_axes": None if self.logical_axes is None else tuple(self.logical_axes),
+            "saved_spec": None if saved is None else tuple(saved.partition_spec),
+            "saved_mesh": None
+            if saved is None
+            else display.mesh_text(saved.mesh_axis_names, saved.mesh_shape),
+            "source": ", ".join((self.provenance or {}).get("tensors", [])[:3]) or None,
+        }
+
+    def _table(self):
+        return f"tensor {self.name}", [], [self.to_row()], _ENTRY_COLUMNS
+
+    def _repr_html_(self) -> str:
+        return display.html_table(*self._table())
+
+    def _repr_markdown_(self) -> str:
+        return display.markdown_table(*self._table())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(display.text_table(*self._table()))
 
     def to_json(self) -> dict:
         """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
@@ -347,6 +379,8 @@ class ValueEntry:
 
 
 _VALUE_FIELDS = ("entry", "key", "key_types", "role", "sub_role", "type", "value")
+#: what a table of tensors shows (``to_rows`` has a few more)
+_ENTRY_COLUMNS = ("name", "shape", "dtype", "role", "logical_axes", "saved_spec")
 
 
 Entry = TensorEntry | ValueEntry
@@ -406,6 +440,58 @@ class Manifest:
         """Bytes of every tensor."""
         return sum(e.nbytes for e in self.entries)
 
+    @property
+    def saved_meshes(self) -> list[str]:
+        """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
+        counts: dict[str, int] = {}
+        for e in self.tensors:
+            if e.saved_sharding is not None:
+                m = e.saved_sharding
+                text = display.mesh_text(m.mesh_axis_names, m.mesh_shape)
+                counts[text] = counts.get(text, 0) + 1
+        return sorted(counts, key=lambda t: -counts[t])
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict per tensor (:meth:`TensorEntry.to_row`), then one per saved value (name,
+        value, role): ``pandas.DataFrame(m.to_rows())`` without jax_ucp depending on pandas."""
+        rows = [e.to_row() for e in self.tensors]
+        rows += [{"name": e.name, "value": e.value, "role": e.role} for e in self.values]
+        return rows
+
+    def summary_lines(self) -> list[str]:
+        """What a display shows above the table: sizes, the saved mesh, the source."""
+        lines = [
+            f"{len(self.tensors)} tensors, {len(self.values)} values, {format_size(self.nbytes)} "
+            f"(format v{self.version}, {self.created_by})"
+        ]
+        meshes = self.saved_meshes
+        if meshes:
+            lines.append("saved mesh: " + "; ".join(meshes))
+        source = self.source or {}
+        if source.get("path"):  # an import
+            framework = source.get("framework") or source.get("format") or "torch"
+            lines.append(f"imported from {framework}: {source['path']}")
+        return lines
+
+    def _table(self):
+        rows = [e.to_row() for e in self.tensors]
+        return "jax_ucp checkpoint", self.summary_lines(), rows, _ENTRY_COLUMNS
+
+    def __repr__(self) -> str:
+        return (
+            f"Manifest({len(self.tensors)} tensors, {len(self.values)} values, "
+            f"{format_size(self.nbytes)}, format v{self.version})"
+        )
+
+    def _repr_html_(self) -> str:
+        return display.html_table(*self._table())
+
+    def _repr_markdown_(self) -> str:
+        return display.markdown_table(*self._table())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(display.text_table(*self._table()))
+
     def to_json(self) -> dict:
         """The JSON form of ``ucp.json``."""
         return {
@@ -421,8 +507,10 @@ class Manifest:
         }
 
     def dumps(self) -> str:
-        """``ucp.json``'s text."""
-        return json.dumps(self.to_json(), indent=1, allow_nan=False)
+        """``ucp.json``'s text, refused when nested deeper than a reader accepts."""
+        d = self.to_json()
+        _check_nesting(d, f"{MANIFEST_FILE} to be written (the saved tree nests too deep)")
+        return json.dumps(d, indent=1, allow_nan=False)
 
     @classmethod
     def from_json(cls, d: Any, *, where: str = MANIFEST_FILE) -> Manifest:
@@ -495,13 +583,22 @@ class Manifest:
                 text = text.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise ManifestError(f"{where}: not UTF-8 text ({e}).") from None
-        _check_depth(text, where)
+        # Integers are bounded by a hook only when the text holds a run of digits that long
+        # (the hook costs a Python call per integer: seconds for 100 000 entries).
+        exact = _LONG_DIGITS.search(text) is not None
         try:
-            d = json.loads(text, parse_int=_bounded_int, parse_constant=_no_constant)
+            d = json.loads(
+                text, parse_int=_bounded_int if exact else None, parse_constant=_no_constant
+            )
+        except RecursionError:  # the C scanner's own guard, far below the stack's end
+            raise ManifestError(
+                f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
+            ) from None
         except json.JSONDecodeError as e:
             raise ManifestError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
         except ValueError as e:
             raise ManifestError(f"{where}: {e}") from None
+        _check_nesting(d, where)
         return cls.from_json(d, where=where)
 
 
@@ -694,16 +791,49 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+def check_tree_depth(tree: Any) -> None:
+    """Refuses a tree whose dicts, lists and tuples nest deeper than :data:`MAX_TREE_DEPTH`,
+    walking it without recursion, before anything recursive (flattening, the manifest) runs:
+    ``ucp.json`` could not record it, and a reader would refuse it."""
+    stack = [(tree, 1, "")]
+    while stack:
+        node, depth, path = stack.pop()
+        if isinstance(node, Mapping):
+            children = [(f"{path}/{k}", v) for k, v in node.items()]
+        elif isinstance(node, list | tuple):
+            children = [(f"{path}/{i}", v) for i, v in enumerate(node)]
+        else:
+            continue
+        if depth > MAX_TREE_DEPTH:
+            raise UnsupportedError(
+                f"the tree nests containers deeper than {MAX_TREE_DEPTH} levels (at "
+                f"{path[:120]!r}...): {MANIFEST_FILE} records at most {MAX_JSON_DEPTH} JSON "
+                f"levels, so such a checkpoint could not be restored; flatten part of the tree"
+            )
+        stack.extend((v, depth + 1, p) for p, v in children)
 
 
-def _check_depth(text: str, where: str) -> None:
-    """Refuses nesting deeper than ``MAX_JSON_DEPTH`` before the parser recurses into it."""
-    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), np.uint8)
-    step = np.isin(brackets, _OPEN).astype(np.int32) - np.isin(brackets, _CLOSE).astype(np.int32)
-    if step.size and int(np.cumsum(step).max()) > MAX_JSON_DEPTH:
-        raise ManifestError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+_LONG_DIGITS = re.compile(rf"\d{{{MAX_INT_DIGITS + 1}}}")
 
 
-_OPEN = np.frombuffer(b"[{", np.uint8)
-_CLOSE = np.frombuffer(b"]}", np.uint8)
+def _check_nesting(d: Any, where: str) -> None:
+    """Refuses a manifest nesting deeper than ``MAX_JSON_DEPTH``. Only its free-form parts can
+    nest (the tree, the source record, each entry's provenance): every other field is checked
+    against its one shape by ``from_json``, so only those are walked (without recursion)."""
+    if not isinstance(d, dict):
+        return
+    stack: list[tuple[Any, int]] = [(d.get("tree"), 2), (d.get("source"), 2)]
+    entries = d.get("entries")
+    if isinstance(entries, list):
+        stack += [(e.get("provenance"), 4) for e in entries if isinstance(e, dict)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Iterable[Any] = node.values()
+        elif isinstance(node, list):
+            children = node
+        else:
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise ManifestError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))

@@ -11,7 +11,6 @@ not overlap, keys may not repeat, and the index may only name files beside it.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 from typing import Any
 
@@ -19,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from jax_ucp.errors import SourceError, UCPError
-from jax_ucp.format import files
+from jax_ucp.format import files, mapped_file
 
 INDEX_FILE = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20  # the safetensors crate refuses headers over 100 MB too
@@ -93,8 +92,9 @@ def _shard_paths(src) -> list[tuple[str, str]]:
     index resolve inside the folder (a Hugging Face cache snapshot: inside its cache repo,
     whose ``blobs/`` its files link to), never to a file elsewhere."""
     src = os.fspath(src)
-    if os.path.isfile(src):
-        return [(src, src)]
+    if os.path.isfile(src):  # one file: the rule of its folder (a cache snapshot's links too)
+        folder, name = os.path.split(os.path.abspath(src))
+        return [(src, _inside(folder, name, src))]
     index = os.path.join(src, INDEX_FILE)
     if os.path.exists(index):
         _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
@@ -118,7 +118,7 @@ def _shard_paths(src) -> list[tuple[str, str]]:
 
 def _inside(src: str, name: str, what: str) -> str:
     try:
-        return files.inside(files.checkpoint_root(src), name, what, folder=src)
+        return files.inside_checkpoint(src, name, what)
     except files.UnsafeFileError as e:
         raise SafetensorsError(str(e)) from None
 
@@ -180,10 +180,14 @@ class SafetensorsFile:
             size = os.fstat(fd).st_size
             if size < 8:
                 raise SafetensorsError(f"{path}: {size} bytes, too short for a header.")
-            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ)  # size >= 8 here
+            # bytes are read with pread through mapped_file, never by touching the mapping: a
+            # file truncated meanwhile is an error naming it, not SIGBUS
+            self._map = mapped_file.map_file(path, fd)
         finally:
             os.close(fd)
-        header_len = int.from_bytes(self._map[:8], "little")
+        if self._map is None or len(self._map) != size:
+            raise SafetensorsError(f"{path}: changed size while being opened.")
+        header_len = int.from_bytes(mapped_file.read_bytes(self._map, 0, 8, "the header"), "little")
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise SafetensorsError(
                 f"{path}: header of {header_len} bytes (file {size} bytes, at most "
@@ -191,7 +195,8 @@ class SafetensorsFile:
             )
         self.data_start = 8 + header_len
         self.data_size = size - self.data_start
-        self.header, self.metadata = self._parse(self._map[8 : self.data_start])
+        raw = mapped_file.read_bytes(self._map, 8, header_len, "the header")
+        self.header, self.metadata = self._parse(raw)
 
     def _parse(self, raw: bytes) -> tuple[dict, dict]:
         try:
@@ -268,7 +273,8 @@ class SafetensorsFile:
         return dtype, tuple(shape), begin, end
 
     def tensor(self, name: str) -> np.ndarray:
-        """A read-only view of ``name`` (no copy; the map stays open while the view lives)."""
+        """A read-only view of ``name`` (no copy; the map stays open while the view lives),
+        to be read with :mod:`jax_ucp.format.mapped_file` (pread), never touched directly."""
         dtype, shape, begin, end = self.header[name]
         start = self.data_start + begin
         return np.frombuffer(

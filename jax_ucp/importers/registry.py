@@ -59,14 +59,23 @@ def detect_format(src) -> str:
     src = os.fspath(src)
     refused: dict[str, str] = {}
     weak: list[str] = []
+    strong: dict[str, str] = {}
     for name, importer in IMPORTERS.items():
         answer = importer.detect(src)
         if answer.found and not answer.weak:
-            return name
-        if answer.found:
+            strong[name] = answer.reason
+        elif answer.found:
             weak.append(name)
         else:
             refused[name] = answer.reason
+    if len(strong) > 1:  # two checkpoints in one folder: importing one would drop the other
+        found = "; ".join(f"{name} ({reason})" for name, reason in strong.items())
+        raise SourceFormatError(
+            f"{src}: holds checkpoints of {len(strong)} formats: {found}. Pick one with "
+            f"`--from {'|'.join(strong)}` (`format=` in Python)."
+        )
+    if strong:
+        return next(iter(strong))
     if weak:
         return weak[0]
     if not os.path.isdir(src):

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import tomli_w
+
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.spec import Spec, spec_from_dict, spec_to_dict
 
@@ -121,54 +123,27 @@ def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | Non
 # ---------------------------------------------------------------------------------- dumping
 
 
-def _toml_string(s: str) -> str:
-    """A TOML literal string when ``s`` allows one (regexes stay readable), else a basic one."""
-    if "'" not in s and "\n" not in s and all(c >= " " or c == "\t" for c in s):
-        return f"'{s}'"
-    out = s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n").replace("\t", "\\t")
-    out = "".join(c if c >= " " else f"\\u{ord(c):04x}" for c in out)
-    return f'"{out}"'
-
-
-def _toml_key(k: str) -> str:
-    return k if re.fullmatch(r"[A-Za-z0-9_-]+", k) else _toml_string(k)
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
-    if isinstance(v, float):
-        return repr(float(v))  # inf, -inf and nan are spelled as TOML spells them
-    if isinstance(v, str):
-        return _toml_string(v)
-    if isinstance(v, (list, tuple)):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+def _plain(v: Any, where: str) -> Any:
+    """``v`` as what TOML holds: tuples as lists, None left out (TOML has no null)."""
     if isinstance(v, Mapping):
-        return (
-            "{" + ", ".join(f"{_toml_key(str(k))} = {_toml_value(x)}" for k, x in v.items()) + "}"
-        )
-    if v is None:
-        raise SpecError("TOML cannot hold None; leave the key out")
-    raise SpecError(f"cannot write {type(v).__name__} {v!r} to TOML")
+        return {str(k): _plain(x, f"{where}.{k}") for k, x in v.items() if x is not None}
+    if isinstance(v, list | tuple):
+        if any(x is None for x in v):
+            raise SpecError(f"{where}: TOML cannot hold None in a list")
+        return [_plain(x, where) for x in v]
+    if isinstance(v, bool | int | float | str):
+        return v
+    raise SpecError(f"{where}: cannot write {type(v).__name__} {v!r} to TOML")
 
 
 def spec_to_toml(spec: Spec) -> str:
-    """TOML text of ``spec`` (its dict form); ``spec_from_toml`` gives the spec back."""
+    """TOML text of ``spec`` (its dict form, written by ``tomli_w``); ``spec_from_toml`` gives
+    the spec back."""
     d = spec_to_dict(spec)
-    lines = [f"{k} = {_toml_value(d[k])}" for k in ("name", "description", "strict") if k in d]
-    if "settings" in d:
-        lines += ["", "[settings]"] + [
-            f"{_toml_key(k)} = {_toml_value(v)}" for k, v in d["settings"].items()
-        ]
-    for table in ("roots", "import", "restore"):
-        for item in d.get(table, []):
-            lines += ["", f"[[{table}]]"]
-            lines += [
-                f"{_toml_key(k)} = {_toml_value(v)}" for k, v in item.items() if v is not None
-            ]
-    return "\n".join(lines) + "\n"
+    order = ("name", "description", "strict", "settings", "roots", "import", "restore")
+    ordered = {k: d[k] for k in order if k in d}
+    ordered.update({k: v for k, v in d.items() if k not in ordered})
+    return tomli_w.dumps(_plain(ordered, "spec"))
 
 
 def dump_spec(spec: Spec, path: str | os.PathLike) -> None:

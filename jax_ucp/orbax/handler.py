@@ -288,6 +288,12 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
 
     def __post_init__(self, max_read_bytes: int | str | None = None):
         _refuse_args_as_item("UCPRestore", "target", self.target)
+        if self.step is not None or self.fallback:  # the manager picks the step
+            raise ArgsError(
+                "UCPRestore(step=, fallback=): inside a CheckpointManager the step is "
+                "mngr.restore's first argument; pass jax_ucp.latest_step(run_root) there "
+                "(fallback=True to pass over unreadable steps)."
+            )
         super().__post_init__(max_read_bytes)
 
     @property

@@ -79,6 +79,12 @@ class RestoreOptions:
         (``P()``, host numpy) is read: "each" (None: default) every process reads all of it;
         "once" each reads a share and the shares are all-gathered over JAX's collectives
         (gloo on CPU), so the storage is read once in all (see ``restoring/replicated.py``).
+      step: with a CheckpointManager root as the path: the step to restore, or "latest" for
+        the newest step that is committed (never one still being written) and readable (its
+        manifest, its shard files, their digests as the restore reads them).
+      fallback: with ``step="latest"``, move on to the next older committed step when one
+        cannot be read, with a ``jax_ucp.ResumeWarning`` naming it and why (default False:
+        the error, naming the step, and the older steps there are).
       max_read_bytes: the deprecated name of ``memory_budget`` (a DeprecationWarning).
     """
 
@@ -94,6 +100,8 @@ class RestoreOptions:
     memory_budget: int | str | None = None
     strict: bool = True
     replicated_read: str | None = None
+    step: int | str | None = None
+    fallback: bool = False
     max_read_bytes: dataclasses.InitVar[int | str | None] = None
 
     def __post_init__(self, max_read_bytes: int | str | None = None):
@@ -167,6 +175,17 @@ def _check_kinds(options: RestoreOptions, field) -> None:
         raise ArgsError(f"{e}.") from None
     if not isinstance(options.strict, bool):
         raise ArgsError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
+    step = options.step
+    if (
+        step is not None
+        and step != "latest"
+        and (not isinstance(step, int) or isinstance(step, bool) or step < 0)
+    ):
+        raise ArgsError(f"{field('step')}: expected a step number or 'latest', got {step!r}.")
+    if not isinstance(options.fallback, bool):
+        raise ArgsError(f"{field('fallback')}: expected True or False, got {options.fallback!r}.")
+    if options.fallback and step != "latest":
+        raise ArgsError(f"{field('fallback')}: goes with step='latest' (older steps on failure).")
     if options.replicated_read not in (None, "each", "once"):
         raise ArgsError(
             f"{field('replicated_read')}: expected 'each' or 'once', got "

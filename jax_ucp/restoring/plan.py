@@ -28,6 +28,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
+from jax_ucp.format import display
+from jax_ucp.format.sizes import format_size
 from jax_ucp.options import field_namer, keywords_of
 from jax_ucp.restoring import reader
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
@@ -112,6 +114,67 @@ class RestorePlan:
     def errors(self) -> dict[str, str]:
         """Tensor name → why restore would refuse it (empty: restore would succeed)."""
         return {t.name: t.error for t in self.tensors if t.error is not None}
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict per tensor (pandas-ready without pandas): name, shape, dtype, the new
+        PartitionSpec, bytes per device, the most bytes one process reads, replicated, on host,
+        the dimensions that do not divide and why restore would refuse it."""
+        return [
+            {
+                "name": t.name,
+                "shape": tuple(t.shape),
+                "dtype": t.dtype,
+                "spec": None if t.partition_spec is None else tuple(t.partition_spec),
+                "bytes_per_device": t.bytes_per_device,
+                "read_bytes_per_process": t.read_bytes.highest(),
+                "replicated": t.replicated,
+                "on_host": t.on_host,
+                "not_divisible": list(t.not_divisible),
+                "error": t.error,
+            }
+            for t in self.tensors
+        ]
+
+    def summary_lines(self) -> list[str]:
+        """What a display shows above the table: bytes per device and process, replication."""
+        low, high = format_size(self.min_device_bytes), format_size(self.max_device_bytes)
+        lines = [
+            f"{len(self.tensors)} tensors onto {len(self.device_bytes)} devices: "
+            + (f"{high} per device" if low == high else f"{low} to {high} per device")
+            + f", at most {format_size(self.process_read_bytes.highest())} read per process"
+        ]
+        if self.replicated:
+            lines.append(
+                f"replicated on every device ({len(self.replicated)}): "
+                + ", ".join(self.replicated[:5])
+                + (" …" if len(self.replicated) > 5 else "")
+            )
+        if self.errors:
+            lines.append(f"restore would refuse {len(self.errors)}: " + ", ".join(self.errors))
+        return lines
+
+    def _table(self):
+        rows = self.to_rows()
+        for r in rows:
+            r["bytes_per_device"] = format_size(r["bytes_per_device"] or 0)
+        columns = ("name", "shape", "dtype", "spec", "bytes_per_device", "replicated")
+        return f"restore plan of {self.path}", self.summary_lines(), rows, columns
+
+    def __repr__(self) -> str:
+        return (
+            f"RestorePlan({self.path!r}, {len(self.tensors)} tensors, "
+            f"{len(self.device_bytes)} devices, {format_size(self.max_device_bytes)} per device "
+            f"at most)"
+        )
+
+    def _repr_html_(self) -> str:
+        return display.html_table(*self._table())
+
+    def _repr_markdown_(self) -> str:
+        return display.markdown_table(*self._table())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(display.text_table(*self._table()))
 
     @property
     def max_device_bytes(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import re
@@ -141,6 +142,43 @@ def manager_steps(path: str) -> list[tuple[str, str]]:
     return sorted(
         steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
     )
+
+
+def committed_steps(root: str) -> list[tuple[int, str]]:
+    """(step, its UCP item directory) of each committed step of a CheckpointManager root,
+    newest first. A step still being written (Orbax's ``<step>.orbax-checkpoint-tmp...``, or a
+    step directory whose commit Orbax has not recorded: no ``commit_success.txt`` and no
+    ``commit_timestamp_nsecs`` in its ``_CHECKPOINT_METADATA``) is never listed."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root}: no such CheckpointManager directory.")
+    steps = []
+    for name, item in manager_steps(root):
+        step_dir = os.path.join(root, name)
+        if name.isdigit() and commit.ORBAX_TMP_MARK not in name and _committed(step_dir):
+            steps.append((int(name), os.path.join(step_dir, item)))
+    return sorted(steps, reverse=True)
+
+
+def _committed(step_dir: str) -> bool:
+    if os.path.exists(os.path.join(step_dir, "commit_success.txt")):
+        return True
+    try:
+        meta = fmt.files.read_regular(os.path.join(step_dir, "_CHECKPOINT_METADATA"), 1 << 20)
+        return json.loads(meta).get("commit_timestamp_nsecs") is not None
+    except (OSError, ValueError, AttributeError, fmt.UCPError):
+        return False
+
+
+def check_readable(path: str) -> None:
+    """Whether the checkpoint at ``path`` can be read before reading it: its manifest parses
+    and every shard file it lists is there (the digests are checked as the restore reads)."""
+    manifest = store.read_manifest(path)
+    for entry in manifest.tensors:
+        for key in entry.shard_digests or {}:
+            if not os.path.isfile(os.path.join(path, entry.dir, key)):
+                raise CheckpointError(
+                    f"{path}: tensor {entry.name!r}: shard file {entry.dir}/{key} is missing."
+                )
 
 
 def _ucp_items(path: str) -> list[str]:
@@ -565,6 +603,7 @@ def _tensor_error(name: str, e: BaseException) -> CheckpointError:
 _READ_FAILURES = {  # ``errors.tensorstore_failure`` → what a failed read tells the user
     "corrupt": "crc32c checksum mismatch: the data is corrupt",
     "missing": "missing data: the checkpoint is incomplete",
+    "denied": "permission denied: the file is there but this user may not read it",
     "other": "corrupt or truncated data?",
 }
 

@@ -226,6 +226,7 @@ def prepare_tree(
       pool: where an async save's private copies come from (None: new memory).
       copies_out: receives those copies, for ``pool.release`` once they are written.
     """
+    fmt.check_tree_depth(tree)  # what save writes, restore reads
     leaves, _ = tree_lib.flatten(tree)
     _refuse_deleted(leaves)  # before anything is written or copied
     for _, _, leaf in leaves:  # start every device→host transfer before waiting on any

@@ -1,5 +1,7 @@
 """Save on one mesh, restore on another: every byte equal."""
 
+import os
+
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -292,3 +294,58 @@ def test_compression_is_an_option_of_save_and_ucpsave(tmp_path):
         got = jax_ucp.restore(path, mesh=new, strict=False)
         assert np.asarray(got["params"]["w"]).tobytes() == np.asarray(w).tobytes()
         assert not np.asarray(got["opt_state"]["mu"]["w"]).any()
+
+
+def _nested(levels: int) -> dict:
+    tree: dict = {"x": np.arange(3, dtype=np.float32)}
+    for _ in range(levels - 1):
+        tree = {"a": tree}
+    return tree
+
+
+@pytest.mark.parametrize("levels", [300, 700])
+def test_a_tree_too_deep_to_read_back_is_refused_at_save(tmp_path, levels):
+    """What save writes, restore reads: one depth limit, checked at save with a clear error
+    (not a checkpoint restore then refuses, nor a RecursionError), nothing written."""
+    with pytest.raises(jax_ucp.UCPError, match=r"nests containers deeper than 170 levels"):
+        jax_ucp.save(tmp_path / "c", _nested(levels))
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_tree_at_the_depth_limit_round_trips(tmp_path):
+    from jax_ucp.format import MAX_TREE_DEPTH
+
+    jax_ucp.save(tmp_path / "c", _nested(MAX_TREE_DEPTH))
+    back = jax_ucp.restore(tmp_path / "c")
+    for _ in range(MAX_TREE_DEPTH - 1):
+        back = back["a"]
+    np.testing.assert_array_equal(back["x"], np.arange(3, dtype=np.float32))
+
+
+def test_an_unreadable_shard_is_called_permission_denied_not_corruption(tmp_path):
+    """A shard file this user may not read (chmod 000): verify names the permission, it does not
+    guess at corruption. As root the read is made as a user without CAP_DAC_OVERRIDE."""
+    import glob
+    import shutil
+    import subprocess
+    import sys
+
+    from tests.ucp_testing import REPO
+
+    ckpt = tmp_path / "c"
+    jax_ucp.save(ckpt, {"w": np.arange(64, dtype=np.float32).reshape(8, 8)})
+    for f in glob.glob(str(ckpt / "arrays" / "w" / "c" / "**"), recursive=True):
+        if os.path.isfile(f):
+            os.chmod(f, 0)
+    code = "import sys, jax_ucp; print(jax_ucp.verify(sys.argv[1]))"
+    cmd = [sys.executable, "-c", code, str(ckpt)]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: cannot read as a user the file mode stops")
+        drop = "-dac_override,-dac_read_search"
+        cmd = ["setpriv", f"--bounding-set={drop}", f"--inh-caps={drop}", *cmd]
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO)
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "permission denied" in done.stdout and "corrupt" not in done.stdout, done.stdout

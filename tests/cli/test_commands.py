@@ -11,8 +11,7 @@ import typer.main
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp import demo
-from jax_ucp.cli import app
+from jax_ucp.cli import app, demo
 from tests.ucp_testing import REPO
 
 runner = CliRunner()
@@ -389,9 +388,10 @@ def test_inspect_at_80_columns_says_which_columns_it_left_out(tmp_path):
     )
     r = _cli("inspect", tmp_path / "c")
     assert r.exit_code == 0 and _fits(r.output), r.output
-    note = "not shown at 80 columns: logical axes (COLUMNS="
+    assert "(embed, mlp)" in r.output, r.output  # what the user asks is kept; role goes first
+    note = "not shown at 80 columns: size, role (COLUMNS="
     line = next(line for line in r.output.splitlines() if line.startswith(note))
-    assert line.endswith(" shows it)"), line
+    assert line.endswith(" shows them)"), line
     wide = int(line[len(note) :].split(" ")[0])
     r = _cli("inspect", tmp_path / "c", columns=wide)
     assert "(embed, mlp)" in r.output and "not shown" not in r.output, r.output
@@ -468,3 +468,48 @@ def test_elastic_resume_report_fits_80_columns_synthetic():
         "False",
     ]
     assert f"(d) {E.VARIANTS['d'][3]}" in lines
+
+
+def test_inspect_and_plan_group_many_tensors_by_name_pattern(tmp_path):
+    """Past layout.GROUP_AT tensors the tables show one row per name pattern (digits as *),
+    with the count and summed sizes; --all lists each."""
+    tree = {f"layer{i}": {"w": np.zeros((4, 4), np.float32)} for i in range(210)}
+    jax_ucp.save(tmp_path / "c", tree)
+    r = _cli("inspect", tmp_path / "c", columns=120)
+    assert r.exit_code == 0, r.output
+    assert "210 tensors in 1 name patterns" in r.output and "layer*/w (210)" in r.output
+    assert "13.1 KiB" in r.output, r.output  # 210 × 64 B
+    r = _cli("plan", tmp_path / "c", "--mesh", "data=2", columns=120)
+    assert r.exit_code == 0 and "layer*/w (210)" in r.output, r.output
+    r = _cli("inspect", tmp_path / "c", "--all", columns=120)
+    assert "layer209/w" in r.output and "name patterns" not in r.output
+
+
+@pytest.mark.parametrize("form", ["lines", "json"])
+def test_convert_takes_the_parameter_order_from_a_file_and_says_what_it_imported(
+    tmp_path, monkeypatch, form
+):
+    """``--parameter-order FILE`` (one name a line, or a JSON list) reaches the torch importer:
+    a Trainer checkpoint without transformers imports its optimizer; the summary names
+    tensors, moments, the step and what was skipped, and how to restore it."""
+    import json
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    fix = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
+    with np.load(os.path.join(fix, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+        step = int(z["step"])
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms
+    listing = tmp_path / "order.txt"
+    listing.write_text(json.dumps(order) if form == "json" else "\n".join(order) + "\n")
+    src = os.path.join(fix, "trainer_fp32", "checkpoint-3")
+    r = _cli("convert", src, tmp_path / "out", "--parameter-order", listing, columns=200)
+    assert r.exit_code == 0, r.output
+    assert f"{len(names)} parameters, {2 * len(names)} optimizer moments; step {step}" in r.output
+    assert "skipped (listed in source.skipped)" in r.output and "jax-ucp inspect" in r.output
+    restored = jax_ucp.restore(tmp_path / "out")
+    assert sorted(restored["opt_state"]["mu"]) == sorted(names)
+    listing.write_text("[1, 2]")
+    r = _cli("convert", src, tmp_path / "bad", "--parameter-order", listing)
+    assert r.exit_code == 2 and "--parameter-order" in r.output

@@ -491,3 +491,24 @@ def test_coordinator_process_names_a_lost_peer_and_exits(tmp_path):
     ) in " ".join(out.split()), out
     assert "Check failure stack trace" not in out
     assert _beside(tmp_path, "out") == []
+
+
+def test_more_local_processes_than_the_machine_holds_are_refused_before_any_starts(
+    tmp_path, monkeypatch
+):
+    """``--processes 1000`` on a small machine: a usage error naming the limit and what sets it,
+    and no process spawned."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app, spawn
+
+    started = []
+    monkeypatch.setattr(spawn, "spawn_local", lambda *a: started.append(a))
+    limit, why = spawn.local_process_limit()
+    src = os.path.join(REPO, "tests", "fixtures", "torch", "plain_state_dict.pt")
+    result = CliRunner().invoke(app, ["convert", src, str(tmp_path / "out"), "--processes", "1000"])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"at most {limit}" in text and "--processes" in text, text
+    assert started == [] and not (tmp_path / "out").exists()
+    assert 1 <= limit <= 4 * (os.cpu_count() or 1), (limit, why)

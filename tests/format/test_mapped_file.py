@@ -41,6 +41,18 @@ if kind == "pt":
         return out
 
     torch_pickle.load_torch_file = load
+elif kind == "safetensors":
+    from safetensors.numpy import save_file
+    from jax_ucp.format import safetensors as safetensors_format
+
+    save_file({f"w{i}": np.arange(1 << 20, dtype=np.float32) + i for i in range(3)}, src)
+    real = safetensors_format.SafetensorsFile.__init__
+
+    def init(self, path, *args):  # header parsed, every tensor a view of the mapping, shrunk
+        real(self, path, *args)
+        shrink(os.fspath(path), os.path.getsize(path) // 2)
+
+    safetensors_format.SafetensorsFile.__init__ = init
 else:
     real = dcp_reader._file_range
 
@@ -60,14 +72,17 @@ print(json.dumps({"error": error, "shrunk": shrunk}))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("kind", ["pt", "distcp"])
+@pytest.mark.parametrize("kind", ["pt", "distcp", "safetensors"])
 def test_a_file_truncated_after_it_was_mapped_is_an_error_naming_it(tmp_path, kind):
     """A ``.pt`` truncated between planning and reading (every tensor already a view of its
-    mapping), a ``.distcp`` truncated right after a chunk's range was mapped: an error naming
+    mapping), a ``.distcp`` truncated right after a chunk's range was mapped, a
+    ``.safetensors`` truncated once its header was parsed: an error naming
     the file, nothing written — not SIGBUS (exit -7, no message, as when the mapping is
     touched). Deterministic: the file shrinks at a hook, not in a race."""
     if kind == "pt":
         src = tmp_path / "model.pt"
+    elif kind == "safetensors":
+        src = tmp_path / "model.safetensors"
     else:
         src = tmp_path / "dcp"
         shutil.copytree(os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_fp32"), src)

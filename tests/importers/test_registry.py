@@ -138,3 +138,16 @@ def test_cli_convert_help_names_every_format():
     for name in registry.FORMATS:
         assert name in text
     assert "jax-ucp convert FORMAT SRC DST" in text
+
+
+def test_two_formats_in_one_folder_is_an_error_naming_both(tmp_path):
+    """A torch DCP checkpoint and a DeepSpeed checkpoint side by side: importing either would
+    silently drop the other, so detection refuses naming both and --from picks one."""
+    both = tmp_path / "both"
+    shutil.copytree(os.path.join(FIX, "torch", "fsdp2_fp32"), both)
+    shutil.copytree(DEEPSPEED, both, dirs_exist_ok=True)
+    with pytest.raises(jax_ucp.UCPError, match=r"2 formats: torch .*; deepspeed .*--from"):
+        jax_ucp.convert(both, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    jax_ucp.convert(both, tmp_path / "dcp", format="torch")  # --from picks
+    assert "dcp_version" in jax_ucp.inspect(tmp_path / "dcp").source

@@ -144,8 +144,8 @@ def detect(src: os.PathLike | str) -> Detection:
         bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
         bridge.RUN_CONFIG_FILE,
         "iter_*",
-        ".metadata",
-        "metadata.json",
+        "metadata.json",  # torch_dist: megatron's own beside torch DCP's .metadata
+        "common.pt",
         "mp_rank_*/model_optim_rng.pt",
     )
     return glob_detection(

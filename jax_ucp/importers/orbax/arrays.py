@@ -12,6 +12,7 @@ import functools
 import math
 import os
 import re
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ def tree_metadata(path: str):
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except ValueError as e:
+        _QuietClosedLoop.install()  # Orbax's loop is closed while TensorStore still completes
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
@@ -43,6 +45,29 @@ def tree_metadata(path: str):
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
             f"{tensorstore_message(e)}"
         ) from None
+
+
+class _QuietClosedLoop:
+    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
+    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
+    other arrays' futures, whose callbacks then find the loop closed and print a traceback
+    after the one clear error. Installed (wrapping the hook before it) only once such a read
+    failed; every other report goes to the hook before."""
+
+    def __init__(self, before):
+        self.before = before
+
+    @classmethod
+    def install(cls) -> None:
+        if not isinstance(sys.unraisablehook, cls):
+            sys.unraisablehook = cls(sys.unraisablehook)
+
+    def __call__(self, report) -> None:
+        e = report.exc_value
+        if report.object is None and isinstance(e, RuntimeError):
+            if str(e) == "Event loop is closed":
+                return
+        self.before(report)
 
 
 def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:

@@ -15,6 +15,7 @@ from jax_ucp.format import MANIFEST_FILE, files
 from jax_ucp.writer.commit import ORBAX_TMP_MARK
 
 CHECKPOINT_METADATA = "_CHECKPOINT_METADATA"  # Orbax's step metadata (item handlers)
+_NAME_MAX = 255  # bytes of one file name (Linux, macOS): an item directory's name fits
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
 STRINGS_FILE = "_strings.json"  # Orbax's StringHandler: every str leaf of an item
 _MAX_JSON_BYTES = 256 << 20
@@ -124,6 +125,12 @@ def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, st
             raise OrbaxImportError(
                 f"{src}/{CHECKPOINT_METADATA}: item name {str(name)[:100]!r} is not a directory "
                 f"name inside the step; refusing to read outside it"
+            )
+        if len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
+            raise OrbaxImportError(
+                f"{src}/{CHECKPOINT_METADATA}: item name of {len(name)} characters "
+                f"({name[:40]!r}...) is longer than a file name can be ({_NAME_MAX} bytes): not "
+                f"an item Orbax wrote; the metadata is damaged"
             )
         if name:
             inside(src, name, f"{src}/{CHECKPOINT_METADATA}: item {name[:100]!r}")

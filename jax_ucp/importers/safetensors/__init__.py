@@ -24,6 +24,7 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     host_item,
+    mapped_deferred,
     refuse_spec,
     skip,
 )
@@ -79,7 +80,7 @@ def plan_safetensors(
     items = (
         host_item(
             ("params", n),
-            owner[n].tensor(n),
+            mapped_deferred(owner[n].tensor(n), f"{owner[n].path}: tensor {n[:100]!r}"),
             {"file": os.path.basename(owner[n].path), "tensors": [n]},
         )
         for n in mine

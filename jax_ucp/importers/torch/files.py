@@ -129,7 +129,7 @@ def _inside(src: str, name: str, what: str) -> str:
     """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
     inside its cache repo), never a link to a file elsewhere."""
     try:
-        files.inside(files.checkpoint_root(src), name, what, folder=src)
+        files.inside_checkpoint(src, name, what)
     except files.UnsafeFileError as e:
         raise TorchImportError(str(e)) from None
     return os.path.join(src, name)
@@ -369,10 +369,11 @@ def _optimizer(
     elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
         keys = "trainer"
         to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
+        _say_order_assumed(to_name, state, clean, model, path, info, _TRAINER_RULE)
     else:  # one group, torch.save weights: by the state-dict order, else refused
         keys = "indices"
         to_name = _by_index(ids, groups, state, clean, model, path, order.safetensors)
-        _say_order_assumed(to_name, state, clean, model, path, info)
+        _say_order_assumed(to_name, state, clean, model, path, info, _INDEX_RULE)
     if keys not in ("names", "indices"):
         _check_named(to_name, state, clean, model, path)
     states: dict[str, dict[str, TensorRef]] = {}
@@ -509,18 +510,38 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
             )
 
 
+#: how an index-keyed optimizer's states were named when nothing in the files names them
+_INDEX_RULE = (
+    "mapped by order (index i -> the i-th distinct floating tensor of the model state dict, "
+    "torch's numbering of model.parameters())"
+)
+_TRAINER_RULE = (
+    "mapped by the Hugging Face Trainer's default grouping rebuilt from config.json (decayed "
+    "then non-decayed parameters, each in model.named_parameters() order; a Trainer subclass "
+    "with its own create_optimizer() numbers them otherwise)"
+)
+
+
 def _say_order_assumed(
-    to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str, info: dict
+    to_name: dict,
+    state: dict,
+    clean: dict[str, str],
+    model: dict,
+    path: str,
+    info: dict,
+    rule: str,
 ) -> None:
-    """Index ``i`` -> ``i``-th parameter is torch's numbering when the optimizer was built from
-    ``model.parameters()``, but nothing in the file can confirm it: when two parameters with
-    state share a shape, states built in another order would land on the wrong one unseen.
-    Say so once (a warning) and in the manifest (``source.notes``)."""
+    """An index -> name mapping inferred by ``rule`` (the state-dict order, the Trainer's
+    grouping) is what the optimizer did only if it was built that way, and nothing in the file
+    can confirm it: when two parameters with state share a shape, states built in another order
+    would land on the wrong one unseen. Say so once (a warning) and in the manifest
+    (``source.notes``), whichever rule named them."""
     by_shape: dict[tuple, list[str]] = {}
     for key in state:
         name = to_name.get(key)
-        if name is not None:
-            by_shape.setdefault(tuple(model[clean[name]][0].shape), []).append(name)
+        tensor = model.get(clean.get(name, name)) if name is not None else None
+        if tensor is not None:
+            by_shape.setdefault(tuple(tensor[0].shape), []).append(name)
     shared = {shape: names for shape, names in by_shape.items() if len(names) > 1}
     if not shared:
         return
@@ -528,9 +549,8 @@ def _say_order_assumed(
     shape, names = max(shared.items(), key=lambda item: len(item[1]))
     example = ", ".join(repr(n[:100]) for n in names[:3]) + (", ..." if len(names) > 3 else "")
     note = (
-        f"{os.path.basename(path)}: optimizer state keyed by index was mapped by order (index i "
-        f"-> the i-th distinct floating tensor of the model state dict, torch's numbering of "
-        f"model.parameters()); {count} parameters share a shape with another ({example} are "
+        f"{os.path.basename(path)}: optimizer state keyed by index was {rule}; {count} "
+        f"parameters share a shape with another ({example} are "
         f"all {list(shape)}), so states of an optimizer built in another order would not be "
         f"told apart. To confirm the mapping, save the optimizer with param_names (torch >= 2.5: "
         f"build it from model.named_parameters()) or keyed by name (get_optimizer_state_dict)"

@@ -20,13 +20,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp.format import files
 from jax_ucp.importers.torch import unpickler
 from jax_ucp.importers.torch.optimizer import TorchImportError, jsonable
 
-__all__ = ["Candidate", "trainer_candidates", "trainer_record", "is_trainer_checkpoint"]
+__all__ = [
+    "Candidate",
+    "trainer_candidates",
+    "trainer_record",
+    "is_trainer_checkpoint",
+    "side_file",
+]
 
 MAX_JSON_BYTES = 16 << 20
 CONFIG_FILE = "config.json"
@@ -52,6 +60,22 @@ ARG_FIELDS = (
     "optim",
     "gradient_accumulation_steps",
     "per_device_train_batch_size",
+)
+#: config.json fields recorded (source.trainer.model_config): the model's shape, for specs
+MODEL_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
 )
 #: what a pickled TrainingArguments refers to, read as inert stand-ins
 ARG_CLASSES = (
@@ -92,18 +116,54 @@ def _json(path: str) -> Any:
         raise TorchImportError(f"{path}: not valid JSON ({str(e)[:200]})") from None
 
 
+def side_file(folder: str, name: str) -> str:
+    """The path of the Trainer's side file ``name`` in ``folder`` (``trainer_state.json``,
+    ``training_args.bin``, ``scheduler.pt``, ``config.json``, ...), through
+    :func:`jax_ucp.format.files.inside`: a link leading out of the checkpoint is refused, never
+    read into the new manifest."""
+    return files.inside(folder, name, f"{folder}: the Trainer's {name}")
+
+
+#: config keys that count modules transformers builds (layers, blocks, stages, experts)
+_COUNT_KEY = re.compile(r"layer|depth|block|stage|expert", re.IGNORECASE)
+
+
+def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
+    """Every module count a config asks for, wherever it nests (``text_config``'s
+    ``num_hidden_layers``, ConvNext's ``depths`` list, summed): each costs memory even on the
+    meta device, so each is bounded by the checkpoint before anything is built. Walked without
+    recursion into a config nested absurdly deep (the JSON reader bounds the depth)."""
+    stack = [(path, config)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                name = f"{where}.{key}" if where else str(key)
+                counted = isinstance(key, str) and _COUNT_KEY.search(key)
+                if counted and isinstance(value, int) and not isinstance(value, bool):
+                    yield name, value
+                elif counted and isinstance(value, list) and value:
+                    ints = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+                    if len(ints) == len(value):
+                        yield name, sum(ints)
+                if isinstance(value, dict | list):
+                    stack.append((name, value))
+        elif isinstance(node, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
+
+
 def _model_on_meta(folder: str, n_tensors: int):
     """The config's architecture, built by transformers on the meta device (no weights).
 
     An untrusted config could ask for millions of layers (modules cost memory even on the meta
     device): a layer count above the checkpoint's tensor count is refused before building."""
-    path = os.path.join(folder, CONFIG_FILE)
+    path = side_file(folder, CONFIG_FILE)
     why = "cannot rebuild the Trainer's parameter order"
     way_out = (
         "pass parameter_order=[names as saved, in model.named_parameters() order of the "
         "trainable parameters], or convert with weights_only=True"
     )
-    if os.path.isfile(os.path.join(folder, ADAPTER_CONFIG_FILE)):
+    if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
         raise TorchImportError(
             f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
             f"model's {CONFIG_FILE}: {why}; {way_out}"
@@ -122,10 +182,11 @@ def _model_on_meta(folder: str, n_tensors: int):
     model_type = config.get("model_type")
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
         raise TorchImportError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
-    for key, value in config.items():
-        if "layer" in key and isinstance(value, int) and not 0 <= value <= n_tensors:
+    for key, count in _module_counts(config):
+        if not 0 <= count <= n_tensors:
             raise TorchImportError(
-                f"{path}: {key} = {value}, but the checkpoint holds {n_tensors} tensors: {why}"
+                f"{path}: {key} asks for {count} modules, but the checkpoint holds {n_tensors} "
+                f"tensors: {why}"
             )
     try:
         import torch  # pyright: ignore[reportMissingImports]  # the torch extra, absent in the default CI run
@@ -242,12 +303,17 @@ def trainer_record(folder: str) -> dict:
     :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
     ``global_step`` / ``max_steps``; absent files are absent keys."""
     out: dict[str, Any] = {}
-    state_path = os.path.join(folder, STATE_FILE)
+    config_path = side_file(folder, CONFIG_FILE)
+    if os.path.isfile(config_path):
+        config = _json(config_path)
+        if isinstance(config, dict):  # what a spec needs to restore the model (head settings)
+            out["model_config"] = {k: jsonable(config[k]) for k in MODEL_FIELDS if k in config}
+    state_path = side_file(folder, STATE_FILE)
     if os.path.isfile(state_path):
         state = _json(state_path)
         if isinstance(state, dict):
             out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
-    args_path = os.path.join(folder, ARGS_FILE)
+    args_path = side_file(folder, ARGS_FILE)
     if os.path.isfile(args_path):
         try:
             classes = {n: unpickler.standin_class(n) for n in ARG_CLASSES}
@@ -258,7 +324,7 @@ def trainer_record(folder: str) -> dict:
         else:
             fields = vars(args) if isinstance(args, unpickler.StandIn) else {}
             out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
-    sched_path = os.path.join(folder, SCHEDULER_FILE)
+    sched_path = side_file(folder, SCHEDULER_FILE)
     if os.path.isfile(sched_path):
         try:
             sched = unpickler.load_torch_file(sched_path)

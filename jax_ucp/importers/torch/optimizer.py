@@ -335,7 +335,7 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
             value = read_rows(start, stop)
             shape = (stop - start, *ref.shape[1:])
             _check_read(value, ref.dtype, shape, f"{name} rows {start}:{stop}", where)
-            return value
+            return mapped_file.read_out(value, f"tensor {name!r} rows {start}:{stop}")
 
         rows = checked_rows
 

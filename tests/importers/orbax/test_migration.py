@@ -257,12 +257,18 @@ def test_step_with_two_pytree_items_and_a_hostile_item_name(tmp_path):
     meta.write_text(json.dumps(record))
     with pytest.raises(OrbaxImportError, match=r"item name '\.\./\.\./elsewhere' is not a"):
         jax_ucp.convert(tmp_path / "run", tmp_path / "bad")
-    # an item name of 10 000 characters: the file and the field named, not ENAMETOOLONG raw
-    record["item_handlers"] = {"x" * 10_000: record["item_handlers"]["../../elsewhere"]}
+    # an array name of 10 000 characters in an item's _METADATA: the file and the array named,
+    # not the file system's raw ENAMETOOLONG
+    record["item_handlers"] = {"state": record["item_handlers"]["../../elsewhere"]}
     meta.write_text(json.dumps(record))
-    with pytest.raises(OrbaxImportError, match=r"_CHECKPOINT_METADATA: item 'x+': .*10000") as e:
+    tree_meta = tmp_path / "run" / "4" / "state" / "_METADATA"
+    md = json.loads(tree_meta.read_text())
+    entry = next(iter(md["tree_metadata"].values()))
+    entry["key_metadata"][-1]["key"] = "x" * 10_000
+    tree_meta.write_text(json.dumps(md))
+    with pytest.raises(OrbaxImportError, match=r"_METADATA: array '[\w.]*x+': .*10\d\d\d ch") as e:
         jax_ucp.convert(tmp_path / "run", tmp_path / "bad")
-    assert str(meta) in str(e.value) and len(str(e.value)) < 500
+    assert str(tree_meta) in str(e.value) and len(str(e.value)) < 600
 
 
 @pytest.mark.timeout(120)

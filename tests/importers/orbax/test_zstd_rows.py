@@ -14,6 +14,7 @@ import numcodecs
 import numpy as np
 import pytest
 import tensorstore as ts
+import zstandard
 
 import jax_ucp
 from jax_ucp.importers.orbax import OrbaxImportError, zstd_rows
@@ -148,7 +149,6 @@ def _checksummed_orbax(path, value: np.ndarray, chunk_rows: int) -> list[bytes]:
     rows, every chunk a zstd frame with the content-checksum flag set (the edge chunk padded to
     the full chunk shape, as zarr v2 stores it); returns the frames."""
     import orbax.checkpoint as ocp
-    import zstandard
 
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
     with ocp.Checkpointer(handler) as c:
@@ -176,8 +176,6 @@ def test_a_flipped_byte_in_an_edge_chunk_fails_its_checksum(tmp_path):
     of row 9 changed inside the edge chunk (rows 8..11, rows 10 and 11 past the array's end).
     The frame is decoded to its end and its checksum checked before any of its rows is
     handed out: ``convert`` refuses naming the array, where it once gave a wrong row 9."""
-    import zstandard
-
     value = np.random.default_rng(7).standard_normal((10, 4)).astype(np.float32)
     src = tmp_path / "orbax"
     frames = _checksummed_orbax(src, value, 4)
@@ -211,3 +209,29 @@ def test_a_flipped_byte_in_an_edge_chunk_fails_its_checksum(tmp_path):
 def _converted(src, dst) -> str:
     jax_ucp.convert(src, dst)
     return os.fspath(dst)
+
+
+def test_a_damaged_edge_chunk_is_refused_although_its_padding_is_never_asked_for(tmp_path):
+    """(10, 4) float32 in chunks of 4 rows: the edge chunk covers rows 8..11, rows 10 and 11 lie
+    outside the array. One byte of row 9 changed inside its zstd frame (content checksum set):
+    the frame's XXH64 no longer matches, which zstd only checks at the frame's end — past the
+    last row anyone asks for. The rows are refused, never returned with row 9 wrong."""
+    value = np.random.default_rng(2).standard_normal((10, 4)).astype(np.float32)
+    array = _zarr(tmp_path / "a", value, 4)
+    chunk = tmp_path / "a" / "2.0"
+    content = np.zeros((4, 4), np.float32)
+    content[:2] = value[8:]
+    level0 = zstandard.ZstdCompressor(level=1, write_checksum=True)
+    frame = bytearray(level0.compress(content.tobytes()))
+    at = bytes(frame).find(value[9].tobytes())
+    assert at > 0, "row 9 is stored as literal bytes in the frame"
+    frame[at + 1] ^= 0x40
+    chunk.write_bytes(bytes(frame))
+    with pytest.raises(zstandard.ZstdError, match="checksum"):  # libzstd's own one-shot verdict
+        zstandard.ZstdDecompressor().decompress(bytes(frame))
+    rows = _rows(array)
+    np.testing.assert_array_equal(rows(0, 8), value[:8])
+    with pytest.raises(OrbaxImportError, match=r"rows 8:10.*checksum"):
+        rows(8, 10)
+    with pytest.raises(OrbaxImportError, match=r"rows 0:10.*checksum"):
+        _rows(array)(0, 10)

@@ -344,3 +344,40 @@ def test_safetensors_index_linked_outside_is_refused(tmp_path):
     ):
         jax_ucp.convert(snap, tmp_path / "out")
     assert_destination_untouched(tmp_path / "out")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["other_repo", "out_of_cache", "linked_blobs", "non_blob"])
+def test_one_cache_rule_for_convert_and_restore_of_a_file(tmp_path, how):
+    """A snapshot file linking into another repo's blobs/, out of the cache, through a blobs/
+    that is itself a link, or to a file of the repo that is no blob (a folder merely laid out as
+    ``x/blobs/`` + ``x/snapshots/run1/``): refused by convert and by restore of the folder and
+    of the file itself — restore no longer follows what convert refuses."""
+    repo, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32)})
+    shard = snap / "model-00001-of-00001.safetensors"
+    target = shard.resolve()
+    if how == "other_repo":
+        other, _ = _hf_cache(tmp_path / "o", {"z": np.zeros(2, np.float32)})
+        blob = next(p for p in (other / "blobs").iterdir() if p.read_bytes()[:1] != b"{")
+        shard.unlink()
+        shard.symlink_to(blob)
+    elif how == "out_of_cache":
+        private = tmp_path / "private.safetensors"
+        shutil.copy(target, private)
+        shard.unlink()
+        shard.symlink_to("../../blobs/../../../private.safetensors")
+    elif how == "linked_blobs":
+        real_blobs = tmp_path / "real_blobs"
+        shutil.move(repo / "blobs", real_blobs)
+        (repo / "blobs").symlink_to(real_blobs)
+    else:
+        (repo / "private").mkdir()
+        shutil.copy(target, repo / "private" / "weights.safetensors")
+        shard.unlink()
+        shard.symlink_to("../../private/weights.safetensors")
+    with pytest.raises(jax_ucp.UCPError, match=r"outside"):
+        jax_ucp.convert(snap, tmp_path / "out")
+    with pytest.raises(jax_ucp.UCPError, match=r"outside"):
+        jax_ucp.restore(snap)
+    with pytest.raises(jax_ucp.UCPError, match=r"outside"):
+        jax_ucp.restore(shard)

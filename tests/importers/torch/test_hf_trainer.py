@@ -157,7 +157,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     for name, change, why in [
         ("custom", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "custom code"),
         ("unknown", {"architectures": ["EvilForCausalLM"]}, "not one transformers"),
-        ("huge", {"num_hidden_layers": 10**7}, r"num_hidden_layers = 10000000, but the "),
+        ("huge", {"num_hidden_layers": 10**7}, r"num_hidden_layers asks for 10000000 modules"),
     ]:
         src = _copy(trainer_src("trainer_fp32"), tmp_path / name)
         with open(os.path.join(src, "config.json")) as f:
@@ -265,3 +265,74 @@ def test_a_hostile_training_args_bin_is_neither_run_nor_read(tmp_path, monkeypat
         "os.system" in trainer["training_args_unread"]
         or "posix.system" in (trainer["training_args_unread"])
     )
+
+
+@pytest.mark.torch
+def test_same_shaped_states_named_by_the_trainer_rule_are_said_out_loud(tmp_path):
+    """A Trainer subclass with its own ``create_optimizer()`` numbers parameters otherwise: with
+    q_proj / o_proj (both [32, 32]) states swapped in ``optimizer.pt``, the Trainer's grouping
+    rebuilt from config.json still fits every shape, so nothing in the files can tell. The
+    import says so, as the one-group index rule does: one warning, one note in the manifest."""
+    torch = pytest.importorskip("torch")
+    src = tmp_path / "checkpoint-3"
+    shutil.copytree(os.path.join(TRAINER, "trainer_fp32", "checkpoint-3"), src)
+    opt = torch.load(src / "optimizer.pt", weights_only=True)
+    square = [i for i, s in opt["state"].items() if tuple(s["exp_avg"].shape) == (32, 32)]
+    a, b = square[0], square[-1]
+    opt["state"][a], opt["state"][b] = opt["state"][b], opt["state"][a]
+    torch.save(opt, src / "optimizer.pt")
+    with pytest.warns(jax_ucp.OptimizerOrderWarning, match="Trainer's default grouping"):
+        jax_ucp.convert(str(src), str(tmp_path / "out"))
+    notes = jax_ucp.inspect(str(tmp_path / "out")).source.get("notes", [])
+    said = [n for n in notes if "Trainer's default grouping" in n]
+    assert len(said) == 1 and "share a shape" in said[0], notes
+
+
+@pytest.mark.parametrize("name", ["scheduler.pt", "trainer_state.json", "training_args.bin"])
+def test_a_trainer_side_file_linking_out_of_the_checkpoint_is_refused(tmp_path, monkeypatch, name):
+    """The Trainer's side files are read through ``inside``: one that is a symlink to a file
+    elsewhere is refused naming it, its values never land in the new manifest."""
+    src = tmp_path / "checkpoint-3"
+    shutil.copytree(os.path.join(TRAINER, "trainer_fp32", "checkpoint-3"), src)
+    elsewhere = tmp_path / "private"
+    elsewhere.mkdir()
+    (src / name).rename(elsewhere / name)
+    (src / name).symlink_to(elsewhere / name)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as in the torch-free default set
+    with np.load(os.path.join(TRAINER, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms  # the Trainer's: decayed, then norms
+    with pytest.raises(jax_ucp.UCPError, match=rf"{name}.*outside the checkpoint"):
+        jax_ucp.convert(str(src), str(tmp_path / "out"), parameter_order=order)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "change, key",
+    [
+        (
+            {"architectures": ["LlavaForConditionalGeneration"],
+             "text_config": {"num_hidden_layers": 1_000_000}},
+            r"text_config\.num_hidden_layers asks for 1000000 modules",
+        ),
+        (
+            {"architectures": ["ConvNextModel"], "depths": [1_000_000, 1, 1, 1]},
+            r"depths asks for 1000003 modules",
+        ),
+    ],
+)  # fmt: skip
+def test_a_config_asking_for_more_modules_than_the_checkpoint_holds_is_refused_first(
+    tmp_path, change, key
+):
+    """A layer count nested in a sub-config or given as a list passes no more than a top-level
+    one: each is bounded by the checkpoint's tensor count before transformers builds anything
+    (10**6 layers on the meta device grew past 2 GB in minutes)."""
+    src = _copy(trainer_src("trainer_fp32"), tmp_path / "src")
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(src, "config.json"), "w") as f:
+        json.dump({**config, **change}, f)
+    with pytest.raises(jax_ucp.UCPError, match=key):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert_destination_untouched(tmp_path / "out")
