@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import zstandard
@@ -122,7 +122,10 @@ class _Frame:
         self.nbytes, self.done = nbytes, 0  # decoded bytes declared / handed out so far
         self.source = _Source(kvstore, key)
         self.reader = zstandard.ZstdDecompressor().stream_reader(
-            self.source, read_size=PIECE_BYTES, read_across_frames=False, closefd=False
+            cast(IO[bytes], self.source),  # it calls read() only
+            read_size=PIECE_BYTES,
+            read_across_frames=False,
+            closefd=False,
         )
 
     def _decode(self, target, size: int) -> int:
