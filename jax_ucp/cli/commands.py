@@ -418,7 +418,7 @@ def convert(
                 weights_only=weights_only,
                 distributed=bool(coordinator),
                 progress=on_progress,
-                **({"parameter_order": order} if order is not None else {}),
+                parameter_order=order,
             )
     except agreement.SharedWriteError as e:
         output.error(str(e))

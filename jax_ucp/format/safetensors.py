@@ -182,11 +182,12 @@ class SafetensorsFile:
                 raise SafetensorsError(f"{path}: {size} bytes, too short for a header.")
             # bytes are read with pread through mapped_file, never by touching the mapping: a
             # file truncated meanwhile is an error naming it, not SIGBUS
-            self._map = mapped_file.map_file(path, fd)
+            mapped = mapped_file.map_file(path, fd)
         finally:
             os.close(fd)
-        if self._map is None or len(self._map) != size:
+        if mapped is None or len(mapped) != size:
             raise SafetensorsError(f"{path}: changed size while being opened.")
+        self._map: mapped_file.FileMap = mapped
         header_len = int.from_bytes(mapped_file.read_bytes(self._map, 0, 8, "the header"), "little")
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
             raise SafetensorsError(

@@ -99,6 +99,7 @@ def slice_map(
             lines.append(f"  {what:<30} devices {_ranges(devices)}")
         return "\n".join(lines)
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
 
     fig, ax = plt.subplots(figsize=(5, 4))
     rows = shape[0] if shape else 1
@@ -108,7 +109,7 @@ def slice_map(
         (r0, r1) = s[0] if s else (0, 1)
         (c0, c1) = s[1] if len(s) > 1 else (0, 1)
         ax.add_patch(
-            plt.Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=colours(i % 20), edgecolor="black")
+            Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=colours(i % 20), edgecolor="black")
         )
         label = "all devices" if s == whole and len(devices) > 1 else f"dev {_ranges(devices)}"
         ax.text((c0 + c1) / 2, (r0 + r1) / 2, label, ha="center", va="center", fontsize=8)

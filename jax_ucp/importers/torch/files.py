@@ -539,7 +539,9 @@ def _say_order_assumed(
     by_shape: dict[tuple, list[str]] = {}
     for key in state:
         name = to_name.get(key)
-        tensor = model.get(clean.get(name, name)) if name is not None else None
+        if name is None:
+            continue
+        tensor = model.get(clean.get(name, name))
         if tensor is not None:
             by_shape.setdefault(tuple(tensor[0].shape), []).append(name)
     shared = {shape: names for shape, names in by_shape.items() if len(names) > 1}
