@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import CheckpointError, ResumeWarning
+from jax_ucp.errors import CheckpointError, ResumeWarning, SourceError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp.options import keywords_of, renamed
 from jax_ucp.orbax import handler as checkpoint_handler
@@ -261,6 +261,7 @@ def verify(
     progress=None,
     memory_budget: int | str | None = None,
     max_read_bytes: int | str | None = None,
+    against: str | os.PathLike | None = None,
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
 
@@ -280,12 +281,36 @@ def verify(
       progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
       memory_budget: bytes of tensors checked at once, as ``RestoreOptions.memory_budget``.
       max_read_bytes: the deprecated name of ``memory_budget``.
+      against: the source checkpoint ``path`` was imported from: every tensor the import
+        copied one for one is also compared bit for bit with what the source framework's own
+        loader reads (``jax_ucp.against``); a difference is a problem, a tensor that cannot be
+        compared so (built by the import) a notice saying why.
     """
     name = lambda field: f"verify({field}=)"  # noqa: E731
     budget = renamed("memory_budget", memory_budget, "max_read_bytes", max_read_bytes, name)
     budget = parse_size(DEFAULT_MEMORY_BUDGET if budget is None else budget, name("memory_budget"))
     # A concurrent forced save is read again, not reported as damage (reader.read_consistently).
-    return reader.read_consistently(path, lambda root: _verify(root, progress, budget))
+    result = reader.read_consistently(path, lambda root: _verify(root, progress, budget))
+    if against is None or result:
+        return result
+    from jax_ucp.against import compare_with_source
+
+    found = compare_with_source(os.fspath(path), os.fspath(against), progress)
+    if not found.equal and not found.different:
+        raise SourceError(
+            f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
+            + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
+        )
+    return VerifyResult(
+        [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()],
+        [
+            *result.notices,
+            *(
+                (n, f"{n}: not compared with the source: {why}")
+                for n, why in found.not_compared.items()
+            ),
+        ],
+    )
 
 
 def _verify(root: str, progress, budget: int) -> VerifyResult:

@@ -22,13 +22,14 @@ ALLOWED = {
     "saving": {"format", "store", "writer", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "handler": {"orbax"},  # only the old module names Orbax recorded, as aliases
-    "api": {"format", "store", "writer", "tree", "restoring", "saving", "orbax"},
+    "api": {"format", "store", "writer", "tree", "restoring", "saving", "orbax", "against"},
     "importers": {"format", "writer", "language"},
     "models": {"language"},
     "samples": set(),
     "exporters": {"format", "store", "writer", "language", "tree", "restoring"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     "optax_torch": {"format", "store", "language", "api", "models"},  # a torch run -> optax
+    "against": {"format", "store", "restoring"},  # verify(against=): the source's own loaders
 }
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)
 BASE = {"lazy_names", "version", "errors", "options"}  # leaf modules any layer may use

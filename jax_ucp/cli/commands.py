@@ -279,14 +279,25 @@ def inspect(
 
 @app.command()
 @_user_errors
-def verify(path: str, memory_budget: MemoryBudget = None):
-    """Read every tensor and check every shard file (crc32c, digests); report what is wrong."""
+def verify(
+    path: str,
+    memory_budget: MemoryBudget = None,
+    against: str | None = typer.Option(
+        None,
+        help="the source checkpoint it was imported from: compare every copied tensor bit for "
+        "bit with what the source framework's own loader reads",
+    ),
+):
+    """Read every tensor and check every shard file (crc32c, digests); report what is wrong.
+    With --against SRC, also compare with the source read by its framework's own loader."""
     import jax_ucp
 
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
     with _bar("verifying", transient=True) as on_progress:
-        bad = jax_ucp.verify(path, progress=on_progress, memory_budget=memory_budget)
+        bad = jax_ucp.verify(
+            path, progress=on_progress, memory_budget=memory_budget, against=against
+        )
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
     if bad:
