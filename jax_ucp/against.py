@@ -117,13 +117,21 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 def _dcp_tensor(src: str, key: str) -> np.ndarray:
     import torch  # pyright: ignore[reportMissingImports]  # the torch extra
-    import torch.distributed.checkpoint as dcp  # pyright: ignore[reportMissingImports]
+    from torch.distributed.checkpoint.filesystem import (  # pyright: ignore[reportMissingImports]
+        FileSystemReader,
+    )
+    from torch.distributed.checkpoint.metadata import (  # pyright: ignore[reportMissingImports]
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.state_dict_loader import (  # pyright: ignore[reportMissingImports]
+        load,
+    )
 
-    meta = dcp.FileSystemReader(src).read_metadata().state_dict_metadata.get(key)
-    if meta is None or not hasattr(meta, "size"):
+    meta = FileSystemReader(src).read_metadata().state_dict_metadata.get(key)
+    if not isinstance(meta, TensorStorageMetadata):
         raise SourceError(f"{src}: torch DCP's metadata has no tensor {key!r}")
     out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    dcp.load({key: out}, checkpoint_id=src, no_dist=True)
+    load({key: out}, checkpoint_id=src, no_dist=True)
     return _torch_to_numpy(out)
 
 
