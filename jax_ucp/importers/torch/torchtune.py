@@ -67,8 +67,9 @@ def plan_torchtune(
     has_recipe = os.path.lexists(recipe)
     if has_recipe and not weights_only:
         raise TorchImportError(
-            f"{recipe}: torchtune's optimizer state is keyed by index over torchtune's own "
-            f"model (its parameter names, and q/k rows in its RoPE order, which the "
+            f"{recipe}: torchtune's optimizer state is keyed over torchtune's own model (by "
+            f"index in its single-device recipes, by torchtune's parameter names in its "
+            f"distributed ones; q/k rows in its RoPE order, which the "
             f"checkpointer converted for the weights in {epochs[-1]}/ but not for the "
             f"moments); importing it is not supported yet. Convert with weights_only=True to "
             f"import {epochs[-1]}/'s weights"
