@@ -575,10 +575,16 @@ def _by_index(
     the way out, when that order cannot hold: safetensors weights (sorted names) or several
     groups."""
     sizes = _group_sizes(groups)
+    names = (
+        "[n for n, _ in model.named_parameters()]"
+        if len(groups) <= 1
+        else "the names group after group, as the optimizer's groups were built (e.g. "
+        "[n for group in name_groups for n in group]; model.named_parameters() order is not "
+        "that order when groups split it)"
+    )
     way_out = (
-        "pass parameter_order=[n for n, _ in model.named_parameters()] (the names in the "
-        "order the optimizer numbered them, group after group), or convert with "
-        "weights_only=True to import the weights alone"
+        f"pass parameter_order={names} (--parameter-order FILE on the command line), or "
+        f"convert with weights_only=True to import the weights alone"
     )
     if sorted_weights:
         raise TorchImportError(
