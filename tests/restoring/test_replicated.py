@@ -89,6 +89,14 @@ def _job(tmp_path, path, mode):
     return run_workers(tmp_path, WORKER, str(path), mode)
 
 
+def _gloo_aborted(*results) -> bool:
+    """A worker killed by SIGABRT inside gloo's rank connection (not by anything the test did)."""
+    return any(
+        code == -6 and "[Gloo] Rank" in out + err and "connected to" in out + err
+        for code, out, err in results
+    )
+
+
 def _checkpoint(tmp_path):
     """A small tree (bf16, float32, int32, a scalar, a Python value) in 4 KiB inner chunks, so a
     32 KiB read budget makes several batches; its data saved beside it."""
@@ -155,6 +163,11 @@ def test_a_lost_or_failing_peer_is_an_error_not_a_hang(tmp_path, mode, message):
 
     path, _ = _checkpoint(tmp_path)
     (code0, out0, err0), (code1, out1, err1) = _job(tmp_path, path, mode)
+    if _gloo_aborted((code0, out0, err0), (code1, out1, err1)):
+        # gloo's CPU collectives sometimes abort while connecting their ranks (seen once in
+        # CI: "Rank 1 is connected to 1 peer ranks. Expected ... 1", SIGABRT), before this
+        # test's sabotage runs; that is jax's flake, not the failure protocol under test
+        (code0, out0, err0), (code1, out1, err1) = _job(tmp_path, path, mode)
     assert code0 == 3, f"{out0}\n{err0[-3000:]}"
     line = next(x for x in out0.splitlines() if x.startswith("FAILED"))
     seconds = float(line.split()[2])
