@@ -487,3 +487,15 @@ def test_cli_reports_a_spec_error_like_other_errors(tmp_path):
     assert "error:" in r.output and "nested deeper than 64 levels" in r.output
     assert "Traceback" not in r.output
     assert not os.path.exists(tmp_path / "out")
+
+
+def test_toml_roundtrip_keeps_quotes_backslashes_and_control_characters():
+    """The emitter (tomli-w) must escape what a hand-written one could get wrong."""
+    hostile = "a'b\"c\\d\ne\tf\x01g\u00e9"
+    spec = Spec(
+        name=hostile,
+        description=hostile,
+        settings={hostile: hostile},
+        imports=[ImportRule(r"x\.(\d+)\.w", L.Replicated())],
+    )
+    assert L.spec_from_toml(L.spec_to_toml(spec)) == spec
