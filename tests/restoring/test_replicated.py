@@ -165,8 +165,8 @@ def test_a_lost_or_failing_peer_is_an_error_not_a_hang(tmp_path, mode, message):
     (code0, out0, err0), (code1, out1, err1) = _job(tmp_path, path, mode)
     if _gloo_aborted((code0, out0, err0), (code1, out1, err1)):
         # gloo's CPU collectives sometimes abort while connecting their ranks (seen once in
-        # CI: "Rank 1 is connected to 1 peer ranks. Expected ... 1", SIGABRT), before this
-        # test's sabotage runs; that is jax's flake, not the failure protocol under test
+        # CI: "Rank 1 is connected to 1 peer ranks. Expected ... 1", SIGABRT); a C++ abort in
+        # jax's collectives is not the Python-level failure protocol under test
         (code0, out0, err0), (code1, out1, err1) = _job(tmp_path, path, mode)
     assert code0 == 3, f"{out0}\n{err0[-3000:]}"
     line = next(x for x in out0.splitlines() if x.startswith("FAILED"))
