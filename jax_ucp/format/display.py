@@ -87,3 +87,23 @@ def text_table(
     if more:
         out.append(f"… and {more} more (to_rows() has them all)")
     return "\n".join(out)
+
+
+class Tabular:
+    """Notebook and IPython displays of an object that is a titled table: the subclass says
+    its title, summary lines, rows and columns once (``table()``); html, markdown and pretty
+    text are drawn from them."""
+
+    __slots__ = ()
+
+    def table(self) -> tuple[str, list[str], list[dict], Sequence[str]]:
+        raise NotImplementedError
+
+    def _repr_html_(self) -> str:
+        return html_table(*self.table())
+
+    def _repr_markdown_(self) -> str:
+        return markdown_table(*self.table())
+
+    def _repr_pretty_(self, p, cycle: bool) -> None:
+        p.text(text_table(*self.table()))

@@ -113,7 +113,7 @@ class SavedSharding:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorEntry:
+class TensorEntry(display.Tabular):
     """One array leaf stored as one zarr v3 array under ``arrays/<dir>``."""
 
     key: tuple[str, ...]
@@ -170,17 +170,8 @@ class TensorEntry:
             "source": ", ".join((self.provenance or {}).get("tensors", [])[:3]) or None,
         }
 
-    def _table(self):
+    def table(self):
         return f"tensor {self.name}", [], [self.to_row()], _ENTRY_COLUMNS
-
-    def _repr_html_(self) -> str:
-        return display.html_table(*self._table())
-
-    def _repr_markdown_(self) -> str:
-        return display.markdown_table(*self._table())
-
-    def _repr_pretty_(self, p, cycle: bool) -> None:
-        p.text(display.text_table(*self._table()))
 
     def to_json(self) -> dict:
         """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
@@ -387,7 +378,7 @@ Entry = TensorEntry | ValueEntry
 
 
 @dataclasses.dataclass
-class Manifest:
+class Manifest(display.Tabular):
     """Everything ``ucp.json`` says about a checkpoint."""
 
     entries: list[Entry]
@@ -473,7 +464,7 @@ class Manifest:
             lines.append(f"imported from {framework}: {source['path']}")
         return lines
 
-    def _table(self):
+    def table(self):
         rows = [e.to_row() for e in self.tensors]
         return "jax_ucp checkpoint", self.summary_lines(), rows, _ENTRY_COLUMNS
 
@@ -482,15 +473,6 @@ class Manifest:
             f"Manifest({len(self.tensors)} tensors, {len(self.values)} values, "
             f"{format_size(self.nbytes)}, format v{self.version})"
         )
-
-    def _repr_html_(self) -> str:
-        return display.html_table(*self._table())
-
-    def _repr_markdown_(self) -> str:
-        return display.markdown_table(*self._table())
-
-    def _repr_pretty_(self, p, cycle: bool) -> None:
-        p.text(display.text_table(*self._table()))
 
     def to_json(self) -> dict:
         """The JSON form of ``ucp.json``."""

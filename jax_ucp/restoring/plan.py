@@ -72,7 +72,7 @@ class TensorPlan:
 
 
 @dataclasses.dataclass(frozen=True)
-class RestorePlan:
+class RestorePlan(display.Tabular):
     """``jax_ucp.plan(...)``: every tensor's placement, and the totals.
 
     Attributes:
@@ -153,7 +153,7 @@ class RestorePlan:
             lines.append(f"restore would refuse {len(self.errors)}: " + ", ".join(self.errors))
         return lines
 
-    def _table(self):
+    def table(self):
         rows = self.to_rows()
         for r in rows:
             r["bytes_per_device"] = format_size(r["bytes_per_device"] or 0)
@@ -166,15 +166,6 @@ class RestorePlan:
             f"{len(self.device_bytes)} devices, {format_size(self.max_device_bytes)} per device "
             f"at most)"
         )
-
-    def _repr_html_(self) -> str:
-        return display.html_table(*self._table())
-
-    def _repr_markdown_(self) -> str:
-        return display.markdown_table(*self._table())
-
-    def _repr_pretty_(self, p, cycle: bool) -> None:
-        p.text(display.text_table(*self._table()))
 
     @property
     def max_device_bytes(self) -> int:
