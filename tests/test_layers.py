@@ -15,7 +15,7 @@ ALLOWED = {
     "store": {"format"},
     "multihost": {"format"},
     "writer": {"format", "store", "multihost"},
-    "language": set(),
+    "language": {"format"},  # format.mapped_file: views of mapped files read with pread
     "sharding": {"format"},
     "tree": {"format"},
     "restoring": {"format", "store", "writer", "multihost", "language", "sharding", "tree"},

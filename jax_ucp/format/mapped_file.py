@@ -31,6 +31,7 @@ __all__ = [
     "read_out",
     "copy_into",
     "crc32",
+    "take",
     "PIECE",
 ]
 
@@ -179,3 +180,16 @@ def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking
         _pread_into(mm, start + pos, piece[:n].data, what)
         value = crc(piece[:n], value)
     return value
+
+
+def take(arr: np.ndarray, index: Any, what: str = "reading a tensor") -> np.ndarray:
+    """``arr.reshape(-1)[index]`` for a few flat indices, each element read with ``pread``
+    when ``arr`` views a :class:`FileMap` (spot checks of a large mapped tensor)."""
+    flat = arr.reshape(-1)
+    index = np.asarray(index, np.int64).reshape(-1)
+    if mapped_at(arr) is None:
+        return flat[index]
+    out = np.empty(index.shape, arr.dtype)
+    for k, i in enumerate(index.tolist()):
+        out[k] = read_out(flat[i : i + 1], what)[0]
+    return out

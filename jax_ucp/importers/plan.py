@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ucp import writer
 from jax_ucp.errors import RequestError, SourceError
-from jax_ucp.format import keypath, mapped_file
+from jax_ucp.format import keypath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,23 +132,6 @@ def refuse_spec(spec: Any, keeps: str, error: type[Exception] = RequestError) ->
             f"{keeps}; apply a spec at restore time (jax_ucp.restore(path, spec=...)) instead "
             f"of at import."
         )
-
-
-def mapped_deferred(view: np.ndarray, what: str) -> writer.Deferred:
-    """A tensor that is a view of a memory-mapped source file, read out with ``pread``
-    (:func:`jax_ucp.format.mapped_file.read_out`) whole or in row slabs once the writer has room:
-    the mapping itself is never touched, so a file truncated meanwhile is an error naming it,
-    never SIGBUS."""
-
-    def rows(start: int, stop: int) -> np.ndarray:
-        return mapped_file.read_out(view[start:stop], f"{what} rows {start}:{stop}")
-
-    return writer.Deferred(
-        tuple(view.shape),
-        view.dtype,
-        lambda: mapped_file.read_out(view, what),
-        rows=rows if view.ndim else None,
-    )
 
 
 def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.HostItem:

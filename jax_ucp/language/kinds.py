@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp.format import mapped_file
 from jax_ucp.language import views
 from jax_ucp.language.errors import MergeError, SpecError
 from jax_ucp.language.plain_form import parse_plain_form
@@ -46,7 +47,8 @@ class _NumpyBackend:
     def wrap(x):
         if isinstance(x, ts.TensorStore):
             return x.read().result()
-        return np.asarray(x) if not isinstance(x, np.ndarray) else x
+        # a view of a memory-mapped file is read with pread, never through the mapping
+        return mapped_file.read_out(np.asarray(x), "reading a fragment")
 
     @staticmethod
     def shape(x):

@@ -17,14 +17,38 @@ from collections.abc import Sequence
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp.format import mapped_file
 from jax_ucp.language.errors import TransformError
+
+#: Bytes per chunk of a view of a memory-mapped array (each chunk one ``pread``).
+MAPPED_CHUNK_BYTES = 4 << 20
 
 
 def as_view(x) -> ts.TensorStore:
-    """A zero-origin TensorStore view of ``x`` (TensorStore or numpy array)."""
+    """A zero-origin TensorStore view of ``x`` (TensorStore or numpy array). A view of a
+    memory-mapped source file is read with ``pread`` a chunk of rows at a time, never through
+    the mapping: a file truncated meanwhile is an error naming it, not SIGBUS."""
     if isinstance(x, ts.TensorStore):
         return zero_origin(x)
-    return ts.array(np.asarray(x))
+    x = np.asarray(x)
+    if x.ndim and x.size and mapped_file.mapped_at(x) is not None:
+        return _pread_view(x)
+    return ts.array(x)
+
+
+def _pread_view(x: np.ndarray) -> ts.TensorStore:
+    row_bytes = max(1, x.nbytes // x.shape[0])
+    rows = max(1, min(x.shape[0], MAPPED_CHUNK_BYTES // row_bytes))
+
+    def read(domain: ts.IndexDomain, array: np.ndarray, _params) -> None:
+        array[...] = mapped_file.read_out(x[domain.index_exp])
+
+    return ts.virtual_chunked(
+        read,
+        dtype=ts.dtype(x.dtype.name),
+        shape=x.shape,
+        chunk_layout=ts.ChunkLayout(read_chunk_shape=[rows, *x.shape[1:]]),
+    )
 
 
 def zero_origin(tensor: ts.TensorStore) -> ts.TensorStore:

@@ -19,7 +19,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.errors import tensorstore_message
+from jax_ucp.errors import UCPError, tensorstore_message
 from jax_ucp.store import shard_file, shard_reader, shard_writer
 from jax_ucp.writer import durable
 from jax_ucp.writer.layout import PreparedTensor
@@ -314,6 +314,8 @@ class PipelinedWriter:
                     _write_slabs, kv["path"], p, rows, slab_rows(p, max_bytes), self.sync
                 ),
             )
+        except UCPError:
+            raise  # a source file that failed to read (truncated while read): said as it is
         except OSError as e:
             raise _write_error(p, kv, e) from e
         if digest is not None:

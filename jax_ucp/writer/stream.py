@@ -21,6 +21,7 @@ import tensorstore as ts
 
 from jax_ucp import format as fmt
 from jax_ucp import store
+from jax_ucp.format import mapped_file
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.writer import layout as layout_lib
 from jax_ucp.writer import shards as shards_lib
@@ -182,6 +183,32 @@ def with_digests(entry: _E, digests: Mapping[str, str] | None) -> _E:
     return entry
 
 
+def mapped_deferred(view: np.ndarray, what: str) -> Deferred:
+    """A tensor that is a view of a memory-mapped source file, read with ``pread``
+    (:func:`jax_ucp.format.mapped_file.read_out`) whole or in row slabs once the writer has room:
+    the mapping itself is never touched, so a file truncated meanwhile is an error naming it
+    (``what`` says which tensor), never SIGBUS."""
+
+    def rows(start: int, stop: int) -> np.ndarray:
+        return mapped_file.read_out(view[start:stop], f"{what} rows {start}:{stop}")
+
+    return Deferred(
+        tuple(view.shape),
+        view.dtype,
+        lambda: mapped_file.read_out(view, what),
+        rows=rows if view.ndim else None,
+    )
+
+
+def unmapped(value: Any, name: str) -> Any:
+    """``value``, or when it is a view of a memory-mapped source file (an importer's tensor
+    taken straight from a rank file) a :func:`mapped_deferred` of it: whatever an importer
+    yields, the writer never touches a mapping."""
+    if isinstance(value, np.ndarray) and mapped_file.mapped_at(value) is not None:
+        return mapped_deferred(value, f"tensor {name!r}")
+    return value
+
+
 def _streams(v, budget: int) -> bool:
     """A ``Deferred`` larger than the budget that can build its rows alone."""
     return (
@@ -235,7 +262,7 @@ async def write_stream(
         for item in items:
             key = tuple(str(k) for k in item.key)
             key_types = tuple(item.key_types or ("key",) * len(key))
-            v = item.value
+            v = unmapped(item.value, fmt.key_to_str(key))
             if _streams(v, writer.max_bytes):
                 p = _prepare(key, key_types, item, np.broadcast_to(np.zeros((), v.dtype), v.shape))
                 if shards_lib.can_stream(p, directory):  # row slabs, each within the budget
@@ -245,6 +272,8 @@ async def write_stream(
             if isinstance(v, Deferred):  # room first, then the importer builds it
                 await writer.reserve(v.nbytes)
                 v = v.build(fmt.key_to_str(key))
+                if isinstance(v, np.ndarray):  # a view of a source file: read with pread
+                    v = mapped_file.read_out(v, f"tensor {fmt.key_to_str(key)!r}")
             elif isinstance(v, ts.TensorStore):  # a lazy source: read it once it fits, likewise
                 await writer.reserve(v.dtype.numpy_dtype.itemsize * math.prod(v.shape))
                 v = await v.read()

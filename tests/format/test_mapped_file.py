@@ -102,6 +102,93 @@ def test_a_file_truncated_after_it_was_mapped_is_an_error_naming_it(tmp_path, ki
     assert sorted(os.listdir(tmp_path)) == sorted([src.name])  # no temporaries left
 
 
+_RANK_FILE_TRUNCATED = """
+import json, os, shutil, sys
+import jax_ucp
+from jax_ucp.importers.torch import unpickler as torch_pickle
+
+real = torch_pickle.TorchArchive.load
+case = {}
+
+def archive_load(self, *args, **kwargs):  # unpickled: its tensors are views of the mapping
+    out = real(self, *args, **kwargs)
+    path = str(self.path)
+    if os.path.basename(path).startswith(case["prefix"]):
+        case["loads"].append(path)
+        if case["loads"].count(path) == case["nth"] and not case["shrunk"]:
+            os.truncate(path, os.path.getsize(path) // 2)  # its last load, then cut
+            case["shrunk"].append(os.path.basename(path))
+    return out
+
+torch_pickle.TorchArchive.load = archive_load
+for fixture, prefix, nth, budget, src, dst in json.loads(sys.argv[1]):
+    shutil.copytree(fixture, src)
+    case.update(prefix=prefix, nth=nth, loads=[], shrunk=[])
+    try:
+        jax_ucp.convert(src, dst, **({"memory_budget": budget} if budget else {}))
+        error = None
+    except jax_ucp.UCPError as e:
+        error = str(e)
+    print("CASE " + json.dumps({"error": error, "shrunk": case["shrunk"]}), flush=True)
+"""
+
+#: (fixture, rank file name prefix, its load followed by the cut, memory budget): DeepSpeed
+#: ZeRO-1/2 (the fp32 master checked against the module), ZeRO-3 (pieces joined), the module
+#: file, Megatron-DeepSpeed TP merges, AutoTP's affine map, MoE at ZeRO-0; Megatron legacy TP
+#: merges built whole and in row slabs (a budget below every tensor), pipeline-tied copies,
+#: distrib_optim.pt's flat buffers.
+_RANK_FILES = [
+    ("deepspeed/z2_bf16_dp2/ckpt", "bf16_zero_pp_rank_0", 1, ""),
+    ("deepspeed/z3_bf16_dp2/ckpt", "bf16_zero_pp_rank_0", 1, ""),
+    ("deepspeed/z1_fp32_dp2/ckpt", "mp_rank_00_model", 1, ""),
+    ("deepspeed/megatron_ds_tp2_dp2_z1_bf16_synthetic/ckpt", "bf16_zero_pp_rank_0", 1, ""),
+    ("deepspeed/autotp_tp2_dp2_z2_bf16/ckpt", "mp_rank_00_model", 1, ""),
+    ("deepspeed/moe_ep2_z0_fp32/ckpt", "mp_rank_00_model", 1, ""),
+    ("megatron/legacy_llama_tp2_synthetic", "model_optim_rng", 2, ""),
+    ("megatron/legacy_llama_tp2_synthetic", "model_optim_rng", 2, "2KiB"),
+    ("megatron/legacy_gpt_tp2pp2_synthetic", "model_optim_rng", 2, ""),
+    ("megatron/legacy_gpt_distopt_pp2dp2_synthetic", "distrib_optim", 2, ""),
+]
+
+
+@pytest.mark.timeout(300)
+def test_rank_files_truncated_once_unpickled_are_errors_naming_them(tmp_path):
+    """A DeepSpeed or Megatron legacy rank file truncated once it was unpickled for the import
+    (every tensor a view of its mapping; the importers slice, join, merge, compare and cast
+    them): an error naming the file, nothing written — not SIGBUS (exit -7, no message), and
+    not the zeros a mapping shows past a file's new end within its last page (a Megatron TP
+    merge read them and called the ranks disagreeing). One process for every case."""
+    cases = [
+        (
+            os.path.join(REPO, "tests", "fixtures", fx),
+            prefix,
+            nth,
+            budget,
+            str(tmp_path / f"src{i}"),
+            str(tmp_path / f"out{i}"),
+        )
+        for i, (fx, prefix, nth, budget) in enumerate(_RANK_FILES)
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", _RANK_FILE_TRUNCATED, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=290,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    results = [json.loads(x[5:]) for x in done.stdout.splitlines() if x.startswith("CASE ")]
+    assert len(results) == len(cases)
+    for (fx, prefix, _, budget), result in zip(_RANK_FILES, results):
+        (shrunk,) = result["shrunk"]
+        assert shrunk.startswith(prefix), (fx, result)
+        assert result["error"] is not None, f"{fx}: converted from a truncated {shrunk}"
+        assert shrunk in result["error"] and "truncated" in result["error"], (fx, result)
+    for i in range(len(cases)):
+        assert not (tmp_path / f"out{i}").exists()
+    assert sorted(os.listdir(tmp_path)) == sorted(f"src{i}" for i in range(len(cases)))
+
+
 @pytest.mark.timeout(180)
 def test_mapped_file_reads_views_with_pread_exactly(tmp_path):
     """read_out / copy_into / crc32 / read_bytes give what touching the mapping would: C-order,

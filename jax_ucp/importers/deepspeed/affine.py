@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed.files import MAX_DIM, DeepSpeedImportError
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.patterns import compile_pattern
@@ -251,7 +252,10 @@ def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) ->
     covered = np.zeros(full.size, np.uint8)
     item = full.itemsize
     for rank, shard in enumerate(shards):
-        flat = np.ascontiguousarray(shard).reshape(-1)
+        flat = mapped_file.read_out(
+            np.ascontiguousarray(shard) if mapped_file.mapped_at(shard) is None else shard,
+            f"{name}: TP rank {rank}",
+        ).reshape(-1)
         if flat.dtype != dtype:
             raise DeepSpeedImportError(f"{name}: TP rank {rank} is {flat.dtype}, rank 0 {dtype}")
         for p in amap.pieces[rank]:

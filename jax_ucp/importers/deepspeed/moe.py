@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed import files, zero
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, require
 from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
@@ -602,7 +603,9 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
                     )
                 pair.append(value)
             if "step" in entry:
-                steps.setdefault(float(np.asarray(entry["step"])), f"in {where}")
+                steps.setdefault(
+                    float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}"
+                )
                 if isinstance(entry["step"], np.ndarray):
                     step_tensors.append(f"{where}.step")
             tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.format import files
+from jax_ucp.format import files, mapped_file
 from jax_ucp.importers.deepspeed.files import (
     OPTIMIZER_FILE,
     ZERO3_MODEL_FILE,
@@ -494,8 +494,8 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
     pieces = checkpoint.fragment_plan[name].pieces
     at = np.cumsum([0] + [piece.numel for piece in pieces])
     index = np.unique(np.concatenate([at[:-1], at[1:] - 1]).astype(np.int64))
-    want = stored.reshape(-1)[index]
-    found = fp32.reshape(-1)[index].astype(stored.dtype)
+    want = mapped_file.take(stored, index, f"reading {name!r}")
+    found = mapped_file.take(fp32, index, f"reading {name!r}").astype(stored.dtype)
     same = (want.view(np.uint8) == found.view(np.uint8)).reshape(len(index), -1).all(axis=1)
     if not same.all():
         bad = int(np.argmin(same))
@@ -591,7 +591,7 @@ def _joined(parts: list, shape, dtype) -> np.ndarray:
     out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
     at = 0
     for part in parts:
-        out[at : at + part.size] = part
+        mapped_file.copy_into(out[at : at + part.size], part.reshape(-1))
         at += part.size
     return out.reshape(shape)
 
@@ -635,7 +635,7 @@ def optimizer_step(*checkpoints: DeepSpeedCheckpoint) -> int:
     seen: dict[float, str] = {}
     for checkpoint in checkpoints:
         for _, place, step in _steps(checkpoint):
-            seen.setdefault(float(np.asarray(step)), place)
+            seen.setdefault(float(mapped_file.read_out(np.asarray(step))), place)
     return agreed_step(
         seen,
         checkpoints[0].tag_dir,
@@ -881,7 +881,9 @@ def frozen_items(
                         f"elements; {checkpoint.world_size} DP ranks of shape {shape} need "
                         f"{expected}"
                     )
-        flat = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        flat = (
+            np.concatenate([mapped_file.read_out(p) for p in parts]) if len(parts) > 1 else parts[0]
+        )
         if flat.size < count or (checkpoint.stage != 3 and flat.size != count):
             raise DeepSpeedImportError(
                 f"{checkpoint.frozen_files[0]}: frozen parameter {name!r} shape {shape} needs "

@@ -15,6 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp import writer
+from jax_ucp.format import mapped_file
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.megatron.common import (
     STATE_TREES,
@@ -417,7 +418,10 @@ def _tied_output_pairs(
         elif untie is None and checkpoint.pp > 1:
             first_embedding = next(iter(fragments[embedding].values()))
             first_output = next(iter(fragments[output].values()))
-            if all(np.array_equal(a, b) for a, b in zip(first_embedding, first_output)):
+            if all(
+                np.array_equal(mapped_file.read_out(a), mapped_file.read_out(b))
+                for a, b in zip(first_embedding, first_output)
+            ):
                 pairs.append((embedding, output))
     return pairs
 
@@ -570,7 +574,7 @@ class _LegacyMerger:
                     f"(files: {self.files_of(name)})"
                 )
             (shape,) = shapes
-            joined = np.concatenate([np.asarray(a) for a in per_ep], axis=0)
+            joined = np.concatenate([mapped_file.read_out(np.asarray(a)) for a in per_ep], axis=0)
             per_stage.append(joined.reshape(shape[0], -1) if name.endswith("weight1") else joined)
         if len(per_stage) > 1:
             raise MegatronImportError(f"tensor {name!r} is held by several pipeline stages")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from jax_ucp import writer
 from jax_ucp.errors import RequestError
 from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import (
@@ -24,7 +25,6 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     host_item,
-    mapped_deferred,
     refuse_spec,
     skip,
 )
@@ -80,7 +80,7 @@ def plan_safetensors(
     items = (
         host_item(
             ("params", n),
-            mapped_deferred(owner[n].tensor(n), f"{owner[n].path}: tensor {n[:100]!r}"),
+            writer.mapped_deferred(owner[n].tensor(n), f"{owner[n].path}: tensor {n[:100]!r}"),
             {"file": os.path.basename(owner[n].path), "tensors": [n]},
         )
         for n in mine
