@@ -177,7 +177,7 @@ def read_tag_file(path: str) -> str:
     A NUL or another control character would otherwise reach the file system as a raw
     "embedded null byte" error, or name a folder nobody wrote."""
     with unsafe_files_refused():
-        raw = files.read_regular(path, 4096)
+        raw = files.read_regular(files.in_own_folder(path), 4096)
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:

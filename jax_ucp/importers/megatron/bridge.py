@@ -126,7 +126,8 @@ def _tracker_step(tracker: Path) -> int | None:
     if not os.path.lexists(tracker):
         return None
     try:
-        text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
+        raw = files.read_regular(files.in_own_folder(tracker), 4096)
+        text = raw.decode("utf-8", "replace").strip()
     except files.UnsafeFileError as e:
         raise MegatronBridgeError(str(e)) from None
     if not text.isdigit():
@@ -244,7 +245,7 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
             f"(heads, query groups, kv channels, SwiGLU, vocab size) of a Bridge checkpoint"
         )
     try:
-        text = files.read_regular(str(path), MAX_RUN_CONFIG_BYTES)
+        text = files.read_regular(files.in_own_folder(path), MAX_RUN_CONFIG_BYTES)
     except files.UnsafeFileError as e:
         raise MegatronBridgeError(str(e)) from None
     loader = _SafeLoader(text)

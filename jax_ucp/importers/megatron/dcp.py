@@ -73,7 +73,9 @@ def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
     mj = Path(path) / "metadata.json"
     if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"
         try:
-            mcore = json.loads(files.read_regular(str(mj), MAX_MCORE_METADATA_BYTES))
+            mcore = json.loads(
+                files.read_regular(files.in_own_folder(mj), MAX_MCORE_METADATA_BYTES)
+            )
         except files.UnsafeFileError as e:  # names the file
             raise DcpError(str(e)) from None
         except (ValueError, RecursionError) as e:

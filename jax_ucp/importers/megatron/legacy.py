@@ -132,7 +132,8 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
     tracker = src / TRACKER_FILE
     if os.path.lexists(tracker):
         try:
-            text = files.read_regular(str(tracker), 4096).decode("utf-8", "replace").strip()
+            raw = files.read_regular(files.in_own_folder(tracker), 4096)
+            text = raw.decode("utf-8", "replace").strip()
         except files.UnsafeFileError as e:
             raise LegacyError(str(e)) from None
         if text == "release":

@@ -56,7 +56,7 @@ def _steps(root: str) -> dict[int, str]:
 def read_json(path: str) -> Any:
     """An Orbax JSON record read within a size bound; unreadable is an error naming it."""
     try:
-        return json.loads(files.read_regular(path, _MAX_JSON_BYTES))
+        return json.loads(files.read_regular(files.in_own_folder(path), _MAX_JSON_BYTES))
     except (OSError, ValueError, RecursionError) as e:
         raise OrbaxImportError(f"{path}: not a readable Orbax JSON file ({e})") from None
 

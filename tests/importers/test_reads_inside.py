@@ -1,0 +1,95 @@
+"""Every file an import reads from a source checkpoint went through the one rule for names
+(``format.files.inside`` and its two forms): trackers, metadata, side files and rank files
+alike. Files are seen where they are opened (``os.open``, ``open``), whoever opens them."""
+
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+
+import pytest
+
+import jax_ucp
+from jax_ucp.format import files
+from tests.ucp_testing import REPO
+
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+SOURCES = [
+    "deepspeed/z2_bf16_dp2/ckpt",  # latest + ZeRO-2 rank files
+    "deepspeed/z3_bf16_dp2/universal",  # latest_universal + zero/<param>/*.pt
+    "deepspeed/pipe_pp2_z1_bf16/ckpt",  # pipeline layer files
+    "megatron/legacy_gpt_distopt_pp2dp2_synthetic",  # tracker + model_optim_rng + distrib_optim
+    "megatron/gpt_tp2",  # torch_dist: .metadata, metadata.json, common.pt, .distcp
+    "megatron_bridge/llama_tp1dp2",  # tracker, run_config.yaml, train_state.pt
+    "torch/fsdp2_fp32",  # torch DCP
+    "torch/accelerate_full",  # model.safetensors + optimizer.bin + Accelerate's records
+    "hf_trainer/trainer_bf16/checkpoint-3",  # Trainer side files
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("source", SOURCES)
+def test_every_file_an_import_reads_went_through_inside(tmp_path, monkeypatch, source):
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, source), src)
+    root = os.path.realpath(src)
+    checked: set[str] = set()
+    for name in ("inside", "inside_checkpoint", "in_own_folder"):
+        real = getattr(files, name)
+
+        def wrapped(*args, _real=real, **kwargs):
+            out = _real(*args, **kwargs)
+            checked.add(os.path.realpath(out))
+            return out
+
+        monkeypatch.setattr(files, name, wrapped)
+    opened: list[str] = []
+
+    def note(path, writing: bool) -> None:
+        if isinstance(path, int) or writing:
+            return
+        real = os.path.realpath(os.fsdecode(path))
+        if real.startswith(root + os.sep) and os.path.isfile(real):
+            opened.append(real)
+
+    os_open, builtin_open = os.open, builtins.open
+
+    def spy_os_open(path, flags, *args, **kwargs):
+        note(path, bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
+        return os_open(path, flags, *args, **kwargs)
+
+    def spy_open(path, mode="r", *args, **kwargs):
+        note(path, any(c in mode for c in "wax+"))
+        return builtin_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy_os_open)
+    monkeypatch.setattr(builtins, "open", spy_open)
+    jax_ucp.convert(str(src), str(tmp_path / "out"))
+    assert opened, "no source file seen opened: the spy missed the reads"
+    unchecked = sorted({os.path.relpath(p, root) for p in opened if p not in checked})
+    assert not unchecked, f"read without files.inside: {unchecked}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "source, tracker",
+    [
+        ("deepspeed/z2_bf16_dp2/ckpt", "latest"),
+        ("megatron/legacy_llama_tp2_synthetic", "latest_checkpointed_iteration.txt"),
+    ],
+)
+def test_a_tracker_linked_out_of_the_checkpoint_is_refused(tmp_path, source, tracker):
+    """A tracker file that is a symlink to a file elsewhere (naming the same tag) is refused
+    naming it, never read."""
+    src = tmp_path / "src"
+    shutil.copytree(os.path.join(FIXTURES, source), src)
+    elsewhere = tmp_path / "elsewhere.txt"
+    shutil.copy(src / tracker, elsewhere)
+    (src / tracker).unlink()
+    (src / tracker).symlink_to(elsewhere)
+    with pytest.raises(jax_ucp.UCPError, match="outside the checkpoint") as e:
+        jax_ucp.convert(str(src), str(tmp_path / "out"))
+    assert tracker in str(e.value)
+    assert not (tmp_path / "out").exists()
