@@ -421,8 +421,16 @@ def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_
         np.load(tmp_path / "run" / "stepped.npz"),
         np.load(os.path.join(fixture, "next_params.npz")),
     )
-    for name in expected:  # DP=1 vs DP=2: the same math, gradients summed in another order
-        np.testing.assert_allclose(after[name], expected[name], rtol=0, atol=1e-5)
+    # DP=1 here vs DP=2 on the machine that wrote the fixture: the same math, gradients summed
+    # in another order and DeepSpeed's CPU Adam built for another CPU. Where a gradient is near
+    # 0, Adam's m / (sqrt(v) + eps) amplifies that rounding: seen 2.3e-5 on 2 of 48 elements
+    # (lr 1e-3). Wrong moments or step count move elements by O(lr), far beyond lr / 10.
+    lr = 1e-3
+    moved = 0
+    for name in expected:
+        np.testing.assert_allclose(after[name], expected[name], rtol=0, atol=lr / 10)
+        moved += int(np.sum(np.abs(expected[name] - saved[name]) > lr / 10))
+    assert moved > 0  # the step did move the parameters
 
 
 def _torch_layout(flax_params, names):
