@@ -37,6 +37,7 @@ from jax_ucp.version import __version__
 _LAZY = {
     "UCPCheckpointHandler": "jax_ucp.orbax.handler",
     "UCPRestore": "jax_ucp.orbax.handler",
+    "RestoreOptions": "jax_ucp.restoring.options",
     "UCPSave": "jax_ucp.orbax.handler",
     "UCPHandler": "jax_ucp.orbax.v1",
     "orbax_v1_context": "jax_ucp.orbax.v1",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
     from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
     from jax_ucp.restoring.checks import diff
+    from jax_ucp.restoring.options import RestoreOptions
     from jax_ucp.restoring.plan import abstract_mesh, plan
     from jax_ucp.sharding.mesh_layout import ReplicationWarning
     from jax_ucp.store.location import set_object_store_options
@@ -82,6 +84,7 @@ __all__ = [
     "OptimizerOrderWarning",
     "ReplicationWarning",
     "RequestError",
+    "RestoreOptions",
     "ResumeWarning",
     "SaveConflictError",
     "SetupError",

@@ -368,8 +368,15 @@ def _adam_state(opt: dict, where: str) -> tuple[Any, Any]:
     raise UnsupportedError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
 
 
-def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) -> TorchOptimizer:
+def optax_from_torch(
+    ckpt, *, spec: Any = None, optimizer: str | None = None, options: Any = None
+) -> TorchOptimizer:
     """The optax optimizer and state that continue the torch run converted at ``ckpt``.
+
+    On a mesh (``options=RestoreOptions(mesh=, rules=)``, or ``target=``/``shardings=``) the
+    params and Adam's moments come back as ``jax.Array``s placed alike, each process reading
+    only its slices, once; nothing is built whole on one host (the optimizer state around the
+    moments is derived from shapes, ``jax.eval_shape``). A jitted step consumes it as it is.
 
     Args:
         ckpt: a UCP checkpoint imported from torch with its Adam/AdamW state (a Hugging Face
@@ -381,6 +388,9 @@ def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) ->
             decay recorded by a torch that writes the same keys for Adam (L2 decay added to the
             gradient) and AdamW (decoupled decay), with no Trainer record. A choice the files
             contradict is refused.
+        options: a :class:`jax_ucp.RestoreOptions` (mesh, rules, target or shardings,
+            memory_budget, ...): how params and moments are restored, as ``restore`` takes
+            them; its ``spec`` must be left unset (``spec=`` above is the one spec).
 
     Returns:
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
@@ -406,7 +416,7 @@ def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) ->
     trainer_args = (source.get("trainer") or {}).get("training_args") or {}
     kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
-    tree = restore(ckpt, spec=spec)
+    tree = restore(ckpt, **_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise UnsupportedError(f"{where}: the checkpoint holds no optimizer state")
     params = tree["params"]
@@ -447,14 +457,42 @@ def optax_from_torch(ckpt, *, spec: Any = None, optimizer: str | None = None) ->
             stacklevel=2,
         )
     tx = optax.chain(*parts)
-    state = list(tx.init(params))  # pyright: ignore[reportArgumentType]  # optax types OptState as any pytree; a chain's is a tuple
+    # the state's structure from shapes alone: tx.init(params) would build zeros the size of
+    # the model (placed wherever jnp.zeros_like puts them) only for the moments to replace them
+    state = list(jax.eval_shape(tx.init, params))  # pyright: ignore[reportArgumentType]  # a chain's state is a tuple
     count = jnp.asarray(step, jnp.int32)
     for i, s in enumerate(state):
         if isinstance(s, optax.ScaleByAdamState):
             state[i] = optax.ScaleByAdamState(count=count, mu=_like(mu, s.mu), nu=_like(nu, s.nu))
         elif isinstance(s, optax.ScaleByScheduleState):
             state[i] = optax.ScaleByScheduleState(count=count)
+        else:  # clipping and weight decay keep no arrays; anything else starts at zeros
+            state[i] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s)
     return TorchOptimizer(tx, tuple(state), params, schedule, step, notes, unrecovered, kind)
+
+
+def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
+    """``restore``'s keywords: those ``options`` (a RestoreOptions) sets, with ``spec``."""
+    if options is None:
+        return {"spec": spec}
+    from jax_ucp.restoring.options import RestoreOptions
+
+    if not isinstance(options, RestoreOptions):
+        raise TypeError(
+            f"optax_from_torch(options=): a jax_ucp.RestoreOptions, not {type(options).__name__}"
+        )
+    if options.spec is not None:
+        raise UnsupportedError(
+            f"{where}: optax_from_torch(options=) with a spec; give the spec as "
+            f"optax_from_torch(spec=) (it also finds which torch parameters each leaf holds)"
+        )
+    given = {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)
+        if f.init and getattr(options, f.name) is not f.default
+    }
+    given.pop("max_read_bytes", None)
+    return {**given, "spec": spec}
 
 
 def _spec_with_recorded_settings(spec: Any, source: dict, notes: list[str]) -> Any:
@@ -501,7 +539,7 @@ def _like(moment, init):
             raise UnsupportedError(
                 f"moment of shape {np.shape(got)} for a parameter of {np.shape(want)}"
             )
-        return jnp.asarray(got)
+        return got if isinstance(got, jax.Array) else jnp.asarray(got)  # placed as restored
 
     return jax.tree.map(one, moment, init)
 

@@ -357,3 +357,72 @@ def test_a_spec_by_name_takes_the_recorded_config_settings(tmp_path, monkeypatch
     for a, b in zip(jax.tree.leaves(by_name.params), jax.tree.leaves(by_hand.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert any("recorded config.json" in n for n in by_name.notes)
+
+
+def test_a_trainer_run_continues_on_a_mesh_sharded_by_rules(tmp_path, monkeypatch):
+    """``optax_from_torch(ckpt, spec=, options=RestoreOptions(mesh=, rules=))`` on 8 devices
+    (data=2 x model=4): params and Adam's moments come back as jax.Arrays placed alike by the
+    rules (sharded, not whole on one device), and a jitted step consuming them as they are
+    gives torch's recorded losses of steps 4 and 5."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    kind = "trainer_fp32"
+    src = os.path.join(FIX, kind, "checkpoint-3")
+    with np.load(os.path.join(FIX, f"{kind}.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+        tokens, want = z["next_tokens"], z["next_losses"]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    ckpt = jax_ucp.convert(
+        src,
+        tmp_path / "ucp",
+        parameter_order=[*sorted(set(names) - set(norms), key=names.index), *norms],
+    )
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = LMConfig.from_hf_llama(json.load(f))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rules = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+    run = jax_ucp.optax_from_torch(
+        ckpt, spec="hf_llama", options=jax_ucp.RestoreOptions(mesh=mesh, rules=rules)
+    )
+    adam = next(s for s in run.opt_state if isinstance(s, optax.ScaleByAdamState))
+    params = jax.tree.leaves(run.params)
+    sharded = 0
+    for p, mu, nu in zip(params, jax.tree.leaves(adam.mu), jax.tree.leaves(adam.nu)):
+        assert isinstance(p, jax.Array) and isinstance(mu, jax.Array) and isinstance(nu, jax.Array)
+        assert isinstance(p.sharding, NamedSharding) and p.sharding.mesh.shape == mesh.shape
+        assert mu.sharding == p.sharding and nu.sharding == p.sharding
+        sharded += p.sharding.spec != P() and not p.sharding.is_fully_replicated
+        if p.sharding.spec != P() and not p.sharding.is_fully_replicated:
+            assert p.addressable_shards[0].data.size < p.size  # a slice per device, not whole
+    assert sharded >= len(params) // 2, sharded
+    unsharded = jax_ucp.optax_from_torch(ckpt, spec="hf_llama")
+    for a, b in zip(params, jax.tree.leaves(unsharded.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    model = TransformerLM(cfg)
+
+    def loss_fn(params, ids):
+        logits = model.apply({"params": params}, ids)
+        return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+    @jax.jit
+    def step(params, opt_state, ids):
+        loss, grads = jax.value_and_grad(loss_fn)(params, ids)
+        updates, opt_state = run.tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    state, opt_state, losses = run.params, run.opt_state, []
+    for ids in tokens:
+        state, opt_state, loss = step(state, opt_state, jnp.asarray(ids, jnp.int32))
+        losses.append(float(loss))
+    np.testing.assert_allclose(losses, want, rtol=0, atol=1e-5)
+    mu_after = next(s for s in opt_state if isinstance(s, optax.ScaleByAdamState)).mu
+    assert jax.tree.leaves(mu_after)[0].sharding == params[0].sharding  # stays where it was
+
+
+def test_optax_from_torch_options_refuse_a_second_spec(tmp_path):
+    src = os.path.join(REPO, "tests", "fixtures", "torch", "accelerate_fsdp")
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    with pytest.raises(jax_ucp.UnsupportedError, match=r"optax_from_torch\(spec=\)"):
+        jax_ucp.optax_from_torch(ckpt, options=jax_ucp.RestoreOptions(spec="hf_llama"))

@@ -240,6 +240,7 @@ SURFACE: dict[str, set[str]] = {
     "jax_ucp.writer": {
         "DEFAULT_MEMORY_BUDGET",
         "Deferred",
+        "mapped_deferred",
         "HostItem",
         "PipelinedWriter",
         "PreparedTensor",
