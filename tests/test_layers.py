@@ -28,7 +28,7 @@ ALLOWED = {
     "samples": set(),
     "exporters": {"format", "store", "writer", "language", "tree", "restoring"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
-    "optax_torch": {"format", "store", "language", "api", "models"},  # a torch run -> optax
+    "optax_torch": {"format", "store", "language", "restoring", "api", "models"},  # -> optax
     "against": {"format", "store", "restoring"},  # verify(against=): the source's own loaders
 }
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)

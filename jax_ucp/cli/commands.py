@@ -573,6 +573,12 @@ def plan(
     every: bool = typer.Option(
         False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
     ),
+    spec: str | None = typer.Option(
+        None, help="plan the restore through a spec (a shipped name such as hf_llama, or a file)"
+    ),
+    config: str | None = typer.Option(
+        None, help="with --spec: a Hugging Face config.json giving the spec's head settings"
+    ),
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
@@ -588,7 +594,12 @@ def plan(
     rule_pairs = _parse_rules(rules) if rules else None
     _checkpoint_or_steps(path)
     result = jax_ucp.plan(
-        path, mesh=abstract_mesh(axes), rules=rule_pairs, processes=processes, strict=strict
+        path,
+        mesh=abstract_mesh(axes),
+        rules=rule_pairs,
+        processes=processes,
+        strict=strict,
+        spec=_spec_with_config(spec, config),
     )
     if as_json:
         _print_json(
@@ -782,6 +793,21 @@ def export(
             f"not exported ({len(out.skipped)}, outside --select or not tensors): "
             f"{', '.join(out.skipped[:6])}{' ...' if len(out.skipped) > 6 else ''}"
         )
+
+
+def _spec_with_config(spec: str | None, config: str | None):
+    """``--spec`` loaded with the head settings of ``--config`` (a Hugging Face config.json)."""
+    if spec is None:
+        if config is not None:
+            raise typer.BadParameter("--config gives a spec's settings: give --spec too")
+        return None
+    if config is None:
+        return spec
+    from jax_ucp import language
+    from jax_ucp.exporters.source import read_config
+    from jax_ucp.language.settings import hf_head_settings
+
+    return language.load_spec(spec, **hf_head_settings(read_config(config), config))
 
 
 @app.command()

@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
-from jax_ucp import format as fmt
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import source
 from jax_ucp.exporters.options import Exported, SafetensorsExport
@@ -155,12 +154,5 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
 
 def _write_config(path: str, config) -> None:
     """``config.json``: a dict as JSON, or a JSON file's content (checked, size-bounded)."""
-    if not isinstance(config, Mapping):
-        try:
-            raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
-            config = json.loads(raw)
-        except (OSError, ValueError) as e:
-            raise ExportError(f"config {config}: not a readable JSON file ({e})") from None
-        if not isinstance(config, dict):
-            raise ExportError("config: a config.json holds a JSON object")
+    config = source.read_config(config)
     durable.write_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")

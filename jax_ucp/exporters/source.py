@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -133,7 +134,9 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     if isinstance(spec, (str, os.PathLike)):
         from jax_ucp import language
 
-        spec = language.load_spec(spec)
+        config = getattr(options, "config", None)  # safetensors: the config.json written beside
+        settings = {} if config is None else hf_head_settings(read_config(config))
+        spec = language.load_spec(spec, **settings)
     available = reader.available_tensors(manifest, spec)
     prefix = tuple(p for p in (options.prefix or "").split("/") if p)
     chosen, values, skipped, seen = [], [], [], {}
@@ -209,3 +212,27 @@ def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -
         with commit.export_record(tx.path):  # what a later force may replace: these files only
             files = write(tx.path)
     return files
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A ``config.json`` given as a dict or a path, read within a size bound and checked to be
+    a JSON object."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    try:
+        raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
+        loaded = json.loads(raw)
+    except (OSError, ValueError, RecursionError) as e:
+        raise ExportError(f"config {config}: not a readable JSON file ({e})") from None
+    if not isinstance(loaded, dict):
+        raise ExportError(f"config {config}: a config.json holds a JSON object")
+    return loaded
+
+
+def hf_head_settings(config: Mapping[str, Any]) -> dict[str, int]:
+    """The head settings of a Hugging Face config (those it holds), for a spec given by name."""
+    from jax_ucp.language.settings import hf_head_settings as settings_of
+
+    if "num_attention_heads" not in config:
+        return {}
+    return settings_of(config, "config")

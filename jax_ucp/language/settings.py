@@ -67,6 +67,27 @@ def derived(settings: Mapping[str, Any]) -> dict[str, Any]:
     return s
 
 
+def hf_head_settings(config: Mapping[str, Any], where: str = "config.json") -> dict[str, int]:
+    """The head settings a shipped spec's q/k/v ops need (``num_attention_heads``,
+    ``num_query_groups``, ``head_dim``) from a Hugging Face ``config.json`` (Llama and kin):
+    ``num_key_value_heads`` defaults to the heads, ``head_dim`` to hidden / heads."""
+    try:
+        heads = int(config["num_attention_heads"])
+        groups = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        raise SpecError(
+            f"{where}: no head settings (num_attention_heads, hidden_size, optional "
+            f"num_key_value_heads and head_dim as integers): {type(e).__name__}: {e}"
+        ) from None
+    if min(heads, groups, head_dim) <= 0 or heads % groups:
+        raise SpecError(
+            f"{where}: num_attention_heads {heads}, num_key_value_heads {groups}, head_dim "
+            f"{head_dim}: expected positive integers, the heads a multiple of the groups"
+        )
+    return {"num_attention_heads": heads, "num_query_groups": groups, "head_dim": head_dim}
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
     """Megatron's rule: pad to a multiple of make_vocab_size_divisible_by * tp.
 

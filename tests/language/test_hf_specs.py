@@ -256,3 +256,63 @@ def test_scanned_flax_layers_export_under_hf_names(tmp_path):
     assert set(back) == set(tensors)
     for name, value in tensors.items():
         assert back[name].tobytes() == value.tobytes(), name
+
+
+def test_a_spec_by_name_takes_its_settings_from_the_config_in_export_and_plan(tmp_path):
+    """``jax-ucp export CKPT DST --spec flax_llama_to_hf --config config.json``: the head
+    settings come from that config (they were asked for as missing); ``jax-ucp plan --spec
+    hf_llama --config config.json`` plans the restore through the spec (its logical axes)."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    cfg = LMConfig.from_hf_llama(HF_CONFIG)
+    tensors = _hf_names_synthetic(cfg)
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(HF_CONFIG))
+    runner = CliRunner()
+    planned = runner.invoke(
+        app,
+        [
+            "plan",
+            ckpt,
+            "--mesh",
+            "data=2,model=4",
+            "--rules",
+            "embed=data,mlp=model",
+            "--spec",
+            "hf_llama",
+            "--config",
+            str(config),
+            "--json",
+        ],
+    )
+    assert planned.exit_code == 0, planned.output
+    rows = json.loads(planned.output)["tensors"]
+    fc1 = next(r for r in rows if r["name"].endswith("layers_0/mlp/fc1/kernel"))
+    assert "data" in str(fc1["spec"]) and "model" in str(fc1["spec"]), fc1
+    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
+    jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
+    out = tmp_path / "out"
+    done = runner.invoke(
+        app,
+        [
+            "export",
+            str(tmp_path / "flax"),
+            str(out),
+            "--spec",
+            "flax_llama_to_hf",
+            "--config",
+            str(config),
+        ],
+    )
+    assert done.exit_code == 0, done.output
+    back = load_file(str(out / "model.safetensors"))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].tobytes() == value.tobytes(), name
+    missing = runner.invoke(app, ["plan", ckpt, "--mesh", "data=8", "--config", str(config)])
+    assert missing.exit_code != 0 and "--spec" in missing.output
