@@ -72,6 +72,17 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
         self._progress, self._total, self._destination = progress, total, destination
         # read here: Orbax writes from its own thread, outside the export's context
         self._budget = writer.memory_budget()
+        self._contexts: dict[bool, ts.Context] = {}
+
+    def _context(self, ocdbt: bool) -> ts.Context:
+        """Orbax's TensorStore context without its 100 MB OCDBT cache pool: nothing written
+        here is read back, and the memory budget leaves no room for it."""
+        if ocdbt not in self._contexts:
+            self._contexts[ocdbt] = ts.Context(
+                ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
+                ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
+            )
+        return self._contexts[ocdbt]
 
     async def serialize(self, values, infos, args=None):
         args = args or [ocp.SaveArgs()] * len(values)
@@ -99,7 +110,9 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
             if ocp.multihost.process_index() != 0:
                 continue  # host data: written once, by the primary (as NumpyHandler does)
             try:
-                t = await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
+                t = await ts.open(
+                    ts.Spec(tspec), create=True, open=True, context=self._context(ocdbt)
+                )
                 if not value.shape or not nbytes:
                     await t.write(value.read(), can_reference_source_data_indefinitely=True)
                 for lo, hi in (
