@@ -39,10 +39,10 @@ OLD: list[tuple[str, str, tuple[type, ...]]] = [
     ("jax_ucp.importers.plan", "UnaccountedTensorsError", (ValueError,)),
     ("jax_ucp.importers.registry", "SourceFormatError", (ValueError,)),
     ("jax_ucp.importers.registry", "SourceNotFoundError", (ValueError, FileNotFoundError)),
-    ("jax_ucp.importers.torch.dcp_reader", "DcpError", (ValueError,)),
+    ("jax_ucp.torchfiles.dcp_reader", "DcpError", (ValueError,)),
     ("jax_ucp.importers.torch.optimizer", "TorchImportError", (ValueError,)),
-    ("jax_ucp.importers.torch.unpickler", "TorchFileError", (ValueError,)),
-    ("jax_ucp.importers.torch.unpickler", "UnsafePickleError", (ValueError,)),
+    ("jax_ucp.torchfiles.unpickler", "TorchFileError", (ValueError,)),
+    ("jax_ucp.torchfiles.unpickler", "UnsafePickleError", (ValueError,)),
     ("jax_ucp.language.errors", "LanguageError", (ValueError,)),
     ("jax_ucp.language.errors", "MergeError", (ValueError,)),
     ("jax_ucp.language.errors", "SpecError", (ValueError,)),
@@ -156,10 +156,10 @@ def test_old_names_are_aliases_of_their_group():
     ``SourceError``), so ``except SourceError`` catches every importer's refusals."""
     from jax_ucp.format import manifest, safetensors, sizes
     from jax_ucp.importers import registry
-    from jax_ucp.importers.torch import dcp_reader
     from jax_ucp.multihost import agreement
     from jax_ucp.restoring import replicated
     from jax_ucp.store import shard_file
+    from jax_ucp.torchfiles import dcp_reader
     from jax_ucp.writer import commit
 
     assert dcp_reader.DcpError is safetensors.SafetensorsError is errors.SourceError

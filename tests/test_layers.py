@@ -23,10 +23,11 @@ ALLOWED = {
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "handler": {"orbax"},  # only the old module names Orbax recorded, as aliases
     "api": {"format", "store", "writer", "tree", "restoring", "saving", "orbax", "against"},
-    "importers": {"format", "writer", "language"},
+    "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
+    "importers": {"format", "writer", "language", "torchfiles"},
     "models": {"language"},
     "samples": set(),
-    "exporters": {"format", "store", "writer", "language", "tree", "restoring"},
+    "exporters": {"format", "store", "writer", "language", "tree", "restoring", "torchfiles"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     "optax_torch": {"format", "store", "language", "restoring", "api", "models"},  # -> optax
     "against": {"format", "store", "restoring"},  # verify(against=): the source's own loaders
@@ -136,3 +137,44 @@ def test_the_actual_imports_form_no_cycle():
 
     for node in sorted(graph):
         visit(node, ())
+
+
+#: (importing format, imported format) pairs still delegating to another importer, said here:
+#: safetensors hands a Trainer / Accelerate folder holding a torch optimizer to the torch
+#: importer's files plan, and torchtune's weights are Hugging Face safetensors.
+IMPORTER_DELEGATIONS = {("safetensors", "torch"), ("torch", "safetensors")}
+
+
+def test_importers_never_import_each_other():
+    """One package per format under ``importers/``: a format's modules import the shared
+    importer layer (``importers.plan``, ``importers.registry``) and what lies below (torch's
+    file formats are ``torchfiles``), never another format's package."""
+    root = os.path.join(PACKAGE, "importers")
+    formats = {d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))} - {
+        "__pycache__"
+    }
+    wrong = []
+    for fmt in sorted(formats):
+        for dirpath, _, filenames in os.walk(os.path.join(root, fmt)):
+            for name in filenames:
+                if not name.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8") as f:
+                    tree = ast.parse(f.read(), path)
+                for node in ast.walk(tree):
+                    modules = []
+                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                        modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                    elif isinstance(node, ast.Import):
+                        modules = [a.name for a in node.names]
+                    for module in modules:
+                        parts = module.split(".")
+                        if parts[:2] != ["jax_ucp", "importers"] or len(parts) < 3:
+                            continue
+                        other = parts[2]
+                        if other in formats and other != fmt:
+                            if (fmt, other) not in IMPORTER_DELEGATIONS:
+                                rel = os.path.relpath(path, REPO)
+                                wrong.append(f"{rel}:{node.lineno}: {fmt} imports {other}")
+    assert not wrong, "\n".join(sorted(set(wrong)))

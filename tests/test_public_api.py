@@ -237,6 +237,7 @@ SURFACE: dict[str, set[str]] = {
         "read_manifest",
         "write_manifest",
     },
+    "jax_ucp.torchfiles": {"dcp_reader", "dtypes", "unpickler"},
     "jax_ucp.writer": {
         "DEFAULT_MEMORY_BUDGET",
         "Deferred",

@@ -25,33 +25,17 @@ import zipfile
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters import source
 from jax_ucp.exporters.options import Exported, TorchDcpExport
 from jax_ucp.exporters.source import Deferred, pieces
+from jax_ucp.torchfiles.dtypes import TORCH_DTYPES
 from jax_ucp.writer import durable
 
 METADATA_FILE = ".metadata"
 DATA_FILE = "__0_0.distcp"
-
-#: numpy dtype -> (torch dtype name, legacy storage class) as torch.save pickles them.
-TORCH_DTYPES: dict[np.dtype, tuple[str, str]] = {
-    np.dtype(np.float64): ("float64", "DoubleStorage"),
-    np.dtype(np.float32): ("float32", "FloatStorage"),
-    np.dtype(np.float16): ("float16", "HalfStorage"),
-    np.dtype(ml_dtypes.bfloat16): ("bfloat16", "BFloat16Storage"),
-    np.dtype(np.int64): ("int64", "LongStorage"),
-    np.dtype(np.int32): ("int32", "IntStorage"),
-    np.dtype(np.int16): ("int16", "ShortStorage"),
-    np.dtype(np.int8): ("int8", "CharStorage"),
-    np.dtype(np.uint8): ("uint8", "ByteStorage"),
-    np.dtype(np.bool_): ("bool", "BoolStorage"),
-    np.dtype(np.complex64): ("complex64", "ComplexFloatStorage"),
-    np.dtype(np.complex128): ("complex128", "ComplexDoubleStorage"),
-}
 
 
 def torch_dtype(tensor: str, dtype: np.dtype) -> tuple[str, str]:

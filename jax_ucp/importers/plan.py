@@ -150,6 +150,23 @@ def host_item(key: tuple[str, ...], value: Any, provenance: dict) -> writer.Host
     return writer.HostItem(key, value, role=role, sub_role=sub_role, provenance=provenance)
 
 
+def jsonable(value: Any) -> Any:
+    """A hyper-parameter as JSON: tuples as lists, 0-d tensors as numbers, the rest as text."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if np.isfinite(value) else str(value)
+    if isinstance(value, np.ndarray) and value.size == 1:
+        return jsonable(value.reshape(()).item())
+    if isinstance(value, np.generic):
+        return jsonable(value.item())
+    return str(value)[:200]
+
+
 def agreed_step(
     found: Mapping[float, str], where: str, *, recorded_by: str, error: type[Exception]
 ) -> int:

@@ -18,8 +18,8 @@ import json, os, sys
 import numpy as np
 import jax_ucp
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers.torch import dcp_reader
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.torchfiles import dcp_reader
+from jax_ucp.torchfiles import unpickler as torch_pickle
 
 kind, src, dst = sys.argv[1:]
 shrunk = []
@@ -105,7 +105,7 @@ def test_a_file_truncated_after_it_was_mapped_is_an_error_naming_it(tmp_path, ki
 _RANK_FILE_TRUNCATED = """
 import json, os, shutil, sys
 import jax_ucp
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.torchfiles import unpickler as torch_pickle
 
 real = torch_pickle.TorchArchive.load
 case = {}

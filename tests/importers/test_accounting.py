@@ -23,8 +23,8 @@ from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed import zero as deepspeed_zero
 from jax_ucp.importers.megatron import dcp as megatron_dcp
 from jax_ucp.importers.megatron import legacy as megatron_legacy
-from jax_ucp.importers.torch import dcp_reader
-from jax_ucp.importers.torch.unpickler import load_torch_file
+from jax_ucp.torchfiles import dcp_reader
+from jax_ucp.torchfiles.unpickler import load_torch_file
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")

@@ -270,7 +270,7 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
     """torch DCP tensors read by rows of their chunks (a slab crossing the ranks' row shards):
     under a budget below every tensor, with small inner chunks, the checkpoint is the default
     one file for file, and no tensor over the budget is assembled whole."""
-    from jax_ucp.importers.torch import dcp_reader
+    from jax_ucp.torchfiles import dcp_reader
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     slabs: list = []
@@ -307,7 +307,7 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
 
 def test_dcp_rows_are_the_rows_of_the_tensor():
     """``read_rows`` at every cut against the whole tensor, and out-of-range rows refused."""
-    from jax_ucp.importers.torch import dcp_reader
+    from jax_ucp.torchfiles import dcp_reader
 
     ck = dcp_reader.open_dcp(os.path.join(TORCH, "fsdp2_fp32"))
     name = "model.tok_embeddings.weight"  # (67, 16) in two row shards, 34 + 33

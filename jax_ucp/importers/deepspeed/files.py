@@ -4,7 +4,7 @@ Shared by the ZeRO reader (:mod:`deepspeed.zero`) and the Megatron-DeepSpeed TP/
 (:mod:`deepspeed.megatron`): which tag folder to read, which optimizer file holds which
 (model-parallel, data-parallel) rank, that one model-parallel rank's optimizer files form one
 complete and consistent ZeRO partitioning, and what its model states file says. Files are read
-with :mod:`torch.unpickler` (no torch, nothing pickled is executed; tensors stay memory-mapped).
+with :mod:`jax_ucp.torchfiles.unpickler` (no torch, nothing pickled is executed; tensors stay memory-mapped).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.importers.plan import tensor_names
-from jax_ucp.importers.torch.unpickler import TorchArchive, int_enum_standin, standin_class
+from jax_ucp.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
 
 DeepSpeedImportError = SourceError  # the DeepSpeed checkpoint is incomplete or inconsistent
 

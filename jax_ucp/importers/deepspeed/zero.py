@@ -58,7 +58,7 @@ from jax_ucp.importers.plan import (
     skip,
     tensor_names,
 )
-from jax_ucp.importers.torch.unpickler import StandIn
+from jax_ucp.torchfiles.unpickler import StandIn
 
 #: The optimizer states of a parameter, in output order, with where each goes in the output tree.
 STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (

@@ -45,8 +45,8 @@ from jax_ucp.importers.plan import (
     ImportPlan,
     Share,
     glob_detection,
+    jsonable,
 )
-from jax_ucp.importers.torch.optimizer import jsonable
 from jax_ucp.language import Spec, load_spec
 
 __all__ = [

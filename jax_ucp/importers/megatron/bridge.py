@@ -16,7 +16,7 @@ channels, SwiGLU, the tokenizer's vocab size before padding, ...) come from ``ru
 ``model`` section. That file is parsed with ``yaml.safe_load`` semantics only (no tag builds an
 object), from at most :data:`MAX_RUN_CONFIG_BYTES`, and refused when its aliases would expand
 past :data:`MAX_YAML_NODES` nodes (a billion-laughs file). ``train_state.pt`` is read by the
-allow-listed unpickler (:mod:`torch.unpickler`); nothing pickled is executed.
+allow-listed unpickler (:mod:`jax_ucp.torchfiles.unpickler`); nothing pickled is executed.
 
 Output: the Megatron importer's tree (``params``, ``opt_state`` {``mu``, ``nu``, ``count``},
 ``model_params``), ``source.framework = "megatron-bridge"``, ``source.iteration`` = the train
@@ -39,8 +39,8 @@ import yaml
 from jax_ucp.format import files
 from jax_ucp.importers.megatron import MegatronImportError, legacy, plan_megatron
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
-from jax_ucp.importers.torch import unpickler
 from jax_ucp.language import Spec, load_spec
+from jax_ucp.torchfiles import unpickler
 
 __all__ = [
     "MegatronBridgeError",

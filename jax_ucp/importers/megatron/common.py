@@ -13,7 +13,7 @@ import numpy as np
 from jax_ucp.errors import MegatronImportError, TorchFileError
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.plan import agreed_step
-from jax_ucp.importers.torch.dcp_reader import DcpError
+from jax_ucp.torchfiles.dcp_reader import DcpError
 
 
 @contextlib.contextmanager

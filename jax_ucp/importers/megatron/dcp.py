@@ -1,7 +1,7 @@
 """megatron-core ``torch_dist`` checkpoints: the torch DCP reader plus megatron-core's pieces.
 
 The generic reader (``.metadata`` through the safe unpickler, chunk tiling checks, byte-range
-reads) is :mod:`jax_ucp.importers.torch.dcp_reader`, shared with the plain torch DCP importer. Here:
+reads) is :mod:`jax_ucp.torchfiles.dcp_reader`, shared with the plain torch DCP importer. Here:
 the classes megatron-core 0.13-0.15 subclass in ``.metadata`` (``MCoreSavePlan``,
 ``MCoreMetadata``), read as the torch classes they extend, and megatron-core's
 ``metadata.json`` (``sharded_backend`` & co.), kept as :attr:`MegatronDcpCheckpoint.mcore_metadata`.
@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from jax_ucp.format import files
-from jax_ucp.importers.torch import dcp_reader, unpickler
-from jax_ucp.importers.torch.dcp_reader import (
+from jax_ucp.torchfiles import dcp_reader, unpickler
+from jax_ucp.torchfiles.dcp_reader import (
     SUPPORTED_TRANSFORMS,
     DcpCheckpoint,
     DcpChunk,

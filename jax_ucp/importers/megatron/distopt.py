@@ -21,7 +21,7 @@ from jax_ucp.importers.megatron.common import (
 from jax_ucp.importers.megatron.module_order import STACKED_EXPERT, in_module_order
 from jax_ucp.importers.megatron.rank_states import RankStates
 from jax_ucp.importers.plan import agreed_step
-from jax_ucp.importers.torch import unpickler
+from jax_ucp.torchfiles import unpickler
 
 _BUCKET_KEY = re.compile(
     r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"

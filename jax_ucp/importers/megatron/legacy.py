@@ -33,7 +33,7 @@ import numpy as np
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.importers.plan import tensor_names
-from jax_ucp.importers.torch import unpickler
+from jax_ucp.torchfiles import unpickler
 
 __all__ = [
     "LegacyError",

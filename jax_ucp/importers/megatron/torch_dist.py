@@ -44,8 +44,8 @@ from jax_ucp.importers.megatron.rank_states import RankStates
 from jax_ucp.importers.megatron.rules import add_arg_settings, import_rules_spec
 from jax_ucp.importers.megatron.source import MegatronSource
 from jax_ucp.importers.plan import TENSORS, VALUES, WHOLE, ImportPlan, Share, agreed_step, host_item
-from jax_ucp.importers.torch import unpickler
 from jax_ucp.language import Spec, Vocab
+from jax_ucp.torchfiles import unpickler
 
 
 @dataclass

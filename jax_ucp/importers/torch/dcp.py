@@ -30,18 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from jax_ucp.format import files
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec
-from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, jsonable, refuse_spec
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchImportError,
     TorchState,
     clean_name,
-    jsonable,
     plan_state,
     scalar_ref,
     strip_wrappers,
 )
+from jax_ucp.torchfiles import dcp_reader
 
 __all__ = ["is_torch_dcp", "dcp_dirs", "plan_torch_dcp", "MODEL_CONTAINERS", "NON_MODEL_ROOTS"]
 

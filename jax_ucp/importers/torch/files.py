@@ -8,7 +8,7 @@ Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
 ``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
 ``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
 
-Tensors are read-only memory maps of the files (:mod:`torch.unpickler`), streamed one at a time.
+Tensors are read-only memory maps of the files (:mod:`jax_ucp.torchfiles.unpickler`), streamed one at a time.
 An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
 ``i``-th parameter of the model state dict (tied copies that share storage counted once), the
 way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
@@ -30,7 +30,7 @@ from jax_ucp.errors import OptimizerOrderWarning
 from jax_ucp.format import files, safetensors
 from jax_ucp.format.safetensors import first_tensors, read_weight_map
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
-from jax_ucp.importers.torch import hf_trainer, unpickler
+from jax_ucp.importers.torch import hf_trainer
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchImportError,
@@ -40,6 +40,7 @@ from jax_ucp.importers.torch.optimizer import (
     scalar_ref,
     strip_wrappers,
 )
+from jax_ucp.torchfiles import unpickler
 
 __all__ = [
     "is_torch_files",

@@ -25,8 +25,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp.format import files
-from jax_ucp.importers.torch import unpickler
-from jax_ucp.importers.torch.optimizer import TorchImportError, jsonable
+from jax_ucp.importers.plan import jsonable
+from jax_ucp.importers.torch.optimizer import TorchImportError
+from jax_ucp.torchfiles import unpickler
 
 __all__ = [
     "Candidate",

@@ -30,7 +30,7 @@ import numpy as np
 from jax_ucp import writer
 from jax_ucp.errors import SourceError
 from jax_ucp.format import mapped_file
-from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item
+from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item, jsonable
 
 __all__ = [
     "TorchImportError",
@@ -38,7 +38,6 @@ __all__ = [
     "TorchState",
     "strip_wrappers",
     "clean_name",
-    "jsonable",
     "plan_state",
     "STATE_TREES",
     "scalar_ref",
@@ -144,23 +143,6 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
             )
         clean[new] = name
     return clean, removed
-
-
-def jsonable(value: Any) -> Any:
-    """A hyper-parameter as JSON: tuples as lists, 0-d tensors as numbers, the rest as text."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        return value if np.isfinite(value) else str(value)
-    if isinstance(value, np.ndarray) and value.size == 1:
-        return jsonable(value.reshape(()).item())
-    if isinstance(value, np.generic):
-        return jsonable(value.item())
-    return str(value)[:200]
 
 
 def _step_of(ref: TensorRef, name: str, where: str) -> float:

@@ -337,7 +337,7 @@ def test_regenerate_and_compare_live(tmp_path):
 def test_restricted_reader_matches_torch_load():
     torch = pytest.importorskip("torch")
     from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.importers.torch.unpickler import load_torch_file
+    from jax_ucp.torchfiles.unpickler import load_torch_file
 
     for name in MEG:
         for f in glob.glob(os.path.join(FIX, name, "ckpt", TAG, "*.pt")):
@@ -389,8 +389,8 @@ def test_spec_file_form(tmp_path):
     """A TOML spec (the plain file form) can stand in for universal_checkpoint_info."""
     from jax_ucp.importers.deepspeed import DS_CLASSES
     from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
-    from jax_ucp.importers.torch.unpickler import load_torch_file
     from jax_ucp.language import dump_spec
+    from jax_ucp.torchfiles.unpickler import load_torch_file
 
     name = "megatron_ds_tp2_dp3_z2_fp32_synthetic"
     src = os.path.join(FIX, name, "ckpt")

@@ -226,7 +226,7 @@ def test_restricted_reader_equals_torch_load_on_universal_files():
     torch = pytest.importorskip("torch")
     import glob
 
-    from jax_ucp.importers.torch.unpickler import load_torch_file
+    from jax_ucp.torchfiles.unpickler import load_torch_file
 
     pattern = os.path.join(FIXTURES, "*", "universal", "*", "**", "*.pt")
     found = glob.glob(pattern, recursive=True)

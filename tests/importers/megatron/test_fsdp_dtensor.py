@@ -11,7 +11,7 @@ import os
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.torch import dcp_reader
+from jax_ucp.torchfiles import dcp_reader
 from tests.ucp_testing import REPO
 
 ROOT = os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor_synthetic")

@@ -33,7 +33,7 @@ def _rewrite_rank(path, edit, top=None) -> None:
     arguments, version, iteration and model state dict kept, the RNG state left out; ``top``:
     more top-level entries (nested dicts of arrays and values)."""
     from jax_ucp.importers.megatron import legacy as megatron_legacy
-    from jax_ucp.importers.torch import unpickler as torch_pickle
+    from jax_ucp.torchfiles import unpickler as torch_pickle
 
     saved = torch_pickle.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
     # copies: the loaded arrays are memory-mapped views of the file rewritten below

@@ -17,8 +17,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp.importers import registry
-from jax_ucp.importers.torch import dcp_reader
 from jax_ucp.importers.torch.optimizer import TorchImportError
+from jax_ucp.torchfiles import dcp_reader
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 FIX = os.path.join(REPO, "tests", "fixtures", "torch")
@@ -338,7 +338,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
     a copy, so it is not at the storage's address) takes the mapped path, not the direct read:
     the storage's CRC-32 is checked on its bytes (read with pread, never by touching the
     mapping), then the tensor copied into place."""
-    from jax_ucp.importers.torch import unpickler as torch_pickle
+    from jax_ucp.torchfiles import unpickler as torch_pickle
 
     real_load = torch_pickle.TorchArchive.load
     monkeypatch.setattr(

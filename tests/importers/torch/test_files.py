@@ -128,7 +128,7 @@ def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
     src = tmp_path / "acc"
     shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
     # a model file with one tensor fewer: index i no longer names the i-th parameter
-    from jax_ucp.importers.torch import unpickler as torch_pickle
+    from jax_ucp.torchfiles import unpickler as torch_pickle
 
     sd = torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin")
     names = list(sd)[1:]
@@ -207,7 +207,7 @@ def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
 def _trainer_style_optimizer(src, with_names: bool) -> None:
     """accelerate_full's optimizer.bin re-written as Hugging Face's Trainer groups parameters:
     weight-decayed ones (2-D) first, then norms, numbered group after group as torch does."""
-    from jax_ucp.importers.torch import unpickler as torch_pickle
+    from jax_ucp.torchfiles import unpickler as torch_pickle
 
     model = list(torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin"))
     opt = torch_pickle.load_torch_file(src / "optimizer.bin")

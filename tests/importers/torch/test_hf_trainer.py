@@ -18,7 +18,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.importers.plan import tensor_names
-from jax_ucp.importers.torch import unpickler as torch_pickle
+from jax_ucp.torchfiles import unpickler as torch_pickle
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(300)

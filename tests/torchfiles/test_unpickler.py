@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.torch.unpickler import (
+from jax_ucp.torchfiles.unpickler import (
     MAX_COMPRESSED_MEMBER,
     MAX_INFLATED_TOTAL,
     StandIn,
@@ -619,8 +619,8 @@ def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
 def test_expansion_bound_grows_with_the_pickle():
     """The bound is max(4M, 2 per pickle byte): a big real file (a large model's DCP .metadata)
     is never refused for its size, a tiny one for its expansion."""
-    from jax_ucp.importers.torch.unpickler import TorchFileError as Refused
-    from jax_ucp.importers.torch.unpickler import check_expansion
+    from jax_ucp.torchfiles.unpickler import TorchFileError as Refused
+    from jax_ucp.torchfiles.unpickler import check_expansion
 
     flat = list(range(3_000_000))
     check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted
@@ -787,7 +787,7 @@ def test_deflated_members_within_the_total_read_exactly(tmp_path):
 def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
     """verify_crc inflates an unreferenced deflated member only to check it: 2 x 255 MiB pass
     the check without counting against the archive's total (nothing is kept)."""
-    from jax_ucp.importers.torch.unpickler import TorchArchive
+    from jax_ucp.torchfiles.unpickler import TorchArchive
 
     src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
     arch = TorchArchive(src)
@@ -821,7 +821,7 @@ def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
     tuple (about 600 bytes of pickle) never finished hashing."""
     import pickle as P
 
-    from jax_ucp.importers.torch.unpickler import TorchFileError, restricted_loads
+    from jax_ucp.torchfiles.unpickler import TorchFileError, restricted_loads
 
     key = _shared_tuple_key(64)
     bomb = (

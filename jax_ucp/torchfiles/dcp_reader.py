@@ -9,7 +9,7 @@ shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, 
 a tensor's raw bytes.
 
 Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
-:mod:`jax_ucp.importers.torch.unpickler` with its DCP classes mapped to inert stand-ins, and every
+:mod:`jax_ucp.torchfiles.unpickler` with its DCP classes mapped to inert stand-ins, and every
 chunk is an embedded archive read through the same restricted unpickler, memory-mapped.
 
 A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunks have been
@@ -35,7 +35,7 @@ import numpy as np
 from jax_ucp import writer
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files, mapped_file
-from jax_ucp.importers.torch import unpickler
+from jax_ucp.torchfiles import unpickler
 
 try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
     from isal.isal_zlib import crc32 as zip_crc32

@@ -40,11 +40,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from jax_ucp.errors import TorchFileError, UnsafePickleError
 from jax_ucp.format import files, mapped_file
+from jax_ucp.torchfiles import dtypes
 
 __all__ = [
     "BASE_ALLOWED",
@@ -295,44 +295,8 @@ class _Storage:
         return f"<storage {self.key!r} {self.raw.size} bytes as {self.dtype}>"
 
 
-#: torch dtype name -> numpy dtype (bfloat16 and float8 from ``ml_dtypes``)
-_TORCH_DTYPES: dict[str, np.dtype] = {
-    name: np.dtype(getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else name)
-    for name in (
-        "float64 float32 float16 bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
-        "float8_e5m2fnuz int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool complex64 "
-        "complex128"
-    ).split()
-}
-_TORCH_DTYPES.update(  # torch's other names for some of them
-    (alias, _TORCH_DTYPES[name])
-    for alias, name in {
-        "double": "float64",
-        "float": "float32",
-        "half": "float16",
-        "long": "int64",
-        "int": "int32",
-        "short": "int16",
-        "cfloat": "complex64",
-        "cdouble": "complex128",
-    }.items()
-)
-
-_STORAGE_TYPES: dict[str, str] = {
-    "DoubleStorage": "float64",
-    "FloatStorage": "float32",
-    "HalfStorage": "float16",
-    "BFloat16Storage": "bfloat16",
-    "LongStorage": "int64",
-    "IntStorage": "int32",
-    "ShortStorage": "int16",
-    "CharStorage": "int8",
-    "ByteStorage": "uint8",
-    "BoolStorage": "bool",
-    "ComplexFloatStorage": "complex64",
-    "ComplexDoubleStorage": "complex128",
-    "UntypedStorage": "uint8",
-}
+_TORCH_DTYPES = dtypes.BY_NAME
+_STORAGE_TYPES = dtypes.STORAGES
 
 
 def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
