@@ -1,7 +1,7 @@
 """Benchmark: ``jax_ucp`` DeepSpeed import vs DeepSpeed's ``ds_to_universal`` on the same checkpoint.
 
 Each converter runs as its command-line tool in its own process (``python -m jax_ucp.cli convert
-deepspeed`` vs ``python -m deepspeed.checkpoint.ds_to_universal``), plus ``convert_deepspeed``
+deepspeed`` vs ``python -m deepspeed.checkpoint.ds_to_universal``), plus ``convert(format='deepspeed')``
 called from Python (its in-process time is printed as "conversion itself"). Wall time and peak
 memory of the whole process tree (ds_to_universal forks extraction/merge workers) are sampled
 from /proc every 20 ms: peak RssAnon (anonymous memory: what a converter really allocates;
@@ -176,8 +176,8 @@ def main() -> None:
                 "jax_ucp API": [
                     sys.executable,
                     "-c",
-                    "import sys, time; from jax_ucp.conversion import convert_deepspeed; "
-                    "t = time.perf_counter(); convert_deepspeed(sys.argv[1], sys.argv[2]); "
+                    "import sys, time; from jax_ucp.conversion import convert; "
+                    "t = time.perf_counter(); convert(sys.argv[1], sys.argv[2], format='deepspeed'); "
                     "print(f'CONVERT_S={time.perf_counter() - t}')",
                     src,
                 ],

@@ -192,30 +192,3 @@ def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gathe
         agreement.agree(gather, "planned", e, dest)
     agreement.agree(gather, "planned", "", dest)
     return plan
-
-
-def _convert_as(format: str, what: str) -> Callable[..., str]:
-    def convert_format(src, dst, **kwargs) -> str:
-        return convert(src, dst, format=format, **kwargs)
-
-    convert_format.__name__ = convert_format.__qualname__ = f"convert_{format}"
-    convert_format.__doc__ = (
-        f"``convert(src, dst, format={format!r}, **kwargs)``: ``src`` is {what}."
-    )
-    return convert_format
-
-
-convert_deepspeed = _convert_as(
-    "deepspeed", "a DeepSpeed checkpoint folder (ZeRO 1/2/3, Megatron-DeepSpeed TP/PP)"
-)
-convert_safetensors = _convert_as(
-    "safetensors", "a ``.safetensors`` file, or a folder with shards and an index"
-)
-convert_megatron = _convert_as(
-    "megatron", "a Megatron checkpoint folder (torch_dist or legacy iter_N/mp_rank_XX)"
-)
-convert_torch = _convert_as(
-    "torch",
-    "a torch DCP folder (FSDP1/FSDP2, torchtitan, Accelerate, Lightning) or torch.save files "
-    "(pytorch_model.bin single or sharded, Lightning .ckpt, state-dict .pt)",
-)

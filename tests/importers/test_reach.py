@@ -223,10 +223,10 @@ def test_trainer_output_directory_lists_its_checkpoints(tmp_path):
     message = r"Trainer output directory with 3 checkpoints: checkpoint-500, checkpoint-1000, checkpoint-1500"
     with pytest.raises(jax_ucp.UCPError, match=message):
         jax_ucp.convert(str(out), str(tmp_path / "ucp"))
-    from jax_ucp.conversion import convert_deepspeed
+    from jax_ucp.conversion import convert
 
     with pytest.raises(jax_ucp.UCPError, match=message):
-        convert_deepspeed(str(out), str(tmp_path / "ucp"))
+        convert(str(out), str(tmp_path / "ucp"), format="deepspeed")
     jax_ucp.convert(str(out / "checkpoint-1000"), str(tmp_path / "ucp"))  # as the error says
 
 

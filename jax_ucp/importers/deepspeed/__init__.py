@@ -127,7 +127,7 @@ def _plan_training_checkpoint(
     if is_moe(tag_dir):
         refuse_spec(
             spec,
-            "convert_deepspeed: a DeepSpeed MoE checkpoint is imported raw (experts under their "
+            "convert: a DeepSpeed MoE checkpoint is imported raw (experts under their "
             "global names), so an import spec has nothing to do",
         )
         return moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
@@ -151,7 +151,7 @@ def _plan_training_checkpoint(
         )
     refuse_spec(
         spec,
-        "convert_deepspeed: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
+        "convert: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
         "keyed by DeepSpeed's parameter names, so an import spec has nothing to do",
     )
     checkpoint = zero.open_zero_checkpoint(tag_dir)

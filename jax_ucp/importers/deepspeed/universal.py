@@ -615,7 +615,7 @@ def plan_universal(
     """
     refuse_spec(
         spec,
-        "convert_deepspeed: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed merged"
+        "convert: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed merged"
         " its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec has nothing "
         "to do",
     )

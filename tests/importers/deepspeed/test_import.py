@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.conversion import convert_deepspeed
+from jax_ucp.conversion import convert
 from jax_ucp.exporters import torch_out
 from jax_ucp.importers.deepspeed import (
     DeepSpeedImportError,
@@ -64,7 +64,7 @@ def converted(tmp_path_factory):
     def get(name: str) -> str:
         if name not in _converted:
             out = tmp_path_factory.mktemp("ucp") / name
-            _converted[name] = convert_deepspeed(os.path.join(FIX, name, "ckpt"), out)
+            _converted[name] = convert(os.path.join(FIX, name, "ckpt"), out, format="deepspeed")
         return _converted[name]
 
     return get
@@ -130,11 +130,14 @@ def test_tag_folder_latest_and_manager_step(tmp_path):
     )
     assert not is_deepspeed_checkpoint(tmp_path)
     seen = []
-    a = convert_deepspeed(
-        os.path.join(src, "global_step2"), tmp_path / "a", progress=lambda *x: seen.append(x)
+    a = convert(
+        os.path.join(src, "global_step2"),
+        tmp_path / "a",
+        format="deepspeed",
+        progress=lambda *x: seen.append(x),
     )
     assert len(seen) == 30 and seen[-1][1:] == (30, 30)
-    b = convert_deepspeed(src, tmp_path / "mgr", step=2)
+    b = convert(src, tmp_path / "mgr", format="deepspeed", step=2)
     assert b == os.path.join(str(tmp_path / "mgr"), "2", "state")
     ra, rb = jax_ucp.restore(a), jax_ucp.restore(os.path.join(tmp_path / "mgr", "2"))
     for n in ra["params"]:
@@ -149,14 +152,14 @@ def test_existing_destination_refused_unless_force(tmp_path):
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError):
-        convert_deepspeed(src, dst)
+        convert(src, dst, format="deepspeed")
     assert (dst / "keep.txt").read_text() == "x"
     # force replaces a checkpoint, never a folder of the user's
     with pytest.raises(OSError, match="refusing to replace it even with force=True"):
-        convert_deepspeed(src, dst, force=True)
+        convert(src, dst, format="deepspeed", force=True)
     assert (dst / "keep.txt").read_text() == "x"
-    old = convert_deepspeed(os.path.join(FIX, "z2_fp32_dp2", "ckpt"), tmp_path / "old")
-    convert_deepspeed(src, old, force=True)
+    old = convert(os.path.join(FIX, "z2_fp32_dp2", "ckpt"), tmp_path / "old", format="deepspeed")
+    convert(src, old, format="deepspeed", force=True)
     assert jax_ucp.inspect(old).source["path"].startswith(os.path.abspath(src))
     assert "params" in jax_ucp.restore(old)
 
@@ -176,7 +179,7 @@ def test_missing_dp_rank_file(tmp_path, name):
         DeepSpeedImportError,
         match=os.path.basename(victim) + ".*optimizer file.*DP rank 1",
     ):
-        convert_deepspeed(src, dst)
+        convert(src, dst, format="deepspeed")
     assert_destination_untouched(dst)
 
 
@@ -186,7 +189,7 @@ def test_missing_stage3_model_states_file(tmp_path):
     with pytest.raises(
         DeepSpeedImportError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"
     ):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -198,7 +201,7 @@ def test_world_size_metadata_disagrees_with_files(tmp_path):
         os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
     )
     with pytest.raises(DeepSpeedImportError, match=r"2 DP ranks.*zero_pp_rank_2"):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -215,7 +218,7 @@ def test_checkpoint_from_another_world_size_mixed_in(tmp_path):
         DeepSpeedImportError,
         match="mp_rank_00_model_states.pt: dp_world_size is 2.*3|optimizer file.*DP rank 2",
     ):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -227,7 +230,7 @@ def test_truncated_file(tmp_path, which):
     data = open(victim, "rb").read()
     open(victim, "wb").write(data[: len(data) // 2])
     with pytest.raises(TorchFileError, match=os.path.basename(victim)):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -235,11 +238,11 @@ def test_not_a_checkpoint_and_bad_latest(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DeepSpeedImportError, match="no DeepSpeed checkpoint here"):
-        convert_deepspeed(empty, tmp_path / "out")
+        convert(empty, tmp_path / "out", format="deepspeed")
     src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
     open(os.path.join(src, "latest"), "w").write("global_step9")
     with pytest.raises(DeepSpeedImportError, match="latest names tag 'global_step9'"):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
 
 
 def test_groups_disagreeing_on_step_is_an_error():

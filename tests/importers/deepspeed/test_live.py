@@ -29,14 +29,14 @@ def test_live_against_deepspeed_tools(tmp_path, stage, dtype, world):
     import make_deepspeed_fixtures as M
 
     import jax_ucp
-    from jax_ucp.conversion import convert_deepspeed
+    from jax_ucp.conversion import convert
 
     work = str(tmp_path / "run")
     M.train(stage, dtype, world, work, port=29800 + 10 * stage + world)
     tag = os.path.join(work, "ckpt", "global_step2")
     uni = M.universal(tag, str(tmp_path / "universal"))
     z = M.zero_to_fp32(os.path.join(work, "ckpt"), "global_step2")
-    got = jax_ucp.restore(convert_deepspeed(os.path.join(work, "ckpt"), tmp_path / "ucp"))
+    got = jax_ucp.restore(convert(os.path.join(work, "ckpt"), tmp_path / "ucp", format="deepspeed"))
     assert sorted(got["params"]) == sorted(z)
     for n, ref in z.items():
         np.testing.assert_array_equal(got["params"][n], ref)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.conversion import convert_deepspeed
+from jax_ucp.conversion import convert
 from jax_ucp.importers.deepspeed import DeepSpeedImportError, open_deepspeed_checkpoint
 from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
@@ -38,8 +38,10 @@ _converted: dict[str, str] = {}
 def converted(tmp_path_factory):
     def get(name: str) -> str:
         if name not in _converted:
-            _converted[name] = convert_deepspeed(
-                os.path.join(FIX, name, "ckpt"), tmp_path_factory.mktemp("meg") / name
+            _converted[name] = convert(
+                os.path.join(FIX, name, "ckpt"),
+                tmp_path_factory.mktemp("meg") / name,
+                format="deepspeed",
             )
         return _converted[name]
 
@@ -173,7 +175,7 @@ def test_missing_tp_pp_rank_file(tmp_path, victim, match):
     os.remove(os.path.join(src, TAG, victim))
     dst = str(tmp_path / "out")
     with pytest.raises(DeepSpeedImportError, match=match):
-        convert_deepspeed(src, dst)
+        convert(src, dst, format="deepspeed")
     assert_destination_untouched(dst)
 
 
@@ -184,7 +186,7 @@ def test_all_tp_ranks_but_zero_missing(tmp_path):
     with pytest.raises(
         DeepSpeedImportError, match=r"mp_world_size is 2|mp_rank_01_model_states\.pt: missing"
     ):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
 
@@ -220,7 +222,11 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
         DeepSpeedImportError,
         match=rf"{name}:.*TP ranks: rank 0 vs rank\(s\) \[1\].*mp_rank_01_model_states\.pt",
     ):
-        convert_deepspeed(os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"), dst)
+        convert(
+            os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt"),
+            dst,
+            format="deepspeed",
+        )
     assert_destination_untouched(dst)
 
 
@@ -241,8 +247,10 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
         DeepSpeedImportError,
         match=rf"{name}: pipeline-tied copies disagree: stage 0 vs stage\(s\) \[1\]",
     ):
-        convert_deepspeed(
-            os.path.join(FIX, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"), dst
+        convert(
+            os.path.join(FIX, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic", "ckpt"),
+            dst,
+            format="deepspeed",
         )
     assert_destination_untouched(dst)
 
@@ -262,14 +270,14 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", load)
     src = os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ckpt")
     with pytest.raises(DeepSpeedImportError, match="no universal_checkpoint_info"):
-        convert_deepspeed(src, tmp_path / "out")
+        convert(src, tmp_path / "out", format="deepspeed")
     # an explicit import spec stands in for the missing patterns
     from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
 
     info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
         "universal_checkpoint_info"
     ]
-    out = convert_deepspeed(src, tmp_path / "out2", spec=spec_from_ucp_info(info))
+    out = convert(src, tmp_path / "out2", format="deepspeed", spec=spec_from_ucp_info(info))
     U = np.load(os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ref_universal.npz"))
     got = jax_ucp.restore(out)
     for n, v in got["params"].items():
@@ -321,7 +329,7 @@ def test_regenerate_and_compare_live(tmp_path):
     for name in MEG:
         d = scratch / "tests" / "fixtures" / "deepspeed" / name
         U = np.load(d / "ref_universal.npz")
-        got = jax_ucp.restore(convert_deepspeed(d / "ckpt", tmp_path / f"out_{name}"))
+        got = jax_ucp.restore(convert(d / "ckpt", tmp_path / f"out_{name}", format="deepspeed"))
         for n in got["params"]:
             for state, tree in (
                 ("fp32", got["params"]),

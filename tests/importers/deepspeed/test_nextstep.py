@@ -20,7 +20,7 @@ import optax
 import pytest
 
 import jax_ucp
-from jax_ucp.conversion import convert_deepspeed
+from jax_ucp.conversion import convert
 from jax_ucp.language import RestoreRule, Spec, optax_chain_roots
 from tests.ucp_testing import REPO
 
@@ -120,7 +120,7 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
     run = json.load(open(os.path.join(d, "run.json")))
     model = TinyGPT(run["vocab"], run["width"], run["layers"], run["heads"], run["seq"])
     batch = jnp.asarray(np.load(os.path.join(d, "next_batch.npy")))
-    path = convert_deepspeed(os.path.join(d, "ckpt"), os.path.join(tmp, name))
+    path = convert(os.path.join(d, "ckpt"), os.path.join(tmp, name), format="deepspeed")
     r = jax_ucp.restore(path, spec=GPT_SPEC)
     params = _jnp(r["params"])
     st = r["opt_state"]["0"] if "0" in r["opt_state"] else r["opt_state"][0]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.conversion import convert_megatron
+from jax_ucp.conversion import convert
 from jax_ucp.importers.megatron import MegatronImportError, dcp, detect_megatron
 from tests.megatron_testing import (
     FIX,
@@ -44,7 +44,7 @@ def converted(tmp_path_factory):
 
     def get(name: str) -> str:
         if name not in cache:
-            cache[name] = convert_megatron(FIX / name, root / name, vocab_size=VOCAB)
+            cache[name] = convert(FIX / name, root / name, format="megatron", vocab_size=VOCAB)
         return cache[name]
 
     return get
@@ -79,7 +79,7 @@ def test_detect_rejects_other_dirs(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(MegatronImportError, match="not a Megatron checkpoint"):
-        convert_megatron(empty, tmp_path / "out")
+        convert(empty, tmp_path / "out", format="megatron")
 
 
 # ------------------------------------------------------------------ exactness vs torch DCP
@@ -163,7 +163,7 @@ def test_legacy_moe_expert_numbering(converted):
 
 
 def test_no_vocab_size_keeps_padding_and_says_so(tmp_path):
-    d = convert_megatron(FIX / "gpt_tp2", tmp_path / "o")
+    d = convert(FIX / "gpt_tp2", tmp_path / "o", format="megatron")
     r = jax_ucp.restore(d)
     ref = load_reference("gpt_tp2")
     assert_bit_equal(r["params"]["output_layer.weight"], ref["output_layer.weight"], "padded")
@@ -174,9 +174,10 @@ def test_vocab_size_from_spec_settings_and_step_and_progress(tmp_path):
     from jax_ucp.language import Spec
 
     seen = []
-    d = convert_megatron(
+    d = convert(
         FIX / "gpt_pp2",
         tmp_path / "mgr",
+        format="megatron",
         spec=Spec(settings={"vocab_size": VOCAB}),
         step=7,
         progress=lambda n, i, t: seen.append((n, i, t)),
@@ -243,7 +244,7 @@ def test_legacy_missing_distrib_optim(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"missing shard file .*mp_rank_00_001/distrib_optim\.pt"
     ):
-        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
 
@@ -257,8 +258,11 @@ def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
         MegatronImportError,
         match=r"distrib_optim\.pt:.*\d+ elements.*lay out to",
     ):
-        convert_megatron(
-            FIX / "legacy_gpt_distopt_pp2dp2_synthetic", tmp_path / "out", vocab_size=VOCAB
+        convert(
+            FIX / "legacy_gpt_distopt_pp2dp2_synthetic",
+            tmp_path / "out",
+            format="megatron",
+            vocab_size=VOCAB,
         )
     _untouched(tmp_path / "out")
 
@@ -387,8 +391,12 @@ def test_convert_detects_megatron_and_cli(tmp_path):
 def test_legacy_with_shipped_spec_import_rules(tmp_path):
     """The shipped megatron_gpt spec's (strict) import rules merge the legacy TP x PP fragments the
     same way as the built-in rules; head counts come from the pickled args."""
-    d = convert_megatron(
-        FIX / "legacy_gpt_tp2pp2_synthetic", tmp_path / "o", spec="megatron_gpt", vocab_size=VOCAB
+    d = convert(
+        FIX / "legacy_gpt_tp2pp2_synthetic",
+        tmp_path / "o",
+        format="megatron",
+        spec="megatron_gpt",
+        vocab_size=VOCAB,
     )
     r = jax_ucp.restore(d)
     ref = load_reference("legacy_gpt_tp2pp2_synthetic")
@@ -434,7 +442,7 @@ def test_vocab_size_larger_than_padded(name, tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"word_embeddings\.weight.*(fewer than|64 rows).*vocab_size=100"
     ):
-        convert_megatron(FIX / name, tmp_path / "out", vocab_size=100)
+        convert(FIX / name, tmp_path / "out", format="megatron", vocab_size=100)
     _untouched(tmp_path / "out")
 
 
@@ -456,7 +464,7 @@ def test_missing_shard_file(tmp_path):
     (src / "__1_0.distcp").unlink()
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=r"tensor '.+'.*__1_0\.distcp is missing"):
-        convert_megatron(src, dest, vocab_size=VOCAB)
+        convert(src, dest, format="megatron", vocab_size=VOCAB)
     _untouched(dest)
 
 
@@ -469,7 +477,7 @@ def test_metadata_references_absent_file(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"tensor '.+'.*__7_7\.distcp is missing.*\.metadata"
     ):
-        convert_megatron(src, dest, vocab_size=VOCAB)
+        convert(src, dest, format="megatron", vocab_size=VOCAB)
     _untouched(dest)
 
 
@@ -479,7 +487,7 @@ def test_truncated_shard_file(tmp_path):
     f.write_bytes(f.read_bytes()[:1000])
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=r"__0_0\.distcp has 1000 bytes.*truncated"):
-        convert_megatron(src, dest, vocab_size=VOCAB)
+        convert(src, dest, format="megatron", vocab_size=VOCAB)
     _untouched(dest)
 
 
@@ -504,7 +512,7 @@ def test_incomplete_shard_coverage(tmp_path, monkeypatch):
     _patched_open(monkeypatch, drop)
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=rf"tensor '{name}'.*incomplete shard coverage"):
-        convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+        convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
     _untouched(dest)
 
 
@@ -522,7 +530,7 @@ def test_overlapping_shards(tmp_path, monkeypatch):
     with pytest.raises(
         MegatronImportError, match=rf"tensor '{name}': overlapping shards.*__0_0.distcp"
     ):
-        convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+        convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
     _untouched(dest)
 
 
@@ -546,7 +554,7 @@ def test_chunk_shape_disagreement(tmp_path, monkeypatch):
         match=rf"tensor '{name}' chunk at offsets \[0\] in .*distcp: shape disagreement: "
         r"metadata says \[32\], bytes hold \[32, 32\]",
     ):
-        convert_megatron(FIX / "gpt_tp2", tmp_path / "out", vocab_size=VOCAB)
+        convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
 
@@ -582,7 +590,7 @@ def test_dtype_disagreement_on_disk(tmp_path):
         MegatronImportError,
         match=r"'.+' chunk .*/__1_0\.distcp:.*float32.*int16",
     ):
-        convert_megatron(src, dest, vocab_size=VOCAB)
+        convert(src, dest, format="megatron", vocab_size=VOCAB)
     _untouched(dest)
 
 
@@ -590,19 +598,19 @@ def test_failed_import_leaves_existing_destination(tmp_path):
     src = _copy("gpt_tp2", tmp_path)
     (src / "__0_1.distcp").unlink()
     dest = tmp_path / "out"
-    convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+    convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
     before = (dest / "ucp.json").read_bytes()
     with pytest.raises(MegatronImportError):
-        convert_megatron(src, dest, vocab_size=VOCAB, force=True)
+        convert(src, dest, format="megatron", vocab_size=VOCAB, force=True)
     assert (dest / "ucp.json").read_bytes() == before  # the earlier import, whole
     assert jax_ucp.verify(dest) == []
     with pytest.raises(FileExistsError):
-        convert_megatron(FIX / "gpt_tp2", dest, vocab_size=VOCAB)
+        convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
     user = tmp_path / "user"  # a folder that is not a checkpoint: refused untouched, even forced
     user.mkdir()
     (user / "keep.txt").write_text("x")
     with pytest.raises(FileExistsError, match="keep.txt"):
-        convert_megatron(FIX / "gpt_tp2", user, vocab_size=VOCAB, force=True)
+        convert(FIX / "gpt_tp2", user, format="megatron", vocab_size=VOCAB, force=True)
     assert (user / "keep.txt").read_text() == "x"
 
 
@@ -628,7 +636,7 @@ def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
         MegatronImportError,
         match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.zstd/1'",
     ):
-        convert_megatron(FIX / "gpt_tp2", tmp_path / "out", vocab_size=VOCAB)
+        convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
 
@@ -639,7 +647,7 @@ def test_metadata_pickle_with_code_is_refused(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"\.metadata.*refusing to load global 'os.system'"
     ):
-        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
     assert not marker.exists()
     _untouched(tmp_path / "out")
 
@@ -655,14 +663,14 @@ def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
         match=r"optimizer\.distributed\.dp_group_idx_0.*supported .*'fully_reshardable'.*"
         r"weights_only",
     ):
-        convert_megatron(FIX / "gpt_distopt_dp2", tmp_path / "out", vocab_size=VOCAB)
+        convert(FIX / "gpt_distopt_dp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
 
 
 def test_legacy_missing_rank(tmp_path):
     src = _copy("legacy_gpt_tp2pp2_synthetic", tmp_path)
     shutil.rmtree(src / "iter_0000007" / "mp_rank_01_001")
     with pytest.raises(MegatronImportError, match=r"missing rank directory .*mp_rank_01_001"):
-        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
     _untouched(tmp_path / "out")
 
 
@@ -672,11 +680,11 @@ def test_legacy_missing_file_and_bad_tracker(tmp_path):
     with pytest.raises(
         MegatronImportError, match=r"missing shard file .*mp_rank_01/model_optim_rng\.pt"
     ):
-        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
     (src / "latest_checkpointed_iteration.txt").write_text("9")
     # a tracker file that names no iteration is this checkpoint gone wrong, said as such
     with pytest.raises(MegatronImportError, match=r"names iteration 9 but .*iter_0000009 does not"):
-        convert_megatron(src, tmp_path / "out", vocab_size=VOCAB)
+        convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
 
 
 def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
@@ -693,7 +701,12 @@ def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
     with pytest.raises(
         MegatronImportError, match=r"mp_rank_00/model_optim_rng\.pt: checkpoint_version 1\.0 .*QKV"
     ):
-        convert_megatron(FIX / "legacy_llama_tp2_synthetic", tmp_path / "out", vocab_size=VOCAB)
+        convert(
+            FIX / "legacy_llama_tp2_synthetic",
+            tmp_path / "out",
+            format="megatron",
+            vocab_size=VOCAB,
+        )
 
 
 def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
@@ -712,5 +725,10 @@ def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
     with pytest.raises(
         MegatronImportError, match=r"decoder\.final_layernorm\.weight.*disagree.*mp_rank_01"
     ):
-        convert_megatron(FIX / "legacy_llama_tp2_synthetic", tmp_path / "out", vocab_size=VOCAB)
+        convert(
+            FIX / "legacy_llama_tp2_synthetic",
+            tmp_path / "out",
+            format="megatron",
+            vocab_size=VOCAB,
+        )
     _untouched(tmp_path / "out")

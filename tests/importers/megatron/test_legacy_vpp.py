@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.conversion import convert_megatron
+from jax_ucp.conversion import convert
 from jax_ucp.importers.megatron import legacy as megatron_legacy
 from tests.ucp_testing import REPO
 
@@ -40,7 +40,9 @@ def _check_truth(out: Path) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("weights_only", [False, True])
 def test_vpp_legacy_imports_every_layer_in_place(tmp_path, weights_only):
-    source = _check_truth(convert_megatron(FIX / NAME, tmp_path / "o", weights_only=weights_only))
+    source = _check_truth(
+        convert(FIX / NAME, tmp_path / "o", format="megatron", weights_only=weights_only)
+    )
     assert (source["pp"], source["virtual_pipeline"], source["tp"]) == (2, 2, 1)
     assert sorted(source["skipped"]) == [
         f"mp_rank_00_00{p}/model_optim_rng.pt:rng_state.0.torch_rng_state" for p in (0, 1)
@@ -83,7 +85,7 @@ DISTOPT = "legacy_gpt_vpp2pp2_distopt_synthetic"
 def test_vpp_distributed_optimizer_bit_exact(tmp_path):
     """megatron-core's DistributedOptimizer over both model chunks (one flat buffer per chunk in
     distrib_optim.pt): fp32 masters, both moments and the step equal the live optimizer's."""
-    out = convert_megatron(FIX / DISTOPT, tmp_path / "o")
+    out = convert(FIX / DISTOPT, tmp_path / "o", format="megatron")
     tree = jax_ucp.restore(out)
     truth = np.load(FIX / f"{DISTOPT}.truth.npz")
     where = {"param": tree["params"], "exp_avg": tree["opt_state"]["mu"]}
@@ -108,9 +110,9 @@ def test_vpp_distributed_optimizer_bit_exact(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_vpp_distributed_optimizer_weights_only(tmp_path):
-    source = _check_truth(convert_megatron(FIX / NAME, tmp_path / "plain"))
+    source = _check_truth(convert(FIX / NAME, tmp_path / "plain", format="megatron"))
     assert set(jax_ucp.restore(tmp_path / "plain")) == {"params"}
-    out = convert_megatron(FIX / DISTOPT, tmp_path / "w", weights_only=True)
+    out = convert(FIX / DISTOPT, tmp_path / "w", format="megatron", weights_only=True)
     tree = jax_ucp.restore(out)
     assert set(tree) == {"params"}
     with open(Path(out) / "ucp.json") as f:

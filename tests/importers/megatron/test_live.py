@@ -87,7 +87,7 @@ def test_regenerate_and_import_live(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     import jax_ucp
-    from jax_ucp.conversion import convert_megatron
+    from jax_ucp.conversion import convert
 
     m = _script()
     for name in names[:2]:
@@ -95,7 +95,7 @@ def test_regenerate_and_import_live(tmp_path):
         committed = load_reference(name)
         for k in committed:
             assert_regenerated(live[k], committed[k], k, f"regenerated {name}:{k}", name)
-        d = convert_megatron(out / name, tmp_path / f"ucp_{name}", vocab_size=VOCAB)
+        d = convert(out / name, tmp_path / f"ucp_{name}", format="megatron", vocab_size=VOCAB)
         got = jax_ucp.restore(d)
         opt = any(k.startswith("optimizer.") for k in live)
         for k, v in got["params"].items():
