@@ -144,6 +144,7 @@ _RANK_FILES = [
     ("deepspeed/megatron_ds_tp2_dp2_z1_bf16_synthetic/ckpt", "bf16_zero_pp_rank_0", 1, ""),
     ("deepspeed/autotp_tp2_dp2_z2_bf16/ckpt", "mp_rank_00_model", 1, ""),
     ("deepspeed/moe_ep2_z0_fp32/ckpt", "mp_rank_00_model", 1, ""),
+    ("deepspeed/autotp_tp2_dp2_z2_bf16/universal", "fp32", 1, ""),
     ("megatron/legacy_llama_tp2_synthetic", "model_optim_rng", 2, ""),
     ("megatron/legacy_llama_tp2_synthetic", "model_optim_rng", 2, "2KiB"),
     ("megatron/legacy_gpt_tp2pp2_synthetic", "model_optim_rng", 2, ""),

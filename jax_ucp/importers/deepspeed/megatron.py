@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed import affine, files, zero
 from jax_ucp.importers.deepspeed.affine import AffineMap
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
@@ -696,7 +697,7 @@ def _model_copy_item(
     if not _stored_copy_used(checkpoint, name):
         return host_item(
             ("model_params", name),
-            fp32.astype(checkpoint.model_dtype),
+            mapped_file.read_out(fp32, f"{name!r} fp32").astype(checkpoint.model_dtype),
             dict(provenance, pattern=f"cast(fp32 -> {checkpoint.model_dtype})", state="module"),
         )
     stage = checkpoint.holders[name][0]

@@ -336,7 +336,8 @@ def _checked_experts(
 
 def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
     """``value`` (the fp32 master of ``item``) rounds to ``stored`` (``tensor``) everywhere."""
-    cast = np.asarray(value).astype(stored.dtype)
+    cast = mapped_file.read_out(np.asarray(value)).astype(stored.dtype)
+    stored = mapped_file.read_out(np.asarray(stored))
     if cast.tobytes() != np.ascontiguousarray(stored).tobytes():
         flat = int(np.argmax(cast.reshape(-1) != stored.reshape(-1)))
         raise DeepSpeedImportError(

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.format import files
+from jax_ucp.format import files, mapped_file
 from jax_ucp.importers.deepspeed.files import (
     DeepSpeedImportError,
     dtype_of_run,
@@ -395,7 +395,8 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
         "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
         "tensors": [fp32_source],
     }
-    return host_item(("model_params", name), fp32.astype(checkpoint.model_dtype), provenance)
+    cast = mapped_file.read_out(fp32, f"{name!r} fp32").astype(checkpoint.model_dtype)
+    return host_item(("model_params", name), cast, provenance)
 
 
 def _stored_weight(checkpoint: UniversalCheckpoint, name: str, shape) -> np.ndarray | None:
@@ -436,6 +437,7 @@ def _frozen_fp32(
     if name not in checkpoint.frozen_fp32:
         return []
     copy = _load_state(os.path.join(checkpoint.tag_dir, ZERO_DIR, name, "fp32.pt"), "")[0]
+    copy, weight = mapped_file.read_out(copy), mapped_file.read_out(weight)
     if copy.shape != weight.shape or not np.array_equal(copy, weight.astype(np.float32)):
         raise DeepSpeedImportError(
             f"{checkpoint.tag_dir}/zero/{name}/fp32.pt: frozen parameter {name!r} "
