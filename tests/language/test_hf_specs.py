@@ -316,3 +316,23 @@ def test_a_spec_by_name_takes_its_settings_from_the_config_in_export_and_plan(tm
         assert back[name].tobytes() == value.tobytes(), name
     missing = runner.invoke(app, ["plan", ckpt, "--mesh", "data=8", "--config", str(config)])
     assert missing.exit_code != 0 and "--spec" in missing.output
+
+
+@pytest.mark.parametrize(
+    "config, says",
+    [
+        ({"hidden_size": 32}, "num_attention_heads"),
+        ({"num_attention_heads": "four", "hidden_size": 32}, "as integers"),
+        ({"num_attention_heads": 4, "num_key_value_heads": 3, "hidden_size": 32}, "multiple"),
+        ({"num_attention_heads": 0, "hidden_size": 32}, "ZeroDivisionError|positive"),
+        ({"num_attention_heads": 4, "hidden_size": 32, "head_dim": -8}, "positive"),
+    ],
+)
+def test_a_hostile_config_gives_no_head_settings(config, says):
+    """``--config`` for a spec's head settings is a user's file: anything but positive integers
+    with the heads a multiple of the groups is refused naming the file."""
+    from jax_ucp.errors import SpecError
+    from jax_ucp.language.settings import hf_head_settings
+
+    with pytest.raises(SpecError, match=f"cfg.json: .*({says})"):
+        hf_head_settings(config, "cfg.json")
