@@ -87,7 +87,7 @@ def read(
     memory_budget: int | None = None,
     replicated_read: str | None = None,
 ) -> list:
-    """``read_from`` the checkpoint at ``root``: jax.Array (a request with a sharding),
+    """``engine.read_from`` the checkpoint at ``root``: jax.Array (a request with a sharding),
     np.ndarray, or the saved Python value, in request order.
 
     Args:
