@@ -36,9 +36,10 @@ from jax_ucp.store import shard_reader
 
 class TensorSource(Protocol):
     """What the read engine (``read_from``) reads tensors from: a UCP checkpoint's arrays
-    (``ucp_source.CheckpointSource``), a safetensors file read in place (``safetensors_source``); the idea
-    of torch DCP's ``StorageReader``. The engine plans, budgets, checks memory, reads and
-    finishes; a source only says where a tensor's bytes are and what to check first."""
+    (``ucp_source.CheckpointSource``), a safetensors file read in place
+    (``safetensors_source``); the idea of torch DCP's ``StorageReader``. The engine plans,
+    budgets, checks memory, reads and finishes; a source only says where a tensor's bytes are
+    and what to check first."""
 
     path: str  # the checkpoint (a directory, URL or file)
     where: str  # names it in errors: "the checkpoint <dir>"
