@@ -145,10 +145,10 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         progress: called as ``progress(name, done, total)`` after each tensor.
     """
     from jax_ucp import store
-    from jax_ucp.restoring import reader
+    from jax_ucp.restoring import locate, requests
     from jax_ucp.restoring.options import RestoreOptions
 
-    manifest = reader.read_consistently(ckpt, store.read_manifest)
+    manifest = locate.read_consistently(ckpt, store.read_manifest)
     framework = str((manifest.source or {}).get("framework") or "")
     result = Comparison()
     total = len(manifest.tensors)
@@ -161,7 +161,7 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
             result.not_compared[entry.name] = str(e)[:300]
         else:
             options = RestoreOptions(select=lambda n, name=entry.name: n == name)
-            got = reader.restore_tree(ckpt, options)
+            got = requests.restore_tree(ckpt, options)
             for part in entry.key:
                 got = got[part]
             got = np.asarray(got)

@@ -20,8 +20,8 @@ from jax_ucp.errors import CheckpointError, ResumeWarning, SourceError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp.options import keywords_of, renamed
 from jax_ucp.orbax import handler as checkpoint_handler
+from jax_ucp.restoring import locate, model, requests, ucp_source
 from jax_ucp.restoring import options as restore_options
-from jax_ucp.restoring import reader, safetensors_source
 from jax_ucp.writer import commit
 
 
@@ -176,15 +176,14 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
     """
     if options.step is not None:  # a CheckpointManager root: one of its committed steps
         return _restore_step(os.fspath(path), options)
-    if safetensors_source.is_source(path):  # Hugging Face files, read in place
-        return safetensors_source.restore(path, options)
-    return reader.restore_tree(path, options)
+    # the source opened (a UCP checkpoint first, else safetensors) -> its requests -> the engine
+    return requests.restore_tree(path, options)
 
 
 def _restore_step(root: str, options: restore_options.RestoreOptions):
     """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
     "latest" the newest committed step that reads, older ones only with ``fallback``."""
-    steps = reader.committed_steps(root)
+    steps = locate.committed_steps(root)
     listed = ", ".join(str(s) for s, _ in steps[:10]) or "none"
     plain = dataclasses.replace(options, step=None, fallback=False)
     if options.step != "latest":
@@ -193,14 +192,14 @@ def _restore_step(root: str, options: restore_options.RestoreOptions):
             raise CheckpointError(
                 f"{root}: no committed step {options.step} with a UCP item (committed: {listed})."
             )
-        return reader.restore_tree(chosen[0], plain)
+        return requests.restore_tree(chosen[0], plain)
     if not steps:
         raise CheckpointError(f"{root}: no committed step with a UCP item.")
     why: list[str] = []
     for step, item in steps:
         try:
-            reader.check_readable(item)
-            return reader.restore_tree(item, plain)
+            locate.check_readable(item)
+            return requests.restore_tree(item, plain)
         except CheckpointError as e:
             if not options.fallback:
                 raise CheckpointError(
@@ -226,12 +225,12 @@ def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:
         (default: the error, naming the newest step and why).
     """
     root = os.fspath(run_root)
-    steps = reader.committed_steps(root)
+    steps = locate.committed_steps(root)
     if not steps:
         raise CheckpointError(f"{root}: no committed step with a UCP item.")
     for step, item in steps:
         try:
-            reader.check_readable(item)
+            locate.check_readable(item)
             return step
         except CheckpointError as e:
             if not fallback:
@@ -289,8 +288,8 @@ def verify(
     name = lambda field: f"verify({field}=)"  # noqa: E731
     budget = renamed("memory_budget", memory_budget, "max_read_bytes", max_read_bytes, name)
     budget = parse_size(DEFAULT_MEMORY_BUDGET if budget is None else budget, name("memory_budget"))
-    # A concurrent forced save is read again, not reported as damage (reader.read_consistently).
-    result = reader.read_consistently(path, lambda root: _verify(root, progress, budget))
+    # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
+    result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
     if against is None or result:
         return result
     from jax_ucp.against import compare_with_source
@@ -318,7 +317,7 @@ def _verify(root: str, progress, budget: int) -> VerifyResult:
 
     def check(entry: fmt.TensorEntry) -> str | None:
         try:  # the read checks every shard's digest, as a restore does
-            reader.read(root, manifest, [reader.Request(key=entry.key)])
+            ucp_source.read(root, manifest, [model.Request(key=entry.key)])
         except fmt.UCPError as e:
             return str(e)
         return None
@@ -356,6 +355,6 @@ def inspect(path: str | os.PathLike) -> fmt.Manifest:
 
     ``.notices`` lists what a restore without a target gives back differently from the save:
     a container class outside the allow-list (rebuilt as a dict of its fields)."""
-    manifest = reader.read_consistently(path, store.read_manifest)
+    manifest = locate.read_consistently(path, store.read_manifest)
     manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
     return manifest

@@ -17,6 +17,7 @@ from jax_ucp import errors
 # derived from: ``except <builtin>`` and ``except <old name>`` must keep catching what they did.
 OLD: list[tuple[str, str, tuple[type, ...]]] = [
     ("jax_ucp.conversion", "DestinationError", (ValueError,)),
+    ("jax_ucp.errors", "CheckpointError", (ValueError,)),  # was restoring.reader's (split)
     ("jax_ucp.errors", "CheckpointReplacedError", (OSError,)),
     ("jax_ucp.errors", "ExportError", (ValueError,)),
     ("jax_ucp.errors", "NotFoundError", (KeyError,)),
@@ -52,7 +53,6 @@ OLD: list[tuple[str, str, tuple[type, ...]]] = [
     ("jax_ucp.multihost.agreement", "SharedWriteError", (RuntimeError,)),
     ("jax_ucp.restoring.adam_state", "AmbiguousAdamStateError", (ValueError,)),
     ("jax_ucp.restoring.options", "ArgsError", (ValueError,)),
-    ("jax_ucp.restoring.reader", "CheckpointError", (ValueError,)),
     ("jax_ucp.restoring.replicated", "ReplicatedReadError", (RuntimeError,)),
     ("jax_ucp.sharding.mesh_layout", "ShardingMismatchError", (ValueError,)),
     ("jax_ucp.store.location", "ObjectStoreError", (ValueError,)),

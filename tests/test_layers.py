@@ -32,6 +32,21 @@ ALLOWED = {
     "optax_torch": {"format", "store", "language", "restoring", "api", "models"},  # -> optax
     "against": {"format", "store", "restoring"},  # verify(against=): the source's own loaders
 }
+# Modules that load no JAX when imported (JAX only inside a function, where a sharding the caller
+# gave means it is loaded): the restore engine and its sources, below the one JAX part of
+# restoring (``restoring.requests``), so exports and host-only reads never import it. Checked
+# with every jax_ucp module each imports at module level, transitively (``import jax_ucp.
+# exporters`` is also run in a fresh process: tests/exporters/test_without_jax.py).
+JAX_FREE = {
+    "jax_ucp.restoring.locate",
+    "jax_ucp.restoring.model",
+    "jax_ucp.restoring.engine",
+    "jax_ucp.restoring.ucp_source",
+    "jax_ucp.restoring.safetensors_source",
+    "jax_ucp.restoring.sources",
+    "jax_ucp.exporters",
+}
+JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)
 BASE = {"lazy_names", "version", "errors", "options"}  # leaf modules any layer may use
 
@@ -178,3 +193,84 @@ def test_importers_never_import_each_other():
                                 rel = os.path.relpath(path, REPO)
                                 wrong.append(f"{rel}:{node.lineno}: {fmt} imports {other}")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def _module_file(name: str) -> str | None:
+    """The file of jax_ucp module ``name`` (a package's ``__init__.py``), None if it is none."""
+    parts = name.split(".")
+    if parts[0] != "jax_ucp":
+        return None
+    base = os.path.join(REPO, *parts)
+    for path in (base + ".py", os.path.join(base, "__init__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def _load_time_imports(path: str):
+    """The absolute module names ``path`` imports when it is imported: its statements outside
+    functions and ``if TYPE_CHECKING:`` blocks (a ``from m import n`` names ``m.n`` too)."""
+    with open(path, encoding="utf-8") as f:
+        body = ast.parse(f.read(), path).body
+    stack = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.module
+            if node.module.split(".")[0] == "jax_ucp":
+                yield from (f"{node.module}.{alias.name}" for alias in node.names)
+        else:
+            stack.extend(c for c in ast.iter_child_nodes(node) if isinstance(c, ast.stmt))
+
+
+def test_the_engine_and_its_sources_import_no_jax():
+    """Each ``JAX_FREE`` module, and every jax_ucp module importing it runs (parent packages
+    included), imports no JAX package at module level."""
+    wrong = []
+    for start in sorted(JAX_FREE):
+        chain: dict[str, str | None] = {start: None}  # module -> the module that imported it
+        todo = [start]
+        while todo:
+            name = todo.pop()
+            parts = name.split(".")
+            parents = [".".join(parts[:i]) for i in range(1, len(parts))]
+            for module in [*parents, name]:
+                path = _module_file(module)
+                if path is None:
+                    continue
+                for imported in _load_time_imports(path):
+                    if imported.split(".")[0] in JAX_PACKAGES:
+                        via, seen = [module], module
+                        while chain.get(seen):
+                            seen = chain[seen]
+                            via.append(seen)
+                        wrong.append(f"{start}: {' <- '.join(via)} imports {imported}")
+                    elif imported not in chain and _module_file(imported) is not None:
+                        chain[imported] = module
+                        todo.append(imported)
+    assert not wrong, "\n".join(wrong)
+
+
+# restoring/reader.py held six jobs in 1,232 lines (issue 39); its stages stay modules of their
+# own size. plan and replicated are whole subjects of their own.
+LARGE_RESTORING = {"plan.py", "replicated.py"}
+MAX_LINES = 450
+
+
+def test_the_restoring_modules_stay_small():
+    folder = os.path.join(PACKAGE, "restoring")
+    large = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py") and name not in LARGE_RESTORING:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                lines = sum(1 for _ in f)
+            if lines > MAX_LINES:
+                large.append(f"restoring/{name}: {lines} lines")
+    assert not large, "\n".join(large)

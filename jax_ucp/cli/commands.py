@@ -140,9 +140,9 @@ def _user_errors(fn):
 
 def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
-    from jax_ucp.restoring import reader
+    from jax_ucp.restoring import locate
 
-    steps = reader.manager_steps(path) if os.path.isdir(path) else []
+    steps = locate.manager_steps(path) if os.path.isdir(path) else []
     if steps and not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         shown = ", ".join(name for name, _ in steps[-10:])
         raise RequestError(

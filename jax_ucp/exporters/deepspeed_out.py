@@ -32,7 +32,8 @@ from jax_ucp.exporters import source, torch_out
 from jax_ucp.exporters.options import DeepSpeedUniversalExport, Exported
 from jax_ucp.exporters.source import Deferred
 from jax_ucp.format import files
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import ucp_source
+from jax_ucp.restoring.model import Request, check_cast
 from jax_ucp.writer import durable
 
 #: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
@@ -171,13 +172,13 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
         options: this format's options (``engine.export`` checked them).
     """
     manifest = store.read_manifest(root)
-    available = reader.available_tensors(manifest)
+    available = ucp_source.available_tensors(manifest)
     by_key = {e.key: e for e in manifest.tensors}
     params, moments, count = _universal_keys(root, by_key)
     ds_names = {p: ".".join(rel) for p, rel in params.items()}
     for p in params:
-        reader.check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
-    (step,) = reader.read(root, manifest, [reader.Request(count)], available=available)
+        check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
+    (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
     model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
     reads = source.Source(root, manifest, available, progress=options.progress, total=len(ds_names))
 

@@ -14,7 +14,7 @@ from jax_ucp import format as fmt
 from jax_ucp import writer
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters.options import Exported, Options, options_for
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import locate
 from jax_ucp.writer import commit
 
 #: each format's module, whose ``export(root, dst, options)`` plans the format's files and writes
@@ -124,7 +124,7 @@ def export(
     # a read that fails because a concurrent forced save replaced ``ckpt`` starts over (its
     # transaction removed what it wrote), never reported as damage
     with writer.memory_budget_scope(budget):  # what readers and writers hold
-        return reader.read_consistently(
+        return locate.read_consistently(
             ckpt, lambda root: _export_root(root, dst, options), redo=False
         )
 

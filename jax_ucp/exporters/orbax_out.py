@@ -37,7 +37,7 @@ from jax_ucp.errors import (
 )
 from jax_ucp.exporters import source
 from jax_ucp.exporters.options import Exported, OrbaxExport
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import locate, model, ucp_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +53,8 @@ class _Tensor:
 
     def read(self, rows: tuple[int, int] | None = None) -> np.ndarray:
         """The tensor, or its rows ``lo:hi``."""
-        request = reader.Request(self.key, rows=rows)
-        (value,) = reader.read(self.root, self.manifest, [request], available=self.available)
+        request = model.Request(self.key, rows=rows)
+        (value,) = ucp_source.read(self.root, self.manifest, [request], available=self.available)
         return np.asarray(value)
 
 
@@ -144,7 +144,7 @@ def _slabs(t, shape: tuple[int, ...], nbytes: int, max_bytes: int) -> list[tuple
 def lazy_tree(root: str, manifest: fmt.Manifest) -> tuple[Any, int]:
     """The checkpoint's tree with each tensor a lazy ``_Tensor`` and each saved Python value
     in place; the saved containers when ``ucp.json`` records them, else nested dicts/lists."""
-    available = reader.available_tensors(manifest)
+    available = ucp_source.available_tensors(manifest)
     leaves: dict[tuple, Any] = {}
     key_types: dict[tuple, tuple] = {}
     for key, av in available.items():
@@ -188,7 +188,7 @@ def export_orbax(
         use_zarr3: zarr v3 arrays instead of Orbax's default v2.
         progress: called as ``progress(name, done, total)`` per tensor.
     """
-    root = reader.find_checkpoint_dir(ckpt)
+    root = locate.find_checkpoint_dir(ckpt)
     manifest = store.read_manifest(root)
     empty = [e.name for e in manifest.tensors if math.prod(e.shape) == 0]
     if empty:  # Orbax's own save refuses them ("Cannot save arrays with zero size")

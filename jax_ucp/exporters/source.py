@@ -1,5 +1,5 @@
 """What every format's exporter shares: tensors of a UCP checkpoint as ``Deferred`` arrays, read
-row slab by row slab (``reader.read_rows``, at most half the memory budget each) only when a
+row slab by row slab (``ucp_source.read_rows``, at most half the memory budget each) only when a
 writer writes their bytes, so an export holds one slab at a time whatever the tensor size; the
 named tensors under ``select`` (``select``); the transaction the files are written in."""
 
@@ -19,7 +19,7 @@ from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp.errors import ExportError
 from jax_ucp.exporters.options import Exported
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import model, ucp_source
 from jax_ucp.writer import commit
 
 
@@ -72,7 +72,7 @@ class Source:
         return Deferred(tuple(found.shape), dtype, lambda: self._slabs(key, dtype, name))
 
     def _slabs(self, key, dtype, name: str) -> Iterator[np.ndarray]:
-        yield from reader.read_rows(
+        yield from ucp_source.read_rows(
             self.root,
             self.manifest,
             key,
@@ -137,7 +137,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
         config = getattr(options, "config", None)  # safetensors: the config.json written beside
         settings = {} if config is None else hf_head_settings(read_config(config))
         spec = language.load_spec(spec, **settings)
-    available = reader.available_tensors(manifest, spec)
+    available = ucp_source.available_tensors(manifest, spec)
     prefix = tuple(p for p in (options.prefix or "").split("/") if p)
     chosen, values, skipped, seen = [], [], [], {}
 
@@ -165,7 +165,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     for name, key in chosen:  # every dtype and cast checked before anything is written
         saved = available[key].dtype
         target = saved if options.dtype is None else options.dtype
-        reader.check_cast(name, saved, target, options.casting)
+        model.check_cast(name, saved, target, options.casting)
         check_dtype(name, target)
         tensors.append(Tensor(name, tuple(available[key].shape), target))
     if not tensors:

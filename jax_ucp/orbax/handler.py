@@ -26,7 +26,7 @@ from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp import tree as tree_lib
 from jax_ucp.format.sizes import SizeError, parse_optional_size
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import requests
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.saving import plan as save_plan
 from jax_ucp.store import shard_file
@@ -153,7 +153,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jax_ucp.UCPRestore."
             )
         args = args or UCPRestore(target=item)
-        return reader.restore_tree(str(directory), args.options)
+        return requests.restore_tree(str(directory), args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))

@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import locate, model, ucp_source
 
 # Elements compared at once (float64 temporaries of this many elements, a few of them).
 _BLOCK = 1 << 20
@@ -113,7 +113,7 @@ def diff(
         CheckpointError: a checkpoint is missing, unreadable or corrupt (names the tensor and
             the file).
     """
-    root_a, root_b = reader.find_checkpoint_dir(a), reader.find_checkpoint_dir(b)
+    root_a, root_b = locate.find_checkpoint_dir(a), locate.find_checkpoint_dir(b)
     man_a, man_b = store.read_manifest(root_a), store.read_manifest(root_b)
     by_a, by_b = man_a.by_key(), man_b.by_key()
     common = [k for k in by_a if k in by_b]
@@ -160,7 +160,7 @@ def _same_value(ea, eb) -> bool:
 
 
 def _read(root, manifest, entry) -> np.ndarray:
-    (x,) = reader.read(root, manifest, [reader.Request(key=entry.key)])
+    (x,) = ucp_source.read(root, manifest, [model.Request(key=entry.key)])
     return np.ascontiguousarray(x).reshape(-1)
 
 

@@ -9,7 +9,7 @@ It reads the manifest only (no tensor data) and needs no devices: the mesh may b
 PartitionSpecs. Its cost follows the checkpoint (tensors × the few distinct specs), never the
 mesh's device count: devices holding equal slices are one run of numbers, not a list (a plan on
 10**8 devices takes what one on 8 takes). The PartitionSpecs come from the same functions ``restore`` uses
-(``sharding.sharding_for`` with ``mesh=``/``rules=``, ``reader.requests_from_target`` with
+(``sharding.sharding_for`` with ``mesh=``/``rules=``, ``requests.requests_from_target`` with
 ``target=``/``shardings=``).
 """
 
@@ -28,10 +28,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
+from jax_ucp.errors import CheckpointError
 from jax_ucp.format import display
 from jax_ucp.format.sizes import format_size
 from jax_ucp.options import field_namer, keywords_of
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import locate, model, requests, ucp_source
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 from jax_ucp.sharding.mesh_layout import axes_of
 
@@ -237,9 +238,9 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
             ``ValueError`` too).
     """
     mesh, rules, explicit = options.mesh, options.rules, options.has_target
-    root = reader.find_checkpoint_dir(path)
+    root = locate.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
-    available = reader.available_tensors(manifest, options.spec)
+    available = ucp_source.available_tensors(manifest, options.spec)
     layouts = _Layouts(mesh, options.processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
@@ -247,7 +248,7 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
         assert mesh is not None  # PlanOptions refuses rules without a mesh
         sharding_lib.check_rules(rules, mesh)
     elif not explicit:
-        reader.check_mesh_names(root, available.values(), mesh, rules, options.strict)
+        requests.check_mesh_names(root, available.values(), mesh, rules, options.strict)
     if explicit:
         placed, n_values = _placed_by_target(
             root, manifest, available, options.target, options.shardings, options.casting
@@ -274,15 +275,15 @@ def _placed_by_target(root, manifest, available, target, shardings, casting):
     error, as in restore."""
     values = {e.key for e in manifest.values}
     placed, n_values = [], 0
-    requests, _ = reader.requests_from_target(target, shardings)
-    for req in requests:
+    reqs, _ = requests.requests_from_target(target, shardings)
+    for req in reqs:
         key = tuple(str(k) for k in req.key)
         if key in available:
             placed.append(_explicit(available[key], req, casting))
         elif key in values:
             n_values += 1
         else:
-            raise reader.not_found(fmt.key_to_str(key), f"the checkpoint {root}", available)
+            raise model.not_found(fmt.key_to_str(key), f"the checkpoint {root}", available)
     return placed, n_values
 
 
@@ -328,8 +329,8 @@ def _read_on_host(tensors: list[TensorPlan], layouts, mesh, process_bytes) -> No
         process_bytes.merge(reads)
 
 
-def _on_mesh(av: reader.Available, mesh, rules):
-    """``restore(mesh=, rules=)``'s choice for one tensor (see ``reader._restore_once``)."""
+def _on_mesh(av: model.Available, mesh, rules):
+    """``restore(mesh=, rules=)``'s choice for one tensor (see ``requests.placed_requests``)."""
     wide = np.dtype(jax.dtypes.canonicalize_dtype(av.dtype)) != np.dtype(av.dtype)
     if wide:  # 64-bit without jax_enable_x64 stays on host, exact
         return av, av.dtype, None, (), None
@@ -339,17 +340,17 @@ def _on_mesh(av: reader.Available, mesh, rules):
     return av, av.dtype, sharding, _not_divisible(av, sharding.spec, mesh, rules), None
 
 
-def _explicit(av: reader.Available, req: reader.Request, casting: str):
+def _explicit(av: model.Available, req: model.Request, casting: str):
     """``restore(target=/shardings=)``'s checks for one tensor, as a message instead of raised."""
     dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
     try:
-        reader.check_tensor_request(av.name, req, av, "the checkpoint", casting)
-    except (reader.CheckpointError, sharding_lib.ShardingMismatchError) as e:
+        model.check_tensor_request(av.name, req, av, "the checkpoint", casting)
+    except (CheckpointError, sharding_lib.ShardingMismatchError) as e:
         error = str(e)
     return av, dtype, req.sharding, (), error
 
 
-def _not_divisible(av: reader.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
+def _not_divisible(av: model.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
     """The dimensions the saved PartitionSpec or the rules wanted split over mesh axes whose
     size does not divide them (``sharding_for`` replicates those)."""
     padded = tuple(got) + (None,) * (len(av.shape) - len(got))

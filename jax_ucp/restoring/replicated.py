@@ -29,15 +29,17 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp.errors import ReplicatedReadError
 from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
+
+if TYPE_CHECKING:
+    import jax
 
 # A process waits this long for the others to finish reading their shares of a batch (a peer
 # that died on this host is named at once; one on another host ends the job by jax's heartbeat).
@@ -153,9 +155,13 @@ def select(items: Sequence[tuple[int, Any, Any]], mode: str | None) -> list[tupl
     """The ``(position, request, available)`` items to read once: ``mode`` "once", several
     processes, a tensor with at least one element and one dimension that every process needs
     whole."""
-    if mode != "once" or jax.process_count() == 1:
+    if mode != "once":
         return []
+    import jax  # here and below: imported where used (host-only reads never load it)
+
     n = jax.process_count()
+    if n == 1:
+        return []
     return [
         (position, req, found)
         for position, req, found in items
@@ -205,6 +211,8 @@ def read_once(
         )
         for position, req, found in items
     ]
+    import jax
+
     n, me = jax.process_count(), jax.process_index()
     # own share + the gathered batch within the budget, the shares' rounding (1/8) included
     batch_bytes = max(1, int(budget) * n * 8 // ((n + 1) * 9))
@@ -358,6 +366,8 @@ def _finish(t: _Tensor) -> Gathered:
     if t.sharding is None:
         gathered.value = host
         return gathered
+    import jax
+
     singles = [
         jax.device_put(host[index], device, may_alias=True)
         for device, index in t.sharding.addressable_devices_indices_map(t.shape).items()
@@ -382,6 +392,8 @@ def _fingerprint(tensors, batches) -> str:
 def _gather_program(devices: tuple):
     """An all-gather over one device of each process (replicated output: one copy per
     process, the least gloo moves), and the sharding of its input."""
+    import jax
+
     mesh = jax.sharding.Mesh(np.array(devices), ("process",))
     spec = jax.sharding.PartitionSpec
     out = jax.sharding.NamedSharding(mesh, spec())
@@ -391,6 +403,8 @@ def _gather_program(devices: tuple):
 
 
 def _process_devices() -> tuple:
+    import jax
+
     firsts: dict[int, Any] = {}
     for d in jax.devices():
         if d.process_index not in firsts or d.id < firsts[d.process_index].id:
@@ -400,6 +414,8 @@ def _process_devices() -> tuple:
 
 def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarray:
     """Every process's ``share`` concatenated in process order (host bytes of this process)."""
+    import jax
+
     devices = _process_devices()
     sharding, program = _gather_program(devices)
     me = devices[jax.process_index()]
@@ -434,6 +450,7 @@ class _Peers:
     shares are read, before its all-gather."""
 
     def __init__(self, timeout: float, fingerprint: str):
+        import jax
         from orbax.checkpoint import multihost
 
         self.client = multihost.get_jax_distributed_client()

@@ -6,20 +6,23 @@ the copy on disk. Each process reads only the byte ranges of the slices its devi
 (``store.safetensors_file``): a tensor restored as it is (or only renamed) is read region by
 region into each device's buffer; one a spec transforms (transpose, merge, concat) is read
 through the same lazy TensorStore views as a UCP checkpoint's. ``SafetensorsSource`` is a
-``reader.TensorSource``: the read engine of every restore plans, budgets and checks the reads.
+``engine.TensorSource``: the read engine of every restore plans, budgets and checks the reads.
+JAX-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp import format as fmt
 from jax_ucp.format import safetensors
-from jax_ucp.restoring import reader
-from jax_ucp.restoring.options import RestoreOptions
+from jax_ucp.restoring import locate
+from jax_ucp.restoring.engine import OpenedSource, TensorSource
+from jax_ucp.restoring.model import Available
 from jax_ucp.store import safetensors_file
 
 ROOT = "params"  # where the importer puts the weights: a spec's param root
@@ -28,17 +31,10 @@ ROOT = "params"  # where the importer puts the weights: a spec's param root
 def is_source(path) -> bool:
     """A local ``.safetensors`` file, or a folder holding safetensors files and no ``ucp.json``,
     itself or in an item directory (a converted checkpoint or an Orbax step is read as one)."""
-    path = os.fspath(path)
-    if "://" in path or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
-        return False
-    if os.path.isdir(path) and any(  # an Orbax step directory holding a UCP item
-        os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE)) for d in os.listdir(path)
-    ):
-        return False
-    return safetensors.is_safetensors(path)
+    return not locate.is_ucp(path) and safetensors.is_safetensors(path)
 
 
-def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], reader.Available], dict]:
+def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], Available], dict]:
     """What may be restored (the tensors, or ``spec``'s views of them), and the views read by
     ``safetensors_file.Gathered`` (key → ``(which, rows)``, see ``_gather_map``)."""
     if spec is None:
@@ -48,7 +44,7 @@ def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], reader.Availa
     saved = {k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in tensors.items()}
     out, gathers = {}, {}
     for key, plan in language.compile_restore_plan(spec, saved).items():
-        view = reader.Available.view(key, plan, tuple(tuple(s) for s in plan.sources))
+        view = Available.view(key, plan, tuple(tuple(s) for s in plan.sources))
         one = tensors[view.sources[0]] if len(view.sources) == 1 else None
         if not plan.ops and one is not None and (view.shape, view.dtype) == (one.shape, one.dtype):
             view = _stored(view.key, view.sources, view.shape, view.dtype, plan.logical_axes)
@@ -58,9 +54,9 @@ def _available(tensors: dict, spec) -> tuple[dict[tuple[str, ...], reader.Availa
     return out, gathers
 
 
-def _stored(key, sources, shape, dtype, logical_axes=None) -> reader.Available:
+def _stored(key, sources, shape, dtype, logical_axes=None) -> Available:
     """A tensor read as it is (only renamed): region by region like a stored array."""
-    return reader.Available(
+    return Available(
         key=key,
         key_types=("key",) * len(key),
         shape=tuple(shape),
@@ -126,26 +122,28 @@ def _gather_map(plan, sources, tensors):
     return which, rows
 
 
-def restore(path, options: RestoreOptions):
-    """``jax_ucp.restore`` of a safetensors file or folder (see there for the arguments).
+@contextlib.contextmanager
+def opened_source(path, spec=None) -> Iterator[OpenedSource]:
+    """A safetensors file or folder opened for one restore (``jax_ucp.restore``), its files
+    closed after.
 
     Args:
       path: a ``.safetensors`` file, or a folder of them (with its index when sharded).
-      options: what to restore and how (checked when constructed).
+      spec: a UCP-language spec whose views of the tensors are restored (None: the tensors).
     """
     path = os.fspath(path)
     parsed, owner = safetensors.open_checkpoint(path)
     opened = {f.path: safetensors_file.OpenFile(f) for f in parsed}
     try:
         tensors = {(ROOT, name): opened[f.path].tensor(name) for name, f in owner.items()}
-        every, gathers = _available(tensors, options.spec)
-        return reader.restore_from(SafetensorsSource(path, tensors, gathers), every, (), options)
+        every, gathers = _available(tensors, spec)
+        yield OpenedSource(SafetensorsSource(path, tensors, gathers), every)
     finally:
         for f in opened.values():
             f.close()
 
 
-class SafetensorsSource(reader.TensorSource):
+class SafetensorsSource(TensorSource):
     """Safetensors files read in place: a tensor as it is (or only renamed) region by region
     into each device's buffer, a transpose / merge of rank-2 tensors by
     ``safetensors_file.Gathered``, any other view through TensorStore views of its sources."""
@@ -156,15 +154,15 @@ class SafetensorsSource(reader.TensorSource):
         self.path, self.where = path, f"the safetensors checkpoint {path}"
         self.tensors, self.gathers = tensors, gathers
 
-    def files(self, found: reader.Available) -> str:
+    def files(self, found: Available) -> str:
         parts = [f"{self.tensors[k].file.path}:{k[-1]}" for k in found.sources[:3]]
         more = len(found.sources) - 3
         return ", ".join(parts) + (f" (+{more} more)" if more > 0 else "")
 
-    def holder(self, found: reader.Available) -> str:
+    def holder(self, found: Available) -> str:
         return self.files(found)
 
-    def reader(self, found: reader.Available):
+    def reader(self, found: Available):
         sources = [self.tensors[k] for k in found.sources]
         if found.key in self.gathers:
             return safetensors_file.Gathered(sources, *self.gathers[found.key])

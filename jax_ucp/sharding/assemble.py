@@ -10,12 +10,14 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
-import jax
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
+
+if TYPE_CHECKING:
+    import jax
 
 
 class Waitable(Protocol):
@@ -152,6 +154,8 @@ class PendingArray:
             }
         else:
             host = {key: self._host(key) for key in self._reads}
+        import jax  # a result on a sharding: JAX is loaded (host-only reads never import it)
+
         singles = [
             jax.device_put(host[key], device, may_alias=True) for device, key in self._device_index
         ]

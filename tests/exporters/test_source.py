@@ -1,4 +1,4 @@
-"""Exports read by row slabs (``reader.read_rows`` through ``exporters.source``): every slab is
+"""Exports read by row slabs (``ucp_source.read_rows`` through ``exporters.source``): every slab is
 the tensor's rows, and an export under a budget smaller than any tensor writes the same bytes as
 the default one, for each format that streams."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp import store
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import ucp_source
 
 
 def _files(path) -> dict[str, bytes]:
@@ -45,20 +45,20 @@ def ckpt(tmp_path):
 def test_read_rows_yields_the_rows_of_the_tensor(ckpt):
     path, tree = ckpt
     manifest = store.read_manifest(path)
-    available = reader.available_tensors(manifest)
+    available = ucp_source.available_tensors(manifest)
     key = ("params", "w")
     inner = available[key].sources[0].inner_chunk_shape[0]
     assert 1 < inner < 300
     for max_bytes in (1, 100, 28 * inner, 28 * 80, 1 << 20):
         slabs = list(
-            reader.read_rows(path, manifest, key, available=available, max_bytes=max_bytes)
+            ucp_source.read_rows(path, manifest, key, available=available, max_bytes=max_bytes)
         )
         assert all(s.nbytes <= max_bytes or len(s) == 1 for s in slabs)
         np.testing.assert_array_equal(np.concatenate(slabs), tree["params"]["w"])
-    ranges = reader.row_ranges(available[key], np.dtype(np.float32), 28 * (2 * inner + 1))
+    ranges = ucp_source.row_ranges(available[key], np.dtype(np.float32), 28 * (2 * inner + 1))
     assert ranges[:2] == [(0, 2 * inner), (2 * inner, 4 * inner)]  # whole inner chunks
     cast = list(
-        reader.read_rows(
+        ucp_source.read_rows(
             path, manifest, key, available=available, dtype=ml_dtypes.bfloat16, max_bytes=7 * 6 * 10
         )
     )
@@ -66,7 +66,7 @@ def test_read_rows_yields_the_rows_of_the_tensor(ckpt):
     np.testing.assert_array_equal(
         np.concatenate(cast), tree["params"]["w"].astype(ml_dtypes.bfloat16)
     )
-    (count,) = reader.read_rows(
+    (count,) = ucp_source.read_rows(
         path, manifest, ("opt_state", "count"), available=available, max_bytes=1
     )
     assert count.shape == () and int(count) == 3

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 import jax_ucp
 from jax_ucp.cli import app
 from jax_ucp.restoring import checks as diff_lib
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import ucp_source
 
 runner = CliRunner()
 
@@ -86,7 +86,7 @@ def test_streamed_one_tensor_at_a_time_in_blocks(tmp_path, monkeypatch):
     b["t3"][49, 6] = 100.0  # in the last block
     pa, pb = _pair(tmp_path, a, b)
     monkeypatch.setattr(diff_lib, "_BLOCK", 64)  # 350 elements: 6 blocks
-    live, peak, real_read = [0], [0], reader.read
+    live, peak, real_read = [0], [0], ucp_source.read
 
     def counting_read(root, manifest, requests, **kw):
         assert len(requests) == 1  # one tensor per read, never a whole checkpoint
@@ -94,7 +94,7 @@ def test_streamed_one_tensor_at_a_time_in_blocks(tmp_path, monkeypatch):
         peak[0] = max(peak[0], live[0])
         return real_read(root, manifest, requests, **kw)
 
-    monkeypatch.setattr(reader, "read", counting_read)
+    monkeypatch.setattr(ucp_source, "read", counting_read)
     monkeypatch.setattr(diff_lib, "_compare", _release(diff_lib._compare, live))
     seen = []
     d = jax_ucp.diff(pa, pb, progress=lambda name, done, total: seen.append((name, done, total)))

@@ -8,7 +8,7 @@ import pytest
 import jax_ucp
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.restoring import options as restore_options
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import requests
 
 
 def _re(text: str) -> str:
@@ -59,13 +59,13 @@ def test_rules_given_as_a_generator_are_read_once_and_kept():
 def test_orbax_args_and_the_keywords_reach_the_reader_as_one_object(tmp_path, monkeypatch):
     jax_ucp.save(tmp_path / "c", {"w": np.arange(4, dtype=np.float32), "step": 3})
     seen = []
-    real = reader.restore_tree
+    real = requests.restore_tree
 
     def spy(path, options):
         seen.append(options)
         return real(path, options)
 
-    monkeypatch.setattr(reader, "restore_tree", spy)
+    monkeypatch.setattr(requests, "restore_tree", spy)
     by_keywords = jax_ucp.restore(tmp_path / "c", dtype=np.float16, select="w")
     handler = jax_ucp.UCPCheckpointHandler()
     by_args = handler.restore(tmp_path / "c", args=jax_ucp.UCPRestore(dtype=np.float16, select="w"))
@@ -92,7 +92,7 @@ def test_plan_checks_its_arguments_as_restore_does(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_both_sources_check_a_target_leaf_alike(tmp_path):
-    """One check of a target leaf (reader.check_tensor_request): a 0-d tensor fills a Python
+    """One check of a target leaf (model.check_tensor_request): a 0-d tensor fills a Python
     scalar leaf from safetensors as from a UCP checkpoint; an array does not."""
     from safetensors.numpy import save_file
 

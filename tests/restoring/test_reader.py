@@ -18,7 +18,7 @@ import jax_ucp
 from jax_ucp import store
 from jax_ucp.errors import CheckpointReplacedError
 from jax_ucp.language import Spec
-from jax_ucp.restoring import reader
+from jax_ucp.restoring import locate
 from jax_ucp.writer import commit
 from tests.ucp_testing import TREE_COUNT as COUNT
 from tests.ucp_testing import TREE_W as W
@@ -530,7 +530,7 @@ def test_a_reader_between_the_two_renames_of_a_swap(tmp_path, monkeypatch):
     jax_ucp.convert(sources[0], out)
     jax_ucp.convert(sources[1], out + commit.REPLACING)
     os.rename(out, out + commit.REPLACED)
-    found = reader.find_checkpoint_dir
+    found = locate.find_checkpoint_dir
 
     def then_the_second_rename(path):
         root = found(path)
@@ -538,7 +538,7 @@ def test_a_reader_between_the_two_renames_of_a_swap(tmp_path, monkeypatch):
             os.rename(out + commit.REPLACING, out)
         return root
 
-    monkeypatch.setattr(reader, "find_checkpoint_dir", then_the_second_rename)
+    monkeypatch.setattr(locate, "find_checkpoint_dir", then_the_second_rename)
     assert _which(jax_ucp.restore(out)) == _BASES[1]
     assert jax_ucp.inspect(out).save_id == store.read_manifest(out).save_id
 

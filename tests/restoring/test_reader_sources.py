@@ -1,4 +1,4 @@
-"""The read engine (``reader.read_from``) behind its ``TensorSource`` protocol: a source that
+"""The read engine (``engine.read_from``) behind its ``TensorSource`` protocol: a source that
 only says where a tensor's bytes are gets the engine's checks, budget, sharded assembly, overflow
 and failure messages. The source here is synthetic (numpy arrays in memory)."""
 
@@ -13,7 +13,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jax_ucp import sharding
-from jax_ucp.restoring import reader
+from jax_ucp.errors import CheckpointError
+from jax_ucp.restoring import engine, model
 
 
 class _Regions:
@@ -36,7 +37,7 @@ class _Regions:
         return future
 
 
-class SyntheticArraysSource(reader.TensorSource):
+class SyntheticArraysSource(engine.TensorSource):
     metadata = "synthetic header"
 
     def __init__(self, arrays: dict, fail: Exception | None = None):
@@ -56,7 +57,7 @@ class SyntheticArraysSource(reader.TensorSource):
 
 def _available(arrays: dict) -> dict:
     return {
-        k: reader.Available(
+        k: model.Available(
             key=k,
             key_types=("key",) * len(k),
             shape=a.shape,
@@ -77,10 +78,10 @@ def test_a_source_gives_exact_slices_on_a_mesh_and_to_host():
     assert isinstance(source.readers[("w",)], sharding.RegionReader)
     mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
     requests = [
-        reader.Request(key=("w",), sharding=NamedSharding(mesh, P("x"))),
-        reader.Request(key=("b",), dtype=np.dtype(np.float64)),
+        model.Request(key=("w",), sharding=NamedSharding(mesh, P("x"))),
+        model.Request(key=("b",), dtype=np.dtype(np.float64)),
     ]
-    got_w, got_b = reader.read_from(source, requests, _available(arrays), memory_budget=64)
+    got_w, got_b = engine.read_from(source, requests, _available(arrays), memory_budget=64)
     assert source.prepared == ["w", "b"]  # every tensor announced once, before any read
     np.testing.assert_array_equal(np.asarray(got_w), w)
     for shard in got_w.addressable_shards:
@@ -96,18 +97,16 @@ def test_the_engine_names_the_source_in_its_errors():
     arrays = {("w",): np.array([1.0, 1e10], np.float32)}
     source = SyntheticArraysSource(arrays)
     available = _available(arrays)
-    with pytest.raises(reader.CheckpointError, match=r"'v'.*synthetic arrays \("):
-        reader.read_from(source, [reader.Request(key=("v",))], available)
+    with pytest.raises(CheckpointError, match=r"'v'.*synthetic arrays \("):
+        engine.read_from(source, [model.Request(key=("v",))], available)
     with pytest.raises(
-        reader.CheckpointError,
+        CheckpointError,
         match=r"Tensor 'w' \(memory:w\): 1 of its values \(of 2\) overflow float16",
     ):
-        reader.read_from(
-            source, [reader.Request(key=("w",), dtype=np.dtype(np.float16))], available
-        )
+        engine.read_from(source, [model.Request(key=("w",), dtype=np.dtype(np.float16))], available)
     failing = SyntheticArraysSource(arrays, fail=OSError("the device went away"))
     with pytest.raises(
-        reader.CheckpointError,
+        CheckpointError,
         match=r"Tensor 'w': reading memory:w failed \(corrupt or truncated data\?\): the device",
     ):
-        reader.read_from(failing, [reader.Request(key=("w",))], available)
+        engine.read_from(failing, [model.Request(key=("w",))], available)
