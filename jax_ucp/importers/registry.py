@@ -14,8 +14,15 @@ from typing import Any
 
 from jax_ucp.errors import RequestError, SourceError, SourceNotFoundError
 from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch
-from jax_ucp.importers.deepspeed.files import trainer_checkpoints
-from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, accounted
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    accounted,
+    trainer_checkpoints,
+)
 from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
 
 SourceFormatError = SourceError  # not a checkpoint of a format jax_ucp imports
