@@ -154,44 +154,50 @@ def test_the_actual_imports_form_no_cycle():
         visit(node, ())
 
 
-#: (importing format, imported format) pairs still delegating to another importer, said here:
-#: safetensors hands a Trainer / Accelerate folder holding a torch optimizer to the torch
-#: importer's files plan, and torchtune's weights are Hugging Face safetensors.
-IMPORTER_DELEGATIONS = {("safetensors", "torch"), ("torch", "safetensors")}
+def _imported_modules(path: str):
+    """(line, dotted module) of every absolute import in the module, ``from a import b`` also
+    as ``a.b`` (b may be a module)."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            yield node.lineno, node.module
+            for a in node.names:
+                yield node.lineno, f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name
+
+
+def _imported_formats(path: str, formats: set[str]):
+    """(line, format) of every import of a format package under ``importers/``."""
+    for line, module in _imported_modules(path):
+        parts = module.split(".")
+        if parts[:2] == ["jax_ucp", "importers"] and len(parts) > 2 and parts[2] in formats:
+            yield line, parts[2]
+
+
+def _importer_formats(root: str) -> set[str]:
+    return {d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))} - {"__pycache__"}
 
 
 def test_importers_never_import_each_other():
     """One package per format under ``importers/``: a format's modules import the shared
-    importer layer (``importers.plan``, ``importers.registry``) and what lies below (torch's
-    file formats are ``torchfiles``), never another format's package."""
+    importer modules beside the packages (``importers.plan``, ``importers.safetensors_weights``)
+    and what lies below (torch's file formats are ``torchfiles``), never another format's
+    package. A source two formats share is handed over by ``importers.registry``."""
     root = os.path.join(PACKAGE, "importers")
-    formats = {d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d))} - {
-        "__pycache__"
-    }
+    formats = _importer_formats(root)
     wrong = []
     for fmt in sorted(formats):
         for dirpath, _, filenames in os.walk(os.path.join(root, fmt)):
             for name in filenames:
-                if not name.endswith(".py"):
-                    continue
-                path = os.path.join(dirpath, name)
-                with open(path, encoding="utf-8") as f:
-                    tree = ast.parse(f.read(), path)
-                for node in ast.walk(tree):
-                    modules = []
-                    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                        modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                    elif isinstance(node, ast.Import):
-                        modules = [a.name for a in node.names]
-                    for module in modules:
-                        parts = module.split(".")
-                        if parts[:2] != ["jax_ucp", "importers"] or len(parts) < 3:
-                            continue
-                        other = parts[2]
-                        if other in formats and other != fmt:
-                            if (fmt, other) not in IMPORTER_DELEGATIONS:
-                                rel = os.path.relpath(path, REPO)
-                                wrong.append(f"{rel}:{node.lineno}: {fmt} imports {other}")
+                if name.endswith(".py"):
+                    path = os.path.join(dirpath, name)
+                    for line, other in _imported_formats(path, formats):
+                        if other != fmt:
+                            rel = os.path.relpath(path, REPO)
+                            wrong.append(f"{rel}:{line}: {fmt} imports {other}")
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
@@ -274,3 +280,19 @@ def test_the_restoring_modules_stay_small():
             if lines > MAX_LINES:
                 large.append(f"restoring/{name}: {lines} lines")
     assert not large, "\n".join(large)
+
+
+def test_the_shared_importer_modules_import_no_format():
+    """The modules beside the format packages (``importers.plan``, ...) are what the formats
+    share, so they import none of them: only the registry (and the package root) composes the
+    formats."""
+    root = os.path.join(PACKAGE, "importers")
+    formats = _importer_formats(root)
+    shared = [n for n in os.listdir(root) if n.endswith(".py")]
+    assert "plan.py" in shared and "registry.py" in shared
+    wrong = [
+        f"importers/{name}:{line}: imports {other}"
+        for name in sorted(set(shared) - {"registry.py", "__init__.py"})
+        for line, other in _imported_formats(os.path.join(root, name), formats)
+    ]
+    assert not wrong, "\n".join(wrong)

@@ -147,7 +147,7 @@ SURFACE: dict[str, set[str]] = {
         "plan_megatron",
     },
     "jax_ucp.importers.orbax": {"OrbaxImportError", "OrbaxOptions", "detect", "plan", "plan_orbax"},
-    "jax_ucp.importers.safetensors": {"detect", "plan", "plan_safetensors"},
+    "jax_ucp.importers.safetensors": {"detect", "plan"},
     "jax_ucp.importers.torch": {"TorchOptions", "detect", "plan"},
     "jax_ucp.language": {
         "Averaged",

@@ -317,3 +317,17 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
 def _few(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n[:200]) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def trainer_checkpoints(src: str) -> list[str]:
+    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+    try:
+        names = os.listdir(src)
+    except OSError:
+        return []
+    found = [
+        n
+        for n in names
+        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
+    ]
+    return sorted(found, key=lambda n: int(n.split("-")[1]))

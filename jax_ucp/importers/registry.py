@@ -14,8 +14,16 @@ from typing import Any
 
 from jax_ucp.errors import RequestError, SourceError, SourceNotFoundError
 from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch
-from jax_ucp.importers.deepspeed.files import trainer_checkpoints
-from jax_ucp.importers.plan import WHOLE, Detection, ImportOptions, ImportPlan, Share, accounted
+from jax_ucp.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    accounted,
+    trainer_checkpoints,
+)
+from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
 
 SourceFormatError = SourceError  # not a checkpoint of a format jax_ucp imports
 
@@ -98,6 +106,26 @@ def detect_format(src) -> str:
     )
 
 
+def handed_over(source, checkpoint_format: str, options: ImportOptions) -> ImportPlan | None:
+    """The plan of a source one format claims and another format's importer reads whole, or
+    None: safetensors weights beside a torch optimizer (a Trainer ``checkpoint-N/``,
+    Accelerate's ``save_state``) are the torch files importer's, which maps the optimizer's
+    state too, unless only weights are wanted. Decided here: format packages never import
+    each other."""
+    if checkpoint_format != "safetensors" or options.weights_only:
+        return None
+    if not has_torch_optimizer(source):
+        return None
+    assert isinstance(options, torch.TorchOptions)
+    return plan_torch_files(
+        source,
+        spec=options.spec,
+        weights_only=options.weights_only,
+        share=options.share,
+        parameter_order=options.parameter_order,
+    )
+
+
 def importer_options(importer: Importer, **fields: Any) -> ImportOptions:
     """``importer``'s typed options from ``fields``; a field given (not None) that this format
     does not take is an error naming the formats that take it."""
@@ -160,6 +188,8 @@ def plan_import(
         vocab_size=vocab_size,
         parameter_order=parameter_order,
     )
-    plan = importer.plan(source, options)
+    plan = handed_over(source, checkpoint_format, options)
+    if plan is None:
+        plan = importer.plan(source, options)
     items = accounted(plan, f"{os.fspath(source)} ({checkpoint_format})", whole=share.count == 1)
     return dataclasses.replace(plan, items=items)

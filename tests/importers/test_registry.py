@@ -151,3 +151,30 @@ def test_two_formats_in_one_folder_is_an_error_naming_both(tmp_path):
     assert not (tmp_path / "out").exists()
     jax_ucp.convert(both, tmp_path / "dcp", format="torch")  # --from picks
     assert "dcp_version" in jax_ucp.inspect(tmp_path / "dcp").source
+
+
+def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
+    """A Trainer ``checkpoint-N/`` (safetensors weights + ``optimizer.pt``) is claimed by the
+    safetensors importer; the registry hands it to the torch files importer, which maps the
+    optimizer too (the safetensors package never imports the torch one). The safetensors
+    importer alone refuses the optimizer; weights_only keeps to the weights."""
+    from jax_ucp.errors import UCPError
+    from jax_ucp.importers import safetensors
+    from jax_ucp.importers.torch import TorchOptions
+
+    src = os.path.join(FIX, "hf_trainer", "trainer_fp32", "checkpoint-3")
+    with np.load(os.path.join(FIX, "hf_trainer", "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    order = [n for n in names if n not in norms] + norms  # as the Trainer grouped them
+    assert registry.detect_format(src) == "safetensors"
+    options = TorchOptions(parameter_order=order)
+    handed = registry.handed_over(src, "safetensors", options)
+    assert handed is not None and handed.source["framework"] == "torch_files"
+    assert handed.source["optimizer"]["param_groups"]
+    assert registry.handed_over(src, "torch", options) is None
+    assert registry.handed_over(src, "safetensors", TorchOptions(weights_only=True)) is None
+    with pytest.raises(UCPError, match=r"optimizer\.pt.*weights_only=True"):
+        safetensors.plan(src, TorchOptions())
+    plan = registry.plan_import(src, parameter_order=order)
+    assert plan.source == handed.source

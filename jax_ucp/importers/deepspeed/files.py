@@ -21,7 +21,7 @@ import numpy as np
 
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files
-from jax_ucp.importers.plan import tensor_names
+from jax_ucp.importers.plan import tensor_names, trainer_checkpoints
 from jax_ucp.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
 
 DeepSpeedImportError = SourceError  # the DeepSpeed checkpoint is incomplete or inconsistent
@@ -191,20 +191,6 @@ def read_tag_file(path: str) -> str:
             "expected the name of a tag folder"
         )
     return tag
-
-
-def trainer_checkpoints(src: str) -> list[str]:
-    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
-    try:
-        names = os.listdir(src)
-    except OSError:
-        return []
-    found = [
-        n
-        for n in names
-        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
-    ]
-    return sorted(found, key=lambda n: int(n.split("-")[1]))
 
 
 def is_tag_dir(path: str) -> bool:

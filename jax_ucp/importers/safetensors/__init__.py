@@ -7,93 +7,20 @@ is a read-only view of a memory map, streamed one at a time into the writer, so 
 few tensors whatever the model size.
 
 Output tree: ``params/<HF name>`` in the stored dtype (safetensors hold model weights, not fp32
-masters: bf16 stays bf16, bit for bit), no optimizer state.
+masters: bf16 stays bf16, bit for bit), no optimizer state. The plan is
+:mod:`~jax_ucp.importers.safetensors_weights`'s (torchtune's weights are planned there too).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
 
-from jax_ucp import writer
 from jax_ucp.errors import RequestError
 from jax_ucp.format import safetensors
-from jax_ucp.importers.plan import (
-    WHOLE,
-    Detection,
-    ImportOptions,
-    ImportPlan,
-    Share,
-    host_item,
-    refuse_spec,
-    skip,
-)
+from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
+from jax_ucp.importers.safetensors_weights import plan_safetensors
 
-__all__ = [
-    "detect",
-    "plan",
-    "plan_safetensors",
-]
-
-
-def plan_safetensors(
-    src, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
-) -> ImportPlan:
-    """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index).
-
-    Args:
-        src: a ``.safetensors`` file, a folder, or a sharded index.
-        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
-    refuse_spec(spec, "safetensors imports keep Hugging Face's names", safetensors.SafetensorsError)
-    src = os.fspath(src)
-    opened, owner = safetensors.open_checkpoint(src)
-    names = sorted(owner)
-    dtypes = sorted({str(owner[n].header[n][0]) for n in names})
-    source = {
-        "framework": "safetensors",
-        "path": os.path.abspath(src),
-        "files": [os.path.basename(f.path) for f in opened],
-        "dtypes": dtypes,
-        "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
-    }
-    found = list(names)
-    trainer_state = _trainer_optimizer(src)
-    if trainer_state is not None:
-        optimizer_file = os.path.basename(trainer_state)
-        trainer = optimizer_file == "optimizer.pt"
-        writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
-        if not weights_only:
-            raise safetensors.SafetensorsError(
-                f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
-                f"{'checkpoint' if trainer else 'folder'}; its "
-                f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
-                f"imported. To import the model weights without it: convert(..., "
-                f"weights_only=True) / jax-ucp convert --weights-only"
-            )
-        # not opened (it is not read): accounted for as one unit
-        skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
-        found.append(optimizer_file)
-    mine = share.pick(names)
-    items = (
-        host_item(
-            ("params", n),
-            writer.mapped_deferred(owner[n].tensor(n), f"{owner[n].path}: tensor {n[:100]!r}"),
-            {"file": os.path.basename(owner[n].path), "tensors": [n]},
-        )
-        for n in mine
-    )
-    return ImportPlan(items, source, len(mine), source_tensors=found)
-
-
-def _trainer_optimizer(src: str) -> str | None:
-    """``optimizer.pt`` in the folder given (a Trainer ``checkpoint-N/`` without DeepSpeed): its
-    state would be lost without a word if the weights were imported alone. A file given by its
-    own path is that file only."""
-    paths = [os.path.join(src, n) for n in ("optimizer.pt", "optimizer.bin")]  # Trainer, Accelerate
-    return next((p for p in paths if os.path.lexists(p)), None) if os.path.isdir(src) else None
+__all__ = ["detect", "plan"]
 
 
 def detect(src: os.PathLike | str) -> Detection:
@@ -113,19 +40,16 @@ def detect(src: os.PathLike | str) -> Detection:
 
 
 def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
-    """safetensors weights; beside a torch optimizer (a Trainer ``checkpoint-N/``,
-    Accelerate's ``save_state``) the torch files importer maps its state too, unless only
-    weights are wanted. ``options``: the torch importer's (``TorchOptions``)."""
-    # imported here: torchtune imports this package
-    from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
-
-    parameter_order = getattr(options, "parameter_order", None)
-    common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
-    if not options.weights_only and has_torch_optimizer(src):
-        return plan_torch_files(src, **common, parameter_order=parameter_order)
-    if parameter_order is not None:
+    """safetensors weights (:func:`~jax_ucp.importers.safetensors_weights.plan_safetensors`),
+    a torch optimizer beside them refused unless only weights are wanted. ``options``: the torch
+    importer's (``TorchOptions``). A folder beside a torch optimizer (a Trainer
+    ``checkpoint-N/``, Accelerate's ``save_state``) is handed to the torch files importer by the
+    registry (:func:`~jax_ucp.importers.registry.plan_import`), which maps its state too."""
+    if getattr(options, "parameter_order", None) is not None:
         raise RequestError(
             f"{src}: parameter_order= orders a torch optimizer's state; these safetensors "
             f"come without one (or weights_only=True)"
         )
-    return plan_safetensors(src, **common)
+    return plan_safetensors(
+        src, spec=options.spec, weights_only=options.weights_only, share=options.share
+    )

@@ -17,8 +17,8 @@ import os
 import re
 from typing import Any
 
-from jax_ucp.importers import safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
+from jax_ucp.importers.safetensors_weights import plan_safetensors
 from jax_ucp.importers.torch.optimizer import TorchImportError
 
 __all__ = ["RECIPE_STATE", "is_torchtune", "epoch_folders", "plan_torchtune"]
@@ -75,7 +75,7 @@ def plan_torchtune(
             f"import {epochs[-1]}/'s weights"
         )
     latest = os.path.join(src, epochs[-1])
-    plan = safetensors.plan_safetensors(latest, spec=spec, share=share)
+    plan = plan_safetensors(latest, spec=spec, share=share)
     source = dict(plan.source)
     source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
     units = [f"{e}/" for e in epochs[:-1]]
