@@ -80,15 +80,16 @@ def ucp_restore(path, tree, shardings):
 
 
 def ucp_restore_tensorstore_reads(path, tree, shardings):
-    """jax_ucp restore with every read through TensorStore (store.shard_file's reader off)."""
-    from jax_ucp.restoring import reader
+    """jax_ucp restore with every read through TensorStore (store.shard_reader off: no shard
+    layout is recognised, so the UCP source hands out TensorStore views)."""
+    from jax_ucp.store import shard_file
 
-    fast = reader._fast_reader
-    reader._fast_reader = lambda root, entry, opened: opened
+    layout = shard_file.layout_from_metadata
+    shard_file.layout_from_metadata = lambda *a: None
     try:
         return ucp_restore(path, tree, shardings)
     finally:
-        reader._fast_reader = fast
+        shard_file.layout_from_metadata = layout
 
 
 def ucp_save_tensorstore_writes(path, tree):
