@@ -2,7 +2,7 @@
 
 Each conversion runs in a fresh process (``--child``) that samples its own /proc/self/status
 RssAnon from a thread every 5 ms (``rss.Peak``) around ``jax_ucp.convert(src, dst,
-memory_budget=B)`` or ``jax_ucp.export(ucp, dst, to=..., memory_budget=B)``, after importing
+memory_budget=B)`` or ``jax_ucp.export(ucp, dst, SafetensorsExport(memory_budget=B))`` (or another format's options), after importing
 jax_ucp (the baseline; Orbax and JAX too for an Orbax source or target, whose import
 loads them). Printed per case: the budget, the baseline, the peak RssAnon (absolute,
 and over the baseline), the time, and whether peak <= budget + 64 MiB (issue 26 item 4; judged
@@ -74,7 +74,9 @@ def child(a) -> None:
     t0 = time.perf_counter()
     with rss.Peak(interval=0.005) as peak:
         if a.target:
-            jax_ucp.export(a.src, a.dst, to=a.target, memory_budget=a.budget)
+            from jax_ucp.exporters import options_for
+
+            jax_ucp.export(a.src, a.dst, options_for(a.target, memory_budget=a.budget))
         else:
             options = {"vocab_size": a.vocab_size} if a.vocab_size else {}
             jax_ucp.convert(a.src, a.dst, memory_budget=a.budget, **options)

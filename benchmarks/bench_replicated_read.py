@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold", action="store_true", help="evict the files before each")
-    parser.add_argument("--max-read-bytes", type=int, help="restore's read budget (256 MiB)")
+    parser.add_argument("--memory-budget", type=int, help="restore's memory budget (256 MiB)")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
 
@@ -191,11 +191,11 @@ def main() -> None:
     report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "data_bytes": data}
     report["load_average"] = os.getloadavg()[0]
     report["cold"] = args.cold
-    report["max_read_bytes"] = args.max_read_bytes
+    report["memory_budget"] = args.memory_budget
     report["jobs"] = {}
     for n in args.processes:
         modes = ["each", "once"] * args.rounds
-        results = run_job(n, path, modes, args.cold, args.devices, args.max_read_bytes)
+        results = run_job(n, path, modes, args.cold, args.devices, args.memory_budget)
         rows = {}
         for mode in ("each", "once"):
             mine = [r for r in results if r["mode"] == mode]

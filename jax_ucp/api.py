@@ -18,7 +18,7 @@ from jax_ucp import store
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointError, ResumeWarning, SourceError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp.options import keywords_of, renamed
+from jax_ucp.options import keywords_of
 from jax_ucp.orbax import handler as checkpoint_handler
 from jax_ucp.restoring import locate, model, requests, ucp_source
 from jax_ucp.restoring import options as restore_options
@@ -259,7 +259,6 @@ def verify(
     *,
     progress=None,
     memory_budget: int | str | None = None,
-    max_read_bytes: int | str | None = None,
     against: str | os.PathLike | None = None,
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
@@ -279,15 +278,14 @@ def verify(
       path: the checkpoint directory, or an Orbax step directory holding one UCP item.
       progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
       memory_budget: bytes of tensors checked at once, as ``RestoreOptions.memory_budget``.
-      max_read_bytes: the deprecated name of ``memory_budget``.
       against: the source checkpoint ``path`` was imported from: every tensor the import
         copied one for one is also compared bit for bit with what the source framework's own
         loader reads (``jax_ucp.against``); a difference is a problem, a tensor that cannot be
         compared so (built by the import) a notice saying why.
     """
-    name = lambda field: f"verify({field}=)"  # noqa: E731
-    budget = renamed("memory_budget", memory_budget, "max_read_bytes", max_read_bytes, name)
-    budget = parse_size(DEFAULT_MEMORY_BUDGET if budget is None else budget, name("memory_budget"))
+    budget = parse_size(
+        DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
+    )
     # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
     result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
     if against is None or result:

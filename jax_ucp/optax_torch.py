@@ -491,7 +491,6 @@ def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
         for f in dataclasses.fields(options)
         if f.init and getattr(options, f.name) is not f.default
     }
-    given.pop("max_read_bytes", None)
     return {**given, "spec": spec}
 
 

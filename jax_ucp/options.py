@@ -13,7 +13,6 @@ import functools
 import inspect
 import os
 import sys
-import warnings
 from collections.abc import Callable
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -35,32 +34,6 @@ def field_namer(options: object) -> Callable[[str], str]:
         return lambda name: f"{caller}({name}=)"
     cls = type(options).__name__
     return lambda name: f"{cls}.{name}"
-
-
-def renamed(new: str, new_value: Any, old: str, old_value: Any, name: Callable[[str], str]):
-    """``new``'s value, or the deprecated ``old``'s with a DeprecationWarning; both given is
-    refused, naming both.
-
-    Args:
-        new: the option's name.
-        new_value: the value given under it (None: not given).
-        old: its deprecated name.
-        old_value: the value given under that (None: not given).
-        name: how errors and the warning name an option (``field_namer``).
-    """
-    if old_value is None:
-        return new_value
-    if new_value is not None:
-        from jax_ucp.errors import RequestError
-
-        raise RequestError(
-            f"{name(new)} and {name(old)} are the same option ({old} is its deprecated name); "
-            f"give {new} alone."
-        )
-    warnings.warn(
-        f"{name(old)} is deprecated; use {new}=.", DeprecationWarning, stacklevel=user_stacklevel()
-    )
-    return old_value
 
 
 def user_stacklevel() -> int:

@@ -1,6 +1,5 @@
 """Each option defined once (jax_ucp/options.py): restore / plan / UCPRestore take
-RestoreOptions' fields, convert ConvertOptions'; one memory knob, ``memory_budget``, with
-``max_read_bytes`` its deprecated name."""
+RestoreOptions' fields, convert ConvertOptions'; one memory knob, ``memory_budget``."""
 
 import dataclasses
 import inspect
@@ -13,7 +12,6 @@ from typer.testing import CliRunner
 import jax_ucp
 from jax_ucp import conversion, store, writer
 from jax_ucp.cli import app
-from jax_ucp.errors import RequestError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.restoring.options import RestoreOptions
 from jax_ucp.restoring.plan import abstract_mesh
@@ -42,7 +40,7 @@ def _budgets(monkeypatch) -> list[int]:
 
 
 def test_the_signatures_are_the_dataclasses_fields():
-    fields = [f.name for f in dataclasses.fields(RestoreOptions)] + ["max_read_bytes"]
+    fields = [f.name for f in dataclasses.fields(RestoreOptions)]
     assert list(inspect.signature(jax_ucp.restore).parameters) == ["path", *fields]
     assert list(inspect.signature(jax_ucp.UCPRestore).parameters) == fields
     assert list(inspect.signature(jax_ucp.plan).parameters) == ["path", *fields, "processes"]
@@ -65,48 +63,24 @@ def test_restore_takes_the_target_second_and_memory_budget_as_a_size(tmp_path, m
         jax_ucp.restore(path, target, None)  # only the target is positional
 
 
-@pytest.mark.parametrize("call", ["restore", "verify", "UCPRestore"])
-def test_max_read_bytes_still_works_with_a_deprecation_warning(tmp_path, monkeypatch, call):
-    path, tree = _ckpt(tmp_path)
-    budgets = _budgets(monkeypatch)
-    with pytest.warns(
-        DeprecationWarning, match=r"max_read_bytes.* is deprecated; use memory_budget="
-    ) as record:
-        if call == "restore":
-            back = jax_ucp.restore(path, max_read_bytes="3KiB")
-            assert back["t3"].tolist() == tree["t3"].tolist()
-        elif call == "verify":
-            assert jax_ucp.verify(path, max_read_bytes="3KiB") == []
-        else:
-            args = jax_ucp.UCPRestore(max_read_bytes="3KiB")
-            assert args.memory_budget == 3072
-            back = jax_ucp.UCPCheckpointHandler().restore(path, args=args)
-            assert back["t3"].tolist() == tree["t3"].tolist()
-    assert 3072 in budgets
-    assert [w.filename for w in record] == [__file__]  # the warning points at the caller's line
-
-
 @pytest.mark.parametrize(
-    "call, where",
+    "call",
     [
-        (lambda p: jax_ucp.restore(p, memory_budget=1, max_read_bytes=2), "restore("),
-        (lambda p: jax_ucp.verify(p, memory_budget=1, max_read_bytes=2), "verify("),
-        (lambda p: jax_ucp.UCPRestore(memory_budget=1, max_read_bytes=2), "UCPRestore."),
-        (lambda p: RestoreOptions(memory_budget=1, max_read_bytes=2), "RestoreOptions."),
+        lambda p: jax_ucp.restore(p, max_read_bytes=2),
+        lambda p: jax_ucp.verify(p, max_read_bytes=2),
+        lambda p: jax_ucp.UCPRestore(max_read_bytes=2),
+        lambda p: RestoreOptions(max_read_bytes=2),
     ],
     ids=["restore", "verify", "UCPRestore", "RestoreOptions"],
 )
-def test_both_spellings_together_are_refused_naming_both(tmp_path, call, where):
-    with pytest.raises(RequestError) as e:
+def test_the_pre_release_name_max_read_bytes_is_gone(tmp_path, call):
+    with pytest.raises(TypeError, match="max_read_bytes"):
         call(tmp_path / "absent")  # refused before the path is looked at
-    assert "memory_budget" in str(e.value) and "max_read_bytes" in str(e.value)
-    assert str(e.value).startswith(where)
 
 
-def test_dataclasses_replace_keeps_working_without_the_old_name(recwarn):
+def test_dataclasses_replace_keeps_the_options_class():
     args = dataclasses.replace(jax_ucp.UCPRestore(memory_budget="1KiB"), casting="safe")
     assert (args.memory_budget, args.casting, type(args)) == (1024, "safe", jax_ucp.UCPRestore)
-    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
 
 
 def test_one_default_for_restore_verify_and_the_writers(tmp_path, monkeypatch):

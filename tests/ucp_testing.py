@@ -199,7 +199,9 @@ if len(sys.argv) > 4 or os.environ.get("UCP_TEST_BASELINE_ORBAX"):
     import orbax.checkpoint  # imported by the export / Orbax import itself: in the baseline
     base = anon()
 if len(sys.argv) > 4:
-    jax_ucp.export(sys.argv[1], sys.argv[2], to=sys.argv[4], memory_budget=sys.argv[3])
+    from jax_ucp.exporters import options_for
+
+    jax_ucp.export(sys.argv[1], sys.argv[2], options_for(sys.argv[4], memory_budget=sys.argv[3]))
 else:
     jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
 done.set()

@@ -769,10 +769,8 @@ def export(
     from jax_ucp import exporters
 
     with _bar("exporting") as on_progress:
-        out = exporters.export(
-            ckpt,
-            dst,
-            to=to,
+        options = exporters.options_for(
+            to,
             select=select,
             spec=spec,
             dtype=dtype,
@@ -783,6 +781,7 @@ def export(
             memory_budget=memory_budget,
             progress=on_progress,
         )
+        out = exporters.export(ckpt, dst, options)
     output.say(
         f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
         f"{', '.join(out.files)}",

@@ -13,20 +13,20 @@ from jax_ucp.exporters.options import (
     FORMATS,
     DeepSpeedUniversalExport,
     Exported,
-    ExportOptions,
     OrbaxExport,
     SafetensorsExport,
     TorchDcpExport,
+    options_for,
 )
 
 __all__ = [
     "DeepSpeedUniversalExport",
     "ExportError",
-    "ExportOptions",
     "Exported",
     "FORMATS",
     "OrbaxExport",
     "SafetensorsExport",
     "TorchDcpExport",
     "export",
+    "options_for",
 ]

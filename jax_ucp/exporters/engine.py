@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable, Mapping
-from typing import Any
 
 from jax_ucp import format as fmt
 from jax_ucp import writer
 from jax_ucp.errors import ExportError
-from jax_ucp.exporters.options import Exported, Options, options_for
+from jax_ucp.exporters.options import OPTIONS_TYPES, Exported, Options, SafetensorsExport
 from jax_ucp.restoring import locate
 from jax_ucp.writer import commit
 
@@ -28,67 +26,28 @@ WRITERS = {
 
 
 def export(
-    ckpt: str | os.PathLike,
-    dst: str | os.PathLike,
-    options: Options | None = None,
-    *,
-    to: str | None = None,
-    select: str | None = None,
-    spec: Any = None,
-    dtype: Any = None,
-    casting: str | None = None,
-    max_file_bytes: int | str | None = None,
-    param_groups: int | None = None,
-    config: Mapping[str, Any] | str | os.PathLike | None = None,
-    force: bool = False,
-    progress: Callable[[str, int, int], None] | None = None,
-    memory_budget: int | str | None = None,
+    ckpt: str | os.PathLike, dst: str | os.PathLike, options: Options | None = None
 ) -> Exported:
-    """Writes the tensors of the checkpoint ``ckpt`` to ``dst`` in the format ``to``.
+    """Writes the tensors of the checkpoint ``ckpt`` to ``dst`` in the format of ``options``.
 
-    Streamed one row slab at a time (at most half of ``memory_budget``), atomic (one
+    Streamed one row slab at a time (at most half of ``options.memory_budget``), atomic (one
     ``commit.transaction``: written into a temporary sibling of ``dst`` under the save lock and
-    renamed into place: a failed export leaves ``dst`` as it was). The keywords build the
-    format's options (``SafetensorsExport``, ``TorchDcpExport``, ``DeepSpeedUniversalExport``,
-    ``OrbaxExport``; or pass one as ``options``); one that does not apply to ``to`` is refused.
+    renamed into place: a failed export leaves ``dst`` as it was). Each format's options say
+    what it takes, checked when they are built: ``SafetensorsExport`` (the default:
+    ``model.safetensors``, or shards plus ``model.safetensors.index.json``), ``TorchDcpExport``
+    (a ``torch.distributed.checkpoint`` directory: ``.metadata`` + ``__0_0.distcp``),
+    ``DeepSpeedUniversalExport`` (what DeepSpeed's ``ds_to_universal`` writes: fp32 master, Adam
+    moments and step per parameter, loadable at any DP size with ``"checkpoint":
+    {"load_universal": true}``; needs the params, both moments and the step count, found by
+    their manifest roles) or ``OrbaxExport`` (the whole tree, saved containers included, as an
+    Orbax ``PyTreeCheckpointHandler`` checkpoint that ``ocp.StandardCheckpointer().restore(dst)``
+    reads bit-exact; ``exporters.orbax_out.export_orbax`` writes a CheckpointManager step;
+    docs/ORBAX.md). ``options_for(name, **fields)`` builds one from a format's name.
 
     Args:
         ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).
         dst: the directory to create.
-        options: the format's options, instead of ``to`` and the keywords.
-        to: ``"safetensors"`` (the default: ``model.safetensors``, or shards plus
-            ``model.safetensors.index.json``), ``"torch-dcp"`` (a
-            ``torch.distributed.checkpoint`` directory: ``.metadata`` + ``__0_0.distcp``) or
-            ``"deepspeed-universal"`` (what DeepSpeed's ``ds_to_universal`` writes: fp32 master,
-            Adam moments and step per parameter, loadable at any DP size with
-            ``"checkpoint": {"load_universal": true}``; needs the params, both moments and the
-            step count, found by their manifest roles) or ``"orbax"`` (the whole tree, saved
-            containers included, as an Orbax ``PyTreeCheckpointHandler`` checkpoint that
-            ``ocp.StandardCheckpointer().restore(dst)`` reads bit-exact, written by Orbax one
-            tensor at a time; ``exporters.orbax_out.export_orbax`` writes a CheckpointManager
-            step; docs/ORBAX.md).
-        select: safetensors, torch-dcp: the key-path prefix to export: ``"params"`` (the model
-            weights), ``"opt_state/mu"``, ``""`` for everything. Default: ``"params"`` for
-            safetensors, everything (params, optimizer state, saved Python values) for
-            torch-dcp. Names are the rest of the key path joined with ``.`` (a checkpoint
-            imported from safetensors gives back its Hugging Face names; DCP's nested state
-            dicts use the same dotted names).
-        spec: safetensors, torch-dcp: a UCP-language spec (name, path or ``Spec``) whose
-            restore-time views are exported instead of the stored arrays.
-        dtype: safetensors, torch-dcp: write every tensor in this dtype (e.g. ``"bfloat16"``).
-        casting: safetensors, torch-dcp: numpy casting rule for ``dtype`` (default
-            "same_kind"; a float narrowed to an int needs "unsafe").
-        max_file_bytes: safetensors: data per file before the output is split: bytes or
-            e.g. "5GB" (default 5 GB).
-        param_groups: deepspeed-universal: how many param groups the loading engine's optimizer
-            has (default 1; DeepSpeed pairs them by position).
-        config: safetensors: a ``config.json`` to write beside the weights (a dict, or the path
-            of a JSON file), so ``transformers``' ``from_pretrained`` can load the export.
-        force: all but orbax: replace ``dst`` if it is an earlier export (never any other
-            directory).
-        progress: called as ``progress(name, done, total)`` after each tensor.
-        memory_budget: bytes of tensor data held at once (an int, or e.g. "256MiB", "1GiB";
-            default ``format.sizes.DEFAULT_MEMORY_BUDGET``), as ``convert``'s.
+        options: the format's options (None: ``SafetensorsExport()``, the model weights).
 
     Returns:
         ``Exported``: the destination, its files, the tensors and bytes written, what was left
@@ -96,28 +55,15 @@ def export(
 
     Raises:
         ExportError: nothing can be exported as asked (a dtype the format cannot hold, a name
-            twice, an existing destination, an option that does not apply to ``to``); nothing
-            is written.
+            twice, an existing destination); nothing is written.
         CheckpointError: the checkpoint is missing or corrupt (names the tensor and the file).
     """
-    given = dict(
-        select=select,
-        spec=spec,
-        dtype=dtype,
-        casting=casting,
-        max_file_bytes=max_file_bytes,
-        param_groups=param_groups,
-        config=config,
-        force=force,
-        progress=progress,
-        memory_budget=memory_budget,
-    )
-    if options is None:
-        options = options_for(to or "safetensors", **given)
-    elif (to is not None and to != options.format) or any(
-        v is not None and v is not False for v in given.values()
-    ):
-        raise ExportError(f"export: pass {type(options).__name__} or keywords, not both")
+    options = SafetensorsExport() if options is None else options
+    if not isinstance(options, OPTIONS_TYPES):
+        raise ExportError(
+            f"export(options=): {type(options).__name__} is not an export's options (give one "
+            f"of {', '.join(t.__name__ for t in OPTIONS_TYPES)})"
+        )
     budget = options.memory_budget
     assert not isinstance(budget, str)  # parsed by the options
     dst = os.path.abspath(os.fspath(dst))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -145,11 +144,13 @@ BY_FORMAT: dict[str, type[_Export]] = {
     c.format: c for c in (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
 }
 FORMATS = tuple(BY_FORMAT)
+OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
 
 
 def options_for(to: str, **given: Any) -> Options:
-    """The options of format ``to`` from ``export``'s keywords; a keyword given (not None, not
-    False) that the format does not take is an ``ExportError`` naming it and the format."""
+    """The options of the format named ``to`` (``jax-ucp export --to``) from the fields given;
+    one given (not None, not False) that the format does not take is an ``ExportError`` naming
+    it and the format."""
     cls = BY_FORMAT.get(to)
     if cls is None:
         raise ExportError(f"export format {to!r} is not supported (choose from {FORMATS})")
@@ -161,15 +162,3 @@ def options_for(to: str, **given: Any) -> Options:
             )
     options: Any = cls(**{k: v for k, v in given.items() if k in fields and v is not None})
     return options
-
-
-def ExportOptions(to: str = "safetensors", **given: Any) -> Options:  # noqa: N802
-    """Deprecated: the options class of the format (``SafetensorsExport``, ...), from the keywords
-    the single options class took."""
-    warnings.warn(
-        "ExportOptions is deprecated: use SafetensorsExport, TorchDcpExport, "
-        "DeepSpeedUniversalExport or OrbaxExport",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return options_for(to, **given)

@@ -286,7 +286,7 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
     Orbax's args, checked when constructed: a wrong option fails in the training loop's
     ``mngr.restore`` call."""
 
-    def __post_init__(self, max_read_bytes: int | str | None = None):
+    def __post_init__(self):
         _refuse_args_as_item("UCPRestore", "target", self.target)
         if self.step is not None or self.fallback:  # the manager picks the step
             raise ArgsError(
@@ -294,7 +294,7 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
                 "mngr.restore's first argument; pass jax_ucp.latest_step(run_root) there "
                 "(fallback=True to pass over unreadable steps)."
             )
-        super().__post_init__(max_read_bytes)
+        super().__post_init__()
 
     @property
     def options(self) -> RestoreOptions:

@@ -18,7 +18,7 @@ import numpy as np
 from jax_ucp.errors import RequestError
 from jax_ucp.format.dtypes import CASTINGS
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_optional_size
-from jax_ucp.options import field_namer, renamed
+from jax_ucp.options import field_namer
 from jax_ucp.restoring.adam_state import follow_adam_state
 
 ArgsError = RequestError  # a UCPSave / UCPRestore field (or restore keyword) of the wrong kind
@@ -85,7 +85,6 @@ class RestoreOptions:
       fallback: with ``step="latest"``, move on to the next older committed step when one
         cannot be read, with a ``jax_ucp.ResumeWarning`` naming it and why (default False:
         the error, naming the step, and the older steps there are).
-      max_read_bytes: the deprecated name of ``memory_budget`` (a DeprecationWarning).
     """
 
     target: Any = None
@@ -102,13 +101,9 @@ class RestoreOptions:
     replicated_read: str | None = None
     step: int | str | None = None
     fallback: bool = False
-    max_read_bytes: dataclasses.InitVar[int | str | None] = None
 
-    def __post_init__(self, max_read_bytes: int | str | None = None):
+    def __post_init__(self):
         field = field_namer(self)
-        self.memory_budget = renamed(
-            "memory_budget", self.memory_budget, "max_read_bytes", max_read_bytes, field
-        )
         if isinstance(self.rules, Iterable) and not isinstance(self.rules, (str, bytes)):
             self.rules = tuple(self.rules)  # a generator is read once
         _check_kinds(self, field)

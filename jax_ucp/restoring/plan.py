@@ -199,8 +199,8 @@ class PlanOptions(RestoreOptions):
     _: dataclasses.KW_ONLY
     processes: int | None = None
 
-    def __post_init__(self, max_read_bytes: int | str | None = None):
-        super().__post_init__(max_read_bytes)
+    def __post_init__(self):
+        super().__post_init__()
         field = field_namer(self)
         if not self.has_target and self.mesh is None:
             raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")

@@ -13,7 +13,14 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.exporters import ExportError, safetensors_out
+from jax_ucp.exporters import (
+    DeepSpeedUniversalExport,
+    ExportError,
+    SafetensorsExport,
+    TorchDcpExport,
+    options_for,
+    safetensors_out,
+)
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -54,7 +61,7 @@ def test_safetensors_round_trip_is_bit_exact(tmp_path):
 def test_sharded_export_with_index(tmp_path):
     src, tensors = _hf_model(tmp_path)
     ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"))
-    out = jax_ucp.export(ckpt, tmp_path / "out", max_file_bytes=2500)
+    out = jax_ucp.export(ckpt, tmp_path / "out", SafetensorsExport(max_file_bytes=2500))
     assert len(out.files) > 2 and out.files[-1] == "model.safetensors.index.json"
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(tensors)
@@ -80,7 +87,7 @@ def test_jax_tree_exports_with_dotted_names_and_chosen_dtype(tmp_path):
     }
     path = str(tmp_path / "ck")
     jax_ucp.save(path, {"params": params, "step": 7})
-    out = jax_ucp.export(path, tmp_path / "out", dtype="bfloat16")
+    out = jax_ucp.export(path, tmp_path / "out", SafetensorsExport(dtype="bfloat16"))
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == {"Dense_0.kernel", "Dense_0.bias", "scale"}
     assert back["Dense_0.kernel"].dtype == ml_dtypes.bfloat16
@@ -88,7 +95,7 @@ def test_jax_tree_exports_with_dotted_names_and_chosen_dtype(tmp_path):
         back["Dense_0.kernel"], params["Dense_0"]["kernel"].astype(ml_dtypes.bfloat16)
     )
     assert "step" in out.skipped
-    everything = jax_ucp.export(path, tmp_path / "all", select="")
+    everything = jax_ucp.export(path, tmp_path / "all", SafetensorsExport(select=""))
     assert set(load_file(str(tmp_path / "all" / "model.safetensors"))) == {
         "params.Dense_0.kernel",
         "params.Dense_0.bias",
@@ -111,7 +118,8 @@ def test_refusals_write_nothing(tmp_path, kwargs, message):
     path = str(tmp_path / "ck")
     jax_ucp.save(path, {"params": {"w": np.ones((4, 4), np.float32)}})
     with pytest.raises(jax_ucp.UCPError, match=message):
-        jax_ucp.export(path, tmp_path / "out", **kwargs)
+        options = options_for(kwargs.pop("to", "safetensors"), **kwargs)
+        jax_ucp.export(path, tmp_path / "out", options)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -124,12 +132,14 @@ def test_destination_rules(tmp_path):
     with pytest.raises(ExportError, match="already exists"):
         jax_ucp.export(path, mine)
     with pytest.raises(ExportError, match="not an export"):
-        jax_ucp.export(path, mine, force=True)
+        jax_ucp.export(path, mine, SafetensorsExport(force=True))
     assert (mine / "notes.txt").read_text() == "keep me"
     with pytest.raises(ExportError, match=r"ck/out:.*lies inside"):
         jax_ucp.export(path, tmp_path / "ck" / "out")
     jax_ucp.export(path, tmp_path / "out")
-    jax_ucp.export(path, tmp_path / "out", force=True, dtype="float16")  # an export: replaced
+    jax_ucp.export(
+        path, tmp_path / "out", SafetensorsExport(force=True, dtype="float16")
+    )  # an export: replaced
     assert load_file(str(tmp_path / "out" / "model.safetensors"))["w"].dtype == np.float16
 
 
@@ -148,7 +158,7 @@ def test_failed_export_leaves_nothing(tmp_path, monkeypatch):
     real = safetensors_out.write_file
     monkeypatch.setattr(safetensors_out, "write_file", lambda p, t, v, m: real(p, t, failing(v), m))
     with pytest.raises(OSError, match="No space"):
-        jax_ucp.export(path, tmp_path / "out", force=True, dtype="float16")
+        jax_ucp.export(path, tmp_path / "out", SafetensorsExport(force=True, dtype="float16"))
     assert (tmp_path / "out" / "model.safetensors").read_bytes() == before
     assert sorted(os.listdir(tmp_path)) == ["ck", "out"]  # no temporary left
 
@@ -208,7 +218,7 @@ def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
 
     state = _optax_like_state()
     jax_ucp.save(str(tmp_path / "ck"), state)
-    out = jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
+    out = jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", TorchDcpExport())
     assert out.files == [".metadata", "__0_0.distcp"] and out.tensors == 7 and not out.skipped
     back = megatron_dcp.open_dcp(tmp_path / "dcp")
     flat = {
@@ -228,7 +238,7 @@ def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
 
     src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
     ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
-    jax_ucp.export(ckpt, tmp_path / "dcp", to="torch-dcp", select="params")
+    jax_ucp.export(ckpt, tmp_path / "dcp", TorchDcpExport(select="params"))
     original, back = megatron_dcp.open_dcp(src), megatron_dcp.open_dcp(tmp_path / "dcp")
     assert set(back.tensors) == {n for n in original.tensors if not n.startswith("optimizer.")}
     for name in back.tensors:
@@ -238,7 +248,7 @@ def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
 def test_dcp_refuses_what_torch_cannot_hold(tmp_path):
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, ml_dtypes.float8_e4m3fn)}})
     with pytest.raises(ExportError, match=r"'params\.w': dtype float8_e4m3fn.*dtype="):
-        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
+        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", TorchDcpExport())
     assert not (tmp_path / "dcp").exists()
 
 
@@ -282,7 +292,7 @@ def test_dcp_load_by_torch_at_world_size(tmp_path, world):
 
     state = _optax_like_state()
     jax_ucp.save(str(tmp_path / "ck"), state)
-    jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", to="torch-dcp")
+    jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", TorchDcpExport())
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -319,7 +329,7 @@ def test_deepspeed_universal_values_equal_deepspeeds_own(tmp_path, fixture):
     from jax_ucp.torchfiles.unpickler import load_torch_file
 
     ckpt = jax_ucp.convert(os.path.join(DS, fixture, "ckpt"), str(tmp_path / "ucp"))
-    out = jax_ucp.export(ckpt, tmp_path / "uni", to="deepspeed-universal")
+    out = jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
     tag = (tmp_path / "uni" / "latest_universal").read_text()
     assert tag == "global_step2_universal"
     ref = np.load(os.path.join(DS, fixture, "ref_universal.npz"))
@@ -337,7 +347,7 @@ def test_deepspeed_universal_values_equal_deepspeeds_own(tmp_path, fixture):
 def test_deepspeed_universal_needs_moments(tmp_path):
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, np.float32)}})
     with pytest.raises(ExportError, match="needs every parameter's Adam moments"):
-        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "uni", to="deepspeed-universal")
+        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "uni", DeepSpeedUniversalExport())
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -349,7 +359,7 @@ def test_optax_state_exports_as_deepspeed_universal(tmp_path):
     params = {"Dense_0": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3)}}
     opt_state = optax.adam(1e-3).init(params)
     jax_ucp.save(str(tmp_path / "ck"), {"params": params, "opt_state": opt_state})
-    jax_ucp.export(str(tmp_path / "ck"), tmp_path / "uni", to="deepspeed-universal")
+    jax_ucp.export(str(tmp_path / "ck"), tmp_path / "uni", DeepSpeedUniversalExport())
     zero = tmp_path / "uni" / "global_step0_universal" / "zero" / "Dense_0.kernel"
     assert sorted(os.listdir(zero)) == ["exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
     np.testing.assert_array_equal(
@@ -372,7 +382,7 @@ def test_deepspeed_universal_files_equal_ds_to_universal(tmp_path, fixture):
     tag_dir = os.path.join(DS, fixture, "ckpt", "global_step2")
     M.universal(tag_dir, str(tmp_path / "theirs" / "global_step2_universal"))
     ckpt = jax_ucp.convert(os.path.join(DS, fixture, "ckpt"), str(tmp_path / "ucp"))
-    jax_ucp.export(ckpt, tmp_path / "ours", to="deepspeed-universal")
+    jax_ucp.export(ckpt, tmp_path / "ours", DeepSpeedUniversalExport())
     theirs = tmp_path / "theirs" / "global_step2_universal" / "zero"
     ours = tmp_path / "ours" / "global_step2_universal" / "zero"
     assert sorted(os.listdir(theirs)) == sorted(os.listdir(ours))
@@ -411,7 +421,7 @@ def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_
     pytest.importorskip("deepspeed")
     fixture = os.path.join(DS, "z2_fp32_dp2")
     ckpt = jax_ucp.convert(os.path.join(fixture, "ckpt"), str(tmp_path / "ucp"))
-    jax_ucp.export(ckpt, tmp_path / "uni", to="deepspeed-universal")
+    jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
     _deepspeed_load_universal(tmp_path, os.path.join(fixture, "next_batch.npy"), port=29931)
     saved = np.load(os.path.join(fixture, "ref_zero_to_fp32.npz"))
     loaded = np.load(tmp_path / "run" / "loaded.npz")
@@ -508,7 +518,7 @@ def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
             },
         },
     )
-    jax_ucp.export(str(tmp_path / "jax_step"), tmp_path / "uni", to="deepspeed-universal")
+    jax_ucp.export(str(tmp_path / "jax_step"), tmp_path / "uni", DeepSpeedUniversalExport())
     np.save(tmp_path / "other.npy", other)
     _deepspeed_load_universal(tmp_path, str(tmp_path / "other.npy"), port=29933)
     ds_loss = float((tmp_path / "run" / "loss.txt").read_text())
@@ -523,7 +533,7 @@ def test_deepspeed_universal_leaves_frozen_parameters_out(tmp_path):
     """Frozen parameters (no moments, not in DeepSpeed's optimizer) are not under zero/; the
     export says it skipped them."""
     ckpt = jax_ucp.convert(os.path.join(DS, "z2_bf16_dp2_frozen", "ckpt"), str(tmp_path / "ucp"))
-    out = jax_ucp.export(ckpt, tmp_path / "uni", to="deepspeed-universal")
+    out = jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
     zero = tmp_path / "uni" / "global_step2_universal" / "zero"
     assert not (zero / "wpe.weight").exists() and (zero / "wte.weight" / "fp32.pt").exists()
     assert {"params/wpe.weight", "params/h.0.ln_1.bias"} <= set(out.skipped)
@@ -555,7 +565,10 @@ def test_deepspeed_universal_leaves_frozen_parameters_out(tmp_path):
     ],
 )
 def test_options_that_do_not_apply_are_refused(tmp_path, kwargs, message):
+    """A format's options built from its name (``jax-ucp export --to``) refuse the fields of
+    other formats, naming the field and the format."""
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, np.float32)}})
     with pytest.raises(ExportError, match=message):
-        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "out", **kwargs)
+        options = options_for(kwargs.pop("to"), **kwargs)
+        jax_ucp.export(str(tmp_path / "ck"), tmp_path / "out", options)
     assert sorted(os.listdir(tmp_path)) == ["ck"]

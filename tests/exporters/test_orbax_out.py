@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.exporters import ExportError
+from jax_ucp.exporters import ExportError, OrbaxExport, TorchDcpExport
 from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
 from tests.ucp_testing import save_and_name as _ucp
 
@@ -103,10 +103,10 @@ def test_export_orbax_refuses_a_zero_size_tensor_by_name(tmp_path):
             c.save(os.fspath(orbax_itself / "x"), args=ocp.args.PyTreeSave(tree))
     ckpt = _ucp(tmp_path / "ckpt", tree)
     with pytest.raises(ExportError, match=r"'params/empty'.*export to safetensors or torch-dcp"):
-        jax_ucp.export(ckpt, tmp_path / "out", to="orbax")
+        jax_ucp.export(ckpt, tmp_path / "out", OrbaxExport())
     r = runner.invoke(app, ["export", ckpt, str(tmp_path / "out"), "--to", "orbax"])
     assert r.exit_code == 1
     _assert_one_error_line(r.output, "'params/empty'", "no elements")
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "orbax_itself"]
     # the other formats hold it
-    jax_ucp.export(ckpt, tmp_path / "dcp", to="torch-dcp", select="")
+    jax_ucp.export(ckpt, tmp_path / "dcp", TorchDcpExport(select=""))

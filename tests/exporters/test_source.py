@@ -12,6 +12,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp import store
+from jax_ucp.exporters import options_for
 from jax_ucp.restoring import ucp_source
 
 
@@ -82,8 +83,8 @@ def test_read_rows_yields_the_rows_of_the_tensor(ckpt):
 )
 def test_an_export_under_a_tiny_budget_writes_the_default_bytes(tmp_path, ckpt, to, kwargs):
     path, _ = ckpt
-    small = jax_ucp.export(path, tmp_path / "small", to=to, memory_budget=256, **kwargs)
-    default = jax_ucp.export(path, tmp_path / "default", to=to, **kwargs)
+    small = jax_ucp.export(path, tmp_path / "small", options_for(to, memory_budget=256, **kwargs))
+    default = jax_ucp.export(path, tmp_path / "default", options_for(to, **kwargs))
     assert small.files == default.files
     got, want = _files(small.path), _files(default.path)
     assert sorted(got) == sorted(want) and got == want

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.exporters import SafetensorsExport
 from jax_ucp.format.sizes import SizeError, parse_size
 from jax_ucp.restoring.options import ArgsError, RestoreOptions
 
@@ -124,11 +125,11 @@ def test_python_api_byte_sizes_take_the_same_strings(tmp_path):
     back = jax_ucp.restore(path, memory_budget="1KiB")
     np.testing.assert_array_equal(back["params"]["w"], tree["params"]["w"])
     assert jax_ucp.verify(path, memory_budget="1KiB") == []
-    out = jax_ucp.export(path, tmp_path / "st", max_file_bytes="10KB")
+    out = jax_ucp.export(path, tmp_path / "st", SafetensorsExport(max_file_bytes="10KB"))
     assert "model-00002-of-00002.safetensors" in out.files  # 16 KB of w split off from b
-    assert jax_ucp.export(path, tmp_path / "one", max_file_bytes="20KB").files == [
-        "model.safetensors"
-    ]
+    assert jax_ucp.export(
+        path, tmp_path / "one", SafetensorsExport(max_file_bytes="20KB")
+    ).files == ["model.safetensors"]
     with pytest.raises(ArgsError, match=r"^restore\(memory_budget=\): cannot read 'lots'"):
         jax_ucp.restore(path, memory_budget="lots")
     with pytest.raises(ArgsError, match=r"^UCPSave\.inner_chunk_bytes:.*positive"):
@@ -136,4 +137,4 @@ def test_python_api_byte_sizes_take_the_same_strings(tmp_path):
     with pytest.raises(SizeError, match=r"^verify\(memory_budget=\): cannot read"):
         jax_ucp.verify(path, memory_budget="1 lot")
     with pytest.raises(jax_ucp.UCPError, match=r"^max_file_bytes: cannot read '5 lots'"):
-        jax_ucp.export(path, tmp_path / "bad", max_file_bytes="5 lots")
+        jax_ucp.export(path, tmp_path / "bad", SafetensorsExport(max_file_bytes="5 lots"))

@@ -11,6 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jax_ucp
+from jax_ucp.exporters import SafetensorsExport
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig, TransformerLM
 
@@ -81,7 +82,9 @@ def test_hf_names_to_flax_and_back_is_bit_exact(tmp_path):
     assert jax.tree.map(np.shape, flax) == _flax_shapes(cfg)
     jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
     spec = load_spec("flax_llama_to_hf", **cfg.head_settings)
-    out = jax_ucp.export(str(tmp_path / "flax"), tmp_path / "out", spec=spec, config=HF_CONFIG)
+    out = jax_ucp.export(
+        str(tmp_path / "flax"), tmp_path / "out", SafetensorsExport(spec=spec, config=HF_CONFIG)
+    )
     assert out.files == ["model.safetensors", "config.json"]
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == HF_CONFIG
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
@@ -126,8 +129,10 @@ def _logits_through_jax_and_back(tmp_path, model_class, config, cfg, spec_in, sp
     jax_ucp.export(
         str(tmp_path / "flax"),
         tmp_path / "out",
-        spec=load_spec(spec_out, **cfg.head_settings),
-        config=os.path.join(tmp_path, "hf", "config.json"),
+        SafetensorsExport(
+            spec=load_spec(spec_out, **cfg.head_settings),
+            config=os.path.join(tmp_path, "hf", "config.json"),
+        ),
     )
     again = model_class.from_pretrained(str(tmp_path / "out")).eval()
     with torch.no_grad():
@@ -214,7 +219,7 @@ def test_gpt2_names_to_flax_and_back_is_bit_exact(tmp_path):
     )
     jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
     spec = load_spec("flax_gpt2_to_hf", **cfg.head_settings)
-    jax_ucp.export(str(tmp_path / "flax"), tmp_path / "out", spec=spec)
+    jax_ucp.export(str(tmp_path / "flax"), tmp_path / "out", SafetensorsExport(spec=spec))
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == set(tensors)
     for name, value in tensors.items():
@@ -251,7 +256,7 @@ def test_scanned_flax_layers_export_under_hf_names(tmp_path):
     flax["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
     jax_ucp.save(str(tmp_path / "scanned"), {"params": flax})
     spec = load_spec("flax_llama_to_hf", **cfg.head_settings)
-    jax_ucp.export(str(tmp_path / "scanned"), tmp_path / "out", spec=spec)
+    jax_ucp.export(str(tmp_path / "scanned"), tmp_path / "out", SafetensorsExport(spec=spec))
     back = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(back) == set(tensors)
     for name, value in tensors.items():

@@ -17,6 +17,7 @@ from safetensors.numpy import save_file
 import jax_ucp
 from jax_ucp import store
 from jax_ucp.errors import CheckpointReplacedError
+from jax_ucp.exporters import SafetensorsExport
 from jax_ucp.language import Spec
 from jax_ucp.restoring import locate
 from jax_ucp.writer import commit
@@ -588,7 +589,7 @@ def test_an_export_racing_two_replaces_of_its_source_starts_over(tmp_path):
             jax_ucp.convert(sources[2], ckpt, force=True)
 
     out = tmp_path / "out"
-    jax_ucp.export(ckpt, out, progress=replace_twice)
+    jax_ucp.export(ckpt, out, SafetensorsExport(progress=replace_twice))
     assert replaced
     assert _which({"params": load_file(str(out / "model.safetensors"))}) == _BASES[2]
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "out", "src0", "src1", "src2"]

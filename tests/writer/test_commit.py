@@ -20,7 +20,13 @@ import pytest
 
 import jax_ucp
 from jax_ucp import exporters
-from jax_ucp.exporters import ExportError, ExportOptions, SafetensorsExport, TorchDcpExport
+from jax_ucp.exporters import (
+    ExportError,
+    OrbaxExport,
+    SafetensorsExport,
+    TorchDcpExport,
+    options_for,
+)
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
 from tests.ucp_testing import REPO, assert_bit_exact
@@ -122,7 +128,7 @@ def test_a_second_writer_of_the_path_is_refused_export_included(tmp_path):
         with pytest.raises(ExportError, match=r"another save.*in progress"):
             jax_ucp.export(ck, out)
         with pytest.raises(ExportError, match=r"another save.*in progress"):
-            jax_ucp.export(ck, out, to="orbax")
+            jax_ucp.export(ck, out, OrbaxExport())
         with pytest.raises(commit.SaveConflictError, match=r"another save.*path"):
             write_host_checkpoint(out, _items(1.0))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -167,20 +173,17 @@ def test_export_options_are_checked_once(tmp_path):
     assert TorchDcpExport().prefix == ""
     with pytest.raises(AttributeError):
         options.force = True  # type: ignore[misc]  # frozen
-    with pytest.warns(DeprecationWarning, match="ExportOptions is deprecated"):
-        old = ExportOptions(to="torch-dcp", select="params")
-    assert old == TorchDcpExport(select="params")
-    with (
-        pytest.warns(DeprecationWarning),
-        pytest.raises(ExportError, match=r"^config=.*'torch-dcp'"),
-    ):
-        ExportOptions(to="torch-dcp", config={"a": 1})
+    assert options_for("torch-dcp", select="params") == TorchDcpExport(select="params")
+    with pytest.raises(ExportError, match=r"^config=.*'torch-dcp'"):
+        options_for("torch-dcp", config={"a": 1})
     ck = str(tmp_path / "ck")
     jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
     out = exporters.export(ck, tmp_path / "out", options)
     assert out.files == ["model.safetensors"] and out.bytes == 8
-    with pytest.raises(ExportError, match=r"SafetensorsExport or keywords"):
-        jax_ucp.export(ck, tmp_path / "o2", options, dtype="float32")
+    with pytest.raises(TypeError):  # the options travel whole: no keyword beside them
+        jax_ucp.export(ck, tmp_path / "o2", options, dtype="float32")  # type: ignore[call-arg]
+    with pytest.raises(ExportError, match=r"RestoreOptions is not an export's options"):
+        jax_ucp.export(ck, tmp_path / "o2", jax_ucp.RestoreOptions())  # type: ignore[arg-type]
     out = jax_ucp.export(ck, tmp_path / "o3", TorchDcpExport(select="params"))
     assert out.files == [".metadata", "__0_0.distcp"] and out.bytes == 16
 

@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.exporters import ExportError
+from jax_ucp.exporters import ExportError, OrbaxExport, SafetensorsExport, options_for
 from jax_ucp.store import location
 from jax_ucp.writer import commit
 from tests.store.test_object_store import s3_server  # noqa: F401  (the moto server fixture)
@@ -220,7 +220,7 @@ def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
         match=r"not an export written by jax_ucp \(found no \.jax_ucp_export\.json: "
         r"config\.json, model\.safetensors, tokenizer\.json\)",
     ):
-        jax_ucp.export(ckpt, hf, force=True)
+        jax_ucp.export(ckpt, hf, SafetensorsExport(force=True))
     assert _snapshot(hf) == before
     # what the old check took for a DeepSpeed universal export: a tracker and a *_universal dir
     uni = tmp_path / "uni"
@@ -242,16 +242,16 @@ def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
     r = CliRunner().invoke(app, ["export", ckpt, str(out)])
     assert r.exit_code == 1 and "pass --force to replace it" in " ".join(r.output.split())
     assert "--force / --force" not in r.output
-    jax_ucp.export(ckpt, out, force=True, dtype="float16")
+    jax_ucp.export(ckpt, out, SafetensorsExport(force=True, dtype="float16"))
     assert load_file(str(out / "model.safetensors"))["w"].dtype == np.float16
     (out / "tokenizer.json").write_text("{}")
     with pytest.raises(ExportError, match=r"\(found tokenizer\.json\)"):
-        jax_ucp.export(ckpt, out, force=True)
+        jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     os.remove(out / "tokenizer.json")
     with open(out / "model.safetensors", "ab") as f:
         f.write(b" ")
     with pytest.raises(ExportError, match=r"model\.safetensors \(changed since the export: size\)"):
-        jax_ucp.export(ckpt, out, force=True)
+        jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     assert (out / "model.safetensors").read_bytes().endswith(b" ")
 
 
@@ -412,7 +412,7 @@ def test_export_force_refuses_an_export_edited_in_place(tmp_path, to, monkeypatc
 
     with monkeypatch.context() as m:
         m.setattr(file_digest, "digest_file", no_second_read)
-        jax_ucp.export(ckpt, out, to=to)
+        jax_ucp.export(ckpt, out, options_for(to))
     record = json.loads((out / commit.EXPORT_RECORD).read_text())
     assert record["version"] == 2 and record["digest"] == file_digest.KIND
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
@@ -427,12 +427,12 @@ def test_export_force_refuses_an_export_edited_in_place(tmp_path, to, monkeypatc
         with pytest.raises(
             ExportError, match=rf"\(found {rel} \(changed since the export: content\)\)"
         ):
-            jax_ucp.export(ckpt, out, to=to, force=True)
+            jax_ucp.export(ckpt, out, options_for(to, force=True))
         r = CliRunner().invoke(app, ["export", ckpt, str(out), "--to", to, "--force"])
         assert r.exit_code == 1 and "changed since the export: content" in r.output, r.output
         assert _snapshot(out) == edited  # the edit kept, nothing else there
         _flip_a_byte(out / rel)  # undone: the export as written
-    jax_ucp.export(ckpt, out, to=to, force=True)
+    jax_ucp.export(ckpt, out, options_for(to, force=True))
     assert sorted(os.listdir(tmp_path)) == ["out", "train"]
 
 
@@ -466,7 +466,7 @@ def test_export_force_refuses_a_copied_or_forged_export_record(tmp_path):
         (user / commit.EXPORT_RECORD).write_text(json.dumps(record))
         before = _snapshot(user)
         with pytest.raises(ExportError, match=found):
-            jax_ucp.export(ckpt, user, force=True)
+            jax_ucp.export(ckpt, user, SafetensorsExport(force=True))
         r = CliRunner().invoke(app, ["export", ckpt, str(user), "--force"])
         assert r.exit_code == 1 and "refusing to replace it" in " ".join(r.output.split())
         assert _snapshot(user) == before
@@ -477,7 +477,7 @@ def test_export_force_refuses_a_copied_or_forged_export_record(tmp_path):
         match=r"found config\.json, model\.safetensors \(changed since the export: size\), "
         r"tokenizer\.json, sub/notes\.txt\)",
     ):
-        jax_ucp.export(ckpt, user, force=True)
+        jax_ucp.export(ckpt, user, SafetensorsExport(force=True))
     assert (user / "sub" / "notes.txt").read_text() == "results of run 7\n"
 
 
@@ -488,10 +488,10 @@ def test_orbax_exports_are_never_forced(tmp_path):
     ckpt = str(tmp_path / "ck")
     jax_ucp.save(ckpt, {"params": {"w": W}})
     out = tmp_path / "orbax"
-    jax_ucp.export(ckpt, out, to="orbax")
+    jax_ucp.export(ckpt, out, OrbaxExport())
     before = _snapshot(out)
     with pytest.raises(ExportError, match=r"^force=.*'orbax'"):
-        jax_ucp.export(ckpt, out, to="orbax", force=True)
+        jax_ucp.export(ckpt, out, options_for("orbax", force=True))
     with pytest.raises(ExportError, match="no .jax_ucp_export.json"):
-        jax_ucp.export(ckpt, out, force=True)
+        jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     assert _snapshot(out) == before

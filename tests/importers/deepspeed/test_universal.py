@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.exporters import DeepSpeedUniversalExport
 from jax_ucp.importers import registry
 from jax_ucp.importers.deepspeed import files as deepspeed_files
 from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
@@ -143,7 +144,7 @@ def _convert(src, tmp_path):
 def test_jax_ucp_export_reimports_bit_exact(run, tmp_path):
     """import -> export --to deepspeed-universal -> import gives back every tensor."""
     first = _convert(os.path.join(FIXTURES, run, "ckpt"), tmp_path)
-    jax_ucp.export(first, tmp_path / "ds", to="deepspeed-universal")
+    jax_ucp.export(first, tmp_path / "ds", DeepSpeedUniversalExport())
     assert os.path.isfile(tmp_path / "ds" / "latest_universal")
     jax_ucp.convert(tmp_path / "ds", tmp_path / "again")
     _assert_same(_flat(first), _flat(tmp_path / "again"))

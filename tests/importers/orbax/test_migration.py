@@ -1,4 +1,4 @@
-"""Orbax checkpoints in (convert) and out (export to="orbax"): every layout Orbax writes, checked
+"""Orbax checkpoints in (convert) and out (export with OrbaxExport): every layout Orbax writes, checked
 bit-exact against the live state Orbax was given, restored onto another mesh."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp.exporters import ExportError
+from jax_ucp.exporters import ExportError, OrbaxExport, options_for
 from jax_ucp.exporters.orbax_out import export_orbax
 from jax_ucp.importers import plan_import
 from jax_ucp.importers.orbax import OrbaxImportError
@@ -205,7 +205,7 @@ def test_convert_strings_and_python_scalars(tmp_path):
 def test_export_orbax_restores_with_orbax_bit_exact(tmp_path):
     state = _state()
     jax_ucp.save(tmp_path / "ucp", state)
-    out = jax_ucp.export(tmp_path / "ucp", tmp_path / "orbax", to="orbax")
+    out = jax_ucp.export(tmp_path / "ucp", tmp_path / "orbax", OrbaxExport())
     assert out.tensors == 7 and "_METADATA" in out.files
     abstract = _abstract(state)
     with ocp.StandardCheckpointer() as c:
@@ -225,9 +225,9 @@ def test_export_orbax_restores_with_orbax_bit_exact(tmp_path):
     with pytest.raises(
         ExportError, match=r"orbax: already exists and is not an export written by jax_ucp"
     ):
-        jax_ucp.export(tmp_path / "ucp", tmp_path / "orbax", to="orbax")
+        jax_ucp.export(tmp_path / "ucp", tmp_path / "orbax", OrbaxExport())
     with pytest.raises(ExportError, match=r"^select=.*'orbax'"):
-        jax_ucp.export(tmp_path / "ucp", tmp_path / "o2", to="orbax", select="params")
+        jax_ucp.export(tmp_path / "ucp", tmp_path / "o2", options_for("orbax", select="params"))
     metadata = json.loads((tmp_path / "orbax" / "_METADATA").read_text())
     kinds = {k: v["value_metadata"]["value_type"] for k, v in metadata["tree_metadata"].items()}
     assert kinds["('params', 'w')"] == "np.ndarray" and kinds["('step',)"] == "scalar"
