@@ -172,7 +172,15 @@ def main() -> None:
                 return r
 
             commands = {
-                "jax_ucp CLI": [sys.executable, "-m", "jax_ucp.cli", "convert", "deepspeed", src],
+                "jax_ucp CLI": [
+                    sys.executable,
+                    "-m",
+                    "jax_ucp.cli",
+                    "convert",
+                    "--from",
+                    "deepspeed",
+                    src,
+                ],
                 "jax_ucp API": [
                     sys.executable,
                     "-c",

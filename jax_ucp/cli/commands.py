@@ -313,47 +313,7 @@ def verify(
     )
 
 
-class _ConvertCommand(_Command):
-    """``jax-ucp convert FORMAT SRC DST`` (the form before ``--from``, kept for the docs and
-    scripts using it) read as ``jax-ucp convert SRC DST --from FORMAT``."""
-
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
-        positional = _positionals(self, ctx, args)
-        if len(positional) == 3:
-            from jax_ucp.importers.registry import FORMATS
-
-            fmt_at = positional[0]
-            if args[fmt_at] in FORMATS:
-                if any(a == "--from" or a.startswith("--from=") for a in args):
-                    raise typer.BadParameter(
-                        f"the format is named twice ({args[fmt_at]} before SRC, and --from)",
-                        param_hint="--from",
-                    )
-                args = ["--from", args[fmt_at], *args[:fmt_at], *args[fmt_at + 1 :]]
-        return super().parse_args(ctx, args)
-
-
-def _positionals(command: typer.core.TyperCommand, ctx, args: list[str]) -> list[int]:
-    """Where the positional arguments are in ``args`` (options and their values skipped)."""
-    takes_value = {
-        name: not getattr(param, "is_flag", False) and not getattr(param, "count", False)
-        for param in command.get_params(ctx)
-        if param.param_type_name == "option"
-        for name in (*param.opts, *param.secondary_opts)
-    }
-    out, i = [], 0
-    while i < len(args):
-        if args[i] == "--":
-            return out + list(range(i + 1, len(args)))
-        if args[i].startswith("-") and len(args[i]) > 1:
-            i += 2 if "=" not in args[i] and takes_value.get(args[i], False) else 1
-            continue
-        out.append(i)
-        i += 1
-    return out
-
-
-@app.command(cls=_ConvertCommand)
+@app.command()
 @_user_errors
 def convert(
     src: str,
@@ -397,9 +357,7 @@ def convert(
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
     torch DCP or torch.save files. The format is detected from the files unless --from names
-    it; when no format fits, the error says what each one looked for.
-
-    `jax-ucp convert FORMAT SRC DST` is `jax-ucp convert SRC DST --from FORMAT`."""
+    it; when no format fits, the error says what each one looked for."""
     from jax_ucp import conversion
     from jax_ucp.multihost import agreement
 

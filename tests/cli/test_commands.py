@@ -50,7 +50,9 @@ def test_errors_are_one_clear_line(tmp_path):
     assert "error:" in r.output and "missing" in r.output and "Traceback" not in r.output
     assert runner.invoke(app, ["inspect"]).exit_code == 2  # usage: missing argument
     (tmp_path / "empty").mkdir()
-    r = runner.invoke(app, ["convert", "deepspeed", str(tmp_path / "empty"), str(tmp_path / "out")])
+    r = runner.invoke(
+        app, ["convert", str(tmp_path / "empty"), str(tmp_path / "out"), "--from", "deepspeed"]
+    )
     assert r.exit_code == 1 and "error:" in r.output
     assert "importing" not in r.output  # no empty progress bar before the error
     assert "no DeepSpeed checkpoint" in " ".join(r.output.split())
@@ -72,8 +74,12 @@ def test_force_advice_uses_the_cli_flag(tmp_path):
 
     save_file({"w": np.ones(3, np.float32)}, str(src / "model.safetensors"))
     out = tmp_path / "out"
-    assert runner.invoke(app, ["convert", "safetensors", str(src), str(out)]).exit_code == 0
-    r = runner.invoke(app, ["convert", "safetensors", str(src), str(out)], env={"COLUMNS": "200"})
+    assert (
+        runner.invoke(app, ["convert", str(src), str(out), "--from", "safetensors"]).exit_code == 0
+    )
+    r = runner.invoke(
+        app, ["convert", str(src), str(out), "--from", "safetensors"], env={"COLUMNS": "200"}
+    )
     assert r.exit_code == 1 and "--force" in r.output and "force=True" not in r.output
 
 
@@ -296,7 +302,9 @@ def test_help_fits_80_columns_without_typer_placeholders(command):
 
 @pytest.mark.timeout(120)
 def test_a_missing_source_is_named_without_errno(tmp_path):
-    r = _cli("convert", "safetensors", tmp_path / "nothere", tmp_path / "out", columns=200)
+    r = _cli(
+        "convert", tmp_path / "nothere", tmp_path / "out", "--from", "safetensors", columns=200
+    )
     assert r.exit_code == 1
     assert r.output.strip() == f"error: {tmp_path / 'nothere'}: no such file or directory"
     assert not (tmp_path / "out").exists()
@@ -353,7 +361,7 @@ def test_empty_destinations_are_used_without_force_and_advice_is_the_cli_flag(tm
     jax_ucp.save(tmp_path / "saved", {"params": {"w": np.arange(4, dtype=np.float32)}})
     jax_ucp.convert(hf, tmp_path / "converted")
     jax_ucp.export(tmp_path / "saved", tmp_path / "exported")
-    assert _cli("convert", "safetensors", hf, tmp_path / "cli_converted").exit_code == 0
+    assert _cli("convert", hf, tmp_path / "cli_converted", "--from", "safetensors").exit_code == 0
     assert _cli("export", tmp_path / "saved", tmp_path / "cli_exported").exit_code == 0
     for path in ("saved", "converted", "cli_converted"):
         assert jax_ucp.restore(tmp_path / path)["params"]["w"].tolist() == [0, 1, 2, 3]
@@ -369,7 +377,7 @@ def test_empty_destinations_are_used_without_force_and_advice_is_the_cli_flag(tm
     (tmp_path / "mine" / "notes.txt").write_text("x")
     for args in (
         ("export", tmp_path / "saved", tmp_path / "mine", "--force"),
-        ("convert", "safetensors", hf, tmp_path / "mine", "--force"),
+        ("convert", hf, tmp_path / "mine", "--from", "safetensors", "--force"),
     ):
         r = _cli(*args, columns=400)
         assert r.exit_code == 1, r.output

@@ -116,7 +116,7 @@ def test_an_import_and_an_error_print_hostile_names_escaped(tmp_path):
     ``✓`` line show them escaped; an error naming a path with escapes is one escaped line."""
     src = tmp_path / "model.safetensors"
     save_file({n: np.ones(2, np.float32) for n in _HOSTILE}, str(src))
-    r = runner.invoke(app, ["convert", "safetensors", str(src), str(tmp_path / "out")])
+    r = runner.invoke(app, ["convert", str(src), str(tmp_path / "out"), "--from", "safetensors"])
     assert r.exit_code == 0, r.output
     assert not _raw_controls(r.output), (_raw_controls(r.output), r.output)
     r = runner.invoke(app, ["inspect", str(tmp_path / "out")], env={"COLUMNS": "250"})

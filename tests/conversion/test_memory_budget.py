@@ -136,7 +136,9 @@ def test_cli_memory_budget_flag(tmp_path):
 
     runner = CliRunner()
     out = tmp_path / "ucp"
-    r = runner.invoke(app, ["convert", "torch", FSDP2, str(out), "--memory-budget", "64KiB"])
+    r = runner.invoke(
+        app, ["convert", FSDP2, str(out), "--from", "torch", "--memory-budget", "64KiB"]
+    )
     assert r.exit_code == 0, r.output
     want = jax_ucp.restore(jax_ucp.convert(FSDP2, tmp_path / "default"))
     got = jax_ucp.restore(out)
@@ -144,7 +146,7 @@ def test_cli_memory_budget_flag(tmp_path):
         np.testing.assert_array_equal(dict(_flat(got))[key], value, err_msg=key)
     r = runner.invoke(
         app,
-        ["convert", "torch", FSDP2, str(tmp_path / "bad"), "--memory-budget", "lots"],
+        ["convert", FSDP2, str(tmp_path / "bad"), "--from", "torch", "--memory-budget", "lots"],
         env={"COLUMNS": "300"},
     )
     assert r.exit_code != 0

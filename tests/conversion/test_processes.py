@@ -82,7 +82,7 @@ def test_cli_processes_equal_a_single_process(tmp_path, fmt, src, extra):
     single = str(tmp_path / "single")
     jax_ucp.convert(src, single, format=fmt, **({"vocab_size": 61} if extra else {}))
     shared = str(tmp_path / "shared")
-    r = _cli("convert", fmt, src, shared, *extra, "--processes", "3")
+    r = _cli("convert", src, shared, "--from", fmt, *extra, "--processes", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     _assert_same_checkpoint(single, shared)
 
@@ -262,7 +262,7 @@ def _env(tmp_path, **extra) -> dict:
 
 def _convert(src, dst, *extra, env):
     return subprocess.Popen(
-        [sys.executable, "-m", "jax_ucp.cli", "convert", "safetensors", src, dst, *extra]
+        [sys.executable, "-m", "jax_ucp.cli", "convert", src, dst, "--from", "safetensors", *extra]
         + ["--processes", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -469,7 +469,7 @@ def test_coordinator_process_names_a_lost_peer_and_exits(tmp_path):
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "jax_ucp.cli", "convert", "safetensors", src, dst]
+            [sys.executable, "-m", "jax_ucp.cli", "convert", src, dst, "--from", "safetensors"]
             + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
             + ["--process-id", str(i)],
             stdout=subprocess.PIPE,

@@ -105,13 +105,12 @@ def test_an_option_the_format_does_not_take_is_refused_before_writing(tmp_path):
     assert OrbaxOptions(tag="3").tag == 3 and OrbaxOptions(tag="last").tag == "last"
 
 
-def test_cli_convert_detects_or_takes_from_or_the_format_first(tmp_path, monkeypatch):
+def test_cli_convert_detects_or_takes_from(tmp_path, monkeypatch):
     hf = _hf(tmp_path / "hf", 2.0)
     forms = (
         ["{src}", "{dst}"],
         ["{src}", "{dst}", "--from", "safetensors"],
-        ["safetensors", "{src}", "{dst}"],
-        ["--memory-budget", "1MiB", "safetensors", "{src}", "--force", "{dst}"],
+        ["--memory-budget", "1MiB", "{src}", "--force", "{dst}", "--from", "safetensors"],
     )
     for i, form in enumerate(forms):
         dst = str(tmp_path / f"out{i}")
@@ -119,10 +118,11 @@ def test_cli_convert_detects_or_takes_from_or_the_format_first(tmp_path, monkeyp
         r = runner.invoke(app, ["convert", *args], env={"COLUMNS": "200"})
         assert r.exit_code == 0, (args, r.output)
         assert_bit_exact(jax_ucp.restore(dst)["params"]["w"], np.full(3, 2.0, np.float32))
-    r = runner.invoke(app, ["convert", "torch", hf, str(tmp_path / "x"), "--from", "torch"])
-    assert r.exit_code == 2 and "named twice" in r.output, r.output
     r = runner.invoke(app, ["convert", hf, str(tmp_path / "y"), "--from", "orbax"])
     assert r.exit_code == 1 and "error:" in r.output and not (tmp_path / "y").exists()
+    # the pre-release form `convert FORMAT SRC DST` is gone: three positionals are refused
+    r = runner.invoke(app, ["convert", "safetensors", hf, str(tmp_path / "x")])
+    assert r.exit_code == 2 and not (tmp_path / "x").exists(), r.output
     # a source folder named like a format, given as SRC DST: a path, not the format
     monkeypatch.chdir(tmp_path)
     _hf(tmp_path / "torch", 3.0)
@@ -137,7 +137,7 @@ def test_cli_convert_help_names_every_format():
     text = " ".join(r.output.split())
     for name in registry.FORMATS:
         assert name in text
-    assert "jax-ucp convert FORMAT SRC DST" in text
+    assert "FORMAT SRC DST" not in text
 
 
 def test_two_formats_in_one_folder_is_an_error_naming_both(tmp_path):

@@ -481,7 +481,7 @@ def test_cli_reports_a_spec_error_like_other_errors(tmp_path):
     toml.write_text(DEEP_TOML["arrays nested 100k deep"])
     src = os.path.join(FIXTURES, MEGATRON_DS, "ckpt")
     r = CliRunner().invoke(
-        app, ["convert", "deepspeed", src, str(tmp_path / "out"), "--spec", str(toml)]
+        app, ["convert", src, str(tmp_path / "out"), "--from", "deepspeed", "--spec", str(toml)]
     )
     assert r.exit_code == 1, r.output
     assert "error:" in r.output and "nested deeper than 64 levels" in r.output

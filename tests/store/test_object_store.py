@@ -266,7 +266,7 @@ def test_convert_and_cli_with_urls(bucket, tmp_path):
     r = cli("verify", url)
     assert r.returncode == 0 and "read back intact" in r.stdout, r.stdout + r.stderr
     second = _new(root, "cli")
-    r = cli("convert", "safetensors", str(tmp_path / "hf"), second)
+    r = cli("convert", str(tmp_path / "hf"), second, "--from", "safetensors")
     assert r.returncode == 0, r.stdout + r.stderr
     assert jax_ucp.inspect(second).source["framework"] == "safetensors"
     with pytest.raises(ValueError, match="object store"):

@@ -141,7 +141,7 @@ def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metad
         jax_ucp.save(run, {"w": W}, force=True)
     with pytest.raises(commit.NotReplaceableError, match=found):
         jax_ucp.convert(src, run, force=True)
-    r = CliRunner().invoke(app, ["convert", "safetensors", src, str(run), "--force"])
+    r = CliRunner().invoke(app, ["convert", src, str(run), "--from", "safetensors", "--force"])
     assert r.exit_code == 1 and "a folder of checkpoints" in " ".join(r.output.split()), r.output
     assert _snapshot(run) == before
     # Orbax's step metadata copied in from a real step: it names that step's item, not these

@@ -272,7 +272,7 @@ def test_universal_cli_and_shares(tmp_path):
     from jax_ucp.importers.plan import Share
 
     src = os.path.join(FIXTURES, "z3_bf16_dp2", "universal")
-    result = CliRunner().invoke(app, ["convert", "deepspeed", src, str(tmp_path / "cli")])
+    result = CliRunner().invoke(app, ["convert", src, str(tmp_path / "cli"), "--from", "deepspeed"])
     assert result.exit_code == 0, result.output
     jax_ucp.convert(os.path.join(FIXTURES, "z3_bf16_dp2", "ckpt"), tmp_path / "direct")
     _assert_same(_flat(tmp_path / "direct"), _flat(tmp_path / "cli"))

@@ -173,7 +173,7 @@ def test_weights_only_import_names_every_optimizer_tensor(tmp_path):
 
 def test_cli_convert_megatron_reads_a_bridge_save(tmp_path):
     out = tmp_path / "ucp"
-    result = CliRunner().invoke(app, ["convert", "megatron", FULL, str(out)])
+    result = CliRunner().invoke(app, ["convert", FULL, str(out), "--from", "megatron"])
     assert result.exit_code == 0, result.output
     assert jax_ucp.inspect(str(out)).source["framework"] == "megatron-bridge"
 

@@ -372,9 +372,10 @@ def test_convert_detects_megatron_and_cli(tmp_path):
         app,
         [
             "convert",
-            "megatron",
             str(FIX / "gpt_tp2"),
             str(tmp_path / "c"),
+            "--from",
+            "megatron",
             "--vocab-size",
             str(VOCAB),
         ],
@@ -383,7 +384,9 @@ def test_convert_detects_megatron_and_cli(tmp_path):
     assert jax_ucp.restore(tmp_path / "c")["params"]["output_layer.weight"].shape == (VOCAB, 32)
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = CliRunner().invoke(app, ["convert", "megatron", str(empty), str(tmp_path / "d")])
+    res = CliRunner().invoke(
+        app, ["convert", str(empty), str(tmp_path / "d"), "--from", "megatron"]
+    )
     assert res.exit_code != 0 and "not a Megatron" in " ".join(res.output.split())
     assert not (tmp_path / "d").exists()
 
@@ -418,9 +421,10 @@ def test_cli_spec_file_supplies_settings(tmp_path):
         app,
         [
             "convert",
-            "megatron",
             str(FIX / "legacy_llama_tp2_synthetic"),
             str(tmp_path / "o"),
+            "--from",
+            "megatron",
             "--spec",
             str(f),
         ],

@@ -69,7 +69,7 @@ def test_a_deleted_orbax_chunk_file_is_one_error_naming_file_and_array(tmp_path)
         jax_ucp.convert(src, tmp_path / "out")
     assert chunk in str(e.value) and "tensorstore_spec" not in str(e.value)
     _only_source_left(tmp_path, src)
-    r = _run_cli("convert", "orbax", src, str(tmp_path / "out"))
+    r = _run_cli("convert", src, str(tmp_path / "out"), "--from", "orbax")
     assert r.returncode == 1
     _assert_one_error_line(r.stdout + r.stderr, "'params.w'", chunk)
     _only_source_left(tmp_path, src)
@@ -125,7 +125,7 @@ def test_truncated_ocdbt_files_are_one_error_naming_file_and_array(tmp_path):
     shutil.rmtree(copy)
     shutil.copytree(src, copy)
     os.truncate(os.path.join(copy, rel), os.path.getsize(os.path.join(src, rel)) // 2)
-    r = _run_cli("convert", "orbax", copy, str(tmp_path / "out"))
+    r = _run_cli("convert", copy, str(tmp_path / "out"), "--from", "orbax")
     assert r.returncode == 1
     _assert_one_error_line(r.stdout + r.stderr, "'params.w'", copy, "OCDBT")
 
@@ -179,7 +179,7 @@ def test_an_orbax_chunk_declared_larger_than_its_array_is_refused_before_decodin
         "runpy.run_module('jax_ucp.cli', run_name='__main__')\n"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", launcher, "convert", "orbax", src, str(tmp_path / "out")],
+        [sys.executable, "-c", launcher, "convert", src, str(tmp_path / "out"), "--from", "orbax"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

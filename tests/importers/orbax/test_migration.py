@@ -282,7 +282,7 @@ def test_cli_convert_and_export_orbax_at_80_columns(tmp_path):
         c.save(tmp_path / "orbax", state)
     env = {"COLUMNS": "80"}
     result = CliRunner().invoke(
-        app, ["convert", "orbax", str(tmp_path / "orbax"), str(tmp_path / "ucp")], env=env
+        app, ["convert", str(tmp_path / "orbax"), str(tmp_path / "ucp"), "--from", "orbax"], env=env
     )
     assert result.exit_code == 0, result.output
     assert f"wrote {tmp_path / 'ucp'}" in result.output.replace("\n", "")
@@ -293,7 +293,8 @@ def test_cli_convert_and_export_orbax_at_80_columns(tmp_path):
     with ocp.StandardCheckpointer() as c:
         _check(c.restore(tmp_path / "back", _abstract(state)), state)
     result = CliRunner().invoke(
-        app, ["convert", "orbax", str(tmp_path / "orbax"), str(tmp_path / "x"), "--tag", "3"]
+        app,
+        ["convert", str(tmp_path / "orbax"), str(tmp_path / "x"), "--from", "orbax", "--tag", "3"],
     )
     assert result.exit_code == 1
     assert "a single Orbax checkpoint has no steps (tag=3)" in result.output.replace("\n", "")

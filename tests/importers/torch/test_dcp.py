@@ -147,7 +147,7 @@ def test_cli_convert_torch(tmp_path):
 
     dst = tmp_path / "ucp"
     result = CliRunner().invoke(
-        app, ["convert", "torch", os.path.join(FIX, "fsdp2_fp32"), str(dst)]
+        app, ["convert", os.path.join(FIX, "fsdp2_fp32"), str(dst), "--from", "torch"]
     )
     assert result.exit_code == 0, result.output
     assert_matches_run(jax_ucp.restore(dst), "fsdp2_fp32")
