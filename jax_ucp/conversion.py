@@ -173,16 +173,8 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
 def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gather] | None):
     """The importer's plan; in a distributed import every process's planning is agreed on, so a
     process that refuses the source does not leave the others waiting."""
-    plan_import = functools.partial(
-        registry.plan_import,
-        source,
-        format=options.format,
-        spec=options.spec,
-        weights_only=options.weights_only,
-        tag=options.tag,
-        vocab_size=options.vocab_size,
-        parameter_order=options.parameter_order,
-    )
+    fields = {name: getattr(options, name) for name in registry.OPTION_FIELDS}
+    plan_import = functools.partial(registry.plan_import, source, format=options.format, **fields)
     if job is None:
         return plan_import()
     index, count, gather = job

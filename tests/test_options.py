@@ -129,3 +129,14 @@ def test_the_cli_takes_memory_budget_for_verify_and_convert(tmp_path, monkeypatc
     assert r.exit_code == 0, r.output
     assert seen == [1 << 30]
     assert jax_ucp.verify(tmp_path / "u") == []
+
+
+def test_every_import_option_is_a_convert_option_handed_down_by_name():
+    """An importer's option (``TorchOptions.parameter_order``, ``DeepSpeedOptions.tag``, ...) is
+    a ``ConvertOptions`` field of the same name, which ``convert`` hands to the registry as is:
+    a new importer option cannot be forgotten on the way down."""
+    from jax_ucp.importers import registry
+
+    convert_fields = {f.name for f in dataclasses.fields(conversion.ConvertOptions)}
+    assert set(registry.OPTION_FIELDS) <= convert_fields
+    assert {"tag", "vocab_size", "parameter_order"} <= set(registry.OPTION_FIELDS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from jax_ucp.errors import RequestError, SourceError, SourceNotFoundError
@@ -58,6 +58,12 @@ IMPORTERS: dict[str, Importer] = {
     )
 }
 FORMATS = tuple(sorted(IMPORTERS))
+#: every import option some format takes (``share`` is the registry's, not the caller's)
+OPTION_FIELDS = tuple(
+    sorted(
+        {f.name for i in IMPORTERS.values() for f in dataclasses.fields(i.options)} - {"share"}
+    )
+)
 
 
 def detect_format(src) -> str:
@@ -145,15 +151,7 @@ def importer_options(importer: Importer, **fields: Any) -> ImportOptions:
 
 
 def plan_import(
-    source,
-    *,
-    format: str | None = None,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-    tag: str | int | None = None,
-    vocab_size: int | None = None,
-    parameter_order: Sequence[str] | None = None,
+    source, *, format: str | None = None, share: Share = WHOLE, **fields: Any
 ) -> ImportPlan:
     """The import of ``source`` by the importer of its format (detected unless given), its items
     held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
@@ -162,12 +160,11 @@ def plan_import(
     Args:
         source: the checkpoint directory (or file).
         format: one of ``FORMATS`` (None: detected from the files).
-        spec: a UCP-language spec with import rules / settings.
-        weights_only: the model weights alone, the optimizer state skipped.
         share: this process's part of a distributed import.
-        tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step.
-        vocab_size: Megatron's vocabulary size before padding.
-        parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
+        **fields: the import options (``spec``, ``weights_only``, ``tag``, ...), each the field
+            of the format's options class (``IMPORTERS[format].options``) of that name; one
+            given (not None) that the format does not take is refused naming the formats that
+            take it.
 
     Returns:
         The checked plan, its items accounted for.
@@ -179,15 +176,7 @@ def plan_import(
             f"Unknown checkpoint format {checkpoint_format!r} (expected "
             f"{', '.join(repr(name) for name in FORMATS)})."
         )
-    options = importer_options(
-        importer,
-        spec=spec,
-        weights_only=weights_only,
-        share=share,
-        tag=tag,
-        vocab_size=vocab_size,
-        parameter_order=parameter_order,
-    )
+    options = importer_options(importer, **fields, share=share)
     plan = handed_over(source, checkpoint_format, options)
     if plan is None:
         plan = importer.plan(source, options)
