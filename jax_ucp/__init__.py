@@ -15,7 +15,6 @@ from jax_ucp.errors import (
     AmbiguousAdamStateError,
     CheckpointError,
     CheckpointReplacedError,
-    ExportError,
     FileReadError,
     LanguageError,
     MultiProcessError,
@@ -30,7 +29,7 @@ from jax_ucp.errors import (
     UnsafeFileError,
     UnsupportedError,
 )
-from jax_ucp.format import Manifest, ManifestError, TensorEntry, UCPError, ValueEntry
+from jax_ucp.format import Manifest, TensorEntry, UCPError, ValueEntry
 from jax_ucp.lazy_names import lazy_attributes
 from jax_ucp.version import __version__
 
@@ -74,16 +73,14 @@ __all__ = [
     "AmbiguousAdamStateError",
     "CheckpointError",
     "CheckpointReplacedError",
-    "ExportError",
+    "RequestError",
     "FileReadError",
     "LanguageError",
     "Manifest",
-    "ManifestError",
     "MultiProcessError",
     "NotFoundError",
     "OptimizerOrderWarning",
     "ReplicationWarning",
-    "RequestError",
     "RestoreOptions",
     "ResumeWarning",
     "SaveConflictError",

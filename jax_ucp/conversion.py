@@ -148,9 +148,6 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
         return write_manager_step(dest, items, step=options.step, **common)
 
 
-DestinationError = RequestError  # a destination that would overwrite or nest inside its source
-
-
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
     """What the destination refuses, before the source is read (checked again under the save
     lock, in the transaction)."""
@@ -162,7 +159,7 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
             )
         return
     if files.overlap(dest, source):  # a forced convert there would delete what it reads
-        raise DestinationError(
+        raise RequestError(
             f"convert: the destination {dest} is, contains or lies inside the source {source}; "
             f"choose a destination outside the source checkpoint (nothing was written)."
         )

@@ -3,10 +3,10 @@ grouped by what the user does about the error.
 
 A leaf module (it imports nothing of jax_ucp), so every layer — the pure-logic UCP language
 included — raises these, and callers catch one class. Each class also derives from the builtin(s)
-it replaced, so ``except ValueError`` / ``OSError`` / ``KeyError`` / ... keeps working. The
-modules' own names (``DcpError``, ``ManifestError``, ``SizeError``, ...) are aliases of their
-group, importable where they always were; a class of its own below a group only where it carries
-something (another builtin, an attribute, or code that catches it alone).
+it replaced, so ``except ValueError`` / ``OSError`` / ``KeyError`` / ... keeps working. There are
+no aliases: every module raises these classes by their own names; a class of its own below a
+group only where it carries something (another builtin, an attribute, or code that catches it
+alone).
 
 TensorStore's own errors are plain ``ValueError``s whose text starts with an absl status code and
 ends with a dump of the whole spec (``[tensorstore_spec='{…}']``; Orbax adds its kvstore as
@@ -160,9 +160,9 @@ class SetupError(UCPError, RuntimeError):
     to set it up."""
 
 
-# the public names of a group's members (each module's own, ``DcpError`` & co., live beside it)
-AmbiguousAdamStateError = RequestError  # which of several Adam states a moment belongs to
-ExportError = RequestError  # an export the target format cannot hold, a destination in the source
+class AmbiguousAdamStateError(RequestError):
+    """A moment in the target could belong to several Adam states of the checkpoint: the caller
+    gives the roots' targets (``restoring.adam_state``), so it is caught alone."""
 
 
 class ResumeWarning(UserWarning):

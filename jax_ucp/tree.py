@@ -21,14 +21,11 @@ def _is_leaf(x) -> bool:
     return isinstance(x, meta.AxisMetadata)
 
 
-TreeError = RequestError  # a pytree whose key paths cannot be written or matched
-
-
 def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], Any]:
     """[(key, key_types, leaf)] in flatten order, and the treedef. None is a leaf (a saved value).
 
     Key components must be UTF-8 text (they become ucp.json strings and directory names) and a
-    dict's keys must be sortable (JAX sorts them): otherwise a ``TreeError`` names the key path.
+    dict's keys must be sortable (JAX sorts them): otherwise a ``RequestError`` names the key path.
     """
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
@@ -37,7 +34,7 @@ def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], A
         if where is None:
             raise
         path, types = where
-        raise TreeError(
+        raise RequestError(
             f"Dict at key path {_path_text(path)} mixes key types {types} (e.g. 1 and '1'); JAX "
             f"sorts a dict's keys and a checkpoint names leaves by them: use keys of one type."
         ) from e
@@ -50,7 +47,7 @@ def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], A
                 try:
                     component.encode("utf-8")
                 except UnicodeEncodeError as e:
-                    raise TreeError(
+                    raise RequestError(
                         f"Key path {_path_text(key)}: component {component!r} is not valid "
                         f"Unicode text ({e.reason} at position {e.start}); a checkpoint stores "
                         f"keys as UTF-8. Rename that key."

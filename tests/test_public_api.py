@@ -110,7 +110,6 @@ SURFACE: dict[str, set[str]] = {
         "MAX_MANIFEST_BYTES",
         "MAX_TREE_DEPTH",
         "Manifest",
-        "ManifestError",
         "SavedSharding",
         "TensorEntry",
         "UCPError",
@@ -129,7 +128,6 @@ SURFACE: dict[str, set[str]] = {
     "jax_ucp.importers.deepspeed": {
         "DS_CLASSES",
         "DeepSpeedCheckpoint",
-        "DeepSpeedImportError",
         "DeepSpeedOptions",
         "MegatronDeepSpeedCheckpoint",
         "detect",
@@ -146,7 +144,7 @@ SURFACE: dict[str, set[str]] = {
         "plan",
         "plan_megatron",
     },
-    "jax_ucp.importers.orbax": {"OrbaxImportError", "OrbaxOptions", "detect", "plan", "plan_orbax"},
+    "jax_ucp.importers.orbax": {"OrbaxOptions", "detect", "plan", "plan_orbax"},
     "jax_ucp.importers.safetensors": {"detect", "plan"},
     "jax_ucp.importers.torch": {"TorchOptions", "detect", "plan"},
     "jax_ucp.language": {

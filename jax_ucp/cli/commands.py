@@ -24,7 +24,7 @@ from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
 from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import ValueEntry, files
-from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_size
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 
 
 class _PlainPlaceholders:
@@ -160,7 +160,7 @@ def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | No
     what = param.opts[0] if param.opts else str(param.name)
     try:
         return parse_size(value, what)
-    except SizeError as e:  # click's message names the option already
+    except RequestError as e:  # click's message names the option already
         raise typer.BadParameter(str(e).removeprefix(f"{what}: ")) from None
 
 

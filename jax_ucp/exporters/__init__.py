@@ -7,7 +7,6 @@ exporting itself; ``engine`` checks and dispatches, ``options`` holds the typed 
 format, ``source`` the streamed reads, the choice of tensors and the export transaction.
 """
 
-from jax_ucp.errors import ExportError
 from jax_ucp.exporters.engine import export
 from jax_ucp.exporters.options import (
     FORMATS,
@@ -21,7 +20,6 @@ from jax_ucp.exporters.options import (
 
 __all__ = [
     "DeepSpeedUniversalExport",
-    "ExportError",
     "Exported",
     "FORMATS",
     "OrbaxExport",

@@ -27,7 +27,7 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters import source, torch_out
 from jax_ucp.exporters.options import DeepSpeedUniversalExport, Exported
 from jax_ucp.exporters.source import Deferred
@@ -44,7 +44,7 @@ STATES = ("fp32", "exp_avg", "exp_avg_sq")
 def check_name(name: str) -> None:
     """A parameter name becomes a folder name under ``zero/``: no separators, no dot names."""
     if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
-        raise ExportError(f"parameter {name!r} cannot be a folder name under zero/")
+        raise RequestError(f"parameter {name!r} cannot be a folder name under zero/")
 
 
 def write_universal(
@@ -77,7 +77,7 @@ def write_universal(
         os.makedirs(os.path.join(zero, name))
     written = _write_states(zero, dict(params), states, step)
     if len(written) != 4 * len(params):
-        raise ExportError(
+        raise RequestError(
             f"DeepSpeed universal needs fp32, exp_avg and exp_avg_sq of every parameter; "
             f"got {len(written)} files for {len(params)} parameters"
         )
@@ -112,9 +112,9 @@ def _write_states(
     step_tensor = np.asarray(float(step), np.float32)
     for name, state, array in states:
         if state not in STATES or name not in shapes:
-            raise ExportError(f"unexpected state {state!r} of {name!r} for DeepSpeed universal")
+            raise RequestError(f"unexpected state {state!r} of {name!r} for DeepSpeed universal")
         if tuple(array.shape) != shapes[name] or array.dtype != np.float32:
-            raise ExportError(
+            raise RequestError(
                 f"parameter {name!r} {state}: {array.shape} {array.dtype}, DeepSpeed universal "
                 f"wants fp32 {shapes[name]}"
             )
@@ -219,7 +219,7 @@ def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
 def _universal_keys(root, by_key):
     """The keys DeepSpeed universal needs, found by manifest role: each trainable parameter's
     (key -> its path below the top level), its Adam moments ((param, "mu"/"nu") -> key) and the
-    step count; ``ExportError`` naming what is missing."""
+    step count; ``RequestError`` naming what is missing."""
     # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
     # them out of its optimizer); they are listed as skipped. A tied one is its twin's.
     params = {
@@ -244,7 +244,7 @@ def _universal_keys(root, by_key):
         f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
     ]
     if not params or missing or count is None:
-        raise ExportError(
+        raise RequestError(
             f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
             f"count; missing: {missing[:5] or ([] if params else ['params'])}"
             f"{'' if count is not None else ' and opt_state count'}"

@@ -10,7 +10,7 @@ import os
 
 from jax_ucp import format as fmt
 from jax_ucp import writer
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters.options import OPTIONS_TYPES, Exported, Options, SafetensorsExport
 from jax_ucp.restoring import locate
 from jax_ucp.writer import commit
@@ -54,13 +54,13 @@ def export(
         out.
 
     Raises:
-        ExportError: nothing can be exported as asked (a dtype the format cannot hold, a name
+        RequestError: nothing can be exported as asked (a dtype the format cannot hold, a name
             twice, an existing destination); nothing is written.
         CheckpointError: the checkpoint is missing or corrupt (names the tensor and the file).
     """
     options = SafetensorsExport() if options is None else options
     if not isinstance(options, OPTIONS_TYPES):
-        raise ExportError(
+        raise RequestError(
             f"export(options=): {type(options).__name__} is not an export's options (give one "
             f"of {', '.join(t.__name__ for t in OPTIONS_TYPES)})"
         )
@@ -85,11 +85,11 @@ def _check_destination(root: str, dst: str, force: bool) -> None:
     """``dst`` is new, or (with ``force``) an earlier export; never the checkpoint or inside it."""
     where = fmt.files.overlap(dst, root)
     if where in ("same", "inside"):
-        raise ExportError(f"{dst}: the export destination is, or lies inside, the checkpoint")
+        raise RequestError(f"{dst}: the export destination is, or lies inside, the checkpoint")
     if where == "contains":
-        raise ExportError(f"{dst}: the export destination contains the checkpoint {root}")
+        raise RequestError(f"{dst}: the export destination contains the checkpoint {root}")
     try:
         # names and sizes now; content under the lock, before anything is written
         commit.check_replaceable(dst, force=force, export=True, content=False)
     except (commit.SaveConflictError, FileExistsError) as e:
-        raise ExportError(str(e)) from None
+        raise RequestError(str(e)) from None

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import RequestError
 from jax_ucp.format.dtypes import CASTINGS
 from jax_ucp.format.sizes import parse_size
 
@@ -28,7 +28,7 @@ class Exported:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Export:
-    """What every export takes (checked on construction, an ``ExportError`` naming the option).
+    """What every export takes (checked on construction, an ``RequestError`` naming the option).
 
     Attributes:
         progress: ``progress(name, done, total)`` after each tensor.
@@ -71,7 +71,7 @@ class DeepSpeedUniversalExport(_Export):
         super().__post_init__()
         groups = self.param_groups
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
-            raise ExportError(f"param_groups={self.param_groups!r}: a positive int")
+            raise RequestError(f"param_groups={self.param_groups!r}: a positive int")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -96,14 +96,14 @@ class _TensorsExport(_Export):
     def __post_init__(self):
         super().__post_init__()
         if self.casting not in CASTINGS:
-            raise ExportError(f"casting={self.casting!r}: choose from {CASTINGS}")
+            raise RequestError(f"casting={self.casting!r}: choose from {CASTINGS}")
         if self.select is not None and not isinstance(self.select, str):
-            raise ExportError(f"select={self.select!r}: a key-path prefix such as 'params'")
+            raise RequestError(f"select={self.select!r}: a key-path prefix such as 'params'")
         if self.dtype is not None:
             try:
                 object.__setattr__(self, "dtype", np.dtype(self.dtype))
             except TypeError as e:
-                raise ExportError(f"dtype={self.dtype!r}: not a dtype ({e})") from None
+                raise RequestError(f"dtype={self.dtype!r}: not a dtype ({e})") from None
 
     @property
     def prefix(self) -> str:
@@ -135,7 +135,9 @@ class SafetensorsExport(_TensorsExport):
 
     def __post_init__(self):
         super().__post_init__()
-        size = parse_size(self.max_file_bytes, "max_file_bytes")  # a SizeError is an ExportError
+        size = parse_size(
+            self.max_file_bytes, "max_file_bytes"
+        )  # a RequestError is an RequestError
         object.__setattr__(self, "max_file_bytes", size)
 
 
@@ -149,15 +151,15 @@ OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, Or
 
 def options_for(to: str, **given: Any) -> Options:
     """The options of the format named ``to`` (``jax-ucp export --to``) from the fields given;
-    one given (not None, not False) that the format does not take is an ``ExportError`` naming
+    one given (not None, not False) that the format does not take is an ``RequestError`` naming
     it and the format."""
     cls = BY_FORMAT.get(to)
     if cls is None:
-        raise ExportError(f"export format {to!r} is not supported (choose from {FORMATS})")
+        raise RequestError(f"export format {to!r} is not supported (choose from {FORMATS})")
     fields = {f.name for f in dataclasses.fields(cls)}
     for name, value in given.items():
         if name not in fields and value is not None and value is not False:
-            raise ExportError(
+            raise RequestError(
                 f"{name}= does not apply to {to!r} exports (they take: {', '.join(sorted(fields))})"
             )
     options: Any = cls(**{k: v for k, v in given.items() if k in fields and v is not None})

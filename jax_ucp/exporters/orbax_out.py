@@ -29,12 +29,7 @@ from orbax.checkpoint import future as ocp_future
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import (
-    ExportError,
-    UCPError,
-    is_tensorstore_io_error,
-    tensorstore_message,
-)
+from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.exporters import source
 from jax_ucp.exporters.options import Exported, OrbaxExport
 from jax_ucp.restoring import locate, model, ucp_source
@@ -122,7 +117,7 @@ class _TensorHandler(ocp.type_handlers.NumpyHandler):
                     await t[lo:hi].write(slab, can_reference_source_data_indefinitely=True)
                     del slab
             except ValueError as e:  # TensorStore's: a full disk, a write refused
-                raise ExportError(
+                raise RequestError(
                     f"{self._destination}: writing tensor {fmt.key_to_str(value.key)!r} failed: "
                     f"{tensorstore_message(e)}; nothing was exported"
                 ) from None
@@ -192,7 +187,7 @@ def export_orbax(
     manifest = store.read_manifest(root)
     empty = [e.name for e in manifest.tensors if math.prod(e.shape) == 0]
     if empty:  # Orbax's own save refuses them ("Cannot save arrays with zero size")
-        raise ExportError(
+        raise RequestError(
             f"{root}: {len(empty)} tensor(s) with no elements cannot be exported to Orbax, which "
             f"stores no zero-size array (its own save refuses them): "
             f"{', '.join(repr(n) for n in empty[:8])}{' …' if len(empty) > 8 else ''}; export "
@@ -204,7 +199,7 @@ def export_orbax(
     if os.path.isdir(target) and not os.listdir(target):
         os.rmdir(target)  # an empty directory holds nothing to lose
     if os.path.lexists(target):
-        raise ExportError(
+        raise RequestError(
             f"{target}: already exists; an Orbax export is written to a new directory (remove "
             f"it first, or choose another destination)"
         )
@@ -213,7 +208,7 @@ def export_orbax(
         try:
             fmt.files.inside(target, name, f"{root}/{fmt.MANIFEST_FILE}: tensor {name[:100]!r}")
         except fmt.files.UnsafeFileError as e:
-            raise ExportError(f"{e} (as an Orbax array name)") from None
+            raise RequestError(f"{e} (as an Orbax array name)") from None
     pairs = [
         (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
     ]
@@ -273,7 +268,7 @@ class _RaisedAgain(logging.Filter):
 def _one_error(destination: str):
     """An Orbax save whose failure is one error naming ``destination``: jax_ucp's own errors
     pass as they are, TensorStore's (a full disk while Orbax writes its metadata) become an
-    ``ExportError``; Orbax's thread tracebacks for them are not logged a second time."""
+    ``RequestError``; Orbax's thread tracebacks for them are not logged a second time."""
     quiet = _RaisedAgain()
     absl = logging.getLogger("absl")
     absl.addFilter(quiet)
@@ -284,7 +279,7 @@ def _one_error(destination: str):
     except ValueError as e:
         if not is_tensorstore_io_error(e):
             raise
-        raise ExportError(
+        raise RequestError(
             f"{destination}: writing the Orbax export failed: {tensorstore_message(e)}; "
             f"nothing was exported"
         ) from None

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters import source
 from jax_ucp.exporters.options import Exported, SafetensorsExport
 from jax_ucp.exporters.source import Deferred, Tensor, pieces
@@ -37,7 +37,7 @@ def dtype_name(tensor: str, dtype: np.dtype) -> str:
     """The safetensors name of ``dtype``, or an error naming the tensor."""
     name = DTYPE_NAMES.get(np.dtype(dtype))
     if name is None:
-        raise ExportError(
+        raise RequestError(
             f"tensor {tensor!r}: dtype {np.dtype(dtype)} cannot be stored in safetensors "
             f"(it holds {', '.join(sorted(DTYPE_NAMES.values()))}); pass dtype= to convert it"
         )
@@ -99,7 +99,7 @@ def write_file(
         f.write(header_bytes(tensors, metadata))
         for tensor, value in zip(tensors, values, strict=True):
             if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
-                raise ExportError(
+                raise RequestError(
                     f"tensor {tensor.name!r}: read {value.dtype}{list(value.shape)}, planned "
                     f"{tensor.dtype}{list(tensor.shape)}"
                 )

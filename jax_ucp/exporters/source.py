@@ -17,7 +17,7 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters.options import Exported
 from jax_ucp.restoring import model, ucp_source
 from jax_ucp.writer import commit
@@ -35,13 +35,13 @@ class Deferred:
 
 def pieces(value: np.ndarray | Deferred, where: str) -> Iterator[np.ndarray]:
     """The C-ordered little-endian data of ``value`` (an array, or a ``Deferred``'s slabs), each
-    slab checked against the planned shape and dtype (``ExportError`` naming ``where``)."""
+    slab checked against the planned shape and dtype (``RequestError`` naming ``where``)."""
     if not isinstance(value, Deferred):
         value = Deferred(tuple(value.shape), value.dtype, lambda a=value: [a])
     rows = 0
     for slab in value.slabs():
         if slab.dtype != value.dtype or (slab.shape[1:] if slab.ndim else ()) != value.shape[1:]:
-            raise ExportError(
+            raise RequestError(
                 f"{where}: read {slab.dtype}{list(slab.shape)}, planned "
                 f"{np.dtype(value.dtype)}{list(value.shape)}"
             )
@@ -49,7 +49,7 @@ def pieces(value: np.ndarray | Deferred, where: str) -> Iterator[np.ndarray]:
         yield np.ascontiguousarray(slab, dtype=slab.dtype.newbyteorder("<"))
         del slab
     if rows != (value.shape[0] if value.shape else 1) and math.prod(value.shape):
-        raise ExportError(f"{where}: read {rows} rows, planned {list(value.shape)}")
+        raise RequestError(f"{where}: read {rows} rows, planned {list(value.shape)}")
 
 
 @dataclasses.dataclass
@@ -144,7 +144,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     def name_of(key):
         name = ".".join(key[len(prefix) :]) or key[-1]
         if name in seen:
-            raise ExportError(
+            raise RequestError(
                 f"leaves {fmt.key_to_str(seen[name])!r} and {fmt.key_to_str(key)!r} would both "
                 f"be named {name!r} in the export"
             )
@@ -169,7 +169,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
         check_dtype(name, target)
         tensors.append(Tensor(name, tuple(available[key].shape), target))
     if not tensors:
-        raise ExportError(f"{root}: no tensor under {options.prefix!r} to export")
+        raise RequestError(f"{root}: no tensor under {options.prefix!r} to export")
     source = Source(root, manifest, available, options.casting, options.progress, len(tensors))
     arrays = [source.tensor(k, t.dtype, t.name) for (_, k), t in zip(chosen, tensors)]
     paths = [tuple(k[len(prefix) :]) for _, k in chosen]
@@ -178,7 +178,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
 
 @contextlib.contextmanager
 def transaction(dst: str, *, force: bool, staged: bool = True):
-    """``commit.transaction`` of an export; a destination it refuses is an ``ExportError``
+    """``commit.transaction`` of an export; a destination it refuses is an ``RequestError``
     (checked again under the lock: it may have changed while the tensors were planned).
 
     Args:
@@ -192,7 +192,7 @@ def transaction(dst: str, *, force: bool, staged: bool = True):
                 commit.transaction(dst, force=force, kind="export", export=True, staged=staged)
             )
         except (commit.SaveConflictError, FileExistsError) as e:
-            raise ExportError(str(e)) from None
+            raise RequestError(str(e)) from None
         yield tx
 
 
@@ -223,9 +223,9 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
         raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
         loaded = json.loads(raw)
     except (OSError, ValueError, RecursionError) as e:
-        raise ExportError(f"config {config}: not a readable JSON file ({e})") from None
+        raise RequestError(f"config {config}: not a readable JSON file ({e})") from None
     if not isinstance(loaded, dict):
-        raise ExportError(f"config {config}: a config.json holds a JSON object")
+        raise RequestError(f"config {config}: a config.json holds a JSON object")
     return loaded
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import ExportError
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters import source
 from jax_ucp.exporters.options import Exported, TorchDcpExport
 from jax_ucp.exporters.source import Deferred, pieces
@@ -42,7 +42,7 @@ def torch_dtype(tensor: str, dtype: np.dtype) -> tuple[str, str]:
     """(torch dtype name, storage class) of ``dtype``, or an error naming the tensor."""
     found = TORCH_DTYPES.get(np.dtype(dtype))
     if found is None:
-        raise ExportError(
+        raise RequestError(
             f"tensor {tensor!r}: dtype {np.dtype(dtype)} has no torch storage type that "
             f"torch.save writes; pass dtype= to convert it"
         )
@@ -338,7 +338,7 @@ def write_dcp(
             else:
                 array = next(tensors)
                 if tuple(array.shape) != item.shape or array.dtype != item.dtype:
-                    raise ExportError(
+                    raise RequestError(
                         f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
                         f"{item.shape} {item.dtype}"
                     )

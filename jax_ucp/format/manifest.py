@@ -68,9 +68,6 @@ _SHARD_KEY_RE = re.compile(r"c(/[0-9]+)*")
 _FLOAT_HEX_RE = re.compile(r"-?(0x[0-9a-fA-F](\.[0-9a-fA-F]*)?p[+-]?[0-9]+|inf|nan)")
 
 
-ManifestError = CheckpointError  # a manifest missing, unreadable, or of another version
-
-
 @dataclasses.dataclass(frozen=True)
 class SavedSharding:
     """Informational: the mesh and PartitionSpec a tensor was saved from."""
@@ -320,7 +317,7 @@ class ValueEntry:
             typed = {"type": "bool", "value": v}
         elif isinstance(v, int):
             if abs(v) >= 10**MAX_INT_DIGITS:
-                raise ManifestError(
+                raise CheckpointError(
                     f"Leaf {self.name!r}: an int of more than {MAX_INT_DIGITS} digits is not "
                     f"storable as a value; save it as an array or a string."
                 )
@@ -402,11 +399,11 @@ class Manifest(display.Tabular):
         dirs: dict[str, str] = {}
         for e in self.entries:
             if e.key in seen:
-                raise ManifestError(f"Duplicate leaf {e.name!r} in manifest.")
+                raise CheckpointError(f"Duplicate leaf {e.name!r} in manifest.")
             seen[e.key] = e.name
             if isinstance(e, TensorEntry):
                 if e.dir in dirs:
-                    raise ManifestError(
+                    raise CheckpointError(
                         f"Leaves {dirs[e.dir]!r} and {e.name!r} map to the same directory "
                         f"{e.dir!r}; rename one of them."
                     )
@@ -509,7 +506,7 @@ class Manifest(display.Tabular):
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
             found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
-            raise ManifestError(
+            raise CheckpointError(
                 f'{where}: not a jax_ucp manifest (expected "format": "{FORMAT_NAME}", '
                 f"found {_short(found)})."
             )
@@ -517,7 +514,7 @@ class Manifest(display.Tabular):
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             _fail(f"{where}: version", "an integer ≥ 1", version)
         if version > FORMAT_VERSION:
-            raise ManifestError(
+            raise CheckpointError(
                 f"{where}: format version {version} is newer than this jax_ucp "
                 f"understands (≤ {FORMAT_VERSION}); upgrade jax_ucp to read it."
             )
@@ -546,7 +543,7 @@ class Manifest(display.Tabular):
             leaves, keys = set(_tree_leaves(tree)), {e.key for e in entries}
             if leaves != keys:
                 odd = sorted(leaves ^ keys)[:3]
-                raise ManifestError(
+                raise CheckpointError(
                     f"{where}: tree: its leaves and the entries differ (e.g. "
                     f"{[keypath_lib.key_to_str(k) for k in odd]}); expected exactly one leaf per entry."
                 )
@@ -562,10 +559,10 @@ class Manifest(display.Tabular):
                 version=version,
                 format=d["format"],
             )
-        except ManifestError as e:
+        except CheckpointError as e:
             if str(e).startswith(where):
                 raise
-            raise ManifestError(f"{where}: {e}") from None
+            raise CheckpointError(f"{where}: {e}") from None
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
@@ -574,7 +571,7 @@ class Manifest(display.Tabular):
             try:
                 text = text.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ManifestError(f"{where}: not UTF-8 text ({e}).") from None
+                raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
         # Integers are bounded by a hook only when the text holds a run of digits that long
         # (the hook costs a Python call per integer: seconds for 100 000 entries).
         exact = _LONG_DIGITS.search(text) is not None
@@ -583,13 +580,13 @@ class Manifest(display.Tabular):
                 text, parse_int=_bounded_int if exact else None, parse_constant=_no_constant
             )
         except RecursionError:  # the C scanner's own guard, far below the stack's end
-            raise ManifestError(
+            raise CheckpointError(
                 f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
             ) from None
         except json.JSONDecodeError as e:
-            raise ManifestError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+            raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
         except ValueError as e:
-            raise ManifestError(f"{where}: {e}") from None
+            raise CheckpointError(f"{where}: {e}") from None
         _check_nesting(d, where)
         return cls.from_json(d, where=where)
 
@@ -610,12 +607,12 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
     try:
         data = files.read_regular(path, MAX_MANIFEST_BYTES)
     except FileNotFoundError as e:
-        raise ManifestError(
+        raise CheckpointError(
             f"{path}: no manifest; {directory} is not a jax_ucp checkpoint "
             f"(expected a directory with {MANIFEST_FILE} at its root)."
         ) from e
     except files.UnsafeFileError as e:
-        raise ManifestError(str(e)) from None
+        raise CheckpointError(str(e)) from None
     return Manifest.loads(data, where=path)
 
 
@@ -665,7 +662,7 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 def _fail(where: str, expected: str, found: Any) -> NoReturn:
-    raise ManifestError(f"{where}: expected {expected}, found {_short(found)}.")
+    raise CheckpointError(f"{where}: expected {expected}, found {_short(found)}.")
 
 
 def _object(
@@ -675,12 +672,12 @@ def _object(
         _fail(where, "a JSON object", d)
     for k in required:
         if k not in d:
-            raise ManifestError(f"{where}: missing field {k!r}.")
+            raise CheckpointError(f"{where}: missing field {k!r}.")
     if allowed is not None:
         extra = [k for k in d if k not in allowed]
         if extra:
             names = ", ".join(_short(k, 40) for k in extra[:5])
-            raise ManifestError(
+            raise CheckpointError(
                 f"{where}: unknown field(s) [{names}] (known: {', '.join(allowed)})."
             )
     return d
@@ -770,7 +767,9 @@ def _check_utf8(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ManifestError(f"{where}: not encodable as UTF-8 ({e.reason} at {e.start}).") from None
+        raise CheckpointError(
+            f"{where}: not encodable as UTF-8 ({e.reason} at {e.start})."
+        ) from None
 
 
 def _bounded_int(text: str) -> int:
@@ -827,5 +826,5 @@ def _check_nesting(d: Any, where: str) -> None:
         else:
             continue
         if depth > MAX_JSON_DEPTH:
-            raise ManifestError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+            raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))

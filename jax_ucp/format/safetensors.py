@@ -43,9 +43,6 @@ DTYPES = {
 }
 
 
-SafetensorsError = SourceError  # a safetensors file or index that cannot be read as it is
-
-
 #: ``__metadata__`` key of torch.distributed.checkpoint's Hugging Face writer
 #: (``torch/distributed/checkpoint/_hf_utils.py``): a JSON map tensor -> {"saved_offsets": [...]}
 #: where each tensor of the file sits in the full tensor. Present in the unconsolidated
@@ -61,7 +58,7 @@ def strict_json(raw: bytes | str, what: str):
         out: dict = {}
         for key, value in pairs:
             if key in out:
-                raise SafetensorsError(
+                raise SourceError(
                     f"{what}: names {key[:100]!r} twice (a JSON object with a duplicate key); "
                     "which one is meant cannot be told, so the file is refused"
                 )
@@ -107,12 +104,12 @@ def _shard_paths(src) -> list[tuple[str, str]]:
     if len(names) > 1:
         for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
             SafetensorsFile(os.path.join(src, name), _inside(src, name, src))
-        raise SafetensorsError(
+        raise SourceError(
             f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
             f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
         )
     if not names:
-        raise SafetensorsError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
+        raise SourceError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
     return [(os.path.join(src, names[0]), _inside(src, names[0], src))]
 
 
@@ -120,11 +117,11 @@ def _inside(src: str, name: str, what: str) -> str:
     try:
         return files.inside_checkpoint(src, name, what)
     except files.UnsafeFileError as e:
-        raise SafetensorsError(str(e)) from None
+        raise SourceError(str(e)) from None
 
 
 def read_weight_map(
-    index: str, suffix: str = "", error: type[UCPError] = SafetensorsError
+    index: str, suffix: str = "", error: type[UCPError] = SourceError
 ) -> dict[str, str]:
     """The ``weight_map`` (tensor name -> file name) of a Hugging Face index
     (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``): read bounded, strict
@@ -141,8 +138,8 @@ def read_weight_map(
     """
     try:
         data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
-    except SafetensorsError as e:  # a repeated key
-        raise (e if error is SafetensorsError else error(str(e))) from None
+    except SourceError as e:  # a repeated key
+        raise (e if error is SourceError else error(str(e))) from None
     except (ValueError, RecursionError) as e:
         raise error(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
@@ -179,18 +176,18 @@ class SafetensorsFile:
         try:
             size = os.fstat(fd).st_size
             if size < 8:
-                raise SafetensorsError(f"{path}: {size} bytes, too short for a header.")
+                raise SourceError(f"{path}: {size} bytes, too short for a header.")
             # bytes are read with pread through mapped_file, never by touching the mapping: a
             # file truncated meanwhile is an error naming it, not SIGBUS
             mapped = mapped_file.map_file(path, fd)
         finally:
             os.close(fd)
         if mapped is None or len(mapped) != size:
-            raise SafetensorsError(f"{path}: changed size while being opened.")
+            raise SourceError(f"{path}: changed size while being opened.")
         self._map: mapped_file.FileMap = mapped
         header_len = int.from_bytes(mapped_file.read_bytes(self._map, 0, 8, "the header"), "little")
         if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
-            raise SafetensorsError(
+            raise SourceError(
                 f"{path}: header of {header_len} bytes (file {size} bytes, at most "
                 f"{MAX_HEADER_BYTES} allowed)."
             )
@@ -202,12 +199,12 @@ class SafetensorsFile:
     def _parse(self, raw: bytes) -> tuple[dict, dict]:
         try:
             header = strict_json(raw.decode("utf-8"), f"{self.path}: the header")
-        except SafetensorsError:
+        except SourceError:
             raise
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise SafetensorsError(f"{self.path}: corrupt header ({str(e)[:200]}).") from None
+            raise SourceError(f"{self.path}: corrupt header ({str(e)[:200]}).") from None
         if not isinstance(header, dict):
-            raise SafetensorsError(f"{self.path}: the header is not a JSON object.")
+            raise SourceError(f"{self.path}: the header is not a JSON object.")
         metadata = header.pop("__metadata__", None) or {}
         if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
             self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
@@ -215,7 +212,7 @@ class SafetensorsFile:
         ranges = sorted((b, e, name) for name, (_, _, b, e) in tensors.items() if e > b)
         for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:]):
             if begin < end:
-                raise SafetensorsError(
+                raise SourceError(
                     f"{self.path}: tensors {a[:100]!r} and {b[:100]!r} overlap in the file."
                 )
         return tensors, metadata if isinstance(metadata, dict) else {}
@@ -234,7 +231,7 @@ class SafetensorsFile:
             )
         except (ValueError, RecursionError, StopIteration, AttributeError, TypeError):
             pass
-        raise SafetensorsError(
+        raise SourceError(
             f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
             f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
             f"ones{example}, and the full shapes are not in the files. Consolidate the shards "
@@ -246,10 +243,10 @@ class SafetensorsFile:
     def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
         where = f"{self.path}: tensor {name[:100]!r}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
-            raise SafetensorsError(f"{where}: expected dtype, shape and data_offsets.")
+            raise SourceError(f"{where}: expected dtype, shape and data_offsets.")
         dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
         if dtype is None:
-            raise SafetensorsError(
+            raise SourceError(
                 f"{where}: dtype {str(info['dtype'])[:20]!r} is not supported "
                 f"(expected one of {', '.join(DTYPES)})."
             )
@@ -263,11 +260,11 @@ class SafetensorsFile:
             and len(offsets) == 2
             and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
         ):
-            raise SafetensorsError(f"{where}: malformed shape or data_offsets.")
+            raise SourceError(f"{where}: malformed shape or data_offsets.")
         begin, end = offsets
         nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
         if not 0 <= begin <= end <= self.data_size or end - begin != nbytes:
-            raise SafetensorsError(
+            raise SourceError(
                 f"{where}: bytes [{begin}, {end}) do not hold a {info['dtype']} array of shape "
                 f"{shape} ({nbytes} bytes) inside the file's {self.data_size} data bytes."
             )
@@ -293,7 +290,7 @@ def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFi
     for f in opened:
         for name in f.header:
             if name in owner:
-                raise SafetensorsError(
+                raise SourceError(
                     f"{src}: tensor {name[:100]!r} is in both {owner[name].path} and {f.path}."
                 )
             owner[name] = f
@@ -303,7 +300,7 @@ def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFi
         missing = sorted(set(weight_map) - set(owner))
         unlisted = sorted(set(owner) - set(weight_map))
         if missing or unlisted:
-            raise SafetensorsError(
+            raise SourceError(
                 f"{index}: weight_map and the files disagree: missing from the files "
                 f"{missing[:5]}, not in the index {unlisted[:5]}."
             )

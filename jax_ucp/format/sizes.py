@@ -21,23 +21,20 @@ _SIZE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
 DEFAULT_MEMORY_BUDGET = 256 << 20
 
 
-SizeError = RequestError  # a byte size that cannot be read, or is not positive
-
-
 def parse_size(value: int | str, what: str = "memory_budget") -> int:
     """``value`` in bytes: an int, or a number with an optional unit ("5G", "256MiB", "1.5GB":
     KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB of 1000; a bare K/M/G/T means the binary
     unit, as ``ulimit`` and ``free`` do). Every byte-size option goes through it; ``what``
     names the option in the error."""
     if isinstance(value, bool):
-        raise SizeError(f"{what}: expected a number of bytes, got {value!r}")
+        raise RequestError(f"{what}: expected a number of bytes, got {value!r}")
     if isinstance(value, float) and value.is_integer():  # 2e9, as before
         size = int(value)
     elif not isinstance(value, str):
         try:
             size = operator.index(value)  # an int, numpy's included
         except TypeError:
-            raise SizeError(
+            raise RequestError(
                 f"{what}: expected a number of bytes or a string such as '256MiB', got "
                 f"{type(value).__name__} {value!r}"
             ) from None
@@ -45,12 +42,12 @@ def parse_size(value: int | str, what: str = "memory_budget") -> int:
         m = _SIZE.fullmatch(value)
         unit = m and _UNITS.get(m.group(2).lower())
         if m is None or unit is None:
-            raise SizeError(
+            raise RequestError(
                 f"{what}: cannot read {value!r} as a size (expected e.g. 268435456, 256MiB, 1GiB)"
             )
         size = int(float(m.group(1)) * unit)
     if size <= 0:
-        raise SizeError(f"{what}: must be a positive number of bytes, got {value!r}")
+        raise RequestError(f"{what}: must be a positive number of bytes, got {value!r}")
     return size
 
 

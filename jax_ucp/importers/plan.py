@@ -211,9 +211,6 @@ OPTIMIZER_NAME = re.compile(
 )
 
 
-UnaccountedTensorsError = SourceError  # an import that would drop source tensors unsaid
-
-
 def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:
     """The dotted paths of every array inside a loaded state dict (nested dicts, lists, tuples):
     ``{"a": {"b": [t0, t1]}}`` gives ``a.b.0``, ``a.b.1``. How importers of pickled state dicts
@@ -263,7 +260,7 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     skipped = plan.source.get(SKIPPED) or {}
     bad_skips = sorted(n for n, why in skipped.items() if n not in found or not why)
     if bad_skips:
-        raise UnaccountedTensorsError(
+        raise SourceError(
             f"{where}: the import's record of what it leaves out (source.skipped lists "
             f"{_few(bad_skips)}) names tensors the checkpoint does not hold, or gives no reason; "
             f"nothing was committed. jax_ucp does not handle this layout correctly: please "
@@ -274,13 +271,13 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
         if item.key[:1] in (("params",), ("model_params",)) and any(
             OPTIMIZER_NAME.search(part) for part in item.key[1:]
         ):
-            raise UnaccountedTensorsError(
+            raise SourceError(
                 f"{where}: output tensor {keypath.key_to_str(item.key)!r} is named like optimizer "
                 f"state, not a model weight; refusing to write it under {item.key[0]!r}"
             )
         names = (item.provenance or {}).get(TENSORS)
         if not names and not (item.provenance or {}).get(VALUES):
-            raise UnaccountedTensorsError(
+            raise SourceError(
                 f"{where}: the import cannot say which entries of the checkpoint "
                 f"{keypath.key_to_str(item.key)!r} would be built from, so it cannot show that "
                 f"nothing of the checkpoint is dropped; nothing was committed. jax_ucp does not "
@@ -290,14 +287,14 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
         names = names or []
         unknown = [n for n in names if n not in found]
         if unknown:
-            raise UnaccountedTensorsError(
+            raise SourceError(
                 f"{where}: {keypath.key_to_str(item.key)!r} would be built from "
                 f"{_few(unknown)}, which are not among the checkpoint's tensors; nothing was "
                 f"committed. jax_ucp does not handle this layout correctly: please report it"
             )
         both = [n for n in names if n in skipped]
         if both:
-            raise UnaccountedTensorsError(
+            raise SourceError(
                 f"{where}: {keypath.key_to_str(item.key)!r} would be built from {_few(both)}, "
                 f"which the import also lists as not imported (source.skipped); nothing was "
                 f"committed. jax_ucp does not handle this layout correctly: please report it"
@@ -306,7 +303,7 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
         yield item
     lost = sorted(found - imported - set(skipped))
     if lost and whole:
-        raise UnaccountedTensorsError(
+        raise SourceError(
             f"{where}: {len(lost)} of the checkpoint's {len(found)} tensors have no place in "
             f"the import and no reason to be left out: {_few(lost)}. Nothing was committed "
             f"(an import takes every tensor or says why not). The checkpoint holds state this "

@@ -25,8 +25,6 @@ from jax_ucp.importers.plan import (
 )
 from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
 
-SourceFormatError = SourceError  # not a checkpoint of a format jax_ucp imports
-
 
 @dataclasses.dataclass(frozen=True)
 class Importer:
@@ -60,9 +58,7 @@ IMPORTERS: dict[str, Importer] = {
 FORMATS = tuple(sorted(IMPORTERS))
 #: every import option some format takes (``share`` is the registry's, not the caller's)
 OPTION_FIELDS = tuple(
-    sorted(
-        {f.name for i in IMPORTERS.values() for f in dataclasses.fields(i.options)} - {"share"}
-    )
+    sorted({f.name for i in IMPORTERS.values() for f in dataclasses.fields(i.options)} - {"share"})
 )
 
 
@@ -84,7 +80,7 @@ def detect_format(src) -> str:
             refused[name] = answer.reason
     if len(strong) > 1:  # two checkpoints in one folder: importing one would drop the other
         found = "; ".join(f"{name} ({reason})" for name, reason in strong.items())
-        raise SourceFormatError(
+        raise SourceError(
             f"{src}: holds checkpoints of {len(strong)} formats: {found}. Pick one with "
             f"`--from {'|'.join(strong)}` (`format=` in Python)."
         )
@@ -99,14 +95,14 @@ def detect_format(src) -> str:
         )
     runs = trainer_checkpoints(src)
     if runs:
-        raise SourceFormatError(
+        raise SourceError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
         )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
-    raise SourceFormatError(
+    raise SourceError(
         f"{src}: cannot tell the checkpoint format; it holds: {listing or 'nothing'}. Tried "
         f"{tried}. Use `--from {'|'.join(FORMATS)}` (`format=` in Python) to force one."
     )
@@ -172,7 +168,7 @@ def plan_import(
     checkpoint_format = format or detect_format(source)
     importer = IMPORTERS.get(checkpoint_format)
     if importer is None:
-        raise SourceFormatError(
+        raise SourceError(
             f"Unknown checkpoint format {checkpoint_format!r} (expected "
             f"{', '.join(repr(name) for name in FORMATS)})."
         )

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from jax_ucp import writer
+from jax_ucp.errors import SourceError
 from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, host_item, refuse_spec, skip
 
@@ -29,7 +30,7 @@ def plan_safetensors(
         weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    refuse_spec(spec, "safetensors imports keep Hugging Face's names", safetensors.SafetensorsError)
+    refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
     src = os.fspath(src)
     opened, owner = safetensors.open_checkpoint(src)
     names = sorted(owner)
@@ -48,7 +49,7 @@ def plan_safetensors(
         trainer = optimizer_file == "optimizer.pt"
         writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
         if not weights_only:
-            raise safetensors.SafetensorsError(
+            raise SourceError(
                 f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
                 f"{'checkpoint' if trainer else 'folder'}; its "
                 f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "

@@ -25,9 +25,10 @@ from orbax.checkpoint import future as ocp_future
 from jax_ucp import format as fmt
 from jax_ucp import store, writer
 from jax_ucp import tree as tree_lib
-from jax_ucp.format.sizes import SizeError, parse_optional_size
+from jax_ucp.errors import RequestError
+from jax_ucp.format.sizes import parse_optional_size
 from jax_ucp.restoring import requests
-from jax_ucp.restoring.options import ArgsError, RestoreOptions
+from jax_ucp.restoring.options import RestoreOptions
 from jax_ucp.saving import plan as save_plan
 from jax_ucp.store import shard_file
 from jax_ucp.writer import commit, durable
@@ -148,7 +149,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         self, directory: epath.Path, item: Any = None, args: UCPRestore | None = None
     ) -> Any:
         if args is not None and not isinstance(args, UCPRestore):
-            raise ArgsError(
+            raise RequestError(
                 f"{directory}: restore args are a {type(args).__name__}; expected "
                 f"jax_ucp.UCPRestore."
             )
@@ -213,7 +214,7 @@ def _refuse_args_as_item(cls: str, field: str, value) -> None:
     """Args inside args (``UCPRestore(target=UCPRestore(...))``, what ``restore(dir, item)``
     with args as the item gives) would be matched as a pytree; refused, never unwrapped."""
     if isinstance(value, ocp.args.CheckpointArgs):
-        raise ArgsError(
+        raise RequestError(
             f"{cls}.{field}: got a {type(value).__name__}, which is checkpoint args, not a "
             f"pytree; pass it as args= (mngr.save(step, args=ocp.args.Composite(state="
             f"jax_ucp.UCPSave(tree))), mngr.restore(step, args=ocp.args.Composite(state="
@@ -255,12 +256,12 @@ class UCPSave(ocp.args.CheckpointArgs):
     def __post_init__(self):
         _refuse_args_as_item("UCPSave", "item", self.item)
         if self.compression not in (None, "zstd"):
-            raise ArgsError(
+            raise RequestError(
                 f"UCPSave.compression: expected None or 'zstd', got {self.compression!r}."
             )
         level = self.compression_level
         if isinstance(level, bool) or not isinstance(level, int) or not -131072 <= level <= 22:
-            raise ArgsError(
+            raise RequestError(
                 f"UCPSave.compression_level: expected an int in -131072..22 (zstd's levels), "
                 f"got {level!r}."
             )
@@ -268,12 +269,14 @@ class UCPSave(ocp.args.CheckpointArgs):
             self.inner_chunk_bytes = parse_optional_size(
                 self.inner_chunk_bytes, "UCPSave.inner_chunk_bytes"
             )
-        except SizeError as e:
-            raise ArgsError(f"{e}.") from None
+        except RequestError as e:
+            raise RequestError(f"{e}.") from None
         if self.checksum not in ("crc32c", None):
-            raise ArgsError(f"UCPSave.checksum: expected 'crc32c' or None, got {self.checksum!r}.")
+            raise RequestError(
+                f"UCPSave.checksum: expected 'crc32c' or None, got {self.checksum!r}."
+            )
         if self.source is not None and not isinstance(self.source, dict):
-            raise ArgsError(
+            raise RequestError(
                 f"UCPSave.source: expected None or a dict (a JSON object), got "
                 f"{type(self.source).__name__}."
             )
@@ -289,7 +292,7 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
     def __post_init__(self):
         _refuse_args_as_item("UCPRestore", "target", self.target)
         if self.step is not None or self.fallback:  # the manager picks the step
-            raise ArgsError(
+            raise RequestError(
                 "UCPRestore(step=, fallback=): inside a CheckpointManager the step is "
                 "mngr.restore's first argument; pass jax_ucp.latest_step(run_root) there "
                 "(fallback=True to pass over unreadable steps)."

@@ -183,7 +183,7 @@ def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
 
     A forced save commits a new directory beside ``path`` and swaps it in by two renames
     (``writer.commit``); a reader may meanwhile see ``path`` missing, read a manifest from one
-    directory and shards from the next (``ShardReadError``: not the shard the manifest lists),
+    directory and shards from the next (``FileReadError``: not the shard the manifest lists),
     or its directory vanish. Each of those is told from damage by what changed around the read:
     the directory read (device, inode and ctime: ext4 gives a freed inode to the next directory
     at once, the ctime tells them apart) or the swap's names beside ``path`` (``.ucp-replacing``,

@@ -17,11 +17,9 @@ import numpy as np
 
 from jax_ucp.errors import RequestError
 from jax_ucp.format.dtypes import CASTINGS
-from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, SizeError, parse_optional_size
+from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_optional_size
 from jax_ucp.options import field_namer
 from jax_ucp.restoring.adam_state import follow_adam_state
-
-ArgsError = RequestError  # a UCPSave / UCPRestore field (or restore keyword) of the wrong kind
 
 
 @dataclasses.dataclass
@@ -108,12 +106,12 @@ class RestoreOptions:
             self.rules = tuple(self.rules)  # a generator is read once
         _check_kinds(self, field)
         if self.select is not None and self.has_target:
-            raise ArgsError(
+            raise RequestError(
                 "select= restores part of a checkpoint without a target; a target "
                 "already says which leaves to read."
             )
         if self.rules is not None and self.mesh is None and not self.has_target:
-            raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
+            raise RequestError("Logical-axis `rules` need a `mesh` to map onto.")
         if self.spec is not None and self.has_target:  # the optimizer roots follow the target
             target = self.target if self.target is not None else self.shardings
             self.spec = follow_adam_state(self.spec, target)
@@ -134,13 +132,13 @@ def _check_kinds(options: RestoreOptions, field) -> None:
     if options.mesh is not None and not isinstance(
         options.mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)
     ):
-        raise ArgsError(
+        raise RequestError(
             f"{field('mesh')}: expected a jax.sharding.Mesh, got {type(options.mesh).__name__}."
         )
     if options.rules is not None:
         bad = _bad_rule(options.rules)
         if bad is not None:
-            raise ArgsError(
+            raise RequestError(
                 f"{field('rules')}: expected (logical_name, mesh_axes) pairs, e.g. "
                 f"[('embed', 'data'), ('mlp', 'model')], got {bad!r}."
             )
@@ -148,41 +146,45 @@ def _check_kinds(options: RestoreOptions, field) -> None:
         try:
             np.dtype(options.dtype)
         except TypeError:
-            raise ArgsError(
+            raise RequestError(
                 f"{field('dtype')}: expected a dtype (np.float32, jnp.bfloat16, 'float16'), got "
                 f"{options.dtype!r}."
             ) from None
     if options.casting not in CASTINGS:
-        raise ArgsError(
+        raise RequestError(
             f"{field('casting')}: expected one of {', '.join(map(repr, CASTINGS))}, got "
             f"{options.casting!r}."
         )
     if options.select is not None and not (
         isinstance(options.select, str) or callable(options.select)
     ):
-        raise ArgsError(
+        raise RequestError(
             f"{field('select')}: expected a regex string or a predicate on the name, got "
             f"{type(options.select).__name__}."
         )
     try:  # an int or a size such as "256MiB", as every byte-size option
         options.memory_budget = parse_optional_size(options.memory_budget, field("memory_budget"))
-    except SizeError as e:
-        raise ArgsError(f"{e}.") from None
+    except RequestError as e:
+        raise RequestError(f"{e}.") from None
     if not isinstance(options.strict, bool):
-        raise ArgsError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
+        raise RequestError(f"{field('strict')}: expected True or False, got {options.strict!r}.")
     step = options.step
     if (
         step is not None
         and step != "latest"
         and (not isinstance(step, int) or isinstance(step, bool) or step < 0)
     ):
-        raise ArgsError(f"{field('step')}: expected a step number or 'latest', got {step!r}.")
+        raise RequestError(f"{field('step')}: expected a step number or 'latest', got {step!r}.")
     if not isinstance(options.fallback, bool):
-        raise ArgsError(f"{field('fallback')}: expected True or False, got {options.fallback!r}.")
+        raise RequestError(
+            f"{field('fallback')}: expected True or False, got {options.fallback!r}."
+        )
     if options.fallback and step != "latest":
-        raise ArgsError(f"{field('fallback')}: goes with step='latest' (older steps on failure).")
+        raise RequestError(
+            f"{field('fallback')}: goes with step='latest' (older steps on failure)."
+        )
     if options.replicated_read not in (None, "each", "once"):
-        raise ArgsError(
+        raise RequestError(
             f"{field('replicated_read')}: expected 'each' or 'once', got "
             f"{options.replicated_read!r}."
         )

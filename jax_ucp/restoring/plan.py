@@ -28,12 +28,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import store
-from jax_ucp.errors import CheckpointError
+from jax_ucp.errors import CheckpointError, RequestError
 from jax_ucp.format import display
 from jax_ucp.format.sizes import format_size
 from jax_ucp.options import field_namer, keywords_of
 from jax_ucp.restoring import locate, model, requests, ucp_source
-from jax_ucp.restoring.options import ArgsError, RestoreOptions
+from jax_ucp.restoring.options import RestoreOptions
 from jax_ucp.sharding.mesh_layout import axes_of
 
 
@@ -203,12 +203,14 @@ class PlanOptions(RestoreOptions):
         super().__post_init__()
         field = field_namer(self)
         if not self.has_target and self.mesh is None:
-            raise ArgsError("plan needs a mesh= (with or without rules=), shardings= or target=.")
+            raise RequestError(
+                "plan needs a mesh= (with or without rules=), shardings= or target=."
+            )
         if self.rules is not None and self.mesh is None:
-            raise ArgsError("Logical-axis `rules` need a `mesh` to map onto.")
+            raise RequestError("Logical-axis `rules` need a `mesh` to map onto.")
         for name in ("dtype", "select", "replicated_read"):  # they would change what is read
             if getattr(self, name) is not None:
-                raise ArgsError(f"{field(name)}: not planned yet; plan without it.")
+                raise RequestError(f"{field(name)}: not planned yet; plan without it.")
 
 
 @keywords_of(PlanOptions)
@@ -233,7 +235,7 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
         ShardingMismatchError: a rule names a mesh axis the mesh does not have; with
             ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
             by no rule and no saved PartitionSpec (each names the closest known names).
-        ArgsError: an argument of the wrong kind (as for ``restore``), neither ``mesh`` nor
+        RequestError: an argument of the wrong kind (as for ``restore``), neither ``mesh`` nor
             ``shardings``/``target`` given, or ``processes`` does not fit the mesh (a
             ``ValueError`` too).
     """
@@ -534,7 +536,7 @@ class _Layouts:
         self._processes = processes
         self._cache: dict = {}
         if isinstance(mesh, jax.sharding.Mesh) and processes is not None:
-            raise ArgsError(
+            raise RequestError(
                 "processes= is for an AbstractMesh; a concrete Mesh knows its devices' processes."
             )
 
@@ -551,7 +553,7 @@ class _Layouts:
         n = math.prod(mesh.shape[a] for a in mesh.axis_names)
         p = 1 if self._processes is None else int(self._processes)
         if p < 1 or n % p:
-            raise ArgsError(
+            raise RequestError(
                 f"processes={self._processes} does not split the mesh's {n} devices evenly."
             )
         return n, p

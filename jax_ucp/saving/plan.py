@@ -275,7 +275,7 @@ def _refuse_deleted(leaves) -> None:
     for key, _, leaf in leaves:
         value, _ = tree_lib.unbox(leaf)
         if isinstance(value, jax.Array) and value.is_deleted():
-            raise tree_lib.TreeError(
+            raise RequestError(
                 f"Leaf {fmt.key_to_str(key)!r}: the jax.Array (shape {tuple(value.shape)}, "
                 f"{value.dtype}) has been deleted or donated (e.g. to a jit with "
                 f"donate_argnums) and holds no data; save the array the step returned."

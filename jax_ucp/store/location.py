@@ -22,13 +22,10 @@ from typing import Any
 import tensorstore as ts
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import CheckpointError, RequestError
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 _options: dict[str, dict[str, Any]] = {}
-
-
-ObjectStoreError = RequestError  # an object-store URL or option that cannot be used
 
 
 def is_url(path: Any) -> bool:
@@ -43,9 +40,9 @@ def set_object_store_options(scheme: str, **options: Any) -> None:
     ``s3`` / ``gcs`` kvstore spec). They override the environment. Per process: every process of
     a multi-process save or restore sets the same. ``None`` removes one."""
     if scheme not in SCHEMES:
-        raise ObjectStoreError(f"unknown scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
+        raise RequestError(f"unknown scheme {scheme!r}; expected one of {sorted(SCHEMES)}")
     for k in sorted(options.keys() & {"driver", "bucket", "path"}):
-        raise ObjectStoreError(
+        raise RequestError(
             f"set_object_store_options({scheme!r}): {k!r} comes from each URL, not an option"
         )
     merged = {**_options.get(scheme, {}), **options}
@@ -56,15 +53,15 @@ def kvstore_root(url: str) -> dict:
     """The TensorStore kvstore spec of the prefix ``url`` (its path ends with "/")."""
     scheme, _, rest = url.partition("://")
     if scheme not in SCHEMES:
-        raise ObjectStoreError(f"{url}: not an object-store URL (expected s3:// or gs://)")
+        raise RequestError(f"{url}: not an object-store URL (expected s3:// or gs://)")
     bucket, _, path = rest.partition("/")
     path = path.rstrip("/")
     if not bucket or not path:
-        raise ObjectStoreError(
+        raise RequestError(
             f"{url}: expected {scheme}://BUCKET/PATH (a checkpoint is a prefix, never a bucket root)"
         )
     if any(part in ("", ".", "..") for part in path.split("/")):
-        raise ObjectStoreError(f"{url}: empty, '.' or '..' path components are not allowed")
+        raise RequestError(f"{url}: empty, '.' or '..' path components are not allowed")
     spec: dict[str, Any] = {"driver": SCHEMES[scheme], "bucket": bucket, "path": path + "/"}
     if scheme == "s3":
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
@@ -125,7 +122,7 @@ def read_stamped(root: str, name: str, limit: int) -> tuple[bytes, bytes] | None
     else:
         if beyond.state != "value":
             return None
-        raise ObjectStoreError(f"{join(root, name)}: more than the {limit} bytes it may have")
+        raise RequestError(f"{join(root, name)}: more than the {limit} bytes it may have")
     result = kv.read(name).result()
     return (bytes(result.value), result.stamp.generation) if result.state == "value" else None
 
@@ -208,10 +205,10 @@ def read_manifest(root: str) -> fmt.Manifest:
     where = join(root, fmt.MANIFEST_FILE)
     try:
         data = read(root, fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
-    except ObjectStoreError as e:
-        raise fmt.ManifestError(str(e)) from None
+    except RequestError as e:
+        raise CheckpointError(str(e)) from None
     if data is None:
-        raise fmt.ManifestError(
+        raise CheckpointError(
             f"{where}: no manifest; {root} is not a jax_ucp checkpoint (or its save did not "
             f"complete: an object-store checkpoint exists once its {fmt.MANIFEST_FILE} is written)."
         )
@@ -229,7 +226,7 @@ def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_F
     text = manifest.dumps()
     if is_url(root):  # created only if absent: never over another save's commit
         if not create(root, name, text.encode()):
-            raise ObjectStoreError(
+            raise RequestError(
                 f"{join(root, name)}: already exists: another save committed this prefix while "
                 f"this one was writing; this save is not committed."
             )
@@ -238,9 +235,9 @@ def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_F
         f.write(text)
 
 
-def cannot_replace(url: str) -> ObjectStoreError:
+def cannot_replace(url: str) -> RequestError:
     """The error for replacing a committed checkpoint in an object store (no atomic rename there)."""
-    return ObjectStoreError(
+    return RequestError(
         f"{url}: replacing a committed checkpoint in an object store is not supported (no "
         f"atomic rename: the old one would be deleted before the new one is whole). Save to a "
         f"new prefix, e.g. the next step, and delete the old one after."

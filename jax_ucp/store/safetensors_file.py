@@ -19,15 +19,12 @@ import os
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp.errors import FileReadError
+from jax_ucp.errors import FileReadError, SourceError
 from jax_ucp.format import files, safetensors
 from jax_ucp.store import shard_reader
 
 _BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
 _VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
-
-
-SafetensorsReadError = FileReadError  # a tensor's bytes could not be read from its file
 
 
 class OpenFile:
@@ -41,7 +38,7 @@ class OpenFile:
         st = os.fstat(self.fd)
         if st.st_size != parsed.data_start + parsed.data_size:
             os.close(self.fd)
-            raise safetensors.SafetensorsError(
+            raise SourceError(
                 f"{self.path}: changed while being opened ({st.st_size} bytes, the header was "
                 f"read from {parsed.data_start + parsed.data_size})."
             )
@@ -80,7 +77,7 @@ class SafetensorsTensor:
         got = files.preadv_full(self.file.fd, [out.reshape(-1).view(np.uint8).data], position)
         shard_reader.count_bytes_read(got)
         if got < out.nbytes:
-            raise SafetensorsReadError(
+            raise FileReadError(
                 f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
                 f"{position + out.nbytes}, the file ends at {position + got})."
             )

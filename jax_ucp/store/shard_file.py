@@ -78,9 +78,6 @@ def digest_of_trailers(trailers: bytes) -> str:
 _MISSING = (1 << 64) - 1
 
 
-ShardReadError = FileReadError  # a shard missing, truncated, failing its crc32c or swapped
-
-
 def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | None):
     """The shard index from its bytes (crc32c included), validated; ``limit``: where the data
     ends (None: unknown, reads past the end fail later).
@@ -95,19 +92,19 @@ def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | No
     if crc:
         (stored,) = struct.unpack("<I", raw[-4:])
         if crc32c_lib.crc32c(raw[:-4]) != stored:
-            raise ShardReadError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
+            raise FileReadError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
         raw = raw[:-4]
     index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)
     missing = index[:, 0] == _MISSING
     if missing.any():
         i = int(np.argmax(missing))
-        raise ShardReadError(
+        raise FileReadError(
             f"{path}: inner chunk {i} was never written (the shard is incomplete; jax_ucp never "
             f"reads missing data as fill values)"
         )
     past = limit is not None and (index[:, 0] + index[:, 1] > limit).any()
     if past or (index[:, 1] < (4 if crc else 0)).any():
-        raise ShardReadError(f"{path}: shard index points past the data (truncated or corrupt)")
+        raise FileReadError(f"{path}: shard index points past the data (truncated or corrupt)")
     return index
 
 
@@ -138,12 +135,12 @@ def check_digest(path: str, found: str, expected: str | None, tensor: str) -> No
         tensor: the tensor's name, for messages
     """
     if expected is None:
-        raise ShardReadError(
+        raise FileReadError(
             f"Tensor {tensor!r}: {path} is not a shard the manifest lists for it (a stray or "
             f"misplaced file)"
         )
     if found != expected:
-        raise ShardReadError(
+        raise FileReadError(
             f"Tensor {tensor!r}: {path} is not the shard file this checkpoint saved there (digest "
             f"{found}, the manifest says {expected}): swapped with another shard, or left from "
             f"another save"

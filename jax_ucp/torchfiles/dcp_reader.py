@@ -43,7 +43,6 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
     from zlib import crc32 as zip_crc32
 
 __all__ = [
-    "DcpError",
     "DcpChunk",
     "DcpTensor",
     "DcpObject",
@@ -56,9 +55,6 @@ __all__ = [
     "DCP_CLASSES",
     "MAX_METADATA_BYTES",
 ]
-
-
-DcpError = SourceError  # a torch DCP checkpoint is inconsistent, incomplete or unsupported
 
 
 # ----------------------------------------------------------------- stand-ins for .metadata
@@ -208,7 +204,7 @@ class DcpCheckpoint:
             try:
                 real = files.inside(self.path, name, f"{self.path / '.metadata'}: storage file")
             except files.UnsafeFileError as e:
-                raise DcpError(str(e)) from None
+                raise SourceError(str(e)) from None
             self._real[name] = real
         return real
 
@@ -226,7 +222,7 @@ class DcpCheckpoint:
         ever materialising the padded tensor); chunks wholly past it are not read."""
         t = self.tensors[name]
         if rows is not None and (not t.shape or not 0 <= rows <= t.shape[0]):
-            raise DcpError(
+            raise SourceError(
                 f"tensor {name!r} in {self.path}: cannot keep {rows} rows of shape {list(t.shape)}"
             )
         return self._assemble(t, 0, t.shape[0] if rows is None and t.shape else rows)
@@ -236,7 +232,7 @@ class DcpCheckpoint:
         (memory: the rows, not the tensor): a tensor over the memory budget in row slabs."""
         t = self.tensors[name]
         if not t.shape or not 0 <= start <= stop <= t.shape[0]:
-            raise DcpError(
+            raise SourceError(
                 f"tensor {name!r} in {self.path}: no rows {start}:{stop} in shape {list(t.shape)}"
             )
         return self._assemble(t, start, stop)
@@ -325,7 +321,7 @@ class DcpCheckpoint:
     def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
         for tr in c.transforms:
             if tr not in SUPPORTED_TRANSFORMS:
-                raise DcpError(
+                raise SourceError(
                     f"{self._where(t, c)}: unsupported transform descriptor {tr!r} "
                     f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
                 )
@@ -335,7 +331,7 @@ class DcpCheckpoint:
         else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
             n = math.prod(c.sizes) * t.dtype.itemsize
             if raw.size != n:
-                raise DcpError(
+                raise SourceError(
                     f"{where}: {raw.size} raw bytes, expected {n} ({list(c.sizes)} x {t.dtype})"
                 )
             arr = raw.view(t.dtype.newbyteorder("<")).reshape(c.sizes)
@@ -353,7 +349,7 @@ class DcpCheckpoint:
         """
         t = self.tensors[name]
         if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
-            raise DcpError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
+            raise SourceError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
         return self._assemble(t, start, end)
 
     def read_object(self, name: str, extra_classes=None) -> Any:
@@ -386,15 +382,15 @@ class DcpCheckpoint:
                         files.check_regular(str(p))
                     except (files.UnsafeFileError, FileNotFoundError) as e:
                         what = e if isinstance(e, files.UnsafeFileError) else f"{p}: dangling link"
-                        raise DcpError(f"tensor {name!r}: shard {what}") from None
+                        raise SourceError(f"tensor {name!r}: shard {what}") from None
                 sizes[file] = p.stat().st_size if p.is_file() else -1
             if sizes[file] < 0:
-                raise DcpError(
+                raise SourceError(
                     f"tensor {name!r}: shard file {self.path / file} is missing "
                     f"(referenced by {self.path / '.metadata'})"
                 )
             if sizes[file] < end:
-                raise DcpError(
+                raise SourceError(
                     f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
                     f"metadata needs {end} (truncated)"
                 )
@@ -418,16 +414,16 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
     for c in t.chunks:
         place = f"chunk at offsets {list(c.offsets)} sizes {list(c.sizes)} in {c.file}"
         if len(c.offsets) != nd or len(c.sizes) != nd:
-            raise DcpError(
+            raise SourceError(
                 f"tensor {t.name!r} in {where}: {place}: rank {len(c.sizes)}, the tensor's is {nd}"
             )
         if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(c.offsets, c.sizes, t.shape)):
-            raise DcpError(
+            raise SourceError(
                 f"tensor {t.name!r} in {where}: {place} exceeds the global shape {list(t.shape)}"
             )
         count = math.prod(c.sizes)
         if count * t.dtype.itemsize > c.byte_length:
-            raise DcpError(
+            raise SourceError(
                 f"tensor {t.name!r} in {where}: {place}: declares {count * t.dtype.itemsize} "
                 f"bytes ({t.dtype}), its storage entry holds only {c.byte_length}"
             )
@@ -438,14 +434,14 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
         f"{want} elements of shape {list(t.shape)} (files {t.files})"
     )
     if total < want:
-        raise DcpError(incomplete)
+        raise SourceError(incomplete)
     witness = _tiling_witness(t, where)
     if witness is not None:
         element, holders = witness
         if not holders:
-            raise DcpError(f"{incomplete}; element {element} is in no chunk")
+            raise SourceError(f"{incomplete}; element {element} is in no chunk")
         a, b = holders[:2]
-        raise DcpError(
+        raise SourceError(
             f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
             f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file} both hold element "
             f"{element} ({where})"
@@ -455,7 +451,7 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
     )
     for (file_a, _, end_a), (file_b, start_b, _) in zip(ranges, ranges[1:]):
         if file_a == file_b and start_b < end_a:
-            raise DcpError(
+            raise SourceError(
                 f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "
                 f"{min(end_a, start_b + 1)}...) of {file_a}; each chunk has its own bytes"
             )
@@ -483,7 +479,7 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
     d = len(split)
     rows = (len(chunks) + 1) << d
     if rows * (d + 1) > MAX_COVERAGE_CORNERS:
-        raise DcpError(
+        raise SourceError(
             f"tensor {t.name!r} in {where}: {len(chunks)} chunks split along {d} dimensions: "
             f"too many to check that they tile the tensor ({rows} corners, at most "
             f"{MAX_COVERAGE_CORNERS // (d + 1)})"
@@ -523,9 +519,9 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     try:
         size = path.stat().st_size
     except FileNotFoundError:
-        raise DcpError(f"{where}: shard file is missing") from None
+        raise SourceError(f"{where}: shard file is missing") from None
     if offset < 0 or length < 0 or offset + length > size:
-        raise DcpError(
+        raise SourceError(
             f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
             f"{size} bytes (truncated)"
         )
@@ -534,13 +530,13 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     try:
         fd = files.open_regular(str(path))
     except files.UnsafeFileError as e:
-        raise DcpError(f"{where}: {e}") from None
+        raise SourceError(f"{where}: {e}") from None
     try:
         mm = mapped_file.map_file(str(path), fd)
     finally:
         os.close(fd)
     if mm is None or len(mm) < offset + length:
-        raise DcpError(
+        raise SourceError(
             f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
             f"{0 if mm is None else len(mm)} bytes (truncated)"
         )
@@ -549,13 +545,13 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
 
 def _check_chunk(arr: Any, t: DcpTensor, c: DcpChunk, where: str) -> None:
     if not isinstance(arr, np.ndarray):
-        raise DcpError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
+        raise SourceError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
     if arr.dtype != t.dtype:
-        raise DcpError(
+        raise SourceError(
             f"{where}: dtype disagreement: metadata says {t.dtype}, bytes hold {arr.dtype}"
         )
     if tuple(arr.shape) != tuple(c.sizes):
-        raise DcpError(
+        raise SourceError(
             f"{where}: shape disagreement: metadata says {list(c.sizes)}, "
             f"bytes hold {list(arr.shape)}"
         )
@@ -590,7 +586,7 @@ READ_PIECE = 4 << 20
 
 def _check_crc(found: int, crc: int | None, where: str) -> None:
     if crc is not None and found != crc:
-        raise DcpError(
+        raise SourceError(
             f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
             f"{found:08x}): the file is corrupt"
         )
@@ -603,7 +599,7 @@ def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, wh
     try:
         fd = files.open_regular(str(path))
     except files.UnsafeFileError as e:
-        raise DcpError(f"{where}: {e}") from None
+        raise SourceError(f"{where}: {e}") from None
     found = 0
     try:
         pos, size = 0, len(buf)
@@ -611,7 +607,7 @@ def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, wh
             piece = buf[pos : min(size, pos + READ_PIECE)]
             n = os.preadv(fd, [piece], offset + pos)
             if n <= 0:
-                raise DcpError(
+                raise SourceError(
                     f"{where}: byte range [{offset}, {offset + size}) ends at {offset + pos}: "
                     f"the file is truncated"
                 )
@@ -636,7 +632,7 @@ def _load_embedded(
         finally:
             arch.close()
     except unpickler.TorchFileError as e:
-        raise DcpError(f"{where}: {e}") from None
+        raise SourceError(f"{where}: {e}") from None
 
 
 # ----------------------------------------------------------------- opening
@@ -655,7 +651,7 @@ def refuse_fsdp_dtensor(names: list, where: str) -> None:
     )
     if meta is None:
         return
-    raise DcpError(
+    raise SourceError(
         f"{where}: a megatron-core fsdp_dtensor checkpoint (Megatron-FSDP, --ckpt-format "
         f"fsdp_dtensor; key {meta!r}): fsdp_dtensor is not supported (its per-parameter "
         f"DTensor optimizer layout is not read; weights_only=True does not avoid it)"
@@ -673,7 +669,7 @@ def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
     if dt is None and isinstance(state, tuple) and state:
         dt = state[0]  # TensorProperties pickles as (dtype, layout, requires_grad, mem_format, pin)
     if not isinstance(dt, np.dtype):
-        raise DcpError(f"tensor {name!r} in {where}: unsupported dtype {dt!r}")
+        raise SourceError(f"tensor {name!r} in {where}: unsupported dtype {dt!r}")
     return dt
 
 
@@ -683,7 +679,9 @@ def _storage_ref(
     """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
     info = by_fqn.get(name, {}).get(off)
     if info is None:
-        raise DcpError(f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}")
+        raise SourceError(
+            f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
+        )
     rp, bo, bl = (
         getattr(info, "relative_path", None),
         getattr(info, "offset", None),
@@ -701,7 +699,7 @@ def _storage_ref(
         or not all(isinstance(tr, str) for tr in trs)
     ):
         short = unpickler.short_repr
-        raise DcpError(
+        raise SourceError(
             f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
             f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
@@ -714,12 +712,12 @@ def _dims(
 ) -> tuple[int, ...]:
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
-        raise DcpError(
+        raise SourceError(
             f"tensor {name!r} in {mfile}: {what} {unpickler.short_repr(value)}: expected "
             f"non-negative integers below 2**63"
         )
     if rank is not None and len(value) != rank:
-        raise DcpError(
+        raise SourceError(
             f"tensor {name!r} in {mfile}: {what} {list(value)} has rank {len(value)}, the "
             f"tensor rank {rank}"
         )
@@ -731,7 +729,7 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
     ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
     mfile = root / ".metadata"
     if not os.path.lexists(mfile):
-        raise DcpError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
+        raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     try:
         files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
         md = unpickler.restricted_loads(
@@ -740,11 +738,11 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
             extra_classes={**DCP_CLASSES, **(extra_classes or {})},
         )
     except (unpickler.TorchFileError, files.UnsafeFileError) as e:
-        raise DcpError(str(e)) from None
+        raise SourceError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
     if not isinstance(sdm, dict) or not isinstance(storage, dict):
-        raise DcpError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
+        raise SourceError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
     return mfile, md, sdm, storage
 
 
@@ -753,7 +751,7 @@ def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any,
     by_fqn: dict[str, dict[Any, Any]] = {}
     for idx, info in storage.items():
         if not isinstance(idx, _MetadataIndex):
-            raise DcpError(f"{mfile}: storage_data key {idx!r} is not a MetadataIndex")
+            raise SourceError(f"{mfile}: storage_data key {idx!r} is not a MetadataIndex")
         fqn, off, _ = idx._key()
         by_fqn.setdefault(fqn, {})[off] = info
     return by_fqn
@@ -765,7 +763,7 @@ def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, An
     dt = _dtype_of(getattr(m, "properties", None), name, mfile)
     listed = getattr(m, "chunks", None)
     if not isinstance(listed, (list, tuple)):
-        raise DcpError(
+        raise SourceError(
             f"tensor {name!r} in {mfile}: chunks {unpickler.short_repr(listed)}: expected a list"
         )
     chunks = []
@@ -788,7 +786,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
         if not isinstance(name, str):
-            raise DcpError(f"{mfile}: entry name {unpickler.short_repr(name)} is not a string")
+            raise SourceError(f"{mfile}: entry name {unpickler.short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
             tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
@@ -796,7 +794,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
             rp, bo, bl, _ = _storage_ref(by_fqn, mfile, name, None, "object")
             objects[name] = DcpObject(name, rp, bo, bl)
         else:
-            raise DcpError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
+            raise SourceError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
     check_disjoint(tensors, objects, mfile)
     return DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
 
@@ -837,7 +835,7 @@ def check_disjoint(
     (_, _, end_a, file, name_a, chunk_a), (_, first, end_b, _, name_b, chunk_b) = hit
     last = min(end_a, end_b)
     if name_a == name_b and chunk_a is not None and chunk_b is not None:
-        raise DcpError(  # the wording of check_coverage, which finds it too
+        raise SourceError(  # the wording of check_coverage, which finds it too
             f"tensor {name_b!r} in {where}: two chunks share bytes [{first}, "
             f"{min(last, first + 1)}...) of {file}; each chunk has its own bytes"
         )
@@ -847,7 +845,7 @@ def check_disjoint(
         else f"tensor {name!r} (chunk at offsets {list(chunk.offsets)})"
         for name, chunk in ((name_a, chunk_a), (name_b, chunk_b))
     ]
-    raise DcpError(
+    raise SourceError(
         f"{where}: {shown[0]} and {shown[1]} share bytes [{first}, {last}) of storage file "
         f"{file}; each entry has its own bytes"
     )

@@ -11,7 +11,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp import writer
-from jax_ucp.format.sizes import SizeError, parse_size
+from jax_ucp.errors import RequestError
+from jax_ucp.format.sizes import parse_size
 from jax_ucp.writer import checkpoint as host_checkpoint
 from tests.ucp_testing import REPO
 
@@ -48,14 +49,14 @@ def test_sizes_as_users_write_them(text, expected):
     ],
 )
 def test_unreadable_budgets_are_refused(bad, why):
-    with pytest.raises(SizeError, match=why):
+    with pytest.raises(RequestError, match=why):
         parse_size(bad)
 
 
 @pytest.mark.timeout(30)
 def test_convert_refuses_a_bad_budget_before_reading(tmp_path):
     with pytest.raises(
-        SizeError, match=r"^convert\(memory_budget=\): cannot read '1 lot' as a size"
+        RequestError, match=r"^convert\(memory_budget=\): cannot read '1 lot' as a size"
     ):
         jax_ucp.convert(FSDP2, tmp_path / "ucp", memory_budget="1 lot")
     assert not os.path.exists(tmp_path / "ucp")

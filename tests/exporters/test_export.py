@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters import (
     DeepSpeedUniversalExport,
-    ExportError,
     SafetensorsExport,
     TorchDcpExport,
     options_for,
@@ -129,12 +129,12 @@ def test_destination_rules(tmp_path):
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")
-    with pytest.raises(ExportError, match="already exists"):
+    with pytest.raises(RequestError, match="already exists"):
         jax_ucp.export(path, mine)
-    with pytest.raises(ExportError, match="not an export"):
+    with pytest.raises(RequestError, match="not an export"):
         jax_ucp.export(path, mine, SafetensorsExport(force=True))
     assert (mine / "notes.txt").read_text() == "keep me"
-    with pytest.raises(ExportError, match=r"ck/out:.*lies inside"):
+    with pytest.raises(RequestError, match=r"ck/out:.*lies inside"):
         jax_ucp.export(path, tmp_path / "ck" / "out")
     jax_ucp.export(path, tmp_path / "out")
     jax_ucp.export(
@@ -247,7 +247,7 @@ def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
 
 def test_dcp_refuses_what_torch_cannot_hold(tmp_path):
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, ml_dtypes.float8_e4m3fn)}})
-    with pytest.raises(ExportError, match=r"'params\.w': dtype float8_e4m3fn.*dtype="):
+    with pytest.raises(RequestError, match=r"'params\.w': dtype float8_e4m3fn.*dtype="):
         jax_ucp.export(str(tmp_path / "ck"), tmp_path / "dcp", TorchDcpExport())
     assert not (tmp_path / "dcp").exists()
 
@@ -346,7 +346,7 @@ def test_deepspeed_universal_values_equal_deepspeeds_own(tmp_path, fixture):
 
 def test_deepspeed_universal_needs_moments(tmp_path):
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, np.float32)}})
-    with pytest.raises(ExportError, match="needs every parameter's Adam moments"):
+    with pytest.raises(RequestError, match="needs every parameter's Adam moments"):
         jax_ucp.export(str(tmp_path / "ck"), tmp_path / "uni", DeepSpeedUniversalExport())
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
@@ -568,7 +568,7 @@ def test_options_that_do_not_apply_are_refused(tmp_path, kwargs, message):
     """A format's options built from its name (``jax-ucp export --to``) refuse the fields of
     other formats, naming the field and the format."""
     jax_ucp.save(str(tmp_path / "ck"), {"params": {"w": np.ones(4, np.float32)}})
-    with pytest.raises(ExportError, match=message):
+    with pytest.raises(RequestError, match=message):
         options = options_for(kwargs.pop("to"), **kwargs)
         jax_ucp.export(str(tmp_path / "ck"), tmp_path / "out", options)
     assert sorted(os.listdir(tmp_path)) == ["ck"]

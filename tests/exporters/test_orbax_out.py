@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.exporters import ExportError, OrbaxExport, TorchDcpExport
+from jax_ucp.errors import RequestError
+from jax_ucp.exporters import OrbaxExport, TorchDcpExport
 from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
 from tests.ucp_testing import save_and_name as _ucp
 
@@ -102,7 +103,7 @@ def test_export_orbax_refuses_a_zero_size_tensor_by_name(tmp_path):
         with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as c:
             c.save(os.fspath(orbax_itself / "x"), args=ocp.args.PyTreeSave(tree))
     ckpt = _ucp(tmp_path / "ckpt", tree)
-    with pytest.raises(ExportError, match=r"'params/empty'.*export to safetensors or torch-dcp"):
+    with pytest.raises(RequestError, match=r"'params/empty'.*export to safetensors or torch-dcp"):
         jax_ucp.export(ckpt, tmp_path / "out", OrbaxExport())
     r = runner.invoke(app, ["export", ckpt, str(tmp_path / "out"), "--to", "orbax"])
     assert r.exit_code == 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import format as fmt
+from jax_ucp.errors import CheckpointError
 from tests.ucp_testing import fifo_damage as _fifo
 from tests.ucp_testing import remove_damage as _remove
 from tests.ucp_testing import save_small_tree as _save
@@ -17,7 +17,7 @@ from tests.ucp_testing import save_small_tree as _save
 
 def test_corrupt_manifest(ckpt):
     (ckpt / "ucp.json").write_text('{"format": "jax_ucp", "version": 1, "entries": [')
-    with pytest.raises(fmt.ManifestError, match=r"ucp\.json: corrupt manifest"):
+    with pytest.raises(CheckpointError, match=r"ucp\.json: corrupt manifest"):
         jax_ucp.restore(ckpt)
 
 
@@ -25,7 +25,7 @@ def test_newer_format_version(ckpt):
     d = json.loads((ckpt / "ucp.json").read_text())
     d["version"] = 99
     (ckpt / "ucp.json").write_text(json.dumps(d))
-    with pytest.raises(fmt.ManifestError, match="version 99 is newer"):
+    with pytest.raises(CheckpointError, match="version 99 is newer"):
         jax_ucp.inspect(ckpt)
 
 
@@ -227,7 +227,7 @@ def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
     manifest["entries"][0].update(chunk_shape=[2**20, 2**20], inner_chunk_shape=[2**20, 2**20])
     (path / "ucp.json").write_text(json.dumps(manifest))
     with pytest.raises(
-        jax_ucp.ManifestError,
+        CheckpointError,
         match=r"ucp.json: entries\[0\] \('w'\)\.chunk_shape: expected extents at most shape "
         r"\[4, 4\] \(1 for a zero-size dimension\), found a JSON array of 2 items\.",
     ):

@@ -7,9 +7,10 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.errors import RequestError
 from jax_ucp.exporters import SafetensorsExport
-from jax_ucp.format.sizes import SizeError, parse_size
-from jax_ucp.restoring.options import ArgsError, RestoreOptions
+from jax_ucp.format.sizes import parse_size
+from jax_ucp.restoring.options import RestoreOptions
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "300"}
@@ -53,7 +54,7 @@ def test_sizes_are_read_as_users_write_them(value, expected):
     ],
 )
 def test_bad_sizes_name_the_option(value, message):
-    with pytest.raises(SizeError, match="^--the-option: " + message):
+    with pytest.raises(RequestError, match="^--the-option: " + message):
         parse_size(value, "--the-option")
 
 
@@ -130,11 +131,11 @@ def test_python_api_byte_sizes_take_the_same_strings(tmp_path):
     assert jax_ucp.export(
         path, tmp_path / "one", SafetensorsExport(max_file_bytes="20KB")
     ).files == ["model.safetensors"]
-    with pytest.raises(ArgsError, match=r"^restore\(memory_budget=\): cannot read 'lots'"):
+    with pytest.raises(RequestError, match=r"^restore\(memory_budget=\): cannot read 'lots'"):
         jax_ucp.restore(path, memory_budget="lots")
-    with pytest.raises(ArgsError, match=r"^UCPSave\.inner_chunk_bytes:.*positive"):
+    with pytest.raises(RequestError, match=r"^UCPSave\.inner_chunk_bytes:.*positive"):
         jax_ucp.UCPSave(tree, inner_chunk_bytes="-1MiB")
-    with pytest.raises(SizeError, match=r"^verify\(memory_budget=\): cannot read"):
+    with pytest.raises(RequestError, match=r"^verify\(memory_budget=\): cannot read"):
         jax_ucp.verify(path, memory_budget="1 lot")
     with pytest.raises(jax_ucp.UCPError, match=r"^max_file_bytes: cannot read '5 lots'"):
         jax_ucp.export(path, tmp_path / "bad", SafetensorsExport(max_file_bytes="5 lots"))

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import RequestError, SourceError
 from jax_ucp.importers import registry
 from jax_ucp.importers.orbax import OrbaxOptions
 from jax_ucp.importers.plan import Detection, ImportOptions
@@ -75,7 +75,7 @@ def test_own_markers_win_over_files_other_folders_hold_too(tmp_path):
 
 def test_an_unknown_folder_says_what_each_format_looked_for(tmp_path):
     (tmp_path / "weights.npy").write_bytes(b"x")
-    with pytest.raises(registry.SourceFormatError) as e:
+    with pytest.raises(SourceError) as e:
         registry.detect_format(tmp_path)
     message = str(e.value)
     assert message.startswith(f"{tmp_path}: cannot tell the checkpoint format; it holds: weights")

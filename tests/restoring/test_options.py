@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.errors import RequestError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp.restoring import options as restore_options
 from jax_ucp.restoring import requests
@@ -38,10 +39,10 @@ def test_restore_keywords_are_checked_before_anything_is_read(tmp_path, kwargs, 
     from safetensors.numpy import save_file
 
     missing = tmp_path / "absent"  # never opened: the options are checked first
-    with pytest.raises(restore_options.ArgsError, match="^" + _re(message)):
+    with pytest.raises(RequestError, match="^" + _re(message)):
         jax_ucp.restore(missing, **kwargs)
     save_file({"w": np.ones(2, np.float32)}, str(tmp_path / "m.safetensors"))
-    with pytest.raises(restore_options.ArgsError, match="^" + _re(message)):
+    with pytest.raises(RequestError, match="^" + _re(message)):
         jax_ucp.restore(tmp_path / "m.safetensors", **kwargs)
 
 
@@ -80,12 +81,12 @@ def test_orbax_args_and_the_keywords_reach_the_reader_as_one_object(tmp_path, mo
 @pytest.mark.timeout(30)
 def test_plan_checks_its_arguments_as_restore_does(tmp_path):
     with pytest.raises(
-        restore_options.ArgsError,
+        RequestError,
         match="^" + _re("plan(casting=): expected one of 'no', 'equiv', 'safe', 'same_kind', "),
     ):
         jax_ucp.plan(tmp_path / "absent", mesh=None, casting="lossless")
     with pytest.raises(
-        restore_options.ArgsError, match="^" + _re("plan(strict=): expected True or False, got 1.")
+        RequestError, match="^" + _re("plan(strict=): expected True or False, got 1.")
     ):
         jax_ucp.plan(tmp_path / "absent", strict=1)
 

@@ -52,7 +52,7 @@ def test_save_names_a_key_path_it_cannot_write(tmp_path, tree, match):
     jax_ucp.save(tmp_path / "c", {"old": np.arange(3)})
     with pytest.raises(jax_ucp.UCPError, match=match):
         jax_ucp.save(tmp_path / "c", tree, force=True)
-    with pytest.raises(ValueError, match=match):  # TreeError is a ValueError too
+    with pytest.raises(ValueError, match=match):  # RequestError is a ValueError too
         jax_ucp.save(tmp_path / "new", tree)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # nothing written or left
     assert list(jax_ucp.restore(tmp_path / "c")) == ["old"]

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.errors import SourceError
 from jax_ucp.torchfiles import dcp_reader
-from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpError, DcpTensor
+from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpTensor
 from tests.importers.megatron.test_dcp import read_layout, write_layout
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, python_lines
 
@@ -94,7 +95,7 @@ def test_coverage_verdict_matches_a_brute_force_count():
         if np.all(count == 1):
             dcp_reader.check_coverage(t, "m")
             continue
-        with pytest.raises(DcpError) as error:
+        with pytest.raises(SourceError) as error:
             dcp_reader.check_coverage(t, "m")
         message = str(error.value)
         if "overlapping shards" in message:
@@ -124,7 +125,7 @@ def test_hundred_thousand_tiny_chunks_are_checked_in_n_log_n():
     dcp_reader.check_coverage(_tensor((n // 100, 100), boxes), "m")
     boxes[-1] = ((0, 0), (1, 1))
     with pytest.raises(
-        DcpError,
+        SourceError,
         match=r"tensor 'w': overlapping shards: \[0, 0\]\+\[1, 1\] in __0_0\.distcp and "
         r"\[0, 0\]\+\[1, 1\] in __0_0\.distcp both hold element \[0, 0\] \(m\)",
     ):
@@ -140,10 +141,10 @@ def test_gap_and_overlap_with_the_right_element_count_are_found():
     """Element counts that add up are not enough: chunks of rows 0-2 and of row 2 of a 4-row
     tensor overlap on row 2 and leave row 3 out (8 of 8 elements); chunks of rows 1-3 and of
     row 3 leave row 0 out, which the error names."""
-    with pytest.raises(DcpError, match=r"overlapping shards: \[0, 0\]\+\[3, 2\] .* \[2, 0\]\+"):
+    with pytest.raises(SourceError, match=r"overlapping shards: \[0, 0\]\+\[3, 2\] .* \[2, 0\]\+"):
         dcp_reader.check_coverage(_tensor((4, 2), [((0, 0), (3, 2)), ((2, 0), (1, 2))]), "m")
     with pytest.raises(
-        DcpError,
+        SourceError,
         match=r"8 of 8 elements of shape \[4, 2\] .*; element \[0, 0\] is in no chunk",
     ):
         dcp_reader.check_coverage(_tensor((4, 2), [((1, 0), (3, 2)), ((3, 0), (1, 2))]), "m")
@@ -156,7 +157,7 @@ def test_chunks_split_along_too_many_dimensions_are_refused():
     shape = [2] * 12
     boxes = [(list(corner), [1] * 12) for corner in itertools.product((0, 1), repeat=12)]
     with pytest.raises(
-        DcpError,
+        SourceError,
         match=r"'w' in m: 4096 chunks split along 12 dimensions:.*\(16781312 corners, at most 2581110\)",
     ):
         dcp_reader.check_coverage(_tensor(shape, boxes), "m")
@@ -256,7 +257,7 @@ def test_dcp_tensor_pointing_at_another_tensors_bytes_is_refused(tmp_path):
 def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
     """An entry lying inside a longer one of another tensor (not equal to it) is found too;
     adjacent entries, and equal ranges of two files, are fine."""
-    from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpError, DcpTensor, check_disjoint
+    from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpTensor, check_disjoint
 
     f32 = np.dtype(np.float32)
     tensors = {
@@ -264,7 +265,7 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
         "c": DcpTensor("c", (2,), f32, (DcpChunk((0,), (2,), "__0_0.distcp", 8, 8),)),
         "d": DcpTensor("d", (2,), f32, (DcpChunk((0,), (2,), "__1_0.distcp", 8, 8),)),
     }
-    with pytest.raises(DcpError, match=r"tensor 'a' .* and tensor 'c' .* share bytes \[8, 16\)"):
+    with pytest.raises(SourceError, match=r"tensor 'a' .* and tensor 'c' .* share bytes \[8, 16\)"):
         check_disjoint(tensors, {}, "m")
     tensors["c"] = DcpTensor("c", (2,), f32, (DcpChunk((0,), (2,), "__0_0.distcp", 400, 8),))
     check_disjoint(tensors, {}, "m")  # adjacent, and equal ranges in two files: fine
@@ -274,13 +275,7 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
 def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
     """Random storage entries (tensors' chunks and objects over 3 files, some empty): an error
     exactly when some two entries share a byte, naming two entries that do."""
-    from jax_ucp.torchfiles.dcp_reader import (
-        DcpChunk,
-        DcpError,
-        DcpObject,
-        DcpTensor,
-        check_disjoint,
-    )
+    from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpObject, DcpTensor, check_disjoint
 
     rng = np.random.default_rng(3)
     f32 = np.dtype(np.float32)
@@ -308,7 +303,7 @@ def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
         }
         try:
             check_disjoint(tensors, objects, "m")
-        except DcpError as e:
+        except SourceError as e:
             named = {int(n[1:]) for n in re.findall(r"'([ot]\d+)'", str(e))}
             assert any(set(pair) == named for pair in shared), (spans, str(e))
             verdicts.add("shared")

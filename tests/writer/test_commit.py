@@ -20,13 +20,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp import exporters
-from jax_ucp.exporters import (
-    ExportError,
-    OrbaxExport,
-    SafetensorsExport,
-    TorchDcpExport,
-    options_for,
-)
+from jax_ucp.errors import RequestError
+from jax_ucp.exporters import OrbaxExport, SafetensorsExport, TorchDcpExport, options_for
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
 from tests.ucp_testing import REPO, assert_bit_exact
@@ -125,9 +120,9 @@ def test_a_second_writer_of_the_path_is_refused_export_included(tmp_path):
     jax_ucp.save(ck, {"params": {"w": np.ones(4, np.float32)}})
     out = str(tmp_path / "out")
     with commit.save_lock(out):
-        with pytest.raises(ExportError, match=r"another save.*in progress"):
+        with pytest.raises(RequestError, match=r"another save.*in progress"):
             jax_ucp.export(ck, out)
-        with pytest.raises(ExportError, match=r"another save.*in progress"):
+        with pytest.raises(RequestError, match=r"another save.*in progress"):
             jax_ucp.export(ck, out, OrbaxExport())
         with pytest.raises(commit.SaveConflictError, match=r"another save.*path"):
             write_host_checkpoint(out, _items(1.0))
@@ -159,9 +154,9 @@ def test_a_manager_step_is_staged_under_the_same_temporary_name(tmp_path):
 
 
 def test_export_options_are_checked_once(tmp_path):
-    with pytest.raises(ExportError, match=r"casting='sometimes': choose from"):
+    with pytest.raises(RequestError, match=r"casting='sometimes': choose from"):
         TorchDcpExport(casting="sometimes")
-    with pytest.raises(ExportError, match=r"max_file_bytes.*positive.*got 0"):
+    with pytest.raises(RequestError, match=r"max_file_bytes.*positive.*got 0"):
         SafetensorsExport(max_file_bytes=0)
     with pytest.raises(jax_ucp.UCPError, match=r"memory_budget.*positive"):
         SafetensorsExport(memory_budget=-1)
@@ -174,7 +169,7 @@ def test_export_options_are_checked_once(tmp_path):
     with pytest.raises(AttributeError):
         options.force = True  # type: ignore[misc]  # frozen
     assert options_for("torch-dcp", select="params") == TorchDcpExport(select="params")
-    with pytest.raises(ExportError, match=r"^config=.*'torch-dcp'"):
+    with pytest.raises(RequestError, match=r"^config=.*'torch-dcp'"):
         options_for("torch-dcp", config={"a": 1})
     ck = str(tmp_path / "ck")
     jax_ucp.save(ck, {"params": {"w": np.arange(4, dtype=np.float32)}})
@@ -182,7 +177,7 @@ def test_export_options_are_checked_once(tmp_path):
     assert out.files == ["model.safetensors"] and out.bytes == 8
     with pytest.raises(TypeError):  # the options travel whole: no keyword beside them
         jax_ucp.export(ck, tmp_path / "o2", options, dtype="float32")  # type: ignore[call-arg]
-    with pytest.raises(ExportError, match=r"RestoreOptions is not an export's options"):
+    with pytest.raises(RequestError, match=r"RestoreOptions is not an export's options"):
         jax_ucp.export(ck, tmp_path / "o2", jax_ucp.RestoreOptions())  # type: ignore[arg-type]
     out = jax_ucp.export(ck, tmp_path / "o3", TorchDcpExport(select="params"))
     assert out.files == [".metadata", "__0_0.distcp"] and out.bytes == 16

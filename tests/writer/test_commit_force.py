@@ -23,7 +23,8 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.exporters import ExportError, OrbaxExport, SafetensorsExport, options_for
+from jax_ucp.errors import RequestError
+from jax_ucp.exporters import OrbaxExport, SafetensorsExport, options_for
 from jax_ucp.store import location
 from jax_ucp.writer import commit
 from tests.store.test_object_store import s3_server  # noqa: F401  (the moto server fixture)
@@ -216,7 +217,7 @@ def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
     hf = _hf_folder(tmp_path / "hf")
     before = _snapshot(hf)
     with pytest.raises(
-        ExportError,
+        RequestError,
         match=r"not an export written by jax_ucp \(found no \.jax_ucp_export\.json: "
         r"config\.json, model\.safetensors, tokenizer\.json\)",
     ):
@@ -245,12 +246,14 @@ def test_export_force_replaces_only_the_files_an_export_recorded(tmp_path):
     jax_ucp.export(ckpt, out, SafetensorsExport(force=True, dtype="float16"))
     assert load_file(str(out / "model.safetensors"))["w"].dtype == np.float16
     (out / "tokenizer.json").write_text("{}")
-    with pytest.raises(ExportError, match=r"\(found tokenizer\.json\)"):
+    with pytest.raises(RequestError, match=r"\(found tokenizer\.json\)"):
         jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     os.remove(out / "tokenizer.json")
     with open(out / "model.safetensors", "ab") as f:
         f.write(b" ")
-    with pytest.raises(ExportError, match=r"model\.safetensors \(changed since the export: size\)"):
+    with pytest.raises(
+        RequestError, match=r"model\.safetensors \(changed since the export: size\)"
+    ):
         jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     assert (out / "model.safetensors").read_bytes().endswith(b" ")
 
@@ -425,7 +428,7 @@ def test_export_force_refuses_an_export_edited_in_place(tmp_path, to, monkeypatc
         _flip_a_byte(out / rel)
         edited = _snapshot(out)
         with pytest.raises(
-            ExportError, match=rf"\(found {rel} \(changed since the export: content\)\)"
+            RequestError, match=rf"\(found {rel} \(changed since the export: content\)\)"
         ):
             jax_ucp.export(ckpt, out, options_for(to, force=True))
         r = CliRunner().invoke(app, ["export", ckpt, str(out), "--to", to, "--force"])
@@ -465,7 +468,7 @@ def test_export_force_refuses_a_copied_or_forged_export_record(tmp_path):
     ):
         (user / commit.EXPORT_RECORD).write_text(json.dumps(record))
         before = _snapshot(user)
-        with pytest.raises(ExportError, match=found):
+        with pytest.raises(RequestError, match=found):
             jax_ucp.export(ckpt, user, SafetensorsExport(force=True))
         r = CliRunner().invoke(app, ["export", ckpt, str(user), "--force"])
         assert r.exit_code == 1 and "refusing to replace it" in " ".join(r.output.split())
@@ -473,7 +476,7 @@ def test_export_force_refuses_a_copied_or_forged_export_record(tmp_path):
     # the copied record as it is (another export's files): the user's files are not in it
     (user / commit.EXPORT_RECORD).write_text(json.dumps(copied))
     with pytest.raises(
-        ExportError,
+        RequestError,
         match=r"found config\.json, model\.safetensors \(changed since the export: size\), "
         r"tokenizer\.json, sub/notes\.txt\)",
     ):
@@ -490,8 +493,8 @@ def test_orbax_exports_are_never_forced(tmp_path):
     out = tmp_path / "orbax"
     jax_ucp.export(ckpt, out, OrbaxExport())
     before = _snapshot(out)
-    with pytest.raises(ExportError, match=r"^force=.*'orbax'"):
+    with pytest.raises(RequestError, match=r"^force=.*'orbax'"):
         jax_ucp.export(ckpt, out, options_for("orbax", force=True))
-    with pytest.raises(ExportError, match="no .jax_ucp_export.json"):
+    with pytest.raises(RequestError, match="no .jax_ucp_export.json"):
         jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     assert _snapshot(out) == before

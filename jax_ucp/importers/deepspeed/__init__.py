@@ -22,7 +22,6 @@ from jax_ucp.errors import RequestError
 from jax_ucp.importers.deepspeed import megatron, moe, universal, zero
 from jax_ucp.importers.deepspeed.files import (
     DS_CLASSES,
-    DeepSpeedImportError,
     check_every_file_read,
     is_model_parallel,
     is_moe,
@@ -42,7 +41,6 @@ from jax_ucp.importers.plan import (
 )
 
 __all__ = [
-    "DeepSpeedImportError",
     "DeepSpeedCheckpoint",
     "MegatronDeepSpeedCheckpoint",
     "DS_CLASSES",

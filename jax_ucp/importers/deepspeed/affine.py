@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from jax_ucp.errors import SourceError
 from jax_ucp.format import mapped_file
-from jax_ucp.importers.deepspeed.files import MAX_DIM, DeepSpeedImportError
+from jax_ucp.importers.deepspeed.files import MAX_DIM
 from jax_ucp.language.errors import SpecError
 from jax_ucp.language.patterns import compile_pattern
 
@@ -62,9 +63,9 @@ def _ints(value: Any, what: str, where: str, *, length: int | None = None) -> tu
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(v, int) and not isinstance(v, bool) and 0 <= v < MAX_DIM for v in value
     ):
-        raise DeepSpeedImportError(f"{where}: {what} is {value!r:.200}; expected non-negative ints")
+        raise SourceError(f"{where}: {what} is {value!r:.200}; expected non-negative ints")
     if length is not None and len(value) != length:
-        raise DeepSpeedImportError(f"{where}: {what} has {len(value)} entries, expected {length}")
+        raise SourceError(f"{where}: {what} has {len(value)} entries, expected {length}")
     return tuple(int(v) for v in value)
 
 
@@ -88,13 +89,13 @@ def _no_self_overlap(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
 
 def _piece(entry: Any, where: str, tp: int) -> Piece:
     if not isinstance(entry, Mapping):
-        raise DeepSpeedImportError(f"{where}: a piece is {type(entry).__name__}, not a dict")
+        raise SourceError(f"{where}: a piece is {type(entry).__name__}, not a dict")
     try:
         shape = _ints(entry["shape"], "shape", where)
         (src_off, src_str), (dst_off, dst_str) = entry["source"], entry["dest"]
         locations = entry["locations"]
     except (KeyError, TypeError, ValueError) as e:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{where}: a piece needs shape, source, dest and locations ({e!r:.100})"
         ) from None
     source, dest = [
@@ -106,13 +107,13 @@ def _piece(entry: Any, where: str, tp: int) -> Piece:
     ]
     for what, (_, strides) in (("source", source), ("dest", dest)):
         if not _no_self_overlap(shape, strides):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: {what} strides {list(strides)} of a piece of shape {list(shape)} "
                 "address some element twice"
             )
     ranks = _ints(locations, "locations", where)
     if not ranks or any(r >= tp for r in ranks):
-        raise DeepSpeedImportError(f"{where}: locations {list(ranks)} outside TP ranks 0..{tp - 1}")
+        raise SourceError(f"{where}: locations {list(ranks)} outside TP ranks 0..{tp - 1}")
     scale = entry.get("scale", 1.0)
     if (
         isinstance(scale, bool)
@@ -120,7 +121,7 @@ def _piece(entry: Any, where: str, tp: int) -> Piece:
         or not math.isfinite(scale)
         or scale == 0
     ):
-        raise DeepSpeedImportError(f"{where}: scale {scale!r:.50} is not a finite non-zero number")
+        raise SourceError(f"{where}: scale {scale!r:.50} is not a finite non-zero number")
     return Piece(shape, source, dest, frozenset(ranks), float(scale))
 
 
@@ -136,10 +137,10 @@ def parse_affine_maps(info: Mapping, where: str, tp: int) -> list[AffineMap]:
     if not section:
         return []
     if not isinstance(section, Mapping) or not isinstance(section.get("params"), Mapping):
-        raise DeepSpeedImportError(f"{where}: affine_map is not a dict with 'params'")
+        raise SourceError(f"{where}: affine_map is not a dict with 'params'")
     version = section.get("version", FORMAT_VERSION)
     if not isinstance(version, int) or isinstance(version, bool) or version > FORMAT_VERSION:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{where}: affine_map version {version!r:.50}; this reader knows up to "
             f"{FORMAT_VERSION} (DeepSpeed 0.19) and would misread newer fields"
         )
@@ -152,9 +153,9 @@ def _affine_map(pattern: Any, entry: Any, where: str, tp: int) -> AffineMap:
     try:
         compile_pattern(str(pattern), f"{at}: ")
     except SpecError as e:
-        raise DeepSpeedImportError(str(e)) from None
+        raise SourceError(str(e)) from None
     if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), Mapping):
-        raise DeepSpeedImportError(f"{at}: expected a dict with logical_shape and ranks")
+        raise SourceError(f"{at}: expected a dict with logical_shape and ranks")
     logical = _ints(entry.get("logical_shape"), "logical_shape", at)
     ranks = _map_ranks(entry["ranks"], at, tp)
     shard_shapes, pieces = {}, {}
@@ -171,14 +172,12 @@ def _map_ranks(entries: Mapping, at: str, tp: int) -> dict[int, Mapping]:
         try:
             rank = int(rank)
         except (TypeError, ValueError):
-            raise DeepSpeedImportError(f"{at}: rank {rank!r:.50} is not an integer") from None
+            raise SourceError(f"{at}: rank {rank!r:.50} is not an integer") from None
         if not 0 <= rank < tp or not isinstance(value, Mapping):
-            raise DeepSpeedImportError(f"{at}: rank {rank} outside TP ranks 0..{tp - 1}")
+            raise SourceError(f"{at}: rank {rank} outside TP ranks 0..{tp - 1}")
         ranks[rank] = value
     if sorted(ranks) != list(range(tp)):
-        raise DeepSpeedImportError(
-            f"{at}: pieces for TP ranks {sorted(ranks)}; the checkpoint has tp={tp}"
-        )
+        raise SourceError(f"{at}: pieces for TP ranks {sorted(ranks)}; the checkpoint has tp={tp}")
     return ranks
 
 
@@ -190,21 +189,21 @@ def _rank_shard(
     shard = _ints(value.get("shard_shape"), "shard_shape", at)
     held = value.get("pieces")
     if not isinstance(held, (list, tuple)):
-        raise DeepSpeedImportError(f"{at}: pieces is not a list")
+        raise SourceError(f"{at}: pieces is not a list")
     rank_pieces = [_piece(p, at, tp) for p in held]
     for p in rank_pieces:
         if rank not in p.locations:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{at}: a piece held by ranks {sorted(p.locations)} is listed on rank {rank}"
             )
         if _extent(p.shape, *p.source) > full or _extent(p.shape, *p.dest) > math.prod(shard):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{at}: piece {list(p.shape)} at source {p.source[0]} / dest "
                 f"{p.dest[0]} reaches outside the parameter ({full} elements) or the "
                 f"shard ({math.prod(shard)})"
             )
     if sum(math.prod(p.shape) for p in rank_pieces) != math.prod(shard):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{at}: pieces hold "
             f"{sum(math.prod(p.shape) for p in rank_pieces)} elements, the shard "
             f"{list(shard)} has {math.prod(shard)}"
@@ -217,7 +216,7 @@ def map_for(maps: list[AffineMap], name: str) -> AffineMap | None:
     two matching maps are an error, as in ``ds_to_universal``."""
     found = [m for m in maps if compile_pattern(m.pattern, "affine_map: ").match(name)]
     if len(found) > 1:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{name}: matched by several affine_map patterns {[m.pattern for m in found]}"
         )
     return found[0] if found else None
@@ -236,14 +235,14 @@ def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) ->
     power = SCALE_POWER.get(state, 1)
     scaled = [p for ps in amap.pieces.values() for p in ps if p.scale != 1.0]
     if power != 1 and scaled:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{name}: {state} through a scaled affine-map piece (scale {scaled[0].scale}); the "
             "optimizer's lr and eps would stay in the unscaled coordinates (DeepSpeed refuses "
             "it too). To import the weights alone: convert(..., weights_only=True)"
         )
     for rank, shard in enumerate(shards):
         if shard.size != math.prod(amap.shard_shapes[rank]):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{name}: TP rank {rank} holds {shard.size} elements, affine_map "
                 f"{amap.pattern!r} describes a shard of {list(amap.shard_shapes[rank])}"
             )
@@ -257,7 +256,7 @@ def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) ->
             f"{name}: TP rank {rank}",
         ).reshape(-1)
         if flat.dtype != dtype:
-            raise DeepSpeedImportError(f"{name}: TP rank {rank} is {flat.dtype}, rank 0 {dtype}")
+            raise SourceError(f"{name}: TP rank {rank} is {flat.dtype}, rank 0 {dtype}")
         for p in amap.pieces[rank]:
             if not math.prod(p.shape):
                 continue
@@ -278,18 +277,18 @@ def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) ->
                     np.ascontiguousarray(src).reshape(-1).view(np.uint8),
                 )
                 if not same:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{name}: TP ranks {sorted(p.locations)} hold different {state} values "
                         f"for the replicated block at offset {off} (affine_map {amap.pattern!r})"
                     )
             else:
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{name}: affine_map {amap.pattern!r}: a piece of TP rank {rank} at offset "
                     f"{off} overlaps elements another piece already wrote"
                 )
     if not covered.all():
         first = int(np.argmin(covered))
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{name}: affine_map {amap.pattern!r} leaves {int(full.size - covered.sum())} "
             f"element(s) of {list(amap.logical_shape)} uncovered, the first at offset {first}"
         )

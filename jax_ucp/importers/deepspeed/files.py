@@ -24,9 +24,6 @@ from jax_ucp.format import files
 from jax_ucp.importers.plan import tensor_names, trainer_checkpoints
 from jax_ucp.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
 
-DeepSpeedImportError = SourceError  # the DeepSpeed checkpoint is incomplete or inconsistent
-
-
 _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
 
 #: DeepSpeed classes pickled into checkpoint files, mapped to inert stand-ins.
@@ -82,7 +79,7 @@ def load_deepspeed_file(path: str) -> Any:
         saved = archive.saved_name
         # "archive": saved through a file object, no name kept
         if saved not in (name.removesuffix(".pt"), "archive"):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: this file was saved as '{saved}.pt' (the name inside its zip archive) "
                 f"but is named '{name}'. DeepSpeed's rank is in the file name, so renamed or "
                 "swapped rank files would import as wrong parameters; give the files back their "
@@ -96,11 +93,11 @@ def load_deepspeed_file(path: str) -> Any:
 @contextlib.contextmanager
 def unsafe_files_refused(note: str = "") -> Iterator[None]:
     """A file the format layer refuses to read (not regular, linked outside) refused as a
-    ``DeepSpeedImportError`` (its message and ``note``)."""
+    ``SourceError`` (its message and ``note``)."""
     try:
         yield
     except files.UnsafeFileError as e:
-        raise DeepSpeedImportError(f"{e}{note}") from None
+        raise SourceError(f"{e}{note}") from None
 
 
 def require(mapping: Any, key: Any, where: str) -> Any:
@@ -112,7 +109,7 @@ def require(mapping: Any, key: Any, where: str) -> Any:
         where: the file it was loaded from.
     """
     if not isinstance(mapping, Mapping) or key not in mapping:
-        raise DeepSpeedImportError(f"{where}: missing {key!r}")
+        raise SourceError(f"{where}: missing {key!r}")
     return mapping[key]
 
 
@@ -128,11 +125,11 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
     """The tag folder to read: ``tag``, ``src`` itself when it is one (:func:`is_tag_dir`), or
     ``latest`` (which may only name a folder inside ``src``)."""
     if not os.path.isdir(src):
-        raise DeepSpeedImportError(f"{src}: not a directory")
+        raise SourceError(f"{src}: not a directory")
     if tag is not None:
         tag_dir = os.path.join(src, tag)
         if not os.path.isdir(tag_dir):
-            raise DeepSpeedImportError(f"{tag_dir}: tag folder {tag!r} not found")
+            raise SourceError(f"{tag_dir}: tag folder {tag!r} not found")
         return tag_dir
     if is_tag_dir(src):
         return src
@@ -141,11 +138,11 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
         return follow_tracker(src, latest)
     runs = trainer_checkpoints(src)
     if runs:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
         )
-    raise DeepSpeedImportError(
+    raise SourceError(
         f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
         f"'*zero_pp_rank_*_optim_states.pt' files; for a universal checkpoint, a "
         f"'latest_universal' file or a '<tag>_universal' folder holding 'zero/' and "
@@ -163,12 +160,12 @@ def follow_tracker(src: str, tracker: str) -> str:
     except (files.UnsafeFileError, ValueError):
         real = None
     if tag in ("", ".", "..") or real in (None, os.path.realpath(src)):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tracker} names tag {tag[:100]!r}, which is not a folder inside {src}; refusing "
             "to follow it"
         )
     if not os.path.isdir(tag_dir):
-        raise DeepSpeedImportError(f"{tracker} names tag {tag!r} but {tag_dir} does not exist")
+        raise SourceError(f"{tracker} names tag {tag!r} but {tag_dir} does not exist")
     return tag_dir
 
 
@@ -181,12 +178,12 @@ def read_tag_file(path: str) -> str:
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError as e:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{path}: not UTF-8 text (byte {e.start}); expected the name of a tag folder"
         ) from None
     if not tag.isprintable():
         bad = next(c for c in tag if not c.isprintable())
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{path}: names tag {tag[:100]!r}, which holds the control character {bad!r}; "
             "expected the name of a tag folder"
         )
@@ -230,7 +227,7 @@ def check_every_file_read(tag_dir: str, source_tensors) -> None:
                 continue
         unread.append(name)
     if unread:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: the import would not read {len(unread)} of the folder's entries: "
             f"{unread[:10]}{' ...' if len(unread) > 10 else ''}. Refusing to import part of a "
             "checkpoint: this layout is not supported, or the files are not DeepSpeed's (move "
@@ -264,14 +261,14 @@ def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], st
         dp_rank, mp_rank = int(match.group(2)), int(match.group(3))
         same_rank = by_rank.setdefault(mp_rank, {})
         if dp_rank in same_rank:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{tag_dir}: two optimizer files for DP rank {dp_rank}: "
                 f"{os.path.basename(same_rank[dp_rank])} and {name}"
             )
         same_rank[dp_rank] = os.path.join(tag_dir, name)
         prefixes.add(match.group(1) or "")
     if len(prefixes) > 1:
-        raise DeepSpeedImportError(f"{tag_dir}: both 'bf16_' and plain optimizer files present")
+        raise SourceError(f"{tag_dir}: both 'bf16_' and plain optimizer files present")
     return by_rank, prefixes.pop() if prefixes else ""
 
 
@@ -313,13 +310,13 @@ def read_optimizer_states(
         if dp_rank not in files_by_dp_rank:
             name = os.path.basename(first)
             name = name.replace(f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_")
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{os.path.join(tag_dir, name)}: missing optimizer file for DP rank {dp_rank}{of_rank} "
                 f"(partition_count in {first} is {world})"
             )
     if len(files_by_dp_rank) != world:
         extra = sorted(set(files_by_dp_rank) - set(range(world)))
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: world size metadata says {world} DP ranks (partition_count in {first}) "
             f"but found optimizer files{of_rank} for ranks {sorted(files_by_dp_rank)} (unexpected: "
             f"{[os.path.basename(files_by_dp_rank[r]) for r in extra]})"
@@ -329,14 +326,10 @@ def read_optimizer_states(
     for path in files[1:]:  # every further DP rank must agree with the first
         state = require(load_deepspeed_file(path), "optimizer_state_dict", path)
         if int(require(state, "zero_stage", path)) != stage:
-            raise DeepSpeedImportError(
-                f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}"
-            )
+            raise SourceError(f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}")
         count = require(state, "partition_count", path)
         if count != partition_count:
-            raise DeepSpeedImportError(
-                f"{path}: partition_count {count}, {first} has {partition_count}"
-            )
+            raise SourceError(f"{path}: partition_count {count}, {first} has {partition_count}")
         states.append(state)
     return OptimizerStates(stage, world, partition_count, files, states)
 
@@ -347,10 +340,10 @@ def read_optimizer_states(
 def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
     """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
     if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
-        raise DeepSpeedImportError(f"{path}: missing model states file{of_rank}")
+        raise SourceError(f"{path}: missing model states file{of_rank}")
     model_states = load_deepspeed_file(path)
     if not isinstance(model_states, Mapping):
-        raise DeepSpeedImportError(f"{path}: expected a dict, found {type(model_states).__name__}")
+        raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
     return model_states
 
 
@@ -364,7 +357,7 @@ def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: Optim
     """
     recorded = model_states.get("dp_world_size")
     if recorded is not None and int(recorded) != optimizer.world_size:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
             f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
         )
@@ -377,15 +370,15 @@ def frozen_shapes_of(
     of them among the ``trained`` names is an error."""
     shapes = model_states.get("frozen_param_shapes") or {}
     if not isinstance(shapes, Mapping):
-        raise DeepSpeedImportError(f"{model_file}: frozen_param_shapes is not a dict")
+        raise SourceError(f"{model_file}: frozen_param_shapes is not a dict")
     out = {}
     for name, shape in shapes.items():
         if not isinstance(name, str):
-            raise DeepSpeedImportError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
+            raise SourceError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
         out[name] = checked_shape(shape, model_file, f"frozen_param_shapes[{name!r}]")
     overlap = sorted(set(out) & set(trained))
     if overlap:
-        raise DeepSpeedImportError(f"{model_file}: parameters both frozen and trained: {overlap}")
+        raise SourceError(f"{model_file}: parameters both frozen and trained: {overlap}")
     return out
 
 
@@ -405,7 +398,7 @@ def checked_shape(shape: Any, model_file: str, what: str) -> tuple[int, ...]:
     if not isinstance(shape, (tuple, list)) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
     ):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: {what} is {shape!r}; expected a shape of non-negative integers"
         )
     return tuple(int(d) for d in shape)
@@ -417,7 +410,7 @@ def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tu
     if isinstance(groups, Mapping):
         groups = [groups]
     if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
-        raise DeepSpeedImportError(f"{model_file}: param_shapes is not a list of dicts")
+        raise SourceError(f"{model_file}: param_shapes is not a list of dicts")
     return [
         {
             str(name): checked_shape(shape, model_file, f"param_shapes[{name!r}]")

@@ -34,10 +34,10 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.errors import SourceError
 from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed import affine, files, zero
 from jax_ucp.importers.deepspeed.affine import AffineMap
-from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
 from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
 from jax_ucp.importers.deepspeed.zero import (
     STATE_TREES,
@@ -155,7 +155,7 @@ def open_megatron_deepspeed_checkpoint(
     checkpoint.matches = spec.classify(names)
     missing = [name for name in names if name not in checkpoint.matches]
     if missing:
-        raise DeepSpeedImportError(f"{tag_dir}: no import rule covers {missing[:10]}")
+        raise SourceError(f"{tag_dir}: no import rule covers {missing[:10]}")
     maps = affine.parse_affine_maps(
         info, f"{rank_files.first_model_file}: universal_checkpoint_info", rank_files.tp
     )
@@ -167,7 +167,7 @@ def open_megatron_deepspeed_checkpoint(
         for tp_rank, rank in enumerate(ranks[stage]):
             local = rank.shapes[name]
             if math.prod(local) != math.prod(amap.shard_shapes[tp_rank]):
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{rank.model_file}: {name!r} has param_shapes {tuple(local)} on TP rank "
                     f"{tp_rank}; affine_map {amap.pattern!r} describes a shard of "
                     f"{list(amap.shard_shapes[tp_rank])}"
@@ -201,20 +201,20 @@ def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
     for mp_rank in range(mp_world):
         if mp_rank not in model_files:
             path = os.path.join(tag_dir, pattern.format(mp_rank))
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: missing model states file of model-parallel rank {mp_rank} "
                 f"(pp={mp_rank // tp}, tp={mp_rank % tp}; the checkpoint has tp={tp}, pp={pp})"
             )
     extra = sorted(set(model_files) - set(range(mp_world)))
     if extra:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: model states files for ranks {extra} beyond tp={tp} x pp={pp}: "
             f"{[model_files[mp_rank] for mp_rank in extra]}"
         )
     optimizer_files, prefix = files.optimizer_files_by_rank(tag_dir)
     extra = sorted(set(optimizer_files) - set(range(mp_world)))
     if extra:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: optimizer files for model-parallel ranks {extra} beyond tp={tp} x pp={pp}"
         )
     return _RankFiles(
@@ -238,7 +238,7 @@ def _degrees(
             tp, pp = max(model_file_count, 1), 1
     recorded = first_model_states.get("mp_world_size")
     if recorded is not None and int(recorded) != tp * pp:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{first_model_file}: mp_world_size is {recorded} but the checkpoint has tp={tp} x "
             f"pp={pp} model-parallel ranks"
         )
@@ -259,7 +259,7 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
             # name, tied layers, are still checked bit-identical)
             return spec_from_ucp_info({}), {}
         if not isinstance(info, Mapping):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: no universal_checkpoint_info: a tensor-parallel checkpoint needs the "
                 f"patterns saying how TP fragments merge (Megatron-DeepSpeed writes them); pass "
                 f"spec= with import rules instead"
@@ -267,11 +267,11 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
         try:  # patterns from the file: matched with RE2 (bounded time), or refused by name
             spec = spec_from_ucp_info(info, where=f"{where}: universal_checkpoint_info")
         except SpecError as e:
-            raise DeepSpeedImportError(str(e)) from None
+            raise SourceError(str(e)) from None
     info = dict(info or {})
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
     if unsupported:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{where}: universal_checkpoint_info marks parameters as not convertible: "
             + ", ".join(f"{p}: {why}" for p, why in sorted(dict(unsupported).items()))
         )
@@ -288,7 +288,7 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     )
     recorded = model_states.get("mp_world_size")
     if recorded is not None and int(recorded) != mp_world:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: mp_world_size {recorded}, {rank_files.first_model_file} implies "
             f"{mp_world} (tp={rank_files.tp} x pp={rank_files.pp})"
         )
@@ -296,19 +296,17 @@ def _open_rank(rank_files: _RankFiles, pp_rank: int, tp_rank: int) -> DeepSpeedC
     files_by_dp_rank = rank_files.optimizer_files.get(mp_rank)
     if not files_by_dp_rank:
         name = f"{rank_files.optimizer_prefix}zero_pp_rank_0_mp_rank_{mp_rank:02d}_optim_states.pt"
-        raise DeepSpeedImportError(
-            f"{os.path.join(tag_dir, name)}: missing optimizer files{of_rank}"
-        )
+        raise SourceError(f"{os.path.join(tag_dir, name)}: missing optimizer files{of_rank}")
     optimizer = files.read_optimizer_states(tag_dir, files_by_dp_rank, of_rank=of_rank)
     if optimizer.stage not in (1, 2, 3):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}; Megatron-DeepSpeed TP/PP "
             f"checkpoints are read for ZeRO stage 1, 2 and 3"
         )
     # the stage's own model states file name (and, for stage 3, every DP rank's present)
     expected = zero.model_states_file(tag_dir, optimizer, mp_rank)
     if os.path.basename(expected) != rank_files.model_files[mp_rank]:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}{of_rank} is saved with "
             f"{os.path.basename(expected)}, but the folder holds {rank_files.model_files[mp_rank]}"
         )
@@ -321,14 +319,14 @@ def _check_same_partitioning(tag_dir: str, ranks: list[list[DeepSpeedCheckpoint]
     reference = ranks[0][0]
     for rank in (rank for row in ranks for rank in row):
         if (rank.world_size, rank.stage) != (reference.world_size, reference.stage):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{rank.optim_files[0]}: zero_stage {rank.stage} / partition_count "
                 f"{rank.world_size}, model-parallel rank 0 has {reference.stage} / "
                 f"{reference.world_size}"
             )
     dtypes = {rank.model_dtype for row in ranks for rank in row}
     if len(dtypes) != 1:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: model-parallel ranks disagree on the model dtype: "
             f"{sorted(map(str, dtypes))}"
         )
@@ -343,7 +341,7 @@ def _check_same_parameters_per_stage(ranks: list[list[DeepSpeedCheckpoint]]) -> 
             expected, held = list(reference.shapes), list(rank.shapes)
             if expected != held:
                 diff = sorted(set(expected) ^ set(held))[:5] or "a different order"
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{rank.model_file}: TP rank {tp_rank} of stage {pp_rank} holds other "
                     f"parameters than {reference.model_file}: {diff}"
                 )
@@ -383,13 +381,13 @@ def _check_layer_files(
     tp_ranks_of_layer: dict[int, dict[int, str]] = {}
     for layer, tp_rank, name in layer_files:
         if tp_rank >= checkpoint.tp:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{os.path.join(checkpoint.tag_dir, name)}: TP rank {tp_rank} beyond "
                 f"tp={checkpoint.tp}"
             )
         same = tp_ranks_of_layer.setdefault(layer, {})
         if tp_rank in same:  # layer_00-model_states.pt beside layer_00-model_00-model_states.pt
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{checkpoint.tag_dir}: two files for pipeline layer {layer} on TP rank "
                 f"{tp_rank}: {same[tp_rank]} and {name} (two saves mixed in one folder?)"
             )
@@ -398,7 +396,7 @@ def _check_layer_files(
         for tp_rank in range(checkpoint.tp):
             if tp_rank not in tp_ranks:
                 name = f"layer_{layer:02d}-model_{tp_rank:02d}-model_states.pt"
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{os.path.join(checkpoint.tag_dir, name)}: missing layer file of pipeline "
                     f"layer {layer} for TP rank {tp_rank} (other TP ranks have it)"
                 )
@@ -419,9 +417,7 @@ def _add_layer_weights(
         path = os.path.join(checkpoint.tag_dir, file_name)
         state_dict = files.load_deepspeed_file(path)
         if not isinstance(state_dict, Mapping):
-            raise DeepSpeedImportError(
-                f"{path}: expected a state dict, found {type(state_dict).__name__}"
-            )
+            raise SourceError(f"{path}: expected a state dict, found {type(state_dict).__name__}")
         for key, value in state_dict.items():
             if not isinstance(value, np.ndarray):
                 continue
@@ -473,7 +469,7 @@ def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
         if not isinstance(sizes, (list, tuple)):  # legacy: number of equal sub-params
             count, total = int(sizes), sum(widths)
             if count <= 0 or total % count:
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{name}: legacy sub-param count {count} does not divide the merged size {total}"
                 )
             return dataclasses.replace(kind, sizes=(total // count,) * count)
@@ -504,7 +500,7 @@ def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files
     try:
         return np.asarray(merge(kind, fragments, name=name, settings=checkpoint.spec.settings))
     except MergeError as e:
-        raise DeepSpeedImportError(f"{e} [files: {files_of()}]") from None
+        raise SourceError(f"{e} [files: {files_of()}]") from None
 
 
 # --------------------------------------------------------------------------- streaming
@@ -647,11 +643,11 @@ def _affine_merge(checkpoint, name, amap, per_stage, state_name, files_of) -> np
     then the vocabulary padding stripped as ds_to_universal does after a map."""
     try:
         values = [affine.rebuild(amap, f, state_name, name) for f in per_stage]
-    except DeepSpeedImportError as e:
-        raise DeepSpeedImportError(f"{e} [files: {files_of()}]") from None
+    except SourceError as e:
+        raise SourceError(f"{e} [files: {files_of()}]") from None
     for stage, other in zip(checkpoint.holders[name][1:], values[1:]):
         if other.tobytes() != values[0].tobytes():
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{name}: pipeline stage {stage} holds another {state_name} than stage "
                 f"{checkpoint.holders[name][0]} [files: {files_of()}]"
             )
@@ -704,12 +700,12 @@ def _model_copy_item(
     fragments, paths, sources = (list(e) for e in zip(*(stored[t] for t in range(checkpoint.tp))))
     for tp_rank, (fragment, path) in enumerate(zip(fragments, paths)):
         if fragment.dtype != checkpoint.model_dtype:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: {name!r} has dtype {fragment.dtype}, run dtype is {checkpoint.model_dtype}"
             )
         expected = checkpoint.ranks[stage][tp_rank].shapes[name]
         if tuple(fragment.shape) != tuple(expected):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: {name!r} has shape {tuple(fragment.shape)}, param_shapes in "
                 f"{os.path.basename(checkpoint.ranks[stage][tp_rank].model_file)} say {tuple(expected)}"
             )

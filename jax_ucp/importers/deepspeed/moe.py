@@ -36,9 +36,10 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.errors import SourceError
 from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed import files, zero
-from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, require
+from jax_ucp.importers.deepspeed.files import require
 from jax_ucp.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp.importers.plan import (
     WHOLE,
@@ -76,26 +77,26 @@ class Experts:
         """
         match = EXPERT_NAME.match(name)
         if match is None:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: {name!r} is in an expert param group but is no expert parameter "
                 "('<module>.deepspeed_experts.<i>.<key>')"
             )
         prefix, local, rest = match.group(1), int(match.group(2)), match.group(3)
         layer = self.layer_of.get(prefix)
         if layer is None:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: expert parameter {name!r} belongs to MoE module {prefix!r}, which no "
                 f"layer_*_expert_* file holds (files hold {sorted(self.layer_of)})"
             )
         experts = self.count[layer]
         if experts % ep_size:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: MoE layer {layer} has {experts} experts, not divisible by the expert "
                 f"parallel size {ep_size}"
             )
         local_count = experts // ep_size
         if local >= local_count:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: {name!r}: local expert {local}, but each of the {ep_size} expert "
                 f"parallel ranks holds {local_count} of layer {layer}'s {experts} experts"
             )
@@ -119,7 +120,7 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
             continue
         layer, expert, mp_rank = (int(g) for g in match.groups())
         if mp_rank != 0:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{os.path.join(tag_dir, name)}: an expert file of model-parallel rank {mp_rank}; "
                 "DeepSpeed MoE with tensor or pipeline parallelism is not supported (supported: "
                 "expert + data parallelism, ZeRO 0/1/2)"
@@ -127,14 +128,14 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         by_layer.setdefault(layer, {})[expert] = name
     recorded = model_states.get("num_experts")
     if isinstance(recorded, (list, tuple)) and len(recorded) != len(by_layer):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: num_experts records {len(recorded)} MoE layers, the folder has expert "
             f"files of {len(by_layer)} (layers {sorted(by_layer)})"
         )
     experts = Experts(by_layer, {})
     for index, (layer, by_expert) in enumerate(sorted(by_layer.items())):
         if layer != index:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{tag_dir}: expert files of MoE layers {sorted(by_layer)}; layer {index} is "
                 "missing"
             )
@@ -142,15 +143,15 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         if isinstance(recorded, (list, tuple)):
             count = recorded[layer]
             if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-                raise DeepSpeedImportError(f"{model_file}: num_experts[{layer}] is {count!r}")
+                raise SourceError(f"{model_file}: num_experts[{layer}] is {count!r}")
         for expert in range(count):
             if expert not in by_expert:
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{os.path.join(tag_dir, f'layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt')}"
                     f": missing file of expert {expert} of MoE layer {layer} ({count} experts)"
                 )
         if len(by_expert) != count:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{tag_dir}: MoE layer {layer} has {count} experts ({model_file}: num_experts) "
                 f"but expert files {sorted(by_expert)}"
             )
@@ -164,26 +165,26 @@ def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> N
     state = files.load_deepspeed_file(path)
     file = os.path.basename(path)
     if not isinstance(state, Mapping) or not state:
-        raise DeepSpeedImportError(f"{path}: expected a state dict of expert weights")
+        raise SourceError(f"{path}: expected a state dict of expert weights")
     for key, value in state.items():
         match = EXPERT_NAME.match(str(key))
         if match is None or int(match.group(2)) != expert:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: key {key!r} is not a parameter of expert {expert} "
                 "('<module>.deepspeed_experts.<expert>.<key>')"
             )
         if not isinstance(value, np.ndarray):
-            raise DeepSpeedImportError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
+            raise SourceError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
         prefix = match.group(1)
         if experts.layer_of.setdefault(prefix, layer) != layer:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: MoE module {prefix!r} is layer {experts.layer_of[prefix]} in other "
                 f"expert files, layer {layer} here"
             )
         experts.weights[str(key)] = (value, f"{file}:{key}")
     prefixes = {m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None}
     if len(prefixes) != 1:
-        raise DeepSpeedImportError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
+        raise SourceError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
 
 
 # --------------------------------------------------------------------------- ZeRO 1/2
@@ -198,7 +199,7 @@ def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     groups = require(base, "param_groups", f"{path} base_optimizer_state")
     counts = optimizer.partition_count
     if not isinstance(counts, (list, tuple)) or len(counts) != len(groups):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{path}: partition_count {counts!r} does not give one count per param group "
             f"({len(groups)} groups)"
         )
@@ -206,27 +207,27 @@ def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
     for index, group in enumerate(groups):
         if not (isinstance(group, Mapping) and group.get("moe")):
             if int(counts[index]) != optimizer.world_size:
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{path}: dense param group {index} partitioned over {counts[index]} ranks, "
                     f"expected all {optimizer.world_size}"
                 )
             continue
         match = EP_GROUP_NAME.match(str(group.get("name")))
         if match is None:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: expert param group {index} is named {group.get('name')!r}, expected "
                 "'ep_size_<expert parallel size>'"
             )
         ep_size = int(match.group(1))
         if ep_size <= 0 or ep_size * int(counts[index]) != optimizer.world_size:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: expert param group {index} ({group.get('name')}) is partitioned over "
                 f"{counts[index]} ranks; {optimizer.world_size} DP ranks with expert parallel "
                 f"size {ep_size} give {optimizer.world_size // max(ep_size, 1)}"
             )
         out[index] = ep_size
     if not out:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{path}: expert files beside a ZeRO optimizer with no expert ('moe') param group"
         )
     return out
@@ -237,18 +238,18 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
     parameters carry their global names; every expert file's tensor is one of them."""
     by_rank, _ = files.optimizer_files_by_rank(tag_dir)
     if not by_rank:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
             "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
         )
     if set(by_rank) != {0}:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
             "MoE with tensor or pipeline parallelism is not supported"
         )
     optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
     if optimizer.stage not in (1, 2):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{optimizer.files[0]}: zero_stage {optimizer.stage}; DeepSpeed MoE checkpoints are "
             "read for ZeRO stages 0, 1 and 2"
         )
@@ -258,7 +259,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
     ep_of_group = _expert_groups(optimizer)
     local_shapes = files.param_shapes_of(model_states, model_file)
     if len(local_shapes) != len(optimizer.states[0]["single_partition_of_fp32_groups"]):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: {len(local_shapes)} param groups in param_shapes, the optimizer "
             f"files have {len(optimizer.states[0]['single_partition_of_fp32_groups'])}"
         )
@@ -276,7 +277,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
     if expert_names != set(experts.weights):
         missing = sorted(set(experts.weights) - expert_names)
         extra = sorted(expert_names - set(experts.weights))
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: the expert param groups ({model_file}: param_shapes, local names "
             f"of every expert-parallel rank) and the expert files disagree: only in the expert "
             f"files {missing[:5]}, only in the optimizer groups {extra[:5]}"
@@ -285,7 +286,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
         shape = next(group[name] for group in shapes if name in group)
         weight, tensor = experts.weights[name]
         if tuple(weight.shape) != tuple(shape):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{tensor.split(':', 1)[0]}: {name!r} has shape {tuple(weight.shape)}, "
                 f"param_shapes in {os.path.basename(model_file)} say {tuple(shape)}"
             )
@@ -310,7 +311,7 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
         module_tensors={name: tensor for name, (_, tensor) in experts.weights.items()},
     )
     if checkpoint.frozen:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: frozen parameters {sorted(checkpoint.frozen)[:5]} in a MoE "
             "checkpoint; not supported"
         )
@@ -340,7 +341,7 @@ def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
     stored = mapped_file.read_out(np.asarray(stored))
     if cast.tobytes() != np.ascontiguousarray(stored).tobytes():
         flat = int(np.argmax(cast.reshape(-1) != stored.reshape(-1)))
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"expert parameter {item.key[1]!r}: the fp32 master from "
             f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
             f"index {flat}: {cast.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
@@ -415,7 +416,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     optimizer_files = _expert_optimizer_files(tag_dir, model_states, model_file)
     module = model_states.get("module")
     if not isinstance(module, Mapping) or not module:
-        raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
+        raise SourceError(f"{model_file}: no 'module' weights to import")
     file = os.path.basename(model_file)
     buffers = set(model_states.get("buffer_names") or [])
     weights = {
@@ -425,7 +426,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     }
     clash = sorted(set(weights) & set(experts.weights))
     if clash:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: expert parameters {clash[:5]} are also in module (expected apart)"
         )
     dense = list(weights)
@@ -519,7 +520,7 @@ def zero0_index_names(
     dense_groups = [g for g in groups if isinstance(g, Mapping) and not g.get("moe")]
     expert_groups = [g for g in groups if isinstance(g, Mapping) and g.get("moe")]
     if len(groups) != 2 or len(dense_groups) != 1 or len(expert_groups) != 1:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{where}: {len(dense_groups)} dense and {len(expert_groups)} expert param groups; "
             "the index -> parameter mapping of ZeRO-0 optimizer state is known for one dense "
             "group and one expert group (split_params_into_different_moe_groups_for_optimizer "
@@ -537,7 +538,7 @@ def zero0_index_names(
     for group, names in ((dense_groups[0], dense), (expert_groups[0], local)):
         params = group.get("params")
         if not isinstance(params, (list, tuple)) or len(params) != len(names):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{where}: param group {group.get('name')!r} holds "
                 f"{len(params) if isinstance(params, (list, tuple)) else params!r} parameters, "
                 f"the checkpoint's {'expert' if group.get('moe') else 'dense'} parameters of "
@@ -546,7 +547,7 @@ def zero0_index_names(
             )
         for index, name in zip(params, names):
             if not isinstance(index, int) or isinstance(index, bool) or index in out:
-                raise DeepSpeedImportError(f"{where}: bad or repeated parameter index {index!r}")
+                raise SourceError(f"{where}: bad or repeated parameter index {index!r}")
             out[index] = name
     return out
 
@@ -567,7 +568,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         source: the manifest's source record, whose ``skipped`` is filled.
     """
     if any(np.asarray(weights[n][0]).dtype != np.float32 for n in weights):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: ZeRO-0 optimizer state is imported for fp32 runs (the weights are "
             "then the trained values); import the weights with weights_only=True"
         )
@@ -585,7 +586,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         inner = require(optimizer, "state", f"{path} optimizer")
         by_index = zero0_index_names(list(groups), dense, experts, ep_rank, ep_size, path)
         if set(inner) != set(by_index):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: optimizer state for parameter indices {sorted(inner)[:8]}..., the param "
                 f"groups list {sorted(by_index)[:8]}...; every parameter needs its Adam state"
             )
@@ -597,7 +598,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
                 value = require(entry, key, where)
                 shape = np.asarray(weights[name][0]).shape
                 if not isinstance(value, np.ndarray) or value.shape != shape:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
                         f"{name!r} (at this index) has shape {shape}: the parameter order is not "
                         "the module's; import the weights with weights_only=True"
@@ -613,7 +614,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
             held = moments.get(name)
             for stored, value, tensor in zip(held[:2] if held else (), pair, tensors):
                 if stored.tobytes() != value.tobytes():
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{tensor}: {name!r} differs from the same parameter's state on another "
                         "rank (data-parallel replicas hold the same Adam state): files from "
                         "different saves"
@@ -637,7 +638,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         steps,
         os.path.dirname(model_file),
         recorded_by="ranks or parameters",
-        error=DeepSpeedImportError,
+        error=SourceError,
     )
     return moments, (count, step_tensors)
 
@@ -650,7 +651,7 @@ def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str
         match = files.EXPERT_OPTIMIZER_FILE.match(name)
         if match:
             if int(match.group(2)) != 0:
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{os.path.join(tag_dir, name)}: model-parallel rank {match.group(2)}; "
                     "DeepSpeed MoE with tensor or pipeline parallelism is not supported"
                 )
@@ -663,18 +664,18 @@ def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str
         if isinstance(g, Mapping) and (m := EP_GROUP_NAME.match(str(g.get("name"))))
     }
     if len(sizes) > 1:
-        raise DeepSpeedImportError(f"{model_file}: several expert parallel sizes {sorted(sizes)}")
+        raise SourceError(f"{model_file}: several expert parallel sizes {sorted(sizes)}")
     ep_size = sizes.pop() if sizes else len(found)
     for rank in range(ep_size):
         if rank not in found:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{os.path.join(tag_dir, f'expp_rank_{rank}_mp_rank_00_optim_states.pt')}: "
                 f"missing optimizer file of expert-parallel rank {rank} (expert parallel size "
                 f"{ep_size})"
             )
     extra = sorted(set(found) - set(range(ep_size)))
     if extra:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: optimizer files of expert-parallel ranks {extra} beyond the expert "
             f"parallel size {ep_size}: {[os.path.basename(found[r]) for r in extra]}"
         )

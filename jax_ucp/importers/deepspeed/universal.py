@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import SourceError
 from jax_ucp.format import files, mapped_file
 from jax_ucp.importers.deepspeed.files import (
-    DeepSpeedImportError,
     dtype_of_run,
     follow_tracker,
     frozen_shapes_of,
@@ -95,7 +95,7 @@ def universal_tag_dir(src: str, tag: str | None) -> str | None:
         return None
     tag_dir = follow_tracker(src, tracker)
     if not is_universal_tag_dir(tag_dir):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tracker} names {tag_dir}, which holds no universal checkpoint (expected a 'zero/' "
             "folder beside '*mp_rank_*_model_states.pt' files)"
         )
@@ -147,7 +147,7 @@ def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
         return value, f"{rel}:"
     if isinstance(value, Mapping) and isinstance(value.get("param"), np.ndarray):
         return value["param"], f"{rel}:param"
-    raise DeepSpeedImportError(
+    raise SourceError(
         f"{path}: expected a tensor or a dict with a 'param' tensor (ds_to_universal's "
         f"layout), found {type(value).__name__}"
     )
@@ -165,7 +165,7 @@ def _model_files(tag_dir: str) -> tuple[dict[int, dict[int | None, str]], int]:
     world = max((len(v) for v in zero3.values()), default=0)
     for mp, dps in zero3.items():
         if dps and dps != list(range(world)):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{tag_dir}: ZeRO-3 model states of model-parallel rank {mp} for DP ranks {dps}; "
                 f"expected 0..{world - 1}"
             )
@@ -176,7 +176,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     """Finds and checks every file of a universal tag folder; tensors stay memory-mapped."""
     by_mp, world = _model_files(tag_dir)
     if sorted(by_mp) != list(range(len(by_mp))):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: model states of model-parallel ranks {sorted(by_mp)}; expected "
             f"0..{len(by_mp) - 1}"
         )
@@ -190,7 +190,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     mp_world_size = len(by_mp)
     recorded = model_states.get("mp_world_size")
     if recorded not in (None, mp_world_size):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{first}: mp_world_size is {recorded} but {tag_dir} holds model states of "
             f"{mp_world_size} model-parallel rank(s)"
         )
@@ -200,12 +200,12 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
     optimizer_path = os.path.join(zero, OPTIMIZER_STATE)  # absent: an empty dict
     optimizer_state = load_deepspeed_file(optimizer_path) if os.path.lexists(optimizer_path) else {}
     if not isinstance(optimizer_state, Mapping):
-        raise DeepSpeedImportError(f"{optimizer_path}: expected a dict")
+        raise SourceError(f"{optimizer_path}: expected a dict")
     stage = optimizer_state.get("zero_stage")
     stage = int(stage) if stage is not None else (3 if world else None)
     info = model_states.get("universal_checkpoint_info") or {}
     if not isinstance(info, Mapping):
-        raise DeepSpeedImportError(f"{first}: universal_checkpoint_info is not a dict")
+        raise SourceError(f"{first}: universal_checkpoint_info is not a dict")
     shapes: dict[str, Any] = {}  # every trained parameter's shape, the first file naming it wins
     for path, states in model_files.items():
         for group in param_shapes_of(states, path):
@@ -246,7 +246,7 @@ def _param_folders(
         if name in frozen or name not in shapes:
             if present != {"fp32"}:
                 what = "frozen" if name in frozen else "not in param_shapes of " + first
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{folder}: parameter {name!r} is {what} but has optimizer state "
                     f"{sorted(present - {'fp32'})}"
                 )
@@ -255,7 +255,7 @@ def _param_folders(
             continue
         missing = sorted({"exp_avg", "exp_avg_sq"} - present)
         if missing:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{folder}: parameter {name!r} has no {' / '.join(f'{m}.pt' for m in missing)} "
                 "(ds_to_universal writes fp32.pt alone for a parameter that never had optimizer "
                 "state). To import the weights alone: convert(..., weights_only=True) / "
@@ -264,7 +264,7 @@ def _param_folders(
         params[name] = _open_param(folder, name, shapes[name], mp_world_size)
     missing = [n for n in shapes if n not in params]
     if missing:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{zero}: no folder for parameter(s) {missing[:8]} of param_shapes in {first} "
             f"({len(missing)} missing)"
         )
@@ -277,19 +277,19 @@ def _folder_states(folder: str, name: str) -> set[str]:
     """The states a parameter folder holds: a real folder of known ``<state>.pt`` files, fp32.pt
     among them."""
     if not os.path.isdir(folder) or os.path.islink(folder):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{folder}: expected a parameter folder (or {OPTIMIZER_STATE}) under zero/"
         )
     present = {f[:-3] for f in os.listdir(folder) if f.endswith(".pt")}
     unknown = sorted(set(os.listdir(folder)) - {f"{s}.pt" for s in present})
     unknown += sorted(s for s in present if s not in ("fp32", "exp_avg", "exp_avg_sq", "step"))
     if unknown:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{folder}: unexpected entries {unknown}; a universal parameter folder holds "
             "fp32.pt, exp_avg.pt, exp_avg_sq.pt and step.pt"
         )
     if "fp32" not in present:
-        raise DeepSpeedImportError(f"{folder}/fp32.pt: missing (parameter {name!r})")
+        raise SourceError(f"{folder}/fp32.pt: missing (parameter {name!r})")
     return present
 
 
@@ -301,13 +301,13 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
     for state, _ in STATE_TREES:
         array, source = _load_state(os.path.join(folder, f"{state}.pt"), f"{rel}/{state}.pt")
         if array.dtype != np.float32:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} is {array.dtype}, expected float32"
             )
         if array.ndim == 1 and array.size == numel(local_shape) and mp_world_size == 1:
             full = tuple(local_shape)  # flat: ZeRO-3's layout, shape from param_shapes
         elif array.ndim == 1 and mp_world_size > 1 and tuple(local_shape) != array.shape:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} is a flat tensor of {array.size} "
                 f"elements from a run of {mp_world_size} model-parallel ranks, whose "
                 f"param_shapes record only each rank's piece ({tuple(local_shape)})"
@@ -315,12 +315,12 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
         else:
             full = tuple(array.shape)
         if mp_world_size == 1 and numel(full) != numel(local_shape):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
                 f"{array.shape}; param_shapes says {tuple(local_shape)}"
             )
         if param.arrays and full != param.shape:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} has shape {full}, fp32.pt has "
                 f"{param.shape}"
             )
@@ -337,7 +337,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
         elif isinstance(step, (int, float)) and not isinstance(step, bool):
             param.step = float(step)
         else:
-            raise DeepSpeedImportError(f"{step_path}: expected a scalar step, found {step!r}"[:300])
+            raise SourceError(f"{step_path}: expected a scalar step, found {step!r}"[:300])
     return param
 
 
@@ -369,12 +369,12 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
                 (tensors if tensor else values).append(name)
     where = os.path.join(checkpoint.tag_dir, ZERO_DIR)
     if not found:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{where}: no step.pt in any parameter folder and no step in {OPTIMIZER_STATE}; "
             "cannot recover the optimizer step. To import the weights alone: convert(..., "
             "weights_only=True) / jax-ucp convert --weights-only"
         )
-    step = agreed_step(found, where, recorded_by="parameters", error=DeepSpeedImportError)
+    step = agreed_step(found, where, recorded_by="parameters", error=SourceError)
     return step, tensors, values
 
 
@@ -439,7 +439,7 @@ def _frozen_fp32(
     copy = _load_state(os.path.join(checkpoint.tag_dir, ZERO_DIR, name, "fp32.pt"), "")[0]
     copy, weight = mapped_file.read_out(copy), mapped_file.read_out(weight)
     if copy.shape != weight.shape or not np.array_equal(copy, weight.astype(np.float32)):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{checkpoint.tag_dir}/zero/{name}/fp32.pt: frozen parameter {name!r} "
             f"differs from its weights in frozen_param_fragments of {frozen_files}"
         )

@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
+from jax_ucp.errors import SourceError
 from jax_ucp.format import files, mapped_file
 from jax_ucp.importers.deepspeed.files import (
     OPTIMIZER_FILE,
     ZERO3_MODEL_FILE,
-    DeepSpeedImportError,
     OptimizerStates,
     check_dp_world_size,
     dtype_of_run,
@@ -151,16 +151,14 @@ def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
     """The ZeRO files of a tag folder without tensor/pipeline parallelism (MP rank 0 only)."""
     by_rank, _ = optimizer_files_by_rank(tag_dir)
     if not by_rank.get(0):
-        raise DeepSpeedImportError(
-            f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files"
-        )
+        raise SourceError(f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files")
     if set(by_rank) != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched first)
-        raise DeepSpeedImportError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
+        raise SourceError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
     optimizer = read_optimizer_states(tag_dir, by_rank[0])
     model_file = model_states_file(tag_dir, optimizer)
     model_states = load_model_states(model_file)
     if model_states.get("mp_world_size", 1) not in (None, 1):
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: mp_world_size is {model_states['mp_world_size']} but the folder holds "
             f"the files of model-parallel rank 0 only (missing mp_rank_01_* files?)"
         )
@@ -179,15 +177,11 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
     if optimizer.stage in (1, 2):
         return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
     if optimizer.stage != 3:
-        raise DeepSpeedImportError(
-            f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}"
-        )
+        raise SourceError(f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}")
     for dp_rank in range(optimizer.world_size):
         path = os.path.join(tag_dir, ZERO3_MODEL_NAME.format(dp_rank, mp_rank))
         if not os.path.lexists(path):
-            raise DeepSpeedImportError(
-                f"{path}: missing stage-3 model states file for DP rank {dp_rank}"
-            )
+            raise SourceError(f"{path}: missing stage-3 model states file for DP rank {dp_rank}")
         with unsafe_files_refused(f" (stage-3 model states of DP rank {dp_rank})"):
             files.check_regular(path)
     found = [
@@ -196,7 +190,7 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
         if (m := ZERO3_MODEL_FILE.match(f)) and int(m.group(2)) == mp_rank
     ]
     if len(found) != optimizer.world_size:
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{tag_dir}: world size metadata says {optimizer.world_size} DP ranks but found "
             f"{len(found)} stage-3 model states files"
             + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
@@ -239,7 +233,7 @@ def open_zero_rank(
     if not isinstance(shared, Mapping) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
     ):
-        raise DeepSpeedImportError(f"{model_file}: shared_params is not a dict of names")
+        raise SourceError(f"{model_file}: shared_params is not a dict of names")
     checkpoint = DeepSpeedCheckpoint(
         tag_dir=tag_dir,
         stage=optimizer.stage,
@@ -280,7 +274,7 @@ class FlatVector:
     def take(self, start: int, count: int) -> list[np.ndarray]:
         """Views of elements ``[start, start + count)``, one per array they span."""
         if start + count > self.size:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{self.what}: needs elements [{start}, {start + count}) but holds {self.size}"
             )
         out = []
@@ -304,7 +298,7 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
     for name, fragments in plan.items():
         held = sum(piece.numel for piece in fragments.pieces)
         if held != numel(shapes[name]):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{checkpoint.tag_dir}: parameter {name!r} shape {shapes[name]} has "
                 f"{numel(shapes[name])} elements but the optimizer files hold {held} "
                 f"(ranks {[piece.dp_rank for piece in fragments.pieces]})"
@@ -329,7 +323,7 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
         path = checkpoint.optim_files[dp_rank]
         slice_mappings = require(optimizer_state, "param_slice_mappings", path)
         if len(slice_mappings) != len(checkpoint.param_shapes):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: {len(slice_mappings)} param groups in param_slice_mappings, "
                 f"{checkpoint.model_file} has {len(checkpoint.param_shapes)}"
             )
@@ -339,29 +333,27 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                     name = checkpoint.rename(dp_rank, group, name)
                 fragments = plan.get(name)
                 if fragments is None:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: parameter {name!r} in param_slice_mappings is not in "
                         f"param_shapes of {checkpoint.model_file}"
                     )
                 if fragments.group != group:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: parameter {name!r} in group {group}, expected {fragments.group}"
                     )
                 if not isinstance(address, StandIn) or not all(
                     hasattr(address, attribute) for attribute in ("numel", "start")
                 ):
-                    raise DeepSpeedImportError(
-                        f"{path}: bad fragment_address for {name!r}: {address!r}"
-                    )
+                    raise SourceError(f"{path}: bad fragment_address for {name!r}: {address!r}")
                 start, count = getattr(address, "start"), getattr(address, "numel")  # a StandIn
                 size = optimizer_state["single_partition_of_fp32_groups"][group].size
                 if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: parameter {name!r}: fragment_address start={start!r} "
                         f"numel={count!r}; expected a start >= 0 and numel > 0"
                     )
                 if start + count > size:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: parameter {name!r}: fragment [{start}, {start + count}) reaches "
                         f"past the end of group {group}'s partition of {size} elements"
                     )
@@ -386,7 +378,7 @@ def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path
         spans, spans[1:]
     ):
         if group == next_group and next_start < end:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: parameters {name!r} (elements [{start}, {end})) and {other!r} "
                 f"([{next_start}, {next_end})) overlap in group {group}'s partition; each "
                 "element belongs to one parameter"
@@ -413,7 +405,7 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
             require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
         )
         if fp32.size != offset:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
                 f"{checkpoint.model_file} with {world} DP ranks need {offset}"
             )
@@ -430,22 +422,20 @@ def _check_stage12_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
         if not isinstance(fp32, (list, tuple)) or not all(
             isinstance(part, np.ndarray) for part in fp32
         ):
-            raise DeepSpeedImportError(
-                f"{path}: single_partition_of_fp32_groups is not a list of tensors"
-            )
+            raise SourceError(f"{path}: single_partition_of_fp32_groups is not a list of tensors")
         if len(fp32) != groups:
-            raise DeepSpeedImportError(f"{path}: {len(fp32)} fp32 partitions for {groups} groups")
+            raise SourceError(f"{path}: {len(fp32)} fp32 partitions for {groups} groups")
         for group in range(len(fp32)):
             for state_name in ("exp_avg", "exp_avg_sq"):
                 group_state = require(inner, group, f"{path} state")
                 moment = require(group_state, state_name, f"{path} state[{group}]")
                 if not isinstance(moment, np.ndarray):
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: group {group} {state_name} is a {type(moment).__name__}, "
                         "expected a tensor"
                     )
                 if moment.size < fp32[group].size:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: group {group} {state_name} has {moment.size} elements, "
                         f"fp32 partition has {fp32[group].size}"
                     )
@@ -468,7 +458,7 @@ def _check_stage12_contiguity(
                 or before.start + before.numel != end
                 or after.start != 0
             ):
-                raise DeepSpeedImportError(
+                raise SourceError(
                     f"{checkpoint.optim_files[after.dp_rank]}: parameter {name!r} does not "
                     f"continue where {os.path.basename(checkpoint.optim_files[before.dp_rank])} "
                     f"leaves it (piece [{before.start}, {before.start + before.numel}) of a "
@@ -499,7 +489,7 @@ def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.nd
     same = (want.view(np.uint8) == found.view(np.uint8)).reshape(len(index), -1).all(axis=1)
     if not same.all():
         bad = int(np.argmin(same))
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"parameter {name!r}: the fp32 master in "
             f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in pieces]} "
             f"gives {found[bad]!r} at flat index {int(index[bad])}, the model weight in "
@@ -576,7 +566,7 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
         flat = vector[fragments.group]
         end = piece.start + piece.numel
         if end > flat.size:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{checkpoint.optim_files[piece.dp_rank]}: parameter {name!r} {state_name} "
                 f"fragment [{piece.start}, {end}) exceeds group {fragments.group} partition "
                 f"of {flat.size}"
@@ -640,7 +630,7 @@ def optimizer_step(*checkpoints: DeepSpeedCheckpoint) -> int:
         seen,
         checkpoints[0].tag_dir,
         recorded_by="ranks or parameter groups",
-        error=DeepSpeedImportError,
+        error=SourceError,
     )
 
 
@@ -823,7 +813,7 @@ def _model_copy_item(
     stored = checkpoint.module.get(name) if checkpoint.stage in (1, 2) else None
     if isinstance(stored, np.ndarray) and stored.shape == shape and stored.size:
         if stored.dtype != checkpoint.model_dtype:
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
                 f"{checkpoint.model_dtype}"
             )
@@ -860,7 +850,7 @@ def frozen_items(
     for path in checkpoint.frozen_files:
         found = _model_states(checkpoint, path).get("frozen_param_fragments")
         if not isinstance(found, Mapping):
-            raise DeepSpeedImportError(f"{path}: frozen_param_fragments missing")
+            raise SourceError(f"{path}: frozen_param_fragments missing")
         fragments.append((path, found))
     frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
     for name in names:
@@ -870,13 +860,13 @@ def frozen_items(
         for path, found in fragments:
             part = found.get(name)
             if not isinstance(part, np.ndarray):
-                raise DeepSpeedImportError(f"{path}: frozen parameter {name!r} has no weights")
+                raise SourceError(f"{path}: frozen parameter {name!r} has no weights")
             parts.append(part.reshape(-1))
         if checkpoint.stage == 3:
             expected = math.ceil(count / checkpoint.world_size)
             for (path, _), part in zip(fragments, parts):
                 if part.size != expected:
-                    raise DeepSpeedImportError(
+                    raise SourceError(
                         f"{path}: frozen parameter {name!r}: a partition of {part.size} "
                         f"elements; {checkpoint.world_size} DP ranks of shape {shape} need "
                         f"{expected}"
@@ -885,7 +875,7 @@ def frozen_items(
             np.concatenate([mapped_file.read_out(p) for p in parts]) if len(parts) > 1 else parts[0]
         )
         if flat.size < count or (checkpoint.stage != 3 and flat.size != count):
-            raise DeepSpeedImportError(
+            raise SourceError(
                 f"{checkpoint.frozen_files[0]}: frozen parameter {name!r} shape {shape} needs "
                 f"{count} elements, the files hold {flat.size}"
             )
@@ -926,7 +916,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     model_states = load_model_states(model_file)
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None
-        raise DeepSpeedImportError(
+        raise SourceError(
             f"{model_file}: a ZeRO stage 0 checkpoint (no '*zero_pp_rank_*_optim_states.pt' "
             f"files{'; its optimizer state is inside this file' if has_optimizer else ''}). "
             "Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages 1, 2 "
@@ -935,7 +925,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
         )
     module = model_states.get("module")
     if not isinstance(module, Mapping) or not module:
-        raise DeepSpeedImportError(f"{model_file}: no 'module' weights to import")
+        raise SourceError(f"{model_file}: no 'module' weights to import")
     names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
     file = os.path.basename(model_file)
     items = (

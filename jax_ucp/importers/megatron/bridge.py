@@ -36,14 +36,14 @@ from typing import Any
 import numpy as np
 import yaml
 
+from jax_ucp.errors import MegatronImportError
 from jax_ucp.format import files
-from jax_ucp.importers.megatron import MegatronImportError, legacy, plan_megatron
+from jax_ucp.importers.megatron import legacy, plan_megatron
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 from jax_ucp.language import Spec, load_spec
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
-    "MegatronBridgeError",
     "BridgeCheckpoint",
     "is_megatron_bridge",
     "find_bridge_checkpoint",
@@ -75,9 +75,6 @@ _KNOWN_FILES = {".metadata", "metadata.json", "common.pt", TRAIN_STATE_FILE, RUN
 _ITER_DIR = re.compile(r"iter_(\d+)")
 
 
-MegatronBridgeError = MegatronImportError  # a Megatron Bridge checkpoint gone wrong
-
-
 @dataclasses.dataclass(frozen=True)
 class BridgeCheckpoint:
     """Where a Bridge checkpoint's files are, and its train state."""
@@ -104,7 +101,7 @@ def is_megatron_bridge(src: os.PathLike | str) -> bool:
         return True
     try:
         step = _tracker_step(path / TRACKER_FILE)
-    except MegatronBridgeError:
+    except MegatronImportError:
         return False  # Megatron-LM's importer names what is wrong with it
     iter_dir = path / f"iter_{step:07d}" if step is not None else None
     return iter_dir is not None and any(
@@ -118,7 +115,7 @@ def _iteration_inside(root: Path, iter_dir: Path) -> None:
     try:
         files.inside(root, iter_dir.name, str(root))
     except files.UnsafeFileError as e:
-        raise MegatronBridgeError(str(e)) from None
+        raise MegatronImportError(str(e)) from None
 
 
 def _tracker_step(tracker: Path) -> int | None:
@@ -129,11 +126,11 @@ def _tracker_step(tracker: Path) -> int | None:
         raw = files.read_regular(files.in_own_folder(tracker), 4096)
         text = raw.decode("utf-8", "replace").strip()
     except files.UnsafeFileError as e:
-        raise MegatronBridgeError(str(e)) from None
+        raise MegatronImportError(str(e)) from None
     if not text.isdigit():
         return None
     if not text.isascii() or len(text) > 18:
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{tracker}: iteration {text[:40]!r}{'...' if len(text) > 40 else ''} is not a "
             f"number of at most 18 ASCII digits"
         )
@@ -145,7 +142,7 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
     else the step in ``latest_train_state.pt`` (Megatron-LM's tracker file must agree)."""
     path = Path(src)
     if not path.is_dir():
-        raise MegatronBridgeError(f"{src}: not a directory")
+        raise MegatronImportError(f"{src}: not a directory")
     latest = path / LATEST_TRAIN_STATE_FILE
     if os.path.lexists(latest) and not os.path.lexists(path / TRAIN_STATE_FILE):
         step = read_train_state(latest)["step"]
@@ -153,20 +150,20 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
         # Megatron-LM's tracker (Bridge writes it with the same step) must not name another save
         tracked = _tracker_step(path / TRACKER_FILE)
         if tracked is not None and tracked != step:
-            raise MegatronBridgeError(
+            raise MegatronImportError(
                 f"{path / TRACKER_FILE}: iteration {tracked}, but {latest} says step {step}; the "
                 f"two trackers of one Bridge save agree (a later save by another tool?)"
             )
         if not iter_dir.is_dir():
             found = sorted(p.name for p in path.iterdir() if _ITER_DIR.fullmatch(p.name))
             shown = ", ".join(found[:8]) + (f", ... ({len(found)})" if len(found) > 8 else "")
-            raise MegatronBridgeError(
+            raise MegatronImportError(
                 f"{latest}: step {step}, but {iter_dir} (its iteration directory) is missing; "
                 f"iteration directories here: {shown or 'none'}"
             )
         state = read_train_state(iter_dir / TRAIN_STATE_FILE)
         if state["step"] != step:
-            raise MegatronBridgeError(
+            raise MegatronImportError(
                 f"{iter_dir / TRAIN_STATE_FILE}: step {state['step']}, but {latest} says {step}"
             )
         _iteration_inside(path, iter_dir)
@@ -178,7 +175,7 @@ def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
     state = read_train_state(path / TRAIN_STATE_FILE)
     match = _ITER_DIR.fullmatch(path.name)
     if match and int(match.group(1)) != state["step"]:
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{path / TRAIN_STATE_FILE}: step {state['step']}, but the directory is "
             f"{path.name} (iteration {int(match.group(1))})"
         )
@@ -190,7 +187,7 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
     non-negative int). Read by the allow-listed unpickler: torch tensors only."""
     path = Path(path)
     if not os.path.lexists(path):
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{path}: missing; Megatron Bridge writes {TRAIN_STATE_FILE} into every iteration "
             f"directory (the train state: step, consumed samples)"
         )
@@ -199,15 +196,15 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         files.in_own_folder(path)
         size = os.stat(path).st_size
         if size > MAX_TRAIN_STATE_BYTES:
-            raise MegatronBridgeError(
+            raise MegatronImportError(
                 f"{path}: {size} bytes, more than the {MAX_TRAIN_STATE_BYTES} a train state may "
                 f"have (Bridge's is a few KB)"
             )
         raw = unpickler.load_torch_file(path)
     except (files.UnsafeFileError, unpickler.TorchFileError) as e:
-        raise MegatronBridgeError(str(e)) from None
+        raise MegatronImportError(str(e)) from None
     if not isinstance(raw, dict) or "step" not in raw:
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{path}: holds {unpickler.short_repr(raw)}, expected Bridge's train state "
             f"(a dict with 'step')"
         )
@@ -215,7 +212,7 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
     for key, value in raw.items():
         # a tensor, not anything else with a ``shape`` (an OrderedDict given one by BUILD)
         if not isinstance(key, str) or not isinstance(value, np.ndarray) or value.shape != ():
-            raise MegatronBridgeError(
+            raise MegatronImportError(
                 f"{path}: entry {unpickler.short_repr(key, 80)} is "
                 f"{unpickler.short_repr(value)}, expected a 0-d tensor (Bridge's "
                 f"TrainState.state_dict)"
@@ -223,7 +220,7 @@ def read_train_state(path: os.PathLike | str) -> dict[str, Any]:
         state[key] = value.item()
     step = state["step"]
     if type(step) is not int or step < 0:
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{path}: step {unpickler.short_repr(step, 80)}, expected a non-negative integer"
         )
     return state
@@ -239,7 +236,7 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
     are used: a billion-laughs file is refused before anything walks it)."""
     path = Path(path)
     if not os.path.lexists(path):
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{path}: missing; Megatron Bridge writes {RUN_CONFIG_FILE} beside "
             f"{TRAIN_STATE_FILE} at every save, and only it records the model settings "
             f"(heads, query groups, kv channels, SwiGLU, vocab size) of a Bridge checkpoint"
@@ -247,23 +244,23 @@ def read_run_config(path: os.PathLike | str) -> dict[str, Any]:
     try:
         text = files.read_regular(files.in_own_folder(path), MAX_RUN_CONFIG_BYTES)
     except files.UnsafeFileError as e:
-        raise MegatronBridgeError(str(e)) from None
+        raise MegatronImportError(str(e)) from None
     loader = _SafeLoader(text)
     try:
         node = loader.get_single_node()
         if node is None:
-            raise MegatronBridgeError(f"{path}: empty, expected Bridge's run config (a mapping)")
+            raise MegatronImportError(f"{path}: empty, expected Bridge's run config (a mapping)")
         _check_nodes(node, path)
         config = loader.construct_document(node)
     except yaml.YAMLError as e:
         why = " ".join(str(e).split())[:300]  # on one line
-        raise MegatronBridgeError(f"{path}: not valid YAML ({why})") from None
+        raise MegatronImportError(f"{path}: not valid YAML ({why})") from None
     except RecursionError:
-        raise MegatronBridgeError(f"{path}: nested too deeply to be a run config") from None
+        raise MegatronImportError(f"{path}: nested too deeply to be a run config") from None
     finally:
         loader.dispose()
     if not isinstance(config, dict):
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{path}: holds a {type(config).__name__}, expected Bridge's run config (a mapping "
             f"with a 'model' section)"
         )
@@ -290,7 +287,7 @@ def _check_nodes(root: yaml.Node, path: Path) -> None:
             on_path.discard(id(node))
             total = 1 + sum(size[id(child)] for child, _ in _children(node, key))
             if total > MAX_YAML_NODES:
-                raise MegatronBridgeError(
+                raise MegatronImportError(
                     f"{path}: more than {MAX_YAML_NODES} YAML nodes once its aliases are "
                     f"expanded (an alias bomb?); Bridge's run config has a few thousand"
                 )
@@ -299,10 +296,10 @@ def _check_nodes(root: yaml.Node, path: Path) -> None:
         if id(node) in size:
             continue
         if id(node) in on_path:
-            raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
+            raise MegatronImportError(f"{path}: a YAML alias that contains itself")
         number = isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS
         if number and len(node.value) > MAX_NUMBER_CHARS:
-            raise MegatronBridgeError(
+            raise MegatronImportError(
                 f"{path}: {key} (line {node.start_mark.line + 1}) is a number of "
                 f"{len(node.value)} characters ({node.value[:20]}...); a run config's "
                 f"numbers have at most {MAX_NUMBER_CHARS}"
@@ -311,7 +308,7 @@ def _check_nodes(root: yaml.Node, path: Path) -> None:
         stack.append((node, key, True))
         for child, child_key in _children(node, key):
             if id(child) in on_path:
-                raise MegatronBridgeError(f"{path}: a YAML alias that contains itself")
+                raise MegatronImportError(f"{path}: a YAML alias that contains itself")
             if id(child) not in size:
                 stack.append((child, child_key, False))
 
@@ -361,7 +358,7 @@ def bridge_settings(run_config: Mapping[str, Any], where: os.PathLike | str) -> 
     a spec needs, each type-checked."""
     model = run_config.get("model")
     if not isinstance(model, dict):
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{where}: no 'model' section (found {sorted(map(str, run_config))[:12]}); Bridge's "
             f"run config records the model provider there"
         )
@@ -397,13 +394,13 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
         value = fields.get(key)
         if value is not None:
             if type(value) is not bool:
-                raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected true/false")
+                raise MegatronImportError(f"{where}: model.{key} is {value!r}, expected true/false")
             settings[name] = not value if name.startswith("untie_") else value
     for key, name in _MODEL_STRINGS.items():
         value = fields.get(key)
         if value is not None:
             if not isinstance(value, str) or len(value) > 100:
-                raise MegatronBridgeError(f"{where}: model.{key} is {value!r}, expected a name")
+                raise MegatronImportError(f"{where}: model.{key} is {value!r}, expected a name")
             settings[name] = value
 
 
@@ -414,7 +411,7 @@ def _int_field(value: Any, key: str, where: os.PathLike | str) -> int:
             if type(value) is int and value.bit_length() > 64
             else unpickler.short_repr(value, 80)
         )
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{where}: {key if '.' in key else 'model.' + key} is {shown}, expected a "
             f"non-negative integer below 2**63"
         )
@@ -453,7 +450,7 @@ def plan_megatron_bridge(
     settings = bridge_settings(run_config, config_path)
     ckpt_format = _section(run_config, "checkpoint").get("ckpt_format", "torch_dist")
     if ckpt_format != "torch_dist":
-        raise MegatronBridgeError(
+        raise MegatronImportError(
             f"{config_path}: checkpoint.ckpt_format is {ckpt_format!r}; Bridge checkpoints are "
             f"imported from megatron-core's 'torch_dist' format only"
         )

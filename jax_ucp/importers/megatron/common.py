@@ -10,10 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import MegatronImportError, TorchFileError
-from jax_ucp.importers.megatron import legacy
+from jax_ucp.errors import MegatronImportError, SourceError, TorchFileError
 from jax_ucp.importers.plan import agreed_step
-from jax_ucp.torchfiles.dcp_reader import DcpError
 
 
 @contextlib.contextmanager
@@ -23,8 +21,8 @@ def named_errors() -> Iterator[None]:
     try:
         yield
     except (TorchFileError, MegatronImportError):
-        raise  # DcpError and LegacyError are SourceError, the group of both
-    except (DcpError, legacy.LegacyError) as e:
+        raise  # SourceError and SourceError are SourceError, the group of both
+    except (SourceError, SourceError) as e:
         raise MegatronImportError(str(e)) from None
 
 

@@ -15,20 +15,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.torchfiles import dcp_reader, unpickler
 from jax_ucp.torchfiles.dcp_reader import (
     SUPPORTED_TRANSFORMS,
     DcpCheckpoint,
     DcpChunk,
-    DcpError,
     DcpObject,
     DcpTensor,
     check_coverage,
 )
 
 __all__ = [
-    "DcpError",
     "DcpChunk",
     "DcpTensor",
     "DcpObject",
@@ -77,11 +76,11 @@ def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
                 files.read_regular(files.in_own_folder(mj), MAX_MCORE_METADATA_BYTES)
             )
         except files.UnsafeFileError as e:  # names the file
-            raise DcpError(str(e)) from None
+            raise SourceError(str(e)) from None
         except (ValueError, RecursionError) as e:
-            raise DcpError(f"{mj}: not JSON ({str(e)[:200]})") from None
+            raise SourceError(f"{mj}: not JSON ({str(e)[:200]})") from None
         if not isinstance(mcore, dict):
-            raise DcpError(f"{mj}: a JSON {type(mcore).__name__}, expected an object")
+            raise SourceError(f"{mj}: a JSON {type(mcore).__name__}, expected an object")
     return MegatronDcpCheckpoint(
         base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
     )

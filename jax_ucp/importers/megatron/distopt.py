@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.megatron import dcp, legacy
 from jax_ucp.importers.megatron.common import (
     SUPPORTED_LAYOUTS,
@@ -109,7 +110,7 @@ class BucketStates(RankStates):
                 self.layout[rank] = legacy.bucket_layout(
                     params, shared, numels, f"{where} (model-parallel rank {rank})"
                 )
-            except legacy.LegacyError as e:
+            except SourceError as e:
                 raise MegatronImportError(
                     f"{e} (megatron-core 0.16 grad-buffer layout; another version or DDP "
                     f"config?). {WEIGHTS_ONLY_HINT}"
@@ -187,7 +188,7 @@ class GatheredStates(RankStates):
                 if isinstance(saved, list) and len(saved) == 1:  # one model chunk
                     (saved,) = saved
                 state = legacy.distrib_optim_state(saved, label)
-            except legacy.LegacyError as e:
+            except SourceError as e:
                 raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
             params, shared = self.rank_params(rank)
             layout, total = legacy.distrib_optim_layout(

@@ -36,7 +36,6 @@ from jax_ucp.importers.plan import tensor_names
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
-    "LegacyError",
     "LEGACY_CLASSES",
     "LegacyCheckpoint",
     "RankFile",
@@ -50,9 +49,6 @@ __all__ = [
     "distrib_optim_tensors",
     "args_dict",
 ]
-
-
-LegacyError = SourceError  # a legacy Megatron checkpoint is incomplete or inconsistent
 
 
 # numpy's pickled arrays (``_reconstruct(ndarray, ...)``) become inert placeholders
@@ -135,22 +131,22 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
             raw = files.read_regular(files.in_own_folder(tracker), 4096)
             text = raw.decode("utf-8", "replace").strip()
         except files.UnsafeFileError as e:
-            raise LegacyError(str(e)) from None
+            raise SourceError(str(e)) from None
         if text == "release":
             return src, src / "release", None
         try:
             it = int(text)
         except ValueError:
-            raise LegacyError(
+            raise SourceError(
                 f"{tracker}: expected an iteration number or 'release', found {text!r}"
             ) from None
         d = src / f"iter_{it:07d}"
         if not d.is_dir():
-            raise LegacyError(f"{tracker} names iteration {it} but {d} does not exist")
+            raise SourceError(f"{tracker} names iteration {it} but {d} does not exist")
         try:
             files.inside(src, d.name, str(tracker))
         except files.UnsafeFileError:
-            raise LegacyError(
+            raise SourceError(
                 f"{d} leads outside {src} (a symlink); refusing to follow it"
             ) from None
         return src, d, it
@@ -159,7 +155,7 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
         return src.parent, src, int(m.group(1))
     if src.name == "release":
         return src.parent, src, None
-    raise LegacyError(
+    raise SourceError(
         f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
     )
 
@@ -196,19 +192,19 @@ def _load(path: Path) -> Any:
         files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
         return unpickler.load_torch_file(path, LEGACY_CLASSES)
     except (files.UnsafeFileError, unpickler.TorchFileError) as e:
-        raise LegacyError(str(e)) from None
+        raise SourceError(str(e)) from None
 
 
 def _load_rank(path: Path) -> tuple[dict, dict]:
     """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
     if not path.is_file():
-        raise LegacyError(f"missing shard file {path}")
+        raise SourceError(f"missing shard file {path}")
     state = _load(path)
     if not isinstance(state, dict):
-        raise LegacyError(f"{path}: top level is a {type(state).__name__}, expected a dict")
+        raise SourceError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state:
         if not model_chunks(state, path):
-            raise LegacyError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
+            raise SourceError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
         return state, {}
     return state, flatten_state_dict(state["model"])
 
@@ -220,14 +216,14 @@ def model_chunks(state: dict, path: Path) -> list[str]:
     if not chunks:
         return []
     if "model" in state or [i for i, _ in chunks] != list(range(len(chunks))):
-        raise LegacyError(
+        raise SourceError(
             f"{path}: model chunks {[k for _, k in chunks]}"
             f"{' beside model' if 'model' in state else ''}; a virtual-pipeline rank file holds "
             f"model0 .. model<N-1>"
         )
     for _, key in chunks:
         if not isinstance(state[key], dict):
-            raise LegacyError(f"{path}: {key} is a {type(state[key]).__name__}, not a state dict")
+            raise SourceError(f"{path}: {key} is a {type(state[key]).__name__}, not a state dict")
     return [key for _, key in chunks]
 
 
@@ -263,12 +259,12 @@ def _rank_directories(iteration_dir: Path) -> _RankDirectories:
             try:  # a rank directory linked to another run's is never read
                 files.inside(iteration_dir, directory.name, str(iteration_dir))
             except files.UnsafeFileError as e:
-                raise LegacyError(str(e)) from None
+                raise SourceError(str(e)) from None
             named.append((directory, int(match.group(1)), match.group(2), match.group(3)))
     if not named:
-        raise LegacyError(f"{iteration_dir}: no mp_rank_* directories")
+        raise SourceError(f"{iteration_dir}: no mp_rank_* directories")
     if len({(first is None, second is None) for _, _, first, second in named}) > 1:
-        raise LegacyError(
+        raise SourceError(
             f"{iteration_dir}: mixes mp_rank_* directory name forms: "
             f"{sorted(d.name for d, *_ in named)}"
         )
@@ -306,7 +302,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
         directory = directories.found.get(key)
         if directory is None:
-            raise LegacyError(
+            raise SourceError(
                 f"missing rank directory {directories.expected(*key)} (TP={tp_size}, "
                 f"PP={pp_size}, EP={ep_size} grid from the directories present)"
             )
@@ -317,7 +313,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         if virtual is None:
             virtual = len(chunks) or 1
         if (len(chunks) or 1) != virtual:
-            raise LegacyError(
+            raise SourceError(
                 f"{path}: {len(chunks) or 1} model chunk(s), the first rank file holds {virtual}"
             )
         # (stage, model key, flattened model): a virtual-pipeline chunk is its own stage
@@ -341,12 +337,12 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         ("expert_model_parallel_size", ep_size),
     ):
         if name in args and args[name] != size:
-            raise LegacyError(
+            raise SourceError(
                 f"{first.path}: args.{name}={args[name]} but the directory grid has {size}"
             )
     recorded = args.get("virtual_pipeline_model_parallel_size")
     if virtual > 1 and recorded is not None and recorded != virtual:
-        raise LegacyError(
+        raise SourceError(
             f"{first.path}: args.virtual_pipeline_model_parallel_size={recorded} but the rank "
             f"files hold {virtual} model chunks"
         )
@@ -437,14 +433,14 @@ def bucket_layout(
     for bucket, (places, size) in enumerate(buckets):
         if bucket >= len(bucket_numels) or size != bucket_numels[bucket]:
             recorded = bucket_numels[bucket] if bucket < len(bucket_numels) else None
-            raise LegacyError(
+            raise SourceError(
                 f"{where}: bucket {bucket} would end after {list(places)[-1]!r} at element "
                 f"{size}, but megatron-core recorded {recorded} elements (buckets "
                 f"{bucket_numels}); the parameter list does not match this checkpoint's grad "
                 f"buffer"
             )
     if len(buckets) != len(bucket_numels):
-        raise LegacyError(
+        raise SourceError(
             f"{where}: the parameters fill {len(buckets)} buckets, megatron-core recorded "
             f"{len(bucket_numels)} ({bucket_numels})"
         )
@@ -500,19 +496,19 @@ def distrib_optim_state(
         count: how many buffers it holds.
     """
     if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
-        raise LegacyError(
+        raise SourceError(
             f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
             f"(older per-bucket layouts are not supported)"
         )
     buffers = [k for k in saved if k != "buckets_coalesced"]
     if buffers != list(range(count)):
-        raise LegacyError(
+        raise SourceError(
             f"{path}: {len(buffers)} gradient buffers {buffers}; expected {count} (one per "
             f"model chunk: a single dtype, no expert-parallel buffer)"
         )
     per_dtype = saved[index]
     if not isinstance(per_dtype, dict) or len(per_dtype) != 1:
-        raise LegacyError(
+        raise SourceError(
             f"{path}: buffer {index} holds "
             f"{len(per_dtype) if isinstance(per_dtype, dict) else '?'} dtype groups, expected 1"
         )
@@ -521,14 +517,14 @@ def distrib_optim_state(
     for state_name in ("param", "exp_avg", "exp_avg_sq"):
         array = buffer.get(state_name) if isinstance(buffer, dict) else None
         if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.float32:
-            raise LegacyError(
+            raise SourceError(
                 f"{path}: buffer {index} {state_name!r} must be a flat float32 tensor, found "
                 f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}"
             )
         arrays[state_name] = array
     numel = buffer.get("numel_unpadded")
     if type(numel) is not int or any(a.size != numel for a in arrays.values()):
-        raise LegacyError(
+        raise SourceError(
             f"{path}: numel_unpadded={numel!r} but the flat tensors hold "
             f"{[a.size for a in arrays.values()]} elements"
         )

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.megatron import legacy
 
 
@@ -32,7 +33,7 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
         return MegatronSource("torch_dist", path, path, int(match.group(1)) if match else None)
     try:
         root, iteration_dir, iteration = legacy.resolve_iteration_dir(path)
-    except legacy.LegacyError:
+    except SourceError:
         if os.path.lexists(path / legacy.TRACKER_FILE):
             raise
         return None

@@ -20,7 +20,6 @@ metadata and each array's reader), ``planning`` (the plan and its options), ``zs
 
 from __future__ import annotations
 
-from jax_ucp.importers.orbax.layout import OrbaxImportError
 from jax_ucp.importers.orbax.planning import OrbaxOptions, detect, plan, plan_orbax
 
-__all__ = ["OrbaxImportError", "OrbaxOptions", "detect", "plan", "plan_orbax"]
+__all__ = ["OrbaxOptions", "detect", "plan", "plan_orbax"]

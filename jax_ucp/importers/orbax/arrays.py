@@ -17,10 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp import writer
-from jax_ucp.errors import is_tensorstore_io_error, tensorstore_message
+from jax_ucp.errors import SourceError, is_tensorstore_io_error, tensorstore_message
 from jax_ucp.format import SavedSharding, role_of
 from jax_ucp.importers.orbax import zstd_rows
-from jax_ucp.importers.orbax.layout import STRINGS_FILE, OrbaxImportError, read_json
+from jax_ucp.importers.orbax.layout import STRINGS_FILE, read_json
 
 # the array a TensorStore error names: ``Error reading "params.w/.zarray"``
 _ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|\d+(?:[./]\d+)*)"')
@@ -41,7 +41,7 @@ def tree_metadata(path: str):
         m = _ARRAY_IN_MESSAGE.search(str(e))
         array = m and m.group(1).removeprefix(os.path.join(path, ""))  # a file's name: relative
         what = f"the metadata of array {array!r}" if m else "Orbax's metadata"
-        raise OrbaxImportError(
+        raise SourceError(
             f"{path}: cannot read {what} (missing, truncated or corrupt file): "
             f"{tensorstore_message(e)}"
         ) from None
@@ -86,7 +86,7 @@ def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
             continue
         chunk = tuple(int(c) for c in chunk)
         if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape)):
-            raise OrbaxImportError(
+            raise SourceError(
                 f"{where}: array {name!r} of shape {shape} declares chunks of shape {chunk}, "
                 f"larger than the array; an Orbax chunk is at most the array's shape (refused "
                 f"before decoding it: the file is damaged or forged)"
@@ -165,7 +165,7 @@ def host_items(leaves) -> Iterator[writer.HostItem]:
                 strings[path] = read_json(os.path.join(path, STRINGS_FILE))
             value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
             if not isinstance(value, str):
-                raise OrbaxImportError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
+                raise SourceError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
         else:
             value = _array(leaf, name, path, ocdbt, zarr3, contexts)
         yield writer.HostItem(
@@ -187,7 +187,7 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
 
     kind = type(leaf).__name__
     if kind not in ("ArrayMetadata", "ScalarMetadata"):
-        raise OrbaxImportError(
+        raise SourceError(
             f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
             f"scalars and strings"
         )
@@ -211,7 +211,7 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
     if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
         return _read(array, data, name).item()
     shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
-    streamed = zstd_rows.rows_reader(array, data, name, OrbaxImportError)
+    streamed = zstd_rows.rows_reader(array, data, name, SourceError)
     if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
         return writer.Deferred(
             shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
@@ -236,11 +236,11 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
     try:
         array = ts.open(tspec, context=context, open=True, read=True).result()
     except Exception as e:
-        raise OrbaxImportError(
+        raise SourceError(
             f"{where}: cannot open array {name!r}: {tensorstore_message(e)}"
         ) from None
     if tuple(array.shape) != tuple(shape):
-        raise OrbaxImportError(
+        raise SourceError(
             f"{where}: array {name!r} has shape {tuple(array.shape)}, its metadata says "
             f"{tuple(shape)}"
         )
@@ -273,7 +273,7 @@ def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = 
         return out
     except ValueError as e:
         rows = "" if lo is None else f"rows {lo}:{hi} of "
-        raise OrbaxImportError(
+        raise SourceError(
             f"{where}: reading {rows}array {name!r} failed (missing, truncated or corrupt chunk "
             f"data): {tensorstore_message(e)}"
         ) from None

@@ -24,9 +24,6 @@ _STEP = re.compile(r"(?:.*_)?(\d+)")
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
 
 
-OrbaxImportError = SourceError  # an Orbax checkpoint that cannot be imported as it is
-
-
 def is_orbax(src) -> bool:
     """An Orbax item (``_METADATA``), step (``_CHECKPOINT_METADATA``) or a manager root whose
     step directories hold one; from file names only."""
@@ -58,7 +55,7 @@ def read_json(path: str) -> Any:
     try:
         return json.loads(files.read_regular(files.in_own_folder(path), _MAX_JSON_BYTES))
     except (OSError, ValueError, RecursionError) as e:
-        raise OrbaxImportError(f"{path}: not a readable Orbax JSON file ({e})") from None
+        raise SourceError(f"{path}: not a readable Orbax JSON file ({e})") from None
 
 
 def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[str, str], dict]:
@@ -67,13 +64,13 @@ def resolve(src, tag: int | str | None = None) -> tuple[str, int | None, dict[st
     src = os.path.abspath(os.fspath(src))
     if os.path.isfile(os.path.join(src, PYTREE_METADATA)):
         if tag is not None:
-            raise OrbaxImportError(f"{src}: a single Orbax checkpoint has no steps (tag={tag!r})")
+            raise SourceError(f"{src}: a single Orbax checkpoint has no steps (tag={tag!r})")
         return src, None, {"": src}, {}
     src, step = _step_dir(src, tag)
     handlers = _item_handlers(src)
     items, others = _split_items(src, handlers)
     if not items:
-        raise OrbaxImportError(
+        raise SourceError(
             f"{src}: no PyTree item (StandardCheckpointHandler / PyTreeCheckpointHandler with "
             f"{PYTREE_METADATA}) among its items {sorted(handlers)}"
         )
@@ -85,12 +82,12 @@ def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
     committed one), or ``src`` itself when it is one step (its number when its name is one)."""
     if os.path.isfile(os.path.join(src, CHECKPOINT_METADATA)):
         if tag is not None:
-            raise OrbaxImportError(f"{src}: already one step; tag={tag!r} does not apply")
+            raise SourceError(f"{src}: already one step; tag={tag!r} does not apply")
         m = _STEP.fullmatch(os.path.basename(src))
         return src, int(m.group(1)) if m else None
     steps = _steps(src) if os.path.isdir(src) else {}
     if not steps:
-        raise OrbaxImportError(
+        raise SourceError(
             f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
             f"{CHECKPOINT_METADATA}, no committed step directories)"
         )
@@ -99,7 +96,7 @@ def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
     except ValueError:
         step = None
     if step not in steps:
-        raise OrbaxImportError(f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}")
+        raise SourceError(f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}")
     inside(src, os.path.basename(steps[step]), f"{src}: step directory")
     return steps[step], step
 
@@ -122,12 +119,12 @@ def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, st
     items, others = {}, {}
     for name, typestr in sorted(handlers.items()):
         if not isinstance(name, str) or name in (".", "..") or os.path.basename(name) != name:
-            raise OrbaxImportError(
+            raise SourceError(
                 f"{src}/{CHECKPOINT_METADATA}: item name {str(name)[:100]!r} is not a directory "
                 f"name inside the step; refusing to read outside it"
             )
         if len(name.encode("utf-8", "surrogatepass")) > _NAME_MAX:
-            raise OrbaxImportError(
+            raise SourceError(
                 f"{src}/{CHECKPOINT_METADATA}: item name of {len(name)} characters "
                 f"({name[:40]!r}...) is longer than a file name can be ({_NAME_MAX} bytes): not "
                 f"an item Orbax wrote; the metadata is damaged"
@@ -136,7 +133,7 @@ def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, st
             inside(src, name, f"{src}/{CHECKPOINT_METADATA}: item {name[:100]!r}")
         path = os.path.join(src, name) if name else src
         if os.path.isfile(os.path.join(path, MANIFEST_FILE)) or "jax_ucp" in str(typestr or ""):
-            raise OrbaxImportError(
+            raise SourceError(
                 f"{path}: item {name!r} is already a jax_ucp checkpoint (ucp.json); restore it "
                 f"with jax_ucp.restore({path!r}) instead of converting it"
             )
@@ -156,9 +153,9 @@ def inside(root: str, name: Any, what: str) -> str:
     try:
         return files.inside(root, name, what)
     except files.UnsafeFileError as e:
-        raise OrbaxImportError(str(e)) from None
+        raise SourceError(str(e)) from None
     except OSError as e:
-        raise OrbaxImportError(
+        raise SourceError(
             f"{what}: not a file name this file system can look up under {root} "
             f"({os.strerror(e.errno) if e.errno else e}; {len(str(name))} characters)"
         ) from None

@@ -7,6 +7,7 @@ import dataclasses
 import os
 from typing import Any
 
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.orbax.arrays import (
     check_chunks,
     flatten,
@@ -17,7 +18,6 @@ from jax_ucp.importers.orbax.arrays import (
 from jax_ucp.importers.orbax.layout import (
     CHECKPOINT_METADATA,
     PYTREE_METADATA,
-    OrbaxImportError,
     check_links,
     check_names,
     inside,
@@ -54,7 +54,7 @@ def plan_orbax(
             ``source.skipped``).
         share: this process's part of a distributed import (default: the whole).
     """
-    refuse_spec(spec, "Orbax imports keep the saved tree", OrbaxImportError)
+    refuse_spec(spec, "Orbax imports keep the saved tree", SourceError)
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -99,7 +99,7 @@ def plan_orbax(
         skip(source, tensors, "weights_only: not under params/")
         leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
         if not leaves:
-            raise OrbaxImportError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
+            raise SourceError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
     mine = share.pick(leaves)
     params = sum(1 for lv in mine if lv[0][:1] == ("params",))
     return ImportPlan(host_items(mine), source, params, source_tensors=found)

@@ -33,9 +33,6 @@ _SCRATCH_BYTES = 1 << 20  # decoded rows skipped over (a slab asked for out of o
 _MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first bytes
 
 
-ZstdChunkError = SourceError  # a chunk that does not decode to its declared bytes
-
-
 class _Source:
     """A chunk's compressed bytes read from the kvstore piece by piece, its zstd frame's
     structure walked on the way: ``end`` (the frame's length) is known once its last block
@@ -70,7 +67,7 @@ class _Source:
             boundary = self.next + (3 if self.in_frame else 5)
             piece = self.fetch(self.offset, max(1, boundary - self.offset))
         if not piece:
-            raise ZstdChunkError(
+            raise SourceError(
                 f"chunk {self.key!r} ends after {self.offset} compressed bytes, inside its zstd "
                 f"frame (truncated)"
             )
@@ -90,7 +87,7 @@ class _Source:
             head, self.head = self.head, b""
             if not self.in_frame:
                 if head[:4] != _MAGIC or head[4] & 0x08:
-                    raise ZstdChunkError(f"chunk {self.key!r} is not a zstd frame")
+                    raise SourceError(f"chunk {self.key!r} is not a zstd frame")
                 fhd = head[4]
                 single = fhd >> 5 & 1
                 size = 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3] + (single, 2, 4, 8)[fhd >> 6]
@@ -99,7 +96,7 @@ class _Source:
             block = int.from_bytes(head, "little")
             kind, size = block >> 1 & 3, block >> 3
             if kind == 3:
-                raise ZstdChunkError(f"chunk {self.key!r}: zstd block of reserved type (damaged)")
+                raise SourceError(f"chunk {self.key!r}: zstd block of reserved type (damaged)")
             self.next += 3 + (1 if kind == 1 else size)
             if block & 1:  # the last block: the checksum follows
                 self.end = self.next + 4 * self.checksum
@@ -122,9 +119,7 @@ class _Frame:
         try:
             return self.reader.readinto(target)
         except zstandard.ZstdError as e:
-            raise ZstdChunkError(
-                f"chunk {self.key!r}: its zstd frame does not decode ({e})"
-            ) from None
+            raise SourceError(f"chunk {self.key!r}: its zstd frame does not decode ({e})") from None
 
     def into(self, out, n: int) -> None:
         """Decodes the next ``n`` bytes into the writable buffer ``out`` (None: skips them);
@@ -135,7 +130,7 @@ class _Frame:
         while n:
             got = self._decode(out[:n] if out is not None else scratch[: min(n, len(scratch))])
             if not got:
-                raise ZstdChunkError(
+                raise SourceError(
                     f"chunk {self.key!r} decodes to {self.done} bytes, expected {self.nbytes} "
                     f"(truncated or damaged)"
                 )
@@ -153,14 +148,14 @@ class _Frame:
         """After the declared bytes: the frame must end there (its checksum checked by the
         decoder as it reads it), with nothing after it."""
         if self._decode(bytearray(1)):
-            raise ZstdChunkError(
+            raise SourceError(
                 f"chunk {self.key!r} decodes to more than its {self.nbytes} bytes (damaged)"
             )
         src = self.source
         if src.end is None or src.offset != src.end:
-            raise ZstdChunkError(f"chunk {self.key!r}: its zstd frame does not end (truncated)")
+            raise SourceError(f"chunk {self.key!r}: its zstd frame does not end (truncated)")
         if src.fetch(src.end, 1):
-            raise ZstdChunkError(f"chunk {self.key!r} has bytes after its zstd frame (damaged)")
+            raise SourceError(f"chunk {self.key!r} has bytes after its zstd frame (damaged)")
 
 
 def rows_reader(
@@ -236,9 +231,9 @@ def rows_reader(
                         f.to_end()
                         checked.add(index)
                 at = end
-        except (ZstdChunkError, ValueError) as e:
+        except (SourceError, ValueError) as e:
             state["frame"], state["chunk"] = None, -1
-            why = str(e) if isinstance(e, ZstdChunkError) else tensorstore_message(e)
+            why = str(e) if isinstance(e, SourceError) else tensorstore_message(e)
             raise error(
                 f"{where}: reading array {name!r} failed (rows {lo}:{hi}; missing, truncated "
                 f"or corrupt chunk data): {why}"

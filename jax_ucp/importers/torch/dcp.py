@@ -29,11 +29,11 @@ import re
 from pathlib import Path
 from typing import Any
 
+from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, jsonable, refuse_spec
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
-    TorchImportError,
     TorchState,
     clean_name,
     plan_state,
@@ -91,10 +91,10 @@ def plan_torch_dcp(
         weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
     """
-    refuse_spec(spec, "torch DCP imports keep torch's parameter names", TorchImportError)
+    refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
     dirs = dcp_dirs(src)
     if not dirs:
-        raise TorchImportError(
+        raise SourceError(
             f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
             f"one): not a torch DCP checkpoint"
         )
@@ -121,7 +121,7 @@ def plan_torch_dcp(
             share=share,
         )
     except files.UnsafeFileError as e:  # the reader's own errors are already this group's
-        raise TorchImportError(str(e)) from None
+        raise SourceError(str(e)) from None
     return plan
 
 
@@ -181,7 +181,7 @@ def _tables(checkpoints: list[dcp_reader.DcpCheckpoint], where: str) -> tuple[di
         for table, names in ((tensors, ck.tensors), (objects, ck.objects)):
             for name in names:
                 if name in tensors or name in objects:
-                    raise TorchImportError(f"{where}: {name!r} is saved in two DCP folders")
+                    raise SourceError(f"{where}: {name!r} is saved in two DCP folders")
                 table[name] = (ck, name)
     return tensors, objects
 
@@ -190,7 +190,7 @@ def _refuse_flat_params(tensors: dict[str, Any], where: str) -> None:
     """FSDP1's LOCAL_STATE_DICT flat parameters hold many parameters in one rank-local buffer."""
     for name in tensors:
         if name.endswith("_flat_param") or "._flat_param" in name:
-            raise TorchImportError(
+            raise SourceError(
                 f"{where}: tensor {name!r} is an FSDP1 flat parameter (LOCAL_STATE_DICT); save "
                 f"with SHARDED_STATE_DICT (or get_state_dict) to import it"
             )
@@ -200,7 +200,7 @@ def _optimizer_root(everything: list[str], where: str) -> str | None:
     """The prefix of the one optimizer's ``param_groups`` (None without one); several refused."""
     roots = sorted({m.group(1) for n in everything if (m := _GROUPS.match(n))})
     if len(roots) > 1:
-        raise TorchImportError(
+        raise SourceError(
             f"{where}: {len(roots)} optimizers ({', '.join(r.rstrip('.') or '<top>' for r in roots)}); "
             f"importing several optimizers into one opt_state is not supported"
         )
@@ -311,7 +311,7 @@ def _container(
                 missing = [p for p in states if container + p not in tensors]
                 if not missing:
                     return container
-        raise TorchImportError(
+        raise SourceError(
             f"{where}: the optimizer holds state for {len(states)} parameters, but no model "
             f"tensor is named like {probe!r} under one prefix (model tensors: "
             f"{sorted(model_names)[:3]})"

@@ -26,14 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import OptimizerOrderWarning
+from jax_ucp.errors import OptimizerOrderWarning, SourceError
 from jax_ucp.format import files, safetensors
 from jax_ucp.format.safetensors import first_tensors, read_weight_map
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
 from jax_ucp.importers.torch import hf_trainer
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
-    TorchImportError,
     TorchState,
     clean_name,
     plan_state,
@@ -95,7 +94,7 @@ def _load(path: str) -> Any:
     try:
         return unpickler.load_torch_file(path)
     except unpickler.TorchFileError as e:
-        raise TorchImportError(str(e)) from None
+        raise SourceError(str(e)) from None
 
 
 def _files_of(src: str) -> tuple[list[str], str | None]:
@@ -108,7 +107,7 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
         return _index_files(src), optimizer
     found = [n for n in MODEL_FILES if n in names]
     if len(found) > 1:
-        raise TorchImportError(f"{src}: several model files ({', '.join(found)}); pass one")
+        raise SourceError(f"{src}: several model files ({', '.join(found)}); pass one")
     if found:
         return [_inside(src, found[0], src)], optimizer
     if optimizer is not None and safetensors.is_safetensors(src):
@@ -117,12 +116,12 @@ def _files_of(src: str) -> tuple[list[str], str | None]:
     ckpt = _single_ckpt(src, names)
     if ckpt is not None:
         return [_inside(src, ckpt, src)], None
-    raise TorchImportError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
+    raise SourceError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
 
 
 def _index_files(src: str) -> list[str]:
     index = _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
-    first = first_tensors(read_weight_map(index, error=TorchImportError))
+    first = first_tensors(read_weight_map(index, error=SourceError))
     return [_inside(src, n, f"{index}: weight_map entry {t[:100]!r}") for n, t in first.items()]
 
 
@@ -132,7 +131,7 @@ def _inside(src: str, name: str, what: str) -> str:
     try:
         files.inside_checkpoint(src, name, what)
     except files.UnsafeFileError as e:
-        raise TorchImportError(str(e)) from None
+        raise SourceError(str(e)) from None
     return os.path.join(src, name)
 
 
@@ -140,12 +139,12 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
     """(model key or None for a bare state dict, model state dict, optimizer path prefix,
     optimizer state dict or None)."""
     if not isinstance(obj, dict):
-        raise TorchImportError(f"{path}: holds a {type(obj).__name__}, expected a dict")
+        raise SourceError(f"{path}: holds a {type(obj).__name__}, expected a dict")
     model_key = next((k for k in _MODEL_KEYS if isinstance(obj.get(k), dict)), None)
     if model_key is None:
         tensors = {k: v for k, v in obj.items() if isinstance(v, np.ndarray)}
         if not tensors:
-            raise TorchImportError(
+            raise SourceError(
                 f"{path}: no tensors and none of the keys {', '.join(_MODEL_KEYS)} holding a "
                 f"state dict (top-level keys: {sorted(map(str, obj))[:8]})"
             )
@@ -155,9 +154,9 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
     prefix = f"{optimizer_key}."
     if optimizer_key == "optimizer_states":  # Lightning: a list, one per optimizer
         if not isinstance(optimizer, list):
-            raise TorchImportError(f"{path}: optimizer_states is not a list")
+            raise SourceError(f"{path}: optimizer_states is not a list")
         if len(optimizer) > 1:
-            raise TorchImportError(
+            raise SourceError(
                 f"{path}: {len(optimizer)} optimizers in optimizer_states; importing several "
                 f"optimizers into one opt_state is not supported"
             )
@@ -187,10 +186,10 @@ def plan_torch_files(
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
     """
-    refuse_spec(spec, "torch file imports keep torch's parameter names", TorchImportError)
+    refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
     src = os.fspath(src)
     if not os.path.exists(src):
-        raise TorchImportError(f"{src}: no such file or folder")
+        raise SourceError(f"{src}: no such file or folder")
     model_files, optimizer_file = _files_of(src)
     model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
@@ -263,11 +262,11 @@ def _read_model_files(src: str, model_files: list[str]):
             prefix = f"{base}:{key + '.' if key else ''}"
         for name, value in sd.items():
             if not isinstance(name, str):
-                raise TorchImportError(f"{path}: state dict key {name!r} is not a string")
+                raise SourceError(f"{path}: state dict key {name!r} is not a string")
             if not isinstance(value, np.ndarray):
                 continue  # a nested object's tensors are accounted as skipped below
             if name in model:
-                raise TorchImportError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+                raise SourceError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
             model[name] = (value, path, f"{prefix}{name}")
     return model, found, other, optimizer, optimizer_at
 
@@ -314,14 +313,14 @@ def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
 
 def _check_index(src: str, model: dict) -> None:
     index = os.path.join(src, INDEX_FILE)
-    weight_map = read_weight_map(index, error=TorchImportError)
+    weight_map = read_weight_map(index, error=SourceError)
     wrong = sorted(n for n, f in weight_map.items() if n not in model)
     unlisted = sorted(set(model) - set(weight_map))
     moved = sorted(
         n for n, f in weight_map.items() if n in model and os.path.basename(model[n][1]) != f
     )
     if wrong or unlisted or moved:
-        raise TorchImportError(
+        raise SourceError(
             f"{index}: weight_map and the files disagree: missing from the files {wrong[:5]}, "
             f"not in the index {unlisted[:5]}, in another file than listed {moved[:5]}"
         )
@@ -351,7 +350,7 @@ def _optimizer(
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: the optimizer state is not a torch optimizer state_dict ('state' and "
             f"'param_groups'); convert with weights_only=True to import the weights alone"
         )
@@ -380,7 +379,7 @@ def _optimizer(
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
-            raise TorchImportError(f"{path}: state of parameter {key!r} is not a dict")
+            raise SourceError(f"{path}: state of parameter {key!r} is not a dict")
         mine = states.setdefault(to_name[key], {})
         for k, v in per.items():
             name = f"{prefix}state.{key}.{k}"
@@ -412,10 +411,10 @@ def _optimizer(
 def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
     """Index ``ids[i]`` (group after group) -> ``given[i]``, wrapper prefixes removed."""
     if isinstance(given, str) or not all(isinstance(n, str) for n in given):
-        raise TorchImportError("parameter_order: expected a list of parameter names")
+        raise SourceError("parameter_order: expected a list of parameter names")
     names = [clean_name(n)[0] for n in given]
     if len(names) != len(ids) or len(set(names)) != len(names):
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: parameter_order names {len(names)} parameters ({len(set(names))} distinct), "
             f"the optimizer numbers {len(ids)}"
         )
@@ -448,12 +447,12 @@ def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) 
     if len(fits) == 1:
         return fits[0]
     if fits:
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: the Trainer's parameter order is ambiguous: {len(fits)} groupings fit the "
             f"group sizes {sizes} and every shape ({'; '.join(r for _, r in fits)}); pass "
             f"parameter_order=, or convert with weights_only=True"
         )
-    raise TorchImportError(
+    raise SourceError(
         f"{path}: the optimizer's groups (sizes {sizes}) are not the Trainer's grouping of "
         f"config.json's model ({'; '.join(misfits)}): a custom optimizer or another model; "
         f"pass parameter_order=, or convert with weights_only=True"
@@ -485,7 +484,7 @@ def _check_unique_names(groups: list, path: str) -> None:
             clean = clean_name(name)[0]
             if clean in first:
                 other, written = first[clean]
-                raise TorchImportError(
+                raise SourceError(
                     f"{path}: param_names names parameter {clean[:200]!r} twice: as "
                     f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
                     f"{unpickler.short_repr(index, 40)}) in group {group}; a parameter is "
@@ -499,13 +498,13 @@ def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict,
     for key, per in state.items():
         name = to_name.get(key)
         if name is None or name not in clean:
-            raise TorchImportError(
+            raise SourceError(
                 f"{path}: optimizer state for index {key!r} ({name!r}), which is not a tensor "
                 f"of the model state dict"
             )
         shape = tuple(model[clean[name]][0].shape)
         for k, v in _misfits(per, shape):
-            raise TorchImportError(
+            raise SourceError(
                 f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
                 f"{list(v.shape)}, the parameter {list(shape)}"
             )
@@ -588,13 +587,13 @@ def _by_index(
         f"convert with weights_only=True to import the weights alone"
     )
     if sorted_weights:
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
             f"{sizes}) without their names, and safetensors keeps no parameter order (its "
             f"names are sorted), so which state is whose cannot be told; {way_out}"
         )
     if len(groups) > 1:
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
             f"(sizes {sizes}) without their names: torch numbers them group after group "
             f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
@@ -614,7 +613,7 @@ def _by_index(
         order.append(new)
     hint = "; convert with weights_only=True to import the weights alone"
     if len(ids) != len(order) or sorted(ids, key=str) != sorted(set(ids), key=str):
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: the optimizer numbers {len(ids)} parameters, the model state dict has "
             f"{len(order)} distinct floating tensors: cannot tell which state is whose "
             f"(buffers or frozen parameters in the state dict?){hint}"
@@ -623,10 +622,10 @@ def _by_index(
     for key, per in state.items():
         name = to_name.get(key)
         if name is None:
-            raise TorchImportError(f"{path}: optimizer state for index {key!r}, not in any group")
+            raise SourceError(f"{path}: optimizer state for index {key!r}, not in any group")
         shape = tuple(model[clean[name]][0].shape)
         for k, v in _misfits(per, shape):
-            raise TorchImportError(
+            raise SourceError(
                 f"{path}: optimizer state {k!r} of parameter index {key} has shape "
                 f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
                 f"order) has {list(shape)}{hint}"

@@ -24,9 +24,9 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.importers.plan import jsonable
-from jax_ucp.importers.torch.optimizer import TorchImportError
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
@@ -114,7 +114,7 @@ def _json(path: str) -> Any:
     try:
         return json.loads(files.read_regular(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError) as e:
-        raise TorchImportError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+        raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
 
 
 def side_file(folder: str, name: str) -> str:
@@ -165,27 +165,27 @@ def _model_on_meta(folder: str, n_tensors: int):
         "trainable parameters], or convert with weights_only=True"
     )
     if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
-        raise TorchImportError(
+        raise SourceError(
             f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
             f"model's {CONFIG_FILE}: {why}; {way_out}"
         )
     if not os.path.isfile(path):
-        raise TorchImportError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
+        raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
     config = _json(path)
     if not isinstance(config, dict):
-        raise TorchImportError(f"{path}: expected a JSON object")
+        raise SourceError(f"{path}: expected a JSON object")
     if "auto_map" in config:
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: the architecture is custom code (auto_map); jax_ucp never runs code from "
             f"a checkpoint (trust_remote_code), so {why}"
         )
     archs = config.get("architectures")
     model_type = config.get("model_type")
     if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
-        raise TorchImportError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
+        raise SourceError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
     for key, count in _module_counts(config):
         if not 0 <= count <= n_tensors:
-            raise TorchImportError(
+            raise SourceError(
                 f"{path}: {key} asks for {count} modules, but the checkpoint holds {n_tensors} "
                 f"tensors: {why}"
             )
@@ -197,7 +197,7 @@ def _model_on_meta(folder: str, n_tensors: int):
             modeling_auto,
         )
     except ImportError as e:
-        raise TorchImportError(
+        raise SourceError(
             f"{folder}: {why} without transformers ({e}); install transformers (with torch), "
             f"or pass parameter_order=[names in model.named_parameters() order]"
         ) from None
@@ -211,7 +211,7 @@ def _model_on_meta(folder: str, n_tensors: int):
     # transformers re-exports CONFIG_MAPPING_NAMES without "as", which hides it from pyright
     config_names = configuration_auto.CONFIG_MAPPING_NAMES  # pyright: ignore[reportPrivateImportUsage]
     if archs[0] not in shipped or model_type not in config_names:
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: architecture {archs[0]!r} (model_type {model_type!r}) is not one "
             f"transformers {transformers.__version__} ships: {why}"
         )
@@ -223,7 +223,7 @@ def _model_on_meta(folder: str, n_tensors: int):
         with torch.device("meta"):  # pyright: ignore[reportAttributeAccessIssue]
             model = cls(cfg)
     except Exception as e:  # transformers' own refusal of this config
-        raise TorchImportError(
+        raise SourceError(
             f"{path}: transformers {transformers.__version__} cannot build {archs[0]} from it "
             f"({type(e).__name__}: {str(e)[:200]}): {why}"
         ) from None
@@ -262,7 +262,7 @@ def trainer_candidates(folder: str, n_tensors: int) -> list[Candidate]:
         try:
             decay = set(decay_names(model))
         except Exception as e:  # a rule this transformers cannot run
-            raise TorchImportError(
+            raise SourceError(
                 f"{folder}: {what}: the Trainer's decay rule failed ({type(e).__name__}: "
                 f"{str(e)[:200]})"
             ) from None

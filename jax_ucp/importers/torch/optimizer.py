@@ -33,7 +33,6 @@ from jax_ucp.format import mapped_file
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item, jsonable
 
 __all__ = [
-    "TorchImportError",
     "TensorRef",
     "TorchState",
     "strip_wrappers",
@@ -42,9 +41,6 @@ __all__ = [
     "STATE_TREES",
     "scalar_ref",
 ]
-
-
-TorchImportError = SourceError  # a torch checkpoint that cannot be imported as it is
 
 
 #: torch optimizer state name -> where it goes in the output tree (the rest keep their names)
@@ -86,7 +82,7 @@ def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:
         where: the file it was read from.
     """
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TorchImportError(f"{name}: a {type(value).__name__}, expected a number")
+        raise SourceError(f"{name}: a {type(value).__name__}, expected a number")
     array = np.asarray(value, np.float64)
     return TensorRef(name, (), array.dtype, lambda: array, where)
 
@@ -136,7 +132,7 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
         for part in gone:
             removed[part] = removed.get(part, 0) + 1
         if new in clean:
-            raise TorchImportError(
+            raise SourceError(
                 f"{where}: {clean[new]!r} and {name!r} are the same parameter {new!r} once "
                 f"wrapper prefixes ({', '.join(_WRAPPERS_LEADING + _WRAPPERS_ANYWHERE)}) are "
                 f"removed"
@@ -147,14 +143,14 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
 
 def _step_of(ref: TensorRef, name: str, where: str) -> float:
     if ref.shape not in ((), (1,)):
-        raise TorchImportError(
+        raise SourceError(
             f"{where}: optimizer step of {name!r} has shape {list(ref.shape)}, expected a scalar"
         )
     value = ref.read()
     if isinstance(value, np.ndarray) and value.size == 1:
         value = value.reshape(()).item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TorchImportError(
+        raise SourceError(
             f"{where}: optimizer step of {name!r} is {type(value).__name__}, expected a number"
         )
     return float(value)
@@ -166,13 +162,13 @@ def _check_states(state: TorchState) -> None:
         param = state.params.get(name)
         if param is None:
             near = sorted(state.params)[:3]
-            raise TorchImportError(
+            raise SourceError(
                 f"{state.where}: optimizer state for parameter {name!r}, which is not among the "
                 f"model's {len(state.params)} tensors (e.g. {near})"
             )
         for key, value in states.items():
             if key != "step" and value.shape != param.shape:
-                raise TorchImportError(
+                raise SourceError(
                     f"{state.where}: optimizer state {key!r} of {name!r} has shape "
                     f"{list(value.shape)}, the parameter {list(param.shape)} "
                     f"({value.where.get('files') or value.where})"
@@ -212,7 +208,7 @@ def plan_state(
             steps.setdefault(_step_of(per["step"], name, state.where), f"({name})")
             step_names.append(per["step"].name)
     count = (
-        agreed_step(steps, state.where, recorded_by="parameters", error=TorchImportError)
+        agreed_step(steps, state.where, recorded_by="parameters", error=SourceError)
         if steps
         else None
     )
@@ -331,6 +327,6 @@ def _check_read(value: Any, dtype: np.dtype, shape: tuple, name: str, where: str
             if isinstance(value, np.ndarray)
             else type(value).__name__
         )
-        raise TorchImportError(
+        raise SourceError(
             f"{where}: tensor {name!r} reads as {found}, expected {dtype} {list(shape)}"
         )

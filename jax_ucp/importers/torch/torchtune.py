@@ -17,9 +17,9 @@ import os
 import re
 from typing import Any
 
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
 from jax_ucp.importers.safetensors_weights import plan_safetensors
-from jax_ucp.importers.torch.optimizer import TorchImportError
 
 __all__ = ["RECIPE_STATE", "is_torchtune", "epoch_folders", "plan_torchtune"]
 
@@ -56,17 +56,17 @@ def plan_torchtune(
     """The latest epoch's weights; the recipe's optimizer state refused unless weights_only."""
     src = os.fspath(src)
     if parameter_order is not None:
-        raise TorchImportError(
+        raise SourceError(
             f"{src}: parameter_order does not apply to a torchtune folder (its optimizer state "
             f"is not imported yet)"
         )
     epochs = epoch_folders(src)
     if not epochs:
-        raise TorchImportError(f"{src}: no torchtune epoch_N/ folder holding safetensors")
+        raise SourceError(f"{src}: no torchtune epoch_N/ folder holding safetensors")
     recipe = os.path.join(src, RECIPE_STATE)
     has_recipe = os.path.lexists(recipe)
     if has_recipe and not weights_only:
-        raise TorchImportError(
+        raise SourceError(
             f"{recipe}: torchtune's optimizer state is keyed over torchtune's own model (by "
             f"index in its single-device recipes, by torchtune's parameter names in its "
             f"distributed ones; q/k rows in its RoPE order, which the "

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.deepspeed import affine as deepspeed_affine
-from jax_ucp.importers.deepspeed.files import DeepSpeedImportError, load_deepspeed_file
+from jax_ucp.importers.deepspeed.files import load_deepspeed_file
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -93,27 +94,23 @@ def test_affine_rebuild_checks_every_piece():
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["params"][Q]["ranks"][1]["pieces"][0]["source"][0] = 200
-    with pytest.raises(
-        DeepSpeedImportError, match=r"rank 1: piece \[8, 16\] at source 200 .*outside"
-    ):
+    with pytest.raises(SourceError, match=r"rank 1: piece \[8, 16\] at source 200 .*outside"):
         deepspeed_affine.parse_affine_maps(bad, "f", 2)
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["params"][Q]["ranks"][1]["pieces"][0]["source"][0] = 0
     (amap,) = [m for m in deepspeed_affine.parse_affine_maps(bad, "f", 2) if m.pattern == Q]
-    with pytest.raises(
-        DeepSpeedImportError, match=r"q: affine_map .* TP rank 1 at offset 0 overlaps"
-    ):
+    with pytest.raises(SourceError, match=r"q: affine_map .* TP rank 1 at offset 0 overlaps"):
         deepspeed_affine.rebuild(amap, shards, "fp32", "q")
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["params"][Q]["ranks"][0]["pieces"][0]["source"][1] = [0, 1]
-    with pytest.raises(DeepSpeedImportError, match=r"source strides \[0, 1\] .* twice"):
+    with pytest.raises(SourceError, match=r"source strides \[0, 1\] .* twice"):
         deepspeed_affine.parse_affine_maps(bad, "f", 2)
 
     bad = copy.deepcopy(info)
     bad["affine_map"]["version"] = 2
-    with pytest.raises(DeepSpeedImportError, match=r"affine_map version 2;.*up to 1"):
+    with pytest.raises(SourceError, match=r"affine_map version 2;.*up to 1"):
         deepspeed_affine.parse_affine_maps(bad, "f", 2)
 
 
@@ -126,7 +123,7 @@ def test_affine_replicated_pieces_must_agree_and_scaled_moments_refused():
     assert same_bits(deepspeed_affine.rebuild(amap, [same, same.copy()], "fp32", "n"), same)
     other = same.copy()
     other[3] = np.nextafter(other[3], np.float32(100))
-    with pytest.raises(DeepSpeedImportError, match=r"n: TP ranks \[0, 1\] hold different exp_avg"):
+    with pytest.raises(SourceError, match=r"n: TP ranks \[0, 1\] hold different exp_avg"):
         deepspeed_affine.rebuild(amap, [same, other], "exp_avg", "n")
     scaled = copy.deepcopy(info)
     for rank in scaled["affine_map"]["params"][norm]["ranks"].values():
@@ -136,7 +133,7 @@ def test_affine_replicated_pieces_must_agree_and_scaled_moments_refused():
         deepspeed_affine.rebuild(amap, [same, same.copy()], "fp32", "n"), same / np.float32(0.5)
     )
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"n: exp_avg_sq through a scaled affine-map piece .*weights_only",
     ):
         deepspeed_affine.rebuild(amap, [same, same.copy()], "exp_avg_sq", "n")
@@ -152,7 +149,7 @@ def test_affine_uncovered_elements_named():
     (amap,) = [m for m in deepspeed_affine.parse_affine_maps(bad, "f", 2) if m.pattern == Q]
     shards = [np.zeros(128, np.float32), np.zeros(64, np.float32)]
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"64 element\(s\) of \[16, 16\] uncovered.*offset 192",
     ):
         deepspeed_affine.rebuild(amap, shards, "fp32", "q")

@@ -18,13 +18,10 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert
+from jax_ucp.errors import SourceError
 from jax_ucp.exporters import torch_out
-from jax_ucp.importers.deepspeed import (
-    DeepSpeedImportError,
-    is_deepspeed_checkpoint,
-    open_deepspeed_checkpoint,
-)
 from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_checkpoint
 from jax_ucp.importers.deepspeed.zero import optimizer_step
 from jax_ucp.torchfiles.unpickler import StandIn, TorchFileError
 from tests.ucp_testing import (
@@ -176,7 +173,7 @@ def test_missing_dp_rank_file(tmp_path, name):
     os.remove(victim)
     dst = str(tmp_path / "out")
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=os.path.basename(victim) + ".*optimizer file.*DP rank 1",
     ):
         convert(src, dst, format="deepspeed")
@@ -186,9 +183,7 @@ def test_missing_dp_rank_file(tmp_path, name):
 def test_missing_stage3_model_states_file(tmp_path):
     src = copy_deepspeed_fixture(tmp_path, "z3_bf16_dp2")
     os.remove(os.path.join(src, "global_step2", "zero_pp_rank_1_mp_rank_00_model_states.pt"))
-    with pytest.raises(
-        DeepSpeedImportError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"
-    ):
+    with pytest.raises(SourceError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"):
         convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -200,7 +195,7 @@ def test_world_size_metadata_disagrees_with_files(tmp_path):
         os.path.join(tag, "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
         os.path.join(tag, "zero_pp_rank_2_mp_rank_00_optim_states.pt"),
     )
-    with pytest.raises(DeepSpeedImportError, match=r"2 DP ranks.*zero_pp_rank_2"):
+    with pytest.raises(SourceError, match=r"2 DP ranks.*zero_pp_rank_2"):
         convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -215,7 +210,7 @@ def test_checkpoint_from_another_world_size_mixed_in(tmp_path):
         os.path.join(src, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt"),
     )
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match="mp_rank_00_model_states.pt: dp_world_size is 2.*3|optimizer file.*DP rank 2",
     ):
         convert(src, tmp_path / "out", format="deepspeed")
@@ -237,11 +232,11 @@ def test_truncated_file(tmp_path, which):
 def test_not_a_checkpoint_and_bad_latest(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DeepSpeedImportError, match="no DeepSpeed checkpoint here"):
+    with pytest.raises(SourceError, match="no DeepSpeed checkpoint here"):
         convert(empty, tmp_path / "out", format="deepspeed")
     src = copy_deepspeed_fixture(tmp_path, "z1_fp32_dp2")
     open(os.path.join(src, "latest"), "w").write("global_step9")
-    with pytest.raises(DeepSpeedImportError, match="latest names tag 'global_step9'"):
+    with pytest.raises(SourceError, match="latest names tag 'global_step9'"):
         convert(src, tmp_path / "out", format="deepspeed")
 
 
@@ -250,9 +245,7 @@ def test_groups_disagreeing_on_step_is_an_error():
     assert optimizer_step(checkpoint) == 2
     group_state = checkpoint.optim_states[2]["base_optimizer_state"]["state"][0]
     group_state["step"] = np.float32(3)
-    with pytest.raises(
-        DeepSpeedImportError, match=r"optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"
-    ):
+    with pytest.raises(SourceError, match=r"optimizer step: 2 in .*rank_0.*, 3 in .*rank_2"):
         optimizer_step(checkpoint)
 
 

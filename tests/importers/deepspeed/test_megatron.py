@@ -22,7 +22,8 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert
-from jax_ucp.importers.deepspeed import DeepSpeedImportError, open_deepspeed_checkpoint
+from jax_ucp.errors import SourceError
+from jax_ucp.importers.deepspeed import open_deepspeed_checkpoint
 from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
 
@@ -174,7 +175,7 @@ def test_missing_tp_pp_rank_file(tmp_path, victim, match):
     src = copy_deepspeed_fixture(tmp_path, "megatron_ds_tp2_pp2_dp2_z1_bf16_synthetic")
     os.remove(os.path.join(src, TAG, victim))
     dst = str(tmp_path / "out")
-    with pytest.raises(DeepSpeedImportError, match=match):
+    with pytest.raises(SourceError, match=match):
         convert(src, dst, format="deepspeed")
     assert_destination_untouched(dst)
 
@@ -184,7 +185,7 @@ def test_all_tp_ranks_but_zero_missing(tmp_path):
     for f in glob.glob(os.path.join(src, TAG, "*mp_rank_01_*")):
         os.remove(f)
     with pytest.raises(
-        DeepSpeedImportError, match=r"mp_world_size is 2|mp_rank_01_model_states\.pt: missing"
+        SourceError, match=r"mp_world_size is 2|mp_rank_01_model_states\.pt: missing"
     ):
         convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
@@ -219,7 +220,7 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
     monkeypatch.setattr(meg, "open_megatron_deepspeed_checkpoint", tampered)
     dst = str(tmp_path / "out")
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=rf"{name}:.*TP ranks: rank 0 vs rank\(s\) \[1\].*mp_rank_01_model_states\.pt",
     ):
         convert(
@@ -244,7 +245,7 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
     monkeypatch.setattr(meg, "open_megatron_deepspeed_checkpoint", tampered)
     dst = str(tmp_path / "out")
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=rf"{name}: pipeline-tied copies disagree: stage 0 vs stage\(s\) \[1\]",
     ):
         convert(
@@ -269,7 +270,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
     monkeypatch.setattr(deepspeed_files, "load_deepspeed_file", load)
     src = os.path.join(FIX, "megatron_ds_tp2_dp3_z2_fp32_synthetic", "ckpt")
-    with pytest.raises(DeepSpeedImportError, match="no universal_checkpoint_info"):
+    with pytest.raises(SourceError, match="no universal_checkpoint_info"):
         convert(src, tmp_path / "out", format="deepspeed")
     # an explicit import spec stands in for the missing patterns
     from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
@@ -294,7 +295,7 @@ def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
     rank = checkpoint.ranks[0][1]
     rank.optim_states[1]["base_optimizer_state"]["state"][0]["step"] = np.float32(3)
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"optimizer step: 2 in .*, 3 in .*rank_1_mp_rank_01",
     ):
         meg.optimizer_step(checkpoint)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
+from jax_ucp.errors import SourceError
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -109,7 +109,7 @@ def test_pipeline_two_saves_of_one_layer_are_refused(tmp_path):
     bf16_tag = os.path.join(FIXTURES, "pipe_pp2_z1_bf16", "ckpt", "global_step2")
     shutil.copy(os.path.join(bf16_tag, "layer_00-model_00-model_states.pt"), tag)
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"layer 0 on TP rank 0: layer_00-model_00-model_states\.pt and layer_00-model_states\.pt",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"))
@@ -221,7 +221,7 @@ def test_moe_zero0_moments_whose_order_is_unknown_are_refused(tmp_path, monkeypa
 
     _altered_optimizer(monkeypatch, file, swap)
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=rf"{file}:optimizer\.state\.1\.exp_avg: shape \(2, 8\) but parameter "
         r"'h\.0\.ln\.weight' \(at this index\) has shape \(8,\)",
     ):
@@ -234,7 +234,7 @@ def test_moe_zero0_moments_whose_order_is_unknown_are_refused(tmp_path, monkeypa
         dense["params"] = dense["params"][:5]
 
     _altered_optimizer(monkeypatch, file, decay_groups)
-    with pytest.raises(DeepSpeedImportError, match=rf"{file}: 2 dense and 1 expert param groups"):
+    with pytest.raises(SourceError, match=rf"{file}: 2 dense and 1 expert param groups"):
         jax_ucp.convert(src, str(tmp_path / "out"))
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -252,7 +252,7 @@ def test_moe_zero0_replicas_that_disagree_are_refused(tmp_path, monkeypatch):
 
     _altered_optimizer(monkeypatch, file, stale)
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=rf"{file}:optimizer\.state\.0\.exp_avg: 'wte\.weight' differs",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"))
@@ -265,7 +265,7 @@ def test_moe_missing_expert_file_is_named(tmp_path, run):
     src = copy_deepspeed_fixture(tmp_path, run)
     os.remove(os.path.join(src, "global_step2", "layer_1_expert_1_mp_rank_00_model_states.pt"))
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"layer_1_expert_1_mp_rank_00_model_states\.pt:.*expert 1 of MoE layer 1 \(2 experts\)",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"), weights_only=True)
@@ -277,7 +277,7 @@ def test_moe_missing_expert_parallel_optimizer_file_is_named(tmp_path):
     src = copy_deepspeed_fixture(tmp_path, "moe_ep2_z0_fp32")
     os.remove(os.path.join(src, "global_step2", "expp_rank_1_mp_rank_00_optim_states.pt"))
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"expp_rank_1_mp_rank_00_optim_states\.pt:.*expert-parallel rank 1 \(expert parallel size 2\)",
     ):
         jax_ucp.convert(src, str(tmp_path / "out"), weights_only=True)
@@ -310,7 +310,7 @@ def test_a_file_the_import_would_not_read_is_refused(tmp_path, run, stray):
     # (ZeRO-0 without weights_only is refused before, for its optimizer state)
     for weights_only in (True,) if run.startswith("z0") else (False, True):
         with pytest.raises(
-            DeepSpeedImportError,
+            SourceError,
             match=rf"not read 1 of the folder's entries: \['{stray}'\]",
         ):
             jax_ucp.convert(src, str(tmp_path / "out"), weights_only=weights_only)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp.errors import SourceError
 from jax_ucp.exporters import DeepSpeedUniversalExport
 from jax_ucp.importers import registry
 from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed.files import DeepSpeedImportError
 from jax_ucp.importers.registry import plan_import
 from tests.ucp_testing import REPO
 
@@ -162,12 +162,12 @@ def test_universal_missing_moment_points_at_weights_only(tmp_path):
     root, tag = _copy_universal("z1_bf16_dp2", tmp_path)
     os.remove(tag / "zero" / "wte.weight" / "exp_avg_sq.pt")
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"zero/wte\.weight: parameter 'wte\.weight' has no exp_avg_sq\.pt .*"
         r"weights_only=True",
     ):
         plan_import(root)
-    with pytest.raises(DeepSpeedImportError, match=r"zero/wte\.weight.*weights_only=True"):
+    with pytest.raises(SourceError, match=r"zero/wte\.weight.*weights_only=True"):
         plan_import(root, weights_only=True)
 
 
@@ -176,7 +176,7 @@ def test_universal_missing_parameter_folder_named(tmp_path):
     root, tag = _copy_universal("z3_bf16_dp2", tmp_path)
     shutil.rmtree(tag / "zero" / "h.1.mlp_fc.bias")
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"zero:.*\['h\.1\.mlp_fc\.bias'\].*zero_pp_rank_0_mp_rank_00_model_states\.pt \(1 missing\)",
     ):
         plan_import(root)
@@ -191,7 +191,7 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
     slot = torch_out.TensorSlot(0, (), np.dtype(np.float32))
     torch_out.save_file(str(step), slot, [np.asarray(7.0, np.float32)])
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"zero:.*optimizer step: 2 in zero/.*, 7 in zero/ln_f\.bias/step\.pt",
     ):
         plan_import(root)
@@ -200,7 +200,7 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
     slot = torch_out.TensorSlot(0, (15,), np.dtype(np.float32))
     torch_out.save_file(str(fp32), slot, [np.zeros(15, np.float32)])
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"exp_avg\.pt: parameter 'ln_f\.bias' holds 15 elements \(15,\); param_shapes "
         r"says \(16,\)",
     ):
@@ -210,11 +210,11 @@ def test_universal_wrong_size_and_disagreeing_step(tmp_path):
 @pytest.mark.timeout(30)
 def test_latest_universal_outside_refused_and_message_says_universal(tmp_path):
     (tmp_path / "latest_universal").write_text("../elsewhere")
-    with pytest.raises(DeepSpeedImportError, match=r"names tag '\.\./elsewhere'.*refusing"):
+    with pytest.raises(SourceError, match=r"names tag '\.\./elsewhere'.*refusing"):
         plan_import(tmp_path, format="deepspeed")
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(DeepSpeedImportError, match=r"no DeepSpeed checkpoint here .*universal"):
+    with pytest.raises(SourceError, match=r"no DeepSpeed checkpoint here .*universal"):
         deepspeed_files.resolve_tag_dir(str(empty), None)
 
 
@@ -296,7 +296,7 @@ def test_universal_frozen_copy_differing_from_the_fragments_is_refused(tmp_path)
     slot = torch_out.TensorSlot(0, (16,), np.dtype(np.float32))
     torch_out.save_file(str(fp32), slot, [np.full(16, 7.0, np.float32)])
     with pytest.raises(
-        DeepSpeedImportError,
+        SourceError,
         match=r"zero/h\.0\.ln_1\.bias/fp32\.pt: frozen parameter 'h\.0\.ln_1\.bias'.*frozen_param_fragments of \['mp_rank_00_model_states\.pt'\]$",
     ):
         jax_ucp.convert(root, tmp_path / "out")
@@ -307,6 +307,6 @@ def test_a_parameter_both_frozen_and_trained_is_refused():
     from jax_ucp.importers.deepspeed.files import frozen_shapes_of
 
     states = {"frozen_param_shapes": {"a": (2,), "b": [3]}}
-    with pytest.raises(DeepSpeedImportError, match=r"^f\.pt:.*frozen and trained: \['a'\]$"):
+    with pytest.raises(SourceError, match=r"^f\.pt:.*frozen and trained: \['a'\]$"):
         frozen_shapes_of(states, "f.pt", trained=["a", "c"])
     assert frozen_shapes_of(states, "f.pt", trained=["c"]) == {"a": (2,), "b": (3,)}

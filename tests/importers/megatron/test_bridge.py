@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
+from jax_ucp.errors import MegatronImportError
 from jax_ucp.importers import registry
 from jax_ucp.importers.megatron import bridge as megatron_bridge
 from tests.ucp_testing import REPO
@@ -200,7 +201,7 @@ def bridge_copy(tmp_path):
 
 def _refused(src, tmp_path, match: str) -> None:
     out = tmp_path / "ucp"
-    with pytest.raises(megatron_bridge.MegatronBridgeError, match=match):
+    with pytest.raises(MegatronImportError, match=match):
         jax_ucp.convert(str(src), str(out))
     assert not out.exists()
 
@@ -338,9 +339,8 @@ def _bridge(tmp_path):
 
 
 def _bridge_refused(src, tmp_path, match: str) -> str:
-    from jax_ucp.importers.megatron.bridge import MegatronBridgeError
 
-    with pytest.raises(MegatronBridgeError, match=match) as err:
+    with pytest.raises(MegatronImportError, match=match) as err:
         jax_ucp.convert(str(src), str(tmp_path / "ucp"))
     assert not (tmp_path / "ucp").exists()
     assert len(str(err.value)) < 1000

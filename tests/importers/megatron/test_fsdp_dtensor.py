@@ -11,6 +11,7 @@ import os
 import pytest
 
 import jax_ucp
+from jax_ucp.errors import SourceError
 from jax_ucp.torchfiles import dcp_reader
 from tests.ucp_testing import REPO
 
@@ -43,5 +44,5 @@ def test_only_the_fsdp_dtensor_optimizer_key_is_refused():
     (``model.module.*`` is also what a DDP- or Float16Module-wrapped torch DCP save holds)."""
     dcp_reader.refuse_fsdp_dtensor(["model.module.x.weight", "checkpoint_version"], "f")
     dcp_reader.refuse_fsdp_dtensor(["optimizer.state.exp_avg.x", "optimizer.param_groups"], "f")
-    with pytest.raises(dcp_reader.DcpError, match=r"^f: a megatron-core fsdp_dtensor"):
+    with pytest.raises(SourceError, match=r"^f: a megatron-core fsdp_dtensor"):
         dcp_reader.refuse_fsdp_dtensor(["optimizer.param_to_group_meta.m.x.lr"], "f")

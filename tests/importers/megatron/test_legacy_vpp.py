@@ -19,6 +19,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.conversion import convert
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.megatron import legacy as megatron_legacy
 from tests.ucp_testing import REPO
 
@@ -129,10 +130,10 @@ def test_vpp_model_chunks_must_be_numbered_from_zero():
     assert megatron_legacy.model_chunks({"model": {}, "args": None}, where) == []
     assert megatron_legacy.model_chunks({"model1": {}, "model0": {}}, where) == ["model0", "model1"]
     with pytest.raises(
-        megatron_legacy.LegacyError,
+        SourceError,
         match=r"x/model_optim_rng\.pt: model chunks \['model0', 'model2'\]; a virtual-pipeline "
         r"rank file holds model0 \.\. model<N-1>",
     ):
         megatron_legacy.model_chunks({"model0": {}, "model2": {}}, where)
-    with pytest.raises(megatron_legacy.LegacyError, match=r"\['model0'\] beside model;"):
+    with pytest.raises(SourceError, match=r"\['model0'\] beside model;"):
         megatron_legacy.model_chunks({"model0": {}, "model": {}}, where)

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 import jax_ucp
 from jax_ucp import writer
 from jax_ucp.cli import app
+from jax_ucp.errors import SourceError
 from jax_ucp.importers import plan_import
-from jax_ucp.importers.orbax import OrbaxImportError
 from tests.ucp_testing import REPO, assert_bit_exact
 from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
 from tests.ucp_testing import save_and_name as _ucp
@@ -65,7 +65,7 @@ def test_a_deleted_orbax_chunk_file_is_one_error_naming_file_and_array(tmp_path)
     chunk = os.path.join(src, "params.w", "0.0")
     assert os.path.isfile(chunk)
     os.remove(chunk)
-    with pytest.raises(OrbaxImportError, match=r"array 'params\.w'.*is missing") as e:
+    with pytest.raises(SourceError, match=r"array 'params\.w'.*is missing") as e:
         jax_ucp.convert(src, tmp_path / "out")
     assert chunk in str(e.value) and "tensorstore_spec" not in str(e.value)
     _only_source_left(tmp_path, src)
@@ -77,7 +77,7 @@ def test_a_deleted_orbax_chunk_file_is_one_error_naming_file_and_array(tmp_path)
     for damage in (os.remove, lambda f: os.truncate(f, 10)):  # Orbax's metadata read fails
         shutil.copy(os.path.join(src, "params.b", ".zarray"), zarray)
         damage(zarray)
-        with pytest.raises(OrbaxImportError, match=r"metadata of array 'params\.w'") as e:
+        with pytest.raises(SourceError, match=r"metadata of array 'params\.w'") as e:
             jax_ucp.convert(src, tmp_path / "out")
         assert zarray in str(e.value) and "tensorstore_spec" not in str(e.value)
         _only_source_left(tmp_path, src)
@@ -106,7 +106,7 @@ def test_truncated_ocdbt_files_are_one_error_naming_file_and_array(tmp_path):
         out = tmp_path / "out"
         try:
             jax_ucp.convert(copy, out)
-        except OrbaxImportError as e:
+        except SourceError as e:
             text = str(e)
             assert "tensorstore_spec" not in text and "\n" not in text, text
             assert copy in text and ("'params.w'" in text or "'params.b'" in text), text
@@ -204,7 +204,7 @@ def test_a_zarr3_chunk_grid_larger_than_its_array_is_refused(tmp_path):
     meta = json.load(open(meta_file))
     meta["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 29]
     json.dump(meta, open(meta_file, "w"))
-    with pytest.raises(OrbaxImportError, match=r"larger than the array") as e:
+    with pytest.raises(SourceError, match=r"larger than the array") as e:
         jax_ucp.convert(src, tmp_path / "out")
     assert meta_file in str(e.value) and "'params.w'" in str(e.value)
     _only_source_left(tmp_path, src)

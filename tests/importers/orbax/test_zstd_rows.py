@@ -17,7 +17,8 @@ import tensorstore as ts
 import zstandard
 
 import jax_ucp
-from jax_ucp.importers.orbax import OrbaxImportError, zstd_rows
+from jax_ucp.errors import SourceError
+from jax_ucp.importers.orbax import zstd_rows
 from tests.ucp_testing import REPO, peak_over_baseline
 
 MiB = 1 << 20
@@ -41,7 +42,7 @@ def _zarr(path, value: np.ndarray, chunk_rows: int):
 
 
 def _rows(array):
-    rows = zstd_rows.rows_reader(array, "where", "w", OrbaxImportError)
+    rows = zstd_rows.rows_reader(array, "where", "w", SourceError)
     assert rows is not None
     return rows
 
@@ -68,10 +69,10 @@ def test_other_layouts_are_left_to_tensorstore(tmp_path):
     }
     split = ts.open(spec).result()
     split.write(value).result()
-    assert zstd_rows.rows_reader(split, "w", "x", OrbaxImportError) is None
+    assert zstd_rows.rows_reader(split, "w", "x", SourceError) is None
     spec["kvstore"]["path"] = str(tmp_path / "raw")
     spec["metadata"]["chunks"] = [4, 8]
-    assert zstd_rows.rows_reader(ts.open(spec).result(), "w", "x", OrbaxImportError) is None
+    assert zstd_rows.rows_reader(ts.open(spec).result(), "w", "x", SourceError) is None
 
 
 def _damage(tmp_path, how: str):
@@ -100,7 +101,7 @@ def test_a_damaged_chunk_is_an_error_naming_the_array(tmp_path, how):
     intact chunk before it still read exactly)."""
     rows, value = _damage(tmp_path, how)
     np.testing.assert_array_equal(rows(0, 32), value[:32])
-    with pytest.raises(OrbaxImportError, match=r"where: reading array .w. failed \(rows 32:64; "):
+    with pytest.raises(SourceError, match=r"where: reading array .w. failed \(rows 32:64; "):
         rows(32, 64)
 
 
@@ -189,7 +190,7 @@ def test_a_flipped_byte_in_an_edge_chunk_fails_its_checksum(tmp_path):
     (src / "w" / "2.0").write_bytes(bytes(bad))
     with pytest.raises(zstandard.ZstdError, match="checksum"):
         zstandard.ZstdDecompressor().decompress(bytes(bad))  # what the one-shot decoder says
-    with pytest.raises(OrbaxImportError, match=r"'w'.*(rows 8:10|rows 0:10)") as e:
+    with pytest.raises(SourceError, match=r"'w'.*(rows 8:10|rows 0:10)") as e:
         jax_ucp.convert(src, tmp_path / "out")
     assert os.fspath(src / "w") in str(e.value) and "checksum" in str(e.value)
     assert not (tmp_path / "out").exists()
@@ -198,11 +199,11 @@ def test_a_flipped_byte_in_an_edge_chunk_fails_its_checksum(tmp_path):
     rows = _rows(array.result())
     np.testing.assert_array_equal(rows(0, 8), value[:8])
     for lo, hi in [(8, 10), (9, 10), (8, 9)]:
-        with pytest.raises(OrbaxImportError, match="checksum"):
+        with pytest.raises(SourceError, match="checksum"):
             rows(lo, hi)
     # the frame cut inside its checksum: every row decodes, the frame does not end
     (src / "w" / "2.0").write_bytes(frames[2][:-2])
-    with pytest.raises(OrbaxImportError, match=r"'w'.*truncated"):
+    with pytest.raises(SourceError, match=r"'w'.*truncated"):
         _rows(array.result())(0, 10)
 
 
@@ -231,7 +232,7 @@ def test_a_damaged_edge_chunk_is_refused_although_its_padding_is_never_asked_for
         zstandard.ZstdDecompressor().decompress(bytes(frame))
     rows = _rows(array)
     np.testing.assert_array_equal(rows(0, 8), value[:8])
-    with pytest.raises(OrbaxImportError, match=r"rows 8:10.*checksum"):
+    with pytest.raises(SourceError, match=r"rows 8:10.*checksum"):
         rows(8, 10)
-    with pytest.raises(OrbaxImportError, match=r"rows 0:10.*checksum"):
+    with pytest.raises(SourceError, match=r"rows 0:10.*checksum"):
         _rows(array)(0, 10)

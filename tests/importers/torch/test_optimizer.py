@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.torch.optimizer import TorchImportError
+from jax_ucp.errors import SourceError
 from tests.ucp_testing import hf_torch_folder
 
 
@@ -20,7 +20,7 @@ def test_param_names_naming_a_parameter_twice_names_the_cause(tmp_path):
         tmp_path, {"a": (4,), "b": (4,), "c": (4,)}, ["a", "b", "c"], ["a", "b", "a"]
     )
     with pytest.raises(
-        TorchImportError,
+        SourceError,
         match=r"optimizer\.bin: param_names names parameter 'a' twice: as 'a' in group 0 and as "
         r"'a' \(params entry 2\) in group 0;",
     ) as err:
@@ -30,7 +30,7 @@ def test_param_names_naming_a_parameter_twice_names_the_cause(tmp_path):
     # the same once a wrapper prefix hides the duplicate
     shutil.rmtree(src)
     src, _ = hf_torch_folder(tmp_path, {"a": (4,), "b": (4,)}, ["a", "b"], ["module.a", "a"])
-    with pytest.raises(TorchImportError, match=r"names parameter 'a' twice: as 'module\.a'"):
+    with pytest.raises(SourceError, match=r"names parameter 'a' twice: as 'module\.a'"):
         jax_ucp.convert(src, tmp_path / "out")
 
 
