@@ -24,6 +24,7 @@ from jax_ucp.importers.plan import (
     trainer_checkpoints,
 )
 from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
+from jax_ucp.importers.torch.olmo_core import step_folders
 
 SourceFormatError = SourceError  # not a checkpoint of a format jax_ucp imports
 
@@ -96,6 +97,12 @@ def detect_format(src) -> str:
         raise SourceFormatError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+        )
+    steps = step_folders(src)
+    if steps:
+        raise SourceFormatError(
+            f"{src}: an OLMo-core save folder with {len(steps)} checkpoints: {', '.join(steps)}. "
+            f"Convert one of them (e.g. {os.path.join(src, steps[-1])})."
         )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")

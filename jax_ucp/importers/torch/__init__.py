@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from jax_ucp.errors import RequestError
 from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp.importers.torch import dcp, files, torchtune
+from jax_ucp.importers.torch import dcp, files, olmo_core, torchtune
 
 __all__ = [
     "TorchOptions",
@@ -40,6 +40,8 @@ def detect(src: os.PathLike | str) -> Detection:
             return Detection(True, "a torch.save file")
         return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
     if os.path.isdir(src) and dcp.is_torch_dcp(src):
+        if olmo_core.is_step_folder(src):
+            return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
         return Detection(True, "torch DCP (.metadata)")
     if os.path.isdir(src) and torchtune.is_torchtune(src):  # epoch_N/ (+ recipe_state/)
         return Detection(True, "a torchtune checkpoint", weak=True)
@@ -47,8 +49,9 @@ def detect(src: os.PathLike | str) -> Detection:
         return Detection(True, "torch.save files", weak=True)
     return Detection(
         False,
-        "no torch DCP (`.metadata` + `__R_S.distcp`, or Accelerate's `pytorch_model_fsdp_0/` + "
-        f"`optimizer_0/`) and no torch.save files (`pytorch_model.bin`, `{files.INDEX_FILE}`, "
+        "no torch DCP (`.metadata` + `__R_S.distcp`, Accelerate's `pytorch_model_fsdp_0/` + "
+        "`optimizer_0/`, or OLMo-core's `model_and_optim/` + `train/`) and no torch.save files "
+        f"(`pytorch_model.bin`, `{files.INDEX_FILE}`, "
         "`pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` file)",
     )
 
