@@ -579,9 +579,10 @@ def _by_index(
     names = (
         "[n for n, _ in model.named_parameters()]"
         if len(groups) <= 1
-        else "the names group after group, as the optimizer's groups were built (e.g. "
-        "[n for group in name_groups for n in group]; model.named_parameters() order is not "
-        "that order when groups split it)"
+        else f"the names group after group ({_group_order(groups)}), each group's in the "
+        "order it lists its indices: for groups split from model.named_parameters(), "
+        "[n for group in name_groups for n in group], not [n for n, _ in "
+        "model.named_parameters()], which interleaves the groups"
     )
     way_out = (
         f"pass parameter_order={names} (--parameter-order FILE on the command line), or "
@@ -595,11 +596,10 @@ def _by_index(
         )
     if len(groups) > 1:
         raise TorchImportError(
-            f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
-            f"(sizes {sizes}) without their names: torch numbers them group after group "
-            f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
-            f"after), so index i is not the i-th tensor of the model state dict and which "
-            f"state is whose cannot be told; {way_out}"
+            f"{path}: the optimizer numbers {len(ids)} parameters by index over {len(groups)} "
+            f"groups without their names ({_describe_groups(groups)}); {_numbering(ids)}, so "
+            f"index i is not the i-th tensor of the model state dict and which state is whose "
+            f"cannot be told; {way_out}"
         )
     seen: set[tuple] = set()
     order = []
@@ -632,6 +632,44 @@ def _by_index(
                 f"order) has {list(shape)}{hint}"
             )
     return to_name
+
+
+def _group_order(groups: list) -> str:
+    """ "group 0's 2, then group 1's 4" for the advice."""
+    return ", then ".join(f"group {i}'s {n}" for i, n in enumerate(_group_sizes(groups)))
+
+
+def _describe_groups(groups: list) -> str:
+    """What each index-keyed group holds: its size, its first indices and the hyper-parameters
+    that set it apart from the other groups (``weight_decay`` 0.1 / 0.0)."""
+    plain = [g for g in groups if isinstance(g, dict)]
+    keys = sorted({str(k) for g in plain for k in g} - {"params", "param_names"})
+    differ = [k for k in keys if len({unpickler.short_repr(g.get(k), 40) for g in plain}) > 1]
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            out.append(f"group {i}: a {type(g).__name__}")
+            continue
+        params = g.get("params", [])
+        shown = ", ".join(unpickler.short_repr(p, 20) for p in params[:4])
+        more = ", ..." if len(params) > 4 else ""
+        hps = "".join(f", {k} {unpickler.short_repr(g.get(k), 40)}" for k in differ[:3])
+        out.append(f"group {i}: {len(params)} parameters (indices {shown}{more}){hps}")
+    return "; ".join(out)
+
+
+def _numbering(ids: list) -> str:
+    """How the indices run: torch's own numbering (0, 1, ... group after group), or re-keyed."""
+    if ids == list(range(len(ids))):
+        return (
+            "torch's own numbering, group after group (Hugging Face's Trainer puts "
+            "weight-decayed parameters first, norms and biases after)"
+        )
+    return (
+        "the indices do not run group after group as torch's own numbering does: re-keyed "
+        "after saving (e.g. by FSDP's rekey_optim_state_dict, which numbers model.parameters(), "
+        "as Lightning's ModelParallelStrategy does for a consolidated .ckpt)"
+    )
 
 
 def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:
