@@ -130,6 +130,7 @@ def handed_over(source, checkpoint_format: str, options: ImportOptions) -> Impor
         weights_only=options.weights_only,
         share=options.share,
         parameter_order=options.parameter_order,
+        model_config=None if options.model_config is None else os.fspath(options.model_config),
     )
 
 
@@ -161,6 +162,7 @@ def plan_import(
     tag: str | int | None = None,
     vocab_size: int | None = None,
     parameter_order: Sequence[str] | None = None,
+    model_config: str | os.PathLike | None = None,
 ) -> ImportPlan:
     """The import of ``source`` by the importer of its format (detected unless given), its items
     held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
@@ -175,6 +177,7 @@ def plan_import(
         tag: DeepSpeed's tag folder or an Orbax CheckpointManager's step.
         vocab_size: Megatron's vocabulary size before padding.
         parameter_order: torch: an index-keyed optimizer's parameter names, in torch's order.
+        model_config: torch: a Hugging Face config.json to rebuild that order from.
 
     Returns:
         The checked plan, its items accounted for.
@@ -194,6 +197,7 @@ def plan_import(
         tag=tag,
         vocab_size=vocab_size,
         parameter_order=parameter_order,
+        model_config=model_config,
     )
     plan = handed_over(source, checkpoint_format, options)
     if plan is None:

@@ -172,6 +172,7 @@ def plan_torch_files(
     weights_only: bool = False,
     share: Share = WHOLE,
     parameter_order: Sequence[str] | None = None,
+    model_config: str | None = None,
 ) -> ImportPlan:
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
@@ -186,6 +187,10 @@ def plan_torch_files(
             them (group after group; for ``AdamW(model.parameters())``,
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
+        model_config: a Hugging Face ``config.json`` whose model (built on the meta device by
+            transformers) gives that order: one group of ``model.named_parameters()``, or the
+            Trainer's decay / no-decay groups (an Accelerate ``save_state`` folder, a Trainer
+            checkpoint without its ``config.json``).
     """
     refuse_spec(spec, "torch file imports keep torch's parameter names", TorchImportError)
     src = os.fspath(src)
@@ -213,7 +218,12 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
-            order = _Order(src, parameter_order, model_files[0].endswith(".safetensors"))
+            order = _Order(
+                src,
+                parameter_order,
+                model_files[0].endswith(".safetensors"),
+                None if model_config is None else os.fspath(model_config),
+            )
             states, groups, info["optimizer_keys"] = _optimizer(
                 optimizer, path, prefix, clean, model, skipped, order, info
             )
@@ -334,6 +344,7 @@ class _Order:
     src: str
     given: Sequence[str] | None  # parameter_order=
     safetensors: bool  # the weights are safetensors: their order is sorted, not the model's
+    model_config: str | None = None  # model_config=: a config.json to rebuild the order from
 
 
 def _optimizer(
@@ -367,6 +378,13 @@ def _optimizer(
         }
     elif order.given is not None:
         keys, to_name = "parameter_order", _given_order(order.given, ids, path)
+    elif order.model_config is not None:
+        keys = "model_config"
+        to_name, rule = _trainer_order(order.src, groups, state, path, model, order.model_config)
+        info["parameter_order"] = f"{order.model_config}: {rule}"
+        _say_order_assumed(
+            to_name, state, clean, model, path, info, _config_rule(order.model_config, rule)
+        )
     elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
         keys = "trainer"
         to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
@@ -405,6 +423,8 @@ def _optimizer(
         "indices": "parameter indices, in state-dict order",
         "parameter_order": "parameter indices, named by parameter_order",
         "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
+        "model_config": "parameter indices, in the groups rebuilt from model_config "
+        "(source.parameter_order)",
     }[keys]
     return states, out_groups, how
 
@@ -422,13 +442,16 @@ def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
     return dict(zip(ids, names))
 
 
-def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) -> tuple[dict, str]:
-    """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`): the one candidate
-    whose group sizes and every state's shape fit, else refused naming why."""
+def _trainer_order(
+    src: str, groups: list, state: dict, path: str, model: dict, model_config: str | None = None
+) -> tuple[dict, str]:
+    """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`) from the folder's
+    ``config.json`` or ``model_config``: the one candidate whose group sizes and every state's
+    shape fit, else refused naming why."""
     sizes = _group_sizes(groups)
     fits: list[tuple[dict, str]] = []
     misfits: list[str] = []
-    for c in hf_trainer.trainer_candidates(src, len(model)):
+    for c in hf_trainer.trainer_candidates(src, len(model), model_config):
         want = [len(g) for g in c.groups]
         if want != sizes:
             misfits.append(f"{c.rule}: groups of {want}")
@@ -453,10 +476,12 @@ def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) 
             f"group sizes {sizes} and every shape ({'; '.join(r for _, r in fits)}); pass "
             f"parameter_order=, or convert with weights_only=True"
         )
+    config = model_config if model_config is not None else hf_trainer.CONFIG_FILE
     raise TorchImportError(
-        f"{path}: the optimizer's groups (sizes {sizes}) are not the Trainer's grouping of "
-        f"config.json's model ({'; '.join(misfits)}): a custom optimizer or another model; "
-        f"pass parameter_order=, or convert with weights_only=True"
+        f"{path}: the optimizer's groups (sizes {sizes}) are not "
+        f"{'one group of model.named_parameters() nor ' if model_config is not None else ''}"
+        f"the Trainer's grouping of {config}'s model ({'; '.join(misfits)}): a custom "
+        f"optimizer or another model; pass parameter_order=, or convert with weights_only=True"
     )
 
 
@@ -521,6 +546,13 @@ _TRAINER_RULE = (
     "then non-decayed parameters, each in model.named_parameters() order; a Trainer subclass "
     "with its own create_optimizer() numbers them otherwise)"
 )
+
+
+def _config_rule(config: str, rule: str) -> str:
+    return (
+        f"mapped by the grouping rebuilt from {config} ({rule}; an optimizer built in another "
+        "order numbers them otherwise)"
+    )
 
 
 def _say_order_assumed(
