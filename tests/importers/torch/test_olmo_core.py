@@ -136,3 +136,15 @@ def test_olmo_core_save_folder_names_its_step_folders(tmp_path):
     ):
         jax_ucp.convert(tmp_path / "run", tmp_path / "u")
     assert_destination_untouched(tmp_path / "u")
+
+
+def test_olmo_core_train_state_linked_out_of_the_checkpoint_is_refused(tmp_path):
+    """``train/rank0.pt`` is read only inside the checkpoint: a link to a file elsewhere is
+    refused naming it; nothing is written."""
+    src = _step_folder(tmp_path, 3)
+    elsewhere = tmp_path / "private.pt"
+    write_pt(elsewhere, pickle.dumps({"global_step": 3}, protocol=2))
+    os.symlink(elsewhere, os.path.join(src, "train", "rank0.pt"))
+    with pytest.raises(jax_ucp.UCPError, match=r"train/rank0\.pt"):
+        jax_ucp.convert(src, tmp_path / "u")
+    assert_destination_untouched(tmp_path / "u")
