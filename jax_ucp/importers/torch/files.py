@@ -617,8 +617,9 @@ def _by_index(
         "model.named_parameters()], which interleaves the groups"
     )
     way_out = (
-        f"pass parameter_order={names} (--parameter-order FILE on the command line), or "
-        f"convert with weights_only=True to import the weights alone"
+        f"pass parameter_order={names} (--parameter-order FILE on the command line), or, for "
+        f"a transformers model, model_config= its config.json (--model-config CONFIG.json) to "
+        f"rebuild the order, or convert with weights_only=True to import the weights alone"
     )
     if sorted_weights:
         raise TorchImportError(

@@ -232,6 +232,8 @@ def test_accelerate_bare_indices_import_with_the_model_config(tmp_path, kind):
     model.named_parameters() for AdamW(model.parameters()), the decay / no-decay split for the
     bare groups; every moment and the step equal the run's."""
     src = os.path.join(ACCELERATE, kind)
+    with pytest.raises(jax_ucp.UCPError, match=r"model_config= its config\.json \(--model-config"):
+        jax_ucp.convert(src, tmp_path / "refused")
     out = jax_ucp.convert(src, tmp_path / "ucp", model_config=LLAMA_CONFIG)
     want = truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
     want.pop("order")
