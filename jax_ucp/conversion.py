@@ -62,6 +62,8 @@ class ConvertOptions:
             padded rows are stripped; default: the spec's, else they are kept).
         parameter_order: torch: the names of an index-keyed optimizer's parameters in the
             order torch numbered them.
+        model_config: torch: a Hugging Face ``config.json`` to rebuild that order from (an
+            Accelerate ``save_state`` folder, a Trainer checkpoint without its config.json).
     """
 
     format: str | None = None
@@ -77,6 +79,7 @@ class ConvertOptions:
     tag: str | int | None = None
     vocab_size: int | None = None
     parameter_order: Sequence[str] | None = None
+    model_config: str | os.PathLike | None = None
 
     def __post_init__(self):
         if self.step is not None:

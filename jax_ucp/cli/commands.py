@@ -353,6 +353,13 @@ def convert(
         help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
         "order (one name a line, or a JSON list)",
     ),
+    model_config: str | None = typer.Option(
+        None,
+        "--model-config",
+        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
+        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
+        "without its config.json)",
+    ),
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
@@ -388,6 +395,7 @@ def convert(
                 distributed=bool(coordinator),
                 progress=on_progress,
                 parameter_order=order,
+                model_config=model_config,
             )
     except agreement.SharedWriteError as e:
         output.error(str(e))

@@ -24,6 +24,7 @@ from jax_ucp.importers.plan import (
     trainer_checkpoints,
 )
 from jax_ucp.importers.torch.files import has_torch_optimizer, plan_torch_files
+from jax_ucp.importers.torch.olmo_core import step_folders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +100,12 @@ def detect_format(src) -> str:
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
         )
+    steps = step_folders(src)
+    if steps:
+        raise SourceError(
+            f"{src}: an OLMo-core save folder with {len(steps)} checkpoints: {', '.join(steps)}. "
+            f"Convert one of them (e.g. {os.path.join(src, steps[-1])})."
+        )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
@@ -125,6 +132,7 @@ def handed_over(source, checkpoint_format: str, options: ImportOptions) -> Impor
         weights_only=options.weights_only,
         share=options.share,
         parameter_order=options.parameter_order,
+        model_config=None if options.model_config is None else os.fspath(options.model_config),
     )
 
 

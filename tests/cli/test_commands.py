@@ -521,3 +521,26 @@ def test_convert_takes_the_parameter_order_from_a_file_and_says_what_it_imported
     listing.write_text("[1, 2]")
     r = _cli("convert", src, tmp_path / "bad", "--parameter-order", listing)
     assert r.exit_code == 2 and "--parameter-order" in r.output
+
+
+@pytest.mark.torch
+def test_convert_takes_the_model_config_for_an_accelerate_save_state(tmp_path):
+    """``--model-config CONFIG.json`` reaches the torch importer: Accelerate's save_state of
+    AdamW(model.parameters()) (no names, no config.json) imports its optimizer, the order
+    rebuilt from the config's model; every moment equals the run's."""
+    fix = os.path.join(REPO, "tests", "fixtures", "accelerate")
+    src = os.path.join(fix, "accelerate_plain")
+    config = os.path.join(fix, "llama.config.json")
+    r = _cli("convert", src, tmp_path / "out", "--model-config", config, columns=200)
+    assert r.exit_code == 0, r.output
+    restored = jax_ucp.restore(tmp_path / "out")
+    with np.load(os.path.join(fix, "accelerate_plain.truth.npz")) as z:
+        for key in z.files:
+            kind, _, name = key.partition("/")
+            if kind == "exp_avg":
+                np.testing.assert_array_equal(restored["opt_state"]["mu"][name], z[key])
+            elif kind == "exp_avg_sq":
+                np.testing.assert_array_equal(restored["opt_state"]["nu"][name], z[key])
+        assert int(restored["opt_state"]["count"]) == int(z["step"])
+    source = jax_ucp.inspect(tmp_path / "out").source
+    assert source["parameter_order"].startswith(config)

@@ -26,7 +26,23 @@ SOURCES = [
     "torch/fsdp2_fp32",  # torch DCP
     "torch/accelerate_full",  # model.safetensors + optimizer.bin + Accelerate's records
     "hf_trainer/trainer_fp32/checkpoint-3",  # Trainer side files
+    OLMO_STEP := "olmo_core/olmo_fp32 as step3/",  # model_and_optim/, train/, .metadata.json
 ]
+
+
+def _copy_source(source: str, src) -> None:
+    """The fixture at ``src``; OLMo-core's step folder laid out around its DCP fixture."""
+    if source != OLMO_STEP:
+        shutil.copytree(os.path.join(FIXTURES, source), src)
+        return
+    import pickle
+
+    from tests.torchfiles.test_unpickler import write_pt
+
+    shutil.copytree(os.path.join(FIXTURES, "olmo_core", "olmo_fp32"), src / "model_and_optim")
+    (src / "train").mkdir()
+    write_pt(src / "train" / "rank0.pt", pickle.dumps({"global_step": 3}, protocol=2))
+    (src / ".metadata.json").write_text('{"version": "3.0.0"}')
 
 
 def _options(source: str) -> dict:
@@ -47,7 +63,7 @@ def _options(source: str) -> dict:
 @pytest.mark.parametrize("source", SOURCES)
 def test_every_file_an_import_reads_went_through_inside(tmp_path, monkeypatch, source):
     src = tmp_path / "src"
-    shutil.copytree(os.path.join(FIXTURES, source), src)
+    _copy_source(source, src)
     root = os.path.realpath(src)
     checked: set[str] = set()
     for name in ("inside", "inside_checkpoint", "in_own_folder"):

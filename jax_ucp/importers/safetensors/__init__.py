@@ -45,11 +45,12 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     importer's (``TorchOptions``). A folder beside a torch optimizer (a Trainer
     ``checkpoint-N/``, Accelerate's ``save_state``) is handed to the torch files importer by the
     registry (:func:`~jax_ucp.importers.registry.plan_import`), which maps its state too."""
-    if getattr(options, "parameter_order", None) is not None:
-        raise RequestError(
-            f"{src}: parameter_order= orders a torch optimizer's state; these safetensors "
-            f"come without one (or weights_only=True)"
-        )
+    for field in ("parameter_order", "model_config"):
+        if getattr(options, field, None) is not None:
+            raise RequestError(
+                f"{src}: {field}= orders a torch optimizer's state; these safetensors "
+                f"come without one (or weights_only=True)"
+            )
     return plan_safetensors(
         src, spec=options.spec, weights_only=options.weights_only, share=options.share
     )

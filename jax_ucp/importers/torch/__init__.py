@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from jax_ucp.errors import RequestError
 from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp.importers.torch import dcp, files, torchtune
+from jax_ucp.importers.torch import dcp, files, olmo_core, torchtune
 
 __all__ = [
     "TorchOptions",
@@ -25,9 +25,22 @@ class TorchOptions(ImportOptions):
     Attributes:
         parameter_order: the names of the parameters an optimizer keys by index, in the order
             torch numbered them (torch.save files, torchtune; None: from the files).
+        model_config: a Hugging Face ``config.json`` (a path) to rebuild that order from, as
+            for a Trainer checkpoint's own ``config.json``: its model built by transformers on
+            the meta device, its ``named_parameters()`` as one group or split by the Trainer's
+            decay rule, the one grouping that fits every state's shape used (an Accelerate
+            ``save_state`` folder, a Trainer checkpoint without its ``config.json``).
     """
 
     parameter_order: Sequence[str] | None = None
+    model_config: str | os.PathLike | None = None
+
+    def __post_init__(self):
+        if self.parameter_order is not None and self.model_config is not None:
+            raise RequestError(
+                "parameter_order= and model_config= both say the optimizer's parameter order; "
+                "give one"
+            )
 
 
 def detect(src: os.PathLike | str) -> Detection:
@@ -40,6 +53,8 @@ def detect(src: os.PathLike | str) -> Detection:
             return Detection(True, "a torch.save file")
         return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
     if os.path.isdir(src) and dcp.is_torch_dcp(src):
+        if olmo_core.is_step_folder(src):
+            return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
         return Detection(True, "torch DCP (.metadata)")
     if os.path.isdir(src) and torchtune.is_torchtune(src):  # epoch_N/ (+ recipe_state/)
         return Detection(True, "a torchtune checkpoint", weak=True)
@@ -47,8 +62,9 @@ def detect(src: os.PathLike | str) -> Detection:
         return Detection(True, "torch.save files", weak=True)
     return Detection(
         False,
-        "no torch DCP (`.metadata` + `__R_S.distcp`, or Accelerate's `pytorch_model_fsdp_0/` + "
-        f"`optimizer_0/`) and no torch.save files (`pytorch_model.bin`, `{files.INDEX_FILE}`, "
+        "no torch DCP (`.metadata` + `__R_S.distcp`, Accelerate's `pytorch_model_fsdp_0/` + "
+        "`optimizer_0/`, or OLMo-core's `model_and_optim/` + `train/`) and no torch.save files "
+        f"(`pytorch_model.bin`, `{files.INDEX_FILE}`, "
         "`pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` file)",
     )
 
@@ -57,6 +73,12 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     """torchtune, torch DCP (a folder with .metadata, or Accelerate's holding them) or
     torch.save files, with the options as one ``TorchOptions``."""
     common = dict(spec=options.spec, weights_only=options.weights_only, share=options.share)
+    if options.model_config is not None and (torchtune.is_torchtune(src) or dcp.dcp_dirs(src)):
+        raise RequestError(
+            f"{src}: model_config= orders an index-keyed optimizer (torch.save files, "
+            f"safetensors weights beside optimizer.bin / optimizer.pt); this torchtune or torch "
+            f"DCP checkpoint does not take it"
+        )
     if torchtune.is_torchtune(src):
         return torchtune.plan_torchtune(src, **common, parameter_order=options.parameter_order)
     if dcp.dcp_dirs(src):
@@ -66,4 +88,9 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
                 f"checkpoints; torch DCP records its optimizer state by name"
             )
         return dcp.plan_torch_dcp(src, **common)
-    return files.plan_torch_files(src, **common, parameter_order=options.parameter_order)
+    return files.plan_torch_files(
+        src,
+        **common,
+        parameter_order=options.parameter_order,
+        model_config=None if options.model_config is None else os.fspath(options.model_config),
+    )

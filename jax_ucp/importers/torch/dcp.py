@@ -32,6 +32,7 @@ from typing import Any
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, jsonable, refuse_spec
+from jax_ucp.importers.torch import olmo_core
 from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchState,
@@ -55,13 +56,16 @@ MEGATRON_FILES = ("common.pt", "metadata.json")
 
 
 def dcp_dirs(src: os.PathLike | str) -> list[Path]:
-    """The DCP folders of ``src``: itself when it holds ``.metadata``, else Accelerate's
-    ``pytorch_model_fsdp_N/`` and ``optimizer_N/`` inside it; [] when neither."""
+    """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
+    folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
+    ``optimizer_N/`` inside it; [] when none."""
     path = Path(src)
     if not path.is_dir():
         return []
     if os.path.lexists(path / ".metadata"):
         return [path]
+    if olmo_core.is_step_folder(path):
+        return [path / olmo_core.MODEL_DIR]
     return sorted(
         p for p in path.iterdir() if _ACCELERATE_DIR.match(p.name) and (p / ".metadata").exists()
     )
@@ -108,6 +112,15 @@ def plan_torch_dcp(
             for name in ck.tensors:
                 ck.check_tensor(name)
         state, info = _state(checkpoints, str(src))
+        if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
+            info["trainer"], train_files = olmo_core.train_record(str(src))
+            if "global_step_unread" in info["trainer"]:
+                info["notes"] = [
+                    f"OLMo-core's trainer step not recovered: "
+                    f"{info['trainer']['global_step_unread']}"
+                ]
+            state.found.extend(train_files)
+            state.skipped.update(train_files)
         plan = plan_state(
             state,
             {

@@ -171,6 +171,7 @@ def plan_torch_files(
     weights_only: bool = False,
     share: Share = WHOLE,
     parameter_order: Sequence[str] | None = None,
+    model_config: str | None = None,
 ) -> ImportPlan:
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
@@ -185,6 +186,10 @@ def plan_torch_files(
             them (group after group; for ``AdamW(model.parameters())``,
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
+        model_config: a Hugging Face ``config.json`` whose model (built on the meta device by
+            transformers) gives that order: one group of ``model.named_parameters()``, or the
+            Trainer's decay / no-decay groups (an Accelerate ``save_state`` folder, a Trainer
+            checkpoint without its ``config.json``).
     """
     refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
     src = os.fspath(src)
@@ -212,7 +217,12 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
-            order = _Order(src, parameter_order, model_files[0].endswith(".safetensors"))
+            order = _Order(
+                src,
+                parameter_order,
+                model_files[0].endswith(".safetensors"),
+                None if model_config is None else os.fspath(model_config),
+            )
             states, groups, info["optimizer_keys"] = _optimizer(
                 optimizer, path, prefix, clean, model, skipped, order, info
             )
@@ -333,6 +343,7 @@ class _Order:
     src: str
     given: Sequence[str] | None  # parameter_order=
     safetensors: bool  # the weights are safetensors: their order is sorted, not the model's
+    model_config: str | None = None  # model_config=: a config.json to rebuild the order from
 
 
 def _optimizer(
@@ -366,6 +377,13 @@ def _optimizer(
         }
     elif order.given is not None:
         keys, to_name = "parameter_order", _given_order(order.given, ids, path)
+    elif order.model_config is not None:
+        keys = "model_config"
+        to_name, rule = _trainer_order(order.src, groups, state, path, model, order.model_config)
+        info["parameter_order"] = f"{order.model_config}: {rule}"
+        _say_order_assumed(
+            to_name, state, clean, model, path, info, _config_rule(order.model_config, rule)
+        )
     elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
         keys = "trainer"
         to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
@@ -404,6 +422,8 @@ def _optimizer(
         "indices": "parameter indices, in state-dict order",
         "parameter_order": "parameter indices, named by parameter_order",
         "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
+        "model_config": "parameter indices, in the groups rebuilt from model_config "
+        "(source.parameter_order)",
     }[keys]
     return states, out_groups, how
 
@@ -421,13 +441,16 @@ def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
     return dict(zip(ids, names))
 
 
-def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) -> tuple[dict, str]:
-    """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`): the one candidate
-    whose group sizes and every state's shape fit, else refused naming why."""
+def _trainer_order(
+    src: str, groups: list, state: dict, path: str, model: dict, model_config: str | None = None
+) -> tuple[dict, str]:
+    """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`) from the folder's
+    ``config.json`` or ``model_config``: the one candidate whose group sizes and every state's
+    shape fit, else refused naming why."""
     sizes = _group_sizes(groups)
     fits: list[tuple[dict, str]] = []
     misfits: list[str] = []
-    for c in hf_trainer.trainer_candidates(src, len(model)):
+    for c in hf_trainer.trainer_candidates(src, len(model), model_config):
         want = [len(g) for g in c.groups]
         if want != sizes:
             misfits.append(f"{c.rule}: groups of {want}")
@@ -452,10 +475,12 @@ def _trainer_order(src: str, groups: list, state: dict, path: str, model: dict) 
             f"group sizes {sizes} and every shape ({'; '.join(r for _, r in fits)}); pass "
             f"parameter_order=, or convert with weights_only=True"
         )
+    config = model_config if model_config is not None else hf_trainer.CONFIG_FILE
     raise SourceError(
-        f"{path}: the optimizer's groups (sizes {sizes}) are not the Trainer's grouping of "
-        f"config.json's model ({'; '.join(misfits)}): a custom optimizer or another model; "
-        f"pass parameter_order=, or convert with weights_only=True"
+        f"{path}: the optimizer's groups (sizes {sizes}) are not "
+        f"{'one group of model.named_parameters() nor ' if model_config is not None else ''}"
+        f"the Trainer's grouping of {config}'s model ({'; '.join(misfits)}): a custom "
+        f"optimizer or another model; pass parameter_order=, or convert with weights_only=True"
     )
 
 
@@ -522,6 +547,13 @@ _TRAINER_RULE = (
 )
 
 
+def _config_rule(config: str, rule: str) -> str:
+    return (
+        f"mapped by the grouping rebuilt from {config} ({rule}; an optimizer built in another "
+        "order numbers them otherwise)"
+    )
+
+
 def _say_order_assumed(
     to_name: dict,
     state: dict,
@@ -578,13 +610,15 @@ def _by_index(
     names = (
         "[n for n, _ in model.named_parameters()]"
         if len(groups) <= 1
-        else "the names group after group, as the optimizer's groups were built (e.g. "
-        "[n for group in name_groups for n in group]; model.named_parameters() order is not "
-        "that order when groups split it)"
+        else f"the names group after group ({_group_order(groups)}), each group's in the "
+        "order it lists its indices: for groups split from model.named_parameters(), "
+        "[n for group in name_groups for n in group], not [n for n, _ in "
+        "model.named_parameters()], which interleaves the groups"
     )
     way_out = (
-        f"pass parameter_order={names} (--parameter-order FILE on the command line), or "
-        f"convert with weights_only=True to import the weights alone"
+        f"pass parameter_order={names} (--parameter-order FILE on the command line), or, for "
+        f"a transformers model, model_config= its config.json (--model-config CONFIG.json) to "
+        f"rebuild the order, or convert with weights_only=True to import the weights alone"
     )
     if sorted_weights:
         raise SourceError(
@@ -594,11 +628,10 @@ def _by_index(
         )
     if len(groups) > 1:
         raise SourceError(
-            f"{path}: the optimizer numbers its parameters over {len(groups)} groups "
-            f"(sizes {sizes}) without their names: torch numbers them group after group "
-            f"(Hugging Face's Trainer puts weight-decayed parameters first, norms and biases "
-            f"after), so index i is not the i-th tensor of the model state dict and which "
-            f"state is whose cannot be told; {way_out}"
+            f"{path}: the optimizer numbers {len(ids)} parameters by index over {len(groups)} "
+            f"groups without their names ({_describe_groups(groups)}); {_numbering(ids)}, so "
+            f"index i is not the i-th tensor of the model state dict and which state is whose "
+            f"cannot be told; {way_out}"
         )
     seen: set[tuple] = set()
     order = []
@@ -631,6 +664,44 @@ def _by_index(
                 f"order) has {list(shape)}{hint}"
             )
     return to_name
+
+
+def _group_order(groups: list) -> str:
+    """ "group 0's 2, then group 1's 4" for the advice."""
+    return ", then ".join(f"group {i}'s {n}" for i, n in enumerate(_group_sizes(groups)))
+
+
+def _describe_groups(groups: list) -> str:
+    """What each index-keyed group holds: its size, its first indices and the hyper-parameters
+    that set it apart from the other groups (``weight_decay`` 0.1 / 0.0)."""
+    plain = [g for g in groups if isinstance(g, dict)]
+    keys = sorted({str(k) for g in plain for k in g} - {"params", "param_names"})
+    differ = [k for k in keys if len({unpickler.short_repr(g.get(k), 40) for g in plain}) > 1]
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            out.append(f"group {i}: a {type(g).__name__}")
+            continue
+        params = g.get("params", [])
+        shown = ", ".join(unpickler.short_repr(p, 20) for p in params[:4])
+        more = ", ..." if len(params) > 4 else ""
+        hps = "".join(f", {k} {unpickler.short_repr(g.get(k), 40)}" for k in differ[:3])
+        out.append(f"group {i}: {len(params)} parameters (indices {shown}{more}){hps}")
+    return "; ".join(out)
+
+
+def _numbering(ids: list) -> str:
+    """How the indices run: torch's own numbering (0, 1, ... group after group), or re-keyed."""
+    if ids == list(range(len(ids))):
+        return (
+            "torch's own numbering, group after group (Hugging Face's Trainer puts "
+            "weight-decayed parameters first, norms and biases after)"
+        )
+    return (
+        "the indices do not run group after group as torch's own numbering does: re-keyed "
+        "after saving (e.g. by FSDP's rekey_optim_state_dict, which numbers model.parameters(), "
+        "as Lightning's ModelParallelStrategy does for a consolidated .ckpt)"
+    )
 
 
 def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:

@@ -153,24 +153,32 @@ def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
 
 
-def _model_on_meta(folder: str, n_tensors: int):
-    """The config's architecture, built by transformers on the meta device (no weights).
+def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None):
+    """The config's architecture, built by transformers on the meta device (no weights):
+    ``model_config`` (a Hugging Face ``config.json`` the caller gives, for a folder without
+    one), else the folder's own ``config.json``.
 
     An untrusted config could ask for millions of layers (modules cost memory even on the meta
     device): a layer count above the checkpoint's tensor count is refused before building."""
-    path = side_file(folder, CONFIG_FILE)
-    why = "cannot rebuild the Trainer's parameter order"
+    why = "cannot rebuild the optimizer's parameter order"
     way_out = (
-        "pass parameter_order=[names as saved, in model.named_parameters() order of the "
+        f"pass model_config= (--model-config on the command line) the model's {CONFIG_FILE}, "
+        "or parameter_order=[names as saved, in model.named_parameters() order of the "
         "trainable parameters], or convert with weights_only=True"
     )
-    if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
-        raise SourceError(
-            f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
-            f"model's {CONFIG_FILE}: {why}; {way_out}"
-        )
-    if not os.path.isfile(path):
-        raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
+    if model_config is not None:
+        path = os.fspath(model_config)
+        if not os.path.isfile(path):
+            raise SourceError(f"model_config={path}: no such file (expected a {CONFIG_FILE})")
+    else:
+        path = side_file(folder, CONFIG_FILE)
+        if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
+            raise SourceError(
+                f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
+                f"model's {CONFIG_FILE}: {why}; {way_out}"
+            )
+        if not os.path.isfile(path):
+            raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
     config = _json(path)
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object")
@@ -247,14 +255,27 @@ def _installed_decay_names(model) -> list[str]:
     return list(Trainer.get_decay_parameter_names(None, model))  # pyright: ignore[reportArgumentType]  # self is unused
 
 
-def trainer_candidates(folder: str, n_tensors: int) -> list[Candidate]:
+def trainer_candidates(
+    folder: str, n_tensors: int, model_config: str | None = None
+) -> list[Candidate]:
     """The Trainer's groupings of the config's model (``n_tensors``: the checkpoint's model
     tensors, a bound on its size): the installed transformers' decay rule, and the 4.x rule
-    (checkpoints written by an older transformers), distinct ones only."""
-    model, what = _model_on_meta(folder, n_tensors)
+    (checkpoints written by an older transformers), distinct ones only; with ``model_config``
+    (a ``config.json`` given for a folder without one: an Accelerate ``save_state``, a Trainer
+    checkpoint without its config) also one group of ``model.named_parameters()`` in order
+    (``AdamW(model.parameters())``)."""
+    model, what = _model_on_meta(folder, n_tensors, model_config)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}
     out: list[Candidate] = []
+    if model_config is not None:
+        out.append(
+            Candidate(
+                f"{what}, one group in model.named_parameters() order",
+                (tuple(n for n, _ in named),),
+                shapes,
+            )
+        )
     for rule, decay_names in (
         (f"{what}, Trainer.get_decay_parameter_names", _installed_decay_names),
         (f"{what}, transformers 4.x decay rule (no nn.LayerNorm, no 'bias')", _legacy_decay_names),

@@ -4,10 +4,11 @@
 
 The latest epoch's weights are imported as Hugging Face safetensors (names and row order are
 Hugging Face's: the checkpointer converts back on save). The optimizer in ``recipe_state.pt`` is
-keyed by index over torchtune's own model (its names, ``tok_embeddings``, ``attn.q_proj``, ...,
-and its RoPE row order for q/k, which the checkpointer permuted for the weights but not for the
-moments); mapping it is not done yet, so it is refused naming why, and with ``weights_only``
-listed in ``source.skipped``. Earlier epochs' folders are listed there too.
+over torchtune's own model (keyed by index in the single-device recipes, by torchtune's names,
+``tok_embeddings``, ``attn.q_proj``, ..., in the distributed ones; q/k in its RoPE row order,
+which the checkpointer permuted for the weights but not for the moments); mapping it is not
+done yet, so it is refused saying what the file holds, and with ``weights_only`` listed in
+``source.skipped``. Earlier epochs' folders are listed there too.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from typing import Any
 from jax_ucp.errors import SourceError
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, skip
 from jax_ucp.importers.safetensors_weights import plan_safetensors
+from jax_ucp.torchfiles import unpickler
 
 __all__ = ["RECIPE_STATE", "is_torchtune", "epoch_folders", "plan_torchtune"]
 
 RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
+OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
 _EPOCH = re.compile(r"epoch_(\d+)")
 
 
@@ -37,6 +40,50 @@ def epoch_folders(src: str) -> list[str]:
             if any(n.endswith(".safetensors") for n in os.listdir(path)):
                 found.append((int(m.group(1)), name))
     return [name for _, name in sorted(found)]
+
+
+def _names(keys: list, count: int = 3) -> str:
+    shown = ", ".join(unpickler.short_repr(k, 60) for k in keys[:count])
+    return shown + (", ..." if len(keys) > count else "")
+
+
+def recipe_optimizer(path: str) -> str:
+    """What ``recipe_state.pt`` holds of the optimizer, said as found: a state dict keyed by
+    index (the single-device recipes), by torchtune's parameter names (the distributed
+    recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
+    or none; the file read through the allow-listed unpickler (never run)."""
+    try:
+        recipe = unpickler.load_torch_file(path)
+    except unpickler.TorchFileError as e:
+        return f"not read ({str(e)[:200]})"
+    if not isinstance(recipe, dict):
+        return f"absent (the file holds a {type(recipe).__name__}, expected a dict)"
+    optimizer = recipe.get(OPTIMIZER_KEY)
+    if not isinstance(optimizer, dict):
+        keys = _names(sorted(map(str, recipe)), 8)
+        return f"absent (no {OPTIMIZER_KEY!r} dict among its keys {keys or 'none'})"
+    state, groups = optimizer.get("state"), optimizer.get("param_groups")
+    if isinstance(state, dict) and isinstance(groups, list):
+        keys = list(state)
+        where = f"in {len(groups)} param group{'s' if len(groups) != 1 else ''}"
+        if keys and all(isinstance(k, int) for k in keys):
+            return (
+                f"keyed by index ({len(keys)} parameters {where}, indices {_names(keys)}, "
+                f"without their names)"
+            )
+        if keys and all(isinstance(k, str) for k in keys):
+            return (
+                f"keyed by torchtune's parameter names ({len(keys)} parameters {where}, e.g. "
+                f"{_names(keys)})"
+            )
+        return f"keyed by {_names(keys)} ({len(keys)} parameters {where})"
+    per = [k for k, v in optimizer.items() if isinstance(v, dict) and "state" in v]
+    if per and len(per) == len(optimizer):
+        return (
+            f"one optimizer per parameter (optimizer in backward), keyed by torchtune's "
+            f"parameter names ({len(per)} parameters, e.g. {_names(per)})"
+        )
+    return f"a dict with keys {_names(list(optimizer), 8)}, not a torch optimizer state dict"
 
 
 def is_torchtune(src: os.PathLike | str) -> bool:
@@ -67,9 +114,8 @@ def plan_torchtune(
     has_recipe = os.path.lexists(recipe)
     if has_recipe and not weights_only:
         raise SourceError(
-            f"{recipe}: torchtune's optimizer state is keyed over torchtune's own model (by "
-            f"index in its single-device recipes, by torchtune's parameter names in its "
-            f"distributed ones; q/k rows in its RoPE order, which the "
+            f"{recipe}: torchtune's optimizer state, {recipe_optimizer(recipe)}, is over "
+            f"torchtune's own model (its parameter names, q/k rows in its RoPE order, which the "
             f"checkpointer converted for the weights in {epochs[-1]}/ but not for the "
             f"moments); importing it is not supported yet. Convert with weights_only=True to "
             f"import {epochs[-1]}/'s weights"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -244,8 +245,10 @@ def test_several_optimizer_groups_without_names_are_refused(tmp_path):
     dst = tmp_path / "out"
     with pytest.raises(
         SourceError,
-        match=r"optimizer\.bin: the optimizer numbers its parameters over 2 groups \(sizes "
-        r"\[9, 3\]\) without their names.*weights_only=True",
+        match=r"optimizer\.bin: the optimizer numbers 12 parameters by index over 2 groups "
+        r"without their names \(group 0: 9 parameters \(indices 0, 1, 2, 3, \.\.\.\), "
+        r"weight_decay 0\.1; group 1: 3 parameters .*weight_decay 0\.0\); torch's own "
+        r"numbering, group after group.*group 0's 9, then group 1's 3.*weights_only=True",
     ):
         jax_ucp.convert(src, dst)
     assert_destination_untouched(dst)
@@ -265,6 +268,90 @@ def test_optimizer_groups_with_param_names_import_bit_exact(tmp_path):
     assert [g["weight_decay"] for g in groups] == [0.1, 0.0]
     assert all("param_names" not in g for g in groups)
     assert groups[1]["params"] == [n for n in groups[1]["params"] if "norm" in n]
+
+
+def _model_parallel_ckpt(path) -> tuple[list[list[str]], dict]:
+    """A Lightning ``ModelParallelStrategy(save_distributed_checkpoint=False)`` ``.ckpt``:
+    the full model state dict and, in ``optimizer_states``, the optimizer's full state dict
+    re-keyed by FSDP's ``rekey_optim_state_dict(PARAM_ID, model)`` as Lightning does (indices
+    of model.parameters(), each group's sorted); a decay / no-decay AdamW trained 2 steps.
+    Returns each group's names, as the groups were built, and the run's live state."""
+    import torch
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3))
+    named = list(model.named_parameters())
+    decayed = [n for n, p in named if p.ndim > 1]
+    groups = [decayed, [n for n, _ in named if n not in decayed]]
+    params = dict(named)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [params[n] for n in groups[0]], "weight_decay": 0.1},
+            {"params": [params[n] for n in groups[1]], "weight_decay": 0.0},
+        ],
+        lr=1e-2,
+    )
+    for _ in range(2):
+        model(torch.randn(5, 4)).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+    full = get_optimizer_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    rekeyed = FullyShardedDataParallel.rekey_optim_state_dict(
+        full, OptimStateKeyType.PARAM_ID, model
+    )
+    torch.save(
+        {
+            "state_dict": model.state_dict(),
+            "optimizer_states": [rekeyed],
+            "epoch": 0,
+            "global_step": 2,
+            "pytorch-lightning_version": "2.6.6",
+        },
+        path,
+    )
+    live: dict[str, Any] = {"step": 2}
+    for name, p in named:
+        live[f"param/{name}"] = p.detach().numpy().copy()
+        live[f"exp_avg/{name}"] = opt.state[p]["exp_avg"].numpy().copy()
+        live[f"exp_avg_sq/{name}"] = opt.state[p]["exp_avg_sq"].numpy().copy()
+    return groups, live
+
+
+@pytest.mark.torch
+def test_model_parallel_ckpt_refusal_gives_the_order_that_imports_exactly(tmp_path):
+    """Two unnamed groups re-keyed by model.parameters(): the refusal says what the file holds
+    (each group's size, indices and weight decay; indices not run group after group) and
+    advises the names group after group; following it imports exactly, while
+    model.named_parameters()'s order is refused on a shape."""
+    from tests.importers.torch.test_hf_trainer import assert_matches_run as matches_live
+
+    src = str(tmp_path / "consolidated.ckpt")
+    groups, live = _model_parallel_ckpt(src)
+    with pytest.raises(SourceError) as refused:
+        jax_ucp.convert(src, tmp_path / "refused")
+    message = str(refused.value)
+    assert (
+        "2 groups without their names (group 0: 2 parameters (indices 0, 4), weight_decay 0.1"
+        in message
+    )
+    assert "group 1: 4 parameters (indices 1, 2, 3, 5), weight_decay 0.0" in message
+    assert "do not run group after group" in message
+    assert "[n for group in name_groups for n in group]" in message
+    assert_destination_untouched(tmp_path / "refused")
+    by_model = [k.split("/", 1)[1] for k in live if k.startswith("param/")]
+    with pytest.raises(SourceError, match=r"has shape"):
+        jax_ucp.convert(src, tmp_path / "by_model", parameter_order=by_model)
+    order = [n for group in groups for n in group]
+    out = jax_ucp.convert(src, tmp_path / "ucp", parameter_order=order)
+    matches_live(jax_ucp.restore(out), live)
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keys"] == "parameter indices, named by parameter_order"
+    assert [g["weight_decay"] for g in source["optimizer"]["param_groups"]] == [0.1, 0.0]
 
 
 # Inputs a careless or hostile user hands over, built here torch-free: each imports exactly or is

@@ -221,6 +221,81 @@ def test_accelerate_bare_indices_need_the_parameter_order(tmp_path, kind):
         jax_ucp.convert(src, tmp_path / "swapped", parameter_order=swapped)
 
 
+LLAMA_CONFIG = os.path.join(ACCELERATE, "llama.config.json")  # the fixtures' model's config.json
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("kind", ["accelerate_plain", "accelerate_groups"])
+def test_accelerate_bare_indices_import_with_the_model_config(tmp_path, kind):
+    """model_config= the model's config.json (Accelerate's save_state keeps none): the order is
+    rebuilt as for a Trainer checkpoint (the model on the meta device): one group of
+    model.named_parameters() for AdamW(model.parameters()), the decay / no-decay split for the
+    bare groups; every moment and the step equal the run's."""
+    src = os.path.join(ACCELERATE, kind)
+    with pytest.raises(jax_ucp.UCPError, match=r"model_config= its config\.json \(--model-config"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    out = jax_ucp.convert(src, tmp_path / "ucp", model_config=LLAMA_CONFIG)
+    want = truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
+    want.pop("order")
+    assert_matches_run(jax_ucp.restore(out), want)
+    assert_accounted(out, src, "optimizer.bin")
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keys"].startswith("parameter indices, in the groups rebuilt from")
+    rule = "one group in model.named_parameters() order"
+    if kind == "accelerate_groups":
+        rule = "Trainer.get_decay_parameter_names"
+    assert source["parameter_order"].startswith(LLAMA_CONFIG + ": transformers ")
+    assert source["parameter_order"].endswith(rule)
+
+
+@pytest.mark.torch
+def test_trainer_checkpoint_without_its_config_imports_with_the_model_config(tmp_path):
+    """A Trainer checkpoint-N/ whose config.json is gone: refused naming model_config=; given
+    the config (kept elsewhere), bit-exact as with it."""
+    src = _copy(trainer_src("trainer_fp32"), tmp_path / "checkpoint-3")
+    config = str(tmp_path / "kept.config.json")
+    os.replace(os.path.join(src, "config.json"), config)
+    with pytest.raises(jax_ucp.UCPError, match=r"no config\.json.*model_config= \(--model-config"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    out = jax_ucp.convert(src, tmp_path / "ucp", model_config=config)
+    assert_matches_run(jax_ucp.restore(out), truth(os.path.join(TRAINER, "trainer_fp32.truth.npz")))
+    source = jax_ucp.inspect(out).source
+    assert source["parameter_order"].startswith(f"{config}: transformers ")
+    assert source["parameter_order"].endswith("Trainer.get_decay_parameter_names")
+
+
+@pytest.mark.torch
+def test_a_model_config_of_another_model_is_refused_naming_the_misfit(tmp_path):
+    """A config.json of another shape: no grouping fits; refused naming the config and a
+    shape; nothing written."""
+    with open(LLAMA_CONFIG) as f:
+        config = json.load(f)
+    other = tmp_path / "other.config.json"
+    other.write_text(json.dumps({**config, "intermediate_size": 40}))
+    with pytest.raises(jax_ucp.UCPError, match=r"not one group of model\.named_parameters\(\) "):
+        jax_ucp.convert(
+            os.path.join(ACCELERATE, "accelerate_plain"), tmp_path / "u", model_config=str(other)
+        )
+    assert_destination_untouched(tmp_path / "u")
+
+
+def test_model_config_and_parameter_order_together_or_elsewhere_are_refused(tmp_path):
+    """Two sources of one order are refused; so is model_config= for a checkpoint that keys its
+    optimizer by name (torch DCP) or another format's."""
+    src = os.path.join(ACCELERATE, "accelerate_plain")
+    with pytest.raises(jax_ucp.UCPError, match=r"parameter_order= and model_config= both"):
+        jax_ucp.convert(src, tmp_path / "u1", model_config=LLAMA_CONFIG, parameter_order=["a"])
+    dcp = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_fp32")
+    with pytest.raises(jax_ucp.UCPError, match=r"model_config= orders an index-keyed optimizer"):
+        jax_ucp.convert(dcp, tmp_path / "u2", model_config=LLAMA_CONFIG)
+    missing = str(tmp_path / "nowhere.json")
+    with pytest.raises(jax_ucp.UCPError, match=r"model_config=.*nowhere\.json: no such file"):
+        jax_ucp.convert(src, tmp_path / "u3", model_config=missing)
+    for n in ("u1", "u2", "u3"):
+        assert_destination_untouched(tmp_path / n)
+
+
 def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
     """A Trainer + peft LoRA checkpoint (adapter_model.safetensors + optimizer.pt, no base
     config.json): the order of the trainable parameters is not recorded, so it is refused naming
