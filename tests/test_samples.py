@@ -21,6 +21,7 @@ def test_shipped_samples_are_the_test_fixtures_byte_for_byte():
     copies = {
         "megatron_llama_tp2": os.path.join(fixtures, "megatron", "llama_tp2"),
         "deepspeed_z2_bf16_dp2": os.path.join(fixtures, "deepspeed", "z2_bf16_dp2", "ckpt"),
+        "hf_trainer_llama": os.path.join(fixtures, "hf_trainer", "trainer_fp32", "checkpoint-3"),
     }
     assert sorted(copies) == sorted(samples.NAMES)
     for name, fixture in copies.items():
@@ -48,5 +49,15 @@ def test_shipped_samples_are_the_test_fixtures_byte_for_byte():
     assert sorted(got) == sorted(ref.files)
     for k in ref.files:
         np.testing.assert_array_equal(got[k], ref[k])
+    truth = np.load(os.path.join(fixtures, "hf_trainer", "trainer_fp32.truth.npz"))
+    got = samples.reference("hf_trainer_llama")
+    for mine, theirs in (("tokens", "next_tokens"), ("losses", "next_losses"), ("lrs", "next_lrs")):
+        np.testing.assert_array_equal(got[mine], truth[theirs])
+    names = [k.split("/", 1)[1] for k in truth.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]  # the Trainer's no-decay group
+    order = samples.settings("hf_trainer_llama")["parameter_order"]
+    assert order == [n for n in names if n not in norms] + norms
+    with pytest.raises(KeyError, match="ships no reference"):
+        samples.reference("deepspeed_z2_bf16_dp2")
     with pytest.raises(KeyError, match="no sample named 'gpt5' \\(samples: megatron_llama_tp2, "):
         samples.path("gpt5")

@@ -10,6 +10,13 @@ DeepSpeed 0.19.8 on CPU; tests/test_samples.py checks the copies stay byte-equal
   logits megatron-core computed for some tokens: ``reference(name)``.
 - ``deepspeed_z2_bf16_dp2``: a DeepSpeed ZeRO-2 bf16 run on 2 ranks (a GPT-2-style model, 2
   steps), the folder holding ``latest``.
+- ``hf_trainer_llama``: a Hugging Face Trainer ``checkpoint-3/`` (transformers 5.23, a tiny
+  Llama, 3 AdamW steps with the Trainer's decay / no-decay groups, linear warm-up, clipping
+  1.0): the weights, ``optimizer.pt``, ``scheduler.pt``, ``training_args.bin``,
+  ``trainer_state.json``. ``reference(name)``: the run's next two batches (``tokens``) and
+  torch's losses (``losses``) and learning rates (``lrs``) of steps 4 and 5;
+  ``settings(name)["parameter_order"]``: the Trainer's parameter order (what transformers
+  rebuilds from ``config.json`` when it is installed).
 
 The files are read-only inputs: convert them to a directory of your own.
 """
@@ -31,7 +38,12 @@ __all__ = [
 ]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-NAMES = ("megatron_llama_tp2", "deepspeed_z2_bf16_dp2")
+NAMES = ("megatron_llama_tp2", "deepspeed_z2_bf16_dp2", "hf_trainer_llama")
+#: each sample's reference arrays (what the source framework computed), where it ships them
+REFERENCES = {
+    "megatron_llama_tp2": "megatron_llama_tp2.logits.npz",
+    "hf_trainer_llama": "hf_trainer_llama.next.npz",
+}
 
 
 def _check(name: str) -> None:
@@ -53,10 +65,11 @@ def settings(name: str) -> dict:
 
 
 def reference(name: str) -> dict[str, np.ndarray]:
-    """``tokens`` and the ``logits`` the source framework computed for them (padded vocab)."""
+    """What the source framework computed, to check a conversion against: ``tokens`` and the
+    ``logits`` of them (megatron_llama_tp2, padded vocab), or the next batches ``tokens`` and
+    torch's ``losses`` and ``lrs`` of them (hf_trainer_llama)."""
     _check(name)
-    file = os.path.join(_HERE, f"{name}.logits.npz")
-    if not os.path.exists(file):
-        raise NotFoundError(f"sample {name!r} ships no reference logits")
-    with np.load(file) as z:
+    if name not in REFERENCES:
+        raise NotFoundError(f"sample {name!r} ships no reference arrays")
+    with np.load(os.path.join(_HERE, REFERENCES[name])) as z:
         return {k: z[k] for k in z.files}
