@@ -50,6 +50,7 @@ import sys
 import tempfile
 import time
 import zlib
+from typing import Any, cast
 
 import numpy as np
 
@@ -57,7 +58,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
 import jax_ucp  # noqa: E402
 from jax_ucp import format as fmt  # noqa: E402
@@ -96,7 +97,7 @@ MESHES = (
 DEVICES_PER_PROCESS = 8
 
 
-def parameters() -> list[tuple[tuple[str, ...], tuple[int, ...], tuple[str | None, ...]]]:
+def parameters() -> list[tuple[tuple[str, ...], tuple[int, ...], tuple[Any, ...]]]:
     """(key under params/, shape, logical axes) of every Llama-3-70B parameter, in model order."""
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     out = [(("embed", "embedding"), (VOCAB, HIDDEN), ("vocab", "embed"))]
@@ -138,11 +139,12 @@ def _tree(keys) -> dict:
     return encode(root)
 
 
-def build(path: str, param_dtype: str) -> tuple[fmt.Manifest, dict]:
-    """Writes the synthetic manifest-only checkpoint at ``path``; returns its manifest and
-    what it holds."""
+def build(path: str, param_dtype: str, inner_chunk_bytes: int = store.DEFAULT_INNER_CHUNK_BYTES):
+    """Writes the synthetic manifest-only checkpoint at ``path`` (inner chunks bounded by
+    ``inner_chunk_bytes``, ``jax_ucp.save``'s keyword); returns its manifest, what it holds and
+    each array's zarr.json size."""
     mesh = abstract_mesh(SAVE_MESH)
-    options = SaveOptions()
+    options = SaveOptions(inner_chunk_bytes=inner_chunk_bytes)
     entries: list = []
     layouts = {}
     for top, dtype in (
@@ -153,7 +155,7 @@ def build(path: str, param_dtype: str) -> tuple[fmt.Manifest, dict]:
         itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
         for sub, shape, logical in parameters():
             key = top + sub
-            spec = mesh_layout.partition_spec_from_logical(shape, logical, RULES, mesh)
+            spec = mesh_layout.partition_spec_from_logical(shape, logical, RULES, cast(Any, mesh))
             sharding = NamedSharding(mesh, spec)
             layout = array_layout(shape, dtype, sharding.shard_shape(shape), itemsize, options)
             grid = [s // c for s, c in zip(shape, layout.chunk_shape)]
@@ -206,6 +208,7 @@ def build(path: str, param_dtype: str) -> tuple[fmt.Manifest, dict]:
         "ucp_json_bytes": len(text.encode()),
         "zarr_json_bytes": sum(zarr_bytes.values()),
         "param_dtype": param_dtype,
+        "inner_chunk_bytes": inner_chunk_bytes,
         "saved_mesh": dict(SAVE_MESH),
     }
     return manifest, info, zarr_bytes
@@ -285,7 +288,9 @@ def replay(manifest, result, axes, processes: int, sample: list[int], zarr_bytes
     cache: dict = {}
     rows = []
     for q in sample:
-        total = dict.fromkeys(("data_bytes", "bytes", "shard_files", "opens", "requests"), 0)
+        total: dict[str, int] = dict.fromkeys(
+            ("data_bytes", "bytes", "shard_files", "opens", "requests"), 0
+        )
         meta = ucp_bytes
         meta_files = 1
         for t in result.tensors:
@@ -318,7 +323,8 @@ def sampled(processes: int, limit: int) -> list[int]:
 
 def time_plan(path, axes, processes, repeats: int):
     mesh = abstract_mesh(axes)
-    times, result = [], None
+    times = []
+    result = jax_ucp.plan(path, mesh=mesh, rules=RULES, processes=processes)  # warm: imports
     for _ in range(repeats):
         t0 = time.perf_counter()
         result = jax_ucp.plan(path, mesh=mesh, rules=RULES, processes=processes)
@@ -402,7 +408,8 @@ def _part_keys(entries):
         elif e.key[:2] in (("opt_state", "mu"), ("opt_state", "nu")):
             key = (*e.key[:2], ".".join(e.key[2:]))
         else:
-            key = e.key
+            out.append(e)
+            continue
         out.append(
             dataclasses.replace(e, key=key, key_types=("key",) * len(key), dir=fmt.array_dir(key))
         )
@@ -417,9 +424,16 @@ def gb(n: float) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--dir", default=None, help="where to build it (default: a temp dir)")
     parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--inner-chunk-bytes",
+        type=int,
+        default=store.DEFAULT_INNER_CHUNK_BYTES,
+        help="save's inner_chunk_bytes (default 4 MiB)",
+    )
+    parser.add_argument("--skip-import", action="store_true", help="no import table")
     parser.add_argument("--sample", type=int, default=64, help="processes replayed per mesh")
     parser.add_argument("--repeats", type=int, default=3, help="plan timings per mesh (median)")
     parser.add_argument("--import-processes", default="1,8,64,512")
@@ -432,7 +446,7 @@ def main(argv=None) -> int:
     path = os.path.join(tmp, NAME)
     try:
         t0 = time.perf_counter()
-        manifest, info, zarr_bytes = build(path, args.param_dtype)
+        manifest, info, zarr_bytes = build(path, args.param_dtype, args.inner_chunk_bytes)
         info["build_seconds"] = time.perf_counter() - t0
         fmt.read_manifest_file(path)  # strict reader: a valid manifest
         info["manifest_parse_seconds"] = manifest_parse_time(path, args.repeats)
@@ -442,7 +456,7 @@ def main(argv=None) -> int:
             f"{gb(info['tensor_bytes'])} GB of entries, {info['shard_files']} shard files (none "
             f"written), ucp.json {info['ucp_json_bytes'] / 1e6:.1f} MB (parsed in "
             f"{info['manifest_parse_seconds']:.2f} s), zarr.json {info['zarr_json_bytes'] / 1e6:.2f}"
-            f" MB in all; saved from fsdp=32 × tensor=8"
+            f" MB in all; saved from fsdp=32 × tensor=8, inner chunks ≤ {args.inner_chunk_bytes} bytes"
         )
         meshes = []
         header = (
@@ -471,7 +485,14 @@ def main(argv=None) -> int:
                 "planned_read_bytes_max": result.process_read_bytes.highest(),
                 "planned_read_bytes_min": result.process_read_bytes.lowest(),
             }
-            for k in ("planned_bytes", "bytes", "shard_files", "opens", "requests", "metadata_bytes"):
+            for k in (
+                "planned_bytes",
+                "bytes",
+                "shard_files",
+                "opens",
+                "requests",
+                "metadata_bytes",
+            ):
                 values = [r[k] for r in rows]
                 row[f"{k}_max"], row[f"{k}_mean"] = max(values), statistics.mean(values)
             row["metadata_files"] = rows[0]["metadata_files"]
@@ -500,7 +521,8 @@ def main(argv=None) -> int:
             profile = label
         print("\nimport split across N processes (jax-ucp convert --coordinator), computed:")
         imports = []
-        for n in (int(x) for x in args.import_processes.split(",")):
+        counts = [] if args.skip_import else str(args.import_processes).split(",")
+        for n in (int(x) for x in counts):
             row = import_split(manifest, n, tmp, merge=True)
             imports.append(row)
             print(
@@ -525,7 +547,9 @@ def main(argv=None) -> int:
                         "imports": imports,
                         "load_average": load,
                         "profiled": profile,
-                        "command": " ".join(["python", "benchmarks/bench_plan_scale.py", *sys.argv[1:]]),
+                        "command": " ".join(
+                            ["python", "benchmarks/bench_plan_scale.py", *sys.argv[1:]]
+                        ),
                     },
                     f,
                     indent=1,
