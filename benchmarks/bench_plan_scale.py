@@ -16,11 +16,12 @@ What is built (``--param-dtype``, default float32):
 * Assumption: parameters in float32 (the master copy optax updates), so the state is
   12 bytes/parameter, 847 GB: the issue's "~840 GB". ``--param-dtype bfloat16`` gives bf16
   parameters with fp32 moments (10 bytes/parameter, 706 GB).
-* Saved from a training mesh ``fsdp=32 × tensor=8`` (256 devices) with the logical rules
-  ``embed→fsdp, heads/kv_heads/mlp/vocab→tensor``; chunk (= shard file) and inner-chunk shapes
-  come from ``writer.layout.array_layout`` on ``NamedSharding.shard_shape``, exactly what
-  ``jax_ucp.save`` computes; ``saved_sharding`` from ``sharding.describe``; ``shard_digests``
-  list every shard file of the grid (the digests are made up: no data exists to digest).
+* Saved from a training mesh ``fsdp=32 × tensor=8`` (256 devices; ``--save-fsdp`` for another)
+  with the logical rules ``embed→fsdp, heads/kv_heads/mlp/vocab→tensor``; chunk (= shard file)
+  and inner-chunk shapes come from ``writer.layout.array_layout`` on
+  ``NamedSharding.shard_shape``, exactly what ``jax_ucp.save`` computes; ``saved_sharding`` from
+  ``sharding.describe``; ``shard_digests`` list every shard file of the grid (the digests are
+  made up: no data exists to digest).
 
 Then for each target mesh (8 devices per process), ``jax_ucp.plan(path, mesh=abstract_mesh(...),
 rules=..., processes=N)`` is timed, and for every process (or ``--sample`` of them) the reads a
@@ -139,11 +140,16 @@ def _tree(keys) -> dict:
     return encode(root)
 
 
-def build(path: str, param_dtype: str, inner_chunk_bytes: int = store.DEFAULT_INNER_CHUNK_BYTES):
+def build(
+    path: str,
+    param_dtype: str,
+    inner_chunk_bytes: int = store.DEFAULT_INNER_CHUNK_BYTES,
+    save_mesh=SAVE_MESH,
+):
     """Writes the synthetic manifest-only checkpoint at ``path`` (inner chunks bounded by
     ``inner_chunk_bytes``, ``jax_ucp.save``'s keyword); returns its manifest, what it holds and
     each array's zarr.json size."""
-    mesh = abstract_mesh(SAVE_MESH)
+    mesh = abstract_mesh(save_mesh)
     options = SaveOptions(inner_chunk_bytes=inner_chunk_bytes)
     entries: list = []
     layouts = {}
@@ -209,7 +215,7 @@ def build(path: str, param_dtype: str, inner_chunk_bytes: int = store.DEFAULT_IN
         "zarr_json_bytes": sum(zarr_bytes.values()),
         "param_dtype": param_dtype,
         "inner_chunk_bytes": inner_chunk_bytes,
-        "saved_mesh": dict(SAVE_MESH),
+        "saved_mesh": dict(save_mesh),
     }
     return manifest, info, zarr_bytes
 
@@ -433,6 +439,12 @@ def main(argv=None) -> int:
         default=store.DEFAULT_INNER_CHUNK_BYTES,
         help="save's inner_chunk_bytes (default 4 MiB)",
     )
+    parser.add_argument(
+        "--save-fsdp", type=int, default=32, help="the save-time mesh's fsdp (× tensor=8)"
+    )
+    parser.add_argument(
+        "--meshes", default=None, help="which target meshes, by position (e.g. 0,3; all)"
+    )
     parser.add_argument("--skip-import", action="store_true", help="no import table")
     parser.add_argument("--sample", type=int, default=64, help="processes replayed per mesh")
     parser.add_argument("--repeats", type=int, default=3, help="plan timings per mesh (median)")
@@ -446,7 +458,12 @@ def main(argv=None) -> int:
     path = os.path.join(tmp, NAME)
     try:
         t0 = time.perf_counter()
-        manifest, info, zarr_bytes = build(path, args.param_dtype, args.inner_chunk_bytes)
+        manifest, info, zarr_bytes = build(
+            path,
+            args.param_dtype,
+            args.inner_chunk_bytes,
+            (("fsdp", args.save_fsdp), ("tensor", 8)),
+        )
         info["build_seconds"] = time.perf_counter() - t0
         fmt.read_manifest_file(path)  # strict reader: a valid manifest
         info["manifest_parse_seconds"] = manifest_parse_time(path, args.repeats)
@@ -456,7 +473,7 @@ def main(argv=None) -> int:
             f"{gb(info['tensor_bytes'])} GB of entries, {info['shard_files']} shard files (none "
             f"written), ucp.json {info['ucp_json_bytes'] / 1e6:.1f} MB (parsed in "
             f"{info['manifest_parse_seconds']:.2f} s), zarr.json {info['zarr_json_bytes'] / 1e6:.2f}"
-            f" MB in all; saved from fsdp=32 × tensor=8, inner chunks ≤ {args.inner_chunk_bytes} bytes"
+            f" MB in all; saved from fsdp={args.save_fsdp} × tensor=8, inner chunks ≤ {args.inner_chunk_bytes} bytes"
         )
         meshes = []
         header = (
@@ -465,7 +482,10 @@ def main(argv=None) -> int:
             f"{'replayed':>8}"
         )
         print(header)
-        for label, axes in MESHES:
+        chosen = MESHES
+        if args.meshes:
+            chosen = tuple(MESHES[int(i)] for i in str(args.meshes).split(","))
+        for label, axes in chosen:
             devices = math.prod(s for _, s in axes)
             processes = devices // DEVICES_PER_PROCESS
             result, times = time_plan(path, axes, processes, args.repeats)
