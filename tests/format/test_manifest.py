@@ -156,6 +156,24 @@ MANIFEST_CASES = {
         _edit(lambda d: _tensor(d, "params/w")["shard_digests"].update({"c/0/0": "zz"})),
         r"\.shard_digests: expected shard key -> 8 hex digits",
     ),
+    # shard_digests are checked all at once, joined by newlines: a newline smuggled into a key or
+    # a digest must not make two entries of one (each is refused as it is)
+    "digest key holding a newline": (
+        _edit(lambda d: _tensor(d, "params/w")["shard_digests"].update({"c/0\nc/1": "00000000"})),
+        r"\.shard_digests: expected shard key -> 8 hex digits",
+    ),
+    "digest holding a newline": (
+        _edit(
+            lambda d: _tensor(d, "params/w")["shard_digests"].update(
+                {"c/0/0": "0" * 8 + "\n" + "0" * 8}
+            )
+        ),
+        r"\.shard_digests: expected shard key -> 8 hex digits",
+    ),
+    "digest key not a shard key": (
+        _edit(lambda d: _tensor(d, "params/w")["shard_digests"].update({"c/0/x": "00000000"})),
+        r"\.shard_digests: expected shard key -> 8 hex digits",
+    ),
     "bool value as string": (
         _edit(lambda d: _tensor(d, "step").update(type="bool", value="false")),
         r"\.value: expected a JSON boolean",
