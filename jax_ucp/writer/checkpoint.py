@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 from jax_ucp import format as fmt
 from jax_ucp.multihost.agreement import Gather, SharedWriteError, agree
-from jax_ucp.writer import commit
+from jax_ucp.writer import commit, durable
 from jax_ucp.writer.stream import HostItem, write_stream
 
 PART_FILE = "ucp.part-{}.json"  # one process's entries, merged into ucp.json by the primary
@@ -77,7 +77,7 @@ def write_shared_checkpoint(
     directory, ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after itself, so a later import removes it
     once the primary is gone), "written" (each process's part file and its sha256) and
     "committed" (the primary's merge and rename, done only once every process reported its
-    part). Every process takes the same decision from the same values: a failure anywhere
+    part, each part made durable by the process that wrote it first). Every process takes the same decision from the same values: a failure anywhere
     leaves ``dest`` untouched, is raised in every process naming the process and its error,
     and the primary removes the temporary directory (its ``commit.transaction``).
 
@@ -119,6 +119,10 @@ def write_shared_checkpoint(
                     manifest_file=PART_FILE.format(index),
                 )
             )
+            # On a shared file system each host holds its own dirty pages: the primary's syncfs
+            # at commit flushes only its host's, so every process makes its part durable before
+            # it reports it written (as each process of a JAX save does before Orbax commits).
+            durable.make_tree_durable(shared)
             written = hashlib.sha256(pathlib.Path(part).read_bytes()).hexdigest()
         except BaseException as e:
             written = e

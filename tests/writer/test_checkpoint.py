@@ -197,6 +197,36 @@ def _shared_write(dest, keys_of, before_of=lambda i: None):
 
 
 @pytest.mark.timeout(60)
+def test_every_process_makes_its_part_durable_before_reporting_it(tmp_path, monkeypatch):
+    """On a shared file system the primary's syncfs flushes its own host only: each process
+    syncs what it wrote (its file system, from its host) before it reports the part written."""
+    from jax_ucp.writer import durable
+
+    synced: set[int] = set()
+    real = durable.sync_filesystem
+
+    def sync_filesystem(path):
+        synced.add(threading.get_ident())
+        real(path)
+
+    monkeypatch.setattr(durable, "sync_filesystem", sync_filesystem)
+    unsynced: list[int] = []
+
+    def before_of(i):
+        def before(step):
+            if step == "written" and threading.get_ident() not in synced:
+                unsynced.append(i)
+
+        return before
+
+    dest = tmp_path / "ck"
+    results = _shared_write(dest, lambda i: [f"w{i}"], before_of)
+    assert results == [str(dest), str(dest)]
+    assert unsynced == []
+    assert sorted(jax_ucp.restore(dest)["params"]) == ["w0", "w1"]
+
+
+@pytest.mark.timeout(60)
 def test_shared_write_commits_only_the_parts_its_processes_reported(tmp_path):
     """The primary merges a part only if it is byte for byte the one its process reported
     (sha256 exchanged with its "done"): a part changed after it was reported is an error in
