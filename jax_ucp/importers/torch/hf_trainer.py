@@ -27,6 +27,7 @@ from typing import Any
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files
 from jax_ucp.importers.plan import jsonable
+from jax_ucp.importers.torch.optimizer import clean_name
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
@@ -265,6 +266,9 @@ def trainer_candidates(
     checkpoint without its config) also one group of ``model.named_parameters()`` in order
     (``AdamW(model.parameters())``)."""
     model, what = _model_on_meta(folder, n_tensors, model_config)
+    adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
+    if os.path.isfile(adapter_path):  # only reached with model_config: the base model's config
+        return _lora_candidates(adapter_path, model, what)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}
     out: list[Candidate] = []
@@ -294,6 +298,75 @@ def trainer_candidates(
         if all(c.groups != groups for c in out):
             out.append(Candidate(rule, groups, shapes))
     return out
+
+
+#: adapter_config.json fields that change which modules a LoRA adapter wraps or what it trains
+#: beyond the target modules' ``lora_A`` / ``lora_B``: a value other than these is refused
+_LORA_PLAIN = {
+    "layers_to_transform": (None,),
+    "layers_pattern": (None,),
+    "exclude_modules": (None,),
+    "modules_to_save": (None,),
+    "target_parameters": (None,),
+    "rank_pattern": ({},),
+    "bias": ("none",),
+    "lora_bias": (False,),
+    "use_dora": (False,),
+    "layer_replication": (None,),
+    "trainable_token_indices": (None,),
+}
+
+
+def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
+    """The trainable parameters of a peft LoRA adapter over ``model`` (the base model on the
+    meta device), in peft's ``named_parameters()`` order: each target module (peft's rule: the
+    module's name is a target or ends with ``"." + target``) in the base model's module order,
+    its ``lora_A`` then ``lora_B``, named as peft saves them (``base_model.model.<module>.
+    lora_A.weight``, the adapter name dropped). Only a plain adapter is rebuilt: target modules
+    given as a list of ``nn.Linear`` names, no field of :data:`_LORA_PLAIN` set."""
+    adapter = _json(path)
+    if not isinstance(adapter, dict) or adapter.get("peft_type") != "LORA":
+        raise SourceError(
+            f"{path}: not a LoRA adapter config (peft_type "
+            f"{adapter.get('peft_type') if isinstance(adapter, dict) else adapter!r})"
+        )
+    targets = adapter.get("target_modules")
+    rank = adapter.get("r")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise SourceError(
+            f"{path}: target_modules {targets!r}: only a list of module names is "
+            f"rebuilt; pass parameter_order="
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise SourceError(f"{path}: r={rank!r}, expected a positive int")
+    for key, plain in _LORA_PLAIN.items():
+        if adapter.get(key, plain[0]) not in plain:
+            raise SourceError(
+                f"{path}: {key}={adapter[key]!r}: the adapter's parameters cannot "
+                f"be rebuilt from its target modules alone; pass parameter_order="
+            )
+    names, shapes = [], {}
+    for module_name, module in model.named_modules():
+        if not any(module_name == t or module_name.endswith("." + t) for t in targets):
+            continue
+        weight = getattr(module, "weight", None)
+        if type(module).__name__ != "Linear" or weight is None or weight.dim() != 2:
+            raise SourceError(
+                f"{path}: target module {module_name} is a "
+                f"{type(module).__name__}, not a Linear: pass parameter_order="
+            )
+        out_features, in_features = weight.shape
+        for part, shape in (("lora_A", (rank, in_features)), ("lora_B", (out_features, rank))):
+            name = clean_name(f"base_model.model.{module_name}.{part}.weight")[0]
+            names.append(name)
+            shapes[name] = shape
+    if not names:
+        raise SourceError(f"{path}: target_modules {targets} match no module of {what}")
+    rule = f"{what} + peft LoRA r={rank} on {', '.join(targets)}"
+    return [  # AdamW(model.parameters()), and the Trainer's decay group (no norm or bias here)
+        Candidate(f"{rule}, one group", (tuple(names),), shapes),
+        Candidate(f"{rule}, the Trainer's groups", (tuple(names), ()), shapes),
+    ]
 
 
 def _arg(value: Any) -> Any:

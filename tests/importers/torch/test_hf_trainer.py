@@ -318,6 +318,33 @@ def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
     assert sorted(weights["params"]) == sorted(order)
 
 
+@pytest.mark.torch
+def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
+    """model_config= the base model's config.json: the adapter's trainable parameters rebuilt
+    from adapter_config.json's target modules over the base model built on the meta device
+    (peft is not needed) give the run's moments and step; an adapter config that trains more
+    than its targets' lora_A / lora_B is refused naming the field."""
+    src = trainer_src("trainer_lora")
+    base = os.path.join(trainer_src("trainer_fp32"), "config.json")  # the same tiny Llama
+    want = {
+        k.replace(".default.", "."): v
+        for k, v in truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
+        if not k.startswith("next_")
+    }
+    out = jax_ucp.convert(src, tmp_path / "ucp", model_config=base)
+    assert_matches_run(jax_ucp.restore(out), want)
+    assert any("peft LoRA r=4 on q_proj, v_proj" in n for n in jax_ucp.inspect(out).source["notes"])
+    hostile = _copy(src, tmp_path / "saves_more")
+    with open(os.path.join(hostile, "adapter_config.json")) as f:
+        adapter = json.load(f)
+    adapter["modules_to_save"] = ["lm_head"]
+    with open(os.path.join(hostile, "adapter_config.json"), "w") as f:
+        json.dump(adapter, f)
+    with pytest.raises(jax_ucp.UCPError, match=r"adapter_config\.json: modules_to_save="):
+        jax_ucp.convert(hostile, tmp_path / "refused", model_config=base)
+    assert_destination_untouched(tmp_path / "refused")
+
+
 class _Pwn:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
