@@ -250,12 +250,9 @@ def process_regions(shape, spec, sizes, names, q: int, block: int) -> list:
     return sorted(seen)
 
 
-def reads_of(entry: fmt.TensorEntry, regions) -> dict:
-    """What ``ShardReader.read_into`` issues for ``regions`` of ``entry``: one open and one
-    index pread per task (a batch of ≤ 16 MiB of inner chunks of one shard file), one preadv per
-    inner chunk (data + its crc32c trailer), and for each shard file read in part the digest
-    check's reopen and one 4-byte pread per inner chunk not read."""
-    layout = store.ArrayLayout(
+def entry_layout(entry: fmt.TensorEntry) -> store.ArrayLayout:
+    """The stored array layout a manifest entry records (what the shard reader reads by)."""
+    return store.ArrayLayout(
         shape=entry.shape,
         dtype=entry.dtype,
         chunk_shape=entry.chunk_shape,
@@ -263,6 +260,14 @@ def reads_of(entry: fmt.TensorEntry, regions) -> dict:
         compression=entry.compression,
         checksum=entry.checksum,
     )
+
+
+def reads_of(entry: fmt.TensorEntry, regions) -> dict:
+    """What ``ShardReader.read_into`` issues for ``regions`` of ``entry``: one open and one
+    index pread per task (a batch of ≤ 16 MiB of inner chunks of one shard file), one preadv per
+    inner chunk (data + its crc32c trailer), and for each shard file read in part the digest
+    check's reopen and one 4-byte pread per inner chunk not read."""
+    layout = entry_layout(entry)
     dtype = np.dtype(jax.numpy.dtype(entry.dtype))
     reader = ShardReader("/synthetic", layout, dtype, digests=entry.shard_digests)
     tasks = reader._tasks(regions)

@@ -31,7 +31,6 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ucp  # noqa: E402
 from jax_ucp import format as fmt  # noqa: E402
-from jax_ucp import store  # noqa: E402
 from jax_ucp.format import files  # noqa: E402
 from jax_ucp.store import shard_reader  # noqa: E402
 
@@ -104,14 +103,7 @@ def main() -> int:
                     [((0, 16), *full[0][1:]), ((32, 48), *full[0][1:])],
                 ]
                 for regions in cases:
-                    layout = store.ArrayLayout(
-                        shape=e.shape,
-                        dtype=e.dtype,
-                        chunk_shape=e.chunk_shape,
-                        inner_chunk_shape=e.inner_chunk_shape,
-                        compression=e.compression,
-                        checksum=e.checksum,
-                    )
+                    layout = bench.entry_layout(e)
                     reader = shard_reader.ShardReader(
                         os.path.join(path, e.dir),
                         layout,
