@@ -28,7 +28,7 @@ class Exported:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Export:
-    """What every export takes (checked on construction, an ``RequestError`` naming the option).
+    """What every export takes (checked on construction, a ``RequestError`` naming the option).
 
     Attributes:
         progress: ``progress(name, done, total)`` after each tensor.
@@ -135,9 +135,7 @@ class SafetensorsExport(_TensorsExport):
 
     def __post_init__(self):
         super().__post_init__()
-        size = parse_size(
-            self.max_file_bytes, "max_file_bytes"
-        )  # a RequestError is an RequestError
+        size = parse_size(self.max_file_bytes, "max_file_bytes")  # refused: a RequestError
         object.__setattr__(self, "max_file_bytes", size)
 
 
@@ -151,7 +149,7 @@ OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, Or
 
 def options_for(to: str, **given: Any) -> Options:
     """The options of the format named ``to`` (``jax-ucp export --to``) from the fields given;
-    one given (not None, not False) that the format does not take is an ``RequestError`` naming
+    one given (not None, not False) that the format does not take is a ``RequestError`` naming
     it and the format."""
     cls = BY_FORMAT.get(to)
     if cls is None:

@@ -178,7 +178,7 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
 
 @contextlib.contextmanager
 def transaction(dst: str, *, force: bool, staged: bool = True):
-    """``commit.transaction`` of an export; a destination it refuses is an ``RequestError``
+    """``commit.transaction`` of an export; a destination it refuses is a ``RequestError``
     (checked again under the lock: it may have changed while the tensors were planned).
 
     Args:
