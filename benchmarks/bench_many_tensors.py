@@ -11,8 +11,8 @@ defaults, Orbax without compression); medians over rounds; page cache evicted be
   python benchmarks/bench_many_tensors.py [--rounds 2] [--trees 10k,mix,large] [--json F]
 
 ``--manifest N`` measures reading instead (issue 41): a checkpoint of N tiny tensors named like
-an MoE model's (``params/layers/{i}/experts/{j}/w{1,2,3}``, saved once from one CPU device and
-cached under ``--dir``), then, each in a fresh process, wall time (start-up and imports included)
+an MoE model's (``params/layers/{i}/experts/{j}/w{1,2,3}``, saved once, replicated on 8 CPU
+devices, and cached under ``--dir``), then, each in a fresh process, wall time (start-up and imports included)
 and peak RSS of ``jax_ucp.inspect``, ``jax-ucp inspect``, ``jax-ucp plan --mesh data=8`` and
 ``restore(select=<one tensor>)``:
 
@@ -146,9 +146,12 @@ def many_checkpoint(n: int, root: str) -> str:
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(root, exist_ok=True)
     rng = np.random.default_rng(0)
-    dev = jax.devices()[0]
+    # replicated on a data=2 × model=4 mesh: each entry records its saved sharding, as a
+    # model's saved from a mesh does (~800 bytes an entry of ucp.json)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     flat = {
-        name: jax.device_put(rng.standard_normal(shape, dtype=np.float32), dev)
+        name: jax.device_put(rng.standard_normal(shape, dtype=np.float32), replicated)
         for name, shape in moe_names(n)
     }
     print(f"saving {n} tensors to {path} (once; cached) ...", flush=True)
