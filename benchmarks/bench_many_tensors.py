@@ -161,27 +161,30 @@ def many_checkpoint(n: int, root: str) -> str:
     return path
 
 
-def measured(code: str) -> tuple[float, int]:
-    """Wall time and peak RSS of ``python -c code`` in a fresh process; raises with its output
-    if it fails. The peak is the child's own VmHWM, read as it exits (``ru_maxrss`` would carry
-    over this parent's, charged to the child at exec)."""
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
-    }
+def measured(code: str) -> tuple[float, float, int]:
+    """Wall time, CPU time (user + system: steadier than wall time on a loaded host) and peak
+    RSS of ``python -c code`` in a fresh process; raises with its output if it fails. The peak
+    is the child's own VmHWM, read as it exits (``ru_maxrss`` would carry over this parent's,
+    charged to the child at exec)."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
     with tempfile.NamedTemporaryFile("r") as status, tempfile.TemporaryFile() as out:
         prelude = (
             "import atexit; atexit.register(lambda: open("
             f"{status.name!r}, 'w').write(open('/proc/self/status').read()))\n"
         )
         t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-c", prelude + code], stdout=out, stderr=out, env=env)
+        p = subprocess.Popen(
+            [sys.executable, "-c", prelude + code], stdout=out, stderr=out, env=env
+        )
+        _, code_status, usage = os.wait4(p.pid, 0)
         wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(code_status)
         if p.returncode:
             out.seek(0)
             raise RuntimeError(f"{code} failed ({p.returncode}):\n{out.read().decode()[-3000:]}")
         hwm = [line for line in status.read().splitlines() if line.startswith("VmHWM:")]
-    return wall, int(hwm[0].split()[1]) * 1024
+    return wall, usage.ru_utime + usage.ru_stime, int(hwm[0].split()[1]) * 1024
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -213,18 +216,22 @@ def manifest_main(args) -> int:
     names = moe_names(n)
     one = "params/" + names[len(names) // 2][0]
     print(f"{path}: {n} tensors, ucp.json {size / 1e6:.0f} MB; select {one!r}", flush=True)
-    results: dict[str, list[tuple[float, int]]] = {}
+    results: dict[str, list[tuple[float, float, int]]] = {}
     load = [os.getloadavg()]
     for r in range(args.rounds):
         for what, cmd in manifest_commands(path, one).items():
             results.setdefault(what, []).append(measured(cmd))
-            wall, rss = results[what][-1]
-            print(f"  round {r} {what:28s} {wall:6.2f} s {rss / 2**20:6.0f} MiB", flush=True)
+            wall, cpu, rss = results[what][-1]
+            print(
+                f"  round {r} {what:28s} {wall:6.2f} s (CPU {cpu:5.2f} s) {rss / 2**20:6.0f} MiB",
+                flush=True,
+            )
     load.append(os.getloadavg())
     med = statistics.median
-    print(f"\n{'':28s} {'wall s':>7s} {'peak RSS MiB':>13s}   (goal < 5 s, < 500 MB)")
+    print(f"\n{'':28s} {'wall s':>7s} {'CPU s':>6s} {'peak RSS MB':>12s}   (goal < 5 s, < 500 MB)")
     for what, runs in results.items():
-        print(f"{what:28s} {med(w for w, _ in runs):7.2f} {med(m for _, m in runs) / 2**20:13.0f}")
+        wall, cpu, rss = (med(run[i] for run in runs) for i in range(3))
+        print(f"{what:28s} {wall:7.2f} {cpu:6.2f} {rss / 1e6:12.0f}")
     print(
         f"(medians of {args.rounds}; each a fresh process, start-up and imports included; "
         f"load average {load[0][0]:.2f} before, {load[1][0]:.2f} after, {os.cpu_count()} CPUs)"
@@ -239,7 +246,7 @@ def manifest_main(args) -> int:
                     "manifest_bytes": size,
                     "load_average": load,
                     "results": {
-                        w: [{"wall_s": t, "peak_rss": m} for t, m in runs]
+                        w: [{"wall_s": t, "cpu_s": c, "peak_rss": m} for t, c, m in runs]
                         for w, runs in results.items()
                     },
                 },
