@@ -89,6 +89,17 @@ class SavedSharding:
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
         """Parsed from its JSON form, strictly; errors name ``where``."""
+        key = _sharding_key(d)
+        known = _SHARDINGS.get(key) if key is not None else None
+        if known is not None:
+            return known
+        parsed = cls._parse(d, where)
+        if key is not None:
+            _remember(_SHARDINGS, key, parsed)
+        return parsed
+
+    @classmethod
+    def _parse(cls, d: Any, where: str) -> SavedSharding:
         d = _object(
             d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
         )
@@ -190,75 +201,66 @@ class TensorEntry(display.Tabular):
 
     @classmethod
     def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
-        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
+        """Parsed from its JSON form, strictly; errors name ``where`` and the field.
+
+        Each check is a cheap test whose message is built only when it fails, and what entries
+        share (shapes, key types, the saved sharding) is parsed once and shared: a manifest of
+        100 000 entries parses in proportion, its entries holding one copy of each."""
         _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
-        key, key_types, w = _key(d, where)
-        dtype = _enum(d["dtype"], f"{w}.dtype", dtypes_lib.SUPPORTED)
-        shape = _dims(d["shape"], f"{w}.shape")
-        chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
-        inner = _dims(d["inner_chunk_shape"], f"{w}.inner_chunk_shape", positive=True)
-        if not (len(shape) == len(chunk_shape) == len(inner)):
-            _fail(
-                f"{w}.chunk_shape",
-                f"{len(shape)} dimensions like shape {list(shape)}",
-                d["chunk_shape"],
-            )
-        if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
-            _fail(  # a chunk larger than its array would make a reader allocate for nothing
-                f"{w}.chunk_shape",
-                f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
-                d["chunk_shape"],
-            )
-        if any(c % i for c, i in zip(chunk_shape, inner)):
-            _fail(
-                f"{w}.inner_chunk_shape",
-                f"extents dividing chunk_shape {list(chunk_shape)}",
-                d["inner_chunk_shape"],
-            )
-        directory = _string(d["dir"], f"{w}.dir")
-        if not _DIR_RE.fullmatch(directory) or directory.split("/", 1)[1] in (".", ".."):
-            _fail(f"{w}.dir", "'arrays/<escaped key>' (no '/', no '..')", directory)
-        checksum = _enum(d.get("checksum"), f"{w}.checksum", CHECKSUMS)
-        digests = d.get("shard_digests")
-        if digests is not None:
-            _object(digests, f"{w}.shard_digests")
-            for k, v in digests.items():
-                if (
-                    not _SHARD_KEY_RE.fullmatch(k)
-                    or not isinstance(v, str)
-                    or not _DIGEST_RE.fullmatch(v)
-                ):
-                    _fail(f"{w}.shard_digests", "shard key -> 8 hex digits", {k: v})
+        key, key_types = _key(d, where)
+        dtype = d["dtype"]
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            _enum(dtype, f"{_named(where, key)}.dtype", dtypes_lib.SUPPORTED)
+        shape, chunk_shape, inner = _shapes(d, where, key)
+        directory = _directory(d["dir"], where, key)
+        checksum = d.get("checksum")
+        if checksum not in CHECKSUMS:
+            _enum(checksum, f"{_named(where, key)}.checksum", CHECKSUMS)
+        digests = _shard_digests(d.get("shard_digests"), where, key)
         logical = d.get("logical_axes")
         if logical is not None:
-            logical = _opt_str_list(logical, f"{w}.logical_axes")
+            logical = _opt_str_list(logical, f"{_named(where, key)}.logical_axes")
             if len(logical) != len(shape):
-                _fail(f"{w}.logical_axes", f"{len(shape)} names", d["logical_axes"])
+                _fail(
+                    f"{_named(where, key)}.logical_axes", f"{len(shape)} names", d["logical_axes"]
+                )
         provenance = d.get("provenance")
         if provenance is not None:
-            _object(provenance, f"{w}.provenance")
+            _object(provenance, f"{_named(where, key)}.provenance")
         frozen = d.get("frozen", False)
         if not isinstance(frozen, bool):
-            _fail(f"{w}.frozen", "a JSON bool", frozen)
-        tied_to = _opt_string(d.get("tied_to"), f"{w}.tied_to")
+            _fail(f"{_named(where, key)}.frozen", "a JSON bool", frozen)
+        tied_to = d.get("tied_to")
+        if tied_to is not None and not isinstance(tied_to, str):
+            _string(tied_to, f"{_named(where, key)}.tied_to")
+        compression = d.get("compression")
+        if compression not in COMPRESSIONS:
+            _enum(compression, f"{_named(where, key)}.compression", COMPRESSIONS)
+        role = d["role"]
+        if not isinstance(role, str) or role not in _ROLES:
+            _enum(role, f"{_named(where, key)}.role", ROLES)
+        sub_role = d.get("sub_role")
+        if sub_role is not None and not isinstance(sub_role, str):
+            _string(sub_role, f"{_named(where, key)}.sub_role")
+        saved = d.get("saved_sharding")
+        if saved is not None:
+            saved = _saved_sharding(saved, where, key)
         return cls(
             key=key,
             key_types=key_types,
             dir=directory,
             shape=shape,
-            dtype=dtype,
+            dtype=_CANONICAL[dtype],
             chunk_shape=chunk_shape,
             inner_chunk_shape=inner,
-            compression=_enum(d.get("compression"), f"{w}.compression", COMPRESSIONS),
-            checksum=checksum,
-            role=_enum(d["role"], f"{w}.role", ROLES),
-            sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
+            compression=_CANONICAL.get(compression),
+            checksum=_CANONICAL.get(checksum),
+            role=_CANONICAL[role],
+            sub_role=sub_role,
             logical_axes=None if logical is None else tuple(logical),
-            saved_sharding=None
-            if d.get("saved_sharding") is None
-            else SavedSharding.from_json(d["saved_sharding"], f"{w}.saved_sharding"),
+            saved_sharding=saved,
             provenance=provenance,
-            shard_digests=None if digests is None else dict(digests),
+            shard_digests=digests,
             frozen=frozen,
             tied_to=tied_to,
         )
@@ -349,7 +351,8 @@ class ValueEntry:
     def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
-        key, key_types, w = _key(d, where)
+        key, key_types = _key(d, where)
+        w = _named(where, key)
         t = _enum(d["type"], f"{w}.type", tuple(_VALUE_TYPES))
         v = d["value"]
         expected, valid = _VALUE_TYPES[t]
@@ -398,19 +401,19 @@ class Manifest(display.Tabular):
 
     def __post_init__(self):
         """Refuses two entries with one key path or one array directory."""
-        seen: dict[tuple, str] = {}
-        dirs: dict[str, str] = {}
+        seen: set[tuple] = set()
+        dirs: dict[str, Entry] = {}
         for e in self.entries:
             if e.key in seen:
                 raise ManifestError(f"Duplicate leaf {e.name!r} in manifest.")
-            seen[e.key] = e.name
+            seen.add(e.key)
             if isinstance(e, TensorEntry):
                 if e.dir in dirs:
                     raise ManifestError(
-                        f"Leaves {dirs[e.dir]!r} and {e.name!r} map to the same directory "
+                        f"Leaves {dirs[e.dir].name!r} and {e.name!r} map to the same directory "
                         f"{e.dir!r}; rename one of them."
                     )
-                dirs[e.dir] = e.name
+                dirs[e.dir] = e
 
     @property
     def tensors(self) -> list[TensorEntry]:
@@ -673,10 +676,10 @@ def _object(
 ) -> dict:
     if not isinstance(d, dict):
         _fail(where, "a JSON object", d)
-    for k in required:
-        if k not in d:
-            raise ManifestError(f"{where}: missing field {k!r}.")
-    if allowed is not None:
+    if required and not d.keys() >= _as_set(required):
+        missing = next(k for k in required if k not in d)
+        raise ManifestError(f"{where}: missing field {missing!r}.")
+    if allowed is not None and not d.keys() <= _as_set(allowed):
         extra = [k for k in d if k not in allowed]
         if extra:
             names = ", ".join(_short(k, 40) for k in extra[:5])
@@ -753,17 +756,168 @@ def _opt_str_list(v: Any, where: str) -> list:
     return v
 
 
-def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
-    """An entry's key path, its key types (absent: all "key"), and how errors name the entry."""
+def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An entry's key path and its key types (absent: all "key"); the key types of many
+    entries are one shared tuple."""
     v = d["key"]
     if not isinstance(v, list) or not v:
         _fail(f"{where}.key", "a non-empty list of strings", v)
-    key = tuple(_str_list(v, f"{where}.key"))
-    w = f"{where} ({keypath_lib.key_to_str(key)!r})"
-    n, types = len(key), d.get("key_types", ["key"] * len(key))
+    if not _STR_ONLY.issuperset(map(type, v)):
+        _str_list(v, f"{where}.key")
+    key = tuple(v)
+    types = d.get("key_types")
+    if types is None and "key_types" not in d:
+        types = ["key"] * len(key)
+    if isinstance(types, list) and _STR_ONLY.issuperset(map(type, types)):
+        shared = _KEY_TYPES.get(tuple(types))
+        if shared is not None and len(shared) == len(key):
+            return key, shared
+    n = len(key)
     if not isinstance(types, list) or len(types) != n or not all(t in KEY_TYPES for t in types):
-        _fail(f"{w}.key_types", f"a list of {n} of {list(KEY_TYPES)}", types)
-    return key, tuple(types), w
+        _fail(f"{_named(where, key)}.key_types", f"a list of {n} of {list(KEY_TYPES)}", types)
+    return key, _remember(_KEY_TYPES, tuple(types), tuple(types))
+
+
+def _directory(v: Any, where: str, key: tuple[str, ...]) -> str:
+    """An entry's ``dir``: ``arrays/<escaped key>``, one level below ``arrays``."""
+    if not isinstance(v, str) or not _DIR_RE.fullmatch(v) or v.split("/", 1)[1] in (".", ".."):
+        w = f"{_named(where, key)}.dir"
+        _fail(w, "'arrays/<escaped key>' (no '/', no '..')", _string(v, w))
+    return v
+
+
+def _shard_digests(v: Any, where: str, key: tuple[str, ...]) -> dict[str, str] | None:
+    """An entry's ``shard_digests`` (a copy): shard key -> 8 hex digits."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        _object(v, f"{_named(where, key)}.shard_digests")
+    for k, digest in v.items():
+        if (
+            not _SHARD_KEY_RE.fullmatch(k)
+            or not isinstance(digest, str)
+            or not _DIGEST_RE.fullmatch(digest)
+        ):
+            _fail(f"{_named(where, key)}.shard_digests", "shard key -> 8 hex digits", {k: digest})
+    return dict(v)
+
+
+def _named(where: str, key: tuple[str, ...]) -> str:
+    """How errors name an entry: ``where`` and its key path."""
+    return f"{where} ({keypath_lib.key_to_str(key)!r})"
+
+
+def _shapes(
+    d: dict, where: str, key: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """An entry's shape, chunk_shape and inner_chunk_shape, checked together (and shared: a
+    triple of plain ints seen before was valid, so it is not checked again)."""
+    lists = d["shape"], d["chunk_shape"], d["inner_chunk_shape"]
+    if all(type(v) is list for v in lists) and _INT_ONLY.issuperset(
+        map(type, lists[0] + lists[1] + lists[2])
+    ):  # exact ints: equal tuples are the same dimensions (True == 1 is ruled out)
+        known = _SHAPES.get((tuple(lists[0]), tuple(lists[1]), tuple(lists[2])))
+        if known is not None:
+            return known
+    w = _named(where, key)
+    shape = _dims(d["shape"], f"{w}.shape")
+    chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
+    inner = _dims(d["inner_chunk_shape"], f"{w}.inner_chunk_shape", positive=True)
+    if not (len(shape) == len(chunk_shape) == len(inner)):
+        _fail(
+            f"{w}.chunk_shape",
+            f"{len(shape)} dimensions like shape {list(shape)}",
+            d["chunk_shape"],
+        )
+    if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
+        _fail(  # a chunk larger than its array would make a reader allocate for nothing
+            f"{w}.chunk_shape",
+            f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
+            d["chunk_shape"],
+        )
+    if any(c % i for c, i in zip(chunk_shape, inner)):
+        _fail(
+            f"{w}.inner_chunk_shape",
+            f"extents dividing chunk_shape {list(chunk_shape)}",
+            d["inner_chunk_shape"],
+        )
+    triple = (shape, chunk_shape, inner)
+    if all(type(x) is int for x in shape + chunk_shape + inner):
+        _remember(_SHAPES, triple, triple)
+    return triple
+
+
+def _sharding_key(v: Any) -> tuple | None:
+    """A hashable form of a saved_sharding's JSON that tells types apart (``True`` from ``1``),
+    when it has its one valid layout; else None (parsed without the memo)."""
+    if type(v) is not dict or v.keys() != _SHARDING_FIELDS:
+        return None
+    mesh, spec = v["mesh"], v["partition_spec"]
+    if type(mesh) is not dict or mesh.keys() != _MESH_FIELDS or type(spec) is not list:
+        return None
+    names, shape = mesh["axis_names"], mesh["shape"]
+    if type(names) is not list or type(shape) is not list:
+        return None
+    parts: list = []
+    for p in spec:
+        if type(p) is list:
+            if not _STR_ONLY.issuperset(map(type, p)):
+                return None
+            parts.append(tuple(p))
+        elif p is None or type(p) is str:
+            parts.append(p)
+        else:
+            return None
+    if not _STR_ONLY.issuperset(map(type, names)) or not _INT_ONLY.issuperset(map(type, shape)):
+        return None
+    return tuple(names), tuple(shape), tuple(parts)
+
+
+def _saved_sharding(v: Any, where: str, key: tuple[str, ...]) -> SavedSharding:
+    """An entry's saved_sharding: the shared one parsed before, else parsed (and shared)."""
+    k = _sharding_key(v)
+    known = _SHARDINGS.get(k) if k is not None else None
+    if known is not None:
+        return known
+    return SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
+
+
+def _remember(memo: dict, key: Any, value: Any) -> Any:
+    """``memo[key] = value``, the memo emptied first when full (a hostile manifest of all
+    different shapes keeps it bounded); returns ``value``."""
+    if len(memo) >= _MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def _as_set(names: Sequence[str]) -> frozenset[str]:
+    """``names`` as a frozenset (cached: the field lists are a handful of tuples)."""
+    found = _SETS.get(names) if isinstance(names, tuple) else None
+    if found is None:
+        found = frozenset(names)
+        if isinstance(names, tuple):
+            _SETS[names] = found
+    return found
+
+
+# Values many entries share, parsed once: (shape, chunk_shape, inner) triples, key types and
+# saved shardings, each of plain JSON types so that equal means the same (no True == 1).
+_MEMO_SIZE = 4096
+_SHAPES: dict[tuple, tuple] = {}
+_KEY_TYPES: dict[tuple, tuple] = {}
+_SHARDINGS: dict[tuple, SavedSharding] = {}
+_SETS: dict[tuple, frozenset] = {}
+_SHARDING_FIELDS = frozenset(("mesh", "partition_spec"))
+_MESH_FIELDS = frozenset(("axis_names", "shape"))
+_INT_ONLY = frozenset((int,))
+_STR_ONLY = frozenset((str,))
+_DTYPES = frozenset(dtypes_lib.SUPPORTED)
+_ROLES = frozenset(ROLES)
+# one str object per name for every entry (the parsed JSON has one per occurrence)
+_CANONICAL = {
+    name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
+}
 
 
 def _check_utf8(text: str, where: str) -> None:
