@@ -22,6 +22,7 @@ from jax_ucp.options import keywords_of, renamed
 from jax_ucp.orbax import handler as checkpoint_handler
 from jax_ucp.restoring import locate, model, requests, ucp_source
 from jax_ucp.restoring import options as restore_options
+from jax_ucp.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 from jax_ucp.writer import commit
 
 
@@ -348,13 +349,3 @@ def _verify(root: str, progress, budget: int) -> VerifyResult:
 
 # Tensors ``verify`` checks at once (each waits mostly on I/O: object-store round trips).
 _VERIFY_THREADS = 16
-
-
-def inspect(path: str | os.PathLike) -> fmt.Manifest:
-    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding).
-
-    ``.notices`` lists what a restore without a target gives back differently from the save:
-    a container class outside the allow-list (rebuilt as a dict of its fields)."""
-    manifest = locate.read_consistently(path, store.read_manifest)
-    manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
-    return manifest

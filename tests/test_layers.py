@@ -44,6 +44,8 @@ JAX_FREE = {
     "jax_ucp.restoring.ucp_source",
     "jax_ucp.restoring.safetensors_source",
     "jax_ucp.restoring.sources",
+    "jax_ucp.restoring.inspecting",
+    "jax_ucp.tree",
     "jax_ucp.exporters",
 }
 JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}
