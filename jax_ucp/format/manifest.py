@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import json
 import math
@@ -155,15 +156,15 @@ class TensorEntry(display.Tabular):
 
     entry_type = "tensor"
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """The key path as ``a/b/c`` (how messages and the CLI name a tensor)."""
+        """The key path as ``a/b/c`` (how messages and the CLI name a tensor; built once)."""
         return keypath_lib.key_to_str(self.key)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the array (shape × itemsize)."""
-        return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _itemsize(self.dtype)
 
     def to_row(self) -> dict[str, Any]:
         """One row of :meth:`Manifest.to_rows`: name, shape, dtype, bytes, role, logical axes,
@@ -439,12 +440,15 @@ class Manifest(display.Tabular):
     @property
     def saved_meshes(self) -> list[str]:
         """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
-        counts: dict[str, int] = {}
+        meshes: dict[tuple, int] = {}  # (axis names, shape): tensors
         for e in self.tensors:
             if e.saved_sharding is not None:
-                m = e.saved_sharding
-                text = display.mesh_text(m.mesh_axis_names, m.mesh_shape)
-                counts[text] = counts.get(text, 0) + 1
+                m = (e.saved_sharding.mesh_axis_names, e.saved_sharding.mesh_shape)
+                meshes[m] = meshes.get(m, 0) + 1
+        counts: dict[str, int] = {}
+        for (names, shape), n in meshes.items():
+            text = display.mesh_text(names, shape)
+            counts[text] = counts.get(text, 0) + n
         return sorted(counts, key=lambda t: -counts[t])
 
     def to_rows(self) -> list[dict[str, Any]]:
@@ -781,6 +785,11 @@ def array_dir(key: Sequence[str]) -> str:
 # --- strict field checks (the JSON schema, in code: the reader is never looser than it) -------
 
 
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return dtypes_lib.to_numpy_dtype(dtype).itemsize
+
+
 def _short(value: Any, limit: int = 80) -> str:
     """A bounded repr: a hostile value's repr is never built in full."""
     if isinstance(value, (dict, list)):
@@ -822,34 +831,59 @@ def _tree_leaves(tree: Any, where: str, file: str) -> set[tuple[str, ...]]:
     stack: list[tuple[Any, tuple[str, ...], tuple[int, ...]]] = [(tree, (), ())]
     while stack:
         d, prefix, path = stack.pop()
-        if type(d) is dict and len(d) == 1 and d.get("type") == "leaf":
+        if _is_leaf_node(d):
             leaves.add(prefix)
             continue
         level = 2 + 3 * len(path)  # of the node; its children list is one deeper, each child two
         if level + 1 > MAX_JSON_DEPTH and not _tree_leaf_within(d, level):
             raise ManifestError(f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
-        w = where + "".join(f".children[{i}][2]" for i in path) if path else where
-        kind = _enum(_object(d, w, required=("type",))["type"], f"{w}.type", TREE_NODE_TYPES)
-        if kind == "leaf":
-            _object(d, w, allowed=("type",))
-            leaves.add(prefix)
-            continue
-        _object(d, w, required=("type", "children"), allowed=("type", "children", "class"))
-        if kind in ("namedtuple", "object"):
-            _string(d.get("class"), f"{w}.class")
-        children = d["children"]
-        if not isinstance(children, list):
-            _fail(f"{w}.children", "a list", children)
-        for i, child in enumerate(children):
+        if not (  # the usual container node, else every check with its message
+            type(d) is dict
+            and d.keys() <= _PLAIN_NODE_FIELDS
+            and isinstance(d.get("type"), str)
+            and d["type"] in _PLAIN_NODE_TYPES
+            and type(d.get("children")) is list
+        ):
+            w = where + "".join(f".children[{i}][2]" for i in path)
+            if _tree_node(d, w) == "leaf":
+                leaves.add(prefix)
+                continue
+        pending = []
+        for i, child in enumerate(d["children"]):
             if not (isinstance(child, list) and len(child) == 3 and isinstance(child[0], str)):
+                w = where + "".join(f".children[{i}][2]" for i in path)
                 _fail(f"{w}.children[{i}]", "[name, key type, node]", child)
             if child[1] not in KEY_TYPES:
+                w = where + "".join(f".children[{i}][2]" for i in path)
                 _enum(child[1], f"{w}.children[{i}][1]", KEY_TYPES)
-        stack.extend(
-            (child[2], (*prefix, child[0]), (*path, i))
-            for i, child in reversed(list(enumerate(children)))
-        )
+            if _is_leaf_node(child[2]):
+                leaves.add((*prefix, child[0]))
+            else:
+                pending.append((child[2], (*prefix, child[0]), (*path, i)))
+        stack.extend(reversed(pending))
     return leaves
+
+
+def _is_leaf_node(d: Any) -> bool:
+    return type(d) is dict and len(d) == 1 and d.get("type") == "leaf"
+
+
+def _tree_node(d: Any, where: str) -> str:
+    """One node of the saved tree checked (not its children's nodes); returns its type."""
+    kind = _enum(_object(d, where, required=("type",))["type"], f"{where}.type", TREE_NODE_TYPES)
+    if kind == "leaf":
+        _object(d, where, allowed=("type",))
+        return kind
+    _object(d, where, required=("type", "children"), allowed=("type", "children", "class"))
+    if kind in ("namedtuple", "object"):
+        _string(d.get("class"), f"{where}.class")
+    if not isinstance(d["children"], list):
+        _fail(f"{where}.children", "a list", d["children"])
+    return kind
+
+
+_PLAIN_NODE_FIELDS = frozenset(("type", "children"))
+_PLAIN_NODE_TYPES = frozenset(("dict", "list", "tuple"))
 
 
 def _tree_leaf_within(d: Any, level: int) -> bool:
