@@ -622,6 +622,11 @@ def plan(
         f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
     )
     shown = result.tensors[:limit] if limit > 0 else result.tensors
+    highest: dict[int, int] = {}  # tensors of one placement share their read bytes
+    for t in shown:
+        if id(t.read_bytes) not in highest:
+            highest[id(t.read_bytes)] = t.read_bytes.highest()
+    reads = [highest[id(t.read_bytes)] for t in shown]
     rows = [
         [
             t.name,
@@ -631,17 +636,14 @@ def plan(
             if t.on_host
             else layout.partition_spec_text(_padded(t.partition_spec, len(t.shape))),
             layout.human(t.bytes_per_device or 0),
-            layout.human(t.read_bytes.highest()),
+            layout.human(read),
         ]
-        for t in shown
+        for t, read in zip(shown, reads)
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
     if len(rows) > layout.GROUP_AT and not every and limit <= 0:
-        sums = {
-            4: [t.bytes_per_device or 0 for t in shown],
-            5: [t.read_bytes.highest() for t in shown],
-        }
+        sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
         rows = layout.grouped([t.name for t in shown], rows, sums)
         output.say(
             f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "
