@@ -584,10 +584,7 @@ class Manifest(display.Tabular):
         all entries (~4 KB an entry) is never held at once: a 100 000-entry manifest peaks at
         its text and its entries."""
         if isinstance(text, bytes):
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ManifestError(f"{where}: not UTF-8 text ({e}).") from None
+            text = _manifest_text(text, where=where)
         # Integers are bounded by a hook only when the text holds a run of digits that long
         # (the hook costs a Python call per integer: seconds for 100 000 entries).
         decoder = json.JSONDecoder(
@@ -660,6 +657,13 @@ def _entry(e: Any, where: str) -> Entry:
 
 
 _WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's own (json.decoder.WHITESPACE)
+_scanstring = json.decoder.scanstring  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _skip(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that is not JSON whitespace."""
+    found = _WHITESPACE.match(text, i)
+    return found.end() if found else i
 
 
 def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
@@ -667,12 +671,12 @@ def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
     occurrence: the last one counts, as for any key) comes back as ``_ParsedEntries``. Every
     value is decoded by ``decoder`` itself (its strings, numbers, hooks and nesting guard);
     only the top-level object and that array are walked here, as ``json`` walks them."""
-    ws, scan = _WHITESPACE.match, decoder.scan_once
-    i = ws(text).end()
+    scan = decoder.scan_once  # pyright: ignore[reportAttributeAccessIssue]  # json's scanner
+    i = _skip(text, 0)
     if not text.startswith("{", i):
         return decoder.decode(text)  # not an object: no entries to stream
     out: dict[str, Any] = {}
-    i = ws(text, i + 1).end()
+    i = _skip(text, i + 1)
     if text.startswith("}", i):
         i += 1
     else:
@@ -681,23 +685,23 @@ def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
                 raise json.JSONDecodeError(
                     "Expecting property name enclosed in double quotes", text, i
                 )
-            name, i = json.decoder.scanstring(text, i + 1)
-            i = ws(text, i).end()
+            name, i = _scanstring(text, i + 1)
+            i = _skip(text, i)
             if not text.startswith(":", i):
                 raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-            i = ws(text, i + 1).end()
+            i = _skip(text, i + 1)
             if name == "entries" and text.startswith("[", i):
                 out[name], i = _decode_entries(text, i + 1, scan, _ParsedEntries(where))
             else:
                 out[name], i = _scan(scan, text, i)
-            i = ws(text, i).end()
+            i = _skip(text, i)
             if text.startswith("}", i):
                 i += 1
                 break
             if not text.startswith(",", i):
                 raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-            i = ws(text, i + 1).end()
-    i = ws(text, i).end()
+            i = _skip(text, i + 1)
+    i = _skip(text, i)
     if i != len(text):
         raise json.JSONDecodeError("Extra data", text, i)
     return out
@@ -706,20 +710,19 @@ def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
 def _decode_entries(text: str, i: int, scan, parsed: _ParsedEntries) -> tuple[Any, int]:
     """The elements of the array starting after its ``[`` at ``i``, each handed to ``parsed``
     as it is decoded; returns ``parsed`` and the index after the closing ``]``."""
-    ws = _WHITESPACE.match
-    i = ws(text, i).end()
+    i = _skip(text, i)
     if text.startswith("]", i):
         return parsed, i + 1
     while True:
         element, i = _scan(scan, text, i)
         parsed.add(element)
         del element
-        i = ws(text, i).end()
+        i = _skip(text, i)
         if text.startswith("]", i):
             return parsed, i + 1
         if not text.startswith(",", i):
             raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-        i = ws(text, i + 1).end()
+        i = _skip(text, i + 1)
 
 
 def _scan(scan, text: str, i: int) -> tuple[Any, int]:
@@ -752,7 +755,17 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
         ) from e
     except files.UnsafeFileError as e:
         raise ManifestError(str(e)) from None
-    return Manifest.loads(data, where=path)
+    text = _manifest_text(data, where=path)
+    del data  # the bytes freed before the entries are built (50 MB for 100 000 tensors)
+    return Manifest.loads(text, where=path)
+
+
+def _manifest_text(data: bytes, *, where: str = MANIFEST_FILE) -> str:
+    """``ucp.json``'s bytes as text (strict UTF-8); errors name ``where``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ManifestError(f"{where}: not UTF-8 text ({e}).") from None
 
 
 def new_manifest(
@@ -1093,7 +1106,7 @@ _STR_ONLY = frozenset((str,))
 _DTYPES = frozenset(dtypes_lib.SUPPORTED)
 _ROLES = frozenset(ROLES)
 # one str object per name for every entry (the parsed JSON has one per occurrence)
-_CANONICAL = {
+_CANONICAL: dict[Any, str] = {
     name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
 }
 
