@@ -16,6 +16,7 @@ mesh's device count: devices holding equal slices are one run of numbers, not a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -314,7 +315,7 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes, laid: dict) -> Te
     return TensorPlan(
         name=av.name,
         shape=av.shape,
-        dtype=str(dtype),
+        dtype=_dtype_text(dtype),
         partition_spec=sharding.spec if isinstance(sharding, NamedSharding) else None,
         bytes_per_device=per_device,
         read_bytes=reads,
@@ -323,6 +324,12 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes, laid: dict) -> Te
         not_divisible=not_divisible,
         error=error,
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_text(dtype) -> str:
+    """``str(dtype)``, which numpy builds in Python: once per dtype, not once per tensor."""
+    return str(dtype)
 
 
 def _read_on_host(tensors: list[TensorPlan], layouts, mesh, process_bytes) -> None:
