@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
@@ -953,9 +954,10 @@ def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     v = d["key"]
     if not isinstance(v, list) or not v:
         _fail(f"{where}.key", "a non-empty list of strings", v)
-    if not _STR_ONLY.issuperset(map(type, v)):
-        _str_list(v, f"{where}.key")
-    key = tuple(v)
+    if _STR_ONLY.issuperset(map(type, v)):  # names repeat across entries: one object each
+        key = tuple(map(sys.intern, v))
+    else:
+        key = tuple(_str_list(v, f"{where}.key"))
     types = d.get("key_types")
     if types is None and "key_types" not in d:
         types = ["key"] * len(key)
