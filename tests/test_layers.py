@@ -50,7 +50,7 @@ JAX_FREE = {
 }
 JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)
-BASE = {"lazy_names", "version", "errors", "options"}  # leaf modules any layer may use
+BASE = {"lazy_names", "version", "errors", "options", "bulk"}  # leaf modules any layer may use
 
 
 def _layer_of(path: str) -> str:

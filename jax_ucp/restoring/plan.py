@@ -26,9 +26,9 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_ucp import bulk, store
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
-from jax_ucp import store
 from jax_ucp.errors import CheckpointError
 from jax_ucp.format import display
 from jax_ucp.format.sizes import format_size
@@ -238,6 +238,11 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
             ``shardings``/``target`` given, or ``processes`` does not fit the mesh (a
             ``ValueError`` too).
     """
+    with bulk.cyclic_gc_paused():  # objects by the tensor, none dropped: a third faster
+        return _plan(path, options)
+
+
+def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
     mesh, rules, explicit = options.mesh, options.rules, options.has_target
     root = locate.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
