@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 import typer.core
 
+from jax_ucp import bulk
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
 from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
@@ -113,6 +114,18 @@ def _os_error_text(e: OSError) -> str:
     return str(e)
 
 
+def _by_the_tensor(fn):
+    """``fn`` run with the cyclic GC paused: it makes rows by the tensor (100 000 and more) and
+    drops none, so each collection would walk them all for nothing."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with bulk.cyclic_gc_paused():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _user_errors(fn):
     """Bad input (missing files, corrupt checkpoints, refused overwrites, a full disk: a
     ``UCPError``, an ``OSError``, or a TensorStore error about the files that no layer wrapped)
@@ -198,6 +211,7 @@ def _bar(what: str, transient: bool = False):
 
 @app.command()
 @_user_errors
+@_by_the_tensor
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
@@ -552,6 +566,7 @@ def _per_process(reads) -> str:
 
 @app.command()
 @_user_errors
+@_by_the_tensor
 def plan(
     path: str,
     mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),

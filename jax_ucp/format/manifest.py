@@ -591,9 +591,13 @@ class Manifest(display.Tabular):
             parse_int=_bounded_int if _long_digit_run(text) else None,
             parse_constant=_no_constant,
         )
+        with bulk.cyclic_gc_paused():
+            return cls._from_text(text, decoder, where)
+
+    @classmethod
+    def _from_text(cls, text: str, decoder: json.JSONDecoder, where: str) -> Manifest:
         try:
-            with bulk.cyclic_gc_paused():
-                d = _decode(text, decoder, where)
+            d = _decode(text, decoder, where)
         except RecursionError:  # the C scanner's own guard, far below the stack's end
             raise ManifestError(
                 f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
