@@ -47,7 +47,7 @@ _LAZY = {
     "abstract_mesh": "jax_ucp.restoring.plan",
     "plan": "jax_ucp.restoring.plan",
     "diff": "jax_ucp.restoring.checks",
-    "restore": "jax_ucp.api",
+    "restore": "jax_ucp.restoring.restore_entry",
     "save": "jax_ucp.api",
     "ReplicationWarning": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
@@ -58,7 +58,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test_public_api)
-    from jax_ucp.api import latest_step, restore, save, verify
+    from jax_ucp.api import latest_step, save, verify
     from jax_ucp.conversion import convert
     from jax_ucp.exporters import export
     from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.restoring.inspecting import inspect
     from jax_ucp.restoring.options import RestoreOptions
     from jax_ucp.restoring.plan import abstract_mesh, plan
+    from jax_ucp.restoring.restore_entry import restore
     from jax_ucp.sharding.mesh_layout import ReplicationWarning
     from jax_ucp.store.location import set_object_store_options
 
