@@ -254,17 +254,16 @@ def inspect(
     tensors = [e for e in shown if not isinstance(e, ValueEntry)]
     values = [e for e in shown if isinstance(e, ValueEntry)]
     if tensors:
+        shape_text, spec_text, human = _cell_texts()
         rows = [
             [
                 e.name,
-                layout.shape_text(e.shape),
+                shape_text(e.shape),
                 e.dtype,
-                layout.human(e.nbytes),
+                human(e.nbytes),
                 e.role + (f"/{e.sub_role}" if e.sub_role else ""),
-                ""
-                if e.saved_sharding is None
-                else layout.partition_spec_text(e.saved_sharding.partition_spec),
-                "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
+                "" if e.saved_sharding is None else spec_text(e.saved_sharding.partition_spec),
+                "" if e.logical_axes is None else spec_text(e.logical_axes),
             ]
             for e in tensors
         ]
@@ -544,6 +543,15 @@ def _parse_rules(texts: list[str]) -> list[tuple[str, object]]:
     return rules
 
 
+def _cell_texts():
+    """``layout.shape_text``, ``.partition_spec_text`` and ``.human``, each keeping its texts
+    (the rows of 100 000 tensors repeat a few shapes, specs and sizes; all are tuples or ints)."""
+    return tuple(
+        functools.lru_cache(maxsize=None)(f)
+        for f in (layout.shape_text, layout.partition_spec_text, layout.human)
+    )
+
+
 def _padded(spec, ndim: int) -> tuple:
     spec = tuple(spec or ())
     return spec + (None,) * (ndim - len(spec))
@@ -642,16 +650,15 @@ def plan(
         if id(t.read_bytes) not in highest:
             highest[id(t.read_bytes)] = t.read_bytes.highest()
     reads = [highest[id(t.read_bytes)] for t in shown]
+    shape_text, spec_text, human = _cell_texts()
     rows = [
         [
             t.name,
-            layout.shape_text(t.shape),
+            shape_text(t.shape),
             t.dtype,
-            "host"
-            if t.on_host
-            else layout.partition_spec_text(_padded(t.partition_spec, len(t.shape))),
-            layout.human(t.bytes_per_device or 0),
-            layout.human(read),
+            "host" if t.on_host else spec_text(_padded(t.partition_spec, len(t.shape))),
+            human(t.bytes_per_device or 0),
+            human(read),
         ]
         for t, read in zip(shown, reads)
     ]
