@@ -268,7 +268,10 @@ def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
         layouts.add_devices(mesh, 0, device_bytes)
         process_bytes.merge(layouts.every_process(mesh, 0))
     laid: dict = {}  # (shape, dtype, NamedSharding) -> its placement, computed once
-    tensors = [_tensor_plan(p, layouts, device_bytes, process_bytes, laid) for p in placed]
+    read_by: dict[int, list] = {}  # id -> [read bytes, tensors reading as much]: merged once
+    tensors = [_tensor_plan(p, layouts, device_bytes, read_by, laid) for p in placed]
+    for reads, count in read_by.values():
+        process_bytes.merge(reads, times=count)
     _read_on_host(tensors, layouts, mesh, process_bytes)
     unmatched = ()
     if not explicit and rules is not None:
@@ -295,9 +298,10 @@ def _placed_by_target(root, manifest, available, target, shardings, casting):
     return placed, n_values
 
 
-def _tensor_plan(placed, layouts, device_bytes, process_bytes, laid: dict) -> TensorPlan:
+def _tensor_plan(placed, layouts, device_bytes, read_by: dict, laid: dict) -> TensorPlan:
     """One tensor's plan from its placement (available tensor, dtype, sharding or None,
-    not_divisible, error); its device and read bytes added to the totals. A tensor on host
+    not_divisible, error); its device bytes added to the totals, its read bytes counted in
+    ``read_by`` (id -> [read bytes, how many tensors read them]). A tensor on host
     gets its read bytes from ``_read_on_host`` once every process is known. ``laid`` keeps
     each ``NamedSharding``'s placement of a shape and dtype (tensors share their read bytes,
     which nothing changes)."""
@@ -316,7 +320,7 @@ def _tensor_plan(placed, layouts, device_bytes, process_bytes, laid: dict) -> Te
             replicated = math.prod(av.shape) > 1 and _fully_replicated(sharding)
             if key is not None:
                 laid[key] = per_device, reads, replicated
-        process_bytes.merge(reads)
+        read_by.setdefault(id(reads), [reads, 0])[1] += 1
     return TensorPlan(
         name=av.name,
         shape=av.shape,
@@ -470,12 +474,13 @@ class IndexedBytes(Mapping[int, int]):
             for index in indices:
                 self.add(index, value)
 
-    def merge(self, other: IndexedBytes) -> None:
+    def merge(self, other: IndexedBytes, times: int = 1) -> None:
+        """``other``'s bytes added ``times`` over (tensors sharing one placement: once)."""
         other._fold()
         for n, value in other._runs.items():
-            self.add_run(n, value)
+            self.add_run(n, value * times)
         for index, value in other._points.items():
-            self.add(index, value)
+            self.add(index, value * times)
 
     def zeros_like(self) -> IndexedBytes:
         """The same indices, each 0."""
