@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import numpy as np
 import pytest
@@ -238,7 +239,7 @@ def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
 def _manifest_text(n: int = 3, tree_depth: int = 1) -> str:
     """A manifest of ``n`` tensors ``params/w<i>`` (a saved sharding each) and a value
     ``step``; ``tree_depth`` > 1 adds one tensor nested that many dicts deep."""
-    keys = [("params", f"w{i}") for i in range(n)]
+    keys: list[tuple[str, ...]] = [("params", f"w{i}") for i in range(n)]
     if tree_depth > 1:
         keys.append(tuple(f"d{i}" for i in range(tree_depth)))
     entries: list = [
@@ -261,7 +262,7 @@ def _manifest_text(n: int = 3, tree_depth: int = 1) -> str:
     entries.append(fmt.ValueEntry(key=("step",), key_types=("key",), value=5))
     root: dict = {"type": "dict", "children": [["step", "key", {"type": "leaf"}]]}
     for key in keys:
-        node = root
+        node: Any = root
         for i, name in enumerate(key):
             child = next((c[2] for c in node["children"] if c[0] == name), None)
             if child is None:
