@@ -9,6 +9,14 @@ Contenders alternate within each round (jax_ucp default, Orbax ``StandardCheckpo
 defaults, Orbax without compression); medians over rounds; page cache evicted before restores.
 
   python benchmarks/bench_many_tensors.py [--rounds 2] [--trees 10k,mix,large] [--json F]
+
+``--manifest N`` measures reading instead (issue 41): a checkpoint of N tiny tensors named like
+an MoE model's (``params/layers/{i}/experts/{j}/w{1,2,3}``, saved once, replicated on 8 CPU
+devices, and cached under ``--dir``), then, each in a fresh process, wall time (start-up and imports included)
+and peak RSS of ``jax_ucp.inspect``, ``jax-ucp inspect``, ``jax-ucp plan --mesh data=8`` and
+``restore(select=<one tensor>)``:
+
+  python benchmarks/bench_many_tensors.py --manifest 100000 [--rounds 1] [--dir /tmp/ucp_many]
 """
 
 from __future__ import annotations
@@ -19,7 +27,9 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -93,8 +103,168 @@ CONTENDERS = {
 }
 
 
+EXPERTS = 256  # DeepSeek-V3's routed experts per layer
+
+
+def moe_names(n: int) -> list[tuple[str, tuple[int, ...]]]:
+    """The first ``n`` (name, shape) of an MoE model's tensors, layer by layer: attention and
+    norms, a router, then ``EXPERTS`` experts of w1, w2, w3 (tiny shapes: only the count
+    matters)."""
+    out: list[tuple[str, tuple[int, ...]]] = []
+    layer = 0
+    while len(out) < n:
+        base = f"layers/{layer}"
+        out += [(f"{base}/attn/{w}", (4, 4)) for w in ("q", "k", "v", "o")]
+        out += [(f"{base}/{w}", (4,)) for w in ("attn_norm", "mlp_norm")]
+        out.append((f"{base}/router", (4, 2)))
+        for j in range(EXPERTS):
+            out += [(f"{base}/experts/{j}/{w}", s) for w, s in MOE_W.items()]
+        layer += 1
+    return out[:n]
+
+
+MOE_W = {"w1": (2, 4), "w2": (4, 2), "w3": (2, 4)}
+
+
+def nested(flat: dict[str, object]) -> dict:
+    """``{"a/b": x}`` as ``{"a": {"b": x}}``."""
+    tree: dict = {}
+    for name, leaf in flat.items():
+        *parents, last = name.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return tree
+
+
+def many_checkpoint(n: int, root: str) -> str:
+    """The cached checkpoint of ``n`` MoE-named tensors under ``root`` (saved on first use)."""
+    path = os.path.join(root, f"moe_{n}")
+    if os.path.exists(os.path.join(path, "ucp.json")):
+        return path
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(root, exist_ok=True)
+    rng = np.random.default_rng(0)
+    # replicated on a data=2 × model=4 mesh: each entry records its saved sharding, as a
+    # model's saved from a mesh does (~800 bytes an entry of ucp.json)
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    flat = {
+        name: jax.device_put(rng.standard_normal(shape, dtype=np.float32), replicated)
+        for name, shape in moe_names(n)
+    }
+    print(f"saving {n} tensors to {path} (once; cached) ...", flush=True)
+    t0 = time.perf_counter()
+    jax_ucp.save(path, {"params": nested(flat)})
+    print(f"  saved in {time.perf_counter() - t0:.0f} s", flush=True)
+    return path
+
+
+def measured(code: str) -> tuple[float, float, int]:
+    """Wall time, CPU time (user + system: steadier than wall time on a loaded host) and peak
+    RSS of ``python -c code`` in a fresh process; raises with its output if it fails. The peak
+    is the child's own VmHWM, read as it exits (``ru_maxrss`` would carry over this parent's,
+    charged to the child at exec)."""
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    with tempfile.NamedTemporaryFile("r") as status, tempfile.TemporaryFile() as out:
+        prelude = (
+            "import atexit; atexit.register(lambda: open("
+            f"{status.name!r}, 'w').write(open('/proc/self/status').read()))\n"
+        )
+        t0 = time.perf_counter()
+        p = subprocess.Popen(
+            [sys.executable, "-c", prelude + code], stdout=out, stderr=out, env=env
+        )
+        _, code_status, usage = os.wait4(p.pid, 0)
+        wall = time.perf_counter() - t0
+        p.returncode = os.waitstatus_to_exitcode(code_status)
+        if p.returncode:
+            out.seek(0)
+            raise RuntimeError(f"{code} failed ({p.returncode}):\n{out.read().decode()[-3000:]}")
+        hwm = [line for line in status.read().splitlines() if line.startswith("VmHWM:")]
+    return wall, usage.ru_utime + usage.ru_stime, int(hwm[0].split()[1]) * 1024
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def manifest_commands(path: str, one: str) -> dict[str, str]:
+    """What ``--manifest`` measures, each Python code for a fresh process (the CLI as
+    ``python -m jax_ucp.cli`` runs it)."""
+
+    def cli(*args: str) -> str:
+        argv = ["jax-ucp", *args]
+        return f"import runpy, sys; sys.argv = {argv!r}; runpy.run_module('jax_ucp.cli', run_name='__main__')"
+
+    return {
+        "jax_ucp.inspect": f"import jax_ucp; jax_ucp.inspect({path!r})",
+        "jax-ucp inspect": cli("inspect", path),
+        "jax-ucp plan --mesh data=8": cli("plan", path, "--mesh", "data=8"),
+        "restore(select=one)": "import re, jax, jax_ucp\n"
+        f"out = jax_ucp.restore({path!r}, select=re.escape({one!r}))\n"
+        "assert len(jax.tree.leaves(out)) == 1, out",
+    }
+
+
+def manifest_main(args) -> int:
+    """``--manifest N``: reading a checkpoint of N tensors (see the module's docstring)."""
+    n = args.manifest
+    path = many_checkpoint(n, args.dir)
+    size = os.path.getsize(os.path.join(path, "ucp.json"))
+    names = moe_names(n)
+    one = "params/" + names[len(names) // 2][0]
+    print(f"{path}: {n} tensors, ucp.json {size / 1e6:.0f} MB; select {one!r}", flush=True)
+    results: dict[str, list[tuple[float, float, int]]] = {}
+    load = [os.getloadavg()]
+    for r in range(args.rounds):
+        for what, cmd in manifest_commands(path, one).items():
+            results.setdefault(what, []).append(measured(cmd))
+            wall, cpu, rss = results[what][-1]
+            print(
+                f"  round {r} {what:28s} {wall:6.2f} s (CPU {cpu:5.2f} s) {rss / 2**20:6.0f} MiB",
+                flush=True,
+            )
+    load.append(os.getloadavg())
+    med = statistics.median
+    print(f"\n{'':28s} {'wall s':>7s} {'CPU s':>6s} {'peak RSS MB':>12s}   (goal < 5 s, < 500 MB)")
+    for what, runs in results.items():
+        wall, cpu, rss = (med(run[i] for run in runs) for i in range(3))
+        print(f"{what:28s} {wall:7.2f} {cpu:6.2f} {rss / 1e6:12.0f}")
+    print(
+        f"(medians of {args.rounds}; each a fresh process, start-up and imports included; "
+        f"load average {load[0][0]:.2f} before, {load[1][0]:.2f} after, {os.cpu_count()} CPUs)"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+                    "command": f"python benchmarks/bench_many_tensors.py --manifest {n} "
+                    f"--rounds {args.rounds}",
+                    "manifest_bytes": size,
+                    "load_average": load,
+                    "results": {
+                        w: [{"wall_s": t, "cpu_s": c, "peak_rss": m} for t, c, m in runs]
+                        for w, runs in results.items()
+                    },
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument(
+        "--manifest",
+        type=int,
+        default=0,
+        metavar="N",
+        help="measure inspect/plan/select-restore of a cached N-tensor checkpoint instead",
+    )
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--trees", default="10k,mix,large")
     ap.add_argument("--contenders", default=",".join(CONTENDERS))
@@ -102,6 +272,8 @@ def main():
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    if args.manifest:
+        return manifest_main(args)
     contenders = {c: CONTENDERS[c] for c in args.contenders.split(",")}
     dev = jax.devices()[0]
     sharding = jax.sharding.SingleDeviceSharding(dev)

@@ -40,13 +40,13 @@ _LAZY = {
     "UCPSave": "jax_ucp.orbax.handler",
     "UCPHandler": "jax_ucp.orbax.v1",
     "orbax_v1_context": "jax_ucp.orbax.v1",
-    "inspect": "jax_ucp.api",
+    "inspect": "jax_ucp.restoring.inspecting",
     "latest_step": "jax_ucp.api",
     "verify": "jax_ucp.api",
     "abstract_mesh": "jax_ucp.restoring.plan",
     "plan": "jax_ucp.restoring.plan",
     "diff": "jax_ucp.restoring.checks",
-    "restore": "jax_ucp.api",
+    "restore": "jax_ucp.restoring.restore_entry",
     "save": "jax_ucp.api",
     "ReplicationWarning": "jax_ucp.sharding.mesh_layout",
     "convert": "jax_ucp.conversion",
@@ -57,15 +57,17 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test_public_api)
-    from jax_ucp.api import inspect, latest_step, restore, save, verify
+    from jax_ucp.api import latest_step, save, verify
     from jax_ucp.conversion import convert
     from jax_ucp.exporters import export
     from jax_ucp.optax_torch import TorchOptimizer, optax_from_torch
     from jax_ucp.orbax.handler import UCPCheckpointHandler, UCPRestore, UCPSave
     from jax_ucp.orbax.v1 import UCPHandler, orbax_v1_context
     from jax_ucp.restoring.checks import diff
+    from jax_ucp.restoring.inspecting import inspect
     from jax_ucp.restoring.options import RestoreOptions
     from jax_ucp.restoring.plan import abstract_mesh, plan
+    from jax_ucp.restoring.restore_entry import restore
     from jax_ucp.sharding.mesh_layout import ReplicationWarning
     from jax_ucp.store.location import set_object_store_options
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import dataclasses
 import os
 import warnings
 from typing import Any
@@ -18,10 +17,10 @@ from jax_ucp import store
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointError, ResumeWarning, SourceError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp.options import keywords_of
 from jax_ucp.orbax import handler as checkpoint_handler
-from jax_ucp.restoring import locate, model, requests, ucp_source
-from jax_ucp.restoring import options as restore_options
+from jax_ucp.restoring import locate, model, ucp_source
+from jax_ucp.restoring.inspecting import inspect as inspect  # JAX-free: defined there
+from jax_ucp.restoring.restore_entry import restore as restore  # without Orbax: defined there
 from jax_ucp.writer import commit
 
 
@@ -161,59 +160,6 @@ def object_store_save(url: str, args, *, force: bool) -> None:
         _barrier("jax_ucp:object_store:committed")
 
 
-@keywords_of(restore_options.RestoreOptions)
-def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
-    """Restores a UCP checkpoint onto any mesh; the keywords are ``RestoreOptions``' fields
-    (``target`` may be given second, positionally).
-
-    Args:
-      path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
-        item; or Hugging Face safetensors (a ``.safetensors`` file, or a folder of them with
-        ``model.safetensors.index.json``), read in place as its conversion would hold it
-        (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
-        (``"hf_llama"``) applied as lazy views; no copy on disk.
-      options: built from the keywords, each documented in ``RestoreOptions``.
-    """
-    if options.step is not None:  # a CheckpointManager root: one of its committed steps
-        return _restore_step(os.fspath(path), options)
-    # the source opened (a UCP checkpoint first, else safetensors) -> its requests -> the engine
-    return requests.restore_tree(path, options)
-
-
-def _restore_step(root: str, options: restore_options.RestoreOptions):
-    """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
-    "latest" the newest committed step that reads, older ones only with ``fallback``."""
-    steps = locate.committed_steps(root)
-    listed = ", ".join(str(s) for s, _ in steps[:10]) or "none"
-    plain = dataclasses.replace(options, step=None, fallback=False)
-    if options.step != "latest":
-        chosen = [item for s, item in steps if s == options.step]
-        if not chosen:
-            raise CheckpointError(
-                f"{root}: no committed step {options.step} with a UCP item (committed: {listed})."
-            )
-        return requests.restore_tree(chosen[0], plain)
-    if not steps:
-        raise CheckpointError(f"{root}: no committed step with a UCP item.")
-    why: list[str] = []
-    for step, item in steps:
-        try:
-            locate.check_readable(item)
-            return requests.restore_tree(item, plain)
-        except CheckpointError as e:
-            if not options.fallback:
-                raise CheckpointError(
-                    f"{root}: the latest committed step {step} cannot be read: {e} "
-                    f"(committed steps: {listed}; step='latest', fallback=True moves on to the "
-                    f"next older one)"
-                ) from e
-            why.append(f"step {step}: {e}")
-            warnings.warn(
-                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=3
-            )
-    raise CheckpointError(f"{root}: no committed step can be read: {'; '.join(why)[:2000]}")
-
-
 def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:
     """The newest step of a CheckpointManager root that is committed (never one still being
     written) and readable — its manifest parses and every shard file it lists is there; the
@@ -346,13 +292,3 @@ def _verify(root: str, progress, budget: int) -> VerifyResult:
 
 # Tensors ``verify`` checks at once (each waits mostly on I/O: object-store round trips).
 _VERIFY_THREADS = 16
-
-
-def inspect(path: str | os.PathLike) -> fmt.Manifest:
-    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding).
-
-    ``.notices`` lists what a restore without a target gives back differently from the save:
-    a container class outside the allow-list (rebuilt as a dict of its fields)."""
-    manifest = locate.read_consistently(path, store.read_manifest)
-    manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
-    return manifest

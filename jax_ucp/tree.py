@@ -7,8 +7,6 @@ import importlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import jax
-
 from jax_ucp.errors import RequestError
 from jax_ucp.format import keypath as keypath_lib
 
@@ -27,6 +25,8 @@ def flatten(tree) -> tuple[list[tuple[tuple[str, ...], tuple[str, ...], Any]], A
     Key components must be UTF-8 text (they become ucp.json strings and directory names) and a
     dict's keys must be sortable (JAX sorts them): otherwise a ``RequestError`` names the key path.
     """
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
     try:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
     except ValueError as e:
@@ -90,6 +90,8 @@ def _unsortable_dict(tree) -> tuple[tuple[str, ...], list[str]] | None:
 
 def _children(node) -> list | None:
     """(key path entry, child) of each child of ``node``; None when it is no container."""
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
     children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda c: c is not node)[0]
     return None if len(children) == 1 and children[0][0] == () else children
 
@@ -128,6 +130,8 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
     """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable of
     ``tree`` whose metadata names them (``nnx.with_partitioning``), so a save records them as
     it records linen boxes' names. Keys are those ``flatten`` gives (``…/kernel/value``)."""
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
     out: dict[tuple[str, ...], tuple] = {}
     nodes = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: _is_variable(x) or _is_leaf(x)
@@ -183,6 +187,8 @@ def _is_axes(x) -> bool:
 
 def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
     """A pytree of logical axis-name tuples (or PartitionSpecs of names) → {key: names}."""
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
     leaves, _ = jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=_is_axes)
     return {_key_of(path): None if names is None else tuple(names) for path, names in leaves}
 

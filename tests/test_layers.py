@@ -44,11 +44,13 @@ JAX_FREE = {
     "jax_ucp.restoring.ucp_source",
     "jax_ucp.restoring.safetensors_source",
     "jax_ucp.restoring.sources",
+    "jax_ucp.restoring.inspecting",
+    "jax_ucp.tree",
     "jax_ucp.exporters",
 }
 JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}
 TOP = {"cli", "__init__"}  # may import any layer (the demo is in cli)
-BASE = {"lazy_names", "version", "errors", "options"}  # leaf modules any layer may use
+BASE = {"lazy_names", "version", "errors", "options", "bulk"}  # leaf modules any layer may use
 
 
 def _layer_of(path: str) -> str:

@@ -20,6 +20,7 @@ from typing import Annotated
 import typer
 import typer.core
 
+from jax_ucp import bulk
 from jax_ucp import format as fmt
 from jax_ucp.cli import layout, output, spawn
 from jax_ucp.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
@@ -113,6 +114,18 @@ def _os_error_text(e: OSError) -> str:
     return str(e)
 
 
+def _by_the_tensor(fn):
+    """``fn`` run with the cyclic GC paused: it makes rows by the tensor (100 000 and more) and
+    drops none, so each collection would walk them all for nothing."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with bulk.cyclic_gc_paused():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _user_errors(fn):
     """Bad input (missing files, corrupt checkpoints, refused overwrites, a full disk: a
     ``UCPError``, an ``OSError``, or a TensorStore error about the files that no layer wrapped)
@@ -198,6 +211,7 @@ def _bar(what: str, transient: bool = False):
 
 @app.command()
 @_user_errors
+@_by_the_tensor
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
@@ -240,17 +254,16 @@ def inspect(
     tensors = [e for e in shown if not isinstance(e, ValueEntry)]
     values = [e for e in shown if isinstance(e, ValueEntry)]
     if tensors:
+        shape_text, spec_text, human = _cell_texts()
         rows = [
             [
                 e.name,
-                layout.shape_text(e.shape),
+                shape_text(e.shape),
                 e.dtype,
-                layout.human(e.nbytes),
+                human(e.nbytes),
                 e.role + (f"/{e.sub_role}" if e.sub_role else ""),
-                ""
-                if e.saved_sharding is None
-                else layout.partition_spec_text(e.saved_sharding.partition_spec),
-                "" if e.logical_axes is None else layout.partition_spec_text(e.logical_axes),
+                "" if e.saved_sharding is None else spec_text(e.saved_sharding.partition_spec),
+                "" if e.logical_axes is None else spec_text(e.logical_axes),
             ]
             for e in tensors
         ]
@@ -496,6 +509,15 @@ def _parse_rules(texts: list[str]) -> list[tuple[str, object]]:
     return rules
 
 
+def _cell_texts():
+    """``layout.shape_text``, ``.partition_spec_text`` and ``.human``, each keeping its texts
+    (the rows of 100 000 tensors repeat a few shapes, specs and sizes; all are tuples or ints)."""
+    return tuple(
+        functools.lru_cache(maxsize=None)(f)
+        for f in (layout.shape_text, layout.partition_spec_text, layout.human)
+    )
+
+
 def _padded(spec, ndim: int) -> tuple:
     spec = tuple(spec or ())
     return spec + (None,) * (ndim - len(spec))
@@ -518,6 +540,7 @@ def _per_process(reads) -> str:
 
 @app.command()
 @_user_errors
+@_by_the_tensor
 def plan(
     path: str,
     mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),
@@ -588,26 +611,27 @@ def plan(
         f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
     )
     shown = result.tensors[:limit] if limit > 0 else result.tensors
+    highest: dict[int, int] = {}  # tensors of one placement share their read bytes
+    for t in shown:
+        if id(t.read_bytes) not in highest:
+            highest[id(t.read_bytes)] = t.read_bytes.highest()
+    reads = [highest[id(t.read_bytes)] for t in shown]
+    shape_text, spec_text, human = _cell_texts()
     rows = [
         [
             t.name,
-            layout.shape_text(t.shape),
+            shape_text(t.shape),
             t.dtype,
-            "host"
-            if t.on_host
-            else layout.partition_spec_text(_padded(t.partition_spec, len(t.shape))),
-            layout.human(t.bytes_per_device or 0),
-            layout.human(t.read_bytes.highest()),
+            "host" if t.on_host else spec_text(_padded(t.partition_spec, len(t.shape))),
+            human(t.bytes_per_device or 0),
+            human(read),
         ]
-        for t in shown
+        for t, read in zip(shown, reads)
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
     if len(rows) > layout.GROUP_AT and not every and limit <= 0:
-        sums = {
-            4: [t.bytes_per_device or 0 for t in shown],
-            5: [t.read_bytes.highest() for t in shown],
-        }
+        sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
         rows = layout.grouped([t.name for t in shown], rows, sums)
         output.say(
             f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "

@@ -6,6 +6,8 @@ zarr v3 names the core dtypes like numpy (``float32``, ``int8``, ``bool``); Tens
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import numpy as np
 
@@ -38,6 +40,7 @@ def dtype_name(dtype) -> str:
     return name
 
 
+@functools.lru_cache(maxsize=64)  # a few names, asked once per tensor: 100 000 times
 def to_numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a manifest's dtype name (the inverse of ``dtype_name``)."""
     if name not in SUPPORTED:

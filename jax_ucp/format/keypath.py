@@ -61,7 +61,7 @@ def decode_key(name: str) -> KeyPath:
 
 def key_to_str(key: Sequence[str]) -> str:
     """A human-readable name for messages and tables (not guaranteed unambiguous)."""
-    return "/".join(str(c) for c in key)
+    return "/".join(map(str, key))
 
 
 def component_of(entry: Any) -> tuple[str, str]:

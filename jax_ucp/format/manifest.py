@@ -8,15 +8,18 @@ checkpoint is self-describing without JAX, without the mesh it was saved from, a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
+from jax_ucp import bulk
 from jax_ucp.errors import CheckpointError, UnsupportedError
 from jax_ucp.format import display, files
 from jax_ucp.format import dtypes as dtypes_lib
@@ -91,6 +94,17 @@ class SavedSharding:
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
         """Parsed from its JSON form, strictly; errors name ``where``."""
+        key = _sharding_key(d)
+        known = _SHARDINGS.get(key) if key is not None else None
+        if known is not None:
+            return known
+        parsed = cls._parse(d, where)
+        if key is not None:
+            _remember(_SHARDINGS, key, parsed)
+        return parsed
+
+    @classmethod
+    def _parse(cls, d: Any, where: str) -> SavedSharding:
         d = _object(
             d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
         )
@@ -144,15 +158,15 @@ class TensorEntry(display.Tabular):
 
     entry_type = "tensor"
 
-    @property
+    @functools.cached_property
     def name(self) -> str:
-        """The key path as ``a/b/c`` (how messages and the CLI name a tensor)."""
+        """The key path as ``a/b/c`` (how messages and the CLI name a tensor; built once)."""
         return keypath_lib.key_to_str(self.key)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the array (shape × itemsize)."""
-        return math.prod(self.shape) * dtypes_lib.to_numpy_dtype(self.dtype).itemsize
+        return math.prod(self.shape) * _itemsize(self.dtype)
 
     def to_row(self) -> dict[str, Any]:
         """One row of :meth:`Manifest.to_rows`: name, shape, dtype, bytes, role, logical axes,
@@ -192,78 +206,72 @@ class TensorEntry(display.Tabular):
 
     @classmethod
     def from_json(cls, d: Any, where: str = "entry") -> TensorEntry:
-        """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
-        _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
-        key, key_types, w = _key(d, where)
-        dtype = _enum(d["dtype"], f"{w}.dtype", dtypes_lib.SUPPORTED)
-        shape = _dims(d["shape"], f"{w}.shape")
-        chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
-        inner = _dims(d["inner_chunk_shape"], f"{w}.inner_chunk_shape", positive=True)
-        if not (len(shape) == len(chunk_shape) == len(inner)):
-            _fail(
-                f"{w}.chunk_shape",
-                f"{len(shape)} dimensions like shape {list(shape)}",
-                d["chunk_shape"],
-            )
-        if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
-            _fail(  # a chunk larger than its array would make a reader allocate for nothing
-                f"{w}.chunk_shape",
-                f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
-                d["chunk_shape"],
-            )
-        if any(c % i for c, i in zip(chunk_shape, inner)):
-            _fail(
-                f"{w}.inner_chunk_shape",
-                f"extents dividing chunk_shape {list(chunk_shape)}",
-                d["inner_chunk_shape"],
-            )
-        directory = _string(d["dir"], f"{w}.dir")
-        if not _DIR_RE.fullmatch(directory) or directory.split("/", 1)[1] in (".", ".."):
-            _fail(f"{w}.dir", "'arrays/<escaped key>' (no '/', no '..')", directory)
-        checksum = _enum(d.get("checksum"), f"{w}.checksum", CHECKSUMS)
-        digests = d.get("shard_digests")
-        if digests is not None:
-            _object(digests, f"{w}.shard_digests")
-            for k, v in () if _digests_valid(digests) else digests.items():
-                if (
-                    not _SHARD_KEY_RE.fullmatch(k)
-                    or not isinstance(v, str)
-                    or not _DIGEST_RE.fullmatch(v)
-                ):
-                    _fail(f"{w}.shard_digests", "shard key -> 8 hex digits", {k: v})
+        """Parsed from its JSON form, strictly; errors name ``where`` and the field.
+
+        Each check is a cheap test whose message is built only when it fails, and what entries
+        share (shapes, key types, the saved sharding) is parsed once and shared: a manifest of
+        100 000 entries parses in proportion, its entries holding one copy of each."""
+        if not (isinstance(d, dict) and _TENSOR_REQUIRED_SET <= d.keys() <= _TENSOR_FIELDS_SET):
+            _object(d, where, required=_TENSOR_REQUIRED, allowed=_TENSOR_FIELDS)
+        key, key_types = _key(d, where)
+        dtype = d["dtype"]
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            _enum(dtype, f"{_named(where, key)}.dtype", dtypes_lib.SUPPORTED)
+        shape, chunk_shape, inner = _shapes(d, where, key)
+        directory = _directory(d["dir"], where, key)
+        checksum = d.get("checksum")
+        if checksum not in CHECKSUMS:
+            _enum(checksum, f"{_named(where, key)}.checksum", CHECKSUMS)
+        digests = _shard_digests(d.get("shard_digests"), where, key)
         logical = d.get("logical_axes")
         if logical is not None:
-            logical = _opt_str_list(logical, f"{w}.logical_axes")
+            logical = _opt_str_list(logical, f"{_named(where, key)}.logical_axes")
             if len(logical) != len(shape):
-                _fail(f"{w}.logical_axes", f"{len(shape)} names", d["logical_axes"])
+                _fail(
+                    f"{_named(where, key)}.logical_axes", f"{len(shape)} names", d["logical_axes"]
+                )
         provenance = d.get("provenance")
         if provenance is not None:
-            _object(provenance, f"{w}.provenance")
+            _object(provenance, f"{_named(where, key)}.provenance")
         frozen = d.get("frozen", False)
         if not isinstance(frozen, bool):
-            _fail(f"{w}.frozen", "a JSON bool", frozen)
-        tied_to = _opt_string(d.get("tied_to"), f"{w}.tied_to")
-        return cls(
+            _fail(f"{_named(where, key)}.frozen", "a JSON bool", frozen)
+        tied_to = d.get("tied_to")
+        if tied_to is not None and not isinstance(tied_to, str):
+            _string(tied_to, f"{_named(where, key)}.tied_to")
+        compression = d.get("compression")
+        if compression not in COMPRESSIONS:
+            _enum(compression, f"{_named(where, key)}.compression", COMPRESSIONS)
+        role = d["role"]
+        if not isinstance(role, str) or role not in _ROLES:
+            _enum(role, f"{_named(where, key)}.role", ROLES)
+        sub_role = d.get("sub_role")
+        if sub_role is not None and not isinstance(sub_role, str):
+            _string(sub_role, f"{_named(where, key)}.sub_role")
+        saved = d.get("saved_sharding")
+        if saved is not None:
+            saved = _saved_sharding(saved, where, key)
+        entry = object.__new__(cls)  # every field set here: __init__'s 17 frozen setattrs
+        entry.__dict__.update(  # would double the cost of a parse; the fields are checked
             key=key,
             key_types=key_types,
             dir=directory,
             shape=shape,
-            dtype=dtype,
+            dtype=_CANONICAL[dtype],
             chunk_shape=chunk_shape,
             inner_chunk_shape=inner,
-            compression=_enum(d.get("compression"), f"{w}.compression", COMPRESSIONS),
-            checksum=checksum,
-            role=_enum(d["role"], f"{w}.role", ROLES),
-            sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
+            compression=_CANONICAL.get(compression),
+            checksum=_CANONICAL.get(checksum),
+            role=_CANONICAL[role],
+            sub_role=sub_role,
             logical_axes=None if logical is None else tuple(logical),
-            saved_sharding=None
-            if d.get("saved_sharding") is None
-            else SavedSharding.from_json(d["saved_sharding"], f"{w}.saved_sharding"),
+            saved_sharding=saved,
             provenance=provenance,
-            shard_digests=None if digests is None else dict(digests),
+            shard_digests=digests,
             frozen=frozen,
             tied_to=tied_to,
         )
+        return entry
 
 
 _TENSOR_REQUIRED = (
@@ -279,6 +287,7 @@ _TENSOR_REQUIRED = (
 _TENSOR_FIELDS = _TENSOR_REQUIRED + tuple(
     f.name for f in dataclasses.fields(TensorEntry) if f.name not in _TENSOR_REQUIRED
 )
+_TENSOR_REQUIRED_SET, _TENSOR_FIELDS_SET = frozenset(_TENSOR_REQUIRED), frozenset(_TENSOR_FIELDS)
 
 
 # JSON "type" of a value entry -> (what its "value" must be, the check)
@@ -351,7 +360,8 @@ class ValueEntry:
     def from_json(cls, d: Any, where: str = "entry") -> ValueEntry:
         """Parsed from its JSON form, strictly; errors name ``where`` and the field."""
         _object(d, where, required=("entry", "key", "type", "value"), allowed=_VALUE_FIELDS)
-        key, key_types, w = _key(d, where)
+        key, key_types = _key(d, where)
+        w = _named(where, key)
         t = _enum(d["type"], f"{w}.type", tuple(_VALUE_TYPES))
         v = d["value"]
         expected, valid = _VALUE_TYPES[t]
@@ -400,19 +410,19 @@ class Manifest(display.Tabular):
 
     def __post_init__(self):
         """Refuses two entries with one key path or one array directory."""
-        seen: dict[tuple, str] = {}
-        dirs: dict[str, str] = {}
+        seen: set[tuple] = set()
+        dirs: dict[str, Entry] = {}
         for e in self.entries:
             if e.key in seen:
                 raise CheckpointError(f"Duplicate leaf {e.name!r} in manifest.")
-            seen[e.key] = e.name
+            seen.add(e.key)
             if isinstance(e, TensorEntry):
                 if e.dir in dirs:
                     raise CheckpointError(
-                        f"Leaves {dirs[e.dir]!r} and {e.name!r} map to the same directory "
+                        f"Leaves {dirs[e.dir].name!r} and {e.name!r} map to the same directory "
                         f"{e.dir!r}; rename one of them."
                     )
-                dirs[e.dir] = e.name
+                dirs[e.dir] = e
 
     @property
     def tensors(self) -> list[TensorEntry]:
@@ -436,12 +446,15 @@ class Manifest(display.Tabular):
     @property
     def saved_meshes(self) -> list[str]:
         """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
-        counts: dict[str, int] = {}
+        meshes: dict[tuple, int] = {}  # (axis names, shape): tensors
         for e in self.tensors:
             if e.saved_sharding is not None:
-                m = e.saved_sharding
-                text = display.mesh_text(m.mesh_axis_names, m.mesh_shape)
-                counts[text] = counts.get(text, 0) + 1
+                m = (e.saved_sharding.mesh_axis_names, e.saved_sharding.mesh_shape)
+                meshes[m] = meshes.get(m, 0) + 1
+        counts: dict[str, int] = {}
+        for (names, shape), n in meshes.items():
+            text = display.mesh_text(names, shape)
+            counts[text] = counts.get(text, 0) + n
         return sorted(counts, key=lambda t: -counts[t])
 
     def to_rows(self) -> list[dict[str, Any]]:
@@ -528,24 +541,20 @@ class Manifest(display.Tabular):
             d["kvstore"], f"{where}: kvstore", required=("driver",), allowed=("driver",)
         )
         entries_json = d["entries"]
-        if not isinstance(entries_json, list):
+        if isinstance(entries_json, _ParsedEntries):  # by loads, as they were decoded
+            if entries_json.error is not None:
+                raise entries_json.error
+            entries = entries_json.entries
+        elif not isinstance(entries_json, list):
             _fail(f"{where}: entries", "a list", entries_json)
-        entries: list[Entry] = []
-        for i, e in enumerate(entries_json):
-            w = f"{where}: entries[{i}]"
-            kind = e.get("entry") if isinstance(e, Mapping) else None
-            if kind == "tensor":
-                entries.append(TensorEntry.from_json(e, w))
-            elif kind == "value":
-                entries.append(ValueEntry.from_json(e, w))
-            else:
-                _fail(f"{w}.entry", '"tensor" or "value"', kind)
+        else:
+            entries = [_entry(e, f"{where}: entries[{i}]") for i, e in enumerate(entries_json)]
         created_at = d.get("created_at", 0.0)
         if isinstance(created_at, bool) or not isinstance(created_at, (int, float)):
             _fail(f"{where}: created_at", "a number", created_at)
-        tree = None if d.get("tree") is None else _tree_node(d["tree"], f"{where}: tree")
+        tree = d.get("tree")
         if tree is not None:
-            leaves, keys = set(_tree_leaves(tree)), {e.key for e in entries}
+            leaves, keys = _tree_leaves(tree, f"{where}: tree", where), {e.key for e in entries}
             if leaves != keys:
                 odd = sorted(leaves ^ keys)[:3]
                 raise CheckpointError(
@@ -571,29 +580,149 @@ class Manifest(display.Tabular):
 
     @classmethod
     def loads(cls, text: str | bytes, *, where: str = MANIFEST_FILE) -> Manifest:
-        """Parsed from ``ucp.json``'s text (size, depth, integers bounded); errors name ``where``."""
+        """Parsed from ``ucp.json``'s text (size, depth, integers bounded); errors name ``where``.
+
+        Each entry becomes its ``TensorEntry`` as soon as it is decoded, so the decoded JSON of
+        all entries (~4 KB an entry) is never held at once: a 100 000-entry manifest peaks at
+        its text and its entries."""
         if isinstance(text, bytes):
-            try:
-                text = text.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
+            text = _manifest_text(text, where=where)
         # Integers are bounded by a hook only when the text holds a run of digits that long
         # (the hook costs a Python call per integer: seconds for 100 000 entries).
-        exact = _LONG_DIGITS.search(text) is not None
+        decoder = json.JSONDecoder(
+            parse_int=_bounded_int if _long_digit_run(text) else None,
+            parse_constant=_no_constant,
+        )
+        with bulk.cyclic_gc_paused():
+            return cls._from_text(text, decoder, where)
+
+    @classmethod
+    def _from_text(cls, text: str, decoder: json.JSONDecoder, where: str) -> Manifest:
         try:
-            d = json.loads(
-                text, parse_int=_bounded_int if exact else None, parse_constant=_no_constant
-            )
+            d = _decode(text, decoder, where)
         except RecursionError:  # the C scanner's own guard, far below the stack's end
             raise CheckpointError(
                 f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
             ) from None
         except json.JSONDecodeError as e:
             raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+        except CheckpointError:
+            raise
         except ValueError as e:
             raise CheckpointError(f"{where}: {e}") from None
         _check_nesting(d, where)
         return cls.from_json(d, where=where)
+
+
+class _ParsedEntries:
+    """The ``entries`` array as ``Manifest.loads`` decoded it: each element's entry (until the
+    first that fails, whose error ``from_json`` raises where it checks the entries), and
+    whether an element's provenance nests too deep (raised before any field is checked)."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.entries: list[Entry] = []
+        self.error: CheckpointError | None = None
+        self.too_deep = False
+
+    def add(self, element: Any) -> None:
+        """One decoded element: checked and kept as its entry, its JSON dropped."""
+        if self.error is not None or self.too_deep:
+            return  # an error is raised anyway; the rest is only decoded (valid JSON or not)
+        if isinstance(element, dict) and _too_deep(element.get("provenance"), 4):
+            self.too_deep = True
+            return
+        try:
+            self.entries.append(_entry(element, f"{self.where}: entries[{len(self.entries)}]"))
+        except CheckpointError as e:
+            self.error = e
+
+
+def _entry(e: Any, where: str) -> Entry:
+    """One element of ``entries``, by its ``entry`` kind."""
+    kind = e.get("entry") if isinstance(e, Mapping) else None
+    if kind == "tensor":
+        return TensorEntry.from_json(e, where)
+    if kind == "value":
+        return ValueEntry.from_json(e, where)
+    _fail(f"{where}.entry", '"tensor" or "value"', kind)
+
+
+_WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's own (json.decoder.WHITESPACE)
+_scanstring = json.decoder.scanstring  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _skip(text: str, i: int) -> int:
+    """The index of the first character at or after ``i`` that is not JSON whitespace."""
+    found = _WHITESPACE.match(text, i)
+    return found.end() if found else i
+
+
+def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
+    """``decoder.decode(text)``, except that the top-level object's ``entries`` array (each
+    occurrence: the last one counts, as for any key) comes back as ``_ParsedEntries``. Every
+    value is decoded by ``decoder`` itself (its strings, numbers, hooks and nesting guard);
+    only the top-level object and that array are walked here, as ``json`` walks them."""
+    scan = decoder.scan_once  # pyright: ignore[reportAttributeAccessIssue]  # json's scanner
+    i = _skip(text, 0)
+    if not text.startswith("{", i):
+        return decoder.decode(text)  # not an object: no entries to stream
+    out: dict[str, Any] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        i += 1
+    else:
+        while True:
+            if not text.startswith('"', i):
+                raise json.JSONDecodeError(
+                    "Expecting property name enclosed in double quotes", text, i
+                )
+            name, i = _scanstring(text, i + 1)
+            i = _skip(text, i)
+            if not text.startswith(":", i):
+                raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+            i = _skip(text, i + 1)
+            if name == "entries" and text.startswith("[", i):
+                out[name], i = _decode_entries(text, i + 1, scan, _ParsedEntries(where))
+            else:
+                out[name], i = _scan(scan, text, i)
+            i = _skip(text, i)
+            if text.startswith("}", i):
+                i += 1
+                break
+            if not text.startswith(",", i):
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+            i = _skip(text, i + 1)
+    i = _skip(text, i)
+    if i != len(text):
+        raise json.JSONDecodeError("Extra data", text, i)
+    return out
+
+
+def _decode_entries(text: str, i: int, scan, parsed: _ParsedEntries) -> tuple[Any, int]:
+    """The elements of the array starting after its ``[`` at ``i``, each handed to ``parsed``
+    as it is decoded; returns ``parsed`` and the index after the closing ``]``."""
+    i = _skip(text, i)
+    if text.startswith("]", i):
+        return parsed, i + 1
+    while True:
+        element, i = _scan(scan, text, i)
+        parsed.add(element)
+        del element
+        i = _skip(text, i)
+        if text.startswith("]", i):
+            return parsed, i + 1
+        if not text.startswith(",", i):
+            raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
+        i = _skip(text, i + 1)
+
+
+def _scan(scan, text: str, i: int) -> tuple[Any, int]:
+    """One JSON value at ``i`` and the index after it."""
+    try:
+        return scan(text, i)
+    except StopIteration as e:
+        raise json.JSONDecodeError("Expecting value", text, e.value) from None
 
 
 _MANIFEST_REQUIRED = ("format", "version", "save_id", "kvstore", "entries")
@@ -618,7 +747,17 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
         ) from e
     except files.UnsafeFileError as e:
         raise CheckpointError(str(e)) from None
-    return Manifest.loads(data, where=path)
+    text = _manifest_text(data, where=path)
+    del data  # the bytes freed before the entries are built (50 MB for 100 000 tensors)
+    return Manifest.loads(text, where=path)
+
+
+def _manifest_text(data: bytes, *, where: str = MANIFEST_FILE) -> str:
+    """``ucp.json``'s bytes as text (strict UTF-8); errors name ``where``."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{where}: not UTF-8 text ({e}).") from None
 
 
 def new_manifest(
@@ -655,16 +794,9 @@ def array_dir(key: Sequence[str]) -> str:
 # --- strict field checks (the JSON schema, in code: the reader is never looser than it) -------
 
 
-def _digests_valid(digests: Mapping) -> bool:
-    """Every key of ``digests`` a shard key and every value 8 hex digits (False also when the
-    map is empty or one is not: the caller's per-item check then names the culprit)."""
-    values = list(digests.values())
-    if not values or not all(type(v) is str for v in values):
-        return False
-    keys, digest_text = "\n".join(digests), "\n".join(values)  # JSON object keys are strings
-    if keys.count("\n") != len(values) - 1 or digest_text.count("\n") != len(values) - 1:
-        return False  # a newline inside a key or a digest: never valid, found item by item
-    return bool(_SHARD_KEYS_RE.fullmatch(keys) and _DIGESTS_RE.fullmatch(digest_text))
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    return dtypes_lib.to_numpy_dtype(dtype).itemsize
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -687,10 +819,10 @@ def _object(
 ) -> dict:
     if not isinstance(d, dict):
         _fail(where, "a JSON object", d)
-    for k in required:
-        if k not in d:
-            raise CheckpointError(f"{where}: missing field {k!r}.")
-    if allowed is not None:
+    if required and not d.keys() >= _as_set(required):
+        missing = next(k for k in required if k not in d)
+        raise CheckpointError(f"{where}: missing field {missing!r}.")
+    if allowed is not None and not d.keys() <= _as_set(allowed):
         extra = [k for k in d if k not in allowed]
         if extra:
             names = ", ".join(_short(k, 40) for k in extra[:5])
@@ -700,32 +832,72 @@ def _object(
     return d
 
 
-def _tree_node(d: Any, where: str) -> dict:
+def _tree_leaves(tree: Any, where: str, file: str) -> set[tuple[str, ...]]:
+    """The key paths of the saved tree's leaves, each node checked on the way (walked without
+    recursion; at most ``MAX_JSON_DEPTH`` JSON levels deep, 3 a pytree level, below the
+    manifest's own 2). Errors name the node as ``where.children[i][2]...``, built only then."""
+    leaves: set[tuple[str, ...]] = set()
+    stack: list[tuple[Any, tuple[str, ...], tuple[int, ...]]] = [(tree, (), ())]
+    while stack:
+        d, prefix, path = stack.pop()
+        if _is_leaf_node(d):
+            leaves.add(prefix)
+            continue
+        level = 2 + 3 * len(path)  # of the node; its children list is one deeper, each child two
+        if level + 1 > MAX_JSON_DEPTH and not _tree_leaf_within(d, level):
+            raise CheckpointError(f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+        if not (  # the usual container node, else every check with its message
+            type(d) is dict
+            and d.keys() <= _PLAIN_NODE_FIELDS
+            and isinstance(d.get("type"), str)
+            and d["type"] in _PLAIN_NODE_TYPES
+            and type(d.get("children")) is list
+        ):
+            w = where + "".join(f".children[{i}][2]" for i in path)
+            if _tree_node(d, w) == "leaf":
+                leaves.add(prefix)
+                continue
+        pending = []
+        for i, child in enumerate(d["children"]):
+            if not (isinstance(child, list) and len(child) == 3 and isinstance(child[0], str)):
+                w = where + "".join(f".children[{i}][2]" for i in path)
+                _fail(f"{w}.children[{i}]", "[name, key type, node]", child)
+            if child[1] not in KEY_TYPES:
+                w = where + "".join(f".children[{i}][2]" for i in path)
+                _enum(child[1], f"{w}.children[{i}][1]", KEY_TYPES)
+            if _is_leaf_node(child[2]):
+                leaves.add((*prefix, child[0]))
+            else:
+                pending.append((child[2], (*prefix, child[0]), (*path, i)))
+        stack.extend(reversed(pending))
+    return leaves
+
+
+def _is_leaf_node(d: Any) -> bool:
+    return type(d) is dict and len(d) == 1 and d.get("type") == "leaf"
+
+
+def _tree_node(d: Any, where: str) -> str:
+    """One node of the saved tree checked (not its children's nodes); returns its type."""
     kind = _enum(_object(d, where, required=("type",))["type"], f"{where}.type", TREE_NODE_TYPES)
     if kind == "leaf":
         _object(d, where, allowed=("type",))
-        return d
+        return kind
     _object(d, where, required=("type", "children"), allowed=("type", "children", "class"))
     if kind in ("namedtuple", "object"):
         _string(d.get("class"), f"{where}.class")
-    children = d["children"]
-    if not isinstance(children, list):
-        _fail(f"{where}.children", "a list", children)
-    for i, child in enumerate(children):
-        w = f"{where}.children[{i}]"
-        if not (isinstance(child, list) and len(child) == 3 and isinstance(child[0], str)):
-            _fail(w, "[name, key type, node]", child)
-        _enum(child[1], f"{w}[1]", KEY_TYPES)
-        _tree_node(child[2], f"{w}[2]")
-    return d
+    if not isinstance(d["children"], list):
+        _fail(f"{where}.children", "a list", d["children"])
+    return kind
 
 
-def _tree_leaves(node: dict, prefix: tuple = ()):
-    if node["type"] == "leaf":
-        yield prefix
-        return
-    for name, _, child in node["children"]:
-        yield from _tree_leaves(child, prefix + (name,))
+_PLAIN_NODE_FIELDS = frozenset(("type", "children"))
+_PLAIN_NODE_TYPES = frozenset(("dict", "list", "tuple"))
+
+
+def _tree_leaf_within(d: Any, level: int) -> bool:
+    """Whether a node at JSON ``level`` nests nothing deeper than ``MAX_JSON_DEPTH``."""
+    return level <= MAX_JSON_DEPTH and not _too_deep(d, level)
 
 
 def _string(v: Any, where: str) -> str:
@@ -767,17 +939,181 @@ def _opt_str_list(v: Any, where: str) -> list:
     return v
 
 
-def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...], str]:
-    """An entry's key path, its key types (absent: all "key"), and how errors name the entry."""
+def _key(d: dict, where: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An entry's key path and its key types (absent: all "key"); the key types of many
+    entries are one shared tuple."""
     v = d["key"]
     if not isinstance(v, list) or not v:
         _fail(f"{where}.key", "a non-empty list of strings", v)
-    key = tuple(_str_list(v, f"{where}.key"))
-    w = f"{where} ({keypath_lib.key_to_str(key)!r})"
-    n, types = len(key), d.get("key_types", ["key"] * len(key))
+    if _STR_ONLY.issuperset(map(type, v)):  # names repeat across entries: one object each
+        key = tuple(map(sys.intern, v))
+    else:
+        key = tuple(_str_list(v, f"{where}.key"))
+    types = d.get("key_types")
+    if types is None and "key_types" not in d:
+        types = ["key"] * len(key)
+    if isinstance(types, list) and _STR_ONLY.issuperset(map(type, types)):
+        shared = _KEY_TYPES.get(tuple(types))
+        if shared is not None and len(shared) == len(key):
+            return key, shared
+    n = len(key)
     if not isinstance(types, list) or len(types) != n or not all(t in KEY_TYPES for t in types):
-        _fail(f"{w}.key_types", f"a list of {n} of {list(KEY_TYPES)}", types)
-    return key, tuple(types), w
+        _fail(f"{_named(where, key)}.key_types", f"a list of {n} of {list(KEY_TYPES)}", types)
+    return key, _remember(_KEY_TYPES, tuple(types), tuple(types))
+
+
+def _directory(v: Any, where: str, key: tuple[str, ...]) -> str:
+    """An entry's ``dir``: ``arrays/<escaped key>``, one level below ``arrays``."""
+    if not isinstance(v, str) or not _DIR_RE.fullmatch(v) or v.split("/", 1)[1] in (".", ".."):
+        w = f"{_named(where, key)}.dir"
+        _fail(w, "'arrays/<escaped key>' (no '/', no '..')", _string(v, w))
+    return v
+
+
+def _shard_digests(v: Any, where: str, key: tuple[str, ...]) -> dict[str, str] | None:
+    """An entry's ``shard_digests`` (a copy): shard key -> 8 hex digits."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        _object(v, f"{_named(where, key)}.shard_digests")
+    for k, digest in () if _digests_valid(v) else v.items():  # two regex calls, not two a shard
+        if (
+            not _SHARD_KEY_RE.fullmatch(k)
+            or not isinstance(digest, str)
+            or not _DIGEST_RE.fullmatch(digest)
+        ):
+            _fail(f"{_named(where, key)}.shard_digests", "shard key -> 8 hex digits", {k: digest})
+    return dict(v)
+
+
+def _digests_valid(digests: Mapping) -> bool:
+    """Every key of ``digests`` a shard key and every value 8 hex digits (False also when the
+    map is empty or one is not: the caller's per-item check then names the culprit)."""
+    values = list(digests.values())
+    if not values or not all(type(v) is str for v in values):
+        return False
+    keys, digest_text = "\n".join(digests), "\n".join(values)  # JSON object keys are strings
+    if keys.count("\n") != len(values) - 1 or digest_text.count("\n") != len(values) - 1:
+        return False  # a newline inside a key or a digest: never valid, found item by item
+    return bool(_SHARD_KEYS_RE.fullmatch(keys) and _DIGESTS_RE.fullmatch(digest_text))
+
+
+def _named(where: str, key: tuple[str, ...]) -> str:
+    """How errors name an entry: ``where`` and its key path."""
+    return f"{where} ({keypath_lib.key_to_str(key)!r})"
+
+
+def _shapes(
+    d: dict, where: str, key: tuple[str, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """An entry's shape, chunk_shape and inner_chunk_shape, checked together (and shared: a
+    triple of plain ints seen before was valid, so it is not checked again)."""
+    lists = d["shape"], d["chunk_shape"], d["inner_chunk_shape"]
+    if all(type(v) is list for v in lists) and _INT_ONLY.issuperset(
+        map(type, lists[0] + lists[1] + lists[2])
+    ):  # exact ints: equal tuples are the same dimensions (True == 1 is ruled out)
+        known = _SHAPES.get((tuple(lists[0]), tuple(lists[1]), tuple(lists[2])))
+        if known is not None:
+            return known
+    w = _named(where, key)
+    shape = _dims(d["shape"], f"{w}.shape")
+    chunk_shape = _dims(d["chunk_shape"], f"{w}.chunk_shape", positive=True)
+    inner = _dims(d["inner_chunk_shape"], f"{w}.inner_chunk_shape", positive=True)
+    if not (len(shape) == len(chunk_shape) == len(inner)):
+        _fail(
+            f"{w}.chunk_shape",
+            f"{len(shape)} dimensions like shape {list(shape)}",
+            d["chunk_shape"],
+        )
+    if any(c > max(n, 1) for n, c in zip(shape, chunk_shape)):
+        _fail(  # a chunk larger than its array would make a reader allocate for nothing
+            f"{w}.chunk_shape",
+            f"extents at most shape {list(shape)} (1 for a zero-size dimension)",
+            d["chunk_shape"],
+        )
+    if any(c % i for c, i in zip(chunk_shape, inner)):
+        _fail(
+            f"{w}.inner_chunk_shape",
+            f"extents dividing chunk_shape {list(chunk_shape)}",
+            d["inner_chunk_shape"],
+        )
+    triple = (shape, chunk_shape, inner)
+    if all(type(x) is int for x in shape + chunk_shape + inner):
+        _remember(_SHAPES, triple, triple)
+    return triple
+
+
+def _sharding_key(v: Any) -> tuple | None:
+    """A hashable form of a saved_sharding's JSON that tells types apart (``True`` from ``1``),
+    when it has its one valid layout; else None (parsed without the memo)."""
+    if type(v) is not dict or v.keys() != _SHARDING_FIELDS:
+        return None
+    mesh, spec = v["mesh"], v["partition_spec"]
+    if type(mesh) is not dict or mesh.keys() != _MESH_FIELDS or type(spec) is not list:
+        return None
+    names, shape = mesh["axis_names"], mesh["shape"]
+    if type(names) is not list or type(shape) is not list:
+        return None
+    parts: list = []
+    for p in spec:
+        if type(p) is list:
+            if not _STR_ONLY.issuperset(map(type, p)):
+                return None
+            parts.append(tuple(p))
+        elif p is None or type(p) is str:
+            parts.append(p)
+        else:
+            return None
+    if not _STR_ONLY.issuperset(map(type, names)) or not _INT_ONLY.issuperset(map(type, shape)):
+        return None
+    return tuple(names), tuple(shape), tuple(parts)
+
+
+def _saved_sharding(v: Any, where: str, key: tuple[str, ...]) -> SavedSharding:
+    """An entry's saved_sharding: the shared one parsed before, else parsed (and shared)."""
+    k = _sharding_key(v)
+    known = _SHARDINGS.get(k) if k is not None else None
+    if known is not None:
+        return known
+    return SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
+
+
+def _remember(memo: dict, key: Any, value: Any) -> Any:
+    """``memo[key] = value``, the memo emptied first when full (a hostile manifest of all
+    different shapes keeps it bounded); returns ``value``."""
+    if len(memo) >= _MEMO_SIZE:
+        memo.clear()
+    memo[key] = value
+    return value
+
+
+def _as_set(names: Sequence[str]) -> frozenset[str]:
+    """``names`` as a frozenset (cached: the field lists are a handful of tuples)."""
+    found = _SETS.get(names) if isinstance(names, tuple) else None
+    if found is None:
+        found = frozenset(names)
+        if isinstance(names, tuple):
+            _SETS[names] = found
+    return found
+
+
+# Values many entries share, parsed once: (shape, chunk_shape, inner) triples, key types and
+# saved shardings, each of plain JSON types so that equal means the same (no True == 1).
+_MEMO_SIZE = 4096
+_SHAPES: dict[tuple, tuple] = {}
+_KEY_TYPES: dict[tuple, tuple] = {}
+_SHARDINGS: dict[tuple, SavedSharding] = {}
+_SETS: dict[tuple, frozenset] = {}
+_SHARDING_FIELDS = frozenset(("mesh", "partition_spec"))
+_MESH_FIELDS = frozenset(("axis_names", "shape"))
+_INT_ONLY = frozenset((int,))
+_STR_ONLY = frozenset((str,))
+_DTYPES = frozenset(dtypes_lib.SUPPORTED)
+_ROLES = frozenset(ROLES)
+# one str object per name for every entry (the parsed JSON has one per occurrence)
+_CANONICAL: dict[Any, str] = {
+    name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
+}
 
 
 def _check_utf8(text: str, where: str) -> None:
@@ -821,19 +1157,42 @@ def check_tree_depth(tree: Any) -> None:
         stack.extend((v, depth + 1, p) for p, v in children)
 
 
-_LONG_DIGITS = re.compile(rf"\d{{{MAX_INT_DIGITS + 1}}}")
+def _long_digit_run(text: str) -> bool:
+    """Whether ``text`` holds more than ``MAX_INT_DIGITS`` ASCII digits in a row (JSON numbers
+    have no other digits), found by mapping digits to ``0`` and everything else to a space
+    in slices of its UTF-8 bytes (``str.find``, not a regex: ~40x faster on 50 MB)."""
+    run, step = b"0" * (MAX_INT_DIGITS + 1), 1 << 20
+    for start in range(0, len(text), step):  # the slices overlap by a run's length
+        part = text[start : start + step + MAX_INT_DIGITS].encode("utf-8", "surrogatepass")
+        if run in part.translate(_DIGITS_AS_ZERO):
+            return True
+    return False
+
+
+_DIGITS_AS_ZERO = bytes(0x30 if 0x30 <= b <= 0x39 else 0x20 for b in range(256))
 
 
 def _check_nesting(d: Any, where: str) -> None:
     """Refuses a manifest nesting deeper than ``MAX_JSON_DEPTH``. Only its free-form parts can
     nest (the tree, the source record, each entry's provenance): every other field is checked
-    against its one shape by ``from_json``, so only those are walked (without recursion)."""
+    against its one shape by ``from_json``, so only those are walked (without recursion; the
+    tree as ``from_json`` checks it, the provenance of streamed entries as they are decoded)."""
     if not isinstance(d, dict):
         return
-    stack: list[tuple[Any, int]] = [(d.get("tree"), 2), (d.get("source"), 2)]
+    stack: list[tuple[Any, int]] = [(d.get("source"), 2)]  # the tree: as it is checked
     entries = d.get("entries")
     if isinstance(entries, list):
         stack += [(e.get("provenance"), 4) for e in entries if isinstance(e, dict)]
+    if (isinstance(entries, _ParsedEntries) and entries.too_deep) or any(
+        _too_deep(node, depth) for node, depth in stack
+    ):
+        raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+
+
+def _too_deep(node: Any, depth: int) -> bool:
+    """Whether ``node``, at JSON level ``depth``, holds a container deeper than
+    ``MAX_JSON_DEPTH`` (walked without recursion)."""
+    stack = [(node, depth)]
     while stack:
         node, depth = stack.pop()
         if isinstance(node, dict):
@@ -843,5 +1202,6 @@ def _check_nesting(d: Any, where: str) -> None:
         else:
             continue
         if depth > MAX_JSON_DEPTH:
-            raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
+            return True
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False

@@ -15,8 +15,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp import bulk, store
 from jax_ucp import format as fmt
-from jax_ucp import store
 from jax_ucp.errors import CheckpointError, tensorstore_message
 from jax_ucp.format.sizes import format_size
 from jax_ucp.restoring.engine import OpenedSource, TensorSource, read_from, tensor_error
@@ -27,13 +27,14 @@ from jax_ucp.store import shard_file, shard_reader
 def open_checkpoint(root: str, spec=None) -> OpenedSource:
     """The checkpoint directory ``root`` (``locate.find_checkpoint_dir``) opened for a restore:
     its manifest read, what it offers (``spec``'s views of it, or its tensors) and its values."""
-    manifest = store.read_manifest(root)
-    return OpenedSource(
-        CheckpointSource(root),
-        available_tensors(manifest, spec),
-        manifest.values,
-        tree=manifest.tree if spec is None else None,
-    )
+    with bulk.cyclic_gc_paused():  # an object or more per tensor, none dropped
+        manifest = store.read_manifest(root)
+        return OpenedSource(
+            CheckpointSource(root),
+            available_tensors(manifest, spec),
+            manifest.values,
+            tree=manifest.tree if spec is None else None,
+        )
 
 
 def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:

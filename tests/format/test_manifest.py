@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp import format as fmt
 from jax_ucp.errors import CheckpointError
 from tests.ucp_testing import fifo_damage as _fifo
 from tests.ucp_testing import remove_damage as _remove
@@ -250,3 +252,138 @@ def test_chunks_larger_than_the_array_are_refused_before_any_read(tmp_path):
         r"\[4, 4\] \(1 for a zero-size dimension\), found a JSON array of 2 items\.",
     ):
         jax_ucp.restore(path)
+
+
+# --- ucp.json of many entries: streamed as decoded, checked as strictly as the whole document ---
+def _manifest_text(n: int = 3, tree_depth: int = 1) -> str:
+    """A manifest of ``n`` tensors ``params/w<i>`` (a saved sharding each) and a value
+    ``step``; ``tree_depth`` > 1 adds one tensor nested that many dicts deep."""
+    keys: list[tuple[str, ...]] = [("params", f"w{i}") for i in range(n)]
+    if tree_depth > 1:
+        keys.append(tuple(f"d{i}" for i in range(tree_depth)))
+    entries: list = [
+        fmt.TensorEntry(
+            key=key,
+            key_types=("key",) * len(key),
+            dir=fmt.array_dir(key),
+            shape=(4, 2),
+            dtype="float32",
+            chunk_shape=(4, 2),
+            inner_chunk_shape=(2, 2),
+            compression=None,
+            checksum="crc32c",
+            role="param",
+            saved_sharding=fmt.SavedSharding(("data",), (2,), ("data", None)),
+            shard_digests={"c/0/0": "0123abcd"},
+        )
+        for key in keys
+    ]
+    entries.append(fmt.ValueEntry(key=("step",), key_types=("key",), value=5))
+    root: dict = {"type": "dict", "children": [["step", "key", {"type": "leaf"}]]}
+    for key in keys:
+        node: Any = root
+        for i, name in enumerate(key):
+            child = next((c[2] for c in node["children"] if c[0] == name), None)
+            if child is None:
+                child = {"type": "leaf"} if i == len(key) - 1 else {"type": "dict", "children": []}
+                node["children"].append([name, "key", child])
+            node = child
+    return fmt.new_manifest(entries, tree=root).dumps()
+
+
+def _loads(text: str) -> fmt.Manifest:
+    return fmt.Manifest.loads(text.encode(), where="ucp.json")
+
+
+def test_streamed_entries_give_what_the_whole_document_gives():
+    """However the JSON is laid out (one entry a line, indented, compact, entries first, the
+    entries key twice: the last counts), ``loads`` gives ``from_json`` of ``json.loads``."""
+    d = json.loads(_manifest_text())
+    entries_first = {"entries": d["entries"], **{k: v for k, v in d.items() if k != "entries"}}
+    texts = [
+        _manifest_text(),
+        json.dumps(d, indent=1),
+        json.dumps(d, separators=(",", ":")),
+        json.dumps(entries_first),
+        json.dumps(d)[:-1] + ', "entries": ' + json.dumps(d["entries"][::-1]) + "}",
+        '{"entries": [{"entry": "blob"}], ' + json.dumps(d)[1:],  # replaced: never checked
+    ]
+    for text in texts:
+        assert _loads(text) == fmt.Manifest.from_json(json.loads(text)), text[:200]
+    assert [e.name for e in _loads(texts[4]).entries][:2] == ["step", "params/w2"]
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda t: t.replace("}\n ]", "},\n ]"), r"corrupt manifest, not valid JSON"),  # [a, ]
+        (lambda t: t.replace("},\n  {", "}\n  {", 1), r"corrupt manifest, not valid JSON"),
+        (lambda t: t + "{}", r"corrupt manifest, not valid JSON \(Extra data"),
+        (lambda t: t[: t.index('"shard_digests"')], r"corrupt manifest, not valid JSON"),
+        (lambda t: t.replace('"0123abcd"', "NaN", 1), r"NaN is not valid JSON"),
+        (lambda t: t.replace("[4,2]", "[4," + "2" * 65 + "]", 1), r"an integer of 65 digits"),
+        (lambda t: t.replace('"format"', "'format'"), r"corrupt manifest, not valid JSON"),
+    ],
+)
+def test_streamed_entries_keep_every_json_error(damage, message):
+    text = damage(_manifest_text())
+    with pytest.raises(CheckpointError, match=r"^ucp\.json: " + message):
+        _loads(text)
+
+
+def test_a_long_integer_is_found_across_the_text_scanned_in_slices():
+    """The digit-run scan reads 1 MiB slices: a 65-digit run across a slice's end is found;
+    64 digits are fine."""
+    head = '{"format": "jax_ucp", "version": 1, "pad": "é' + "x" * ((1 << 20) - 80) + '", "n": '
+    with pytest.raises(CheckpointError, match=r"integer of 65 digits"):
+        _loads(head + "9" * 65 + "}")
+    with pytest.raises(CheckpointError, match=r"missing field 'save_id'"):
+        _loads(head + "9" * 64 + "}")
+
+
+def test_tree_and_provenance_depth_bounded_at_the_same_level():
+    """A leaf 170 dicts deep (the deepest a save writes: ``MAX_TREE_DEPTH``) reads; 171 is
+    refused as nested too deep, and so is a provenance past 512 JSON levels."""
+    assert fmt.MAX_TREE_DEPTH == 170
+    assert len(_loads(_manifest_text(tree_depth=170)).entries) == 5
+    with pytest.raises(CheckpointError, match=r"^ucp\.json: JSON nested deeper than 512"):
+        _loads(_manifest_text(tree_depth=171))
+    d = json.loads(_manifest_text())
+    for depth, ok in ((508, True), (509, False)):  # provenance at level 4: 4 + 508 = 512
+        nested: list = []
+        for _ in range(depth - 1):
+            nested = [nested]
+        d["entries"][0]["provenance"] = {"x": nested}
+        if ok:
+            _loads(json.dumps(d))
+        else:
+            with pytest.raises(CheckpointError, match=r"JSON nested deeper than 512"):
+                _loads(json.dumps(d))
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("shape", [True, 2], r"\.shape: expected a list of integers"),
+        ("shape", [4.0, 2], r"\.shape: expected a list of integers"),
+        ("key_types", ["key", 1], r"\.key_types: expected a list of 2"),
+        (
+            "saved_sharding",
+            {"mesh": {"axis_names": ["data"], "shape": [True]}, "partition_spec": ["data", None]},
+            r"\.saved_sharding\.mesh\.shape: expected a list",
+        ),
+        (
+            "saved_sharding",
+            {"mesh": {"axis_names": ["data"], "shape": [2]}, "partition_spec": [1, None]},
+            r"\.saved_sharding\.partition_spec\[0\]: expected",
+        ),
+    ],
+)
+def test_values_entries_share_are_still_checked_one_by_one(field, value, message):
+    """Shapes, key types and saved shardings are parsed once and shared across entries; an
+    entry whose value equals a valid one only as Python compares (``True == 1``, ``4.0 == 4``)
+    is still refused."""
+    d = json.loads(_manifest_text())
+    d["entries"][2][field] = value
+    with pytest.raises(CheckpointError, match=r"entries\[2\] \('params/w2'\)" + message):
+        _loads(json.dumps(d))
