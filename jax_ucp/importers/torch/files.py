@@ -29,6 +29,7 @@ import numpy as np
 from jax_ucp.errors import OptimizerOrderWarning, SourceError
 from jax_ucp.format import files, safetensors
 from jax_ucp.format.safetensors import first_tensors, read_weight_map
+from jax_ucp.importers import trainer_files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
 from jax_ucp.importers.torch import hf_trainer
 from jax_ucp.importers.torch.optimizer import (
@@ -232,8 +233,8 @@ def plan_torch_files(
                 found.append(name)
                 skipped[name] = "the torch run's RNG state, not imported"
     _skip_unused(found, optimizer_sources, params, states, skipped)
-    if os.path.isdir(src) and hf_trainer.is_trainer_checkpoint(src):
-        info["trainer"] = hf_trainer.trainer_record(src)  # the schedule, clipping, step
+    if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
+        info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
     if removed:
         info["wrappers_removed"] = removed
     if other:
@@ -384,7 +385,9 @@ def _optimizer(
         _say_order_assumed(
             to_name, state, clean, model, path, info, _config_rule(order.model_config, rule)
         )
-    elif hf_trainer.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt":
+    elif (
+        trainer_files.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt"
+    ):
         keys = "trainer"
         to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
         _say_order_assumed(to_name, state, clean, model, path, info, _TRAINER_RULE)
@@ -475,7 +478,7 @@ def _trainer_order(
             f"group sizes {sizes} and every shape ({'; '.join(r for _, r in fits)}); pass "
             f"parameter_order=, or convert with weights_only=True"
         )
-    config = model_config if model_config is not None else hf_trainer.CONFIG_FILE
+    config = model_config if model_config is not None else trainer_files.CONFIG_FILE
     raise SourceError(
         f"{path}: the optimizer's groups (sizes {sizes}) are not "
         f"{'one group of model.named_parameters() nor ' if model_config is not None else ''}"
