@@ -28,7 +28,7 @@ import numpy as np
 
 from jax_ucp.errors import UnsupportedError
 
-__all__ = ["TorchOptimizer", "optax_from_torch", "hf_schedule"]
+__all__ = ["TorchOptimizer", "optax_from_torch", "hf_schedule", "run_arguments"]
 
 #: Hugging Face's schedules (transformers.optimization) this module reproduces
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
@@ -407,13 +407,11 @@ def optax_from_torch(
     where = str(source.get("path") or ckpt)
     recorded = source.get("optimizer")
     if not recorded or not recorded.get("param_groups"):
-        raise UnsupportedError(
-            f"{where}: no torch optimizer recorded (imported with weights_only, or not from torch)"
-        )
+        raise UnsupportedError(_no_optimizer(source, where))
     groups = recorded["param_groups"]
     check_groups(groups, where)
     spec = _spec_with_recorded_settings(spec, source, notes := [])
-    trainer_args = (source.get("trainer") or {}).get("training_args") or {}
+    trainer_args = run_arguments(source, where)
     kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
     tree = restore(ckpt, **_restore_keywords(options, spec, where))
@@ -469,6 +467,50 @@ def optax_from_torch(
         else:  # clipping and weight decay keep no arrays; anything else starts at zeros
             state[i] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s)
     return TorchOptimizer(tx, tuple(state), params, schedule, step, notes, unrecovered, kind)
+
+
+def _no_optimizer(source: dict, where: str) -> str:
+    """Why the import recorded no torch optimizer, as the source record tells."""
+    skipped = (source.get("skipped") or {}).values()
+    if any(str(why).startswith("weights_only") for why in skipped):
+        return (
+            f"{where}: no torch optimizer recorded: imported with weights_only=True (its "
+            f"optimizer state is listed in source.skipped); convert without weights_only"
+        )
+    return (
+        f"{where}: no torch optimizer recorded in this {source.get('framework') or 'unknown'} "
+        f"import (no torch param_groups were found in its files, or it is not from torch)"
+    )
+
+
+def run_arguments(source: dict, where: str) -> dict:
+    """The Trainer's recorded training arguments as the run stepped with them. Under DeepSpeed
+    (``source.optimizer.deepspeed``: its config) DeepSpeed clips, by its ``gradient_clipping``
+    (the Trainer's ``max_grad_norm`` only fills an ``"auto"`` there), and an optimizer its config
+    names is made by DeepSpeed, not by the Trainer's ``optim``: translated only when it is torch's
+    own Adam/AdamW (``torch_adam``). A DeepSpeed scheduler is not reproduced: refused."""
+    args = dict((source.get("trainer") or {}).get("training_args") or {})
+    ds = (source.get("optimizer") or {}).get("deepspeed")
+    if not isinstance(ds, dict):
+        return args
+    if ds.get("scheduler") is not None:
+        raise UnsupportedError(
+            f"{where}: the run's DeepSpeed config has a scheduler {ds['scheduler']!r}: "
+            f"DeepSpeed's schedules are not reproduced (the Trainer's are)"
+        )
+    args["max_grad_norm"] = ds.get("gradient_clipping", 0.0)
+    made = ds.get("optimizer")
+    if made is not None:
+        args.pop("optim", None)  # the Trainer's choice, unused: DeepSpeed made the optimizer
+        kind = made.get("type") if isinstance(made, dict) else None
+        params = (made.get("params") if isinstance(made, dict) else None) or {}
+        if str(kind).lower() not in OPTIMIZERS or params.get("torch_adam") is not True:
+            raise UnsupportedError(
+                f"{where}: DeepSpeed made the optimizer from its config ({made!r}); translated "
+                f"is torch's Adam/AdamW ('type': 'Adam' or 'AdamW' with 'torch_adam': true), "
+                f"not DeepSpeed's FusedAdam or DeepSpeedCPUAdam"
+            )
+    return args
 
 
 def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:

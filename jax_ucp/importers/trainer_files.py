@@ -83,6 +83,10 @@ ARG_CLASSES = (
     "transformers.trainer_pt_utils.AcceleratorConfig",
     "transformers.debug_utils.DebugOption",
     "accelerate.state.PartialState",
+    # under DeepSpeed: the Trainer's config of it (data: the config as a dict)
+    "accelerate.utils.dataclasses.DeepSpeedPlugin",
+    "transformers.integrations.deepspeed.HfDeepSpeedConfig",
+    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig",
     "accelerate.utils.dataclasses.DistributedType",
     "torch.device",
 )

@@ -39,6 +39,7 @@ from jax_ucp.importers.plan import (
     glob_detection,
     refuse_spec,
 )
+from jax_ucp.importers.trainer_files import trainer_folder_above, trainer_record
 
 __all__ = [
     "DeepSpeedCheckpoint",
@@ -116,6 +117,14 @@ def plan_deepspeed(
     plan = _plan_training_checkpoint(tag_dir, spec=spec, weights_only=weights_only, share=share)
     # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
     check_every_file_read(tag_dir, plan.source_tensors)
+    trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/
+    if trainer is not None:  # its schedule, clipping, step: what continues the run
+        record = trainer_record(trainer)
+        scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
+        if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
+            record["scheduler"] = scheduler  # its state is in the model states file
+        plan.source["trainer"] = record
+        plan.source["trainer_path"] = trainer
     return plan
 
 
@@ -155,6 +164,9 @@ def _plan_training_checkpoint(
     checkpoint = zero.open_zero_checkpoint(tag_dir)
     source = zero.zero_source_info(checkpoint)
     found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
+    optimizer = None if weights_only else zero.torch_optimizer_record(checkpoint)
+    if optimizer is not None:  # what optax_from_torch continues from
+        source["optimizer"] = optimizer
     return ImportPlan(
         items=zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
         source=source,

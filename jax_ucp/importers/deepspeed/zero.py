@@ -55,6 +55,7 @@ from jax_ucp.importers.plan import (
     Share,
     agreed_step,
     host_item,
+    jsonable,
     skip,
     tensor_names,
 )
@@ -958,3 +959,42 @@ def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
         shared_params=dict(checkpoint.shared_params),
         frozen_params=sorted(checkpoint.frozen),
     )
+
+
+#: DeepSpeed config entries that say how the optimizer stepped (recorded in the manifest)
+DS_OPTIMIZER_FIELDS = ("optimizer", "scheduler", "gradient_clipping", "zero_force_ds_cpu_optimizer")
+
+
+def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
+    """The torch optimizer DeepSpeed stepped, as the manifest records a torch one
+    (``source.optimizer``): DP rank 0's ``param_groups`` with each group's ``params`` named by
+    ``param_shapes`` (DeepSpeed flattens a group into one vector, so its indices name nothing),
+    and the ``deepspeed`` config entries that made and clipped it (``optimizer``,
+    ``gradient_clipping``: under DeepSpeed the Trainer does not clip). None when the files hold
+    no param groups, or not one per ``param_shapes`` group (nothing is guessed)."""
+    state = checkpoint.optim_states[0]
+    inner = state.get(
+        "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    )
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if not isinstance(groups, list | tuple) or len(groups) != len(checkpoint.param_shapes):
+        return None
+    if not all(isinstance(g, Mapping) for g in groups):
+        return None
+    named = [
+        {**{str(k): jsonable(v) for k, v in g.items() if k != "params"}, "params": list(shapes)}
+        for g, shapes in zip(groups, checkpoint.param_shapes)
+    ]
+    ds_config = checkpoint.model_states.get("ds_config")
+    ds_config = ds_config if isinstance(ds_config, Mapping) else {}
+    record = {
+        "param_groups": named,
+        "state": ["exp_avg", "exp_avg_sq", "step"],
+        "no_state": sorted(checkpoint.frozen),
+        "deepspeed": {k: jsonable(ds_config[k]) for k in DS_OPTIMIZER_FIELDS if k in ds_config},
+    }
+    scheduler = checkpoint.model_states.get("lr_scheduler")
+    if isinstance(scheduler, Mapping):  # the client's (the Trainer's) scheduler, saved by DeepSpeed
+        keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
+        record["scheduler"] = {v: jsonable(scheduler[k]) for k, v in keys.items() if k in scheduler}
+    return record
