@@ -7,9 +7,13 @@ transformers 5.24, DeepSpeed 0.19.8, torch 2.13, two gloo ranks on CPU, 3 of 5 s
 - ``trainer_ds_z3``: ZeRO-3, the Trainer's torch AdamW with its decay / no-decay groups wrapped
   by DeepSpeed, linear schedule.
 
-Both clip at 1.0 (DeepSpeed's ``gradient_clipping: auto``) with weight decay 0.1. Converted by
-auto-detection from ``checkpoint-3/`` (torch-free), the Trainer's side files one level above
-``global_step3/`` are read, and two jitted JAX steps give torch's losses of steps 4 and 5."""
+Both clip at 1.0 (DeepSpeed's ``gradient_clipping: auto``) with weight decay 0.1. And the
+Trainer's FSDP layout (``pytorch_model_fsdp_0/`` + ``optimizer_0/``, ``trainer_fsdp_synthetic_layout``:
+the Trainer cannot write FSDP on CPU, so its run's step-3 state is written by Accelerate's own
+FSDP save functions beside the run's real side files:
+``tools/fixtures/make_hf_trainer_fsdp_synthetic_layout.py``). Converted by auto-detection from
+``checkpoint-3/`` (torch-free), the Trainer's side files are read (one level above
+``global_step3/``), and two jitted JAX steps give torch's losses of steps 4 and 5."""
 
 from __future__ import annotations
 
@@ -29,7 +33,11 @@ from tests.ucp_testing import REPO
 pytestmark = pytest.mark.timeout(600)
 FIX = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
 #: kind -> (its schedule, how many of the 15 flax leaves are decayed)
-KINDS = {"trainer_ds_z2": ("cosine", 15), "trainer_ds_z3": ("linear", 10)}
+KINDS = {
+    "trainer_ds_z2": ("cosine", 15),
+    "trainer_ds_z3": ("linear", 10),
+    "trainer_fsdp_synthetic_layout": ("linear", 10),
+}
 
 
 def _truth(kind: str) -> dict[str, np.ndarray]:

@@ -31,6 +31,7 @@ from typing import Any
 
 from jax_ucp.errors import SourceError
 from jax_ucp.format import files
+from jax_ucp.importers import trainer_files
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, jsonable, refuse_spec
 from jax_ucp.importers.torch import olmo_core
 from jax_ucp.importers.torch.optimizer import (
@@ -121,6 +122,13 @@ def plan_torch_dcp(
                 ]
             state.found.extend(train_files)
             state.skipped.update(train_files)
+        elif dirs[0] != Path(src) and trainer_files.is_trainer_checkpoint(str(src)):
+            # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
+            info["trainer"] = trainer_files.trainer_record(str(src))
+            for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states: units
+                if name.startswith("rng_state") and name.endswith(".pth"):
+                    state.found.append(name)
+                    state.skipped[name] = "the torch run's RNG state, not imported"
         plan = plan_state(
             state,
             {
