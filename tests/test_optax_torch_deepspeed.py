@@ -156,3 +156,37 @@ def test_deepspeed_clipping_wins_over_the_trainers_unused_max_grad_norm():
     assert run_arguments(source, "ckpt")["max_grad_norm"] == 0.0
     assert run_arguments(source, "ckpt")["optim"] == "adamw_torch"  # the Trainer made it
     assert run_arguments({"trainer": {"training_args": args}}, "ckpt") == args
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_train_with_deepspeed_now_convert_continue_in_jax(tmp_path, stage):
+    """The Trainer + DeepSpeed run made now (the generator, 2 gloo ranks, into tmp), converted
+    from its checkpoint-3/ and continued 2 steps in JAX: torch's losses of steps 4 and 5."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(REPO, "tools", "fixtures", "make_hf_trainer_deepspeed_checkpoints.py")
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(port), script, "--out", str(tmp_path / "run"),
+         "--stage", str(stage)],
+        check=True,
+        capture_output=True,
+        timeout=1500,
+        env={**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    kind = f"trainer_ds_z{stage}"
+    src = str(tmp_path / "run" / kind / "checkpoint-3")
+    with np.load(tmp_path / "run" / f"{kind}.truth.npz") as z:
+        tokens, want = z["next_tokens"], z["next_losses"]
+    with open(os.path.join(src, "config.json")) as f:
+        config = json.load(f)
+    got, run = continue_in_jax(jax_ucp.convert(src, tmp_path / "ucp"), config, tokens)
+    assert run.step == 3 and run.unrecovered == []
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
