@@ -558,16 +558,20 @@ def _spec_with_recorded_settings(spec: Any, source: dict, notes: list[str]) -> A
 def _unrecovered(source: dict) -> list[str]:
     """What a run may have had that the import found no record of: without the Trainer's
     training arguments, its schedule and clipping are unknown (a plain torch run records
-    neither in its files)."""
+    neither in its files; a DeepSpeed run records its clipping in its config)."""
     trainer = source.get("trainer") or {}
     args = trainer.get("training_args")
-    if args is None:
-        return [
-            "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
-            "next step, held constant)",
-            "gradient clipping (none recorded: add optax.clip_by_global_norm if the run clipped)",
-        ]
-    return [] if args.get("lr_scheduler_type") is not None else ["the learning-rate schedule"]
+    if args is not None:
+        return [] if args.get("lr_scheduler_type") is not None else ["the learning-rate schedule"]
+    out = [
+        "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
+        "next step, held constant)"
+    ]
+    if not isinstance((source.get("optimizer") or {}).get("deepspeed"), dict):
+        out.append(
+            "gradient clipping (none recorded: add optax.clip_by_global_norm if the run clipped)"
+        )
+    return out
 
 
 def _like(moment, init):

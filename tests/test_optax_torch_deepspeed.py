@@ -190,3 +190,15 @@ def test_train_with_deepspeed_now_convert_continue_in_jax(tmp_path, stage):
     got, run = continue_in_jax(jax_ucp.convert(src, tmp_path / "ucp"), config, tokens)
     assert run.step == 3 and run.unrecovered == []
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+
+
+def test_a_deepspeed_run_without_the_trainers_arguments_lists_only_the_schedule(tmp_path):
+    """``llama_z2_dp2``: a Trainer + DeepSpeed checkpoint without training_args.bin. DeepSpeed's
+    config records the clipping (none there), so only the schedule is unrecovered."""
+    src = os.path.join(FIX, "llama_z2_dp2", "checkpoint-2")
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    with pytest.warns(UserWarning, match="learning-rate schedule"):
+        run = jax_ucp.optax_from_torch(ckpt)
+    assert len(run.unrecovered) == 1 and "schedule" in run.unrecovered[0]
+    assert not any("clipped" in n for n in run.notes)
+    assert run.step == 2
