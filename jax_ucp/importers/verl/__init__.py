@@ -18,6 +18,7 @@ Output tree (docs/FORMAT.md 2.6): ``params/<name>``, ``opt_state/mu|nu/<name>``,
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Iterator
@@ -57,6 +58,7 @@ _EXTRA_CLASSES: dict[str, Any] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
 class VerlOptions(ImportOptions):
     """``ImportOptions``: a verl checkpoint takes no options of its own."""
 
