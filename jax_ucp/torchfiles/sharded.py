@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_ucp.torchfiles.unpickler import StandIn, WrapperTensor, short_repr
 
-__all__ = ["Piece", "ShardLayoutError", "assemble", "local_pieces"]
+__all__ = ["Piece", "ShardLayoutError", "assemble", "covers", "local_pieces"]
 
 DTENSOR = "torch.distributed.tensor.DTensor"
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"

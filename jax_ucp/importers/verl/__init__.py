@@ -177,13 +177,15 @@ def _pieces(value: Any, world: int, file: str, key: str) -> list[sharded.Piece]:
 Pieces = list[tuple[str, "sharded.Piece | None"]]  # (file, its block; None: rank 0's copy)
 
 
-def _gather(what: str, values: list[Any], files_: list[str], world: int, folder: str):
+def _gather(
+    what: str, values: list[Any], files_: list[str], world: int, folder: str
+) -> tuple[tuple[int, ...], np.dtype, Pieces]:
     """One tensor's pieces from every rank, checked to agree on shape and dtype and to tile it;
     a replicated tensor is read from rank 0's file (the others' copies named as its source)."""
     first = values[0]
     shape = tuple(first.shape)
     dtype = np.dtype(first.dtype)
-    out: list[tuple[str, sharded.Piece]] = []
+    out: Pieces = []
     for file, value in zip(files_, values):
         if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
             raise SourceError(
@@ -191,11 +193,12 @@ def _gather(what: str, values: list[Any], files_: list[str], world: int, folder:
                 f"rank 0's ({files_[0]}) {shape} {dtype}"
             )
         out += [(file, p) for p in _pieces(value, world, os.path.join(folder, file), what)]
-    if all(p.replicated for _, p in out):  # the same tensor on every rank: rank 0's is read
+    blocks = [p for _, p in out if p is not None]
+    if all(p.replicated for p in blocks):  # the same tensor on every rank: rank 0's is read
         return shape, dtype, [(f, p if i == 0 else None) for i, (f, p) in enumerate(out)]
-    if any(p.replicated for _, p in out):
+    if any(p.replicated for p in blocks):
         raise SourceError(f"{folder}: {what!r} is sharded on some ranks and whole on others")
-    problem = sharded.covers(shape, [p for _, p in out])
+    problem = sharded.covers(shape, blocks)
     if problem:
         raise SourceError(
             f"{folder}: the {world} ranks' pieces of {what!r} ({shape}) do not tile it: {problem}"
@@ -296,38 +299,9 @@ def _optimizer(folder, files_, optims, params: Params, world: int):
     steps: dict[float, str] = {}
     step_names: list[str] = []
     for index, name in by_index.items():
-        entries = [o["state"].get(index) for o in optims]
-        if any(e is None for e in entries):
-            if all(e is None for e in entries):
-                continue  # a parameter the optimizer never stepped
-            raise SourceError(
-                f"{folder}: some ranks hold optimizer state {index} ({name}), not all"
-            )
-        keys = set(entries[0])
-        unknown = keys - set(ADAM_STATE) - {"step"}
-        if unknown or not set(ADAM_STATE) <= keys:
-            raise SourceError(
-                f"{os.path.join(folder, files_[0])}: state[{index}] ({name}) holds "
-                f"{', '.join(sorted(map(str, keys)))}: only torch Adam / AdamW state (exp_avg, "
-                f"exp_avg_sq, step) is imported"
-            )
-        shape = params[name][0]
-        moments[name] = {}
-        for state in ADAM_STATE:
-            what = f"state.{index}.{state}"
-            got = _gather(what, [e[state] for e in entries], files_, world, folder)
-            if got[0] != shape:
-                raise SourceError(
-                    f"{os.path.join(folder, files_[0])}: {what} is {got[0]}, parameter {index} "
-                    f"({name}) is {shape}: the optimizer's order is not the model's"
-                )
-            moments[name][state] = [(f"{f}/{what}", p) for f, p in got[2]]
-        for file, e in zip(files_, entries):
-            value = e.get("step")
-            if value is not None:
-                number = float(np.asarray(value).reshape(()))
-                steps.setdefault(number, f"in {file} state[{index}]")
-                step_names.append(f"{file}/state.{index}.step")
+        found = _moments(folder, files_, optims, index, name, params, world, steps, step_names)
+        if found is not None:
+            moments[name] = found
     count = None
     if steps:
         count = (
@@ -340,6 +314,40 @@ def _optimizer(folder, files_, optims, params: Params, world: int):
         g["params"] = [by_index[i] for i in g.get("params", [])]
         named.append(jsonable(g))
     return moments, count, named
+
+
+def _moments(folder, files_, optims, index, name, params: Params, world, steps, step_names):
+    """Parameter ``index``'s (``name``'s) exp_avg / exp_avg_sq pieces from every rank, its
+    steps added to ``steps`` / ``step_names``; None when no rank holds state for it."""
+    entries = [o["state"].get(index) for o in optims]
+    if any(e is None for e in entries):
+        if all(e is None for e in entries):
+            return None  # a parameter the optimizer never stepped
+        raise SourceError(f"{folder}: some ranks hold optimizer state {index} ({name}), not all")
+    keys = set(entries[0])
+    if keys - set(ADAM_STATE) - {"step"} or not set(ADAM_STATE) <= keys:
+        raise SourceError(
+            f"{os.path.join(folder, files_[0])}: state[{index}] ({name}) holds "
+            f"{', '.join(sorted(map(str, keys)))}: only torch Adam / AdamW state (exp_avg, "
+            f"exp_avg_sq, step) is imported"
+        )
+    shape = params[name][0]
+    out: dict[str, Pieces] = {}
+    for state in ADAM_STATE:
+        what = f"state.{index}.{state}"
+        got = _gather(what, [e[state] for e in entries], files_, world, folder)
+        if got[0] != shape:
+            raise SourceError(
+                f"{os.path.join(folder, files_[0])}: {what} is {got[0]}, parameter {index} "
+                f"({name}) is {shape}: the optimizer's order is not the model's"
+            )
+        out[state] = [(f"{f}/{what}", p) for f, p in got[2]]
+    for file, e in zip(files_, entries):
+        value = e.get("step")
+        if value is not None:
+            steps.setdefault(float(np.asarray(value).reshape(())), f"in {file} state[{index}]")
+            step_names.append(f"{file}/state.{index}.step")
+    return out
 
 
 def _extra(folder: str, names: list[str], source: dict, found: list[str]) -> None:
