@@ -6,7 +6,8 @@ Each rank's ``model_world_size_W_rank_R.pt`` is ``model.state_dict()`` saved wit
 stand-ins and reassembled from every rank's local piece, one tensor at a time
 (:mod:`jax_ucp.torchfiles.sharded`). ``optim_world_size_W_rank_R.pt`` is
 ``optimizer.state_dict()``: under FSDP2 its ``exp_avg`` / ``exp_avg_sq`` are DTensors keyed by
-parameter index, in the order of the model's parameters (checked against every shape); under
+parameter index, in the order of the model's parameters (a tied key, sharing its bytes with
+an earlier one, counted once, as ``named_parameters()`` does; checked against every shape); under
 FSDP1 (``use_orig_params=False``, verl's default) it holds flat-parameter state that names no
 parameter, and is refused unless only the weights are wanted. The step is the optimizer's
 (every rank and parameter agreeing), beside the run's ``global_step`` (folder and tracker) and
@@ -105,29 +106,12 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
 
     models = [_load(model_dir, name) for name in ranks.by_kind["model"]]
     params = _parameters(model_dir, ranks.by_kind["model"], models, world, found)
+    tied = tied_keys(params)
     config = _hf_config(model_dir)
     if config is not None:
         source["trainer"] = {"model_config": config}
 
-    moments: dict[str, dict[str, Pieces]] = {}
-    count = None
-    optim_files = ranks.by_kind.get("optim", [])
-    if optim_files:
-        optims = [_load(model_dir, name) for name in optim_files]
-        names = _optimizer_tensor_names(optim_files, optims)
-        found += names
-        if options.weights_only:
-            skip(source, names, "optimizer state: weights_only=True")
-        else:
-            moments, count, groups = _optimizer(model_dir, optim_files, optims, params, world)
-            source["optimizer"] = {
-                "param_groups": groups,
-                "state": ["exp_avg", "exp_avg_sq", "step"],
-                "no_state": [],
-            }
-    elif not options.weights_only:
-        source.setdefault("notes", []).append("no optimizer state saved (optim_* files absent)")
-
+    moments, count = _optimizer_state(model_dir, ranks, options, params, tied, source, found)
     _extra(model_dir, ranks.by_kind.get("extra_state", []), source, found)
     _units_beside(where, source, found)
     names = options.share.pick(params)
@@ -136,7 +120,12 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     def items() -> Iterator[writer.HostItem]:
         for name in names:
             shape, dtype, pieces = params[name]
-            yield _item(("params", name), shape, dtype, pieces)
+            item = _item(("params", name), shape, dtype, pieces)
+            if name in tied:
+                item = dataclasses.replace(item, tied_to=f"params/{tied[name]}")
+            elif moments and name not in moments:
+                item = dataclasses.replace(item, frozen=True)
+            yield item
             for state, tree in ADAM_STATE.items():
                 if name in moments:
                     yield _item((*tree, name), shape, dtype, moments[name][state])
@@ -149,6 +138,32 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
             )
 
     return ImportPlan(items(), source, total, found)
+
+
+def _optimizer_state(model_dir, ranks, options, params: Params, tied, source, found):
+    """The moments by parameter and the (step, its tensors), the optimizer recorded in
+    ``source`` and its tensors in ``found``; its state skipped with ``weights_only``."""
+    optim_files = ranks.by_kind.get("optim", [])
+    if not optim_files:
+        if not options.weights_only:
+            source.setdefault("notes", []).append("no optimizer state saved (no optim_* files)")
+        return {}, None
+    optims = [_load(model_dir, name) for name in optim_files]
+    names = _optimizer_tensor_names(optim_files, optims)
+    found += names
+    if options.weights_only:
+        skip(source, names, "optimizer state: weights_only=True")
+        return {}, None
+    trained = {n: v for n, v in params.items() if n not in tied}
+    moments, count, groups = _optimizer(model_dir, optim_files, optims, trained, ranks.world_size)
+    source["optimizer"] = {
+        "param_groups": groups,
+        "state": ["exp_avg", "exp_avg_sq", "step"],
+        "no_state": sorted(n for n in trained if n not in moments),
+    }
+    if tied:
+        source["optimizer"]["tied"] = dict(sorted(tied.items()))
+    return moments, count
 
 
 Params = dict[str, tuple[tuple[int, ...], np.dtype, "Pieces"]]
@@ -228,6 +243,28 @@ def _parameters(
         params[key_s] = _gather(key_s, [m[key] for m in models], names, world, folder)
         found += [f"{file}/{key_s}" for file in names]
     return params
+
+
+def tied_keys(params: Params) -> dict[str, str]:
+    """Key -> the earlier key whose bytes it shares on every rank (a tied ``lm_head.weight``
+    saved beside ``model.embed_tokens.weight``: one storage in each rank's file, one parameter
+    and one optimizer state, as ``named_parameters()`` yields it once)."""
+    first: dict[tuple, str] = {}
+    tied: dict[str, str] = {}
+    for name, (shape, dtype, pieces) in params.items():
+        where = tuple(
+            (f, p.offsets, p.array.__array_interface__["data"][0], p.array.strides)
+            for f, p in pieces
+            if p is not None and p.array.size
+        )
+        if not where:
+            continue
+        key = (shape, str(dtype), where)
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
 
 
 def _item(key: tuple[str, ...], shape, dtype, pieces: Pieces) -> writer.HostItem:

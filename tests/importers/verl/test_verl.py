@@ -176,3 +176,19 @@ def test_the_critic_beside_the_actor_is_listed_and_imports_on_its_own(tmp_path):
     assert "../critic/" in jax_ucp.inspect(out).source["skipped"]
     out = jax_ucp.convert(os.path.join(src, STEP, "critic"), tmp_path / "c")
     assert_matches_run(jax_ucp.restore(out), _truth("fsdp2"))
+
+
+def test_tied_embeddings_import_once_trained_and_tied(tmp_path):
+    """tie_word_embeddings=True (Qwen2.5's small models): both keys are saved, sharing their
+    bytes on each rank; the optimizer holds 20 states for 21 keys. lm_head.weight imports tied to
+    the embedding (its bytes), with no moments of its own; the rest bit-exact to the run."""
+    out = jax_ucp.convert(os.path.join(FIX, "fsdp2_tied"), tmp_path / "ucp")
+    restored = jax_ucp.restore(out)
+    want = _truth("fsdp2_tied")
+    head = restored["params"].pop("lm_head.weight")
+    assert_matches_run(restored, want)
+    assert np.array_equal(head, want["param/model.embed_tokens.weight"])
+    manifest = jax_ucp.inspect(out)
+    assert manifest.source["optimizer"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
+    entry = next(t for t in manifest.tensors if t.key == ("params", "lm_head.weight"))
+    assert entry.tied_to == "params/model.embed_tokens.weight"
