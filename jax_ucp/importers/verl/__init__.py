@@ -331,7 +331,18 @@ def _optimizer(folder, files_, optims, params: Params, world: int):
             f"({indices[:6]}...), the model state dict holds {len(sharded_names)} sharded ones; "
             f"cannot tell which parameter each index is"
         )
-    by_index = dict(zip(indices, sharded_names))
+    recorded = [n for g in groups[0] for n in g.get("param_names", [])]
+    if recorded:  # torch >= 2.5, an optimizer built from named_parameters(): its own names
+        unknown = [n for n in recorded if n not in params]
+        if len(recorded) != len(indices) or unknown:
+            raise SourceError(
+                f"{os.path.join(folder, files_[0])}: param_groups name {len(recorded)} "
+                f"parameters for {len(indices)} indices"
+                + (f"; not in the model: {', '.join(map(str, unknown[:4]))}" if unknown else "")
+            )
+        by_index = dict(zip(indices, recorded))
+    else:  # torch numbers the parameters as model.parameters() yields them: checked by shape
+        by_index = dict(zip(indices, sharded_names))
     moments: dict[str, dict[str, Pieces]] = {}
     steps: dict[float, str] = {}
     step_names: list[str] = []
@@ -349,6 +360,7 @@ def _optimizer(folder, files_, optims, params: Params, world: int):
     for g in groups[0]:
         g = {k: v for k, v in g.items()}
         g["params"] = [by_index[i] for i in g.get("params", [])]
+        g.pop("param_names", None)
         named.append(jsonable(g))
     return moments, count, named
 

@@ -192,3 +192,31 @@ def test_tied_embeddings_import_once_trained_and_tied(tmp_path):
     assert manifest.source["optimizer"]["tied"] == {"lm_head.weight": "model.embed_tokens.weight"}
     entry = next(t for t in manifest.tensors if t.key == ("params", "lm_head.weight"))
     assert entry.tied_to == "params/model.embed_tokens.weight"
+
+
+def _with_param_names(path: str, names: list[str]) -> None:
+    """Rewrite an optim rank file as torch >= 2.5 saves an optimizer built from
+    ``named_parameters()`` (``param_groups[0]["param_names"]``), with torch itself."""
+    import torch
+
+    state = torch.load(path, weights_only=False)  # our own fixture, not user input
+    state["param_groups"][0]["param_names"] = names
+    torch.save(state, path)
+
+
+@pytest.mark.torch
+def test_recorded_param_names_name_the_moments_and_must_be_the_models(tmp_path):
+    """The optimizer's own names win over the order: the fixture's (the model's order) import
+    bit-exact; a name the model does not hold is refused naming it."""
+    src = _copy(tmp_path)
+    optim = [os.path.join(src, ACTOR, f"optim_world_size_2_rank_{r}.pt") for r in (0, 1)]
+    want = _truth("fsdp2")
+    names = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
+    for path in optim:
+        _with_param_names(path, names)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), want)
+    for path in optim:
+        _with_param_names(path, ["model.no_such.weight", *names[1:]])
+    with pytest.raises(SourceError, match=r"optim_world_size_2_rank_0\.pt.*model\.no_such\.weight"):
+        jax_ucp.convert(src, tmp_path / "u")
