@@ -201,7 +201,14 @@ def _gather(
     shape = tuple(first.shape)
     dtype = np.dtype(first.dtype)
     out: Pieces = []
+    kind = getattr(first, "qualname", "tensor")
     for file, value in zip(files_, values):
+        if getattr(value, "qualname", "tensor") != kind:  # files of two runs (FSDP1 and FSDP2)
+            raise SourceError(
+                f"{os.path.join(folder, file)}: {what!r} is a "
+                f"{getattr(value, 'qualname', 'tensor').rsplit('.', 1)[-1]}, rank 0's "
+                f"({files_[0]}) a {kind.rsplit('.', 1)[-1]}: the rank files are of different saves"
+            )
         if tuple(value.shape) != shape or np.dtype(value.dtype) != dtype:
             raise SourceError(
                 f"{os.path.join(folder, file)}: {what!r} is {tuple(value.shape)} {value.dtype}, "

@@ -220,3 +220,31 @@ def test_recorded_param_names_name_the_moments_and_must_be_the_models(tmp_path):
         _with_param_names(path, ["model.no_such.weight", *names[1:]])
     with pytest.raises(SourceError, match=r"optim_world_size_2_rank_0\.pt.*model\.no_such\.weight"):
         jax_ucp.convert(src, tmp_path / "u")
+
+
+def test_cli_converts_the_run_root_and_refuses_a_missing_rank_naming_it(tmp_path):
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["convert", os.path.join(FIX, "fsdp2"), str(tmp_path / "ucp")])
+    assert r.exit_code == 0, r.output
+    assert jax_ucp.inspect(tmp_path / "ucp").source["framework"] == "verl"
+    src = _copy(tmp_path)
+    os.remove(os.path.join(src, ACTOR, "model_world_size_2_rank_0.pt"))
+    r = runner.invoke(app, ["convert", src, str(tmp_path / "u")])
+    assert r.exit_code == 1 and "model_world_size_2_rank_0.pt" in r.output, r.output
+    assert_destination_untouched(tmp_path / "u")
+
+
+def test_rank_files_of_two_saves_are_refused_naming_the_file(tmp_path):
+    """rank 1's model file from the FSDP1 run (same keys, ShardedTensors whose pieces would tile
+    the tensors just as well): refused naming the rank file and both kinds, never mixed."""
+    src = _copy(tmp_path)
+    other = os.path.join(FIX, "fsdp1", ACTOR, "model_world_size_2_rank_1.pt")
+    shutil.copy(other, os.path.join(src, ACTOR, "model_world_size_2_rank_1.pt"))
+    with pytest.raises(
+        SourceError, match=r"model_world_size_2_rank_1\.pt.*ShardedTensor.*rank_0\.pt.*DTensor"
+    ):
+        jax_ucp.convert(src, tmp_path / "u")
