@@ -334,8 +334,8 @@ def convert(
     from_: str | None = typer.Option(
         None,
         "--from",
-        help="the source format: deepspeed, megatron, orbax, safetensors or torch (default: "
-        "detected from the files)",
+        help="the source format: deepspeed, megatron, orbax, safetensors, torch or verl "
+        "(default: detected from the files)",
     ),
     spec: str | None = typer.Option(None, help="UCP-language spec file (import rules, settings)"),
     vocab_size: int | None = typer.Option(
@@ -376,7 +376,7 @@ def convert(
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
-    torch DCP or torch.save files. The format is detected from the files unless --from names
+    torch DCP or torch.save files, verl FSDP checkpoints. The format is detected from the files unless --from names
     it; when no format fits, the error says what each one looked for."""
     from jax_ucp import conversion
     from jax_ucp.multihost import agreement

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jax_ucp.errors import RequestError, SourceError, SourceNotFoundError
-from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch
+from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp.importers.plan import (
     WHOLE,
     Detection,
@@ -42,6 +42,10 @@ class Importer:
     detect: Callable[[str], Detection]
     plan: Callable[[str, Any], ImportPlan]
     options: type[ImportOptions]
+    #: formats whose claim on the same source this format's claim overrides: they share marker
+    #: names (verl's run root holds Megatron-LM's ``latest_checkpointed_iteration.txt`` and
+    #: ``global_step_N/`` folders, named like DeepSpeed's ``global_step*``)
+    outranks: tuple[str, ...] = ()
 
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
@@ -52,6 +56,9 @@ IMPORTERS: dict[str, Importer] = {
         Importer("safetensors", safetensors.detect, safetensors.plan, torch.TorchOptions),
         Importer("torch", torch.detect, torch.plan, torch.TorchOptions),
         Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions),
+        Importer(
+            "verl", verl.detect, verl.plan, verl.VerlOptions, outranks=("megatron", "deepspeed")
+        ),
         Importer("megatron", megatron.detect, megatron.plan, megatron.MegatronOptions),
         Importer("deepspeed", deepspeed.detect, deepspeed.plan, deepspeed.DeepSpeedOptions),
     )
@@ -64,8 +71,8 @@ OPTION_FIELDS = tuple(
 
 
 def detect_format(src) -> str:
-    """'deepspeed', 'megatron', 'orbax', 'safetensors' or 'torch' (torch DCP or torch.save
-    files), from the files a path holds (none is unpickled). A source no importer claims is an
+    """'deepspeed', 'megatron', 'orbax', 'safetensors', 'torch' (torch DCP or torch.save
+    files) or 'verl', from the files a path holds (none is unpickled). A source no importer claims is an
     error giving each importer's reason."""
     src = os.fspath(src)
     refused: dict[str, str] = {}
@@ -79,6 +86,10 @@ def detect_format(src) -> str:
             weak.append(name)
         else:
             refused[name] = answer.reason
+    for name in list(strong):
+        for other in IMPORTERS[name].outranks if name in strong else ():
+            if strong.pop(other, None) is not None:
+                refused[other] = f"outranked by {name} ({strong[name]})"
     if len(strong) > 1:  # two checkpoints in one folder: importing one would drop the other
         found = "; ".join(f"{name} ({reason})" for name, reason in strong.items())
         raise SourceError(

@@ -63,6 +63,8 @@ __all__ = [
     "scan_globals",
     "standin_class",
     "TorchArchive",
+    "SHARDED_TENSOR_CLASSES",
+    "WrapperTensor",
 ]
 
 
@@ -383,7 +385,50 @@ class _Allowed:
         return f"<allowed {self.qualname}>"
 
 
+@dataclass(frozen=True)
+class _WrapperClass:
+    """A tensor subclass torch pickles through ``_rebuild_wrapper_subclass`` (DTensor,
+    ShardedTensor): only its name is kept; it is never called."""
+
+    qualname: str
+
+
+@dataclass(eq=False)
+class WrapperTensor:
+    """A pickled tensor subclass as inert data: DTensor or ShardedTensor (``qualname``), its
+    global ``shape`` and ``dtype``, and its pickled ``state`` (the local shards and how they
+    lie; :mod:`jax_ucp.torchfiles.sharded` reads it). Loaded only with
+    :data:`SHARDED_TENSOR_CLASSES` among the extra classes."""
+
+    qualname: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    state: Any = None
+
+    def __repr__(self) -> str:
+        return f"<{self.qualname.rsplit('.', 1)[-1]} {self.shape} {self.dtype}>"
+
+
+def _rebuild_wrapper_subclass(
+    cls, dtype, size, stride, storage_offset, layout, device, requires_grad
+) -> WrapperTensor:
+    if not isinstance(cls, _WrapperClass):
+        raise ValueError(f"_rebuild_wrapper_subclass of {short_repr(cls, 80)} is not supported")
+    if not isinstance(dtype, np.dtype):
+        raise ValueError(f"{cls.qualname} dtype must be a torch dtype, found {short_repr(dtype)}")
+    shape = _as_int_tuple(tuple(size) if isinstance(size, (list, tuple)) else size, "size")
+    if any(d < 0 for d in shape):
+        raise ValueError(f"{cls.qualname} size {shape} is negative")
+    return WrapperTensor(cls.qualname, shape, dtype)
+
+
 def _rebuild_from_type_v2(func, new_type, args, state):
+    if isinstance(func, _Allowed) and func.fn is _rebuild_wrapper_subclass:
+        if not isinstance(args, tuple) or not args or args[0] != new_type:
+            raise ValueError(f"_rebuild_wrapper_subclass args {short_repr(args, 80)} do not match")
+        out = _rebuild_wrapper_subclass(*args)
+        out.state = state
+        return out
     if not isinstance(func, _Allowed) or func.fn not in (
         _rebuild_tensor_v2,
         _rebuild_tensor_v3,
@@ -512,6 +557,63 @@ def _base_allowed() -> dict[str, Any]:
 
 #: The allow-list every load uses: ``"module.QualName" -> value or safe callable``.
 BASE_ALLOWED: Mapping[str, Any] = _base_allowed()
+
+_SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
+
+
+def _process_group_state(owner: Any, name: Any) -> _Allowed:
+    """``getattr(ShardedTensor, "ProcessGroupState")``, the one attribute lookup a pickled
+    ShardedTensor makes; any other is refused."""
+    if owner != _WrapperClass(_SHARDED_TENSOR) or name != "ProcessGroupState":
+        raise ValueError(f"getattr{short_repr((owner, name), 120)} is not allowed")
+    qualname = f"{_SHARDED_TENSOR}.ProcessGroupState"
+    return _Allowed(qualname, standin_class(qualname))
+
+
+def _get_layout(name: Any) -> str:
+    if name != "torch.strided":
+        raise ValueError(f"layout {short_repr(name, 80)} is not read (only torch.strided)")
+    return name
+
+
+def _sharded_tensor_classes() -> dict[str, Any]:
+    d: dict[str, Any] = {
+        "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+        "torch.serialization._get_layout": _get_layout,
+        "torch.distributed.tensor.DTensor": _WrapperClass("torch.distributed.tensor.DTensor"),
+        "torch.distributed.tensor._api.DTensor": _WrapperClass("torch.distributed.tensor.DTensor"),
+        _SHARDED_TENSOR: _WrapperClass(_SHARDED_TENSOR),
+        "builtins.getattr": _process_group_state,
+        "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": int_enum_standin(
+            "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING"
+        ),
+    }
+    for name in (
+        "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+        "torch.distributed.tensor._dtensor_spec.TensorMeta",
+        "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+        "torch.distributed.tensor.placement_types.Shard",
+        "torch.distributed.tensor.placement_types.Replicate",
+        "torch.distributed.tensor.placement_types._StridedShard",
+        "torch.distributed.tensor.placement_types.Partial",
+        "torch.distributed.device_mesh.DeviceMesh",
+        "torch.distributed._mesh_layout._MeshLayout",
+        "torch.distributed._mesh_layout._FlatLayout",
+        "torch.distributed._shard.metadata.ShardMetadata",
+        "torch.distributed._shard.sharded_tensor.shard.Shard",
+        "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
+        "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+        "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+        "torch.distributed.remote_device._remote_device",
+    ):
+        d[name] = standin_class(name)
+    return d
+
+
+#: Extra classes for files holding DTensors and ShardedTensors (FSDP2 / FSDP1
+#: ``SHARDED_STATE_DICT`` state dicts saved with ``torch.save``): each becomes a
+#: :class:`WrapperTensor`, its mesh, placements and shard metadata inert stand-ins.
+SHARDED_TENSOR_CLASSES: Mapping[str, Any] = _sharded_tensor_classes()
 
 
 # --------------------------------------------------------------------------- unpickler

@@ -33,7 +33,7 @@ def _hf(path, value=1.0):
 
 
 def test_every_format_is_a_package_with_detect_plan_and_typed_options():
-    assert registry.FORMATS == ("deepspeed", "megatron", "orbax", "safetensors", "torch")
+    assert registry.FORMATS == ("deepspeed", "megatron", "orbax", "safetensors", "torch", "verl")
     for name, importer in registry.IMPORTERS.items():
         package = importlib.import_module(f"jax_ucp.importers.{name}")
         assert importer.detect is package.detect and importer.plan is package.plan
@@ -49,6 +49,9 @@ def test_every_format_is_a_package_with_detect_plan_and_typed_options():
         (os.path.join(FIX, "megatron", "gpt_tp2"), "megatron"),
         (os.path.join(FIX, "torch", "fsdp2_fp32"), "torch"),
         (os.path.join(FIX, "torch", "accelerate_full"), "torch"),
+        # verl's run root holds Megatron's tracker name and DeepSpeed-like global_step_N/
+        (os.path.join(FIX, "verl", "fsdp2"), "verl"),
+        (os.path.join(FIX, "verl", "fsdp1", "global_step_3", "actor"), "verl"),
     ],
 )
 def test_real_checkpoints_are_detected_as_their_format(path, expected):
@@ -85,7 +88,7 @@ def test_an_unknown_folder_says_what_each_format_looked_for(tmp_path):
     assert "deepspeed: no `latest`, `global_stepN/`" in message
     assert "megatron: no `latest_checkpointed_iteration.txt`" in message
     assert "orbax: no Orbax `_CHECKPOINT_METADATA`" in message
-    assert "`--from deepspeed|megatron|orbax|safetensors|torch`" in message
+    assert "`--from deepspeed|megatron|orbax|safetensors|torch|verl`" in message
     with pytest.raises(registry.SourceNotFoundError, match="not a directory"):
         registry.detect_format(tmp_path / "weights.npy")
 
