@@ -4,7 +4,9 @@ the device (a donation or a delete after ``mngr.save`` returns cannot change wha
 a shard larger than the budget refused by name, and the bound itself measured in a fresh process.
 """
 
+import asyncio
 import json
+import threading
 
 import jax
 import ml_dtypes
@@ -41,8 +43,24 @@ def _on_mesh(host, m):
     return jax.jit(lambda t: jax.tree.map(lambda a: a + 0, t), out_shardings=shardings)(host)
 
 
+@pytest.fixture
+def gate(monkeypatch):
+    """An event the commit's writes wait for (set: they go on): cleared around ``mngr.save``,
+    the test's donation or delete surely comes before the commit reads a shard."""
+    event = threading.Event()
+    event.set()
+    write_tensor = budget_lib.write_tensor
+
+    async def gated(*a, **kw):
+        await asyncio.to_thread(event.wait, 60)
+        return await write_tensor(*a, **kw)
+
+    monkeypatch.setattr(budget_lib, "write_tensor", gated)
+    return event
+
+
 @pytest.mark.timeout(180)
-def test_async_manager_save_within_a_tiny_budget_restores_bit_exact(tmp_path, monkeypatch):
+def test_async_manager_save_within_a_tiny_budget_restores_bit_exact(tmp_path, monkeypatch, gate):
     """A 20 KiB budget (the state's replica-0 shards: 150 KiB): ``mngr.save`` copies a prefix
     of the shards, the commit writes the rest batch by batch; a donating step and a delete
     right after ``mngr.save`` leave the checkpoint exact."""
@@ -70,12 +88,15 @@ def test_async_manager_save_within_a_tiny_budget_restores_bit_exact(tmp_path, mo
         for step, host in enumerate(hosts):
             state = _on_mesh(host, m)
             args = jax_ucp.UCPSave(state, memory_budget="20KiB")
+            gate.clear()
             mngr.save(step, args=ocp.args.Composite(state=args))
             if step == 0:
                 state = overwrite(state)  # a train step donating the state
+                jax.block_until_ready(state)
             else:
                 for x in state.values():
                     x.delete()
+            gate.set()
             mngr.wait_until_finished()
     for b in made:
         assert b.budget == 20 * KiB
@@ -100,8 +121,38 @@ def test_blocking_save_with_a_budget_matches_the_unbounded_save_file_for_file(tm
     want = jax_ucp.inspect(tmp_path / "u")
     got = jax_ucp.inspect(tmp_path / "b")
     assert [e.to_json() for e in got.entries] == [e.to_json() for e in want.entries]
+    jax_ucp.save(tmp_path / "z", state, memory_budget=20000, compression="zstd")  # TensorStore
     for k, v in _host(3).items():
         assert_bit_exact(jax_ucp.restore(tmp_path / "b")[k], v, k)
+        assert_bit_exact(jax_ucp.restore(tmp_path / "z")[k], v, k)
+
+
+@pytest.mark.timeout(180)
+def test_on_an_accelerator_a_donation_before_the_commit_fails_the_save_naming_the_tensor(
+    tmp_path, monkeypatch, gate
+):
+    """The accelerator path (simulated: devices taken as not CPU): the shards past the budget
+    stay ``jax.Array``s, copied to host by the commit; undisturbed the save is exact, a donation
+    right after ``mngr.save`` is an error naming a tensor and its shard, and the step is never
+    committed."""
+    monkeypatch.setattr(budget_lib, "_on_cpu", lambda data: False)
+    m = mesh((2, 4), ("data", "model"))
+    overwrite = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 + 7, t), donate_argnums=0)
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
+    with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+        state = _on_mesh(_host(5), m)
+        mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave(state, memory_budget="20KiB")))
+        mngr.wait_until_finished()
+        state = _on_mesh(_host(6), m)
+        gate.clear()
+        mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave(state, memory_budget="20KiB")))
+        state = overwrite(state)
+        gate.set()
+        with pytest.raises(Exception, match=r"Tensor '\w'.*shard \[.*deleted or donated"):
+            mngr.wait_until_finished()
+        assert mngr.all_steps() == [0]
+    for k, v in _host(5).items():
+        assert_bit_exact(jax_ucp.restore(tmp_path / "0" / "state")[k], v, k)
 
 
 def test_a_shard_larger_than_the_budget_is_refused_by_name_before_anything_is_written(tmp_path):
