@@ -111,7 +111,13 @@ class BudgetedShards:
         return True
 
     def add(self, name: str, index: tuple, data: jax.Array) -> Any:
-        """The writer's data for one shard: a producer (``_Held``) or a view of a CPU buffer."""
+        """The writer's data for one shard: a producer (``_Held``) or a view of a CPU buffer.
+
+        Args:
+          name: the tensor's name, for errors.
+          index: the shard's place in the global array.
+          data: the shard (a single-device ``jax.Array``).
+        """
         if data.nbytes > self.budget:
             raise RequestError(
                 f"Tensor {name!r}: its shard {_index_str(index)} holds "
