@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ucp
 from jax_ucp.errors import RequestError
 from jax_ucp.saving import budget as budget_lib
-from tests.ucp_testing import assert_bit_exact, mesh, run_python
+from tests.ucp_testing import assert_bit_exact, mesh, run_python, run_workers
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -227,3 +227,43 @@ def test_async_save_host_memory_stays_within_the_budget_in_a_fresh_process(tmp_p
     assert over["none"] > 192 * MiB, over["none"] / MiB
     got = jax_ucp.inspect(tmp_path / "64MiB" / "1" / "state")
     assert sorted(e.name for e in got.tensors) == [f"w{i}" for i in range(4)]
+
+
+_TWO_PROCESSES = r"""
+import sys
+import jax, numpy as np, ml_dtypes, orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+pid, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid, initialization_timeout=120)
+import jax_ucp
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+W = np.arange(256 * 384, dtype=np.float32).reshape(256, 384)
+E = (np.arange(6 * 4) - 7).astype(ml_dtypes.bfloat16).reshape(6, 4)
+def make(host, spec):
+    return jax.make_array_from_callback(host.shape, NamedSharding(mesh, spec), lambda i: host[i])
+tree = {"w": make(W, P("data", "model")), "e": make(E, P()), "c": make(W.T.copy(), P(None, "data")),
+        "count": jax.device_put(np.int32(11), jax.local_devices()[0])}  # process-local
+with ocp.AsyncCheckpointer(jax_ucp.UCPCheckpointHandler()) as ck:
+    ck.save(path, args=jax_ucp.UCPSave(tree, memory_budget=200_000))  # shards: 96 / 192 KiB
+    ck.wait_until_finished()
+print("SAVED")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_processes_save_within_a_budget(tmp_path):
+    """2 processes × 2 CPU devices, an async save at a budget of about two shards: each process
+    writes its shards batch by batch (later batches of an array attach to it, only the first
+    batch of the primary creates it) and the primary commits every digest."""
+    results = run_workers(tmp_path, _TWO_PROCESSES, str(tmp_path / "ckpt"))
+    for code, out, err in results:
+        assert code == 0 and "SAVED" in out, err[-3000:]
+    got = jax_ucp.restore(tmp_path / "ckpt")
+    w = np.arange(256 * 384, dtype=np.float32).reshape(256, 384)
+    assert_bit_exact(got["w"], w, "w")
+    assert_bit_exact(got["c"], w.T, "c")
+    assert_bit_exact(got["e"], (np.arange(24) - 7).astype(ml_dtypes.bfloat16).reshape(6, 4), "e")
+    assert_bit_exact(got["count"], np.int32(11), "count")
+    assert not jax_ucp.verify(tmp_path / "ckpt")
