@@ -112,7 +112,8 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
         primary = self._is_primary()
         copies: list = []
-        budget = args.memory_budget  # copies made, written and freed within it (saving.budget)
+        # host copies made, written and freed within it (saving.budget); bytes once checked
+        budget = None if args.memory_budget is None else int(args.memory_budget)
         pooled = copy and self._reuse_host_copies and budget is None
         entries, prepared = save_plan.prepare_tree(
             args.item,
