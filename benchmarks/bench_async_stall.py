@@ -19,7 +19,13 @@ PartitionSpecs as in bench_save_restore), measures, alternating within each roun
 
 The ratio stall / copy says how much of the blocking part is more than the unavoidable copy.
 
+With ``--budget 256MiB``, the same async and blocking saves with ``UCPSave(memory_budget=)``
+(``jax_ucp.saving.budget``: the stall copies shards up to the budget, the commit writes the rest
+batch by batch) join the rounds. Every save also reports its peak host memory: RssAnon sampled
+every 10 ms from a thread (``rss.Peak``), over the process just before ``mngr.save``.
+
   python benchmarks/bench_async_stall.py [--gib 1] [--rounds 5] [--dir /tmp/ucp_stall] [--no-orbax]
+      [--budget 256MiB]
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import numpy as np  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from bench_save_restore import make_tree  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+from rss import Peak, status  # noqa: E402
 
 import jax_ucp  # noqa: E402
 
@@ -68,12 +75,14 @@ def copy_private(tree):
 def manager_save(mngr, step, tree, args_fn):
     """One save in a manager kept open across rounds, as in training (the async one reuses the
     previous save's host copies); the previous step's directory is removed outside the timing."""
-    t0 = time.perf_counter()
-    mngr.save(step, args=ocp.args.Composite(state=args_fn(tree)))
-    stall = time.perf_counter() - t0
-    mngr.wait_until_finished()
-    total = time.perf_counter() - t0
-    return stall, total
+    base = status().get("RssAnon", 0)
+    with Peak() as peak:
+        t0 = time.perf_counter()
+        mngr.save(step, args=ocp.args.Composite(state=args_fn(tree)))
+        stall = time.perf_counter() - t0
+        mngr.wait_until_finished()
+        total = time.perf_counter() - t0
+    return stall, total, peak.anon - base
 
 
 # name -> (save args, async manager?, item handler or None for Orbax's registered one)
@@ -101,7 +110,20 @@ def main():
     ap.add_argument("--dir", default="/tmp/ucp_stall")
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-orbax", action="store_true", help="leave Orbax's StandardSave out")
+    ap.add_argument("--budget", default=None, help="add saves with UCPSave(memory_budget=)")
     args = ap.parse_args()
+    if args.budget:
+        budget = args.budget
+        SAVES[f"jax_ucp async, budget {budget}"] = (
+            lambda t: jax_ucp.UCPSave(t, memory_budget=budget),
+            True,
+            None,
+        )
+        SAVES[f"jax_ucp blocking, budget {budget}"] = (
+            lambda t: jax_ucp.UCPSave(t, memory_budget=budget),
+            False,
+            None,
+        )
     if args.no_orbax:
         SAVES.pop("orbax StandardSave async")
     devs = np.array(jax.devices()[:8])
@@ -118,6 +140,7 @@ def main():
     )
     stall = {k: [] for k in SAVES}
     total = {k: [] for k in SAVES}
+    peak = {k: [] for k in SAVES}
     first = {}
     copy = {k: [] for k in COPIES}
     managers = {}
@@ -136,15 +159,20 @@ def main():
             gc.collect()
             if name in SAVES:
                 os.sync()
-                s, t = manager_save(managers[name], r, tree, SAVES[name][0])
+                s, t, mem = manager_save(managers[name], r, tree, SAVES[name][0])
                 shutil.rmtree(os.path.join(str(managers[name].directory), str(r)))
                 time.sleep(1.0)  # training steps between saves (the pool's copy compiles)
                 if r:
                     stall[name].append(s)
                     total[name].append(t)
+                    peak[name].append(mem)
                 else:
                     first[name] = (s, t)
-                print(f"  round {r} {name:28s} stall {s:6.3f}s  whole save {t:6.2f}s", flush=True)
+                print(
+                    f"  round {r} {name:28s} stall {s:6.3f}s  whole save {t:6.2f}s  "
+                    f"peak +{mem / 2**20:6.0f} MiB  (load {os.getloadavg()[0]:.1f})",
+                    flush=True,
+                )
             else:
                 t0 = time.perf_counter()
                 out = COPIES[name](tree)
@@ -164,12 +192,13 @@ def main():
     ref = med(copy["private copy (np.array)"])
     print(
         f"\n{'what':30s} {'stall s':>8s} {'÷ private copy':>15s} {'whole save s':>13s} "
-        f"{'(min–max)':>11s} {'first save s':>13s}"
+        f"{'(min–max)':>11s} {'first save s':>13s} {'peak MiB':>9s}"
     )
     for name in SAVES:
         print(
             f"{name:30s} {med(stall[name]):8.3f} {med(stall[name]) / ref:15.2f} "
-            f"{med(total[name]):13.2f} {spread(total[name]):>11s} {first[name][1]:13.2f}"
+            f"{med(total[name]):13.2f} {spread(total[name]):>11s} {first[name][1]:13.2f} "
+            f"{max(peak[name]) / 2**20:9.0f}"
         )
     blocking = total["jax_ucp UCPSave blocking"]
     ratios = [a / b for a, b in zip(total["jax_ucp UCPSave async"], blocking)]
@@ -181,8 +210,18 @@ def main():
         f"without reuse: median {med(no_reuse):.2f} (min {min(no_reuse):.2f}, "
         f"max {max(no_reuse):.2f})"
     )
+    budgeted = {}
+    if args.budget:
+        for kind in ("async", "blocking"):
+            xs = [a / b for a, b in zip(total[f"jax_ucp {kind}, budget {args.budget}"], blocking)]
+            budgeted[kind] = xs
+            print(
+                f"{kind} with budget {args.budget} ÷ blocking (no budget) whole save, per round: "
+                f"median {med(xs):.2f} (min {min(xs):.2f}, max {max(xs):.2f})"
+            )
     for name in COPIES:
         print(f"{name:30s} {med(copy[name]):9.3f} {'':13s} {med(copy[name]) / ref:15.2f}")
+    print(f"load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"(medians of {args.rounds} rounds after a warm-up round)")
     if args.json:
         with open(args.json, "w") as f:
@@ -190,11 +229,15 @@ def main():
                 {
                     "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
                     "command": f"python benchmarks/bench_async_stall.py --gib {args.gib} "
-                    f"--rounds {args.rounds}" + (" --no-orbax" if args.no_orbax else ""),
+                    f"--rounds {args.rounds}"
+                    + (" --no-orbax" if args.no_orbax else "")
+                    + (f" --budget {args.budget}" if args.budget else ""),
                     "bytes": nbytes,
                     "stall_s": stall,
                     "whole_save_s": total,
                     "first_save_s": first,
+                    "peak_rss_anon_bytes": peak,
+                    "budgeted_over_blocking": budgeted,
                     "async_over_blocking": ratios,
                     "no_reuse_over_blocking": no_reuse,
                     "copy_s": copy,

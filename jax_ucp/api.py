@@ -89,6 +89,7 @@ def save(
     inner_chunk_bytes: int | str | None = None,
     checksum: str | None = "crc32c",
     source: dict | None = None,
+    memory_budget: int | str | None = None,
 ) -> str:
     """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
 
@@ -109,6 +110,9 @@ def save(
             default).
         checksum: "crc32c" (default: every inner chunk verified on read) or None.
         source: provenance recorded in the manifest.
+        memory_budget: host bytes of shard data in flight: an int or a size such as "1GiB"
+            (None: unbounded); shards are copied to host, written and freed within it, as
+            ``UCPSave.memory_budget``.
 
     Returns:
         The checkpoint path, once it is committed.
@@ -123,6 +127,7 @@ def save(
         inner_chunk_bytes=inner_chunk_bytes,
         checksum=checksum,
         source=source,
+        memory_budget=memory_budget,
     )
     if store.is_url(path):
         object_store_save(path, args, force=force)

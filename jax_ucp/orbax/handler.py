@@ -59,11 +59,13 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
     def _is_primary(self) -> bool:
         return ocp.multihost.is_primary_host(self._primary_host)
 
-    async def _write(self, directory: str, prepared, primary: bool, copies=()):
+    async def _write(self, directory: str, prepared, primary: bool, copies=(), budget=None):
         # No fsync per file (each costs a disk round trip: thousands of small tensors spent most
         # of a save there); one syncfs makes this process's files durable before Orbax commits.
         try:
-            digests = await save_plan.write_all(directory, prepared, primary=primary, sync=False)
+            digests = await save_plan.write_all(
+                directory, prepared, primary=primary, sync=False, budget=budget
+            )
         finally:  # every write has settled: the next save may write over these copies
             del prepared
             if copies and self._reuse_host_copies:
@@ -110,14 +112,18 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         )
         primary = self._is_primary()
         copies: list = []
+        # host copies made, written and freed within it (saving.budget); bytes once checked
+        budget = None if args.memory_budget is None else int(args.memory_budget)
+        pooled = copy and self._reuse_host_copies and budget is None
         entries, prepared = save_plan.prepare_tree(
             args.item,
             options,
             primary=primary,
             copy=copy,
             logical_axes=args.logical_axes,
-            pool=self.copy_pool if copy and self._reuse_host_copies else None,
+            pool=self.copy_pool if pooled else None,
             copies_out=copies,
+            budget=budget,
         )
         if primary:
             manifest = fmt.new_manifest(
@@ -127,7 +133,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 kvstore_driver=store.kvstore_driver(os.fspath(directory)),
             )
             self._pending[os.fspath(directory)] = (manifest, {})
-        coro = self._write(os.fspath(directory), prepared, primary, copies)
+        coro = self._write(os.fspath(directory), prepared, primary, copies, budget)
         return [ocp_future.CommitFutureAwaitingContractedSignals(coro, name="ucp_save")]
 
     async def async_save(
@@ -243,6 +249,11 @@ class UCPSave(ocp.args.CheckpointArgs):
       checksum: "crc32c" (default: every inner chunk and shard index verified on read) or None
         (corruption then goes undetected; restores no faster here: docs/BENCHMARKS.md).
       source: provenance recorded in the manifest (a JSON object).
+      memory_budget: host bytes of shard data in flight: an int or a size such as "1GiB"
+        (None: unbounded, every shard copied to host before ``mngr.save`` returns). With it,
+        ``mngr.save`` copies only the first shards up to it and the commit copies, writes and
+        frees the rest batch by batch (``jax_ucp.saving.budget``); a single device shard
+        larger than it is an error naming the tensor.
     """
 
     item: Any
@@ -252,6 +263,7 @@ class UCPSave(ocp.args.CheckpointArgs):
     inner_chunk_bytes: int | str | None = None
     checksum: str | None = "crc32c"
     source: dict | None = None
+    memory_budget: int | str | None = None
 
     def __post_init__(self):
         _refuse_args_as_item("UCPSave", "item", self.item)
@@ -269,6 +281,7 @@ class UCPSave(ocp.args.CheckpointArgs):
             self.inner_chunk_bytes = parse_optional_size(
                 self.inner_chunk_bytes, "UCPSave.inner_chunk_bytes"
             )
+            self.memory_budget = parse_optional_size(self.memory_budget, "UCPSave.memory_budget")
         except RequestError as e:
             raise RequestError(f"{e}.") from None
         if self.checksum not in ("crc32c", None):

@@ -19,6 +19,7 @@ from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import RequestError, UnsupportedError
+from jax_ucp.saving import budget as budget_lib
 from jax_ucp.writer import (
     PreparedTensor,
     SaveOptions,
@@ -214,6 +215,7 @@ def prepare_tree(
     logical_axes: Any = None,
     pool: HostCopyPool | None = None,
     copies_out: list | None = None,
+    budget: int | None = None,
 ) -> tuple[list[fmt.Entry], list[PreparedTensor]]:
     """Manifest entries for every leaf and this process's writes (device→host copies done here).
 
@@ -225,14 +227,18 @@ def prepare_tree(
       logical_axes: a pytree of logical axis-name tuples (same structure), or None.
       pool: where an async save's private copies come from (None: new memory).
       copies_out: receives those copies, for ``pool.release`` once they are written.
+      budget: host bytes of shard copies at once (``budget.BudgetedShards``; None: unbounded,
+        every copy made here). Write with ``write_all(budget=)``; ``pool`` is then unused.
     """
     fmt.check_tree_depth(tree)  # what save writes, restore reads
     leaves, _ = tree_lib.flatten(tree)
     _refuse_deleted(leaves)  # before anything is written or copied
+    bounded = None if budget is None else budget_lib.BudgetedShards(budget, copy=copy)
     for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
         if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
             for _, data in shards_to_write(leaf):
-                data.copy_to_host_async()
+                if bounded is None or bounded.prefetch(data):
+                    data.copy_to_host_async()
     axis_names = _AxisNames(tree, leaves, logical_axes)
     entries: list[fmt.Entry] = []
     prepared: list[PreparedTensor] = []
@@ -248,7 +254,10 @@ def prepare_tree(
         names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()))
         tagged = dict(role=role, sub_role=sub_role, logical_axes=names)
         if isinstance(leaf, jax.Array):
-            writes = _device_writes(leaf, primary=primary, copy=copy, snapshots=snapshots)
+            if bounded is not None:
+                writes = _bounded_writes(fmt.key_to_str(key), leaf, primary, bounded)
+            else:
+                writes = _device_writes(leaf, primary=primary, copy=copy, snapshots=snapshots)
             p = _prepare_device_array(key, key_types, leaf, options, writes, copy, tagged)
         elif isinstance(leaf, (np.ndarray, np.generic, ts.TensorStore)):
             if copy and primary and not isinstance(leaf, ts.TensorStore):
@@ -265,6 +274,8 @@ def prepare_tree(
         entries.append(p.entry)
         prepared.append(p)
     copies = snapshots.start()
+    if bounded is not None:
+        bounded.start()
     if copies_out is not None:
         copies_out.extend(copies)
     return entries, prepared
@@ -331,6 +342,13 @@ def _device_writes(leaf: jax.Array, *, primary: bool, copy: bool, snapshots: _Sn
     ]
 
 
+def _bounded_writes(name: str, leaf: jax.Array, primary: bool, bounded):
+    """``_device_writes`` within a memory budget: copied or referenced by ``bounded``."""
+    if not primary and jax.process_count() > 1 and leaf.is_fully_addressable:
+        return []
+    return [(index, bounded.add(name, index, data)) for index, data in shards_to_write(leaf)]
+
+
 def _prepare_device_array(key, key_types, leaf: jax.Array, options, writes, copy, tagged):
     """A jax.Array's entry (layout from its sharding's shard shape) and writes."""
     shape = tuple(leaf.shape)
@@ -354,6 +372,7 @@ async def write_all(
     primary: bool,
     max_in_flight: int = 64,
     sync: bool = True,
+    budget: int | None = None,
 ) -> dict[str, dict[str, str]]:
     """All of this process's shards of a jax save, many tensors at once.
 
@@ -366,7 +385,13 @@ async def write_all(
         primary: this process creates the arrays.
         max_in_flight: tensors written at once.
         sync: fsync each file (False: the caller makes the directory durable).
+        budget: prepared with ``prepare_tree(budget=)``: at most these bytes of shards in
+          flight, written in order (``budget.write_within_budget``).
     """
+    if budget is not None:
+        return await budget_lib.write_within_budget(
+            root, prepared, primary=primary, budget=budget, sync=sync, max_in_flight=max_in_flight
+        )
     sem = asyncio.Semaphore(max_in_flight)
 
     async def one(p):
