@@ -1,8 +1,10 @@
 """A torchtune 0.6.1 output folder written by torchtune itself
 (tools/fixtures/make_torchtune_fixture.py: FullModelHFCheckpointer, torchtune's llama3 model, 3
 AdamW steps, an intermediate checkpoint): recognised by auto-detection; the epoch's weights are
-imported bit-exact (Hugging Face names and row order); the recipe's optimizer state is refused
-naming why, and listed in source.skipped with weights_only."""
+imported bit-exact (Hugging Face names and row order); the recipe's optimizer state (keyed by
+index, as the single-device recipes save it) imports with parameter_order, keyed by torchtune's
+names (the distributed recipes) without: moments renamed and their q/k rows permuted as the
+checkpointer permuted the weights, bit-exact against the run's live state."""
 
 from __future__ import annotations
 
@@ -20,15 +22,89 @@ from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouch
 
 pytestmark = pytest.mark.timeout(120)
 SRC = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_fp32")
+TRUTH = np.load(SRC + ".truth.npz")
+#: torchtune's names in model.named_parameters() order (the generator saved the truth so)
+ORDER = [k[len("param/") :] for k in TRUTH.files if k.startswith("param/")]
+HEADS = {"q_proj": 4, "k_proj": 2}  # the fixture's config.json: 4 heads, 2 kv heads, head_dim 8
 
 
-def test_torchtune_folder_weights_import_and_optimizer_is_refused_by_name(tmp_path):
+def _hf_rows(value: np.ndarray, name: str) -> np.ndarray:
+    """torchtune's q/k rows in Hugging Face's order, written out row by row: HF row
+    ``h*8 + j*4 + i`` is torchtune's row ``h*8 + 2*i + j`` (the interleaved RoPE pairs split
+    into halves); other tensors unchanged."""
+    heads = next((n for proj, n in HEADS.items() if f"attn.{proj}" in name), None)
+    if heads is None:
+        return value
+    rows = [h * 8 + 2 * i + j for h in range(heads) for j in range(2) for i in range(4)]
+    return value[rows]
+
+
+def _hf_name(name: str) -> str:
+    table = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.scale": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if name in table:
+        return table[name]
+    layer, rest = name.split(".")[1], ".".join(name.split(".")[2:])
+    parts = {
+        "attn.q_proj.weight": "self_attn.q_proj.weight",
+        "attn.k_proj.weight": "self_attn.k_proj.weight",
+        "attn.v_proj.weight": "self_attn.v_proj.weight",
+        "attn.output_proj.weight": "self_attn.o_proj.weight",
+        "mlp.w1.weight": "mlp.gate_proj.weight",
+        "mlp.w2.weight": "mlp.down_proj.weight",
+        "mlp.w3.weight": "mlp.up_proj.weight",
+        "sa_norm.scale": "input_layernorm.weight",
+        "mlp_norm.scale": "post_attention_layernorm.weight",
+    }
+    return f"model.layers.{layer}.{parts[rest]}"
+
+
+def _assert_the_live_run(out) -> None:
+    """Weights, moments and step of the import equal the run's live state under Hugging Face's
+    names and row order, bit for bit."""
+    got = jax_ucp.restore(out)
+    assert sorted(got["params"]) == sorted(map(_hf_name, ORDER))
+    for name in ORDER:
+        hf = _hf_name(name)
+        assert_bit_exact(got["params"][hf], _hf_rows(TRUTH[f"param/{name}"], name), hf)
+        mu, nu = got["opt_state"]["mu"][hf], got["opt_state"]["nu"][hf]
+        assert_bit_exact(mu, _hf_rows(TRUTH[f"exp_avg/{name}"], name), f"mu {hf}")
+        assert_bit_exact(nu, _hf_rows(TRUTH[f"exp_avg_sq/{name}"], name), f"nu {hf}")
+    assert int(got["opt_state"]["count"]) == int(TRUTH["step"]) == 3
+
+
+def test_index_keyed_optimizer_imports_with_parameter_order_bit_exact(tmp_path):
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", parameter_order=ORDER)
+    _assert_the_live_run(out)
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keyed_by"] == "index"
+    assert source["qk_permuted"] == {"heads": 4, "kv_heads": 2, "head_dim": 8}
+    assert source["recipe"] == {
+        "seed": 0,
+        "epochs_run": 1,
+        "total_epochs": 2,
+        "max_steps_per_epoch": 3,
+    }
+    (group,) = source["optimizer"]["param_groups"]
+    assert (group["lr"], group["weight_decay"]) == (0.01, 0.1)
+    assert group["params"] == [_hf_name(n) for n in ORDER]
+
+
+def test_parameter_order_of_another_length_is_refused(tmp_path):
+    with pytest.raises(jax_ucp.UCPError, match=r"recipe_state\.pt: parameter_order names 20 .*21"):
+        jax_ucp.convert(SRC, tmp_path / "refused", parameter_order=ORDER[:-1])
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_order(tmp_path):
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"recipe_state\.pt: torchtune's optimizer state, keyed by index \(\d+ parameters "
-        r"in 1 param group, indices 0, 1, 2, \.\.\., without their names\), is over "
-        r"torchtune's own model .*not supported yet.*"
-        r"weights_only=True to import epoch_0/'s weights",
+        r"in 1 param group, indices 0, 1, 2, \.\.\., without their names\)\. Give its order: "
+        r"parameter_order=\[n for n, _ in model\.named_parameters\(\)\].*weights_only=True",
     ):
         jax_ucp.convert(SRC, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
@@ -70,8 +146,7 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
         arrays.append(np.array(value))
         return torch_out.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
 
-    names = {i: f"layers.{i}.attn.q_proj.weight" for i in optimizer["state"]}
-    names[0] = "tok_embeddings.weight"
+    names = dict(enumerate(ORDER))
     state = {
         names[i]: {k: slot(v) if isinstance(v, np.ndarray) else v for k, v in per.items()}
         for i, per in optimizer["state"].items()
@@ -85,17 +160,27 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
     return str(src)
 
 
-def test_distributed_recipe_state_refusal_says_it_is_keyed_by_names(tmp_path):
-    """The distributed recipes key the optimizer by torchtune's names: the refusal says so (and
-    names some), never "by index"."""
+def test_name_keyed_recipe_state_imports_bit_exact(tmp_path):
+    """The distributed recipes key the optimizer by torchtune's names: mapped by torchtune's
+    table, no order needed (and parameter_order refused as not applying)."""
     src = _rekeyed_recipe(tmp_path)
-    with pytest.raises(jax_ucp.UCPError) as refused:
-        jax_ucp.convert(src, tmp_path / "refused")
-    message = str(refused.value)
-    assert "keyed by torchtune's parameter names (" in message
-    assert "'tok_embeddings.weight', 'layers.1.attn.q_proj.weight'" in message
-    assert "by index" not in message
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    _assert_the_live_run(out)
+    assert jax_ucp.inspect(out).source["optimizer_keyed_by"] == "name"
+    with pytest.raises(jax_ucp.UCPError, match=r"keyed by torchtune's parameter names; param"):
+        jax_ucp.convert(src, tmp_path / "refused", parameter_order=ORDER)
     assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):
+    src = _rekeyed_recipe(tmp_path)
+    config = os.path.join(src, "epoch_0", "config.json")
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(text.replace('"model_type": "llama"', '"model_type": "qwen2"'))
+    with pytest.raises(jax_ucp.UCPError, match=r"config\.json: model_type 'qwen2'.*weights_only"):
+        jax_ucp.convert(src, tmp_path / "refused")
 
 
 def test_optimizer_in_backward_recipe_state_refusal_says_one_per_parameter(tmp_path):
