@@ -187,3 +187,14 @@ def test_optimizer_in_backward_recipe_state_refusal_says_one_per_parameter(tmp_p
     src = _rekeyed_recipe(tmp_path, per_parameter=True)
     with pytest.raises(jax_ucp.UCPError, match=r"one optimizer per parameter \(optimizer in "):
         jax_ucp.convert(src, tmp_path / "refused")
+
+
+def test_optax_from_torch_continues_the_torchtune_run_saying_what_the_files_lack(tmp_path):
+    """The recipe state records AdamW's groups and step, not the recipe's schedule or
+    clipping (those are in its YAML config): the translation says so."""
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", parameter_order=ORDER)
+    with pytest.warns(UserWarning, match="gradient clipping"):
+        run = jax_ucp.optax_from_torch(out)
+    assert (run.optimizer, run.step) == ("adamw", 3)
+    assert any("schedule" in u for u in run.unrecovered)
+    assert any("clipping" in u for u in run.unrecovered)
