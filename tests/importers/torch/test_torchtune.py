@@ -21,8 +21,13 @@ from jax_ucp.torchfiles import unpickler
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
-SRC = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_fp32")
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "torchtune")
+SRC = os.path.join(FIXTURES, "tt_fp32")
 TRUTH = np.load(SRC + ".truth.npz")
+#: tools/fixtures/make_torchtune_dist_fixtures.py: the distributed recipe's saves (2 ranks)
+DIST = os.path.join(FIXTURES, "tt_dist_fp32")
+ASYNC = os.path.join(FIXTURES, "tt_dist_async")
+DIST_TRUTH = np.load(os.path.join(FIXTURES, "tt_dist.truth.npz"))
 #: torchtune's names in model.named_parameters() order (the generator saved the truth so)
 ORDER = [k[len("param/") :] for k in TRUTH.files if k.startswith("param/")]
 HEADS = {"q_proj": 4, "k_proj": 2}  # the fixture's config.json: 4 heads, 2 kv heads, head_dim 8
@@ -62,18 +67,19 @@ def _hf_name(name: str) -> str:
     return f"model.layers.{layer}.{parts[rest]}"
 
 
-def _assert_the_live_run(out) -> None:
+def _assert_the_live_run(out, truth=TRUTH) -> None:
     """Weights, moments and step of the import equal the run's live state under Hugging Face's
     names and row order, bit for bit."""
     got = jax_ucp.restore(out)
+    assert [k[len("param/") :] for k in truth.files if k.startswith("param/")] == ORDER
     assert sorted(got["params"]) == sorted(map(_hf_name, ORDER))
     for name in ORDER:
         hf = _hf_name(name)
-        assert_bit_exact(got["params"][hf], _hf_rows(TRUTH[f"param/{name}"], name), hf)
+        assert_bit_exact(got["params"][hf], _hf_rows(truth[f"param/{name}"], name), hf)
         mu, nu = got["opt_state"]["mu"][hf], got["opt_state"]["nu"][hf]
-        assert_bit_exact(mu, _hf_rows(TRUTH[f"exp_avg/{name}"], name), f"mu {hf}")
-        assert_bit_exact(nu, _hf_rows(TRUTH[f"exp_avg_sq/{name}"], name), f"nu {hf}")
-    assert int(got["opt_state"]["count"]) == int(TRUTH["step"]) == 3
+        assert_bit_exact(mu, _hf_rows(truth[f"exp_avg/{name}"], name), f"mu {hf}")
+        assert_bit_exact(nu, _hf_rows(truth[f"exp_avg_sq/{name}"], name), f"nu {hf}")
+    assert int(got["opt_state"]["count"]) == int(truth["step"]) == 3
 
 
 def test_index_keyed_optimizer_imports_with_parameter_order_bit_exact(tmp_path):
@@ -160,20 +166,21 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
     return str(src)
 
 
-def test_name_keyed_recipe_state_imports_bit_exact(tmp_path):
-    """The distributed recipes key the optimizer by torchtune's names: mapped by torchtune's
-    table, no order needed (and parameter_order refused as not applying)."""
-    src = _rekeyed_recipe(tmp_path)
-    out = jax_ucp.convert(src, tmp_path / "ucp")
-    _assert_the_live_run(out)
-    assert jax_ucp.inspect(out).source["optimizer_keyed_by"] == "name"
+def test_distributed_recipe_state_keyed_by_names_imports_bit_exact(tmp_path):
+    """The distributed recipe (2 ranks, FSDP2) keys the optimizer by torchtune's names
+    (get_full_optimizer_state_dict): mapped by torchtune's table, by auto-detection, no order
+    needed (and parameter_order refused as not applying)."""
+    out = jax_ucp.convert(DIST, tmp_path / "ucp")
+    _assert_the_live_run(out, DIST_TRUTH)
+    source = jax_ucp.inspect(out).source
+    assert (source["framework"], source["optimizer_keyed_by"]) == ("torchtune", "name")
     with pytest.raises(jax_ucp.UCPError, match=r"keyed by torchtune's parameter names; param"):
-        jax_ucp.convert(src, tmp_path / "refused", parameter_order=ORDER)
+        jax_ucp.convert(DIST, tmp_path / "refused", parameter_order=ORDER)
     assert_destination_untouched(tmp_path / "refused")
 
 
 def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):
-    src = _rekeyed_recipe(tmp_path)
+    src = shutil.copytree(DIST, tmp_path / "tt")
     config = os.path.join(src, "epoch_0", "config.json")
     with open(config) as f:
         text = f.read()
