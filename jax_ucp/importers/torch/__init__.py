@@ -82,12 +82,7 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     if torchtune.is_torchtune(src):
         return torchtune.plan_torchtune(src, **common, parameter_order=options.parameter_order)
     if dcp.dcp_dirs(src):
-        if options.parameter_order is not None:
-            raise RequestError(
-                f"{src}: parameter_order= applies to torch.save files and torchtune "
-                f"checkpoints; torch DCP records its optimizer state by name"
-            )
-        return dcp.plan_torch_dcp(src, **common)
+        return dcp.plan_torch_dcp(src, **common, parameter_order=options.parameter_order)
     return files.plan_torch_files(
         src,
         **common,

@@ -10,8 +10,14 @@ ones (then ``parameter_order=``, torchtune's names in ``model.parameters()`` ord
 q/k rows in torchtune's RoPE order. Its moments are mapped as the checkpointer maps the weights
 (``torchtune.models.convert_weights.tune_to_hf``: the same name table, the same q/k row
 permutation with the heads of the epoch's ``config.json``), for the Llama-family models that
-function converts; the others are refused naming their ``model_type``. Earlier epochs' folders
-are listed in ``source.skipped``.
+function converts; the others are refused naming their ``model_type``.
+
+torchtune's asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` instead:
+torch DCP of ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), seed, ...}``
+written by its ``DistributedCheckpointer``, torchtune's names and row order (no conversion), the
+optimizer keyed by index. It is imported by the torch DCP importer as saved, its moments named
+with ``parameter_order=``. The latest epoch of either kind is imported; the others' folders are
+listed in ``source.skipped``.
 """
 
 from __future__ import annotations
@@ -29,14 +35,23 @@ from jax_ucp.errors import SourceError
 from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, tensor_names
 from jax_ucp.importers.safetensors_weights import plan_safetensors
+from jax_ucp.importers.torch import dcp
 from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, plan_state
 from jax_ucp.torchfiles import unpickler
 
-__all__ = ["RECIPE_STATE", "TUNE_TO_HF", "is_torchtune", "epoch_folders", "plan_torchtune"]
+__all__ = [
+    "RECIPE_STATE",
+    "TUNE_TO_HF",
+    "is_torchtune",
+    "epoch_folders",
+    "dist_epoch_folders",
+    "plan_torchtune",
+]
 
 RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
 OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
 _EPOCH = re.compile(r"epoch_(\d+)")
+_DIST_EPOCH = re.compile(r"dist_epoch_(\d+)")  # DistributedCheckpointer's _checkpoint_dir_prefix
 
 #: torchtune's parameter names -> Hugging Face's: ``torchtune.models.convert_weights._FROM_HF``
 #: (0.6.1) inverted, as ``tune_to_hf`` inverts it; ``{}`` is the layer number.
@@ -70,6 +85,22 @@ def epoch_folders(src: str) -> list[str]:
             if any(n.endswith(".safetensors") for n in os.listdir(path)):
                 found.append((int(m.group(1)), name))
     return [name for _, name in sorted(found)]
+
+
+def dist_epoch_folders(src: str) -> list[str]:
+    """``dist_epoch_N`` folders holding a torch DCP ``.metadata``, by N."""
+    found = []
+    for name in os.listdir(src):
+        m = _DIST_EPOCH.fullmatch(name)
+        path = os.path.join(src, name)
+        if m and os.path.isdir(path) and not os.path.islink(path):
+            if os.path.isfile(os.path.join(path, ".metadata")):
+                found.append((int(m.group(1)), name))
+    return [name for _, name in sorted(found)]
+
+
+def _epoch_number(name: str) -> int:
+    return int(name.rsplit("_", 1)[1])
 
 
 def hf_name(name: str) -> str | None:
@@ -144,9 +175,10 @@ def recipe_optimizer(path: str) -> str:
 
 
 def is_torchtune(src: os.PathLike | str) -> bool:
-    """torchtune's layout: ``epoch_N/`` safetensors folders, with or without recipe state."""
+    """torchtune's layout: ``epoch_N/`` safetensors folders, with or without recipe state, or
+    its asynchronous save's ``dist_epoch_N/`` torch DCP folders."""
     src = os.fspath(src)
-    return os.path.isdir(src) and bool(epoch_folders(src))
+    return os.path.isdir(src) and bool(epoch_folders(src) or dist_epoch_folders(src))
 
 
 def plan_torchtune(
@@ -170,10 +202,16 @@ def plan_torchtune(
     """
     src = os.fspath(src)
     epochs = epoch_folders(src)
-    if not epochs:
-        raise SourceError(f"{src}: no torchtune epoch_N/ folder holding safetensors")
+    dist = dist_epoch_folders(src)
+    if not epochs and not dist:
+        raise SourceError(
+            f"{src}: no torchtune epoch_N/ folder holding safetensors, nor dist_epoch_N/ "
+            f"holding torch DCP"
+        )
     recipe = os.path.join(src, RECIPE_STATE)
     has_recipe = os.path.lexists(recipe)
+    if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
+        return _plan_dist_epoch(src, epochs, dist, spec, weights_only, share, parameter_order)
     if has_recipe and not weights_only:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
         return _plan_with_optimizer(src, epochs, recipe, share, parameter_order)
@@ -186,11 +224,51 @@ def plan_torchtune(
     plan = plan_safetensors(latest, spec=spec, share=share)
     source = dict(plan.source)
     source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
-    units = [f"{e}/" for e in epochs[:-1]]
-    skip(source, units, f"an earlier epoch's weights ({epochs[-1]}/ imported)")
+    units = [f"{e}/" for e in epochs[:-1] + dist]
+    skip(source, units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)")
     if has_recipe:
         units.append(RECIPE_STATE)
         skip(source, [RECIPE_STATE], "weights_only: torchtune's recipe state (optimizer, seed)")
+    return dataclasses.replace(
+        plan, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
+    )
+
+
+def _plan_dist_epoch(
+    src: str,
+    epochs: list[str],
+    dist: list[str],
+    spec: Any,
+    weights_only: bool,
+    share: Share,
+    order: Sequence[str] | None,
+) -> ImportPlan:
+    """The latest ``dist_epoch_N/`` by the torch DCP importer, under torchtune's names as
+    saved; the other epochs' folders and ``recipe_state.pt`` (the synchronous saves') skipped."""
+    plan = dcp.plan_torch_dcp(
+        os.path.join(src, dist[-1]),
+        spec=spec,
+        weights_only=weights_only,
+        share=share,
+        parameter_order=order,
+    )
+    source = dict(plan.source)
+    source.update(
+        framework="torchtune",
+        saved_by="torchtune DistributedCheckpointer (asynchronous save, torch DCP)",
+        path=os.path.abspath(src),
+        epoch=dist[-1],
+        folders=[dist[-1]],
+        names="torchtune's (its model as trained: no Hugging Face conversion)",
+    )
+    units = [f"{e}/" for e in epochs + dist[:-1]]
+    if os.path.lexists(os.path.join(src, RECIPE_STATE)):
+        units.append(RECIPE_STATE)
+    skipped = dict(source.get("skipped") or {})
+    for unit in units:
+        skipped[unit] = f"an earlier epoch's checkpoint ({dist[-1]}/ imported)"
+    if skipped:
+        source["skipped"] = skipped
     return dataclasses.replace(
         plan, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
     )
@@ -342,9 +420,9 @@ def _plan_with_optimizer(
             skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
         elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
             skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1]]
+    units = [f"{e}/" for e in epochs[:-1] + dist_epoch_folders(src)]
     for unit in units:
-        skipped[unit] = f"an earlier epoch's weights ({epochs[-1]}/ imported)"
+        skipped[unit] = f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"
     named_groups = [
         {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
         for g in groups

@@ -135,7 +135,7 @@ def test_only_the_latest_epoch_is_imported_and_the_others_are_listed(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
     source = jax_ucp.inspect(out).source
     assert source["epoch"] == "epoch_1"
-    assert source["skipped"]["epoch_0/"] == "an earlier epoch's weights (epoch_1/ imported)"
+    assert source["skipped"]["epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
 
 
 def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
@@ -205,3 +205,70 @@ def test_optax_from_torch_continues_the_torchtune_run_saying_what_the_files_lack
     assert (run.optimizer, run.step) == ("adamw", 3)
     assert any("schedule" in u for u in run.unrecovered)
     assert any("clipping" in u for u in run.unrecovered)
+
+
+def _assert_the_live_dist_run(out, *, moments: bool = True) -> None:
+    """dist_epoch_N/ as saved: torchtune's names and row order, bit for bit."""
+    got = jax_ucp.restore(out)
+    assert sorted(got["params"]) == sorted(ORDER)
+    for name in ORDER:
+        assert_bit_exact(got["params"][name], DIST_TRUTH[f"param/{name}"], name)
+        if moments:
+            assert_bit_exact(got["opt_state"]["mu"][name], DIST_TRUTH[f"exp_avg/{name}"], name)
+            assert_bit_exact(got["opt_state"]["nu"][name], DIST_TRUTH[f"exp_avg_sq/{name}"], name)
+    if moments:
+        assert int(got["opt_state"]["count"]) == int(DIST_TRUTH["step"]) == 3
+    else:
+        assert "opt_state" not in got
+
+
+def test_async_dist_epoch_is_detected_and_imports_with_parameter_order_bit_exact(tmp_path):
+    """torchtune's asynchronous save (DistributedCheckpointer, 2 ranks): dist_epoch_0/ torch DCP,
+    the optimizer keyed by index; the output folder and dist_epoch_0/ itself both import."""
+    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", parameter_order=ORDER)
+    _assert_the_live_dist_run(out)
+    source = jax_ucp.inspect(out).source
+    assert (source["framework"], source["epoch"]) == ("torchtune", "dist_epoch_0")
+    assert source["optimizer_keyed_by"] == "index"
+    assert source["optimizer"]["param_groups"][0]["params"] == ORDER
+    inner = os.path.join(ASYNC, "dist_epoch_0")
+    out = jax_ucp.convert(inner, tmp_path / "inner", parameter_order=ORDER)
+    _assert_the_live_dist_run(out)
+    assert jax_ucp.inspect(out).source["framework"] == "torch_dcp"
+
+
+def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp_path):
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"dist_epoch_0: the optimizer state is keyed by index \(21 parameters, indices 0, "
+        r"1, 2, \.\.\..*parameter_order=\[n for n, _ in model\.named_parameters\(\)\].*"
+        r"weights_only=True",
+    ):
+        jax_ucp.convert(ASYNC, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", weights_only=True)
+    _assert_the_live_dist_run(out, moments=False)
+    skipped = jax_ucp.inspect(out).source["skipped"]
+    assert skipped["optimizer.state.0.exp_avg"] == "weights_only: optimizer state not imported"
+    with pytest.raises(jax_ucp.UCPError, match=r"parameter_order names 20 .*number 21"):
+        jax_ucp.convert(ASYNC, tmp_path / "short", parameter_order=ORDER[:-1])
+
+
+def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
+    """dist_epoch_1/ after epoch_0/: the DCP one, epoch_0/ and recipe_state.pt skipped; epoch_1/
+    after dist_epoch_0/ (the final, synchronous save): the safetensors one."""
+    run = shutil.copytree(DIST, tmp_path / "run")
+    shutil.copytree(os.path.join(ASYNC, "dist_epoch_0"), run / "dist_epoch_1")
+    out = jax_ucp.convert(run, tmp_path / "a", parameter_order=ORDER)
+    source = jax_ucp.inspect(out).source
+    assert source["epoch"] == "dist_epoch_1"
+    assert source["skipped"]["epoch_0/"] == "an earlier epoch's checkpoint (dist_epoch_1/ imported)"
+    assert "recipe_state/recipe_state.pt" in source["skipped"]
+    _assert_the_live_dist_run(out)
+    os.rename(run / "dist_epoch_1", run / "dist_epoch_0")
+    shutil.copytree(run / "epoch_0", run / "epoch_1")
+    out = jax_ucp.convert(run, tmp_path / "b")
+    source = jax_ucp.inspect(out).source
+    assert source["epoch"] == "epoch_1"
+    assert source["skipped"]["dist_epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
+    _assert_the_live_run(out, DIST_TRUTH)
