@@ -383,7 +383,53 @@ class _Allowed:
         return f"<allowed {self.qualname}>"
 
 
+_DTENSOR = "torch.distributed.tensor.DTensor"
+
+
+@dataclass(frozen=True)
+class DTensorShard:
+    """A pickled DTensor as one rank held it: its local shard, the global shape, and its spec
+    (placements, mesh) as stand-ins; data only, nothing of torch.distributed is run. Loaded only
+    with :data:`DTENSOR_CLASSES` given as ``extra_classes``."""
+
+    local: np.ndarray
+    global_shape: tuple[int, ...]
+    spec: Any
+
+    def __repr__(self) -> str:
+        return f"<DTensor shard {list(self.local.shape)} of {list(self.global_shape)}>"
+
+
+def _rebuild_wrapper_subclass(cls, dtype, size, *_rest):
+    """``torch._utils._rebuild_wrapper_subclass`` for a DTensor only: its global size."""
+    if not (isinstance(cls, _TensorType) and cls.name == _DTENSOR):
+        raise ValueError(f"_rebuild_wrapper_subclass of {short_repr(cls, 80)}: only DTensor")
+    return _as_int_tuple(size, "DTensor size")
+
+
+def _dtensor(func, new_type, args, state) -> DTensorShard:
+    if not (isinstance(new_type, _TensorType) and new_type.name == _DTENSOR):
+        raise ValueError(f"a wrapper subclass {short_repr(new_type, 80)}: only DTensor")
+    if not isinstance(args, tuple):
+        raise ValueError("_rebuild_from_type_v2 args must be a tuple")
+    shape = func.fn(*args)
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        state = {**(state[0] or {}), **state[1]}  # (dict, slots): DTensor keeps slots
+    local = state.get("_local_tensor") if isinstance(state, dict) else None
+    if not isinstance(local, np.ndarray):
+        raise ValueError("a DTensor without its _local_tensor")
+    return DTensorShard(local, shape, state.get("_spec"))
+
+
+def _get_layout(name):
+    if name != "torch.strided":
+        raise ValueError(f"tensor layout {short_repr(name, 40)}: only torch.strided")
+    return name
+
+
 def _rebuild_from_type_v2(func, new_type, args, state):
+    if isinstance(func, _Allowed) and func.fn is _rebuild_wrapper_subclass:
+        return _dtensor(func, new_type, args, state)
     if not isinstance(func, _Allowed) or func.fn not in (
         _rebuild_tensor_v2,
         _rebuild_tensor_v3,
@@ -512,6 +558,29 @@ def _base_allowed() -> dict[str, Any]:
 
 #: The allow-list every load uses: ``"module.QualName" -> value or safe callable``.
 BASE_ALLOWED: Mapping[str, Any] = _base_allowed()
+
+#: ``extra_classes`` for ``torch.save`` files of DTensors (FSDP2 / TP state dicts saved per
+#: rank): each becomes a :class:`DTensorShard`; its spec's classes are inert stand-ins.
+DTENSOR_CLASSES: Mapping[str, Any] = {
+    "torch._utils._rebuild_wrapper_subclass": _rebuild_wrapper_subclass,
+    "torch.serialization._get_layout": _get_layout,
+    _DTENSOR: _TensorType(_DTENSOR),
+    "torch.distributed.tensor._api.DTensor": _TensorType(_DTENSOR),
+    **{
+        name: standin_class(name)
+        for name in (
+            "torch.distributed.tensor._dtensor_spec.DTensorSpec",
+            "torch.distributed.tensor._dtensor_spec.TensorMeta",
+            "torch.distributed.tensor._dtensor_spec.ShardOrderEntry",
+            "torch.distributed.tensor.placement_types.Shard",
+            "torch.distributed.tensor.placement_types.Replicate",
+            "torch.distributed.tensor.placement_types._StridedShard",
+            "torch.distributed.device_mesh.DeviceMesh",
+            "torch.distributed._mesh_layout._MeshLayout",
+            "torch.distributed._mesh_layout._FlatLayout",
+        )
+    },
+}
 
 
 # --------------------------------------------------------------------------- unpickler

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from jax_ucp.errors import RequestError
 from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp.importers.torch import dcp, files, olmo_core, torchtune
+from jax_ucp.importers.torch import dcp, files, olmo_core, torch_checkpointing, torchtune
 
 __all__ = [
     "TorchOptions",
@@ -56,6 +56,8 @@ def detect(src: os.PathLike | str) -> Detection:
         if olmo_core.is_step_folder(src):
             return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
         return Detection(True, "torch DCP (.metadata)")
+    if torch_checkpointing.is_torch_checkpointing(src):
+        return Detection(True, "a torch_checkpointing checkpoint (metadata.pkl, <item>_<rank>.pt)")
     if os.path.isdir(src) and torchtune.is_torchtune(src):  # epoch_N/ (+ recipe_state/)
         return Detection(True, "a torchtune checkpoint", weak=True)
     if os.path.isdir(src) and files.is_torch_files(src):
@@ -79,6 +81,13 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             f"safetensors weights beside optimizer.bin / optimizer.pt); this torchtune or torch "
             f"DCP checkpoint does not take it"
         )
+    if torch_checkpointing.is_torch_checkpointing(src):
+        if options.parameter_order is not None or options.model_config is not None:
+            raise RequestError(
+                f"{src}: a torch_checkpointing checkpoint keys its optimizer by name; "
+                f"parameter_order= / model_config= do not apply"
+            )
+        return torch_checkpointing.plan_torch_checkpointing(src, **common)
     if torchtune.is_torchtune(src):
         return torchtune.plan_torchtune(src, **common, parameter_order=options.parameter_order)
     if dcp.dcp_dirs(src):
