@@ -415,10 +415,9 @@ def _dtensor(func, new_type, args, state) -> DTensorShard:
     shape = func.fn(*args)
     if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
         state = {**(state[0] or {}), **state[1]}  # (dict, slots): DTensor keeps slots
-    local = state.get("_local_tensor") if isinstance(state, dict) else None
-    if not isinstance(local, np.ndarray):
+    if not isinstance(state, dict) or not isinstance(state.get("_local_tensor"), np.ndarray):
         raise ValueError("a DTensor without its _local_tensor")
-    return DTensorShard(local, shape, state.get("_spec"))
+    return DTensorShard(state["_local_tensor"], shape, state.get("_spec"))
 
 
 def _get_layout(name):
