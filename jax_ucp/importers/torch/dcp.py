@@ -224,7 +224,8 @@ def _numbered(
             f"saved as is, as torchtune's asynchronous dist_epoch_N/ saves it), without "
             f"parameter names. Give them: parameter_order=[n for n, _ in "
             f"model.named_parameters()] of the model that was trained (the order it gave them "
-            f"to the optimizer), or convert with weights_only=True to import the weights"
+            f"to the optimizer; --parameter-order FILE on the CLI), or convert with "
+            f"weights_only=True to import the weights"
         )
     order = list(order)
     if len(order) != len(ids) or len(set(ids)) != len(ids):

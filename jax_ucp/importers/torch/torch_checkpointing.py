@@ -83,7 +83,8 @@ def _metadata(src: str) -> tuple[dict, int]:
         layouts = meta.get("rank_to_layout_info") or {}
         if any(v is not None for v in layouts.values()):
             raise SourceError(
-                f"{path}: item {item!r} was saved with a custom layout ({unpickler.short_repr(layouts, 120)}); "
+                f"{path}: item {item!r} was saved with a custom layout "
+                f"({unpickler.short_repr(layouts, 120)}); "
                 f"only the default <item>_<rank>.pt layout is read"
             )
         table: dict[tuple, list] = {}
@@ -112,7 +113,8 @@ def _shard_box(
     """(global shape, offset, local shape) of ``rank``'s shard by DTensor's placement rule."""
     if meta.get("type") != "DTensorShardingMetadata":
         raise SourceError(
-            f"{where}: sharding metadata of type {meta.get('type')!r}, expected DTensorShardingMetadata"
+            f"{where}: sharding metadata of type {meta.get('type')!r}, expected "
+            f"DTensorShardingMetadata"
         )
     data = meta["data"]
     shape = tuple(int(n) for n in data["global_shape"])

@@ -320,7 +320,8 @@ def _optimizer_names(
         raise SourceError(
             f"{recipe}: torchtune's optimizer state, {described}. Give its order: "
             f"parameter_order=[n for n, _ in model.named_parameters()] of the torchtune model "
-            f"the recipe trained (torchtune's names, the order it gave them to the optimizer), "
+            f"the recipe trained (torchtune's names, the order it gave them to the optimizer; "
+            f"--parameter-order FILE on the CLI), "
             f"or convert with weights_only=True to import the weights"
         )
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", ())]
