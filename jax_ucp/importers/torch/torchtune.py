@@ -269,8 +269,13 @@ def _plan_dist_epoch(
         skipped[unit] = f"an earlier epoch's checkpoint ({dist[-1]}/ imported)"
     if skipped:
         source["skipped"] = skipped
+    folder = dist[-1]
+    items = (
+        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": folder})
+        for item in plan.items
+    )
     return dataclasses.replace(
-        plan, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
+        plan, items=items, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
     )
 
 
@@ -403,7 +408,16 @@ def _plan_with_optimizer(
                 tuple(value.shape),
                 value.dtype,
                 read,
-                {"format": "torch_files", "file": RECIPE_STATE, "torchtune_name": tune},
+                {
+                    "format": "torch_files",
+                    "file": RECIPE_STATE,
+                    "torchtune_name": tune,
+                    **(
+                        {"rows_permuted": {"heads": rows, "head_dim": head_dim}}
+                        if rows is not None and st != "step" and value.ndim == 2
+                        else {}
+                    ),
+                },
             )
     for p in moved:
         if ("q_proj" in p or "k_proj" in p) and states[moved[p]].get("exp_avg") is not None:

@@ -272,3 +272,21 @@ def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
     assert source["epoch"] == "epoch_1"
     assert source["skipped"]["dist_epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
     _assert_the_live_run(out, DIST_TRUTH)
+
+
+@pytest.mark.torch
+def test_verify_against_the_source_compares_the_permuted_moments_equal(tmp_path):
+    """verify(against=) reads recipe_state.pt with torch.load and moves the q/k moments' rows
+    as the import did (the provenance says so): every weight and moment equal; the DCP save is
+    read from its dist_epoch_0/ folder."""
+    out = jax_ucp.convert(DIST, tmp_path / "ucp")
+    q = "opt_state/mu/model.layers.0.self_attn.q_proj.weight"
+    raw = DIST_TRUTH["exp_avg/layers.0.attn.q_proj.weight"]  # torchtune's rows, as saved
+    assert not np.array_equal(np.asarray(jax_ucp.restore(out)["opt_state"]["mu"][q[13:]]), raw)
+    result = jax_ucp.verify(out, against=DIST)
+    assert list(result) == []
+    assert [n for n, _ in result.notices] == ["opt_state/count"]  # built from 21 steps
+    out = jax_ucp.convert(ASYNC, tmp_path / "async", parameter_order=ORDER)
+    result = jax_ucp.verify(out, against=ASYNC)
+    assert list(result) == []
+    assert [n for n, _ in result.notices] == ["opt_state/count"]
