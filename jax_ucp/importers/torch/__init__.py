@@ -65,7 +65,9 @@ def detect(src: os.PathLike | str) -> Detection:
     return Detection(
         False,
         "no torch DCP (`.metadata` + `__R_S.distcp`, Accelerate's `pytorch_model_fsdp_0/` + "
-        "`optimizer_0/`, or OLMo-core's `model_and_optim/` + `train/`) and no torch.save files "
+        "`optimizer_0/`, or OLMo-core's `model_and_optim/` + `train/`), no torchtune `epoch_N/` "
+        "or `dist_epoch_N/`, no torch_checkpointing `metadata.pkl` + `<item>_<rank>.pt`, and "
+        "no torch.save files "
         f"(`pytorch_model.bin`, `{files.INDEX_FILE}`, "
         "`pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` file)",
     )
