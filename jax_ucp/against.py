@@ -62,14 +62,26 @@ def _loader(fmt: str, src: str, provenance: dict) -> tuple[Callable[[], np.ndarr
     name = tensors[0]
     if fmt == "torch_dcp":
         key = provenance.get("source_name") or name
-        return lambda: _dcp_tensor(src, key), key
+        folder = os.path.join(src, provenance["folder"]) if provenance.get("folder") else src
+        return lambda: _dcp_tensor(folder, key), key
     if fmt in ("torch_files", "safetensors"):
         file, _, inner = name.partition(":") if ":" in name else (provenance.get("file"), "", name)
         path = src if os.path.isfile(src) else os.path.join(src, str(file))
         if path.endswith(".safetensors"):
             return lambda: _safetensors_tensor(path, inner), name
+        rows = provenance.get("rows_permuted")
+        if isinstance(rows, dict):  # torchtune's q/k moments, moved as its weights are
+            return lambda: _hf_rows(_torch_file_tensor(path, inner), **rows), name
         return lambda: _torch_file_tensor(path, inner), name
     raise SourceError(f"no framework loader compared for {fmt!r} imports yet")
+
+
+def _hf_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """torchtune's ``tune_to_hf`` q/k row permutation (``[heads, head_dim/2, 2, dim]``, the
+    middle axes swapped), which its checkpointer applies to the weights and the import to the
+    moments: the source tensor as torch reads it, moved the same way before comparing."""
+    dim = value.shape[1]
+    return value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
 
 
 def _safetensors_tensor(path: str, name: str) -> np.ndarray:

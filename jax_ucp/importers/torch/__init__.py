@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from jax_ucp.errors import RequestError
 from jax_ucp.importers.plan import Detection, ImportOptions, ImportPlan
-from jax_ucp.importers.torch import dcp, files, olmo_core, torchtune
+from jax_ucp.importers.torch import dcp, files, olmo_core, torch_checkpointing, torchtune
 
 __all__ = [
     "TorchOptions",
@@ -56,6 +56,8 @@ def detect(src: os.PathLike | str) -> Detection:
         if olmo_core.is_step_folder(src):
             return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
         return Detection(True, "torch DCP (.metadata)")
+    if torch_checkpointing.is_torch_checkpointing(src):
+        return Detection(True, "a torch_checkpointing checkpoint (metadata.pkl, <item>_<rank>.pt)")
     if os.path.isdir(src) and torchtune.is_torchtune(src):  # epoch_N/ (+ recipe_state/)
         return Detection(True, "a torchtune checkpoint", weak=True)
     if os.path.isdir(src) and files.is_torch_files(src):
@@ -63,7 +65,9 @@ def detect(src: os.PathLike | str) -> Detection:
     return Detection(
         False,
         "no torch DCP (`.metadata` + `__R_S.distcp`, Accelerate's `pytorch_model_fsdp_0/` + "
-        "`optimizer_0/`, or OLMo-core's `model_and_optim/` + `train/`) and no torch.save files "
+        "`optimizer_0/`, or OLMo-core's `model_and_optim/` + `train/`), no torchtune `epoch_N/` "
+        "or `dist_epoch_N/`, no torch_checkpointing `metadata.pkl` + `<item>_<rank>.pt`, and "
+        "no torch.save files "
         f"(`pytorch_model.bin`, `{files.INDEX_FILE}`, "
         "`pytorch_model_fsdp.bin`, a `.bin`/`.pt`/`.pth`/`.ckpt` file)",
     )
@@ -79,15 +83,17 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
             f"safetensors weights beside optimizer.bin / optimizer.pt); this torchtune or torch "
             f"DCP checkpoint does not take it"
         )
+    if torch_checkpointing.is_torch_checkpointing(src):
+        if options.parameter_order is not None or options.model_config is not None:
+            raise RequestError(
+                f"{src}: a torch_checkpointing checkpoint keys its optimizer by name; "
+                f"parameter_order= / model_config= do not apply"
+            )
+        return torch_checkpointing.plan_torch_checkpointing(src, **common)
     if torchtune.is_torchtune(src):
         return torchtune.plan_torchtune(src, **common, parameter_order=options.parameter_order)
     if dcp.dcp_dirs(src):
-        if options.parameter_order is not None:
-            raise RequestError(
-                f"{src}: parameter_order= applies to torch.save files and torchtune "
-                f"checkpoints; torch DCP records its optimizer state by name"
-            )
-        return dcp.plan_torch_dcp(src, **common)
+        return dcp.plan_torch_dcp(src, **common, parameter_order=options.parameter_order)
     return files.plan_torch_files(
         src,
         **common,

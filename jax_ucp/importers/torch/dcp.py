@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,7 @@ def plan_torch_dcp(
     spec: Any = None,
     weights_only: bool = False,
     share: Share = WHOLE,
+    parameter_order: Sequence[str] | None = None,
 ) -> ImportPlan:
     """The import of a torch DCP checkpoint folder (or Accelerate's folder holding several).
 
@@ -95,6 +97,9 @@ def plan_torch_dcp(
         spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
         weights_only: the model weights alone, the optimizer state in ``source.skipped``.
         share: this process's part of a distributed import (default: the whole).
+        parameter_order: the model's parameter names in the order torch numbered them, for an
+            optimizer saved keyed by index (``optimizer.state_dict()`` as is: torchtune's
+            asynchronous ``dist_epoch_N/``); None for one keyed by name.
     """
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
     dirs = dcp_dirs(src)
@@ -112,7 +117,7 @@ def plan_torch_dcp(
             ck.check_files()
             for name in ck.tensors:
                 ck.check_tensor(name)
-        state, info = _state(checkpoints, str(src))
+        state, info = _state(checkpoints, str(src), weights_only, parameter_order)
         if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
             info["trainer"], train_files = olmo_core.train_record(str(src))
             if "global_step_unread" in info["trainer"]:
@@ -159,7 +164,10 @@ def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
 
 
 def _state(
-    checkpoints: list[dcp_reader.DcpCheckpoint], where: str
+    checkpoints: list[dcp_reader.DcpCheckpoint],
+    where: str,
+    weights_only: bool = False,
+    order: Sequence[str] | None = None,
 ) -> tuple[TorchState, dict[str, Any]]:
     tensors, objects = _tables(checkpoints, where)
     everything = list(tensors) + list(objects)
@@ -173,6 +181,14 @@ def _state(
         groups = _param_groups(root, objects, tensors, where)
     in_optimizer = {n for n in everything if root is not None and n.startswith(root)}
     model_names = [n for n in tensors if n not in in_optimizer]
+    by_index = bool(states) and all(k.isdigit() for k in states)
+    if by_index:
+        states, groups = _numbered(states, groups, order, weights_only, where)
+    elif order is not None:
+        raise SourceError(
+            f"{where}: the optimizer state is keyed by parameter name; parameter_order applies "
+            f"to one keyed by index"
+        )
     container = _container(model_names, states, tensors, where)
     params = _model_params(model_names, container, tensors, skipped)
     _skip_the_rest(everything, root, objects, in_optimizer, skipped)
@@ -189,8 +205,50 @@ def _state(
     }
     if removed:
         info["wrappers_removed"] = removed
+    if by_index:
+        info["optimizer_keyed_by"] = "index"
     state = TorchState(params, states, groups, skipped, where, everything, sorted(in_optimizer))
     return state, info
+
+
+def _numbered(
+    states: dict[str, dict[str, Any]],
+    groups: list[dict],
+    order: Sequence[str] | None,
+    weights_only: bool,
+    where: str,
+) -> tuple[dict[str, dict[str, Any]], list[dict]]:
+    """An optimizer keyed by index (``optimizer.state_dict()`` saved as is) keyed by name:
+    ``order`` along the groups' ``params`` (torch numbers them so); with weights_only and no
+    order, none (the optimizer is skipped whole); else refused saying what would name them."""
+    ids = [str(i) for g in groups for i in (g.get("params") or ())]
+    if order is None:
+        if weights_only:
+            return {}, []
+        keys = sorted(states, key=int)
+        raise SourceError(
+            f"{where}: the optimizer state is keyed by index ({len(keys)} parameters, indices "
+            f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}: optimizer.state_dict() "
+            f"saved as is, as torchtune's asynchronous dist_epoch_N/ saves it), without "
+            f"parameter names. Give them: parameter_order=[n for n, _ in "
+            f"model.named_parameters()] of the model that was trained (the order it gave them "
+            f"to the optimizer; --parameter-order FILE on the CLI), or convert with "
+            f"weights_only=True to import the weights"
+        )
+    order = list(order)
+    if len(order) != len(ids) or len(set(ids)) != len(ids):
+        raise SourceError(
+            f"{where}: parameter_order names {len(order)} parameters, the optimizer's groups "
+            f"number {len(ids)}{' (some twice)' if len(set(ids)) != len(ids) else ''}"
+        )
+    to_name = dict(zip(ids, order))
+    unlisted = sorted((k for k in states if k not in to_name), key=int)
+    if unlisted:
+        raise SourceError(
+            f"{where}: optimizer state for indices {unlisted[:3]}, which no param group lists"
+        )
+    named = [{**g, "params": [to_name[str(i)] for i in g.get("params") or ()]} for g in groups]
+    return {to_name[k]: v for k, v in states.items()}, named
 
 
 def _tables(checkpoints: list[dcp_reader.DcpCheckpoint], where: str) -> tuple[dict, dict]:

@@ -1,8 +1,10 @@
 """A torchtune 0.6.1 output folder written by torchtune itself
 (tools/fixtures/make_torchtune_fixture.py: FullModelHFCheckpointer, torchtune's llama3 model, 3
 AdamW steps, an intermediate checkpoint): recognised by auto-detection; the epoch's weights are
-imported bit-exact (Hugging Face names and row order); the recipe's optimizer state is refused
-naming why, and listed in source.skipped with weights_only."""
+imported bit-exact (Hugging Face names and row order); the recipe's optimizer state (keyed by
+index, as the single-device recipes save it) imports with parameter_order, keyed by torchtune's
+names (the distributed recipes) without: moments renamed and their q/k rows permuted as the
+checkpointer permuted the weights, bit-exact against the run's live state."""
 
 from __future__ import annotations
 
@@ -19,16 +21,96 @@ from jax_ucp.torchfiles import unpickler
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)
-SRC = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_fp32")
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "torchtune")
+SRC = os.path.join(FIXTURES, "tt_fp32")
+TRUTH = np.load(SRC + ".truth.npz")
+#: tools/fixtures/make_torchtune_dist_fixtures.py: the distributed recipe's saves (2 ranks)
+DIST = os.path.join(FIXTURES, "tt_dist_fp32")
+ASYNC = os.path.join(FIXTURES, "tt_dist_async")
+DIST_TRUTH = np.load(os.path.join(FIXTURES, "tt_dist.truth.npz"))
+#: torchtune's names in model.named_parameters() order (the generator saved the truth so)
+ORDER = [k[len("param/") :] for k in TRUTH.files if k.startswith("param/")]
+HEADS = {"q_proj": 4, "k_proj": 2}  # the fixture's config.json: 4 heads, 2 kv heads, head_dim 8
 
 
-def test_torchtune_folder_weights_import_and_optimizer_is_refused_by_name(tmp_path):
+def _hf_rows(value: np.ndarray, name: str) -> np.ndarray:
+    """torchtune's q/k rows in Hugging Face's order, written out row by row: HF row
+    ``h*8 + j*4 + i`` is torchtune's row ``h*8 + 2*i + j`` (the interleaved RoPE pairs split
+    into halves); other tensors unchanged."""
+    heads = next((n for proj, n in HEADS.items() if f"attn.{proj}" in name), None)
+    if heads is None:
+        return value
+    rows = [h * 8 + 2 * i + j for h in range(heads) for j in range(2) for i in range(4)]
+    return value[rows]
+
+
+def _hf_name(name: str) -> str:
+    table = {
+        "tok_embeddings.weight": "model.embed_tokens.weight",
+        "norm.scale": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
+    if name in table:
+        return table[name]
+    layer, rest = name.split(".")[1], ".".join(name.split(".")[2:])
+    parts = {
+        "attn.q_proj.weight": "self_attn.q_proj.weight",
+        "attn.k_proj.weight": "self_attn.k_proj.weight",
+        "attn.v_proj.weight": "self_attn.v_proj.weight",
+        "attn.output_proj.weight": "self_attn.o_proj.weight",
+        "mlp.w1.weight": "mlp.gate_proj.weight",
+        "mlp.w2.weight": "mlp.down_proj.weight",
+        "mlp.w3.weight": "mlp.up_proj.weight",
+        "sa_norm.scale": "input_layernorm.weight",
+        "mlp_norm.scale": "post_attention_layernorm.weight",
+    }
+    return f"model.layers.{layer}.{parts[rest]}"
+
+
+def _assert_the_live_run(out, truth=TRUTH) -> None:
+    """Weights, moments and step of the import equal the run's live state under Hugging Face's
+    names and row order, bit for bit."""
+    got = jax_ucp.restore(out)
+    assert [k[len("param/") :] for k in truth.files if k.startswith("param/")] == ORDER
+    assert sorted(got["params"]) == sorted(map(_hf_name, ORDER))
+    for name in ORDER:
+        hf = _hf_name(name)
+        assert_bit_exact(got["params"][hf], _hf_rows(truth[f"param/{name}"], name), hf)
+        mu, nu = got["opt_state"]["mu"][hf], got["opt_state"]["nu"][hf]
+        assert_bit_exact(mu, _hf_rows(truth[f"exp_avg/{name}"], name), f"mu {hf}")
+        assert_bit_exact(nu, _hf_rows(truth[f"exp_avg_sq/{name}"], name), f"nu {hf}")
+    assert int(got["opt_state"]["count"]) == int(truth["step"]) == 3
+
+
+def test_index_keyed_optimizer_imports_with_parameter_order_bit_exact(tmp_path):
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", parameter_order=ORDER)
+    _assert_the_live_run(out)
+    source = jax_ucp.inspect(out).source
+    assert source["optimizer_keyed_by"] == "index"
+    assert source["qk_permuted"] == {"heads": 4, "kv_heads": 2, "head_dim": 8}
+    assert source["recipe"] == {
+        "seed": 0,
+        "epochs_run": 1,
+        "total_epochs": 2,
+        "max_steps_per_epoch": 3,
+    }
+    (group,) = source["optimizer"]["param_groups"]
+    assert (group["lr"], group["weight_decay"]) == (0.01, 0.1)
+    assert group["params"] == [_hf_name(n) for n in ORDER]
+
+
+def test_parameter_order_of_another_length_is_refused(tmp_path):
+    with pytest.raises(jax_ucp.UCPError, match=r"recipe_state\.pt: parameter_order names 20 .*21"):
+        jax_ucp.convert(SRC, tmp_path / "refused", parameter_order=ORDER[:-1])
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_order(tmp_path):
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"recipe_state\.pt: torchtune's optimizer state, keyed by index \(\d+ parameters "
-        r"in 1 param group, indices 0, 1, 2, \.\.\., without their names\), is over "
-        r"torchtune's own model .*not supported yet.*"
-        r"weights_only=True to import epoch_0/'s weights",
+        r"in 1 param group, indices 0, 1, 2, \.\.\., without their names\)\. Give its order: "
+        r"parameter_order=\[n for n, _ in model\.named_parameters\(\)\].*weights_only=True",
     ):
         jax_ucp.convert(SRC, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
@@ -53,7 +135,7 @@ def test_only_the_latest_epoch_is_imported_and_the_others_are_listed(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
     source = jax_ucp.inspect(out).source
     assert source["epoch"] == "epoch_1"
-    assert source["skipped"]["epoch_0/"] == "an earlier epoch's weights (epoch_1/ imported)"
+    assert source["skipped"]["epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
 
 
 def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
@@ -70,8 +152,7 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
         arrays.append(np.array(value))
         return torch_out.TensorSlot(len(arrays) - 1, value.shape, value.dtype)
 
-    names = {i: f"layers.{i}.attn.q_proj.weight" for i in optimizer["state"]}
-    names[0] = "tok_embeddings.weight"
+    names = dict(enumerate(ORDER))
     state = {
         names[i]: {k: slot(v) if isinstance(v, np.ndarray) else v for k, v in per.items()}
         for i, per in optimizer["state"].items()
@@ -85,20 +166,127 @@ def _rekeyed_recipe(tmp_path, per_parameter: bool = False) -> str:
     return str(src)
 
 
-def test_distributed_recipe_state_refusal_says_it_is_keyed_by_names(tmp_path):
-    """The distributed recipes key the optimizer by torchtune's names: the refusal says so (and
-    names some), never "by index"."""
-    src = _rekeyed_recipe(tmp_path)
-    with pytest.raises(jax_ucp.UCPError) as refused:
-        jax_ucp.convert(src, tmp_path / "refused")
-    message = str(refused.value)
-    assert "keyed by torchtune's parameter names (" in message
-    assert "'tok_embeddings.weight', 'layers.1.attn.q_proj.weight'" in message
-    assert "by index" not in message
+def test_distributed_recipe_state_keyed_by_names_imports_bit_exact(tmp_path):
+    """The distributed recipe (2 ranks, FSDP2) keys the optimizer by torchtune's names
+    (get_full_optimizer_state_dict): mapped by torchtune's table, by auto-detection, no order
+    needed (and parameter_order refused as not applying)."""
+    out = jax_ucp.convert(DIST, tmp_path / "ucp")
+    _assert_the_live_run(out, DIST_TRUTH)
+    source = jax_ucp.inspect(out).source
+    assert (source["framework"], source["optimizer_keyed_by"]) == ("torchtune", "name")
+    with pytest.raises(jax_ucp.UCPError, match=r"keyed by torchtune's parameter names; param"):
+        jax_ucp.convert(DIST, tmp_path / "refused", parameter_order=ORDER)
     assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    config = os.path.join(src, "epoch_0", "config.json")
+    with open(config) as f:
+        text = f.read()
+    with open(config, "w") as f:
+        f.write(text.replace('"model_type": "llama"', '"model_type": "qwen2"'))
+    with pytest.raises(jax_ucp.UCPError, match=r"config\.json: model_type 'qwen2'.*weights_only"):
+        jax_ucp.convert(src, tmp_path / "refused")
 
 
 def test_optimizer_in_backward_recipe_state_refusal_says_one_per_parameter(tmp_path):
     src = _rekeyed_recipe(tmp_path, per_parameter=True)
     with pytest.raises(jax_ucp.UCPError, match=r"one optimizer per parameter \(optimizer in "):
         jax_ucp.convert(src, tmp_path / "refused")
+
+
+def test_optax_from_torch_continues_the_torchtune_run_saying_what_the_files_lack(tmp_path):
+    """The recipe state records AdamW's groups and step, not the recipe's schedule or
+    clipping (those are in its YAML config): the translation says so."""
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", parameter_order=ORDER)
+    with pytest.warns(UserWarning, match="gradient clipping"):
+        run = jax_ucp.optax_from_torch(out)
+    assert (run.optimizer, run.step) == ("adamw", 3)
+    assert any("schedule" in u for u in run.unrecovered)
+    assert any("clipping" in u for u in run.unrecovered)
+
+
+def _assert_the_live_dist_run(out, *, moments: bool = True) -> None:
+    """dist_epoch_N/ as saved: torchtune's names and row order, bit for bit."""
+    got = jax_ucp.restore(out)
+    assert sorted(got["params"]) == sorted(ORDER)
+    for name in ORDER:
+        assert_bit_exact(got["params"][name], DIST_TRUTH[f"param/{name}"], name)
+        if moments:
+            assert_bit_exact(got["opt_state"]["mu"][name], DIST_TRUTH[f"exp_avg/{name}"], name)
+            assert_bit_exact(got["opt_state"]["nu"][name], DIST_TRUTH[f"exp_avg_sq/{name}"], name)
+    if moments:
+        assert int(got["opt_state"]["count"]) == int(DIST_TRUTH["step"]) == 3
+    else:
+        assert "opt_state" not in got
+
+
+def test_async_dist_epoch_is_detected_and_imports_with_parameter_order_bit_exact(tmp_path):
+    """torchtune's asynchronous save (DistributedCheckpointer, 2 ranks): dist_epoch_0/ torch DCP,
+    the optimizer keyed by index; the output folder and dist_epoch_0/ itself both import."""
+    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", parameter_order=ORDER)
+    _assert_the_live_dist_run(out)
+    source = jax_ucp.inspect(out).source
+    assert (source["framework"], source["epoch"]) == ("torchtune", "dist_epoch_0")
+    assert source["optimizer_keyed_by"] == "index"
+    assert source["optimizer"]["param_groups"][0]["params"] == ORDER
+    inner = os.path.join(ASYNC, "dist_epoch_0")
+    out = jax_ucp.convert(inner, tmp_path / "inner", parameter_order=ORDER)
+    _assert_the_live_dist_run(out)
+    assert jax_ucp.inspect(out).source["framework"] == "torch_dcp"
+
+
+def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp_path):
+    with pytest.raises(
+        jax_ucp.UCPError,
+        match=r"dist_epoch_0: the optimizer state is keyed by index \(21 parameters, indices 0, "
+        r"1, 2, \.\.\..*parameter_order=\[n for n, _ in model\.named_parameters\(\)\].*"
+        r"weights_only=True",
+    ):
+        jax_ucp.convert(ASYNC, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+    out = jax_ucp.convert(ASYNC, tmp_path / "ucp", weights_only=True)
+    _assert_the_live_dist_run(out, moments=False)
+    skipped = jax_ucp.inspect(out).source["skipped"]
+    assert skipped["optimizer.state.0.exp_avg"] == "weights_only: optimizer state not imported"
+    with pytest.raises(jax_ucp.UCPError, match=r"parameter_order names 20 .*number 21"):
+        jax_ucp.convert(ASYNC, tmp_path / "short", parameter_order=ORDER[:-1])
+
+
+def test_the_latest_epoch_of_either_save_is_imported(tmp_path):
+    """dist_epoch_1/ after epoch_0/: the DCP one, epoch_0/ and recipe_state.pt skipped; epoch_1/
+    after dist_epoch_0/ (the final, synchronous save): the safetensors one."""
+    run = shutil.copytree(DIST, tmp_path / "run")
+    shutil.copytree(os.path.join(ASYNC, "dist_epoch_0"), run / "dist_epoch_1")
+    out = jax_ucp.convert(run, tmp_path / "a", parameter_order=ORDER)
+    source = jax_ucp.inspect(out).source
+    assert source["epoch"] == "dist_epoch_1"
+    assert source["skipped"]["epoch_0/"] == "an earlier epoch's checkpoint (dist_epoch_1/ imported)"
+    assert "recipe_state/recipe_state.pt" in source["skipped"]
+    _assert_the_live_dist_run(out)
+    os.rename(run / "dist_epoch_1", run / "dist_epoch_0")
+    shutil.copytree(run / "epoch_0", run / "epoch_1")
+    out = jax_ucp.convert(run, tmp_path / "b")
+    source = jax_ucp.inspect(out).source
+    assert source["epoch"] == "epoch_1"
+    assert source["skipped"]["dist_epoch_0/"] == "an earlier epoch's checkpoint (epoch_1/ imported)"
+    _assert_the_live_run(out, DIST_TRUTH)
+
+
+@pytest.mark.torch
+def test_verify_against_the_source_compares_the_permuted_moments_equal(tmp_path):
+    """verify(against=) reads recipe_state.pt with torch.load and moves the q/k moments' rows
+    as the import did (the provenance says so): every weight and moment equal; the DCP save is
+    read from its dist_epoch_0/ folder."""
+    out = jax_ucp.convert(DIST, tmp_path / "ucp")
+    q = "opt_state/mu/model.layers.0.self_attn.q_proj.weight"
+    raw = DIST_TRUTH["exp_avg/layers.0.attn.q_proj.weight"]  # torchtune's rows, as saved
+    assert not np.array_equal(np.asarray(jax_ucp.restore(out)["opt_state"]["mu"][q[13:]]), raw)
+    result = jax_ucp.verify(out, against=DIST)
+    assert list(result) == []
+    assert [n for n, _ in result.notices] == ["opt_state/count"]  # built from 21 steps
+    out = jax_ucp.convert(ASYNC, tmp_path / "async", parameter_order=ORDER)
+    result = jax_ucp.verify(out, against=ASYNC)
+    assert list(result) == []
+    assert [n for n, _ in result.notices] == ["opt_state/count"]

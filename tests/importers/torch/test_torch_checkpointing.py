@@ -1,0 +1,91 @@
+"""A torch_checkpointing 0.1.1 checkpoint written by the package's own CheckpointManager
+(tools/fixtures/make_torch_checkpointing_fixture.py: FSDP2 over 2 gloo ranks, 3 AdamW steps,
+a DefaultResharder per item; its CUDA-only metadata all-gather replaced by a CPU one, hence
+``synthetic_layout``): detected, weights, moments and step assembled from the ranks' DTensor
+shards (one uneven) bit-exact against the run's live state; hostile variants refused."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.importers.registry import detect_format
+from jax_ucp.torchfiles import sharded, unpickler
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+
+pytestmark = pytest.mark.timeout(120)
+FIXTURES = os.path.join(REPO, "tests", "fixtures", "torch_checkpointing")
+SRC = os.path.join(FIXTURES, "tc_fsdp2_synthetic_layout", "step-3")
+TRUTH = np.load(os.path.join(FIXTURES, "tc_fsdp2_synthetic_layout.truth.npz"))
+NAMES = [k[len("param/") :] for k in TRUTH.files if k.startswith("param/")]
+
+
+def test_detected_and_imported_bit_exact_from_the_ranks_shards(tmp_path):
+    assert detect_format(SRC) == "torch"
+    out = jax_ucp.convert(SRC, tmp_path / "ucp")
+    got = jax_ucp.restore(out)
+    assert sorted(got["params"]) == sorted(NAMES)
+    for name in NAMES:
+        assert_bit_exact(got["params"][name], TRUTH[f"param/{name}"], name)
+        assert_bit_exact(got["opt_state"]["mu"][name], TRUTH[f"exp_avg/{name}"], name)
+        assert_bit_exact(got["opt_state"]["nu"][name], TRUTH[f"exp_avg_sq/{name}"], name)
+    assert int(got["opt_state"]["count"]) == int(TRUTH["step"]) == 3
+    assert got["params"]["3.weight"].shape == (3, 6)  # 2 rows on rank 0, 1 on rank 1
+    source = jax_ucp.inspect(out).source
+    assert (source["framework"], source["world_size"]) == ("torch_checkpointing", 2)
+    assert source["recorded"] == {"train_state": {"step": 3}}
+    (group,) = source["optimizer"]["param_groups"]
+    assert (group["lr"], group["weight_decay"], group["params"][0]) == (0.01, 0.1, "0.weight")
+
+
+def test_weights_only_skips_the_optimizer(tmp_path):
+    out = jax_ucp.convert(SRC, tmp_path / "ucp", weights_only=True)
+    assert sorted(jax_ucp.restore(out)) == ["params"]
+    skipped = jax_ucp.inspect(out).source["skipped"]
+    assert (
+        skipped["optimizer:state.0.weight.exp_avg"] == "weights_only: optimizer state not imported"
+    )
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    os.remove(src / "optimizer_1.pt")
+    with pytest.raises(jax_ucp.UCPError, match=r"optimizer_1\.pt is missing \(world size 2"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_shards_that_contradict_the_placements_are_refused(tmp_path):
+    """rank 0's and rank 1's model files swapped: '3.weight' holds 1 row where its Shard(0)
+    placement gives rank 0 two."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    os.rename(src / "model_0.pt", src / "tmp.pt")
+    os.rename(src / "model_1.pt", src / "model_0.pt")
+    os.rename(src / "tmp.pt", src / "model_1.pt")
+    with pytest.raises(jax_ucp.UCPError, match=r"'model:3\.(weight|bias)' on rank 0 is \[1"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_metadata_pickling_a_callable_is_refused_unexecuted(tmp_path):
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    with open(src / "metadata.pkl", "wb") as f:
+        f.write(pickle.dumps({"metadata": {}, "version": "2.0", "world_size": os.getpid}))
+    with pytest.raises(jax_ucp.UCPError, match=r"metadata\.pkl.*posix.getpid.*not in the allow"):
+        jax_ucp.convert(src, tmp_path / "refused")
+
+
+def test_a_dtensor_file_loads_only_with_the_dtensor_classes():
+    path = os.path.join(SRC, "model_1.pt")
+    with pytest.raises(unpickler.TorchFileError, match=r"_rebuild_wrapper_subclass"):
+        unpickler.load_torch_file(path)
+    state = unpickler.load_torch_file(path, unpickler.SHARDED_TENSOR_CLASSES)
+    shard = state["3.weight"]
+    assert isinstance(shard, unpickler.WrapperTensor)
+    (piece,) = sharded.local_pieces(shard, mesh_size=2)
+    assert (piece.array.shape, shard.shape, piece.offsets) == ((1, 6), (3, 6), (2, 0))
