@@ -6,7 +6,8 @@ mesh and placements, and which ranks hold it).
 
 ``metadata.pkl`` is plain data (dicts, lists, tuples, strings, numbers) and is read through the
 allow-listed unpickler with no class allowed; the rank files with
-:data:`unpickler.SHARDED_TENSOR_CLASSES` (a DTensor becomes its local shard, its spec inert stand-ins).
+:data:`unpickler.SHARDED_TENSOR_CLASSES` (a DTensor becomes an inert ``WrapperTensor``
+holding its local shard).
 Each tensor is assembled from the ranks' shards at the offsets the placements give (DTensor's
 own rule: ``Shard(d)`` splits dim ``d`` in ``ceil(n / mesh size)`` chunks, mesh dimension after
 mesh dimension); each shard's shape is checked against that rule. The ``model`` item gives the
