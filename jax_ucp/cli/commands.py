@@ -379,10 +379,20 @@ def convert(
     torch DCP or torch.save files. The format is detected from the files unless --from names
     it; when no format fits, the error says what each one looked for."""
     from jax_ucp import conversion
+    from jax_ucp.importers import registry
     from jax_ucp.multihost import agreement
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
     order = _read_parameter_order(parameter_order) if parameter_order is not None else None
+    importing = registry.import_options(
+        from_,
+        spec=spec,
+        weights_only=weights_only,
+        tag=tag,
+        vocab_size=vocab_size,
+        parameter_order=order,
+        model_config=model_config,
+    )
     if processes and processes > 1:
         spawn.spawn_local(processes, dst)
         return
@@ -398,17 +408,12 @@ def convert(
                 src,
                 dst,
                 format=from_,
-                spec=spec,
-                vocab_size=vocab_size,
-                tag=tag,
+                importing=importing,
                 memory_budget=memory_budget,
                 force=force,
                 step=step,
-                weights_only=weights_only,
                 distributed=bool(coordinator),
                 progress=on_progress,
-                parameter_order=order,
-                model_config=model_config,
             )
     except agreement.SharedWriteError as e:
         output.error(str(e))

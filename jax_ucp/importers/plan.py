@@ -97,6 +97,19 @@ class ImportOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaggedOptions(ImportOptions):
+    """``ImportOptions`` and which checkpoint of a folder holding several: the options of the
+    formats that name one (``DeepSpeedOptions``, ``OrbaxOptions``), defined once.
+
+    Attributes:
+        tag: DeepSpeed: the tag folder (``global_step2``; None: the one ``latest`` names);
+            Orbax: the step of a CheckpointManager directory (None: the latest committed one).
+    """
+
+    tag: str | int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Detection:
     """An importer's answer to "is this source a checkpoint of your format?", and why either
     way: a source no importer claims is an error giving every importer's reason.
