@@ -129,7 +129,13 @@ def handed_over(source, checkpoint_format: str, options: ImportOptions) -> Impor
     None: safetensors weights beside a torch optimizer (a Trainer ``checkpoint-N/``,
     Accelerate's ``save_state``) are the torch files importer's, which maps the optimizer's
     state too, unless only weights are wanted. Decided here: format packages never import
-    each other."""
+    each other.
+
+    Args:
+        source: the checkpoint directory.
+        checkpoint_format: the format detected or given for it.
+        options: the import options (the torch files importer reads its fields).
+    """
     if checkpoint_format != "safetensors" or options.weights_only:
         return None
     if not has_torch_optimizer(source):

@@ -100,7 +100,17 @@ def plan_torchtune(
     share: Share = WHOLE,
     parameter_order: Any = None,
 ) -> ImportPlan:
-    """The latest epoch's weights; the recipe's optimizer state refused unless weights_only."""
+    """The latest epoch's weights; the recipe's optimizer state refused unless weights_only.
+
+    Args:
+        src: the torchtune output folder (``epoch_N/``, ``recipe_state/``).
+        spec: refused when given, as by the safetensors import of the latest epoch: the import
+            keeps Hugging Face's names (a spec maps them at restore).
+        weights_only: import the weights alone (else the recipe's optimizer is refused).
+        share: this process's part of a distributed import.
+        parameter_order: refused when given: the recipe's optimizer state is not imported, so
+            there is no index-keyed optimizer to order.
+    """
     src = os.fspath(src)
     if parameter_order is not None:
         raise SourceError(
