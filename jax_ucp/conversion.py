@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import operator
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from jax_ucp import store, writer
@@ -19,10 +20,10 @@ from jax_ucp.errors import RequestError
 from jax_ucp.format import files
 from jax_ucp.format.sizes import parse_size
 from jax_ucp.importers import registry
-from jax_ucp.importers.plan import Share
+from jax_ucp.importers.plan import ImportOptions, Share
 from jax_ucp.multihost import agreement
 from jax_ucp.multihost.agreement import Gather
-from jax_ucp.options import field_namer, keywords_of_2
+from jax_ucp.options import field_namer, named_by
 from jax_ucp.writer import commit
 
 Progress = Callable[[str, int, int], None]
@@ -30,22 +31,22 @@ Progress = Callable[[str, int, int], None]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ConvertOptions:
-    """How ``convert`` imports: the one definition of its keywords, checked once on
-    construction and passed down whole.
+    """How ``convert`` imports: its own options, checked once on construction, and the
+    format's options (``importing``) as built at the edge, which reach the format whole.
 
     Attributes:
         format: "deepspeed", "megatron", "safetensors", "torch" or "orbax" (detected from the
             files when None).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules /
-            settings.
+        importing: the import options: the format's options class (``TorchOptions``,
+            ``MegatronOptions``, ``DeepSpeedOptions``, ``OrbaxOptions``) or a more general one
+            (``ImportOptions``: ``spec``, ``weights_only``) specialised once the format is
+            known (None: the format's defaults).
         force: replace a jax_ucp checkpoint at ``dest`` (the old one kept whole until the new
             one is committed).
         step: write ``<dest>/<step>/state`` as a CheckpointManager step (None: a standalone
             checkpoint).
         progress: called as ``progress(name, done, total)`` per parameter.
         compression: the arrays' codec (None: the format's default).
-        weights_only: the model weights alone; the optimizer state is skipped whatever its
-            layout (recorded under ``source.skipped`` in the manifest).
         distributed: every process of a ``jax.distributed`` job calls ``convert`` with the same
             arguments; each reads and writes every N-th parameter into one directory on a shared
             file system, and process 0 commits once every process reported its part.
@@ -56,30 +57,17 @@ class ConvertOptions:
             as "1GiB" (None: ``DEFAULT_MEMORY_BUDGET``, 256 MiB); the tensors the writer has in
             flight plus what the importer is building (a tensor-parallel merge, chunks read
             into place); each process of a distributed import has its own.
-        tag: DeepSpeed: the tag folder to import (default: the one ``latest`` names); Orbax:
-            the CheckpointManager step (default: the latest committed one).
-        vocab_size: Megatron: the tokenizer's vocabulary size, before Megatron's padding (the
-            padded rows are stripped; default: the spec's, else they are kept).
-        parameter_order: torch: the names of an index-keyed optimizer's parameters in the
-            order torch numbered them.
-        model_config: torch: a Hugging Face ``config.json`` to rebuild that order from (an
-            Accelerate ``save_state`` folder, a Trainer checkpoint without its config.json).
     """
 
     format: str | None = None
-    spec: Any = None
+    importing: ImportOptions | None = None
     force: bool = False
     step: int | None = None
     progress: Progress | None = None
     compression: str | None = None
-    weights_only: bool = False
     distributed: bool = False
     barrier_timeout: float = 24 * 3600
     memory_budget: int | str | None = None
-    tag: str | int | None = None
-    vocab_size: int | None = None
-    parameter_order: Sequence[str] | None = None
-    model_config: str | os.PathLike | None = None
 
     def __post_init__(self):
         if self.step is not None:
@@ -99,10 +87,8 @@ class ConvertOptions:
             object.__setattr__(self, "memory_budget", budget)
 
 
-@keywords_of_2(ConvertOptions)
-def convert(source, dest, options: ConvertOptions) -> str:
-    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``; the
-    keywords are ``ConvertOptions``' fields.
+def convert(source, dest, **keywords: Any) -> str:
+    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
 
     Everything that needs no tensor bytes is checked before anything is written, and a failure
     leaves ``dest`` untouched (one ``commit.transaction``).
@@ -110,12 +96,52 @@ def convert(source, dest, options: ConvertOptions) -> str:
     Args:
         source: the checkpoint directory (or file) to import.
         dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
-        options: built from the keywords, each documented in ``ConvertOptions``.
+        **keywords: ``ConvertOptions``' fields, and for convenience the import options'
+            (``spec``, ``weights_only``, ``tag``, ``vocab_size``, ``parameter_order``,
+            ``model_config``: fields of the importers' options classes), which build
+            ``importing`` (``registry.import_options``).
 
     Returns:
         The UCP directory (the one holding ucp.json).
     """
+    fields = {k: keywords.pop(k) for k in list(keywords) if k not in _OWN}
+    unknown = sorted(set(fields) - set(registry.OPTION_FIELDS))
+    if unknown:
+        raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+    with named_by("convert"):
+        if fields:
+            if keywords.get("importing") is not None:
+                raise RequestError(
+                    f"convert: importing= holds the import options whole; give it or "
+                    f"{', '.join(f'{k}=' for k in fields)}, not both"
+                )
+            keywords["importing"] = registry.import_options(keywords.get("format"), **fields)
+        options = ConvertOptions(**keywords)
     return convert_with(source, dest, options)
+
+
+_OWN = frozenset(f.name for f in dataclasses.fields(ConvertOptions))
+
+
+def _signature() -> inspect.Signature:
+    """``convert``'s for ``help()``: ConvertOptions' fields, then the import options' (each
+    from the first importer options class that has it)."""
+    params = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for name in ("source", "dest")
+    ]
+    params += inspect.signature(ConvertOptions).parameters.values()
+    for name in registry.OPTION_FIELDS:
+        cls = next(
+            i.options for i in registry.IMPORTERS.values() if name in i.options.__dataclass_fields__
+        )
+        params.append(
+            inspect.signature(cls).parameters[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        )
+    return inspect.Signature(params)
+
+
+convert.__signature__ = _signature()  # type: ignore[attr-defined]
 
 
 def convert_with(source, dest, options: ConvertOptions) -> str:
@@ -173,8 +199,9 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
 def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gather] | None):
     """The importer's plan; in a distributed import every process's planning is agreed on, so a
     process that refuses the source does not leave the others waiting."""
-    fields = {name: getattr(options, name) for name in registry.OPTION_FIELDS}
-    plan_import = functools.partial(registry.plan_import, source, format=options.format, **fields)
+    plan_import = functools.partial(
+        registry.plan_import, source, options.importing, format=options.format
+    )
     if job is None:
         return plan_import()
     index, count, gather = job

@@ -1,19 +1,21 @@
 """An operation's options, defined once: a typed dataclass whose fields are the keywords.
 
-``restore``, ``plan`` and ``convert`` take their dataclass's fields as keywords through
-``keywords_of``: the signature a type checker (and ``help()``) sees is the dataclass's
-``__init__``, so each option's name, type, default and doc live in one place. A leaf module (it
+``restore`` and ``plan`` take their dataclass's fields as keywords through ``keywords_of``: the
+signature a type checker (and ``help()``) sees is the dataclass's ``__init__``, so each option's
+name, type, default and doc live in one place (``convert`` builds its own, whose import options
+are the format's class). A leaf module (it
 imports nothing of jax_ucp), as ``errors``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import inspect
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 P = ParamSpec("P")
@@ -34,6 +36,16 @@ def field_namer(options: object) -> Callable[[str], str]:
         return lambda name: f"{caller}({name}=)"
     cls = type(options).__name__
     return lambda name: f"{cls}.{name}"
+
+
+@contextlib.contextmanager
+def named_by(caller: str) -> Iterator[None]:
+    """Options built inside name their fields as ``caller``'s keywords (``convert(step=)``)."""
+    token = _CALLER.set(caller)
+    try:
+        yield
+    finally:
+        _CALLER.reset(token)
 
 
 def user_stacklevel() -> int:
@@ -59,11 +71,8 @@ def _taking(options_type, leading: int):
         def call(*args, **kwargs):
             head = list(args[:leading])
             head += [kwargs.pop(p.name) for p in head_params[len(head) :] if p.name in kwargs]
-            token = _CALLER.set(fn.__name__)
-            try:
+            with named_by(fn.__name__):
                 options = options_type(*args[leading:], **kwargs)
-            finally:
-                _CALLER.reset(token)
             return fn(*head, options)
 
         functools.update_wrapper(call, fn)
@@ -80,10 +89,3 @@ def keywords_of(
 ) -> Callable[[Callable[[Any, T], R]], Callable[Concatenate[str | os.PathLike, P], R]]:
     """``fn(path, options)`` called as ``fn(path, <options_type's fields>)``."""
     return _taking(options_type, 1)
-
-
-def keywords_of_2(
-    options_type: Callable[P, T],
-) -> Callable[[Callable[[Any, Any, T], R]], Callable[Concatenate[Any, Any, P], R]]:
-    """``fn(source, dest, options)`` called as ``fn(source, dest, <options_type's fields>)``."""
-    return _taking(options_type, 2)

@@ -326,6 +326,33 @@ def verify(
     )
 
 
+# convert's import options (the fields of the importers' options classes) as flags
+Tag = Annotated[
+    str | None,
+    typer.Option(
+        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
+        "the latest)",
+    ),
+]
+ParameterOrder = Annotated[
+    str | None,
+    typer.Option(
+        "--parameter-order",
+        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
+        "order (one name a line, or a JSON list)",
+    ),
+]
+ModelConfig = Annotated[
+    str | None,
+    typer.Option(
+        "--model-config",
+        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
+        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
+        "without its config.json)",
+    ),
+]
+
+
 @app.command()
 @_user_errors
 def convert(
@@ -341,11 +368,7 @@ def convert(
     vocab_size: int | None = typer.Option(
         None, help="megatron: the original vocab size (strips the padding)"
     ),
-    tag: str | None = typer.Option(
-        None,
-        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
-        "the latest)",
-    ),
+    tag: Tag = None,
     force: bool = typer.Option(False, help="replace DST"),
     step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
     weights_only: bool = typer.Option(
@@ -360,29 +383,26 @@ def convert(
     num_processes: int | None = typer.Option(None, help="processes in it"),
     process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
-    parameter_order: str | None = typer.Option(
-        None,
-        "--parameter-order",
-        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
-        "order (one name a line, or a JSON list)",
-    ),
-    model_config: str | None = typer.Option(
-        None,
-        "--model-config",
-        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
-        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
-        "without its config.json)",
-    ),
+    parameter_order: ParameterOrder = None,
+    model_config: ModelConfig = None,
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
     torch DCP or torch.save files, verl FSDP checkpoints. The format is detected from the files unless --from names
     it; when no format fits, the error says what each one looked for."""
-    from jax_ucp import conversion
-    from jax_ucp.multihost import agreement
+    from jax_ucp.importers import registry
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
     order = _read_parameter_order(parameter_order) if parameter_order is not None else None
+    importing = registry.import_options(
+        from_,
+        spec=spec,
+        weights_only=weights_only,
+        tag=tag,
+        vocab_size=vocab_size,
+        parameter_order=order,
+        model_config=model_config,
+    )
     if processes and processes > 1:
         spawn.spawn_local(processes, dst)
         return
@@ -392,36 +412,38 @@ def convert(
         jax.distributed.initialize(
             coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
         )
+    out = _convert_reporting_lost_processes(
+        src,
+        dst,
+        format=from_,
+        importing=importing,
+        memory_budget=memory_budget,
+        force=force,
+        step=step,
+        distributed=bool(coordinator),
+    )
+    output.say(f"✓ wrote {out}", style="green")
+    if not coordinator or process_id == 0:
+        _say_imported(str(out))
+
+
+def _convert_reporting_lost_processes(src: str, dst: str, **options) -> str:
+    """``convert`` under a progress bar; a distributed import that failed in another process
+    is reported as the CLI's error, and a lost process ends this one at once (jax.distributed's
+    shutdown at exit would wait for the lost process's heartbeat timeout, 100 s, then abort)."""
+    from jax_ucp import conversion
+    from jax_ucp.multihost import agreement
+
     try:
         with _bar("importing") as on_progress:
-            out = conversion.convert(
-                src,
-                dst,
-                format=from_,
-                spec=spec,
-                vocab_size=vocab_size,
-                tag=tag,
-                memory_budget=memory_budget,
-                force=force,
-                step=step,
-                weights_only=weights_only,
-                distributed=bool(coordinator),
-                progress=on_progress,
-                parameter_order=order,
-                model_config=model_config,
-            )
+            return conversion.convert(src, dst, progress=on_progress, **options)
     except agreement.SharedWriteError as e:
         output.error(str(e))
         if isinstance(e, agreement.ProcessLostError):
-            # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat
-            # timeout, 100 s) and then abort: the job is over, leave now.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
         raise typer.Exit(1) from e
-    output.say(f"✓ wrote {out}", style="green")
-    if not coordinator or process_id == 0:
-        _say_imported(str(out))
 
 
 def _read_parameter_order(path: str) -> list[str]:
@@ -591,18 +613,7 @@ def plan(
         spec=_spec_with_config(spec, config),
     )
     if as_json:
-        _print_json(
-            {
-                "path": path,
-                "mesh": dict(axes),
-                "processes": processes,
-                "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
-                "process_read_bytes": {"max": result.process_read_bytes.highest()},
-                "replicated": result.replicated,
-                "unmatched_rules": list(result.unmatched_rules),
-                "tensors": result.to_rows(),
-            }
-        )
+        _print_plan_json(path, axes, processes, result)
         return
     output.say(
         f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
@@ -611,6 +622,31 @@ def plan(
         f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
     )
     shown = result.tensors[:limit] if limit > 0 else result.tensors
+    _print_plan_table(shown, grouped=not every and limit <= 0)
+    if len(shown) < len(result.tensors):
+        output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
+    _print_plan_totals(result, limit)
+
+
+def _print_plan_json(path: str, axes, processes: int, result) -> None:
+    """``plan --json``: the totals and every tensor's row, for scripts."""
+    _print_json(
+        {
+            "path": path,
+            "mesh": dict(axes),
+            "processes": processes,
+            "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
+            "process_read_bytes": {"max": result.process_read_bytes.highest()},
+            "replicated": result.replicated,
+            "unmatched_rules": list(result.unmatched_rules),
+            "tensors": result.to_rows(),
+        }
+    )
+
+
+def _print_plan_table(shown, grouped: bool) -> None:
+    """One row per planned tensor (placement, bytes per device and per process), grouped by
+    name pattern past ``layout.GROUP_AT`` rows when ``grouped``."""
     highest: dict[int, int] = {}  # tensors of one placement share their read bytes
     for t in shown:
         if id(t.read_bytes) not in highest:
@@ -630,7 +666,7 @@ def plan(
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
-    if len(rows) > layout.GROUP_AT and not every and limit <= 0:
+    if len(rows) > layout.GROUP_AT and grouped:
         sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
         rows = layout.grouped([t.name for t in shown], rows, sums)
         output.say(
@@ -638,9 +674,6 @@ def plan(
             f"--json gives every row)"
         )
     output.table(layout.table(header, rows, right=right, optional=("dtype",)))
-    if len(shown) < len(result.tensors):
-        output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
-    _print_plan_totals(result, limit)
 
 
 def _print_json(data: dict) -> None:

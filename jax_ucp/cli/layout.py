@@ -131,7 +131,13 @@ def grouped(names: list[str], rows: list[list[str]], sums: dict[int, list[int]])
     """``rows`` (cells as text, column 0 the name) merged by name pattern, digits as ``*``
     (``layers/*/mlp/w``): the name shows the count, a column whose cells agree shows that cell,
     else how many kinds; the columns in ``sums`` (index -> a number per row) show their total
-    through :func:`human`. Keeps a 100 000-tensor table to the few lines a reader takes in."""
+    through :func:`human`. Keeps a 100 000-tensor table to the few lines a reader takes in.
+
+    Args:
+        names: each row's tensor name, matched to a pattern with its digits as ``*``.
+        rows: the table's rows, cells as text (column 0 the name).
+        sums: column index -> one number per row, shown as the group's total.
+    """
     groups: dict[str, list[int]] = {}
     for i, name in enumerate(names):
         groups.setdefault(_DIGITS.sub("*", name), []).append(i)

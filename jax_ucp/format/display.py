@@ -41,7 +41,14 @@ def _shown(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]):
 def html_table(
     title: str, lines: Iterable[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str]
 ) -> str:
-    """An HTML table of ``rows`` (the ``columns`` of each), under ``title`` and ``lines``."""
+    """An HTML table of ``rows`` (the ``columns`` of each), under ``title`` and ``lines``.
+
+    Args:
+        title: the heading above the table.
+        lines: lines of summary shown under the title.
+        rows: one mapping per row, cells by column name.
+        columns: the columns shown, in order.
+    """
     cells, more = _shown(rows, columns)
     out = [f"<div><b>{html.escape(title)}</b>"]
     out += [f"<br>{html.escape(line)}" for line in lines]
@@ -60,7 +67,14 @@ def html_table(
 def markdown_table(
     title: str, lines: Iterable[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str]
 ) -> str:
-    """The same table in Markdown."""
+    """The same table in Markdown.
+
+    Args:
+        title: the heading above the table.
+        lines: lines of summary shown under the title.
+        rows: one mapping per row, cells by column name.
+        columns: the columns shown, in order.
+    """
     cells, more = _shown(rows, columns)
 
     def esc(text: str) -> str:
@@ -78,7 +92,14 @@ def markdown_table(
 def text_table(
     title: str, lines: Iterable[str], rows: Sequence[Mapping[str, Any]], columns: Sequence[str]
 ) -> str:
-    """The same table as aligned plain text (IPython's pretty printer, a terminal)."""
+    """The same table as aligned plain text (IPython's pretty printer, a terminal).
+
+    Args:
+        title: the heading above the table.
+        lines: lines of summary shown under the title.
+        rows: one mapping per row, cells by column name.
+        columns: the columns shown, in order (aligned to their widest cell).
+    """
     cells, more = _shown(rows, columns)
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

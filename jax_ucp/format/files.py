@@ -200,7 +200,13 @@ def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
     restore, a folder or one file of it): ``name`` resolves inside ``folder``, or — for a Hugging
     Face cache snapshot only (:func:`cache_repo`) — to a blob of its own cache repo,
     ``<repo>/blobs/<sha>``. A link into another repo, out of the cache, to a non-blob file of
-    the repo or through a linked ``blobs/`` is refused. Returns the real path."""
+    the repo or through a linked ``blobs/`` is refused. Returns the real path.
+
+    Args:
+        folder: the checkpoint folder the name was read in.
+        name: the name, from the checkpoint's own files (untrusted).
+        what: what the name is, for the error (``'shard file'``).
+    """
     repo = cache_repo(folder)
     if repo is None:
         return inside(folder, name, what)

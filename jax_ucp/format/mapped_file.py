@@ -180,7 +180,13 @@ def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking
 
 def take(arr: np.ndarray, index: Any, what: str = "reading a tensor") -> np.ndarray:
     """``arr.reshape(-1)[index]`` for a few flat indices, each element read with ``pread``
-    when ``arr`` views a :class:`FileMap` (spot checks of a large mapped tensor)."""
+    when ``arr`` views a :class:`FileMap` (spot checks of a large mapped tensor).
+
+    Args:
+        arr: the tensor, possibly a view of a mapped file.
+        index: the flat indices to read.
+        what: what is read, for the error of a failed read.
+    """
     flat = arr.reshape(-1)
     index = np.asarray(index, np.int64).reshape(-1)
     if mapped_at(arr) is None:

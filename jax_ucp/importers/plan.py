@@ -97,6 +97,19 @@ class ImportOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class TaggedOptions(ImportOptions):
+    """``ImportOptions`` and which checkpoint of a folder holding several: the options of the
+    formats that name one (``DeepSpeedOptions``, ``OrbaxOptions``), defined once.
+
+    Attributes:
+        tag: DeepSpeed: the tag folder (``global_step2``; None: the one ``latest`` names);
+            Orbax: the step of a CheckpointManager directory (None: the latest committed one).
+    """
+
+    tag: str | int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Detection:
     """An importer's answer to "is this source a checkpoint of your format?", and why either
     way: a source no importer claims is an error giving every importer's reason.
@@ -115,7 +128,14 @@ class Detection:
 
 def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str) -> Detection:
     """Whether the folder ``src`` holds a file matching one of ``patterns`` (glob, names only:
-    nothing is opened)."""
+    nothing is opened).
+
+    Args:
+        src: the folder to look in.
+        patterns: glob patterns of the format's own file names.
+        found: the reason given when one matches.
+        missing: the reason given when none does (what was looked for).
+    """
     if not os.path.isdir(src):
         return Detection(False, "not a directory")
     for pattern in patterns:
@@ -126,7 +146,13 @@ def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str
 
 def refuse_spec(spec: Any, keeps: str, error: type[Exception] = RequestError) -> None:
     """Refuses a spec given to an import that keeps the source's names (``keeps`` says which):
-    a spec maps them at restore time, not at import."""
+    a spec maps them at restore time, not at import.
+
+    Args:
+        spec: the spec given (None passes).
+        keeps: which names the import keeps, for the error.
+        error: the exception class raised.
+    """
     if spec is not None:
         raise error(
             f"{keeps}; apply a spec at restore time (jax_ucp.restore(path, spec=...)) instead "

@@ -68,6 +68,15 @@ FORMATS = tuple(sorted(IMPORTERS))
 OPTION_FIELDS = tuple(
     sorted({f.name for i in IMPORTERS.values() for f in dataclasses.fields(i.options)} - {"share"})
 )
+# the importers' options classes and their bases (what ``import_options`` may build)
+_OPTION_CLASSES: tuple[type[ImportOptions], ...] = tuple(
+    dict.fromkeys(
+        cls
+        for importer in IMPORTERS.values()
+        for cls in importer.options.__mro__
+        if isinstance(cls, type) and issubclass(cls, ImportOptions)
+    )
+)
 
 
 def detect_format(src) -> str:
@@ -131,7 +140,13 @@ def handed_over(source, checkpoint_format: str, options: ImportOptions) -> Impor
     None: safetensors weights beside a torch optimizer (a Trainer ``checkpoint-N/``,
     Accelerate's ``save_state``) are the torch files importer's, which maps the optimizer's
     state too, unless only weights are wanted. Decided here: format packages never import
-    each other."""
+    each other.
+
+    Args:
+        source: the checkpoint directory.
+        checkpoint_format: the format detected or given for it.
+        options: the import options (the torch files importer reads its fields).
+    """
     if checkpoint_format != "safetensors" or options.weights_only:
         return None
     if not has_torch_optimizer(source):
@@ -147,26 +162,76 @@ def handed_over(source, checkpoint_format: str, options: ImportOptions) -> Impor
     )
 
 
+def _fields(cls: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls)}
+
+
+def _takers(field: str) -> str:
+    """The formats whose options take ``field``, for an error."""
+    return " and ".join(name for name, i in IMPORTERS.items() if field in _fields(i.options))
+
+
 def importer_options(importer: Importer, **fields: Any) -> ImportOptions:
     """``importer``'s typed options from ``fields``; a field given (not None) that this format
     does not take is an error naming the formats that take it."""
-    known = {f.name for f in dataclasses.fields(importer.options)}
+    known = _fields(importer.options)
     for field, value in fields.items():
         if value is not None and field not in known:
-            takers = [
-                name
-                for name, other in IMPORTERS.items()
-                if field in {f.name for f in dataclasses.fields(other.options)}
-            ]
             raise RequestError(
-                f"{field}= applies to {' and '.join(takers)} checkpoints, not to "
-                f"{importer.name} ones"
+                f"{field}= applies to {_takers(field)} checkpoints, not to {importer.name} ones"
             )
     return importer.options(**{k: v for k, v in fields.items() if k in known and v is not None})
 
 
+def import_options(format: str | None = None, **fields: Any) -> ImportOptions:
+    """The import options built where a caller gives them as keywords (``convert``'s, the CLI's
+    flags): ``format``'s options class, or without a format the most general class that takes
+    every field given (``ImportOptions`` for ``spec``/``weights_only``, ``TaggedOptions`` for
+    ``tag``, ...), which planning specialises to the format detected. Fields given as None
+    are not given.
+
+    Args:
+        format: one of ``FORMATS``, or None (not known yet: the files decide when planning).
+        **fields: fields of the importers' options classes (``OPTION_FIELDS``).
+
+    Returns:
+        The options object that travels to the format's ``plan`` whole.
+    """
+    given = {k: v for k, v in fields.items() if v is not None}
+    if format is not None:
+        return importer_options(_importer(format), **given)
+    fitting = [cls for cls in _OPTION_CLASSES if set(given) <= _fields(cls)]
+    if not fitting:
+        takers = "; ".join(f"{field}= applies to {_takers(field)}" for field in given)
+        raise RequestError(
+            f"{', '.join(f'{k}=' for k in given)}: options of different formats ({takers})"
+        )
+    return min(fitting, key=lambda cls: (len(_fields(cls)), len(cls.__mro__)))(**given)
+
+
+def for_format(importer: Importer, options: ImportOptions | None) -> ImportOptions:
+    """The options ``importer.plan`` takes: ``options`` itself when of its class, else (a
+    general class built before the format was known) its fields in the format's class; a field
+    given (not None) that the format does not take is an error naming the formats that take it."""
+    if options is None:
+        return importer.options()
+    if isinstance(options, importer.options):
+        return options
+    return importer_options(importer, **{f: getattr(options, f) for f in _fields(type(options))})
+
+
+def _importer(checkpoint_format: str) -> Importer:
+    importer = IMPORTERS.get(checkpoint_format)
+    if importer is None:
+        raise SourceError(
+            f"Unknown checkpoint format {checkpoint_format!r} (expected "
+            f"{', '.join(repr(name) for name in FORMATS)})."
+        )
+    return importer
+
+
 def plan_import(
-    source, *, format: str | None = None, share: Share = WHOLE, **fields: Any
+    source, options: ImportOptions | None = None, *, format: str | None = None, share: Share = WHOLE
 ) -> ImportPlan:
     """The import of ``source`` by the importer of its format (detected unless given), its items
     held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
@@ -174,26 +239,23 @@ def plan_import(
 
     Args:
         source: the checkpoint directory (or file).
+        options: the import options (the format's class, or a more general one such as
+            ``ImportOptions(weights_only=True)``: see :func:`for_format`; None: the defaults).
         format: one of ``FORMATS`` (None: detected from the files).
         share: this process's part of a distributed import.
-        **fields: the import options (``spec``, ``weights_only``, ``tag``, ...), each the field
-            of the format's options class (``IMPORTERS[format].options``) of that name; one
-            given (not None) that the format does not take is refused naming the formats that
-            take it.
 
     Returns:
         The checked plan, its items accounted for.
     """
     checkpoint_format = format or detect_format(source)
-    importer = IMPORTERS.get(checkpoint_format)
-    if importer is None:
-        raise SourceError(
-            f"Unknown checkpoint format {checkpoint_format!r} (expected "
-            f"{', '.join(repr(name) for name in FORMATS)})."
-        )
-    options = importer_options(importer, **fields, share=share)
+    importer = _importer(checkpoint_format)
+    options = for_format(importer, options)
+    if share != WHOLE:
+        options = dataclasses.replace(options, share=share)
     plan = handed_over(source, checkpoint_format, options)
     if plan is None:
         plan = importer.plan(source, options)
-    items = accounted(plan, f"{os.fspath(source)} ({checkpoint_format})", whole=share.count == 1)
+    items = accounted(
+        plan, f"{os.fspath(source)} ({checkpoint_format})", whole=options.share.count == 1
+    )
     return dataclasses.replace(plan, items=items)

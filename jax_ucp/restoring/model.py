@@ -108,7 +108,13 @@ def check_cast(name: str, saved: np.dtype, wanted: np.dtype, casting: str) -> No
 
 
 def not_found(name: str, where: str, available: Mapping) -> CheckpointError:
-    """A requested tensor ``where`` lacks, naming a few it holds."""
+    """A requested tensor ``where`` lacks, naming a few it holds.
+
+    Args:
+        name: the requested tensor's name.
+        where: the checkpoint (or file) searched.
+        available: the tensors it holds, by key path.
+    """
     near = [fmt.key_to_str(k) for k in list(available)[:5]]
     return CheckpointError(
         f"Tensor {name!r} is not in {where} ({len(available)} tensors, e.g. {near})."

@@ -231,18 +231,7 @@ def read_once(
             peers.agree(f"batch{number}", error, names)
             gathered = _all_gather(share, peers, names)
             del share
-            for process, pieces in enumerate(batch.pieces):
-                base = process * batch.length
-                for piece in pieces:
-                    t = tensors[piece.tensor]
-                    assert t.host is not None and t.gathered is not None  # freed only when done
-                    start = piece.rows[0] * t.row_bytes
-                    flat = t.host.reshape(-1).view(np.uint8)
-                    flat[start : start + piece.nbytes] = gathered[
-                        base + piece.offset : base + piece.offset + piece.nbytes
-                    ]
-                    if process == me:
-                        t.gathered.read_bytes += piece.nbytes
+            _place(tensors, batch, gathered, me)
             del gathered
             for index in batch.last_of:
                 t = tensors[index]
@@ -252,6 +241,24 @@ def read_once(
     except BaseException as e:
         peers.abort(e)
         raise
+
+
+def _place(tensors: list[_Tensor], batch: _Batch, gathered: np.ndarray, me: int) -> None:
+    """Every process's pieces of the all-gathered ``batch`` copied into their tensors' host
+    buffers (process p's share at ``p * batch.length``); the bytes this process read counted
+    in its tensors' ``Gathered``."""
+    for process, pieces in enumerate(batch.pieces):
+        base = process * batch.length
+        for piece in pieces:
+            t = tensors[piece.tensor]
+            assert t.host is not None and t.gathered is not None  # freed only when done
+            start = piece.rows[0] * t.row_bytes
+            flat = t.host.reshape(-1).view(np.uint8)
+            flat[start : start + piece.nbytes] = gathered[
+                base + piece.offset : base + piece.offset + piece.nbytes
+            ]
+            if process == me:
+                t.gathered.read_bytes += piece.nbytes
 
 
 def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:

@@ -178,7 +178,14 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
 
 def selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
     """The tensors and values ``select`` (a regex matched in full against "a/b/c" names, or a
-    predicate on the name) matches (all without it); matching none is an error."""
+    predicate on the name) matches (all without it); matching none is an error.
+
+    Args:
+        where: the checkpoint, for the error.
+        every: the tensors it holds, by key path.
+        values: its saved Python values.
+        select: a regex over "/"-joined names, a predicate on the name, or None (all).
+    """
     if select is None:
         return dict(every), list(values)
     if isinstance(select, str):

@@ -143,7 +143,13 @@ def read_rows(
 
 
 def row_ranges(found: Available, dtype: np.dtype, max_bytes: int) -> list:
-    """The ``rows`` of each slab ``read_rows`` reads (``[None]``: the whole tensor at once)."""
+    """The ``rows`` of each slab ``read_rows`` reads (``[None]``: the whole tensor at once).
+
+    Args:
+        found: the tensor as found in the checkpoint.
+        dtype: the dtype it is read into (a cast holds both copies of a row).
+        max_bytes: bytes a slab may hold.
+    """
     shape = found.shape
     if not shape or not math.prod(shape):
         return [None]

@@ -181,7 +181,13 @@ def unmatched_rules(rules: LogicalRules | None, logical_names: Iterable[str]) ->
 
 
 def unmatched_rules_message(where: str, unmatched: Sequence[str], logical_names) -> str:
-    """Why ``rules`` entries shard nothing, and what to do about it."""
+    """Why ``rules`` entries shard nothing, and what to do about it.
+
+    Args:
+        where: the checkpoint, for the message.
+        unmatched: the logical names of rules that matched no tensor.
+        logical_names: the logical axis names the tensors carry.
+    """
     carried = _listed(logical_names)
     hint = (
         "the checkpoint records no logical axis names: restore an imported model with the spec "

@@ -74,7 +74,13 @@ def chunk_parts(data: np.ndarray, layout: ArrayLayout) -> list:
 
 def index_parts(n: int, chunk_bytes: int, checksum: bool) -> list:
     """The shard index (index_location end) of ``n`` inner chunks of ``chunk_bytes`` stored in
-    order, each with a crc32c trailer when ``checksum``, then the index's own trailer."""
+    order, each with a crc32c trailer when ``checksum``, then the index's own trailer.
+
+    Args:
+        n: how many inner chunks the shard holds.
+        chunk_bytes: the encoded bytes of each.
+        checksum: each chunk and the index carry a crc32c trailer.
+    """
     stored = chunk_bytes + (4 if checksum else 0)
     index = np.empty((n, 2), "<u8")
     index[:, 0] = np.arange(n, dtype=np.uint64) * stored

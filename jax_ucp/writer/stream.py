@@ -220,6 +220,21 @@ def _streams(v, budget: int) -> bool:
     )
 
 
+async def _materialised(writer: PipelinedWriter, v, name: str):
+    """``v``, built or read once the writer has room for its bytes: a ``Deferred`` (room
+    first, then the importer builds it; a view of a source file read out with pread) or a lazy
+    TensorStore source; any other value as it is."""
+    if isinstance(v, Deferred):
+        await writer.reserve(v.nbytes)
+        v = v.build(name)
+        if isinstance(v, np.ndarray):
+            v = mapped_file.read_out(v, f"tensor {name!r}")
+    elif isinstance(v, ts.TensorStore):
+        await writer.reserve(v.dtype.numpy_dtype.itemsize * math.prod(v.shape))
+        v = await v.read()
+    return v
+
+
 async def write_stream(
     directory: os.PathLike | str,
     items: Iterable[HostItem],
@@ -269,14 +284,7 @@ async def write_stream(
                     await writer.stream(p, v.rows, writer.max_bytes // 2)
                     entries.append(p.entry)
                     continue
-            if isinstance(v, Deferred):  # room first, then the importer builds it
-                await writer.reserve(v.nbytes)
-                v = v.build(fmt.key_to_str(key))
-                if isinstance(v, np.ndarray):  # a view of a source file: read with pread
-                    v = mapped_file.read_out(v, f"tensor {fmt.key_to_str(key)!r}")
-            elif isinstance(v, ts.TensorStore):  # a lazy source: read it once it fits, likewise
-                await writer.reserve(v.dtype.numpy_dtype.itemsize * math.prod(v.shape))
-                v = await v.read()
+            v = await _materialised(writer, v, fmt.key_to_str(key))
             if isinstance(v, _SCALARS):
                 entries.append(
                     layout_lib.value_entry(

@@ -179,5 +179,5 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
     assert registry.handed_over(src, "safetensors", TorchOptions(weights_only=True)) is None
     with pytest.raises(UCPError, match=r"optimizer\.pt.*weights_only=True"):
         safetensors.plan(src, TorchOptions())
-    plan = registry.plan_import(src, parameter_order=order)
+    plan = registry.plan_import(src, options)
     assert plan.source == handed.source

@@ -185,6 +185,7 @@ def test_export_options_are_checked_once(tmp_path):
 
 def test_convert_options_are_checked_once(tmp_path):
     from jax_ucp.conversion import ConvertOptions, convert_with
+    from jax_ucp.importers.plan import ImportOptions
 
     with pytest.raises(ValueError, match=r"convert: step=-1: a non-negative int, or None"):
         ConvertOptions(step=-1)
@@ -192,9 +193,11 @@ def test_convert_options_are_checked_once(tmp_path):
         ConvertOptions(distributed=True, step=3)
     with pytest.raises(jax_ucp.UCPError, match=r"memory_budget: cannot read 'lots' as a size"):
         ConvertOptions(memory_budget="lots")
-    options = ConvertOptions(step=np.int64(2), memory_budget="1MiB", weights_only=True)
+    options = ConvertOptions(
+        step=np.int64(2), memory_budget="1MiB", importing=ImportOptions(weights_only=True)
+    )
     assert options.step == 2 and type(options.step) is int and options.memory_budget == 1 << 20
-    assert options.weights_only is True and (options.tag, options.vocab_size) == (None, None)
+    assert options.importing == ImportOptions(weights_only=True)
     src = tmp_path / "hf"
     src.mkdir()
     from safetensors.numpy import save_file

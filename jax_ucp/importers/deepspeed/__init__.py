@@ -36,6 +36,7 @@ from jax_ucp.importers.plan import (
     ImportOptions,
     ImportPlan,
     Share,
+    TaggedOptions,
     glob_detection,
     refuse_spec,
 )
@@ -176,14 +177,9 @@ def _plan_training_checkpoint(
 
 
 @dataclasses.dataclass(frozen=True)
-class DeepSpeedOptions(ImportOptions):
-    """``ImportOptions`` and the tag to import.
-
-    Attributes:
-        tag: the tag folder (``global_step2``; None: the one ``latest`` names).
-    """
-
-    tag: str | None = None
+class DeepSpeedOptions(TaggedOptions):
+    """``ImportOptions`` and the tag folder to import (``tag``, None: the one ``latest``
+    names)."""
 
 
 # Files only DeepSpeed writes: a folder holding one is read as DeepSpeed.

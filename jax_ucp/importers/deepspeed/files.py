@@ -367,7 +367,13 @@ def frozen_shapes_of(
     model_states: Mapping, model_file: str, trained: Collection[str] = ()
 ) -> dict[str, tuple[int, ...]]:
     """``frozen_param_shapes``: the parameters the run did not train (requires_grad=False); one
-    of them among the ``trained`` names is an error."""
+    of them among the ``trained`` names is an error.
+
+    Args:
+        model_states: the loaded model states file.
+        model_file: its path (for errors).
+        trained: the trained parameters' names, none of which may be frozen too.
+    """
     shapes = model_states.get("frozen_param_shapes") or {}
     if not isinstance(shapes, Mapping):
         raise SourceError(f"{model_file}: frozen_param_shapes is not a dict")

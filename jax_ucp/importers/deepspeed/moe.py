@@ -236,23 +236,7 @@ def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
 def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
     """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
     parameters carry their global names; every expert file's tensor is one of them."""
-    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
-    if not by_rank:
-        raise SourceError(
-            f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
-            "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
-        )
-    if set(by_rank) != {0}:
-        raise SourceError(
-            f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
-            "MoE with tensor or pipeline parallelism is not supported"
-        )
-    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
-    if optimizer.stage not in (1, 2):
-        raise SourceError(
-            f"{optimizer.files[0]}: zero_stage {optimizer.stage}; DeepSpeed MoE checkpoints are "
-            "read for ZeRO stages 0, 1 and 2"
-        )
+    optimizer = _moe_optimizer_states(tag_dir)
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
@@ -316,6 +300,30 @@ def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts
             "checkpoint; not supported"
         )
     return checkpoint, experts, ep_of_group
+
+
+def _moe_optimizer_states(tag_dir: str):
+    """The ZeRO 1/2 optimizer files of a MoE tag folder (those of model-parallel rank 0, the
+    only one: MoE with tensor or pipeline parallelism is refused, as stage 0's own reader is
+    elsewhere and stage 3 is not read)."""
+    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
+    if not by_rank:
+        raise SourceError(
+            f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
+            "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
+        )
+    if set(by_rank) != {0}:
+        raise SourceError(
+            f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
+            "MoE with tensor or pipeline parallelism is not supported"
+        )
+    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
+    if optimizer.stage not in (1, 2):
+        raise SourceError(
+            f"{optimizer.files[0]}: zero_stage {optimizer.stage}; DeepSpeed MoE checkpoints are "
+            "read for ZeRO stages 0, 1 and 2"
+        )
+    return optimizer
 
 
 def _checked_experts(
@@ -414,16 +422,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
     optimizer_files = _expert_optimizer_files(tag_dir, model_states, model_file)
-    module = model_states.get("module")
-    if not isinstance(module, Mapping) or not module:
-        raise SourceError(f"{model_file}: no 'module' weights to import")
-    file = os.path.basename(model_file)
-    buffers = set(model_states.get("buffer_names") or [])
-    weights = {
-        str(n): (v, f"{file}:module.{n}")
-        for n, v in module.items()
-        if isinstance(v, np.ndarray) and n not in buffers
-    }
+    weights = _module_weights(model_states, model_file)
     clash = sorted(set(weights) & set(experts.weights))
     if clash:
         raise SourceError(
@@ -432,6 +431,7 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     dense = list(weights)
     weights.update(experts.weights)
     names = share.pick(weights)
+    file = os.path.basename(model_file)
     source = files.source_record(
         tag_dir, model_states, 0, **_moe_source(experts, [len(optimizer_files)])
     )
@@ -458,40 +458,59 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     imported |= set(step[1]) if step is not None else set()
     skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
 
-    def items():
-        for name in names:
-            value, tensor = weights[name]
-            yield host_item(
-                ("params", name),
-                value,
-                {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
-            )
-            if name not in moments:
-                continue
-            mu, nu, tensors = moments[name]
-            provenance = {
-                "files": sorted({t.split(":", 1)[0] for t in tensors}),
-                "pattern": "zero0-optimizer-index",
-            }
-            for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
-                yield host_item(
-                    ("opt_state", tree, name),
-                    value,
-                    dict(provenance, tensors=[t for t in tensors if t.endswith("." + state)]),
-                )
-        if step is not None and share.primary:
-            value, tensors = step
-            yield host_item(
-                ("opt_state", "count"),
-                np.asarray(value, np.int32),
-                {
-                    "files": sorted({t.split(":", 1)[0] for t in tensors}),
-                    "pattern": "step",
-                    "tensors": tensors,
-                },
-            )
+    items = _zero0_items(names, weights, moments, step if share.primary else None)
+    return ImportPlan(items, source, len(names), source_tensors=found)
 
-    return ImportPlan(items(), source, len(names), source_tensors=found)
+
+def _module_weights(model_states: Mapping, model_file: str) -> dict[str, tuple[np.ndarray, str]]:
+    """The dense weights of ``module`` (buffers left out), each with the tensor it is read
+    from."""
+    module = model_states.get("module")
+    if not isinstance(module, Mapping) or not module:
+        raise SourceError(f"{model_file}: no 'module' weights to import")
+    file = os.path.basename(model_file)
+    buffers = set(model_states.get("buffer_names") or [])
+    return {
+        str(n): (v, f"{file}:module.{n}")
+        for n, v in module.items()
+        if isinstance(v, np.ndarray) and n not in buffers
+    }
+
+
+def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
+    """Each parameter of ``names`` with its Adam moments (when imported), then the step (given
+    to the primary process only): written in this order, so a parameter's state follows it."""
+    for name in names:
+        value, tensor = weights[name]
+        yield host_item(
+            ("params", name),
+            value,
+            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
+        )
+        if name not in moments:
+            continue
+        mu, nu, tensors = moments[name]
+        provenance = {
+            "files": sorted({t.split(":", 1)[0] for t in tensors}),
+            "pattern": "zero0-optimizer-index",
+        }
+        for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
+            yield host_item(
+                ("opt_state", tree, name),
+                value,
+                dict(provenance, tensors=[t for t in tensors if t.endswith("." + state)]),
+            )
+    if step is not None:
+        value, tensors = step
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(value, np.int32),
+            {
+                "files": sorted({t.split(":", 1)[0] for t in tensors}),
+                "pattern": "step",
+                "tensors": tensors,
+            },
+        )
 
 
 def zero0_index_names(
@@ -593,17 +612,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         for index, name in by_index.items():
             entry = inner[index]
             where = f"{file}:optimizer.state.{index}"
-            pair = []
-            for key in ("exp_avg", "exp_avg_sq"):
-                value = require(entry, key, where)
-                shape = np.asarray(weights[name][0]).shape
-                if not isinstance(value, np.ndarray) or value.shape != shape:
-                    raise SourceError(
-                        f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
-                        f"{name!r} (at this index) has shape {shape}: the parameter order is not "
-                        "the module's; import the weights with weights_only=True"
-                    )
-                pair.append(value)
+            pair = _adam_moments(entry, where, name, np.asarray(weights[name][0]).shape)
             if "step" in entry:
                 steps.setdefault(
                     float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}"
@@ -612,13 +621,7 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
                     step_tensors.append(f"{where}.step")
             tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
             held = moments.get(name)
-            for stored, value, tensor in zip(held[:2] if held else (), pair, tensors):
-                if stored.tobytes() != value.tobytes():
-                    raise SourceError(
-                        f"{tensor}: {name!r} differs from the same parameter's state on another "
-                        "rank (data-parallel replicas hold the same Adam state): files from "
-                        "different saves"
-                    )
+            _check_replica(held[:2] if held else (), pair, tensors, name)
             if held is None or not held[2]:  # rank 0's own copy is listed below, not here
                 first = held or pair
                 moments[name] = (first[0], first[1], [] if path == model_file else tensors)
@@ -641,6 +644,35 @@ def zero0_moments(model_states, model_file, states, dense, experts, weights, sou
         error=SourceError,
     )
     return moments, (count, step_tensors)
+
+
+def _adam_moments(entry, where: str, name: str, shape: tuple) -> list[np.ndarray]:
+    """``exp_avg`` and ``exp_avg_sq`` of one optimizer state entry, of the parameter's shape: a
+    shape that differs means the index-to-name order is not the module's."""
+    pair = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = require(entry, key, where)
+        if not isinstance(value, np.ndarray) or value.shape != shape:
+            raise SourceError(
+                f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
+                f"{name!r} (at this index) has shape {shape}: the parameter order is not "
+                "the module's; import the weights with weights_only=True"
+            )
+        pair.append(value)
+    return pair
+
+
+def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
+    """Another rank's copy of a parameter's moments (``pair``) equals the one kept
+    (``stored``, empty for the first): data-parallel replicas hold the same Adam state, so a
+    difference means files from different saves."""
+    for kept, value, tensor in zip(stored, pair, tensors):
+        if kept.tobytes() != value.tobytes():
+            raise SourceError(
+                f"{tensor}: {name!r} differs from the same parameter's state on another "
+                "rank (data-parallel replicas hold the same Adam state): files from "
+                "different saves"
+            )
 
 
 def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:

@@ -846,7 +846,14 @@ def frozen_items(
     stage 3 keeps a ``ceil(numel / W)`` partition per DP rank, concatenated in rank order and
     cut to ``numel``. In the run's precision (never trained, there is no fp32 master).
     ``also(name, weight, files)`` names more source tensors holding the same weights (and checks
-    that they do)."""
+    that they do).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint holding the fragments.
+        names: the frozen parameters to yield (this process's share).
+        also: ``also(name, weight, files)``: more source tensors of the same weight, checked
+            equal (None: none).
+    """
     fragments = []
     for path in checkpoint.frozen_files:
         found = _model_states(checkpoint, path).get("frozen_param_fragments")

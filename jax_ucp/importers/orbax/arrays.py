@@ -71,7 +71,14 @@ class _QuietClosedLoop:
 
 
 def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
-    """Where an array's zarr metadata lies (inside the OCDBT database, for OCDBT)."""
+    """Where an array's zarr metadata lies (inside the OCDBT database, for OCDBT).
+
+    Args:
+        path: the Orbax checkpoint (item) directory.
+        name: the array's name in it.
+        ocdbt: the arrays are in an OCDBT database (the path is then only named).
+        zarr3: zarr v3 (``zarr.json``) rather than v2 (``.zarray``).
+    """
     meta = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
     return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
 
@@ -80,7 +87,14 @@ def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
     """Refuses, before anything is read or decoded, an array whose declared chunks (each of
     ``chunks``: the read and the write chunk shape) are larger than the array in any dimension:
     Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
-    2**29 elements declared for 16 floats (a 64 KB zstd file) would decode into 2 GiB."""
+    2**29 elements declared for 16 floats (a 64 KB zstd file) would decode into 2 GiB.
+
+    Args:
+        where: the file or database the array is in (for the error).
+        name: the array's name (for the error).
+        shape: the array's declared shape.
+        chunks: the declared chunk shapes (read and write).
+    """
     for chunk in chunks:
         if chunk is None:  # TensorStore reports no such chunk (a 0-d array)
             continue

@@ -27,9 +27,9 @@ from jax_ucp.importers.orbax.layout import (
 from jax_ucp.importers.plan import (
     WHOLE,
     Detection,
-    ImportOptions,
     ImportPlan,
     Share,
+    TaggedOptions,
     refuse_spec,
     skip,
 )
@@ -106,15 +106,9 @@ def plan_orbax(
 
 
 @dataclasses.dataclass(frozen=True)
-class OrbaxOptions(ImportOptions):
-    """``ImportOptions`` and the step to import.
-
-    Attributes:
-        tag: the step of a CheckpointManager directory (None: the latest committed one); a
-            string of digits is that step number.
-    """
-
-    tag: int | str | None = None
+class OrbaxOptions(TaggedOptions):
+    """``ImportOptions`` and the step to import (``tag``, None: the latest committed one); a
+    string of digits is that step number."""
 
     def __post_init__(self):
         if isinstance(self.tag, str) and self.tag.isdigit():

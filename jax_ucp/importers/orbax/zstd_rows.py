@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import IO, Any, cast
+from typing import IO, cast
 
 import numpy as np
 import zstandard
@@ -178,71 +178,87 @@ def rows_reader(
     meta = _streamable(array)
     if meta is None:
         return None
-    chunks, shape, dtype = (
-        [int(c) for c in meta["chunks"]],
-        list(array.shape),
-        array.dtype.numpy_dtype,
-    )
-    sep = meta.get("dimension_separator") or "."
-    kvstore = array.kvstore
-    row_bytes = math.prod(shape[1:]) * dtype.itemsize
-    state: dict[str, Any] = {"frame": None, "chunk": -1}
-    checked: set[int] = set()  # chunks whose frames were decoded to their end and checked
+    return _Rows(array, meta, where, name, error)
 
-    def frame(index: int, row: int) -> _Frame | None:
+
+class _Rows:
+    """``rows(lo, hi)`` of one streamable array; the decoder of the chunk last read is kept
+    between calls, so rows asked for in order decode each chunk once."""
+
+    def __init__(self, array, meta: dict, where: str, name: str, error: type[Exception]):
+        self.array, self.where, self.name, self.error = array, where, name, error
+        self.chunk_rows = int(meta["chunks"][0])
+        self.shape = list(array.shape)
+        self.dtype = array.dtype.numpy_dtype
+        self.sep = meta.get("dimension_separator") or "."
+        self.kvstore = array.kvstore
+        self.row_bytes = math.prod(self.shape[1:]) * self.dtype.itemsize
+        self.current: _Frame | None = None
+        self.chunk = -1
+        self.checked: set[int] = set()  # chunks whose frames were decoded to their end
+
+    def key(self, index: int) -> str:
+        """The store key of chunk ``index`` (chunks never split a row)."""
+        return self.sep.join([str(index)] + ["0"] * (len(self.shape) - 1))
+
+    def frame(self, index: int, row: int) -> _Frame | None:
         """The decoder of chunk ``index`` at its row ``row`` (restarted if it passed it); None
         for a chunk not in the store."""
-        f = state["frame"]
-        if state["chunk"] != index or f is None or f.done > row * row_bytes:
-            state["frame"], state["chunk"] = None, -1
-            key = sep.join([str(index)] + ["0"] * (len(shape) - 1))
-            if not _present(kvstore, key):
+        f = self.current
+        if self.chunk != index or f is None or f.done > row * self.row_bytes:
+            self.current, self.chunk = None, -1
+            key = self.key(index)
+            if not _present(self.kvstore, key):
                 return None
             # a zarr v2 chunk always has the full chunk shape, the last (edge) one too
-            f = _Frame(kvstore, key, chunks[0] * row_bytes)
-            state["frame"], state["chunk"] = f, index
-        if f.done < row * row_bytes:
-            f.into(None, row * row_bytes - f.done)
+            f = _Frame(self.kvstore, key, self.chunk_rows * self.row_bytes)
+            self.current, self.chunk = f, index
+        if f.done < row * self.row_bytes:
+            f.into(None, row * self.row_bytes - f.done)
         return f
 
-    def rows(lo: int, hi: int) -> np.ndarray:
-        out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
+    def check_whole(self, index: int) -> None:
+        """Chunk ``index``'s frame decoded to its end (its checksum checked) once, before rows
+        of a chunk read in part are handed out."""
+        if index in self.checked:
+            return
+        key = self.key(index)
+        if _present(self.kvstore, key):
+            _Frame(self.kvstore, key, self.chunk_rows * self.row_bytes).to_end()
+        self.checked.add(index)
+
+    def __call__(self, lo: int, hi: int) -> np.ndarray:
+        out = writer.unpooled_empty((hi - lo, *self.shape[1:]), self.dtype)
         flat = memoryview(out.reshape(-1).view(np.uint8).data)
-        at = lo
+        at, n, row_bytes = lo, self.chunk_rows, self.row_bytes
         try:
             while at < hi:
-                index = at // chunks[0]
-                end = min(hi, (index + 1) * chunks[0])
-                first, last = index * chunks[0], min(shape[0], (index + 1) * chunks[0])
-                whole = at == first and end == last  # every row of the chunk in this call
-                if index not in checked and not whole:  # its frame checked before any row
-                    key = sep.join([str(index)] + ["0"] * (len(shape) - 1))
-                    if _present(kvstore, key):
-                        _Frame(kvstore, key, chunks[0] * row_bytes).to_end()
-                    checked.add(index)
-                f = frame(index, at - first)
+                index = at // n
+                end = min(hi, (index + 1) * n)
+                first, last = index * n, min(self.shape[0], (index + 1) * n)
+                if not (at == first and end == last):  # not every row of the chunk in this call
+                    self.check_whole(index)
+                f = self.frame(index, at - first)
                 if f is None:  # TensorStore's to read: its fill value, or its error
-                    out[at - lo : end - lo] = array[at:end].read().result()
+                    out[at - lo : end - lo] = self.array[at:end].read().result()
                 else:
                     f.into(
                         flat[(at - lo) * row_bytes : (end - lo) * row_bytes], (end - at) * row_bytes
                     )
                     if end == last:  # the rows past the array's end, the frame's end
                         f.to_end()
-                        checked.add(index)
+                        self.checked.add(index)
                 at = end
         except (SourceError, ValueError) as e:
-            state["frame"], state["chunk"] = None, -1
+            self.current, self.chunk = None, -1
             why = str(e) if isinstance(e, SourceError) else tensorstore_message(e)
-            raise error(
-                f"{where}: reading array {name!r} failed (rows {lo}:{hi}; missing, truncated "
-                f"or corrupt chunk data): {why}"
+            raise self.error(
+                f"{self.where}: reading array {self.name!r} failed (rows {lo}:{hi}; missing, "
+                f"truncated or corrupt chunk data): {why}"
             ) from None
         finally:
             del flat
         return out
-
-    return rows
 
 
 def _streamable(array) -> dict | None:

@@ -227,11 +227,7 @@ def plan_torch_files(
             states, groups, info["optimizer_keys"] = _optimizer(
                 optimizer, path, prefix, clean, model, skipped, order, info
             )
-    if os.path.isdir(src) and os.path.basename(model_files[0]).endswith(".safetensors"):
-        for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states (tensors): units
-            if name.startswith("rng_state") and name.endswith(".pth"):
-                found.append(name)
-                skipped[name] = "the torch run's RNG state, not imported"
+    _skip_rng_states(src, model_files[0], found, skipped)
     _skip_unused(found, optimizer_sources, params, states, skipped)
     if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
         info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
@@ -247,6 +243,17 @@ def plan_torch_files(
         **info,
     }
     return plan_state(state, source, weights_only=weights_only, share=share)
+
+
+def _skip_rng_states(src: str, first_model_file: str, found: list[str], skipped: dict) -> None:
+    """The Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``, tensors):
+    source files of their own, each counted in ``found`` and listed in ``skipped``."""
+    if not (os.path.isdir(src) and os.path.basename(first_model_file).endswith(".safetensors")):
+        return
+    for name in sorted(os.listdir(src)):
+        if name.startswith("rng_state") and name.endswith(".pth"):
+            found.append(name)
+            skipped[name] = "the torch run's RNG state, not imported"
 
 
 def _read_model_files(src: str, model_files: list[str]):

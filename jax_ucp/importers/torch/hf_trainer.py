@@ -74,14 +74,9 @@ def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
 
 
-def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None):
-    """The config's architecture, built by transformers on the meta device (no weights):
-    ``model_config`` (a Hugging Face ``config.json`` the caller gives, for a folder without
-    one), else the folder's own ``config.json``.
-
-    An untrusted config could ask for millions of layers (modules cost memory even on the meta
-    device): a layer count above the checkpoint's tensor count is refused before building."""
-    why = "cannot rebuild the optimizer's parameter order"
+def _config_path(folder: str, model_config: str | None, why: str) -> str:
+    """The ``config.json`` to build the model from: ``model_config``, else the folder's own (a
+    peft adapter folder has its adapter's, not the base model's: refused)."""
     way_out = (
         f"pass model_config= (--model-config on the command line) the model's {CONFIG_FILE}, "
         "or parameter_order=[names as saved, in model.named_parameters() order of the "
@@ -91,15 +86,27 @@ def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None)
         path = os.fspath(model_config)
         if not os.path.isfile(path):
             raise SourceError(f"model_config={path}: no such file (expected a {CONFIG_FILE})")
-    else:
-        path = side_file(folder, CONFIG_FILE)
-        if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
-            raise SourceError(
-                f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
-                f"model's {CONFIG_FILE}: {why}; {way_out}"
-            )
-        if not os.path.isfile(path):
-            raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
+        return path
+    path = side_file(folder, CONFIG_FILE)
+    if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
+        raise SourceError(
+            f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
+            f"model's {CONFIG_FILE}: {why}; {way_out}"
+        )
+    if not os.path.isfile(path):
+        raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
+    return path
+
+
+def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None):
+    """The config's architecture, built by transformers on the meta device (no weights):
+    ``model_config`` (a Hugging Face ``config.json`` the caller gives, for a folder without
+    one), else the folder's own ``config.json``.
+
+    An untrusted config could ask for millions of layers (modules cost memory even on the meta
+    device): a layer count above the checkpoint's tensor count is refused before building."""
+    why = "cannot rebuild the optimizer's parameter order"
+    path = _config_path(folder, model_config, why)
     config = read_json(path)
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object")

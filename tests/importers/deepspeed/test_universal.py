@@ -20,7 +20,9 @@ import jax_ucp
 from jax_ucp.errors import SourceError
 from jax_ucp.exporters import DeepSpeedUniversalExport
 from jax_ucp.importers import registry
+from jax_ucp.importers.deepspeed import DeepSpeedOptions
 from jax_ucp.importers.deepspeed import files as deepspeed_files
+from jax_ucp.importers.plan import ImportOptions
 from jax_ucp.importers.registry import plan_import
 from tests.ucp_testing import REPO
 
@@ -116,7 +118,10 @@ def test_universal_tag_folder_and_tag_option(tmp_path):
     shutil.copytree(tag_dir, both / "global_step2_universal")
     shutil.copy(os.path.join(run, "universal", "latest_universal"), both)
     assert "layout" not in plan_import(both).source
-    assert plan_import(both, tag="global_step2_universal").source["layout"] == "universal"
+    assert (
+        plan_import(both, DeepSpeedOptions(tag="global_step2_universal")).source["layout"]
+        == "universal"
+    )
 
 
 @pytest.mark.timeout(60)
@@ -168,7 +173,7 @@ def test_universal_missing_moment_points_at_weights_only(tmp_path):
     ):
         plan_import(root)
     with pytest.raises(SourceError, match=r"zero/wte\.weight.*weights_only=True"):
-        plan_import(root, weights_only=True)
+        plan_import(root, ImportOptions(weights_only=True))
 
 
 @pytest.mark.timeout(60)
