@@ -102,7 +102,8 @@ def _torch_tensors(src: str) -> set[str]:
             for d in dirs:
                 ck = dcp_reader.open_dcp(d)
                 names |= set(ck.tensors) | set(ck.objects)
-            return names
+            # a Trainer FSDP checkpoint's RNG states, skipped as whole files
+            return names | {os.path.basename(p) for p in glob.glob(f"{src}/rng_state*.pth")}
     paths = [src] if os.path.isfile(src) else glob.glob(os.path.join(src, "*"))
     return {
         f"{os.path.basename(path)}:{name}"
@@ -118,7 +119,9 @@ def _fixtures():
         out.append(pytest.param("deepspeed", path, id=os.path.relpath(path, FIXTURES)))
     for path in sorted(glob.glob(os.path.join(FIXTURES, "hf_trainer", "*", "checkpoint-*"))):
         # with DeepSpeed (``latest``), or the Trainer's own optimizer.pt beside model.safetensors
+        # or the FSDP layout's DCP folders (pytorch_model_fsdp_0/, optimizer_0/)
         kind = "deepspeed" if os.path.exists(os.path.join(path, "latest")) else "trainer"
+        kind = "torch" if glob.glob(os.path.join(path, "*", ".metadata")) else kind
         out.append(pytest.param(kind, path, id=os.path.relpath(path, FIXTURES)))
     megatron = sorted(
         os.path.dirname(p)
