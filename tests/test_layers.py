@@ -19,10 +19,10 @@ ALLOWED = {
     "sharding": {"format"},
     "tree": {"format"},
     "restoring": {"format", "store", "writer", "multihost", "language", "sharding", "tree"},
-    "saving": {"format", "store", "writer", "sharding", "tree"},
+    "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "handler": {"orbax"},  # only the old module names Orbax recorded, as aliases
-    "api": {"format", "store", "writer", "tree", "restoring", "saving", "orbax", "against"},
+    "api": {"format", "store", "tree", "restoring", "saving", "against"},
     "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
     "importers": {"format", "writer", "language", "torchfiles"},
     "models": {"language"},
@@ -298,3 +298,4 @@ def test_the_shared_importer_modules_import_no_format():
         for line, other in _imported_formats(os.path.join(root, name), formats)
     ]
     assert not wrong, "\n".join(wrong)
+
