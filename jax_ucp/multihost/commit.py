@@ -24,7 +24,8 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from jax_ucp.multihost.agreement import Gather, agree
+from jax_ucp.multihost import agreement
+from jax_ucp.multihost.agreement import Gather
 
 
 def alone(step: str, value: str, wait: bool = True) -> list[str]:
@@ -64,13 +65,13 @@ def commit_once(
                 ready = tx.path
             except BaseException as e:
                 ready = e
-        path = agree(gather, "ready", ready, where)[0]
+        path = agreement.agree(gather, "ready", ready, where)[0]
         written: str | BaseException
         try:
             written = write(path)
         except BaseException as e:
             written = e
-        reports = agree(gather, "written", written, where)
+        reports = agreement.agree(gather, "written", written, where)
         committed: str | BaseException = ""
         if tx is not None:
             try:
@@ -80,4 +81,4 @@ def commit_once(
                 committed = e
         # Only the others wait for the primary's outcome: a process lost after it committed
         # does not turn a whole, committed checkpoint into an error there.
-        agree(gather, "committed", committed, where, wait=index != 0)
+        agreement.agree(gather, "committed", committed, where, wait=index != 0)
