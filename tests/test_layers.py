@@ -299,3 +299,19 @@ def test_the_shared_importer_modules_import_no_format():
     ]
     assert not wrong, "\n".join(wrong)
 
+
+# Orbax is an integration, not the engine: the save, the restore and the multi-process commit
+# run without it (issue 39); only these import the ``orbax`` package.
+ORBAX_USERS = ("orbax/", "importers/orbax/", "exporters/orbax_out.py")
+
+
+def test_orbax_is_imported_only_by_the_orbax_integrations():
+    wrong = []
+    for path in _modules():
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        if rel.startswith(ORBAX_USERS):
+            continue
+        for line, module in _imported_modules(path):
+            if module.split(".")[0] == "orbax":
+                wrong.append(f"jax_ucp/{rel}:{line}: imports {module}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
