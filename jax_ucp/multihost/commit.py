@@ -1,21 +1,10 @@
-"""One checkpoint written by every process of a job and committed once, by the primary.
-
-The one protocol behind ``jax_ucp.save`` (local or object store) and a distributed convert
-(``writer.write_shared_checkpoint``); Orbax's CheckpointManager runs its own barriers and calls
-the same write and merge (``orbax.handler``). Three steps, each agreed on (``agreement.agree``),
-so every process takes the same decision from the same outcomes and none waits for a process
-that already failed:
-
-- "ready": the primary (index 0) opens the commit (``begin``: a lock, the destination claimed,
-  a temporary directory), every process learns where to write, or the primary's error;
-- "written": every process writes its part there and reports it (``write``);
-- "committed": the primary merges the reports and commits once (``merge``, then the
-  transaction's ``commit``); the others wait for its outcome.
-
-A failure anywhere is raised in every process (its own error where it happened, a
-``SharedWriteError`` naming the process and its error elsewhere), the primary's transaction
-removes what was written, and the previous checkpoint is never touched. JAX-free: the exchange
-(``gather``) is handed in.
+"""One checkpoint written by every process of a job and committed once, by the primary: the
+protocol of ``jax_ucp.save`` (a directory or an object store) and of a distributed convert
+(``writer.write_shared_checkpoint``). Three steps, each agreed on (``agreement.agree``), so no
+process waits for one that already failed: "ready" (the primary opened the transaction: where to
+write), "written" (every process wrote its part and reports it), "committed" (the primary merged
+the reports and committed). A failure anywhere is raised in every process, what was written is
+removed and the previous checkpoint is never touched. JAX-free: the exchange is handed in.
 """
 
 from __future__ import annotations
@@ -28,7 +17,7 @@ from jax_ucp.multihost import agreement
 from jax_ucp.multihost.agreement import Gather
 
 
-def alone(step: str, value: str, wait: bool = True) -> list[str]:
+def _alone(step: str, value: str, wait: bool = True) -> list[str]:
     """The exchange of a single-process job: its own value."""
     return [value]
 
@@ -55,7 +44,7 @@ def commit_once(
         merge: the primary's merge of every process's report (in process order) under the
             given path, before the commit.
     """
-    gather = gather or alone
+    gather = gather or _alone
     with contextlib.ExitStack() as stack:
         ready: str | BaseException = ""
         tx = None

@@ -23,28 +23,18 @@ PROCESS_MEMORY = 512 << 20
 PROCESSES_PER_CPU = 4
 
 
-def initialize(
-    coordinator: str | None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-    **kwargs,
-) -> None:
-    """Joins this process to a ``jax.distributed`` job as ``process_id`` of ``num_processes``.
+def initialize(coordinator: str | None, num_processes=None, process_id=None, **kwargs) -> None:
+    """Joins this process to a ``jax.distributed`` job (what ``--coordinator`` does).
 
     Args:
         coordinator: ``host:port`` where process 0 serves the job (None: the cluster's).
         num_processes: how many processes the job has (None: the cluster's).
         process_id: this process's index (None: the cluster's).
-        **kwargs: passed on to ``jax.distributed.initialize`` (``initialization_timeout``).
+        **kwargs: passed on to ``jax.distributed.initialize``.
     """
     import jax
 
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=num_processes,
-        process_id=process_id,
-        **kwargs,
-    )
+    jax.distributed.initialize(coordinator, num_processes, process_id, **kwargs)
 
 
 def local_process_limit() -> tuple[int, str]:

@@ -1,12 +1,8 @@
-"""The save engine: a JAX pytree in, a UCP checkpoint out, in four stages.
-
-``prepare`` (the layout, this process's shards copied to host: the blocking part of an async
-save) → ``write`` (this process's shard files, made durable, and its digests reported) →
-``merge`` (the primary: every process's digests into ``ucp.json``, written last). ``save`` runs
-them as one ``multihost.commit.commit_once`` in a ``writer.commit.transaction``: the standalone
-``jax_ucp.save``. Orbax's CheckpointManager calls the same stages through the thin adapter
-``orbax.handler`` (its barriers and its temporary directory); Orbax itself is not imported here.
-"""
+"""The save engine: ``prepare`` (the layout, this process's shards on host: all an async save
+blocks on) → ``write`` (its shard files, durable, its digests reported) → ``merge`` (the
+primary: every digest into ``ucp.json``, written last). ``save`` runs them in one
+``multihost.commit.commit_once``; Orbax's CheckpointManager runs them through the adapter
+``orbax.handler``. No Orbax here."""
 
 from __future__ import annotations
 
@@ -67,12 +63,11 @@ class SaveArgs:
     source: dict | None = None
 
     def __post_init__(self):
-        cls = type(self).__name__
+        cls, level = type(self).__name__, self.compression_level
         if self.compression not in (None, "zstd"):
             raise RequestError(
                 f"{cls}.compression: expected None or 'zstd', got {self.compression!r}."
             )
-        level = self.compression_level
         if isinstance(level, bool) or not isinstance(level, int) or not -131072 <= level <= 22:
             raise RequestError(
                 f"{cls}.compression_level: expected an int in -131072..22 (zstd's levels), "
@@ -233,14 +228,11 @@ def merge(save: PreparedSave, process_count: int) -> None:
 
 
 def save(path: str, args: SaveArgs, *, force: bool) -> None:
-    """``args`` saved at ``path`` by every process and committed once (``commit_once``).
-
-    A directory is written into a temporary sibling and renamed (or swapped) into place, so a
-    failed or killed save leaves the previous checkpoint whole; ``force`` replaces only a
-    jax_ucp checkpoint or an Orbax step of one (``commit.check_replaceable``). An ``s3://`` /
-    ``gs://`` prefix has no rename: it is committed by its ``ucp.json``, written last; the
-    primary locks the prefix (``commit.object_store_lock``), refuses one holding anything but
-    a killed save's leftovers and deletes those; a committed checkpoint there is never replaced.
+    """``args`` saved at ``path`` by every process, committed once (``commit_once``) in a
+    ``commit.transaction``: a directory through a temporary sibling renamed (or swapped) into
+    place, so a failed or killed save leaves the old checkpoint whole; an ``s3://`` / ``gs://``
+    prefix by its ``ucp.json``, written last (no rename there: a committed one is never
+    replaced). ``force`` replaces only what jax_ucp wrote.
 
     Args:
         path: the checkpoint directory (absolute) or object-store prefix.
