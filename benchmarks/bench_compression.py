@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ucp  # noqa: E402
-from jax_ucp import api  # noqa: E402
+from jax_ucp.saving import engine  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -132,8 +132,8 @@ def save(name: str, opts, path: str, state) -> None:
     if opts["compression"] is None:
         jax_ucp.save(path, state)
         return
-    args = jax_ucp.UCPSave(state, compression="zstd", compression_level=opts["level"])
-    api.atomic_save(path, args, force=False)
+    args = engine.SaveArgs(state, compression="zstd", compression_level=opts["level"])
+    engine.save(path, args, force=False)
 
 
 def restore(opts, path: str, abstract):

@@ -3,80 +3,19 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import warnings
 from typing import Any
-
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
 
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
 from jax_ucp.errors import CheckpointError, ResumeWarning, SourceError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp.orbax import handler as checkpoint_handler
 from jax_ucp.restoring import locate, model, ucp_source
 from jax_ucp.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 from jax_ucp.restoring.restore_entry import restore as restore  # without Orbax: defined there
-from jax_ucp.writer import commit
-
-
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        ocp.multihost.sync_global_processes(name)
-
-
-@contextlib.contextmanager
-def _primary_transaction(path: str, force: bool, **kwargs):
-    """The primary's ``commit.transaction`` (None in the others; only the primary touches
-    directories, so only it holds the transaction and its lock), decided in every process: each
-    raises when the primary could not start it, instead of waiting at a barrier the primary
-    never reaches."""
-    with contextlib.ExitStack() as stack:
-        error, tx = None, None
-        if ocp.multihost.is_primary_host(0):
-            try:
-                tx = stack.enter_context(commit.transaction(path, force=force, **kwargs))
-            except BaseException as e:
-                error = e
-        if jax.process_count() > 1:
-            failed = int(ocp.multihost.broadcast_one_to_all(np.int32(error is not None)))
-            if failed and error is None:
-                raise commit.SaveConflictError(
-                    f"{path}: the primary process refused this save (its error says why); "
-                    f"nothing was written."
-                )
-        if error is not None:
-            raise error
-        yield tx
-
-
-def atomic_save(path: str, args, *, force: bool) -> None:
-    """A JAX save in one ``commit.transaction``: Orbax's Checkpointer writes and renames
-    (temporary path + commit); ``force`` never deletes the old checkpoint first.
-
-    The new checkpoint is committed next to the old one and swapped in by two renames, so a
-    failed or killed save leaves the previous checkpoint whole (Orbax's own ``force`` removes the
-    destination before writing). ``force`` replaces only a jax_ucp checkpoint or an Orbax step
-    of one (``commit.check_replaceable``); an empty directory is used without it.
-
-    Args:
-        path: the checkpoint directory (absolute).
-        args: the ``UCPSave`` every process passes.
-        force: replace a jax_ucp checkpoint at ``path``.
-    """
-    path = path.rstrip("/")
-    with _primary_transaction(path, force, staged=False) as tx:
-        exists = os.path.exists(path)  # every process, once the primary has claimed ``path``
-        target = tx.path if tx is not None else path + commit.REPLACING if exists else path
-        handler = checkpoint_handler.UCPCheckpointHandler()
-        with ocp.Checkpointer(handler) as ckptr:
-            ckptr.save(target, args=args, force=exists)
-    if exists:  # the primary swapped it in when its transaction ended
-        _barrier("jax_ucp:force_swap")
+from jax_ucp.saving import engine
 
 
 def save(
@@ -93,8 +32,9 @@ def save(
 ) -> str:
     """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
 
-    Every process calls it; each writes only the replica-0 shards it holds, no gather. The
-    save is one ``commit.transaction``: a failed or killed save leaves ``path`` as it was.
+    Every process calls it; each writes only the replica-0 shards it holds, no gather, and
+    the primary commits once (``saving.engine.save``): a failed or killed save leaves ``path``
+    as it was, a failure in any process is raised in every one.
 
     Args:
         path: the checkpoint directory, or an ``s3://`` / ``gs://`` prefix.
@@ -120,7 +60,7 @@ def save(
     path = os.fspath(path)
     if not store.is_url(path):
         path = os.path.abspath(path)
-    args = checkpoint_handler.UCPSave(
+    args = engine.SaveArgs(
         tree,
         logical_axes=logical_axes,
         compression=compression,
@@ -129,40 +69,8 @@ def save(
         source=source,
         memory_budget=memory_budget,
     )
-    if store.is_url(path):
-        object_store_save(path, args, force=force)
-    else:
-        atomic_save(path, args, force=force)
+    engine.save(path, args, force=force)
     return path
-
-
-def object_store_save(url: str, args, *, force: bool) -> None:
-    """A save to ``s3://`` / ``gs://``: an object store has no rename, so the checkpoint is
-    committed by its ``ucp.json``, written last by the primary once every process's shards are
-    in place. Before that, the prefix is no checkpoint (restore, inspect and the manager say
-    so), so a killed save is never read.
-
-    The primary locks the prefix for the save (``commit.object_store_lock``: of two saves to one
-    prefix, one proceeds, the other fails at once having touched nothing), refuses a prefix
-    holding anything but a killed save's leftovers, and deletes those. ``force`` cannot replace
-    a committed checkpoint there: without a rename the old one would be gone before the new one
-    is whole. Save to a new prefix (e.g. the next step) instead.
-
-    Args:
-        url: the ``s3://`` / ``gs://`` prefix.
-        args: the ``UCPSave`` every process passes.
-        force: as for ``save``; a committed checkpoint at ``url`` is refused even so.
-    """
-    url = url.rstrip("/")
-    store.location.kvstore_root(url)  # a malformed URL fails here, in every process
-    commit.check_object_store_prefix(url, force=force)  # every process sees it: all raise
-    with _primary_transaction(url, force):
-        handler = checkpoint_handler.UCPCheckpointHandler()
-        handler.save(url, args=args)
-        _barrier("jax_ucp:object_store:written")
-        if ocp.multihost.is_primary_host(0):
-            handler.finalize(url)
-        _barrier("jax_ucp:object_store:committed")
 
 
 def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:

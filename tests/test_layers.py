@@ -19,10 +19,10 @@ ALLOWED = {
     "sharding": {"format"},
     "tree": {"format"},
     "restoring": {"format", "store", "writer", "multihost", "language", "sharding", "tree"},
-    "saving": {"format", "store", "writer", "sharding", "tree"},
+    "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "handler": {"orbax"},  # only the old module names Orbax recorded, as aliases
-    "api": {"format", "store", "writer", "tree", "restoring", "saving", "orbax", "against"},
+    "api": {"format", "store", "tree", "restoring", "saving", "against"},
     "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
     "importers": {"format", "writer", "language", "torchfiles"},
     "models": {"language"},
@@ -298,3 +298,20 @@ def test_the_shared_importer_modules_import_no_format():
         for line, other in _imported_formats(os.path.join(root, name), formats)
     ]
     assert not wrong, "\n".join(wrong)
+
+
+# Orbax is an integration, not the engine: the save, the restore and the multi-process commit
+# run without it (issue 39); only these import the ``orbax`` package.
+ORBAX_USERS = ("orbax/", "importers/orbax/", "exporters/orbax_out.py")
+
+
+def test_orbax_is_imported_only_by_the_orbax_integrations():
+    wrong = []
+    for path in _modules():
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        if rel.startswith(ORBAX_USERS):
+            continue
+        for line, module in _imported_modules(path):
+            if module.split(".")[0] == "orbax":
+                wrong.append(f"jax_ucp/{rel}:{line}: imports {module}")
+    assert not wrong, "\n".join(sorted(set(wrong)))

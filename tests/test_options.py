@@ -167,9 +167,10 @@ def test_the_import_options_built_at_the_edge_reach_the_format_unchanged(tmp_pat
 # Where an option is a field of several dataclasses, and why. A name not listed here that two
 # option dataclasses define fails the test below: define it once and pass its object down.
 SHARED = {
-    # the same knob of different operations, each its own option (restore / export / convert)
-    "memory_budget": "restore's, export's and convert's own; UCPStreamSave carries convert's "
-    "into Orbax's thread",
+    # the same knob of different operations, each its own option (restore / export / convert /
+    # save)
+    "memory_budget": "restore's, export's, convert's and save's own; UCPStreamSave carries "
+    "convert's into Orbax's thread",
     "progress": "export's and convert's own callbacks",
     "force": "convert's and the exports' own (replace the destination)",
     "spec": "what import, restore and export each apply (rules, views)",
@@ -177,13 +178,13 @@ SHARED = {
     "dtype": "restore's and the tensor exports' own cast",
     "casting": "restore's and the tensor exports' own casting rule",
     "select": "restore's and the tensor exports' own selection",
-    # forwarded layout options: the Orbax args re-list the writer's SaveOptions (saving/ and
-    # orbax/handler.py are being reworked for issue 39.2: the args then hold a SaveOptions)
-    "compression": "UCPSave / UCPStreamSave / convert re-list writer.layout.SaveOptions'",
-    "compression_level": "UCPSave re-lists SaveOptions'",
-    "checksum": "UCPSave re-lists SaveOptions'",
-    "inner_chunk_bytes": "UCPSave / UCPStreamSave re-list SaveOptions'",
-    "source": "UCPSave's and UCPStreamSave's provenance (the two save args)",
+    # forwarded layout options: the save args (saving.engine.SaveArgs, UCPSave's base) and
+    # UCPStreamSave re-list the writer's SaveOptions, which the engine builds from them
+    "compression": "SaveArgs / UCPStreamSave / convert re-list writer.layout.SaveOptions'",
+    "compression_level": "SaveArgs re-lists SaveOptions'",
+    "checksum": "SaveArgs re-lists SaveOptions'",
+    "inner_chunk_bytes": "SaveArgs / UCPStreamSave re-list SaveOptions'",
+    "source": "SaveArgs' and UCPStreamSave's provenance (the two save args)",
 }
 
 OPTION_MODULES = [
@@ -201,7 +202,8 @@ OPTION_MODULES = [
 
 def _option_fields() -> dict[str, list[str]]:
     """Each option name -> the option dataclasses whose bodies define it (inherited fields are
-    the base's): classes named ``*Options`` / ``*Export`` or deriving Orbax's CheckpointArgs."""
+    the base's): classes named ``*Options`` / ``*Export`` / ``SaveArgs`` or deriving Orbax's
+    CheckpointArgs."""
     import ast
     import glob
 
@@ -216,7 +218,8 @@ def _option_fields() -> dict[str, list[str]]:
                 ):
                     continue
                 bases = " ".join(ast.unparse(b) for b in cls.bases)
-                if not cls.name.endswith(("Options", "Export")) and "CheckpointArgs" not in bases:
+                named = cls.name.endswith(("Options", "Export", "SaveArgs"))
+                if not named and "CheckpointArgs" not in bases:
                     continue
                 for node in cls.body:
                     annotation = (

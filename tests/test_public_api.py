@@ -147,6 +147,7 @@ SURFACE: dict[str, set[str]] = {
     "jax_ucp.importers.orbax": {"OrbaxOptions", "detect", "plan", "plan_orbax"},
     "jax_ucp.importers.safetensors": {"detect", "plan"},
     "jax_ucp.importers.torch": {"TorchOptions", "detect", "plan"},
+    "jax_ucp.importers.verl": {"VerlOptions", "detect", "plan"},
     "jax_ucp.language": {
         "Averaged",
         "DEFAULT_ROOTS",
@@ -235,7 +236,7 @@ SURFACE: dict[str, set[str]] = {
         "read_manifest",
         "write_manifest",
     },
-    "jax_ucp.torchfiles": {"dcp_reader", "dtypes", "unpickler"},
+    "jax_ucp.torchfiles": {"dcp_reader", "dtypes", "sharded", "unpickler"},
     "jax_ucp.writer": {
         "DEFAULT_MEMORY_BUDGET",
         "Deferred",

@@ -407,11 +407,9 @@ def convert(
         spawn.spawn_local(processes, dst)
         return
     if coordinator:
-        import jax
+        from jax_ucp.multihost import launch
 
-        jax.distributed.initialize(
-            coordinator_address=coordinator, num_processes=num_processes, process_id=process_id
-        )
+        launch.initialize(coordinator, num_processes, process_id)
     out = _convert_reporting_lost_processes(
         src,
         dst,

@@ -63,9 +63,8 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
     if jax.process_count() == 1:
         return None
     from jax.errors import JaxRuntimeError
-    from orbax.checkpoint import multihost
 
-    client = multihost.get_jax_distributed_client()
+    client = distributed_client()
     index, count, run = jax.process_index(), jax.process_count(), next(_RUNS)
     peers: list[dict] = []
 
@@ -99,6 +98,17 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
     hello = json.dumps(dict(liveness.identity(os.getpid()) or {}, index=index))
     peers.extend(json.loads(v) for v in gather("hello", hello))
     return index, count, gather
+
+
+def distributed_client():
+    """The key-value store client of this process's ``jax.distributed`` job (what Orbax's
+    ``multihost`` uses too: jax has no public accessor)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise SharedWriteError("jax.distributed is not initialized: call its initialize() first")
+    return client
 
 
 def _raise_if_lost(peers: list[dict], indices: Iterable[int], step: str, where: str, me: int):

@@ -35,7 +35,7 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp.errors import ReplicatedReadError
-from jax_ucp.multihost import liveness
+from jax_ucp.multihost import agreement, liveness
 from jax_ucp.sharding import assemble
 
 if TYPE_CHECKING:
@@ -458,9 +458,8 @@ class _Peers:
 
     def __init__(self, timeout: float, fingerprint: str):
         import jax
-        from orbax.checkpoint import multihost
 
-        self.client = multihost.get_jax_distributed_client()
+        self.client = agreement.distributed_client()
         self.me, self.count = jax.process_index(), jax.process_count()
         self.prefix = f"jax_ucp/replicated/{next(_RUNS)}/"
         self.timeout = timeout

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from jax_ucp.errors import SourceError
 from jax_ucp.torchfiles.unpickler import StandIn, WrapperTensor, short_repr
 
 __all__ = ["Piece", "ShardLayoutError", "assemble", "covers", "local_pieces"]
@@ -26,7 +27,7 @@ DTENSOR = "torch.distributed.tensor.DTensor"
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
 
 
-class ShardLayoutError(ValueError):
+class ShardLayoutError(SourceError):
     """A DTensor / ShardedTensor whose layout is not one this module reads (the caller names the
     file and the tensor)."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import hashlib
 import itertools
 import os
@@ -20,7 +19,9 @@ import pathlib
 from collections.abc import Iterable, Mapping
 
 from jax_ucp import format as fmt
-from jax_ucp.multihost.agreement import Gather, SharedWriteError, agree
+from jax_ucp.errors import SharedWriteError
+from jax_ucp.multihost import commit as multihost_commit
+from jax_ucp.multihost.agreement import Gather
 from jax_ucp.writer import commit, durable
 from jax_ucp.writer.stream import HostItem, write_stream
 
@@ -72,14 +73,12 @@ def write_shared_checkpoint(
 
     ``gather(step, value, wait)`` returns every process's value for ``step`` once all have
     posted theirs (``wait=False``: only posts it), e.g. through jax.distributed's key-value
-    store (this layer stays JAX-free), and raises if a process is lost or too late. Three
-    steps: "ready" (the primary, index 0, holds the save lock and names the temporary
-    directory, ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after itself, so a later import removes it
-    once the primary is gone), "written" (each process's part file and its sha256) and
-    "committed" (the primary's merge and rename, done only once every process reported its
-    part, each part made durable by the process that wrote it first). Every process takes the same decision from the same values: a failure anywhere
-    leaves ``dest`` untouched, is raised in every process naming the process and its error,
-    and the primary removes the temporary directory (its ``commit.transaction``).
+    store (this layer stays JAX-free), and raises if a process is lost or too late. The
+    commit is ``multihost.commit.commit_once``: the primary (index 0) holds the save lock and
+    names the temporary directory, ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after itself (a later
+    import removes it once the primary is gone); each process writes its part file, makes it
+    durable and reports its sha256; the primary merges the parts and renames once. A failure
+    anywhere leaves ``dest`` untouched and is raised in every process.
 
     Args:
         dest: the checkpoint directory, on a file system every process sees.
@@ -95,48 +94,33 @@ def write_shared_checkpoint(
         ``dest``.
     """
     dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    primary = index == 0
-    with contextlib.ExitStack() as stack:
-        ready: str | BaseException = ""
-        tx = None
-        if primary:  # only the primary locks, claims and commits (the others write parts)
-            try:
-                tx = stack.enter_context(commit.transaction(dest, force=force, kind="import"))
-                ready = tx.path
-            except BaseException as e:
-                ready = e
-        shared = agree(gather, "ready", ready, dest)[0]
-        part = os.path.join(shared, PART_FILE.format(index))
-        written: str | BaseException
-        try:
-            run_coroutine(
-                write_stream(
-                    shared,
-                    items,
-                    source=source,
-                    compression=compression,
-                    sync=False,
-                    manifest_file=PART_FILE.format(index),
-                )
+    part_file = PART_FILE.format(index)
+
+    def write(shared: str) -> str:
+        run_coroutine(
+            write_stream(
+                shared,
+                items,
+                source=source,
+                compression=compression,
+                sync=False,
+                manifest_file=part_file,
             )
-            # On a shared file system each host holds its own dirty pages: the primary's syncfs
-            # at commit flushes only its host's, so every process makes its part durable before
-            # it reports it written (as each process of a JAX save does before Orbax commits).
-            durable.make_tree_durable(shared)
-            written = hashlib.sha256(pathlib.Path(part).read_bytes()).hexdigest()
-        except BaseException as e:
-            written = e
-        digests = agree(gather, "written", written, dest)
-        committed: str | BaseException = ""
-        if tx is not None:
-            try:
-                _merge_parts(shared, digests, source)
-                tx.commit()
-            except BaseException as e:
-                committed = e
-        # Only the others wait for the primary's outcome: a process lost after it committed
-        # does not turn a whole, committed checkpoint into an error here.
-        agree(gather, "committed", committed, dest, wait=not primary)
+        )
+        # On a shared file system each host holds its own dirty pages: the primary's syncfs
+        # at commit flushes only its host's, so every process makes its part durable before
+        # it reports it written (as each process of a JAX save does).
+        durable.make_tree_durable(shared)
+        return hashlib.sha256(pathlib.Path(shared, part_file).read_bytes()).hexdigest()
+
+    multihost_commit.commit_once(
+        dest,
+        index=index,
+        gather=gather,
+        begin=lambda: commit.transaction(dest, force=force, kind="import"),
+        write=write,
+        merge=lambda shared, digests: _merge_parts(shared, digests, source),
+    )
     return dest
 
 

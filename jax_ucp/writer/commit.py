@@ -3,7 +3,7 @@
 ``transaction`` is the one way anything is committed (save, convert, export, a manager step,
 local or ``s3://`` / ``gs://``): lock, recover an interrupted swap, check ``force``, write into a
 temporary directory, commit or swap; on failure the temporary is discarded (logged) and the
-destination is as it was. JAX saves let Orbax's Checkpointer write and rename (its
+destination is as it was. An Orbax export lets Orbax write and rename (its
 ``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Host-only
 imports need neither JAX nor Orbax (importing them costs a conversion about a second).
 Forced replacement never deletes the old checkpoint first.

@@ -208,14 +208,14 @@ if _spec:
                 f.write(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
 
-        _agree = ck.agree
+        _agree = jax_ucp.multihost.agreement.agree
 
         def agree(gather, step, *args, **kwargs):
             if step == _point:  # "planned": before anything is written; "written": all written
                 _die()
             return _agree(gather, step, *args, **kwargs)
 
-        ck.agree = jax_ucp.multihost.agreement.agree = agree
+        jax_ucp.multihost.agreement.agree = agree
         _write_stream = ck.write_stream
 
         def write_stream(directory, items, **kwargs):
@@ -501,10 +501,11 @@ def test_more_local_processes_than_the_machine_holds_are_refused_before_any_star
     from typer.testing import CliRunner
 
     from jax_ucp.cli import app, spawn
+    from jax_ucp.multihost import launch
 
     started = []
     monkeypatch.setattr(spawn, "spawn_local", lambda *a: started.append(a))
-    limit, why = spawn.local_process_limit()
+    limit, why = launch.local_process_limit()
     src = os.path.join(REPO, "tests", "fixtures", "torch", "plain_state_dict.pt")
     result = CliRunner().invoke(app, ["convert", src, str(tmp_path / "out"), "--processes", "1000"])
     assert result.exit_code == 2, result.output

@@ -24,6 +24,7 @@ from safetensors.numpy import save_file
 
 import jax_ucp
 from jax_ucp.errors import RequestError
+from jax_ucp.saving import engine
 from jax_ucp.store import location
 from jax_ucp.writer import commit
 from tests.ucp_testing import REPO, free_port
@@ -189,18 +190,18 @@ def test_a_save_that_did_not_commit_is_never_a_checkpoint(bucket):
     sibling = url + "-sibling"  # shares the prefix text: cleanup must not touch it
     jax_ucp.save(sibling, {"keep": np.full(3, 2.0, np.float32)})
 
-    def killed(self, directory):
+    def killed(save, process_count):
         raise KeyboardInterrupt("killed before the commit")
 
-    real = jax_ucp.UCPCheckpointHandler.finalize
+    real = engine.merge
     real_cleanup = commit.remove_object_store_leftovers
-    jax_ucp.UCPCheckpointHandler.finalize = killed  # not monkeypatch: undo() would drop the env
+    engine.merge = killed  # not monkeypatch: undo() would drop the env
     commit.remove_object_store_leftovers = lambda url: None  # a killed save cleans up nothing
     try:
         with pytest.raises(KeyboardInterrupt):
             jax_ucp.save(url, {"old": np.ones((4, 4), np.float32), "w": np.zeros(3, np.float32)})
     finally:
-        jax_ucp.UCPCheckpointHandler.finalize = real
+        engine.merge = real
         commit.remove_object_store_leftovers = real_cleanup
     assert any(n.startswith("arrays/") for n in location.list_names(url))  # the data is there
     for read in (jax_ucp.restore, jax_ucp.inspect, jax_ucp.verify):
@@ -220,16 +221,16 @@ def test_a_failed_save_removes_its_own_objects_and_its_lock(bucket):
     _, root = bucket
     url = _new(root, "failed")
 
-    def broken(self, directory):
+    def broken(save, process_count):
         raise OSError(28, "No space left on device")
 
-    real = jax_ucp.UCPCheckpointHandler.finalize
-    jax_ucp.UCPCheckpointHandler.finalize = broken  # not monkeypatch: undo() would drop the env
+    real = engine.merge
+    engine.merge = broken  # not monkeypatch: undo() would drop the env
     try:
         with pytest.raises(OSError, match="No space left"):
             jax_ucp.save(url, {"w": np.zeros((4, 4), np.float32)})
     finally:
-        jax_ucp.UCPCheckpointHandler.finalize = real
+        engine.merge = real
     assert location.list_names(url) == []
     jax_ucp.save(url, {"w": np.ones(3, np.float32)})  # no lock left behind
     assert np.asarray(jax_ucp.restore(url)["w"]).tolist() == [1.0, 1.0, 1.0]

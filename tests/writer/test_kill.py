@@ -221,7 +221,7 @@ def test_sigkill_during_forced_standalone_save_keeps_old_checkpoint(tmp_path):
     jax_ucp.save(path, {"old": np.arange(10, dtype=np.int32)})
     p = _start("standalone", path)
     try:
-        _wait_for_partial(tmp_path, "ckpt.ucp-replacing")
+        _wait_for_partial(tmp_path, "ckpt.ucp-tmp-")
         p.send_signal(signal.SIGKILL)
         p.wait(30)
     finally:

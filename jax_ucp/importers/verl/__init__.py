@@ -106,7 +106,7 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
 
     models = [_load(model_dir, name) for name in ranks.by_kind["model"]]
     params = _parameters(model_dir, ranks.by_kind["model"], models, world, found)
-    tied = tied_keys(params)
+    tied = _tied_keys(params)
     config = _hf_config(model_dir)
     if config is not None:
         source["trainer"] = {"model_config": config}
@@ -252,7 +252,7 @@ def _parameters(
     return params
 
 
-def tied_keys(params: Params) -> dict[str, str]:
+def _tied_keys(params: Params) -> dict[str, str]:
     """Key -> the earlier key whose bytes it shares on every rank (a tied ``lm_head.weight``
     saved beside ``model.embed_tokens.weight``: one storage in each rank's file, one parameter
     and one optimizer state, as ``named_parameters()`` yields it once)."""

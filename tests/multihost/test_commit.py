@@ -1,0 +1,232 @@
+"""multihost.commit.commit_once: every process writes its part, the primary merges and commits
+once, a failure anywhere is raised everywhere and nothing is committed. Threads stand in for
+the processes of the protocol itself; jax_ucp.save across two real jax.distributed processes
+shows it end to end (a forced save failing in one process leaves the old checkpoint whole)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import jax_ucp
+from jax_ucp.errors import SharedWriteError
+from jax_ucp.multihost import commit
+from tests.ucp_testing import REPO, assert_bit_exact, free_port
+
+
+class _Exchange:
+    """``gather`` for threads standing in for the processes."""
+
+    def __init__(self, count: int):
+        self.count, self.values, self.cond = count, {}, threading.Condition()
+
+    def gather_of(self, index: int):
+        def gather(step, value, wait=True):
+            with self.cond:
+                self.values[step, index] = value
+                self.cond.notify_all()
+                if not wait:
+                    return []
+                everyone = lambda: all((step, i) in self.values for i in range(self.count))  # noqa: E731
+                assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
+                return [self.values[step, i] for i in range(self.count)]
+
+        return gather
+
+
+class _Tx:
+    def __init__(self, events):
+        self.path, self.events = "/shared/tmp", events
+
+    def commit(self):
+        self.events.append("commit")
+
+
+def _run(count, write_of):
+    """Each thread's result (None) or error, and what the primary's transaction saw."""
+    exchange, results, events = _Exchange(count), [None] * count, []
+
+    @contextlib.contextmanager
+    def begin():
+        events.append("begin")
+        try:
+            yield _Tx(events)
+        except BaseException as e:
+            events.append(f"rolled back: {type(e).__name__}")
+            raise
+
+    def run(i):
+        try:
+            commit.commit_once(
+                "dest",
+                index=i,
+                gather=exchange.gather_of(i),
+                begin=begin,
+                write=lambda path: write_of(i, path),
+                merge=lambda path, reports: events.append(("merge", path, reports)),
+            )
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    return results, events
+
+
+@pytest.mark.timeout(60)
+def test_every_part_is_merged_in_process_order_and_committed_once():
+    results, events = _run(3, lambda i, path: f"part {i} in {path}")
+    assert results == [None, None, None]
+    reports = [f"part {i} in /shared/tmp" for i in range(3)]
+    assert events == ["begin", ("merge", "/shared/tmp", reports), "commit"]
+
+
+@pytest.mark.timeout(60)
+def test_a_write_failing_in_one_process_is_raised_in_every_one_and_nothing_is_committed():
+    def write(i, path):
+        if i == 1:
+            raise OSError("disk full")
+        return "ok"
+
+    results, events = _run(3, write)
+    assert isinstance(results[1], OSError)
+    for i in (0, 2):
+        assert isinstance(results[i], SharedWriteError), results
+        assert "process 1: OSError: disk full" in str(results[i])
+    assert events == ["begin", "rolled back: SharedWriteError"]  # the write removed, no merge
+
+
+@pytest.mark.timeout(60)
+def test_a_primary_that_cannot_begin_stops_every_process_before_it_writes():
+    written = []
+
+    @contextlib.contextmanager
+    def refused():
+        raise FileExistsError("dest already exists")
+        yield
+
+    exchange, results = _Exchange(2), [None, None]
+
+    def run(i):
+        try:
+            commit.commit_once(
+                "dest",
+                index=i,
+                gather=exchange.gather_of(i),
+                begin=refused,
+                write=lambda path: written.append(i) or "",
+                merge=lambda path, reports: None,
+            )
+        except Exception as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert isinstance(results[0], FileExistsError)
+    assert isinstance(results[1], SharedWriteError) and "dest already exists" in str(results[1])
+    assert written == []
+
+
+def test_a_single_process_gets_its_own_error_unchanged():
+    @contextlib.contextmanager
+    def begin():
+        yield _Tx([])
+
+    def write(path):
+        raise ValueError("bad leaf")
+
+    with pytest.raises(ValueError, match="^bad leaf$"):
+        commit.commit_once(
+            "dest", index=0, gather=None, begin=begin, write=write, merge=lambda p, r: None
+        )
+
+
+SAVER = r"""
+import sys
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+pid, n, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
+                           process_id=pid, initialization_timeout=120)
+import jax_ucp
+from jax_ucp.saving import plan as save_plan
+mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+W = np.arange(128 * 96, dtype=np.float32).reshape(128, 96)
+w = jax.make_array_from_callback(W.shape, NamedSharding(mesh, P("data", "model")), lambda i: W[i])
+write_tensor = save_plan.write_tensor
+async def failing(*args, **kwargs):
+    raise OSError("disk full on process 1")
+if pid == 1:
+    save_plan.write_tensor = failing
+try:
+    jax_ucp.save(path, {"w": w, "step": 5}, force=True)
+except Exception as e:
+    print("FAILED", type(e).__name__, str(e).replace("\n", " "), flush=True)
+if pid == 0:  # its transaction is over: the old checkpoint, nothing beside it
+    import os
+    names = [e.name for e in jax_ucp.inspect(path).tensors]
+    print("AFTER", names, sorted(os.listdir(os.path.dirname(path))), flush=True)
+save_plan.write_tensor = write_tensor
+jax_ucp.save(path, {"w": w, "step": 6}, force=True)
+print("SAVED", pid, flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_processes_save_force_fails_in_one_then_succeeds(tmp_path):
+    """The forced save that fails in process 1 is raised in both and leaves the old checkpoint
+    whole, with nothing beside it; the next one, written by both, replaces it."""
+    path = tmp_path / "ckpt"
+    jax_ucp.save(path, {"old": np.arange(4, dtype=np.int32)})
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=REPO,
+    )
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(i), "2", port, str(path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err[-3000:]
+    failed = [
+        next(line for line in out.splitlines() if line.startswith("FAILED")) for out, _ in outs
+    ]
+    assert failed[1] == "FAILED OSError disk full on process 1"
+    assert failed[0].startswith("FAILED SharedWriteError")
+    assert "process 1: OSError: disk full on process 1" in failed[0]
+    assert "AFTER ['old'] ['ckpt']" in outs[0][0]
+    assert all(f"SAVED {i}" in out for i, (out, _) in enumerate(outs))
+    back = jax_ucp.restore(path)
+    assert_bit_exact(back["w"], np.arange(128 * 96, dtype=np.float32).reshape(128, 96))
+    assert back["step"] == 6
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
