@@ -410,7 +410,7 @@ def convert(
                 parameter_order=order,
                 model_config=model_config,
             )
-    except agreement.SharedWriteError as e:
+    except agreement.MultiProcessError as e:
         output.error(str(e))
         if isinstance(e, agreement.ProcessLostError):
             # jax.distributed's shutdown at exit would wait for the lost process (its heartbeat

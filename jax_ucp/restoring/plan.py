@@ -233,7 +233,7 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
     Raises:
         CheckpointError: the checkpoint cannot be read, or a target names a tensor it lacks.
-        ShardingMismatchError: a rule names a mesh axis the mesh does not have; with
+        RequestError: a rule names a mesh axis the mesh does not have; with
             ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
             by no rule and no saved PartitionSpec (each names the closest known names).
         RequestError: an argument of the wrong kind (as for ``restore``), neither ``mesh`` nor
@@ -384,7 +384,7 @@ def _explicit(av: model.Available, req: model.Request, casting: str):
     dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
     try:
         model.check_tensor_request(av.name, req, av, "the checkpoint", casting)
-    except (CheckpointError, sharding_lib.ShardingMismatchError) as e:
+    except (CheckpointError, RequestError) as e:
         error = str(e)
     return av, dtype, req.sharding, (), error
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import ReplicatedReadError
+from jax_ucp.errors import MultiProcessError
 from jax_ucp.multihost import liveness
 from jax_ucp.sharding import assemble
 
@@ -429,7 +429,7 @@ def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarra
         peers.raise_if_lost(
             f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
         )
-        raise ReplicatedReadError(
+        raise MultiProcessError(
             f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather "
             f"of the shares failed ({e}); a process of the job died or left the restore."
         ) from e
@@ -463,7 +463,7 @@ class _Peers:
         self.identities = [json.loads(v) for v in values]
         plans = {i: v["plan"] for i, v in enumerate(self.identities)}
         if len(set(plans.values())) > 1:
-            raise ReplicatedReadError(
+            raise MultiProcessError(
                 f"Reading replicated tensors once across {self.count} processes: the processes "
                 f"asked for different restores (plans {plans}); every process must restore the "
                 f"same tensors with the same memory_budget."
@@ -480,7 +480,7 @@ class _Peers:
         )
         if isinstance(error, fmt.UCPError):  # it names the tensor and file already
             raise error
-        raise ReplicatedReadError(
+        raise MultiProcessError(
             f"Reading {_shown(names)} once across {self.count} processes: process "
             f"{self.me} (this one) failed to read its share: {type(error).__name__}: {error}"
         ) from error
@@ -495,11 +495,11 @@ class _Peers:
             pass
 
     def raise_if_lost(self, where: str) -> None:
-        """``ReplicatedReadError`` naming a process of this host that is gone."""
+        """``MultiProcessError`` naming a process of this host that is gone."""
         process = liveness.first_lost(self.identities, range(len(self.identities)), self.me)
         if process is not None:
             peer = self.identities[process]
-            raise ReplicatedReadError(
+            raise MultiProcessError(
                 f"{where}: process {process} (pid {peer['pid']} on {peer['host']}) died "
                 f"while process {self.me} waited for it."
             )
@@ -520,7 +520,7 @@ class _Peers:
             got = dict(self.client.key_value_dir_get(prefix))
             for i in range(self.count):
                 if got.get(prefix + str(i), "").startswith("error:"):
-                    raise ReplicatedReadError(
+                    raise MultiProcessError(
                         f"{where}: process {i} failed to read its share: "
                         f"{got[prefix + str(i)][len('error:') :]}"
                     )
@@ -535,16 +535,16 @@ class _Peers:
                     return [got[prefix + str(i)] for i in range(self.count)]
                 if aborted:
                     key, why = sorted(aborted.items())[0]
-                    raise ReplicatedReadError(
+                    raise MultiProcessError(
                         f"{where}: process {key.rsplit('/', 1)[-1]} left the restore ({why})."
                     )
                 try:
                     self.raise_if_lost(where)
-                except ReplicatedReadError:
+                except MultiProcessError:
                     statuses()  # it may have set its error just before it exited
                     raise
                 if time.monotonic() > deadline:
-                    raise ReplicatedReadError(
+                    raise MultiProcessError(
                         f"{where}: process(es) {', '.join(map(str, missing))} did not finish "
                         f"reading their share within {self.timeout:g} s."
                     )
@@ -552,4 +552,4 @@ class _Peers:
             except JaxRuntimeError as e:  # a timed-out poll, or the coordinator gone
                 if "DEADLINE_EXCEEDED" not in str(e):
                     self.raise_if_lost(where)
-                    raise ReplicatedReadError(f"{where}: jax.distributed failed: {e}") from e
+                    raise MultiProcessError(f"{where}: jax.distributed failed: {e}") from e

@@ -18,7 +18,7 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import RequestError, UnsupportedError
+from jax_ucp.errors import RequestError
 from jax_ucp.writer import (
     PreparedTensor,
     SaveOptions,
@@ -257,7 +257,7 @@ def prepare_tree(
                 key, key_types, leaf, options, primary=primary, stable_source=copy, **tagged
             )
         else:
-            raise UnsupportedError(
+            raise RequestError(
                 f"Leaf {fmt.key_to_str(key)!r}: cannot save a {type(leaf).__module__}."
                 f"{type(leaf).__qualname__} (expected jax.Array, numpy array, "
                 f"tensorstore.TensorStore, or None/bool/int/float/str)."

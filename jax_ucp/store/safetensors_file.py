@@ -19,7 +19,7 @@ import os
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp.errors import FileReadError, SourceError
+from jax_ucp.errors import CheckpointError, SourceError
 from jax_ucp.format import files, safetensors
 from jax_ucp.store import shard_reader
 
@@ -77,7 +77,7 @@ class SafetensorsTensor:
         got = files.preadv_full(self.file.fd, [out.reshape(-1).view(np.uint8).data], position)
         shard_reader.count_bytes_read(got)
         if got < out.nbytes:
-            raise FileReadError(
+            raise CheckpointError(
                 f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
                 f"{position + out.nbytes}, the file ends at {position + got})."
             )

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ucp
 from jax_ucp import store
 from jax_ucp import writer as tensor_writes
-from jax_ucp.errors import FileReadError
+from jax_ucp.errors import CheckpointError
 from jax_ucp.store import shard_file, shard_reader, shard_writer
 from tests.ucp_testing import assert_bit_exact
 
@@ -281,11 +281,11 @@ def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, s
     if missing:
         # A whole shard equal to the fill value is never written without store_data_equal_to_fill_value;
         # jax_ucp always stores it, so for us a missing shard is data loss: an error, not zeros.
-        with pytest.raises(FileReadError, match="shard file missing"):
+        with pytest.raises(CheckpointError, match="shard file missing"):
             r[region].read().result()
         return
     if not store_fill:  # an inner chunk missing from a shard the region reads: also an error
-        with contextlib.suppress(FileReadError):
+        with contextlib.suppress(CheckpointError):
             got = r[region].read().result()
             assert_bit_exact(got, t[region].read().result())  # the region missed those chunks
         return
@@ -395,7 +395,7 @@ def test_damaged_shards_are_clear_errors(tmp_path, damage):
     else:
         shard.write_bytes(bytes(data))
     assert_bit_exact(r[0:4].read().result(), value[:4])  # the other shard still reads
-    with pytest.raises(FileReadError, match=expect):
+    with pytest.raises(CheckpointError, match=expect):
         r.read().result()
 
 
@@ -445,7 +445,7 @@ def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
     got = shard_reader.object_digests([(kvstore, k, 4, k, offset) for k in keys])
     assert got[0] == want[0] and got[2] == want[1]
     assert isinstance(got[1], FileNotFoundError)
-    assert isinstance(got[3], FileReadError) and "c/9/0" in str(got[3])
+    assert isinstance(got[3], CheckpointError) and "c/9/0" in str(got[3])
     assert shard_reader.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
     with pytest.raises(FileNotFoundError):
         shard_reader.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)

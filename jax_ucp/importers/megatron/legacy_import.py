@@ -15,6 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp import writer
+from jax_ucp.errors import LanguageError
 from jax_ucp.format import mapped_file
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.megatron.common import (
@@ -39,7 +40,6 @@ from jax_ucp.importers.plan import (
 )
 from jax_ucp.language import (
     QKV,
-    MergeError,
     Partitioned,
     PipelineTied,
     Spec,
@@ -524,7 +524,7 @@ class _LegacyMerger:
             tied = PipelineTied(inner=kind)
             value = merge(tied, list(stages.values()), name=name, settings=settings)
             return np.asarray(value), f"pipeline_tied({kind.kind})"
-        except MergeError as e:
+        except LanguageError as e:
             raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
 
     def deferred(self, name: str, stages: dict, what: str) -> tuple[writer.Deferred, str]:
@@ -557,7 +557,7 @@ class _LegacyMerger:
         (per_tp,) = stages.values()
         try:
             view = merge(kind, per_tp, name=name, settings=self.plan.spec.settings, lazy=True)
-        except MergeError:
+        except LanguageError:
             return None
         return view if view.rank >= 1 else None
 

@@ -148,7 +148,7 @@ def test_existing_destination_refused_unless_force(tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(jax_ucp.SaveConflictError):
         convert(src, dst, format="deepspeed")
     assert (dst / "keep.txt").read_text() == "x"
     # force replaces a checkpoint, never a folder of the user's
