@@ -249,7 +249,7 @@ def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
     root = locate.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
     available = ucp_source.available_tensors(manifest, options.spec)
-    layouts = _Layouts(mesh, options.processes)
+    layouts = Layouts(mesh, options.processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
     if explicit and rules is not None:
@@ -566,7 +566,7 @@ class IndexedBytes(Mapping[int, int]):
         return f"IndexedBytes({len(self)} indices, {self.lowest()} to {self.highest()} bytes)"
 
 
-class _Layouts:
+class Layouts:
     """Devices and processes of meshes (concrete or abstract), and the slices a sharding gives
     each device, from shapes and PartitionSpecs alone."""
 
@@ -681,7 +681,7 @@ class _Layouts:
             counts[q] = memo[start]
         return counts
 
-    def _named(self, shape, spec, mesh):
+    def device_slices(self, shape, spec, mesh):
         """(device, process, ((start, stop) per dimension)) for each position of ``mesh``, as
         ``NamedSharding.devices_indices_map`` would give (the axes of one entry major first)."""
         names = tuple(mesh.axis_names)

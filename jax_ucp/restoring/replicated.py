@@ -82,7 +82,10 @@ class Gathered:
 
 
 @dataclasses.dataclass
-class _Tensor:
+class SharedTensor:
+    """A tensor of a read-once restore: what was asked, how it is stored, and (while read) the
+    host buffer its share lands in."""
+
     position: int
     item: Any  # what the caller passed (handed back with the result)
     name: str
@@ -199,7 +202,7 @@ def read_once(
     if not items:
         return
     tensors = [
-        _Tensor(
+        SharedTensor(
             position=position,
             item=(position, req, found),
             name=found.name,
@@ -216,7 +219,7 @@ def read_once(
     n, me = jax.process_count(), jax.process_index()
     # own share + the gathered batch within the budget, the shares' rounding (1/8) included
     batch_bytes = max(1, int(budget) * n * 8 // ((n + 1) * 9))
-    batches = list(_batches(tensors, n, batch_bytes))
+    batches = list(share_batches(tensors, n, batch_bytes))
     peers = _Peers(timeout, _fingerprint(tensors, batches))
     try:
         for number, batch in enumerate(batches):
@@ -254,7 +257,7 @@ def read_once(
         raise
 
 
-def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
+def share_batches(tensors: list[SharedTensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
     """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
     batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
     handed out in an order rotating with the batch, so a unit too many evens out)."""
@@ -280,7 +283,9 @@ def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batc
         yield _cut(tensors, runs, n, number)
 
 
-def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int, shift: int) -> _Batch:
+def _cut(
+    tensors: list[SharedTensor], runs: list[tuple[int, int, int]], n: int, shift: int
+) -> _Batch:
     units = [(index, k) for index, u0, u1 in runs for k in range(u0, u1)]
     spans = [tensors[i].unit_span(k, k + 1) for i, k in units]
     sizes = np.array(
@@ -356,7 +361,7 @@ def _names(tensors, batch: _Batch) -> list[str]:
     return list(dict.fromkeys(tensors[p.tensor].name for ps in batch.pieces for p in ps))
 
 
-def _finish(t: _Tensor) -> Gathered:
+def _finish(t: SharedTensor) -> Gathered:
     """The tensor's result from its whole host copy: numpy, or a jax.Array whose local devices
     hold their slices (replicated devices share the one buffer, as ``PendingArray`` does)."""
     host, gathered = t.host, t.gathered

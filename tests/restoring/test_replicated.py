@@ -188,13 +188,13 @@ def test_shares_cover_every_row_once_in_whole_units():
     whole inner chunks (units), shares balanced by bytes, each batch within the budget."""
     shapes = [((1001, 7), 64), ((96, 80), 12), ((37,), 37), ((5, 3, 2), 1), ((4096, 16), 128)]
     tensors = [
-        replicated._Tensor(i, None, f"t{i}", s, np.dtype(np.float32), None, None, unit)
+        replicated.SharedTensor(i, None, f"t{i}", s, np.dtype(np.float32), None, None, unit)
         for i, (s, unit) in enumerate(shapes)
     ]
     for n in (2, 3, 4):
         budget = 48 << 10
         covered = [np.zeros(t.shape[0], int) for t in tensors]
-        for batch in replicated._batches(tensors, n, budget * n // (n + 1)):
+        for batch in replicated.share_batches(tensors, n, budget * n // (n + 1)):
             sizes = []
             for pieces in batch.pieces:
                 sizes.append(sum(p.nbytes for p in pieces))

@@ -231,14 +231,14 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     views: list = []
-    rows_view = legacy_import._LegacyMerger.rows_view
+    rows_view = legacy_import.LegacyMerger.rows_view
 
     def spy(self, name, stages):
         view = rows_view(self, name, stages)
         views.append(view is not None)
         return view
 
-    monkeypatch.setattr(legacy_import._LegacyMerger, "rows_view", spy)
+    monkeypatch.setattr(legacy_import.LegacyMerger, "rows_view", spy)
     streamed: list = []
     stream = shards.PipelinedWriter.stream
 

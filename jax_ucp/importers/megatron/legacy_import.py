@@ -504,7 +504,7 @@ def _legacy_distrib_optim(
     return out, count, sources
 
 
-class _LegacyMerger:
+class LegacyMerger:
     """Merges one name's fragments with its kind, errors naming the files."""
 
     def __init__(self, plan: _LegacyImport):
@@ -584,7 +584,7 @@ class _LegacyMerger:
 def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.HostItem]:
     """Per name: the merged weight, or master + moments (+ model copy) with distrib_optim.pt."""
     checkpoint, tensors = plan.checkpoint, plan.tensors
-    merger = _LegacyMerger(plan)
+    merger = LegacyMerger(plan)
     optimizer_files = sorted(
         os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )

@@ -38,7 +38,7 @@ def test_zero3_states_are_joined_only_when_the_writer_has_room(tmp_path, monkeyp
         return await reserve(self, nbytes)
 
     joined: list = []
-    join = zero._joined
+    join = zero.joined_parts
 
     def join_spy(parts, shape, dtype):
         value = join(parts, shape, dtype)
@@ -46,7 +46,7 @@ def test_zero3_states_are_joined_only_when_the_writer_has_room(tmp_path, monkeyp
         return value
 
     monkeypatch.setattr(shards.PipelinedWriter, "reserve", reserve_spy)
-    monkeypatch.setattr(zero, "_joined", join_spy)
+    monkeypatch.setattr(zero, "joined_parts", join_spy)
     small = jax_ucp.convert(SRC, tmp_path / "small", memory_budget="1KiB")
     assert len(joined) > 10 and any(n > 1024 for _, n in joined), joined
     assert all(held == 0 or held + n <= 1024 for held, n in joined), joined

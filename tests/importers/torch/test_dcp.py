@@ -321,7 +321,7 @@ def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypat
 @pytest.mark.timeout(10)
 def test_the_chunk_crc_is_zips_crc32():
     """The CRC the reader checks chunks with (ISA-L's when installed) is zip's CRC-32, also
-    continued piece by piece as ``_pread_into`` does: the value torch writes per member."""
+    continued piece by piece as ``pread_into`` does: the value torch writes per member."""
     import zlib
 
     data = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 17, np.uint8)
@@ -345,7 +345,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
         torch_pickle.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy()
     )
     calls = []
-    monkeypatch.setattr(dcp_reader, "_pread_into", lambda *a: calls.append(a))  # not used
+    monkeypatch.setattr(dcp_reader, "pread_into", lambda *a: calls.append(a))  # not used
     src = _copy(tmp_path)
     ck = dcp_reader.open_dcp(src)
     tensor = ck.tensors["model.output.weight"]
