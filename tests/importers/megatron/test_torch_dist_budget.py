@@ -10,6 +10,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.importers.megatron import rank_states, torch_dist
+from tests.ucp_testing import tree_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SRC = os.path.join(
@@ -22,16 +23,6 @@ SRC = os.path.join(
     "llama_distopt_bf16_tp2dp2_buckets",
 )
 VOCAB = 61  # the fixtures' tokenizer vocab (padded to 64 in the checkpoint)
-
-
-def _files(root) -> dict[str, bytes]:
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            if n != "ucp.json":
-                with open(os.path.join(d, n), "rb") as f:
-                    out[os.path.relpath(os.path.join(d, n), root)] = f.read()
-    return out
 
 
 @pytest.mark.timeout(300)
@@ -82,4 +73,4 @@ def test_a_whole_state_read_in_row_blocks_is_the_same_checkpoint(tmp_path, monke
     small = jax_ucp.convert(SRC, tmp_path / "small", vocab_size=VOCAB)
     assert len(ranges) > 2 * len(whole), (len(ranges), len(whole))
     assert sum(ranges) == sum(whole)  # every element read once either way
-    assert _files(small) == _files(default)
+    assert tree_files(small, skip=("ucp.json",)) == tree_files(default, skip=("ucp.json",))

@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -19,7 +18,7 @@ import jax_ucp
 from jax_ucp.errors import SourceError
 from jax_ucp.importers import registry
 from jax_ucp.torchfiles import dcp_reader
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, load_truth
 
 FIX = os.path.join(REPO, "tests", "fixtures", "torch")
 STATES = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
@@ -29,14 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def truth(name: str) -> dict[str, np.ndarray]:
     """The run's live state: ``{"param/<name>": array, ..., "step": float}``, bf16 restored."""
-    out = {}
-    with np.load(os.path.join(FIX, name + ".truth.npz")) as z:
-        for key in z.files:
-            value = z[key]
-            if key.endswith("::bfloat16"):
-                key, value = key[: -len("::bfloat16")], value.view(ml_dtypes.bfloat16)
-            out[key] = value
-    return out
+    return load_truth(os.path.join(FIX, name + ".truth.npz"))
 
 
 def assert_matches_run(restored: dict, name: str, prefix: str = "") -> None:

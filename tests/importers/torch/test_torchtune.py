@@ -16,22 +16,26 @@ from safetensors.numpy import load_file
 import jax_ucp
 from jax_ucp.exporters import torch_out
 from jax_ucp.torchfiles import unpickler
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import (
+    REPO,
+    assert_bit_exact,
+    assert_convert_refused,
+    assert_destination_untouched,
+)
 
 pytestmark = pytest.mark.timeout(120)
 SRC = os.path.join(REPO, "tests", "fixtures", "torchtune", "tt_fp32")
 
 
 def test_torchtune_folder_weights_import_and_optimizer_is_refused_by_name(tmp_path):
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=r"recipe_state\.pt: torchtune's optimizer state, keyed by index \(\d+ parameters "
+    assert_convert_refused(
+        SRC,
+        tmp_path / "refused",
+        r"recipe_state\.pt: torchtune's optimizer state, keyed by index \(\d+ parameters "
         r"in 1 param group, indices 0, 1, 2, \.\.\., without their names\), is over "
         r"torchtune's own model .*not supported yet.*"
         r"weights_only=True to import epoch_0/'s weights",
-    ):
-        jax_ucp.convert(SRC, tmp_path / "refused")
-    assert_destination_untouched(tmp_path / "refused")
+    )
     out = jax_ucp.convert(SRC, tmp_path / "ucp", weights_only=True)
     got = jax_ucp.restore(out)
     want = load_file(os.path.join(SRC, "epoch_0", "model-00001-of-00001.safetensors"))
