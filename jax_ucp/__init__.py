@@ -12,22 +12,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from jax_ucp.errors import (
-    AmbiguousAdamStateError,
     CheckpointError,
-    CheckpointReplacedError,
-    FileReadError,
     LanguageError,
     MultiProcessError,
-    NotFoundError,
     OptimizerOrderWarning,
     RequestError,
     ResumeWarning,
     SaveConflictError,
-    SetupError,
-    ShardingMismatchError,
     SourceError,
     UnsafeFileError,
-    UnsupportedError,
 )
 from jax_ucp.format import Manifest, TensorEntry, UCPError, ValueEntry
 from jax_ucp.lazy_names import lazy_attributes
@@ -72,22 +65,16 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers (test
     from jax_ucp.store.location import set_object_store_options
 
 __all__ = [
-    "AmbiguousAdamStateError",
     "CheckpointError",
-    "CheckpointReplacedError",
-    "RequestError",
-    "FileReadError",
     "LanguageError",
     "Manifest",
     "MultiProcessError",
-    "NotFoundError",
     "OptimizerOrderWarning",
     "ReplicationWarning",
+    "RequestError",
     "RestoreOptions",
     "ResumeWarning",
     "SaveConflictError",
-    "SetupError",
-    "ShardingMismatchError",
     "SourceError",
     "TensorEntry",
     "TorchOptimizer",
@@ -97,7 +84,6 @@ __all__ = [
     "UCPRestore",
     "UCPSave",
     "UnsafeFileError",
-    "UnsupportedError",
     "ValueEntry",
     "__version__",
     "abstract_mesh",

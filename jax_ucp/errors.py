@@ -2,11 +2,11 @@
 grouped by what the user does about the error.
 
 A leaf module (it imports nothing of jax_ucp), so every layer — the pure-logic UCP language
-included — raises these, and callers catch one class. Each class also derives from the builtin(s)
-it replaced, so ``except ValueError`` / ``OSError`` / ``KeyError`` / ... keeps working. There are
-no aliases: every module raises these classes by their own names; a class of its own below a
-group only where it carries something (another builtin, an attribute, or code that catches it
-alone).
+included — raises these, and callers catch one class. Each class derives from one builtin besides
+``UCPError`` (``except ValueError`` / ``OSError`` / ``RuntimeError`` keeps working). There are no
+aliases, and no public subclasses: a distinction only jax_ucp's own code catches is a subclass in
+the layer that raises it (``torchfiles.unpickler.TorchFileError``,
+``importers.megatron.common.MegatronImportError``, ``multihost.agreement.ProcessLostError``).
 
 TensorStore's own errors are plain ``ValueError``s whose text starts with an absl status code and
 ends with a dump of the whole spec (``[tensorstore_spec='{…}']``; Orbax adds its kvstore as
@@ -17,7 +17,6 @@ line recognises what is left over (``is_tensorstore_io_error``) as an I/O error,
 from __future__ import annotations
 
 import errno
-import os
 import re
 
 
@@ -28,85 +27,42 @@ class UCPError(Exception):
 
 class RequestError(UCPError, ValueError):
     """Fix the call: an argument or option refused (out of range, of the wrong kind, options that
-    exclude each other), a size that cannot be read, a pytree whose keys cannot be written or
-    matched, a destination that would overwrite its source, an export the target format cannot
-    hold, an object-store URL or option that cannot be used, an ambiguous Adam state."""
-
-
-class UnsupportedError(RequestError, TypeError):
-    """Well-formed input outside what jax_ucp supports: a dtype or a Python value the format
-    cannot store, a model configuration the built-in models do not implement. (A ``TypeError``
-    for values and dtypes, a ``ValueError`` for configurations, as before it existed.)"""
-
-
-class ShardingMismatchError(RequestError):
-    """A tensor dimension does not divide the mesh axes it is asked to be split over, or a
-    rule / mesh axis names something the checkpoint or the mesh does not have."""
+    exclude each other), a dtype or value the format cannot store, a model configuration the
+    built-in models do not implement, a tensor that does not divide the mesh axes it is split
+    over or a rule naming what the checkpoint or mesh lacks, several Adam states a target moment
+    could belong to (give the roots' targets), a pytree whose keys cannot be written or matched, a
+    destination that would overwrite its source, an export the target format cannot hold, an
+    object-store URL or option that cannot be used, a sample that does not exist, a process with
+    too few devices for what was asked."""
 
 
 class SourceError(UCPError, ValueError):
-    """A checkpoint to import (torch, DCP, DeepSpeed, Megatron, Orbax, safetensors) is not one,
-    or is malformed, inconsistent or unsupported, or its import would leave tensors unaccounted
-    for; names the file and the tensor."""
-
-
-class SourceNotFoundError(SourceError, FileNotFoundError):
-    """The source path does not exist or is not a directory."""
-
-
-class TorchFileError(SourceError):
-    """A torch file is missing, truncated, corrupt or in an unsupported format (``path``: it)."""
-
-    def __init__(self, path: os.PathLike | str, message: str):
-        self.path = str(path)
-        super().__init__(f"{self.path}: {message}")
-
-
-class UnsafePickleError(TorchFileError):
-    """The pickle asks for something outside the allow-list; nothing was executed."""
-
-
-class MegatronImportError(SourceError):
-    """A Megatron checkpoint (torch_dist, legacy or Bridge) is incomplete, inconsistent or
-    unsupported. A class of its own because the importer tries its next module order on this
-    error alone: a read error of the checkpoint (a ``SourceError``) is not retried."""
+    """A checkpoint to import (torch, DCP, DeepSpeed, Megatron, Orbax, safetensors) is missing or
+    not one, or is malformed, inconsistent or unsupported, a torch file truncated or corrupt, a
+    pickle asking for something outside the allow-list (nothing was executed), or its import
+    would leave tensors unaccounted for; names the file and the tensor."""
 
 
 class CheckpointError(UCPError, ValueError):
     """A jax_ucp checkpoint cannot be read or restored as asked: not a checkpoint, a manifest
     missing, unreadable or of another version, a tensor absent, of another shape, or not
-    castable as asked, its array unreadable. Names the tensor, the file, expected vs found."""
-
-
-class FileReadError(UCPError, OSError):
-    """A file's bytes are not what its header or manifest promises: a shard missing, truncated,
-    failing its crc32c or swapped in from another save, a tensor truncated, a mapped file that
-    shrank while read. Replace the file from a good copy (or stop whatever rewrites it)."""
+    castable as asked; or its bytes are not what its header or manifest promises (a shard
+    missing, truncated, failing its crc32c or swapped in from another save, a mapped file that
+    shrank while read: replace the file from a good copy). Names the tensor, the file, expected
+    vs found."""
 
 
 class UnsafeFileError(UCPError, OSError):
     """A path refused for safety: not a regular file (a FIFO, a device, a symlink where none
-    belongs), or a file larger than the caller allows."""
-
-
-class OutsideCheckpointError(UnsafeFileError, ValueError):
-    """A name read from a checkpoint that would lead outside it (absolute, ``..``, NUL, or a
-    symlink whose target lies outside the checkpoint)."""
+    belongs), a file larger than the caller allows, or a name read from a checkpoint that would
+    lead outside it (absolute, ``..``, NUL, a symlink whose target lies outside)."""
 
 
 class SaveConflictError(UCPError, OSError):
-    """Another writer is in the way: a save to the same path is in progress, or the path is not
-    ours to replace."""
-
-
-class CheckpointReplacedError(SaveConflictError):
-    """The checkpoint was replaced (a concurrent forced save swapped in a new one) while it was
-    being read: nothing is wrong with either checkpoint; read it again. Never raised for a
-    checkpoint that is itself damaged (that is a ``CheckpointError``)."""
-
-
-class NotReplaceableError(SaveConflictError, FileExistsError):
-    """The destination holds something jax_ucp did not write; refused untouched, even with force."""
+    """Another writer is in the way: a save to the same path is in progress, the destination
+    holds something jax_ucp did not write (refused untouched, even with force), or a concurrent
+    forced save replaced the checkpoint while it was being read (nothing is damaged: read it
+    again)."""
 
 
 class MultiProcessError(UCPError, RuntimeError):
@@ -114,55 +70,10 @@ class MultiProcessError(UCPError, RuntimeError):
     answer in time: a checkpoint written by several processes, a tensor read once across them."""
 
 
-class SharedWriteError(MultiProcessError):
-    """A checkpoint written by several processes failed in one of them (names which, and why)."""
-
-
-class ProcessLostError(SharedWriteError):
-    """A process of a distributed conversion died while the others waited for it."""
-
-
-class ReplicatedReadError(MultiProcessError):
-    """A tensor read once across processes could not be completed: another process failed
-    (its error is quoted), died, or did not answer in time; names the tensors and the process."""
-
-
 class LanguageError(UCPError, ValueError):
-    """A UCP-language spec cannot be read or applied (names the rule, line or tensor)."""
-
-
-class SpecError(LanguageError):
-    """A spec (Python object or TOML file) is malformed; the message names the rule / line."""
-
-
-class StrictnessError(LanguageError):
-    """Strict matching failed: a rule matched nothing, or a tensor is covered by no rule."""
-
-
-class MergeError(LanguageError):
-    """Fragments cannot be merged (disagreeing replicas, wrong shapes, ...); names the tensor."""
-
-
-class TransformError(LanguageError):
-    """A restore-side transform cannot be applied (non-divisible stages, bad axis, ...)."""
-
-
-class NotFoundError(UCPError, KeyError):
-    """A name asked for does not exist (a bundled sample, ...); the message lists what does."""
-
-    def __str__(self) -> str:
-        """The message as given (``KeyError.__str__`` would quote it like a key)."""
-        return Exception.__str__(self)
-
-
-class SetupError(UCPError, RuntimeError):
-    """The running process cannot do what was asked (too few devices, ...); the message says how
-    to set it up."""
-
-
-class AmbiguousAdamStateError(RequestError):
-    """A moment in the target could belong to several Adam states of the checkpoint: the caller
-    gives the roots' targets (``restoring.adam_state``), so it is caught alone."""
+    """A UCP-language spec (Python object or TOML file) is malformed, strict matching failed,
+    fragments cannot be merged, or a restore-side transform cannot be applied; names the rule,
+    line or tensor."""
 
 
 class ResumeWarning(UserWarning):

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import UnsupportedError
+from jax_ucp.errors import RequestError
 
 __all__ = ["TorchOptimizer", "optax_from_torch", "hf_schedule", "run_arguments"]
 
@@ -102,7 +102,7 @@ def hf_schedule(
     import jax.numpy as jnp
 
     if kind not in SCHEDULES:
-        raise UnsupportedError(
+        raise RequestError(
             f"learning-rate schedule {kind!r}: reproduced are {', '.join(SCHEDULES)}"
         )
 
@@ -128,7 +128,7 @@ def hf_schedule(
 def _one(groups: list[dict], key: str, where: str) -> Any:
     values = {repr(g.get(key)) for g in groups}
     if len(values) != 1:
-        raise UnsupportedError(f"{where}: the parameter groups disagree on {key!r}: {values}")
+        raise RequestError(f"{where}: the parameter groups disagree on {key!r}: {values}")
     return groups[0].get(key)
 
 
@@ -136,7 +136,7 @@ def _check_adam(groups: list[dict], where: str) -> None:
     for i, g in enumerate(groups):
         for flag in ("amsgrad", "maximize", "nesterov"):
             if g.get(flag):
-                raise UnsupportedError(
+                raise RequestError(
                     f"{where}: param_groups[{i}]: torch {flag}=True is not translated to optax"
                 )
 
@@ -147,7 +147,7 @@ def _number(value: Any, field: str, where: str, *, below: float | None = None) -
     number = float(value) if ok else math.nan
     if not ok or not math.isfinite(number) or number < 0 or (below is not None and number >= below):
         bound = f"in [0, {below})" if below is not None else ">= 0"
-        raise UnsupportedError(
+        raise RequestError(
             f"{where}: {field} = {value!r}: expected a finite number {bound} (torch refuses "
             f"anything else when the optimizer is built)"
         )
@@ -158,18 +158,18 @@ def check_groups(groups: list, where: str) -> None:
     """Every group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` as torch would accept them,
     else refused naming the group and the field (a damaged or hand-made record)."""
     if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
-        raise UnsupportedError(f"{where}: param_groups is not a list of groups")
+        raise RequestError(f"{where}: param_groups is not a list of groups")
     for i, g in enumerate(groups):
         at = f"param_groups[{i}]"
         for key in ("lr", "betas", "eps"):
             if key not in g:
-                raise UnsupportedError(f"{where}: {at} has no {key!r}")
+                raise RequestError(f"{where}: {at} has no {key!r}")
         _number(g["lr"], f"{at}.lr", where)
         _number(g["eps"], f"{at}.eps", where)
         _number(g.get("weight_decay", 0.0), f"{at}.weight_decay", where)
         betas = g["betas"]
         if not isinstance(betas, list | tuple) or len(betas) != 2:
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: {at}.betas = {betas!r}: expected two numbers (beta1, beta2)"
             )
         for j, b in enumerate(betas):
@@ -194,13 +194,13 @@ def identify(
         choice: the caller's ``optimizer=`` ("adam" or "adamw"), for what the files cannot tell.
     """
     if choice is not None and choice not in OPTIMIZERS:
-        raise UnsupportedError(f"optimizer={choice!r}: expected one of {OPTIMIZERS}")
+        raise RequestError(f"optimizer={choice!r}: expected one of {OPTIMIZERS}")
     modes = set()
     for i, g in enumerate(groups):
         keys = set(g) - _NEUTRAL_KEYS
         if not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys:
             like = next((name for key, name in _LOOKALIKES if key in keys), None)
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: param_groups[{i}] holds the keys of torch's "
                 f"{like or 'unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
                 f"translates torch's Adam and AdamW only; restore the weights "
@@ -208,7 +208,7 @@ def identify(
             )
         modes.add(g.get("decoupled_weight_decay"))
     if len(modes) > 1:
-        raise UnsupportedError(
+        raise RequestError(
             f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
         )
     recorded = modes.pop() if modes else None
@@ -216,7 +216,7 @@ def identify(
     said = None
     if optim is not None:
         if optim not in TRAINER_ADAMW:
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: the Trainer ran optim={optim!r}; translated are "
                 f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
             )
@@ -225,7 +225,7 @@ def identify(
         found = "adamw" if recorded else "adam"
         how = f"param_groups' decoupled_weight_decay={recorded}"
         if said is not None and said != found:
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: {how} (torch {found}) but the Trainer recorded optim={optim!r}"
             )
     elif said is not None:
@@ -233,7 +233,7 @@ def identify(
     else:
         found, how = None, ""
     if choice is not None and found is not None and choice != found:
-        raise UnsupportedError(f"{where}: optimizer={choice!r}, but {how} says {found!r}")
+        raise RequestError(f"{where}: optimizer={choice!r}, but {how} says {found!r}")
     if found is not None:
         return found, how
     if choice is not None:
@@ -241,7 +241,7 @@ def identify(
     rates = sorted({float(g.get("weight_decay") or 0.0) for g in groups} - {0.0})
     if not rates:  # no decay: Adam and AdamW are the same update
         return "adamw", "Adam/AdamW without weight decay (the same update)"
-    raise UnsupportedError(
+    raise RequestError(
         f"{where}: the optimizer records weight_decay {rates} without decoupled_weight_decay "
         f"(torch releases before that key write the same keys for Adam and AdamW) and no Trainer record: it "
         f"may be Adam with L2 decay added to the gradient or AdamW's decoupled decay. Pass "
@@ -253,7 +253,7 @@ def _decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
     """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
     rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
     if len(rates) > 1:
-        raise UnsupportedError(f"{where}: several weight decay rates {sorted(rates)}")
+        raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
     rate = rates.pop() if rates else 0.0
     decayed = {
         name: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for name in g["params"]
@@ -281,21 +281,21 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
         return lambda count: lr
     total = trainer.get("max_steps") or args.get("max_steps")
     if not isinstance(total, int) or total <= 0:
-        raise UnsupportedError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
+        raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
     warmup = args.get("warmup_steps") or 0
     warmup = int(warmup) if warmup >= 1 else math.ceil(total * float(args.get("warmup_ratio") or 0))
     base = _one(groups, "initial_lr", where)
     base = float(base if base is not None else args["learning_rate"])
     last = (trainer.get("scheduler") or {}).get("last_epoch")
     if last is not None and last != step:
-        raise UnsupportedError(
+        raise RequestError(
             f"{where}: the scheduler stepped {last} times, the optimizer {step}: cannot tell "
             f"where the schedule stands"
         )
     schedule = hf_schedule(kind, base, warmup, total, **schedule_kwargs(args, kind, where))
     want = float(schedule(step))
     if not math.isclose(want, lr, rel_tol=1e-6, abs_tol=1e-12):
-        raise UnsupportedError(
+        raise RequestError(
             f"{where}: the Trainer's {kind} schedule (lr {base}, warm-up {warmup}, {total} "
             f"steps) gives {want} at step {step}, the optimizer holds {lr}"
         )
@@ -312,11 +312,11 @@ def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
         except ValueError:
             kwargs = None
     if not isinstance(kwargs, dict):
-        raise UnsupportedError(f"{where}: lr_scheduler_kwargs {kwargs!r} is not a dict")
+        raise RequestError(f"{where}: lr_scheduler_kwargs {kwargs!r} is not a dict")
     allowed = SCHEDULE_KWARGS.get(kind, ())
     for key, value in kwargs.items():
         if key not in allowed:
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: the Trainer's {kind} schedule has lr_scheduler_kwargs {key!r}="
                 f"{value!r}, which is not reproduced (reproduced: {list(allowed) or 'none'})"
             )
@@ -335,7 +335,7 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
     def of(names: list[str], leaf: str) -> bool:
         flags = {decayed.get(n) for n in names}
         if None in flags or len(flags) != 1:
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: {leaf} is made of torch parameters {names} whose weight decay "
                 f"differs or is unknown"
             )
@@ -365,7 +365,7 @@ def _adam_state(opt: dict, where: str) -> tuple[Any, Any]:
     for node in (opt, *[v for v in opt.values() if isinstance(v, dict)]):
         if "mu" in node and "nu" in node:
             return node["mu"], node["nu"]
-    raise UnsupportedError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
+    raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
 
 
 def optax_from_torch(
@@ -407,7 +407,7 @@ def optax_from_torch(
     where = str(source.get("path") or ckpt)
     recorded = source.get("optimizer")
     if not recorded or not recorded.get("param_groups"):
-        raise UnsupportedError(_no_optimizer(source, where))
+        raise RequestError(_no_optimizer(source, where))
     groups = recorded["param_groups"]
     check_groups(groups, where)
     spec = _spec_with_recorded_settings(spec, source, notes := [])
@@ -416,12 +416,12 @@ def optax_from_torch(
     _check_adam(groups, where)
     tree = restore(ckpt, **_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
-        raise UnsupportedError(f"{where}: the checkpoint holds no optimizer state")
+        raise RequestError(f"{where}: the checkpoint holds no optimizer state")
     params = tree["params"]
     mu, nu = _adam_state(tree["opt_state"], where)
     counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
     if len(counts) != 1:
-        raise UnsupportedError(f"{where}: expected one step count in opt_state, found {counts}")
+        raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
     step = int(counts[0])
     notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
@@ -494,7 +494,7 @@ def run_arguments(source: dict, where: str) -> dict:
     if not isinstance(ds, dict):
         return args
     if ds.get("scheduler") is not None:
-        raise UnsupportedError(
+        raise RequestError(
             f"{where}: the run's DeepSpeed config has a scheduler {ds['scheduler']!r}: "
             f"DeepSpeed's schedules are not reproduced (the Trainer's are)"
         )
@@ -505,7 +505,7 @@ def run_arguments(source: dict, where: str) -> dict:
         kind = made.get("type") if isinstance(made, dict) else None
         params = (made.get("params") if isinstance(made, dict) else None) or {}
         if str(kind).lower() not in OPTIMIZERS or params.get("torch_adam") is not True:
-            raise UnsupportedError(
+            raise RequestError(
                 f"{where}: DeepSpeed made the optimizer from its config ({made!r}); translated "
                 f"is torch's Adam/AdamW ('type': 'Adam' or 'AdamW' with 'torch_adam': true), "
                 f"not DeepSpeed's FusedAdam or DeepSpeedCPUAdam"
@@ -524,7 +524,7 @@ def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
             f"optax_from_torch(options=): a jax_ucp.RestoreOptions, not {type(options).__name__}"
         )
     if options.spec is not None:
-        raise UnsupportedError(
+        raise RequestError(
             f"{where}: optax_from_torch(options=) with a spec; give the spec as "
             f"optax_from_torch(spec=) (it also finds which torch parameters each leaf holds)"
         )
@@ -581,7 +581,7 @@ def _like(moment, init):
 
     def one(got, want):
         if np.shape(got) != np.shape(want):
-            raise UnsupportedError(
+            raise RequestError(
                 f"moment of shape {np.shape(got)} for a parameter of {np.shape(want)}"
             )
         return got if isinstance(got, jax.Array) else jnp.asarray(got)  # placed as restored

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from functools import lru_cache
 from pathlib import Path
 
@@ -11,6 +12,35 @@ import ml_dtypes
 import numpy as np
 
 FIX = Path(__file__).parent / "fixtures" / "megatron"
+
+
+def copy_megatron_fixture(name: str, tmp_path) -> Path:
+    """A writable copy of tests/fixtures/megatron/<name> in ``tmp_path`` (bad-input tests
+    damage it)."""
+    dst = tmp_path / name.replace("/", "_")
+    shutil.copytree(FIX / name, dst)
+    return dst
+
+
+def assert_megatron_refused(src, tmp_path, match: str, **options) -> None:
+    """``convert(src, tmp_path / "out", vocab_size=61)`` refused by the Megatron importer with
+    a message matching ``match``, nothing left at ``out``."""
+    from jax_ucp.importers.megatron import MegatronImportError
+    from tests.ucp_testing import assert_convert_refused
+
+    options = {"vocab_size": 61, **options}
+    out = str(tmp_path / "out")
+    assert_convert_refused(str(src), out, match, error=MegatronImportError, **options)
+
+
+def assert_untouched(dest) -> None:
+    """A failed import left neither ``dest`` nor a temporary folder beside it."""
+    assert not dest.exists()
+    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")], (
+        "temp left behind"
+    )
+
+
 VOCAB = 61
 
 TORCH_DIST = [

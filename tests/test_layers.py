@@ -315,3 +315,60 @@ def test_orbax_is_imported_only_by_the_orbax_integrations():
             if module.split(".")[0] == "orbax":
                 wrong.append(f"jax_ucp/{rel}:{line}: imports {module}")
     assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+def _private_reaches(path: str):
+    """(line, what) for each underscore name of jax_ucp a test file imports, reads as an
+    attribute of something it imported from jax_ucp, or monkeypatches by name."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), path)
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    bound = set()  # names bound to jax_ucp modules, classes or functions
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_ucp":
+            for a in node.names:
+                if private(a.name):
+                    yield node.lineno, f"from {node.module} import {a.name}"
+                bound.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "jax_ucp":
+                    bound.add(a.asname or "jax_ucp")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                yield node.lineno, ast.unparse(node)
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("setattr", "delattr")
+            and node.args
+        ):
+            target = node.args[0]
+            while isinstance(target, ast.Attribute):
+                target = target.value
+            name = node.args[1] if len(node.args) > 1 else None
+            if isinstance(target, ast.Name) and target.id in bound:
+                if isinstance(name, ast.Constant) and private(str(name.value)):
+                    yield node.lineno, ast.unparse(node)
+            elif isinstance(target, ast.Constant) and isinstance(target.value, str):
+                parts = target.value.split(".")
+                if parts[0] == "jax_ucp" and any(private(p) for p in parts):
+                    yield node.lineno, ast.unparse(node)
+
+
+def test_tests_reach_no_private_name_of_jax_ucp():
+    """Tests go through the public surface (a module's non-underscore names): a unit worth a
+    test of its own gets a public name in its module, so a refactoring of internals never
+    breaks a test that pinned them."""
+    wrong = []
+    for dirpath, _, filenames in os.walk(os.path.join(REPO, "tests")):
+        for name in filenames:
+            if name.endswith(".py"):
+                path = os.path.join(dirpath, name)
+                for line, what in _private_reaches(path):
+                    wrong.append(f"{os.path.relpath(path, REPO)}:{line}: {what}")
+    assert not wrong, "\n".join(wrong)

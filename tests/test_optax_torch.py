@@ -416,5 +416,5 @@ def test_a_trainer_run_continues_on_a_mesh_sharded_by_rules(tmp_path, monkeypatc
 def test_optax_from_torch_options_refuse_a_second_spec(tmp_path):
     src = os.path.join(REPO, "tests", "fixtures", "torch", "accelerate_fsdp")
     ckpt = jax_ucp.convert(src, tmp_path / "ucp")
-    with pytest.raises(jax_ucp.UnsupportedError, match=r"optax_from_torch\(spec=\)"):
+    with pytest.raises(jax_ucp.RequestError, match=r"optax_from_torch\(spec=\)"):
         jax_ucp.optax_from_torch(ckpt, options=jax_ucp.RestoreOptions(spec="hf_llama"))

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.errors import UnsupportedError
+from jax_ucp.errors import RequestError
 from jax_ucp.optax_torch import run_arguments
 from tests.test_optax_torch import continue_in_jax
 from tests.ucp_testing import REPO
@@ -145,7 +145,7 @@ def test_an_import_without_torch_param_groups_is_not_called_weights_only(tmp_pat
 )
 def test_what_deepspeed_made_and_optax_does_not_reproduce_is_refused(deepspeed, says):
     source = {"optimizer": {"deepspeed": deepspeed}, "trainer": {"training_args": {}}}
-    with pytest.raises(UnsupportedError, match=says):
+    with pytest.raises(RequestError, match=says):
         run_arguments(source, "ckpt")
 
 

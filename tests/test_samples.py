@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO
 
 
@@ -57,7 +58,9 @@ def test_shipped_samples_are_the_test_fixtures_byte_for_byte():
     norms = [n for n in names if n.endswith("norm.weight")]  # the Trainer's no-decay group
     order = samples.settings("hf_trainer_llama")["parameter_order"]
     assert order == [n for n in names if n not in norms] + norms
-    with pytest.raises(KeyError, match="ships no reference"):
+    with pytest.raises(RequestError, match="ships no reference"):
         samples.reference("deepspeed_z2_bf16_dp2")
-    with pytest.raises(KeyError, match="no sample named 'gpt5' \\(samples: megatron_llama_tp2, "):
+    with pytest.raises(
+        RequestError, match="no sample named 'gpt5' \\(samples: megatron_llama_tp2, "
+    ):
         samples.path("gpt5")

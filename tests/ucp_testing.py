@@ -12,8 +12,11 @@ import sys
 import textwrap
 
 import jax
+import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
+
+import jax_ucp
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -138,6 +141,29 @@ def assert_destination_untouched(dst) -> None:
     assert not os.path.exists(dst)
     leftovers = [p for p in os.listdir(os.path.dirname(dst)) if "tmp" in p]
     assert not leftovers, leftovers
+
+
+def load_truth(path) -> dict[str, np.ndarray]:
+    """A fixture's ``<name>.truth.npz`` (the run's live state), bf16 arrays (saved as their bits
+    under ``<key>::bfloat16``) restored."""
+    out = {}
+    with np.load(path) as z:
+        for key in z.files:
+            value = z[key]
+            if key.endswith("::bfloat16"):
+                key, value = key[: -len("::bfloat16")], value.view(ml_dtypes.bfloat16)
+            out[key] = value
+    return out
+
+
+def assert_convert_refused(src, dst, match: str, error=jax_ucp.UCPError, **options) -> None:
+    """``convert(src, dst, **options)`` refused with an ``error`` matching ``match``, leaving
+    neither ``dst`` nor a temporary folder beside it."""
+    import pytest
+
+    with pytest.raises(error, match=match):
+        jax_ucp.convert(src, dst, **options)
+    assert_destination_untouched(dst)
 
 
 def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[str] | None = None):
@@ -293,11 +319,52 @@ def remove_damage(rel):
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
 
-def copy_fixture(tmp_path, rel):
-    """A writable copy of tests/fixtures/<rel> at tmp_path/src (symlinks kept), to damage."""
-    dst = tmp_path / "src"
+def copy_fixture(tmp_path, rel, name: str = "src"):
+    """A writable copy of tests/fixtures/<rel> at tmp_path/<name> (symlinks kept), to damage."""
+    dst = tmp_path / name
     shutil.copytree(os.path.join(FIXTURES, rel), dst, symlinks=True)
     return dst
+
+
+def move_out(path, outside):
+    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
+    outside.mkdir(exist_ok=True)
+    target = outside / path.name
+    shutil.move(path, target)
+    path.symlink_to(target)
+    return target
+
+
+def restored_params(path) -> dict:
+    """The ``params`` subtree of the checkpoint at ``path``, restored to host."""
+    return jax_ucp.restore(path)["params"]
+
+
+def tree_files(root, skip=()) -> dict[str, bytes]:
+    """Every file below ``root`` (its path relative to ``root``) and its bytes, but those named
+    in ``skip``: two checkpoints compared file for file."""
+    out = {}
+    for d, _, names in os.walk(root):
+        for n in names:
+            if n not in skip:
+                with open(os.path.join(d, n), "rb") as f:
+                    out[os.path.relpath(os.path.join(d, n), root)] = f.read()
+    return out
+
+
+def run_child(code: str, *args) -> str:
+    """``code`` run by a fresh interpreter with ``args`` (large arrays stay out of pytest's
+    process, whose peak RSS its children's ``ru_maxrss`` inherit across exec); its stdout."""
+    env = dict(os.environ, PYTHONPATH=REPO)
+    done = subprocess.run(
+        [sys.executable, "-c", code, *(str(a) for a in args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def assert_one_error_line(out: str, *needles: str) -> str:

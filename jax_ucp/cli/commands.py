@@ -435,7 +435,7 @@ def _convert_reporting_lost_processes(src: str, dst: str, **options) -> str:
     try:
         with _bar("importing") as on_progress:
             return conversion.convert(src, dst, progress=on_progress, **options)
-    except agreement.SharedWriteError as e:
+    except agreement.MultiProcessError as e:
         output.error(str(e))
         if isinstance(e, agreement.ProcessLostError):
             sys.stdout.flush()

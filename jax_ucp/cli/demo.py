@@ -105,11 +105,11 @@ def run(directory: str | None = None, console=None) -> bool:
     from rich.markup import escape
 
     import jax_ucp
-    from jax_ucp.errors import SetupError
+    from jax_ucp.errors import RequestError
 
     console = console or Console()
     if jax.device_count() < 8:
-        raise SetupError(
+        raise RequestError(
             f"the demo needs 8 devices, JAX has {jax.device_count()} "
             f"(set XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts)"
         )

@@ -11,7 +11,7 @@ import functools
 import ml_dtypes
 import numpy as np
 
-from jax_ucp.errors import UnsupportedError
+from jax_ucp.errors import RequestError
 
 #: numpy's casting rules, what every ``casting=`` option accepts (restore, plan, export).
 CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
@@ -34,7 +34,7 @@ def dtype_name(dtype) -> str:
     dt = np.dtype(dtype)
     name = dt.name
     if name not in SUPPORTED:
-        raise UnsupportedError(
+        raise RequestError(
             f"dtype {dt} is not supported by the UCP format (expected one of {list(SUPPORTED)})."
         )
     return name
@@ -44,7 +44,7 @@ def dtype_name(dtype) -> str:
 def to_numpy_dtype(name: str) -> np.dtype:
     """The numpy dtype of a manifest's dtype name (the inverse of ``dtype_name``)."""
     if name not in SUPPORTED:
-        raise UnsupportedError(
+        raise RequestError(
             f"Unknown dtype {name!r} in manifest (expected one of {list(SUPPORTED)})."
         )
     return np.dtype(_EXTENDED.get(name, name))

@@ -12,7 +12,7 @@ import os
 import re
 import stat
 
-from jax_ucp.errors import OutsideCheckpointError, UnsafeFileError
+from jax_ucp.errors import UnsafeFileError
 
 
 def open_regular(path: str) -> int:
@@ -129,7 +129,7 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     """
     shown = repr(name)[:200]
     if not isinstance(name, str) or not name:
-        raise OutsideCheckpointError(f"{what}: file name {shown} is not a non-empty string")
+        raise UnsafeFileError(f"{what}: file name {shown} is not a non-empty string")
     problem = None
     if "\0" in name:
         problem = "holds a NUL character"
@@ -138,7 +138,7 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     elif ".." in name.replace("\\", "/").split("/"):
         problem = "has a '..' part"
     if problem is not None:
-        raise OutsideCheckpointError(
+        raise UnsafeFileError(
             f"{what}: file name {shown} {problem}; a checkpoint may name only files inside "
             f"{os.fspath(root)}"
         )
@@ -147,7 +147,7 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     real_root = os.path.realpath(os.fspath(root))
     real = os.path.realpath(os.path.join(os.fspath(folder if folder is not None else root), name))
     if real != real_root and os.path.commonpath([real, real_root]) != real_root:
-        raise OutsideCheckpointError(
+        raise UnsafeFileError(
             f"{what}: file name {shown} resolves to {real}, outside the checkpoint "
             f"{real_root} (a symlink leading out of it); refusing to read it"
         )
@@ -218,7 +218,7 @@ def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
         os.path.basename(real)
     ):
         return real
-    raise OutsideCheckpointError(
+    raise UnsafeFileError(
         f"{what}: file name {name[:200]!r} resolves to {real}, outside the snapshot "
         f"{real_folder} and not a blob of its cache repo ({repo}/blobs/<sha>); refusing to "
         f"read it"

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NoReturn
 
 from jax_ucp import bulk
-from jax_ucp.errors import CheckpointError, UnsupportedError
+from jax_ucp.errors import CheckpointError, RequestError
 from jax_ucp.format import display, files
 from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.format import keypath as keypath_lib
@@ -343,7 +343,7 @@ class ValueEntry:
             _check_utf8(v, f"Leaf {self.name!r}: value")
             typed = {"type": "str", "value": v}
         else:
-            raise UnsupportedError(
+            raise RequestError(
                 f"Leaf {self.name!r}: {type(v).__name__} is not a storable value "
                 f"(expected None, bool, int, float, str or an array)."
             )
@@ -1149,7 +1149,7 @@ def check_tree_depth(tree: Any) -> None:
         else:
             continue
         if depth > MAX_TREE_DEPTH:
-            raise UnsupportedError(
+            raise RequestError(
                 f"the tree nests containers deeper than {MAX_TREE_DEPTH} levels (at "
                 f"{path[:120]!r}...): {MANIFEST_FILE} records at most {MAX_JSON_DEPTH} JSON "
                 f"levels, so such a checkpoint could not be restored; flatten part of the tree"

@@ -4,7 +4,7 @@ Readers map a user's checkpoint file so a tensor costs page cache, not anonymous
 touched bytes are read. But a file truncated while it is mapped turns every later touch of a
 page past its new end into SIGBUS: the process dies with no message. So the bytes of a mapping
 are never touched in bulk: :func:`read_out`, :func:`copy_into` and :func:`crc32` read them with
-``pread`` from the mapping's file (a short read is :class:`FileReadError`, naming the file), and
+``pread`` from the mapping's file (a short read is :class:`CheckpointError`, naming the file), and
 :func:`read_bytes` serves the small reads of headers the same way. An array that views no
 :class:`FileMap` passes through them unchanged.
 """
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.array_utils import byte_bounds
 
-from jax_ucp.errors import FileReadError
+from jax_ucp.errors import CheckpointError
 from jax_ucp.format.files import open_regular, preadv_full
 
 __all__ = [
@@ -87,7 +87,7 @@ def mapped_at(arr: Any) -> tuple[FileMap, int] | None:
 def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
     got = preadv_full(mm.fd, [buf], offset)
     if got < len(buf):
-        raise FileReadError(
+        raise CheckpointError(
             f"{mm.path}: {what}: bytes [{offset}, {offset + len(buf)}) end at {offset + got}; "
             f"the file was {len(mm)} bytes when it was opened and is "
             f"{os.fstat(mm.fd).st_size} now (truncated while being read?)"

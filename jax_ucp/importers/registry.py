@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from jax_ucp.errors import RequestError, SourceError, SourceNotFoundError
+from jax_ucp.errors import RequestError, SourceError
 from jax_ucp.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp.importers.plan import (
     WHOLE,
@@ -110,7 +110,7 @@ def detect_format(src) -> str:
     if weak:
         return weak[0]
     if not os.path.isdir(src):
-        raise SourceNotFoundError(
+        raise SourceError(
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         )

@@ -21,13 +21,6 @@ See docs/LANGUAGE.md.
 """
 
 from jax_ucp.language import views
-from jax_ucp.language.errors import (
-    LanguageError,
-    MergeError,
-    SpecError,
-    StrictnessError,
-    TransformError,
-)
 from jax_ucp.language.kinds import (
     KINDS,
     QKV,
@@ -73,7 +66,7 @@ from jax_ucp.language.spec import (
 )
 from jax_ucp.language.toml_io import dump_spec, list_specs, load_spec, spec_from_toml, spec_to_toml
 
-__all__ = [  # the submodules stay reachable as attributes but are not re-exported
+__all__ = [
     "Averaged",
     "DEFAULT_ROOTS",
     "Expert",
@@ -81,8 +74,6 @@ __all__ = [  # the submodules stay reachable as attributes but are not re-export
     "ImportRule",
     "KINDS",
     "Kind",
-    "LanguageError",
-    "MergeError",
     "OPS",
     "Op",
     "Partitioned",
@@ -92,12 +83,9 @@ __all__ = [  # the submodules stay reachable as attributes but are not re-export
     "RestoreRule",
     "Root",
     "Spec",
-    "SpecError",
-    "StrictnessError",
     "SubParams",
     "SwiGLU",
     "TensorInfo",
-    "TransformError",
     "ViewPlan",
     "Vocab",
     "apply_restore_plan",

@@ -29,9 +29,9 @@ from typing import Any, ClassVar
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp.errors import LanguageError
 from jax_ucp.format import mapped_file
 from jax_ucp.language import views
-from jax_ucp.language.errors import MergeError, SpecError
 from jax_ucp.language.plain_form import parse_plain_form
 from jax_ucp.language.settings import derived, eval_int, padded_vocab_size
 
@@ -87,7 +87,9 @@ def _checked_axis(shape, dim, name, kind):
     r = len(shape)
     d = dim + r if dim < 0 else dim
     if not 0 <= d < r:
-        raise MergeError(f"{name}: {kind} dim {dim} out of range for a fragment of shape {shape}")
+        raise LanguageError(
+            f"{name}: {kind} dim {dim} out of range for a fragment of shape {shape}"
+        )
     return d
 
 
@@ -110,11 +112,11 @@ def _bit_patterns(x: np.ndarray) -> np.ndarray:
 
 
 def _check_agree(arrs, label: str, what: str) -> None:
-    """A MergeError naming the copies that differ from copy 0 and their first few differences."""
+    """A LanguageError naming the copies that differ from copy 0 and their first few differences."""
     bad = {r: d for r in range(1, len(arrs)) if (d := _first_diff(arrs[0], arrs[r]))}
     if bad:
         detail = "; ".join(f"{label} {r}: {d}" for r, d in list(bad.items())[:4])
-        raise MergeError(f"{what}: {label} 0 vs {label}(s) {sorted(bad)} ({detail})")
+        raise LanguageError(f"{what}: {label} 0 vs {label}(s) {sorted(bad)} ({detail})")
 
 
 def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | None:
@@ -160,7 +162,7 @@ class Kind:
                 return tuple(evaluate(y, fname) for y in x)
             try:
                 return eval_int(x, env, where=f"{self.kind}.{fname}: ")
-            except SpecError:
+            except LanguageError:
                 if lenient:
                     return x
                 raise
@@ -225,7 +227,7 @@ class Averaged(Kind):
         arrs = [_NumpyBackend.wrap(f) for f in frags]
         for r, a in enumerate(arrs):
             if a.shape != arrs[0].shape:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: averaged fragment of rank {r} has shape {a.shape}, rank 0 has "
                     f"{arrs[0].shape}"
                 )
@@ -253,12 +255,12 @@ class Partitioned(Kind):
         d = _checked_axis(shapes[0], self.dim, name, self.kind)
         for r, s in enumerate(shapes):
             if len(s) != len(shapes[0]) or s[:d] + s[d + 1 :] != shapes[0][:d] + shapes[0][d + 1 :]:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: partitioned(dim={d}) fragment of rank {r} has shape {s}, "
                     f"incompatible with rank 0's {shapes[0]}"
                 )
         if self.sizes is not None and [s[d] for s in shapes] != list(self.sizes):
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: partitioned(dim={d}) fragment widths {[s[d] for s in shapes]} "
                 f"differ from the declared sizes {list(self.sizes)}"
             )
@@ -270,7 +272,7 @@ class Partitioned(Kind):
             sizes = list(self.sizes)
         else:
             if full.shape[d] % n:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks"
                 )
             sizes = [full.shape[d] // n] * n
@@ -292,16 +294,16 @@ class SubParams(Kind):
         if self.rank_sizes is not None:
             rs = [list(x) for x in self.rank_sizes]
             if len(rs) != tp:
-                raise MergeError(f"{name}: rank_sizes lists {len(rs)} ranks, got {tp} fragments")
+                raise LanguageError(f"{name}: rank_sizes lists {len(rs)} ranks, got {tp} fragments")
             for j, s in enumerate(self.sizes):
                 if sum(r[j] for r in rs) != s:
-                    raise MergeError(
+                    raise LanguageError(
                         f"{name}: rank_sizes of part {j} add up to {sum(r[j] for r in rs)}, not {s}"
                     )
             return rs
         for j, s in enumerate(self.sizes):
             if s % tp:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: sub-param {j} of size {s} does not split evenly over {tp} ranks; "
                     f"give rank_sizes"
                 )
@@ -315,7 +317,7 @@ class SubParams(Kind):
         pieces = []
         for r, f in enumerate(frags):
             if shapes[r][d] != sum(rs[r]):
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: {self.kind} fragment of rank {r} has size {shapes[r][d]} on dim "
                     f"{d}, expected {sum(rs[r])} = {' + '.join(map(str, rs[r]))}"
                 )
@@ -325,7 +327,7 @@ class SubParams(Kind):
     def _split(self, full, n, name):
         d = _checked_axis(full.shape, self.dim, name, self.kind)
         if full.shape[d] != sum(self.sizes):
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: dim {d} has size {full.shape[d]}, sub-param sizes add up to "
                 f"{sum(self.sizes)}"
             )
@@ -352,7 +354,7 @@ class SwiGLU(Kind):
 
     def _as_sub_params(self, width, name):
         if width % 2:
-            raise MergeError(f"{name}: swiglu dim {self.dim} has odd size {width}")
+            raise LanguageError(f"{name}: swiglu dim {self.dim} has odd size {width}")
         return SubParams(dim=self.dim, sizes=(width // 2, width // 2))
 
     def _merge(self, backend, frags, name):
@@ -360,7 +362,7 @@ class SwiGLU(Kind):
         d = _checked_axis(shapes[0], self.dim, name, self.kind)
         for r, s in enumerate(shapes):
             if s[d] % 2:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: swiglu fragment of rank {r} has odd size {s[d]} on dim {d}"
                 )
         return self._as_sub_params(sum(s[d] for s in shapes), name)._merge(backend, frags, name)
@@ -393,12 +395,12 @@ class QKV(Kind):
     def _check(self, name):
         for f in ("num_heads", "num_kv_heads", "head_dim"):
             if not isinstance(getattr(self, f), int):
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: qkv needs {f} resolved to an integer (settings), got "
                     f"{getattr(self, f)!r}"
                 )
         if self.num_heads % self.num_kv_heads:
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: num_heads={self.num_heads} is not a multiple of "
                 f"num_kv_heads={self.num_kv_heads}"
             )
@@ -430,13 +432,13 @@ class QKV(Kind):
         gr = self.group_rows
         for r, s in enumerate(shapes):
             if s[d] % gr:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: qkv fragment of rank {r} has size {s[d]} on dim {d}, not a whole "
                     f"number of query groups of {gr} rows ((heads/groups + 2) * head_dim)"
                 )
         total = sum(s[d] for s in shapes)
         if total != self.num_kv_heads * gr:
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: qkv fragments add up to {total} rows on dim {d}, expected "
                 f"{self.num_kv_heads * gr} (num_heads={self.num_heads}, "
                 f"num_kv_heads={self.num_kv_heads}, head_dim={self.head_dim})"
@@ -450,7 +452,7 @@ class QKV(Kind):
         d = _checked_axis(full.shape, self.dim, name, self.kind)
         gr = self.group_rows
         if full.shape[d] != self.num_kv_heads * gr:
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: qkv dim {d} has size {full.shape[d]}, expected {self.num_kv_heads * gr}"
             )
         return _split_sizes(
@@ -490,12 +492,12 @@ class Vocab(Kind):
 
     def _merge(self, backend, frags, name):
         if not isinstance(self.vocab_size, int):
-            raise MergeError(f"{name}: vocab needs the original vocab_size (a setting)")
+            raise LanguageError(f"{name}: vocab needs the original vocab_size (a setting)")
         full = self._tp_kind()._merge(backend, frags, name)
         d = _checked_axis(backend.shape(full), self.dim, name, self.kind)
         n = backend.shape(full)[d]
         if n < self.vocab_size:
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: merged vocab dim {d} has {n} rows, fewer than vocab_size="
                 f"{self.vocab_size}"
             )
@@ -510,7 +512,7 @@ class Vocab(Kind):
         d = _checked_axis(full.shape, self.dim, name, self.kind)
         size = self.target_size(n)
         if size < full.shape[d] or (self.inner is None and size % n):
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: cannot pad vocab of {full.shape[d]} to {size} over {n} ranks"
             )
         if size > full.shape[d]:
@@ -566,15 +568,17 @@ class Expert(Kind):
 
     def __post_init__(self):
         if self.layout not in ("stacked", "grouped", "per_expert"):
-            raise SpecError(
+            raise LanguageError(
                 f"expert layout must be stacked, grouped or per_expert, got {self.layout!r}"
             )
 
     def _num_local(self, ep, name):
         if not isinstance(self.num_experts, int):
-            raise MergeError(f"{name}: expert needs num_experts resolved to an integer")
+            raise LanguageError(f"{name}: expert needs num_experts resolved to an integer")
         if self.num_experts % ep:
-            raise MergeError(f"{name}: {self.num_experts} experts do not divide over {ep} EP ranks")
+            raise LanguageError(
+                f"{name}: {self.num_experts} experts do not divide over {ep} EP ranks"
+            )
         return self.num_experts // ep
 
     def _merge(self, backend, frags, name):
@@ -584,7 +588,9 @@ class Expert(Kind):
         for r, f in enumerate(frags):
             if self.layout == "per_expert":
                 if len(f) != nl:
-                    raise MergeError(f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}")
+                    raise LanguageError(
+                        f"{name}: EP rank {r} holds {len(f)} experts, expected {nl}"
+                    )
                 experts += [
                     self.inner._merge(backend, x, name) if self.inner else backend.wrap(x)
                     for x in f
@@ -594,12 +600,12 @@ class Expert(Kind):
             d = _checked_axis(backend.shape(tps[0]), self.dim, name, self.kind)
             for t, x in enumerate(tps):
                 if self.layout == "stacked" and backend.shape(x)[d] != nl:
-                    raise MergeError(
+                    raise LanguageError(
                         f"{name}: EP rank {r} (TP rank {t}) holds {backend.shape(x)[d]} experts on "
                         f"dim {d}, expected {nl} = {self.num_experts} / {ep}"
                     )
                 if self.layout == "grouped" and backend.shape(x)[d] % nl:
-                    raise MergeError(
+                    raise LanguageError(
                         f"{name}: EP rank {r} (TP rank {t}) dim {d} of size {backend.shape(x)[d]} "
                         f"does not hold {nl} equal expert blocks"
                     )
@@ -632,11 +638,11 @@ class Expert(Kind):
             return [[full[e] for e in range(r * nl, (r + 1) * nl)] for r in range(n)]
         if self.layout == "stacked":
             if full.shape[d] != self.num_experts:
-                raise MergeError(
+                raise LanguageError(
                     f"{name}: dim {d} has {full.shape[d]} experts, expected {self.num_experts}"
                 )
         elif full.shape[d] % self.num_experts:
-            raise MergeError(
+            raise LanguageError(
                 f"{name}: dim {d} of size {full.shape[d]} is not {self.num_experts} blocks"
             )
         return Partitioned(dim=d)._split(full, n, name)
@@ -664,7 +670,7 @@ class Expert(Kind):
             ]
             return [np.stack([p[t] for p in per], axis=d) for t in range(tp)]
         if num_local is None:
-            raise MergeError(f"{name}: split_tp of a grouped expert tensor needs num_local")
+            raise LanguageError(f"{name}: split_tp of a grouped expert tensor needs num_local")
         blocks = _split_sizes(_NumpyBackend, local, d, [local.shape[d] // num_local] * num_local)
         per = [self.inner._split(b, tp, name) for b in blocks]
         return [np.concatenate([p[t] for p in per], axis=d) for t in range(tp)]
@@ -680,10 +686,10 @@ def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: in
         ep: expert-parallel size
     """
     if num_experts % ep:
-        raise MergeError(f"{num_experts} experts do not divide over {ep} EP ranks")
+        raise LanguageError(f"{num_experts} experts do not divide over {ep} EP ranks")
     nl = num_experts // ep
     if not 0 <= local_index < nl:
-        raise MergeError(f"local expert index {local_index} out of range (0..{nl - 1})")
+        raise LanguageError(f"local expert index {local_index} out of range (0..{nl - 1})")
     return ep_rank * nl + local_index
 
 
@@ -721,8 +727,8 @@ def kind_from_obj(obj, *, where: str = "") -> Kind:
     )
     try:
         return cls(**kw)
-    except SpecError as e:
-        raise SpecError(f"{where}{e}") from None
+    except LanguageError as e:
+        raise LanguageError(f"{where}{e}") from None
 
 
 # ------------------------------------------------------------------------------ module API
@@ -751,7 +757,7 @@ def merge(
         lazy: return a lazy TensorStore view instead of numpy
     """
     if len(fragments) == 0:
-        raise MergeError(f"{name}: no fragments to merge")
+        raise LanguageError(f"{name}: no fragments to merge")
     k = _resolved_kind(kind, settings, name)
     return k._merge(_LazyBackend if lazy else _NumpyBackend, list(fragments), name)
 
@@ -767,7 +773,7 @@ def split(kind, full, n: int, *, name: str = "<tensor>", settings: Mapping | Non
         settings: run settings the kind reads
     """
     if n <= 0:
-        raise MergeError(f"{name}: cannot split over {n} ranks")
+        raise LanguageError(f"{name}: cannot split over {n} ranks")
     k = _resolved_kind(kind, settings, name)
     full = full.read().result() if isinstance(full, ts.TensorStore) else np.asarray(full)
     return k._split(full, n, name)
@@ -783,5 +789,5 @@ def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
     """
     k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
-        raise SpecError(f"kind {k.kind!r} has no named parts")
+        raise LanguageError(f"kind {k.kind!r} has no named parts")
     return getattr(k, "parts")(np.asarray(full))

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 import tensorstore as ts
 
+from jax_ucp.errors import LanguageError
 from jax_ucp.language import views
-from jax_ucp.language.errors import SpecError, TransformError
 from jax_ucp.language.plain_form import parse_plain_form
 from jax_ucp.language.settings import eval_int
 
@@ -120,7 +120,7 @@ class FanIn(Op):
         if sorted(labels) != sorted(self.parts):
             missing = [p for p in self.parts if p not in labels]
             extra = [x for x in labels if x not in self.parts]
-            raise TransformError(
+            raise LanguageError(
                 f"{where}: {self.over!r} parts must be exactly {list(self.parts)}; "
                 f"missing {missing}, unexpected {extra}"
             )
@@ -178,7 +178,7 @@ class SplitDim(Op):
 
     def apply(self, tensor, env):
         if len(self.sizes) != 2:
-            raise SpecError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
+            raise LanguageError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
         return views.split_dim(
             tensor,
             self._int(self.axis, env),
@@ -267,7 +267,7 @@ class Pad(Op):
             m = self._int(self.multiple, env)
             size = -(-n // m) * m
         else:
-            raise SpecError("pad needs size= or multiple=")
+            raise LanguageError("pad needs size= or multiple=")
         return views.pad_axis(tensor, a, size)
 
 
@@ -309,7 +309,7 @@ class Split(FanOut):
         if self.sizes is None:
             return views.split_even(tensor, a, len(self.parts))
         if len(self.sizes) != len(self.parts):
-            raise SpecError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
+            raise LanguageError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
         return views.split_sizes(tensor, a, [self._int(s, env) for s in self.sizes])
 
 
@@ -348,14 +348,14 @@ class Stack(FanIn):
         try:
             idx = sorted(int(x) for x in labels)
         except ValueError:
-            raise TransformError(
+            raise LanguageError(
                 f"{where}: stack over {self.over!r} needs integer values, got {sorted(labels)}"
             ) from None
         if len(set(idx)) != len(labels):
-            raise TransformError(f"{where}: duplicate {self.over!r} values in {sorted(labels)}")
+            raise LanguageError(f"{where}: duplicate {self.over!r} values in {sorted(labels)}")
         missing = sorted(set(range(len(idx))) - set(idx))
         if idx[0] != 0 or idx[-1] != len(idx) - 1:
-            raise TransformError(
+            raise LanguageError(
                 f"{where}: {self.over!r} values must be 0..{len(idx) - 1} without gaps; "
                 f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
                 f"{missing[:8] or 'values below ' + str(idx[0])}"

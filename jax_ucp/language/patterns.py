@@ -9,7 +9,7 @@ supports. One engine for every spec pattern, however the spec was written (a fil
 objects), so a spec means the same in code and in TOML (``spec_to_toml`` round-trips).
 
 What RE2 refuses (back-references, look-arounds, possessive or atomic groups, ``(?x)``,
-``\\Z``, counted repetitions above 1000) is a :class:`SpecError` naming the pattern and where it
+``\\Z``, counted repetitions above 1000) is a :class:`LanguageError` naming the pattern and where it
 came from; so is ``{,n}``, which Python reads as ``{0,n}`` and RE2 as literal text. ``\\d``,
 ``\\w``, ``\\s`` and ``\\b`` are ASCII classes in RE2 (Python's ``re.ASCII``).
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import re2
 
-from jax_ucp.language.errors import SpecError
+from jax_ucp.errors import LanguageError
 
 #: Longest pattern accepted (a spec's patterns are a few dozen characters).
 MAX_PATTERN_CHARS = 4096
@@ -46,14 +46,14 @@ def compile_pattern(pattern: Any, where: str = "") -> Any:
     like Python's ``re``); an error starting with ``where`` when RE2 cannot compile it or it is
     not a string of at most :data:`MAX_PATTERN_CHARS` characters."""
     if not isinstance(pattern, str):
-        raise SpecError(f"{where}pattern must be a string, got {type(pattern).__name__}")
+        raise LanguageError(f"{where}pattern must be a string, got {type(pattern).__name__}")
     if len(pattern) > MAX_PATTERN_CHARS:
-        raise SpecError(
+        raise LanguageError(
             f"{where}pattern {pattern[:60]!r}... is {len(pattern)} characters long; at most "
             f"{MAX_PATTERN_CHARS} are accepted"
         )
     if _python_only_quantifier(pattern):
-        raise SpecError(
+        raise LanguageError(
             f"{where}pattern {pattern!r}: write '{{0,n}}' instead of '{{,n}}' (patterns run on "
             "RE2, which reads '{,n}' as literal text)"
         )
@@ -63,7 +63,7 @@ def compile_pattern(pattern: Any, where: str = "") -> Any:
         reason = e.args[0] if e.args else str(e)
         if isinstance(reason, bytes):
             reason = reason.decode("utf-8", "replace")
-        raise SpecError(
+        raise LanguageError(
             f"{where}bad regex {pattern[:200]!r}: {reason} (patterns are matched with RE2, in "
             "time linear in the name: no back-references, look-arounds, possessive or atomic "
             "groups, (?x) or \\Z; see docs/LANGUAGE.md, 'Patterns')"

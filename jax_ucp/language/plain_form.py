@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from jax_ucp.language.errors import SpecError
+from jax_ucp.errors import LanguageError
 from jax_ucp.language.settings import MAX_EXPRESSION_CHARS
 
 
@@ -47,23 +47,25 @@ def parse_plain_form(
     if isinstance(obj, str):
         obj = {tag: obj}
     if not isinstance(obj, Mapping) or tag not in obj:
-        raise SpecError(f"{where}{a_noun} must be a name or a table with '{tag}', got {obj!r}")
+        raise LanguageError(f"{where}{a_noun} must be a name or a table with '{tag}', got {obj!r}")
     name = obj[tag]
     cls = registry.get(name)
     if cls is None:
-        raise SpecError(f"{where}unknown {noun} {name!r} (known: {', '.join(sorted(registry))})")
+        raise LanguageError(
+            f"{where}unknown {noun} {name!r} (known: {', '.join(sorted(registry))})"
+        )
     fields = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in obj.items():
         if key == tag:
             continue
         if key not in fields:
-            raise SpecError(
+            raise LanguageError(
                 f"{where}{noun} {name!r} has no parameter {key!r} "
                 f"(known: {', '.join(sorted(fields)) or 'none'})"
             )
         if _longest_string(value) > MAX_EXPRESSION_CHARS:  # expressions are short formulas
-            raise SpecError(
+            raise LanguageError(
                 f"{where}{noun} {name!r}: parameter {key!r} holds a string of "
                 f"{_longest_string(value)} characters; at most {MAX_EXPRESSION_CHARS} are accepted"
             )

@@ -20,8 +20,8 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 & co. with numpy: dtypes giv
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp.errors import LanguageError
 from jax_ucp.language import views
-from jax_ucp.language.errors import LanguageError, TransformError
 from jax_ucp.language.settings import render
 from jax_ucp.language.spec import Spec, check_strict, describe_rule
 from jax_ucp.language.toml_io import load_spec
@@ -133,7 +133,7 @@ def compile_restore_plan(
     Keys under a param root are matched against the spec's active restore rules (first match
     wins) relative to that root; keys outside param roots move with their root (or stay). With
     ``strict`` (default: ``spec.strict``) a parameter no rule covers, or a required rule that matches
-    nothing, is a ``StrictnessError`` naming them; otherwise uncovered keys pass through unchanged.
+    nothing, is a ``LanguageError`` naming them; otherwise uncovered keys pass through unchanged.
 
     Args:
       spec: a ``Spec``, or what ``load_spec`` takes (a shipped spec's name, a file).
@@ -284,7 +284,7 @@ def _apply_op(op, entries, env0, what):
     groups: dict = {}
     for inst, tp, vars_, node, rel in entries:
         if op.over not in vars_:
-            raise TransformError(
+            raise LanguageError(
                 f"{what}: op {op.op!r} combines over {op.over!r}, but {'/'.join(inst)}/"
                 f"{rel} has no such variable (have: {', '.join(sorted(vars_)) or 'none'}); "
                 f"name a regex group (?P<{op.over}>...)"
@@ -295,7 +295,7 @@ def _apply_op(op, entries, env0, what):
         by = {}
         for lab, node, rel in items:
             if lab in by:
-                raise TransformError(
+                raise LanguageError(
                     f"{what}: {'/'.join(inst)}: {rel} and {by[lab][1]} both have {op.over}={lab}"
                 )
             by[lab] = (node, rel)
@@ -319,9 +319,7 @@ def _with_context(thunk, op, what, inst, rel):
     try:
         return thunk()
     except (ValueError, IndexError) as e:
-        if isinstance(e, LanguageError) and not isinstance(e, TransformError):
-            raise
-        raise TransformError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
+        raise LanguageError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
 
 
 # ------------------------------------------------------------------------------- helpers

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from jax_ucp.language.errors import SpecError
+from jax_ucp.errors import LanguageError
 
 # canonical name -> accepted aliases
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -44,7 +44,7 @@ def normalize(settings: Mapping[str, Any] | None) -> dict[str, Any]:
     for k, v in (settings or {}).items():
         c = canonical(k)
         if c in out and out[c] != v:
-            raise SpecError(f"setting {k!r} = {v!r} disagrees with {c!r} = {out[c]!r}")
+            raise LanguageError(f"setting {k!r} = {v!r} disagrees with {c!r} = {out[c]!r}")
         out[c] = v
     return out
 
@@ -76,12 +76,12 @@ def hf_head_settings(config: Mapping[str, Any], where: str = "config.json") -> d
         groups = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
-        raise SpecError(
+        raise LanguageError(
             f"{where}: no head settings (num_attention_heads, hidden_size, optional "
             f"num_key_value_heads and head_dim as integers): {type(e).__name__}: {e}"
         ) from None
     if min(heads, groups, head_dim) <= 0 or heads % groups:
-        raise SpecError(
+        raise LanguageError(
             f"{where}: num_attention_heads {heads}, num_key_value_heads {groups}, head_dim "
             f"{head_dim}: expected positive integers, the heads a multiple of the groups"
         )
@@ -172,25 +172,25 @@ def eval_int(expr, env: Mapping[str, Any], *, where: str = "") -> int:
     if v is not None:
         return v
     if not isinstance(expr, str):
-        raise SpecError(f"{where}expected an integer or an expression string, got {expr!r}")
+        raise LanguageError(f"{where}expected an integer or an expression string, got {expr!r}")
     return _evaluate(_parse(expr, where), expr, normalize_env(env), where)
 
 
 def _parse(expr: str, where: str) -> ast.Expression:
-    """The AST of a short expression; too long, too deep or no Python is a ``SpecError``."""
+    """The AST of a short expression; too long, too deep or no Python is a ``LanguageError``."""
     if len(expr) > MAX_EXPRESSION_CHARS:
-        raise SpecError(
+        raise LanguageError(
             f"{where}expression {expr[:40]!r}... is {len(expr)} characters long; at most "
             f"{MAX_EXPRESSION_CHARS} are accepted"
         )
     try:
         tree = ast.parse(expr.strip(), mode="eval")
     except SyntaxError as e:
-        raise SpecError(f"{where}bad expression {expr!r}: {e.msg}") from None
+        raise LanguageError(f"{where}bad expression {expr!r}: {e.msg}") from None
     except (RecursionError, MemoryError):
         tree = None
     if tree is None or _depth(tree) > MAX_EXPRESSION_DEPTH:
-        raise SpecError(
+        raise LanguageError(
             f"{where}expression {expr[:40]!r}... nests deeper than {MAX_EXPRESSION_DEPTH} levels"
         )
     return tree
@@ -207,11 +207,11 @@ def _evaluate(n: ast.AST, expr: str, env: Mapping[str, Any], where: str) -> int:
     if isinstance(n, ast.BinOp) and type(n.op) in _BINARY_OPERATORS:
         a, b = _evaluate(n.left, expr, env, where), _evaluate(n.right, expr, env, where)
         if isinstance(n.op, (ast.FloorDiv, ast.Mod)) and b == 0:
-            raise SpecError(f"{where}expression {expr!r} divides by zero")
+            raise LanguageError(f"{where}expression {expr!r} divides by zero")
         return _BINARY_OPERATORS[type(n.op)](a, b)
     if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
         return -_evaluate(n.operand, expr, env, where)
-    raise SpecError(
+    raise LanguageError(
         f"{where}expression {expr!r}: only integers, setting names and + - * // % are allowed"
     )
 
@@ -220,10 +220,10 @@ def _setting(name: str, expr: str, env: Mapping[str, Any], where: str) -> int:
     """The integer value of setting ``name`` (canonical spelling) named in ``expr``."""
     canon = canonical(name)
     if canon not in env:
-        raise SpecError(f"{where}expression {expr!r}: {missing_setting(name, env)}")
+        raise LanguageError(f"{where}expression {expr!r}: {missing_setting(name, env)}")
     val = _as_int(env[canon])
     if val is None:
-        raise SpecError(
+        raise LanguageError(
             f"{where}expression {expr!r}: setting {name!r} = {env[canon]!r} is not an integer"
         )
     return val

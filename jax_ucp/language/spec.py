@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
-from jax_ucp.language.errors import SpecError, StrictnessError
+from jax_ucp.errors import LanguageError
 from jax_ucp.language.kinds import Kind, kind_from_obj
 from jax_ucp.language.ops import op_from_obj
 from jax_ucp.language.patterns import MAX_PATTERN_CHARS, compile_pattern
@@ -82,7 +82,7 @@ class ImportRule:
         )
         where = f"{self.label or 'import rule'}: "
         if isinstance(self.also, str) or not isinstance(self.also, (tuple, list)):
-            raise SpecError(f"{where}'also' must be a list of patterns, got {self.also!r}")
+            raise LanguageError(f"{where}'also' must be a list of patterns, got {self.also!r}")
         object.__setattr__(self, "also", tuple(self.also))
         object.__setattr__(self, "_regex", compile_pattern(self.pattern, where))
         object.__setattr__(self, "_also", tuple(compile_pattern(p, where) for p in self.also))
@@ -130,14 +130,14 @@ class RestoreRule:
             if isinstance(self.axes, str) or not all(
                 a is None or (isinstance(a, str) and a) for a in self.axes
             ):
-                raise SpecError(
+                raise LanguageError(
                     f"{where}axes must be a list of logical axis names, got {self.axes!r}"
                 )
             object.__setattr__(self, "axes", tuple(self.axes))
         if self.target is not None and (
             not isinstance(self.target, str) or len(self.target) > MAX_PATTERN_CHARS
         ):
-            raise SpecError(
+            raise LanguageError(
                 f"{where}target must be a template string of at most {MAX_PATTERN_CHARS} "
                 f"characters, got {str(self.target)[:60]!r}"
             )
@@ -181,7 +181,7 @@ class Root:
     def __post_init__(self):
         parts = [p for p in self.source.split("/") if p]
         if not parts:
-            raise SpecError(f"root {self.source!r}: empty")
+            raise LanguageError(f"root {self.source!r}: empty")
         object.__setattr__(self, "_parts", tuple(parts))
 
     def match(self, key: Sequence[str]) -> tuple[int, list[str]] | None:
@@ -351,7 +351,7 @@ def describe_rule(rule, index: int, side: str) -> str:
 def check_strict(
     spec_name: str, side: str, uncovered: Sequence[str], rules, matched: Iterable[int]
 ) -> None:
-    """A strict spec: a ``StrictnessError`` naming every uncovered tensor and every required rule
+    """A strict spec: a ``LanguageError`` naming every uncovered tensor and every required rule
     of ``rules`` whose index is not ``matched``.
 
     Args:
@@ -375,7 +375,7 @@ def check_strict(
         if r.required and i not in matched
     ]
     if problems:
-        raise StrictnessError(f"spec {spec_name!r}: " + "; ".join(problems))
+        raise LanguageError(f"spec {spec_name!r}: " + "; ".join(problems))
 
 
 # ------------------------------------------------------------------------------- dict form
@@ -389,9 +389,9 @@ def _from_dicts(items, from_dict: Callable[[Mapping, str], Any], what: str) -> t
     )
 
 
-def _prefixed(error: SpecError, where: str) -> SpecError:
+def _prefixed(error: LanguageError, where: str) -> LanguageError:
     message = str(error)
-    return SpecError(message if message.startswith(where) else f"{where}: {message}")
+    return LanguageError(message if message.startswith(where) else f"{where}: {message}")
 
 
 _IMPORT_KEYS = {"pattern", "required", "when", "label", "also"}
@@ -401,9 +401,9 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
     """An ``ImportRule`` from its dict form: ``pattern``, the kind (``kind`` and its parameters
     inline), optional ``required``, ``when``, ``label``, ``also``. Errors start with ``where``."""
     if "pattern" not in obj:
-        raise SpecError(f"{where}: missing 'pattern'")
+        raise LanguageError(f"{where}: missing 'pattern'")
     if "kind" not in obj:
-        raise SpecError(f"{where} ({obj['pattern']!r}): missing 'kind'")
+        raise LanguageError(f"{where} ({obj['pattern']!r}): missing 'kind'")
     kind = {k: v for k, v in obj.items() if k not in _IMPORT_KEYS}
     try:
         return ImportRule(
@@ -414,7 +414,7 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
             label=obj.get("label", ""),
             also=obj.get("also", ()),
         )
-    except SpecError as e:
+    except LanguageError as e:
         raise _prefixed(e, where) from None
 
 
@@ -425,10 +425,10 @@ def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
     """A ``RestoreRule`` from its dict form: ``pattern``, optional ``target``, ``ops`` (one op or
     a list), ``required``, ``when``, ``label``. Errors start with ``where``."""
     if "pattern" not in obj:
-        raise SpecError(f"{where}: missing 'pattern'")
+        raise LanguageError(f"{where}: missing 'pattern'")
     extra = set(obj) - _RESTORE_KEYS
     if extra:
-        raise SpecError(
+        raise LanguageError(
             f"{where} ({obj['pattern']!r}): unknown key(s) {sorted(extra)} "
             f"(known: {', '.join(sorted(_RESTORE_KEYS))})"
         )
@@ -445,7 +445,7 @@ def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
             label=obj.get("label", ""),
             axes=obj.get("axes"),
         )
-    except SpecError as e:
+    except LanguageError as e:
         raise _prefixed(e, where) from None
 
 
@@ -456,7 +456,7 @@ def root_from_dict(obj: Mapping, where: str) -> Root:
     """A ``Root`` from its dict form: ``source``, optional ``target`` and ``params``."""
     unknown = set(obj) - _ROOT_KEYS
     if unknown or "source" not in obj:
-        raise SpecError(
+        raise LanguageError(
             f"{where}: needs 'source' (and optional 'target', 'params'); unknown {sorted(unknown)}"
         )
     return Root(
@@ -489,7 +489,7 @@ def spec_from_dict(
     """
     extra = set(d) - _TOP_LEVEL_KEYS
     if extra:
-        raise SpecError(
+        raise LanguageError(
             f"{source}: unknown top-level key(s) {sorted(extra)} "
             f"(known: {', '.join(sorted(_TOP_LEVEL_KEYS))})"
         )
@@ -498,7 +498,7 @@ def spec_from_dict(
     def parsed(table, from_dict):
         items = d.get(table, [])
         if not isinstance(items, list) or not all(isinstance(x, Mapping) for x in items):
-            raise SpecError(f"{source}: '{table}' must be an array of tables ([[{table}]])")
+            raise LanguageError(f"{source}: '{table}' must be an array of tables ([[{table}]])")
         lines = table_lines.get(table, ())
         out = []
         for i, item in enumerate(items):
@@ -510,11 +510,11 @@ def spec_from_dict(
     restore = parsed("restore", restore_rule_from_dict)
     roots = parsed("roots", root_from_dict)
     if not isinstance(d.get("settings", {}), Mapping):
-        raise SpecError(f"{source}: [settings] must be a table")
+        raise LanguageError(f"{source}: [settings] must be a table")
     merged_settings = {**d.get("settings", {}), **(settings or {})}
     strict = d.get("strict", True)
     if not isinstance(strict, bool):
-        raise SpecError(f"{source}: strict must be true or false")
+        raise LanguageError(f"{source}: strict must be true or false")
     return Spec(
         name=str(d.get("name", PurePath(source).stem if source != "<spec>" else "spec")),
         description=str(d.get("description", "")),

@@ -29,7 +29,7 @@ from typing import Any
 
 import tomli_w
 
-from jax_ucp.language.errors import SpecError
+from jax_ucp.errors import LanguageError
 from jax_ucp.language.spec import Spec, spec_from_dict, spec_to_dict
 
 SPECS_DIR = Path(__file__).parent / "specs"
@@ -81,7 +81,7 @@ def _check_nesting(text: str, source: str) -> None:
         elif c == "\n" and not brackets:
             in_key, key_dots = True, 0
         if len(brackets) + key_dots > MAX_TOML_DEPTH:
-            raise SpecError(
+            raise LanguageError(
                 f"{source} line {text.count(chr(10), 0, i) + 1}: nested deeper than "
                 f"{MAX_TOML_DEPTH} levels (arrays, inline tables, dotted keys); refused"
             )
@@ -106,16 +106,16 @@ def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | Non
         settings: overrides of its ``[settings]``
     """
     if len(text) > MAX_SPEC_BYTES:
-        raise SpecError(
+        raise LanguageError(
             f"{source}: {len(text)} characters; a spec file holds at most {MAX_SPEC_BYTES}"
         )
     _check_nesting(text, source)
     try:
         d = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise SpecError(f"{source}: invalid TOML: {e}") from None
+        raise LanguageError(f"{source}: invalid TOML: {e}") from None
     except RecursionError:  # not reached below MAX_TOML_DEPTH; kept as the last line of defence
-        raise SpecError(f"{source}: nested too deeply") from None
+        raise LanguageError(f"{source}: nested too deeply") from None
     lines = {table: _table_lines(text, table) for table in ("import", "restore", "roots")}
     return spec_from_dict(d, source=source, settings=settings, table_lines=lines)
 
@@ -129,11 +129,11 @@ def _plain(v: Any, where: str) -> Any:
         return {str(k): _plain(x, f"{where}.{k}") for k, x in v.items() if x is not None}
     if isinstance(v, list | tuple):
         if any(x is None for x in v):
-            raise SpecError(f"{where}: TOML cannot hold None in a list")
+            raise LanguageError(f"{where}: TOML cannot hold None in a list")
         return [_plain(x, where) for x in v]
     if isinstance(v, bool | int | float | str):
         return v
-    raise SpecError(f"{where}: cannot write {type(v).__name__} {v!r} to TOML")
+    raise LanguageError(f"{where}: cannot write {type(v).__name__} {v!r} to TOML")
 
 
 def spec_to_toml(spec: Spec) -> str:
@@ -170,18 +170,18 @@ def load_spec(name_or_path: str | os.PathLike | Spec, **settings) -> Spec:
         if shipped.is_file():
             path = shipped
         elif path.suffix == ".toml" or os.sep in str(name_or_path):
-            raise SpecError(f"spec file {str(name_or_path)!r} not found")
+            raise LanguageError(f"spec file {str(name_or_path)!r} not found")
         else:
-            raise SpecError(
+            raise LanguageError(
                 f"unknown spec {str(name_or_path)!r}: not a file and not a shipped spec "
                 f"(shipped: {', '.join(list_specs()) or 'none'})"
             )
     with open(path, "rb") as f:  # a regular file (is_file above); read no more than the cap
         raw = f.read(MAX_SPEC_BYTES + 1)
     if len(raw) > MAX_SPEC_BYTES:
-        raise SpecError(f"{path}: more than {MAX_SPEC_BYTES} bytes; not a spec file")
+        raise LanguageError(f"{path}: more than {MAX_SPEC_BYTES} bytes; not a spec file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SpecError(f"{path}: not UTF-8 text (byte {e.start})") from None
+        raise LanguageError(f"{path}: not UTF-8 text (byte {e.start})") from None
     return spec_from_toml(text, source=str(path), settings=settings)

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 import tensorstore as ts
 
+from jax_ucp.errors import LanguageError
 from jax_ucp.format import mapped_file
-from jax_ucp.language.errors import TransformError
 
 #: Bytes per chunk of a view of a memory-mapped array (each chunk one ``pread``).
 MAPPED_CHUNK_BYTES = 4 << 20
@@ -62,7 +62,7 @@ def _checked_axis(tensor: ts.TensorStore, axis: int, what: str = "axis") -> int:
     r = tensor.rank
     a = axis + r if axis < 0 else axis
     if not 0 <= a < r:
-        raise TransformError(
+        raise LanguageError(
             f"{what} {axis} out of range for a rank-{r} tensor of shape {tuple(tensor.shape)}"
         )
     return a
@@ -84,7 +84,7 @@ def transpose(tensor: ts.TensorStore, perm: Sequence[int] | None = None) -> ts.T
         perm = list(range(tensor.rank))[::-1]
     perm = [_checked_axis(tensor, p) for p in perm]
     if sorted(perm) != list(range(tensor.rank)):
-        raise TransformError(
+        raise LanguageError(
             f"transpose: {list(perm)} is not a permutation of the {tensor.rank} axes"
         )
     return zero_origin(tensor.transpose(perm))
@@ -103,7 +103,7 @@ def rope_interleaved_to_half(tensor: ts.TensorStore, axis: int, head_dim: int) -
     """
     tensor, a, n = _view_axis(tensor, axis)
     if head_dim <= 0 or head_dim % 2 or n % head_dim:
-        raise TransformError(
+        raise LanguageError(
             f"rope_half: axis {a} of size {n} is not whole heads of an even head_dim {head_dim}"
         )
     within = np.concatenate([np.arange(0, head_dim, 2), np.arange(1, head_dim, 2)])
@@ -121,7 +121,7 @@ def take(tensor: ts.TensorStore, axis: int, index: int) -> ts.TensorStore:
     """
     tensor, a, n = _view_axis(tensor, axis)
     if not -n <= index < n:
-        raise TransformError(f"index {index} out of range for axis {a} of size {n}")
+        raise LanguageError(f"index {index} out of range for axis {a} of size {n}")
     return zero_origin(tensor[ts.d[a][index % n]])
 
 
@@ -136,7 +136,7 @@ def slice_axis(tensor: ts.TensorStore, axis: int, start: int, stop: int) -> ts.T
     """
     tensor, a, n = _view_axis(tensor, axis)
     if not 0 <= start <= stop <= n:
-        raise TransformError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
+        raise LanguageError(f"slice [{start}, {stop}) out of range for axis {a} of size {n}")
     return zero_origin(tensor[ts.d[a][start:stop]])
 
 
@@ -144,7 +144,7 @@ def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
     """One lazy view of ``parts`` joined along ``axis`` (same dtype, other dimensions equal)."""
     parts = [as_view(p) for p in parts]
     if not parts:
-        raise TransformError("concat of no tensors")
+        raise LanguageError("concat of no tensors")
     if len(parts) == 1:
         return parts[0]
     a = _checked_axis(parts[0], axis)
@@ -152,12 +152,12 @@ def concat(parts: Sequence, axis: int = 0) -> ts.TensorStore:
     for i, p in enumerate(parts):
         s = list(p.shape)
         if len(s) != len(ref) or s[:a] + s[a + 1 :] != ref[:a] + ref[a + 1 :]:
-            raise TransformError(
+            raise LanguageError(
                 f"concat along axis {a}: part {i} has shape {tuple(s)}, "
                 f"incompatible with part 0's {tuple(ref)}"
             )
         if p.dtype != parts[0].dtype:
-            raise TransformError(
+            raise LanguageError(
                 f"concat: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}"
             )
     return zero_origin(ts.concat(parts, axis=a))
@@ -167,19 +167,17 @@ def stack(parts: Sequence, axis: int = 0) -> ts.TensorStore:
     """One lazy view of equal-shaped ``parts`` stacked along a new ``axis``."""
     parts = [as_view(p) for p in parts]
     if not parts:
-        raise TransformError("stack of no tensors")
+        raise LanguageError("stack of no tensors")
     ref = tuple(parts[0].shape)
     for i, p in enumerate(parts):
         if tuple(p.shape) != ref:
-            raise TransformError(f"stack: part {i} has shape {tuple(p.shape)}, part 0 has {ref}")
+            raise LanguageError(f"stack: part {i} has shape {tuple(p.shape)}, part 0 has {ref}")
         if p.dtype != parts[0].dtype:
-            raise TransformError(
-                f"stack: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}"
-            )
+            raise LanguageError(f"stack: part {i} has dtype {p.dtype}, part 0 has {parts[0].dtype}")
     r = parts[0].rank + 1
     a = axis + r if axis < 0 else axis
     if not 0 <= a < r:
-        raise TransformError(f"stack axis {axis} out of range for rank {r - 1} parts")
+        raise LanguageError(f"stack axis {axis} out of range for rank {r - 1} parts")
     return zero_origin(ts.stack(parts, axis=a))
 
 
@@ -193,7 +191,7 @@ def split_sizes(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> list
     """
     tensor, a, _ = _view_axis(tensor, axis)
     if sum(sizes) != tensor.shape[a] or any(s < 0 for s in sizes):
-        raise TransformError(
+        raise LanguageError(
             f"split of axis {a} (size {tensor.shape[a]}) into sizes {list(sizes)}: "
             f"they add up to {sum(sizes)}"
         )
@@ -211,7 +209,7 @@ def split_even(tensor: ts.TensorStore, axis: int, n: int) -> list[ts.TensorStore
     """
     tensor, a, _ = _view_axis(tensor, axis)
     if n <= 0 or tensor.shape[a] % n:
-        raise TransformError(
+        raise LanguageError(
             f"axis {a} of size {tensor.shape[a]} does not split into {n} equal parts"
         )
     return split_sizes(tensor, a, [tensor.shape[a] // n] * n)
@@ -232,7 +230,7 @@ def split_dim(tensor: ts.TensorStore, axis: int, sizes: Sequence[int]) -> ts.Ten
     if b == -1 and a > 0 and n % a == 0:
         b = n // a
     if a <= 0 or b <= 0 or a * b != n:
-        raise TransformError(f"cannot split axis {ax} of size {n} into {list(sizes)}")
+        raise LanguageError(f"cannot split axis {ax} of size {n} into {list(sizes)}")
     return stack([slice_axis(tensor, ax, i * b, (i + 1) * b) for i in range(a)], axis=ax)
 
 
@@ -240,7 +238,7 @@ def merge_dims(tensor: ts.TensorStore, axis: int) -> ts.TensorStore:
     """Reshape axes (axis, axis+1) of sizes (a, b) into one axis of size a*b (row-major)."""
     tensor, ax, _ = _view_axis(tensor, axis)
     if ax + 1 >= tensor.rank:
-        raise TransformError(
+        raise LanguageError(
             f"merge_dims: axis {ax} has no following axis (shape {tuple(tensor.shape)})"
         )
     return concat([take(tensor, ax, i) for i in range(tensor.shape[ax])], axis=ax)
@@ -256,7 +254,7 @@ def group_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Tenso
     """
     tensor, a, n = _view_axis(tensor, axis)
     if stages <= 0 or n % stages:
-        raise TransformError(
+        raise LanguageError(
             f"cannot group {n} layers into {stages} pipeline stages: "
             f"{n} is not divisible by {stages}"
         )
@@ -278,13 +276,13 @@ def regroup_stages(tensor: ts.TensorStore, stages: int, axis: int = 0) -> ts.Ten
     """
     tensor, a, _ = _view_axis(tensor, axis)
     if tensor.rank < a + 2:
-        raise TransformError(
+        raise LanguageError(
             f"regroup_stages needs a [stages, layers_per_stage, ...] tensor, got "
             f"shape {tuple(tensor.shape)}"
         )
     n = tensor.shape[a] * tensor.shape[a + 1]
     if stages <= 0 or n % stages:
-        raise TransformError(
+        raise LanguageError(
             f"cannot regroup {n} layers (saved as {tensor.shape[a]} stages x "
             f"{tensor.shape[a + 1]}) into {stages} pipeline stages: {n} is not divisible "
             f"by {stages}"
@@ -304,7 +302,7 @@ def pad_axis(tensor: ts.TensorStore, axis: int, size: int) -> ts.TensorStore:
     """
     tensor, a, n = _view_axis(tensor, axis)
     if size < n:
-        raise TransformError(f"pad: axis {a} has size {n} > requested {size}")
+        raise LanguageError(f"pad: axis {a} has size {n} > requested {size}")
     if size == n:
         return tensor
     shape = list(tensor.shape)
@@ -325,7 +323,7 @@ def qkv_sizes(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, in
         head_dim: rows per head
     """
     if num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise TransformError(
+        raise LanguageError(
             f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
         )
     return (num_heads // num_kv_heads * head_dim, head_dim, head_dim)
@@ -358,7 +356,7 @@ def split_qkv(
     g = num_kv_heads
     total = g * (qg + kg + vg)
     if tensor.shape[a] != total:
-        raise TransformError(
+        raise LanguageError(
             f"fused QKV axis {a} has size {tensor.shape[a]}, expected {total} "
             f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})"
         )
@@ -390,7 +388,7 @@ def merge_qkv(
     g = num_kv_heads
     for name, x, want in (("q", q, g * qg), ("k", k, g * kg), ("v", v, g * vg)):
         if x.shape[a] != want:
-            raise TransformError(
+            raise LanguageError(
                 f"merge_qkv: {name} has size {x.shape[a]} on axis {a}, expected {want} "
                 f"(num_heads={num_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim})"
             )

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ucp.errors import UnsupportedError
+from jax_ucp.errors import RequestError
 from jax_ucp.language import Spec, apply_spec_to_tree, load_spec
 
 
@@ -64,18 +64,18 @@ class LMConfig:
         SwiGLU, RoPE, GQA, no biases): the model the shipped ``hf_llama`` spec restores into."""
         act = config.get("hidden_act", "silu")
         if act != "silu" or config.get("attention_bias") or config.get("mlp_bias"):
-            raise UnsupportedError(
+            raise RequestError(
                 f"config.json: hidden_act {act!r}, attention_bias "
                 f"{config.get('attention_bias')}, mlp_bias {config.get('mlp_bias')}: only "
                 "silu without biases is a Llama-family model TransformerLM computes"
             )
         if config.get("rope_scaling"):
-            raise UnsupportedError(
+            raise RequestError(
                 f"config.json: rope_scaling {config['rope_scaling']} is not supported"
             )
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         if int(config.get("head_dim") or hidden // heads) != hidden // heads:
-            raise UnsupportedError("config.json: head_dim other than hidden_size / heads")
+            raise RequestError("config.json: head_dim other than hidden_size / heads")
         kw: dict[str, Any] = dict(
             vocab_size=int(config["vocab_size"]),
             hidden_size=hidden,
@@ -100,7 +100,7 @@ class LMConfig:
         LayerNorm, GELU, fused c_attn, biases, tied output): what the ``hf_gpt2`` spec targets."""
         act = config.get("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh", "gelu"):
-            raise UnsupportedError(f"config.json: activation_function {act!r} is not a GELU")
+            raise RequestError(f"config.json: activation_function {act!r} is not a GELU")
         hidden = int(config.get("n_embd") or config["hidden_size"])
         kw: dict[str, Any] = dict(
             vocab_size=int(config["vocab_size"]),
@@ -317,7 +317,7 @@ def from_megatron(params: Mapping[str, np.ndarray], cfg: LMConfig) -> dict:
     grouped-GEMM experts stacked ``[E, ...]``.
 
     Strict: a source tensor no rule covers (or a required tensor missing) is a
-    ``jax_ucp.language.StrictnessError`` naming it."""
+    ``jax_ucp.LanguageError`` naming it."""
     arrays = {name: np.asarray(array) for name, array in params.items()}
     spec = shipped_spec_for(cfg, arrays)
     return {"params": apply_spec_to_tree(spec, {"params": arrays})["params"]}

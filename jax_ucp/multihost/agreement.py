@@ -11,8 +11,15 @@ import os
 import time
 from collections.abc import Callable, Iterable
 
-from jax_ucp.errors import ProcessLostError, SharedWriteError
+from jax_ucp.errors import MultiProcessError
 from jax_ucp.multihost import liveness
+
+
+class ProcessLostError(MultiProcessError):
+    """A process of a multi-process job died while the others waited for it. A class of its own
+    for the command line, which then leaves at once (``jax.distributed``'s shutdown would wait
+    for the lost process's heartbeat)."""
+
 
 Gather = Callable[[str, str, bool], "list[str]"]
 _OK, _FAILED = "ok:", "failed:"
@@ -24,7 +31,7 @@ def agree(
     """Every process's outcome of ``step``, exchanged through ``gather`` (each process's value, in
     process order, once all have posted theirs): ``result`` is this process's payload, or its
     error. Every process sees the same list, so all decide alike: this process's own error is
-    raised, else a ``SharedWriteError`` naming each process that failed and why; else the
+    raised, else a ``MultiProcessError`` naming each process that failed and why; else the
     payloads. ``wait=False`` only posts this process's outcome (the others wait for it).
 
     Args:
@@ -44,7 +51,7 @@ def agree(
         raise result
     errors = [f"process {i}: {v[len(_FAILED) :]}" for i, v in enumerate(values) if v[:3] != _OK]
     if errors:
-        raise SharedWriteError(f"{where}: not committed; it failed in " + "; ".join(errors))
+        raise MultiProcessError(f"{where}: not committed; it failed in " + "; ".join(errors))
     return [v[len(_OK) :] for v in values]
 
 
@@ -82,7 +89,7 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
                     return [got[prefix + str(i)] for i in range(count)]
                 _raise_if_lost(peers, missing, step, where, index)
                 if time.monotonic() > deadline:
-                    raise SharedWriteError(
+                    raise MultiProcessError(
                         f"{where}: not committed; process(es) {', '.join(map(str, missing))} "
                         f"did not reach '{step}' within {timeout:g} s ({purpose}'s "
                         f"barrier_timeout)"
@@ -91,7 +98,7 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
             except JaxRuntimeError as e:  # a timed-out poll, or the coordinator (process 0) gone
                 if "DEADLINE_EXCEEDED" not in str(e):
                     _raise_if_lost(peers, range(count), step, where, index)
-                    raise SharedWriteError(
+                    raise MultiProcessError(
                         f"{where}: not committed; jax.distributed failed at '{step}': {e}"
                     ) from e
 
@@ -107,7 +114,7 @@ def distributed_client():
 
     client = distributed.global_state.client
     if client is None:
-        raise SharedWriteError("jax.distributed is not initialized: call its initialize() first")
+        raise MultiProcessError("jax.distributed is not initialized: call its initialize() first")
     return client
 
 

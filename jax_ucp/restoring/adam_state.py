@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, cast
 
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import AmbiguousAdamStateError
+from jax_ucp.errors import RequestError
 
 MOMENTS = ("mu", "nu", "count")
 
@@ -47,7 +47,7 @@ def follow_adam_state(spec: Any, target: Any) -> Any:
         return spec  # no Adam state to follow, or already where the spec puts it
     if len(found) > 1:
         shown = ", ".join("/".join(p) for p in found)
-        raise AmbiguousAdamStateError(
+        raise RequestError(
             f"spec {spec.name!r} restores an Adam state (its roots put opt_state/mu, nu, count at "
             f"{'/'.join(sorted(cast(set[tuple[str, ...]], wanted))[0])}), but the target holds {len(found)} Adam states: "
             f"{shown}. Say which in the spec's [[roots]] targets (e.g. "

@@ -20,7 +20,7 @@ from jax_ucp import store
 from jax_ucp.restoring import locate, model, ucp_source
 
 # Elements compared at once (float64 temporaries of this many elements, a few of them).
-_BLOCK = 1 << 20
+BLOCK = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def diff(
             else:
                 values.append(ValueDiff(ea.name, _as_value(ea), _as_value(eb)))
         else:
-            result = _compare(root_a, man_a, ea, root_b, man_b, eb)
+            result = compare_tensor(root_a, man_a, ea, root_b, man_b, eb)
             if result is None:
                 same += 1
             else:
@@ -164,7 +164,9 @@ def _read(root, manifest, entry) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(-1)
 
 
-def _compare(root_a, man_a, ea, root_b, man_b, eb) -> TensorDiff | None:
+def compare_tensor(root_a, man_a, ea, root_b, man_b, eb) -> TensorDiff | None:
+    """How tensor ``ea`` of checkpoint ``root_a`` differs from ``eb`` of ``root_b`` (None: equal
+    bit for bit), read and compared ``BLOCK`` elements at a time so one tensor of each is held."""
     shapes, dtypes = (ea.shape, eb.shape), (ea.dtype, eb.dtype)
     if ea.shape != eb.shape or ea.dtype != eb.dtype:
         return TensorDiff(ea.name, shapes, dtypes)
@@ -172,8 +174,8 @@ def _compare(root_a, man_a, ea, root_b, man_b, eb) -> TensorDiff | None:
     y = _read(root_b, man_b, eb)
     numeric = x.dtype.kind in "biufc" or "float" in x.dtype.name  # ml_dtypes: bfloat16, float8
     differing, max_abs, max_rel = 0, 0.0, 0.0
-    for start in range(0, x.size, _BLOCK):
-        bx, by = x[start : start + _BLOCK], y[start : start + _BLOCK]
+    for start in range(0, x.size, BLOCK):
+        bx, by = x[start : start + BLOCK], y[start : start + BLOCK]
         ne = np.any(
             bx.view(np.uint8).reshape(bx.size, -1) != by.view(np.uint8).reshape(by.size, -1),
             axis=1,

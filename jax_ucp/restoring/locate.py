@@ -12,7 +12,7 @@ from typing import Any
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.errors import CheckpointError, CheckpointReplacedError
+from jax_ucp.errors import CheckpointError, SaveConflictError
 from jax_ucp.writer import commit
 
 
@@ -183,12 +183,12 @@ def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
 
     A forced save commits a new directory beside ``path`` and swaps it in by two renames
     (``writer.commit``); a reader may meanwhile see ``path`` missing, read a manifest from one
-    directory and shards from the next (``FileReadError``: not the shard the manifest lists),
+    directory and shards from the next (``CheckpointError``: not the shard the manifest lists),
     or its directory vanish. Each of those is told from damage by what changed around the read:
     the directory read (device, inode and ctime: ext4 gives a freed inode to the next directory
     at once, the ctime tells them apart) or the swap's names beside ``path`` (``.ucp-replacing``,
     ``.ucp-replaced``). An error with nothing changed is the checkpoint's own; one with a change
-    is retried, and after ``_SWAP_RETRIES`` such retries ``CheckpointReplacedError`` ("being
+    is retried, and after ``_SWAP_RETRIES`` such retries ``SaveConflictError`` ("being
     replaced, retry") is raised, never a corrupt-checkpoint error.
 
     Args:
@@ -215,7 +215,7 @@ def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
             continue
         if not redo or root is None or stamp is None or _identity(root) == stamp:
             return result
-    raise CheckpointReplacedError(
+    raise SaveConflictError(
         f"{path}: the checkpoint was being replaced by a concurrent save while it was read "
         f"({_SWAP_RETRIES + 1} attempts); nothing is wrong with it: read it again once the save "
         f"finishes."

@@ -233,7 +233,7 @@ def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
 
     Raises:
         CheckpointError: the checkpoint cannot be read, or a target names a tensor it lacks.
-        ShardingMismatchError: a rule names a mesh axis the mesh does not have; with
+        RequestError: a rule names a mesh axis the mesh does not have; with
             ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
             by no rule and no saved PartitionSpec (each names the closest known names).
         RequestError: an argument of the wrong kind (as for ``restore``), neither ``mesh`` nor
@@ -249,7 +249,7 @@ def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
     root = locate.find_checkpoint_dir(path)
     manifest = store.read_manifest(root)
     available = ucp_source.available_tensors(manifest, options.spec)
-    layouts = _Layouts(mesh, options.processes)
+    layouts = Layouts(mesh, options.processes)
     if mesh is not None:
         layouts.every_process(mesh, 0)  # processes= fits the mesh
     if explicit and rules is not None:
@@ -384,7 +384,7 @@ def _explicit(av: model.Available, req: model.Request, casting: str):
     dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
     try:
         model.check_tensor_request(av.name, req, av, "the checkpoint", casting)
-    except (CheckpointError, sharding_lib.ShardingMismatchError) as e:
+    except (CheckpointError, RequestError) as e:
         error = str(e)
     return av, dtype, req.sharding, (), error
 
@@ -566,7 +566,7 @@ class IndexedBytes(Mapping[int, int]):
         return f"IndexedBytes({len(self)} indices, {self.lowest()} to {self.highest()} bytes)"
 
 
-class _Layouts:
+class Layouts:
     """Devices and processes of meshes (concrete or abstract), and the slices a sharding gives
     each device, from shapes and PartitionSpecs alone."""
 
@@ -681,7 +681,7 @@ class _Layouts:
             counts[q] = memo[start]
         return counts
 
-    def _named(self, shape, spec, mesh):
+    def device_slices(self, shape, spec, mesh):
         """(device, process, ((start, stop) per dimension)) for each position of ``mesh``, as
         ``NamedSharding.devices_indices_map`` would give (the axes of one entry major first)."""
         names = tuple(mesh.axis_names)

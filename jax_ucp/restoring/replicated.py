@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import ReplicatedReadError
+from jax_ucp.errors import MultiProcessError
 from jax_ucp.multihost import agreement, liveness
 from jax_ucp.sharding import assemble
 
@@ -82,7 +82,10 @@ class Gathered:
 
 
 @dataclasses.dataclass
-class _Tensor:
+class SharedTensor:
+    """A tensor of a read-once restore: what was asked, how it is stored, and (while read) the
+    host buffer its share lands in."""
+
     position: int
     item: Any  # what the caller passed (handed back with the result)
     name: str
@@ -199,7 +202,7 @@ def read_once(
     if not items:
         return
     tensors = [
-        _Tensor(
+        SharedTensor(
             position=position,
             item=(position, req, found),
             name=found.name,
@@ -216,7 +219,7 @@ def read_once(
     n, me = jax.process_count(), jax.process_index()
     # own share + the gathered batch within the budget, the shares' rounding (1/8) included
     batch_bytes = max(1, int(budget) * n * 8 // ((n + 1) * 9))
-    batches = list(_batches(tensors, n, batch_bytes))
+    batches = list(share_batches(tensors, n, batch_bytes))
     peers = _Peers(timeout, _fingerprint(tensors, batches))
     try:
         for number, batch in enumerate(batches):
@@ -243,7 +246,7 @@ def read_once(
         raise
 
 
-def _place(tensors: list[_Tensor], batch: _Batch, gathered: np.ndarray, me: int) -> None:
+def _place(tensors: list[SharedTensor], batch: _Batch, gathered: np.ndarray, me: int) -> None:
     """Every process's pieces of the all-gathered ``batch`` copied into their tensors' host
     buffers (process p's share at ``p * batch.length``); the bytes this process read counted
     in its tensors' ``Gathered``."""
@@ -261,7 +264,7 @@ def _place(tensors: list[_Tensor], batch: _Batch, gathered: np.ndarray, me: int)
                 t.gathered.read_bytes += piece.nbytes
 
 
-def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
+def share_batches(tensors: list[SharedTensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
     """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
     batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
     handed out in an order rotating with the batch, so a unit too many evens out)."""
@@ -287,7 +290,9 @@ def _batches(tensors: list[_Tensor], n: int, batch_bytes: int) -> Iterator[_Batc
         yield _cut(tensors, runs, n, number)
 
 
-def _cut(tensors: list[_Tensor], runs: list[tuple[int, int, int]], n: int, shift: int) -> _Batch:
+def _cut(
+    tensors: list[SharedTensor], runs: list[tuple[int, int, int]], n: int, shift: int
+) -> _Batch:
     units = [(index, k) for index, u0, u1 in runs for k in range(u0, u1)]
     spans = [tensors[i].unit_span(k, k + 1) for i, k in units]
     sizes = np.array(
@@ -363,7 +368,7 @@ def _names(tensors, batch: _Batch) -> list[str]:
     return list(dict.fromkeys(tensors[p.tensor].name for ps in batch.pieces for p in ps))
 
 
-def _finish(t: _Tensor) -> Gathered:
+def _finish(t: SharedTensor) -> Gathered:
     """The tensor's result from its whole host copy: numpy, or a jax.Array whose local devices
     hold their slices (replicated devices share the one buffer, as ``PendingArray`` does)."""
     host, gathered = t.host, t.gathered
@@ -436,7 +441,7 @@ def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarra
         peers.raise_if_lost(
             f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
         )
-        raise ReplicatedReadError(
+        raise MultiProcessError(
             f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather "
             f"of the shares failed ({e}); a process of the job died or left the restore."
         ) from e
@@ -469,7 +474,7 @@ class _Peers:
         self.identities = [json.loads(v) for v in values]
         plans = {i: v["plan"] for i, v in enumerate(self.identities)}
         if len(set(plans.values())) > 1:
-            raise ReplicatedReadError(
+            raise MultiProcessError(
                 f"Reading replicated tensors once across {self.count} processes: the processes "
                 f"asked for different restores (plans {plans}); every process must restore the "
                 f"same tensors with the same memory_budget."
@@ -486,7 +491,7 @@ class _Peers:
         )
         if isinstance(error, fmt.UCPError):  # it names the tensor and file already
             raise error
-        raise ReplicatedReadError(
+        raise MultiProcessError(
             f"Reading {_shown(names)} once across {self.count} processes: process "
             f"{self.me} (this one) failed to read its share: {type(error).__name__}: {error}"
         ) from error
@@ -501,11 +506,11 @@ class _Peers:
             pass
 
     def raise_if_lost(self, where: str) -> None:
-        """``ReplicatedReadError`` naming a process of this host that is gone."""
+        """``MultiProcessError`` naming a process of this host that is gone."""
         process = liveness.first_lost(self.identities, range(len(self.identities)), self.me)
         if process is not None:
             peer = self.identities[process]
-            raise ReplicatedReadError(
+            raise MultiProcessError(
                 f"{where}: process {process} (pid {peer['pid']} on {peer['host']}) died "
                 f"while process {self.me} waited for it."
             )
@@ -526,7 +531,7 @@ class _Peers:
             got = dict(self.client.key_value_dir_get(prefix))
             for i in range(self.count):
                 if got.get(prefix + str(i), "").startswith("error:"):
-                    raise ReplicatedReadError(
+                    raise MultiProcessError(
                         f"{where}: process {i} failed to read its share: "
                         f"{got[prefix + str(i)][len('error:') :]}"
                     )
@@ -541,16 +546,16 @@ class _Peers:
                     return [got[prefix + str(i)] for i in range(self.count)]
                 if aborted:
                     key, why = sorted(aborted.items())[0]
-                    raise ReplicatedReadError(
+                    raise MultiProcessError(
                         f"{where}: process {key.rsplit('/', 1)[-1]} left the restore ({why})."
                     )
                 try:
                     self.raise_if_lost(where)
-                except ReplicatedReadError:
+                except MultiProcessError:
                     statuses()  # it may have set its error just before it exited
                     raise
                 if time.monotonic() > deadline:
-                    raise ReplicatedReadError(
+                    raise MultiProcessError(
                         f"{where}: process(es) {', '.join(map(str, missing))} did not finish "
                         f"reading their share within {self.timeout:g} s."
                     )
@@ -558,4 +563,4 @@ class _Peers:
             except JaxRuntimeError as e:  # a timed-out poll, or the coordinator gone
                 if "DEADLINE_EXCEEDED" not in str(e):
                     self.raise_if_lost(where)
-                    raise ReplicatedReadError(f"{where}: jax.distributed failed: {e}") from e
+                    raise MultiProcessError(f"{where}: jax.distributed failed: {e}") from e

@@ -68,7 +68,7 @@ def _stored(key, sources, shape, dtype, logical_axes=None) -> Available:
     )
 
 
-_GATHER_OPS = {"transpose", "merge_qkv", "concat"}
+GATHER_OPS = {"transpose", "merge_qkv", "concat"}
 _BITS = 24  # row and column fields of a probe's codes
 
 
@@ -83,7 +83,7 @@ def _gather_map(plan, sources, tensors):
     if (
         not ops
         or ops[0] != "transpose"
-        or not set(ops) <= _GATHER_OPS
+        or not set(ops) <= GATHER_OPS
         or any(len(sh) != 2 or max(sh) >= 1 << _BITS for sh in shapes)
         or len({sh[1] for sh in shapes}) != 1
         or any(tensors[k].dtype != np.dtype(plan.dtype) for k in sources)

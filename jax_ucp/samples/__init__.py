@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from jax_ucp.errors import NotFoundError
+from jax_ucp.errors import RequestError
 
 __all__ = [
     "NAMES",
@@ -48,7 +48,7 @@ REFERENCES = {
 
 def _check(name: str) -> None:
     if name not in NAMES:
-        raise NotFoundError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
+        raise RequestError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
 
 
 def path(name: str) -> str:
@@ -70,6 +70,6 @@ def reference(name: str) -> dict[str, np.ndarray]:
     torch's ``losses`` and ``lrs`` of them (hf_trainer_llama)."""
     _check(name)
     if name not in REFERENCES:
-        raise NotFoundError(f"sample {name!r} ships no reference arrays")
+        raise RequestError(f"sample {name!r} ships no reference arrays")
     with np.load(os.path.join(_HERE, REFERENCES[name])) as z:
         return {k: z[k] for k in z.files}

@@ -38,7 +38,9 @@ from jax_ucp.format.sizes import format_size
 from jax_ucp.writer import PreparedTensor, write_tensor
 
 
-def _on_cpu(data: jax.Array) -> bool:
+def on_cpu(data: jax.Array) -> bool:
+    """A shard held in host memory already (CPU devices): a view of it pins its buffer, where
+    an accelerator's shard must be copied to host."""
     return all(d.platform == "cpu" for d in data.devices())
 
 
@@ -126,7 +128,7 @@ class BudgetedShards:
                 f"memory_budget or shard the array more finely."
             )
         copied = self._copies(data)
-        if _on_cpu(data):
+        if on_cpu(data):
             if copied:
                 held = _Held(name, index)
                 self._pending.append((held, data))

@@ -18,7 +18,7 @@ import tensorstore as ts
 from jax_ucp import format as fmt
 from jax_ucp import sharding as sharding_lib
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import RequestError, UnsupportedError
+from jax_ucp.errors import RequestError
 from jax_ucp.saving import budget as budget_lib
 from jax_ucp.writer import (
     PreparedTensor,
@@ -36,10 +36,6 @@ _VALUE_TYPES = (type(None), bool, int, float, str)
 def shards_to_write(array: jax.Array) -> list:
     """(index, shard data) for the addressable shards this process must write: replica 0 only."""
     return [(s.index, s.data) for s in array.addressable_shards if s.replica_id == 0]
-
-
-def _on_cpu(data: jax.Array) -> bool:
-    return all(d.platform == "cpu" for d in data.devices())
 
 
 def _copy_into(dsts, srcs, flag):
@@ -266,7 +262,7 @@ def prepare_tree(
                 key, key_types, leaf, options, primary=primary, stable_source=copy, **tagged
             )
         else:
-            raise UnsupportedError(
+            raise RequestError(
                 f"Leaf {fmt.key_to_str(key)!r}: cannot save a {type(leaf).__module__}."
                 f"{type(leaf).__qualname__} (expected jax.Array, numpy array, "
                 f"tensorstore.TensorStore, or None/bool/int/float/str)."
@@ -337,7 +333,7 @@ def _device_writes(leaf: jax.Array, *, primary: bool, copy: bool, snapshots: _Sn
     if not (primary or not local_copy):
         return []
     return [
-        (index, snapshots.add(data) if (copy and _on_cpu(data)) else np.asarray(data))
+        (index, snapshots.add(data) if (copy and budget_lib.on_cpu(data)) else np.asarray(data))
         for index, data in shards_to_write(leaf)
     ]
 

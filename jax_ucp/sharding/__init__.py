@@ -15,7 +15,6 @@ _LAZY = {
     "RegionReader": _ASSEMBLE,
     "host_memory_limit": _ASSEMBLE,
     "ReplicationWarning": _MESH_LAYOUT,
-    "ShardingMismatchError": _MESH_LAYOUT,
     "check_divisible": _MESH_LAYOUT,
     "check_names": _MESH_LAYOUT,
     "check_rules": _MESH_LAYOUT,
@@ -31,7 +30,6 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers
     from jax_ucp.sharding.assemble import PendingArray, RegionReader, host_memory_limit
     from jax_ucp.sharding.mesh_layout import (
         ReplicationWarning,
-        ShardingMismatchError,
         check_divisible,
         check_names,
         check_rules,
@@ -46,7 +44,6 @@ if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers
 __all__ = [
     "PendingArray",
     "ReplicationWarning",
-    "ShardingMismatchError",
     "check_divisible",
     "check_names",
     "check_rules",

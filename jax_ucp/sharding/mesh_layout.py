@@ -17,7 +17,7 @@ from typing import Any
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jax_ucp.errors import ShardingMismatchError
+from jax_ucp.errors import RequestError
 from jax_ucp.format import SavedSharding
 from jax_ucp.format.sizes import format_size
 
@@ -50,7 +50,7 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
     if isinstance(sharding, NamedSharding):
         spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
         if len(spec) > len(shape):
-            raise ShardingMismatchError(
+            raise RequestError(
                 f"Tensor {name!r} has {len(shape)} dimensions (shape {tuple(shape)}) but its "
                 f"PartitionSpec {sharding.spec} has {len(sharding.spec)} entries."
             )
@@ -58,13 +58,13 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
             axes = axes_of(entry)
             for a in axes:
                 if a not in sharding.mesh.shape:
-                    raise ShardingMismatchError(
+                    raise RequestError(
                         f"Tensor {name!r}: PartitionSpec {sharding.spec} names mesh axis {a!r}, which the "
                         f"target mesh (axes {tuple(sharding.mesh.axis_names)}) does not have."
                     )
             size = _axis_size(sharding.mesh, axes)
             if axes and shape[dim] % size:
-                raise ShardingMismatchError(
+                raise RequestError(
                     f"Tensor {name!r}: dimension {dim} (size {shape[dim]}) is not divisible by mesh "
                     f"axis {'×'.join(axes)!r} (size {size}) of PartitionSpec {sharding.spec}. Choose a "
                     f"PartitionSpec that replicates that dimension, or a mesh whose axis divides it."
@@ -73,7 +73,7 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
         try:
             sharding.shard_shape(tuple(shape))
         except Exception as e:  # noqa: BLE001 - re-raised with the tensor's name
-            raise ShardingMismatchError(f"Tensor {name!r} (shape {tuple(shape)}): {e}") from e
+            raise RequestError(f"Tensor {name!r} (shape {tuple(shape)}): {e}") from e
 
 
 def partition_spec_from_saved(
@@ -144,12 +144,12 @@ def check_rules(rules: LogicalRules, mesh: Mesh | jax.sharding.AbstractMesh) -> 
     """Every mesh axis a rule names exists in ``mesh`` (a typo would silently replicate)."""
     for rule in rules:
         if not (isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str)):
-            raise ShardingMismatchError(
+            raise RequestError(
                 f"Logical-axis rule {rule!r}: expected (logical name, mesh axis or axes or None)."
             )
         missing = [a for a in axes_of(rule[1]) if a not in mesh.shape]
         if missing:
-            raise ShardingMismatchError(
+            raise RequestError(
                 f"Logical-axis rule {tuple(rule)!r} names mesh axis {missing[0]!r}, which the "
                 f"mesh (axes {tuple(mesh.axis_names)}) does not have."
             )
@@ -240,7 +240,7 @@ def check_names(
     if rules is not None:
         for name, _ in rules:
             if name not in logical_names and _near_miss(name, logical_names):
-                raise ShardingMismatchError(
+                raise RequestError(
                     f"Logical-axis rule {name!r}: no tensor of the checkpoint {where} carries "
                     f"that logical axis name (closest: {_closest(name, logical_names)}; the "
                     f"checkpoint's names: {_listed(logical_names)}). Fix the name, {advice} "
@@ -273,7 +273,7 @@ def check_names(
                     )
                     + "a target or shardings="
                 )
-            raise ShardingMismatchError(
+            raise RequestError(
                 f"Mesh axis {axis!r} (size {mesh.shape[axis]}): {what}. Every tensor would be "
                 f"replicated along it. Fix the axis name, {advice}."
             )

@@ -19,12 +19,12 @@ import os
 import numpy as np
 import tensorstore as ts
 
-from jax_ucp.errors import FileReadError, SourceError
+from jax_ucp.errors import CheckpointError, SourceError
 from jax_ucp.format import files, safetensors
 from jax_ucp.store import shard_reader
 
-_BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
-_VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
+BLOCK_BYTES = 8 << 20  # bytes of whole rows read at once (one task; a cut block: its scratch)
+VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
 
 
 class OpenFile:
@@ -69,7 +69,7 @@ class SafetensorsTensor:
         self.dtype, self.shape, self.offset = np.dtype(dtype), tuple(shape), offset
         inner = math.prod(self.shape[1:]) if self.shape else 1
         self.row_bytes = inner * self.dtype.itemsize  # bytes of one index of dim 0
-        self.block_rows = max(1, _BLOCK_BYTES // max(1, self.row_bytes))  # rows per read task
+        self.block_rows = max(1, BLOCK_BYTES // max(1, self.row_bytes))  # rows per read task
 
     def _rows_into(self, out: np.ndarray, row: int) -> None:
         """Whole rows ``row, row + len(out)`` straight into ``out`` (C-contiguous)."""
@@ -77,7 +77,7 @@ class SafetensorsTensor:
         got = files.preadv_full(self.file.fd, [out.reshape(-1).view(np.uint8).data], position)
         shard_reader.count_bytes_read(got)
         if got < out.nbytes:
-            raise FileReadError(
+            raise CheckpointError(
                 f"{self.file.path}: tensor {self.name!r} truncated (needs bytes up to "
                 f"{position + out.nbytes}, the file ends at {position + got})."
             )
@@ -138,7 +138,7 @@ class SafetensorsTensor:
         ``preadv``'d straight into TensorStore's chunk buffer): the source of spec views."""
         if not self.shape:
             return ts.array(self.read_all())
-        rows = max(1, min(self.shape[0], _VIEW_CHUNK_BYTES // max(1, self.row_bytes)))
+        rows = max(1, min(self.shape[0], VIEW_CHUNK_BYTES // max(1, self.row_bytes)))
 
         def read(domain, array, params):
             del params
@@ -174,7 +174,7 @@ class Gathered:
     (a transpose: torch ``[out, in]`` -> flax ``[in, out]``; and concatenations or reorderings of
     such columns: q/k/v merged, gate|up), read region by region like ``SafetensorsTensor``: each
     run of consecutive source rows is read once, in blocks, and transposed into every region's
-    array in tiles of ``_TILE`` rows (a whole-array strided bf16 transpose copy runs ~15x
+    array in tiles of ``TILE`` rows (a whole-array strided bf16 transpose copy runs ~15x
     slower here)."""
 
     def __init__(self, sources: list[SafetensorsTensor], which, rows):
@@ -223,12 +223,12 @@ class Gathered:
         for (rows, cols), out in dests:  # out[i, j] = block[a + j - a, rows[0] + i]
             lo, hi = max(a, cols[0]), min(b, cols[1])
             part = block[lo - a : hi - a, rows[0] : rows[1]]
-            for r in range(0, hi - lo, _TILE):
-                piece = part[r : r + _TILE]
+            for r in range(0, hi - lo, TILE):
+                piece = part[r : r + TILE]
                 out[:, lo - cols[0] + r : lo - cols[0] + r + len(piece)] = piece.T
 
 
-_TILE = 64  # source rows transposed at once (stays in cache)
+TILE = 64  # source rows transposed at once (stays in cache)
 
 
 _VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})

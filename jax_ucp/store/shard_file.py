@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import crc32c as crc32c_lib
 import numpy as np
 
-from jax_ucp.errors import FileReadError
+from jax_ucp.errors import CheckpointError
 from jax_ucp.store.zarr3 import ArrayLayout
 
 # Dtypes whose zarr v3 "bytes" encoding is the little-endian in-memory layout (itemsize >= 1).
@@ -92,19 +92,19 @@ def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | No
     if crc:
         (stored,) = struct.unpack("<I", raw[-4:])
         if crc32c_lib.crc32c(raw[:-4]) != stored:
-            raise FileReadError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
+            raise CheckpointError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
         raw = raw[:-4]
     index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)
     missing = index[:, 0] == _MISSING
     if missing.any():
         i = int(np.argmax(missing))
-        raise FileReadError(
+        raise CheckpointError(
             f"{path}: inner chunk {i} was never written (the shard is incomplete; jax_ucp never "
             f"reads missing data as fill values)"
         )
     past = limit is not None and (index[:, 0] + index[:, 1] > limit).any()
     if past or (index[:, 1] < (4 if crc else 0)).any():
-        raise FileReadError(f"{path}: shard index points past the data (truncated or corrupt)")
+        raise CheckpointError(f"{path}: shard index points past the data (truncated or corrupt)")
     return index
 
 
@@ -135,12 +135,12 @@ def check_digest(path: str, found: str, expected: str | None, tensor: str) -> No
         tensor: the tensor's name, for messages
     """
     if expected is None:
-        raise FileReadError(
+        raise CheckpointError(
             f"Tensor {tensor!r}: {path} is not a shard the manifest lists for it (a stray or "
             f"misplaced file)"
         )
     if found != expected:
-        raise FileReadError(
+        raise CheckpointError(
             f"Tensor {tensor!r}: {path} is not the shard file this checkpoint saved there (digest "
             f"{found}, the manifest says {expected}): swapped with another shard, or left from "
             f"another save"

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import crc32c as crc32c_lib
 import numpy as np
 
-from jax_ucp.errors import FileReadError, tensorstore_message
+from jax_ucp.errors import CheckpointError, tensorstore_message
 from jax_ucp.format import files
 from jax_ucp.store.shard_file import check_digest, digest_of_trailers, parse_index, shard_key
 from jax_ucp.store.zarr3 import ArrayLayout
@@ -36,7 +36,7 @@ def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
     size = os.fstat(fd).st_size
     index_bytes = n_chunks * 16 + (4 if crc else 0)
     if size < index_bytes:
-        raise FileReadError(
+        raise CheckpointError(
             f"{path}: truncated ({size} bytes, the shard index alone needs {index_bytes})"
         )
     raw = _pread_exact(fd, index_bytes, size - index_bytes, path)
@@ -67,7 +67,7 @@ def object_digests(shards) -> list:
     """``object_digest`` of many shard objects ``(kvstore, key, n_chunks, where, data_bytes)``
     at once: every index read is issued together, then every trailer in one batch, so a restore
     waits two round trips for all of them instead of two per object. Each result is the digest,
-    or the error (``FileNotFoundError``, ``FileReadError``) for that object."""
+    or the error (``FileNotFoundError``, ``CheckpointError``) for that object."""
     import tensorstore as ts
 
     out: list = [None] * len(shards)
@@ -100,7 +100,7 @@ def object_digests(shards) -> list:
         try:
             trailers = [r.result() for r in reads]
             if any(t.state != "value" or len(t.value) != 4 for t in trailers):
-                raise FileReadError(f"{where}: shard object changed or truncated while read")
+                raise CheckpointError(f"{where}: shard object changed or truncated while read")
             out[i] = digest_of_trailers(b"".join(bytes(t.value) for t in trailers))
         except (ValueError, OSError) as e:
             out[i] = _read_error(e, where)
@@ -108,9 +108,9 @@ def object_digests(shards) -> list:
 
 
 def _read_error(e: Exception, where: str) -> Exception:
-    if isinstance(e, (FileNotFoundError, FileReadError)):
+    if isinstance(e, (FileNotFoundError, CheckpointError)):
         return e
-    return FileReadError(
+    return CheckpointError(
         f"{where}: cannot read the shard index or trailers ({tensorstore_message(e)})"
     )
 
@@ -183,7 +183,7 @@ def _preadv_exact(fd: int, buffers: list, offset: int, path: str) -> None:
     got = files.preadv_full(fd, buffers, offset)
     count_bytes_read(got)
     if got < total:
-        raise FileReadError(
+        raise CheckpointError(
             f"{path}: truncated (needs bytes up to {offset + total}, file ends at {offset + got})"
         )
 
@@ -301,7 +301,7 @@ class ShardReader:
         off, nbytes = (int(x) for x in index[i])
         want = self._chunk_bytes + (4 if self._crc else 0)
         if nbytes != want:
-            raise FileReadError(
+            raise CheckpointError(
                 f"{path}: inner chunk {i} holds {nbytes} bytes, expected {want} (corrupt)"
             )
         if into is None:
@@ -314,7 +314,7 @@ class ShardReader:
             _preadv_exact(fd, [raw, trailer], off, path)
             (stored,) = struct.unpack("<I", trailer)
             if crc32c_lib.crc32c(raw.data) != stored:
-                raise FileReadError(
+                raise CheckpointError(
                     f"{path}: crc32c checksum mismatch in inner chunk {i} (the data is corrupt)"
                 )
             seen = self._seen.get(key)
@@ -373,11 +373,11 @@ class ShardReader:
                 self._inside.add(key)
             fd = files.open_regular(path)
         except FileNotFoundError:
-            raise FileReadError(
+            raise CheckpointError(
                 f"{path}: shard file missing (the checkpoint is incomplete)"
             ) from None
         except files.UnsafeFileError as e:
-            raise FileReadError(str(e)) from None
+            raise CheckpointError(str(e)) from None
         try:
             index = self._shard_index(fd, path, key)
             base = [p * c for p, c in zip(pos, self.layout.chunk_shape)]

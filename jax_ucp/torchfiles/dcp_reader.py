@@ -293,7 +293,7 @@ class DcpCheckpoint:
                 if len(members) == 1 and arr.flags.c_contiguous:
                     start, size, crc = members[0]
                     if size == arr.nbytes and _address(arr) - _address(raw) == start:
-                        _pread_into(fpath, c.byte_offset + start, region, crc, where)
+                        pread_into(fpath, c.byte_offset + start, region, crc, where)
                         return
                 for start, size, crc in members:  # a view of a larger storage: check all
                     view = raw[start : start + size]
@@ -301,7 +301,7 @@ class DcpCheckpoint:
                 mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
-                _pread_into(fpath, c.byte_offset, region, None, where)
+                pread_into(fpath, c.byte_offset, region, None, where)
                 return
         arr = self.read_chunk(t, c)
         first = (slice(skip, skip + region.shape[0]),) if region.ndim else ()
@@ -579,7 +579,7 @@ def _address(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
 
 
-#: Bytes read and CRC-checked per step of :func:`_pread_into`: small enough to stay in the CPU
+#: Bytes read and CRC-checked per step of :func:`pread_into`: small enough to stay in the CPU
 #: cache between the read and the CRC.
 READ_PIECE = 4 << 20
 
@@ -592,7 +592,7 @@ def _check_crc(found: int, crc: int | None, where: str) -> None:
         )
 
 
-def _pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
+def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
     """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
     with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None."""
     buf = region.reshape(-1).view(np.uint8).data

@@ -20,7 +20,7 @@ truncated meanwhile is then an error naming it, not SIGBUS. bfloat16 / float8 ma
 
 Public API (stable; also used by the Megatron importer):
 ``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
-``UnsafePickleError``, ``StandIn``, ``standin_class``, ``int_enum_standin``, ``BASE_ALLOWED``.
+``TorchFileError``, ``StandIn``, ``standin_class``, ``int_enum_standin``, ``BASE_ALLOWED``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import TorchFileError, UnsafePickleError
+from jax_ucp.errors import SourceError
 from jax_ucp.format import files, mapped_file
 from jax_ucp.torchfiles import dtypes
 
@@ -57,7 +57,6 @@ __all__ = [
     "short_repr",
     "StandIn",
     "TorchFileError",
-    "UnsafePickleError",
     "int_enum_standin",
     "load_torch_file",
     "scan_globals",
@@ -66,6 +65,17 @@ __all__ = [
     "SHARDED_TENSOR_CLASSES",
     "WrapperTensor",
 ]
+
+
+class TorchFileError(SourceError):
+    """A torch file is missing, truncated, corrupt, in an unsupported format, or its pickle asks
+    for something outside the allow-list (nothing was executed); ``path``: the file. A class of
+    its own for the importers, which keep it as it is (it names the file already) while they
+    re-word the other refusals of their readers."""
+
+    def __init__(self, path: os.PathLike | str, message: str):
+        self.path = str(path)
+        super().__init__(f"{self.path}: {message}")
 
 
 # --------------------------------------------------------------------------- bounds
@@ -239,7 +249,7 @@ class StandIn:
         for k, v in d.items():
             # an attribute named like a method would shadow it (``get``, ``_set_attrs``)
             if not isinstance(k, str) or k.startswith("__") or hasattr(type(self), k):
-                raise UnsafePickleError(
+                raise TorchFileError(
                     "<pickle>",
                     f"{self.qualname}: refusing attribute {short_repr(k, 80)} in BUILD state",
                 )
@@ -642,8 +652,8 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         self._allowed = allowed
         self._persistent = persistent
 
-    def _err(self, msg: str) -> UnsafePickleError:
-        return UnsafePickleError(self._where, msg)
+    def _err(self, msg: str) -> TorchFileError:
+        return TorchFileError(self._where, msg)
 
     def find_class(self, module: str, name: str) -> Any:  # GLOBAL / STACK_GLOBAL / INST
         if module == "__builtin__":  # protocol-2 spelling of builtins
@@ -717,7 +727,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
         if isinstance(inst, StandIn):
             try:
                 inst.__setstate__(state)
-            except UnsafePickleError as e:
+            except TorchFileError as e:
                 raise self._err(str(e).split(": ", 1)[-1]) from None
         elif type(inst) is collections.OrderedDict and isinstance(state, dict):
             # torch state_dicts carry `_metadata` as an instance attribute
@@ -1085,10 +1095,10 @@ class TorchArchive:
             or type(pid[4]) is not int
             or pid[4] < 0
         ):
-            raise UnsafePickleError(self.path, f"unexpected persistent id {short_repr(pid)}")
+            raise TorchFileError(self.path, f"unexpected persistent id {short_repr(pid)}")
         _, stype, key, _location, numel = pid
         if not key or "/" in key or key.startswith("."):
-            raise UnsafePickleError(self.path, f"bad storage key {short_repr(key, 80)}")
+            raise TorchFileError(self.path, f"bad storage key {short_repr(key, 80)}")
         dtype = (
             stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
         )

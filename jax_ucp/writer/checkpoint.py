@@ -19,9 +19,8 @@ import pathlib
 from collections.abc import Iterable, Mapping
 
 from jax_ucp import format as fmt
-from jax_ucp.errors import SharedWriteError
 from jax_ucp.multihost import commit as multihost_commit
-from jax_ucp.multihost.agreement import Gather
+from jax_ucp.multihost.agreement import Gather, MultiProcessError
 from jax_ucp.writer import commit, durable
 from jax_ucp.writer.stream import HostItem, write_stream
 
@@ -135,17 +134,17 @@ def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
         try:
             data = pathlib.Path(path).read_bytes()
         except OSError as e:
-            raise SharedWriteError(f"{path}: process {i} reported its part, but: {e}") from e
+            raise MultiProcessError(f"{path}: process {i} reported its part, but: {e}") from e
         found = hashlib.sha256(data).hexdigest()
         if found != digest:
-            raise SharedWriteError(
+            raise MultiProcessError(
                 f"{path}: not the part process {i} reported (sha256 {digest}, found {found})"
             )
         part = fmt.Manifest.loads(data, where=path)
         mine: dict[str, list[fmt.Entry]] = {}
         for entry in part.entries:
             if entry.key in seen:
-                raise SharedWriteError(
+                raise MultiProcessError(
                     f"{path}: {fmt.key_to_str(entry.key)!r} written by process {seen[entry.key]} "
                     f"and process {i}"
                 )

@@ -26,7 +26,7 @@ import uuid
 
 from jax_ucp import format as fmt
 from jax_ucp import store
-from jax_ucp.errors import NotReplaceableError, SaveConflictError
+from jax_ucp.errors import SaveConflictError
 from jax_ucp.writer import durable, file_digest
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
@@ -211,7 +211,7 @@ def transaction(
     Yields:
         The ``Transaction``. On any error in the block (or in the commit) what the writer wrote
         is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
-        entry (``SaveConflictError``, ``NotReplaceableError``, ``FileExistsError``) change
+        entry (``SaveConflictError``, ``SaveConflictError``, ``FileExistsError``) change
         nothing.
     """
     dest = os.fspath(dest).rstrip("/")
@@ -330,7 +330,7 @@ def check_replaceable(
         return False
     if os.path.islink(path) or not os.path.isdir(path):
         kind = "an export" if export else "a checkpoint"
-        raise NotReplaceableError(
+        raise SaveConflictError(
             f"{path}: already exists and is not {kind} directory (a file or link); refusing to "
             f"replace it even with force=True. Remove it yourself or choose another path."
         )
@@ -345,7 +345,7 @@ def check_replaceable(
         if found and not _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
             why = _folder_of_checkpoints(path)
     if found:
-        raise NotReplaceableError(
+        raise SaveConflictError(
             f"{path}: already exists and is not {kind} (found {_listed(found)}); refusing to replace it "
             f"even with force=True (nothing was changed).{why} Remove it yourself or choose "
             f"another path."
@@ -379,7 +379,7 @@ def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> 
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise NotReplaceableError(
+            raise SaveConflictError(
                 f"{path}: was an empty directory and is not anymore ({e.strerror}); nothing was "
                 f"changed."
             ) from None
@@ -586,7 +586,7 @@ def _walk(top: str, problems: list[str] | None = None):
             elif problems is not None:
                 problems.append(_shown(root, n) if root == top else rel)
             else:
-                raise NotReplaceableError(f"{full}: not a regular file or directory")
+                raise SaveConflictError(f"{full}: not a regular file or directory")
         dirs[:] = [d for d in dirs if _real_dir(os.path.join(root, d))]
 
 
@@ -737,7 +737,7 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
         )
     foreign = [n for n in names if not _LEFTOVER.fullmatch(n)]
     if foreign:
-        raise NotReplaceableError(
+        raise SaveConflictError(
             f"{url}: holds objects that no jax_ucp save of this prefix wrote ({_listed(foreign)}); refusing "
             f"to save here even with force=True (nothing was deleted). Choose a new prefix."
         )

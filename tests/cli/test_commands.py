@@ -31,14 +31,18 @@ def test_inspect_lists_tensors_and_values(tmp_path):
     assert "step" in r.output
 
 
+def _flip_a_bit(shard) -> None:
+    """One bit of ``shard``'s bytes flipped (in its first chunk's data: its crc32c fails)."""
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 0x10
+    shard.write_bytes(bytes(data))
+
+
 def test_verify_reads_everything_and_flags_corruption(tmp_path):
     path = _ckpt(tmp_path)
     r = runner.invoke(app, ["verify", str(path)])
     assert r.exit_code == 0 and "read back intact" in r.output
-    shard = path / "arrays" / "params.w" / "c" / "0" / "0"
-    data = bytearray(shard.read_bytes())
-    data[3] ^= 0x10
-    shard.write_bytes(bytes(data))
+    _flip_a_bit(path / "arrays" / "params.w" / "c" / "0" / "0")
     r = runner.invoke(app, ["verify", str(path)], env={"COLUMNS": "300"})
     assert r.exit_code == 1
     assert "params/w" in r.output and "checksum" in r.output
@@ -131,9 +135,7 @@ def test_demo_leaves_nothing_in_the_temp_dir(tmp_path, monkeypatch):
 def test_verify_reports_each_problem_once(tmp_path):
     path = _ckpt(tmp_path)
     shard = path / "arrays" / "params.w" / "c" / "0" / "0"
-    data = bytearray(shard.read_bytes())
-    data[3] ^= 0x10
-    shard.write_bytes(bytes(data))
+    _flip_a_bit(shard)
     r = runner.invoke(app, ["verify", str(path)], env={"COLUMNS": "300"})
     assert r.exit_code == 1
     problems = [line for line in r.output.splitlines() if line.startswith("✗")]

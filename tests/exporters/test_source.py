@@ -4,8 +4,6 @@ the default one, for each format that streams."""
 
 from __future__ import annotations
 
-import os
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -14,16 +12,7 @@ import jax_ucp
 from jax_ucp import store
 from jax_ucp.exporters import options_for
 from jax_ucp.restoring import ucp_source
-
-
-def _files(path) -> dict[str, bytes]:
-    out = {}
-    for d, _, names in os.walk(path):
-        for n in names:
-            if n != ".jax_ucp_export.json":  # records its own path and time
-                with open(os.path.join(d, n), "rb") as f:
-                    out[os.path.relpath(os.path.join(d, n), path)] = f.read()
-    return out
+from tests.ucp_testing import tree_files
 
 
 @pytest.fixture
@@ -86,5 +75,8 @@ def test_an_export_under_a_tiny_budget_writes_the_default_bytes(tmp_path, ckpt, 
     small = jax_ucp.export(path, tmp_path / "small", options_for(to, memory_budget=256, **kwargs))
     default = jax_ucp.export(path, tmp_path / "default", options_for(to, **kwargs))
     assert small.files == default.files
-    got, want = _files(small.path), _files(default.path)
+    got, want = (
+        tree_files(small.path, skip=(".jax_ucp_export.json",)),
+        tree_files(default.path, skip=(".jax_ucp_export.json",)),
+    )
     assert sorted(got) == sorted(want) and got == want

@@ -22,7 +22,7 @@ from jax_ucp.format import files
     ],
 )
 def test_inside_refuses_names_leading_out(tmp_path, name, message):
-    with pytest.raises(files.OutsideCheckpointError, match=r"^index\.json: file name .*" + message):
+    with pytest.raises(files.UnsafeFileError, match=r"^index\.json: file name .*" + message):
         files.inside(tmp_path, name, "index.json")
 
 
@@ -38,7 +38,7 @@ def test_inside_follows_links_that_stay_inside_and_refuses_those_that_leave(tmp_
     assert files.inside(root, "inner", "m") == os.path.realpath(root / "sub" / "real")
     assert os.path.samefile(files.inside(root, "sub/real", "m"), root / "sub" / "real")
     for name in ("outer", "dir/outside"):
-        with pytest.raises(files.OutsideCheckpointError, match=r"outside the checkpoint"):
+        with pytest.raises(files.UnsafeFileError, match=r"outside the checkpoint"):
             files.inside(root, name, "m")
     # the checkpoint folder reached through a link is its target: links inside it still count
     (tmp_path / "alias").symlink_to(root, target_is_directory=True)

@@ -11,7 +11,7 @@ import zlib
 
 import pytest
 
-from jax_ucp.errors import FileReadError
+from jax_ucp.errors import CheckpointError
 from tests.ucp_testing import REPO
 
 _TRUNCATED_WHILE_READ = """
@@ -216,8 +216,8 @@ def test_mapped_file_reads_views_with_pread_exactly(tmp_path):
     assert mapped_file.read_bytes(mm, 0, 4) == b"head"
     assert mapped_file.read_out(values) is values  # not mapped: passed through
     os.truncate(path, 1000)
-    with pytest.raises(FileReadError, match=r"data\.bin: .*is 1000 now"):
+    with pytest.raises(CheckpointError, match=r"data\.bin: .*is 1000 now"):
         mapped_file.read_out(flat)
-    with pytest.raises(FileReadError, match=r"data\.bin"):
+    with pytest.raises(CheckpointError, match=r"data\.bin"):
         mapped_file.crc32(flat)
     assert np.array_equal(mapped_file.read_out(flat[:10]), values[:10])  # still inside

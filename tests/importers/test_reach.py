@@ -197,27 +197,12 @@ def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkey
 
 
 def test_cli_weights_only(tmp_path):
-    r = CliRunner().invoke(
-        app,
-        [
-            "convert",
-            os.path.join(DS, "z0_fp32_dp2", "ckpt"),
-            str(tmp_path / "o"),
-            "--from",
-            "deepspeed",
-        ],
-    )
+    command = ["convert", os.path.join(DS, "z0_fp32_dp2", "ckpt"), str(tmp_path / "o")]
+    r = CliRunner().invoke(app, [*command, "--from", "deepspeed"])
     assert r.exit_code == 1 and "--weights-only" in r.output
     r = CliRunner().invoke(
         app,
-        [
-            "convert",
-            os.path.join(DS, "z0_fp32_dp2", "ckpt"),
-            str(tmp_path / "o"),
-            "--from",
-            "deepspeed",
-            "--weights-only",
-        ],
+        [*command, "--from", "deepspeed", "--weights-only"],
     )
     assert r.exit_code == 0, r.output
 

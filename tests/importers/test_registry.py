@@ -89,7 +89,7 @@ def test_an_unknown_folder_says_what_each_format_looked_for(tmp_path):
     assert "megatron: no `latest_checkpointed_iteration.txt`" in message
     assert "orbax: no Orbax `_CHECKPOINT_METADATA`" in message
     assert "`--from deepspeed|megatron|orbax|safetensors|torch|verl`" in message
-    with pytest.raises(registry.SourceNotFoundError, match="not a directory"):
+    with pytest.raises(registry.SourceError, match="not a directory"):
         registry.detect_format(tmp_path / "weights.npy")
 
 

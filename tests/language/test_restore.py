@@ -78,5 +78,5 @@ def test_restore_with_a_bad_spec_names_the_problem(saved):
             L.RestoreRule("embed"),
         ]
     )
-    with pytest.raises(L.TransformError, match="cannot group 3 layers into 2 pipeline stages"):
+    with pytest.raises(jax_ucp.LanguageError, match="cannot group 3 layers into 2 pipeline stages"):
         jax_ucp.restore(str(path), spec=bad)

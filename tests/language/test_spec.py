@@ -11,13 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jax_ucp import language as L
+from jax_ucp.errors import LanguageError
 from jax_ucp.language import (
     ImportRule,
     RestoreRule,
     Root,
     Spec,
-    SpecError,
-    StrictnessError,
     load_spec,
     spec_from_toml,
 )
@@ -184,14 +183,14 @@ def test_toml_roundtrip_of_every_kind_and_op():
     ],
 )
 def test_toml_errors_name_rule_and_line(mutate, match):
-    with pytest.raises(SpecError, match=match):
+    with pytest.raises(LanguageError, match=match):
         L.spec_from_toml(mutate(USER_SPEC), source="x.toml")
 
 
 def test_load_spec_unknown_name():
-    with pytest.raises(SpecError, match="unknown spec 'lama'.*shipped: .*llama"):
+    with pytest.raises(LanguageError, match="unknown spec 'lama'.*shipped: .*llama"):
         L.load_spec("lama")
-    with pytest.raises(SpecError, match="not found"):
+    with pytest.raises(LanguageError, match="not found"):
         L.load_spec("/nonexistent/x.toml")
 
 
@@ -203,7 +202,7 @@ def test_import_strictness_names_uncovered_tensor_and_unused_rule():
             ImportRule("never", "averaged", label="dead"),
         ],
     )
-    with pytest.raises(StrictnessError) as e:
+    with pytest.raises(LanguageError) as e:
         spec.classify(["a.0", "a.1", "b.weight"])
     msg = str(e.value)
     assert "b.weight" in msg and "import rule #2 (dead) pattern 'never' matched no tensor" in msg
@@ -240,11 +239,11 @@ def test_expressions(a, b, c):
 
 
 def test_expression_errors():
-    with pytest.raises(SpecError, match="only integers, setting names"):
+    with pytest.raises(LanguageError, match="only integers, setting names"):
         L.settings.eval_int("__import__('os')", {})
-    with pytest.raises(SpecError, match="unknown setting 'zz'"):
+    with pytest.raises(LanguageError, match="unknown setting 'zz'"):
         L.settings.eval_int("zz + 1", {"a": 1})
-    with pytest.raises(SpecError, match="divides by zero"):
+    with pytest.raises(LanguageError, match="divides by zero"):
         L.settings.eval_int("1 // a", {"a": 0})
 
 
@@ -259,7 +258,7 @@ def test_derived_settings():
         }
     ).env
     assert d["num_query_groups"] == 8 and d["head_dim"] == 8 and d["padded_vocab_size"] == 50432
-    with pytest.raises(SpecError, match="disagrees"):
+    with pytest.raises(LanguageError, match="disagrees"):
         L.Spec(settings={"heads": 8, "num_attention_heads": 4})
 
 
@@ -364,7 +363,7 @@ def test_catastrophic_pattern_in_a_spec_file_matches_in_bounded_time(tmp_path):
 def test_spec_file_pattern_re2_cannot_run_names_file_and_rule(tmp_path, pattern, message):
     toml = tmp_path / "bad.toml"
     toml.write_text(f"name = 'bad'\n\n[[restore]]\npattern = '{pattern}'\n")
-    with pytest.raises(SpecError, match=rf"bad\.toml line 3: restore rule #1: .*{message}"):
+    with pytest.raises(LanguageError, match=rf"bad\.toml line 3: restore rule #1: .*{message}"):
         load_spec(toml)
 
 
@@ -395,7 +394,7 @@ DEEP_TOML = {
 def test_deeply_nested_spec_file_is_refused_naming_it(tmp_path, case):
     toml = tmp_path / "deep.toml"
     toml.write_text(DEEP_TOML[case])
-    with pytest.raises(SpecError, match=r"deep\.toml line \d+: nested deeper than 64 levels"):
+    with pytest.raises(LanguageError, match=r"deep\.toml line \d+: nested deeper than 64 levels"):
         load_spec(toml)
 
 
@@ -439,7 +438,7 @@ def test_nesting_inside_strings_and_comments_is_not_counted():
 def test_huge_expression_in_a_spec_file_is_refused_naming_it(tmp_path, toml, message):
     path = tmp_path / "big.toml"
     path.write_text(toml)
-    with pytest.raises(SpecError, match=message):
+    with pytest.raises(LanguageError, match=message):
         load_spec(path)
 
 
@@ -455,7 +454,7 @@ def test_huge_expression_in_a_spec_file_is_refused_naming_it(tmp_path, toml, mes
 def test_expression_size_and_depth_are_bounded(expression, message):
     from jax_ucp.language.settings import eval_int
 
-    with pytest.raises(SpecError, match=rf"^rule: expression .*{message}"):
+    with pytest.raises(LanguageError, match=rf"^rule: expression .*{message}"):
         eval_int(expression, {}, where="rule: ")
     assert eval_int("(" * 150 + "hidden * 4" + ")" * 150, {"hidden": 3}) == 12
 
@@ -465,7 +464,9 @@ def test_spec_file_bigger_than_the_cap_is_refused_unread(tmp_path):
     path = tmp_path / "huge.toml"
     with open(path, "wb") as f:
         f.truncate((4 << 20) + 1)
-    with pytest.raises(SpecError, match=r"huge\.toml: more than 4194304 bytes; not a spec file"):
+    with pytest.raises(
+        LanguageError, match=r"huge\.toml: more than 4194304 bytes; not a spec file"
+    ):
         load_spec(path)
 
 

@@ -22,7 +22,8 @@ sys.path.insert(0, os.path.join(REPO, "examples"))
 import elastic_model as M  # noqa: E402
 
 import jax_ucp  # noqa: E402
-from jax_ucp.language import RestoreRule, Spec, TransformError  # noqa: E402
+from jax_ucp.errors import LanguageError  # noqa: E402
+from jax_ucp.language import RestoreRule, Spec  # noqa: E402
 
 L_, D, H = 4, 16, 4
 BASE = dict(vocab=32, d_model=D, n_layers=L_, n_heads=H, d_ff=32, seq_len=8)
@@ -193,7 +194,7 @@ def test_layer_count_not_divisible_by_new_stage_count_is_a_clear_error(tmp_path,
     )
     # named after the parameter, not one of the optimizer moments that mirror it
     with pytest.raises(
-        TransformError,
+        LanguageError,
         match=r"on params/stages/layers/.*cannot regroup 4 layers .*into 3 "
         r"pipeline stages: 4 is not divisible by 3",
     ):
@@ -206,11 +207,11 @@ def test_layer_count_not_divisible_by_new_stage_count_is_a_clear_error(tmp_path,
             RestoreRule(r".*"),
         ],
     )
-    with pytest.raises(TransformError, match="4 is not divisible by 3"):
+    with pytest.raises(LanguageError, match="4 is not divisible by 3"):
         jax_ucp.restore(path, spec=hand)
     layers = tmp_path / "layers"
     jax_ucp.save(layers, make_state(cfg("layers"), m8))
-    with pytest.raises(TransformError, match=r"cannot group 4 layers into 3 pipeline stages"):
+    with pytest.raises(LanguageError, match=r"cannot group 4 layers into 3 pipeline stages"):
         jax_ucp.restore(
             layers,
             spec=M.layout_spec(

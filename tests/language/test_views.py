@@ -6,7 +6,8 @@ import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_ucp.language import TransformError, views
+from jax_ucp.errors import LanguageError
+from jax_ucp.language import views
 
 FEW = settings(max_examples=15, deadline=None)
 
@@ -80,14 +81,14 @@ def test_stages_group_regroup_ungroup(ls, new):
             read(views.regroup_stages(g, new)), x.reshape(new, L // new, 3, 2)
         )
     else:
-        with pytest.raises(TransformError, match=f"{L} layers.*{new} pipeline stages"):
+        with pytest.raises(LanguageError, match=f"{L} layers.*{new} pipeline stages"):
             views.regroup_stages(g, new)
 
 
 def test_regroup_error_message():
     g = views.as_view(np.zeros((2, 3, 4)))
     with pytest.raises(
-        TransformError,
+        LanguageError,
         match="cannot regroup 6 layers .* into 4 pipeline stages: 6 is not divisible by 4",
     ):
         views.regroup_stages(g, 4)
@@ -122,7 +123,7 @@ def test_qkv_split_merge_roundtrip_and_reference(heads, interleaved, axis):
 
 
 def test_qkv_wrong_size_is_an_error():
-    with pytest.raises(TransformError, match="expected 16"):
+    with pytest.raises(LanguageError, match="expected 16"):
         views.split_qkv(views.as_view(np.zeros((12, 3))), 0, 4, 2, 2)
 
 

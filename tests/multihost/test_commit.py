@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.errors import SharedWriteError
+from jax_ucp.errors import MultiProcessError
 from jax_ucp.multihost import commit
 from tests.ucp_testing import REPO, assert_bit_exact, free_port
 
@@ -100,9 +100,9 @@ def test_a_write_failing_in_one_process_is_raised_in_every_one_and_nothing_is_co
     results, events = _run(3, write)
     assert isinstance(results[1], OSError)
     for i in (0, 2):
-        assert isinstance(results[i], SharedWriteError), results
+        assert isinstance(results[i], MultiProcessError), results
         assert "process 1: OSError: disk full" in str(results[i])
-    assert events == ["begin", "rolled back: SharedWriteError"]  # the write removed, no merge
+    assert events == ["begin", "rolled back: MultiProcessError"]  # the write removed, no merge
 
 
 @pytest.mark.timeout(60)
@@ -135,7 +135,7 @@ def test_a_primary_that_cannot_begin_stops_every_process_before_it_writes():
     for t in threads:
         t.join(timeout=60)
     assert isinstance(results[0], FileExistsError)
-    assert isinstance(results[1], SharedWriteError) and "dest already exists" in str(results[1])
+    assert isinstance(results[1], MultiProcessError) and "dest already exists" in str(results[1])
     assert written == []
 
 
@@ -222,7 +222,7 @@ def test_two_processes_save_force_fails_in_one_then_succeeds(tmp_path):
         next(line for line in out.splitlines() if line.startswith("FAILED")) for out, _ in outs
     ]
     assert failed[1] == "FAILED OSError disk full on process 1"
-    assert failed[0].startswith("FAILED SharedWriteError")
+    assert failed[0].startswith("FAILED MultiProcessError")
     assert "process 1: OSError: disk full on process 1" in failed[0]
     assert "AFTER ['old'] ['ckpt']" in outs[0][0]
     assert all(f"SAVED {i}" in out for i, (out, _) in enumerate(outs))

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from tests.ucp_testing import REPO, assert_bit_exact, mesh, run_python
+from tests.ucp_testing import FIXTURES, REPO, assert_bit_exact, mesh, move_out, run_python
 
 
 def _state(m, step):
@@ -175,26 +175,14 @@ def test_step_written_under_the_old_handler_name_restores(tmp_path):
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
 
 
-FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
-
-
-def _move_out(path, outside):
-    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
-    outside.mkdir(exist_ok=True)
-    target = outside / path.name
-    shutil.move(path, target)
-    path.symlink_to(target)
-    return target
-
-
 @pytest.mark.timeout(120)
 def test_orbax_step_whose_ucp_item_is_linked_outside_is_refused(tmp_path):
     """An Orbax step (written by a CheckpointManager) whose UCP item folder is a link to
     another checkpoint: ``restore(step)`` refuses it; the real item restores."""
     step = tmp_path / "run" / "3"
-    shutil.copytree(os.path.join(FIXTURE_ROOT, "orbax_manager_step", "3"), step)
+    shutil.copytree(os.path.join(FIXTURES, "orbax_manager_step", "3"), step)
     want = jax_ucp.restore(step)["params"]
-    _move_out(step / "model", tmp_path / "elsewhere")
+    move_out(step / "model", tmp_path / "elsewhere")
     with pytest.raises(
         jax_ucp.UCPError, match=r"file name 'model' resolves to \S+/elsewhere/model, outside"
     ):

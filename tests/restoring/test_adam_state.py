@@ -16,7 +16,7 @@ import pytest
 import jax_ucp
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig, TransformerLM
-from jax_ucp.restoring.adam_state import AmbiguousAdamStateError, adam_states
+from jax_ucp.restoring.adam_state import RequestError, adam_states
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)
@@ -112,7 +112,7 @@ def test_two_adam_states_in_the_target_are_refused(imported, model):
     opt_state = jax.eval_shape(tx.init, params)
     found = adam_states({"opt_state": opt_state})
     assert len(found) == 2
-    with pytest.raises(AmbiguousAdamStateError, match="2 Adam states") as e:
+    with pytest.raises(RequestError, match="2 Adam states") as e:
         jax_ucp.restore(
             imported,
             target={"params": params, "opt_state": opt_state},

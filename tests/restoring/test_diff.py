@@ -85,7 +85,7 @@ def test_streamed_one_tensor_at_a_time_in_blocks(tmp_path, monkeypatch):
     b = {k: v.copy() for k, v in a.items()}
     b["t3"][49, 6] = 100.0  # in the last block
     pa, pb = _pair(tmp_path, a, b)
-    monkeypatch.setattr(diff_lib, "_BLOCK", 64)  # 350 elements: 6 blocks
+    monkeypatch.setattr(diff_lib, "BLOCK", 64)  # 350 elements: 6 blocks
     live, peak, real_read = [0], [0], ucp_source.read
 
     def counting_read(root, manifest, requests, **kw):
@@ -95,7 +95,7 @@ def test_streamed_one_tensor_at_a_time_in_blocks(tmp_path, monkeypatch):
         return real_read(root, manifest, requests, **kw)
 
     monkeypatch.setattr(ucp_source, "read", counting_read)
-    monkeypatch.setattr(diff_lib, "_compare", _release(diff_lib._compare, live))
+    monkeypatch.setattr(diff_lib, "compare_tensor", _release(diff_lib.compare_tensor, live))
     seen = []
     d = jax_ucp.diff(pa, pb, progress=lambda name, done, total: seen.append((name, done, total)))
     (t,) = d.tensors

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.restoring.plan import _Layouts, abstract_mesh
+from jax_ucp.restoring.plan import Layouts, abstract_mesh
 from tests.ucp_testing import assert_bit_exact, mesh
 from tests.ucp_testing import save_small_tree as _save
 from tests.ucp_testing import tree_digest as _digest
@@ -99,7 +99,7 @@ def test_mesh_alone_on_an_abstract_mesh_with_processes(tmp_path):
 
 def test_slices_match_jax_for_every_kind_of_spec():
     m = mesh((2, 2, 2), ("a", "b", "c"))
-    layouts = _Layouts(None, None)
+    layouts = Layouts(None, None)
     for spec in [P(), P("a"), P(None, "b"), P(("a", "b"), "c"), P(("c", "a")), P("c", ("b", "a"))]:
         sharding = NamedSharding(m, spec)
         shape = (8, 8)
@@ -107,7 +107,7 @@ def test_slices_match_jax_for_every_kind_of_spec():
             d.id: tuple(s.indices(n)[:2] for s, n in zip(index, shape))
             for d, index in sharding.devices_indices_map(shape).items()
         }
-        got = {device: box for device, _, box in layouts._named(shape, spec, m)}
+        got = {device: box for device, _, box in layouts.device_slices(shape, spec, m)}
         assert got == want, spec
 
 
@@ -367,7 +367,7 @@ def test_plan_reads_per_process_match_every_device_enumerated():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ucp.restoring.plan import IndexedBytes, _Layouts, abstract_mesh
+    from jax_ucp.restoring.plan import IndexedBytes, Layouts, abstract_mesh
 
     shape = (12, 12, 12)
     uneven = 0
@@ -381,12 +381,12 @@ def test_plan_reads_per_process_match_every_device_enumerated():
                 specs.append(P(*axes))  # one axis per dimension
                 specs.append(P(axes))  # all on dimension 0
         for p in [d for d in range(1, n + 1) if n % d == 0]:
-            layouts = _Layouts(m, p)
+            layouts = Layouts(m, p)
             for spec in specs:
                 devices = IndexedBytes()
                 per_device, reads = layouts.place(shape, NamedSharding(m, spec), 2, devices)
                 seen: dict[int, set] = {}
-                for _, process, box in layouts._named(shape, spec, m):
+                for _, process, box in layouts.device_slices(shape, spec, m):
                     seen.setdefault(process, set()).add(box)
                 size = {
                     box: 2 * int(np.prod([b - a for a, b in box]))

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 import jax_ucp
 from jax_ucp import store
-from jax_ucp.errors import CheckpointReplacedError
+from jax_ucp.errors import SaveConflictError
 from jax_ucp.exporters import SafetensorsExport
 from jax_ucp.language import Spec
 from jax_ucp.restoring import locate
@@ -380,7 +380,7 @@ def test_restore_keeps_read_buffers_within_memory_budget(tmp_path, monkeypatch):
 
 
 # A reader racing a forced replace gets the old or the new checkpoint, or
-# CheckpointReplacedError ("being replaced, retry"), never "corrupt". Two real processes: one
+# SaveConflictError ("being replaced, retry"), never "corrupt". Two real processes: one
 # converts three safetensors sources into one destination in turn (force=True), the other
 # restores it. In lockstep the reader is held (by its own select predicate, user code that runs
 # after the manifest is read) while the writer replaces the checkpoint twice, so the old
@@ -510,13 +510,13 @@ def test_a_reader_held_across_two_replaces_gets_a_whole_checkpoint_or_the_retry_
 @pytest.mark.timeout(600)
 def test_restores_racing_forced_converts_are_whole_or_the_retry_error(tmp_path):
     """Free-running, as a user would hit it: 12 forced conversions while the other process
-    restores in a loop; each restore is one whole source or ``CheckpointReplacedError``."""
+    restores in a loop; each restore is one whole source or ``SaveConflictError``."""
     got, out = _run(tmp_path, lockstep=False, rounds=12)
     assert got
     unexpected = [
         (kind, value)
         for kind, value in got
-        if not (kind == "ok" and value in _BASES) and kind != CheckpointReplacedError.__name__
+        if not (kind == "ok" and value in _BASES) and kind != SaveConflictError.__name__
     ]
     assert unexpected == [], unexpected
     assert _which(jax_ucp.restore(out)) == _BASES[12 % 3]

@@ -157,7 +157,7 @@ def test_two_processes_read_each_replicated_byte_once(tmp_path):
 def test_a_lost_or_failing_peer_is_an_error_not_a_hang(tmp_path, mode, message):
     """Process 1 exits while reading its share of the second batch, exits instead of joining
     its all-gather, fails its read, or asks for another budget (other batches): process 0
-    raises ReplicatedReadError naming it within seconds (jax's heartbeat would end the job
+    raises MultiProcessError naming it within seconds (jax's heartbeat would end the job
     after 60 s here; gloo waits on a silent peer for more than 200 s)."""
     import re
 
@@ -172,7 +172,7 @@ def test_a_lost_or_failing_peer_is_an_error_not_a_hang(tmp_path, mode, message):
     line = next(x for x in out0.splitlines() if x.startswith("FAILED"))
     seconds = float(line.split()[2])
     assert seconds < 30, line  # the heartbeat (60 s) did not decide it
-    assert "ReplicatedReadError: Reading " in line, line
+    assert "MultiProcessError: Reading " in line, line
     assert re.search(message, line), line
     if mode == "mismatch":  # refused before any all-gather (process 0's exit may end it first)
         assert code1 != 0, out1
@@ -188,13 +188,13 @@ def test_shares_cover_every_row_once_in_whole_units():
     whole inner chunks (units), shares balanced by bytes, each batch within the budget."""
     shapes = [((1001, 7), 64), ((96, 80), 12), ((37,), 37), ((5, 3, 2), 1), ((4096, 16), 128)]
     tensors = [
-        replicated._Tensor(i, None, f"t{i}", s, np.dtype(np.float32), None, None, unit)
+        replicated.SharedTensor(i, None, f"t{i}", s, np.dtype(np.float32), None, None, unit)
         for i, (s, unit) in enumerate(shapes)
     ]
     for n in (2, 3, 4):
         budget = 48 << 10
         covered = [np.zeros(t.shape[0], int) for t in tensors]
-        for batch in replicated._batches(tensors, n, budget * n // (n + 1)):
+        for batch in replicated.share_batches(tensors, n, budget * n // (n + 1)):
             sizes = []
             for pieces in batch.pieces:
                 sizes.append(sum(p.nbytes for p in pieces))

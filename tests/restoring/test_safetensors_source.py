@@ -144,8 +144,8 @@ def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
     files give, on a mesh and on host, exactly what the converted checkpoint gives. Every kernel
     (transposed, q/k/v merged, gate|up concatenated) is read by ``Gathered`` (row blocks and
     tiles made small here so that several of each are cut), the rest as stored."""
-    monkeypatch.setattr(safetensors_file, "_BLOCK_BYTES", 200)
-    monkeypatch.setattr(safetensors_file, "_TILE", 3)
+    monkeypatch.setattr(safetensors_file, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(safetensors_file, "TILE", 3)
     gathered = []
     read_into = safetensors_file.Gathered.read_into
 
@@ -170,13 +170,13 @@ def test_hf_llama_spec_equals_convert_then_restore(tmp_path, monkeypatch):
         n for n in weights if weights[n].ndim == 2 and "embed_tokens" not in n
     )
     # the same through TensorStore's lazy views over the files (what any other op takes)
-    ops = safetensors_source._GATHER_OPS
-    monkeypatch.setattr(safetensors_source, "_GATHER_OPS", set())
+    ops = safetensors_source.GATHER_OPS
+    monkeypatch.setattr(safetensors_source, "GATHER_OPS", set())
     gathered.clear()
     for (path, x), (_, y) in zip(flat(jax_ucp.restore(src, spec=spec))[0], flat(host_converted)[0]):
         _assert_same(x, y, jax.tree_util.keystr(path))
     assert gathered == []
-    monkeypatch.setattr(safetensors_source, "_GATHER_OPS", ops)
+    monkeypatch.setattr(safetensors_source, "GATHER_OPS", ops)
     mesh = _mesh()
     for spec2d in (P(None, "model"), P("model", None), P("data", "model")):
         target = jax.tree.map(
@@ -225,8 +225,8 @@ def test_reads_only_the_needed_bytes_once(tmp_path):
 def test_small_blocks_and_budget(tmp_path, monkeypatch):
     """Row blocks smaller than a tensor and a read budget smaller than one: still exact (column
     cuts across block edges, several regions sharing one block)."""
-    monkeypatch.setattr(safetensors_file, "_BLOCK_BYTES", 200)
-    monkeypatch.setattr(safetensors_file, "_VIEW_CHUNK_BYTES", 100)
+    monkeypatch.setattr(safetensors_file, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(safetensors_file, "VIEW_CHUNK_BYTES", 100)
     weights = _llama(np.random.default_rng(4), dtype=np.float32, layers=1)
     src = _sharded_folder(tmp_path / "hf", weights)
     mesh = _mesh()

@@ -135,7 +135,7 @@ def test_on_an_accelerator_a_donation_before_the_commit_fails_the_save_naming_th
     stay ``jax.Array``s, copied to host by the commit; undisturbed the save is exact, a donation
     right after ``mngr.save`` is an error naming a tensor and its shard, and the step is never
     committed."""
-    monkeypatch.setattr(budget_lib, "_on_cpu", lambda data: False)
+    monkeypatch.setattr(budget_lib, "on_cpu", lambda data: False)
     m = mesh((2, 4), ("data", "model"))
     overwrite = jax.jit(lambda t: jax.tree.map(lambda a: a * 0 + 7, t), donate_argnums=0)
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)

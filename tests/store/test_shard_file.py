@@ -24,9 +24,9 @@ from jax.sharding import PartitionSpec as P
 import jax_ucp
 from jax_ucp import store
 from jax_ucp import writer as tensor_writes
-from jax_ucp.errors import FileReadError
+from jax_ucp.errors import CheckpointError
 from jax_ucp.store import shard_file, shard_reader, shard_writer
-from tests.ucp_testing import assert_bit_exact
+from tests.ucp_testing import assert_bit_exact, move_out, tree_files
 
 DTYPES = [
     np.bool_,
@@ -47,15 +47,6 @@ DTYPES = [
     ml_dtypes.float8_e4m3fn,
     ml_dtypes.float8_e5m2,
 ]
-
-
-def _files(root):
-    out = {}
-    for d, _, fs in os.walk(root):
-        for f in fs:
-            p = os.path.join(d, f)
-            out[os.path.relpath(p, root)] = open(p, "rb").read()
-    return out
 
 
 def _write(root, value, *, fast, inner_chunk_bytes, checksum, monkeypatch):
@@ -103,7 +94,7 @@ def test_bytes_identical_to_tensorstore(
         b, value, fast=True, inner_chunk_bytes=inner, checksum=checksum, monkeypatch=monkeypatch
     )
     assert not calls_ts and calls == [(0,) * len(shape)]  # really two different writers
-    assert _files(a) == _files(b)
+    assert tree_files(a) == tree_files(b)
     t = store.open_array(store.kvstore_config(str(b), p.entry.dir)).result()
     assert_bit_exact(t.read().result(), value)
 
@@ -132,7 +123,7 @@ def test_whole_checkpoint_of_a_sharded_jax_save_is_identical(tmp_path, monkeypat
     monkeypatch.setattr(shard_writer, "can_write", lambda *a: False)
     jax_ucp.save(tmp_path / "ts", tree)
     assert not positions
-    fast, slow = _files(tmp_path / "fast" / "arrays"), _files(tmp_path / "ts" / "arrays")
+    fast, slow = tree_files(tmp_path / "fast" / "arrays"), tree_files(tmp_path / "ts" / "arrays")
     assert fast == slow
     assert "w/c/1/3" in fast  # 2 x 4 shard files, one per device shard
     back = jax_ucp.restore(tmp_path / "fast")
@@ -281,11 +272,11 @@ def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, s
     if missing:
         # A whole shard equal to the fill value is never written without store_data_equal_to_fill_value;
         # jax_ucp always stores it, so for us a missing shard is data loss: an error, not zeros.
-        with pytest.raises(FileReadError, match="shard file missing"):
+        with pytest.raises(CheckpointError, match="shard file missing"):
             r[region].read().result()
         return
     if not store_fill:  # an inner chunk missing from a shard the region reads: also an error
-        with contextlib.suppress(FileReadError):
+        with contextlib.suppress(CheckpointError):
             got = r[region].read().result()
             assert_bit_exact(got, t[region].read().result())  # the region missed those chunks
         return
@@ -395,7 +386,7 @@ def test_damaged_shards_are_clear_errors(tmp_path, damage):
     else:
         shard.write_bytes(bytes(data))
     assert_bit_exact(r[0:4].read().result(), value[:4])  # the other shard still reads
-    with pytest.raises(FileReadError, match=expect):
+    with pytest.raises(CheckpointError, match=expect):
         r.read().result()
 
 
@@ -445,22 +436,13 @@ def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
     got = shard_reader.object_digests([(kvstore, k, 4, k, offset) for k in keys])
     assert got[0] == want[0] and got[2] == want[1]
     assert isinstance(got[1], FileNotFoundError)
-    assert isinstance(got[3], FileReadError) and "c/9/0" in str(got[3])
+    assert isinstance(got[3], CheckpointError) and "c/9/0" in str(got[3])
     assert shard_reader.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
     with pytest.raises(FileNotFoundError):
         shard_reader.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)
 
 
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
-
-
-def _move_out(path, outside):
-    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
-    outside.mkdir(exist_ok=True)
-    target = outside / path.name
-    shutil.move(path, target)
-    path.symlink_to(target)
-    return target
 
 
 @pytest.mark.timeout(120)
@@ -483,7 +465,7 @@ def test_own_shard_file_or_array_linked_outside_is_refused(tmp_path, compression
     shutil.move(shard, moved)
     shard.symlink_to(moved)
     assert_bit_exact(jax_ucp.restore(ckpt)["w"], tree["w"], "w")  # a link that stays inside
-    target = _move_out(moved, tmp_path / "elsewhere")
+    target = move_out(moved, tmp_path / "elsewhere")
     shard.unlink()
     shard.symlink_to(target)
     outside = r"file name '\S*c/0(/0)?' resolves to \S+/elsewhere/w-shard, outside the checkpoint"
@@ -494,7 +476,7 @@ def test_own_shard_file_or_array_linked_outside_is_refused(tmp_path, compression
     array = shard.parent
     while array.parent.name != "arrays":
         array = array.parent
-    _move_out(array, tmp_path / "arrays_elsewhere")
+    move_out(array, tmp_path / "arrays_elsewhere")
     with pytest.raises(
         jax_ucp.UCPError,
         match=rf"Tensor 'w': ucp\.json: file name 'arrays/{array.name}/zarr\.json' resolves to "

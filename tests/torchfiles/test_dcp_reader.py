@@ -21,7 +21,16 @@ from jax_ucp.errors import SourceError
 from jax_ucp.torchfiles import dcp_reader
 from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpTensor
 from tests.importers.megatron.test_dcp import read_layout, write_layout
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, python_lines
+from tests.ucp_testing import (
+    FIXTURES,
+    assert_bit_exact,
+    assert_convert_refused,
+    assert_destination_untouched,
+    copy_fixture,
+    move_out,
+    python_lines,
+    restored_params,
+)
 
 
 def _tensor(shape, boxes, name="w") -> DcpTensor:
@@ -166,53 +175,30 @@ def test_chunks_split_along_too_many_dimensions_are_refused():
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
 
 
-FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
-
-
-def _copy_fixture(tmp_path, rel: str):
-    dst = tmp_path / os.path.basename(rel)
-    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
-    return dst
-
-
-def _move_out(path, outside):
-    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
-    outside.mkdir(exist_ok=True)
-    target = outside / path.name
-    shutil.move(path, target)
-    path.symlink_to(target)
-    return target
-
-
-def _params(path) -> dict:
-    return jax_ucp.restore(path)["params"]
-
-
 @pytest.mark.timeout(120)
 def test_dcp_storage_file_linked_outside_is_refused(tmp_path):
     """The issue's reproduction: ``__1_0.distcp`` a symlink to a file outside the checkpoint
     folder. Before, ``convert`` succeeded and read the outside bytes."""
-    src = _copy_fixture(tmp_path, "torch/fsdp2_fp32")
-    _move_out(src / "__1_0.distcp", tmp_path / "elsewhere")
+    src = copy_fixture(tmp_path, "torch/fsdp2_fp32", name="fsdp2_fp32")
+    move_out(src / "__1_0.distcp", tmp_path / "elsewhere")
     dst = tmp_path / "out"
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=r"fsdp2_fp32/\.metadata:.*'__1_0\.distcp' resolves to \S+/elsewhere/__1_0\.distcp, outside",
-    ):
-        jax_ucp.convert(src, dst)
-    assert_destination_untouched(dst)
+    assert_convert_refused(
+        src,
+        dst,
+        r"fsdp2_fp32/\.metadata:.*'__1_0\.distcp' resolves to \S+/elsewhere/__1_0\.distcp, outside",
+    )
 
 
 @pytest.mark.timeout(120)
 def test_dcp_storage_file_linked_inside_reads_exactly(tmp_path):
-    src = _copy_fixture(tmp_path, "torch/fsdp2_fp32")
-    want = _params(
-        jax_ucp.convert(os.path.join(FIXTURE_ROOT, "torch/fsdp2_fp32"), tmp_path / "ref")
+    src = copy_fixture(tmp_path, "torch/fsdp2_fp32", name="fsdp2_fp32")
+    want = restored_params(
+        jax_ucp.convert(os.path.join(FIXTURES, "torch/fsdp2_fp32"), tmp_path / "ref")
     )
     (src / "blobs").mkdir()
     shutil.move(src / "__1_0.distcp", src / "blobs" / "rank1")
     (src / "__1_0.distcp").symlink_to("blobs/rank1")
-    got = _params(jax_ucp.convert(src, tmp_path / "out"))
+    got = restored_params(jax_ucp.convert(src, tmp_path / "out"))
     assert sorted(got) == sorted(want)
     for name in want:
         assert_bit_exact(got[name], want[name], name)
@@ -235,7 +221,7 @@ def _same_shape_pair(tensors: dict) -> tuple[str, str]:
 def test_dcp_tensor_pointing_at_another_tensors_bytes_is_refused(tmp_path):
     """Tensor b's storage entries set to a's file/offset/length: before, ``convert`` succeeded
     and b restored with a's values. Now an error naming both tensors and the file."""
-    src = _copy_fixture(tmp_path, "torch/fsdp2_fp32")
+    src = copy_fixture(tmp_path, "torch/fsdp2_fp32", name="fsdp2_fp32")
     tensors, objects = read_layout(src)
     a, b = _same_shape_pair(tensors)
     for ca, cb in zip(tensors[a]["chunks"], tensors[b]["chunks"]):

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from jax_ucp.errors import UnsafePickleError
 from jax_ucp.torchfiles import sharded, unpickler
+from jax_ucp.torchfiles.unpickler import TorchFileError
 from tests.ucp_testing import REPO
 
 ACTOR = os.path.join(REPO, "tests", "fixtures", "verl", "{}", "global_step_3", "actor")
@@ -60,5 +60,5 @@ def test_getattr_in_a_pickle_reaches_only_sharded_tensors_process_group_state():
     evil = b"\x80\x02cbuiltins\ngetattr\nccollections\nOrderedDict\nX\x08\x00\x00\x00__call__\x86R."
     with pytest.raises(unpickler.TorchFileError, match=r"getattr.*is not allowed"):
         unpickler.restricted_loads(evil, extra_classes=unpickler.SHARDED_TENSOR_CLASSES)
-    with pytest.raises(UnsafePickleError, match=r"builtins\.getattr"):
+    with pytest.raises(TorchFileError, match=r"builtins\.getattr"):
         unpickler.restricted_loads(evil)

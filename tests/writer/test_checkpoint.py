@@ -16,7 +16,7 @@ import pytest
 import tensorstore as ts
 
 import jax_ucp
-from jax_ucp.multihost.agreement import SharedWriteError
+from jax_ucp.multihost.agreement import MultiProcessError
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, write_host_checkpoint, write_shared_checkpoint
 from tests.ucp_testing import REPO, assert_bit_exact
@@ -133,7 +133,7 @@ def test_standalone_write_creates_parents_and_force_never_replaces_a_plain_file(
     )
     assert out == str(tmp_path / "a" / "b" / "ckpt")
     (tmp_path / "f").write_text("not a checkpoint")
-    with pytest.raises(FileExistsError, match="force=True"):
+    with pytest.raises(jax_ucp.SaveConflictError, match="force=True"):
         write_host_checkpoint(tmp_path / "f", iter([HostItem(("x",), np.ones(2))]))
     with pytest.raises(jax_ucp.UCPError, match=r"/f\b.*not a checkpoint"):
         write_host_checkpoint(tmp_path / "f", iter([HostItem(("x",), np.zeros(2))]), force=True)
@@ -244,15 +244,15 @@ def test_shared_write_commits_only_the_parts_its_processes_reported(tmp_path):
 
     keys = [["a", "c"], ["b", "d"]]
     results = _shared_write(dest, keys.__getitem__, change_after_reporting)
-    assert isinstance(results[0], SharedWriteError), results
+    assert isinstance(results[0], MultiProcessError), results
     assert re.fullmatch(
         r".*/out\.ucp-tmp-[^/]*/ucp\.part-1\.json: not the part process 1 reported "
         r"\(sha256 [0-9a-f]{64}, found [0-9a-f]{64}\)",
         str(results[0]),
     ), results[0]
-    assert isinstance(results[1], SharedWriteError)
+    assert isinstance(results[1], MultiProcessError)
     assert str(results[1]).startswith(
-        f"{dest}: not committed; it failed in process 0: SharedWriteError: "
+        f"{dest}: not committed; it failed in process 0: MultiProcessError: "
     )
     assert not os.path.lexists(dest) and _beside(tmp_path, "out") == []
     results = _shared_write(dest, keys.__getitem__)  # the same, untouched: committed
@@ -267,7 +267,7 @@ def test_shared_write_refuses_a_tensor_written_by_two_processes(tmp_path):
     tensor's second writer already fails (its array exists), a JSON value has no file."""
     keys = [["a", "step"], ["b", "step"]]
     results = _shared_write(dest, keys.__getitem__)
-    assert isinstance(results[0], SharedWriteError)
+    assert isinstance(results[0], MultiProcessError)
     assert str(results[0]).endswith(
         "ucp.part-1.json: 'params/step' written by process 0 and process 1"
     ), results[0]

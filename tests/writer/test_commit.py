@@ -217,7 +217,7 @@ def test_existing_destination_is_refused_and_untouched(ckpt):
 
 def test_failed_save_leaves_previous_checkpoint(ckpt):
     before = _digest(ckpt)
-    with pytest.raises(TypeError, match=r"'bad'.*cannot save"):
+    with pytest.raises(RequestError, match=r"'bad'.*cannot save"):
         jax_ucp.save(ckpt, {"bad": object()}, force=True)
     assert _digest(ckpt) == before
     assert sorted(os.listdir(ckpt.parent)) == ["c"]
@@ -234,7 +234,7 @@ def test_force_never_replaces_a_users_folder_or_file(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"file\b.*not a checkpoint"):
         jax_ucp.save(tmp_path / "file", {"x": W}, force=True)
     assert (tmp_path / "file").read_text() == "precious"
-    with pytest.raises(FileExistsError, match="force=True"):
+    with pytest.raises(jax_ucp.SaveConflictError, match="force=True"):
         jax_ucp.save(folder, {"x": W})
 
 

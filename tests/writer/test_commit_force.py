@@ -76,12 +76,12 @@ def test_force_refuses_a_project_folder_holding_a_checkpoint(tmp_path):
         r"not a jax_ucp checkpoint or an Orbax step of one \(found ckpt_step_1/, data/, "
         r"train\.py\).* It holds 1 checkpoint \(ckpt_step_1/\) and no Orbax step metadata"
     )
-    with pytest.raises(commit.NotReplaceableError, match=refused):
+    with pytest.raises(commit.SaveConflictError, match=refused):
         jax_ucp.save(project, {"w": W + 1}, force=True)
-    with pytest.raises(commit.NotReplaceableError, match=refused):
+    with pytest.raises(commit.SaveConflictError, match=refused):
         jax_ucp.convert(src, project, force=True)
     # Without force the same refusal: never the advice to pass a flag that would be refused.
-    with pytest.raises(FileExistsError, match="even with force=True") as e:
+    with pytest.raises(jax_ucp.SaveConflictError, match="even with force=True") as e:
         jax_ucp.save(project, {"w": W})
     assert "pass force=True" not in str(e.value)
     assert _snapshot(project) == before
@@ -103,14 +103,14 @@ def test_force_refuses_a_run_folder_of_steps_and_a_step_with_other_items(tmp_pat
         )
     src = _hf_folder(tmp_path / "hf")
     before = _snapshot(run)
-    with pytest.raises(commit.NotReplaceableError, match=r"\(found 1/, 2/, 3/\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"\(found 1/, 2/, 3/\)"):
         jax_ucp.save(run, {"w": W}, force=True)
-    with pytest.raises(commit.NotReplaceableError, match=r"\(found 1/, 2/, 3/\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"\(found 1/, 2/, 3/\)"):
         jax_ucp.convert(src, run, force=True)
     # step 3 holds another handler's item: replacing the step would delete it
-    with pytest.raises(commit.NotReplaceableError, match=r"3: already exists .*\(found meta/\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"3: already exists .*\(found meta/\)"):
         jax_ucp.convert(src, run, step=3, force=True)
-    with pytest.raises(commit.NotReplaceableError, match=r"\(found meta/\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"\(found meta/\)"):
         jax_ucp.save(run / "3", {"w": W}, force=True)
     assert _snapshot(run) == before
     # a step of UCP items only is jax_ucp's to replace
@@ -138,9 +138,9 @@ def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metad
         r"\(nothing was changed\)\. It holds 3 checkpoints \(step_1/, step_2/, step_3/\) and no "
         r"Orbax step metadata \(_CHECKPOINT_METADATA\): a folder of checkpoints"
     )
-    with pytest.raises(commit.NotReplaceableError, match=found):
+    with pytest.raises(commit.SaveConflictError, match=found):
         jax_ucp.save(run, {"w": W}, force=True)
-    with pytest.raises(commit.NotReplaceableError, match=found):
+    with pytest.raises(commit.SaveConflictError, match=found):
         jax_ucp.convert(src, run, force=True)
     r = CliRunner().invoke(app, ["convert", src, str(run), "--from", "safetensors", "--force"])
     assert r.exit_code == 1 and "a folder of checkpoints" in " ".join(r.output.split()), r.output
@@ -154,7 +154,7 @@ def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metad
     (run / commit.ORBAX_STEP_METADATA).write_bytes(metadata)
     before = _snapshot(run)
     with pytest.raises(
-        commit.NotReplaceableError,
+        commit.SaveConflictError,
         match=r"\(found step_1/, step_2/, step_3/\).* Its Orbax step metadata "
         r"\(_CHECKPOINT_METADATA\) does not name step_1/, step_2/, step_3/ as items",
     ):
@@ -163,7 +163,7 @@ def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metad
     for bad in (b"", b"[1, 2]", b'{"item_handlers": "state"}'):
         (run / commit.ORBAX_STEP_METADATA).write_bytes(bad)
         with pytest.raises(
-            commit.NotReplaceableError, match="a _CHECKPOINT_METADATA that is not Orbax's step"
+            commit.SaveConflictError, match="a _CHECKPOINT_METADATA that is not Orbax's step"
         ):
             jax_ucp.save(run, {"w": W}, force=True)
     (run / commit.ORBAX_STEP_METADATA).write_bytes(metadata)
@@ -171,7 +171,7 @@ def test_force_refuses_a_run_folder_of_step_checkpoints_without_orbax_step_metad
     # one checkpoint in a folder is no step either
     alone = tmp_path / "alone"
     jax_ucp.save(alone / "step_1", {"w": W})
-    with pytest.raises(commit.NotReplaceableError, match=r"It holds 1 checkpoint \(step_1/\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"It holds 1 checkpoint \(step_1/\)"):
         jax_ucp.save(alone, {"w": W}, force=True)
     for step in (1, 2, 3):
         assert np.array_equal(jax_ucp.restore(run / f"step_{step}")["w"], W + step)
@@ -185,11 +185,11 @@ def test_force_refuses_a_checkpoint_holding_a_users_file(tmp_path):
     ckpt = tmp_path / "ck"
     jax_ucp.save(ckpt, {"w": W})
     (ckpt / "notes.txt").write_text("results of run 7")
-    with pytest.raises(commit.NotReplaceableError, match=r"\(found notes\.txt\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"\(found notes\.txt\)"):
         jax_ucp.save(ckpt, {"w": W + 1}, force=True)
     os.remove(ckpt / "notes.txt")
     (ckpt / "arrays" / "README").write_text("mine")
-    with pytest.raises(commit.NotReplaceableError, match=r"\(found arrays/README\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"\(found arrays/README\)"):
         jax_ucp.save(ckpt, {"w": W + 1}, force=True)
     os.remove(ckpt / "arrays" / "README")
     assert np.array_equal(jax_ucp.restore(ckpt)["w"], W)
@@ -278,16 +278,16 @@ def test_object_store_save_refuses_a_prefix_of_other_objects(s3, tmp_path):
     location.write(datasets, "arrays/not-a-zarr.txt", b"mine")  # under arrays/, not an array's
     before = _objects(datasets)
     found = r"\(README\.md, arrays/not-a-zarr\.txt, corpus/part-0000\.bin\)"
-    with pytest.raises(commit.NotReplaceableError, match=found):
+    with pytest.raises(commit.SaveConflictError, match=found):
         jax_ucp.save(datasets, {"w": W})
-    with pytest.raises(commit.NotReplaceableError, match=found):
+    with pytest.raises(commit.SaveConflictError, match=found):
         jax_ucp.convert(_hf_folder(tmp_path / "hf"), datasets)
     assert _objects(datasets) == before
     run = f"{s3}/run-{os.getpid()}"
     jax_ucp.save(f"{run}/step_1", {"w": W + 1})
     jax_ucp.save(f"{run}/step_2", {"w": W + 2})
     before = _objects(run)
-    with pytest.raises(commit.NotReplaceableError, match=r"\(step_1/.*and \d+ more\)"):
+    with pytest.raises(commit.SaveConflictError, match=r"\(step_1/.*and \d+ more\)"):
         jax_ucp.save(run, {"w": W}, force=True)
     assert _objects(run) == before
     assert np.array_equal(jax_ucp.restore(f"{run}/step_2")["w"], W + 2)

@@ -15,7 +15,7 @@ from jax_ucp import store, writer
 from jax_ucp.errors import SourceError
 from jax_ucp.writer import checkpoint as host_checkpoint
 from jax_ucp.writer import shards
-from tests.ucp_testing import REPO, peak_over_baseline
+from tests.ucp_testing import REPO, peak_over_baseline, run_child, tree_files
 
 MiB = 1 << 20
 
@@ -58,16 +58,6 @@ def _items(tensors, slabs: list | None, whole: list):
     ]
 
 
-def _files(root):
-    out = {}
-    for dirpath, _, files in os.walk(root):
-        for f in files:
-            path = os.path.join(dirpath, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, root)] = fh.read()
-    return out
-
-
 def _entries(root):
     return {e.name: e.to_json() for e in store.read_manifest(str(root)).entries}
 
@@ -89,7 +79,7 @@ def test_a_tensor_over_the_budget_is_written_in_slabs_byte_for_byte(tmp_path):
     default_whole: list = []
     host_checkpoint.write_host_checkpoint(tmp_path / "whole", _items(tensors, None, default_whole))
     assert default_whole == ["embed", "wide", "small"]
-    got, want = _files(tmp_path / "slabs"), _files(tmp_path / "whole")
+    got, want = tree_files(tmp_path / "slabs"), tree_files(tmp_path / "whole")
     assert sorted(got) == sorted(want)
     for name in want:
         if name != "ucp.json":
@@ -204,7 +194,7 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
     default = tmp_path / "default"
     jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
     assert asked and all(r is None for r in asked)
-    got, want = _files(small), _files(default)
+    got, want = tree_files(small), tree_files(default)
     assert sorted(got) == sorted(want)
     for name in want:
         if name != "ucp.json":
@@ -231,14 +221,14 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     views: list = []
-    rows_view = legacy_import._LegacyMerger.rows_view
+    rows_view = legacy_import.LegacyMerger.rows_view
 
     def spy(self, name, stages):
         view = rows_view(self, name, stages)
         views.append(view is not None)
         return view
 
-    monkeypatch.setattr(legacy_import._LegacyMerger, "rows_view", spy)
+    monkeypatch.setattr(legacy_import.LegacyMerger, "rows_view", spy)
     streamed: list = []
     stream = shards.PipelinedWriter.stream
 
@@ -254,7 +244,7 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
     streamed.clear()
     jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
     assert streamed == []
-    got, want = _files(small), _files(default)
+    got, want = tree_files(small), tree_files(default)
     assert sorted(got) == sorted(want)
     for name in want:
         if name != "ucp.json":
@@ -298,7 +288,7 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
     slabs.clear()
     jax_ucp.convert(src, str(default))
     assert slabs == []
-    got, want = _files(small), _files(default)
+    got, want = tree_files(small), tree_files(default)
     assert sorted(got) == sorted(want)
     for name in want:
         if name != "ucp.json":
@@ -339,7 +329,7 @@ def test_a_torch_dcp_tensor_over_the_budget_stays_within_it(tmp_path):
     subprocess.run([sys.executable, "-c", make, str(src)], check=True, timeout=600)
     over = peak_over_baseline(src, tmp_path / "ucp", "32MiB")
     assert over < 96 * MiB, over / MiB
-    _in_subprocess(  # the tensors compared outside pytest's process, kept small (ru_maxrss)
+    run_child(  # the tensors compared outside pytest's process, kept small (ru_maxrss)
         "import sys, numpy as np, jax_ucp, torch, torch.distributed.checkpoint as dcp\n"
         "got = jax_ucp.restore(sys.argv[2])['params']['embed.weight']\n"
         "want = {'embed.weight': torch.empty(32768, 1024), 'small': torch.empty(3)}\n"
@@ -373,27 +363,10 @@ assert got.dtype == embed.dtype and np.array_equal(got, embed)
 """
 
 
-def _in_subprocess(code: str, *args) -> None:
-    """``code`` run by a fresh interpreter: large arrays stay out of pytest's own process,
-    whose peak RSS its children's ``ru_maxrss`` inherit across exec (other tests measure it)."""
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PYTHONPATH=REPO)
-    done = subprocess.run(
-        [sys.executable, "-c", code, *(str(a) for a in args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 def _save_orbax_chunked(path, rows: int, cols: int, chunk_bytes: int) -> None:
     """An Orbax StandardCheckpointer save of a seeded (rows, cols) fp32 array in chunks of at
     most ``chunk_bytes`` (``SaveArgs.chunk_byte_size``), beside a small array."""
-    _in_subprocess(_ORBAX_SAVE, os.path.abspath(path), rows, cols, chunk_bytes)
+    run_child(_ORBAX_SAVE, os.path.abspath(path), rows, cols, chunk_bytes)
 
 
 @pytest.mark.timeout(300)
@@ -418,7 +391,7 @@ def test_an_orbax_import_in_row_slabs_equals_the_default_one(tmp_path, monkeypat
     streamed.clear()
     jax_ucp.convert(tmp_path / "orbax", str(default))
     assert streamed == []
-    got, want = _files(small), _files(default)
+    got, want = tree_files(small), tree_files(default)
     assert sorted(got) == sorted(want)
     for name in want:
         if name != "ucp.json":
@@ -435,7 +408,7 @@ def test_an_orbax_array_over_the_budget_stays_within_it(tmp_path):
     _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
     over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB")
     assert over < 136 * MiB, over / MiB
-    _in_subprocess(_ORBAX_CHECK, tmp_path / "ucp", 40960, 1024, "ucp")
+    run_child(_ORBAX_CHECK, tmp_path / "ucp", 40960, 1024, "ucp")
 
 
 @pytest.mark.timeout(600)
@@ -448,4 +421,4 @@ def test_an_orbax_export_over_the_budget_writes_chunk_by_chunk(tmp_path):
     ucp = jax_ucp.convert(tmp_path / "orbax", tmp_path / "ucp", memory_budget="64MiB")
     over = peak_over_baseline(ucp, tmp_path / "out", "32MiB", export_to="orbax")
     assert over < 240 * MiB, over / MiB
-    _in_subprocess(_ORBAX_CHECK, tmp_path / "out", 40960, 1024, "orbax")
+    run_child(_ORBAX_CHECK, tmp_path / "out", 40960, 1024, "orbax")

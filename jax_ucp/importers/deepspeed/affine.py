@@ -26,10 +26,9 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from jax_ucp.errors import SourceError
+from jax_ucp.errors import LanguageError, SourceError
 from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed.files import MAX_DIM
-from jax_ucp.language.errors import SpecError
 from jax_ucp.language.patterns import compile_pattern
 
 #: The affine map encoding this reader understands (DeepSpeed 0.19's AFFINE_MAP_FORMAT_VERSION).
@@ -152,7 +151,7 @@ def _affine_map(pattern: Any, entry: Any, where: str, tp: int) -> AffineMap:
     at = f"{where}: affine_map[{pattern!r:.100}]"
     try:
         compile_pattern(str(pattern), f"{at}: ")
-    except SpecError as e:
+    except LanguageError as e:
         raise SourceError(str(e)) from None
     if not isinstance(entry, Mapping) or not isinstance(entry.get("ranks"), Mapping):
         raise SourceError(f"{at}: expected a dict with logical_shape and ranks")

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp import writer
-from jax_ucp.errors import SourceError
+from jax_ucp.errors import LanguageError, SourceError
 from jax_ucp.format import mapped_file
 from jax_ucp.importers.deepspeed import affine, files, zero
 from jax_ucp.importers.deepspeed.affine import AffineMap
@@ -49,10 +49,8 @@ from jax_ucp.importers.deepspeed.zero import (
 from jax_ucp.importers.plan import WHOLE, Share, host_item, skip, tensor_names
 from jax_ucp.language import (
     Averaged,
-    MergeError,
     PipelineTied,
     Replicated,
-    SpecError,
     SubParams,
     Vocab,
     load_spec,
@@ -266,7 +264,7 @@ def _import_spec(spec: Any, rank_files: _RankFiles) -> tuple[Any, dict]:
             )
         try:  # patterns from the file: matched with RE2 (bounded time), or refused by name
             spec = spec_from_ucp_info(info, where=f"{where}: universal_checkpoint_info")
-        except SpecError as e:
+        except LanguageError as e:
             raise SourceError(str(e)) from None
     info = dict(info or {})
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
@@ -499,7 +497,7 @@ def _merge(checkpoint: MegatronDeepSpeedCheckpoint, name, kind, fragments, files
     """``merge`` with a merge error naming the files (``files_of()``) it came from."""
     try:
         return np.asarray(merge(kind, fragments, name=name, settings=checkpoint.spec.settings))
-    except MergeError as e:
+    except LanguageError as e:
         raise SourceError(f"{e} [files: {files_of()}]") from None
 
 

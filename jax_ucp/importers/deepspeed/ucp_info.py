@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from jax_ucp.language.errors import SpecError
+from jax_ucp.errors import LanguageError
 from jax_ucp.language.kinds import (
     Averaged,
     Kind,
@@ -53,7 +53,7 @@ def _sub_params_kind(entry: Mapping, where: str) -> tuple[list[str], Kind]:
         shape = list(entry["shape"])
         dim = int(entry["partition_dim"])
     except (KeyError, TypeError, ValueError) as e:
-        raise SpecError(
+        raise LanguageError(
             f"{where}: a {SUB_PARAMS} entry needs patterns, shape and partition_dim ({e})"
         ) from None
     sizes = shape[dim]
@@ -93,7 +93,7 @@ def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
     if isinstance(v, str):
         v = [v]
     if not isinstance(v, (list, tuple)):
-        raise SpecError(f"{where}.{key}: expected a list of patterns, found {type(v).__name__}")
+        raise LanguageError(f"{where}.{key}: expected a list of patterns, found {type(v).__name__}")
     for p in v:  # each alone, so an error names the pattern as the file holds it
         compile_pattern(p, f"{where}.{key}: ")
     return [str(p) for p in v]

@@ -549,7 +549,7 @@ def gather_parameter(
     parts = _parts(checkpoint, name, state_name, vectors)
     if len(parts) == 1:
         return parts[0].reshape(checkpoint.shapes[name])
-    return _joined(parts, checkpoint.shapes[name], parts[0].dtype)
+    return joined_parts(parts, checkpoint.shapes[name], parts[0].dtype)
 
 
 def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
@@ -576,7 +576,7 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
     return parts
 
 
-def _joined(parts: list, shape, dtype) -> np.ndarray:
+def joined_parts(parts: list, shape, dtype) -> np.ndarray:
     """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
     drops it (``writer.unpooled_empty``)."""
     out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
@@ -599,7 +599,9 @@ def _state_item(
 
     def make() -> np.ndarray:
         value = (
-            parts[0].reshape(shape) if len(parts) == 1 else _joined(parts, shape, parts[0].dtype)
+            parts[0].reshape(shape)
+            if len(parts) == 1
+            else joined_parts(parts, shape, parts[0].dtype)
         )
         if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
@@ -827,7 +829,7 @@ def _model_copy_item(
     dtype = np.dtype(checkpoint.model_dtype)
     return host_item(
         ("model_params", name),
-        writer.Deferred(shape, dtype, functools.partial(_joined, fp32, shape, dtype)),
+        writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype)),
         {
             "files": files,
             "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-from jax_ucp.errors import MegatronImportError
 from jax_ucp.format import files
 from jax_ucp.importers.megatron import legacy, plan_megatron
+from jax_ucp.importers.megatron.common import MegatronImportError
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share
 from jax_ucp.language import Spec, load_spec
 from jax_ucp.torchfiles import unpickler

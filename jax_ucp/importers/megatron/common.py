@@ -10,8 +10,15 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp.errors import MegatronImportError, SourceError, TorchFileError
+from jax_ucp.errors import SourceError
 from jax_ucp.importers.plan import agreed_step
+from jax_ucp.torchfiles.unpickler import TorchFileError
+
+
+class MegatronImportError(SourceError):
+    """A Megatron checkpoint (torch_dist, legacy or Bridge) is incomplete, inconsistent or
+    unsupported. A class of its own because the importer tries its next module order on this
+    error alone: a read error of the checkpoint (any other ``SourceError``) is not retried."""
 
 
 @contextlib.contextmanager
@@ -21,8 +28,8 @@ def named_errors() -> Iterator[None]:
     try:
         yield
     except (TorchFileError, MegatronImportError):
-        raise  # SourceError and SourceError are SourceError, the group of both
-    except (SourceError, SourceError) as e:
+        raise
+    except SourceError as e:
         raise MegatronImportError(str(e)) from None
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import tensorstore as ts
 
 from jax_ucp import writer
+from jax_ucp.errors import LanguageError
 from jax_ucp.format import mapped_file
 from jax_ucp.importers.megatron import legacy
 from jax_ucp.importers.megatron.common import (
@@ -39,7 +40,6 @@ from jax_ucp.importers.plan import (
 )
 from jax_ucp.language import (
     QKV,
-    MergeError,
     Partitioned,
     PipelineTied,
     Spec,
@@ -504,7 +504,7 @@ def _legacy_distrib_optim(
     return out, count, sources
 
 
-class _LegacyMerger:
+class LegacyMerger:
     """Merges one name's fragments with its kind, errors naming the files."""
 
     def __init__(self, plan: _LegacyImport):
@@ -524,7 +524,7 @@ class _LegacyMerger:
             tied = PipelineTied(inner=kind)
             value = merge(tied, list(stages.values()), name=name, settings=settings)
             return np.asarray(value), f"pipeline_tied({kind.kind})"
-        except MergeError as e:
+        except LanguageError as e:
             raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
 
     def deferred(self, name: str, stages: dict, what: str) -> tuple[writer.Deferred, str]:
@@ -557,7 +557,7 @@ class _LegacyMerger:
         (per_tp,) = stages.values()
         try:
             view = merge(kind, per_tp, name=name, settings=self.plan.spec.settings, lazy=True)
-        except MergeError:
+        except LanguageError:
             return None
         return view if view.rank >= 1 else None
 
@@ -584,7 +584,7 @@ class _LegacyMerger:
 def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.HostItem]:
     """Per name: the merged weight, or master + moments (+ model copy) with distrib_optim.pt."""
     checkpoint, tensors = plan.checkpoint, plan.tensors
-    merger = _LegacyMerger(plan)
+    merger = LegacyMerger(plan)
     optimizer_files = sorted(
         os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )

@@ -23,7 +23,7 @@ from jax_ucp.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
 from jax_ucp.importers.plan import agreed_step
 
 #: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
-_BLOCK_BYTES = 16 << 20
+BLOCK_BYTES = 16 << 20
 
 
 class RankStates:
@@ -463,7 +463,7 @@ class RankStates:
                 end = start + element_count(local)
                 value = self.flat(rank, bucket, state, start, end).reshape(local)
             else:  # a few MiB of rows at a time: a whole TP piece beside ``out`` was +50% of it
-                step = max(1, _BLOCK_BYTES // max(1, 4 * element_count(shape[1:])))
+                step = max(1, BLOCK_BYTES // max(1, 4 * element_count(shape[1:])))
                 for a in range(lo, hi, step):
                     b = min(hi, a + step)
                     block = out[a - lo : b - lo]

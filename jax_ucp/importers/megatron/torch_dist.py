@@ -367,7 +367,7 @@ def bucket_items(
     files = buckets.files()
     for name in model_names:
         full = checkpoint.tensors[name]
-        weight = _ModelWeight(reader, name)
+        weight = ModelWeight(reader, name)
         weight_bytes = math.prod(full.shape) * np.dtype(full.dtype).itemsize
         state_bytes = math.prod(full.shape) * 4
         provenance = {
@@ -404,7 +404,7 @@ def bucket_items(
         )
 
 
-class _ModelWeight:
+class ModelWeight:
     """One parameter's model weight, read whole by the first of its states to be built whole
     (inside the memory budget, which reserves its bytes beside each state's) and kept for the
     masters' check and the model-precision copy; a state written in row slabs reads only the
@@ -437,7 +437,7 @@ class _ModelWeight:
 
 
 def _bucket_state(
-    buckets: RankStates, state: str, name: str, model: _ModelWeight, bound: int
+    buckets: RankStates, state: str, name: str, model: ModelWeight, bound: int
 ) -> writer.Deferred:
     """One optimizer state of ``name``, put together from every rank's flat buckets only once
     the writer has room for it and the model weight (``bound`` bytes) in the memory budget

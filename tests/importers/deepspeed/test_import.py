@@ -25,10 +25,15 @@ from jax_ucp.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_
 from jax_ucp.importers.deepspeed.zero import optimizer_step
 from jax_ucp.torchfiles.unpickler import StandIn, TorchFileError
 from tests.ucp_testing import (
+    FIXTURES,
     REPO,
     assert_bit_exact,
+    assert_convert_refused,
     assert_destination_untouched,
     copy_deepspeed_fixture,
+    copy_fixture,
+    move_out,
+    restored_params,
 )
 
 FIX = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -148,7 +153,7 @@ def test_existing_destination_refused_unless_force(tmp_path):
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "keep.txt").write_text("x")
-    with pytest.raises(FileExistsError):
+    with pytest.raises(jax_ucp.SaveConflictError):
         convert(src, dst, format="deepspeed")
     assert (dst / "keep.txt").read_text() == "x"
     # force replaces a checkpoint, never a folder of the user's
@@ -252,7 +257,7 @@ def test_groups_disagreeing_on_step_is_an_error():
 # Hostile inputs, each built here: a clear error naming the file, or an exact import.
 
 
-FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
+DS_FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 
 
 TAG = "global_step2"
@@ -260,7 +265,7 @@ TAG = "global_step2"
 
 def _copy(tmp_path, name: str):
     dst = tmp_path / "src"
-    shutil.copytree(os.path.join(FIXTURES, name, "ckpt"), dst)
+    shutil.copytree(os.path.join(DS_FIXTURES, name, "ckpt"), dst)
     return dst
 
 
@@ -309,7 +314,7 @@ def test_rewriting_a_deepspeed_file_keeps_it_exact(tmp_path):
     for name in os.listdir(src / TAG):
         _rewrite(src / TAG / name, lambda nodes, arrays: None)
     jax_ucp.convert(src, tmp_path / "rewritten")
-    jax_ucp.convert(os.path.join(FIXTURES, "z2_fp32_dp2", "ckpt"), tmp_path / "original")
+    jax_ucp.convert(os.path.join(DS_FIXTURES, "z2_fp32_dp2", "ckpt"), tmp_path / "original")
     got, want = _restore_params(tmp_path / "rewritten"), _restore_params(tmp_path / "original")
     assert sorted(got) == sorted(want)
     for name in want:
@@ -453,28 +458,6 @@ def test_zero1_adam_step_pickled_as_an_int_imports(tmp_path):
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
 
 
-FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
-
-
-def _copy_fixture(tmp_path, rel: str):
-    dst = tmp_path / os.path.basename(rel)
-    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
-    return dst
-
-
-def _move_out(path, outside):
-    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
-    outside.mkdir(exist_ok=True)
-    target = outside / path.name
-    shutil.move(path, target)
-    path.symlink_to(target)
-    return target
-
-
-def _params(path) -> dict:
-    return jax_ucp.restore(path)["params"]
-
-
 DS = "deepspeed/z2_bf16_dp2/ckpt"
 
 
@@ -486,7 +469,7 @@ LEGACY = "megatron/legacy_gpt_tp2pp2_synthetic"
 
 def _link_out(rel):
     def damage(src, tmp):
-        _move_out(src / rel, tmp / "elsewhere")
+        move_out(src / rel, tmp / "elsewhere")
 
     return damage
 
@@ -562,13 +545,11 @@ def test_rank_files_linked_outside_are_refused(tmp_path, case):
     symlink to the same bytes moved elsewhere: refused naming it, nothing written. Before, each
     was read through the link."""
     rel, damage, message = LINKED_OUT[case]
-    src = _copy_fixture(tmp_path, rel)
+    src = copy_fixture(tmp_path, rel, name=os.path.basename(rel))
     damage(src, tmp_path)
     dst = tmp_path / "out"
     options = {"vocab_size": 61} if case.startswith("Megatron ") and "Bridge" not in case else {}
-    with pytest.raises(jax_ucp.UCPError, match=message):
-        jax_ucp.convert(src, dst, **options)
-    assert_destination_untouched(dst)
+    assert_convert_refused(src, dst, message, **options)
 
 
 @pytest.mark.timeout(120)
@@ -586,12 +567,12 @@ def test_rank_files_and_folders_linked_inside_read_exactly(tmp_path):
             ),
         ),
     ):
-        want = _params(
-            jax_ucp.convert(os.path.join(FIXTURE_ROOT, rel), tmp_path / "ref", **options)
+        want = restored_params(
+            jax_ucp.convert(os.path.join(FIXTURES, rel), tmp_path / "ref", **options)
         )
-        src = _copy_fixture(tmp_path, rel)
+        src = copy_fixture(tmp_path, rel, name=os.path.basename(rel))
         link(src)
-        got = _params(jax_ucp.convert(src, tmp_path / "out", **options))
+        got = restored_params(jax_ucp.convert(src, tmp_path / "out", **options))
         assert sorted(got) == sorted(want)
         for name in want:
             assert_bit_exact(got[name], want[name], name)
@@ -601,4 +582,4 @@ def test_rank_files_and_folders_linked_inside_read_exactly(tmp_path):
 
 def _link_within(src, rel: str, store) -> None:
     """``src/rel`` moved into ``store`` (inside the checkpoint) and replaced by a link to it."""
-    _move_out(src / rel, store)
+    move_out(src / rel, store)

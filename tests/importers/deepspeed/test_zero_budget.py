@@ -10,19 +10,10 @@ import numpy as np
 import jax_ucp
 from jax_ucp.importers.deepspeed import zero
 from jax_ucp.writer import shards
+from tests.ucp_testing import tree_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SRC = os.path.join(REPO, "tests", "fixtures", "deepspeed", "z3_bf16_dp2", "ckpt")
-
-
-def _files(root) -> dict[str, bytes]:
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            if n != "ucp.json":
-                with open(os.path.join(d, n), "rb") as f:
-                    out[os.path.relpath(os.path.join(d, n), root)] = f.read()
-    return out
 
 
 def test_zero3_states_are_joined_only_when_the_writer_has_room(tmp_path, monkeypatch):
@@ -38,7 +29,7 @@ def test_zero3_states_are_joined_only_when_the_writer_has_room(tmp_path, monkeyp
         return await reserve(self, nbytes)
 
     joined: list = []
-    join = zero._joined
+    join = zero.joined_parts
 
     def join_spy(parts, shape, dtype):
         value = join(parts, shape, dtype)
@@ -46,13 +37,13 @@ def test_zero3_states_are_joined_only_when_the_writer_has_room(tmp_path, monkeyp
         return value
 
     monkeypatch.setattr(shards.PipelinedWriter, "reserve", reserve_spy)
-    monkeypatch.setattr(zero, "_joined", join_spy)
+    monkeypatch.setattr(zero, "joined_parts", join_spy)
     small = jax_ucp.convert(SRC, tmp_path / "small", memory_budget="1KiB")
     assert len(joined) > 10 and any(n > 1024 for _, n in joined), joined
     assert all(held == 0 or held + n <= 1024 for held, n in joined), joined
     monkeypatch.undo()
     default = jax_ucp.convert(SRC, tmp_path / "default")
-    assert _files(small) == _files(default)
+    assert tree_files(small, skip=("ucp.json",)) == tree_files(default, skip=("ucp.json",))
     got, want = jax_ucp.restore(small), jax_ucp.restore(default)
     for key in ("params", "model_params"):
         for name, value in want[key].items():

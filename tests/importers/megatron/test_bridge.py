@@ -17,9 +17,9 @@ from typer.testing import CliRunner
 
 import jax_ucp
 from jax_ucp.cli import app
-from jax_ucp.errors import MegatronImportError
 from jax_ucp.importers import registry
 from jax_ucp.importers.megatron import bridge as megatron_bridge
+from jax_ucp.importers.megatron.common import MegatronImportError
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)

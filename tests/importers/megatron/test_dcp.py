@@ -5,7 +5,6 @@ uninitialised."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +12,13 @@ import pytest
 import jax_ucp
 from jax_ucp.exporters import torch_out as T
 from jax_ucp.importers.megatron import MegatronImportError, dcp
-from tests.megatron_testing import FIX, assert_bit_equal, load_reference
+from tests.megatron_testing import (
+    assert_bit_equal,
+    assert_megatron_refused,
+    copy_megatron_fixture,
+    load_reference,
+)
+from tests.ucp_testing import assert_convert_refused
 
 _MD = "torch.distributed.checkpoint.metadata"
 
@@ -151,21 +156,10 @@ class ExtraFile:
         return {"file": EXTRA_FILE, "offset": offset, "length": length}
 
 
-def _copy(name, tmp_path):
-    dst = tmp_path / name.replace("/", "_")
-    shutil.copytree(FIX / name, dst)
-    return dst
-
-
-def _untouched(dest):
-    assert not dest.exists()
-    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")]
-
-
 def test_metadata_writer_round_trips_a_real_fixture(tmp_path):
     """The writer the other tests rely on: a real fixture's metadata re-written unchanged
     imports exactly as the original."""
-    src = _copy("moe_ep2", tmp_path)
+    src = copy_megatron_fixture("moe_ep2", tmp_path)
     before = (src / ".metadata").read_bytes()
     write_layout(src, *read_layout(src))
     assert (src / ".metadata").read_bytes() != before  # really re-written
@@ -180,31 +174,31 @@ def test_metadata_writer_round_trips_a_real_fixture(tmp_path):
 def test_optimizer_namespace_inside_a_name_is_never_a_weight(tmp_path):
     """A key in the optimizer namespace the importer does not know (here
     ``model.optimizer.state.exp_avg.x``) is refused, never imported as a model weight."""
-    src = _copy("moe_ep2", tmp_path)
+    src = copy_megatron_fixture("moe_ep2", tmp_path)
     tensors, objects = read_layout(src)
     name = "model.optimizer.state.exp_avg.output_layer.weight"
     tensors[name] = ExtraFile(src).tensor(np.ones((64, 32), np.float32))
     write_layout(src, tensors, objects)
-    with pytest.raises(
-        MegatronImportError, match=rf"tensor '{name}'.*unsupported distributed-optimizer layout"
-    ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"))
-    _untouched(tmp_path / "out")
+    assert_convert_refused(
+        str(src),
+        str(tmp_path / "out"),
+        rf"tensor '{name}'.*unsupported distributed-optimizer layout",
+        error=MegatronImportError,
+    )
 
 
 @pytest.mark.timeout(60)
 def test_missing_param_groups_points_at_weights_only(tmp_path):
     """fully_reshardable state whose step cannot be recovered (common.pt without param_groups):
     the error says how to import the weights alone."""
-    src = _copy("gpt_distopt_dp2", tmp_path)
+    src = copy_megatron_fixture("gpt_distopt_dp2", tmp_path)
     T.save_file(str(src / "common.pt"), {"optimizer": {"param_state_sharding_type": None}})
-    with pytest.raises(
-        MegatronImportError,
-        match=r"common\.pt: optimizer param_groups missing or empty; cannot recover the step\. "
+    assert_megatron_refused(
+        src,
+        tmp_path,
+        r"common\.pt: optimizer param_groups missing or empty; cannot recover the step\. "
         r"To import the model weights .*weights_only=True",
-    ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
-    _untouched(tmp_path / "out")
+    )
 
 
 HUGE = [2**62, 32]
@@ -216,7 +210,7 @@ OUTPUT = "output_layer.weight"
 def _edited(tmp_path, edit, name: str = "moe_ep2"):
     """A copy of fixture ``name`` whose ``.metadata`` entry of ``output_layer.weight`` (a
     64 x 32 float32 tensor in one chunk) has been changed by ``edit(entry, chunk, file_size)``."""
-    src = _copy(name, tmp_path)
+    src = copy_megatron_fixture(name, tmp_path)
     tensors, objects = read_layout(src)
     entry = tensors[OUTPUT]
     chunk = entry["chunks"][0]
@@ -259,11 +253,13 @@ def test_tensor_never_read_beyond_its_chunks(tmp_path, edit, error, vocab_size):
     whole shape over a few KiB of bytes: refused before anything is allocated or written,
     naming the tensor and the file."""
     src = _edited(tmp_path, edit)
-    with pytest.raises(
-        MegatronImportError, match=rf"tensor '{OUTPUT}' in \S+/\.metadata: .*{error}"
-    ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=vocab_size)
-    _untouched(tmp_path / "out")
+    assert_convert_refused(
+        str(src),
+        str(tmp_path / "out"),
+        rf"tensor '{OUTPUT}' in \S+/\.metadata: .*{error}",
+        error=MegatronImportError,
+        vocab_size=vocab_size,
+    )
 
 
 def _chunk_field(field, value, index_offsets=None):
@@ -349,9 +345,7 @@ def test_hostile_chunk_metadata_is_a_clear_error(tmp_path, case):
     edit, error = HOSTILE_FIELDS[case]
     src = _edited(tmp_path, edit)
     where = "" if case == "storage_past_the_file" else r" in \S+/\.metadata"
-    with pytest.raises(MegatronImportError, match=rf"tensor '{OUTPUT}'{where}: {error}"):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
-    _untouched(tmp_path / "out")
+    assert_megatron_refused(src, tmp_path, rf"tensor '{OUTPUT}'{where}: {error}")
 
 
 @pytest.mark.timeout(60)
@@ -365,13 +359,12 @@ def test_chunks_sharing_bytes_are_refused(tmp_path):
         entry["chunks"] = [top, bottom]
 
     src = _edited(tmp_path, split)
-    with pytest.raises(
-        MegatronImportError,
-        match=rf"tensor '{OUTPUT}' in \S+/\.metadata: two chunks share bytes \[\d+, \d+\.\.\.\) "
+    assert_megatron_refused(
+        src,
+        tmp_path,
+        rf"tensor '{OUTPUT}' in \S+/\.metadata: two chunks share bytes \[\d+, \d+\.\.\.\) "
         r"of __0_0\.distcp",
-    ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
-    _untouched(tmp_path / "out")
+    )
 
 
 @pytest.mark.timeout(30)
@@ -379,7 +372,7 @@ def test_chunks_sharing_bytes_are_refused(tmp_path):
 def test_mcore_metadata_json_is_read_bounded(tmp_path, kind):
     """megatron-core's metadata.json as a FIFO (no hang), larger than 1 MiB, or nested too deep
     for the JSON parser: an error naming the file, nothing written."""
-    src = _copy("moe_ep2", tmp_path)
+    src = copy_megatron_fixture("moe_ep2", tmp_path)
     mj = src / "metadata.json"
     mj.unlink()
     if kind == "fifo":
@@ -391,6 +384,6 @@ def test_mcore_metadata_json_is_read_bounded(tmp_path, kind):
     else:
         mj.write_bytes(b"[" * 200_000 + b"]" * 200_000)
         error = r"not JSON"
-    with pytest.raises(MegatronImportError, match=rf"metadata\.json: .*{error}"):
-        jax_ucp.convert(str(src), str(tmp_path / "out"))
-    _untouched(tmp_path / "out")
+    assert_convert_refused(
+        str(src), str(tmp_path / "out"), rf"metadata\.json: .*{error}", error=MegatronImportError
+    )

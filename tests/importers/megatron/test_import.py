@@ -25,6 +25,8 @@ from tests.megatron_testing import (
     TORCH_DIST,
     VOCAB,
     assert_bit_equal,
+    assert_untouched,
+    copy_megatron_fixture,
     fixture_info,
     is_vocab,
     lm_config,
@@ -239,13 +241,13 @@ def test_legacy_distributed_optimizer_bit_exact(converted):
 
 
 def test_legacy_missing_distrib_optim(tmp_path):
-    src = _copy("legacy_gpt_distopt_pp2dp2_synthetic", tmp_path)
+    src = copy_megatron_fixture("legacy_gpt_distopt_pp2dp2_synthetic", tmp_path)
     (src / "iter_0000002" / "mp_rank_00_001" / "distrib_optim.pt").unlink()
     with pytest.raises(
         MegatronImportError, match=r"missing shard file .*mp_rank_00_001/distrib_optim\.pt"
     ):
         convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
@@ -264,7 +266,7 @@ def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
             format="megatron",
             vocab_size=VOCAB,
         )
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 def test_legacy_pipeline_tied_and_layer_numbers(converted):
@@ -286,12 +288,14 @@ def test_legacy_pipeline_tied_and_layer_numbers(converted):
 
 def test_legacy_rng_state_and_args_are_inert():
     from jax_ucp.importers.megatron import legacy as lg
+    from jax_ucp.torchfiles.unpickler import StandIn
 
     ck = lg.open_legacy(FIX / "legacy_llama_tp2_synthetic")
     st = ck.ranks[(0, 0)].state
     assert type(st["args"]).__name__ == "Namespace" and ck.args["swiglu"] is True
     np_state = st["rng_state"][0]["np_rng_state"]
-    assert isinstance(np_state[1], lg._NumpyArrayStandIn)  # never rebuilt by numpy's own code
+    # an inert stand-in, never rebuilt by numpy's own code
+    assert isinstance(np_state[1], StandIn) and not isinstance(np_state[1], np.ndarray)
 
 
 # ------------------------------------------------------------------ into JAX
@@ -447,33 +451,20 @@ def test_vocab_size_larger_than_padded(name, tmp_path):
         MegatronImportError, match=r"word_embeddings\.weight.*(fewer than|64 rows).*vocab_size=100"
     ):
         convert(FIX / name, tmp_path / "out", format="megatron", vocab_size=100)
-    _untouched(tmp_path / "out")
-
-
-def _copy(name, tmp_path):
-    dst = tmp_path / name
-    shutil.copytree(FIX / name, dst)
-    return dst
-
-
-def _untouched(dest):
-    assert not dest.exists()
-    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")], (
-        "temp left behind"
-    )
+    assert_untouched(tmp_path / "out")
 
 
 def test_missing_shard_file(tmp_path):
-    src = _copy("gpt_tp2", tmp_path)
+    src = copy_megatron_fixture("gpt_tp2", tmp_path)
     (src / "__1_0.distcp").unlink()
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=r"tensor '.+'.*__1_0\.distcp is missing"):
         convert(src, dest, format="megatron", vocab_size=VOCAB)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def test_metadata_references_absent_file(tmp_path):
-    src = _copy("llama_tp2", tmp_path)
+    src = copy_megatron_fixture("llama_tp2", tmp_path)
     md = (src / ".metadata").read_bytes()
     assert b"__1_1.distcp" in md
     (src / ".metadata").write_bytes(md.replace(b"__1_1.distcp", b"__7_7.distcp"))
@@ -482,17 +473,17 @@ def test_metadata_references_absent_file(tmp_path):
         MegatronImportError, match=r"tensor '.+'.*__7_7\.distcp is missing.*\.metadata"
     ):
         convert(src, dest, format="megatron", vocab_size=VOCAB)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def test_truncated_shard_file(tmp_path):
-    src = _copy("gpt_tp2", tmp_path)
+    src = copy_megatron_fixture("gpt_tp2", tmp_path)
     f = src / "__0_0.distcp"
     f.write_bytes(f.read_bytes()[:1000])
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=r"__0_0\.distcp has 1000 bytes.*truncated"):
         convert(src, dest, format="megatron", vocab_size=VOCAB)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def _patched_open(monkeypatch, edit):
@@ -517,7 +508,7 @@ def test_incomplete_shard_coverage(tmp_path, monkeypatch):
     dest = tmp_path / "out"
     with pytest.raises(MegatronImportError, match=rf"tensor '{name}'.*incomplete shard coverage"):
         convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def test_overlapping_shards(tmp_path, monkeypatch):
@@ -535,7 +526,7 @@ def test_overlapping_shards(tmp_path, monkeypatch):
         MegatronImportError, match=rf"tensor '{name}': overlapping shards.*__0_0.distcp"
     ):
         convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def test_chunk_shape_disagreement(tmp_path, monkeypatch):
@@ -559,7 +550,7 @@ def test_chunk_shape_disagreement(tmp_path, monkeypatch):
         r"metadata says \[32\], bytes hold \[32, 32\]",
     ):
         convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 def with_fixed_crcs(raw: bytes) -> bytes:
@@ -584,7 +575,7 @@ def with_fixed_crcs(raw: bytes) -> bytes:
 
 def test_dtype_disagreement_on_disk(tmp_path):
     """A chunk whose embedded archive says int16 while .metadata says float32."""
-    src = _copy("gpt_tp2", tmp_path)
+    src = copy_megatron_fixture("gpt_tp2", tmp_path)
     f = src / "__1_0.distcp"
     b = f.read_bytes()
     assert b"FloatStorage" in b
@@ -595,11 +586,11 @@ def test_dtype_disagreement_on_disk(tmp_path):
         match=r"'.+' chunk .*/__1_0\.distcp:.*float32.*int16",
     ):
         convert(src, dest, format="megatron", vocab_size=VOCAB)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def test_failed_import_leaves_existing_destination(tmp_path):
-    src = _copy("gpt_tp2", tmp_path)
+    src = copy_megatron_fixture("gpt_tp2", tmp_path)
     (src / "__0_1.distcp").unlink()
     dest = tmp_path / "out"
     convert(FIX / "gpt_tp2", dest, format="megatron", vocab_size=VOCAB)
@@ -613,7 +604,7 @@ def test_failed_import_leaves_existing_destination(tmp_path):
     user = tmp_path / "user"  # a folder that is not a checkpoint: refused untouched, even forced
     user.mkdir()
     (user / "keep.txt").write_text("x")
-    with pytest.raises(FileExistsError, match="keep.txt"):
+    with pytest.raises(jax_ucp.SaveConflictError, match="keep.txt"):
         convert(FIX / "gpt_tp2", user, format="megatron", vocab_size=VOCAB, force=True)
     assert (user / "keep.txt").read_text() == "x"
 
@@ -641,11 +632,11 @@ def test_unknown_transform_descriptor_rejected_by_name(tmp_path, monkeypatch):
         match=rf"tensor '{name}'.*unsupported transform descriptor 'stream.zstd/1'",
     ):
         convert(FIX / "gpt_tp2", tmp_path / "out", format="megatron", vocab_size=VOCAB)
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 def test_metadata_pickle_with_code_is_refused(tmp_path):
-    src = _copy("gpt_tp2", tmp_path)
+    src = copy_megatron_fixture("gpt_tp2", tmp_path)
     marker = tmp_path / "pwned"
     (src / ".metadata").write_bytes(b"cos\nsystem\n(S'touch " + str(marker).encode() + b"'\ntR.")
     with pytest.raises(
@@ -653,7 +644,7 @@ def test_metadata_pickle_with_code_is_refused(tmp_path):
     ):
         convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
     assert not marker.exists()
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
@@ -671,15 +662,15 @@ def test_unsupported_optimizer_layout_named(tmp_path, monkeypatch):
 
 
 def test_legacy_missing_rank(tmp_path):
-    src = _copy("legacy_gpt_tp2pp2_synthetic", tmp_path)
+    src = copy_megatron_fixture("legacy_gpt_tp2pp2_synthetic", tmp_path)
     shutil.rmtree(src / "iter_0000007" / "mp_rank_01_001")
     with pytest.raises(MegatronImportError, match=r"missing rank directory .*mp_rank_01_001"):
         convert(src, tmp_path / "out", format="megatron", vocab_size=VOCAB)
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 def test_legacy_missing_file_and_bad_tracker(tmp_path):
-    src = _copy("legacy_llama_tp2_synthetic", tmp_path)
+    src = copy_megatron_fixture("legacy_llama_tp2_synthetic", tmp_path)
     (src / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt").unlink()
     with pytest.raises(
         MegatronImportError, match=r"missing shard file .*mp_rank_01/model_optim_rng\.pt"
@@ -735,4 +726,4 @@ def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
             format="megatron",
             vocab_size=VOCAB,
         )
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")

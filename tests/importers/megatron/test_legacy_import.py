@@ -3,8 +3,6 @@ cannot place, refused or listed in ``source.skipped``; nothing committed after a
 
 from __future__ import annotations
 
-import shutil
-
 import numpy as np
 import pytest
 
@@ -12,19 +10,13 @@ import jax_ucp
 from jax_ucp.errors import SourceError
 from jax_ucp.exporters import torch_out as T
 from jax_ucp.importers.megatron import MegatronImportError
-from tests.megatron_testing import FIX, assert_bit_equal
-
-
-def _copy(name, tmp_path):
-    dst = tmp_path / name.replace("/", "_")
-    shutil.copytree(FIX / name, dst)
-    return dst
-
-
-def _untouched(dest):
-    assert not dest.exists()
-    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")]
-
+from tests.megatron_testing import (
+    FIX,
+    assert_bit_equal,
+    assert_megatron_refused,
+    assert_untouched,
+    copy_megatron_fixture,
+)
 
 LEGACY_LLAMA = "legacy_llama_tp2_synthetic"  # TP=2, each rank's real megatron-core weights
 
@@ -117,7 +109,7 @@ def test_legacy_rank_that_does_not_fit_is_a_clear_error(tmp_path, case):
     concatenated to the wrong size, the dtypes promoted). Unchanged, the re-written rank
     imports bit-exact (the test's writer is faithful)."""
     edit, error = LEGACY_HOLES[case]
-    src = _copy(LEGACY_LLAMA, tmp_path)
+    src = copy_megatron_fixture(LEGACY_LLAMA, tmp_path)
     _rewrite_rank(src / "iter_0000007" / "mp_rank_01" / "model_optim_rng.pt", edit)
     dest = tmp_path / "out"
     if error is None:
@@ -130,12 +122,12 @@ def test_legacy_rank_that_does_not_fit_is_a_clear_error(tmp_path, case):
         return
     with pytest.raises(MegatronImportError, match=error):
         jax_ucp.convert(str(src), str(dest), vocab_size=61)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 def _legacy_with(tmp_path, edit, top):
     """The legacy Llama TP=2 fixture with both rank files re-written (``edit``, ``top``)."""
-    src = _copy(LEGACY_LLAMA, tmp_path)
+    src = copy_megatron_fixture(LEGACY_LLAMA, tmp_path)
     for rank in ("mp_rank_00", "mp_rank_01"):
         _rewrite_rank(src / "iter_0000007" / rank / "model_optim_rng.pt", edit, top)
     return src
@@ -163,7 +155,7 @@ def test_legacy_non_distributed_optimizer_state_is_refused_or_listed(tmp_path):
         r"optimizer state: convert\(\.\.\., weights_only=True\)",
     ):
         jax_ucp.convert(str(src), str(dest), vocab_size=61)
-    _untouched(dest)
+    assert_untouched(dest)
     ckpt = jax_ucp.convert(str(src), str(dest), vocab_size=61, weights_only=True)
     ref = jax_ucp.restore(
         jax_ucp.convert(str(FIX / LEGACY_LLAMA), str(tmp_path / "ref"), vocab_size=61)
@@ -205,7 +197,7 @@ def test_legacy_tensor_the_importer_does_not_know_commits_nothing(tmp_path):
         r"'mp_rank_01/model_optim_rng\.pt:grad_norms', .*Nothing was committed",
     ):
         jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
-    _untouched(tmp_path / "out")
+    assert_untouched(tmp_path / "out")
 
 
 @pytest.mark.timeout(60)
@@ -233,7 +225,7 @@ def test_legacy_expert_parallel_distrib_optim_is_refused_or_listed(tmp_path):
     are not read, so the import is refused naming the layout and the way out (before, EP rank
     1's distrib_optim.pt was never opened). weights_only: every tensor of every EP rank's
     distrib_optim.pt listed in source.skipped (EP rank 1's directory included)."""
-    src = _copy("legacy_moe_ep2_synthetic", tmp_path)
+    src = copy_megatron_fixture("legacy_moe_ep2_synthetic", tmp_path)
     flat = np.zeros(8, np.float32)
     for rank in ("mp_rank_00_000", "mp_rank_00_001"):
         buffer = {"param": T.TensorSlot(0, flat.shape, flat.dtype), "numel_unpadded": 8}
@@ -242,13 +234,12 @@ def test_legacy_expert_parallel_distrib_optim_is_refused_or_listed(tmp_path):
             {"buckets_coalesced": True, 0: {"f32": buffer}},
             [flat],
         )
-    with pytest.raises(
-        MegatronImportError,
-        match=r"iter_0000007: distrib_optim\.pt with expert-parallel experts is not supported\. "
+    assert_megatron_refused(
+        src,
+        tmp_path,
+        r"iter_0000007: distrib_optim\.pt with expert-parallel experts is not supported\. "
         r"To import the model weights without the optimizer state",
-    ):
-        jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61)
-    _untouched(tmp_path / "out")
+    )
     ckpt = jax_ucp.convert(str(src), str(tmp_path / "out"), vocab_size=61, weights_only=True)
     skipped = jax_ucp.inspect(ckpt).source["skipped"]
     assert {k: v for k, v in skipped.items() if "distrib_optim" in k} == {

@@ -37,7 +37,12 @@ from jax_ucp.exporters import torch_out as T
 from jax_ucp.importers.megatron import MegatronImportError
 from jax_ucp.importers.megatron import dcp as megatron_dcp
 from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
-from tests.megatron_testing import FIX, assert_bit_equal, load_reference
+from tests.megatron_testing import (
+    assert_bit_equal,
+    assert_untouched,
+    copy_megatron_fixture,
+    load_reference,
+)
 from tests.ucp_testing import REPO
 
 ROOT = os.path.join(REPO, "tests", "fixtures", "megatron", "mcore_versions", "0.16.1")
@@ -228,17 +233,6 @@ def test_grouped_experts_are_not_read_as_sequential(monkeypatch, tmp_path):
 # ChainedOptimizer states of other layouts (synthetic, built on the real moe_ep2 fixture).
 
 
-def _copy(name, tmp_path):
-    dst = tmp_path / name.replace("/", "_")
-    shutil.copytree(FIX / name, dst)
-    return dst
-
-
-def _untouched(dest):
-    assert not dest.exists()
-    assert not [p for p in dest.parent.iterdir() if p.name.startswith(dest.name + ".")]
-
-
 _DTYPE = "dtype_(torch.float32, torch.float32)"
 
 
@@ -252,7 +246,7 @@ def _chained_moe(tmp_path, layout: str):
     ``common.pt['optimizer']`` keyed by optimizer index. ``dp_reshardable``: flat bucket vectors
     under ``chained_N.optimizer.distributed.*`` and per-rank objects; ``fully_reshardable``:
     model-space ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>`` (no prefix)."""
-    src = _copy("moe_ep2", tmp_path)
+    src = copy_megatron_fixture("moe_ep2", tmp_path)
     tensors, objects = read_layout(src)
     model = dict(tensors)
     extra = ExtraFile(src)
@@ -306,7 +300,7 @@ def test_synthetic_moe_chained_optimizer_of_another_layout_is_refused(tmp_path):
         r".*convert\(\.\.\., weights_only=True\) / jax-ucp convert --weights-only",
     ):
         jax_ucp.convert(str(src), str(dest), vocab_size=61)
-    _untouched(dest)
+    assert_untouched(dest)
 
 
 @pytest.mark.timeout(60)

@@ -10,6 +10,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp.importers.megatron import rank_states, torch_dist
+from tests.ucp_testing import tree_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SRC = os.path.join(
@@ -24,37 +25,27 @@ SRC = os.path.join(
 VOCAB = 61  # the fixtures' tokenizer vocab (padded to 64 in the checkpoint)
 
 
-def _files(root) -> dict[str, bytes]:
-    out = {}
-    for d, _, names in os.walk(root):
-        for n in names:
-            if n != "ucp.json":
-                with open(os.path.join(d, n), "rb") as f:
-                    out[os.path.relpath(os.path.join(d, n), root)] = f.read()
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_no_model_weight_is_kept_once_its_copy_is_written(tmp_path, monkeypatch):
     """Every weight read whole (for the masters' check) is let go when its model-precision
     copy is built: kept, the generator held it beside the next parameter's states (+72 MiB at
     a 128 MiB budget on a 135M Llama)."""
     made: list = []
-    init = torch_dist._ModelWeight.__init__
+    init = torch_dist.ModelWeight.__init__
 
     def init_spy(self, reader, name):
         init(self, reader, name)
         made.append(self)
 
     read: list = []
-    get = torch_dist._ModelWeight.get
+    get = torch_dist.ModelWeight.get
 
     def get_spy(self):
         read.append(self.name)
         return get(self)
 
-    monkeypatch.setattr(torch_dist._ModelWeight, "__init__", init_spy)
-    monkeypatch.setattr(torch_dist._ModelWeight, "get", get_spy)
+    monkeypatch.setattr(torch_dist.ModelWeight, "__init__", init_spy)
+    monkeypatch.setattr(torch_dist.ModelWeight, "get", get_spy)
     jax_ucp.convert(SRC, tmp_path / "ucp", vocab_size=VOCAB)
     assert len(made) > 5 and read
     assert [w.name for w in made if w.value is not None] == []
@@ -78,8 +69,8 @@ def test_a_whole_state_read_in_row_blocks_is_the_same_checkpoint(tmp_path, monke
     default = jax_ucp.convert(SRC, tmp_path / "default", vocab_size=VOCAB)
     whole = list(ranges)
     ranges.clear()
-    monkeypatch.setattr(rank_states, "_BLOCK_BYTES", 256)
+    monkeypatch.setattr(rank_states, "BLOCK_BYTES", 256)
     small = jax_ucp.convert(SRC, tmp_path / "small", vocab_size=VOCAB)
     assert len(ranges) > 2 * len(whole), (len(ranges), len(whole))
     assert sum(ranges) == sum(whole)  # every element read once either way
-    assert _files(small) == _files(default)
+    assert tree_files(small, skip=("ucp.json",)) == tree_files(default, skip=("ucp.json",))

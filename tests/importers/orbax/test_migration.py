@@ -22,7 +22,13 @@ from jax_ucp.exporters import OrbaxExport, options_for
 from jax_ucp.exporters.orbax_out import export_orbax
 from jax_ucp.importers import plan_import
 from jax_ucp.writer import Deferred
-from tests.ucp_testing import assert_bit_exact, assert_destination_untouched, mesh
+from tests.ucp_testing import (
+    assert_bit_exact,
+    assert_convert_refused,
+    mesh,
+    move_out,
+    restored_params,
+)
 
 
 def _state():
@@ -303,19 +309,6 @@ def test_cli_convert_and_export_orbax_at_80_columns(tmp_path):
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
 
 
-def _move_out(path, outside):
-    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
-    outside.mkdir(exist_ok=True)
-    target = outside / path.name
-    shutil.move(path, target)
-    path.symlink_to(target)
-    return target
-
-
-def _params(path) -> dict:
-    return jax_ucp.restore(path)["params"]
-
-
 def _orbax(path, tree, ocdbt: bool = False):
     import orbax.checkpoint as ocp
 
@@ -344,21 +337,18 @@ def test_orbax_leaf_name_joining_to_an_absolute_path_is_refused(tmp_path, ocdbt)
     other = _orbax(tmp_path / "other", {"params": {"w": np.full(4, 7, np.float32)}}, ocdbt)
     mine = _orbax(tmp_path / "mine", tree, ocdbt)
     _rename_leaf(mine, ("params", "w"), [f"{other}/params", "w"])
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=rf"mine/_METADATA: array '{other}/params\.w': file name '{other}/params\.w' is an "
+    assert_convert_refused(
+        mine,
+        tmp_path / "out",
+        rf"mine/_METADATA: array '{other}/params\.w': file name '{other}/params\.w' is an "
         r"absolute path",
-    ):
-        jax_ucp.convert(mine, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    )
     for keys, message in (
         (["", "", "/other/params", "w"], r"'\.\./other/params\.w' has a '\.\.' part"),
         (["params", "w\0"], r"holds a NUL character"),
     ):
         _rename_leaf(mine, tuple(_key_path(mine)), keys)
-        with pytest.raises(jax_ucp.UCPError, match=message):
-            jax_ucp.convert(mine, tmp_path / "out")
-        assert_destination_untouched(tmp_path / "out")
+        assert_convert_refused(mine, tmp_path / "out", message)
 
 
 def _key_path(ckpt) -> list:
@@ -385,20 +375,19 @@ def test_orbax_files_linked_outside_are_refused_and_inside_links_read(tmp_path, 
     for i, p in enumerate(data):
         shutil.move(p, inner / str(i))
         p.symlink_to(inner / str(i))
-    got = _params(jax_ucp.convert(mine, tmp_path / "ok"))
+    got = restored_params(jax_ucp.convert(mine, tmp_path / "ok"))
     for name, value in tree["params"].items():
         assert_bit_exact(got[name], value, name)
-    target = _move_out(inner / "0", tmp_path / "elsewhere")
+    target = move_out(inner / "0", tmp_path / "elsewhere")
     (inner / "0").unlink()
     data[0].unlink()
     data[0].symlink_to(target)
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=rf"mine: file: file name '{os.path.relpath(data[0], mine)}' resolves to "
+    assert_convert_refused(
+        mine,
+        tmp_path / "out",
+        rf"mine: file: file name '{os.path.relpath(data[0], mine)}' resolves to "
         r"\S+/elsewhere/0, outside the checkpoint",
-    ):
-        jax_ucp.convert(mine, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    )
 
 
 @pytest.mark.timeout(120)

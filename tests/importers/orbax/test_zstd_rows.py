@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import ml_dtypes
 import numcodecs
@@ -19,7 +17,7 @@ import zstandard
 import jax_ucp
 from jax_ucp.errors import SourceError
 from jax_ucp.importers.orbax import zstd_rows
-from tests.ucp_testing import REPO, peak_over_baseline
+from tests.ucp_testing import peak_over_baseline, run_child
 
 MiB = 1 << 20
 
@@ -119,30 +117,16 @@ assert np.array_equal(np.asarray(jax_ucp.restore(sys.argv[1])["embed"]), embed)
 """
 
 
-def _child(code: str, *args) -> str:
-    """``code`` in a fresh interpreter (large arrays stay out of pytest's process)."""
-    env = dict(os.environ, PYTHONPATH=REPO)
-    done = subprocess.run(
-        [sys.executable, "-c", code, *(str(a) for a in args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 @pytest.mark.timeout(900)
 def test_a_one_chunk_orbax_array_over_the_budget_stays_within_it(tmp_path):
     """A 160 MiB array saved by Orbax's defaults (one zstd chunk of 147 MiB compressed),
     imported at a 32 MiB budget: the process's RssAnon stays within budget + 64 MiB over its
     baseline (Orbax and JAX imported), where TensorStore's whole-chunk decode held the
     compressed chunk, the decoded chunk and the array (~+430 MiB)."""
-    _child(_SAVE, tmp_path / "orbax")
+    run_child(_SAVE, tmp_path / "orbax")
     over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB", orbax_in_baseline=True)
     assert over < 32 * MiB + 64 * MiB, over / MiB
-    _child(_CHECK, tmp_path / "ucp")
+    run_child(_CHECK, tmp_path / "ucp")
 
 
 def _checksummed_orbax(path, value: np.ndarray, chunk_rows: int) -> list[bytes]:

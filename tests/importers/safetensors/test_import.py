@@ -14,7 +14,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 import jax_ucp
-from tests.ucp_testing import assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import (
+    assert_bit_exact,
+    assert_convert_refused,
+    restored_params,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -223,10 +227,6 @@ def test_safetensors_index_with_a_duplicate_tensor_is_refused(tmp_path):
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
 
 
-def _params(path) -> dict:
-    return jax_ucp.restore(path)["params"]
-
-
 def _hf_cache(tmp_path, tensors: dict) -> tuple:
     """A Hugging Face cache repo as ``huggingface_hub`` lays it out: the files in
     ``blobs/<sha256>``, ``snapshots/<rev>/`` holding relative links to them (index included)."""
@@ -266,7 +266,7 @@ def test_hugging_face_cache_snapshot_imports_and_restores(tmp_path):
     }
     _, snap = _hf_cache(tmp_path, want)
     out = jax_ucp.convert(snap, tmp_path / "out")
-    got = _params(out)
+    got = restored_params(out)
     for name, value in want.items():
         assert_bit_exact(got[name], value, name)
     assert jax_ucp.inspect(out).source["files"] == [
@@ -294,17 +294,13 @@ def test_safetensors_shard_linked_outside_is_refused(tmp_path):
         r"'model-00002-of-00002\.safetensors' resolves to \S+/elsewhere/b\.safetensors, outside "
         r"the checkpoint"
     )
-    with pytest.raises(jax_ucp.UCPError, match=message):
-        jax_ucp.convert(snap, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    assert_convert_refused(snap, tmp_path / "out", message)
     with pytest.raises(jax_ucp.UCPError, match=message):
         jax_ucp.restore(snap)
     single = tmp_path / "single"
     single.mkdir()
     (single / "model.safetensors").symlink_to(elsewhere / "b.safetensors")
-    with pytest.raises(jax_ucp.UCPError, match=r"'model\.safetensors' resolves to .*outside"):
-        jax_ucp.convert(single, tmp_path / "out1")
-    assert_destination_untouched(tmp_path / "out1")
+    assert_convert_refused(single, tmp_path / "out1", r"'model\.safetensors' resolves to .*outside")
 
 
 @pytest.mark.timeout(60)
@@ -318,12 +314,11 @@ def test_safetensors_index_naming_a_file_with_a_nul_is_a_clear_error(tmp_path):
     (src / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model.safetensors", "b": "mod\\u0000el.safetensors"}}'
     )
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=r"hf/model\.safetensors\.index\.json: weight_map entry 'b':.*'mod\\x00el\.safetensors'.*NUL",
-    ):
-        jax_ucp.convert(src, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    assert_convert_refused(
+        src,
+        tmp_path / "out",
+        r"hf/model\.safetensors\.index\.json: weight_map entry 'b':.*'mod\\x00el\.safetensors'.*NUL",
+    )
 
 
 @pytest.mark.timeout(60)
@@ -337,13 +332,12 @@ def test_safetensors_index_linked_outside_is_refused(tmp_path):
     shutil.copy(index, other / "index.json")
     index.unlink()
     index.symlink_to(other / "index.json")
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=r"file name 'model\.safetensors\.index\.json' resolves to \S+/other/index\.json, "
+    assert_convert_refused(
+        snap,
+        tmp_path / "out",
+        r"file name 'model\.safetensors\.index\.json' resolves to \S+/other/index\.json, "
         r"outside the checkpoint",
-    ):
-        jax_ucp.convert(snap, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    )
 
 
 @pytest.mark.timeout(60)

@@ -11,7 +11,6 @@ import os
 import pickle
 import shutil
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -19,7 +18,7 @@ import jax_ucp
 from jax_ucp.errors import SourceError
 from jax_ucp.importers import registry
 from jax_ucp.torchfiles import dcp_reader
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, load_truth
 
 FIX = os.path.join(REPO, "tests", "fixtures", "torch")
 STATES = {"exp_avg": "mu", "exp_avg_sq": "nu", "momentum_buffer": "trace"}
@@ -29,14 +28,7 @@ pytestmark = pytest.mark.timeout(120)
 
 def truth(name: str) -> dict[str, np.ndarray]:
     """The run's live state: ``{"param/<name>": array, ..., "step": float}``, bf16 restored."""
-    out = {}
-    with np.load(os.path.join(FIX, name + ".truth.npz")) as z:
-        for key in z.files:
-            value = z[key]
-            if key.endswith("::bfloat16"):
-                key, value = key[: -len("::bfloat16")], value.view(ml_dtypes.bfloat16)
-            out[key] = value
-    return out
+    return load_truth(os.path.join(FIX, name + ".truth.npz"))
 
 
 def assert_matches_run(restored: dict, name: str, prefix: str = "") -> None:
@@ -321,7 +313,7 @@ def test_flipped_byte_in_a_chunk_read_on_threads_is_an_error(tmp_path, monkeypat
 @pytest.mark.timeout(10)
 def test_the_chunk_crc_is_zips_crc32():
     """The CRC the reader checks chunks with (ISA-L's when installed) is zip's CRC-32, also
-    continued piece by piece as ``_pread_into`` does: the value torch writes per member."""
+    continued piece by piece as ``pread_into`` does: the value torch writes per member."""
     import zlib
 
     data = np.random.default_rng(0).integers(0, 256, 3 * 1024 * 1024 + 17, np.uint8)
@@ -345,7 +337,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
         torch_pickle.TorchArchive, "load", lambda self, *a: real_load(self, *a).copy()
     )
     calls = []
-    monkeypatch.setattr(dcp_reader, "_pread_into", lambda *a: calls.append(a))  # not used
+    monkeypatch.setattr(dcp_reader, "pread_into", lambda *a: calls.append(a))  # not used
     src = _copy(tmp_path)
     ck = dcp_reader.open_dcp(src)
     tensor = ck.tensors["model.output.weight"]

@@ -18,7 +18,14 @@ from jax_ucp.errors import SourceError
 from jax_ucp.exporters import torch_out
 from jax_ucp.importers import registry
 from tests.importers.torch.test_dcp import FIX, assert_matches_run
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, hf_torch_folder
+from tests.ucp_testing import (
+    assert_bit_exact,
+    assert_convert_refused,
+    assert_destination_untouched,
+    copy_fixture,
+    hf_torch_folder,
+    move_out,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -80,13 +87,12 @@ def test_accelerate_save_state_on_cpu_imports_weights_only(tmp_path):
     safetensors' sorted names, so it is refused naming parameter_order= and weights_only; the
     weights import bit-exact."""
     src = os.path.join(FIX, "accelerate_save_state")
-    with pytest.raises(
-        jax_ucp.UCPError,
-        match=r"accelerate_save_state/optimizer\.bin: the optimizer numbers \d+ parameters by "
+    assert_convert_refused(
+        src,
+        tmp_path / "refused",
+        r"accelerate_save_state/optimizer\.bin: the optimizer numbers \d+ parameters by "
         r"index .*safetensors keeps no parameter order.*parameter_order=.*weights_only=True",
-    ):
-        jax_ucp.convert(src, tmp_path / "refused")
-    assert_destination_untouched(tmp_path / "refused")
+    )
     out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
     restored = jax_ucp.restore(out)
     params = {k: v for k, v in _truth("accelerate_save_state").items() if k.startswith("param/")}
@@ -370,29 +376,11 @@ def test_folder_builder_is_a_torch_savehf_torch_folder(tmp_path):
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.
 
 
-FIXTURE_ROOT = os.path.join(REPO, "tests", "fixtures")
-
-
-def _copy_fixture(tmp_path, rel: str):
-    dst = tmp_path / os.path.basename(rel)
-    shutil.copytree(os.path.join(FIXTURE_ROOT, rel), dst)
-    return dst
-
-
-def _move_out(path, outside):
-    """``path`` moved to the folder ``outside`` (created) and replaced by a symlink to it."""
-    outside.mkdir(exist_ok=True)
-    target = outside / path.name
-    shutil.move(path, target)
-    path.symlink_to(target)
-    return target
-
-
 @pytest.mark.timeout(60)
 def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
     """``pytorch_model.bin.index.json`` shards: one linked elsewhere, or named with a NUL."""
-    src = _copy_fixture(tmp_path, "torch/hf_bin_sharded")
-    _move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
+    src = copy_fixture(tmp_path, "torch/hf_bin_sharded", name="hf_bin_sharded")
+    move_out(src / "pytorch_model-00002-of-00002.bin", tmp_path / "elsewhere")
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"pytorch_model\.bin\.index\.json: weight_map entry '.*': file name "
@@ -408,8 +396,6 @@ def test_bin_shard_linked_outside_and_index_nul_are_refused(tmp_path):
         jax_ucp.UCPError, match=rf"weight_map entry '{name}': file name .* holds a NUL character"
     ):
         jax_ucp.convert(src, tmp_path / "out")
-    single = _copy_fixture(tmp_path, "torch/hf_bin")
-    _move_out(single / "pytorch_model.bin", tmp_path / "elsewhere2")
-    with pytest.raises(jax_ucp.UCPError, match=r"'pytorch_model\.bin' resolves to .*outside"):
-        jax_ucp.convert(single, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    single = copy_fixture(tmp_path, "torch/hf_bin", name="hf_bin")
+    move_out(single / "pytorch_model.bin", tmp_path / "elsewhere2")
+    assert_convert_refused(single, tmp_path / "out", r"'pytorch_model\.bin' resolves to .*outside")

@@ -12,14 +12,19 @@ import shutil
 import sys
 import tomllib
 
-import ml_dtypes
 import numpy as np
 import pytest
 
 import jax_ucp
 from jax_ucp.importers.plan import tensor_names
 from jax_ucp.torchfiles import unpickler as torch_pickle
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import (
+    REPO,
+    assert_bit_exact,
+    assert_convert_refused,
+    assert_destination_untouched,
+    load_truth,
+)
 
 pytestmark = pytest.mark.timeout(300)
 HERE = os.path.join(REPO, "tests", "fixtures")
@@ -33,17 +38,6 @@ def test_torch_extra_installs_accelerate_for_the_trainer():
         extra = tomllib.load(f)["project"]["optional-dependencies"]["torch"]
     names = {d.split(">")[0].split("=")[0].split("[")[0].strip() for d in extra}
     assert {"torch", "transformers", "accelerate", "safetensors"} <= names
-
-
-def truth(path: str) -> dict[str, np.ndarray]:
-    out = {}
-    with np.load(path) as z:
-        for key in z.files:
-            value = z[key]
-            if key.endswith("::bfloat16"):
-                key, value = key[: -len("::bfloat16")], value.view(ml_dtypes.bfloat16)
-            out[key] = value
-    return out
 
 
 def assert_matches_run(restored: dict, want: dict) -> None:
@@ -96,7 +90,7 @@ def test_trainer_checkpoint_imports_its_optimizer_bit_exact(tmp_path, kind):
     the indices of optimizer.pt are mapped through the Trainer's grouping of config.json's model
     rebuilt on the meta device; every moment and the step equal the run's."""
     out = jax_ucp.convert(trainer_src(kind), tmp_path / "ucp")
-    assert_matches_run(jax_ucp.restore(out), truth(os.path.join(TRAINER, f"{kind}.truth.npz")))
+    assert_matches_run(jax_ucp.restore(out), load_truth(os.path.join(TRAINER, f"{kind}.truth.npz")))
     assert_accounted(out, trainer_src(kind), "optimizer.pt")
     source = jax_ucp.inspect(out).source
     assert source["framework"] == "torch_files"
@@ -139,9 +133,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     raw["param_groups"][1]["params"].insert(0, moved)
     torch.save(raw, os.path.join(src, "optimizer.pt"))
     assert len(opt["param_groups"][0]["params"]) == 16
-    with pytest.raises(jax_ucp.UCPError, match=r"sizes \[15, 6\]\) are not the Trainer's group"):
-        jax_ucp.convert(src, tmp_path / "u1")
-    assert_destination_untouched(tmp_path / "u1")
+    assert_convert_refused(src, tmp_path / "u1", r"sizes \[15, 6\]\) are not the Trainer's group")
     weights = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "w1", weights_only=True))
     assert sorted(weights) == ["params"]
     # same group sizes, two indices traded between the groups: the shapes give it away
@@ -150,9 +142,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     g0.append(moved)
     g0[-1], g1[0] = g1[0], g0[-1]
     torch.save(raw, os.path.join(src, "optimizer.pt"))
-    with pytest.raises(jax_ucp.UCPError, match=r"sizes \[16, 5\]\) are not.*exp_avg \["):
-        jax_ucp.convert(src, tmp_path / "u2")
-    assert_destination_untouched(tmp_path / "u2")
+    assert_convert_refused(src, tmp_path / "u2", r"sizes \[16, 5\]\) are not.*exp_avg \[")
 
     for name, change, why in [
         ("custom", {"auto_map": {"AutoModelForCausalLM": "modeling_x.X"}}, "custom code"),
@@ -164,9 +154,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
             config = json.load(f)
         with open(os.path.join(src, "config.json"), "w") as f:
             json.dump({**config, **change}, f)
-        with pytest.raises(jax_ucp.UCPError, match=why):
-            jax_ucp.convert(src, tmp_path / f"u_{name}")
-        assert_destination_untouched(tmp_path / f"u_{name}")
+        assert_convert_refused(src, tmp_path / f"u_{name}", why)
 
 
 def test_trainer_without_transformers_is_refused_naming_why(tmp_path, monkeypatch):
@@ -175,10 +163,8 @@ def test_trainer_without_transformers_is_refused_naming_why(tmp_path, monkeypatc
     Trainer's groups, decay then no-decay) imports the optimizer bit-exact."""
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
     src = trainer_src("trainer_fp32")
-    with pytest.raises(jax_ucp.UCPError, match=r"without transformers.*parameter_order"):
-        jax_ucp.convert(src, tmp_path / "refused")
-    assert_destination_untouched(tmp_path / "refused")
-    want = truth(os.path.join(TRAINER, "trainer_fp32.truth.npz"))
+    assert_convert_refused(src, tmp_path / "refused", r"without transformers.*parameter_order")
+    want = load_truth(os.path.join(TRAINER, "trainer_fp32.truth.npz"))
     names = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
     no_decay = [n for n in names if n.endswith("norm.weight")]
     order = [n for n in names if n not in no_decay] + no_decay
@@ -193,7 +179,9 @@ def test_accelerate_named_groups_map_by_param_names(tmp_path, kind):
     """Accelerate 1.15 save_state of AdamW(model.named_parameters()) (and of named decay /
     no-decay groups): torch keeps param_names beside the indices; mapped by name, bit-exact."""
     out = jax_ucp.convert(os.path.join(ACCELERATE, kind), tmp_path / "ucp")
-    assert_matches_run(jax_ucp.restore(out), truth(os.path.join(ACCELERATE, f"{kind}.truth.npz")))
+    assert_matches_run(
+        jax_ucp.restore(out), load_truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
+    )
     assert jax_ucp.inspect(out).source["optimizer_keys"].endswith("param_names")
     assert_accounted(out, os.path.join(ACCELERATE, kind), "optimizer.bin")
 
@@ -204,10 +192,10 @@ def test_accelerate_bare_indices_need_the_parameter_order(tmp_path, kind):
     sorted, not in the model's order, so the indices are refused naming parameter_order=; given
     the order (the names of model.named_parameters(), group after group) it is bit-exact."""
     src = os.path.join(ACCELERATE, kind)
-    with pytest.raises(jax_ucp.UCPError, match=r"safetensors keeps no parameter order.*parameter"):
-        jax_ucp.convert(src, tmp_path / "refused")
-    assert_destination_untouched(tmp_path / "refused")
-    want = truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
+    assert_convert_refused(
+        src, tmp_path / "refused", r"safetensors keeps no parameter order.*parameter"
+    )
+    want = load_truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
     order = [str(n) for n in want.pop("order")]
     if kind == "accelerate_groups":  # the generator's groups: matrices, then vectors
         ndim = {n: want[f"param/{n}"].ndim for n in order}
@@ -235,7 +223,7 @@ def test_accelerate_bare_indices_import_with_the_model_config(tmp_path, kind):
     with pytest.raises(jax_ucp.UCPError, match=r"model_config= its config\.json \(--model-config"):
         jax_ucp.convert(src, tmp_path / "refused")
     out = jax_ucp.convert(src, tmp_path / "ucp", model_config=LLAMA_CONFIG)
-    want = truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
+    want = load_truth(os.path.join(ACCELERATE, f"{kind}.truth.npz"))
     want.pop("order")
     assert_matches_run(jax_ucp.restore(out), want)
     assert_accounted(out, src, "optimizer.bin")
@@ -255,11 +243,13 @@ def test_trainer_checkpoint_without_its_config_imports_with_the_model_config(tmp
     src = _copy(trainer_src("trainer_fp32"), tmp_path / "checkpoint-3")
     config = str(tmp_path / "kept.config.json")
     os.replace(os.path.join(src, "config.json"), config)
-    with pytest.raises(jax_ucp.UCPError, match=r"no config\.json.*model_config= \(--model-config"):
-        jax_ucp.convert(src, tmp_path / "refused")
-    assert_destination_untouched(tmp_path / "refused")
+    assert_convert_refused(
+        src, tmp_path / "refused", r"no config\.json.*model_config= \(--model-config"
+    )
     out = jax_ucp.convert(src, tmp_path / "ucp", model_config=config)
-    assert_matches_run(jax_ucp.restore(out), truth(os.path.join(TRAINER, "trainer_fp32.truth.npz")))
+    assert_matches_run(
+        jax_ucp.restore(out), load_truth(os.path.join(TRAINER, "trainer_fp32.truth.npz"))
+    )
     source = jax_ucp.inspect(out).source
     assert source["parameter_order"].startswith(f"{config}: transformers ")
     assert source["parameter_order"].endswith("Trainer.get_decay_parameter_names")
@@ -303,12 +293,10 @@ def test_trainer_lora_checkpoint_imports_with_the_adapter_order(tmp_path):
     named_parameters as saved: peft drops the adapter name ``.default``) every moment and the
     step equal the run's; weights_only imports the adapter alone."""
     src = trainer_src("trainer_lora")
-    with pytest.raises(jax_ucp.UCPError, match=r"peft adapter checkpoint.*parameter_order="):
-        jax_ucp.convert(src, tmp_path / "refused")
-    assert_destination_untouched(tmp_path / "refused")
+    assert_convert_refused(src, tmp_path / "refused", r"peft adapter checkpoint.*parameter_order=")
     want = {
         k.replace(".default.", "."): v
-        for k, v in truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
+        for k, v in load_truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
         if not k.startswith("next_")
     }
     order = [k.split("/", 1)[1] for k in want if k.startswith("param/")]
@@ -328,7 +316,7 @@ def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
     base = os.path.join(trainer_src("trainer_fp32"), "config.json")  # the same tiny Llama
     want = {
         k.replace(".default.", "."): v
-        for k, v in truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
+        for k, v in load_truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
         if not k.startswith("next_")
     }
     out = jax_ucp.convert(src, tmp_path / "ucp", model_config=base)
@@ -340,9 +328,9 @@ def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
     adapter["modules_to_save"] = ["lm_head"]
     with open(os.path.join(hostile, "adapter_config.json"), "w") as f:
         json.dump(adapter, f)
-    with pytest.raises(jax_ucp.UCPError, match=r"adapter_config\.json: modules_to_save="):
-        jax_ucp.convert(hostile, tmp_path / "refused", model_config=base)
-    assert_destination_untouched(tmp_path / "refused")
+    assert_convert_refused(
+        hostile, tmp_path / "refused", r"adapter_config\.json: modules_to_save=", model_config=base
+    )
 
 
 class _Pwn:
@@ -435,6 +423,4 @@ def test_a_config_asking_for_more_modules_than_the_checkpoint_holds_is_refused_f
         config = json.load(f)
     with open(os.path.join(src, "config.json"), "w") as f:
         json.dump({**config, **change}, f)
-    with pytest.raises(jax_ucp.UCPError, match=key):
-        jax_ucp.convert(src, tmp_path / "out")
-    assert_destination_untouched(tmp_path / "out")
+    assert_convert_refused(src, tmp_path / "out", key)

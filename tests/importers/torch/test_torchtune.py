@@ -18,7 +18,11 @@ from safetensors.numpy import load_file
 import jax_ucp
 from jax_ucp.exporters import torch_out
 from jax_ucp.torchfiles import unpickler
-from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
+from tests.ucp_testing import (
+    REPO,
+    assert_bit_exact,
+    assert_destination_untouched,
+)
 
 pytestmark = pytest.mark.timeout(120)
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "torchtune")
