@@ -42,14 +42,14 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from bench_save_restore import make_tree  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from rss import Peak, status  # noqa: E402
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from bench_save_restore import make_tree
+from jax.sharding import Mesh
+from rss import Peak, status
 
-import jax_ucp  # noqa: E402
+import jax_ucp
 
 
 def replica0(tree):

@@ -18,13 +18,13 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_save_restore import evict, make_tree  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import jax
+import numpy as np
+from bench_save_restore import evict, make_tree
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jax_ucp  # noqa: E402
+import jax_ucp
 
 BOUNDS = {
     "256K": 256 << 10,
@@ -59,7 +59,7 @@ def main():
     emb_sh = {"embedding": NamedSharding(Mesh(devs, ("x",)), P("x", None))}
     shutil.rmtree(args.dir, ignore_errors=True)
     res = {k: ([], [], []) for k in BOUNDS}
-    for r in range(args.rounds):
+    for _r in range(args.rounds):
         for name, bound in BOUNDS.items():
             p1, p2 = os.path.join(args.dir, "w"), os.path.join(args.dir, "e")
             t0 = time.perf_counter()

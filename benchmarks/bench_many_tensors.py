@@ -35,12 +35,12 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from bench_save_restore import du, evict  # noqa: E402
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from bench_save_restore import du, evict
 
-import jax_ucp  # noqa: E402
+import jax_ucp
 
 
 def host_trees(which: list[str]) -> dict[str, dict[str, np.ndarray]]:

@@ -18,6 +18,7 @@ the restored one, counted once per device buffer):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -65,10 +66,8 @@ class Sampler:
 
 def _settle() -> None:
     gc.collect()
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed temporaries back to the OS
-    except OSError:
-        pass
 
 
 def child(args) -> dict:

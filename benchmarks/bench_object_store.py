@@ -13,6 +13,7 @@ requests issued one after another pay for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -65,10 +66,8 @@ def delay_proxy(listen: int, target: int, seconds: float) -> None:
                 await client_writer.drain()
             client_writer.close()
 
-        try:
+        with contextlib.suppress(OSError):
             await asyncio.gather(upstream(), downstream())
-        except OSError:
-            pass
 
     async def serve():
         server = await asyncio.start_server(handle, "127.0.0.1", listen)
@@ -152,7 +151,7 @@ def run(mib: int, rounds: int, json_path: str | None, latency_ms: float = 0) -> 
         t = time.perf_counter()
         try:
             fn()
-        except Exception as e:  # noqa: BLE001 - the point is to show what fails
+        except Exception as e:  # the point is to show what fails
             errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
             return
         times.setdefault(name, []).append(time.perf_counter() - t)

@@ -31,25 +31,25 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
-import argparse  # noqa: E402
-import datetime  # noqa: E402
-import json  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import tempfile
+import time
 
-import jax  # noqa: E402
-import ml_dtypes  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint.experimental.v1 as ocp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-from safetensors.numpy import save_file  # noqa: E402
+import jax
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from safetensors.numpy import save_file
 
-import jax_ucp  # noqa: E402
-from jax_ucp.language import TensorInfo, compile_restore_plan, load_spec  # noqa: E402
-from jax_ucp.models import LMConfig  # noqa: E402
+import jax_ucp
+from jax_ucp.language import TensorInfo, compile_restore_plan, load_spec
+from jax_ucp.models import LMConfig
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")

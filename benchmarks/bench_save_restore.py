@@ -29,13 +29,13 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-import orbax.checkpoint as ocp  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import jax_ucp  # noqa: E402
+import jax_ucp
 
 
 def evict(path: str) -> None:
@@ -56,7 +56,7 @@ def du(path: str) -> int:
 
 def make_tree(gib: float, mesh: Mesh):
     """~gib GiB of float32 weights (normal, like trained weights) sharded (data, model) + others."""
-    n = max(1, int(round(gib * 16)))  # 64 MiB tensors
+    n = max(1, round(gib * 16))  # 64 MiB tensors
     rng = np.random.default_rng(0)
     tree = {}
     specs = [P("data", "model"), P(None, "model"), P("model", None), P()]

@@ -47,6 +47,7 @@ drawn as docs/benchmark_scale.png (``--plot-only`` redraws from the JSON).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -122,10 +123,8 @@ def mem_available() -> int:
 
 def settle() -> None:
     gc.collect()
-    try:
+    with contextlib.suppress(OSError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
 
 
 def du(path: str) -> int:
@@ -682,7 +681,7 @@ def convert_all(results: Results, part: str, gb: float, contenders, src: str, nb
     for c in [c for _ in range(results.nrounds) for c in contenders]:
         dst = os.path.join(work, "full.pt" if "torch.load" in c else "out_" + c.replace(" ", "_"))
         base = {"part": part, "op": "convert", "size_gb": gb, "contender": c}
-        meas = lambda: run_convert(part, c, src, dst) | {"checkpoint_bytes": nbytes}  # noqa: E731
+        meas = lambda: run_convert(part, c, src, dst) | {"checkpoint_bytes": nbytes}
         measure(results, base, meas, nbytes)
         if os.path.isdir(dst):
             shutil.rmtree(dst, ignore_errors=True)
@@ -949,7 +948,7 @@ def main() -> int:
     with open("/proc/self/oom_score_adj", "w") as f:
         f.write("1000")
     only = set(a.contenders.split(",")) if a.contenders else None
-    pick = lambda cs: [c for c in cs if only is None or c in only]  # noqa: E731
+    pick = lambda cs: [c for c in cs if only is None or c in only]
     results = Results(a.json)
     results.nrounds = a.rounds
     results.doc["command"] = "python " + " ".join(sys.argv)

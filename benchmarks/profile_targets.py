@@ -27,13 +27,13 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from bench_save_restore import _put, evict, layout_tree, restore_layouts  # noqa: E402
-from jax.sharding import Mesh  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from bench_save_restore import _put, evict, layout_tree, restore_layouts
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-import jax_ucp  # noqa: E402
+import jax_ucp
 
 
 def main():

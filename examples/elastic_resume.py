@@ -392,7 +392,7 @@ def run_experiment(
                 f"{r['bit_exact']}"
             )
             results[v] = r
-    for v, r in results.items():
+    for r in results.values():
         r["deviation"] = {s: abs(r["losses"][s] - baseline["losses"][s]) for s in r["losses"]}
         r["max_deviation"] = max(r["deviation"].values())
         r["max_rel_deviation"] = max(
@@ -442,14 +442,14 @@ def format_table(result: dict, every: int = 1) -> str:
     t = result["train"]
     lines.append(
         f"{'train':<7} {'1×8':<4} {_mesh(t['mesh']):<10} {0:>4} {len(t['losses']):>5} "
-        f"{'-':>5} {'-':>11} {'-':>8} {str(t['matches_baseline_bitwise']):>5}"
+        f"{'-':>5} {'-':>11} {'-':>8} {t['matches_baseline_bitwise']!s:>5}"
     )
     for n, v in vs.items():
         pd = f"{v['processes']}×{v['devices'] // v['processes']}"
         lines.append(
             f"{'(' + n + ')':<7} {pd:<4} {_mesh(v['mesh']):<10} {v['restored_from']:>4} "
-            f"{v['continued_steps']:>5} {str(v['bit_exact']):>5} {v['max_deviation']:>11.2e} "
-            f"{v['max_rel_deviation']:>8.1e} {str(v['matches_baseline_bitwise']):>5}"
+            f"{v['continued_steps']:>5} {v['bit_exact']!s:>5} {v['max_deviation']:>11.2e} "
+            f"{v['max_rel_deviation']:>8.1e} {v['matches_baseline_bitwise']!s:>5}"
         )
     lines.append(
         f"train: killed at step {t['killed_at']}; its steps identical to the baseline's: "
@@ -550,7 +550,7 @@ def plot(result: dict, path: str) -> None:
 
         with Image.open(path) as im:
             im.convert("RGB").quantize(colors=64).save(path, optimize=True)
-    except Exception:  # noqa: BLE001 - the plain PNG is fine too
+    except Exception:  # the plain PNG is fine too
         pass
 
 

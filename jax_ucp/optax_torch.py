@@ -28,7 +28,7 @@ import numpy as np
 
 from jax_ucp.errors import RequestError
 
-__all__ = ["TorchOptimizer", "optax_from_torch", "hf_schedule", "run_arguments"]
+__all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 
 #: Hugging Face's schedules (transformers.optimization) this module reproduces
 SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")

@@ -7,8 +7,8 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import hypothesis  # noqa: E402
-import pytest  # noqa: E402
+import hypothesis
+import pytest
 
 hypothesis.settings.register_profile(
     "ci",

@@ -92,9 +92,12 @@ def test_no_module_binds_an_error_class_under_another_name():
             continue
         module = importlib.import_module(info.name)
         for attr, value in vars(module).items():
-            if inspect.isclass(value) and issubclass(value, errors.UCPError):
-                if attr != value.__name__:
-                    aliases.append(f"{info.name}.{attr} = {value.__name__}")
+            if (
+                inspect.isclass(value)
+                and issubclass(value, errors.UCPError)
+                and attr != value.__name__
+            ):
+                aliases.append(f"{info.name}.{attr} = {value.__name__}")
     assert not aliases, aliases
 
 

@@ -322,7 +322,7 @@ def _private_reaches(path: str):
     attribute of something it imported from jax_ucp, or monkeypatches by name."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
-    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    private = lambda n: n.startswith("_") and not n.startswith("__")
     bound = set()  # names bound to jax_ucp modules, classes or functions
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_ucp":

@@ -38,9 +38,11 @@ def test_shipped_samples_are_the_test_fixtures_byte_for_byte():
         }
         assert ours == theirs, name
         for rel in ours:
-            with open(os.path.join(samples.path(name), rel), "rb") as a:
-                with open(os.path.join(fixture, rel), "rb") as b:
-                    assert a.read() == b.read(), (name, rel)
+            with (
+                open(os.path.join(samples.path(name), rel), "rb") as a,
+                open(os.path.join(fixture, rel), "rb") as b,
+            ):
+                assert a.read() == b.read(), (name, rel)
     with open(os.path.join(fixtures, "megatron", "fixtures.json")) as f:
         assert samples.settings("megatron_llama_tp2") == json.load(f)["llama_tp2"]
     with open(os.path.join(fixtures, "deepspeed", "z2_bf16_dp2", "run.json")) as f:

@@ -12,7 +12,7 @@ from rich.text import Text
 
 from jax_ucp.cli import output
 from jax_ucp.cli.output import printable
-from jax_ucp.format.sizes import format_size as human  # noqa: F401 (commands use layout.human)
+from jax_ucp.format.sizes import format_size as human  # commands use layout.human
 
 
 def plural(n: int, word: str, plural_form: str | None = None) -> str:

@@ -19,9 +19,9 @@ from jax_ucp.exporters.options import (
 )
 
 __all__ = [
+    "FORMATS",
     "DeepSpeedUniversalExport",
     "Exported",
-    "FORMATS",
     "OrbaxExport",
     "SafetensorsExport",
     "TorchDcpExport",

@@ -208,9 +208,9 @@ def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -
         write: writes the files into the temporary directory it is given.
         force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
     """
-    with transaction(dst, force=force) as tx:
-        with commit.export_record(tx.path):  # what a later force may replace: these files only
-            files = write(tx.path)
+    # the export record: what a later force may replace (these files only)
+    with transaction(dst, force=force) as tx, commit.export_record(tx.path):
+        files = write(tx.path)
     return files
 
 

@@ -24,11 +24,11 @@ from jax_ucp.format.manifest import (
 
 __all__ = [
     "ARRAYS_DIR",
-    "Entry",
     "FORMAT_VERSION",
     "MANIFEST_FILE",
     "MAX_MANIFEST_BYTES",
     "MAX_TREE_DEPTH",
+    "Entry",
     "Manifest",
     "SavedSharding",
     "TensorEntry",

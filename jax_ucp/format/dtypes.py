@@ -18,14 +18,35 @@ CASTINGS = ("no", "equiv", "safe", "same_kind", "unsafe")
 
 _EXTENDED = {
     name: getattr(ml_dtypes, name)
-    for name in "bfloat16 float8_e4m3fn float8_e4m3fnuz float8_e4m3b11fnuz float8_e5m2 "
-    "float8_e5m2fnuz int4".split()
+    for name in [
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e4m3fnuz",
+        "float8_e4m3b11fnuz",
+        "float8_e5m2",
+        "float8_e5m2fnuz",
+        "int4",
+    ]
 }
 
 # dtypes zarr-python reads natively (the format promise: `zarr.open` works on these).
 ZARR_NATIVE = frozenset(
-    "bool int8 int16 int32 int64 uint8 uint16 uint32 uint64 float16 float32 float64 complex64 "
-    "complex128".split()
+    [
+        "bool",
+        "int8",
+        "int16",
+        "int32",
+        "int64",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "float16",
+        "float32",
+        "float64",
+        "complex64",
+        "complex128",
+    ]
 )
 
 

@@ -189,9 +189,12 @@ def cache_repo(folder: str | os.PathLike) -> str | None:
     parent = os.path.dirname(real)
     repo = os.path.dirname(parent)
     blobs = os.path.join(repo, "blobs")
-    if os.path.basename(parent) == "snapshots" and os.path.isdir(blobs):
-        if not os.path.islink(blobs):
-            return repo
+    if (
+        os.path.basename(parent) == "snapshots"
+        and os.path.isdir(blobs)
+        and not os.path.islink(blobs)
+    ):
+        return repo
     return None
 
 

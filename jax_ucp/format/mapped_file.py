@@ -23,15 +23,15 @@ from jax_ucp.errors import CheckpointError
 from jax_ucp.format.files import open_regular, preadv_full
 
 __all__ = [
+    "PIECE",
     "FileMap",
+    "copy_into",
+    "crc32",
     "map_file",
     "mapped_at",
     "read_bytes",
     "read_out",
-    "copy_into",
-    "crc32",
     "take",
-    "PIECE",
 ]
 
 #: Bytes read per ``pread`` (and CRC-summed while still in the CPU cache).

@@ -10,6 +10,7 @@ not overlap, keys may not repeat, and the index may only name files beside it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from typing import Any
@@ -210,7 +211,7 @@ class SafetensorsFile:
             self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
         tensors = {name: self._entry(name, info) for name, info in header.items()}
         ranges = sorted((b, e, name) for name, (_, _, b, e) in tensors.items() if e > b)
-        for (_, end, a), (begin, _, b) in zip(ranges, ranges[1:]):
+        for (_, end, a), (begin, _, b) in itertools.pairwise(ranges):
             if begin < end:
                 raise SourceError(
                     f"{self.path}: tensors {a[:100]!r} and {b[:100]!r} overlap in the file."

@@ -53,7 +53,7 @@ def parse_size(value: int | str, what: str = "memory_budget") -> int:
 
 def format_size(n: float) -> str:
     """A byte count in binary units, as errors and the CLI print it: ``512 B``, ``1.5 MiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):  # noqa: B007 (printed: where it stopped)
         if n < 1024:
             break
         n /= 1024

@@ -67,18 +67,18 @@ from jax_ucp.language.spec import (
 from jax_ucp.language.toml_io import dump_spec, list_specs, load_spec, spec_from_toml, spec_to_toml
 
 __all__ = [
-    "Averaged",
     "DEFAULT_ROOTS",
+    "KINDS",
+    "OPS",
+    "QKV",
+    "Averaged",
     "Expert",
     "ImportMatch",
     "ImportRule",
-    "KINDS",
     "Kind",
-    "OPS",
     "Op",
     "Partitioned",
     "PipelineTied",
-    "QKV",
     "Replicated",
     "RestoreRule",
     "Root",

@@ -790,4 +790,4 @@ def split_parts(kind, full, *, settings: Mapping | None = None) -> dict:
     k = _resolved_kind(kind, settings, "<tensor>")
     if not hasattr(k, "parts"):
         raise LanguageError(f"kind {k.kind!r} has no named parts")
-    return getattr(k, "parts")(np.asarray(full))
+    return getattr(k, "parts")(np.asarray(full))  # noqa: B009 (checked above; Kind has no .parts)

@@ -263,7 +263,7 @@ def _apply_op(op, entries, env0, what):
     if op.arity == "map":
         for inst, tp, vars_, node, rel in entries:
             env = {**env0, **vars_}
-            view = _with_context(lambda: op.apply(node.view, env), op, what, inst, rel)
+            view = _with_context(lambda n=node, e=env: op.apply(n.view, e), op, what, inst, rel)
             fn = lambda opened, node=node, env=env: op.apply(node.fn(opened), env)
             out.append((inst, tp, vars_, _Node(node.sources, fn, view, node.ops + (op.op,)), rel))
         return out
@@ -273,9 +273,11 @@ def _apply_op(op, entries, env0, what):
                 out.append((inst, tp, vars_, node, rel))
                 continue
             env = {**env0, **vars_}
-            labels = _with_context(lambda: op.labels(node.view, env), op, what, inst, rel)
+            labels = _with_context(lambda n=node, e=env: op.labels(n.view, e), op, what, inst, rel)
             for j, lab in enumerate(labels):
-                view = _with_context(lambda: op.part(node.view, env, j), op, what, inst, rel)
+                view = _with_context(
+                    lambda n=node, e=env, j=j: op.part(n.view, e, j), op, what, inst, rel
+                )
                 fn = lambda opened, node=node, env=env, j=j: op.part(node.fn(opened), env, j)
                 part = _Node(node.sources, fn, view, node.ops + (f"{op.op}[{lab}]",))
                 out.append((inst, tp, {**vars_, op.var: lab}, part, f"{rel}[{op.var}={lab}]"))
@@ -302,10 +304,12 @@ def _apply_op(op, entries, env0, what):
         env = {**env0, **dict(rest)}
         first_rel = items[0][2]
         at = f"{what} at {'/'.join(inst)}/{first_rel}"
-        order = _with_context(lambda: op.order(list(by), env, at), op, what, inst, first_rel)
+        order = _with_context(
+            lambda by=by, e=env, at=at: op.order(list(by), e, at), op, what, inst, first_rel
+        )
         nodes = [by[lab][0] for lab in order]
         view = _with_context(
-            lambda: op.combine([n.view for n in nodes], env), op, what, inst, first_rel
+            lambda ns=nodes, e=env: op.combine([n.view for n in ns], e), op, what, inst, first_rel
         )
         fn = lambda opened, nodes=nodes, env=env: op.combine([n.fn(opened) for n in nodes], env)
         sources = tuple(s for n in nodes for s in n.sources)

@@ -166,10 +166,9 @@ def next_exits(pending: dict) -> list[int]:
     """Blocks until a child in ``pending`` exits; the indices of those that have, reaped. One
     killed by SIGABRT comes after the others: jax aborts a process whose coordinator died."""
     if hasattr(os, "waitid"):
-        try:  # sleeps until a child exits, without reaping it (Popen does)
+        # sleeps until a child exits, without reaping it (Popen does)
+        with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT)
-        except ChildProcessError:
-            pass
     while True:
         done = [i for i, p in pending.items() if p.poll() is not None]
         if done:

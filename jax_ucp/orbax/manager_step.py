@@ -52,10 +52,12 @@ def write_manager_step(
         memory_budget=writer.memory_budget(),  # convert's, set in this thread
     )
     options = ocp.CheckpointManagerOptions(enable_async_checkpointing=False, create=True)
-    with commit.transaction(
-        step_dir, force=force, kind="import", what=f"step {step}", inner=str(step)
-    ) as tx:
-        with ocp.CheckpointManager(tx.path, options=options) as mngr:
-            mngr.save(step, args=ocp.args.Composite(**{item_name: args}))
-            mngr.wait_until_finished()
+    with (
+        commit.transaction(
+            step_dir, force=force, kind="import", what=f"step {step}", inner=str(step)
+        ) as tx,
+        ocp.CheckpointManager(tx.path, options=options) as mngr,
+    ):
+        mngr.save(step, args=ocp.args.Composite(**{item_name: args}))
+        mngr.wait_until_finished()
     return os.path.join(step_dir, item_name)

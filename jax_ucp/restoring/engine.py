@@ -211,7 +211,7 @@ class _Reads:
             result = pending.result()
         except fmt.UCPError as e:  # names the file already
             raise tensor_error(found.name, e) from e
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise CheckpointError(
                 f"Tensor {found.name!r}: reading {self.source.files(found)} failed "
                 f"({_READ_FAILURES[tensorstore_failure(e)]}): {tensorstore_message(e)}"

@@ -21,7 +21,7 @@ from typing import Any
 
 from jax_ucp.format.sizes import format_size
 
-__all__ = ["device_slices", "slice_map", "bytes_chart", "bytes_by_device"]
+__all__ = ["bytes_by_device", "bytes_chart", "device_slices", "slice_map"]
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -536,7 +537,7 @@ class IndexedBytes(Mapping[int, int]):
         explicit index: what ``lowest``/``highest`` need, without walking every index."""
         self._fold()
         bounds = sorted({0, *self._runs})
-        for lo, hi in zip(bounds, bounds[1:]):
+        for lo, hi in itertools.pairwise(bounds):
             base = sum(v for n, v in self._runs.items() if lo < n)
             inside = [i for i in self._points if lo <= i < hi]
             if len(inside) < hi - lo:  # an index with no explicit value

@@ -20,6 +20,7 @@ batch, together within the restore's ``memory_budget``, besides the results them
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -228,7 +229,7 @@ def read_once(
             try:
                 _start(tensors, batch, check)
                 _read_share(tensors, batch.pieces[me], share, source_of)
-            except Exception as e:  # noqa: BLE001 - every process raises it, below
+            except Exception as e:  # every process raises it, below
                 error = e
             names = _names(tensors, batch)
             peers.agree(f"batch{number}", error, names)
@@ -437,7 +438,7 @@ def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarra
         x = jax.make_array_from_single_device_arrays((length * len(devices),), sharding, [local])
         y = program(x)
         y.block_until_ready()
-    except Exception as e:  # noqa: BLE001 - gloo's errors come as JaxRuntimeError or ValueError
+    except Exception as e:  # gloo's errors come as JaxRuntimeError or ValueError
         peers.raise_if_lost(
             f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
         )
@@ -498,12 +499,10 @@ class _Peers:
 
     def abort(self, error: BaseException) -> None:
         """Tells the others this process left the read (they raise instead of waiting)."""
-        try:
+        with contextlib.suppress(Exception):
             self.client.key_value_set(
                 f"{self.prefix}abort/{self.me}", f"{type(error).__name__}: {error}"[:2000]
             )
-        except Exception:  # noqa: BLE001 - the coordinator may be gone; nothing more to tell
-            pass
 
     def raise_if_lost(self, where: str) -> None:
         """``MultiProcessError`` naming a process of this host that is gone."""

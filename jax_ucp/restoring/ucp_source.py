@@ -205,7 +205,7 @@ class CheckpointSource(TensorSource):
         where = os.path.join(self.root, entry.dir)
         try:
             t = fut.result()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             if not os.path.exists(os.path.join(where, "zarr.json")) and "://" not in where:
                 raise CheckpointError(
                     f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "

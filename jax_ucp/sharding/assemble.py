@@ -6,6 +6,7 @@ transformed tensor is read slice by slice like a stored one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -228,10 +229,8 @@ def host_memory_limit() -> tuple[int, str] | None:
     """(bytes, what limits them): the most this process can allocate, from the host's physical
     memory and the address-space / data-segment rlimits; None where unknown."""
     limits = []
-    try:
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
         limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
-    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
-        pass
     try:
         import resource
 

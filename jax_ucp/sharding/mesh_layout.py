@@ -72,7 +72,7 @@ def check_divisible(name: str, shape: Sequence[int], sharding: jax.sharding.Shar
     else:
         try:
             sharding.shard_shape(tuple(shape))
-        except Exception as e:  # noqa: BLE001 - re-raised with the tensor's name
+        except Exception as e:  # re-raised with the tensor's name
             raise RequestError(f"Tensor {name!r} (shape {tuple(shape)}): {e}") from e
 
 

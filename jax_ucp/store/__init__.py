@@ -15,8 +15,8 @@ from jax_ucp.store.zarr3 import (
 )
 
 __all__ = [
-    "ArrayLayout",
     "DEFAULT_INNER_CHUNK_BYTES",
+    "ArrayLayout",
     "InFlightBytes",
     "array_config",
     "bytes_read",

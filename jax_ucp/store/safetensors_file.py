@@ -13,6 +13,7 @@ slice into its own aligned buffer that ``jax.device_put`` adopts; ``view()`` is 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import os
 
@@ -55,10 +56,9 @@ class OpenFile:
             self.fd = -1
 
     def __del__(self):
-        try:
+        # AttributeError, TypeError: at interpreter shutdown ``os`` is gone
+        with contextlib.suppress(AttributeError, TypeError, OSError):
             self.close()
-        except (AttributeError, TypeError, OSError):  # interpreter shutdown: ``os`` is gone
-            pass
 
 
 class SafetensorsTensor:

@@ -34,10 +34,17 @@ from jax_ucp.store.zarr3 import ArrayLayout
 _BYTES_KINDS = "biufc"
 
 
-_ML_DTYPES_1_2_BYTES = (
-    "bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz float8_e5m2fnuz float8_e4m3b11fnuz "
-    "float8_e3m4 float8_e4m3 float8_e8m0fnu".split()
-)
+_ML_DTYPES_1_2_BYTES = [
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e8m0fnu",
+]
 
 
 def encodable_dtype(dtype: np.dtype) -> bool:

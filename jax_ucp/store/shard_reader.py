@@ -442,7 +442,7 @@ def wait_all(parts: list[concurrent.futures.Future]) -> None:
     for part in parts:
         try:
             part.result()
-        except Exception as e:  # noqa: BLE001 - the first is raised below
+        except Exception as e:  # the first is raised below
             errors.append(e)
     if errors:
         raise errors[0]

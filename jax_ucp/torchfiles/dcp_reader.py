@@ -43,17 +43,17 @@ except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the s
     from zlib import crc32 as zip_crc32
 
 __all__ = [
-    "DcpChunk",
-    "DcpTensor",
-    "DcpObject",
-    "DcpCheckpoint",
-    "open_dcp",
-    "check_coverage",
-    "check_disjoint",
-    "path_standin",
-    "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
     "MAX_METADATA_BYTES",
+    "SUPPORTED_TRANSFORMS",
+    "DcpCheckpoint",
+    "DcpChunk",
+    "DcpObject",
+    "DcpTensor",
+    "check_coverage",
+    "check_disjoint",
+    "open_dcp",
+    "path_standin",
 ]
 
 
@@ -449,7 +449,7 @@ def check_coverage(t: DcpTensor, where: Path | str) -> None:
     ranges = sorted(
         (c.file, c.byte_offset, c.byte_offset + c.byte_length) for c in t.chunks if c.byte_length
     )
-    for (file_a, _, end_a), (file_b, start_b, _) in zip(ranges, ranges[1:]):
+    for (file_a, _, end_a), (file_b, start_b, _) in itertools.pairwise(ranges):
         if file_a == file_b and start_b < end_a:
             raise SourceError(
                 f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "
@@ -829,7 +829,9 @@ def check_disjoint(
         ),
         key=lambda e: e[:2],
     )
-    hit = next(((a, b) for a, b in zip(entries, entries[1:]) if a[0] == b[0] and b[1] < a[2]), None)
+    hit = next(
+        ((a, b) for a, b in itertools.pairwise(entries) if a[0] == b[0] and b[1] < a[2]), None
+    )
     if hit is None:
         return
     (_, _, end_a, file, name_a, chunk_a), (_, first, end_b, _, name_b, chunk_b) = hit

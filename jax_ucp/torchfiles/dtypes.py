@@ -13,11 +13,27 @@ __all__ = ["BY_NAME", "STORAGES", "TORCH_DTYPES"]
 #: from ``ml_dtypes``)
 BY_NAME: dict[str, np.dtype] = {
     name: np.dtype(getattr(ml_dtypes, name) if name.startswith(("bfloat", "float8")) else name)
-    for name in (
-        "float64 float32 float16 bfloat16 float8_e4m3fn float8_e5m2 float8_e4m3fnuz "
-        "float8_e5m2fnuz int64 int32 int16 int8 uint8 uint16 uint32 uint64 bool complex64 "
-        "complex128"
-    ).split()
+    for name in [
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "uint16",
+        "uint32",
+        "uint64",
+        "bool",
+        "complex64",
+        "complex128",
+    ]
 }
 BY_NAME.update(  # torch's other names for some of them
     (alias, BY_NAME[name])

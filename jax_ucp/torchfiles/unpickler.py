@@ -38,7 +38,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -52,18 +52,18 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_EXPANDED_OBJECTS",
     "MAX_INFLATED_TOTAL",
+    "SHARDED_TENSOR_CLASSES",
+    "StandIn",
+    "TorchArchive",
+    "TorchFileError",
+    "WrapperTensor",
     "check_expansion",
     "hashable_key",
-    "short_repr",
-    "StandIn",
-    "TorchFileError",
     "int_enum_standin",
     "load_torch_file",
     "scan_globals",
+    "short_repr",
     "standin_class",
-    "TorchArchive",
-    "SHARDED_TENSOR_CLASSES",
-    "WrapperTensor",
 ]
 
 
@@ -634,7 +634,7 @@ _op = {op.name: op.code.encode("latin1")[0] for op in pickletools.opcodes}
 class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
     """Pure-Python unpickler whose code-running opcodes are replaced by checked versions."""
 
-    dispatch = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)  # type: ignore[attr-defined]
     # pickle._Unpickler's own state, which typeshed does not declare
     stack: list[Any]
     append: Callable[[Any], None]

@@ -36,12 +36,12 @@ from jax_ucp.writer.stream import (
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "Deferred",
-    "mapped_deferred",
     "HostItem",
     "PipelinedWriter",
     "PreparedTensor",
     "SaveOptions",
     "array_layout",
+    "mapped_deferred",
     "memory_budget",
     "memory_budget_scope",
     "prepare_host_tensor",

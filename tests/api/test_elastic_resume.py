@@ -23,10 +23,10 @@ from tests.ucp_testing import REPO
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-import elastic_model as M  # noqa: E402
-import elastic_resume as E  # noqa: E402
+import elastic_model as M
+import elastic_resume as E
 
-import jax_ucp  # noqa: E402
+import jax_ucp
 
 TOL = 1e-5  # fp32; measured ~1e-6 (see docs/ELASTIC.md)
 

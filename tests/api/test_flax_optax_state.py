@@ -36,7 +36,7 @@ RULES = [("embed", "fsdp"), ("mlp", "tp")]
 
 
 def test_moments_are_sharded_like_their_parameters_by_tree_structure(tmp_path):
-    tx, params, opt_state = _flax_state()
+    _tx, params, opt_state = _flax_state()
     jax_ucp.save(tmp_path / "c", {"params": params, "opt_state": opt_state})
     m = {e.name: e for e in jax_ucp.inspect(tmp_path / "c").tensors}
     assert m["opt_state/1/0/mu/up/kernel"].logical_axes == ("embed", "mlp")

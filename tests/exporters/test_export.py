@@ -170,13 +170,13 @@ def test_corrupt_checkpoint_is_an_error_not_an_export(tmp_path):
     raw = bytearray(shard.read_bytes())
     raw[10] ^= 1
     shard.write_bytes(bytes(raw))
-    with pytest.raises(jax_ucp.UCPError, match="crc32c|digest|corrupt"):
+    with pytest.raises(jax_ucp.UCPError, match=r"crc32c|digest|corrupt"):
         jax_ucp.export(str(path), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
 def test_cli_export(tmp_path):
-    src, tensors = _hf_model(tmp_path)
+    src, _tensors = _hf_model(tmp_path)
     ckpt = jax_ucp.convert(str(src), str(tmp_path / "ucp"))
     r = CliRunner().invoke(app, ["export", ckpt, str(tmp_path / "out"), "--max-file-size", "3KB"])
     assert r.exit_code == 0, r.output

@@ -20,6 +20,8 @@ def test_export_under_a_budget_equals_the_default_export(tmp_path):
     default = jax_ucp.export(ucp, tmp_path / "default", SafetensorsExport())
     assert small.files == default.files
     for name in default.files:
-        with open(os.path.join(default.path, name), "rb") as a:
-            with open(os.path.join(small.path, name), "rb") as b:
-                assert a.read() == b.read(), name
+        with (
+            open(os.path.join(default.path, name), "rb") as a,
+            open(os.path.join(small.path, name), "rb") as b,
+        ):
+            assert a.read() == b.read(), name

@@ -99,9 +99,11 @@ def test_export_orbax_refuses_a_zero_size_tensor_by_name(tmp_path):
     tree = {"params": {"w": np.arange(6, dtype=np.float32), "empty": np.zeros((0, 4), np.float32)}}
     orbax_itself = tmp_path / "orbax_itself"
     orbax_itself.mkdir()
-    with pytest.raises(ValueError, match="Cannot save arrays with zero size"):
-        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as c:
-            c.save(os.fspath(orbax_itself / "x"), args=ocp.args.PyTreeSave(tree))
+    with (
+        pytest.raises(ValueError, match="Cannot save arrays with zero size"),
+        ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as c,
+    ):
+        c.save(os.fspath(orbax_itself / "x"), args=ocp.args.PyTreeSave(tree))
     ckpt = _ucp(tmp_path / "ckpt", tree)
     with pytest.raises(RequestError, match=r"'params/empty'.*export to safetensors or torch-dcp"):
         jax_ucp.export(ckpt, tmp_path / "out", OrbaxExport())

@@ -181,7 +181,7 @@ def test_rank_files_truncated_once_unpickled_are_errors_naming_them(tmp_path):
     assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
     results = [json.loads(x[5:]) for x in done.stdout.splitlines() if x.startswith("CASE ")]
     assert len(results) == len(cases)
-    for (fx, prefix, _, budget), result in zip(_RANK_FILES, results):
+    for (fx, prefix, _, _budget), result in zip(_RANK_FILES, results):
         (shrunk,) = result["shrunk"]
         assert shrunk.startswith(prefix), (fx, result)
         assert result["error"] is not None, f"{fx}: converted from a truncated {shrunk}"

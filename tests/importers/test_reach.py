@@ -126,7 +126,7 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
     by torch DCP; for the first fixture a fully_reshardable save of the same run)."""
     from jax_ucp.importers.megatron import dcp as megatron_dcp
 
-    tp, pp, dp, buckets, dtype = DP_RESHARDABLE[name]
+    tp, pp, _dp, buckets, dtype = DP_RESHARDABLE[name]
     src = os.path.join(MEGATRON, "mcore_versions", name)
     original = megatron_dcp.open_dcp(src)
     optimizer = [n for n in original.tensors if n.startswith("optimizer.")]

@@ -52,7 +52,7 @@ def test_partitioned_uneven_and_shape_errors():
     full = rnd((7, 3))
     k = Partitioned(dim=0, sizes=(3, 4))
     roundtrip(k, full, 2)
-    with pytest.raises(LanguageError, match="decoder.x: partitioned.*rank 1 has shape"):
+    with pytest.raises(LanguageError, match=r"decoder.x: partitioned.*rank 1 has shape"):
         merge(Partitioned(dim=0), [rnd((2, 3)), rnd((2, 4))], name="decoder.x")
 
 
@@ -213,7 +213,7 @@ def test_qkv_uneven_per_rank_widths(cfg, interleaved):
 
 def test_qkv_errors_name_tensor():
     k = QKV(num_heads=4, num_kv_heads=2, head_dim=2)
-    with pytest.raises(LanguageError, match="layers.0.qkv: qkv fragments add up to 8 rows"):
+    with pytest.raises(LanguageError, match=r"layers.0.qkv: qkv fragments add up to 8 rows"):
         merge(k, [rnd((8, 3))], name="layers.0.qkv")
     with pytest.raises(LanguageError, match="unknown setting 'num_attention_heads'"):
         merge("qkv", [rnd((8, 3))], name="q")
@@ -292,7 +292,7 @@ def test_expert_per_expert_and_errors():
     frags = [[list(x) for x in zip(*f)] for f in frags]  # -> [ep][local][tp]
     np.testing.assert_array_equal(merge(k, frags), full)
     assert L.expert_global_index(1, 1, E, ep) == 3
-    with pytest.raises(LanguageError, match="moe.w: 4 experts do not divide over 3 EP ranks"):
+    with pytest.raises(LanguageError, match=r"moe.w: 4 experts do not divide over 3 EP ranks"):
         merge(Expert(num_experts=4), [full[:1]] * 3, name="moe.w")
     with pytest.raises(
         LanguageError, match=r"EP rank 1 \(TP rank 0\) holds 1 experts on dim 0, expected 2"

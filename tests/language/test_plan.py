@@ -130,7 +130,7 @@ def test_pipeline_regroup_and_error():
     bad = Spec(settings={"pp": 4}, restore=[RestoreRule(r"stages/.*", ops=["regroup_stages"])])
     with pytest.raises(
         LanguageError,
-        match="params/stages/w: cannot regroup 6 layers .* into 4 "
+        match=r"params/stages/w: cannot regroup 6 layers .* into 4 "
         "pipeline stages: 6 is not divisible by 4",
     ):
         run(bad, arrays)
@@ -394,7 +394,7 @@ def test_llama_gqa_swiglu_mapping():
         qkv_layout="split",
         mlp_layout="split",
     )
-    plan, a = run(spec, as_checkpoint(leg))
+    _plan, a = run(spec, as_checkpoint(leg))
     _, b = run(spec, as_checkpoint(stacked(leg, Lyr)))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     qkv = leg["decoder.layers.1.self_attention.linear_qkv.weight"]

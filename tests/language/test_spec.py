@@ -188,7 +188,7 @@ def test_toml_errors_name_rule_and_line(mutate, match):
 
 
 def test_load_spec_unknown_name():
-    with pytest.raises(LanguageError, match="unknown spec 'lama'.*shipped: .*llama"):
+    with pytest.raises(LanguageError, match=r"unknown spec 'lama'.*shipped: .*llama"):
         L.load_spec("lama")
     with pytest.raises(LanguageError, match="not found"):
         L.load_spec("/nonexistent/x.toml")

@@ -19,11 +19,11 @@ from tests.ucp_testing import REPO
 
 sys.path.insert(0, os.path.join(REPO, "examples"))
 
-import elastic_model as M  # noqa: E402
+import elastic_model as M
 
-import jax_ucp  # noqa: E402
-from jax_ucp.errors import LanguageError  # noqa: E402
-from jax_ucp.language import RestoreRule, Spec  # noqa: E402
+import jax_ucp
+from jax_ucp.errors import LanguageError
+from jax_ucp.language import RestoreRule, Spec
 
 L_, D, H = 4, 16, 4
 BASE = dict(vocab=32, d_model=D, n_layers=L_, n_heads=H, d_ff=32, seq_len=8)

@@ -89,7 +89,7 @@ def test_regroup_error_message():
     g = views.as_view(np.zeros((2, 3, 4)))
     with pytest.raises(
         LanguageError,
-        match="cannot regroup 6 layers .* into 4 pipeline stages: 6 is not divisible by 4",
+        match=r"cannot regroup 6 layers .* into 4 pipeline stages: 6 is not divisible by 4",
     ):
         views.regroup_stages(g, 4)
 
@@ -133,7 +133,7 @@ def test_views_are_lazy_and_read_only_needed_chunks():
     src = CountingStore(data, (1, 3 * H, H))
     # stacked fused qkv [L, 3H, H] -> regroup into 4 stages -> split q/k/v -> transpose
     g = views.regroup_stages(views.group_stages(src.t, 2), 4)
-    q, k, v = views.split_qkv(views.take(views.take(g, 0, 3), 0, 1), 0, 2, 2, 3)
+    _q, k, _v = views.split_qkv(views.take(views.take(g, 0, 3), 0, 1), 0, 2, 2, 3)
     kt = views.transpose(k)
     assert src.reads == []  # building views reads nothing
     got = read(kt)

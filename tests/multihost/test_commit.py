@@ -33,7 +33,7 @@ class _Exchange:
                 self.cond.notify_all()
                 if not wait:
                     return []
-                everyone = lambda: all((step, i) in self.values for i in range(self.count))  # noqa: E731
+                everyone = lambda: all((step, i) in self.values for i in range(self.count))
                 assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
                 return [self.values[step, i] for i in range(self.count)]
 
@@ -147,7 +147,7 @@ def test_a_single_process_gets_its_own_error_unchanged():
     def write(path):
         raise ValueError("bad leaf")
 
-    with pytest.raises(ValueError, match="^bad leaf$"):
+    with pytest.raises(ValueError, match=r"^bad leaf$"):
         commit.commit_once(
             "dest", index=0, gather=None, begin=begin, write=write, merge=lambda p, r: None
         )

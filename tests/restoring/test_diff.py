@@ -120,7 +120,7 @@ def test_corrupt_checkpoint_is_an_error_naming_the_tensor(tmp_path):
     data = bytearray(shard.read_bytes())
     data[2] ^= 1
     shard.write_bytes(bytes(data))
-    with pytest.raises(jax_ucp.CheckpointError, match="'w'.*crc32c"):
+    with pytest.raises(jax_ucp.CheckpointError, match=r"'w'.*crc32c"):
         jax_ucp.diff(pa, pb)
     r = runner.invoke(app, ["diff", str(pa), str(pb)], env={"COLUMNS": "300"})
     assert r.exit_code == 1 and "error:" in r.output and "crc32c" in r.output

@@ -99,7 +99,7 @@ def _stale(rel):
         from jax.sharding import PartitionSpec as P
 
         mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
-        put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", "y")))  # noqa: E731
+        put = lambda x: jax.device_put(x, NamedSharding(mesh, P("x", "y")))
         jax_ucp.save(older, {"w": put(W * 2), "v": put(W - 1)})
         shutil.copy(older / rel, path / rel)
 
@@ -208,7 +208,7 @@ def _no_checksum_case(path):
 @pytest.mark.parametrize("make", [_zero_d_case, _zstd_case, _int4_case, _no_checksum_case])
 def test_a_deleted_shard_is_never_read_as_zeros_on_any_read_path(tmp_path, make):
     path = tmp_path / "c"
-    rel, name = make(path)
+    rel, _name = make(path)
     os.remove(path / rel)
     with pytest.raises(jax_ucp.UCPError, match="missing"):
         jax_ucp.restore(path)

@@ -381,10 +381,12 @@ def test_checkpoint_manager_on_an_object_store(bucket):
     with ocp.CheckpointManager(url, options=options) as mngr:
         assert 7 not in mngr.all_steps() and mngr.latest_step() == 2
     if url.startswith("s3://"):  # Orbax's default there: a temporary prefix renamed at the end
-        with pytest.raises(Exception, match="CommitFileTemporaryPath"):
-            with ocp.CheckpointManager(_new(root, "renamed")) as mngr:
-                mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({"w": sharded})))
-                mngr.wait_until_finished()
+        with (
+            pytest.raises(Exception, match="CommitFileTemporaryPath"),
+            ocp.CheckpointManager(_new(root, "renamed")) as mngr,
+        ):
+            mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({"w": sharded})))
+            mngr.wait_until_finished()
 
 
 def test_explicit_options_override_the_environment(s3_server, monkeypatch):

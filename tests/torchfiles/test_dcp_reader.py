@@ -59,7 +59,7 @@ def _grid(shape, rng) -> list:
         for g in shape
     ]
     boxes = []
-    for cell in itertools.product(*[list(zip(c, c[1:])) for c in cuts]):
+    for cell in itertools.product(*[list(itertools.pairwise(c)) for c in cuts]):
         lo, hi = [a for a, _ in cell], [b for _, b in cell]
         if hi[-1] - lo[-1] > 1 and rng.random() < 0.5:
             mid = int(rng.integers(lo[-1] + 1, hi[-1]))

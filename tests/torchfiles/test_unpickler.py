@@ -291,35 +291,35 @@ def test_truncated_file(tmp_path, cut):
     src = open(_real_file(), "rb").read()
     p = tmp_path / "trunc.pt"
     p.write_bytes(src[: int(len(src) * cut)])
-    with pytest.raises(TorchFileError, match="trunc.pt"):
+    with pytest.raises(TorchFileError, match=r"trunc.pt"):
         load_torch_file(p, __import__("jax_ucp.importers.deepspeed", fromlist=["x"]).DS_CLASSES)
 
 
 def test_corrupt_pickle_and_non_torch_files(tmp_path):
     p = write_pt(tmp_path / "garbage.pt", b"\x80\x02garbage")
-    with pytest.raises(TorchFileError, match="garbage.pt: corrupt pickle"):
+    with pytest.raises(TorchFileError, match=r"garbage.pt: corrupt pickle"):
         load_torch_file(p)
     p = write_pt(tmp_path / "nostop.pt", b"\x80\x02" + D([1, 2]))
-    with pytest.raises(TorchFileError, match="nostop.pt"):
+    with pytest.raises(TorchFileError, match=r"nostop.pt"):
         load_torch_file(p)
     empty = tmp_path / "empty.pt"
     empty.write_bytes(b"")
-    with pytest.raises(TorchFileError, match="empty.pt: file is empty"):
+    with pytest.raises(TorchFileError, match=r"empty.pt: file is empty"):
         load_torch_file(empty)
     legacy = tmp_path / "legacy.pt"
     legacy.write_bytes(pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2) + b"rest")
-    with pytest.raises(TorchFileError, match="legacy.pt: legacy"):
+    with pytest.raises(TorchFileError, match=r"legacy.pt: legacy"):
         load_torch_file(legacy)
     text = tmp_path / "text.pt"
     text.write_text("hello")
     with pytest.raises(TorchFileError, match="not a torch zip"):
         load_torch_file(text)
-    with pytest.raises(TorchFileError, match="nope.pt: cannot open"):
+    with pytest.raises(TorchFileError, match=r"nope.pt: cannot open"):
         load_torch_file(tmp_path / "nope.pt")
     z = tmp_path / "nodata.pt"
     with zipfile.ZipFile(z, "w") as f:
         f.writestr("x/other", "1")
-    with pytest.raises(TorchFileError, match="data.pkl"):
+    with pytest.raises(TorchFileError, match=r"data.pkl"):
         load_torch_file(z)
 
 
@@ -331,7 +331,7 @@ def test_corrupt_storage_bytes_detected_by_crc(tmp_path):
     p.write_bytes(bytes(src))
     from jax_ucp.importers.deepspeed import DS_CLASSES
 
-    with pytest.raises(TorchFileError, match="flip.pt.*CRC"):
+    with pytest.raises(TorchFileError, match=r"flip.pt.*CRC"):
         load_torch_file(p, DS_CLASSES, verify_crc=True)
 
 
@@ -681,7 +681,7 @@ def _zip(path, members: list[tuple[str, bytes, int, int, int]]) -> str:
                     0,
                     0,
                     offset,
-                )  # fmt: skip
+                )
                 + n
             )
             offset += len(header) + len(n) + len(data)

@@ -164,7 +164,7 @@ class _Exchange:
                 self.cond.notify_all()
                 if not wait:
                     return []
-                everyone = lambda: all((step, i) in self.values for i in range(self.count))  # noqa: E731
+                everyone = lambda: all((step, i) in self.values for i in range(self.count))
                 assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
                 return [self.values[step, i] for i in range(self.count)]
 

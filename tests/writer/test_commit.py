@@ -44,15 +44,17 @@ def test_a_failure_inside_keeps_the_previous_checkpoint_and_logs_the_removal(tmp
     dest = str(tmp_path / "ck")
     write_host_checkpoint(dest, _items(1.0))
     caplog.set_level(logging.INFO, logger="jax_ucp")
-    with pytest.raises(RuntimeError, match="writer broke"):
-        with commit.transaction(dest, force=True, kind="import") as tx:
-            assert tx.replacing and tx.staged
-            assert os.path.basename(tx.path).startswith(
-                f"ck{commit.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
-            )
-            with open(os.path.join(tx.path, "half-written"), "w") as f:
-                f.write("x")
-            raise RuntimeError("writer broke")
+    with (
+        pytest.raises(RuntimeError, match="writer broke"),
+        commit.transaction(dest, force=True, kind="import") as tx,
+    ):
+        assert tx.replacing and tx.staged
+        assert os.path.basename(tx.path).startswith(
+            f"ck{commit.TMP_MARK}{socket.gethostname()}.{os.getpid()}."
+        )
+        with open(os.path.join(tx.path, "half-written"), "w") as f:
+            f.write("x")
+        raise RuntimeError("writer broke")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert f"removing {tx.path} (temporary directory of a failed import)" in _messages(caplog)
     assert_bit_exact(jax_ucp.restore(dest)["params"]["w0"], np.full(4, 1.0, np.float32))
@@ -96,9 +98,11 @@ def test_an_interrupted_swap_is_completed_on_entry(tmp_path, caplog):
     write_host_checkpoint(dest, _items(2.0))
     os.rename(dest, dest + commit.REPLACING)
     caplog.set_level(logging.INFO, logger="jax_ucp")
-    with pytest.raises(FileExistsError, match="pass force=True"):
-        with commit.transaction(dest, force=False):
-            pass
+    with (
+        pytest.raises(FileExistsError, match="pass force=True"),
+        commit.transaction(dest, force=False),
+    ):
+        pass
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     assert f"completing an interrupted replacement: {dest}{commit.REPLACING} -> {dest}" in (
         _messages(caplog)

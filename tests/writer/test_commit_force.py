@@ -495,6 +495,6 @@ def test_orbax_exports_are_never_forced(tmp_path):
     before = _snapshot(out)
     with pytest.raises(RequestError, match=r"^force=.*'orbax'"):
         jax_ucp.export(ckpt, out, options_for("orbax", force=True))
-    with pytest.raises(RequestError, match="no .jax_ucp_export.json"):
+    with pytest.raises(RequestError, match=r"no .jax_ucp_export.json"):
         jax_ucp.export(ckpt, out, SafetensorsExport(force=True))
     assert _snapshot(out) == before

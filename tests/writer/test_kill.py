@@ -76,7 +76,7 @@ def _run_and_kill(script, args, seed, max_delay):
     assert proc.stdout.readline().startswith("READY"), proc.stderr.read()[-3000:]
     time.sleep(random.Random(seed).uniform(0.05, max_delay))
     proc.send_signal(signal.SIGKILL)
-    out, err = proc.communicate(timeout=60)
+    out, _err = proc.communicate(timeout=60)
     return out
 
 

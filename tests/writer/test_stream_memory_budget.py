@@ -116,9 +116,11 @@ def test_an_importer_error_while_building_rows_passes_through(tmp_path):
 
     t = np.zeros((4096, 1024), np.float32)
     item = writer.HostItem(("params", "w"), writer.Deferred(t.shape, t.dtype, t.copy, rows=rows))
-    with writer.memory_budget_scope(8 * MiB):
-        with pytest.raises(jax_ucp.UCPError, match=r"^rows 0:1024 of 'params/w'.*round"):
-            host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
+    with (
+        writer.memory_budget_scope(8 * MiB),
+        pytest.raises(jax_ucp.UCPError, match=r"^rows 0:1024 of 'params/w'.*round"),
+    ):
+        host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
     assert not os.path.exists(tmp_path / "ckpt")
 
 
@@ -130,13 +132,15 @@ def test_a_slab_must_be_what_was_asked(tmp_path):
         writer.Deferred(t.shape, t.dtype, t.copy, rows=lambda a, b: t[a : b + 1]),
         "param",
     )
-    with writer.memory_budget_scope(8 * MiB):
-        with pytest.raises(
+    with (
+        writer.memory_budget_scope(8 * MiB),
+        pytest.raises(
             TypeError,
             match=r"HostItem 'params/w': rows 0:1024 built float32\[1025, 1024\], expected "
             r"float32\[1024, 1024\]",
-        ):
-            host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
+        ),
+    ):
+        host_checkpoint.write_host_checkpoint(tmp_path / "ckpt", [item])
     assert not os.path.exists(tmp_path / "ckpt")
 
 

@@ -43,14 +43,14 @@ from jax_ucp.importers.plan import (
 from jax_ucp.importers.trainer_files import trainer_folder_above, trainer_record
 
 __all__ = [
-    "DeepSpeedCheckpoint",
-    "MegatronDeepSpeedCheckpoint",
     "DS_CLASSES",
+    "DeepSpeedCheckpoint",
     "DeepSpeedOptions",
+    "MegatronDeepSpeedCheckpoint",
     "detect",
-    "plan",
     "is_deepspeed_checkpoint",
     "open_deepspeed_checkpoint",
+    "plan",
     "plan_deepspeed",
 ]
 

@@ -222,9 +222,13 @@ def check_every_file_read(tag_dir: str, source_tensors) -> None:
             pattern.match(name)
             for pattern in (LAYER_FILE, MP_MODEL_FILE, ZERO3_MODEL_FILE, OPTIMIZER_FILE)
         )
-        if known and os.path.isfile(path) and not os.path.islink(path):
-            if not any(True for _ in tensor_names(load_deepspeed_file(path))):
-                continue
+        if (
+            known
+            and os.path.isfile(path)
+            and not os.path.islink(path)
+            and not any(True for _ in tensor_names(load_deepspeed_file(path)))
+        ):
+            continue
         unread.append(name)
     if unread:
         raise SourceError(

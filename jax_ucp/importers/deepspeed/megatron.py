@@ -60,8 +60,8 @@ from jax_ucp.language.patterns import compile_pattern
 
 __all__ = [
     "MegatronDeepSpeedCheckpoint",
-    "open_megatron_deepspeed_checkpoint",
     "iter_megatron_deepspeed_items",
+    "open_megatron_deepspeed_checkpoint",
     "source_info",
 ]
 

@@ -20,6 +20,7 @@ A plain ZeRO checkpoint is one such rank; a Megatron-DeepSpeed TP/PP checkpoint 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -346,7 +347,8 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                     hasattr(address, attribute) for attribute in ("numel", "start")
                 ):
                     raise SourceError(f"{path}: bad fragment_address for {name!r}: {address!r}")
-                start, count = getattr(address, "start"), getattr(address, "numel")  # a StandIn
+                # a StandIn: its attributes come from the pickle (getattr for pyright)
+                start, count = getattr(address, "start"), getattr(address, "numel")  # noqa: B009
                 size = optimizer_state["single_partition_of_fp32_groups"][group].size
                 if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
                     raise SourceError(
@@ -375,8 +377,8 @@ def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path
         for piece in fragments.pieces
         if piece.dp_rank == dp_rank
     )
-    for (group, start, end, name), (next_group, next_start, next_end, other) in zip(
-        spans, spans[1:]
+    for (group, start, end, name), (next_group, next_start, next_end, other) in itertools.pairwise(
+        spans
     ):
         if group == next_group and next_start < end:
             raise SourceError(
@@ -451,7 +453,7 @@ def _check_stage12_contiguity(
     for name, fragments in plan.items():
         pieces = fragments.pieces
         stride = checkpoint.rank_stride.get(fragments.group, 1)
-        for before, after in zip(pieces, pieces[1:]):
+        for before, after in itertools.pairwise(pieces):
             partition = checkpoint.optim_states[before.dp_rank]["single_partition_of_fp32_groups"]
             end = partition[fragments.group].size
             if (

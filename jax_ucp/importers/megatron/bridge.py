@@ -44,18 +44,18 @@ from jax_ucp.language import Spec, load_spec
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
-    "BridgeCheckpoint",
-    "is_megatron_bridge",
-    "find_bridge_checkpoint",
-    "read_train_state",
-    "read_run_config",
-    "bridge_settings",
-    "plan_megatron_bridge",
-    "TRAIN_STATE_FILE",
     "LATEST_TRAIN_STATE_FILE",
-    "RUN_CONFIG_FILE",
     "MAX_RUN_CONFIG_BYTES",
     "MAX_YAML_NODES",
+    "RUN_CONFIG_FILE",
+    "TRAIN_STATE_FILE",
+    "BridgeCheckpoint",
+    "bridge_settings",
+    "find_bridge_checkpoint",
+    "is_megatron_bridge",
+    "plan_megatron_bridge",
+    "read_run_config",
+    "read_train_state",
 ]
 
 TRAIN_STATE_FILE = "train_state.pt"

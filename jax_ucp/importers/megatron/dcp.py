@@ -28,16 +28,16 @@ from jax_ucp.torchfiles.dcp_reader import (
 )
 
 __all__ = [
-    "DcpChunk",
-    "DcpTensor",
-    "DcpObject",
-    "DcpCheckpoint",
-    "MegatronDcpCheckpoint",
-    "open_dcp",
-    "check_coverage",
-    "SUPPORTED_TRANSFORMS",
     "DCP_CLASSES",
     "MCORE_CLASSES",
+    "SUPPORTED_TRANSFORMS",
+    "DcpCheckpoint",
+    "DcpChunk",
+    "DcpObject",
+    "DcpTensor",
+    "MegatronDcpCheckpoint",
+    "check_coverage",
+    "open_dcp",
 ]
 
 _MCORE = "megatron.core.dist_checkpointing.strategies.torch."

@@ -39,15 +39,15 @@ __all__ = [
     "LEGACY_CLASSES",
     "LegacyCheckpoint",
     "RankFile",
-    "open_legacy",
-    "resolve_iteration_dir",
-    "flatten_state_dict",
+    "args_dict",
     "bucket_layout",
     "distrib_optim_layout",
     "distrib_optim_state",
-    "read_distrib_optim",
     "distrib_optim_tensors",
-    "args_dict",
+    "flatten_state_dict",
+    "open_legacy",
+    "read_distrib_optim",
+    "resolve_iteration_dir",
 ]
 
 

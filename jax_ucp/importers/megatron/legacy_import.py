@@ -533,7 +533,7 @@ class LegacyMerger:
         kind = self.plan.matches[name].kind
         pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
         bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in stages.values())
-        make = lambda: self.merged(name, stages, what)[0]  # noqa: E731
+        make = lambda: self.merged(name, stages, what)[0]
         view = self.rows_view(name, stages)
         if view is None:
             return writer.Deferred(None, None, make, bound=bound), pattern

@@ -168,9 +168,13 @@ class RankStates:
         """The grad-buffer parameter of a singleton_local_shards SwiGLU half (``X_w`` /
         ``X_v`` -> ``X``), else None."""
         base, half = name[:-2], name[-2:]
-        if name in self.layer_of and half in ("_w", "_v"):
-            if base + "_w" in self.layer_of and base + "_v" in self.layer_of:
-                return base
+        if (
+            name in self.layer_of
+            and half in ("_w", "_v")
+            and base + "_w" in self.layer_of
+            and base + "_v" in self.layer_of
+        ):
+            return base
         return None
 
     def _swiglu(self, name: str) -> bool:

@@ -64,9 +64,12 @@ class _QuietClosedLoop:
 
     def __call__(self, report) -> None:
         e = report.exc_value
-        if report.object is None and isinstance(e, RuntimeError):
-            if str(e) == "Event loop is closed":
-                return
+        if (
+            report.object is None
+            and isinstance(e, RuntimeError)
+            and str(e) == "Event loop is closed"
+        ):
+            return
         self.before(report)
 
 

@@ -279,7 +279,7 @@ def _streamable(array) -> dict | None:
         or meta.get("order") != "C"
         or len(chunks) != len(shape)
         or chunks[1:] != shape[1:]
-        or not 0 < chunks[0]
+        or not chunks[0] > 0
         or list(array.domain.inclusive_min) != [0] * len(shape)
         or meta.get("shape") != shape
     ):

@@ -45,7 +45,7 @@ from jax_ucp.importers.torch.optimizer import (
 )
 from jax_ucp.torchfiles import dcp_reader
 
-__all__ = ["is_torch_dcp", "dcp_dirs", "plan_torch_dcp", "MODEL_CONTAINERS", "NON_MODEL_ROOTS"]
+__all__ = ["MODEL_CONTAINERS", "NON_MODEL_ROOTS", "dcp_dirs", "is_torch_dcp", "plan_torch_dcp"]
 
 #: Top-level keys a model state dict is saved under (``dcp.save({"model": ...})``).
 MODEL_CONTAINERS = ("model", "state_dict", "model_state_dict")

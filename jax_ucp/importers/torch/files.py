@@ -43,12 +43,12 @@ from jax_ucp.importers.torch.optimizer import (
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
-    "is_torch_files",
-    "has_torch_optimizer",
-    "plan_torch_files",
-    "SUFFIXES",
     "MODEL_FILES",
     "OPTIMIZER_FILES",
+    "SUFFIXES",
+    "has_torch_optimizer",
+    "is_torch_files",
+    "plan_torch_files",
 ]
 
 SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")

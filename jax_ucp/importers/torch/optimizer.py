@@ -33,13 +33,13 @@ from jax_ucp.format import mapped_file
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item, jsonable
 
 __all__ = [
+    "STATE_TREES",
     "TensorRef",
     "TorchState",
-    "strip_wrappers",
     "clean_name",
     "plan_state",
-    "STATE_TREES",
     "scalar_ref",
+    "strip_wrappers",
 ]
 
 

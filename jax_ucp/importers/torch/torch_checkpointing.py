@@ -191,9 +191,9 @@ def _assembled(
 
 def _leaf(state: Any, nested: tuple) -> Any:
     for part in nested:
-        if isinstance(state, dict) and part in state:
-            state = state[part]
-        elif isinstance(state, (list, tuple)) and isinstance(part, int) and part < len(state):
+        if (isinstance(state, dict) and part in state) or (
+            isinstance(state, (list, tuple)) and isinstance(part, int) and part < len(state)
+        ):
             state = state[part]
         else:
             return None

@@ -42,9 +42,9 @@ from jax_ucp.torchfiles import unpickler
 __all__ = [
     "RECIPE_STATE",
     "TUNE_TO_HF",
-    "is_torchtune",
-    "epoch_folders",
     "dist_epoch_folders",
+    "epoch_folders",
+    "is_torchtune",
     "plan_torchtune",
 ]
 
@@ -81,9 +81,13 @@ def epoch_folders(src: str) -> list[str]:
     for name in os.listdir(src):
         m = _EPOCH.fullmatch(name)
         path = os.path.join(src, name)
-        if m and os.path.isdir(path) and not os.path.islink(path):
-            if any(n.endswith(".safetensors") for n in os.listdir(path)):
-                found.append((int(m.group(1)), name))
+        if (
+            m
+            and os.path.isdir(path)
+            and not os.path.islink(path)
+            and any(n.endswith(".safetensors") for n in os.listdir(path))
+        ):
+            found.append((int(m.group(1)), name))
     return [name for _, name in sorted(found)]
 
 
@@ -93,9 +97,10 @@ def dist_epoch_folders(src: str) -> list[str]:
     for name in os.listdir(src):
         m = _DIST_EPOCH.fullmatch(name)
         path = os.path.join(src, name)
-        if m and os.path.isdir(path) and not os.path.islink(path):
-            if os.path.isfile(os.path.join(path, ".metadata")):
-                found.append((int(m.group(1)), name))
+        if m is None or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            found.append((int(m.group(1)), name))
     return [name for _, name in sorted(found)]
 
 

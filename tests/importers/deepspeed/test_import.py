@@ -48,8 +48,9 @@ SYNTH = sorted(os.path.basename(d) for d in glob.glob(os.path.join(FIX, "*synthe
 
 def test_fixture_matrix_is_complete():
     # every stage x {fp32, bf16} x DP {2, 3}, all real
-    assert REAL == sorted(
-        f"z{s}_{d}_dp{w}" for s in (1, 2, 3) for d in ("bf16", "fp32") for w in (2, 3)
+    assert (
+        sorted(f"z{s}_{d}_dp{w}" for s in (1, 2, 3) for d in ("bf16", "fp32") for w in (2, 3))
+        == REAL
     )
     for name in REAL:
         run = json.load(open(os.path.join(FIX, name, "run.json")))
@@ -188,7 +189,7 @@ def test_missing_dp_rank_file(tmp_path, name):
 def test_missing_stage3_model_states_file(tmp_path):
     src = copy_deepspeed_fixture(tmp_path, "z3_bf16_dp2")
     os.remove(os.path.join(src, "global_step2", "zero_pp_rank_1_mp_rank_00_model_states.pt"))
-    with pytest.raises(SourceError, match="zero_pp_rank_1_mp_rank_00_model_states.pt: missing"):
+    with pytest.raises(SourceError, match=r"zero_pp_rank_1_mp_rank_00_model_states.pt: missing"):
         convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))
 
@@ -216,7 +217,7 @@ def test_checkpoint_from_another_world_size_mixed_in(tmp_path):
     )
     with pytest.raises(
         SourceError,
-        match="mp_rank_00_model_states.pt: dp_world_size is 2.*3|optimizer file.*DP rank 2",
+        match=r"mp_rank_00_model_states.pt: dp_world_size is 2.*3|optimizer file.*DP rank 2",
     ):
         convert(src, tmp_path / "out", format="deepspeed")
     assert_destination_untouched(str(tmp_path / "out"))

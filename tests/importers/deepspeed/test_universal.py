@@ -75,7 +75,7 @@ def test_universal_imports_bit_exact_as_the_run(run, tmp_path):
     jax_ucp.convert(src, tmp_path / "universal")
     _assert_same(_flat(tmp_path / "direct"), _flat(tmp_path / "universal"))
     direct, universal = _manifest(tmp_path / "direct"), _manifest(tmp_path / "universal")
-    frozen = lambda m: sorted(e["key"] for e in m["entries"] if e.get("frozen"))  # noqa: E731
+    frozen = lambda m: sorted(e["key"] for e in m["entries"] if e.get("frozen"))
     assert frozen(universal) == frozen(direct)
     assert bool(frozen(direct)) == run.endswith("_frozen")
     source = universal["source"]

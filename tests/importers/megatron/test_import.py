@@ -604,7 +604,7 @@ def test_failed_import_leaves_existing_destination(tmp_path):
     user = tmp_path / "user"  # a folder that is not a checkpoint: refused untouched, even forced
     user.mkdir()
     (user / "keep.txt").write_text("x")
-    with pytest.raises(jax_ucp.SaveConflictError, match="keep.txt"):
+    with pytest.raises(jax_ucp.SaveConflictError, match=r"keep.txt"):
         convert(FIX / "gpt_tp2", user, format="megatron", vocab_size=VOCAB, force=True)
     assert (user / "keep.txt").read_text() == "x"
 

@@ -24,7 +24,7 @@ SCRIPT = ROOT / "tools" / "fixtures" / "make_megatron_fixtures.py"
 
 def _script():
     sys.path.insert(0, str(SCRIPT.parent))
-    import make_megatron_fixtures as m  # noqa: PLC0415
+    import make_megatron_fixtures as m
 
     return m
 

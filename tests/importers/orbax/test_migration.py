@@ -367,7 +367,7 @@ def test_orbax_files_linked_outside_are_refused_and_inside_links_read(tmp_path, 
     tree = {"params": {"w": np.arange(4, dtype=np.float32), "b": np.ones(3, np.float32)}}
     mine = _orbax(tmp_path / "mine", tree, ocdbt)
     data = sorted(
-        p for p in mine.rglob("*") if p.is_file() and (ocdbt and "/d/" in str(p) or p.name == "0")
+        p for p in mine.rglob("*") if p.is_file() and ((ocdbt and "/d/" in str(p)) or p.name == "0")
     )
     assert data, "the fixture has no data file"
     inner = mine / "moved"

@@ -282,7 +282,7 @@ def test_hugging_face_cache_snapshot_imports_and_restores(tmp_path):
 def test_safetensors_shard_linked_outside_is_refused(tmp_path):
     """A snapshot link leading out of the cache repo, a folder's one file and an index's shard
     linked elsewhere: refused naming the entry, on import and on restore."""
-    repo, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
+    _repo, snap = _hf_cache(tmp_path, {"a": np.ones(2, np.float32), "b": np.zeros(3, np.float32)})
     shard = snap / "model-00002-of-00002.safetensors"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

@@ -126,7 +126,7 @@ def test_trainer_refuses_a_grouping_it_cannot_verify(tmp_path):
     weights still import with weights_only."""
     src = _copy(trainer_src("trainer_fp32"), tmp_path / "moved")
     opt = torch_pickle.load_torch_file(os.path.join(src, "optimizer.pt"))
-    import torch  # noqa: PLC0415
+    import torch
 
     raw = torch.load(os.path.join(src, "optimizer.pt"), weights_only=True)
     moved = raw["param_groups"][0]["params"].pop()
@@ -342,7 +342,7 @@ class _Pwn:
 def test_a_hostile_training_args_bin_is_neither_run_nor_read(tmp_path, monkeypatch):
     """training_args.bin pickling a call of os.system: the import goes on (the schedule is
     optional), nothing runs, and source.trainer says why the arguments were not read."""
-    import torch  # noqa: PLC0415
+    import torch
 
     src = _copy(trainer_src("trainer_fp32"), tmp_path / "hostile")
     torch.save({"args": _Pwn()}, os.path.join(src, "training_args.bin"))
