@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import jax_ucp
 from jax_ucp import language as L
 from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
-from tests.importers.deepspeed.test_import import FIXTURES, TAG, _copy, _rewrite
+from tests.importers.deepspeed.test_import import DS_FIXTURES, TAG, _copy, _rewrite
 
 INFO = {
     "original_vocab_size": 50,
@@ -172,7 +172,7 @@ def test_catastrophic_pattern_in_universal_checkpoint_info_imports_exactly(tmp_p
     _add_ucp_info_pattern(src, "tp_replicated_parameter_patterns", CATASTROPHIC)
     _add_ucp_info_pattern(src, "vocabulary_parameter_patterns", CATASTROPHIC)
     jax_ucp.convert(src, tmp_path / "hostile")
-    jax_ucp.convert(os.path.join(FIXTURES, MEGATRON_DS, "ckpt"), tmp_path / "original")
+    jax_ucp.convert(os.path.join(DS_FIXTURES, MEGATRON_DS, "ckpt"), tmp_path / "original")
     got, want = jax_ucp.restore(tmp_path / "hostile"), jax_ucp.restore(tmp_path / "original")
     for tree in ("params", "model_params"):
         assert sorted(got[tree]) == sorted(want[tree])
