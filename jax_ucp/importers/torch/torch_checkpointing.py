@@ -227,6 +227,28 @@ def plan_torch_checkpointing(
         )
     optimizer_item = next((i for i in OPTIMIZER_ITEMS if i in items), None)
     files = sorted(n for n in os.listdir(src) if _RANK_FILE.fullmatch(n))
+    loaded = _load_ranks(src, items, world, files)
+    params, states, found, optimizer_sources, skipped = _refs(
+        src, items, world, loaded, model_item, optimizer_item
+    )
+    groups_out = _optimizer_extras(src, optimizer_item, loaded, found, skipped, states)
+    recorded = _unmapped_items(src, items, files, found, skipped)
+    torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
+    source = {
+        "framework": "torch_checkpointing",
+        "path": os.path.abspath(src),
+        "world_size": world,
+        "items": sorted(set(items) | {f.rsplit("_", 1)[0] for f in files}),
+        "files": files + [METADATA_FILE],
+    }
+    if recorded:
+        source["recorded"] = recorded
+    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+
+
+def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str, dict[int, Any]]:
+    """{item: {rank: its state}}: every item's file of every rank, or refused naming the one
+    missing (a tensor could not be assembled without it)."""
     loaded: dict[str, dict[int, Any]] = {}
     for item in items:
         for rank in range(world):
@@ -236,6 +258,19 @@ def plan_torch_checkpointing(
             loaded.setdefault(item, {})[rank] = _load(
                 os.path.join(src, name), unpickler.SHARDED_TENSOR_CLASSES
             )
+    return loaded
+
+
+def _refs(
+    src: str,
+    items: dict,
+    world: int,
+    loaded: dict[str, dict[int, Any]],
+    model_item: str,
+    optimizer_item: str | None,
+) -> tuple[dict[str, TensorRef], dict[str, dict[str, TensorRef]], list[str], list[str], dict]:
+    """(parameters, optimizer states, every entry found, the optimizer's, skipped): one lazy
+    reference per metadata entry, assembled from the ranks' shards when read."""
     found: list[str] = []
     skipped: dict[str, str] = {}
     params: dict[str, TensorRef] = {}
@@ -268,19 +303,7 @@ def plan_torch_checkpointing(
                 optimizer_sources.append(entry)
             else:
                 skipped[entry] = f"item {item!r}: not a model weight or optimizer state"
-    groups_out = _optimizer_extras(src, optimizer_item, loaded, found, skipped, states)
-    recorded = _unmapped_items(src, items, files, found, skipped)
-    torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
-    source = {
-        "framework": "torch_checkpointing",
-        "path": os.path.abspath(src),
-        "world_size": world,
-        "items": sorted(set(items) | {f.rsplit("_", 1)[0] for f in files}),
-        "files": files + [METADATA_FILE],
-    }
-    if recorded:
-        source["recorded"] = recorded
-    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+    return params, states, found, optimizer_sources, skipped
 
 
 def _optimizer_extras(
