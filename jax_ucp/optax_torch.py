@@ -98,7 +98,15 @@ def hf_schedule(
     kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
 ) -> Callable[[Any], Any]:
     """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``
-    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``)."""
+    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``).
+
+    Args:
+        kind: transformers' scheduler name (``linear``, ``cosine``, ...).
+        base_lr: the groups' learning rate.
+        warmup: warm-up steps.
+        total: the run's total optimizer steps.
+        num_cycles: the cosine's cycles.
+    """
     import jax.numpy as jnp
 
     if kind not in SCHEDULES:
@@ -304,7 +312,13 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
 
 
 def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
-    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused."""
+    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused.
+
+    Args:
+        args: the Trainer's recorded arguments.
+        kind: the scheduler the kwargs are for.
+        where: the checkpoint, for the errors.
+    """
     kwargs = args.get("lr_scheduler_kwargs") or {}
     if isinstance(kwargs, str):
         try:

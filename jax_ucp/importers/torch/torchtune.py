@@ -121,7 +121,13 @@ def hf_name(name: str) -> str | None:
 
 def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     """torchtune's q/k rows in Hugging Face's order: ``tune_to_hf``'s ``_permute``, ``[heads,
-    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed)."""
+    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed).
+
+    Args:
+        value: a q or k projection (or its moment), torchtune's row order.
+        heads: its head count (``num_attention_heads`` or ``num_key_value_heads``).
+        head_dim: rows per head.
+    """
     dim = value.shape[1]
     return np.ascontiguousarray(
         value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
