@@ -250,10 +250,9 @@ def _skip_rng_states(src: str, first_model_file: str, found: list[str], skipped:
     source files of their own, each counted in ``found`` and listed in ``skipped``."""
     if not (os.path.isdir(src) and os.path.basename(first_model_file).endswith(".safetensors")):
         return
-    for name in sorted(os.listdir(src)):
-        if name.startswith("rng_state") and name.endswith(".pth"):
-            found.append(name)
-            skipped[name] = "the torch run's RNG state, not imported"
+    rng = trainer_files.rng_states(src)
+    found.extend(rng)
+    skipped.update(rng)
 
 
 def _read_model_files(src: str, model_files: list[str]):

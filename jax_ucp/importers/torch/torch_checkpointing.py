@@ -125,21 +125,14 @@ def _shard_box(
     if rank not in ranks or len(ranks) != math.prod(mesh_shape):
         raise SourceError(f"{where}: rank {rank} is not in the mesh {ranks}")
     coords = np.unravel_index(ranks.index(rank), mesh_shape)
-    offset = [0] * len(shape)
-    local = list(shape)
-    for mesh_dim, placement in enumerate(data["placements"]):
+    dims: list[int | None] = []
+    for placement in data["placements"]:
         kind = placement.get("type")
-        if kind == "Replicate":
-            continue
-        if kind != "Shard":
+        if kind not in ("Shard", "Replicate"):
             raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
-        d = int(placement["dim"])
-        chunk = -(-local[d] // mesh_shape[mesh_dim])
-        start = min(int(coords[mesh_dim]) * chunk, local[d])
-        size = max(0, min(local[d], start + chunk) - start)
-        offset[d] += start
-        local[d] = size
-    return shape, tuple(offset), tuple(local)
+        dims.append(int(placement["dim"]) if kind == "Shard" else None)
+    offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+    return shape, offset, local
 
 
 def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
@@ -156,15 +149,13 @@ def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
 def _assembled(
     name: str, groups: list, shards: dict[int, Any], dtype: np.dtype, where: str
 ) -> np.ndarray:
-    """The global tensor of ``name`` from every rank's shard (a replicated one: the first)."""
-    filled = None
-    covered = 0
-    seen: set[tuple] = set()
+    """The global tensor of ``name`` from every rank's shard (a replicated one: the first),
+    each shard's shape checked against its placement, the boxes tiling the whole."""
+    shape: tuple[int, ...] = ()
+    pieces: dict[tuple, sharded.Piece] = {}
     for meta, ranks in groups:
         for rank in ranks:
             shape, offset, local = _shard_box(meta, rank, f"{where}: {name!r}")
-            if filled is None:
-                filled = np.zeros(shape, dtype)
             value = shards.get(rank)
             array, global_shape = _local(value)
             if not isinstance(array, np.ndarray) or array.shape != local:
@@ -177,16 +168,11 @@ def _assembled(
                     f"{where}: {name!r} on rank {rank} is a shard of {list(global_shape)}, "
                     f"the metadata says {list(shape)}"
                 )
-            box = (offset, local)
-            if box in seen:
-                continue  # a replica of a box already filled
-            seen.add(box)
-            index = tuple(slice(o, o + n) for o, n in zip(offset, local))
-            filled[index] = array
-            covered += math.prod(local)
-    if filled is None or covered != filled.size:
-        raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it")
-    return filled
+            pieces.setdefault((offset, local), sharded.Piece(offset, array))  # replicas: once
+    problem = sharded.covers(shape, list(pieces.values())) if pieces else "no shard"
+    if problem:
+        raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it ({problem})")
+    return sharded.assemble(shape, dtype, list(pieces.values()))
 
 
 def _leaf(state: Any, nested: tuple) -> Any:

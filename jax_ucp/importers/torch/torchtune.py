@@ -36,7 +36,7 @@ from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, tensor_names
 from jax_ucp.importers.safetensors_weights import plan_safetensors
 from jax_ucp.importers.torch import dcp
-from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, plan_state
+from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
@@ -341,19 +341,7 @@ def _optimizer_names(
             f"or convert with weights_only=True to import the weights"
         )
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", ())]
-    order = list(order)
-    if len(order) != len(ids) or len(set(ids)) != len(ids):
-        raise SourceError(
-            f"{recipe}: parameter_order names {len(order)} parameters, the optimizer's groups "
-            f"number {len(ids)}{' (some twice)' if len(set(ids)) != len(ids) else ''}"
-        )
-    to_name = dict(zip(ids, order))
-    missing = [k for k in keys if k not in to_name]
-    if missing:
-        raise SourceError(
-            f"{recipe}: optimizer state for indices {_names(missing)}, which no param group lists"
-        )
-    return to_name
+    return numbered_names(ids, keys, order, recipe)
 
 
 def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:

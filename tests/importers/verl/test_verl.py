@@ -15,8 +15,8 @@ import pytest
 import jax_ucp
 from jax_ucp.errors import SourceError
 from jax_ucp.importers.registry import IMPORTERS, detect_format
-from tests.importers.torch.test_hf_trainer import assert_matches_run, truth
-from tests.ucp_testing import REPO, assert_destination_untouched
+from tests.importers.torch.test_hf_trainer import assert_matches_run
+from tests.ucp_testing import REPO, assert_destination_untouched, load_truth
 
 pytestmark = pytest.mark.timeout(180)
 FIX = os.path.join(REPO, "tests", "fixtures", "verl")
@@ -26,7 +26,7 @@ ACTOR = os.path.join(STEP, "actor")
 
 def _truth(kind: str) -> dict[str, np.ndarray]:
     """The run's live params, moments and step (the continuation's keys left out)."""
-    want = truth(os.path.join(FIX, f"{kind}.truth.npz"))
+    want = load_truth(os.path.join(FIX, f"{kind}.truth.npz"))
     return {k: v for k, v in want.items() if not k.startswith("next_")}
 
 
@@ -93,7 +93,7 @@ def test_optax_from_torch_continues_with_torchs_next_step(tmp_path):
     with pytest.warns(UserWarning, match="schedule"):
         run = jax_ucp.optax_from_torch(out)
     assert run.step == 3 and run.optimizer == "adamw"
-    want = truth(os.path.join(FIX, "fsdp2.truth.npz"))
+    want = load_truth(os.path.join(FIX, "fsdp2.truth.npz"))
     grads = {k[len("next_grad/") :]: v for k, v in want.items() if k.startswith("next_grad/")}
     params = jax.tree.map(jnp.asarray, run.params)
     updates, _ = run.tx.update(jax.tree.map(jnp.asarray, grads), run.opt_state, params)
