@@ -384,9 +384,9 @@ def _moment_ref(
     """One optimizer state entry, its q/k rows permuted as ``tune_to_hf`` permutes the weight
     (``rows`` heads; none for ``step`` or a non-matrix)."""
     permuted = rows is not None and st != "step" and value.ndim == 2
-    read = (
-        (lambda v=value, n=rows: permute_rows(v, n, head_dim)) if permuted else (lambda v=value: v)
-    )
+    read = lambda v=value: v
+    if rows is not None and permuted:
+        read = lambda v=value, n=rows: permute_rows(v, n, head_dim)
     return TensorRef(
         f"{RECIPE_STATE}:{OPTIMIZER_KEY}.state.{key}.{st}",
         tuple(value.shape),
