@@ -91,13 +91,6 @@ def _single_ckpt(src: str, names: set[str]) -> str | None:
     return ckpts[0] if len(ckpts) == 1 else None
 
 
-def _load(path: str) -> Any:
-    try:
-        return unpickler.load_torch_file(path)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
-
-
 def _files_of(src: str) -> tuple[list[str], str | None]:
     """(model files, optimizer file or None) of a file or folder."""
     if os.path.isfile(src):
@@ -201,7 +194,7 @@ def plan_torch_files(
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
         _check_index(src, model)
     if optimizer_file is not None:
-        optimizer = _load(optimizer_file)
+        optimizer = unpickler.load_torch_file(optimizer_file)
         base = os.path.basename(optimizer_file)
         optimizer_at = (optimizer_file, f"{base}:")
         found += [f"{base}:{n}" for n in tensor_names(optimizer)]
@@ -270,7 +263,7 @@ def _read_model_files(src: str, model_files: list[str]):
             sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
             found += [f"{base}:{n}" for n in sd]
         else:
-            obj = _load(path)
+            obj = unpickler.load_torch_file(path)
             key, sd, opt_prefix, opt = _split(obj, path)
             found += [f"{base}:{n}" for n in tensor_names(obj)]
             other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]

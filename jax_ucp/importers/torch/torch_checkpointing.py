@@ -49,21 +49,11 @@ def is_torch_checkpointing(src: os.PathLike | str) -> bool:
     return any(_RANK_FILE.fullmatch(n) for n in os.listdir(src))
 
 
-def _load(path: str, classes: Any = None) -> Any:
-    try:
-        return unpickler.load_torch_file(path, classes)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
-
-
 def _metadata(src: str) -> tuple[dict, int]:
     """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
     path = os.path.join(src, METADATA_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = unpickler.restricted_loads(f.read(), where=path)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
+    with open(path, "rb") as f:
+        raw = unpickler.restricted_loads(f.read(), where=path)
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise SourceError(
             f"{path}: expected a dict with 'metadata', found {unpickler.short_repr(raw, 120)}"
@@ -241,7 +231,7 @@ def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str
             name = f"{item}_{rank}.pt"
             if name not in files:
                 raise SourceError(f"{src}: {name} is missing (world size {world}, item {item!r})")
-            loaded.setdefault(item, {})[rank] = _load(
+            loaded.setdefault(item, {})[rank] = unpickler.load_torch_file(
                 os.path.join(src, name), unpickler.SHARDED_TENSOR_CLASSES
             )
     return loaded
@@ -328,7 +318,9 @@ def _unmapped_items(
     their tensors skipped."""
     recorded: dict[str, Any] = {}
     for item in sorted({f.rsplit("_", 1)[0] for f in files} - set(items)):
-        state = _load(os.path.join(src, f"{item}_0.pt"), unpickler.SHARDED_TENSOR_CLASSES)
+        state = unpickler.load_torch_file(
+            os.path.join(src, f"{item}_0.pt"), unpickler.SHARDED_TENSOR_CLASSES
+        )
         for name in tensor_names(state):
             entry = f"{item}:{name}"
             found.append(entry)

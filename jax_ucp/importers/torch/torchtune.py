@@ -139,20 +139,13 @@ def _names(keys: list, count: int = 3) -> str:
     return shown + (", ..." if len(keys) > count else "")
 
 
-def _load_recipe(path: str) -> Any:
-    try:
-        return unpickler.load_torch_file(path)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
-
-
 def recipe_optimizer(path: str) -> str:
     """What ``recipe_state.pt`` holds of the optimizer, said as found: a state dict keyed by
     index (the single-device recipes), by torchtune's parameter names (the distributed
     recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
     or none; the file read through the allow-listed unpickler (never run)."""
     try:
-        recipe = _load_recipe(path)
+        recipe = unpickler.load_torch_file(path)
     except SourceError as e:
         return f"not read ({str(e)[:200]})"
     if not isinstance(recipe, dict):
@@ -347,7 +340,7 @@ def _optimizer_names(
 def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
     """(the recipe state, its optimizer's ``state``, its ``param_groups``); refused when the
     recipe holds no torch optimizer state dict (the weights still import alone)."""
-    loaded = _load_recipe(recipe)
+    loaded = unpickler.load_torch_file(recipe)
     optimizer = loaded.get(OPTIMIZER_KEY) if isinstance(loaded, dict) else None
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
