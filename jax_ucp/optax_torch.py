@@ -98,7 +98,15 @@ def hf_schedule(
     kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
 ) -> Callable[[Any], Any]:
     """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``
-    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``)."""
+    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``).
+
+    Args:
+        kind: transformers' scheduler name (``linear``, ``cosine``, ...).
+        base_lr: the groups' learning rate.
+        warmup: warm-up steps.
+        total: the run's total optimizer steps.
+        num_cycles: the cosine's cycles.
+    """
     import jax.numpy as jnp
 
     if kind not in SCHEDULES:
@@ -304,7 +312,13 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
 
 
 def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
-    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused."""
+    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused.
+
+    Args:
+        args: the Trainer's recorded arguments.
+        kind: the scheduler the kwargs are for.
+        where: the checkpoint, for the errors.
+    """
     kwargs = args.get("lr_scheduler_kwargs") or {}
     if isinstance(kwargs, str):
         try:
@@ -396,11 +410,9 @@ def optax_from_torch(
         A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
         (clipping, AdamW with its no-decay groups, the scheduler's learning rate).
     """
-    import jax
-    import jax.numpy as jnp
     import optax
 
-    from jax_ucp.api import inspect, restore
+    from jax_ucp.api import inspect
 
     manifest = inspect(ckpt)
     source = manifest.source or {}
@@ -414,15 +426,7 @@ def optax_from_torch(
     trainer_args = run_arguments(source, where)
     kind, how = identify(groups, trainer_args, where, optimizer)
     _check_adam(groups, where)
-    tree = restore(ckpt, **_restore_keywords(options, spec, where))
-    if "opt_state" not in tree:
-        raise RequestError(f"{where}: the checkpoint holds no optimizer state")
-    params = tree["params"]
-    mu, nu = _adam_state(tree["opt_state"], where)
-    counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
-    if len(counts) != 1:
-        raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
-    step = int(counts[0])
+    params, mu, nu, step = _restored_adam(ckpt, options, spec, where)
     notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
     eps = float(_one(groups, "eps", where))
@@ -433,13 +437,7 @@ def optax_from_torch(
     if max_norm:
         parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
         notes.append(f"gradients clipped to global norm {max_norm}")
-    decay = None
-    if rate:
-        mask = _mask_tree(ckpt, spec, params, decayed, where)
-        decay = optax.add_decayed_weights(rate, mask)
-        leaves = jax.tree.leaves(mask)
-        style = "decoupled (AdamW)" if kind == "adamw" else "L2, added to the gradient (Adam)"
-        notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves, {style}")
+    decay = _weight_decay(ckpt, spec, params, (rate, decayed), kind, notes, where)
     if decay is not None and kind == "adam":  # torch Adam: grad + wd * param, then the moments
         parts.append(decay)
     parts.append(optax.scale_by_adam(b1, b2, eps))
@@ -455,8 +453,51 @@ def optax_from_torch(
             stacklevel=2,
         )
     tx = optax.chain(*parts)
-    # the state's structure from shapes alone: tx.init(params) would build zeros the size of
-    # the model (placed wherever jnp.zeros_like puts them) only for the moments to replace them
+    state = _state_of(tx, params, mu, nu, step)
+    return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, kind)
+
+
+def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
+    """(params, mu, nu, step) restored as ``options`` asks; the step is the one count the
+    imported opt_state holds."""
+    from jax_ucp.api import restore
+
+    tree = restore(ckpt, **_restore_keywords(options, spec, where))
+    if "opt_state" not in tree:
+        raise RequestError(f"{where}: the checkpoint holds no optimizer state")
+    mu, nu = _adam_state(tree["opt_state"], where)
+    counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
+    if len(counts) != 1:
+        raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
+    return tree["params"], mu, nu, int(counts[0])
+
+
+def _weight_decay(
+    ckpt, spec: Any, params: Any, decay: tuple[Any, Any], kind: str, notes: list[str], where: str
+) -> Any:
+    """optax's decay of the groups' rate over the leaves torch decayed (None for no decay);
+    where it goes in the chain is the caller's: Adam's L2 before the moments, AdamW's after."""
+    import jax
+    import optax
+
+    rate, decayed = decay
+    if not rate:
+        return None
+    mask = _mask_tree(ckpt, spec, params, decayed, where)
+    leaves = jax.tree.leaves(mask)
+    style = "decoupled (AdamW)" if kind == "adamw" else "L2, added to the gradient (Adam)"
+    notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves, {style}")
+    return optax.add_decayed_weights(rate, mask)
+
+
+def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
+    """The chain's state around the restored moments, from shapes alone: ``tx.init(params)``
+    would build zeros the size of the model (placed wherever ``jnp.zeros_like`` puts them)
+    only for the moments to replace them."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
     state = list(jax.eval_shape(tx.init, params))  # pyright: ignore[reportArgumentType]  # a chain's state is a tuple
     count = jnp.asarray(step, jnp.int32)
     for i, s in enumerate(state):
@@ -466,7 +507,7 @@ def optax_from_torch(
             state[i] = optax.ScaleByScheduleState(count=count)
         else:  # clipping and weight decay keep no arrays; anything else starts at zeros
             state[i] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s)
-    return TorchOptimizer(tx, tuple(state), params, schedule, step, notes, unrecovered, kind)
+    return tuple(state)
 
 
 def _no_optimizer(source: dict, where: str) -> str:

@@ -18,7 +18,14 @@ def check_parallel(processes, coordinator, num_processes, process_id) -> None:
     (several hosts: run the same command on each, sharing one file system). Checked together:
     a usage error (exit 2) names the option (``--processes`` is at least 1: typer's ``min``,
     and at most what the machine holds: ``launch.local_process_limit``, before anything
-    starts)."""
+    starts).
+
+    Args:
+        processes: ``--processes``: local processes to spawn, or None.
+        coordinator: ``--coordinator``: host:port of process 0, or None.
+        num_processes: ``--num-processes``: the job's process count, or None.
+        process_id: ``--process-id``: this process's index, or None.
+    """
     if processes and processes > 1 and coordinator:
         raise typer.BadParameter(
             "--processes spawns its own job; use --coordinator without it",

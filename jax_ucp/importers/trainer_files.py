@@ -26,6 +26,7 @@ __all__ = [
     "MODEL_FIELDS",
     "is_trainer_checkpoint",
     "read_json",
+    "rng_states",
     "side_file",
     "trainer_folder_above",
     "trainer_record",
@@ -105,6 +106,16 @@ def read_json(path: str) -> Any:
         return json.loads(files.read_regular(path, MAX_JSON_BYTES))
     except (ValueError, RecursionError) as e:
         raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+
+
+def rng_states(folder: str) -> dict[str, str]:
+    """{file: why skipped} of the Trainer's torch RNG states (``rng_state*.pth``): source files
+    of their own, which the caller counts as found and lists as skipped."""
+    return {
+        name: "the torch run's RNG state, not imported"
+        for name in sorted(os.listdir(folder))
+        if name.startswith("rng_state") and name.endswith(".pth")
+    }
 
 
 def side_file(folder: str, name: str) -> str:

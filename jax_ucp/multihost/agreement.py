@@ -64,7 +64,13 @@ def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int
     process's value for ``step`` (jax.distributed's key-value store, no device collective), for
     a ``purpose`` (e.g. "convert") writing ``where``. While it waits, the processes it waits for
     that run on this host are checked every 0.2 s, so one that died is named at once instead of
-    after jax's heartbeat timeout (100 s) or ``timeout``. None in a single-process job."""
+    after jax's heartbeat timeout (100 s) or ``timeout``. None in a single-process job.
+
+    Args:
+        where: the path written, for the errors.
+        timeout: seconds to wait for the others.
+        purpose: what the processes do together, for the errors.
+    """
     import jax
 
     if jax.process_count() == 1:

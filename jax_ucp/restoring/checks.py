@@ -166,7 +166,16 @@ def _read(root, manifest, entry) -> np.ndarray:
 
 def compare_tensor(root_a, man_a, ea, root_b, man_b, eb) -> TensorDiff | None:
     """How tensor ``ea`` of checkpoint ``root_a`` differs from ``eb`` of ``root_b`` (None: equal
-    bit for bit), read and compared ``BLOCK`` elements at a time so one tensor of each is held."""
+    bit for bit), read and compared ``BLOCK`` elements at a time so one tensor of each is held.
+
+    Args:
+        root_a: the first checkpoint's folder.
+        man_a: its manifest.
+        ea: its tensor entry.
+        root_b: the second checkpoint's folder.
+        man_b: its manifest.
+        eb: its tensor entry.
+    """
     shapes, dtypes = (ea.shape, eb.shape), (ea.dtype, eb.dtype)
     if ea.shape != eb.shape or ea.dtype != eb.dtype:
         return TensorDiff(ea.name, shapes, dtypes)

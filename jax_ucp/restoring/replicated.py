@@ -268,7 +268,13 @@ def _place(tensors: list[SharedTensor], batch: _Batch, gathered: np.ndarray, me:
 def share_batches(tensors: list[SharedTensor], n: int, batch_bytes: int) -> Iterator[_Batch]:
     """Tensors in order, in batches of at most ``batch_bytes`` (a unit larger alone), each
     batch cut into ``n`` runs of whole units balanced by bytes: process p's share (the runs
-    handed out in an order rotating with the batch, so a unit too many evens out)."""
+    handed out in an order rotating with the batch, so a unit too many evens out).
+
+    Args:
+        tensors: the tensors to share, in order.
+        n: the process count.
+        batch_bytes: the bound on a batch.
+    """
     runs: list[tuple[int, int, int]] = []  # (tensor, first unit, end unit)
     size, number = 0, 0
     for index, t in enumerate(tensors):

@@ -594,7 +594,15 @@ def _check_crc(found: int, crc: int | None, where: str) -> None:
 
 def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
     """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
-    with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None."""
+    with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None.
+
+    Args:
+        path: the file.
+        offset: where the bytes start in it.
+        region: the C-contiguous array filled.
+        crc: the zip CRC-32 of those bytes, or None.
+        where: what is read, for the errors.
+    """
     buf = region.reshape(-1).view(np.uint8).data
     try:
         fd = files.open_regular(str(path))

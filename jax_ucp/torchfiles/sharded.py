@@ -21,7 +21,7 @@ import numpy as np
 from jax_ucp.errors import SourceError
 from jax_ucp.torchfiles.unpickler import StandIn, WrapperTensor, short_repr
 
-__all__ = ["Piece", "ShardLayoutError", "assemble", "covers", "local_pieces"]
+__all__ = ["Piece", "ShardLayoutError", "assemble", "covers", "dtensor_box", "local_pieces"]
 
 DTENSOR = "torch.distributed.tensor.DTensor"
 SHARDED_TENSOR = "torch.distributed._shard.sharded_tensor.api.ShardedTensor"
@@ -101,18 +101,41 @@ def _dtensor_piece(tensor: WrapperTensor, mesh_size: int) -> Piece:
         raise ShardLayoutError(f"Shard dim {short_repr(dim, 40)} of a {tensor.shape} tensor")
     if not 0 <= coord < mesh_size:
         raise ShardLayoutError(f"mesh coordinate {coord} outside {mesh_size} ranks")
-    chunk = math.ceil(tensor.shape[dim] / mesh_size)
-    start = min(coord * chunk, tensor.shape[dim])
-    expected = list(tensor.shape)
-    expected[dim] = max(0, min(chunk, tensor.shape[dim] - start))
-    if tuple(local.shape) != tuple(expected):
+    offsets, expected = dtensor_box(tensor.shape, (mesh_size,), (coord,), (dim,))
+    if tuple(local.shape) != expected:
         raise ShardLayoutError(
-            f"Shard({dim}) piece of rank {coord} of {mesh_size}: expected {tuple(expected)}, "
+            f"Shard({dim}) piece of rank {coord} of {mesh_size}: expected {expected}, "
             f"found {local.shape}"
         )
-    offsets = [0] * len(tensor.shape)
-    offsets[dim] = start
-    return Piece(tuple(offsets), local)
+    return Piece(offsets, local)
+
+
+def dtensor_box(
+    shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coords: Sequence[int],
+    dims: Sequence[int | None],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, shape) of the shard at mesh ``coords`` by DTensor's own rule: mesh dimension
+    after mesh dimension, ``Shard(d)`` cuts what the earlier ones left of dim ``d`` in
+    ``ceil(n / mesh size)`` chunks (the last ones shorter or empty).
+
+    Args:
+        shape: the whole tensor's shape.
+        mesh_shape: the device mesh's shape.
+        coords: the rank's coordinate on each mesh dimension.
+        dims: per mesh dimension, the tensor dim it shards (``Shard(d)``), None to replicate.
+    """
+    offset = [0] * len(shape)
+    local = list(shape)
+    for mesh_dim, d in enumerate(dims):
+        if d is None:
+            continue
+        chunk = -(-local[d] // mesh_shape[mesh_dim])
+        start = min(int(coords[mesh_dim]) * chunk, local[d])
+        offset[d] += start
+        local[d] = max(0, min(local[d], start + chunk) - start)
+    return tuple(offset), tuple(local)
 
 
 def _sharded_tensor_pieces(tensor: WrapperTensor) -> list[Piece]:

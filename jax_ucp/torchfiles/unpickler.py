@@ -52,6 +52,7 @@ __all__ = [
     "MAX_DEPTH",
     "MAX_EXPANDED_OBJECTS",
     "MAX_INFLATED_TOTAL",
+    "NUMPY_CLASSES",
     "SHARDED_TENSOR_CLASSES",
     "StandIn",
     "TorchArchive",
@@ -624,6 +625,23 @@ def _sharded_tensor_classes() -> dict[str, Any]:
 #: ``SHARDED_STATE_DICT`` state dicts saved with ``torch.save``): each becomes a
 #: :class:`WrapperTensor`, its mesh, placements and shard metadata inert stand-ins.
 SHARDED_TENSOR_CLASSES: Mapping[str, Any] = _sharded_tensor_classes()
+
+
+def _numpy_classes() -> dict[str, Any]:
+    array, scalar = standin_class("numpy.ndarray"), standin_class("numpy.scalar")
+    return {
+        "numpy.ndarray": array,
+        "numpy.core.multiarray._reconstruct": array,
+        "numpy._core.multiarray._reconstruct": array,
+        "numpy.dtype": standin_class("numpy.dtype"),
+        "numpy.core.multiarray.scalar": scalar,
+        "numpy._core.multiarray.scalar": scalar,
+    }
+
+
+#: numpy's pickled arrays, dtypes and scalars (``np.random.get_state()`` in a run's RNG state,
+#: numbers in its arguments) as inert stand-ins, for files saved beside the weights.
+NUMPY_CLASSES: Mapping[str, Any] = _numpy_classes()
 
 
 # --------------------------------------------------------------------------- unpickler

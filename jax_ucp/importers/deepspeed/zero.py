@@ -580,7 +580,13 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
 
 def joined_parts(parts: list, shape, dtype) -> np.ndarray:
     """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
-    drops it (``writer.unpooled_empty``)."""
+    drops it (``writer.unpooled_empty``).
+
+    Args:
+        parts: the flat pieces, in order.
+        shape: the joined tensor's shape.
+        dtype: its dtype.
+    """
     out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
     at = 0
     for part in parts:

@@ -51,18 +51,10 @@ __all__ = [
 ]
 
 
-# numpy's pickled arrays (``_reconstruct(ndarray, ...)``) become inert placeholders
-_NumpyArrayStandIn = unpickler.standin_class("numpy.ndarray")
-
 #: Classes a legacy Megatron pickle may reference (beyond torch's), as inert stand-ins.
 LEGACY_CLASSES: dict[str, Any] = {
     "argparse.Namespace": unpickler.standin_class("argparse.Namespace"),
-    "numpy.ndarray": _NumpyArrayStandIn,
-    "numpy.core.multiarray._reconstruct": _NumpyArrayStandIn,
-    "numpy._core.multiarray._reconstruct": _NumpyArrayStandIn,
-    "numpy.dtype": unpickler.standin_class("numpy.dtype"),
-    "numpy.core.multiarray.scalar": unpickler.standin_class("numpy.scalar"),
-    "numpy._core.multiarray.scalar": unpickler.standin_class("numpy.scalar"),
+    **unpickler.NUMPY_CLASSES,
     # megatron-core enums that Megatron-LM pickles into args
     "megatron.core.enums.ModelType": unpickler.int_enum_standin("megatron.core.enums.ModelType"),
     "megatron.core.transformer.enums.AttnBackend": unpickler.int_enum_standin(

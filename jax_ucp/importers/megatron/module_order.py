@@ -103,7 +103,15 @@ def _order_key(name: str, layer: list[str]) -> tuple | None:
 def in_module_order(cls: type, checkpoint: dcp.DcpCheckpoint, names: list[str], *a, **k):
     """``cls``'s state laid out over the first module order of ``names`` that fits the saved
     buckets and whose masters equal (fp32) or round to (bf16) the model weights of the small
-    tensors (norms, biases: a wrong order misplaces them); the first error if none fits."""
+    tensors (norms, biases: a wrong order misplaces them); the first error if none fits.
+
+    Args:
+        cls: the state class (``BucketStates``, ...) built per order.
+        checkpoint: the torch_dist checkpoint.
+        names: the model's parameter names.
+        *a: passed on to ``cls``.
+        **k: passed on to ``cls``.
+    """
     first: MegatronImportError | None = None
     orders = _module_orders(names)
     # the legacy GroupedMLP's experts are saved like SequentialMLP's but sit in the grad buffer

@@ -149,7 +149,13 @@ def _split_items(src: str, handlers: dict) -> tuple[dict[str, str], dict[str, st
 
 def inside(root: str, name: Any, what: str) -> str:
     """``root``/``name``, refused unless it stays inside ``root``; a name the file system
-    cannot look up (too long) is an error naming ``what``, not a raw OSError."""
+    cannot look up (too long) is an error naming ``what``, not a raw OSError.
+
+    Args:
+        root: the folder the path must stay in.
+        name: the name read from a file (untrusted).
+        what: what is looked up, for the error.
+    """
     try:
         return files.inside(root, name, what)
     except files.UnsafeFileError as e:

@@ -39,6 +39,7 @@ from jax_ucp.importers.torch.optimizer import (
     TensorRef,
     TorchState,
     clean_name,
+    numbered_names,
     plan_state,
     scalar_ref,
     strip_wrappers,
@@ -130,10 +131,9 @@ def plan_torch_dcp(
         elif dirs[0] != Path(src) and trainer_files.is_trainer_checkpoint(str(src)):
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
             info["trainer"] = trainer_files.trainer_record(str(src))
-            for name in sorted(os.listdir(src)):  # the Trainer's torch RNG states: units
-                if name.startswith("rng_state") and name.endswith(".pth"):
-                    state.found.append(name)
-                    state.skipped[name] = "the torch run's RNG state, not imported"
+            rng = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states: units
+            state.found.extend(rng)
+            state.skipped.update(rng)
         plan = plan_state(
             state,
             {
@@ -235,18 +235,7 @@ def _numbered(
             f"to the optimizer; --parameter-order FILE on the CLI), or convert with "
             f"weights_only=True to import the weights"
         )
-    order = list(order)
-    if len(order) != len(ids) or len(set(ids)) != len(ids):
-        raise SourceError(
-            f"{where}: parameter_order names {len(order)} parameters, the optimizer's groups "
-            f"number {len(ids)}{' (some twice)' if len(set(ids)) != len(ids) else ''}"
-        )
-    to_name = dict(zip(ids, order))
-    unlisted = sorted((k for k in states if k not in to_name), key=int)
-    if unlisted:
-        raise SourceError(
-            f"{where}: optimizer state for indices {unlisted[:3]}, which no param group lists"
-        )
+    to_name = numbered_names(ids, sorted(states, key=int), order, where)
     named = [{**g, "params": [to_name[str(i)] for i in g.get("params") or ()]} for g in groups]
     return {to_name[k]: v for k, v in states.items()}, named
 

@@ -91,13 +91,6 @@ def _single_ckpt(src: str, names: set[str]) -> str | None:
     return ckpts[0] if len(ckpts) == 1 else None
 
 
-def _load(path: str) -> Any:
-    try:
-        return unpickler.load_torch_file(path)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
-
-
 def _files_of(src: str) -> tuple[list[str], str | None]:
     """(model files, optimizer file or None) of a file or folder."""
     if os.path.isfile(src):
@@ -201,7 +194,7 @@ def plan_torch_files(
     if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
         _check_index(src, model)
     if optimizer_file is not None:
-        optimizer = _load(optimizer_file)
+        optimizer = unpickler.load_torch_file(optimizer_file)
         base = os.path.basename(optimizer_file)
         optimizer_at = (optimizer_file, f"{base}:")
         found += [f"{base}:{n}" for n in tensor_names(optimizer)]
@@ -250,10 +243,9 @@ def _skip_rng_states(src: str, first_model_file: str, found: list[str], skipped:
     source files of their own, each counted in ``found`` and listed in ``skipped``."""
     if not (os.path.isdir(src) and os.path.basename(first_model_file).endswith(".safetensors")):
         return
-    for name in sorted(os.listdir(src)):
-        if name.startswith("rng_state") and name.endswith(".pth"):
-            found.append(name)
-            skipped[name] = "the torch run's RNG state, not imported"
+    rng = trainer_files.rng_states(src)
+    found.extend(rng)
+    skipped.update(rng)
 
 
 def _read_model_files(src: str, model_files: list[str]):
@@ -271,7 +263,7 @@ def _read_model_files(src: str, model_files: list[str]):
             sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
             found += [f"{base}:{n}" for n in sd]
         else:
-            obj = _load(path)
+            obj = unpickler.load_torch_file(path)
             key, sd, opt_prefix, opt = _split(obj, path)
             found += [f"{base}:{n}" for n in tensor_names(obj)]
             other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
@@ -373,6 +365,40 @@ def _optimizer(
             f"{path}: the optimizer state is not a torch optimizer state_dict ('state' and "
             f"'param_groups'); convert with weights_only=True to import the weights alone"
         )
+    keys, to_name = _name_keys(state, groups, path, clean, model, order, info)
+    states = _state_refs(state, to_name, path, prefix, skipped)
+    out_groups = [
+        {
+            **{k: v for k, v in g.items() if k not in ("params", "param_names")},
+            "params": [to_name.get(p, str(p)) for p in g.get("params", [])],
+        }
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    how = {
+        "names": "parameter names",
+        "param_names": "parameter indices, named by the groups' param_names",
+        "indices": "parameter indices, in state-dict order",
+        "parameter_order": "parameter indices, named by parameter_order",
+        "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
+        "model_config": "parameter indices, in the groups rebuilt from model_config "
+        "(source.parameter_order)",
+    }[keys]
+    return states, out_groups, how
+
+
+def _name_keys(
+    state: dict,
+    groups: list,
+    path: str,
+    clean: dict[str, str],
+    model: dict,
+    order: _Order,
+    info: dict,
+) -> tuple[str, dict]:
+    """(how the state is keyed, {key: clean parameter name}): the names themselves, else the
+    first source of an order that applies (param_names, parameter_order=, model_config=, the
+    Trainer's groups, the state-dict order), each checked against the weights."""
     ids = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
     keys = "names" if all(isinstance(k, str) for k in [*state, *ids]) else "indices"
     if keys == "names":
@@ -404,6 +430,14 @@ def _optimizer(
         _say_order_assumed(to_name, state, clean, model, path, info, _INDEX_RULE)
     if keys not in ("names", "indices"):
         _check_named(to_name, state, clean, model, path)
+    return keys, to_name
+
+
+def _state_refs(
+    state: dict, to_name: dict, path: str, prefix: str, skipped: dict
+) -> dict[str, dict[str, TensorRef]]:
+    """{parameter: {state name: reference}}; a non-tensor entry holding tensors is skipped
+    with the reason, so every tensor stays accounted for."""
     states: dict[str, dict[str, TensorRef]] = {}
     for key, per in state.items():
         if not isinstance(per, dict):
@@ -418,24 +452,7 @@ def _optimizer(
             elif _has_tensors(v):
                 for n in tensor_names(v, name):
                     skipped[n] = f"optimizer state {k!r} is not a tensor but holds tensors"
-    out_groups = [
-        {
-            **{k: v for k, v in g.items() if k not in ("params", "param_names")},
-            "params": [to_name.get(p, str(p)) for p in g.get("params", [])],
-        }
-        for g in groups
-        if isinstance(g, dict)
-    ]
-    how = {
-        "names": "parameter names",
-        "param_names": "parameter indices, named by the groups' param_names",
-        "indices": "parameter indices, in state-dict order",
-        "parameter_order": "parameter indices, named by parameter_order",
-        "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
-        "model_config": "parameter indices, in the groups rebuilt from model_config "
-        "(source.parameter_order)",
-    }[keys]
-    return states, out_groups, how
+    return states
 
 
 def _given_order(given: Sequence[str], ids: list, path: str) -> dict:

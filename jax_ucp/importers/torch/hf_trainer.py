@@ -191,7 +191,13 @@ def trainer_candidates(
     (checkpoints written by an older transformers), distinct ones only; with ``model_config``
     (a ``config.json`` given for a folder without one: an Accelerate ``save_state``, a Trainer
     checkpoint without its config) also one group of ``model.named_parameters()`` in order
-    (``AdamW(model.parameters())``)."""
+    (``AdamW(model.parameters())``).
+
+    Args:
+        folder: the checkpoint folder (its ``config.json``).
+        n_tensors: the checkpoint's model tensor count.
+        model_config: a ``config.json`` given for a folder without one.
+    """
     model, what = _model_on_meta(folder, n_tensors, model_config)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
     if os.path.isfile(adapter_path):  # only reached with model_config: the base model's config

@@ -29,18 +29,9 @@ MAX_JSON_BYTES = 1 << 20
 _RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
 _STEP = re.compile(r"^step\d+$")
 
-# numpy's pickled arrays and scalars (np.random.get_state() in the RNG states) as inert data
-_NUMPY_ARRAY = unpickler.standin_class("numpy.ndarray")
-_NUMPY_SCALAR = unpickler.standin_class("numpy.scalar")
-#: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins.
-TRAIN_CLASSES: dict[str, Any] = {
-    "numpy.ndarray": _NUMPY_ARRAY,
-    "numpy.core.multiarray._reconstruct": _NUMPY_ARRAY,
-    "numpy._core.multiarray._reconstruct": _NUMPY_ARRAY,
-    "numpy.dtype": unpickler.standin_class("numpy.dtype"),
-    "numpy.core.multiarray.scalar": _NUMPY_SCALAR,
-    "numpy._core.multiarray.scalar": _NUMPY_SCALAR,
-}
+#: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
+#: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
+TRAIN_CLASSES: dict[str, Any] = dict(unpickler.NUMPY_CLASSES)
 
 
 def is_step_folder(src: os.PathLike | str) -> bool:

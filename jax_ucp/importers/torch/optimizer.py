@@ -22,7 +22,7 @@ and counted in ``source.wrappers_removed``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,6 +37,7 @@ __all__ = [
     "TensorRef",
     "TorchState",
     "clean_name",
+    "numbered_names",
     "plan_state",
     "scalar_ref",
     "strip_wrappers",
@@ -71,6 +72,33 @@ class TensorRef:
     #: rows ``start:stop`` of dim 0 alone (a DCP tensor's chunks overlapping them), so that a
     #: tensor larger than the memory budget is written in row slabs; None: read whole
     rows: Callable[[int, int], np.ndarray] | None = None
+
+
+def numbered_names(ids: list, keys: list, order: Sequence[str], where: str) -> dict:
+    """{index: name} of an optimizer keyed by index: ``order`` along the groups' ``params``
+    (``ids``, torch numbers them so), one name per index and every state key (``keys``) listed,
+    or refused: a wrong order would put moments on the wrong parameters.
+
+    Args:
+        ids: the indices of the groups' ``params``, group after group.
+        keys: the indices the optimizer holds state for.
+        order: parameter_order, the names in the order torch numbered them.
+        where: the file, for the errors.
+    """
+    order = list(order)
+    if len(order) != len(ids) or len(set(ids)) != len(ids):
+        raise SourceError(
+            f"{where}: parameter_order names {len(order)} parameters, the optimizer's groups "
+            f"number {len(ids)}{' (some twice)' if len(set(ids)) != len(ids) else ''}"
+        )
+    to_name = dict(zip(ids, order))
+    unlisted = [k for k in keys if k not in to_name]
+    if unlisted:
+        shown = ", ".join(str(k) for k in unlisted[:3]) + (", ..." if len(unlisted) > 3 else "")
+        raise SourceError(
+            f"{where}: optimizer state for indices {shown}, which no param group lists"
+        )
+    return to_name
 
 
 def scalar_ref(name: str, value: Any, where: dict) -> TensorRef:

@@ -49,21 +49,11 @@ def is_torch_checkpointing(src: os.PathLike | str) -> bool:
     return any(_RANK_FILE.fullmatch(n) for n in os.listdir(src))
 
 
-def _load(path: str, classes: Any = None) -> Any:
-    try:
-        return unpickler.load_torch_file(path, classes)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
-
-
 def _metadata(src: str) -> tuple[dict, int]:
     """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
     path = os.path.join(src, METADATA_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = unpickler.restricted_loads(f.read(), where=path)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
+    with open(path, "rb") as f:
+        raw = unpickler.restricted_loads(f.read(), where=path)
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise SourceError(
             f"{path}: expected a dict with 'metadata', found {unpickler.short_repr(raw, 120)}"
@@ -125,21 +115,14 @@ def _shard_box(
     if rank not in ranks or len(ranks) != math.prod(mesh_shape):
         raise SourceError(f"{where}: rank {rank} is not in the mesh {ranks}")
     coords = np.unravel_index(ranks.index(rank), mesh_shape)
-    offset = [0] * len(shape)
-    local = list(shape)
-    for mesh_dim, placement in enumerate(data["placements"]):
+    dims: list[int | None] = []
+    for placement in data["placements"]:
         kind = placement.get("type")
-        if kind == "Replicate":
-            continue
-        if kind != "Shard":
+        if kind not in ("Shard", "Replicate"):
             raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
-        d = int(placement["dim"])
-        chunk = -(-local[d] // mesh_shape[mesh_dim])
-        start = min(int(coords[mesh_dim]) * chunk, local[d])
-        size = max(0, min(local[d], start + chunk) - start)
-        offset[d] += start
-        local[d] = size
-    return shape, tuple(offset), tuple(local)
+        dims.append(int(placement["dim"]) if kind == "Shard" else None)
+    offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+    return shape, offset, local
 
 
 def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
@@ -156,15 +139,13 @@ def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
 def _assembled(
     name: str, groups: list, shards: dict[int, Any], dtype: np.dtype, where: str
 ) -> np.ndarray:
-    """The global tensor of ``name`` from every rank's shard (a replicated one: the first)."""
-    filled = None
-    covered = 0
-    seen: set[tuple] = set()
+    """The global tensor of ``name`` from every rank's shard (a replicated one: the first),
+    each shard's shape checked against its placement, the boxes tiling the whole."""
+    shape: tuple[int, ...] = ()
+    pieces: dict[tuple, sharded.Piece] = {}
     for meta, ranks in groups:
         for rank in ranks:
             shape, offset, local = _shard_box(meta, rank, f"{where}: {name!r}")
-            if filled is None:
-                filled = np.zeros(shape, dtype)
             value = shards.get(rank)
             array, global_shape = _local(value)
             if not isinstance(array, np.ndarray) or array.shape != local:
@@ -177,16 +158,11 @@ def _assembled(
                     f"{where}: {name!r} on rank {rank} is a shard of {list(global_shape)}, "
                     f"the metadata says {list(shape)}"
                 )
-            box = (offset, local)
-            if box in seen:
-                continue  # a replica of a box already filled
-            seen.add(box)
-            index = tuple(slice(o, o + n) for o, n in zip(offset, local))
-            filled[index] = array
-            covered += math.prod(local)
-    if filled is None or covered != filled.size:
-        raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it")
-    return filled
+            pieces.setdefault((offset, local), sharded.Piece(offset, array))  # replicas: once
+    problem = sharded.covers(shape, list(pieces.values())) if pieces else "no shard"
+    if problem:
+        raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it ({problem})")
+    return sharded.assemble(shape, dtype, list(pieces.values()))
 
 
 def _leaf(state: Any, nested: tuple) -> Any:
@@ -227,15 +203,50 @@ def plan_torch_checkpointing(
         )
     optimizer_item = next((i for i in OPTIMIZER_ITEMS if i in items), None)
     files = sorted(n for n in os.listdir(src) if _RANK_FILE.fullmatch(n))
+    loaded = _load_ranks(src, items, world, files)
+    params, states, found, optimizer_sources, skipped = _refs(
+        src, items, world, loaded, model_item, optimizer_item
+    )
+    groups_out = _optimizer_extras(src, optimizer_item, loaded, found, skipped, states)
+    recorded = _unmapped_items(src, items, files, found, skipped)
+    torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
+    source = {
+        "framework": "torch_checkpointing",
+        "path": os.path.abspath(src),
+        "world_size": world,
+        "items": sorted(set(items) | {f.rsplit("_", 1)[0] for f in files}),
+        "files": files + [METADATA_FILE],
+    }
+    if recorded:
+        source["recorded"] = recorded
+    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+
+
+def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str, dict[int, Any]]:
+    """{item: {rank: its state}}: every item's file of every rank, or refused naming the one
+    missing (a tensor could not be assembled without it)."""
     loaded: dict[str, dict[int, Any]] = {}
     for item in items:
         for rank in range(world):
             name = f"{item}_{rank}.pt"
             if name not in files:
                 raise SourceError(f"{src}: {name} is missing (world size {world}, item {item!r})")
-            loaded.setdefault(item, {})[rank] = _load(
+            loaded.setdefault(item, {})[rank] = unpickler.load_torch_file(
                 os.path.join(src, name), unpickler.SHARDED_TENSOR_CLASSES
             )
+    return loaded
+
+
+def _refs(
+    src: str,
+    items: dict,
+    world: int,
+    loaded: dict[str, dict[int, Any]],
+    model_item: str,
+    optimizer_item: str | None,
+) -> tuple[dict[str, TensorRef], dict[str, dict[str, TensorRef]], list[str], list[str], dict]:
+    """(parameters, optimizer states, every entry found, the optimizer's, skipped): one lazy
+    reference per metadata entry, assembled from the ranks' shards when read."""
     found: list[str] = []
     skipped: dict[str, str] = {}
     params: dict[str, TensorRef] = {}
@@ -268,19 +279,7 @@ def plan_torch_checkpointing(
                 optimizer_sources.append(entry)
             else:
                 skipped[entry] = f"item {item!r}: not a model weight or optimizer state"
-    groups_out = _optimizer_extras(src, optimizer_item, loaded, found, skipped, states)
-    recorded = _unmapped_items(src, items, files, found, skipped)
-    torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
-    source = {
-        "framework": "torch_checkpointing",
-        "path": os.path.abspath(src),
-        "world_size": world,
-        "items": sorted(set(items) | {f.rsplit("_", 1)[0] for f in files}),
-        "files": files + [METADATA_FILE],
-    }
-    if recorded:
-        source["recorded"] = recorded
-    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+    return params, states, found, optimizer_sources, skipped
 
 
 def _optimizer_extras(
@@ -319,7 +318,9 @@ def _unmapped_items(
     their tensors skipped."""
     recorded: dict[str, Any] = {}
     for item in sorted({f.rsplit("_", 1)[0] for f in files} - set(items)):
-        state = _load(os.path.join(src, f"{item}_0.pt"), unpickler.SHARDED_TENSOR_CLASSES)
+        state = unpickler.load_torch_file(
+            os.path.join(src, f"{item}_0.pt"), unpickler.SHARDED_TENSOR_CLASSES
+        )
         for name in tensor_names(state):
             entry = f"{item}:{name}"
             found.append(entry)

@@ -36,7 +36,7 @@ from jax_ucp.format import safetensors
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, tensor_names
 from jax_ucp.importers.safetensors_weights import plan_safetensors
 from jax_ucp.importers.torch import dcp
-from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, plan_state
+from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
@@ -121,7 +121,13 @@ def hf_name(name: str) -> str | None:
 
 def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     """torchtune's q/k rows in Hugging Face's order: ``tune_to_hf``'s ``_permute``, ``[heads,
-    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed)."""
+    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed).
+
+    Args:
+        value: a q or k projection (or its moment), torchtune's row order.
+        heads: its head count (``num_attention_heads`` or ``num_key_value_heads``).
+        head_dim: rows per head.
+    """
     dim = value.shape[1]
     return np.ascontiguousarray(
         value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
@@ -133,20 +139,13 @@ def _names(keys: list, count: int = 3) -> str:
     return shown + (", ..." if len(keys) > count else "")
 
 
-def _load_recipe(path: str) -> Any:
-    try:
-        return unpickler.load_torch_file(path)
-    except unpickler.TorchFileError as e:
-        raise SourceError(str(e)) from None
-
-
 def recipe_optimizer(path: str) -> str:
     """What ``recipe_state.pt`` holds of the optimizer, said as found: a state dict keyed by
     index (the single-device recipes), by torchtune's parameter names (the distributed
     recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
     or none; the file read through the allow-listed unpickler (never run)."""
     try:
-        recipe = _load_recipe(path)
+        recipe = unpickler.load_torch_file(path)
     except SourceError as e:
         return f"not read ({str(e)[:200]})"
     if not isinstance(recipe, dict):
@@ -335,42 +334,29 @@ def _optimizer_names(
             f"or convert with weights_only=True to import the weights"
         )
     ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", ())]
-    order = list(order)
-    if len(order) != len(ids) or len(set(ids)) != len(ids):
-        raise SourceError(
-            f"{recipe}: parameter_order names {len(order)} parameters, the optimizer's groups "
-            f"number {len(ids)}{' (some twice)' if len(set(ids)) != len(ids) else ''}"
-        )
-    to_name = dict(zip(ids, order))
-    missing = [k for k in keys if k not in to_name]
-    if missing:
-        raise SourceError(
-            f"{recipe}: optimizer state for indices {_names(missing)}, which no param group lists"
-        )
-    return to_name
+    return numbered_names(ids, keys, order, recipe)
 
 
-def _plan_with_optimizer(
-    src: str,
-    epochs: list[str],
-    recipe: str,
-    share: Share,
-    order: Sequence[str] | None,
-) -> ImportPlan:
-    latest = os.path.join(src, epochs[-1])
-    loaded = _load_recipe(recipe)
+def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
+    """(the recipe state, its optimizer's ``state``, its ``param_groups``); refused when the
+    recipe holds no torch optimizer state dict (the weights still import alone)."""
+    loaded = unpickler.load_torch_file(recipe)
     optimizer = loaded.get(OPTIMIZER_KEY) if isinstance(loaded, dict) else None
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not (isinstance(state, dict) and isinstance(groups, list)):
         raise SourceError(
             f"{recipe}: torchtune's optimizer state, {recipe_optimizer(recipe)}: not imported. "
-            f"Convert with weights_only=True to import {epochs[-1]}/'s weights"
+            f"Convert with weights_only=True to import {epoch}/'s weights"
         )
-    assert isinstance(loaded, dict) and isinstance(optimizer, dict)
-    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(recipe))
-    config, heads, kv_heads, head_dim = _heads(latest)
-    _, owner = safetensors.open_checkpoint(latest)
+    assert isinstance(loaded, dict)
+    return loaded, state, groups
+
+
+def _epoch_weights(folder: str, epoch: str) -> tuple[dict[str, TensorRef], list[str]]:
+    """The epoch's safetensors as lazy references (Hugging Face's names and rows, as the
+    checkpointer wrote them), and the files they came from."""
+    _, owner = safetensors.open_checkpoint(folder)
     params: dict[str, TensorRef] = {}
     for name, f in owner.items():
         value = f.tensor(name)  # a lazy view of the map
@@ -380,10 +366,41 @@ def _plan_with_optimizer(
             tuple(value.shape),
             value.dtype,
             lambda f=f, name=name: f.tensor(name),
-            {"format": "safetensors", "file": f"{epochs[-1]}/{base}"},
+            {"format": "safetensors", "file": f"{epoch}/{base}"},
         )
+    return params, sorted({os.path.basename(f.path) for f in owner.values()})
+
+
+def _moment_ref(
+    key: Any, tune: str, st: str, value: np.ndarray, rows: int | None, head_dim: int
+) -> TensorRef:
+    """One optimizer state entry, its q/k rows permuted as ``tune_to_hf`` permutes the weight
+    (``rows`` heads; none for ``step`` or a non-matrix)."""
+    permuted = rows is not None and st != "step" and value.ndim == 2
+    read = lambda v=value: v
+    if rows is not None and permuted:
+        read = lambda v=value, n=rows: permute_rows(v, n, head_dim)
+    return TensorRef(
+        f"{RECIPE_STATE}:{OPTIMIZER_KEY}.state.{key}.{st}",
+        tuple(value.shape),
+        value.dtype,
+        read,
+        {
+            "format": "torch_files",
+            "file": RECIPE_STATE,
+            "torchtune_name": tune,
+            **({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if permuted else {}),
+        },
+    )
+
+
+def _moments(
+    state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int]
+) -> tuple[dict[str, dict[str, TensorRef]], dict[str, str]]:
+    """({Hugging Face name: {state: reference}}, {torchtune name: Hugging Face name}): the
+    moments renamed by torchtune's own table; a name it does not know is refused."""
+    q_heads, kv_heads, head_dim = heads
     states: dict[str, dict[str, TensorRef]] = {}
-    skipped: dict[str, str] = {}
     moved: dict[str, str] = {}
     for key, per in state.items():
         tune = to_name[key]
@@ -394,47 +411,45 @@ def _plan_with_optimizer(
                 f"tune_to_hf table does not name (known: {_names(sorted(TUNE_TO_HF), 4)})"
             )
         moved[tune] = hf
-        rows = heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
+        rows = q_heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
         for st, value in per.items() if isinstance(per, dict) else ():
-            entry = f"{RECIPE_STATE}:{OPTIMIZER_KEY}.state.{key}.{st}"
             if not isinstance(value, np.ndarray):
-                if st == "step" and isinstance(value, (int, float)):
-                    array = np.asarray(value, np.float64)
-                    value = array
-                else:
+                if not (st == "step" and isinstance(value, (int, float))):
                     continue  # not a tensor: not in found either
-            read = (
-                (lambda v=value: v)
-                if rows is None or st == "step" or value.ndim != 2
-                else (lambda v=value, n=rows: permute_rows(v, n, head_dim))
-            )
-            states.setdefault(hf, {})[st] = TensorRef(
-                entry,
-                tuple(value.shape),
-                value.dtype,
-                read,
-                {
-                    "format": "torch_files",
-                    "file": RECIPE_STATE,
-                    "torchtune_name": tune,
-                    **(
-                        {"rows_permuted": {"heads": rows, "head_dim": head_dim}}
-                        if rows is not None and st != "step" and value.ndim == 2
-                        else {}
-                    ),
-                },
-            )
+                value = np.asarray(value, np.float64)
+            states.setdefault(hf, {})[st] = _moment_ref(key, tune, st, value, rows, head_dim)
+    return states, moved
+
+
+def _check_qk_moments(
+    states: dict[str, dict[str, TensorRef]],
+    moved: dict[str, str],
+    heads: tuple[int, int, int],
+    recipe: str,
+    epoch: str,
+) -> None:
+    """The q/k moments must have the rows config.json's heads say, or the permutation would
+    scramble them silently."""
+    q_heads, kv_heads, head_dim = heads
     for p in moved:
         if ("q_proj" in p or "k_proj" in p) and states[moved[p]].get("exp_avg") is not None:
             shape = states[moved[p]]["exp_avg"].shape
-            n = heads if "q_proj" in p else kv_heads
+            n = q_heads if "q_proj" in p else kv_heads
             if len(shape) != 2 or shape[0] != n * head_dim or head_dim % 2:
                 raise SourceError(
                     f"{recipe}: {p!r} has moments of shape {list(shape)}, expected "
-                    f"[{n} heads x head_dim {head_dim}, ...] from {epochs[-1]}/config.json"
+                    f"[{n} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
                 )
+
+
+def _recipe_accounting(
+    loaded: dict, src: str, epochs: list[str]
+) -> tuple[list[str], list[str], list[str], dict[str, str]]:
+    """(the recipe's tensors, those of the optimizer, the earlier epochs' folders, skipped):
+    every tensor of recipe_state.pt and every older epoch is imported or said skipped."""
     recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
     optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped: dict[str, str] = {}
     for n in recipe_tensors:
         if n not in optimizer_sources:
             skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
@@ -443,6 +458,27 @@ def _plan_with_optimizer(
     units = [f"{e}/" for e in epochs[:-1] + dist_epoch_folders(src)]
     for unit in units:
         skipped[unit] = f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"
+    return recipe_tensors, optimizer_sources, units, skipped
+
+
+def _plan_with_optimizer(
+    src: str,
+    epochs: list[str],
+    recipe: str,
+    share: Share,
+    order: Sequence[str] | None,
+) -> ImportPlan:
+    """The latest epoch's weights with recipe_state.pt's moments, renamed and row-permuted
+    as torchtune's checkpointer converts the weights."""
+    latest = os.path.join(src, epochs[-1])
+    loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
+    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(recipe))
+    config, q_heads, kv_heads, head_dim = _heads(latest)
+    heads = (q_heads, kv_heads, head_dim)
+    params, files = _epoch_weights(latest, epochs[-1])
+    states, moved = _moments(state, to_name, recipe, heads)
+    _check_qk_moments(states, moved, heads, recipe, epochs[-1])
+    recipe_tensors, optimizer_sources, units, skipped = _recipe_accounting(loaded, src, epochs)
     named_groups = [
         {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
         for g in groups
@@ -466,9 +502,9 @@ def _plan_with_optimizer(
         "framework": "torchtune",
         "path": os.path.abspath(src),
         "epoch": epochs[-1],
-        "files": sorted({os.path.basename(f.path) for f in owner.values()}),
+        "files": files,
         "optimizer_keyed_by": "index" if order is not None else "name",
-        "qk_permuted": {"heads": heads, "kv_heads": kv_heads, "head_dim": head_dim},
+        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
         "recipe": progress,
         "model_type": config.get("model_type"),
     }

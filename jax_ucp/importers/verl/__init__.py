@@ -50,13 +50,7 @@ ADAM_STATE = {"exp_avg": ("opt_state", "mu"), "exp_avg_sq": ("opt_state", "nu")}
 MAX_CONFIG_BYTES = 1 << 20
 
 # numpy's pickled RNG state (``np.random.get_state()`` in the extra state) as inert stand-ins
-_NUMPY_ARRAY = unpickler.standin_class("numpy.ndarray")
-_EXTRA_CLASSES: dict[str, Any] = {
-    "numpy.ndarray": _NUMPY_ARRAY,
-    "numpy.core.multiarray._reconstruct": _NUMPY_ARRAY,
-    "numpy._core.multiarray._reconstruct": _NUMPY_ARRAY,
-    "numpy.dtype": unpickler.standin_class("numpy.dtype"),
-}
+_EXTRA_CLASSES = unpickler.NUMPY_CLASSES
 
 
 @dataclasses.dataclass(frozen=True)
