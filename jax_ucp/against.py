@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pickle
 import re
 import sys
 from collections.abc import Callable
@@ -253,7 +254,16 @@ def _torch_file_value(path: str, name: str) -> Any:
     if path not in _TORCH_FILES:
         if len(_TORCH_FILES) >= 16:
             _TORCH_FILES.pop(next(iter(_TORCH_FILES)))
-        node = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        try:
+            node = torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+        except pickle.UnpicklingError as e:
+            if "ShardedTensor" in str(e):  # FSDP1's SHARDED_STATE_DICT (verl's FSDP1 ranks)
+                raise SourceError(
+                    f"{path}: torch.load(weights_only=True) refuses ShardedTensor, and torch "
+                    "rebuilds one only inside the process group of the rank that saved it: no "
+                    "torch loader reads it here"
+                ) from e
+            raise SourceError(f"{path}: torch.load(weights_only=True) refuses it: {e}") from e
         _TORCH_FILES[path] = _flatten(node)
     flat = _TORCH_FILES[path]
     if name not in flat:
@@ -307,8 +317,6 @@ _OLMO_STORAGE_INFO = ("olmo_core.distributed.checkpoint.filesystem", "_StorageIn
 
 def _dcp_reader(folder: str) -> Any:
     """torch DCP's ``FileSystemReader`` for ``folder``, reading OLMo-core's metadata too."""
-    import pickle
-
     from torch.distributed.checkpoint import filesystem  # pyright: ignore[reportMissingImports]
 
     class Unpickler(pickle.Unpickler):
