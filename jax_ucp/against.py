@@ -241,9 +241,13 @@ def _zero_to_fp32(src: str) -> dict[str, Any]:
 
     with contextlib.redirect_stdout(sys.stderr):  # its progress lines, not verify's output
         if os.path.isfile(os.path.join(src, "latest")):  # the run folder (checkpoint-N)
-            return get_fp32_state_dict_from_zero_checkpoint(src)
-        parent, tag = os.path.split(os.path.normpath(src))  # the tag folder itself
-        return get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+            state = get_fp32_state_dict_from_zero_checkpoint(src)
+        else:
+            parent, tag = os.path.split(os.path.normpath(src))  # the tag folder itself
+            state = get_fp32_state_dict_from_zero_checkpoint(parent, tag=tag)
+    if state is None:
+        raise SourceError(f"{src}: DeepSpeed's zero_to_fp32 finds no weights")
+    return dict(state)
 
 
 def _torch_file_value(path: str, name: str) -> Any:

@@ -5,6 +5,7 @@ listed as not compared, never counted as equal."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 
@@ -68,10 +69,43 @@ def test_torch_imports_against_torch_own_loaders(tmp_path, kind):
 
 
 def test_deepspeed_tensors_built_by_the_import_are_not_counted_equal(tmp_path):
+    """Without DeepSpeed installed, nothing reads its partitions whole: nothing compared is an
+    error, not "OK"."""
+    if importlib.util.find_spec("deepspeed") is not None:
+        pytest.skip("DeepSpeed installed: its zero_to_fp32 reads the weights (test below)")
     src = os.path.join(FIX, "deepspeed", "z2_fp32_dp2", "ckpt")
     out = jax_ucp.convert(src, tmp_path / "ucp")
     with pytest.raises(jax_ucp.UCPError, match=r"no tensor .* could be compared"):
         jax_ucp.verify(out, against=src)
+
+
+@pytest.mark.torch
+def test_deepspeed_weights_against_zero_to_fp32_and_moments_said_not_compared(tmp_path):
+    """A ZeRO import's weights equal what DeepSpeed's own zero_to_fp32 consolidates; the
+    moments, which no DeepSpeed function gives whole, are each listed as not compared."""
+    pytest.importorskip("deepspeed")
+    src = os.path.join(FIX, "deepspeed", "z2_fp32_dp2", "ckpt")
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    found = jax_ucp.verify(out, against=src)
+    assert list(found) == []
+    names = [e.name for e in jax_ucp.inspect(out).tensors]
+    assert sorted(n for n, _ in found.notices) == sorted(
+        n for n in names if not n.startswith("params/")
+    )
+    assert all("zero_to_fp32 consolidates the fp32 weights only" in why for n, why in
+               found.notices if n != "opt_state/count")  # fmt: skip
+
+
+@pytest.mark.torch
+def test_fsdp1_sharded_tensors_no_torch_loader_reads_is_said_and_exits_1(tmp_path):
+    """verl's FSDP1 ranks hold ShardedTensors, which torch.load(weights_only=True) refuses and
+    torch rebuilds only inside the saving rank's process group: verify says so, never "OK"."""
+    src = os.path.join(FIX, "verl", "fsdp1")
+    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    with pytest.raises(jax_ucp.UCPError, match=r"no tensor .* could be compared.*ShardedTensor"):
+        jax_ucp.verify(out, against=src)
+    r = runner.invoke(app, ["verify", str(out), "--against", src], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and "ShardedTensor" in r.output, r.output
 
 
 # Every importer whose fixture torch's own loaders read: (fixture, convert keywords, the
@@ -196,7 +230,9 @@ def test_every_importer_against_its_framework_own_loader(tmp_path, kind):
     changed = _flip_source(kind, src)
     bad = jax_ucp.verify(out, against=src)
     tied = {"params/model.embed_tokens.weight", "params/lm_head.weight"}
-    assert [n for n, _ in bad] == [changed] or (kind.endswith("tied") and {n for n, _ in bad} == tied), bad
+    assert [n for n, _ in bad] == [changed] or (
+        kind.endswith("tied") and {n for n, _ in bad} == tied
+    ), bad
     assert "differs from the source" in bad[0][1]
     r = runner.invoke(app, ["verify", str(out), "--against", src])
     assert r.exit_code == 1 and changed in r.output, r.output
