@@ -15,6 +15,7 @@ import dataclasses
 import os
 import pickle
 import re
+import shutil
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -210,28 +211,92 @@ def _deepspeed_loader(
 ) -> tuple[Callable[[], np.ndarray], str]:
     """A ZeRO import's fp32 weights against DeepSpeed's own consolidation
     (``zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint``, the whole state once, as
-    DeepSpeed reads it); DeepSpeed has no function consolidating the moments, so they are
-    listed as not compared."""
-    kind, _, name = entry_name.partition("/")
-    if kind != "params":
-        raise SourceError(
-            "DeepSpeed's zero_to_fp32 consolidates the fp32 weights only; no DeepSpeed loader "
-            "gives the moments whole"
-        )
+    DeepSpeed reads it); its moments against DeepSpeed's ``ds_to_universal`` (run once into a
+    temporary folder, removed after: disk for one copy of the weights and moments), each
+    ``zero/<param>/<state>.pt`` read with ``torch.load(weights_only=True)``."""
+    kind, _, rest = entry_name.partition("/")
     stage = provenance.get("zero_stage")
     if stage not in (1, 2, 3):
-        raise SourceError(f"not a ZeRO partition ({provenance.get('pattern')!r})")
+        raise SourceError(f"built by the import ({provenance.get('pattern')})")
+    name = rest.rsplit("/", 1)[-1]  # parameter names hold dots, never slashes
+    if kind == "params":
 
-    def read() -> np.ndarray:
-        if src not in _DEEPSPEED:
-            _DEEPSPEED.clear()
-            _DEEPSPEED[src] = _zero_to_fp32(src)
-        state = _DEEPSPEED[src]
-        if name not in state:
-            raise SourceError(f"{src}: zero_to_fp32 gives no weight {name!r}")
-        return _torch_to_numpy(state[name])
+        def read() -> np.ndarray:
+            state = _cached(src, "zero_to_fp32", _zero_to_fp32)
+            if name not in state:
+                raise SourceError(f"{src}: zero_to_fp32 gives no weight {name!r}")
+            return _torch_to_numpy(state[name])
 
-    return read, f"zero_to_fp32:{name}"
+        return read, f"zero_to_fp32:{name}"
+    tensors = provenance.get("tensors") or []
+    moment = str(tensors[0]).rsplit(".", 1)[-1] if tensors else ""
+    if kind != "opt_state" or not moment.startswith("exp_avg"):
+        raise SourceError(f"no DeepSpeed loader gives {entry_name!r} whole")
+
+    def read_moment() -> np.ndarray:
+        import torch  # pyright: ignore[reportMissingImports]  # the torch extra
+
+        folder = _cached(src, "ds_to_universal", _ds_to_universal)["folder"]
+        path = os.path.join(folder, "zero", name, f"{moment}.pt")
+        if not os.path.isfile(path):
+            raise SourceError(f"{src}: ds_to_universal writes no {name}/{moment}.pt")
+        value = torch.load(path, weights_only=True, map_location="cpu")
+        value = value["param"] if isinstance(value, dict) else value
+        if stage == 3 and value.dim() == 1:  # ZeRO-3's stay flat; shaped as zero_to_fp32's
+            weight = _cached(src, "zero_to_fp32", _zero_to_fp32).get(name)
+            if weight is not None and weight.numel() == value.numel():
+                value = value.view(weight.shape)
+        return _torch_to_numpy(value)
+
+    return read_moment, f"ds_to_universal:{name}/{moment}"
+
+
+def _cached(src: str, what: str, make: Callable[[str], dict[str, Any]]) -> dict[str, Any]:
+    """One DeepSpeed consolidation of ``src`` kept for the whole comparison."""
+    key = f"{what}:{src}"
+    if key not in _DEEPSPEED:
+        _DEEPSPEED[key] = make(src)
+    return _DEEPSPEED[key]
+
+
+def _tag_folder(src: str) -> str:
+    latest = os.path.join(src, "latest")
+    if os.path.isfile(latest):  # the run folder (the Trainer's checkpoint-N)
+        with open(latest) as f:
+            return os.path.join(src, f.read().strip())
+    return src
+
+
+def _ds_to_universal(src: str) -> dict[str, Any]:
+    import argparse
+    import tempfile
+
+    from deepspeed.checkpoint import ds_to_universal  # pyright: ignore[reportMissingImports]
+
+    folder = tempfile.mkdtemp(prefix="ucp-against-")
+    args = argparse.Namespace(
+        input_folder=_tag_folder(src),
+        output_folder=folder,
+        num_extract_workers=1,  # in this process (DeepSpeed's serial path)
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        inject_missing_state=True,  # the Trainer's saves lack universal_checkpoint_info
+    )
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            ds_to_universal.main(args)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    return {"folder": folder}
+
+
+def _clear_deepspeed() -> None:
+    for key, value in _DEEPSPEED.items():
+        if key.startswith("ds_to_universal:"):
+            shutil.rmtree(value["folder"], ignore_errors=True)
+    _DEEPSPEED.clear()
 
 
 def _zero_to_fp32(src: str) -> dict[str, Any]:
@@ -415,5 +480,5 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
             progress(entry.name, done, total)
     _TORCH_FILES.clear()
     _DCP_KEYS.clear()
-    _DEEPSPEED.clear()
+    _clear_deepspeed()
     return result
