@@ -1,11 +1,13 @@
 """``verify(ckpt, against=src)``: is the converted checkpoint really the run? Every imported
 tensor is compared bit for bit with what the source framework's *own* loader reads from the
-source (safetensors' ``safe_open``, ``torch.load(weights_only=True)``, torch DCP's ``dcp.load``),
-one tensor at a time (bounded memory), never with jax_ucp's own readers.
+source (safetensors' ``safe_open``, ``torch.load(weights_only=True)`` of each file or of every
+rank file with DTensor shards placed by torch's placement code, torch DCP's ``dcp.load``,
+DeepSpeed's ``zero_to_fp32`` and ``ds_to_universal``), one tensor at a time, never with
+jax_ucp's own readers.
 
-Only tensors an import copied one for one (its provenance names one source tensor) can be
-compared this way; those an import built (DeepSpeed's flat partitions, Megatron's tensor-parallel
-merges) are listed as not compared, with why — said, never counted as equal.
+Tensors an import built (the optimizer step from per-parameter steps, Megatron's
+tensor-parallel merges) or no loader reads here (FSDP1's ShardedTensors) are listed as not
+compared, with why — said, never counted as equal.
 """
 
 from __future__ import annotations
