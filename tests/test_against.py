@@ -236,3 +236,20 @@ def test_every_importer_against_its_framework_own_loader(tmp_path, kind):
     assert "differs from the source" in bad[0][1]
     r = runner.invoke(app, ["verify", str(out), "--against", src])
     assert r.exit_code == 1 and changed in r.output, r.output
+
+
+@pytest.mark.torch
+def test_olmo_core_step_folder_against_dcp_load(tmp_path):
+    """OLMo-core's ``stepN/`` (``model_and_optim/`` beside ``train/``): torch DCP's load reads
+    the folder the import read; a source path holding no such folder is an error naming it."""
+    import torch
+
+    from tests.importers.torch.test_olmo_core import _step_folder
+
+    src = _step_folder(tmp_path, 3)
+    torch.save({"global_step": 3, "world_size": 1}, os.path.join(src, "train", "rank0.pt"))
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    found = jax_ucp.verify(out, against=src)
+    assert list(found) == [] and [n for n, _ in found.notices] == ["opt_state/count"]
+    with pytest.raises(jax_ucp.UCPError, match=r"no torch DCP folder in it holds"):
+        jax_ucp.verify(out, against=os.path.dirname(src))
