@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_ucp.errors import SourceError
 
-__all__ = ["Comparison", "compare_with_source"]
+__all__ = ["Comparison", "compare_with_source", "dcp_reader"]
 
 
 @dataclasses.dataclass
@@ -376,7 +376,7 @@ _DCP_KEYS: dict[str, set[str]] = {}
 
 def _dcp_keys(folder: str) -> set[str]:
     if folder not in _DCP_KEYS:
-        _DCP_KEYS[folder] = set(_dcp_reader(folder).read_metadata().state_dict_metadata)
+        _DCP_KEYS[folder] = set(dcp_reader(folder).read_metadata().state_dict_metadata)
     return _DCP_KEYS[folder]
 
 
@@ -386,7 +386,7 @@ def _dcp_keys(folder: str) -> set[str]:
 _OLMO_STORAGE_INFO = ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")
 
 
-def _dcp_reader(folder: str) -> Any:
+def dcp_reader(folder: str) -> Any:
     """torch DCP's ``FileSystemReader`` for ``folder``, reading OLMo-core's metadata too."""
     from torch.distributed.checkpoint import filesystem  # pyright: ignore[reportMissingImports]
 
@@ -427,11 +427,11 @@ def _dcp_tensor(src: str, key: str) -> np.ndarray:
         load,
     )
 
-    meta = _dcp_reader(src).read_metadata().state_dict_metadata.get(key)
+    meta = dcp_reader(src).read_metadata().state_dict_metadata.get(key)
     if not isinstance(meta, TensorStorageMetadata):
         raise SourceError(f"{src}: torch DCP's metadata has no tensor {key!r}")
     out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    load({key: out}, storage_reader=_dcp_reader(src), no_dist=True)
+    load({key: out}, storage_reader=dcp_reader(src), no_dist=True)
     return _torch_to_numpy(out)
 
 

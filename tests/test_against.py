@@ -144,7 +144,7 @@ def _flip_source(kind, src) -> str:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from jax_ucp.against import _dcp_reader
+    from jax_ucp.against import dcp_reader
 
     if kind.startswith("verl") or kind == "torch_checkpointing":
         file = (
@@ -178,7 +178,7 @@ def _flip_source(kind, src) -> str:
         folder = os.path.join(src, "pytorch_model_fsdp_0")
     if kind == "torchtune_dist_async":
         folder = os.path.join(src, "dist_epoch_0")
-    meta = _dcp_reader(folder).read_metadata()
+    meta = dcp_reader(folder).read_metadata()
     index, where = next(  # the first weight's first chunk
         (i, s) for i, s in meta.storage_data.items() if i.fqn.startswith("model.")
     )
