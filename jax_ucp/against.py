@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.errors import SourceError
+from jax_ucp.torchfiles import dcp_reader as safe_dcp
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader"]
 
@@ -386,9 +387,20 @@ def _dcp_keys(folder: str) -> set[str]:
 _OLMO_STORAGE_INFO = ("olmo_core.distributed.checkpoint.filesystem", "_StorageInfo")
 
 
+_VETTED: set[str] = set()
+
+
 def dcp_reader(folder: str) -> Any:
-    """torch DCP's ``FileSystemReader`` for ``folder``, reading OLMo-core's metadata too."""
+    """torch DCP's ``FileSystemReader`` for ``folder``, reading OLMo-core's metadata too.
+
+    torch's reader unpickles ``.metadata`` with plain pickle (any class, any callable): the
+    allow-listed reader of :mod:`jax_ucp.torchfiles.dcp_reader` reads it first, so a pickle
+    naming anything but DCP's own data classes is refused before torch sees it."""
     from torch.distributed.checkpoint import filesystem  # pyright: ignore[reportMissingImports]
+
+    if folder not in _VETTED:
+        safe_dcp.open_dcp(folder)
+        _VETTED.add(folder)
 
     class Unpickler(pickle.Unpickler):
         def find_class(self, module: str, name: str) -> Any:

@@ -30,7 +30,12 @@ ALLOWED = {
     "exporters": {"format", "store", "writer", "language", "tree", "restoring", "torchfiles"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     "optax_torch": {"format", "store", "language", "restoring", "api", "models"},  # -> optax
-    "against": {"format", "store", "restoring"},  # verify(against=): the source's own loaders
+    "against": {
+        "format",
+        "store",
+        "restoring",
+        "torchfiles",
+    },  # verify(against=): the source's own loaders
 }
 # Modules that load no JAX when imported (JAX only inside a function, where a sharding the caller
 # gave means it is loaded): the restore engine and its sources, below the one JAX part of
