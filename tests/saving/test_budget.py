@@ -6,11 +6,7 @@ a shard larger than the budget refused by name, and the bound itself measured in
 
 import asyncio
 import json
-import os
-import shutil
-import tempfile
 import threading
-from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -168,18 +164,6 @@ def test_a_shard_larger_than_the_budget_is_refused_by_name_before_anything_is_wr
         jax_ucp.UCPSave(state, memory_budget="lots")
 
 
-@pytest.fixture
-def scratch(tmp_path):
-    """A directory on tmpfs (/dev/shm) where there is one, else ``tmp_path``: a memory test's
-    checkpoints written without disk I/O (RssAnon does not count tmpfs pages). Not a small one
-    (a container's default /dev/shm is 64 MiB)."""
-    if not os.access("/dev/shm", os.W_OK) or shutil.disk_usage("/dev/shm").free < 2 << 30:
-        yield tmp_path
-        return
-    with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        yield Path(d)
-
-
 # A fresh process: 256 MiB of float32 on 8 CPU devices saved by an async CheckpointManager;
 # prints the peak RssAnon over the process after the state was built, sampled every 2 ms.
 _MEASURE = """
@@ -226,15 +210,15 @@ print('PEAK', json.dumps({'over': max(peak[0], anon()) - base}))
 
 
 @pytest.mark.timeout(900)
-def test_async_save_host_memory_stays_within_the_budget_in_a_fresh_process(scratch):
+def test_async_save_host_memory_stays_within_the_budget_in_a_fresh_process(tmpfs_path):
     """256 MiB of replica-0 shards (four 4096×4096 float32 on a 2×4 mesh, shards of 8 to 32 MiB)
     saved at a 64 MiB budget: RssAnon grows by at most budget + 64 MiB; without the budget the
     save's copies take the whole 256 MiB (the check that this test can fail). The checkpoints
-    go to a tmpfs where there is one (``scratch``)."""
+    go to a tmpfs where there is one (``tmpfs_path``)."""
     over = {}
     for budget in ("64MiB", "none"):
         p = run_python(
-            f"import sys; sys.argv = ['-', {str(scratch / budget)!r}, {budget!r}]\n" + _MEASURE,
+            f"import sys; sys.argv = ['-', {str(tmpfs_path / budget)!r}, {budget!r}]\n" + _MEASURE,
             timeout=600,
         )
         line = next(x for x in p.stdout.splitlines() if x.startswith("PEAK"))
@@ -242,7 +226,7 @@ def test_async_save_host_memory_stays_within_the_budget_in_a_fresh_process(scrat
     print({k: f"{v / MiB:.0f} MiB" for k, v in over.items()})
     assert over["64MiB"] <= 128 * MiB, over["64MiB"] / MiB
     assert over["none"] > 192 * MiB, over["none"] / MiB
-    got = jax_ucp.inspect(scratch / "64MiB" / "1" / "state")
+    got = jax_ucp.inspect(tmpfs_path / "64MiB" / "1" / "state")
     assert sorted(e.name for e in got.tensors) == [f"w{i}" for i in range(4)]
 
 
