@@ -1,6 +1,9 @@
 """8 CPU devices for every test (set before jax is imported) and a quick hypothesis profile."""
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -43,3 +46,15 @@ def ckpt(tmp_path):
         },
     )
     return path
+
+
+@pytest.fixture
+def tmpfs_path(tmp_path):
+    """A fresh directory on tmpfs (/dev/shm) where there is a large one, else ``tmp_path``: the
+    memory tests' large checkpoints written and read without disk I/O (RssAnon, what they
+    measure, does not count tmpfs pages). A container's default /dev/shm (64 MiB) is not used."""
+    if not os.access("/dev/shm", os.W_OK) or shutil.disk_usage("/dev/shm").free < 2 << 30:
+        yield tmp_path
+        return
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="jax_ucp-test-") as d:
+        yield Path(d)

@@ -286,24 +286,31 @@ def test_a_failed_save_leaves_no_temporary_directory_and_the_old_checkpoint(tmp_
 SAVER = textwrap.dedent(
     """
     import sys, numpy as np, jax_ucp
-    path, value, force = sys.argv[1], float(sys.argv[2]), sys.argv[3] == "1"
-    try:
-        jax_ucp.save(path, {f"t{i}": np.full((256, 256), value, np.float32) for i in range(16)},
-                     force=force)
-        print("SAVED")
-    except jax_ucp.UCPError as e:
-        print("REFUSED", e)
-    except FileExistsError as e:
-        print("EXISTS", e)
+    path, values, force = sys.argv[1], sys.argv[2].split(","), sys.argv[3] == "1"
+    for value in map(float, values):  # one save per value, in turn (one start-up for all)
+        try:
+            jax_ucp.save(path, {f"t{i}": np.full((256, 256), value, np.float32) for i in range(16)},
+                         force=force)
+            print("SAVED", flush=True)
+        except jax_ucp.UCPError as e:
+            print("REFUSED", e, flush=True)
+        except FileExistsError as e:
+            print("EXISTS", e, flush=True)
     """
 )
 
 
+def _joined(v) -> str:
+    return ",".join(map(str, v if isinstance(v, tuple) else (v,)))
+
+
 def _savers(path, values, force):
+    """One saver process per item of ``values``, all at once; an item that is a tuple is saved
+    value after value by its one process."""
     env = dict(os.environ, PYTHONPATH=REPO)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", SAVER, str(path), str(v), "1" if force else "0"],
+            [sys.executable, "-c", SAVER, str(path), _joined(v), "1" if force else "0"],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -355,11 +362,12 @@ def test_restores_during_forced_saves_are_whole_old_or_whole_new(tmp_path):
     reader = threading.Thread(target=restore_loop)
     reader.start()
     try:
-        for v in (1.0, 2.0, 3.0, 4.0):
-            _savers(path, [v], force=True)
+        # four forced saves in turn by one other process (one start-up, not four)
+        outs = _savers(path, [(1.0, 2.0, 3.0, 4.0)], force=True)
     finally:
         stop.set()
         reader.join()
+    assert outs[0].splitlines() == ["SAVED"] * 4, outs
     assert seen, errors
     assert seen <= {0.0, 1.0, 2.0, 3.0, 4.0}
 

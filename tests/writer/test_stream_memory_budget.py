@@ -405,24 +405,24 @@ def test_an_orbax_import_in_row_slabs_equals_the_default_one(tmp_path, monkeypat
 
 
 @pytest.mark.timeout(600)
-def test_an_orbax_array_over_the_budget_stays_within_it(tmp_path):
+def test_an_orbax_array_over_the_budget_stays_within_it(tmpfs_path):
     """A 160 MiB Orbax array saved in 4 MiB chunks, imported at a 32 MiB budget: RssAnon stays
     well under the array (read whole it would be 160 MiB and its decoded chunks over the
     baseline; in slabs ~60-110 MiB, glibc keeping TensorStore's freed chunk buffers)."""
-    _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
-    over = peak_over_baseline(tmp_path / "orbax", tmp_path / "ucp", "32MiB")
+    _save_orbax_chunked(tmpfs_path / "orbax", 40960, 1024, 4 << 20)
+    over = peak_over_baseline(tmpfs_path / "orbax", tmpfs_path / "ucp", "32MiB")
     assert over < 136 * MiB, over / MiB
-    run_child(_ORBAX_CHECK, tmp_path / "ucp", 40960, 1024, "ucp")
+    run_child(_ORBAX_CHECK, tmpfs_path / "ucp", 40960, 1024, "ucp")
 
 
 @pytest.mark.timeout(600)
-def test_an_orbax_export_over_the_budget_writes_chunk_by_chunk(tmp_path):
+def test_an_orbax_export_over_the_budget_writes_chunk_by_chunk(tmpfs_path):
     """A 160 MiB tensor exported to Orbax at a 32 MiB budget: written in chunks of a sixteenth
     of the budget, a slab of them at a time (Orbax's one chunk per array held its compressed
     copy too: +314 MiB measured), and ``ocp.StandardCheckpointer().restore`` reads it
     bit-exact. The tensor itself is still read whole (+160 MiB)."""
-    _save_orbax_chunked(tmp_path / "orbax", 40960, 1024, 4 << 20)
-    ucp = jax_ucp.convert(tmp_path / "orbax", tmp_path / "ucp", memory_budget="64MiB")
-    over = peak_over_baseline(ucp, tmp_path / "out", "32MiB", export_to="orbax")
+    _save_orbax_chunked(tmpfs_path / "orbax", 40960, 1024, 4 << 20)
+    ucp = jax_ucp.convert(tmpfs_path / "orbax", tmpfs_path / "ucp", memory_budget="64MiB")
+    over = peak_over_baseline(ucp, tmpfs_path / "out", "32MiB", export_to="orbax")
     assert over < 240 * MiB, over / MiB
-    run_child(_ORBAX_CHECK, tmp_path / "out", 40960, 1024, "orbax")
+    run_child(_ORBAX_CHECK, tmpfs_path / "out", 40960, 1024, "orbax")
