@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import ml_dtypes
@@ -386,3 +387,26 @@ def save_and_name(path, tree) -> str:
 
     jax_ucp.save(path, tree)
     return os.fspath(path)
+
+
+class ThreadExchange:
+    """``gather`` (``agreement.join``'s exchange) for threads standing in for the processes of
+    a shared write or a commit; ``before(step)`` runs in a thread before it gathers."""
+
+    def __init__(self, count: int):
+        self.count, self.values, self.cond = count, {}, threading.Condition()
+
+    def gather_of(self, index: int, before=None):
+        def gather(step, value, wait=True):
+            if before is not None:
+                before(step)
+            with self.cond:
+                self.values[step, index] = value
+                self.cond.notify_all()
+                if not wait:
+                    return []
+                everyone = lambda: all((step, i) in self.values for i in range(self.count))
+                assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
+                return [self.values[step, i] for i in range(self.count)]
+
+        return gather

@@ -17,27 +17,7 @@ import pytest
 import jax_ucp
 from jax_ucp.errors import MultiProcessError
 from jax_ucp.multihost import commit
-from tests.ucp_testing import REPO, assert_bit_exact, free_port
-
-
-class _Exchange:
-    """``gather`` for threads standing in for the processes."""
-
-    def __init__(self, count: int):
-        self.count, self.values, self.cond = count, {}, threading.Condition()
-
-    def gather_of(self, index: int):
-        def gather(step, value, wait=True):
-            with self.cond:
-                self.values[step, index] = value
-                self.cond.notify_all()
-                if not wait:
-                    return []
-                everyone = lambda: all((step, i) in self.values for i in range(self.count))
-                assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
-                return [self.values[step, i] for i in range(self.count)]
-
-        return gather
+from tests.ucp_testing import REPO, ThreadExchange, assert_bit_exact, free_port
 
 
 class _Tx:
@@ -50,7 +30,7 @@ class _Tx:
 
 def _run(count, write_of):
     """Each thread's result (None) or error, and what the primary's transaction saw."""
-    exchange, results, events = _Exchange(count), [None] * count, []
+    exchange, results, events = ThreadExchange(count), [None] * count, []
 
     @contextlib.contextmanager
     def begin():
@@ -114,7 +94,7 @@ def test_a_primary_that_cannot_begin_stops_every_process_before_it_writes():
         raise FileExistsError("dest already exists")
         yield
 
-    exchange, results = _Exchange(2), [None, None]
+    exchange, results = ThreadExchange(2), [None, None]
 
     def run(i):
         try:

@@ -19,7 +19,7 @@ import jax_ucp
 from jax_ucp.multihost.agreement import MultiProcessError
 from jax_ucp.orbax.manager_step import write_manager_step
 from jax_ucp.writer import HostItem, write_host_checkpoint, write_shared_checkpoint
-from tests.ucp_testing import REPO, assert_bit_exact
+from tests.ucp_testing import REPO, ThreadExchange, assert_bit_exact
 
 
 def test_stream_written_one_at_a_time_with_roles_and_provenance(tmp_path, monkeypatch):
@@ -149,31 +149,9 @@ def _beside(tmp_path, name) -> list[str]:
     return sorted(d for d in os.listdir(tmp_path) if d.startswith((name + ".", "." + name + ".")))
 
 
-class _Exchange:
-    """``gather`` for threads standing in for the processes of a shared write."""
-
-    def __init__(self, count: int):
-        self.count, self.values, self.cond = count, {}, threading.Condition()
-
-    def gather_of(self, index: int, before=None):
-        def gather(step, value, wait=True):
-            if before is not None:
-                before(step)
-            with self.cond:
-                self.values[step, index] = value
-                self.cond.notify_all()
-                if not wait:
-                    return []
-                everyone = lambda: all((step, i) in self.values for i in range(self.count))
-                assert self.cond.wait_for(everyone, timeout=30), f"no one else at {step}"
-                return [self.values[step, i] for i in range(self.count)]
-
-        return gather
-
-
 def _shared_write(dest, keys_of, before_of=lambda i: None):
     """Process i (a thread) writes ``keys_of(i)``; each thread's result or error."""
-    exchange, results = _Exchange(2), [None, None]
+    exchange, results = ThreadExchange(2), [None, None]
 
     def items_of(i):
         for k in keys_of(i):  # "step": a JSON scalar, no array
