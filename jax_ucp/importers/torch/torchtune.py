@@ -23,7 +23,6 @@ listed in ``source.skipped``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -37,6 +36,7 @@ from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, 
 from jax_ucp.importers.safetensors_weights import plan_safetensors
 from jax_ucp.importers.torch import dcp
 from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
+from jax_ucp.importers.trainer_files import read_json, side_file
 from jax_ucp.torchfiles import unpickler
 
 __all__ = [
@@ -287,10 +287,9 @@ def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
     """(config, q heads, kv heads, head_dim) from the epoch's ``config.json``, as the
     checkpointer read them; a model ``tune_to_hf`` does not convert is refused."""
     path = os.path.join(folder, "config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
+    try:  # a bounded read of a regular file inside the checkpoint (never a link out, a FIFO)
+        config = read_json(side_file(folder, "config.json"))
+    except (OSError, SourceError) as e:
         raise SourceError(
             f"{path}: not read ({e}); the q/k heads its moments are permuted by are in it"
         ) from None
@@ -304,9 +303,15 @@ def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
     try:
         heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
         dim = int(config["hidden_size"])
-        head_dim = int(config.get("head_dim") or dim // heads)
+        head_dim = int(config.get("head_dim") or (dim // heads if heads > 0 else 0))
     except (KeyError, TypeError, ValueError) as e:
         raise SourceError(f"{path}: no usable {e} (the attention heads)") from None
+    if min(heads, kv_heads, head_dim) <= 0:
+        raise SourceError(
+            f"{path}: num_attention_heads {heads}, num_key_value_heads {kv_heads}, head_dim "
+            f"{head_dim}: each must be a positive integer (the q/k moments' rows are permuted "
+            f"by them)"
+        )
     return config, heads, kv_heads, head_dim
 
 

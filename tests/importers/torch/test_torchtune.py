@@ -194,6 +194,36 @@ def test_a_model_type_tune_to_hf_does_not_convert_is_refused(tmp_path):
         jax_ucp.convert(src, tmp_path / "refused")
 
 
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ('"num_attention_heads": 4', r"num_attention_heads 0, .*positive integer"),
+        ('"num_key_value_heads": 2', r"num_key_value_heads -2, .*positive integer"),
+        ("link", r"config\.json: not read .*q/k heads"),
+    ],
+    ids=["zero heads", "negative kv heads", "linked out"],
+)
+def test_a_hostile_config_of_the_heads_is_refused(tmp_path, change, says):
+    """The q/k moments are permuted by config.json's heads: heads that are not positive, or a
+    config.json linked out of the checkpoint, are refused naming the file, nothing written."""
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    config = os.path.join(src, "epoch_0", "config.json")
+    if change == "link":
+        outside = tmp_path / "elsewhere.json"
+        shutil.move(config, outside)
+        os.symlink(outside, config)
+    else:
+        with open(config) as f:
+            text = f.read()
+        assert change in text
+        bad = change.replace(": 4", ": 0") if "attention" in change else change.replace("2", "-2")
+        with open(config, "w") as f:
+            f.write(text.replace(change, bad))
+    with pytest.raises(jax_ucp.UCPError, match=says):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
 def test_optimizer_in_backward_recipe_state_refusal_says_one_per_parameter(tmp_path):
     src = _rekeyed_recipe(tmp_path, per_parameter=True)
     with pytest.raises(jax_ucp.UCPError, match=r"one optimizer per parameter \(optimizer in "):
