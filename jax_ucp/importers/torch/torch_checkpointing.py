@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp.errors import SourceError
+from jax_ucp.format.files import in_own_folder, read_regular
 from jax_ucp.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
 from jax_ucp.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
 from jax_ucp.torchfiles import sharded, unpickler
@@ -36,6 +37,7 @@ __all__ = ["METADATA_FILE", "is_torch_checkpointing", "plan_torch_checkpointing"
 METADATA_FILE = "metadata.pkl"  # torch_checkpointing.metadata_serialization.METADATA_FILE_NAME
 #: the metadata versions read here (torch_checkpointing 0.1.x writes "2.0")
 VERSIONS = ("2.0",)
+MAX_METADATA_BYTES = 256 << 20  # plain data: shapes, placements, ranks per tensor
 MODEL_ITEMS = ("model",)
 OPTIMIZER_ITEMS = ("optimizer", "optim")
 _RANK_FILE = re.compile(r"(.+)_(\d+)\.pt")
@@ -52,8 +54,10 @@ def is_torch_checkpointing(src: os.PathLike | str) -> bool:
 def _metadata(src: str) -> tuple[dict, int]:
     """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
     path = os.path.join(src, METADATA_FILE)
-    with open(path, "rb") as f:
-        raw = unpickler.restricted_loads(f.read(), where=path)
+    # a bounded read of a regular file of this folder (never a link out, a FIFO, a huge file)
+    raw = unpickler.restricted_loads(
+        read_regular(in_own_folder(path), MAX_METADATA_BYTES), where=path
+    )
     if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
         raise SourceError(
             f"{path}: expected a dict with 'metadata', found {unpickler.short_repr(raw, 120)}"

@@ -89,3 +89,13 @@ def test_a_dtensor_file_loads_only_with_the_dtensor_classes():
     assert isinstance(shard, unpickler.WrapperTensor)
     (piece,) = sharded.local_pieces(shard, mesh_size=2)
     assert (piece.array.shape, shard.shape, piece.offsets) == ((1, 6), (3, 6), (2, 0))
+
+
+def test_metadata_linked_out_of_the_folder_is_refused(tmp_path):
+    """metadata.pkl says where every shard lies: one linked in from elsewhere is not read."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    shutil.move(src / "metadata.pkl", tmp_path / "elsewhere.pkl")
+    os.symlink(tmp_path / "elsewhere.pkl", src / "metadata.pkl")
+    with pytest.raises(jax_ucp.UCPError, match=r"metadata\.pkl"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
