@@ -179,6 +179,14 @@ def _groups(p: PreparedTensor, budget: int):
     return groups
 
 
+def _release(writes: list) -> None:
+    """A settled batch's host data freed (private copies deleted now, views dropped)."""
+    for _, data in writes:
+        if isinstance(data, _Held):
+            data.release()
+    writes.clear()
+
+
 async def write_within_budget(
     root,
     prepared: Sequence[PreparedTensor],
@@ -213,10 +221,7 @@ async def write_within_budget(
         try:
             result = await task
         finally:
-            for _, data in writes:
-                if isinstance(data, _Held):
-                    data.release()
-            writes.clear()
+            _release(writes)
         if result is None:
             partial.add(array_dir)
         else:
@@ -239,8 +244,6 @@ async def write_within_budget(
         rest = list(window.drain())
         await asyncio.gather(*(t for t, _, _ in rest), return_exceptions=True)
         for _, _, writes in rest:
-            for _, data in writes:
-                if isinstance(data, _Held):
-                    data.release()
+            _release(writes)
         raise
     return {d: v for d, v in digests.items() if d not in partial}
