@@ -6,14 +6,18 @@ page past its new end into SIGBUS: the process dies with no message. So the byte
 are never touched in bulk: :func:`read_out`, :func:`copy_into` and :func:`crc32` read them with
 ``pread`` from the mapping's file (a short read is :class:`CheckpointError`, naming the file), and
 :func:`read_bytes` serves the small reads of headers the same way. An array that views no
-:class:`FileMap` passes through them unchanged.
+:class:`FileMap` passes through them unchanged. Since every read passes here, a check of a byte
+range (a zip member's CRC-32) can wait until the range is first read (:func:`check_before_read`):
+bytes never read are never checked, nor read.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import threading
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -25,6 +29,8 @@ from jax_ucp.format.files import open_regular, preadv_full
 __all__ = [
     "PIECE",
     "FileMap",
+    "check_before_read",
+    "check_pending",
     "copy_into",
     "crc32",
     "map_file",
@@ -46,6 +52,9 @@ class FileMap(mmap.mmap):
     path: str
     fd: int
     address: int
+    #: :func:`check_before_read`'s ranges not read yet: start -> (end, check); None: none ever
+    pending: dict[int, tuple[int, Callable[[FileMap], None]]] | None = None
+    pending_lock: threading.RLock
 
     def __del__(self) -> None:
         fd = getattr(self, "fd", -1)
@@ -84,7 +93,51 @@ def mapped_at(arr: Any) -> tuple[FileMap, int] | None:
     return base, np.asarray(arr).__array_interface__["data"][0] - base.address
 
 
+def check_before_read(mm: FileMap, start: int, size: int, check: Callable[[FileMap], None]) -> None:
+    """Runs ``check(mm)`` once, before the first read through this module of any byte of
+    ``[start, start + size)``: a zip member's CRC-32 costs a pass over its bytes, worth paying
+    only for members that are read (a weights-only import never reads the Adam moments). A
+    failing check fails every read of the range. Ranges of one mapping do not overlap.
+
+    Args:
+        mm: the mapping.
+        start: the range's first byte (a file offset).
+        size: its length in bytes.
+        check: raises when the range's bytes are bad; called with ``mm``, holding its lock.
+    """
+    if mm.pending is None:
+        mm.pending_lock = threading.RLock()
+        mm.pending = {}
+    with mm.pending_lock:
+        mm.pending[start] = (start + size, check)
+
+
+def check_pending(mm: FileMap, start: int = 0, end: int | None = None) -> None:
+    """Runs now the :func:`check_before_read` checks of the ranges overlapping ``[start, end)``
+    (default: all). Other threads reading those ranges wait for them.
+
+    Args:
+        mm: the mapping.
+        start: the first byte of the span.
+        end: the end of the span (None: the end of the file).
+    """
+    if not mm.pending:
+        return
+    end = len(mm) if end is None else end
+    with mm.pending_lock:
+        due = sorted((s, e, c) for s, (e, c) in mm.pending.items() if s < end and start < e)
+        for s, e, check in due:
+            del mm.pending[s]  # the check's own reads of the range pass (this thread, RLock)
+            try:
+                check(mm)
+            except BaseException:
+                mm.pending[s] = (e, check)
+                raise
+
+
 def _pread_into(mm: FileMap, offset: int, buf: memoryview, what: str) -> None:
+    if mm.pending:
+        check_pending(mm, offset, offset + len(buf))
     got = preadv_full(mm.fd, [buf], offset)
     if got < len(buf):
         raise CheckpointError(

@@ -46,6 +46,11 @@ from jax_ucp.errors import SourceError
 from jax_ucp.format import files, mapped_file
 from jax_ucp.torchfiles import dtypes
 
+try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
+    from isal.isal_zlib import crc32 as zip_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
+    from zlib import crc32 as zip_crc32
+
 __all__ = [
     "BASE_ALLOWED",
     "MAX_COMPRESSED_MEMBER",
@@ -881,10 +886,17 @@ class _BufferFile(io.RawIOBase):
 
 
 class TorchArchive:
-    """A torch zip archive opened read-only with one ``mmap``; members resolved lazily."""
+    """A torch zip archive opened read-only with one ``mmap``; members resolved lazily.
 
-    def __init__(self, path: os.PathLike | str):
+    ``lazy_crc``: a tensor storage's CRC-32 is checked when its bytes are first read (through
+    :mod:`jax_ucp.format.mapped_file`, the only way they are read), not when the pickle
+    references it: loading a ZeRO rank file then reads its pickle only, and a weights-only
+    import never reads the moments it skips. Every byte read is still checked first.
+    """
+
+    def __init__(self, path: os.PathLike | str, *, lazy_crc: bool = False):
         self.path = os.fspath(path)
+        self.lazy_crc = lazy_crc
         try:  # a regular file only: a FIFO or device would block or never end
             fd = files.open_regular(self.path)
         except files.UnsafeFileError as e:
@@ -906,12 +918,15 @@ class TorchArchive:
                     "re-save it with torch.save(..., _use_new_zipfile_serialization=True)",
                 )
             raise TorchFileError(self.path, f"not a torch zip archive (starts with {head!r})")
+        self._filemap: mapped_file.FileMap | None = mm
         self._open_zip(np.frombuffer(mm, np.uint8), "zip archive")
 
     #: Storage members handed out with their CRC-32 not checked yet (``defer_crc``): member
     #: name -> (offset of its bytes in the archive, size, the CRC-32 the archive records).
     unchecked: dict[str, tuple[int, int, int]]
     defer_crc = False
+    lazy_crc = False
+    _filemap: mapped_file.FileMap | None = None
 
     @classmethod
     def from_buffer(cls, view: np.ndarray, where: str, *, defer_crc: bool = False) -> TorchArchive:
@@ -975,12 +990,17 @@ class TorchArchive:
             if info.file_size != info.compress_size:
                 raise TorchFileError(self.path, f"member {name!r}: stored size mismatch (corrupt)")
             view = np.frombuffer(self._mm, np.uint8, count=info.file_size, offset=data_off)
-            if self.defer_crc and name.startswith(self.prefix + "data/"):
+            storage = name.startswith(self.prefix + "data/")
+            if self.defer_crc and storage:
                 self.unchecked[name] = (data_off, info.file_size, info.CRC)
+            elif self.lazy_crc and storage and self._filemap is not None and info.file_size:
+                check = _crc_check(self.path, name, data_off, info.file_size, info.CRC)
+                mapped_file.check_before_read(self._filemap, data_off, info.file_size, check)
             else:
-                # The member's CRC-32, checked once, when first referenced (zlib.crc32 runs at
-                # a few GB/s; the copy that follows reads the same pages from the page cache).
-                self._check_crc(name, info, mapped_file.crc32(view))
+                # The member's CRC-32, checked once, when first referenced (ISA-L's CRC-32 runs
+                # at several GB/s; the copy that follows reads the same pages from the page
+                # cache).
+                self._check_crc(name, info, mapped_file.crc32(view, crc=zip_crc32))
         self._views[name] = view
         return view
 
@@ -1008,12 +1028,7 @@ class TorchArchive:
         return data_off
 
     def _check_crc(self, name: str, info: zipfile.ZipInfo, found: int) -> None:
-        if found != info.CRC:
-            raise TorchFileError(
-                self.path,
-                f"member {name!r}: CRC-32 mismatch (the archive records {info.CRC:08x}, its "
-                f"bytes give {found:08x}): the file is corrupt",
-            )
+        _crc_matches(self.path, name, info.CRC, found)
 
     def _inflate(
         self,
@@ -1153,14 +1168,39 @@ class TorchArchive:
                 self._member_view(name)
             else:
                 self._inflate(name, info, self._data_offset(name, info), keep=False)
+        if self._filemap is not None:  # lazy_crc: the checks left for the first read, run now
+            mapped_file.check_pending(self._filemap)
 
     def close(self) -> None:
         """Close the file handle and drop the caches; arrays already returned keep the mapping
         (or their inflated bytes) alive, nothing else does."""
         self._views.clear()
         self._storages.clear()
+        self._filemap = None
         self._zip.close()
         self._f.close()
+
+
+def _crc_matches(path: str, name: str, recorded: int, found: int) -> None:
+    if found != recorded:
+        raise TorchFileError(
+            path,
+            f"member {name!r}: CRC-32 mismatch (the archive records {recorded:08x}, its "
+            f"bytes give {found:08x}): the file is corrupt",
+        )
+
+
+def _crc_check(
+    path: str, name: str, offset: int, size: int, recorded: int
+) -> Callable[[mapped_file.FileMap], None]:
+    """The CRC-32 check of a stored member, run by :func:`mapped_file.check_before_read` (it
+    holds no archive: the mapping outlives it)."""
+
+    def check(mm: mapped_file.FileMap) -> None:
+        view = np.frombuffer(mm, np.uint8, count=size, offset=offset)
+        _crc_matches(path, name, recorded, mapped_file.crc32(view, crc=zip_crc32))
+
+    return check
 
 
 def load_torch_file(

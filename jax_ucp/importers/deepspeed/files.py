@@ -64,8 +64,10 @@ def layer_tp_rank(match: re.Match) -> int:
     return int(match.group(2) or 0)
 
 
-def load_deepspeed_file(path: str) -> Any:
+def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:
     """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins.
+    ``lazy_crc``: each tensor's CRC-32 is checked when its bytes are first read, not now
+    (:class:`TorchArchive`): the ZeRO rank files, whose moments a weights-only import skips.
 
     Its rank is in its name only, so the name it was saved under (kept inside the archive by
     ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
@@ -73,7 +75,7 @@ def load_deepspeed_file(path: str) -> Any:
     """
     with unsafe_files_refused():
         files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
-    archive = TorchArchive(path)
+    archive = TorchArchive(path, lazy_crc=lazy_crc)
     try:
         name = os.path.basename(path)
         saved = archive.saved_name
@@ -304,7 +306,9 @@ def read_optimizer_states(
     """
     first_rank = min(files_by_dp_rank)
     first = files_by_dp_rank[first_rank]
-    first_state = require(load_deepspeed_file(first), "optimizer_state_dict", first)
+    # each partition's CRC-32 checked when it is first read: a weights-only import reads the
+    # fp32 masters, never the moments (two thirds of the files)
+    first_state = require(load_deepspeed_file(first, lazy_crc=True), "optimizer_state_dict", first)
     stage = int(require(first_state, "zero_stage", first))
     partition_count = require(first_state, "partition_count", first)
     world = (
@@ -328,7 +332,7 @@ def read_optimizer_states(
     files = [files_by_dp_rank[dp_rank] for dp_rank in range(world)]
     states = [first_state]
     for path in files[1:]:  # every further DP rank must agree with the first
-        state = require(load_deepspeed_file(path), "optimizer_state_dict", path)
+        state = require(load_deepspeed_file(path, lazy_crc=True), "optimizer_state_dict", path)
         if int(require(state, "zero_stage", path)) != stage:
             raise SourceError(f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}")
         count = require(state, "partition_count", path)

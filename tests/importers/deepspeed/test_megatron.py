@@ -261,8 +261,8 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
     real_load = deepspeed_files.load_deepspeed_file
 
-    def load(path):
-        d = real_load(path)
+    def load(path, **kwargs):
+        d = real_load(path, **kwargs)
         if os.path.basename(path).startswith("mp_rank_"):
             d = dict(d)
             d.pop("universal_checkpoint_info", None)
