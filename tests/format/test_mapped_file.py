@@ -221,3 +221,47 @@ def test_mapped_file_reads_views_with_pread_exactly(tmp_path):
     with pytest.raises(CheckpointError, match=r"data\.bin"):
         mapped_file.crc32(flat)
     assert np.array_equal(mapped_file.read_out(flat[:10]), values[:10])  # still inside
+
+
+def test_check_before_read_runs_once_before_the_first_read_of_its_range(tmp_path):
+    """A range's check (a zip member's CRC-32) runs before its first byte is read, once; a range
+    never read is never checked; a failing check fails every read of its range, not others."""
+    import numpy as np
+
+    from jax_ucp.format import mapped_file
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(bytes(range(256)) * 16)  # 4096 bytes
+    mm = mapped_file.map_file(str(path))
+    arr = np.frombuffer(mm, np.uint8)
+    calls = []
+
+    def ok(name):
+        return lambda m: calls.append((name, mapped_file.read_bytes(m, 0, 1)))  # reads itself
+
+    def bad(m):
+        calls.append(("bad", b""))
+        raise CheckpointError("bad range")
+
+    mapped_file.check_before_read(mm, 100, 100, ok("a"))  # [100, 200)
+    mapped_file.check_before_read(mm, 1000, 24, bad)  # [1000, 1024)
+    mapped_file.check_before_read(mm, 2000, 1000, ok("c"))  # [2000, 3000): never read
+    assert np.array_equal(mapped_file.read_out(arr[:100]), arr[:100].copy()) and calls == []
+    assert mapped_file.read_bytes(mm, 150, 2) == bytes([150, 151])
+    assert calls == [("a", b"\x00")]
+    mapped_file.read_out(arr[100:200])
+    mapped_file.copy_into(np.empty(50, np.uint8), arr[120:170])
+    assert calls == [("a", b"\x00")]  # once
+    for _ in range(2):
+        with pytest.raises(CheckpointError, match="bad range"):
+            mapped_file.read_out(arr[990:1010])
+    with pytest.raises(CheckpointError, match="bad range"):
+        mapped_file.crc32(arr[1023:])
+    assert [c for c, _ in calls] == ["a", "bad", "bad", "bad"]
+    assert mapped_file.read_bytes(mm, 1024, 4) == bytes([0, 1, 2, 3])  # just past it
+    assert "c" not in [c for c, _ in calls]
+    with pytest.raises(CheckpointError, match="bad range"):
+        mapped_file.check_pending(mm)  # all of them now: the bad one fails again
+    assert "c" not in [c for c, _ in calls]  # sorted by offset: [1000, ...) failed first
+    mapped_file.check_pending(mm, 1500)
+    assert calls[-1] == ("c", b"\x00")

@@ -837,3 +837,65 @@ def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
     plain += P.MARK + P.BINUNICODE + struct.pack("<I", 1) + b"a" + P.NONE + P.TUPLE2
     plain += P.LIST + P.TUPLE1 + P.REDUCE + P.STOP
     assert restricted_loads(plain, where="ok.pt") == {"a": None}
+
+
+def test_lazy_crc_checks_a_storage_when_its_bytes_are_first_read(tmp_path):
+    """``lazy_crc``: a damaged storage loads (its bytes are not read yet) but its first read is
+    refused with the CRC-32 mismatch; the other storages read exactly; an eager load refuses
+    the file at once; ``verify_crc`` runs the checks left."""
+    from jax_ucp.format import mapped_file
+    from jax_ucp.importers.deepspeed import DS_CLASSES
+    from jax_ucp.torchfiles.unpickler import TorchArchive
+
+    real = os.path.join(FIX, "z1_fp32_dp2", "ckpt", "global_step2")
+    real = os.path.join(real, "zero_pp_rank_0_mp_rank_00_optim_states.pt")  # several storages
+    src = bytearray(open(real, "rb").read())
+    with zipfile.ZipFile(real) as z:  # the damaged member's bytes: [start, end)
+        info = next(m for m in z.infolist() if m.filename.endswith("/data/0"))
+    name_len, extra_len = struct.unpack(
+        "<HH", src[info.header_offset + 26 : info.header_offset + 30]
+    )
+    start = info.header_offset + 30 + name_len + extra_len
+    end = start + info.file_size
+    i = (start + end) // 2
+    src[i] ^= 0xFF
+    p = tmp_path / "flip.pt"
+    p.write_bytes(bytes(src))
+    with pytest.raises(TorchFileError, match=r"flip.pt.*CRC"):
+        load_torch_file(p, DS_CLASSES)
+    good = load_torch_file(real, DS_CLASSES)
+    arch = TorchArchive(p, lazy_crc=True)
+    loaded = arch.load(DS_CLASSES)
+    arch.close()
+
+    def arrays(x, at=""):
+        if isinstance(x, np.ndarray):
+            yield at, x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                yield from arrays(v, f"{at}.{k}")
+        elif isinstance(x, (list, tuple)):
+            for k, v in enumerate(x):
+                yield from arrays(v, f"{at}.{k}")
+
+    want = dict(arrays(good))
+    refused = []
+    for at, arr in arrays(loaded):
+        if not arr.size:
+            continue
+        _, offset = mapped_file.mapped_at(arr)
+        if start <= offset < end:  # a tensor of the damaged storage (several may share it)
+            for _ in range(2):
+                with pytest.raises(TorchFileError, match=r"flip.pt: member '.*data/0'.*CRC-32"):
+                    mapped_file.read_out(arr)
+            refused.append(at)
+        else:
+            assert np.array_equal(mapped_file.read_out(arr).view(np.uint8), want[at].view(np.uint8))
+    assert refused and len(refused) < len(want)
+    arch = TorchArchive(p, lazy_crc=True)
+    try:
+        arch.load(DS_CLASSES)
+        with pytest.raises(TorchFileError, match=r"flip.pt.*CRC"):
+            arch.verify_crc()
+    finally:
+        arch.close()

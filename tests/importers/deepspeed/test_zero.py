@@ -77,3 +77,54 @@ def test_module_weights_catch_a_wrong_master(rel):
     fp32.reshape(-1)[first_piece] += 1.0  # the first element of the second rank's piece
     with pytest.raises(jax_ucp.UCPError, match=rf"parameter '{name}'.*flat index {first_piece}"):
         deepspeed_zero.check_against_module(checkpoint, name, fp32)
+
+
+def _moments(x, at=""):
+    """The Adam moments (``exp_avg``, ``exp_avg_sq`` tensors) of a loaded rank file."""
+    import numpy as np
+
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if k in ("exp_avg", "exp_avg_sq") and isinstance(v, np.ndarray):
+                yield f"{at}.{k}", v
+            else:
+                yield from _moments(v, f"{at}.{k}")
+    elif isinstance(x, (list, tuple)):
+        for k, v in enumerate(x):
+            yield from _moments(v, f"{at}.{k}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["z3_bf16_dp2", "z2_bf16_dp2"])
+def test_weights_only_never_reads_the_moments(tmp_path, name):
+    """A weights-only import reads the fp32 masters, not the Adam moments beside them in the
+    rank files (two thirds of their bytes): with a byte of every moment damaged (its CRC-32
+    no longer matches) it imports exactly what it imports from the intact files, while a full
+    import refuses the damaged bytes."""
+    import numpy as np
+
+    from jax_ucp.format import mapped_file
+    from jax_ucp.importers.deepspeed.files import load_deepspeed_file
+    from tests.ucp_testing import assert_bit_exact, assert_convert_refused
+
+    rel = f"deepspeed/{name}/ckpt"
+    src = _copy(tmp_path, rel)
+    damaged = 0
+    for path in sorted((src / "global_step2").glob("*optim_states.pt")):
+        raw = bytearray(path.read_bytes())
+        for _, moment in _moments(load_deepspeed_file(str(path), lazy_crc=True)):
+            _, offset = mapped_file.mapped_at(moment)
+            raw[offset + moment.nbytes // 2] ^= 0x40
+            damaged += 1
+        path.write_bytes(bytes(raw))
+    assert damaged >= 4  # two moments on each of the (at least two) ranks
+    assert_convert_refused(src, tmp_path / "full", r"optim_states\.pt: member .*CRC-32 mismatch")
+    want = jax_ucp.restore(
+        jax_ucp.convert(os.path.join(FIXTURES, rel), tmp_path / "a", weights_only=True)
+    )
+    got = jax_ucp.restore(jax_ucp.convert(src, tmp_path / "b", weights_only=True))
+    assert sorted(got) == sorted(want) == ["model_params", "params"]
+    for tree in want:
+        assert sorted(got[tree]) == sorted(want[tree])
+        for n in want[tree]:
+            assert_bit_exact(np.asarray(got[tree][n]), np.asarray(want[tree][n]), f"{tree}/{n}")
