@@ -212,6 +212,9 @@ def test_mapped_file_reads_views_with_pread_exactly(tmp_path):
         region = np.empty(view.shape, view.dtype)
         mapped_file.copy_into(region, view)
         assert np.array_equal(region, np.array(view))
+        cast = np.empty(view.shape, np.float64)  # another dtype: read and cast piece by piece
+        mapped_file.copy_into(cast, view)
+        assert np.array_equal(cast, np.array(view).astype(np.float64))
     assert mapped_file.crc32(flat) == zlib.crc32(values.tobytes())
     assert mapped_file.read_bytes(mm, 0, 4) == b"head"
     assert mapped_file.read_out(values) is values  # not mapped: passed through
@@ -265,3 +268,27 @@ def test_check_before_read_runs_once_before_the_first_read_of_its_range(tmp_path
     assert "c" not in [c for c, _ in calls]  # sorted by offset: [1000, ...) failed first
     mapped_file.check_pending(mm, 1500)
     assert calls[-1] == ("c", b"\x00")
+
+
+def test_copy_into_casts_a_mapped_tensor_piece_by_piece_exactly(tmp_path, monkeypatch):
+    """A cast (fp32 master -> bf16 weight) read a piece at a time, the last piece short: the
+    values of a cast of the whole, bit for bit; a file shrunk meanwhile is an error naming it."""
+    import ml_dtypes
+    import numpy as np
+
+    from jax_ucp.format import mapped_file
+
+    monkeypatch.setattr(mapped_file, "PIECE", 64)  # 16 float32 a piece: 63 pieces, the last short
+    values = np.random.default_rng(0).standard_normal(1000).astype(">f4")
+    values[[3, 500]] = np.nan, np.inf
+    path = tmp_path / "data.bin"
+    path.write_bytes(b"head" + values.tobytes())
+    mm = mapped_file.map_file(str(path))
+    flat = np.frombuffer(mm, ">f4", count=1000, offset=4).reshape(10, 100)
+    out = np.empty((10, 100), ml_dtypes.bfloat16)
+    mapped_file.copy_into(out, flat)
+    want = values.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(10, 100)
+    assert np.array_equal(out.view(np.uint16), want.view(np.uint16))
+    os.truncate(path, 2000)
+    with pytest.raises(CheckpointError, match=r"data\.bin: .*is 2000 now"):
+        mapped_file.copy_into(out, flat)
