@@ -74,6 +74,15 @@ def test_one_weight_element_changed_fails_with_the_difference(converted, tmp_pat
     assert loose.logits is not None and loose.logits.ok and loose.logits.tolerance == 1e3
 
 
+@pytest.mark.torch
+def test_tied_embeddings_give_the_sources_logits(tmp_path):
+    """The Trainer's tied-embedding run (no lm_head.weight saved: TransformerLM attends with
+    the embedding)."""
+    src = os.path.join(TRAINER, "trainer_tied", "checkpoint-3")
+    found = jax_ucp.verify(jax_ucp.convert(src, tmp_path / "ucp"), against=src, logits=True)
+    assert found == [] and found.logits is not None and found.logits.max_abs_diff < 1e-5
+
+
 def _config_folder(tmp_path, **changes) -> str:
     folder = tmp_path / "src"
     folder.mkdir(parents=True)
