@@ -10,7 +10,7 @@ from typing import Any
 from jax_ucp import format as fmt
 from jax_ucp import store
 from jax_ucp import tree as tree_lib
-from jax_ucp.errors import CheckpointError, ResumeWarning, SourceError
+from jax_ucp.errors import CheckpointError, RequestError, ResumeWarning, SourceError
 from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp.restoring import locate, model, ucp_source
 from jax_ucp.restoring.inspecting import inspect as inspect  # JAX-free: defined there
@@ -108,9 +108,11 @@ class VerifyResult(list):
     ``(tree node, message)`` for what a restore gives back differently without being an error
     (a container class outside the allow-list comes back as a dict)."""
 
-    def __init__(self, problems=(), notices=()):
+    def __init__(self, problems=(), notices=(), logits=None):
         super().__init__(problems)
         self.notices: list[tuple[str, str]] = list(notices)
+        #: with ``logits=True``: the ``jax_ucp.logits.LogitsComparison`` of one batch
+        self.logits = logits
 
 
 def verify(
@@ -119,6 +121,8 @@ def verify(
     progress=None,
     memory_budget: int | str | None = None,
     against: str | os.PathLike | None = None,
+    logits: bool = False,
+    logits_tolerance: float | None = None,
 ) -> VerifyResult:
     """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
 
@@ -141,7 +145,16 @@ def verify(
         copied one for one is also compared bit for bit with what the source framework's own
         loader reads (``jax_ucp.against``); a difference is a problem, a tensor that cannot be
         compared so (built by the import) a notice saying why.
+      logits: with ``against``, also run one fixed batch through the source loaded by
+        transformers' ``from_pretrained`` and through the checkpoint's weights in
+        ``jax_ucp.models.TransformerLM`` (Llama-family models; ``jax_ucp.logits``): a largest
+        absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
+        comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
+      logits_tolerance: the largest absolute difference of the logits accepted (None:
+        ``jax_ucp.logits.DEFAULT_TOLERANCE``, 1e-4).
     """
+    if logits and against is None:
+        raise RequestError("verify(logits=True) compares with the source: give against=SRC")
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
@@ -157,8 +170,16 @@ def verify(
             f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
             + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
         )
+    problems = [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
+    compared = None
+    if logits:  # after the tensors, even when some differ: how much the model's output moves
+        from jax_ucp.logits import compare_logits
+
+        compared = compare_logits(path, against, tolerance=logits_tolerance)
+        if not compared.ok:
+            problems.append(("logits", compared.describe()))
     return VerifyResult(
-        [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()],
+        problems,
         [
             *result.notices,
             *(
@@ -166,6 +187,7 @@ def verify(
                 for n, why in found.not_compared.items()
             ),
         ],
+        compared,
     )
 
 

@@ -22,13 +22,15 @@ ALLOWED = {
     "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "handler": {"orbax"},  # only the old module names Orbax recorded, as aliases
-    "api": {"format", "store", "tree", "restoring", "saving", "against"},
+    "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
     "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
     "importers": {"format", "writer", "language", "torchfiles"},
     "models": {"language"},
     "samples": set(),
     "exporters": {"format", "store", "writer", "language", "tree", "restoring", "torchfiles"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
+    # verify(against=, logits=True): the source's logits (transformers) vs TransformerLM's
+    "logits": {"format", "restoring", "language", "models"},
     "optax_torch": {"format", "store", "language", "restoring", "api", "models"},  # -> optax
     "against": {
         "format",

@@ -300,26 +300,47 @@ def verify(
         help="the source checkpoint it was imported from: compare every copied tensor bit for "
         "bit with what the source framework's own loader reads",
     ),
+    logits: bool = typer.Option(
+        False,
+        "--logits",
+        help="with --against (a Hugging Face Llama-family model): also compare the logits of "
+        "one batch, the source loaded by transformers' from_pretrained vs the checkpoint's "
+        "weights in jax_ucp's flax model; exit 1 beyond the tolerance (needs jax_ucp[hf])",
+    ),
+    logits_tolerance: float | None = typer.Option(
+        None, help="largest absolute difference of the logits accepted (default 1e-4)"
+    ),
 ):
     """Read every tensor and check every shard file (crc32c, digests); report what is wrong.
-    With --against SRC, also compare with the source read by its framework's own loader."""
+    With --against SRC, also compare with the source read by its framework's own loader;
+    with --logits, also the logits of one batch through both."""
     import jax_ucp
 
+    if logits and against is None:
+        raise typer.BadParameter("--logits compares with the source: give --against SRC")
     _checkpoint_or_steps(path)
     m = jax_ucp.inspect(path)
     with _bar("verifying", transient=True) as on_progress:
         bad = jax_ucp.verify(
-            path, progress=on_progress, memory_budget=memory_budget, against=against
+            path,
+            progress=on_progress,
+            memory_budget=memory_budget,
+            against=against,
+            logits=logits,
+            logits_tolerance=logits_tolerance,
         )
     for _, notice in bad.notices:  # not errors: the data is intact
         output.marked("[yellow]![/yellow]", notice)
+    if bad.logits is not None and bad.logits.ok:
+        output.marked("[green]✓[/green]", bad.logits.describe())
     if bad:
         for _, err in bad:  # each message names its tensor and file
             output.marked("[red]✗[/red]", str(err))
-        output.console.print(
-            f"[red]{layout.plural(len(bad), 'tensor')} of {len(m.tensors)} failed[/red]",
-            highlight=False,
-        )
+        far = bad.logits is not None and not bad.logits.ok
+        failed = len(bad) - far  # the logits' problem is last, not a tensor
+        said = [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
+        said += ["the logits differ beyond the tolerance"] if far else []
+        output.console.print(f"[red]{'; '.join(said)}[/red]", highlight=False)
         raise typer.Exit(1)
     output.console.print(
         f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"

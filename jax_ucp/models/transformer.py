@@ -73,6 +73,12 @@ class LMConfig:
             raise RequestError(
                 f"config.json: rope_scaling {config['rope_scaling']} is not supported"
             )
+        rope = config.get("rope_parameters")  # transformers 5 writes RoPE's settings there
+        rope = rope if isinstance(rope, Mapping) else {}
+        if rope.get("rope_type", "default") != "default":
+            raise RequestError(
+                f"config.json: rope_parameters {dict(rope)}: only the default RoPE is supported"
+            )
         hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
         if int(config.get("head_dim") or hidden // heads) != hidden // heads:
             raise RequestError("config.json: head_dim other than hidden_size / heads")
@@ -88,7 +94,7 @@ class LMConfig:
             bias=False,
             position="rope",
             max_position_embeddings=int(config.get("max_position_embeddings") or 2048),
-            rotary_base=float(config.get("rope_theta") or 10000.0),
+            rotary_base=float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0),
             eps=float(config.get("rms_norm_eps") or 1e-6),
             tied=bool(config.get("tie_word_embeddings", False)),
         )

@@ -103,6 +103,11 @@ def test_llama_config_checks():
         LMConfig.from_hf_llama({**HF_CONFIG, "hidden_act": "gelu"})
     with pytest.raises(ValueError, match="rope_scaling"):
         LMConfig.from_hf_llama({**HF_CONFIG, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    # transformers 5's config.json: RoPE's settings under rope_parameters
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    assert LMConfig.from_hf_llama({**HF_CONFIG, "rope_parameters": rope}).rotary_base == 5e5
+    with pytest.raises(ValueError, match=r"rope_parameters.*llama3"):
+        LMConfig.from_hf_llama({**HF_CONFIG, "rope_parameters": {**rope, "rope_type": "llama3"}})
 
 
 def _logits_through_jax_and_back(tmp_path, model_class, config, cfg, spec_in, spec_out):

@@ -423,7 +423,11 @@ def _name_keys(
     ):
         keys = "trainer"
         to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
-        _say_order_assumed(to_name, state, clean, model, path, info, _TRAINER_RULE)
+        said = _TRAINER_RULE
+        adapter = trainer_files.side_file(order.src, trainer_files.ADAPTER_CONFIG_FILE)
+        if os.path.isfile(adapter):  # a peft adapter: the base model's config.json, found
+            said = _config_rule("the base model's config.json", info["parameter_order"])
+        _say_order_assumed(to_name, state, clean, model, path, info, said)
     else:  # one group, torch.save weights: by the state-dict order, else refused
         keys = "indices"
         to_name = _by_index(ids, groups, state, clean, model, path, order.safetensors)

@@ -22,7 +22,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from jax_ucp.errors import SourceError
+from jax_ucp.errors import SourceError, UCPError
+from jax_ucp.format import files
 from jax_ucp.importers.torch.optimizer import clean_name
 from jax_ucp.importers.trainer_files import (
     ADAPTER_CONFIG_FILE,
@@ -74,9 +75,12 @@ def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
             stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
 
 
-def _config_path(folder: str, model_config: str | None, why: str) -> str:
-    """The ``config.json`` to build the model from: ``model_config``, else the folder's own (a
-    peft adapter folder has its adapter's, not the base model's: refused)."""
+def _config_path(folder: str, model_config: str | None, why: str) -> tuple[str, str]:
+    """(the ``config.json`` to build the model from, where it came from when not the folder's
+    own): ``model_config``, else the folder's own; for a peft adapter folder (its adapter's
+    config, not the base model's) the base model's, found from ``adapter_config.json``'s
+    ``base_model_name_or_path`` on this machine (:func:`_base_model_config`), else refused
+    naming what was tried."""
     way_out = (
         f"pass model_config= (--model-config on the command line) the model's {CONFIG_FILE}, "
         "or parameter_order=[names as saved, in model.named_parameters() order of the "
@@ -86,16 +90,96 @@ def _config_path(folder: str, model_config: str | None, why: str) -> str:
         path = os.fspath(model_config)
         if not os.path.isfile(path):
             raise SourceError(f"model_config={path}: no such file (expected a {CONFIG_FILE})")
-        return path
+        return path, ""
     path = side_file(folder, CONFIG_FILE)
-    if os.path.isfile(side_file(folder, ADAPTER_CONFIG_FILE)):
+    adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
+    if os.path.isfile(adapter_path):
+        base, tried = _base_model_config(adapter_path)
+        if base is not None:
+            return base, tried
         raise SourceError(
             f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
-            f"model's {CONFIG_FILE}: {why}; {way_out}"
+            f"model's {CONFIG_FILE} ({tried}): {why}; {way_out}"
         )
     if not os.path.isfile(path):
         raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
-    return path
+    return path, ""
+
+
+#: a Hugging Face Hub repo id (``org/name`` or ``name``), as huggingface_hub accepts one
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _hub_cache() -> str:
+    """huggingface_hub's cache folder, as it resolves it (``HF_HUB_CACHE``, the older
+    ``HUGGINGFACE_HUB_CACHE``, ``$HF_HOME/hub``, ``$XDG_CACHE_HOME/huggingface/hub``,
+    ``~/.cache/huggingface/hub``), without importing it and without the network."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return os.path.expanduser(os.environ[name])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
+    """(the base model's ``config.json``, where it came from) for a peft adapter, from its
+    ``adapter_config.json``'s ``base_model_name_or_path``: a local folder holding a
+    ``config.json``, else the snapshot of that Hub repo id in the local Hugging Face cache
+    (``refs/<revision or main>``, or its one snapshot). Never the network, never code.
+    (None, what was tried) when neither holds one. The name is untrusted: a folder's
+    ``config.json`` is reached through :func:`files.inside_checkpoint` (a link out of the folder
+    or out of its cache repo refused), a ref read bounded and used only as a commit hash."""
+    adapter = read_json(adapter_path)
+    name = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+    where = f"{ADAPTER_CONFIG_FILE}'s base_model_name_or_path"
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None, f"{where} is {name!r}"
+    tried: list[str] = []
+    folders: list[str] = []
+    if os.path.isdir(name):
+        folders.append(name)
+    else:
+        tried.append(f"no folder {name}")
+    cache = _hub_cache()
+    revision = adapter.get("revision") or "main"
+    if _REPO_ID.fullmatch(name) and ".." not in name and isinstance(revision, str):
+        repo = os.path.join(cache, "models--" + name.replace("/", "--"))
+        snapshots = os.path.join(repo, "snapshots")
+        commit = revision if _COMMIT.fullmatch(revision) else None
+        ref = os.path.join(repo, "refs", revision)
+        if commit is None and _REPO_ID.fullmatch(revision) and os.path.isfile(ref):
+            try:
+                text = files.read_regular(ref, 4096).decode("ascii", "replace").strip()
+            except (UCPError, OSError) as e:
+                tried.append(f"{ref}: {e}")
+            else:
+                commit = text if _COMMIT.fullmatch(text) else None
+                if commit is None:
+                    tried.append(f"{ref} holds no commit hash")
+        if commit is None and os.path.isdir(snapshots):
+            found = sorted(os.listdir(snapshots))
+            if len(found) == 1 and _COMMIT.fullmatch(found[0]):
+                commit = found[0]  # a cache without refs/ (copied): its one snapshot
+            else:
+                tried.append(f"{snapshots}: {len(found)} snapshots and no refs/{revision}")
+        if commit is not None:
+            folders.append(os.path.join(snapshots, commit))
+        elif not os.path.isdir(snapshots):
+            tried.append(f"no {snapshots} in the Hugging Face cache")
+    else:
+        tried.append(f"{name!r} is not a Hub repo id to look up in the cache {cache}")
+    for folder in folders:
+        try:
+            path = files.inside_checkpoint(folder, CONFIG_FILE, f"{folder}: the base model's")
+            files.check_regular(path)
+        except (UCPError, OSError) as e:
+            tried.append(str(e)[:300])
+            continue
+        return path, f"the base model's {path}, from {where} {name!r}"
+    return None, f"{where} {name!r}: " + "; ".join(tried)
 
 
 def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None):
@@ -106,7 +190,7 @@ def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None)
     An untrusted config could ask for millions of layers (modules cost memory even on the meta
     device): a layer count above the checkpoint's tensor count is refused before building."""
     why = "cannot rebuild the optimizer's parameter order"
-    path = _config_path(folder, model_config, why)
+    path, origin = _config_path(folder, model_config, why)
     config = read_json(path)
     if not isinstance(config, dict):
         raise SourceError(f"{path}: expected a JSON object")
@@ -163,7 +247,8 @@ def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None)
             f"{path}: transformers {transformers.__version__} cannot build {archs[0]} from it "
             f"({type(e).__name__}: {str(e)[:200]}): {why}"
         ) from None
-    return model, f"transformers {transformers.__version__} {archs[0]}"
+    what = f"transformers {transformers.__version__} {archs[0]}"
+    return model, f"{what} ({origin})" if origin else what
 
 
 def _legacy_decay_names(model) -> list[str]:
@@ -200,7 +285,7 @@ def trainer_candidates(
     """
     model, what = _model_on_meta(folder, n_tensors, model_config)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
-    if os.path.isfile(adapter_path):  # only reached with model_config: the base model's config
+    if os.path.isfile(adapter_path):  # model_config= or the adapter's base: the base model's
         return _lora_candidates(adapter_path, model, what)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     shapes = {n: tuple(p.shape) for n, p in named}

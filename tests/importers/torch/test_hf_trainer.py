@@ -333,6 +333,79 @@ def test_trainer_lora_checkpoint_imports_with_the_base_models_config(tmp_path):
     )
 
 
+def _with_base(src: str, dst, base) -> str:
+    """The LoRA fixture copied with adapter_config.json's base_model_name_or_path set to ``base``
+    (the fixture's run built its base model in memory: it records none)."""
+    out = _copy(src, dst)
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        adapter = json.load(f)
+    adapter["base_model_name_or_path"] = base
+    with open(os.path.join(out, "adapter_config.json"), "w") as f:
+        json.dump(adapter, f)
+    return out
+
+
+def _fake_hub_cache(root, repo_id: str, config: str, commit: str = "c" * 40) -> str:
+    """huggingface_hub's cache layout for ``repo_id``: refs/main naming the snapshot, whose
+    config.json is a link into blobs/ (as the hub writes it)."""
+    repo = root / ("models--" + repo_id.replace("/", "--"))
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    shutil.copy(config, repo / "blobs" / ("b" * 40))
+    os.symlink(os.path.join("..", "..", "blobs", "b" * 40), snapshot / "config.json")
+    return str(root)
+
+
+@pytest.mark.torch
+def test_trainer_lora_takes_the_base_config_from_adapter_configs_base_model(tmp_path, monkeypatch):
+    """adapter_config.json's base_model_name_or_path naming a local folder, or a Hub repo id
+    found in the local Hugging Face cache (HF_HUB_CACHE, then HF_HOME/hub; no network): the
+    base model's config.json there rebuilds the adapter's order, the moments and step equal the
+    run's, and the manifest's notes say which config.json was used; a name found nowhere (or a
+    cache link leading out of its repo) falls back to the refusal, naming what was tried."""
+    src = trainer_src("trainer_lora")
+    base_config = os.path.join(trainer_src("trainer_fp32"), "config.json")  # the same tiny Llama
+    want = {
+        k.replace(".default.", "."): v
+        for k, v in load_truth(os.path.join(TRAINER, "trainer_lora.truth.npz")).items()
+        if not k.startswith("next_")
+    }
+    local = tmp_path / "base_model"
+    local.mkdir()
+    shutil.copy(base_config, local / "config.json")
+    by_folder = jax_ucp.convert(_with_base(src, tmp_path / "a", str(local)), tmp_path / "u1")
+    assert_matches_run(jax_ucp.restore(by_folder), want)
+    notes = jax_ucp.inspect(by_folder).source["notes"]
+    assert any("peft LoRA r=4" in n and str(local / "config.json") in n for n in notes)
+
+    cache = _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", base_config)
+    for env, value in (("HF_HUB_CACHE", cache), ("HF_HOME", str(tmp_path))):
+        monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+        monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+        monkeypatch.setenv(env, value)
+        hub = _with_base(src, tmp_path / f"b_{env}", "tiny-org/tiny-llama")
+        by_cache = jax_ucp.convert(hub, tmp_path / f"u_{env}")
+        assert_matches_run(jax_ucp.restore(by_cache), want)
+        notes = jax_ucp.inspect(by_cache).source["notes"]
+        assert any("'tiny-org/tiny-llama'" in n and "blobs" in n for n in notes), notes
+
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    missing = _with_base(src, tmp_path / "c", "tiny-org/not-cached")
+    assert_convert_refused(
+        missing, tmp_path / "refused", r"without the base model's.*not-cached.*no .*snapshots"
+    )
+    # a snapshot's config.json linking out of its cache repo is not followed
+    outside = tmp_path / "elsewhere.json"
+    shutil.copy(base_config, outside)
+    link = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("c" * 40)
+    os.remove(link / "config.json")
+    os.symlink(outside, link / "config.json")
+    assert_convert_refused(hub, tmp_path / "refused2", r"tiny-llama.*outside.*parameter_order=")
+
+
 class _Pwn:
     def __reduce__(self):
         return (os.system, ("touch PWNED",))
