@@ -187,7 +187,9 @@ def main() -> int:
                       f"{res['dirty_mib']:6.0f} MiB  load {load:.2f}{extra}", flush=True)  # fmt: skip
         print(f"\n{gb:g} GB ({nbytes / GB:.2f} GB, {nfiles} files of 8 MiB), medians of "
               f"{a.rounds}:")  # fmt: skip
-        print("| strategy | write phase s | durable s | GB/s to durable | × disk | dirty MiB | loads |")
+        print(
+            "| strategy | write phase s | durable s | GB/s to durable | × disk | dirty MiB | loads |"
+        )
         print("|---|---|---|---|---|---|---|")
         disk = results.get((gb, "disk"))
         disk_s = statistics.median(x["total_s"] for x in disk) if disk else None
