@@ -18,11 +18,17 @@ writers return) on its own:
 * ``disk``: one file of the same bytes written sequentially with 8 MiB writes + ``fdatasync``
   (``dd bs=8M conv=fdatasync``), then read back cold (``posix_fadvise(DONTNEED)`` first): GB/s.
 
+``--save``: the same per-file strategies (``fadvise``, ``none``, ``sfr``) inside a real
+``jax_ucp.save`` of ``--gb`` GB of float32 (64 MiB tensors sharded over a 2x4 mesh of 8 CPU
+devices, as ``bench_scale.py --parts jax``), ``shard_writer.start_writeback`` swapped for each;
+timed from the call to its return (the save's own syncfs and commit included).
+
 Rounds alternate the strategies (the order rotated each round) so they share the host's load;
 the load average is printed with every round. Dirty + Writeback at the end of the write phase
 is how much unwritten data a strategy leaves in memory.
 
     python benchmarks/bench_durable_write.py [--gb 1,4] [--rounds 3] [--dir /tmp/ucp_durable]
+    python benchmarks/bench_durable_write.py --save [--gb 1] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -141,6 +147,68 @@ def run_disk(root: str, block: np.ndarray, nbytes: int) -> dict:
     return {"write_s": total, "total_s": total, "read_s": read, "dirty_mib": 0.0}
 
 
+def hint(strategy: str):
+    """The per-file step of ``strategy`` in place of ``shard_writer.start_writeback``."""
+    if strategy == "fadvise":
+        return lambda fd: os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if strategy == "sfr":
+        return lambda fd: SFR(fd, 0, 0, 2) if SFR is not None else None
+    return lambda fd: None
+
+
+def run_saves(a, strategies: list[str]) -> None:
+    """``--save``: the strategies inside ``jax_ucp.save`` (rounds alternating, order rotated)."""
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jax_ucp
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("x", "y"))
+    specs = [P("x", "y"), P("y", "x"), P(None, ("x", "y")), P(("x", "y"), None)]
+    rng = np.random.default_rng(0)
+    for gb in [float(s) for s in a.gb.split(",")]:
+        n = max(1, round(gb * GB / (64 * MiB)))
+        tree = {
+            f"w{i:03d}": jax.device_put(
+                rng.standard_normal((4096, 4096), dtype=np.float32),
+                NamedSharding(mesh, specs[i % 4]),
+            )
+            for i in range(n)
+        }
+        jax.block_until_ready(tree)
+        jax_ucp.save(os.path.join(a.dir, "warm-up"), tree)  # first-call costs, not timed
+        clean(os.path.join(a.dir, "warm-up"))
+        times: dict = {}
+        for r in range(a.rounds):
+            order = strategies[r % len(strategies) :] + strategies[: r % len(strategies)]
+            for s in order:
+                path = os.path.join(a.dir, "save_" + s)
+                clean(path)
+                shard_writer.start_writeback = hint(s)
+                os.sync()
+                load = os.getloadavg()[0]
+                t0 = time.perf_counter()
+                jax_ucp.save(path, tree)
+                t = time.perf_counter() - t0
+                clean(path)
+                times.setdefault(s, []).append((t, load))
+                print(f"  save {n * 64 * MiB / GB:.2f} GB round {r + 1} {s:8} {t:6.2f} s  "
+                      f"{n * 64 * MiB / GB / t:5.2f} GB/s  load {load:.2f}", flush=True)  # fmt: skip
+        print(f"\njax_ucp.save of {n * 64 * MiB / GB:.2f} GB, medians of {a.rounds}:")
+        print("| per-file step | save s (median) | rounds s | GB/s | loads |")
+        print("|---|---|---|---|---|")
+        for s in strategies:
+            ts = times[s]
+            med = statistics.median(t for t, _ in ts)
+            each = ", ".join(f"{t:.2f}" for t, _ in ts)
+            loads = ", ".join(f"{x:.1f}" for _, x in ts)
+            print(f"| {s} | {med:.2f} | {each} | {n * 64 * MiB / GB / med:.2f} | {loads} |")
+        del tree
+
+
 def clean(root: str) -> None:
     if os.path.isdir(root):
         shutil.rmtree(root)
@@ -154,8 +222,14 @@ def main() -> int:
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
     ap.add_argument("--dir", default="/tmp/ucp_durable")
     ap.add_argument("--json", default=None, help="also write the rounds here")
+    ap.add_argument("--save", action="store_true", help="the strategies inside jax_ucp.save")
     a = ap.parse_args()
     strategies = a.strategies.split(",")
+    if a.save:
+        picked = [s for s in strategies if s in ("fadvise", "none", "sfr")]
+        run_saves(a, picked or ["fadvise", "none", "sfr"])
+        shutil.rmtree(a.dir, ignore_errors=True)
+        return 0
     if SFR is None and "sfr" in strategies:
         print("no sync_file_range in libc here: 'sfr' runs as 'none'")
     rng = np.random.default_rng(0)

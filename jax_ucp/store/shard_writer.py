@@ -1,16 +1,16 @@
 """Writes whole zarr v3 shard files from host memory, byte for byte what TensorStore writes
 (``shard_file`` describes the layout and when it applies: ``can_write``).
 
-How a non-sync write reaches the disk (``start_writeback``, measured side by side with
+How a non-sync write reaches the disk (``start_writeback``; measured side by side in
 ``benchmarks/bench_durable_write.py``, docs/BENCHMARKS.md "Durable writes"): each file's
-write-back is started with ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` as soon as it is written,
-and nothing waits for it until the commit's one syncfs (``writer.durable.make_durable``), which
-alone makes the files durable before the checkpoint is renamed into place. Started early, the
-disk works while the next shards are encoded and the commit's syncfs has little left to wait for;
-dirty pages stay bounded (a 4 GB save left ~10 MiB dirty, against up to 2.9 GB when nothing was
-started). ``posix_fadvise(DONTNEED)``, used before, started the same write-back but dropped
-nothing (the pages are still dirty or under write-back when it runs) and paid for the attempt;
-fsync per file waits for the disk one file at a time.
+write-back is started with ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` once it is written, and
+nothing waits for it until the commit's one syncfs (``writer.durable.make_durable``), which alone
+makes the files durable before the checkpoint is renamed into place. Why: dirty pages stay
+bounded (tens of MiB at the end of a 1 or 4 GB save's writes, against up to 2.9 GB when nothing
+is started, which every writer on the host is then throttled by) and the commit's syncfs has
+little left to wait for. ``posix_fadvise(DONTNEED)``, used before, started the same write-back
+but dropped no page (they are still dirty or under write-back when it runs) and paid for trying;
+fsync per file waits for the disk one file at a time: the slowest in each run it was in.
 """
 
 from __future__ import annotations
