@@ -1,8 +1,22 @@
 """Writes whole zarr v3 shard files from host memory, byte for byte what TensorStore writes
-(``shard_file`` describes the layout and when it applies: ``can_write``)."""
+(``shard_file`` describes the layout and when it applies: ``can_write``).
+
+How a non-sync write reaches the disk (``start_writeback``; measured side by side in
+``benchmarks/bench_durable_write.py``, docs/BENCHMARKS.md "Durable writes"): each file's
+write-back is started with ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` once it is written, and
+nothing waits for it until the commit's one syncfs (``writer.durable.make_durable``), which alone
+makes the files durable before the checkpoint is renamed into place. Why: dirty pages stay
+bounded (tens of MiB at the end of a 1 or 4 GB save's writes, against up to 2.9 GB when nothing
+is started, which every writer on the host is then throttled by) and the commit's syncfs has
+little left to wait for. ``posix_fadvise(DONTNEED)``, used before, started the same write-back
+but dropped no page (they are still dirty or under write-back when it runs) and paid for trying;
+fsync per file waits for the disk one file at a time: the slowest in each run it was in.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
 import os
 import struct
@@ -23,6 +37,7 @@ from jax_ucp.store.shard_file import (
 from jax_ucp.store.zarr3 import ArrayLayout
 
 _IOV_MAX = 512  # buffers per writev call (Linux allows 1024)
+SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-back of dirty pages, wait for nothing
 
 
 def can_encode(layout: ArrayLayout, data) -> bool:
@@ -112,9 +127,9 @@ def write(
     (``digest_of_trailers``; None without checksums).
 
     ``sync``: the file's data is on disk on return (fsync); the directories that gained entries
-    are the caller's to fsync (``writer.durable``). Otherwise only start the write-back (no
-    waiting) and leave durability to the caller's one syncfs before it commits the directory:
-    writers then never stall on the disk one file at a time.
+    are the caller's to fsync (``writer.durable``). Otherwise only start the write-back
+    (``start_writeback``: no waiting) and leave durability to the caller's one syncfs before it
+    commits the directory: writers then never stall on the disk one file at a time.
     The checkpoint directory is committed by rename afterwards, so a partially written file is
     never visible under the final name.
 
@@ -136,12 +151,32 @@ def write(
         write_parts(fd, parts)
         if sync:
             os.fsync(fd)
-        elif hasattr(os, "posix_fadvise"):
-            # Linux: DONTNEED starts write-back of the dirty pages now (and drops them once clean).
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        else:
+            start_writeback(fd)
     finally:
         os.close(fd)
     return digest
+
+
+@functools.cache
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None where there is none (macOS, other libcs)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def start_writeback(fd: int) -> None:
+    """Starts writing what was written at ``fd`` to the disk, without waiting (the module's
+    docstring says why). Only a hint: durability is the commit's syncfs, so where there is no
+    ``sync_file_range`` or it fails (a file system without it), nothing else is done."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
 
 
 def write_parts(fd: int, parts: list) -> None:

@@ -230,6 +230,8 @@ def _write_slabs(
         shard_writer.write_parts(fd, shard_writer.index_parts(n, chunk_bytes, checksum))
         if sync:
             os.fsync(fd)
+        else:  # as ``shard_writer.write``: write-back started, durable at the commit's syncfs
+            shard_writer.start_writeback(fd)
     finally:
         os.close(fd)
     if sync:
