@@ -30,7 +30,8 @@ from collections.abc import Iterator
 
 
 @functools.cache
-def _libc_function(name: str):
+def libc_function(name: str):
+    """The C library's function ``name`` (ctypes), or None where it has none."""
     try:
         return getattr(ctypes.CDLL(None), name, None)
     except (OSError, TypeError):  # pragma: no cover - no C library to open by None (Windows)
@@ -59,7 +60,7 @@ def trimming() -> Iterator[None]:
     of 64 MiB, the most glibc's dynamic one reaches, and the mmap threshold where glibc had
     raised it, no longer raised (glibc cannot read back or re-enable its dynamic thresholds).
     A user's own thresholds (environment, ``GLIBC_TUNABLES``) are left as they are."""
-    mallopt = None if _user_tuned() else _libc_function("mallopt")
+    mallopt = None if _user_tuned() else libc_function("mallopt")
     if mallopt is None:
         yield
         return

@@ -74,7 +74,7 @@ def test_trimming_sets_the_threshold_while_any_block_runs(monkeypatch):
     """Set once on entering the first block (of any thread), set to glibc's dynamic ceiling
     when the last one ends."""
     calls = []
-    monkeypatch.setattr(host_memory, "_libc_function", lambda name: lambda *a: calls.append(a))
+    monkeypatch.setattr(host_memory, "libc_function", lambda name: lambda *a: calls.append(a))
     for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
     inside, release = threading.Event(), threading.Event()
@@ -104,7 +104,7 @@ def test_trimming_sets_the_threshold_while_any_block_runs(monkeypatch):
 )
 def test_trimming_leaves_a_users_own_thresholds(monkeypatch, name, value):
     calls = []
-    monkeypatch.setattr(host_memory, "_libc_function", lambda name: lambda *a: calls.append(a))
+    monkeypatch.setattr(host_memory, "libc_function", lambda name: lambda *a: calls.append(a))
     monkeypatch.setenv(name, value)
     with host_memory.trimming():
         pass
