@@ -243,11 +243,15 @@ def test_optax_from_torch_on_two_processes_reads_and_holds_only_its_part(tmp_pat
     ``optax_from_torch`` within its shards + the budget + the read cache + one tensor's part
     (not the whole model), only the chunks its slices touch read; torch's losses of steps 4-5."""
     monkeypatch.setitem(sys.modules, "transformers", None)
-    # glibc raises its mmap threshold as big buffers are freed, then keeps later freed ones (of
-    # up to 32 MiB) in per-thread arenas: RssAnon would count what the restore has released
-    # (measured here: a 1-layer model's peak 443 MB for 145 MB held). Pinned, RssAnon is what
-    # the process holds; a deployment gets the same with this variable.
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
+    # glibc's defaults, as a user has them: the restore bounds what glibc keeps resident of the
+    # buffers it freed (``store.host_memory.trimming``; without it a process peaked at 621 MB)
+    for name in (
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_TRIM_THRESHOLD_",
+        "MALLOC_ARENA_MAX",
+        "GLIBC_TUNABLES",
+    ):
+        monkeypatch.delenv(name, raising=False)
     real = os.path.join(FIX, "trainer_fp32", "checkpoint-3")
     small = jax_ucp.convert(real, tmp_path / "ucp", parameter_order=_trainer_order("trainer_fp32"))
     groups = jax_ucp.inspect(small).source["optimizer"]["param_groups"]
