@@ -106,6 +106,12 @@ def read_from(
       replicated_read: "each" (None) or "once" (``restoring.replicated``).
     """
     plan = [_plan_item(source, req, available, values or {}, casting) for req in requests]
+    with store.host_memory.trimming():  # freed read buffers returned to the system
+        return _read_all(source, plan, casting, memory_budget, replicated_read)
+
+
+def _read_all(source: TensorSource, plan: list, casting, memory_budget, replicated_read) -> list:
+    """``read_from``'s reads, once every request is checked (``plan``)."""
     tensors = [(i, item[1], item[2]) for i, item in enumerate(plan) if item[0] == "tensor"]
     source.prepare([found for _, _, found in tensors])
     reads = _Reads(source, casting, memory_budget, len(plan))
@@ -216,6 +222,8 @@ class _Reads:
                 f"Tensor {found.name!r}: reading {self.source.files(found)} failed "
                 f"({_READ_FAILURES[tensorstore_failure(e)]}): {tensorstore_message(e)}"
             ) from e
+        if isinstance(pending, sharding_lib.PendingArray):
+            pending.release()
         if pending.overflowed:
             self._overflow(found, pending)
         if req.python_type is not None and getattr(result, "shape", None) == ():

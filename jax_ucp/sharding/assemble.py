@@ -162,6 +162,12 @@ class PendingArray:
         ]
         return jax.make_array_from_single_device_arrays(self.shape, self.sharding, singles)
 
+    def release(self) -> None:
+        """Drops the reads and their host buffers once the result is taken (the result keeps
+        what it adopted), so they are freed now rather than whenever this object is."""
+        self._reads.clear()
+        self._outs.clear()
+
 
 _ALIGNMENT = 64  # XLA:CPU adopts a host buffer as a device buffer, uncopied, if this aligned
 

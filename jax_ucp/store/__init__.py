@@ -1,6 +1,6 @@
 """Layer 2: TensorStore I/O (zarr v3 arrays on any kvstore) and whole-shard file I/O."""
 
-from jax_ucp.store import location, shard_file, shard_reader, shard_writer, zarr3
+from jax_ucp.store import host_memory, location, shard_file, shard_reader, shard_writer, zarr3
 from jax_ucp.store.chunking import DEFAULT_INNER_CHUNK_BYTES, inner_chunk_shape, outer_chunk_shape
 from jax_ucp.store.in_flight import InFlightBytes
 from jax_ucp.store.location import is_url, read_manifest, write_manifest
