@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import jax_ucp
-from tests.ucp_testing import REPO, free_port
+from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 DS = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -47,19 +47,6 @@ def _assert_same_checkpoint(single, shared):
     assert [d for d in os.listdir(parent) if d.startswith(name + ".")] == []  # nothing left
 
 
-def _cli(*args, timeout=240):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "jax_ucp.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
-
-
 @pytest.mark.parametrize(
     "fmt, src, extra",
     [
@@ -82,7 +69,7 @@ def test_cli_processes_equal_a_single_process(tmp_path, fmt, src, extra):
     single = str(tmp_path / "single")
     jax_ucp.convert(src, single, format=fmt, **({"vocab_size": 61} if extra else {}))
     shared = str(tmp_path / "shared")
-    r = _cli("convert", src, shared, "--from", fmt, *extra, "--processes", "3")
+    r = run_cli("convert", src, shared, "--from", fmt, *extra, "--processes", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     _assert_same_checkpoint(single, shared)
 
