@@ -150,12 +150,10 @@ def _covers_every_process(shape: tuple[int, ...], sharding, processes: int) -> b
     )
 
 
-def select(items: Sequence[tuple[int, Any, Any]], mode: str | None) -> list[tuple[int, Any, Any]]:
-    """The ``(position, request, available)`` items to read once: ``mode`` "once", several
-    processes, a tensor with at least one element and one dimension that every process needs
-    whole."""
-    if mode != "once":
-        return []
+def select(items: Sequence[tuple[int, Any, Any]]) -> list[tuple[int, Any, Any]]:
+    """The ``(position, request, available)`` items of a ``replicated_read="once"`` restore to
+    read once: several processes, a tensor with at least one element and one dimension that
+    every process needs whole."""
     import jax  # here and below: imported where used (host-only reads never load it)
 
     n = jax.process_count()
