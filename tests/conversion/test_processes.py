@@ -389,15 +389,11 @@ except Exception as e:
 """
 
 
-def _job(tmp_path, src, dst, die: int):
-    script = tmp_path / "worker.py"
-    script.write_text(LOSING_WORKER)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    port = str(free_port())
-    procs = [
+def _two_processes(args_of, env) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a job: Python run with ``args_of(i)``, output and errors in one."""
+    return [
         subprocess.Popen(
-            [sys.executable, str(script), str(i), port, src, dst, str(die)],
+            [sys.executable, *args_of(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -406,6 +402,15 @@ def _job(tmp_path, src, dst, die: int):
         )
         for i in range(2)
     ]
+
+
+def _job(tmp_path, src, dst, die: int):
+    script = tmp_path / "worker.py"
+    script.write_text(LOSING_WORKER)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = str(free_port())
+    procs = _two_processes(lambda i: [str(script), str(i), port, src, dst, str(die)], env)
     return [(p.pid, p.communicate(timeout=BOUND)[0], p.returncode) for p in procs]
 
 
@@ -454,19 +459,14 @@ def test_coordinator_process_names_a_lost_peer_and_exits(tmp_path):
     dst = str(tmp_path / "out")
     env = _env(tmp_path, UCP_TEST_KILL="1:item:2", UCP_TEST_KILLED=str(tmp_path / "killed"))
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jax_ucp.cli", "convert", src, dst, "--from", "safetensors"]
+    procs = _two_processes(
+        lambda i: (
+            ["-m", "jax_ucp.cli", "convert", src, dst, "--from", "safetensors"]
             + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-            + ["--process-id", str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=REPO,
-        )
-        for i in range(2)
-    ]
+            + ["--process-id", str(i)]
+        ),
+        env,
+    )
     out = procs[0].communicate(timeout=BOUND)[0]
     procs[1].communicate(timeout=BOUND)
     assert procs[1].returncode == -signal.SIGKILL
