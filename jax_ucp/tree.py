@@ -119,12 +119,7 @@ def rebox(target_leaf, value) -> Any:
 def target_leaves(target, boxed: bool = True) -> tuple[list[tuple[tuple[str, ...], Any]], Callable]:
     """A restore target flattened once: its leaves by key, out of their flax metadata boxes,
     and ``rebuild(values)``, the target's structure with one value per leaf (in the leaf's box
-    when ``boxed``), so a restore gives back the target's treedef.
-
-    Args:
-        target: the pytree restored into.
-        boxed: put each value back into its leaf's box.
-    """
+    when ``boxed``), so a restore gives back the target's treedef."""
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     leaves, treedef = flatten(target)
