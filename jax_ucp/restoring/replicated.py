@@ -438,14 +438,10 @@ def _all_gather(share: np.ndarray, peers: agreement.Exchange, names: list[str]) 
         y = program(x)
         y.block_until_ready()
     except Exception as e:  # gloo's errors come as JaxRuntimeError or ValueError
-        peers.raise_if_lost(
-            range(peers.count),
-            None,
-            f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather:",
-        )
+        what = f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
+        peers.raise_if_lost(range(peers.count), None, what + ":")
         raise MultiProcessError(
-            f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather "
-            f"of the shares failed ({e}); a process of the job died or left the restore."
+            f"{what} of the shares failed ({e}); a process of the job died or left the restore."
         ) from e
     return np.asarray(y.addressable_shards[0].data)
 
@@ -468,9 +464,8 @@ def _meet(timeout: float, fingerprint: str) -> agreement.Exchange:
     plans = {i: v["plan"] for i, v in enumerate(peers.peers)}
     if len(set(plans.values())) > 1:
         raise MultiProcessError(
-            f"Reading replicated tensors once across {peers.count} processes: the processes "
-            f"asked for different restores (plans {plans}); every process must restore the "
-            f"same tensors with the same memory_budget."
+            f"{where} the processes asked for different restores (plans {plans}); every "
+            f"process must restore the same tensors with the same memory_budget."
         )
     return peers
 
