@@ -344,7 +344,7 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
 
     from jax_ucp import language
     from jax_ucp.api import inspect
-    from jax_ucp.store import zarr3
+    from jax_ucp.format import to_numpy_dtype
 
     def of(names: list[str], leaf: str) -> bool:
         flags = {decayed.get(n) for n in names}
@@ -358,9 +358,7 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
     if spec is None:
         return {name: of([name], name) for name in params}
     manifest = inspect(ckpt)
-    saved = {
-        e.key: language.TensorInfo(e.shape, zarr3.numpy_dtype(e.dtype)) for e in manifest.tensors
-    }
+    saved = {e.key: language.TensorInfo(e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors}
     sources = {
         key[1:]: [s[1] for s in plan.sources]
         for key, plan in language.compile_restore_plan(spec, saved).items()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from jax_ucp.errors import RequestError
@@ -117,6 +117,23 @@ def rebox(target_leaf, value) -> Any:
     if _is_box(target_leaf):
         return target_leaf.replace_boxed(value)
     return value
+
+
+def target_leaves(target, boxed: bool = True) -> tuple[list[tuple[tuple[str, ...], Any]], Callable]:
+    """A restore target flattened once: its leaves by key, out of their flax metadata boxes,
+    and ``rebuild(values)``, the target's structure with one value per leaf (in the leaf's box
+    when ``boxed``), so a restore gives back the target's treedef."""
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
+    leaves, treedef = flatten(target)
+    boxes = [leaf for _, _, leaf in leaves] if boxed else None
+
+    def rebuild(values: list) -> Any:
+        if boxes is not None:
+            values = [rebox(box, x) for box, x in zip(boxes, values)]
+        return jax.tree_util.tree_unflatten(treedef, values)
+
+    return [(key, unbox(leaf)[0]) for key, _, leaf in leaves], rebuild
 
 
 def _is_variable(x) -> bool:

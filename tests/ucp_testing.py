@@ -103,6 +103,21 @@ def run_workers(
     return results
 
 
+def run_cli(*args: str, env=None, timeout=240) -> subprocess.CompletedProcess:
+    """``jax-ucp ARGS`` in a fresh process on the CPU (the default device count), with ``env``
+    added to this one's."""
+    full = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+    full.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "-m", "jax_ucp.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full,
+        cwd=REPO,
+    )
+
+
 def python_lines(fn, *args, **kwargs):
     """(what ``fn`` returned or raised, the number of lines of jax_ucp's Python code it ran): a
     bound on work that holds on a loaded host, unlike a bound in seconds."""
@@ -203,9 +218,10 @@ def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[
     return src, weights
 
 
-MEASURE_SCRIPT = """
-import json, os, sys, threading, time
-import jax_ucp
+# Code for a fresh process: ``anon()``, its RssAnon; ``sampling()`` starts a thread sampling it
+# every 2 ms and gives ``stop()``, which returns the peak.
+RSS_SAMPLER = """
+import threading, time
 
 def anon():
     with open('/proc/self/status') as f:
@@ -213,15 +229,33 @@ def anon():
             if line.startswith('RssAnon:'):
                 return int(line.split()[1]) * 1024
 
-base, peak, done = anon(), [0], threading.Event()
+def sampling():
+    peak, done = [0], threading.Event()
 
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.002)
 
-t = threading.Thread(target=sample, daemon=True)
-t.start()
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+
+    def stop():
+        done.set()
+        t.join()
+        return max(peak[0], anon())
+
+    return stop
+"""
+
+MEASURE_SCRIPT = (
+    RSS_SAMPLER
+    + """
+import json, os, sys
+import jax_ucp
+
+base = anon()
+stop = sampling()
 if len(sys.argv) > 4 or os.environ.get("UCP_TEST_BASELINE_ORBAX"):
     import orbax.checkpoint  # imported by the export / Orbax import itself: in the baseline
     base = anon()
@@ -231,10 +265,9 @@ if len(sys.argv) > 4:
     jax_ucp.export(sys.argv[1], sys.argv[2], options_for(sys.argv[4], memory_budget=sys.argv[3]))
 else:
     jax_ucp.convert(sys.argv[1], sys.argv[2], memory_budget=sys.argv[3])
-done.set()
-t.join()
-print('PEAK', json.dumps({'base': base, 'peak': max(peak[0], anon())}))
+print('PEAK', json.dumps({'base': base, 'peak': stop()}))
 """
+)
 
 
 def peak_over_baseline(
@@ -410,3 +443,20 @@ class ThreadExchange:
                 return [self.values[step, i] for i in range(self.count)]
 
         return gather
+
+    def run(self, work) -> list:
+        """``work(i)`` in a thread per process; each one's result, or the error it raised."""
+        results: list = [None] * self.count
+
+        def run(i):
+            try:
+                results[i] = work(i)
+            except Exception as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(self.count)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        return results

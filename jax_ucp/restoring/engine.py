@@ -116,16 +116,17 @@ def _read_all(source: TensorSource, plan: list, casting, memory_budget, replicat
     source.prepare([found for _, _, found in tensors])
     reads = _Reads(source, casting, memory_budget, len(plan))
     # Tensors every process of a multi-process job needs whole: each reads a share, all-gather.
-    once = replicated.select(tensors, replicated_read)
-    shared = replicated.read_once(
-        once,
-        reads.source_of,
-        budget=reads.window.max_bytes,
-        check=reads.check,
-        unit_rows=source.unit_rows,
-    )
-    for done in shared:
-        reads.finish(done)
+    once = replicated.select(tensors) if replicated_read == "once" else []
+    if once:
+        shared = replicated.read_once(
+            once,
+            reads.source_of,
+            budget=reads.window.max_bytes,
+            check=reads.check,
+            unit_rows=source.unit_rows,
+        )
+        for done in shared:
+            reads.finish(done)
     read_once = {position for position, _, _ in once}
     for position, item in enumerate(plan):
         if position in read_once:

@@ -20,15 +20,11 @@ batch, together within the restore's ``memory_budget``, besides the results them
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import itertools
-import json
 import math
-import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +32,7 @@ import numpy as np
 
 from jax_ucp import format as fmt
 from jax_ucp.errors import MultiProcessError
-from jax_ucp.multihost import agreement, liveness
+from jax_ucp.multihost import agreement
 from jax_ucp.sharding import assemble
 
 if TYPE_CHECKING:
@@ -45,7 +41,6 @@ if TYPE_CHECKING:
 # A process waits this long for the others to finish reading their shares of a batch (a peer
 # that died on this host is named at once; one on another host ends the job by jax's heartbeat).
 PEER_TIMEOUT_S = 600.0
-_POLL_MS = 200  # how often a waiting process checks that the peers it waits for still live
 _ALIGN = 64  # each piece of a share starts 64-byte aligned (a view of any dtype, adoptable)
 _MIN_SHARE = 4096  # the smallest share an all-gather moves (smaller batches are padded to it)
 
@@ -155,12 +150,10 @@ def _covers_every_process(shape: tuple[int, ...], sharding, processes: int) -> b
     )
 
 
-def select(items: Sequence[tuple[int, Any, Any]], mode: str | None) -> list[tuple[int, Any, Any]]:
-    """The ``(position, request, available)`` items to read once: ``mode`` "once", several
-    processes, a tensor with at least one element and one dimension that every process needs
-    whole."""
-    if mode != "once":
-        return []
+def select(items: Sequence[tuple[int, Any, Any]]) -> list[tuple[int, Any, Any]]:
+    """The ``(position, request, available)`` items of a ``replicated_read="once"`` restore to
+    read once: several processes, a tensor with at least one element and one dimension that
+    every process needs whole."""
     import jax  # here and below: imported where used (host-only reads never load it)
 
     n = jax.process_count()
@@ -221,7 +214,7 @@ def read_once(
     # own share + the gathered batch within the budget, the shares' rounding (1/8) included
     batch_bytes = max(1, int(budget) * n * 8 // ((n + 1) * 9))
     batches = list(share_batches(tensors, n, batch_bytes))
-    peers = _Peers(timeout, _fingerprint(tensors, batches))
+    peers = _meet(timeout, _fingerprint(tensors, batches))
     try:
         for number, batch in enumerate(batches):
             share = assemble.aligned_empty((batch.length,), np.uint8)
@@ -232,7 +225,7 @@ def read_once(
             except Exception as e:  # every process raises it, below
                 error = e
             names = _names(tensors, batch)
-            peers.agree(f"batch{number}", error, names)
+            _agree(peers, f"batch{number}", error, names)
             gathered = _all_gather(share, peers, names)
             del share
             _place(tensors, batch, gathered, me)
@@ -431,7 +424,7 @@ def _process_devices() -> tuple:
     return tuple(firsts[p] for p in sorted(firsts))
 
 
-def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarray:
+def _all_gather(share: np.ndarray, peers: agreement.Exchange, names: list[str]) -> np.ndarray:
     """Every process's ``share`` concatenated in process order (host bytes of this process)."""
     import jax
 
@@ -445,12 +438,10 @@ def _all_gather(share: np.ndarray, peers: _Peers, names: list[str]) -> np.ndarra
         y = program(x)
         y.block_until_ready()
     except Exception as e:  # gloo's errors come as JaxRuntimeError or ValueError
-        peers.raise_if_lost(
-            f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
-        )
+        what = f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather"
+        peers.raise_if_lost(range(peers.count), None, what + ":")
         raise MultiProcessError(
-            f"Reading {_shown(names)} once across {len(devices)} processes: the all-gather "
-            f"of the shares failed ({e}); a process of the job died or left the restore."
+            f"{what} of the shares failed ({e}); a process of the job died or left the restore."
         ) from e
     return np.asarray(y.addressable_shards[0].data)
 
@@ -460,112 +451,44 @@ def _shown(names: list[str]) -> str:
     return f"tensor(s) {shown}" + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-_RUNS = itertools.count()
-
-
-class _Peers:
+def _meet(timeout: float, fingerprint: str) -> agreement.Exchange:
     """The processes of this read meeting through ``jax.distributed``'s key-value store: once
     at the start (who they are, and that they plan the same batches), then after each batch's
-    shares are read, before its all-gather."""
+    shares are read, before its all-gather (``_agree``)."""
+    import jax
 
-    def __init__(self, timeout: float, fingerprint: str):
-        import jax
-
-        self.client = agreement.distributed_client()
-        self.me, self.count = jax.process_index(), jax.process_count()
-        self.prefix = f"jax_ucp/replicated/{next(_RUNS)}/"
-        self.timeout = timeout
-        self.identities: list[dict] = []
-        hello = dict(liveness.identity(os.getpid()) or {}, plan=fingerprint)
-        values = self._gather("hello", json.dumps(hello), [])
-        self.identities = [json.loads(v) for v in values]
-        plans = {i: v["plan"] for i, v in enumerate(self.identities)}
-        if len(set(plans.values())) > 1:
-            raise MultiProcessError(
-                f"Reading replicated tensors once across {self.count} processes: the processes "
-                f"asked for different restores (plans {plans}); every process must restore the "
-                f"same tensors with the same memory_budget."
-            )
-
-    def agree(self, step: str, error: BaseException | None, names: list[str]) -> None:
-        """Waits until every process has read its share of ``step``; raises (in every process)
-        the error of one that failed, as soon as it is known (the failing one without waiting)."""
-        if error is None:
-            self._gather(step, "ok", names)
-            return
-        self.client.key_value_set(
-            f"{self.prefix}{step}/{self.me}", f"error:{type(error).__name__}: {error}"[:4000]
-        )
-        if isinstance(error, fmt.UCPError):  # it names the tensor and file already
-            raise error
+    where = f"Reading replicated tensors once across {jax.process_count()} processes:"
+    peers = agreement.Exchange(
+        "restore", where, timeout, lost=MultiProcessError, hello={"plan": fingerprint}
+    )
+    plans = {i: v["plan"] for i, v in enumerate(peers.peers)}
+    if len(set(plans.values())) > 1:
         raise MultiProcessError(
-            f"Reading {_shown(names)} once across {self.count} processes: process "
-            f"{self.me} (this one) failed to read its share: {type(error).__name__}: {error}"
-        ) from error
+            f"{where} the processes asked for different restores (plans {plans}); every "
+            f"process must restore the same tensors with the same memory_budget."
+        )
+    return peers
 
-    def abort(self, error: BaseException) -> None:
-        """Tells the others this process left the read (they raise instead of waiting)."""
-        with contextlib.suppress(Exception):
-            self.client.key_value_set(
-                f"{self.prefix}abort/{self.me}", f"{type(error).__name__}: {error}"[:2000]
-            )
 
-    def raise_if_lost(self, where: str) -> None:
-        """``MultiProcessError`` naming a process of this host that is gone."""
-        process = liveness.first_lost(self.identities, range(len(self.identities)), self.me)
-        if process is not None:
-            peer = self.identities[process]
-            raise MultiProcessError(
-                f"{where}: process {process} (pid {peer['pid']} on {peer['host']}) died "
-                f"while process {self.me} waited for it."
-            )
+def _agree(peers: agreement.Exchange, step: str, error: BaseException | None, names: list[str]):
+    """Waits until every process has read its share of ``step``; raises (in every process) the
+    error of one that failed, as soon as it is known (the failing one without waiting)."""
+    head = f"Reading {_shown(names)} once across {peers.count} processes:"
+    if error is None:
 
-    def _gather(self, step: str, value: str, names: list[str]) -> list[str]:
-        from jax.errors import JaxRuntimeError
-
-        prefix = f"{self.prefix}{step}/"
-        self.client.key_value_set(prefix + str(self.me), value)
-        what = f"Reading {_shown(names)} once" if names else "Reading replicated tensors once"
-        deadline = time.monotonic() + self.timeout
-        where = f"{what} across {self.count} processes"
-
-        def statuses() -> dict:
-            """This step's keys, after raising the first error one holds. A process that fails
-            sets its error before its abort and before it exits, so reading the abort keys
-            first, then these, never misses the error behind an abort or a death."""
-            got = dict(self.client.key_value_dir_get(prefix))
-            for i in range(self.count):
-                if got.get(prefix + str(i), "").startswith("error:"):
+        def failed(values: dict[int, str]) -> None:
+            for i, value in sorted(values.items()):
+                if value.startswith("error:"):
                     raise MultiProcessError(
-                        f"{where}: process {i} failed to read its share: "
-                        f"{got[prefix + str(i)][len('error:') :]}"
+                        f"{head} process {i} failed to read its share: {value[len('error:') :]}"
                     )
-            return got
 
-        while True:
-            try:
-                aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
-                got = statuses()
-                missing = [i for i in range(self.count) if prefix + str(i) not in got]
-                if not missing:
-                    return [got[prefix + str(i)] for i in range(self.count)]
-                if aborted:
-                    key, why = sorted(aborted.items())[0]
-                    raise MultiProcessError(
-                        f"{where}: process {key.rsplit('/', 1)[-1]} left the restore ({why})."
-                    )
-                try:
-                    self.raise_if_lost(where)
-                except MultiProcessError:
-                    statuses()  # it may have set its error just before it exited
-                    raise
-                if time.monotonic() > deadline:
-                    raise MultiProcessError(
-                        f"{where}: process(es) {', '.join(map(str, missing))} did not finish "
-                        f"reading their share within {self.timeout:g} s."
-                    )
-                self.client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
-            except JaxRuntimeError as e:  # a timed-out poll, or the coordinator gone
-                if "DEADLINE_EXCEEDED" not in str(e):
-                    self.raise_if_lost(where)
-                    raise MultiProcessError(f"{where}: jax.distributed failed: {e}") from e
+        peers.gather(step, "ok", head=head, check=failed)
+        return
+    peers.gather(step, f"error:{type(error).__name__}: {error}"[:4000], wait=False)
+    if isinstance(error, fmt.UCPError):  # it names the tensor and file already
+        raise error
+    raise MultiProcessError(
+        f"{head} process {peers.index} (this one) failed to read its share: "
+        f"{type(error).__name__}: {error}"
+    ) from error

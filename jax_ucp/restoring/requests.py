@@ -83,18 +83,10 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
     if options.has_target:  # one request per leaf, the results in the target's structure
         if options.rules is not None and options.mesh is not None:
             sharding_lib.check_rules(options.rules, options.mesh)
-        target = options.target
-        reqs, treedef = requests_from_target(target, options.shardings, mesh=options.mesh)
+        reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh)
         for r in reqs if options.dtype is not None else ():
             r.dtype = np.dtype(options.dtype)
-
-        def in_target(results):
-            if target is not None:  # flax boxes (nn.LogicallyPartitioned, ...) keep their metadata
-                boxes = [leaf for _, _, leaf in tree_lib.flatten(target)[0]]
-                results = [tree_lib.rebox(box, x) for box, x in zip(boxes, results)]
-            return jax.tree_util.tree_unflatten(treedef, results)
-
-        return Wanted(reqs, every, in_target)
+        return Wanted(reqs, every, rebuild)
     where = opened.source.path
     if options.mesh is not None:
         check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
@@ -144,24 +136,23 @@ def _concrete(key, sharding, mesh):
     )
 
 
-def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Any]:
-    """One request per target leaf; shardings (same structure) override the target's own.
+def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Callable]:
+    """One request per target leaf, and how the results become the target's structure (flax
+    boxes keep their metadata); shardings (same structure) override the target's own.
 
     Args:
         target: the pytree to restore into (None: ``shardings`` are the target).
         shardings: shardings in the target's structure (override its own).
         mesh: the concrete mesh for shardings on an ``AbstractMesh``.
     """
+    boxed = target is not None  # a pytree of shardings as the target: no boxes to keep
     if target is None:
         target, shardings = shardings, None
-    leaves, treedef = tree_lib.flatten(target)
-    shard_by_key = {
-        key: _concrete(key, tree_lib.unbox(s)[0], mesh)
-        for key, _, s in (tree_lib.flatten(shardings)[0] if shardings is not None else ())
-    }
+    leaves, rebuild = tree_lib.target_leaves(target, boxed)
+    overrides = tree_lib.target_leaves(shardings)[0] if shardings is not None else ()
+    shard_by_key = {key: _concrete(key, s, mesh) for key, s in overrides}
     reqs = []
-    for key, _, leaf in leaves:
-        leaf, _ = tree_lib.unbox(leaf)
+    for key, leaf in leaves:
         if isinstance(leaf, jax.sharding.Sharding):  # a pytree of shardings used as the target
             reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
             continue
@@ -173,7 +164,7 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
             reqs.append(Request(key=key, python_type=type(leaf), sharding=sharding))
         else:  # None, str, or anything else: take what was saved
             reqs.append(Request(key=key, sharding=shard_by_key.get(key)))
-    return reqs, treedef
+    return reqs, rebuild
 
 
 def selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):

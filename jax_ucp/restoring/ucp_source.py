@@ -46,7 +46,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
                 key=e.key,
                 key_types=e.key_types,
                 shape=e.shape,
-                dtype=store.zarr3.numpy_dtype(e.dtype),
+                dtype=fmt.to_numpy_dtype(e.dtype),
                 sources=(e,),
                 build=lambda opened, k=e.key: opened[k],
                 saved_sharding=e.saved_sharding,
@@ -58,7 +58,7 @@ def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...]
     from jax_ucp import language  # restore-time transforms (stack/unstack/split/merge/transpose)
 
     saved = {
-        k: language.TensorInfo(shape=e.shape, dtype=store.zarr3.numpy_dtype(e.dtype))
+        k: language.TensorInfo(shape=e.shape, dtype=fmt.to_numpy_dtype(e.dtype))
         for k, e in by_key.items()
     }
     out = {}
@@ -215,7 +215,7 @@ class CheckpointSource(TensorSource):
                 f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
             ) from e
         found_dtype = t.dtype.numpy_dtype
-        if tuple(t.shape) != entry.shape or found_dtype != store.zarr3.numpy_dtype(entry.dtype):
+        if tuple(t.shape) != entry.shape or found_dtype != fmt.to_numpy_dtype(entry.dtype):
             raise CheckpointError(
                 f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
                 f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
@@ -256,7 +256,7 @@ class CheckpointSource(TensorSource):
 
     def check_fits(self, found: Available, limit: int, what: str) -> None:
         for src in found.sources:  # a reader decodes whole inner chunks
-            chunk = math.prod(src.inner_chunk_shape) * store.zarr3.numpy_dtype(src.dtype).itemsize
+            chunk = math.prod(src.inner_chunk_shape) * fmt.to_numpy_dtype(src.dtype).itemsize
             if src.shape and chunk > limit:
                 raise CheckpointError(
                     f"Tensor {found.name!r} ({os.path.join(self.root, src.dir)}): its inner "
@@ -330,7 +330,7 @@ def verify_shard_objects(root: str, entries) -> None:
         n_chunks = _chunks_per_shard(entry)
         data_bytes = shard_file.index_offset(
             entry.inner_chunk_shape,
-            store.zarr3.numpy_dtype(entry.dtype),
+            fmt.to_numpy_dtype(entry.dtype),
             n_chunks,
             entry.compression,
         )

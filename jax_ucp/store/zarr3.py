@@ -12,11 +12,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import tensorstore as ts
 
 from jax_ucp.errors import RequestError
-from jax_ucp.format import dtypes as dtypes_lib
 from jax_ucp.store import location
 
 COMPRESSIONS = (None, "zstd")
@@ -188,11 +186,6 @@ def open_array(
     if shape is not None:
         kwargs["shape"] = list(shape)
     return ts.open(spec, open=True, read=True, write=False, **kwargs)
-
-
-def numpy_dtype(name: str) -> np.dtype:
-    """``format.dtypes.to_numpy_dtype``, for callers of the store layer."""
-    return dtypes_lib.to_numpy_dtype(name)
 
 
 def file_bytes_read() -> int:

@@ -21,7 +21,7 @@ import pytest
 from safetensors.numpy import save_file
 
 import jax_ucp
-from tests.ucp_testing import REPO, free_port
+from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 DS = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -47,19 +47,6 @@ def _assert_same_checkpoint(single, shared):
     assert [d for d in os.listdir(parent) if d.startswith(name + ".")] == []  # nothing left
 
 
-def _cli(*args, timeout=240):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    return subprocess.run(
-        [sys.executable, "-m", "jax_ucp.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
-
-
 @pytest.mark.parametrize(
     "fmt, src, extra",
     [
@@ -82,7 +69,7 @@ def test_cli_processes_equal_a_single_process(tmp_path, fmt, src, extra):
     single = str(tmp_path / "single")
     jax_ucp.convert(src, single, format=fmt, **({"vocab_size": 61} if extra else {}))
     shared = str(tmp_path / "shared")
-    r = _cli("convert", src, shared, "--from", fmt, *extra, "--processes", "3")
+    r = run_cli("convert", src, shared, "--from", fmt, *extra, "--processes", "3")
     assert r.returncode == 0, r.stdout + r.stderr
     _assert_same_checkpoint(single, shared)
 
@@ -402,15 +389,11 @@ except Exception as e:
 """
 
 
-def _job(tmp_path, src, dst, die: int):
-    script = tmp_path / "worker.py"
-    script.write_text(LOSING_WORKER)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    port = str(free_port())
-    procs = [
+def _two_processes(args_of, env) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of a job: Python run with ``args_of(i)``, output and errors in one."""
+    return [
         subprocess.Popen(
-            [sys.executable, str(script), str(i), port, src, dst, str(die)],
+            [sys.executable, *args_of(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -419,6 +402,15 @@ def _job(tmp_path, src, dst, die: int):
         )
         for i in range(2)
     ]
+
+
+def _job(tmp_path, src, dst, die: int):
+    script = tmp_path / "worker.py"
+    script.write_text(LOSING_WORKER)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = str(free_port())
+    procs = _two_processes(lambda i: [str(script), str(i), port, src, dst, str(die)], env)
     return [(p.pid, p.communicate(timeout=BOUND)[0], p.returncode) for p in procs]
 
 
@@ -467,19 +459,14 @@ def test_coordinator_process_names_a_lost_peer_and_exits(tmp_path):
     dst = str(tmp_path / "out")
     env = _env(tmp_path, UCP_TEST_KILL="1:item:2", UCP_TEST_KILLED=str(tmp_path / "killed"))
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "jax_ucp.cli", "convert", src, dst, "--from", "safetensors"]
+    procs = _two_processes(
+        lambda i: (
+            ["-m", "jax_ucp.cli", "convert", src, dst, "--from", "safetensors"]
             + ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-            + ["--process-id", str(i)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=REPO,
-        )
-        for i in range(2)
-    ]
+            + ["--process-id", str(i)]
+        ),
+        env,
+    )
     out = procs[0].communicate(timeout=BOUND)[0]
     procs[1].communicate(timeout=BOUND)
     assert procs[1].returncode == -signal.SIGKILL

@@ -67,19 +67,35 @@ def _flax_shapes(cfg: LMConfig):
     return jax.tree.map(lambda x: x.shape, abstract["params"])
 
 
+def _converted_to_flax(tmp_path, tensors: dict, spec: str, cfg: LMConfig):
+    """``tensors`` as an HF safetensors folder, converted and restored through ``spec``: the
+    flax params, checked to have the shapes the model expects."""
+    import jax
+
+    (tmp_path / "hf").mkdir()
+    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
+    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
+    flax = jax_ucp.restore(ckpt, spec=load_spec(spec, **cfg.head_settings))["params"]
+    assert jax.tree.map(np.shape, flax) == _flax_shapes(cfg)
+    return flax
+
+
+def _assert_same_tensors(path, tensors: dict) -> None:
+    """The safetensors file at ``path`` holds exactly ``tensors``, bit for bit."""
+    back = load_file(str(path))
+    assert set(back) == set(tensors)
+    for name, value in tensors.items():
+        assert back[name].tobytes() == value.tobytes(), name
+
+
 def test_hf_names_to_flax_and_back_is_bit_exact(tmp_path):
     """HF safetensors -> convert -> restore(spec=hf_llama): the flax tree TransformerLM expects
     (GQA q/k/v merged, gate/up fused); saved, then export(spec=flax_llama_to_hf): the original
     file's tensors, bit for bit."""
-    import jax
 
     cfg = LMConfig.from_hf_llama(HF_CONFIG)
     tensors = _hf_names_synthetic(cfg)
-    (tmp_path / "hf").mkdir()
-    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
-    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
-    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
-    assert jax.tree.map(np.shape, flax) == _flax_shapes(cfg)
+    flax = _converted_to_flax(tmp_path, tensors, "hf_llama", cfg)
     jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
     spec = load_spec("flax_llama_to_hf", **cfg.head_settings)
     out = jax_ucp.export(
@@ -87,10 +103,7 @@ def test_hf_names_to_flax_and_back_is_bit_exact(tmp_path):
     )
     assert out.files == ["model.safetensors", "config.json"]
     assert json.loads((tmp_path / "out" / "config.json").read_text()) == HF_CONFIG
-    back = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(back) == set(tensors)
-    for name, value in tensors.items():
-        assert back[name].tobytes() == value.tobytes(), name
+    _assert_same_tensors(tmp_path / "out" / "model.safetensors", tensors)
 
 
 def test_llama_config_checks():
@@ -207,15 +220,10 @@ def _gpt2_names_synthetic(cfg: LMConfig) -> dict[str, np.ndarray]:
 
 
 def test_gpt2_names_to_flax_and_back_is_bit_exact(tmp_path):
-    import jax
 
     cfg = LMConfig.from_hf_gpt2(GPT2_CONFIG)
     tensors = _gpt2_names_synthetic(cfg)
-    (tmp_path / "hf").mkdir()
-    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
-    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
-    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_gpt2", **cfg.head_settings))["params"]
-    assert jax.tree.map(np.shape, flax) == _flax_shapes(cfg)
+    flax = _converted_to_flax(tmp_path, tensors, "hf_gpt2", cfg)
     # c_attn [Q | K | V] became per-head [q_h, k_h, v_h]: head 1's q starts at 3 * head_dim
     c_attn = tensors["transformer.h.0.attn.c_attn.weight"]
     d = cfg.head_dim
@@ -225,10 +233,7 @@ def test_gpt2_names_to_flax_and_back_is_bit_exact(tmp_path):
     jax_ucp.save(str(tmp_path / "flax"), {"params": flax})
     spec = load_spec("flax_gpt2_to_hf", **cfg.head_settings)
     jax_ucp.export(str(tmp_path / "flax"), tmp_path / "out", SafetensorsExport(spec=spec))
-    back = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(back) == set(tensors)
-    for name, value in tensors.items():
-        assert back[name].tobytes() == value.tobytes(), name
+    _assert_same_tensors(tmp_path / "out" / "model.safetensors", tensors)
 
 
 @pytest.mark.torch
@@ -253,19 +258,13 @@ def test_scanned_flax_layers_export_under_hf_names(tmp_path):
 
     cfg = LMConfig.from_hf_llama(HF_CONFIG)
     tensors = _hf_names_synthetic(cfg)
-    (tmp_path / "hf").mkdir()
-    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"))
-    ckpt = jax_ucp.convert(str(tmp_path / "hf"), str(tmp_path / "ucp"))
-    flax = jax_ucp.restore(ckpt, spec=load_spec("hf_llama", **cfg.head_settings))["params"]
+    flax = _converted_to_flax(tmp_path, tensors, "hf_llama", cfg)
     per_layer = [flax.pop(f"layers_{i}") for i in range(cfg.num_layers)]
     flax["layers"] = jax.tree.map(lambda *xs: np.stack(xs), *per_layer)
     jax_ucp.save(str(tmp_path / "scanned"), {"params": flax})
     spec = load_spec("flax_llama_to_hf", **cfg.head_settings)
     jax_ucp.export(str(tmp_path / "scanned"), tmp_path / "out", SafetensorsExport(spec=spec))
-    back = load_file(str(tmp_path / "out" / "model.safetensors"))
-    assert set(back) == set(tensors)
-    for name, value in tensors.items():
-        assert back[name].tobytes() == value.tobytes(), name
+    _assert_same_tensors(tmp_path / "out" / "model.safetensors", tensors)
 
 
 def test_a_spec_by_name_takes_its_settings_from_the_config_in_export_and_plan(tmp_path):
@@ -320,10 +319,7 @@ def test_a_spec_by_name_takes_its_settings_from_the_config_in_export_and_plan(tm
         ],
     )
     assert done.exit_code == 0, done.output
-    back = load_file(str(out / "model.safetensors"))
-    assert set(back) == set(tensors)
-    for name, value in tensors.items():
-        assert back[name].tobytes() == value.tobytes(), name
+    _assert_same_tensors(out / "model.safetensors", tensors)
     missing = runner.invoke(app, ["plan", ckpt, "--mesh", "data=8", "--config", str(config)])
     assert missing.exit_code != 0 and "--spec" in missing.output
 

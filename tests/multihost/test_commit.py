@@ -9,7 +9,6 @@ import contextlib
 import os
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
@@ -30,7 +29,7 @@ class _Tx:
 
 def _run(count, write_of):
     """Each thread's result (None) or error, and what the primary's transaction saw."""
-    exchange, results, events = ThreadExchange(count), [None] * count, []
+    exchange, events = ThreadExchange(count), []
 
     @contextlib.contextmanager
     def begin():
@@ -41,24 +40,16 @@ def _run(count, write_of):
             events.append(f"rolled back: {type(e).__name__}")
             raise
 
-    def run(i):
-        try:
-            commit.commit_once(
-                "dest",
-                index=i,
-                gather=exchange.gather_of(i),
-                begin=begin,
-                write=lambda path: write_of(i, path),
-                merge=lambda path, reports: events.append(("merge", path, reports)),
-            )
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    results = exchange.run(
+        lambda i: commit.commit_once(
+            "dest",
+            index=i,
+            gather=exchange.gather_of(i),
+            begin=begin,
+            write=lambda path: write_of(i, path),
+            merge=lambda path, reports: events.append(("merge", path, reports)),
+        )
+    )
     return results, events
 
 
@@ -94,26 +85,17 @@ def test_a_primary_that_cannot_begin_stops_every_process_before_it_writes():
         raise FileExistsError("dest already exists")
         yield
 
-    exchange, results = ThreadExchange(2), [None, None]
-
-    def run(i):
-        try:
-            commit.commit_once(
-                "dest",
-                index=i,
-                gather=exchange.gather_of(i),
-                begin=refused,
-                write=lambda path: written.append(i) or "",
-                merge=lambda path, reports: None,
-            )
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
+    exchange = ThreadExchange(2)
+    results = exchange.run(
+        lambda i: commit.commit_once(
+            "dest",
+            index=i,
+            gather=exchange.gather_of(i),
+            begin=refused,
+            write=lambda path: written.append(i) or "",
+            merge=lambda path, reports: None,
+        )
+    )
     assert isinstance(results[0], FileExistsError)
     assert isinstance(results[1], MultiProcessError) and "dest already exists" in str(results[1])
     assert written == []

@@ -544,21 +544,29 @@ def test_a_reader_between_the_two_renames_of_a_swap(tmp_path, monkeypatch):
     assert jax_ucp.inspect(out).save_id == store.read_manifest(out).save_id
 
 
-def test_verify_racing_two_replaces_reports_no_damage(tmp_path):
-    """``verify``'s progress callback (user code, after the first tensor) replaces the
-    checkpoint twice, in this process: the checkpoint is verified again, not reported as
-    damaged; a real damage is still reported."""
+def _replaced_twice_by_progress(tmp_path, path: str):
+    """A checkpoint converted at ``path`` from the first of three sources, and a progress
+    callback that, at its first call, replaces it by the second, then the third (and notes the
+    tensor it was called for)."""
     sources = [_source(str(tmp_path / f"src{i}"), b) for i, b in enumerate(_BASES)]
-    out = str(tmp_path / "out")
-    jax_ucp.convert(sources[0], out)
-    replaced = []
+    jax_ucp.convert(sources[0], path)
+    replaced: list[str] = []
 
     def replace_twice(name, done, total):
         if not replaced:
             replaced.append(name)
-            jax_ucp.convert(sources[1], out, force=True)
-            jax_ucp.convert(sources[2], out, force=True)
+            jax_ucp.convert(sources[1], path, force=True)
+            jax_ucp.convert(sources[2], path, force=True)
 
+    return replaced, replace_twice
+
+
+def test_verify_racing_two_replaces_reports_no_damage(tmp_path):
+    """``verify``'s progress callback (user code, after the first tensor) replaces the
+    checkpoint twice, in this process: the checkpoint is verified again, not reported as
+    damaged; a real damage is still reported."""
+    out = str(tmp_path / "out")
+    replaced, replace_twice = _replaced_twice_by_progress(tmp_path, out)
     assert jax_ucp.verify(out, progress=replace_twice, memory_budget=1) == []
     assert replaced and _which(jax_ucp.restore(out)) == _BASES[2]
     shard = os.path.join(out, "arrays", "params.layer0%2Ew", "c", "0", "0")
@@ -577,17 +585,8 @@ def test_an_export_racing_two_replaces_of_its_source_starts_over(tmp_path):
     twice: the export starts over and holds the newest checkpoint whole, no temporary left."""
     from safetensors.numpy import load_file
 
-    sources = [_source(str(tmp_path / f"src{i}"), b) for i, b in enumerate(_BASES)]
     ckpt = str(tmp_path / "ckpt")
-    jax_ucp.convert(sources[0], ckpt)
-    replaced = []
-
-    def replace_twice(name, done, total):
-        if not replaced:
-            replaced.append(name)
-            jax_ucp.convert(sources[1], ckpt, force=True)
-            jax_ucp.convert(sources[2], ckpt, force=True)
-
+    replaced, replace_twice = _replaced_twice_by_progress(tmp_path, ckpt)
     out = tmp_path / "out"
     jax_ucp.export(ckpt, out, SafetensorsExport(progress=replace_twice))
     assert replaced

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ucp
 from jax_ucp.errors import RequestError
 from jax_ucp.saving import budget as budget_lib
-from tests.ucp_testing import assert_bit_exact, mesh, run_python, run_workers
+from tests.ucp_testing import RSS_SAMPLER, assert_bit_exact, mesh, run_python, run_workers
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -166,17 +166,13 @@ def test_a_shard_larger_than_the_budget_is_refused_by_name_before_anything_is_wr
 
 # A fresh process: 256 MiB of float32 on 8 CPU devices saved by an async CheckpointManager;
 # prints the peak RssAnon over the process after the state was built, sampled every 2 ms.
-_MEASURE = """
-import json, os, sys, threading, time
+_MEASURE = (
+    RSS_SAMPLER
+    + """
+import json, os, sys
 import jax, numpy as np, orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
-
-def anon():
-    with open('/proc/self/status') as f:
-        for line in f:
-            if line.startswith('RssAnon:'):
-                return int(line.split()[1]) * 1024
 
 budget = None if sys.argv[2] == 'none' else sys.argv[2]
 m = Mesh(np.array(jax.devices()).reshape(2, 4), ('data', 'model'))
@@ -191,22 +187,15 @@ options = ocp.CheckpointManagerOptions(enable_async_checkpointing=True)
 mngr = ocp.CheckpointManager(sys.argv[1], options=options)
 mngr.save(0, args=ocp.args.Composite(state=jax_ucp.UCPSave({'w': 1.0}, memory_budget=budget)))
 mngr.wait_until_finished()  # Orbax's and the handler's start-up out of the measurement
-base, peak, done = anon(), [0], threading.Event()
-
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-
-t = threading.Thread(target=sample, daemon=True)
-t.start()
+base = anon()
+stop = sampling()
 mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave(state, memory_budget=budget)))
 mngr.wait_until_finished()
-done.set()
-t.join()
+peak = stop()
 mngr.close()
-print('PEAK', json.dumps({'over': max(peak[0], anon()) - base}))
+print('PEAK', json.dumps({'over': peak - base}))
 """
+)
 
 
 @pytest.mark.timeout(900)

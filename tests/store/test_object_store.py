@@ -27,7 +27,7 @@ from jax_ucp.errors import RequestError
 from jax_ucp.saving import engine
 from jax_ucp.store import location
 from jax_ucp.writer import commit
-from tests.ucp_testing import REPO, free_port
+from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -250,18 +250,9 @@ def test_convert_and_cli_with_urls(bucket, tmp_path):
     got = jax_ucp.restore(url)["params"]
     for name, value in tensors.items():
         assert np.asarray(got[name]).tobytes() == value.tobytes(), name
-    cli_env = dict(os.environ, **env, JAX_PLATFORMS="cpu")
-    cli_env.pop("XLA_FLAGS", None)
 
     def cli(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "jax_ucp.cli", *args],
-            capture_output=True,
-            text=True,
-            env=cli_env,
-            cwd=REPO,
-            timeout=120,
-        )
+        return run_cli(*args, env=env, timeout=120)
 
     r = cli("inspect", url)
     assert r.returncode == 0 and "model.embed_tokens.weight" in r.stdout, r.stdout + r.stderr

@@ -249,14 +249,17 @@ def _geometry(draw):
     return tuple(shape), chunk, inner, tuple(region)
 
 
-@settings(max_examples=30, deadline=None)
-@given(
+# an array of any geometry and dtype, checksummed or not, and its seed
+_ARRAYS = dict(
     geo=_geometry(),
     dtype=st.sampled_from(DTYPES),
     checksum=st.sampled_from(["crc32c", None]),
     seed=st.integers(0, 2**16),
-    store_fill=st.booleans(),
 )
+
+
+@settings(max_examples=30, deadline=None)
+@given(**_ARRAYS, store_fill=st.booleans())
 def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, seed, store_fill):
     shape, chunk, inner, region = geo
     value = _random(dtype, shape, np.random.default_rng(seed))
@@ -284,13 +287,7 @@ def test_reads_equal_tensorstore_reads(tmp_path_factory, geo, dtype, checksum, s
 
 
 @settings(max_examples=30, deadline=None)
-@given(
-    geo=_geometry(),
-    dtype=st.sampled_from(DTYPES),
-    checksum=st.sampled_from(["crc32c", None]),
-    seed=st.integers(0, 2**16),
-    data=st.data(),
-)
+@given(**_ARRAYS, data=st.data())
 def test_read_into_several_regions_equals_tensorstore_reads(
     tmp_path_factory, geo, dtype, checksum, seed, data
 ):

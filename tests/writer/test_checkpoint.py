@@ -151,27 +151,18 @@ def _beside(tmp_path, name) -> list[str]:
 
 def _shared_write(dest, keys_of, before_of=lambda i: None):
     """Process i (a thread) writes ``keys_of(i)``; each thread's result or error."""
-    exchange, results = ThreadExchange(2), [None, None]
+    exchange = ThreadExchange(2)
 
     def items_of(i):
         for k in keys_of(i):  # "step": a JSON scalar, no array
             value = 7 if k == "step" else np.full((4, 3), len(k), np.float32)
             yield HostItem(("params", k), value, role="param")
 
-    def run(i):
-        items = items_of(i)
-        gather = exchange.gather_of(i, before_of(i))
-        try:
-            results[i] = write_shared_checkpoint(dest, items, index=i, count=2, gather=gather)
-        except Exception as e:
-            results[i] = e
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-    return results
+    return exchange.run(
+        lambda i: write_shared_checkpoint(
+            dest, items_of(i), index=i, count=2, gather=exchange.gather_of(i, before_of(i))
+        )
+    )
 
 
 @pytest.mark.timeout(60)

@@ -62,6 +62,17 @@ def _entries(root):
     return {e.name: e.to_json() for e in store.read_manifest(str(root)).entries}
 
 
+def _assert_same_checkpoint(got_root, want_root) -> None:
+    """Two checkpoints equal file for file (the manifests aside) and entry for entry (shard
+    digests included)."""
+    got, want = tree_files(got_root), tree_files(want_root)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        if name != "ucp.json":
+            assert got[name] == want[name], name
+    assert _entries(got_root) == _entries(want_root)
+
+
 @pytest.mark.timeout(120)
 def test_a_tensor_over_the_budget_is_written_in_slabs_byte_for_byte(tmp_path):
     tensors = _tensors_synthetic()
@@ -79,13 +90,8 @@ def test_a_tensor_over_the_budget_is_written_in_slabs_byte_for_byte(tmp_path):
     default_whole: list = []
     host_checkpoint.write_host_checkpoint(tmp_path / "whole", _items(tensors, None, default_whole))
     assert default_whole == ["embed", "wide", "small"]
-    got, want = tree_files(tmp_path / "slabs"), tree_files(tmp_path / "whole")
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if name != "ucp.json":
-            assert got[name] == want[name], name
+    _assert_same_checkpoint(tmp_path / "slabs", tmp_path / "whole")
     e_got, e_want = _entries(tmp_path / "slabs"), _entries(tmp_path / "whole")
-    assert e_got == e_want  # shard digests included
     assert e_want["params/embed"]["shard_digests"] == e_got["params/embed"]["shard_digests"]
     assert sorted(e_got["params/embed"]["shard_digests"]) == ["c/0/0"]
     restored = jax_ucp.restore(tmp_path / "slabs")
@@ -198,12 +204,7 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
     default = tmp_path / "default"
     jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
     assert asked and all(r is None for r in asked)
-    got, want = tree_files(small), tree_files(default)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if name != "ucp.json":
-            assert got[name] == want[name], name
-    assert _entries(small) == _entries(default)  # shard digests included
+    _assert_same_checkpoint(small, default)
 
 
 @pytest.mark.timeout(300)
@@ -248,12 +249,7 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
     streamed.clear()
     jax_ucp.convert(src, str(default), vocab_size=MEGATRON_VOCAB)
     assert streamed == []
-    got, want = tree_files(small), tree_files(default)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if name != "ucp.json":
-            assert got[name] == want[name], name
-    assert _entries(small) == _entries(default)
+    _assert_same_checkpoint(small, default)
 
 
 TORCH = os.path.join(REPO, "tests", "fixtures", "torch")
@@ -292,12 +288,7 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
     slabs.clear()
     jax_ucp.convert(src, str(default))
     assert slabs == []
-    got, want = tree_files(small), tree_files(default)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if name != "ucp.json":
-            assert got[name] == want[name], name
-    assert _entries(small) == _entries(default)
+    _assert_same_checkpoint(small, default)
 
 
 def test_dcp_rows_are_the_rows_of_the_tensor():
@@ -395,12 +386,7 @@ def test_an_orbax_import_in_row_slabs_equals_the_default_one(tmp_path, monkeypat
     streamed.clear()
     jax_ucp.convert(tmp_path / "orbax", str(default))
     assert streamed == []
-    got, want = tree_files(small), tree_files(default)
-    assert sorted(got) == sorted(want)
-    for name in want:
-        if name != "ucp.json":
-            assert got[name] == want[name], name
-    assert _entries(small) == _entries(default)
+    _assert_same_checkpoint(small, default)
     np.testing.assert_array_equal(jax_ucp.restore(str(small))["embed"], embed)
 
 
