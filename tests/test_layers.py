@@ -7,7 +7,10 @@ import os
 
 from tests.ucp_testing import REPO
 
-PACKAGE = os.path.join(REPO, "jax_ucp")
+# The layers are the packages and modules of jax_ucp/_src/ (the public modules outside it are
+# facades re-exporting from it: test_public_api.py). ``jax_ucp._src.store`` is layer ``store``.
+PUBLIC_ROOT = os.path.join(REPO, "jax_ucp")
+PACKAGE = os.path.join(PUBLIC_ROOT, "_src")
 
 # layer -> the jax_ucp layers it may import (itself always allowed)
 ALLOWED = {
@@ -21,12 +24,10 @@ ALLOWED = {
     "restoring": {"format", "store", "writer", "multihost", "language", "sharding", "tree"},
     "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
-    "handler": {"orbax"},  # only the old module names Orbax recorded, as aliases
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},
     "torchfiles": {"format", "writer"},  # torch's file formats, read and written without torch
     "importers": {"format", "writer", "language", "torchfiles"},
     "models": {"language"},
-    "samples": set(),
     "exporters": {"format", "store", "writer", "language", "tree", "restoring", "torchfiles"},
     "conversion": {"importers", "writer", "multihost", "orbax", "format", "store"},
     # verify(against=, logits=True): the source's logits (transformers) vs TransformerLM's
@@ -66,6 +67,12 @@ def _layer_of(path: str) -> str:
     return first[: -len(".py")] if first.endswith(".py") else first
 
 
+def _internal(dotted: str) -> list[str]:
+    """``jax_ucp._src.a.b`` -> ``["jax_ucp", "a", "b"]``: the module path inside the layers."""
+    parts = dotted.split(".")
+    return [parts[0], *parts[2:]] if parts[1:2] == ["_src"] else parts
+
+
 def _imports(path: str):
     """(imported jax_ucp layer, imported names) of every import in the module, nested included."""
     with open(path, encoding="utf-8") as f:
@@ -73,15 +80,15 @@ def _imports(path: str):
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                parts = alias.name.split(".")
+                parts = _internal(alias.name)
                 if parts[0] == "jax_ucp" and len(parts) > 1:
                     yield parts[1], [], node.lineno
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            parts = node.module.split(".")
+            parts = _internal(node.module)
             if parts[0] != "jax_ucp":
                 continue
             names = [a.name for a in node.names]
-            if len(parts) == 1:  # from jax_ucp import writer, format as fmt
+            if len(parts) == 1:  # from jax_ucp._src import writer, format as fmt
                 for name in names:
                     yield name, [], node.lineno
             else:
@@ -93,6 +100,32 @@ def _modules():
         for name in filenames:
             if name.endswith(".py"):
                 yield os.path.join(dirpath, name)
+
+
+def test_the_layers_import_no_public_module():
+    """Code under ``_src`` imports ``_src``: the public modules are the facades over it, so a
+    facade can change (or go) without touching the layers. The command line, a client of the
+    public API, may use the package root (``jax_ucp.inspect``, ...)."""
+    wrong = []
+    for path in _modules():
+        root_ok = _layer_of(path) in TOP
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        for node in ast.walk(tree):
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
+            for name in names:
+                parts = name.split(".")
+                if parts == ["jax_ucp"] and root_ok:
+                    continue
+                if parts[0] == "jax_ucp" and parts[1:2] != ["_src"]:
+                    wrong.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: imports {name}")
+    assert not wrong, "\n".join(wrong)
 
 
 def test_lower_layers_never_import_higher_ones():
@@ -181,7 +214,7 @@ def _imported_modules(path: str):
 def _imported_formats(path: str, formats: set[str]):
     """(line, format) of every import of a format package under ``importers/``."""
     for line, module in _imported_modules(path):
-        parts = module.split(".")
+        parts = _internal(module)
         if parts[:2] == ["jax_ucp", "importers"] and len(parts) > 2 and parts[2] in formats:
             yield line, parts[2]
 
@@ -324,30 +357,48 @@ def test_orbax_is_imported_only_by_the_orbax_integrations():
     assert not wrong, "\n".join(sorted(set(wrong)))
 
 
+def _private_parts(dotted: str) -> list[str]:
+    """The underscore segments of a jax_ucp path, but the ``_src`` package right below the root:
+    tests of internals import ``jax_ucp._src.<module>`` as JAX's own tests import ``jax._src``."""
+    parts = dotted.split(".")
+    return [
+        p
+        for i, p in enumerate(parts)
+        if p.startswith("_") and not p.startswith("__") and not (i == 1 and p == "_src")
+    ]
+
+
 def _private_reaches(path: str):
     """(line, what) for each underscore name of jax_ucp a test file imports, reads as an
-    attribute of something it imported from jax_ucp, or monkeypatches by name."""
+    attribute of something it imported from jax_ucp, or monkeypatches by name (the ``_src``
+    package itself excepted: ``_private_parts``)."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read(), path)
-    private = lambda n: n.startswith("_") and not n.startswith("__")
     bound = set()  # names bound to jax_ucp modules, classes or functions
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "jax_ucp":
             for a in node.names:
-                if private(a.name):
+                if _private_parts(f"{node.module}.{a.name}"):
                     yield node.lineno, f"from {node.module} import {a.name}"
                 bound.add(a.asname or a.name)
         elif isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] == "jax_ucp":
+                    if _private_parts(a.name):
+                        yield node.lineno, f"import {a.name}"
                     bound.add(a.asname or "jax_ucp")
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and private(node.attr):
-            base = node.value
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            chain, base = [node.attr], node.value
             while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
                 base = base.value
             if isinstance(base, ast.Name) and base.id in bound:
-                yield node.lineno, ast.unparse(node)
+                dotted = ".".join([base.id, *reversed(chain)])
+                if base.id != "jax_ucp":  # a name imported from jax_ucp: all of it is its own
+                    dotted = "jax_ucp.x." + dotted
+                if _private_parts(dotted)[-1:] == [node.attr]:
+                    yield node.lineno, ast.unparse(node)
         elif (
             isinstance(node, ast.Call)
             and isinstance(node.func, ast.Attribute)
@@ -359,12 +410,36 @@ def _private_reaches(path: str):
                 target = target.value
             name = node.args[1] if len(node.args) > 1 else None
             if isinstance(target, ast.Name) and target.id in bound:
-                if isinstance(name, ast.Constant) and private(str(name.value)):
+                if isinstance(name, ast.Constant) and _private_parts(f"jax_ucp.x.{name.value}"):
                     yield node.lineno, ast.unparse(node)
-            elif isinstance(target, ast.Constant) and isinstance(target.value, str):
-                parts = target.value.split(".")
-                if parts[0] == "jax_ucp" and any(private(p) for p in parts):
-                    yield node.lineno, ast.unparse(node)
+            elif (
+                isinstance(target, ast.Constant)
+                and isinstance(target.value, str)
+                and target.value.split(".")[0] == "jax_ucp"
+                and _private_parts(target.value)
+            ):
+                yield node.lineno, ast.unparse(node)
+
+
+def test_the_private_reach_rule_allows_src_but_no_underscore_name_beyond_it(tmp_path):
+    """The rule above on its own: ``jax_ucp._src.<module>`` is a module a test may import, an
+    underscore name in or below it is not."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import jax_ucp\n"
+        "import jax_ucp._src.writer.commit as commit\n"
+        "from jax_ucp._src.format import dtypes\n"
+        "from jax_ucp._src.format.dtypes import _private_a\n"
+        "import jax_ucp._src._private_b\n"
+        "jax_ucp._src.format.dtypes.dtype_name\n"
+        "jax_ucp._src.format._private_c\n"
+        "dtypes._private_d\n"
+        "monkeypatch.setattr('jax_ucp._src.writer.commit.os', 1)\n"
+        "monkeypatch.setattr('jax_ucp._src.writer.commit._private_e', 1)\n"
+        "monkeypatch.setattr(commit, '_private_f', 1)\n"
+    )
+    found = [what for _, what in _private_reaches(str(probe))]
+    assert len(found) == 6 and all(f"_private_{c}" in " ".join(found) for c in "abcdef"), found
 
 
 def test_tests_reach_no_private_name_of_jax_ucp():

@@ -109,204 +109,105 @@ def test_every_exception_class_of_the_package_derives_from_ucp_error():
     assert outside == []
 
 
-# What each subpackage exports (its ``__all__``): the names users or other layers import from
-# it. A change here is a change of the package's surface, made on purpose.
-SURFACE: dict[str, set[str]] = {
-    "jax_ucp.cli": {"app", "main"},
-    "jax_ucp.format": {
-        "ARRAYS_DIR",
-        "Entry",
-        "FORMAT_VERSION",
-        "MANIFEST_FILE",
-        "MAX_MANIFEST_BYTES",
-        "MAX_TREE_DEPTH",
-        "Manifest",
-        "SavedSharding",
-        "TensorEntry",
-        "UCPError",
-        "ValueEntry",
-        "array_dir",
-        "check_tree_depth",
-        "dtype_name",
-        "encode_key",
-        "key_to_str",
-        "new_manifest",
-        "read_manifest_file",
-        "role_of",
-        "to_numpy_dtype",
-    },
-    "jax_ucp.importers": {"plan_import"},
-    "jax_ucp.importers.deepspeed": {
-        "DS_CLASSES",
-        "DeepSpeedCheckpoint",
-        "DeepSpeedOptions",
-        "MegatronDeepSpeedCheckpoint",
-        "detect",
-        "is_deepspeed_checkpoint",
-        "open_deepspeed_checkpoint",
-        "plan",
-        "plan_deepspeed",
-    },
-    "jax_ucp.importers.megatron": {
-        "MegatronImportError",
-        "MegatronOptions",
-        "detect",
-        "detect_megatron",
-        "plan",
-        "plan_megatron",
-    },
-    "jax_ucp.importers.orbax": {"OrbaxOptions", "detect", "plan", "plan_orbax"},
-    "jax_ucp.importers.safetensors": {"detect", "plan"},
-    "jax_ucp.importers.torch": {"TorchOptions", "detect", "plan"},
-    "jax_ucp.importers.verl": {"VerlOptions", "detect", "plan"},
-    "jax_ucp.language": {
-        "Averaged",
-        "DEFAULT_ROOTS",
-        "Expert",
-        "ImportMatch",
-        "ImportRule",
-        "KINDS",
-        "Kind",
-        "OPS",
-        "Op",
-        "Partitioned",
-        "PipelineTied",
-        "QKV",
-        "Replicated",
-        "RestoreRule",
-        "Root",
-        "Spec",
-        "SubParams",
-        "SwiGLU",
-        "TensorInfo",
-        "ViewPlan",
-        "Vocab",
-        "apply_restore_plan",
-        "apply_spec_to_tree",
-        "compile_restore_plan",
-        "describe_plan",
-        "dump_spec",
-        "expert_global_index",
-        "flatten_nested",
-        "head_split",
-        "kind_from_obj",
-        "list_specs",
-        "load_spec",
-        "merge",
-        "op_from_obj",
-        "optax_chain_roots",
-        "padded_vocab_size",
-        "saved_infos",
-        "spec_from_dict",
-        "spec_from_toml",
-        "spec_to_dict",
-        "spec_to_toml",
-        "split",
-        "split_parts",
-        "unflatten_nested",
-    },
-    "jax_ucp.models": {"LMConfig", "TransformerLM", "from_megatron", "shipped_spec_for"},
-    "jax_ucp.multihost": set(),
-    "jax_ucp.orbax": set(),
-    "jax_ucp.restoring": set(),
-    "jax_ucp.samples": {"NAMES", "path", "reference", "settings"},
-    "jax_ucp.saving": set(),
-    "jax_ucp.sharding": {
-        "PendingArray",
-        "ReplicationWarning",
-        "check_divisible",
-        "check_names",
-        "check_rules",
-        "describe",
-        "host_memory_limit",
-        "replicated_unasked",
-        "replication_warning",
-        "sharding_for",
-        "unmatched_rules",
-        "unmatched_rules_message",
-    },
-    "jax_ucp.store": {
-        "ArrayLayout",
-        "DEFAULT_INNER_CHUNK_BYTES",
-        "InFlightBytes",
-        "array_config",
-        "bytes_read",
-        "create",
-        "inner_chunk_shape",
-        "is_url",
-        "kvstore_config",
-        "kvstore_driver",
-        "open_array",
-        "outer_chunk_shape",
-        "read_manifest",
-        "write_manifest",
-    },
-    "jax_ucp.torchfiles": {"dcp_reader", "dtypes", "sharded", "unpickler"},
-    "jax_ucp.writer": {
-        "DEFAULT_MEMORY_BUDGET",
-        "Deferred",
-        "mapped_deferred",
-        "HostItem",
-        "PipelinedWriter",
-        "PreparedTensor",
-        "SaveOptions",
-        "array_layout",
-        "memory_budget",
-        "memory_budget_scope",
-        "prepare_host_tensor",
-        "remove_abandoned",
-        "tensor_entry",
-        "unpooled_empty",
-        "value_entry",
-        "with_digests",
-        "with_progress",
-        "write_host_checkpoint",
-        "write_shared_checkpoint",
-        "write_stream",
-        "write_tensor",
-    },
+# The public modules: everything under jax_ucp/ but _src/, each a facade with an explicit
+# ``__all__`` (written by tools/move_to_src.py, but the package root, its samples and the old
+# names Orbax recorded). A new one is a change of the surface, made on purpose.
+PUBLIC_MODULES = {
+    "jax_ucp",
+    "jax_ucp.cli",
+    "jax_ucp.cli.__main__",
+    "jax_ucp.conversion",
+    "jax_ucp.errors",
+    "jax_ucp.exporters",
+    "jax_ucp.format",
+    "jax_ucp.handler",
+    "jax_ucp.language",
+    "jax_ucp.models",
+    "jax_ucp.orbax",
+    "jax_ucp.orbax.handler",
+    "jax_ucp.orbax.v1",
+    "jax_ucp.restoring",
+    "jax_ucp.samples",
 }
-# handler/ keeps the old module names Orbax records (aliases, no surface of its own); exporters/
-# pins its own ``__all__`` (its options are being split per format).
-UNPINNED = {"jax_ucp.handler", "jax_ucp.exporters"}
+# issue 39: fewer than 100 public names (the union of the public modules' ``__all__``)
+MAX_PUBLIC_NAMES = 99
 
 
-def _subpackages():
-    import pkgutil
-
-    for info in pkgutil.walk_packages(jax_ucp.__path__, "jax_ucp."):
-        if info.ispkg:
-            yield info.name, importlib.import_module(info.name)
-
-
-def test_every_subpackage_surface_is_pinned():
-    found = {name: set(getattr(module, "__all__", [])) for name, module in _subpackages()}
-    assert set(found) - UNPINNED == set(SURFACE), "a new subpackage: pin its __all__ in SURFACE"
-    for name, names in SURFACE.items():
-        assert found[name] == names, (name, found[name] ^ names)
+def _public_modules() -> dict[str, pathlib.Path]:
+    """Every module under jax_ucp/ outside ``_src``: dotted name -> file."""
+    found = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT.parent).with_suffix("")
+        if "_src" in rel.parts:
+            continue
+        parts = list(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        found[".".join(parts)] = path
+    return found
 
 
-def test_exported_names_resolve():
-    for name, module in _subpackages():
-        for attribute in getattr(module, "__all__", []):
-            assert hasattr(module, attribute), (name, attribute)
+def _declared_all(path: pathlib.Path) -> list[str] | None:
+    """The module's ``__all__``, read from its source (``__main__`` runs the CLI if imported)."""
+    for node in ast.parse(path.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        if isinstance(target, ast.Name) and target.id == "__all__" and node.value is not None:
+            return list(ast.literal_eval(node.value))
+    return None
 
 
-def test_functions_and_classes_of_an_init_are_exported_or_private():
-    """A function or class written in a subpackage's ``__init__`` is in its ``__all__`` or has a
-    ``_`` name: an internal helper does not look public."""
+def _public_names() -> set[str]:
+    return {n for path in _public_modules().values() for n in _declared_all(path) or []}
+
+
+def test_the_public_modules_are_the_facades():
+    assert set(_public_modules()) == PUBLIC_MODULES
+
+
+def test_every_public_module_declares_all_and_shows_nothing_else():
+    """Each public module has an ``__all__``; every other public-looking name it holds is a
+    submodule (``jax_ucp.orbax.v1``) or an import it needs, never a function, class or value:
+    what a user can reach outside ``_src`` is what ``__all__`` says."""
+    import __future__
+
     import inspect
 
-    loose = []
-    for name, module in _subpackages():
-        if name in UNPINNED:
+    wrong = []
+    for name, path in _public_modules().items():
+        declared = _declared_all(path)
+        if declared is None:
+            wrong.append(f"{name}: no __all__")
             continue
+        if name.endswith("__main__"):
+            continue  # importing it runs the command line
+        module = importlib.import_module(name)
+        assert sorted(declared) == sorted(module.__all__), name
         for attribute, value in vars(module).items():
-            if (
-                (inspect.isfunction(value) or inspect.isclass(value))
-                and value.__module__ == name
-                and not attribute.startswith("_")
-                and attribute not in module.__all__
-            ):
-                loose.append(f"{name}.{attribute}")
-    assert loose == []
+            if attribute.startswith("_") or attribute in declared:
+                continue
+            if inspect.ismodule(value) or isinstance(value, __future__._Feature):
+                continue
+            if attribute == "TYPE_CHECKING":  # typing's flag, for the root's lazy names
+                continue
+            wrong.append(f"{name}.{attribute}: public, not in __all__")
+        wrong += [f"{name}.{n}: in __all__, missing" for n in declared if not hasattr(module, n)]
+    assert wrong == []
+
+
+def test_fewer_than_100_public_names():
+    names = _public_names()
+    assert len(names) <= MAX_PUBLIC_NAMES, (len(names), sorted(names))
+
+
+def test_the_facades_re_export_the_implementation():
+    """A facade imports from ``_src`` only: its names are the ``_src`` objects themselves (one
+    class, so ``isinstance`` and ``except`` agree whichever path a caller imported it by)."""
+    wrong = []
+    for name, path in _public_modules().items():
+        if name in ("jax_ucp", "jax_ucp.samples", "jax_ucp.handler"):
+            continue  # the root (lazy), the samples' own code, the aliases Orbax recorded
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                if not (node.module or "").startswith("jax_ucp._src"):
+                    wrong.append(f"{name}: from {node.module} import ...")
+            elif isinstance(node, ast.Import):
+                wrong.append(f"{name}: import {', '.join(a.name for a in node.names)}")
+    assert wrong == []
