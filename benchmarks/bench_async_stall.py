@@ -20,7 +20,7 @@ PartitionSpecs as in bench_save_restore), measures, alternating within each roun
 The ratio stall / copy says how much of the blocking part is more than the unavoidable copy.
 
 With ``--budget 256MiB``, the same async and blocking saves with ``UCPSave(memory_budget=)``
-(``jax_ucp.saving.budget``: the stall copies shards up to the budget, the commit writes the rest
+(``jax_ucp._src.saving.budget``: the stall copies shards up to the budget, the commit writes the rest
 batch by batch) join the rounds. Every save also reports its peak host memory: RssAnon sampled
 every 10 ms from a thread (``rss.Peak``), over the process just before ``mngr.save``.
 

@@ -48,7 +48,7 @@ def run_measured(cmd: list[str], env: dict | None = None) -> dict:
 
 def largest_tensor_bytes(src: str) -> tuple[int, int]:
     sys.path.insert(0, ROOT)
-    from jax_ucp.importers.deepspeed import DeepSpeedCheckpoint, open_deepspeed_checkpoint
+    from jax_ucp._src.importers.deepspeed import DeepSpeedCheckpoint, open_deepspeed_checkpoint
 
     checkpoint = open_deepspeed_checkpoint(src)
     import math
@@ -151,7 +151,7 @@ def main() -> None:
     env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONWARNINGS="ignore", JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     base = run_measured(
-        [sys.executable, "-c", "import jax_ucp.importers.deepspeed, jax_ucp.writer"],
+        [sys.executable, "-c", "import jax_ucp._src.importers.deepspeed, jax_ucp._src.writer"],
         env,
     )
     results = []

@@ -47,9 +47,9 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from jax_ucp.store import shard_writer  # noqa: E402
-from jax_ucp.store.zarr3 import ArrayLayout  # noqa: E402
-from jax_ucp.writer import durable  # noqa: E402
+from jax_ucp._src.store import shard_writer  # noqa: E402
+from jax_ucp._src.store.zarr3 import ArrayLayout  # noqa: E402
+from jax_ucp._src.writer import durable  # noqa: E402
 
 GB = 10**9
 MiB = 2**20

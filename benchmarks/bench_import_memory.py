@@ -65,7 +65,7 @@ TARGETS = ("safetensors", "torch-dcp", "deepspeed-universal", "orbax")
 def child(a) -> None:
     sys.path.insert(0, ROOT)
     import jax_ucp
-    from jax_ucp.importers.registry import detect_format
+    from jax_ucp._src.importers.registry import detect_format
 
     if a.target == "orbax" or (not a.target and detect_format(a.src) == "orbax"):
         # Orbax (and JAX, ~57 MiB) is imported by the export or import itself: in the baseline
@@ -74,7 +74,7 @@ def child(a) -> None:
     t0 = time.perf_counter()
     with rss.Peak(interval=0.005) as peak:
         if a.target:
-            from jax_ucp.exporters import options_for
+            from jax_ucp._src.exporters import options_for
 
             jax_ucp.export(a.src, a.dst, options_for(a.target, memory_budget=a.budget))
         else:
@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--target", help=argparse.SUPPRESS)
     a = ap.parse_args()
     sys.path.insert(0, ROOT)
-    from jax_ucp.format.sizes import parse_size
+    from jax_ucp._src.format.sizes import parse_size
 
     budgets = [parse_size(b) for b in a.budget.split(",") if b]
     if a.child:

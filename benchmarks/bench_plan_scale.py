@@ -62,16 +62,16 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
 import jax_ucp  # noqa: E402
-from jax_ucp import format as fmt  # noqa: E402
-from jax_ucp import sharding as sharding_lib  # noqa: E402
-from jax_ucp import store  # noqa: E402
-from jax_ucp.importers.plan import Share  # noqa: E402
-from jax_ucp.restoring.plan import abstract_mesh  # noqa: E402
-from jax_ucp.sharding import mesh_layout  # noqa: E402
-from jax_ucp.sharding.mesh_layout import axes_of  # noqa: E402
-from jax_ucp.store.shard_reader import ShardReader  # noqa: E402
-from jax_ucp.writer import checkpoint as writer_checkpoint  # noqa: E402
-from jax_ucp.writer.layout import SaveOptions, array_layout, tensor_entry, value_entry  # noqa: E402
+from jax_ucp._src import format as fmt  # noqa: E402
+from jax_ucp._src import sharding as sharding_lib  # noqa: E402
+from jax_ucp._src import store  # noqa: E402
+from jax_ucp._src.importers.plan import Share  # noqa: E402
+from jax_ucp._src.restoring.plan import abstract_mesh  # noqa: E402
+from jax_ucp._src.sharding import mesh_layout  # noqa: E402
+from jax_ucp._src.sharding.mesh_layout import axes_of  # noqa: E402
+from jax_ucp._src.store.shard_reader import ShardReader  # noqa: E402
+from jax_ucp._src.writer import checkpoint as writer_checkpoint  # noqa: E402
+from jax_ucp._src.writer.layout import SaveOptions, array_layout, tensor_entry, value_entry  # noqa: E402
 
 NAME = "llama3_70b_adamw_manifest_only_synthetic"
 

@@ -2,7 +2,7 @@
 process reads every byte) and ``"once"`` (each reads a share, the shares all-gathered over
 gloo), side by side in one run, with 2 and 4 local processes (jax.distributed on 127.0.0.1).
 
-Per process: the bytes the reader read (``jax_ucp.store.bytes_read()``: TensorStore's file
+Per process: the bytes the reader read (``jax_ucp._src.store.bytes_read()``: TensorStore's file
 metric plus ``store.shard_file``'s pread counter, i.e. what the reader asked of storage, the
 page cache included) and, from /proc/self/io, ``read_bytes`` (what reached the block device).
 Time: the slowest process's restore, the processes started together after a barrier; rounds
@@ -80,7 +80,7 @@ def worker(
     from jax.sharding import PartitionSpec as P
 
     import jax_ucp
-    from jax_ucp import store
+    from jax_ucp._src import store
 
     mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))
     manifest = jax_ucp.inspect(path)

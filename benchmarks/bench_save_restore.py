@@ -82,7 +82,7 @@ def ucp_restore(path, tree, shardings):
 def ucp_restore_tensorstore_reads(path, tree, shardings):
     """jax_ucp restore with every read through TensorStore (store.shard_reader off: no shard
     layout is recognised, so the UCP source hands out TensorStore views)."""
-    from jax_ucp.store import shard_file
+    from jax_ucp._src.store import shard_file
 
     layout = shard_file.layout_from_metadata
     shard_file.layout_from_metadata = lambda *a: None
@@ -94,7 +94,7 @@ def ucp_restore_tensorstore_reads(path, tree, shardings):
 
 def ucp_save_tensorstore_writes(path, tree):
     """jax_ucp save with every shard written by TensorStore (store.shard_writer off)."""
-    from jax_ucp.store import shard_writer
+    from jax_ucp._src.store import shard_writer
 
     can_write = shard_writer.can_write
     shard_writer.can_write = lambda *a: False

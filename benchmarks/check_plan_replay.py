@@ -30,9 +30,9 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jax_ucp  # noqa: E402
-from jax_ucp import format as fmt  # noqa: E402
-from jax_ucp.format import files  # noqa: E402
-from jax_ucp.store import shard_reader  # noqa: E402
+from jax_ucp._src import format as fmt  # noqa: E402
+from jax_ucp._src.format import files  # noqa: E402
+from jax_ucp._src.store import shard_reader  # noqa: E402
 
 RULES = (("embed", "fsdp"), ("mlp", "tensor"))
 

@@ -25,7 +25,7 @@ def copy_megatron_fixture(name: str, tmp_path) -> Path:
 def assert_megatron_refused(src, tmp_path, match: str, **options) -> None:
     """``convert(src, tmp_path / "out", vocab_size=61)`` refused by the Megatron importer with
     a message matching ``match``, nothing left at ``out``."""
-    from jax_ucp.importers.megatron import MegatronImportError
+    from jax_ucp._src.importers.megatron import MegatronImportError
     from tests.ucp_testing import assert_convert_refused
 
     options = {"vocab_size": 61, **options}

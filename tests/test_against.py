@@ -144,7 +144,7 @@ def _flip_source(kind, src) -> str:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from jax_ucp.against import dcp_reader
+    from jax_ucp._src.against import dcp_reader
 
     if kind.startswith("verl") or kind == "torch_checkpointing":
         file = (

@@ -1,5 +1,5 @@
 """The public exceptions are one small tree under ``UCPError``, grouped by what the user does
-about the error (``jax_ucp/errors.py``), each with one builtin besides and raised under its own
+about the error (``jax_ucp/_src/errors.py``), each with one builtin besides and raised under its own
 name: no module binds an error class under another name (``DcpError = SourceError`` made
 ``except DcpError`` catch every importer's refusals)."""
 
@@ -30,10 +30,10 @@ TREE: dict[str, type | None] = {
 # Distinctions only jax_ucp's own code catches: subclasses in the layer that raises them, not
 # exported (a caller catches their public parent).
 INTERNAL = {
-    "TorchFileError": ("jax_ucp.torchfiles.unpickler", "SourceError"),
-    "MegatronImportError": ("jax_ucp.importers.megatron.common", "SourceError"),
-    "ProcessLostError": ("jax_ucp.multihost.agreement", "MultiProcessError"),
-    "ShardLayoutError": ("jax_ucp.torchfiles.sharded", "SourceError"),
+    "TorchFileError": ("jax_ucp._src.torchfiles.unpickler", "SourceError"),
+    "MegatronImportError": ("jax_ucp._src.importers.megatron.common", "SourceError"),
+    "ProcessLostError": ("jax_ucp._src.multihost.agreement", "MultiProcessError"),
+    "ShardLayoutError": ("jax_ucp._src.torchfiles.sharded", "SourceError"),
 }
 
 
@@ -102,7 +102,7 @@ def test_no_module_binds_an_error_class_under_another_name():
 
 
 def test_a_torch_file_error_keeps_its_path():
-    from jax_ucp.torchfiles.unpickler import TorchFileError
+    from jax_ucp._src.torchfiles.unpickler import TorchFileError
 
     error = TorchFileError("/x/model.pt", "global os.system is not allowed")
     assert error.path == "/x/model.pt"
@@ -112,7 +112,7 @@ def test_a_torch_file_error_keeps_its_path():
 
 def test_a_duplicate_json_key_is_a_safetensors_error_naming_the_file():
     """The duplicate-key hook raises the public class itself (no private exception escapes)."""
-    from jax_ucp.format import safetensors
+    from jax_ucp._src.format import safetensors
 
     with pytest.raises(errors.SourceError, match=r"^f\.json: names 'a' twice"):
         safetensors.strict_json('{"b": {"a": 1, "a": 2}}', "f.json")

@@ -46,14 +46,14 @@ ALLOWED = {
 # with every jax_ucp module each imports at module level, transitively (``import jax_ucp.
 # exporters`` is also run in a fresh process: tests/exporters/test_without_jax.py).
 JAX_FREE = {
-    "jax_ucp.restoring.locate",
-    "jax_ucp.restoring.model",
-    "jax_ucp.restoring.engine",
-    "jax_ucp.restoring.ucp_source",
-    "jax_ucp.restoring.safetensors_source",
-    "jax_ucp.restoring.sources",
-    "jax_ucp.restoring.inspecting",
-    "jax_ucp.tree",
+    "jax_ucp._src.restoring.locate",
+    "jax_ucp._src.restoring.model",
+    "jax_ucp._src.restoring.engine",
+    "jax_ucp._src.restoring.ucp_source",
+    "jax_ucp._src.restoring.safetensors_source",
+    "jax_ucp._src.restoring.sources",
+    "jax_ucp._src.restoring.inspecting",
+    "jax_ucp._src.tree",
     "jax_ucp.exporters",
 }
 JAX_PACKAGES = {"jax", "jaxlib", "orbax", "flax", "optax"}

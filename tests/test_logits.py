@@ -17,8 +17,8 @@ import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.logits import compare_logits
 from jax_ucp.cli import app
-from jax_ucp.logits import compare_logits
 from tests.ucp_testing import REPO
 
 runner = CliRunner()

@@ -169,7 +169,7 @@ def test_optax_step_equals_torch_adamw_step_without_a_spec(tmp_path):
 
 # --- what the files identify, and nothing else (issue 38) -----------------------------------
 
-from jax_ucp.optax_torch import check_groups, hf_schedule, identify  # noqa: E402
+from jax_ucp._src.optax_torch import check_groups, hf_schedule, identify  # noqa: E402
 
 ADAM_KEYS = dict(
     lr=0.01, betas=[0.9, 0.999], eps=1e-8, amsgrad=False, maximize=False, foreach=None,
@@ -334,7 +334,7 @@ def test_adam_l2_decay_without_the_key_is_refused_then_translated_exactly(tmp_pa
 
 
 def test_every_recorded_scheduler_argument_is_used_or_refused():
-    from jax_ucp.optax_torch import schedule_kwargs
+    from jax_ucp._src.optax_torch import schedule_kwargs
 
     assert schedule_kwargs({"lr_scheduler_kwargs": {"num_cycles": 2}}, "cosine", "c") == {
         "num_cycles": 2.0

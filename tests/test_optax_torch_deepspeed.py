@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.optax_torch import run_arguments
 from jax_ucp.errors import RequestError
-from jax_ucp.optax_torch import run_arguments
 from tests.test_optax_torch import continue_in_jax
 from tests.ucp_testing import REPO
 

@@ -1,4 +1,4 @@
-"""Each option defined once (jax_ucp/options.py): restore / plan / UCPRestore take
+"""Each option defined once (jax_ucp/_src/options.py): restore / plan / UCPRestore take
 RestoreOptions' fields, convert ConvertOptions' and the format's import options (built at the
 edge, handed down whole); one memory knob, ``memory_budget``."""
 
@@ -11,15 +11,16 @@ import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp import conversion, store, writer
+from jax_ucp import conversion
+from jax_ucp._src import store, writer
+from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET
+from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.megatron import MegatronOptions
+from jax_ucp._src.importers.orbax import OrbaxOptions
+from jax_ucp._src.importers.plan import ImportOptions, TaggedOptions
+from jax_ucp._src.restoring.options import RestoreOptions
+from jax_ucp._src.restoring.plan import abstract_mesh
 from jax_ucp.cli import app
-from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
-from jax_ucp.importers import registry
-from jax_ucp.importers.megatron import MegatronOptions
-from jax_ucp.importers.orbax import OrbaxOptions
-from jax_ucp.importers.plan import ImportOptions, TaggedOptions
-from jax_ucp.restoring.options import RestoreOptions
-from jax_ucp.restoring.plan import abstract_mesh
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FSDP2 = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_fp32")
@@ -140,7 +141,7 @@ def test_the_import_options_built_at_the_edge_reach_the_format_unchanged(tmp_pat
     """``convert(importing=TorchOptions(...))`` hands that very object to the torch importer's
     ``plan``; keywords build the most general class that takes them, specialised to the format
     the files show (``tag=`` → ``TaggedOptions`` → ``OrbaxOptions`` for an Orbax source)."""
-    from jax_ucp.importers.torch import TorchOptions
+    from jax_ucp._src.importers.torch import TorchOptions
 
     seen = []
     importer = registry.IMPORTERS["torch"]
@@ -209,7 +210,9 @@ def _option_fields() -> dict[str, list[str]]:
 
     found: dict[str, list[str]] = {}
     for pattern in OPTION_MODULES:
-        for path in sorted(glob.glob(os.path.join(REPO, "jax_ucp", pattern), recursive=True)):
+        for path in sorted(
+            glob.glob(os.path.join(REPO, "jax_ucp", "_src", pattern), recursive=True)
+        ):
             with open(path) as f:
                 tree = ast.parse(f.read())
             for cls in ast.walk(tree):

@@ -78,7 +78,7 @@ def test_public_exceptions_derive_from_ucp_error():
 
 
 def test_version_has_one_source():
-    """``pyproject.toml`` takes the version from ``jax_ucp/version.py`` (setuptools dynamic)."""
+    """``pyproject.toml`` takes the version from ``jax_ucp/_src/version.py`` (setuptools dynamic)."""
     pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
     assert "version" not in pyproject["project"]
     assert "version" in pyproject["project"]["dynamic"]

@@ -187,7 +187,7 @@ def hf_torch_folder(tmp_path, shapes: dict, order: list[str], param_names: list[
     an ``optimizer.bin`` of one Adam group whose index ``i`` holds the moments of ``order[i]``
     (exp_avg = the parameter + 1000 * (i + 1), so whose moment it is can be read off);
     ``param_names``: the group's param_names, when given."""
-    from jax_ucp.exporters import torch_out  # torch-free torch.save writer
+    from jax_ucp._src.exporters import torch_out  # torch-free torch.save writer
 
     src = tmp_path / "src"
     src.mkdir()
@@ -260,7 +260,7 @@ if len(sys.argv) > 4 or os.environ.get("UCP_TEST_BASELINE_ORBAX"):
     import orbax.checkpoint  # imported by the export / Orbax import itself: in the baseline
     base = anon()
 if len(sys.argv) > 4:
-    from jax_ucp.exporters import options_for
+    from jax_ucp._src.exporters import options_for
 
     jax_ucp.export(sys.argv[1], sys.argv[2], options_for(sys.argv[4], memory_budget=sys.argv[3]))
 else:

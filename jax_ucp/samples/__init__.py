@@ -28,7 +28,7 @@ import os
 
 import numpy as np
 
-from jax_ucp.errors import RequestError
+from jax_ucp.errors import RequestError as _RequestError
 
 __all__ = [
     "NAMES",
@@ -40,7 +40,7 @@ __all__ = [
 _HERE = os.path.dirname(os.path.abspath(__file__))
 NAMES = ("megatron_llama_tp2", "deepspeed_z2_bf16_dp2", "hf_trainer_llama")
 #: each sample's reference arrays (what the source framework computed), where it ships them
-REFERENCES = {
+_REFERENCES = {
     "megatron_llama_tp2": "megatron_llama_tp2.logits.npz",
     "hf_trainer_llama": "hf_trainer_llama.next.npz",
 }
@@ -48,7 +48,7 @@ REFERENCES = {
 
 def _check(name: str) -> None:
     if name not in NAMES:
-        raise RequestError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
+        raise _RequestError(f"no sample named {name!r} (samples: {', '.join(NAMES)})")
 
 
 def path(name: str) -> str:
@@ -69,7 +69,7 @@ def reference(name: str) -> dict[str, np.ndarray]:
     ``logits`` of them (megatron_llama_tp2, padded vocab), or the next batches ``tokens`` and
     torch's ``losses`` and ``lrs`` of them (hf_trainer_llama)."""
     _check(name)
-    if name not in REFERENCES:
-        raise RequestError(f"sample {name!r} ships no reference arrays")
-    with np.load(os.path.join(_HERE, REFERENCES[name])) as z:
+    if name not in _REFERENCES:
+        raise _RequestError(f"sample {name!r} ships no reference arrays")
+    with np.load(os.path.join(_HERE, _REFERENCES[name])) as z:
         return {k: z[k] for k in z.files}

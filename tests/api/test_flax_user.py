@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp import store
+from jax_ucp._src import store
 from jax_ucp.cli import app
 from tests.ucp_testing import assert_bit_exact, mesh
 

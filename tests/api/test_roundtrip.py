@@ -313,7 +313,7 @@ def test_a_tree_too_deep_to_read_back_is_refused_at_save(tmp_path, levels):
 
 
 def test_a_tree_at_the_depth_limit_round_trips(tmp_path):
-    from jax_ucp.format import MAX_TREE_DEPTH
+    from jax_ucp._src.format import MAX_TREE_DEPTH
 
     jax_ucp.save(tmp_path / "c", _nested(MAX_TREE_DEPTH))
     back = jax_ucp.restore(tmp_path / "c")

@@ -11,7 +11,7 @@ import typer.main
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp.cli import app, demo
+from jax_ucp._src.cli import app, demo
 from tests.ucp_testing import REPO
 
 runner = CliRunner()

@@ -11,8 +11,8 @@ from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.cli.output import printable
 from jax_ucp.cli import app
-from jax_ucp.cli.output import printable
 from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
 
 runner = CliRunner()

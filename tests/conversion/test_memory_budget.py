@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import writer
+from jax_ucp._src import writer
+from jax_ucp._src.format.sizes import parse_size
+from jax_ucp._src.writer import checkpoint as host_checkpoint
 from jax_ucp.errors import RequestError
-from jax_ucp.format.sizes import parse_size
-from jax_ucp.writer import checkpoint as host_checkpoint
 from tests.ucp_testing import REPO
 
 FSDP2 = os.path.join(REPO, "tests", "fixtures", "torch", "fsdp2_fp32")
@@ -159,7 +159,7 @@ def test_cli_memory_budget_flag(tmp_path):
 @pytest.mark.parametrize("step", [None, 1])
 def test_the_budget_reaches_the_writer(tmp_path, monkeypatch, step):
     """Also through a CheckpointManager step, whose write Orbax runs in another thread."""
-    from jax_ucp.writer import shards
+    from jax_ucp._src.writer import shards
 
     seen: list[int] = []
     init = shards.PipelinedWriter.__init__

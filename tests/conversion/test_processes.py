@@ -81,7 +81,7 @@ pid, n, port, src, dst = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.ar
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
                            process_id=pid, initialization_timeout=120)
 import jax_ucp
-from jax_ucp.format import safetensors as safetensors_hf
+from jax_ucp._src.format import safetensors as safetensors_hf
 if os.environ.get("FAIL_PROCESS") == str(pid):
     def broken(self, name):
         raise OSError(f"disk gone while reading {name}")
@@ -187,22 +187,22 @@ if _spec:
         _argv = f.read().decode().split("\0")
     _rank, _point, *_n = _spec.split(":")
     if "--process-id" in _argv and _argv[_argv.index("--process-id") + 1] == _rank:
-        import jax_ucp.multihost.agreement
-        import jax_ucp.writer.checkpoint as ck
+        import jax_ucp._src.multihost.agreement
+        import jax_ucp._src.writer.checkpoint as ck
 
         def _die():
             with open(os.environ["UCP_TEST_KILLED"], "w") as f:
                 f.write(str(os.getpid()))
             os.kill(os.getpid(), signal.SIGKILL)
 
-        _agree = jax_ucp.multihost.agreement.agree
+        _agree = jax_ucp._src.multihost.agreement.agree
 
         def agree(gather, step, *args, **kwargs):
             if step == _point:  # "planned": before anything is written; "written": all written
                 _die()
             return _agree(gather, step, *args, **kwargs)
 
-        jax_ucp.multihost.agreement.agree = agree
+        jax_ucp._src.multihost.agreement.agree = agree
         _write_stream = ck.write_stream
 
         def write_stream(directory, items, **kwargs):
@@ -371,7 +371,7 @@ index, port, src, dst, die = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.arg
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
                            process_id=index, initialization_timeout=60)
 import jax_ucp
-from jax_ucp.format import safetensors as safetensors_hf
+from jax_ucp._src.format import safetensors as safetensors_hf
 read = safetensors_hf.SafetensorsFile.tensor
 count = [0]
 def tensor(self, name):
@@ -487,8 +487,8 @@ def test_more_local_processes_than_the_machine_holds_are_refused_before_any_star
     and no process spawned."""
     from typer.testing import CliRunner
 
-    from jax_ucp.cli import app, spawn
-    from jax_ucp.multihost import launch
+    from jax_ucp._src.cli import app, spawn
+    from jax_ucp._src.multihost import launch
 
     started = []
     monkeypatch.setattr(spawn, "spawn_local", lambda *a: started.append(a))

@@ -12,15 +12,15 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp.cli import app
-from jax_ucp.errors import RequestError
-from jax_ucp.exporters import (
+from jax_ucp._src.exporters import (
     DeepSpeedUniversalExport,
     SafetensorsExport,
     TorchDcpExport,
     options_for,
     safetensors_out,
 )
+from jax_ucp.cli import app
+from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -214,7 +214,7 @@ def _optax_like_state():
 
 def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
     """Read with jax_ucp's own DCP reader (written for megatron-core's torch_dist files)."""
-    from jax_ucp.importers.megatron import dcp as megatron_dcp
+    from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 
     state = _optax_like_state()
     jax_ucp.save(str(tmp_path / "ck"), state)
@@ -233,7 +233,7 @@ def test_dcp_export_reads_back_bit_exact_without_torch(tmp_path):
 
 
 def test_megatron_to_ucp_to_dcp_keeps_every_weight_bit_exact(tmp_path):
-    from jax_ucp.importers.megatron import dcp as megatron_dcp
+    from jax_ucp._src.importers.megatron import dcp as megatron_dcp
     from tests.ucp_testing import REPO
 
     src = os.path.join(REPO, "tests", "fixtures", "megatron", "gpt_tp2")
@@ -326,7 +326,7 @@ REPO_TOOLS = os.path.join(REPO, "tools", "fixtures")
 def test_deepspeed_universal_values_equal_deepspeeds_own(tmp_path, fixture):
     """DeepSpeed ZeRO run -> convert -> export: every zero/<param>/<state>.pt holds what
     DeepSpeed's own ds_to_universal wrote (committed as ref_universal.npz), read torch-free."""
-    from jax_ucp.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.unpickler import load_torch_file
 
     ckpt = jax_ucp.convert(os.path.join(DS, fixture, "ckpt"), str(tmp_path / "ucp"))
     out = jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
@@ -354,7 +354,7 @@ def test_deepspeed_universal_needs_moments(tmp_path):
 def test_optax_state_exports_as_deepspeed_universal(tmp_path):
     import optax
 
-    from jax_ucp.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.unpickler import load_torch_file
 
     params = {"Dense_0": {"kernel": np.arange(6, dtype=np.float32).reshape(2, 3)}}
     opt_state = optax.adam(1e-3).init(params)

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import store
-from jax_ucp.exporters import options_for
-from jax_ucp.restoring import ucp_source
+from jax_ucp._src import store
+from jax_ucp._src.exporters import options_for
+from jax_ucp._src.restoring import ucp_source
 from tests.ucp_testing import tree_files
 
 

@@ -37,8 +37,6 @@ def test_exports_run_without_jax(tmp_path):
     code = "import sys\nimport jax_ucp.exporters\n"
     for fmt in ("safetensors", "torch-dcp", "deepspeed-universal"):
         dst = str(tmp_path / fmt)
-        code += (
-            f"jax_ucp.exporters.export({ckpt!r}, {dst!r}, jax_ucp.exporters.options_for({fmt!r}))\n"
-        )
+        code += f"jax_ucp._src.exporters.export({ckpt!r}, {dst!r}, jax_ucp._src.exporters.options_for({fmt!r}))\n"
     p = run_python(code + _loaded_jax_check())
     assert "no jax" in p.stdout

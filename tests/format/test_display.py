@@ -16,8 +16,8 @@ from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.format import display
 from jax_ucp.cli import app
-from jax_ucp.format import display
 from tests.ucp_testing import REPO, mesh
 
 runner = CliRunner()

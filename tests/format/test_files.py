@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from jax_ucp.format import files
+from jax_ucp._src.format import files
 
 
 @pytest.mark.timeout(120)

@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given
 
 import jax_ucp
-from jax_ucp import format as fmt
+from jax_ucp._src import format as fmt
+from jax_ucp._src.format import keypath
+from jax_ucp._src.store import chunking
 from jax_ucp.errors import CheckpointError
-from jax_ucp.format import keypath
-from jax_ucp.store import chunking
 
 
 @given(st.lists(st.text(min_size=0, max_size=40), min_size=1, max_size=5))
@@ -149,7 +149,7 @@ def test_schema_and_reader_agree(tmp_path, name):
     import jsonschema
 
     schema = json.loads(
-        (Path(jax_ucp.format.__file__).parent / "ucp_manifest.v1.schema.json").read_text()
+        (Path(jax_ucp._src.format.__file__).parent / "ucp_manifest.v1.schema.json").read_text()
     )
     jax_ucp.save(
         tmp_path / "c",
@@ -160,7 +160,7 @@ def test_schema_and_reader_agree(tmp_path, name):
     MUTATIONS[name](d)
     schema_ok = jsonschema.Draft202012Validator(schema).is_valid(d)
     try:
-        jax_ucp.format.Manifest.from_json(d)
+        jax_ucp._src.format.Manifest.from_json(d)
         reader_ok = True
     except CheckpointError:
         reader_ok = False

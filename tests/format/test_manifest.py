@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import format as fmt
+from jax_ucp._src import format as fmt
 from jax_ucp.errors import CheckpointError
 from tests.ucp_testing import fifo_damage as _fifo
 from tests.ucp_testing import remove_damage as _remove

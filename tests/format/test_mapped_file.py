@@ -18,9 +18,9 @@ _TRUNCATED_WHILE_READ = """
 import json, os, sys
 import numpy as np
 import jax_ucp
-from jax_ucp.exporters import torch_out
-from jax_ucp.torchfiles import dcp_reader
-from jax_ucp.torchfiles import unpickler as torch_pickle
+from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.torchfiles import dcp_reader
+from jax_ucp._src.torchfiles import unpickler as torch_pickle
 
 kind, src, dst = sys.argv[1:]
 shrunk = []
@@ -44,7 +44,7 @@ if kind == "pt":
     torch_pickle.load_torch_file = load
 elif kind == "safetensors":
     from safetensors.numpy import save_file
-    from jax_ucp.format import safetensors as safetensors_format
+    from jax_ucp._src.format import safetensors as safetensors_format
 
     save_file({f"w{i}": np.arange(1 << 20, dtype=np.float32) + i for i in range(3)}, src)
     real = safetensors_format.SafetensorsFile.__init__
@@ -106,7 +106,7 @@ def test_a_file_truncated_after_it_was_mapped_is_an_error_naming_it(tmp_path, ki
 _RANK_FILE_TRUNCATED = """
 import json, os, shutil, sys
 import jax_ucp
-from jax_ucp.torchfiles import unpickler as torch_pickle
+from jax_ucp._src.torchfiles import unpickler as torch_pickle
 
 real = torch_pickle.TorchArchive.load
 case = {}
@@ -197,7 +197,7 @@ def test_mapped_file_reads_views_with_pread_exactly(tmp_path):
     transposed, reversed and byte-swapped views; after the file shrinks, an error naming it."""
     import numpy as np
 
-    from jax_ucp.format import mapped_file
+    from jax_ucp._src.format import mapped_file
 
     path = tmp_path / "data.bin"
     values = np.arange(4096, dtype=">f4")
@@ -231,7 +231,7 @@ def test_check_before_read_runs_once_before_the_first_read_of_its_range(tmp_path
     never read is never checked; a failing check fails every read of its range, not others."""
     import numpy as np
 
-    from jax_ucp.format import mapped_file
+    from jax_ucp._src.format import mapped_file
 
     path = tmp_path / "data.bin"
     path.write_bytes(bytes(range(256)) * 16)  # 4096 bytes
@@ -276,7 +276,7 @@ def test_copy_into_casts_a_mapped_tensor_piece_by_piece_exactly(tmp_path, monkey
     import ml_dtypes
     import numpy as np
 
-    from jax_ucp.format import mapped_file
+    from jax_ucp._src.format import mapped_file
 
     monkeypatch.setattr(mapped_file, "PIECE", 64)  # 16 float32 a piece: 63 pieces, the last short
     values = np.random.default_rng(0).standard_normal(1000).astype(">f4")

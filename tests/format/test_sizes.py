@@ -6,11 +6,11 @@ import typer
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.format.sizes import parse_size
+from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
 from jax_ucp.exporters import SafetensorsExport
-from jax_ucp.format.sizes import parse_size
-from jax_ucp.restoring.options import RestoreOptions
 
 runner = CliRunner()
 WIDE = {"COLUMNS": "300"}

@@ -17,15 +17,15 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.format import safetensors as safetensors_hf
+from jax_ucp._src.importers import plan as plan_lib
+from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp._src.importers.deepspeed import zero as deepspeed_zero
+from jax_ucp._src.importers.megatron import dcp as megatron_dcp
+from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+from jax_ucp._src.torchfiles import dcp_reader
+from jax_ucp._src.torchfiles.unpickler import load_torch_file
 from jax_ucp.errors import SourceError
-from jax_ucp.format import safetensors as safetensors_hf
-from jax_ucp.importers import plan as plan_lib
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed import zero as deepspeed_zero
-from jax_ucp.importers.megatron import dcp as megatron_dcp
-from jax_ucp.importers.megatron import legacy as megatron_legacy
-from jax_ucp.torchfiles import dcp_reader
-from jax_ucp.torchfiles.unpickler import load_torch_file
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")

@@ -124,7 +124,7 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
     re-derived layout gives masters and Adam moments equal, bit for bit, to the same run's
     optimizer state as megatron-core's own model sharding places it (``<name>.truth.npz``, read
     by torch DCP; for the first fixture a fully_reshardable save of the same run)."""
-    from jax_ucp.importers.megatron import dcp as megatron_dcp
+    from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 
     tp, pp, _dp, buckets, dtype = DP_RESHARDABLE[name]
     src = os.path.join(MEGATRON, "mcore_versions", name)
@@ -161,7 +161,7 @@ def test_megatron_dp_reshardable_imports_with_its_optimizer_state(tmp_path, name
 def test_megatron_dp_reshardable_bucket_sizes_are_checked(tmp_path, monkeypatch):
     """A parameter list that does not fill the recorded buckets exactly (here: one layer's
     tensors dropped, as a wrong TP/PP guess would) is refused, naming the bucket and sizes."""
-    from jax_ucp.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 
     real = megatron_legacy.bucket_layout
     monkeypatch.setattr(
@@ -180,7 +180,7 @@ def test_megatron_dp_reshardable_bucket_sizes_are_checked(tmp_path, monkeypatch)
 def test_megatron_dp_reshardable_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
     """If the derived layout does not fit (another version, another DDP config), the check
     against the model weights refuses the import; nothing is written."""
-    from jax_ucp.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 
     real = megatron_legacy.bucket_layout
     monkeypatch.setattr(

@@ -11,7 +11,7 @@ import shutil
 import pytest
 
 import jax_ucp
-from jax_ucp.format import files
+from jax_ucp._src.format import files
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")

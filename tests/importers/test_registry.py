@@ -13,11 +13,11 @@ from safetensors.numpy import save_file
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.orbax import OrbaxOptions
+from jax_ucp._src.importers.plan import Detection, ImportOptions
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError, SourceError
-from jax_ucp.importers import registry
-from jax_ucp.importers.orbax import OrbaxOptions
-from jax_ucp.importers.plan import Detection, ImportOptions
 from tests.ucp_testing import REPO, assert_bit_exact
 
 FIX = os.path.join(REPO, "tests", "fixtures")
@@ -35,7 +35,7 @@ def _hf(path, value=1.0):
 def test_every_format_is_a_package_with_detect_plan_and_typed_options():
     assert registry.FORMATS == ("deepspeed", "megatron", "orbax", "safetensors", "torch", "verl")
     for name, importer in registry.IMPORTERS.items():
-        package = importlib.import_module(f"jax_ucp.importers.{name}")
+        package = importlib.import_module(f"jax_ucp._src.importers.{name}")
         assert importer.detect is package.detect and importer.plan is package.plan
         assert dataclasses.is_dataclass(importer.options)
         assert issubclass(importer.options, ImportOptions)
@@ -161,9 +161,9 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
     safetensors importer; the registry hands it to the torch files importer, which maps the
     optimizer too (the safetensors package never imports the torch one). The safetensors
     importer alone refuses the optimizer; weights_only keeps to the weights."""
+    from jax_ucp._src.importers import safetensors
+    from jax_ucp._src.importers.torch import TorchOptions
     from jax_ucp.errors import UCPError
-    from jax_ucp.importers import safetensors
-    from jax_ucp.importers.torch import TorchOptions
 
     src = os.path.join(FIX, "hf_trainer", "trainer_fp32", "checkpoint-3")
     with np.load(os.path.join(FIX, "hf_trainer", "trainer_fp32.truth.npz")) as z:

@@ -1,4 +1,4 @@
-"""Hugging Face Llama names <-> jax_ucp.models.TransformerLM through the shipped specs
+"""Hugging Face Llama names <-> jax_ucp._src.models.TransformerLM through the shipped specs
 ``hf_llama`` (import/restore) and ``flax_llama_to_hf`` (export)."""
 
 from __future__ import annotations
@@ -337,8 +337,8 @@ def test_a_spec_by_name_takes_its_settings_from_the_config_in_export_and_plan(tm
 def test_a_hostile_config_gives_no_head_settings(config, says):
     """``--config`` for a spec's head settings is a user's file: anything but positive integers
     with the heads a multiple of the groups is refused naming the file."""
+    from jax_ucp._src.language.settings import hf_head_settings
     from jax_ucp.errors import LanguageError
-    from jax_ucp.language.settings import hf_head_settings
 
     with pytest.raises(LanguageError, match=f"cfg.json: .*({says})"):
         hf_head_settings(config, "cfg.json")

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_ucp import language as L
+from jax_ucp._src import language as L
 from jax_ucp.errors import LanguageError
 from jax_ucp.language import (
     QKV,

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jax_ucp import language as L
+from jax_ucp._src import language as L
 from jax_ucp.errors import LanguageError
 from jax_ucp.language import (
     ImportRule,
@@ -452,7 +452,7 @@ def test_huge_expression_in_a_spec_file_is_refused_naming_it(tmp_path, toml, mes
     ],
 )
 def test_expression_size_and_depth_are_bounded(expression, message):
-    from jax_ucp.language.settings import eval_int
+    from jax_ucp._src.language.settings import eval_int
 
     with pytest.raises(LanguageError, match=rf"^rule: expression .*{message}"):
         eval_int(expression, {}, where="rule: ")

@@ -6,8 +6,8 @@ import tensorstore as ts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from jax_ucp._src.language import views
 from jax_ucp.errors import LanguageError
-from jax_ucp.language import views
 
 FEW = settings(max_examples=15, deadline=None)
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.multihost import commit
 from jax_ucp.errors import MultiProcessError
-from jax_ucp.multihost import commit
 from tests.ucp_testing import REPO, ThreadExchange, assert_bit_exact, free_port
 
 
@@ -123,7 +123,7 @@ pid, n, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4
 jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=n,
                            process_id=pid, initialization_timeout=120)
 import jax_ucp
-from jax_ucp.saving import plan as save_plan
+from jax_ucp._src.saving import plan as save_plan
 mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
 W = np.arange(128 * 96, dtype=np.float32).reshape(128, 96)
 w = jax.make_array_from_callback(W.shape, NamedSharding(mesh, P("data", "model")), lambda i: W[i])

@@ -32,7 +32,7 @@ if mode == "save":
                      "c": make(W.T.copy(), P(None, "data"))}, "step": 11,
           # process-local (each host has its own copy on its first device): written once
           "count": jax.device_put(np.int32(11), jax.local_devices()[0])}
-  from jax_ucp.saving import plan as save_plan
+  from jax_ucp._src.saving import plan as save_plan
   written, write_tensor = [], save_plan.write_tensor
   async def recording_write_tensor(root, p, **kw):  # observe what this process writes
     written.extend((p.entry.name, [[s.start, s.stop] for s in idx]) for idx, _ in p.writes)
@@ -44,7 +44,7 @@ if mode == "save":
 else:
   sh = {"params": {"w": NamedSharding(mesh, P("data", None)), "e": NamedSharding(mesh, P("data")),
                    "c": NamedSharding(mesh, P("model", "data"))}}
-  from jax_ucp import store
+  from jax_ucp._src import store
   before = store.bytes_read()  # TensorStore's reads and store.shard_file's
   out = jax_ucp.restore(path, shardings=sh)
   print("BYTES_READ", store.bytes_read() - before)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.store.zarr3 import READ_CACHE_BYTES
+from jax_ucp._src.store.zarr3 import READ_CACHE_BYTES
 from tests.ucp_testing import REPO, run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -69,7 +69,7 @@ import numpy as np, optax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
-from jax_ucp import store
+from jax_ucp._src import store
 from jax_ucp.models import LMConfig, TransformerLM
 
 assert jax.process_count() == 2 and jax.local_device_count() == 4
@@ -161,7 +161,7 @@ def _big_trainer_synthetic(tmp_path, real: str, groups: list[dict]) -> tuple[str
     model's parameters; the weights and moments synthetic."""
     from safetensors.numpy import save_file
 
-    from jax_ucp.exporters import torch_out
+    from jax_ucp._src.exporters import torch_out
 
     src = tmp_path / "trainer_big_synthetic" / "checkpoint-3"
     src.mkdir(parents=True)

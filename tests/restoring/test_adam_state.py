@@ -14,9 +14,9 @@ import optax
 import pytest
 
 import jax_ucp
+from jax_ucp._src.restoring.adam_state import RequestError, adam_states
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig, TransformerLM
-from jax_ucp.restoring.adam_state import RequestError, adam_states
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(300)

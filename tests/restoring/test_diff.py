@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.restoring import checks as diff_lib
+from jax_ucp._src.restoring import ucp_source
 from jax_ucp.cli import app
-from jax_ucp.restoring import checks as diff_lib
-from jax_ucp.restoring import ucp_source
 
 runner = CliRunner()
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET
+from jax_ucp._src.restoring import options as restore_options
+from jax_ucp._src.restoring import requests
 from jax_ucp.errors import RequestError
-from jax_ucp.format.sizes import DEFAULT_MEMORY_BUDGET
-from jax_ucp.restoring import options as restore_options
-from jax_ucp.restoring import requests
 
 
 def _re(text: str) -> str:

@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.restoring.plan import Layouts, abstract_mesh
 from jax_ucp.cli import app
-from jax_ucp.restoring.plan import Layouts, abstract_mesh
 from tests.ucp_testing import assert_bit_exact, mesh
 from tests.ucp_testing import save_small_tree as _save
 from tests.ucp_testing import tree_digest as _digest
@@ -317,7 +317,7 @@ def test_a_plan_on_a_mesh_of_10_8_devices_takes_small_memory(tmp_path):
 
     from jax.sharding import PartitionSpec as P
 
-    from jax_ucp.restoring.plan import abstract_mesh
+    from jax_ucp._src.restoring.plan import abstract_mesh
 
     path = _planned_checkpoint(tmp_path)
     huge = abstract_mesh([("data", 10**8)])
@@ -367,7 +367,7 @@ def test_plan_reads_per_process_match_every_device_enumerated():
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jax_ucp.restoring.plan import IndexedBytes, Layouts, abstract_mesh
+    from jax_ucp._src.restoring.plan import IndexedBytes, Layouts, abstract_mesh
 
     shape = (12, 12, 12)
     uneven = 0

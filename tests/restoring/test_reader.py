@@ -15,12 +15,12 @@ import pytest
 from safetensors.numpy import save_file
 
 import jax_ucp
-from jax_ucp import store
+from jax_ucp._src import store
+from jax_ucp._src.restoring import locate
+from jax_ucp._src.writer import commit
 from jax_ucp.errors import SaveConflictError
 from jax_ucp.exporters import SafetensorsExport
 from jax_ucp.language import Spec
-from jax_ucp.restoring import locate
-from jax_ucp.writer import commit
 from tests.ucp_testing import TREE_COUNT as COUNT
 from tests.ucp_testing import TREE_W as W
 from tests.ucp_testing import assert_bit_exact, mesh
@@ -349,7 +349,7 @@ def test_overflow_is_counted_exactly_across_conversion_blocks(tmp_path):
 
 
 def test_restore_keeps_read_buffers_within_memory_budget(tmp_path, monkeypatch):
-    from jax_ucp.sharding import PendingArray
+    from jax_ucp._src.sharding import PendingArray
 
     tree = {f"t{i}": np.full((256, 1024), i, np.float32) for i in range(8)}  # 1 MiB each
     jax_ucp.save(tmp_path / "c", tree)

@@ -12,9 +12,9 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jax_ucp import sharding
+from jax_ucp._src import sharding
+from jax_ucp._src.restoring import engine, model
 from jax_ucp.errors import CheckpointError
-from jax_ucp.restoring import engine, model
 
 
 class _Regions:

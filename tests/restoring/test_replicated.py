@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp.restoring import replicated
+from jax_ucp._src.restoring import replicated
 from tests.ucp_testing import mesh, run_workers
 
 WORKER = r"""
@@ -22,8 +22,8 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
                            process_id=pid, initialization_timeout=60, heartbeat_timeout_seconds=60)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
-from jax_ucp import store
-from jax_ucp.restoring import replicated
+from jax_ucp._src import store
+from jax_ucp._src.restoring import replicated
 truth = np.load(path + ".truth.npz")
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 rep = NamedSharding(mesh, P())

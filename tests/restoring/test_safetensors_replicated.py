@@ -18,7 +18,7 @@ jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processe
                            process_id=pid, initialization_timeout=60, heartbeat_timeout_seconds=60)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
-from jax_ucp import store
+from jax_ucp._src import store
 truth = np.load(path + ".truth.npz")
 rep = NamedSharding(Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model")), P())
 target = {"params": {k: jax.ShapeDtypeStruct(truth[k].shape, truth[k].dtype, sharding=rep)

@@ -17,11 +17,11 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
 import jax_ucp
-from jax_ucp import store
+from jax_ucp._src import store
+from jax_ucp._src.restoring import safetensors_source
+from jax_ucp._src.store import safetensors_file
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
-from jax_ucp.restoring import safetensors_source
-from jax_ucp.store import safetensors_file
 from tests.importers.safetensors.test_import import BAD
 
 pytestmark = pytest.mark.timeout(120)

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.format import safetensors
-from jax_ucp.restoring import locate, safetensors_source
+from jax_ucp._src.format import safetensors
+from jax_ucp._src.restoring import locate, safetensors_source
 
 
 def _never(*args):

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp.saving import plan as save_plan
+from jax_ucp._src.saving import plan as save_plan
 from tests.ucp_testing import assert_bit_exact, mesh
 
 

@@ -1,4 +1,4 @@
-"""Saves within ``memory_budget`` (``jax_ucp.saving.budget``): bit-exact through
+"""Saves within ``memory_budget`` (``jax_ucp._src.saving.budget``): bit-exact through
 ``ocp.CheckpointManager`` with a budget smaller than the state, the shards past the budget left on
 the device (a donation or a delete after ``mngr.save`` returns cannot change what is written),
 a shard larger than the budget refused by name, and the bound itself measured in a fresh process.
@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
+from jax_ucp._src.saving import budget as budget_lib
 from jax_ucp.errors import RequestError
-from jax_ucp.saving import budget as budget_lib
 from tests.ucp_testing import RSS_SAMPLER, assert_bit_exact, mesh, run_python, run_workers
 
 KiB, MiB = 1 << 10, 1 << 20

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.store import host_memory
-from jax_ucp.store.zarr3 import READ_CACHE_BYTES
+from jax_ucp._src.store import host_memory
+from jax_ucp._src.store.zarr3 import READ_CACHE_BYTES
 from tests.ucp_testing import run_python
 
 MiB = 1 << 20

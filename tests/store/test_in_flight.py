@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import store
+from jax_ucp._src import store
 
 
 @pytest.mark.timeout(10)

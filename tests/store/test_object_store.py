@@ -23,10 +23,10 @@ from jax.sharding import PartitionSpec as P
 from safetensors.numpy import save_file
 
 import jax_ucp
+from jax_ucp._src.saving import engine
+from jax_ucp._src.store import location
+from jax_ucp._src.writer import commit
 from jax_ucp.errors import RequestError
-from jax_ucp.saving import engine
-from jax_ucp.store import location
-from jax_ucp.writer import commit
 from tests.ucp_testing import REPO, free_port, run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -158,7 +158,7 @@ def test_swapped_or_missing_shard_objects_are_errors(bucket):
     """Each shard object's digest is in ucp.json, as for files: two shard objects swapped
     (each chunk still passes its crc32c) or one deleted is an error naming the object, never
     the wrong values."""
-    from jax_ucp.store import location
+    from jax_ucp._src.store import location
 
     _, root = bucket
     url = _new(root, "swap")

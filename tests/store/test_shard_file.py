@@ -22,10 +22,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp import store
-from jax_ucp import writer as tensor_writes
+from jax_ucp._src import store
+from jax_ucp._src import writer as tensor_writes
+from jax_ucp._src.store import shard_file, shard_reader, shard_writer
 from jax_ucp.errors import CheckpointError
-from jax_ucp.store import shard_file, shard_reader, shard_writer
 from tests.ucp_testing import assert_bit_exact, move_out, tree_files
 
 DTYPES = [
@@ -177,7 +177,7 @@ def test_falls_back_to_tensorstore_where_it_cannot_write(case):
 
 def test_non_contiguous_source_and_bf16_import_stream(tmp_path):
     """A transposed view (importers yield views) is written in C order like TensorStore would."""
-    from jax_ucp.writer import HostItem, write_host_checkpoint
+    from jax_ucp._src.writer import HostItem, write_host_checkpoint
 
     base = np.arange(24 * 10, dtype=np.float32).reshape(24, 10)
     bf = base.astype(ml_dtypes.bfloat16)
@@ -216,7 +216,7 @@ def test_short_writes_are_completed(tmp_path, monkeypatch):
 def _ts_array(path, value, chunk_shape, inner_shape, checksum, store_fill=True):
     layout = store.ArrayLayout(
         shape=value.shape,
-        dtype=jax_ucp.format.dtype_name(value.dtype),
+        dtype=jax_ucp._src.format.dtype_name(value.dtype),
         chunk_shape=tuple(chunk_shape),
         inner_chunk_shape=tuple(inner_shape),
         checksum=checksum,

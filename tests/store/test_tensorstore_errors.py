@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import store
-from jax_ucp.errors import (
+from jax_ucp._src import store
+from jax_ucp._src.errors import (
     DIGEST_MISMATCH,
     is_tensorstore_io_error,
     tensorstore_failure,

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.torchfiles import dcp_reader
+from jax_ucp._src.torchfiles.dcp_reader import DcpChunk, DcpTensor
 from jax_ucp.errors import SourceError
-from jax_ucp.torchfiles import dcp_reader
-from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpTensor
 from tests.importers.megatron.test_dcp import read_layout, write_layout
 from tests.ucp_testing import (
     FIXTURES,
@@ -243,7 +243,7 @@ def test_dcp_tensor_pointing_at_another_tensors_bytes_is_refused(tmp_path):
 def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
     """An entry lying inside a longer one of another tensor (not equal to it) is found too;
     adjacent entries, and equal ranges of two files, are fine."""
-    from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpTensor, check_disjoint
+    from jax_ucp._src.torchfiles.dcp_reader import DcpChunk, DcpTensor, check_disjoint
 
     f32 = np.dtype(np.float32)
     tensors = {
@@ -261,7 +261,7 @@ def test_dcp_entries_overlapping_in_part_across_tensors_are_refused(tmp_path):
 def test_dcp_disjoint_verdict_matches_a_brute_force_pairwise_check():
     """Random storage entries (tensors' chunks and objects over 3 files, some empty): an error
     exactly when some two entries share a byte, naming two entries that do."""
-    from jax_ucp.torchfiles.dcp_reader import DcpChunk, DcpObject, DcpTensor, check_disjoint
+    from jax_ucp._src.torchfiles.dcp_reader import DcpChunk, DcpObject, DcpTensor, check_disjoint
 
     rng = np.random.default_rng(3)
     f32 = np.dtype(np.float32)

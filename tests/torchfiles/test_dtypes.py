@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jax_ucp.exporters import torch_out
-from jax_ucp.torchfiles.dtypes import BY_NAME, STORAGES, TORCH_DTYPES
-from jax_ucp.torchfiles.unpickler import load_torch_file
+from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.torchfiles.dtypes import BY_NAME, STORAGES, TORCH_DTYPES
+from jax_ucp._src.torchfiles.unpickler import load_torch_file
 
 
 def test_the_written_names_read_back_to_the_same_dtype():

@@ -10,8 +10,8 @@ import os
 import numpy as np
 import pytest
 
-from jax_ucp.torchfiles import sharded, unpickler
-from jax_ucp.torchfiles.unpickler import TorchFileError
+from jax_ucp._src.torchfiles import sharded, unpickler
+from jax_ucp._src.torchfiles.unpickler import TorchFileError
 from tests.ucp_testing import REPO
 
 ACTOR = os.path.join(REPO, "tests", "fixtures", "verl", "{}", "global_step_3", "actor")

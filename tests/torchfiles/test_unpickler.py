@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.torchfiles.unpickler import (
+from jax_ucp._src.torchfiles.unpickler import (
     MAX_COMPRESSED_MEMBER,
     MAX_INFLATED_TOTAL,
     StandIn,
@@ -162,7 +162,7 @@ def test_real_deepspeed_file_loads_and_scans():
     assert "deepspeed.utils.tensor_fragment.fragment_address" in g
     with pytest.raises(TorchFileError, match="deepspeed"):
         load_torch_file(files[0])  # DeepSpeed classes are not in the base allow-list
-    from jax_ucp.importers.deepspeed import DS_CLASSES
+    from jax_ucp._src.importers.deepspeed import DS_CLASSES
 
     sd = load_torch_file(files[0], DS_CLASSES)
     assert sd["optimizer_state_dict"]["zero_stage"] in (1, 2, 3)
@@ -292,7 +292,9 @@ def test_truncated_file(tmp_path, cut):
     p = tmp_path / "trunc.pt"
     p.write_bytes(src[: int(len(src) * cut)])
     with pytest.raises(TorchFileError, match=r"trunc.pt"):
-        load_torch_file(p, __import__("jax_ucp.importers.deepspeed", fromlist=["x"]).DS_CLASSES)
+        load_torch_file(
+            p, __import__("jax_ucp._src.importers.deepspeed", fromlist=["x"]).DS_CLASSES
+        )
 
 
 def test_corrupt_pickle_and_non_torch_files(tmp_path):
@@ -329,7 +331,7 @@ def test_corrupt_storage_bytes_detected_by_crc(tmp_path):
     src[i] ^= 0xFF
     p = tmp_path / "flip.pt"
     p.write_bytes(bytes(src))
-    from jax_ucp.importers.deepspeed import DS_CLASSES
+    from jax_ucp._src.importers.deepspeed import DS_CLASSES
 
     with pytest.raises(TorchFileError, match=r"flip.pt.*CRC"):
         load_torch_file(p, DS_CLASSES, verify_crc=True)
@@ -564,7 +566,7 @@ EXTRA = {"m.Thing": standin_class("m.Thing")}
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_hostile_torch_file_is_refused_fast(tmp_path, name):
     path, message = CASES[name](tmp_path)
-    from jax_ucp.importers.deepspeed.files import DS_CLASSES
+    from jax_ucp._src.importers.deepspeed.files import DS_CLASSES
 
     error, lines = python_lines(load_torch_file, path, {**DS_CLASSES, **EXTRA})
     assert isinstance(error, TorchFileError), error
@@ -618,8 +620,8 @@ def test_corrupt_file_in_a_deepspeed_checkpoint_stops_convert(tmp_path):
 def test_expansion_bound_grows_with_the_pickle():
     """The bound is max(4M, 2 per pickle byte): a big real file (a large model's DCP .metadata)
     is never refused for its size, a tiny one for its expansion."""
-    from jax_ucp.torchfiles.unpickler import TorchFileError as Refused
-    from jax_ucp.torchfiles.unpickler import check_expansion
+    from jax_ucp._src.torchfiles.unpickler import TorchFileError as Refused
+    from jax_ucp._src.torchfiles.unpickler import check_expansion
 
     flat = list(range(3_000_000))
     check_expansion([flat, flat], "big.pt", pickle_bytes=12_000_000)  # 6M <= 24M: accepted
@@ -786,7 +788,7 @@ def test_deflated_members_within_the_total_read_exactly(tmp_path):
 def test_verify_crc_of_deflated_members_keeps_nothing(tmp_path):
     """verify_crc inflates an unreferenced deflated member only to check it: 2 x 255 MiB pass
     the check without counting against the archive's total (nothing is kept)."""
-    from jax_ucp.torchfiles.unpickler import TorchArchive
+    from jax_ucp._src.torchfiles.unpickler import TorchArchive
 
     src = _bomb(tmp_path / "unreferenced.pt", 2, 255 * MIB, 0)
     arch = TorchArchive(src)
@@ -820,7 +822,7 @@ def test_ordered_dict_built_from_pairs_checks_keys_before_hashing(tmp_path):
     tuple (about 600 bytes of pickle) never finished hashing."""
     import pickle as P
 
-    from jax_ucp.torchfiles.unpickler import TorchFileError, restricted_loads
+    from jax_ucp._src.torchfiles.unpickler import TorchFileError, restricted_loads
 
     key = _shared_tuple_key(64)
     bomb = (
@@ -843,9 +845,9 @@ def test_lazy_crc_checks_a_storage_when_its_bytes_are_first_read(tmp_path):
     """``lazy_crc``: a damaged storage loads (its bytes are not read yet) but its first read is
     refused with the CRC-32 mismatch; the other storages read exactly; an eager load refuses
     the file at once; ``verify_crc`` runs the checks left."""
-    from jax_ucp.format import mapped_file
-    from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.torchfiles.unpickler import TorchArchive
+    from jax_ucp._src.format import mapped_file
+    from jax_ucp._src.importers.deepspeed import DS_CLASSES
+    from jax_ucp._src.torchfiles.unpickler import TorchArchive
 
     real = os.path.join(FIX, "z1_fp32_dp2", "ckpt", "global_step2")
     real = os.path.join(real, "zero_pp_rank_0_mp_rank_00_optim_states.pt")  # several storages

@@ -16,9 +16,9 @@ import pytest
 import tensorstore as ts
 
 import jax_ucp
-from jax_ucp.multihost.agreement import MultiProcessError
-from jax_ucp.orbax.manager_step import write_manager_step
-from jax_ucp.writer import HostItem, write_host_checkpoint, write_shared_checkpoint
+from jax_ucp._src.multihost.agreement import MultiProcessError
+from jax_ucp._src.orbax.manager_step import write_manager_step
+from jax_ucp._src.writer import HostItem, write_host_checkpoint, write_shared_checkpoint
 from tests.ucp_testing import REPO, ThreadExchange, assert_bit_exact
 
 
@@ -68,7 +68,7 @@ def test_pipelined_writer_bounds_bytes_in_flight(tmp_path):
     """Pipelining never holds more than the byte cap (plus one tensor) of pending writes."""
     import asyncio
 
-    from jax_ucp import writer as tensor_writes
+    from jax_ucp._src import writer as tensor_writes
 
     async def run():
         w = tensor_writes.PipelinedWriter(tmp_path, max_bytes=3 * 4096, max_tensors=64)
@@ -169,7 +169,7 @@ def _shared_write(dest, keys_of, before_of=lambda i: None):
 def test_every_process_makes_its_part_durable_before_reporting_it(tmp_path, monkeypatch):
     """On a shared file system the primary's syncfs flushes its own host only: each process
     syncs what it wrote (its file system, from its host) before it reports the part written."""
-    from jax_ucp.writer import durable
+    from jax_ucp._src.writer import durable
 
     synced: set[int] = set()
     real = durable.sync_filesystem
@@ -267,7 +267,7 @@ def test_host_write_from_inside_a_running_event_loop(tmp_path):
     """Notebooks run an event loop: the standalone write must not call asyncio.run on it."""
     import asyncio
 
-    from jax_ucp.writer import HostItem, write_host_checkpoint
+    from jax_ucp._src.writer import HostItem, write_host_checkpoint
 
     async def main():
         return write_host_checkpoint(tmp_path / "c", iter([HostItem(("x",), np.arange(4.0))]))

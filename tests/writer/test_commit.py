@@ -20,10 +20,10 @@ import pytest
 
 import jax_ucp
 from jax_ucp import exporters
+from jax_ucp._src.exporters import OrbaxExport, SafetensorsExport, TorchDcpExport, options_for
+from jax_ucp._src.orbax.manager_step import write_manager_step
+from jax_ucp._src.writer import HostItem, commit, durable, write_host_checkpoint
 from jax_ucp.errors import RequestError
-from jax_ucp.exporters import OrbaxExport, SafetensorsExport, TorchDcpExport, options_for
-from jax_ucp.orbax.manager_step import write_manager_step
-from jax_ucp.writer import HostItem, commit, durable, write_host_checkpoint
 from tests.ucp_testing import REPO, assert_bit_exact
 from tests.ucp_testing import TREE_W as W
 from tests.ucp_testing import save_small_tree as _save
@@ -188,8 +188,8 @@ def test_export_options_are_checked_once(tmp_path):
 
 
 def test_convert_options_are_checked_once(tmp_path):
-    from jax_ucp.conversion import ConvertOptions, convert_with
-    from jax_ucp.importers.plan import ImportOptions
+    from jax_ucp._src.conversion import ConvertOptions, convert_with
+    from jax_ucp._src.importers.plan import ImportOptions
 
     with pytest.raises(ValueError, match=r"convert: step=-1: a non-negative int, or None"):
         ConvertOptions(step=-1)

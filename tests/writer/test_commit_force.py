@@ -22,11 +22,11 @@ from safetensors.numpy import load_file, save_file
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.exporters import OrbaxExport, SafetensorsExport, options_for
+from jax_ucp._src.store import location
+from jax_ucp._src.writer import commit
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
-from jax_ucp.exporters import OrbaxExport, SafetensorsExport, options_for
-from jax_ucp.store import location
-from jax_ucp.writer import commit
 from tests.store.test_object_store import s3_server  # noqa: F401  (the moto server fixture)
 
 W = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -324,7 +324,7 @@ def test_object_store_locks_left_by_killed_saves(s3):
 def _race_worker(index, barrier, results, base, trials):
     """One of two processes saving to the same new prefix in every trial, started together."""
     import jax_ucp
-    from jax_ucp import writer
+    from jax_ucp._src import writer
 
     for t in range(trials):
         url = f"{base}/t{t}"
@@ -405,7 +405,7 @@ def test_export_force_refuses_an_export_edited_in_place(tmp_path, to, monkeypatc
     """Every file of an export is recorded with a digest taken while it was written (no file
     is read back: reading one here fails the export); a file edited in place, its size kept,
     is named and nothing is replaced; once it is as written, force replaces the export."""
-    from jax_ucp.writer import file_digest
+    from jax_ucp._src.writer import file_digest
 
     ckpt = _train_state(tmp_path)
     out = tmp_path / "out"

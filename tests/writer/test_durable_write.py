@@ -16,9 +16,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
-from jax_ucp import format as fmt
-from jax_ucp.store import shard_writer
-from jax_ucp.writer import durable
+from jax_ucp._src import format as fmt
+from jax_ucp._src.store import shard_writer
+from jax_ucp._src.writer import durable
 from tests.ucp_testing import assert_bit_exact
 
 pytestmark = pytest.mark.timeout(120)

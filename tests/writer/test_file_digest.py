@@ -10,7 +10,7 @@ import numpy as np
 def test_digests_taken_while_writing_survive_seeks_back_holes_and_truncation(tmp_path):
     """``DigestingFile`` against a plain read of the file it wrote: appends across blocks, a
     patch of an earlier block and of the current one, a write past the end, a truncation."""
-    from jax_ucp.writer import file_digest
+    from jax_ucp._src.writer import file_digest
 
     block = file_digest.BLOCK
     rng = np.random.default_rng(0)

@@ -246,7 +246,7 @@ def test_sigkill_during_forced_standalone_save_keeps_old_checkpoint(tmp_path):
 
 HOST_WRITER = r"""
 import sys, numpy as np
-from jax_ucp.writer import HostItem, write_host_checkpoint
+from jax_ucp._src.writer import HostItem, write_host_checkpoint
 block = np.full((1280, 1024), 7, np.float32)
 write_host_checkpoint(sys.argv[1], (HostItem(("params", f"t{i}"), block) for i in range(160)), force=True)
 print("DONE", flush=True)
@@ -255,7 +255,7 @@ print("DONE", flush=True)
 
 def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tmp_path):
     """Imports commit without Orbax (temporary sibling + rename): same guarantees, same cleanup."""
-    from jax_ucp.writer import HostItem, commit, write_host_checkpoint
+    from jax_ucp._src.writer import HostItem, commit, write_host_checkpoint
 
     path = tmp_path / "ckpt"
     write_host_checkpoint(path, iter([HostItem(("old",), np.arange(10, dtype=np.int32))]))

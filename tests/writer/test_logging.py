@@ -8,7 +8,7 @@ import os
 import pytest
 
 import jax_ucp
-from jax_ucp.writer import commit
+from jax_ucp._src.writer import commit
 from tests.ucp_testing import copy_deepspeed_fixture
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,7 +44,7 @@ def test_removed_temporaries_are_logged(tmp_path, caplog):
 
 
 def test_a_failed_import_logs_the_removal_of_its_temporary(tmp_path, caplog, monkeypatch):
-    from jax_ucp.writer import checkpoint
+    from jax_ucp._src.writer import checkpoint
 
     def broken(*a, **k):
         raise OSError("disk full")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp import store, writer
+from jax_ucp._src import store, writer
+from jax_ucp._src.writer import checkpoint as host_checkpoint
+from jax_ucp._src.writer import shards
 from jax_ucp.errors import SourceError
-from jax_ucp.writer import checkpoint as host_checkpoint
-from jax_ucp.writer import shards
 from tests.ucp_testing import REPO, peak_over_baseline, run_child, tree_files
 
 MiB = 1 << 20
@@ -172,7 +172,7 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
     """Megatron's per-rank flat buckets put together rows lo:hi at a time (masters checked
     against the weight's rows): under a budget below every tensor, with inner chunks small
     enough for several slabs per tensor, the checkpoint is the default one file for file."""
-    from jax_ucp.importers.megatron import rank_states
+    from jax_ucp._src.importers.megatron import rank_states
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     asked: list = []
@@ -183,7 +183,7 @@ def test_a_megatron_bucket_import_in_row_slabs_equals_the_default_one(
         return read(self, state, name, rows)
 
     monkeypatch.setattr(rank_states.RankStates, "read", spy)
-    from jax_ucp.importers.megatron import torch_dist
+    from jax_ucp._src.importers.megatron import torch_dist
 
     weights: list = []  # the model weights read whole: none larger than the budget
     weight_read = torch_dist.TorchDistReader.read
@@ -222,7 +222,7 @@ def test_a_megatron_legacy_import_in_row_slabs_equals_the_default_one(
     """Legacy tensor-parallel merges read rows lo:hi of the lazy merge (a TensorStore view
     over the fragments): under a budget below every tensor, with small inner chunks, the
     checkpoint is the default one file for file."""
-    from jax_ucp.importers.megatron import legacy_import
+    from jax_ucp._src.importers.megatron import legacy_import
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     views: list = []
@@ -261,7 +261,7 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
     """torch DCP tensors read by rows of their chunks (a slab crossing the ranks' row shards):
     under a budget below every tensor, with small inner chunks, the checkpoint is the default
     one file for file, and no tensor over the budget is assembled whole."""
-    from jax_ucp.torchfiles import dcp_reader
+    from jax_ucp._src.torchfiles import dcp_reader
 
     monkeypatch.setattr(store, "DEFAULT_INNER_CHUNK_BYTES", 1 << 10)  # both imports alike
     slabs: list = []
@@ -293,7 +293,7 @@ def test_a_torch_dcp_import_in_row_slabs_equals_the_default_one(tmp_path, monkey
 
 def test_dcp_rows_are_the_rows_of_the_tensor():
     """``read_rows`` at every cut against the whole tensor, and out-of-range rows refused."""
-    from jax_ucp.torchfiles import dcp_reader
+    from jax_ucp._src.torchfiles import dcp_reader
 
     ck = dcp_reader.open_dcp(os.path.join(TORCH, "fsdp2_fp32"))
     name = "model.tok_embeddings.weight"  # (67, 16) in two row shards, 34 + 33

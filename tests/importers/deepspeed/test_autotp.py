@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.deepspeed import affine as deepspeed_affine
+from jax_ucp._src.importers.deepspeed.files import load_deepspeed_file
 from jax_ucp.errors import SourceError
-from jax_ucp.importers.deepspeed import affine as deepspeed_affine
-from jax_ucp.importers.deepspeed.files import load_deepspeed_file
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp._src.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_checkpoint
+from jax_ucp._src.importers.deepspeed.zero import optimizer_step
+from jax_ucp._src.torchfiles.unpickler import StandIn, TorchFileError
 from jax_ucp.conversion import convert
 from jax_ucp.errors import SourceError
-from jax_ucp.exporters import torch_out
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.deepspeed import is_deepspeed_checkpoint, open_deepspeed_checkpoint
-from jax_ucp.importers.deepspeed.zero import optimizer_step
-from jax_ucp.torchfiles.unpickler import StandIn, TorchFileError
 from tests.ucp_testing import (
     FIXTURES,
     REPO,
@@ -114,8 +114,8 @@ def test_equals_ds_to_universal_and_zero_to_fp32(converted, name):
 
 def test_bf16_model_params_are_the_stored_module_weights(converted):
     """Stage 1/2 store the bf16 module; it must come through bit for bit (not re-cast)."""
-    from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.importers.deepspeed import DS_CLASSES
+    from jax_ucp._src.torchfiles.unpickler import load_torch_file
 
     name = "z2_bf16_dp3"
     ms = load_torch_file(

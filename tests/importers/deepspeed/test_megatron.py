@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.deepspeed import open_deepspeed_checkpoint
+from jax_ucp._src.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from jax_ucp.conversion import convert
 from jax_ucp.errors import SourceError
-from jax_ucp.importers.deepspeed import open_deepspeed_checkpoint
-from jax_ucp.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
 
 ROOT = REPO
@@ -207,7 +207,7 @@ def _tamper_replicated(checkpoint, name: str, tp_rank: int, value: float) -> Non
 
 
 def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
-    from jax_ucp.importers.deepspeed import megatron as meg
+    from jax_ucp._src.importers.deepspeed import megatron as meg
 
     name = "language_model.encoder.layers.1.input_layernorm.weight"
     real_open = meg.open_megatron_deepspeed_checkpoint
@@ -232,7 +232,7 @@ def test_tp_ranks_disagreeing_on_replicated_tensor(tmp_path, monkeypatch):
 
 
 def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
-    from jax_ucp.importers.deepspeed import megatron as meg
+    from jax_ucp._src.importers.deepspeed import megatron as meg
 
     name = "tied_modules.embed.word_embeddings.weight"
     real_open = meg.open_megatron_deepspeed_checkpoint
@@ -257,7 +257,7 @@ def test_pipeline_stages_disagreeing_on_tied_embedding(tmp_path, monkeypatch):
 
 
 def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
-    from jax_ucp.importers.deepspeed import files as deepspeed_files
+    from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 
     real_load = deepspeed_files.load_deepspeed_file
 
@@ -273,7 +273,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
     with pytest.raises(SourceError, match="no universal_checkpoint_info"):
         convert(src, tmp_path / "out", format="deepspeed")
     # an explicit import spec stands in for the missing patterns
-    from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+    from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
 
     info = real_load(os.path.join(src, TAG, "mp_rank_00_model_states.pt"))[
         "universal_checkpoint_info"
@@ -286,7 +286,7 @@ def test_missing_universal_checkpoint_info_needs_a_spec(tmp_path, monkeypatch):
 
 
 def test_tp_ranks_disagreeing_on_step(tmp_path, monkeypatch):
-    from jax_ucp.importers.deepspeed import megatron as meg
+    from jax_ucp._src.importers.deepspeed import megatron as meg
 
     checkpoint = open_deepspeed_checkpoint(
         os.path.join(FIX, "megatron_ds_tp2_dp2_z1_bf16_synthetic", "ckpt")
@@ -345,8 +345,8 @@ def test_regenerate_and_compare_live(tmp_path):
 @pytest.mark.torch
 def test_restricted_reader_matches_torch_load():
     torch = pytest.importorskip("torch")
-    from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.importers.deepspeed import DS_CLASSES
+    from jax_ucp._src.torchfiles.unpickler import load_torch_file
 
     for name in MEG:
         for f in glob.glob(os.path.join(FIX, name, "ckpt", TAG, "*.pt")):
@@ -364,8 +364,8 @@ def test_restricted_reader_matches_torch_load():
 
 def test_sub_params_legacy_count_and_uneven_shard_widths():
     """DeepSpeed's two sub-param metadata forms, resolved per tensor like merge_tp_slices."""
-    from jax_ucp.importers.deepspeed.megatron import resolve_sub_params
-    from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+    from jax_ucp._src.importers.deepspeed.megatron import resolve_sub_params
+    from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
     from jax_ucp.language import merge
 
     pat = r"layers.\d+.qkv.weight"
@@ -396,10 +396,10 @@ def test_sub_params_legacy_count_and_uneven_shard_widths():
 
 def test_spec_file_form(tmp_path):
     """A TOML spec (the plain file form) can stand in for universal_checkpoint_info."""
-    from jax_ucp.importers.deepspeed import DS_CLASSES
-    from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+    from jax_ucp._src.importers.deepspeed import DS_CLASSES
+    from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
+    from jax_ucp._src.torchfiles.unpickler import load_torch_file
     from jax_ucp.language import dump_spec
-    from jax_ucp.torchfiles.unpickler import load_torch_file
 
     name = "megatron_ds_tp2_dp3_z2_fp32_synthetic"
     src = os.path.join(FIX, name, "ckpt")

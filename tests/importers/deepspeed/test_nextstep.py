@@ -139,7 +139,7 @@ def next_step_deviation(name: str, tmp: str) -> tuple[float, float, float, float
 
     new = adam_step(params, state, batch, model=model, lr=run["lr"])
 
-    want = jax_ucp.language.apply_spec_to_tree(
+    want = jax_ucp._src.language.apply_spec_to_tree(
         GPT_SPEC, {"params": dict(np.load(os.path.join(d, "next_params.npz")))}
     )
     dev, ratio, dev_kb = 0.0, 0.0, 0.0

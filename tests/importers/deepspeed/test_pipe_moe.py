@@ -194,7 +194,7 @@ def test_moe_zero0_imports_every_weight_and_the_moments(tmp_path):
 def _altered_optimizer(monkeypatch, file: str, alter) -> None:
     """``load_deepspeed_file`` as the importer sees it, with ``alter(optimizer)`` applied to the
     torch optimizer state of ``file`` (a hostile or differently built checkpoint)."""
-    from jax_ucp.importers.deepspeed import files as deepspeed_files
+    from jax_ucp._src.importers.deepspeed import files as deepspeed_files
 
     load = deepspeed_files.load_deepspeed_file
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import jax_ucp
 from jax_ucp import language as L
-from jax_ucp.importers.deepspeed.ucp_info import spec_from_ucp_info
+from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
 from tests.importers.deepspeed.test_import import DS_FIXTURES, TAG, _copy, _rewrite
 
 INFO = {

@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.deepspeed import DeepSpeedOptions
+from jax_ucp._src.importers.deepspeed import files as deepspeed_files
+from jax_ucp._src.importers.plan import ImportOptions
+from jax_ucp._src.importers.registry import plan_import
 from jax_ucp.errors import SourceError
 from jax_ucp.exporters import DeepSpeedUniversalExport
-from jax_ucp.importers import registry
-from jax_ucp.importers.deepspeed import DeepSpeedOptions
-from jax_ucp.importers.deepspeed import files as deepspeed_files
-from jax_ucp.importers.plan import ImportOptions
-from jax_ucp.importers.registry import plan_import
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
@@ -189,7 +189,7 @@ def test_universal_missing_parameter_folder_named(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_universal_wrong_size_and_disagreeing_step(tmp_path):
-    from jax_ucp.exporters import torch_out
+    from jax_ucp._src.exporters import torch_out
 
     root, tag = _copy_universal("z1_bf16_dp2", tmp_path)
     step = tag / "zero" / "ln_f.bias" / "step.pt"
@@ -232,7 +232,7 @@ def test_restricted_reader_equals_torch_load_on_universal_files():
     torch = pytest.importorskip("torch")
     import glob
 
-    from jax_ucp.torchfiles.unpickler import load_torch_file
+    from jax_ucp._src.torchfiles.unpickler import load_torch_file
 
     pattern = os.path.join(FIXTURES, "*", "universal", "*", "**", "*.pt")
     found = glob.glob(pattern, recursive=True)
@@ -273,8 +273,8 @@ def test_universal_cli_and_shares(tmp_path):
     every parameter once (the step in share 0 only)."""
     from typer.testing import CliRunner
 
+    from jax_ucp._src.importers.plan import Share
     from jax_ucp.cli import app
-    from jax_ucp.importers.plan import Share
 
     src = os.path.join(FIXTURES, "z3_bf16_dp2", "universal")
     result = CliRunner().invoke(app, ["convert", src, str(tmp_path / "cli"), "--from", "deepspeed"])
@@ -294,7 +294,7 @@ def test_universal_frozen_copy_differing_from_the_fragments_is_refused(tmp_path)
     """ds_to_universal writes zero/<name>/fp32.pt for a frozen parameter too; the import reads
     the weights from frozen_param_fragments, as the direct import does, and refuses a copy that
     disagrees (here: rewritten by the test) instead of picking one."""
-    from jax_ucp.exporters import torch_out
+    from jax_ucp._src.exporters import torch_out
 
     root, tag = _copy_universal("z2_bf16_dp2_frozen", tmp_path)
     fp32 = tag / "zero" / "h.0.ln_1.bias" / "fp32.pt"
@@ -309,7 +309,7 @@ def test_universal_frozen_copy_differing_from_the_fragments_is_refused(tmp_path)
 
 
 def test_a_parameter_both_frozen_and_trained_is_refused():
-    from jax_ucp.importers.deepspeed.files import frozen_shapes_of
+    from jax_ucp._src.importers.deepspeed.files import frozen_shapes_of
 
     states = {"frozen_param_shapes": {"a": (2,), "b": [3]}}
     with pytest.raises(SourceError, match=r"^f\.pt:.*frozen and trained: \['a'\]$"):

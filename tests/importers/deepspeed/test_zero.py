@@ -67,7 +67,7 @@ def test_swapped_partitions_with_matching_names_are_refused(tmp_path, rel):
 def test_module_weights_catch_a_wrong_master(rel):
     """Stage 1/2: an fp32 master that does not round to the saved model weight at the ends of
     its rank pieces (a stale or foreign partition) is refused, naming parameter and files."""
-    from jax_ucp.importers.deepspeed import zero as deepspeed_zero
+    from jax_ucp._src.importers.deepspeed import zero as deepspeed_zero
 
     checkpoint = deepspeed_zero.open_zero_checkpoint(os.path.join(FIXTURES, rel, "global_step2"))
     name = next(n for n, f in checkpoint.fragment_plan.items() if len(f.pieces) > 1)
@@ -103,8 +103,8 @@ def test_weights_only_never_reads_the_moments(tmp_path, name):
     import refuses the damaged bytes."""
     import numpy as np
 
-    from jax_ucp.format import mapped_file
-    from jax_ucp.importers.deepspeed.files import load_deepspeed_file
+    from jax_ucp._src.format import mapped_file
+    from jax_ucp._src.importers.deepspeed.files import load_deepspeed_file
     from tests.ucp_testing import assert_bit_exact, assert_convert_refused
 
     rel = f"deepspeed/{name}/ckpt"

@@ -8,8 +8,8 @@ import os
 import numpy as np
 
 import jax_ucp
-from jax_ucp.importers.deepspeed import zero
-from jax_ucp.writer import shards
+from jax_ucp._src.importers.deepspeed import zero
+from jax_ucp._src.writer import shards
 from tests.ucp_testing import tree_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))

@@ -16,10 +16,10 @@ import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
+from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.megatron import bridge as megatron_bridge
+from jax_ucp._src.importers.megatron.common import MegatronImportError
 from jax_ucp.cli import app
-from jax_ucp.importers import registry
-from jax_ucp.importers.megatron import bridge as megatron_bridge
-from jax_ucp.importers.megatron.common import MegatronImportError
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -117,7 +117,7 @@ def test_fully_reshardable_save_imports_bit_exact(tmp_path):
     """fp32 TP1 DP2 with ``dist_ckpt_optim_fully_reshardable=True``: model-space optimizer
     tensors (``optimizer.state.{param,exp_avg,exp_avg_sq}.*``), the step from the common state's
     param_groups; masters and moments equal the run's live state bit for bit."""
-    from jax_ucp.importers.megatron import dcp as megatron_dcp
+    from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 
     original = megatron_dcp.open_dcp(os.path.join(RESHARDABLE, ITER))
     optimizer = sorted(n for n in original.tensors if n.startswith("optimizer."))

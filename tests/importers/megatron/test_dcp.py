@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.exporters import torch_out as T
-from jax_ucp.importers.megatron import MegatronImportError, dcp
+from jax_ucp._src.exporters import torch_out as T
+from jax_ucp._src.importers.megatron import MegatronImportError, dcp
 from tests.megatron_testing import (
     assert_bit_equal,
     assert_megatron_refused,

@@ -11,8 +11,8 @@ import os
 import pytest
 
 import jax_ucp
+from jax_ucp._src.torchfiles import dcp_reader
 from jax_ucp.errors import SourceError
-from jax_ucp.torchfiles import dcp_reader
 from tests.ucp_testing import REPO
 
 ROOT = os.path.join(REPO, "tests", "fixtures", "megatron_fsdp_dtensor_synthetic")

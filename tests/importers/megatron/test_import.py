@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.megatron import MegatronImportError, dcp, detect_megatron
 from jax_ucp.conversion import convert
-from jax_ucp.importers.megatron import MegatronImportError, dcp, detect_megatron
 from tests.megatron_testing import (
     FIX,
     LEGACY,
@@ -251,7 +251,7 @@ def test_legacy_missing_distrib_optim(tmp_path):
 
 
 def test_legacy_distrib_optim_wrong_bucket_layout(tmp_path, monkeypatch):
-    from jax_ucp.importers.megatron import legacy as lg
+    from jax_ucp._src.importers.megatron import legacy as lg
 
     real = lg.distrib_optim_layout
     # one bucket per parameter: no 64-element start padding inside buckets -> totals disagree
@@ -287,8 +287,8 @@ def test_legacy_pipeline_tied_and_layer_numbers(converted):
 
 
 def test_legacy_rng_state_and_args_are_inert():
-    from jax_ucp.importers.megatron import legacy as lg
-    from jax_ucp.torchfiles.unpickler import StandIn
+    from jax_ucp._src.importers.megatron import legacy as lg
+    from jax_ucp._src.torchfiles.unpickler import StandIn
 
     ck = lg.open_legacy(FIX / "legacy_llama_tp2_synthetic")
     st = ck.ranks[(0, 0)].state
@@ -683,7 +683,7 @@ def test_legacy_missing_file_and_bad_tracker(tmp_path):
 
 
 def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
-    from jax_ucp.importers.megatron import legacy as lg
+    from jax_ucp._src.importers.megatron import legacy as lg
 
     real = lg.open_legacy
 
@@ -705,7 +705,7 @@ def test_legacy_old_qkv_ordering_refused(tmp_path, monkeypatch):
 
 
 def test_legacy_tp_ranks_disagree_on_replicated_tensor(tmp_path, monkeypatch):
-    from jax_ucp.importers.megatron import legacy as lg
+    from jax_ucp._src.importers.megatron import legacy as lg
 
     real = lg.open_legacy
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.exporters import torch_out as T
+from jax_ucp._src.importers.megatron import MegatronImportError
 from jax_ucp.errors import SourceError
-from jax_ucp.exporters import torch_out as T
-from jax_ucp.importers.megatron import MegatronImportError
 from tests.megatron_testing import (
     FIX,
     assert_bit_equal,
@@ -25,8 +25,8 @@ def _rewrite_rank(path, edit, top=None) -> None:
     """Re-writes a legacy ``model_optim_rng.pt`` (torch-free) after ``edit(model)``: the run
     arguments, version, iteration and model state dict kept, the RNG state left out; ``top``:
     more top-level entries (nested dicts of arrays and values)."""
-    from jax_ucp.importers.megatron import legacy as megatron_legacy
-    from jax_ucp.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.torchfiles import unpickler as torch_pickle
 
     saved = torch_pickle.load_torch_file(str(path), megatron_legacy.LEGACY_CLASSES)
     # copies: the loaded arrays are memory-mapped views of the file rewritten below

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 from jax_ucp.conversion import convert
 from jax_ucp.errors import SourceError
-from jax_ucp.importers.megatron import legacy as megatron_legacy
 from tests.ucp_testing import REPO
 
 FIX = Path(REPO) / "tests" / "fixtures" / "megatron"

@@ -60,7 +60,7 @@ def test_committed_references_equal_live_torch_consolidation(name):
 def test_legacy_reader_equals_torch_load(name):
     """Every tensor our restricted reader yields equals torch.load of the same file."""
     torch = pytest.importorskip("torch")
-    from jax_ucp.importers.megatron import legacy as lg
+    from jax_ucp._src.importers.megatron import legacy as lg
 
     ck = lg.open_legacy(FIX / name)
     for rf in ck.ranks.values():

@@ -33,9 +33,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.exporters import torch_out as T
-from jax_ucp.importers.megatron import MegatronImportError
-from jax_ucp.importers.megatron import dcp as megatron_dcp
+from jax_ucp._src.exporters import torch_out as T
+from jax_ucp._src.importers.megatron import MegatronImportError
+from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 from tests.importers.megatron.test_dcp import ExtraFile, read_layout, write_layout
 from tests.megatron_testing import (
     assert_bit_equal,
@@ -207,7 +207,7 @@ def test_grouped_experts_are_not_read_as_sequential(monkeypatch, tmp_path):
     buffers still fit every recorded bucket size (all sizes are multiples of 64), but the
     masters do not equal the weights: the import is refused, naming the expert tensor and the
     orders tried, nothing written. (The grouped layout is what makes it import.)"""
-    from jax_ucp.importers.megatron import rank_states
+    from jax_ucp._src.importers.megatron import rank_states
 
     real = rank_states.RankStates.__init__
 

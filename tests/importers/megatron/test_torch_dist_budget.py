@@ -9,7 +9,7 @@ import os
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.megatron import rank_states, torch_dist
+from jax_ucp._src.importers.megatron import rank_states, torch_dist
 from tests.ucp_testing import tree_files
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -56,7 +56,7 @@ def test_a_whole_state_read_in_row_blocks_is_the_same_checkpoint(tmp_path, monke
     """With blocks of 256 bytes the TP pieces of whole states are read in many more, smaller
     ranges of the flat buckets than with the default blocks (one per piece on this small
     model; per-layer pieces of stacked tensors are read whole either way), and the checkpoint is the same, file for file."""
-    from jax_ucp.importers.megatron import distopt
+    from jax_ucp._src.importers.megatron import distopt
 
     ranges: list = []
     flat = distopt.BucketStates.flat

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.megatron import dcp as megatron_dcp
+from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 from tests.ucp_testing import REPO
 
 pytestmark = pytest.mark.timeout(120)
@@ -110,7 +110,7 @@ def test_megatron_core_013_to_016_optimizer_layouts_import_bit_exact(tmp_path, n
 
     Masters and moments bit-exact to the same run's optimizer state as megatron-core's own
     model sharding places it (``<name>.truth.npz``, read by torch DCP)."""
-    from jax_ucp.importers.megatron import dcp as megatron_dcp
+    from jax_ucp._src.importers.megatron import dcp as megatron_dcp
 
     dtype, layout, count = OLDER_LAYOUTS[name]
     src = os.path.join(ROOT, name)
@@ -154,7 +154,7 @@ def _compare_to_truth(src, got, model, original, dtype) -> None:
 def test_dp_zero_gather_scatter_with_a_wrong_layout_is_refused(tmp_path, monkeypatch):
     """A derived buffer layout that does not add up to the saved buffer (another version or DDP
     bucket setting) is an error naming the object and the sizes; nothing is written."""
-    from jax_ucp.importers.megatron import legacy as megatron_legacy
+    from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 
     real = megatron_legacy.distrib_optim_layout
     monkeypatch.setattr(

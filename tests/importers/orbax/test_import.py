@@ -18,10 +18,10 @@ import pytest
 from typer.testing import CliRunner
 
 import jax_ucp
-from jax_ucp import writer
+from jax_ucp._src import writer
+from jax_ucp._src.importers import plan_import
 from jax_ucp.cli import app
 from jax_ucp.errors import SourceError
-from jax_ucp.importers import plan_import
 from tests.ucp_testing import REPO, assert_bit_exact
 from tests.ucp_testing import assert_one_error_line as _assert_one_error_line
 from tests.ucp_testing import save_and_name as _ucp

@@ -17,11 +17,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jax_ucp
+from jax_ucp._src.exporters import OrbaxExport, options_for
+from jax_ucp._src.exporters.orbax_out import export_orbax
+from jax_ucp._src.importers import plan_import
+from jax_ucp._src.writer import Deferred
 from jax_ucp.errors import RequestError, SourceError
-from jax_ucp.exporters import OrbaxExport, options_for
-from jax_ucp.exporters.orbax_out import export_orbax
-from jax_ucp.importers import plan_import
-from jax_ucp.writer import Deferred
 from tests.ucp_testing import (
     assert_bit_exact,
     assert_convert_refused,
@@ -396,7 +396,7 @@ def test_orbax_export_of_a_key_naming_an_absolute_path_writes_nothing_outside(tm
     """A jax_ucp checkpoint whose tensor key is an absolute path: Orbax would write that array's
     folder there (its folder is the joined key path). The export is refused before Orbax runs;
     nothing appears at that path."""
-    from jax_ucp.exporters import orbax_out
+    from jax_ucp._src.exporters import orbax_out
 
     victim = tmp_path / "victim"
     ckpt = tmp_path / "ckpt"

@@ -15,8 +15,8 @@ import tensorstore as ts
 import zstandard
 
 import jax_ucp
+from jax_ucp._src.importers.orbax import zstd_rows
 from jax_ucp.errors import SourceError
-from jax_ucp.importers.orbax import zstd_rows
 from tests.ucp_testing import peak_over_baseline, run_child
 
 MiB = 1 << 20

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers import registry
+from jax_ucp._src.torchfiles import dcp_reader
 from jax_ucp.errors import SourceError
-from jax_ucp.importers import registry
-from jax_ucp.torchfiles import dcp_reader
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched, load_truth
 
 FIX = os.path.join(REPO, "tests", "fixtures", "torch")
@@ -330,7 +330,7 @@ def test_chunks_not_read_in_place_are_crc_checked_and_copied(tmp_path, monkeypat
     a copy, so it is not at the storage's address) takes the mapped path, not the direct read:
     the storage's CRC-32 is checked on its bytes (read with pread, never by touching the
     mapping), then the tensor copied into place."""
-    from jax_ucp.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import unpickler as torch_pickle
 
     real_load = torch_pickle.TorchArchive.load
     monkeypatch.setattr(

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.importers import registry
 from jax_ucp.errors import SourceError
-from jax_ucp.exporters import torch_out
-from jax_ucp.importers import registry
 from tests.importers.torch.test_dcp import FIX, assert_matches_run
 from tests.ucp_testing import (
     assert_bit_exact,
@@ -135,7 +135,7 @@ def test_optimizer_indices_that_do_not_match_the_model_are_an_error(tmp_path):
     src = tmp_path / "acc"
     shutil.copytree(os.path.join(FIX, "accelerate_full"), src)
     # a model file with one tensor fewer: index i no longer names the i-th parameter
-    from jax_ucp.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import unpickler as torch_pickle
 
     sd = torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin")
     names = list(sd)[1:]
@@ -214,7 +214,7 @@ def test_pickled_code_in_a_bin_file_is_refused_without_running_it(tmp_path):
 def _trainer_style_optimizer(src, with_names: bool) -> None:
     """accelerate_full's optimizer.bin re-written as Hugging Face's Trainer groups parameters:
     weight-decayed ones (2-D) first, then norms, numbered group after group as torch does."""
-    from jax_ucp.torchfiles import unpickler as torch_pickle
+    from jax_ucp._src.torchfiles import unpickler as torch_pickle
 
     model = list(torch_pickle.load_torch_file(src / "pytorch_model_fsdp.bin"))
     opt = torch_pickle.load_torch_file(src / "optimizer.bin")
@@ -366,7 +366,7 @@ def test_model_parallel_ckpt_refusal_gives_the_order_that_imports_exactly(tmp_pa
 
 def test_folder_builder_is_a_torch_savehf_torch_folder(tmp_path):
     """The builder above writes what the torch importer detects as such."""
-    from jax_ucp.importers import registry
+    from jax_ucp._src.importers import registry
 
     src, _ = hf_torch_folder(tmp_path, {"a": (4,)}, ["a"])
     assert registry.detect_format(str(src)) == "torch"

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.plan import tensor_names
-from jax_ucp.torchfiles import unpickler as torch_pickle
+from jax_ucp._src.importers.plan import tensor_names
+from jax_ucp._src.torchfiles import unpickler as torch_pickle
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,

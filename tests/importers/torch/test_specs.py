@@ -1,5 +1,5 @@
 """Torch DCP imports of real models restored through the shipped specs into
-jax_ucp.models.TransformerLM: transformers' LlamaForCausalLM under FSDP2 (spec ``hf_llama``) and
+jax_ucp._src.models.TransformerLM: transformers' LlamaForCausalLM under FSDP2 (spec ``hf_llama``) and
 torchtitan's own Llama3Model in torchtitan's checkpointer layout (spec ``torchtitan_llama``),
 both written by tools/fixtures/make_torch_fixtures.py (2 gloo ranks, 3 AdamW steps). The logits
 the frameworks computed in the run (``<name>.logits.npz``) are the reference; torch-free."""
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.language.views import rope_interleaved_to_half
 from jax_ucp.errors import LanguageError
 from jax_ucp.language import load_spec
-from jax_ucp.language.views import rope_interleaved_to_half
 from jax_ucp.models import LMConfig, TransformerLM
 from tests.importers.torch.test_dcp import FIX, assert_matches_run, truth
 

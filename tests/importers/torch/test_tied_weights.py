@@ -8,7 +8,7 @@ import json
 import pytest
 
 import jax_ucp
-from jax_ucp import format as fmt
+from jax_ucp._src import format as fmt
 
 pytestmark = pytest.mark.timeout(300)
 

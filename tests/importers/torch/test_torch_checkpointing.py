@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
-from jax_ucp.importers.registry import detect_format
-from jax_ucp.torchfiles import sharded, unpickler
+from jax_ucp._src.importers.registry import detect_format
+from jax_ucp._src.torchfiles import sharded, unpickler
 from tests.ucp_testing import REPO, assert_bit_exact, assert_destination_untouched
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,8 @@ import pytest
 from safetensors.numpy import load_file
 
 import jax_ucp
-from jax_ucp.exporters import torch_out
-from jax_ucp.torchfiles import unpickler
+from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.torchfiles import unpickler
 from tests.ucp_testing import (
     REPO,
     assert_bit_exact,

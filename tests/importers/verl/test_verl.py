@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import jax_ucp
+from jax_ucp._src.importers.registry import IMPORTERS, detect_format
 from jax_ucp.errors import SourceError
-from jax_ucp.importers.registry import IMPORTERS, detect_format
 from tests.importers.torch.test_hf_trainer import assert_matches_run
 from tests.ucp_testing import REPO, assert_destination_untouched, load_truth
 

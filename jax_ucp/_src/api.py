@@ -1,0 +1,229 @@
+"""The public functions: ``save``, ``restore``, ``inspect``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import warnings
+from typing import Any
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store
+from jax_ucp._src import tree as tree_lib
+from jax_ucp._src.errors import CheckpointError, RequestError, ResumeWarning, SourceError
+from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
+from jax_ucp._src.restoring import locate, model, ucp_source
+from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
+from jax_ucp._src.restoring.restore_entry import restore as restore  # without Orbax: defined there
+from jax_ucp._src.saving import engine
+
+
+def save(
+    path: str | os.PathLike,
+    tree,
+    *,
+    force: bool = False,
+    logical_axes: Any = None,
+    compression: str | None = None,
+    inner_chunk_bytes: int | str | None = None,
+    checksum: str | None = "crc32c",
+    source: dict | None = None,
+    memory_budget: int | str | None = None,
+) -> str:
+    """Saves ``tree`` as a UCP checkpoint at ``path``; returns once it is committed.
+
+    Every process calls it; each writes only the replica-0 shards it holds, no gather, and
+    the primary commits once (``saving.engine.save``): a failed or killed save leaves ``path``
+    as it was, a failure in any process is raised in every one.
+
+    Args:
+        path: the checkpoint directory, or an ``s3://`` / ``gs://`` prefix.
+        tree: the pytree to save. Leaves: ``jax.Array`` (any sharding), numpy arrays, Python
+            scalars / strings / None.
+        force: replace a jax_ucp checkpoint at ``path`` (kept whole until the new one is in
+            place; a committed object-store checkpoint is never replaced).
+        logical_axes: a pytree (same structure) of flax-style logical axis-name tuples,
+            recorded so a restore can map them with new ``rules=`` (flax boxes in ``tree`` are
+            recorded automatically).
+        compression: None (default) or "zstd".
+        inner_chunk_bytes: bound on inner chunks: bytes or e.g. "1MiB" (None: the store's
+            default).
+        checksum: "crc32c" (default: every inner chunk verified on read) or None.
+        source: provenance recorded in the manifest.
+        memory_budget: host bytes of shard data in flight: an int or a size such as "1GiB"
+            (None: unbounded); shards are copied to host, written and freed within it, as
+            ``UCPSave.memory_budget``.
+
+    Returns:
+        The checkpoint path, once it is committed.
+    """
+    path = os.fspath(path)
+    if not store.is_url(path):
+        path = os.path.abspath(path)
+    args = engine.SaveArgs(
+        tree,
+        logical_axes=logical_axes,
+        compression=compression,
+        inner_chunk_bytes=inner_chunk_bytes,
+        checksum=checksum,
+        source=source,
+        memory_budget=memory_budget,
+    )
+    engine.save(path, args, force=force)
+    return path
+
+
+def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:
+    """The newest step of a CheckpointManager root that is committed (never one still being
+    written) and readable — its manifest parses and every shard file it lists is there; the
+    digests are checked when it is restored — for ``mngr.restore(step, ...)``.
+
+    Args:
+      run_root: the CheckpointManager's directory.
+      fallback: pass over unreadable steps to older ones, each with a ``ResumeWarning``
+        (default: the error, naming the newest step and why).
+    """
+    root = os.fspath(run_root)
+    steps = locate.committed_steps(root)
+    if not steps:
+        raise CheckpointError(f"{root}: no committed step with a UCP item.")
+    for step, item in steps:
+        try:
+            locate.check_readable(item)
+            return step
+        except CheckpointError as e:
+            if not fallback:
+                raise CheckpointError(
+                    f"{root}: the latest committed step {step} cannot be read: {e} "
+                    f"(fallback=True moves on to older steps)"
+                ) from e
+            warnings.warn(
+                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=2
+            )
+    raise CheckpointError(f"{root}: no committed step can be read.")
+
+
+class VerifyResult(list):
+    """``[(tensor name, error message)]``, empty when the data is intact; ``notices`` lists
+    ``(tree node, message)`` for what a restore gives back differently without being an error
+    (a container class outside the allow-list comes back as a dict)."""
+
+    def __init__(self, problems=(), notices=(), logits=None):
+        super().__init__(problems)
+        self.notices: list[tuple[str, str]] = list(notices)
+        #: with ``logits=True``: the ``jax_ucp._src.logits.LogitsComparison`` of one batch
+        self.logits = logits
+
+
+def verify(
+    path: str | os.PathLike,
+    *,
+    progress=None,
+    memory_budget: int | str | None = None,
+    against: str | os.PathLike | None = None,
+    logits: bool = False,
+    logits_tolerance: float | None = None,
+) -> VerifyResult:
+    """Reads every byte of the checkpoint at ``path`` through the paths a restore takes.
+
+    Every shard file is checked against its digest in the manifest (it is the file this save
+    wrote there, for this tensor and position) and every tensor is read in full (crc32c of each
+    inner chunk). Returns ``[(tensor name, error message)]`` in manifest order, empty when the
+    checkpoint is intact, with ``.notices``: ``[(tree node, message)]`` for each container
+    class of the manifest a restore without a target will not rebuild (not in the allow-list:
+    it comes back as a dict of its fields). ``progress(name, done, total)`` is called after
+    each tensor.
+
+    Tensors are checked several at a time, as many as fit in ``memory_budget`` (one at least),
+    so an object store's latency is paid once per batch, not once per tensor.
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      progress: called as ``progress(name, done, total)`` after each tensor (None: not called).
+      memory_budget: bytes of tensors checked at once, as ``RestoreOptions.memory_budget``.
+      against: the source checkpoint ``path`` was imported from: every tensor the import
+        copied one for one is also compared bit for bit with what the source framework's own
+        loader reads (``jax_ucp._src.against``); a difference is a problem, a tensor that cannot be
+        compared so (built by the import) a notice saying why.
+      logits: with ``against``, also run one fixed batch through the source loaded by
+        transformers' ``from_pretrained`` and through the checkpoint's weights in
+        ``jax_ucp._src.models.TransformerLM`` (Llama-family models; ``jax_ucp._src.logits``): a largest
+        absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
+        comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
+      logits_tolerance: the largest absolute difference of the logits accepted (None:
+        ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4).
+    """
+    if logits and against is None:
+        raise RequestError("verify(logits=True) compares with the source: give against=SRC")
+    budget = parse_size(
+        DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
+    )
+    # A concurrent forced save is read again, not reported as damage (locate.read_consistently).
+    result = locate.read_consistently(path, lambda root: _verify(root, progress, budget))
+    if against is None or result:
+        return result
+    from jax_ucp._src.against import compare_with_source
+
+    found = compare_with_source(os.fspath(path), os.fspath(against), progress)
+    if not found.equal and not found.different:
+        raise SourceError(
+            f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
+            + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
+        )
+    problems = [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
+    compared = None
+    if logits:  # after the tensors, even when some differ: how much the model's output moves
+        from jax_ucp._src.logits import compare_logits
+
+        compared = compare_logits(path, against, tolerance=logits_tolerance)
+        if not compared.ok:
+            problems.append(("logits", compared.describe()))
+    return VerifyResult(
+        problems,
+        [
+            *result.notices,
+            *(
+                (n, f"{n}: not compared with the source: {why}")
+                for n, why in found.not_compared.items()
+            ),
+        ],
+        compared,
+    )
+
+
+def _verify(root: str, progress, budget: int) -> VerifyResult:
+    manifest = store.read_manifest(root)
+
+    def check(entry: fmt.TensorEntry) -> str | None:
+        try:  # the read checks every shard's digest, as a restore does
+            ucp_source.read(root, manifest, [model.Request(key=entry.key)])
+        except fmt.UCPError as e:
+            return str(e)
+        return None
+
+    problems: list[tuple[str, str]] = []
+    window = store.InFlightBytes(budget, max_items=_VERIFY_THREADS)
+    total, done = len(manifest.tensors), 0
+
+    def retire(item) -> None:
+        nonlocal done
+        future, entry = item
+        error = future.result()
+        done += 1
+        if error is not None:
+            problems.append((entry.name, error))
+        if progress is not None:
+            progress(entry.name, done, total)
+
+    with concurrent.futures.ThreadPoolExecutor(_VERIFY_THREADS, "ucp-verify") as pool:
+        for entry in manifest.tensors:
+            for item in window.make_room(entry.nbytes):
+                retire(item)
+            window.add((pool.submit(check, entry), entry), entry.nbytes)
+        for item in window.drain():
+            retire(item)
+    return VerifyResult(problems, tree_lib.class_notices(manifest.tree))
+
+
+# Tensors ``verify`` checks at once (each waits mostly on I/O: object-store round trips).
+_VERIFY_THREADS = 16

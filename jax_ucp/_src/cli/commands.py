@@ -1,0 +1,872 @@
+"""The ``jax-ucp`` commands: inspect, verify, plan, diff, convert, export, demo.
+
+Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite, a full
+disk: one ``error:`` line; for ``diff``: the checkpoints differ), 2 a usage error (unknown
+option, missing argument, a malformed ``--mesh``/``--rules``), 130 interrupted (Ctrl-C). A bug
+shows its traceback. Text from files is printed escaped (``output.printable``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect as inspect_lib
+import json
+import os
+import re
+import sys
+from typing import Annotated
+
+import typer
+import typer.core
+
+from jax_ucp._src import bulk
+from jax_ucp._src import format as fmt
+from jax_ucp._src.cli import layout, output, spawn
+from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
+from jax_ucp._src.format import ValueEntry, files
+from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
+
+
+class _PlainPlaceholders:
+    """Arguments named ``SRC``, flags without a ``<bool>`` value they do not take (for the
+    commands and for the groups' ``--version``/``--help``)."""
+
+    def get_params(self, ctx) -> list:
+        params = super().get_params(ctx)  # pyright: ignore[reportAttributeAccessIssue]
+        for param in params:
+            if isinstance(param, typer.core.TyperArgument) and param.metavar is None:
+                param.metavar = param.name.upper()
+            elif getattr(param, "is_flag", False):
+                param.metavar = ""
+        return params
+
+
+class _Command(_PlainPlaceholders, typer.core.TyperCommand):
+    """Help in placeholders users know: ``SRC DST`` (typer 0.2x writes required arguments as
+    ``{src}``) and flags without ``<bool>``; a docstring's paragraphs re-flowed to the terminal
+    (Rich markup mode keeps the source's line breaks)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.help:
+            self.help = re.sub(r"(?<!\n)\n(?!\n)", " ", inspect_lib.cleandoc(self.help))
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, typer.core.TyperArgument):
+                metavar = param.metavar or (param.name or "").upper()  # get_params sets it
+                name = metavar + ("..." if param.nargs != 1 else "")
+                pieces.append(name if param.required else f"[{name}]")
+            else:
+                pieces.extend(param.get_usage_pieces(ctx))
+        return pieces
+
+
+class _Group(_PlainPlaceholders, typer.core.TyperGroup):
+    pass
+
+
+app = typer.Typer(
+    cls=_Group,
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints, "
+    "convert other frameworks' checkpoints, demo.",
+)
+
+
+def _version(value: bool):
+    output.fresh_console()
+    if value:
+        from jax_ucp._src.version import __version__
+
+        output.console.print(f"jax_ucp {__version__}", highlight=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the version and exit"
+    ),
+):
+    output.fresh_console()  # the help is the app's
+
+
+def _cli_wording(message: str) -> str:
+    """Library advice in command-line terms (``force=True`` is ``--force`` here)."""
+    message = re.sub(r"\bprocesses=(\d+)", r"--processes \1", message)
+    message = re.sub(r"\bstrict=False\b", "--no-strict", message)
+    return re.sub(r"\bforce=True\b", "--force", message)
+
+
+def _os_error_text(e: OSError) -> str:
+    """``[Errno 2] No such file or directory: 'x'`` as ``x: no such file or directory``; an
+    OSError raised with a message of its own (jax_ucp's advice) is left as it is."""
+    if e.strerror and e.filename is not None:
+        text = f"{os.fsdecode(e.filename)}: {e.strerror[0].lower()}{e.strerror[1:]}"
+        if e.filename2 is not None:
+            text += f" ({os.fsdecode(e.filename2)})"
+        return text
+    return str(e)
+
+
+def _by_the_tensor(fn):
+    """``fn`` run with the cyclic GC paused: it makes rows by the tensor (100 000 and more) and
+    drops none, so each collection would walk them all for nothing."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with bulk.cyclic_gc_paused():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _user_errors(fn):
+    """Bad input (missing files, corrupt checkpoints, refused overwrites, a full disk: a
+    ``UCPError``, an ``OSError``, or a TensorStore error about the files that no layer wrapped)
+    → one clear line, exit 1; Ctrl-C → exit 130. Anything else is a bug and shows its
+    traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (UCPError, OSError) as e:
+            text = _os_error_text(e) if isinstance(e, OSError) else str(e)
+            output.error(_cli_wording(text))
+            raise typer.Exit(1) from e
+        except ValueError as e:
+            if not is_tensorstore_io_error(e):
+                raise
+            output.error(tensorstore_message(e))
+            raise typer.Exit(1) from e
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _checkpoint_or_steps(path: str) -> None:
+    """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
+    from jax_ucp._src.restoring import locate
+
+    steps = locate.manager_steps(path) if os.path.isdir(path) else []
+    if steps and not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        shown = ", ".join(name for name, _ in steps[-10:])
+        raise RequestError(
+            f"{path} is a CheckpointManager directory with {layout.plural(len(steps), 'step')} "
+            f"({'… ' if len(steps) > 10 else ''}{shown}); pick one, e.g. "
+            f"{os.path.join(path, *steps[-1])}"
+        )
+
+
+def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
+    """A byte-size option ("5G", "256MiB", "1.5GB", "1048576") in bytes, read by the one
+    parser of the Python API (format.sizes); an error names the option."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    what = param.opts[0] if param.opts else str(param.name)
+    try:
+        return parse_size(value, what)
+    except RequestError as e:  # click's message names the option already
+        raise typer.BadParameter(str(e).removeprefix(f"{what}: ")) from None
+
+
+MemoryBudget = Annotated[
+    str | None,
+    typer.Option(
+        "--memory-budget",
+        help="bytes of tensor data in flight at once (e.g. 256MiB, 1G; default "
+        f"{DEFAULT_MEMORY_BUDGET >> 20}MiB)",
+        callback=_size_option,
+    ),
+]
+
+
+@contextlib.contextmanager
+def _bar(what: str, transient: bool = False):
+    """``progress(name, done, total)`` drawing a bar that appears with the first item done
+    (input refused while it is checked prints its error alone) and is stopped at the end
+    (``transient``: erased, and not drawn outside a terminal)."""
+    progress, task = output.progress(transient), None
+
+    def on_progress(name, done, total):
+        nonlocal task
+        if task is None:
+            progress.start()
+            task = progress.add_task(what, total=total)
+        progress.update(task, completed=done, total=total, description=output.label(name))
+
+    try:
+        yield on_progress
+    finally:
+        if task is not None:
+            progress.stop()
+
+
+@app.command()
+@_user_errors
+@_by_the_tensor
+def inspect(
+    path: str,
+    limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
+    as_json: bool = typer.Option(False, "--json", help="print the manifest's rows as JSON"),
+    every: bool = typer.Option(
+        False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
+    ),
+):
+    """Show the manifest: tensors and saved Python values.
+
+    Per tensor: shape, dtype, logical axes, saved PartitionSpec, and as the terminal allows,
+    size and role (the saved mesh above the table). --json prints every row, for scripts."""
+    import jax_ucp
+
+    _checkpoint_or_steps(path)
+    m = jax_ucp.inspect(path)
+    if as_json:
+        rows = m.to_rows()
+        _print_json(
+            {
+                "path": path,
+                "format_version": m.version,
+                "created_by": m.created_by,
+                "bytes": m.nbytes,
+                "saved_meshes": m.saved_meshes,
+                "source": m.source,
+                "tensors": rows[: len(m.tensors)],
+                "values": rows[len(m.tensors) :],
+            }
+        )
+        return
+    output.say(
+        f"{path}: {layout.plural(len(m.tensors), 'tensor')}, {layout.plural(len(m.values), 'value')}, "
+        f"{layout.human(m.nbytes)} (format v{m.version}, {m.created_by})"
+    )
+    if m.saved_meshes:
+        output.say(f"saved mesh: {'; '.join(m.saved_meshes)}")
+    entries = m.tensors + m.values
+    shown = entries[:limit] if limit > 0 else entries
+    tensors = [e for e in shown if not isinstance(e, ValueEntry)]
+    values = [e for e in shown if isinstance(e, ValueEntry)]
+    if tensors:
+        shape_text, spec_text, human = _cell_texts()
+        rows = [
+            [
+                e.name,
+                shape_text(e.shape),
+                e.dtype,
+                human(e.nbytes),
+                e.role + (f"/{e.sub_role}" if e.sub_role else ""),
+                "" if e.saved_sharding is None else spec_text(e.saved_sharding.partition_spec),
+                "" if e.logical_axes is None else spec_text(e.logical_axes),
+            ]
+            for e in tensors
+        ]
+        header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
+        optional = ("saved spec", "logical axes", "dtype", "size", "role")  # role goes first
+        if len(rows) > layout.GROUP_AT and not every and limit <= 0:
+            names = [e.name for e in tensors]
+            rows = layout.grouped(names, rows, {3: [e.nbytes for e in tensors]})
+            output.say(
+                f"{len(tensors)} tensors in {len(rows)} name patterns (digits as *; --all lists "
+                f"each, --json gives every row)"
+            )
+        output.table(layout.table(header, rows, right=("size",), optional=optional))
+    if values:
+        if tensors:
+            output.console.print()
+        rows = [[e.name, layout.short(e.value), type(e.value).__name__, e.role] for e in values]
+        output.table(layout.table(["name", "value", "type", "role"], rows))
+    if len(shown) < len(entries):
+        output.console.print(f"… and {len(entries) - len(shown)} more (--limit 0 shows all)")
+    if m.source:
+        output.say(f"source: {m.source}")
+    for notice in m.notices:
+        output.marked("[yellow]![/yellow]", notice)
+
+
+@app.command()
+@_user_errors
+def verify(
+    path: str,
+    memory_budget: MemoryBudget = None,
+    against: str | None = typer.Option(
+        None,
+        help="the source checkpoint it was imported from: compare every copied tensor bit for "
+        "bit with what the source framework's own loader reads",
+    ),
+    logits: bool = typer.Option(
+        False,
+        "--logits",
+        help="with --against (a Hugging Face Llama-family model): also compare the logits of "
+        "one batch, the source loaded by transformers' from_pretrained vs the checkpoint's "
+        "weights in jax_ucp's flax model; exit 1 beyond the tolerance (needs jax_ucp[hf])",
+    ),
+    logits_tolerance: float | None = typer.Option(
+        None, help="largest absolute difference of the logits accepted (default 1e-4)"
+    ),
+):
+    """Read every tensor and check every shard file (crc32c, digests); report what is wrong.
+    With --against SRC, also compare with the source read by its framework's own loader;
+    with --logits, also the logits of one batch through both."""
+    import jax_ucp
+
+    if logits and against is None:
+        raise typer.BadParameter("--logits compares with the source: give --against SRC")
+    _checkpoint_or_steps(path)
+    m = jax_ucp.inspect(path)
+    with _bar("verifying", transient=True) as on_progress:
+        bad = jax_ucp.verify(
+            path,
+            progress=on_progress,
+            memory_budget=memory_budget,
+            against=against,
+            logits=logits,
+            logits_tolerance=logits_tolerance,
+        )
+    for _, notice in bad.notices:  # not errors: the data is intact
+        output.marked("[yellow]![/yellow]", notice)
+    if bad.logits is not None and bad.logits.ok:
+        output.marked("[green]✓[/green]", bad.logits.describe())
+    if bad:
+        for _, err in bad:  # each message names its tensor and file
+            output.marked("[red]✗[/red]", str(err))
+        far = bad.logits is not None and not bad.logits.ok
+        failed = len(bad) - far  # the logits' problem is last, not a tensor
+        said = [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
+        said += ["the logits differ beyond the tolerance"] if far else []
+        output.console.print(f"[red]{'; '.join(said)}[/red]", highlight=False)
+        raise typer.Exit(1)
+    output.console.print(
+        f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"
+    )
+
+
+# convert's import options (the fields of the importers' options classes) as flags
+Tag = Annotated[
+    str | None,
+    typer.Option(
+        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
+        "the latest)",
+    ),
+]
+ParameterOrder = Annotated[
+    str | None,
+    typer.Option(
+        "--parameter-order",
+        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
+        "order (one name a line, or a JSON list)",
+    ),
+]
+ModelConfig = Annotated[
+    str | None,
+    typer.Option(
+        "--model-config",
+        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
+        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
+        "without its config.json)",
+    ),
+]
+
+
+@app.command()
+@_user_errors
+def convert(
+    src: str,
+    dst: str,
+    from_: str | None = typer.Option(
+        None,
+        "--from",
+        help="the source format: deepspeed, megatron, orbax, safetensors, torch or verl "
+        "(default: detected from the files)",
+    ),
+    spec: str | None = typer.Option(None, help="UCP-language spec file (import rules, settings)"),
+    vocab_size: int | None = typer.Option(
+        None, help="megatron: the original vocab size (strips the padding)"
+    ),
+    tag: Tag = None,
+    force: bool = typer.Option(False, help="replace DST"),
+    step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
+    weights_only: bool = typer.Option(
+        False, "--weights-only", help="import the weights alone, skip the optimizer state"
+    ),
+    processes: int | None = typer.Option(
+        None, min=1, help="convert with N local processes (each reads 1/N of it)"
+    ),
+    coordinator: str | None = typer.Option(
+        None, help="host:port of the jax.distributed job this process is in"
+    ),
+    num_processes: int | None = typer.Option(None, help="processes in it"),
+    process_id: int | None = typer.Option(None, help="this process's index"),
+    memory_budget: MemoryBudget = None,
+    parameter_order: ParameterOrder = None,
+    model_config: ModelConfig = None,
+):
+    """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
+    TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
+    torch DCP or torch.save files, verl FSDP checkpoints. The format is detected from the files unless --from names
+    it; when no format fits, the error says what each one looked for."""
+    from jax_ucp._src.importers import registry
+
+    spawn.check_parallel(processes, coordinator, num_processes, process_id)
+    order = _read_parameter_order(parameter_order) if parameter_order is not None else None
+    importing = registry.import_options(
+        from_,
+        spec=spec,
+        weights_only=weights_only,
+        tag=tag,
+        vocab_size=vocab_size,
+        parameter_order=order,
+        model_config=model_config,
+    )
+    if processes and processes > 1:
+        spawn.spawn_local(processes, dst)
+        return
+    if coordinator:
+        from jax_ucp._src.multihost import launch
+
+        launch.initialize(coordinator, num_processes, process_id)
+    out = _convert_reporting_lost_processes(
+        src,
+        dst,
+        format=from_,
+        importing=importing,
+        memory_budget=memory_budget,
+        force=force,
+        step=step,
+        distributed=bool(coordinator),
+    )
+    output.say(f"✓ wrote {out}", style="green")
+    if not coordinator or process_id == 0:
+        _say_imported(str(out))
+
+
+def _convert_reporting_lost_processes(src: str, dst: str, **options) -> str:
+    """``convert`` under a progress bar; a distributed import that failed in another process
+    is reported as the CLI's error, and a lost process ends this one at once (jax.distributed's
+    shutdown at exit would wait for the lost process's heartbeat timeout, 100 s, then abort)."""
+    from jax_ucp._src import conversion
+    from jax_ucp._src.multihost import agreement
+
+    try:
+        with _bar("importing") as on_progress:
+            return conversion.convert(src, dst, progress=on_progress, **options)
+    except agreement.MultiProcessError as e:
+        output.error(str(e))
+        if isinstance(e, agreement.ProcessLostError):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        raise typer.Exit(1) from e
+
+
+def _read_parameter_order(path: str) -> list[str]:
+    """``--parameter-order FILE``: a JSON list of names, or one name a line."""
+    try:
+        text = files.read_regular(str(path), 64 << 20).decode("utf-8")
+    except (OSError, UnicodeDecodeError, UCPError) as e:
+        raise typer.BadParameter(f"{path}: {e}", param_hint="--parameter-order") from None
+    if text.lstrip().startswith("["):
+        try:
+            names = json.loads(text)
+        except ValueError as e:
+            raise typer.BadParameter(
+                f"{path}: not a JSON list ({e})", param_hint="--parameter-order"
+            ) from None
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+        raise typer.BadParameter(
+            f"{path}: expected parameter names (one a line, or a JSON list of strings)",
+            param_hint="--parameter-order",
+        )
+    return names
+
+
+def _say_imported(out: str) -> None:
+    """What the import brought (tensors, bytes, moments, step, skipped) and how to use it."""
+    import jax_ucp
+
+    m = jax_ucp.inspect(out)
+    tensors = m.tensors
+    moments = sum(1 for e in tensors if e.role == "opt_state" and e.sub_role in ("mu", "nu"))
+    params = sum(1 for e in tensors if e.role == "param")
+    count = next((e.value for e in m.values if e.name == "opt_state/count"), None)
+    if count is None and any(e.name == "opt_state/count" for e in tensors):
+        count = int(jax_ucp.restore(out, select="opt_state/count")["opt_state"]["count"])
+    skipped = (m.source or {}).get("skipped") or {}
+    parts = [
+        f"{layout.plural(len(tensors), 'tensor')} ({layout.human(m.nbytes)}): "
+        f"{layout.plural(params, 'parameter')}, {layout.plural(moments, 'optimizer moment')}",
+        f"step {count}" if count is not None else "no optimizer step",
+        f"{layout.plural(len(skipped), 'source entry', 'source entries')} skipped (listed in "
+        f"source.skipped)"
+        if skipped
+        else "nothing skipped",
+    ]
+    output.say("imported: " + "; ".join(parts))
+    for note in ((m.source or {}).get("notes") or [])[:5]:
+        output.say(f"note: {note}")
+    output.say(f"next: jax-ucp inspect {out}   |   python: jax_ucp.restore({out!r}, mesh=...)")
+
+
+def _parse_mesh(text: str) -> list[tuple[str, int]]:
+    axes = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, size = part.partition("=")
+        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+            raise typer.BadParameter(
+                f"expected axis=size[,axis=size...] (e.g. data=2,model=4), got {part!r}",
+                param_hint="--mesh",
+            )
+        axes.append((name.strip(), int(size)))
+    if not axes:
+        raise typer.BadParameter("no mesh axes given (e.g. data=2,model=4)", param_hint="--mesh")
+    names = [name for name, _ in axes]
+    if len(set(names)) != len(names):
+        raise typer.BadParameter(f"axis names repeat: {names}", param_hint="--mesh")
+    return axes
+
+
+def _parse_rules(texts: list[str]) -> list[tuple[str, object]]:
+    rules: list[tuple[str, object]] = []
+    for text in texts:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            name, sep, axes = part.partition("=")
+            if not sep or not name.strip():
+                raise typer.BadParameter(
+                    f"expected logical=axis[,logical=axis...] (e.g. embed=data,mlp=model), "
+                    f"got {part!r}",
+                    param_hint="--rules",
+                )
+            names = tuple(a.strip() for a in axes.split("+") if a.strip())
+            rule = None if not names else names[0] if len(names) == 1 else names
+            rules.append((name.strip(), rule))
+    return rules
+
+
+def _cell_texts():
+    """``layout.shape_text``, ``.partition_spec_text`` and ``.human``, each keeping its texts
+    (the rows of 100 000 tensors repeat a few shapes, specs and sizes; all are tuples or ints)."""
+    return tuple(
+        functools.lru_cache(maxsize=None)(f)
+        for f in (layout.shape_text, layout.partition_spec_text, layout.human)
+    )
+
+
+def _padded(spec, ndim: int) -> tuple:
+    spec = tuple(spec or ())
+    return spec + (None,) * (ndim - len(spec))
+
+
+def _per_process(reads) -> str:
+    """``reads``: a plan's IndexedBytes (lowest/highest without walking every process)."""
+    low, high = reads.lowest(), reads.highest()
+    if low == high:
+        return (
+            layout.human(high)
+            if len(reads) == 1
+            else f"{layout.human(high)} each ({len(reads)} processes)"
+        )
+    if len(reads) <= 4:
+        return ", ".join(f"process {p}: {layout.human(b)}" for p, b in sorted(reads.items()))
+    most = reads.highest_index()
+    return f"{layout.human(low)} to {layout.human(high)} (process {most} reads the most; {len(reads)} processes)"
+
+
+@app.command()
+@_user_errors
+@_by_the_tensor
+def plan(
+    path: str,
+    mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),
+    rules: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="logical-axis rules, e.g. embed=data,mlp=model (a+b: several mesh axes; "
+            "name= : replicated); repeatable",
+        ),
+    ] = None,
+    processes: int = typer.Option(1, min=1, help="processes sharing the mesh's devices"),
+    limit: int = typer.Option(0, help="show only the first N tensors (0: all)"),
+    strict: bool = typer.Option(
+        True,
+        "--strict/--no-strict",
+        help="refuse rules for logical names no tensor carries and mesh axes nothing uses",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the plan's rows as JSON"),
+    every: bool = typer.Option(
+        False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
+    ),
+    spec: str | None = typer.Option(
+        None, help="plan the restore through a spec (a shipped name such as hf_llama, or a file)"
+    ),
+    config: str | None = typer.Option(
+        None, help="with --spec: a Hugging Face config.json giving the spec's head settings"
+    ),
+):
+    """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
+
+    Per tensor: the PartitionSpec restore(mesh=, rules=) would give it on MESH, the bytes each
+    device holds and each process reads; then the totals, the tensors replicated on every
+    device and the dimensions that do not divide. Reads no tensor data and needs no devices.
+    A rule for a logical name no tensor carries, or a mesh axis no rule and no saved
+    PartitionSpec uses, is an error naming the closest known names (--no-strict plans it)."""
+    import jax_ucp
+    from jax_ucp._src.restoring.plan import abstract_mesh
+
+    axes = _parse_mesh(mesh)
+    rule_pairs = _parse_rules(rules) if rules else None
+    _checkpoint_or_steps(path)
+    result = jax_ucp.plan(
+        path,
+        mesh=abstract_mesh(axes),
+        rules=rule_pairs,
+        processes=processes,
+        strict=strict,
+        spec=_spec_with_config(spec, config),
+    )
+    if as_json:
+        _print_plan_json(path, axes, processes, result)
+        return
+    output.say(
+        f"{path} on mesh {' × '.join(f'{n}={s}' for n, s in axes)} "
+        f"({layout.plural(len(result.device_bytes), 'device')}, "
+        f"{layout.plural(processes, 'process', 'processes')}): "
+        f"{layout.plural(len(result.tensors), 'tensor')}, {layout.plural(result.values, 'value')}"
+    )
+    shown = result.tensors[:limit] if limit > 0 else result.tensors
+    _print_plan_table(shown, grouped=not every and limit <= 0)
+    if len(shown) < len(result.tensors):
+        output.console.print(f"… and {len(result.tensors) - len(shown)} more (--limit 0 shows all)")
+    _print_plan_totals(result, limit)
+
+
+def _print_plan_json(path: str, axes, processes: int, result) -> None:
+    """``plan --json``: the totals and every tensor's row, for scripts."""
+    _print_json(
+        {
+            "path": path,
+            "mesh": dict(axes),
+            "processes": processes,
+            "device_bytes": {"min": result.min_device_bytes, "max": result.max_device_bytes},
+            "process_read_bytes": {"max": result.process_read_bytes.highest()},
+            "replicated": result.replicated,
+            "unmatched_rules": list(result.unmatched_rules),
+            "tensors": result.to_rows(),
+        }
+    )
+
+
+def _print_plan_table(shown, grouped: bool) -> None:
+    """One row per planned tensor (placement, bytes per device and per process), grouped by
+    name pattern past ``layout.GROUP_AT`` rows when ``grouped``."""
+    highest: dict[int, int] = {}  # tensors of one placement share their read bytes
+    for t in shown:
+        if id(t.read_bytes) not in highest:
+            highest[id(t.read_bytes)] = t.read_bytes.highest()
+    reads = [highest[id(t.read_bytes)] for t in shown]
+    shape_text, spec_text, human = _cell_texts()
+    rows = [
+        [
+            t.name,
+            shape_text(t.shape),
+            t.dtype,
+            "host" if t.on_host else spec_text(_padded(t.partition_spec, len(t.shape))),
+            human(t.bytes_per_device or 0),
+            human(read),
+        ]
+        for t, read in zip(shown, reads)
+    ]
+    header = ["name", "shape", "dtype", "spec", "per device", "per process"]
+    right = ("per device", "per process")
+    if len(rows) > layout.GROUP_AT and grouped:
+        sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
+        rows = layout.grouped([t.name for t in shown], rows, sums)
+        output.say(
+            f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "
+            f"--json gives every row)"
+        )
+    output.table(layout.table(header, rows, right=right, optional=("dtype",)))
+
+
+def _print_json(data: dict) -> None:
+    """``data`` as JSON on stdout, unwrapped (tuples as lists; anything else as its text)."""
+    typer.echo(json.dumps(data, indent=1, default=str))
+
+
+def _print_plan_totals(result, limit: int) -> None:
+    """Bytes per device and per process, then what is replicated, on host or not divisible."""
+    low, high = (layout.human(b) for b in (result.min_device_bytes, result.max_device_bytes))
+    output.say(f"per device: {high} each" if low == high else f"per device: {low} to {high}")
+    output.say(f"per process read: {_per_process(result.process_read_bytes)}")
+    cap = limit if limit > 0 else 20
+    if result.unmatched_rules:
+        output.say(
+            f"rules matching no tensor's logical axis names ({len(result.unmatched_rules)}): "
+            f"{', '.join(result.unmatched_rules)} (they shard nothing: everything they name is "
+            "replicated)"
+        )
+    for title, names in (
+        ("replicated on every device", result.replicated),
+        ("kept on host (64-bit; jax_enable_x64 is off)", result.on_host),
+        ("not divisible", [f"{t.name}: {m}" for t in result.tensors for m in t.not_divisible]),
+    ):
+        if names:
+            output.say(f"{title} ({len(names)}):")
+            for name in names[:cap]:
+                output.say(f"  {name}")
+            if len(names) > cap:
+                output.say(f"  … and {len(names) - cap} more")
+
+
+@app.command()
+@_user_errors
+def diff(a: str, b: str):
+    """Compare two checkpoints leaf by leaf; exit 0 when identical, 1 when they differ.
+
+    Lists the tensors that differ (how many elements, max absolute and max relative
+    difference), shapes or dtypes that changed, saved values that differ, and leaves only in
+    one. Reads one tensor of each checkpoint at a time."""
+    import jax_ucp
+
+    _checkpoint_or_steps(a)
+    _checkpoint_or_steps(b)
+    with _bar("comparing", transient=True) as on_progress:
+        result = jax_ucp.diff(a, b, progress=on_progress)
+    for t in result.tensors:
+        if not t.compared:
+            changes = [
+                f"{what} {x} vs {y}"
+                for what, x, y in (
+                    ("shape", layout.shape_text(t.shape[0]), layout.shape_text(t.shape[1])),
+                    ("dtype", *t.dtype),
+                )
+                if x != y
+            ]
+            output.say(f"≠ {t.name}: " + ", ".join(changes))
+            continue
+        text = f"≠ {t.name}: {t.differing} of {layout.plural(t.size or 0, 'element')} differ"
+        if t.max_abs is not None:
+            text += f", max abs {t.max_abs:.4g}, max rel {t.max_rel:.4g}"
+            if t.max_abs != t.max_abs:
+                text += " (NaN in one of them)"
+        output.say(text)
+    for v in result.values:
+        output.say(f"≠ {v.name}: {v.a!r} vs {v.b!r}")
+    for name in result.only_in_a:
+        output.say(f"- {name} (only in {a})")
+    for name in result.only_in_b:
+        output.say(f"+ {name} (only in {b})")
+    leaves = layout.plural(result.same, "leaf", "leaves")
+    if result.identical:
+        output.console.print(f"[green]identical: {leaves}[/green]", highlight=False)
+        return
+    parts = [
+        f"{layout.plural(len(result.tensors), 'tensor')} and {layout.plural(len(result.values), 'value')} "
+        "differ",
+        f"{len(result.only_in_a)} only in A, {len(result.only_in_b)} only in B",
+        f"{leaves} identical",
+    ]
+    output.console.print("[red]" + "; ".join(parts) + "[/red]", highlight=False)
+    raise typer.Exit(1)
+
+
+@app.command()
+@_user_errors
+def export(
+    ckpt: str,
+    dst: str,
+    to: str = typer.Option(
+        "safetensors", help="output format: safetensors, torch-dcp, deepspeed-universal or orbax"
+    ),
+    select: str | None = typer.Option(
+        None,
+        help="key-path prefix to export ('params', 'opt_state/mu', '' for all; default: params "
+        "for safetensors, all for torch-dcp)",
+    ),
+    spec: str | None = typer.Option(None, help="UCP-language spec whose restore views to export"),
+    dtype: str | None = typer.Option(None, help="write every tensor as this dtype (e.g. bfloat16)"),
+    max_file_size: str | None = typer.Option(
+        None,
+        help="safetensors: data per file before sharding (e.g. 500MB, 5G; default 5GB)",
+        callback=_size_option,
+    ),
+    param_groups: int | None = typer.Option(
+        None, help="deepspeed-universal: param groups of the loading engine's optimizer (1)"
+    ),
+    config: str | None = typer.Option(
+        None, help="safetensors: a config.json to write beside the weights (for from_pretrained)"
+    ),
+    force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
+    memory_budget: MemoryBudget = None,
+):
+    """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal) or
+    Orbax (a StandardCheckpointer checkpoint)."""
+    from jax_ucp._src import exporters
+
+    with _bar("exporting") as on_progress:
+        options = exporters.options_for(
+            to,
+            select=select,
+            spec=spec,
+            dtype=dtype,
+            max_file_bytes=max_file_size,
+            param_groups=param_groups,
+            config=config,
+            force=force,
+            memory_budget=memory_budget,
+            progress=on_progress,
+        )
+        out = exporters.export(ckpt, dst, options)
+    output.say(
+        f"✓ wrote {out.tensors} tensors ({out.bytes / 1e6:.1f} MB) to {out.path}: "
+        f"{', '.join(out.files)}",
+        style="green",
+    )
+    if out.skipped:
+        output.say(
+            f"not exported ({len(out.skipped)}, outside --select or not tensors): "
+            f"{', '.join(out.skipped[:6])}{' ...' if len(out.skipped) > 6 else ''}"
+        )
+
+
+def _spec_with_config(spec: str | None, config: str | None):
+    """``--spec`` loaded with the head settings of ``--config`` (a Hugging Face config.json)."""
+    if spec is None:
+        if config is not None:
+            raise typer.BadParameter("--config gives a spec's settings: give --spec too")
+        return None
+    if config is None:
+        return spec
+    from jax_ucp._src import language
+    from jax_ucp._src.exporters.source import read_config
+    from jax_ucp._src.language.settings import hf_head_settings
+
+    return language.load_spec(spec, **hf_head_settings(read_config(config), config))
+
+
+@app.command()
+def demo(
+    directory: str | None = typer.Option(None, help="where to write (default: a temp dir)"),
+):
+    """Save a small model on 8 CPU devices, restore onto two other meshes, check every byte."""
+    from jax_ucp._src.cli import demo as demo_lib
+
+    ok = demo_lib.run(directory, console=None)
+    raise typer.Exit(0 if ok else 1)
+
+
+for _info in app.registered_commands:  # every command, whoever defines it
+    if _info.cls in (None, typer.core.TyperCommand):
+        _info.cls = _Command
+
+
+def main():  # pragma: no cover
+    """The ``jax-ucp`` console script."""
+    app()

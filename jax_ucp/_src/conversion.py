@@ -1,0 +1,213 @@
+"""``convert``: a torch checkpoint in, a UCP checkpoint out (standalone or as a manager step).
+
+Sits above the importers (which only read and yield ``writer.HostItem``s) and the writers: the
+standalone form commits without JAX or Orbax (``writer.write_host_checkpoint``); ``step=N`` goes
+through Orbax's CheckpointManager (``orbax.manager_step``), imported only then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import operator
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jax_ucp._src import store, writer
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.format import files
+from jax_ucp._src.format.sizes import parse_size
+from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.plan import ImportOptions, Share
+from jax_ucp._src.multihost import agreement
+from jax_ucp._src.multihost.agreement import Gather
+from jax_ucp._src.options import field_namer, named_by
+from jax_ucp._src.writer import commit
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ConvertOptions:
+    """How ``convert`` imports: its own options, checked once on construction, and the
+    format's options (``importing``) as built at the edge, which reach the format whole.
+
+    Attributes:
+        format: "deepspeed", "megatron", "safetensors", "torch" or "orbax" (detected from the
+            files when None).
+        importing: the import options: the format's options class (``TorchOptions``,
+            ``MegatronOptions``, ``DeepSpeedOptions``, ``OrbaxOptions``) or a more general one
+            (``ImportOptions``: ``spec``, ``weights_only``) specialised once the format is
+            known (None: the format's defaults).
+        force: replace a jax_ucp checkpoint at ``dest`` (the old one kept whole until the new
+            one is committed).
+        step: write ``<dest>/<step>/state`` as a CheckpointManager step (None: a standalone
+            checkpoint).
+        progress: called as ``progress(name, done, total)`` per parameter.
+        compression: the arrays' codec (None: the format's default).
+        distributed: every process of a ``jax.distributed`` job calls ``convert`` with the same
+            arguments; each reads and writes every N-th parameter into one directory on a shared
+            file system, and process 0 commits once every process reported its part.
+        barrier_timeout: with ``distributed``, seconds at most for the slowest process (a
+            process on this host that dies is noticed at once, one on another host by
+            jax.distributed's heartbeat).
+        memory_budget: bytes of tensor data the import may hold at once: an int or a size such
+            as "1GiB" (None: ``DEFAULT_MEMORY_BUDGET``, 256 MiB); the tensors the writer has in
+            flight plus what the importer is building (a tensor-parallel merge, chunks read
+            into place); each process of a distributed import has its own.
+    """
+
+    format: str | None = None
+    importing: ImportOptions | None = None
+    force: bool = False
+    step: int | None = None
+    progress: Progress | None = None
+    compression: str | None = None
+    distributed: bool = False
+    barrier_timeout: float = 24 * 3600
+    memory_budget: int | str | None = None
+
+    def __post_init__(self):
+        if self.step is not None:
+            try:
+                step = operator.index(self.step)
+            except TypeError:
+                step = -1
+            if isinstance(self.step, bool) or step < 0:
+                raise RequestError(f"convert: step={self.step!r}: a non-negative int, or None")
+            object.__setattr__(self, "step", step)
+        if self.distributed and self.step is not None:
+            raise RequestError(
+                "convert: distributed=True writes a standalone checkpoint (step=None)"
+            )
+        if self.memory_budget is not None:
+            budget = parse_size(self.memory_budget, field_namer(self)("memory_budget"))
+            object.__setattr__(self, "memory_budget", budget)
+
+
+def convert(source, dest, **keywords: Any) -> str:
+    """Imports the torch checkpoint directory ``source`` as a UCP checkpoint at ``dest``.
+
+    Everything that needs no tensor bytes is checked before anything is written, and a failure
+    leaves ``dest`` untouched (one ``commit.transaction``).
+
+    Args:
+        source: the checkpoint directory (or file) to import.
+        dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
+        **keywords: ``ConvertOptions``' fields, and for convenience the import options'
+            (``spec``, ``weights_only``, ``tag``, ``vocab_size``, ``parameter_order``,
+            ``model_config``: fields of the importers' options classes), which build
+            ``importing`` (``registry.import_options``).
+
+    Returns:
+        The UCP directory (the one holding ucp.json).
+    """
+    fields = {k: keywords.pop(k) for k in list(keywords) if k not in _OWN}
+    unknown = sorted(set(fields) - set(registry.OPTION_FIELDS))
+    if unknown:
+        raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+    with named_by("convert"):
+        if fields:
+            if keywords.get("importing") is not None:
+                raise RequestError(
+                    f"convert: importing= holds the import options whole; give it or "
+                    f"{', '.join(f'{k}=' for k in fields)}, not both"
+                )
+            keywords["importing"] = registry.import_options(keywords.get("format"), **fields)
+        options = ConvertOptions(**keywords)
+    return convert_with(source, dest, options)
+
+
+_OWN = frozenset(f.name for f in dataclasses.fields(ConvertOptions))
+
+
+def _signature() -> inspect.Signature:
+    """``convert``'s for ``help()``: ConvertOptions' fields, then the import options' (each
+    from the first importer options class that has it)."""
+    params = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for name in ("source", "dest")
+    ]
+    params += inspect.signature(ConvertOptions).parameters.values()
+    for name in registry.OPTION_FIELDS:
+        cls = next(
+            i.options for i in registry.IMPORTERS.values() if name in i.options.__dataclass_fields__
+        )
+        params.append(
+            inspect.signature(cls).parameters[name].replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        )
+    return inspect.Signature(params)
+
+
+convert.__signature__ = _signature()  # type: ignore[attr-defined]
+
+
+def convert_with(source, dest, options: ConvertOptions) -> str:
+    """``convert`` with its options as one ``ConvertOptions``.
+
+    Args:
+        source: the checkpoint directory (or file) to import.
+        dest: the UCP directory to create, or an ``s3://`` / ``gs://`` prefix.
+        options: what to import and how.
+
+    Returns:
+        The UCP directory (the one holding ucp.json).
+    """
+    dest = os.fspath(dest)
+    _check_target(source, dest, options)
+    budget = options.memory_budget
+    with writer.memory_budget_scope(None if budget is None else int(budget)):
+        job = agreement.join(dest, options.barrier_timeout) if options.distributed else None
+        plan = _plan(source, dest, options, job)
+        items = writer.with_progress(plan.items, plan.total_params, options.progress)
+        common: dict[str, Any] = dict(
+            force=options.force, source=plan.source, compression=options.compression
+        )
+        if job is not None:
+            index, count, gather = job
+            return writer.write_shared_checkpoint(
+                dest, items, index=index, count=count, gather=gather, **common
+            )
+        if options.step is None:
+            return writer.write_host_checkpoint(dest, items, **common)
+        from jax_ucp._src.orbax.manager_step import write_manager_step
+
+        return write_manager_step(dest, items, step=options.step, **common)
+
+
+def _check_target(source, dest: str, options: ConvertOptions) -> None:
+    """What the destination refuses, before the source is read (checked again under the save
+    lock, in the transaction)."""
+    if store.is_url(dest):
+        if options.step is not None or options.distributed:
+            raise RequestError(
+                f"convert: {dest} is an object store; step= and distributed=True write local "
+                f"(or shared file system) directories only"
+            )
+        return
+    if files.overlap(dest, source):  # a forced convert there would delete what it reads
+        raise RequestError(
+            f"convert: the destination {dest} is, contains or lies inside the source {source}; "
+            f"choose a destination outside the source checkpoint (nothing was written)."
+        )
+    target = dest if options.step is None else os.path.join(dest, str(options.step))
+    commit.check_replaceable(os.path.abspath(target), force=options.force)
+
+
+def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gather] | None):
+    """The importer's plan; in a distributed import every process's planning is agreed on, so a
+    process that refuses the source does not leave the others waiting."""
+    plan_import = functools.partial(
+        registry.plan_import, source, options.importing, format=options.format
+    )
+    if job is None:
+        return plan_import()
+    index, count, gather = job
+    try:
+        plan = plan_import(share=Share(index, count))
+    except BaseException as e:
+        agreement.agree(gather, "planned", e, dest)
+    agreement.agree(gather, "planned", "", dest)
+    return plan

@@ -1,0 +1,252 @@
+"""DeepSpeed's universal checkpoint, written without torch or DeepSpeed.
+
+The layout DeepSpeed's ``ds_to_universal`` writes and ``"checkpoint": {"load_universal": true}``
+loads at any data-parallel size::
+
+    DST/latest_universal                         -> "global_step<N>_universal"
+    DST/global_step<N>_universal/mp_rank_00_model_states.pt
+    DST/global_step<N>_universal/zero/optimizer_state.pt
+    DST/global_step<N>_universal/zero/<param>/fp32.pt        {"param": fp32 tensor, "cat_dim": 0}
+    DST/global_step<N>_universal/zero/<param>/exp_avg.pt     (the same, Adam's first moment)
+    DST/global_step<N>_universal/zero/<param>/exp_avg_sq.pt  (second moment)
+    DST/global_step<N>_universal/zero/<param>/step.pt        a 0-d float32 tensor
+
+DeepSpeed's loader reads the weights from ``zero/`` (fp32 masters, then cast to the engine's
+precision), takes ``ds_version`` and the param groups from ``optimizer_state.pt`` (written with no
+hyperparameters, so the loading engine keeps its own lr, betas, clipping and loss scaling) and
+the step counters from ``mp_rank_00_model_states.pt``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.exporters import source, torch_out
+from jax_ucp._src.exporters.options import DeepSpeedUniversalExport, Exported
+from jax_ucp._src.exporters.source import Deferred
+from jax_ucp._src.format import files
+from jax_ucp._src.restoring import ucp_source
+from jax_ucp._src.restoring.model import Request, check_cast
+from jax_ucp._src.writer import durable
+
+#: The DeepSpeed version whose universal format this writes (and what ``ds_version`` says).
+DS_VERSION = "0.19.8"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def check_name(name: str) -> None:
+    """A parameter name becomes a folder name under ``zero/``: no separators, no dot names."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or "\0" in name:
+        raise RequestError(f"parameter {name!r} cannot be a folder name under zero/")
+
+
+def write_universal(
+    root: str,
+    params: list[tuple[str, tuple[int, ...]]],
+    states: Iterable[tuple[str, str, np.ndarray | Deferred]],
+    *,
+    step: int,
+    model_weights: Iterable[tuple[str, np.ndarray | Deferred]] | None = None,
+    param_groups: int = 1,
+) -> list[str]:
+    """Writes the universal checkpoint under ``root``; ``states`` yields (param, state, fp32
+    array) for every param and every state of :data:`STATES`. Returns the files written.
+
+    Args:
+        root: the tag folder to write (``<tag>_universal``).
+        params: every parameter's DeepSpeed name and shape (each state is fp32 of it).
+        states: (param, state, fp32 array) for every param and state.
+        step: the optimizer step recorded in each ``step.pt``.
+        model_weights: (name, array) of the model-precision weights, or None.
+        param_groups: param groups of the loading engine's optimizer.
+    """
+    tag = f"global_step{step}_universal"  # the folder name ds_to_universal gives the step
+    tag_dir = os.path.join(root, tag)
+    zero = os.path.join(tag_dir, "zero")
+    os.makedirs(zero)
+    for name, _ in params:
+        check_name(name)
+        files.inside(zero, name, f"{zero}: parameter folder")
+        os.makedirs(os.path.join(zero, name))
+    written = _write_states(zero, dict(params), states, step)
+    if len(written) != 4 * len(params):
+        raise RequestError(
+            f"DeepSpeed universal needs fp32, exp_avg and exp_avg_sq of every parameter; "
+            f"got {len(written)} files for {len(params)} parameters"
+        )
+    optimizer_state = {
+        "ds_version": DS_VERSION,
+        "param_groups": [{"params": []} for _ in range(param_groups)],
+    }
+    path = os.path.join(zero, "optimizer_state.pt")
+    torch_out.save_file(path, optimizer_state)
+    written.append(path)
+    module, arrays = {}, []
+    for name, weight in model_weights or ():
+        module[name] = torch_out.TensorSlot(len(arrays), tuple(weight.shape), weight.dtype)
+        arrays.append(weight)
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    torch_out.save_file(path, _model_states(params, module, step), arrays)
+    written.append(path)
+    durable.write_file(os.path.join(root, "latest_universal"), tag)
+    written.append(os.path.join(root, "latest_universal"))
+    return [os.path.relpath(p, root) for p in written]
+
+
+def _write_states(
+    zero: str,
+    shapes: dict[str, tuple[int, ...]],
+    states: Iterable[tuple[str, str, np.ndarray | Deferred]],
+    step: int,
+) -> list[str]:
+    """``zero/<param>/<state>.pt`` for every state yielded, each checked fp32 of the parameter's
+    shape, and ``step.pt`` after a parameter's last state. Returns the paths written."""
+    written = []
+    step_tensor = np.asarray(float(step), np.float32)
+    for name, state, array in states:
+        if state not in STATES or name not in shapes:
+            raise RequestError(f"unexpected state {state!r} of {name!r} for DeepSpeed universal")
+        if tuple(array.shape) != shapes[name] or array.dtype != np.float32:
+            raise RequestError(
+                f"parameter {name!r} {state}: {array.shape} {array.dtype}, DeepSpeed universal "
+                f"wants fp32 {shapes[name]}"
+            )
+        path = os.path.join(zero, name, f"{state}.pt")
+        slot = torch_out.TensorSlot(0, tuple(array.shape), array.dtype)
+        torch_out.save_file(path, {"param": slot, "cat_dim": 0}, [array])
+        written.append(path)
+        if state == STATES[-1]:
+            step_path = os.path.join(zero, name, "step.pt")
+            slot = torch_out.TensorSlot(0, (), step_tensor.dtype)
+            torch_out.save_file(step_path, slot, [step_tensor])
+            written.append(step_path)
+    return written
+
+
+def _model_states(params: list[tuple[str, tuple[int, ...]]], module: dict, step: int) -> dict:
+    """``mp_rank_00_model_states.pt``'s pickle: one rank, no parallelism, the step counters and
+    ``module`` (name -> tensor slot) as an OrderedDict."""
+    return {
+        "module": torch_out.Call(
+            torch_out.Global("collections", "OrderedDict"), ([[k, v] for k, v in module.items()],)
+        ),
+        "buffer_names": [],
+        "optimizer": None,
+        "param_shapes": [
+            torch_out.Call(
+                torch_out.Global("collections", "OrderedDict"),
+                ([[name, torch_out.torch_size(shape)] for name, shape in params],),
+            )
+        ],
+        "frozen_param_shapes": {},
+        "shared_params": {},
+        "frozen_param_fragments": {},
+        "lr_scheduler": None,
+        "data_sampler": None,
+        "random_ltd": None,
+        "skipped_steps": 0,
+        "global_steps": int(step),
+        "global_samples": 0,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+        "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
+        "ds_config": {},
+        "ds_version": DS_VERSION,
+        "universal_checkpoint_info": {"universal_checkpoint_version": 0.2},
+    }
+
+
+def export(root: str, dst: str, options: DeepSpeedUniversalExport) -> Exported:
+    """Params with their Adam moments (by manifest role) and the step, as DeepSpeed universal.
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them).
+    """
+    manifest = store.read_manifest(root)
+    available = ucp_source.available_tensors(manifest)
+    by_key = {e.key: e for e in manifest.tensors}
+    params, moments, count = _universal_keys(root, by_key)
+    ds_names = {p: ".".join(rel) for p, rel in params.items()}
+    for p in params:
+        check_cast(ds_names[p], available[p].dtype, np.dtype(np.float32), "same_kind")
+    (step,) = ucp_source.read(root, manifest, [Request(count)], available=available)
+    model = {k[1:]: k for k, e in by_key.items() if e.role == "param" and e.sub_role == "model"}
+    reads = source.Source(root, manifest, available, progress=options.progress, total=len(ds_names))
+
+    def states():
+        for p, name in ds_names.items():
+            yield name, "fp32", reads.tensor(p, np.float32)
+            yield name, "exp_avg", reads.tensor(moments[(p, "mu")], np.float32)
+            yield name, "exp_avg_sq", reads.tensor(moments[(p, "nu")], np.float32, name)
+
+    weights = [(name, reads.tensor(model.get(params[p]) or p)) for p, name in ds_names.items()]
+    shapes = [(ds_names[p], tuple(available[p].shape)) for p in params]
+    written = source.write_atomically(
+        dst,
+        lambda tmp: write_universal(
+            tmp,
+            shapes,
+            states(),
+            step=int(step),
+            model_weights=weights,
+            param_groups=options.param_groups,
+        ),
+        options.force,
+    )
+    return Exported(
+        path=dst,
+        files=written,
+        tensors=3 * len(shapes),
+        bytes=3 * sum(4 * math.prod(shape) for _, shape in shapes),
+        skipped=[
+            fmt.key_to_str(k)
+            for k in by_key
+            if k not in params and k != count and k not in set(moments.values())
+        ]
+        + [fmt.key_to_str(v.key) for v in manifest.values],
+    )
+
+
+def _universal_keys(root, by_key):
+    """The keys DeepSpeed universal needs, found by manifest role: each trainable parameter's
+    (key -> its path below the top level), its Adam moments ((param, "mu"/"nu") -> key) and the
+    step count; ``RequestError`` naming what is missing."""
+    # frozen parameters have no optimizer state and no place under zero/ (DeepSpeed keeps
+    # them out of its optimizer); they are listed as skipped. A tied one is its twin's.
+    params = {
+        k: k[1:]
+        for k, e in by_key.items()
+        if e.role == "param" and e.sub_role is None and not e.frozen and e.tied_to is None
+    }
+    moments: dict[tuple[str, str], tuple] = {}
+    count = None
+    for key, entry in by_key.items():
+        if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
+            for pkey, rel in params.items():
+                if (
+                    len(key) > len(rel)
+                    and key[-len(rel) :] == rel
+                    and key[-len(rel) - 1] == entry.sub_role
+                ):
+                    moments[(pkey, entry.sub_role)] = key
+        elif entry.role == "opt_state" and entry.sub_role == "count":
+            count = key
+    missing = [
+        f"{fmt.key_to_str(p)} ({m})" for p in params for m in ("mu", "nu") if (p, m) not in moments
+    ]
+    if not params or missing or count is None:
+        raise RequestError(
+            f"{root}: DeepSpeed universal needs every parameter's Adam moments and the step "
+            f"count; missing: {missing[:5] or ([] if params else ['params'])}"
+            f"{'' if count is not None else ' and opt_state count'}"
+        )
+    return params, moments, count

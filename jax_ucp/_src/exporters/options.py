@@ -1,0 +1,164 @@
+"""What ``export`` is asked to write: one typed options class per output format, so an option
+a format cannot use cannot be expressed, and ``Exported``, what it wrote."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.format.dtypes import CASTINGS
+from jax_ucp._src.format.sizes import parse_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Exported:
+    """What ``export`` wrote: the destination, its files, the tensors, and what it left out."""
+
+    path: str
+    files: list[str]
+    tensors: int
+    bytes: int
+    skipped: list[str]  # leaves outside ``select`` or not tensors (saved Python values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Export:
+    """What every export takes (checked on construction, a ``RequestError`` naming the option).
+
+    Attributes:
+        progress: ``progress(name, done, total)`` after each tensor.
+        memory_budget: bytes of tensor data in flight (an int, or e.g. "256MiB"; None: the
+            default, ``format.sizes.DEFAULT_MEMORY_BUDGET``).
+    """
+
+    format: ClassVar[str]
+    progress: Callable[[str, int, int], None] | None = None
+    memory_budget: int | str | None = None
+
+    def __post_init__(self):
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OrbaxExport(_Export):
+    """The whole tree as saved, as an Orbax checkpoint (written to a new directory)."""
+
+    format: ClassVar[str] = "orbax"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DeepSpeedUniversalExport(_Export):
+    """DeepSpeed's universal checkpoint: fp32 masters, Adam moments and the step, found by
+    their manifest roles.
+
+    Attributes:
+        force: replace an earlier export at the destination.
+        param_groups: the loading engine's optimizer param groups (DeepSpeed pairs them by
+            position).
+    """
+
+    format: ClassVar[str] = "deepspeed-universal"
+    force: bool = False
+    param_groups: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        groups = self.param_groups
+        if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1:
+            raise RequestError(f"param_groups={self.param_groups!r}: a positive int")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _TensorsExport(_Export):
+    """Named tensors under ``select`` (torch DCP and safetensors).
+
+    Attributes:
+        force: replace an earlier export at the destination.
+        select: the key-path prefix to export (None: the format's default, see ``prefix``).
+        spec: a UCP-language spec (name, path or ``Spec``) whose views are exported.
+        dtype: write every tensor in this dtype (None: as saved).
+        casting: numpy casting rule for ``dtype``.
+    """
+
+    force: bool = False
+    select: str | None = None
+    spec: Any = None
+    dtype: Any = None
+    casting: str = "same_kind"
+    default_select: ClassVar[str] = ""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.casting not in CASTINGS:
+            raise RequestError(f"casting={self.casting!r}: choose from {CASTINGS}")
+        if self.select is not None and not isinstance(self.select, str):
+            raise RequestError(f"select={self.select!r}: a key-path prefix such as 'params'")
+        if self.dtype is not None:
+            try:
+                object.__setattr__(self, "dtype", np.dtype(self.dtype))
+            except TypeError as e:
+                raise RequestError(f"dtype={self.dtype!r}: not a dtype ({e})") from None
+
+    @property
+    def prefix(self) -> str:
+        """``select``, or the format's default: the weights (``"params"``) for safetensors,
+        everything for torch DCP."""
+        return self.default_select if self.select is None else self.select
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TorchDcpExport(_TensorsExport):
+    """A single-file torch DCP checkpoint: the tensors and the saved Python values."""
+
+    format: ClassVar[str] = "torch-dcp"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SafetensorsExport(_TensorsExport):
+    """Hugging Face safetensors of the tensors under ``select`` (default: ``"params"``).
+
+    Attributes:
+        max_file_bytes: data per file before the output is split: bytes or e.g. "5GB".
+        config: a ``config.json`` (dict or JSON file path) to write beside the weights.
+    """
+
+    format: ClassVar[str] = "safetensors"
+    default_select: ClassVar[str] = "params"
+    max_file_bytes: int | str = 5 * 10**9
+    config: Mapping[str, Any] | str | os.PathLike | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        size = parse_size(self.max_file_bytes, "max_file_bytes")  # refused: a RequestError
+        object.__setattr__(self, "max_file_bytes", size)
+
+
+Options = OrbaxExport | DeepSpeedUniversalExport | TorchDcpExport | SafetensorsExport
+BY_FORMAT: dict[str, type[_Export]] = {
+    c.format: c for c in (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
+}
+FORMATS = tuple(BY_FORMAT)
+OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
+
+
+def options_for(to: str, **given: Any) -> Options:
+    """The options of the format named ``to`` (``jax-ucp export --to``) from the fields given;
+    one given (not None, not False) that the format does not take is a ``RequestError`` naming
+    it and the format."""
+    cls = BY_FORMAT.get(to)
+    if cls is None:
+        raise RequestError(f"export format {to!r} is not supported (choose from {FORMATS})")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for name, value in given.items():
+        if name not in fields and value is not None and value is not False:
+            raise RequestError(
+                f"{name}= does not apply to {to!r} exports (they take: {', '.join(sorted(fields))})"
+            )
+    options: Any = cls(**{k: v for k, v in given.items() if k in fields and v is not None})
+    return options

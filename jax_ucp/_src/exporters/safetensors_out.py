@@ -1,0 +1,158 @@
+"""Write tensors as Hugging Face safetensors, one tensor at a time, without torch.
+
+The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian header length, a
+JSON header (name -> dtype, shape, ``data_offsets`` [begin, end) into the data that follows, and
+``__metadata__``), padded with spaces to a multiple of 8, then the raw little-endian bytes of
+every tensor, back to back in header order. Several files are tied together by
+``model.safetensors.index.json`` (``weight_map``: name -> file), as ``transformers`` writes them.
+
+Every header is computed from shapes and dtypes before a byte is written, so each file is
+written front to back in one pass and only one row slab of a tensor is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.exporters import source
+from jax_ucp._src.exporters.options import Exported, SafetensorsExport
+from jax_ucp._src.exporters.source import Deferred, Tensor, pieces
+from jax_ucp._src.format import safetensors
+from jax_ucp._src.writer import durable
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = safetensors.INDEX_FILE
+
+#: numpy dtype -> safetensors dtype name: ``format.safetensors.DTYPES`` read the other way.
+DTYPE_NAMES: dict[np.dtype, str] = {dt: name for name, dt in safetensors.DTYPES.items()}
+
+
+def dtype_name(tensor: str, dtype: np.dtype) -> str:
+    """The safetensors name of ``dtype``, or an error naming the tensor."""
+    name = DTYPE_NAMES.get(np.dtype(dtype))
+    if name is None:
+        raise RequestError(
+            f"tensor {tensor!r}: dtype {np.dtype(dtype)} cannot be stored in safetensors "
+            f"(it holds {', '.join(sorted(DTYPE_NAMES.values()))}); pass dtype= to convert it"
+        )
+    return name
+
+
+def plan_files(tensors: Sequence[Tensor], max_file_bytes: int) -> list[list[Tensor]]:
+    """Tensors grouped into files of at most ``max_file_bytes`` of data each, in order (a tensor
+    larger than the limit gets a file of its own, as ``transformers`` does)."""
+    files: list[list[Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if files[-1] and size + tensor.nbytes > max_file_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(tensor)
+        size += tensor.nbytes
+    return [f for f in files if f] or [[]]
+
+
+def file_names(count: int) -> list[str]:
+    """``model.safetensors``, or ``model-00001-of-00003.safetensors`` ... for several files."""
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def header_bytes(tensors: Sequence[Tensor], metadata: dict[str, str]) -> bytes:
+    """The length-prefixed, space-padded JSON header of a file holding ``tensors`` in order."""
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for tensor in tensors:
+        header[tensor.name] = {
+            "dtype": dtype_name(tensor.name, tensor.dtype),
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_file(
+    path: str,
+    tensors: Sequence[Tensor],
+    values: Sequence[np.ndarray | Deferred],
+    metadata: dict[str, str],
+) -> None:
+    """Writes one safetensors file, each tensor's bytes slab by slab at its data offset.
+
+    Args:
+        path: the file to write.
+        tensors: name, dtype and shape of each tensor, in file order.
+        values: their arrays (or ``Deferred`` ones, read as they are written), in that order.
+        metadata: the header's ``__metadata__`` strings.
+    """
+    with durable.durable_file(path) as f:
+        f.write(header_bytes(tensors, metadata))
+        for tensor, value in zip(tensors, values, strict=True):
+            if tuple(value.shape) != tensor.shape or value.dtype != tensor.dtype:
+                raise RequestError(
+                    f"tensor {tensor.name!r}: read {value.dtype}{list(value.shape)}, planned "
+                    f"{tensor.dtype}{list(tensor.shape)}"
+                )
+            for piece in pieces(value, f"tensor {tensor.name!r}"):
+                f.write(piece.reshape(-1).view(np.uint8).data)
+                del piece
+
+
+def write_index(path: str, files: Sequence[Sequence[Tensor]], names: Sequence[str]) -> None:
+    """``model.safetensors.index.json``: total size and the file of every tensor.
+
+    Args:
+        path: the index file to write.
+        files: the tensors of each shard file, in file order.
+        names: the shard files' names.
+    """
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for group in files for t in group)},
+        "weight_map": {t.name: name for group, name in zip(files, names) for t in group},
+    }
+    durable.write_file(path, json.dumps(index, indent=2) + "\n")
+
+
+def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
+    """The tensors under ``select`` as ``model.safetensors`` (or shards of ``max_file_bytes``
+    and their index), and ``config.json`` when one was given.
+
+    Args:
+        root: the UCP checkpoint directory (a manager step already resolved).
+        dst: the directory to create.
+        options: this format's options (``engine.export`` checked them).
+    """
+    chosen = source.select(root, options, dtype_name, with_values=False)
+
+    def write(tmp: str) -> list[str]:
+        groups = plan_files(chosen.tensors, int(options.max_file_bytes))  # parsed
+        names = file_names(len(groups))
+        metadata = {"format": "pt", "jax_ucp.save_id": chosen.save_id}
+        arrays = dict(zip((t.name for t in chosen.tensors), chosen.arrays))
+        for group, name in zip(groups, names):
+            write_file(os.path.join(tmp, name), group, [arrays[t.name] for t in group], metadata)
+        if len(groups) > 1:
+            write_index(os.path.join(tmp, INDEX_FILE), groups, names)
+            names.append(INDEX_FILE)
+        if options.config is not None:
+            _write_config(os.path.join(tmp, "config.json"), options.config)
+            names.append("config.json")
+        return names
+
+    return chosen.exported(dst, source.write_atomically(dst, write, options.force))
+
+
+def _write_config(path: str, config) -> None:
+    """``config.json``: a dict as JSON, or a JSON file's content (checked, size-bounded)."""
+    config = source.read_config(config)
+    durable.write_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")

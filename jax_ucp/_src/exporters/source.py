@@ -1,0 +1,238 @@
+"""What every format's exporter shares: tensors of a UCP checkpoint as ``Deferred`` arrays, read
+row slab by row slab (``ucp_source.read_rows``, at most half the memory budget each) only when a
+writer writes their bytes, so an export holds one slab at a time whatever the tensor size; the
+named tensors under ``select`` (``select``); the transaction the files are written in."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store, writer
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.exporters.options import Exported
+from jax_ucp._src.restoring import model, ucp_source
+from jax_ucp._src.writer import commit
+
+
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """An array of known shape and dtype whose values ``slabs()`` yields as consecutive slabs of
+    rows (one array for a 0-d tensor), read only when a writer writes them."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    slabs: Callable[[], Iterable[np.ndarray]]
+
+
+def pieces(value: np.ndarray | Deferred, where: str) -> Iterator[np.ndarray]:
+    """The C-ordered little-endian data of ``value`` (an array, or a ``Deferred``'s slabs), each
+    slab checked against the planned shape and dtype (``RequestError`` naming ``where``)."""
+    if not isinstance(value, Deferred):
+        value = Deferred(tuple(value.shape), value.dtype, lambda a=value: [a])
+    rows = 0
+    for slab in value.slabs():
+        if slab.dtype != value.dtype or (slab.shape[1:] if slab.ndim else ()) != value.shape[1:]:
+            raise RequestError(
+                f"{where}: read {slab.dtype}{list(slab.shape)}, planned "
+                f"{np.dtype(value.dtype)}{list(value.shape)}"
+            )
+        rows += slab.shape[0] if slab.ndim else 1
+        yield np.ascontiguousarray(slab, dtype=slab.dtype.newbyteorder("<"))
+        del slab
+    if rows != (value.shape[0] if value.shape else 1) and math.prod(value.shape):
+        raise RequestError(f"{where}: read {rows} rows, planned {list(value.shape)}")
+
+
+@dataclasses.dataclass
+class Source:
+    """Reads the checkpoint's tensors as ``Deferred`` arrays, counting them for ``progress``."""
+
+    root: str
+    manifest: fmt.Manifest
+    available: Any
+    casting: str = "same_kind"
+    progress: Callable[[str, int, int], None] | None = None
+    total: int = 0
+    done: int = 0
+
+    def tensor(self, key: tuple[str, ...], dtype: Any = None, name: str = "") -> Deferred:
+        """Tensor ``key`` (as ``dtype``; None: as saved), ``progress`` called once it is read
+        (under ``name``; with an empty name, not counted)."""
+        found = self.available[key]
+        dtype = found.dtype if dtype is None else np.dtype(dtype)
+        return Deferred(tuple(found.shape), dtype, lambda: self._slabs(key, dtype, name))
+
+    def _slabs(self, key, dtype, name: str) -> Iterator[np.ndarray]:
+        yield from ucp_source.read_rows(
+            self.root,
+            self.manifest,
+            key,
+            available=self.available,
+            dtype=dtype,
+            casting=self.casting,
+            max_bytes=max(writer.memory_budget() // 2, 1),
+        )
+        if name:
+            self.done += 1
+            if self.progress is not None:
+                self.progress(name, self.done, self.total)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One tensor to export: its name in the output, shape and dtype (as written)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """The tensors under ``select`` as written (each with its ``Deferred`` values and its key
+    path below ``select``), the saved Python values under it (name, path, value) when the format
+    holds them, and the names of every other leaf."""
+
+    tensors: list[Tensor]
+    arrays: list[Deferred]
+    paths: list[tuple[str, ...]]
+    values: list[tuple[str, tuple[str, ...], Any]]
+    skipped: list[str]
+    save_id: str
+
+    def exported(self, path: str, files: list[str]) -> Exported:
+        nbytes = sum(t.nbytes for t in self.tensors)
+        return Exported(path, files, len(self.tensors), nbytes, self.skipped)
+
+
+def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
+    """The tensors (and with ``with_values`` the saved values) under ``options.select``, named by
+    their key path below it joined with ``.``; each output dtype checked by ``check_dtype(name,
+    dtype)`` and each cast by the casting rule before anything is written.
+
+    Args:
+        root: the UCP checkpoint directory.
+        options: the format's options (``select``, ``spec``, ``dtype``, ``casting``).
+        check_dtype: refuses an output dtype the format cannot store.
+        with_values: also the saved Python values (formats that can hold them).
+    """
+    manifest = store.read_manifest(root)
+    spec = options.spec
+    if isinstance(spec, (str, os.PathLike)):
+        from jax_ucp._src import language
+
+        config = getattr(options, "config", None)  # safetensors: the config.json written beside
+        settings = {} if config is None else hf_head_settings(read_config(config))
+        spec = language.load_spec(spec, **settings)
+    available = ucp_source.available_tensors(manifest, spec)
+    prefix = tuple(p for p in (options.prefix or "").split("/") if p)
+    chosen, values, skipped, seen = [], [], [], {}
+
+    def name_of(key):
+        name = ".".join(key[len(prefix) :]) or key[-1]
+        if name in seen:
+            raise RequestError(
+                f"leaves {fmt.key_to_str(seen[name])!r} and {fmt.key_to_str(key)!r} would both "
+                f"be named {name!r} in the export"
+            )
+        seen[name] = key
+        return name
+
+    for key in available:
+        if tuple(key[: len(prefix)]) != prefix:
+            skipped.append(fmt.key_to_str(key))
+        else:
+            chosen.append((name_of(key), key))
+    for entry in manifest.values:
+        if with_values and tuple(entry.key[: len(prefix)]) == prefix:
+            values.append((name_of(entry.key), tuple(entry.key[len(prefix) :]), entry.value))
+        else:
+            skipped.append(fmt.key_to_str(entry.key))
+    tensors = []
+    for name, key in chosen:  # every dtype and cast checked before anything is written
+        saved = available[key].dtype
+        target = saved if options.dtype is None else options.dtype
+        model.check_cast(name, saved, target, options.casting)
+        check_dtype(name, target)
+        tensors.append(Tensor(name, tuple(available[key].shape), target))
+    if not tensors:
+        raise RequestError(f"{root}: no tensor under {options.prefix!r} to export")
+    source = Source(root, manifest, available, options.casting, options.progress, len(tensors))
+    arrays = [source.tensor(k, t.dtype, t.name) for (_, k), t in zip(chosen, tensors)]
+    paths = [tuple(k[len(prefix) :]) for _, k in chosen]
+    return Selection(tensors, arrays, paths, values, skipped, str(manifest.save_id))
+
+
+@contextlib.contextmanager
+def transaction(dst: str, *, force: bool, staged: bool = True):
+    """``commit.transaction`` of an export; a destination it refuses is a ``RequestError``
+    (checked again under the lock: it may have changed while the tensors were planned).
+
+    Args:
+        dst: the export's destination directory.
+        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
+        staged: write into a temporary sibling renamed into place (Orbax renames its own).
+    """
+    with contextlib.ExitStack() as stack:
+        try:
+            tx = stack.enter_context(
+                commit.transaction(dst, force=force, kind="export", export=True, staged=staged)
+            )
+        except (commit.SaveConflictError, FileExistsError) as e:
+            raise RequestError(str(e)) from None
+        yield tx
+
+
+def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -> list[str]:
+    """``write(tmp)`` in one ``commit.transaction`` of ``dst``: a temporary sibling, recorded
+    (``EXPORT_RECORD``: each file's size and content digest, taken as it is written), made
+    durable and renamed into place (an earlier export there swapped out, then removed); on any
+    failure the temporary goes and ``dst`` is as it was. Returns what ``write`` returned (the
+    files written).
+
+    Args:
+        dst: the export's destination directory.
+        write: writes the files into the temporary directory it is given.
+        force: replace an earlier export at ``dst`` (never anything jax_ucp did not write).
+    """
+    # the export record: what a later force may replace (these files only)
+    with transaction(dst, force=force) as tx, commit.export_record(tx.path):
+        files = write(tx.path)
+    return files
+
+
+def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """A ``config.json`` given as a dict or a path, read within a size bound and checked to be
+    a JSON object."""
+    if isinstance(config, Mapping):
+        return dict(config)
+    try:
+        raw = fmt.files.read_regular(os.fspath(config), 16 << 20)
+        loaded = json.loads(raw)
+    except (OSError, ValueError, RecursionError) as e:
+        raise RequestError(f"config {config}: not a readable JSON file ({e})") from None
+    if not isinstance(loaded, dict):
+        raise RequestError(f"config {config}: a config.json holds a JSON object")
+    return loaded
+
+
+def hf_head_settings(config: Mapping[str, Any]) -> dict[str, int]:
+    """The head settings of a Hugging Face config (those it holds), for a spec given by name."""
+    from jax_ucp._src.language.settings import hf_head_settings as settings_of
+
+    if "num_attention_heads" not in config:
+        return {}
+    return settings_of(config, "config")

@@ -1,0 +1,241 @@
+"""Opening files a user hands us: regular files only, bounded reads, never block.
+
+A checkpoint directory is untrusted: a "file" may be a FIFO (an open() that never returns), a
+symlink to /dev/zero (a read that never ends) or absurdly large. Everything that reads a
+checkpoint's small files (manifests, tracker files) goes through ``read_regular``; bulk readers
+use ``open_regular`` and check sizes themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+from jax_ucp._src.errors import UnsafeFileError
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of ``path``, which must be (or link to) a regular file.
+
+    O_NONBLOCK makes opening a FIFO return at once instead of waiting for a writer; the fstat
+    check then refuses it (and devices, sockets, directories).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except IsADirectoryError:
+        raise UnsafeFileError(f"{path}: is a directory, expected a regular file") from None
+    try:
+        _check_mode(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def check_regular(path: str) -> None:
+    """Raises unless ``path`` exists and is (or links to) a regular file; never opens it."""
+    _check_mode(path, os.stat(path).st_mode)
+
+
+def _check_mode(path: str, mode: int) -> None:
+    if not stat.S_ISREG(mode):
+        raise UnsafeFileError(
+            f"{path}: not a regular file ({_describe(mode)}); refusing to read it"
+        )
+
+
+def read_regular(path: str, max_bytes: int) -> bytes:
+    """The whole content of the regular file ``path``, refusing one larger than ``max_bytes``."""
+    fd = open_regular(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise UnsafeFileError(
+                f"{path}: {size} bytes, more than the {max_bytes} this file may have"
+            )
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > max_bytes:  # grew while we read it
+                raise UnsafeFileError(f"{path}: more than {max_bytes} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def preadv_full(fd: int, buffers: list, offset: int) -> int:
+    """Reads the file's bytes from ``offset`` on straight into ``buffers`` (writable, contiguous
+    bytes), repeating ``preadv`` for whatever the kernel left unfilled. Returns the bytes read:
+    fewer than ``buffers`` hold only at the end of the file (the caller's error names it).
+
+    Args:
+        fd: the open file.
+        buffers: where the bytes go, in order.
+        offset: the file offset of the first byte.
+    """
+    rest = [memoryview(b).cast("B") for b in buffers]
+    done = 0
+    while rest:
+        got = os.preadv(fd, rest, offset + done)
+        if not got:
+            break
+        done += got
+        advance(rest, got)
+    return done
+
+
+def advance(buffers: list, n: int) -> None:
+    """Drops the first ``n`` bytes of ``buffers`` (byte memoryviews, in place): what is left
+    after a ``preadv`` or ``writev`` that moved ``n`` bytes."""
+    while buffers and n >= buffers[0].nbytes:
+        n -= buffers.pop(0).nbytes
+    if buffers:
+        buffers[0] = buffers[0][n:]
+
+
+def overlap(path: str, other: str) -> str | None:
+    """How ``path`` sits against the directory ``other``, symlinks resolved: ``"same"``,
+    ``"inside"`` (lies inside it), ``"contains"`` (contains it), or None (apart). Why: a
+    destination written with ``force`` that overlaps its source would delete what it reads."""
+    real_path, real_other = (os.path.realpath(os.fspath(p)) for p in (path, other))
+    common = os.path.commonpath([real_path, real_other])
+    if real_path == real_other:
+        return "same"
+    return "inside" if common == real_other else "contains" if common == real_path else None
+
+
+def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str:
+    """The path of ``name``, read from a checkpoint's own files, relative to ``folder`` (default
+    ``root``), refused unless it lies inside ``root``'s real path once symlinks are resolved (the
+    real path is returned when a link was followed).
+
+    The one place where a name from a checkpoint becomes a path: an absolute name, a ``..`` part,
+    a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
+    after resolution (a ``.distcp`` linked to another user's file) too; a link that stays inside
+    (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`inside_checkpoint`) is
+    followed. ``what`` says where the name was read (file and entry) for the error.
+
+    Args:
+        root: the checkpoint's root folder.
+        name: the name as read from the checkpoint's files.
+        what: where it was read (file and entry), for the error.
+        folder: the folder ``name`` is relative to (default ``root``).
+    """
+    shown = repr(name)[:200]
+    if not isinstance(name, str) or not name:
+        raise UnsafeFileError(f"{what}: file name {shown} is not a non-empty string")
+    problem = None
+    if "\0" in name:
+        problem = "holds a NUL character"
+    elif os.path.isabs(name) or name.startswith("/"):
+        problem = "is an absolute path"
+    elif ".." in name.replace("\\", "/").split("/"):
+        problem = "has a '..' part"
+    if problem is not None:
+        raise UnsafeFileError(
+            f"{what}: file name {shown} {problem}; a checkpoint may name only files inside "
+            f"{os.fspath(root)}"
+        )
+    if folder is None and not _has_link(os.fspath(root), name):
+        return os.path.join(os.fspath(root), name)  # nothing below the root to follow
+    real_root = os.path.realpath(os.fspath(root))
+    real = os.path.realpath(os.path.join(os.fspath(folder if folder is not None else root), name))
+    if real != real_root and os.path.commonpath([real, real_root]) != real_root:
+        raise UnsafeFileError(
+            f"{what}: file name {shown} resolves to {real}, outside the checkpoint "
+            f"{real_root} (a symlink leading out of it); refusing to read it"
+        )
+    return real
+
+
+def _has_link(root: str, name: str) -> bool:
+    """Whether some part of ``name`` below ``root`` is a symlink (a few lstat calls: the common
+    case, no link, costs no ``realpath`` of the whole path)."""
+    path = root
+    for part in name.split("/"):
+        if part in ("", "."):
+            continue
+        path = os.path.join(path, part)
+        try:
+            if stat.S_ISLNK(os.lstat(path).st_mode):
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            return False  # nothing further exists to follow
+    return False
+
+
+def in_own_folder(path: str | os.PathLike) -> str:
+    """:func:`inside` for a file found by its conventional name (a rank file, ``common.pt``):
+    ``path``, a link followed, stays in the folder holding it."""
+    folder, name = os.path.split(os.fspath(path))
+    return inside(folder or ".", name, folder or ".")
+
+
+#: a Hugging Face cache blob's name: the file's git sha1 (40 hex) or LFS sha256 (64 hex)
+_BLOB_NAME = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+
+
+def cache_repo(folder: str | os.PathLike) -> str | None:
+    """The cache repo of a Hugging Face cache snapshot ``<repo>/snapshots/<rev>`` whose
+    ``<repo>/blobs`` is a real directory (not a link), as ``huggingface_hub`` lays it out; None
+    for any other folder."""
+    real = os.path.realpath(os.fspath(folder))
+    parent = os.path.dirname(real)
+    repo = os.path.dirname(parent)
+    blobs = os.path.join(repo, "blobs")
+    if (
+        os.path.basename(parent) == "snapshots"
+        and os.path.isdir(blobs)
+        and not os.path.islink(blobs)
+    ):
+        return repo
+    return None
+
+
+def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
+    """:func:`inside` for a checkpoint folder, one rule for every entry point (convert and
+    restore, a folder or one file of it): ``name`` resolves inside ``folder``, or — for a Hugging
+    Face cache snapshot only (:func:`cache_repo`) — to a blob of its own cache repo,
+    ``<repo>/blobs/<sha>``. A link into another repo, out of the cache, to a non-blob file of
+    the repo or through a linked ``blobs/`` is refused. Returns the real path.
+
+    Args:
+        folder: the checkpoint folder the name was read in.
+        name: the name, from the checkpoint's own files (untrusted).
+        what: what the name is, for the error (``'shard file'``).
+    """
+    repo = cache_repo(folder)
+    if repo is None:
+        return inside(folder, name, what)
+    real = inside(repo, name, what, folder=folder)  # never outside the repo
+    real_folder = os.path.realpath(os.fspath(folder))
+    if os.path.commonpath([real, real_folder]) == real_folder:
+        return real
+    if os.path.dirname(real) == os.path.join(repo, "blobs") and _BLOB_NAME.fullmatch(
+        os.path.basename(real)
+    ):
+        return real
+    raise UnsafeFileError(
+        f"{what}: file name {name[:200]!r} resolves to {real}, outside the snapshot "
+        f"{real_folder} and not a blob of its cache repo ({repo}/blobs/<sha>); refusing to "
+        f"read it"
+    )
+
+
+def _describe(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISDIR, "a directory"),
+    ):
+        if test(mode):
+            return name
+    return f"mode {oct(mode)}"

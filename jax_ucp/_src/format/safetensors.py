@@ -1,0 +1,308 @@
+"""Hugging Face safetensors files: the header parser and checks shared by the importer
+(``importers.safetensors``) and the direct restore (``store.safetensors_file``).
+
+The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+[begin, end) byte offsets into the data that follows; plus ``__metadata__``) and the raw
+little-endian tensor bytes, each tensor one C-ordered byte range. Files are untrusted: the header
+is bounded, every range is checked against the file and against its dtype and shape, ranges may
+not overlap, keys may not repeat, and the index may only name files beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from jax_ucp._src.errors import SourceError, UCPError
+from jax_ucp._src.format import files, mapped_file
+
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20  # the safetensors crate refuses headers over 100 MB too
+MAX_INDEX_BYTES = 64 << 20
+
+DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "I64": np.dtype("<i8"),
+    "I32": np.dtype("<i4"),
+    "I16": np.dtype("<i2"),
+    "I8": np.dtype("i1"),
+    "U64": np.dtype("<u8"),
+    "U32": np.dtype("<u4"),
+    "U16": np.dtype("<u2"),
+    "U8": np.dtype("u1"),
+    "BOOL": np.dtype("bool"),
+}
+
+
+#: ``__metadata__`` key of torch.distributed.checkpoint's Hugging Face writer
+#: (``torch/distributed/checkpoint/_hf_utils.py``): a JSON map tensor -> {"saved_offsets": [...]}
+#: where each tensor of the file sits in the full tensor. Present in the unconsolidated
+#: ``shard-<rank>-model-<i>-of-<n>.safetensors`` files, which hold one rank's piece of each.
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+def strict_json(raw: bytes | str, what: str):
+    """JSON with every object's keys unique (``json`` keeps the last silently; the safetensors
+    package refuses such a header); errors start with ``what``."""
+
+    def unique(pairs: list) -> dict:
+        out: dict = {}
+        for key, value in pairs:
+            if key in out:
+                raise SourceError(
+                    f"{what}: names {key[:100]!r} twice (a JSON object with a duplicate key); "
+                    "which one is meant cannot be told, so the file is refused"
+                )
+            out[key] = value
+        return out
+
+    return json.loads(raw, object_pairs_hook=unique)
+
+
+def is_safetensors(src) -> bool:
+    """A ``.safetensors`` file, or a directory holding one or an index."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        return src.endswith(".safetensors")
+    return os.path.isdir(src) and (
+        os.path.isfile(os.path.join(src, INDEX_FILE))
+        or any(n.endswith(".safetensors") for n in os.listdir(src))
+    )
+
+
+def shard_files(src) -> list[str]:
+    """The files of the checkpoint: the index's shards, a directory's files, or ``src`` itself."""
+    return [shown for shown, _ in _shard_paths(src)]
+
+
+def _shard_paths(src) -> list[tuple[str, str]]:
+    """(path as named, real path) of each file of the checkpoint. Names from the folder or its
+    index resolve inside the folder (a Hugging Face cache snapshot: inside its cache repo,
+    whose ``blobs/`` its files link to), never to a file elsewhere."""
+    src = os.fspath(src)
+    if os.path.isfile(src):  # one file: the rule of its folder (a cache snapshot's links too)
+        folder, name = os.path.split(os.path.abspath(src))
+        return [(src, _inside(folder, name, src))]
+    index = os.path.join(src, INDEX_FILE)
+    if os.path.exists(index):
+        _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
+        first = first_tensors(read_weight_map(index, ".safetensors"))
+        return [
+            (os.path.join(src, name), _inside(src, name, f"{index}: weight_map entry {t[:100]!r}"))
+            for name, t in first.items()
+        ]
+    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if len(names) > 1:
+        for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
+            SafetensorsFile(os.path.join(src, name), _inside(src, name, src))
+        raise SourceError(
+            f"{src}: {len(names)} .safetensors files but no {INDEX_FILE} saying which belong to "
+            f"the model ({', '.join(names[:5])}); add the index, or pass the one file you mean."
+        )
+    if not names:
+        raise SourceError(f"{src}: no .safetensors file and no {INDEX_FILE}.")
+    return [(os.path.join(src, names[0]), _inside(src, names[0], src))]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    try:
+        return files.inside_checkpoint(src, name, what)
+    except files.UnsafeFileError as e:
+        raise SourceError(str(e)) from None
+
+
+def read_weight_map(
+    index: str, suffix: str = "", error: type[UCPError] = SourceError
+) -> dict[str, str]:
+    """The ``weight_map`` (tensor name -> file name) of a Hugging Face index
+    (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``): read bounded, strict
+    JSON (a repeated key refused), every file a plain name beside the index ending in
+    ``suffix``. Errors are ``error``s naming the index (and the entry).
+
+    Args:
+        index: the index file.
+        suffix: what every file name must end with ("" for any).
+        error: the error class raised (the caller's format's).
+
+    Returns:
+        The weight map as written.
+    """
+    try:
+        data = strict_json(files.read_regular(index, MAX_INDEX_BYTES), index)
+    except SourceError as e:  # a repeated key
+        raise (e if error is SourceError else error(str(e))) from None
+    except (ValueError, RecursionError) as e:
+        raise error(f"{index}: not a valid JSON index ({str(e)[:200]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise error(f"{index}: expected a 'weight_map' of tensor name -> file name.")
+    for name, tensor in first_tensors(weight_map).items():
+        if os.path.basename(name) != name or name in (".", "..") or not name.endswith(suffix):
+            raise error(
+                f"{index}: weight_map entry {tensor[:100]!r} names {name[:100]!r}; expected a "
+                f"{suffix + ' ' if suffix else ''}file beside the index (no directories)."
+            )
+    return weight_map
+
+
+def first_tensors(weight_map: dict[str, str]) -> dict[str, str]:
+    """File name -> the first tensor a ``weight_map`` puts in it, by file name (the entry an
+    error about the file names)."""
+    first: dict[str, str] = {}
+    for tensor, name in weight_map.items():
+        first.setdefault(name, tensor)
+    return dict(sorted(first.items()))
+
+
+class SafetensorsFile:
+    """One safetensors file: its validated header and read-only views of its tensors."""
+
+    def __init__(self, path: str, real: str | None = None):
+        """``path`` as the checkpoint names it; ``real``, when given, what it resolved to (the
+        file opened)."""
+        self.path = path
+        fd = files.open_regular(real or path)
+        try:
+            size = os.fstat(fd).st_size
+            if size < 8:
+                raise SourceError(f"{path}: {size} bytes, too short for a header.")
+            # bytes are read with pread through mapped_file, never by touching the mapping: a
+            # file truncated meanwhile is an error naming it, not SIGBUS
+            mapped = mapped_file.map_file(path, fd)
+        finally:
+            os.close(fd)
+        if mapped is None or len(mapped) != size:
+            raise SourceError(f"{path}: changed size while being opened.")
+        self._map: mapped_file.FileMap = mapped
+        header_len = int.from_bytes(mapped_file.read_bytes(self._map, 0, 8, "the header"), "little")
+        if header_len > MAX_HEADER_BYTES or 8 + header_len > size:
+            raise SourceError(
+                f"{path}: header of {header_len} bytes (file {size} bytes, at most "
+                f"{MAX_HEADER_BYTES} allowed)."
+            )
+        self.data_start = 8 + header_len
+        self.data_size = size - self.data_start
+        raw = mapped_file.read_bytes(self._map, 8, header_len, "the header")
+        self.header, self.metadata = self._parse(raw)
+
+    def _parse(self, raw: bytes) -> tuple[dict, dict]:
+        try:
+            header = strict_json(raw.decode("utf-8"), f"{self.path}: the header")
+        except SourceError:
+            raise
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise SourceError(f"{self.path}: corrupt header ({str(e)[:200]}).") from None
+        if not isinstance(header, dict):
+            raise SourceError(f"{self.path}: the header is not a JSON object.")
+        metadata = header.pop("__metadata__", None) or {}
+        if isinstance(metadata, dict) and DCP_SHARDING_INFO in metadata:
+            self._refuse_dcp_shard(metadata[DCP_SHARDING_INFO])
+        tensors = {name: self._entry(name, info) for name, info in header.items()}
+        ranges = sorted((b, e, name) for name, (_, _, b, e) in tensors.items() if e > b)
+        for (_, end, a), (begin, _, b) in itertools.pairwise(ranges):
+            if begin < end:
+                raise SourceError(
+                    f"{self.path}: tensors {a[:100]!r} and {b[:100]!r} overlap in the file."
+                )
+        return tensors, metadata if isinstance(metadata, dict) else {}
+
+    def _refuse_dcp_shard(self, sharding: Any) -> None:
+        """A file written by torch DCP's Hugging Face writer without consolidation holds one
+        rank's piece of each tensor, with no record of the full shapes: imported as it is, rank
+        0's half would become the whole tensor. Refused, whatever its offsets say (rank 0's are
+        all zeros)."""
+        example = ""
+        try:
+            info = json.loads(sharding) if isinstance(sharding, str) else {}
+            name, entry = next(iter(info.items()))
+            example = (
+                f" (e.g. {name[:100]!r} has saved_offsets {str(entry.get('saved_offsets'))[:60]})"
+            )
+        except (ValueError, RecursionError, StopIteration, AttributeError, TypeError):
+            pass
+        raise SourceError(
+            f"{self.path}: an unconsolidated shard of torch.distributed.checkpoint's Hugging Face "
+            f"writer (__metadata__ has {DCP_SHARDING_INFO}): its tensors are pieces of larger "
+            f"ones{example}, and the full shapes are not in the files. Consolidate the shards "
+            "first (torch.distributed.checkpoint's consolidate_safetensors_files, or save with "
+            "HuggingFaceStorageWriter(enable_consolidation=True)) and import the consolidated "
+            "folder."
+        )
+
+    def _entry(self, name: str, info: Any) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        where = f"{self.path}: tensor {name[:100]!r}"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise SourceError(f"{where}: expected dtype, shape and data_offsets.")
+        dtype = DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        if dtype is None:
+            raise SourceError(
+                f"{where}: dtype {str(info['dtype'])[:20]!r} is not supported "
+                f"(expected one of {', '.join(DTYPES)})."
+            )
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not (
+            isinstance(shape, list)
+            and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape
+            )
+            and isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
+            raise SourceError(f"{where}: malformed shape or data_offsets.")
+        begin, end = offsets
+        nbytes = int(np.prod(shape, dtype=object)) * dtype.itemsize
+        if not 0 <= begin <= end <= self.data_size or end - begin != nbytes:
+            raise SourceError(
+                f"{where}: bytes [{begin}, {end}) do not hold a {info['dtype']} array of shape "
+                f"{shape} ({nbytes} bytes) inside the file's {self.data_size} data bytes."
+            )
+        return dtype, tuple(shape), begin, end
+
+    def tensor(self, name: str) -> np.ndarray:
+        """A read-only view of ``name`` (no copy; the map stays open while the view lives),
+        to be read with :mod:`jax_ucp._src.format.mapped_file` (pread), never touched directly."""
+        dtype, shape, begin, end = self.header[name]
+        start = self.data_start + begin
+        return np.frombuffer(
+            self._map, dtype, count=(end - begin) // dtype.itemsize, offset=start
+        ).reshape(shape)
+
+
+def open_checkpoint(src) -> tuple[list[SafetensorsFile], dict[str, SafetensorsFile]]:
+    """Every file of the checkpoint at ``src`` opened and checked, and which file holds each
+    tensor: a tensor in two files, or an index whose ``weight_map`` and the files disagree, is
+    refused naming them."""
+    src = os.fspath(src)
+    opened = [SafetensorsFile(path, real) for path, real in _shard_paths(src)]
+    owner: dict[str, SafetensorsFile] = {}
+    for f in opened:
+        for name in f.header:
+            if name in owner:
+                raise SourceError(
+                    f"{src}: tensor {name[:100]!r} is in both {owner[name].path} and {f.path}."
+                )
+            owner[name] = f
+    index = os.path.join(src, INDEX_FILE) if os.path.isdir(src) else None
+    if index and os.path.exists(index):
+        weight_map = read_weight_map(index, ".safetensors")
+        missing = sorted(set(weight_map) - set(owner))
+        unlisted = sorted(set(owner) - set(weight_map))
+        if missing or unlisted:
+            raise SourceError(
+                f"{index}: weight_map and the files disagree: missing from the files "
+                f"{missing[:5]}, not in the index {unlisted[:5]}."
+            )
+    return opened, owner

@@ -1,0 +1,211 @@
+"""Import DeepSpeed checkpoints: ZeRO 1/2/3 (fp32 / bf16 / fp16) and Megatron-DeepSpeed TP/PP.
+
+The entry point of the DeepSpeed importers: finds the tag folder, dispatches on its layout
+(:mod:`deepspeed.zero` for one model-parallel rank, :mod:`deepspeed.megatron` for a TP/PP grid)
+and returns an :class:`ImportPlan` that :mod:`jax_ucp._src.conversion` streams into the writer, one
+parameter at a time (its fp32 master, Adam moments, model-precision copy), so peak anonymous
+memory is about one parameter, not the checkpoint. Files are read with :mod:`jax_ucp._src.torchfiles.unpickler` (no
+torch, no pickled code executed; tensors are memory-mapped).
+
+Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` = fp32 master weights keyed by DeepSpeed's
+``param_shapes`` names, ``opt_state`` = {``mu``, ``nu`` (same keys), ``count`` (int32 step)},
+``model_params`` = model-precision weights when the run was bf16/fp16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jax_ucp._src.errors import RequestError
+from jax_ucp._src.importers.deepspeed import megatron, moe, universal, zero
+from jax_ucp._src.importers.deepspeed.files import (
+    DS_CLASSES,
+    check_every_file_read,
+    is_model_parallel,
+    is_moe,
+    is_tag_dir,
+    resolve_tag_dir,
+)
+from jax_ucp._src.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
+from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
+from jax_ucp._src.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    TaggedOptions,
+    glob_detection,
+    refuse_spec,
+)
+from jax_ucp._src.importers.trainer_files import trainer_folder_above, trainer_record
+
+__all__ = [
+    "DS_CLASSES",
+    "DeepSpeedCheckpoint",
+    "DeepSpeedOptions",
+    "MegatronDeepSpeedCheckpoint",
+    "detect",
+    "is_deepspeed_checkpoint",
+    "open_deepspeed_checkpoint",
+    "plan",
+    "plan_deepspeed",
+]
+
+
+def is_deepspeed_checkpoint(path: os.PathLike | str) -> bool:
+    """True for a folder holding ``latest`` (or ``latest_universal``) + tag folders, or a tag
+    folder with ZeRO files or a universal checkpoint."""
+    path = os.fspath(path)
+    if any(os.path.isfile(os.path.join(path, t)) for t in ("latest", universal.LATEST_UNIVERSAL)):
+        return True
+    return os.path.isdir(path) and (universal.is_universal_tag_dir(path) or is_tag_dir(path))
+
+
+def open_deepspeed_checkpoint(
+    src: os.PathLike | str, tag: str | None = None, *, spec: Any = None
+) -> DeepSpeedCheckpoint | MegatronDeepSpeedCheckpoint:
+    """Finds and validates the files of one checkpoint tag; tensors stay memory-mapped.
+
+    A Megatron-DeepSpeed checkpoint with tensor/pipeline parallelism (several ``mp_rank_XX``
+    ranks or ``layer_XX-model_YY`` files) gives a :class:`MegatronDeepSpeedCheckpoint`.
+
+    Args:
+        src: the checkpoint folder (``latest`` + tags) or one tag folder.
+        tag: the tag to open instead of ``latest``.
+        spec: import rules to use instead of ``universal_checkpoint_info``.
+    """
+    tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    if is_moe(tag_dir):
+        return moe.open_moe_zero_checkpoint(tag_dir)[0]
+    if is_model_parallel(tag_dir):
+        return megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+    return zero.open_zero_checkpoint(tag_dir)
+
+
+def plan_deepspeed(
+    src: os.PathLike | str,
+    *,
+    tag: str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder); every
+    file is found and checked before this returns.
+
+    A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
+    deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
+    ``latest_universal`` names it) is read by :mod:`deepspeed.universal`.
+
+    Args:
+        src: the checkpoint folder or one tag folder.
+        tag: the tag to import instead of ``latest``.
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules of
+            a Megatron-DeepSpeed TP/PP checkpoint, instead of its ``universal_checkpoint_info``.
+        weights_only: the model weights alone (fp32 masters, or the module's weights of a ZeRO-0
+            checkpoint); the optimizer state is skipped and listed in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
+    if universal_dir is not None:
+        return universal.plan_universal(
+            universal_dir, spec=spec, weights_only=weights_only, share=share
+        )
+    tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    plan = _plan_training_checkpoint(tag_dir, spec=spec, weights_only=weights_only, share=share)
+    # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
+    check_every_file_read(tag_dir, plan.source_tensors)
+    trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/
+    if trainer is not None:  # its schedule, clipping, step: what continues the run
+        record = trainer_record(trainer)
+        scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
+        if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
+            record["scheduler"] = scheduler  # its state is in the model states file
+        plan.source["trainer"] = record
+        plan.source["trainer_path"] = trainer
+    return plan
+
+
+def _plan_training_checkpoint(
+    tag_dir: str, *, spec: Any, weights_only: bool, share: Share
+) -> ImportPlan:
+    if is_moe(tag_dir):
+        refuse_spec(
+            spec,
+            "convert: a DeepSpeed MoE checkpoint is imported raw (experts under their "
+            "global names), so an import spec has nothing to do",
+        )
+        return moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
+    zero0 = zero.zero0_model_file(tag_dir)
+    if zero0 is not None:
+        return zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)
+    if is_model_parallel(tag_dir):
+        # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
+        # UCP language), or by the import rules of ``spec``
+        checkpoint = megatron.open_megatron_deepspeed_checkpoint(tag_dir, spec=spec)
+        items = megatron.iter_megatron_deepspeed_items(checkpoint, share)
+        source = megatron.source_info(checkpoint)
+        found = megatron.megatron_deepspeed_tensors(checkpoint, source, weights_only=weights_only)
+        if weights_only:
+            items = (item for item in items if item.role != "opt_state")
+        return ImportPlan(
+            items=items,
+            source=source,
+            total_params=len(share.pick(checkpoint.names)),
+            source_tensors=found,
+        )
+    refuse_spec(
+        spec,
+        "convert: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
+        "keyed by DeepSpeed's parameter names, so an import spec has nothing to do",
+    )
+    checkpoint = zero.open_zero_checkpoint(tag_dir)
+    source = zero.zero_source_info(checkpoint)
+    found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
+    optimizer = None if weights_only else zero.torch_optimizer_record(checkpoint)
+    if optimizer is not None:  # what optax_from_torch continues from
+        source["optimizer"] = optimizer
+    return ImportPlan(
+        items=zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
+        source=source,
+        total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
+        source_tensors=found,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepSpeedOptions(TaggedOptions):
+    """``ImportOptions`` and the tag folder to import (``tag``, None: the one ``latest``
+    names)."""
+
+
+# Files only DeepSpeed writes: a folder holding one is read as DeepSpeed.
+MARKERS = (
+    "latest",
+    "latest_universal",
+    "global_step*",
+    "*mp_rank_*_model_states.pt",
+    "*zero_pp_rank_*_optim_states.pt",
+    "layer_*-model_*-model_states.pt",
+)
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a DeepSpeed checkpoint folder, from its file names."""
+    return glob_detection(
+        os.fspath(src),
+        MARKERS,
+        "DeepSpeed files",
+        "no `latest`, `global_stepN/`, `mp_rank_XX_model_states.pt` (universal: "
+        "`latest_universal`, `<tag>_universal/zero/`)",
+    )
+
+
+def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
+    """:func:`plan_deepspeed` with its options as one ``DeepSpeedOptions``."""
+    return plan_deepspeed(
+        src, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    )

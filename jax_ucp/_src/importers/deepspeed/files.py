@@ -1,0 +1,477 @@
+"""The files of one DeepSpeed checkpoint tag, found and checked once for every reader.
+
+Shared by the ZeRO reader (:mod:`deepspeed.zero`) and the Megatron-DeepSpeed TP/PP reader
+(:mod:`deepspeed.megatron`): which tag folder to read, which optimizer file holds which
+(model-parallel, data-parallel) rank, that one model-parallel rank's optimizer files form one
+complete and consistent ZeRO partitioning, and what its model states file says. Files are read
+with :mod:`jax_ucp._src.torchfiles.unpickler` (no torch, nothing pickled is executed; tensors stay memory-mapped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
+from jax_ucp._src.importers.plan import tensor_names, trainer_checkpoints
+from jax_ucp._src.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
+
+_ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
+
+#: DeepSpeed classes pickled into checkpoint files, mapped to inert stand-ins.
+DS_CLASSES: dict[str, Any] = {
+    name: standin_class(name)
+    for name in (
+        "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+        "deepspeed.utils.tensor_fragment.fragment_address",
+        "deepspeed.checkpoint.constants.SubparamShape",
+        "deepspeed.runtime.zero.stage3.SubParamGroupInfo",
+    )
+}
+DS_CLASSES["deepspeed.runtime.zero.config.ZeroStageEnum"] = int_enum_standin(
+    "deepspeed.runtime.zero.config.ZeroStageEnum", _ZERO_STAGES
+)
+
+#: ``[bf16_]zero_pp_rank_<DP rank>_mp_rank_<MP rank>_optim_states.pt``: one ZeRO partition.
+OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: ``zero_pp_rank_<DP rank>_mp_rank_<MP rank>_model_states.pt``: stage 3 keeps one per DP rank.
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: ``mp_rank_<MP rank>_model_states.pt``: param_shapes, module, config of a model-parallel rank.
+MP_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+#: ``layer_<layer>-model_<TP rank>-model_states.pt``: a pipeline layer's model weights. Without a
+#: model axis in the topology (``PipelineModule(num_stages=...)``) DeepSpeed names it
+#: ``layer_<layer>-model_states.pt`` (group 2 is then None: TP rank 0).
+LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+#: ``layer_<MoE layer>_expert_<global expert>_mp_rank_<MP rank>_model_states.pt``: one expert's
+#: weights (DeepSpeed MoE), keyed by its full parameter names with the global expert index.
+EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+#: ``expp_rank_<EP rank>_mp_rank_<MP rank>_optim_states.pt``: DeepSpeed MoE without ZeRO: the
+#: torch ``optimizer.state_dict()`` of one expert-parallel rank (its experts + the dense part).
+EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+
+
+def layer_tp_rank(match: re.Match) -> int:
+    """The TP rank of a :data:`LAYER_FILE` match (0 when the name has no ``-model_XX``)."""
+    return int(match.group(2) or 0)
+
+
+def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:
+    """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins.
+    ``lazy_crc``: each tensor's CRC-32 is checked when its bytes are first read, not now
+    (:class:`TorchArchive`): the ZeRO rank files, whose moments a weights-only import skips.
+
+    Its rank is in its name only, so the name it was saved under (kept inside the archive by
+    ``torch.save``) must be the name it has: rank files renamed or swapped would otherwise be
+    read as other ranks' partitions, i.e. wrong parameters.
+    """
+    with unsafe_files_refused():
+        files.in_own_folder(path)  # a rank file linked to a file elsewhere is never read
+    archive = TorchArchive(path, lazy_crc=lazy_crc)
+    try:
+        name = os.path.basename(path)
+        saved = archive.saved_name
+        # "archive": saved through a file object, no name kept
+        if saved not in (name.removesuffix(".pt"), "archive"):
+            raise SourceError(
+                f"{path}: this file was saved as '{saved}.pt' (the name inside its zip archive) "
+                f"but is named '{name}'. DeepSpeed's rank is in the file name, so renamed or "
+                "swapped rank files would import as wrong parameters; give the files back their "
+                "saved names"
+            )
+        return archive.load(DS_CLASSES)
+    finally:
+        archive.close()
+
+
+@contextlib.contextmanager
+def unsafe_files_refused(note: str = "") -> Iterator[None]:
+    """A file the format layer refuses to read (not regular, linked outside) refused as a
+    ``SourceError`` (its message and ``note``)."""
+    try:
+        yield
+    except files.UnsafeFileError as e:
+        raise SourceError(f"{e}{note}") from None
+
+
+def require(mapping: Any, key: Any, where: str) -> Any:
+    """``mapping[key]``, or an error naming the file (``where``) that lacks it.
+
+    Args:
+        mapping: the loaded object.
+        key: the entry it must have.
+        where: the file it was loaded from.
+    """
+    if not isinstance(mapping, Mapping) or key not in mapping:
+        raise SourceError(f"{where}: missing {key!r}")
+    return mapping[key]
+
+
+def numel(shape: Sequence[int]) -> int:
+    """Element count of a shape (1 for a scalar)."""
+    return int(math.prod(shape))
+
+
+# --------------------------------------------------------------------------- the tag folder
+
+
+def resolve_tag_dir(src: str, tag: str | None) -> str:
+    """The tag folder to read: ``tag``, ``src`` itself when it is one (:func:`is_tag_dir`), or
+    ``latest`` (which may only name a folder inside ``src``)."""
+    if not os.path.isdir(src):
+        raise SourceError(f"{src}: not a directory")
+    if tag is not None:
+        tag_dir = os.path.join(src, tag)
+        if not os.path.isdir(tag_dir):
+            raise SourceError(f"{tag_dir}: tag folder {tag!r} not found")
+        return tag_dir
+    if is_tag_dir(src):
+        return src
+    latest = os.path.join(src, "latest")
+    if os.path.lexists(latest):
+        return follow_tracker(src, latest)
+    runs = trainer_checkpoints(src)
+    if runs:
+        raise SourceError(
+            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
+            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
+        )
+    raise SourceError(
+        f"{src}: no DeepSpeed checkpoint here (expected a 'latest' file or "
+        f"'*zero_pp_rank_*_optim_states.pt' files; for a universal checkpoint, a "
+        f"'latest_universal' file or a '<tag>_universal' folder holding 'zero/' and "
+        f"'mp_rank_XX_model_states.pt')"
+    )
+
+
+def follow_tracker(src: str, tracker: str) -> str:
+    """The tag folder a tracker file of ``src`` (``latest``, ``latest_universal``) names, which
+    may only be a folder inside ``src``."""
+    tag = read_tag_file(tracker)
+    tag_dir = os.path.join(src, tag)
+    try:  # symlinks resolved, strictly inside: a tracker never leads out of its checkpoint
+        real = files.inside(src, os.path.relpath(tag_dir, src), tag_dir)
+    except (files.UnsafeFileError, ValueError):
+        real = None
+    if tag in ("", ".", "..") or real in (None, os.path.realpath(src)):
+        raise SourceError(
+            f"{tracker} names tag {tag[:100]!r}, which is not a folder inside {src}; refusing "
+            "to follow it"
+        )
+    if not os.path.isdir(tag_dir):
+        raise SourceError(f"{tracker} names tag {tag!r} but {tag_dir} does not exist")
+    return tag_dir
+
+
+def read_tag_file(path: str) -> str:
+    """The tag a tracker file (DeepSpeed's ``latest``) names: one line of printable UTF-8 text.
+    A NUL or another control character would otherwise reach the file system as a raw
+    "embedded null byte" error, or name a folder nobody wrote."""
+    with unsafe_files_refused():
+        raw = files.read_regular(files.in_own_folder(path), 4096)
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as e:
+        raise SourceError(
+            f"{path}: not UTF-8 text (byte {e.start}); expected the name of a tag folder"
+        ) from None
+    if not tag.isprintable():
+        bad = next(c for c in tag if not c.isprintable())
+        raise SourceError(
+            f"{path}: names tag {tag[:100]!r}, which holds the control character {bad!r}; "
+            "expected the name of a tag folder"
+        )
+    return tag
+
+
+def is_tag_dir(path: str) -> bool:
+    """A checkpoint tag folder itself: ZeRO optimizer files, or (ZeRO-0, MoE) model states or
+    expert files and no ``latest`` (a run folder holding both is read through ``latest``)."""
+    names = os.listdir(path)
+    if any(OPTIMIZER_FILE.match(f) for f in names):
+        return True
+    return "latest" not in names and any(
+        pattern.match(f) for f in names for pattern in (MP_MODEL_FILE, EXPERT_FILE)
+    )
+
+
+def is_moe(tag_dir: str) -> bool:
+    """True when the tag folder holds DeepSpeed MoE expert files."""
+    return any(EXPERT_FILE.match(f) for f in os.listdir(tag_dir))
+
+
+def check_every_file_read(tag_dir: str, source_tensors) -> None:
+    """Every entry of the tag folder is a file the import reads (it holds a tensor the import
+    accounts for: ``source_tensors``, named ``<file>:<path>``), else the import is refused
+    naming it: a file nobody reads is part of the checkpoint silently lost (an unknown layout,
+    or another save's leftovers). A DeepSpeed file with no tensor at all (a pipeline layer
+    without parameters) counts as read once it loads."""
+    covered = {name.split(":", 1)[0] for name in source_tensors or ()}
+    unread = []
+    for name in sorted(os.listdir(tag_dir)):
+        if name in covered:
+            continue
+        path = os.path.join(tag_dir, name)
+        known = any(
+            pattern.match(name)
+            for pattern in (LAYER_FILE, MP_MODEL_FILE, ZERO3_MODEL_FILE, OPTIMIZER_FILE)
+        )
+        if (
+            known
+            and os.path.isfile(path)
+            and not os.path.islink(path)
+            and not any(True for _ in tensor_names(load_deepspeed_file(path)))
+        ):
+            continue
+        unread.append(name)
+    if unread:
+        raise SourceError(
+            f"{tag_dir}: the import would not read {len(unread)} of the folder's entries: "
+            f"{unread[:10]}{' ...' if len(unread) > 10 else ''}. Refusing to import part of a "
+            "checkpoint: this layout is not supported, or the files are not DeepSpeed's (move "
+            "them out of the tag folder)"
+        )
+
+
+def is_model_parallel(tag_dir: str) -> bool:
+    """True when the tag folder holds more than one model-parallel rank or pipeline layer files
+    (a Megatron-DeepSpeed TP/PP checkpoint)."""
+    files = os.listdir(tag_dir)
+    if any(LAYER_FILE.match(f) for f in files):
+        return True
+    mp_ranks = {int(m.group(3)) for m in map(OPTIMIZER_FILE.match, files) if m}
+    mp_ranks |= {int(m.group(1)) for m in map(MP_MODEL_FILE.match, files) if m}
+    return len(mp_ranks) > 1
+
+
+def optimizer_files_by_rank(tag_dir: str) -> tuple[dict[int, dict[int, str]], str]:
+    """``{MP rank: {DP rank: path}}`` of the tag's ZeRO optimizer files, and their name prefix.
+
+    One file per (MP, DP) rank, all with or all without DeepSpeed's ``bf16_`` prefix: anything
+    else is two saves mixed in one folder.
+    """
+    by_rank: dict[int, dict[int, str]] = {}
+    prefixes = set()
+    for name in sorted(os.listdir(tag_dir)):
+        match = OPTIMIZER_FILE.match(name)
+        if not match:
+            continue
+        dp_rank, mp_rank = int(match.group(2)), int(match.group(3))
+        same_rank = by_rank.setdefault(mp_rank, {})
+        if dp_rank in same_rank:
+            raise SourceError(
+                f"{tag_dir}: two optimizer files for DP rank {dp_rank}: "
+                f"{os.path.basename(same_rank[dp_rank])} and {name}"
+            )
+        same_rank[dp_rank] = os.path.join(tag_dir, name)
+        prefixes.add(match.group(1) or "")
+    if len(prefixes) > 1:
+        raise SourceError(f"{tag_dir}: both 'bf16_' and plain optimizer files present")
+    return by_rank, prefixes.pop() if prefixes else ""
+
+
+# --------------------------------------------------------------------------- optimizer files
+
+
+@dataclass
+class OptimizerStates:
+    """The ZeRO optimizer files of one model-parallel rank: one complete, consistent partitioning."""
+
+    stage: int
+    world_size: int  # DP ranks, from partition_count
+    partition_count: Any  # as recorded (an int, or one per param group)
+    files: list[str]  # per DP rank
+    states: list[dict]  # per DP rank: its 'optimizer_state_dict'
+
+
+def read_optimizer_states(
+    tag_dir: str, files_by_dp_rank: Mapping[int, str], *, of_rank: str = ""
+) -> OptimizerStates:
+    """Reads one model-parallel rank's optimizer files; every DP rank of ``partition_count``
+    present, no other, all with the same stage and partition count (``of_rank`` names the
+    model-parallel rank in messages).
+
+    Args:
+        tag_dir: the tag folder.
+        files_by_dp_rank: the optimizer file of each data-parallel rank.
+        of_rank: names the model-parallel rank in messages.
+    """
+    first_rank = min(files_by_dp_rank)
+    first = files_by_dp_rank[first_rank]
+    # each partition's CRC-32 checked when it is first read: a weights-only import reads the
+    # fp32 masters, never the moments (two thirds of the files)
+    first_state = require(load_deepspeed_file(first, lazy_crc=True), "optimizer_state_dict", first)
+    stage = int(require(first_state, "zero_stage", first))
+    partition_count = require(first_state, "partition_count", first)
+    world = (
+        max(partition_count) if isinstance(partition_count, (list, tuple)) else int(partition_count)
+    )
+    for dp_rank in range(world):
+        if dp_rank not in files_by_dp_rank:
+            name = os.path.basename(first)
+            name = name.replace(f"zero_pp_rank_{first_rank}_", f"zero_pp_rank_{dp_rank}_")
+            raise SourceError(
+                f"{os.path.join(tag_dir, name)}: missing optimizer file for DP rank {dp_rank}{of_rank} "
+                f"(partition_count in {first} is {world})"
+            )
+    if len(files_by_dp_rank) != world:
+        extra = sorted(set(files_by_dp_rank) - set(range(world)))
+        raise SourceError(
+            f"{tag_dir}: world size metadata says {world} DP ranks (partition_count in {first}) "
+            f"but found optimizer files{of_rank} for ranks {sorted(files_by_dp_rank)} (unexpected: "
+            f"{[os.path.basename(files_by_dp_rank[r]) for r in extra]})"
+        )
+    files = [files_by_dp_rank[dp_rank] for dp_rank in range(world)]
+    states = [first_state]
+    for path in files[1:]:  # every further DP rank must agree with the first
+        state = require(load_deepspeed_file(path, lazy_crc=True), "optimizer_state_dict", path)
+        if int(require(state, "zero_stage", path)) != stage:
+            raise SourceError(f"{path}: zero_stage {int(state['zero_stage'])}, {first} has {stage}")
+        count = require(state, "partition_count", path)
+        if count != partition_count:
+            raise SourceError(f"{path}: partition_count {count}, {first} has {partition_count}")
+        states.append(state)
+    return OptimizerStates(stage, world, partition_count, files, states)
+
+
+# --------------------------------------------------------------------------- model states files
+
+
+def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
+    """A ``*model_states.pt`` file (param_shapes, module, ds_config, ...), which must exist."""
+    if not os.path.lexists(path):  # present but not a regular file: the reader says what it is
+        raise SourceError(f"{path}: missing model states file{of_rank}")
+    model_states = load_deepspeed_file(path)
+    if not isinstance(model_states, Mapping):
+        raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
+    return model_states
+
+
+def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: OptimizerStates):
+    """The model states' ``dp_world_size`` (when recorded) must be the optimizer files' count.
+
+    Args:
+        model_states: the loaded model states file.
+        model_file: its path, for errors.
+        optimizer: the checked optimizer files.
+    """
+    recorded = model_states.get("dp_world_size")
+    if recorded is not None and int(recorded) != optimizer.world_size:
+        raise SourceError(
+            f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
+            f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
+        )
+
+
+def frozen_shapes_of(
+    model_states: Mapping, model_file: str, trained: Collection[str] = ()
+) -> dict[str, tuple[int, ...]]:
+    """``frozen_param_shapes``: the parameters the run did not train (requires_grad=False); one
+    of them among the ``trained`` names is an error.
+
+    Args:
+        model_states: the loaded model states file.
+        model_file: its path (for errors).
+        trained: the trained parameters' names, none of which may be frozen too.
+    """
+    shapes = model_states.get("frozen_param_shapes") or {}
+    if not isinstance(shapes, Mapping):
+        raise SourceError(f"{model_file}: frozen_param_shapes is not a dict")
+    out = {}
+    for name, shape in shapes.items():
+        if not isinstance(name, str):
+            raise SourceError(f"{model_file}: bad frozen_param_shapes entry {name!r}")
+        out[name] = checked_shape(shape, model_file, f"frozen_param_shapes[{name!r}]")
+    overlap = sorted(set(out) & set(trained))
+    if overlap:
+        raise SourceError(f"{model_file}: parameters both frozen and trained: {overlap}")
+    return out
+
+
+#: Largest dimension accepted in a shape read from a file (2**48 elements is 1 PiB of fp32).
+MAX_DIM = 2**48
+
+
+def checked_shape(shape: Any, model_file: str, what: str) -> tuple[int, ...]:
+    """A shape read from a file: a tuple or list of ints in ``[0, MAX_DIM)``. A negative
+    dimension would pass an element count check in pairs ((-2, -8) has 16 elements).
+
+    Args:
+        shape: the value read.
+        model_file: the file it was read from.
+        what: the entry it was read from.
+    """
+    if not isinstance(shape, (tuple, list)) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < MAX_DIM for d in shape
+    ):
+        raise SourceError(
+            f"{model_file}: {what} is {shape!r}; expected a shape of non-negative integers"
+        )
+    return tuple(int(d) for d in shape)
+
+
+def param_shapes_of(model_states: Mapping, model_file: str) -> list[dict[str, tuple[int, ...]]]:
+    """``param_shapes`` per param group (a single dict is one group)."""
+    groups = require(model_states, "param_shapes", model_file)
+    if isinstance(groups, Mapping):
+        groups = [groups]
+    if not isinstance(groups, (list, tuple)) or not all(isinstance(g, Mapping) for g in groups):
+        raise SourceError(f"{model_file}: param_shapes is not a list of dicts")
+    return [
+        {
+            str(name): checked_shape(shape, model_file, f"param_shapes[{name!r}]")
+            for name, shape in group.items()
+        }
+        for group in groups
+    ]
+
+
+def source_record(tag_dir: str, model_states: Mapping, stage: int | None, **more: Any) -> dict:
+    """What the manifest records about every DeepSpeed source, and the layout's own ``more``.
+
+    Args:
+        tag_dir: the tag folder.
+        model_states: its (first) model states file, loaded.
+        stage: the ZeRO stage.
+        more: further entries (they win over these).
+    """
+    steps = model_states.get("global_steps")
+    return {
+        "framework": "deepspeed",
+        "path": os.path.abspath(tag_dir),
+        "zero_stage": stage,
+        "ds_version": version_string(model_states),
+        "global_steps": steps if type(steps) is int else None,
+        **more,
+    }
+
+
+def version_string(model_states: Mapping) -> str | None:
+    """``ds_version`` as the manifest records it: a short string, or None. It is copied from an
+    untrusted pickle into JSON, so anything else (a nested structure) is not copied."""
+    version = model_states.get("ds_version")
+    if isinstance(version, str) and len(version) <= 64 and version.isprintable():
+        return version
+    return None
+
+
+def dtype_of_run(ds_config: Mapping, module: Mapping[str, Any]) -> np.dtype:
+    """The model precision of the run: from its bf16 / fp16 config, else from its module weights."""
+    import ml_dtypes
+
+    if (ds_config.get("bf16") or ds_config.get("bfloat16") or {}).get("enabled"):
+        return np.dtype(ml_dtypes.bfloat16)
+    if (ds_config.get("fp16") or {}).get("enabled"):
+        return np.dtype(np.float16)
+    for value in module.values():
+        if isinstance(value, np.ndarray) and value.dtype.kind in "fV" and value.size:
+            return value.dtype
+    return np.dtype(np.float32)

@@ -1,0 +1,717 @@
+"""DeepSpeed MoE checkpoints (``deepspeed.moe.layer.MoE``, expert parallel), experts by global index.
+
+Layout (DeepSpeed 0.19 ``runtime/engine.py`` ``_save_moe_checkpoint``), expert parallel size E
+over W data-parallel ranks (the default expert-then-data topology: DP rank r is expert-parallel
+rank ``r % E`` and expert-data-parallel rank ``r // E``):
+
+* ``layer_L_expert_X_mp_rank_00_model_states.pt``: the weights of global expert X of the L-th MoE
+  layer, keyed by full parameter names carrying the *global* index
+  (``h.0.moe.deepspeed_moe.experts.deepspeed_experts.X.fc1.weight``);
+* ``mp_rank_00_model_states.pt``: the dense weights (``module`` without the experts),
+  ``param_shapes`` as DP rank 0 sees them (its own experts under their *local* index),
+  ``num_experts`` per MoE layer;
+* ZeRO 1/2: ``[bf16_]zero_pp_rank_R_mp_rank_00_optim_states.pt`` per DP rank; the dense param
+  group is partitioned over all W ranks, an expert group (``param_groups[g]["moe"]``, name
+  ``ep_size_E``) over the W/E expert-data-parallel ranks of each expert-parallel rank, keyed by
+  local expert names;
+* ZeRO-0: ``expp_rank_P_mp_rank_00_optim_states.pt``: expert-parallel rank P's torch
+  ``optimizer.state_dict()`` (keyed by parameter index), and rank 0's inside the model states
+  (index -> name: :func:`zero0_index_names`).
+
+Output: every expert parameter under its global name (as the expert files name it), e.g.
+``params/h.0.moe.deepspeed_moe.experts.deepspeed_experts.1.fc1.weight``; the dense parameters
+under their own names; the importer contract otherwise as for ZeRO (docs/DEEPSPEED.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import mapped_file
+from jax_ucp._src.importers.deepspeed import files, zero
+from jax_ucp._src.importers.deepspeed.files import require
+from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
+from jax_ucp._src.importers.plan import (
+    WHOLE,
+    ImportPlan,
+    Share,
+    agreed_step,
+    host_item,
+    skip,
+    tensor_names,
+)
+
+#: An expert parameter's name: ``<MoE module>.deepspeed_experts.<expert index>.<key>``.
+EXPERT_NAME = re.compile(r"^(.+)\.deepspeed_experts\.(\d+)\.(.+)$")
+#: The name DeepSpeed gives an expert param group: ``ep_size_<expert parallel size>``.
+EP_GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
+
+
+@dataclass
+class Experts:
+    """The expert files of a tag folder, checked: every expert of every MoE layer present once."""
+
+    files: dict[int, dict[int, str]]  # MoE layer -> {global expert: file name}
+    weights: dict[str, tuple[np.ndarray, str]]  # global name -> (weight, "<file>:<key>")
+    layer_of: dict[str, int] = field(default_factory=dict)  # MoE module prefix -> layer
+    count: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts
+
+    def global_name(self, name: str, ep_rank: int, ep_size: int, where: str) -> str:
+        """The global name of a local expert parameter of expert-parallel rank ``ep_rank``.
+
+        Args:
+            name: the local expert parameter's name.
+            ep_rank: the expert-parallel rank holding it.
+            ep_size: the expert-parallel degree.
+            where: the file, for errors.
+        """
+        match = EXPERT_NAME.match(name)
+        if match is None:
+            raise SourceError(
+                f"{where}: {name!r} is in an expert param group but is no expert parameter "
+                "('<module>.deepspeed_experts.<i>.<key>')"
+            )
+        prefix, local, rest = match.group(1), int(match.group(2)), match.group(3)
+        layer = self.layer_of.get(prefix)
+        if layer is None:
+            raise SourceError(
+                f"{where}: expert parameter {name!r} belongs to MoE module {prefix!r}, which no "
+                f"layer_*_expert_* file holds (files hold {sorted(self.layer_of)})"
+            )
+        experts = self.count[layer]
+        if experts % ep_size:
+            raise SourceError(
+                f"{where}: MoE layer {layer} has {experts} experts, not divisible by the expert "
+                f"parallel size {ep_size}"
+            )
+        local_count = experts // ep_size
+        if local >= local_count:
+            raise SourceError(
+                f"{where}: {name!r}: local expert {local}, but each of the {ep_size} expert "
+                f"parallel ranks holds {local_count} of layer {layer}'s {experts} experts"
+            )
+        return f"{prefix}.deepspeed_experts.{ep_rank * local_count + local}.{rest}"
+
+
+def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Experts:
+    """Reads every ``layer_L_expert_X_mp_rank_XX_model_states.pt``: experts 0..N-1 of each layer
+    (N = ``num_experts`` of the model states when recorded), each file holding the parameters
+    of its own expert only, one MoE module per layer.
+
+    Args:
+        tag_dir: the tag folder.
+        model_states: the loaded model states file.
+        model_file: its path, for errors.
+    """
+    by_layer: dict[int, dict[int, str]] = {}
+    for name in sorted(os.listdir(tag_dir)):
+        match = files.EXPERT_FILE.match(name)
+        if not match:
+            continue
+        layer, expert, mp_rank = (int(g) for g in match.groups())
+        if mp_rank != 0:
+            raise SourceError(
+                f"{os.path.join(tag_dir, name)}: an expert file of model-parallel rank {mp_rank}; "
+                "DeepSpeed MoE with tensor or pipeline parallelism is not supported (supported: "
+                "expert + data parallelism, ZeRO 0/1/2)"
+            )
+        by_layer.setdefault(layer, {})[expert] = name
+    recorded = model_states.get("num_experts")
+    if isinstance(recorded, (list, tuple)) and len(recorded) != len(by_layer):
+        raise SourceError(
+            f"{model_file}: num_experts records {len(recorded)} MoE layers, the folder has expert "
+            f"files of {len(by_layer)} (layers {sorted(by_layer)})"
+        )
+    experts = Experts(by_layer, {})
+    for index, (layer, by_expert) in enumerate(sorted(by_layer.items())):
+        if layer != index:
+            raise SourceError(
+                f"{tag_dir}: expert files of MoE layers {sorted(by_layer)}; layer {index} is "
+                "missing"
+            )
+        count = len(by_expert)
+        if isinstance(recorded, (list, tuple)):
+            count = recorded[layer]
+            if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+                raise SourceError(f"{model_file}: num_experts[{layer}] is {count!r}")
+        for expert in range(count):
+            if expert not in by_expert:
+                raise SourceError(
+                    f"{os.path.join(tag_dir, f'layer_{layer}_expert_{expert}_mp_rank_00_model_states.pt')}"
+                    f": missing file of expert {expert} of MoE layer {layer} ({count} experts)"
+                )
+        if len(by_expert) != count:
+            raise SourceError(
+                f"{tag_dir}: MoE layer {layer} has {count} experts ({model_file}: num_experts) "
+                f"but expert files {sorted(by_expert)}"
+            )
+        experts.count[layer] = count
+        for expert, name in sorted(by_expert.items()):
+            _read_expert_file(experts, os.path.join(tag_dir, name), layer, expert)
+    return experts
+
+
+def _read_expert_file(experts: Experts, path: str, layer: int, expert: int) -> None:
+    state = files.load_deepspeed_file(path)
+    file = os.path.basename(path)
+    if not isinstance(state, Mapping) or not state:
+        raise SourceError(f"{path}: expected a state dict of expert weights")
+    for key, value in state.items():
+        match = EXPERT_NAME.match(str(key))
+        if match is None or int(match.group(2)) != expert:
+            raise SourceError(
+                f"{path}: key {key!r} is not a parameter of expert {expert} "
+                "('<module>.deepspeed_experts.<expert>.<key>')"
+            )
+        if not isinstance(value, np.ndarray):
+            raise SourceError(f"{path}: {key!r} is a {type(value).__name__}, not a tensor")
+        prefix = match.group(1)
+        if experts.layer_of.setdefault(prefix, layer) != layer:
+            raise SourceError(
+                f"{path}: MoE module {prefix!r} is layer {experts.layer_of[prefix]} in other "
+                f"expert files, layer {layer} here"
+            )
+        experts.weights[str(key)] = (value, f"{file}:{key}")
+    prefixes = {m.group(1) for k in state if (m := EXPERT_NAME.match(str(k))) is not None}
+    if len(prefixes) != 1:
+        raise SourceError(f"{path}: parameters of several MoE modules: {sorted(prefixes)}")
+
+
+# --------------------------------------------------------------------------- ZeRO 1/2
+
+
+def _expert_groups(optimizer: files.OptimizerStates) -> dict[int, int]:
+    """{param group: expert parallel size} of the expert groups, from DP rank 0's
+    ``base_optimizer_state.param_groups`` (``moe``, ``name`` = ``ep_size_E``), checked against
+    ``partition_count`` (an expert group is partitioned over W / E ranks)."""
+    path = optimizer.files[0]
+    base = require(optimizer.states[0], "base_optimizer_state", path)
+    groups = require(base, "param_groups", f"{path} base_optimizer_state")
+    counts = optimizer.partition_count
+    if not isinstance(counts, (list, tuple)) or len(counts) != len(groups):
+        raise SourceError(
+            f"{path}: partition_count {counts!r} does not give one count per param group "
+            f"({len(groups)} groups)"
+        )
+    out = {}
+    for index, group in enumerate(groups):
+        if not (isinstance(group, Mapping) and group.get("moe")):
+            if int(counts[index]) != optimizer.world_size:
+                raise SourceError(
+                    f"{path}: dense param group {index} partitioned over {counts[index]} ranks, "
+                    f"expected all {optimizer.world_size}"
+                )
+            continue
+        match = EP_GROUP_NAME.match(str(group.get("name")))
+        if match is None:
+            raise SourceError(
+                f"{path}: expert param group {index} is named {group.get('name')!r}, expected "
+                "'ep_size_<expert parallel size>'"
+            )
+        ep_size = int(match.group(1))
+        if ep_size <= 0 or ep_size * int(counts[index]) != optimizer.world_size:
+            raise SourceError(
+                f"{path}: expert param group {index} ({group.get('name')}) is partitioned over "
+                f"{counts[index]} ranks; {optimizer.world_size} DP ranks with expert parallel "
+                f"size {ep_size} give {optimizer.world_size // max(ep_size, 1)}"
+            )
+        out[index] = ep_size
+    if not out:
+        raise SourceError(
+            f"{path}: expert files beside a ZeRO optimizer with no expert ('moe') param group"
+        )
+    return out
+
+
+def open_moe_zero_checkpoint(tag_dir: str) -> tuple[DeepSpeedCheckpoint, Experts, dict[int, int]]:
+    """The ZeRO 1/2 files of a MoE tag folder as one :class:`DeepSpeedCheckpoint` whose expert
+    parameters carry their global names; every expert file's tensor is one of them."""
+    optimizer = _moe_optimizer_states(tag_dir)
+    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    model_states = files.load_model_states(model_file)
+    experts = read_experts(tag_dir, model_states, model_file)
+    ep_of_group = _expert_groups(optimizer)
+    local_shapes = files.param_shapes_of(model_states, model_file)
+    if len(local_shapes) != len(optimizer.states[0]["single_partition_of_fp32_groups"]):
+        raise SourceError(
+            f"{model_file}: {len(local_shapes)} param groups in param_shapes, the optimizer "
+            f"files have {len(optimizer.states[0]['single_partition_of_fp32_groups'])}"
+        )
+    shapes = [  # an expert group's local names, as every expert-parallel rank's global ones
+        {
+            experts.global_name(name, ep_rank, ep_of_group[group], model_file): shape
+            for ep_rank in range(ep_of_group[group])
+            for name, shape in group_shapes.items()
+        }
+        if group in ep_of_group
+        else group_shapes
+        for group, group_shapes in enumerate(local_shapes)
+    ]
+    expert_names = {name for group in ep_of_group for name in shapes[group]}
+    if expert_names != set(experts.weights):
+        missing = sorted(set(experts.weights) - expert_names)
+        extra = sorted(expert_names - set(experts.weights))
+        raise SourceError(
+            f"{tag_dir}: the expert param groups ({model_file}: param_shapes, local names "
+            f"of every expert-parallel rank) and the expert files disagree: only in the expert "
+            f"files {missing[:5]}, only in the optimizer groups {extra[:5]}"
+        )
+    for name in expert_names:
+        shape = next(group[name] for group in shapes if name in group)
+        weight, tensor = experts.weights[name]
+        if tuple(weight.shape) != tuple(shape):
+            raise SourceError(
+                f"{tensor.split(':', 1)[0]}: {name!r} has shape {tuple(weight.shape)}, "
+                f"param_shapes in {os.path.basename(model_file)} say {tuple(shape)}"
+            )
+
+    def rename(dp_rank: int, group: int, name: str) -> str:
+        ep_size = ep_of_group.get(group)
+        if ep_size is None:
+            return name
+        return experts.global_name(name, dp_rank % ep_size, ep_size, optimizer.files[dp_rank])
+
+    module = dict(model_states.get("module") or {})
+    module.update({name: weight for name, (weight, _) in experts.weights.items()})
+    checkpoint = zero.open_zero_rank(
+        tag_dir,
+        model_file,
+        model_states,
+        optimizer,
+        param_shapes=shapes,
+        module=module,
+        rename=rename,
+        rank_stride=dict(ep_of_group),
+        module_tensors={name: tensor for name, (_, tensor) in experts.weights.items()},
+    )
+    if checkpoint.frozen:
+        raise SourceError(
+            f"{model_file}: frozen parameters {sorted(checkpoint.frozen)[:5]} in a MoE "
+            "checkpoint; not supported"
+        )
+    return checkpoint, experts, ep_of_group
+
+
+def _moe_optimizer_states(tag_dir: str):
+    """The ZeRO 1/2 optimizer files of a MoE tag folder (those of model-parallel rank 0, the
+    only one: MoE with tensor or pipeline parallelism is refused, as stage 0's own reader is
+    elsewhere and stage 3 is not read)."""
+    by_rank, _ = files.optimizer_files_by_rank(tag_dir)
+    if not by_rank:
+        raise SourceError(
+            f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
+            "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
+        )
+    if set(by_rank) != {0}:
+        raise SourceError(
+            f"{tag_dir}: DeepSpeed MoE optimizer files of model-parallel ranks {sorted(by_rank)}; "
+            "MoE with tensor or pipeline parallelism is not supported"
+        )
+    optimizer = files.read_optimizer_states(tag_dir, by_rank[0])
+    if optimizer.stage not in (1, 2):
+        raise SourceError(
+            f"{optimizer.files[0]}: zero_stage {optimizer.stage}; DeepSpeed MoE checkpoints are "
+            "read for ZeRO stages 0, 1 and 2"
+        )
+    return optimizer
+
+
+def _checked_experts(
+    items: Iterator[writer.HostItem], checkpoint: DeepSpeedCheckpoint, experts: Experts
+) -> Iterator[writer.HostItem]:
+    """Each expert's fp32 master, assembled from its expert-parallel rank's partitions, must
+    round to the weight its expert file holds, every element: an expert read from another
+    rank's partition (a topology we mis-assume) cannot pass."""
+    for item in items:
+        if item.key[0] == "params" and item.key[1] in experts.weights:
+            check = functools.partial(_check_expert, item, *experts.weights[item.key[1]])
+            if isinstance(item.value, writer.Deferred):  # checked once the writer builds it
+                make = item.value.make
+                item.value = dataclasses.replace(item.value, make=lambda c=check, m=make: c(m()))
+            else:
+                check(item.value)
+        yield item
+
+
+def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
+    """``value`` (the fp32 master of ``item``) rounds to ``stored`` (``tensor``) everywhere."""
+    cast = mapped_file.read_out(np.asarray(value)).astype(stored.dtype)
+    stored = mapped_file.read_out(np.asarray(stored))
+    if cast.tobytes() != np.ascontiguousarray(stored).tobytes():
+        flat = int(np.argmax(cast.reshape(-1) != stored.reshape(-1)))
+        raise SourceError(
+            f"expert parameter {item.key[1]!r}: the fp32 master from "
+            f"{(item.provenance or {}).get('files')} disagrees with {tensor} (first at flat "
+            f"index {flat}: {cast.reshape(-1)[flat]!r} vs {stored.reshape(-1)[flat]!r}): "
+            "expert-parallel ranks assigned otherwise than DeepSpeed's default "
+            "expert-then-data topology, or files from different saves"
+        )
+    return value
+
+
+def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
+    """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
+    ``expp_rank_*`` files).
+
+    Args:
+        tag_dir: the tag folder.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    names = os.listdir(tag_dir)
+    if not any(files.OPTIMIZER_FILE.match(f) for f in names):
+        return plan_moe_zero0(tag_dir, weights_only=weights_only, share=share)
+    checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
+    source = zero.zero_source_info(checkpoint)
+    source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
+    found = zero.zero_tensors(checkpoint, source, weights_only=weights_only)
+    expert_tensors = [tensor for _, tensor in experts.weights.values()]
+    if checkpoint.model_dtype == np.dtype(np.float32):  # checked element by element
+        skip(
+            source,
+            expert_tensors,
+            "the expert's weight in the run's precision (fp32): the same values as its fp32 "
+            "master (checked), imported as params/",
+        )
+    found += expert_tensors
+    items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
+    return ImportPlan(
+        items=_checked_experts(items, checkpoint, experts),
+        source=source,
+        total_params=len(share.pick(checkpoint.names)),
+        source_tensors=found,
+    )
+
+
+def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
+    return {
+        "layout": "moe",
+        "ep_size": ep_sizes[0] if len(ep_sizes) == 1 else ep_sizes,
+        "num_experts": [experts.count[layer] for layer in sorted(experts.count)],
+        "expert_names": "global expert index (as the layer_L_expert_X files name them)",
+    }
+
+
+# --------------------------------------------------------------------------- ZeRO-0
+
+
+def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
+    """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
+    ``module`` and the expert files; Adam's moments and step from the torch
+    ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
+    index to name as :func:`zero0_index_names` says.
+
+    Args:
+        tag_dir: the tag folder.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    model_states = files.load_model_states(model_file)
+    experts = read_experts(tag_dir, model_states, model_file)
+    optimizer_files = _expert_optimizer_files(tag_dir, model_states, model_file)
+    weights = _module_weights(model_states, model_file)
+    clash = sorted(set(weights) & set(experts.weights))
+    if clash:
+        raise SourceError(
+            f"{model_file}: expert parameters {clash[:5]} are also in module (expected apart)"
+        )
+    dense = list(weights)
+    weights.update(experts.weights)
+    names = share.pick(weights)
+    file = os.path.basename(model_file)
+    source = files.source_record(
+        tag_dir, model_states, 0, **_moe_source(experts, [len(optimizer_files)])
+    )
+    found = [f"{file}:{n}" for n in tensor_names(model_states)]
+    found += [tensor for _, tensor in experts.weights.values()]
+    states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
+    for path, state in states.items():
+        found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
+    optimizer_tensors = [n for n in found if ":optimizer." in n]
+    moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
+    step = None
+    if weights_only:
+        skip(
+            source,
+            optimizer_tensors,
+            "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
+        )
+    else:
+        moments, step = zero0_moments(
+            model_states, model_file, states, dense, experts, weights, source
+        )
+    imported = {tensor for _, tensor in weights.values()}
+    imported |= {t for *_, tensors in moments.values() for t in tensors}
+    imported |= set(step[1]) if step is not None else set()
+    skip(source, sorted(set(found) - imported), "not a module weight")  # the first reason stays
+
+    items = _zero0_items(names, weights, moments, step if share.primary else None)
+    return ImportPlan(items, source, len(names), source_tensors=found)
+
+
+def _module_weights(model_states: Mapping, model_file: str) -> dict[str, tuple[np.ndarray, str]]:
+    """The dense weights of ``module`` (buffers left out), each with the tensor it is read
+    from."""
+    module = model_states.get("module")
+    if not isinstance(module, Mapping) or not module:
+        raise SourceError(f"{model_file}: no 'module' weights to import")
+    file = os.path.basename(model_file)
+    buffers = set(model_states.get("buffer_names") or [])
+    return {
+        str(n): (v, f"{file}:module.{n}")
+        for n, v in module.items()
+        if isinstance(v, np.ndarray) and n not in buffers
+    }
+
+
+def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
+    """Each parameter of ``names`` with its Adam moments (when imported), then the step (given
+    to the primary process only): written in this order, so a parameter's state follows it."""
+    for name in names:
+        value, tensor = weights[name]
+        yield host_item(
+            ("params", name),
+            value,
+            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
+        )
+        if name not in moments:
+            continue
+        mu, nu, tensors = moments[name]
+        provenance = {
+            "files": sorted({t.split(":", 1)[0] for t in tensors}),
+            "pattern": "zero0-optimizer-index",
+        }
+        for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
+            yield host_item(
+                ("opt_state", tree, name),
+                value,
+                dict(provenance, tensors=[t for t in tensors if t.endswith("." + state)]),
+            )
+    if step is not None:
+        value, tensors = step
+        yield host_item(
+            ("opt_state", "count"),
+            np.asarray(value, np.int32),
+            {
+                "files": sorted({t.split(":", 1)[0] for t in tensors}),
+                "pattern": "step",
+                "tensors": tensors,
+            },
+        )
+
+
+def zero0_index_names(
+    groups: list, dense: list[str], experts: Experts, ep_rank: int, ep_size: int, where: str
+) -> dict[int, str]:
+    """Parameter index -> name of one expert-parallel rank's ZeRO-0 torch optimizer.
+
+    ZeRO-0 hands the torch optimizer the parameter groups of the training script, and its
+    ``state_dict()`` keys the state by position; DeepSpeed's own resume loads it back by
+    position. DeepSpeed MoE requires the groups of ``split_params_into_different_moe_groups_
+    for_optimizer``, which keeps the module order within each group: one dense group (the
+    module's parameters without the experts) and one expert group ``ep_size_E`` (this rank's
+    experts, MoE layer by layer, local expert by local expert, each in its expert file's key
+    order). Anything else (several dense groups, e.g. weight-decay groups, or other sizes) is
+    refused: which parameter sits at which position would be a guess. The caller checks every
+    moment's shape against its parameter.
+
+    Args:
+        groups: the torch optimizer's ``param_groups``.
+        dense: the module's parameters without the experts, in module order.
+        experts: the expert files read.
+        ep_rank: this expert-parallel rank.
+        ep_size: the expert-parallel degree.
+        where: the optimizer file, for errors.
+    """
+    dense_groups = [g for g in groups if isinstance(g, Mapping) and not g.get("moe")]
+    expert_groups = [g for g in groups if isinstance(g, Mapping) and g.get("moe")]
+    if len(groups) != 2 or len(dense_groups) != 1 or len(expert_groups) != 1:
+        raise SourceError(
+            f"{where}: {len(dense_groups)} dense and {len(expert_groups)} expert param groups; "
+            "the index -> parameter mapping of ZeRO-0 optimizer state is known for one dense "
+            "group and one expert group (split_params_into_different_moe_groups_for_optimizer "
+            "of model.parameters()); import the weights with weights_only=True"
+        )
+    local: list[str] = []
+    for layer in sorted(experts.files):
+        count = experts.count[layer] // ep_size
+        for expert in range(ep_rank * count, (ep_rank + 1) * count):
+            prefix = f"layer_{layer}_expert_{expert}_"
+            local += [
+                name for name, (_, tensor) in experts.weights.items() if tensor.startswith(prefix)
+            ]
+    out: dict[int, str] = {}
+    for group, names in ((dense_groups[0], dense), (expert_groups[0], local)):
+        params = group.get("params")
+        if not isinstance(params, (list, tuple)) or len(params) != len(names):
+            raise SourceError(
+                f"{where}: param group {group.get('name')!r} holds "
+                f"{len(params) if isinstance(params, (list, tuple)) else params!r} parameters, "
+                f"the checkpoint's {'expert' if group.get('moe') else 'dense'} parameters of "
+                f"expert-parallel rank {ep_rank} are {len(names)}; import the weights with "
+                "weights_only=True"
+            )
+        for index, name in zip(params, names):
+            if not isinstance(index, int) or isinstance(index, bool) or index in out:
+                raise SourceError(f"{where}: bad or repeated parameter index {index!r}")
+            out[index] = name
+    return out
+
+
+def zero0_moments(model_states, model_file, states, dense, experts, weights, source):
+    """``{name: (exp_avg, exp_avg_sq, source tensors)}`` and ``(step, tensors)`` of a ZeRO-0 MoE
+    run: each expert's from its expert-parallel rank's file, the dense ones from rank 0's, which
+    every other rank (and the model states' ``optimizer``, rank 0's own copy) must hold bit for
+    bit (data-parallel replicas; their copies are listed in ``source.skipped``).
+
+    Args:
+        model_states: rank 0's loaded model states file.
+        model_file: its path.
+        states: each expert-parallel rank's optimizer file, loaded.
+        dense: the dense parameters' names.
+        experts: the expert files read.
+        weights: every parameter's weight, by name (for the shape checks).
+        source: the manifest's source record, whose ``skipped`` is filled.
+    """
+    if any(np.asarray(weights[n][0]).dtype != np.float32 for n in weights):
+        raise SourceError(
+            f"{model_file}: ZeRO-0 optimizer state is imported for fp32 runs (the weights are "
+            "then the trained values); import the weights with weights_only=True"
+        )
+    ep_size = len(states)
+    moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
+    steps: dict[float, str] = {}
+    step_tensors: list[str] = []
+    copies = [(model_file, model_states, 0)] + [
+        (path, state, rank) for rank, (path, state) in enumerate(states.items())
+    ]
+    for path, state, ep_rank in copies:
+        file = os.path.basename(path)
+        optimizer = require(state, "optimizer", path)
+        groups = require(optimizer, "param_groups", f"{path} optimizer")
+        inner = require(optimizer, "state", f"{path} optimizer")
+        by_index = zero0_index_names(list(groups), dense, experts, ep_rank, ep_size, path)
+        if set(inner) != set(by_index):
+            raise SourceError(
+                f"{path}: optimizer state for parameter indices {sorted(inner)[:8]}..., the param "
+                f"groups list {sorted(by_index)[:8]}...; every parameter needs its Adam state"
+            )
+        for index, name in by_index.items():
+            entry = inner[index]
+            where = f"{file}:optimizer.state.{index}"
+            pair = _adam_moments(entry, where, name, np.asarray(weights[name][0]).shape)
+            if "step" in entry:
+                steps.setdefault(
+                    float(mapped_file.read_out(np.asarray(entry["step"]))), f"in {where}"
+                )
+                if isinstance(entry["step"], np.ndarray):
+                    step_tensors.append(f"{where}.step")
+            tensors = [f"{where}.exp_avg", f"{where}.exp_avg_sq"]
+            held = moments.get(name)
+            _check_replica(held[:2] if held else (), pair, tensors, name)
+            if held is None or not held[2]:  # rank 0's own copy is listed below, not here
+                first = held or pair
+                moments[name] = (first[0], first[1], [] if path == model_file else tensors)
+            else:
+                skip(source, tensors, f"replica of {held[2][0].rsplit('.', 1)[0]} (bit-identical)")
+    model_copy = os.path.basename(model_file)
+    skip(
+        source,
+        [
+            f"{model_copy}:optimizer.state.{i}.{k}"
+            for i in require(model_states["optimizer"], "state", model_file)
+            for k in ("exp_avg", "exp_avg_sq")
+        ],
+        "rank 0's optimizer state, the same as expp_rank_0's (checked bit-identical)",
+    )
+    count = agreed_step(
+        steps,
+        os.path.dirname(model_file),
+        recorded_by="ranks or parameters",
+        error=SourceError,
+    )
+    return moments, (count, step_tensors)
+
+
+def _adam_moments(entry, where: str, name: str, shape: tuple) -> list[np.ndarray]:
+    """``exp_avg`` and ``exp_avg_sq`` of one optimizer state entry, of the parameter's shape: a
+    shape that differs means the index-to-name order is not the module's."""
+    pair = []
+    for key in ("exp_avg", "exp_avg_sq"):
+        value = require(entry, key, where)
+        if not isinstance(value, np.ndarray) or value.shape != shape:
+            raise SourceError(
+                f"{where}.{key}: shape {getattr(value, 'shape', None)} but parameter "
+                f"{name!r} (at this index) has shape {shape}: the parameter order is not "
+                "the module's; import the weights with weights_only=True"
+            )
+        pair.append(value)
+    return pair
+
+
+def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
+    """Another rank's copy of a parameter's moments (``pair``) equals the one kept
+    (``stored``, empty for the first): data-parallel replicas hold the same Adam state, so a
+    difference means files from different saves."""
+    for kept, value, tensor in zip(stored, pair, tensors):
+        if kept.tobytes() != value.tobytes():
+            raise SourceError(
+                f"{tensor}: {name!r} differs from the same parameter's state on another "
+                "rank (data-parallel replicas hold the same Adam state): files from "
+                "different saves"
+            )
+
+
+def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
+    """``expp_rank_P_mp_rank_00_optim_states.pt`` for P = 0..E-1 (E from the expert param
+    group's name ``ep_size_E`` in the model states' optimizer), no other."""
+    found: dict[int, str] = {}
+    for name in sorted(os.listdir(tag_dir)):
+        match = files.EXPERT_OPTIMIZER_FILE.match(name)
+        if match:
+            if int(match.group(2)) != 0:
+                raise SourceError(
+                    f"{os.path.join(tag_dir, name)}: model-parallel rank {match.group(2)}; "
+                    "DeepSpeed MoE with tensor or pipeline parallelism is not supported"
+                )
+            found[int(match.group(1))] = os.path.join(tag_dir, name)
+    optimizer = model_states.get("optimizer")
+    groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
+    sizes = {
+        int(m.group(1))
+        for g in groups or []
+        if isinstance(g, Mapping) and (m := EP_GROUP_NAME.match(str(g.get("name"))))
+    }
+    if len(sizes) > 1:
+        raise SourceError(f"{model_file}: several expert parallel sizes {sorted(sizes)}")
+    ep_size = sizes.pop() if sizes else len(found)
+    for rank in range(ep_size):
+        if rank not in found:
+            raise SourceError(
+                f"{os.path.join(tag_dir, f'expp_rank_{rank}_mp_rank_00_optim_states.pt')}: "
+                f"missing optimizer file of expert-parallel rank {rank} (expert parallel size "
+                f"{ep_size})"
+            )
+    extra = sorted(set(found) - set(range(ep_size)))
+    if extra:
+        raise SourceError(
+            f"{tag_dir}: optimizer files of expert-parallel ranks {extra} beyond the expert "
+            f"parallel size {ep_size}: {[os.path.basename(found[r]) for r in extra]}"
+        )
+    return [found[rank] for rank in range(ep_size)]
+
+
+__all__ = ["Experts", "open_moe_zero_checkpoint", "plan_moe", "plan_moe_zero0", "read_experts"]

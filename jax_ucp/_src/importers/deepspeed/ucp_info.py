@@ -1,0 +1,182 @@
+"""Translate DeepSpeed's ``universal_checkpoint_info`` (what Megatron-DeepSpeed stores in its
+``mp_rank_XX_model_states.pt``) into UCP-language import rules.
+
+DeepSpeed's ``ds_to_universal`` decides per parameter name (``re.match``, i.e. anchored at the
+start only), in this order: tp-replicated (checked equal) > parameters to average
+(sum / n) > 2 sub-params concatenated on dim 0 (SwiGLU) > sub-params of given shapes
+(``parameter_with_sub_params``: fused QKV ...) > row parallel (cat dim 1) > otherwise cat
+dim 0; then, independently, vocabulary parameters have their padding stripped to
+``original_vocab_size`` along dim 0. Tensors matching ``pipeline_replicated_parameter_patterns``
+are held on several pipeline stages (tied embeddings).
+
+The rules below reproduce exactly that decision with the language's first-match-wins order:
+``re.match(A, name)`` is the full match of ``(?:A).*``, and a name that must match both A and B
+(a vocabulary or pipeline-replicated parameter of some category) gets a rule with pattern
+``(?:A).*`` and ``also = ["(?:B).*"]``. The patterns come from a checkpoint file, so they are
+matched with RE2 (time linear in the name, ``language.patterns``); one RE2 cannot compile
+(look-arounds, back-references) is an error naming the file and the pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from jax_ucp._src.errors import LanguageError
+from jax_ucp._src.language.kinds import (
+    Averaged,
+    Kind,
+    Partitioned,
+    PipelineTied,
+    Replicated,
+    SubParams,
+    SwiGLU,
+    Vocab,
+)
+from jax_ucp._src.language.patterns import compile_pattern
+from jax_ucp._src.language.spec import ImportRule, Spec
+
+TP_REPLICATED = "tp_replicated_parameter_patterns"
+TO_AVERAGE = "parameter_to_average_patterns"
+TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
+SUB_PARAMS = "parameter_with_sub_params"
+ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
+VOCABULARY = "vocabulary_parameter_patterns"
+PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
+ORIGINAL_VOCAB_SIZE = "original_vocab_size"
+PADDED_VOCAB_SIZE = "padded_vocab_size"
+
+
+def _sub_params_kind(entry: Mapping, where: str) -> tuple[list[str], Kind]:
+    try:
+        patterns = list(entry["patterns"])
+        shape = list(entry["shape"])
+        dim = int(entry["partition_dim"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise LanguageError(
+            f"{where}: a {SUB_PARAMS} entry needs patterns, shape and partition_dim ({e})"
+        ) from None
+    sizes = shape[dim]
+    sizes = tuple(int(x) for x in sizes) if isinstance(sizes, (list, tuple)) else (int(sizes),)
+    return patterns, SubParams(dim=dim, sizes=sizes)
+
+
+def import_rules_from_ucp_info(
+    info: Mapping[str, Any], *, strict: bool = False, where: str = "universal_checkpoint_info"
+) -> list[ImportRule]:
+    """Import rules equivalent to ds_to_universal's handling of ``info``.
+
+    ``strict``: every pattern DeepSpeed lists must match some tensor (ds_to_universal --strict);
+    by default unused patterns are allowed, as DeepSpeed only warns.
+
+    Args:
+        info: ``universal_checkpoint_info``.
+        strict: every pattern must match some tensor.
+        where: the file holding ``info``, for errors.
+    """
+    categories = _categories(info, where)
+    vocab = _patterns(info, VOCABULARY, where)
+    pipe = _patterns(info, PIPELINE_REPLICATED, where)
+    vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
+    rules: list[ImportRule] = []
+    for p, k in categories:
+        rules += _rules_for(p, k, f"{k.kind} {p!r}", strict, vocab, pipe, vocab_size)
+    rules += _rules_for(
+        None, Partitioned(dim=0), "default: cat dim 0", False, vocab, pipe, vocab_size
+    )
+    return rules
+
+
+def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
+    """The patterns ``info[key]`` lists (one string is a list of one), each RE2-compiled."""
+    v = info.get(key) or []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, (list, tuple)):
+        raise LanguageError(f"{where}.{key}: expected a list of patterns, found {type(v).__name__}")
+    for p in v:  # each alone, so an error names the pattern as the file holds it
+        compile_pattern(p, f"{where}.{key}: ")
+    return [str(p) for p in v]
+
+
+def _categories(info: Mapping[str, Any], where: str) -> list[tuple[str, Kind]]:
+    """(pattern, kind) of every category, in ds_to_universal's order of precedence."""
+    first = (
+        (TP_REPLICATED, Replicated()),
+        (TO_AVERAGE, Averaged()),
+        (TWO_SUB_PARAMS, SwiGLU(dim=0)),
+    )
+    categories = [(p, k) for key, k in first for p in _patterns(info, key, where)]
+    for i, e in enumerate(info.get(SUB_PARAMS) or []):
+        ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
+        for p in ps:
+            compile_pattern(p, f"{where}.{SUB_PARAMS}[{i}]: ")
+        categories += [(p, k) for p in ps]
+    return categories + [(p, Partitioned(dim=1)) for p in _patterns(info, ROW_PARALLEL, where)]
+
+
+def _rules_for(
+    p: str | None,
+    kind: Kind,
+    label: str,
+    required: bool,
+    vocab: list[str],
+    pipe: list[str],
+    vocab_size: Any,
+) -> list[ImportRule]:
+    """One category's rules: with each vocabulary and pipeline-replicated pattern it may also
+    match (the kind wrapped accordingly), then alone; only the plain rule may be required."""
+    rules = []
+    for v, q in [(v, q) for v in vocab + [None] for q in pipe + [None]]:
+        body = f"(?:{p}).*" if p is not None else ".*"
+        req = required and v is None and q is None
+        rules.append(
+            ImportRule(
+                body,
+                _wrap(kind, vocab_size, v is not None, q is not None),
+                required=req,
+                label=f"{label}{' + vocab ' + repr(v) if v else ''}"
+                f"{' + pipeline-replicated ' + repr(q) if q else ''}",
+                also=tuple(f"(?:{x}).*" for x in (v, q) if x is not None),
+            )
+        )
+    return rules
+
+
+def _wrap(kind: Kind, vocab_size: Any, with_vocab: bool, with_pipe: bool) -> Kind:
+    if with_vocab:
+        kind = Vocab(dim=0, vocab_size=vocab_size, inner=kind)
+    if with_pipe:
+        kind = PipelineTied(inner=kind)
+    return kind
+
+
+def spec_from_ucp_info(
+    info: Mapping[str, Any],
+    *,
+    name: str = "deepspeed-ucp-info",
+    strict: bool = False,
+    where: str = "universal_checkpoint_info",
+    **settings,
+) -> Spec:
+    """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc);
+    ``where`` (the file holding ``info``) starts every error.
+
+    Args:
+        info: ``universal_checkpoint_info``.
+        name: the spec's name.
+        strict: every pattern must match some tensor.
+        where: the file holding ``info``, for errors.
+        **settings: the spec's settings (head counts, ...).
+    """
+    s = dict(settings)
+    if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
+        s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
+    if PADDED_VOCAB_SIZE in info:
+        s.setdefault("padded_vocab_size", int(info[PADDED_VOCAB_SIZE]))
+    return Spec(
+        name=name,
+        settings=s,
+        imports=tuple(import_rules_from_ucp_info(info, strict=strict, where=where)),
+        strict=strict,
+    )

@@ -1,0 +1,1017 @@
+"""One model-parallel rank's ZeRO 1/2/3 partitions, reassembled one parameter at a time.
+
+Layouts (DeepSpeed 0.19, checked against ``ds_to_universal`` and ``zero_to_fp32``):
+
+* stage 1/2: DP rank r's ``optimizer_state_dict`` holds, per param group g, a flat fp32 partition
+  ``single_partition_of_fp32_groups[g]`` and flat ``base_optimizer_state.state[g]`` {step,
+  exp_avg, exp_avg_sq}; ``param_slice_mappings[g][name] = fragment_address(numel, start)`` says
+  which slice of rank r's partition holds which part of the parameter (a parameter can straddle
+  ranks; group ends are padded, ``group_paddings``). Concatenating the fragments in rank order
+  gives the flattened parameter.
+* stage 3: DP rank r holds ``fp32_flat_groups`` (one flat tensor per sub-group; virtually
+  concatenated) and ``optimizer_state_dict.state[i]`` per sub-group. Each parameter of
+  ``param_shapes`` (in order) takes ``ceil(numel / W)`` elements of every rank's flat vector;
+  rank r holds elements ``[r*p, (r+1)*p)`` of the flattened parameter, the tail padded.
+
+A plain ZeRO checkpoint is one such rank; a Megatron-DeepSpeed TP/PP checkpoint is a grid of them
+(:mod:`deepspeed.megatron`). Everything stays memory-mapped until a parameter is yielded.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.importers.deepspeed.files import (
+    OPTIMIZER_FILE,
+    ZERO3_MODEL_FILE,
+    OptimizerStates,
+    check_dp_world_size,
+    dtype_of_run,
+    frozen_shapes_of,
+    load_model_states,
+    numel,
+    optimizer_files_by_rank,
+    param_shapes_of,
+    read_optimizer_states,
+    require,
+    source_record,
+    unsafe_files_refused,
+)
+from jax_ucp._src.importers.plan import (
+    TENSORS,
+    VALUES,
+    WHOLE,
+    ImportPlan,
+    Share,
+    agreed_step,
+    host_item,
+    jsonable,
+    skip,
+    tensor_names,
+)
+from jax_ucp._src.torchfiles.unpickler import StandIn
+
+#: The optimizer states of a parameter, in output order, with where each goes in the output tree.
+STATE_TREES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("fp32", ("params",)),
+    ("exp_avg", ("opt_state", "mu")),
+    ("exp_avg_sq", ("opt_state", "nu")),
+)
+
+
+#: Stage 3's model states file of one (DP rank, model-parallel rank).
+ZERO3_MODEL_NAME = "zero_pp_rank_{}_mp_rank_{:02d}_model_states.pt"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous part of a flattened parameter in one DP rank's flat state vector."""
+
+    dp_rank: int
+    start: int  # in the rank's (virtual) flat vector
+    numel: int
+
+
+@dataclass(frozen=True)
+class ParameterFragments:
+    """Where a parameter lives: its param group and its pieces in DP-rank order."""
+
+    group: int
+    pieces: list[Piece]
+
+
+@dataclass
+class DeepSpeedCheckpoint:
+    """One model-parallel rank's ZeRO files, validated up front (the whole checkpoint when there
+    is no tensor/pipeline parallelism)."""
+
+    tag_dir: str
+    stage: int
+    world_size: int
+    model_dtype: np.dtype
+    param_shapes: list[dict[str, tuple[int, ...]]]  # per param group (stage 3: as stored)
+    model_file: str
+    optim_files: list[str]
+    model_states: Mapping
+    optim_states: list[dict]  # per DP rank: the 'optimizer_state_dict'
+    module: Mapping[str, np.ndarray] = field(default_factory=dict)
+    shared_params: Mapping[str, str] = field(default_factory=dict)
+    fragment_plan: dict[str, ParameterFragments] = field(default_factory=dict)
+    # requires_grad=False parameters: name -> shape, and where their weights are (stage 1/2:
+    # whole in the model states file; stage 3: one partition per DP rank's model states file)
+    frozen: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    frozen_files: list[str] = field(default_factory=list)
+    mp_rank: int = 0  # the model-parallel rank these files are of (stage-3 file names)
+    # DeepSpeed MoE (stage 1/2): the output name of a name in DP rank r's param_slice_mappings
+    # of group g (local expert index -> global), and per group the DP-rank distance between
+    # consecutive ranks of its partition (expert groups are partitioned over the
+    # expert-data-parallel ranks, ``ep_size`` apart)
+    rename: Callable[[int, int, str], str] | None = None
+    rank_stride: dict[int, int] = field(default_factory=dict)
+    # where a ``module`` entry was read from when not ``<model file>:module.<name>`` (experts)
+    module_tensors: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [name for group in self.param_shapes for name in group]
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: shape for group in self.param_shapes for name, shape in group.items()}
+
+    @property
+    def model_files(self) -> list[str]:
+        """The rank's model states files: one, or stage 3's one per DP rank."""
+        if self.stage != 3:
+            return [self.model_file]
+        return [
+            os.path.join(self.tag_dir, ZERO3_MODEL_NAME.format(r, self.mp_rank))
+            for r in range(self.world_size)
+        ]
+
+    def module_tensor(self, name: str) -> str:
+        """The source tensor (``<file>:<key>``) of ``module`` entry ``name``."""
+        default = f"{os.path.basename(self.model_file)}:module.{name}"
+        return self.module_tensors.get(name, default)
+
+
+# --------------------------------------------------------------------------- opening
+
+
+def open_zero_checkpoint(tag_dir: str) -> DeepSpeedCheckpoint:
+    """The ZeRO files of a tag folder without tensor/pipeline parallelism (MP rank 0 only)."""
+    by_rank, _ = optimizer_files_by_rank(tag_dir)
+    if not by_rank.get(0):
+        raise SourceError(f"{tag_dir}: no '*zero_pp_rank_*_mp_rank_00_optim_states.pt' files")
+    if set(by_rank) != {0}:  # unreachable through open_deepspeed_checkpoint (dispatched first)
+        raise SourceError(f"{tag_dir}: model-parallel ranks {sorted(by_rank)} found")
+    optimizer = read_optimizer_states(tag_dir, by_rank[0])
+    model_file = model_states_file(tag_dir, optimizer)
+    model_states = load_model_states(model_file)
+    if model_states.get("mp_world_size", 1) not in (None, 1):
+        raise SourceError(
+            f"{model_file}: mp_world_size is {model_states['mp_world_size']} but the folder holds "
+            f"the files of model-parallel rank 0 only (missing mp_rank_01_* files?)"
+        )
+    return open_zero_rank(tag_dir, model_file, model_states, optimizer)
+
+
+def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0) -> str:
+    """The model states file of the stage (of model-parallel rank ``mp_rank``); stage 3 also
+    needs one file per DP rank.
+
+    Args:
+        tag_dir: the tag folder.
+        optimizer: the checked optimizer files (their stage).
+        mp_rank: the model-parallel rank.
+    """
+    if optimizer.stage in (1, 2):
+        return os.path.join(tag_dir, f"mp_rank_{mp_rank:02d}_model_states.pt")
+    if optimizer.stage != 3:
+        raise SourceError(f"{optimizer.files[0]}: unsupported zero_stage {optimizer.stage}")
+    for dp_rank in range(optimizer.world_size):
+        path = os.path.join(tag_dir, ZERO3_MODEL_NAME.format(dp_rank, mp_rank))
+        if not os.path.lexists(path):
+            raise SourceError(f"{path}: missing stage-3 model states file for DP rank {dp_rank}")
+        with unsafe_files_refused(f" (stage-3 model states of DP rank {dp_rank})"):
+            files.check_regular(path)
+    found = [
+        f
+        for f in os.listdir(tag_dir)
+        if (m := ZERO3_MODEL_FILE.match(f)) and int(m.group(2)) == mp_rank
+    ]
+    if len(found) != optimizer.world_size:
+        raise SourceError(
+            f"{tag_dir}: world size metadata says {optimizer.world_size} DP ranks but found "
+            f"{len(found)} stage-3 model states files"
+            + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
+        )
+    return os.path.join(tag_dir, ZERO3_MODEL_NAME.format(0, mp_rank))
+
+
+def open_zero_rank(
+    tag_dir: str,
+    model_file: str,
+    model_states: Mapping,
+    optimizer: OptimizerStates,
+    mp_rank: int = 0,
+    *,
+    param_shapes: list[dict[str, tuple[int, ...]]] | None = None,
+    module: Mapping | None = None,
+    **layout: Any,
+) -> DeepSpeedCheckpoint:
+    """One model-parallel rank from its model states and checked optimizer files; checks that
+    the optimizer partitions hold exactly every parameter of ``param_shapes``.
+
+    Args:
+        tag_dir: the tag folder.
+        model_file: the rank's model states file.
+        model_states: its loaded content.
+        optimizer: the rank's checked optimizer files.
+        mp_rank: the model-parallel rank.
+        param_shapes: each group's parameter shapes (None: the model states' ``param_shapes``).
+        module: the model weights (None: the model states' ``module``).
+        layout: further ``DeepSpeedCheckpoint`` fields (MoE: ``rename``, ``rank_stride``,
+            ``module_tensors``).
+    """
+    check_dp_world_size(model_states, model_file, optimizer)
+    if param_shapes is None:
+        param_shapes = param_shapes_of(model_states, model_file)
+    if module is None:
+        module = model_states.get("module") or {}
+    # DeepSpeed's shared_params: tied name (not stored) -> the stored parameter's name
+    shared = model_states.get("shared_params") or {}
+    if not isinstance(shared, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in shared.items()
+    ):
+        raise SourceError(f"{model_file}: shared_params is not a dict of names")
+    checkpoint = DeepSpeedCheckpoint(
+        tag_dir=tag_dir,
+        stage=optimizer.stage,
+        world_size=optimizer.world_size,
+        model_dtype=dtype_of_run(model_states.get("ds_config") or {}, module),
+        param_shapes=param_shapes,
+        model_file=model_file,
+        optim_files=optimizer.files,
+        model_states=model_states,
+        optim_states=optimizer.states,
+        module=module,
+        shared_params=dict(shared),
+        mp_rank=mp_rank,
+        **layout,
+    )
+    checkpoint.fragment_plan = plan_fragments(checkpoint)
+    checkpoint.frozen = frozen_shapes_of(model_states, model_file, checkpoint.names)
+    if checkpoint.frozen:
+        checkpoint.frozen_files = checkpoint.model_files
+    return checkpoint
+
+
+# --------------------------------------------------------------------------- fragment maps
+
+
+class FlatVector:
+    """Several flat arrays of one rank seen as one vector (stage-3 sub-groups)."""
+
+    def __init__(self, arrays: Sequence[np.ndarray], what: str):
+        self.arrays = [np.asarray(a).reshape(-1) for a in arrays]
+        self.offsets = np.cumsum([0] + [a.size for a in self.arrays]).tolist()
+        self.what = what
+
+    @property
+    def size(self) -> int:
+        return self.offsets[-1]
+
+    def take(self, start: int, count: int) -> list[np.ndarray]:
+        """Views of elements ``[start, start + count)``, one per array they span."""
+        if start + count > self.size:
+            raise SourceError(
+                f"{self.what}: needs elements [{start}, {start + count}) but holds {self.size}"
+            )
+        out = []
+        for array, offset in zip(self.arrays, self.offsets):
+            low, high = max(start, offset), min(start + count, offset + array.size)
+            if low < high:
+                out.append(array[low - offset : high - offset])
+        return out
+
+
+def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
+    """Where every parameter's pieces are, checked against the partitions' sizes before any
+    tensor byte is read."""
+    if checkpoint.stage in (1, 2):
+        _check_stage12_partitions(checkpoint)
+        plan = _plan_stage12(checkpoint)
+        _check_stage12_contiguity(checkpoint, plan)
+    else:
+        plan = _plan_stage3(checkpoint)
+    shapes = checkpoint.shapes
+    for name, fragments in plan.items():
+        held = sum(piece.numel for piece in fragments.pieces)
+        if held != numel(shapes[name]):
+            raise SourceError(
+                f"{checkpoint.tag_dir}: parameter {name!r} shape {shapes[name]} has "
+                f"{numel(shapes[name])} elements but the optimizer files hold {held} "
+                f"(ranks {[piece.dp_rank for piece in fragments.pieces]})"
+            )
+    return plan
+
+
+def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
+    """From every rank's ``param_slice_mappings``: name -> (group, pieces in rank order).
+
+    Every fragment is checked before any tensor byte is read: a positive element count from a
+    non-negative start, inside its rank's partition, and no two parameters on the same
+    elements. The sum per parameter is checked against its shape by the caller. Without these,
+    a mapping onto another parameter's range (or a negative start, which numpy reads from the
+    end) imports wrong values whenever the model weights are not there to compare against."""
+    plan = {
+        name: ParameterFragments(group, [])
+        for group, shapes in enumerate(checkpoint.param_shapes)
+        for name in shapes
+    }
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        slice_mappings = require(optimizer_state, "param_slice_mappings", path)
+        if len(slice_mappings) != len(checkpoint.param_shapes):
+            raise SourceError(
+                f"{path}: {len(slice_mappings)} param groups in param_slice_mappings, "
+                f"{checkpoint.model_file} has {len(checkpoint.param_shapes)}"
+            )
+        for group, mapping in enumerate(slice_mappings):
+            for name, address in mapping.items():
+                if checkpoint.rename is not None:
+                    name = checkpoint.rename(dp_rank, group, name)
+                fragments = plan.get(name)
+                if fragments is None:
+                    raise SourceError(
+                        f"{path}: parameter {name!r} in param_slice_mappings is not in "
+                        f"param_shapes of {checkpoint.model_file}"
+                    )
+                if fragments.group != group:
+                    raise SourceError(
+                        f"{path}: parameter {name!r} in group {group}, expected {fragments.group}"
+                    )
+                if not isinstance(address, StandIn) or not all(
+                    hasattr(address, attribute) for attribute in ("numel", "start")
+                ):
+                    raise SourceError(f"{path}: bad fragment_address for {name!r}: {address!r}")
+                # a StandIn: its attributes come from the pickle (getattr for pyright)
+                start, count = getattr(address, "start"), getattr(address, "numel")  # noqa: B009
+                size = optimizer_state["single_partition_of_fp32_groups"][group].size
+                if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
+                    raise SourceError(
+                        f"{path}: parameter {name!r}: fragment_address start={start!r} "
+                        f"numel={count!r}; expected a start >= 0 and numel > 0"
+                    )
+                if start + count > size:
+                    raise SourceError(
+                        f"{path}: parameter {name!r}: fragment [{start}, {start + count}) reaches "
+                        f"past the end of group {group}'s partition of {size} elements"
+                    )
+                fragments.pieces.append(Piece(dp_rank, int(start), int(count)))
+        _check_no_overlap(plan, dp_rank, path)
+    return plan
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path: str) -> None:
+    """No element of DP rank ``dp_rank``'s partitions belongs to two parameters."""
+    spans = sorted(
+        (fragments.group, piece.start, piece.start + piece.numel, name)
+        for name, fragments in plan.items()
+        for piece in fragments.pieces
+        if piece.dp_rank == dp_rank
+    )
+    for (group, start, end, name), (next_group, next_start, next_end, other) in itertools.pairwise(
+        spans
+    ):
+        if group == next_group and next_start < end:
+            raise SourceError(
+                f"{path}: parameters {name!r} (elements [{start}, {end})) and {other!r} "
+                f"([{next_start}, {next_end})) overlap in group {group}'s partition; each "
+                "element belongs to one parameter"
+            )
+
+
+def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragments]:
+    """Stage 3 records no map: each parameter takes ``ceil(numel / W)`` of every rank, in order;
+    every rank's flat fp32 vector is exactly as long as its share of ``param_shapes``."""
+    plan: dict[str, ParameterFragments] = {}
+    offset = 0
+    world = checkpoint.world_size
+    for group, shapes in enumerate(checkpoint.param_shapes):
+        for name, shape in shapes.items():
+            count = numel(shape)
+            part = math.ceil(count / world)
+            takes = ((dp_rank, min(part, count - dp_rank * part)) for dp_rank in range(world))
+            pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
+            plan[name] = ParameterFragments(group, pieces)
+            offset += part
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        fp32 = FlatVector(
+            require(optimizer_state, "fp32_flat_groups", path), f"{path} fp32_flat_groups"
+        )
+        if fp32.size != offset:
+            raise SourceError(
+                f"{path}: fp32_flat_groups hold {fp32.size} elements; param_shapes in "
+                f"{checkpoint.model_file} with {world} DP ranks need {offset}"
+            )
+    return plan
+
+
+def _check_stage12_partitions(checkpoint: DeepSpeedCheckpoint) -> None:
+    """Every group has an fp32 partition, and moments at least as long."""
+    groups = len(checkpoint.param_shapes)
+    for dp_rank, optimizer_state in enumerate(checkpoint.optim_states):
+        path = checkpoint.optim_files[dp_rank]
+        fp32 = require(optimizer_state, "single_partition_of_fp32_groups", path)
+        inner = require(require(optimizer_state, "base_optimizer_state", path), "state", path)
+        if not isinstance(fp32, (list, tuple)) or not all(
+            isinstance(part, np.ndarray) for part in fp32
+        ):
+            raise SourceError(f"{path}: single_partition_of_fp32_groups is not a list of tensors")
+        if len(fp32) != groups:
+            raise SourceError(f"{path}: {len(fp32)} fp32 partitions for {groups} groups")
+        for group in range(len(fp32)):
+            for state_name in ("exp_avg", "exp_avg_sq"):
+                group_state = require(inner, group, f"{path} state")
+                moment = require(group_state, state_name, f"{path} state[{group}]")
+                if not isinstance(moment, np.ndarray):
+                    raise SourceError(
+                        f"{path}: group {group} {state_name} is a {type(moment).__name__}, "
+                        "expected a tensor"
+                    )
+                if moment.size < fp32[group].size:
+                    raise SourceError(
+                        f"{path}: group {group} {state_name} has {moment.size} elements, "
+                        f"fp32 partition has {fp32[group].size}"
+                    )
+
+
+def _check_stage12_contiguity(
+    checkpoint: DeepSpeedCheckpoint, plan: Mapping[str, ParameterFragments]
+) -> None:
+    """A parameter split across ranks continues on the next rank: its piece on a rank ends at
+    that rank's partition end, and the next piece starts at 0 on the next rank. Rank files in
+    the wrong order break this for every parameter that straddles two partitions."""
+    for name, fragments in plan.items():
+        pieces = fragments.pieces
+        stride = checkpoint.rank_stride.get(fragments.group, 1)
+        for before, after in itertools.pairwise(pieces):
+            partition = checkpoint.optim_states[before.dp_rank]["single_partition_of_fp32_groups"]
+            end = partition[fragments.group].size
+            if (
+                after.dp_rank != before.dp_rank + stride
+                or before.start + before.numel != end
+                or after.start != 0
+            ):
+                raise SourceError(
+                    f"{checkpoint.optim_files[after.dp_rank]}: parameter {name!r} does not "
+                    f"continue where {os.path.basename(checkpoint.optim_files[before.dp_rank])} "
+                    f"leaves it (piece [{before.start}, {before.start + before.numel}) of a "
+                    f"{end}-element partition, then one at {after.start} on DP rank "
+                    f"{after.dp_rank}): rank files out of order, renamed or from different saves"
+                )
+
+
+def check_against_module(checkpoint: DeepSpeedCheckpoint, name: str, fp32: np.ndarray) -> None:
+    """The fp32 master assembled from the rank files must round to the model weight DeepSpeed
+    saved beside it (stage 1/2 keep the whole module; DeepSpeed copies master -> model after
+    every step). Checked at both ends of every rank's piece: swapped or stale partitions
+    disagree there.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        fp32: its assembled fp32 master.
+    """
+    stored = checkpoint.module.get(name)
+    if not (isinstance(stored, np.ndarray) and stored.shape == fp32.shape and stored.size):
+        return
+    pieces = checkpoint.fragment_plan[name].pieces
+    at = np.cumsum([0] + [piece.numel for piece in pieces])
+    index = np.unique(np.concatenate([at[:-1], at[1:] - 1]).astype(np.int64))
+    want = mapped_file.take(stored, index, f"reading {name!r}")
+    found = mapped_file.take(fp32, index, f"reading {name!r}").astype(stored.dtype)
+    same = (want.view(np.uint8) == found.view(np.uint8)).reshape(len(index), -1).all(axis=1)
+    if not same.all():
+        bad = int(np.argmin(same))
+        raise SourceError(
+            f"parameter {name!r}: the fp32 master in "
+            f"{[os.path.basename(checkpoint.optim_files[p.dp_rank]) for p in pieces]} "
+            f"gives {found[bad]!r} at flat index {int(index[bad])}, the model weight in "
+            f"{checkpoint.module_tensors.get(name, checkpoint.model_file)} is "
+            f"{want[bad]!r}: rank files renamed, swapped or from different saves"
+        )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+def state_vectors(
+    checkpoint: DeepSpeedCheckpoint, dp_rank: int, state_name: str
+) -> FlatVector | list[np.ndarray]:
+    """DP rank ``dp_rank``'s flat vectors of one optimizer state ("fp32", "exp_avg",
+    "exp_avg_sq"): one per param group (stage 1/2), or one virtual vector (stage 3).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        dp_rank: the data-parallel rank.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+    """
+    optimizer_state = checkpoint.optim_states[dp_rank]
+    path = checkpoint.optim_files[dp_rank]
+    if checkpoint.stage in (1, 2):
+        if state_name == "fp32":
+            return list(optimizer_state["single_partition_of_fp32_groups"])
+        inner = optimizer_state["base_optimizer_state"]["state"]
+        return [
+            np.asarray(inner[group][state_name]).reshape(-1)
+            for group in range(len(checkpoint.param_shapes))
+        ]
+    if state_name == "fp32":
+        return FlatVector(optimizer_state["fp32_flat_groups"], f"{path} fp32_flat_groups")
+    inner = require(
+        require(optimizer_state, "optimizer_state_dict", path),
+        "state",
+        f"{path} optimizer_state_dict",
+    )
+    arrays = [require(inner[i], state_name, f"{path} state[{i}]") for i in sorted(inner)]
+    return FlatVector(arrays, f"{path} {state_name}")
+
+
+def gather_parameter(
+    checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
+) -> np.ndarray:
+    """One optimizer state of parameter ``name``, in its shape (a view of the memory map when it
+    sits on one rank). ``vectors`` caches :func:`state_vectors` by (DP rank, state name).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+        vectors: the cache of :func:`state_vectors`.
+    """
+    parts = _parts(checkpoint, name, state_name, vectors)
+    if len(parts) == 1:
+        return parts[0].reshape(checkpoint.shapes[name])
+    return joined_parts(parts, checkpoint.shapes[name], parts[0].dtype)
+
+
+def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
+    """The views of the rank files (memory maps) that hold ``name``'s ``state_name``, in order."""
+    fragments = checkpoint.fragment_plan[name]
+    parts: list[np.ndarray] = []
+    for piece in fragments.pieces:
+        key = (piece.dp_rank, state_name)
+        if key not in vectors:
+            vectors[key] = state_vectors(checkpoint, piece.dp_rank, state_name)
+        vector = vectors[key]
+        if isinstance(vector, FlatVector):
+            parts.extend(vector.take(piece.start, piece.numel))
+            continue
+        flat = vector[fragments.group]
+        end = piece.start + piece.numel
+        if end > flat.size:
+            raise SourceError(
+                f"{checkpoint.optim_files[piece.dp_rank]}: parameter {name!r} {state_name} "
+                f"fragment [{piece.start}, {end}) exceeds group {fragments.group} partition "
+                f"of {flat.size}"
+            )
+        parts.append(flat[piece.start : end])
+    return parts
+
+
+def joined_parts(parts: list, shape, dtype) -> np.ndarray:
+    """``parts`` end to end (cast to ``dtype``) in their own mapping, unmapped once the writer
+    drops it (``writer.unpooled_empty``).
+
+    Args:
+        parts: the flat pieces, in order.
+        shape: the joined tensor's shape.
+        dtype: its dtype.
+    """
+    out = writer.unpooled_empty((sum(p.size for p in parts),), dtype)
+    at = 0
+    for part in parts:
+        mapped_file.copy_into(out[at : at + part.size], part.reshape(-1))
+        at += part.size
+    return out.reshape(shape)
+
+
+def _state_item(
+    checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict
+) -> np.ndarray | writer.Deferred:
+    """A view of the rank file when the state sits on one rank, else a ``writer.Deferred``
+    joining its pieces once the writer has room for it (ZeRO-3 splits every parameter over
+    the ranks: joined in the generator, each was held beside the writer's window); the fp32
+    master checked against the stored module weight either way."""
+    parts = _parts(checkpoint, name, state_name, vectors)
+    shape = tuple(checkpoint.shapes[name])
+
+    def make() -> np.ndarray:
+        value = (
+            parts[0].reshape(shape)
+            if len(parts) == 1
+            else joined_parts(parts, shape, parts[0].dtype)
+        )
+        if state_name == "fp32" and checkpoint.stage in (1, 2):
+            check_against_module(checkpoint, name, value)
+        return value
+
+    return make() if len(parts) == 1 else writer.Deferred(shape, parts[0].dtype, make)
+
+
+def _steps(checkpoint: DeepSpeedCheckpoint) -> Iterator[tuple[str, str, Any]]:
+    """Every rank's per-group ``step``: its source name (``<rank file>:<path>``), where it is
+    (for messages) and its value (older torch kept Adam's step as a Python number)."""
+    inner = "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        file = os.path.basename(path)
+        for group, group_state in state[inner]["state"].items():
+            if "step" in group_state:
+                name = f"{file}:optimizer_state_dict.{inner}.state.{group}.step"
+                yield name, f"in {file} group {group}", group_state["step"]
+
+
+def optimizer_step(*checkpoints: DeepSpeedCheckpoint) -> int:
+    """The step every rank and param group (of every model-parallel rank given) agrees on
+    (``opt_state.count``)."""
+    seen: dict[float, str] = {}
+    for checkpoint in checkpoints:
+        for _, place, step in _steps(checkpoint):
+            seen.setdefault(float(mapped_file.read_out(np.asarray(step))), place)
+    return agreed_step(
+        seen,
+        checkpoints[0].tag_dir,
+        recorded_by="ranks or parameter groups",
+        error=SourceError,
+    )
+
+
+def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
+    """What ``opt_state.count`` is built from, as provenance: the ``step`` tensors, and the steps
+    pickled as Python numbers (values, not tensors, but sources all the same)."""
+    steps = [(name, isinstance(v, np.ndarray)) for c in checkpoints for name, _, v in _steps(c)]
+    out = {TENSORS: [name for name, is_tensor in steps if is_tensor]}
+    if values := [name for name, is_tensor in steps if not is_tensor]:
+        out[VALUES] = values
+    return out
+
+
+# --------------------------------------------------------------------------- streaming
+
+
+def iter_zero_items(
+    checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
+) -> Iterator[writer.HostItem]:
+    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint.
+        weights_only: params and model_params alone.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    vectors: dict[tuple[int, str], Any] = {}
+    files = [os.path.basename(f) for f in checkpoint.optim_files]
+    for name in share.pick(checkpoint.names):
+        pieces = checkpoint.fragment_plan[name].pieces
+        provenance = {
+            "files": sorted({files[piece.dp_rank] for piece in pieces}),
+            "zero_stage": checkpoint.stage,
+            "pattern": f"zero{checkpoint.stage}-flat",
+            "dp_ranks": [piece.dp_rank for piece in pieces],
+        }
+        for state_name, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
+            value = _state_item(checkpoint, name, state_name, vectors)
+            sources = piece_tensors(checkpoint, name, state_name)
+            yield host_item((*tree, name), value, dict(provenance, tensors=sources))
+            del value
+        if checkpoint.model_dtype != np.dtype(np.float32):
+            yield _model_copy_item(
+                checkpoint,
+                name,
+                _parts(checkpoint, name, "fp32", vectors),
+                provenance["files"],
+                piece_tensors(checkpoint, name, "fp32"),
+            )
+    yield from frozen_items(checkpoint, share.pick(checkpoint.frozen))
+    if weights_only or not share.primary:
+        return
+    yield host_item(
+        ("opt_state", "count"),
+        np.asarray(optimizer_step(checkpoint), np.int32),
+        {"files": files, "pattern": "step", **step_sources(checkpoint)},
+    )
+
+
+def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:
+    """Where one optimizer state's flat arrays sit in every rank's optimizer file: the dotted
+    prefix and the keys of its arrays (stage 1/2: one per param group; stage 3: sub-groups)."""
+    first, stage12 = checkpoint.optim_states[0], checkpoint.stage in (1, 2)
+    if state_name == "fp32":
+        key = "single_partition_of_fp32_groups" if stage12 else "fp32_flat_groups"
+        return f"optimizer_state_dict.{key}.{{}}", [str(i) for i in range(len(first[key]))]
+    inner = "base_optimizer_state" if stage12 else "optimizer_state_dict"
+    keys = range(len(checkpoint.param_shapes)) if stage12 else sorted(first[inner]["state"])
+    return f"optimizer_state_dict.{inner}.state.{{}}.{state_name}", [str(k) for k in keys]
+
+
+def piece_tensors(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str) -> list[str]:
+    """The source tensors (``<rank file>:<path>``) one optimizer state of ``name`` is read from.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint (one model-parallel rank).
+        name: the parameter.
+        state_name: "fp32", "exp_avg" or "exp_avg_sq".
+    """
+    fragments = checkpoint.fragment_plan[name]
+    template, keys = _state_prefix(checkpoint, state_name)
+    out = []
+    for piece in fragments.pieces:
+        file = os.path.basename(checkpoint.optim_files[piece.dp_rank])
+        if checkpoint.stage in (1, 2):
+            out.append(f"{file}:{template.format(keys[fragments.group])}")
+            continue
+        vector = state_vectors(checkpoint, piece.dp_rank, state_name)
+        assert isinstance(vector, FlatVector)  # stage 3
+        for key, low, high in zip(keys, vector.offsets, vector.offsets[1:]):
+            if max(low, piece.start) < min(high, piece.start + piece.numel):
+                out.append(f"{file}:{template.format(key)}")
+    return out
+
+
+def zero_tensors(
+    checkpoint: DeepSpeedCheckpoint,
+    source: dict,
+    *,
+    weights_only: bool,
+    imported_module: set[str] | None = None,
+) -> list[str]:
+    """Every tensor of the rank's files, as ``<file>:<dotted path>``; those the import does not
+    take listed in ``source["skipped"]`` with the reason.
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint.
+        source: the manifest's source record, whose ``skipped`` is filled.
+        weights_only: whether the optimizer state is skipped.
+        imported_module: the ``module`` weights imported as ``model_params`` (default: those a
+            plain ZeRO import takes).
+    """
+    found: list[str] = []
+    for path, state in zip(checkpoint.optim_files, checkpoint.optim_states):
+        file = os.path.basename(path)
+        found += [f"{file}:{n}" for n in tensor_names(state, "optimizer_state_dict")]
+    module_found = []
+    for path in checkpoint.model_files:
+        states = _model_states(checkpoint, path)
+        names = [f"{os.path.basename(path)}:{n}" for n in tensor_names(states)]
+        found += names
+        module_found += [n for n in names if n.split(":", 1)[1].startswith("module.")]
+    if weights_only:
+        moments = [n for n in found if n.rsplit(".", 1)[-1] in ("exp_avg", "exp_avg_sq")]
+        skip(source, moments, "weights_only: Adam moment")
+        skip(source, step_sources(checkpoint)[TENSORS], "weights_only: optimizer step")
+    model_file = os.path.basename(checkpoint.model_file)
+    if imported_module is None:  # the stored weights a bf16/fp16 ZeRO 1/2 run imports
+        cast = checkpoint.stage in (1, 2) and checkpoint.model_dtype != np.dtype(np.float32)
+        imported_module = {
+            checkpoint.module_tensor(name)
+            for name in checkpoint.names
+            if cast
+            and isinstance(stored := checkpoint.module.get(name), np.ndarray)
+            and stored.size
+        }
+    for name in module_found:
+        if name in imported_module:
+            continue
+        key = name.split(":", 1)[1][len("module.") :]
+        stored = checkpoint.module.get(key) if name.startswith(model_file + ":") else None
+        if key in checkpoint.shapes and checkpoint.stage == 3:
+            why = "ZeRO-3 placeholder of the model weight; params/ is read from the partitions"
+        elif key in checkpoint.shapes:
+            why = (
+                "the model weight in the run's precision (fp32): the same values as its fp32 "
+                "master partitions, imported as params/"
+            )
+        elif key in checkpoint.frozen:
+            why = "frozen parameter: imported from frozen_param_fragments"
+        elif key in checkpoint.shared_params:
+            why = f"tied to {checkpoint.shared_params[key]!r} (DeepSpeed shared_params)"
+        elif isinstance(stored, np.ndarray) and not stored.size:
+            why = "0-element placeholder"
+        else:  # e.g. DeepSpeed 0.19 ZeRO-1/2 fp32 runs record no frozen_param_shapes
+            why = (
+                "in module but in neither param_shapes nor frozen_param_shapes (a frozen "
+                "parameter or a buffer DeepSpeed does not describe): not imported"
+            )
+        skip(source, [name], why)
+    return found
+
+
+def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
+    """The model states file ``path`` of the rank (the one already read, or read now)."""
+    return checkpoint.model_states if path == checkpoint.model_file else load_model_states(path)
+
+
+def _model_copy_item(
+    checkpoint: DeepSpeedCheckpoint,
+    name: str,
+    fp32: list[np.ndarray],
+    files: list[str],
+    fp32_tensors: list[str],
+) -> writer.HostItem:
+    """The model-precision weight: the stored module weight (stage 1/2), else the fp32 master
+    (its pieces ``fp32``) cast the way DeepSpeed re-derives it (stage 3 keeps no
+    model-precision copy), piece by piece once the writer has room for it."""
+    shape = tuple(checkpoint.shapes[name])
+    stored = checkpoint.module.get(name) if checkpoint.stage in (1, 2) else None
+    if isinstance(stored, np.ndarray) and stored.shape == shape and stored.size:
+        if stored.dtype != checkpoint.model_dtype:
+            raise SourceError(
+                f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
+                f"{checkpoint.model_dtype}"
+            )
+        tensor = checkpoint.module_tensor(name)
+        return host_item(
+            ("model_params", name),
+            stored,
+            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
+        )
+    dtype = np.dtype(checkpoint.model_dtype)
+    return host_item(
+        ("model_params", name),
+        writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype)),
+        {
+            "files": files,
+            "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
+            "tensors": fp32_tensors,
+        },
+    )
+
+
+def frozen_items(
+    checkpoint: DeepSpeedCheckpoint,
+    names: Sequence[str],
+    also: Callable[[str, np.ndarray, list[str]], list[str]] | None = None,
+) -> Iterator[writer.HostItem]:
+    """``params`` items of the frozen parameters ``names``, marked frozen, their weights rebuilt
+    from ``frozen_param_fragments`` as DeepSpeed's zero_to_fp32 does: stage 1/2 keep each whole;
+    stage 3 keeps a ``ceil(numel / W)`` partition per DP rank, concatenated in rank order and
+    cut to ``numel``. In the run's precision (never trained, there is no fp32 master).
+    ``also(name, weight, files)`` names more source tensors holding the same weights (and checks
+    that they do).
+
+    Args:
+        checkpoint: the opened ZeRO checkpoint holding the fragments.
+        names: the frozen parameters to yield (this process's share).
+        also: ``also(name, weight, files)``: more source tensors of the same weight, checked
+            equal (None: none).
+    """
+    fragments = []
+    for path in checkpoint.frozen_files:
+        found = _model_states(checkpoint, path).get("frozen_param_fragments")
+        if not isinstance(found, Mapping):
+            raise SourceError(f"{path}: frozen_param_fragments missing")
+        fragments.append((path, found))
+    frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
+    for name in names:
+        shape = checkpoint.frozen[name]
+        count = numel(shape)
+        parts = []
+        for path, found in fragments:
+            part = found.get(name)
+            if not isinstance(part, np.ndarray):
+                raise SourceError(f"{path}: frozen parameter {name!r} has no weights")
+            parts.append(part.reshape(-1))
+        if checkpoint.stage == 3:
+            expected = math.ceil(count / checkpoint.world_size)
+            for (path, _), part in zip(fragments, parts):
+                if part.size != expected:
+                    raise SourceError(
+                        f"{path}: frozen parameter {name!r}: a partition of {part.size} "
+                        f"elements; {checkpoint.world_size} DP ranks of shape {shape} need "
+                        f"{expected}"
+                    )
+        flat = (
+            np.concatenate([mapped_file.read_out(p) for p in parts]) if len(parts) > 1 else parts[0]
+        )
+        if flat.size < count or (checkpoint.stage != 3 and flat.size != count):
+            raise SourceError(
+                f"{checkpoint.frozen_files[0]}: frozen parameter {name!r} shape {shape} needs "
+                f"{count} elements, the files hold {flat.size}"
+            )
+        weight = flat[:count].reshape(shape)
+        sources = [f"{f}:frozen_param_fragments.{name}" for f in frozen_files]
+        if also is not None:
+            sources += also(name, weight, frozen_files)
+        item = host_item(
+            ("params", name),
+            weight,
+            {"files": frozen_files, "pattern": "frozen", "tensors": sources},
+        )
+        item.frozen = True
+        yield item
+
+
+def zero0_model_file(tag_dir: str) -> str | None:
+    """The model states file of a ZeRO-0 (optimizer not partitioned) checkpoint: no ZeRO
+    optimizer files, and the optimizer state inside ``mp_rank_00_model_states.pt``."""
+    if any(OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+        return None
+    path = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    return path if os.path.lexists(path) else None
+
+
+def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Share = WHOLE):
+    """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
+    states file, keyed by parameter index. Importing it is not supported; the weights are (the
+    module's, in the run's precision).
+
+    Args:
+        tag_dir: the tag folder.
+        model_file: its model states file.
+        weights_only: the model weights alone; the optimizer state is skipped and listed in
+            ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    model_states = load_model_states(model_file)
+    if not weights_only:
+        has_optimizer = model_states.get("optimizer") is not None
+        raise SourceError(
+            f"{model_file}: a ZeRO stage 0 checkpoint (no '*zero_pp_rank_*_optim_states.pt' "
+            f"files{'; its optimizer state is inside this file' if has_optimizer else ''}). "
+            "Importing ZeRO-0 optimizer state is not supported (supported: ZeRO stages 1, 2 "
+            "and 3 of DeepSpeed 0.19). To import the model weights: convert(..., "
+            "weights_only=True) / jax-ucp convert --weights-only"
+        )
+    module = model_states.get("module")
+    if not isinstance(module, Mapping) or not module:
+        raise SourceError(f"{model_file}: no 'module' weights to import")
+    names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
+    file = os.path.basename(model_file)
+    items = (
+        host_item(
+            ("params", name),
+            module[name],
+            {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
+        )
+        for name in names
+    )
+
+    source = source_record(tag_dir, model_states, 0)
+    found = [f"{file}:{n}" for n in tensor_names(model_states)]
+    imported = {f"{file}:module.{n}" for n, v in module.items() if isinstance(v, np.ndarray)}
+    optimizer = [n for n in found if n.startswith(f"{file}:optimizer.")]
+    skip(source, optimizer, "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict())")
+    skip(source, sorted(set(found) - imported - set(optimizer)), "not a module weight")
+    return ImportPlan(items, source, len(names), source_tensors=found)
+
+
+def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:
+    """What the manifest records about a ZeRO checkpoint."""
+    return source_record(
+        checkpoint.tag_dir,
+        checkpoint.model_states,
+        checkpoint.stage,
+        dp_world_size=checkpoint.world_size,
+        model_dtype=str(checkpoint.model_dtype),
+        # tied weights (GPT-2's lm_head = wte): stored once, under the second name
+        shared_params=dict(checkpoint.shared_params),
+        frozen_params=sorted(checkpoint.frozen),
+    )
+
+
+#: DeepSpeed config entries that say how the optimizer stepped (recorded in the manifest)
+DS_OPTIMIZER_FIELDS = ("optimizer", "scheduler", "gradient_clipping", "zero_force_ds_cpu_optimizer")
+
+
+def torch_optimizer_record(checkpoint: DeepSpeedCheckpoint) -> dict | None:
+    """The torch optimizer DeepSpeed stepped, as the manifest records a torch one
+    (``source.optimizer``): DP rank 0's ``param_groups`` with each group's ``params`` named by
+    ``param_shapes`` (DeepSpeed flattens a group into one vector, so its indices name nothing),
+    and the ``deepspeed`` config entries that made and clipped it (``optimizer``,
+    ``gradient_clipping``: under DeepSpeed the Trainer does not clip). None when the files hold
+    no param groups, or not one per ``param_shapes`` group (nothing is guessed)."""
+    state = checkpoint.optim_states[0]
+    inner = state.get(
+        "base_optimizer_state" if checkpoint.stage in (1, 2) else "optimizer_state_dict"
+    )
+    groups = inner.get("param_groups") if isinstance(inner, Mapping) else None
+    if not isinstance(groups, list | tuple) or len(groups) != len(checkpoint.param_shapes):
+        return None
+    if not all(isinstance(g, Mapping) for g in groups):
+        return None
+    named = [
+        {**{str(k): jsonable(v) for k, v in g.items() if k != "params"}, "params": list(shapes)}
+        for g, shapes in zip(groups, checkpoint.param_shapes)
+    ]
+    ds_config = checkpoint.model_states.get("ds_config")
+    ds_config = ds_config if isinstance(ds_config, Mapping) else {}
+    record = {
+        "param_groups": named,
+        "state": ["exp_avg", "exp_avg_sq", "step"],
+        "no_state": sorted(checkpoint.frozen),
+        "deepspeed": {k: jsonable(ds_config[k]) for k in DS_OPTIMIZER_FIELDS if k in ds_config},
+    }
+    scheduler = checkpoint.model_states.get("lr_scheduler")
+    if isinstance(scheduler, Mapping):  # the client's (the Trainer's) scheduler, saved by DeepSpeed
+        keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
+        record["scheduler"] = {v: jsonable(scheduler[k]) for k, v in keys.items() if k in scheduler}
+    return record

@@ -1,0 +1,167 @@
+"""Import Megatron-LM / megatron-core checkpoints (torch_dist and legacy TP x PP) as UCP.
+
+Two source formats, detected from the directory:
+
+* ``torch_dist`` (megatron-core ``dist_checkpointing``; torch Distributed Checkpoint on disk):
+  every tensor already has its global shape in ``.metadata``; chunks are assembled from the
+  ``.distcp`` byte ranges (:mod:`.dcp`). Layers stay stacked ``[L, ...]``; only the vocab
+  padding is stripped. With megatron-core's DistributedOptimizer state saved in its
+  ``fully_reshardable`` (model-space) form, ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
+  become ``params`` / ``opt_state.mu`` / ``opt_state.nu`` and the step in ``common.pt``
+  becomes ``opt_state.count``.
+* legacy (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/mp_rank_TT[_PPP]/
+  model_optim_rng.pt``): per-rank state dicts merged over TP with the UCP language's kinds
+  (vocab, qkv, swiglu, partitioned, replicated, pipeline_tied), per-stage layer numbers made
+  global; megatron-core names and Megatron-LM's older ``language_model.*`` names both covered.
+
+The original vocab size is not recorded by either format: it comes from ``vocab_size=`` (CLI
+``--vocab-size``) or the spec's settings. Without it the padded rows are kept and the manifest
+says so.
+
+Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` (fp32 master
+weights when optimizer state is present, else the model weights), ``opt_state`` {``mu``, ``nu``,
+``count``}, ``model_params`` (model-precision weights, only when they are not fp32). Keys are
+the source names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.importers.megatron.common import MegatronImportError, named_errors
+from jax_ucp._src.importers.megatron.legacy_import import plan_legacy
+from jax_ucp._src.importers.megatron.source import detect_megatron
+from jax_ucp._src.importers.megatron.torch_dist import plan_torch_dist
+from jax_ucp._src.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    Share,
+    glob_detection,
+    jsonable,
+)
+from jax_ucp._src.language import Spec, load_spec
+
+__all__ = [
+    "MegatronImportError",
+    "MegatronOptions",
+    "detect",
+    "detect_megatron",
+    "plan",
+    "plan_megatron",
+]
+
+
+# ----------------------------------------------------------------------------- entry point
+
+
+def plan_megatron(
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    vocab_size: int | None = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of a Megatron checkpoint (torch_dist or legacy; detected). Every check that
+    needs no tensor bytes runs before this returns.
+
+    Args:
+        src: the checkpoint folder (a save root or one ``iter_N``).
+        spec: a UCP-language spec (``Spec``, shipped name or TOML path); its settings (e.g.
+            ``vocab_size``) and import rules are used.
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
+            spec's).
+        weights_only: the model weights alone; the optimizer state (whatever its layout) is
+            skipped and listed in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    with named_errors():
+        source_dir = detect_megatron(src)
+    if source_dir is None:
+        raise MegatronImportError(
+            f"{src}: not a Megatron checkpoint (no .metadata, no "
+            f"latest_checkpointed_iteration.txt / iter_NNNNNNN/mp_rank_* layout)"
+        )
+    user_spec = None if spec is None else spec if isinstance(spec, Spec) else load_spec(spec)
+    settings: dict[str, Any] = dict(user_spec.env) if user_spec is not None else {}
+    if vocab_size is not None:
+        settings["vocab_size"] = int(vocab_size)
+    planner = plan_torch_dist if source_dir.format == "torch_dist" else plan_legacy
+    with named_errors():
+        plan = planner(source_dir, user_spec, settings, weights_only, share)
+    info = dict(plan.source)
+    iteration = info.pop("iteration", None)
+    source = {
+        "framework": "megatron",
+        "path": os.path.abspath(source_dir.ckpt_dir),
+        "iteration": source_dir.iteration if source_dir.iteration is not None else iteration,
+        "vocab_size": settings.get("vocab_size"),
+        "settings": jsonable(settings),
+        **jsonable(info),
+    }
+    if settings.get("vocab_size") is None:
+        source.setdefault("notes", []).append(
+            "vocab padding kept: the original vocab size was not given (vocab_size= / --vocab-size)"
+        )
+    return ImportPlan(
+        _reader_errors_named(plan.items), source, plan.total_params, plan.source_tensors
+    )
+
+
+def _reader_errors_named(items: Iterator[writer.HostItem]) -> Iterator[writer.HostItem]:
+    """``items``, with the readers' errors met while reading raised as this importer's."""
+    with named_errors():
+        yield from items
+
+
+@dataclasses.dataclass(frozen=True)
+class MegatronOptions(ImportOptions):
+    """``ImportOptions`` and the vocabulary size.
+
+    Attributes:
+        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (None: the
+            spec's, else the padded rows are kept).
+    """
+
+    vocab_size: int | None = None
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a Megatron-LM / megatron-core / Megatron Bridge checkpoint folder, from
+    its file names."""
+    from jax_ucp._src.importers.megatron import bridge  # it imports this package
+
+    markers = (
+        "latest_checkpointed_iteration.txt",
+        bridge.LATEST_TRAIN_STATE_FILE,  # Megatron Bridge (also run_config.yaml)
+        bridge.RUN_CONFIG_FILE,
+        "iter_*",
+        "metadata.json",  # torch_dist: megatron's own beside torch DCP's .metadata
+        "common.pt",
+        "mp_rank_*/model_optim_rng.pt",
+    )
+    return glob_detection(
+        os.fspath(src),
+        markers,
+        "Megatron files",
+        "no `latest_checkpointed_iteration.txt`, `iter_N/`, torch_dist `.metadata` + "
+        "`*.distcp` with `common.pt`, Megatron Bridge `latest_train_state.pt` / "
+        "`run_config.yaml`",
+    )
+
+
+def plan(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
+    """Megatron Bridge (``latest_train_state.pt``, ``train_state.pt`` + ``run_config.yaml``)
+    or Megatron-LM / megatron-core, with its options as one ``MegatronOptions``."""
+    from jax_ucp._src.importers.megatron import bridge  # it imports this package
+
+    planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
+    return planner(src, **vars(options))  # every option is one of the planners' keywords

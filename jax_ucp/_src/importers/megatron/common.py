@@ -1,0 +1,118 @@
+"""What every part of the Megatron importer shares: its error, the hints its refusals give,
+the optimizer-state names and the step of a saved torch optimizer state."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers.plan import agreed_step
+from jax_ucp._src.torchfiles.unpickler import TorchFileError
+
+
+class MegatronImportError(SourceError):
+    """A Megatron checkpoint (torch_dist, legacy or Bridge) is incomplete, inconsistent or
+    unsupported. A class of its own because the importer tries its next module order on this
+    error alone: a read error of the checkpoint (any other ``SourceError``) is not retried."""
+
+
+@contextlib.contextmanager
+def named_errors() -> Iterator[None]:
+    """The readers' errors (torch_dist ``.metadata`` and chunks, legacy rank files), which name
+    the file, raised as this importer's (a torch file refusal keeps its class)."""
+    try:
+        yield
+    except (TorchFileError, MegatronImportError):
+        raise
+    except SourceError as e:
+        raise MegatronImportError(str(e)) from None
+
+
+SUPPORTED_LAYOUTS = (
+    "supported distributed-optimizer layouts: 'dp_reshardable' (megatron-core 0.15-0.19, "
+    "Megatron-LM's default; parameters of one dtype, MoE SequentialMLP or GroupedMLP experts in "
+    "their own ChainedOptimizer member), 'fully_reshardable' (0.15-0.19), "
+    "'fully_sharded_model_space' (0.13-0.15, Megatron-LM's default in 0.13/0.14), "
+    "'dp_zero_gather_scatter' (0.13-0.19)"
+)
+#: Adam's state in megatron-core's flat buffers (``distrib_optim.pt``, the per-rank layouts),
+#: and where each goes in the output tree.
+STATE_TREES = {
+    "param": ("params",),
+    "exp_avg": ("opt_state", "mu"),
+    "exp_avg_sq": ("opt_state", "nu"),
+}
+WEIGHTS_ONLY_HINT = (
+    "To import the model weights without the optimizer state: "
+    "convert(..., weights_only=True) / jax-ucp convert --weights-only"
+)
+
+
+def step_from_param_groups(groups: Any, where: str) -> int:
+    """The optimizer step of a torch optimizer state's ``param_groups`` (all groups agree)."""
+    if not isinstance(groups, list) or not groups:
+        raise MegatronImportError(
+            f"{where}: optimizer param_groups missing or empty; cannot recover the step. "
+            f"{WEIGHTS_ONLY_HINT}"
+        )
+    seen: dict[float, str] = {}
+    for index, group in enumerate(groups):
+        if not isinstance(group, dict) or "step" not in group:
+            raise MegatronImportError(
+                f"{where}: optimizer param_groups[{index}] has no 'step'. {WEIGHTS_ONLY_HINT}"
+            )
+        seen.setdefault(float(np.asarray(group["step"])), f"(group {index})")
+    return agreed_step(seen, where, recorded_by="parameter groups", error=MegatronImportError)
+
+
+#: megatron-core's optimizer namespace in torch_dist keys: ``optimizer.*``, and
+#: ``chained_N.optimizer.*`` when a ChainedOptimizer (e.g. dense + MoE experts) prefixes them.
+_OPTIMIZER_NAME = re.compile(r"(?:chained_\d+\.)?optimizer\.")
+
+
+def is_optimizer_name(name: str) -> bool:
+    """A torch_dist key of optimizer state, never a model weight (imported as optimizer state,
+    skipped by name, or refused; never written under ``params/``)."""
+    return _OPTIMIZER_NAME.match(name) is not None or ".optimizer." in name
+
+
+def param_groups(optimizer_state: Any) -> Any:
+    """``param_groups`` of a saved Megatron optimizer state (``{"optimizer": torch state}``)."""
+    inner = optimizer_state.get("optimizer") if isinstance(optimizer_state, dict) else None
+    return inner.get("param_groups") if isinstance(inner, dict) else None
+
+
+def sharding_type(common: Any) -> str | None:
+    """The distributed optimizer's layout recorded in the common state (None: not recorded)."""
+    if isinstance(common, dict):
+        optimizer = common.get("optimizer")
+        if isinstance(optimizer, dict):
+            return optimizer.get("param_state_sharding_type")
+    return None
+
+
+def ddp_bucket_size(settings: dict) -> int | None:
+    """Megatron-LM's DDP bucket size in elements (None: one bucket, without overlap_grad_reduce)."""
+    if not settings.get("overlap_grad_reduce"):
+        return None
+    dp = int(settings.get("data_parallel_size") or 1)
+    return int(settings.get("ddp_bucket_size") or max(40_000_000, 1_000_000 * dp))
+
+
+def tied_embeddings(model_names: list[str], settings: dict) -> list[str]:
+    """The word embeddings that are the output layer too: megatron-core saves a tied output
+    layer only as the embedding (no ``output_layer.weight``)."""
+    untied = settings.get("untie_embeddings_and_output_weights") is True
+    if untied or any(n.endswith("output_layer.weight") for n in model_names):
+        return []
+    return [n for n in model_names if n.endswith("embedding.word_embeddings.weight")]
+
+
+def element_count(shape) -> int:
+    """Elements of ``shape``, in 64-bit integers (a torch_dist shape may exceed 2**31)."""
+    return int(np.prod(shape, dtype=np.int64))

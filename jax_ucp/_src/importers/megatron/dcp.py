@@ -1,0 +1,86 @@
+"""megatron-core ``torch_dist`` checkpoints: the torch DCP reader plus megatron-core's pieces.
+
+The generic reader (``.metadata`` through the safe unpickler, chunk tiling checks, byte-range
+reads) is :mod:`jax_ucp._src.torchfiles.dcp_reader`, shared with the plain torch DCP importer. Here:
+the classes megatron-core 0.13-0.15 subclass in ``.metadata`` (``MCoreSavePlan``,
+``MCoreMetadata``), read as the torch classes they extend, and megatron-core's
+``metadata.json`` (``sharded_backend`` & co.), kept as :attr:`MegatronDcpCheckpoint.mcore_metadata`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
+from jax_ucp._src.torchfiles import dcp_reader, unpickler
+from jax_ucp._src.torchfiles.dcp_reader import (
+    SUPPORTED_TRANSFORMS,
+    DcpCheckpoint,
+    DcpChunk,
+    DcpObject,
+    DcpTensor,
+    check_coverage,
+)
+
+__all__ = [
+    "DCP_CLASSES",
+    "MCORE_CLASSES",
+    "SUPPORTED_TRANSFORMS",
+    "DcpCheckpoint",
+    "DcpChunk",
+    "DcpObject",
+    "DcpTensor",
+    "MegatronDcpCheckpoint",
+    "check_coverage",
+    "open_dcp",
+]
+
+_MCORE = "megatron.core.dist_checkpointing.strategies.torch."
+
+#: megatron-core 0.13-0.15 subclass two torch classes: MCoreSavePlan (0.13, 0.14) in the cached
+#: save plans, MCoreMetadata (0.15) as the whole ``.metadata``.
+MCORE_CLASSES: dict[str, Any] = {
+    _MCORE + "MCoreSavePlan": unpickler.standin_class(_MCORE + "MCoreSavePlan"),
+    _MCORE + "MCoreMetadata": dcp_reader.DCP_CLASSES[
+        "torch.distributed.checkpoint.metadata.Metadata"
+    ],
+}
+
+#: Largest ``metadata.json`` read (megatron-core writes a few hundred bytes).
+MAX_MCORE_METADATA_BYTES = 1 << 20
+
+#: Classes a megatron-core ``.metadata`` pickle may reference, mapped to inert stand-ins.
+DCP_CLASSES: dict[str, Any] = {**dcp_reader.DCP_CLASSES, **MCORE_CLASSES}
+
+
+@dataclass
+class MegatronDcpCheckpoint(DcpCheckpoint):
+    """A torch_dist checkpoint: torch DCP's ``.metadata`` plus megatron-core's ``metadata.json``."""
+
+    mcore_metadata: dict = field(default_factory=dict)  # metadata.json
+
+
+def open_dcp(path: os.PathLike | str) -> MegatronDcpCheckpoint:
+    """Parse ``.metadata`` (and ``metadata.json`` when present) into typed, checked entries."""
+    base = dcp_reader.open_dcp(path, MCORE_CLASSES)
+    mcore = {}
+    mj = Path(path) / "metadata.json"
+    if os.path.lexists(mj):  # a FIFO, a device or a huge file there is an error, not "none"
+        try:
+            mcore = json.loads(
+                files.read_regular(files.in_own_folder(mj), MAX_MCORE_METADATA_BYTES)
+            )
+        except files.UnsafeFileError as e:  # names the file
+            raise SourceError(str(e)) from None
+        except (ValueError, RecursionError) as e:
+            raise SourceError(f"{mj}: not JSON ({str(e)[:200]})") from None
+        if not isinstance(mcore, dict):
+            raise SourceError(f"{mj}: a JSON {type(mcore).__name__}, expected an object")
+    return MegatronDcpCheckpoint(
+        base.path, base.tensors, base.objects, base.version, mcore_metadata=mcore
+    )

@@ -1,0 +1,309 @@
+"""megatron-core's distributed-optimizer layouts saved per model-parallel rank: ``dp_reshardable``
+(flat buckets as tensors), ``dp_zero_gather_scatter`` (one pickled buffer per rank) and a MoE
+ChainedOptimizer's members (dense, then experts)."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers.megatron import dcp, legacy
+from jax_ucp._src.importers.megatron.common import (
+    SUPPORTED_LAYOUTS,
+    WEIGHTS_ONLY_HINT,
+    MegatronImportError,
+    ddp_bucket_size,
+    is_optimizer_name,
+)
+from jax_ucp._src.importers.megatron.module_order import STACKED_EXPERT, in_module_order
+from jax_ucp._src.importers.megatron.rank_states import RankStates
+from jax_ucp._src.importers.plan import agreed_step
+from jax_ucp._src.torchfiles import unpickler
+
+_BUCKET_KEY = re.compile(
+    r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
+    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
+)
+
+
+_EXPERT = re.compile(r"decoder\.layers\.mlp\.experts\.")
+
+
+class BucketStates(RankStates):
+    """megatron-core 0.16's ``dp_reshardable`` (Megatron-LM's default): one flat tensor per
+    rank, grad buffer, bucket and state, each bucket's length its recorded unpadded size; a
+    bucket closes exactly there (``legacy.bucket_layout``), so the DDP ``bucket_size``
+    (not saved) is not needed and every bucket size is checked."""
+
+    LAYOUT = "dp_reshardable"
+
+    def __init__(
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        prefix: str = "",
+        experts: bool = False,
+        pp: int | None = None,
+        grouped: bool = False,
+    ):
+        self.prefix, self.experts = prefix, experts
+        where = checkpoint.path / ".metadata"
+        ranks: dict[int, dict[int, dict[str, str]]] = {}  # {rank: {bucket: {state: tensor}}}
+        dtypes: dict[int, set[str]] = {}
+        for name in checkpoint.tensors:
+            if not is_optimizer_name(name) or (prefix and not name.startswith(prefix)):
+                continue
+            m = _BUCKET_KEY.fullmatch(name)
+            if m is None or m.group(2) != "0" or (not prefix and name.startswith("chained_")):
+                which = "expert" if experts else "dense"
+                raise MegatronImportError(
+                    f"{where}: dp_reshardable optimizer tensor {name!r} is not in grad buffer 0 "
+                    f"of the {which} parameters (several parameter dtypes are not supported). "
+                    f"{WEIGHTS_ONLY_HINT}"
+                )
+            rank, bucket = int(m.group(1)), int(m.group(4))
+            ranks.setdefault(rank, {}).setdefault(bucket, {})[m.group(5)] = name
+            dtypes.setdefault(rank, set()).add(m.group(3))
+        if not ranks or sorted(ranks) != list(range(len(ranks))):
+            raise MegatronImportError(
+                f"{where}: dp_reshardable state for model-parallel ranks {sorted(ranks)}, "
+                f"expected 0..N-1. {WEIGHTS_ONLY_HINT}"
+            )
+        self.buckets: dict[int, list[dict[str, str]]] = {}
+        for rank, per_bucket in sorted(ranks.items()):
+            if len(dtypes[rank]) != 1 or sorted(per_bucket) != list(range(len(per_bucket))):
+                raise MegatronImportError(
+                    f"{where}: dp_reshardable state of model-parallel rank {rank}: buckets "
+                    f"{sorted(per_bucket)}, dtypes {sorted(dtypes[rank])}; expected buckets "
+                    f"0..N-1 of one dtype. {WEIGHTS_ONLY_HINT}"
+                )
+            for bucket, states in per_bucket.items():
+                if set(states) != set(self.STATES):
+                    raise MegatronImportError(
+                        f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank} "
+                        f"has states {sorted(states)}, expected {list(self.STATES)}"
+                    )
+                shapes = {checkpoint.tensors[n].shape for n in states.values()}
+                if len(shapes) != 1 or len(next(iter(shapes))) != 1:
+                    raise MegatronImportError(
+                        f"{where}: dp_reshardable bucket {bucket} of model-parallel rank {rank}: "
+                        f"shapes {sorted(shapes)}, expected one flat vector per state"
+                    )
+            self.buckets[rank] = [per_bucket[b] for b in range(len(per_bucket))]
+        super().__init__(checkpoint, model_names, settings, len(ranks), pp, grouped)
+        self.layout = {}
+        for rank in self.buckets:
+            params, shared = self.rank_params(rank)
+            numels = [checkpoint.tensors[b["param"]].shape[0] for b in self.buckets[rank]]
+            recorded = self._recorded_numels(rank)
+            if recorded is not None and recorded != numels:
+                raise MegatronImportError(
+                    f"{where}: model-parallel rank {rank}: bucket tensors of {numels} elements, "
+                    f"but megatron-core recorded {recorded} unpadded"
+                )
+            try:
+                self.layout[rank] = legacy.bucket_layout(
+                    params, shared, numels, f"{where} (model-parallel rank {rank})"
+                )
+            except SourceError as e:
+                raise MegatronImportError(
+                    f"{e} (megatron-core 0.16 grad-buffer layout; another version or DDP "
+                    f"config?). {WEIGHTS_ONLY_HINT}"
+                ) from None
+
+    def _recorded_numels(self, rank: int) -> list[int] | None:
+        """``per_bucket_numel_unpadded``: [[{(param dtype, grad dtype): [numel per bucket]}]]."""
+        value = self.object(rank, "per_bucket_numel_unpadded")
+        if value is None:
+            return None
+        try:
+            ((per_dtype,),) = value
+            (numels,) = per_dtype.values()
+            return [int(n) for n in numels]
+        except (TypeError, ValueError, AttributeError):
+            raise MegatronImportError(
+                f"{self.where}: per_bucket_numel_unpadded of model-parallel rank {rank} is "
+                f"{unpickler.short_repr(value)}, expected [[{{dtypes: [numel per bucket]}}]]"
+            ) from None
+
+    def files(self) -> list[str]:
+        return sorted(
+            {
+                f
+                for per_bucket in self.buckets.values()
+                for states in per_bucket
+                for n in states.values()
+                for f in self.checkpoint.tensors[n].files
+            }
+        )
+
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        return self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
+
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        return self.buckets[rank][bucket][state]
+
+
+class GatheredStates(RankStates):
+    """megatron-core 0.13's ``dp_zero_gather_scatter``: per model-parallel rank one pickled
+    ``param_state`` object (written by DP rank 0), the same dict as a legacy
+    ``distrib_optim.pt`` (the buckets' unpadded parts concatenated), laid out as for that file
+    (``legacy.distrib_optim_layout``, the DDP bucket size from the saved args)."""
+
+    LAYOUT = "dp_zero_gather_scatter"
+    FROM_TENSORS = False  # the state is pickled objects, not .metadata tensors
+
+    def __init__(
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        grouped: bool = False,
+    ):
+        where = checkpoint.path / ".metadata"
+        found = {}
+        for name in checkpoint.objects:
+            m = re.fullmatch(r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*", name)
+            if m:
+                found[int(m.group(1))] = name
+        if not found or sorted(found) != list(range(len(found))):
+            raise MegatronImportError(
+                f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "
+                f"{sorted(found)}, expected 0..N-1. {WEIGHTS_ONLY_HINT}"
+            )
+        super().__init__(checkpoint, model_names, settings, len(found), grouped=grouped)
+        self.names = found
+        bucket_size = ddp_bucket_size(settings)
+        self.buffers: dict[int, legacy.DistribOptimState] = {}
+        self.layout = {}
+        for rank, name in found.items():
+            saved = checkpoint.read_object(name, legacy.LEGACY_CLASSES)
+            label = f"{where} (object {name!r})"
+            try:
+                if isinstance(saved, list) and len(saved) == 1:  # one model chunk
+                    (saved,) = saved
+                state = legacy.distrib_optim_state(saved, label)
+            except SourceError as e:
+                raise MegatronImportError(f"{e}. {WEIGHTS_ONLY_HINT}") from None
+            params, shared = self.rank_params(rank)
+            layout, total = legacy.distrib_optim_layout(
+                params, shared, bucket_size if rank < self.tp else None
+            )
+            if total != state.numel_unpadded:
+                raise MegatronImportError(
+                    f"{label}: the buffer holds {state.numel_unpadded} elements, but the "
+                    f"{len(params)} local parameters of model-parallel rank {rank} lay out to "
+                    f"{total} (megatron-core grad-buffer layout, bucket_size={bucket_size}); "
+                    f"another version or DDP bucket setting? {WEIGHTS_ONLY_HINT}"
+                )
+            self.buffers[rank] = state
+            self.layout[rank] = {k: (0, a, b) for k, (a, b) in layout.items()}
+
+    def files(self) -> list[str]:
+        return sorted({self.checkpoint.objects[n].file for n in self.names.values()})
+
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        return self.buffers[rank].arrays[state][start:end]
+
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        return self.names[rank]
+
+
+def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | None] | None:
+    """The per-optimizer sharding types of a megatron-core ChainedOptimizer save (``common.pt``'s
+    ``optimizer`` keyed by optimizer index, or ``chained_N.`` keys), else None."""
+    optimizer = common.get("optimizer") if isinstance(common, dict) else None
+    if isinstance(optimizer, dict) and optimizer and all(type(k) is int for k in optimizer):
+        parts = [optimizer[k] for k in sorted(optimizer)]
+    elif isinstance(optimizer, list) and optimizer:
+        parts = optimizer
+    else:
+        names = itertools.chain(checkpoint.tensors, checkpoint.objects)
+        prefixes = {n.partition(".")[0] for n in names if re.match(r"chained_\d+\.optimizer\.", n)}
+        if not prefixes:
+            return None
+        parts = [None] * len(prefixes)
+    return [
+        part.get("param_state_sharding_type") if isinstance(part, dict) else None for part in parts
+    ]
+
+
+def chained_states(
+    checkpoint: dcp.DcpCheckpoint, model_names: list[str], settings: dict, chained: list[str | None]
+) -> ChainedStates | None:
+    """A MoE run's ChainedOptimizer (megatron-core puts expert parameters in their own grad
+    buffer and optimizer, after the dense one): ``dp_reshardable`` state per member, or None
+    when every member is ``fully_reshardable`` (model-space tensors, read like a single
+    optimizer's). Anything else is refused naming the layouts.
+
+    Args:
+        checkpoint: the torch_dist checkpoint.
+        model_names: the model tensors, in save order.
+        settings: the run's model settings.
+        chained: each member's sharding type, from ``chained_layouts``.
+    """
+    where = checkpoint.path / ".metadata"
+    experts = [n for n in model_names if _EXPERT.match(n)]
+    dense = [n for n in model_names if n not in experts]
+    if set(chained) == {"fully_reshardable"}:
+        return None
+    odd = [n for n in experts if not STACKED_EXPERT.fullmatch(n)]
+    if set(chained) != {"dp_reshardable"} or len(chained) != 2 or not experts or odd:
+        raise MegatronImportError(
+            f"{where}: the optimizer state is megatron-core's ChainedOptimizer "
+            f"({len(chained)} optimizers, layouts {chained}, expert tensors {odd or experts}); "
+            f"supported: two members (dense, then SequentialMLP or GroupedMLP experts) both "
+            f"'dp_reshardable' or both 'fully_reshardable' ({SUPPORTED_LAYOUTS}). "
+            f"{WEIGHTS_ONLY_HINT}"
+        )
+    first = in_module_order(BucketStates, checkpoint, dense, settings, prefix="chained_0.")
+    second = in_module_order(
+        BucketStates, checkpoint, experts, settings, prefix="chained_1.", experts=True, pp=first.pp
+    )
+    return ChainedStates([first, second])
+
+
+class ChainedStates:
+    """The members of a MoE ChainedOptimizer's ``dp_reshardable`` state read as one: each
+    model tensor's state from the member holding it (dense: ``chained_0``; experts:
+    ``chained_1``, placed by expert-parallel rank), one step for all."""
+
+    FROM_TENSORS = True
+
+    def __init__(self, parts: list[RankStates]):
+        self.parts = parts
+        self.owner = {n: p for p in parts for n in (*p.before, *p.stacked, *p.after)}
+        self.LAYOUT = parts[0].LAYOUT
+        self.checkpoint = parts[0].checkpoint
+        self.tp, self.pp, self.where = parts[0].tp, parts[0].pp, parts[0].where
+
+    def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        return self.owner[name].read(state, name, rows)
+
+    def sources(self, state: str, name: str) -> list[str]:
+        return self.owner[name].sources(state, name)
+
+    def files(self) -> list[str]:
+        return sorted({f for p in self.parts for f in p.files()})
+
+    def unread(self) -> dict[str, str]:
+        return {k: v for p in self.parts for k, v in p.unread().items()}
+
+    def step_objects(self) -> list[str]:
+        return sorted(n for p in self.parts for n in p.step_objects())
+
+    def step(self) -> int:
+        steps: dict[float, str] = {}
+        for part in self.parts:
+            steps.setdefault(part.step(), f"in {part.prefix}optimizer")
+        return agreed_step(
+            steps,
+            str(self.where),
+            recorded_by="ChainedOptimizer members",
+            error=MegatronImportError,
+        )

@@ -1,0 +1,524 @@
+"""Read Megatron-LM's legacy checkpoint layout without torch.
+
+``<root>/latest_checkpointed_iteration.txt`` names the iteration (or ``release``);
+``<root>/iter_NNNNNNN/mp_rank_TT[_PPP]/model_optim_rng.pt`` holds TP rank TT / PP stage PPP's
+``{'args': argparse.Namespace, 'iteration', 'checkpoint_version', 'model': state_dict,
+'rng_state': [...numpy RNG state...], 'optimizer'?}``; ``distrib_optim.pt`` next to it holds the
+distributed optimizer's flat buffers.
+
+With a virtual pipeline (``--num-layers-per-virtual-pipeline-stage``) each rank file holds
+``model0``, ``model1``, ... instead of ``model``: one state dict per model chunk, layers numbered
+locally in each (Megatron-LM's ``checkpointing.py``: ``state_dict['model%d' % i]``). Chunk v of
+pipeline rank p is read as the virtual stage ``v * PP + p``: in that order the chunks hold the
+layers in order (megatron-core's ``get_transformer_layer_offset``), the embedding in the first
+and the output layer in the last, so the importer numbers layers as for a plain pipeline.
+
+``argparse.Namespace`` and numpy's pickled arrays/dtypes (RNG state) become inert stand-ins
+(:data:`LEGACY_CLASSES`); nothing pickled is executed. Tensors stay memory-mapped.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
+from jax_ucp._src.importers.plan import tensor_names
+from jax_ucp._src.torchfiles import unpickler
+
+__all__ = [
+    "LEGACY_CLASSES",
+    "LegacyCheckpoint",
+    "RankFile",
+    "args_dict",
+    "bucket_layout",
+    "distrib_optim_layout",
+    "distrib_optim_state",
+    "distrib_optim_tensors",
+    "flatten_state_dict",
+    "open_legacy",
+    "read_distrib_optim",
+    "resolve_iteration_dir",
+]
+
+
+#: Classes a legacy Megatron pickle may reference (beyond torch's), as inert stand-ins.
+LEGACY_CLASSES: dict[str, Any] = {
+    "argparse.Namespace": unpickler.standin_class("argparse.Namespace"),
+    **unpickler.NUMPY_CLASSES,
+    # megatron-core enums that Megatron-LM pickles into args
+    "megatron.core.enums.ModelType": unpickler.int_enum_standin("megatron.core.enums.ModelType"),
+    "megatron.core.transformer.enums.AttnBackend": unpickler.int_enum_standin(
+        "megatron.core.transformer.enums.AttnBackend"
+    ),
+}
+
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+
+
+@dataclass
+class RankFile:
+    """One ``mp_rank_*`` file of a legacy checkpoint: its ranks and its model state."""
+
+    tp: int
+    pp: int
+    path: Path
+    state: dict  # the unpickled top-level dict (tensors memory-mapped)
+    model: dict[str, Any]  # flattened model state_dict (dotted names)
+    ep: int = 0
+    model_key: str = "model"  # where ``model`` sits in ``state`` (``model<v>``: a VPP chunk)
+
+
+@dataclass
+class LegacyCheckpoint:
+    """A legacy (``mp_rank_*``) Megatron checkpoint: its rank files and run arguments."""
+
+    root: Path
+    iter_dir: Path
+    iteration: int | None
+    tp: int
+    pp: int
+    ep: int
+    ep_ranks: dict[tuple[int, int, int], RankFile]  # (pp, tp, ep) -> file
+    args: dict[str, Any]
+    checkpoint_version: float | None
+    distrib_optim: dict[tuple[int, int], Path]  # (pp, tp) -> EP rank 0's distrib_optim.pt
+    # virtual pipeline: model chunks per rank file (``pp`` then counts virtual stages, chunk v of
+    # pipeline rank p being stage v * (pp // virtual_pipeline) + p); 1 without
+    virtual_pipeline: int
+
+    @functools.cached_property
+    def ranks(self) -> dict[tuple[int, int], RankFile]:
+        """(pp, tp) -> EP rank 0's file."""
+        return {(pp, tp): r for (pp, tp, ep), r in self.ep_ranks.items() if ep == 0}
+
+    def distrib_optim_buffer(self, key: tuple[int, int]) -> tuple[int, int]:
+        """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
+        with a virtual pipeline, megatron-core's DistributedOptimizer keeps one buffer per model
+        chunk (``gbuf_idx`` = chunk), so virtual stage v*PP + p reads buffer v."""
+        if self.virtual_pipeline == 1:
+            return 0, 1
+        return key[0] // (self.pp // self.virtual_pipeline), self.virtual_pipeline
+
+
+#: Megatron-LM's tracker file: the latest iteration number, or "release".
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
+    """(root, iteration dir, iteration) for a root holding the tracker file or an iter dir."""
+    src = Path(src)
+    tracker = src / TRACKER_FILE
+    if os.path.lexists(tracker):
+        try:
+            raw = files.read_regular(files.in_own_folder(tracker), 4096)
+            text = raw.decode("utf-8", "replace").strip()
+        except files.UnsafeFileError as e:
+            raise SourceError(str(e)) from None
+        if text == "release":
+            return src, src / "release", None
+        try:
+            it = int(text)
+        except ValueError:
+            raise SourceError(
+                f"{tracker}: expected an iteration number or 'release', found {text!r}"
+            ) from None
+        d = src / f"iter_{it:07d}"
+        if not d.is_dir():
+            raise SourceError(f"{tracker} names iteration {it} but {d} does not exist")
+        try:
+            files.inside(src, d.name, str(tracker))
+        except files.UnsafeFileError:
+            raise SourceError(
+                f"{d} leads outside {src} (a symlink); refusing to follow it"
+            ) from None
+        return src, d, it
+    m = re.fullmatch(r"iter_(\d+)", src.name)
+    if m:
+        return src.parent, src, int(m.group(1))
+    if src.name == "release":
+        return src.parent, src, None
+    raise SourceError(
+        f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
+    )
+
+
+def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested state dicts (older Megatron-LM: model['language_model']['encoder'][...]) -> dotted."""
+    out: dict[str, Any] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            name = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, dict):
+                out.update(flatten_state_dict(v, name))
+            else:
+                out[name] = v
+    return out
+
+
+def args_dict(args: Any) -> dict[str, Any]:
+    """The scalar fields of a pickled ``argparse.Namespace`` (a stand-in): Megatron-LM's run
+    arguments, which give the import settings (layer and head counts, vocab, ...)."""
+    fields = vars(args) if hasattr(args, "__dict__") else {}  # None: no args saved
+    return {
+        k: v
+        for k, v in fields.items()
+        if k not in ("args", "kwargs") and isinstance(v, (int, float, str, bool, type(None)))
+    }
+
+
+def _load(path: Path) -> Any:
+    """A rank directory's torch file (``iter_N/mp_rank_XX/<file>``), through the restricted
+    unpickler; one linked to a file outside ``iter_N`` is never read."""
+    iteration = path.parent.parent
+    try:
+        files.inside(iteration, f"{path.parent.name}/{path.name}", str(iteration))
+        return unpickler.load_torch_file(path, LEGACY_CLASSES)
+    except (files.UnsafeFileError, unpickler.TorchFileError) as e:
+        raise SourceError(str(e)) from None
+
+
+def _load_rank(path: Path) -> tuple[dict, dict]:
+    """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
+    if not path.is_file():
+        raise SourceError(f"missing shard file {path}")
+    state = _load(path)
+    if not isinstance(state, dict):
+        raise SourceError(f"{path}: top level is a {type(state).__name__}, expected a dict")
+    if "model" not in state:
+        if not model_chunks(state, path):
+            raise SourceError(f"{path}: no 'model' entry (keys: {sorted(map(str, state))})")
+        return state, {}
+    return state, flatten_state_dict(state["model"])
+
+
+def model_chunks(state: dict, path: Path) -> list[str]:
+    """The virtual-pipeline model chunks of a rank file, ``model0`` .. ``model<N-1>`` (empty
+    without a virtual pipeline); a gap in the numbering, or ``model`` beside them, is an error."""
+    chunks = sorted((int(k[len("model") :]), k) for k in state if re.fullmatch(r"model\d+", str(k)))
+    if not chunks:
+        return []
+    if "model" in state or [i for i, _ in chunks] != list(range(len(chunks))):
+        raise SourceError(
+            f"{path}: model chunks {[k for _, k in chunks]}"
+            f"{' beside model' if 'model' in state else ''}; a virtual-pipeline rank file holds "
+            f"model0 .. model<N-1>"
+        )
+    for _, key in chunks:
+        if not isinstance(state[key], dict):
+            raise SourceError(f"{path}: {key} is a {type(state[key]).__name__}, not a state dict")
+    return [key for _, key in chunks]
+
+
+@dataclass(frozen=True)
+class _RankDirectories:
+    """The ``mp_rank_*`` directories of an iteration, placed on the (pp, tp, ep) grid."""
+
+    iteration_dir: Path
+    found: dict[tuple[int, int, int], Path]  # (pp, tp, ep) -> directory
+    has_pp_suffix: bool
+    has_ep_suffix: bool
+
+    def size(self, axis: int) -> int:
+        return max(key[axis] for key in self.found) + 1
+
+    def expected(self, pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
+        """The directory Megatron-LM would have written for this rank (named in errors)."""
+        name = f"mp_rank_{tp_rank:02d}"
+        if self.has_pp_suffix:
+            name += f"_{pp_rank:03d}"
+        if self.has_ep_suffix:
+            name += f"_{ep_rank:03d}"
+        return self.iteration_dir / name
+
+
+def _rank_directories(iteration_dir: Path) -> _RankDirectories:
+    """Places every ``mp_rank_TT[_PPP][_EEE]`` directory; a single 3-digit suffix is the pipeline
+    stage unless the run's args say expert- but not pipeline-parallel (the expert rank then)."""
+    named = []
+    for directory in sorted(iteration_dir.iterdir()):
+        match = _RANK_DIR.match(directory.name)
+        if directory.is_dir() and match:
+            try:  # a rank directory linked to another run's is never read
+                files.inside(iteration_dir, directory.name, str(iteration_dir))
+            except files.UnsafeFileError as e:
+                raise SourceError(str(e)) from None
+            named.append((directory, int(match.group(1)), match.group(2), match.group(3)))
+    if not named:
+        raise SourceError(f"{iteration_dir}: no mp_rank_* directories")
+    if len({(first is None, second is None) for _, _, first, second in named}) > 1:
+        raise SourceError(
+            f"{iteration_dir}: mixes mp_rank_* directory name forms: "
+            f"{sorted(d.name for d, *_ in named)}"
+        )
+    first_state, _ = _load_rank(named[0][0] / "model_optim_rng.pt")
+    first_args = args_dict(first_state.get("args"))
+    expert_parallel = int(first_args.get("expert_model_parallel_size") or 1)
+    pipeline_parallel = int(first_args.get("pipeline_model_parallel_size") or 1)
+    suffix_is_ep = expert_parallel > 1 and pipeline_parallel == 1
+    found: dict[tuple[int, int, int], Path] = {}
+    for directory, tp_rank, first, second in named:
+        if second is not None:
+            key = (int(first), tp_rank, int(second))
+        elif first is not None:
+            key = (0, tp_rank, int(first)) if suffix_is_ep else (int(first), tp_rank, 0)
+        else:
+            key = (0, tp_rank, 0)
+        found[key] = directory
+    has_pp_suffix = named[0][2] is not None and not suffix_is_ep
+    has_ep_suffix = named[0][3] is not None or suffix_is_ep
+    return _RankDirectories(iteration_dir, found, has_pp_suffix, has_ep_suffix)
+
+
+def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
+    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt``; check the grid.
+
+    Directory names are Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``; a single 3-digit suffix is the
+    pipeline stage unless ``args.expert_model_parallel_size > 1`` with no pipeline parallelism
+    (Megatron-LM then appends only the expert rank)."""
+    root, iteration_dir, iteration = resolve_iteration_dir(Path(src))
+    directories = _rank_directories(iteration_dir)
+    pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
+    ep_ranks: dict[tuple[int, int, int], RankFile] = {}
+    distrib_optim: dict[tuple[int, int], Path] = {}
+    virtual: int | None = None
+    for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
+        directory = directories.found.get(key)
+        if directory is None:
+            raise SourceError(
+                f"missing rank directory {directories.expected(*key)} (TP={tp_size}, "
+                f"PP={pp_size}, EP={ep_size} grid from the directories present)"
+            )
+        pp_rank, tp_rank, ep_rank = key
+        path = directory / "model_optim_rng.pt"
+        state, model = _load_rank(path)
+        chunks = model_chunks(state, path)
+        if virtual is None:
+            virtual = len(chunks) or 1
+        if (len(chunks) or 1) != virtual:
+            raise SourceError(
+                f"{path}: {len(chunks) or 1} model chunk(s), the first rank file holds {virtual}"
+            )
+        # (stage, model key, flattened model): a virtual-pipeline chunk is its own stage
+        parts = (
+            [(v * pp_size + pp_rank, k, flatten_state_dict(state[k])) for v, k in enumerate(chunks)]
+            if chunks
+            else [(pp_rank, "model", model)]
+        )
+        for stage, model_key, flat in parts:
+            rank_file = RankFile(tp_rank, stage, path, state, flat, ep_rank, model_key)
+            ep_ranks[(stage, tp_rank, ep_rank)] = rank_file
+        if ep_rank == 0 and (directory / "distrib_optim.pt").is_file():
+            for stage, _, _ in parts:
+                distrib_optim[(stage, tp_rank)] = directory / "distrib_optim.pt"
+    first = ep_ranks[(0, 0, 0)]
+    assert virtual is not None  # set by the rank file of (0, 0)
+    args = args_dict(first.state.get("args"))
+    for name, size in (
+        ("tensor_model_parallel_size", tp_size),
+        ("pipeline_model_parallel_size", pp_size),
+        ("expert_model_parallel_size", ep_size),
+    ):
+        if name in args and args[name] != size:
+            raise SourceError(
+                f"{first.path}: args.{name}={args[name]} but the directory grid has {size}"
+            )
+    recorded = args.get("virtual_pipeline_model_parallel_size")
+    if virtual > 1 and recorded is not None and recorded != virtual:
+        raise SourceError(
+            f"{first.path}: args.virtual_pipeline_model_parallel_size={recorded} but the rank "
+            f"files hold {virtual} model chunks"
+        )
+    version = first.state.get("checkpoint_version")
+    return LegacyCheckpoint(
+        root,
+        iteration_dir,
+        iteration if iteration is not None else first.state.get("iteration"),
+        tp_size,
+        pp_size * virtual,
+        ep_size,
+        ep_ranks,
+        args,
+        float(version) if isinstance(version, (int, float)) else None,
+        distrib_optim,
+        virtual,
+    )
+
+
+# ----------------------------------------------------------------------------- distrib_optim.pt
+
+
+def _buckets(
+    params: list[tuple[str, int]], shared: set[str], limit: Callable[[int], int | None]
+) -> list[tuple[dict[str, tuple[int, int]], int]]:
+    """megatron-core's grad-buffer walk (``_ParamAndGradBuffer``, 0.16): parameters in reverse
+    module order, each start padded to 64 elements, a shared-embedding parameter alone in its
+    bucket, a bucket closed once it holds ``limit(bucket)`` elements (None: never). Returns
+    every bucket's ({name: (start, end)} within it, its size)."""
+    out: list[tuple[dict[str, tuple[int, int]], int]] = []
+    places: dict[str, tuple[int, int]] = {}
+    rel = 0
+    for name, numel in reversed(params):
+        rel = -(-rel // 64) * 64
+        if name in shared and places:
+            out.append((places, rel))
+            places, rel = {}, 0
+        places[name] = (rel, rel + numel)
+        rel += numel
+        size = limit(len(out))
+        if name in shared or (size is not None and rel >= size):
+            out.append((places, rel))
+            places, rel = {}, 0
+    if places:
+        out.append((places, rel))
+    return out
+
+
+def distrib_optim_layout(
+    params: list[tuple[str, int]], shared: set[str], bucket_size: int | None
+) -> tuple[dict[str, tuple[int, int]], int]:
+    """Where each parameter sits in a ``distrib_optim.pt`` flat buffer (megatron-core 0.16):
+    the buckets of ``_buckets`` concatenated without their end padding, as
+    ``get_parameter_state_dp_zero`` does. Returns ({name: (start, end)}, total numel).
+
+    Args:
+        params: (name, numel) of the rank's local parameters, in module order.
+        shared: the pipeline-tied embedding parameters.
+        bucket_size: DDP's bucket size in elements (None: one bucket).
+    """
+    out: dict[str, tuple[int, int]] = {}
+    base = 0
+    for places, size in _buckets(params, shared, lambda _: bucket_size):
+        out.update({name: (base + a, base + b) for name, (a, b) in places.items()})
+        base += size
+    return out, base
+
+
+def bucket_layout(
+    params: list[tuple[str, int]], shared: set[str], bucket_numels: list[int], where: str
+) -> dict[str, tuple[int, int, int]]:
+    """Where each parameter sits in megatron-core's grad-buffer buckets, given the unpadded
+    size of every bucket (which megatron-core records): ``{name: (bucket, start, end)}``.
+
+    A bucket closes where its recorded size says, so the DDP ``bucket_size`` (not saved, and
+    ``None`` past the first pipeline stage) is not needed; every recorded size is checked, so
+    a wrong parameter list cannot fit silently.
+
+    Args:
+        params: (name, numel) of the rank's local parameters, in module order.
+        shared: the pipeline-tied embedding parameters.
+        bucket_numels: the recorded unpadded size of every bucket.
+        where: the file, for errors.
+    """
+    buckets = _buckets(
+        params, shared, lambda b: bucket_numels[b] if b < len(bucket_numels) else None
+    )
+    for bucket, (places, size) in enumerate(buckets):
+        if bucket >= len(bucket_numels) or size != bucket_numels[bucket]:
+            recorded = bucket_numels[bucket] if bucket < len(bucket_numels) else None
+            raise SourceError(
+                f"{where}: bucket {bucket} would end after {list(places)[-1]!r} at element "
+                f"{size}, but megatron-core recorded {recorded} elements (buckets "
+                f"{bucket_numels}); the parameter list does not match this checkpoint's grad "
+                f"buffer"
+            )
+    if len(buckets) != len(bucket_numels):
+        raise SourceError(
+            f"{where}: the parameters fill {len(buckets)} buckets, megatron-core recorded "
+            f"{len(bucket_numels)} ({bucket_numels})"
+        )
+    return {
+        name: (bucket, a, b)
+        for bucket, (places, _) in enumerate(buckets)
+        for name, (a, b) in places.items()
+    }
+
+
+@dataclass
+class DistribOptimState:
+    """One buffer of a ``distrib_optim.pt``: its flat fp32 states, checked."""
+
+    path: Path | str
+    arrays: dict[str, np.ndarray]  # "param" (fp32 masters), "exp_avg", "exp_avg_sq"
+    numel_unpadded: int
+    #: state name -> the flat tensor's dotted path in the loaded dict (``tensor_names`` form)
+    names: dict[str, str] = field(default_factory=dict)
+    #: the dotted path of every tensor in the loaded dict (import accounting)
+    found: list[str] = field(default_factory=list)
+
+
+def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
+    """Buffer ``buffer`` of a ``distrib_optim.pt`` holding ``count`` (one per virtual-pipeline
+    model chunk; buckets coalesced; one dtype, no experts).
+
+    Args:
+        path: the ``distrib_optim.pt`` file.
+        buffer: which buffer (model chunk).
+        count: how many buffers the file holds.
+    """
+    return distrib_optim_state(_load(path), path, buffer, count)
+
+
+def distrib_optim_tensors(path: Path) -> list[str]:
+    """The dotted path of every tensor in a ``distrib_optim.pt`` (read through the restricted
+    unpickler, memory-mapped, nothing checked): what a weights_only import lists as skipped."""
+    return list(tensor_names(_load(path)))
+
+
+def distrib_optim_state(
+    saved: Any, path: Path | str, index: int = 0, count: int = 1
+) -> DistribOptimState:
+    """Buffer ``index`` of a loaded ``get_parameter_state_dp_zero`` dict holding ``count``
+    buffers (more than one: a virtual pipeline's model chunks), checked: the content of a
+    ``distrib_optim.pt`` and of megatron-core 0.13's ``dp_zero_gather_scatter`` object.
+
+    Args:
+        saved: the loaded dict.
+        path: where it was loaded from, for errors.
+        index: which buffer.
+        count: how many buffers it holds.
+    """
+    if not isinstance(saved, dict) or saved.get("buckets_coalesced") is not True:
+        raise SourceError(
+            f"{path}: not a megatron-core distrib_optim.pt with buckets_coalesced=True "
+            f"(older per-bucket layouts are not supported)"
+        )
+    buffers = [k for k in saved if k != "buckets_coalesced"]
+    if buffers != list(range(count)):
+        raise SourceError(
+            f"{path}: {len(buffers)} gradient buffers {buffers}; expected {count} (one per "
+            f"model chunk: a single dtype, no expert-parallel buffer)"
+        )
+    per_dtype = saved[index]
+    if not isinstance(per_dtype, dict) or len(per_dtype) != 1:
+        raise SourceError(
+            f"{path}: buffer {index} holds "
+            f"{len(per_dtype) if isinstance(per_dtype, dict) else '?'} dtype groups, expected 1"
+        )
+    ((dtypes, buffer),) = per_dtype.items()
+    arrays = {}
+    for state_name in ("param", "exp_avg", "exp_avg_sq"):
+        array = buffer.get(state_name) if isinstance(buffer, dict) else None
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.float32:
+            raise SourceError(
+                f"{path}: buffer {index} {state_name!r} must be a flat float32 tensor, found "
+                f"{getattr(array, 'dtype', type(array).__name__)} {getattr(array, 'shape', '')}"
+            )
+        arrays[state_name] = array
+    numel = buffer.get("numel_unpadded")
+    if type(numel) is not int or any(a.size != numel for a in arrays.values()):
+        raise SourceError(
+            f"{path}: numel_unpadded={numel!r} but the flat tensors hold "
+            f"{[a.size for a in arrays.values()]} elements"
+        )
+    names = {state_name: f"{index}.{dtypes}.{state_name}" for state_name in arrays}
+    return DistribOptimState(path, arrays, numel, names, list(tensor_names(saved)))

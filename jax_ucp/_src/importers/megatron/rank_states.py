@@ -1,0 +1,518 @@
+"""Distributed-optimizer state kept per model-parallel rank as flat vectors over the rank's grad
+buffer (no parameter names): which parameters a rank holds, in which order, and how their pieces
+join into global tensors. The layouts (:mod:`distopt`) say where the vectors are."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.importers.megatron import dcp, legacy
+from jax_ucp._src.importers.megatron.common import (
+    STATE_TREES,
+    WEIGHTS_ONLY_HINT,
+    MegatronImportError,
+    element_count,
+    step_from_param_groups,
+    tied_embeddings,
+)
+from jax_ucp._src.importers.megatron.module_order import PER_LAYER, STACKED_EXPERT
+from jax_ucp._src.importers.plan import agreed_step
+
+#: Bytes of a tensor's rows read from a rank's flat state at once (``RankStates.read``).
+BLOCK_BYTES = 16 << 20
+
+
+class RankStates:
+    """Distributed-optimizer state saved per model-parallel rank (``dp_group_idx`` = TP rank +
+    TP x PP rank) as flat fp32 ``param`` / ``exp_avg`` / ``exp_avg_sq`` vectors over the rank's
+    grad buffer, without parameter names. Their places are re-derived as megatron-core lays out
+    its grad buffers (``legacy``: the rank's local parameters in module order,
+    reversed, starts padded to 64, a pipeline-tied embedding alone in its bucket); every master
+    weight is then checked against the model weight it must equal (fp32) or round to (bf16).
+
+    A rank's local piece of a tensor is the tensor's saved chunks for that TP rank: the chunks
+    (per layer) sorted by offset, every TP-th one (SwiGLU's fc1 is two chunks per rank, gate and
+    up) joined along the split axis; a tensor saved in one chunk is replicated over TP.
+    Subclasses say where the flat vectors are and how the buffer splits into buckets."""
+
+    STATES = tuple(STATE_TREES)
+    LAYOUT: str  # megatron-core's name of the saved layout, set by each subclass
+    layout: dict[int, dict[str, tuple[int, int, int]]]  # rank -> {param: (bucket, start, end)}
+
+    #: The key prefix of a ChainedOptimizer member (``chained_N.``), else "".
+    prefix = ""
+    #: Whether this is the expert optimizer of a MoE ChainedOptimizer: its parameters are
+    #: SequentialMLP's (or GroupedMLP's) experts, saved stacked ``[layers, experts, ...]``.
+    experts = False
+
+    def __init__(
+        self,
+        checkpoint: dcp.DcpCheckpoint,
+        model_names: list[str],
+        settings: dict,
+        ranks: int,
+        pp: int | None = None,
+        grouped: bool = False,
+    ):
+        self.checkpoint = checkpoint
+        self.where = checkpoint.path / ".metadata"
+        self.ranks = ranks
+        #: Whether the experts are a (legacy) GroupedMLP's: per layer one ``weight1``
+        #: ``[h, E_local * X]`` and one ``weight2`` ``[E_local * ffn, h]`` in the grad buffer,
+        #: each expert's block a contiguous ``[h, X]`` / ``[ffn, h]`` saved transposed.
+        self.grouped = grouped
+        self._read_layers(model_names)
+        self._read_experts()
+        self.tp = self._tp_size(model_names)
+        self._read_parallelism(ranks, pp)
+        tied = tied_embeddings(model_names, settings)
+        self.tied_copy = tied[0] if self.pp > 1 and tied else None
+
+    def _read_layers(self, model_names: list[str]) -> None:
+        """The stacked (or per-layer) decoder tensors, the layer count, and the tensors before
+        (first pipeline stage) and after them (last stage)."""
+        where = self.where
+        stacked = [n for n in model_names if n.startswith("decoder.layers.")]
+        if self.experts and stacked != model_names:
+            raise MegatronImportError(
+                f"{where}: expert tensors {sorted(set(model_names) - set(stacked))} are not "
+                f"stacked decoder layers"
+            )
+        first = model_names.index(stacked[0]) if stacked else len(model_names)
+        if model_names[first : first + len(stacked)] != stacked:
+            raise MegatronImportError(f"{where}: stacked layer tensors are not contiguous")
+        # singleton_local_shards: one tensor per layer (decoder.layers.<i>.*), a SwiGLU fc1 as
+        # two tensors <name>_w / <name>_v (one parameter [w; v] in the grad buffer)
+        self.layer_of = {
+            n: int(m.group(1)) for n in stacked if (m := PER_LAYER.fullmatch(n)) is not None
+        }
+        if self.layer_of and (len(self.layer_of) != len(stacked) or self.experts):
+            raise MegatronImportError(
+                f"{where}: per-layer (singleton_local_shards) and stacked layer tensors mixed"
+            )
+        if self.layer_of:
+            layers = {max(self.layer_of.values()) + 1}
+        else:
+            layers = {self.checkpoint.tensors[n].shape[0] for n in stacked}
+        if len(layers) > 1:
+            raise MegatronImportError(f"{where}: stacked layers disagree on the count {layers}")
+        self.layers = layers.pop() if layers else 0
+        self.stacked = stacked
+        self.before = model_names[:first]  # on the first pipeline stage
+        self.after = model_names[first + len(stacked) :]  # on the last
+
+    def _read_experts(self) -> None:
+        """SequentialMLP's (or GroupedMLP's) experts, saved ``[layers, experts, ...]``: in the
+        expert optimizer's own buffer (EP > 1), or in the dense one with the other parameters
+        (EP = 1)."""
+        self.expert_names = {n for n in self.stacked if STACKED_EXPERT.fullmatch(n)}
+        self.num_experts = 0
+        if self.expert_names:
+            counts = {self.checkpoint.tensors[n].shape[1] for n in self.expert_names}
+            if len(counts) != 1:
+                raise MegatronImportError(
+                    f"{self.where}: expert tensors disagree on the count {counts}"
+                )
+            self.num_experts = counts.pop()
+        odd = sorted(n for n in self.expert_names if not n.endswith(".weight"))
+        if self.grouped and odd:
+            raise MegatronImportError(
+                f"{self.where}: expert biases {odd}: megatron-core's GroupedMLP has none"
+            )
+
+    def _read_parallelism(self, ranks: int, pp: int | None) -> None:
+        """PP (and EP for the expert optimizer) from the rank count and the TP size."""
+        where = self.where
+        if ranks % self.tp:
+            raise MegatronImportError(
+                f"{where}: optimizer state of {ranks} model-parallel ranks, not a multiple of the "
+                f"tensor-parallel size {self.tp} the model tensors are split by"
+            )
+        self.pp = ranks // self.tp if pp is None else pp
+        # the expert optimizer's ranks are megatron-core's expert tensor x expert x pipeline
+        # group ('tp-ep-pp' order): rank = etp_rank + ETP * (ep_rank + EP * stage)
+        self.ep = ranks // (self.tp * self.pp) if self.experts else 1
+        if self.experts and (
+            self.tp * self.ep * self.pp != ranks or not self.ep or self.num_experts % self.ep
+        ):
+            raise MegatronImportError(
+                f"{where}: expert optimizer state of {ranks} ranks does not split into expert "
+                f"TP={self.tp} x PP={self.pp} x EP ranks of {self.num_experts} experts. "
+                f"{WEIGHTS_ONLY_HINT}"
+            )
+        if self.layers % self.pp:
+            raise MegatronImportError(
+                f"{where}: {self.layers} layers over {self.pp} pipeline stages (uneven or "
+                f"virtual pipeline stages are not supported). {WEIGHTS_ONLY_HINT}"
+            )
+
+    def _distinct(self, name: str) -> list[dcp.DcpChunk]:
+        """One chunk per distinct place outside the layer (and expert) axes, sorted by offset."""
+        skip = self._lead(name)
+        seen: dict[tuple, dcp.DcpChunk] = {}
+        for c in self.checkpoint.tensors[name].chunks:
+            seen.setdefault(c.offsets[skip:], c)
+        return [seen[k] for k in sorted(seen)]
+
+    def _lead(self, name: str) -> int:
+        """How many leading axes index layers (and experts) rather than the parameter."""
+        if name in self.layer_of:
+            return 0
+        return 2 if name in self.expert_names else 1 if name in self.stacked else 0
+
+    def _pair(self, name: str) -> str | None:
+        """The grad-buffer parameter of a singleton_local_shards SwiGLU half (``X_w`` /
+        ``X_v`` -> ``X``), else None."""
+        base, half = name[:-2], name[-2:]
+        if (
+            name in self.layer_of
+            and half in ("_w", "_v")
+            and base + "_w" in self.layer_of
+            and base + "_v" in self.layer_of
+        ):
+            return base
+        return None
+
+    def _swiglu(self, name: str) -> bool:
+        """Whether ``name`` is a SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2``
+        takes): megatron-core saves it as two chunks per TP rank (gate, up), even at TP 1."""
+        fc2 = name.replace("linear_fc1.", "linear_fc2.", 1)
+        if fc2 == name:
+            return False
+        fc2 = fc2.rpartition(".")[0] + ".weight"
+        tensors = self.checkpoint.tensors
+        if fc2 not in tensors or not tensors[fc2].shape:
+            return False
+        axis = -2 if name.endswith(".weight") else -1
+        shape = tensors[name].shape
+        return len(shape) >= -axis and shape[axis] == 2 * tensors[fc2].shape[-1]
+
+    def _tp_size(self, model_names: list[str]) -> int:
+        """The TP size: the chunk count of the least-split split tensor, a SwiGLU fc1's halved
+        (two chunks per rank: at TP 1 it is the only split tensor)."""
+        counts = set()
+        for n in model_names:
+            count = len(self._distinct(n))
+            counts.add(count // 2 if self._swiglu(n) and count % 2 == 0 else count)
+        tp = min((c for c in counts if c > 1), default=1)
+        if any(c % tp for c in counts if c > 1):
+            raise MegatronImportError(
+                f"{self.where}: model tensors are saved in {sorted(counts)} chunks; no common "
+                f"tensor-parallel size"
+            )
+        return tp
+
+    def piece(self, name: str, tp_rank: int) -> tuple[tuple[int, ...], int | None, list]:
+        """TP rank ``tp_rank``'s local shape of ``name`` (per layer), the axis its chunks join
+        along (None: replicated), and those chunks."""
+        chunks = self._distinct(name)
+        skip = self._lead(name)
+        shape = self.checkpoint.tensors[name].shape[skip:]
+        if len(chunks) == 1:
+            return tuple(shape), None, chunks
+        mine = chunks[tp_rank :: self.tp]
+        axes = {a for c in chunks for a in range(len(shape)) if c.sizes[skip + a] != shape[a]}
+        if len(axes) != 1 or len(chunks) % self.tp:
+            raise MegatronImportError(
+                f"{self.where}: tensor {name!r} is saved in {len(chunks)} chunks split along "
+                f"axes {sorted(axes)}; expected a split along one axis into a multiple of "
+                f"TP={self.tp}"
+            )
+        (axis,) = axes
+        local = list(shape)
+        local[axis] = sum(c.sizes[skip + axis] for c in mine)
+        return tuple(local), axis, mine
+
+    def rank_params(self, rank: int) -> tuple[list[tuple[str, int]], set[str]]:
+        """The local parameters of model-parallel rank ``rank`` in module order (a stacked
+        layer's as ``name#layer``), and which of them megatron-core puts alone in a bucket (a
+        pipeline-tied embedding and its copy on the last stage)."""
+        tp_rank, stage = rank % self.tp, rank // self.tp
+        per_stage = self.layers // self.pp
+        params: list[tuple[str, int]] = []
+        shared: set[str] = set()
+        if self.experts:  # the expert optimizer's ranks: expert TP x EP x PP
+            ep_rank, stage = (rank // self.tp) % self.ep, rank // (self.tp * self.ep)
+            for i in range(stage * per_stage, (stage + 1) * per_stage):
+                params += self._layer_params(i, tp_rank, ep_rank)
+            return params, shared
+        if stage == 0:
+            params += [(n, element_count(self.piece(n, tp_rank)[0])) for n in self.before]
+        for i in range(stage * per_stage, (stage + 1) * per_stage):
+            params += self._layer_params(i, tp_rank, 0)
+        if stage == self.pp - 1:
+            params += [(n, element_count(self.piece(n, tp_rank)[0])) for n in self.after]
+        if self.tied_copy is not None:
+            if stage == 0:
+                shared.add(self.tied_copy)
+            if stage == self.pp - 1:
+                copy = f"{self.tied_copy}#tied_output_copy"
+                params.append((copy, element_count(self.piece(self.tied_copy, tp_rank)[0])))
+                shared.add(copy)
+        return params, shared
+
+    def _layer_params(self, layer: int, tp_rank: int, ep_rank: int) -> list[tuple[str, int]]:
+        """Layer ``layer``'s local parameters in module order: the stacked tensors in saved
+        order, a run of expert tensors expanded expert by expert (``local_experts.<e>.fc1,
+        fc2``; EP rank ``ep_rank``'s experts), or GroupedMLP's ``weight1``, ``weight2`` holding
+        all of them."""
+        local = self.num_experts // self.ep if self.num_experts else 0
+        out: list[tuple[str, int]] = []
+        if self.layer_of:  # singleton_local_shards: this layer's own tensors
+            for n in self.stacked:
+                base = self._pair(n)
+                if self.layer_of[n] != layer or (base is not None and n.endswith("_v")):
+                    continue
+                numel = element_count(self.piece(n, tp_rank)[0])
+                if base is not None:
+                    numel += element_count(self.piece(base + "_v", tp_rank)[0])
+                out.append((base or n, numel))
+            return out
+        run: list[str] = []
+        for n in [*self.stacked, None]:
+            if n is not None and n in self.expert_names:
+                run.append(n)
+                continue
+            if self.grouped:  # weight1 (fc1), weight2 (fc2): all local experts in each
+                out += [
+                    (f"{r}#{layer}#grouped", local * element_count(self.piece(r, tp_rank)[0]))
+                    for r in run
+                ]
+            else:
+                out += [
+                    (f"{r}#{layer}#{e}", element_count(self.piece(r, tp_rank)[0]))
+                    for e in range(ep_rank * local, (ep_rank + 1) * local)
+                    for r in run
+                ]
+            run = []
+            if n is not None:
+                out.append((f"{n}#{layer}", element_count(self.piece(n, tp_rank)[0])))
+        return out
+
+    def _key(self, rank: int) -> str:
+        return f"{self.prefix}optimizer.distributed.dp_group_idx_{rank}"
+
+    def object(self, rank: int, what: str) -> Any:
+        prefix = f"{self._key(rank)}.{what}/"
+        name = next((n for n in self.checkpoint.objects if n.startswith(prefix)), None)
+        return None if name is None else self.checkpoint.read_object(name, legacy.LEGACY_CLASSES)
+
+    def step_objects(self) -> list[str]:
+        """The objects the step is read from (one per model-parallel rank, when saved)."""
+        prefixes = tuple(f"{self._key(rank)}.optimizer/" for rank in range(self.ranks))
+        return sorted(n for n in self.checkpoint.objects if n.startswith(prefixes))
+
+    def step(self) -> int:
+        steps: dict[float, str] = {}
+        for rank in range(self.ranks):
+            state = self.object(rank, "optimizer")
+            groups = state[0].get("param_groups") if isinstance(state, list) and state else None
+            where = f"{self.where} ({self._key(rank)}.optimizer)"
+            steps.setdefault(step_from_param_groups(groups, where), f"in rank {rank}")
+        return agreed_step(
+            steps, str(self.where), recorded_by="model-parallel ranks", error=MegatronImportError
+        )
+
+    #: Whether :meth:`source` names .metadata tensors (else pickled objects).
+    FROM_TENSORS = True
+
+    def files(self) -> list[str]:
+        raise NotImplementedError
+
+    def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def source(self, rank: int, bucket: int, state: str) -> str:
+        """The tensor (or object) holding ``state`` of ``rank``'s ``bucket``.
+
+        Args:
+            rank: the model-parallel rank.
+            bucket: the bucket of that rank.
+            state: "param", "exp_avg" or "exp_avg_sq".
+        """
+        raise NotImplementedError
+
+    def _pieces(self, name: str) -> Iterator[tuple]:
+        """What :meth:`read` takes for ``name``: (rank, layout key, layer, local shape, join
+        axis, chunks) of every TP rank's (and pipeline stage's) piece; a tensor replicated over
+        TP from TP rank 0 only, a pipeline-tied embedding from the first stage only."""
+        skip = self._lead(name)
+        per_stage = self.layers // self.pp if self.layers else 1
+        for tp_rank in range(self.tp):
+            local, axis, chunks = self.piece(name, tp_rank)
+            if axis is None and tp_rank:
+                break  # replicated over TP: rank 0's copy
+            if name in self.expert_names:  # expert e of layer i: EP rank e // local experts
+                local_experts = self.num_experts // self.ep
+                for layer in range(self.layers):
+                    for e in range(self.num_experts):
+                        ep_rank, stage = e // local_experts, layer // per_stage
+                        rank = tp_rank + self.tp * (ep_rank + self.ep * stage)
+                        key = f"{name}#{layer}#{'grouped' if self.grouped else e}"
+                        yield rank, key, (layer, e), local, axis, chunks
+                continue
+            if name in self.layer_of:
+                stage = self.layer_of[name] // per_stage
+                yield tp_rank + self.tp * stage, self._pair(name) or name, None, local, axis, chunks
+                continue
+            for layer in range(self.layers) if skip else [None]:
+                if layer is not None:  # skip: one piece per layer
+                    stage = layer // per_stage
+                else:
+                    stage = 0 if name in self.before else self.pp - 1
+                rank = tp_rank + self.tp * stage
+                key = f"{name}#{layer}" if skip else name
+                yield rank, key, layer, local, axis, chunks
+
+    def sources(self, state: str, name: str) -> list[str]:
+        """The tensors (or objects) :meth:`read` takes ``state`` of ``name`` from."""
+        return sorted(
+            {
+                self.source(rank, self.layout[rank][key][0], state)
+                for rank, key, *_ in self._pieces(name)
+            }
+        )
+
+    def unread(self) -> dict[str, str]:
+        """Flat state tensors :meth:`read` takes nothing from, and why: buckets holding only
+        the last stage's copy of a pipeline-tied embedding, or a TP rank > 0's copy of
+        parameters replicated over TP. A bucket holding anything else is left out (the import
+        is then refused as not accounting for it)."""
+        if not self.FROM_TENSORS:
+            return {}
+        names = [*self.before, *self.stacked, *self.after]
+        read = {(rank, key) for n in names for rank, key, *_ in self._pieces(n)}
+        out: dict[str, str] = {}
+        for rank, layout in self.layout.items():
+            per_bucket: dict[int, list[str]] = {}
+            for key, (bucket, _, _) in layout.items():
+                per_bucket.setdefault(bucket, []).append(key)
+            for bucket, keys in per_bucket.items():
+                if any((rank, key) in read for key in keys):
+                    continue
+                why = [w for key in keys if (w := self._unread_why(rank, key)) is not None]
+                if len(why) != len(keys):
+                    continue
+                for state in self.STATES:
+                    out[self.source(rank, bucket, state)] = (
+                        f"{self.LAYOUT} bucket of model-parallel rank {rank} holding only "
+                        f"{'; '.join(dict.fromkeys(why))}: not read"
+                    )
+        return out
+
+    def _unread_why(self, rank: int, key: str) -> str | None:
+        name = key.partition("#")[0]
+        if not self.experts and key == f"{self.tied_copy}#tied_output_copy":
+            return (
+                f"the last pipeline stage's copy of the tied embedding {name!r} (the first "
+                f"stage's state is imported)"
+            )
+        if rank % self.tp and self.piece(name, rank % self.tp)[1] is None:
+            return (
+                f"TP rank {rank % self.tp}'s copy of replicated {name!r} (TP rank 0's is imported)"
+            )
+        return None
+
+    def spot_check(self, limit: int = 1 << 16) -> str | None:
+        """The first model tensor of at most ``limit`` elements (or the smallest one) whose
+        master does not equal (fp32) or round to (bf16) its weight, else None: a cheap test of
+        the derived order before anything is written (every tensor is checked when written)."""
+        names = [*self.before, *self.stacked, *self.after]
+        tensors = self.checkpoint.tensors
+        small = sorted(names, key=lambda n: element_count(tensors[n].shape))
+        for i, name in enumerate(small):
+            if i and element_count(tensors[name].shape) > limit:
+                break
+            weight = self.checkpoint.read(name)
+            master = self.read("param", name).astype(weight.dtype)
+            if master.tobytes() != np.ascontiguousarray(weight).tobytes():
+                return name
+        return None
+
+    def read(self, state: str, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+        """One optimizer state of model tensor ``name``, in its (stacked) global shape, put
+        together from every TP rank's (and pipeline stage's) local piece; ``rows=(lo, hi)``:
+        rows ``lo:hi`` of dim 0 only, reading only their part of the flat buckets (a tensor
+        larger than the memory budget is written slab by slab, ``writer.Deferred.rows``).
+
+        Args:
+            state: "param", "exp_avg" or "exp_avg_sq".
+            name: the model tensor.
+            rows: (lo, hi) rows of dim 0 alone (None: all).
+        """
+        shape = self.checkpoint.tensors[name].shape
+        lo, hi = (0, shape[0] if shape else 0) if rows is None else rows
+        out = writer.unpooled_empty(shape if rows is None else (hi - lo, *shape[1:]), np.float32)
+        skip = self._lead(name)
+        for rank, key, layer, local, axis, chunks in self._pieces(name):
+            bucket, start, end = self.layout[rank][key]
+            if key != name and name.endswith("_v"):  # after the _w half of [w; v]
+                start += element_count(self.piece(key + "_w", rank % self.tp)[0])
+            if skip:  # dim 0 indexes layers: a piece is all in the rows or not at all
+                first = layer if isinstance(layer, int) else layer[0]
+                if not lo <= first < hi:
+                    continue
+                layer = first - lo if isinstance(layer, int) else (first - lo, *layer[1:])
+            if key.endswith("#grouped"):  # the local expert's block, saved transposed
+                assert layer is not None and not isinstance(layer, int)  # (layer, expert)
+                start += layer[1] % (self.num_experts // self.ep) * element_count(local)
+                end = start + element_count(local)
+                value = self.flat(rank, bucket, state, start, end)
+                value = value.reshape(*local[:-2], local[-1], local[-2]).swapaxes(-1, -2)
+            elif skip or not shape:
+                end = start + element_count(local)
+                value = self.flat(rank, bucket, state, start, end).reshape(local)
+            else:  # a few MiB of rows at a time: a whole TP piece beside ``out`` was +50% of it
+                step = max(1, BLOCK_BYTES // max(1, 4 * element_count(shape[1:])))
+                for a in range(lo, hi, step):
+                    b = min(hi, a + step)
+                    block = out[a - lo : b - lo]
+                    self._place_rows(block, rank, bucket, state, start, local, axis, chunks, a, b)
+                continue
+            _place(out[layer] if skip else out, value, axis, chunks, skip)
+        return out
+
+    def _place_rows(self, out, rank, bucket, state, start, local, axis, chunks, lo, hi) -> None:
+        """Rows ``lo:hi`` of one unstacked piece into ``out`` (rows ``lo:hi`` of the tensor),
+        read from the piece's flat range: its rows are consecutive in it (C order)."""
+        row = element_count(local[1:])
+
+        def local_rows(a: int, b: int) -> np.ndarray:
+            return self.flat(rank, bucket, state, start + a * row, start + b * row).reshape(
+                b - a, *local[1:]
+            )
+
+        if axis != 0:  # replicated, or split along another axis: every piece holds all rows
+            _place(out, local_rows(lo, hi), axis, chunks, 0, rows=True)
+            return
+        at = 0
+        for c in chunks:  # split along dim 0: the chunks' rows that fall in lo:hi
+            size = c.sizes[0]
+            g0, g1 = max(lo, c.offsets[0]), min(hi, c.offsets[0] + size)
+            if g0 < g1:
+                index = tuple(slice(o, o + n) for o, n in zip(c.offsets[1:], c.sizes[1:]))
+                a = at + g0 - c.offsets[0]
+                out[(slice(g0 - lo, g1 - lo), *index)] = local_rows(a, a + g1 - g0)
+            at += size
+
+
+def _place(target, value, axis, chunks, skip: int, rows: bool = False) -> None:
+    """A rank's local piece ``value`` (its ``chunks`` joined along ``axis``; None: replicated,
+    the piece is the tensor) into ``target`` at the chunks' places, past ``skip`` leading layer
+    (and expert) axes; ``rows``: ``target`` and ``value`` are rows of dim 0 only."""
+    if axis is None:
+        target[...] = value
+        return
+    at = 0
+    for c in chunks:
+        size = c.sizes[skip + axis]
+        index = [slice(o, o + n) for o, n in zip(c.offsets[skip:], c.sizes[skip:])]
+        if rows:  # every row of the chunk's dim 0 is in ``value``
+            index[0] = slice(None)
+        # a view of the piece (np.take would copy it first)
+        target[tuple(index)] = value[(slice(None),) * axis + (slice(at, at + size),)]
+        at += size

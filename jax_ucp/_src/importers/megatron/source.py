@@ -1,0 +1,44 @@
+"""Which Megatron format a directory holds (torch_dist or legacy), and where its files are."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers.megatron import legacy
+
+
+@dataclass(frozen=True)
+class MegatronSource:
+    """Where a Megatron checkpoint is and which of its two formats it is."""
+
+    format: str  # "torch_dist" | "legacy"
+    root: Path  # the directory the user gave (or its checkpoint root)
+    ckpt_dir: Path  # the directory holding .metadata (torch_dist) or the mp_rank_* dirs (legacy)
+    iteration: int | None
+
+
+def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
+    """torch_dist or legacy, from a checkpoint root (with the tracker file) or an iter directory."""
+    path = Path(src)
+    if not path.is_dir():
+        return None
+    # lexists, not is_file: a .metadata or tracker that is a FIFO, a device or too large is
+    # this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
+    if os.path.lexists(path / ".metadata"):
+        match = re.fullmatch(r"iter_(\d+)", path.name)
+        return MegatronSource("torch_dist", path, path, int(match.group(1)) if match else None)
+    try:
+        root, iteration_dir, iteration = legacy.resolve_iteration_dir(path)
+    except SourceError:
+        if os.path.lexists(path / legacy.TRACKER_FILE):
+            raise
+        return None
+    if os.path.lexists(iteration_dir / ".metadata"):
+        return MegatronSource("torch_dist", root, iteration_dir, iteration)
+    if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
+        return MegatronSource("legacy", root, iteration_dir, iteration)
+    return None

@@ -1,0 +1,296 @@
+"""An Orbax item's arrays: Orbax's own metadata of the tree (each array's name, shape, dtype
+and chunks), each array opened with the TensorStore spec Orbax reads it with
+(``ocp.type_handlers.get_json_tspec_read``), its chunks checked against its shape before any is
+decoded, and handed to the writer unread (a ``writer.Deferred``): Orbax's default zstd chunks
+are decoded as a stream into the rows written (``zstd_rows``), other layouts read by TensorStore
+reserve the array and the chunks it decodes at once, as many as the memory budget leaves room
+for."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError, is_tensorstore_io_error, tensorstore_message
+from jax_ucp._src.format import SavedSharding, role_of
+from jax_ucp._src.importers.orbax import zstd_rows
+from jax_ucp._src.importers.orbax.layout import STRINGS_FILE, read_json
+
+# the array a TensorStore error names: ``Error reading "params.w/.zarray"``
+_ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|\d+(?:[./]\d+)*)"')
+
+
+def tree_metadata(path: str):
+    """Orbax's own metadata of an item (its tree, each array's shape, dtype and chunks); a
+    missing or damaged file is an error naming the item and the file, not TensorStore's spec."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    try:
+        return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+    except ValueError as e:
+        _QuietClosedLoop.install()  # Orbax's loop is closed while TensorStore still completes
+        if not is_tensorstore_io_error(e):
+            raise
+        m = _ARRAY_IN_MESSAGE.search(str(e))
+        array = m and m.group(1).removeprefix(os.path.join(path, ""))  # a file's name: relative
+        what = f"the metadata of array {array!r}" if m else "Orbax's metadata"
+        raise SourceError(
+            f"{path}: cannot read {what} (missing, truncated or corrupt file): "
+            f"{tensorstore_message(e)}"
+        ) from None
+
+
+class _QuietClosedLoop:
+    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
+    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
+    other arrays' futures, whose callbacks then find the loop closed and print a traceback
+    after the one clear error. Installed (wrapping the hook before it) only once such a read
+    failed; every other report goes to the hook before."""
+
+    def __init__(self, before):
+        self.before = before
+
+    @classmethod
+    def install(cls) -> None:
+        if not isinstance(sys.unraisablehook, cls):
+            sys.unraisablehook = cls(sys.unraisablehook)
+
+    def __call__(self, report) -> None:
+        e = report.exc_value
+        if (
+            report.object is None
+            and isinstance(e, RuntimeError)
+            and str(e) == "Event loop is closed"
+        ):
+            return
+        self.before(report)
+
+
+def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
+    """Where an array's zarr metadata lies (inside the OCDBT database, for OCDBT).
+
+    Args:
+        path: the Orbax checkpoint (item) directory.
+        name: the array's name in it.
+        ocdbt: the arrays are in an OCDBT database (the path is then only named).
+        zarr3: zarr v3 (``zarr.json``) rather than v2 (``.zarray``).
+    """
+    meta = f"{name}/{'zarr.json' if zarr3 else '.zarray'}"
+    return f"{path} (OCDBT entry {meta})" if ocdbt else os.path.join(path, meta)
+
+
+def check_chunks(where: str, name: str, shape: tuple[int, ...], chunks) -> None:
+    """Refuses, before anything is read or decoded, an array whose declared chunks (each of
+    ``chunks``: the read and the write chunk shape) are larger than the array in any dimension:
+    Orbax writes each device's shard as a chunk, never larger than the array, while one chunk of
+    2**29 elements declared for 16 floats (a 64 KB zstd file) would decode into 2 GiB.
+
+    Args:
+        where: the file or database the array is in (for the error).
+        name: the array's name (for the error).
+        shape: the array's declared shape.
+        chunks: the declared chunk shapes (read and write).
+    """
+    for chunk in chunks:
+        if chunk is None:  # TensorStore reports no such chunk (a 0-d array)
+            continue
+        chunk = tuple(int(c) for c in chunk)
+        if len(chunk) != len(shape) or any(c > max(d, 1) for c, d in zip(chunk, shape)):
+            raise SourceError(
+                f"{where}: array {name!r} of shape {shape} declares chunks of shape {chunk}, "
+                f"larger than the array; an Orbax chunk is at most the array's shape (refused "
+                f"before decoding it: the file is damaged or forged)"
+            )
+
+
+def _decoding(shape, itemsize: int, chunk, budget: int) -> tuple[int, int]:
+    """(chunks TensorStore may decode at once, the bytes reading the array holds): the array
+    itself plus its decoded chunks in flight, as many as fit in ``budget`` beside the array
+    (at least one, at most one per CPU)."""
+    array = itemsize * math.prod(shape)
+    chunk_bytes = itemsize * math.prod(chunk)
+    count = math.prod(-(-d // max(c, 1)) for d, c in zip(shape, chunk))
+    at_once = max(1, min(count, os.cpu_count() or 1, (budget - array) // max(chunk_bytes, 1)))
+    return at_once, array + at_once * chunk_bytes
+
+
+def _by_rows(shape, itemsize: int, chunk, budget: int) -> bool:
+    """Whether an array larger than ``budget`` is read in row slabs (re-chunked by the writer):
+    when its saved chunks are small enough for a slab and the chunks decoded beside it to fit
+    (one decoded chunk at most a quarter of the budget). An array saved as one chunk larger
+    than that (Orbax's default for a single-device array) is read whole: every slab would
+    decode the whole chunk again, as costly in memory as the whole read."""
+    chunk_bytes = itemsize * math.prod(min(c or d, d) for d, c in zip(shape, chunk))
+    return len(shape) >= 1 and 0 < chunk_bytes <= budget // 4
+
+
+def flatten(tree) -> list[tuple[tuple[str, ...], tuple[str, ...], Any]]:
+    """(key, key types, leaf metadata): sequence positions stay "index" components, so a
+    restore without a target rebuilds Orbax's lists and tuples as lists (FORMAT.md 5.2)."""
+    import jax
+
+    from jax_ucp._src.format import keypath
+
+    out = []
+    # None leaves kept: Orbax's record of an empty node (optax's EmptyState), so a tree exported
+    # back to Orbax has the structure an Orbax restore target expects
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]:
+        parts = [keypath.component_of(p) for p in path]
+        out.append((tuple(n for _, n in parts), tuple(t for t, _ in parts), leaf))
+    return out
+
+
+def _saved_sharding(leaf) -> SavedSharding | None:
+    """The NamedSharding Orbax recorded for an array (its mesh axis names and sizes and its
+    PartitionSpec), so ``restore(path, mesh=...)`` reuses it as it does a JAX save's; None for
+    any other sharding or a record that does not fit the array."""
+    meta = getattr(leaf, "sharding", None)
+    if meta is None or type(meta).__name__ != "NamedShardingMetadata":
+        return None
+    try:
+        names = tuple(str(n) for n in meta.axis_names)
+        sizes = tuple(int(n) for n in meta.shape)
+        spec = tuple(
+            p if p is None or isinstance(p, str) else tuple(str(n) for n in p)
+            for p in meta.partition_spec
+        )
+    except (TypeError, ValueError):
+        return None
+    used = [n for p in spec if p is not None for n in ((p,) if isinstance(p, str) else p)]
+    if len(names) != len(sizes) or len(spec) > len(leaf.shape) or not set(used) <= set(names):
+        return None
+    return SavedSharding(mesh_axis_names=names, mesh_shape=sizes, partition_spec=spec)
+
+
+def host_items(leaves) -> Iterator[writer.HostItem]:
+    """The writer's items of the planned leaves, built lazily (arrays left unread)."""
+    contexts: dict[bool, Any] = {}
+    strings: dict[str, dict] = {}
+    for key, key_types, name, path, leaf, ocdbt, zarr3 in leaves:
+        provenance: dict = {"file": name, "tensors": [name]}
+        if leaf is None:
+            value, provenance = None, {"values": [f"{name} (an empty node)"]}
+        elif type(leaf).__name__ == "StringMetadata":
+            if path not in strings:
+                strings[path] = read_json(os.path.join(path, STRINGS_FILE))
+            value = strings[path].get(leaf.name) if isinstance(strings[path], dict) else None
+            if not isinstance(value, str):
+                raise SourceError(f"{path}/{STRINGS_FILE}: no string for leaf {leaf.name!r}")
+        else:
+            value = _array(leaf, name, path, ocdbt, zarr3, contexts)
+        yield writer.HostItem(
+            key,
+            value,
+            *role_of(key),
+            provenance,
+            key_types=key_types,
+            saved_sharding=_saved_sharding(leaf) if isinstance(value, writer.Deferred) else None,
+        )
+
+
+def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict):
+    """An array leaf as a ``writer.Deferred``, read once the writer has room for it (zstd chunks
+    decoded as a stream into the rows, else through TensorStore); a scalar leaf as its value."""
+    import orbax.checkpoint as ocp
+    import tensorstore as ts
+    from etils import epath
+
+    kind = type(leaf).__name__
+    if kind not in ("ArrayMetadata", "ScalarMetadata"):
+        raise SourceError(
+            f"{path}: leaf {leaf.name!r} has Orbax metadata {kind}; jax_ucp imports arrays, "
+            f"scalars and strings"
+        )
+    if ocdbt not in contexts:
+        # Orbax's context keeps up to 100 MB of OCDBT data in its cache pool: nothing here
+        # is read twice, and the budget leaves no room for it (~50 MiB measured)
+        contexts[ocdbt] = ts.Context(
+            ts.Context.Spec({"cache_pool#ocdbt": {"total_bytes_limit": 0}}),
+            ocp.type_handlers.get_ts_context(use_ocdbt=ocdbt),
+        )
+    info = ocp.type_handlers.ParamInfo(
+        name=leaf.name,
+        parent_dir=epath.Path(path),
+        is_ocdbt_checkpoint=ocdbt,
+        use_zarr3=zarr3,
+        ts_context=contexts[ocdbt],
+    )
+    tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
+    where, data = metadata_file(path, leaf.name, ocdbt, zarr3), _data_files(path, leaf.name, ocdbt)
+    array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
+    if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
+        return _read(array, data, name).item()
+    shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
+    streamed = zstd_rows.rows_reader(array, data, name, SourceError)
+    if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
+        return writer.Deferred(
+            shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
+        )
+    chunk = tuple(array.chunk_layout.read_chunk.shape or shape)
+    budget = writer.memory_budget()
+    at_once, holds = _decoding(shape, dtype.itemsize, chunk, budget)
+    if at_once < (os.cpu_count() or 1):  # fewer decoded chunks at once than TensorStore's
+        limit = ts.Context.Spec({"data_copy_concurrency": {"limit": at_once}})
+        array = _open(tspec, ts.Context(limit, contexts[ocdbt]), where, name, shape)
+    read = functools.partial(_read, array, data, name)
+    rows = read if _by_rows(shape, dtype.itemsize, chunk, budget) else None
+    # read once the writer has room for the array and its decoded chunks
+    return writer.Deferred(shape, dtype, read, bound=holds, rows=rows)
+
+
+def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
+    """The array opened with Orbax's read spec (its metadata alone is read), its shape and
+    chunks checked before any chunk is."""
+    import tensorstore as ts
+
+    try:
+        array = ts.open(tspec, context=context, open=True, read=True).result()
+    except Exception as e:
+        raise SourceError(
+            f"{where}: cannot open array {name!r}: {tensorstore_message(e)}"
+        ) from None
+    if tuple(array.shape) != tuple(shape):
+        raise SourceError(
+            f"{where}: array {name!r} has shape {tuple(array.shape)}, its metadata says "
+            f"{tuple(shape)}"
+        )
+    layout = array.chunk_layout
+    check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
+    return array
+
+
+def _data_files(path: str, name: str, ocdbt: bool) -> str:
+    """Where an array's chunks lie: its directory, or the data files of the OCDBT database."""
+    if ocdbt:
+        return f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)"
+    return os.path.join(path, name)
+
+
+def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = None):
+    """The whole array, or rows ``lo:hi`` of dim 0 alone (decoding only the chunks holding
+    them); a missing, truncated or corrupt chunk file is an error naming the array, where its
+    chunks lie and the file TensorStore names."""
+    import tensorstore as ts
+
+    try:
+        if lo is None or hi is None:
+            return array.read().result()
+        # read into a private mapping unmapped once written (``writer.unpooled_empty``): a slab
+        # TensorStore allocates stays resident in glibc's heap after it is freed
+        out = writer.unpooled_empty((hi - lo, *array.shape[1:]), array.dtype.numpy_dtype)
+        view = array[lo:hi].translate_to[(0,) * array.rank]
+        ts.array(out, copy=False, write=True).write(view).result()
+        return out
+    except ValueError as e:
+        rows = "" if lo is None else f"rows {lo}:{hi} of "
+        raise SourceError(
+            f"{where}: reading {rows}array {name!r} failed (missing, truncated or corrupt chunk "
+            f"data): {tensorstore_message(e)}"
+        ) from None

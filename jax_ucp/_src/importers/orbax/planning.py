@@ -1,0 +1,128 @@
+"""The import plan of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
+its tree path, and the options that pick the step."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers.orbax.arrays import (
+    check_chunks,
+    flatten,
+    host_items,
+    metadata_file,
+    tree_metadata,
+)
+from jax_ucp._src.importers.orbax.layout import (
+    CHECKPOINT_METADATA,
+    PYTREE_METADATA,
+    check_links,
+    check_names,
+    inside,
+    is_orbax,
+    resolve,
+)
+from jax_ucp._src.importers.plan import (
+    WHOLE,
+    Detection,
+    ImportPlan,
+    Share,
+    TaggedOptions,
+    refuse_spec,
+    skip,
+)
+
+
+def plan_orbax(
+    src,
+    *,
+    tag: int | str | None = None,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
+    its tree path (under the item name when a step has several PyTree items).
+
+    Args:
+        src: the Orbax checkpoint, step or manager root.
+        tag: the step of a manager root (None: the latest committed).
+        spec: refused (an Orbax import keeps the saved tree).
+        weights_only: only the ``params`` subtree (everything else listed in
+            ``source.skipped``).
+        share: this process's part of a distributed import (default: the whole).
+    """
+    refuse_spec(spec, "Orbax imports keep the saved tree", SourceError)
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    step_dir, step, items, others = resolve(src, tag)
+    source: dict[str, Any] = {
+        "framework": "orbax",
+        "path": step_dir,
+        "step": step,
+        "items": sorted(items),
+        "orbax_version": ocp.__version__,
+    }
+    found: list[str] = []
+    leaves = []  # (output key, key types, source name, item dir, metadata, ocdbt, zarr3)
+    for item, path in items.items():
+        check_links(step_dir, path)
+        check_names(path)  # before Orbax's metadata(), which opens every array itself
+        md = tree_metadata(path)
+        ocdbt = bool(ocp.type_handlers.is_ocdbt_checkpoint(epath.Path(path)))
+        zarr3 = bool(getattr(md, "use_zarr3", False))
+        source.setdefault("layout", {})[item] = {"ocdbt": ocdbt, "zarr3": zarr3}
+        under = ((item,), ("key",)) if len(items) > 1 else ((), ())
+        for key, key_types, leaf in flatten(md.tree):
+            out = (under[0] + key, under[1] + key_types)
+            if leaf is None:  # an empty node: a None value, no tensor to account for
+                leaves.append((*out, ".".join(key), path, None, ocdbt, zarr3))
+                continue
+            # the array's directory (or OCDBT key) Orbax's read spec joins from its name
+            inside(path, leaf.name, f"{path}/{PYTREE_METADATA}: array {'.'.join(key)[:100]!r}")
+            name = f"{item}/{leaf.name}" if item else leaf.name
+            storage = getattr(leaf, "storage", None)  # Orbax's record of the array's chunks
+            if (chunk_shape := getattr(storage, "chunk_shape", None)) is not None:
+                where = metadata_file(path, leaf.name, ocdbt, zarr3)
+                check_chunks(where, name, tuple(leaf.shape), [tuple(chunk_shape)])
+            found.append(name)
+            leaves.append((*out, name, path, leaf, ocdbt, zarr3))
+    for item, why in others.items():
+        found.append(f"{item}/")
+        skip(source, [f"{item}/"], why)
+    if weights_only:
+        dropped = [lv for lv in leaves if lv[0][:1] != ("params",)]
+        tensors = [lv[2] for lv in dropped if lv[4] is not None]  # empty nodes are no tensors
+        skip(source, tensors, "weights_only: not under params/")
+        leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
+        if not leaves:
+            raise SourceError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
+    mine = share.pick(leaves)
+    params = sum(1 for lv in mine if lv[0][:1] == ("params",))
+    return ImportPlan(host_items(mine), source, params, source_tensors=found)
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxOptions(TaggedOptions):
+    """``ImportOptions`` and the step to import (``tag``, None: the latest committed one); a
+    string of digits is that step number."""
+
+    def __post_init__(self):
+        if isinstance(self.tag, str) and self.tag.isdigit():
+            object.__setattr__(self, "tag", int(self.tag))
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is an Orbax checkpoint, step or CheckpointManager directory, from its
+    file names."""
+    if is_orbax(src):
+        return Detection(True, "Orbax metadata")
+    return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
+
+
+def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
+    """:func:`plan_orbax` with its options as one ``OrbaxOptions``."""
+    return plan_orbax(src, **vars(options))  # every option is one of its keywords

@@ -1,0 +1,79 @@
+"""Hugging Face safetensors weights as an import plan: ``params/<HF name>`` in the stored dtype,
+each tensor a read-only view of a memory map streamed into the writer.
+
+Shared importer layer: the safetensors importer's plan, and torchtune's (its ``epoch_N/``
+folders are such weights). Format packages never import each other; what two of them share
+lives here.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import safetensors
+from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, host_item, refuse_spec, skip
+
+__all__ = ["plan_safetensors"]
+
+
+def plan_safetensors(
+    src, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
+) -> ImportPlan:
+    """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index).
+
+    Args:
+        src: a ``.safetensors`` file, a folder, or a sharded index.
+        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
+    src = os.fspath(src)
+    opened, owner = safetensors.open_checkpoint(src)
+    names = sorted(owner)
+    dtypes = sorted({str(owner[n].header[n][0]) for n in names})
+    source = {
+        "framework": "safetensors",
+        "path": os.path.abspath(src),
+        "files": [os.path.basename(f.path) for f in opened],
+        "dtypes": dtypes,
+        "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
+    }
+    found = list(names)
+    trainer_state = _trainer_optimizer(src)
+    if trainer_state is not None:
+        optimizer_file = os.path.basename(trainer_state)
+        trainer = optimizer_file == "optimizer.pt"
+        writer_name = "Hugging Face Trainer" if trainer else "Accelerate save_state"
+        if not weights_only:
+            raise SourceError(
+                f"{trainer_state}: {'a' if trainer else 'an'} {writer_name} "
+                f"{'checkpoint' if trainer else 'folder'}; its "
+                f"torch optimizer state ({optimizer_file}, keyed by parameter index) is not "
+                f"imported. To import the model weights without it: convert(..., "
+                f"weights_only=True) / jax-ucp convert --weights-only"
+            )
+        # not opened (it is not read): accounted for as one unit
+        skip(source, [optimizer_file], f"weights_only: {writer_name}'s torch optimizer state")
+        found.append(optimizer_file)
+    mine = share.pick(names)
+    items = (
+        host_item(
+            ("params", n),
+            writer.mapped_deferred(owner[n].tensor(n), f"{owner[n].path}: tensor {n[:100]!r}"),
+            {"file": os.path.basename(owner[n].path), "tensors": [n]},
+        )
+        for n in mine
+    )
+    return ImportPlan(items, source, len(mine), source_tensors=found)
+
+
+def _trainer_optimizer(src: str) -> str | None:
+    """``optimizer.pt`` in the folder given (a Trainer ``checkpoint-N/`` without DeepSpeed): its
+    state would be lost without a word if the weights were imported alone. A file given by its
+    own path is that file only."""
+    paths = [os.path.join(src, n) for n in ("optimizer.pt", "optimizer.bin")]  # Trainer, Accelerate
+    return next((p for p in paths if os.path.lexists(p)), None) if os.path.isdir(src) else None

@@ -1,0 +1,390 @@
+"""Import plain torch Distributed Checkpoints (``torch.distributed.checkpoint.save``) as UCP.
+
+Whatever wrote them: FSDP2 ``fully_shard`` or FSDP1 ``SHARDED_STATE_DICT`` with
+``get_state_dict`` / ``FSDP.optim_state_dict``, torchtitan's checkpointer, Accelerate's
+``save_state`` (``pytorch_model_fsdp_0/`` + ``optimizer_0/``), Lightning's sharded ``.ckpt/``
+folders, HF Trainer FSDP checkpoints. Read without torch through :mod:`dcp_reader` (nothing in
+``.metadata`` or a chunk is executed); each tensor is assembled from its own chunks only, one
+tensor at a time.
+
+DCP flattens the saved state dict into dotted names. The layouts differ only in where the
+model and the optimizer sit:
+
+* an optimizer root ``R`` is where ``R.param_groups.*`` lives (``optim.``, ``optimizer.``,
+  ``optimizer_0.``, or nothing); its state is ``R.state.<param>.<state>`` and its groups are
+  ``R.param_groups.<i>.<hyper-parameter>`` (``get_state_dict``) or
+  ``R.param_groups.<param>.<hyper-parameter>`` (``flatten_optimizer_state_dict=True``, torchtitan);
+* the model container ``P`` (``model.`` for ``get_state_dict`` / Accelerate / Lightning,
+  nothing for torchtitan's top-level model keys) is found from the optimizer's parameter names
+  (``P + name`` must be a tensor for every one) or, without optimizer state, is a single
+  top-level ``model.`` / ``state_dict.`` all tensors share;
+* everything else (``train_state``, ``lr_scheduler``, ``dataloader``, pickled objects) is listed
+  in ``source.skipped``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
+from jax_ucp._src.importers import trainer_files
+from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, jsonable, refuse_spec
+from jax_ucp._src.importers.torch import olmo_core
+from jax_ucp._src.importers.torch.optimizer import (
+    TensorRef,
+    TorchState,
+    clean_name,
+    numbered_names,
+    plan_state,
+    scalar_ref,
+    strip_wrappers,
+)
+from jax_ucp._src.torchfiles import dcp_reader
+
+__all__ = ["MODEL_CONTAINERS", "NON_MODEL_ROOTS", "dcp_dirs", "is_torch_dcp", "plan_torch_dcp"]
+
+#: Top-level keys a model state dict is saved under (``dcp.save({"model": ...})``).
+MODEL_CONTAINERS = ("model", "state_dict", "model_state_dict")
+#: Top-level keys of torchtitan & co. beside top-level model keys that hold no parameters.
+NON_MODEL_ROOTS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader", "rng", "ft")
+#: Accelerate's / HF Trainer's sharded FSDP folders inside a save_state / checkpoint folder.
+_ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
+#: megatron-core's files beside its torch_dist .metadata (that is the Megatron importer's)
+MEGATRON_FILES = ("common.pt", "metadata.json")
+
+
+def dcp_dirs(src: os.PathLike | str) -> list[Path]:
+    """The DCP folders of ``src``: itself when it holds ``.metadata``, an OLMo-core step
+    folder's ``model_and_optim/``, else Accelerate's ``pytorch_model_fsdp_N/`` and
+    ``optimizer_N/`` inside it; [] when none."""
+    path = Path(src)
+    if not path.is_dir():
+        return []
+    if os.path.lexists(path / ".metadata"):
+        return [path]
+    if olmo_core.is_step_folder(path):
+        return [path / olmo_core.MODEL_DIR]
+    return sorted(
+        p for p in path.iterdir() if _ACCELERATE_DIR.match(p.name) and (p / ".metadata").exists()
+    )
+
+
+def is_torch_dcp(src: os.PathLike | str) -> bool:
+    """A plain torch DCP checkpoint (not megatron-core's, which has common.pt/metadata.json)."""
+    dirs = dcp_dirs(src)
+    return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
+
+
+def plan_torch_dcp(
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+    parameter_order: Sequence[str] | None = None,
+) -> ImportPlan:
+    """The import of a torch DCP checkpoint folder (or Accelerate's folder holding several).
+
+    Every check that needs no tensor bytes (files present and long enough, chunks tiling each
+    tensor, optimizer state matching its parameters, one step) runs before this returns.
+
+    Args:
+        src: the DCP folder (or Accelerate's folder holding several).
+        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+        parameter_order: the model's parameter names in the order torch numbered them, for an
+            optimizer saved keyed by index (``optimizer.state_dict()`` as is: torchtune's
+            asynchronous ``dist_epoch_N/``); None for one keyed by name.
+    """
+    refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
+    dirs = dcp_dirs(src)
+    if not dirs:
+        raise SourceError(
+            f"{src}: no .metadata (and no pytorch_model_fsdp_N/ or optimizer_N/ folder holding "
+            f"one): not a torch DCP checkpoint"
+        )
+    try:
+        for d in dirs:  # Accelerate's folders inside src, never links to another run's
+            if d != Path(src):
+                files.inside(src, d.name, str(src))
+        checkpoints = [dcp_reader.open_dcp(d) for d in dirs]
+        for ck in checkpoints:
+            ck.check_files()
+            for name in ck.tensors:
+                ck.check_tensor(name)
+        state, info = _state(checkpoints, str(src), weights_only, parameter_order)
+        if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
+            info["trainer"], train_files = olmo_core.train_record(str(src))
+            if "global_step_unread" in info["trainer"]:
+                info["notes"] = [
+                    f"OLMo-core's trainer step not recovered: "
+                    f"{info['trainer']['global_step_unread']}"
+                ]
+            state.found.extend(train_files)
+            state.skipped.update(train_files)
+        elif dirs[0] != Path(src) and trainer_files.is_trainer_checkpoint(str(src)):
+            # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
+            info["trainer"] = trainer_files.trainer_record(str(src))
+            rng = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states: units
+            state.found.extend(rng)
+            state.skipped.update(rng)
+        plan = plan_state(
+            state,
+            {
+                "framework": "torch_dcp",
+                "path": os.path.abspath(src),
+                "folders": [os.path.relpath(d, src) for d in dirs],
+                "dcp_version": checkpoints[0].version,
+                **info,
+            },
+            weights_only=weights_only,
+            share=share,
+        )
+    except files.UnsafeFileError as e:  # the reader's own errors are already this group's
+        raise SourceError(str(e)) from None
+    return plan
+
+
+def _ref(ck: dcp_reader.DcpCheckpoint, name: str) -> TensorRef:
+    t = ck.tensors[name]
+    return TensorRef(
+        name,
+        t.shape,
+        t.dtype,
+        lambda: ck.read(name),
+        {"format": "torch_dcp", "source_name": name, "files": t.files, "chunks": len(t.chunks)},
+        rows=lambda start, stop: ck.read_rows(name, start, stop),
+    )
+
+
+def _state(
+    checkpoints: list[dcp_reader.DcpCheckpoint],
+    where: str,
+    weights_only: bool = False,
+    order: Sequence[str] | None = None,
+) -> tuple[TorchState, dict[str, Any]]:
+    tensors, objects = _tables(checkpoints, where)
+    everything = list(tensors) + list(objects)
+    _refuse_flat_params(tensors, where)
+    root = _optimizer_root(everything, where)
+    skipped: dict[str, str] = {}
+    states: dict[str, dict[str, Any]] = {}
+    groups: list[dict] = []
+    if root is not None:
+        states = _optimizer_states(root, tensors, objects, skipped)
+        groups = _param_groups(root, objects, tensors, where)
+    in_optimizer = {n for n in everything if root is not None and n.startswith(root)}
+    model_names = [n for n in tensors if n not in in_optimizer]
+    by_index = bool(states) and all(k.isdigit() for k in states)
+    if by_index:
+        states, groups = _numbered(states, groups, order, weights_only, where)
+    elif order is not None:
+        raise SourceError(
+            f"{where}: the optimizer state is keyed by parameter name; parameter_order applies "
+            f"to one keyed by index"
+        )
+    container = _container(model_names, states, tensors, where)
+    params = _model_params(model_names, container, tensors, skipped)
+    _skip_the_rest(everything, root, objects, in_optimizer, skipped)
+    clean, removed = strip_wrappers(list(params), where)
+    params = {new: params[old] for new, old in clean.items()}
+    states_clean, _ = strip_wrappers(list(states), where)
+    states = {new: states[old] for new, old in states_clean.items()}
+    for group in groups:
+        if isinstance(group.get("params"), list):
+            group["params"] = [clean_name(p)[0] for p in group["params"]]
+    info: dict[str, Any] = {
+        "model_container": container.rstrip(".") or None,
+        "optimizer_root": None if root is None else root.rstrip(".") or "<top level>",
+    }
+    if removed:
+        info["wrappers_removed"] = removed
+    if by_index:
+        info["optimizer_keyed_by"] = "index"
+    state = TorchState(params, states, groups, skipped, where, everything, sorted(in_optimizer))
+    return state, info
+
+
+def _numbered(
+    states: dict[str, dict[str, Any]],
+    groups: list[dict],
+    order: Sequence[str] | None,
+    weights_only: bool,
+    where: str,
+) -> tuple[dict[str, dict[str, Any]], list[dict]]:
+    """An optimizer keyed by index (``optimizer.state_dict()`` saved as is) keyed by name:
+    ``order`` along the groups' ``params`` (torch numbers them so); with weights_only and no
+    order, none (the optimizer is skipped whole); else refused saying what would name them."""
+    ids = [str(i) for g in groups for i in (g.get("params") or ())]
+    if order is None:
+        if weights_only:
+            return {}, []
+        keys = sorted(states, key=int)
+        raise SourceError(
+            f"{where}: the optimizer state is keyed by index ({len(keys)} parameters, indices "
+            f"{', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}: optimizer.state_dict() "
+            f"saved as is, as torchtune's asynchronous dist_epoch_N/ saves it), without "
+            f"parameter names. Give them: parameter_order=[n for n, _ in "
+            f"model.named_parameters()] of the model that was trained (the order it gave them "
+            f"to the optimizer; --parameter-order FILE on the CLI), or convert with "
+            f"weights_only=True to import the weights"
+        )
+    to_name = numbered_names(ids, sorted(states, key=int), order, where)
+    named = [{**g, "params": [to_name[str(i)] for i in g.get("params") or ()]} for g in groups]
+    return {to_name[k]: v for k, v in states.items()}, named
+
+
+def _tables(checkpoints: list[dcp_reader.DcpCheckpoint], where: str) -> tuple[dict, dict]:
+    """({name: (checkpoint, name)} of the tensors, the same of the objects) of every DCP
+    folder; a name saved in two folders is refused."""
+    tensors: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
+    objects: dict[str, tuple[dcp_reader.DcpCheckpoint, str]] = {}
+    for ck in checkpoints:
+        for table, names in ((tensors, ck.tensors), (objects, ck.objects)):
+            for name in names:
+                if name in tensors or name in objects:
+                    raise SourceError(f"{where}: {name!r} is saved in two DCP folders")
+                table[name] = (ck, name)
+    return tensors, objects
+
+
+def _refuse_flat_params(tensors: dict[str, Any], where: str) -> None:
+    """FSDP1's LOCAL_STATE_DICT flat parameters hold many parameters in one rank-local buffer."""
+    for name in tensors:
+        if name.endswith("_flat_param") or "._flat_param" in name:
+            raise SourceError(
+                f"{where}: tensor {name!r} is an FSDP1 flat parameter (LOCAL_STATE_DICT); save "
+                f"with SHARDED_STATE_DICT (or get_state_dict) to import it"
+            )
+
+
+def _optimizer_root(everything: list[str], where: str) -> str | None:
+    """The prefix of the one optimizer's ``param_groups`` (None without one); several refused."""
+    roots = sorted({m.group(1) for n in everything if (m := _GROUPS.match(n))})
+    if len(roots) > 1:
+        raise SourceError(
+            f"{where}: {len(roots)} optimizers ({', '.join(r.rstrip('.') or '<top>' for r in roots)}); "
+            f"importing several optimizers into one opt_state is not supported"
+        )
+    return roots[0] if roots else None
+
+
+def _model_params(
+    model_names: list[str], container: str, tensors: dict[str, Any], skipped: dict[str, str]
+) -> dict[str, TensorRef]:
+    """{name inside the container: TensorRef} of the model tensors; the others into ``skipped``."""
+    params: dict[str, TensorRef] = {}
+    for name in model_names:
+        first = name.split(".", 1)[0]
+        if container and not name.startswith(container):
+            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
+        elif not container and first in NON_MODEL_ROOTS:
+            skipped[name] = f"{first}: training state, not a model parameter"
+        else:
+            ck, _ = tensors[name]
+            params[name[len(container) :]] = _ref(ck, name)
+    return params
+
+
+def _skip_the_rest(
+    everything: list[str],
+    root: str | None,
+    objects: dict[str, Any],
+    in_optimizer: set[str],
+    skipped: dict[str, str],
+) -> None:
+    """Why each entry that is neither a parameter nor an optimizer state is not imported."""
+    for name in everything:
+        if root is not None and name.startswith(f"{root}param_groups."):
+            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+        elif name in objects and name not in in_optimizer:
+            skipped.setdefault(name, "a pickled object, not a tensor")
+        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
+            skipped.setdefault(name, "optimizer entry outside state and param_groups")
+
+
+_GROUPS = re.compile(r"^((?:[^.]+\.)*?)param_groups\.")
+
+
+def _optimizer_states(
+    root: str,
+    tensors: dict[str, Any],
+    objects: dict[str, Any],
+    skipped: dict[str, str],
+) -> dict[str, dict[str, Any]]:
+    """``{parameter: {state: TensorRef or number}}`` from ``<root>state.<param>.<state>``."""
+    prefix = root + "state."
+    states: dict[str, dict[str, Any]] = {}
+    for table in (tensors, objects):
+        for name, (ck, _) in table.items():
+            if not (name.startswith(prefix) and "." in name[len(prefix) :]):
+                continue
+            param, key = name[len(prefix) :].rsplit(".", 1)
+            if table is tensors:
+                states.setdefault(param, {})[key] = _ref(ck, name)
+            elif key == "step":  # a Python number in some optimizers
+                where = {
+                    "format": "torch_dcp",
+                    "source_name": name,
+                    "files": [ck.objects[name].file],
+                }
+                states.setdefault(param, {})[key] = scalar_ref(name, ck.read_object(name), where)
+            else:
+                skipped[name] = f"optimizer state {key!r} of {param!r} is a pickled object"
+    return states
+
+
+def _param_groups(
+    root: str, objects: dict[str, Any], tensors: dict[str, Any], where: str
+) -> list[dict]:
+    """The hyper-parameters of each group: ``<root>param_groups.<i>.<hp>`` (one entry per group,
+    ``params`` listing its parameters) or, flattened, ``<root>param_groups.<param>.<hp>``
+    (collapsed into groups of parameters sharing every value)."""
+    prefix = root + "param_groups."
+    values: dict[str, dict[str, Any]] = {}
+    for table in (objects, tensors):
+        for name, (ck, _) in table.items():
+            if name.startswith(prefix) and "." in name[len(prefix) :]:
+                owner, key = name[len(prefix) :].rsplit(".", 1)
+                value = ck.read_object(name) if table is objects else ck.read(name)
+                values.setdefault(owner, {})[key] = value
+    if all(k.isdigit() and "params" in v for k, v in values.items()):
+        return [values[k] for k in sorted(values, key=int)]
+    grouped: list[dict] = []
+    for param, hps in values.items():
+        for group in grouped:
+            if jsonable({k: v for k, v in group.items() if k != "params"}) == jsonable(hps):
+                group["params"].append(param)
+                break
+        else:
+            grouped.append({**hps, "params": [param]})
+    return grouped
+
+
+def _container(
+    model_names: list[str], states: dict[str, dict], tensors: dict[str, Any], where: str
+) -> str:
+    """The prefix before each parameter name in the saved dict ("" or e.g. ``model.``)."""
+    if states:
+        probe = min(states, key=len)
+        for name in model_names:
+            if name == probe or name.endswith("." + probe):
+                container = name[: len(name) - len(probe)]
+                missing = [p for p in states if container + p not in tensors]
+                if not missing:
+                    return container
+        raise SourceError(
+            f"{where}: the optimizer holds state for {len(states)} parameters, but no model "
+            f"tensor is named like {probe!r} under one prefix (model tensors: "
+            f"{sorted(model_names)[:3]})"
+        )
+    firsts = {n.split(".", 1)[0] for n in model_names if "." in n}
+    if len(firsts) == 1 and firsts <= set(MODEL_CONTAINERS) and all("." in n for n in model_names):
+        return firsts.pop() + "."
+    return ""

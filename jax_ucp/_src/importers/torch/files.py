@@ -1,0 +1,745 @@
+"""Import ``torch.save`` checkpoints as UCP, read through the safe unpickler (no torch).
+
+Covered: a plain ``torch.save(model.state_dict())`` file (``.pt``/``.pth``/``.bin``); Hugging
+Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
+``pytorch_model.bin.index.json``; Accelerate's full-state ``save_state`` folder
+(``pytorch_model.bin`` or ``pytorch_model_fsdp.bin``, ``optimizer.bin``) and HF Trainer's
+``optimizer.pt`` beside the weights; Lightning ``.ckpt`` files (``state_dict`` +
+``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
+``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
+
+Tensors are read-only memory maps of the files (:mod:`jax_ucp._src.torchfiles.unpickler`), streamed one at a time.
+An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
+``i``-th parameter of the model state dict (tied copies that share storage counted once), the
+way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
+guess. Keys that are names (``get_optimizer_state_dict`` / FSDP full optimizer state) are used
+as they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import OptimizerOrderWarning, SourceError
+from jax_ucp._src.format import files, safetensors
+from jax_ucp._src.format.safetensors import first_tensors, read_weight_map
+from jax_ucp._src.importers import trainer_files
+from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
+from jax_ucp._src.importers.torch import hf_trainer
+from jax_ucp._src.importers.torch.optimizer import (
+    TensorRef,
+    TorchState,
+    clean_name,
+    plan_state,
+    scalar_ref,
+    strip_wrappers,
+)
+from jax_ucp._src.torchfiles import unpickler
+
+__all__ = [
+    "MODEL_FILES",
+    "OPTIMIZER_FILES",
+    "SUFFIXES",
+    "has_torch_optimizer",
+    "is_torch_files",
+    "plan_torch_files",
+]
+
+SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")
+INDEX_FILE = "pytorch_model.bin.index.json"
+MODEL_FILES = ("pytorch_model.bin", "pytorch_model_fsdp.bin", "model.pt", "model.bin")
+OPTIMIZER_FILES = ("optimizer.bin", "optimizer.pt")
+_MODEL_KEYS = ("state_dict", "model", "model_state_dict", "module")
+_OPTIMIZER_KEYS = ("optimizer_states", "optimizer", "optim", "optimizer_state_dict")
+
+
+def _is_zip(path: str) -> bool:
+    try:
+        with open(files.open_regular(path), "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    except (OSError, files.UnsafeFileError):
+        return False
+
+
+def is_torch_files(src: os.PathLike | str) -> bool:
+    """A torch.save file, or a folder with the model files this importer knows."""
+    src = os.fspath(src)
+    if os.path.isfile(src):
+        return src.endswith(SUFFIXES) and _is_zip(src)
+    if not os.path.isdir(src):
+        return False
+    names = set(os.listdir(src))
+    return bool(names & {INDEX_FILE, *MODEL_FILES}) or _single_ckpt(src, names) is not None
+
+
+def has_torch_optimizer(src: os.PathLike | str) -> bool:
+    """A folder with a torch optimizer file (``optimizer.pt`` / ``optimizer.bin``)."""
+    src = os.fspath(src)
+    return os.path.isdir(src) and any(
+        os.path.lexists(os.path.join(src, n)) for n in OPTIMIZER_FILES
+    )
+
+
+def _single_ckpt(src: str, names: set[str]) -> str | None:
+    ckpts = sorted(n for n in names if n.endswith(".ckpt") and os.path.isfile(os.path.join(src, n)))
+    return ckpts[0] if len(ckpts) == 1 else None
+
+
+def _files_of(src: str) -> tuple[list[str], str | None]:
+    """(model files, optimizer file or None) of a file or folder."""
+    if os.path.isfile(src):
+        return [src], None
+    names = set(os.listdir(src))
+    optimizer = next((_inside(src, n, src) for n in OPTIMIZER_FILES if n in names), None)
+    if INDEX_FILE in names:
+        return _index_files(src), optimizer
+    found = [n for n in MODEL_FILES if n in names]
+    if len(found) > 1:
+        raise SourceError(f"{src}: several model files ({', '.join(found)}); pass one")
+    if found:
+        return [_inside(src, found[0], src)], optimizer
+    if optimizer is not None and safetensors.is_safetensors(src):
+        # a Trainer checkpoint-N/ or Accelerate save_state folder: safetensors weights
+        return safetensors.shard_files(src), optimizer
+    ckpt = _single_ckpt(src, names)
+    if ckpt is not None:
+        return [_inside(src, ckpt, src)], None
+    raise SourceError(f"{src}: no {INDEX_FILE}, {', '.join(MODEL_FILES)} or single .ckpt file")
+
+
+def _index_files(src: str) -> list[str]:
+    index = _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
+    first = first_tensors(read_weight_map(index, error=SourceError))
+    return [_inside(src, n, f"{index}: weight_map entry {t[:100]!r}") for n, t in first.items()]
+
+
+def _inside(src: str, name: str, what: str) -> str:
+    """``src/name`` once it resolves inside the folder ``src`` (a Hugging Face cache snapshot:
+    inside its cache repo), never a link to a file elsewhere."""
+    try:
+        files.inside_checkpoint(src, name, what)
+    except files.UnsafeFileError as e:
+        raise SourceError(str(e)) from None
+    return os.path.join(src, name)
+
+
+def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
+    """(model key or None for a bare state dict, model state dict, optimizer path prefix,
+    optimizer state dict or None)."""
+    if not isinstance(obj, dict):
+        raise SourceError(f"{path}: holds a {type(obj).__name__}, expected a dict")
+    model_key = next((k for k in _MODEL_KEYS if isinstance(obj.get(k), dict)), None)
+    if model_key is None:
+        tensors = {k: v for k, v in obj.items() if isinstance(v, np.ndarray)}
+        if not tensors:
+            raise SourceError(
+                f"{path}: no tensors and none of the keys {', '.join(_MODEL_KEYS)} holding a "
+                f"state dict (top-level keys: {sorted(map(str, obj))[:8]})"
+            )
+        return None, tensors, None, None
+    optimizer_key = next((k for k in _OPTIMIZER_KEYS if k in obj), None)
+    optimizer = obj.get(optimizer_key) if optimizer_key else None
+    prefix = f"{optimizer_key}."
+    if optimizer_key == "optimizer_states":  # Lightning: a list, one per optimizer
+        if not isinstance(optimizer, list):
+            raise SourceError(f"{path}: optimizer_states is not a list")
+        if len(optimizer) > 1:
+            raise SourceError(
+                f"{path}: {len(optimizer)} optimizers in optimizer_states; importing several "
+                f"optimizers into one opt_state is not supported"
+            )
+        optimizer, prefix = (optimizer[0] if optimizer else None), "optimizer_states.0."
+    return model_key, obj[model_key], prefix if optimizer is not None else None, optimizer
+
+
+def plan_torch_files(
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+    parameter_order: Sequence[str] | None = None,
+    model_config: str | None = None,
+) -> ImportPlan:
+    """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
+    weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
+
+    Args:
+        src: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
+            beside ``optimizer.pt``).
+        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+        parameter_order: the names of the optimizer's parameters in the order torch numbered
+            them (group after group; for ``AdamW(model.parameters())``,
+            ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
+            indices whose order the files do not keep.
+        model_config: a Hugging Face ``config.json`` whose model (built on the meta device by
+            transformers) gives that order: one group of ``model.named_parameters()``, or the
+            Trainer's decay / no-decay groups (an Accelerate ``save_state`` folder, a Trainer
+            checkpoint without its ``config.json``).
+    """
+    refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
+    src = os.fspath(src)
+    if not os.path.exists(src):
+        raise SourceError(f"{src}: no such file or folder")
+    model_files, optimizer_file = _files_of(src)
+    model, found, other, optimizer, optimizer_at = _read_model_files(src, model_files)
+    if os.path.isdir(src) and INDEX_FILE in os.listdir(src):
+        _check_index(src, model)
+    if optimizer_file is not None:
+        optimizer = unpickler.load_torch_file(optimizer_file)
+        base = os.path.basename(optimizer_file)
+        optimizer_at = (optimizer_file, f"{base}:")
+        found += [f"{base}:{n}" for n in tensor_names(optimizer)]
+    clean, removed = strip_wrappers(list(model), src)
+    params = {new: _ref(*model[old]) for new, old in clean.items()}
+    states: dict[str, dict[str, TensorRef]] = {}
+    groups: list[dict] = []
+    info: dict[str, Any] = {}
+    optimizer_sources: list[str] = []
+    skipped: dict[str, str] = {}
+    if optimizer is not None:
+        assert optimizer_at is not None  # found with the optimizer
+        path, prefix = optimizer_at
+        optimizer_sources = [n for n in found if n.startswith(prefix)]
+        info["optimizer_file"] = os.path.basename(path)
+        if not weights_only:
+            order = _Order(
+                src,
+                parameter_order,
+                model_files[0].endswith(".safetensors"),
+                None if model_config is None else os.fspath(model_config),
+            )
+            states, groups, info["optimizer_keys"] = _optimizer(
+                optimizer, path, prefix, clean, model, skipped, order, info
+            )
+    _skip_rng_states(src, model_files[0], found, skipped)
+    _skip_unused(found, optimizer_sources, params, states, skipped)
+    if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
+        info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
+    if removed:
+        info["wrappers_removed"] = removed
+    if other:
+        info["other_entries"] = other  # pickled values that are not tensors (epoch, versions...)
+    state = TorchState(params, states, groups, skipped, src, found, optimizer_sources)
+    source = {
+        "framework": "torch_files",
+        "path": os.path.abspath(src),
+        "files": [os.path.basename(p) for p in model_files],
+        **info,
+    }
+    return plan_state(state, source, weights_only=weights_only, share=share)
+
+
+def _skip_rng_states(src: str, first_model_file: str, found: list[str], skipped: dict) -> None:
+    """The Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``, tensors):
+    source files of their own, each counted in ``found`` and listed in ``skipped``."""
+    if not (os.path.isdir(src) and os.path.basename(first_model_file).endswith(".safetensors")):
+        return
+    rng = trainer_files.rng_states(src)
+    found.extend(rng)
+    skipped.update(rng)
+
+
+def _read_model_files(src: str, model_files: list[str]):
+    """The model files' tensors, ``{name: (tensor, file, source name)}``, with every tensor
+    found, the non-tensor entries, and an optimizer state saved inside them with (its file,
+    its source-name prefix). A name in two files is refused."""
+    model: dict[str, tuple[np.ndarray, str, str]] = {}  # name -> (tensor, file, source name)
+    found: list[str] = []
+    other: list[str] = []
+    optimizer = optimizer_at = None
+    for path in model_files:
+        base = os.path.basename(path)
+        if path.endswith(".safetensors"):
+            f = safetensors.SafetensorsFile(path)  # read-only views of its map
+            sd, prefix = {name: f.tensor(name) for name in f.header}, f"{base}:"
+            found += [f"{base}:{n}" for n in sd]
+        else:
+            obj = unpickler.load_torch_file(path)
+            key, sd, opt_prefix, opt = _split(obj, path)
+            found += [f"{base}:{n}" for n in tensor_names(obj)]
+            other += [f"{base}:{k}" for k, v in obj.items() if not _has_tensors(v)]
+            if opt is not None:
+                optimizer, optimizer_at = opt, (path, f"{base}:{opt_prefix}")
+            prefix = f"{base}:{key + '.' if key else ''}"
+        for name, value in sd.items():
+            if not isinstance(name, str):
+                raise SourceError(f"{path}: state dict key {name!r} is not a string")
+            if not isinstance(value, np.ndarray):
+                continue  # a nested object's tensors are accounted as skipped below
+            if name in model:
+                raise SourceError(f"{src}: tensor {name!r} in {model[name][1]} and {path}")
+            model[name] = (value, path, f"{prefix}{name}")
+    return model, found, other, optimizer, optimizer_at
+
+
+def _skip_unused(
+    found: list[str],
+    optimizer_sources: list[str],
+    params: dict[str, TensorRef],
+    states: dict[str, dict[str, TensorRef]],
+    skipped: dict[str, str],
+) -> None:
+    """Why each tensor found that is neither imported nor an optimizer state is left out."""
+    for name in optimizer_sources:
+        if ":param_groups." in name or ".param_groups." in name:
+            skipped.setdefault(name, "optimizer hyper-parameter, recorded in source.optimizer")
+    used = {r.name for r in params.values()} | {
+        r.name for per in states.values() for r in per.values()
+    }
+    for name in found:
+        if name not in used and name not in optimizer_sources:
+            skipped.setdefault(name, "not a model weight or optimizer state")
+
+
+def _has_tensors(value: Any) -> bool:
+    return next(iter(tensor_names(value)), None) is not None
+
+
+def _ref(value: np.ndarray, path: str, name: str) -> TensorRef:
+    return TensorRef(
+        name,
+        tuple(value.shape),
+        value.dtype,
+        lambda: value,
+        {"format": "torch_files", "file": os.path.basename(path)},
+        # where its bytes are: tied tensors are views of one storage
+        identity=(
+            value.__array_interface__["data"][0],
+            value.shape,
+            value.strides,
+            value.dtype.str,
+        ),
+    )
+
+
+def _check_index(src: str, model: dict) -> None:
+    index = os.path.join(src, INDEX_FILE)
+    weight_map = read_weight_map(index, error=SourceError)
+    wrong = sorted(n for n, f in weight_map.items() if n not in model)
+    unlisted = sorted(set(model) - set(weight_map))
+    moved = sorted(
+        n for n, f in weight_map.items() if n in model and os.path.basename(model[n][1]) != f
+    )
+    if wrong or unlisted or moved:
+        raise SourceError(
+            f"{index}: weight_map and the files disagree: missing from the files {wrong[:5]}, "
+            f"not in the index {unlisted[:5]}, in another file than listed {moved[:5]}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Order:
+    """Where the order of an index-keyed optimizer's parameters may come from."""
+
+    src: str
+    given: Sequence[str] | None  # parameter_order=
+    safetensors: bool  # the weights are safetensors: their order is sorted, not the model's
+    model_config: str | None = None  # model_config=: a config.json to rebuild the order from
+
+
+def _optimizer(
+    optimizer: Any,
+    path: str,
+    prefix: str,
+    clean: dict[str, str],
+    model: dict,
+    skipped: dict,
+    order: _Order,
+    info: dict,
+) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
+    """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
+    an assumption the mapping rests on is added to ``info["notes"]`` (and warned)."""
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not isinstance(state, dict) or not isinstance(groups, list):
+        raise SourceError(
+            f"{path}: the optimizer state is not a torch optimizer state_dict ('state' and "
+            f"'param_groups'); convert with weights_only=True to import the weights alone"
+        )
+    keys, to_name = _name_keys(state, groups, path, clean, model, order, info)
+    states = _state_refs(state, to_name, path, prefix, skipped)
+    out_groups = [
+        {
+            **{k: v for k, v in g.items() if k not in ("params", "param_names")},
+            "params": [to_name.get(p, str(p)) for p in g.get("params", [])],
+        }
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    how = {
+        "names": "parameter names",
+        "param_names": "parameter indices, named by the groups' param_names",
+        "indices": "parameter indices, in state-dict order",
+        "parameter_order": "parameter indices, named by parameter_order",
+        "trainer": "parameter indices, in the Trainer's groups rebuilt (source.parameter_order)",
+        "model_config": "parameter indices, in the groups rebuilt from model_config "
+        "(source.parameter_order)",
+    }[keys]
+    return states, out_groups, how
+
+
+def _name_keys(
+    state: dict,
+    groups: list,
+    path: str,
+    clean: dict[str, str],
+    model: dict,
+    order: _Order,
+    info: dict,
+) -> tuple[str, dict]:
+    """(how the state is keyed, {key: clean parameter name}): the names themselves, else the
+    first source of an order that applies (param_names, parameter_order=, model_config=, the
+    Trainer's groups, the state-dict order), each checked against the weights."""
+    ids = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
+    keys = "names" if all(isinstance(k, str) for k in [*state, *ids]) else "indices"
+    if keys == "names":
+        to_name = {k: clean_name(k)[0] for k in {*state, *ids}}
+    elif _named_groups(groups):  # torch >= 2.5 with named parameters: param_names beside params
+        keys = "param_names"
+        _check_unique_names(groups, path)
+        to_name = {
+            i: clean_name(n)[0] for g in groups for i, n in zip(g["params"], g["param_names"])
+        }
+    elif order.given is not None:
+        keys, to_name = "parameter_order", _given_order(order.given, ids, path)
+    elif order.model_config is not None:
+        keys = "model_config"
+        to_name, rule = _trainer_order(order.src, groups, state, path, model, order.model_config)
+        info["parameter_order"] = f"{order.model_config}: {rule}"
+        _say_order_assumed(
+            to_name, state, clean, model, path, info, _config_rule(order.model_config, rule)
+        )
+    elif (
+        trainer_files.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt"
+    ):
+        keys = "trainer"
+        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
+        said = _TRAINER_RULE
+        adapter = trainer_files.side_file(order.src, trainer_files.ADAPTER_CONFIG_FILE)
+        if os.path.isfile(adapter):  # a peft adapter: the base model's config.json, found
+            said = _config_rule("the base model's config.json", info["parameter_order"])
+        _say_order_assumed(to_name, state, clean, model, path, info, said)
+    else:  # one group, torch.save weights: by the state-dict order, else refused
+        keys = "indices"
+        to_name = _by_index(ids, groups, state, clean, model, path, order.safetensors)
+        _say_order_assumed(to_name, state, clean, model, path, info, _INDEX_RULE)
+    if keys not in ("names", "indices"):
+        _check_named(to_name, state, clean, model, path)
+    return keys, to_name
+
+
+def _state_refs(
+    state: dict, to_name: dict, path: str, prefix: str, skipped: dict
+) -> dict[str, dict[str, TensorRef]]:
+    """{parameter: {state name: reference}}; a non-tensor entry holding tensors is skipped
+    with the reason, so every tensor stays accounted for."""
+    states: dict[str, dict[str, TensorRef]] = {}
+    for key, per in state.items():
+        if not isinstance(per, dict):
+            raise SourceError(f"{path}: state of parameter {key!r} is not a dict")
+        mine = states.setdefault(to_name[key], {})
+        for k, v in per.items():
+            name = f"{prefix}state.{key}.{k}"
+            if isinstance(v, np.ndarray):
+                mine[str(k)] = _ref(v, path, name)
+            elif k == "step":
+                mine["step"] = scalar_ref(name, v, {"file": os.path.basename(path)})
+            elif _has_tensors(v):
+                for n in tensor_names(v, name):
+                    skipped[n] = f"optimizer state {k!r} is not a tensor but holds tensors"
+    return states
+
+
+def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
+    """Index ``ids[i]`` (group after group) -> ``given[i]``, wrapper prefixes removed."""
+    if isinstance(given, str) or not all(isinstance(n, str) for n in given):
+        raise SourceError("parameter_order: expected a list of parameter names")
+    names = [clean_name(n)[0] for n in given]
+    if len(names) != len(ids) or len(set(names)) != len(names):
+        raise SourceError(
+            f"{path}: parameter_order names {len(names)} parameters ({len(set(names))} distinct), "
+            f"the optimizer numbers {len(ids)}"
+        )
+    return dict(zip(ids, names))
+
+
+def _trainer_order(
+    src: str, groups: list, state: dict, path: str, model: dict, model_config: str | None = None
+) -> tuple[dict, str]:
+    """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`) from the folder's
+    ``config.json`` or ``model_config``: the one candidate whose group sizes and every state's
+    shape fit, else refused naming why."""
+    sizes = _group_sizes(groups)
+    fits: list[tuple[dict, str]] = []
+    misfits: list[str] = []
+    for c in hf_trainer.trainer_candidates(src, len(model), model_config):
+        want = [len(g) for g in c.groups]
+        if want != sizes:
+            misfits.append(f"{c.rule}: groups of {want}")
+            continue
+        to_name = {i: n for g, names in zip(groups, c.groups) for i, n in zip(g["params"], names)}
+        bad = [
+            f"index {key} ({n}): {k} {list(v.shape)} vs {want and list(want)}"
+            for key, per in state.items()
+            for n in [to_name.get(key)]
+            for want in [None if n is None else c.shapes[n]]
+            for k, v in _misfits(per, want)
+        ]
+        if bad:
+            misfits.append(f"{c.rule}: {bad[0]}")
+            continue
+        fits.append((to_name, c.rule))
+    if len(fits) == 1:
+        return fits[0]
+    if fits:
+        raise SourceError(
+            f"{path}: the Trainer's parameter order is ambiguous: {len(fits)} groupings fit the "
+            f"group sizes {sizes} and every shape ({'; '.join(r for _, r in fits)}); pass "
+            f"parameter_order=, or convert with weights_only=True"
+        )
+    config = model_config if model_config is not None else trainer_files.CONFIG_FILE
+    raise SourceError(
+        f"{path}: the optimizer's groups (sizes {sizes}) are not "
+        f"{'one group of model.named_parameters() nor ' if model_config is not None else ''}"
+        f"the Trainer's grouping of {config}'s model ({'; '.join(misfits)}): a custom "
+        f"optimizer or another model; pass parameter_order=, or convert with weights_only=True"
+    )
+
+
+def _group_sizes(groups: list) -> list[int | None]:
+    return [len(g.get("params", [])) if isinstance(g, dict) else None for g in groups]
+
+
+def _named_groups(groups: list) -> bool:
+    """Every group lists ``param_names`` (strings) one for one with its ``params``."""
+    return bool(groups) and all(
+        isinstance(g, dict)
+        and isinstance(g.get("param_names"), list)
+        and isinstance(g.get("params"), list)
+        and len(g["param_names"]) == len(g["params"])
+        and all(isinstance(n, str) for n in g["param_names"])
+        for g in groups
+    )
+
+
+def _check_unique_names(groups: list, path: str) -> None:
+    """No parameter named twice across the groups' ``param_names`` (wrapper prefixes removed):
+    two indices would map to one parameter and one of their states would be lost."""
+    first: dict[str, tuple[int, str]] = {}  # clean name -> (group, name as written)
+    for group, g in enumerate(groups):
+        for index, name in zip(g["params"], g["param_names"]):
+            clean = clean_name(name)[0]
+            if clean in first:
+                other, written = first[clean]
+                raise SourceError(
+                    f"{path}: param_names names parameter {clean[:200]!r} twice: as "
+                    f"{written[:200]!r} in group {other} and as {name[:200]!r} (params entry "
+                    f"{unpickler.short_repr(index, 40)}) in group {group}; a parameter is "
+                    f"optimized once, so which of the two states is its own cannot be told"
+                )
+            first[clean] = (group, name)
+
+
+def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str) -> None:
+    """Each named index is a model tensor of the state's shape."""
+    for key, per in state.items():
+        name = to_name.get(key)
+        if name is None or name not in clean:
+            raise SourceError(
+                f"{path}: optimizer state for index {key!r} ({name!r}), which is not a tensor "
+                f"of the model state dict"
+            )
+        shape = tuple(model[clean[name]][0].shape)
+        for k, v in _misfits(per, shape):
+            raise SourceError(
+                f"{path}: optimizer state {k!r} of {name!r} (index {key}) has shape "
+                f"{list(v.shape)}, the parameter {list(shape)}"
+            )
+
+
+#: how an index-keyed optimizer's states were named when nothing in the files names them
+_INDEX_RULE = (
+    "mapped by order (index i -> the i-th distinct floating tensor of the model state dict, "
+    "torch's numbering of model.parameters())"
+)
+_TRAINER_RULE = (
+    "mapped by the Hugging Face Trainer's default grouping rebuilt from config.json (decayed "
+    "then non-decayed parameters, each in model.named_parameters() order; a Trainer subclass "
+    "with its own create_optimizer() numbers them otherwise)"
+)
+
+
+def _config_rule(config: str, rule: str) -> str:
+    return (
+        f"mapped by the grouping rebuilt from {config} ({rule}; an optimizer built in another "
+        "order numbers them otherwise)"
+    )
+
+
+def _say_order_assumed(
+    to_name: dict,
+    state: dict,
+    clean: dict[str, str],
+    model: dict,
+    path: str,
+    info: dict,
+    rule: str,
+) -> None:
+    """An index -> name mapping inferred by ``rule`` (the state-dict order, the Trainer's
+    grouping) is what the optimizer did only if it was built that way, and nothing in the file
+    can confirm it: when two parameters with state share a shape, states built in another order
+    would land on the wrong one unseen. Say so once (a warning) and in the manifest
+    (``source.notes``), whichever rule named them."""
+    by_shape: dict[tuple, list[str]] = {}
+    for key in state:
+        name = to_name.get(key)
+        if name is None:
+            continue
+        tensor = model.get(clean.get(name, name))
+        if tensor is not None:
+            by_shape.setdefault(tuple(tensor[0].shape), []).append(name)
+    shared = {shape: names for shape, names in by_shape.items() if len(names) > 1}
+    if not shared:
+        return
+    count = sum(len(names) for names in shared.values())
+    shape, names = max(shared.items(), key=lambda item: len(item[1]))
+    example = ", ".join(repr(n[:100]) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    note = (
+        f"{os.path.basename(path)}: optimizer state keyed by index was {rule}; {count} "
+        f"parameters share a shape with another ({example} are "
+        f"all {list(shape)}), so states of an optimizer built in another order would not be "
+        f"told apart. To confirm the mapping, save the optimizer with param_names (torch >= 2.5: "
+        f"build it from model.named_parameters()) or keyed by name (get_optimizer_state_dict)"
+    )
+    info.setdefault("notes", []).append(note)
+    warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
+
+
+def _by_index(
+    ids: list,
+    groups: list,
+    state: dict,
+    clean: dict[str, str],
+    model: dict,
+    path: str,
+    sorted_weights: bool,
+) -> dict:
+    """Index ``i`` -> the ``i``-th distinct floating tensor of the model state dict (torch
+    numbers ``model.parameters()`` so; tied copies share storage and count once). Refused, naming
+    the way out, when that order cannot hold: safetensors weights (sorted names) or several
+    groups."""
+    sizes = _group_sizes(groups)
+    names = (
+        "[n for n, _ in model.named_parameters()]"
+        if len(groups) <= 1
+        else f"the names group after group ({_group_order(groups)}), each group's in the "
+        "order it lists its indices: for groups split from model.named_parameters(), "
+        "[n for group in name_groups for n in group], not [n for n, _ in "
+        "model.named_parameters()], which interleaves the groups"
+    )
+    way_out = (
+        f"pass parameter_order={names} (--parameter-order FILE on the command line), or, for "
+        f"a transformers model, model_config= its config.json (--model-config CONFIG.json) to "
+        f"rebuild the order, or convert with weights_only=True to import the weights alone"
+    )
+    if sorted_weights:
+        raise SourceError(
+            f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
+            f"{sizes}) without their names, and safetensors keeps no parameter order (its "
+            f"names are sorted), so which state is whose cannot be told; {way_out}"
+        )
+    if len(groups) > 1:
+        raise SourceError(
+            f"{path}: the optimizer numbers {len(ids)} parameters by index over {len(groups)} "
+            f"groups without their names ({_describe_groups(groups)}); {_numbering(ids)}, so "
+            f"index i is not the i-th tensor of the model state dict and which state is whose "
+            f"cannot be told; {way_out}"
+        )
+    seen: set[tuple] = set()
+    order = []
+    for new, old in clean.items():
+        value = model[old][0]
+        if not np.issubdtype(value.dtype, np.floating) and value.dtype.kind != "V":
+            continue
+        ident = (value.__array_interface__["data"][0], value.shape, value.strides)
+        if ident in seen:
+            continue
+        seen.add(ident)
+        order.append(new)
+    hint = "; convert with weights_only=True to import the weights alone"
+    if len(ids) != len(order) or sorted(ids, key=str) != sorted(set(ids), key=str):
+        raise SourceError(
+            f"{path}: the optimizer numbers {len(ids)} parameters, the model state dict has "
+            f"{len(order)} distinct floating tensors: cannot tell which state is whose "
+            f"(buffers or frozen parameters in the state dict?){hint}"
+        )
+    to_name = dict(zip(ids, order))
+    for key, per in state.items():
+        name = to_name.get(key)
+        if name is None:
+            raise SourceError(f"{path}: optimizer state for index {key!r}, not in any group")
+        shape = tuple(model[clean[name]][0].shape)
+        for k, v in _misfits(per, shape):
+            raise SourceError(
+                f"{path}: optimizer state {k!r} of parameter index {key} has shape "
+                f"{list(v.shape)}, but parameter {name!r} (number {key} in state-dict "
+                f"order) has {list(shape)}{hint}"
+            )
+    return to_name
+
+
+def _group_order(groups: list) -> str:
+    """ "group 0's 2, then group 1's 4" for the advice."""
+    return ", then ".join(f"group {i}'s {n}" for i, n in enumerate(_group_sizes(groups)))
+
+
+def _describe_groups(groups: list) -> str:
+    """What each index-keyed group holds: its size, its first indices and the hyper-parameters
+    that set it apart from the other groups (``weight_decay`` 0.1 / 0.0)."""
+    plain = [g for g in groups if isinstance(g, dict)]
+    keys = sorted({str(k) for g in plain for k in g} - {"params", "param_names"})
+    differ = [k for k in keys if len({unpickler.short_repr(g.get(k), 40) for g in plain}) > 1]
+    out = []
+    for i, g in enumerate(groups):
+        if not isinstance(g, dict):
+            out.append(f"group {i}: a {type(g).__name__}")
+            continue
+        params = g.get("params", [])
+        shown = ", ".join(unpickler.short_repr(p, 20) for p in params[:4])
+        more = ", ..." if len(params) > 4 else ""
+        hps = "".join(f", {k} {unpickler.short_repr(g.get(k), 40)}" for k in differ[:3])
+        out.append(f"group {i}: {len(params)} parameters (indices {shown}{more}){hps}")
+    return "; ".join(out)
+
+
+def _numbering(ids: list) -> str:
+    """How the indices run: torch's own numbering (0, 1, ... group after group), or re-keyed."""
+    if ids == list(range(len(ids))):
+        return (
+            "torch's own numbering, group after group (Hugging Face's Trainer puts "
+            "weight-decayed parameters first, norms and biases after)"
+        )
+    return (
+        "the indices do not run group after group as torch's own numbering does: re-keyed "
+        "after saving (e.g. by FSDP's rekey_optim_state_dict, which numbers model.parameters(), "
+        "as Lightning's ModelParallelStrategy does for a consolidated .ckpt)"
+    )
+
+
+def _misfits(per: Any, shape: tuple | None) -> list[tuple[Any, np.ndarray]]:
+    """The state tensors of one parameter's state ``per`` whose shape is not ``shape`` (every
+    one when ``shape`` is None: no parameter to hold them); scalars (``step``) fit any."""
+    return [
+        (k, v)
+        for k, v in (per.items() if isinstance(per, dict) else ())
+        if isinstance(v, np.ndarray) and v.ndim and tuple(v.shape) != shape
+    ]

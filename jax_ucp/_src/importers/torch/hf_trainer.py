@@ -1,0 +1,387 @@
+"""A Hugging Face Trainer ``checkpoint-N/``: which parameter each index of ``optimizer.pt`` is,
+and the run's recorded hyper-parameters.
+
+``optimizer.pt`` numbers parameters group after group, and the Trainer makes two groups
+(weight-decayed, then the rest: biases and norms) from ``model.named_parameters()`` without
+keeping their names. The order is rebuilt the way the Trainer built it: the architecture named
+by ``config.json`` is instantiated on torch's meta device (no weights, no code from the folder:
+only classes transformers itself ships, never ``trust_remote_code``) and transformers' own
+decay rule splits its named parameters. transformers is optional: without it the mapping is
+refused, naming why. The caller checks each candidate against the checkpoint (group sizes,
+every moment's shape) and uses it only when exactly one fits.
+
+The Trainer's side files (``training_args.bin``, ``scheduler.pt``, ``trainer_state.json``) are
+read by :mod:`jax_ucp._src.importers.trainer_files`, which the DeepSpeed and DCP layouts share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from jax_ucp._src.errors import SourceError, UCPError
+from jax_ucp._src.format import files
+from jax_ucp._src.importers.torch.optimizer import clean_name
+from jax_ucp._src.importers.trainer_files import (
+    ADAPTER_CONFIG_FILE,
+    CONFIG_FILE,
+    read_json,
+    side_file,
+)
+
+__all__ = [
+    "Candidate",
+    "trainer_candidates",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One way the Trainer may have grouped the parameters: names per group, and shapes."""
+
+    rule: str  # which decay rule, for the manifest and errors
+    groups: tuple[tuple[str, ...], ...]
+    shapes: dict  # parameter name -> shape on the meta model
+
+
+#: config keys that count modules transformers builds (layers, blocks, stages, experts)
+_COUNT_KEY = re.compile(r"layer|depth|block|stage|expert", re.IGNORECASE)
+
+
+def _module_counts(config: Any, path: str = "") -> Iterator[tuple[str, int]]:
+    """Every module count a config asks for, wherever it nests (``text_config``'s
+    ``num_hidden_layers``, ConvNext's ``depths`` list, summed): each costs memory even on the
+    meta device, so each is bounded by the checkpoint before anything is built. Walked without
+    recursion into a config nested absurdly deep (the JSON reader bounds the depth)."""
+    stack = [(path, config)]
+    while stack:
+        where, node = stack.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                name = f"{where}.{key}" if where else str(key)
+                counted = isinstance(key, str) and _COUNT_KEY.search(key)
+                if counted and isinstance(value, int) and not isinstance(value, bool):
+                    yield name, value
+                elif counted and isinstance(value, list) and value:
+                    ints = [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+                    if len(ints) == len(value):
+                        yield name, sum(ints)
+                if isinstance(value, dict | list):
+                    stack.append((name, value))
+        elif isinstance(node, list):
+            stack.extend((f"{where}[{i}]", v) for i, v in enumerate(node))
+
+
+def _config_path(folder: str, model_config: str | None, why: str) -> tuple[str, str]:
+    """(the ``config.json`` to build the model from, where it came from when not the folder's
+    own): ``model_config``, else the folder's own; for a peft adapter folder (its adapter's
+    config, not the base model's) the base model's, found from ``adapter_config.json``'s
+    ``base_model_name_or_path`` on this machine (:func:`_base_model_config`), else refused
+    naming what was tried."""
+    way_out = (
+        f"pass model_config= (--model-config on the command line) the model's {CONFIG_FILE}, "
+        "or parameter_order=[names as saved, in model.named_parameters() order of the "
+        "trainable parameters], or convert with weights_only=True"
+    )
+    if model_config is not None:
+        path = os.fspath(model_config)
+        if not os.path.isfile(path):
+            raise SourceError(f"model_config={path}: no such file (expected a {CONFIG_FILE})")
+        return path, ""
+    path = side_file(folder, CONFIG_FILE)
+    adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
+    if os.path.isfile(adapter_path):
+        base, tried = _base_model_config(adapter_path)
+        if base is not None:
+            return base, tried
+        raise SourceError(
+            f"{folder}: a peft adapter checkpoint ({ADAPTER_CONFIG_FILE}) without the base "
+            f"model's {CONFIG_FILE} ({tried}): {why}; {way_out}"
+        )
+    if not os.path.isfile(path):
+        raise SourceError(f"{folder}: no {CONFIG_FILE}: {why}; {way_out}")
+    return path, ""
+
+
+#: a Hugging Face Hub repo id (``org/name`` or ``name``), as huggingface_hub accepts one
+_REPO_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+
+
+def _hub_cache() -> str:
+    """huggingface_hub's cache folder, as it resolves it (``HF_HUB_CACHE``, the older
+    ``HUGGINGFACE_HUB_CACHE``, ``$HF_HOME/hub``, ``$XDG_CACHE_HOME/huggingface/hub``,
+    ``~/.cache/huggingface/hub``), without importing it and without the network."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(name):
+            return os.path.expanduser(os.environ[name])
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return os.path.join(os.path.expanduser(home), "hub")
+
+
+def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
+    """(the base model's ``config.json``, where it came from) for a peft adapter, from its
+    ``adapter_config.json``'s ``base_model_name_or_path``: a local folder holding a
+    ``config.json``, else the snapshot of that Hub repo id in the local Hugging Face cache
+    (``refs/<revision or main>``, or its one snapshot). Never the network, never code.
+    (None, what was tried) when neither holds one. The name is untrusted: a folder's
+    ``config.json`` is reached through :func:`files.inside_checkpoint` (a link out of the folder
+    or out of its cache repo refused), a ref read bounded and used only as a commit hash."""
+    adapter = read_json(adapter_path)
+    name = adapter.get("base_model_name_or_path") if isinstance(adapter, dict) else None
+    where = f"{ADAPTER_CONFIG_FILE}'s base_model_name_or_path"
+    if not isinstance(name, str) or not name or "\0" in name:
+        return None, f"{where} is {name!r}"
+    tried: list[str] = []
+    folders: list[str] = []
+    if os.path.isdir(name):
+        folders.append(name)
+    else:
+        tried.append(f"no folder {name}")
+    cache = _hub_cache()
+    revision = adapter.get("revision") or "main"
+    if _REPO_ID.fullmatch(name) and ".." not in name and isinstance(revision, str):
+        repo = os.path.join(cache, "models--" + name.replace("/", "--"))
+        snapshots = os.path.join(repo, "snapshots")
+        commit = revision if _COMMIT.fullmatch(revision) else None
+        ref = os.path.join(repo, "refs", revision)
+        if commit is None and _REPO_ID.fullmatch(revision) and os.path.isfile(ref):
+            try:
+                text = files.read_regular(ref, 4096).decode("ascii", "replace").strip()
+            except (UCPError, OSError) as e:
+                tried.append(f"{ref}: {e}")
+            else:
+                commit = text if _COMMIT.fullmatch(text) else None
+                if commit is None:
+                    tried.append(f"{ref} holds no commit hash")
+        if commit is None and os.path.isdir(snapshots):
+            found = sorted(os.listdir(snapshots))
+            if len(found) == 1 and _COMMIT.fullmatch(found[0]):
+                commit = found[0]  # a cache without refs/ (copied): its one snapshot
+            else:
+                tried.append(f"{snapshots}: {len(found)} snapshots and no refs/{revision}")
+        if commit is not None:
+            folders.append(os.path.join(snapshots, commit))
+        elif not os.path.isdir(snapshots):
+            tried.append(f"no {snapshots} in the Hugging Face cache")
+    else:
+        tried.append(f"{name!r} is not a Hub repo id to look up in the cache {cache}")
+    for folder in folders:
+        try:
+            path = files.inside_checkpoint(folder, CONFIG_FILE, f"{folder}: the base model's")
+            files.check_regular(path)
+        except (UCPError, OSError) as e:
+            tried.append(str(e)[:300])
+            continue
+        return path, f"the base model's {path}, from {where} {name!r}"
+    return None, f"{where} {name!r}: " + "; ".join(tried)
+
+
+def _model_on_meta(folder: str, n_tensors: int, model_config: str | None = None):
+    """The config's architecture, built by transformers on the meta device (no weights):
+    ``model_config`` (a Hugging Face ``config.json`` the caller gives, for a folder without
+    one), else the folder's own ``config.json``.
+
+    An untrusted config could ask for millions of layers (modules cost memory even on the meta
+    device): a layer count above the checkpoint's tensor count is refused before building."""
+    why = "cannot rebuild the optimizer's parameter order"
+    path, origin = _config_path(folder, model_config, why)
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise SourceError(f"{path}: expected a JSON object")
+    if "auto_map" in config:
+        raise SourceError(
+            f"{path}: the architecture is custom code (auto_map); jax_ucp never runs code from "
+            f"a checkpoint (trust_remote_code), so {why}"
+        )
+    archs = config.get("architectures")
+    model_type = config.get("model_type")
+    if not (isinstance(archs, list) and len(archs) == 1 and isinstance(archs[0], str)):
+        raise SourceError(f"{path}: 'architectures' is {archs!r}, expected one name: {why}")
+    for key, count in _module_counts(config):
+        if not 0 <= count <= n_tensors:
+            raise SourceError(
+                f"{path}: {key} asks for {count} modules, but the checkpoint holds {n_tensors} "
+                f"tensors: {why}"
+            )
+    try:
+        import torch  # pyright: ignore[reportMissingImports]  # the torch extra, absent in the default CI run
+        import transformers  # pyright: ignore[reportMissingImports]
+        from transformers.models.auto import (  # pyright: ignore[reportMissingImports]
+            configuration_auto,
+            modeling_auto,
+        )
+    except ImportError as e:
+        raise SourceError(
+            f"{folder}: {why} without transformers ({e}); install transformers (with torch), "
+            f"or pass parameter_order=[names in model.named_parameters() order]"
+        ) from None
+    shipped = {
+        name
+        for attr, mapping in vars(modeling_auto).items()
+        if attr.endswith("_MAPPING_NAMES") and isinstance(mapping, dict)
+        for value in mapping.values()
+        for name in (value if isinstance(value, (list, tuple)) else (value,))
+    }
+    # transformers re-exports CONFIG_MAPPING_NAMES without "as", which hides it from pyright
+    config_names = configuration_auto.CONFIG_MAPPING_NAMES  # pyright: ignore[reportPrivateImportUsage]
+    if archs[0] not in shipped or model_type not in config_names:
+        raise SourceError(
+            f"{path}: architecture {archs[0]!r} (model_type {model_type!r}) is not one "
+            f"transformers {transformers.__version__} ships: {why}"
+        )
+    try:
+        cls = getattr(transformers, archs[0])
+        cfg = configuration_auto.CONFIG_MAPPING[str(model_type)].from_dict(dict(config))
+        # Without torch installed pyright resolves ``torch`` to this sibling package (its
+        # local-directory fallback), hence the ignore.
+        with torch.device("meta"):  # pyright: ignore[reportAttributeAccessIssue]
+            model = cls(cfg)
+    except Exception as e:  # transformers' own refusal of this config
+        raise SourceError(
+            f"{path}: transformers {transformers.__version__} cannot build {archs[0]} from it "
+            f"({type(e).__name__}: {str(e)[:200]}): {why}"
+        ) from None
+    what = f"transformers {transformers.__version__} {archs[0]}"
+    return model, f"{what} ({origin})" if origin else what
+
+
+def _legacy_decay_names(model) -> list[str]:
+    """transformers 4.x before the norm-name patterns: outside nn.LayerNorm, no 'bias'."""
+    from torch import nn  # pyright: ignore[reportMissingImports, reportAttributeAccessIssue]  # the torch extra (see _model_on_meta)
+    from transformers.trainer_pt_utils import (  # pyright: ignore[reportMissingImports]
+        get_parameter_names,
+    )
+
+    return [n for n in get_parameter_names(model, [nn.LayerNorm]) if "bias" not in n]
+
+
+def _installed_decay_names(model) -> list[str]:
+    """The installed transformers' Trainer rule (it does not use ``self``)."""
+    from transformers import Trainer  # pyright: ignore[reportMissingImports]  # the torch extra
+
+    return list(Trainer.get_decay_parameter_names(None, model))  # pyright: ignore[reportArgumentType]  # self is unused
+
+
+def trainer_candidates(
+    folder: str, n_tensors: int, model_config: str | None = None
+) -> list[Candidate]:
+    """The Trainer's groupings of the config's model (``n_tensors``: the checkpoint's model
+    tensors, a bound on its size): the installed transformers' decay rule, and the 4.x rule
+    (checkpoints written by an older transformers), distinct ones only; with ``model_config``
+    (a ``config.json`` given for a folder without one: an Accelerate ``save_state``, a Trainer
+    checkpoint without its config) also one group of ``model.named_parameters()`` in order
+    (``AdamW(model.parameters())``).
+
+    Args:
+        folder: the checkpoint folder (its ``config.json``).
+        n_tensors: the checkpoint's model tensor count.
+        model_config: a ``config.json`` given for a folder without one.
+    """
+    model, what = _model_on_meta(folder, n_tensors, model_config)
+    adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
+    if os.path.isfile(adapter_path):  # model_config= or the adapter's base: the base model's
+        return _lora_candidates(adapter_path, model, what)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    shapes = {n: tuple(p.shape) for n, p in named}
+    out: list[Candidate] = []
+    if model_config is not None:
+        out.append(
+            Candidate(
+                f"{what}, one group in model.named_parameters() order",
+                (tuple(n for n, _ in named),),
+                shapes,
+            )
+        )
+    for rule, decay_names in (
+        (f"{what}, Trainer.get_decay_parameter_names", _installed_decay_names),
+        (f"{what}, transformers 4.x decay rule (no nn.LayerNorm, no 'bias')", _legacy_decay_names),
+    ):
+        try:
+            decay = set(decay_names(model))
+        except Exception as e:  # a rule this transformers cannot run
+            raise SourceError(
+                f"{folder}: {what}: the Trainer's decay rule failed ({type(e).__name__}: "
+                f"{str(e)[:200]})"
+            ) from None
+        groups = (
+            tuple(n for n, _ in named if n in decay),
+            tuple(n for n, _ in named if n not in decay),
+        )
+        if all(c.groups != groups for c in out):
+            out.append(Candidate(rule, groups, shapes))
+    return out
+
+
+#: adapter_config.json fields that change which modules a LoRA adapter wraps or what it trains
+#: beyond the target modules' ``lora_A`` / ``lora_B``: a value other than these is refused
+_LORA_PLAIN = {
+    "layers_to_transform": (None,),
+    "layers_pattern": (None,),
+    "exclude_modules": (None,),
+    "modules_to_save": (None,),
+    "target_parameters": (None,),
+    "rank_pattern": ({},),
+    "bias": ("none",),
+    "lora_bias": (False,),
+    "use_dora": (False,),
+    "layer_replication": (None,),
+    "trainable_token_indices": (None,),
+}
+
+
+def _lora_candidates(path: str, model, what: str) -> list[Candidate]:
+    """The trainable parameters of a peft LoRA adapter over ``model`` (the base model on the
+    meta device), in peft's ``named_parameters()`` order: each target module (peft's rule: the
+    module's name is a target or ends with ``"." + target``) in the base model's module order,
+    its ``lora_A`` then ``lora_B``, named as peft saves them (``base_model.model.<module>.
+    lora_A.weight``, the adapter name dropped). Only a plain adapter is rebuilt: target modules
+    given as a list of ``nn.Linear`` names, no field of :data:`_LORA_PLAIN` set."""
+    adapter = read_json(path)
+    if not isinstance(adapter, dict) or adapter.get("peft_type") != "LORA":
+        raise SourceError(
+            f"{path}: not a LoRA adapter config (peft_type "
+            f"{adapter.get('peft_type') if isinstance(adapter, dict) else adapter!r})"
+        )
+    targets = adapter.get("target_modules")
+    rank = adapter.get("r")
+    if not (isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets)):
+        raise SourceError(
+            f"{path}: target_modules {targets!r}: only a list of module names is "
+            f"rebuilt; pass parameter_order="
+        )
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise SourceError(f"{path}: r={rank!r}, expected a positive int")
+    for key, plain in _LORA_PLAIN.items():
+        if adapter.get(key, plain[0]) not in plain:
+            raise SourceError(
+                f"{path}: {key}={adapter[key]!r}: the adapter's parameters cannot "
+                f"be rebuilt from its target modules alone; pass parameter_order="
+            )
+    names, shapes = [], {}
+    for module_name, module in model.named_modules():
+        if not any(module_name == t or module_name.endswith("." + t) for t in targets):
+            continue
+        weight = getattr(module, "weight", None)
+        if type(module).__name__ != "Linear" or weight is None or weight.dim() != 2:
+            raise SourceError(
+                f"{path}: target module {module_name} is a "
+                f"{type(module).__name__}, not a Linear: pass parameter_order="
+            )
+        out_features, in_features = weight.shape
+        for part, shape in (("lora_A", (rank, in_features)), ("lora_B", (out_features, rank))):
+            name = clean_name(f"base_model.model.{module_name}.{part}.weight")[0]
+            names.append(name)
+            shapes[name] = shape
+    if not names:
+        raise SourceError(f"{path}: target_modules {targets} match no module of {what}")
+    rule = f"{what} + peft LoRA r={rank} on {', '.join(targets)}"
+    return [  # AdamW(model.parameters()), and the Trainer's decay group (no norm or bias here)
+        Candidate(f"{rule}, one group", (tuple(names),), shapes),
+        Candidate(f"{rule}, the Trainer's groups", (tuple(names), ()), shapes),
+    ]

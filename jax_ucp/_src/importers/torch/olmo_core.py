@@ -1,0 +1,135 @@
+"""An OLMo-core trainer checkpoint ``stepN/``: ``model_and_optim/`` (torch DCP, the model and
+optimizer) beside ``train/`` (the trainer's state, ``train/rank<R>.pt`` per rank, a
+``torch.save`` of ``Trainer.state_dict()``: ``global_step``, the data loader's position, the RNG
+states, the callbacks' states) and ``.metadata.json`` (OLMo-core's version).
+
+The weights and the optimizer are the torch DCP importer's, read from ``model_and_optim/``;
+the trainer's ``global_step`` is read from ``train/rank0.pt`` (the file OLMo-core itself falls
+back to) through the allow-listed unpickler, numpy's pickled RNG state as inert stand-ins.
+Nothing else of the trainer state is imported: each ``train/`` file is listed in
+``source.skipped`` as a unit, and a step that cannot be read is recorded as not recovered
+(``source.trainer.global_step_unread``, with why), never guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from jax_ucp._src.format import files
+from jax_ucp._src.torchfiles import unpickler
+
+__all__ = ["MODEL_DIR", "TRAIN_DIR", "is_step_folder", "step_folders", "train_record"]
+
+MODEL_DIR = "model_and_optim"
+TRAIN_DIR = "train"
+VERSION_FILE = ".metadata.json"
+MAX_JSON_BYTES = 1 << 20
+_RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
+_STEP = re.compile(r"^step\d+$")
+
+#: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
+#: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
+TRAIN_CLASSES: dict[str, Any] = dict(unpickler.NUMPY_CLASSES)
+
+
+def is_step_folder(src: os.PathLike | str) -> bool:
+    """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own, a torch DCP
+    ``model_and_optim/.metadata`` and a ``train/`` folder beside it."""
+    path = os.fspath(src)
+    return (
+        os.path.isdir(path)
+        and not os.path.lexists(os.path.join(path, ".metadata"))
+        and os.path.lexists(os.path.join(path, MODEL_DIR, ".metadata"))
+        and os.path.isdir(os.path.join(path, TRAIN_DIR))
+    )
+
+
+def step_folders(src: os.PathLike | str) -> list[str]:
+    """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
+    try:
+        names = os.listdir(src)
+    except OSError:
+        return []
+    found = [n for n in names if _STEP.match(n) and is_step_folder(os.path.join(src, n))]
+    return sorted(found, key=lambda n: int(n[len("step") :]))
+
+
+def rank_files(src: str) -> list[str]:
+    """``train/rank<R>.pt`` of ``src``, by rank (paths relative to ``src``)."""
+    folder = files.inside(src, TRAIN_DIR, f"{src}: OLMo-core's {TRAIN_DIR}/")
+    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _RANK_FILE.match(n))]
+    return [f"{TRAIN_DIR}/{name}" for _, name in sorted(found)]
+
+
+def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
+    """What the trainer recorded, and its files as skipped units (``name -> why``).
+
+    The record: ``framework`` "olmo_core", ``train_files``, ``global_step`` (and ``max_steps``,
+    ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
+    there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
+    """
+    record: dict[str, Any] = {"framework": "olmo_core"}
+    names = rank_files(src)
+    record["train_files"] = names
+    skipped = {
+        name: "OLMo-core's trainer state (data loader position, RNG states, callbacks), not "
+        "imported; its global_step is recorded in source.trainer"
+        for name in names
+    }
+    first = f"{TRAIN_DIR}/rank0.pt"
+    if first not in names:
+        record["global_step_unread"] = (
+            f"no {first} (found {', '.join(names) or 'no rank file'} in {TRAIN_DIR}/)"
+        )
+    else:
+        path = files.inside(src, first, f"{src}: OLMo-core's trainer state")
+        try:
+            state = unpickler.load_torch_file(path, TRAIN_CLASSES)
+        except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+            record["global_step_unread"] = f"{first} was not read ({str(e)[:300]})"
+        else:
+            _steps(state, first, record)
+    version = _version(src)
+    if version is not None:
+        record["olmo_core_version"] = version
+    return record, skipped
+
+
+def _steps(state: Any, name: str, record: dict[str, Any]) -> None:
+    """``global_step`` (a non-negative int) and the counts beside it into ``record``."""
+    if not isinstance(state, dict):
+        record["global_step_unread"] = (
+            f"{name} holds a {type(state).__name__}, expected the trainer's state dict"
+        )
+        return
+    step = state.get("global_step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        found = "no 'global_step'" if "global_step" not in state else f"global_step {step!r}"
+        keys = ", ".join(sorted(str(k) for k in state)[:12])
+        record["global_step_unread"] = (
+            f"{name} holds {found}, expected a non-negative integer (keys: {keys or 'none'})"
+        )
+    else:
+        record["global_step"] = step
+    for key in ("max_steps", "world_size", "global_train_tokens_seen"):
+        value = state.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            record[key] = value
+
+
+def _version(src: str) -> str | None:
+    """OLMo-core's version from ``.metadata.json`` (``{"version": ...}``), None if absent or
+    unreadable (it is a record, not needed for the import)."""
+    import json
+
+    path = files.inside(src, VERSION_FILE, f"{src}: OLMo-core's {VERSION_FILE}")
+    if not os.path.isfile(path):
+        return None
+    try:
+        data = json.loads(files.read_regular(path, MAX_JSON_BYTES))
+    except (ValueError, RecursionError, files.UnsafeFileError):
+        return None
+    version = data.get("version") if isinstance(data, dict) else None
+    return version if isinstance(version, str) else None

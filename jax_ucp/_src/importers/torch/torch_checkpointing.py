@@ -1,0 +1,334 @@
+"""A ``torch_checkpointing`` checkpoint (the package torchtitan 0.3 saves with): one folder per
+checkpoint, one ``torch.save`` file per item per rank (``<item>_<rank>.pt`` by default: each
+rank's state dict, DTensors as that rank's shards) and ``metadata.pkl``, the pickled global
+metadata a resharding-capable save writes (per item, per nested path: the global shape, dtype,
+mesh and placements, and which ranks hold it).
+
+``metadata.pkl`` is plain data (dicts, lists, tuples, strings, numbers) and is read through the
+allow-listed unpickler with no class allowed; the rank files with
+:data:`unpickler.SHARDED_TENSOR_CLASSES` (a DTensor becomes an inert ``WrapperTensor``
+holding its local shard).
+Each tensor is assembled from the ranks' shards at the offsets the placements give (DTensor's
+own rule: ``Shard(d)`` splits dim ``d`` in ``ceil(n / mesh size)`` chunks, mesh dimension after
+mesh dimension); each shard's shape is checked against that rule. The ``model`` item gives the
+parameters, the ``optimizer`` item (``get_optimizer_state_dict``: keyed by name) the moments and
+step; the other items (``train_state``, ``lr_scheduler``, ``dataloader``) are recorded or
+listed in ``source.skipped``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format.files import in_own_folder, read_regular
+from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
+from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
+from jax_ucp._src.torchfiles import sharded, unpickler
+
+__all__ = ["METADATA_FILE", "is_torch_checkpointing", "plan_torch_checkpointing"]
+
+METADATA_FILE = "metadata.pkl"  # torch_checkpointing.metadata_serialization.METADATA_FILE_NAME
+#: the metadata versions read here (torch_checkpointing 0.1.x writes "2.0")
+VERSIONS = ("2.0",)
+MAX_METADATA_BYTES = 256 << 20  # plain data: shapes, placements, ranks per tensor
+MODEL_ITEMS = ("model",)
+OPTIMIZER_ITEMS = ("optimizer", "optim")
+_RANK_FILE = re.compile(r"(.+)_(\d+)\.pt")
+
+
+def is_torch_checkpointing(src: os.PathLike | str) -> bool:
+    """``metadata.pkl`` beside ``<item>_<rank>.pt`` files."""
+    src = os.fspath(src)
+    if not (os.path.isdir(src) and os.path.isfile(os.path.join(src, METADATA_FILE))):
+        return False
+    return any(_RANK_FILE.fullmatch(n) for n in os.listdir(src))
+
+
+def _metadata(src: str) -> tuple[dict, int]:
+    """({item: {nested path tuple: [(sharding data, ranks)]}}, world size) from metadata.pkl."""
+    path = os.path.join(src, METADATA_FILE)
+    # a bounded read of a regular file of this folder (never a link out, a FIFO, a huge file)
+    raw = unpickler.restricted_loads(
+        read_regular(in_own_folder(path), MAX_METADATA_BYTES), where=path
+    )
+    if not isinstance(raw, dict) or not isinstance(raw.get("metadata"), dict):
+        raise SourceError(
+            f"{path}: expected a dict with 'metadata', found {unpickler.short_repr(raw, 120)}"
+        )
+    if raw.get("version") not in VERSIONS:
+        raise SourceError(
+            f"{path}: metadata version {raw.get('version')!r}, expected one of {list(VERSIONS)} "
+            f"(torch_checkpointing 0.1.x)"
+        )
+    world = raw.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise SourceError(f"{path}: world_size {world!r}, expected a positive int")
+    items: dict[str, dict[tuple, list]] = {}
+    for item, meta in raw["metadata"].items():
+        paths = meta.get("nested_path_to_metadata") if isinstance(meta, dict) else None
+        if not isinstance(paths, dict):
+            raise SourceError(f"{path}: item {item!r} has no nested_path_to_metadata")
+        layouts = meta.get("rank_to_layout_info") or {}
+        if any(v is not None for v in layouts.values()):
+            raise SourceError(
+                f"{path}: item {item!r} was saved with a custom layout "
+                f"({unpickler.short_repr(layouts, 120)}); "
+                f"only the default <item>_<rank>.pt layout is read"
+            )
+        table: dict[tuple, list] = {}
+        for key, groups in paths.items():
+            nested = tuple(_json_path(key, path))
+            table[nested] = [(g["sharding_metadata"], tuple(g["ranks"])) for g in groups]
+        items[str(item)] = table
+    return items, world
+
+
+def _json_path(key: Any, where: str) -> list:
+    try:
+        value = json.loads(key)
+    except (TypeError, ValueError):
+        value = None
+    if not isinstance(value, list):
+        raise SourceError(
+            f"{where}: nested path {unpickler.short_repr(key, 80)} is not a JSON list"
+        )
+    return value
+
+
+def _shard_box(
+    meta: dict, rank: int, where: str
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(global shape, offset, local shape) of ``rank``'s shard by DTensor's placement rule."""
+    if meta.get("type") != "DTensorShardingMetadata":
+        raise SourceError(
+            f"{where}: sharding metadata of type {meta.get('type')!r}, expected "
+            f"DTensorShardingMetadata"
+        )
+    data = meta["data"]
+    shape = tuple(int(n) for n in data["global_shape"])
+    mesh = data["mesh_spec"]
+    mesh_shape = tuple(int(n) for n in mesh["mesh_shape"])
+    ranks = [int(r) for r in np.asarray(mesh["mesh_data"]).reshape(-1)]
+    if rank not in ranks or len(ranks) != math.prod(mesh_shape):
+        raise SourceError(f"{where}: rank {rank} is not in the mesh {ranks}")
+    coords = np.unravel_index(ranks.index(rank), mesh_shape)
+    dims: list[int | None] = []
+    for placement in data["placements"]:
+        kind = placement.get("type")
+        if kind not in ("Shard", "Replicate"):
+            raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
+        dims.append(int(placement["dim"]) if kind == "Shard" else None)
+    offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+    return shape, offset, local
+
+
+def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
+    """A DTensor's local shard and its global shape; anything else as is, with no shape."""
+    if not (isinstance(value, unpickler.WrapperTensor) and value.qualname == sharded.DTENSOR):
+        return value, None
+    state = value.state
+    if isinstance(state, tuple) and len(state) == 2 and isinstance(state[1], dict):
+        state = {**(state[0] or {}), **state[1]}  # (dict, slots): DTensor keeps slots
+    local = state.get("_local_tensor") if isinstance(state, dict) else None
+    return local, value.shape
+
+
+def _assembled(
+    name: str, groups: list, shards: dict[int, Any], dtype: np.dtype, where: str
+) -> np.ndarray:
+    """The global tensor of ``name`` from every rank's shard (a replicated one: the first),
+    each shard's shape checked against its placement, the boxes tiling the whole."""
+    shape: tuple[int, ...] = ()
+    pieces: dict[tuple, sharded.Piece] = {}
+    for meta, ranks in groups:
+        for rank in ranks:
+            shape, offset, local = _shard_box(meta, rank, f"{where}: {name!r}")
+            value = shards.get(rank)
+            array, global_shape = _local(value)
+            if not isinstance(array, np.ndarray) or array.shape != local:
+                found = list(array.shape) if isinstance(array, np.ndarray) else type(value).__name__
+                raise SourceError(
+                    f"{where}: {name!r} on rank {rank} is {found}, its placement says {list(local)}"
+                )
+            if global_shape is not None and global_shape != shape:
+                raise SourceError(
+                    f"{where}: {name!r} on rank {rank} is a shard of {list(global_shape)}, "
+                    f"the metadata says {list(shape)}"
+                )
+            pieces.setdefault((offset, local), sharded.Piece(offset, array))  # replicas: once
+    problem = sharded.covers(shape, list(pieces.values())) if pieces else "no shard"
+    if problem:
+        raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it ({problem})")
+    return sharded.assemble(shape, dtype, list(pieces.values()))
+
+
+def _leaf(state: Any, nested: tuple) -> Any:
+    for part in nested:
+        if (isinstance(state, dict) and part in state) or (
+            isinstance(state, (list, tuple)) and isinstance(part, int) and part < len(state)
+        ):
+            state = state[part]
+        else:
+            return None
+    return state
+
+
+def plan_torch_checkpointing(
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+) -> ImportPlan:
+    """The import of a torch_checkpointing folder: the ``model`` item's parameters and the
+    ``optimizer`` item's state, assembled from every rank's shards, bit for bit.
+
+    Args:
+        src: the checkpoint folder (``metadata.pkl``, ``<item>_<rank>.pt``).
+        spec: refused: torch's parameter names are kept.
+        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+    """
+    refuse_spec(spec, "torch_checkpointing imports keep torch's parameter names", SourceError)
+    src = os.fspath(src)
+    items, world = _metadata(src)
+    model_item = next((i for i in MODEL_ITEMS if i in items), None)
+    if model_item is None:
+        raise SourceError(
+            f"{os.path.join(src, METADATA_FILE)}: no {' or '.join(MODEL_ITEMS)!r} item among "
+            f"{sorted(items)}"
+        )
+    optimizer_item = next((i for i in OPTIMIZER_ITEMS if i in items), None)
+    files = sorted(n for n in os.listdir(src) if _RANK_FILE.fullmatch(n))
+    loaded = _load_ranks(src, items, world, files)
+    params, states, found, optimizer_sources, skipped = _refs(
+        src, items, world, loaded, model_item, optimizer_item
+    )
+    groups_out = _optimizer_extras(src, optimizer_item, loaded, found, skipped, states)
+    recorded = _unmapped_items(src, items, files, found, skipped)
+    torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
+    source = {
+        "framework": "torch_checkpointing",
+        "path": os.path.abspath(src),
+        "world_size": world,
+        "items": sorted(set(items) | {f.rsplit("_", 1)[0] for f in files}),
+        "files": files + [METADATA_FILE],
+    }
+    if recorded:
+        source["recorded"] = recorded
+    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+
+
+def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str, dict[int, Any]]:
+    """{item: {rank: its state}}: every item's file of every rank, or refused naming the one
+    missing (a tensor could not be assembled without it)."""
+    loaded: dict[str, dict[int, Any]] = {}
+    for item in items:
+        for rank in range(world):
+            name = f"{item}_{rank}.pt"
+            if name not in files:
+                raise SourceError(f"{src}: {name} is missing (world size {world}, item {item!r})")
+            loaded.setdefault(item, {})[rank] = unpickler.load_torch_file(
+                os.path.join(src, name), unpickler.SHARDED_TENSOR_CLASSES
+            )
+    return loaded
+
+
+def _refs(
+    src: str,
+    items: dict,
+    world: int,
+    loaded: dict[str, dict[int, Any]],
+    model_item: str,
+    optimizer_item: str | None,
+) -> tuple[dict[str, TensorRef], dict[str, dict[str, TensorRef]], list[str], list[str], dict]:
+    """(parameters, optimizer states, every entry found, the optimizer's, skipped): one lazy
+    reference per metadata entry, assembled from the ranks' shards when read."""
+    found: list[str] = []
+    skipped: dict[str, str] = {}
+    params: dict[str, TensorRef] = {}
+    states: dict[str, dict[str, TensorRef]] = {}
+    optimizer_sources: list[str] = []
+    for item, table in items.items():
+        for nested, groups in table.items():
+            entry = f"{item}:{'.'.join(map(str, nested))}"
+            found.append(entry)
+            shards = {r: _leaf(loaded[item][r], nested) for r in range(world)}
+            first = next(iter(shards.values()))
+            local = _local(first)[0]
+            if not isinstance(local, np.ndarray):
+                raise SourceError(f"{src}: {entry} is not a tensor in {item}_0.pt")
+            shape = _shard_box(groups[0][0], groups[0][1][0], f"{src}: {entry}")[0]
+            ref = TensorRef(
+                entry,
+                shape,
+                local.dtype,
+                lambda n=entry, g=groups, s=shards, d=local.dtype: _assembled(n, g, s, d, src),
+                {
+                    "format": "torch_checkpointing",
+                    "files": [f"{item}_{r}.pt" for r in range(world)],
+                },
+            )
+            if item == model_item:
+                params[".".join(map(str, nested))] = ref
+            elif item == optimizer_item and len(nested) == 3 and nested[0] == "state":
+                states.setdefault(str(nested[1]), {})[str(nested[2])] = ref
+                optimizer_sources.append(entry)
+            else:
+                skipped[entry] = f"item {item!r}: not a model weight or optimizer state"
+    return params, states, found, optimizer_sources, skipped
+
+
+def _optimizer_extras(
+    src: str,
+    optimizer_item: str | None,
+    loaded: dict[str, dict[int, Any]],
+    found: list[str],
+    skipped: dict[str, str],
+    states: dict[str, dict[str, TensorRef]],
+) -> list[dict]:
+    """The optimizer's param_groups (rank 0's: every rank saves them whole), a Python-number
+    step, and any tensor the metadata did not list (skipped)."""
+    if optimizer_item is None:
+        return []
+    saved = loaded[optimizer_item][0]
+    if not isinstance(saved, dict):
+        return []
+    for name in tensor_names(saved):
+        entry = f"{optimizer_item}:{name}"
+        if entry not in found:
+            found.append(entry)
+            skipped[entry] = "optimizer entry outside the global metadata"
+    for param, per in (saved.get("state") or {}).items():
+        step = per.get("step") if isinstance(per, dict) else None
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            where = {"format": "torch_checkpointing", "files": [f"{optimizer_item}_0.pt"]}
+            entry = f"{optimizer_item}:state.{param}.step"
+            states.setdefault(str(param), {})["step"] = scalar_ref(entry, step, where)
+    return list(saved.get("param_groups") or [])
+
+
+def _unmapped_items(
+    src: str, items: dict, files: list[str], found: list[str], skipped: dict[str, str]
+) -> dict[str, Any]:
+    """The items saved without global metadata (``train_state``, ...): their numbers recorded,
+    their tensors skipped."""
+    recorded: dict[str, Any] = {}
+    for item in sorted({f.rsplit("_", 1)[0] for f in files} - set(items)):
+        state = unpickler.load_torch_file(
+            os.path.join(src, f"{item}_0.pt"), unpickler.SHARDED_TENSOR_CLASSES
+        )
+        for name in tensor_names(state):
+            entry = f"{item}:{name}"
+            found.append(entry)
+            skipped[entry] = f"item {item!r} (no global metadata): training state, not imported"
+        if isinstance(state, dict):
+            recorded[item] = {k: v for k, v in state.items() if isinstance(v, (int, float, str))}
+    return recorded

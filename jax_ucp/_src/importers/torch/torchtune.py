@@ -1,0 +1,516 @@
+"""A torchtune output folder: ``epoch_N/`` (Hugging Face safetensors, written by torchtune's
+``FullModelHFCheckpointer``) and, for an intermediate checkpoint, ``recipe_state/recipe_state.pt``
+(the optimizer, seed, epochs).
+
+The latest epoch's weights are imported as Hugging Face safetensors (names and row order are
+Hugging Face's: the checkpointer converts back on save). The optimizer in ``recipe_state.pt`` is
+over torchtune's own model: keyed by torchtune's names (``tok_embeddings.weight``,
+``layers.0.attn.q_proj.weight``, ...) in the distributed recipes, by index in the single-device
+ones (then ``parameter_order=``, torchtune's names in ``model.parameters()`` order, numbers it),
+q/k rows in torchtune's RoPE order. Its moments are mapped as the checkpointer maps the weights
+(``torchtune.models.convert_weights.tune_to_hf``: the same name table, the same q/k row
+permutation with the heads of the epoch's ``config.json``), for the Llama-family models that
+function converts; the others are refused naming their ``model_type``.
+
+torchtune's asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` instead:
+torch DCP of ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), seed, ...}``
+written by its ``DistributedCheckpointer``, torchtune's names and row order (no conversion), the
+optimizer keyed by index. It is imported by the torch DCP importer as saved, its moments named
+with ``parameter_order=``. The latest epoch of either kind is imported; the others' folders are
+listed in ``source.skipped``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import safetensors
+from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, tensor_names
+from jax_ucp._src.importers.safetensors_weights import plan_safetensors
+from jax_ucp._src.importers.torch import dcp
+from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
+from jax_ucp._src.importers.trainer_files import read_json, side_file
+from jax_ucp._src.torchfiles import unpickler
+
+__all__ = [
+    "RECIPE_STATE",
+    "TUNE_TO_HF",
+    "dist_epoch_folders",
+    "epoch_folders",
+    "is_torchtune",
+    "plan_torchtune",
+]
+
+RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
+OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
+_EPOCH = re.compile(r"epoch_(\d+)")
+_DIST_EPOCH = re.compile(r"dist_epoch_(\d+)")  # DistributedCheckpointer's _checkpoint_dir_prefix
+
+#: torchtune's parameter names -> Hugging Face's: ``torchtune.models.convert_weights._FROM_HF``
+#: (0.6.1) inverted, as ``tune_to_hf`` inverts it; ``{}`` is the layer number.
+TUNE_TO_HF = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{}.attn.q_proj.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attn.k_proj.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attn.v_proj.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attn.output_proj.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.mlp.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.mlp.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.mlp.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.sa_norm.scale": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.mlp_norm.scale": "model.layers.{}.post_attention_layernorm.weight",
+    "norm.scale": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+#: Hugging Face ``model_type``s whose torchtune checkpointer path is the default ``tune_to_hf``
+#: (torchtune's LLAMA2 / LLAMA3 / LLAMA3_2 / MISTRAL model types); Qwen2, Phi-3, Gemma 2,
+#: vision and reward models have converters of their own, not mapped here.
+DEFAULT_CONVERT_MODEL_TYPES = ("llama", "mistral")
+
+
+def epoch_folders(src: str) -> list[str]:
+    """``epoch_N`` folders holding safetensors, by N."""
+    found = []
+    for name in os.listdir(src):
+        m = _EPOCH.fullmatch(name)
+        path = os.path.join(src, name)
+        if (
+            m
+            and os.path.isdir(path)
+            and not os.path.islink(path)
+            and any(n.endswith(".safetensors") for n in os.listdir(path))
+        ):
+            found.append((int(m.group(1)), name))
+    return [name for _, name in sorted(found)]
+
+
+def dist_epoch_folders(src: str) -> list[str]:
+    """``dist_epoch_N`` folders holding a torch DCP ``.metadata``, by N."""
+    found = []
+    for name in os.listdir(src):
+        m = _DIST_EPOCH.fullmatch(name)
+        path = os.path.join(src, name)
+        if m is None or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        if os.path.isfile(os.path.join(path, ".metadata")):
+            found.append((int(m.group(1)), name))
+    return [name for _, name in sorted(found)]
+
+
+def _epoch_number(name: str) -> int:
+    return int(name.rsplit("_", 1)[1])
+
+
+def hf_name(name: str) -> str | None:
+    """torchtune's parameter ``name`` as Hugging Face's, or None when the table has none
+    (``get_mapped_key``: every ``.<digits>`` is the layer number)."""
+    layer = re.search(r"\.(\d+)", name)
+    key = re.sub(r"\.\d+", ".{}", name)
+    mapped = TUNE_TO_HF.get(key)
+    if mapped is None:
+        return None
+    return mapped.format(layer.group(1)) if layer else mapped
+
+
+def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """torchtune's q/k rows in Hugging Face's order: ``tune_to_hf``'s ``_permute``, ``[heads,
+    head_dim/2, 2, dim]`` with the middle axes swapped (rows moved, never a value changed).
+
+    Args:
+        value: a q or k projection (or its moment), torchtune's row order.
+        heads: its head count (``num_attention_heads`` or ``num_key_value_heads``).
+        head_dim: rows per head.
+    """
+    dim = value.shape[1]
+    return np.ascontiguousarray(
+        value.reshape(heads, head_dim // 2, 2, dim).transpose(0, 2, 1, 3).reshape(-1, dim)
+    )
+
+
+def _names(keys: list, count: int = 3) -> str:
+    shown = ", ".join(unpickler.short_repr(k, 60) for k in keys[:count])
+    return shown + (", ..." if len(keys) > count else "")
+
+
+def recipe_optimizer(path: str) -> str:
+    """What ``recipe_state.pt`` holds of the optimizer, said as found: a state dict keyed by
+    index (the single-device recipes), by torchtune's parameter names (the distributed
+    recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
+    or none; the file read through the allow-listed unpickler (never run)."""
+    try:
+        recipe = unpickler.load_torch_file(path)
+    except SourceError as e:
+        return f"not read ({str(e)[:200]})"
+    if not isinstance(recipe, dict):
+        return f"absent (the file holds a {type(recipe).__name__}, expected a dict)"
+    optimizer = recipe.get(OPTIMIZER_KEY)
+    if not isinstance(optimizer, dict):
+        keys = _names(sorted(map(str, recipe)), 8)
+        return f"absent (no {OPTIMIZER_KEY!r} dict among its keys {keys or 'none'})"
+    state, groups = optimizer.get("state"), optimizer.get("param_groups")
+    if isinstance(state, dict) and isinstance(groups, list):
+        keys = list(state)
+        where = f"in {len(groups)} param group{'s' if len(groups) != 1 else ''}"
+        if keys and all(isinstance(k, int) for k in keys):
+            return (
+                f"keyed by index ({len(keys)} parameters {where}, indices {_names(keys)}, "
+                f"without their names)"
+            )
+        if keys and all(isinstance(k, str) for k in keys):
+            return (
+                f"keyed by torchtune's parameter names ({len(keys)} parameters {where}, e.g. "
+                f"{_names(keys)})"
+            )
+        return f"keyed by {_names(keys)} ({len(keys)} parameters {where})"
+    per = [k for k, v in optimizer.items() if isinstance(v, dict) and "state" in v]
+    if per and len(per) == len(optimizer):
+        return (
+            f"one optimizer per parameter (optimizer in backward), keyed by torchtune's "
+            f"parameter names ({len(per)} parameters, e.g. {_names(per)})"
+        )
+    return f"a dict with keys {_names(list(optimizer), 8)}, not a torch optimizer state dict"
+
+
+def is_torchtune(src: os.PathLike | str) -> bool:
+    """torchtune's layout: ``epoch_N/`` safetensors folders, with or without recipe state, or
+    its asynchronous save's ``dist_epoch_N/`` torch DCP folders."""
+    src = os.fspath(src)
+    return os.path.isdir(src) and bool(epoch_folders(src) or dist_epoch_folders(src))
+
+
+def plan_torchtune(
+    src: os.PathLike | str,
+    *,
+    spec: Any = None,
+    weights_only: bool = False,
+    share: Share = WHOLE,
+    parameter_order: Sequence[str] | None = None,
+) -> ImportPlan:
+    """The latest epoch's weights and, unless weights_only, the recipe's optimizer state mapped
+    onto them (Hugging Face's names and q/k row order).
+
+    Args:
+        src: the torchtune output folder (``epoch_N/``, ``recipe_state/``).
+        spec: refused: the names are Hugging Face's, as the checkpointer wrote the weights.
+        weights_only: the weights alone, ``recipe_state.pt`` in ``source.skipped``.
+        share: this process's part of a distributed import (default: the whole).
+        parameter_order: torchtune's parameter names in ``model.parameters()`` order, for an
+            optimizer keyed by index (the single-device recipes).
+    """
+    src = os.fspath(src)
+    epochs = epoch_folders(src)
+    dist = dist_epoch_folders(src)
+    if not epochs and not dist:
+        raise SourceError(
+            f"{src}: no torchtune epoch_N/ folder holding safetensors, nor dist_epoch_N/ "
+            f"holding torch DCP"
+        )
+    recipe = os.path.join(src, RECIPE_STATE)
+    has_recipe = os.path.lexists(recipe)
+    if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
+        return _plan_dist_epoch(src, epochs, dist, spec, weights_only, share, parameter_order)
+    if has_recipe and not weights_only:
+        refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
+        return _plan_with_optimizer(src, epochs, recipe, share, parameter_order)
+    if parameter_order is not None:
+        raise SourceError(
+            f"{src}: parameter_order numbers the optimizer of {RECIPE_STATE}, which "
+            f"{'weights_only leaves out' if has_recipe else 'this folder does not hold'}"
+        )
+    latest = os.path.join(src, epochs[-1])
+    plan = plan_safetensors(latest, spec=spec, share=share)
+    source = dict(plan.source)
+    source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
+    units = [f"{e}/" for e in epochs[:-1] + dist]
+    skip(source, units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)")
+    if has_recipe:
+        units.append(RECIPE_STATE)
+        skip(source, [RECIPE_STATE], "weights_only: torchtune's recipe state (optimizer, seed)")
+    return dataclasses.replace(
+        plan, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
+    )
+
+
+def _plan_dist_epoch(
+    src: str,
+    epochs: list[str],
+    dist: list[str],
+    spec: Any,
+    weights_only: bool,
+    share: Share,
+    order: Sequence[str] | None,
+) -> ImportPlan:
+    """The latest ``dist_epoch_N/`` by the torch DCP importer, under torchtune's names as
+    saved; the other epochs' folders and ``recipe_state.pt`` (the synchronous saves') skipped."""
+    plan = dcp.plan_torch_dcp(
+        os.path.join(src, dist[-1]),
+        spec=spec,
+        weights_only=weights_only,
+        share=share,
+        parameter_order=order,
+    )
+    source = dict(plan.source)
+    source.update(
+        framework="torchtune",
+        saved_by="torchtune DistributedCheckpointer (asynchronous save, torch DCP)",
+        path=os.path.abspath(src),
+        epoch=dist[-1],
+        folders=[dist[-1]],
+        names="torchtune's (its model as trained: no Hugging Face conversion)",
+    )
+    units = [f"{e}/" for e in epochs + dist[:-1]]
+    if os.path.lexists(os.path.join(src, RECIPE_STATE)):
+        units.append(RECIPE_STATE)
+    skipped = dict(source.get("skipped") or {})
+    for unit in units:
+        skipped[unit] = f"an earlier epoch's checkpoint ({dist[-1]}/ imported)"
+    if skipped:
+        source["skipped"] = skipped
+    folder = dist[-1]
+    items = (
+        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": folder})
+        for item in plan.items
+    )
+    return dataclasses.replace(
+        plan, items=items, source=source, source_tensors=[*(plan.source_tensors or ()), *units]
+    )
+
+
+def _heads(folder: str) -> tuple[dict[str, Any], int, int, int]:
+    """(config, q heads, kv heads, head_dim) from the epoch's ``config.json``, as the
+    checkpointer read them; a model ``tune_to_hf`` does not convert is refused."""
+    path = os.path.join(folder, "config.json")
+    try:  # a bounded read of a regular file inside the checkpoint (never a link out, a FIFO)
+        config = read_json(side_file(folder, "config.json"))
+    except (OSError, SourceError) as e:
+        raise SourceError(
+            f"{path}: not read ({e}); the q/k heads its moments are permuted by are in it"
+        ) from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in DEFAULT_CONVERT_MODEL_TYPES:
+        raise SourceError(
+            f"{path}: model_type {model_type!r}; torchtune's optimizer state is mapped for "
+            f"{', '.join(DEFAULT_CONVERT_MODEL_TYPES)} models (torchtune's default tune_to_hf) "
+            f"only. Convert with weights_only=True to import the weights"
+        )
+    try:
+        heads, kv_heads = int(config["num_attention_heads"]), int(config["num_key_value_heads"])
+        dim = int(config["hidden_size"])
+        head_dim = int(config.get("head_dim") or (dim // heads if heads > 0 else 0))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SourceError(f"{path}: no usable {e} (the attention heads)") from None
+    if min(heads, kv_heads, head_dim) <= 0:
+        raise SourceError(
+            f"{path}: num_attention_heads {heads}, num_key_value_heads {kv_heads}, head_dim "
+            f"{head_dim}: each must be a positive integer (the q/k moments' rows are permuted "
+            f"by them)"
+        )
+    return config, heads, kv_heads, head_dim
+
+
+def _optimizer_names(
+    state: dict, groups: list, order: Sequence[str] | None, recipe: str, described: str
+) -> dict[Any, str]:
+    """{optimizer key: torchtune's parameter name}: the keys themselves (distributed recipes)
+    or, keyed by index, ``order`` along the groups' ``params`` (torch numbers them so)."""
+    keys = list(state)
+    if keys and all(isinstance(k, str) for k in keys):
+        if order is not None:
+            raise SourceError(
+                f"{recipe}: the optimizer is keyed by torchtune's parameter names; "
+                f"parameter_order does not apply"
+            )
+        return {k: k for k in keys}
+    if not (keys and all(isinstance(k, int) for k in keys)):
+        raise SourceError(f"{recipe}: torchtune's optimizer state, {described}: not imported")
+    if order is None:
+        raise SourceError(
+            f"{recipe}: torchtune's optimizer state, {described}. Give its order: "
+            f"parameter_order=[n for n, _ in model.named_parameters()] of the torchtune model "
+            f"the recipe trained (torchtune's names, the order it gave them to the optimizer; "
+            f"--parameter-order FILE on the CLI), "
+            f"or convert with weights_only=True to import the weights"
+        )
+    ids = [i for g in groups if isinstance(g, dict) for i in g.get("params", ())]
+    return numbered_names(ids, keys, order, recipe)
+
+
+def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
+    """(the recipe state, its optimizer's ``state``, its ``param_groups``); refused when the
+    recipe holds no torch optimizer state dict (the weights still import alone)."""
+    loaded = unpickler.load_torch_file(recipe)
+    optimizer = loaded.get(OPTIMIZER_KEY) if isinstance(loaded, dict) else None
+    state = optimizer.get("state") if isinstance(optimizer, dict) else None
+    groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
+    if not (isinstance(state, dict) and isinstance(groups, list)):
+        raise SourceError(
+            f"{recipe}: torchtune's optimizer state, {recipe_optimizer(recipe)}: not imported. "
+            f"Convert with weights_only=True to import {epoch}/'s weights"
+        )
+    assert isinstance(loaded, dict)
+    return loaded, state, groups
+
+
+def _epoch_weights(folder: str, epoch: str) -> tuple[dict[str, TensorRef], list[str]]:
+    """The epoch's safetensors as lazy references (Hugging Face's names and rows, as the
+    checkpointer wrote them), and the files they came from."""
+    _, owner = safetensors.open_checkpoint(folder)
+    params: dict[str, TensorRef] = {}
+    for name, f in owner.items():
+        value = f.tensor(name)  # a lazy view of the map
+        base = os.path.basename(f.path)
+        params[name] = TensorRef(
+            name,
+            tuple(value.shape),
+            value.dtype,
+            lambda f=f, name=name: f.tensor(name),
+            {"format": "safetensors", "file": f"{epoch}/{base}"},
+        )
+    return params, sorted({os.path.basename(f.path) for f in owner.values()})
+
+
+def _moment_ref(
+    key: Any, tune: str, st: str, value: np.ndarray, rows: int | None, head_dim: int
+) -> TensorRef:
+    """One optimizer state entry, its q/k rows permuted as ``tune_to_hf`` permutes the weight
+    (``rows`` heads; none for ``step`` or a non-matrix)."""
+    permuted = rows is not None and st != "step" and value.ndim == 2
+    read = lambda v=value: v
+    if rows is not None and permuted:
+        read = lambda v=value, n=rows: permute_rows(v, n, head_dim)
+    return TensorRef(
+        f"{RECIPE_STATE}:{OPTIMIZER_KEY}.state.{key}.{st}",
+        tuple(value.shape),
+        value.dtype,
+        read,
+        {
+            "format": "torch_files",
+            "file": RECIPE_STATE,
+            "torchtune_name": tune,
+            **({"rows_permuted": {"heads": rows, "head_dim": head_dim}} if permuted else {}),
+        },
+    )
+
+
+def _moments(
+    state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int]
+) -> tuple[dict[str, dict[str, TensorRef]], dict[str, str]]:
+    """({Hugging Face name: {state: reference}}, {torchtune name: Hugging Face name}): the
+    moments renamed by torchtune's own table; a name it does not know is refused."""
+    q_heads, kv_heads, head_dim = heads
+    states: dict[str, dict[str, TensorRef]] = {}
+    moved: dict[str, str] = {}
+    for key, per in state.items():
+        tune = to_name[key]
+        hf = hf_name(tune)
+        if hf is None:
+            raise SourceError(
+                f"{recipe}: optimizer state of torchtune's {tune!r}, which torchtune's "
+                f"tune_to_hf table does not name (known: {_names(sorted(TUNE_TO_HF), 4)})"
+            )
+        moved[tune] = hf
+        rows = q_heads if "q_proj" in tune else kv_heads if "k_proj" in tune else None
+        for st, value in per.items() if isinstance(per, dict) else ():
+            if not isinstance(value, np.ndarray):
+                if not (st == "step" and isinstance(value, (int, float))):
+                    continue  # not a tensor: not in found either
+                value = np.asarray(value, np.float64)
+            states.setdefault(hf, {})[st] = _moment_ref(key, tune, st, value, rows, head_dim)
+    return states, moved
+
+
+def _check_qk_moments(
+    states: dict[str, dict[str, TensorRef]],
+    moved: dict[str, str],
+    heads: tuple[int, int, int],
+    recipe: str,
+    epoch: str,
+) -> None:
+    """The q/k moments must have the rows config.json's heads say, or the permutation would
+    scramble them silently."""
+    q_heads, kv_heads, head_dim = heads
+    for p in moved:
+        if ("q_proj" in p or "k_proj" in p) and states[moved[p]].get("exp_avg") is not None:
+            shape = states[moved[p]]["exp_avg"].shape
+            n = q_heads if "q_proj" in p else kv_heads
+            if len(shape) != 2 or shape[0] != n * head_dim or head_dim % 2:
+                raise SourceError(
+                    f"{recipe}: {p!r} has moments of shape {list(shape)}, expected "
+                    f"[{n} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
+                )
+
+
+def _recipe_accounting(
+    loaded: dict, src: str, epochs: list[str]
+) -> tuple[list[str], list[str], list[str], dict[str, str]]:
+    """(the recipe's tensors, those of the optimizer, the earlier epochs' folders, skipped):
+    every tensor of recipe_state.pt and every older epoch is imported or said skipped."""
+    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
+    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped: dict[str, str] = {}
+    for n in recipe_tensors:
+        if n not in optimizer_sources:
+            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
+        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
+            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+    units = [f"{e}/" for e in epochs[:-1] + dist_epoch_folders(src)]
+    for unit in units:
+        skipped[unit] = f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"
+    return recipe_tensors, optimizer_sources, units, skipped
+
+
+def _plan_with_optimizer(
+    src: str,
+    epochs: list[str],
+    recipe: str,
+    share: Share,
+    order: Sequence[str] | None,
+) -> ImportPlan:
+    """The latest epoch's weights with recipe_state.pt's moments, renamed and row-permuted
+    as torchtune's checkpointer converts the weights."""
+    latest = os.path.join(src, epochs[-1])
+    loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
+    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(recipe))
+    config, q_heads, kv_heads, head_dim = _heads(latest)
+    heads = (q_heads, kv_heads, head_dim)
+    params, files = _epoch_weights(latest, epochs[-1])
+    states, moved = _moments(state, to_name, recipe, heads)
+    _check_qk_moments(states, moved, heads, recipe, epochs[-1])
+    recipe_tensors, optimizer_sources, units, skipped = _recipe_accounting(loaded, src, epochs)
+    named_groups = [
+        {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
+        for g in groups
+        if isinstance(g, dict)
+    ]
+    progress = {
+        k: loaded[k]
+        for k in ("seed", "epochs_run", "total_epochs", "max_steps_per_epoch")
+        if isinstance(loaded.get(k), int)
+    }
+    torch_state = TorchState(
+        params,
+        states,
+        named_groups,
+        skipped,
+        recipe,
+        [*params, *recipe_tensors, *units],
+        optimizer_sources,
+    )
+    source = {
+        "framework": "torchtune",
+        "path": os.path.abspath(src),
+        "epoch": epochs[-1],
+        "files": files,
+        "optimizer_keyed_by": "index" if order is not None else "name",
+        "qk_permuted": {"heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
+        "recipe": progress,
+        "model_type": config.get("model_type"),
+    }
+    return plan_state(torch_state, source, share=share)

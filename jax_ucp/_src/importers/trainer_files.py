@@ -1,0 +1,199 @@
+"""The files a Hugging Face Trainer writes beside any checkpoint layout (its own
+``optimizer.pt``, DeepSpeed's ``global_stepN/``, FSDP's ``pytorch_model_fsdp_0/``):
+``trainer_state.json``, ``training_args.bin``, ``scheduler.pt``, ``config.json``. Shared by the
+importers that read a Trainer's ``checkpoint-N/`` (torch files, DeepSpeed, DCP), which never
+import each other.
+
+``training_args.bin`` (a pickled ``TrainingArguments``) is read through the restricted
+unpickler with inert stand-ins, for the schedule and clipping the run used; ``scheduler.pt`` and
+``trainer_state.json`` are plain data. Every file is reached through
+:func:`jax_ucp._src.format.files.inside`: a link leading out of the checkpoint folder is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
+from jax_ucp._src.importers.plan import jsonable
+from jax_ucp._src.torchfiles import unpickler
+
+__all__ = [
+    "ARG_FIELDS",
+    "MODEL_FIELDS",
+    "is_trainer_checkpoint",
+    "read_json",
+    "rng_states",
+    "side_file",
+    "trainer_folder_above",
+    "trainer_record",
+]
+
+MAX_JSON_BYTES = 16 << 20
+CONFIG_FILE = "config.json"
+ADAPTER_CONFIG_FILE = "adapter_config.json"  # peft's adapter (LoRA) beside adapter weights
+STATE_FILE = "trainer_state.json"
+ARGS_FILE = "training_args.bin"
+SCHEDULER_FILE = "scheduler.pt"
+
+#: TrainingArguments fields that say how the optimizer stepped (recorded in the manifest)
+ARG_FIELDS = (
+    "learning_rate",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "lr_scheduler_type",
+    "lr_scheduler_kwargs",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_steps",
+    "num_train_epochs",
+    "optim",
+    "gradient_accumulation_steps",
+    "per_device_train_batch_size",
+)
+#: config.json fields recorded (source.trainer.model_config): the model's shape, for specs
+MODEL_FIELDS = (
+    "architectures",
+    "model_type",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_hidden_layers",
+    "vocab_size",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+#: what a pickled TrainingArguments refers to, read as inert stand-ins
+ARG_CLASSES = (
+    "transformers.training_args.OptimizerNames",
+    "transformers.trainer_utils.SchedulerType",
+    "transformers.trainer_utils.IntervalStrategy",
+    "transformers.trainer_utils.SaveStrategy",
+    "transformers.trainer_utils.HubStrategy",
+    "transformers.trainer_utils.FSDPOption",
+    "transformers.trainer_pt_utils.AcceleratorConfig",
+    "transformers.debug_utils.DebugOption",
+    "accelerate.state.PartialState",
+    # under DeepSpeed: the Trainer's config of it (data: the config as a dict)
+    "accelerate.utils.dataclasses.DeepSpeedPlugin",
+    "transformers.integrations.deepspeed.HfDeepSpeedConfig",
+    "transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig",
+    "accelerate.utils.dataclasses.DistributedType",
+    "torch.device",
+)
+
+
+def is_trainer_checkpoint(folder: str) -> bool:
+    """A folder the Trainer saved: ``optimizer.pt`` or ``trainer_state.json`` beside the weights."""
+    return os.path.isdir(folder) and any(
+        os.path.lexists(os.path.join(folder, n)) for n in ("optimizer.pt", STATE_FILE)
+    )
+
+
+def read_json(path: str) -> Any:
+    """A Trainer's JSON file (bounded in size), or refused naming the file."""
+    try:
+        return json.loads(files.read_regular(path, MAX_JSON_BYTES))
+    except (ValueError, RecursionError) as e:
+        raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+
+
+def rng_states(folder: str) -> dict[str, str]:
+    """{file: why skipped} of the Trainer's torch RNG states (``rng_state*.pth``): source files
+    of their own, which the caller counts as found and lists as skipped."""
+    return {
+        name: "the torch run's RNG state, not imported"
+        for name in sorted(os.listdir(folder))
+        if name.startswith("rng_state") and name.endswith(".pth")
+    }
+
+
+def side_file(folder: str, name: str) -> str:
+    """The path of the Trainer's side file ``name`` in ``folder`` (``trainer_state.json``,
+    ``training_args.bin``, ``scheduler.pt``, ``config.json``, ...), through
+    :func:`jax_ucp._src.format.files.inside`: a link leading out of the checkpoint is refused, never
+    read into the new manifest."""
+    return files.inside(folder, name, f"{folder}: the Trainer's {name}")
+
+
+def _arg(value: Any) -> Any:
+    """A TrainingArguments field as JSON: str enums (stand-ins) by their value."""
+    if isinstance(value, unpickler.StandIn):
+        args = getattr(value, "args", ())
+        return jsonable(args[0]) if len(args) == 1 else None
+    return jsonable(value)
+
+
+class _TrainingArguments(unpickler.StandIn):
+    """``TrainingArguments`` as data; its ``cached_property`` values (``__cached__*``, pickled
+    by transformers 4.x) are dropped, not refused: they are not arguments."""
+
+    qualname = "transformers.training_args.TrainingArguments"
+
+    def __setstate__(self, state: Any) -> None:
+        if isinstance(state, dict):
+            state = {
+                k: v
+                for k, v in state.items()
+                if not (isinstance(k, str) and k.startswith("__cached__"))
+            }
+        super().__setstate__(state)
+
+
+def trainer_record(folder: str) -> dict:
+    """What the Trainer recorded of its optimizer's schedule: ``training_args`` (the fields of
+    :data:`ARG_FIELDS`), ``scheduler`` (``last_epoch``, ``base_lrs``, ``last_lr``) and
+    ``global_step`` / ``max_steps``; absent files are absent keys."""
+    out: dict[str, Any] = {}
+    config_path = side_file(folder, CONFIG_FILE)
+    if os.path.isfile(config_path):
+        config = read_json(config_path)
+        if isinstance(config, dict):  # what a spec needs to restore the model (head settings)
+            out["model_config"] = {k: jsonable(config[k]) for k in MODEL_FIELDS if k in config}
+    state_path = side_file(folder, STATE_FILE)
+    if os.path.isfile(state_path):
+        state = read_json(state_path)
+        if isinstance(state, dict):
+            out.update({k: jsonable(state[k]) for k in ("global_step", "max_steps") if k in state})
+    args_path = side_file(folder, ARGS_FILE)
+    if os.path.isfile(args_path):
+        try:
+            classes = {n: unpickler.standin_class(n) for n in ARG_CLASSES}
+            classes[_TrainingArguments.qualname] = _TrainingArguments
+            args = unpickler.load_torch_file(args_path, classes)
+        except unpickler.TorchFileError as e:
+            out["training_args_unread"] = str(e)[:300]
+        else:
+            fields = vars(args) if isinstance(args, unpickler.StandIn) else {}
+            out["training_args"] = {k: _arg(fields[k]) for k in ARG_FIELDS if k in fields}
+    sched_path = side_file(folder, SCHEDULER_FILE)
+    if os.path.isfile(sched_path):
+        try:
+            sched = unpickler.load_torch_file(sched_path)
+        except unpickler.TorchFileError as e:
+            out["scheduler_unread"] = str(e)[:300]
+        else:
+            if isinstance(sched, dict):
+                keys = {"last_epoch": "last_epoch", "base_lrs": "base_lrs", "_last_lr": "last_lr"}
+                out["scheduler"] = {v: jsonable(sched[k]) for k, v in keys.items() if k in sched}
+    return out
+
+
+def trainer_folder_above(tag_dir: str) -> str | None:
+    """The Trainer's ``checkpoint-N/`` holding ``tag_dir`` (DeepSpeed's ``global_stepN/``, FSDP's
+    ``pytorch_model_fsdp_0/``): its parent when the Trainer saved there (``trainer_state.json``),
+    else None. Only that one folder is looked at, never further up."""
+    parent = os.path.dirname(os.path.abspath(tag_dir))
+    if os.path.lexists(os.path.join(parent, STATE_FILE)) and is_trainer_checkpoint(parent):
+        return parent
+    return None

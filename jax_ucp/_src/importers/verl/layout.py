@@ -1,0 +1,159 @@
+"""Where a verl FSDP checkpoint's files are, from any of its three entry points.
+
+verl's trainer saves ``<run>/global_step_N/actor/`` through its ``FSDPCheckpointManager``
+(``model|optim|extra_state_world_size_W_rank_R.pt`` per rank, ``fsdp_config.json``,
+``huggingface/``), ``global_step_N/data.pt`` (the data loader's position), optionally
+``global_step_N/critic/`` (the same layout), and ``<run>/latest_checkpointed_iteration.txt``
+naming N. The tracker has Megatron-LM's file name; the ``global_step_N/actor/`` rank files tell
+the two apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
+
+__all__ = ["TRACKER", "Located", "RankFiles", "is_model_dir", "locate", "rank_files", "step_dirs"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+MODEL_DIRS = ("actor", "critic")
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def is_model_dir(path: str) -> bool:
+    """A folder verl's FSDP checkpoint manager wrote: it holds ``model_world_size_W_rank_R.pt``."""
+    try:
+        return os.path.isdir(path) and any(
+            (m := RANK_FILE.match(n)) and m.group(1) == "model" for n in os.listdir(path)
+        )
+    except OSError:
+        return False
+
+
+def step_dirs(root: str) -> list[str]:
+    """The ``global_step_N`` folders of a verl run holding a saved actor, by step."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [
+        n
+        for n in names
+        if _STEP_DIR.match(n) and is_model_dir(os.path.join(root, n, MODEL_DIRS[0]))
+    ]
+    return sorted(found, key=lambda n: int(n.rsplit("_", 1)[1]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    """A verl checkpoint's folders: ``model_dir`` (``actor/`` or ``critic/``) always,
+    ``step_dir`` (``global_step_N``) and ``root`` (the run) when the path shows them, ``step``
+    from the folder's name, ``tracker_step`` from the tracker when there is one."""
+
+    model_dir: str
+    step_dir: str | None
+    root: str | None
+    step: int | None
+    tracker_step: int | None
+
+
+def _read_tracker(root: str) -> int:
+    path = files.in_own_folder(os.path.join(root, TRACKER))
+    try:
+        text = files.read_regular(path, 4096).decode("utf-8", "replace").strip()
+    except files.UnsafeFileError as e:
+        raise SourceError(str(e)) from None
+    if not text.isdigit():
+        raise SourceError(
+            f"{os.path.join(root, TRACKER)}: expected verl's step number, found {text!r}"
+        )
+    return int(text)
+
+
+def locate(src: str) -> Located:
+    """The folders of the verl checkpoint at ``src``: a run root (its tracker names the step),
+    a ``global_step_N/`` or its ``actor/`` (``critic/``) folder. A tracker naming a step whose
+    folder is missing is refused, naming what is there."""
+    src = os.path.abspath(src)
+    if is_model_dir(src):
+        parent = os.path.dirname(src)
+        m = _STEP_DIR.match(os.path.basename(parent))
+        if not m:
+            return Located(src, None, None, None, None)
+        root = os.path.dirname(parent)
+        tracker = _read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
+        return Located(src, parent, root, int(m.group(1)), tracker)
+    m = _STEP_DIR.match(os.path.basename(src))
+    if m and is_model_dir(os.path.join(src, MODEL_DIRS[0])):
+        root = os.path.dirname(src)
+        tracker = _read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
+        return Located(os.path.join(src, MODEL_DIRS[0]), src, root, int(m.group(1)), tracker)
+    steps = step_dirs(src)
+    if not steps:
+        raise SourceError(
+            f"{src}: not a verl checkpoint (no model_world_size_W_rank_R.pt, no "
+            f"global_step_N/actor/)"
+        )
+    if not os.path.isfile(os.path.join(src, TRACKER)):
+        raise SourceError(
+            f"{src}: a verl run with {len(steps)} checkpoints ({', '.join(steps)}) and no "
+            f"{TRACKER}; convert one of them (e.g. {os.path.join(src, steps[-1])})"
+        )
+    tracker = _read_tracker(src)
+    name = f"global_step_{tracker}"
+    if name not in steps:
+        raise SourceError(
+            f"{os.path.join(src, TRACKER)} names step {tracker} but {os.path.join(src, name)}"
+            f"/actor/ does not exist (found {', '.join(steps)}); convert one of those folders"
+        )
+    step_dir = files.inside(src, name, os.path.join(src, TRACKER))
+    return Located(os.path.join(step_dir, MODEL_DIRS[0]), step_dir, src, tracker, tracker)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFiles:
+    """The rank files of a model folder: ``kind -> [file name by rank]`` for the one world
+    size they were saved with."""
+
+    world_size: int
+    by_kind: dict[str, list[str]]
+
+
+def rank_files(model_dir: str) -> RankFiles:
+    """Every ``<kind>_world_size_W_rank_R.pt`` of ``model_dir``, checked: one world size, every
+    rank 0..W-1 of each kind present (the model always, the optimizer and extra state when
+    saved); anything else is refused naming the missing files."""
+    found: dict[str, dict[int, str]] = {}
+    sizes: dict[int, str] = {}
+    for name in sorted(os.listdir(model_dir)):
+        m = RANK_FILE.match(name)
+        if m:
+            kind, world, rank = m.group(1), int(m.group(2)), int(m.group(3))
+            sizes.setdefault(world, name)
+            found.setdefault(kind, {})[rank] = name
+    if len(sizes) != 1:
+        raise SourceError(
+            f"{model_dir}: rank files of {len(sizes)} world sizes: "
+            + ", ".join(f"{w} ({n})" for w, n in sorted(sizes.items()))
+            + "; each save is of one world size: remove the stale files"
+        )
+    (world,) = sizes
+    by_kind: dict[str, list[str]] = {}
+    for kind, ranks in found.items():
+        missing = [r for r in range(world) if r not in ranks]
+        extra = sorted(r for r in ranks if r >= world)
+        if missing or extra:
+            what = ", ".join(f"{kind}_world_size_{world}_rank_{r}.pt" for r in missing)
+            raise SourceError(
+                f"{model_dir}: {'missing ' + what if missing else ''}"
+                f"{'; ' if missing and extra else ''}"
+                f"{'ranks ' + str(extra) + ' beyond world size ' + str(world) if extra else ''}"
+                f" (a save of {world} ranks holds {kind}_world_size_{world}_rank_0..{world - 1}.pt)"
+            )
+        by_kind[kind] = [ranks[r] for r in range(world)]
+    return RankFiles(world, by_kind)

@@ -1,0 +1,436 @@
+"""Restore-side operations: what a restore rule does to the tensors it matched.
+
+A restore rule matches saved parameter names and runs its ``ops`` in order over a list of
+*entries* ``(vars, view)`` where ``vars`` holds the regex captures plus variables introduced by
+ops. Three shapes of op:
+
+- map (1 -> 1): transpose, split_dim, merge_dims, group/ungroup/regroup_stages, slice, pad.
+- fan-out (1 -> N, introduces a variable ``var``): unstack (var = layer index), split
+  (var = part name, e.g. gate/up), split_qkv (var = q/k/v).
+- fan-in (N -> 1, consumes a variable ``over``): stack (over = layer index), concat
+  (over = part name), merge_qkv (over = q/k/v). Entries that agree on every other variable are
+  combined, in order of the ``over`` variable.
+
+Every op is a lazy, exact TensorStore view (see ``views``). Integer parameters may be setting
+expressions (``"num_layers // pp"``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import tensorstore as ts
+
+from jax_ucp._src.errors import LanguageError
+from jax_ucp._src.language import views
+from jax_ucp._src.language.plain_form import parse_plain_form
+from jax_ucp._src.language.settings import eval_int
+
+Env = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Op:
+    """One step of a restore rule: a lazy, exact change of structure (transpose, unstack, split,
+    stack, ...) applied to the tensors the rule matched.
+
+    Ops exist so that restore rules stay declarative: a rule names its ops (in TOML or as
+    objects) and ``plan.compile_restore_plan`` composes them into TensorStore views checked at
+    compile time. Subclasses set ``op`` (the TOML name) and ``arity`` (map/fanout/fanin)."""
+
+    op: ClassVar[str] = ""
+    arity: ClassVar[str] = "map"
+
+    def to_dict(self) -> dict:
+        """The op's plain (TOML) form: ``{"op": name}`` plus every field not at its default."""
+        d: dict[str, Any] = {"op": self.op}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v != f.default and not (
+                f.default_factory is not dataclasses.MISSING and v == f.default_factory()
+            ):
+                d[f.name] = list(v) if isinstance(v, tuple) else v
+        return d
+
+    def _int(self, value, env: Env) -> int:
+        """An op parameter as an int: a literal or a setting expression evaluated over ``env``."""
+        return eval_int(value, env, where=f"{self.op}: ")
+
+    def _ints(self, env: Env, *names: str) -> list[int]:
+        """The named fields as ints (``_int`` of each)."""
+        return [self._int(getattr(self, n), env) for n in names]
+
+    # map
+    def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
+        """A map op's result: one lazy view of ``tensor``.
+
+        Args:
+            tensor: the view the rule's previous op produced
+            env: settings and the variables the rule's pattern captured
+        """
+        raise NotImplementedError
+
+
+class FanOut(Op):
+    """An op that turns one tensor into several, labelled by the variable ``var``. By default the
+    labels are the op's named ``parts`` and ``_pieces`` cuts (and validates) them."""
+
+    arity: ClassVar[str] = "fanout"
+    var: str
+    parts: tuple
+
+    def _pieces(self, tensor: ts.TensorStore, env: Env) -> list:  # pragma: no cover
+        raise NotImplementedError
+
+    def labels(self, tensor: ts.TensorStore, env: Env) -> list[str]:
+        """The values ``var`` takes, one per part (``"0"``, ``"1"``, ... or ``q``/``k``/``v``)."""
+        self._pieces(tensor, env)  # validates
+        return list(self.parts)
+
+    def part(self, tensor: ts.TensorStore, env: Env, index: int) -> ts.TensorStore:
+        """Part ``index`` of ``tensor`` (the one labelled ``labels(...)[index]``).
+
+        Args:
+            tensor: the view to split
+            env: settings and captured variables
+            index: which part
+        """
+        return self._pieces(tensor, env)[index]
+
+
+class FanIn(Op):
+    """An op that combines the tensors differing only in the variable ``over`` into one."""
+
+    arity: ClassVar[str] = "fanin"
+    over: str
+    parts: tuple
+
+    def order(self, labels: Sequence[str], env: Env, where: str) -> list[str]:
+        """The labels of the parts in the order they combine (by default exactly the named
+        ``parts``); an error names a missing one.
+
+        Args:
+            labels: the values ``over`` took among the matched tensors
+            env: settings and captured variables
+            where: the rule, for messages
+        """
+        if sorted(labels) != sorted(self.parts):
+            missing = [p for p in self.parts if p not in labels]
+            extra = [x for x in labels if x not in self.parts]
+            raise LanguageError(
+                f"{where}: {self.over!r} parts must be exactly {list(self.parts)}; "
+                f"missing {missing}, unexpected {extra}"
+            )
+        return list(self.parts)
+
+    def combine(
+        self, parts: Sequence[ts.TensorStore], env: Env
+    ) -> ts.TensorStore:  # pragma: no cover
+        """One lazy view of ``parts``, given in ``order``'s order."""
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------------- map ops
+
+
+@dataclass(frozen=True)
+class Transpose(Op):
+    """numpy.transpose; default reverses axes (torch [out, in] <-> flax [in, out])."""
+
+    op: ClassVar[str] = "transpose"
+    perm: tuple | None = None
+
+    def apply(self, tensor, env):
+        return views.transpose(
+            tensor, None if self.perm is None else [self._int(p, env) for p in self.perm]
+        )
+
+
+@dataclass(frozen=True)
+class RopeHalf(Op):
+    """q/k rows from RoPE's interleaved pairs to rotate-half order, head by head (torchtitan and
+    Meta Llama checkpoints -> transformers / megatron-core / TransformerLM). Applied only to the
+    tensors whose variable ``over`` is one of ``parts`` (q, k), so one rule can take q, k, v and
+    merge them; a tensor without that variable is always permuted."""
+
+    op: ClassVar[str] = "rope_half"
+    axis: Any = 0
+    head_dim: Any = "head_dim"
+    over: str = "part"
+    parts: tuple = ("q", "k")
+
+    def apply(self, tensor, env):
+        if self.over in env and str(env[self.over]) not in self.parts:
+            return tensor
+        return views.rope_interleaved_to_half(tensor, *self._ints(env, "axis", "head_dim"))
+
+
+@dataclass(frozen=True)
+class SplitDim(Op):
+    """Reshape one axis into two: sizes=[a, b] (one may be -1), e.g. [d, H*hd] -> [d, H, hd]."""
+
+    op: ClassVar[str] = "split_dim"
+    axis: Any = 0
+    sizes: tuple = ()
+
+    def apply(self, tensor, env):
+        if len(self.sizes) != 2:
+            raise LanguageError(f"split_dim needs sizes=[a, b], got {list(self.sizes)}")
+        return views.split_dim(
+            tensor,
+            self._int(self.axis, env),
+            [self._int(s, env) for s in self.sizes],
+        )
+
+
+@dataclass(frozen=True)
+class MergeDims(Op):
+    """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd]."""
+
+    op: ClassVar[str] = "merge_dims"
+    axis: Any = 0
+
+    def apply(self, tensor, env):
+        return views.merge_dims(tensor, self._int(self.axis, env))
+
+
+@dataclass(frozen=True)
+class GroupStages(Op):
+    """[L, ...] -> [stages, L/stages, ...]."""
+
+    op: ClassVar[str] = "group_stages"
+    stages: Any = "pp"
+    axis: Any = 0
+
+    def apply(self, tensor, env):
+        return views.group_stages(tensor, *self._ints(env, "stages", "axis"))
+
+
+@dataclass(frozen=True)
+class UngroupStages(Op):
+    """[stages, L/stages, ...] -> [L, ...]."""
+
+    op: ClassVar[str] = "ungroup_stages"
+    axis: Any = 0
+
+    def apply(self, tensor, env):
+        return views.ungroup_stages(tensor, self._int(self.axis, env))
+
+
+@dataclass(frozen=True)
+class RegroupStages(Op):
+    """[S, L/S, ...] -> [stages, L/stages, ...]; error if L does not divide by stages."""
+
+    op: ClassVar[str] = "regroup_stages"
+    stages: Any = "pp"
+    axis: Any = 0
+
+    def apply(self, tensor, env):
+        return views.regroup_stages(tensor, *self._ints(env, "stages", "axis"))
+
+
+@dataclass(frozen=True)
+class Slice(Op):
+    """Keep [start, stop) of an axis (e.g. strip vocab padding: stop = "vocab_size")."""
+
+    op: ClassVar[str] = "slice"
+    axis: Any = 0
+    start: Any = 0
+    stop: Any = None
+
+    def apply(self, tensor, env):
+        tensor = views.as_view(tensor)
+        a = self._int(self.axis, env)
+        stop = tensor.shape[a] if self.stop is None else self._int(self.stop, env)
+        return views.slice_axis(tensor, a, self._int(self.start, env), stop)
+
+
+@dataclass(frozen=True)
+class Pad(Op):
+    """Zero-pad an axis to ``size`` or to the next multiple of ``multiple`` (vocab for a target)."""
+
+    op: ClassVar[str] = "pad"
+    axis: Any = 0
+    size: Any = None
+    multiple: Any = None
+
+    def apply(self, tensor, env):
+        tensor = views.as_view(tensor)
+        a = self._int(self.axis, env)
+        n = tensor.shape[a]
+        if self.size is not None:
+            size = self._int(self.size, env)
+        elif self.multiple is not None:
+            m = self._int(self.multiple, env)
+            size = -(-n // m) * m
+        else:
+            raise LanguageError("pad needs size= or multiple=")
+        return views.pad_axis(tensor, a, size)
+
+
+# ------------------------------------------------------------------------------- fan-out ops
+
+
+@dataclass(frozen=True)
+class Unstack(FanOut):
+    r"""[L, ...] -> L tensors; the index becomes variable ``var`` (default ``i``).
+
+    ``if_unbound=true``: a no-op for a tensor whose name already bound ``var`` (an optional regex
+    group), so one rule covers stacked ``decoder.layers.x`` [L, ...] and per-layer
+    ``decoder.layers.3.x`` alike: ``decoder\\.layers\\.(?:(?P<i>\\d+)\\.)?x``."""
+
+    op: ClassVar[str] = "unstack"
+    axis: Any = 0
+    var: str = "i"
+    if_unbound: bool = False
+
+    def labels(self, tensor, env):
+        return [str(i) for i in range(tensor.shape[self._int(self.axis, env)])]
+
+    def part(self, tensor, env, index):
+        return views.take(tensor, self._int(self.axis, env), index)
+
+
+@dataclass(frozen=True)
+class Split(FanOut):
+    """Split an axis into named parts (equal sizes unless ``sizes``), e.g. SwiGLU fc1 -> gate, up."""
+
+    op: ClassVar[str] = "split"
+    axis: Any = 0
+    parts: tuple = ("gate", "up")
+    sizes: tuple | None = None
+    var: str = "part"
+
+    def _pieces(self, tensor, env):
+        a = self._int(self.axis, env)
+        if self.sizes is None:
+            return views.split_even(tensor, a, len(self.parts))
+        if len(self.sizes) != len(self.parts):
+            raise LanguageError(f"split: {len(self.parts)} parts but {len(self.sizes)} sizes")
+        return views.split_sizes(tensor, a, [self._int(s, env) for s in self.sizes])
+
+
+@dataclass(frozen=True)
+class SplitQKV(FanOut):
+    """Fused QKV -> q, k, v along ``axis`` (Megatron per-group interleaved order by default).
+
+    Uses settings num_attention_heads, num_query_groups, head_dim (overridable here)."""
+
+    op: ClassVar[str] = "split_qkv"
+    axis: Any = 0
+    var: str = "part"
+    parts: tuple = ("q", "k", "v")
+    interleaved: bool = True
+    num_heads: Any = "num_attention_heads"
+    num_kv_heads: Any = "num_query_groups"
+    head_dim: Any = "head_dim"
+
+    def _pieces(self, tensor, env):
+        args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
+        return views.split_qkv(tensor, *args, interleaved=self.interleaved)
+
+
+# -------------------------------------------------------------------------------- fan-in ops
+
+
+@dataclass(frozen=True)
+class Stack(FanIn):
+    """Tensors indexed 0..L-1 by variable ``over`` -> one [L, ...] tensor (stacked at ``axis``)."""
+
+    op: ClassVar[str] = "stack"
+    over: str = "i"
+    axis: Any = 0
+
+    def order(self, labels, env, where):
+        try:
+            idx = sorted(int(x) for x in labels)
+        except ValueError:
+            raise LanguageError(
+                f"{where}: stack over {self.over!r} needs integer values, got {sorted(labels)}"
+            ) from None
+        if len(set(idx)) != len(labels):
+            raise LanguageError(f"{where}: duplicate {self.over!r} values in {sorted(labels)}")
+        missing = sorted(set(range(len(idx))) - set(idx))
+        if idx[0] != 0 or idx[-1] != len(idx) - 1:
+            raise LanguageError(
+                f"{where}: {self.over!r} values must be 0..{len(idx) - 1} without gaps; "
+                f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
+                f"{missing[:8] or 'values below ' + str(idx[0])}"
+            )
+        by = {int(x): x for x in labels}
+        return [by[i] for i in range(len(idx))]
+
+    def combine(self, parts, env):
+        return views.stack(parts, self._int(self.axis, env))
+
+
+@dataclass(frozen=True)
+class Concat(FanIn):
+    """Named parts (in ``parts`` order) concatenated along ``axis``, e.g. gate, up -> SwiGLU fc1."""
+
+    op: ClassVar[str] = "concat"
+    over: str = "part"
+    axis: Any = 0
+    parts: tuple = ("gate", "up")
+
+    def combine(self, parts, env):
+        return views.concat(parts, self._int(self.axis, env))
+
+
+@dataclass(frozen=True)
+class MergeQKV(FanIn):
+    """q, k, v -> fused QKV along ``axis`` (Megatron per-group interleaved order by default)."""
+
+    op: ClassVar[str] = "merge_qkv"
+    over: str = "part"
+    axis: Any = 0
+    parts: tuple = ("q", "k", "v")
+    interleaved: bool = True
+    num_heads: Any = "num_attention_heads"
+    num_kv_heads: Any = "num_query_groups"
+    head_dim: Any = "head_dim"
+
+    def combine(self, parts, env):
+        args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
+        q, k, v = parts
+        return views.merge_qkv(q, k, v, *args, interleaved=self.interleaved)
+
+
+OPS: dict[str, type[Op]] = {
+    c.op: c
+    for c in (
+        Transpose,
+        RopeHalf,
+        SplitDim,
+        MergeDims,
+        GroupStages,
+        UngroupStages,
+        RegroupStages,
+        Slice,
+        Pad,
+        Unstack,
+        Split,
+        SplitQKV,
+        Stack,
+        Concat,
+        MergeQKV,
+    )
+}
+
+
+def op_from_obj(obj, *, where: str = "") -> Op:
+    """An Op from its plain form: ``"transpose"`` or ``{op = "unstack", axis = 0, var = "i"}``."""
+    if isinstance(obj, Op):
+        return obj
+    cls, kw = parse_plain_form(
+        obj,
+        tag="op",
+        registry=OPS,
+        a_noun="an op",
+        where=where,
+        convert=lambda k, v: tuple(v) if isinstance(v, list) else v,
+    )
+    return cls(**kw)

@@ -1,0 +1,543 @@
+"""Specs: ordered rules over parameter names (first match wins), roots, settings, strictness.
+
+A ``Spec`` holds
+- ``settings``: model hyper-parameters (see ``settings``) that parametrise kinds and ops;
+- ``imports``: ``ImportRule(pattern -> kind)``, how each source parameter is spread over
+  TP/PP/EP fragments (used by importers through ``Spec.match`` / ``Spec.classify``);
+- ``restore``: ``RestoreRule(pattern -> target, ops)``, how saved UCP tensors map into the JAX
+  tree at restore (compiled into lazy views by ``plan.compile_restore_plan``);
+- ``roots``: where parameters live in the saved tree. Rules are written once, relative to a
+  root; every tensor under every *param root* (``params``, ``model_params``, the optimizer moments
+  ``opt_state/**/mu``, ``opt_state/**/nu``, ...) gets the same rule, so a rule written for a
+  parameter applies to its optimizer moments automatically.
+
+Patterns are regexes matched in full against the parameter's name relative to its root: the
+single key component for flat imports (``decoder.layers.0.mlp.linear_fc1.weight``), or the
+components joined with ``/`` for nested trees (``layers/attn/qkv/kernel``). They run on RE2
+(``patterns``: time linear in the name, whoever wrote the pattern), in Python's syntax.
+
+The dict form of a spec (what a TOML file holds: ``spec_from_dict`` / ``spec_to_dict``, and
+``import_rule_from_dict``, ``restore_rule_from_dict``, ``root_from_dict`` for its tables) lives
+here, next to the types it builds; ``toml_io`` only turns TOML text into that dict and back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import TYPE_CHECKING, Any
+
+from jax_ucp._src.errors import LanguageError
+from jax_ucp._src.language.kinds import Kind, kind_from_obj
+from jax_ucp._src.language.ops import op_from_obj
+from jax_ucp._src.language.patterns import MAX_PATTERN_CHARS, compile_pattern
+from jax_ucp._src.language.settings import canonical, derived, normalize, render
+
+
+def _when_matches(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
+    """Whether the settings satisfy a rule's ``when`` (a value, or a list of accepted values)."""
+
+    def met(name, wanted):
+        have = settings.get(canonical(name), settings.get(name))
+        return have in wanted if isinstance(wanted, (list, tuple)) else have == wanted
+
+    return all(met(name, wanted) for name, wanted in when.items())
+
+
+def _with_rule_options(d: dict, rule) -> dict:
+    """The options import and restore rules share, written only when not the default."""
+    if not rule.required:
+        d["required"] = False
+    if rule.when:
+        d["when"] = dict(rule.when)
+    if rule.label:
+        d["label"] = rule.label
+    return d
+
+
+@dataclass(frozen=True)
+class ImportRule:
+    """``pattern`` (regex over source parameter names) -> ``kind`` (how fragments merge).
+
+    Importers meet per-rank fragments of every parameter; import rules say, by name, how each
+    one was spread over ranks so that it can be merged into one consolidated tensor."""
+
+    pattern: str
+    kind: Kind
+    required: bool = True  # strict: an error if it matches nothing
+    when: Mapping[str, Any] = field(default_factory=dict)  # active only if settings match
+    label: str = ""  # for messages; defaults to "import rule #i"
+    # further patterns the whole name must match too (captures come from ``pattern`` alone):
+    # how a rule says "matches A and B", which RE2 has no look-ahead for
+    also: tuple = ()
+    if TYPE_CHECKING:  # compiled by __post_init__
+        _regex: Any = field(init=False)
+        _also: tuple = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(
+            self, "kind", kind_from_obj(self.kind, where=f"{self.label or self.pattern}: ")
+        )
+        where = f"{self.label or 'import rule'}: "
+        if isinstance(self.also, str) or not isinstance(self.also, (tuple, list)):
+            raise LanguageError(f"{where}'also' must be a list of patterns, got {self.also!r}")
+        object.__setattr__(self, "also", tuple(self.also))
+        object.__setattr__(self, "_regex", compile_pattern(self.pattern, where))
+        object.__setattr__(self, "_also", tuple(compile_pattern(p, where) for p in self.also))
+
+    def fullmatch(self, name: str):
+        """The match of ``pattern`` over the whole of ``name`` (None unless every ``also``
+        pattern matches the whole name too)."""
+        m = self._regex.fullmatch(name)
+        if m is None or any(r.fullmatch(name) is None for r in self._also):
+            return None
+        return m
+
+    def to_dict(self) -> dict:
+        """The rule's plain (TOML) form."""
+        d = {"pattern": self.pattern, **self.kind.to_dict()}
+        if self.also:
+            d["also"] = list(self.also)
+        return _with_rule_options(d, self)
+
+
+@dataclass(frozen=True)
+class RestoreRule:
+    """``pattern`` -> ``target`` (a template over regex groups, op variables and settings, relative
+    to the root; None keeps the name) after running ``ops`` (see ``ops``).
+
+    A checkpoint's names and layout rarely match the model that restores it (torch names, stacked
+    or per-layer layers, fused or split QKV); restore rules say how, and are compiled into lazy
+    views by ``plan.compile_restore_plan``."""
+
+    pattern: str
+    target: str | None = None
+    ops: tuple = ()
+    required: bool = True
+    when: Mapping[str, Any] = field(default_factory=dict)
+    label: str = ""
+    # logical axis names of the restored tensor (flax's: "embed", "mlp", "heads", "vocab"...), so
+    # ``restore(mesh=, rules=)`` places it like a flax parameter carrying them; None: unnamed
+    axes: tuple | None = None
+    if TYPE_CHECKING:  # compiled by __post_init__
+        _regex: Any = field(init=False)
+
+    def __post_init__(self):
+        where = f"{self.label or self.pattern}: "
+        if self.axes is not None:
+            if isinstance(self.axes, str) or not all(
+                a is None or (isinstance(a, str) and a) for a in self.axes
+            ):
+                raise LanguageError(
+                    f"{where}axes must be a list of logical axis names, got {self.axes!r}"
+                )
+            object.__setattr__(self, "axes", tuple(self.axes))
+        if self.target is not None and (
+            not isinstance(self.target, str) or len(self.target) > MAX_PATTERN_CHARS
+        ):
+            raise LanguageError(
+                f"{where}target must be a template string of at most {MAX_PATTERN_CHARS} "
+                f"characters, got {str(self.target)[:60]!r}"
+            )
+        object.__setattr__(self, "ops", tuple(op_from_obj(o, where=where) for o in self.ops))
+        object.__setattr__(self, "_regex", compile_pattern(self.pattern, where))
+
+    def fullmatch(self, name: str):
+        """The match of ``pattern`` over the whole of ``name`` (relative to its root), or None."""
+        return self._regex.fullmatch(name)
+
+    def to_dict(self) -> dict:
+        """The rule's plain (TOML) form."""
+        d: dict = {"pattern": self.pattern}
+        if self.target is not None:
+            d["target"] = self.target
+        if self.ops:
+            d["ops"] = [o.to_dict() for o in self.ops]
+        if self.axes is not None:
+            d["axes"] = list(self.axes)
+        return _with_rule_options(d, self)
+
+
+@dataclass(frozen=True)
+class Root:
+    """Where parameters live in the saved tree, so one rule covers a parameter and every optimizer
+    moment that mirrors it.
+
+    ``source`` is a glob over key components separated by ``/``: ``*`` is one component, ``**``
+    any number (e.g. ``opt_state/**/mu`` matches ("opt_state","mu") and ("opt_state","0","mu")).
+    ``target`` is where that prefix goes in the restored tree: a template where ``{1}``, ``{2}``...
+    are the wildcards' matches (``**`` as a ``/``-joined path) and ``{name}`` are settings;
+    None keeps the prefix. ``params=False`` moves keys without applying rules (e.g. the step
+    count: ``opt_state/count`` -> ``opt_state/0/count``)."""
+
+    source: str
+    target: str | None = None
+    params: bool = True
+    if TYPE_CHECKING:  # split by __post_init__
+        _parts: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self):
+        parts = [p for p in self.source.split("/") if p]
+        if not parts:
+            raise LanguageError(f"root {self.source!r}: empty")
+        object.__setattr__(self, "_parts", tuple(parts))
+
+    def match(self, key: Sequence[str]) -> tuple[int, list[str]] | None:
+        """(length of the shortest matching prefix, wildcard captures) or None."""
+        parts = self._parts
+
+        def rec(i, j, caps):
+            if i == len(parts):
+                return j, caps
+            p = parts[i]
+            if p == "**":
+                for k in range(j, len(key) + 1):
+                    r = rec(i + 1, k, caps + ["/".join(key[j:k])])
+                    if r:
+                        return r
+                return None
+            if j >= len(key):
+                return None
+            if p == "*":
+                return rec(i + 1, j + 1, caps + [key[j]])
+            return rec(i + 1, j + 1, caps) if key[j] == p else None
+
+        return rec(0, 0, [])
+
+    def target_prefix(
+        self, key: Sequence[str], n: int, caps: list[str], settings: Mapping[str, Any]
+    ) -> tuple[str, ...]:
+        if self.target is None:
+            return tuple(key[:n])
+        env = {**settings, **{str(i + 1): c for i, c in enumerate(caps)}}
+        return tuple(
+            p for p in render(self.target, env, where=f"root {self.source!r}: ").split("/") if p
+        )
+
+    def to_dict(self) -> dict:
+        """The root's plain (TOML) form: every field not at its default."""
+        fields = dataclasses.fields(self)
+        return {f.name: getattr(self, f.name) for f in fields if getattr(self, f.name) != f.default}
+
+
+DEFAULT_ROOTS: tuple[Root, ...] = (
+    Root("params"),
+    Root("model_params"),
+    Root("opt_state/**/mu"),
+    Root("opt_state/**/nu"),
+    Root("opt_state/**/master"),
+    Root("opt_state/**/trace"),
+)
+
+
+def optax_chain_roots(index: int = 0, params_prefix: str = "params") -> tuple[Root, ...]:
+    """Roots for an imported checkpoint (``opt_state/{mu,nu,count}``) restored into the optax state
+    of ``optax.adam``/``optax.adamw`` (a chain: ``opt_state/<index>/{mu,nu,count}``)."""
+    return (
+        Root("params", params_prefix),
+        Root("model_params"),
+        Root("opt_state/mu", f"opt_state/{index}/mu"),
+        Root("opt_state/nu", f"opt_state/{index}/nu"),
+        Root("opt_state/count", f"opt_state/{index}/count", params=False),
+        Root("opt_state/**/mu"),
+        Root("opt_state/**/nu"),
+    )
+
+
+@dataclass(frozen=True)
+class ImportMatch:
+    """The import rule that matched a name: its position, its kind resolved against the settings
+    and the name's regex captures."""
+
+    rule: ImportRule
+    index: int
+    kind: Kind  # resolved against the settings
+    groups: dict
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A model's rules in one value: settings, import rules, restore rules, roots, strictness.
+
+    Importing and restoring a checkpoint both need to know, parameter by parameter, how it is
+    laid out; a spec says it once, declaratively, for every parameter name, so it can be shipped
+    (``load_spec("llama")``), written in TOML, checked strictly (a name no rule covers is an
+    error) and reused by every importer and by restore. Rules may be objects or their dict form.
+    """
+
+    name: str = "spec"
+    description: str = ""
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    imports: tuple = ()
+    restore: tuple = ()
+    roots: tuple = DEFAULT_ROOTS
+    strict: bool = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "settings", normalize(self.settings))
+        object.__setattr__(
+            self, "imports", _from_dicts(self.imports, import_rule_from_dict, "import rule")
+        )
+        object.__setattr__(
+            self, "restore", _from_dicts(self.restore, restore_rule_from_dict, "restore rule")
+        )
+        object.__setattr__(self, "roots", _from_dicts(self.roots, root_from_dict, "root"))
+
+    # -- settings
+    def with_settings(self, **settings) -> Spec:
+        """The same spec with ``settings`` overriding its own."""
+        return dataclasses.replace(self, settings={**self.settings, **normalize(settings)})
+
+    @property
+    def env(self) -> dict:
+        """Settings with derived defaults (num_query_groups, head_dim, padded_vocab_size)."""
+        return derived(self.settings)
+
+    def active_imports(self) -> list[tuple[int, ImportRule]]:
+        """(index, rule) of every import rule whose ``when`` the settings meet."""
+        env = self.env
+        return [(i, r) for i, r in enumerate(self.imports) if _when_matches(r.when, env)]
+
+    def active_restore(self) -> list[tuple[int, RestoreRule]]:
+        """(index, rule) of every restore rule whose ``when`` the settings meet."""
+        env = self.env
+        return [(i, r) for i, r in enumerate(self.restore) if _when_matches(r.when, env)]
+
+    # -- import side
+    def match(self, name: str) -> ImportMatch | None:
+        """The first active import rule matching ``name`` (None if no rule covers it)."""
+        env = self.env
+        for i, r in self.active_imports():
+            m = r.fullmatch(name)
+            if m:
+                loc = dict(env)
+                loc.update({str(j + 1): g for j, g in enumerate(m.groups()) if g is not None})
+                loc.update({k: v for k, v in m.groupdict().items() if v is not None})
+                return ImportMatch(r, i, r.kind.resolve(loc, lenient=True), loc)
+        return None
+
+    def classify(
+        self, names: Iterable[str], *, strict: bool | None = None
+    ) -> dict[str, ImportMatch]:
+        """Match every name; strict (default: the spec's) -> an error naming each uncovered name and
+        each required rule that matched nothing."""
+        matches = {n: self.match(n) for n in names}
+        out = {n: m for n, m in matches.items() if m is not None}
+        uncovered = [n for n, m in matches.items() if m is None]
+        if self.strict if strict is None else strict:
+            used = {m.index for m in out.values()}
+            check_strict(self.name, "import", uncovered, self.active_imports(), used)
+        return out
+
+    def to_dict(self) -> dict:
+        """The dict form (what ``toml_io.spec_to_toml`` writes); see ``spec_to_dict``."""
+        return spec_to_dict(self)
+
+
+def describe_rule(rule, index: int, side: str) -> str:
+    """``import rule #3 (label) pattern '...'``: how messages name a rule.
+
+    Args:
+        rule: an import or restore rule
+        index: its position in the spec (0-based; shown 1-based)
+        side: ``import`` or ``restore``
+    """
+    label = f" ({rule.label})" if rule.label else ""
+    return f"{side} rule #{index + 1}{label} pattern {rule.pattern!r}"
+
+
+def check_strict(
+    spec_name: str, side: str, uncovered: Sequence[str], rules, matched: Iterable[int]
+) -> None:
+    """A strict spec: a ``LanguageError`` naming every uncovered tensor and every required rule
+    of ``rules`` whose index is not ``matched``.
+
+    Args:
+        spec_name: the spec, as named in the error.
+        side: ``"import"`` or ``"restore"``.
+        uncovered: the tensors no rule covers.
+        rules: (index, rule) pairs of the spec's rules on this side.
+        matched: the indices of the rules that matched a tensor.
+    """
+    problems = []
+    if uncovered:
+        problems.append(
+            f"{len(uncovered)} tensor(s) covered by no {side} rule: "
+            + ", ".join(uncovered[:20])
+            + (" ..." if len(uncovered) > 20 else "")
+        )
+    matched = set(matched)
+    problems += [
+        f"{describe_rule(r, i, side)} matched no tensor"
+        for i, r in rules
+        if r.required and i not in matched
+    ]
+    if problems:
+        raise LanguageError(f"spec {spec_name!r}: " + "; ".join(problems))
+
+
+# ------------------------------------------------------------------------------- dict form
+
+
+def _from_dicts(items, from_dict: Callable[[Mapping, str], Any], what: str) -> tuple:
+    """Rules / roots as objects: mappings (the dict form) are parsed, numbered from 1 in errors."""
+    return tuple(
+        from_dict(item, f"{what} #{i + 1}") if isinstance(item, Mapping) else item
+        for i, item in enumerate(items)
+    )
+
+
+def _prefixed(error: LanguageError, where: str) -> LanguageError:
+    message = str(error)
+    return LanguageError(message if message.startswith(where) else f"{where}: {message}")
+
+
+_IMPORT_KEYS = {"pattern", "required", "when", "label", "also"}
+
+
+def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
+    """An ``ImportRule`` from its dict form: ``pattern``, the kind (``kind`` and its parameters
+    inline), optional ``required``, ``when``, ``label``, ``also``. Errors start with ``where``."""
+    if "pattern" not in obj:
+        raise LanguageError(f"{where}: missing 'pattern'")
+    if "kind" not in obj:
+        raise LanguageError(f"{where} ({obj['pattern']!r}): missing 'kind'")
+    kind = {k: v for k, v in obj.items() if k not in _IMPORT_KEYS}
+    try:
+        return ImportRule(
+            pattern=obj["pattern"],
+            kind=kind_from_obj(kind, where=f"{where}: "),
+            required=bool(obj.get("required", True)),
+            when=dict(obj.get("when", {})),
+            label=obj.get("label", ""),
+            also=obj.get("also", ()),
+        )
+    except LanguageError as e:
+        raise _prefixed(e, where) from None
+
+
+_RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes"}
+
+
+def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
+    """A ``RestoreRule`` from its dict form: ``pattern``, optional ``target``, ``ops`` (one op or
+    a list), ``required``, ``when``, ``label``. Errors start with ``where``."""
+    if "pattern" not in obj:
+        raise LanguageError(f"{where}: missing 'pattern'")
+    extra = set(obj) - _RESTORE_KEYS
+    if extra:
+        raise LanguageError(
+            f"{where} ({obj['pattern']!r}): unknown key(s) {sorted(extra)} "
+            f"(known: {', '.join(sorted(_RESTORE_KEYS))})"
+        )
+    ops = obj.get("ops", ())
+    if isinstance(ops, (str, Mapping)):
+        ops = [ops]
+    try:
+        return RestoreRule(
+            pattern=obj["pattern"],
+            target=obj.get("target"),
+            ops=tuple(op_from_obj(o, where=f"{where} op #{j + 1}: ") for j, o in enumerate(ops)),
+            required=bool(obj.get("required", True)),
+            when=dict(obj.get("when", {})),
+            label=obj.get("label", ""),
+            axes=obj.get("axes"),
+        )
+    except LanguageError as e:
+        raise _prefixed(e, where) from None
+
+
+_ROOT_KEYS = {"source", "target", "params"}
+
+
+def root_from_dict(obj: Mapping, where: str) -> Root:
+    """A ``Root`` from its dict form: ``source``, optional ``target`` and ``params``."""
+    unknown = set(obj) - _ROOT_KEYS
+    if unknown or "source" not in obj:
+        raise LanguageError(
+            f"{where}: needs 'source' (and optional 'target', 'params'); unknown {sorted(unknown)}"
+        )
+    return Root(
+        source=obj["source"], target=obj.get("target"), params=bool(obj.get("params", True))
+    )
+
+
+_TOP_LEVEL_KEYS = {"name", "description", "strict", "settings", "roots", "import", "restore"}
+_TABLES = {"import": "import rule", "restore": "restore rule", "roots": "root"}
+
+
+def spec_from_dict(
+    d: Mapping,
+    *,
+    source: str = "<spec>",
+    settings: Mapping | None = None,
+    table_lines: Mapping[str, Sequence[int]] | None = None,
+) -> Spec:
+    """A ``Spec`` from its dict form (a parsed TOML file): top-level ``name``, ``description``,
+    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``.
+
+    ``settings`` override the dict's. Errors name ``source``, the table and its number, and its
+    line when ``table_lines`` gives the line of each ``[[import]]``/``[[restore]]``/``[[roots]]``.
+
+    Args:
+        d: the spec's dict form
+        source: the file it came from, for messages
+        settings: overrides of the dict's ``[settings]``
+        table_lines: table name -> the line of each of its entries, for messages
+    """
+    extra = set(d) - _TOP_LEVEL_KEYS
+    if extra:
+        raise LanguageError(
+            f"{source}: unknown top-level key(s) {sorted(extra)} "
+            f"(known: {', '.join(sorted(_TOP_LEVEL_KEYS))})"
+        )
+    table_lines = table_lines or {}
+
+    def parsed(table, from_dict):
+        items = d.get(table, [])
+        if not isinstance(items, list) or not all(isinstance(x, Mapping) for x in items):
+            raise LanguageError(f"{source}: '{table}' must be an array of tables ([[{table}]])")
+        lines = table_lines.get(table, ())
+        out = []
+        for i, item in enumerate(items):
+            line = f" line {lines[i]}" if i < len(lines) else ""
+            out.append(from_dict(item, f"{source}{line}: {_TABLES[table]} #{i + 1}"))
+        return tuple(out)
+
+    imports = parsed("import", import_rule_from_dict)
+    restore = parsed("restore", restore_rule_from_dict)
+    roots = parsed("roots", root_from_dict)
+    if not isinstance(d.get("settings", {}), Mapping):
+        raise LanguageError(f"{source}: [settings] must be a table")
+    merged_settings = {**d.get("settings", {}), **(settings or {})}
+    strict = d.get("strict", True)
+    if not isinstance(strict, bool):
+        raise LanguageError(f"{source}: strict must be true or false")
+    return Spec(
+        name=str(d.get("name", PurePath(source).stem if source != "<spec>" else "spec")),
+        description=str(d.get("description", "")),
+        settings=merged_settings,
+        imports=imports,
+        restore=restore,
+        roots=roots or DEFAULT_ROOTS,
+        strict=strict,
+    )
+
+
+def spec_to_dict(spec: Spec) -> dict:
+    """The dict form of ``spec`` (defaults left out): ``spec_from_dict`` gives it back."""
+    d: dict = {"name": spec.name}
+    if spec.description:
+        d["description"] = spec.description
+    d["strict"] = spec.strict
+    if spec.settings:
+        d["settings"] = dict(spec.settings)
+    if tuple(spec.roots) != DEFAULT_ROOTS:
+        d["roots"] = [r.to_dict() for r in spec.roots]
+    if spec.imports:
+        d["import"] = [r.to_dict() for r in spec.imports]
+    if spec.restore:
+        d["restore"] = [r.to_dict() for r in spec.restore]
+    return d

@@ -1,0 +1,204 @@
+"""``verify(ckpt, against=src, logits=True)``: does the converted checkpoint compute what the
+source model computes? One fixed batch of token ids goes through the source loaded by
+transformers' own ``from_pretrained`` (torch, CPU, fp32, eval mode) and through the converted
+weights in jax_ucp's flax ``TransformerLM`` (restored with the shipped ``hf_llama`` spec); the
+largest absolute difference of the logits is reported against a stated tolerance.
+
+Bit-exact tensors (``jax_ucp._src.against``) prove the bytes were copied; equal logits prove they
+landed where a model reads them (q/k/v merged in the right head order, gate/up, transposes).
+Only models ``TransformerLM`` computes are compared (Llama-family ``config.json``); any other
+is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
+copies of the weights are never in memory at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.format import files
+
+__all__ = ["DEFAULT_TOLERANCE", "SUPPORTED", "LogitsComparison", "compare_logits"]
+
+#: ``model_type`` values of config.json whose model ``TransformerLM`` computes
+SUPPORTED = ("llama",)
+#: largest absolute difference of fp32 logits accepted by default (float32 sums taken in
+#: another order differ by ~1e-6 on small models; a misplaced weight moves them by far more)
+DEFAULT_TOLERANCE = 1e-4
+_BATCH = (2, 16)  # the fixed batch: 2 sequences of 16 token ids (fewer if the model is shorter)
+_MAX_CONFIG_BYTES = 16 << 20
+
+
+@dataclasses.dataclass
+class LogitsComparison:
+    """The logits of one batch through the source (transformers) and the checkpoint (flax)."""
+
+    max_abs_diff: float
+    tolerance: float
+    batch: tuple[int, int]
+    source: str  # what computed the source's logits (transformers version, class, folder)
+    tree: str  # the checkpoint's tree the weights came from ("params" or "model_params")
+
+    @property
+    def ok(self) -> bool:
+        """Within the tolerance (a NaN difference is not)."""
+        return bool(self.max_abs_diff <= self.tolerance)
+
+    def describe(self) -> str:
+        """One line for the report: the difference, the tolerance, the batch and who computed."""
+        sign = "<=" if self.ok else ">"
+        return (
+            f"logits of one batch {list(self.batch)}: max |diff| {self.max_abs_diff:.3g} {sign} "
+            f"tolerance {self.tolerance:g} ({self.source} vs the checkpoint's {self.tree} in "
+            f"jax_ucp._src.models.TransformerLM, fp32)"
+        )
+
+
+def model_folder(src: str) -> str:
+    """The folder whose ``config.json`` names the source's architecture: ``src`` itself (a
+    Hugging Face folder, a Trainer ``checkpoint-N/``), else the folder holding it (``src`` a
+    weights file, DeepSpeed's ``global_stepN/``, FSDP's ``pytorch_model_fsdp_0/``)."""
+    src = os.fspath(src)
+    here = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    for folder in (here, os.path.dirname(os.path.abspath(here))):
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    raise SourceError(
+        f"{src}: no config.json here or in the folder above: --logits needs the Hugging Face "
+        f"config.json of the model (supported model_type: {', '.join(SUPPORTED)})"
+    )
+
+
+def read_config(folder: str) -> dict:
+    """The folder's ``config.json``, bounded, and refused unless its model is one
+    ``TransformerLM`` computes, naming what it found."""
+    path = files.inside_checkpoint(folder, "config.json", f"{folder}: the model's")
+    try:
+        config = json.loads(files.read_regular(path, _MAX_CONFIG_BYTES))
+    except (ValueError, RecursionError) as e:
+        raise SourceError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    if not isinstance(config, dict):
+        raise SourceError(f"{path}: expected a JSON object")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED or "auto_map" in config:
+        found = "custom code (auto_map)" if "auto_map" in config else repr(model_type)
+        raise SourceError(
+            f"--logits supports Llama-family models (model_type {', '.join(SUPPORTED)}: the "
+            f"models jax_ucp._src.models.TransformerLM computes); found {found} in {path}"
+        )
+    return config
+
+
+def compare_logits(
+    ckpt: str | os.PathLike, src: str | os.PathLike, *, tolerance: float | None = None
+) -> LogitsComparison:
+    """The logits of one fixed batch through the source loaded by transformers'
+    ``from_pretrained`` and through the checkpoint's weights in ``TransformerLM``.
+
+    Args:
+        ckpt: the converted checkpoint.
+        src: the source it was converted from (a Hugging Face folder, a Trainer ``checkpoint-N/``,
+            or a folder under one whose ``config.json`` names the model).
+        tolerance: the largest absolute difference accepted (None: :data:`DEFAULT_TOLERANCE`).
+    """
+    tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
+    if not tolerance >= 0:
+        raise RequestError(f"logits tolerance {tolerance}: expected a number >= 0")
+    folder = model_folder(os.fspath(src))
+    config = read_config(folder)
+    from jax_ucp._src.models import LMConfig
+
+    try:
+        cfg = LMConfig.from_hf_llama(config)
+    except (RequestError, KeyError, TypeError, ValueError) as e:
+        raise SourceError(
+            f"--logits supports Llama-family models TransformerLM computes; "
+            f"{folder}/config.json: {e}"
+        ) from None
+    seq = max(1, min(_BATCH[1], cfg.max_position_embeddings))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH[0], seq))
+    want, source = _source_logits(folder, tokens)  # the torch model is freed on return
+    gc.collect()
+    got, tree = _checkpoint_logits(os.fspath(ckpt), cfg, tokens)
+    if got.shape != want.shape:
+        raise SourceError(
+            f"{ckpt}: logits of shape {list(got.shape)}, the source's {list(want.shape)}"
+        )
+    diff = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
+    return LogitsComparison(diff, tolerance, (_BATCH[0], seq), source, tree)
+
+
+def _source_logits(folder: str, tokens: np.ndarray) -> tuple[np.ndarray, str]:
+    """The logits transformers computes for ``tokens`` from ``folder`` (local files only, no
+    code from the folder), in fp32 and eval mode; a weight the folder lacks is refused (it
+    would be initialised at random, not compared)."""
+    try:
+        import torch  # pyright: ignore[reportMissingImports]  # the hf extra
+        import transformers  # pyright: ignore[reportMissingImports]
+    except ImportError as e:
+        raise SourceError(
+            f"--logits loads the source with transformers' from_pretrained, which is not "
+            f"installed here ({e}); install the extra: pip install 'jax_ucp[hf]'"
+        ) from None
+    major = int(transformers.__version__.split(".")[0])
+    dtype = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
+    try:
+        loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
+            folder,
+            local_files_only=True,
+            trust_remote_code=False,
+            output_loading_info=True,
+            **dtype,
+        )
+        model, info = loaded  # (model, loading info) with output_loading_info=True
+    except Exception as e:  # transformers' own refusal of the folder
+        raise SourceError(
+            f"{folder}: transformers {transformers.__version__} from_pretrained cannot load it "
+            f"({type(e).__name__}: {str(e)[:300]}); --logits needs the model's weights there "
+            f"in a form from_pretrained reads (model.safetensors, pytorch_model.bin)"
+        ) from None
+    missing = list(info.get("missing_keys") or ())
+    if missing:
+        raise SourceError(
+            f"{folder}: from_pretrained found no weights for {len(missing)} parameters "
+            f"({', '.join(sorted(missing)[:3])}, ...): they would be random, not the run's"
+        )
+    what = f"transformers {transformers.__version__} {type(model).__name__} from {folder}"
+    model.eval()
+    with torch.no_grad():
+        out = model(torch.from_numpy(tokens)).logits.float().numpy()
+    del model
+    return out, what
+
+
+def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray) -> tuple[np.ndarray, str]:
+    """The logits ``TransformerLM(cfg)`` computes for ``tokens`` from the checkpoint's model
+    weights (``model_params`` when the import kept a model precision apart from fp32 masters,
+    else ``params``), restored through ``hf_llama`` alone: no optimizer state is read."""
+    import jax.numpy as jnp
+
+    from jax_ucp._src.language import load_spec
+    from jax_ucp._src.models import TransformerLM
+    from jax_ucp._src.restoring.inspecting import inspect
+    from jax_ucp._src.restoring.restore_entry import restore
+
+    names = {e.name.split("/", 1)[0] for e in inspect(ckpt).tensors}
+    tree = "model_params" if "model_params" in names else "params"
+    spec = load_spec("hf_llama", **cfg.head_settings)
+    params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]
+    params = {"params": _as_f32(params)}
+    logits = TransformerLM(cfg).apply(params, jnp.asarray(tokens, jnp.int32))
+    return np.asarray(logits, np.float32), tree
+
+
+def _as_f32(node: Any) -> Any:
+    """The restored tree as fp32 arrays (bf16 weights widen exactly), as the torch side runs."""
+    if isinstance(node, dict):
+        return {k: _as_f32(v) for k, v in node.items()}
+    return np.asarray(node).astype(np.float32)

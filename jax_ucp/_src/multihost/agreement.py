@@ -1,0 +1,209 @@
+"""Processes deciding as one: each posts its outcome of a step through a ``gather`` exchange and
+every process takes the same decision from the same list (``agree``); ``Exchange`` is that
+exchange in a ``jax.distributed`` job (its key-value store, no device collective), checking on
+the way that the peers it waits for on this host still live (``liveness``): the one a save, a
+distributed convert (``join``) and a read-once restore (``restoring.replicated``) meet through."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from jax_ucp._src.errors import MultiProcessError
+from jax_ucp._src.multihost import liveness
+
+
+class ProcessLostError(MultiProcessError):
+    """A process of a multi-process job died while the others waited for it. A class of its own
+    for the command line, which then leaves at once (``jax.distributed``'s shutdown would wait
+    for the lost process's heartbeat)."""
+
+
+Gather = Callable[[str, str, bool], "list[str]"]
+_OK, _FAILED = "ok:", "failed:"
+
+
+def agree(
+    gather: Gather, step: str, result: str | BaseException, where: str, wait: bool = True
+) -> list[str]:
+    """Every process's outcome of ``step``, exchanged through ``gather`` (each process's value, in
+    process order, once all have posted theirs): ``result`` is this process's payload, or its
+    error. Every process sees the same list, so all decide alike: this process's own error is
+    raised, else a ``MultiProcessError`` naming each process that failed and why; else the
+    payloads. ``wait=False`` only posts this process's outcome (the others wait for it).
+
+    Args:
+        gather: the exchange (see ``write_shared_checkpoint``).
+        step: the name of the step agreed on ("ready", "written", "committed").
+        result: this process's payload, or the error it met.
+        where: the destination, for the error message.
+        wait: wait for every process's outcome (False: post this one's only).
+
+    Returns:
+        Every process's payload, in process order.
+    """
+    failed = isinstance(result, BaseException)
+    mine = _FAILED + f"{type(result).__name__}: {result}"[:4000] if failed else _OK + result
+    values = gather(step, mine, wait)
+    if failed:
+        raise result
+    errors = [f"process {i}: {v[len(_FAILED) :]}" for i, v in enumerate(values) if v[:3] != _OK]
+    if errors:
+        raise MultiProcessError(f"{where}: not committed; it failed in " + "; ".join(errors))
+    return [v[len(_OK) :] for v in values]
+
+
+_RUNS: dict[str, Iterator[int]] = collections.defaultdict(itertools.count)  # per purpose
+_POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
+
+
+def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int, Gather] | None:
+    """This process's index, the process count and ``gather(step, value, wait=True)``: every
+    process's value for ``step`` (an ``Exchange``), for a ``purpose`` (e.g. "convert") writing
+    ``where``. None in a single-process job.
+
+    Args:
+        where: the path written, for the errors.
+        timeout: seconds to wait for the others.
+        purpose: what the processes do together, for the errors.
+    """
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    job = Exchange(
+        purpose, f"{where}: not committed;", timeout, hint=f" ({purpose}'s barrier_timeout)"
+    )
+    return job.index, job.count, job.gather
+
+
+class Exchange:
+    """The processes of a ``jax.distributed`` job meeting through its key-value store (no
+    device collective): each posts its value of a step and ``gather`` waits for every one's.
+    While it waits, the processes it waits for that run on this host are checked every 0.2 s,
+    so one that died is named at once instead of after jax's heartbeat timeout (100 s) or
+    ``timeout``; one that ``abort``ed is named too. The processes first exchange who they are
+    (and ``hello``'s fields, in ``peers``).
+
+    Args:
+        purpose: what the processes do together (the keys' prefix; "the restore" in errors).
+        head: what the errors start with (e.g. "<path>: not committed;").
+        timeout: seconds to wait for the others at each step.
+        hint: added to the timeout's error (the option that sets it).
+        lost: the error naming a process that died.
+        hello: fields every process posts at the start, read back from ``peers``.
+    """
+
+    def __init__(
+        self,
+        purpose: str,
+        head: str,
+        timeout: float,
+        *,
+        hint: str = "",
+        lost: type[MultiProcessError] = ProcessLostError,
+        hello: dict | None = None,
+    ):
+        import jax
+
+        self.client = distributed_client()
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.prefix = f"jax_ucp/{purpose}/{next(_RUNS[purpose])}/"
+        self.purpose, self.head, self.timeout = purpose, head, timeout
+        self.hint, self.lost = hint, lost
+        self.peers: list[dict] = []
+        me = dict(liveness.identity(os.getpid()) or {}, index=self.index, **(hello or {}))
+        self.peers = [json.loads(v) for v in self.gather("hello", json.dumps(me))]
+
+    def gather(
+        self,
+        step: str,
+        value: str,
+        wait: bool = True,
+        head: str | None = None,
+        check: Callable[[dict[int, str]], None] | None = None,
+    ) -> list[str]:
+        """Posts this process's ``value`` of ``step``; every process's, in process order
+        (``wait=False``: posts only). ``check`` sees the values posted so far at each poll
+        (it raises to stop waiting); ``head`` replaces the exchange's in the errors."""
+        from jax.errors import JaxRuntimeError
+
+        head = head or self.head
+        prefix = f"{self.prefix}{step}/"
+        self.client.key_value_set(prefix + str(self.index), value)
+        if not wait:
+            return []
+
+        def posted() -> dict[int, str]:
+            got = dict(self.client.key_value_dir_get(prefix))
+            values = {i: got[prefix + str(i)] for i in range(self.count) if prefix + str(i) in got}
+            if check is not None:
+                check(values)
+            return values
+
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                # the aborts first, then the values: a process that fails posts its value
+                # before its abort, so the error behind an abort is never missed
+                aborted = dict(self.client.key_value_dir_get(f"{self.prefix}abort/"))
+                values = posted()
+                missing = [i for i in range(self.count) if i not in values]
+                if not missing:
+                    return [values[i] for i in range(self.count)]
+                if aborted:
+                    key, why = sorted(aborted.items())[0]
+                    raise MultiProcessError(
+                        f"{head} process {key.rsplit('/', 1)[-1]} left the {self.purpose} ({why})."
+                    )
+                try:
+                    self.raise_if_lost(missing, step, head)
+                except MultiProcessError:
+                    posted()  # it may have posted its error just before it exited
+                    raise
+                if time.monotonic() > deadline:
+                    raise MultiProcessError(
+                        f"{head} process(es) {', '.join(map(str, missing))} did not reach "
+                        f"'{step}' within {self.timeout:g} s{self.hint}"
+                    )
+                self.client.blocking_key_value_get(prefix + str(missing[0]), _POLL_MS)
+            except JaxRuntimeError as e:  # a timed-out poll, or the coordinator (process 0) gone
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    self.raise_if_lost(range(self.count), step, head)
+                    raise MultiProcessError(
+                        f"{head} jax.distributed failed at '{step}': {e}"
+                    ) from e
+
+    def abort(self, error: BaseException) -> None:
+        """Tells the others this process left (they raise instead of waiting for it)."""
+        with contextlib.suppress(Exception):
+            self.client.key_value_set(
+                f"{self.prefix}abort/{self.index}", f"{type(error).__name__}: {error}"[:2000]
+            )
+
+    def raise_if_lost(self, indices: Iterable[int], step: str | None, head: str) -> None:
+        """``lost`` naming the first of ``indices`` that ran on this host and is gone."""
+        i = liveness.first_lost(self.peers, indices, self.index)
+        if i is not None:
+            peer = self.peers[i]
+            at = f" at '{step}'" if step else ""
+            raise self.lost(
+                f"{head} process {i} (pid {peer['pid']} on {peer['host']}) died while process "
+                f"{self.index} waited for it{at}"
+            )
+
+
+def distributed_client():
+    """The key-value store client of this process's ``jax.distributed`` job (what Orbax's
+    ``multihost`` uses too: jax has no public accessor)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise MultiProcessError("jax.distributed is not initialized: call its initialize() first")
+    return client

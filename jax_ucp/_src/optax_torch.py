@@ -1,0 +1,636 @@
+"""Continue a PyTorch run in JAX: torch's recorded Adam/AdamW hyper-parameters as an optax
+transformation, with its state restored from the converted checkpoint.
+
+A translation is built only from what the files positively identify (:func:`identify`): the
+optimizer by the keys its ``param_groups`` hold (and the Trainer's recorded ``optim``), Adam's
+coupled L2 decay told from AdamW's decoupled decay by ``decoupled_weight_decay`` or a record,
+every scheduler argument used. Anything else is refused naming what it looks like, and what
+could not be recovered (no schedule, no clipping recorded) is listed on the result and warned.
+
+An import records the optimizer's ``param_groups`` (betas, eps, weight decay, learning rate,
+which parameters each group holds) and, for a Hugging Face Trainer checkpoint, the training
+arguments (schedule, warm-up, ``max_grad_norm``) and the scheduler's position. This module turns
+them into ``optax.chain(clip_by_global_norm, scale_by_adam, add_decayed_weights(mask),
+scale_by_learning_rate(schedule))`` -- torch AdamW's update, term for term -- and fills its state
+with the imported moments and step, so the next optax step is torch's next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src.errors import RequestError
+
+__all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
+
+#: Hugging Face's schedules (transformers.optimization) this module reproduces
+SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
+
+
+@dataclasses.dataclass
+class TorchOptimizer:
+    """What continues the run: ``params`` and ``opt_state`` for ``tx``, the learning-rate
+    ``schedule`` (of optax's step count), the step the run reached, and how each setting was
+    found (``notes``)."""
+
+    tx: Any  # optax.GradientTransformation
+    opt_state: Any
+    params: Any
+    schedule: Callable[[Any], Any]
+    step: int
+    notes: list[str]
+    #: what the run may have had that the files do not record (a schedule, clipping): the
+    #: translation goes on without it, and says so here and in a warning
+    unrecovered: list[str] = dataclasses.field(default_factory=list)
+    #: "adam" (L2 decay added to the gradient) or "adamw" (decoupled decay), and why
+    optimizer: str = "adamw"
+
+
+#: the optimizer choices :func:`optax_from_torch` translates exactly
+OPTIMIZERS = ("adam", "adamw")
+#: Trainer ``optim`` values that are torch's AdamW (``transformers.training_args.OptimizerNames``)
+TRAINER_ADAMW = ("adamw_torch", "adamw_torch_fused", "adamw_hf")
+#: group keys every torch optimizer may carry that say nothing of which one it is
+_NEUTRAL_KEYS = frozenset(
+    {
+        "params",
+        "param_names",
+        "initial_lr",
+        "lr",
+        "weight_decay",
+        "foreach",
+        "maximize",
+        "capturable",
+        "differentiable",
+        "fused",
+        "name",
+        "moe",
+    }
+)
+#: (a key only that optimizer writes, its name): what a group that is not Adam/AdamW looks like
+_LOOKALIKES = (
+    ("momentum_decay", "NAdam"),
+    ("nesterov", "SGD"),
+    ("dampening", "SGD"),
+    ("lr_decay", "Adagrad"),
+    ("initial_accumulator_value", "Adagrad"),
+    ("rho", "Adadelta"),
+    ("centered", "RMSprop"),
+    ("lambd", "ASGD"),
+    ("etas", "Rprop"),
+    ("beta2_decay", "Adafactor"),
+    ("history_size", "LBFGS"),
+    ("decoupled_weight_decay", "RAdam"),  # betas + decoupled_weight_decay without amsgrad
+    ("betas", "RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
+)
+#: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule
+SCHEDULE_KWARGS = {"cosine": ("num_cycles",)}
+
+
+def hf_schedule(
+    kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
+) -> Callable[[Any], Any]:
+    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``
+    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``).
+
+    Args:
+        kind: transformers' scheduler name (``linear``, ``cosine``, ...).
+        base_lr: the groups' learning rate.
+        warmup: warm-up steps.
+        total: the run's total optimizer steps.
+        num_cycles: the cosine's cycles.
+    """
+    import jax.numpy as jnp
+
+    if kind not in SCHEDULES:
+        raise RequestError(
+            f"learning-rate schedule {kind!r}: reproduced are {', '.join(SCHEDULES)}"
+        )
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.float32)
+        warm = s / max(1, warmup)
+        progress = (s - warmup) / max(1, total - warmup)
+        after = {
+            "linear": jnp.maximum(0.0, (total - s) / max(1, total - warmup)),
+            "cosine": jnp.maximum(
+                0.0, 0.5 * (1.0 + jnp.cos(math.pi * float(num_cycles) * 2.0 * progress))
+            ),
+            "constant": jnp.ones_like(s),
+            "constant_with_warmup": jnp.ones_like(s),
+        }[kind]
+        if kind == "constant":
+            return base_lr * after
+        return base_lr * jnp.where(s < warmup, warm, after)
+
+    return schedule
+
+
+def _one(groups: list[dict], key: str, where: str) -> Any:
+    values = {repr(g.get(key)) for g in groups}
+    if len(values) != 1:
+        raise RequestError(f"{where}: the parameter groups disagree on {key!r}: {values}")
+    return groups[0].get(key)
+
+
+def _check_adam(groups: list[dict], where: str) -> None:
+    for i, g in enumerate(groups):
+        for flag in ("amsgrad", "maximize", "nesterov"):
+            if g.get(flag):
+                raise RequestError(
+                    f"{where}: param_groups[{i}]: torch {flag}=True is not translated to optax"
+                )
+
+
+def _number(value: Any, field: str, where: str, *, below: float | None = None) -> float:
+    """``value`` as a finite float >= 0 (and < ``below``), else refused naming the field."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    number = float(value) if ok else math.nan
+    if not ok or not math.isfinite(number) or number < 0 or (below is not None and number >= below):
+        bound = f"in [0, {below})" if below is not None else ">= 0"
+        raise RequestError(
+            f"{where}: {field} = {value!r}: expected a finite number {bound} (torch refuses "
+            f"anything else when the optimizer is built)"
+        )
+    return number
+
+
+def check_groups(groups: list, where: str) -> None:
+    """Every group's ``lr``, ``betas``, ``eps`` and ``weight_decay`` as torch would accept them,
+    else refused naming the group and the field (a damaged or hand-made record)."""
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise RequestError(f"{where}: param_groups is not a list of groups")
+    for i, g in enumerate(groups):
+        at = f"param_groups[{i}]"
+        for key in ("lr", "betas", "eps"):
+            if key not in g:
+                raise RequestError(f"{where}: {at} has no {key!r}")
+        _number(g["lr"], f"{at}.lr", where)
+        _number(g["eps"], f"{at}.eps", where)
+        _number(g.get("weight_decay", 0.0), f"{at}.weight_decay", where)
+        betas = g["betas"]
+        if not isinstance(betas, list | tuple) or len(betas) != 2:
+            raise RequestError(
+                f"{where}: {at}.betas = {betas!r}: expected two numbers (beta1, beta2)"
+            )
+        for j, b in enumerate(betas):
+            _number(b, f"{at}.betas[{j}]", where, below=1.0)
+
+
+def identify(
+    groups: list[dict], trainer_args: dict, where: str, choice: str | None = None
+) -> tuple[str, str]:
+    """Which optimizer wrote ``groups``: ``("adam" | "adamw", how it was told)``, or refused.
+
+    Torch's Adam and AdamW are the groups holding ``amsgrad`` with ``betas`` (every torch since
+    1.0); ``decoupled_weight_decay`` (newer torch) tells them apart. Older torch writes the same
+    keys for both, so a non-zero weight decay then needs a record (the Trainer's ``optim``) or the
+    caller's ``choice``; a missing key is never taken for a value. Any other key set is another
+    optimizer, refused naming the one it looks like.
+
+    Args:
+        groups: the recorded ``param_groups``.
+        trainer_args: the Trainer's recorded training arguments ({} without them).
+        where: the checkpoint, for errors.
+        choice: the caller's ``optimizer=`` ("adam" or "adamw"), for what the files cannot tell.
+    """
+    if choice is not None and choice not in OPTIMIZERS:
+        raise RequestError(f"optimizer={choice!r}: expected one of {OPTIMIZERS}")
+    modes = set()
+    for i, g in enumerate(groups):
+        keys = set(g) - _NEUTRAL_KEYS
+        if not {"amsgrad", "betas"} <= keys or "momentum_decay" in keys:
+            like = next((name for key, name in _LOOKALIKES if key in keys), None)
+            raise RequestError(
+                f"{where}: param_groups[{i}] holds the keys of torch's "
+                f"{like or 'unknown optimizer'} ({', '.join(sorted(keys))}): optax_from_torch "
+                f"translates torch's Adam and AdamW only; restore the weights "
+                f"(select=r'params/.*') and start a new optimizer"
+            )
+        modes.add(g.get("decoupled_weight_decay"))
+    if len(modes) > 1:
+        raise RequestError(
+            f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
+        )
+    recorded = modes.pop() if modes else None
+    optim = trainer_args.get("optim")
+    said = None
+    if optim is not None:
+        if optim not in TRAINER_ADAMW:
+            raise RequestError(
+                f"{where}: the Trainer ran optim={optim!r}; translated are "
+                f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
+            )
+        said = "adamw"
+    if recorded is not None:
+        found = "adamw" if recorded else "adam"
+        how = f"param_groups' decoupled_weight_decay={recorded}"
+        if said is not None and said != found:
+            raise RequestError(
+                f"{where}: {how} (torch {found}) but the Trainer recorded optim={optim!r}"
+            )
+    elif said is not None:
+        found, how = said, f"the Trainer's optim={optim!r}"
+    else:
+        found, how = None, ""
+    if choice is not None and found is not None and choice != found:
+        raise RequestError(f"{where}: optimizer={choice!r}, but {how} says {found!r}")
+    if found is not None:
+        return found, how
+    if choice is not None:
+        return choice, f"optimizer={choice!r} (the files cannot tell Adam from AdamW)"
+    rates = sorted({float(g.get("weight_decay") or 0.0) for g in groups} - {0.0})
+    if not rates:  # no decay: Adam and AdamW are the same update
+        return "adamw", "Adam/AdamW without weight decay (the same update)"
+    raise RequestError(
+        f"{where}: the optimizer records weight_decay {rates} without decoupled_weight_decay "
+        f"(torch releases before that key write the same keys for Adam and AdamW) and no Trainer record: it "
+        f"may be Adam with L2 decay added to the gradient or AdamW's decoupled decay. Pass "
+        f"optimizer='adam' or optimizer='adamw'"
+    )
+
+
+def _decay(groups: list[dict], where: str) -> tuple[float, dict[str, bool]]:
+    """The one non-zero weight decay and, per torch parameter name, whether it is decayed."""
+    rates = {float(g.get("weight_decay") or 0.0) for g in groups} - {0.0}
+    if len(rates) > 1:
+        raise RequestError(f"{where}: several weight decay rates {sorted(rates)}")
+    rate = rates.pop() if rates else 0.0
+    decayed = {
+        name: float(g.get("weight_decay") or 0.0) != 0.0 for g in groups for name in g["params"]
+    }
+    return rate, decayed
+
+
+def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
+    """The Trainer's schedule when recorded (checked against the learning rate the optimizer
+    holds for the next step), else that learning rate, constant."""
+    where = source.get("path", "checkpoint")
+    lr = float(_one(groups, "lr", where))
+    trainer = source.get("trainer") or {}
+    args = trainer.get("training_args") or {}
+    kind = args.get("lr_scheduler_type")
+    if "training_args_unread" in trainer:
+        note = (
+            f"the Trainer's training_args.bin was not read ({trainer['training_args_unread']}): "
+            f"no schedule and no clipping are known"
+        )
+        notes.append(note)
+        warnings.warn(f"{where}: {note}", UserWarning, stacklevel=3)
+    if kind is None:
+        notes.append(f"learning rate {lr}: the optimizer's for the next step; no schedule recorded")
+        return lambda count: lr
+    total = trainer.get("max_steps") or args.get("max_steps")
+    if not isinstance(total, int) or total <= 0:
+        raise RequestError(f"{where}: the Trainer's schedule needs max_steps, found {total!r}")
+    warmup = args.get("warmup_steps") or 0
+    warmup = int(warmup) if warmup >= 1 else math.ceil(total * float(args.get("warmup_ratio") or 0))
+    base = _one(groups, "initial_lr", where)
+    base = float(base if base is not None else args["learning_rate"])
+    last = (trainer.get("scheduler") or {}).get("last_epoch")
+    if last is not None and last != step:
+        raise RequestError(
+            f"{where}: the scheduler stepped {last} times, the optimizer {step}: cannot tell "
+            f"where the schedule stands"
+        )
+    schedule = hf_schedule(kind, base, warmup, total, **schedule_kwargs(args, kind, where))
+    want = float(schedule(step))
+    if not math.isclose(want, lr, rel_tol=1e-6, abs_tol=1e-12):
+        raise RequestError(
+            f"{where}: the Trainer's {kind} schedule (lr {base}, warm-up {warmup}, {total} "
+            f"steps) gives {want} at step {step}, the optimizer holds {lr}"
+        )
+    notes.append(f"{kind} schedule: lr {base}, warm-up {warmup} steps, {total} steps")
+    return schedule
+
+
+def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
+    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused.
+
+    Args:
+        args: the Trainer's recorded arguments.
+        kind: the scheduler the kwargs are for.
+        where: the checkpoint, for the errors.
+    """
+    kwargs = args.get("lr_scheduler_kwargs") or {}
+    if isinstance(kwargs, str):
+        try:
+            kwargs = json.loads(kwargs)
+        except ValueError:
+            kwargs = None
+    if not isinstance(kwargs, dict):
+        raise RequestError(f"{where}: lr_scheduler_kwargs {kwargs!r} is not a dict")
+    allowed = SCHEDULE_KWARGS.get(kind, ())
+    for key, value in kwargs.items():
+        if key not in allowed:
+            raise RequestError(
+                f"{where}: the Trainer's {kind} schedule has lr_scheduler_kwargs {key!r}="
+                f"{value!r}, which is not reproduced (reproduced: {list(allowed) or 'none'})"
+            )
+        _number(value, f"lr_scheduler_kwargs[{key!r}]", where)
+    return {k: float(v) for k, v in kwargs.items()}
+
+
+def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
+    """Per leaf of ``params``: decayed or not, from the torch parameters it is made of."""
+    import jax
+
+    from jax_ucp._src import language
+    from jax_ucp._src.api import inspect
+    from jax_ucp._src.format import to_numpy_dtype
+
+    def of(names: list[str], leaf: str) -> bool:
+        flags = {decayed.get(n) for n in names}
+        if None in flags or len(flags) != 1:
+            raise RequestError(
+                f"{where}: {leaf} is made of torch parameters {names} whose weight decay "
+                f"differs or is unknown"
+            )
+        return bool(flags.pop())  # one flag, not None (checked above)
+
+    if spec is None:
+        return {name: of([name], name) for name in params}
+    manifest = inspect(ckpt)
+    saved = {e.key: language.TensorInfo(e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors}
+    sources = {
+        key[1:]: [s[1] for s in plan.sources]
+        for key, plan in language.compile_restore_plan(spec, saved).items()
+        if key[0] == "params"
+    }
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: of(
+            sources[tuple(str(getattr(k, "key", k)) for k in path)], jax.tree_util.keystr(path)
+        ),
+        params,
+    )
+
+
+def _adam_state(opt: dict, where: str) -> tuple[Any, Any]:
+    """mu and nu wherever the restore put them (``opt_state/mu`` or a spec's ``opt_state/0/mu``)."""
+    for node in (opt, *[v for v in opt.values() if isinstance(v, dict)]):
+        if "mu" in node and "nu" in node:
+            return node["mu"], node["nu"]
+    raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
+
+
+def optax_from_torch(
+    ckpt, *, spec: Any = None, optimizer: str | None = None, options: Any = None
+) -> TorchOptimizer:
+    """The optax optimizer and state that continue the torch run converted at ``ckpt``.
+
+    On a mesh (``options=RestoreOptions(mesh=, rules=)``, or ``target=``/``shardings=``) the
+    params and Adam's moments come back as ``jax.Array``s placed alike, each process reading
+    only its slices, once; nothing is built whole on one host (the optimizer state around the
+    moments is derived from shapes, ``jax.eval_shape``). A jitted step consumes it as it is.
+
+    Args:
+        ckpt: a UCP checkpoint imported from torch with its Adam/AdamW state (a Hugging Face
+            Trainer ``checkpoint-N/``, Accelerate, FSDP2/DCP, torch.save files).
+        spec: the spec the parameters are restored with (e.g. ``hf_llama``), or None for
+            torch's names; the moments follow it, and the weight-decay mask is computed on the
+            restored tree from the torch parameters each leaf is made of.
+        optimizer: "adam" or "adamw", only for what the files cannot tell: a non-zero weight
+            decay recorded by a torch that writes the same keys for Adam (L2 decay added to the
+            gradient) and AdamW (decoupled decay), with no Trainer record. A choice the files
+            contradict is refused.
+        options: a :class:`jax_ucp.RestoreOptions` (mesh, rules, target or shardings,
+            memory_budget, ...): how params and moments are restored, as ``restore`` takes
+            them; its ``spec`` must be left unset (``spec=`` above is the one spec).
+
+    Returns:
+        A :class:`TorchOptimizer`: ``tx.update(grads, opt_state, params)`` is torch's next step
+        (clipping, AdamW with its no-decay groups, the scheduler's learning rate).
+    """
+    import optax
+
+    from jax_ucp._src.api import inspect
+
+    manifest = inspect(ckpt)
+    source = manifest.source or {}
+    where = str(source.get("path") or ckpt)
+    recorded = source.get("optimizer")
+    if not recorded or not recorded.get("param_groups"):
+        raise RequestError(_no_optimizer(source, where))
+    groups = recorded["param_groups"]
+    check_groups(groups, where)
+    spec = _spec_with_recorded_settings(spec, source, notes := [])
+    trainer_args = run_arguments(source, where)
+    kind, how = identify(groups, trainer_args, where, optimizer)
+    _check_adam(groups, where)
+    params, mu, nu, step = _restored_adam(ckpt, options, spec, where)
+    notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
+    b1, b2 = (float(b) for b in _one(groups, "betas", where))
+    eps = float(_one(groups, "eps", where))
+    rate, decayed = _decay(groups, where)
+    schedule = _schedule(source, groups, step, notes)
+    parts, unrecovered = [], _unrecovered(source)
+    max_norm = trainer_args.get("max_grad_norm")
+    if max_norm:
+        parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
+        notes.append(f"gradients clipped to global norm {max_norm}")
+    decay = _weight_decay(ckpt, spec, params, (rate, decayed), kind, notes, where)
+    if decay is not None and kind == "adam":  # torch Adam: grad + wd * param, then the moments
+        parts.append(decay)
+    parts.append(optax.scale_by_adam(b1, b2, eps))
+    if decay is not None and kind == "adamw":
+        parts.append(decay)
+    parts.append(optax.scale_by_learning_rate(schedule))
+    if unrecovered:
+        notes.extend(f"not recovered: {u}" for u in unrecovered)
+        warnings.warn(
+            f"{where}: the translation goes on without what the files do not record: "
+            + "; ".join(unrecovered),
+            UserWarning,
+            stacklevel=2,
+        )
+    tx = optax.chain(*parts)
+    state = _state_of(tx, params, mu, nu, step)
+    return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, kind)
+
+
+def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:
+    """(params, mu, nu, step) restored as ``options`` asks; the step is the one count the
+    imported opt_state holds."""
+    from jax_ucp._src.api import restore
+
+    tree = restore(ckpt, **_restore_keywords(options, spec, where))
+    if "opt_state" not in tree:
+        raise RequestError(f"{where}: the checkpoint holds no optimizer state")
+    mu, nu = _adam_state(tree["opt_state"], where)
+    counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
+    if len(counts) != 1:
+        raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
+    return tree["params"], mu, nu, int(counts[0])
+
+
+def _weight_decay(
+    ckpt, spec: Any, params: Any, decay: tuple[Any, Any], kind: str, notes: list[str], where: str
+) -> Any:
+    """optax's decay of the groups' rate over the leaves torch decayed (None for no decay);
+    where it goes in the chain is the caller's: Adam's L2 before the moments, AdamW's after."""
+    import jax
+    import optax
+
+    rate, decayed = decay
+    if not rate:
+        return None
+    mask = _mask_tree(ckpt, spec, params, decayed, where)
+    leaves = jax.tree.leaves(mask)
+    style = "decoupled (AdamW)" if kind == "adamw" else "L2, added to the gradient (Adam)"
+    notes.append(f"weight decay {rate} on {sum(leaves)} of {len(leaves)} leaves, {style}")
+    return optax.add_decayed_weights(rate, mask)
+
+
+def _state_of(tx: Any, params: Any, mu: Any, nu: Any, step: int) -> tuple:
+    """The chain's state around the restored moments, from shapes alone: ``tx.init(params)``
+    would build zeros the size of the model (placed wherever ``jnp.zeros_like`` puts them)
+    only for the moments to replace them."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    state = list(jax.eval_shape(tx.init, params))  # pyright: ignore[reportArgumentType]  # a chain's state is a tuple
+    count = jnp.asarray(step, jnp.int32)
+    for i, s in enumerate(state):
+        if isinstance(s, optax.ScaleByAdamState):
+            state[i] = optax.ScaleByAdamState(count=count, mu=_like(mu, s.mu), nu=_like(nu, s.nu))
+        elif isinstance(s, optax.ScaleByScheduleState):
+            state[i] = optax.ScaleByScheduleState(count=count)
+        else:  # clipping and weight decay keep no arrays; anything else starts at zeros
+            state[i] = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), s)
+    return tuple(state)
+
+
+def _no_optimizer(source: dict, where: str) -> str:
+    """Why the import recorded no torch optimizer, as the source record tells."""
+    skipped = (source.get("skipped") or {}).values()
+    if any(str(why).startswith("weights_only") for why in skipped):
+        return (
+            f"{where}: no torch optimizer recorded: imported with weights_only=True (its "
+            f"optimizer state is listed in source.skipped); convert without weights_only"
+        )
+    return (
+        f"{where}: no torch optimizer recorded in this {source.get('framework') or 'unknown'} "
+        f"import (no torch param_groups were found in its files, or it is not from torch)"
+    )
+
+
+def run_arguments(source: dict, where: str) -> dict:
+    """The Trainer's recorded training arguments as the run stepped with them. Under DeepSpeed
+    (``source.optimizer.deepspeed``: its config) DeepSpeed clips, by its ``gradient_clipping``
+    (the Trainer's ``max_grad_norm`` only fills an ``"auto"`` there), and an optimizer its config
+    names is made by DeepSpeed, not by the Trainer's ``optim``: translated only when it is torch's
+    own Adam/AdamW (``torch_adam``). A DeepSpeed scheduler is not reproduced: refused."""
+    args = dict((source.get("trainer") or {}).get("training_args") or {})
+    ds = (source.get("optimizer") or {}).get("deepspeed")
+    if not isinstance(ds, dict):
+        return args
+    if ds.get("scheduler") is not None:
+        raise RequestError(
+            f"{where}: the run's DeepSpeed config has a scheduler {ds['scheduler']!r}: "
+            f"DeepSpeed's schedules are not reproduced (the Trainer's are)"
+        )
+    args["max_grad_norm"] = ds.get("gradient_clipping", 0.0)
+    made = ds.get("optimizer")
+    if made is not None:
+        args.pop("optim", None)  # the Trainer's choice, unused: DeepSpeed made the optimizer
+        kind = made.get("type") if isinstance(made, dict) else None
+        params = (made.get("params") if isinstance(made, dict) else None) or {}
+        if str(kind).lower() not in OPTIMIZERS or params.get("torch_adam") is not True:
+            raise RequestError(
+                f"{where}: DeepSpeed made the optimizer from its config ({made!r}); translated "
+                f"is torch's Adam/AdamW ('type': 'Adam' or 'AdamW' with 'torch_adam': true), "
+                f"not DeepSpeed's FusedAdam or DeepSpeedCPUAdam"
+            )
+    return args
+
+
+def _restore_keywords(options: Any, spec: Any, where: str) -> dict[str, Any]:
+    """``restore``'s keywords: those ``options`` (a RestoreOptions) sets, with ``spec``."""
+    if options is None:
+        return {"spec": spec}
+    from jax_ucp._src.restoring.options import RestoreOptions
+
+    if not isinstance(options, RestoreOptions):
+        raise TypeError(
+            f"optax_from_torch(options=): a jax_ucp.RestoreOptions, not {type(options).__name__}"
+        )
+    if options.spec is not None:
+        raise RequestError(
+            f"{where}: optax_from_torch(options=) with a spec; give the spec as "
+            f"optax_from_torch(spec=) (it also finds which torch parameters each leaf holds)"
+        )
+    given = {
+        f.name: getattr(options, f.name)
+        for f in dataclasses.fields(options)
+        if f.init and getattr(options, f.name) is not f.default
+    }
+    return {**given, "spec": spec}
+
+
+def _spec_with_recorded_settings(spec: Any, source: dict, notes: list[str]) -> Any:
+    """A spec given by name (``"hf_llama"``) with the model's head settings taken from the
+    config.json the import recorded, when the caller gave none."""
+    if not isinstance(spec, str):
+        return spec
+    from jax_ucp._src.language import load_spec
+    from jax_ucp._src.models import LMConfig
+
+    config = (source.get("trainer") or {}).get("model_config")
+    if not config:
+        return load_spec(spec)
+    try:
+        settings = LMConfig.from_hf_llama(config).head_settings
+    except (KeyError, TypeError, ValueError):  # not a Llama-style config: the spec as named
+        return load_spec(spec)
+    notes.append(f"spec {spec!r} with the recorded config.json's settings {settings}")
+    return load_spec(spec, **settings)
+
+
+def _unrecovered(source: dict) -> list[str]:
+    """What a run may have had that the import found no record of: without the Trainer's
+    training arguments, its schedule and clipping are unknown (a plain torch run records
+    neither in its files; a DeepSpeed run records its clipping in its config)."""
+    trainer = source.get("trainer") or {}
+    args = trainer.get("training_args")
+    if args is not None:
+        return [] if args.get("lr_scheduler_type") is not None else ["the learning-rate schedule"]
+    out = [
+        "the learning-rate schedule (none recorded: the optimizer's learning rate for the "
+        "next step, held constant)"
+    ]
+    if not isinstance((source.get("optimizer") or {}).get("deepspeed"), dict):
+        out.append(
+            "gradient clipping (none recorded: add optax.clip_by_global_norm if the run clipped)"
+        )
+    return out
+
+
+def _like(moment, init):
+    """The restored moment in the structure optax made (shapes checked leaf by leaf)."""
+    import jax
+    import jax.numpy as jnp
+
+    def one(got, want):
+        if np.shape(got) != np.shape(want):
+            raise RequestError(
+                f"moment of shape {np.shape(got)} for a parameter of {np.shape(want)}"
+            )
+        return got if isinstance(got, jax.Array) else jnp.asarray(got)  # placed as restored
+
+    return jax.tree.map(one, moment, init)
+
+
+def _walk(node, key=None):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _walk(v, k)
+    else:
+        yield key, node

@@ -1,0 +1,21 @@
+"""``jax_ucp.inspect``: a checkpoint's manifest, read without JAX (it reads no tensor data, so
+``jax-ucp inspect`` starts without paying JAX's and Orbax's import, ~1-3 s)."""
+
+from __future__ import annotations
+
+import os
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store
+from jax_ucp._src import tree as tree_lib
+from jax_ucp._src.restoring import locate
+
+
+def inspect(path: str | os.PathLike) -> fmt.Manifest:
+    """The manifest as typed objects (names, shapes, dtypes, bytes, roles, saved sharding).
+
+    ``.notices`` lists what a restore without a target gives back differently from the save:
+    a container class outside the allow-list (rebuilt as a dict of its fields)."""
+    manifest = locate.read_consistently(path, store.read_manifest)
+    manifest.notices = [message for _, message in tree_lib.class_notices(manifest.tree)]
+    return manifest

@@ -1,0 +1,242 @@
+"""Where a checkpoint is: a UCP checkpoint directory (or object-store prefix), an Orbax step
+directory holding one UCP item, a CheckpointManager's committed steps; and reading it whole while
+a concurrent forced save swaps it (``read_consistently``). JAX-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store
+from jax_ucp._src.errors import CheckpointError, SaveConflictError
+from jax_ucp._src.writer import commit
+
+
+def is_ucp(path) -> bool:
+    """Whether ``path`` is read as a UCP checkpoint rather than another source (safetensors):
+    an object-store URL, a directory holding ucp.json or one with an item directory holding it,
+    or nothing there yet (a forced save's swap, or the error ``find_checkpoint_dir`` gives)."""
+    path = os.fspath(path)
+    if "://" in path or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return True
+    if os.path.isdir(path):  # an Orbax step directory holding a UCP item
+        return any(
+            os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE)) for d in os.listdir(path)
+        )
+    return not os.path.lexists(path)
+
+
+def find_checkpoint_dir(path) -> str:
+    """``path`` itself when it holds ucp.json, else its single UCP item (an Orbax step dir).
+
+    A forced save killed between its two renames leaves ``path`` missing with both whole
+    checkpoints beside it: the newer one (``<path>.ucp-replacing``, committed before the swap
+    began) is read, else the older one (``<path>.ucp-replaced``). Reading never renames; the
+    next save to ``path`` completes the interrupted swap.
+    """
+    path = os.fspath(path).rstrip("/") or "/"
+    if store.is_url(path):
+        return _find_in_object_store(path)
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return path
+    if not os.path.lexists(path):
+        for survivor in (path + commit.REPLACING, path + commit.REPLACED):
+            if os.path.isdir(survivor):
+                return find_checkpoint_dir(survivor)
+        raise CheckpointError(f"{path}: no such checkpoint directory.")
+    if not os.path.isdir(path):
+        raise CheckpointError(
+            f"{path}: is a file, not a checkpoint directory (expected a directory holding "
+            f"{fmt.MANIFEST_FILE}, or an Orbax step directory with one UCP item)."
+        )
+    items = _ucp_items(path)
+    if len(items) == 1 and is_step_dir(path):
+        try:  # the step's item, never a link to another checkpoint
+            fmt.files.inside(path, items[0], path)
+        except fmt.files.UnsafeFileError as e:
+            raise CheckpointError(str(e)) from None
+        return os.path.join(path, items[0])
+    if len(items) == 1:  # any folder holding one checkpoint is not read as that checkpoint
+        raise CheckpointError(
+            f"{path}: no {fmt.MANIFEST_FILE} here; it is not a checkpoint nor an Orbax step "
+            f"directory, but holds one checkpoint: {os.path.join(path, items[0])} (pass that)."
+        )
+    if not items:
+        steps = manager_steps(path)
+        if steps:
+            shown = ", ".join(name for name, _ in steps[-10:])
+            name, item = steps[-1]
+            raise CheckpointError(
+                f"{path}: a CheckpointManager directory, not a checkpoint: "
+                f"{len(steps)} step(s) with a UCP item ({'…, ' if len(steps) > 10 else ''}"
+                f"{shown}); pass a step's item, e.g. {os.path.join(path, name, item)} "
+                f"(or mngr.restore(step) in Orbax)."
+            )
+        raise CheckpointError(
+            f"{path}: no {fmt.MANIFEST_FILE} here nor in any item directory below "
+            f"it; not a jax_ucp checkpoint (or the manifest was removed)."
+        )
+    raise CheckpointError(f"{path}: holds several UCP items {items}; pass one of them.")
+
+
+def is_step_dir(path: str) -> bool:
+    """An Orbax step directory: Orbax's step metadata or commit marker in it, or a step number
+    as its name (CheckpointManager's default step names)."""
+    return (
+        os.path.basename(path).isdigit()
+        or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
+        or os.path.exists(os.path.join(path, "commit_success.txt"))
+    )
+
+
+def manager_steps(path: str) -> list[tuple[str, str]]:
+    """(step directory, its first UCP item) of each step of a CheckpointManager root, in step
+    order (numeric names first)."""
+    steps = []
+    for name in os.listdir(path):
+        step = os.path.join(path, name)
+        if not os.path.isdir(step) or not is_step_dir(step):
+            continue
+        items = _ucp_items(step)
+        if items:
+            steps.append((name, items[0]))
+    return sorted(
+        steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
+    )
+
+
+def committed_steps(root: str) -> list[tuple[int, str]]:
+    """(step, its UCP item directory) of each committed step of a CheckpointManager root,
+    newest first. A step still being written (Orbax's ``<step>.orbax-checkpoint-tmp...``, or a
+    step directory whose commit Orbax has not recorded: no ``commit_success.txt`` and no
+    ``commit_timestamp_nsecs`` in its ``_CHECKPOINT_METADATA``) is never listed."""
+    if not os.path.isdir(root):
+        raise CheckpointError(f"{root}: no such CheckpointManager directory.")
+    steps = []
+    for name, item in manager_steps(root):
+        step_dir = os.path.join(root, name)
+        if name.isdigit() and commit.ORBAX_TMP_MARK not in name and _committed(step_dir):
+            steps.append((int(name), os.path.join(step_dir, item)))
+    return sorted(steps, reverse=True)
+
+
+def _committed(step_dir: str) -> bool:
+    if os.path.exists(os.path.join(step_dir, "commit_success.txt")):
+        return True
+    try:
+        meta = fmt.files.read_regular(os.path.join(step_dir, "_CHECKPOINT_METADATA"), 1 << 20)
+        return json.loads(meta).get("commit_timestamp_nsecs") is not None
+    except (OSError, ValueError, AttributeError, fmt.UCPError):
+        return False
+
+
+def check_readable(path: str) -> None:
+    """Whether the checkpoint at ``path`` can be read before reading it: its manifest parses
+    and every shard file it lists is there (the digests are checked as the restore reads)."""
+    manifest = store.read_manifest(path)
+    for entry in manifest.tensors:
+        for key in entry.shard_digests or {}:
+            if not os.path.isfile(os.path.join(path, entry.dir, key)):
+                raise CheckpointError(
+                    f"{path}: tensor {entry.name!r}: shard file {entry.dir}/{key} is missing."
+                )
+
+
+def _ucp_items(path: str) -> list[str]:
+    """The item directories of ``path`` holding a ucp.json, sorted."""
+    return sorted(
+        d for d in os.listdir(path) if os.path.exists(os.path.join(path, d, fmt.MANIFEST_FILE))
+    )
+
+
+def _find_in_object_store(url: str) -> str:
+    """``url`` when it holds ucp.json, else its single UCP item (an Orbax-style step prefix).
+    A prefix without ucp.json is no checkpoint: a save that never completed."""
+    location = store.location
+    if location.exists(url, fmt.MANIFEST_FILE):
+        return url
+    items = sorted(
+        {
+            name.split("/")[0]
+            for name in location.list_names(url)
+            if name.count("/") == 1 and name.endswith("/" + fmt.MANIFEST_FILE)
+        }
+    )
+    if len(items) == 1:
+        return location.join(url, items[0])
+    if not items:
+        raise CheckpointError(
+            f"{url}: no {fmt.MANIFEST_FILE} here nor in any item below it; not a jax_ucp "
+            f"checkpoint (or its save did not complete: an object-store checkpoint exists once "
+            f"its {fmt.MANIFEST_FILE} is written)."
+        )
+    raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
+
+
+def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
+    """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint_dir``), or of the one a
+    concurrent forced save swapped in while it ran.
+
+    A forced save commits a new directory beside ``path`` and swaps it in by two renames
+    (``writer.commit``); a reader may meanwhile see ``path`` missing, read a manifest from one
+    directory and shards from the next (``CheckpointError``: not the shard the manifest lists),
+    or its directory vanish. Each of those is told from damage by what changed around the read:
+    the directory read (device, inode and ctime: ext4 gives a freed inode to the next directory
+    at once, the ctime tells them apart) or the swap's names beside ``path`` (``.ucp-replacing``,
+    ``.ucp-replaced``). An error with nothing changed is the checkpoint's own; one with a change
+    is retried, and after ``_SWAP_RETRIES`` such retries ``SaveConflictError`` ("being
+    replaced, retry") is raised, never a corrupt-checkpoint error.
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      read: reads the checkpoint directory it is given.
+      redo: a successful ``read`` during which the directory changed is run again (False for a
+        read with effects, as an export: a success is whole, every shard checked against the
+        manifest's digest).
+    """
+    path = os.fspath(path).rstrip("/") or "/"
+    error: BaseException | None = None
+    for _ in range(_SWAP_RETRIES + 1):
+        around = _swap_state(path)
+        root, stamp = None, None
+        try:
+            root = find_checkpoint_dir(path)
+            stamp = _identity(root)
+            result = read(root)
+        except fmt.UCPError as e:  # the checkpoint's own, unless path or root changed meanwhile
+            moved = root is not None and (stamp is None or _identity(root) != stamp)
+            if _swap_state(path) == around and not moved:
+                raise
+            error = e
+            continue
+        if not redo or root is None or stamp is None or _identity(root) == stamp:
+            return result
+    raise SaveConflictError(
+        f"{path}: the checkpoint was being replaced by a concurrent save while it was read "
+        f"({_SWAP_RETRIES + 1} attempts); nothing is wrong with it: read it again once the save "
+        f"finishes."
+    ) from error  # what the read met while the directory changed under it
+
+
+_SWAP_RETRIES = 3
+
+
+def _identity(root: str):
+    """What tells one directory at ``root`` from the next: a freed inode is given to the next
+    directory made on ext4 at once, the ctime (set when made or renamed) differs."""
+    if store.is_url(root):
+        return "url"  # an object-store checkpoint is never replaced (no rename there)
+    try:
+        st = os.stat(root)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+
+
+def _swap_state(path: str) -> tuple:
+    """``path`` and the names a forced replacement of it uses beside it."""
+    return tuple(_identity(p) for p in (path, path + commit.REPLACING, path + commit.REPLACED))

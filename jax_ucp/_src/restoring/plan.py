@@ -1,0 +1,750 @@
+"""Planning a restore before anything is read or allocated.
+
+``plan`` answers, for a checkpoint and a mesh, what ``restore`` would do: the PartitionSpec each
+tensor gets, the bytes each device will hold, the bytes each process will read, which tensors
+end up replicated, and which dimensions cannot be split as the saved spec or the rules ask.
+
+It reads the manifest only (no tensor data) and needs no devices: the mesh may be a
+``jax.sharding.AbstractMesh``, and the per-device slices are computed from shapes and
+PartitionSpecs. Its cost follows the checkpoint (tensors × the few distinct specs), never the
+mesh's device count: devices holding equal slices are one run of numbers, not a list (a plan on
+10**8 devices takes what one on 8 takes). The PartitionSpecs come from the same functions ``restore`` uses
+(``sharding.sharding_for`` with ``mesh=``/``rules=``, ``requests.requests_from_target`` with
+``target=``/``shardings=``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_ucp._src import bulk, store
+from jax_ucp._src import format as fmt
+from jax_ucp._src import sharding as sharding_lib
+from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.format import display
+from jax_ucp._src.format.sizes import format_size
+from jax_ucp._src.options import field_namer, keywords_of
+from jax_ucp._src.restoring import locate, model, requests, ucp_source
+from jax_ucp._src.restoring.options import RestoreOptions
+from jax_ucp._src.sharding.mesh_layout import axes_of
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPlan:
+    """Where one tensor goes on restore.
+
+    Attributes:
+        name: the tensor's key, ``/``-joined (``"params/dense/kernel"``).
+        shape: its global shape.
+        dtype: the dtype it is restored as (the saved one unless a target asks for another).
+        partition_spec: the PartitionSpec it gets, or ``None`` when it is not a
+            ``NamedSharding`` (another kind of sharding, or host numpy: see ``on_host``).
+        bytes_per_device: bytes each device holding a shard of it keeps (the largest shard);
+            0 on host, ``None`` when ``error`` says restore would refuse it.
+        read_bytes: process index → bytes that process reads of it (devices of one process
+            holding the same slice share one read), an ``IndexedBytes`` mapping.
+        replicated: every device holds the whole tensor (a tensor of more than one element).
+        on_host: restored as host numpy (no sharding: a ``None`` leaf of ``shardings``, or a
+            64-bit tensor with ``mesh=`` while ``jax_enable_x64`` is off).
+        not_divisible: one message per dimension the saved PartitionSpec or the rules wanted
+            to split over a mesh axis whose size does not divide it (restore replicates it).
+        error: why restore would refuse this tensor (explicit sharding that does not divide,
+            a shape or dtype the target asks for that the checkpoint cannot give), else None.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    partition_spec: PartitionSpec | None
+    bytes_per_device: int | None
+    read_bytes: IndexedBytes
+    replicated: bool = False
+    on_host: bool = False
+    not_divisible: tuple[str, ...] = ()
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RestorePlan(display.Tabular):
+    """``jax_ucp.plan(...)``: every tensor's placement, and the totals.
+
+    Attributes:
+        path: the checkpoint directory planned (the one holding ``ucp.json``).
+        tensors: one ``TensorPlan`` per tensor restore would produce, in manifest order.
+        device_bytes: device → bytes it will hold (an ``IndexedBytes`` mapping: a few numbers
+            for a mesh of any size; ``lowest()``/``highest()`` without walking it). Keys are
+            device ids for a concrete mesh or concrete shardings, and positions in the mesh
+            (row-major) for an ``AbstractMesh``.
+        process_read_bytes: process index → bytes it will read from the checkpoint (an
+            ``IndexedBytes`` too).
+        values: how many saved Python values (no tensor data) restore would also return.
+    """
+
+    path: str
+    tensors: list[TensorPlan]
+    device_bytes: IndexedBytes
+    process_read_bytes: IndexedBytes
+    values: int = 0
+    # the names of ``rules`` no tensor carries (those rules shard nothing)
+    unmatched_rules: tuple = ()
+
+    @property
+    def replicated(self) -> list[str]:
+        """Names of the tensors every device holds whole."""
+        return [t.name for t in self.tensors if t.replicated]
+
+    @property
+    def not_divisible(self) -> list[str]:
+        """Names of the tensors with a dimension that could not be split as asked."""
+        return [t.name for t in self.tensors if t.not_divisible]
+
+    @property
+    def on_host(self) -> list[str]:
+        """Names of the tensors restored as host numpy."""
+        return [t.name for t in self.tensors if t.on_host]
+
+    @property
+    def errors(self) -> dict[str, str]:
+        """Tensor name → why restore would refuse it (empty: restore would succeed)."""
+        return {t.name: t.error for t in self.tensors if t.error is not None}
+
+    def to_rows(self) -> list[dict[str, Any]]:
+        """One dict per tensor (pandas-ready without pandas): name, shape, dtype, the new
+        PartitionSpec, bytes per device, the most bytes one process reads, replicated, on host,
+        the dimensions that do not divide and why restore would refuse it."""
+        return [
+            {
+                "name": t.name,
+                "shape": tuple(t.shape),
+                "dtype": t.dtype,
+                "spec": None if t.partition_spec is None else tuple(t.partition_spec),
+                "bytes_per_device": t.bytes_per_device,
+                "read_bytes_per_process": t.read_bytes.highest(),
+                "replicated": t.replicated,
+                "on_host": t.on_host,
+                "not_divisible": list(t.not_divisible),
+                "error": t.error,
+            }
+            for t in self.tensors
+        ]
+
+    def summary_lines(self) -> list[str]:
+        """What a display shows above the table: bytes per device and process, replication."""
+        low, high = format_size(self.min_device_bytes), format_size(self.max_device_bytes)
+        lines = [
+            f"{len(self.tensors)} tensors onto {len(self.device_bytes)} devices: "
+            + (f"{high} per device" if low == high else f"{low} to {high} per device")
+            + f", at most {format_size(self.process_read_bytes.highest())} read per process"
+        ]
+        if self.replicated:
+            lines.append(
+                f"replicated on every device ({len(self.replicated)}): "
+                + ", ".join(self.replicated[:5])
+                + (" …" if len(self.replicated) > 5 else "")
+            )
+        if self.errors:
+            lines.append(f"restore would refuse {len(self.errors)}: " + ", ".join(self.errors))
+        return lines
+
+    def table(self):
+        rows = self.to_rows()
+        for r in rows:
+            r["bytes_per_device"] = format_size(r["bytes_per_device"] or 0)
+        columns = ("name", "shape", "dtype", "spec", "bytes_per_device", "replicated")
+        return f"restore plan of {self.path}", self.summary_lines(), rows, columns
+
+    def __repr__(self) -> str:
+        return (
+            f"RestorePlan({self.path!r}, {len(self.tensors)} tensors, "
+            f"{len(self.device_bytes)} devices, {format_size(self.max_device_bytes)} per device "
+            f"at most)"
+        )
+
+    @property
+    def max_device_bytes(self) -> int:
+        """The most any one device holds."""
+        return self.device_bytes.highest()
+
+    @property
+    def min_device_bytes(self) -> int:
+        """The least any one device holds."""
+        return self.device_bytes.lowest()
+
+
+def abstract_mesh(axes: Sequence[tuple[str, int]]) -> jax.sharding.AbstractMesh:
+    """A device-free mesh from ``[(axis name, size), ...]`` (e.g. for ``plan``)."""
+    names = tuple(name for name, _ in axes)
+    sizes = tuple(int(size) for _, size in axes)
+    return jax.sharding.AbstractMesh(sizes, names)
+
+
+@dataclasses.dataclass
+class PlanOptions(RestoreOptions):
+    """``plan``'s keywords: ``RestoreOptions`` (the restore to plan) and ``processes``.
+
+    Attributes:
+        processes: with an ``AbstractMesh``, how many processes share its devices (split in
+            contiguous blocks of the mesh's row-major order, like ``jax.devices()`` across
+            hosts); default 1. A concrete mesh knows each device's process.
+    """
+
+    _: dataclasses.KW_ONLY
+    processes: int | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        field = field_namer(self)
+        if not self.has_target and self.mesh is None:
+            raise RequestError(
+                "plan needs a mesh= (with or without rules=), shardings= or target=."
+            )
+        if self.rules is not None and self.mesh is None:
+            raise RequestError("Logical-axis `rules` need a `mesh` to map onto.")
+        for name in ("dtype", "select", "replicated_read"):  # they would change what is read
+            if getattr(self, name) is not None:
+                raise RequestError(f"{field(name)}: not planned yet; plan without it.")
+
+
+@keywords_of(PlanOptions)
+def plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
+    """What ``restore(path, ...)`` with the same keywords would place where, without reading
+    tensor data or allocating. The keywords are ``RestoreOptions``' (``dtype``, ``select`` and
+    ``replicated_read`` are not planned yet; ``memory_budget`` changes no placement) and
+    ``processes``.
+
+    Args:
+        path: a checkpoint directory (holding ``ucp.json``) or an Orbax step directory with
+            one UCP item.
+        options: built from the keywords; ``mesh`` (and the ``NamedSharding``s of
+            ``shardings``) may be on a ``jax.sharding.AbstractMesh``: no devices needed.
+
+    Returns:
+        A ``RestorePlan``. Dimensions that do not divide are listed (``not_divisible``), and
+        what restore would refuse is reported per tensor (``errors``), never raised.
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read, or a target names a tensor it lacks.
+        RequestError: a rule names a mesh axis the mesh does not have; with
+            ``strict``, a rule names a logical name no tensor carries or a mesh axis is used
+            by no rule and no saved PartitionSpec (each names the closest known names).
+        RequestError: an argument of the wrong kind (as for ``restore``), neither ``mesh`` nor
+            ``shardings``/``target`` given, or ``processes`` does not fit the mesh (a
+            ``ValueError`` too).
+    """
+    with bulk.cyclic_gc_paused():  # objects by the tensor, none dropped: a third faster
+        return _plan(path, options)
+
+
+def _plan(path: str | os.PathLike, options: PlanOptions) -> RestorePlan:
+    mesh, rules, explicit = options.mesh, options.rules, options.has_target
+    root = locate.find_checkpoint_dir(path)
+    manifest = store.read_manifest(root)
+    available = ucp_source.available_tensors(manifest, options.spec)
+    layouts = Layouts(mesh, options.processes)
+    if mesh is not None:
+        layouts.every_process(mesh, 0)  # processes= fits the mesh
+    if explicit and rules is not None:
+        assert mesh is not None  # PlanOptions refuses rules without a mesh
+        sharding_lib.check_rules(rules, mesh)
+    elif not explicit:
+        requests.check_mesh_names(root, available.values(), mesh, rules, options.strict)
+    if explicit:
+        placed, n_values = _placed_by_target(
+            root, manifest, available, options.target, options.shardings, options.casting
+        )
+    else:
+        chosen: dict = {}  # tensors share a few (shape, dtype, saved sharding, axes): once each
+        placed = [_on_mesh(av, mesh, rules, chosen) for av in available.values()]
+        n_values = len(manifest.values)
+    device_bytes, process_bytes = IndexedBytes(), IndexedBytes()
+    if mesh is not None:  # every device and process of the mesh is listed, 0 if it holds none
+        layouts.add_devices(mesh, 0, device_bytes)
+        process_bytes.merge(layouts.every_process(mesh, 0))
+    laid: dict = {}  # (shape, dtype, NamedSharding) -> its placement, computed once
+    read_by: dict[int, list] = {}  # id -> [read bytes, tensors reading as much]: merged once
+    tensors = [_tensor_plan(p, layouts, device_bytes, read_by, laid) for p in placed]
+    for reads, count in read_by.values():
+        process_bytes.merge(reads, times=count)
+    _read_on_host(tensors, layouts, mesh, process_bytes)
+    unmatched = ()
+    if not explicit and rules is not None:
+        names = {n for av in available.values() for n in av.logical_axes or () if n is not None}
+        unmatched = tuple(sharding_lib.unmatched_rules(rules, names))
+    return RestorePlan(root, tensors, device_bytes, process_bytes, n_values, unmatched)
+
+
+def _placed_by_target(root, manifest, available, target, shardings, casting):
+    """``restore(target=/shardings=)``'s placement of each tensor the target names (see
+    ``_explicit``), and how many saved values it names. A name the checkpoint lacks is an
+    error, as in restore."""
+    values = {e.key for e in manifest.values}
+    placed, n_values = [], 0
+    reqs, _ = requests.requests_from_target(target, shardings)
+    for req in reqs:
+        key = tuple(str(k) for k in req.key)
+        if key in available:
+            placed.append(_explicit(available[key], req, casting))
+        elif key in values:
+            n_values += 1
+        else:
+            raise model.not_found(fmt.key_to_str(key), f"the checkpoint {root}", available)
+    return placed, n_values
+
+
+def _tensor_plan(placed, layouts, device_bytes, read_by: dict, laid: dict) -> TensorPlan:
+    """One tensor's plan from its placement (available tensor, dtype, sharding or None,
+    not_divisible, error); its device bytes added to the totals, its read bytes counted in
+    ``read_by`` (id -> [read bytes, how many tensors read them]). A tensor on host
+    gets its read bytes from ``_read_on_host`` once every process is known. ``laid`` keeps
+    each ``NamedSharding``'s placement of a shape and dtype (tensors share their read bytes,
+    which nothing changes)."""
+    av, dtype, sharding, not_divisible, error = placed
+    per_device, reads, replicated = None, IndexedBytes(), False
+    if error is None and sharding is None:
+        per_device = 0
+    elif error is None:
+        key = (av.shape, dtype, sharding) if isinstance(sharding, NamedSharding) else None
+        if key is not None and key in laid:
+            per_device, reads, replicated = laid[key]
+            layouts.add_devices(sharding.mesh, per_device, device_bytes)
+        else:
+            itemsize = np.dtype(dtype).itemsize
+            per_device, reads = layouts.place(av.shape, sharding, itemsize, device_bytes)
+            replicated = math.prod(av.shape) > 1 and _fully_replicated(sharding)
+            if key is not None:
+                laid[key] = per_device, reads, replicated
+        read_by.setdefault(id(reads), [reads, 0])[1] += 1
+    return TensorPlan(
+        name=av.name,
+        shape=av.shape,
+        dtype=_dtype_text(dtype),
+        partition_spec=sharding.spec if isinstance(sharding, NamedSharding) else None,
+        bytes_per_device=per_device,
+        read_bytes=reads,
+        replicated=replicated,
+        on_host=error is None and sharding is None,
+        not_divisible=not_divisible,
+        error=error,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_text(dtype) -> str:
+    """``str(dtype)``, which numpy builds in Python: once per dtype, not once per tensor."""
+    return str(dtype)
+
+
+def _read_on_host(tensors: list[TensorPlan], layouts, mesh, process_bytes) -> None:
+    """Host numpy: every process reads the whole tensor (its plan and the totals updated)."""
+    on_host = [i for i, t in enumerate(tensors) if t.on_host]
+    if not on_host:
+        return
+    readers = layouts.every_process(mesh, 0) if mesh is not None else process_bytes.zeros_like()
+    if not len(readers):
+        readers = IndexedBytes.points({p: 0 for p in range(jax.process_count())})
+    for i in on_host:
+        t = tensors[i]
+        reads = readers.plus(math.prod(t.shape) * np.dtype(t.dtype).itemsize)
+        tensors[i] = dataclasses.replace(t, read_bytes=reads)
+        process_bytes.merge(reads)
+
+
+def _on_mesh(av: model.Available, mesh, rules, chosen: dict):
+    """``restore(mesh=, rules=)``'s choice for one tensor (see ``requests.placed_requests``),
+    kept in ``chosen`` for the next tensor of the same shape, dtype, saved sharding and axes."""
+    key = (av.shape, av.dtype, av.saved_sharding, av.logical_axes)
+    if key not in chosen:
+        wide = np.dtype(jax.dtypes.canonicalize_dtype(av.dtype)) != np.dtype(av.dtype)
+        if wide:  # 64-bit without jax_enable_x64 stays on host, exact
+            chosen[key] = None, ()
+        else:
+            sharding = sharding_lib.sharding_for(
+                av.shape,
+                mesh=mesh,
+                saved=av.saved_sharding,
+                logical_axes=av.logical_axes,
+                rules=rules,
+            )
+            chosen[key] = sharding, _not_divisible(av, sharding.spec, mesh, rules)
+    sharding, not_divisible = chosen[key]
+    return av, av.dtype, sharding, not_divisible, None
+
+
+def _explicit(av: model.Available, req: model.Request, casting: str):
+    """``restore(target=/shardings=)``'s checks for one tensor, as a message instead of raised."""
+    dtype, error = np.dtype(req.dtype) if req.dtype is not None else av.dtype, None
+    try:
+        model.check_tensor_request(av.name, req, av, "the checkpoint", casting)
+    except (CheckpointError, RequestError) as e:
+        error = str(e)
+    return av, dtype, req.sharding, (), error
+
+
+def _not_divisible(av: model.Available, got: PartitionSpec, mesh, rules) -> tuple[str, ...]:
+    """The dimensions the saved PartitionSpec or the rules wanted split over mesh axes whose
+    size does not divide them (``sharding_for`` replicates those)."""
+    padded = tuple(got) + (None,) * (len(av.shape) - len(got))
+    wanted: list[list[tuple[str, ...]]] = [[] for _ in av.shape]
+    if rules is not None and av.logical_axes is not None:
+        for dim, logical in enumerate(av.logical_axes):
+            for rule_name, mesh_axes in rules if logical is not None else ():
+                if rule_name == logical:
+                    if not axes_of(mesh_axes):
+                        break  # explicitly replicated
+                    wanted[dim].append(axes_of(mesh_axes))
+    elif av.saved_sharding is not None:
+        for dim, entry in enumerate(av.saved_sharding.partition_spec[: len(av.shape)]):
+            axes = axes_of(entry)
+            if axes and all(a in mesh.shape for a in axes):
+                wanted[dim].append(axes)
+    out = []
+    for dim, (size, have) in enumerate(zip(av.shape, padded)):
+        if have is not None:
+            continue
+        for axes in wanted[dim]:
+            k = math.prod(mesh.shape[a] for a in axes)
+            if size % k:
+                out.append(
+                    f"dimension {dim} (size {size}) is not divisible by mesh axis "
+                    f"{'×'.join(axes)!r} (size {k}): replicated"
+                )
+                break
+    return tuple(out)
+
+
+def _fully_replicated(sharding) -> bool:
+    if isinstance(sharding, NamedSharding):
+        return all(not axes_of(entry) for entry in sharding.spec)
+    return bool(sharding.is_fully_replicated)
+
+
+class IndexedBytes(Mapping[int, int]):
+    """Device or process index → bytes, kept as a few numbers however many indices there are.
+
+    A mesh of 10**8 devices holds every tensor of a ``NamedSharding`` evenly, so its devices
+    are one run ``0..n-1`` with the same bytes: runs are stored as (length, bytes), and only
+    indices that differ (devices of concrete shardings, processes of an uneven split) one by
+    one. ``lowest``/``highest`` are computed from the runs; iterating lists every index.
+    """
+
+    def __init__(self):
+        self._runs: dict[int, int] = {}  # n → bytes added to each index 0..n-1
+        self._points: dict[int, int] = {}
+        self._groups: dict[Any, list] = {}  # key → [indices, bytes added to each]
+
+    @classmethod
+    def run(cls, n: int, value: int) -> IndexedBytes:
+        out = cls()
+        out._runs[int(n)] = int(value)
+        return out
+
+    @classmethod
+    def points(cls, values: Mapping[int, int]) -> IndexedBytes:
+        out = cls()
+        out._points = {int(k): int(v) for k, v in values.items()}
+        return out
+
+    def add_run(self, n: int, value: int) -> None:
+        self._runs[n] = self._runs.get(n, 0) + value
+
+    def add(self, index: int, value: int) -> None:
+        self._points[index] = self._points.get(index, 0) + value
+
+    def add_group(self, key, indices: tuple[int, ...], value: int) -> None:
+        """``value`` more on each of ``indices`` (e.g. a concrete mesh's devices), added up per
+        ``key`` and spread over the indices once read.
+
+        Args:
+            key: what the bytes belong to (counted once per key).
+            indices: the devices or processes holding them.
+            value: the bytes each holds.
+        """
+        self._groups.setdefault(key, [indices, 0])[1] += value
+
+    def _fold(self) -> None:
+        groups, self._groups = self._groups, {}
+        for indices, value in groups.values():
+            for index in indices:
+                self.add(index, value)
+
+    def merge(self, other: IndexedBytes, times: int = 1) -> None:
+        """``other``'s bytes added ``times`` over (tensors sharing one placement: once)."""
+        other._fold()
+        for n, value in other._runs.items():
+            self.add_run(n, value * times)
+        for index, value in other._points.items():
+            self.add(index, value * times)
+
+    def zeros_like(self) -> IndexedBytes:
+        """The same indices, each 0."""
+        self._fold()
+        out = IndexedBytes()
+        out._runs = dict.fromkeys(self._runs, 0)
+        out._points = dict.fromkeys(self._points, 0)
+        return out
+
+    def plus(self, value: int) -> IndexedBytes:
+        """The same indices, each ``value`` more."""
+        self._fold()
+        out = IndexedBytes()
+        out._runs = dict(self._runs)
+        out._points = dict(self._points)
+        span = self._span()
+        if span:
+            out.add_run(span, value)
+        for index in self._points:
+            if not 0 <= index < span:
+                out.add(index, value)
+        return out
+
+    def _span(self) -> int:
+        self._fold()
+        return max(self._runs, default=0)
+
+    def __getitem__(self, index) -> int:
+        self._fold()
+        if index not in self:
+            raise KeyError(index)
+        value = sum(v for n, v in self._runs.items() if index < n)
+        return value + self._points.get(index, 0)
+
+    def __contains__(self, index) -> bool:
+        if not isinstance(index, (int, np.integer)) or isinstance(index, bool):
+            return False
+        return bool(0 <= index < self._span() or index in self._points)
+
+    def __len__(self) -> int:
+        span = self._span()
+        return span + sum(1 for i in self._points if not 0 <= i < span)
+
+    def __iter__(self):
+        span = self._span()
+        yield from range(span)
+        yield from sorted(i for i in self._points if not 0 <= i < span)
+
+    def _segments(self):
+        """(first index, value) of each group of indices holding one value, plus every
+        explicit index: what ``lowest``/``highest`` need, without walking every index."""
+        self._fold()
+        bounds = sorted({0, *self._runs})
+        for lo, hi in itertools.pairwise(bounds):
+            base = sum(v for n, v in self._runs.items() if lo < n)
+            inside = [i for i in self._points if lo <= i < hi]
+            if len(inside) < hi - lo:  # an index with no explicit value
+                free = next(i for i in range(lo, hi) if i not in self._points)
+                yield free, base
+            for i in inside:
+                yield i, base + self._points[i]
+        span = self._span()
+        for i, value in self._points.items():
+            if not 0 <= i < span:
+                yield i, value
+
+    def lowest(self) -> int:
+        return min((v for _, v in self._segments()), default=0)
+
+    def highest(self) -> int:
+        return max((v for _, v in self._segments()), default=0)
+
+    def highest_index(self) -> int | None:
+        """An index holding the most (the first such), None when empty."""
+        best = max(self._segments(), key=lambda iv: (iv[1], -iv[0]), default=None)
+        return None if best is None else best[0]
+
+    def __repr__(self) -> str:
+        if len(self) <= 16:
+            return repr(dict(self.items()))
+        return f"IndexedBytes({len(self)} indices, {self.lowest()} to {self.highest()} bytes)"
+
+
+class Layouts:
+    """Devices and processes of meshes (concrete or abstract), and the slices a sharding gives
+    each device, from shapes and PartitionSpecs alone."""
+
+    def __init__(self, mesh, processes: int | None):
+        self._processes = processes
+        self._cache: dict = {}
+        if isinstance(mesh, jax.sharding.Mesh) and processes is not None:
+            raise RequestError(
+                "processes= is for an AbstractMesh; a concrete Mesh knows its devices' processes."
+            )
+
+    def _positions(self, mesh) -> tuple[list[int], list[int]]:
+        """Per mesh position (row-major): device key and process index."""
+        if isinstance(mesh, jax.sharding.Mesh):
+            devices = list(mesh.devices.flat)
+            return [d.id for d in devices], [d.process_index for d in devices]
+        n, p = self._split(mesh)
+        return list(range(n)), [i // (n // p) for i in range(n)]
+
+    def _split(self, mesh) -> tuple[int, int]:
+        """An AbstractMesh's device count and how many processes share it (contiguous blocks)."""
+        n = math.prod(mesh.shape[a] for a in mesh.axis_names)
+        p = 1 if self._processes is None else int(self._processes)
+        if p < 1 or n % p:
+            raise RequestError(
+                f"processes={self._processes} does not split the mesh's {n} devices evenly."
+            )
+        return n, p
+
+    def add_devices(self, mesh, value: int, device_bytes: IndexedBytes) -> None:
+        """``value`` more bytes on every device of ``mesh``."""
+        if isinstance(mesh, jax.sharding.Mesh):
+            device_bytes.add_group(mesh, tuple(d.id for d in mesh.devices.flat), value)
+        else:
+            device_bytes.add_run(self._split(mesh)[0], value)
+
+    def every_process(self, mesh, value: int) -> IndexedBytes:
+        """``value`` for every process holding devices of ``mesh``."""
+        if isinstance(mesh, jax.sharding.Mesh):
+            return IndexedBytes.points({d.process_index: value for d in mesh.devices.flat})
+        return IndexedBytes.run(self._split(mesh)[1], value)
+
+    def place(
+        self, shape, sharding, itemsize: int, device_bytes: IndexedBytes
+    ) -> tuple[int, IndexedBytes]:
+        """Adds what each device holds to ``device_bytes``; returns the most one device holds
+        and the bytes each process reads (its distinct slices), both in bytes.
+
+        A ``NamedSharding`` is computed from shapes and the mesh's axis sizes: every device
+        holds one equal slice (restore requires that the axes divide), and a process reads
+        as many distinct slices as its devices have distinct coordinates on the axes the spec
+        uses, so the cost follows the tensors, not the devices."""
+        if isinstance(sharding, NamedSharding):
+            mesh = sharding.mesh
+            names = tuple(mesh.axis_names)
+            spec = tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))
+            used = frozenset(names.index(a) for entry in spec for a in axes_of(entry))
+            elements = math.prod(
+                size // math.prod(mesh.shape[a] for a in axes_of(entry))
+                for size, entry in zip(shape, spec)
+            )
+            slice_bytes = elements * itemsize
+            self.add_devices(mesh, slice_bytes, device_bytes)
+            counts = self._distinct_slices(mesh, used)
+            if isinstance(counts, tuple):  # (processes, slices each)
+                return slice_bytes, IndexedBytes.run(counts[0], counts[1] * slice_bytes)
+            return slice_bytes, IndexedBytes.points({p: c * slice_bytes for p, c in counts.items()})
+        # any other sharding is concrete (its devices exist): ask it
+        largest, distinct = 0, {}
+        for d, index in sharding.devices_indices_map(tuple(shape)).items():
+            box = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+            n_bytes = math.prod(b - a for a, b in box) * itemsize
+            device_bytes.add(d.id, n_bytes)
+            largest = max(largest, n_bytes)
+            distinct.setdefault(d.process_index, {})[box] = n_bytes
+        return largest, IndexedBytes.points({p: sum(b.values()) for p, b in distinct.items()})
+
+    def _distinct_slices(self, mesh, used: frozenset):
+        """Per process, how many distinct slices its devices hold of a tensor whose spec uses
+        the mesh axes ``used``: ``(processes, count)`` when every process holds as many, else
+        {process: count}. Cached per mesh and axes (tensors share a few)."""
+        key = (mesh, used)
+        if key not in self._cache:
+            self._cache[key] = self._count_slices(mesh, used)
+        return self._cache[key]
+
+    def _count_slices(self, mesh, used: frozenset):
+        sizes = tuple(mesh.shape[a] for a in mesh.axis_names)
+        if isinstance(mesh, jax.sharding.Mesh):  # real devices: look at each
+            seen: dict[int, set] = {}
+            for coords in np.ndindex(*sizes):
+                device: Any = mesh.devices[coords]
+                process = device.process_index
+                seen.setdefault(process, set()).add(tuple(coords[a] for a in sorted(used)))
+            return {p: len(s) for p, s in seen.items()}
+        n, p = self._split(mesh)
+        block = n // p  # process q holds positions q*block .. (q+1)*block-1 (row-major)
+        in_spec = tuple(a in used for a in range(len(sizes)))
+        for axis in range(len(sizes)):  # blocks that are boxes: the same count everywhere
+            inner = math.prod(sizes[axis + 1 :])
+            if block % inner == 0 and sizes[axis] % (block // inner) == 0:
+                count = block // inner if in_spec[axis] else 1
+                count *= math.prod(s for s, u in zip(sizes[axis + 1 :], in_spec[axis + 1 :]) if u)
+                return (p, count)
+        row = n // sizes[0] if sizes else 1
+        memo: dict[int, int] = {}
+        counts = {}
+        for q in range(p):  # an uneven split: the count depends on where the block starts
+            start = q * block % row
+            if start not in memo:
+                memo[start] = _distinct_projections([(start, start + block)], sizes, in_spec)
+            counts[q] = memo[start]
+        return counts
+
+    def device_slices(self, shape, spec, mesh):
+        """(device, process, ((start, stop) per dimension)) for each position of ``mesh``, as
+        ``NamedSharding.devices_indices_map`` would give (the axes of one entry major first)."""
+        names = tuple(mesh.axis_names)
+        sizes = tuple(mesh.shape[a] for a in names)
+        spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+        dims = [[names.index(a) for a in axes_of(entry)] for entry in spec]
+        devices, processes = self._positions(mesh)
+        for position, coords in enumerate(np.ndindex(*sizes)):
+            box = []
+            for size, axes in zip(shape, dims):
+                parts, index = 1, 0
+                for a in axes:
+                    index = index * sizes[a] + coords[a]
+                    parts *= sizes[a]
+                block = size // parts
+                box.append((index * block, (index + 1) * block))
+            yield devices[position], processes[position], tuple(box)
+
+
+def _distinct_projections(intervals, sizes: tuple[int, ...], in_spec: tuple[bool, ...]) -> int:
+    """How many distinct coordinate tuples on the axes marked ``in_spec`` the mesh positions in
+    ``intervals`` (disjoint [start, stop) ranges of row-major positions of a mesh of ``sizes``)
+    have: the distinct slices a process holding those devices reads. Recurses over the axes,
+    never over positions."""
+    if not intervals:
+        return 0
+    if not sizes:
+        return 1
+    total = math.prod(sizes)
+    everything = math.prod(s for s, u in zip(sizes, in_spec) if u)
+    if intervals == [(0, total)]:
+        return everything
+    row = total // sizes[0]
+    rest = everything // (sizes[0] if in_spec[0] else 1)
+    full, partial = 0, {}
+    for lo, hi in intervals:
+        first, last = lo // row, (hi - 1) // row
+        if first == last:
+            pieces = [(first, lo - first * row, hi - first * row)]
+        else:
+            pieces = [(first, lo - first * row, row), (last, 0, hi - last * row)]
+            full += last - first - 1
+        for r, a, b in pieces:
+            if (a, b) == (0, row):
+                full += 1
+            else:
+                partial.setdefault(r, []).append((a, b))
+    if in_spec[0]:  # rows have distinct coordinates: their slices never coincide
+        return full * rest + sum(
+            _distinct_projections(_merged(p), sizes[1:], in_spec[1:]) for p in partial.values()
+        )
+    if full:
+        return rest
+    merged = _merged([piece for p in partial.values() for piece in p])
+    return _distinct_projections(merged, sizes[1:], in_spec[1:])
+
+
+def _merged(intervals) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return [(a, b) for a, b in out]

@@ -1,0 +1,273 @@
+"""A restore's requests, the JAX part of restoring: one per leaf of a target tree (its
+shardings, an ``AbstractMesh``'s made concrete), or one per tensor ``select`` picks, placed on
+``mesh=`` through the saved PartitionSpecs and logical axes (``rules=``); and ``restore_tree``,
+which runs a restore: the source opened (``sources``), its requests, the read engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import jax
+import numpy as np
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import sharding as sharding_lib
+from jax_ucp._src import tree as tree_lib
+from jax_ucp._src.errors import CheckpointError
+from jax_ucp._src.options import user_stacklevel
+from jax_ucp._src.restoring import engine, sources
+from jax_ucp._src.restoring.engine import OpenedSource
+from jax_ucp._src.restoring.model import Request, short_repr
+from jax_ucp._src.restoring.options import RestoreOptions
+
+
+def restore_tree(path, options: RestoreOptions):
+    """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all: its
+    source opened (a UCP checkpoint, else safetensors read in place), the requests ``options``
+    make of it, read by the engine.
+
+    A concurrent forced save swaps directories: the restore starts over on the new one
+    (``locate.read_consistently``), so the result is never a mix of two saves nor a false
+    "corrupt".
+
+    Args:
+      path: the checkpoint directory, an Orbax step directory holding one UCP item, or
+        safetensors (a file, or a folder of them).
+      options: what to restore and how (checked when constructed).
+    """
+    return sources.read_source(path, options.spec, lambda opened: restore_from(opened, options))
+
+
+def restore_from(opened: OpenedSource, options: RestoreOptions):
+    """A restore from ``opened``, whatever its source: into ``options.target`` / ``.shardings``,
+    or every tensor (or those ``select`` matches) on ``mesh=`` (saved PartitionSpecs and logical
+    axes through ``rules``) or to host.
+
+    Args:
+      opened: the source and what it holds (``engine.OpenedSource``).
+      options: a restore's options.
+    """
+    wanted = requests_for(opened, options)
+    results = engine.read_from(
+        opened.source,
+        wanted.requests,
+        wanted.available,
+        {v.key: v for v in opened.values},
+        casting=options.casting,
+        memory_budget=options.read_budget,
+        replicated_read=options.replicated_read,
+    )
+    return wanted.assemble(results)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wanted:
+    """A restore's requests, what they are read from, and how their results become its tree."""
+
+    requests: list[Request]
+    available: Mapping
+    assemble: Callable[[list], Any]
+
+
+def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
+    """The requests of a restore from ``opened`` (see ``restore_from``) and how to build the
+    result from theirs: the target's structure (flax boxes kept), the saved containers, or the
+    tensors nested by key."""
+    every, values = opened.available, opened.values
+    if options.has_target:  # one request per leaf, the results in the target's structure
+        if options.rules is not None and options.mesh is not None:
+            sharding_lib.check_rules(options.rules, options.mesh)
+        reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh)
+        for r in reqs if options.dtype is not None else ():
+            r.dtype = np.dtype(options.dtype)
+        return Wanted(reqs, every, rebuild)
+    where = opened.source.path
+    if options.mesh is not None:
+        check_mesh_names(where, every.values(), options.mesh, options.rules, options.strict)
+    available, chosen_values = selected(where, every, values, options.select)
+    reqs, key_types = placed_requests(where, available.values(), options)
+    for v in chosen_values:
+        reqs.append(Request(key=v.key))
+        key_types.append(v.key_types)
+    partial, tree = options.select is not None, opened.tree
+
+    def nested(results):
+        if tree is not None:  # the saved containers, NamedTuples included
+            by_key = {r.key: x for r, x in zip(reqs, results)}
+            rebuilt = tree_lib.rebuild_structure(
+                tree, lambda key: by_key.get(key, tree_lib.missing()), partial=partial
+            )
+            return {} if rebuilt is tree_lib.missing() else rebuilt
+        return tree_lib.nest(
+            ((r.key, k, x) for r, k, x in zip(reqs, key_types, results)), partial=partial
+        )
+
+    return Wanted(reqs, available, nested)
+
+
+def _concrete(key, sharding, mesh):
+    """A target's ``NamedSharding`` on an ``AbstractMesh`` (what ``nnx.eval_shape`` under
+    ``jax.set_mesh`` gives) on the concrete mesh: ``mesh=`` or the one set by
+    ``jax.set_mesh``, when its axis names and sizes are the abstract mesh's."""
+    if not (
+        isinstance(sharding, jax.sharding.NamedSharding)
+        and isinstance(sharding.mesh, jax.sharding.AbstractMesh)
+    ):
+        return sharding
+    wanted = dict(sharding.mesh.shape)
+    candidates = [mesh] if mesh is not None else []
+    current = getattr(jax.sharding, "get_mesh", lambda: None)()
+    if current is not None and not getattr(current, "empty", True):
+        candidates.append(current)
+    for candidate in candidates:
+        if isinstance(candidate, jax.sharding.Mesh) and dict(candidate.shape) == wanted:
+            return jax.sharding.NamedSharding(candidate, sharding.spec)
+    found = f"; mesh= has axes {dict(mesh.shape)}" if mesh is not None else ""
+    raise CheckpointError(
+        f"Leaf {fmt.key_to_str(key)!r}: the target's sharding is on an AbstractMesh {wanted} "
+        f"(nnx.eval_shape under jax.set_mesh gives these), which has no devices{found}. Pass "
+        f"the concrete mesh as mesh=, or restore inside `with jax.set_mesh(mesh):`."
+    )
+
+
+def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Callable]:
+    """One request per target leaf, and how the results become the target's structure (flax
+    boxes keep their metadata); shardings (same structure) override the target's own.
+
+    Args:
+        target: the pytree to restore into (None: ``shardings`` are the target).
+        shardings: shardings in the target's structure (override its own).
+        mesh: the concrete mesh for shardings on an ``AbstractMesh``.
+    """
+    boxed = target is not None  # a pytree of shardings as the target: no boxes to keep
+    if target is None:
+        target, shardings = shardings, None
+    leaves, rebuild = tree_lib.target_leaves(target, boxed)
+    overrides = tree_lib.target_leaves(shardings)[0] if shardings is not None else ()
+    shard_by_key = {key: _concrete(key, s, mesh) for key, s in overrides}
+    reqs = []
+    for key, leaf in leaves:
+        if isinstance(leaf, jax.sharding.Sharding):  # a pytree of shardings used as the target
+            reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
+            continue
+        sharding = shard_by_key.get(key, _concrete(key, getattr(leaf, "sharding", None), mesh))
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+            dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
+            reqs.append(Request(key, dtype, shape, sharding, wants_array=True))
+        elif isinstance(leaf, (bool, int, float)):
+            reqs.append(Request(key=key, python_type=type(leaf), sharding=sharding))
+        else:  # None, str, or anything else: take what was saved
+            reqs.append(Request(key=key, sharding=shard_by_key.get(key)))
+    return reqs, rebuild
+
+
+def selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
+    """The tensors and values ``select`` (a regex matched in full against "a/b/c" names, or a
+    predicate on the name) matches (all without it); matching none is an error.
+
+    Args:
+        where: the checkpoint, for the error.
+        every: the tensors it holds, by key path.
+        values: its saved Python values.
+        select: a regex over "/"-joined names, a predicate on the name, or None (all).
+    """
+    if select is None:
+        return dict(every), list(values)
+    if isinstance(select, str):
+        selected = re.compile(select).fullmatch
+    elif callable(select):
+        selected = cast(Callable[[str], Any], select)
+    else:
+        raise TypeError(
+            f"select must be a regex string or a predicate, got {type(select).__name__}."
+        )
+    available = {k: av for k, av in every.items() if selected(fmt.key_to_str(k))}
+    chosen_values = [v for v in values if selected(v.name)]
+    if not available and not chosen_values:
+        tops = sorted({k[0] for k in every if k} | {v.key[0] for v in values if v.key})
+        shown = ", ".join(map(repr, tops[:20])) + (
+            f", … ({len(tops)} in all)" if len(tops) > 20 else ""
+        )
+        example = next(map(fmt.key_to_str, every), values[0].name if values else "params/w")
+        raise CheckpointError(
+            f"select={short_repr(select)} matches no tensor or value of the checkpoint {where}; its "
+            f"top-level names: {shown or 'none'} (a regex is matched in full "
+            f"against '/'-joined names such as {example!r})."
+        )
+    return available, chosen_values
+
+
+def placed_requests(where: str, available, options: RestoreOptions):
+    """One request per tensor of ``available``, placed as ``restore(mesh=, rules=)`` places it
+    (host numpy without a mesh; a 64-bit tensor without jax_enable_x64 stays on host, exact).
+    A tensor saved sharded that comes back replicated without a rule asking for it is named in
+    one ``ReplicationWarning``.
+
+    Args:
+      where: the checkpoint, for the warning.
+      available: ``Available``-like tensors (key, key_types, shape, dtype, saved_sharding,
+        logical_axes).
+      options: the restore's options (mesh, rules, dtype).
+
+    Returns:
+      (requests, key types), one each per tensor.
+    """
+    dtype, mesh, rules = options.dtype, options.mesh, options.rules
+    reqs, key_types, replicated = [], [], []
+    for av in available:
+        want = np.dtype(dtype or av.dtype)
+        sharding = None
+        if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
+            placement: dict[str, Any] = dict(
+                mesh=mesh, saved=av.saved_sharding, logical_axes=av.logical_axes, rules=rules
+            )
+            sharding = sharding_lib.sharding_for(av.shape, **placement)
+            if sharding_lib.replicated_unasked(av.shape, sharding.spec, **placement):
+                replicated.append((av.name, math.prod(av.shape) * want.itemsize))
+        reqs.append(Request(key=av.key, sharding=sharding, dtype=None if dtype is None else want))
+        key_types.append(av.key_types)
+    if replicated:
+        warnings.warn(
+            sharding_lib.replication_warning(where, replicated),
+            sharding_lib.ReplicationWarning,
+            stacklevel=user_stacklevel(),
+        )
+    return reqs, key_types
+
+
+def check_mesh_names(root: str, available, mesh, rules, strict: bool) -> None:
+    """``sharding.check_names`` for the tensors a restore (or plan) with ``mesh=`` would
+    place: the logical names they carry and the mesh axes they were saved with.
+
+    Args:
+        root: the checkpoint, for errors.
+        available: the tensors to place.
+        mesh: the mesh restored onto.
+        rules: the logical-axis rules (or None).
+        strict: also refuse unused rules and mesh axes.
+    """
+    names, axes = set(), set()
+    for av in available:
+        names.update(n for n in av.logical_axes or () if n is not None)
+        saved = av.saved_sharding
+        if saved is not None:
+            axes.update(saved.mesh_axis_names)
+            for entry in saved.partition_spec:
+                axes.update(entry if isinstance(entry, (tuple, list)) else (entry,))
+    axes.discard(None)
+    sharding_lib.check_names(
+        mesh, rules, logical_names=names, saved_axes=axes, where=root, strict=strict
+    )
+    unmatched = sharding_lib.unmatched_rules(rules, names)
+    if unmatched:
+        warnings.warn(
+            sharding_lib.unmatched_rules_message(root, unmatched, names),
+            sharding_lib.ReplicationWarning,
+            stacklevel=user_stacklevel(),
+        )

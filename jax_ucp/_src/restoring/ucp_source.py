@@ -1,0 +1,353 @@
+"""A UCP checkpoint as a source of the read engine: ``CheckpointSource`` (each array opened
+once, read by ``store.shard_reader`` or TensorStore, shard files and objects checked against the
+manifest's digests first), what it offers (``available_tensors``, a spec's views included), and
+the reads exporters, verify and diff make of it (``read``, ``read_rows``). JAX-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+from collections.abc import Iterator, Mapping, Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from jax_ucp._src import bulk, store
+from jax_ucp._src import format as fmt
+from jax_ucp._src.errors import CheckpointError, tensorstore_message
+from jax_ucp._src.format.sizes import format_size
+from jax_ucp._src.restoring.engine import OpenedSource, TensorSource, read_from, tensor_error
+from jax_ucp._src.restoring.model import Available, Request
+from jax_ucp._src.store import shard_file, shard_reader
+
+
+def open_checkpoint(root: str, spec=None) -> OpenedSource:
+    """The checkpoint directory ``root`` (``locate.find_checkpoint_dir``) opened for a restore:
+    its manifest read, what it offers (``spec``'s views of it, or its tensors) and its values."""
+    with bulk.cyclic_gc_paused():  # an object or more per tensor, none dropped
+        manifest = store.read_manifest(root)
+        return OpenedSource(
+            CheckpointSource(root),
+            available_tensors(manifest, spec),
+            manifest.values,
+            tree=manifest.tree if spec is None else None,
+        )
+
+
+def available_tensors(manifest: fmt.Manifest, spec=None) -> dict[tuple[str, ...], Available]:
+    """What a restore may ask for: the saved tensors, or the views ``spec`` makes of them."""
+    by_key = {e.key: e for e in manifest.tensors}
+    if spec is None:
+        return {
+            e.key: Available(
+                key=e.key,
+                key_types=e.key_types,
+                shape=e.shape,
+                dtype=fmt.to_numpy_dtype(e.dtype),
+                sources=(e,),
+                build=lambda opened, k=e.key: opened[k],
+                saved_sharding=e.saved_sharding,
+                logical_axes=e.logical_axes,
+                stored=True,
+            )
+            for e in manifest.tensors
+        }
+    from jax_ucp._src import (
+        language,  # restore-time transforms (stack/unstack/split/merge/transpose)
+    )
+
+    saved = {
+        k: language.TensorInfo(shape=e.shape, dtype=fmt.to_numpy_dtype(e.dtype))
+        for k, e in by_key.items()
+    }
+    out = {}
+    for key, plan in language.compile_restore_plan(spec, saved).items():
+        srcs = tuple(by_key[s] for s in plan.sources)
+        view = Available.view(key, plan, srcs)
+        if len(srcs) == 1 and srcs[0].key == view.key and view.shape == srcs[0].shape:
+            axes = srcs[0].logical_axes if view.logical_axes is None else view.logical_axes
+            view = dataclasses.replace(  # the stored tensor under its own name
+                view,
+                key_types=srcs[0].key_types,
+                saved_sharding=srcs[0].saved_sharding,
+                logical_axes=axes,
+            )
+        out[view.key] = view
+    return out
+
+
+def read(
+    root: str,
+    manifest: fmt.Manifest,
+    requests: Sequence[Request],
+    *,
+    spec=None,
+    available: Mapping | None = None,
+    casting: str = "same_kind",
+    memory_budget: int | None = None,
+    replicated_read: str | None = None,
+) -> list:
+    """``engine.read_from`` the checkpoint at ``root``: jax.Array (a request with a sharding),
+    np.ndarray, or the saved Python value, in request order.
+
+    Args:
+      root: the checkpoint directory (holding ucp.json).
+      manifest: its manifest.
+      requests: what to read, one result per request.
+      spec: a UCP-language spec whose views the requests name (when ``available`` is None).
+      available: what may be read (``available_tensors``); None: computed from the manifest.
+      casting: numpy's casting rule for the requests' dtypes.
+      memory_budget: host bytes of read buffers in flight (None: 256 MiB).
+      replicated_read: "each" (None) or "once" (``restoring.replicated``).
+    """
+    return read_from(
+        CheckpointSource(root),
+        requests,
+        available if available is not None else available_tensors(manifest, spec),
+        {e.key: e for e in manifest.values},
+        casting=casting,
+        memory_budget=memory_budget,
+        replicated_read=replicated_read,
+    )
+
+
+def read_rows(
+    root: str,
+    manifest: fmt.Manifest,
+    key: tuple[str, ...],
+    *,
+    available: Mapping,
+    dtype: np.dtype | None = None,
+    casting: str = "same_kind",
+    max_bytes: int,
+) -> Iterator[np.ndarray]:
+    """Tensor ``key`` as consecutive slabs of rows (the first axis), each read as ``read`` reads
+    (digests, crc32c, casting) and holding at most ``max_bytes`` of read and converted data
+    (one row at least; whole inner chunks where the stored layout allows): a writer streams a
+    tensor of any size in bounded memory. A 0-d or empty tensor is one slab."""
+    found = available[key]
+    out_dtype = found.dtype if dtype is None else np.dtype(dtype)
+    for rows in row_ranges(found, out_dtype, max_bytes):
+        request = Request(key, dtype=out_dtype, rows=rows)
+        (slab,) = read(
+            root,
+            manifest,
+            [request],
+            available=available,
+            casting=casting,
+            memory_budget=max_bytes,
+        )
+        yield slab
+        del slab
+
+
+def row_ranges(found: Available, dtype: np.dtype, max_bytes: int) -> list:
+    """The ``rows`` of each slab ``read_rows`` reads (``[None]``: the whole tensor at once).
+
+    Args:
+        found: the tensor as found in the checkpoint.
+        dtype: the dtype it is read into (a cast holds both copies of a row).
+        max_bytes: bytes a slab may hold.
+    """
+    shape = found.shape
+    if not shape or not math.prod(shape):
+        return [None]
+    row = math.prod(shape[1:]) * (found.dtype.itemsize + (dtype != found.dtype) * dtype.itemsize)
+    step = max(1, max_bytes // max(row, 1))
+    inner = found.sources[0].inner_chunk_shape[0] if found.stored and found.sources else 1
+    if step > inner:  # whole inner chunks: none decoded twice
+        step -= step % inner
+    return [(lo, min(lo + step, shape[0])) for lo in range(0, shape[0], step)]
+
+
+class CheckpointSource(TensorSource):
+    """A UCP checkpoint's arrays: each opened once, concurrently, with errors that name tensor
+    and file; read by ``store.shard_reader`` where the layout allows (hardware crc32c, shard
+    digests), by TensorStore elsewhere (after checking every shard file it will open)."""
+
+    metadata = fmt.MANIFEST_FILE
+
+    def __init__(self, root: str):
+        self.root = self.path = root
+        self.where = f"the checkpoint {root}"
+        self.url = store.location.is_url(root)
+        self._context = store.zarr3.read_context()
+        self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
+
+    def files(self, found: Available) -> str:
+        return ", ".join(os.path.join(self.root, s.dir) for s in found.sources)
+
+    def prepare(self, tensors: Sequence[Available]) -> None:
+        """Every array opened at once; in an object store every shard object's digest checked
+        at once, before any read."""
+        sources = {s.key: s for found in tensors for s in found.sources}
+        for src in sources.values():
+            self._open(src)
+        if self.url:
+            verify_shard_objects(self.root, sources.values())
+
+    def _open(self, entry: fmt.TensorEntry) -> None:
+        if entry.key not in self._futures:
+            kv = store.kvstore_config(self.root, entry.dir)
+            if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
+                try:  # an array folder linked out of the checkpoint is never read
+                    fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
+                    fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
+                except FileNotFoundError:
+                    pass  # reported with the tensor's name by _get()
+                except fmt.files.UnsafeFileError as e:
+                    raise tensor_error(entry.name, e) from None
+            self._futures[entry.key] = (entry, store.open_array(kv, context=self._context))
+
+    def _get(self, key) -> ts.TensorStore:
+        entry, fut = self._futures[key]
+        where = os.path.join(self.root, entry.dir)
+        try:
+            t = fut.result()
+        except Exception as e:
+            if not os.path.exists(os.path.join(where, "zarr.json")) and "://" not in where:
+                raise CheckpointError(
+                    f"Tensor {entry.name!r} is listed in {fmt.MANIFEST_FILE} but its "
+                    f"array {where}/zarr.json is missing."
+                ) from e
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: cannot open {where}: {tensorstore_message(e)}"
+            ) from e
+        found_dtype = t.dtype.numpy_dtype
+        if tuple(t.shape) != entry.shape or found_dtype != fmt.to_numpy_dtype(entry.dtype):
+            raise CheckpointError(
+                f"Tensor {entry.name!r}: {where}/zarr.json has shape {tuple(t.shape)} dtype "
+                f"{found_dtype}, but {fmt.MANIFEST_FILE} says shape {entry.shape} dtype {entry.dtype}."
+            )
+        layout = t.chunk_layout
+        found_chunks = (
+            tuple(layout.write_chunk.shape or ()),  # None for a 0-d array
+            tuple(layout.read_chunk.shape or ()),
+        )
+        if entry.shape and found_chunks != (entry.chunk_shape, entry.inner_chunk_shape):
+            raise CheckpointError(  # the manifest's chunks are the ones checked for size
+                f"Tensor {entry.name!r}: {where}/zarr.json has chunk shape {found_chunks[0]} "
+                f"and inner chunk shape {found_chunks[1]}, but {fmt.MANIFEST_FILE} says "
+                f"{entry.chunk_shape} and {entry.inner_chunk_shape}."
+            )
+        return t
+
+    def reader(self, found: Available):
+        """``store.shard_reader`` where the stored array's zarr.json allows it, else the view."""
+        view = found.build({s.key: self._get(s.key) for s in found.sources})
+        entry = found.sources[0]
+        kv = store.kvstore_config(self.root, entry.dir)
+        if not found.stored or kv.get("driver") != "file":
+            return view
+        layout = shard_file.layout_from_metadata(
+            view.spec().to_json().get("metadata", {}), view.dtype.numpy_dtype
+        )
+        if layout is None:
+            return view
+        return shard_reader.ShardReader(
+            kv["path"],
+            layout,
+            view.dtype.numpy_dtype,
+            digests=entry.shard_digests,
+            tensor=entry.name,
+            root=self.root,
+        )
+
+    def check_fits(self, found: Available, limit: int, what: str) -> None:
+        for src in found.sources:  # a reader decodes whole inner chunks
+            chunk = math.prod(src.inner_chunk_shape) * fmt.to_numpy_dtype(src.dtype).itemsize
+            if src.shape and chunk > limit:
+                raise CheckpointError(
+                    f"Tensor {found.name!r} ({os.path.join(self.root, src.dir)}): its inner "
+                    f"chunks of shape {src.inner_chunk_shape} take {format_size(chunk)} each, more "
+                    f"than {what} ({format_size(limit)}); a reader decodes whole chunks. Check the "
+                    f"checkpoint's {fmt.MANIFEST_FILE} and zarr.json (they declare this chunking)."
+                )
+
+    def verify(self, found: Available, reader) -> None:
+        """Read by TensorStore: every shard file it may open checked first (object stores
+        were checked at once, by ``prepare``)."""
+        if not self.url and not isinstance(reader, shard_reader.ShardReader):
+            for src in found.sources:
+                verify_shard_files(self.root, src)
+
+    def unit_rows(self, found: Available) -> int:
+        """The stored array is split on its inner chunks."""
+        return max(1, int(found.sources[0].inner_chunk_shape[0])) if found.stored else 1
+
+
+def verify_shard_files(root: str, entry: fmt.TensorEntry) -> None:
+    """Before TensorStore reads ``entry``: each shard file exists, is a regular file, and (with
+    checksums) is the one the manifest lists (its digest), so a swapped, stale or missing shard
+    is an error naming the file, and a FIFO never blocks the read."""
+    kv = store.kvstore_config(root, entry.dir)
+    if kv.get("driver") != "file":
+        verify_shard_objects(root, [entry])
+        return
+    n_chunks = _chunks_per_shard(entry)
+    for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
+        path = os.path.join(kv["path"], *key.split("/"))
+        with _shard_checked(entry, "file", path):
+            fmt.files.inside(root, f"{entry.dir}/{key}", "shard file")
+            if entry.checksum == "crc32c" and entry.shard_digests is not None:
+                found = shard_reader.file_digest(path, n_chunks)
+                shard_file.check_digest(path, found, entry.shard_digests.get(key), entry.name)
+            else:
+                fmt.files.check_regular(path)
+
+
+def _chunks_per_shard(entry: fmt.TensorEntry) -> int:
+    return math.prod(c // i for c, i in zip(entry.chunk_shape, entry.inner_chunk_shape))
+
+
+@contextlib.contextmanager
+def _shard_checked(entry: fmt.TensorEntry, kind: str, where: str):
+    """A missing shard (``kind``: file or object) or a failed check as an error naming the
+    tensor."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"Tensor {entry.name!r}: shard {kind} {where} is missing (the checkpoint is "
+            f"incomplete)."
+        ) from None
+    except fmt.UCPError as e:
+        raise tensor_error(entry.name, e) from None
+
+
+def verify_shard_objects(root: str, entries) -> None:
+    """``verify_shard_files`` for many tensors in an object store at once: each shard object's
+    digest from its index and chunk trailers, read as byte ranges, all objects' requests issued
+    together (two round trips for a whole restore, where one object after another took two
+    each)."""
+    entries = [e for e in entries if e.checksum == "crc32c" and e.shard_digests is not None]
+    if not entries:
+        return
+    kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
+    shards, owners = [], []
+    for entry in entries:
+        n_chunks = _chunks_per_shard(entry)
+        data_bytes = shard_file.index_offset(
+            entry.inner_chunk_shape,
+            fmt.to_numpy_dtype(entry.dtype),
+            n_chunks,
+            entry.compression,
+        )
+        for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
+            where = store.location.join(root, entry.dir, key)
+            shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
+            owners.append((entry, key, where))
+    for start in range(0, len(shards), _OBJECTS_PER_SWEEP):
+        found = shard_reader.object_digests(shards[start : start + _OBJECTS_PER_SWEEP])
+        for (entry, key, where), digest in zip(owners[start:], found):
+            with _shard_checked(entry, "object", where):
+                if isinstance(digest, BaseException):
+                    raise digest
+                shard_file.check_digest(where, digest, entry.shard_digests.get(key), entry.name)
+
+
+# Shard objects whose digests are read together (each holds its index in memory meanwhile).
+_OBJECTS_PER_SWEEP = 4096

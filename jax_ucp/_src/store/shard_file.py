@@ -1,0 +1,202 @@
+"""The zarr v3 shard files jax_ucp writes itself and reads itself: their layout, shared by
+``shard_writer`` (whole shards from host memory, byte for byte what TensorStore writes) and
+``shard_reader`` (regions read back with pread and the hardware crc32c).
+
+Why not TensorStore's own reads and writes: its wheel computes crc32c in software, several times
+slower than the ``crc32c`` package, which uses the CPU's instruction and releases the GIL (the
+measured difference: docs/BENCHMARKS.md, "Save and restore onto another mesh").
+Our layouts make this simple: a shard is written whole by one writer, uncompressed, and its
+inner chunks (trailing dimensions whole, one dimension cut, earlier ones 1; see ``chunking``) are
+consecutive byte ranges of the C-ordered shard. So the file is: every chunk's bytes, each
+followed by its crc32c, then the shard index (``[offset, nbytes]`` uint64 per chunk,
+little-endian) and its crc32c (``index_location: end``). TensorStore still creates every array
+(``zarr.json``); tests check that the files are identical to the ones TensorStore writes and that
+reads equal TensorStore's. Anything else (compression, lazy TensorStore sources and views,
+non-file kvstores, sub-byte dtypes) goes through TensorStore.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import struct
+import sys
+from collections.abc import Sequence
+
+import crc32c as crc32c_lib
+import numpy as np
+
+from jax_ucp._src.errors import CheckpointError
+from jax_ucp._src.store.zarr3 import ArrayLayout
+
+# Dtypes whose zarr v3 "bytes" encoding is the little-endian in-memory layout (itemsize >= 1).
+# Sub-byte types (int4, float4) are packed differently and are left to TensorStore.
+_BYTES_KINDS = "biufc"
+
+
+_ML_DTYPES_1_2_BYTES = [
+    "bfloat16",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "float8_e4m3fnuz",
+    "float8_e5m2fnuz",
+    "float8_e4m3b11fnuz",
+    "float8_e3m4",
+    "float8_e4m3",
+    "float8_e8m0fnu",
+]
+
+
+def encodable_dtype(dtype: np.dtype) -> bool:
+    """Whether the dtype's zarr "bytes" encoding is its little-endian memory (whole bytes)."""
+    if dtype.name in _ML_DTYPES_1_2_BYTES:
+        return True
+    return dtype.kind in _BYTES_KINDS and dtype.itemsize >= 1 and dtype.byteorder in ("=", "<", "|")
+
+
+def chunks_are_contiguous(shard_shape: Sequence[int], inner: Sequence[int]) -> bool:
+    """True if each inner chunk is one consecutive byte range of the C-ordered shard, in grid order."""
+    cut = max((i for i, (s, c) in enumerate(zip(shard_shape, inner)) if c != s), default=None)
+    if cut is None:
+        return True
+    return all(c == 1 for c in inner[:cut]) and shard_shape[cut] % inner[cut] == 0
+
+
+def shard_key(chunk_position: Sequence[int]) -> str:
+    """zarr v3 "default" chunk key encoding ("/"-separated)."""
+    return "/".join(["c", *(str(int(i)) for i in chunk_position)])
+
+
+def grid_keys(shape: Sequence[int], chunk_shape: Sequence[int]) -> list[str]:
+    """Keys of every shard of an array's chunk grid (none for a zero-size array)."""
+    if 0 in shape:
+        return []
+    grid = (range(-(-n // c)) for n, c in zip(shape, chunk_shape))
+    return [shard_key(pos) for pos in itertools.product(*grid)]
+
+
+def digest_of_trailers(trailers: bytes) -> str:
+    """The shard digest recorded in the manifest: crc32c of the inner chunks' crc32c trailers,
+    concatenated in index order (8 hex digits). Readers check it from the file's own trailers,
+    so a shard file swapped with another one, or left from an older save, is detected."""
+    return f"{crc32c_lib.crc32c(trailers):08x}"
+
+
+_MISSING = (1 << 64) - 1
+
+
+def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | None):
+    """The shard index from its bytes (crc32c included), validated; ``limit``: where the data
+    ends (None: unknown, reads past the end fail later).
+
+    Args:
+        raw: the index bytes (its crc32c last when ``crc``)
+        path: the shard file, for messages
+        n_chunks: inner chunks in the shard
+        crc: the index carries a crc32c
+        limit: where the data ends (None: unknown)
+    """
+    if crc:
+        (stored,) = struct.unpack("<I", raw[-4:])
+        if crc32c_lib.crc32c(raw[:-4]) != stored:
+            raise CheckpointError(f"{path}: crc32c checksum mismatch in the shard index (corrupt)")
+        raw = raw[:-4]
+    index = np.frombuffer(raw, "<u8").reshape(n_chunks, 2)
+    missing = index[:, 0] == _MISSING
+    if missing.any():
+        i = int(np.argmax(missing))
+        raise CheckpointError(
+            f"{path}: inner chunk {i} was never written (the shard is incomplete; jax_ucp never "
+            f"reads missing data as fill values)"
+        )
+    past = limit is not None and (index[:, 0] + index[:, 1] > limit).any()
+    if past or (index[:, 1] < (4 if crc else 0)).any():
+        raise CheckpointError(f"{path}: shard index points past the data (truncated or corrupt)")
+    return index
+
+
+def index_offset(inner_chunk_shape, dtype, n_chunks: int, compression: str | None) -> int | None:
+    """Where the shard index starts in a shard with crc32c chunks, when the layout fixes it
+    (uncompressed, whole-byte dtype: every chunk its bytes + 4); else None.
+
+    Args:
+        inner_chunk_shape: the inner chunks' shape
+        dtype: the array's dtype
+        n_chunks: inner chunks per shard
+        compression: the codec (None: uncompressed)
+    """
+    dtype = np.dtype(dtype)
+    if compression is not None or not encodable_dtype(dtype):
+        return None
+    return n_chunks * (math.prod(inner_chunk_shape) * dtype.itemsize + 4)
+
+
+def check_digest(path: str, found: str, expected: str | None, tensor: str) -> None:
+    """Refuses a shard file the manifest does not list (``expected`` None) or whose digest is
+    not the one it lists for ``tensor``.
+
+    Args:
+        path: the shard file, for messages
+        found: its digest
+        expected: the manifest's (None: not listed)
+        tensor: the tensor's name, for messages
+    """
+    if expected is None:
+        raise CheckpointError(
+            f"Tensor {tensor!r}: {path} is not a shard the manifest lists for it (a stray or "
+            f"misplaced file)"
+        )
+    if found != expected:
+        raise CheckpointError(
+            f"Tensor {tensor!r}: {path} is not the shard file this checkpoint saved there (digest "
+            f"{found}, the manifest says {expected}): swapped with another shard, or left from "
+            f"another save"
+        )
+
+
+def layout_from_metadata(metadata: dict, dtype: np.dtype) -> ArrayLayout | None:
+    """The ``ArrayLayout`` of a zarr v3 array's metadata if ``shard_reader.ShardReader`` can read
+    it, else None."""
+    try:
+        shape = tuple(int(d) for d in metadata["shape"])
+        grid = metadata["chunk_grid"]
+        chunk_shape = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+        key_enc = metadata.get("chunk_key_encoding", {"name": "default"})
+        (codec,) = metadata["codecs"]
+        cfg = codec["configuration"]
+        inner_shape = tuple(int(c) for c in cfg["chunk_shape"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    bytes_le = {"name": "bytes", "configuration": {"endian": "little"}}
+    codecs, index_codecs = cfg.get("codecs"), cfg.get("index_codecs")
+    if codecs and codecs[0] == {"name": "bytes"} and np.dtype(dtype).itemsize == 1:
+        codecs = [bytes_le, *codecs[1:]]  # single-byte types carry no endianness
+    if codecs == index_codecs == [bytes_le]:
+        checksum = None
+    elif codecs == index_codecs == [bytes_le, {"name": "crc32c"}]:
+        checksum = "crc32c"
+    else:
+        return None
+    if (
+        grid.get("name") != "regular"
+        or codec.get("name") != "sharding_indexed"
+        or cfg.get("index_location", "end") != "end"
+        or key_enc.get("name") != "default"
+        or key_enc.get("configuration", {}).get("separator", "/") != "/"
+        or not shape
+        or len(chunk_shape) != len(shape)
+        or len(inner_shape) != len(shape)
+        or 0 in shape
+        or any(s % c for s, c in zip(shape, chunk_shape))
+        or not encodable_dtype(np.dtype(dtype))
+        or sys.byteorder != "little"
+        or any(c % i for c, i in zip(chunk_shape, inner_shape))
+    ):
+        return None
+    return ArrayLayout(
+        shape=shape,
+        dtype=str(metadata["data_type"]),
+        chunk_shape=chunk_shape,
+        inner_chunk_shape=inner_shape,
+        checksum=checksum,
+    )

@@ -1,0 +1,861 @@
+"""Read a torch Distributed Checkpoint (``torch.distributed.checkpoint``) without torch.
+
+Shared by the plain DCP importer (:mod:`torch_dcp`: FSDP1/FSDP2, torchtitan, Accelerate,
+Lightning) and megatron-core's ``torch_dist`` (:mod:`jax_ucp._src.importers.megatron.dcp` adds its own pieces).
+
+On disk: ``.metadata`` (a pickle of ``torch.distributed.checkpoint.metadata.Metadata``: global
+shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, length)) and
+``__R_N.distcp`` files whose byte ranges are each a small ``torch.save`` archive (one chunk) or
+a tensor's raw bytes.
+
+Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
+:mod:`jax_ucp._src.torchfiles.unpickler` with its DCP classes mapped to inert stand-ins, and every
+chunk is an embedded archive read through the same restricted unpickler, memory-mapped.
+
+A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunks have been
+checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
+dtype and shape agree with the metadata.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import itertools
+import math
+import os
+import posixpath
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.torchfiles import unpickler
+
+try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
+    from isal.isal_zlib import crc32 as zip_crc32
+except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
+    from zlib import crc32 as zip_crc32
+
+__all__ = [
+    "DCP_CLASSES",
+    "MAX_METADATA_BYTES",
+    "SUPPORTED_TRANSFORMS",
+    "DcpCheckpoint",
+    "DcpChunk",
+    "DcpObject",
+    "DcpTensor",
+    "check_coverage",
+    "check_disjoint",
+    "open_dcp",
+    "path_standin",
+]
+
+
+# ----------------------------------------------------------------- stand-ins for .metadata
+
+
+class _MetadataIndex(unpickler.StandIn):
+    """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
+
+    qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
+
+    def _key(self):
+        # Checked before hashing: a hostile offset of shared nested tuples would hash in
+        # exponential time.
+        d = self.__dict__
+        fqn, off, index = d.get("fqn"), d.get("offset"), d.get("index")
+        if (
+            not isinstance(fqn, str)
+            or not (
+                off is None or (isinstance(off, (tuple, list)) and all(type(v) is int for v in off))
+            )
+            or not (index is None or type(index) is int)
+        ):
+            raise ValueError(f"bad MetadataIndex {unpickler.short_repr(d)}")
+        return (fqn, tuple(off) if off is not None else None, index)
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(self._key())
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _MetadataIndex) and other._key() == self._key()
+
+
+def _get_layout(name: Any) -> str:
+    if not isinstance(name, str) or not name.startswith("torch."):
+        raise ValueError(f"bad layout name {name!r}")
+    return name
+
+
+def path_standin(*parts: Any) -> str:
+    """A pickled ``pathlib`` path (``REDUCE(PosixPath, parts)``) as the plain string it names:
+    only strings are accepted and nothing on the file system is touched."""
+    if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
+        raise ValueError(f"bad path parts {unpickler.short_repr(parts)}")
+    return posixpath.join(*parts) if parts else "."
+
+
+def _standins() -> dict[str, Any]:
+    m = "torch.distributed.checkpoint.metadata."
+    p = "torch.distributed.checkpoint.planner."
+    d: dict[str, Any] = {
+        m + n: unpickler.standin_class(m + n)
+        for n in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+        )
+    }
+    d[m + "MetadataIndex"] = _MetadataIndex
+    d[m + "_MEM_FORMAT_ENCODING"] = unpickler.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
+    # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
+    # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
+    for owner in ("torch.distributed.checkpoint", "olmo_core.distributed.checkpoint"):
+        name = f"{owner}.filesystem._StorageInfo"
+        d[name] = unpickler.standin_class(name)
+    # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
+    for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
+        d[p + n] = unpickler.standin_class(p + n)
+    d[p + "WriteItemType"] = unpickler.int_enum_standin(p + "WriteItemType")
+    d[p + "LoadItemType"] = unpickler.int_enum_standin(p + "LoadItemType")
+    d["torch.serialization._get_layout"] = _get_layout
+    d["torch.layout"] = _get_layout
+    # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
+    for n in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
+        d["pathlib." + n] = path_standin
+    return d
+
+
+#: Classes a DCP ``.metadata`` pickle may reference, mapped to inert stand-ins.
+DCP_CLASSES: dict[str, Any] = _standins()
+
+#: Largest ``.metadata`` read (it lists every chunk of every tensor: megabytes for big models).
+MAX_METADATA_BYTES = 1 << 30
+
+#: Stream transforms (``_StorageInfo.transform_descriptors``) this reader can undo. megatron-core
+#: writes none; torch's optional extensions (e.g. ``stream.zstd``) are refused by name.
+SUPPORTED_TRANSFORMS: frozenset[str] = frozenset()
+
+
+# ----------------------------------------------------------------- typed view of the metadata
+
+
+@dataclass(frozen=True)
+class DcpChunk:
+    """One saved piece of a tensor: where it sits in the tensor and in which file's bytes."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str  # relative path of the .distcp file
+    byte_offset: int
+    byte_length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DcpTensor:
+    """A tensor of a DCP checkpoint: global shape, dtype and the chunks that tile it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    chunks: tuple[DcpChunk, ...]
+
+    @property
+    def files(self) -> list[str]:
+        return sorted({c.file for c in self.chunks})
+
+
+@dataclass(frozen=True)
+class DcpObject:
+    """A ``BytesStorageMetadata`` entry (megatron ShardedObject: rng state, ``_extra_state``)."""
+
+    name: str
+    file: str
+    byte_offset: int
+    byte_length: int
+
+
+@dataclass
+class DcpCheckpoint:
+    """A parsed, checked ``.metadata``: tensors, pickled objects and the torch version."""
+
+    path: Path
+    tensors: dict[str, DcpTensor]
+    objects: dict[str, DcpObject]
+    version: str | None = None
+    _covered: set[str] = field(default_factory=set, init=False, repr=False, compare=False)
+    _real: dict[str, str] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def file_path(self, name: str) -> str:
+        """The real path of storage file ``name`` (symlinks resolved), refused unless it lies
+        inside the checkpoint folder: a ``.distcp`` linked to a file elsewhere is never read."""
+        real = self._real.get(name)
+        if real is None:
+            try:
+                real = files.inside(self.path, name, f"{self.path / '.metadata'}: storage file")
+            except files.UnsafeFileError as e:
+                raise SourceError(str(e)) from None
+            self._real[name] = real
+        return real
+
+    def check_tensor(self, name: str) -> None:
+        """:func:`check_coverage` of tensor ``name``, once per checkpoint."""
+        if name not in self._covered:
+            check_coverage(self.tensors[name], self.path / ".metadata")
+            self._covered.add(name)
+
+    # -------------------------------------------------------------- reading one tensor
+    def read(self, name: str, rows: int | None = None) -> np.ndarray:
+        """The tensor's global array, assembled from its chunks (checked first).
+
+        ``rows`` keeps only the first ``rows`` entries of dim 0 (vocab padding stripped without
+        ever materialising the padded tensor); chunks wholly past it are not read."""
+        t = self.tensors[name]
+        if rows is not None and (not t.shape or not 0 <= rows <= t.shape[0]):
+            raise SourceError(
+                f"tensor {name!r} in {self.path}: cannot keep {rows} rows of shape {list(t.shape)}"
+            )
+        return self._assemble(t, 0, t.shape[0] if rows is None and t.shape else rows)
+
+    def read_rows(self, name: str, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of dim 0 of the tensor, from the chunks that overlap them only
+        (memory: the rows, not the tensor): a tensor over the memory budget in row slabs."""
+        t = self.tensors[name]
+        if not t.shape or not 0 <= start <= stop <= t.shape[0]:
+            raise SourceError(
+                f"tensor {name!r} in {self.path}: no rows {start}:{stop} in shape {list(t.shape)}"
+            )
+        return self._assemble(t, start, stop)
+
+    def _assemble(self, t: DcpTensor, start: int, stop: int | None) -> np.ndarray:
+        """Rows ``start:stop`` of ``t`` (``stop`` None: a 0-d tensor) put together in place."""
+        self.check_tensor(t.name)
+        self.check_files([t])  # so what is allocated below is at most the bytes on disk
+        shape = t.shape if stop is None else (stop - start, *t.shape[1:])
+        # its own mapping, unmapped once the writer drops it: glibc keeps freed blocks under its
+        # dynamic mmap threshold (up to 32 MiB) resident in the heap (+120 MiB measured)
+        out = writer.unpooled_empty(shape, t.dtype)
+        jobs = []
+        for c in t.chunks:
+            sl = [slice(o, o + s) for o, s in zip(c.offsets, c.sizes)]
+            skip = 0
+            if stop is not None:
+                low, high = max(start, c.offsets[0]), min(stop, c.offsets[0] + c.sizes[0])
+                if low > high or (low == high and c.sizes[0]):
+                    continue  # outside the rows (an empty chunk before them too)
+                sl[0] = slice(low - start, high - start)
+                skip = low - c.offsets[0]
+            jobs.append((c, out[(*sl, Ellipsis)], skip))  # a view, also when 0-d
+        if len(jobs) > 1 and out.nbytes >= PARALLEL_BYTES:
+            # preadv and the CRC release the GIL: the chunks (one per rank) are read at once
+            futures = [_pool().submit(self._read_chunk_into, t, c, r, k) for c, r, k in jobs]
+            concurrent.futures.wait(futures)
+            for f in futures:
+                f.result()
+        else:
+            for c, region, skip in jobs:
+                self._read_chunk_into(t, c, region, skip)
+        return out
+
+    def _read_chunk_into(
+        self, t: DcpTensor, c: DcpChunk, region: np.ndarray, skip: int = 0
+    ) -> None:
+        """Chunk ``c`` into ``region`` (its place in the tensor, or rows of it from its row
+        ``skip`` on).
+
+        When the chunk's bytes are exactly the region's (a contiguous storage holding just this
+        chunk, a row shard of a C-order tensor: what FSDP and torchtitan write) they are read
+        with ``preadv`` straight into it and their zip CRC-32 is computed on them there, a few
+        MiB at a time while they are in the CPU cache: one copy, one pass. Anything else goes
+        through :meth:`read_chunk` (CRC on the mapped bytes, then a copy)."""
+        if (
+            not skip
+            and region.flags.c_contiguous
+            and region.shape == tuple(c.sizes)
+            and region.size
+            and not c.transforms
+        ):
+            where, fpath, raw, archive = self._chunk_bytes(t, c)
+            if archive:
+                arr, unchecked = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where, True)
+                _check_chunk(arr, t, c, where)
+                members = list(unchecked.values())
+                if len(members) == 1 and arr.flags.c_contiguous:
+                    start, size, crc = members[0]
+                    if size == arr.nbytes and _address(arr) - _address(raw) == start:
+                        pread_into(fpath, c.byte_offset + start, region, crc, where)
+                        return
+                for start, size, crc in members:  # a view of a larger storage: check all
+                    view = raw[start : start + size]
+                    _check_crc(mapped_file.crc32(view, 0, zip_crc32, where), crc, where)
+                mapped_file.copy_into(region, arr, where)
+                return
+            if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
+                pread_into(fpath, c.byte_offset, region, None, where)
+                return
+        arr = self.read_chunk(t, c)
+        first = (slice(skip, skip + region.shape[0]),) if region.ndim else ()
+        part = arr[(*first, *(slice(0, n) for n in region.shape[1:]))]
+        mapped_file.copy_into(region, part, self._where(t, c))
+
+    def _where(self, t: DcpTensor, c: DcpChunk) -> str:
+        return f"tensor {t.name!r} chunk at offsets {list(c.offsets)} in {self.path / c.file}"
+
+    def _chunk_bytes(self, t: DcpTensor, c: DcpChunk) -> tuple[str, Path, np.ndarray, bool]:
+        """(``c`` named in errors, its file, its mapped bytes, whether they are a torch.save
+        archive rather than a tensor's raw bytes)."""
+        where, fpath = self._where(t, c), Path(self.file_path(c.file))
+        raw = _file_range(fpath, c.byte_offset, c.byte_length, where)
+        return where, fpath, raw, mapped_file.read_bytes(raw, 0, 4, where) == b"PK\x03\x04"
+
+    def read_chunk(self, t: DcpTensor, c: DcpChunk) -> np.ndarray:
+        for tr in c.transforms:
+            if tr not in SUPPORTED_TRANSFORMS:
+                raise SourceError(
+                    f"{self._where(t, c)}: unsupported transform descriptor {tr!r} "
+                    f"(supported: {sorted(SUPPORTED_TRANSFORMS) or 'none'})"
+                )
+        where, fpath, raw, archive = self._chunk_bytes(t, c)
+        if archive:
+            arr, _ = _load_embedded(raw, f"{fpath}@{c.byte_offset}", where)
+        else:  # torch's raw (non-torch.save) serialization: the bytes of a contiguous tensor
+            n = math.prod(c.sizes) * t.dtype.itemsize
+            if raw.size != n:
+                raise SourceError(
+                    f"{where}: {raw.size} raw bytes, expected {n} ({list(c.sizes)} x {t.dtype})"
+                )
+            arr = raw.view(t.dtype.newbyteorder("<")).reshape(c.sizes)
+        _check_chunk(arr, t, c, where)
+        return arr
+
+    def read_range(self, name: str, start: int, end: int) -> np.ndarray:
+        """Elements ``[start, end)`` of the 1-D tensor ``name``, from the chunks that overlap
+        them only (memory: the range, not the tensor).
+
+        Args:
+            name: the 1-D tensor.
+            start: the first element.
+            end: one past the last element.
+        """
+        t = self.tensors[name]
+        if len(t.shape) != 1 or not 0 <= start <= end <= t.shape[0]:
+            raise SourceError(f"tensor {name!r}: range [{start}, {end}) of shape {list(t.shape)}")
+        return self._assemble(t, start, end)
+
+    def read_object(self, name: str, extra_classes=None) -> Any:
+        """Unpickle a ShardedObject payload (restricted; unknown classes are refused)."""
+        o = self.objects[name]
+        where = f"object {name!r} in {self.path / o.file}"
+        fpath = Path(self.file_path(o.file))
+        raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
+        return _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)[
+            0
+        ]
+
+    def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
+        """Every file the metadata references (or ``tensors``' chunks reference) exists and is
+        long enough."""
+        sizes: dict[str, int] = {}
+        objects = self.objects.values() if tensors is None else ()
+        for name, file, end in itertools.chain(
+            (
+                (t.name, c.file, c.byte_offset + c.byte_length)
+                for t in (self.tensors.values() if tensors is None else tensors)
+                for c in t.chunks
+            ),
+            ((o.name, o.file, o.byte_offset + o.byte_length) for o in objects),
+        ):
+            if file not in sizes:
+                p = Path(self.file_path(file))
+                if os.path.lexists(p):
+                    try:
+                        files.check_regular(str(p))
+                    except (files.UnsafeFileError, FileNotFoundError) as e:
+                        what = e if isinstance(e, files.UnsafeFileError) else f"{p}: dangling link"
+                        raise SourceError(f"tensor {name!r}: shard {what}") from None
+                sizes[file] = p.stat().st_size if p.is_file() else -1
+            if sizes[file] < 0:
+                raise SourceError(
+                    f"tensor {name!r}: shard file {self.path / file} is missing "
+                    f"(referenced by {self.path / '.metadata'})"
+                )
+            if sizes[file] < end:
+                raise SourceError(
+                    f"tensor {name!r}: shard file {self.path / file} has {sizes[file]} bytes, "
+                    f"metadata needs {end} (truncated)"
+                )
+
+
+#: Most corner coordinates :func:`check_coverage` sorts for one tensor (chunks x 2**split dims x
+#: (split dims + 1)): 256 MiB of int64. A million chunks split along 3 dims stays below it.
+MAX_COVERAGE_CORNERS = 1 << 25
+
+
+def check_coverage(t: DcpTensor, where: Path | str) -> None:
+    """Every element of ``t`` comes from exactly one chunk: each chunk inside the global shape,
+    no two overlapping (in the tensor or in their bytes), their element counts summing to the
+    tensor's, each chunk's stored bytes at least its elements' bytes. Counted in Python ints: a
+    shape like [2**62, 32] must not wrap to 0 in int64 and pass with no chunk at all.
+
+    O(n log n) in the chunk count (:func:`_tiling_witness`): a .metadata of 10**5 chunks is
+    checked in a fraction of a second, not the minutes a pairwise check takes."""
+    nd = len(t.shape)
+    total = 0
+    for c in t.chunks:
+        place = f"chunk at offsets {list(c.offsets)} sizes {list(c.sizes)} in {c.file}"
+        if len(c.offsets) != nd or len(c.sizes) != nd:
+            raise SourceError(
+                f"tensor {t.name!r} in {where}: {place}: rank {len(c.sizes)}, the tensor's is {nd}"
+            )
+        if any(o < 0 or s < 0 or o + s > g for o, s, g in zip(c.offsets, c.sizes, t.shape)):
+            raise SourceError(
+                f"tensor {t.name!r} in {where}: {place} exceeds the global shape {list(t.shape)}"
+            )
+        count = math.prod(c.sizes)
+        if count * t.dtype.itemsize > c.byte_length:
+            raise SourceError(
+                f"tensor {t.name!r} in {where}: {place}: declares {count * t.dtype.itemsize} "
+                f"bytes ({t.dtype}), its storage entry holds only {c.byte_length}"
+            )
+        total += count
+    want = math.prod(t.shape)
+    incomplete = (
+        f"tensor {t.name!r} in {where}: incomplete shard coverage: chunks hold {total} of "
+        f"{want} elements of shape {list(t.shape)} (files {t.files})"
+    )
+    if total < want:
+        raise SourceError(incomplete)
+    witness = _tiling_witness(t, where)
+    if witness is not None:
+        element, holders = witness
+        if not holders:
+            raise SourceError(f"{incomplete}; element {element} is in no chunk")
+        a, b = holders[:2]
+        raise SourceError(
+            f"tensor {t.name!r}: overlapping shards: {list(a.offsets)}+{list(a.sizes)} in "
+            f"{a.file} and {list(b.offsets)}+{list(b.sizes)} in {b.file} both hold element "
+            f"{element} ({where})"
+        )
+    ranges = sorted(
+        (c.file, c.byte_offset, c.byte_offset + c.byte_length) for c in t.chunks if c.byte_length
+    )
+    for (file_a, _, end_a), (file_b, start_b, _) in itertools.pairwise(ranges):
+        if file_a == file_b and start_b < end_a:
+            raise SourceError(
+                f"tensor {t.name!r} in {where}: two chunks share bytes [{start_b}, "
+                f"{min(end_a, start_b + 1)}...) of {file_a}; each chunk has its own bytes"
+            )
+
+
+def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[DcpChunk]] | None:
+    """None when the chunks (each inside the shape) tile ``t.shape`` exactly, else an element
+    that is in no chunk or in several, and the chunks holding it.
+
+    Why this is exact: let ``g = sum of the chunks' indicator functions - the tensor's``. The
+    chunks tile the tensor iff ``g == 0``. The mixed difference of a box's indicator is +-1 at
+    its 2**d corners (sign -1 per coordinate taken at the box's end), so ``D g`` is the signed
+    sum of all chunks' corners minus the tensor's: computed by sorting the corners. ``g`` is
+    the sum of ``D g`` over the points below it, so ``g == 0`` iff ``D g == 0``, and at the
+    lexicographically smallest point ``p`` where ``D g != 0`` (no other such point is below
+    it), ``g(p) = D g(p)``: > 0, ``p`` is in two chunks; < 0, in none. Dimensions every chunk
+    spans whole factor out (d = the others); empty chunks hold nothing and are left out.
+    """
+    chunks = [c for c in t.chunks if all(c.sizes)]
+    shape = np.array(t.shape, np.int64)
+    nd = len(t.shape)
+    lo = np.array([c.offsets for c in chunks], np.int64).reshape(len(chunks), nd)
+    hi = lo + np.array([c.sizes for c in chunks], np.int64).reshape(len(chunks), nd)
+    split = np.flatnonzero(~np.all((lo == 0) & (hi == shape), axis=0))
+    d = len(split)
+    rows = (len(chunks) + 1) << d
+    if rows * (d + 1) > MAX_COVERAGE_CORNERS:
+        raise SourceError(
+            f"tensor {t.name!r} in {where}: {len(chunks)} chunks split along {d} dimensions: "
+            f"too many to check that they tile the tensor ({rows} corners, at most "
+            f"{MAX_COVERAGE_CORNERS // (d + 1)})"
+        )
+    sign = np.ones(len(chunks) + 1, np.int64)
+    sign[-1] = -1 if all(t.shape) else 0  # the tensor's own box (none when it is empty)
+    starts = np.vstack([lo[:, split], np.zeros((1, d), np.int64)])
+    ends = np.vstack([hi[:, split], shape[split][None, :]])
+    points, weights = [], []
+    for corner in range(1 << d):
+        at_end = np.array([(corner >> k) & 1 for k in range(d)], bool)
+        points.append(np.where(at_end, ends, starts))
+        weights.append(sign * (-1) ** int(at_end.sum()))
+    point = np.concatenate(points)
+    weight = np.concatenate(weights)
+    if d:
+        order = np.lexsort(point.T[::-1])  # lexicographic: the first dimension first
+        point, weight = point[order], weight[order]
+    first = np.concatenate([[0], np.flatnonzero(np.any(point[1:] != point[:-1], axis=1)) + 1])
+    residual = np.flatnonzero(np.add.reduceat(weight, first)) if len(point) else []
+    if not len(residual):
+        return None
+    where_split = point[first[residual[0]]]
+    element = np.zeros(nd, np.int64)
+    element[split] = where_split
+    inside = np.all((lo <= element) & (element < hi), axis=1)
+    return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
+
+
+# ----------------------------------------------------------------- byte ranges
+
+
+def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
+    """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
+    read through :mod:`jax_ucp._src.format.mapped_file` (pread), never by touching the mapping, which
+    would kill the process if the file shrank since."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise SourceError(f"{where}: shard file is missing") from None
+    if offset < 0 or length < 0 or offset + length > size:
+        raise SourceError(
+            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
+            f"{size} bytes (truncated)"
+        )
+    if length == 0:
+        return np.empty(0, np.uint8)
+    try:
+        fd = files.open_regular(str(path))
+    except files.UnsafeFileError as e:
+        raise SourceError(f"{where}: {e}") from None
+    try:
+        mm = mapped_file.map_file(str(path), fd)
+    finally:
+        os.close(fd)
+    if mm is None or len(mm) < offset + length:
+        raise SourceError(
+            f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
+            f"{0 if mm is None else len(mm)} bytes (truncated)"
+        )
+    return np.frombuffer(mm, np.uint8, count=length, offset=offset)
+
+
+def _check_chunk(arr: Any, t: DcpTensor, c: DcpChunk, where: str) -> None:
+    if not isinstance(arr, np.ndarray):
+        raise SourceError(f"{where}: chunk holds a {type(arr).__name__}, expected a tensor")
+    if arr.dtype != t.dtype:
+        raise SourceError(
+            f"{where}: dtype disagreement: metadata says {t.dtype}, bytes hold {arr.dtype}"
+        )
+    if tuple(arr.shape) != tuple(c.sizes):
+        raise SourceError(
+            f"{where}: shape disagreement: metadata says {list(c.sizes)}, "
+            f"bytes hold {list(arr.shape)}"
+        )
+
+
+#: Tensors at least this large have their chunks read by :func:`_pool`'s threads at once.
+PARALLEL_BYTES = 4 << 20
+_POOL: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by process id
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    """The reading threads of this process (a forked child has none of its parent's: it gets
+    its own pool, or work queued to the inherited one would never run)."""
+    with _POOL_LOCK:
+        pool = _POOL.get(os.getpid())
+        if pool is None:
+            _POOL.clear()
+            workers = max(2, min(4, os.cpu_count() or 1))
+            pool = _POOL[os.getpid()] = concurrent.futures.ThreadPoolExecutor(workers, "dcp-read")
+        return pool
+
+
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]
+
+
+#: Bytes read and CRC-checked per step of :func:`pread_into`: small enough to stay in the CPU
+#: cache between the read and the CRC.
+READ_PIECE = 4 << 20
+
+
+def _check_crc(found: int, crc: int | None, where: str) -> None:
+    if crc is not None and found != crc:
+        raise SourceError(
+            f"{where}: CRC-32 mismatch (the chunk's archive records {crc:08x}, its bytes give "
+            f"{found:08x}): the file is corrupt"
+        )
+
+
+def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, where: str) -> None:
+    """``region.nbytes`` bytes of ``path`` from ``offset`` read into ``region`` (C-contiguous)
+    with ``preadv``; their zip CRC-32 checked against ``crc`` unless it is None.
+
+    Args:
+        path: the file.
+        offset: where the bytes start in it.
+        region: the C-contiguous array filled.
+        crc: the zip CRC-32 of those bytes, or None.
+        where: what is read, for the errors.
+    """
+    buf = region.reshape(-1).view(np.uint8).data
+    try:
+        fd = files.open_regular(str(path))
+    except files.UnsafeFileError as e:
+        raise SourceError(f"{where}: {e}") from None
+    found = 0
+    try:
+        pos, size = 0, len(buf)
+        while pos < size:
+            piece = buf[pos : min(size, pos + READ_PIECE)]
+            n = os.preadv(fd, [piece], offset + pos)
+            if n <= 0:
+                raise SourceError(
+                    f"{where}: byte range [{offset}, {offset + size}) ends at {offset + pos}: "
+                    f"the file is truncated"
+                )
+            if crc is not None:
+                found = zip_crc32(piece[:n], found)
+            pos += n
+    finally:
+        os.close(fd)
+    _check_crc(found, crc, where)
+
+
+def _load_embedded(
+    view: np.ndarray, archive: str, where: str, defer_crc: bool = False, extra_classes=None
+) -> tuple[Any, dict[str, tuple[int, int, int]]]:
+    """One DCP chunk or object: a ``torch.save`` archive that is a byte range of a ``.distcp``
+    file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
+    ``defer_crc`` leaves to the caller. Errors name ``where``."""
+    try:
+        arch = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        try:
+            return arch.load(extra_classes), arch.unchecked
+        finally:
+            arch.close()
+    except unpickler.TorchFileError as e:
+        raise SourceError(f"{where}: {e}") from None
+
+
+# ----------------------------------------------------------------- opening
+
+
+def refuse_fsdp_dtensor(names: list, where: str) -> None:
+    """Megatron-LM's ``--ckpt-format fsdp_dtensor`` (Megatron-FSDP) is plain torch DCP with the
+    distributed optimizer's state keyed by parameter name (megatron-core's
+    ``sharded_param_state_fsdp_dtensor``: ``optimizer.state.<param>.*`` beside
+    ``optimizer.param_to_group_meta.<param>.*``); read as torch DCP or torch_dist it would come
+    out as wrongly named weights, so it is refused by that key. (A model-only fsdp_dtensor save
+    has no such key: its ``model.module.*`` weights read as torch DCP, under those names.)"""
+    meta = next(
+        (n for n in names if isinstance(n, str) and n.startswith("optimizer.param_to_group_meta.")),
+        None,
+    )
+    if meta is None:
+        return
+    raise SourceError(
+        f"{where}: a megatron-core fsdp_dtensor checkpoint (Megatron-FSDP, --ckpt-format "
+        f"fsdp_dtensor; key {meta!r}): fsdp_dtensor is not supported (its per-parameter "
+        f"DTensor optimizer layout is not read; weights_only=True does not avoid it)"
+    )
+
+
+def _is_count(value: Any) -> bool:
+    """A non-negative int that fits torch's int64 (a bool or a float is not one)."""
+    return type(value) is int and 0 <= value < 2**63
+
+
+def _dtype_of(props: Any, name: str, where: Path) -> np.dtype:
+    state = getattr(props, "state", None)
+    dt = getattr(props, "dtype", None)
+    if dt is None and isinstance(state, tuple) and state:
+        dt = state[0]  # TensorProperties pickles as (dtype, layout, requires_grad, mem_format, pin)
+    if not isinstance(dt, np.dtype):
+        raise SourceError(f"tensor {name!r} in {where}: unsupported dtype {dt!r}")
+    return dt
+
+
+def _storage_ref(
+    by_fqn: dict[str, dict[Any, Any]], mfile: Path, name: str, off, what: str
+) -> tuple[str, int, int, tuple[str, ...]]:
+    """The checked (file, offset, length, transforms) of one chunk or object of ``name``."""
+    info = by_fqn.get(name, {}).get(off)
+    if info is None:
+        raise SourceError(
+            f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
+        )
+    rp, bo, bl = (
+        getattr(info, "relative_path", None),
+        getattr(info, "offset", None),
+        getattr(info, "length", None),
+    )
+    trs = getattr(info, "transform_descriptors", None) or ()
+    if (
+        not isinstance(rp, str)
+        or not _is_count(bo)
+        or not _is_count(bl)
+        or "/" in rp
+        or "\0" in rp
+        or rp.startswith(".")
+        or not isinstance(trs, (list, tuple))
+        or not all(isinstance(tr, str) for tr in trs)
+    ):
+        short = unpickler.short_repr
+        raise SourceError(
+            f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
+            f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
+            f"in the checkpoint directory, non-negative integer offset and length, strings"
+        )
+    return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
+
+
+def _dims(
+    mfile: Path, name: str, what: str, value: Any, rank: int | None = None
+) -> tuple[int, ...]:
+    """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
+    if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
+        raise SourceError(
+            f"tensor {name!r} in {mfile}: {what} {unpickler.short_repr(value)}: expected "
+            f"non-negative integers below 2**63"
+        )
+    if rank is not None and len(value) != rank:
+        raise SourceError(
+            f"tensor {name!r} in {mfile}: {what} {list(value)} has rank {len(value)}, the "
+            f"tensor rank {rank}"
+        )
+    return tuple(value)
+
+
+def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
+    """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
+    ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
+    mfile = root / ".metadata"
+    if not os.path.lexists(mfile):
+        raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
+    try:
+        files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
+        md = unpickler.restricted_loads(
+            files.read_regular(str(mfile), MAX_METADATA_BYTES),
+            where=str(mfile),
+            extra_classes={**DCP_CLASSES, **(extra_classes or {})},
+        )
+    except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+        raise SourceError(str(e)) from None
+    sdm = getattr(md, "state_dict_metadata", None)
+    storage = getattr(md, "storage_data", None)
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise SourceError(f"{mfile}: not a torch.distributed.checkpoint Metadata pickle")
+    return mfile, md, sdm, storage
+
+
+def _storage_by_fqn(storage: dict[Any, Any], mfile: Path) -> dict[str, dict[Any, Any]]:
+    """``storage_data`` regrouped as name -> chunk offsets -> storage info."""
+    by_fqn: dict[str, dict[Any, Any]] = {}
+    for idx, info in storage.items():
+        if not isinstance(idx, _MetadataIndex):
+            raise SourceError(f"{mfile}: storage_data key {idx!r} is not a MetadataIndex")
+        fqn, off, _ = idx._key()
+        by_fqn.setdefault(fqn, {})[off] = info
+    return by_fqn
+
+
+def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, Any]]) -> DcpTensor:
+    """One ``TensorStorageMetadata``: its shape, dtype and chunks, each with its storage entry."""
+    shape = _dims(mfile, name, "size", getattr(m, "size", None))
+    dt = _dtype_of(getattr(m, "properties", None), name, mfile)
+    listed = getattr(m, "chunks", None)
+    if not isinstance(listed, (list, tuple)):
+        raise SourceError(
+            f"tensor {name!r} in {mfile}: chunks {unpickler.short_repr(listed)}: expected a list"
+        )
+    chunks = []
+    for index, c in enumerate(listed):
+        offs = _dims(mfile, name, f"chunk {index} offsets", getattr(c, "offsets", None), len(shape))
+        sizes = _dims(mfile, name, f"chunk {index} sizes", getattr(c, "sizes", None), len(shape))
+        rp, bo, bl, trs = _storage_ref(by_fqn, mfile, name, offs, f"chunk {index}")
+        chunks.append(DcpChunk(offs, sizes, rp, bo, bl, trs))
+    return DcpTensor(name, shape, dt, tuple(chunks))
+
+
+def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = None) -> DcpCheckpoint:
+    """Parse ``.metadata`` into typed, checked entries. ``extra_classes``: stand-ins beyond
+    :data:`DCP_CLASSES` that a producer's subclasses need (e.g. megatron-core's)."""
+    root = Path(path)
+    mfile, md, sdm, storage = _load_metadata(root, extra_classes)
+    refuse_fsdp_dtensor(list(sdm), str(mfile))
+    by_fqn = _storage_by_fqn(storage, mfile)
+    tensors: dict[str, DcpTensor] = {}
+    objects: dict[str, DcpObject] = {}
+    for name, m in sdm.items():
+        if not isinstance(name, str):
+            raise SourceError(f"{mfile}: entry name {unpickler.short_repr(name)} is not a string")
+        kind = type(m).__name__
+        if kind == "TensorStorageMetadata":
+            tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
+        elif kind == "BytesStorageMetadata":
+            rp, bo, bl, _ = _storage_ref(by_fqn, mfile, name, None, "object")
+            objects[name] = DcpObject(name, rp, bo, bl)
+        else:
+            raise SourceError(f"{mfile}: entry {name!r} has unknown metadata type {kind}")
+    check_disjoint(tensors, objects, mfile)
+    return DcpCheckpoint(root, tensors, objects, getattr(md, "version", None))
+
+
+def check_disjoint(
+    tensors: dict[str, DcpTensor], objects: dict[str, DcpObject], where: Path | str
+) -> None:
+    """No two storage entries of the checkpoint (chunks of any tensors, objects) share a byte of
+    a file: a tensor whose entry names another tensor's bytes would import with its values.
+
+    Sorted per file by start, O(n log n) in the entries: if any entry overlaps a later one, it
+    overlaps the next one, so comparing neighbours finds every case.
+
+    Args:
+        tensors: every tensor's chunks.
+        objects: every pickled object's entry.
+        where: the ``.metadata`` file, for errors.
+    """
+    file_ids: dict[str, int] = {}  # files in the order met: the order of the sort
+    entries = sorted(  # (file id, start, end, file, tensor or object name, chunk or None)
+        (
+            (file_ids.setdefault(file, len(file_ids)), offset, offset + length, file, name, chunk)
+            for name, file, offset, length, chunk in itertools.chain(
+                (
+                    (t.name, c.file, c.byte_offset, c.byte_length, c)
+                    for t in tensors.values()
+                    for c in t.chunks
+                ),
+                ((o.name, o.file, o.byte_offset, o.byte_length, None) for o in objects.values()),
+            )
+            if length
+        ),
+        key=lambda e: e[:2],
+    )
+    hit = next(
+        ((a, b) for a, b in itertools.pairwise(entries) if a[0] == b[0] and b[1] < a[2]), None
+    )
+    if hit is None:
+        return
+    (_, _, end_a, file, name_a, chunk_a), (_, first, end_b, _, name_b, chunk_b) = hit
+    last = min(end_a, end_b)
+    if name_a == name_b and chunk_a is not None and chunk_b is not None:
+        raise SourceError(  # the wording of check_coverage, which finds it too
+            f"tensor {name_b!r} in {where}: two chunks share bytes [{first}, "
+            f"{min(last, first + 1)}...) of {file}; each chunk has its own bytes"
+        )
+    shown = [
+        f"object {name!r}"
+        if chunk is None
+        else f"tensor {name!r} (chunk at offsets {list(chunk.offsets)})"
+        for name, chunk in ((name_a, chunk_a), (name_b, chunk_b))
+    ]
+    raise SourceError(
+        f"{where}: {shown[0]} and {shown[1]} share bytes [{first}, {last}) of storage file "
+        f"{file}; each entry has its own bytes"
+    )

@@ -1,0 +1,757 @@
+"""Committing a checkpoint directory: temporary sibling, durable, then renamed into place.
+
+``transaction`` is the one way anything is committed (save, convert, export, a manager step,
+local or ``s3://`` / ``gs://``): lock, recover an interrupted swap, check ``force``, write into a
+temporary directory, commit or swap; on failure the temporary is discarded (logged) and the
+destination is as it was. An Orbax export lets Orbax write and rename (its
+``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Host-only
+imports need neither JAX nor Orbax (importing them costs a conversion about a second).
+Forced replacement never deletes the old checkpoint first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import stat
+import time
+import uuid
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src import store
+from jax_ucp._src.errors import SaveConflictError
+from jax_ucp._src.writer import durable, file_digest
+
+# Every destructive file operation and every commit is logged here (as Orbax's atomicity module
+# logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
+log = logging.getLogger(__name__)
+
+ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
+TMP_MARK = ".ucp-tmp-"
+REPLACING = ".ucp-replacing"
+REPLACED = ".ucp-replaced"
+LOCK_SUFFIX = ".ucp-lock"
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+
+
+def temporary_path(path: str) -> str:
+    """A sibling of ``path`` (same file system, so the final rename is atomic).
+
+    Named after its writer (host, pid) so a later import can recognise a killed one's leftovers.
+    """
+    return f"{path}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> list[str]:
+    """Deletes temporary directories of ``path`` left by killed writers on this host.
+
+    Only directories whose writer process no longer exists; a concurrent live writer's is kept.
+    """
+    parent, name = os.path.split(os.path.abspath(path))
+    removed = []
+    if not os.path.isdir(parent):
+        return removed
+    host = socket.gethostname()
+    for d in os.listdir(parent):
+        if not d.startswith(name + TMP_MARK):
+            continue
+        try:
+            owner, pid, _ = d[len(name + TMP_MARK) :].rsplit(".", 2)
+            pid_num = int(pid)
+        except ValueError:
+            continue
+        if owner == host and pid_num != os.getpid() and not _pid_alive(pid_num):
+            discard(os.path.join(parent, d), f"left by process {pid_num}, which is gone")
+            removed.append(d)
+    return removed
+
+
+def remove_failed_save_leftovers(dest: str) -> None:
+    """Temporary directories of a save of ``dest`` that failed in this process (ours and Orbax's)."""
+    parent, name = os.path.split(os.path.abspath(dest))
+    if not os.path.isdir(parent):
+        return
+    for d in os.listdir(parent):
+        if d.startswith(name + ORBAX_TMP_MARK) or d.startswith(name + TMP_MARK):
+            discard(os.path.join(parent, d), "temporary directory of a failed save")
+
+
+def discard(path: str, why: str) -> None:
+    """Removes a temporary directory jax_ucp itself made (never a user's), logging it; errors are
+    ignored, as for any clean-up (the next save removes what is left)."""
+    log.info("removing %s (%s)", path, why)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def commit(tmp: str, path: str) -> None:
+    """Moves the finished directory ``tmp`` to ``path``, replacing a committed one if present."""
+    durable.make_durable(tmp)
+    if os.path.exists(path):
+        os.rename(tmp, path + REPLACING)  # committed: from here on it survives a kill
+        replace_committed(path + REPLACING, path)
+    else:
+        os.rename(tmp, path)
+        log.info("committed %s", path)
+    durable.fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def replace_committed(new: str, path: str) -> None:
+    """Swaps the committed directory ``new`` (``path + .ucp-replacing``) in for ``path``.
+
+    Two renames: at every instant either the old or the new checkpoint is whole at ``path``, or
+    both sit beside it (``.ucp-replaced`` and ``.ucp-replacing``) and ``recover_interrupted_swap``
+    (or a reader) knows which is newer; the old one is deleted only after the new one is in place.
+    """
+    old = path + REPLACED
+    _remove(old)
+    os.rename(path, old)
+    os.rename(new, path)
+    durable.fsync_path(os.path.dirname(os.path.abspath(path)))
+    log.info("committed %s, replacing the checkpoint that was there", path)
+    _remove(old)
+
+
+def recover_interrupted_swap(path: str) -> None:
+    """Finishes (or undoes) a forced replacement of ``path`` that was killed midway.
+
+    ``path`` missing: the newer whole checkpoint (``.ucp-replacing``) takes its place, else the
+    older (``.ucp-replaced``). ``path`` present: leftovers beside it are removed (a replacement
+    whose save never returned is not kept). Call with the save lock held.
+    """
+    newer, older = path + REPLACING, path + REPLACED
+    if not os.path.lexists(path):
+        for survivor in (newer, older):
+            if os.path.isdir(survivor):
+                log.warning("completing an interrupted replacement: %s -> %s", survivor, path)
+                os.rename(survivor, path)
+                durable.fsync_path(os.path.dirname(os.path.abspath(path)))
+                break
+    for leftover in (newer, older):
+        if os.path.lexists(leftover) and os.path.lexists(path):
+            _remove(leftover)
+
+
+@dataclasses.dataclass
+class Transaction:
+    """One commit of ``dest`` in progress (see ``transaction``).
+
+    ``path`` is where the writer writes: a fresh temporary directory (``staged``), or, when the
+    writer commits atomically itself (Orbax's Checkpointer: temporary + rename), ``dest`` or
+    ``dest + REPLACING`` (not created); for an object store, the prefix itself. ``inner``: the
+    directory under ``path`` that is the checkpoint (a manager step Orbax wrote in a staging
+    manager root), else ``path`` itself.
+    """
+
+    dest: str
+    path: str
+    replacing: bool
+    staged: bool = True
+    inner: str | None = None
+    committed: bool = False
+
+    def commit(self) -> None:
+        """Commits now (the ``with`` block commits at its end otherwise); idempotent."""
+        if self.committed:
+            return
+        if store.is_url(self.dest):
+            pass  # the writer's ``ucp.json``, written last and only if absent, is the commit
+        elif self.staged:
+            content = os.path.join(self.path, self.inner) if self.inner else self.path
+            commit(content, self.dest)
+            if self.inner:
+                discard(self.path, "staging directory, its content now in place")
+        elif self.replacing:  # committed beside the old one by its writer: swap it in
+            replace_committed(self.path, self.dest)
+        self.committed = True
+
+
+@contextlib.contextmanager
+def transaction(
+    dest,
+    *,
+    force: bool,
+    kind: str = "save",
+    export: bool = False,
+    what: str = "it",
+    staged: bool = True,
+    inner: str | None = None,
+):
+    """Lock, recover, check ``force``, write, commit: ``with transaction(dest, force=f) as tx:``
+    write under ``tx.path``; the block's end commits (or ``tx.commit()`` inside it).
+
+    Args:
+        dest: the directory (or ``s3://`` / ``gs://`` prefix) to create or replace.
+        force: replace what is there if jax_ucp wrote it (``check_replaceable``); the old one
+            stays whole until the new one is committed.
+        kind: what is written ("save", "import", "export"), for the log of a failure.
+        export: ``dest`` is an export (``force`` replaces only an earlier export).
+        what: how ``FileExistsError`` names ``dest`` ("step 7").
+        staged: write into a new ``temporary_path`` directory that the transaction makes durable
+            and renames (or swaps) into place; False for a writer that commits atomically
+            itself (Orbax), which writes ``dest`` or ``dest + REPLACING``.
+        inner: staged only: the writer puts the checkpoint in ``tx.path/inner``.
+
+    Yields:
+        The ``Transaction``. On any error in the block (or in the commit) what the writer wrote
+        is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
+        entry (``SaveConflictError``, ``SaveConflictError``, ``FileExistsError``) change
+        nothing.
+    """
+    dest = os.fspath(dest).rstrip("/")
+    if store.is_url(dest):
+        with _object_store_transaction(dest, force) as tx:
+            yield tx
+        return
+    dest = os.path.abspath(dest)
+    with save_lock(dest):
+        recover_interrupted_swap(dest)
+        replacing = claim(dest, force=force, export=export, what=what)
+        remove_stale_temporaries(dest)
+        if staged:
+            tx = Transaction(dest, temporary_path(dest), replacing, inner=inner)
+            os.makedirs(tx.path)
+        else:
+            tx = Transaction(dest, dest + REPLACING if replacing else dest, replacing, False)
+        try:
+            yield tx
+            tx.commit()
+        except BaseException:
+            if staged and os.path.lexists(tx.path):
+                discard(tx.path, f"temporary directory of a failed {kind}")
+            elif not tx.committed:  # the lock is ours: no other live save owns these
+                remove_failed_save_leftovers(tx.path)
+            raise
+
+
+@contextlib.contextmanager
+def _object_store_transaction(url: str, force: bool):
+    """A prefix has no rename: the lock object, a killed save's leftovers deleted first, the
+    writer's conditional ``ucp.json`` the commit, this save's own objects deleted on failure."""
+    store.location.kvstore_root(url)  # a malformed URL fails before anything is read
+    check_object_store_prefix(url, force=force)
+    with object_store_lock(url):
+        claim_object_store_prefix(url, force=force)
+        tx = Transaction(url, url, replacing=False, staged=False)
+        try:
+            yield tx
+            tx.commit()
+        except BaseException:
+            remove_object_store_leftovers(url)
+            raise
+
+
+@contextlib.contextmanager
+def save_lock(path: str):
+    """An exclusive lock on saving to ``path`` (``flock`` on ``.<name>.ucp-lock`` beside it).
+
+    Two writers of one path would share temporary names and delete each other's files; with the
+    lock the second gets a clear error at once instead. The holder removes the lock file before
+    releasing it; a writer that locked a file which was removed meanwhile tries again.
+    """
+    parent, name = os.path.split(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    lock_path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SaveConflictError(
+                f"{path}: another save to this path is in progress (lock {lock_path} is held); "
+                f"nothing was written."
+            ) from None
+        try:
+            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # the previous holder removed that file: lock the current one
+    try:
+        yield
+    finally:
+        try:
+            os.remove(lock_path)
+        finally:
+            os.close(fd)  # releases the lock
+
+
+# Orbax's own files in what it commits (``orbax.checkpoint``: the v1 API's empty marker)
+ORBAX_STEP_FILES = (ORBAX_STEP_METADATA, "commit_success.txt", "orbax.checkpoint")
+EXPORT_RECORD = ".jax_ucp_export.json"  # the files an export wrote: force replaces only those
+_EXPORT_FORMAT = "jax_ucp export"
+_SHOWN = 5  # unexpected entries named in an error
+
+
+def check_replaceable(
+    path: str, *, force: bool = True, export: bool = False, what: str = "it", content: bool = True
+) -> bool:
+    """Whether writing ``path`` replaces something (True) or creates it (False: ``path`` is
+    absent, or an empty directory, which holds nothing to lose; ``claim`` removes it).
+
+    ``force`` replaces only what jax_ucp wrote: a checkpoint directory (``ucp.json`` and only
+    what the format and Orbax put beside it) or an Orbax step directory of such items; with
+    ``export``, only an earlier export (every file listed in its ``EXPORT_RECORD``). Anything
+    else is refused untouched whatever ``force`` says, the error naming what was found, so the
+    advice to pass ``force=True`` is only given where it would work; ``force=False`` refuses
+    a replaceable ``path`` too, with that advice. Pure: changes nothing.
+
+    Args:
+        path: the destination.
+        force: whether replacing is allowed (False: a replaceable ``path`` is refused too).
+        export: ``path`` is an export's destination (only an earlier export is replaceable).
+        what: how the ``FileExistsError`` names ``path`` ("step 7").
+        content: with ``export``, compare each file's content with its recorded digest (one
+            read of the export); False: names and sizes only (a quick check before the
+            transaction, which checks content under the lock).
+
+    Returns:
+        True when something is there to replace, False when ``path`` is new or empty.
+    """
+    if not os.path.lexists(path):
+        return False
+    if os.path.islink(path) or not os.path.isdir(path):
+        kind = "an export" if export else "a checkpoint"
+        raise SaveConflictError(
+            f"{path}: already exists and is not {kind} directory (a file or link); refusing to "
+            f"replace it even with force=True. Remove it yourself or choose another path."
+        )
+    names = sorted(os.listdir(path))
+    if not names:
+        return False
+    why = ""
+    if export:
+        kind, found = "an export written by jax_ucp", export_problems(path, content=content)
+    else:
+        kind, found = "a jax_ucp checkpoint or an Orbax step of one", checkpoint_problems(path)
+        if found and not _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
+            why = _folder_of_checkpoints(path)
+    if found:
+        raise SaveConflictError(
+            f"{path}: already exists and is not {kind} (found {_listed(found)}); refusing to replace it "
+            f"even with force=True (nothing was changed).{why} Remove it yourself or choose "
+            f"another path."
+        )
+    if not force:
+        raise FileExistsError(
+            f"{path} already exists; pass force=True to replace {what} (the old one is kept "
+            f"until the new one is committed)."
+        )
+    return True
+
+
+def claim(path: str, *, force: bool, export: bool = False, what: str = "it") -> bool:
+    """``check_replaceable``, then an empty directory at ``path`` removed so the new one can
+    take its place (``rmdir``: it removes nothing that appeared meanwhile).
+
+    Args:
+        path: the destination.
+        force: whether replacing is allowed.
+        export: ``path`` is an export's destination.
+        what: how the ``FileExistsError`` names ``path``.
+
+    Returns:
+        True when a committed directory is to be replaced (swapped out at the commit).
+    """
+    replacing = check_replaceable(path, force=force, export=export, what=what)
+    if not replacing and os.path.isdir(path):
+        try:
+            os.rmdir(path)
+            log.info("removed the empty directory %s to save there", path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise SaveConflictError(
+                f"{path}: was an empty directory and is not anymore ({e.strerror}); nothing was "
+                f"changed."
+            ) from None
+    return replacing
+
+
+def checkpoint_problems(path: str) -> list[str]:
+    """What in the directory ``path`` is not part of a checkpoint (docs/FORMAT.md 1.1, 1.2):
+    ``ucp.json``, ``arrays/`` of array directories, Orbax's files; or, for an Orbax step (known
+    by Orbax's own step metadata, ``orbax_step_items``, never by the shape of its folders), item
+    directories that are such checkpoints and that the metadata names. Empty when ``path`` is
+    one; directories end in "/"."""
+    names = sorted(os.listdir(path))
+    if _regular_file(os.path.join(path, fmt.MANIFEST_FILE)):
+        found = []
+        for n in names:
+            full = os.path.join(path, n)
+            if n == fmt.MANIFEST_FILE or (n in ORBAX_STEP_FILES and _regular_file(full)):
+                continue
+            if n == fmt.ARRAYS_DIR and _real_dir(full):
+                found += [f"{n}/{a}" for a in _not_arrays(full)]
+                continue
+            found.append(_shown(path, n))
+        return found
+    step_items = orbax_step_items(path)
+    if step_items is None:  # not an Orbax step: nothing in it is jax_ucp's to replace
+        return [_shown(path, n) for n in names] or [f"no {fmt.MANIFEST_FILE}"]
+    found, items = [], 0
+    for n in names:
+        full = os.path.join(path, n)
+        if n in ORBAX_STEP_FILES and _regular_file(full):
+            continue
+        if (
+            n in step_items
+            and _real_dir(full)
+            and _regular_file(os.path.join(full, fmt.MANIFEST_FILE))
+        ):
+            inner = checkpoint_problems(full)
+            found += [f"{n}/{p}" for p in inner]
+            items += not inner
+            continue
+        found.append(_shown(path, n))
+    if not items and not found:
+        found.append(f"no {fmt.MANIFEST_FILE}")
+    return found
+
+
+def orbax_step_items(path: str) -> frozenset[str] | None:
+    """The item names of the Orbax step directory ``path``, from the step metadata Orbax writes
+    in every step it commits (``_CHECKPOINT_METADATA``, a JSON object whose ``item_handlers``
+    maps each item to its handler: orbax.checkpoint 0.12 ``metadata/checkpoint.py``); None when
+    ``path`` holds none (a folder of checkpoints or of steps is no step, whatever its
+    sub-folders look like)."""
+    meta = os.path.join(path, ORBAX_STEP_METADATA)
+    if not _regular_file(meta):
+        return None
+    try:
+        metadata = json.loads(fmt.files.read_regular(meta, _STEP_METADATA_LIMIT))
+    except (OSError, ValueError, RecursionError):
+        return None
+    handlers = metadata.get("item_handlers") if isinstance(metadata, dict) else None
+    if not isinstance(handlers, dict) or not all(isinstance(k, str) for k in handlers):
+        return None
+    return frozenset(handlers)
+
+
+_STEP_METADATA_LIMIT = 16 << 20  # Orbax's step metadata: item handlers, metrics, timestamps
+
+
+def _folder_of_checkpoints(path: str) -> str:
+    """Why a directory holding checkpoints (no ``ucp.json`` of its own) is no Orbax step of
+    them, for the refusal; "" when it holds none."""
+    inside = checkpoints_inside(path)
+    step_items = orbax_step_items(path)
+    if step_items is not None:
+        inside = [d for d in inside if d[:-1] not in step_items]
+    if not inside:
+        return ""
+    held = _listed(inside)
+    if step_items is None:
+        metadata = (
+            f"a {ORBAX_STEP_METADATA} that is not Orbax's step metadata (a JSON object whose "
+            f"item_handlers names the items)"
+            if _regular_file(os.path.join(path, ORBAX_STEP_METADATA))
+            else f"no Orbax step metadata ({ORBAX_STEP_METADATA})"
+        )
+        return (
+            f" It holds {len(inside)} checkpoint{'s' if len(inside) > 1 else ''} ({held}) and "
+            f"{metadata}: a folder of checkpoints, not an Orbax step; force replaces one "
+            f"checkpoint or one step, never a folder of them."
+        )
+    return (
+        f" Its Orbax step metadata ({ORBAX_STEP_METADATA}) does not name {held} as items of "
+        f"the step."
+    )
+
+
+def checkpoints_inside(path: str) -> list[str]:
+    """The sub-directories of ``path`` that hold a ``ucp.json`` (for an error to name)."""
+    return [
+        n + "/"
+        for n in sorted(os.listdir(path))
+        if _real_dir(os.path.join(path, n))
+        and _regular_file(os.path.join(path, n, fmt.MANIFEST_FILE))
+    ]
+
+
+def _not_arrays(arrays: str) -> list[str]:
+    """Entries of ``arrays/`` that are not array directories (each holds its ``zarr.json``)."""
+    return [
+        _shown(arrays, a)
+        for a in sorted(os.listdir(arrays))
+        if not (
+            _real_dir(os.path.join(arrays, a))
+            and _regular_file(os.path.join(arrays, a, "zarr.json"))
+        )
+    ]
+
+
+@contextlib.contextmanager
+def export_record(directory: str):
+    """Records what an export writes into its temporary ``directory``: the block's writes (through
+    ``durable.durable_file``) are digested as they are written (``file_digest``), then
+    ``EXPORT_RECORD`` lists every file with its size and digest, so a later forced export
+    replaces the directory only while it holds exactly those files with that content. A file
+    written some other way is digested by reading it (logged)."""
+    with file_digest.recording(directory) as digests:
+        yield
+    files = {}
+    for rel in _walk(directory):
+        digest = digests.get(rel)
+        if digest is None:
+            log.info("digesting %s by reading it (not written through durable_file)", rel)
+            digest = file_digest.digest_file(os.path.join(directory, rel))
+        files[rel] = {"size": digest.size, "crc32c": digest.crc32c}
+    record = {
+        "format": _EXPORT_FORMAT,
+        "version": _EXPORT_RECORD_VERSION,
+        "digest": file_digest.KIND,
+        "files": files,
+    }
+    durable.write_file(
+        os.path.join(directory, EXPORT_RECORD), json.dumps(record, indent=1, sort_keys=True) + "\n"
+    )
+
+
+_EXPORT_RECORD_VERSION = 2  # 1: names and sizes only (no longer enough to replace an export)
+
+
+def export_problems(path: str, *, content: bool = True) -> list[str]:
+    """What in ``path`` is not a file its ``EXPORT_RECORD`` lists with that size and content (a
+    file the user added or edited, a link, a device); everything when there is no record, or
+    one without content digests (written before they were recorded, or forged from names and
+    sizes). ``content=False`` compares names and sizes only (a quick first check, no reads)."""
+    try:
+        raw = fmt.files.read_regular(os.path.join(path, EXPORT_RECORD), 16 << 20)
+        record = json.loads(raw)
+        recorded = record["files"]
+        if record.get("format") != _EXPORT_FORMAT or not isinstance(recorded, dict):
+            raise ValueError("not an export record")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        names = sorted(os.listdir(path))
+        return [f"no {EXPORT_RECORD}: {', '.join(_shown(path, n) for n in names[:_SHOWN])}"]
+    if record.get("version") != _EXPORT_RECORD_VERSION or record.get("digest") != file_digest.KIND:
+        return [
+            f"{EXPORT_RECORD} without content digests (version {record.get('version')!r}; "
+            f"written by an older jax_ucp, or not by jax_ucp): its files cannot be told unchanged"
+        ]
+    found = []
+    for rel in _walk(path, problems=found):
+        if rel == EXPORT_RECORD:
+            continue
+        entry = recorded.get(rel)
+        if not isinstance(entry, dict) or not isinstance(entry.get("crc32c"), str):
+            found.append(rel)
+            continue
+        full = os.path.join(path, rel)
+        if entry.get("size") != os.lstat(full).st_size:
+            found.append(f"{rel} (changed since the export: size)")
+            continue
+        if not content:
+            continue
+        try:
+            now = file_digest.digest_file(full)
+        except OSError as e:
+            found.append(f"{rel} (unreadable: {e})")
+            continue
+        if (now.size, now.crc32c) != (entry["size"], entry["crc32c"]):
+            found.append(f"{rel} (changed since the export: content)")
+    return found
+
+
+def _walk(top: str, problems: list[str] | None = None):
+    """Relative paths of the regular files under ``top``; anything else (links, devices, FIFOs)
+    goes to ``problems`` (or is an error when there is no list), never followed."""
+    for root, dirs, files in os.walk(top):
+        for n in sorted(dirs + files):
+            full = os.path.join(root, n)
+            rel = os.path.relpath(full, top)
+            if _real_dir(full):
+                continue
+            if _regular_file(full):
+                yield rel
+            elif problems is not None:
+                problems.append(_shown(root, n) if root == top else rel)
+            else:
+                raise SaveConflictError(f"{full}: not a regular file or directory")
+        dirs[:] = [d for d in dirs if _real_dir(os.path.join(root, d))]
+
+
+def _regular_file(path: str) -> bool:
+    return stat.S_ISREG(_lstat_mode(path))
+
+
+def _real_dir(path: str) -> bool:
+    return stat.S_ISDIR(_lstat_mode(path))
+
+
+def _lstat_mode(path: str) -> int:
+    try:
+        return os.lstat(path).st_mode
+    except OSError:
+        return 0
+
+
+def _listed(names: list[str]) -> str:
+    """The first ``_SHOWN`` names, and how many more there are."""
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return ", ".join(names[:_SHOWN]) + more
+
+
+def _shown(parent: str, name: str) -> str:
+    """An entry as an error names it: directories with a trailing "/"."""
+    return name + "/" if _real_dir(os.path.join(parent, name)) else name
+
+
+def _remove(path: str) -> None:
+    """A directory tree, or a plain file / link that a forced write replaced."""
+    if os.path.lexists(path):
+        log.info("removing %s", path)
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.remove(path)
+
+
+# ----------------------------------------------------------------------------- object stores
+
+LOCK_OBJECT = ".ucp-lock"  # inside the prefix: a role scoped to it can write it
+# What a killed jax_ucp save of a prefix can have left there (docs/FORMAT.md 1.1, 6.1, 6.4): the
+# objects of its arrays (``zarr.json`` and shard objects ``c/i/j``, ``c`` when 0-d) and the
+# other processes' digest reports. Nothing else is ever deleted.
+_LEFTOVER = re.compile(
+    r"arrays/(?!\.\.?/)[A-Za-z0-9_%~.\-]+/(zarr\.json|c(/[0-9]+)*)|ucp\.digests\.[0-9]+\.json"
+)
+_held_locks: set[str] = set()  # tokens of the object-store locks this process holds
+
+
+@contextlib.contextmanager
+def object_store_lock(url: str):
+    """``save_lock`` for a prefix ``s3://`` / ``gs://``: the object ``<url>/.ucp-lock``, created
+    only if absent (a conditional PUT), so of two saves to one prefix exactly one proceeds; the
+    other gets ``SaveConflictError`` at once, having written and deleted nothing. The holder
+    deletes it at the end. A lock left by a killed save is taken over by the next save on the
+    same host once that process is gone; from another host the error names the object to
+    delete (no heartbeat tells a slow save from a dead one)."""
+    location = store.location
+    token = uuid.uuid4().hex
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}
+    where = location.join(url, LOCK_OBJECT)
+    for _ in range(3):
+        if location.create(url, LOCK_OBJECT, json.dumps(me).encode()):
+            break
+        held = location.read_stamped(url, LOCK_OBJECT, 1 << 16)
+        if held is None:
+            continue  # released meanwhile
+        owner = _lock_owner(held[0])
+        if _lock_is_stale(owner, me):
+            log.warning("taking over %s: its process %s is gone", where, (owner or {}).get("pid"))
+            location.delete(url, LOCK_OBJECT, if_equal=held[1])  # of two takers, one wins
+            continue
+        who = (
+            f"host {owner['host']}, process {owner['pid']}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner['time']))}"
+            if owner
+            else "an unreadable lock"
+        )
+        raise SaveConflictError(
+            f"{url}: another save to this prefix is in progress ({who}: lock object {where}); "
+            f"nothing was written. If that save was killed, delete {where} and save again."
+        )
+    else:
+        raise SaveConflictError(f"{url}: could not take the lock {where}; nothing was written.")
+    _held_locks.add(token)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        _held_locks.discard(token)
+        try:
+            held = location.read_stamped(url, LOCK_OBJECT, 1 << 16)
+            if held is not None and (_lock_owner(held[0]) or {}).get("token") == token:
+                location.delete(url, LOCK_OBJECT)
+        except Exception:
+            if not failed:  # else the save's own error is the one to see
+                raise
+
+
+def _lock_owner(data: bytes) -> dict | None:
+    try:
+        owner = json.loads(data)
+        if (
+            isinstance(owner, dict)
+            and isinstance(owner.get("host"), str)
+            and type(owner.get("pid")) is int
+            and isinstance(owner.get("time"), (int, float))
+            and isinstance(owner.get("token"), str)
+        ):
+            return owner
+    except (ValueError, RecursionError):
+        pass
+    return None
+
+
+def _lock_is_stale(owner: dict | None, me: dict) -> bool:
+    """A lock of this host whose process is gone (or of this process, not held any more)."""
+    if owner is None or owner["host"] != me["host"]:
+        return False
+    if owner["pid"] == me["pid"]:
+        return owner["token"] not in _held_locks
+    return not _pid_alive(owner["pid"])
+
+
+def check_object_store_prefix(url: str, *, force: bool) -> None:
+    """Refuses a prefix holding a committed checkpoint before any lock object is written (every
+    process of a save can call it, so all raise alike)."""
+    if store.location.exists(url, fmt.MANIFEST_FILE):
+        claim_object_store_prefix(url, force=force)
+
+
+def claim_object_store_prefix(url: str, *, force: bool) -> None:
+    """Before a save to the prefix ``url`` (lock held): refuses a committed checkpoint there
+    (an object store cannot replace one) and anything a killed jax_ucp save of this prefix
+    cannot have left, naming it; deletes such a save's leftovers (its arrays' objects and
+    digest reports, nothing else)."""
+    location = store.location
+    names = [n for n in location.list_names(url) if n != LOCK_OBJECT]
+    if fmt.MANIFEST_FILE in names:
+        if force:
+            raise location.cannot_replace(url)
+        raise FileExistsError(
+            f"{url} already exists (a committed checkpoint): an object store cannot replace one "
+            f"in place. Save to a new prefix (e.g. the next step)."
+        )
+    foreign = [n for n in names if not _LEFTOVER.fullmatch(n)]
+    if foreign:
+        raise SaveConflictError(
+            f"{url}: holds objects that no jax_ucp save of this prefix wrote ({_listed(foreign)}); refusing "
+            f"to save here even with force=True (nothing was deleted). Choose a new prefix."
+        )
+    if names:
+        log.info("deleting %d objects a killed save of %s left there", len(names), url)
+    location.delete_names(url, names)
+
+
+def remove_object_store_leftovers(url: str) -> None:
+    """After a failed save to ``url`` (lock held): its own objects, if it did not commit."""
+    location = store.location
+    names = location.list_names(url)
+    if fmt.MANIFEST_FILE not in names:
+        own = [n for n in names if _LEFTOVER.fullmatch(n)]
+        if own:
+            log.info("deleting %d objects of the failed save of %s", len(own), url)
+        location.delete_names(url, own)
