@@ -694,6 +694,9 @@ def docs_from_root(text: str, tops: set[str]) -> str:
     return re.sub(r"from jax_ucp import ([\w ,]+)", sub, text)
 
 
+KEEP_LINE = re.compile(r"^.*# move_to_src: keep$", re.M)
+
+
 def rewrite_file(path: str, tops: set[str]) -> bool:
     try:
         with open(path, encoding="utf-8") as f:
@@ -713,6 +716,9 @@ def rewrite_file(path: str, tops: set[str]) -> bool:
             protect = python_protect(new, tops, library)[1] + [
                 (a, b) for a, b in docs_protect(new) if any(x <= a < y for x, y in strings)
             ]
+        # a line marked ``# move_to_src: keep`` names a public module on purpose (what Orbax
+        # records for a handler class)
+        protect = protect + [(m.start(), m.end()) for m in KEEP_LINE.finditer(new)]
         new = rewrite_dotted(new, tops, None, protect, strings)
     elif path.endswith((".md", ".ipynb")):
         new = docs_from_root(new, tops)

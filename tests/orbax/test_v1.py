@@ -68,6 +68,9 @@ def test_v1_checkpointables_save_and_load_onto_another_mesh(tmp_path, registered
     state, path = _state(), tmp_path / "ckpt"
     ocp.save_checkpointables(path, {"model": jax_ucp.UCPSave(state), "meta": {"lr": 1e-3}})
     assert sorted(os.listdir(path / "model")) == ["arrays", "ucp.json"]
+    # the public name, importable (where the code sits inside jax_ucp._src may change)
+    recorded = json.loads((path / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    assert recorded["model"] == "jax_ucp.orbax.v1.UCPHandler"
     abstract = _abstract(state)
     loaded = ocp.load_checkpointables(path, {"model": jax_ucp.UCPRestore(target=abstract)})
     _check(loaded["model"], state)

@@ -147,6 +147,12 @@ def _refuse_args_as_item(cls: str, field: str, value) -> None:
         )
 
 
+# Orbax records a handler by ``f"{cls.__module__}.{cls.__qualname__}"`` in every step it saves
+# and imports it by that name to read the step: the public module, not where the code sits
+# inside ``_src``, so steps saved now and before the move load alike.
+UCPCheckpointHandler.__module__ = "jax_ucp.orbax.handler"  # move_to_src: keep
+
+
 @ocp_checkpoint_args.register_with_handler(UCPCheckpointHandler, for_save=True)
 @dataclasses.dataclass
 class UCPSave(engine.SaveArgs, ocp.args.CheckpointArgs):

@@ -105,6 +105,10 @@ class UCPHandler:
         return ocp_v1.handlers.PyTreeHandler().is_abstract_handleable(abstract_checkpointable)
 
 
+# Recorded by Orbax as ``module.qualname`` and imported by it: the public name (as the v0 handler's).
+UCPHandler.__module__ = "jax_ucp.orbax.v1"  # move_to_src: keep
+
+
 def context(name: str = STATE, *, base: Any = None):
     """An Orbax v1 ``Context`` in which the checkpointable ``name`` (v1's default ``"state"``:
     what ``ocp.save`` / ``ocp.load`` and ``training.Checkpointer.save_pytree`` /
