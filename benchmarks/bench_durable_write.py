@@ -58,7 +58,7 @@ LAYOUT = ArrayLayout((4096, 4096), "float32", FILE_SHAPE, (2048, 512), checksum=
 STRATEGIES = ("fadvise", "none", "sfr", "small", "fsync", "disk")
 
 
-def _sync_file_range():
+def sync_file_range():
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):
@@ -67,7 +67,7 @@ def _sync_file_range():
     return fn
 
 
-SFR = _sync_file_range()
+SFR = sync_file_range()
 
 
 def meminfo(*keys: str) -> int:

@@ -21,7 +21,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.store.zarr3 import READ_CACHE_BYTES
-from tests.ucp_testing import REPO, run_workers
+from tests.ucp_testing import REPO, RSS_SAMPLER, run_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 FIX = os.path.join(REPO, "tests", "fixtures", "hf_trainer")
@@ -57,8 +57,10 @@ EMBED_DIM = {
     "norm": 0,
 }
 
-WORKER = r"""
-import json, sys, threading, time
+WORKER = (
+    RSS_SAMPLER
+    + r"""
+import json, sys
 import jax
 pid, port, small, big, truth, budget = (int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4],
                                         sys.argv[5], int(sys.argv[6]))
@@ -77,12 +79,6 @@ mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 assert {d.process_index for d in mesh.devices[pid]} == {pid}  # data index = process
 options = jax_ucp.RestoreOptions(mesh=mesh, rules=[tuple(r) for r in rules], memory_budget=budget)
 
-def anon():
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-
 def placed(run):
     # params and mu/nu: jax.Arrays sharded alike by the rules, a part of each on this process
     adam = next(s for s in run.opt_state if isinstance(s, optax.ScaleByAdamState))
@@ -99,19 +95,11 @@ def placed(run):
     return held, whole, part
 
 # 1. the synthetic big checkpoint: peak host memory and bytes read during optax_from_torch
-base, peak, done = anon(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-t = threading.Thread(target=sample, daemon=True)
-t.start()
+base, stop = anon(), sampling()
 before = store.bytes_read()
 run = jax_ucp.optax_from_torch(big, spec="hf_llama", options=options)
 read = store.bytes_read() - before
-done.set()
-t.join()
-peak = max(peak[0], anon()) - base
+peak = stop() - base
 held, whole, part = placed(run)
 print("MEMORY " + json.dumps({"peak": peak, "held": held, "whole": whole, "part": part, "read": read}))
 del run
@@ -144,6 +132,7 @@ first = jax.tree.leaves(run.params)[0]
 assert jax.tree.leaves(params)[0].sharding == first.sharding  # stays where it was
 print("LOSSES " + json.dumps(losses))
 """
+)
 
 
 def _trainer_order(kind: str) -> list[str]:

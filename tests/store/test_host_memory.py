@@ -12,14 +12,16 @@ import pytest
 import jax_ucp
 from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.zarr3 import READ_CACHE_BYTES
-from tests.ucp_testing import run_python
+from tests.ucp_testing import RSS_SAMPLER, run_python
 
 MiB = 1 << 20
 BUDGET = 16 * MiB
 N, ROWS = 12, 4096  # 12 tensors of 16 MiB (float32 4096 x 1024)
 
-MEASURE = """
-import json, os, sys, threading, time
+MEASURE = (
+    RSS_SAMPLER
+    + """
+import json, os, sys
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import jax_ucp
@@ -28,24 +30,14 @@ mesh = Mesh(np.array(jax.devices()), ("model",))
 names = json.loads(os.environ["UCP_TEST_NAMES"])
 shardings = {n: NamedSharding(mesh, P(None, "model")) for n in names}
 
-def anon():
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
-
-base, peak, done = anon(), [0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], anon())
-        time.sleep(0.002)
-t = threading.Thread(target=sample, daemon=True)
-t.start()
+base, stop = anon(), sampling()
 out = jax_ucp.restore(os.environ["UCP_TEST_CKPT"], shardings=shardings,
                       memory_budget=int(os.environ["UCP_TEST_BUDGET"]))
-done.set()
-t.join()
+peak = stop() - base
 held = sum(s.data.nbytes for a in jax.tree.leaves(out) for s in a.addressable_shards)
-print("PEAK " + json.dumps({"peak": max(peak[0], anon()) - base, "held": held}))
+print("PEAK " + json.dumps({"peak": peak, "held": held}))
 """
+)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc, RssAnon")

@@ -97,7 +97,7 @@ def test_without_sync_file_range_a_save_still_commits_whole(tmp_path, monkeypatc
     """Where libc has no ``sync_file_range`` (macOS), the hint is skipped; the commit's syncfs
     (or sync) still makes the files durable and the checkpoint restores bit for bit."""
     looked_up = []
-    monkeypatch.setattr(shard_writer, "_sync_file_range", lambda: looked_up.append(1))
+    monkeypatch.setattr(shard_writer, "sync_file_range", lambda: looked_up.append(1))
     tree, expected = _tree()
     jax_ucp.save(tmp_path / "ck", tree)
     assert len(looked_up) == 9  # every shard file asked for it, and went on without
@@ -110,7 +110,7 @@ def test_without_sync_file_range_a_save_still_commits_whole(tmp_path, monkeypatc
 def test_the_write_back_hint_is_accepted_by_the_kernel(tmp_path):
     """The ctypes binding and the flag are right: the kernel accepts the call (a wrong argument
     type or flag is EINVAL), so the hint is not silently a no-op on Linux."""
-    fn = shard_writer._sync_file_range()
+    fn = shard_writer.sync_file_range()
     assert fn is not None
     fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
     try:

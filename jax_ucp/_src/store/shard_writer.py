@@ -159,7 +159,7 @@ def write(
 
 
 @functools.cache
-def _sync_file_range():
+def sync_file_range():
     """libc's ``sync_file_range`` (Linux), or None where there is none (macOS, other libcs)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
@@ -174,7 +174,7 @@ def start_writeback(fd: int) -> None:
     """Starts writing what was written at ``fd`` to the disk, without waiting (the module's
     docstring says why). Only a hint: durability is the commit's syncfs, so where there is no
     ``sync_file_range`` or it fails (a file system without it), nothing else is done."""
-    fn = _sync_file_range()
+    fn = sync_file_range()
     if fn is not None:
         fn(fd, 0, 0, SYNC_FILE_RANGE_WRITE)
 
