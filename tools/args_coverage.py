@@ -1,7 +1,8 @@
 """How many public functions of jax_ucp/ with 3+ parameters have an ``Args:`` section.
 
 Public: a module-level function or a method of a module-level class, neither name nor class
-starting with ``_``, in a module whose path has no ``_private`` part. ``self``/``cls`` do not
+starting with ``_``, in a module whose path has no ``_private`` part (``jax_ucp/_src/``, where
+the code behind the public facades lives, counts). ``self``/``cls`` do not
 count as parameters; ``*args``/``**kwargs`` do. Typer commands (decorated ``...command(...)``)
 are left out: their docstring is the command's ``--help`` and each option has its own ``help=``.
 ``--missing`` lists those without one.
@@ -28,7 +29,7 @@ def functions():
     """(qualified name, has Args:) of every public function with 3+ parameters."""
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT.parent)
-        if any(p.startswith("_") and p != "__init__.py" for p in rel.parts):
+        if any(p.startswith("_") and p not in ("__init__.py", "_src") for p in rel.parts):
             continue
         module = ".".join(rel.with_suffix("").parts)
         tree = ast.parse(path.read_text())
