@@ -81,19 +81,23 @@ def test_deepspeed_tensors_built_by_the_import_are_not_counted_equal(tmp_path):
 
 
 @pytest.mark.torch
-def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_universal(tmp_path):
+def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_universal(
+    tmp_path, monkeypatch
+):
     """A ZeRO import's weights equal what DeepSpeed's own zero_to_fp32 consolidates, its
     moments what DeepSpeed's ds_to_universal writes (its temporary folder removed after)."""
     pytest.importorskip("deepspeed")
     src = os.path.join(FIX, "deepspeed", "z2_fp32_dp2", "ckpt")
     out = jax_ucp.convert(src, tmp_path / "ucp")
-    before = set(os.listdir(tempfile.gettempdir()))
+    # a temporary directory of this test's own: another job's folders in the host's /tmp
+    # cannot pass for ours
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     found = jax_ucp.verify(out, against=src)
     assert list(found) == []
     assert [n for n, _ in found.notices] == ["opt_state/count"]
-    assert (
-        not {f for f in os.listdir(tempfile.gettempdir()) if f.startswith("ucp-against-")} - before
-    )
+    assert not [f for f in os.listdir(scratch) if f.startswith("ucp-against-")]
 
 
 @pytest.mark.torch

@@ -21,7 +21,12 @@ import pytest
 
 import jax_ucp
 from jax_ucp.errors import SourceError
-from tests.ucp_testing import REPO, assert_destination_untouched, copy_deepspeed_fixture
+from tests.ucp_testing import (
+    REPO,
+    assert_destination_untouched,
+    copy_deepspeed_fixture,
+    free_port,
+)
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures", "deepspeed")
 PIPE = ["pipe_pp2_z1_fp32", "pipe_pp2_z1_bf16", "pipe_pp2_dp2_z1_bf16"]
@@ -334,7 +339,8 @@ def test_a_fresh_deepspeed_run_imports_bit_exact(tmp_path, run):
     work = tmp_path / "run"
     processes = make.PIPE_MOE_PROCESSES.get(run, 2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    cmd += ["--master_port", "29797", make.PIPE_MOE_TRAIN, "--out", str(work)]
+    # a free port, not a fixed one: another job's rendezvous on the host would take it
+    cmd += ["--master_port", str(free_port()), make.PIPE_MOE_TRAIN, "--out", str(work)]
     subprocess.run(
         cmd + make.PIPE_MOE[run], env=make.env(), check=True, capture_output=True, timeout=1500
     )
