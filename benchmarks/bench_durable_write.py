@@ -34,7 +34,6 @@ is how much unwritten data a strategy leaves in memory.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
@@ -58,16 +57,7 @@ LAYOUT = ArrayLayout((4096, 4096), "float32", FILE_SHAPE, (2048, 512), checksum=
 STRATEGIES = ("fadvise", "none", "sfr", "small", "fsync", "disk")
 
 
-def sync_file_range():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-    return fn
-
-
-SFR = sync_file_range()
+SFR = shard_writer.sync_file_range()  # the binding the writer itself uses
 
 
 def meminfo(*keys: str) -> int:
