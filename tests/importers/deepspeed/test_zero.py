@@ -94,6 +94,43 @@ def _moments(x, at=""):
             yield from _moments(v, f"{at}.{k}")
 
 
+def _masters(x):
+    """The fp32 master partitions (ZeRO-3 ``fp32_flat_groups``, ZeRO-1/2
+    ``single_partition_of_fp32_groups``) of a loaded rank file."""
+    import numpy as np
+
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if k in ("fp32_flat_groups", "single_partition_of_fp32_groups"):
+                yield from (t for t in v if isinstance(t, np.ndarray))
+            else:
+                yield from _masters(v)
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _masters(v)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["z3_bf16_dp2", "z2_fp32_dp2"])
+def test_weights_only_checks_the_masters_it_reads(tmp_path, name):
+    """The CRC-32 a weights-only import defers to the first read still guards what it does
+    read: a byte of an fp32 master damaged is refused, naming the rank file, not imported."""
+    from jax_ucp._src.format import mapped_file
+    from jax_ucp._src.importers.deepspeed.files import load_deepspeed_file
+    from tests.ucp_testing import assert_convert_refused
+
+    src = _copy(tmp_path, f"deepspeed/{name}/ckpt")
+    path = sorted((src / "global_step2").glob("*optim_states.pt"))[0]
+    raw = bytearray(path.read_bytes())
+    master = next(_masters(load_deepspeed_file(str(path), lazy_crc=True)))
+    _, offset = mapped_file.mapped_at(master)
+    raw[offset + master.nbytes // 2] ^= 0x40
+    path.write_bytes(bytes(raw))
+    assert_convert_refused(
+        src, tmp_path / "out", rf"{path.name}: member .*CRC-32 mismatch", weights_only=True
+    )
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["z3_bf16_dp2", "z2_bf16_dp2"])
 def test_weights_only_never_reads_the_moments(tmp_path, name):
