@@ -28,6 +28,7 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from jax_ucp._src.format import files
+from jax_ucp._src.store import host_memory
 from jax_ucp._src.store.shard_file import (
     chunks_are_contiguous,
     digest_of_trailers,
@@ -161,9 +162,8 @@ def write(
 @functools.cache
 def sync_file_range():
     """libc's ``sync_file_range`` (Linux), or None where there is none (macOS, other libcs)."""
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+    fn = host_memory.libc_function("sync_file_range")
+    if fn is None:
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     fn.restype = ctypes.c_int

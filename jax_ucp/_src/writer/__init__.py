@@ -5,6 +5,7 @@ the directory atomically (temporary sibling + rename). Importers and the Orbax h
 write through it; it knows nothing of Orbax, JAX or torch.
 """
 
+from jax_ucp._src.store.host_memory import one_malloc_arena
 from jax_ucp._src.writer.checkpoint import (
     remove_abandoned,
     write_host_checkpoint,
@@ -26,7 +27,6 @@ from jax_ucp._src.writer.stream import (
     mapped_deferred,
     memory_budget,
     memory_budget_scope,
-    one_malloc_arena,
     unpooled_empty,
     with_digests,
     with_progress,

@@ -13,6 +13,7 @@ import functools
 import os
 
 from jax_ucp._src import format as fmt
+from jax_ucp._src.store import host_memory
 from jax_ucp._src.writer import file_digest
 
 
@@ -70,9 +71,8 @@ def sync_filesystem(path: str) -> None:
 
     Falls back to sync(2) where libc has no syncfs (non-Linux).
     """
-    try:
-        syncfs = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
+    syncfs = host_memory.libc_function("syncfs")
+    if syncfs is None:
         os.sync()
         return
     fd = os.open(path, os.O_RDONLY)

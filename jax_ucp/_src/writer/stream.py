@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import ctypes
 import dataclasses
 import math
 import mmap
@@ -51,26 +50,6 @@ def memory_budget_scope(nbytes: int | None):
         yield
     finally:
         _MEMORY_BUDGET.reset(token)
-
-
-@contextlib.contextmanager
-def one_malloc_arena():
-    """glibc's malloc limited to one arena in the block: each TensorStore thread compressing a
-    chunk otherwise takes an arena of its own and keeps what it freed resident (an Orbax export
-    at a 64 MiB budget: 234 → 125 MiB peak RssAnon, the excess growing with the tensors
-    written). Threads started before keep their arenas; restored after; nothing where the C
-    library has no ``mallopt``."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(_M_ARENA_MAX, 1)
-    try:
-        yield
-    finally:
-        if mallopt is not None:
-            mallopt(_M_ARENA_MAX, 0)  # glibc's default (from the core count)
-
-
-_M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def unpooled_empty(shape, dtype) -> np.ndarray:
