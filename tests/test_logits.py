@@ -126,3 +126,19 @@ def test_logits_needs_against(tmp_path):
         jax_ucp.verify(out, logits=True)
     r = runner.invoke(app, ["verify", out, "--logits"])
     assert r.exit_code != 0 and "--against" in r.output
+
+
+@pytest.mark.torch
+def test_a_config_declaring_a_bigger_model_than_the_checkpoint_is_refused(converted, tmp_path):
+    """A hostile copy of the source whose config.json declares a million layers: refused
+    naming both sizes before from_pretrained would allocate the declared model."""
+    src = tmp_path / "src"
+    shutil.copytree(SRC, src)
+    with open(src / "config.json") as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = 10**6
+    (src / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"config\.json declares a model of [\d,]+ parameters.*holds"
+    ):
+        compare_logits(converted, str(src))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import math
 import os
 from typing import Any
 
@@ -123,9 +124,13 @@ def compare_logits(
         ) from None
     seq = max(1, min(_BATCH[1], cfg.max_position_embeddings))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (_BATCH[0], seq))
-    want, source = _source_logits(folder, tokens)  # the torch model is freed on return
+    torch, transformers = _torch_and_transformers()
+    tree, held = _model_tree(os.fspath(ckpt))
+    _check_declared_size(folder, cfg, os.fspath(ckpt), tree, held)
+    # the torch model is freed on return
+    want, source = _source_logits(folder, tokens, torch, transformers)
     gc.collect()
-    got, tree = _checkpoint_logits(os.fspath(ckpt), cfg, tokens)
+    got = _checkpoint_logits(os.fspath(ckpt), cfg, tokens, tree)
     if got.shape != want.shape:
         raise SourceError(
             f"{ckpt}: logits of shape {list(got.shape)}, the source's {list(want.shape)}"
@@ -134,10 +139,8 @@ def compare_logits(
     return LogitsComparison(diff, tolerance, (_BATCH[0], seq), source, tree)
 
 
-def _source_logits(folder: str, tokens: np.ndarray) -> tuple[np.ndarray, str]:
-    """The logits transformers computes for ``tokens`` from ``folder`` (local files only, no
-    code from the folder), in fp32 and eval mode; a weight the folder lacks is refused (it
-    would be initialised at random, not compared)."""
+def _torch_and_transformers() -> tuple[Any, Any]:
+    """torch and transformers (the hf extra), or the extra to install."""
     try:
         import torch  # pyright: ignore[reportMissingImports]  # the hf extra
         import transformers  # pyright: ignore[reportMissingImports]
@@ -146,6 +149,43 @@ def _source_logits(folder: str, tokens: np.ndarray) -> tuple[np.ndarray, str]:
             f"--logits loads the source with transformers' from_pretrained, which is not "
             f"installed here ({e}); install the extra: pip install 'jax_ucp[hf]'"
         ) from None
+    return torch, transformers
+
+
+def _model_tree(ckpt: str) -> tuple[str, int]:
+    """The checkpoint's tree of model weights (``model_params`` when the import kept a model
+    precision apart from fp32 masters, else ``params``) and how many elements it holds."""
+    from jax_ucp._src.restoring.inspecting import inspect
+
+    tensors = inspect(ckpt).tensors
+    names = {e.name.split("/", 1)[0] for e in tensors}
+    tree = "model_params" if "model_params" in names else "params"
+    held = sum(math.prod(e.shape) for e in tensors if e.name.split("/", 1)[0] == tree)
+    return tree, held
+
+
+def _check_declared_size(folder: str, cfg: Any, ckpt: str, tree: str, held: int) -> None:
+    """Refuses a config.json declaring a bigger model than the checkpoint holds, before
+    from_pretrained allocates the declared size (an untrusted config may declare any)."""
+    dims = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.ffn_hidden_size)
+    h, kv = cfg.hidden_size, cfg.groups * cfg.head_dim
+    layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.ffn_hidden_size + 2 * h
+    declared = cfg.vocab_size * h * (1 if cfg.tied else 2) + cfg.num_layers * layer + h
+    if min(dims) <= 0 or cfg.groups <= 0 or declared > held:
+        raise SourceError(
+            f"{folder}/config.json declares a model of {declared:,} parameters (vocab, hidden, "
+            f"layers, intermediate {list(dims)}); the checkpoint {ckpt} holds {held:,} in "
+            f"'{tree}': not the model it was converted from (from_pretrained would allocate "
+            f"the declared size before reading a weight)"
+        )
+
+
+def _source_logits(
+    folder: str, tokens: np.ndarray, torch: Any, transformers: Any
+) -> tuple[np.ndarray, str]:
+    """The logits transformers computes for ``tokens`` from ``folder`` (local files only, no
+    code from the folder), in fp32 and eval mode; a weight the folder lacks is refused (it
+    would be initialised at random, not compared)."""
     major = int(transformers.__version__.split(".")[0])
     dtype = {"dtype" if major >= 5 else "torch_dtype": torch.float32}
     try:
@@ -177,24 +217,21 @@ def _source_logits(folder: str, tokens: np.ndarray) -> tuple[np.ndarray, str]:
     return out, what
 
 
-def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray) -> tuple[np.ndarray, str]:
+def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray, tree: str) -> np.ndarray:
     """The logits ``TransformerLM(cfg)`` computes for ``tokens`` from the checkpoint's model
-    weights (``model_params`` when the import kept a model precision apart from fp32 masters,
-    else ``params``), restored through ``hf_llama`` alone: no optimizer state is read."""
+    weights (``tree``, :func:`_model_tree`), restored through ``hf_llama`` alone: no optimizer
+    state is read."""
     import jax.numpy as jnp
 
     from jax_ucp._src.language import load_spec
     from jax_ucp._src.models import TransformerLM
-    from jax_ucp._src.restoring.inspecting import inspect
     from jax_ucp._src.restoring.restore_entry import restore
 
-    names = {e.name.split("/", 1)[0] for e in inspect(ckpt).tensors}
-    tree = "model_params" if "model_params" in names else "params"
     spec = load_spec("hf_llama", **cfg.head_settings)
     params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]
     params = {"params": _as_f32(params)}
     logits = TransformerLM(cfg).apply(params, jnp.asarray(tokens, jnp.int32))
-    return np.asarray(logits, np.float32), tree
+    return np.asarray(logits, np.float32)
 
 
 def _as_f32(node: Any) -> Any:
