@@ -31,7 +31,7 @@ import jax_ucp
 
 # the rooms a parameter walks through on its way out; lower layers (format, store, the option
 # and error leaves) are transparent, as third-party code is
-PIPELINE = ("api.py", "tree.py", "restoring/", "sharding/")
+PIPELINE = ("_src/api.py", "_src/tree.py", "_src/restoring/", "_src/sharding/")
 PACKAGE = os.path.dirname(os.path.abspath(jax_ucp.__file__))
 
 
