@@ -10,10 +10,9 @@ with :mod:`jax_ucp._src.torchfiles.unpickler` (no torch, nothing pickled is exec
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import tensor_names, trainer_checkpoints
+from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
 from jax_ucp._src.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
 
 _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
@@ -115,9 +114,11 @@ def require(mapping: Any, key: Any, where: str) -> Any:
     return mapping[key]
 
 
-def numel(shape: Sequence[int]) -> int:
-    """Element count of a shape (1 for a scalar)."""
-    return int(math.prod(shape))
+def sourced_item(key: tuple[str, ...], value: Any, pattern: str, tensors: list[str]) -> Any:
+    """A ``host_item`` whose provenance names its source ``tensors`` (``<file>:<path>``) and
+    the files holding them."""
+    held = sorted({t.split(":", 1)[0] for t in tensors})
+    return host_item(key, value, {"files": held, "pattern": pattern, "tensors": tensors})
 
 
 # --------------------------------------------------------------------------- the tag folder
@@ -353,22 +354,6 @@ def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
     if not isinstance(model_states, Mapping):
         raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
     return model_states
-
-
-def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: OptimizerStates):
-    """The model states' ``dp_world_size`` (when recorded) must be the optimizer files' count.
-
-    Args:
-        model_states: the loaded model states file.
-        model_file: its path, for errors.
-        optimizer: the checked optimizer files.
-    """
-    recorded = model_states.get("dp_world_size")
-    if recorded is not None and int(recorded) != optimizer.world_size:
-        raise SourceError(
-            f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
-            f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
-        )
 
 
 def frozen_shapes_of(

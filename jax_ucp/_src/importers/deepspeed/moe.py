@@ -46,7 +46,6 @@ from jax_ucp._src.importers.plan import (
     ImportPlan,
     Share,
     agreed_step,
-    host_item,
     skip,
     tensor_names,
 )
@@ -482,35 +481,19 @@ def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
     to the primary process only): written in this order, so a parameter's state follows it."""
     for name in names:
         value, tensor = weights[name]
-        yield host_item(
-            ("params", name),
-            value,
-            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
-        )
+        yield files.sourced_item(("params", name), value, "module", [tensor])
         if name not in moments:
             continue
         mu, nu, tensors = moments[name]
-        provenance = {
-            "files": sorted({t.split(":", 1)[0] for t in tensors}),
-            "pattern": "zero0-optimizer-index",
-        }
         for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
-            yield host_item(
-                ("opt_state", tree, name),
-                value,
-                dict(provenance, tensors=[t for t in tensors if t.endswith("." + state)]),
+            held = [t for t in tensors if t.endswith("." + state)]
+            yield files.sourced_item(
+                ("opt_state", tree, name), value, "zero0-optimizer-index", held
             )
     if step is not None:
         value, tensors = step
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(value, np.int32),
-            {
-                "files": sorted({t.split(":", 1)[0] for t in tensors}),
-                "pattern": "step",
-                "tensors": tensors,
-            },
-        )
+        count = np.asarray(value, np.int32)
+        yield files.sourced_item(("opt_state", "count"), count, "step", tensors)
 
 
 def zero0_index_names(

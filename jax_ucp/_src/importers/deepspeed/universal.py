@@ -28,6 +28,7 @@ in the run's precision from ``frozen_param_fragments``.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -44,9 +45,9 @@ from jax_ucp._src.importers.deepspeed.files import (
     frozen_shapes_of,
     load_deepspeed_file,
     load_model_states,
-    numel,
     param_shapes_of,
     source_record,
+    sourced_item,
     unsafe_files_refused,
     version_string,
 )
@@ -304,7 +305,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
             raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} is {array.dtype}, expected float32"
             )
-        if array.ndim == 1 and array.size == numel(local_shape) and mp_world_size == 1:
+        if array.ndim == 1 and array.size == math.prod(local_shape) and mp_world_size == 1:
             full = tuple(local_shape)  # flat: ZeRO-3's layout, shape from param_shapes
         elif array.ndim == 1 and mp_world_size > 1 and tuple(local_shape) != array.shape:
             raise SourceError(
@@ -314,7 +315,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
             )
         else:
             full = tuple(array.shape)
-        if mp_world_size == 1 and numel(full) != numel(local_shape):
+        if mp_world_size == 1 and math.prod(full) != math.prod(local_shape):
             raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
                 f"{array.shape}; param_shapes says {tuple(local_shape)}"
@@ -382,21 +383,12 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
     """The model-precision copy: the module weight as stored when it is whole, else the fp32
     master cast (a ZeRO-3 placeholder, or a tensor-parallel rank's piece)."""
     stored = _stored_weight(checkpoint, name, fp32.shape)
-    model_file = os.path.basename(checkpoint.model_file)
     if stored is not None:
-        provenance = {
-            "files": [model_file],
-            "pattern": "module",
-            "tensors": [f"{model_file}:module.{name}"],
-        }
-        return host_item(("model_params", name), stored, provenance)
-    provenance = {
-        "files": [f"zero/{name}/fp32.pt"],
-        "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
-        "tensors": [fp32_source],
-    }
+        tensor = f"{os.path.basename(checkpoint.model_file)}:module.{name}"
+        return sourced_item(("model_params", name), stored, "module", [tensor])
     cast = mapped_file.read_out(fp32, f"{name!r} fp32").astype(checkpoint.model_dtype)
-    return host_item(("model_params", name), cast, provenance)
+    pattern = f"cast(fp32 -> {checkpoint.model_dtype})"
+    return sourced_item(("model_params", name), cast, pattern, [fp32_source])
 
 
 def _stored_weight(checkpoint: UniversalCheckpoint, name: str, shape) -> np.ndarray | None:
@@ -459,12 +451,8 @@ def iter_universal_items(
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
         for state, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
-            provenance = {
-                "files": [f"zero/{name}/{state}.pt"],
-                "pattern": "deepspeed-universal",
-                "tensors": [param.sources[state]],
-            }
-            yield host_item((*tree, name), param.value(state), provenance)
+            tensors = [param.sources[state]]
+            yield sourced_item((*tree, name), param.value(state), "deepspeed-universal", tensors)
         if checkpoint.model_dtype != np.dtype(np.float32):
             yield _model_weight(checkpoint, name, param.value("fp32"), param.sources["fp32"])
     if checkpoint.frozen:

@@ -36,16 +36,15 @@ from jax_ucp._src.importers.deepspeed.files import (
     OPTIMIZER_FILE,
     ZERO3_MODEL_FILE,
     OptimizerStates,
-    check_dp_world_size,
     dtype_of_run,
     frozen_shapes_of,
     load_model_states,
-    numel,
     optimizer_files_by_rank,
     param_shapes_of,
     read_optimizer_states,
     require,
     source_record,
+    sourced_item,
     unsafe_files_refused,
 )
 from jax_ucp._src.importers.plan import (
@@ -225,7 +224,12 @@ def open_zero_rank(
         layout: further ``DeepSpeedCheckpoint`` fields (MoE: ``rename``, ``rank_stride``,
             ``module_tensors``).
     """
-    check_dp_world_size(model_states, model_file, optimizer)
+    recorded = model_states.get("dp_world_size")
+    if recorded is not None and int(recorded) != optimizer.world_size:
+        raise SourceError(
+            f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
+            f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
+        )
     if param_shapes is None:
         param_shapes = param_shapes_of(model_states, model_file)
     if module is None:
@@ -299,10 +303,10 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
     shapes = checkpoint.shapes
     for name, fragments in plan.items():
         held = sum(piece.numel for piece in fragments.pieces)
-        if held != numel(shapes[name]):
+        if held != math.prod(shapes[name]):
             raise SourceError(
                 f"{checkpoint.tag_dir}: parameter {name!r} shape {shapes[name]} has "
-                f"{numel(shapes[name])} elements but the optimizer files hold {held} "
+                f"{math.prod(shapes[name])} elements but the optimizer files hold {held} "
                 f"(ranks {[piece.dp_rank for piece in fragments.pieces]})"
             )
     return plan
@@ -396,7 +400,7 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
     world = checkpoint.world_size
     for group, shapes in enumerate(checkpoint.param_shapes):
         for name, shape in shapes.items():
-            count = numel(shape)
+            count = math.prod(shape)
             part = math.ceil(count / world)
             takes = ((dp_rank, min(part, count - dp_rank * part)) for dp_rank in range(world))
             pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
@@ -548,10 +552,14 @@ def gather_parameter(
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
         vectors: the cache of :func:`state_vectors`.
     """
-    parts = _parts(checkpoint, name, state_name, vectors)
-    if len(parts) == 1:
-        return parts[0].reshape(checkpoint.shapes[name])
-    return joined_parts(parts, checkpoint.shapes[name], parts[0].dtype)
+    return _whole(_parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name])
+
+
+def _whole(parts: list, shape) -> np.ndarray:
+    """A lone part reshaped (a view of the memory map), else the parts joined."""
+    return (
+        parts[0].reshape(shape) if len(parts) == 1 else joined_parts(parts, shape, parts[0].dtype)
+    )
 
 
 def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
@@ -606,11 +614,7 @@ def _state_item(
     shape = tuple(checkpoint.shapes[name])
 
     def make() -> np.ndarray:
-        value = (
-            parts[0].reshape(shape)
-            if len(parts) == 1
-            else joined_parts(parts, shape, parts[0].dtype)
-        )
+        value = _whole(parts, shape)
         if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
@@ -684,13 +688,8 @@ def iter_zero_items(
             yield host_item((*tree, name), value, dict(provenance, tensors=sources))
             del value
         if checkpoint.model_dtype != np.dtype(np.float32):
-            yield _model_copy_item(
-                checkpoint,
-                name,
-                _parts(checkpoint, name, "fp32", vectors),
-                provenance["files"],
-                piece_tensors(checkpoint, name, "fp32"),
-            )
+            fp32 = _parts(checkpoint, name, "fp32", vectors)
+            yield _model_copy_item(checkpoint, name, fp32, piece_tensors(checkpoint, name, "fp32"))
     yield from frozen_items(checkpoint, share.pick(checkpoint.frozen))
     if weights_only or not share.primary:
         return
@@ -811,11 +810,7 @@ def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
 
 
 def _model_copy_item(
-    checkpoint: DeepSpeedCheckpoint,
-    name: str,
-    fp32: list[np.ndarray],
-    files: list[str],
-    fp32_tensors: list[str],
+    checkpoint: DeepSpeedCheckpoint, name: str, fp32: list[np.ndarray], fp32_tensors: list[str]
 ) -> writer.HostItem:
     """The model-precision weight: the stored module weight (stage 1/2), else the fp32 master
     (its pieces ``fp32``) cast the way DeepSpeed re-derives it (stage 3 keeps no
@@ -828,22 +823,12 @@ def _model_copy_item(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
                 f"{checkpoint.model_dtype}"
             )
-        tensor = checkpoint.module_tensor(name)
-        return host_item(
-            ("model_params", name),
-            stored,
-            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
+        return sourced_item(
+            ("model_params", name), stored, "module", [checkpoint.module_tensor(name)]
         )
     dtype = np.dtype(checkpoint.model_dtype)
-    return host_item(
-        ("model_params", name),
-        writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype)),
-        {
-            "files": files,
-            "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
-            "tensors": fp32_tensors,
-        },
-    )
+    cast = writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype))
+    return sourced_item(("model_params", name), cast, f"cast(fp32 -> {dtype})", fp32_tensors)
 
 
 def frozen_items(
@@ -873,7 +858,7 @@ def frozen_items(
     frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
     for name in names:
         shape = checkpoint.frozen[name]
-        count = numel(shape)
+        count = math.prod(shape)
         parts = []
         for path, found in fragments:
             part = found.get(name)
@@ -947,12 +932,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
     file = os.path.basename(model_file)
     items = (
-        host_item(
-            ("params", name),
-            module[name],
-            {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
-        )
-        for name in names
+        sourced_item(("params", n), module[n], "module", [f"{file}:module.{n}"]) for n in names
     )
 
     source = source_record(tag_dir, model_states, 0)
