@@ -206,6 +206,4 @@ def detect(src: os.PathLike | str) -> Detection:
 
 def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
     """:func:`plan_deepspeed` with its options as one ``DeepSpeedOptions``."""
-    return plan_deepspeed(
-        src, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-    )
+    return plan_deepspeed(src, **vars(options))  # every option is one of its keywords

@@ -58,11 +58,6 @@ EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\
 EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 
 
-def layer_tp_rank(match: re.Match) -> int:
-    """The TP rank of a :data:`LAYER_FILE` match (0 when the name has no ``-model_XX``)."""
-    return int(match.group(2) or 0)
-
-
 def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:
     """One torch file of a DeepSpeed checkpoint, DeepSpeed's own classes as inert stand-ins.
     ``lazy_crc``: each tensor's CRC-32 is checked when its bytes are first read, not now

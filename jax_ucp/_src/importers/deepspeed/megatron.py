@@ -184,12 +184,8 @@ def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
         for f in names
         if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
     }
-    if zero3:
-        model_files = zero3
-        pattern = "zero_pp_rank_0_mp_rank_{:02d}_model_states.pt"
-    else:
-        model_files = {int(m.group(1)): f for f in names if (m := files.MP_MODEL_FILE.match(f))}
-        pattern = "mp_rank_{:02d}_model_states.pt"
+    model_files = zero3 or {int(m[1]): f for f in names if (m := files.MP_MODEL_FILE.match(f))}
+    pattern = ("zero_pp_rank_0_" if zero3 else "") + "mp_rank_{:02d}_model_states.pt"
     first_model_file = os.path.join(tag_dir, pattern.format(0))
     first_model_states = files.load_model_states(
         first_model_file, of_rank=" of model-parallel rank 0"
@@ -228,7 +224,7 @@ def _degrees(
     if isinstance(dims, Mapping) and dims.get("tp_degree") and dims.get("pp_degree"):
         tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
     else:
-        layer_tp_ranks = {files.layer_tp_rank(m) for m in map(files.LAYER_FILE.match, names) if m}
+        layer_tp_ranks = {int(m[2] or 0) for m in map(files.LAYER_FILE.match, names) if m}
         if layer_tp_ranks:
             tp = max(layer_tp_ranks) + 1
             pp = max(1, math.ceil(model_file_count / tp))
@@ -362,7 +358,7 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, names: list[str]) ->
                         tp_rank, (value, file, f"{file}:module.{name}")
                     )
     layer_files = [
-        (int(m.group(1)), files.layer_tp_rank(m), f)
+        (int(m.group(1)), int(m.group(2) or 0), f)
         for f in names
         if (m := files.LAYER_FILE.match(f))
     ]

@@ -85,17 +85,13 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     world = ranks.world_size
     if "model" not in ranks.by_kind:
         raise SourceError(f"{model_dir}: no model_world_size_{world}_rank_R.pt")
-    fsdp = _fsdp_config(model_dir, world)
-    source: dict[str, Any] = {
-        "framework": "verl",
-        "path": model_dir,
-        "world_size": world,
-        **({"fsdp_version": fsdp} if fsdp is not None else {}),
+    recorded = {
+        "fsdp_version": _fsdp_config(model_dir, world),
+        "global_step": where.step,
+        "tracker_step": where.tracker_step,
     }
-    if where.step is not None:
-        source["global_step"] = where.step
-    if where.tracker_step is not None:
-        source["tracker_step"] = where.tracker_step
+    source: dict[str, Any] = {"framework": "verl", "path": model_dir, "world_size": world}
+    source.update((k, v) for k, v in recorded.items() if v is not None)
     found: list[str] = []  # every source tensor (or file read as a unit)
 
     models = [_load(model_dir, name) for name in ranks.by_kind["model"]]
