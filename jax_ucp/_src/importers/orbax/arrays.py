@@ -223,7 +223,10 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
         ts_context=contexts[ocdbt],
     )
     tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-    where, data = metadata_file(path, leaf.name, ocdbt, zarr3), _data_files(path, leaf.name, ocdbt)
+    where = metadata_file(path, leaf.name, ocdbt, zarr3)
+    # where the chunks lie: the array's directory, or the data files of the OCDBT database
+    data = os.path.join(path, leaf.name)
+    data = f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)" if ocdbt else data
     array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
     if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
         return _read(array, data, name).item()
@@ -264,13 +267,6 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
     layout = array.chunk_layout
     check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
     return array
-
-
-def _data_files(path: str, name: str, ocdbt: bool) -> str:
-    """Where an array's chunks lie: its directory, or the data files of the OCDBT database."""
-    if ocdbt:
-        return f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)"
-    return os.path.join(path, name)
 
 
 def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = None):
