@@ -231,7 +231,7 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
     if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
         return _read(array, data, name).item()
     shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
-    streamed = zstd_rows.rows_reader(array, data, name, SourceError)
+    streamed = zstd_rows.rows_reader(array, data, name)
     if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
         return writer.Deferred(
             shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed

@@ -105,7 +105,6 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     _extra(model_dir, ranks.by_kind.get("extra_state", []), source, found)
     _units_beside(where, source, found)
     names = options.share.pick(params)
-    total = len(names)
 
     def items() -> Iterator[writer.HostItem]:
         for name in names:
@@ -127,7 +126,7 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
                 {TENSORS: step_names, "pattern": "optimizer state 'step'"},
             )
 
-    return ImportPlan(items(), source, total, found)
+    return ImportPlan(items(), source, len(names), found)
 
 
 def _optimizer_state(model_dir, ranks, options, params: Params, tied, source, found):
@@ -349,16 +348,10 @@ def _optimizer(folder, files_, optims, params: Params, world: int):
             moments[name] = found
     count = None
     if steps:
-        count = (
-            agreed_step(steps, folder, recorded_by="ranks and parameters", error=SourceError),
-            step_names,
-        )
-    named = []
-    for g in groups[0]:
-        g = {k: v for k, v in g.items()}
-        g["params"] = [by_index[i] for i in g.get("params", [])]
-        g.pop("param_names", None)
-        named.append(jsonable(g))
+        step = agreed_step(steps, folder, recorded_by="ranks and parameters", error=SourceError)
+        count = (step, step_names)
+    kept = [{k: v for k, v in g.items() if k != "param_names"} for g in groups[0]]
+    named = [jsonable({**g, "params": [by_index[i] for i in g.get("params", [])]}) for g in kept]
     return moments, count, named
 
 
