@@ -35,7 +35,7 @@ def tree_metadata(path: str):
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except ValueError as e:
-        _QuietClosedLoop.install()  # Orbax's loop is closed while TensorStore still completes
+        _quiet_closed_loop()  # Orbax's loop is closed while TensorStore still completes
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
@@ -47,30 +47,23 @@ def tree_metadata(path: str):
         ) from None
 
 
-class _QuietClosedLoop:
-    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
-    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
-    other arrays' futures, whose callbacks then find the loop closed and print a traceback
+def _quiet_closed_loop() -> None:
+    """Leaves one harmless report out of the unraisable-exception hook: when Orbax's metadata
+    read fails on a damaged file, Orbax closes its event loop while TensorStore still completes
+    the other arrays' futures, whose callbacks then find the loop closed and print a traceback
     after the one clear error. Installed (wrapping the hook before it) only once such a read
     failed; every other report goes to the hook before."""
+    before = sys.unraisablehook
+    if getattr(before, "__name__", None) == "_closed_loop_left_out":
+        return
 
-    def __init__(self, before):
-        self.before = before
-
-    @classmethod
-    def install(cls) -> None:
-        if not isinstance(sys.unraisablehook, cls):
-            sys.unraisablehook = cls(sys.unraisablehook)
-
-    def __call__(self, report) -> None:
+    def _closed_loop_left_out(report) -> None:
         e = report.exc_value
-        if (
-            report.object is None
-            and isinstance(e, RuntimeError)
-            and str(e) == "Event loop is closed"
-        ):
-            return
-        self.before(report)
+        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        if report.object is not None or not closed:
+            before(report)
+
+    sys.unraisablehook = _closed_loop_left_out
 
 
 def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
