@@ -3,8 +3,7 @@
 Shared by the ZeRO reader (:mod:`deepspeed.zero`) and the Megatron-DeepSpeed TP/PP reader
 (:mod:`deepspeed.megatron`): which tag folder to read, which optimizer file holds which
 (model-parallel, data-parallel) rank, that one model-parallel rank's optimizer files form one
-complete and consistent ZeRO partitioning, and what its model states file says. Files are read
-with :mod:`jax_ucp._src.torchfiles.unpickler` (no torch, nothing pickled is executed; tensors stay memory-mapped).
+complete and consistent ZeRO partitioning, and what its model states file says.
 """
 
 from __future__ import annotations

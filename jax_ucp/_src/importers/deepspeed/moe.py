@@ -42,9 +42,8 @@ from jax_ucp._src.importers.deepspeed import files, zero
 from jax_ucp._src.importers.deepspeed.files import require
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp._src.importers.plan import (
-    WHOLE,
+    ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     skip,
     tensor_names,
@@ -309,7 +308,7 @@ def _moe_optimizer_states(tag_dir: str):
     if not by_rank:
         raise SourceError(
             f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
-            "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
+            "'*zero_pp_rank_*_optim_states.pt' files): read it with convert"
         )
     if set(by_rank) != {0}:
         raise SourceError(
@@ -358,19 +357,12 @@ def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
     return value
 
 
-def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
+def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
     """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
-    ``expp_rank_*`` files).
-
-    Args:
-        tag_dir: the tag folder.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
-    names = os.listdir(tag_dir)
-    if not any(files.OPTIMIZER_FILE.match(f) for f in names):
-        return plan_moe_zero0(tag_dir, weights_only=weights_only, share=share)
+    ``expp_rank_*`` files)."""
+    if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+        return plan_moe_zero0(tag_dir, options)
+    weights_only, share = options.weights_only, options.share
     checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
@@ -405,18 +397,12 @@ def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
 # --------------------------------------------------------------------------- ZeRO-0
 
 
-def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
+def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
     ``module`` and the expert files; Adam's moments and step from the torch
     ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
-    index to name as :func:`zero0_index_names` says.
-
-    Args:
-        tag_dir: the tag folder.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
+    index to name as :func:`zero0_index_names` says."""
+    weights_only, share = options.weights_only, options.share
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)

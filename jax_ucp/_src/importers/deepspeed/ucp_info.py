@@ -73,6 +73,7 @@ def spec_from_ucp_info(
         s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
     if PADDED_VOCAB_SIZE in info:
         s.setdefault("padded_vocab_size", int(info[PADDED_VOCAB_SIZE]))
+    categories: list[tuple[str | None, Kind, str, bool]]
     categories = [(p, k, f"{k.kind} {p!r}", strict) for p, k in _categories(info, where)]
     categories.append((None, Partitioned(dim=0), "default: cat dim 0", False))
     vocab = _patterns(info, VOCABULARY, where)
@@ -105,6 +106,7 @@ def _categories(info: Mapping[str, Any], where: str) -> list[tuple[str, Kind]]:
         (TO_AVERAGE, Averaged()),
         (TWO_SUB_PARAMS, SwiGLU(dim=0)),
     )
+    categories: list[tuple[str, Kind]]
     categories = [(p, k) for key, k in first for p in _patterns(info, key, where)]
     for i, e in enumerate(info.get(SUB_PARAMS) or []):
         at = f"{where}.{SUB_PARAMS}[{i}]"

@@ -55,6 +55,7 @@ from jax_ucp._src.importers.deepspeed.zero import STATE_TREES, DeepSpeedCheckpoi
 from jax_ucp._src.importers.plan import (
     VALUES,
     WHOLE,
+    ImportOptions,
     ImportPlan,
     Share,
     agreed_step,
@@ -73,9 +74,8 @@ _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.
 
 def is_universal_tag_dir(path: str) -> bool:
     """A universal tag folder: ``zero/`` beside DeepSpeed model states files."""
-    if not os.path.isdir(os.path.join(path, ZERO_DIR)):
-        return False
-    return any(_MODEL_FILE.match(f) for f in os.listdir(path))
+    zero = os.path.isdir(os.path.join(path, ZERO_DIR))
+    return zero and any(_MODEL_FILE.match(f) for f in os.listdir(path))
 
 
 def universal_tag_dir(src: str, tag: str | None) -> str | None:
@@ -88,7 +88,7 @@ def universal_tag_dir(src: str, tag: str | None) -> str | None:
         return None
     if tag is not None:
         candidate = os.path.join(src, tag)
-        return candidate if os.path.isdir(candidate) and is_universal_tag_dir(candidate) else None
+        return candidate if is_universal_tag_dir(candidate) else None
     if is_universal_tag_dir(src):
         return src
     tracker = os.path.join(src, LATEST_UNIVERSAL)
@@ -582,21 +582,12 @@ def source_info(checkpoint: UniversalCheckpoint) -> dict:
     )
 
 
-def plan_universal(
-    tag_dir: str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
-) -> ImportPlan:
-    """The import of a universal tag folder (every file found and checked before this returns).
-
-    Args:
-        tag_dir: the ``<tag>_universal`` folder.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
+def plan_universal(tag_dir: str, options: ImportOptions) -> ImportPlan:
+    """The import of the ``<tag>_universal`` folder ``tag_dir`` (every file found and checked
+    before this returns)."""
+    weights_only, share = options.weights_only, options.share
     refuse_spec(
-        spec,
+        options.spec,
         "convert: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed merged"
         " its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec has nothing "
         "to do",

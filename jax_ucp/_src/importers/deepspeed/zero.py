@@ -51,6 +51,7 @@ from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
     WHOLE,
+    ImportOptions,
     ImportPlan,
     Share,
     agreed_step,
@@ -897,7 +898,7 @@ def zero0_model_file(tag_dir: str) -> str | None:
     return path if os.path.lexists(path) else None
 
 
-def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Share = WHOLE):
+def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportPlan:
     """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
     states file, keyed by parameter index. Importing it is not supported; the weights are (the
     module's, in the run's precision).
@@ -905,10 +906,10 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     Args:
         tag_dir: the tag folder.
         model_file: its model states file.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``weights_only`` must be set (the optimizer state is then listed in
+            ``source.skipped``); ``share``: this process's part.
     """
+    weights_only, share = options.weights_only, options.share
     model_states = load_model_states(model_file)
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None

@@ -12,6 +12,6 @@ metadata and each array's reader), ``planning`` (the plan and its options), ``zs
 
 from __future__ import annotations
 
-from jax_ucp._src.importers.orbax.planning import OrbaxOptions, detect, plan, plan_orbax
+from jax_ucp._src.importers.orbax.planning import OrbaxOptions, detect, plan
 
-__all__ = ["OrbaxOptions", "detect", "plan", "plan_orbax"]
+__all__ = ["OrbaxOptions", "detect", "plan"]
