@@ -120,7 +120,7 @@ def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPla
     if optimizer is not None:  # what optax_from_torch continues from
         source["optimizer"] = optimizer
     return ImportPlan(
-        items=zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
+        items=zero.iter_zero_items(checkpoint, options),
         source=source,
         total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
         source_tensors=found,

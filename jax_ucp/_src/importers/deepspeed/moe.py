@@ -376,7 +376,7 @@ def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
             "master (checked), imported as params/",
         )
     found += expert_tensors
-    items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
+    items = zero.iter_zero_items(checkpoint, options)
     return ImportPlan(
         items=_checked_experts(items, checkpoint, experts),
         source=source,

@@ -54,10 +54,8 @@ from jax_ucp._src.importers.deepspeed.files import (
 from jax_ucp._src.importers.deepspeed.zero import STATE_TREES, DeepSpeedCheckpoint, frozen_items
 from jax_ucp._src.importers.plan import (
     VALUES,
-    WHOLE,
     ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     host_item,
     refuse_spec,
@@ -430,16 +428,10 @@ def _frozen_fp32(
     return [checkpoint.frozen_fp32[name]]
 
 
-def iter_universal_items(
-    checkpoint: UniversalCheckpoint, *, weights_only: bool, share: Share = WHOLE
-) -> Iterator:
-    """Per parameter: fp32 master, Adam moments, model-precision copy; frozen weights; step.
-
-    Args:
-        checkpoint: the opened universal folder.
-        weights_only: fp32 masters alone, no moments, copies or step.
-        share: this process's part of a distributed import (default: the whole).
-    """
+def iter_universal_items(checkpoint: UniversalCheckpoint, options: ImportOptions) -> Iterator:
+    """Per parameter (this process's share): fp32 master, Adam moments, model-precision copy;
+    frozen weights; step. ``options.weights_only``: fp32 masters alone, no moments or step."""
+    weights_only, share = options.weights_only, options.share
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
         for state, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
@@ -598,7 +590,7 @@ def plan_universal(tag_dir: str, options: ImportOptions) -> ImportPlan:
     if not weights_only:
         _step(checkpoint)  # a missing or disagreeing step fails before anything is written
     return ImportPlan(
-        items=iter_universal_items(checkpoint, weights_only=weights_only, share=share),
+        items=iter_universal_items(checkpoint, options),
         source=source,
         total_params=len(share.pick(checkpoint.params)) + len(share.pick(checkpoint.frozen)),
         source_tensors=found,

@@ -50,10 +50,8 @@ from jax_ucp._src.importers.deepspeed.files import (
 from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
-    WHOLE,
     ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     host_item,
     jsonable,
@@ -657,15 +655,11 @@ def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
 
 
 def iter_zero_items(
-    checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
+    checkpoint: DeepSpeedCheckpoint, options: ImportOptions
 ) -> Iterator[writer.HostItem]:
-    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``.
-
-    Args:
-        checkpoint: the opened ZeRO checkpoint.
-        weights_only: params and model_params alone.
-        share: this process's part of a distributed import (default: the whole).
-    """
+    """params / mu / nu / model_params one parameter at a time (this process's share), then
+    ``opt_state.count``; ``options.weights_only``: params and model_params alone."""
+    weights_only, share = options.weights_only, options.share
     vectors: dict[tuple[int, str], Any] = {}
     files = [os.path.basename(f) for f in checkpoint.optim_files]
     for name in share.pick(checkpoint.names):
