@@ -102,12 +102,7 @@ def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPla
         found = megatron.megatron_deepspeed_tensors(checkpoint, source, weights_only=weights_only)
         if weights_only:
             items = (item for item in items if item.role != "opt_state")
-        return ImportPlan(
-            items=items,
-            source=source,
-            total_params=len(share.pick(checkpoint.names)),
-            source_tensors=found,
-        )
+        return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
     refuse_spec(
         spec,
         "convert: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
@@ -119,12 +114,8 @@ def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPla
     optimizer = None if weights_only else zero.torch_optimizer_record(checkpoint)
     if optimizer is not None:  # what optax_from_torch continues from
         source["optimizer"] = optimizer
-    return ImportPlan(
-        items=zero.iter_zero_items(checkpoint, options),
-        source=source,
-        total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
-        source_tensors=found,
-    )
+    total = len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen))
+    return ImportPlan(zero.iter_zero_items(checkpoint, options), source, total, found)
 
 
 @dataclasses.dataclass(frozen=True)

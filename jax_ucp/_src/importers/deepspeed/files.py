@@ -291,8 +291,7 @@ def read_optimizer_states(
     tag_dir: str, files_by_dp_rank: Mapping[int, str], *, of_rank: str = ""
 ) -> OptimizerStates:
     """Reads one model-parallel rank's optimizer files; every DP rank of ``partition_count``
-    present, no other, all with the same stage and partition count (``of_rank`` names the
-    model-parallel rank in messages).
+    present, no other, all with the same stage and partition count.
 
     Args:
         tag_dir: the tag folder.

@@ -432,7 +432,7 @@ def _add_layer_weights(
 def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
     """``kind`` with the DeepSpeed details the generic translation leaves open, resolved per
     tensor: legacy sub-param metadata giving a *count* of equal sub-params, and v0.4
-    ``sub_param_shard_widths`` (uneven). ``widths``: each TP fragment's size on the merge dim.
+    ``sub_param_shard_widths`` (uneven).
 
     Args:
         kind: the kind the generic translation gave.

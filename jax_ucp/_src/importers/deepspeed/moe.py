@@ -376,13 +376,8 @@ def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
             "master (checked), imported as params/",
         )
     found += expert_tensors
-    items = zero.iter_zero_items(checkpoint, options)
-    return ImportPlan(
-        items=_checked_experts(items, checkpoint, experts),
-        source=source,
-        total_params=len(share.pick(checkpoint.names)),
-        source_tensors=found,
-    )
+    items = _checked_experts(zero.iter_zero_items(checkpoint, options), checkpoint, experts)
+    return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
 
 
 def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
@@ -425,13 +420,12 @@ def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
     for path, state in states.items():
         found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
-    optimizer_tensors = [n for n in found if ":optimizer." in n]
     moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     step = None
     if weights_only:
         skip(
             source,
-            optimizer_tensors,
+            [n for n in found if ":optimizer." in n],
             "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
         )
     else:

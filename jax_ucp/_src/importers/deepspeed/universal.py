@@ -19,10 +19,9 @@ is only in the model states' ``param_shapes``, its step only in ``zero/optimizer
 parameter that never had optimizer state (frozen, or never given a gradient) gets ``fp32.pt``
 alone, cast from the module weight.
 
-The output is the DeepSpeed importer's contract (docs/FORMAT.md 2.6): ``params`` fp32 masters,
-``opt_state`` {``mu``, ``nu``, ``count``}, ``model_params`` when the run was bf16/fp16 (the
-module weights as stored, else the masters cast, as the direct import does), frozen parameters
-in the run's precision from ``frozen_param_fragments``.
+The output is the DeepSpeed importer's contract (the package's docstring): ``model_params``
+the module weights as stored, else the masters cast, as the direct import does; frozen
+parameters in the run's precision from ``frozen_param_fragments``.
 """
 
 from __future__ import annotations
@@ -515,13 +514,12 @@ def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list
     """The tensors of every model states file; all but the imported module weights and frozen
     fragments skipped with the reason."""
     model_file = os.path.basename(checkpoint.model_file)
-    imported = set()
-    if checkpoint.model_dtype != np.dtype(np.float32):
-        imported = {
-            f"{model_file}:module.{name}"
-            for name, param in checkpoint.params.items()
-            if _stored_weight(checkpoint, name, param.shape) is not None
-        }
+    cast = checkpoint.model_dtype != np.dtype(np.float32)  # a model copy is imported
+    imported = {
+        f"{model_file}:module.{name}"
+        for name, param in checkpoint.params.items()
+        if cast and _stored_weight(checkpoint, name, param.shape) is not None
+    }
     frozen_names = {f"frozen_param_fragments.{n}" for n in checkpoint.frozen}
     found = []
     for path, states in checkpoint.model_files.items():
@@ -589,9 +587,5 @@ def plan_universal(tag_dir: str, options: ImportOptions) -> ImportPlan:
     found = universal_tensors(checkpoint, source, weights_only=weights_only)
     if not weights_only:
         _step(checkpoint)  # a missing or disagreeing step fails before anything is written
-    return ImportPlan(
-        items=iter_universal_items(checkpoint, options),
-        source=source,
-        total_params=len(share.pick(checkpoint.params)) + len(share.pick(checkpoint.frozen)),
-        source_tensors=found,
-    )
+    total = len(share.pick(checkpoint.params)) + len(share.pick(checkpoint.frozen))
+    return ImportPlan(iter_universal_items(checkpoint, options), source, total, found)

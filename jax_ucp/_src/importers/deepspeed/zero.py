@@ -828,8 +828,6 @@ def frozen_items(
     from ``frozen_param_fragments`` as DeepSpeed's zero_to_fp32 does: stage 1/2 keep each whole;
     stage 3 keeps a ``ceil(numel / W)`` partition per DP rank, concatenated in rank order and
     cut to ``numel``. In the run's precision (never trained, there is no fp32 master).
-    ``also(name, weight, files)`` names more source tensors holding the same weights (and checks
-    that they do).
 
     Args:
         checkpoint: the opened ZeRO checkpoint holding the fragments.
