@@ -255,11 +255,9 @@ def _tied_keys(params: Params) -> dict[str, str]:
         )
         if not where:
             continue
-        key = (shape, str(dtype), where)
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
+        owner = first.setdefault((shape, str(dtype), where), name)
+        if owner != name:
+            tied[name] = owner
     return tied
 
 
@@ -392,12 +390,11 @@ def _moments(folder, files_, optims, index, name, params: Params, world, steps, 
 def _extra(folder: str, names: list[str], source: dict, found: list[str]) -> None:
     """The scheduler's record from rank 0's extra state; every extra-state file (the RNG
     states) is a unit left out."""
-    for name in names:
-        found.append(name)
-        skip(source, [name], "verl's extra state (RNG states, lr scheduler), not imported; the "
-             "scheduler's record is in source.lr_scheduler")  # fmt: skip
     if not names:
         return
+    found += names
+    why = "verl's extra state (RNG states, lr scheduler), not imported; the scheduler's record"
+    skip(source, names, why + " is in source.lr_scheduler")
     path = files.inside(folder, names[0], f"{folder}: verl's extra state")
     try:
         extra = unpickler.load_torch_file(path, _EXTRA_CLASSES)
