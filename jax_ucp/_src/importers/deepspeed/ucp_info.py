@@ -37,13 +37,8 @@ from jax_ucp._src.language.kinds import (
 from jax_ucp._src.language.patterns import compile_pattern
 from jax_ucp._src.language.spec import ImportRule, Spec
 
-TP_REPLICATED = "tp_replicated_parameter_patterns"
-TO_AVERAGE = "parameter_to_average_patterns"
-TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
 SUB_PARAMS = "parameter_with_sub_params"
 ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
-VOCABULARY = "vocabulary_parameter_patterns"
-PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 PADDED_VOCAB_SIZE = "padded_vocab_size"
 
@@ -76,8 +71,8 @@ def spec_from_ucp_info(
     categories: list[tuple[str | None, Kind, str, bool]]
     categories = [(p, k, f"{k.kind} {p!r}", strict) for p, k in _categories(info, where)]
     categories.append((None, Partitioned(dim=0), "default: cat dim 0", False))
-    vocab = _patterns(info, VOCABULARY, where)
-    pipe = _patterns(info, PIPELINE_REPLICATED, where)
+    vocab = _patterns(info, "vocabulary_parameter_patterns", where)
+    pipe = _patterns(info, "pipeline_replicated_parameter_patterns", where)
     vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
     rules = [
         rule
@@ -102,9 +97,9 @@ def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
 def _categories(info: Mapping[str, Any], where: str) -> list[tuple[str, Kind]]:
     """(pattern, kind) of every category, in ds_to_universal's order of precedence."""
     first = (
-        (TP_REPLICATED, Replicated()),
-        (TO_AVERAGE, Averaged()),
-        (TWO_SUB_PARAMS, SwiGLU(dim=0)),
+        ("tp_replicated_parameter_patterns", Replicated()),
+        ("parameter_to_average_patterns", Averaged()),
+        ("parameter_with_2_sub_params_cat_dim_0", SwiGLU(dim=0)),
     )
     categories: list[tuple[str, Kind]]
     categories = [(p, k) for key, k in first for p in _patterns(info, key, where)]
