@@ -43,7 +43,6 @@ from jax_ucp._src.importers.deepspeed.zero import (
     STATE_TREES,
     DeepSpeedCheckpoint,
     piece_tensors,
-    step_sources,
     zero_tensors,
 )
 from jax_ucp._src.importers.plan import WHOLE, Share, host_item, skip, tensor_names
@@ -93,10 +92,6 @@ class MegatronDeepSpeedCheckpoint:
     @property
     def every_rank(self) -> list[DeepSpeedCheckpoint]:
         return [rank for row in self.ranks for rank in row]
-
-    @property
-    def optim_files(self) -> list[str]:
-        return [f for rank in self.every_rank for f in rank.optim_files]
 
 
 @dataclass(frozen=True)
@@ -515,15 +510,7 @@ def iter_megatron_deepspeed_items(
         yield from _parameter_items(checkpoint, name)
     if not share.primary:
         return
-    yield host_item(
-        ("opt_state", "count"),
-        np.asarray(count, np.int32),
-        {
-            "files": [os.path.basename(f) for f in checkpoint.optim_files],
-            "pattern": "step",
-            **step_sources(*checkpoint.every_rank),
-        },
-    )
+    yield zero.step_item(count, *checkpoint.every_rank)
 
 
 def megatron_deepspeed_tensors(

@@ -681,11 +681,14 @@ def iter_zero_items(
     yield from frozen_items(checkpoint, share.pick(checkpoint.frozen))
     if weights_only or not share.primary:
         return
-    yield host_item(
-        ("opt_state", "count"),
-        np.asarray(optimizer_step(checkpoint), np.int32),
-        {"files": files, "pattern": "step", **step_sources(checkpoint)},
-    )
+    yield step_item(optimizer_step(checkpoint), checkpoint)
+
+
+def step_item(step: int, *checkpoints: DeepSpeedCheckpoint) -> writer.HostItem:
+    """``opt_state.count``: the ``step`` the ranks' optimizer files agree on, named by them."""
+    files = [os.path.basename(f) for c in checkpoints for f in c.optim_files]
+    provenance = {"files": files, "pattern": "step", **step_sources(*checkpoints)}
+    return host_item(("opt_state", "count"), np.asarray(step, np.int32), provenance)
 
 
 def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:

@@ -66,8 +66,7 @@ def detect(src: os.PathLike | str) -> Detection:
         return Detection(True, "verl FSDP rank files (model_world_size_W_rank_R.pt)")
     if layout.is_model_dir(os.path.join(path, layout.MODEL_DIRS[0])):
         return Detection(True, "a verl global_step_N/ folder (actor/ rank files)")
-    steps = layout.step_dirs(path)
-    if steps:
+    if steps := layout.step_dirs(path):
         return Detection(True, f"a verl run ({', '.join(steps[-3:])})")
     return Detection(
         False,
