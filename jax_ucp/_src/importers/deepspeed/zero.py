@@ -353,7 +353,8 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                 # a StandIn: its attributes come from the pickle (getattr for pyright)
                 start, count = getattr(address, "start"), getattr(address, "numel")  # noqa: B009
                 size = optimizer_state["single_partition_of_fp32_groups"][group].size
-                if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
+                ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, count))
+                if not (ints and start >= 0 and count > 0):
                     raise SourceError(
                         f"{path}: parameter {name!r}: fragment_address start={start!r} "
                         f"numel={count!r}; expected a start >= 0 and numel > 0"
@@ -366,10 +367,6 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                 fragments.pieces.append(Piece(dp_rank, int(start), int(count)))
         _check_no_overlap(plan, dp_rank, path)
     return plan
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path: str) -> None:

@@ -379,8 +379,7 @@ def _moments(folder, files_, optims, index, name, params: Params, world, steps, 
             )
         out[state] = [(f"{f}/{what}", p) for f, p in got[2]]
     for file, e in zip(files_, entries):
-        value = e.get("step")
-        if value is not None:
+        if (value := e.get("step")) is not None:
             steps.setdefault(float(np.asarray(value).reshape(())), f"in {file} state[{index}]")
             step_names.append(f"{file}/state.{index}.step")
     return out
