@@ -11,7 +11,7 @@ import dataclasses
 import glob
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -342,15 +342,21 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def trainer_checkpoints(src: str) -> list[str]:
-    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[str]:
+    """The entries of ``src`` named ``pattern`` (its one group a number) whose path ``holds``,
+    by that number; [] when ``src`` cannot be listed."""
     try:
         names = os.listdir(src)
     except OSError:
         return []
     found = [
-        n
+        (int(m.group(1)), n)
         for n in names
-        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
+        if (m := re.fullmatch(pattern, n)) and holds(os.path.join(src, n))
     ]
-    return sorted(found, key=lambda n: int(n.split("-")[1]))
+    return [n for _, n in sorted(found)]
+
+
+def trainer_checkpoints(src: str) -> list[str]:
+    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+    return numbered_folders(src, r"checkpoint-(\d+)", os.path.isdir)

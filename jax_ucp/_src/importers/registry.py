@@ -114,18 +114,15 @@ def detect_format(src) -> str:
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         )
-    runs = trainer_checkpoints(src)
-    if runs:
-        raise SourceError(
-            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
-            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
-        )
-    steps = step_folders(src)
-    if steps:
-        raise SourceError(
-            f"{src}: an OLMo-core save folder with {len(steps)} checkpoints: {', '.join(steps)}. "
-            f"Convert one of them (e.g. {os.path.join(src, steps[-1])})."
-        )
+    for runs, what in (
+        (trainer_checkpoints(src), "a Hugging Face Trainer output directory"),
+        (step_folders(src), "an OLMo-core save folder"),
+    ):
+        if runs:
+            raise SourceError(
+                f"{src}: {what} with {len(runs)} checkpoints: {', '.join(runs)}. Convert one of "
+                f"them (e.g. {os.path.join(src, runs[-1])})."
+            )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())

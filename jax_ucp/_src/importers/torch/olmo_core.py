@@ -18,6 +18,7 @@ import re
 from typing import Any
 
 from jax_ucp._src.format import files
+from jax_ucp._src.importers.plan import numbered_folders
 from jax_ucp._src.torchfiles import unpickler
 
 __all__ = ["MODEL_DIR", "TRAIN_DIR", "is_step_folder", "step_folders", "train_record"]
@@ -27,7 +28,6 @@ TRAIN_DIR = "train"
 VERSION_FILE = ".metadata.json"
 MAX_JSON_BYTES = 1 << 20
 _RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
-_STEP = re.compile(r"^step\d+$")
 
 #: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
 #: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
@@ -48,12 +48,7 @@ def is_step_folder(src: os.PathLike | str) -> bool:
 
 def step_folders(src: os.PathLike | str) -> list[str]:
     """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
-    try:
-        names = os.listdir(src)
-    except OSError:
-        return []
-    found = [n for n in names if _STEP.match(n) and is_step_folder(os.path.join(src, n))]
-    return sorted(found, key=lambda n: int(n[len("step") :]))
+    return numbered_folders(src, r"step(\d+)", is_step_folder)
 
 
 def rank_files(src: str) -> list[str]:

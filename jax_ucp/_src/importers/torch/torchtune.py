@@ -32,7 +32,15 @@ import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import safetensors
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, tensor_names
+from jax_ucp._src.importers.plan import (
+    WHOLE,
+    ImportPlan,
+    Share,
+    numbered_folders,
+    refuse_spec,
+    skip,
+    tensor_names,
+)
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
@@ -42,7 +50,6 @@ from jax_ucp._src.torchfiles import unpickler
 __all__ = [
     "RECIPE_STATE",
     "TUNE_TO_HF",
-    "dist_epoch_folders",
     "epoch_folders",
     "is_torchtune",
     "plan_torchtune",
@@ -50,8 +57,6 @@ __all__ = [
 
 RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
 OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
-_EPOCH = re.compile(r"epoch_(\d+)")
-_DIST_EPOCH = re.compile(r"dist_epoch_(\d+)")  # DistributedCheckpointer's _checkpoint_dir_prefix
 
 #: torchtune's parameter names -> Hugging Face's: ``torchtune.models.convert_weights._FROM_HF``
 #: (0.6.1) inverted, as ``tune_to_hf`` inverts it; ``{}`` is the layer number.
@@ -75,33 +80,18 @@ TUNE_TO_HF = {
 DEFAULT_CONVERT_MODEL_TYPES = ("llama", "mistral")
 
 
-def epoch_folders(src: str) -> list[str]:
-    """``epoch_N`` folders holding safetensors, by N."""
-    found = []
-    for name in os.listdir(src):
-        m = _EPOCH.fullmatch(name)
-        path = os.path.join(src, name)
-        if (
-            m
-            and os.path.isdir(path)
-            and not os.path.islink(path)
-            and any(n.endswith(".safetensors") for n in os.listdir(path))
-        ):
-            found.append((int(m.group(1)), name))
-    return [name for _, name in sorted(found)]
+def epoch_folders(src: str, dist: bool = False) -> list[str]:
+    """``epoch_N`` folders holding safetensors, by N; ``dist``: ``dist_epoch_N`` folders holding
+    a torch DCP ``.metadata`` (DistributedCheckpointer's ``_checkpoint_dir_prefix``)."""
 
+    def holds(path: str) -> bool:
+        if os.path.islink(path) or not os.path.isdir(path):
+            return False
+        if dist:
+            return os.path.isfile(os.path.join(path, ".metadata"))
+        return any(n.endswith(".safetensors") for n in os.listdir(path))
 
-def dist_epoch_folders(src: str) -> list[str]:
-    """``dist_epoch_N`` folders holding a torch DCP ``.metadata``, by N."""
-    found = []
-    for name in os.listdir(src):
-        m = _DIST_EPOCH.fullmatch(name)
-        path = os.path.join(src, name)
-        if m is None or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            found.append((int(m.group(1)), name))
-    return [name for _, name in sorted(found)]
+    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_(\d+)", holds)
 
 
 def _epoch_number(name: str) -> int:
@@ -139,15 +129,11 @@ def _names(keys: list, count: int = 3) -> str:
     return shown + (", ..." if len(keys) > count else "")
 
 
-def recipe_optimizer(path: str) -> str:
-    """What ``recipe_state.pt`` holds of the optimizer, said as found: a state dict keyed by
-    index (the single-device recipes), by torchtune's parameter names (the distributed
+def recipe_optimizer(recipe: Any) -> str:
+    """What the loaded ``recipe_state.pt`` holds of the optimizer, said as found: a state dict
+    keyed by index (the single-device recipes), by torchtune's parameter names (the distributed
     recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
-    or none; the file read through the allow-listed unpickler (never run)."""
-    try:
-        recipe = unpickler.load_torch_file(path)
-    except SourceError as e:
-        return f"not read ({str(e)[:200]})"
+    or none."""
     if not isinstance(recipe, dict):
         return f"absent (the file holds a {type(recipe).__name__}, expected a dict)"
     optimizer = recipe.get(OPTIMIZER_KEY)
@@ -182,7 +168,7 @@ def is_torchtune(src: os.PathLike | str) -> bool:
     """torchtune's layout: ``epoch_N/`` safetensors folders, with or without recipe state, or
     its asynchronous save's ``dist_epoch_N/`` torch DCP folders."""
     src = os.fspath(src)
-    return os.path.isdir(src) and bool(epoch_folders(src) or dist_epoch_folders(src))
+    return os.path.isdir(src) and bool(epoch_folders(src) or epoch_folders(src, dist=True))
 
 
 def plan_torchtune(
@@ -206,7 +192,7 @@ def plan_torchtune(
     """
     src = os.fspath(src)
     epochs = epoch_folders(src)
-    dist = dist_epoch_folders(src)
+    dist = epoch_folders(src, dist=True)
     if not epochs and not dist:
         raise SourceError(
             f"{src}: no torchtune epoch_N/ folder holding safetensors, nor dist_epoch_N/ "
@@ -268,11 +254,8 @@ def _plan_dist_epoch(
     units = [f"{e}/" for e in epochs + dist[:-1]]
     if os.path.lexists(os.path.join(src, RECIPE_STATE)):
         units.append(RECIPE_STATE)
-    skipped = dict(source.get("skipped") or {})
-    for unit in units:
-        skipped[unit] = f"an earlier epoch's checkpoint ({dist[-1]}/ imported)"
-    if skipped:
-        source["skipped"] = skipped
+    if units:  # (no empty source.skipped)
+        skip(source, units, f"an earlier epoch's checkpoint ({dist[-1]}/ imported)")
     folder = dist[-1]
     items = (
         dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": folder})
@@ -351,7 +334,7 @@ def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not (isinstance(state, dict) and isinstance(groups, list)):
         raise SourceError(
-            f"{recipe}: torchtune's optimizer state, {recipe_optimizer(recipe)}: not imported. "
+            f"{recipe}: torchtune's optimizer state, {recipe_optimizer(loaded)}: not imported. "
             f"Convert with weights_only=True to import {epoch}/'s weights"
         )
     assert isinstance(loaded, dict)
@@ -460,7 +443,7 @@ def _recipe_accounting(
             skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
         elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
             skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1] + dist_epoch_folders(src)]
+    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
     for unit in units:
         skipped[unit] = f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"
     return recipe_tensors, optimizer_sources, units, skipped
@@ -477,7 +460,7 @@ def _plan_with_optimizer(
     as torchtune's checkpointer converts the weights."""
     latest = os.path.join(src, epochs[-1])
     loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
-    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(recipe))
+    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(loaded))
     config, q_heads, kv_heads, head_dim = _heads(latest)
     heads = (q_heads, kv_heads, head_dim)
     params, files = _epoch_weights(latest, epochs[-1])
