@@ -82,7 +82,6 @@ class RankFile:
 class LegacyCheckpoint:
     """A legacy (``mp_rank_*``) Megatron checkpoint: its rank files and run arguments."""
 
-    root: Path
     iter_dir: Path
     iteration: int | None
     tp: int
@@ -115,7 +114,7 @@ TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
 def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
-    """(root, iteration dir, iteration) for a root holding the tracker file or an iter dir."""
+    """(iteration dir, iteration) for a root holding the tracker file or an iter dir."""
     src = Path(src)
     tracker = src / TRACKER_FILE
     if os.path.lexists(tracker):
@@ -125,7 +124,7 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
         except files.UnsafeFileError as e:
             raise SourceError(str(e)) from None
         if text == "release":
-            return src, src / "release", None
+            return src / "release", None
         try:
             it = int(text)
         except ValueError:
@@ -141,12 +140,12 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
             raise SourceError(
                 f"{d} leads outside {src} (a symlink); refusing to follow it"
             ) from None
-        return src, d, it
+        return d, it
     m = re.fullmatch(r"iter_(\d+)", src.name)
     if m:
-        return src.parent, src, int(m.group(1))
+        return src, int(m.group(1))
     if src.name == "release":
-        return src.parent, src, None
+        return src, None
     raise SourceError(
         f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
     )
@@ -155,13 +154,9 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
 def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
     """Nested state dicts (older Megatron-LM: model['language_model']['encoder'][...]) -> dotted."""
     out: dict[str, Any] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            name = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, dict):
-                out.update(flatten_state_dict(v, name))
-            else:
-                out[name] = v
+    for k, v in d.items() if isinstance(d, dict) else ():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        out.update(flatten_state_dict(v, name) if isinstance(v, dict) else {name: v})
     return out
 
 
@@ -285,7 +280,7 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     Directory names are Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``; a single 3-digit suffix is the
     pipeline stage unless ``args.expert_model_parallel_size > 1`` with no pipeline parallelism
     (Megatron-LM then appends only the expert rank)."""
-    root, iteration_dir, iteration = resolve_iteration_dir(Path(src))
+    iteration_dir, iteration = resolve_iteration_dir(Path(src))
     directories = _rank_directories(iteration_dir)
     pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
@@ -340,7 +335,6 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         )
     version = first.state.get("checkpoint_version")
     return LegacyCheckpoint(
-        root,
         iteration_dir,
         iteration if iteration is not None else first.state.get("iteration"),
         tp_size,
