@@ -111,7 +111,20 @@ def plan_torch_dist(
             )
     if optimizer.buckets is not None:
         skipped.update(optimizer.buckets.unread())
-    info = _torch_dist_info(checkpoint, common, model_names, optimizer, reader, settings, skipped)
+    iteration = common.get("iteration") if isinstance(common, dict) else None
+    info = {  # what the manifest's source records
+        "format": "torch_dist",
+        "tensors": len(model_names),
+        "optimizer": optimizer.buckets.LAYOUT if optimizer.buckets else bool(optimizer.tensors),
+        "iteration": iteration if type(iteration) is int else None,
+        "skipped_objects": sorted(checkpoint.objects),
+        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
+        "mcore_metadata": checkpoint.mcore_metadata,
+        "dcp_version": checkpoint.version,
+        "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
+        **({"skipped": skipped} if skipped else {}),
+        "tied_embeddings": tied_embeddings(model_names, settings),
+    }
     mine = share.pick(model_names)
     step = count if share.primary else None
     if optimizer.buckets is not None:
@@ -209,37 +222,6 @@ def _optimizer_step(
     return agreed_step(
         steps, str(common_path), recorded_by="ChainedOptimizer members", error=MegatronImportError
     )
-
-
-def _torch_dist_info(
-    checkpoint: dcp.MegatronDcpCheckpoint,
-    common: Any,
-    model_names: list[str],
-    optimizer: _OptimizerFound,
-    reader: TorchDistReader,
-    settings: dict,
-    skipped: dict[str, str],
-) -> dict:
-    """What the manifest's source records about a torch_dist checkpoint."""
-    iteration = common.get("iteration") if isinstance(common, dict) else None
-    buckets = optimizer.buckets
-    info = {
-        "format": "torch_dist",
-        "tensors": len(model_names),
-        "optimizer": buckets.LAYOUT if buckets is not None else bool(optimizer.tensors),
-        "iteration": iteration if type(iteration) is int else None,
-        "skipped_objects": sorted(checkpoint.objects),
-        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
-        "mcore_metadata": checkpoint.mcore_metadata,
-        "dcp_version": checkpoint.version,
-        "model_dtype": ", ".join(
-            sorted(str(d) for d in {checkpoint.tensors[n].dtype for n in model_names})
-        ),
-    }
-    if skipped:
-        info["skipped"] = skipped
-    info["tied_embeddings"] = tied_embeddings(model_names, settings)
-    return info
 
 
 def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -> str:

@@ -119,21 +119,20 @@ def plan_torch_dcp(
             for name in ck.tensors:
                 ck.check_tensor(name)
         state, info = _state(checkpoints, str(src), weights_only, parameter_order)
+        units: dict[str, str] = {}  # side files found and skipped whole
         if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
-            info["trainer"], train_files = olmo_core.train_record(str(src))
+            info["trainer"], units = olmo_core.train_record(str(src))
             if "global_step_unread" in info["trainer"]:
                 info["notes"] = [
                     f"OLMo-core's trainer step not recovered: "
                     f"{info['trainer']['global_step_unread']}"
                 ]
-            state.found.extend(train_files)
-            state.skipped.update(train_files)
         elif dirs[0] != Path(src) and trainer_files.is_trainer_checkpoint(str(src)):
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
             info["trainer"] = trainer_files.trainer_record(str(src))
-            rng = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states: units
-            state.found.extend(rng)
-            state.skipped.update(rng)
+            units = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states
+        state.found.extend(units)
+        state.skipped.update(units)
         plan = plan_state(
             state,
             {
