@@ -103,9 +103,8 @@ def is_megatron_bridge(src: os.PathLike | str) -> bool:
         step = _tracker_step(path / TRACKER_FILE)
     except MegatronImportError:
         return False  # Megatron-LM's importer names what is wrong with it
-    iter_dir = path / f"iter_{step:07d}" if step is not None else None
-    return iter_dir is not None and any(
-        os.path.lexists(iter_dir / name) for name in (TRAIN_STATE_FILE, RUN_CONFIG_FILE)
+    return step is not None and any(
+        os.path.lexists(path / f"iter_{step:07d}" / name) for name in names[1:]
     )
 
 
@@ -387,18 +386,15 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
     """The int, bool and name fields that map one to one onto a setting, and the tied-embedding
     flag (inverted), into ``settings``."""
     for key, name in _MODEL_INTS.items():
-        value = fields.get(key)
-        if value is not None:
-            settings[name] = _int_field(value, key, where)
+        if fields.get(key) is not None:
+            settings[name] = _int_field(fields[key], key, where)
     for key, name in _MODEL_BOOLS.items():
-        value = fields.get(key)
-        if value is not None:
+        if (value := fields.get(key)) is not None:
             if type(value) is not bool:
                 raise MegatronImportError(f"{where}: model.{key} is {value!r}, expected true/false")
             settings[name] = not value if name.startswith("untie_") else value
     for key, name in _MODEL_STRINGS.items():
-        value = fields.get(key)
-        if value is not None:
+        if (value := fields.get(key)) is not None:
             if not isinstance(value, str) or len(value) > 100:
                 raise MegatronImportError(f"{where}: model.{key} is {value!r}, expected a name")
             settings[name] = value
