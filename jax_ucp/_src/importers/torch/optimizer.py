@@ -220,14 +220,10 @@ def plan_state(
         share: this process's part of a distributed import (default: the whole).
     """
     skipped = dict(state.skipped)
-    has_optimizer = bool(state.optimizer_sources)
+    states, groups = ({}, []) if weights_only else (state.states, state.param_groups)
     if weights_only:
-        for name in state.optimizer_sources:
-            skipped[name] = "weights_only: optimizer state not imported"
-        states: dict[str, dict[str, TensorRef]] = {}
-        groups: list[dict] = []
-    else:
-        states, groups = state.states, state.param_groups
+        why = "weights_only: optimizer state not imported"
+        skipped.update(dict.fromkeys(state.optimizer_sources, why))
     _check_states(dataclasses.replace(state, states=states))
     steps: dict[float, str] = {}
     step_names: list[str] = []
@@ -245,7 +241,7 @@ def plan_state(
     source = dict(source)
     source["model_dtype"] = ", ".join(dtypes)
     tied = tied_parameters(state.params, states)
-    if has_optimizer and not weights_only:
+    if state.optimizer_sources and not weights_only:
         frozen = sorted(n for n in state.params if n not in states and n not in tied)
         source["optimizer"] = {
             "param_groups": [jsonable(g) for g in groups],
