@@ -43,10 +43,9 @@ __all__ = [
     "bucket_layout",
     "distrib_optim_layout",
     "distrib_optim_state",
-    "distrib_optim_tensors",
     "flatten_state_dict",
+    "load_rank_file",
     "open_legacy",
-    "read_distrib_optim",
     "resolve_iteration_dir",
 ]
 
@@ -171,7 +170,7 @@ def args_dict(args: Any) -> dict[str, Any]:
     }
 
 
-def _load(path: Path) -> Any:
+def load_rank_file(path: Path) -> Any:
     """A rank directory's torch file (``iter_N/mp_rank_XX/<file>``), through the restricted
     unpickler; one linked to a file outside ``iter_N`` is never read."""
     iteration = path.parent.parent
@@ -186,7 +185,7 @@ def _load_rank(path: Path) -> tuple[dict, dict]:
     """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
     if not path.is_file():
         raise SourceError(f"missing shard file {path}")
-    state = _load(path)
+    state = load_rank_file(path)
     if not isinstance(state, dict):
         raise SourceError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state:
@@ -448,24 +447,6 @@ class DistribOptimState:
     names: dict[str, str] = field(default_factory=dict)
     #: the dotted path of every tensor in the loaded dict (import accounting)
     found: list[str] = field(default_factory=list)
-
-
-def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
-    """Buffer ``buffer`` of a ``distrib_optim.pt`` holding ``count`` (one per virtual-pipeline
-    model chunk; buckets coalesced; one dtype, no experts).
-
-    Args:
-        path: the ``distrib_optim.pt`` file.
-        buffer: which buffer (model chunk).
-        count: how many buffers the file holds.
-    """
-    return distrib_optim_state(_load(path), path, buffer, count)
-
-
-def distrib_optim_tensors(path: Path) -> list[str]:
-    """The dotted path of every tensor in a ``distrib_optim.pt`` (read through the restricted
-    unpickler, memory-mapped, nothing checked): what a weights_only import lists as skipped."""
-    return list(tensor_names(_load(path)))
 
 
 def distrib_optim_state(

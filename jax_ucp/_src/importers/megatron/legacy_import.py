@@ -255,7 +255,7 @@ def _legacy_found(checkpoint: legacy.LegacyCheckpoint) -> list[str]:
         optim = rank_file.path.parent / "distrib_optim.pt"
         if os.path.lexists(optim):
             prefix = _rank_dir_file(checkpoint, optim)
-            found += [f"{prefix}:{n}" for n in legacy.distrib_optim_tensors(optim)]
+            found += [f"{prefix}:{n}" for n in tensor_names(legacy.load_rank_file(optim))]
     return found
 
 
@@ -531,9 +531,8 @@ def _legacy_distrib_optim(
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
         path = checkpoint.distrib_optim[(stage, tp_rank)]
-        buffers = legacy.read_distrib_optim(
-            path, *checkpoint.distrib_optim_buffer((stage, tp_rank))
-        )
+        buffer = checkpoint.distrib_optim_buffer((stage, tp_rank))  # (index, count)
+        buffers = legacy.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
         rank_tensors = local[(stage, tp_rank)]
         params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
         shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
