@@ -383,10 +383,11 @@ def _moment_ref(
 
 
 def _moments(
-    state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int]
+    state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int], epoch: str
 ) -> tuple[dict[str, dict[str, TensorRef]], dict[str, str]]:
     """({Hugging Face name: {state: reference}}, {torchtune name: Hugging Face name}): the
-    moments renamed by torchtune's own table; a name it does not know is refused."""
+    moments renamed by torchtune's own table; a name it does not know is refused, q/k moments
+    without the rows config.json's heads say too (the permutation would scramble them)."""
     q_heads, kv_heads, head_dim = heads
     states: dict[str, dict[str, TensorRef]] = {}
     moved: dict[str, str] = {}
@@ -406,47 +407,15 @@ def _moments(
                     continue  # not a tensor: not in found either
                 value = np.asarray(value, np.float64)
             states.setdefault(hf, {})[st] = _moment_ref(key, tune, st, value, rows, head_dim)
-    return states, moved
-
-
-def _check_qk_moments(
-    states: dict[str, dict[str, TensorRef]],
-    moved: dict[str, str],
-    heads: tuple[int, int, int],
-    recipe: str,
-    epoch: str,
-) -> None:
-    """The q/k moments must have the rows config.json's heads say, or the permutation would
-    scramble them silently."""
-    q_heads, kv_heads, head_dim = heads
-    for p in moved:
-        if ("q_proj" in p or "k_proj" in p) and states[moved[p]].get("exp_avg") is not None:
-            shape = states[moved[p]]["exp_avg"].shape
-            n = q_heads if "q_proj" in p else kv_heads
-            if len(shape) != 2 or shape[0] != n * head_dim or head_dim % 2:
+        exp_avg = states.get(hf, {}).get("exp_avg")
+        if rows is not None and exp_avg is not None:
+            shape = exp_avg.shape
+            if len(shape) != 2 or shape[0] != rows * head_dim or head_dim % 2:
                 raise SourceError(
-                    f"{recipe}: {p!r} has moments of shape {list(shape)}, expected "
-                    f"[{n} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
+                    f"{recipe}: {tune!r} has moments of shape {list(shape)}, expected "
+                    f"[{rows} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
                 )
-
-
-def _recipe_accounting(
-    loaded: dict, src: str, epochs: list[str]
-) -> tuple[list[str], list[str], list[str], dict[str, str]]:
-    """(the recipe's tensors, those of the optimizer, the earlier epochs' folders, skipped):
-    every tensor of recipe_state.pt and every older epoch is imported or said skipped."""
-    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
-    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
-    skipped: dict[str, str] = {}
-    for n in recipe_tensors:
-        if n not in optimizer_sources:
-            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
-        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
-            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
-    for unit in units:
-        skipped[unit] = f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"
-    return recipe_tensors, optimizer_sources, units, skipped
+    return states, moved
 
 
 def _plan_with_optimizer(
@@ -464,9 +433,18 @@ def _plan_with_optimizer(
     config, q_heads, kv_heads, head_dim = _heads(latest)
     heads = (q_heads, kv_heads, head_dim)
     params, files = _epoch_weights(latest, epochs[-1])
-    states, moved = _moments(state, to_name, recipe, heads)
-    _check_qk_moments(states, moved, heads, recipe, epochs[-1])
-    recipe_tensors, optimizer_sources, units, skipped = _recipe_accounting(loaded, src, epochs)
+    states, moved = _moments(state, to_name, recipe, heads, epochs[-1])
+    # every tensor of recipe_state.pt and every older epoch imported or said skipped
+    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
+    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped: dict[str, str] = {}
+    for n in recipe_tensors:
+        if n not in optimizer_sources:
+            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
+        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
+            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
+    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"))
     named_groups = [
         {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
         for g in groups
