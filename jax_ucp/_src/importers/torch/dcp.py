@@ -189,8 +189,22 @@ def _state(
             f"to one keyed by index"
         )
     container = _container(model_names, states, tensors, where)
-    params = _model_params(model_names, container, tensors, skipped)
-    _skip_the_rest(everything, root, objects, in_optimizer, skipped)
+    params: dict[str, TensorRef] = {}  # the model tensors, named inside the container
+    for name in model_names:
+        first = name.split(".", 1)[0]
+        if container and not name.startswith(container):
+            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
+        elif not container and first in NON_MODEL_ROOTS:
+            skipped[name] = f"{first}: training state, not a model parameter"
+        else:
+            params[name[len(container) :]] = _ref(tensors[name][0], name)
+    for name in everything:  # why the rest (no parameter, no optimizer state) is not imported
+        if root is not None and name.startswith(f"{root}param_groups."):
+            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+        elif name in objects and name not in in_optimizer:
+            skipped.setdefault(name, "a pickled object, not a tensor")
+        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
+            skipped.setdefault(name, "optimizer entry outside state and param_groups")
     clean, removed = strip_wrappers(list(params), where)
     params = {new: params[old] for new, old in clean.items()}
     states_clean, _ = strip_wrappers(list(states), where)
@@ -272,40 +286,6 @@ def _optimizer_root(everything: list[str], where: str) -> str | None:
             f"importing several optimizers into one opt_state is not supported"
         )
     return roots[0] if roots else None
-
-
-def _model_params(
-    model_names: list[str], container: str, tensors: dict[str, Any], skipped: dict[str, str]
-) -> dict[str, TensorRef]:
-    """{name inside the container: TensorRef} of the model tensors; the others into ``skipped``."""
-    params: dict[str, TensorRef] = {}
-    for name in model_names:
-        first = name.split(".", 1)[0]
-        if container and not name.startswith(container):
-            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
-        elif not container and first in NON_MODEL_ROOTS:
-            skipped[name] = f"{first}: training state, not a model parameter"
-        else:
-            ck, _ = tensors[name]
-            params[name[len(container) :]] = _ref(ck, name)
-    return params
-
-
-def _skip_the_rest(
-    everything: list[str],
-    root: str | None,
-    objects: dict[str, Any],
-    in_optimizer: set[str],
-    skipped: dict[str, str],
-) -> None:
-    """Why each entry that is neither a parameter nor an optimizer state is not imported."""
-    for name in everything:
-        if root is not None and name.startswith(f"{root}param_groups."):
-            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-        elif name in objects and name not in in_optimizer:
-            skipped.setdefault(name, "a pickled object, not a tensor")
-        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
-            skipped.setdefault(name, "optimizer entry outside state and param_groups")
 
 
 _GROUPS = re.compile(r"^((?:[^.]+\.)*?)param_groups\.")
