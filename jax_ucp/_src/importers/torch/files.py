@@ -216,8 +216,7 @@ def plan_torch_files(
                 src, parameter_order, on_safetensors, model_config, path, model, clean, info
             )
             states, groups, info["optimizer_keys"] = _optimizer(optimizer, prefix, skipped, order)
-    _skip_rng_states(src, model_files[0], found, skipped)
-    _skip_unused(found, optimizer_sources, params, states, skipped)
+    _skip_unused(src, model_files[0], found, optimizer_sources, params, states, skipped)
     if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
         info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
     if removed:
@@ -232,16 +231,6 @@ def plan_torch_files(
         **info,
     }
     return plan_state(state, source, weights_only=weights_only, share=share)
-
-
-def _skip_rng_states(src: str, first_model_file: str, found: list[str], skipped: dict) -> None:
-    """The Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``, tensors):
-    source files of their own, each counted in ``found`` and listed in ``skipped``."""
-    if not (os.path.isdir(src) and os.path.basename(first_model_file).endswith(".safetensors")):
-        return
-    rng = trainer_files.rng_states(src)
-    found.extend(rng)
-    skipped.update(rng)
 
 
 def _read_model_files(src: str, model_files: list[str]):
@@ -278,13 +267,21 @@ def _read_model_files(src: str, model_files: list[str]):
 
 
 def _skip_unused(
+    src: str,
+    first_model_file: str,
     found: list[str],
     optimizer_sources: list[str],
     params: dict[str, TensorRef],
     states: dict[str, dict[str, TensorRef]],
     skipped: dict[str, str],
 ) -> None:
-    """Why each tensor found that is neither imported nor an optimizer state is left out."""
+    """Why each tensor found that is neither imported nor an optimizer state is left out; the
+    Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``) are source files
+    of their own, each counted in ``found`` too."""
+    if os.path.isdir(src) and first_model_file.endswith(".safetensors"):
+        rng = trainer_files.rng_states(src)
+        found.extend(rng)
+        skipped.update(rng)
     for name in optimizer_sources:
         if ":param_groups." in name or ".param_groups." in name:
             skipped.setdefault(name, "optimizer hyper-parameter, recorded in source.optimizer")
