@@ -112,7 +112,7 @@ class LegacyCheckpoint:
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
-def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
+def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
     """(iteration dir, iteration) for a root holding the tracker file or an iter dir."""
     src = Path(src)
     tracker = src / TRACKER_FILE
@@ -213,30 +213,11 @@ def model_chunks(state: dict, path: Path) -> list[str]:
     return [key for _, key in chunks]
 
 
-@dataclass(frozen=True)
-class _RankDirectories:
-    """The ``mp_rank_*`` directories of an iteration, placed on the (pp, tp, ep) grid."""
-
-    iteration_dir: Path
-    found: dict[tuple[int, int, int], Path]  # (pp, tp, ep) -> directory
-    has_pp_suffix: bool
-    has_ep_suffix: bool
-
-    def size(self, axis: int) -> int:
-        return max(key[axis] for key in self.found) + 1
-
-    def expected(self, pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
-        """The directory Megatron-LM would have written for this rank (named in errors)."""
-        name = f"mp_rank_{tp_rank:02d}"
-        if self.has_pp_suffix:
-            name += f"_{pp_rank:03d}"
-        if self.has_ep_suffix:
-            name += f"_{ep_rank:03d}"
-        return self.iteration_dir / name
-
-
-def _rank_directories(iteration_dir: Path) -> _RankDirectories:
-    """Places every ``mp_rank_TT[_PPP][_EEE]`` directory; a single 3-digit suffix is the pipeline
+def _rank_directories(
+    iteration_dir: Path,
+) -> tuple[dict[tuple[int, int, int], Path], Callable[[int, int, int], Path]]:
+    """Every ``mp_rank_TT[_PPP][_EEE]`` directory by (pp, tp, ep), and the directory Megatron-LM
+    would have written for a rank (named in errors); a single 3-digit suffix is the pipeline
     stage unless the run's args say expert- but not pipeline-parallel (the expert rank then)."""
     named = []
     for directory in sorted(iteration_dir.iterdir()):
@@ -268,9 +249,13 @@ def _rank_directories(iteration_dir: Path) -> _RankDirectories:
         else:
             key = (0, tp_rank, 0)
         found[key] = directory
-    has_pp_suffix = named[0][2] is not None and not suffix_is_ep
-    has_ep_suffix = named[0][3] is not None or suffix_is_ep
-    return _RankDirectories(iteration_dir, found, has_pp_suffix, has_ep_suffix)
+
+    def expected(pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
+        pp = f"_{pp_rank:03d}" if named[0][2] is not None and not suffix_is_ep else ""
+        ep = f"_{ep_rank:03d}" if named[0][3] is not None or suffix_is_ep else ""
+        return iteration_dir / f"mp_rank_{tp_rank:02d}{pp}{ep}"
+
+    return found, expected
 
 
 def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
@@ -280,16 +265,16 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
     pipeline stage unless ``args.expert_model_parallel_size > 1`` with no pipeline parallelism
     (Megatron-LM then appends only the expert rank)."""
     iteration_dir, iteration = resolve_iteration_dir(Path(src))
-    directories = _rank_directories(iteration_dir)
-    pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
+    found, expected = _rank_directories(iteration_dir)
+    pp_size, tp_size, ep_size = (max(key[axis] for key in found) + 1 for axis in range(3))
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
     virtual: int | None = None
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
-        directory = directories.found.get(key)
+        directory = found.get(key)
         if directory is None:
             raise SourceError(
-                f"missing rank directory {directories.expected(*key)} (TP={tp_size}, "
+                f"missing rank directory {expected(*key)} (TP={tp_size}, "
                 f"PP={pp_size}, EP={ep_size} grid from the directories present)"
             )
         pp_rank, tp_rank, ep_rank = key
