@@ -83,10 +83,6 @@ class BridgeCheckpoint:
     iter_dir: Path  # iter_NNNNNNN/: the torch_dist checkpoint, train_state.pt, run_config.yaml
     train_state: dict[str, Any]  # step, consumed_train_samples, ... as Python scalars
 
-    @property
-    def step(self) -> int:
-        return self.train_state["step"]
-
 
 def is_megatron_bridge(src: os.PathLike | str) -> bool:
     """A Bridge save directory (``latest_train_state.pt``, or Megatron-LM's tracker naming an
@@ -467,7 +463,7 @@ def plan_megatron_bridge(
     )
     source = dict(plan.source)
     source["framework"] = "megatron-bridge"
-    source["iteration"] = checkpoint.step
+    source["iteration"] = checkpoint.train_state["step"]
     source["bridge"] = _bridge_info(checkpoint, run_config, config_path)
     notes = [n for n in source.pop("notes", []) if not n.startswith("vocab padding kept")]
     notes += _notes(checkpoint, run_config, source)
