@@ -8,12 +8,10 @@ Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
 ``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
 ``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
 
-Tensors are read-only memory maps of the files (:mod:`jax_ucp._src.torchfiles.unpickler`), streamed one at a time.
-An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
-``i``-th parameter of the model state dict (tied copies that share storage counted once), the
-way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
-guess. Keys that are names (``get_optimizer_state_dict`` / FSDP full optimizer state) are used
-as they are.
+Tensors are read-only memory maps of the files, streamed one at a time. An optimizer keyed by
+name (``get_optimizer_state_dict``, FSDP's full state) is used as it is; one keyed by index is
+named by the first source of its order that applies (:func:`_name_keys`), checked against every
+shape: a count or shape that disagrees is an error, never a guess.
 """
 
 from __future__ import annotations

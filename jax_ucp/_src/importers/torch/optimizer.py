@@ -1,22 +1,19 @@
 """Torch state-dict conventions mapped onto the importer contract (docs/FORMAT.md 2.6).
 
-Shared by the torch DCP importer (:mod:`torch_dcp`) and the torch.save files importer
-(:mod:`torch.files`): both reduce a checkpoint to model tensors and per-parameter optimizer
-state keyed by parameter name (:class:`TorchState`), and this module turns that into the
-output tree, with nothing dropped silently:
+The torch importers (DCP, torch.save files, torchtune, torch_checkpointing) reduce a checkpoint
+to model tensors and per-parameter optimizer state keyed by parameter name (:class:`TorchState`);
+this module turns that into the output tree, with nothing dropped silently:
 
-* ``params/<name>``: the model tensors as stored (fp32 when the run trained fp32 weights; a
-  bf16 model without fp32 masters stays bf16 and the manifest says so);
-* ``opt_state/mu|nu/<name>`` from Adam/AdamW's ``exp_avg`` / ``exp_avg_sq``, ``opt_state/count``
-  from ``step`` (every parameter must agree), ``opt_state/trace/<name>`` from SGD's
-  ``momentum_buffer``; any other per-parameter state under ``opt_state/<its name>/<name>``;
-* ``param_groups`` hyper-parameters recorded in the manifest's ``source.optimizer``;
-* everything else (objects, train state, schedulers) listed in ``source.skipped`` with why.
+* ``params/<name>``: the model tensors as stored (a bf16 model without fp32 masters stays bf16
+  and the manifest says so);
+* ``opt_state/mu|nu/<name>`` from Adam's ``exp_avg`` / ``exp_avg_sq``, ``opt_state/count`` from
+  ``step`` (every parameter must agree), ``opt_state/trace/<name>`` from SGD's
+  ``momentum_buffer``, any other per-parameter state under ``opt_state/<its name>/<name>``;
+* ``param_groups`` hyper-parameters in ``source.optimizer``; the rest in ``source.skipped``.
 
 Wrapper components in parameter names (DDP's leading ``module.``, torch.compile's
 ``_orig_mod.``, FSDP1's ``_fsdp_wrapped_module.``, activation checkpointing's
-``_checkpoint_wrapped_module.``) are removed, as torch's own ``get_state_dict`` removes them,
-and counted in ``source.wrappers_removed``.
+``_checkpoint_wrapped_module.``) are removed, as torch's own ``get_state_dict`` removes them.
 """
 
 from __future__ import annotations

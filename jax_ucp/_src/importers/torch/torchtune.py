@@ -2,22 +2,17 @@
 ``FullModelHFCheckpointer``) and, for an intermediate checkpoint, ``recipe_state/recipe_state.pt``
 (the optimizer, seed, epochs).
 
-The latest epoch's weights are imported as Hugging Face safetensors (names and row order are
-Hugging Face's: the checkpointer converts back on save). The optimizer in ``recipe_state.pt`` is
-over torchtune's own model: keyed by torchtune's names (``tok_embeddings.weight``,
-``layers.0.attn.q_proj.weight``, ...) in the distributed recipes, by index in the single-device
-ones (then ``parameter_order=``, torchtune's names in ``model.parameters()`` order, numbers it),
-q/k rows in torchtune's RoPE order. Its moments are mapped as the checkpointer maps the weights
-(``torchtune.models.convert_weights.tune_to_hf``: the same name table, the same q/k row
-permutation with the heads of the epoch's ``config.json``), for the Llama-family models that
-function converts; the others are refused naming their ``model_type``.
+The weights are imported as the checkpointer wrote them (Hugging Face's names and row order).
+The optimizer in ``recipe_state.pt`` is over torchtune's own model (keyed by its names, or by
+index in the single-device recipes: then ``parameter_order=`` names it), so its moments are
+mapped as ``torchtune.models.convert_weights.tune_to_hf`` maps the weights (its name table, its
+q/k row permutation with the heads of the epoch's ``config.json``), for the Llama-family models
+that function converts; the others are refused naming their ``model_type``.
 
-torchtune's asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` instead:
-torch DCP of ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), seed, ...}``
-written by its ``DistributedCheckpointer``, torchtune's names and row order (no conversion), the
-optimizer keyed by index. It is imported by the torch DCP importer as saved, its moments named
-with ``parameter_order=``. The latest epoch of either kind is imported; the others' folders are
-listed in ``source.skipped``.
+The asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` instead: torch
+DCP of the model and optimizer state dicts under torchtune's names (no conversion), the
+optimizer keyed by index, imported by the torch DCP importer as saved. The latest epoch of
+either kind is imported; the others' folders are listed in ``source.skipped``.
 """
 
 from __future__ import annotations
