@@ -93,10 +93,9 @@ def plan_torch_dist(
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
     chained = chained_layouts(checkpoint, common)
-    if weights_only:
-        optimizer = _weights_only(checkpoint, common, chained)
-    else:
-        optimizer = _find_optimizer_state(checkpoint, common, chained, model_names, settings)
+    optimizer = _find_optimizer_state(
+        checkpoint, common, chained, model_names, settings, weights_only
+    )
     count = _optimizer_step(checkpoint, common, common_path, chained, optimizer, model_names)
     reader = TorchDistReader(checkpoint, import_rules_spec(spec, settings))
     model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
@@ -134,31 +133,28 @@ def plan_torch_dist(
     return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
 
 
-def _weights_only(checkpoint: dcp.DcpCheckpoint, common: Any, chained) -> _OptimizerFound:
-    """No optimizer state read; every optimizer tensor named as skipped (none dropped without
-    a word), with the layout it was saved in."""
-    names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
-    layout = (
-        f"ChainedOptimizer {chained}"
-        if chained is not None
-        else repr(sharding_type(common) or ("fully_reshardable" if names else None))
-    )
-    return _OptimizerFound(
-        skipped={n: f"weights_only: optimizer state (layout {layout})" for n in names}
-    )
-
-
 def _find_optimizer_state(
     checkpoint: dcp.DcpCheckpoint,
     common: Any,
     chained: list[str | None] | None,
     model_names: list[str],
     settings: dict,
+    weights_only: bool,
 ) -> _OptimizerFound:
     """The optimizer state in the layout ``common`` names (a ChainedOptimizer's per member);
-    a layout saved as objects this importer does not read is refused."""
+    a layout saved as objects this importer does not read is refused. ``weights_only``: none
+    read, every optimizer tensor named as skipped (none dropped without a word) with its layout."""
     where = checkpoint.path / ".metadata"
     sharding = sharding_type(common)
+    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
+    if weights_only:
+        layout = (
+            f"ChainedOptimizer {chained}"
+            if chained is not None
+            else repr(sharding or ("fully_reshardable" if optimizer_names else None))
+        )
+        why = f"weights_only: optimizer state (layout {layout})"
+        return _OptimizerFound(skipped=dict.fromkeys(optimizer_names, why))
     if chained is not None:
         buckets = chained_states(checkpoint, model_names, settings, chained)
         if buckets is not None:
@@ -168,7 +164,6 @@ def _find_optimizer_state(
         return _OptimizerFound(
             buckets=in_module_order(BucketStates, checkpoint, model_names, settings)
         )
-    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
     if sharding == "dp_zero_gather_scatter":
         if optimizer_names:  # this layout saves objects only: a tensor is something else
             raise MegatronImportError(
