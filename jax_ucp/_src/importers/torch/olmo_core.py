@@ -65,9 +65,8 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
     there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
     """
-    record: dict[str, Any] = {"framework": "olmo_core"}
     names = rank_files(src)
-    record["train_files"] = names
+    record: dict[str, Any] = {"framework": "olmo_core", "train_files": names}
     skipped = {
         name: "OLMo-core's trainer state (data loader position, RNG states, callbacks), not "
         "imported; its global_step is recorded in source.trainer"
@@ -86,8 +85,7 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
             record["global_step_unread"] = f"{first} was not read ({str(e)[:300]})"
         else:
             _steps(state, first, record)
-    version = _version(src)
-    if version is not None:
+    if (version := _version(src)) is not None:
         record["olmo_core_version"] = version
     return record, skipped
 
@@ -109,8 +107,7 @@ def _steps(state: Any, name: str, record: dict[str, Any]) -> None:
     else:
         record["global_step"] = step
     for key in ("max_steps", "world_size", "global_train_tokens_seen"):
-        value = state.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value := state.get(key), int) and not isinstance(value, bool):
             record[key] = value
 
 
