@@ -18,9 +18,8 @@ object), from at most :data:`MAX_RUN_CONFIG_BYTES`, and refused when its aliases
 past :data:`MAX_YAML_NODES` nodes (a billion-laughs file). ``train_state.pt`` is read by the
 allow-listed unpickler (:mod:`jax_ucp._src.torchfiles.unpickler`); nothing pickled is executed.
 
-Output: the Megatron importer's tree (``params``, ``opt_state`` {``mu``, ``nu``, ``count``},
-``model_params``), ``source.framework = "megatron-bridge"``, ``source.iteration`` = the train
-state's step, ``source.bridge`` = the train state, parallel sizes and run-config facts.
+Output: the Megatron importer's tree and source, with ``framework = "megatron-bridge"``,
+``iteration`` = the train state's step and ``bridge`` = the train state and run-config facts.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""A Hugging Face Trainer ``checkpoint-N/``: which parameter each index of ``optimizer.pt`` is,
-and the run's recorded hyper-parameters.
+"""A Hugging Face Trainer ``checkpoint-N/``: which parameter each index of ``optimizer.pt`` is.
 
 ``optimizer.pt`` numbers parameters group after group, and the Trainer makes two groups
 (weight-decayed, then the rest: biases and norms) from ``model.named_parameters()`` without
@@ -8,10 +7,8 @@ by ``config.json`` is instantiated on torch's meta device (no weights, no code f
 only classes transformers itself ships, never ``trust_remote_code``) and transformers' own
 decay rule splits its named parameters. transformers is optional: without it the mapping is
 refused, naming why. The caller checks each candidate against the checkpoint (group sizes,
-every moment's shape) and uses it only when exactly one fits.
-
-The Trainer's side files (``training_args.bin``, ``scheduler.pt``, ``trainer_state.json``) are
-read by :mod:`jax_ucp._src.importers.trainer_files`, which the DeepSpeed and DCP layouts share.
+every moment's shape) and uses it only when exactly one fits. (The Trainer's side files are
+:mod:`jax_ucp._src.importers.trainer_files`'.)
 """
 
 from __future__ import annotations
