@@ -132,15 +132,8 @@ class BucketStates(RankStates):
             ) from None
 
     def files(self) -> list[str]:
-        return sorted(
-            {
-                f
-                for per_bucket in self.buckets.values()
-                for states in per_bucket
-                for n in states.values()
-                for f in self.checkpoint.tensors[n].files
-            }
-        )
+        names = (n for per in self.buckets.values() for states in per for n in states.values())
+        return sorted({f for n in names for f in self.checkpoint.tensors[n].files})
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
         return self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)

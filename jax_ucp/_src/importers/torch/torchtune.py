@@ -196,7 +196,14 @@ def plan_torchtune(
     recipe = os.path.join(src, RECIPE_STATE)
     has_recipe = os.path.lexists(recipe)
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
-        return _plan_dist_epoch(src, epochs, dist, spec, weights_only, share, parameter_order)
+        plan = dcp.plan_torch_dcp(
+            os.path.join(src, dist[-1]),
+            spec=spec,
+            weights_only=weights_only,
+            share=share,
+            parameter_order=parameter_order,
+        )
+        return _as_dist_epoch(plan, src, epochs, dist)
     if has_recipe and not weights_only:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
         return _plan_with_optimizer(src, epochs, recipe, share, parameter_order)
@@ -219,24 +226,10 @@ def plan_torchtune(
     )
 
 
-def _plan_dist_epoch(
-    src: str,
-    epochs: list[str],
-    dist: list[str],
-    spec: Any,
-    weights_only: bool,
-    share: Share,
-    order: Sequence[str] | None,
-) -> ImportPlan:
-    """The latest ``dist_epoch_N/`` by the torch DCP importer, under torchtune's names as
-    saved; the other epochs' folders and ``recipe_state.pt`` (the synchronous saves') skipped."""
-    plan = dcp.plan_torch_dcp(
-        os.path.join(src, dist[-1]),
-        spec=spec,
-        weights_only=weights_only,
-        share=share,
-        parameter_order=order,
-    )
+def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str]) -> ImportPlan:
+    """The torch DCP importer's plan of the latest ``dist_epoch_N/`` (torchtune's names as
+    saved) as torchtune's; the other epochs' folders and ``recipe_state.pt`` (the synchronous
+    saves') skipped."""
     source = dict(plan.source)
     source.update(
         framework="torchtune",
@@ -251,9 +244,8 @@ def _plan_dist_epoch(
         units.append(RECIPE_STATE)
     if units:  # (no empty source.skipped)
         skip(source, units, f"an earlier epoch's checkpoint ({dist[-1]}/ imported)")
-    folder = dist[-1]
     items = (
-        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": folder})
+        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": dist[-1]})
         for item in plan.items
     )
     return dataclasses.replace(
