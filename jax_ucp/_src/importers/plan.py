@@ -243,12 +243,9 @@ def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:
     name their source tensors, so each can be accounted for."""
     if isinstance(obj, np.ndarray):
         yield prefix
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
+    elif isinstance(obj, (Mapping, list, tuple)):
+        for key, value in obj.items() if isinstance(obj, Mapping) else enumerate(obj):
             yield from tensor_names(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from tensor_names(value, f"{prefix}.{index}" if prefix else str(index))
 
 
 def skip(source: dict[str, Any], names, reason: str) -> None:

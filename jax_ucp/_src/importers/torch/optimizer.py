@@ -326,19 +326,15 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
 
-    rows: Callable[[int, int], np.ndarray] | None = None
-    if ref.rows is not None and ref.shape:
-        read_rows = ref.rows
+    def rows(start: int, stop: int) -> np.ndarray:
+        assert ref.rows is not None  # passed on only then
+        value = ref.rows(start, stop)
+        shape = (stop - start, *ref.shape[1:])
+        _check_read(value, ref.dtype, shape, f"{name} rows {start}:{stop}", where)
+        return mapped_file.read_out(value, f"tensor {name!r} rows {start}:{stop}")
 
-        def checked_rows(start: int, stop: int) -> np.ndarray:
-            value = read_rows(start, stop)
-            shape = (stop - start, *ref.shape[1:])
-            _check_read(value, ref.dtype, shape, f"{name} rows {start}:{stop}", where)
-            return mapped_file.read_out(value, f"tensor {name!r} rows {start}:{stop}")
-
-        rows = checked_rows
-
-    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
+    by_rows = rows if ref.rows is not None and ref.shape else None
+    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=by_rows)
 
 
 def _check_read(value: Any, dtype: np.dtype, shape: tuple, name: str, where: str) -> None:
