@@ -36,15 +36,15 @@ class Importer:
         detect: ``detect(path)``: whether ``path`` holds this format, and why (not).
         plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
         options: the format's options class (``ImportOptions`` or a subclass).
+        outranks: formats whose claim on the same source this one's overrides, for shared
+            marker names (verl's run root holds Megatron-LM's tracker file and DeepSpeed-like
+            ``global_step_N/`` folders).
     """
 
     name: str
     detect: Callable[[str], Detection]
     plan: Callable[[str, Any], ImportPlan]
     options: type[ImportOptions]
-    #: formats whose claim on the same source this format's claim overrides: they share marker
-    #: names (verl's run root holds Megatron-LM's ``latest_checkpointed_iteration.txt`` and
-    #: ``global_step_N/`` folders, named like DeepSpeed's ``global_step*``)
     outranks: tuple[str, ...] = ()
 
 

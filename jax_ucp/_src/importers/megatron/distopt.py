@@ -159,11 +159,8 @@ class GatheredStates(RankStates):
         grouped: bool = False,
     ):
         where = checkpoint.path / ".metadata"
-        found = {}
-        for name in checkpoint.objects:
-            m = re.fullmatch(r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*", name)
-            if m:
-                found[int(m.group(1))] = name
+        pattern = r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*"
+        found = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
         if not found or sorted(found) != list(range(len(found))):
             raise MegatronImportError(
                 f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "

@@ -102,11 +102,15 @@ def plan_torch_dist(
     want_model = optimizer.present and any(d != np.dtype(np.float32) for d in model_dtypes)
     skipped = dict(optimizer.skipped)  # source.skipped: every .metadata tensor not imported
     if optimizer.present and not want_model:
-        for name in model_names:
+        for name in model_names:  # where its fp32 master is read from
+            states = optimizer.tensors.get(name, {})
+            master = (
+                repr(states.get("param") or states.get("fp32_param"))
+                if optimizer.buckets is None
+                else f"the {optimizer.buckets.LAYOUT} state, checked equal to this weight"
+            )
             skipped[name] = (
-                f"a float32 run's model weight: its fp32 master "
-                f"({_master_of(name, optimizer.tensors, optimizer.buckets)}) is imported as "
-                f"params/"
+                f"a float32 run's model weight: its fp32 master ({master}) is imported as params/"
             )
     if optimizer.buckets is not None:
         skipped.update(optimizer.buckets.unread())
@@ -217,14 +221,6 @@ def _optimizer_step(
     return agreed_step(
         steps, str(common_path), recorded_by="ChainedOptimizer members", error=MegatronImportError
     )
-
-
-def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -> str:
-    """Where the fp32 master of model tensor ``name`` is read from (said in source.skipped)."""
-    if buckets is not None:
-        return f"the {buckets.LAYOUT} state, checked equal to this weight"
-    states = optimizer_tensors.get(name, {})
-    return repr(states.get("param") or states.get("fp32_param"))
 
 
 def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Path]:

@@ -19,6 +19,7 @@ Wrapper components in parameter names (DDP's leading ``module.``, torch.compile'
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -151,11 +152,10 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
 
     Refuses names that collide once clean (two parameters would become one)."""
     clean: dict[str, str] = {}
-    removed: dict[str, int] = {}
+    removed: Counter[str] = Counter()
     for name in names:
         new, gone = clean_name(name)
-        for part in gone:
-            removed[part] = removed.get(part, 0) + 1
+        removed.update(gone)
         if new in clean:
             raise SourceError(
                 f"{where}: {clean[new]!r} and {name!r} are the same parameter {new!r} once "
@@ -163,7 +163,7 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
                 f"removed"
             )
         clean[new] = name
-    return clean, removed
+    return clean, dict(removed)
 
 
 def _step_of(ref: TensorRef, name: str, where: str) -> float:
