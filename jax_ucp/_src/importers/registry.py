@@ -190,9 +190,6 @@ def import_options(format: str | None = None, **fields: Any) -> ImportOptions:
     Args:
         format: one of ``FORMATS``, or None (not known yet: the files decide when planning).
         **fields: fields of the importers' options classes (``OPTION_FIELDS``).
-
-    Returns:
-        The options object that travels to the format's ``plan`` whole.
     """
     given = {k: v for k, v in fields.items() if v is not None}
     if format is not None:

@@ -274,8 +274,7 @@ class TorchDistReader:
     def vocab_rows(self, name: str) -> int | None:
         """The tokenizer's rows of ``name`` when its rule is a dim-0 vocab with a size (the
         padding rows past them are stripped), else None."""
-        match = self.spec.match(name)
-        kind = None if match is None else match.kind
+        kind = getattr(self.spec.match(name), "kind", None)
         if isinstance(kind, Vocab) and isinstance(kind.vocab_size, int) and kind.dim == 0:
             return kind.vocab_size
         return None

@@ -178,10 +178,8 @@ def plan_torch_files(
             them (group after group; for ``AdamW(model.parameters())``,
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
-        model_config: a Hugging Face ``config.json`` whose model (built on the meta device by
-            transformers) gives that order: one group of ``model.named_parameters()``, or the
-            Trainer's decay / no-decay groups (an Accelerate ``save_state`` folder, a Trainer
-            checkpoint without its ``config.json``).
+        model_config: a Hugging Face ``config.json`` whose model gives that order (see
+            ``TorchOptions.model_config``).
     """
     refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
     src = os.fspath(src)

@@ -268,17 +268,15 @@ def _installed_decay_names(model) -> list[str]:
 def trainer_candidates(
     folder: str, n_tensors: int, model_config: str | None = None
 ) -> list[Candidate]:
-    """The Trainer's groupings of the config's model (``n_tensors``: the checkpoint's model
-    tensors, a bound on its size): the installed transformers' decay rule, and the 4.x rule
-    (checkpoints written by an older transformers), distinct ones only; with ``model_config``
-    (a ``config.json`` given for a folder without one: an Accelerate ``save_state``, a Trainer
-    checkpoint without its config) also one group of ``model.named_parameters()`` in order
-    (``AdamW(model.parameters())``).
+    """The Trainer's groupings of the config's model, distinct ones only: the installed
+    transformers' decay rule and the 4.x rule (checkpoints of an older transformers); with
+    ``model_config`` also one group of ``model.named_parameters()`` (``AdamW(model.parameters())``).
 
     Args:
         folder: the checkpoint folder (its ``config.json``).
-        n_tensors: the checkpoint's model tensor count.
-        model_config: a ``config.json`` given for a folder without one.
+        n_tensors: the checkpoint's model tensor count, a bound on the model's size.
+        model_config: a ``config.json`` given for a folder without one (an Accelerate
+            ``save_state``, a Trainer checkpoint without its config).
     """
     model, what = _model_on_meta(folder, n_tensors, model_config)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)
