@@ -103,8 +103,6 @@ class LegacyCheckpoint:
         """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
         with a virtual pipeline, megatron-core's DistributedOptimizer keeps one buffer per model
         chunk (``gbuf_idx`` = chunk), so virtual stage v*PP + p reads buffer v."""
-        if self.virtual_pipeline == 1:
-            return 0, 1
         return key[0] // (self.pp // self.virtual_pipeline), self.virtual_pipeline
 
 

@@ -160,9 +160,8 @@ class RankStates:
 
     def _lead(self, name: str) -> int:
         """How many leading axes index layers (and experts) rather than the parameter."""
-        if name in self.layer_of:
-            return 0
-        return 2 if name in self.expert_names else 1 if name in self.stacked else 0
+        stacked = name in self.stacked and name not in self.layer_of  # all layers in one tensor
+        return 2 if name in self.expert_names else 1 if stacked else 0
 
     def _pair(self, name: str) -> str | None:
         """The grad-buffer parameter of a singleton_local_shards SwiGLU half (``X_w`` /
