@@ -340,8 +340,14 @@ def _few(names: list[str], limit: int = 8) -> str:
 
 
 def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[str]:
-    """The entries of ``src`` named ``pattern`` (its one group a number) whose path ``holds``,
-    by that number; [] when ``src`` cannot be listed."""
+    """The entries of ``src`` named ``pattern`` whose path ``holds``, by their number; [] when
+    ``src`` cannot be listed.
+
+    Args:
+        src: the folder.
+        pattern: a regular expression of the whole name, its one group the number.
+        holds: whether a matching entry's path is one (a folder of the right kind).
+    """
     try:
         names = os.listdir(src)
     except OSError:
