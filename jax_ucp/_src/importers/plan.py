@@ -267,14 +267,13 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     Every source tensor must be imported (named by an item's ``provenance["tensors"]``) or
     skipped with a reason; an item may only name tensors the importer found; nothing under
     ``params/`` or ``model_params/`` may be named like optimizer state. Raised after the last
-    item (the writer commits only once the stream ends), naming the tensors. ``whole=False``
-    (one process's share of an import): each item is checked, the whole is not (the other
-    processes import the rest).
+    item (the writer commits only once the stream ends), naming the tensors.
 
     Args:
         plan: the importer's plan.
         where: the checkpoint, for the error.
-        whole: check the whole import (False: one process's share).
+        whole: check the whole import (False: one process's share, each item checked alone:
+            the other processes import the rest).
     """
     if plan.source_tensors is None:  # an importer not yet reporting its tensors
         yield from plan.items

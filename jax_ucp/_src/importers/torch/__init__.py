@@ -93,8 +93,5 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     if dcp.dcp_dirs(src):
         return dcp.plan_torch_dcp(src, **common, parameter_order=options.parameter_order)
     return files.plan_torch_files(
-        src,
-        **common,
-        parameter_order=options.parameter_order,
-        model_config=None if options.model_config is None else os.fspath(options.model_config),
+        src, **common, parameter_order=options.parameter_order, model_config=options.model_config
     )

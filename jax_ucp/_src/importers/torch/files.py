@@ -163,7 +163,7 @@ def plan_torch_files(
     weights_only: bool = False,
     share: Share = WHOLE,
     parameter_order: Sequence[str] | None = None,
-    model_config: str | None = None,
+    model_config: str | os.PathLike | None = None,
 ) -> ImportPlan:
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).

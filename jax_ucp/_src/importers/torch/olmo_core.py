@@ -13,6 +13,7 @@ Nothing else of the trainer state is imported: each ``train/`` file is listed in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
@@ -114,8 +115,6 @@ def _steps(state: Any, name: str, record: dict[str, Any]) -> None:
 def _version(src: str) -> str | None:
     """OLMo-core's version from ``.metadata.json`` (``{"version": ...}``), None if absent or
     unreadable (it is a record, not needed for the import)."""
-    import json
-
     path = files.inside(src, VERSION_FILE, f"{src}: OLMo-core's {VERSION_FILE}")
     if not os.path.isfile(path):
         return None
