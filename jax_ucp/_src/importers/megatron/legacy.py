@@ -257,11 +257,8 @@ def _rank_directories(
 
 
 def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
-    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt``; check the grid.
-
-    Directory names are Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``; a single 3-digit suffix is the
-    pipeline stage unless ``args.expert_model_parallel_size > 1`` with no pipeline parallelism
-    (Megatron-LM then appends only the expert rank)."""
+    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt`` (the
+    directories placed by :func:`_rank_directories`); check the grid."""
     iteration_dir, iteration = resolve_iteration_dir(Path(src))
     found, expected = _rank_directories(iteration_dir)
     pp_size, tp_size, ep_size = (max(key[axis] for key in found) + 1 for axis in range(3))

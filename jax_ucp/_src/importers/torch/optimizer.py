@@ -255,8 +255,7 @@ def plan_state(
             )
     if skipped:
         source["skipped"] = skipped
-    names = list(state.params)
-    mine = share.pick(names)
+    mine = share.pick(state.params)
     step = (count, step_names) if share.primary and count is not None else None
     return ImportPlan(
         _items(state, states, tied, mine, step), source, len(mine), source_tensors=state.found
