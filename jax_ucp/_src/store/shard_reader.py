@@ -43,31 +43,14 @@ def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
     return parse_index(raw, path, n_chunks, crc, size - index_bytes)
 
 
-def object_digest(kvstore, key: str, n_chunks: int, where: str, data_bytes: int | None) -> str:
-    """The digest of the shard object ``key`` in an object store (a ``tensorstore.KvStore``):
-    its index, then the crc32c trailer of every inner chunk, read as byte ranges.
-
-    ``data_bytes``: where the index starts when the layout fixes it (uncompressed chunks); else
-    the index is read as the object's suffix, which some servers (the GCS emulator) ignore.
-
-    Args:
-        kvstore: the object store (a ``tensorstore.KvStore``)
-        key: the shard object's key
-        n_chunks: inner chunks in the shard
-        where: the object's address, for messages
-        data_bytes: where the index starts, when the layout fixes it
-    """
-    found = object_digests([(kvstore, key, n_chunks, where, data_bytes)])[0]
-    if isinstance(found, BaseException):
-        raise found
-    return found
-
-
 def object_digests(shards) -> list:
-    """``object_digest`` of many shard objects ``(kvstore, key, n_chunks, where, data_bytes)``
-    at once: every index read is issued together, then every trailer in one batch, so a restore
-    waits two round trips for all of them instead of two per object. Each result is the digest,
-    or the error (``FileNotFoundError``, ``CheckpointError``) for that object."""
+    """The digests of shard objects ``(kvstore, key, n_chunks, where, data_bytes)`` in an object
+    store (a ``tensorstore.KvStore``): each its index, then the crc32c trailer of every inner
+    chunk, read as byte ranges. ``data_bytes``: where the index starts when the layout fixes it
+    (uncompressed chunks); else it is read as the object's suffix, which some servers (the GCS
+    emulator) ignore. Every index read is issued together, then every trailer in one batch, so a
+    restore waits two round trips for all of them instead of two per object. Each result is the
+    digest, or the error (``FileNotFoundError``, ``CheckpointError``) for that object."""
     import tensorstore as ts
 
     out: list = [None] * len(shards)
