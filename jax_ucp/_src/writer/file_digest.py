@@ -27,6 +27,8 @@ import threading
 
 import crc32c as crc32c_lib
 
+from jax_ucp._src.format import files
+
 BLOCK = 1 << 20  # bytes per CRC-32C block
 KIND = "crc32c of the crc32c of each 1 MiB block"  # what the record's digests are
 
@@ -189,13 +191,7 @@ def digest_file(path: str) -> FileDigest:
         os.close(fd)
 
 
-def _read_block(fd: int, offset: int, want: int = BLOCK) -> bytes:
+def _read_block(fd: int, offset: int, want: int = BLOCK) -> memoryview:
     """``want`` bytes at ``offset``, fewer only at the end of the file."""
-    parts, got = [], 0
-    while got < want:
-        part = os.pread(fd, want - got, offset + got)
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
+    block = bytearray(want)
+    return memoryview(block)[: files.preadv_full(fd, [block], offset)]
