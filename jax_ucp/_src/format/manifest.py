@@ -94,17 +94,6 @@ class SavedSharding:
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
         """Parsed from its JSON form, strictly; errors name ``where``."""
-        key = _sharding_key(d)
-        known = _SHARDINGS.get(key) if key is not None else None
-        if known is not None:
-            return known
-        parsed = cls._parse(d, where)
-        if key is not None:
-            _remember(_SHARDINGS, key, parsed)
-        return parsed
-
-    @classmethod
-    def _parse(cls, d: Any, where: str) -> SavedSharding:
         d = _object(
             d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
         )
@@ -815,7 +804,7 @@ def _fail(where: str, expected: str, found: Any) -> NoReturn:
 
 
 def _object(
-    d: Any, where: str, required: Sequence[str] = (), allowed: Sequence[str] | None = None
+    d: Any, where: str, required: tuple[str, ...] = (), allowed: tuple[str, ...] | None = None
 ) -> dict:
     if not isinstance(d, dict):
         _fail(where, "a JSON object", d)
@@ -1073,9 +1062,11 @@ def _saved_sharding(v: Any, where: str, key: tuple[str, ...]) -> SavedSharding:
     """An entry's saved_sharding: the shared one parsed before, else parsed (and shared)."""
     k = _sharding_key(v)
     known = _SHARDINGS.get(k) if k is not None else None
-    if known is not None:
-        return known
-    return SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
+    if known is None:
+        known = SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
+        if k is not None:
+            _remember(_SHARDINGS, k, known)
+    return known
 
 
 def _remember(memo: dict, key: Any, value: Any) -> Any:
@@ -1087,14 +1078,10 @@ def _remember(memo: dict, key: Any, value: Any) -> Any:
     return value
 
 
-def _as_set(names: Sequence[str]) -> frozenset[str]:
+@functools.cache
+def _as_set(names: tuple[str, ...]) -> frozenset[str]:
     """``names`` as a frozenset (cached: the field lists are a handful of tuples)."""
-    found = _SETS.get(names) if isinstance(names, tuple) else None
-    if found is None:
-        found = frozenset(names)
-        if isinstance(names, tuple):
-            _SETS[names] = found
-    return found
+    return frozenset(names)
 
 
 # Values many entries share, parsed once: (shape, chunk_shape, inner) triples, key types and
@@ -1103,7 +1090,6 @@ _MEMO_SIZE = 4096
 _SHAPES: dict[tuple, tuple] = {}
 _KEY_TYPES: dict[tuple, tuple] = {}
 _SHARDINGS: dict[tuple, SavedSharding] = {}
-_SETS: dict[tuple, frozenset] = {}
 _SHARDING_FIELDS = frozenset(("mesh", "partition_spec"))
 _MESH_FIELDS = frozenset(("axis_names", "shape"))
 _INT_ONLY = frozenset((int,))
