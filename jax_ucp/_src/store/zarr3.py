@@ -7,6 +7,7 @@ chunks bounded in bytes, crc32c on every inner chunk and on the shard index, opt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -109,7 +110,6 @@ def array_config(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
     }
 
 
-_CONTEXTS: dict[bool, ts.Context] = {}
 # Enough to keep shard indices (and partly read inner chunks) while one restore runs: without a
 # cache every inner-chunk read re-fetches its shard's index (restores measurably slower).
 READ_CACHE_BYTES = 64 << 20
@@ -127,15 +127,14 @@ def _context_spec(cache_bytes: int, sync: bool = True) -> dict:
     }
 
 
+@functools.cache
 def context(sync: bool = True) -> ts.Context:
     """The shared write context: no cache (a save never re-reads), fsync for durability.
 
     ``sync=False`` is for writers that make the whole directory durable before committing it
     (``handler.commit``): one syncfs instead of an fsync per file.
     """
-    if sync not in _CONTEXTS:
-        _CONTEXTS[sync] = ts.Context(_context_spec(0, sync))
-    return _CONTEXTS[sync]
+    return ts.Context(_context_spec(0, sync))
 
 
 def read_context() -> ts.Context:

@@ -133,13 +133,7 @@ class DigestingFile:
         if self._reread_from is None or offset < self._reread_from:
             self._reread_from = offset
 
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        return self._f.seek(pos, whence)
-
-    def __getattr__(self, name):  # flush, fileno, closed, name, mode, ...: the file's own
+    def __getattr__(self, name):  # tell, seek, flush, fileno, closed, name, ...: the file's own
         return getattr(self._f, name)
 
     def finish(self) -> FileDigest:
