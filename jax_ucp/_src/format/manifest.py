@@ -833,7 +833,7 @@ def _tree_leaves(tree: Any, where: str, file: str) -> set[tuple[str, ...]]:
             leaves.add(prefix)
             continue
         level = 2 + 3 * len(path)  # of the node; its children list is one deeper, each child two
-        if level + 1 > MAX_JSON_DEPTH and not _tree_leaf_within(d, level):
+        if level + 1 > MAX_JSON_DEPTH and (level > MAX_JSON_DEPTH or _too_deep(d, level)):
             raise CheckpointError(f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
         if not (  # the usual container node, else every check with its message
             type(d) is dict
@@ -882,11 +882,6 @@ def _tree_node(d: Any, where: str) -> str:
 
 _PLAIN_NODE_FIELDS = frozenset(("type", "children"))
 _PLAIN_NODE_TYPES = frozenset(("dict", "list", "tuple"))
-
-
-def _tree_leaf_within(d: Any, level: int) -> bool:
-    """Whether a node at JSON ``level`` nests nothing deeper than ``MAX_JSON_DEPTH``."""
-    return level <= MAX_JSON_DEPTH and not _too_deep(d, level)
 
 
 def _string(v: Any, where: str) -> str:

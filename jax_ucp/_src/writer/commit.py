@@ -27,6 +27,7 @@ import uuid
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import SaveConflictError
+from jax_ucp._src.multihost import liveness
 from jax_ucp._src.writer import durable, file_digest
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
@@ -49,16 +50,6 @@ def temporary_path(path: str) -> str:
     return f"{path}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(path: str) -> list[str]:
     """Deletes temporary directories of ``path`` left by killed writers on this host.
 
@@ -77,7 +68,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
             pid_num = int(pid)
         except ValueError:
             continue
-        if owner == host and pid_num != os.getpid() and not _pid_alive(pid_num):
+        if owner == host and pid_num != os.getpid() and not liveness.pid_alive(pid_num):
             discard(os.path.join(parent, d), f"left by process {pid_num}, which is gone")
             removed.append(d)
     return removed
@@ -711,7 +702,7 @@ def _lock_is_stale(owner: dict | None, me: dict) -> bool:
         return False
     if owner["pid"] == me["pid"]:
         return owner["token"] not in _held_locks
-    return not _pid_alive(owner["pid"])
+    return not liveness.pid_alive(owner["pid"])
 
 
 def check_object_store_prefix(url: str, *, force: bool) -> None:
