@@ -398,9 +398,29 @@ class ShardReader:
 _BATCH_BYTES = 16 << 20
 
 
-class RegionRead:
-    """The pending read of regions into their arrays: its parts run on the read pool, in
-    parallel; ``result()`` is ``out`` (the array of a single-region read) once all are done."""
+class PendingReads:
+    """Reads running on the read pool, in parallel: ``result()`` waits for every one (none may
+    still write into an array when it returns), then raises the first error."""
+
+    def __init__(self, parts: list[concurrent.futures.Future]):
+        self._parts = parts
+
+    def result(self) -> np.ndarray | None:
+        """Waits for every read; raises the first error."""
+        errors = []
+        for part in self._parts:
+            try:
+                part.result()
+            except Exception as e:  # the first is raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return None
+
+
+class RegionRead(PendingReads):
+    """The pending read of regions into their arrays; ``result()`` then checks the shard
+    digests and is ``out`` (the array of a single-region read)."""
 
     def __init__(self, reader: ShardReader, dests: list, out: np.ndarray | None = None):
         self.out = out
@@ -408,27 +428,15 @@ class RegionRead:
         pool = read_pool()
         tasks = reader._tasks([region for region, _ in dests])
         self._keys = sorted({shard_key(pos) for pos, _ in tasks})
-        self._parts = [pool.submit(reader._read_part, pos, chunks, dests) for pos, chunks in tasks]
+        super().__init__(
+            [pool.submit(reader._read_part, pos, chunks, dests) for pos, chunks in tasks]
+        )
 
     def result(self) -> np.ndarray | None:
-        """Waits for every part (none may still write into an array), raises the first error,
-        then checks the shard digests; returns ``out`` of a single-region read."""
-        wait_all(self._parts)
+        """Waits for every part, raises the first error, then checks the shard digests."""
+        super().result()
         self._reader.verify_digests(self._keys)
         return self.out
-
-
-def wait_all(parts: list[concurrent.futures.Future]) -> None:
-    """Waits for every part of a read (none may still write into an array when this returns),
-    then raises the first error."""
-    errors = []
-    for part in parts:
-        try:
-            part.result()
-        except Exception as e:  # the first is raised below
-            errors.append(e)
-    if errors:
-        raise errors[0]
 
 
 class _Region:
