@@ -329,7 +329,12 @@ class ValueEntry:
             # float.hex is exact and carries nan/inf, which plain JSON cannot.
             typed = {"type": "float", "value": float.hex(v)}
         elif isinstance(v, str):
-            _check_utf8(v, f"Leaf {self.name!r}: value")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise CheckpointError(
+                    f"Leaf {self.name!r}: value: not encodable as UTF-8 ({e.reason} at {e.start})."
+                ) from None
             typed = {"type": "str", "value": v}
         else:
             raise RequestError(
@@ -366,7 +371,7 @@ class ValueEntry:
             key_types=key_types,
             value=v,
             role=_enum(d.get("role", "other"), f"{w}.role", ROLES),
-            sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
+            sub_role=None if d.get("sub_role") is None else _string(d["sub_role"], f"{w}.sub_role"),
         )
 
 
@@ -583,24 +588,20 @@ class Manifest(display.Tabular):
             parse_constant=_no_constant,
         )
         with bulk.cyclic_gc_paused():
-            return cls._from_text(text, decoder, where)
-
-    @classmethod
-    def _from_text(cls, text: str, decoder: json.JSONDecoder, where: str) -> Manifest:
-        try:
-            d = _decode(text, decoder, where)
-        except RecursionError:  # the C scanner's own guard, far below the stack's end
-            raise CheckpointError(
-                f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
-            ) from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
-        except CheckpointError:
-            raise
-        except ValueError as e:
-            raise CheckpointError(f"{where}: {e}") from None
-        _check_nesting(d, where)
-        return cls.from_json(d, where=where)
+            try:
+                d = _decode(text, decoder, where)
+            except RecursionError:  # the C scanner's own guard, far below the stack's end
+                raise CheckpointError(
+                    f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
+                ) from None
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+            except CheckpointError:
+                raise
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+            _check_nesting(d, where)
+            return cls.from_json(d, where=where)
 
 
 class _ParsedEntries:
@@ -890,10 +891,6 @@ def _string(v: Any, where: str) -> str:
     return v
 
 
-def _opt_string(v: Any, where: str) -> str | None:
-    return None if v is None else _string(v, where)
-
-
 def _enum(v: Any, where: str, allowed: Sequence) -> Any:
     if isinstance(v, bool) or v not in allowed:
         _fail(where, f"one of {list(allowed)}", v)
@@ -1095,15 +1092,6 @@ _ROLES = frozenset(ROLES)
 _CANONICAL: dict[Any, str] = {
     name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
 }
-
-
-def _check_utf8(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise CheckpointError(
-            f"{where}: not encodable as UTF-8 ({e.reason} at {e.start})."
-        ) from None
 
 
 def _bounded_int(text: str) -> int:

@@ -26,7 +26,7 @@ import uuid
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
-from jax_ucp._src.errors import SaveConflictError
+from jax_ucp._src.errors import RequestError, SaveConflictError
 from jax_ucp._src.multihost import liveness
 from jax_ucp._src.writer import durable, file_digest
 
@@ -721,7 +721,11 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
     names = [n for n in location.list_names(url) if n != LOCK_OBJECT]
     if fmt.MANIFEST_FILE in names:
         if force:
-            raise location.cannot_replace(url)
+            raise RequestError(
+                f"{url}: replacing a committed checkpoint in an object store is not supported (no "
+                f"atomic rename: the old one would be deleted before the new one is whole). Save "
+                f"to a new prefix, e.g. the next step, and delete the old one after."
+            )
         raise FileExistsError(
             f"{url} already exists (a committed checkpoint): an object store cannot replace one "
             f"in place. Save to a new prefix (e.g. the next step)."
