@@ -257,8 +257,7 @@ def save(path: str, args: SaveArgs, *, force: bool) -> None:
         store.location.kvstore_root(path)  # a malformed URL fails here, in every process
         commit.check_object_store_prefix(path, force=force)  # every process sees it: all raise
     job = agreement.join(path, BARRIER_TIMEOUT, purpose="save")
-    index, gather = (0, None) if job is None else (job[0], job[2])
-    count = 1 if job is None else job[1]
+    index, count, gather = job or (0, 1, None)
     saves: list[PreparedSave] = []
 
     def write_part(directory: str) -> str:

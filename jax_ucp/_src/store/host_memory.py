@@ -15,10 +15,7 @@ neither (threads that allocated before keep theirs).
 
 Pinning the mmap threshold at 128 KiB instead would turn every later allocation above it into
 a fresh mapping for the rest of the process (XLA:CPU's buffers of each training step among
-them). ``trimming`` lowers the trim threshold while a restore reads only; glibc has no call to
-make its thresholds dynamic again, so afterwards the mmap threshold stays where glibc had
-raised it and the trim threshold at the most glibc's dynamic one reaches. A no-op where the C
-library has no ``mallopt`` (musl, macOS, Windows) and where the user set the thresholds.
+them), so ``trimming`` lowers only the trim threshold, and only while a restore reads.
 """
 
 from __future__ import annotations

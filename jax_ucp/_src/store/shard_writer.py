@@ -136,12 +136,8 @@ def write(
     """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its digest
     (``digest_of_trailers``; None without checksums).
 
-    ``sync``: the file's data is on disk on return (fsync); the directories that gained entries
-    are the caller's to fsync (``writer.durable``). Otherwise only start the write-back
-    (``start_writeback``: no waiting) and leave durability to the caller's one syncfs before it
-    commits the directory: writers then never stall on the disk one file at a time.
-    The checkpoint directory is committed by rename afterwards, so a partially written file is
-    never visible under the final name.
+    ``sync``: the file's data is on disk on return (its directories are the caller's to fsync);
+    else only its write-back is started, durable at the caller's one syncfs before the commit.
 
     Args:
         array_dir: the array's directory
