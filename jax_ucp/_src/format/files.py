@@ -229,13 +229,6 @@ def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
 
 
 def _describe(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    ):
-        if test(mode):
-            return name
-    return f"mode {oct(mode)}"
+    kind = stat.filemode(mode)[0]
+    names = {"p": "a FIFO", "c": "a character device", "b": "a block device", "s": "a socket"}
+    return names.get(kind, "a directory" if kind == "d" else f"mode {oct(mode)}")

@@ -7,6 +7,7 @@ checkpoint is self-describing without JAX, without the mesh it was saved from, a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -440,16 +441,13 @@ class Manifest(display.Tabular):
     @property
     def saved_meshes(self) -> list[str]:
         """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
-        meshes: dict[tuple, int] = {}  # (axis names, shape): tensors
-        for e in self.tensors:
-            if e.saved_sharding is not None:
-                m = (e.saved_sharding.mesh_axis_names, e.saved_sharding.mesh_shape)
-                meshes[m] = meshes.get(m, 0) + 1
-        counts: dict[str, int] = {}
-        for (names, shape), n in meshes.items():
-            text = display.mesh_text(names, shape)
-            counts[text] = counts.get(text, 0) + n
-        return sorted(counts, key=lambda t: -counts[t])
+        meshes = collections.Counter(
+            (s.mesh_axis_names, s.mesh_shape) for e in self.tensors if (s := e.saved_sharding)
+        )
+        counts: collections.Counter[str] = collections.Counter()
+        for (names, shape), n in meshes.items():  # each mesh's text built once
+            counts[display.mesh_text(names, shape)] += n
+        return [text for text, _ in counts.most_common()]
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict per tensor (:meth:`TensorEntry.to_row`), then one per saved value (name,
