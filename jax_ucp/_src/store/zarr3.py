@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import tensorstore as ts
@@ -162,29 +162,13 @@ def create(
     return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
 
 
-def open_array(
-    kvstore: Mapping[str, Any],
-    *,
-    dtype: str | None = None,
-    shape: Sequence[int] | None = None,
-    context: ts.Context | None = None,
-) -> ts.Future:
-    """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore.
-
-    Args:
-        kvstore: where the array is (``kvstore_config``)
-        dtype: the dtype expected (checked), if known
-        shape: the shape expected (checked), if known
-        context: a shared TensorStore context (cache pool, file I/O concurrency)
-    """
+def open_array(kvstore: Mapping[str, Any], *, context: ts.Context | None = None) -> ts.Future:
+    """Opens the existing array in ``kvstore`` (``kvstore_config``) read-only, in ``context``
+    (a shared cache pool and file I/O concurrency; None: a fresh ``read_context``)."""
     # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
     spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
-    kwargs: dict = {"context": context if context is not None else read_context()}
-    if dtype is not None:
-        kwargs["dtype"] = ts.dtype(dtype)
-    if shape is not None:
-        kwargs["shape"] = list(shape)
-    return ts.open(spec, open=True, read=True, write=False, **kwargs)
+    context = context if context is not None else read_context()
+    return ts.open(spec, open=True, read=True, write=False, context=context)
 
 
 def file_bytes_read() -> int:
