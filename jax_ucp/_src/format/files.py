@@ -119,7 +119,7 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
     after resolution (a ``.distcp`` linked to another user's file) too; a link that stays inside
     (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`inside_checkpoint`) is
-    followed. ``what`` says where the name was read (file and entry) for the error.
+    followed.
 
     Args:
         root: the checkpoint's root folder.

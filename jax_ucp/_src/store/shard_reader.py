@@ -1,8 +1,6 @@
-"""Reads regions of zarr v3 arrays whose shards have ``shard_file``'s layout, with pread and the
-hardware crc32c (TensorStore verifies crc32c in software, the main cost of a restore on 2
-cores), and checks each shard file's digest against the manifest. ``layout_from_metadata``
-admits an array only if its zarr.json (as TensorStore parsed it) is exactly that layout;
-anything else is read by TensorStore."""
+"""Reads regions of zarr v3 arrays whose shards have ``shard_file``'s layout (its docstring says
+why), and checks each shard file's digest against the manifest; anything else is read by
+TensorStore."""
 
 from __future__ import annotations
 

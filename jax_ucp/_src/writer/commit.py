@@ -1,12 +1,9 @@
 """Committing a checkpoint directory: temporary sibling, durable, then renamed into place.
 
 ``transaction`` is the one way anything is committed (save, convert, export, a manager step,
-local or ``s3://`` / ``gs://``): lock, recover an interrupted swap, check ``force``, write into a
-temporary directory, commit or swap; on failure the temporary is discarded (logged) and the
-destination is as it was. An Orbax export lets Orbax write and rename (its
-``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Host-only
-imports need neither JAX nor Orbax (importing them costs a conversion about a second).
-Forced replacement never deletes the old checkpoint first.
+local or ``s3://`` / ``gs://``). An Orbax export lets Orbax write and rename (its
+``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Forced
+replacement never deletes the old checkpoint first.
 """
 
 from __future__ import annotations
@@ -202,8 +199,7 @@ def transaction(
     Yields:
         The ``Transaction``. On any error in the block (or in the commit) what the writer wrote
         is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
-        entry (``SaveConflictError``, ``SaveConflictError``, ``FileExistsError``) change
-        nothing.
+        entry (``SaveConflictError``, ``FileExistsError``) change nothing.
     """
     dest = os.fspath(dest).rstrip("/")
     if store.is_url(dest):

@@ -39,16 +39,14 @@ async def write_tensor(
 
     Returns the digest of every shard file written (shard key -> ``shard_file`` digest; None
     for arrays without checksums, or on an object store when a shard was not written whole
-    from uncompressed host memory), for the manifest.
-    ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
-    it (``durable.make_durable``). Every write is waited for, even after one fails, so a
-    caller's cleanup never races a write still in flight.
+    from uncompressed host memory), for the manifest. Every write is waited for, even after
+    one fails, so a caller's cleanup never races a write still in flight.
 
     Args:
         root: the checkpoint directory.
         p: the tensor, laid out.
         primary: this process creates the array.
-        sync: fsync each file.
+        sync: fsync each file (False: the caller makes the directory durable).
     """
     kv = store.kvstore_config(root, p.entry.dir)
     try:
