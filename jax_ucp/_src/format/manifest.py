@@ -613,6 +613,12 @@ class _ParsedEntries:
         self.error: CheckpointError | None = None
         self.too_deep = False
 
+    def add_from(self, scan, text: str, i: int) -> int:
+        """The element at ``i`` decoded and added; the index after it."""
+        element, i = _scan(scan, text, i)
+        self.add(element)
+        return i
+
     def add(self, element: Any) -> None:
         """One decoded element: checked and kept as its entry, its JSON dropped."""
         if self.error is not None or self.too_deep:
@@ -656,50 +662,37 @@ def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
     if not text.startswith("{", i):
         return decoder.decode(text)  # not an object: no entries to stream
     out: dict[str, Any] = {}
-    i = _skip(text, i + 1)
-    if text.startswith("}", i):
-        i += 1
-    else:
-        while True:
-            if not text.startswith('"', i):
-                raise json.JSONDecodeError(
-                    "Expecting property name enclosed in double quotes", text, i
-                )
-            name, i = _scanstring(text, i + 1)
-            i = _skip(text, i)
-            if not text.startswith(":", i):
-                raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-            i = _skip(text, i + 1)
-            if name == "entries" and text.startswith("[", i):
-                out[name], i = _decode_entries(text, i + 1, scan, _ParsedEntries(where))
-            else:
-                out[name], i = _scan(scan, text, i)
-            i = _skip(text, i)
-            if text.startswith("}", i):
-                i += 1
-                break
-            if not text.startswith(",", i):
-                raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-            i = _skip(text, i + 1)
-    i = _skip(text, i)
+
+    def member(i: int) -> int:
+        if not text.startswith('"', i):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+        name, i = _scanstring(text, i + 1)
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        i = _skip(text, i + 1)
+        if name == "entries" and text.startswith("[", i):  # each element its entry, as decoded
+            parsed = out[name] = _ParsedEntries(where)
+            return _items(text, i + 1, "]", lambda i: parsed.add_from(scan, text, i))
+        out[name], i = _scan(scan, text, i)
+        return i
+
+    i = _skip(text, _items(text, i + 1, "}", member))
     if i != len(text):
         raise json.JSONDecodeError("Extra data", text, i)
     return out
 
 
-def _decode_entries(text: str, i: int, scan, parsed: _ParsedEntries) -> tuple[Any, int]:
-    """The elements of the array starting after its ``[`` at ``i``, each handed to ``parsed``
-    as it is decoded; returns ``parsed`` and the index after the closing ``]``."""
+def _items(text: str, i: int, close: str, item) -> int:
+    """Walks the comma-separated items of the array or object whose opening bracket ends at
+    ``i``, ``item(i)`` decoding each (returning the index after it); the index after ``close``."""
     i = _skip(text, i)
-    if text.startswith("]", i):
-        return parsed, i + 1
+    if text.startswith(close, i):
+        return i + 1
     while True:
-        element, i = _scan(scan, text, i)
-        parsed.add(element)
-        del element
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return parsed, i + 1
+        i = _skip(text, item(i))
+        if text.startswith(close, i):
+            return i + 1
         if not text.startswith(",", i):
             raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
         i = _skip(text, i + 1)
