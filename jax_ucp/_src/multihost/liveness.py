@@ -3,8 +3,7 @@
 Each process records its ``identity`` when the job starts; a process waiting on a peer later
 compares that record with what ``/proc`` says now, so a dead peer is noticed within a poll
 instead of after ``jax.distributed``'s heartbeat (100 s). Only processes of this host (same host
-name, boot and pid namespace) can be checked; the others are left to the heartbeat. Used by the
-shared import (``conversion``) and by replicated reads (``restoring.replicated``).
+name, boot and pid namespace) can be checked; the others are left to the heartbeat.
 """
 
 from __future__ import annotations

@@ -242,10 +242,7 @@ def merge(save: PreparedSave, process_count: int) -> None:
 
 def save(path: str, args: SaveArgs, *, force: bool) -> None:
     """``args`` saved at ``path`` by every process, committed once (``commit_once``) in a
-    ``commit.transaction``: a directory through a temporary sibling renamed (or swapped) into
-    place, so a failed or killed save leaves the old checkpoint whole; an ``s3://`` / ``gs://``
-    prefix by its ``ucp.json``, written last (no rename there: a committed one is never
-    replaced). ``force`` replaces only what jax_ucp wrote.
+    ``commit.transaction``: a failed or killed save leaves the old checkpoint whole.
 
     Args:
         path: the checkpoint directory (absolute) or object-store prefix.
