@@ -104,7 +104,7 @@ def host_memory_limit() -> tuple[int, str] | None:
     limits = []
     with contextlib.suppress(AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
         limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
-    try:
+    with contextlib.suppress(ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
         import resource
 
         for which, what in (
@@ -114,7 +114,5 @@ def host_memory_limit() -> tuple[int, str] | None:
             soft = resource.getrlimit(which)[0]
             if soft != resource.RLIM_INFINITY and soft > 0:
                 limits.append((soft, f"the {what} limit"))
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
-        pass
     limits = [x for x in limits if x[0] > 0]
     return min(limits) if limits else None

@@ -677,7 +677,7 @@ def object_store_lock(url: str):
 
 
 def _lock_owner(data: bytes) -> dict | None:
-    try:
+    with contextlib.suppress(ValueError, RecursionError):
         owner = json.loads(data)
         if (
             isinstance(owner, dict)
@@ -687,8 +687,6 @@ def _lock_owner(data: bytes) -> dict | None:
             and isinstance(owner.get("token"), str)
         ):
             return owner
-    except (ValueError, RecursionError):
-        pass
     return None
 
 
