@@ -114,18 +114,6 @@ def _os_error_text(e: OSError) -> str:
     return str(e)
 
 
-def _by_the_tensor(fn):
-    """``fn`` run with the cyclic GC paused: it makes rows by the tensor (100 000 and more) and
-    drops none, so each collection would walk them all for nothing."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with bulk.cyclic_gc_paused():
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def _user_errors(fn):
     """Bad input (missing files, corrupt checkpoints, refused overwrites, a full disk: a
     ``UCPError``, an ``OSError``, or a TensorStore error about the files that no layer wrapped)
@@ -211,7 +199,7 @@ def _bar(what: str, transient: bool = False):
 
 @app.command()
 @_user_errors
-@_by_the_tensor
+@bulk.cyclic_gc_paused()  # rows by the tensor, 100 000 and more, none dropped
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
@@ -269,13 +257,8 @@ def inspect(
         ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
         optional = ("saved spec", "logical axes", "dtype", "size", "role")  # role goes first
-        if len(rows) > layout.GROUP_AT and not every and limit <= 0:
-            names = [e.name for e in tensors]
-            rows = layout.grouped(names, rows, {3: [e.nbytes for e in tensors]})
-            output.say(
-                f"{len(tensors)} tensors in {len(rows)} name patterns (digits as *; --all lists "
-                f"each, --json gives every row)"
-            )
+        if not every and limit <= 0:
+            rows = _grouped([e.name for e in tensors], rows, {3: [e.nbytes for e in tensors]})
         output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
@@ -559,6 +542,18 @@ def _cell_texts():
     )
 
 
+def _grouped(names: list[str], rows: list, sums: dict[int, list[int]]) -> list:
+    """``rows`` grouped by name pattern (``layout.grouped``) past ``layout.GROUP_AT`` of them."""
+    if len(rows) <= layout.GROUP_AT:
+        return rows
+    out = layout.grouped(names, rows, sums)
+    output.say(
+        f"{len(rows)} tensors in {len(out)} name patterns (digits as *; --all lists each, "
+        f"--json gives every row)"
+    )
+    return out
+
+
 def _padded(spec, ndim: int) -> tuple:
     spec = tuple(spec or ())
     return spec + (None,) * (ndim - len(spec))
@@ -581,7 +576,7 @@ def _per_process(reads) -> str:
 
 @app.command()
 @_user_errors
-@_by_the_tensor
+@bulk.cyclic_gc_paused()  # rows by the tensor, 100 000 and more, none dropped
 def plan(
     path: str,
     mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),
@@ -685,13 +680,9 @@ def _print_plan_table(shown, grouped: bool) -> None:
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
-    if len(rows) > layout.GROUP_AT and grouped:
+    if grouped:
         sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
-        rows = layout.grouped([t.name for t in shown], rows, sums)
-        output.say(
-            f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "
-            f"--json gives every row)"
-        )
+        rows = _grouped([t.name for t in shown], rows, sums)
     output.table(layout.table(header, rows, right=right, optional=("dtype",)))
 
 

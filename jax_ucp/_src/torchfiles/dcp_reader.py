@@ -36,11 +36,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.torchfiles import unpickler
-
-try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
-    from isal.isal_zlib import crc32 as zip_crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
-    from zlib import crc32 as zip_crc32
+from jax_ucp._src.torchfiles.unpickler import zip_crc32
 
 __all__ = [
     "DCP_CLASSES",
