@@ -6,16 +6,7 @@ arrays, possibly memory-mapped); ``merge(..., lazy=True)`` returns a lazy Tensor
 with ``ts.concat``/``ts.stack`` over the fragments (no copy) where the kind allows it.
 ``split(kind, full, n, ...)`` is the inverse: the list of per-rank fragments.
 
-Kinds (TOML name -> class):
-  replicated    Replicated()           identical on every TP rank (checked bit for bit)
-  averaged      Averaged()             mean over ranks (sum(fragments) / n, like DeepSpeed)
-  partitioned   Partitioned(dim)       column parallel dim=0, row parallel dim=1
-  sub_params    SubParams(dim, sizes)  each rank holds [part0_r; part1_r; ...] (uneven sizes ok)
-  qkv           QKV(dim, heads, groups, head_dim, interleaved)  fused QKV incl. GQA
-  swiglu        SwiGLU(dim)            fc1 = [gate_r; up_r] per TP rank
-  vocab         Vocab(dim, vocab_size, divisible_by)  vocab-parallel, padding stripped
-  pipeline_tied PipelineTied(inner)    tied weights held on several PP stages (checked equal)
-  expert        Expert(layout, dim, num_experts, inner)  MoE experts over EP ranks
+Kinds (``KINDS``: TOML name -> class) are documented on their classes.
 """
 
 from __future__ import annotations

@@ -36,14 +36,15 @@ from jax_ucp._src.language.patterns import MAX_PATTERN_CHARS, compile_pattern
 from jax_ucp._src.language.settings import canonical, derived, normalize, render
 
 
-def _when_matches(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
-    """Whether the settings satisfy a rule's ``when`` (a value, or a list of accepted values)."""
+def _active(rules: tuple, settings: Mapping[str, Any]) -> list:
+    """(index, rule) of the ``rules`` whose ``when`` the settings meet (each a value, or a list
+    of accepted values)."""
 
     def met(name, wanted):
         have = settings.get(canonical(name), settings.get(name))
         return have in wanted if isinstance(wanted, (list, tuple)) else have == wanted
 
-    return all(met(name, wanted) for name, wanted in when.items())
+    return [(i, r) for i, r in enumerate(rules) if all(met(*w) for w in r.when.items())]
 
 
 def _with_rule_options(d: dict, rule) -> dict:
@@ -297,13 +298,11 @@ class Spec:
 
     def active_imports(self) -> list[tuple[int, ImportRule]]:
         """(index, rule) of every import rule whose ``when`` the settings meet."""
-        env = self.env
-        return [(i, r) for i, r in enumerate(self.imports) if _when_matches(r.when, env)]
+        return _active(self.imports, self.env)
 
     def active_restore(self) -> list[tuple[int, RestoreRule]]:
         """(index, rule) of every restore rule whose ``when`` the settings meet."""
-        env = self.env
-        return [(i, r) for i, r in enumerate(self.restore) if _when_matches(r.when, env)]
+        return _active(self.restore, self.env)
 
     # -- import side
     def match(self, name: str) -> ImportMatch | None:
@@ -406,16 +405,16 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
         raise LanguageError(f"{where} ({obj['pattern']!r}): missing 'kind'")
     kind = {k: v for k, v in obj.items() if k not in _IMPORT_KEYS}
     try:
-        return ImportRule(
-            pattern=obj["pattern"],
-            kind=kind_from_obj(kind, where=f"{where}: "),
-            required=bool(obj.get("required", True)),
-            when=dict(obj.get("when", {})),
-            label=obj.get("label", ""),
-            also=obj.get("also", ()),
-        )
+        kind = kind_from_obj(kind, where=f"{where}: ")
+        return ImportRule(**_rule_fields(obj, _IMPORT_KEYS), kind=kind)
     except LanguageError as e:
         raise _prefixed(e, where) from None
+
+
+def _rule_fields(obj: Mapping, keys: set[str]) -> dict:
+    """The dict form's ``keys`` as the rule's fields: ``required`` a bool, ``when`` a dict."""
+    rule = {k: v for k, v in obj.items() if k in keys}
+    return rule | {"required": bool(obj.get("required", True)), "when": dict(obj.get("when", {}))}
 
 
 _RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes"}
@@ -436,15 +435,8 @@ def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
     if isinstance(ops, (str, Mapping)):
         ops = [ops]
     try:
-        return RestoreRule(
-            pattern=obj["pattern"],
-            target=obj.get("target"),
-            ops=tuple(op_from_obj(o, where=f"{where} op #{j + 1}: ") for j, o in enumerate(ops)),
-            required=bool(obj.get("required", True)),
-            when=dict(obj.get("when", {})),
-            label=obj.get("label", ""),
-            axes=obj.get("axes"),
-        )
+        ops = tuple(op_from_obj(o, where=f"{where} op #{j + 1}: ") for j, o in enumerate(ops))
+        return RestoreRule(**_rule_fields(obj, _RESTORE_KEYS) | {"ops": ops})
     except LanguageError as e:
         raise _prefixed(e, where) from None
 

@@ -18,9 +18,9 @@ anonymous memory, and only touched bytes are read. Their bytes are read out with
 truncated meanwhile is then an error naming it, not SIGBUS. bfloat16 / float8 map to
 ``ml_dtypes``.
 
-Public API (stable; also used by the Megatron importer):
-``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
-``TorchFileError``, ``StandIn``, ``standin_class``, ``int_enum_standin``, ``BASE_ALLOWED``.
+Public API (stable; also used by the Megatron importer): ``load_torch_file``,
+``scan_globals``, ``TorchFileError``, ``StandIn``, ``standin_class``, ``int_enum_standin``,
+``BASE_ALLOWED``.
 """
 
 from __future__ import annotations
@@ -313,10 +313,6 @@ class _Storage:
         return f"<storage {self.key!r} {self.raw.size} bytes as {self.dtype}>"
 
 
-_TORCH_DTYPES = dtypes.BY_NAME
-_STORAGE_TYPES = dtypes.STORAGES
-
-
 def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
     if not isinstance(x, (tuple, list)) or not all(type(v) is int for v in x):
         raise ValueError(f"tensor {what} must be a tuple of ints, found {short_repr(x)}")
@@ -561,10 +557,10 @@ def _base_allowed() -> dict[str, Any]:
         "builtins.bytearray": _bytearray,
         "_codecs.encode": _codecs_encode,
     }
-    for name, dt in _TORCH_DTYPES.items():
+    for name, dt in dtypes.BY_NAME.items():
         d[f"torch.{name}"] = dt
-    for name, dt in _STORAGE_TYPES.items():
-        st = _StorageType(name, _TORCH_DTYPES[dt])
+    for name, dt in dtypes.STORAGES.items():
+        st = _StorageType(name, dtypes.BY_NAME[dt])
         d[f"torch.{name}"] = st
         d[f"torch.storage.{name}"] = st
         d[f"torch.cuda.{name}"] = st
@@ -1000,7 +996,7 @@ class TorchArchive:
                 # The member's CRC-32, checked once, when first referenced (ISA-L's CRC-32 runs
                 # at several GB/s; the copy that follows reads the same pages from the page
                 # cache).
-                self._check_crc(name, info, mapped_file.crc32(view, crc=zip_crc32))
+                _crc_matches(self.path, name, info.CRC, mapped_file.crc32(view, crc=zip_crc32))
         self._views[name] = view
         return view
 
@@ -1026,9 +1022,6 @@ class TorchArchive:
                 f"but the file has {self.size} (truncated)",
             )
         return data_off
-
-    def _check_crc(self, name: str, info: zipfile.ZipInfo, found: int) -> None:
-        _crc_matches(self.path, name, info.CRC, found)
 
     def _inflate(
         self,
@@ -1102,7 +1095,7 @@ class TorchArchive:
                 f"member {name!r}: the deflate stream gives {pos} bytes, the archive declares "
                 f"{info.file_size} (truncated or corrupt)",
             )
-        self._check_crc(name, info, crc)
+        _crc_matches(self.path, name, info.CRC, crc)
         if keep:
             self._inflated += info.file_size
         out.flags.writeable = False
