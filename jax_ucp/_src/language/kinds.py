@@ -23,7 +23,7 @@ import tensorstore as ts
 from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.language import views
-from jax_ucp._src.language.plain_form import parse_plain_form
+from jax_ucp._src.language.plain_form import parse_plain_form, plain_fields
 from jax_ucp._src.language.settings import derived, eval_int, padded_vocab_size
 
 # ------------------------------------------------------------------------------ array backends
@@ -169,17 +169,8 @@ class Kind:
         return type(self)(**kw)
 
     def to_dict(self) -> dict:
-        d: dict = {"kind": self.kind}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v == f.default:
-                continue
-            if isinstance(v, Kind):
-                v = v.to_dict()
-            elif isinstance(v, tuple):
-                v = [list(x) if isinstance(x, tuple) else x for x in v]
-            d[f.name] = v
-        return d
+        """The kind's plain (TOML) form: ``{"kind": name}`` plus every field not at its default."""
+        return {"kind": self.kind, **plain_fields(self)}
 
     # implemented by subclasses on an array backend (_NumpyBackend or _LazyBackend)
     def _merge(self, backend, frags, name):  # pragma: no cover

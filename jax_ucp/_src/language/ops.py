@@ -17,7 +17,6 @@ expressions (``"num_layers // pp"``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,7 +25,7 @@ import tensorstore as ts
 
 from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.language import views
-from jax_ucp._src.language.plain_form import parse_plain_form
+from jax_ucp._src.language.plain_form import parse_plain_form, plain_fields
 from jax_ucp._src.language.settings import eval_int
 
 Env = Mapping[str, Any]
@@ -46,14 +45,7 @@ class Op:
 
     def to_dict(self) -> dict:
         """The op's plain (TOML) form: ``{"op": name}`` plus every field not at its default."""
-        d: dict[str, Any] = {"op": self.op}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v != f.default and not (
-                f.default_factory is not dataclasses.MISSING and v == f.default_factory()
-            ):
-                d[f.name] = list(v) if isinstance(v, tuple) else v
-        return d
+        return {"op": self.op, **plain_fields(self)}
 
     def _int(self, value, env: Env) -> int:
         """An op parameter as an int: a literal or a setting expression evaluated over ``env``."""

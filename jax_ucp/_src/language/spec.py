@@ -33,6 +33,7 @@ from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.language.kinds import Kind, kind_from_obj
 from jax_ucp._src.language.ops import op_from_obj
 from jax_ucp._src.language.patterns import MAX_PATTERN_CHARS, compile_pattern
+from jax_ucp._src.language.plain_form import plain_fields
 from jax_ucp._src.language.settings import canonical, derived, normalize, render
 
 
@@ -219,8 +220,7 @@ class Root:
 
     def to_dict(self) -> dict:
         """The root's plain (TOML) form: every field not at its default."""
-        fields = dataclasses.fields(self)
-        return {f.name: getattr(self, f.name) for f in fields if getattr(self, f.name) != f.default}
+        return plain_fields(self)
 
 
 DEFAULT_ROOTS: tuple[Root, ...] = (
