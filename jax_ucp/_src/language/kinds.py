@@ -132,6 +132,10 @@ def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | Non
 # ------------------------------------------------------------------------------------ kinds
 
 
+#: the kinds of this module by TOML name (each registers itself when defined)
+KINDS: dict[str, type[Kind]] = {}
+
+
 @dataclass(frozen=True)
 class Kind:
     """How one parameter is spread over per-rank fragments (TP, PP, EP), as a value.
@@ -143,6 +147,11 @@ class Kind:
     be setting expressions, evaluated by ``resolve``. Subclasses set ``kind`` (the TOML name)."""
 
     kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.kind and cls.__module__ == __name__:
+            KINDS[cls.kind] = cls
 
     def resolve(self, env: Mapping[str, Any], *, lenient: bool = False) -> Kind:
         """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
@@ -673,22 +682,6 @@ def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: in
     if not 0 <= local_index < nl:
         raise LanguageError(f"local expert index {local_index} out of range (0..{nl - 1})")
     return ep_rank * nl + local_index
-
-
-KINDS: dict[str, type[Kind]] = {
-    c.kind: c
-    for c in (
-        Replicated,
-        Averaged,
-        Partitioned,
-        SubParams,
-        SwiGLU,
-        QKV,
-        Vocab,
-        PipelineTied,
-        Expert,
-    )
-}
 
 
 def kind_from_obj(obj, *, where: str = "") -> Kind:

@@ -29,6 +29,8 @@ from jax_ucp._src.language.plain_form import parse_plain_form, plain_fields
 from jax_ucp._src.language.settings import eval_int
 
 Env = Mapping[str, Any]
+#: the ops of this module by TOML name (each registers itself when defined)
+OPS: dict[str, type[Op]] = {}
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,11 @@ class Op:
 
     op: ClassVar[str] = ""
     arity: ClassVar[str] = "map"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.op and cls.__module__ == __name__:
+            OPS[cls.op] = cls
 
     def to_dict(self) -> dict:
         """The op's plain (TOML) form: ``{"op": name}`` plus every field not at its default."""
@@ -389,28 +396,6 @@ class MergeQKV(FanIn):
         args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
         q, k, v = parts
         return views.merge_qkv(q, k, v, *args, interleaved=self.interleaved)
-
-
-OPS: dict[str, type[Op]] = {
-    c.op: c
-    for c in (
-        Transpose,
-        RopeHalf,
-        SplitDim,
-        MergeDims,
-        GroupStages,
-        UngroupStages,
-        RegroupStages,
-        Slice,
-        Pad,
-        Unstack,
-        Split,
-        SplitQKV,
-        Stack,
-        Concat,
-        MergeQKV,
-    )
-}
 
 
 def op_from_obj(obj, *, where: str = "") -> Op:

@@ -411,7 +411,7 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
         raise _prefixed(e, where) from None
 
 
-def _rule_fields(obj: Mapping, keys: set[str]) -> dict:
+def _rule_fields(obj: Mapping, keys: set[str]) -> dict[str, Any]:
     """The dict form's ``keys`` as the rule's fields: ``required`` a bool, ``when`` a dict."""
     rule = {k: v for k, v in obj.items() if k in keys}
     return rule | {"required": bool(obj.get("required", True)), "when": dict(obj.get("when", {}))}
@@ -436,7 +436,7 @@ def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
         ops = [ops]
     try:
         ops = tuple(op_from_obj(o, where=f"{where} op #{j + 1}: ") for j, o in enumerate(ops))
-        return RestoreRule(**_rule_fields(obj, _RESTORE_KEYS) | {"ops": ops})
+        return RestoreRule(**{**_rule_fields(obj, _RESTORE_KEYS), "ops": ops})
     except LanguageError as e:
         raise _prefixed(e, where) from None
 
