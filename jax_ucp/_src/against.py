@@ -294,13 +294,6 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
     return {"folder": folder}
 
 
-def _clear_deepspeed() -> None:
-    for key, value in _DEEPSPEED.items():
-        if key.startswith("ds_to_universal:"):
-            shutil.rmtree(value["folder"], ignore_errors=True)
-    _DEEPSPEED.clear()
-
-
 def _zero_to_fp32(src: str) -> dict[str, Any]:
     from deepspeed.utils.zero_to_fp32 import (  # pyright: ignore[reportMissingImports]
         get_fp32_state_dict_from_zero_checkpoint,
@@ -483,5 +476,8 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
             progress(entry.name, done, total)
     _TORCH_FILES.clear()
     _dcp_keys.cache_clear()
-    _clear_deepspeed()
+    for key, value in _DEEPSPEED.items():
+        if key.startswith("ds_to_universal:"):
+            shutil.rmtree(value["folder"], ignore_errors=True)
+    _DEEPSPEED.clear()
     return result

@@ -372,14 +372,6 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
     )
 
 
-def _adam_state(opt: dict, where: str) -> tuple[Any, Any]:
-    """mu and nu wherever the restore put them (``opt_state/mu`` or a spec's ``opt_state/0/mu``)."""
-    for node in (opt, *[v for v in opt.values() if isinstance(v, dict)]):
-        if "mu" in node and "nu" in node:
-            return node["mu"], node["nu"]
-    raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
-
-
 def optax_from_torch(
     ckpt, *, spec: Any = None, optimizer: str | None = None, options: Any = None
 ) -> TorchOptimizer:
@@ -463,7 +455,11 @@ def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any,
     tree = restore(ckpt, **_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise RequestError(f"{where}: the checkpoint holds no optimizer state")
-    mu, nu = _adam_state(tree["opt_state"], where)
+    opt = tree["opt_state"]  # mu and nu at opt_state/mu, or a spec's opt_state/0/mu
+    nodes = [n for n in (opt, *opt.values()) if isinstance(n, dict) and {"mu", "nu"} <= set(n)]
+    if not nodes:
+        raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
+    mu, nu = nodes[0]["mu"], nodes[0]["nu"]
     counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
     if len(counts) != 1:
         raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")
