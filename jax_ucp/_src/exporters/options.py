@@ -140,11 +140,9 @@ class SafetensorsExport(_TensorsExport):
 
 
 Options = OrbaxExport | DeepSpeedUniversalExport | TorchDcpExport | SafetensorsExport
-BY_FORMAT: dict[str, type[_Export]] = {
-    c.format: c for c in (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
-}
-FORMATS = tuple(BY_FORMAT)
 OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
+BY_FORMAT: dict[str, type[_Export]] = {c.format: c for c in OPTIONS_TYPES}
+FORMATS = tuple(BY_FORMAT)
 
 
 def options_for(to: str, **given: Any) -> Options:

@@ -354,9 +354,8 @@ class DcpCheckpoint:
         where = f"object {name!r} in {self.path / o.file}"
         fpath = Path(self.file_path(o.file))
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
-        return _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)[
-            0
-        ]
+        obj, _ = _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)
+        return obj
 
     def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
         """Every file the metadata references (or ``tensors``' chunks reference) exists and is
@@ -686,11 +685,7 @@ def _storage_ref(
         raise SourceError(
             f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
         )
-    rp, bo, bl = (
-        getattr(info, "relative_path", None),
-        getattr(info, "offset", None),
-        getattr(info, "length", None),
-    )
+    rp, bo, bl = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
     trs = getattr(info, "transform_descriptors", None) or ()
     if (
         not isinstance(rp, str)
