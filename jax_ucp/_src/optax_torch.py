@@ -172,9 +172,8 @@ def check_groups(groups: list, where: str) -> None:
         for key in ("lr", "betas", "eps"):
             if key not in g:
                 raise RequestError(f"{where}: {at} has no {key!r}")
-        _number(g["lr"], f"{at}.lr", where)
-        _number(g["eps"], f"{at}.eps", where)
-        _number(g.get("weight_decay", 0.0), f"{at}.weight_decay", where)
+        for key in ("lr", "eps", "weight_decay"):
+            _number(g.get(key, 0.0), f"{at}.{key}", where)
         betas = g["betas"]
         if not isinstance(betas, list | tuple) or len(betas) != 2:
             raise RequestError(

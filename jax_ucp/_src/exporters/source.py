@@ -210,8 +210,7 @@ def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -
     """
     # the export record: what a later force may replace (these files only)
     with transaction(dst, force=force) as tx, commit.export_record(tx.path):
-        files = write(tx.path)
-    return files
+        return write(tx.path)
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:

@@ -93,14 +93,10 @@ def _source_node(key, ph) -> _Node:
 
 
 def _find_root(spec: Spec, key):
-    for root in spec.roots:
+    for root in spec.roots:  # a param root matches a prefix, never the whole key
         m = root.match(key)
-        if m is None:
-            continue
-        n, caps = m
-        if root.params and n >= len(key):
-            continue
-        return root, n, caps
+        if m is not None and not (root.params and m[0] >= len(key)):
+            return root, *m
     return None
 
 

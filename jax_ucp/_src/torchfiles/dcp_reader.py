@@ -523,13 +523,9 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     if length == 0:
         return np.empty(0, np.uint8)
     try:
-        fd = files.open_regular(str(path))
+        mm = mapped_file.map_file(str(path))  # a regular file only
     except files.UnsafeFileError as e:
         raise SourceError(f"{where}: {e}") from None
-    try:
-        mm = mapped_file.map_file(str(path), fd)
-    finally:
-        os.close(fd)
     if mm is None or len(mm) < offset + length:
         raise SourceError(
             f"{where}: byte range [{offset}, {offset + length}) beyond the file's "

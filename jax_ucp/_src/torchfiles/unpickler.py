@@ -894,15 +894,11 @@ class TorchArchive:
         self.path = os.fspath(path)
         self.lazy_crc = lazy_crc
         try:  # a regular file only: a FIFO or device would block or never end
-            fd = files.open_regular(self.path)
+            mm = mapped_file.map_file(self.path)
         except files.UnsafeFileError as e:
             raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
-        try:
-            mm = mapped_file.map_file(self.path, fd)
-        finally:
-            os.close(fd)
         if mm is None:
             raise TorchFileError(self.path, "file is empty")
         head = mapped_file.read_bytes(mm, 0, min(8, len(mm)), "reading the file's signature")
