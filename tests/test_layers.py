@@ -51,7 +51,6 @@ JAX_FREE = {
     "jax_ucp._src.restoring.engine",
     "jax_ucp._src.restoring.ucp_source",
     "jax_ucp._src.restoring.safetensors_source",
-    "jax_ucp._src.restoring.sources",
     "jax_ucp._src.restoring.inspecting",
     "jax_ucp._src.tree",
     "jax_ucp.exporters",

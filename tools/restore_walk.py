@@ -1,14 +1,16 @@
 """The walk of one parameter through jax_ucp: ``restore(path, mesh=, rules=, target=)`` of a
 one-tensor checkpoint onto a 2x2 mesh (the target's leaf sharded over it), traced, as the sequence of jax_ucp modules control is in.
 
-    python3 tools/restore_walk.py [--show] [--all] [--depth N]
+    python3 tools/restore_walk.py [--show] [--calls | --all] [--depth N]
 
-A *stay* is a run of consecutive calls into functions of one module; a *return* is a stay in a
-module already left before. Counted are the calls into the rooms of the restore pipeline
-(``PIPELINE``: api, tree, restoring/, sharding/), lower layers and other libraries being
-transparent (a callback jax hands back into jax_ucp is a call into its module); ``--all``
-counts every module of jax_ucp and every event, returns into a caller's frame too. Only the
-main thread's Python frames count. Imports and first-call caches
+A module is *entered* when one of its functions is called from another module's frame (a
+module calling its own helpers, comprehensions included, stays where it is); a *stay* is a run
+of consecutive entries into one module; a *return* is a stay in a module already left before.
+Counted are the entries into the rooms of the restore pipeline (``PIPELINE``: api, tree,
+restoring/, sharding/), lower layers and other libraries being transparent (a callback jax
+hands back into jax_ucp enters its module). ``--calls`` counts every call, a module's calls of
+its own functions too; ``--all`` counts every module of jax_ucp and every event, returns into a
+caller's frame too. Only the main thread's Python frames count. Imports and first-call caches
 are kept out by a first, untraced restore. The issue (#39) asks for at most 6 returns.
 """
 
@@ -31,7 +33,7 @@ import jax_ucp
 
 # the rooms a parameter walks through on its way out; lower layers (format, store, the option
 # and error leaves) are transparent, as third-party code is
-PIPELINE = ("api.py", "tree.py", "restoring/", "sharding/")
+PIPELINE = ("_src/api.py", "_src/tree.py", "_src/restoring/", "_src/sharding/")
 PACKAGE = os.path.dirname(os.path.abspath(jax_ucp.__file__))
 
 
@@ -52,12 +54,17 @@ def _depth(frame) -> int:
 
 
 def walk(
-    restore, depth: int, calls: bool, rooms: tuple[str, ...], names: bool = False
+    restore,
+    depth: int,
+    calls: bool,
+    rooms: tuple[str, ...],
+    names: bool = False,
+    entries: bool = True,
 ) -> list[str]:
     """The modules control is in while ``restore()`` runs, each event's (calls, and returns
-    unless ``calls``), counting only jax_ucp frames at most ``depth`` deep (1: ``restore``
-    itself) in modules whose path starts with one of ``rooms`` (all if empty); ``names``: each
-    event as ``module:function``."""
+    unless ``calls``; with ``entries`` only calls from another module), counting only jax_ucp
+    frames at most ``depth`` deep (1: ``restore`` itself) in modules whose path starts with one
+    of ``rooms`` (all if empty); ``names``: each event as ``module:function``."""
     seen: list[str] = []
 
     def profile(frame, event, arg):
@@ -67,6 +74,8 @@ def walk(
             return
         if frame is None or (where := _module(frame)) is None:
             return
+        if entries and event == "call" and frame.f_back and _module(frame.f_back) == where:
+            return  # a module calling its own function: not entered
         if (rooms and not where.startswith(rooms)) or _depth(frame) > depth:
             return
         seen.append(f"{where}:{frame.f_code.co_name}" if names else where)
@@ -111,6 +120,11 @@ def main() -> None:
         "--depth", type=int, default=99, help="count frames at most this deep (1: restore)"
     )
     parser.add_argument(
+        "--calls",
+        action="store_true",
+        help="every call, a module's calls of its own functions too, not only entries",
+    )
+    parser.add_argument(
         "--all",
         action="store_true",
         help="every event (returns into callers too) in every jax_ucp module, not the pipeline's "
@@ -134,14 +148,19 @@ def main() -> None:
             assert out["w"].sharding == placed and np.array_equal(np.asarray(out["w"]), w)
 
         restore()  # imports and caches, untraced
-        path_ = stays(walk(restore, depth, calls, rooms, names=show))
+        entries = not (args.calls or args.all)
+        path_ = stays(walk(restore, depth, calls, rooms, names=show, entries=entries))
     if show:
         for m in path_:
             print(m)
     path_ = [m.partition(" ")[0] for m in path_]
     entered = Counter(path_)
     most = ", ".join(f"{m} {n}" for m, n in entered.most_common(4))
-    print(f"{len(path_)} stays, {returns(path_)} returns to a module already left ({most})")
+    counted = "calls" if args.calls or args.all else "entries"
+    print(
+        f"{len(path_)} stays, {returns(path_)} returns to a module already left, counting "
+        f"{counted} ({most})"
+    )
 
 
 if __name__ == "__main__":

@@ -439,7 +439,7 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         progress: called as ``progress(name, done, total)`` after each tensor.
     """
     from jax_ucp._src import store
-    from jax_ucp._src.restoring import locate, requests
+    from jax_ucp._src.restoring import locate, restore_entry
     from jax_ucp._src.restoring.options import RestoreOptions
 
     manifest = locate.read_consistently(ckpt, store.read_manifest)
@@ -458,7 +458,7 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
             result.not_compared[entry.name] = str(e)[:300]
         else:
             options = RestoreOptions(select=lambda n, name=entry.name: n == name)
-            got = requests.restore_tree(ckpt, options)
+            got = restore_entry.restore_tree(ckpt, options)
             for part in entry.key:
                 got = got[part]
             got = np.asarray(got)

@@ -8,7 +8,7 @@ import pytest
 import jax_ucp
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp._src.restoring import options as restore_options
-from jax_ucp._src.restoring import requests
+from jax_ucp._src.restoring import restore_entry
 from jax_ucp.errors import RequestError
 
 
@@ -60,13 +60,13 @@ def test_rules_given_as_a_generator_are_read_once_and_kept():
 def test_orbax_args_and_the_keywords_reach_the_reader_as_one_object(tmp_path, monkeypatch):
     jax_ucp.save(tmp_path / "c", {"w": np.arange(4, dtype=np.float32), "step": 3})
     seen = []
-    real = requests.restore_tree
+    real = restore_entry.restore_tree
 
     def spy(path, options):
         seen.append(options)
         return real(path, options)
 
-    monkeypatch.setattr(requests, "restore_tree", spy)
+    monkeypatch.setattr(restore_entry, "restore_tree", spy)
     by_keywords = jax_ucp.restore(tmp_path / "c", dtype=np.float16, select="w")
     handler = jax_ucp.UCPCheckpointHandler()
     by_args = handler.restore(tmp_path / "c", args=jax_ucp.UCPRestore(dtype=np.float16, select="w"))

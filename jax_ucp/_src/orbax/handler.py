@@ -24,7 +24,7 @@ from orbax.checkpoint import future as ocp_future
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store, writer
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.restoring import requests
+from jax_ucp._src.restoring import restore_entry
 from jax_ucp._src.restoring.options import RestoreOptions
 from jax_ucp._src.saving import engine
 from jax_ucp._src.saving import plan as save_plan
@@ -119,7 +119,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
                 f"jax_ucp.UCPRestore."
             )
         args = args or UCPRestore(target=item)
-        return requests.restore_tree(str(directory), args.options)
+        return restore_entry.restore_tree(str(directory), args.options)
 
     def metadata(self, directory: epath.Path) -> fmt.Manifest:
         return store.read_manifest(str(directory))

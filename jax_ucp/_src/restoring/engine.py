@@ -151,12 +151,15 @@ class _Reads:
             DEFAULT_MEMORY_BUDGET if memory_budget is None else int(memory_budget)
         )
         self.kept = 0  # bytes of the results so far that stay in host memory (numpy, CPU)
-        self.limit = sharding_lib.host_memory_limit()
+        self.limit = store.host_memory.host_memory_limit()
 
     def source_of(self, found: Available):
-        """``found``'s checked reader (for ``replicated.read_once``)."""
+        """``found``'s checked reader (also ``replicated.read_once``'s): its files verified, its
+        chunks known to fit this host (``TensorSource.check_fits``)."""
         reader = self.source.reader(found)
         self.source.verify(found, reader)
+        if self.limit is not None:
+            self.source.check_fits(found, *self.limit)
         return reader
 
     def check(self, found: Available, pending) -> None:
@@ -166,7 +169,6 @@ class _Reads:
         keeps = pending.result_bytes if pending.on_host else 0
         if self.limit is not None:
             bytes_, what = self.limit
-            self.source.check_fits(found, bytes_, what)
             if pending.host_bytes > bytes_:
                 raise self._memory_error(found, pending, f"exceeds {what} ({format_size(bytes_)})")
             if self.kept + keeps > bytes_:

@@ -1,19 +1,21 @@
 """Where a checkpoint is: a UCP checkpoint directory (or object-store prefix), an Orbax step
 directory holding one UCP item, a CheckpointManager's committed steps; and reading it whole while
-a concurrent forced save swaps it (``read_consistently``). JAX-free.
+a concurrent forced save swaps it (``consistent_reads``). JAX-free.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TypeVar, cast
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, SaveConflictError
 from jax_ucp._src.writer import commit
+
+T = TypeVar("T")
 
 
 def is_ucp(path) -> bool:
@@ -177,9 +179,28 @@ def _find_in_object_store(url: str) -> str:
     raise CheckpointError(f"{url}: holds several UCP items {items}; pass one of them.")
 
 
-def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
+def read_consistently(path, read: Callable[[str], T], *, redo: bool = True) -> T:
     """``read(root)`` of the checkpoint at ``path`` (``find_checkpoint_dir``), or of the one a
-    concurrent forced save swapped in while it ran.
+    concurrent forced save swapped in while it ran (see ``consistent_reads``).
+
+    Args:
+      path: the checkpoint directory, or an Orbax step directory holding one UCP item.
+      read: reads the checkpoint directory it is given.
+      redo: a successful ``read`` during which the directory changed is run again (False for a
+        read with effects, as an export: a success is whole, every shard checked against the
+        manifest's digest).
+    """
+    result = cast(T, None)
+    for attempt in consistent_reads(path, redo=redo):
+        with attempt:
+            result = read(attempt.find())
+    return result
+
+
+def consistent_reads(path, *, redo: bool = True) -> Iterator[Attempt]:
+    """The attempts at reading the checkpoint at ``path`` whole while a concurrent forced save
+    may swap it, as ``for attempt in consistent_reads(p): with attempt: r = read(attempt.find())``
+    (the loop ends after the read that counts; the caller keeps control, no callback).
 
     A forced save commits a new directory beside ``path`` and swaps it in by two renames
     (``writer.commit``); a reader may meanwhile see ``path`` missing, read a manifest from one
@@ -193,33 +214,58 @@ def read_consistently(path, read: Callable[[str], Any], *, redo: bool = True):
 
     Args:
       path: the checkpoint directory, or an Orbax step directory holding one UCP item.
-      read: reads the checkpoint directory it is given.
-      redo: a successful ``read`` during which the directory changed is run again (False for a
-        read with effects, as an export: a success is whole, every shard checked against the
-        manifest's digest).
+      redo: see ``read_consistently``.
     """
     path = os.fspath(path).rstrip("/") or "/"
     error: BaseException | None = None
     for _ in range(_SWAP_RETRIES + 1):
-        around = _swap_state(path)
-        root, stamp = None, None
-        try:
-            root = find_checkpoint_dir(path)
-            stamp = _identity(root)
-            result = read(root)
-        except fmt.UCPError as e:  # the checkpoint's own, unless path or root changed meanwhile
-            moved = root is not None and (stamp is None or _identity(root) != stamp)
-            if _swap_state(path) == around and not moved:
-                raise
-            error = e
-            continue
-        if not redo or root is None or stamp is None or _identity(root) == stamp:
-            return result
+        attempt = Attempt(path, redo)
+        yield attempt
+        if attempt.done:
+            return
+        error = attempt.error or error
     raise SaveConflictError(
         f"{path}: the checkpoint was being replaced by a concurrent save while it was read "
         f"({_SWAP_RETRIES + 1} attempts); nothing is wrong with it: read it again once the save "
         f"finishes."
     ) from error  # what the read met while the directory changed under it
+
+
+class Attempt:
+    """One read of ``consistent_reads``: entered, it notes the swap's names beside ``path``;
+    ``find()`` gives the checkpoint directory; left, it tells an error or a success during
+    which the directory changed (retried: the exception is swallowed) from the checkpoint's own
+    error (raised) and a read that counts (``done``)."""
+
+    def __init__(self, path: str, redo: bool):
+        self.path, self.redo = path, redo
+        self.root: str | None = None
+        self.stamp = None
+        self.done = False
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> Attempt:
+        self.around = _swap_state(self.path)
+        return self
+
+    def find(self) -> str:
+        """The checkpoint directory this attempt reads (``find_checkpoint_dir``)."""
+        self.root = find_checkpoint_dir(self.path)
+        self.stamp = _identity(self.root)
+        return self.root
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        root, stamp = self.root, self.stamp
+        moved = root is not None and (stamp is None or _identity(root) != stamp)
+        if error is None:
+            self.done = not self.redo or root is None or stamp is None or not moved
+            return False
+        if not isinstance(error, fmt.UCPError):
+            return False
+        if _swap_state(self.path) == self.around and not moved:
+            return False  # the checkpoint's own, nothing changed meanwhile
+        self.error = error
+        return True
 
 
 _SWAP_RETRIES = 3

@@ -1,7 +1,6 @@
 """A restore's requests, the JAX part of restoring: one per leaf of a target tree (its
 shardings, an ``AbstractMesh``'s made concrete), or one per tensor ``select`` picks, placed on
-``mesh=`` through the saved PartitionSpecs and logical axes (``rules=``); and ``restore_tree``,
-which runs a restore: the source opened (``sources``), its requests, the read engine.
+``mesh=`` through the saved PartitionSpecs and logical axes (``rules=``).
 """
 
 from __future__ import annotations
@@ -21,49 +20,9 @@ from jax_ucp._src import sharding as sharding_lib
 from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.errors import CheckpointError
 from jax_ucp._src.options import user_stacklevel
-from jax_ucp._src.restoring import engine, sources
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.model import Request, short_repr
 from jax_ucp._src.restoring.options import RestoreOptions
-
-
-def restore_tree(path, options: RestoreOptions):
-    """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all: its
-    source opened (a UCP checkpoint, else safetensors read in place), the requests ``options``
-    make of it, read by the engine.
-
-    A concurrent forced save swaps directories: the restore starts over on the new one
-    (``locate.read_consistently``), so the result is never a mix of two saves nor a false
-    "corrupt".
-
-    Args:
-      path: the checkpoint directory, an Orbax step directory holding one UCP item, or
-        safetensors (a file, or a folder of them).
-      options: what to restore and how (checked when constructed).
-    """
-    return sources.read_source(path, options.spec, lambda opened: restore_from(opened, options))
-
-
-def restore_from(opened: OpenedSource, options: RestoreOptions):
-    """A restore from ``opened``, whatever its source: into ``options.target`` / ``.shardings``,
-    or every tensor (or those ``select`` matches) on ``mesh=`` (saved PartitionSpecs and logical
-    axes through ``rules``) or to host.
-
-    Args:
-      opened: the source and what it holds (``engine.OpenedSource``).
-      options: a restore's options.
-    """
-    wanted = requests_for(opened, options)
-    results = engine.read_from(
-        opened.source,
-        wanted.requests,
-        wanted.available,
-        {v.key: v for v in opened.values},
-        casting=options.casting,
-        memory_budget=options.read_budget,
-        replicated_read=options.replicated_read,
-    )
-    return wanted.assemble(results)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +39,7 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
     result from theirs: the target's structure (flax boxes kept), the saved containers, or the
     tensors nested by key."""
     every, values = opened.available, opened.values
-    if options.has_target:  # one request per leaf, the results in the target's structure
+    if options.target is not None or options.shardings is not None:  # one request per leaf
         if options.rules is not None and options.mesh is not None:
             sharding_lib.check_rules(options.rules, options.mesh)
         reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh)

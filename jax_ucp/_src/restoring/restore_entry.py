@@ -1,16 +1,21 @@
 """``jax_ucp.restore``, importing JAX but not Orbax (a restore reads through TensorStore; only
-saving and Orbax's handlers need Orbax, ~0.5 s more to start)."""
+saving and Orbax's handlers need Orbax, ~0.5 s more to start): the stages in order, each
+entered once: the source located and opened (``locate``, ``ucp_source`` or
+``safetensors_source``) → its requests (``requests``, the JAX part) → the read engine
+(``engine``) → the result's tree."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import warnings
+from typing import Any, cast
 
 from jax_ucp._src.errors import CheckpointError, ResumeWarning
 from jax_ucp._src.options import keywords_of
-from jax_ucp._src.restoring import locate, requests
+from jax_ucp._src.restoring import engine, locate, requests, safetensors_source, ucp_source
 from jax_ucp._src.restoring import options as restore_options
+from jax_ucp._src.restoring.engine import OpenedSource
 
 
 @keywords_of(restore_options.RestoreOptions)
@@ -28,8 +33,54 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
     """
     if options.step is not None:  # a CheckpointManager root: one of its committed steps
         return _restore_step(os.fspath(path), options)
-    # the source opened (a UCP checkpoint first, else safetensors) -> its requests -> the engine
-    return requests.restore_tree(path, options)
+    return restore_tree(path, options)
+
+
+def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
+    """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all: its
+    source opened (a UCP checkpoint, else safetensors read in place), the requests ``options``
+    make of it, read by the engine.
+
+    A concurrent forced save swaps directories: the restore starts over on the new one
+    (``locate.consistent_reads``), so the result is never a mix of two saves nor a false
+    "corrupt".
+
+    Args:
+      path: the checkpoint directory, an Orbax step directory holding one UCP item, or
+        safetensors (a file, or a folder of them).
+      options: what to restore and how (checked when constructed).
+    """
+    if not locate.is_ucp(path) and safetensors_source.is_source(path):  # UCP detected first
+        with safetensors_source.opened_source(path, options.spec) as opened:
+            return restore_from(opened, options)
+    result: Any = None
+    for attempt in locate.consistent_reads(path):
+        with attempt:
+            opened = ucp_source.open_checkpoint(attempt.find(), options.spec)
+            result = restore_from(opened, options)
+    return result
+
+
+def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
+    """A restore from ``opened``, whatever its source: into ``options.target`` / ``.shardings``,
+    or every tensor (or those ``select`` matches) on ``mesh=`` (saved PartitionSpecs and logical
+    axes through ``rules``) or to host.
+
+    Args:
+      opened: the source and what it holds (``engine.OpenedSource``).
+      options: a restore's options.
+    """
+    wanted = requests.requests_for(opened, options)
+    results = engine.read_from(
+        opened.source,
+        wanted.requests,
+        wanted.available,
+        {v.key: v for v in opened.values},
+        casting=options.casting,
+        memory_budget=cast("int | None", options.memory_budget),  # bytes once checked
+        replicated_read=options.replicated_read,
+    )
+    return wanted.assemble(results)
 
 
 def _restore_step(root: str, options: restore_options.RestoreOptions):
@@ -44,14 +95,14 @@ def _restore_step(root: str, options: restore_options.RestoreOptions):
             raise CheckpointError(
                 f"{root}: no committed step {options.step} with a UCP item (committed: {listed})."
             )
-        return requests.restore_tree(chosen[0], plain)
+        return restore_tree(chosen[0], plain)
     if not steps:
         raise CheckpointError(f"{root}: no committed step with a UCP item.")
     why: list[str] = []
     for step, item in steps:
         try:
             locate.check_readable(item)
-            return requests.restore_tree(item, plain)
+            return restore_tree(item, plain)
         except CheckpointError as e:
             if not options.fallback:
                 raise CheckpointError(

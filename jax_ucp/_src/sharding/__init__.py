@@ -13,7 +13,6 @@ _MESH_LAYOUT = "jax_ucp._src.sharding.mesh_layout"
 _LAZY = {
     "PendingArray": _ASSEMBLE,
     "RegionReader": _ASSEMBLE,
-    "host_memory_limit": _ASSEMBLE,
     "ReplicationWarning": _MESH_LAYOUT,
     "check_divisible": _MESH_LAYOUT,
     "check_names": _MESH_LAYOUT,
@@ -27,7 +26,7 @@ _LAZY = {
 }
 
 if TYPE_CHECKING:  # what _LAZY loads at run time, named for type checkers
-    from jax_ucp._src.sharding.assemble import PendingArray, RegionReader, host_memory_limit
+    from jax_ucp._src.sharding.assemble import PendingArray, RegionReader
     from jax_ucp._src.sharding.mesh_layout import (
         ReplicationWarning,
         check_divisible,
@@ -48,7 +47,6 @@ __all__ = [
     "check_names",
     "check_rules",
     "describe",
-    "host_memory_limit",
     "replicated_unasked",
     "replication_warning",
     "sharding_for",

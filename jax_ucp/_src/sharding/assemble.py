@@ -6,10 +6,8 @@ transformed tensor is read slice by slice like a stored one.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
@@ -229,28 +227,6 @@ def _overflow_check(source: np.dtype, target: np.dtype):
 def _is_float(dtype: np.dtype) -> bool:
     """float and complex, numpy's or ml_dtypes' (bfloat16, float8_*)."""
     return dtype.kind in "fc" or (dtype.kind == "V" and "float" in dtype.name)
-
-
-def host_memory_limit() -> tuple[int, str] | None:
-    """(bytes, what limits them): the most this process can allocate, from the host's physical
-    memory and the address-space / data-segment rlimits; None where unknown."""
-    limits = []
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
-        limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
-    try:
-        import resource
-
-        for which, what in (
-            (resource.RLIMIT_AS, "RLIMIT_AS"),
-            (resource.RLIMIT_DATA, "RLIMIT_DATA"),
-        ):
-            soft = resource.getrlimit(which)[0]
-            if soft != resource.RLIM_INFINITY and soft > 0:
-                limits.append((soft, f"the {what} limit"))
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
-        pass
-    limits = [x for x in limits if x[0] > 0]
-    return min(limits) if limits else None
 
 
 def aligned_empty(shape: Sequence[int], dtype) -> np.ndarray:

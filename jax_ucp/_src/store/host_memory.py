@@ -1,5 +1,7 @@
-"""glibc's malloc and the large transient host buffers of a restore (TensorStore's decoded
-chunks, a tensor's part read before it is cut per device).
+"""Host memory during a restore: how much this process may allocate (``host_memory_limit``,
+what the read engine checks a tensor against before allocating it), and glibc's malloc with
+the large transient host buffers of a restore (TensorStore's decoded chunks, a tensor's part
+read before it is cut per device).
 
 glibc serves a buffer under its mmap threshold from an arena, one per thread that allocates
 (TensorStore's read threads), and raises that threshold as larger mapped buffers are freed, up
@@ -97,3 +99,25 @@ def one_malloc_arena() -> Iterator[None]:
     finally:
         if mallopt is not None:
             mallopt(_M_ARENA_MAX, 0)  # glibc's default (from the core count)
+
+
+def host_memory_limit() -> tuple[int, str] | None:
+    """(bytes, what limits them): the most this process can allocate, from the host's physical
+    memory and the address-space / data-segment rlimits; None where unknown."""
+    limits = []
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
+    try:
+        import resource
+
+        for which, what in (
+            (resource.RLIMIT_AS, "RLIMIT_AS"),
+            (resource.RLIMIT_DATA, "RLIMIT_DATA"),
+        ):
+            soft = resource.getrlimit(which)[0]
+            if soft != resource.RLIM_INFINITY and soft > 0:
+                limits.append((soft, f"the {what} limit"))
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        pass
+    limits = [x for x in limits if x[0] > 0]
+    return min(limits) if limits else None
