@@ -168,7 +168,6 @@ def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | No
 MemoryBudget = Annotated[
     str | None,
     typer.Option(
-        "--memory-budget",
         help="bytes of tensor data in flight at once (e.g. 256MiB, 1G; default "
         f"{DEFAULT_MEMORY_BUDGET >> 20}MiB)",
         callback=_size_option,
@@ -330,33 +329,6 @@ def verify(
     )
 
 
-# convert's import options (the fields of the importers' options classes) as flags
-Tag = Annotated[
-    str | None,
-    typer.Option(
-        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
-        "the latest)",
-    ),
-]
-ParameterOrder = Annotated[
-    str | None,
-    typer.Option(
-        "--parameter-order",
-        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
-        "order (one name a line, or a JSON list)",
-    ),
-]
-ModelConfig = Annotated[
-    str | None,
-    typer.Option(
-        "--model-config",
-        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
-        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
-        "without its config.json)",
-    ),
-]
-
-
 @app.command()
 @_user_errors
 def convert(
@@ -372,7 +344,11 @@ def convert(
     vocab_size: int | None = typer.Option(
         None, help="megatron: the original vocab size (strips the padding)"
     ),
-    tag: Tag = None,
+    tag: str | None = typer.Option(
+        None,
+        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
+        "the latest)",
+    ),
     force: bool = typer.Option(False, help="replace DST"),
     step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
     weights_only: bool = typer.Option(
@@ -387,8 +363,17 @@ def convert(
     num_processes: int | None = typer.Option(None, help="processes in it"),
     process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
-    parameter_order: ParameterOrder = None,
-    model_config: ModelConfig = None,
+    parameter_order: str | None = typer.Option(
+        None,
+        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
+        "order (one name a line, or a JSON list)",
+    ),
+    model_config: str | None = typer.Option(
+        None,
+        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
+        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
+        "without its config.json)",
+    ),
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
