@@ -646,10 +646,8 @@ def _print_plan_json(path: str, axes, processes: int, result) -> None:
 def _print_plan_table(shown, grouped: bool) -> None:
     """One row per planned tensor (placement, bytes per device and per process), grouped by
     name pattern past ``layout.GROUP_AT`` rows when ``grouped``."""
-    highest: dict[int, int] = {}  # tensors of one placement share their read bytes
-    for t in shown:
-        if id(t.read_bytes) not in highest:
-            highest[id(t.read_bytes)] = t.read_bytes.highest()
+    placements = {id(t.read_bytes): t.read_bytes for t in shown}  # shared by their tensors
+    highest = {k: r.highest() for k, r in placements.items()}
     reads = [highest[id(t.read_bytes)] for t in shown]
     shape_text, spec_text, human = _cell_texts()
     rows = [
