@@ -125,11 +125,9 @@ def compile_restore_plan(
 ) -> dict[Key, ViewPlan]:
     """Target key -> ViewPlan for every saved tensor.
 
-    ``saved``: saved key (tuple of str) -> ``TensorInfo`` (or anything with ``shape``/``dtype``).
     Keys under a param root are matched against the spec's active restore rules (first match
-    wins) relative to that root; keys outside param roots move with their root (or stay). With
-    ``strict`` (default: ``spec.strict``) a parameter no rule covers, or a required rule that matches
-    nothing, is a ``LanguageError`` naming them; otherwise uncovered keys pass through unchanged.
+    wins) relative to that root; keys outside param roots move with their root (or stay). Not
+    ``strict``, uncovered keys pass through unchanged.
 
     Args:
       spec: a ``Spec``, or what ``load_spec`` takes (a shipped spec's name, a file).
