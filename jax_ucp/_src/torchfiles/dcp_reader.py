@@ -20,6 +20,7 @@ dtype and shape agree with the metadata.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import math
 import os
@@ -625,11 +626,9 @@ def _load_embedded(
     file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
     ``defer_crc`` leaves to the caller. Errors name ``where``."""
     try:
-        arch = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
-        try:
+        embedded = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        with contextlib.closing(embedded) as arch:
             return arch.load(extra_classes), arch.unchecked
-        finally:
-            arch.close()
     except unpickler.TorchFileError as e:
         raise SourceError(f"{where}: {e}") from None
 

@@ -26,6 +26,7 @@ Public API (stable; also used by the Megatron importer): ``load_torch_file``,
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import itertools
 import math
@@ -1208,22 +1209,16 @@ def load_torch_file(
             pickled data).
         verify_crc: check every storage's CRC-32 while loading.
     """
-    arch = TorchArchive(path)
-    try:
+    with contextlib.closing(TorchArchive(path)) as arch:
         if verify_crc:
             arch.verify_crc()
         return arch.load(extra_classes)
-    finally:
-        arch.close()
 
 
 def scan_globals(path: os.PathLike | str) -> set[str]:
     """The ``module.QualName`` globals a torch file's pickle references, found without loading it."""
-    arch = TorchArchive(path)
-    try:
+    with contextlib.closing(TorchArchive(path)) as arch:
         data = arch.read_member(arch.prefix + "data.pkl")
-    finally:
-        arch.close()
     found: set[str] = set()
     strings: list[str] = []
     try:
