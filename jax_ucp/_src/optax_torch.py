@@ -219,26 +219,22 @@ def identify(
             f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
         )
     recorded = modes.pop() if modes else None
-    optim = trainer_args.get("optim")
-    said = None
-    if optim is not None:
-        if optim not in TRAINER_ADAMW:
-            raise RequestError(
-                f"{where}: the Trainer ran optim={optim!r}; translated are "
-                f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
-            )
-        said = "adamw"
+    optim = trainer_args.get("optim")  # when recorded, one of torch's AdamW
+    if optim is not None and optim not in TRAINER_ADAMW:
+        raise RequestError(
+            f"{where}: the Trainer ran optim={optim!r}; translated are "
+            f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
+        )
+    found, how = None, ""
     if recorded is not None:
         found = "adamw" if recorded else "adam"
         how = f"param_groups' decoupled_weight_decay={recorded}"
-        if said is not None and said != found:
+        if optim is not None and found != "adamw":
             raise RequestError(
                 f"{where}: {how} (torch {found}) but the Trainer recorded optim={optim!r}"
             )
-    elif said is not None:
-        found, how = said, f"the Trainer's optim={optim!r}"
-    else:
-        found, how = None, ""
+    elif optim is not None:
+        found, how = "adamw", f"the Trainer's optim={optim!r}"
     if choice is not None and found is not None and choice != found:
         raise RequestError(f"{where}: optimizer={choice!r}, but {how} says {found!r}")
     if found is not None:
