@@ -359,8 +359,7 @@ class Stack(FanIn):
                 f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
                 f"{missing[:8] or 'values below ' + str(idx[0])}"
             )
-        by = {int(x): x for x in labels}
-        return [by[i] for i in range(len(idx))]
+        return sorted(labels, key=int)
 
     def combine(self, parts, env):
         return views.stack(parts, self._int(self.axis, env))

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import math
 import os
 import posixpath
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -255,7 +255,9 @@ class DcpCheckpoint:
             jobs.append((c, out[(*sl, Ellipsis)], skip))  # a view, also when 0-d
         if len(jobs) > 1 and out.nbytes >= PARALLEL_BYTES:
             # preadv and the CRC release the GIL: the chunks (one per rank) are read at once
-            futures = [_pool().submit(self._read_chunk_into, t, c, r, k) for c, r, k in jobs]
+            futures = [
+                _pool(os.getpid()).submit(self._read_chunk_into, t, c, r, k) for c, r, k in jobs
+            ]
             concurrent.futures.wait(futures)
             for f in futures:
                 f.result()
@@ -551,20 +553,13 @@ def _check_chunk(arr: Any, t: DcpTensor, c: DcpChunk, where: str) -> None:
 
 #: Tensors at least this large have their chunks read by :func:`_pool`'s threads at once.
 PARALLEL_BYTES = 4 << 20
-_POOL: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by process id
-_POOL_LOCK = threading.Lock()
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The reading threads of this process (a forked child has none of its parent's: it gets
+@functools.cache
+def _pool(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The reading threads of process ``pid`` (a forked child has none of its parent's: it gets
     its own pool, or work queued to the inherited one would never run)."""
-    with _POOL_LOCK:
-        pool = _POOL.get(os.getpid())
-        if pool is None:
-            _POOL.clear()
-            workers = max(2, min(4, os.cpu_count() or 1))
-            pool = _POOL[os.getpid()] = concurrent.futures.ThreadPoolExecutor(workers, "dcp-read")
-        return pool
+    return concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1)), "dcp-read")
 
 
 def _address(arr: np.ndarray) -> int:
