@@ -354,15 +354,13 @@ def _rebuild_tensor(
         )
     flat = storage.raw[: n_elems * dt.itemsize].view(dt)
     if strides == tuple(math.prod(shape[i + 1 :]) for i in range(len(shape))) or numel == 1:
-        out = flat[storage_offset : storage_offset + numel].reshape(shape)
-    else:
-        out = np.lib.stride_tricks.as_strided(
-            flat[storage_offset:],
-            shape=shape,
-            strides=tuple(s * dt.itemsize for s in strides),
-            writeable=False,
-        )
-    return out
+        return flat[storage_offset : storage_offset + numel].reshape(shape)
+    return np.lib.stride_tricks.as_strided(
+        flat[storage_offset:],
+        shape=shape,
+        strides=tuple(s * dt.itemsize for s in strides),
+        writeable=False,
+    )
 
 
 def _rebuild_tensor_v2(
