@@ -41,25 +41,11 @@ class _NumpyBackend:
         # a view of a memory-mapped file is read with pread, never through the mapping
         return mapped_file.read_out(np.asarray(x), "reading a fragment")
 
-    @staticmethod
-    def shape(x):
-        return tuple(x.shape)
-
-    @staticmethod
-    def concat(xs, axis):
-        return xs[0] if len(xs) == 1 else np.concatenate(xs, axis=axis)
-
-    @staticmethod
-    def stack(xs, axis):
-        return np.stack(xs, axis=axis)
-
-    @staticmethod
-    def take(x, axis, i):
-        return x[(slice(None),) * axis + (i,)]
-
-    @staticmethod
-    def slice(x, axis, a, b):
-        return x[(slice(None),) * axis + (slice(a, b),)]
+    shape = staticmethod(lambda x: tuple(x.shape))
+    concat = staticmethod(lambda xs, axis: xs[0] if len(xs) == 1 else np.concatenate(xs, axis))
+    stack = staticmethod(np.stack)
+    take = staticmethod(lambda x, axis, i: x[(slice(None),) * axis + (i,)])  # views, no copy
+    slice = staticmethod(lambda x, axis, a, b: x[(slice(None),) * axis + (slice(a, b),)])
 
 
 class _LazyBackend:
