@@ -97,15 +97,14 @@ SCHEDULE_KWARGS = {"cosine": ("num_cycles",)}
 def hf_schedule(
     kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
 ) -> Callable[[Any], Any]:
-    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``
-    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``).
+    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``.
 
     Args:
         kind: transformers' scheduler name (``linear``, ``cosine``, ...).
         base_lr: the groups' learning rate.
         warmup: warm-up steps.
         total: the run's total optimizer steps.
-        num_cycles: the cosine's cycles.
+        num_cycles: the cosine's cycles (transformers' ``lr_scheduler_kwargs``).
     """
     import jax.numpy as jnp
 

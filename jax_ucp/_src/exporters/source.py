@@ -119,9 +119,8 @@ class Selection:
 
 
 def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
-    """The tensors (and with ``with_values`` the saved values) under ``options.select``, named by
-    their key path below it joined with ``.``; each output dtype checked by ``check_dtype(name,
-    dtype)`` and each cast by the casting rule before anything is written.
+    """The tensors (and saved values) under ``options.select``, named by their key path below it
+    joined with ``.``; every dtype and cast checked before anything is written.
 
     Args:
         root: the UCP checkpoint directory.

@@ -45,10 +45,7 @@ def parse_plain_form(
     convert: Callable[[str, Any], Any],
 ) -> tuple[type, dict]:
     """(class, keyword arguments) from ``"name"`` or ``{<tag> = "name", param = value, ...}``.
-
-    ``registry`` maps names to dataclasses; ``convert(parameter, value)`` turns a plain value into
-    the field's value. Unknown names and parameters are errors that list what is known, prefixed
-    with ``where``.
+    Unknown names and parameters are errors that list what is known.
 
     Args:
         obj: the plain value: a name, or a table with ``tag`` and parameters

@@ -468,10 +468,8 @@ def spec_from_dict(
     table_lines: Mapping[str, Sequence[int]] | None = None,
 ) -> Spec:
     """A ``Spec`` from its dict form (a parsed TOML file): top-level ``name``, ``description``,
-    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``.
-
-    ``settings`` override the dict's. Errors name ``source``, the table and its number, and its
-    line when ``table_lines`` gives the line of each ``[[import]]``/``[[restore]]``/``[[roots]]``.
+    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``. Errors name
+    ``source``, the table and its number, and its line when ``table_lines`` gives it.
 
     Args:
         d: the spec's dict form
