@@ -27,6 +27,7 @@ from jax_ucp._src.language.spec import Spec, check_strict, describe_rule
 from jax_ucp._src.language.toml_io import load_spec
 
 Key = tuple
+_Targets = dict[Key, tuple["ViewPlan", str]]  # the plans by target key, with what made each
 
 
 @dataclass(frozen=True)
@@ -139,7 +140,7 @@ def compile_restore_plan(
     rules = spec.active_restore()
     # a spec without restore rules (e.g. import-only) leaves every tensor as it is (roots still move)
     strict = (spec.strict if strict is None else strict) and bool(rules)
-    targets = _Targets()
+    targets: _Targets = {}
     per_rule, uncovered = _assign(spec, rules, saved, targets)
     if strict:
         uncovered_names = ["/".join(u[0]) for u in uncovered]
@@ -147,28 +148,21 @@ def compile_restore_plan(
             spec.name, "restore", uncovered_names, rules, [i for i in per_rule if per_rule[i]]
         )
     for key, info, tprefix, rel in uncovered:
-        targets.put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
+        _put(targets, tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
     for i, r in rules:
         if per_rule[i]:
             _emit_rule(r, i, per_rule[i], spec.env, targets)
-    return targets.plans
+    return {k: plan for k, (plan, _) in targets.items()}
 
 
-class _Targets:
-    """The plans by target key; a key two tensors map to is an error naming both."""
-
-    def __init__(self):
-        self.plans: dict[Key, ViewPlan] = {}
-        self._origin: dict[Key, str] = {}
-
-    def put(self, tkey, plan: ViewPlan, what: str) -> None:
-        tkey = tuple(tkey)
-        if tkey in self.plans:
-            raise LanguageError(
-                f"restore plan: {what} and {self._origin[tkey]} both map to {'/'.join(tkey)}"
-            )
-        self.plans[tkey] = plan
-        self._origin[tkey] = what
+def _put(targets: _Targets, tkey, plan: ViewPlan, what: str) -> None:
+    """``plan`` (made from ``what``) at ``tkey``; a key two tensors map to is an error naming both."""
+    tkey = tuple(tkey)
+    if tkey in targets:
+        raise LanguageError(
+            f"restore plan: {what} and {targets[tkey][1]} both map to {'/'.join(tkey)}"
+        )
+    targets[tkey] = (plan, what)
 
 
 def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
@@ -185,13 +179,13 @@ def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
         info = _tensor_info(info)
         found = _find_root(spec, key)
         if found is None:
-            targets.put(key, _identity(key, info), "/".join(key))
+            _put(targets, key, _identity(key, info), "/".join(key))
             continue
         root, n, caps = found
         tprefix = root.target_prefix(key, n, caps, spec.env)
         if not root.params:
             plan = _identity(key, info, f"root {root.source!r}")
-            targets.put(tprefix + key[n:], plan, "/".join(key))
+            _put(targets, tprefix + key[n:], plan, "/".join(key))
             continue
         rel = "/".join(key[n:])
         matched = _match_rule(rules, rel)
@@ -248,7 +242,7 @@ def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
             node.ops,
             r.axes,
         )
-        targets.put(tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
+        _put(targets, tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
 
 
 def _apply_op(op, entries, env0, what):

@@ -451,9 +451,7 @@ def root_from_dict(obj: Mapping, where: str) -> Root:
         raise LanguageError(
             f"{where}: needs 'source' (and optional 'target', 'params'); unknown {sorted(unknown)}"
         )
-    return Root(
-        source=obj["source"], target=obj.get("target"), params=bool(obj.get("params", True))
-    )
+    return Root(**{**obj, "params": bool(obj.get("params", True))})
 
 
 _TOP_LEVEL_KEYS = {"name", "description", "strict", "settings", "roots", "import", "restore"}
