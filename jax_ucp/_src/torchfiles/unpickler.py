@@ -830,9 +830,7 @@ def restricted_loads(
         extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
         persistent_load: resolves persistent ids (torch's storages).
     """
-    allowed = dict(BASE_ALLOWED)
-    if extra_classes:
-        allowed.update(extra_classes)
+    allowed = {**BASE_ALLOWED, **(extra_classes or {})}
     up = _RestrictedUnpickler(data, where, allowed, persistent_load)
     try:
         obj = up.load()
