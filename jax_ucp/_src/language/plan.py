@@ -328,23 +328,15 @@ def flatten_nested(tree: Mapping) -> dict[Key, Any]:
     return _flat(tree, into_sequences=False)
 
 
-def _flat(tree, into_sequences: bool) -> dict[Key, Any]:
+def _flat(tree, into_sequences: bool, prefix: Key = ()) -> dict[Key, Any]:
     """{key tuple: leaf} of nested mappings (and lists/tuples if ``into_sequences``)."""
-    out = {}
-
-    def rec(prefix, x):
-        if isinstance(x, Mapping):
-            items = x.items()
-        elif into_sequences and isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
-            items = enumerate(x)
-        else:
-            out[prefix] = x
-            return
-        for k, v in items:
-            rec(prefix + (str(k),), v)
-
-    rec((), tree)
-    return out
+    if isinstance(tree, Mapping):
+        items = tree.items()
+    elif into_sequences and isinstance(tree, (list, tuple)) and not hasattr(tree, "shape"):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    return {k: v for i, x in items for k, v in _flat(x, into_sequences, (*prefix, str(i))).items()}
 
 
 def unflatten_nested(flat: Mapping[Key, Any]) -> dict:

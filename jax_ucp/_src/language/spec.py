@@ -311,9 +311,8 @@ class Spec:
         for i, r in self.active_imports():
             m = r.fullmatch(name)
             if m:
-                loc = dict(env)
-                loc.update({str(j + 1): g for j, g in enumerate(m.groups()) if g is not None})
-                loc.update({k: v for k, v in m.groupdict().items() if v is not None})
+                groups = {str(j + 1): g for j, g in enumerate(m.groups())} | m.groupdict()
+                loc = {**env, **{k: v for k, v in groups.items() if v is not None}}
                 return ImportMatch(r, i, r.kind.resolve(loc, lenient=True), loc)
         return None
 
