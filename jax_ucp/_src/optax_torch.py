@@ -422,12 +422,9 @@ def optax_from_torch(
         parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
         notes.append(f"gradients clipped to global norm {max_norm}")
     decay = _weight_decay(ckpt, spec, params, (rate, decayed), kind, notes, where)
-    if decay is not None and kind == "adam":  # torch Adam: grad + wd * param, then the moments
-        parts.append(decay)
-    parts.append(optax.scale_by_adam(b1, b2, eps))
-    if decay is not None and kind == "adamw":
-        parts.append(decay)
-    parts.append(optax.scale_by_learning_rate(schedule))
+    adam = optax.scale_by_adam(b1, b2, eps)  # torch Adam: grad + wd * param, then the moments
+    chain = [decay, adam] if kind == "adam" else [adam, decay]
+    parts += [p for p in chain if p is not None] + [optax.scale_by_learning_rate(schedule)]
     if unrecovered:
         notes.extend(f"not recovered: {u}" for u in unrecovered)
         warnings.warn(
