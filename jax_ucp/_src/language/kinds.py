@@ -26,8 +26,6 @@ from jax_ucp._src.language import views
 from jax_ucp._src.language.plain_form import parse_plain_form, plain_fields
 from jax_ucp._src.language.settings import derived, eval_int, padded_vocab_size
 
-# ------------------------------------------------------------------------------ array backends
-
 
 class _NumpyBackend:
     """Kinds merge through a backend: this one computes numpy arrays (reads TensorStore inputs)."""
@@ -113,9 +111,6 @@ def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | Non
             idx = np.unravel_index(i, a.shape)
             return f"first difference at index {tuple(int(j) for j in idx)}: {fb[i - s]!r} vs {fa[i - s]!r}"
     return None
-
-
-# ------------------------------------------------------------------------------------ kinds
 
 
 #: the kinds of this module by TOML name (each registers itself when defined)
@@ -690,9 +685,6 @@ def kind_from_obj(obj, *, where: str = "") -> Kind:
         return cls(**kw)
     except LanguageError as e:
         raise LanguageError(f"{where}{e}") from None
-
-
-# ------------------------------------------------------------------------------ module API
 
 
 def _resolved_kind(kind, settings, name):

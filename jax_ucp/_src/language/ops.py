@@ -132,9 +132,6 @@ class FanIn(Op):
         raise NotImplementedError
 
 
-# ----------------------------------------------------------------------------------- map ops
-
-
 @dataclass(frozen=True)
 class Transpose(Op):
     """numpy.transpose; default reverses axes (torch [out, in] <-> flax [in, out])."""
@@ -270,9 +267,6 @@ class Pad(Op):
         return views.pad_axis(tensor, a, size)
 
 
-# ------------------------------------------------------------------------------- fan-out ops
-
-
 @dataclass(frozen=True)
 class Unstack(FanOut):
     r"""[L, ...] -> L tensors; the index becomes variable ``var`` (default ``i``).
@@ -330,9 +324,6 @@ class SplitQKV(FanOut):
     def _pieces(self, tensor, env):
         args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
         return views.split_qkv(tensor, *args, interleaved=self.interleaved)
-
-
-# -------------------------------------------------------------------------------- fan-in ops
 
 
 @dataclass(frozen=True)

@@ -314,9 +314,6 @@ def _with_context(thunk, op, what, inst, rel):
         raise LanguageError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
 
 
-# ------------------------------------------------------------------------------- helpers
-
-
 def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
     """Flat {key tuple: TensorInfo} from a nested dict of arrays (tests, in-memory use)."""
     leaves = _flat(tree_or_arrays, into_sequences=True)

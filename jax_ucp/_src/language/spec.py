@@ -376,9 +376,6 @@ def check_strict(
         raise LanguageError(f"spec {spec_name!r}: " + "; ".join(problems))
 
 
-# ------------------------------------------------------------------------------- dict form
-
-
 def _from_dicts(items, from_dict: Callable[[Mapping, str], Any], what: str) -> tuple:
     """Rules / roots as objects: mappings (the dict form) are parsed, numbered from 1 in errors."""
     return tuple(

@@ -120,9 +120,6 @@ def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | Non
     return spec_from_dict(d, source=source, settings=settings, table_lines=lines)
 
 
-# ---------------------------------------------------------------------------------- dumping
-
-
 def _plain(v: Any, where: str) -> Any:
     """``v`` as what TOML holds: tuples as lists, None left out (TOML has no null)."""
     if isinstance(v, Mapping):
@@ -145,9 +142,6 @@ def spec_to_toml(spec: Spec) -> str:
 def dump_spec(spec: Spec, path: str | os.PathLike) -> None:
     """Write ``spec`` to a TOML file."""
     Path(path).write_text(spec_to_toml(spec))
-
-
-# ---------------------------------------------------------------------------------- shipped
 
 
 def list_specs() -> list[str]:

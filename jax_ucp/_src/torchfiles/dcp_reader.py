@@ -211,7 +211,6 @@ class DcpCheckpoint:
             check_coverage(self.tensors[name], self.path / ".metadata")
             self._covered.add(name)
 
-    # -------------------------------------------------------------- reading one tensor
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
         """The tensor's global array, assembled from its chunks (checked first).
 

@@ -220,9 +220,6 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
         stack.extend((k, None) for k in inner if id(k) not in size)
 
 
-# --------------------------------------------------------------------------- stand-ins
-
-
 class StandIn:
     """Inert stand-in for a pickled Python object: keeps the pickled args and state as data.
 
@@ -643,8 +640,6 @@ def _numpy_classes() -> dict[str, Any]:
 #: numbers in its arguments) as inert stand-ins, for files saved beside the weights.
 NUMPY_CLASSES: Mapping[str, Any] = _numpy_classes()
 
-
-# --------------------------------------------------------------------------- unpickler
 
 _op = {op.name: op.code.encode("latin1")[0] for op in pickletools.opcodes}
 
