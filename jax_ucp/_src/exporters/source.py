@@ -132,10 +132,12 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     spec = options.spec
     if isinstance(spec, (str, os.PathLike)):
         from jax_ucp._src import language
+        from jax_ucp._src.language.settings import hf_head_settings
 
         config = getattr(options, "config", None)  # safetensors: the config.json written beside
-        settings = {} if config is None else hf_head_settings(read_config(config))
-        spec = language.load_spec(spec, **settings)
+        config = {} if config is None else read_config(config)  # its head settings, if it has
+        heads = "num_attention_heads" in config
+        spec = language.load_spec(spec, **(hf_head_settings(config, "config") if heads else {}))
     available = ucp_source.available_tensors(manifest, spec)
     prefix = tuple(p for p in (options.prefix or "").split("/") if p)
     chosen, values, skipped, seen = [], [], [], {}
@@ -225,12 +227,3 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
     if not isinstance(loaded, dict):
         raise RequestError(f"config {config}: a config.json holds a JSON object")
     return loaded
-
-
-def hf_head_settings(config: Mapping[str, Any]) -> dict[str, int]:
-    """The head settings of a Hugging Face config (those it holds), for a spec given by name."""
-    from jax_ucp._src.language.settings import hf_head_settings as settings_of
-
-    if "num_attention_heads" not in config:
-        return {}
-    return settings_of(config, "config")
