@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import pickle
 import re
@@ -192,15 +193,13 @@ def _hf_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
 
 
 def _safetensors_tensor(path: str, name: str) -> np.ndarray:
+    from safetensors import safe_open
+
     try:
         import torch  # pyright: ignore[reportMissingImports]  # noqa: F401
     except ImportError:
-        from safetensors import safe_open
-
         with safe_open(path, "np") as f:
             return f.get_tensor(name)
-    from safetensors import safe_open
-
     with safe_open(path, "pt") as f:
         return _torch_to_numpy(f.get_tensor(name))
 
@@ -295,13 +294,6 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
     return {"folder": folder}
 
 
-def _clear_deepspeed() -> None:
-    for key, value in _DEEPSPEED.items():
-        if key.startswith("ds_to_universal:"):
-            shutil.rmtree(value["folder"], ignore_errors=True)
-    _DEEPSPEED.clear()
-
-
 def _zero_to_fp32(src: str) -> dict[str, Any]:
     from deepspeed.utils.zero_to_fp32 import (  # pyright: ignore[reportMissingImports]
         get_fp32_state_dict_from_zero_checkpoint,
@@ -348,16 +340,10 @@ def _torch_file_tensor(path: str, name: str) -> np.ndarray:
 
 
 def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if isinstance(node, dict):
-        for k, v in node.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-    elif isinstance(node, list | tuple):
-        for i, v in enumerate(node):
-            out.update(_flatten(v, f"{prefix}{i}."))
-    elif hasattr(node, "shape"):
-        out[prefix[:-1]] = node
-    return out
+    if isinstance(node, dict | list | tuple):
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        return {n: t for k, v in items for n, t in _flatten(v, f"{prefix}{k}.").items()}
+    return {prefix[:-1]: node} if hasattr(node, "shape") else {}
 
 
 def _dcp_folder_holding(src: str, key: str) -> str:
@@ -372,13 +358,9 @@ def _dcp_folder_holding(src: str, key: str) -> str:
     raise SourceError(f"{src}: no torch DCP folder in it holds {key!r}")
 
 
-_DCP_KEYS: dict[str, set[str]] = {}
-
-
+@functools.cache
 def _dcp_keys(folder: str) -> set[str]:
-    if folder not in _DCP_KEYS:
-        _DCP_KEYS[folder] = set(dcp_reader(folder).read_metadata().state_dict_metadata)
-    return _DCP_KEYS[folder]
+    return set(dcp_reader(folder).read_metadata().state_dict_metadata)
 
 
 #: OLMo-core's RemoteFileSystemWriter pickles its own ``_StorageInfo`` (torch's fields:
@@ -493,6 +475,9 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         if progress is not None:
             progress(entry.name, done, total)
     _TORCH_FILES.clear()
-    _DCP_KEYS.clear()
-    _clear_deepspeed()
+    _dcp_keys.cache_clear()
+    for key, value in _DEEPSPEED.items():
+        if key.startswith("ds_to_universal:"):
+            shutil.rmtree(value["folder"], ignore_errors=True)
+    _DEEPSPEED.clear()
     return result

@@ -221,6 +221,7 @@ def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray, tree: str) -> np
     """The logits ``TransformerLM(cfg)`` computes for ``tokens`` from the checkpoint's model
     weights (``tree``, :func:`_model_tree`), restored through ``hf_llama`` alone: no optimizer
     state is read."""
+    import jax
     import jax.numpy as jnp
 
     from jax_ucp._src.language import load_spec
@@ -228,14 +229,7 @@ def _checkpoint_logits(ckpt: str, cfg: Any, tokens: np.ndarray, tree: str) -> np
     from jax_ucp._src.restoring.restore_entry import restore
 
     spec = load_spec("hf_llama", **cfg.head_settings)
-    params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]
-    params = {"params": _as_f32(params)}
+    params = restore(ckpt, spec=spec, select=rf"{tree}/.*")[tree]  # as fp32, like the torch side
+    params = {"params": jax.tree.map(lambda a: np.asarray(a).astype(np.float32), params)}
     logits = TransformerLM(cfg).apply(params, jnp.asarray(tokens, jnp.int32))
     return np.asarray(logits, np.float32)
-
-
-def _as_f32(node: Any) -> Any:
-    """The restored tree as fp32 arrays (bf16 weights widen exactly), as the torch side runs."""
-    if isinstance(node, dict):
-        return {k: _as_f32(v) for k, v in node.items()}
-    return np.asarray(node).astype(np.float32)

@@ -97,15 +97,14 @@ SCHEDULE_KWARGS = {"cosine": ("num_cycles",)}
 def hf_schedule(
     kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
 ) -> Callable[[Any], Any]:
-    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``
-    (``num_cycles``: the cosine's, transformers' ``lr_scheduler_kwargs``).
+    """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``.
 
     Args:
         kind: transformers' scheduler name (``linear``, ``cosine``, ...).
         base_lr: the groups' learning rate.
         warmup: warm-up steps.
         total: the run's total optimizer steps.
-        num_cycles: the cosine's cycles.
+        num_cycles: the cosine's cycles (transformers' ``lr_scheduler_kwargs``).
     """
     import jax.numpy as jnp
 
@@ -172,9 +171,8 @@ def check_groups(groups: list, where: str) -> None:
         for key in ("lr", "betas", "eps"):
             if key not in g:
                 raise RequestError(f"{where}: {at} has no {key!r}")
-        _number(g["lr"], f"{at}.lr", where)
-        _number(g["eps"], f"{at}.eps", where)
-        _number(g.get("weight_decay", 0.0), f"{at}.weight_decay", where)
+        for key in ("lr", "eps", "weight_decay"):
+            _number(g.get(key, 0.0), f"{at}.{key}", where)
         betas = g["betas"]
         if not isinstance(betas, list | tuple) or len(betas) != 2:
             raise RequestError(
@@ -220,26 +218,22 @@ def identify(
             f"{where}: the parameter groups disagree on decoupled_weight_decay: {modes}"
         )
     recorded = modes.pop() if modes else None
-    optim = trainer_args.get("optim")
-    said = None
-    if optim is not None:
-        if optim not in TRAINER_ADAMW:
-            raise RequestError(
-                f"{where}: the Trainer ran optim={optim!r}; translated are "
-                f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
-            )
-        said = "adamw"
+    optim = trainer_args.get("optim")  # when recorded, one of torch's AdamW
+    if optim is not None and optim not in TRAINER_ADAMW:
+        raise RequestError(
+            f"{where}: the Trainer ran optim={optim!r}; translated are "
+            f"{', '.join(TRAINER_ADAMW)} (torch's AdamW)"
+        )
+    found, how = None, ""
     if recorded is not None:
         found = "adamw" if recorded else "adam"
         how = f"param_groups' decoupled_weight_decay={recorded}"
-        if said is not None and said != found:
+        if optim is not None and found != "adamw":
             raise RequestError(
                 f"{where}: {how} (torch {found}) but the Trainer recorded optim={optim!r}"
             )
-    elif said is not None:
-        found, how = said, f"the Trainer's optim={optim!r}"
-    else:
-        found, how = None, ""
+    elif optim is not None:
+        found, how = "adamw", f"the Trainer's optim={optim!r}"
     if choice is not None and found is not None and choice != found:
         raise RequestError(f"{where}: optimizer={choice!r}, but {how} says {found!r}")
     if found is not None:
@@ -372,14 +366,6 @@ def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
     )
 
 
-def _adam_state(opt: dict, where: str) -> tuple[Any, Any]:
-    """mu and nu wherever the restore put them (``opt_state/mu`` or a spec's ``opt_state/0/mu``)."""
-    for node in (opt, *[v for v in opt.values() if isinstance(v, dict)]):
-        if "mu" in node and "nu" in node:
-            return node["mu"], node["nu"]
-    raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
-
-
 def optax_from_torch(
     ckpt, *, spec: Any = None, optimizer: str | None = None, options: Any = None
 ) -> TorchOptimizer:
@@ -436,12 +422,9 @@ def optax_from_torch(
         parts.append(optax.clip_by_global_norm(_number(max_norm, "max_grad_norm", where)))
         notes.append(f"gradients clipped to global norm {max_norm}")
     decay = _weight_decay(ckpt, spec, params, (rate, decayed), kind, notes, where)
-    if decay is not None and kind == "adam":  # torch Adam: grad + wd * param, then the moments
-        parts.append(decay)
-    parts.append(optax.scale_by_adam(b1, b2, eps))
-    if decay is not None and kind == "adamw":
-        parts.append(decay)
-    parts.append(optax.scale_by_learning_rate(schedule))
+    adam = optax.scale_by_adam(b1, b2, eps)  # torch Adam: grad + wd * param, then the moments
+    chain = [decay, adam] if kind == "adam" else [adam, decay]
+    parts += [p for p in chain if p is not None] + [optax.scale_by_learning_rate(schedule)]
     if unrecovered:
         notes.extend(f"not recovered: {u}" for u in unrecovered)
         warnings.warn(
@@ -463,7 +446,11 @@ def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any,
     tree = restore(ckpt, **_restore_keywords(options, spec, where))
     if "opt_state" not in tree:
         raise RequestError(f"{where}: the checkpoint holds no optimizer state")
-    mu, nu = _adam_state(tree["opt_state"], where)
+    opt = tree["opt_state"]  # mu and nu at opt_state/mu, or a spec's opt_state/0/mu
+    nodes = [n for n in (opt, *opt.values()) if isinstance(n, dict) and {"mu", "nu"} <= set(n)]
+    if not nodes:
+        raise RequestError(f"{where}: no Adam moments (mu, nu) in the checkpoint's opt_state")
+    mu, nu = nodes[0]["mu"], nodes[0]["nu"]
     counts = [v for k, v in _walk(tree["opt_state"]) if k == "count"]
     if len(counts) != 1:
         raise RequestError(f"{where}: expected one step count in opt_state, found {counts}")

@@ -114,18 +114,6 @@ def _os_error_text(e: OSError) -> str:
     return str(e)
 
 
-def _by_the_tensor(fn):
-    """``fn`` run with the cyclic GC paused: it makes rows by the tensor (100 000 and more) and
-    drops none, so each collection would walk them all for nothing."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with bulk.cyclic_gc_paused():
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
 def _user_errors(fn):
     """Bad input (missing files, corrupt checkpoints, refused overwrites, a full disk: a
     ``UCPError``, an ``OSError``, or a TensorStore error about the files that no layer wrapped)
@@ -180,7 +168,6 @@ def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | No
 MemoryBudget = Annotated[
     str | None,
     typer.Option(
-        "--memory-budget",
         help="bytes of tensor data in flight at once (e.g. 256MiB, 1G; default "
         f"{DEFAULT_MEMORY_BUDGET >> 20}MiB)",
         callback=_size_option,
@@ -211,7 +198,7 @@ def _bar(what: str, transient: bool = False):
 
 @app.command()
 @_user_errors
-@_by_the_tensor
+@bulk.cyclic_gc_paused()  # rows by the tensor, 100 000 and more, none dropped
 def inspect(
     path: str,
     limit: int = typer.Option(0, help="show only the first N entries (0: all)"),
@@ -269,13 +256,8 @@ def inspect(
         ]
         header = ["name", "shape", "dtype", "size", "role", "saved spec", "logical axes"]
         optional = ("saved spec", "logical axes", "dtype", "size", "role")  # role goes first
-        if len(rows) > layout.GROUP_AT and not every and limit <= 0:
-            names = [e.name for e in tensors]
-            rows = layout.grouped(names, rows, {3: [e.nbytes for e in tensors]})
-            output.say(
-                f"{len(tensors)} tensors in {len(rows)} name patterns (digits as *; --all lists "
-                f"each, --json gives every row)"
-            )
+        if not every and limit <= 0:
+            rows = _grouped([e.name for e in tensors], rows, {3: [e.nbytes for e in tensors]})
         output.table(layout.table(header, rows, right=("size",), optional=optional))
     if values:
         if tensors:
@@ -347,33 +329,6 @@ def verify(
     )
 
 
-# convert's import options (the fields of the importers' options classes) as flags
-Tag = Annotated[
-    str | None,
-    typer.Option(
-        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
-        "the latest)",
-    ),
-]
-ParameterOrder = Annotated[
-    str | None,
-    typer.Option(
-        "--parameter-order",
-        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
-        "order (one name a line, or a JSON list)",
-    ),
-]
-ModelConfig = Annotated[
-    str | None,
-    typer.Option(
-        "--model-config",
-        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
-        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
-        "without its config.json)",
-    ),
-]
-
-
 @app.command()
 @_user_errors
 def convert(
@@ -389,7 +344,11 @@ def convert(
     vocab_size: int | None = typer.Option(
         None, help="megatron: the original vocab size (strips the padding)"
     ),
-    tag: Tag = None,
+    tag: str | None = typer.Option(
+        None,
+        help="deepspeed: the tag folder; orbax: the step of a CheckpointManager dir (default: "
+        "the latest)",
+    ),
     force: bool = typer.Option(False, help="replace DST"),
     step: int | None = typer.Option(None, help="write as step N of a CheckpointManager dir"),
     weights_only: bool = typer.Option(
@@ -404,8 +363,17 @@ def convert(
     num_processes: int | None = typer.Option(None, help="processes in it"),
     process_id: int | None = typer.Option(None, help="this process's index"),
     memory_budget: MemoryBudget = None,
-    parameter_order: ParameterOrder = None,
-    model_config: ModelConfig = None,
+    parameter_order: str | None = typer.Option(
+        None,
+        help="torch: a file naming the parameters an index-keyed optimizer numbers, in torch's "
+        "order (one name a line, or a JSON list)",
+    ),
+    model_config: str | None = typer.Option(
+        None,
+        help="torch: the model's Hugging Face config.json, to rebuild an index-keyed "
+        "optimizer's parameter order (an Accelerate save_state folder, a Trainer checkpoint "
+        "without its config.json)",
+    ),
 ):
     """Import another framework's checkpoint as a UCP checkpoint: DeepSpeed (ZeRO 1/2/3,
     TP/PP, universal), Megatron (torch_dist, legacy, Bridge), Orbax, Hugging Face safetensors,
@@ -559,6 +527,18 @@ def _cell_texts():
     )
 
 
+def _grouped(names: list[str], rows: list, sums: dict[int, list[int]]) -> list:
+    """``rows`` grouped by name pattern (``layout.grouped``) past ``layout.GROUP_AT`` of them."""
+    if len(rows) <= layout.GROUP_AT:
+        return rows
+    out = layout.grouped(names, rows, sums)
+    output.say(
+        f"{len(rows)} tensors in {len(out)} name patterns (digits as *; --all lists each, "
+        f"--json gives every row)"
+    )
+    return out
+
+
 def _padded(spec, ndim: int) -> tuple:
     spec = tuple(spec or ())
     return spec + (None,) * (ndim - len(spec))
@@ -581,7 +561,7 @@ def _per_process(reads) -> str:
 
 @app.command()
 @_user_errors
-@_by_the_tensor
+@bulk.cyclic_gc_paused()  # rows by the tensor, 100 000 and more, none dropped
 def plan(
     path: str,
     mesh: str = typer.Option(..., help="the mesh to restore onto, e.g. data=2,model=4"),
@@ -666,10 +646,8 @@ def _print_plan_json(path: str, axes, processes: int, result) -> None:
 def _print_plan_table(shown, grouped: bool) -> None:
     """One row per planned tensor (placement, bytes per device and per process), grouped by
     name pattern past ``layout.GROUP_AT`` rows when ``grouped``."""
-    highest: dict[int, int] = {}  # tensors of one placement share their read bytes
-    for t in shown:
-        if id(t.read_bytes) not in highest:
-            highest[id(t.read_bytes)] = t.read_bytes.highest()
+    placements = {id(t.read_bytes): t.read_bytes for t in shown}  # shared by their tensors
+    highest = {k: r.highest() for k, r in placements.items()}
     reads = [highest[id(t.read_bytes)] for t in shown]
     shape_text, spec_text, human = _cell_texts()
     rows = [
@@ -685,13 +663,9 @@ def _print_plan_table(shown, grouped: bool) -> None:
     ]
     header = ["name", "shape", "dtype", "spec", "per device", "per process"]
     right = ("per device", "per process")
-    if len(rows) > layout.GROUP_AT and grouped:
+    if grouped:
         sums = {4: [t.bytes_per_device or 0 for t in shown], 5: reads}
-        rows = layout.grouped([t.name for t in shown], rows, sums)
-        output.say(
-            f"{len(shown)} tensors in {len(rows)} name patterns (digits as *; --all lists each, "
-            f"--json gives every row)"
-        )
+        rows = _grouped([t.name for t in shown], rows, sums)
     output.table(layout.table(header, rows, right=right, optional=("dtype",)))
 
 

@@ -85,10 +85,6 @@ def _spec(a) -> str:
     return "host numpy"
 
 
-def _short_dtype(dtype) -> str:
-    return {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}.get(str(dtype), str(dtype))
-
-
 def run(directory: str | None = None, console=None) -> bool:
     """Runs the demo; returns True when every restored tensor is bit-exact.
 
@@ -173,7 +169,8 @@ def _compare(state, a, b, plain):
         specs[key] = (_spec(x), _spec(ra), _spec(rb))
         if key[0] == "params":
             shape = "x".join(map(str, x.shape)) or "()"
-            rows.append(("/".join(key[1:]), f"{shape} {_short_dtype(x.dtype)}", *specs[key], ok))
+            dtype = {"bfloat16": "bf16", "float32": "f32", "int32": "i32"}.get(str(x.dtype))
+            rows.append(("/".join(key[1:]), f"{shape} {dtype or x.dtype}", *specs[key], ok))
         elif not ok:
             rows.append(("/".join(key), str(x.shape), *specs[key], ok))
     return rows, values, specs, all_ok

@@ -56,13 +56,12 @@ def write_universal(
     model_weights: Iterable[tuple[str, np.ndarray | Deferred]] | None = None,
     param_groups: int = 1,
 ) -> list[str]:
-    """Writes the universal checkpoint under ``root``; ``states`` yields (param, state, fp32
-    array) for every param and every state of :data:`STATES`. Returns the files written.
+    """Writes the universal checkpoint under ``root``; returns the files written.
 
     Args:
         root: the tag folder to write (``<tag>_universal``).
         params: every parameter's DeepSpeed name and shape (each state is fp32 of it).
-        states: (param, state, fp32 array) for every param and state.
+        states: (param, state, fp32 array) for every param and every state of :data:`STATES`.
         step: the optimizer step recorded in each ``step.pt``.
         model_weights: (name, array) of the model-precision weights, or None.
         param_groups: param groups of the loading engine's optimizer.

@@ -32,17 +32,10 @@ def export(
 
     Streamed one row slab at a time (at most half of ``options.memory_budget``), atomic (one
     ``commit.transaction``: written into a temporary sibling of ``dst`` under the save lock and
-    renamed into place: a failed export leaves ``dst`` as it was). Each format's options say
-    what it takes, checked when they are built: ``SafetensorsExport`` (the default:
-    ``model.safetensors``, or shards plus ``model.safetensors.index.json``), ``TorchDcpExport``
-    (a ``torch.distributed.checkpoint`` directory: ``.metadata`` + ``__0_0.distcp``),
-    ``DeepSpeedUniversalExport`` (what DeepSpeed's ``ds_to_universal`` writes: fp32 master, Adam
-    moments and step per parameter, loadable at any DP size with ``"checkpoint":
-    {"load_universal": true}``; needs the params, both moments and the step count, found by
-    their manifest roles) or ``OrbaxExport`` (the whole tree, saved containers included, as an
-    Orbax ``PyTreeCheckpointHandler`` checkpoint that ``ocp.StandardCheckpointer().restore(dst)``
-    reads bit-exact; ``exporters.orbax_out.export_orbax`` writes a CheckpointManager step;
-    docs/ORBAX.md). ``options_for(name, **fields)`` builds one from a format's name.
+    renamed into place: a failed export leaves ``dst`` as it was). Each format's options class
+    (``SafetensorsExport``, the default; ``TorchDcpExport``, ``DeepSpeedUniversalExport``,
+    ``OrbaxExport``) says what it writes and takes, checked when it is built;
+    ``options_for(name, **fields)`` builds one from a format's name. See docs/EXPORT.md.
 
     Args:
         ckpt: a jax_ucp checkpoint directory (or an Orbax step holding one UCP item).

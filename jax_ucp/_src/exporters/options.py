@@ -47,7 +47,8 @@ class _Export:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OrbaxExport(_Export):
-    """The whole tree as saved, as an Orbax checkpoint (written to a new directory)."""
+    """The whole tree as saved, saved containers included, as an Orbax checkpoint (written to a
+    new directory) that ``ocp.StandardCheckpointer().restore(dst)`` reads bit-exact."""
 
     format: ClassVar[str] = "orbax"
 
@@ -55,7 +56,7 @@ class OrbaxExport(_Export):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DeepSpeedUniversalExport(_Export):
     """DeepSpeed's universal checkpoint: fp32 masters, Adam moments and the step, found by
-    their manifest roles.
+    their manifest roles; loadable at any DP size with ``"checkpoint": {"load_universal": true}``.
 
     Attributes:
         force: replace an earlier export at the destination.
@@ -114,7 +115,8 @@ class _TensorsExport(_Export):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TorchDcpExport(_TensorsExport):
-    """A single-file torch DCP checkpoint: the tensors and the saved Python values."""
+    """A single-file torch DCP checkpoint (``.metadata`` + ``__0_0.distcp``): the tensors and the
+    saved Python values."""
 
     format: ClassVar[str] = "torch-dcp"
 
@@ -140,11 +142,9 @@ class SafetensorsExport(_TensorsExport):
 
 
 Options = OrbaxExport | DeepSpeedUniversalExport | TorchDcpExport | SafetensorsExport
-BY_FORMAT: dict[str, type[_Export]] = {
-    c.format: c for c in (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
-}
-FORMATS = tuple(BY_FORMAT)
 OPTIONS_TYPES = (SafetensorsExport, TorchDcpExport, DeepSpeedUniversalExport, OrbaxExport)
+BY_FORMAT: dict[str, type[_Export]] = {c.format: c for c in OPTIONS_TYPES}
+FORMATS = tuple(BY_FORMAT)
 
 
 def options_for(to: str, **given: Any) -> Options:

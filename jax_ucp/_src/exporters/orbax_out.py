@@ -148,12 +148,9 @@ def lazy_tree(root: str, manifest: fmt.Manifest) -> tuple[Any, int]:
     for v in manifest.values:
         leaves[v.key] = v.value
         key_types[v.key] = v.key_types
-    if manifest.tree is not None:
-        tree = tree_lib.rebuild_structure(
-            manifest.tree, lambda k: leaves.get(k, tree_lib.missing())
-        )
-    else:
-        tree = tree_lib.nest((k, key_types[k], x) for k, x in leaves.items())
+    if manifest.tree is None:
+        return tree_lib.nest((k, key_types[k], x) for k, x in leaves.items()), len(available)
+    tree = tree_lib.rebuild_structure(manifest.tree, lambda k: leaves.get(k, tree_lib.missing()))
     return tree, len(available)
 
 

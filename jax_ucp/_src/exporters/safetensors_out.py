@@ -144,15 +144,10 @@ def export(root: str, dst: str, options: SafetensorsExport) -> Exported:
         if len(groups) > 1:
             write_index(os.path.join(tmp, INDEX_FILE), groups, names)
             names.append(INDEX_FILE)
-        if options.config is not None:
-            _write_config(os.path.join(tmp, "config.json"), options.config)
+        if options.config is not None:  # a dict, or a JSON file's content (checked, bounded)
+            config = json.dumps(source.read_config(options.config), indent=2, sort_keys=True)
+            durable.write_file(os.path.join(tmp, "config.json"), config + "\n")
             names.append("config.json")
         return names
 
     return chosen.exported(dst, source.write_atomically(dst, write, options.force))
-
-
-def _write_config(path: str, config) -> None:
-    """``config.json``: a dict as JSON, or a JSON file's content (checked, size-bounded)."""
-    config = source.read_config(config)
-    durable.write_file(path, json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -119,9 +119,8 @@ class Selection:
 
 
 def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool) -> Selection:
-    """The tensors (and with ``with_values`` the saved values) under ``options.select``, named by
-    their key path below it joined with ``.``; each output dtype checked by ``check_dtype(name,
-    dtype)`` and each cast by the casting rule before anything is written.
+    """The tensors (and saved values) under ``options.select``, named by their key path below it
+    joined with ``.``; every dtype and cast checked before anything is written.
 
     Args:
         root: the UCP checkpoint directory.
@@ -133,10 +132,12 @@ def select(root: str, options: Any, check_dtype: Callable, *, with_values: bool)
     spec = options.spec
     if isinstance(spec, (str, os.PathLike)):
         from jax_ucp._src import language
+        from jax_ucp._src.language.settings import hf_head_settings
 
         config = getattr(options, "config", None)  # safetensors: the config.json written beside
-        settings = {} if config is None else hf_head_settings(read_config(config))
-        spec = language.load_spec(spec, **settings)
+        config = {} if config is None else read_config(config)  # its head settings, if it has
+        heads = "num_attention_heads" in config
+        spec = language.load_spec(spec, **(hf_head_settings(config, "config") if heads else {}))
     available = ucp_source.available_tensors(manifest, spec)
     prefix = tuple(p for p in (options.prefix or "").split("/") if p)
     chosen, values, skipped, seen = [], [], [], {}
@@ -210,8 +211,7 @@ def write_atomically(dst: str, write: Callable[[str], list[str]], force: bool) -
     """
     # the export record: what a later force may replace (these files only)
     with transaction(dst, force=force) as tx, commit.export_record(tx.path):
-        files = write(tx.path)
-    return files
+        return write(tx.path)
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
@@ -227,12 +227,3 @@ def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]
     if not isinstance(loaded, dict):
         raise RequestError(f"config {config}: a config.json holds a JSON object")
     return loaded
-
-
-def hf_head_settings(config: Mapping[str, Any]) -> dict[str, int]:
-    """The head settings of a Hugging Face config (those it holds), for a spec given by name."""
-    from jax_ucp._src.language.settings import hf_head_settings as settings_of
-
-    if "num_attention_heads" not in config:
-        return {}
-    return settings_of(config, "config")

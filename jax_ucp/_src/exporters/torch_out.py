@@ -232,14 +232,13 @@ def write_torch_save(
     name: str = "archive",
     arrays: Sequence[np.ndarray | Deferred] = (),
 ) -> int:
-    """Appends one ``torch.save`` archive to the open file ``f`` at its position: of the tensor
-    ``array``, else of ``obj`` (plain data and nodes; ``TensorSlot(i, ...)`` stands for
-    ``arrays[i]``; a ``Deferred`` is read slab by slab as its stored member is written, the CRC
-    computed on the way). Returns the archive's length.
+    """Appends one ``torch.save`` archive to the open file ``f`` at its position; returns its
+    length. A ``Deferred`` is read slab by slab as its stored member is written, the CRC computed
+    on the way.
 
     Args:
         f: a binary file open for writing, at the archive's start.
-        obj: the object to pickle when ``array`` is None.
+        obj: the object to pickle when ``array`` is None (plain data and nodes).
         array: a tensor to save on its own.
         name: the archive's top folder (torch uses the file's stem).
         arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to.

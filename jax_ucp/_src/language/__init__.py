@@ -4,20 +4,7 @@ Modules, bottom up: ``errors``; ``settings`` (model hyper-parameters, integer ex
 templates); ``plain_form`` (the dict/TOML form of kinds and ops); ``views`` (lazy TensorStore
 primitives); ``kinds`` (import side: how fragments merge); ``ops`` (restore side: what a rule
 does); ``spec`` (rules, roots, ``Spec`` and their dict form); ``toml_io`` (TOML text, shipped
-specs); ``plan`` (restore rules compiled into lazy view plans).
-
-Public API:
-  Spec, ImportRule, RestoreRule, Root, DEFAULT_ROOTS, optax_chain_roots,
-  spec_from_dict, spec_to_dict                                                     (spec)
-  load_spec(name_or_path, **settings), list_specs(), spec_from_toml, spec_to_toml,
-  dump_spec                                                                        (files)
-  merge(kind, fragments, *, name, settings, lazy=False), split(kind, full, n, ...),
-  split_parts(kind, full, settings=...), kind_from_obj, the Kind classes           (import side)
-  compile_restore_plan(spec, saved) -> {target key: ViewPlan}, TensorInfo, ViewPlan,
-  apply_restore_plan, apply_spec_to_tree, describe_plan, saved_infos,
-  flatten_nested, unflatten_nested                                                 (restore side)
-  views: lazy TensorStore primitives (transpose, stack/take, stages, qkv, ...)
-See docs/LANGUAGE.md.
+specs); ``plan`` (restore rules compiled into lazy view plans). See docs/LANGUAGE.md.
 """
 
 from jax_ucp._src.language import views

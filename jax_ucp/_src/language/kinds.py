@@ -6,16 +6,7 @@ arrays, possibly memory-mapped); ``merge(..., lazy=True)`` returns a lazy Tensor
 with ``ts.concat``/``ts.stack`` over the fragments (no copy) where the kind allows it.
 ``split(kind, full, n, ...)`` is the inverse: the list of per-rank fragments.
 
-Kinds (TOML name -> class):
-  replicated    Replicated()           identical on every TP rank (checked bit for bit)
-  averaged      Averaged()             mean over ranks (sum(fragments) / n, like DeepSpeed)
-  partitioned   Partitioned(dim)       column parallel dim=0, row parallel dim=1
-  sub_params    SubParams(dim, sizes)  each rank holds [part0_r; part1_r; ...] (uneven sizes ok)
-  qkv           QKV(dim, heads, groups, head_dim, interleaved)  fused QKV incl. GQA
-  swiglu        SwiGLU(dim)            fc1 = [gate_r; up_r] per TP rank
-  vocab         Vocab(dim, vocab_size, divisible_by)  vocab-parallel, padding stripped
-  pipeline_tied PipelineTied(inner)    tied weights held on several PP stages (checked equal)
-  expert        Expert(layout, dim, num_experts, inner)  MoE experts over EP ranks
+Kinds (``KINDS``: TOML name -> class) are documented on their classes.
 """
 
 from __future__ import annotations
@@ -32,10 +23,8 @@ import tensorstore as ts
 from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.format import mapped_file
 from jax_ucp._src.language import views
-from jax_ucp._src.language.plain_form import parse_plain_form
+from jax_ucp._src.language.plain_form import parse_plain_form, plain_fields
 from jax_ucp._src.language.settings import derived, eval_int, padded_vocab_size
-
-# ------------------------------------------------------------------------------ array backends
 
 
 class _NumpyBackend:
@@ -50,25 +39,11 @@ class _NumpyBackend:
         # a view of a memory-mapped file is read with pread, never through the mapping
         return mapped_file.read_out(np.asarray(x), "reading a fragment")
 
-    @staticmethod
-    def shape(x):
-        return tuple(x.shape)
-
-    @staticmethod
-    def concat(xs, axis):
-        return xs[0] if len(xs) == 1 else np.concatenate(xs, axis=axis)
-
-    @staticmethod
-    def stack(xs, axis):
-        return np.stack(xs, axis=axis)
-
-    @staticmethod
-    def take(x, axis, i):
-        return x[(slice(None),) * axis + (i,)]
-
-    @staticmethod
-    def slice(x, axis, a, b):
-        return x[(slice(None),) * axis + (slice(a, b),)]
+    shape = staticmethod(lambda x: tuple(x.shape))
+    concat = staticmethod(lambda xs, axis: xs[0] if len(xs) == 1 else np.concatenate(xs, axis))
+    stack = staticmethod(np.stack)
+    take = staticmethod(lambda x, axis, i: x[(slice(None),) * axis + (i,)])  # views, no copy
+    slice = staticmethod(lambda x, axis, a, b: x[(slice(None),) * axis + (slice(a, b),)])
 
 
 class _LazyBackend:
@@ -138,7 +113,8 @@ def _first_diff(a: np.ndarray, b: np.ndarray, block: int = 1 << 22) -> str | Non
     return None
 
 
-# ------------------------------------------------------------------------------------ kinds
+#: the kinds of this module by TOML name (each registers itself when defined)
+KINDS: dict[str, type[Kind]] = {}
 
 
 @dataclass(frozen=True)
@@ -152,6 +128,11 @@ class Kind:
     be setting expressions, evaluated by ``resolve``. Subclasses set ``kind`` (the TOML name)."""
 
     kind: ClassVar[str] = ""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.kind and cls.__module__ == __name__:
+            KINDS[cls.kind] = cls
 
     def resolve(self, env: Mapping[str, Any], *, lenient: bool = False) -> Kind:
         """Evaluate setting expressions in the parameters (e.g. ``vocab_size = "vocab_size"``).
@@ -178,17 +159,8 @@ class Kind:
         return type(self)(**kw)
 
     def to_dict(self) -> dict:
-        d: dict = {"kind": self.kind}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v == f.default:
-                continue
-            if isinstance(v, Kind):
-                v = v.to_dict()
-            elif isinstance(v, tuple):
-                v = [list(x) if isinstance(x, tuple) else x for x in v]
-            d[f.name] = v
-        return d
+        """The kind's plain (TOML) form: ``{"kind": name}`` plus every field not at its default."""
+        return {"kind": self.kind, **plain_fields(self)}
 
     # implemented by subclasses on an array backend (_NumpyBackend or _LazyBackend)
     def _merge(self, backend, frags, name):  # pragma: no cover
@@ -693,22 +665,6 @@ def expert_global_index(local_index: int, ep_rank: int, num_experts: int, ep: in
     return ep_rank * nl + local_index
 
 
-KINDS: dict[str, type[Kind]] = {
-    c.kind: c
-    for c in (
-        Replicated,
-        Averaged,
-        Partitioned,
-        SubParams,
-        SwiGLU,
-        QKV,
-        Vocab,
-        PipelineTied,
-        Expert,
-    )
-}
-
-
 def kind_from_obj(obj, *, where: str = "") -> Kind:
     """A Kind from its plain form: ``"replicated"``, ``{kind = "partitioned", dim = 1}``, or a
     Kind object. Nested kinds (``inner``) use the same form."""
@@ -729,9 +685,6 @@ def kind_from_obj(obj, *, where: str = "") -> Kind:
         return cls(**kw)
     except LanguageError as e:
         raise LanguageError(f"{where}{e}") from None
-
-
-# ------------------------------------------------------------------------------ module API
 
 
 def _resolved_kind(kind, settings, name):

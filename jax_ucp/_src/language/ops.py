@@ -17,7 +17,6 @@ expressions (``"num_layers // pp"``).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,10 +25,12 @@ import tensorstore as ts
 
 from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.language import views
-from jax_ucp._src.language.plain_form import parse_plain_form
+from jax_ucp._src.language.plain_form import parse_plain_form, plain_fields
 from jax_ucp._src.language.settings import eval_int
 
 Env = Mapping[str, Any]
+#: the ops of this module by TOML name (each registers itself when defined)
+OPS: dict[str, type[Op]] = {}
 
 
 @dataclass(frozen=True)
@@ -44,16 +45,14 @@ class Op:
     op: ClassVar[str] = ""
     arity: ClassVar[str] = "map"
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.op and cls.__module__ == __name__:
+            OPS[cls.op] = cls
+
     def to_dict(self) -> dict:
         """The op's plain (TOML) form: ``{"op": name}`` plus every field not at its default."""
-        d: dict[str, Any] = {"op": self.op}
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if v != f.default and not (
-                f.default_factory is not dataclasses.MISSING and v == f.default_factory()
-            ):
-                d[f.name] = list(v) if isinstance(v, tuple) else v
-        return d
+        return {"op": self.op, **plain_fields(self)}
 
     def _int(self, value, env: Env) -> int:
         """An op parameter as an int: a literal or a setting expression evaluated over ``env``."""
@@ -131,9 +130,6 @@ class FanIn(Op):
     ) -> ts.TensorStore:  # pragma: no cover
         """One lazy view of ``parts``, given in ``order``'s order."""
         raise NotImplementedError
-
-
-# ----------------------------------------------------------------------------------- map ops
 
 
 @dataclass(frozen=True)
@@ -271,9 +267,6 @@ class Pad(Op):
         return views.pad_axis(tensor, a, size)
 
 
-# ------------------------------------------------------------------------------- fan-out ops
-
-
 @dataclass(frozen=True)
 class Unstack(FanOut):
     r"""[L, ...] -> L tensors; the index becomes variable ``var`` (default ``i``).
@@ -333,9 +326,6 @@ class SplitQKV(FanOut):
         return views.split_qkv(tensor, *args, interleaved=self.interleaved)
 
 
-# -------------------------------------------------------------------------------- fan-in ops
-
-
 @dataclass(frozen=True)
 class Stack(FanIn):
     """Tensors indexed 0..L-1 by variable ``over`` -> one [L, ...] tensor (stacked at ``axis``)."""
@@ -360,8 +350,7 @@ class Stack(FanIn):
                 f"found {idx[:8]}{'...' if len(idx) > 8 else ''}, missing "
                 f"{missing[:8] or 'values below ' + str(idx[0])}"
             )
-        by = {int(x): x for x in labels}
-        return [by[i] for i in range(len(idx))]
+        return sorted(labels, key=int)
 
     def combine(self, parts, env):
         return views.stack(parts, self._int(self.axis, env))
@@ -397,28 +386,6 @@ class MergeQKV(FanIn):
         args = self._ints(env, "axis", "num_heads", "num_kv_heads", "head_dim")
         q, k, v = parts
         return views.merge_qkv(q, k, v, *args, interleaved=self.interleaved)
-
-
-OPS: dict[str, type[Op]] = {
-    c.op: c
-    for c in (
-        Transpose,
-        RopeHalf,
-        SplitDim,
-        MergeDims,
-        GroupStages,
-        UngroupStages,
-        RegroupStages,
-        Slice,
-        Pad,
-        Unstack,
-        Split,
-        SplitQKV,
-        Stack,
-        Concat,
-        MergeQKV,
-    )
-}
 
 
 def op_from_obj(obj, *, where: str = "") -> Op:

@@ -12,6 +12,21 @@ from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.language.settings import MAX_EXPRESSION_CHARS
 
 
+def plain_fields(obj: Any) -> dict:
+    """The dataclass ``obj``'s fields not at their default, as plain (TOML) values: a nested
+    kind as its own dict, tuples as lists."""
+
+    def plain(v):
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v.to_dict() if hasattr(v, "to_dict") else v
+
+    fields = dataclasses.fields(obj)
+    return {
+        f.name: plain(getattr(obj, f.name)) for f in fields if getattr(obj, f.name) != f.default
+    }
+
+
 def _longest_string(value: Any) -> int:
     if isinstance(value, str):
         return len(value)
@@ -30,10 +45,7 @@ def parse_plain_form(
     convert: Callable[[str, Any], Any],
 ) -> tuple[type, dict]:
     """(class, keyword arguments) from ``"name"`` or ``{<tag> = "name", param = value, ...}``.
-
-    ``registry`` maps names to dataclasses; ``convert(parameter, value)`` turns a plain value into
-    the field's value. Unknown names and parameters are errors that list what is known, prefixed
-    with ``where``.
+    Unknown names and parameters are errors that list what is known.
 
     Args:
         obj: the plain value: a name, or a table with ``tag`` and parameters

@@ -27,6 +27,7 @@ from jax_ucp._src.language.spec import Spec, check_strict, describe_rule
 from jax_ucp._src.language.toml_io import load_spec
 
 Key = tuple
+_Targets = dict[Key, tuple["ViewPlan", str]]  # the plans by target key, with what made each
 
 
 @dataclass(frozen=True)
@@ -93,14 +94,10 @@ def _source_node(key, ph) -> _Node:
 
 
 def _find_root(spec: Spec, key):
-    for root in spec.roots:
+    for root in spec.roots:  # a param root matches a prefix, never the whole key
         m = root.match(key)
-        if m is None:
-            continue
-        n, caps = m
-        if root.params and n >= len(key):
-            continue
-        return root, n, caps
+        if m is not None and not (root.params and m[0] >= len(key)):
+            return root, *m
     return None
 
 
@@ -129,11 +126,9 @@ def compile_restore_plan(
 ) -> dict[Key, ViewPlan]:
     """Target key -> ViewPlan for every saved tensor.
 
-    ``saved``: saved key (tuple of str) -> ``TensorInfo`` (or anything with ``shape``/``dtype``).
     Keys under a param root are matched against the spec's active restore rules (first match
-    wins) relative to that root; keys outside param roots move with their root (or stay). With
-    ``strict`` (default: ``spec.strict``) a parameter no rule covers, or a required rule that matches
-    nothing, is a ``LanguageError`` naming them; otherwise uncovered keys pass through unchanged.
+    wins) relative to that root; keys outside param roots move with their root (or stay). Not
+    ``strict``, uncovered keys pass through unchanged.
 
     Args:
       spec: a ``Spec``, or what ``load_spec`` takes (a shipped spec's name, a file).
@@ -145,7 +140,7 @@ def compile_restore_plan(
     rules = spec.active_restore()
     # a spec without restore rules (e.g. import-only) leaves every tensor as it is (roots still move)
     strict = (spec.strict if strict is None else strict) and bool(rules)
-    targets = _Targets()
+    targets: _Targets = {}
     per_rule, uncovered = _assign(spec, rules, saved, targets)
     if strict:
         uncovered_names = ["/".join(u[0]) for u in uncovered]
@@ -153,28 +148,21 @@ def compile_restore_plan(
             spec.name, "restore", uncovered_names, rules, [i for i in per_rule if per_rule[i]]
         )
     for key, info, tprefix, rel in uncovered:
-        targets.put(tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
+        _put(targets, tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
     for i, r in rules:
         if per_rule[i]:
             _emit_rule(r, i, per_rule[i], spec.env, targets)
-    return targets.plans
+    return {k: plan for k, (plan, _) in targets.items()}
 
 
-class _Targets:
-    """The plans by target key; a key two tensors map to is an error naming both."""
-
-    def __init__(self):
-        self.plans: dict[Key, ViewPlan] = {}
-        self._origin: dict[Key, str] = {}
-
-    def put(self, tkey, plan: ViewPlan, what: str) -> None:
-        tkey = tuple(tkey)
-        if tkey in self.plans:
-            raise LanguageError(
-                f"restore plan: {what} and {self._origin[tkey]} both map to {'/'.join(tkey)}"
-            )
-        self.plans[tkey] = plan
-        self._origin[tkey] = what
+def _put(targets: _Targets, tkey, plan: ViewPlan, what: str) -> None:
+    """``plan`` (made from ``what``) at ``tkey``; a key two tensors map to is an error naming both."""
+    tkey = tuple(tkey)
+    if tkey in targets:
+        raise LanguageError(
+            f"restore plan: {what} and {targets[tkey][1]} both map to {'/'.join(tkey)}"
+        )
+    targets[tkey] = (plan, what)
 
 
 def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
@@ -191,13 +179,13 @@ def _assign(spec: Spec, rules, saved: Mapping[Key, Any], targets: _Targets):
         info = _tensor_info(info)
         found = _find_root(spec, key)
         if found is None:
-            targets.put(key, _identity(key, info), "/".join(key))
+            _put(targets, key, _identity(key, info), "/".join(key))
             continue
         root, n, caps = found
         tprefix = root.target_prefix(key, n, caps, spec.env)
         if not root.params:
             plan = _identity(key, info, f"root {root.source!r}")
-            targets.put(tprefix + key[n:], plan, "/".join(key))
+            _put(targets, tprefix + key[n:], plan, "/".join(key))
             continue
         rel = "/".join(key[n:])
         matched = _match_rule(rules, rel)
@@ -254,7 +242,7 @@ def _emit_rule(r, i, entries, env0, targets: _Targets) -> None:
             node.ops,
             r.axes,
         )
-        targets.put(tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
+        _put(targets, tkey, plan, f"{'/'.join(inst)}/{rel} ({what})")
 
 
 def _apply_op(op, entries, env0, what):
@@ -326,9 +314,6 @@ def _with_context(thunk, op, what, inst, rel):
         raise LanguageError(f"{what}, op {op.op!r} on {'/'.join(inst)}/{rel}: {e}") from None
 
 
-# ------------------------------------------------------------------------------- helpers
-
-
 def saved_infos(tree_or_arrays: Mapping) -> dict[Key, TensorInfo]:
     """Flat {key tuple: TensorInfo} from a nested dict of arrays (tests, in-memory use)."""
     leaves = _flat(tree_or_arrays, into_sequences=True)
@@ -340,23 +325,15 @@ def flatten_nested(tree: Mapping) -> dict[Key, Any]:
     return _flat(tree, into_sequences=False)
 
 
-def _flat(tree, into_sequences: bool) -> dict[Key, Any]:
+def _flat(tree, into_sequences: bool, prefix: Key = ()) -> dict[Key, Any]:
     """{key tuple: leaf} of nested mappings (and lists/tuples if ``into_sequences``)."""
-    out = {}
-
-    def rec(prefix, x):
-        if isinstance(x, Mapping):
-            items = x.items()
-        elif into_sequences and isinstance(x, (list, tuple)) and not hasattr(x, "shape"):
-            items = enumerate(x)
-        else:
-            out[prefix] = x
-            return
-        for k, v in items:
-            rec(prefix + (str(k),), v)
-
-    rec((), tree)
-    return out
+    if isinstance(tree, Mapping):
+        items = tree.items()
+    elif into_sequences and isinstance(tree, (list, tuple)) and not hasattr(tree, "shape"):
+        items = enumerate(tree)
+    else:
+        return {prefix: tree}
+    return {k: v for i, x in items for k, v in _flat(x, into_sequences, (*prefix, str(i))).items()}
 
 
 def unflatten_nested(flat: Mapping[Key, Any]) -> dict:

@@ -33,17 +33,19 @@ from jax_ucp._src.errors import LanguageError
 from jax_ucp._src.language.kinds import Kind, kind_from_obj
 from jax_ucp._src.language.ops import op_from_obj
 from jax_ucp._src.language.patterns import MAX_PATTERN_CHARS, compile_pattern
+from jax_ucp._src.language.plain_form import plain_fields
 from jax_ucp._src.language.settings import canonical, derived, normalize, render
 
 
-def _when_matches(when: Mapping[str, Any], settings: Mapping[str, Any]) -> bool:
-    """Whether the settings satisfy a rule's ``when`` (a value, or a list of accepted values)."""
+def _active(rules: tuple, settings: Mapping[str, Any]) -> list:
+    """(index, rule) of the ``rules`` whose ``when`` the settings meet (each a value, or a list
+    of accepted values)."""
 
     def met(name, wanted):
         have = settings.get(canonical(name), settings.get(name))
         return have in wanted if isinstance(wanted, (list, tuple)) else have == wanted
 
-    return all(met(name, wanted) for name, wanted in when.items())
+    return [(i, r) for i, r in enumerate(rules) if all(met(*w) for w in r.when.items())]
 
 
 def _with_rule_options(d: dict, rule) -> dict:
@@ -218,8 +220,7 @@ class Root:
 
     def to_dict(self) -> dict:
         """The root's plain (TOML) form: every field not at its default."""
-        fields = dataclasses.fields(self)
-        return {f.name: getattr(self, f.name) for f in fields if getattr(self, f.name) != f.default}
+        return plain_fields(self)
 
 
 DEFAULT_ROOTS: tuple[Root, ...] = (
@@ -297,13 +298,11 @@ class Spec:
 
     def active_imports(self) -> list[tuple[int, ImportRule]]:
         """(index, rule) of every import rule whose ``when`` the settings meet."""
-        env = self.env
-        return [(i, r) for i, r in enumerate(self.imports) if _when_matches(r.when, env)]
+        return _active(self.imports, self.env)
 
     def active_restore(self) -> list[tuple[int, RestoreRule]]:
         """(index, rule) of every restore rule whose ``when`` the settings meet."""
-        env = self.env
-        return [(i, r) for i, r in enumerate(self.restore) if _when_matches(r.when, env)]
+        return _active(self.restore, self.env)
 
     # -- import side
     def match(self, name: str) -> ImportMatch | None:
@@ -312,9 +311,8 @@ class Spec:
         for i, r in self.active_imports():
             m = r.fullmatch(name)
             if m:
-                loc = dict(env)
-                loc.update({str(j + 1): g for j, g in enumerate(m.groups()) if g is not None})
-                loc.update({k: v for k, v in m.groupdict().items() if v is not None})
+                groups = {str(j + 1): g for j, g in enumerate(m.groups())} | m.groupdict()
+                loc = {**env, **{k: v for k, v in groups.items() if v is not None}}
                 return ImportMatch(r, i, r.kind.resolve(loc, lenient=True), loc)
         return None
 
@@ -378,9 +376,6 @@ def check_strict(
         raise LanguageError(f"spec {spec_name!r}: " + "; ".join(problems))
 
 
-# ------------------------------------------------------------------------------- dict form
-
-
 def _from_dicts(items, from_dict: Callable[[Mapping, str], Any], what: str) -> tuple:
     """Rules / roots as objects: mappings (the dict form) are parsed, numbered from 1 in errors."""
     return tuple(
@@ -406,16 +401,16 @@ def import_rule_from_dict(obj: Mapping, where: str) -> ImportRule:
         raise LanguageError(f"{where} ({obj['pattern']!r}): missing 'kind'")
     kind = {k: v for k, v in obj.items() if k not in _IMPORT_KEYS}
     try:
-        return ImportRule(
-            pattern=obj["pattern"],
-            kind=kind_from_obj(kind, where=f"{where}: "),
-            required=bool(obj.get("required", True)),
-            when=dict(obj.get("when", {})),
-            label=obj.get("label", ""),
-            also=obj.get("also", ()),
-        )
+        kind = kind_from_obj(kind, where=f"{where}: ")
+        return ImportRule(**_rule_fields(obj, _IMPORT_KEYS), kind=kind)
     except LanguageError as e:
         raise _prefixed(e, where) from None
+
+
+def _rule_fields(obj: Mapping, keys: set[str]) -> dict[str, Any]:
+    """The dict form's ``keys`` as the rule's fields: ``required`` a bool, ``when`` a dict."""
+    rule = {k: v for k, v in obj.items() if k in keys}
+    return rule | {"required": bool(obj.get("required", True)), "when": dict(obj.get("when", {}))}
 
 
 _RESTORE_KEYS = {"pattern", "target", "ops", "required", "when", "label", "axes"}
@@ -436,15 +431,8 @@ def restore_rule_from_dict(obj: Mapping, where: str) -> RestoreRule:
     if isinstance(ops, (str, Mapping)):
         ops = [ops]
     try:
-        return RestoreRule(
-            pattern=obj["pattern"],
-            target=obj.get("target"),
-            ops=tuple(op_from_obj(o, where=f"{where} op #{j + 1}: ") for j, o in enumerate(ops)),
-            required=bool(obj.get("required", True)),
-            when=dict(obj.get("when", {})),
-            label=obj.get("label", ""),
-            axes=obj.get("axes"),
-        )
+        ops = tuple(op_from_obj(o, where=f"{where} op #{j + 1}: ") for j, o in enumerate(ops))
+        return RestoreRule(**{**_rule_fields(obj, _RESTORE_KEYS), "ops": ops})
     except LanguageError as e:
         raise _prefixed(e, where) from None
 
@@ -459,9 +447,7 @@ def root_from_dict(obj: Mapping, where: str) -> Root:
         raise LanguageError(
             f"{where}: needs 'source' (and optional 'target', 'params'); unknown {sorted(unknown)}"
         )
-    return Root(
-        source=obj["source"], target=obj.get("target"), params=bool(obj.get("params", True))
-    )
+    return Root(**{**obj, "params": bool(obj.get("params", True))})
 
 
 _TOP_LEVEL_KEYS = {"name", "description", "strict", "settings", "roots", "import", "restore"}
@@ -476,10 +462,8 @@ def spec_from_dict(
     table_lines: Mapping[str, Sequence[int]] | None = None,
 ) -> Spec:
     """A ``Spec`` from its dict form (a parsed TOML file): top-level ``name``, ``description``,
-    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``.
-
-    ``settings`` override the dict's. Errors name ``source``, the table and its number, and its
-    line when ``table_lines`` gives the line of each ``[[import]]``/``[[restore]]``/``[[roots]]``.
+    ``strict``, ``[settings]``, ``[[roots]]``, ``[[import]]``, ``[[restore]]``. Errors name
+    ``source``, the table and its number, and its line when ``table_lines`` gives it.
 
     Args:
         d: the spec's dict form

@@ -120,9 +120,6 @@ def spec_from_toml(text: str, *, source: str = "<spec>", settings: Mapping | Non
     return spec_from_dict(d, source=source, settings=settings, table_lines=lines)
 
 
-# ---------------------------------------------------------------------------------- dumping
-
-
 def _plain(v: Any, where: str) -> Any:
     """``v`` as what TOML holds: tuples as lists, None left out (TOML has no null)."""
     if isinstance(v, Mapping):
@@ -137,21 +134,14 @@ def _plain(v: Any, where: str) -> Any:
 
 
 def spec_to_toml(spec: Spec) -> str:
-    """TOML text of ``spec`` (its dict form, written by ``tomli_w``); ``spec_from_toml`` gives
-    the spec back."""
-    d = spec_to_dict(spec)
-    order = ("name", "description", "strict", "settings", "roots", "import", "restore")
-    ordered = {k: d[k] for k in order if k in d}
-    ordered.update({k: v for k, v in d.items() if k not in ordered})
-    return tomli_w.dumps(_plain(ordered, "spec"))
+    """TOML text of ``spec`` (its dict form, in the order a spec file is read, written by
+    ``tomli_w``); ``spec_from_toml`` gives the spec back."""
+    return tomli_w.dumps(_plain(spec_to_dict(spec), "spec"))
 
 
 def dump_spec(spec: Spec, path: str | os.PathLike) -> None:
     """Write ``spec`` to a TOML file."""
     Path(path).write_text(spec_to_toml(spec))
-
-
-# ---------------------------------------------------------------------------------- shipped
 
 
 def list_specs() -> list[str]:

@@ -339,17 +339,14 @@ def split_qkv(
 ) -> list[ts.TensorStore]:
     """Fused QKV -> [q, k, v] along ``axis``.
 
-    interleaved=True: Megatron layout, per query group g: [q heads of g, k_g, v_g].
-    interleaved=False: plain [Q; K; V] concatenation.
-
     Args:
-        tensor: the fused QKV a tensor or a lazy view (``tensorstore.TensorStore``; numpy arrays are
-            wrapped)
+        tensor: the fused QKV, a lazy view (``tensorstore.TensorStore``; numpy arrays are wrapped)
         axis: the fused axis
         num_heads: query heads
         num_kv_heads: key/value heads (query groups)
         head_dim: rows per head
-        interleaved: Megatron's per-group order (True) or a plain ``[Q; K; V]`` (False)
+        interleaved: Megatron's order, per query group g ``[q heads of g, k_g, v_g]`` (True), or
+            a plain ``[Q; K; V]`` (False)
     """
     tensor, a, _ = _view_axis(tensor, axis)
     qg, kg, vg = qkv_sizes(num_heads, num_kv_heads, head_dim)

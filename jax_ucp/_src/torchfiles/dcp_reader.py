@@ -20,11 +20,12 @@ dtype and shape agree with the metadata.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import itertools
 import math
 import os
 import posixpath
-import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,11 +37,7 @@ from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, mapped_file
 from jax_ucp._src.torchfiles import unpickler
-
-try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
-    from isal.isal_zlib import crc32 as zip_crc32
-except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
-    from zlib import crc32 as zip_crc32
+from jax_ucp._src.torchfiles.unpickler import zip_crc32
 
 __all__ = [
     "DCP_CLASSES",
@@ -214,7 +211,6 @@ class DcpCheckpoint:
             check_coverage(self.tensors[name], self.path / ".metadata")
             self._covered.add(name)
 
-    # -------------------------------------------------------------- reading one tensor
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
         """The tensor's global array, assembled from its chunks (checked first).
 
@@ -258,7 +254,9 @@ class DcpCheckpoint:
             jobs.append((c, out[(*sl, Ellipsis)], skip))  # a view, also when 0-d
         if len(jobs) > 1 and out.nbytes >= PARALLEL_BYTES:
             # preadv and the CRC release the GIL: the chunks (one per rank) are read at once
-            futures = [_pool().submit(self._read_chunk_into, t, c, r, k) for c, r, k in jobs]
+            futures = [
+                _pool(os.getpid()).submit(self._read_chunk_into, t, c, r, k) for c, r, k in jobs
+            ]
             concurrent.futures.wait(futures)
             for f in futures:
                 f.result()
@@ -358,9 +356,8 @@ class DcpCheckpoint:
         where = f"object {name!r} in {self.path / o.file}"
         fpath = Path(self.file_path(o.file))
         raw = _file_range(fpath, o.byte_offset, o.byte_length, where)
-        return _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)[
-            0
-        ]
+        obj, _ = _load_embedded(raw, f"{fpath}@{o.byte_offset}", where, extra_classes=extra_classes)
+        return obj
 
     def check_files(self, tensors: Iterable[DcpTensor] | None = None) -> None:
         """Every file the metadata references (or ``tensors``' chunks reference) exists and is
@@ -528,13 +525,9 @@ def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     if length == 0:
         return np.empty(0, np.uint8)
     try:
-        fd = files.open_regular(str(path))
+        mm = mapped_file.map_file(str(path))  # a regular file only
     except files.UnsafeFileError as e:
         raise SourceError(f"{where}: {e}") from None
-    try:
-        mm = mapped_file.map_file(str(path), fd)
-    finally:
-        os.close(fd)
     if mm is None or len(mm) < offset + length:
         raise SourceError(
             f"{where}: byte range [{offset}, {offset + length}) beyond the file's "
@@ -559,20 +552,13 @@ def _check_chunk(arr: Any, t: DcpTensor, c: DcpChunk, where: str) -> None:
 
 #: Tensors at least this large have their chunks read by :func:`_pool`'s threads at once.
 PARALLEL_BYTES = 4 << 20
-_POOL: dict[int, concurrent.futures.ThreadPoolExecutor] = {}  # by process id
-_POOL_LOCK = threading.Lock()
 
 
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    """The reading threads of this process (a forked child has none of its parent's: it gets
+@functools.cache
+def _pool(pid: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The reading threads of process ``pid`` (a forked child has none of its parent's: it gets
     its own pool, or work queued to the inherited one would never run)."""
-    with _POOL_LOCK:
-        pool = _POOL.get(os.getpid())
-        if pool is None:
-            _POOL.clear()
-            workers = max(2, min(4, os.cpu_count() or 1))
-            pool = _POOL[os.getpid()] = concurrent.futures.ThreadPoolExecutor(workers, "dcp-read")
-        return pool
+    return concurrent.futures.ThreadPoolExecutor(max(2, min(4, os.cpu_count() or 1)), "dcp-read")
 
 
 def _address(arr: np.ndarray) -> int:
@@ -634,11 +620,9 @@ def _load_embedded(
     file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
     ``defer_crc`` leaves to the caller. Errors name ``where``."""
     try:
-        arch = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
-        try:
+        embedded = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        with contextlib.closing(embedded) as arch:
             return arch.load(extra_classes), arch.unchecked
-        finally:
-            arch.close()
     except unpickler.TorchFileError as e:
         raise SourceError(f"{where}: {e}") from None
 
@@ -690,11 +674,7 @@ def _storage_ref(
         raise SourceError(
             f"tensor {name!r}: {what} at offsets {off} has no storage entry in {mfile}"
         )
-    rp, bo, bl = (
-        getattr(info, "relative_path", None),
-        getattr(info, "offset", None),
-        getattr(info, "length", None),
-    )
+    rp, bo, bl = (getattr(info, field, None) for field in ("relative_path", "offset", "length"))
     trs = getattr(info, "transform_descriptors", None) or ()
     if (
         not isinstance(rp, str)

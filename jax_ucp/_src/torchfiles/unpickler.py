@@ -18,14 +18,15 @@ anonymous memory, and only touched bytes are read. Their bytes are read out with
 truncated meanwhile is then an error naming it, not SIGBUS. bfloat16 / float8 map to
 ``ml_dtypes``.
 
-Public API (stable; also used by the Megatron importer):
-``load_torch_file(path, extra_classes=None)``, ``scan_globals(path)``, ``TorchFileError``,
-``TorchFileError``, ``StandIn``, ``standin_class``, ``int_enum_standin``, ``BASE_ALLOWED``.
+Public API (stable; also used by the Megatron importer): ``load_torch_file``,
+``scan_globals``, ``TorchFileError``, ``StandIn``, ``standin_class``, ``int_enum_standin``,
+``BASE_ALLOWED``.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import itertools
 import math
@@ -219,9 +220,6 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
         stack.extend((k, None) for k in inner if id(k) not in size)
 
 
-# --------------------------------------------------------------------------- stand-ins
-
-
 class StandIn:
     """Inert stand-in for a pickled Python object: keeps the pickled args and state as data.
 
@@ -313,10 +311,6 @@ class _Storage:
         return f"<storage {self.key!r} {self.raw.size} bytes as {self.dtype}>"
 
 
-_TORCH_DTYPES = dtypes.BY_NAME
-_STORAGE_TYPES = dtypes.STORAGES
-
-
 def _as_int_tuple(x: Any, what: str) -> tuple[int, ...]:
     if not isinstance(x, (tuple, list)) or not all(type(v) is int for v in x):
         raise ValueError(f"tensor {what} must be a tuple of ints, found {short_repr(x)}")
@@ -357,15 +351,13 @@ def _rebuild_tensor(
         )
     flat = storage.raw[: n_elems * dt.itemsize].view(dt)
     if strides == tuple(math.prod(shape[i + 1 :]) for i in range(len(shape))) or numel == 1:
-        out = flat[storage_offset : storage_offset + numel].reshape(shape)
-    else:
-        out = np.lib.stride_tricks.as_strided(
-            flat[storage_offset:],
-            shape=shape,
-            strides=tuple(s * dt.itemsize for s in strides),
-            writeable=False,
-        )
-    return out
+        return flat[storage_offset : storage_offset + numel].reshape(shape)
+    return np.lib.stride_tricks.as_strided(
+        flat[storage_offset:],
+        shape=shape,
+        strides=tuple(s * dt.itemsize for s in strides),
+        writeable=False,
+    )
 
 
 def _rebuild_tensor_v2(
@@ -561,10 +553,10 @@ def _base_allowed() -> dict[str, Any]:
         "builtins.bytearray": _bytearray,
         "_codecs.encode": _codecs_encode,
     }
-    for name, dt in _TORCH_DTYPES.items():
+    for name, dt in dtypes.BY_NAME.items():
         d[f"torch.{name}"] = dt
-    for name, dt in _STORAGE_TYPES.items():
-        st = _StorageType(name, _TORCH_DTYPES[dt])
+    for name, dt in dtypes.STORAGES.items():
+        st = _StorageType(name, dtypes.BY_NAME[dt])
         d[f"torch.{name}"] = st
         d[f"torch.storage.{name}"] = st
         d[f"torch.cuda.{name}"] = st
@@ -648,8 +640,6 @@ def _numpy_classes() -> dict[str, Any]:
 #: numbers in its arguments) as inert stand-ins, for files saved beside the weights.
 NUMPY_CLASSES: Mapping[str, Any] = _numpy_classes()
 
-
-# --------------------------------------------------------------------------- unpickler
 
 _op = {op.name: op.code.encode("latin1")[0] for op in pickletools.opcodes}
 
@@ -835,9 +825,7 @@ def restricted_loads(
         extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
         persistent_load: resolves persistent ids (torch's storages).
     """
-    allowed = dict(BASE_ALLOWED)
-    if extra_classes:
-        allowed.update(extra_classes)
+    allowed = {**BASE_ALLOWED, **(extra_classes or {})}
     up = _RestrictedUnpickler(data, where, allowed, persistent_load)
     try:
         obj = up.load()
@@ -898,15 +886,11 @@ class TorchArchive:
         self.path = os.fspath(path)
         self.lazy_crc = lazy_crc
         try:  # a regular file only: a FIFO or device would block or never end
-            fd = files.open_regular(self.path)
+            mm = mapped_file.map_file(self.path)
         except files.UnsafeFileError as e:
             raise TorchFileError(self.path, str(e).split(": ", 1)[-1]) from None
         except OSError as e:
             raise TorchFileError(self.path, f"cannot open: {e.strerror}") from None
-        try:
-            mm = mapped_file.map_file(self.path, fd)
-        finally:
-            os.close(fd)
         if mm is None:
             raise TorchFileError(self.path, "file is empty")
         head = mapped_file.read_bytes(mm, 0, min(8, len(mm)), "reading the file's signature")
@@ -1000,7 +984,7 @@ class TorchArchive:
                 # The member's CRC-32, checked once, when first referenced (ISA-L's CRC-32 runs
                 # at several GB/s; the copy that follows reads the same pages from the page
                 # cache).
-                self._check_crc(name, info, mapped_file.crc32(view, crc=zip_crc32))
+                _crc_matches(self.path, name, info.CRC, mapped_file.crc32(view, crc=zip_crc32))
         self._views[name] = view
         return view
 
@@ -1026,9 +1010,6 @@ class TorchArchive:
                 f"but the file has {self.size} (truncated)",
             )
         return data_off
-
-    def _check_crc(self, name: str, info: zipfile.ZipInfo, found: int) -> None:
-        _crc_matches(self.path, name, info.CRC, found)
 
     def _inflate(
         self,
@@ -1102,7 +1083,7 @@ class TorchArchive:
                 f"member {name!r}: the deflate stream gives {pos} bytes, the archive declares "
                 f"{info.file_size} (truncated or corrupt)",
             )
-        self._check_crc(name, info, crc)
+        _crc_matches(self.path, name, info.CRC, crc)
         if keep:
             self._inflated += info.file_size
         out.flags.writeable = False
@@ -1219,22 +1200,16 @@ def load_torch_file(
             pickled data).
         verify_crc: check every storage's CRC-32 while loading.
     """
-    arch = TorchArchive(path)
-    try:
+    with contextlib.closing(TorchArchive(path)) as arch:
         if verify_crc:
             arch.verify_crc()
         return arch.load(extra_classes)
-    finally:
-        arch.close()
 
 
 def scan_globals(path: os.PathLike | str) -> set[str]:
     """The ``module.QualName`` globals a torch file's pickle references, found without loading it."""
-    arch = TorchArchive(path)
-    try:
+    with contextlib.closing(TorchArchive(path)) as arch:
         data = arch.read_member(arch.prefix + "data.pkl")
-    finally:
-        arch.close()
     found: set[str] = set()
     strings: list[str] = []
     try:
