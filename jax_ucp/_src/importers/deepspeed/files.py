@@ -139,8 +139,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
     latest = os.path.join(src, "latest")
     if os.path.lexists(latest):
         return follow_tracker(src, latest)
-    runs = trainer_checkpoints(src)
-    if runs:
+    if runs := trainer_checkpoints(src):
         raise SourceError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
