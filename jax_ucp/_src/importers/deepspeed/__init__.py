@@ -171,6 +171,5 @@ def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
         scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
         if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
             record["scheduler"] = scheduler  # its state is in the model states file
-        plan.source["trainer"] = record
-        plan.source["trainer_path"] = trainer
+        plan.source.update(trainer=record, trainer_path=trainer)
     return plan

@@ -109,8 +109,14 @@ def require(mapping: Any, key: Any, where: str) -> Any:
 
 
 def sourced_item(key: tuple[str, ...], value: Any, pattern: str, tensors: list[str]) -> Any:
-    """A ``host_item`` whose provenance names its source ``tensors`` (``<file>:<path>``) and
-    the files holding them."""
+    """A ``host_item`` whose provenance names its source ``tensors`` and the files holding them.
+
+    Args:
+        key: the item's key in the output tree.
+        value: its value (an array or a ``writer.Deferred``).
+        pattern: how the value was built (the provenance's ``pattern``).
+        tensors: the source tensors it is read from (``<file>:<path>``).
+    """
     held = sorted({t.split(":", 1)[0] for t in tensors})
     return host_item(key, value, {"files": held, "pattern": pattern, "tensors": tensors})
 
@@ -133,8 +139,7 @@ def resolve_tag_dir(src: str, tag: str | None) -> str:
     latest = os.path.join(src, "latest")
     if os.path.lexists(latest):
         return follow_tracker(src, latest)
-    runs = trainer_checkpoints(src)
-    if runs:
+    if runs := trainer_checkpoints(src):
         raise SourceError(
             f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
             f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."

@@ -13,12 +13,10 @@ Layout (DeepSpeed 0.19 ``deepspeed/checkpoint``, as ``ds_to_universal`` reads it
   rank XX's parameters over DP rank D, ``param_slice_mappings`` keyed by the TP-local names.
 
 Each model-parallel rank is read and checked like a plain ZeRO checkpoint
-(:func:`zero.open_zero_rank`). Per parameter the importer gathers every TP rank's
-fragment, merges them with the kind the UCP language gives it
-(:func:`deepspeed_ucp_info.spec_from_ucp_info`: replicated (checked bit-identical), averaged,
-row/column partitioned, sub-params, 2 sub-params cat dim 0, vocab with the padding stripped to
-``original_vocab_size``), and, for a parameter held by several pipeline stages (tied embeddings),
-checks the stages agree. Everything stays memory-mapped; one parameter is materialised at a time.
+(:func:`zero.open_zero_rank`). Per parameter the importer merges every TP rank's fragment with
+the kind :func:`ucp_info.spec_from_ucp_info` gives it and, for a parameter held by several
+pipeline stages (tied embeddings), checks the stages agree. Everything stays memory-mapped; one
+parameter is materialised at a time.
 """
 
 from __future__ import annotations

@@ -59,7 +59,6 @@ EP_GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
 class Experts:
     """The expert files of a tag folder, checked: every expert of every MoE layer present once."""
 
-    files: dict[int, dict[int, str]]  # MoE layer -> {global expert: file name}
     weights: dict[str, tuple[np.ndarray, str]]  # global name -> (weight, "<file>:<key>")
     layer_of: dict[str, int] = field(default_factory=dict)  # MoE module prefix -> layer
     count: dict[int, int] = field(default_factory=dict)  # MoE layer -> experts
@@ -130,7 +129,7 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
             f"{model_file}: num_experts records {len(recorded)} MoE layers, the folder has expert "
             f"files of {len(by_layer)} (layers {sorted(by_layer)})"
         )
-    experts = Experts(by_layer, {})
+    experts = Experts({})
     for index, (layer, by_expert) in enumerate(sorted(by_layer.items())):
         if layer != index:
             raise SourceError(
@@ -509,7 +508,7 @@ def zero0_index_names(
             "of model.parameters()); import the weights with weights_only=True"
         )
     local: list[str] = []
-    for layer in sorted(experts.files):
+    for layer in sorted(experts.count):
         count = experts.count[layer] // ep_size
         for expert in range(ep_rank * count, (ep_rank + 1) * count):
             prefix = f"layer_{layer}_expert_{expert}_"

@@ -260,9 +260,7 @@ def _param_folders(
             f"{zero}: no folder for parameter(s) {missing[:8]} of param_shapes in {first} "
             f"({len(missing)} missing)"
         )
-    order = {name: i for i, name in enumerate(shapes)}
-    params = dict(sorted(params.items(), key=lambda kv: order[kv[0]]))
-    return params, frozen_fp32, untracked
+    return {n: params[n] for n in shapes}, frozen_fp32, untracked  # param_shapes' order
 
 
 def _folder_states(folder: str, name: str) -> set[str]:
@@ -364,8 +362,7 @@ def _step(checkpoint: UniversalCheckpoint) -> tuple[int, list[str], list[str]]:
             "cannot recover the optimizer step. To import the weights alone: convert(..., "
             "weights_only=True) / jax-ucp convert --weights-only"
         )
-    step = agreed_step(found, where, recorded_by="parameters", error=SourceError)
-    return step, tensors, values
+    return agreed_step(found, where, recorded_by="parameters", error=SourceError), tensors, values
 
 
 def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, fp32_source: str):

@@ -184,15 +184,12 @@ def model_states_file(tag_dir: str, optimizer: OptimizerStates, mp_rank: int = 0
             raise SourceError(f"{path}: missing stage-3 model states file for DP rank {dp_rank}")
         with unsafe_files_refused(f" (stage-3 model states of DP rank {dp_rank})"):
             files.check_regular(path)
-    found = [
-        f
-        for f in os.listdir(tag_dir)
-        if (m := ZERO3_MODEL_FILE.match(f)) and int(m.group(2)) == mp_rank
-    ]
-    if len(found) != optimizer.world_size:
+    matches = map(ZERO3_MODEL_FILE.match, os.listdir(tag_dir))
+    found = sum(1 for m in matches if m and int(m.group(2)) == mp_rank)
+    if found != optimizer.world_size:
         raise SourceError(
             f"{tag_dir}: world size metadata says {optimizer.world_size} DP ranks but found "
-            f"{len(found)} stage-3 model states files"
+            f"{found} stage-3 model states files"
             + (f" of model-parallel rank {mp_rank}" if mp_rank else "")
         )
     return os.path.join(tag_dir, ZERO3_MODEL_NAME.format(0, mp_rank))

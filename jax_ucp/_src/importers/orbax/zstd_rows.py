@@ -161,11 +161,15 @@ class _Frame:
 def rows_reader(array, where: str, name: str) -> Callable[[int, int], np.ndarray] | None:
     """``rows(lo, hi)``: rows ``lo:hi`` of dim 0 of the TensorStore ``array`` (opened on a zarr
     v2 array), decoded from its chunks' zstd frames as a stream (a chunk read in part: twice,
-    its first pass checking the whole frame); a damaged chunk is a ``SourceError`` naming
-    ``where`` (where its chunks lie) and ``name`` (the array's). None where this does not
-    apply: not zarr v2 with only a zstd compressor in C order, chunks that split a row (dims
-    after the first), a 0-d or empty array. A chunk not in the store is TensorStore's to read
-    (its fill value)."""
+    its first pass checking the whole frame). None where this does not apply: not zarr v2 with
+    only a zstd compressor in C order, chunks that split a row (dims after the first), a 0-d or
+    empty array. A chunk not in the store is TensorStore's to read (its fill value).
+
+    Args:
+        array: the opened array.
+        where: where its chunks lie (a damaged chunk is a ``SourceError`` naming it).
+        name: the array's name (for errors).
+    """
     meta = _streamable(array)
     return None if meta is None else _Rows(array, meta, where, name)
 
