@@ -147,6 +147,7 @@ FACADES: dict[str, tuple[str, list[tuple[str, str]]]] = {
             ("DeepSpeedOptions", "jax_ucp.importers.deepspeed"),
             ("OrbaxOptions", "jax_ucp.importers.orbax"),
             ("VerlOptions", "jax_ucp.importers.verl"),
+            ("spec_from_ucp_info", "jax_ucp.importers.deepspeed.ucp_info"),
         ],
     ),
     "jax_ucp.orbax": (

@@ -113,6 +113,30 @@ def returns(path: list[str]) -> int:
     return count
 
 
+def measure(
+    depth: int = 99, *, calls: bool = False, every_module: bool = False, names: bool = False
+) -> list[str]:
+    """The stays of the restore this tool walks (entries unless ``calls``; the pipeline's
+    rooms unless ``every_module``, then every event)."""
+    devices = np.array(jax.devices()[:4]).reshape(2, 2)
+    mesh = Mesh(devices, ("data", "model"))
+    rules = [("embed", "data"), ("mlp", "model")]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "ckpt")
+        w = np.arange(32, dtype=np.float32).reshape(8, 4)
+        jax_ucp.save(path, {"w": w}, logical_axes={"w": ("embed", "mlp")})
+        placed = NamedSharding(mesh, PartitionSpec("data", "model"))
+        target = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=placed)}
+
+        def restore():
+            out = jax_ucp.restore(path, mesh=mesh, rules=rules, target=target)
+            assert out["w"].sharding == placed and np.array_equal(np.asarray(out["w"]), w)
+
+        restore()  # imports and caches, untraced
+        rooms = () if every_module else PIPELINE
+        return stays(walk(restore, depth, not every_module, rooms, names, entries=not calls))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--show", action="store_true", help="print the stays in order")
@@ -131,25 +155,8 @@ def main() -> None:
         "calls",
     )
     args = parser.parse_args()
-    show, depth = args.show, args.depth
-    calls, rooms = (False, ()) if args.all else (True, PIPELINE)
-    devices = np.array(jax.devices()[:4]).reshape(2, 2)
-    mesh = Mesh(devices, ("data", "model"))
-    rules = [("embed", "data"), ("mlp", "model")]
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "ckpt")
-        w = np.arange(32, dtype=np.float32).reshape(8, 4)
-        jax_ucp.save(path, {"w": w}, logical_axes={"w": ("embed", "mlp")})
-        placed = NamedSharding(mesh, PartitionSpec("data", "model"))
-        target = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=placed)}
-
-        def restore():
-            out = jax_ucp.restore(path, mesh=mesh, rules=rules, target=target)
-            assert out["w"].sharding == placed and np.array_equal(np.asarray(out["w"]), w)
-
-        restore()  # imports and caches, untraced
-        entries = not (args.calls or args.all)
-        path_ = stays(walk(restore, depth, calls, rooms, names=show, entries=entries))
+    show = args.show
+    path_ = measure(args.depth, calls=args.calls or args.all, every_module=args.all, names=show)
     if show:
         for m in path_:
             print(m)

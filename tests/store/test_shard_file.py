@@ -434,9 +434,9 @@ def test_object_digests_of_many_objects_at_once(tmp_path, fixed_index):
     assert got[0] == want[0] and got[2] == want[1]
     assert isinstance(got[1], FileNotFoundError)
     assert isinstance(got[3], CheckpointError) and "c/9/0" in str(got[3])
-    assert shard_reader.object_digest(kvstore, "c/1/0", 4, "c/1/0", offset) == want[1]
-    with pytest.raises(FileNotFoundError):
-        shard_reader.object_digest(kvstore, "c/5/0", 4, "c/5/0", offset)
+    assert shard_reader.object_digests([(kvstore, "c/1/0", 4, "c/1/0", offset)]) == [want[1]]
+    (alone,) = shard_reader.object_digests([(kvstore, "c/5/0", 4, "c/5/0", offset)])
+    assert isinstance(alone, FileNotFoundError)
 
 
 # Nothing outside the checkpoint is read, and no tensor borrows another's bytes.

@@ -1,8 +1,8 @@
 """Layer 1: what is on disk. No JAX, no I/O beyond JSON."""
 
+from jax_ucp._src.errors import UCPError
 from jax_ucp._src.format import files
 from jax_ucp._src.format.dtypes import dtype_name, to_numpy_dtype
-from jax_ucp._src.format.errors import UCPError
 from jax_ucp._src.format.keypath import encode_key, key_to_str
 from jax_ucp._src.format.manifest import (
     ARRAYS_DIR,
@@ -21,26 +21,3 @@ from jax_ucp._src.format.manifest import (
     read_manifest_file,
     role_of,
 )
-
-__all__ = [
-    "ARRAYS_DIR",
-    "FORMAT_VERSION",
-    "MANIFEST_FILE",
-    "MAX_MANIFEST_BYTES",
-    "MAX_TREE_DEPTH",
-    "Entry",
-    "Manifest",
-    "SavedSharding",
-    "TensorEntry",
-    "UCPError",
-    "ValueEntry",
-    "array_dir",
-    "check_tree_depth",
-    "dtype_name",
-    "encode_key",
-    "key_to_str",
-    "new_manifest",
-    "read_manifest_file",
-    "role_of",
-    "to_numpy_dtype",
-]

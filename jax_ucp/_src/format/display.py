@@ -16,8 +16,6 @@ from typing import Any
 #: rows a table shows before "… and N more"
 MAX_ROWS = 50
 
-__all__ = ["MAX_ROWS", "cell_text", "html_table", "markdown_table", "mesh_text", "text_table"]
-
 
 def cell_text(value: Any) -> str:
     """A cell as text: tuples of axis names as ``(fsdp, tp)``, None as blank."""

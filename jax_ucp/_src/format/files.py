@@ -119,7 +119,7 @@ def inside(root: str | os.PathLike, name: str, what: str, *, folder=None) -> str
     a NUL or an empty name is refused as it stands, and a symlink leading out of the checkpoint
     after resolution (a ``.distcp`` linked to another user's file) too; a link that stays inside
     (a Hugging Face cache snapshot's links into ``blobs/``: see :func:`inside_checkpoint`) is
-    followed. ``what`` says where the name was read (file and entry) for the error.
+    followed.
 
     Args:
         root: the checkpoint's root folder.
@@ -229,13 +229,6 @@ def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
 
 
 def _describe(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISDIR, "a directory"),
-    ):
-        if test(mode):
-            return name
-    return f"mode {oct(mode)}"
+    kind = stat.filemode(mode)[0]
+    names = {"p": "a FIFO", "c": "a character device", "b": "a block device", "s": "a socket"}
+    return names.get(kind, "a directory" if kind == "d" else f"mode {oct(mode)}")

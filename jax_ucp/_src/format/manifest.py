@@ -7,6 +7,7 @@ checkpoint is self-describing without JAX, without the mesh it was saved from, a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -94,17 +95,6 @@ class SavedSharding:
     @classmethod
     def from_json(cls, d: Any, where: str = "saved_sharding") -> SavedSharding:
         """Parsed from its JSON form, strictly; errors name ``where``."""
-        key = _sharding_key(d)
-        known = _SHARDINGS.get(key) if key is not None else None
-        if known is not None:
-            return known
-        parsed = cls._parse(d, where)
-        if key is not None:
-            _remember(_SHARDINGS, key, parsed)
-        return parsed
-
-    @classmethod
-    def _parse(cls, d: Any, where: str) -> SavedSharding:
         d = _object(
             d, where, required=("mesh", "partition_spec"), allowed=("mesh", "partition_spec")
         )
@@ -340,7 +330,12 @@ class ValueEntry:
             # float.hex is exact and carries nan/inf, which plain JSON cannot.
             typed = {"type": "float", "value": float.hex(v)}
         elif isinstance(v, str):
-            _check_utf8(v, f"Leaf {self.name!r}: value")
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise CheckpointError(
+                    f"Leaf {self.name!r}: value: not encodable as UTF-8 ({e.reason} at {e.start})."
+                ) from None
             typed = {"type": "str", "value": v}
         else:
             raise RequestError(
@@ -377,7 +372,7 @@ class ValueEntry:
             key_types=key_types,
             value=v,
             role=_enum(d.get("role", "other"), f"{w}.role", ROLES),
-            sub_role=_opt_string(d.get("sub_role"), f"{w}.sub_role"),
+            sub_role=None if d.get("sub_role") is None else _string(d["sub_role"], f"{w}.sub_role"),
         )
 
 
@@ -446,16 +441,13 @@ class Manifest(display.Tabular):
     @property
     def saved_meshes(self) -> list[str]:
         """The meshes the tensors were saved from (``fsdp=2 × tp=4``), most used first."""
-        meshes: dict[tuple, int] = {}  # (axis names, shape): tensors
-        for e in self.tensors:
-            if e.saved_sharding is not None:
-                m = (e.saved_sharding.mesh_axis_names, e.saved_sharding.mesh_shape)
-                meshes[m] = meshes.get(m, 0) + 1
-        counts: dict[str, int] = {}
-        for (names, shape), n in meshes.items():
-            text = display.mesh_text(names, shape)
-            counts[text] = counts.get(text, 0) + n
-        return sorted(counts, key=lambda t: -counts[t])
+        meshes = collections.Counter(
+            (s.mesh_axis_names, s.mesh_shape) for e in self.tensors if (s := e.saved_sharding)
+        )
+        counts: collections.Counter[str] = collections.Counter()
+        for (names, shape), n in meshes.items():  # each mesh's text built once
+            counts[display.mesh_text(names, shape)] += n
+        return [text for text, _ in counts.most_common()]
 
     def to_rows(self) -> list[dict[str, Any]]:
         """One dict per tensor (:meth:`TensorEntry.to_row`), then one per saved value (name,
@@ -594,24 +586,20 @@ class Manifest(display.Tabular):
             parse_constant=_no_constant,
         )
         with bulk.cyclic_gc_paused():
-            return cls._from_text(text, decoder, where)
-
-    @classmethod
-    def _from_text(cls, text: str, decoder: json.JSONDecoder, where: str) -> Manifest:
-        try:
-            d = _decode(text, decoder, where)
-        except RecursionError:  # the C scanner's own guard, far below the stack's end
-            raise CheckpointError(
-                f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
-            ) from None
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
-        except CheckpointError:
-            raise
-        except ValueError as e:
-            raise CheckpointError(f"{where}: {e}") from None
-        _check_nesting(d, where)
-        return cls.from_json(d, where=where)
+            try:
+                d = _decode(text, decoder, where)
+            except RecursionError:  # the C scanner's own guard, far below the stack's end
+                raise CheckpointError(
+                    f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels."
+                ) from None
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{where}: corrupt manifest, not valid JSON ({e}).") from None
+            except CheckpointError:
+                raise
+            except ValueError as e:
+                raise CheckpointError(f"{where}: {e}") from None
+            _check_nesting(d, where)
+            return cls.from_json(d, where=where)
 
 
 class _ParsedEntries:
@@ -624,6 +612,12 @@ class _ParsedEntries:
         self.entries: list[Entry] = []
         self.error: CheckpointError | None = None
         self.too_deep = False
+
+    def add_from(self, scan, text: str, i: int) -> int:
+        """The element at ``i`` decoded and added; the index after it."""
+        element, i = _scan(scan, text, i)
+        self.add(element)
+        return i
 
     def add(self, element: Any) -> None:
         """One decoded element: checked and kept as its entry, its JSON dropped."""
@@ -668,50 +662,37 @@ def _decode(text: str, decoder: json.JSONDecoder, where: str) -> Any:
     if not text.startswith("{", i):
         return decoder.decode(text)  # not an object: no entries to stream
     out: dict[str, Any] = {}
-    i = _skip(text, i + 1)
-    if text.startswith("}", i):
-        i += 1
-    else:
-        while True:
-            if not text.startswith('"', i):
-                raise json.JSONDecodeError(
-                    "Expecting property name enclosed in double quotes", text, i
-                )
-            name, i = _scanstring(text, i + 1)
-            i = _skip(text, i)
-            if not text.startswith(":", i):
-                raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
-            i = _skip(text, i + 1)
-            if name == "entries" and text.startswith("[", i):
-                out[name], i = _decode_entries(text, i + 1, scan, _ParsedEntries(where))
-            else:
-                out[name], i = _scan(scan, text, i)
-            i = _skip(text, i)
-            if text.startswith("}", i):
-                i += 1
-                break
-            if not text.startswith(",", i):
-                raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
-            i = _skip(text, i + 1)
-    i = _skip(text, i)
+
+    def member(i: int) -> int:
+        if not text.startswith('"', i):
+            raise json.JSONDecodeError("Expecting property name enclosed in double quotes", text, i)
+        name, i = _scanstring(text, i + 1)
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise json.JSONDecodeError("Expecting ':' delimiter", text, i)
+        i = _skip(text, i + 1)
+        if name == "entries" and text.startswith("[", i):  # each element its entry, as decoded
+            parsed = out[name] = _ParsedEntries(where)
+            return _items(text, i + 1, "]", lambda i: parsed.add_from(scan, text, i))
+        out[name], i = _scan(scan, text, i)
+        return i
+
+    i = _skip(text, _items(text, i + 1, "}", member))
     if i != len(text):
         raise json.JSONDecodeError("Extra data", text, i)
     return out
 
 
-def _decode_entries(text: str, i: int, scan, parsed: _ParsedEntries) -> tuple[Any, int]:
-    """The elements of the array starting after its ``[`` at ``i``, each handed to ``parsed``
-    as it is decoded; returns ``parsed`` and the index after the closing ``]``."""
+def _items(text: str, i: int, close: str, item) -> int:
+    """Walks the comma-separated items of the array or object whose opening bracket ends at
+    ``i``, ``item(i)`` decoding each (returning the index after it); the index after ``close``."""
     i = _skip(text, i)
-    if text.startswith("]", i):
-        return parsed, i + 1
+    if text.startswith(close, i):
+        return i + 1
     while True:
-        element, i = _scan(scan, text, i)
-        parsed.add(element)
-        del element
-        i = _skip(text, i)
-        if text.startswith("]", i):
-            return parsed, i + 1
+        i = _skip(text, item(i))
+        if text.startswith(close, i):
+            return i + 1
         if not text.startswith(",", i):
             raise json.JSONDecodeError("Expecting ',' delimiter", text, i)
         i = _skip(text, i + 1)
@@ -815,7 +796,7 @@ def _fail(where: str, expected: str, found: Any) -> NoReturn:
 
 
 def _object(
-    d: Any, where: str, required: Sequence[str] = (), allowed: Sequence[str] | None = None
+    d: Any, where: str, required: tuple[str, ...] = (), allowed: tuple[str, ...] | None = None
 ) -> dict:
     if not isinstance(d, dict):
         _fail(where, "a JSON object", d)
@@ -844,7 +825,7 @@ def _tree_leaves(tree: Any, where: str, file: str) -> set[tuple[str, ...]]:
             leaves.add(prefix)
             continue
         level = 2 + 3 * len(path)  # of the node; its children list is one deeper, each child two
-        if level + 1 > MAX_JSON_DEPTH and not _tree_leaf_within(d, level):
+        if level + 1 > MAX_JSON_DEPTH and (level > MAX_JSON_DEPTH or _too_deep(d, level)):
             raise CheckpointError(f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
         if not (  # the usual container node, else every check with its message
             type(d) is dict
@@ -895,19 +876,10 @@ _PLAIN_NODE_FIELDS = frozenset(("type", "children"))
 _PLAIN_NODE_TYPES = frozenset(("dict", "list", "tuple"))
 
 
-def _tree_leaf_within(d: Any, level: int) -> bool:
-    """Whether a node at JSON ``level`` nests nothing deeper than ``MAX_JSON_DEPTH``."""
-    return level <= MAX_JSON_DEPTH and not _too_deep(d, level)
-
-
 def _string(v: Any, where: str) -> str:
     if not isinstance(v, str):
         _fail(where, "a string", v)
     return v
-
-
-def _opt_string(v: Any, where: str) -> str | None:
-    return None if v is None else _string(v, where)
 
 
 def _enum(v: Any, where: str, allowed: Sequence) -> Any:
@@ -1073,9 +1045,11 @@ def _saved_sharding(v: Any, where: str, key: tuple[str, ...]) -> SavedSharding:
     """An entry's saved_sharding: the shared one parsed before, else parsed (and shared)."""
     k = _sharding_key(v)
     known = _SHARDINGS.get(k) if k is not None else None
-    if known is not None:
-        return known
-    return SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
+    if known is None:
+        known = SavedSharding.from_json(v, f"{_named(where, key)}.saved_sharding")
+        if k is not None:
+            _remember(_SHARDINGS, k, known)
+    return known
 
 
 def _remember(memo: dict, key: Any, value: Any) -> Any:
@@ -1087,14 +1061,10 @@ def _remember(memo: dict, key: Any, value: Any) -> Any:
     return value
 
 
-def _as_set(names: Sequence[str]) -> frozenset[str]:
+@functools.cache
+def _as_set(names: tuple[str, ...]) -> frozenset[str]:
     """``names`` as a frozenset (cached: the field lists are a handful of tuples)."""
-    found = _SETS.get(names) if isinstance(names, tuple) else None
-    if found is None:
-        found = frozenset(names)
-        if isinstance(names, tuple):
-            _SETS[names] = found
-    return found
+    return frozenset(names)
 
 
 # Values many entries share, parsed once: (shape, chunk_shape, inner) triples, key types and
@@ -1103,7 +1073,6 @@ _MEMO_SIZE = 4096
 _SHAPES: dict[tuple, tuple] = {}
 _KEY_TYPES: dict[tuple, tuple] = {}
 _SHARDINGS: dict[tuple, SavedSharding] = {}
-_SETS: dict[tuple, frozenset] = {}
 _SHARDING_FIELDS = frozenset(("mesh", "partition_spec"))
 _MESH_FIELDS = frozenset(("axis_names", "shape"))
 _INT_ONLY = frozenset((int,))
@@ -1114,15 +1083,6 @@ _ROLES = frozenset(ROLES)
 _CANONICAL: dict[Any, str] = {
     name: name for name in (*dtypes_lib.SUPPORTED, *ROLES, *COMPRESSIONS[1:], *CHECKSUMS[1:])
 }
-
-
-def _check_utf8(text: str, where: str) -> None:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise CheckpointError(
-            f"{where}: not encodable as UTF-8 ({e.reason} at {e.start})."
-        ) from None
 
 
 def _bounded_int(text: str) -> int:

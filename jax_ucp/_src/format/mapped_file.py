@@ -26,20 +26,6 @@ from numpy.lib.array_utils import byte_bounds
 from jax_ucp._src.errors import CheckpointError
 from jax_ucp._src.format.files import open_regular, preadv_full
 
-__all__ = [
-    "PIECE",
-    "FileMap",
-    "check_before_read",
-    "check_pending",
-    "copy_into",
-    "crc32",
-    "map_file",
-    "mapped_at",
-    "read_bytes",
-    "read_out",
-    "take",
-]
-
 #: Bytes read per ``pread`` (and CRC-summed while still in the CPU cache).
 PIECE = 4 << 20
 

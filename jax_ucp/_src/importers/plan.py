@@ -11,7 +11,7 @@ import dataclasses
 import glob
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -243,12 +243,9 @@ def tensor_names(obj: Any, prefix: str = "") -> Iterator[str]:
     name their source tensors, so each can be accounted for."""
     if isinstance(obj, np.ndarray):
         yield prefix
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
+    elif isinstance(obj, (Mapping, list, tuple)):
+        for key, value in obj.items() if isinstance(obj, Mapping) else enumerate(obj):
             yield from tensor_names(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for index, value in enumerate(obj):
-            yield from tensor_names(value, f"{prefix}.{index}" if prefix else str(index))
 
 
 def skip(source: dict[str, Any], names, reason: str) -> None:
@@ -270,14 +267,13 @@ def accounted(plan: ImportPlan, where: str, *, whole: bool = True) -> Iterator[w
     Every source tensor must be imported (named by an item's ``provenance["tensors"]``) or
     skipped with a reason; an item may only name tensors the importer found; nothing under
     ``params/`` or ``model_params/`` may be named like optimizer state. Raised after the last
-    item (the writer commits only once the stream ends), naming the tensors. ``whole=False``
-    (one process's share of an import): each item is checked, the whole is not (the other
-    processes import the rest).
+    item (the writer commits only once the stream ends), naming the tensors.
 
     Args:
         plan: the importer's plan.
         where: the checkpoint, for the error.
-        whole: check the whole import (False: one process's share).
+        whole: check the whole import (False: one process's share, each item checked alone:
+            the other processes import the rest).
     """
     if plan.source_tensors is None:  # an importer not yet reporting its tensors
         yield from plan.items
@@ -342,15 +338,27 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def trainer_checkpoints(src: str) -> list[str]:
-    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[str]:
+    """The entries of ``src`` named ``pattern`` whose path ``holds``, by their number; [] when
+    ``src`` cannot be listed.
+
+    Args:
+        src: the folder.
+        pattern: a regular expression of the whole name, its one group the number.
+        holds: whether a matching entry's path is one (a folder of the right kind).
+    """
     try:
         names = os.listdir(src)
     except OSError:
         return []
     found = [
-        n
+        (int(m.group(1)), n)
         for n in names
-        if re.fullmatch(r"checkpoint-\d+", n) and os.path.isdir(os.path.join(src, n))
+        if (m := re.fullmatch(pattern, n)) and holds(os.path.join(src, n))
     ]
-    return sorted(found, key=lambda n: int(n.split("-")[1]))
+    return [n for _, n in sorted(found)]
+
+
+def trainer_checkpoints(src: str) -> list[str]:
+    """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
+    return numbered_folders(src, r"checkpoint-(\d+)", os.path.isdir)

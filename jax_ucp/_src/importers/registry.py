@@ -36,15 +36,15 @@ class Importer:
         detect: ``detect(path)``: whether ``path`` holds this format, and why (not).
         plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
         options: the format's options class (``ImportOptions`` or a subclass).
+        outranks: formats whose claim on the same source this one's overrides, for shared
+            marker names (verl's run root holds Megatron-LM's tracker file and DeepSpeed-like
+            ``global_step_N/`` folders).
     """
 
     name: str
     detect: Callable[[str], Detection]
     plan: Callable[[str, Any], ImportPlan]
     options: type[ImportOptions]
-    #: formats whose claim on the same source this format's claim overrides: they share marker
-    #: names (verl's run root holds Megatron-LM's ``latest_checkpointed_iteration.txt`` and
-    #: ``global_step_N/`` folders, named like DeepSpeed's ``global_step*``)
     outranks: tuple[str, ...] = ()
 
 
@@ -114,18 +114,15 @@ def detect_format(src) -> str:
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
             f".pt, .pth or .ckpt file)."
         )
-    runs = trainer_checkpoints(src)
-    if runs:
-        raise SourceError(
-            f"{src}: a Hugging Face Trainer output directory with {len(runs)} checkpoints: "
-            f"{', '.join(runs)}. Convert one of them (e.g. {os.path.join(src, runs[-1])})."
-        )
-    steps = step_folders(src)
-    if steps:
-        raise SourceError(
-            f"{src}: an OLMo-core save folder with {len(steps)} checkpoints: {', '.join(steps)}. "
-            f"Convert one of them (e.g. {os.path.join(src, steps[-1])})."
-        )
+    for runs, what in (
+        (trainer_checkpoints(src), "a Hugging Face Trainer output directory"),
+        (step_folders(src), "an OLMo-core save folder"),
+    ):
+        if runs:
+            raise SourceError(
+                f"{src}: {what} with {len(runs)} checkpoints: {', '.join(runs)}. Convert one of "
+                f"them (e.g. {os.path.join(src, runs[-1])})."
+            )
     found = sorted(os.listdir(src))
     listing = ", ".join(found[:12]) + (f", ... ({len(found)} entries)" if len(found) > 12 else "")
     tried = "; ".join(f"{name}: {reason}" for name, reason in refused.items())
@@ -193,9 +190,6 @@ def import_options(format: str | None = None, **fields: Any) -> ImportOptions:
     Args:
         format: one of ``FORMATS``, or None (not known yet: the files decide when planning).
         **fields: fields of the importers' options classes (``OPTION_FIELDS``).
-
-    Returns:
-        The options object that travels to the format's ``plan`` whole.
     """
     given = {k: v for k, v in fields.items() if v is not None}
     if format is not None:

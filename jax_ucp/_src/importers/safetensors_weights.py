@@ -43,7 +43,10 @@ def plan_safetensors(
         "metadata": {k: v for f in opened for k, v in f.metadata.items() if isinstance(v, str)},
     }
     found = list(names)
-    trainer_state = _trainer_optimizer(src)
+    # a Trainer's optimizer.pt (Accelerate's optimizer.bin) in the folder would be lost without a
+    # word if the weights were imported alone; a file given by its own path is that file only
+    beside = ("optimizer.pt", "optimizer.bin") if os.path.isdir(src) else ()
+    trainer_state = next((p for n in beside if os.path.lexists(p := os.path.join(src, n))), None)
     if trainer_state is not None:
         optimizer_file = os.path.basename(trainer_state)
         trainer = optimizer_file == "optimizer.pt"
@@ -69,11 +72,3 @@ def plan_safetensors(
         for n in mine
     )
     return ImportPlan(items, source, len(mine), source_tensors=found)
-
-
-def _trainer_optimizer(src: str) -> str | None:
-    """``optimizer.pt`` in the folder given (a Trainer ``checkpoint-N/`` without DeepSpeed): its
-    state would be lost without a word if the weights were imported alone. A file given by its
-    own path is that file only."""
-    paths = [os.path.join(src, n) for n in ("optimizer.pt", "optimizer.bin")]  # Trainer, Accelerate
-    return next((p for p in paths if os.path.lexists(p)), None) if os.path.isdir(src) else None

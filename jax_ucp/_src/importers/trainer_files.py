@@ -194,6 +194,4 @@ def trainer_folder_above(tag_dir: str) -> str | None:
     ``pytorch_model_fsdp_0/``): its parent when the Trainer saved there (``trainer_state.json``),
     else None. Only that one folder is looked at, never further up."""
     parent = os.path.dirname(os.path.abspath(tag_dir))
-    if os.path.lexists(os.path.join(parent, STATE_FILE)) and is_trainer_checkpoint(parent):
-        return parent
-    return None
+    return parent if os.path.lexists(os.path.join(parent, STATE_FILE)) else None

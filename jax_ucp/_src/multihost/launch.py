@@ -42,10 +42,7 @@ def local_process_limit() -> tuple[int, str]:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     by_cpu = max(1, (cpus or 1) * PROCESSES_PER_CPU)
     available = _available_memory()
-    if available is None:
-        return by_cpu, f"{cpus} CPUs x {PROCESSES_PER_CPU}"
-    by_memory = max(1, available // PROCESS_MEMORY)
-    if by_memory < by_cpu:
+    if available is not None and (by_memory := max(1, available // PROCESS_MEMORY)) < by_cpu:
         return by_memory, f"{available >> 20} MiB available / {PROCESS_MEMORY >> 20} MiB each"
     return by_cpu, f"{cpus} CPUs x {PROCESSES_PER_CPU}"
 

@@ -3,8 +3,7 @@
 Each process records its ``identity`` when the job starts; a process waiting on a peer later
 compares that record with what ``/proc`` says now, so a dead peer is noticed within a poll
 instead of after ``jax.distributed``'s heartbeat (100 s). Only processes of this host (same host
-name, boot and pid namespace) can be checked; the others are left to the heartbeat. Used by the
-shared import (``conversion``) and by replicated reads (``restoring.replicated``).
+name, boot and pid namespace) can be checked; the others are left to the heartbeat.
 """
 
 from __future__ import annotations
@@ -23,12 +22,8 @@ def identity(pid: int) -> dict | None:
     except FileNotFoundError:
         return None
     except OSError:  # no /proc: only the pid can be checked
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             return None
-        except PermissionError:
-            pass
         stat = [b"?"] * 20
     return {
         "host": socket.gethostname(),
@@ -38,6 +33,17 @@ def identity(pid: int) -> dict | None:
         "start": stat[19].decode(),  # field 22 of /proc/<pid>/stat: start time in clock ticks
         "zombie": stat[0] in (b"Z", b"X"),
     }
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (``kill(pid, 0)``; another user's process counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def first_lost(peers: Sequence[dict], indices: Iterable[int], me: int) -> int | None:

@@ -196,11 +196,8 @@ async def write_within_budget(
     sync: bool = True,
     max_in_flight: int = 64,
 ) -> dict[str, dict[str, str]]:
-    """``plan.write_all`` with at most ``budget`` bytes of shards in flight, in save order.
-
-    A batch is admitted once the oldest ones are written and their host data freed, so the
-    stall's copies (the first shards) are retired first and a referenced shard is copied only
-    when it fits. Returns {tensor dir: {shard key: digest}} as ``write_all``.
+    """``plan.write_all`` with at most ``budget`` bytes of shards in flight, in save order (the
+    module's docstring says how); returns {tensor dir: {shard key: digest}} as ``write_all``.
 
     Args:
         root: the checkpoint directory.

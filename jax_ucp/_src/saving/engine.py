@@ -242,10 +242,7 @@ def merge(save: PreparedSave, process_count: int) -> None:
 
 def save(path: str, args: SaveArgs, *, force: bool) -> None:
     """``args`` saved at ``path`` by every process, committed once (``commit_once``) in a
-    ``commit.transaction``: a directory through a temporary sibling renamed (or swapped) into
-    place, so a failed or killed save leaves the old checkpoint whole; an ``s3://`` / ``gs://``
-    prefix by its ``ucp.json``, written last (no rename there: a committed one is never
-    replaced). ``force`` replaces only what jax_ucp wrote.
+    ``commit.transaction``: a failed or killed save leaves the old checkpoint whole.
 
     Args:
         path: the checkpoint directory (absolute) or object-store prefix.
@@ -257,8 +254,7 @@ def save(path: str, args: SaveArgs, *, force: bool) -> None:
         store.location.kvstore_root(path)  # a malformed URL fails here, in every process
         commit.check_object_store_prefix(path, force=force)  # every process sees it: all raise
     job = agreement.join(path, BARRIER_TIMEOUT, purpose="save")
-    index, gather = (0, None) if job is None else (job[0], job[2])
-    count = 1 if job is None else job[1]
+    index, count, gather = job or (0, 1, None)
     saves: list[PreparedSave] = []
 
     def write_part(directory: str) -> str:

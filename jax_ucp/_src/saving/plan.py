@@ -33,8 +33,12 @@ from jax_ucp._src.writer import (
 _VALUE_TYPES = (type(None), bool, int, float, str)
 
 
-def shards_to_write(array: jax.Array) -> list:
-    """(index, shard data) for the addressable shards this process must write: replica 0 only."""
+def shards_to_write(array: jax.Array, primary: bool = True) -> list:
+    """(index, shard data) for the addressable shards this process must write: replica 0 only.
+    A process-local array (e.g. a step counter made on each host's first device) exists once
+    per process: only the primary writes it, or two processes would write one shard file."""
+    if not primary and jax.process_count() > 1 and array.is_fully_addressable:
+        return []
     return [(s.index, s.data) for s in array.addressable_shards if s.replica_id == 0]
 
 
@@ -327,22 +331,15 @@ class _AxisNames:
 def _device_writes(leaf: jax.Array, *, primary: bool, copy: bool, snapshots: _Snapshots):
     """This process's (index, host data) writes of ``leaf``: its replica-0 shards, a private
     copy's producer for an async save of CPU shards."""
-    # A process-local array (e.g. a step counter made on each host's first device) exists once
-    # per process: only the primary writes it, or two processes would write one shard file.
-    local_copy = jax.process_count() > 1 and leaf.is_fully_addressable
-    if not (primary or not local_copy):
-        return []
     return [
         (index, snapshots.add(data) if (copy and budget_lib.on_cpu(data)) else np.asarray(data))
-        for index, data in shards_to_write(leaf)
+        for index, data in shards_to_write(leaf, primary)
     ]
 
 
 def _bounded_writes(name: str, leaf: jax.Array, primary: bool, bounded):
     """``_device_writes`` within a memory budget: copied or referenced by ``bounded``."""
-    if not primary and jax.process_count() > 1 and leaf.is_fully_addressable:
-        return []
-    return [(index, bounded.add(name, index, data)) for index, data in shards_to_write(leaf)]
+    return [(i, bounded.add(name, i, data)) for i, data in shards_to_write(leaf, primary)]
 
 
 def _prepare_device_array(key, key_types, leaf: jax.Array, options, writes, copy, tagged):

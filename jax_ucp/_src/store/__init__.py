@@ -18,23 +18,6 @@ from jax_ucp._src.store.zarr3 import (
     open_array,
 )
 
-__all__ = [
-    "DEFAULT_INNER_CHUNK_BYTES",
-    "ArrayLayout",
-    "InFlightBytes",
-    "array_config",
-    "bytes_read",
-    "create",
-    "inner_chunk_shape",
-    "is_url",
-    "kvstore_config",
-    "kvstore_driver",
-    "open_array",
-    "outer_chunk_shape",
-    "read_manifest",
-    "write_manifest",
-]
-
 
 def bytes_read() -> int:
     """Bytes this process has read from local checkpoint files, through every reader path."""

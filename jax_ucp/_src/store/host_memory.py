@@ -15,10 +15,7 @@ neither (threads that allocated before keep theirs).
 
 Pinning the mmap threshold at 128 KiB instead would turn every later allocation above it into
 a fresh mapping for the rest of the process (XLA:CPU's buffers of each training step among
-them). ``trimming`` lowers the trim threshold while a restore reads only; glibc has no call to
-make its thresholds dynamic again, so afterwards the mmap threshold stays where glibc had
-raised it and the trim threshold at the most glibc's dynamic one reaches. A no-op where the C
-library has no ``mallopt`` (musl, macOS, Windows) and where the user set the thresholds.
+them), so ``trimming`` lowers only the trim threshold, and only while a restore reads.
 """
 
 from __future__ import annotations
@@ -107,7 +104,7 @@ def host_memory_limit() -> tuple[int, str] | None:
     limits = []
     with contextlib.suppress(AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
         limits.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "physical memory"))
-    try:
+    with contextlib.suppress(ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
         import resource
 
         for which, what in (
@@ -117,7 +114,5 @@ def host_memory_limit() -> tuple[int, str] | None:
             soft = resource.getrlimit(which)[0]
             if soft != resource.RLIM_INFINITY and soft > 0:
                 limits.append((soft, f"the {what} limit"))
-    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
-        pass
     limits = [x for x in limits if x[0] > 0]
     return min(limits) if limits else None

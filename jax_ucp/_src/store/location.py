@@ -235,15 +235,6 @@ def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_F
         f.write(text)
 
 
-def cannot_replace(url: str) -> RequestError:
-    """The error for replacing a committed checkpoint in an object store (no atomic rename there)."""
-    return RequestError(
-        f"{url}: replacing a committed checkpoint in an object store is not supported (no "
-        f"atomic rename: the old one would be deleted before the new one is whole). Save to a "
-        f"new prefix, e.g. the next step, and delete the old one after."
-    )
-
-
 def _successor(prefix: str) -> str:
     """The smallest string greater than every string starting with ``prefix``."""
     data = bytearray(prefix.encode())

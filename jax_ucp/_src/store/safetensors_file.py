@@ -12,7 +12,6 @@ slice into its own aligned buffer that ``jax.device_put`` adopts; ``view()`` is 
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import math
 import os
@@ -89,7 +88,7 @@ class SafetensorsTensor:
         self._rows_into(block, a)
         return block
 
-    def read_into(self, dests) -> RegionsRead:
+    def read_into(self, dests) -> shard_reader.PendingReads:
         """Reads each region into its array: ``dests`` is a list of (region, out), region
         ``((start, stop), ...)`` per dimension and out a writable C-contiguous array of the
         tensor's dtype and the region's shape. Rows several regions need are read once."""
@@ -108,7 +107,7 @@ class SafetensorsTensor:
                 cut.append((region, out))
         tasks.extend(self._cut_tasks(cut))
         pool = shard_reader.read_pool()
-        return RegionsRead([pool.submit(*task) for task in tasks])
+        return shard_reader.PendingReads([pool.submit(*task) for task in tasks])
 
     def _cut_tasks(self, dests) -> list:
         """Blocks of whole rows covering every region not a row range, each block read once."""
@@ -197,7 +196,7 @@ class Gathered:
             if b > a
         ]
 
-    def read_into(self, dests) -> RegionsRead:
+    def read_into(self, dests) -> shard_reader.PendingReads:
         """Reads each ``(region, out)`` of ``dests`` into ``out``, like ``ShardReader.read_into``."""
         for region, out in dests:
             shard_reader.check_destination(region, out, self.shape, self.dtype)
@@ -214,7 +213,7 @@ class Gathered:
                 if wanted:
                     tasks.append((self._read_block, t, a, b, row + (a - first), wanted))
         pool = shard_reader.read_pool()
-        return RegionsRead([pool.submit(*task) for task in tasks])
+        return shard_reader.PendingReads([pool.submit(*task) for task in tasks])
 
     @staticmethod
     def _read_block(t: SafetensorsTensor, a: int, b: int, row: int, dests) -> None:
@@ -232,15 +231,3 @@ TILE = 64  # source rows transposed at once (stays in cache)
 
 
 _VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-
-
-class RegionsRead:
-    """The pending reads of one ``read_into``: ``result()`` waits for all of them (none may
-    still write into an array when it returns) and raises the first error."""
-
-    def __init__(self, parts: list[concurrent.futures.Future]):
-        self._parts = parts
-
-    def result(self) -> None:
-        """Waits for every read; raises the first error."""
-        shard_reader.wait_all(self._parts)

@@ -27,31 +27,18 @@ import crc32c as crc32c_lib
 import numpy as np
 
 from jax_ucp._src.errors import CheckpointError
+from jax_ucp._src.format import dtypes
 from jax_ucp._src.store.zarr3 import ArrayLayout
-
-# Dtypes whose zarr v3 "bytes" encoding is the little-endian in-memory layout (itemsize >= 1).
-# Sub-byte types (int4, float4) are packed differently and are left to TensorStore.
-_BYTES_KINDS = "biufc"
-
-
-_ML_DTYPES_1_2_BYTES = [
-    "bfloat16",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "float8_e4m3fnuz",
-    "float8_e5m2fnuz",
-    "float8_e4m3b11fnuz",
-    "float8_e3m4",
-    "float8_e4m3",
-    "float8_e8m0fnu",
-]
 
 
 def encodable_dtype(dtype: np.dtype) -> bool:
-    """Whether the dtype's zarr "bytes" encoding is its little-endian memory (whole bytes)."""
-    if dtype.name in _ML_DTYPES_1_2_BYTES:
-        return True
-    return dtype.kind in _BYTES_KINDS and dtype.itemsize >= 1 and dtype.byteorder in ("=", "<", "|")
+    """Whether the dtype's zarr "bytes" encoding is its little-endian memory: a dtype of the
+    format in native or little-endian order, but int4 (two values a byte: packed by TensorStore,
+    as any sub-byte type)."""
+    return dtype.name in _WHOLE_BYTES and (dtype.itemsize == 1 or dtype.byteorder in ("=", "<"))
+
+
+_WHOLE_BYTES = frozenset(dtypes.SUPPORTED) - {"int4"}
 
 
 def chunks_are_contiguous(shard_shape: Sequence[int], inner: Sequence[int]) -> bool:

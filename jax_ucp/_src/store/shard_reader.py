@@ -1,8 +1,6 @@
-"""Reads regions of zarr v3 arrays whose shards have ``shard_file``'s layout, with pread and the
-hardware crc32c (TensorStore verifies crc32c in software, the main cost of a restore on 2
-cores), and checks each shard file's digest against the manifest. ``layout_from_metadata``
-admits an array only if its zarr.json (as TensorStore parsed it) is exactly that layout;
-anything else is read by TensorStore."""
+"""Reads regions of zarr v3 arrays whose shards have ``shard_file``'s layout (its docstring says
+why), and checks each shard file's digest against the manifest; anything else is read by
+TensorStore."""
 
 from __future__ import annotations
 
@@ -43,31 +41,14 @@ def read_index(fd: int, path: str, n_chunks: int, crc: bool) -> np.ndarray:
     return parse_index(raw, path, n_chunks, crc, size - index_bytes)
 
 
-def object_digest(kvstore, key: str, n_chunks: int, where: str, data_bytes: int | None) -> str:
-    """The digest of the shard object ``key`` in an object store (a ``tensorstore.KvStore``):
-    its index, then the crc32c trailer of every inner chunk, read as byte ranges.
-
-    ``data_bytes``: where the index starts when the layout fixes it (uncompressed chunks); else
-    the index is read as the object's suffix, which some servers (the GCS emulator) ignore.
-
-    Args:
-        kvstore: the object store (a ``tensorstore.KvStore``)
-        key: the shard object's key
-        n_chunks: inner chunks in the shard
-        where: the object's address, for messages
-        data_bytes: where the index starts, when the layout fixes it
-    """
-    found = object_digests([(kvstore, key, n_chunks, where, data_bytes)])[0]
-    if isinstance(found, BaseException):
-        raise found
-    return found
-
-
 def object_digests(shards) -> list:
-    """``object_digest`` of many shard objects ``(kvstore, key, n_chunks, where, data_bytes)``
-    at once: every index read is issued together, then every trailer in one batch, so a restore
-    waits two round trips for all of them instead of two per object. Each result is the digest,
-    or the error (``FileNotFoundError``, ``CheckpointError``) for that object."""
+    """The digests of shard objects ``(kvstore, key, n_chunks, where, data_bytes)`` in an object
+    store (a ``tensorstore.KvStore``): each its index, then the crc32c trailer of every inner
+    chunk, read as byte ranges. ``data_bytes``: where the index starts when the layout fixes it
+    (uncompressed chunks); else it is read as the object's suffix, which some servers (the GCS
+    emulator) ignore. Every index read is issued together, then every trailer in one batch, so a
+    restore waits two round trips for all of them instead of two per object. Each result is the
+    digest, or the error (``FileNotFoundError``, ``CheckpointError``) for that object."""
     import tensorstore as ts
 
     out: list = [None] * len(shards)
@@ -415,9 +396,29 @@ class ShardReader:
 _BATCH_BYTES = 16 << 20
 
 
-class RegionRead:
-    """The pending read of regions into their arrays: its parts run on the read pool, in
-    parallel; ``result()`` is ``out`` (the array of a single-region read) once all are done."""
+class PendingReads:
+    """Reads running on the read pool, in parallel: ``result()`` waits for every one (none may
+    still write into an array when it returns), then raises the first error."""
+
+    def __init__(self, parts: list[concurrent.futures.Future]):
+        self._parts = parts
+
+    def result(self) -> np.ndarray | None:
+        """Waits for every read; raises the first error."""
+        errors = []
+        for part in self._parts:
+            try:
+                part.result()
+            except Exception as e:  # the first is raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return None
+
+
+class RegionRead(PendingReads):
+    """The pending read of regions into their arrays; ``result()`` then checks the shard
+    digests and is ``out`` (the array of a single-region read)."""
 
     def __init__(self, reader: ShardReader, dests: list, out: np.ndarray | None = None):
         self.out = out
@@ -425,27 +426,15 @@ class RegionRead:
         pool = read_pool()
         tasks = reader._tasks([region for region, _ in dests])
         self._keys = sorted({shard_key(pos) for pos, _ in tasks})
-        self._parts = [pool.submit(reader._read_part, pos, chunks, dests) for pos, chunks in tasks]
+        super().__init__(
+            [pool.submit(reader._read_part, pos, chunks, dests) for pos, chunks in tasks]
+        )
 
     def result(self) -> np.ndarray | None:
-        """Waits for every part (none may still write into an array), raises the first error,
-        then checks the shard digests; returns ``out`` of a single-region read."""
-        wait_all(self._parts)
+        """Waits for every part, raises the first error, then checks the shard digests."""
+        super().result()
         self._reader.verify_digests(self._keys)
         return self.out
-
-
-def wait_all(parts: list[concurrent.futures.Future]) -> None:
-    """Waits for every part of a read (none may still write into an array when this returns),
-    then raises the first error."""
-    errors = []
-    for part in parts:
-        try:
-            part.result()
-        except Exception as e:  # the first is raised below
-            errors.append(e)
-    if errors:
-        raise errors[0]
 
 
 class _Region:

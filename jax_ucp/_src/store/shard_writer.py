@@ -15,6 +15,7 @@ fsync per file waits for the disk one file at a time: the slowest in each run it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -44,14 +45,22 @@ SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start write-back of dirty pages, wait fo
 def can_encode(layout: ArrayLayout, data) -> bool:
     """Whether ``data`` (one whole shard) is laid out so that ``encode`` gives its file."""
     return (
+        isinstance(data, np.ndarray)
+        and data.size > 0
+        and tuple(data.shape) == tuple(layout.chunk_shape)
+        and encodes(layout, data.dtype)
+    )
+
+
+def encodes(layout: ArrayLayout, dtype: np.dtype) -> bool:
+    """Whether a shard of ``layout`` holding ``dtype`` (at least 1-d) is written here: no
+    compression, whole-byte little-endian values, inner chunks consecutive in the shard."""
+    return (
         sys.byteorder == "little"
         and layout.compression is None
         and layout.checksum in (None, "crc32c")
-        and isinstance(data, np.ndarray)
-        and data.ndim >= 1
-        and data.size > 0
-        and tuple(data.shape) == tuple(layout.chunk_shape)
-        and encodable_dtype(data.dtype)
+        and len(layout.chunk_shape) >= 1
+        and encodable_dtype(dtype)
         and chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape)
     )
 
@@ -127,12 +136,8 @@ def write(
     """Writes the shard at ``chunk_position`` of the array in ``array_dir``; returns its digest
     (``digest_of_trailers``; None without checksums).
 
-    ``sync``: the file's data is on disk on return (fsync); the directories that gained entries
-    are the caller's to fsync (``writer.durable``). Otherwise only start the write-back
-    (``start_writeback``: no waiting) and leave durability to the caller's one syncfs before it
-    commits the directory: writers then never stall on the disk one file at a time.
-    The checkpoint directory is committed by rename afterwards, so a partially written file is
-    never visible under the final name.
+    ``sync``: the file's data is on disk on return (its directories are the caller's to fsync);
+    else only its write-back is started, durable at the caller's one syncfs before the commit.
 
     Args:
         array_dir: the array's directory
@@ -141,22 +146,27 @@ def write(
         layout: the array's layout
         sync: fsync the file before returning
     """
-    key = shard_key(chunk_position)
-    path = os.path.join(array_dir, *key.split("/"))
-    parent = os.path.dirname(path)
-    os.makedirs(parent, exist_ok=True)
     parts = encode(data, layout)
-    digest = digest_of_parts(parts) if layout.checksum == "crc32c" else None
+    with opened(array_dir, chunk_position, sync=sync) as fd:
+        write_parts(fd, parts)
+    return digest_of_parts(parts) if layout.checksum == "crc32c" else None
+
+
+@contextlib.contextmanager
+def opened(array_dir: str, chunk_position: Sequence[int], *, sync: bool):
+    """The shard file at ``chunk_position`` of the array in ``array_dir``, created or truncated
+    and open for writing; when the block ends, fsynced (``sync``) or its write-back started."""
+    path = os.path.join(array_dir, *shard_key(chunk_position).split("/"))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
     try:
-        write_parts(fd, parts)
+        yield fd
         if sync:
             os.fsync(fd)
         else:
             start_writeback(fd)
     finally:
         os.close(fd)
-    return digest
 
 
 @functools.cache

@@ -7,9 +7,10 @@ chunks bounded in bytes, crc32c on every inner chunk and on the shard index, opt
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import tensorstore as ts
@@ -109,7 +110,6 @@ def array_config(kvstore: Mapping[str, Any], layout: ArrayLayout) -> dict:
     }
 
 
-_CONTEXTS: dict[bool, ts.Context] = {}
 # Enough to keep shard indices (and partly read inner chunks) while one restore runs: without a
 # cache every inner-chunk read re-fetches its shard's index (restores measurably slower).
 READ_CACHE_BYTES = 64 << 20
@@ -127,15 +127,14 @@ def _context_spec(cache_bytes: int, sync: bool = True) -> dict:
     }
 
 
+@functools.cache
 def context(sync: bool = True) -> ts.Context:
     """The shared write context: no cache (a save never re-reads), fsync for durability.
 
     ``sync=False`` is for writers that make the whole directory durable before committing it
     (``handler.commit``): one syncfs instead of an fsync per file.
     """
-    if sync not in _CONTEXTS:
-        _CONTEXTS[sync] = ts.Context(_context_spec(0, sync))
-    return _CONTEXTS[sync]
+    return ts.Context(_context_spec(0, sync))
 
 
 def read_context() -> ts.Context:
@@ -163,29 +162,13 @@ def create(
     return ts.open(spec, open=True, assume_metadata=True, context=context(sync))
 
 
-def open_array(
-    kvstore: Mapping[str, Any],
-    *,
-    dtype: str | None = None,
-    shape: Sequence[int] | None = None,
-    context: ts.Context | None = None,
-) -> ts.Future:
-    """Opens an existing array read-only; dtype/shape, when given, are checked by TensorStore.
-
-    Args:
-        kvstore: where the array is (``kvstore_config``)
-        dtype: the dtype expected (checked), if known
-        shape: the shape expected (checked), if known
-        context: a shared TensorStore context (cache pool, file I/O concurrency)
-    """
+def open_array(kvstore: Mapping[str, Any], *, context: ts.Context | None = None) -> ts.Future:
+    """Opens the existing array in ``kvstore`` (``kvstore_config``) read-only, in ``context``
+    (a shared cache pool and file I/O concurrency; None: a fresh ``read_context``)."""
     # Missing data is an error, never the fill value (a deleted shard file must not read as 0).
     spec: dict = {"driver": "zarr3", "kvstore": dict(kvstore), "fill_missing_data_reads": False}
-    kwargs: dict = {"context": context if context is not None else read_context()}
-    if dtype is not None:
-        kwargs["dtype"] = ts.dtype(dtype)
-    if shape is not None:
-        kwargs["shape"] = list(shape)
-    return ts.open(spec, open=True, read=True, write=False, **kwargs)
+    context = context if context is not None else read_context()
+    return ts.open(spec, open=True, read=True, write=False, context=context)
 
 
 def file_bytes_read() -> int:

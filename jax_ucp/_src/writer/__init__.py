@@ -32,27 +32,3 @@ from jax_ucp._src.writer.stream import (
     with_progress,
     write_stream,
 )
-
-__all__ = [
-    "DEFAULT_MEMORY_BUDGET",
-    "Deferred",
-    "HostItem",
-    "PipelinedWriter",
-    "PreparedTensor",
-    "SaveOptions",
-    "array_layout",
-    "mapped_deferred",
-    "memory_budget",
-    "memory_budget_scope",
-    "prepare_host_tensor",
-    "remove_abandoned",
-    "tensor_entry",
-    "unpooled_empty",
-    "value_entry",
-    "with_digests",
-    "with_progress",
-    "write_host_checkpoint",
-    "write_shared_checkpoint",
-    "write_stream",
-    "write_tensor",
-]

@@ -1,11 +1,8 @@
 """A standalone checkpoint written from a stream of host tensors, committed atomically.
 
 An importer yields ``HostItem``s; each is written as it comes, with a bounded number of bytes in
-flight (``shards.PipelinedWriter``), so peak memory is a few tensors, not the checkpoint. The
-checkpoint is written into a temporary sibling directory and renamed into place (``commit``)
-without importing JAX or Orbax — a conversion is a host-only job and their import was ~1 s of
-it. If the generator raises, the destination is untouched. (A CheckpointManager step is written
-by ``orbax.manager_step`` on top of the same stream writer.)
+flight (``shards.PipelinedWriter``), so peak memory is a few tensors, not the checkpoint. No JAX
+or Orbax: a conversion is a host-only job and their import was ~1 s of it.
 """
 
 from __future__ import annotations
@@ -68,23 +65,17 @@ def write_shared_checkpoint(
     compression: str | None = None,
 ) -> str:
     """One UCP checkpoint written by ``count`` processes on a shared file system, process
-    ``index`` writing ``items`` (its share of the tensors).
-
-    ``gather(step, value, wait)`` returns every process's value for ``step`` once all have
-    posted theirs (``wait=False``: only posts it), e.g. through jax.distributed's key-value
-    store (this layer stays JAX-free), and raises if a process is lost or too late. The
-    commit is ``multihost.commit.commit_once``: the primary (index 0) holds the save lock and
-    names the temporary directory, ``<dest>.ucp-tmp-<host>.<pid>.<ns>`` after itself (a later
-    import removes it once the primary is gone); each process writes its part file, makes it
-    durable and reports its sha256; the primary merges the parts and renames once. A failure
-    anywhere leaves ``dest`` untouched and is raised in every process.
+    ``index`` writing ``items`` (its share of the tensors), committed once by the primary
+    (``multihost.commit.commit_once``): each process writes its part file, makes it durable
+    and reports its sha256; the primary merges the parts and renames once.
 
     Args:
         dest: the checkpoint directory, on a file system every process sees.
         items: this process's share of the tensors and values.
         index: this process's index (0: the primary, which locks and commits).
         count: how many processes write.
-        gather: the exchange of outcomes between the processes.
+        gather: the exchange of outcomes between the processes (``agreement.Gather``, e.g.
+            jax.distributed's key-value store: this layer stays JAX-free).
         force: replace a jax_ucp checkpoint at ``dest``.
         source: provenance recorded in the manifest.
         compression: the arrays' codec (``None``: the format's default).

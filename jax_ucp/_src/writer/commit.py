@@ -1,12 +1,9 @@
 """Committing a checkpoint directory: temporary sibling, durable, then renamed into place.
 
 ``transaction`` is the one way anything is committed (save, convert, export, a manager step,
-local or ``s3://`` / ``gs://``): lock, recover an interrupted swap, check ``force``, write into a
-temporary directory, commit or swap; on failure the temporary is discarded (logged) and the
-destination is as it was. An Orbax export lets Orbax write and rename (its
-``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Host-only
-imports need neither JAX nor Orbax (importing them costs a conversion about a second).
-Forced replacement never deletes the old checkpoint first.
+local or ``s3://`` / ``gs://``). An Orbax export lets Orbax write and rename (its
+``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Forced
+replacement never deletes the old checkpoint first.
 """
 
 from __future__ import annotations
@@ -26,7 +23,8 @@ import uuid
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
-from jax_ucp._src.errors import SaveConflictError
+from jax_ucp._src.errors import RequestError, SaveConflictError
+from jax_ucp._src.multihost import liveness
 from jax_ucp._src.writer import durable, file_digest
 
 # Every destructive file operation and every commit is logged here (as Orbax's atomicity module
@@ -49,16 +47,6 @@ def temporary_path(path: str) -> str:
     return f"{path}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(path: str) -> list[str]:
     """Deletes temporary directories of ``path`` left by killed writers on this host.
 
@@ -77,7 +65,7 @@ def remove_stale_temporaries(path: str) -> list[str]:
             pid_num = int(pid)
         except ValueError:
             continue
-        if owner == host and pid_num != os.getpid() and not _pid_alive(pid_num):
+        if owner == host and pid_num != os.getpid() and not liveness.pid_alive(pid_num):
             discard(os.path.join(parent, d), f"left by process {pid_num}, which is gone")
             removed.append(d)
     return removed
@@ -211,8 +199,7 @@ def transaction(
     Yields:
         The ``Transaction``. On any error in the block (or in the commit) what the writer wrote
         is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
-        entry (``SaveConflictError``, ``SaveConflictError``, ``FileExistsError``) change
-        nothing.
+        entry (``SaveConflictError``, ``FileExistsError``) change nothing.
     """
     dest = os.fspath(dest).rstrip("/")
     if store.is_url(dest):
@@ -690,7 +677,7 @@ def object_store_lock(url: str):
 
 
 def _lock_owner(data: bytes) -> dict | None:
-    try:
+    with contextlib.suppress(ValueError, RecursionError):
         owner = json.loads(data)
         if (
             isinstance(owner, dict)
@@ -700,8 +687,6 @@ def _lock_owner(data: bytes) -> dict | None:
             and isinstance(owner.get("token"), str)
         ):
             return owner
-    except (ValueError, RecursionError):
-        pass
     return None
 
 
@@ -711,7 +696,7 @@ def _lock_is_stale(owner: dict | None, me: dict) -> bool:
         return False
     if owner["pid"] == me["pid"]:
         return owner["token"] not in _held_locks
-    return not _pid_alive(owner["pid"])
+    return not liveness.pid_alive(owner["pid"])
 
 
 def check_object_store_prefix(url: str, *, force: bool) -> None:
@@ -730,7 +715,11 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
     names = [n for n in location.list_names(url) if n != LOCK_OBJECT]
     if fmt.MANIFEST_FILE in names:
         if force:
-            raise location.cannot_replace(url)
+            raise RequestError(
+                f"{url}: replacing a committed checkpoint in an object store is not supported (no "
+                f"atomic rename: the old one would be deleted before the new one is whole). Save "
+                f"to a new prefix, e.g. the next step, and delete the old one after."
+            )
         raise FileExistsError(
             f"{url} already exists (a committed checkpoint): an object store cannot replace one "
             f"in place. Save to a new prefix (e.g. the next step)."

@@ -27,6 +27,8 @@ import threading
 
 import crc32c as crc32c_lib
 
+from jax_ucp._src.format import files
+
 BLOCK = 1 << 20  # bytes per CRC-32C block
 KIND = "crc32c of the crc32c of each 1 MiB block"  # what the record's digests are
 
@@ -131,13 +133,7 @@ class DigestingFile:
         if self._reread_from is None or offset < self._reread_from:
             self._reread_from = offset
 
-    def tell(self) -> int:
-        return self._f.tell()
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        return self._f.seek(pos, whence)
-
-    def __getattr__(self, name):  # flush, fileno, closed, name, mode, ...: the file's own
+    def __getattr__(self, name):  # tell, seek, flush, fileno, closed, name, ...: the file's own
         return getattr(self._f, name)
 
     def finish(self) -> FileDigest:
@@ -189,13 +185,7 @@ def digest_file(path: str) -> FileDigest:
         os.close(fd)
 
 
-def _read_block(fd: int, offset: int, want: int = BLOCK) -> bytes:
+def _read_block(fd: int, offset: int, want: int = BLOCK) -> memoryview:
     """``want`` bytes at ``offset``, fewer only at the end of the file."""
-    parts, got = [], 0
-    while got < want:
-        part = os.pread(fd, want - got, offset + got)
-        if not part:
-            break
-        parts.append(part)
-        got += len(part)
-    return b"".join(parts)
+    block = bytearray(want)
+    return memoryview(block)[: files.preadv_full(fd, [block], offset)]

@@ -39,16 +39,14 @@ async def write_tensor(
 
     Returns the digest of every shard file written (shard key -> ``shard_file`` digest; None
     for arrays without checksums, or on an object store when a shard was not written whole
-    from uncompressed host memory), for the manifest.
-    ``sync=False``: nothing is fsynced; the caller makes the directory durable before committing
-    it (``durable.make_durable``). Every write is waited for, even after one fails, so a
-    caller's cleanup never races a write still in flight.
+    from uncompressed host memory), for the manifest. Every write is waited for, even after
+    one fails, so a caller's cleanup never races a write still in flight.
 
     Args:
         root: the checkpoint directory.
         p: the tensor, laid out.
         primary: this process creates the array.
-        sync: fsync each file.
+        sync: fsync each file (False: the caller makes the directory durable).
     """
     kv = store.kvstore_config(root, p.entry.dir)
     try:
@@ -173,17 +171,11 @@ def can_stream(p: PreparedTensor, root) -> bool:
     shard file, byte for byte what ``shard_writer.write`` writes for the whole tensor: a local
     file, no compression, inner chunks that are consecutive byte ranges in row order."""
     layout = p.layout
-    kv = store.kvstore_config(root, p.entry.dir)
     return (
-        kv.get("driver") == "file"
-        and layout.compression is None
-        and layout.checksum in (None, "crc32c")
-        and len(layout.shape) >= 1
+        store.kvstore_config(root, p.entry.dir).get("driver") == "file"
         and 0 not in layout.shape
         and tuple(layout.chunk_shape) == tuple(layout.shape)
-        and shard_file.chunks_are_contiguous(layout.chunk_shape, layout.inner_chunk_shape)
-        and shard_file.encodable_dtype(fmt.to_numpy_dtype(layout.dtype))
-        and np.little_endian
+        and shard_writer.encodes(layout, fmt.to_numpy_dtype(layout.dtype))
     )
 
 
@@ -206,13 +198,10 @@ def _write_slabs(
     dtype = fmt.to_numpy_dtype(layout.dtype)
     chunk_bytes = math.prod(layout.inner_chunk_shape) * dtype.itemsize
     checksum = layout.checksum == "crc32c"
-    key = shard_file.shard_key((0,) * len(layout.shape))
-    path = os.path.join(array_dir, *key.split("/"))
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    origin = (0,) * len(layout.shape)
     trailers = bytearray()
     n = 0
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
-    try:
+    with shard_writer.opened(array_dir, origin, sync=sync) as fd:
         for start in range(0, layout.shape[0], step):
             stop = min(layout.shape[0], start + step)
             slab = rows(start, stop)
@@ -228,14 +217,8 @@ def _write_slabs(
             n += len(parts) // (2 if checksum else 1)
             del slab, parts  # nothing of this slab stays alive while the next is built
         shard_writer.write_parts(fd, shard_writer.index_parts(n, chunk_bytes, checksum))
-        if sync:
-            os.fsync(fd)
-        else:  # as ``shard_writer.write``: write-back started, durable at the commit's syncfs
-            shard_writer.start_writeback(fd)
-    finally:
-        os.close(fd)
     if sync:
-        durable.fsync_tree_to(array_dir, os.path.dirname(key))
+        durable.fsync_tree_to(array_dir, os.path.dirname(shard_file.shard_key(origin)))
     return shard_file.digest_of_trailers(bytes(trailers)) if checksum else None
 
 

@@ -18,7 +18,6 @@ import dataclasses
 import os
 from typing import Any
 
-from jax_ucp._src.errors import RequestError
 from jax_ucp._src.importers.deepspeed import megatron, moe, universal, zero
 from jax_ucp._src.importers.deepspeed.files import (
     DS_CLASSES,
@@ -31,11 +30,9 @@ from jax_ucp._src.importers.deepspeed.files import (
 from jax_ucp._src.importers.deepspeed.megatron import MegatronDeepSpeedCheckpoint
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp._src.importers.plan import (
-    WHOLE,
     Detection,
     ImportOptions,
     ImportPlan,
-    Share,
     TaggedOptions,
     glob_detection,
     refuse_spec,
@@ -51,7 +48,6 @@ __all__ = [
     "is_deepspeed_checkpoint",
     "open_deepspeed_checkpoint",
     "plan",
-    "plan_deepspeed",
 ]
 
 
@@ -85,63 +81,18 @@ def open_deepspeed_checkpoint(
     return zero.open_zero_checkpoint(tag_dir)
 
 
-def plan_deepspeed(
-    src: os.PathLike | str,
-    *,
-    tag: str | None = None,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
-    """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or one tag folder); every
-    file is found and checked before this returns.
-
-    A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
-    deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
-    ``latest_universal`` names it) is read by :mod:`deepspeed.universal`.
-
-    Args:
-        src: the checkpoint folder or one tag folder.
-        tag: the tag to import instead of ``latest``.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with the import rules of
-            a Megatron-DeepSpeed TP/PP checkpoint, instead of its ``universal_checkpoint_info``.
-        weights_only: the model weights alone (fp32 masters, or the module's weights of a ZeRO-0
-            checkpoint); the optimizer state is skipped and listed in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
-    universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
-    if universal_dir is not None:
-        return universal.plan_universal(
-            universal_dir, spec=spec, weights_only=weights_only, share=share
-        )
-    tag_dir = resolve_tag_dir(os.fspath(src), tag)
-    plan = _plan_training_checkpoint(tag_dir, spec=spec, weights_only=weights_only, share=share)
-    # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
-    check_every_file_read(tag_dir, plan.source_tensors)
-    trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/
-    if trainer is not None:  # its schedule, clipping, step: what continues the run
-        record = trainer_record(trainer)
-        scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
-        if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
-            record["scheduler"] = scheduler  # its state is in the model states file
-        plan.source["trainer"] = record
-        plan.source["trainer_path"] = trainer
-    return plan
-
-
-def _plan_training_checkpoint(
-    tag_dir: str, *, spec: Any, weights_only: bool, share: Share
-) -> ImportPlan:
+def _plan_training_checkpoint(tag_dir: str, options: ImportOptions) -> ImportPlan:
+    spec, weights_only, share = options.spec, options.weights_only, options.share
     if is_moe(tag_dir):
         refuse_spec(
             spec,
             "convert: a DeepSpeed MoE checkpoint is imported raw (experts under their "
             "global names), so an import spec has nothing to do",
         )
-        return moe.plan_moe(tag_dir, weights_only=weights_only, share=share)
+        return moe.plan_moe(tag_dir, options)
     zero0 = zero.zero0_model_file(tag_dir)
     if zero0 is not None:
-        return zero.plan_zero0(tag_dir, zero0, weights_only=weights_only, share=share)
+        return zero.plan_zero0(tag_dir, zero0, options)
     if is_model_parallel(tag_dir):
         # TP/PP fragments merged by the universal_checkpoint_info patterns (translated into the
         # UCP language), or by the import rules of ``spec``
@@ -151,12 +102,7 @@ def _plan_training_checkpoint(
         found = megatron.megatron_deepspeed_tensors(checkpoint, source, weights_only=weights_only)
         if weights_only:
             items = (item for item in items if item.role != "opt_state")
-        return ImportPlan(
-            items=items,
-            source=source,
-            total_params=len(share.pick(checkpoint.names)),
-            source_tensors=found,
-        )
+        return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
     refuse_spec(
         spec,
         "convert: a ZeRO checkpoint (no tensor/pipeline parallelism) is imported raw, "
@@ -168,12 +114,8 @@ def _plan_training_checkpoint(
     optimizer = None if weights_only else zero.torch_optimizer_record(checkpoint)
     if optimizer is not None:  # what optax_from_torch continues from
         source["optimizer"] = optimizer
-    return ImportPlan(
-        items=zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share),
-        source=source,
-        total_params=len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen)),
-        source_tensors=found,
-    )
+    total = len(share.pick(checkpoint.names)) + len(share.pick(checkpoint.frozen))
+    return ImportPlan(zero.iter_zero_items(checkpoint, options), source, total, found)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +147,30 @@ def detect(src: os.PathLike | str) -> Detection:
 
 
 def plan(src: os.PathLike | str, options: DeepSpeedOptions) -> ImportPlan:
-    """:func:`plan_deepspeed` with its options as one ``DeepSpeedOptions``."""
-    return plan_deepspeed(
-        src, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
-    )
+    """The import of a DeepSpeed checkpoint folder (``latest`` + tags, or ``options.tag``, or
+    one tag folder); every file is found and checked before this returns. ``options.spec``:
+    the import rules of a Megatron-DeepSpeed TP/PP checkpoint, instead of its
+    ``universal_checkpoint_info``; ``weights_only``: the fp32 masters, or the module's weights
+    of a ZeRO-0 checkpoint.
+
+    A universal checkpoint (``ds_to_universal``'s output or ``jax-ucp export --to
+    deepspeed-universal``'s: its ``<tag>_universal`` folder, or a folder whose
+    ``latest_universal`` names it) is read by :mod:`deepspeed.universal`.
+    """
+    tag = None if options.tag is None else str(options.tag)
+    universal_dir = universal.universal_tag_dir(os.fspath(src), tag)
+    if universal_dir is not None:
+        return universal.plan_universal(universal_dir, options)
+    tag_dir = resolve_tag_dir(os.fspath(src), tag)
+    plan = _plan_training_checkpoint(tag_dir, options)
+    # every file of the tag folder is read: a file nobody reads is a silent loss (refused)
+    check_every_file_read(tag_dir, plan.source_tensors)
+    trainer = trainer_folder_above(tag_dir)  # a Trainer's checkpoint-N/ holding global_stepN/
+    if trainer is not None:  # its schedule, clipping, step: what continues the run
+        record = trainer_record(trainer)
+        scheduler = (plan.source.get("optimizer") or {}).get("scheduler")
+        if "scheduler" not in record and scheduler is not None:  # no scheduler.pt under DeepSpeed
+            record["scheduler"] = scheduler  # its state is in the model states file
+        plan.source["trainer"] = record
+        plan.source["trainer_path"] = trainer
+    return plan

@@ -271,11 +271,7 @@ def rebuild(amap: AffineMap, shards: list[np.ndarray], state: str, name: str) ->
                 target[...] = src
                 seen[...] = 1
             elif seen.all() and len(p.locations) > 1:
-                same = np.array_equal(
-                    np.ascontiguousarray(target).reshape(-1).view(np.uint8),
-                    np.ascontiguousarray(src).reshape(-1).view(np.uint8),
-                )
-                if not same:
+                if target.tobytes() != src.tobytes():  # bit for bit
                     raise SourceError(
                         f"{name}: TP ranks {sorted(p.locations)} hold different {state} values "
                         f"for the replicated block at offset {off} (affine_map {amap.pattern!r})"

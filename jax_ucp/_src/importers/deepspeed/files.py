@@ -3,17 +3,15 @@
 Shared by the ZeRO reader (:mod:`deepspeed.zero`) and the Megatron-DeepSpeed TP/PP reader
 (:mod:`deepspeed.megatron`): which tag folder to read, which optimizer file holds which
 (model-parallel, data-parallel) rank, that one model-parallel rank's optimizer files form one
-complete and consistent ZeRO partitioning, and what its model states file says. Files are read
-with :mod:`jax_ucp._src.torchfiles.unpickler` (no torch, nothing pickled is executed; tensors stay memory-mapped).
+complete and consistent ZeRO partitioning, and what its model states file says.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import re
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +19,7 @@ import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import tensor_names, trainer_checkpoints
+from jax_ucp._src.importers.plan import host_item, tensor_names, trainer_checkpoints
 from jax_ucp._src.torchfiles.unpickler import TorchArchive, int_enum_standin, standin_class
 
 _ZERO_STAGES = {0: "disabled", 1: "optimizer_states", 2: "gradients", 3: "weights"}
@@ -57,11 +55,6 @@ EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\
 #: ``expp_rank_<EP rank>_mp_rank_<MP rank>_optim_states.pt``: DeepSpeed MoE without ZeRO: the
 #: torch ``optimizer.state_dict()`` of one expert-parallel rank (its experts + the dense part).
 EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-
-
-def layer_tp_rank(match: re.Match) -> int:
-    """The TP rank of a :data:`LAYER_FILE` match (0 when the name has no ``-model_XX``)."""
-    return int(match.group(2) or 0)
 
 
 def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:
@@ -115,9 +108,11 @@ def require(mapping: Any, key: Any, where: str) -> Any:
     return mapping[key]
 
 
-def numel(shape: Sequence[int]) -> int:
-    """Element count of a shape (1 for a scalar)."""
-    return int(math.prod(shape))
+def sourced_item(key: tuple[str, ...], value: Any, pattern: str, tensors: list[str]) -> Any:
+    """A ``host_item`` whose provenance names its source ``tensors`` (``<file>:<path>``) and
+    the files holding them."""
+    held = sorted({t.split(":", 1)[0] for t in tensors})
+    return host_item(key, value, {"files": held, "pattern": pattern, "tensors": tensors})
 
 
 # --------------------------------------------------------------------------- the tag folder
@@ -296,8 +291,7 @@ def read_optimizer_states(
     tag_dir: str, files_by_dp_rank: Mapping[int, str], *, of_rank: str = ""
 ) -> OptimizerStates:
     """Reads one model-parallel rank's optimizer files; every DP rank of ``partition_count``
-    present, no other, all with the same stage and partition count (``of_rank`` names the
-    model-parallel rank in messages).
+    present, no other, all with the same stage and partition count.
 
     Args:
         tag_dir: the tag folder.
@@ -353,22 +347,6 @@ def load_model_states(path: str, *, of_rank: str = "") -> Mapping:
     if not isinstance(model_states, Mapping):
         raise SourceError(f"{path}: expected a dict, found {type(model_states).__name__}")
     return model_states
-
-
-def check_dp_world_size(model_states: Mapping, model_file: str, optimizer: OptimizerStates):
-    """The model states' ``dp_world_size`` (when recorded) must be the optimizer files' count.
-
-    Args:
-        model_states: the loaded model states file.
-        model_file: its path, for errors.
-        optimizer: the checked optimizer files.
-    """
-    recorded = model_states.get("dp_world_size")
-    if recorded is not None and int(recorded) != optimizer.world_size:
-        raise SourceError(
-            f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
-            f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
-        )
 
 
 def frozen_shapes_of(

@@ -43,7 +43,6 @@ from jax_ucp._src.importers.deepspeed.zero import (
     STATE_TREES,
     DeepSpeedCheckpoint,
     piece_tensors,
-    step_sources,
     zero_tensors,
 )
 from jax_ucp._src.importers.plan import WHOLE, Share, host_item, skip, tensor_names
@@ -93,10 +92,6 @@ class MegatronDeepSpeedCheckpoint:
     @property
     def every_rank(self) -> list[DeepSpeedCheckpoint]:
         return [rank for row in self.ranks for rank in row]
-
-    @property
-    def optim_files(self) -> list[str]:
-        return [f for rank in self.every_rank for f in rank.optim_files]
 
 
 @dataclass(frozen=True)
@@ -184,12 +179,8 @@ def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
         for f in names
         if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
     }
-    if zero3:
-        model_files = zero3
-        pattern = "zero_pp_rank_0_mp_rank_{:02d}_model_states.pt"
-    else:
-        model_files = {int(m.group(1)): f for f in names if (m := files.MP_MODEL_FILE.match(f))}
-        pattern = "mp_rank_{:02d}_model_states.pt"
+    model_files = zero3 or {int(m[1]): f for f in names if (m := files.MP_MODEL_FILE.match(f))}
+    pattern = ("zero_pp_rank_0_" if zero3 else "") + "mp_rank_{:02d}_model_states.pt"
     first_model_file = os.path.join(tag_dir, pattern.format(0))
     first_model_states = files.load_model_states(
         first_model_file, of_rank=" of model-parallel rank 0"
@@ -228,7 +219,7 @@ def _degrees(
     if isinstance(dims, Mapping) and dims.get("tp_degree") and dims.get("pp_degree"):
         tp, pp = int(dims["tp_degree"]), int(dims["pp_degree"])
     else:
-        layer_tp_ranks = {files.layer_tp_rank(m) for m in map(files.LAYER_FILE.match, names) if m}
+        layer_tp_ranks = {int(m[2] or 0) for m in map(files.LAYER_FILE.match, names) if m}
         if layer_tp_ranks:
             tp = max(layer_tp_ranks) + 1
             pp = max(1, math.ceil(model_file_count / tp))
@@ -362,7 +353,7 @@ def _model_weights(checkpoint: MegatronDeepSpeedCheckpoint, names: list[str]) ->
                         tp_rank, (value, file, f"{file}:module.{name}")
                     )
     layer_files = [
-        (int(m.group(1)), files.layer_tp_rank(m), f)
+        (int(m.group(1)), int(m.group(2) or 0), f)
         for f in names
         if (m := files.LAYER_FILE.match(f))
     ]
@@ -436,7 +427,7 @@ def _add_layer_weights(
 def resolve_sub_params(kind, name: str, info: Mapping, widths: list[int]):
     """``kind`` with the DeepSpeed details the generic translation leaves open, resolved per
     tensor: legacy sub-param metadata giving a *count* of equal sub-params, and v0.4
-    ``sub_param_shard_widths`` (uneven). ``widths``: each TP fragment's size on the merge dim.
+    ``sub_param_shard_widths`` (uneven).
 
     Args:
         kind: the kind the generic translation gave.
@@ -519,15 +510,7 @@ def iter_megatron_deepspeed_items(
         yield from _parameter_items(checkpoint, name)
     if not share.primary:
         return
-    yield host_item(
-        ("opt_state", "count"),
-        np.asarray(count, np.int32),
-        {
-            "files": [os.path.basename(f) for f in checkpoint.optim_files],
-            "pattern": "step",
-            **step_sources(*checkpoint.every_rank),
-        },
-    )
+    yield zero.step_item(count, *checkpoint.every_rank)
 
 
 def megatron_deepspeed_tensors(

@@ -42,11 +42,9 @@ from jax_ucp._src.importers.deepspeed import files, zero
 from jax_ucp._src.importers.deepspeed.files import require
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
 from jax_ucp._src.importers.plan import (
-    WHOLE,
+    ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
-    host_item,
     skip,
     tensor_names,
 )
@@ -310,7 +308,7 @@ def _moe_optimizer_states(tag_dir: str):
     if not by_rank:
         raise SourceError(
             f"{tag_dir}: a DeepSpeed MoE checkpoint at ZeRO stage 0 (no "
-            "'*zero_pp_rank_*_optim_states.pt' files): read it with plan_deepspeed / convert"
+            "'*zero_pp_rank_*_optim_states.pt' files): read it with convert"
         )
     if set(by_rank) != {0}:
         raise SourceError(
@@ -359,19 +357,12 @@ def _check_expert(item: writer.HostItem, stored, tensor: str, value) -> Any:
     return value
 
 
-def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
+def plan_moe(tag_dir: str, options: ImportOptions) -> ImportPlan:
     """The import of a DeepSpeed MoE tag folder: ZeRO 1/2, or ZeRO-0 (optimizer state in
-    ``expp_rank_*`` files).
-
-    Args:
-        tag_dir: the tag folder.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
-    names = os.listdir(tag_dir)
-    if not any(files.OPTIMIZER_FILE.match(f) for f in names):
-        return plan_moe_zero0(tag_dir, weights_only=weights_only, share=share)
+    ``expp_rank_*`` files)."""
+    if not any(files.OPTIMIZER_FILE.match(f) for f in os.listdir(tag_dir)):
+        return plan_moe_zero0(tag_dir, options)
+    weights_only, share = options.weights_only, options.share
     checkpoint, experts, ep_of_group = open_moe_zero_checkpoint(tag_dir)
     source = zero.zero_source_info(checkpoint)
     source.update(_moe_source(experts, sorted(set(ep_of_group.values()))))
@@ -385,13 +376,8 @@ def plan_moe(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> Impor
             "master (checked), imported as params/",
         )
     found += expert_tensors
-    items = zero.iter_zero_items(checkpoint, weights_only=weights_only, share=share)
-    return ImportPlan(
-        items=_checked_experts(items, checkpoint, experts),
-        source=source,
-        total_params=len(share.pick(checkpoint.names)),
-        source_tensors=found,
-    )
+    items = _checked_experts(zero.iter_zero_items(checkpoint, options), checkpoint, experts)
+    return ImportPlan(items, source, len(share.pick(checkpoint.names)), source_tensors=found)
 
 
 def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
@@ -406,18 +392,12 @@ def _moe_source(experts: Experts, ep_sizes: list[int]) -> dict:
 # --------------------------------------------------------------------------- ZeRO-0
 
 
-def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) -> ImportPlan:
+def plan_moe_zero0(tag_dir: str, options: ImportOptions) -> ImportPlan:
     """ZeRO-0 MoE: the weights (fp32, the trained values themselves: no separate master) from
     ``module`` and the expert files; Adam's moments and step from the torch
     ``optimizer.state_dict()`` of every expert-parallel rank (``expp_rank_P_*``), mapped from
-    index to name as :func:`zero0_index_names` says.
-
-    Args:
-        tag_dir: the tag folder.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
+    index to name as :func:`zero0_index_names` says."""
+    weights_only, share = options.weights_only, options.share
     model_file = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
     model_states = files.load_model_states(model_file)
     experts = read_experts(tag_dir, model_states, model_file)
@@ -440,13 +420,12 @@ def plan_moe_zero0(tag_dir: str, *, weights_only: bool, share: Share = WHOLE) ->
     states = {path: files.load_deepspeed_file(path) for path in optimizer_files}
     for path, state in states.items():
         found += [f"{os.path.basename(path)}:{n}" for n in tensor_names(state)]
-    optimizer_tensors = [n for n in found if ":optimizer." in n]
     moments: dict[str, tuple[np.ndarray, np.ndarray, list[str]]] = {}
     step = None
     if weights_only:
         skip(
             source,
-            optimizer_tensors,
+            [n for n in found if ":optimizer." in n],
             "weights_only: ZeRO-0 optimizer state (torch optimizer.state_dict(), keyed by index)",
         )
     else:
@@ -482,35 +461,19 @@ def _zero0_items(names, weights, moments, step) -> Iterator[writer.HostItem]:
     to the primary process only): written in this order, so a parameter's state follows it."""
     for name in names:
         value, tensor = weights[name]
-        yield host_item(
-            ("params", name),
-            value,
-            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
-        )
+        yield files.sourced_item(("params", name), value, "module", [tensor])
         if name not in moments:
             continue
         mu, nu, tensors = moments[name]
-        provenance = {
-            "files": sorted({t.split(":", 1)[0] for t in tensors}),
-            "pattern": "zero0-optimizer-index",
-        }
         for tree, value, state in (("mu", mu, "exp_avg"), ("nu", nu, "exp_avg_sq")):
-            yield host_item(
-                ("opt_state", tree, name),
-                value,
-                dict(provenance, tensors=[t for t in tensors if t.endswith("." + state)]),
+            held = [t for t in tensors if t.endswith("." + state)]
+            yield files.sourced_item(
+                ("opt_state", tree, name), value, "zero0-optimizer-index", held
             )
     if step is not None:
         value, tensors = step
-        yield host_item(
-            ("opt_state", "count"),
-            np.asarray(value, np.int32),
-            {
-                "files": sorted({t.split(":", 1)[0] for t in tensors}),
-                "pattern": "step",
-                "tensors": tensors,
-            },
-        )
+        count = np.asarray(value, np.int32)
+        yield files.sourced_item(("opt_state", "count"), count, "step", tensors)
 
 
 def zero0_index_names(

@@ -19,6 +19,7 @@ matched with RE2 (time linear in the name, ``language.patterns``); one RE2 canno
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,55 +37,49 @@ from jax_ucp._src.language.kinds import (
 from jax_ucp._src.language.patterns import compile_pattern
 from jax_ucp._src.language.spec import ImportRule, Spec
 
-TP_REPLICATED = "tp_replicated_parameter_patterns"
-TO_AVERAGE = "parameter_to_average_patterns"
-TWO_SUB_PARAMS = "parameter_with_2_sub_params_cat_dim_0"
 SUB_PARAMS = "parameter_with_sub_params"
 ROW_PARALLEL = "parameter_with_row_parallelism_patterns"
-VOCABULARY = "vocabulary_parameter_patterns"
-PIPELINE_REPLICATED = "pipeline_replicated_parameter_patterns"
 ORIGINAL_VOCAB_SIZE = "original_vocab_size"
 PADDED_VOCAB_SIZE = "padded_vocab_size"
 
 
-def _sub_params_kind(entry: Mapping, where: str) -> tuple[list[str], Kind]:
-    try:
-        patterns = list(entry["patterns"])
-        shape = list(entry["shape"])
-        dim = int(entry["partition_dim"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise LanguageError(
-            f"{where}: a {SUB_PARAMS} entry needs patterns, shape and partition_dim ({e})"
-        ) from None
-    sizes = shape[dim]
-    sizes = tuple(int(x) for x in sizes) if isinstance(sizes, (list, tuple)) else (int(sizes),)
-    return patterns, SubParams(dim=dim, sizes=sizes)
-
-
-def import_rules_from_ucp_info(
-    info: Mapping[str, Any], *, strict: bool = False, where: str = "universal_checkpoint_info"
-) -> list[ImportRule]:
-    """Import rules equivalent to ds_to_universal's handling of ``info``.
-
-    ``strict``: every pattern DeepSpeed lists must match some tensor (ds_to_universal --strict);
-    by default unused patterns are allowed, as DeepSpeed only warns.
+def spec_from_ucp_info(
+    info: Mapping[str, Any],
+    *,
+    name: str = "deepspeed-ucp-info",
+    strict: bool = False,
+    where: str = "universal_checkpoint_info",
+    **settings,
+) -> Spec:
+    """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc);
+    ``where`` (the file holding ``info``) starts every error. ``strict``: every pattern
+    DeepSpeed lists must match some tensor (ds_to_universal --strict); by default unused
+    patterns are allowed, as DeepSpeed only warns.
 
     Args:
         info: ``universal_checkpoint_info``.
+        name: the spec's name.
         strict: every pattern must match some tensor.
         where: the file holding ``info``, for errors.
+        **settings: the spec's settings (head counts, ...).
     """
-    categories = _categories(info, where)
-    vocab = _patterns(info, VOCABULARY, where)
-    pipe = _patterns(info, PIPELINE_REPLICATED, where)
+    s = dict(settings)
+    if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
+        s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
+    if PADDED_VOCAB_SIZE in info:
+        s.setdefault("padded_vocab_size", int(info[PADDED_VOCAB_SIZE]))
+    categories: list[tuple[str | None, Kind, str, bool]]
+    categories = [(p, k, f"{k.kind} {p!r}", strict) for p, k in _categories(info, where)]
+    categories.append((None, Partitioned(dim=0), "default: cat dim 0", False))
+    vocab = _patterns(info, "vocabulary_parameter_patterns", where)
+    pipe = _patterns(info, "pipeline_replicated_parameter_patterns", where)
     vocab_size = info.get(ORIGINAL_VOCAB_SIZE, "vocab_size")
-    rules: list[ImportRule] = []
-    for p, k in categories:
-        rules += _rules_for(p, k, f"{k.kind} {p!r}", strict, vocab, pipe, vocab_size)
-    rules += _rules_for(
-        None, Partitioned(dim=0), "default: cat dim 0", False, vocab, pipe, vocab_size
-    )
-    return rules
+    rules = [
+        rule
+        for p, kind, label, required in categories
+        for rule in _rules_for(p, kind, label, required, vocab, pipe, vocab_size)
+    ]
+    return Spec(name=name, settings=s, imports=tuple(rules), strict=strict)
 
 
 def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
@@ -102,16 +97,25 @@ def _patterns(info: Mapping[str, Any], key: str, where: str) -> list[str]:
 def _categories(info: Mapping[str, Any], where: str) -> list[tuple[str, Kind]]:
     """(pattern, kind) of every category, in ds_to_universal's order of precedence."""
     first = (
-        (TP_REPLICATED, Replicated()),
-        (TO_AVERAGE, Averaged()),
-        (TWO_SUB_PARAMS, SwiGLU(dim=0)),
+        ("tp_replicated_parameter_patterns", Replicated()),
+        ("parameter_to_average_patterns", Averaged()),
+        ("parameter_with_2_sub_params_cat_dim_0", SwiGLU(dim=0)),
     )
+    categories: list[tuple[str, Kind]]
     categories = [(p, k) for key, k in first for p in _patterns(info, key, where)]
     for i, e in enumerate(info.get(SUB_PARAMS) or []):
-        ps, k = _sub_params_kind(e, f"{where}.{SUB_PARAMS}[{i}]")
-        for p in ps:
-            compile_pattern(p, f"{where}.{SUB_PARAMS}[{i}]: ")
-        categories += [(p, k) for p in ps]
+        at = f"{where}.{SUB_PARAMS}[{i}]"
+        try:
+            patterns, shape, dim = list(e["patterns"]), list(e["shape"]), int(e["partition_dim"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise LanguageError(
+                f"{at}: a {SUB_PARAMS} entry needs patterns, shape and partition_dim ({err})"
+            ) from None
+        sizes = shape[dim]
+        sizes = tuple(int(x) for x in sizes) if isinstance(sizes, (list, tuple)) else (int(sizes),)
+        for p in patterns:
+            compile_pattern(p, f"{at}: ")
+        categories += [(p, SubParams(dim=dim, sizes=sizes)) for p in patterns]
     return categories + [(p, Partitioned(dim=1)) for p in _patterns(info, ROW_PARALLEL, where)]
 
 
@@ -127,56 +131,16 @@ def _rules_for(
     """One category's rules: with each vocabulary and pipeline-replicated pattern it may also
     match (the kind wrapped accordingly), then alone; only the plain rule may be required."""
     rules = []
-    for v, q in [(v, q) for v in vocab + [None] for q in pipe + [None]]:
-        body = f"(?:{p}).*" if p is not None else ".*"
-        req = required and v is None and q is None
+    for v, q in itertools.product([*vocab, None], [*pipe, None]):
+        inner = kind if v is None else Vocab(dim=0, vocab_size=vocab_size, inner=kind)
         rules.append(
             ImportRule(
-                body,
-                _wrap(kind, vocab_size, v is not None, q is not None),
-                required=req,
+                f"(?:{p}).*" if p is not None else ".*",
+                inner if q is None else PipelineTied(inner=inner),
+                required=required and v is None and q is None,
                 label=f"{label}{' + vocab ' + repr(v) if v else ''}"
                 f"{' + pipeline-replicated ' + repr(q) if q else ''}",
                 also=tuple(f"(?:{x}).*" for x in (v, q) if x is not None),
             )
         )
     return rules
-
-
-def _wrap(kind: Kind, vocab_size: Any, with_vocab: bool, with_pipe: bool) -> Kind:
-    if with_vocab:
-        kind = Vocab(dim=0, vocab_size=vocab_size, inner=kind)
-    if with_pipe:
-        kind = PipelineTied(inner=kind)
-    return kind
-
-
-def spec_from_ucp_info(
-    info: Mapping[str, Any],
-    *,
-    name: str = "deepspeed-ucp-info",
-    strict: bool = False,
-    where: str = "universal_checkpoint_info",
-    **settings,
-) -> Spec:
-    """A Spec whose import rules reproduce ds_to_universal for ``info`` (see module doc);
-    ``where`` (the file holding ``info``) starts every error.
-
-    Args:
-        info: ``universal_checkpoint_info``.
-        name: the spec's name.
-        strict: every pattern must match some tensor.
-        where: the file holding ``info``, for errors.
-        **settings: the spec's settings (head counts, ...).
-    """
-    s = dict(settings)
-    if ORIGINAL_VOCAB_SIZE in info and "vocab_size" not in s:
-        s["vocab_size"] = int(info[ORIGINAL_VOCAB_SIZE])
-    if PADDED_VOCAB_SIZE in info:
-        s.setdefault("padded_vocab_size", int(info[PADDED_VOCAB_SIZE]))
-    return Spec(
-        name=name,
-        settings=s,
-        imports=tuple(import_rules_from_ucp_info(info, strict=strict, where=where)),
-        strict=strict,
-    )

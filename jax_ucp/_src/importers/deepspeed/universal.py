@@ -19,15 +19,15 @@ is only in the model states' ``param_shapes``, its step only in ``zero/optimizer
 parameter that never had optimizer state (frozen, or never given a gradient) gets ``fp32.pt``
 alone, cast from the module weight.
 
-The output is the DeepSpeed importer's contract (docs/FORMAT.md 2.6): ``params`` fp32 masters,
-``opt_state`` {``mu``, ``nu``, ``count``}, ``model_params`` when the run was bf16/fp16 (the
-module weights as stored, else the masters cast, as the direct import does), frozen parameters
-in the run's precision from ``frozen_param_fragments``.
+The output is the DeepSpeed importer's contract (the package's docstring): ``model_params``
+the module weights as stored, else the masters cast, as the direct import does; frozen
+parameters in the run's precision from ``frozen_param_fragments``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -44,18 +44,17 @@ from jax_ucp._src.importers.deepspeed.files import (
     frozen_shapes_of,
     load_deepspeed_file,
     load_model_states,
-    numel,
     param_shapes_of,
     source_record,
+    sourced_item,
     unsafe_files_refused,
     version_string,
 )
 from jax_ucp._src.importers.deepspeed.zero import STATE_TREES, DeepSpeedCheckpoint, frozen_items
 from jax_ucp._src.importers.plan import (
     VALUES,
-    WHOLE,
+    ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     host_item,
     refuse_spec,
@@ -72,9 +71,8 @@ _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.
 
 def is_universal_tag_dir(path: str) -> bool:
     """A universal tag folder: ``zero/`` beside DeepSpeed model states files."""
-    if not os.path.isdir(os.path.join(path, ZERO_DIR)):
-        return False
-    return any(_MODEL_FILE.match(f) for f in os.listdir(path))
+    zero = os.path.isdir(os.path.join(path, ZERO_DIR))
+    return zero and any(_MODEL_FILE.match(f) for f in os.listdir(path))
 
 
 def universal_tag_dir(src: str, tag: str | None) -> str | None:
@@ -87,7 +85,7 @@ def universal_tag_dir(src: str, tag: str | None) -> str | None:
         return None
     if tag is not None:
         candidate = os.path.join(src, tag)
-        return candidate if os.path.isdir(candidate) and is_universal_tag_dir(candidate) else None
+        return candidate if is_universal_tag_dir(candidate) else None
     if is_universal_tag_dir(src):
         return src
     tracker = os.path.join(src, LATEST_UNIVERSAL)
@@ -140,8 +138,6 @@ class UniversalCheckpoint:
 
 def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
     """A ``zero/<param>/<state>.pt``: the array and its source-tensor name."""
-    with unsafe_files_refused():
-        files.check_regular(path)
     value = load_deepspeed_file(path)
     if isinstance(value, np.ndarray):
         return value, f"{rel}:"
@@ -180,11 +176,7 @@ def open_universal_checkpoint(tag_dir: str) -> UniversalCheckpoint:
             f"{tag_dir}: model states of model-parallel ranks {sorted(by_mp)}; expected "
             f"0..{len(by_mp) - 1}"
         )
-    model_files: dict[str, Mapping] = {}  # by path, each a regular file before it is read
-    for path in (path for ranks in by_mp.values() for path in ranks.values()):
-        with unsafe_files_refused():
-            files.check_regular(path)
-        model_files[path] = load_model_states(path)
+    model_files = {p: load_model_states(p) for ranks in by_mp.values() for p in ranks.values()}
     first = by_mp[0].get(None) or by_mp[0][min(d for d in by_mp[0] if d is not None)]
     model_states = model_files[first]
     mp_world_size = len(by_mp)
@@ -304,7 +296,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
             raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} is {array.dtype}, expected float32"
             )
-        if array.ndim == 1 and array.size == numel(local_shape) and mp_world_size == 1:
+        if array.ndim == 1 and array.size == math.prod(local_shape) and mp_world_size == 1:
             full = tuple(local_shape)  # flat: ZeRO-3's layout, shape from param_shapes
         elif array.ndim == 1 and mp_world_size > 1 and tuple(local_shape) != array.shape:
             raise SourceError(
@@ -314,7 +306,7 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
             )
         else:
             full = tuple(array.shape)
-        if mp_world_size == 1 and numel(full) != numel(local_shape):
+        if mp_world_size == 1 and math.prod(full) != math.prod(local_shape):
             raise SourceError(
                 f"{folder}/{state}.pt: parameter {name!r} holds {array.size} elements "
                 f"{array.shape}; param_shapes says {tuple(local_shape)}"
@@ -329,8 +321,6 @@ def _open_param(folder: str, name: str, local_shape, mp_world_size: int) -> Univ
         param.sources[state] = source
     step_path = os.path.join(folder, "step.pt")
     if os.path.lexists(step_path):
-        with unsafe_files_refused():
-            files.check_regular(step_path)
         step = load_deepspeed_file(step_path)
         if isinstance(step, np.ndarray) and step.size == 1:
             param.step, param.step_source = float(step.reshape(())), f"{rel}/step.pt:"
@@ -382,21 +372,12 @@ def _model_weight(checkpoint: UniversalCheckpoint, name: str, fp32: np.ndarray, 
     """The model-precision copy: the module weight as stored when it is whole, else the fp32
     master cast (a ZeRO-3 placeholder, or a tensor-parallel rank's piece)."""
     stored = _stored_weight(checkpoint, name, fp32.shape)
-    model_file = os.path.basename(checkpoint.model_file)
     if stored is not None:
-        provenance = {
-            "files": [model_file],
-            "pattern": "module",
-            "tensors": [f"{model_file}:module.{name}"],
-        }
-        return host_item(("model_params", name), stored, provenance)
-    provenance = {
-        "files": [f"zero/{name}/fp32.pt"],
-        "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
-        "tensors": [fp32_source],
-    }
+        tensor = f"{os.path.basename(checkpoint.model_file)}:module.{name}"
+        return sourced_item(("model_params", name), stored, "module", [tensor])
     cast = mapped_file.read_out(fp32, f"{name!r} fp32").astype(checkpoint.model_dtype)
-    return host_item(("model_params", name), cast, provenance)
+    pattern = f"cast(fp32 -> {checkpoint.model_dtype})"
+    return sourced_item(("model_params", name), cast, pattern, [fp32_source])
 
 
 def _stored_weight(checkpoint: UniversalCheckpoint, name: str, shape) -> np.ndarray | None:
@@ -446,25 +427,15 @@ def _frozen_fp32(
     return [checkpoint.frozen_fp32[name]]
 
 
-def iter_universal_items(
-    checkpoint: UniversalCheckpoint, *, weights_only: bool, share: Share = WHOLE
-) -> Iterator:
-    """Per parameter: fp32 master, Adam moments, model-precision copy; frozen weights; step.
-
-    Args:
-        checkpoint: the opened universal folder.
-        weights_only: fp32 masters alone, no moments, copies or step.
-        share: this process's part of a distributed import (default: the whole).
-    """
+def iter_universal_items(checkpoint: UniversalCheckpoint, options: ImportOptions) -> Iterator:
+    """Per parameter (this process's share): fp32 master, Adam moments, model-precision copy;
+    frozen weights; step. ``options.weights_only``: fp32 masters alone, no moments or step."""
+    weights_only, share = options.weights_only, options.share
     for name in share.pick(checkpoint.params):
         param = checkpoint.params[name]
         for state, tree in STATE_TREES[:1] if weights_only else STATE_TREES:
-            provenance = {
-                "files": [f"zero/{name}/{state}.pt"],
-                "pattern": "deepspeed-universal",
-                "tensors": [param.sources[state]],
-            }
-            yield host_item((*tree, name), param.value(state), provenance)
+            tensors = [param.sources[state]]
+            yield sourced_item((*tree, name), param.value(state), "deepspeed-universal", tensors)
         if checkpoint.model_dtype != np.dtype(np.float32):
             yield _model_weight(checkpoint, name, param.value("fp32"), param.sources["fp32"])
     if checkpoint.frozen:
@@ -543,13 +514,12 @@ def _model_states_tensors(checkpoint: UniversalCheckpoint, source: dict) -> list
     """The tensors of every model states file; all but the imported module weights and frozen
     fragments skipped with the reason."""
     model_file = os.path.basename(checkpoint.model_file)
-    imported = set()
-    if checkpoint.model_dtype != np.dtype(np.float32):
-        imported = {
-            f"{model_file}:module.{name}"
-            for name, param in checkpoint.params.items()
-            if _stored_weight(checkpoint, name, param.shape) is not None
-        }
+    cast = checkpoint.model_dtype != np.dtype(np.float32)  # a model copy is imported
+    imported = {
+        f"{model_file}:module.{name}"
+        for name, param in checkpoint.params.items()
+        if cast and _stored_weight(checkpoint, name, param.shape) is not None
+    }
     frozen_names = {f"frozen_param_fragments.{n}" for n in checkpoint.frozen}
     found = []
     for path, states in checkpoint.model_files.items():
@@ -602,21 +572,12 @@ def source_info(checkpoint: UniversalCheckpoint) -> dict:
     )
 
 
-def plan_universal(
-    tag_dir: str, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
-) -> ImportPlan:
-    """The import of a universal tag folder (every file found and checked before this returns).
-
-    Args:
-        tag_dir: the ``<tag>_universal`` folder.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-    """
+def plan_universal(tag_dir: str, options: ImportOptions) -> ImportPlan:
+    """The import of the ``<tag>_universal`` folder ``tag_dir`` (every file found and checked
+    before this returns)."""
+    weights_only, share = options.weights_only, options.share
     refuse_spec(
-        spec,
+        options.spec,
         "convert: a DeepSpeed universal checkpoint holds whole tensors (DeepSpeed merged"
         " its tensor-parallel pieces), keyed by DeepSpeed's names, so an import spec has nothing "
         "to do",
@@ -626,9 +587,5 @@ def plan_universal(
     found = universal_tensors(checkpoint, source, weights_only=weights_only)
     if not weights_only:
         _step(checkpoint)  # a missing or disagreeing step fails before anything is written
-    return ImportPlan(
-        items=iter_universal_items(checkpoint, weights_only=weights_only, share=share),
-        source=source,
-        total_params=len(share.pick(checkpoint.params)) + len(share.pick(checkpoint.frozen)),
-        source_tensors=found,
-    )
+    total = len(share.pick(checkpoint.params)) + len(share.pick(checkpoint.frozen))
+    return ImportPlan(iter_universal_items(checkpoint, options), source, total, found)

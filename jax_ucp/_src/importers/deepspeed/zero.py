@@ -36,24 +36,22 @@ from jax_ucp._src.importers.deepspeed.files import (
     OPTIMIZER_FILE,
     ZERO3_MODEL_FILE,
     OptimizerStates,
-    check_dp_world_size,
     dtype_of_run,
     frozen_shapes_of,
     load_model_states,
-    numel,
     optimizer_files_by_rank,
     param_shapes_of,
     read_optimizer_states,
     require,
     source_record,
+    sourced_item,
     unsafe_files_refused,
 )
 from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
-    WHOLE,
+    ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     host_item,
     jsonable,
@@ -225,7 +223,12 @@ def open_zero_rank(
         layout: further ``DeepSpeedCheckpoint`` fields (MoE: ``rename``, ``rank_stride``,
             ``module_tensors``).
     """
-    check_dp_world_size(model_states, model_file, optimizer)
+    recorded = model_states.get("dp_world_size")
+    if recorded is not None and int(recorded) != optimizer.world_size:
+        raise SourceError(
+            f"{model_file}: dp_world_size is {recorded} but the optimizer files say "
+            f"{optimizer.world_size} (partition_count in {optimizer.files[0]})"
+        )
     if param_shapes is None:
         param_shapes = param_shapes_of(model_states, model_file)
     if module is None:
@@ -299,10 +302,10 @@ def plan_fragments(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragme
     shapes = checkpoint.shapes
     for name, fragments in plan.items():
         held = sum(piece.numel for piece in fragments.pieces)
-        if held != numel(shapes[name]):
+        if held != math.prod(shapes[name]):
             raise SourceError(
                 f"{checkpoint.tag_dir}: parameter {name!r} shape {shapes[name]} has "
-                f"{numel(shapes[name])} elements but the optimizer files hold {held} "
+                f"{math.prod(shapes[name])} elements but the optimizer files hold {held} "
                 f"(ranks {[piece.dp_rank for piece in fragments.pieces]})"
             )
     return plan
@@ -350,7 +353,8 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                 # a StandIn: its attributes come from the pickle (getattr for pyright)
                 start, count = getattr(address, "start"), getattr(address, "numel")  # noqa: B009
                 size = optimizer_state["single_partition_of_fp32_groups"][group].size
-                if not (_is_int(start) and _is_int(count) and start >= 0 and count > 0):
+                ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (start, count))
+                if not (ints and start >= 0 and count > 0):
                     raise SourceError(
                         f"{path}: parameter {name!r}: fragment_address start={start!r} "
                         f"numel={count!r}; expected a start >= 0 and numel > 0"
@@ -363,10 +367,6 @@ def _plan_stage12(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragmen
                 fragments.pieces.append(Piece(dp_rank, int(start), int(count)))
         _check_no_overlap(plan, dp_rank, path)
     return plan
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_no_overlap(plan: Mapping[str, ParameterFragments], dp_rank: int, path: str) -> None:
@@ -396,7 +396,7 @@ def _plan_stage3(checkpoint: DeepSpeedCheckpoint) -> dict[str, ParameterFragment
     world = checkpoint.world_size
     for group, shapes in enumerate(checkpoint.param_shapes):
         for name, shape in shapes.items():
-            count = numel(shape)
+            count = math.prod(shape)
             part = math.ceil(count / world)
             takes = ((dp_rank, min(part, count - dp_rank * part)) for dp_rank in range(world))
             pieces = [Piece(dp_rank, offset, take) for dp_rank, take in takes if take > 0]
@@ -548,10 +548,14 @@ def gather_parameter(
         state_name: "fp32", "exp_avg" or "exp_avg_sq".
         vectors: the cache of :func:`state_vectors`.
     """
-    parts = _parts(checkpoint, name, state_name, vectors)
-    if len(parts) == 1:
-        return parts[0].reshape(checkpoint.shapes[name])
-    return joined_parts(parts, checkpoint.shapes[name], parts[0].dtype)
+    return _whole(_parts(checkpoint, name, state_name, vectors), checkpoint.shapes[name])
+
+
+def _whole(parts: list, shape) -> np.ndarray:
+    """A lone part reshaped (a view of the memory map), else the parts joined."""
+    return (
+        parts[0].reshape(shape) if len(parts) == 1 else joined_parts(parts, shape, parts[0].dtype)
+    )
 
 
 def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors: dict) -> list:
@@ -566,15 +570,8 @@ def _parts(checkpoint: DeepSpeedCheckpoint, name: str, state_name: str, vectors:
         if isinstance(vector, FlatVector):
             parts.extend(vector.take(piece.start, piece.numel))
             continue
-        flat = vector[fragments.group]
-        end = piece.start + piece.numel
-        if end > flat.size:
-            raise SourceError(
-                f"{checkpoint.optim_files[piece.dp_rank]}: parameter {name!r} {state_name} "
-                f"fragment [{piece.start}, {end}) exceeds group {fragments.group} partition "
-                f"of {flat.size}"
-            )
-        parts.append(flat[piece.start : end])
+        # inside: _plan_stage12 bounds it by the fp32 partition, no moment is shorter
+        parts.append(vector[fragments.group][piece.start : piece.start + piece.numel])
     return parts
 
 
@@ -606,11 +603,7 @@ def _state_item(
     shape = tuple(checkpoint.shapes[name])
 
     def make() -> np.ndarray:
-        value = (
-            parts[0].reshape(shape)
-            if len(parts) == 1
-            else joined_parts(parts, shape, parts[0].dtype)
-        )
+        value = _whole(parts, shape)
         if state_name == "fp32" and checkpoint.stage in (1, 2):
             check_against_module(checkpoint, name, value)
         return value
@@ -659,15 +652,11 @@ def step_sources(*checkpoints: DeepSpeedCheckpoint) -> dict[str, list[str]]:
 
 
 def iter_zero_items(
-    checkpoint: DeepSpeedCheckpoint, *, weights_only: bool = False, share: Share = WHOLE
+    checkpoint: DeepSpeedCheckpoint, options: ImportOptions
 ) -> Iterator[writer.HostItem]:
-    """params / mu / nu / model_params one parameter at a time, then ``opt_state.count``.
-
-    Args:
-        checkpoint: the opened ZeRO checkpoint.
-        weights_only: params and model_params alone.
-        share: this process's part of a distributed import (default: the whole).
-    """
+    """params / mu / nu / model_params one parameter at a time (this process's share), then
+    ``opt_state.count``; ``options.weights_only``: params and model_params alone."""
+    weights_only, share = options.weights_only, options.share
     vectors: dict[tuple[int, str], Any] = {}
     files = [os.path.basename(f) for f in checkpoint.optim_files]
     for name in share.pick(checkpoint.names):
@@ -684,21 +673,19 @@ def iter_zero_items(
             yield host_item((*tree, name), value, dict(provenance, tensors=sources))
             del value
         if checkpoint.model_dtype != np.dtype(np.float32):
-            yield _model_copy_item(
-                checkpoint,
-                name,
-                _parts(checkpoint, name, "fp32", vectors),
-                provenance["files"],
-                piece_tensors(checkpoint, name, "fp32"),
-            )
+            fp32 = _parts(checkpoint, name, "fp32", vectors)
+            yield _model_copy_item(checkpoint, name, fp32, piece_tensors(checkpoint, name, "fp32"))
     yield from frozen_items(checkpoint, share.pick(checkpoint.frozen))
     if weights_only or not share.primary:
         return
-    yield host_item(
-        ("opt_state", "count"),
-        np.asarray(optimizer_step(checkpoint), np.int32),
-        {"files": files, "pattern": "step", **step_sources(checkpoint)},
-    )
+    yield step_item(optimizer_step(checkpoint), checkpoint)
+
+
+def step_item(step: int, *checkpoints: DeepSpeedCheckpoint) -> writer.HostItem:
+    """``opt_state.count``: the ``step`` the ranks' optimizer files agree on, named by them."""
+    files = [os.path.basename(f) for c in checkpoints for f in c.optim_files]
+    provenance = {"files": files, "pattern": "step", **step_sources(*checkpoints)}
+    return host_item(("opt_state", "count"), np.asarray(step, np.int32), provenance)
 
 
 def _state_prefix(checkpoint: DeepSpeedCheckpoint, state_name: str) -> tuple[str, list[str]]:
@@ -811,11 +798,7 @@ def _model_states(checkpoint: DeepSpeedCheckpoint, path: str) -> Mapping:
 
 
 def _model_copy_item(
-    checkpoint: DeepSpeedCheckpoint,
-    name: str,
-    fp32: list[np.ndarray],
-    files: list[str],
-    fp32_tensors: list[str],
+    checkpoint: DeepSpeedCheckpoint, name: str, fp32: list[np.ndarray], fp32_tensors: list[str]
 ) -> writer.HostItem:
     """The model-precision weight: the stored module weight (stage 1/2), else the fp32 master
     (its pieces ``fp32``) cast the way DeepSpeed re-derives it (stage 3 keeps no
@@ -828,22 +811,12 @@ def _model_copy_item(
                 f"{checkpoint.model_file}: {name!r} has dtype {stored.dtype}, run dtype is "
                 f"{checkpoint.model_dtype}"
             )
-        tensor = checkpoint.module_tensor(name)
-        return host_item(
-            ("model_params", name),
-            stored,
-            {"files": [tensor.split(":", 1)[0]], "pattern": "module", "tensors": [tensor]},
+        return sourced_item(
+            ("model_params", name), stored, "module", [checkpoint.module_tensor(name)]
         )
     dtype = np.dtype(checkpoint.model_dtype)
-    return host_item(
-        ("model_params", name),
-        writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype)),
-        {
-            "files": files,
-            "pattern": f"cast(fp32 -> {checkpoint.model_dtype})",
-            "tensors": fp32_tensors,
-        },
-    )
+    cast = writer.Deferred(shape, dtype, functools.partial(joined_parts, fp32, shape, dtype))
+    return sourced_item(("model_params", name), cast, f"cast(fp32 -> {dtype})", fp32_tensors)
 
 
 def frozen_items(
@@ -855,8 +828,6 @@ def frozen_items(
     from ``frozen_param_fragments`` as DeepSpeed's zero_to_fp32 does: stage 1/2 keep each whole;
     stage 3 keeps a ``ceil(numel / W)`` partition per DP rank, concatenated in rank order and
     cut to ``numel``. In the run's precision (never trained, there is no fp32 master).
-    ``also(name, weight, files)`` names more source tensors holding the same weights (and checks
-    that they do).
 
     Args:
         checkpoint: the opened ZeRO checkpoint holding the fragments.
@@ -873,7 +844,7 @@ def frozen_items(
     frozen_files = sorted({os.path.basename(f) for f in checkpoint.frozen_files})
     for name in names:
         shape = checkpoint.frozen[name]
-        count = numel(shape)
+        count = math.prod(shape)
         parts = []
         for path, found in fragments:
             part = found.get(name)
@@ -919,7 +890,7 @@ def zero0_model_file(tag_dir: str) -> str | None:
     return path if os.path.lexists(path) else None
 
 
-def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Share = WHOLE):
+def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportPlan:
     """ZeRO-0: the optimizer state is a plain torch ``optimizer.state_dict()`` inside the model
     states file, keyed by parameter index. Importing it is not supported; the weights are (the
     module's, in the run's precision).
@@ -927,10 +898,10 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     Args:
         tag_dir: the tag folder.
         model_file: its model states file.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``weights_only`` must be set (the optimizer state is then listed in
+            ``source.skipped``); ``share``: this process's part.
     """
+    weights_only, share = options.weights_only, options.share
     model_states = load_model_states(model_file)
     if not weights_only:
         has_optimizer = model_states.get("optimizer") is not None
@@ -947,12 +918,7 @@ def plan_zero0(tag_dir: str, model_file: str, *, weights_only: bool, share: Shar
     names = share.pick(n for n, v in module.items() if isinstance(v, np.ndarray))
     file = os.path.basename(model_file)
     items = (
-        host_item(
-            ("params", name),
-            module[name],
-            {"files": [file], "pattern": "module", "tensors": [f"{file}:module.{name}"]},
-        )
-        for name in names
+        sourced_item(("params", n), module[n], "module", [f"{file}:module.{n}"]) for n in names
     )
 
     source = source_record(tag_dir, model_states, 0)

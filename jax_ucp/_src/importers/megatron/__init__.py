@@ -1,27 +1,16 @@
 """Import Megatron-LM / megatron-core checkpoints (torch_dist and legacy TP x PP) as UCP.
 
-Two source formats, detected from the directory:
-
-* ``torch_dist`` (megatron-core ``dist_checkpointing``; torch Distributed Checkpoint on disk):
-  every tensor already has its global shape in ``.metadata``; chunks are assembled from the
-  ``.distcp`` byte ranges (:mod:`.dcp`). Layers stay stacked ``[L, ...]``; only the vocab
-  padding is stripped. With megatron-core's DistributedOptimizer state saved in its
-  ``fully_reshardable`` (model-space) form, ``optimizer.state.{param,exp_avg,exp_avg_sq}.<name>``
-  become ``params`` / ``opt_state.mu`` / ``opt_state.nu`` and the step in ``common.pt``
-  becomes ``opt_state.count``.
+* ``torch_dist`` (megatron-core ``dist_checkpointing``: torch DCP on disk, :mod:`.torch_dist`):
+  tensors have their global shape in ``.metadata``; layers stay stacked ``[L, ...]``, only the
+  vocab padding is stripped; the distributed optimizer's state in any supported layout.
 * legacy (``latest_checkpointed_iteration.txt`` + ``iter_NNNNNNN/mp_rank_TT[_PPP]/
-  model_optim_rng.pt``): per-rank state dicts merged over TP with the UCP language's kinds
-  (vocab, qkv, swiglu, partitioned, replicated, pipeline_tied), per-stage layer numbers made
-  global; megatron-core names and Megatron-LM's older ``language_model.*`` names both covered.
+  model_optim_rng.pt``, :mod:`.legacy_import`): per-rank state dicts merged over TP with the UCP
+  language's kinds, per-stage layer numbers made global.
 
-The original vocab size is not recorded by either format: it comes from ``vocab_size=`` (CLI
-``--vocab-size``) or the spec's settings. Without it the padded rows are kept and the manifest
-says so.
-
-Output tree (the importer contract, docs/FORMAT.md section 2.6): ``params`` (fp32 master
-weights when optimizer state is present, else the model weights), ``opt_state`` {``mu``, ``nu``,
-``count``}, ``model_params`` (model-precision weights, only when they are not fp32). Keys are
-the source names.
+Neither format records the original vocab size: it comes from ``vocab_size=`` (CLI
+``--vocab-size``) or the spec's settings; without it the padded rows are kept and the manifest
+says so. Output: the importer contract's tree (docs/FORMAT.md section 2.6), keyed by the source
+names.
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ object), from at most :data:`MAX_RUN_CONFIG_BYTES`, and refused when its aliases
 past :data:`MAX_YAML_NODES` nodes (a billion-laughs file). ``train_state.pt`` is read by the
 allow-listed unpickler (:mod:`jax_ucp._src.torchfiles.unpickler`); nothing pickled is executed.
 
-Output: the Megatron importer's tree (``params``, ``opt_state`` {``mu``, ``nu``, ``count``},
-``model_params``), ``source.framework = "megatron-bridge"``, ``source.iteration`` = the train
-state's step, ``source.bridge`` = the train state, parallel sizes and run-config facts.
+Output: the Megatron importer's tree and source, with ``framework = "megatron-bridge"``,
+``iteration`` = the train state's step and ``bridge`` = the train state and run-config facts.
 """
 
 from __future__ import annotations
@@ -83,10 +82,6 @@ class BridgeCheckpoint:
     iter_dir: Path  # iter_NNNNNNN/: the torch_dist checkpoint, train_state.pt, run_config.yaml
     train_state: dict[str, Any]  # step, consumed_train_samples, ... as Python scalars
 
-    @property
-    def step(self) -> int:
-        return self.train_state["step"]
-
 
 def is_megatron_bridge(src: os.PathLike | str) -> bool:
     """A Bridge save directory (``latest_train_state.pt``, or Megatron-LM's tracker naming an
@@ -103,9 +98,8 @@ def is_megatron_bridge(src: os.PathLike | str) -> bool:
         step = _tracker_step(path / TRACKER_FILE)
     except MegatronImportError:
         return False  # Megatron-LM's importer names what is wrong with it
-    iter_dir = path / f"iter_{step:07d}" if step is not None else None
-    return iter_dir is not None and any(
-        os.path.lexists(iter_dir / name) for name in (TRAIN_STATE_FILE, RUN_CONFIG_FILE)
+    return step is not None and any(
+        os.path.lexists(path / f"iter_{step:07d}" / name) for name in names[1:]
     )
 
 
@@ -387,18 +381,15 @@ def _named_settings(fields: dict[str, Any], where: os.PathLike | str, settings: 
     """The int, bool and name fields that map one to one onto a setting, and the tied-embedding
     flag (inverted), into ``settings``."""
     for key, name in _MODEL_INTS.items():
-        value = fields.get(key)
-        if value is not None:
-            settings[name] = _int_field(value, key, where)
+        if fields.get(key) is not None:
+            settings[name] = _int_field(fields[key], key, where)
     for key, name in _MODEL_BOOLS.items():
-        value = fields.get(key)
-        if value is not None:
+        if (value := fields.get(key)) is not None:
             if type(value) is not bool:
                 raise MegatronImportError(f"{where}: model.{key} is {value!r}, expected true/false")
             settings[name] = not value if name.startswith("untie_") else value
     for key, name in _MODEL_STRINGS.items():
-        value = fields.get(key)
-        if value is not None:
+        if (value := fields.get(key)) is not None:
             if not isinstance(value, str) or len(value) > 100:
                 raise MegatronImportError(f"{where}: model.{key} is {value!r}, expected a name")
             settings[name] = value
@@ -471,7 +462,7 @@ def plan_megatron_bridge(
     )
     source = dict(plan.source)
     source["framework"] = "megatron-bridge"
-    source["iteration"] = checkpoint.step
+    source["iteration"] = checkpoint.train_state["step"]
     source["bridge"] = _bridge_info(checkpoint, run_config, config_path)
     notes = [n for n in source.pop("notes", []) if not n.startswith("vocab padding kept")]
     notes += _notes(checkpoint, run_config, source)

@@ -89,11 +89,8 @@ def param_groups(optimizer_state: Any) -> Any:
 
 def sharding_type(common: Any) -> str | None:
     """The distributed optimizer's layout recorded in the common state (None: not recorded)."""
-    if isinstance(common, dict):
-        optimizer = common.get("optimizer")
-        if isinstance(optimizer, dict):
-            return optimizer.get("param_state_sharding_type")
-    return None
+    optimizer = common.get("optimizer") if isinstance(common, dict) else None
+    return optimizer.get("param_state_sharding_type") if isinstance(optimizer, dict) else None
 
 
 def ddp_bucket_size(settings: dict) -> int | None:

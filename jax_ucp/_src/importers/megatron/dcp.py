@@ -18,22 +18,12 @@ from typing import Any
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.torchfiles import dcp_reader, unpickler
-from jax_ucp._src.torchfiles.dcp_reader import (
-    SUPPORTED_TRANSFORMS,
-    DcpCheckpoint,
-    DcpChunk,
-    DcpObject,
-    DcpTensor,
-    check_coverage,
-)
+from jax_ucp._src.torchfiles.dcp_reader import DcpCheckpoint, DcpChunk, DcpTensor, check_coverage
 
 __all__ = [
-    "DCP_CLASSES",
     "MCORE_CLASSES",
-    "SUPPORTED_TRANSFORMS",
     "DcpCheckpoint",
     "DcpChunk",
-    "DcpObject",
     "DcpTensor",
     "MegatronDcpCheckpoint",
     "check_coverage",
@@ -53,9 +43,6 @@ MCORE_CLASSES: dict[str, Any] = {
 
 #: Largest ``metadata.json`` read (megatron-core writes a few hundred bytes).
 MAX_MCORE_METADATA_BYTES = 1 << 20
-
-#: Classes a megatron-core ``.metadata`` pickle may reference, mapped to inert stand-ins.
-DCP_CLASSES: dict[str, Any] = {**dcp_reader.DCP_CLASSES, **MCORE_CLASSES}
 
 
 @dataclass

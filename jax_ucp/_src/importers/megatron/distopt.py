@@ -132,15 +132,8 @@ class BucketStates(RankStates):
             ) from None
 
     def files(self) -> list[str]:
-        return sorted(
-            {
-                f
-                for per_bucket in self.buckets.values()
-                for states in per_bucket
-                for n in states.values()
-                for f in self.checkpoint.tensors[n].files
-            }
-        )
+        names = (n for per in self.buckets.values() for states in per for n in states.values())
+        return sorted({f for n in names for f in self.checkpoint.tensors[n].files})
 
     def flat(self, rank: int, bucket: int, state: str, start: int, end: int) -> np.ndarray:
         return self.checkpoint.read_range(self.buckets[rank][bucket][state], start, end)
@@ -166,11 +159,8 @@ class GatheredStates(RankStates):
         grouped: bool = False,
     ):
         where = checkpoint.path / ".metadata"
-        found = {}
-        for name in checkpoint.objects:
-            m = re.fullmatch(r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*", name)
-            if m:
-                found[int(m.group(1))] = name
+        pattern = r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*"
+        found = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
         if not found or sorted(found) != list(range(len(found))):
             raise MegatronImportError(
                 f"{where}: dp_zero_gather_scatter param_state objects for model-parallel ranks "

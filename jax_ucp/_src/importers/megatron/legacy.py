@@ -43,10 +43,9 @@ __all__ = [
     "bucket_layout",
     "distrib_optim_layout",
     "distrib_optim_state",
-    "distrib_optim_tensors",
     "flatten_state_dict",
+    "load_rank_file",
     "open_legacy",
-    "read_distrib_optim",
     "resolve_iteration_dir",
 ]
 
@@ -82,7 +81,6 @@ class RankFile:
 class LegacyCheckpoint:
     """A legacy (``mp_rank_*``) Megatron checkpoint: its rank files and run arguments."""
 
-    root: Path
     iter_dir: Path
     iteration: int | None
     tp: int
@@ -105,8 +103,6 @@ class LegacyCheckpoint:
         """(buffer index, buffer count) of stage ``key``'s grad buffer in its ``distrib_optim.pt``:
         with a virtual pipeline, megatron-core's DistributedOptimizer keeps one buffer per model
         chunk (``gbuf_idx`` = chunk), so virtual stage v*PP + p reads buffer v."""
-        if self.virtual_pipeline == 1:
-            return 0, 1
         return key[0] // (self.pp // self.virtual_pipeline), self.virtual_pipeline
 
 
@@ -114,8 +110,8 @@ class LegacyCheckpoint:
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
 
-def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
-    """(root, iteration dir, iteration) for a root holding the tracker file or an iter dir."""
+def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
+    """(iteration dir, iteration) for a root holding the tracker file or an iter dir."""
     src = Path(src)
     tracker = src / TRACKER_FILE
     if os.path.lexists(tracker):
@@ -125,7 +121,7 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
         except files.UnsafeFileError as e:
             raise SourceError(str(e)) from None
         if text == "release":
-            return src, src / "release", None
+            return src / "release", None
         try:
             it = int(text)
         except ValueError:
@@ -141,12 +137,12 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
             raise SourceError(
                 f"{d} leads outside {src} (a symlink); refusing to follow it"
             ) from None
-        return src, d, it
+        return d, it
     m = re.fullmatch(r"iter_(\d+)", src.name)
     if m:
-        return src.parent, src, int(m.group(1))
+        return src, int(m.group(1))
     if src.name == "release":
-        return src.parent, src, None
+        return src, None
     raise SourceError(
         f"{src}: no latest_checkpointed_iteration.txt and not an iter_NNNNNNN directory"
     )
@@ -155,13 +151,9 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, Path, int | None]:
 def flatten_state_dict(d: Any, prefix: str = "") -> dict[str, Any]:
     """Nested state dicts (older Megatron-LM: model['language_model']['encoder'][...]) -> dotted."""
     out: dict[str, Any] = {}
-    if isinstance(d, dict):
-        for k, v in d.items():
-            name = f"{prefix}.{k}" if prefix else str(k)
-            if isinstance(v, dict):
-                out.update(flatten_state_dict(v, name))
-            else:
-                out[name] = v
+    for k, v in d.items() if isinstance(d, dict) else ():
+        name = f"{prefix}.{k}" if prefix else str(k)
+        out.update(flatten_state_dict(v, name) if isinstance(v, dict) else {name: v})
     return out
 
 
@@ -176,7 +168,7 @@ def args_dict(args: Any) -> dict[str, Any]:
     }
 
 
-def _load(path: Path) -> Any:
+def load_rank_file(path: Path) -> Any:
     """A rank directory's torch file (``iter_N/mp_rank_XX/<file>``), through the restricted
     unpickler; one linked to a file outside ``iter_N`` is never read."""
     iteration = path.parent.parent
@@ -191,7 +183,7 @@ def _load_rank(path: Path) -> tuple[dict, dict]:
     """One rank's ``model_optim_rng.pt``: its top-level dict and its flattened model state dict."""
     if not path.is_file():
         raise SourceError(f"missing shard file {path}")
-    state = _load(path)
+    state = load_rank_file(path)
     if not isinstance(state, dict):
         raise SourceError(f"{path}: top level is a {type(state).__name__}, expected a dict")
     if "model" not in state:
@@ -219,30 +211,11 @@ def model_chunks(state: dict, path: Path) -> list[str]:
     return [key for _, key in chunks]
 
 
-@dataclass(frozen=True)
-class _RankDirectories:
-    """The ``mp_rank_*`` directories of an iteration, placed on the (pp, tp, ep) grid."""
-
-    iteration_dir: Path
-    found: dict[tuple[int, int, int], Path]  # (pp, tp, ep) -> directory
-    has_pp_suffix: bool
-    has_ep_suffix: bool
-
-    def size(self, axis: int) -> int:
-        return max(key[axis] for key in self.found) + 1
-
-    def expected(self, pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
-        """The directory Megatron-LM would have written for this rank (named in errors)."""
-        name = f"mp_rank_{tp_rank:02d}"
-        if self.has_pp_suffix:
-            name += f"_{pp_rank:03d}"
-        if self.has_ep_suffix:
-            name += f"_{ep_rank:03d}"
-        return self.iteration_dir / name
-
-
-def _rank_directories(iteration_dir: Path) -> _RankDirectories:
-    """Places every ``mp_rank_TT[_PPP][_EEE]`` directory; a single 3-digit suffix is the pipeline
+def _rank_directories(
+    iteration_dir: Path,
+) -> tuple[dict[tuple[int, int, int], Path], Callable[[int, int, int], Path]]:
+    """Every ``mp_rank_TT[_PPP][_EEE]`` directory by (pp, tp, ep), and the directory Megatron-LM
+    would have written for a rank (named in errors); a single 3-digit suffix is the pipeline
     stage unless the run's args say expert- but not pipeline-parallel (the expert rank then)."""
     named = []
     for directory in sorted(iteration_dir.iterdir()):
@@ -274,28 +247,29 @@ def _rank_directories(iteration_dir: Path) -> _RankDirectories:
         else:
             key = (0, tp_rank, 0)
         found[key] = directory
-    has_pp_suffix = named[0][2] is not None and not suffix_is_ep
-    has_ep_suffix = named[0][3] is not None or suffix_is_ep
-    return _RankDirectories(iteration_dir, found, has_pp_suffix, has_ep_suffix)
+
+    def expected(pp_rank: int, tp_rank: int, ep_rank: int) -> Path:
+        pp = f"_{pp_rank:03d}" if named[0][2] is not None and not suffix_is_ep else ""
+        ep = f"_{ep_rank:03d}" if named[0][3] is not None or suffix_is_ep else ""
+        return iteration_dir / f"mp_rank_{tp_rank:02d}{pp}{ep}"
+
+    return found, expected
 
 
 def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
-    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt``; check the grid.
-
-    Directory names are Megatron-LM's ``mp_rank_TT[_PPP][_EEE]``; a single 3-digit suffix is the
-    pipeline stage unless ``args.expert_model_parallel_size > 1`` with no pipeline parallelism
-    (Megatron-LM then appends only the expert rank)."""
-    root, iteration_dir, iteration = resolve_iteration_dir(Path(src))
-    directories = _rank_directories(iteration_dir)
-    pp_size, tp_size, ep_size = (directories.size(axis) for axis in range(3))
+    """Find and load (lazily, memory-mapped) every rank's ``model_optim_rng.pt`` (the
+    directories placed by :func:`_rank_directories`); check the grid."""
+    iteration_dir, iteration = resolve_iteration_dir(Path(src))
+    found, expected = _rank_directories(iteration_dir)
+    pp_size, tp_size, ep_size = (max(key[axis] for key in found) + 1 for axis in range(3))
     ep_ranks: dict[tuple[int, int, int], RankFile] = {}
     distrib_optim: dict[tuple[int, int], Path] = {}
     virtual: int | None = None
     for key in itertools.product(range(pp_size), range(tp_size), range(ep_size)):
-        directory = directories.found.get(key)
+        directory = found.get(key)
         if directory is None:
             raise SourceError(
-                f"missing rank directory {directories.expected(*key)} (TP={tp_size}, "
+                f"missing rank directory {expected(*key)} (TP={tp_size}, "
                 f"PP={pp_size}, EP={ep_size} grid from the directories present)"
             )
         pp_rank, tp_rank, ep_rank = key
@@ -340,7 +314,6 @@ def open_legacy(src: os.PathLike | str) -> LegacyCheckpoint:
         )
     version = first.state.get("checkpoint_version")
     return LegacyCheckpoint(
-        root,
         iteration_dir,
         iteration if iteration is not None else first.state.get("iteration"),
         tp_size,
@@ -454,24 +427,6 @@ class DistribOptimState:
     names: dict[str, str] = field(default_factory=dict)
     #: the dotted path of every tensor in the loaded dict (import accounting)
     found: list[str] = field(default_factory=list)
-
-
-def read_distrib_optim(path: Path, buffer: int = 0, count: int = 1) -> DistribOptimState:
-    """Buffer ``buffer`` of a ``distrib_optim.pt`` holding ``count`` (one per virtual-pipeline
-    model chunk; buckets coalesced; one dtype, no experts).
-
-    Args:
-        path: the ``distrib_optim.pt`` file.
-        buffer: which buffer (model chunk).
-        count: how many buffers the file holds.
-    """
-    return distrib_optim_state(_load(path), path, buffer, count)
-
-
-def distrib_optim_tensors(path: Path) -> list[str]:
-    """The dotted path of every tensor in a ``distrib_optim.pt`` (read through the restricted
-    unpickler, memory-mapped, nothing checked): what a weights_only import lists as skipped."""
-    return list(tensor_names(_load(path)))
 
 
 def distrib_optim_state(

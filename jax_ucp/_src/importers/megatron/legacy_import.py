@@ -78,8 +78,9 @@ class _LegacyTensors:
 
 
 @dataclass
-class _LegacyImport:
-    """What the legacy items are made from: merge rules, fragments, optimizer slices."""
+class LegacyMerger:
+    """What the legacy items are made from (merge rules, fragments, optimizer slices), and how
+    one name's fragments merge with its kind, errors naming the files."""
 
     checkpoint: legacy.LegacyCheckpoint
     spec: Spec
@@ -93,6 +94,76 @@ class _LegacyImport:
     # state name -> global name -> the distrib_optim.pt tensors its fragments are cut from
     optimizer_sources: dict[str, dict[str, list[str]]] = field(default_factory=dict)
     step_sources: dict[str, list[str]] = field(default_factory=dict)  # tensors / values
+
+    def files_of(self, name: str) -> str:
+        return ", ".join(self.tensors.files(name))
+
+    def merged(self, name: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
+        """TP fragments merged by the name's kind; several stages: pipeline-tied copies."""
+        kind = self.matches[name].kind
+        settings = self.spec.settings
+        try:
+            if len(stages) == 1:
+                (per_tp,) = stages.values()
+                return np.asarray(merge(kind, per_tp, name=name, settings=settings)), kind.kind
+            tied = PipelineTied(inner=kind)
+            value = merge(tied, list(stages.values()), name=name, settings=settings)
+            return np.asarray(value), f"pipeline_tied({kind.kind})"
+        except LanguageError as e:
+            raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
+
+    def deferred(self, name: str, stages: dict, what: str) -> tuple[writer.Deferred, str]:
+        """``merged``, built only once the writer has room for it in the memory budget: a
+        merge's result is at most its fragments' bytes (pipeline-tied copies: one stage's)."""
+        kind = self.matches[name].kind
+        pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
+        bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in stages.values())
+        make = lambda: self.merged(name, stages, what)[0]
+        view = self.rows_view(name, stages)
+        if view is None:
+            return writer.Deferred(None, None, make, bound=bound), pattern
+
+        def rows(lo: int, hi: int) -> np.ndarray:
+            out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
+            ts.array(out, copy=False, write=True).write(view[lo:hi]).result()
+            return out
+
+        shape, dtype = tuple(int(d) for d in view.shape), view.dtype.numpy_dtype
+        return writer.Deferred(shape, dtype, make, bound=bound, rows=rows), pattern
+
+    def rows_view(self, name: str, stages: dict):
+        """The lazy merge (a TensorStore view over the fragments, no copy) that rows of a
+        tensor larger than the memory budget are read from, for kinds that only rearrange their
+        fragments; None for the others, pipeline-tied copies (checked equal when merged), or a
+        merge that fails (``merged`` then raises, naming the files)."""
+        kind = self.matches[name].kind
+        if len(stages) != 1 or not isinstance(kind, (Partitioned, Vocab, QKV, SwiGLU, SubParams)):
+            return None
+        (per_tp,) = stages.values()
+        try:
+            view = merge(kind, per_tp, name=name, settings=self.spec.settings, lazy=True)
+        except LanguageError:
+            return None
+        return view if view.rank >= 1 else None
+
+    def grouped(self, name: str) -> tuple[np.ndarray, str]:
+        """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
+        weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
+        rank holding all E experts would have) is the EP ranks' buffers concatenated flat."""
+        per_stage = []
+        for per_ep in self.tensors.grouped[name].values():
+            shapes = {a.shape for a in per_ep}
+            if len(shapes) != 1:
+                raise MegatronImportError(
+                    f"tensor {name!r}: EP ranks hold different shapes {sorted(shapes)} "
+                    f"(files: {self.files_of(name)})"
+                )
+            (shape,) = shapes
+            joined = np.concatenate([mapped_file.read_out(np.asarray(a)) for a in per_ep], axis=0)
+            per_stage.append(joined.reshape(shape[0], -1) if name.endswith("weight1") else joined)
+        if len(per_stage) > 1:
+            raise MegatronImportError(f"tensor {name!r} is held by several pipeline stages")
+        return per_stage[0], f"expert(grouped, ep={self.checkpoint.ep}, flat concat)"
 
 
 def plan_legacy(
@@ -147,7 +218,7 @@ def plan_legacy(
     _fold_tied_copies(tensors.fragments, tied_pairs)
     _fold_tied_lists(tensors.sources, tied_pairs)
     want_model = optimizer is not None and any(d != np.dtype(np.float32) for d in dtypes)
-    plan = _LegacyImport(
+    plan = LegacyMerger(
         checkpoint,
         import_spec,
         matches,
@@ -184,7 +255,7 @@ def _legacy_found(checkpoint: legacy.LegacyCheckpoint) -> list[str]:
         optim = rank_file.path.parent / "distrib_optim.pt"
         if os.path.lexists(optim):
             prefix = _rank_dir_file(checkpoint, optim)
-            found += [f"{prefix}:{n}" for n in legacy.distrib_optim_tensors(optim)]
+            found += [f"{prefix}:{n}" for n in tensor_names(legacy.load_rank_file(optim))]
     return found
 
 
@@ -216,7 +287,7 @@ def _legacy_step_sources(checkpoint: legacy.LegacyCheckpoint, found: list[str]) 
     return {TENSORS: tensors, **values} if tensors else values
 
 
-def _legacy_skipped(plan: _LegacyImport, found: list[str], weights_only: bool) -> dict[str, str]:
+def _legacy_skipped(plan: LegacyMerger, found: list[str], weights_only: bool) -> dict[str, str]:
     """source.skipped: every tensor of the rank files that no output is built from, and why.
     Anything not named here and not merged is left for the accounting to refuse."""
     tensors = plan.tensors
@@ -460,9 +531,8 @@ def _legacy_distrib_optim(
     steps: dict[float, str] = {}
     for (stage, tp_rank), rank_file in checkpoint.ranks.items():
         path = checkpoint.distrib_optim[(stage, tp_rank)]
-        buffers = legacy.read_distrib_optim(
-            path, *checkpoint.distrib_optim_buffer((stage, tp_rank))
-        )
+        buffer = checkpoint.distrib_optim_buffer((stage, tp_rank))  # (index, count)
+        buffers = legacy.distrib_optim_state(legacy.load_rank_file(path), path, *buffer)
         rank_tensors = local[(stage, tp_rank)]
         params = [(local_name, int(a.size)) for local_name, _, a in rank_tensors]
         shared = {  # a pipeline-tied embedding (and its copy on the last stage): its own bucket
@@ -504,87 +574,9 @@ def _legacy_distrib_optim(
     return out, count, sources
 
 
-class LegacyMerger:
-    """Merges one name's fragments with its kind, errors naming the files."""
-
-    def __init__(self, plan: _LegacyImport):
-        self.plan = plan
-
-    def files_of(self, name: str) -> str:
-        return ", ".join(self.plan.tensors.files(name))
-
-    def merged(self, name: str, stages: dict, what: str) -> tuple[np.ndarray, str]:
-        """TP fragments merged by the name's kind; several stages: pipeline-tied copies."""
-        kind = self.plan.matches[name].kind
-        settings = self.plan.spec.settings
-        try:
-            if len(stages) == 1:
-                (per_tp,) = stages.values()
-                return np.asarray(merge(kind, per_tp, name=name, settings=settings)), kind.kind
-            tied = PipelineTied(inner=kind)
-            value = merge(tied, list(stages.values()), name=name, settings=settings)
-            return np.asarray(value), f"pipeline_tied({kind.kind})"
-        except LanguageError as e:
-            raise MegatronImportError(f"{what}: {e} (files: {self.files_of(name)})") from None
-
-    def deferred(self, name: str, stages: dict, what: str) -> tuple[writer.Deferred, str]:
-        """``merged``, built only once the writer has room for it in the memory budget: a
-        merge's result is at most its fragments' bytes (pipeline-tied copies: one stage's)."""
-        kind = self.plan.matches[name].kind
-        pattern = kind.kind if len(stages) == 1 else f"pipeline_tied({kind.kind})"
-        bound = max(sum(np.asarray(a).nbytes for a in per_tp) for per_tp in stages.values())
-        make = lambda: self.merged(name, stages, what)[0]
-        view = self.rows_view(name, stages)
-        if view is None:
-            return writer.Deferred(None, None, make, bound=bound), pattern
-
-        def rows(lo: int, hi: int) -> np.ndarray:
-            out = writer.unpooled_empty((hi - lo, *shape[1:]), dtype)
-            ts.array(out, copy=False, write=True).write(view[lo:hi]).result()
-            return out
-
-        shape, dtype = tuple(int(d) for d in view.shape), view.dtype.numpy_dtype
-        return writer.Deferred(shape, dtype, make, bound=bound, rows=rows), pattern
-
-    def rows_view(self, name: str, stages: dict):
-        """The lazy merge (a TensorStore view over the fragments, no copy) that rows of a
-        tensor larger than the memory budget are read from, for kinds that only rearrange their
-        fragments; None for the others, pipeline-tied copies (checked equal when merged), or a
-        merge that fails (``merged`` then raises, naming the files)."""
-        kind = self.plan.matches[name].kind
-        if len(stages) != 1 or not isinstance(kind, (Partitioned, Vocab, QKV, SwiGLU, SubParams)):
-            return None
-        (per_tp,) = stages.values()
-        try:
-            view = merge(kind, per_tp, name=name, settings=self.plan.spec.settings, lazy=True)
-        except LanguageError:
-            return None
-        return view if view.rank >= 1 else None
-
-    def grouped(self, name: str) -> tuple[np.ndarray, str]:
-        """megatron-core's GroupedMLP: weight1 [h, E_local*X] is used as view(E_local, h, X) and
-        weight2 [E_local*ffn, h] as view(E_local, ffn, h); the EP-invariant global tensor (what one
-        rank holding all E experts would have) is the EP ranks' buffers concatenated flat."""
-        per_stage = []
-        for per_ep in self.plan.tensors.grouped[name].values():
-            shapes = {a.shape for a in per_ep}
-            if len(shapes) != 1:
-                raise MegatronImportError(
-                    f"tensor {name!r}: EP ranks hold different shapes {sorted(shapes)} "
-                    f"(files: {self.files_of(name)})"
-                )
-            (shape,) = shapes
-            joined = np.concatenate([mapped_file.read_out(np.asarray(a)) for a in per_ep], axis=0)
-            per_stage.append(joined.reshape(shape[0], -1) if name.endswith("weight1") else joined)
-        if len(per_stage) > 1:
-            raise MegatronImportError(f"tensor {name!r} is held by several pipeline stages")
-        return per_stage[0], f"expert(grouped, ep={self.plan.checkpoint.ep}, flat concat)"
-
-
-def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.HostItem]:
+def _legacy_items(plan: LegacyMerger, share: Share = WHOLE) -> Iterator[writer.HostItem]:
     """Per name: the merged weight, or master + moments (+ model copy) with distrib_optim.pt."""
     checkpoint, tensors = plan.checkpoint, plan.tensors
-    merger = LegacyMerger(plan)
     optimizer_files = sorted(
         os.path.relpath(f, checkpoint.iter_dir) for f in checkpoint.distrib_optim.values()
     )
@@ -595,15 +587,15 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
         weights = {**provenance, TENSORS: tensors.sources[name]}
         if name in tensors.grouped or plan.optimizer is None:
             value, pattern = (
-                merger.grouped(name)
+                plan.grouped(name)
                 if name in tensors.grouped
-                else merger.deferred(name, tensors.fragments[name], "model weights")
+                else plan.deferred(name, tensors.fragments[name], "model weights")
             )
             yield host_item(("params", name), value, {**weights, "pattern": pattern})
             continue
         for state_name, tree in STATE_TREES.items():
             what = f"distrib_optim.pt {state_name}"
-            value, pattern = merger.deferred(name, plan.optimizer[state_name][name], what)
+            value, pattern = plan.deferred(name, plan.optimizer[state_name][name], what)
             yield host_item(
                 (*tree, name),
                 value,
@@ -616,7 +608,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
                 },
             )
         if plan.want_model:
-            value, pattern = merger.deferred(name, tensors.fragments[name], "model weights")
+            value, pattern = plan.deferred(name, tensors.fragments[name], "model weights")
             yield host_item(("model_params", name), value, {**weights, "pattern": pattern})
     if plan.optimizer is not None and share.primary:
         rank_files = (r.path for r in checkpoint.ranks.values())
@@ -631,7 +623,7 @@ def _legacy_items(plan: _LegacyImport, share: Share = WHOLE) -> Iterator[writer.
         )
 
 
-def _legacy_info(plan: _LegacyImport, dtypes: set) -> dict:
+def _legacy_info(plan: LegacyMerger, dtypes: set) -> dict:
     """What the manifest records about the legacy checkpoint (padding stripped, ties, ...)."""
     checkpoint, tensors = plan.checkpoint, plan.tensors
     stripped = {}

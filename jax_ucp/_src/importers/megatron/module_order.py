@@ -16,38 +16,26 @@ from jax_ucp._src.importers.megatron.common import WEIGHTS_ONLY_HINT, MegatronIm
 #: input_layernorm (saved as ``linear_qkv.layer_norm_*``) precedes the attention; Transformer
 #: Engine's fused LayerNormLinear registers it inside linear_qkv, after linear_proj (``_TE``).
 _LAYER_ORDER = [
-    "input_layernorm.weight",
-    "input_layernorm.bias",
-    "self_attention.linear_qkv.layer_norm_weight",
-    "self_attention.linear_qkv.layer_norm_bias",
-    "self_attention.linear_proj.weight",
-    "self_attention.linear_proj.bias",
-    "self_attention.linear_qkv.weight",
-    "self_attention.linear_qkv.bias",
-    "self_attention.q_layernorm.weight",
-    "self_attention.q_layernorm.bias",
-    "self_attention.k_layernorm.weight",
-    "self_attention.k_layernorm.bias",
-    "pre_mlp_layernorm.weight",
-    "pre_mlp_layernorm.bias",
-    "mlp.linear_fc1.layer_norm_weight",
-    "mlp.linear_fc1.layer_norm_bias",
-    "mlp.linear_fc1.weight",
-    "mlp.linear_fc1.bias",
-    "mlp.linear_fc2.weight",
-    "mlp.linear_fc2.bias",
-    "mlp.router.weight",
-    "mlp.router.bias",
-    "mlp.experts.experts.linear_fc1.weight",
-    "mlp.experts.experts.linear_fc1.bias",
-    "mlp.experts.experts.linear_fc2.weight",
-    "mlp.experts.experts.linear_fc2.bias",
-    "mlp.shared_experts.linear_fc1.weight",
-    "mlp.shared_experts.linear_fc1.bias",
-    "mlp.shared_experts.linear_fc2.weight",
-    "mlp.shared_experts.linear_fc2.bias",
-    "mlp.shared_experts.gate_weight",
-]
+    f"{module}{param}"  # each module's weight, then its bias
+    for module in (
+        "input_layernorm.",
+        "self_attention.linear_qkv.layer_norm_",
+        "self_attention.linear_proj.",
+        "self_attention.linear_qkv.",
+        "self_attention.q_layernorm.",
+        "self_attention.k_layernorm.",
+        "pre_mlp_layernorm.",
+        "mlp.linear_fc1.layer_norm_",
+        "mlp.linear_fc1.",
+        "mlp.linear_fc2.",
+        "mlp.router.",
+        "mlp.experts.experts.linear_fc1.",
+        "mlp.experts.experts.linear_fc2.",
+        "mlp.shared_experts.linear_fc1.",
+        "mlp.shared_experts.linear_fc2.",
+    )
+    for param in ("weight", "bias")
+] + ["mlp.shared_experts.gate_weight"]
 _TE = [*_LAYER_ORDER[:2], *_LAYER_ORDER[4:6], *_LAYER_ORDER[2:4], *_LAYER_ORDER[6:]]
 #: Expert tensors as megatron-core saves them, stacked ``[layers, experts, ...]``: SequentialMLP's
 #: and (transposed from its ``weight1`` / ``weight2``) the legacy GroupedMLP's, under one name.

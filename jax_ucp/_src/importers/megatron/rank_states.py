@@ -160,22 +160,15 @@ class RankStates:
 
     def _lead(self, name: str) -> int:
         """How many leading axes index layers (and experts) rather than the parameter."""
-        if name in self.layer_of:
-            return 0
-        return 2 if name in self.expert_names else 1 if name in self.stacked else 0
+        stacked = name in self.stacked and name not in self.layer_of  # all layers in one tensor
+        return 2 if name in self.expert_names else 1 if stacked else 0
 
     def _pair(self, name: str) -> str | None:
         """The grad-buffer parameter of a singleton_local_shards SwiGLU half (``X_w`` /
         ``X_v`` -> ``X``), else None."""
-        base, half = name[:-2], name[-2:]
-        if (
-            name in self.layer_of
-            and half in ("_w", "_v")
-            and base + "_w" in self.layer_of
-            and base + "_v" in self.layer_of
-        ):
-            return base
-        return None
+        base = name[:-2]
+        halves = name[-2:] in ("_w", "_v") and {base + "_w", base + "_v"} <= self.layer_of.keys()
+        return base if halves and name in self.layer_of else None
 
     def _swiglu(self, name: str) -> bool:
         """Whether ``name`` is a SwiGLU ``linear_fc1`` (twice the rows its ``linear_fc2``
@@ -227,6 +220,9 @@ class RankStates:
         local[axis] = sum(c.sizes[skip + axis] for c in mine)
         return tuple(local), axis, mine
 
+    def _numel(self, name: str, tp_rank: int) -> int:
+        return element_count(self.piece(name, tp_rank)[0])
+
     def rank_params(self, rank: int) -> tuple[list[tuple[str, int]], set[str]]:
         """The local parameters of model-parallel rank ``rank`` in module order (a stacked
         layer's as ``name#layer``), and which of them megatron-core puts alone in a bucket (a
@@ -241,17 +237,17 @@ class RankStates:
                 params += self._layer_params(i, tp_rank, ep_rank)
             return params, shared
         if stage == 0:
-            params += [(n, element_count(self.piece(n, tp_rank)[0])) for n in self.before]
+            params += [(n, self._numel(n, tp_rank)) for n in self.before]
         for i in range(stage * per_stage, (stage + 1) * per_stage):
             params += self._layer_params(i, tp_rank, 0)
         if stage == self.pp - 1:
-            params += [(n, element_count(self.piece(n, tp_rank)[0])) for n in self.after]
+            params += [(n, self._numel(n, tp_rank)) for n in self.after]
         if self.tied_copy is not None:
             if stage == 0:
                 shared.add(self.tied_copy)
             if stage == self.pp - 1:
                 copy = f"{self.tied_copy}#tied_output_copy"
-                params.append((copy, element_count(self.piece(self.tied_copy, tp_rank)[0])))
+                params.append((copy, self._numel(self.tied_copy, tp_rank)))
                 shared.add(copy)
         return params, shared
 
@@ -267,9 +263,9 @@ class RankStates:
                 base = self._pair(n)
                 if self.layer_of[n] != layer or (base is not None and n.endswith("_v")):
                     continue
-                numel = element_count(self.piece(n, tp_rank)[0])
+                numel = self._numel(n, tp_rank)
                 if base is not None:
-                    numel += element_count(self.piece(base + "_v", tp_rank)[0])
+                    numel += self._numel(base + "_v", tp_rank)
                 out.append((base or n, numel))
             return out
         run: list[str] = []
@@ -278,19 +274,16 @@ class RankStates:
                 run.append(n)
                 continue
             if self.grouped:  # weight1 (fc1), weight2 (fc2): all local experts in each
-                out += [
-                    (f"{r}#{layer}#grouped", local * element_count(self.piece(r, tp_rank)[0]))
-                    for r in run
-                ]
+                out += [(f"{r}#{layer}#grouped", local * self._numel(r, tp_rank)) for r in run]
             else:
                 out += [
-                    (f"{r}#{layer}#{e}", element_count(self.piece(r, tp_rank)[0]))
+                    (f"{r}#{layer}#{e}", self._numel(r, tp_rank))
                     for e in range(ep_rank * local, (ep_rank + 1) * local)
                     for r in run
                 ]
             run = []
             if n is not None:
-                out.append((f"{n}#{layer}", element_count(self.piece(n, tp_rank)[0])))
+                out.append((f"{n}#{layer}", self._numel(n, tp_rank)))
         return out
 
     def _key(self, rank: int) -> str:
@@ -451,7 +444,7 @@ class RankStates:
         for rank, key, layer, local, axis, chunks in self._pieces(name):
             bucket, start, end = self.layout[rank][key]
             if key != name and name.endswith("_v"):  # after the _w half of [w; v]
-                start += element_count(self.piece(key + "_w", rank % self.tp)[0])
+                start += self._numel(key + "_w", rank % self.tp)
             if skip:  # dim 0 indexes layers: a piece is all in the rows or not at all
                 first = layer if isinstance(layer, int) else layer[0]
                 if not lo <= first < hi:

@@ -16,7 +16,6 @@ class MegatronSource:
     """Where a Megatron checkpoint is and which of its two formats it is."""
 
     format: str  # "torch_dist" | "legacy"
-    root: Path  # the directory the user gave (or its checkpoint root)
     ckpt_dir: Path  # the directory holding .metadata (torch_dist) or the mp_rank_* dirs (legacy)
     iteration: int | None
 
@@ -30,15 +29,15 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     # this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
     if os.path.lexists(path / ".metadata"):
         match = re.fullmatch(r"iter_(\d+)", path.name)
-        return MegatronSource("torch_dist", path, path, int(match.group(1)) if match else None)
+        return MegatronSource("torch_dist", path, int(match.group(1)) if match else None)
     try:
-        root, iteration_dir, iteration = legacy.resolve_iteration_dir(path)
+        iteration_dir, iteration = legacy.resolve_iteration_dir(path)
     except SourceError:
         if os.path.lexists(path / legacy.TRACKER_FILE):
             raise
         return None
     if os.path.lexists(iteration_dir / ".metadata"):
-        return MegatronSource("torch_dist", root, iteration_dir, iteration)
+        return MegatronSource("torch_dist", iteration_dir, iteration)
     if any(d.name.startswith("mp_rank_") for d in iteration_dir.iterdir() if d.is_dir()):
-        return MegatronSource("legacy", root, iteration_dir, iteration)
+        return MegatronSource("legacy", iteration_dir, iteration)
     return None

@@ -93,25 +93,41 @@ def plan_torch_dist(
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
     model_names = [n for n in checkpoint.tensors if not is_optimizer_name(n)]
     chained = chained_layouts(checkpoint, common)
-    if weights_only:
-        optimizer = _weights_only(checkpoint, common, chained)
-    else:
-        optimizer = _find_optimizer_state(checkpoint, common, chained, model_names, settings)
+    optimizer = _find_optimizer_state(
+        checkpoint, common, chained, model_names, settings, weights_only
+    )
     count = _optimizer_step(checkpoint, common, common_path, chained, optimizer, model_names)
     reader = TorchDistReader(checkpoint, import_rules_spec(spec, settings))
     model_dtypes = {checkpoint.tensors[n].dtype for n in model_names}
     want_model = optimizer.present and any(d != np.dtype(np.float32) for d in model_dtypes)
     skipped = dict(optimizer.skipped)  # source.skipped: every .metadata tensor not imported
     if optimizer.present and not want_model:
-        for name in model_names:
+        for name in model_names:  # where its fp32 master is read from
+            states = optimizer.tensors.get(name, {})
+            master = (
+                repr(states.get("param") or states.get("fp32_param"))
+                if optimizer.buckets is None
+                else f"the {optimizer.buckets.LAYOUT} state, checked equal to this weight"
+            )
             skipped[name] = (
-                f"a float32 run's model weight: its fp32 master "
-                f"({_master_of(name, optimizer.tensors, optimizer.buckets)}) is imported as "
-                f"params/"
+                f"a float32 run's model weight: its fp32 master ({master}) is imported as params/"
             )
     if optimizer.buckets is not None:
         skipped.update(optimizer.buckets.unread())
-    info = _torch_dist_info(checkpoint, common, model_names, optimizer, reader, settings, skipped)
+    iteration = common.get("iteration") if isinstance(common, dict) else None
+    info = {  # what the manifest's source records
+        "format": "torch_dist",
+        "tensors": len(model_names),
+        "optimizer": optimizer.buckets.LAYOUT if optimizer.buckets else bool(optimizer.tensors),
+        "iteration": iteration if type(iteration) is int else None,
+        "skipped_objects": sorted(checkpoint.objects),
+        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
+        "mcore_metadata": checkpoint.mcore_metadata,
+        "dcp_version": checkpoint.version,
+        "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
+        **({"skipped": skipped} if skipped else {}),
+        "tied_embeddings": tied_embeddings(model_names, settings),
+    }
     mine = share.pick(model_names)
     step = count if share.primary else None
     if optimizer.buckets is not None:
@@ -121,31 +137,28 @@ def plan_torch_dist(
     return ImportPlan(items, info, len(mine), source_tensors=list(checkpoint.tensors))
 
 
-def _weights_only(checkpoint: dcp.DcpCheckpoint, common: Any, chained) -> _OptimizerFound:
-    """No optimizer state read; every optimizer tensor named as skipped (none dropped without
-    a word), with the layout it was saved in."""
-    names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
-    layout = (
-        f"ChainedOptimizer {chained}"
-        if chained is not None
-        else repr(sharding_type(common) or ("fully_reshardable" if names else None))
-    )
-    return _OptimizerFound(
-        skipped={n: f"weights_only: optimizer state (layout {layout})" for n in names}
-    )
-
-
 def _find_optimizer_state(
     checkpoint: dcp.DcpCheckpoint,
     common: Any,
     chained: list[str | None] | None,
     model_names: list[str],
     settings: dict,
+    weights_only: bool,
 ) -> _OptimizerFound:
     """The optimizer state in the layout ``common`` names (a ChainedOptimizer's per member);
-    a layout saved as objects this importer does not read is refused."""
+    a layout saved as objects this importer does not read is refused. ``weights_only``: none
+    read, every optimizer tensor named as skipped (none dropped without a word) with its layout."""
     where = checkpoint.path / ".metadata"
     sharding = sharding_type(common)
+    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
+    if weights_only:
+        layout = (
+            f"ChainedOptimizer {chained}"
+            if chained is not None
+            else repr(sharding or ("fully_reshardable" if optimizer_names else None))
+        )
+        why = f"weights_only: optimizer state (layout {layout})"
+        return _OptimizerFound(skipped=dict.fromkeys(optimizer_names, why))
     if chained is not None:
         buckets = chained_states(checkpoint, model_names, settings, chained)
         if buckets is not None:
@@ -155,7 +168,6 @@ def _find_optimizer_state(
         return _OptimizerFound(
             buckets=in_module_order(BucketStates, checkpoint, model_names, settings)
         )
-    optimizer_names = [n for n in checkpoint.tensors if is_optimizer_name(n)]
     if sharding == "dp_zero_gather_scatter":
         if optimizer_names:  # this layout saves objects only: a tensor is something else
             raise MegatronImportError(
@@ -211,45 +223,6 @@ def _optimizer_step(
     )
 
 
-def _torch_dist_info(
-    checkpoint: dcp.MegatronDcpCheckpoint,
-    common: Any,
-    model_names: list[str],
-    optimizer: _OptimizerFound,
-    reader: TorchDistReader,
-    settings: dict,
-    skipped: dict[str, str],
-) -> dict:
-    """What the manifest's source records about a torch_dist checkpoint."""
-    iteration = common.get("iteration") if isinstance(common, dict) else None
-    buckets = optimizer.buckets
-    info = {
-        "format": "torch_dist",
-        "tensors": len(model_names),
-        "optimizer": buckets.LAYOUT if buckets is not None else bool(optimizer.tensors),
-        "iteration": iteration if type(iteration) is int else None,
-        "skipped_objects": sorted(checkpoint.objects),
-        "vocab_stripped": reader.stripped(model_names),  # known before any byte is read
-        "mcore_metadata": checkpoint.mcore_metadata,
-        "dcp_version": checkpoint.version,
-        "model_dtype": ", ".join(
-            sorted(str(d) for d in {checkpoint.tensors[n].dtype for n in model_names})
-        ),
-    }
-    if skipped:
-        info["skipped"] = skipped
-    info["tied_embeddings"] = tied_embeddings(model_names, settings)
-    return info
-
-
-def _master_of(name: str, optimizer_tensors: dict, buckets: RankStates | None) -> str:
-    """Where the fp32 master of model tensor ``name`` is read from (said in source.skipped)."""
-    if buckets is not None:
-        return f"the {buckets.LAYOUT} state, checked equal to this weight"
-    states = optimizer_tensors.get(name, {})
-    return repr(states.get("param") or states.get("fp32_param"))
-
-
 def open_torch_dist(ckpt_dir: Path) -> tuple[dcp.MegatronDcpCheckpoint, Any, Path]:
     """The checkpoint with every shard file and chunk tiling checked, and its ``common.pt``."""
     checkpoint = dcp.open_dcp(ckpt_dir)
@@ -301,8 +274,7 @@ class TorchDistReader:
     def vocab_rows(self, name: str) -> int | None:
         """The tokenizer's rows of ``name`` when its rule is a dim-0 vocab with a size (the
         padding rows past them are stripped), else None."""
-        match = self.spec.match(name)
-        kind = None if match is None else match.kind
+        kind = getattr(self.spec.match(name), "kind", None)
         if isinstance(kind, Vocab) and isinstance(kind.vocab_size, int) and kind.dim == 0:
             return kind.vocab_size
         return None

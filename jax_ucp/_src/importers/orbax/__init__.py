@@ -1,17 +1,9 @@
 """Orbax checkpoints in: a ``StandardCheckpointer`` / ``PyTreeCheckpointer`` directory, a
 ``CheckpointManager`` step, or a manager root (its latest committed step), OCDBT or not.
 
-The tree and each array's name, shape and dtype come from Orbax's own public metadata
-(``PyTreeCheckpointHandler().metadata``); each array is opened with the TensorStore spec Orbax
-itself reads it with (``ocp.type_handlers.get_json_tspec_read``), its chunks checked against its
-shape before any is decoded, and handed to the writer unread (a ``writer.Deferred``; Orbax's
-default zstd chunks are decoded as a stream into the rows written, ``zstd_rows``, other layouts
-read by TensorStore reserve the array and the chunks it decodes at once, as many as the memory
-budget leaves room for):
-the writer reads one array at a time, so memory is bounded by the largest array, never the whole
-tree.
-
-Orbax and JAX are imported only when an import is planned: detection (``detect``) reads
+The tree and each array's name, shape and dtype come from Orbax's own public metadata; the
+writer reads one array at a time, so memory is bounded by the largest array, never the whole
+tree. Orbax and JAX are imported only when an import is planned: detection (``detect``) reads
 file names and one small JSON file.
 
 Modules: ``layout`` (where the step and its items lie, names checked), ``arrays`` (Orbax's
@@ -20,6 +12,6 @@ metadata and each array's reader), ``planning`` (the plan and its options), ``zs
 
 from __future__ import annotations
 
-from jax_ucp._src.importers.orbax.planning import OrbaxOptions, detect, plan, plan_orbax
+from jax_ucp._src.importers.orbax.planning import OrbaxOptions, detect, plan
 
-__all__ = ["OrbaxOptions", "detect", "plan", "plan_orbax"]
+__all__ = ["OrbaxOptions", "detect", "plan"]

@@ -35,7 +35,7 @@ def tree_metadata(path: str):
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
     except ValueError as e:
-        _QuietClosedLoop.install()  # Orbax's loop is closed while TensorStore still completes
+        _quiet_closed_loop()  # Orbax's loop is closed while TensorStore still completes
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))
@@ -47,30 +47,23 @@ def tree_metadata(path: str):
         ) from None
 
 
-class _QuietClosedLoop:
-    """An unraisable-exception hook without one harmless report: when Orbax's metadata read
-    fails on a damaged file, Orbax closes its event loop while TensorStore still completes the
-    other arrays' futures, whose callbacks then find the loop closed and print a traceback
+def _quiet_closed_loop() -> None:
+    """Leaves one harmless report out of the unraisable-exception hook: when Orbax's metadata
+    read fails on a damaged file, Orbax closes its event loop while TensorStore still completes
+    the other arrays' futures, whose callbacks then find the loop closed and print a traceback
     after the one clear error. Installed (wrapping the hook before it) only once such a read
     failed; every other report goes to the hook before."""
+    before = sys.unraisablehook
+    if getattr(before, "__name__", None) == "_closed_loop_left_out":
+        return
 
-    def __init__(self, before):
-        self.before = before
-
-    @classmethod
-    def install(cls) -> None:
-        if not isinstance(sys.unraisablehook, cls):
-            sys.unraisablehook = cls(sys.unraisablehook)
-
-    def __call__(self, report) -> None:
+    def _closed_loop_left_out(report) -> None:
         e = report.exc_value
-        if (
-            report.object is None
-            and isinstance(e, RuntimeError)
-            and str(e) == "Event loop is closed"
-        ):
-            return
-        self.before(report)
+        closed = isinstance(e, RuntimeError) and str(e) == "Event loop is closed"
+        if report.object is not None or not closed:
+            before(report)
+
+    sys.unraisablehook = _closed_loop_left_out
 
 
 def metadata_file(path: str, name: str, ocdbt: bool, zarr3: bool) -> str:
@@ -223,12 +216,15 @@ def _array(leaf, name: str, path: str, ocdbt: bool, zarr3: bool, contexts: dict)
         ts_context=contexts[ocdbt],
     )
     tspec = ocp.type_handlers.get_json_tspec_read(info, use_ocdbt=ocdbt)
-    where, data = metadata_file(path, leaf.name, ocdbt, zarr3), _data_files(path, leaf.name, ocdbt)
+    where = metadata_file(path, leaf.name, ocdbt, zarr3)
+    # where the chunks lie: the array's directory, or the data files of the OCDBT database
+    data = os.path.join(path, leaf.name)
+    data = f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)" if ocdbt else data
     array = _open(tspec, contexts[ocdbt], where, name, tuple(leaf.shape))
     if kind == "ScalarMetadata":  # a Python scalar in the saved tree: a manifest value
         return _read(array, data, name).item()
     shape, dtype = tuple(array.shape), array.dtype.numpy_dtype
-    streamed = zstd_rows.rows_reader(array, data, name, SourceError)
+    streamed = zstd_rows.rows_reader(array, data, name)
     if streamed is not None:  # zstd chunks decoded as a stream, straight into the rows
         return writer.Deferred(
             shape, dtype, functools.partial(streamed, 0, shape[0]), rows=streamed
@@ -264,13 +260,6 @@ def _open(tspec, context, where: str, name: str, shape: tuple[int, ...]):
     layout = array.chunk_layout
     check_chunks(where, name, tuple(shape), [layout.read_chunk.shape, layout.write_chunk.shape])
     return array
-
-
-def _data_files(path: str, name: str, ocdbt: bool) -> str:
-    """Where an array's chunks lie: its directory, or the data files of the OCDBT database."""
-    if ocdbt:
-        return f"{path} (OCDBT data files under d/ and ocdbt.process_*/d/)"
-    return os.path.join(path, name)
 
 
 def _read(array, where: str, name: str, lo: int | None = None, hi: int | None = None):

@@ -25,40 +25,25 @@ from jax_ucp._src.importers.orbax.layout import (
     resolve,
 )
 from jax_ucp._src.importers.plan import (
-    WHOLE,
     Detection,
     ImportPlan,
-    Share,
     TaggedOptions,
     refuse_spec,
     skip,
 )
 
 
-def plan_orbax(
-    src,
-    *,
-    tag: int | str | None = None,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
-    """The import of an Orbax checkpoint: every array and scalar of its PyTree items, keyed by
-    its tree path (under the item name when a step has several PyTree items).
-
-    Args:
-        src: the Orbax checkpoint, step or manager root.
-        tag: the step of a manager root (None: the latest committed).
-        spec: refused (an Orbax import keeps the saved tree).
-        weights_only: only the ``params`` subtree (everything else listed in
-            ``source.skipped``).
-        share: this process's part of a distributed import (default: the whole).
-    """
-    refuse_spec(spec, "Orbax imports keep the saved tree", SourceError)
+def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
+    """The import of an Orbax checkpoint, step or manager root (its ``options.tag`` step, None:
+    the latest committed): every array and scalar of its PyTree items, keyed by its tree path
+    (under the item name when a step has several PyTree items). ``weights_only``: only the
+    ``params`` subtree (everything else listed in ``source.skipped``); a spec is refused (an
+    Orbax import keeps the saved tree)."""
+    refuse_spec(options.spec, "Orbax imports keep the saved tree", SourceError)
     import orbax.checkpoint as ocp
     from etils import epath
 
-    step_dir, step, items, others = resolve(src, tag)
+    step_dir, step, items, others = resolve(src, options.tag)
     source: dict[str, Any] = {
         "framework": "orbax",
         "path": step_dir,
@@ -93,14 +78,14 @@ def plan_orbax(
     for item, why in others.items():
         found.append(f"{item}/")
         skip(source, [f"{item}/"], why)
-    if weights_only:
+    if options.weights_only:
         dropped = [lv for lv in leaves if lv[0][:1] != ("params",)]
         tensors = [lv[2] for lv in dropped if lv[4] is not None]  # empty nodes are no tensors
         skip(source, tensors, "weights_only: not under params/")
         leaves = [lv for lv in leaves if lv[0][:1] == ("params",)]
         if not leaves:
             raise SourceError(f"{step_dir}: weights_only, but no tree has a params/ subtree")
-    mine = share.pick(leaves)
+    mine = options.share.pick(leaves)
     params = sum(1 for lv in mine if lv[0][:1] == ("params",))
     return ImportPlan(host_items(mine), source, params, source_tensors=found)
 
@@ -121,8 +106,3 @@ def detect(src: os.PathLike | str) -> Detection:
     if is_orbax(src):
         return Detection(True, "Orbax metadata")
     return Detection(False, f"no Orbax `{CHECKPOINT_METADATA}`, `{PYTREE_METADATA}` or steps")
-
-
-def plan(src: os.PathLike | str, options: OrbaxOptions) -> ImportPlan:
-    """:func:`plan_orbax` with its options as one ``OrbaxOptions``."""
-    return plan_orbax(src, **vars(options))  # every option is one of its keywords

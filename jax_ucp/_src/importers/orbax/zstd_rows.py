@@ -158,35 +158,25 @@ class _Frame:
             raise SourceError(f"chunk {self.key!r} has bytes after its zstd frame (damaged)")
 
 
-def rows_reader(
-    array, where: str, name: str, error: type[Exception]
-) -> Callable[[int, int], np.ndarray] | None:
+def rows_reader(array, where: str, name: str) -> Callable[[int, int], np.ndarray] | None:
     """``rows(lo, hi)``: rows ``lo:hi`` of dim 0 of the TensorStore ``array`` (opened on a zarr
-    v2 array), decoded from its chunks' zstd frames as a stream; rows asked for in order (as the
-    writer's slabs are) decode each chunk once (a chunk read in part: twice, its first pass
-    checking the whole frame). None where this does not apply: not zarr v2 with only a zstd
-    compressor in C order, chunks that split a row (dims after the first), a 0-d or empty
-    array. A chunk that is not in the store is TensorStore's to read
-    (its fill value).
-
-    Args:
-        array: the opened array.
-        where: where its chunks lie (for errors).
-        name: the array's name (for errors).
-        error: the exception raised for a damaged chunk (names the array and file).
-    """
+    v2 array), decoded from its chunks' zstd frames as a stream (a chunk read in part: twice,
+    its first pass checking the whole frame); a damaged chunk is a ``SourceError`` naming
+    ``where`` (where its chunks lie) and ``name`` (the array's). None where this does not
+    apply: not zarr v2 with only a zstd compressor in C order, chunks that split a row (dims
+    after the first), a 0-d or empty array. A chunk not in the store is TensorStore's to read
+    (its fill value)."""
     meta = _streamable(array)
-    if meta is None:
-        return None
-    return _Rows(array, meta, where, name, error)
+    return None if meta is None else _Rows(array, meta, where, name)
 
 
 class _Rows:
     """``rows(lo, hi)`` of one streamable array; the decoder of the chunk last read is kept
-    between calls, so rows asked for in order decode each chunk once."""
+    between calls, so rows asked for in order (as the writer's slabs are) decode each chunk
+    once."""
 
-    def __init__(self, array, meta: dict, where: str, name: str, error: type[Exception]):
-        self.array, self.where, self.name, self.error = array, where, name, error
+    def __init__(self, array, meta: dict, where: str, name: str):
+        self.array, self.where, self.name = array, where, name
         self.chunk_rows = int(meta["chunks"][0])
         self.shape = list(array.shape)
         self.dtype = array.dtype.numpy_dtype
@@ -252,7 +242,7 @@ class _Rows:
         except (SourceError, ValueError) as e:
             self.current, self.chunk = None, -1
             why = str(e) if isinstance(e, SourceError) else tensorstore_message(e)
-            raise self.error(
+            raise SourceError(
                 f"{self.where}: reading array {self.name!r} failed (rows {lo}:{hi}; missing, "
                 f"truncated or corrupt chunk data): {why}"
             ) from None

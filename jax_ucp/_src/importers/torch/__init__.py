@@ -26,10 +26,8 @@ class TorchOptions(ImportOptions):
         parameter_order: the names of the parameters an optimizer keys by index, in the order
             torch numbered them (torch.save files, torchtune; None: from the files).
         model_config: a Hugging Face ``config.json`` (a path) to rebuild that order from, as
-            for a Trainer checkpoint's own ``config.json``: its model built by transformers on
-            the meta device, its ``named_parameters()`` as one group or split by the Trainer's
-            decay rule, the one grouping that fits every state's shape used (an Accelerate
-            ``save_state`` folder, a Trainer checkpoint without its ``config.json``).
+            from a Trainer checkpoint's own (an Accelerate ``save_state`` folder, a Trainer
+            checkpoint without its ``config.json``).
     """
 
     parameter_order: Sequence[str] | None = None
@@ -95,8 +93,5 @@ def plan(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     if dcp.dcp_dirs(src):
         return dcp.plan_torch_dcp(src, **common, parameter_order=options.parameter_order)
     return files.plan_torch_files(
-        src,
-        **common,
-        parameter_order=options.parameter_order,
-        model_config=None if options.model_config is None else os.fspath(options.model_config),
+        src, **common, parameter_order=options.parameter_order, model_config=options.model_config
     )

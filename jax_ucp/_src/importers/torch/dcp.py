@@ -119,21 +119,20 @@ def plan_torch_dcp(
             for name in ck.tensors:
                 ck.check_tensor(name)
         state, info = _state(checkpoints, str(src), weights_only, parameter_order)
+        units: dict[str, str] = {}  # side files found and skipped whole
         if olmo_core.is_step_folder(src):  # the trainer's step, its files skipped as units
-            info["trainer"], train_files = olmo_core.train_record(str(src))
+            info["trainer"], units = olmo_core.train_record(str(src))
             if "global_step_unread" in info["trainer"]:
                 info["notes"] = [
                     f"OLMo-core's trainer step not recovered: "
                     f"{info['trainer']['global_step_unread']}"
                 ]
-            state.found.extend(train_files)
-            state.skipped.update(train_files)
         elif dirs[0] != Path(src) and trainer_files.is_trainer_checkpoint(str(src)):
             # a Trainer's FSDP checkpoint-N/: its schedule, clipping and step beside the folders
             info["trainer"] = trainer_files.trainer_record(str(src))
-            rng = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states: units
-            state.found.extend(rng)
-            state.skipped.update(rng)
+            units = trainer_files.rng_states(str(src))  # the Trainer's torch RNG states
+        state.found.extend(units)
+        state.skipped.update(units)
         plan = plan_state(
             state,
             {
@@ -190,8 +189,22 @@ def _state(
             f"to one keyed by index"
         )
     container = _container(model_names, states, tensors, where)
-    params = _model_params(model_names, container, tensors, skipped)
-    _skip_the_rest(everything, root, objects, in_optimizer, skipped)
+    params: dict[str, TensorRef] = {}  # the model tensors, named inside the container
+    for name in model_names:
+        first = name.split(".", 1)[0]
+        if container and not name.startswith(container):
+            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
+        elif not container and first in NON_MODEL_ROOTS:
+            skipped[name] = f"{first}: training state, not a model parameter"
+        else:
+            params[name[len(container) :]] = _ref(tensors[name][0], name)
+    for name in everything:  # why the rest (no parameter, no optimizer state) is not imported
+        if root is not None and name.startswith(f"{root}param_groups."):
+            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+        elif name in objects and name not in in_optimizer:
+            skipped.setdefault(name, "a pickled object, not a tensor")
+        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
+            skipped.setdefault(name, "optimizer entry outside state and param_groups")
     clean, removed = strip_wrappers(list(params), where)
     params = {new: params[old] for new, old in clean.items()}
     states_clean, _ = strip_wrappers(list(states), where)
@@ -273,40 +286,6 @@ def _optimizer_root(everything: list[str], where: str) -> str | None:
             f"importing several optimizers into one opt_state is not supported"
         )
     return roots[0] if roots else None
-
-
-def _model_params(
-    model_names: list[str], container: str, tensors: dict[str, Any], skipped: dict[str, str]
-) -> dict[str, TensorRef]:
-    """{name inside the container: TensorRef} of the model tensors; the others into ``skipped``."""
-    params: dict[str, TensorRef] = {}
-    for name in model_names:
-        first = name.split(".", 1)[0]
-        if container and not name.startswith(container):
-            skipped[name] = f"tensor outside the model container {container.rstrip('.')!r}"
-        elif not container and first in NON_MODEL_ROOTS:
-            skipped[name] = f"{first}: training state, not a model parameter"
-        else:
-            ck, _ = tensors[name]
-            params[name[len(container) :]] = _ref(ck, name)
-    return params
-
-
-def _skip_the_rest(
-    everything: list[str],
-    root: str | None,
-    objects: dict[str, Any],
-    in_optimizer: set[str],
-    skipped: dict[str, str],
-) -> None:
-    """Why each entry that is neither a parameter nor an optimizer state is not imported."""
-    for name in everything:
-        if root is not None and name.startswith(f"{root}param_groups."):
-            skipped[name] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-        elif name in objects and name not in in_optimizer:
-            skipped.setdefault(name, "a pickled object, not a tensor")
-        elif root is not None and name.startswith(root) and not name.startswith(root + "state."):
-            skipped.setdefault(name, "optimizer entry outside state and param_groups")
 
 
 _GROUPS = re.compile(r"^((?:[^.]+\.)*?)param_groups\.")

@@ -8,12 +8,10 @@ Face ``pytorch_model.bin`` and sharded ``pytorch_model-0000K-of-0000N.bin`` with
 ``optimizer_states``); dictionaries holding a model under ``model`` / ``state_dict`` /
 ``model_state_dict`` and an optimizer under ``optimizer`` / ``optim`` / ``optimizer_state_dict``.
 
-Tensors are read-only memory maps of the files (:mod:`jax_ucp._src.torchfiles.unpickler`), streamed one at a time.
-An optimizer ``state_dict()`` keys its state by parameter index: index ``i`` is matched to the
-``i``-th parameter of the model state dict (tied copies that share storage counted once), the
-way torch numbers ``model.parameters()``; a count or shape that disagrees is an error, never a
-guess. Keys that are names (``get_optimizer_state_dict`` / FSDP full optimizer state) are used
-as they are.
+Tensors are read-only memory maps of the files, streamed one at a time. An optimizer keyed by
+name (``get_optimizer_state_dict``, FSDP's full state) is used as it is; one keyed by index is
+named by the first source of its order that applies (:func:`_name_keys`), checked against every
+shape: a count or shape that disagrees is an error, never a guess.
 """
 
 from __future__ import annotations
@@ -165,7 +163,7 @@ def plan_torch_files(
     weights_only: bool = False,
     share: Share = WHOLE,
     parameter_order: Sequence[str] | None = None,
-    model_config: str | None = None,
+    model_config: str | os.PathLike | None = None,
 ) -> ImportPlan:
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
@@ -180,10 +178,8 @@ def plan_torch_files(
             them (group after group; for ``AdamW(model.parameters())``,
             ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
             indices whose order the files do not keep.
-        model_config: a Hugging Face ``config.json`` whose model (built on the meta device by
-            transformers) gives that order: one group of ``model.named_parameters()``, or the
-            Trainer's decay / no-decay groups (an Accelerate ``save_state`` folder, a Trainer
-            checkpoint without its ``config.json``).
+        model_config: a Hugging Face ``config.json`` whose model gives that order (see
+            ``TorchOptions.model_config``).
     """
     refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
     src = os.fspath(src)
@@ -211,17 +207,12 @@ def plan_torch_files(
         optimizer_sources = [n for n in found if n.startswith(prefix)]
         info["optimizer_file"] = os.path.basename(path)
         if not weights_only:
+            on_safetensors = model_files[0].endswith(".safetensors")
             order = _Order(
-                src,
-                parameter_order,
-                model_files[0].endswith(".safetensors"),
-                None if model_config is None else os.fspath(model_config),
+                src, parameter_order, on_safetensors, model_config, path, model, clean, info
             )
-            states, groups, info["optimizer_keys"] = _optimizer(
-                optimizer, path, prefix, clean, model, skipped, order, info
-            )
-    _skip_rng_states(src, model_files[0], found, skipped)
-    _skip_unused(found, optimizer_sources, params, states, skipped)
+            states, groups, info["optimizer_keys"] = _optimizer(optimizer, prefix, skipped, order)
+    _skip_unused(src, model_files[0], found, optimizer_sources, params, states, skipped)
     if os.path.isdir(src) and trainer_files.is_trainer_checkpoint(src):
         info["trainer"] = trainer_files.trainer_record(src)  # the schedule, clipping, step
     if removed:
@@ -236,16 +227,6 @@ def plan_torch_files(
         **info,
     }
     return plan_state(state, source, weights_only=weights_only, share=share)
-
-
-def _skip_rng_states(src: str, first_model_file: str, found: list[str], skipped: dict) -> None:
-    """The Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``, tensors):
-    source files of their own, each counted in ``found`` and listed in ``skipped``."""
-    if not (os.path.isdir(src) and os.path.basename(first_model_file).endswith(".safetensors")):
-        return
-    rng = trainer_files.rng_states(src)
-    found.extend(rng)
-    skipped.update(rng)
 
 
 def _read_model_files(src: str, model_files: list[str]):
@@ -282,13 +263,21 @@ def _read_model_files(src: str, model_files: list[str]):
 
 
 def _skip_unused(
+    src: str,
+    first_model_file: str,
     found: list[str],
     optimizer_sources: list[str],
     params: dict[str, TensorRef],
     states: dict[str, dict[str, TensorRef]],
     skipped: dict[str, str],
 ) -> None:
-    """Why each tensor found that is neither imported nor an optimizer state is left out."""
+    """Why each tensor found that is neither imported nor an optimizer state is left out; the
+    Trainer's torch RNG states beside safetensors weights (``rng_state*.pth``) are source files
+    of their own, each counted in ``found`` too."""
+    if os.path.isdir(src) and first_model_file.endswith(".safetensors"):
+        rng = trainer_files.rng_states(src)
+        found.extend(rng)
+        skipped.update(rng)
     for name in optimizer_sources:
         if ":param_groups." in name or ".param_groups." in name:
             skipped.setdefault(name, "optimizer hyper-parameter, recorded in source.optimizer")
@@ -338,26 +327,25 @@ def _check_index(src: str, model: dict) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Order:
-    """Where the order of an index-keyed optimizer's parameters may come from."""
+    """Where the order of an index-keyed optimizer's parameters may come from, and what it is
+    checked against: the model state dict's tensors."""
 
     src: str
     given: Sequence[str] | None  # parameter_order=
     safetensors: bool  # the weights are safetensors: their order is sorted, not the model's
-    model_config: str | None = None  # model_config=: a config.json to rebuild the order from
+    model_config: str | os.PathLike | None  # model_config=: a config.json to rebuild it from
+    path: str  # the optimizer's file
+    model: dict  # model state dict name -> (tensor, file, source name)
+    clean: dict[str, str]  # clean parameter name -> model state dict name
+    info: dict  # the source record: notes, parameter_order
 
 
 def _optimizer(
-    optimizer: Any,
-    path: str,
-    prefix: str,
-    clean: dict[str, str],
-    model: dict,
-    skipped: dict,
-    order: _Order,
-    info: dict,
+    optimizer: Any, prefix: str, skipped: dict, order: _Order
 ) -> tuple[dict[str, dict[str, TensorRef]], list[dict], str]:
     """Per-parameter state keyed by clean parameter name, the groups, and how keys were read;
     an assumption the mapping rests on is added to ``info["notes"]`` (and warned)."""
+    path = order.path
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not isinstance(state, dict) or not isinstance(groups, list):
@@ -365,7 +353,7 @@ def _optimizer(
             f"{path}: the optimizer state is not a torch optimizer state_dict ('state' and "
             f"'param_groups'); convert with weights_only=True to import the weights alone"
         )
-    keys, to_name = _name_keys(state, groups, path, clean, model, order, info)
+    keys, to_name = _name_keys(order, state, groups)
     states = _state_refs(state, to_name, path, prefix, skipped)
     out_groups = [
         {
@@ -387,18 +375,11 @@ def _optimizer(
     return states, out_groups, how
 
 
-def _name_keys(
-    state: dict,
-    groups: list,
-    path: str,
-    clean: dict[str, str],
-    model: dict,
-    order: _Order,
-    info: dict,
-) -> tuple[str, dict]:
+def _name_keys(order: _Order, state: dict, groups: list) -> tuple[str, dict]:
     """(how the state is keyed, {key: clean parameter name}): the names themselves, else the
     first source of an order that applies (param_names, parameter_order=, model_config=, the
     Trainer's groups, the state-dict order), each checked against the weights."""
+    path, info = order.path, order.info
     ids = [p for g in groups if isinstance(g, dict) for p in g.get("params", [])]
     keys = "names" if all(isinstance(k, str) for k in [*state, *ids]) else "indices"
     if keys == "names":
@@ -413,27 +394,25 @@ def _name_keys(
         keys, to_name = "parameter_order", _given_order(order.given, ids, path)
     elif order.model_config is not None:
         keys = "model_config"
-        to_name, rule = _trainer_order(order.src, groups, state, path, model, order.model_config)
+        to_name, rule = _trainer_order(order, groups, state, order.model_config)
         info["parameter_order"] = f"{order.model_config}: {rule}"
-        _say_order_assumed(
-            to_name, state, clean, model, path, info, _config_rule(order.model_config, rule)
-        )
+        _say_order_assumed(order, to_name, state, _config_rule(str(order.model_config), rule))
     elif (
         trainer_files.is_trainer_checkpoint(order.src) and os.path.basename(path) == "optimizer.pt"
     ):
         keys = "trainer"
-        to_name, info["parameter_order"] = _trainer_order(order.src, groups, state, path, model)
+        to_name, info["parameter_order"] = _trainer_order(order, groups, state)
         said = _TRAINER_RULE
         adapter = trainer_files.side_file(order.src, trainer_files.ADAPTER_CONFIG_FILE)
         if os.path.isfile(adapter):  # a peft adapter: the base model's config.json, found
             said = _config_rule("the base model's config.json", info["parameter_order"])
-        _say_order_assumed(to_name, state, clean, model, path, info, said)
+        _say_order_assumed(order, to_name, state, said)
     else:  # one group, torch.save weights: by the state-dict order, else refused
         keys = "indices"
-        to_name = _by_index(ids, groups, state, clean, model, path, order.safetensors)
-        _say_order_assumed(to_name, state, clean, model, path, info, _INDEX_RULE)
+        to_name = _by_index(order, ids, groups, state)
+        _say_order_assumed(order, to_name, state, _INDEX_RULE)
     if keys not in ("names", "indices"):
-        _check_named(to_name, state, clean, model, path)
+        _check_named(order, to_name, state)
     return keys, to_name
 
 
@@ -473,15 +452,16 @@ def _given_order(given: Sequence[str], ids: list, path: str) -> dict:
 
 
 def _trainer_order(
-    src: str, groups: list, state: dict, path: str, model: dict, model_config: str | None = None
+    order: _Order, groups: list, state: dict, model_config: str | os.PathLike | None = None
 ) -> tuple[dict, str]:
     """Index -> name by the Trainer's groups rebuilt (:mod:`hf_trainer`) from the folder's
     ``config.json`` or ``model_config``: the one candidate whose group sizes and every state's
     shape fit, else refused naming why."""
-    sizes = _group_sizes(groups)
+    sizes, path = _group_sizes(groups), order.path
     fits: list[tuple[dict, str]] = []
     misfits: list[str] = []
-    for c in hf_trainer.trainer_candidates(src, len(model), model_config):
+    config = None if model_config is None else os.fspath(model_config)
+    for c in hf_trainer.trainer_candidates(order.src, len(order.model), config):
         want = [len(g) for g in c.groups]
         if want != sizes:
             misfits.append(f"{c.rule}: groups of {want}")
@@ -549,8 +529,9 @@ def _check_unique_names(groups: list, path: str) -> None:
             first[clean] = (group, name)
 
 
-def _check_named(to_name: dict, state: dict, clean: dict[str, str], model: dict, path: str) -> None:
+def _check_named(order: _Order, to_name: dict, state: dict) -> None:
     """Each named index is a model tensor of the state's shape."""
+    path, clean, model = order.path, order.clean, order.model
     for key, per in state.items():
         name = to_name.get(key)
         if name is None or name not in clean:
@@ -585,20 +566,13 @@ def _config_rule(config: str, rule: str) -> str:
     )
 
 
-def _say_order_assumed(
-    to_name: dict,
-    state: dict,
-    clean: dict[str, str],
-    model: dict,
-    path: str,
-    info: dict,
-    rule: str,
-) -> None:
+def _say_order_assumed(order: _Order, to_name: dict, state: dict, rule: str) -> None:
     """An index -> name mapping inferred by ``rule`` (the state-dict order, the Trainer's
     grouping) is what the optimizer did only if it was built that way, and nothing in the file
     can confirm it: when two parameters with state share a shape, states built in another order
     would land on the wrong one unseen. Say so once (a warning) and in the manifest
     (``source.notes``), whichever rule named them."""
+    path, clean, model, info = order.path, order.clean, order.model, order.info
     by_shape: dict[tuple, list[str]] = {}
     for key in state:
         name = to_name.get(key)
@@ -624,19 +598,12 @@ def _say_order_assumed(
     warnings.warn(f"{path}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
 
 
-def _by_index(
-    ids: list,
-    groups: list,
-    state: dict,
-    clean: dict[str, str],
-    model: dict,
-    path: str,
-    sorted_weights: bool,
-) -> dict:
+def _by_index(order: _Order, ids: list, groups: list, state: dict) -> dict:
     """Index ``i`` -> the ``i``-th distinct floating tensor of the model state dict (torch
     numbers ``model.parameters()`` so; tied copies share storage and count once). Refused, naming
     the way out, when that order cannot hold: safetensors weights (sorted names) or several
     groups."""
+    path, clean, model = order.path, order.clean, order.model
     sizes = _group_sizes(groups)
     names = (
         "[n for n, _ in model.named_parameters()]"
@@ -651,7 +618,7 @@ def _by_index(
         f"a transformers model, model_config= its config.json (--model-config CONFIG.json) to "
         f"rebuild the order, or convert with weights_only=True to import the weights alone"
     )
-    if sorted_weights:
+    if order.safetensors:
         raise SourceError(
             f"{path}: the optimizer numbers {len(ids)} parameters by index (groups of "
             f"{sizes}) without their names, and safetensors keeps no parameter order (its "
@@ -664,25 +631,20 @@ def _by_index(
             f"index i is not the i-th tensor of the model state dict and which state is whose "
             f"cannot be told; {way_out}"
         )
-    seen: set[tuple] = set()
-    order = []
+    distinct: dict[tuple, str] = {}  # by storage: tied copies once
     for new, old in clean.items():
         value = model[old][0]
-        if not np.issubdtype(value.dtype, np.floating) and value.dtype.kind != "V":
-            continue
-        ident = (value.__array_interface__["data"][0], value.shape, value.strides)
-        if ident in seen:
-            continue
-        seen.add(ident)
-        order.append(new)
+        if np.issubdtype(value.dtype, np.floating) or value.dtype.kind == "V":
+            ident = (value.__array_interface__["data"][0], value.shape, value.strides)
+            distinct.setdefault(ident, new)
     hint = "; convert with weights_only=True to import the weights alone"
-    if len(ids) != len(order) or sorted(ids, key=str) != sorted(set(ids), key=str):
+    if len(ids) != len(distinct) or sorted(ids, key=str) != sorted(set(ids), key=str):
         raise SourceError(
             f"{path}: the optimizer numbers {len(ids)} parameters, the model state dict has "
-            f"{len(order)} distinct floating tensors: cannot tell which state is whose "
+            f"{len(distinct)} distinct floating tensors: cannot tell which state is whose "
             f"(buffers or frozen parameters in the state dict?){hint}"
         )
-    to_name = dict(zip(ids, order))
+    to_name = dict(zip(ids, distinct.values()))
     for key, per in state.items():
         name = to_name.get(key)
         if name is None:

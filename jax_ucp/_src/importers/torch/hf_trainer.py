@@ -1,5 +1,4 @@
-"""A Hugging Face Trainer ``checkpoint-N/``: which parameter each index of ``optimizer.pt`` is,
-and the run's recorded hyper-parameters.
+"""A Hugging Face Trainer ``checkpoint-N/``: which parameter each index of ``optimizer.pt`` is.
 
 ``optimizer.pt`` numbers parameters group after group, and the Trainer makes two groups
 (weight-decayed, then the rest: biases and norms) from ``model.named_parameters()`` without
@@ -8,10 +7,8 @@ by ``config.json`` is instantiated on torch's meta device (no weights, no code f
 only classes transformers itself ships, never ``trust_remote_code``) and transformers' own
 decay rule splits its named parameters. transformers is optional: without it the mapping is
 refused, naming why. The caller checks each candidate against the checkpoint (group sizes,
-every moment's shape) and uses it only when exactly one fits.
-
-The Trainer's side files (``training_args.bin``, ``scheduler.pt``, ``trainer_state.json``) are
-read by :mod:`jax_ucp._src.importers.trainer_files`, which the DeepSpeed and DCP layouts share.
+every moment's shape) and uses it only when exactly one fits. (The Trainer's side files are
+:mod:`jax_ucp._src.importers.trainer_files`'.)
 """
 
 from __future__ import annotations
@@ -271,17 +268,15 @@ def _installed_decay_names(model) -> list[str]:
 def trainer_candidates(
     folder: str, n_tensors: int, model_config: str | None = None
 ) -> list[Candidate]:
-    """The Trainer's groupings of the config's model (``n_tensors``: the checkpoint's model
-    tensors, a bound on its size): the installed transformers' decay rule, and the 4.x rule
-    (checkpoints written by an older transformers), distinct ones only; with ``model_config``
-    (a ``config.json`` given for a folder without one: an Accelerate ``save_state``, a Trainer
-    checkpoint without its config) also one group of ``model.named_parameters()`` in order
-    (``AdamW(model.parameters())``).
+    """The Trainer's groupings of the config's model, distinct ones only: the installed
+    transformers' decay rule and the 4.x rule (checkpoints of an older transformers); with
+    ``model_config`` also one group of ``model.named_parameters()`` (``AdamW(model.parameters())``).
 
     Args:
         folder: the checkpoint folder (its ``config.json``).
-        n_tensors: the checkpoint's model tensor count.
-        model_config: a ``config.json`` given for a folder without one.
+        n_tensors: the checkpoint's model tensor count, a bound on the model's size.
+        model_config: a ``config.json`` given for a folder without one (an Accelerate
+            ``save_state``, a Trainer checkpoint without its config).
     """
     model, what = _model_on_meta(folder, n_tensors, model_config)
     adapter_path = side_file(folder, ADAPTER_CONFIG_FILE)

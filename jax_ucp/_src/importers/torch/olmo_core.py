@@ -13,11 +13,13 @@ Nothing else of the trainer state is imported: each ``train/`` file is listed in
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Any
 
 from jax_ucp._src.format import files
+from jax_ucp._src.importers.plan import numbered_folders
 from jax_ucp._src.torchfiles import unpickler
 
 __all__ = ["MODEL_DIR", "TRAIN_DIR", "is_step_folder", "step_folders", "train_record"]
@@ -27,7 +29,6 @@ TRAIN_DIR = "train"
 VERSION_FILE = ".metadata.json"
 MAX_JSON_BYTES = 1 << 20
 _RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
-_STEP = re.compile(r"^step\d+$")
 
 #: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
 #: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
@@ -48,12 +49,7 @@ def is_step_folder(src: os.PathLike | str) -> bool:
 
 def step_folders(src: os.PathLike | str) -> list[str]:
     """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
-    try:
-        names = os.listdir(src)
-    except OSError:
-        return []
-    found = [n for n in names if _STEP.match(n) and is_step_folder(os.path.join(src, n))]
-    return sorted(found, key=lambda n: int(n[len("step") :]))
+    return numbered_folders(src, r"step(\d+)", is_step_folder)
 
 
 def rank_files(src: str) -> list[str]:
@@ -70,9 +66,8 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
     there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
     """
-    record: dict[str, Any] = {"framework": "olmo_core"}
     names = rank_files(src)
-    record["train_files"] = names
+    record: dict[str, Any] = {"framework": "olmo_core", "train_files": names}
     skipped = {
         name: "OLMo-core's trainer state (data loader position, RNG states, callbacks), not "
         "imported; its global_step is recorded in source.trainer"
@@ -91,8 +86,7 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
             record["global_step_unread"] = f"{first} was not read ({str(e)[:300]})"
         else:
             _steps(state, first, record)
-    version = _version(src)
-    if version is not None:
+    if (version := _version(src)) is not None:
         record["olmo_core_version"] = version
     return record, skipped
 
@@ -114,16 +108,13 @@ def _steps(state: Any, name: str, record: dict[str, Any]) -> None:
     else:
         record["global_step"] = step
     for key in ("max_steps", "world_size", "global_train_tokens_seen"):
-        value = state.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value := state.get(key), int) and not isinstance(value, bool):
             record[key] = value
 
 
 def _version(src: str) -> str | None:
     """OLMo-core's version from ``.metadata.json`` (``{"version": ...}``), None if absent or
     unreadable (it is a record, not needed for the import)."""
-    import json
-
     path = files.inside(src, VERSION_FILE, f"{src}: OLMo-core's {VERSION_FILE}")
     if not os.path.isfile(path):
         return None

@@ -1,27 +1,25 @@
 """Torch state-dict conventions mapped onto the importer contract (docs/FORMAT.md 2.6).
 
-Shared by the torch DCP importer (:mod:`torch_dcp`) and the torch.save files importer
-(:mod:`torch.files`): both reduce a checkpoint to model tensors and per-parameter optimizer
-state keyed by parameter name (:class:`TorchState`), and this module turns that into the
-output tree, with nothing dropped silently:
+The torch importers (DCP, torch.save files, torchtune, torch_checkpointing) reduce a checkpoint
+to model tensors and per-parameter optimizer state keyed by parameter name (:class:`TorchState`);
+this module turns that into the output tree, with nothing dropped silently:
 
-* ``params/<name>``: the model tensors as stored (fp32 when the run trained fp32 weights; a
-  bf16 model without fp32 masters stays bf16 and the manifest says so);
-* ``opt_state/mu|nu/<name>`` from Adam/AdamW's ``exp_avg`` / ``exp_avg_sq``, ``opt_state/count``
-  from ``step`` (every parameter must agree), ``opt_state/trace/<name>`` from SGD's
-  ``momentum_buffer``; any other per-parameter state under ``opt_state/<its name>/<name>``;
-* ``param_groups`` hyper-parameters recorded in the manifest's ``source.optimizer``;
-* everything else (objects, train state, schedulers) listed in ``source.skipped`` with why.
+* ``params/<name>``: the model tensors as stored (a bf16 model without fp32 masters stays bf16
+  and the manifest says so);
+* ``opt_state/mu|nu/<name>`` from Adam's ``exp_avg`` / ``exp_avg_sq``, ``opt_state/count`` from
+  ``step`` (every parameter must agree), ``opt_state/trace/<name>`` from SGD's
+  ``momentum_buffer``, any other per-parameter state under ``opt_state/<its name>/<name>``;
+* ``param_groups`` hyper-parameters in ``source.optimizer``; the rest in ``source.skipped``.
 
 Wrapper components in parameter names (DDP's leading ``module.``, torch.compile's
 ``_orig_mod.``, FSDP1's ``_fsdp_wrapped_module.``, activation checkpointing's
-``_checkpoint_wrapped_module.``) are removed, as torch's own ``get_state_dict`` removes them,
-and counted in ``source.wrappers_removed``.
+``_checkpoint_wrapped_module.``) are removed, as torch's own ``get_state_dict`` removes them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -154,11 +152,10 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
 
     Refuses names that collide once clean (two parameters would become one)."""
     clean: dict[str, str] = {}
-    removed: dict[str, int] = {}
+    removed: Counter[str] = Counter()
     for name in names:
         new, gone = clean_name(name)
-        for part in gone:
-            removed[part] = removed.get(part, 0) + 1
+        removed.update(gone)
         if new in clean:
             raise SourceError(
                 f"{where}: {clean[new]!r} and {name!r} are the same parameter {new!r} once "
@@ -166,7 +163,7 @@ def strip_wrappers(names: list[str], where: str) -> tuple[dict[str, str], dict[s
                 f"removed"
             )
         clean[new] = name
-    return clean, removed
+    return clean, dict(removed)
 
 
 def _step_of(ref: TensorRef, name: str, where: str) -> float:
@@ -220,14 +217,10 @@ def plan_state(
         share: this process's part of a distributed import (default: the whole).
     """
     skipped = dict(state.skipped)
-    has_optimizer = bool(state.optimizer_sources)
+    states, groups = ({}, []) if weights_only else (state.states, state.param_groups)
     if weights_only:
-        for name in state.optimizer_sources:
-            skipped[name] = "weights_only: optimizer state not imported"
-        states: dict[str, dict[str, TensorRef]] = {}
-        groups: list[dict] = []
-    else:
-        states, groups = state.states, state.param_groups
+        why = "weights_only: optimizer state not imported"
+        skipped.update(dict.fromkeys(state.optimizer_sources, why))
     _check_states(dataclasses.replace(state, states=states))
     steps: dict[float, str] = {}
     step_names: list[str] = []
@@ -245,7 +238,7 @@ def plan_state(
     source = dict(source)
     source["model_dtype"] = ", ".join(dtypes)
     tied = tied_parameters(state.params, states)
-    if has_optimizer and not weights_only:
+    if state.optimizer_sources and not weights_only:
         frozen = sorted(n for n in state.params if n not in states and n not in tied)
         source["optimizer"] = {
             "param_groups": [jsonable(g) for g in groups],
@@ -262,8 +255,7 @@ def plan_state(
             )
     if skipped:
         source["skipped"] = skipped
-    names = list(state.params)
-    mine = share.pick(names)
+    mine = share.pick(state.params)
     step = (count, step_names) if share.primary and count is not None else None
     return ImportPlan(
         _items(state, states, tied, mine, step), source, len(mine), source_tensors=state.found
@@ -333,19 +325,15 @@ def _deferred(ref: TensorRef, name: str, where: str) -> writer.Deferred:
         # mapping, so a file truncated meanwhile is an error naming it, not SIGBUS
         return mapped_file.read_out(value, f"tensor {name!r}")
 
-    rows: Callable[[int, int], np.ndarray] | None = None
-    if ref.rows is not None and ref.shape:
-        read_rows = ref.rows
+    def rows(start: int, stop: int) -> np.ndarray:
+        assert ref.rows is not None  # passed on only then
+        value = ref.rows(start, stop)
+        shape = (stop - start, *ref.shape[1:])
+        _check_read(value, ref.dtype, shape, f"{name} rows {start}:{stop}", where)
+        return mapped_file.read_out(value, f"tensor {name!r} rows {start}:{stop}")
 
-        def checked_rows(start: int, stop: int) -> np.ndarray:
-            value = read_rows(start, stop)
-            shape = (stop - start, *ref.shape[1:])
-            _check_read(value, ref.dtype, shape, f"{name} rows {start}:{stop}", where)
-            return mapped_file.read_out(value, f"tensor {name!r} rows {start}:{stop}")
-
-        rows = checked_rows
-
-    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=rows)
+    by_rows = rows if ref.rows is not None and ref.shape else None
+    return writer.Deferred(tuple(ref.shape), np.dtype(ref.dtype), read, rows=by_rows)
 
 
 def _check_read(value: Any, dtype: np.dtype, shape: tuple, name: str, where: str) -> None:

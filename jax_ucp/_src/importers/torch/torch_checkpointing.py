@@ -211,7 +211,22 @@ def plan_torch_checkpointing(
     params, states, found, optimizer_sources, skipped = _refs(
         src, items, world, loaded, model_item, optimizer_item
     )
-    groups_out = _optimizer_extras(src, optimizer_item, loaded, found, skipped, states)
+    # the optimizer's param_groups (rank 0's: every rank saves them whole), a Python-number
+    # step, and any tensor the metadata did not list (skipped)
+    saved = loaded[optimizer_item][0] if optimizer_item is not None else None
+    if not isinstance(saved, dict):
+        saved = {}
+    for name in tensor_names(saved):
+        if (entry := f"{optimizer_item}:{name}") not in found:
+            found.append(entry)
+            skipped[entry] = "optimizer entry outside the global metadata"
+    for param, per in (saved.get("state") or {}).items():
+        step = per.get("step") if isinstance(per, dict) else None
+        if isinstance(step, (int, float)) and not isinstance(step, bool):
+            where = {"format": "torch_checkpointing", "files": [f"{optimizer_item}_0.pt"]}
+            entry = f"{optimizer_item}:state.{param}.step"
+            states.setdefault(str(param), {})["step"] = scalar_ref(entry, step, where)
+    groups_out = list(saved.get("param_groups") or [])
     recorded = _unmapped_items(src, items, files, found, skipped)
     torch_state = TorchState(params, states, groups_out, skipped, src, found, optimizer_sources)
     source = {
@@ -284,35 +299,6 @@ def _refs(
             else:
                 skipped[entry] = f"item {item!r}: not a model weight or optimizer state"
     return params, states, found, optimizer_sources, skipped
-
-
-def _optimizer_extras(
-    src: str,
-    optimizer_item: str | None,
-    loaded: dict[str, dict[int, Any]],
-    found: list[str],
-    skipped: dict[str, str],
-    states: dict[str, dict[str, TensorRef]],
-) -> list[dict]:
-    """The optimizer's param_groups (rank 0's: every rank saves them whole), a Python-number
-    step, and any tensor the metadata did not list (skipped)."""
-    if optimizer_item is None:
-        return []
-    saved = loaded[optimizer_item][0]
-    if not isinstance(saved, dict):
-        return []
-    for name in tensor_names(saved):
-        entry = f"{optimizer_item}:{name}"
-        if entry not in found:
-            found.append(entry)
-            skipped[entry] = "optimizer entry outside the global metadata"
-    for param, per in (saved.get("state") or {}).items():
-        step = per.get("step") if isinstance(per, dict) else None
-        if isinstance(step, (int, float)) and not isinstance(step, bool):
-            where = {"format": "torch_checkpointing", "files": [f"{optimizer_item}_0.pt"]}
-            entry = f"{optimizer_item}:state.{param}.step"
-            states.setdefault(str(param), {})["step"] = scalar_ref(entry, step, where)
-    return list(saved.get("param_groups") or [])
 
 
 def _unmapped_items(

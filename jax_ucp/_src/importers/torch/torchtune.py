@@ -2,22 +2,17 @@
 ``FullModelHFCheckpointer``) and, for an intermediate checkpoint, ``recipe_state/recipe_state.pt``
 (the optimizer, seed, epochs).
 
-The latest epoch's weights are imported as Hugging Face safetensors (names and row order are
-Hugging Face's: the checkpointer converts back on save). The optimizer in ``recipe_state.pt`` is
-over torchtune's own model: keyed by torchtune's names (``tok_embeddings.weight``,
-``layers.0.attn.q_proj.weight``, ...) in the distributed recipes, by index in the single-device
-ones (then ``parameter_order=``, torchtune's names in ``model.parameters()`` order, numbers it),
-q/k rows in torchtune's RoPE order. Its moments are mapped as the checkpointer maps the weights
-(``torchtune.models.convert_weights.tune_to_hf``: the same name table, the same q/k row
-permutation with the heads of the epoch's ``config.json``), for the Llama-family models that
-function converts; the others are refused naming their ``model_type``.
+The weights are imported as the checkpointer wrote them (Hugging Face's names and row order).
+The optimizer in ``recipe_state.pt`` is over torchtune's own model (keyed by its names, or by
+index in the single-device recipes: then ``parameter_order=`` names it), so its moments are
+mapped as ``torchtune.models.convert_weights.tune_to_hf`` maps the weights (its name table, its
+q/k row permutation with the heads of the epoch's ``config.json``), for the Llama-family models
+that function converts; the others are refused naming their ``model_type``.
 
-torchtune's asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` instead:
-torch DCP of ``{"model": model.state_dict(), "optimizer": optimizer.state_dict(), seed, ...}``
-written by its ``DistributedCheckpointer``, torchtune's names and row order (no conversion), the
-optimizer keyed by index. It is imported by the torch DCP importer as saved, its moments named
-with ``parameter_order=``. The latest epoch of either kind is imported; the others' folders are
-listed in ``source.skipped``.
+The asynchronous save (``enable_async_checkpointing``) writes ``dist_epoch_N/`` instead: torch
+DCP of the model and optimizer state dicts under torchtune's names (no conversion), the
+optimizer keyed by index, imported by the torch DCP importer as saved. The latest epoch of
+either kind is imported; the others' folders are listed in ``source.skipped``.
 """
 
 from __future__ import annotations
@@ -32,7 +27,15 @@ import numpy as np
 
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import safetensors
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, skip, tensor_names
+from jax_ucp._src.importers.plan import (
+    WHOLE,
+    ImportPlan,
+    Share,
+    numbered_folders,
+    refuse_spec,
+    skip,
+    tensor_names,
+)
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
@@ -42,7 +45,6 @@ from jax_ucp._src.torchfiles import unpickler
 __all__ = [
     "RECIPE_STATE",
     "TUNE_TO_HF",
-    "dist_epoch_folders",
     "epoch_folders",
     "is_torchtune",
     "plan_torchtune",
@@ -50,8 +52,6 @@ __all__ = [
 
 RECIPE_STATE = os.path.join("recipe_state", "recipe_state.pt")
 OPTIMIZER_KEY = "optimizer"  # torchtune's training.OPT_KEY
-_EPOCH = re.compile(r"epoch_(\d+)")
-_DIST_EPOCH = re.compile(r"dist_epoch_(\d+)")  # DistributedCheckpointer's _checkpoint_dir_prefix
 
 #: torchtune's parameter names -> Hugging Face's: ``torchtune.models.convert_weights._FROM_HF``
 #: (0.6.1) inverted, as ``tune_to_hf`` inverts it; ``{}`` is the layer number.
@@ -75,33 +75,18 @@ TUNE_TO_HF = {
 DEFAULT_CONVERT_MODEL_TYPES = ("llama", "mistral")
 
 
-def epoch_folders(src: str) -> list[str]:
-    """``epoch_N`` folders holding safetensors, by N."""
-    found = []
-    for name in os.listdir(src):
-        m = _EPOCH.fullmatch(name)
-        path = os.path.join(src, name)
-        if (
-            m
-            and os.path.isdir(path)
-            and not os.path.islink(path)
-            and any(n.endswith(".safetensors") for n in os.listdir(path))
-        ):
-            found.append((int(m.group(1)), name))
-    return [name for _, name in sorted(found)]
+def epoch_folders(src: str, dist: bool = False) -> list[str]:
+    """``epoch_N`` folders holding safetensors, by N; ``dist``: ``dist_epoch_N`` folders holding
+    a torch DCP ``.metadata`` (DistributedCheckpointer's ``_checkpoint_dir_prefix``)."""
 
+    def holds(path: str) -> bool:
+        if os.path.islink(path) or not os.path.isdir(path):
+            return False
+        if dist:
+            return os.path.isfile(os.path.join(path, ".metadata"))
+        return any(n.endswith(".safetensors") for n in os.listdir(path))
 
-def dist_epoch_folders(src: str) -> list[str]:
-    """``dist_epoch_N`` folders holding a torch DCP ``.metadata``, by N."""
-    found = []
-    for name in os.listdir(src):
-        m = _DIST_EPOCH.fullmatch(name)
-        path = os.path.join(src, name)
-        if m is None or os.path.islink(path) or not os.path.isdir(path):
-            continue
-        if os.path.isfile(os.path.join(path, ".metadata")):
-            found.append((int(m.group(1)), name))
-    return [name for _, name in sorted(found)]
+    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_(\d+)", holds)
 
 
 def _epoch_number(name: str) -> int:
@@ -139,15 +124,11 @@ def _names(keys: list, count: int = 3) -> str:
     return shown + (", ..." if len(keys) > count else "")
 
 
-def recipe_optimizer(path: str) -> str:
-    """What ``recipe_state.pt`` holds of the optimizer, said as found: a state dict keyed by
-    index (the single-device recipes), by torchtune's parameter names (the distributed
+def recipe_optimizer(recipe: Any) -> str:
+    """What the loaded ``recipe_state.pt`` holds of the optimizer, said as found: a state dict
+    keyed by index (the single-device recipes), by torchtune's parameter names (the distributed
     recipes' full optimizer state dict), one optimizer per parameter (optimizer in backward),
-    or none; the file read through the allow-listed unpickler (never run)."""
-    try:
-        recipe = unpickler.load_torch_file(path)
-    except SourceError as e:
-        return f"not read ({str(e)[:200]})"
+    or none."""
     if not isinstance(recipe, dict):
         return f"absent (the file holds a {type(recipe).__name__}, expected a dict)"
     optimizer = recipe.get(OPTIMIZER_KEY)
@@ -182,7 +163,7 @@ def is_torchtune(src: os.PathLike | str) -> bool:
     """torchtune's layout: ``epoch_N/`` safetensors folders, with or without recipe state, or
     its asynchronous save's ``dist_epoch_N/`` torch DCP folders."""
     src = os.fspath(src)
-    return os.path.isdir(src) and bool(epoch_folders(src) or dist_epoch_folders(src))
+    return os.path.isdir(src) and bool(epoch_folders(src) or epoch_folders(src, dist=True))
 
 
 def plan_torchtune(
@@ -206,7 +187,7 @@ def plan_torchtune(
     """
     src = os.fspath(src)
     epochs = epoch_folders(src)
-    dist = dist_epoch_folders(src)
+    dist = epoch_folders(src, dist=True)
     if not epochs and not dist:
         raise SourceError(
             f"{src}: no torchtune epoch_N/ folder holding safetensors, nor dist_epoch_N/ "
@@ -215,7 +196,14 @@ def plan_torchtune(
     recipe = os.path.join(src, RECIPE_STATE)
     has_recipe = os.path.lexists(recipe)
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
-        return _plan_dist_epoch(src, epochs, dist, spec, weights_only, share, parameter_order)
+        plan = dcp.plan_torch_dcp(
+            os.path.join(src, dist[-1]),
+            spec=spec,
+            weights_only=weights_only,
+            share=share,
+            parameter_order=parameter_order,
+        )
+        return _as_dist_epoch(plan, src, epochs, dist)
     if has_recipe and not weights_only:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
         return _plan_with_optimizer(src, epochs, recipe, share, parameter_order)
@@ -238,24 +226,10 @@ def plan_torchtune(
     )
 
 
-def _plan_dist_epoch(
-    src: str,
-    epochs: list[str],
-    dist: list[str],
-    spec: Any,
-    weights_only: bool,
-    share: Share,
-    order: Sequence[str] | None,
-) -> ImportPlan:
-    """The latest ``dist_epoch_N/`` by the torch DCP importer, under torchtune's names as
-    saved; the other epochs' folders and ``recipe_state.pt`` (the synchronous saves') skipped."""
-    plan = dcp.plan_torch_dcp(
-        os.path.join(src, dist[-1]),
-        spec=spec,
-        weights_only=weights_only,
-        share=share,
-        parameter_order=order,
-    )
+def _as_dist_epoch(plan: ImportPlan, src: str, epochs: list[str], dist: list[str]) -> ImportPlan:
+    """The torch DCP importer's plan of the latest ``dist_epoch_N/`` (torchtune's names as
+    saved) as torchtune's; the other epochs' folders and ``recipe_state.pt`` (the synchronous
+    saves') skipped."""
     source = dict(plan.source)
     source.update(
         framework="torchtune",
@@ -268,14 +242,10 @@ def _plan_dist_epoch(
     units = [f"{e}/" for e in epochs + dist[:-1]]
     if os.path.lexists(os.path.join(src, RECIPE_STATE)):
         units.append(RECIPE_STATE)
-    skipped = dict(source.get("skipped") or {})
-    for unit in units:
-        skipped[unit] = f"an earlier epoch's checkpoint ({dist[-1]}/ imported)"
-    if skipped:
-        source["skipped"] = skipped
-    folder = dist[-1]
+    if units:  # (no empty source.skipped)
+        skip(source, units, f"an earlier epoch's checkpoint ({dist[-1]}/ imported)")
     items = (
-        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": folder})
+        dataclasses.replace(item, provenance={**(item.provenance or {}), "folder": dist[-1]})
         for item in plan.items
     )
     return dataclasses.replace(
@@ -351,7 +321,7 @@ def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None
     if not (isinstance(state, dict) and isinstance(groups, list)):
         raise SourceError(
-            f"{recipe}: torchtune's optimizer state, {recipe_optimizer(recipe)}: not imported. "
+            f"{recipe}: torchtune's optimizer state, {recipe_optimizer(loaded)}: not imported. "
             f"Convert with weights_only=True to import {epoch}/'s weights"
         )
     assert isinstance(loaded, dict)
@@ -400,10 +370,11 @@ def _moment_ref(
 
 
 def _moments(
-    state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int]
+    state: dict, to_name: dict[Any, str], recipe: str, heads: tuple[int, int, int], epoch: str
 ) -> tuple[dict[str, dict[str, TensorRef]], dict[str, str]]:
     """({Hugging Face name: {state: reference}}, {torchtune name: Hugging Face name}): the
-    moments renamed by torchtune's own table; a name it does not know is refused."""
+    moments renamed by torchtune's own table; a name it does not know is refused, q/k moments
+    without the rows config.json's heads say too (the permutation would scramble them)."""
     q_heads, kv_heads, head_dim = heads
     states: dict[str, dict[str, TensorRef]] = {}
     moved: dict[str, str] = {}
@@ -423,47 +394,15 @@ def _moments(
                     continue  # not a tensor: not in found either
                 value = np.asarray(value, np.float64)
             states.setdefault(hf, {})[st] = _moment_ref(key, tune, st, value, rows, head_dim)
-    return states, moved
-
-
-def _check_qk_moments(
-    states: dict[str, dict[str, TensorRef]],
-    moved: dict[str, str],
-    heads: tuple[int, int, int],
-    recipe: str,
-    epoch: str,
-) -> None:
-    """The q/k moments must have the rows config.json's heads say, or the permutation would
-    scramble them silently."""
-    q_heads, kv_heads, head_dim = heads
-    for p in moved:
-        if ("q_proj" in p or "k_proj" in p) and states[moved[p]].get("exp_avg") is not None:
-            shape = states[moved[p]]["exp_avg"].shape
-            n = q_heads if "q_proj" in p else kv_heads
-            if len(shape) != 2 or shape[0] != n * head_dim or head_dim % 2:
+        exp_avg = states.get(hf, {}).get("exp_avg")
+        if rows is not None and exp_avg is not None:
+            shape = exp_avg.shape
+            if len(shape) != 2 or shape[0] != rows * head_dim or head_dim % 2:
                 raise SourceError(
-                    f"{recipe}: {p!r} has moments of shape {list(shape)}, expected "
-                    f"[{n} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
+                    f"{recipe}: {tune!r} has moments of shape {list(shape)}, expected "
+                    f"[{rows} heads x head_dim {head_dim}, ...] from {epoch}/config.json"
                 )
-
-
-def _recipe_accounting(
-    loaded: dict, src: str, epochs: list[str]
-) -> tuple[list[str], list[str], list[str], dict[str, str]]:
-    """(the recipe's tensors, those of the optimizer, the earlier epochs' folders, skipped):
-    every tensor of recipe_state.pt and every older epoch is imported or said skipped."""
-    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
-    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
-    skipped: dict[str, str] = {}
-    for n in recipe_tensors:
-        if n not in optimizer_sources:
-            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
-        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
-            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
-    units = [f"{e}/" for e in epochs[:-1] + dist_epoch_folders(src)]
-    for unit in units:
-        skipped[unit] = f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"
-    return recipe_tensors, optimizer_sources, units, skipped
+    return states, moved
 
 
 def _plan_with_optimizer(
@@ -477,13 +416,22 @@ def _plan_with_optimizer(
     as torchtune's checkpointer converts the weights."""
     latest = os.path.join(src, epochs[-1])
     loaded, state, groups = _recipe_optimizer(recipe, epochs[-1])
-    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(recipe))
+    to_name = _optimizer_names(state, groups, order, recipe, recipe_optimizer(loaded))
     config, q_heads, kv_heads, head_dim = _heads(latest)
     heads = (q_heads, kv_heads, head_dim)
     params, files = _epoch_weights(latest, epochs[-1])
-    states, moved = _moments(state, to_name, recipe, heads)
-    _check_qk_moments(states, moved, heads, recipe, epochs[-1])
-    recipe_tensors, optimizer_sources, units, skipped = _recipe_accounting(loaded, src, epochs)
+    states, moved = _moments(state, to_name, recipe, heads, epochs[-1])
+    # every tensor of recipe_state.pt and every older epoch imported or said skipped
+    recipe_tensors = [f"{RECIPE_STATE}:{n}" for n in tensor_names(loaded)]
+    optimizer_sources = [n for n in recipe_tensors if n.startswith(f"{RECIPE_STATE}:optimizer.")]
+    skipped: dict[str, str] = {}
+    for n in recipe_tensors:
+        if n not in optimizer_sources:
+            skipped[n] = "torchtune recipe state, not a model weight or optimizer state"
+        elif n.startswith(f"{RECIPE_STATE}:{OPTIMIZER_KEY}.param_groups."):
+            skipped[n] = "optimizer hyper-parameter, recorded in source.optimizer.param_groups"
+    units = [f"{e}/" for e in epochs[:-1] + epoch_folders(src, dist=True)]
+    skipped.update(dict.fromkeys(units, f"an earlier epoch's checkpoint ({epochs[-1]}/ imported)"))
     named_groups = [
         {**g, "params": [moved.get(to_name.get(i, ""), i) for i in g.get("params", ())]}
         for g in groups

@@ -66,8 +66,7 @@ def detect(src: os.PathLike | str) -> Detection:
         return Detection(True, "verl FSDP rank files (model_world_size_W_rank_R.pt)")
     if layout.is_model_dir(os.path.join(path, layout.MODEL_DIRS[0])):
         return Detection(True, "a verl global_step_N/ folder (actor/ rank files)")
-    steps = layout.step_dirs(path)
-    if steps:
+    if steps := layout.step_dirs(path):
         return Detection(True, f"a verl run ({', '.join(steps[-3:])})")
     return Detection(
         False,
@@ -85,17 +84,13 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     world = ranks.world_size
     if "model" not in ranks.by_kind:
         raise SourceError(f"{model_dir}: no model_world_size_{world}_rank_R.pt")
-    fsdp = _fsdp_config(model_dir, world)
-    source: dict[str, Any] = {
-        "framework": "verl",
-        "path": model_dir,
-        "world_size": world,
-        **({"fsdp_version": fsdp} if fsdp is not None else {}),
+    recorded = {
+        "fsdp_version": _fsdp_config(model_dir, world),
+        "global_step": where.step,
+        "tracker_step": where.tracker_step,
     }
-    if where.step is not None:
-        source["global_step"] = where.step
-    if where.tracker_step is not None:
-        source["tracker_step"] = where.tracker_step
+    source: dict[str, Any] = {"framework": "verl", "path": model_dir, "world_size": world}
+    source.update((k, v) for k, v in recorded.items() if v is not None)
     found: list[str] = []  # every source tensor (or file read as a unit)
 
     models = [_load(model_dir, name) for name in ranks.by_kind["model"]]
@@ -109,7 +104,6 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     _extra(model_dir, ranks.by_kind.get("extra_state", []), source, found)
     _units_beside(where, source, found)
     names = options.share.pick(params)
-    total = len(names)
 
     def items() -> Iterator[writer.HostItem]:
         for name in names:
@@ -131,7 +125,7 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
                 {TENSORS: step_names, "pattern": "optimizer state 'step'"},
             )
 
-    return ImportPlan(items(), source, total, found)
+    return ImportPlan(items(), source, len(names), found)
 
 
 def _optimizer_state(model_dir, ranks, options, params: Params, tied, source, found):
@@ -260,11 +254,9 @@ def _tied_keys(params: Params) -> dict[str, str]:
         )
         if not where:
             continue
-        key = (shape, str(dtype), where)
-        if key in first:
-            tied[name] = first[key]
-        else:
-            first[key] = name
+        owner = first.setdefault((shape, str(dtype), where), name)
+        if owner != name:
+            tied[name] = owner
     return tied
 
 
@@ -353,16 +345,10 @@ def _optimizer(folder, files_, optims, params: Params, world: int):
             moments[name] = found
     count = None
     if steps:
-        count = (
-            agreed_step(steps, folder, recorded_by="ranks and parameters", error=SourceError),
-            step_names,
-        )
-    named = []
-    for g in groups[0]:
-        g = {k: v for k, v in g.items()}
-        g["params"] = [by_index[i] for i in g.get("params", [])]
-        g.pop("param_names", None)
-        named.append(jsonable(g))
+        step = agreed_step(steps, folder, recorded_by="ranks and parameters", error=SourceError)
+        count = (step, step_names)
+    kept = [{k: v for k, v in g.items() if k != "param_names"} for g in groups[0]]
+    named = [jsonable({**g, "params": [by_index[i] for i in g.get("params", [])]}) for g in kept]
     return moments, count, named
 
 
@@ -393,8 +379,7 @@ def _moments(folder, files_, optims, index, name, params: Params, world, steps, 
             )
         out[state] = [(f"{f}/{what}", p) for f, p in got[2]]
     for file, e in zip(files_, entries):
-        value = e.get("step")
-        if value is not None:
+        if (value := e.get("step")) is not None:
             steps.setdefault(float(np.asarray(value).reshape(())), f"in {file} state[{index}]")
             step_names.append(f"{file}/state.{index}.step")
     return out
@@ -403,12 +388,11 @@ def _moments(folder, files_, optims, index, name, params: Params, world, steps, 
 def _extra(folder: str, names: list[str], source: dict, found: list[str]) -> None:
     """The scheduler's record from rank 0's extra state; every extra-state file (the RNG
     states) is a unit left out."""
-    for name in names:
-        found.append(name)
-        skip(source, [name], "verl's extra state (RNG states, lr scheduler), not imported; the "
-             "scheduler's record is in source.lr_scheduler")  # fmt: skip
     if not names:
         return
+    found += names
+    why = "verl's extra state (RNG states, lr scheduler), not imported; the scheduler's record"
+    skip(source, names, why + " is in source.lr_scheduler")
     path = files.inside(folder, names[0], f"{folder}: verl's extra state")
     try:
         extra = unpickler.load_torch_file(path, _EXTRA_CLASSES)

@@ -62,7 +62,10 @@ class Located:
     tracker_step: int | None
 
 
-def _read_tracker(root: str) -> int:
+def _read_tracker(root: str) -> int | None:
+    """The step the run's tracker names (None without one)."""
+    if not os.path.isfile(os.path.join(root, TRACKER)):
+        return None
     path = files.in_own_folder(os.path.join(root, TRACKER))
     try:
         text = files.read_regular(path, 4096).decode("utf-8", "replace").strip()
@@ -80,31 +83,26 @@ def locate(src: str) -> Located:
     a ``global_step_N/`` or its ``actor/`` (``critic/``) folder. A tracker naming a step whose
     folder is missing is refused, naming what is there."""
     src = os.path.abspath(src)
-    if is_model_dir(src):
-        parent = os.path.dirname(src)
-        m = _STEP_DIR.match(os.path.basename(parent))
-        if not m:
-            return Located(src, None, None, None, None)
-        root = os.path.dirname(parent)
-        tracker = _read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
-        return Located(src, parent, root, int(m.group(1)), tracker)
-    m = _STEP_DIR.match(os.path.basename(src))
-    if m and is_model_dir(os.path.join(src, MODEL_DIRS[0])):
-        root = os.path.dirname(src)
-        tracker = _read_tracker(root) if os.path.isfile(os.path.join(root, TRACKER)) else None
-        return Located(os.path.join(src, MODEL_DIRS[0]), src, root, int(m.group(1)), tracker)
+    model_dir = src if is_model_dir(src) else os.path.join(src, MODEL_DIRS[0])
+    step_dir = os.path.dirname(model_dir)
+    m = _STEP_DIR.match(os.path.basename(step_dir))
+    if model_dir == src and not m:
+        return Located(src, None, None, None, None)
+    if m and is_model_dir(model_dir):
+        root = os.path.dirname(step_dir)
+        return Located(model_dir, step_dir, root, int(m.group(1)), _read_tracker(root))
     steps = step_dirs(src)
     if not steps:
         raise SourceError(
             f"{src}: not a verl checkpoint (no model_world_size_W_rank_R.pt, no "
             f"global_step_N/actor/)"
         )
-    if not os.path.isfile(os.path.join(src, TRACKER)):
+    tracker = _read_tracker(src)
+    if tracker is None:
         raise SourceError(
             f"{src}: a verl run with {len(steps)} checkpoints ({', '.join(steps)}) and no "
             f"{TRACKER}; convert one of them (e.g. {os.path.join(src, steps[-1])})"
         )
-    tracker = _read_tracker(src)
     name = f"global_step_{tracker}"
     if name not in steps:
         raise SourceError(
