@@ -62,15 +62,19 @@ class Op:
         """The named fields as ints (``_int`` of each)."""
         return [self._int(getattr(self, n), env) for n in names]
 
-    # map
-    def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
+    #: a map op that is one ``views`` function of the tensor and some fields as ints: (that
+    #: function, the fields' names); other map ops define ``apply``
+    view: ClassVar[tuple] = ()
+
+    def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:
         """A map op's result: one lazy view of ``tensor``.
 
         Args:
             tensor: the view the rule's previous op produced
             env: settings and the variables the rule's pattern captured
         """
-        raise NotImplementedError
+        fn, *fields = self.view
+        return fn(tensor, *self._ints(env, *fields))
 
 
 class FanOut(Op):
@@ -187,10 +191,8 @@ class MergeDims(Op):
     """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd]."""
 
     op: ClassVar[str] = "merge_dims"
+    view: ClassVar[tuple] = (views.merge_dims, "axis")
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.merge_dims(tensor, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -198,11 +200,9 @@ class GroupStages(Op):
     """[L, ...] -> [stages, L/stages, ...]."""
 
     op: ClassVar[str] = "group_stages"
+    view: ClassVar[tuple] = (views.group_stages, "stages", "axis")
     stages: Any = "pp"
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.group_stages(tensor, *self._ints(env, "stages", "axis"))
 
 
 @dataclass(frozen=True)
@@ -210,10 +210,8 @@ class UngroupStages(Op):
     """[stages, L/stages, ...] -> [L, ...]."""
 
     op: ClassVar[str] = "ungroup_stages"
+    view: ClassVar[tuple] = (views.ungroup_stages, "axis")
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.ungroup_stages(tensor, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -221,11 +219,9 @@ class RegroupStages(Op):
     """[S, L/S, ...] -> [stages, L/stages, ...]; error if L does not divide by stages."""
 
     op: ClassVar[str] = "regroup_stages"
+    view: ClassVar[tuple] = (views.regroup_stages, "stages", "axis")
     stages: Any = "pp"
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.regroup_stages(tensor, *self._ints(env, "stages", "axis"))
 
 
 @dataclass(frozen=True)
