@@ -62,8 +62,8 @@ class Op:
         """The named fields as ints (``_int`` of each)."""
         return [self._int(getattr(self, n), env) for n in names]
 
-    #: a map op that is one ``views`` function of the tensor and some fields as ints: (that
-    #: function, the fields' names); other map ops define ``apply``
+    #: an op that is one ``views`` function of the tensor (a fan-in: the parts) and some fields
+    #: as ints: (that function, the fields' names); other ops define ``apply`` / ``combine``
     view: ClassVar[tuple] = ()
 
     def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:
@@ -129,11 +129,10 @@ class FanIn(Op):
             )
         return list(self.parts)
 
-    def combine(
-        self, parts: Sequence[ts.TensorStore], env: Env
-    ) -> ts.TensorStore:  # pragma: no cover
+    def combine(self, parts: Sequence[ts.TensorStore], env: Env) -> ts.TensorStore:
         """One lazy view of ``parts``, given in ``order``'s order."""
-        raise NotImplementedError
+        fn, *fields = self.view
+        return fn(parts, *self._ints(env, *fields))
 
 
 @dataclass(frozen=True)
@@ -327,6 +326,7 @@ class Stack(FanIn):
     """Tensors indexed 0..L-1 by variable ``over`` -> one [L, ...] tensor (stacked at ``axis``)."""
 
     op: ClassVar[str] = "stack"
+    view: ClassVar[tuple] = (views.stack, "axis")
     over: str = "i"
     axis: Any = 0
 
@@ -348,21 +348,16 @@ class Stack(FanIn):
             )
         return sorted(labels, key=int)
 
-    def combine(self, parts, env):
-        return views.stack(parts, self._int(self.axis, env))
-
 
 @dataclass(frozen=True)
 class Concat(FanIn):
     """Named parts (in ``parts`` order) concatenated along ``axis``, e.g. gate, up -> SwiGLU fc1."""
 
     op: ClassVar[str] = "concat"
+    view: ClassVar[tuple] = (views.concat, "axis")
     over: str = "part"
     axis: Any = 0
     parts: tuple = ("gate", "up")
-
-    def combine(self, parts, env):
-        return views.concat(parts, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
