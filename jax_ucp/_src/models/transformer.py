@@ -293,9 +293,6 @@ class TransformerLM(nn.Module):
         return nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")(x)
 
 
-# ------------------------------------------------------------------------- Megatron -> flax
-
-
 def shipped_spec_for(cfg: LMConfig, names: Iterable[str]) -> Spec:
     """The shipped spec whose restore rules map these Megatron parameter names into the tree of
     ``TransformerLM(cfg)``: ``megatron_lm_gpt`` for Megatron-LM's older ``language_model.*``

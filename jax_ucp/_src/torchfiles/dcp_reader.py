@@ -506,9 +506,6 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
     return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
 
 
-# ----------------------------------------------------------------- byte ranges
-
-
 def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
     read through :mod:`jax_ucp._src.format.mapped_file` (pread), never by touching the mapping, which
