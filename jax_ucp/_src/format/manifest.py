@@ -17,7 +17,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from jax_ucp._src import bulk
@@ -623,7 +623,7 @@ class _ParsedEntries:
         """One decoded element: checked and kept as its entry, its JSON dropped."""
         if self.error is not None or self.too_deep:
             return  # an error is raised anyway; the rest is only decoded (valid JSON or not)
-        if isinstance(element, dict) and _too_deep(element.get("provenance"), 4):
+        if isinstance(element, dict) and _deeper(element.get("provenance"), 4) is not None:
             self.too_deep = True
             return
         try:
@@ -825,7 +825,7 @@ def _tree_leaves(tree: Any, where: str, file: str) -> set[tuple[str, ...]]:
             leaves.add(prefix)
             continue
         level = 2 + 3 * len(path)  # of the node; its children list is one deeper, each child two
-        if level + 1 > MAX_JSON_DEPTH and (level > MAX_JSON_DEPTH or _too_deep(d, level)):
+        if level + 1 > MAX_JSON_DEPTH and (level > MAX_JSON_DEPTH or _deeper(d, level) is not None):
             raise CheckpointError(f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
         if not (  # the usual container node, else every check with its message
             type(d) is dict
@@ -1099,22 +1099,13 @@ def check_tree_depth(tree: Any) -> None:
     """Refuses a tree whose dicts, lists and tuples nest deeper than :data:`MAX_TREE_DEPTH`,
     walking it without recursion, before anything recursive (flattening, the manifest) runs:
     ``ucp.json`` could not record it, and a reader would refuse it."""
-    stack = [(tree, 1, "")]
-    while stack:
-        node, depth, path = stack.pop()
-        if isinstance(node, Mapping):
-            children = [(f"{path}/{k}", v) for k, v in node.items()]
-        elif isinstance(node, list | tuple):
-            children = [(f"{path}/{i}", v) for i, v in enumerate(node)]
-        else:
-            continue
-        if depth > MAX_TREE_DEPTH:
-            raise RequestError(
-                f"the tree nests containers deeper than {MAX_TREE_DEPTH} levels (at "
-                f"{path[:120]!r}...): {MANIFEST_FILE} records at most {MAX_JSON_DEPTH} JSON "
-                f"levels, so such a checkpoint could not be restored; flatten part of the tree"
-            )
-        stack.extend((v, depth + 1, p) for p, v in children)
+    path = _deeper(tree, 1, MAX_TREE_DEPTH, (Mapping, list, tuple))
+    if path is not None:
+        raise RequestError(
+            f"the tree nests containers deeper than {MAX_TREE_DEPTH} levels (at "
+            f"{path[:120]!r}...): {MANIFEST_FILE} records at most {MAX_JSON_DEPTH} JSON "
+            f"levels, so such a checkpoint could not be restored; flatten part of the tree"
+        )
 
 
 def _long_digit_run(text: str) -> bool:
@@ -1144,24 +1135,23 @@ def _check_nesting(d: Any, where: str) -> None:
     if isinstance(entries, list):
         stack += [(e.get("provenance"), 4) for e in entries if isinstance(e, dict)]
     if (isinstance(entries, _ParsedEntries) and entries.too_deep) or any(
-        _too_deep(node, depth) for node, depth in stack
+        _deeper(node, depth) is not None for node, depth in stack
     ):
         raise CheckpointError(f"{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels.")
 
 
-def _too_deep(node: Any, depth: int) -> bool:
-    """Whether ``node``, at JSON level ``depth``, holds a container deeper than
-    ``MAX_JSON_DEPTH`` (walked without recursion)."""
-    stack = [(node, depth)]
+def _deeper(node: Any, depth: int, limit: int = MAX_JSON_DEPTH, kinds: tuple = (dict, list)):
+    """Where ``node`` (at level ``depth``) holds a container (``kinds``) nested deeper than
+    ``limit``, as ``/key/index/...`` (built only then), or None. Walked without recursion."""
+    stack: list[tuple[Any, int, Any]] = [(node, depth, None)] if isinstance(node, kinds) else []
     while stack:
-        node, depth = stack.pop()
-        if isinstance(node, dict):
-            children: Iterable[Any] = node.values()
-        elif isinstance(node, list):
-            children = node
-        else:
-            continue
-        if depth > MAX_JSON_DEPTH:
-            return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-    return False
+        node, depth, at = stack.pop()
+        if depth > limit:
+            keys = []
+            while at is not None:
+                at, key = at
+                keys.append(f"/{key}")
+            return "".join(reversed(keys))
+        pairs = node.items() if isinstance(node, Mapping) else enumerate(node)
+        stack.extend((v, depth + 1, (at, k)) for k, v in pairs if isinstance(v, kinds))
+    return None

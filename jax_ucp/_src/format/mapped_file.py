@@ -210,13 +210,12 @@ def _cast_into(out: np.ndarray, flat: np.ndarray, where: tuple[FileMap, int], wh
 
 def crc32(arr: np.ndarray, value: int = 0, crc=zlib.crc32, what: str = "checking a CRC") -> int:
     """The zip CRC-32 of ``arr``'s bytes (C-contiguous), continuing ``value``; read with
-    ``pread`` a piece at a time when ``arr`` views a :class:`FileMap`. ``crc``: the CRC-32
-    function (ISA-L's is faster, same values).
+    ``pread`` a piece at a time when ``arr`` views a :class:`FileMap`.
 
     Args:
         arr: the C-contiguous array whose bytes are checked.
         value: the CRC-32 to continue.
-        crc: the CRC-32 function.
+        crc: the CRC-32 function (ISA-L's is faster, same values).
         what: what is being read, for the error.
     """
     where = mapped_at(arr)

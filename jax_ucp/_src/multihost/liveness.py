@@ -8,6 +8,7 @@ name, boot and pid namespace) can be checked; the others are left to the heartbe
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Iterable, Sequence
@@ -69,15 +70,12 @@ def first_lost(peers: Sequence[dict], indices: Iterable[int], me: int) -> int | 
 
 
 def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError:
-        return ""
+    with contextlib.suppress(OSError), open(path) as f:
+        return f.read().strip()
+    return ""
 
 
 def _link(path: str) -> str:
-    try:
+    with contextlib.suppress(OSError):
         return os.readlink(path)
-    except OSError:
-        return ""
+    return ""

@@ -73,15 +73,14 @@ _MISSING = (1 << 64) - 1
 
 
 def parse_index(raw: bytes, path: str, n_chunks: int, crc: bool, limit: int | None):
-    """The shard index from its bytes (crc32c included), validated; ``limit``: where the data
-    ends (None: unknown, reads past the end fail later).
+    """The shard index from its bytes (crc32c included), validated.
 
     Args:
         raw: the index bytes (its crc32c last when ``crc``)
         path: the shard file, for messages
         n_chunks: inner chunks in the shard
         crc: the index carries a crc32c
-        limit: where the data ends (None: unknown)
+        limit: where the data ends (None: unknown, reads past the end fail later)
     """
     if crc:
         (stored,) = struct.unpack("<I", raw[-4:])

@@ -155,7 +155,13 @@ def write(
 @contextlib.contextmanager
 def opened(array_dir: str, chunk_position: Sequence[int], *, sync: bool):
     """The shard file at ``chunk_position`` of the array in ``array_dir``, created or truncated
-    and open for writing; when the block ends, fsynced (``sync``) or its write-back started."""
+    and open for writing; when the block ends, fsynced or its write-back started.
+
+    Args:
+        array_dir: the array's directory
+        chunk_position: the shard's position in the chunk grid
+        sync: fsync the file (else only start its write-back)
+    """
     path = os.path.join(array_dir, *shard_key(chunk_position).split("/"))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
