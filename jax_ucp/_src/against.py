@@ -87,9 +87,8 @@ def _loader(
     name = tensors[0]
     if fmt == "torch_dcp":
         key = provenance.get("source_name") or name
-        folder = os.path.join(src, provenance["folder"]) if provenance.get("folder") else src
-        if not provenance.get("folder"):
-            folder = _dcp_folder_holding(folder, key)
+        sub = provenance.get("folder")
+        folder = os.path.join(src, sub) if sub else _dcp_folder_holding(src, key)
         return lambda: _dcp_tensor(folder, key), key
     if fmt in ("torch_files", "safetensors"):
         file, _, inner = name.partition(":") if ":" in name else (provenance.get("file"), "", name)

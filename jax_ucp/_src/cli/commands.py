@@ -522,8 +522,7 @@ def _cell_texts():
     """``layout.shape_text``, ``.partition_spec_text`` and ``.human``, each keeping its texts
     (the rows of 100 000 tensors repeat a few shapes, specs and sizes; all are tuples or ints)."""
     return tuple(
-        functools.lru_cache(maxsize=None)(f)
-        for f in (layout.shape_text, layout.partition_spec_text, layout.human)
+        functools.cache(f) for f in (layout.shape_text, layout.partition_spec_text, layout.human)
     )
 
 

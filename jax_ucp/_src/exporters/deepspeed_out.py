@@ -230,12 +230,8 @@ def _universal_keys(root, by_key):
     count = None
     for key, entry in by_key.items():
         if entry.role == "opt_state" and entry.sub_role in ("mu", "nu"):
-            for pkey, rel in params.items():
-                if (
-                    len(key) > len(rel)
-                    and key[-len(rel) :] == rel
-                    and key[-len(rel) - 1] == entry.sub_role
-                ):
+            for pkey, rel in params.items():  # the moment at .../mu/<the parameter's path>
+                if key[-len(rel) - 1 :] == (entry.sub_role, *rel):
                     moments[(pkey, entry.sub_role)] = key
         elif entry.role == "opt_state" and entry.sub_role == "count":
             count = key

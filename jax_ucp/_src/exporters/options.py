@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 
@@ -160,5 +160,4 @@ def options_for(to: str, **given: Any) -> Options:
             raise RequestError(
                 f"{name}= does not apply to {to!r} exports (they take: {', '.join(sorted(fields))})"
             )
-    options: Any = cls(**{k: v for k, v in given.items() if k in fields and v is not None})
-    return options
+    return cast(Options, cls(**{k: v for k, v in given.items() if k in fields and v is not None}))

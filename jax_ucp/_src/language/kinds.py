@@ -240,14 +240,11 @@ class Partitioned(Kind):
 
     def _split(self, full, n, name):
         d = _checked_axis(full.shape, self.dim, name, self.kind)
-        if self.sizes is not None:
-            sizes = list(self.sizes)
-        else:
-            if full.shape[d] % n:
-                raise LanguageError(
-                    f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks"
-                )
-            sizes = [full.shape[d] // n] * n
+        if self.sizes is None and full.shape[d] % n:
+            raise LanguageError(
+                f"{name}: dim {d} of size {full.shape[d]} does not split over {n} ranks"
+            )
+        sizes = [full.shape[d] // n] * n if self.sizes is None else list(self.sizes)
         return _split_sizes(_NumpyBackend, full, d, sizes)
 
 

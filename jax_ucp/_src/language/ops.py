@@ -62,15 +62,19 @@ class Op:
         """The named fields as ints (``_int`` of each)."""
         return [self._int(getattr(self, n), env) for n in names]
 
-    # map
-    def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:  # pragma: no cover
+    #: an op that is one ``views`` function of the tensor (a fan-in: the parts) and some fields
+    #: as ints: (that function, the fields' names); other ops define ``apply`` / ``combine``
+    view: ClassVar[tuple] = ()
+
+    def apply(self, tensor: ts.TensorStore, env: Env) -> ts.TensorStore:
         """A map op's result: one lazy view of ``tensor``.
 
         Args:
             tensor: the view the rule's previous op produced
             env: settings and the variables the rule's pattern captured
         """
-        raise NotImplementedError
+        fn, *fields = self.view
+        return fn(tensor, *self._ints(env, *fields))
 
 
 class FanOut(Op):
@@ -125,11 +129,10 @@ class FanIn(Op):
             )
         return list(self.parts)
 
-    def combine(
-        self, parts: Sequence[ts.TensorStore], env: Env
-    ) -> ts.TensorStore:  # pragma: no cover
+    def combine(self, parts: Sequence[ts.TensorStore], env: Env) -> ts.TensorStore:
         """One lazy view of ``parts``, given in ``order``'s order."""
-        raise NotImplementedError
+        fn, *fields = self.view
+        return fn(parts, *self._ints(env, *fields))
 
 
 @dataclass(frozen=True)
@@ -187,10 +190,8 @@ class MergeDims(Op):
     """Reshape axes (axis, axis+1) into one (row-major), e.g. [d, H, hd] -> [d, H*hd]."""
 
     op: ClassVar[str] = "merge_dims"
+    view: ClassVar[tuple] = (views.merge_dims, "axis")
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.merge_dims(tensor, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -198,11 +199,9 @@ class GroupStages(Op):
     """[L, ...] -> [stages, L/stages, ...]."""
 
     op: ClassVar[str] = "group_stages"
+    view: ClassVar[tuple] = (views.group_stages, "stages", "axis")
     stages: Any = "pp"
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.group_stages(tensor, *self._ints(env, "stages", "axis"))
 
 
 @dataclass(frozen=True)
@@ -210,10 +209,8 @@ class UngroupStages(Op):
     """[stages, L/stages, ...] -> [L, ...]."""
 
     op: ClassVar[str] = "ungroup_stages"
+    view: ClassVar[tuple] = (views.ungroup_stages, "axis")
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.ungroup_stages(tensor, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)
@@ -221,11 +218,9 @@ class RegroupStages(Op):
     """[S, L/S, ...] -> [stages, L/stages, ...]; error if L does not divide by stages."""
 
     op: ClassVar[str] = "regroup_stages"
+    view: ClassVar[tuple] = (views.regroup_stages, "stages", "axis")
     stages: Any = "pp"
     axis: Any = 0
-
-    def apply(self, tensor, env):
-        return views.regroup_stages(tensor, *self._ints(env, "stages", "axis"))
 
 
 @dataclass(frozen=True)
@@ -331,6 +326,7 @@ class Stack(FanIn):
     """Tensors indexed 0..L-1 by variable ``over`` -> one [L, ...] tensor (stacked at ``axis``)."""
 
     op: ClassVar[str] = "stack"
+    view: ClassVar[tuple] = (views.stack, "axis")
     over: str = "i"
     axis: Any = 0
 
@@ -352,21 +348,16 @@ class Stack(FanIn):
             )
         return sorted(labels, key=int)
 
-    def combine(self, parts, env):
-        return views.stack(parts, self._int(self.axis, env))
-
 
 @dataclass(frozen=True)
 class Concat(FanIn):
     """Named parts (in ``parts`` order) concatenated along ``axis``, e.g. gate, up -> SwiGLU fc1."""
 
     op: ClassVar[str] = "concat"
+    view: ClassVar[tuple] = (views.concat, "axis")
     over: str = "part"
     axis: Any = 0
     parts: tuple = ("gate", "up")
-
-    def combine(self, parts, env):
-        return views.concat(parts, self._int(self.axis, env))
 
 
 @dataclass(frozen=True)

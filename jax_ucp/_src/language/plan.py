@@ -143,10 +143,8 @@ def compile_restore_plan(
     targets: _Targets = {}
     per_rule, uncovered = _assign(spec, rules, saved, targets)
     if strict:
-        uncovered_names = ["/".join(u[0]) for u in uncovered]
-        check_strict(
-            spec.name, "restore", uncovered_names, rules, [i for i in per_rule if per_rule[i]]
-        )
+        matched = [i for i in per_rule if per_rule[i]]
+        check_strict(spec.name, "restore", ["/".join(u[0]) for u in uncovered], rules, matched)
     for key, info, tprefix, rel in uncovered:
         _put(targets, tprefix + tuple(rel.split("/")), _identity(key, info), "/".join(key))
     for i, r in rules:

@@ -192,11 +192,8 @@ class Attention(nn.Module):
         k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
         v = qkv[..., (q_per_group + 1) * head_dim :]
         if cfg.position == "rope":
-            positions = jnp.arange(seq)
-            q = _apply_rope(q, positions, cfg.rotary_base)
-            k = _apply_rope(k, positions, cfg.rotary_base)
-        k = jnp.repeat(k, q_per_group, axis=2)
-        v = jnp.repeat(v, q_per_group, axis=2)
+            q, k = (_apply_rope(x, jnp.arange(seq), cfg.rotary_base) for x in (q, k))
+        k, v = (jnp.repeat(x, q_per_group, axis=2) for x in (k, v))  # each group's heads
         scores = jnp.einsum("bqnd,bknd->bnqk", q, k) / math.sqrt(head_dim)
         mask = jnp.tril(jnp.ones((seq, seq), bool))
         scores = jnp.where(mask, scores, -jnp.inf)
@@ -294,9 +291,6 @@ class TransformerLM(nn.Module):
         if cfg.tied:
             return wte.attend(x)
         return nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")(x)
-
-
-# ------------------------------------------------------------------------- Megatron -> flax
 
 
 def shipped_spec_for(cfg: LMConfig, names: Iterable[str]) -> Spec:

@@ -506,9 +506,6 @@ def _tiling_witness(t: DcpTensor, where: Path | str) -> tuple[list[int], list[Dc
     return element.tolist(), [chunks[i] for i in np.flatnonzero(inside)]
 
 
-# ----------------------------------------------------------------- byte ranges
-
-
 def _file_range(path: Path, offset: int, length: int, where: str) -> np.ndarray:
     """A read-only memory-mapped uint8 view of ``path[offset:offset+length]``: its bytes are
     read through :mod:`jax_ucp._src.format.mapped_file` (pread), never by touching the mapping, which
@@ -641,13 +638,12 @@ def refuse_fsdp_dtensor(names: list, where: str) -> None:
         (n for n in names if isinstance(n, str) and n.startswith("optimizer.param_to_group_meta.")),
         None,
     )
-    if meta is None:
-        return
-    raise SourceError(
-        f"{where}: a megatron-core fsdp_dtensor checkpoint (Megatron-FSDP, --ckpt-format "
-        f"fsdp_dtensor; key {meta!r}): fsdp_dtensor is not supported (its per-parameter "
-        f"DTensor optimizer layout is not read; weights_only=True does not avoid it)"
-    )
+    if meta is not None:
+        raise SourceError(
+            f"{where}: a megatron-core fsdp_dtensor checkpoint (Megatron-FSDP, --ckpt-format "
+            f"fsdp_dtensor; key {meta!r}): fsdp_dtensor is not supported (its per-parameter "
+            f"DTensor optimizer layout is not read; weights_only=True does not avoid it)"
+        )
 
 
 def _is_count(value: Any) -> bool:

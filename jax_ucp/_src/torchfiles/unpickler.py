@@ -85,8 +85,6 @@ class TorchFileError(SourceError):
         super().__init__(f"{self.path}: {message}")
 
 
-# --------------------------------------------------------------------------- bounds
-
 #: At most this many objects, or two per byte of the pickle when that is more (shared
 #: references counted each time they are reached), and this nesting depth in one unpickled
 #: file. Every object of a real pickle costs at least one opcode byte, so a real file expands to
