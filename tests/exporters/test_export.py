@@ -21,7 +21,7 @@ from jax_ucp._src.exporters import (
 )
 from jax_ucp.cli import app
 from jax_ucp.errors import RequestError
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, free_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -422,7 +422,7 @@ def test_deepspeed_engine_loads_the_export_at_another_dp_size_and_continues(tmp_
     fixture = os.path.join(DS, "z2_fp32_dp2")
     ckpt = jax_ucp.convert(os.path.join(fixture, "ckpt"), str(tmp_path / "ucp"))
     jax_ucp.export(ckpt, tmp_path / "uni", DeepSpeedUniversalExport())
-    _deepspeed_load_universal(tmp_path, os.path.join(fixture, "next_batch.npy"), port=29931)
+    _deepspeed_load_universal(tmp_path, os.path.join(fixture, "next_batch.npy"), port=free_port())
     saved = np.load(os.path.join(fixture, "ref_zero_to_fp32.npz"))
     loaded = np.load(tmp_path / "run" / "loaded.npz")
     for name in saved:
@@ -520,7 +520,7 @@ def test_a_jax_step_continues_in_deepspeed_with_the_same_loss(tmp_path):
     )
     jax_ucp.export(str(tmp_path / "jax_step"), tmp_path / "uni", DeepSpeedUniversalExport())
     np.save(tmp_path / "other.npy", other)
-    _deepspeed_load_universal(tmp_path, str(tmp_path / "other.npy"), port=29933)
+    _deepspeed_load_universal(tmp_path, str(tmp_path / "other.npy"), port=free_port())
     ds_loss = float((tmp_path / "run" / "loss.txt").read_text())
     print(f"next-step loss: JAX {jax_loss!r}, DeepSpeed {ds_loss!r}")
     assert abs(ds_loss - jax_loss) <= 1e-5 * abs(jax_loss)

@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.ucp_testing import REPO
+from tests.ucp_testing import REPO, free_port
 
 pytestmark = [pytest.mark.torch, pytest.mark.slow]
 
@@ -32,7 +32,7 @@ def test_live_against_deepspeed_tools(tmp_path, stage, dtype, world):
     from jax_ucp.conversion import convert
 
     work = str(tmp_path / "run")
-    M.train(stage, dtype, world, work, port=29800 + 10 * stage + world)
+    M.train(stage, dtype, world, work, port=free_port())
     tag = os.path.join(work, "ckpt", "global_step2")
     uni = M.universal(tag, str(tmp_path / "universal"))
     z = M.zero_to_fp32(os.path.join(work, "ckpt"), "global_step2")
