@@ -1,7 +1,7 @@
 """``restore(path, mesh=, rules=, target=)`` walks its stages in order (issue 39): measured by
 tools/restore_walk.py, as a module entered from another one, at most 6 returns to a room
 already left (locate at the end, the source's second visit to read, the tree rebuilt, the mesh
-checked twice)."""
+checked twice, the options object's ``has_target`` and ``read_budget`` read where they are used)."""
 
 import importlib.util
 import os

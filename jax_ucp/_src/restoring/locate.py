@@ -255,17 +255,19 @@ class Attempt:
         return self.root
 
     def __exit__(self, kind, error, traceback) -> bool:
-        root, stamp = self.root, self.stamp
-        moved = root is not None and (stamp is None or _identity(root) != stamp)
         if error is None:
-            self.done = not self.redo or root is None or stamp is None or not moved
+            self.done = not self.redo or self.stamp is None or not self._moved()
             return False
         if not isinstance(error, fmt.UCPError):
             return False
-        if _swap_state(self.path) == self.around and not moved:
+        if _swap_state(self.path) == self.around and not self._moved():
             return False  # the checkpoint's own, nothing changed meanwhile
         self.error = error
         return True
+
+    def _moved(self) -> bool:
+        """The directory found is gone or another one since ``find()``."""
+        return self.root is not None and (self.stamp is None or _identity(self.root) != self.stamp)
 
 
 _SWAP_RETRIES = 3

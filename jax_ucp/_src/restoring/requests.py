@@ -39,7 +39,7 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
     result from theirs: the target's structure (flax boxes kept), the saved containers, or the
     tensors nested by key."""
     every, values = opened.available, opened.values
-    if options.target is not None or options.shardings is not None:  # one request per leaf
+    if options.has_target:  # one request per leaf, the results in the target's structure
         if options.rules is not None and options.mesh is not None:
             sharding_lib.check_rules(options.rules, options.mesh)
         reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh)

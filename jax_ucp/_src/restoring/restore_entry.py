@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from typing import Any, cast
+from typing import Any
 
 from jax_ucp._src.errors import CheckpointError, ResumeWarning
 from jax_ucp._src.options import keywords_of
@@ -77,7 +77,7 @@ def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
         wanted.available,
         {v.key: v for v in opened.values},
         casting=options.casting,
-        memory_budget=cast("int | None", options.memory_budget),  # bytes once checked
+        memory_budget=options.read_budget,
         replicated_read=options.replicated_read,
     )
     return wanted.assemble(results)
