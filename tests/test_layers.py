@@ -21,7 +21,18 @@ ALLOWED = {
     "language": {"format"},  # format.mapped_file: views of mapped files read with pread
     "sharding": {"format"},
     "tree": {"format"},
-    "restoring": {"format", "store", "writer", "multihost", "language", "sharding", "tree"},
+    # + importers: the "open" stage plans the import of a source convert reads, read in place
+    # (restoring.import_source; registry.plan_import only reads, imported where it is called)
+    "restoring": {
+        "format",
+        "store",
+        "writer",
+        "multihost",
+        "language",
+        "sharding",
+        "tree",
+        "importers",
+    },
     "saving": {"format", "store", "writer", "multihost", "sharding", "tree"},
     "orbax": {"format", "store", "writer", "multihost", "sharding", "tree", "restoring", "saving"},
     "api": {"format", "store", "tree", "restoring", "saving", "against", "logits"},

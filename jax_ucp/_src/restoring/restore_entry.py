@@ -6,14 +6,23 @@ entered once: the source located and opened (``locate``, ``ucp_source`` or
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp._src.errors import CheckpointError, ResumeWarning
 from jax_ucp._src.options import keywords_of
-from jax_ucp._src.restoring import engine, locate, requests, safetensors_source, ucp_source
+from jax_ucp._src.restoring import (
+    engine,
+    import_source,
+    locate,
+    requests,
+    safetensors_source,
+    ucp_source,
+)
 from jax_ucp._src.restoring import options as restore_options
 from jax_ucp._src.restoring.engine import OpenedSource
 
@@ -50,8 +59,9 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
         safetensors (a file, or a folder of them).
       options: what to restore and how (checked when constructed).
     """
-    if not locate.is_ucp(path) and safetensors_source.is_source(path):  # UCP detected first
-        with safetensors_source.opened_source(path, options.spec) as opened:
+    elsewhere = opened_elsewhere(path, options)
+    if elsewhere is not None:  # read in place: no UCP checkpoint there
+        with elsewhere as opened:
             return restore_from(opened, options)
     result: Any = None
     for attempt in locate.consistent_reads(path):
@@ -59,6 +69,28 @@ def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
             opened = ucp_source.open_checkpoint(attempt.find(), options.spec)
             result = restore_from(opened, options)
     return result
+
+
+def opened_elsewhere(
+    path, options: restore_options.RestoreOptions
+) -> contextlib.AbstractContextManager[OpenedSource] | None:
+    """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
+    first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
+    opened through its import plan (``import_source``) with ``options.importing``."""
+    checkpoint_format = import_source.import_format(path, options.importing, options.format)
+    if checkpoint_format is not None:
+        return _imported(path, checkpoint_format, options)
+    if not locate.is_ucp(path) and safetensors_source.is_source(path):
+        return safetensors_source.opened_source(path, options.spec)
+    return None
+
+
+@contextlib.contextmanager
+def _imported(path, checkpoint_format: str, options) -> Iterator[OpenedSource]:
+    with import_source.opened_import(
+        path, checkpoint_format, options.importing, options.spec, options.read_budget
+    ) as imported:
+        yield imported.opened
 
 
 def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
