@@ -50,7 +50,9 @@ _SCALARS = (type(None), bool, int, float, str)  # what the writer records as a v
 _VIEW_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
 
 
-def import_format(path, importing=None, format: str | None = None) -> str | None:
+def import_format(
+    path, importing=None, format: str | None = None, *, weights_in_place: bool = True
+) -> str | None:
     """The format ``convert`` would import ``path`` as, when a restore reads it through an
     import; None when it is a UCP checkpoint (or what ``locate`` explains: a missing path, a
     CheckpointManager root, a folder no importer claims) or plain safetensors (read in place by
@@ -60,6 +62,7 @@ def import_format(path, importing=None, format: str | None = None) -> str | None
       path: what was passed to restore / plan.
       importing: the import options given (``RestoreOptions.importing``), or None.
       format: the format given (``RestoreOptions.format``), or None.
+      weights_in_place: plain safetensors are read in place (None); False: imported too.
     """
     path = os.fspath(path)
     explicit = importing is not None or format is not None
@@ -82,7 +85,7 @@ def import_format(path, importing=None, format: str | None = None) -> str | None
         return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
     from jax_ucp._src.importers.torch.files import has_torch_optimizer
 
-    if found == "safetensors" and not explicit and not has_torch_optimizer(path):
+    if found == "safetensors" and weights_in_place and not explicit and not has_torch_optimizer(path):
         return None  # weights alone: safetensors_source reads them (a spec as restore's)
     return found
 
@@ -98,6 +101,12 @@ class Import:
     source: dict
     saved: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]
     format: str
+
+    def with_spec(self, spec) -> OpenedSource:
+        """The same tensors seen through another restore-time ``spec`` (no new import)."""
+        found = self.opened.source
+        assert isinstance(found, ImportSource)
+        return OpenedSource(found, found.available(spec), found.values)
 
 
 @contextlib.contextmanager
