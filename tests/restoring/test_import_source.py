@@ -6,10 +6,12 @@ them; nothing is written. Torch-free: the project's own readers."""
 from __future__ import annotations
 
 import glob
+import json
 import os
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
@@ -19,6 +21,8 @@ from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 from jax_ucp._src.importers.plan import ImportOptions
 from jax_ucp._src.restoring import import_source
+from jax_ucp.language import load_spec
+from jax_ucp.models import LMConfig
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -118,3 +122,115 @@ def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
         with import_source.opened_import(src, found) as opened:
             assert opened.source == manifest.source
             assert opened.saved == {e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors}
+
+
+ON_A_MESH = [
+    "torch/fsdp2_bf16",  # DCP: Deferred row reads
+    "torch/hf_llama_fsdp2",
+    "deepspeed/z3_bf16_dp2/ckpt",  # ZeRO-3: flat partitions, built whole
+    "deepspeed/z2_fp32_dp3/ckpt",  # mapped views of rank files, read with pread
+    "megatron/legacy_gpt_tp2pp2_synthetic",  # merges whose shape is known once built
+    "megatron/mcore_versions/0.19.2/gpt_tp2",  # torch_dist
+    "torch/plain_state_dict.pt",
+]
+
+
+def _sharded_like(tree, mesh):
+    """A target of ``tree``'s arrays on ``mesh``: rows on "a" and columns on "b" where they
+    divide (a column cut reads its rows once, cut per device), else replicated."""
+    from jax.sharding import PartitionSpec as P
+
+    def one(x):
+        if not isinstance(x, np.ndarray) or not x.ndim:
+            return x
+        spec = [None] * x.ndim
+        if x.shape[0] % mesh.shape["a"] == 0:
+            spec[0] = "a"
+        if x.ndim > 1 and x.shape[-1] % mesh.shape["b"] == 0:
+            spec[-1] = "b"
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P(*spec)))
+
+    return jax.tree.map(one, tree)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("rel", ON_A_MESH)
+def test_a_direct_restore_onto_a_mesh_equals_convert_then_restore(tmp_path, rel):
+    src = os.path.join(FIXTURES, rel)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+        target = _sharded_like(jax_ucp.restore(ckpt), mesh)
+    converted, direct, _ = _both(src, tmp_path / "again", target=target)
+    _equal(converted, direct)
+    assert any(  # some tensor cut on both axes
+        isinstance(x, jax.Array) and len(x.addressable_shards[0].data.shape) > 1
+        and x.addressable_shards[0].data.shape[-1] < x.shape[-1]
+        for x in jax.tree.leaves(direct)
+    )
+    assert _both(src, tmp_path / "bf16", dtype=jnp.bfloat16, casting="unsafe") is not None
+    converted, direct, _ = _both(src, tmp_path / "sel", select=r"params/.*")
+    _equal(converted, direct)
+
+
+def test_plan_of_a_source_is_the_plan_of_its_conversion(tmp_path):
+    src = os.path.join(FIXTURES, "torch", "hf_llama_fsdp2")
+    mesh = jax_ucp.abstract_mesh([("data", 2), ("model", 4)])
+    rules = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+    with open(os.path.join(FIXTURES, "torch", "hf_llama_fsdp2.config.json")) as f:
+        spec = load_spec("hf_llama", **LMConfig.from_hf_llama(json.load(f)).head_settings)
+
+    def rows(p):
+        return [
+            (t.name, t.shape, t.dtype, t.partition_spec, t.bytes_per_device, dict(t.read_bytes))
+            for t in p.tensors
+        ]
+
+    converted = jax_ucp.plan(ckpt, mesh=mesh, rules=rules, spec=spec, processes=2)
+    direct = jax_ucp.plan(src, mesh=mesh, rules=rules, spec=spec, processes=2)
+    assert rows(direct) == rows(converted) and len(rows(direct)) > 10
+    assert (direct.values, dict(direct.device_bytes)) == (converted.values, dict(converted.device_bytes))
+
+
+def test_ucp_restore_reads_a_torch_source_through_orbax_args(tmp_path):
+    src = os.path.join(FIXTURES, "torch", "fsdp2_fp32")
+    handler = jax_ucp.UCPCheckpointHandler()
+    got = handler.restore(src, args=jax_ucp.UCPRestore(importing=ImportOptions(weights_only=True)))
+    want = jax_ucp.restore(jax_ucp.convert(src, str(tmp_path / "ucp"), weights_only=True))
+    _equal(want, got)
+    assert set(got) == {"params"}
+
+
+def test_import_options_given_for_a_ucp_checkpoint_are_refused(tmp_path):
+    ckpt = jax_ucp.save(tmp_path / "ucp", {"w": np.ones(3, np.float32)})
+    with pytest.raises(jax_ucp.RequestError, match=r"importing= and format= apply to the sources"):
+        jax_ucp.restore(ckpt, importing=ImportOptions(weights_only=True))
+    with pytest.raises(jax_ucp.RequestError, match=r"format"):
+        jax_ucp.RestoreOptions(format=3)
+
+
+def test_a_folder_no_importer_claims_is_still_no_jax_ucp_checkpoint(tmp_path):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "notes.txt").write_text("hi")
+    with pytest.raises(jax_ucp.CheckpointError, match="not a jax_ucp checkpoint"):
+        jax_ucp.restore(tmp_path / "x")
+    with pytest.raises(jax_ucp.SourceError, match="cannot tell the checkpoint format"):
+        jax_ucp.restore(tmp_path / "x", importing=ImportOptions())
+
+
+def test_a_flipped_byte_in_a_torch_file_is_an_error_naming_it(tmp_path):
+    """torch.save's zip records each storage's CRC-32: a byte changed in a tensor's bytes is
+    an error naming the file, never a silently different value."""
+    src = tmp_path / "model.pt"
+    data = bytearray(open(os.path.join(FIXTURES, "torch", "plain_state_dict.pt"), "rb").read())
+    good = jax_ucp.restore(os.path.join(FIXTURES, "torch", "plain_state_dict.pt"))
+    leaf = next(iter(good["params"].values()))
+    needle = np.ascontiguousarray(leaf).tobytes()[:16]
+    at = bytes(data).find(needle)
+    assert at > 0
+    data[at + 3] ^= 0x10
+    src.write_bytes(bytes(data))
+    with pytest.raises(jax_ucp.UCPError, match=r"model\.pt.*CRC|CRC.*model\.pt"):
+        jax_ucp.restore(src)
