@@ -498,7 +498,13 @@ def _restored_adam(run: _Run, options: Any, spec: Any, where: str) -> tuple[Any,
 
 
 def _weight_decay(
-    saved: dict, spec: Any, params: Any, decay: tuple[Any, Any], kind: str, notes: list[str], where: str
+    saved: dict,
+    spec: Any,
+    params: Any,
+    decay: tuple[Any, Any],
+    kind: str,
+    notes: list[str],
+    where: str,
 ) -> Any:
     """optax's decay of the groups' rate over the leaves torch decayed (None for no decay);
     where it goes in the chain is the caller's: Adam's L2 before the moments, AdamW's after."""

@@ -86,7 +86,9 @@ def test_each_process_reads_only_its_rows_of_a_torch_dcp_checkpoint(tmp_path):
     for code, out, err in results:
         assert code == 0, err[-3000:]
         reads.append(json.loads(out.split("READ ", 1)[1].splitlines()[0]))
-    tensor_bytes = sum(os.path.getsize(os.path.join(SRC, f)) for f in os.listdir(SRC) if f.endswith(".distcp"))
+    tensor_bytes = sum(
+        os.path.getsize(os.path.join(SRC, f)) for f in os.listdir(SRC) if f.endswith(".distcp")
+    )
     for read in reads:  # its half of the chunks and the metadata, not both ranks' files
         assert 0 < read < 0.75 * tensor_bytes, (reads, tensor_bytes)
     assert sorted(os.listdir(tmp_path)) == ["worker.py"]  # nothing else written

@@ -51,7 +51,11 @@ def _fixtures():
         p for p in glob.glob(os.path.join(FIXTURES, "verl", "*")) if not p.endswith(".npz")
     )
     out += [os.path.join(FIXTURES, "olmo_core", "olmo_fp32")]
-    return [pytest.param(p, id=os.path.relpath(p, FIXTURES)) for p in out if os.path.isdir(p) or os.path.isfile(p)]
+    return [
+        pytest.param(p, id=os.path.relpath(p, FIXTURES))
+        for p in out
+        if os.path.isdir(p) or os.path.isfile(p)
+    ]
 
 
 def _equal(a, b, path="") -> None:
@@ -121,7 +125,9 @@ def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
         warnings.simplefilter("ignore")
         with import_source.opened_import(src, found) as opened:
             assert opened.source == manifest.source
-            assert opened.saved == {e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors}
+            assert opened.saved == {
+                e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors
+            }
 
 
 ON_A_MESH = [
@@ -165,7 +171,8 @@ def test_a_direct_restore_onto_a_mesh_equals_convert_then_restore(tmp_path, rel)
     converted, direct, _ = _both(src, tmp_path / "again", target=target)
     _equal(converted, direct)
     assert any(  # some tensor cut on both axes
-        isinstance(x, jax.Array) and len(x.addressable_shards[0].data.shape) > 1
+        isinstance(x, jax.Array)
+        and len(x.addressable_shards[0].data.shape) > 1
         and x.addressable_shards[0].data.shape[-1] < x.shape[-1]
         for x in jax.tree.leaves(direct)
     )
@@ -191,7 +198,10 @@ def test_plan_of_a_source_is_the_plan_of_its_conversion(tmp_path):
     converted = jax_ucp.plan(ckpt, mesh=mesh, rules=rules, spec=spec, processes=2)
     direct = jax_ucp.plan(src, mesh=mesh, rules=rules, spec=spec, processes=2)
     assert rows(direct) == rows(converted) and len(rows(direct)) > 10
-    assert (direct.values, dict(direct.device_bytes)) == (converted.values, dict(converted.device_bytes))
+    assert (direct.values, dict(direct.device_bytes)) == (
+        converted.values,
+        dict(converted.device_bytes),
+    )
 
 
 def test_ucp_restore_reads_a_torch_source_through_orbax_args(tmp_path):

@@ -39,6 +39,7 @@ from jax_ucp._src import format as fmt
 from jax_ucp._src import writer
 from jax_ucp._src.errors import CheckpointError, RequestError, SourceError
 from jax_ucp._src.format import mapped_file
+from jax_ucp._src.format.sizes import format_size
 from jax_ucp._src.restoring import locate
 from jax_ucp._src.restoring.engine import OpenedSource, TensorSource
 from jax_ucp._src.restoring.model import Available
@@ -85,7 +86,12 @@ def import_format(
         return None  # no importer claims it: the UCP reader's "not a jax_ucp checkpoint"
     from jax_ucp._src.importers.torch.files import has_torch_optimizer
 
-    if found == "safetensors" and weights_in_place and not explicit and not has_torch_optimizer(path):
+    if (
+        found == "safetensors"
+        and weights_in_place
+        and not explicit
+        and not has_torch_optimizer(path)
+    ):
         return None  # weights alone: safetensors_source reads them (a spec as restore's)
     return found
 
@@ -214,13 +220,19 @@ class ImportSource(TensorSource):
             return {k: self._stored(k, (k,), t.shape, t.dtype) for k, t in self.tensors.items()}
         from jax_ucp._src import language  # restore-time transforms
 
-        saved = {k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in self.tensors.items()}
+        saved = {
+            k: language.TensorInfo(shape=t.shape, dtype=t.dtype) for k, t in self.tensors.items()
+        }
         out = {}
         for key, plan in language.compile_restore_plan(spec, saved).items():
             sources = tuple(tuple(s) for s in plan.sources)
             view = Available.view(key, plan, sources)
             one = self.tensors[sources[0]] if len(sources) == 1 else None
-            if not plan.ops and one is not None and (view.shape, view.dtype) == (one.shape, one.dtype):
+            if (
+                not plan.ops
+                and one is not None
+                and (view.shape, view.dtype) == (one.shape, one.dtype)
+            ):
                 item = one.item
                 axes = item.logical_axes if view.logical_axes is None else view.logical_axes
                 view = self._stored(view.key, sources, view.shape, view.dtype, axes)
@@ -269,13 +281,13 @@ class ImportSource(TensorSource):
     def check_fits(self, found: Available, limit: int, what: str) -> None:
         for key in found.sources:  # a Deferred without rows is built whole
             t = self.tensors[key]
-            if isinstance(t.value, writer.Deferred) and t.value.rows is None:
-                if t.value.nbytes > limit:
-                    raise CheckpointError(
-                        f"Tensor {found.name!r} ({t.files}): the import builds "
-                        f"{t.name!r} whole, {t.value.nbytes} bytes, more than {what} ({limit} "
-                        f"bytes). Restore it on a host with more memory, or select= other tensors."
-                    )
+            whole = isinstance(t.value, writer.Deferred) and t.value.rows is None
+            if whole and t.value.nbytes > limit:
+                raise CheckpointError(
+                    f"Tensor {found.name!r} ({t.files}): the import builds {t.name!r} whole, "
+                    f"{format_size(t.value.nbytes)}, more than {what} ({format_size(limit)}). "
+                    f"Restore it on a host with more memory, or select= other tensors."
+                )
 
     def verify(self, found: Available, reader) -> None:
         """The source's own checks (a torch zip member's CRC-32) run as its bytes are read."""
@@ -397,4 +409,3 @@ def _read_block(read, a: int, b: int, dests) -> None:
             continue
         src = (slice(lo - a, hi - a), *(slice(s, e) for s, e in region[1:]))
         out[lo - region[0][0] : hi - region[0][0]] = block[src]
-
