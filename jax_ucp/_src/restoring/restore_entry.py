@@ -77,6 +77,9 @@ def opened_elsewhere(
     """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
     opened through its import plan (``import_source``) with ``options.importing``."""
+    explicit = options.importing is not None or options.format is not None
+    if locate.is_ucp(path) and not explicit:
+        return None
     checkpoint_format = import_source.import_format(path, options.importing, options.format)
     if checkpoint_format is not None:
         return _imported(path, checkpoint_format, options)
