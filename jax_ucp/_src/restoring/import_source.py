@@ -313,7 +313,10 @@ class ImportSource(TensorSource):
                 with self._builds:
                     return mapped_file.read_out(v.rows(a, b), what)
 
-            return built_rows, block
+            # slabs as convert's writer streams them: a slab starting inside a torch DCP chunk
+            # reads (and CRC-checks) that whole chunk, so few and large, within the budget
+            slab = max(BLOCK_BYTES, writer.memory_budget() // 2)
+            return built_rows, max(1, slab // max(1, inner))
         whole = self._whole(key)
         return (lambda a, b: whole[a:b]), max(1, t.shape[0])
 
