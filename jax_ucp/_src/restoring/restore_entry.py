@@ -13,12 +13,14 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, ResumeWarning
 from jax_ucp._src.options import keywords_of
 from jax_ucp._src.restoring import (
     engine,
     import_source,
     locate,
+    remote_safetensors,
     requests,
     safetensors_source,
     ucp_source,
@@ -78,6 +80,8 @@ def opened_elsewhere(
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
     opened through its import plan (``import_source``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
+    if store.is_url(path) and not explicit and remote_safetensors.is_source(path):
+        return remote_safetensors.opened_source(path, options.spec)
     if locate.is_ucp(path) and not explicit:
         return None
     checkpoint_format = import_source.import_format(path, options.importing, options.format)
