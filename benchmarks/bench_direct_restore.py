@@ -210,7 +210,7 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "when": datetime.datetime.now(datetime.UTC).isoformat(),
                     "source_bytes": nbytes,
                     "cold": args.cold,
                     "rounds": rounds,

@@ -1,7 +1,7 @@
 """``jax_ucp.restore``, importing JAX but not Orbax (a restore reads through TensorStore; only
 saving and Orbax's handlers need Orbax, ~0.5 s more to start): the stages in order, each
-entered once: the source located and opened (``locate``, ``ucp_source`` or
-``safetensors_source``) → its requests (``requests``, the JAX part) → the read engine
+entered once: the source located and opened (``locate``, ``ucp_source``,
+``safetensors_source`` / ``remote_safetensors``, or ``import_source``) → its requests (``requests``, the JAX part) → the read engine
 (``engine``) → the result's tree."""
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
     Args:
       path: the checkpoint directory (holding ucp.json) or an Orbax step directory with one UCP
         item; or Hugging Face safetensors (a ``.safetensors`` file, or a folder of them with
-        ``model.safetensors.index.json``), read in place as its conversion would hold it
-        (``params/<HF name>``): each process reads only its slices' byte ranges, a ``spec``
-        (``"hf_llama"``) applied as lazy views; no copy on disk.
+        ``model.safetensors.index.json``, also in an object store), read in place as its
+        conversion would hold it (``params/<HF name>``): each process reads only its slices'
+        byte ranges, a ``spec`` (``"hf_llama"``) applied as lazy views; no copy on disk. Or any
+        source ``convert`` reads (torch DCP, torch.save files, a Trainer folder, DeepSpeed,
+        Megatron, verl, Orbax, ...): opened through its import (``importing=``, ``format=``)
+        and read in place; the tree is the one convert + restore gives, nothing is written.
       options: built from the keywords, each documented in ``RestoreOptions``.
     """
     if options.step is not None:  # a CheckpointManager root: one of its committed steps
@@ -49,7 +52,7 @@ def restore(path: str | os.PathLike, options: restore_options.RestoreOptions):
 
 def restore_tree(path, options: restore_options.RestoreOptions) -> Any:
     """Restores the checkpoint at ``path`` (see ``jax_ucp.restore``), whole or not at all: its
-    source opened (a UCP checkpoint, else safetensors read in place), the requests ``options``
+    source opened (a UCP checkpoint, else safetensors or an import read in place), the requests ``options``
     make of it, read by the engine.
 
     A concurrent forced save swaps directories: the restore starts over on the new one
