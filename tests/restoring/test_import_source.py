@@ -244,3 +244,29 @@ def test_a_flipped_byte_in_a_torch_file_is_an_error_naming_it(tmp_path):
     src.write_bytes(bytes(data))
     with pytest.raises(jax_ucp.UCPError, match=r"model\.pt.*CRC|CRC.*model\.pt"):
         jax_ucp.restore(src)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "rel",
+    [
+        "hf_trainer/trainer_fp32/checkpoint-3",
+        "hf_trainer/trainer_lora/checkpoint-3",
+        "deepspeed/z0_fp32_dp2/ckpt",
+        "torch/accelerate_save_state",
+        "megatron/gpt_distopt_dp2",
+    ],
+)
+def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
+    """Sources refused whole without transformers (the Trainer's parameter order), peft or a
+    ZeRO-0 optimizer: their weights alone, as ``convert(weights_only=True)``."""
+    src = os.path.join(FIXTURES, rel)
+    got = _both(src, tmp_path, importing=ImportOptions(weights_only=True))
+    assert got is not None
+    converted, direct, ckpt = got
+    _equal(converted, direct)
+    assert "opt_state" not in direct
+    with import_source.opened_import(
+        src, import_source.import_format(src, ImportOptions()), ImportOptions(weights_only=True)
+    ) as opened:
+        assert opened.source == jax_ucp.inspect(ckpt).source  # the skipped moments listed
