@@ -2,7 +2,9 @@
 one per rank file) in a real 2-process job (jax.distributed on 127.0.0.1, 4 CPU devices each,
 one data=2 x model=4 mesh): each process reads only the rows its devices hold, about half of
 the source's bytes (counted at ``os.preadv`` / ``os.pread``, the only way jax_ucp reads a file),
-and every shard equals the single-process restore's slice; nothing is written."""
+and every shard equals the single-process restore's slice; with ``replicated_read="once"`` a
+restore of every tensor to host reads a share in each process (all-gathered), under half too;
+nothing is written."""
 
 from __future__ import annotations
 
@@ -61,14 +63,18 @@ for name, shape in shapes.items():
 before = counted[0]
 out = jax_ucp.restore(src, shardings=shardings, importing=ImportOptions())
 read = counted[0] - before
+before = counted[0]
+once = jax_ucp.restore(src, importing=ImportOptions(), replicated_read="once")  # host, shared
+read_once = counted[0] - before
 whole = jax_ucp.restore(src)  # every byte, on the host: the single-process answer
 for name in shapes:
-    a, w = out, whole
+    a, w, o = out, whole, once
     for p in name.split("/"):
-        a, w = a[p], w[p]
+        a, w, o = a[p], w[p], o[p]
+    np.testing.assert_array_equal(o, w)
     for s in a.addressable_shards:
         assert np.array_equal(np.asarray(s.data), w[s.index]), name
-print("READ " + json.dumps(read))
+print("READ " + json.dumps([read, read_once]))
 """
 
 
@@ -85,7 +91,8 @@ def test_each_process_reads_only_its_rows_of_a_torch_dcp_checkpoint(tmp_path):
     reads = []
     for code, out, err in results:
         assert code == 0, err[-3000:]
-        reads.append(json.loads(out.split("READ ", 1)[1].splitlines()[0]))
+        read, read_once = json.loads(out.split("READ ", 1)[1].splitlines()[0])
+        reads += [read, read_once]
     tensor_bytes = sum(
         os.path.getsize(os.path.join(SRC, f)) for f in os.listdir(SRC) if f.endswith(".distcp")
     )
