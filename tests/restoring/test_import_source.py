@@ -5,6 +5,7 @@ them; nothing is written. Torch-free: the project's own readers."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -270,3 +271,21 @@ def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
         src, import_source.import_format(src, ImportOptions()), ImportOptions(weights_only=True)
     ) as opened:
         assert opened.source == jax_ucp.inspect(ckpt).source  # the skipped moments listed
+
+
+@pytest.mark.parametrize(
+    "rel",
+    ["torch/fsdp2_bf16", "deepspeed/z3_bf16_dp2/ckpt", "megatron/legacy_gpt_tp2pp2_synthetic"],
+)
+def test_inspect_of_a_source_is_the_manifest_convert_writes(tmp_path, rel):
+    src = os.path.join(FIXTURES, rel)
+    direct = jax_ucp.inspect(src)
+    converted = jax_ucp.inspect(jax_ucp.convert(src, str(tmp_path / "ucp")))
+    assert direct.source == converted.source
+    assert len(direct.tensors) == len(converted.tensors) > 5
+    for a, b in zip(direct.tensors, converted.tensors):
+        assert dataclasses.replace(a, shard_digests=None) == dataclasses.replace(
+            b, shard_digests=None
+        )
+    assert direct.values == converted.values
+    assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]

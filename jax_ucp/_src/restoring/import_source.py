@@ -149,6 +149,42 @@ def opened_import(
             source.close()
 
 
+def manifest_of(path, checkpoint_format: str, importing=None) -> fmt.Manifest:
+    """The manifest ``convert`` would write for ``path`` (``jax_ucp.inspect`` of a source read
+    in place): every entry as the writer records it, the import's record as its source; no
+    shard digests (nothing is written), no tensor read (except what ``ImportSource`` builds to
+    learn a shape).
+
+    Args:
+      path: the source.
+      checkpoint_format: its format (``import_format``).
+      importing: the import options (None: the format's defaults).
+    """
+    from jax_ucp._src.writer import layout as layout_lib
+
+    options = layout_lib.SaveOptions()
+    entries: list[fmt.Entry] = []
+    with opened_import(path, checkpoint_format, importing) as imported:
+        found = imported.opened.source
+        assert isinstance(found, ImportSource)
+        for key, t in found.tensors.items():
+            item = t.item
+            recorded = {
+                f.name: getattr(item, f.name)
+                for f in dataclasses.fields(item)
+                if f.name not in ("key", "value", "key_types")
+            }
+            key_types = tuple(item.key_types or ("key",) * len(key))
+            shape_only = np.broadcast_to(np.zeros((), t.dtype), t.shape)
+            prepared = layout_lib.prepare_host_tensor(
+                key, key_types, shape_only, options, primary=False, **recorded
+            )
+            entries.append(prepared.entry)
+        entries.extend(found.values)
+        record = imported.source
+    return fmt.new_manifest(entries, source=record)
+
+
 @dataclasses.dataclass
 class _Tensor:
     """One imported tensor: its value as the importer gave it, read only when asked."""
