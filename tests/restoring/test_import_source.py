@@ -289,3 +289,17 @@ def test_inspect_of_a_source_is_the_manifest_convert_writes(tmp_path, rel):
         )
     assert direct.values == converted.values
     assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]
+
+
+@pytest.mark.parametrize("cut", [8, 4096])
+def test_a_truncated_rank_file_is_an_error_naming_it(tmp_path, cut):
+    """A DCP rank file cut short (a copy that did not finish): an error naming the file, at
+    open or as the bytes are read, never a short or zero-filled tensor."""
+    import shutil
+
+    src = tmp_path / "dcp"
+    shutil.copytree(os.path.join(FIXTURES, "torch", "fsdp2_fp32"), src)
+    rank = src / "__1_0.distcp"
+    rank.write_bytes(rank.read_bytes()[:-cut])
+    with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
+        jax_ucp.restore(src, importing=ImportOptions())
