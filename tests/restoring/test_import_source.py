@@ -303,3 +303,19 @@ def test_a_truncated_rank_file_is_an_error_naming_it(tmp_path, cut):
     rank.write_bytes(rank.read_bytes()[:-cut])
     with pytest.raises(jax_ucp.UCPError, match=r"__1_0\.distcp"):
         jax_ucp.restore(src, importing=ImportOptions())
+
+
+def test_a_spec_restore_of_a_torch_source_onto_a_mesh_equals_convert_then_restore(tmp_path):
+    """``hf_llama``'s transforms (q/k/v merged, kernels transposed) as lazy views over the
+    import's tensors (torch DCP rows), placed by logical-axis rules."""
+    src = os.path.join(FIXTURES, "torch", "hf_llama_fsdp2")
+    with open(os.path.join(FIXTURES, "torch", "hf_llama_fsdp2.config.json")) as f:
+        spec = load_spec("hf_llama", **LMConfig.from_hf_llama(json.load(f)).head_settings)
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    rules = [("embed", "data"), ("heads", "model"), ("mlp", "model"), ("vocab", "model")]
+    converted, direct, _ = _both(src, tmp_path, spec=spec, mesh=mesh, rules=rules)
+    _equal(converted, direct)
+    assert (
+        sum(isinstance(x, jax.Array) and not x.is_fully_replicated for x in jax.tree.leaves(direct))
+        > 5
+    )

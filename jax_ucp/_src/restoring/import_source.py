@@ -374,9 +374,11 @@ class ImportSource(TensorSource):
             out = np.empty(t.shape, t.dtype)
             _Reader(self, key).read_into([(tuple((0, n) for n in t.shape), out)]).result()
             return ts.array(out)
-        read, _ = self.rows(key)
+        read, per_block = self.rows(key)
         inner = math.prod(t.shape[1:]) * t.dtype.itemsize
         chunk = max(1, min(t.shape[0], VIEW_CHUNK_BYTES // max(1, inner)))
+        if isinstance(t.value, writer.Deferred):  # its slabs: a torch DCP chunk read once each
+            chunk = min(t.shape[0], per_block)
 
         def fill(domain, array, params):
             del params
