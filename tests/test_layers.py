@@ -22,7 +22,7 @@ ALLOWED = {
     "sharding": {"format"},
     "tree": {"format"},
     # + importers: the "open" stage plans the import of a source convert reads, read in place
-    # (restoring.import_source; registry.plan_import only reads, imported where it is called)
+    # (restoring.import_open; registry.plan_import only reads, imported where it is called)
     "restoring": {
         "format",
         "store",
@@ -62,6 +62,9 @@ JAX_FREE = {
     "jax_ucp._src.restoring.engine",
     "jax_ucp._src.restoring.ucp_source",
     "jax_ucp._src.restoring.safetensors_source",
+    "jax_ucp._src.restoring.remote_safetensors",
+    "jax_ucp._src.restoring.import_source",
+    "jax_ucp._src.restoring.import_open",
     "jax_ucp._src.restoring.inspecting",
     "jax_ucp._src.tree",
     "jax_ucp.exporters",

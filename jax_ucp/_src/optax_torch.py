@@ -415,11 +415,11 @@ def _opened_run(ckpt, options: Any):
     """``ckpt`` opened once: a converted checkpoint, or a torch source read in place through
     its import (``options.importing``), nothing written."""
     from jax_ucp._src.format import to_numpy_dtype
-    from jax_ucp._src.restoring import import_source, restore_entry
+    from jax_ucp._src.restoring import import_open, restore_entry
     from jax_ucp._src.restoring.options import RestoreOptions
 
     importing, given = getattr(options, "importing", None), getattr(options, "format", None)
-    found = import_source.import_format(ckpt, importing, given, weights_in_place=False)
+    found = import_open.import_format(ckpt, importing, given, weights_in_place=False)
     if found is None:
         from jax_ucp._src.api import inspect, restore
 
@@ -428,7 +428,7 @@ def _opened_run(ckpt, options: Any):
         yield _Run(manifest.source or {}, saved, lambda keywords: restore(ckpt, **keywords))
         return
     budget = options.read_budget if isinstance(options, RestoreOptions) else None
-    with import_source.opened_import(ckpt, found, importing, memory_budget=budget) as imported:
+    with import_open.opened_import(ckpt, found, importing, memory_budget=budget) as imported:
 
         def restore_imported(keywords: dict):
             wanted = RestoreOptions(**keywords)

@@ -1,5 +1,5 @@
 """Restore straight from every real fixture the importers are tested on (``restoring.
-import_source``): the tree equals convert + restore of the same source with the same options,
+import_open`` and ``import_source``): the tree equals convert + restore of the same source with the same options,
 value for value, on the host and on a mesh; the import's records come back as convert writes
 them; nothing is written. Torch-free: the project's own readers."""
 
@@ -21,7 +21,7 @@ import jax_ucp
 from jax_ucp._src.format import to_numpy_dtype
 from jax_ucp._src.importers.megatron import legacy as megatron_legacy
 from jax_ucp._src.importers.plan import ImportOptions
-from jax_ucp._src.restoring import import_source
+from jax_ucp._src.restoring import import_open
 from jax_ucp.language import load_spec
 from jax_ucp.models import LMConfig
 from tests.ucp_testing import REPO
@@ -121,10 +121,10 @@ def test_a_direct_restore_equals_convert_then_restore(tmp_path, src):
     assert list(tmp_path.iterdir()) == [tmp_path / "ucp"]  # no scratch copy anywhere else
     # the records as convert writes them in the manifest
     manifest = jax_ucp.inspect(ckpt)
-    found = import_source.import_format(src, ImportOptions())
+    found = import_open.import_format(src, ImportOptions())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with import_source.opened_import(src, found) as opened:
+        with import_open.opened_import(src, found) as opened:
             assert opened.source == manifest.source
             assert opened.saved == {
                 e.key: (e.shape, to_numpy_dtype(e.dtype)) for e in manifest.tensors
@@ -267,8 +267,8 @@ def test_weights_only_reads_as_convert_weights_only(tmp_path, rel):
     converted, direct, ckpt = got
     _equal(converted, direct)
     assert "opt_state" not in direct
-    with import_source.opened_import(
-        src, import_source.import_format(src, ImportOptions()), ImportOptions(weights_only=True)
+    with import_open.opened_import(
+        src, import_open.import_format(src, ImportOptions()), ImportOptions(weights_only=True)
     ) as opened:
         assert opened.source == jax_ucp.inspect(ckpt).source  # the skipped moments listed
 

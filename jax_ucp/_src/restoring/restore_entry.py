@@ -1,7 +1,7 @@
 """``jax_ucp.restore``, importing JAX but not Orbax (a restore reads through TensorStore; only
 saving and Orbax's handlers need Orbax, ~0.5 s more to start): the stages in order, each
 entered once: the source located and opened (``locate``, ``ucp_source``,
-``safetensors_source`` / ``remote_safetensors``, or ``import_source``) → its requests (``requests``, the JAX part) → the read engine
+``safetensors_source`` / ``remote_safetensors``, or ``import_open``) → its requests (``requests``, the JAX part) → the read engine
 (``engine``) → the result's tree."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from jax_ucp._src.errors import CheckpointError, ResumeWarning
 from jax_ucp._src.options import keywords_of
 from jax_ucp._src.restoring import (
     engine,
-    import_source,
+    import_open,
     locate,
     remote_safetensors,
     requests,
@@ -81,13 +81,13 @@ def opened_elsewhere(
 ) -> contextlib.AbstractContextManager[OpenedSource] | None:
     """The "open" stage for a source that is no UCP checkpoint (None for one: UCP is detected
     first): Hugging Face safetensors read in place, or any other source ``convert`` reads,
-    opened through its import plan (``import_source``) with ``options.importing``."""
+    opened through its import plan (``import_open``) with ``options.importing``."""
     explicit = options.importing is not None or options.format is not None
     if store.is_url(path) and not explicit and remote_safetensors.is_source(path):
         return remote_safetensors.opened_source(path, options.spec)
     if locate.is_ucp(path) and not explicit:
         return None
-    checkpoint_format = import_source.import_format(path, options.importing, options.format)
+    checkpoint_format = import_open.import_format(path, options.importing, options.format)
     if checkpoint_format is not None:
         return _imported(path, checkpoint_format, options)
     if not locate.is_ucp(path) and safetensors_source.is_source(path):
@@ -97,7 +97,7 @@ def opened_elsewhere(
 
 @contextlib.contextmanager
 def _imported(path, checkpoint_format: str, options) -> Iterator[OpenedSource]:
-    with import_source.opened_import(
+    with import_open.opened_import(
         path, checkpoint_format, options.importing, options.spec, options.read_budget
     ) as imported:
         yield imported.opened
