@@ -38,6 +38,7 @@ ALLOWED = {
         "store",
         "restoring",
         "torchfiles",
+        "importers",  # the import of the source planned again: which tensor is whose
     },  # verify(against=): the source's own loaders
 }
 # Modules that load no JAX when imported (JAX only inside a function, where a sharding the caller

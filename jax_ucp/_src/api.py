@@ -144,7 +144,10 @@ def verify(
       against: the source checkpoint ``path`` was imported from: every tensor the import
         copied one for one is also compared bit for bit with what the source framework's own
         loader reads (``jax_ucp._src.against``); a difference is a problem, a tensor that cannot be
-        compared so (built by the import) a notice saying why.
+        compared so (built by the import) a notice saying why. Which source tensor each is
+        compared with is found by planning the import of ``against`` again, never from the
+        checkpoint's records: a tensor the source does not make, or a source tensor the
+        checkpoint lacks (not in its ``source.skipped``), is a problem too.
       logits: with ``against``, also run one fixed batch through the source loaded by
         transformers' ``from_pretrained`` and through the checkpoint's weights in
         ``jax_ucp._src.models.TransformerLM`` (Llama-family models; ``jax_ucp._src.logits``): a largest
@@ -155,6 +158,10 @@ def verify(
     """
     if logits and against is None:
         raise RequestError("verify(logits=True) compares with the source: give against=SRC")
+    if logits_tolerance is not None or logits:  # refused before the checkpoint is read
+        from jax_ucp._src.logits import checked_tolerance
+
+        logits_tolerance = checked_tolerance(logits_tolerance)
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
@@ -165,12 +172,16 @@ def verify(
     from jax_ucp._src.against import compare_with_source
 
     found = compare_with_source(os.fspath(path), os.fspath(against), progress)
-    if not found.equal and not found.different:
+    if not found.equal and not found.different and not found.missing:
         raise SourceError(
             f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
             + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
         )
     problems = [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
+    problems += [
+        (n, f"{n}: in the source, missing from the checkpoint: {why}")
+        for n, why in found.missing.items()
+    ]
     compared = None
     if logits:  # after the tensors, even when some differ: how much the model's output moves
         from jax_ucp._src.logits import compare_logits
