@@ -82,6 +82,16 @@ def test_deepspeed_source_without_deepspeed_names_the_extra(tmp_path, monkeypatc
     assert r.exit_code == 1 and "jax_ucp[deepspeed]" in r.output, r.output
 
 
+def test_torch_source_without_torch_names_the_extra(tmp_path, monkeypatch):
+    """A torch.save source compared where torch is not installed: the extra to install is
+    named (before: "No module named 'torch'" as the reason nothing could be compared)."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    src = os.path.join(FIX, "torch", "plain_state_dict.pt")
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    with pytest.raises(jax_ucp.SourceError, match=r"torch.*pip install 'jax_ucp\[hf\]'"):
+        jax_ucp.verify(out, against=src)
+
+
 @pytest.mark.torch
 def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_universal(
     tmp_path, monkeypatch, caplog
@@ -381,6 +391,7 @@ def test_a_source_tensor_the_checkpoint_lacks_is_reported_missing(tmp_path):
     assert "missing from the checkpoint" in bad[f"params/{dropped}"]
     r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
     assert r.exit_code == 1 and dropped in r.output, r.output
+    assert "1 source tensor missing" in r.output and "failed" not in r.output, r.output
 
 
 def test_a_tensor_listed_in_source_skipped_is_accounted_for(tmp_path):

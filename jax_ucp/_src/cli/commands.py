@@ -319,8 +319,11 @@ def verify(
         for _, err in bad:  # each message names its tensor and file
             output.marked("[red]✗[/red]", str(err))
         far = bad.logits is not None and not bad.logits.ok
-        failed = len(bad) - far  # the logits' problem is last, not a tensor
+        held = {e.name for e in m.tensors}
+        failed = sum(name in held for name, _ in bad)  # the logits' problem is no tensor
+        missing = len(bad) - failed - far  # the source's tensors the checkpoint lacks
         said = [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
+        said += [f"{layout.plural(missing, 'source tensor')} missing"] if missing else []
         said += ["the logits differ beyond the tolerance"] if far else []
         output.console.print(f"[red]{'; '.join(said)}[/red]", highlight=False)
         raise typer.Exit(1)
