@@ -522,14 +522,18 @@ def _recorded_order(source: dict) -> list[str] | None:
 
 def _plan_again(src: str, manifest: Any) -> _Expected:
     """The import of ``src`` planned again by its importer (detected from the files), with the
-    options the manifest records: ``weights_only`` when it holds no optimizer state, the
-    parameter order the import was given. Its items are walked for their keys and provenance
-    (each importer's accounting runs: every source tensor imported or skipped with a reason)."""
+    options the manifest records: ``weights_only`` when it holds no optimizer state and its
+    ``source.skipped`` says so, the parameter order the import was given. Its items are walked
+    for their keys and provenance (each importer's accounting runs: every source tensor
+    imported or skipped with a reason)."""
     from jax_ucp._src.importers import registry
 
     recorded = manifest.source or {}
-    fields: dict[str, Any] = {
+    skipped = recorded.get("skipped")
+    said = skipped.values() if isinstance(skipped, dict) else ()
+    fields: dict[str, Any] = {  # no optimizer state, and source.skipped says weights_only
         "weights_only": not any(tuple(e.key[:1]) == ("opt_state",) for e in manifest.tensors)
+        and any("weights_only" in str(why) for why in said)
     }
     order = _recorded_order(recorded)
     if order is not None:
