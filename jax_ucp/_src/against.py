@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
-from jax_ucp._src.format import files
+from jax_ucp._src.format import files, keypath
 from jax_ucp._src.torchfiles import dcp_reader as safe_dcp
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader"]
@@ -607,7 +607,6 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
 
 def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) -> Comparison:
     """``compare_with_source`` once the import is planned again."""
-
     framework = str(expected.source.get("framework") or "")
     source_path = str(expected.source.get("path") or "")
     result = Comparison()
@@ -629,7 +628,7 @@ def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) 
     for key, planned in expected.provenance.items():
         if key in held:
             continue
-        name = "/".join(key)
+        name = keypath.key_to_str(key)
         tensors = [str(t) for t in planned.get("tensors") or ()]
         if tensors and all(skipped.get(t) for t in tensors):
             result.not_compared[name] = (

@@ -154,7 +154,8 @@ def verify(
         absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
         comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
       logits_tolerance: the largest absolute difference of the logits accepted (None:
-        ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4).
+        ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4): a finite number >= 0; text, a bool,
+        NaN or infinity is refused before anything is read.
     """
     if logits and against is None:
         raise RequestError("verify(logits=True) compares with the source: give against=SRC")
