@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from jax_ucp._src.multihost import liveness
+from jax_ucp._src.multihost import agreement, liveness
 from tests.ucp_testing import REPO, free_port
 
 
@@ -32,6 +32,27 @@ def test_the_connections_to_a_served_port_are_counted_as_they_come_and_go():
         assert liveness.connected(port) == 1
         for s in clients[1:] + accepted[1:]:
             s.close()
+
+
+def test_fewer_connections_are_a_loss_only_once_they_last_and_name_who_is_not_there(monkeypatch):
+    """A count below the job's that recovers (a connection made again) is no loss; one that
+    lasts names the processes that have not answered (in a job of 3, which one closed its
+    connection is not known)."""
+    exchange = agreement.Exchange.__new__(agreement.Exchange)  # no jax.distributed job
+    exchange.served, exchange._short_since = 1234, None
+    exchange.count, exchange.index, exchange.lost = 3, 0, agreement.ProcessLostError
+    counts = iter([3, 2, 3, 2, 2])
+    monkeypatch.setattr(liveness, "connected", lambda port: next(counts))
+    monkeypatch.setattr(agreement, "_CUT_OFF_S", 3600.0)
+    for _ in range(3):  # full; short for less than the cut-off; full again
+        exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
+    assert exchange._short_since is None
+    exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
+    monkeypatch.setattr(agreement, "_CUT_OFF_S", 0.0)
+    with pytest.raises(agreement.ProcessLostError) as e:
+        exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
+    assert "1 of the job's 3 processes lost their connection" in str(e.value)
+    assert "process(es) 2 had not reached 'hello'" in str(e.value)
 
 
 DIES_BEFORE_HELLO = r"""

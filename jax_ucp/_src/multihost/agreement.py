@@ -226,15 +226,16 @@ class Exchange:
         if time.monotonic() - self._short_since < _CUT_OFF_S:
             return
         gone, who = self.count - now, ", ".join(map(str, missing))
-        what = (
-            f"process {who} lost its connection"
-            if len(missing) == 1 and gone == 1
-            else f"{gone} of the job's {self.count} processes lost their connection (process(es) "
-            f"{who} not there)"
-        )
+        coordinator = f"jax.distributed's coordinator (served by process {self.index})"
+        if self.count == 2:  # the only other process is the one gone
+            raise self.lost(
+                f"{head} process {who} lost its connection to {coordinator} before reaching "
+                f"'{step}': killed or cut off while process {self.index} waited"
+            )
+        # which one closed its connection is not known: the ones not there are named
         raise self.lost(
-            f"{head} {what} to jax.distributed's coordinator (served by process {self.index}) "
-            f"before reaching '{step}': killed or cut off while process {self.index} waited"
+            f"{head} {gone} of the job's {self.count} processes lost their connection to "
+            f"{coordinator}, killed or cut off, while process(es) {who} had not reached '{step}'"
         )
 
 
