@@ -24,7 +24,7 @@ from jax_ucp._src import bulk
 from jax_ucp._src import format as fmt
 from jax_ucp._src.cli import layout, output, spawn
 from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
-from jax_ucp._src.format import ValueEntry, files
+from jax_ucp._src.format import ValueEntry, display, files
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 
 
@@ -672,8 +672,9 @@ def _print_plan_table(shown, grouped: bool) -> None:
 
 
 def _print_json(data: dict) -> None:
-    """``data`` as JSON on stdout, unwrapped (tuples as lists; anything else as its text)."""
-    typer.echo(json.dumps(data, indent=1, default=str))
+    """``data`` as strict JSON on stdout, unwrapped (``display.json_text``: NaN and the
+    infinities as strings, tuples as lists; anything else as its text)."""
+    typer.echo(display.json_text(data))
 
 
 def _print_plan_totals(result, limit: int) -> None:
