@@ -1,4 +1,4 @@
-"""The ``jax-ucp`` commands: inspect, verify, plan, diff, convert, export, demo.
+"""The ``jax-ucp`` commands: inspect, verify, plan, diff, convert, export, latest, demo.
 
 Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite, a full
 disk: one ``error:`` line; for ``diff``: the checkpoints differ), 2 a usage error (unknown
@@ -74,7 +74,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     help="Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints, "
-    "convert other frameworks' checkpoints, demo.",
+    "convert other frameworks' checkpoints, the step a resume takes (latest), demo.",
 )
 
 
@@ -447,6 +447,8 @@ def latest(
     for step, why in found.skipped:
         output.marked("[red]✗[/red]", f"step {step} skipped: {why}")
     output.say(f"step {found.step.step}: {', '.join(found.step.items)}", style="green")
+    if not fallback:
+        output.say("(its manifest and shard files checked; its data is checked as it is restored)")
 
 
 @app.command()
