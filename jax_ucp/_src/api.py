@@ -11,7 +11,7 @@ from jax_ucp._src import store
 from jax_ucp._src import tree as tree_lib
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp._src.restoring import locate, model, resume, ucp_source
+from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
 from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 from jax_ucp._src.restoring.restore_entry import restore as restore  # without Orbax: defined there
 from jax_ucp._src.saving import engine
@@ -94,7 +94,7 @@ def latest_step(run_root, *, fallback: bool = False) -> int:
     return found.step.step
 
 
-def _run_root(run_root) -> tuple[str, locate.StepFormat | None]:
+def _run_root(run_root) -> tuple[str, steps.StepFormat | None]:
     """A CheckpointManager root as a path, with the manager's step names when it is one."""
     if isinstance(run_root, (str, os.PathLike)):
         return os.fspath(run_root), None
@@ -107,9 +107,9 @@ def _run_root(run_root) -> tuple[str, locate.StepFormat | None]:
             f"ocp.CheckpointManager, got {type(run_root).__name__}"
         )
     if hasattr(names, "step_prefix") and hasattr(names, "step_format_fixed_length"):
-        step_format = locate.StepFormat(names.step_prefix, names.step_format_fixed_length)
+        step_format = steps.StepFormat(names.step_prefix, names.step_format_fixed_length)
     else:
-        step_format = locate.StepFormat(build=names.build_name)
+        step_format = steps.StepFormat(build=names.build_name)
     return os.fspath(directory), step_format
 
 

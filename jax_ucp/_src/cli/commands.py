@@ -141,12 +141,12 @@ def _user_errors(fn):
 
 def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
-    from jax_ucp._src.restoring import locate
+    from jax_ucp._src.restoring import steps as run_root
 
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return
     try:
-        steps = [s for s in locate.run_steps(path).steps if s.items]
+        steps = run_root.with_ucp_items(path)
     except UCPError:
         return
     if steps:
@@ -376,12 +376,12 @@ def verify(
 def _is_run_root(path: str) -> bool:
     """A CheckpointManager root: a folder without ucp.json whose committed steps hold UCP items
     (or a link or a damaged one)."""
-    from jax_ucp._src.restoring import locate
+    from jax_ucp._src.restoring import steps
 
     if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return False
     try:
-        return bool(locate.run_steps(path).steps)
+        return bool(steps.run_steps(path).steps)
     except UCPError:
         return True  # its step names are the error: run_steps says why
 
@@ -391,9 +391,9 @@ def _verify_run(root: str, newest: int, memory_budget) -> None:
     then the step a resume takes: without fallback the newest step (an error if it is
     damaged), with fallback the newest intact one (``restoring.resume``'s rule)."""
     import jax_ucp
-    from jax_ucp._src.restoring import locate
+    from jax_ucp._src.restoring import steps as run_root
 
-    listed = locate.run_steps(root)
+    listed = run_root.run_steps(root)
     for notice in listed.notices:
         output.marked("[yellow]![/yellow]", notice)
     steps = listed.steps[:newest] if newest else listed.steps

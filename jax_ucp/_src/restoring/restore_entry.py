@@ -92,8 +92,8 @@ def _restore_step(root: str, options: restore_options.RestoreOptions):
     """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
     "latest" the step ``resume.latest_readable`` takes (the rule ``latest_step`` gives too)."""
     plain = dataclasses.replace(options, step=None, fallback=False)
-    if options.step != "latest":
-        return restore_tree(resume.step_item(root, int(options.step)), plain)
+    if isinstance(options.step, int):  # checked when the options were made: N or "latest"
+        return restore_tree(resume.step_item(root, options.step), plain)
     found = resume.latest_readable(
         root, fallback=options.fallback, read=lambda item: restore_tree(item, plain)
     )

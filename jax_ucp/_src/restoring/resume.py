@@ -2,7 +2,7 @@
 ``latest_step``, ``restore(root, step="latest" | N)`` and the CLI's ``latest`` / ``--step``.
 JAX-free.
 
-The steps are ``locate.run_steps`` (the manager's step names, committed steps only). "latest"
+The steps are ``steps.run_steps`` (the manager's step names, committed steps only). "latest"
 is the newest of them that can be read: without ``fallback`` its manifest parses and every
 shard file it lists is there (the data is checked as the restore reads it; damage there is the
 error); with ``fallback`` every tensor of it reads back intact (digests and crc32c, as
@@ -22,16 +22,16 @@ from typing import Any
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, ResumeWarning, SaveConflictError
-from jax_ucp._src.restoring import locate, model, ucp_source
+from jax_ucp._src.restoring import locate, model, steps, ucp_source
 
 
 @dataclasses.dataclass
 class Resume:
     """The step a resume takes: ``step``; ``skipped``: ``(step, why)`` of each newer committed
     step passed over (``fallback``); ``notices``: folders that look like steps but are none
-    (``locate.RunSteps.notices``); ``value``: what ``read`` returned for it."""
+    (``steps.RunSteps.notices``); ``value``: what ``read`` returned for it."""
 
-    step: locate.Step
+    step: steps.Step
     skipped: list[tuple[int, str]]
     notices: list[str]
     value: Any = None
@@ -52,7 +52,7 @@ def latest_readable(
     root: str,
     *,
     fallback: bool,
-    step_format: locate.StepFormat | None = None,
+    step_format: steps.StepFormat | None = None,
     read: Callable[[str], Any] | None = None,
 ) -> Resume:
     """The newest committed step of ``root`` that can be read (see the module), and with
@@ -66,7 +66,7 @@ def latest_readable(
       read: reads the chosen step's UCP item (a restore); None: nothing read.
     """
     for _ in range(_RELISTS + 1):
-        listed = locate.run_steps(root, step_format)
+        listed = steps.run_steps(root, step_format)
         if not listed.steps:
             raise CheckpointError(f"{root}: no committed step with a UCP item.")
         shown = ", ".join(str(s.step) for s in listed.steps[:10])
@@ -98,12 +98,12 @@ def latest_readable(
     )
 
 
-def step_item(root: str, step: int, step_format: locate.StepFormat | None = None) -> str:
+def step_item(root: str, step: int, step_format: steps.StepFormat | None = None) -> str:
     """The UCP item of committed step ``step`` of ``root`` (``restore(root, step=N)``)."""
-    steps = locate.run_steps(root, step_format).steps
-    chosen = [s for s in steps if s.step == step]
+    committed = steps.run_steps(root, step_format).steps
+    chosen = [s for s in committed if s.step == step]
     if not chosen:
-        listed = ", ".join(str(s.step) for s in steps[:10]) or "none"
+        listed = ", ".join(str(s.step) for s in committed[:10]) or "none"
         raise CheckpointError(
             f"{root}: no committed step {step} with a UCP item (committed: {listed})."
         )
@@ -113,7 +113,7 @@ def step_item(root: str, step: int, step_format: locate.StepFormat | None = None
     return one_item(found)
 
 
-def one_item(step: locate.Step) -> str:
+def one_item(step: steps.Step) -> str:
     if len(step.items) != 1:
         names = [os.path.basename(i) for i in step.items]
         raise CheckpointError(
@@ -123,7 +123,7 @@ def one_item(step: locate.Step) -> str:
     return step.items[0]
 
 
-def _unreadable(step: locate.Step, whole: bool) -> str | None:
+def _unreadable(step: steps.Step, whole: bool) -> str | None:
     """Why ``step`` cannot be read, None when it can: every item's manifest and shard files
     (``whole``: and every tensor read back intact)."""
     try:
@@ -137,7 +137,7 @@ def _unreadable(step: locate.Step, whole: bool) -> str | None:
     return None
 
 
-def _read(step: locate.Step, read: Callable[[str], Any]) -> tuple[str | None, Any]:
+def _read(step: steps.Step, read: Callable[[str], Any]) -> tuple[str | None, Any]:
     """``read`` of the step's one UCP item: (None, its value), or (why, None) when the data
     is damaged (``CheckpointError``) or went away (``OSError``); a bad request is raised."""
     item = one_item(step)
