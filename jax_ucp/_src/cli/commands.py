@@ -907,8 +907,7 @@ def export(
     Orbax (a StandardCheckpointer checkpoint)."""
     from jax_ucp._src import exporters
 
-    if step is not None:
-        ckpt = _at_step(ckpt, step)
+    ckpt = _at_step(ckpt, step)
 
     with _bar("exporting") as on_progress:
         options = exporters.options_for(

@@ -98,10 +98,8 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
                     f"ignored"
                 )
             continue
-        if os.path.islink(path):
-            found.append((name, match, True))
-        elif os.path.isdir(path) and _committed(path):
-            found.append((name, match, False))
+        if os.path.isdir(path) and _committed(path):  # a link is a step refused, not followed
+            found.append((name, match, os.path.islink(path)))
     step_format = step_format or _format_of(root, found)
     steps = []
     for name, _, link in found:
