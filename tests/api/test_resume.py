@@ -293,4 +293,3 @@ def test_a_step_holding_two_ucp_items_is_not_restored_by_its_first(tmp_path):
     with pytest.raises(jax_ucp.CheckpointError, match=r"several UCP items \['ema', 'state'\]"):
         jax_ucp.restore(root, step="latest")
     assert jax_ucp.latest_step(root) == 1
-
