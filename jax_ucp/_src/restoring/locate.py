@@ -87,8 +87,9 @@ def find_checkpoint_dir(path) -> str:
 def is_step_dir(path: str) -> bool:
     """An Orbax step directory: Orbax's step metadata or commit marker in it, or a step number
     (ASCII digits) as its name (CheckpointManager's default step names)."""
+    name = os.path.basename(path)
     return (
-        steps.STEP_NAME.fullmatch(os.path.basename(path)) is not None
+        (name.isascii() and name.isdigit())
         or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
         or os.path.exists(os.path.join(path, "commit_success.txt"))
     )

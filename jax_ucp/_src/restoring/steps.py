@@ -92,7 +92,8 @@ def run_steps(root: str, step_format: StepFormat | None = None) -> RunSteps:
         path = os.path.join(root, name)
         match = STEP_NAME.fullmatch(name)
         if match is None or any(m in name for m in _NOT_STEPS):
-            if name.rsplit("_", 1)[-1].isdigit() and os.path.isdir(path):
+            tail = name.rsplit("_", 1)[-1]
+            if tail.isdigit() and not tail.isascii() and os.path.isdir(path):
                 notices.append(
                     f"{path}: not a step (a step number is written in the ASCII digits 0-9); "
                     f"ignored"
@@ -176,18 +177,15 @@ def _step_of_ucp(step: int, path: str) -> Step | None:
         except fmt.files.UnsafeFileError as e:
             problem = problem or str(e)
         items.append(os.path.join(path, d))
-    ours = [
-        name
-        for name, handler in _item_handlers(path).items()
-        if isinstance(handler, str) and handler.startswith("jax_ucp.")
-    ]
+    handlers = _item_handlers(path)
+    ours = [n for n, h in handlers.items() if isinstance(h, str) and h.startswith("jax_ucp.")]
     lost = [n for n in ours if os.path.join(path, n) not in items]
     if lost:
         problem = problem or (
             f"{path}: Orbax committed item {lost[0]!r} with jax_ucp's handler, but "
             f"{os.path.join(path, lost[0], fmt.MANIFEST_FILE)} is missing"
         )
-    if not items and not lost and _item_handlers(path):
+    if not items and not lost and handlers:
         return None  # a step of other handlers' items only
     if not items and not lost:
         problem = f"{path}: committed, but no item of it holds a {fmt.MANIFEST_FILE}"
