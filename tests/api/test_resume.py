@@ -293,3 +293,8 @@ def test_a_step_holding_two_ucp_items_is_not_restored_by_its_first(tmp_path):
     with pytest.raises(jax_ucp.CheckpointError, match=r"several UCP items \['ema', 'state'\]"):
         jax_ucp.restore(root, step="latest")
     assert jax_ucp.latest_step(root) == 1
+
+
+def test_latest_step_of_something_else_is_a_request_error():
+    with pytest.raises(jax_ucp.RequestError, match=r"run_root=.*got int"):
+        jax_ucp.latest_step(123)
