@@ -158,11 +158,9 @@ def _read_whole(item: str) -> None:
 def _files(path: str):
     """The names below ``path`` (what a deletion or a new save changes), None if it is gone;
     a link is not followed (its target names it)."""
-    if os.path.islink(path):
-        return os.readlink(path)
-    if not os.path.isdir(path):
-        return None
     try:
+        if os.path.islink(path):
+            return os.readlink(path)
         st = os.stat(path)
     except OSError:
         return None
