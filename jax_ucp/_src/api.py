@@ -72,7 +72,7 @@ def save(
     return path
 
 
-def latest_step(run_root, *, fallback: bool = False) -> int:
+def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) -> int:
     """The step ``restore(run_root, step="latest", fallback=fallback)`` restores — the newest
     committed step of a CheckpointManager root that can be read (``restoring.resume``) — for
     ``mngr.restore(step, ...)``: the same step, so the same state.
