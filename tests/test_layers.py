@@ -48,6 +48,8 @@ ALLOWED = {
 # exporters`` is also run in a fresh process: tests/exporters/test_without_jax.py).
 JAX_FREE = {
     "jax_ucp._src.restoring.locate",
+    "jax_ucp._src.restoring.steps",
+    "jax_ucp._src.restoring.resume",
     "jax_ucp._src.restoring.model",
     "jax_ucp._src.restoring.engine",
     "jax_ucp._src.restoring.ucp_source",

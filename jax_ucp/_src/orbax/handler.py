@@ -178,8 +178,9 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
         if self.step is not None or self.fallback:  # the manager picks the step
             raise RequestError(
                 "UCPRestore(step=, fallback=): inside a CheckpointManager the step is "
-                "mngr.restore's first argument; pass jax_ucp.latest_step(run_root) there "
-                "(fallback=True to pass over unreadable steps)."
+                "mngr.restore's first argument; pass jax_ucp.latest_step(mngr) there "
+                "(fallback=True to pass over unreadable steps): the step "
+                "jax_ucp.restore(root, step='latest') takes."
             )
         super().__post_init__()
 
