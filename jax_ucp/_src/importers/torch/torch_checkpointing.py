@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.format.files import in_own_folder, read_regular
+from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular
 from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
 from jax_ucp._src.torchfiles import sharded, unpickler
@@ -40,7 +40,7 @@ VERSIONS = ("2.0",)
 MAX_METADATA_BYTES = 256 << 20  # plain data: shapes, placements, ranks per tensor
 MODEL_ITEMS = ("model",)
 OPTIMIZER_ITEMS = ("optimizer", "optim")
-_RANK_FILE = re.compile(r"(.+)_(\d+)\.pt")
+_RANK_FILE = re.compile(r"(.+)_([0-9]+)\.pt")  # ASCII digits: rank_١.pt is no rank file
 
 
 def is_torch_checkpointing(src: os.PathLike | str) -> bool:
@@ -206,7 +206,7 @@ def plan_torch_checkpointing(
             f"{sorted(items)}"
         )
     optimizer_item = next((i for i in OPTIMIZER_ITEMS if i in items), None)
-    files = sorted(n for n in os.listdir(src) if _RANK_FILE.fullmatch(n))
+    files = _rank_files(src)
     loaded = _load_ranks(src, items, world, files)
     params, states, found, optimizer_sources, skipped = _refs(
         src, items, world, loaded, model_item, optimizer_item
@@ -239,6 +239,18 @@ def plan_torch_checkpointing(
     if recorded:
         source["recorded"] = recorded
     return plan_state(torch_state, source, weights_only=weights_only, share=share)
+
+
+def _rank_files(src: str) -> list[str]:
+    """The ``<item>_<rank>.pt`` files of ``src``, refusing two names for one item's rank
+    (``model_1.pt``, ``model_01.pt``): the import reads one by its name, the other would be
+    left out unsaid."""
+    found = [
+        ((m.group(1), int(m.group(2))), n)
+        for n in os.listdir(src)
+        if (m := _RANK_FILE.fullmatch(n))
+    ]
+    return sorted(numbered_names(found, src, "(item, rank)").values())
 
 
 def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str, dict[int, Any]]:
