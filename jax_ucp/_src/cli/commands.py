@@ -98,7 +98,7 @@ def _main(
 
 def _cli_wording(message: str) -> str:
     """Library advice in command-line terms (``force=True`` is ``--force`` here)."""
-    message = re.sub(r"\bprocesses=(\d+)", r"--processes \1", message)
+    message = re.sub(r"\bprocesses=([0-9]+)", r"--processes \1", message)
     message = re.sub(r"\bstrict=False\b", "--no-strict", message)
     return re.sub(r"\bforce=True\b", "--force", message)
 

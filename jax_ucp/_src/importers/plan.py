@@ -338,7 +338,9 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[str]:
+def numbered_folders(
+    src, pattern: str, holds: Callable[[str], bool], what: str = "number"
+) -> list[str]:
     """The entries of ``src`` named ``pattern`` whose path ``holds``, by their number; [] when
     ``src`` cannot be listed.
 
@@ -347,6 +349,7 @@ def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[st
         pattern: a regular expression of the whole name, its one group the number (ASCII
             digits: :data:`files.DIGITS`).
         holds: whether a matching entry's path is one (a folder of the right kind).
+        what: what the number is (``"epoch"``), for the error.
 
     Two entries of one number (``epoch_5``, ``epoch_05``) are refused naming both.
     """
@@ -359,9 +362,9 @@ def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[st
         for n in names
         if (m := re.fullmatch(pattern, n, re.ASCII)) and holds(os.path.join(src, n))
     ]
-    return list(files.numbered_names(found, os.fspath(src)).values())
+    return list(files.numbered_names(found, os.fspath(src), what).values())
 
 
 def trainer_checkpoints(src: str) -> list[str]:
     """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
-    return numbered_folders(src, rf"checkpoint-({files.DIGITS})", os.path.isdir)
+    return numbered_folders(src, rf"checkpoint-({files.DIGITS})", os.path.isdir, "step")

@@ -99,3 +99,13 @@ def test_metadata_linked_out_of_the_folder_is_refused(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"metadata\.pkl"):
         jax_ucp.convert(src, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
+
+
+def test_two_names_for_one_rank_file_are_refused_naming_both(tmp_path):
+    """``model_01.pt`` beside ``model_1.pt``: both are the model's rank 1; the import read
+    ``model_1.pt`` and left the other out unsaid."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    shutil.copy(src / "model_0.pt", src / "model_01.pt")
+    with pytest.raises(jax_ucp.UCPError, match=r"'model_01\.pt' and 'model_1\.pt' both name"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")

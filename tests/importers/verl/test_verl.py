@@ -248,3 +248,53 @@ def test_rank_files_of_two_saves_are_refused_naming_the_file(tmp_path):
         SourceError, match=r"model_world_size_2_rank_1\.pt.*ShardedTensor.*rank_0\.pt.*DTensor"
     ):
         jax_ucp.convert(src, tmp_path / "u")
+
+
+def _doubled(path: str, out: str) -> None:
+    """A valid copy of the torch zip ``path`` at ``out`` whose float32 storages hold every
+    value doubled (members stored, CRCs recomputed): another run's rank file, as a loader sees
+    it."""
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if "/data/" in info.filename and len(data) % 4 == 0 and len(data) > 8:
+                data = (np.frombuffer(data, np.float32) * 2).tobytes()
+            dst.writestr(info.filename, data)
+
+
+def test_a_rank_file_numbered_in_other_digits_is_not_read(tmp_path):
+    """``model_world_size_2_rank_١.pt`` (Arabic-Indic one) holding doubled values: ``\\d``
+    read it as rank 1 and it silently replaced the real rank-1 file; only ASCII digits
+    number a rank, so the import is the run's, bit for bit."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    _doubled(
+        os.path.join(actor, "model_world_size_2_rank_1.pt"),
+        os.path.join(actor, "model_world_size_2_rank_\u0661.pt"),
+    )
+    out = jax_ucp.convert(os.path.dirname(os.path.dirname(actor)), tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), _truth("fsdp2"))
+
+
+def test_two_names_for_one_rank_are_refused_naming_both(tmp_path):
+    """``rank_01.pt`` beside ``rank_1.pt``: both are rank 1; one would be read and the other
+    left out unsaid."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    _doubled(
+        os.path.join(actor, "model_world_size_2_rank_1.pt"),
+        os.path.join(actor, "model_world_size_2_rank_01.pt"),
+    )
+    with pytest.raises(
+        SourceError,
+        match=r"'model_world_size_2_rank_01\.pt' and 'model_world_size_2_rank_1\.pt' both name",
+    ):
+        jax_ucp.convert(actor, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_tracker_in_other_digits_is_refused(tmp_path):
+    """``int()`` reads ``٣`` as 3: the tracker names a step only in ASCII digits."""
+    root = _copy(tmp_path)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("\u0663")
+    with pytest.raises(SourceError, match=r"latest_checkpointed_iteration\.txt: expected verl"):
+        jax_ucp.convert(root, tmp_path / "refused")

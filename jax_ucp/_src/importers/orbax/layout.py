@@ -46,8 +46,9 @@ def _steps(root: str) -> dict[int, str]:
             and ORBAX_TMP_MARK not in name
             and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA))
         ):
-            found.append((int(m.group(1)), path))
-    return files.numbered_names(found, root, "step")  # 5 and 0005: refused, never one taken
+            found.append((int(m.group(1)), name))
+    named = files.numbered_names(found, root, "step")  # 5 and 0005: refused, not one taken
+    return {step: os.path.join(root, name) for step, name in named.items()}
 
 
 def read_json(path: str) -> Any:

@@ -49,7 +49,7 @@ def is_step_folder(src: os.PathLike | str) -> bool:
 
 def step_folders(src: os.PathLike | str) -> list[str]:
     """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
-    return numbered_folders(src, r"step([0-9]+)", is_step_folder)
+    return numbered_folders(src, r"step([0-9]+)", is_step_folder, "step")
 
 
 def rank_files(src: str) -> list[str]:

@@ -86,7 +86,7 @@ def epoch_folders(src: str, dist: bool = False) -> list[str]:
             return os.path.isfile(os.path.join(path, ".metadata"))
         return any(n.endswith(".safetensors") for n in os.listdir(path))
 
-    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_([0-9]+)", holds)
+    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_([0-9]+)", holds, "epoch")
 
 
 def _epoch_number(name: str) -> int:
