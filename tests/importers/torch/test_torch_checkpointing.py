@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import zipfile
 
 import numpy as np
 import pytest
@@ -107,5 +108,68 @@ def test_two_names_for_one_rank_file_are_refused_naming_both(tmp_path):
     src = shutil.copytree(SRC, tmp_path / "ck")
     shutil.copy(src / "model_0.pt", src / "model_01.pt")
     with pytest.raises(jax_ucp.UCPError, match=r"'model_01\.pt' and 'model_1\.pt' both name"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def _rewrite_member(path, suffix: str, change) -> None:
+    """``path`` rewritten in place, the member ending in ``suffix`` replaced by
+    ``change(bytes)`` (members stored, CRCs recomputed): a valid zip another tool could write."""
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, change(data) if name.endswith(suffix) else data)
+
+
+def _edit_metadata(src, change) -> None:
+    """metadata.pkl re-pickled (plain data) after ``change(its entries)``."""
+    path = os.path.join(src, "metadata.pkl")
+    with open(path, "rb") as f:
+        raw = unpickler.restricted_loads(f.read(), where=path)
+    for groups in raw["metadata"]["model"]["nested_path_to_metadata"].values():
+        for group in groups:
+            change(group["sharding_metadata"]["data"])
+    with open(path, "wb") as f:
+        f.write(pickle.dumps(raw, protocol=2))
+
+
+def test_a_storage_type_renamed_in_one_rank_file_is_refused(tmp_path):
+    """``FloatStorage`` renamed ``IntStorage`` in model_1.pt's data.pkl: its shards' bytes would
+    be read as int32 (and cast into the float32 tensor); the storage type, the DTensor's dtype
+    and metadata.pkl's disagree: refused naming the file and the tensor."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    _rewrite_member(
+        src / "model_1.pt", "/data.pkl", lambda b: b.replace(b"FloatStorage", b"IntStorage")
+    )
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"'model:[0-9.a-z]+' in rank 1's file \(model_1\.pt\).*int32"
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_metadata_dtype_the_files_do_not_hold_is_refused(tmp_path):
+    """metadata.pkl edited to say bfloat16 where the rank files hold float32: the import took
+    the files' float32 without a word."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    _edit_metadata(src, lambda data: data.update(dtype="torch.bfloat16"))
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"metadata\.pkl records bfloat16, its storage says float32"
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_shard_dim_beyond_the_tensor_is_a_source_error(tmp_path):
+    """``Shard(dim=1)`` for the 1-D biases: a raw IndexError before; now the error names the
+    checkpoint and the tensor."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+
+    def shard_dim_1(data):
+        data["placements"] = [{"dim": 1, "type": "Shard"} for _ in data["placements"]]
+
+    _edit_metadata(src, shard_dim_1)
+    with pytest.raises(jax_ucp.SourceError, match=r"ck: model:2\.weight: Shard\(1\) .* 1-D"):
         jax_ucp.convert(src, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")

@@ -30,7 +30,7 @@ from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular
 from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
-from jax_ucp._src.torchfiles import sharded, unpickler
+from jax_ucp._src.torchfiles import dtypes, sharded, unpickler
 
 __all__ = ["METADATA_FILE", "is_torch_checkpointing", "plan_torch_checkpointing"]
 
@@ -125,8 +125,24 @@ def _shard_box(
         if kind not in ("Shard", "Replicate"):
             raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
         dims.append(int(placement["dim"]) if kind == "Shard" else None)
-    offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+    try:
+        offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+    except sharded.ShardLayoutError as e:  # Shard(1) of a 1-D tensor: no IndexError
+        raise SourceError(f"{where}: {e}") from None
     return shape, offset, local
+
+
+def _metadata_dtype(meta: dict, where: str) -> np.dtype:
+    """The dtype ``metadata.pkl`` records for a tensor (``"torch.float32"``)."""
+    data = meta.get("data") if isinstance(meta, dict) else None
+    name = data.get("dtype") if isinstance(data, dict) else None
+    torch_name = name.partition("torch.")[2] if isinstance(name, str) else ""
+    dtype = dtypes.BY_NAME.get(torch_name) if name == f"torch.{torch_name}" else None
+    if dtype is None:
+        raise SourceError(
+            f"{where}: metadata dtype {unpickler.short_repr(name, 60)} is not a torch dtype"
+        )
+    return dtype
 
 
 def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
@@ -162,11 +178,38 @@ def _assembled(
                     f"{where}: {name!r} on rank {rank} is a shard of {list(global_shape)}, "
                     f"the metadata says {list(shape)}"
                 )
+            _same_dtype(name, rank, value, array, dtype, where)
             pieces.setdefault((offset, local), sharded.Piece(offset, array))  # replicas: once
     problem = sharded.covers(shape, list(pieces.values())) if pieces else "no shard"
     if problem:
         raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it ({problem})")
     return sharded.assemble(shape, dtype, list(pieces.values()))
+
+
+def _same_dtype(
+    name: str, rank: int, value: Any, array: np.ndarray, dtype: np.dtype, where: str
+) -> None:
+    """The dtype ``metadata.pkl`` records, the DTensor's own and its shard's storage type agree:
+    a renamed storage class (``FloatStorage`` -> ``IntStorage``) would read other values.
+
+    Args:
+        name: the entry, for the error.
+        rank: whose file it is.
+        value: what the rank's file holds (a DTensor, or a plain tensor).
+        array: its local tensor.
+        dtype: the metadata's dtype.
+        where: the checkpoint folder.
+    """
+    found = {"its storage": np.dtype(array.dtype).name}
+    if isinstance(value, unpickler.WrapperTensor):
+        found["the DTensor"] = np.dtype(value.dtype).name
+    wrong = {k: v for k, v in found.items() if v != dtype.name}
+    if wrong:
+        said = ", ".join(f"{k} says {v}" for k, v in wrong.items())
+        raise SourceError(
+            f"{where}: {name!r} in rank {rank}'s file ({name.split(':')[0]}_{rank}.pt): "
+            f"{METADATA_FILE} records {dtype.name}, {said}"
+        )
 
 
 def _leaf(state: Any, nested: tuple) -> Any:
@@ -293,11 +336,15 @@ def _refs(
             if not isinstance(local, np.ndarray):
                 raise SourceError(f"{src}: {entry} is not a tensor in {item}_0.pt")
             shape = _shard_box(groups[0][0], groups[0][1][0], f"{src}: {entry}")[0]
+            dtype = _metadata_dtype(groups[0][0], f"{src}: {entry}")
+            for rank, value in shards.items():  # checked before anything is written
+                if isinstance(array := _local(value)[0], np.ndarray):  # else: _assembled says
+                    _same_dtype(entry, rank, value, array, dtype, src)
             ref = TensorRef(
                 entry,
                 shape,
-                local.dtype,
-                lambda n=entry, g=groups, s=shards, d=local.dtype: _assembled(n, g, s, d, src),
+                dtype,
+                lambda n=entry, g=groups, s=shards, d=dtype: _assembled(n, g, s, d, src),
                 {
                     "format": "torch_checkpointing",
                     "files": [f"{item}_{r}.pt" for r in range(world)],
