@@ -298,3 +298,45 @@ def test_a_tracker_in_other_digits_is_refused(tmp_path):
         f.write("\u0663")
     with pytest.raises(SourceError, match=r"latest_checkpointed_iteration\.txt: expected verl"):
         jax_ucp.convert(root, tmp_path / "refused")
+
+
+def _scheduler_at(actor: str, rank: int, last_epoch: int) -> None:
+    """Rank ``rank``'s extra state with its lr scheduler's ``last_epoch`` pickled as another
+    number (a valid zip, CRCs recomputed)."""
+    path = os.path.join(actor, f"extra_state_world_size_2_rank_{rank}.pt")
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            if name.endswith("/data.pkl"):
+                old = b"last_epochq\x05K\x03"
+                assert data.count(old) == 1
+                data = data.replace(old, b"last_epochq\x05K" + bytes([last_epoch]))
+            z.writestr(name, data)
+
+
+def test_a_scheduler_that_disagrees_with_the_optimizer_step_is_said(tmp_path):
+    """Both ranks' schedulers at last_epoch 10, the optimizer at step 3: imported at the
+    optimizer's step with a warning and a note naming both (it passed silently)."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    for rank in (0, 1):
+        _scheduler_at(actor, rank, 10)
+    with pytest.warns(UserWarning, match=r"last_epoch 10, the optimizer .* step 3"):
+        out = jax_ucp.convert(actor, tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert any("last_epoch 10" in n and "step 3" in n for n in source["notes"])
+    assert int(jax_ucp.restore(out)["opt_state"]["count"]) == 3
+
+
+def test_ranks_whose_schedulers_disagree_are_refused_naming_both(tmp_path):
+    """Rank 1's scheduler at last_epoch 10, rank 0's at 3: files of two saves; only rank 0's
+    was read, so it passed silently."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    _scheduler_at(actor, 1, 10)
+    with pytest.raises(
+        SourceError,
+        match=r"schedulers disagree on last_epoch: extra_state_world_size_2_rank_0\.pt has "
+        r"last_epoch=3, extra_state_world_size_2_rank_1\.pt has last_epoch=10",
+    ):
+        jax_ucp.convert(actor, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
