@@ -503,22 +503,20 @@ def test_a_cache_snapshot_folder_linked_out_of_the_cache_is_not_followed(tmp_pat
     """The LoRA base model's ``snapshots/<commit>`` is itself a symlink to a folder outside the
     Hugging Face cache: its config.json was read (the check looked only below the snapshot);
     now the cache folder is not left, and the refusal says where the link led."""
-    from jax_ucp._src.importers.torch import hf_trainer
-
+    monkeypatch.setitem(sys.modules, "transformers", None)  # the refusal comes before it
     base_config = os.path.join(trainer_src("trainer_fp32"), "config.json")
     cache = _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", base_config)
     monkeypatch.setenv("HF_HUB_CACHE", cache)
-    adapter = tmp_path / "adapter_config.json"
-    adapter.write_text(json.dumps({"base_model_name_or_path": "tiny-org/tiny-llama"}))
-    found, _ = hf_trainer._base_model_config(str(adapter))
-    assert found is not None and found.startswith(os.path.realpath(cache))  # the real layout
-
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     shutil.copy(base_config, elsewhere / "config.json")
     snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("c" * 40)
     shutil.rmtree(snapshot)
     os.symlink(elsewhere, snapshot)
-    found, tried = hf_trainer._base_model_config(str(adapter))
-    assert found is None and "the base model's snapshot: file name" in tried, tried
-    assert "snapshots/" + "c" * 40 + "' resolves to" in tried, tried
+    src = _with_base(trainer_src("trainer_lora"), tmp_path / "lora", "tiny-org/tiny-llama")
+    assert_convert_refused(
+        src,
+        tmp_path / "refused",
+        r"without the base model's config\.json .*the base model's "
+        r"snapshot: file name 'models--tiny-org--tiny-llama/snapshots/c{40}' resolves to",
+    )
