@@ -173,3 +173,23 @@ def test_a_shard_dim_beyond_the_tensor_is_a_source_error(tmp_path):
     with pytest.raises(jax_ucp.SourceError, match=r"ck: model:2\.weight: Shard\(1\) .* 1-D"):
         jax_ucp.convert(src, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda data: data.pop("global_shape"), r"malformed sharding metadata \(KeyError"),
+        (lambda data: data.update(global_shape=["six"]), r"malformed sharding metadata \(Value"),
+        (lambda data: data.update(placements=[]), r"0 placements for a 1-D mesh"),
+        (lambda data: data.update(placements=[{"type": "Shard", "dim": "0"}]), r"Shard dim '0'"),
+    ],
+    ids=["no shape", "shape not a number", "no placement", "dim not an int"],
+)
+def test_malformed_sharding_metadata_is_a_source_error(tmp_path, change, says):
+    """metadata.pkl is plain data from the user: a key missing or a value of the wrong kind
+    was a raw KeyError / ValueError / IndexError."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    _edit_metadata(src, change)
+    with pytest.raises(jax_ucp.SourceError, match=says):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")

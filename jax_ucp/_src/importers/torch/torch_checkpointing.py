@@ -85,7 +85,13 @@ def _metadata(src: str) -> tuple[dict, int]:
         table: dict[tuple, list] = {}
         for key, groups in paths.items():
             nested = tuple(_json_path(key, path))
-            table[nested] = [(g["sharding_metadata"], tuple(g["ranks"])) for g in groups]
+            try:
+                table[nested] = [(g["sharding_metadata"], tuple(g["ranks"])) for g in groups]
+            except (KeyError, TypeError) as e:
+                raise SourceError(
+                    f"{path}: item {item!r} entry {unpickler.short_repr(key, 80)}: malformed "
+                    f"({type(e).__name__}: {str(e)[:80]})"
+                ) from None
         items[str(item)] = table
     return items, world
 
@@ -106,25 +112,38 @@ def _shard_box(
     meta: dict, rank: int, where: str
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(global shape, offset, local shape) of ``rank``'s shard by DTensor's placement rule."""
-    if meta.get("type") != "DTensorShardingMetadata":
+    if not isinstance(meta, dict) or meta.get("type") != "DTensorShardingMetadata":
         raise SourceError(
-            f"{where}: sharding metadata of type {meta.get('type')!r}, expected "
+            f"{where}: sharding metadata of type "
+            f"{unpickler.short_repr(meta.get('type') if isinstance(meta, dict) else meta, 60)}, expected "
             f"DTensorShardingMetadata"
         )
-    data = meta["data"]
-    shape = tuple(int(n) for n in data["global_shape"])
-    mesh = data["mesh_spec"]
-    mesh_shape = tuple(int(n) for n in mesh["mesh_shape"])
-    ranks = [int(r) for r in np.asarray(mesh["mesh_data"]).reshape(-1)]
+    try:  # untrusted plain data: a missing key or a non-number is an error naming it
+        data = meta["data"]
+        shape = tuple(int(n) for n in data["global_shape"])
+        mesh = data["mesh_spec"]
+        mesh_shape = tuple(int(n) for n in mesh["mesh_shape"])
+        ranks = [int(r) for r in np.asarray(mesh["mesh_data"]).reshape(-1)]
+        placements = [(p.get("type"), p.get("dim")) for p in data["placements"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SourceError(
+            f"{where}: malformed sharding metadata ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     if rank not in ranks or len(ranks) != math.prod(mesh_shape):
         raise SourceError(f"{where}: rank {rank} is not in the mesh {ranks}")
+    if len(placements) != len(mesh_shape) or any(n < 0 for n in shape):
+        raise SourceError(
+            f"{where}: {len(placements)} placements for a {len(mesh_shape)}-D mesh, shape "
+            f"{list(shape)}"
+        )
     coords = np.unravel_index(ranks.index(rank), mesh_shape)
     dims: list[int | None] = []
-    for placement in data["placements"]:
-        kind = placement.get("type")
+    for kind, dim in placements:
         if kind not in ("Shard", "Replicate"):
             raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
-        dims.append(int(placement["dim"]) if kind == "Shard" else None)
+        if kind == "Shard" and type(dim) is not int:
+            raise SourceError(f"{where}: Shard dim {unpickler.short_repr(dim, 40)} is not an int")
+        dims.append(dim if kind == "Shard" else None)
     try:
         offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
     except sharded.ShardLayoutError as e:  # Shard(1) of a 1-D tensor: no IndexError
