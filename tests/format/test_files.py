@@ -71,10 +71,14 @@ NOT_YET = {"restoring/locate.py", "against.py"}
 
 def _unicode_digit_uses(path: str) -> list[str]:
     """Where ``path`` parses digits the Unicode way: a ``\\d`` in a string that is not a
-    docstring (a regular expression), or ``.isdigit()`` / ``.isnumeric()`` / ``.isdecimal()``."""
+    docstring (a regular expression), or ``.isdigit()`` / ``.isnumeric()`` / ``.isdecimal()``
+    without ``.isascii()`` on its line."""
     import ast
 
-    tree = ast.parse(open(path, encoding="utf-8").read())
+    text = open(path, encoding="utf-8").read()
+    tree = ast.parse(text)
+    # ``isascii() and isdigit()`` on one line reads ASCII digits (or tells the others apart)
+    ascii_lines = {n for n, line in enumerate(text.splitlines(), 1) if ".isascii()" in line}
     docstrings = {
         id(body[0].value)
         for node in ast.walk(tree)
@@ -92,7 +96,11 @@ def _unicode_digit_uses(path: str) -> list[str]:
             and id(node) not in docstrings
         ):
             found.append(f"line {node.lineno}: \\d in {node.value[:60]!r}")
-        if isinstance(node, ast.Attribute) and node.attr in ("isdigit", "isnumeric", "isdecimal"):
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr in ("isdigit", "isnumeric", "isdecimal")
+            and node.lineno not in ascii_lines
+        ):
             found.append(f"line {node.lineno}: .{node.attr}()")
     return found
 
