@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.format import keypath
+from jax_ucp._src.format import files, keypath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +233,7 @@ VALUES = "values"
 #: or ``model_params/`` matching this is an optimizer buffer mistaken for a weight.
 OPTIMIZER_NAME = re.compile(
     r"(?:^|[._/])(?:exp_avg(?:_sq)?|optimizer|fp32_from_fp16(?:_params)?|param_state|"
-    r"momentum_buffer|gbuf_idx_\d+|bucket_idx_\d+|dp_group_idx_\d+)(?:$|[._/])"
+    r"momentum_buffer|gbuf_idx_[0-9]+|bucket_idx_[0-9]+|dp_group_idx_[0-9]+)(?:$|[._/])"
 )
 
 
@@ -338,14 +338,20 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[str]:
+def numbered_folders(
+    src, pattern: str, holds: Callable[[str], bool], what: str = "number"
+) -> list[str]:
     """The entries of ``src`` named ``pattern`` whose path ``holds``, by their number; [] when
     ``src`` cannot be listed.
 
     Args:
         src: the folder.
-        pattern: a regular expression of the whole name, its one group the number.
+        pattern: a regular expression of the whole name, its one group the number (ASCII
+            digits: :data:`files.DIGITS`).
         holds: whether a matching entry's path is one (a folder of the right kind).
+        what: what the number is (``"epoch"``), for the error.
+
+    Two entries of one number (``epoch_5``, ``epoch_05``) are refused naming both.
     """
     try:
         names = os.listdir(src)
@@ -354,11 +360,11 @@ def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[st
     found = [
         (int(m.group(1)), n)
         for n in names
-        if (m := re.fullmatch(pattern, n)) and holds(os.path.join(src, n))
+        if (m := re.fullmatch(pattern, n, re.ASCII)) and holds(os.path.join(src, n))
     ]
-    return [n for _, n in sorted(found)]
+    return list(files.numbered_names(found, os.fspath(src), what).values())
 
 
 def trainer_checkpoints(src: str) -> list[str]:
     """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
-    return numbered_folders(src, r"checkpoint-(\d+)", os.path.isdir)
+    return numbered_folders(src, rf"checkpoint-({files.DIGITS})", os.path.isdir, "step")

@@ -71,7 +71,7 @@ MAX_TRAIN_STATE_BYTES = 1 << 20
 
 # files of a Bridge iteration directory this importer knows (read, or megatron-core's)
 _KNOWN_FILES = {".metadata", "metadata.json", "common.pt", TRAIN_STATE_FILE, RUN_CONFIG_FILE}
-_ITER_DIR = re.compile(r"iter_(\d+)")
+_ITER_DIR = re.compile(r"iter_([0-9]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +121,15 @@ def _tracker_step(tracker: Path) -> int | None:
         text = raw.decode("utf-8", "replace").strip()
     except files.UnsafeFileError as e:
         raise MegatronImportError(str(e)) from None
-    if not text.isdigit():
+    if text == "release":
         return None
-    if not text.isascii() or len(text) > 18:
+    step = files.name_number(text)
+    if step is None or len(text) > 18:
         raise MegatronImportError(
             f"{tracker}: iteration {text[:40]!r}{'...' if len(text) > 40 else ''} is not a "
-            f"number of at most 18 ASCII digits"
+            f"number of at most 18 ASCII digits (or 'release')"
         )
-    return int(text)
+    return step
 
 
 def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:

@@ -49,8 +49,8 @@ from jax_ucp._src.language import (
     merge,
 )
 
-_LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_LAYER = re.compile(r"^(.*?\blayers\.)([0-9]+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)([0-9]+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.weight[12]$")
 
 # global name -> {stage (or ("emb" | "out", stage) once tied): [per-TP arrays]}
@@ -280,7 +280,7 @@ def _legacy_step_sources(checkpoint: legacy.LegacyCheckpoint, found: list[str]) 
     named as one)."""
     prefixes = [_rank_dir_file(checkpoint, r.path) for r in checkpoint.ranks.values()]
     step = re.compile(
-        rf"(?:{'|'.join(map(re.escape, prefixes))}):optimizer\.optimizer\.param_groups\.\d+\.step"
+        rf"(?:{'|'.join(map(re.escape, prefixes))}):optimizer\.optimizer\.param_groups\.[0-9]+\.step"
     )
     tensors = [n for n in found if step.fullmatch(n)]
     values = {VALUES: [f"{p}:optimizer.optimizer.param_groups" for p in prefixes]}

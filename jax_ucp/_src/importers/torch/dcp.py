@@ -53,7 +53,7 @@ MODEL_CONTAINERS = ("model", "state_dict", "model_state_dict")
 #: Top-level keys of torchtitan & co. beside top-level model keys that hold no parameters.
 NON_MODEL_ROOTS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader", "rng", "ft")
 #: Accelerate's / HF Trainer's sharded FSDP folders inside a save_state / checkpoint folder.
-_ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
+_ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
 #: megatron-core's files beside its torch_dist .metadata (that is the Megatron importer's)
 MEGATRON_FILES = ("common.pt", "metadata.json")
 
@@ -180,7 +180,7 @@ def _state(
         groups = _param_groups(root, objects, tensors, where)
     in_optimizer = {n for n in everything if root is not None and n.startswith(root)}
     model_names = [n for n in tensors if n not in in_optimizer]
-    by_index = bool(states) and all(k.isdigit() for k in states)
+    by_index = bool(states) and all(files.name_number(k) is not None for k in states)
     if by_index:
         states, groups = _numbered(states, groups, order, weights_only, where)
     elif order is not None:
@@ -333,7 +333,7 @@ def _param_groups(
                 owner, key = name[len(prefix) :].rsplit(".", 1)
                 value = ck.read_object(name) if table is objects else ck.read(name)
                 values.setdefault(owner, {})[key] = value
-    if all(k.isdigit() and "params" in v for k, v in values.items()):
+    if all(files.name_number(k) is not None and "params" in v for k, v in values.items()):
         return [values[k] for k in sorted(values, key=int)]
     grouped: list[dict] = []
     for param, hps in values.items():

@@ -86,7 +86,7 @@ def epoch_folders(src: str, dist: bool = False) -> list[str]:
             return os.path.isfile(os.path.join(path, ".metadata"))
         return any(n.endswith(".safetensors") for n in os.listdir(path))
 
-    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_(\d+)", holds)
+    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_([0-9]+)", holds, "epoch")
 
 
 def _epoch_number(name: str) -> int:
@@ -96,8 +96,8 @@ def _epoch_number(name: str) -> int:
 def hf_name(name: str) -> str | None:
     """torchtune's parameter ``name`` as Hugging Face's, or None when the table has none
     (``get_mapped_key``: every ``.<digits>`` is the layer number)."""
-    layer = re.search(r"\.(\d+)", name)
-    key = re.sub(r"\.\d+", ".{}", name)
+    layer = re.search(r"\.([0-9]+)", name)
+    key = re.sub(r"\.[0-9]+", ".{}", name)
     mapped = TUNE_TO_HF.get(key)
     if mapped is None:
         return None

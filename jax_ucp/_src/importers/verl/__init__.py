@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -102,6 +103,7 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
 
     moments, count = _optimizer_state(model_dir, ranks, options, params, tied, source, found)
     _extra(model_dir, ranks.by_kind.get("extra_state", []), source, found)
+    _scheduler_against_optimizer(model_dir, source, None if count is None else count[0])
     _units_beside(where, source, found)
     names = options.share.pick(params)
 
@@ -393,19 +395,58 @@ def _extra(folder: str, names: list[str], source: dict, found: list[str]) -> Non
     found += names
     why = "verl's extra state (RNG states, lr scheduler), not imported; the scheduler's record"
     skip(source, names, why + " is in source.lr_scheduler")
-    path = files.inside(folder, names[0], f"{folder}: verl's extra state")
-    try:
-        extra = unpickler.load_torch_file(path, _EXTRA_CLASSES)
-    except (unpickler.TorchFileError, files.UnsafeFileError) as e:
-        source["lr_scheduler_unread"] = f"{names[0]} was not read ({str(e)[:300]})"
+    records: list[tuple[str, dict | None]] = []  # every rank's: one run steps them alike
+    for name in names:
+        path = files.inside(folder, name, f"{folder}: verl's extra state")
+        try:
+            extra = unpickler.load_torch_file(path, _EXTRA_CLASSES)
+        except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+            source["lr_scheduler_unread"] = f"{name} was not read ({str(e)[:300]})"
+            return
+        sched = extra.get("lr_scheduler") if isinstance(extra, dict) else None
+        records.append((name, _scheduler_record(sched) if isinstance(sched, dict) else None))
+    first_name, first = records[0]
+    for name, record in records[1:]:
+        if record != first:
+            keys: list[str] = sorted({*(record or {}), *(first or {})})
+            differ = [k for k in keys if (record or {}).get(k) != (first or {}).get(k)]
+            raise SourceError(
+                f"{folder}: the ranks' lr schedulers disagree on {', '.join(differ)}: "
+                f"{first_name} has {_shown(first, differ)}, {name} has {_shown(record, differ)} "
+                f"(files of two saves mixed?)"
+            )
+    if first is not None:
+        source["lr_scheduler"] = first
+
+
+def _shown(record: dict | None, keys: list[str]) -> str:
+    if record is None:
+        return "no lr scheduler"
+    return ", ".join(f"{k}={record.get(k)!r}" for k in keys)
+
+
+def _scheduler_record(sched: dict) -> dict[str, Any]:
+    return {
+        k: jsonable(v)
+        for k, v in sched.items()
+        if k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")
+    }
+
+
+def _scheduler_against_optimizer(folder: str, source: dict, step: int | None) -> None:
+    """verl steps its lr scheduler with the optimizer: a ``last_epoch`` other than the
+    optimizer's step (an update skipped for a non-finite gradient norm, or files of two saves)
+    is said, naming both, in a warning and ``source.notes``; the import keeps the optimizer's."""
+    last = (source.get("lr_scheduler") or {}).get("last_epoch")
+    if step is None or type(last) is not int or last == step:
         return
-    sched = extra.get("lr_scheduler") if isinstance(extra, dict) else None
-    if isinstance(sched, dict):
-        source["lr_scheduler"] = {
-            k: jsonable(v)
-            for k, v in sched.items()
-            if k in ("last_epoch", "_step_count", "base_lrs", "_last_lr")
-        }
+    note = (
+        f"the lr scheduler (extra_state_world_size_{source['world_size']}_rank_0.pt) has "
+        f"last_epoch {last}, the optimizer (optim_world_size_{source['world_size']}_rank_*.pt) "
+        f"step {step}: the import keeps the optimizer's step"
+    )
+    source.setdefault("notes", []).append(note)
+    warnings.warn(f"{folder}: {note}", UserWarning, stacklevel=4)
 
 
 def _units_beside(where: layout.Located, source: dict, found: list[str]) -> None:
