@@ -131,7 +131,10 @@ def _loader(
     raise SourceError(f"no framework loader compared for {fmt!r} imports yet")
 
 
-_RANK = {"verl": re.compile(r"_rank_(\d+)\.pt$"), "torch_checkpointing": re.compile(r"_(\d+)\.pt$")}
+_RANK = {
+    "verl": re.compile(r"_rank_([0-9]+)\.pt\Z"),
+    "torch_checkpointing": re.compile(r"_([0-9]+)\.pt\Z"),
+}
 
 
 def _rank_parts(

@@ -66,7 +66,6 @@ def test_two_names_for_one_number_are_refused_naming_both():
 
 #: modules whose numbers-in-names are another change's (the resume's step names; the
 #: verify --against engineer's rank files): remove an entry once its module reads ASCII
-NOT_YET = {"restoring/locate.py", "against.py"}
 
 
 def _unicode_digit_uses(path: str) -> list[str]:
@@ -115,6 +114,6 @@ def test_every_number_the_project_parses_from_a_name_is_ascii():
         for name in names:
             path = os.path.join(folder, name)
             rel = os.path.relpath(path, root).replace(os.sep, "/")
-            if name.endswith(".py") and rel not in NOT_YET and (uses := _unicode_digit_uses(path)):
+            if name.endswith(".py") and (uses := _unicode_digit_uses(path)):
                 bad[rel] = uses
     assert not bad, f"Unicode digits parsed (use [0-9] or files.name_number): {bad}"
