@@ -33,13 +33,29 @@ def _hf(path, value=1.0):
 
 
 def test_every_format_is_a_package_with_detect_plan_and_typed_options():
+    """One registry level: a format of one layout is its package's ``detect`` / ``plan``; the
+    torch format's layouts are each an entry of their own, their functions in its package."""
     assert registry.FORMATS == ("deepspeed", "megatron", "orbax", "safetensors", "torch", "verl")
     for name, importer in registry.IMPORTERS.items():
-        package = importlib.import_module(f"jax_ucp._src.importers.{name}")
-        assert importer.detect is package.detect and importer.plan is package.plan
+        package = importlib.import_module(f"jax_ucp._src.importers.{importer.format}")
+        if name == importer.format:
+            assert importer.detect is package.detect and importer.plan is package.plan
+        else:
+            assert importer in package.LAYOUTS
+            for function in (importer.detect, importer.plan):
+                assert function.__module__.startswith(package.__name__ + ".")
         assert dataclasses.is_dataclass(importer.options)
         assert issubclass(importer.options, ImportOptions)
-        assert isinstance(package.detect(os.path.join(FIX, "no such dir")), Detection)
+        assert isinstance(importer.detect(os.path.join(FIX, "no such dir")), Detection)
+    layouts = [i.name for i in registry.IMPORTERS.values() if i.format == "torch"]
+    assert layouts == [
+        "torch_checkpointing",
+        "torchtune",
+        "olmo_core",
+        "torch_dcp",
+        "hf_trainer",
+        "torch_files",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -71,7 +87,7 @@ def test_own_markers_win_over_files_other_folders_hold_too(tmp_path):
     assert registry.detect_format(ds) == "deepspeed"
     hf = _hf(tmp_path / "hf")
     (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
-    assert registry.IMPORTERS["torch"].detect(hf).found
+    assert registry.IMPORTERS["torch_files"].detect(hf).found
     assert registry.detect_format(hf) == "safetensors"
     assert registry.detect_format(os.path.join(hf, "model.safetensors")) == "safetensors"
 
@@ -172,11 +188,14 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
     order = [n for n in names if n not in norms] + norms  # as the Trainer grouped them
     assert registry.detect_format(src) == "safetensors"
     options = TorchOptions(parameter_order=order)
-    handed = registry.handed_over(src, "safetensors", options)
+    claimed, files = registry.IMPORTERS["safetensors"], registry.IMPORTERS["torch_files"]
+    taker = registry.taken_over(src, claimed, options)
+    assert taker is registry.IMPORTERS["hf_trainer"] and taker.takes_over == ("safetensors",)
+    handed = taker.plan(src, options)
     assert handed is not None and handed.source["framework"] == "torch_files"
     assert handed.source["optimizer"]["param_groups"]
-    assert registry.handed_over(src, "torch", options) is None
-    assert registry.handed_over(src, "safetensors", TorchOptions(weights_only=True)) is None
+    assert registry.taken_over(src, files, options) is files
+    assert registry.taken_over(src, claimed, TorchOptions(weights_only=True)) is claimed
     with pytest.raises(UCPError, match=r"optimizer\.pt.*weights_only=True"):
         safetensors.plan(src, TorchOptions())
     plan = registry.plan_import(src, options)
