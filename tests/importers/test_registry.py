@@ -200,3 +200,112 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
         safetensors.plan(src, TorchOptions())
     plan = registry.plan_import(src, options)
     assert plan.source == handed.source
+
+
+def test_takes_over_is_declared_by_the_importer_not_written_in_the_registry(monkeypatch):
+    """Any importer may say whose claim it takes over: the registry hands a source over by that
+    field alone (no format's internals in the registry), and not when only weights are
+    wanted."""
+    from jax_ucp._src.importers.plan import Importer, ImportPlan
+    from jax_ucp._src.importers.torch import TorchOptions
+
+    seen = []
+
+    def plan(src, options):
+        seen.append(options)
+        return ImportPlan(iter(()), {"framework": "probe"}, 0, source_tensors=[])
+
+    probe = Importer(
+        "probe",
+        lambda src: Detection(True, "probe's marker"),
+        plan,
+        TorchOptions,
+        takes_over=("orbax",),
+    )
+    monkeypatch.setitem(registry.IMPORTERS, "probe", probe)
+    src = os.path.join(FIX, "orbax_v1_checkpoint")
+    assert registry.detect_format(src) == "orbax"  # a taker claims no source of its own
+    options = TorchOptions()
+    assert registry.plan_import(src, options, format="orbax").source == {"framework": "probe"}
+    assert seen == [options]
+    assert registry.taken_over(src, registry.IMPORTERS["orbax"], TorchOptions(weights_only=True))
+    assert registry.taken_over(src, registry.IMPORTERS["orbax"], options) is probe
+
+
+@pytest.mark.parametrize(
+    "path, layout",
+    [
+        (os.path.join(FIX, "torch", "fsdp2_fp32"), "torch_dcp"),
+        (os.path.join(FIX, "torch", "accelerate_fsdp"), "torch_dcp"),
+        (os.path.join(FIX, "torch", "hf_bin"), "torch_files"),
+        (os.path.join(FIX, "torch", "plain_state_dict.pt"), "torch_files"),
+        ("olmo", "olmo_core"),
+        (os.path.join(FIX, "torchtune", "tt_fp32"), "torchtune"),
+        (
+            os.path.join(FIX, "torch_checkpointing", "tc_fsdp2_synthetic_layout", "step-3"),
+            "torch_checkpointing",
+        ),
+    ],
+)
+def test_each_torch_layout_is_its_own_entry_and_torch_names_them_all(path, layout, tmp_path):
+    """One registry level: detection finds the torch layout itself (detect_format still says
+    "torch"), and ``format="torch"`` means the first torch layout that finds the source, as
+    the torch package's dispatch did."""
+    if path == "olmo":  # an OLMo-core step folder: torch DCP in model_and_optim/, train/
+        path = tmp_path / "step3"
+        shutil.copytree(os.path.join(FIX, "olmo_core", "olmo_fp32"), path / "model_and_optim")
+        (path / "train").mkdir()
+    importer = registry.detected(path)
+    assert importer.format == "torch" == registry.detect_format(path)
+    assert importer.name == layout
+    assert registry.importer_for(path, "torch") is importer
+    assert registry.importer_for(path, importer.name) is importer
+
+
+def test_torch_given_for_a_folder_no_torch_layout_finds_is_read_as_torch_save_files(tmp_path):
+    """``--from torch`` on a folder none of the torch layouts finds: the torch.save files
+    importer plans it and says what is missing (the torch package's last resort before)."""
+    assert registry.importer_for(tmp_path, "torch").name == "torch_files"
+    with pytest.raises(SourceError, match=str(tmp_path)):
+        registry.plan_import(tmp_path, format="torch")
+    with pytest.raises(SourceError, match=r"Unknown checkpoint format 'pytorch'.*'torch'"):
+        registry.importer_for(tmp_path, "pytorch")
+
+
+def test_a_layout_given_by_name_is_planned_without_asking_the_others(tmp_path, monkeypatch):
+    """``format=`` takes a layout's name too (what the CLI passes once it detected): that
+    importer plans, no detection runs."""
+    for name, importer in registry.IMPORTERS.items():
+
+        def refuse(src, name=name):
+            raise AssertionError(f"{name}.detect asked")
+
+        monkeypatch.setitem(registry.IMPORTERS, name, dataclasses.replace(importer, detect=refuse))
+    out = jax_ucp.convert(
+        os.path.join(FIX, "torch", "fsdp2_fp32"), tmp_path / "u", format="torch_dcp"
+    )
+    assert "dcp_version" in jax_ucp.inspect(out).source
+
+
+def test_no_importer_function_takes_the_common_fields_as_keywords():
+    """Every ``plan*`` function of the importers takes the options object (``plan(src,
+    options)``, as DeepSpeed's): none takes ``spec=``, ``weights_only=``, ``share=`` or another
+    option's field as a parameter of its own."""
+    import inspect
+    import pkgutil
+
+    from jax_ucp._src import importers
+
+    fields = set(registry.OPTION_FIELDS) | {"share"}
+    offenders = []
+    for info in pkgutil.walk_packages(importers.__path__, importers.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            if function.__module__ != module.__name__ or not name.lstrip("_").startswith("plan"):
+                continue
+            if function is registry.plan_import:  # the registry's entry: share is its own
+                continue
+            taken = fields & set(inspect.signature(function).parameters)
+            if taken:
+                offenders.append(f"{module.__name__}.{name}({', '.join(sorted(taken))})")
+    assert offenders == []
