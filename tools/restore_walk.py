@@ -14,8 +14,8 @@ caller's frame too. Only the main thread's Python frames count. Imports and firs
 are kept out by a first, untraced restore. The issue (#39) asks for at most 6 returns.
 
 ``--import SRC`` walks ``convert``'s planning of the checkpoint ``SRC`` instead
-(``importers.registry.plan_import`` with the format detection finds given: the format's
-``plan`` and the accounting; the items are not read), every jax_ucp module a room (``--depth 2``: the registry and what it
+(``importers.registry.plan_import`` with the importer detection finds given: its ``plan``
+and the accounting; the items are not read), every jax_ucp module a room (``--depth 2``: the registry and what it
 calls; issue #49 compares the torch family's walk with DeepSpeed's).
 """
 
@@ -146,7 +146,7 @@ def measure_import(src: str, depth: int = 99, *, calls: bool = False, names: boo
     """The stays of ``plan_import(src)`` (the planning ``convert`` does), every module a room."""
     from jax_ucp._src.importers import registry
 
-    name = registry.detect_format(src)
+    name = registry.detected(src).name  # the layout's importer: planned without detection
 
     def plan():
         registry.plan_import(src, format=name)
