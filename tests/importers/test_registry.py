@@ -309,3 +309,15 @@ def test_no_importer_function_takes_the_common_fields_as_keywords():
             if taken:
                 offenders.append(f"{module.__name__}.{name}({', '.join(sorted(taken))})")
     assert offenders == []
+
+
+def test_torch_given_for_megatron_core_torch_dist_reads_it_as_plain_dcp():
+    """Detection leaves a torch_dist folder (DCP beside megatron-core's common.pt and
+    metadata.json) to Megatron; ``--from torch`` reads it as plain torch DCP, as the torch
+    package's own dispatch did (its ``dcp_dirs``)."""
+    src = os.path.join(FIX, "megatron", "gpt_tp2")
+    assert registry.detect_format(src) == "megatron"
+    assert not registry.IMPORTERS["torch_dcp"].detect(src).found
+    assert registry.importer_for(src, "torch").name == "torch_dcp"
+    plan = registry.plan_import(src, format="torch")
+    assert plan.source["framework"] == "torch_dcp" and plan.total_params == 17

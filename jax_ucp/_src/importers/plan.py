@@ -146,6 +146,9 @@ class Importer:
             source too and the optimizer state is wanted (not ``weights_only``): their importer
             reads the weights, this one the optimizer state beside them as well. Such an
             importer claims no source of its own.
+        given: with its format given by name (``--from torch``), whether this layout reads a
+            source (None: when ``detect`` finds it); torch DCP reads megatron-core's
+            torch_dist folders as plain DCP then, which detection leaves to Megatron.
     """
 
     name: str
@@ -155,6 +158,7 @@ class Importer:
     format: str = ""
     outranks: tuple[str, ...] = ()
     takes_over: tuple[str, ...] = ()
+    given: Callable[[str], bool] | None = None
 
     def __post_init__(self):
         if not self.format:

@@ -121,9 +121,9 @@ def detect_format(src) -> str:
 
 def importer_for(source, format: str | None = None) -> Importer:
     """The importer that reads ``source``: detected (``format`` None), the one named
-    (``IMPORTERS``' names), or of a format of several layouts the first that finds the source
-    (else its last, which plans and says what is missing: ``--from torch`` on a folder no torch
-    layout finds is read as torch.save files).
+    (``IMPORTERS``' names), or of a format of several layouts the first that reads the source
+    (its ``given``, else its ``detect``; none: the last, which plans and says what is missing:
+    ``--from torch`` on a folder no torch layout reads is read as torch.save files).
 
     Args:
         source: the checkpoint directory (or file).
@@ -140,7 +140,11 @@ def importer_for(source, format: str | None = None) -> Importer:
             f"{', '.join(repr(name) for name in FORMATS)})."
         )
     src = os.fspath(source)
-    return next((i for i in layouts if i.detect(src).found), layouts[-1])
+
+    def reads(layout: Importer) -> bool:
+        return layout.given(src) if layout.given is not None else layout.detect(src).found
+
+    return next((layout for layout in layouts if reads(layout)), layouts[-1])
 
 
 def taken_over(source, importer: Importer, options: ImportOptions) -> Importer:

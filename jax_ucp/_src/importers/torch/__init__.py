@@ -25,7 +25,14 @@ LAYOUTS = (
     ),
     Importer("torchtune", torchtune.detect, torchtune.plan_torchtune, TorchOptions, format="torch"),
     Importer("olmo_core", olmo_core.detect, dcp.plan_torch_dcp, TorchOptions, format="torch"),
-    Importer("torch_dcp", dcp.detect, dcp.plan_torch_dcp, TorchOptions, format="torch"),
+    Importer(
+        "torch_dcp",
+        dcp.detect,
+        dcp.plan_torch_dcp,
+        TorchOptions,
+        format="torch",
+        given=lambda src: bool(dcp.dcp_dirs(src)),  # megatron-core's too, read as plain DCP
+    ),
     # safetensors weights beside optimizer.pt / optimizer.bin: the safetensors importer's
     # claim, taken over to map the optimizer's state too
     Importer(
