@@ -22,7 +22,17 @@ ADAM_STATE = {"exp_avg": ("opt_state", "mu"), "exp_avg_sq": ("opt_state", "nu")}
 
 def optimizer_state(model_dir, ranks, options, params: rank_tensors.Params, tied, source, found):
     """The moments by parameter and the (step, its tensors), the optimizer recorded in
-    ``source`` and its tensors in ``found``; its state skipped with ``weights_only``."""
+    ``source`` and its tensors in ``found``; its state skipped with ``weights_only``.
+
+    Args:
+        model_dir: the folder of the rank files.
+        ranks: the rank files by kind (``layout.rank_files``).
+        options: the import options (``weights_only``).
+        params: the model's tensors (``rank_tensors.parameters``).
+        tied: tied key -> the key whose bytes it shares (no state of its own).
+        source: the manifest's source record, added to.
+        found: every source tensor's name, added to.
+    """
     optim_files = ranks.by_kind.get("optim", [])
     if not optim_files:
         if not options.weights_only:

@@ -49,7 +49,15 @@ def gather(
     what: str, values: list[Any], files_: list[str], world: int, folder: str
 ) -> tuple[tuple[int, ...], np.dtype, Pieces]:
     """One tensor's pieces from every rank, checked to agree on shape and dtype and to tile it;
-    a replicated tensor is read from rank 0's file (the others' copies named as its source)."""
+    a replicated tensor is read from rank 0's file (the others' copies named as its source).
+
+    Args:
+        what: the tensor's key, for errors.
+        values: its value in each rank's file, by rank.
+        files_: the rank files' names, by rank.
+        world: the number of ranks.
+        folder: the folder of the rank files.
+    """
     first = values[0]
     shape = tuple(first.shape)
     dtype = np.dtype(first.dtype)
@@ -84,7 +92,15 @@ def gather(
 def parameters(
     folder: str, names: list[str], models: list[Any], world: int, found: list[str]
 ) -> Params:
-    """The model's tensors, by name in the state dict's order, every rank's keys equal."""
+    """The model's tensors, by name in the state dict's order, every rank's keys equal.
+
+    Args:
+        folder: the folder of the rank files.
+        names: the model rank files' names, by rank.
+        models: their loaded state dicts, by rank.
+        world: the number of ranks.
+        found: every source tensor's name, added to.
+    """
     for name, state in zip(names, models):
         if not isinstance(state, dict):
             raise SourceError(
@@ -127,7 +143,14 @@ def tied_keys(params: Params) -> dict[str, str]:
 
 def item(key: tuple[str, ...], shape, dtype, pieces: Pieces) -> writer.HostItem:
     """One tensor, assembled from its pieces when the writer has room for it (in row slabs
-    when it is larger than the budget)."""
+    when it is larger than the budget).
+
+    Args:
+        key: its key path in the output tree.
+        shape: its global shape.
+        dtype: its dtype.
+        pieces: (file, its block) of every rank (``gather``).
+    """
     blocks = [p for _, p in pieces if p is not None]
     value = writer.Deferred(
         shape,

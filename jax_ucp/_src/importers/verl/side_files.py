@@ -24,7 +24,14 @@ _EXTRA_CLASSES = unpickler.NUMPY_CLASSES
 
 def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -> None:
     """The scheduler's record from rank 0's extra state; every extra-state file (the RNG
-    states) is a unit left out."""
+    states) is a unit left out.
+
+    Args:
+        folder: the folder of the rank files.
+        names: the extra-state files' names, by rank.
+        source: the manifest's source record, added to.
+        found: every source tensor's (or unit's) name, added to.
+    """
     if not names:
         return
     found += names
@@ -48,7 +55,13 @@ def extra_state(folder: str, names: list[str], source: dict, found: list[str]) -
 def units_beside(where: layout.Located, source: dict, found: list[str]) -> None:
     """Files verl saves beside the model that are not imported, each a unit in
     ``source.skipped``: the data loader's ``data.pt``, the other model folder (``critic/``),
-    weights under ``huggingface/`` (a full copy of the same model)."""
+    weights under ``huggingface/`` (a full copy of the same model).
+
+    Args:
+        where: where the checkpoint's folders are (``layout.locate``).
+        source: the manifest's source record, added to.
+        found: every source tensor's (or unit's) name, added to.
+    """
     model_dir = where.model_dir
     hf = os.path.join(model_dir, "huggingface")
     if os.path.isdir(hf):
