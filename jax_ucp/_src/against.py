@@ -546,7 +546,9 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
         for k, v in fields.items()
     )
     try:
-        plan = registry.plan_import(src, registry.import_options(None, **fields))
+        importer = registry.importer_for(src)
+        options = registry.importer_options(importer, **fields)
+        plan = registry.plan_import(src, options, format=importer.name)
         provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
     except (SourceError, RequestError) as e:
         raise SourceError(

@@ -508,8 +508,9 @@ def convert(
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
     order = _read_parameter_order(parameter_order) if parameter_order is not None else None
-    importing = registry.import_options(
-        from_,
+    importer = registry.importer_for(src, from_)  # detected first, then its format's options
+    importing = registry.importer_options(
+        importer,
         spec=spec,
         weights_only=weights_only,
         tag=tag,
@@ -527,7 +528,7 @@ def convert(
     out = _convert_reporting_lost_processes(
         src,
         dst,
-        format=from_,
+        format=importer.name,
         importing=importing,
         memory_budget=memory_budget,
         force=force,

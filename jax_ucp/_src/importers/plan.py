@@ -126,6 +126,45 @@ class Detection:
     weak: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Importer:
+    """One source layout: how its checkpoints are recognised and imported. A format of several
+    layouts (torch: DCP, torch.save files, torchtune, ...) has one importer per layout, each
+    naming the format; a format of one layout is its own.
+
+    Attributes:
+        name: the layout's name (``torch_dcp``; the format's name for a format of one layout).
+        detect: ``detect(path)``: whether ``path`` holds this layout, and why (not).
+        plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
+        options: the format's options class (``ImportOptions`` or a subclass).
+        format: the format it is a layout of (``format=``, ``--from``, what detection reports;
+            "": its name). Of a format's layouts that find a source, the first listed plans it.
+        outranks: formats whose claim on the same source this one's overrides, for shared
+            marker names (verl's run root holds Megatron-LM's tracker file and DeepSpeed-like
+            ``global_step_N/`` folders).
+        takes_over: formats whose claim this importer takes over when its ``detect`` finds the
+            source too and the optimizer state is wanted (not ``weights_only``): their importer
+            reads the weights, this one the optimizer state beside them as well. Such an
+            importer claims no source of its own.
+        given: with its format given by name (``--from torch``), whether this layout reads a
+            source (None: when ``detect`` finds it); torch DCP reads megatron-core's
+            torch_dist folders as plain DCP then, which detection leaves to Megatron.
+    """
+
+    name: str
+    detect: Callable[[str], Detection]
+    plan: Callable[[str, Any], ImportPlan]
+    options: type[ImportOptions]
+    format: str = ""
+    outranks: tuple[str, ...] = ()
+    takes_over: tuple[str, ...] = ()
+    given: Callable[[str], bool] | None = None
+
+    def __post_init__(self):
+        if not self.format:
+            object.__setattr__(self, "format", self.name)
+
+
 def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str) -> Detection:
     """Whether the folder ``src`` holds a file matching one of ``patterns`` (glob, names only:
     nothing is opened).

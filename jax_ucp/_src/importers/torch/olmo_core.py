@@ -19,10 +19,10 @@ import re
 from typing import Any
 
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import numbered_folders
+from jax_ucp._src.importers.plan import Detection, numbered_folders
 from jax_ucp._src.torchfiles import unpickler
 
-__all__ = ["MODEL_DIR", "TRAIN_DIR", "is_step_folder", "step_folders", "train_record"]
+__all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "step_folders", "train_record"]
 
 MODEL_DIR = "model_and_optim"
 TRAIN_DIR = "train"
@@ -45,6 +45,14 @@ def is_step_folder(src: os.PathLike | str) -> bool:
         and os.path.lexists(os.path.join(path, MODEL_DIR, ".metadata"))
         and os.path.isdir(os.path.join(path, TRAIN_DIR))
     )
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is an OLMo-core step folder, from names (its ``model_and_optim/`` is
+    torch DCP, planned by the DCP importer, which reads ``train/`` too)."""
+    if is_step_folder(src):
+        return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
+    return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
 
 
 def step_folders(src: os.PathLike | str) -> list[str]:

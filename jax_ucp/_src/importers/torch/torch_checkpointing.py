@@ -26,13 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
+from jax_ucp._src.importers.plan import (
+    Detection,
+    ImportPlan,
+    refuse_spec,
+    tensor_names,
+)
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
+from jax_ucp._src.importers.torch.options import TorchOptions
 from jax_ucp._src.torchfiles import dtypes, sharded, unpickler
 
-__all__ = ["METADATA_FILE", "is_torch_checkpointing", "plan_torch_checkpointing"]
+__all__ = ["METADATA_FILE", "detect", "is_torch_checkpointing", "plan_torch_checkpointing"]
 
 METADATA_FILE = "metadata.pkl"  # torch_checkpointing.metadata_serialization.METADATA_FILE_NAME
 #: the metadata versions read here (torch_checkpointing 0.1.x writes "2.0")
@@ -242,23 +248,31 @@ def _leaf(state: Any, nested: tuple) -> Any:
     return state
 
 
-def plan_torch_checkpointing(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a torch_checkpointing folder, from its file names."""
+    if is_torch_checkpointing(src):
+        return Detection(True, "a torch_checkpointing checkpoint (metadata.pkl, <item>_<rank>.pt)")
+    return Detection(False, "no torch_checkpointing `metadata.pkl` + `<item>_<rank>.pt`")
+
+
+def plan_torch_checkpointing(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     """The import of a torch_checkpointing folder: the ``model`` item's parameters and the
     ``optimizer`` item's state, assembled from every rank's shards, bit for bit.
 
     Args:
         src: the checkpoint folder (``metadata.pkl``, ``<item>_<rank>.pt``).
-        spec: refused: torch's parameter names are kept.
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec`` refused (torch's parameter names are kept), ``weights_only``: the
+            model weights alone, the optimizer state in ``source.skipped``; an optimizer keyed
+            by name takes no ``parameter_order`` / ``model_config``.
     """
-    refuse_spec(spec, "torch_checkpointing imports keep torch's parameter names", SourceError)
+    if options.parameter_order is not None or options.model_config is not None:
+        raise RequestError(
+            f"{src}: a torch_checkpointing checkpoint keys its optimizer by name; "
+            f"parameter_order= / model_config= do not apply"
+        )
+    refuse_spec(
+        options.spec, "torch_checkpointing imports keep torch's parameter names", SourceError
+    )
     src = os.fspath(src)
     items, world = _metadata(src)
     model_item = next((i for i in MODEL_ITEMS if i in items), None)
@@ -300,7 +314,7 @@ def plan_torch_checkpointing(
     }
     if recorded:
         source["recorded"] = recorded
-    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+    return plan_state(torch_state, source, options)
 
 
 def _rank_files(src: str) -> list[str]:
