@@ -15,7 +15,7 @@ PACKAGE = os.path.join(PUBLIC_ROOT, "_src")
 # layer -> the jax_ucp layers it may import (itself always allowed)
 ALLOWED = {
     "format": set(),
-    "store": {"format"},
+    "store": {"format", "multihost"},  # multihost.liveness: a killed saver's lock or leftovers
     "multihost": {"format"},
     "writer": {"format", "store", "multihost"},
     "language": {"format"},  # format.mapped_file: views of mapped files read with pread

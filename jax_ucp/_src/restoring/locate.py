@@ -41,7 +41,7 @@ def find_checkpoint_dir(path) -> str:
     next save to ``path`` completes the interrupted swap.
     """
     path = os.fspath(path).rstrip("/") or "/"
-    if store.is_url(path):
+    if not store.storage_for(path).renames:  # an object-store prefix: no swap, no links
         return _find_in_object_store(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return path
@@ -276,13 +276,7 @@ _SWAP_RETRIES = 3
 def _identity(root: str):
     """What tells one directory at ``root`` from the next: a freed inode is given to the next
     directory made on ext4 at once, the ctime (set when made or renamed) differs."""
-    if store.is_url(root):
-        return "url"  # an object-store checkpoint is never replaced (no rename there)
-    try:
-        st = os.stat(root)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+    return store.storage_for(root).identity()
 
 
 def _swap_state(path: str) -> tuple:

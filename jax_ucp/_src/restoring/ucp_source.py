@@ -173,7 +173,7 @@ class CheckpointSource(TensorSource):
     def __init__(self, root: str):
         self.root = self.path = root
         self.where = f"the checkpoint {root}"
-        self.url = store.location.is_url(root)
+        self.url = not store.storage_for(root).renames
         self._context = store.zarr3.read_context()
         self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
 
@@ -326,7 +326,8 @@ def verify_shard_objects(root: str, entries) -> None:
     entries = [e for e in entries if e.checksum == "crc32c" and e.shard_digests is not None]
     if not entries:
         return
-    kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
+    storage = store.storage_for(root)
+    kvstore = ts.KvStore.open(storage.kvstore()).result()
     shards, owners = [], []
     for entry in entries:
         n_chunks = _chunks_per_shard(entry)
@@ -337,7 +338,7 @@ def verify_shard_objects(root: str, entries) -> None:
             entry.compression,
         )
         for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
-            where = store.location.join(root, entry.dir, key)
+            where = storage.join(entry.dir, key)
             shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
             owners.append((entry, key, where))
     for start in range(0, len(shards), _OBJECTS_PER_SWEEP):

@@ -1,4 +1,4 @@
-"""Where a checkpoint lives: a local directory, or a prefix in an object store.
+"""A checkpoint under a prefix in an object store (``s3://``, ``gs://``).
 
 ``s3://bucket/path`` and ``gs://bucket/path`` are reached through TensorStore's own kvstore
 drivers (``s3``, ``gcs``), for the arrays and for the few small files around them (``ucp.json``,
@@ -10,27 +10,33 @@ and the GCS endpoint from ``STORAGE_EMULATOR_HOST`` are put in the spec here, si
 does not read those. ``set_object_store_options`` overrides them per scheme.
 
 An object store has no rename, so a checkpoint there is committed by writing ``ucp.json`` last:
-a prefix without it is not a checkpoint (``docs/FORMAT.md``, "Object stores").
+a prefix without it is not a checkpoint (``docs/FORMAT.md``, "Object stores"). Two saves of one
+prefix are kept apart by a lock object in it. The only module that writes objects itself.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import os
+import socket
+import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
 import tensorstore as ts
 
 from jax_ucp._src import format as fmt
-from jax_ucp._src.errors import CheckpointError, RequestError
+from jax_ucp._src.errors import CheckpointError, RequestError, SaveConflictError
+from jax_ucp._src.multihost import liveness
+from jax_ucp._src.store.storage.base import Claim, Storage, Transaction, kvstore_join
+
+log = logging.getLogger(__name__)
 
 SCHEMES = {"s3": "s3", "gs": "gcs"}  # URL scheme -> TensorStore kvstore driver
 _options: dict[str, dict[str, Any]] = {}
-
-
-def is_url(path: Any) -> bool:
-    """True for ``s3://...`` / ``gs://...`` (an object-store checkpoint)."""
-    return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
 
 
 def set_object_store_options(scheme: str, **options: Any) -> None:
@@ -81,10 +87,8 @@ def kvstore_root(url: str) -> dict:
 
 
 def join(root: str, *parts: str) -> str:
-    """``root`` joined with ``parts`` ("/"), for a URL or a local path."""
-    if is_url(root):
-        return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts if p)])
-    return os.path.join(root, *parts)
+    """The URL ``root`` joined with ``parts`` ("/")."""
+    return "/".join([root.rstrip("/"), *(p.strip("/") for p in parts if p)])
 
 
 def _kvstore(root: str | Mapping) -> ts.KvStore:
@@ -198,43 +202,6 @@ def delete_names(root: str, names: list[str]) -> None:
         f.result()
 
 
-def read_manifest(root: str) -> fmt.Manifest:
-    """The checkpoint's ``ucp.json`` (strictly validated), local or in an object store."""
-    if not is_url(root):
-        return fmt.read_manifest_file(root)
-    where = join(root, fmt.MANIFEST_FILE)
-    try:
-        data = read(root, fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
-    except RequestError as e:
-        raise CheckpointError(str(e)) from None
-    if data is None:
-        raise CheckpointError(
-            f"{where}: no manifest; {root} is not a jax_ucp checkpoint (or its save did not "
-            f"complete: an object-store checkpoint exists once its {fmt.MANIFEST_FILE} is written)."
-        )
-    return fmt.Manifest.loads(data, where=where)
-
-
-def write_manifest(root: str, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
-    """``ucp.json`` (or a part of it): for an object store, one PUT, the commit.
-
-    Args:
-        root: the checkpoint (a local directory or an object-store prefix)
-        manifest: what to write
-        name: the file name (``ucp.json``, or a part's name)
-    """
-    text = manifest.dumps()
-    if is_url(root):  # created only if absent: never over another save's commit
-        if not create(root, name, text.encode()):
-            raise RequestError(
-                f"{join(root, name)}: already exists: another save committed this prefix while "
-                f"this one was writing; this save is not committed."
-            )
-        return
-    with open(os.path.join(root, name), "w") as f:
-        f.write(text)
-
-
 def _successor(prefix: str) -> str:
     """The smallest string greater than every string starting with ``prefix``."""
     data = bytearray(prefix.encode())
@@ -244,3 +211,169 @@ def _successor(prefix: str) -> str:
         return ""
     data[-1] += 1
     return data.decode(errors="surrogateescape")
+
+
+LOCK_OBJECT = ".ucp-lock"  # inside the prefix: a role scoped to it can write it
+_held_locks: set[str] = set()  # tokens of the object-store locks this process holds
+
+
+@contextlib.contextmanager
+def object_store_lock(url: str):
+    """``save_lock`` for a prefix ``s3://`` / ``gs://``: the object ``<url>/.ucp-lock``, created
+    only if absent (a conditional PUT), so of two saves to one prefix exactly one proceeds; the
+    other gets ``SaveConflictError`` at once, having written and deleted nothing. The holder
+    deletes it at the end. A lock left by a killed save is taken over by the next save on the
+    same host once that process is gone; from another host the error names the object to
+    delete (no heartbeat tells a slow save from a dead one)."""
+    token = uuid.uuid4().hex
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}
+    where = join(url, LOCK_OBJECT)
+    for _ in range(3):
+        if create(url, LOCK_OBJECT, json.dumps(me).encode()):
+            break
+        held = read_stamped(url, LOCK_OBJECT, 1 << 16)
+        if held is None:
+            continue  # released meanwhile
+        owner = _lock_owner(held[0])
+        if _lock_is_stale(owner, me):
+            log.warning("taking over %s: its process %s is gone", where, (owner or {}).get("pid"))
+            delete(url, LOCK_OBJECT, if_equal=held[1])  # of two takers, one wins
+            continue
+        who = (
+            f"host {owner['host']}, process {owner['pid']}, since "
+            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner['time']))}"
+            if owner
+            else "an unreadable lock"
+        )
+        raise SaveConflictError(
+            f"{url}: another save to this prefix is in progress ({who}: lock object {where}); "
+            f"nothing was written. If that save was killed, delete {where} and save again."
+        )
+    else:
+        raise SaveConflictError(f"{url}: could not take the lock {where}; nothing was written.")
+    _held_locks.add(token)
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        _held_locks.discard(token)
+        try:
+            held = read_stamped(url, LOCK_OBJECT, 1 << 16)
+            if held is not None and (_lock_owner(held[0]) or {}).get("token") == token:
+                delete(url, LOCK_OBJECT)
+        except Exception:
+            if not failed:  # else the save's own error is the one to see
+                raise
+
+
+def _lock_owner(data: bytes) -> dict | None:
+    with contextlib.suppress(ValueError, RecursionError):
+        owner = json.loads(data)
+        if (
+            isinstance(owner, dict)
+            and isinstance(owner.get("host"), str)
+            and type(owner.get("pid")) is int
+            and isinstance(owner.get("time"), (int, float))
+            and isinstance(owner.get("token"), str)
+        ):
+            return owner
+    return None
+
+
+def _lock_is_stale(owner: dict | None, me: dict) -> bool:
+    """A lock of this host whose process is gone (or of this process, not held any more)."""
+    if owner is None or owner["host"] != me["host"]:
+        return False
+    if owner["pid"] == me["pid"]:
+        return owner["token"] not in _held_locks
+    return not liveness.pid_alive(owner["pid"])
+
+
+class ObjectStorePrefix(Storage):
+    """A checkpoint under an ``s3://`` / ``gs://`` prefix: no rename, so committed by its
+    ``ucp.json``, written last and only if absent; locked by an object in the prefix."""
+
+    renames = False
+
+    def absolute(self) -> str:
+        return self.root
+
+    def join(self, *parts: str) -> str:
+        return join(self.root, *parts)
+
+    def kvstore(self, *subpath: str) -> dict:
+        return kvstore_join(kvstore_root(self.root), *subpath)
+
+    def read(self, name: str, limit: int) -> bytes | None:
+        return read(self.root, name, limit)
+
+    def exists(self, name: str) -> bool:
+        return exists(self.root, name)
+
+    def write(self, name: str, data: bytes) -> None:
+        write(self.root, name, data)
+
+    def names(self, prefix: str = "") -> list[str]:
+        """Every object name under ``root`` (relative to it, nested ones too)."""
+        return list_names(self.root, prefix)
+
+    def delete(self, names: list[str]) -> None:
+        delete_names(self.root, names)
+
+    def make_durable(self) -> None:
+        """Nothing: an object store's PUT is durable when it returns."""
+
+    def read_manifest(self) -> fmt.Manifest:
+        where = join(self.root, fmt.MANIFEST_FILE)
+        try:
+            data = read(self.root, fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_BYTES)
+        except RequestError as e:
+            raise CheckpointError(str(e)) from None
+        if data is None:
+            raise CheckpointError(
+                f"{where}: no manifest; {self.root} is not a jax_ucp checkpoint (or its save did "
+                f"not complete: an object-store checkpoint exists once its {fmt.MANIFEST_FILE} is "
+                f"written)."
+            )
+        return fmt.Manifest.loads(data, where=where)
+
+    def write_manifest(self, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
+        """One PUT, the commit: created only if absent, never over another save's commit."""
+        if not create(self.root, name, manifest.dumps().encode()):
+            raise RequestError(
+                f"{join(self.root, name)}: already exists: another save committed this prefix "
+                f"while this one was writing; this save is not committed."
+            )
+
+    def identity(self) -> str:
+        return "url"  # an object-store checkpoint is never replaced (no rename there)
+
+    def lock(self):
+        return object_store_lock(self.root)
+
+    def refuse_early(self, claim: Claim) -> None:
+        """A malformed URL, or a committed checkpoint in the prefix, before anything is written."""
+        kvstore_root(self.root)
+        if exists(self.root, fmt.MANIFEST_FILE):
+            claim.prefix(self.root)
+
+    @contextlib.contextmanager
+    def transaction(self, claim: Claim, *, kind: str, staged: bool, inner: str | None):
+        """A prefix has no rename: the lock object, a killed save's leftovers deleted first
+        (``claim``), the writer's conditional ``ucp.json`` the commit, this save's own objects
+        deleted on failure."""
+        self.refuse_early(claim)
+        with object_store_lock(self.root):
+            claim.prefix(self.root)
+            tx = Transaction(self.root, self.root, replacing=False, staged=False)
+            try:
+                yield tx
+                tx.commit()
+            except BaseException:
+                claim.failed(self.root)
+                raise
+
+    def remove_abandoned(self) -> list[str]:
+        """Nothing: a killed save's objects are deleted by the next save of the prefix."""
+        return []
