@@ -297,7 +297,7 @@ class LocalDirectory(Storage):
         interrupted swap is finished first, a killed writer's temporaries removed. On any
         error what the writer wrote is removed (logged) and ``root`` is as it was."""
         dest = self.absolute()
-        with save_lock(dest):
+        with self.lock():
             recover_interrupted_swap(dest)
             replacing = claim.directory(dest)
             remove_stale_temporaries(dest)

@@ -364,7 +364,7 @@ class ObjectStorePrefix(Storage):
         (``claim``), the writer's conditional ``ucp.json`` the commit, this save's own objects
         deleted on failure."""
         self.refuse_early(claim)
-        with object_store_lock(self.root):
+        with self.lock():
             claim.prefix(self.root)
             tx = Transaction(self.root, self.root, replacing=False, staged=False)
             try:
