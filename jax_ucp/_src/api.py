@@ -56,9 +56,7 @@ def save(
     Returns:
         The checkpoint path, once it is committed.
     """
-    path = os.fspath(path)
-    if not store.is_url(path):
-        path = os.path.abspath(path)
+    path = store.storage_for(path).absolute()
     args = engine.SaveArgs(
         tree,
         logical_axes=logical_axes,

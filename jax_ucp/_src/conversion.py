@@ -182,7 +182,7 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
     """What the destination refuses, before the source is read (checked again under the save
     lock, in the transaction)."""
-    if store.is_url(dest):
+    if not store.storage_for(dest).renames:
         if options.step is not None or options.distributed:
             raise RequestError(
                 f"convert: {dest} is an object store; step= and distributed=True write local "

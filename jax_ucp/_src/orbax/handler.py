@@ -59,7 +59,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         donated or deleted array would change under the write); a blocking save skips them.
         """
         directory = os.fspath(directory)
-        if store.is_url(directory) and commit.ORBAX_TMP_MARK in directory:
+        if not store.storage_for(directory).renames and commit.ORBAX_TMP_MARK in directory:
             raise fmt.UCPError(
                 f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
                 f"an object store cannot do atomically. Pass CheckpointManagerOptions("

@@ -41,7 +41,7 @@ def find_checkpoint_dir(path) -> str:
     next save to ``path`` completes the interrupted swap.
     """
     path = os.fspath(path).rstrip("/") or "/"
-    if store.is_url(path):
+    if not store.storage_for(path).renames:  # an object-store prefix: no swap, no links
         return _find_in_object_store(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return path
@@ -234,22 +234,9 @@ _SWAP_RETRIES = 3
 
 
 def _identity(root: str):
-    """What tells one directory at ``root`` from the next, keyed on what a save changes: the
-    directory (device, inode: ext4 gives a freed inode to the next directory made at once) and
-    its manifest (inode, mtime, size: written anew by every save). Not the ctime, which a
-    ``chmod`` of an idle checkpoint changes too."""
-    if store.is_url(root):
-        return "url"  # an object-store checkpoint is never replaced (no rename there)
-    try:
-        st = os.stat(root)
-    except OSError:
-        return None
-    try:
-        m = os.stat(os.path.join(root, fmt.MANIFEST_FILE))
-        manifest = (m.st_ino, m.st_mtime_ns, m.st_size)
-    except OSError:
-        manifest = None
-    return (st.st_dev, st.st_ino, manifest)
+    """What tells one directory at ``root`` from the next, keyed on what a save changes (the
+    medium's ``identity``: not the ctime, which a ``chmod`` of an idle checkpoint changes)."""
+    return store.storage_for(root).identity()
 
 
 def _swap_state(path: str) -> tuple:
