@@ -1,0 +1,170 @@
+"""Hugging Face model families through ``verify --against SRC --logits``: transformers' own model
+of each family, built offline from a tiny config with random weights and ``save_pretrained``,
+converted, and its logits computed by ``TransformerLM`` from the converted weights through the
+family's shipped spec (``jax_ucp._src.models.hf_families``); and a config field the family does
+not compute refused naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+import jax_ucp
+from jax_ucp._src.logits import compare_logits
+
+_TINY = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+#: family -> (config class, model class, config kwargs, a field the model does not compute
+#: as {field: value} merged into config.json, what the refusal names)
+FAMILIES = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(_TINY, tie_word_embeddings=True),
+        {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'yarn'",
+    ),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(_TINY, sliding_window=5, head_dim=16),
+        {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'dynamic'",
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(_TINY, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        {"layer_types": ["full_attention", "chunked_attention"]},
+        r"layer_types",
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(_TINY, head_dim=16),
+        {"attention_bias": True},
+        r"attention_bias True",
+    ),
+    "gpt2": (
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(
+            vocab_size=96,
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+        {"scale_attn_by_inverse_layer_idx": True},
+        r"scale_attn_by_inverse_layer_idx True",
+    ),
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        dict(_TINY, partial_rotary_factor=0.5, sliding_window=7, pad_token_id=0),
+        {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'longrope'",
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(_TINY, head_dim=16, query_pre_attn_scalar=12, sliding_window=4),
+        {"hidden_activation": "relu"},
+        r"hidden_activation 'relu'",
+    ),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            _TINY,
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+            final_logit_softcapping=3.0,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+            },
+        ),
+        {"use_bidirectional_attention": True},
+        r"use_bidirectional_attention True",
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(_TINY, num_local_experts=4, num_experts_per_tok=2),
+        {"hidden_act": "gelu"},
+        r"hidden_act 'gelu'",
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(
+            _TINY,
+            num_hidden_layers=3,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            mlp_only_layers=[1],
+        ),
+        {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+        r"rope_scaling\.rope_type 'llama3'",
+    ),
+}
+
+
+def _save_tiny(family: str, folder) -> str:
+    """transformers' model of ``family`` from its tiny config, every weight moved off its
+    initial value at random (a norm left at 1 or 0 would not show a misplaced one), saved."""
+    import torch
+    import transformers
+
+    config_class, model_class, kwargs, _, _ = FAMILIES[family]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.torch
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_family_gives_the_sources_logits_and_refuses_what_it_does_not_compute(family, tmp_path):
+    """Converted exactly (every tensor equal to the source's), logits within 1e-4 of
+    transformers'; the same folder with a config field the family does not compute is
+    refused naming the field, before anything is loaded."""
+    src = _save_tiny(family, tmp_path / "src")
+    with open(os.path.join(src, "config.json")) as f:
+        assert json.load(f)["model_type"] == family
+    ckpt = jax_ucp.convert(src, tmp_path / "ucp")
+    found = jax_ucp.verify(ckpt, against=src, logits=True)
+    assert found == [], found
+    assert found.logits is not None and found.logits.ok
+    assert found.logits.max_abs_diff <= 1e-4 and found.logits.batch == (2, 16)
+
+    wrong = shutil.copytree(src, tmp_path / "wrong")
+    with open(wrong / "config.json") as f:
+        config = json.load(f)
+    change, names = FAMILIES[family][3], FAMILIES[family][4]
+    with open(wrong / "config.json", "w") as f:
+        json.dump({**config, **change}, f)
+    with pytest.raises(jax_ucp.SourceError, match=rf"config\.json.*{names}"):
+        compare_logits(ckpt, str(wrong))
