@@ -81,7 +81,14 @@ FAMILIES = {
     "gemma2": (
         "Gemma2Config",
         "Gemma2ForCausalLM",
-        dict(_TINY, head_dim=16, query_pre_attn_scalar=12, sliding_window=4),
+        dict(
+            _TINY,
+            head_dim=16,
+            query_pre_attn_scalar=12,
+            sliding_window=4,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=3.0,
+        ),
         {"hidden_activation": "relu"},
         r"hidden_activation 'relu'",
     ),
