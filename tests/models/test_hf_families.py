@@ -14,6 +14,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.logits import compare_logits
+from jax_ucp._src.models.hf_families import hf_model
 
 _TINY = dict(
     vocab_size=96,
@@ -175,3 +176,87 @@ def test_family_gives_the_sources_logits_and_refuses_what_it_does_not_compute(fa
         json.dump({**config, **change}, f)
     with pytest.raises(jax_ucp.SourceError, match=rf"config\.json.*{names}"):
         compare_logits(ckpt, str(wrong))
+
+
+def _config(family: str, **changes) -> dict:
+    """The tiny config of ``family`` as config.json holds it (no torch)."""
+    return {"model_type": family, **FAMILIES[family][2], **changes}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_builds_a_model_of_the_counted_size_and_its_spec_loads(family):
+    """Torch-free: the family's LMConfig variant runs (logits of the right shape, finite), holds
+    exactly ``parameter_count()`` elements (what --logits checks a config.json against), and
+    its shipped spec loads with the head settings."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ucp.language import load_spec
+    from jax_ucp.models import TransformerLM
+
+    cfg, spec = hf_model(_config(family))
+    assert load_spec(spec, **cfg.head_settings).name == spec
+    tokens = jnp.arange(12, dtype=jnp.int32).reshape(1, 12) % cfg.vocab_size
+    params = TransformerLM(cfg).init(jax.random.key(0), tokens)
+    held = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    assert held == cfg.parameter_count()
+    logits = TransformerLM(cfg).apply(params, tokens)
+    assert logits.shape == (1, 12, cfg.vocab_size) and bool(jnp.isfinite(logits).all())
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_field_the_family_does_not_compute_is_refused_naming_it(family):
+    """Torch-free: the field each family's torch test changes is refused by hf_model itself
+    (a RequestError naming the field and value), never computed differently."""
+    with pytest.raises(jax_ucp.RequestError, match=rf"config\.json: {FAMILIES[family][4]}"):
+        hf_model(_config(family, **FAMILIES[family][3]))
+
+
+@pytest.mark.parametrize(
+    "family, changes, names",
+    [
+        ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"rope_scaling\.rope_type"),
+        ("llama", {"mlp_bias": True}, r"mlp_bias True"),
+        ("qwen2", {"head_dim": 0}, r"head_dim 0"),
+        ("gemma2", {"query_pre_attn_scalar": float("nan")}, r"query_pre_attn_scalar nan"),
+        ("gemma3_text", {"rope_parameters": {"rope_type": "default"}}, r"rope_parameters"),
+        ("mixtral", {"num_experts_per_tok": 5}, r"num_experts_per_tok 5"),
+        ("qwen2_moe", {"mlp_only_layers": "1"}, r"mlp_only_layers"),
+        ("phi3", {"partial_rotary_factor": 0.375}, r"partial_rotary_factor 0.375.*odd"),
+        ("phi3", {"partial_rotary_factor": 1.5}, r"partial_rotary_factor 1.5"),
+        ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
+        ("mistral", {"sliding_window": -3}, r"sliding_window -3"),
+        ("bert", {}, r"model_type 'bert'"),
+    ],
+)
+def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
+    config = _config(family, **changes) if family in FAMILIES else {"model_type": family}
+    with pytest.raises(jax_ucp.RequestError, match=names):
+        hf_model(config)
+
+
+def test_the_sliding_window_masks_keys_further_back_than_it():
+    """A window at least the sequence's length is full attention, bit for bit; a window of 1
+    is not (each query sees only itself)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_ucp.models import TransformerLM
+
+    cfg, _ = hf_model(_config("mistral"))
+    tokens = jnp.arange(10, dtype=jnp.int32)[None]
+    params = TransformerLM(cfg).init(jax.random.key(0), tokens)
+
+    def logits(window):
+        return np.asarray(
+            TransformerLM(dataclasses.replace(cfg, sliding_window=window)).apply(params, tokens)
+        )
+
+    assert np.array_equal(logits(10), logits(None))
+    assert not np.allclose(logits(1), logits(None)) and np.allclose(
+        logits(1)[:, 0], logits(None)[:, 0]
+    )

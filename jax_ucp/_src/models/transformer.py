@@ -14,6 +14,7 @@ in the specs, for both this numpy route and ``jax_ucp.restore(path, spec=...)``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -192,6 +193,26 @@ class LMConfig:
             gelu_tanh=act != "gelu",
         )
         return cls(**kw | overrides)
+
+    @classmethod
+    def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
+        """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
+        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE:
+        ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
+        naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        from jax_ucp._src.models.hf_families import hf_model
+
+        cfg, _ = hf_model(config)
+        return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+    @staticmethod
+    def hf_spec(config: Mapping[str, Any]) -> Spec:
+        """The shipped spec mapping the family's Hugging Face names into ``TransformerLM``'s
+        tree (``hf_llama``, ``hf_qwen2``, ...), with the head settings of ``config``."""
+        from jax_ucp._src.models.hf_families import hf_model
+
+        cfg, name = hf_model(config)
+        return load_spec(name, **cfg.head_settings)
 
     @property
     def head_settings(self) -> dict[str, int]:
