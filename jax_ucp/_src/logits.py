@@ -9,7 +9,7 @@ Bit-exact tensors (``jax_ucp._src.against``) prove the bytes were copied; equal 
 landed where a model reads them (q/k/v merged in the right head order, gate/up, transposes).
 Only models ``TransformerLM`` computes are compared (the ``model_type`` families of
 ``hf_families.FAMILIES``: Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral,
-Qwen2-MoE); any other, or a config field a family does not compute, is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
+Qwen2-MoE, Granite, OLMo 2, StableLM); any other, or a config field a family does not compute, is refused, never skipped. The torch model is freed before the checkpoint is restored: the two
 copies of the weights are never in memory at once.
 """
 

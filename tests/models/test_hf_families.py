@@ -133,6 +133,33 @@ FAMILIES = {
         {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
         r"rope_scaling\.rope_type 'llama3'",
     ),
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            _TINY,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.25,
+            logits_scaling=2.0,
+        ),
+        {"mlp_bias": True},
+        r"mlp_bias True",
+    ),
+    "olmo2": (
+        "Olmo2Config",
+        "Olmo2ForCausalLM",
+        dict(_TINY, pad_token_id=0, eos_token_id=0),
+        {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
+        r"rope_parameters\.rope_type 'yarn'",
+    ),
+    "stablelm": (
+        "StableLmConfig",
+        "StableLmForCausalLM",
+        dict(_TINY, use_qkv_bias=True),
+        {"use_parallel_residual": True},
+        r"use_parallel_residual True",
+    ),
 }
 
 

@@ -205,6 +205,49 @@ FAMILIES: dict[str, Family] = {
             norm_topk_prob=False,
             decoder_sparse_step=1,
         ),
+        _family(
+            "granite",
+            "GraniteForCausalLM",
+            "hf_llama",
+            (
+                *_COMMON,
+                "hidden_act",
+                "attention_bias",
+                "mlp_bias",
+                "embedding_multiplier",
+                "residual_multiplier",
+                "attention_multiplier",
+                "logits_scaling",
+            ),
+            rms_norm_eps=1e-6,
+            embedding_multiplier=1.0,
+            residual_multiplier=1.0,
+            attention_multiplier=1.0,
+            logits_scaling=1.0,
+        ),
+        _family(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            "hf_olmo2",
+            (*_COMMON, "hidden_act", "attention_bias"),
+            rms_norm_eps=1e-5,
+        ),
+        _family(
+            "stablelm",
+            "StableLmForCausalLM",
+            "hf_stablelm",
+            (
+                *_COMMON,
+                "hidden_act",
+                "layer_norm_eps",
+                "partial_rotary_factor",
+                "use_qkv_bias",
+                "qk_layernorm",
+                "use_parallel_residual",
+            ),
+            layer_norm_eps=1e-5,
+            partial_rotary_factor=0.25,
+        ),
     )
 }
 
@@ -388,6 +431,17 @@ def _qwen_window(c: Mapping, layers: int, moe: bool = False) -> dict:
 
 
 # ------------------------------------------------------------------------------- families
+#: more layers than any model has: refused before a list per layer is built
+_MAX_LAYERS = 1 << 20
+
+
+def _layers(c: Mapping) -> int:
+    layers = _int(c, "num_hidden_layers")
+    if layers > _MAX_LAYERS:
+        raise _refuse("num_hidden_layers", layers, f"expected at most {_MAX_LAYERS}")
+    return layers
+
+
 def _base(c: Mapping, partial_ok: bool = False) -> dict:
     """The fields every RoPE / RMSNorm / GLU family shares."""
     hidden, heads = _int(c, "hidden_size"), _int(c, "num_attention_heads")
@@ -402,7 +456,7 @@ def _base(c: Mapping, partial_ok: bool = False) -> dict:
     return dict(
         vocab_size=_int(c, "vocab_size"),
         hidden_size=hidden,
-        num_layers=_int(c, "num_hidden_layers"),
+        num_layers=_layers(c),
         num_attention_heads=heads,
         ffn_hidden_size=_int(c, "intermediate_size"),
         num_query_groups=groups,
@@ -560,10 +614,45 @@ def _gpt2(c: Mapping) -> LMConfig:
     if c.get("scale_attn_weights", True) is not True:
         raise _refuse("scale_attn_weights", c["scale_attn_weights"], "only true is computed")
     _false(c, "scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn")
-    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+    for field in ("hidden_size", "num_attention_heads", "intermediate_size"):
         _int(c, field)
+    _layers(c)
     _int(c, "max_position_embeddings")
     return LMConfig.from_hf_gpt2(c)
+
+
+def _granite(c: Mapping) -> LMConfig:
+    """Llama with Granite's four scalars: embeddings times ``embedding_multiplier``, attention
+    and MLP outputs times ``residual_multiplier``, softmax scale ``attention_multiplier``,
+    logits divided by ``logits_scaling``."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias", "mlp_bias")
+    return LMConfig(
+        **_base(c),
+        embedding_multiplier=_number("embedding_multiplier", c.get("embedding_multiplier")),
+        residual_multiplier=_number("residual_multiplier", c.get("residual_multiplier")),
+        attention_scale=_number("attention_multiplier", c.get("attention_multiplier")),
+        logits_scaling=_number("logits_scaling", c.get("logits_scaling")),
+    )
+
+
+def _olmo2(c: Mapping) -> LMConfig:
+    """OLMo 2: norms on the attention's and the MLP's outputs only, q/k norms over all heads."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "attention_bias")
+    return LMConfig(
+        **_base(c), pre_norm=False, sandwich_norm=True, qk_norm=True, qk_norm_scope="all"
+    )
+
+
+def _stablelm(c: Mapping) -> LMConfig:
+    """StableLM: LayerNorms (with biases), partial rotary (0.25 by default), q/k/v biases when
+    ``use_qkv_bias``; per-head q/k LayerNorms and the parallel residual are refused."""
+    _act(c, "hidden_act", _SILU)
+    _false(c, "qk_layernorm", "use_parallel_residual")
+    kw = _base(c, partial_ok=True)
+    kw.update(normalization="LayerNorm", eps=_number("layer_norm_eps", c.get("layer_norm_eps")))
+    return LMConfig(**kw, qkv_bias=bool(c.get("use_qkv_bias")))
 
 
 def _reader(model_type: str):
@@ -577,4 +666,7 @@ def _reader(model_type: str):
         "gemma3_text": _gemma3,
         "mixtral": _mixtral,
         "qwen2_moe": _qwen2_moe,
+        "granite": _granite,
+        "olmo2": _olmo2,
+        "stablelm": _stablelm,
     }[model_type]

@@ -55,6 +55,10 @@ class LMConfig:
     kv_channels: int | None = None  # head_dim when not hidden_size / heads (Qwen3, Gemma)
     qkv_bias: bool = False  # biases on q/k/v only (Qwen2); ``bias`` puts them everywhere
     qk_norm: bool = False  # RMSNorm of each head's q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_scope: str = "head"  # "head": over head_dim; "all": over all heads at once (OLMo2)
+    pre_norm: bool = True  # norms before attention and MLP (False: OLMo2's output norms only)
+    residual_multiplier: float = 1.0  # attention and MLP outputs times this (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma's (1 + w)
     sandwich_norm: bool = False  # norms on the attention and MLP outputs too (Gemma 2/3)
     glu_activation: str = "silu"  # the gated MLP's activation: silu, gelu_tanh or gelu
@@ -110,12 +114,14 @@ class LMConfig:
         attn = h * qkv + heads * hd * h
         attn += qkv if (self.bias or self.qkv_bias) else 0
         attn += h if self.bias else 0
-        attn += 2 * hd if self.qk_norm else 0
+        if self.qk_norm:
+            attn += 2 * hd if self.qk_norm_scope == "head" else (heads + groups) * hd
+        norms = (2 if self.pre_norm else 0) + (2 if self.sandwich_norm else 0)
         total = self.vocab_size * h * (1 if self.tied else 2) + norm
         if self.position == "learned_absolute":
             total += self.max_position_embeddings * h
         for layer in range(self.num_layers):
-            total += attn + norm * (4 if self.sandwich_norm else 2)
+            total += attn + norm * norms
             if not self.is_moe(layer):
                 total += mlp(self.ffn_hidden_size, self.bias)
                 continue
@@ -197,9 +203,9 @@ class LMConfig:
     @classmethod
     def from_hf(cls, config: Mapping[str, Any], **overrides) -> LMConfig:
         """From the ``config.json`` of any Hugging Face family ``verify --logits`` computes
-        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE:
-        ``hf_families.FAMILIES``); a field the model does not compute is a ``RequestError``
-        naming it. :meth:`hf_spec` gives the spec its weights restore through."""
+        (Llama, Mistral, Qwen2, Qwen3, GPT-2, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE, Granite,
+        OLMo 2, StableLM: ``hf_families.FAMILIES``); a field the model does not compute is a
+        ``RequestError`` naming it. :meth:`hf_spec` gives the spec its weights restore through."""
         from jax_ucp._src.models.hf_families import hf_model
 
         cfg, _ = hf_model(config)
@@ -311,7 +317,10 @@ class Attention(nn.Module):
         q = qkv[..., : q_per_group * head_dim].reshape(batch, seq, heads, head_dim)
         k = qkv[..., q_per_group * head_dim : (q_per_group + 1) * head_dim]
         v = qkv[..., (q_per_group + 1) * head_dim :]
-        if cfg.qk_norm:  # over each head's head_dim, before RoPE
+        if cfg.qk_norm and cfg.qk_norm_scope == "all":  # over all heads' q (k) at once
+            q = _norm_layer(cfg, "q_norm")(q.reshape(batch, seq, -1)).reshape(q.shape)
+            k = _norm_layer(cfg, "k_norm")(k.reshape(batch, seq, -1)).reshape(k.shape)
+        elif cfg.qk_norm:  # over each head's head_dim, before RoPE
             q, k = _norm_layer(cfg, "q_norm")(q), _norm_layer(cfg, "k_norm")(k)
         sliding = cfg.is_sliding(self.layer)
         if cfg.position == "rope":
@@ -427,7 +436,8 @@ class MoE(nn.Module):
 
 class Block(nn.Module):
     """Pre-norm residual layer: attention, then the MLP (or MoE); with ``sandwich_norm`` the
-    attention's and the MLP's outputs are normed too (``attn_out_norm``, ``mlp_out_norm``)."""
+    attention's and the MLP's outputs are normed too (``attn_out_norm``, ``mlp_out_norm``),
+    without ``pre_norm`` only they are."""
 
     cfg: LMConfig
     layer: int = 0
@@ -435,15 +445,18 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.cfg
-        h = Attention(cfg, self.layer, name="attn")(_norm_layer(cfg, "ln_1")(x))
-        if cfg.sandwich_norm:
-            h = _norm_layer(cfg, "attn_out_norm")(h)
-        x = x + h
+
+        def sublayer(module, x, pre: str, post: str):
+            h = module(_norm_layer(cfg, pre)(x) if cfg.pre_norm else x)
+            if cfg.sandwich_norm:
+                h = _norm_layer(cfg, post)(h)
+            if cfg.residual_multiplier != 1.0:
+                h = h * cfg.residual_multiplier
+            return x + h
+
+        x = sublayer(Attention(cfg, self.layer, name="attn"), x, "ln_1", "attn_out_norm")
         ffn = MoE(cfg, name="moe") if cfg.is_moe(self.layer) else MLP(cfg, name="mlp")
-        h = ffn(_norm_layer(cfg, "ln_2")(x))
-        if cfg.sandwich_norm:
-            h = _norm_layer(cfg, "mlp_out_norm")(h)
-        return x + h
+        return sublayer(ffn, x, "ln_2", "mlp_out_norm")
 
 
 class TransformerLM(nn.Module):
@@ -468,6 +481,8 @@ class TransformerLM(nn.Module):
             logits = wte.attend(x)
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, name="lm_head")(x)
+        if cfg.logits_scaling != 1.0:
+            logits = logits / cfg.logits_scaling
         return _softcap(logits, cfg.final_logit_softcapping)
 
 
