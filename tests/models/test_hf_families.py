@@ -233,11 +233,17 @@ def test_each_family_builds_a_model_of_the_counted_size_and_its_spec_loads(famil
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_a_field_the_family_does_not_compute_is_refused_naming_it(family):
+def test_a_field_the_family_does_not_compute_is_refused_naming_it(family, tmp_path):
     """Torch-free: the field each family's torch test changes is refused by hf_model itself
-    (a RequestError naming the field and value), never computed differently."""
+    (a RequestError naming the field and value), and by --logits (a SourceError naming the
+    config.json) before the checkpoint or torch is touched, never computed differently."""
+    config = _config(family, **FAMILIES[family][3])
     with pytest.raises(jax_ucp.RequestError, match=rf"config\.json: {FAMILIES[family][4]}"):
-        hf_model(_config(family, **FAMILIES[family][3]))
+        hf_model(config)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(jax_ucp.SourceError, match=rf"src/config\.json.*{FAMILIES[family][4]}"):
+        compare_logits(str(tmp_path / "never-read"), str(tmp_path / "src"))
 
 
 @pytest.mark.parametrize(
@@ -255,6 +261,8 @@ def test_a_field_the_family_does_not_compute_is_refused_naming_it(family):
         ("qwen3", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor"),
         ("mistral", {"sliding_window": -3}, r"sliding_window -3"),
         ("bert", {}, r"model_type 'bert'"),
+        ("llama", {"num_hidden_layers": 2**30}, r"num_hidden_layers 1073741824"),
+        ("gpt2", {"n_layer": 2**30}, r"num_hidden_layers 1073741824"),
     ],
 )
 def test_values_no_model_has_are_refused_naming_the_field(family, changes, names):
