@@ -295,3 +295,36 @@ def test_the_sliding_window_masks_keys_further_back_than_it():
     assert not np.allclose(logits(1), logits(None)) and np.allclose(
         logits(1)[:, 0], logits(None)[:, 0]
     )
+
+
+def _older_config(config: dict) -> dict:
+    """``config`` as transformers 4 wrote it: RoPE in ``rope_theta`` / ``rope_scaling`` (Gemma 3:
+    ``rope_local_base_freq`` for the local layers), no ``rope_parameters``, no ``layer_types``."""
+    old = {k: v for k, v in config.items() if k not in ("rope_parameters", "layer_types")}
+    rope = config.get("rope_parameters") or {}
+    if "full_attention" in rope:
+        old["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+        rope = rope["full_attention"]
+    old["rope_theta"] = rope.get("rope_theta", 10000.0)
+    if "partial_rotary_factor" in rope:
+        old["partial_rotary_factor"] = rope["partial_rotary_factor"]
+    if rope.get("rope_type", "default") != "default":
+        old["rope_scaling"] = {"rope_type": rope["rope_type"], "factor": rope["factor"]}
+    return old
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"gpt2"}))
+def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
+    """A config.json in transformers 4's form (no rope_parameters, no layer_types): the model
+    read from it is the one read from what transformers 5 makes of it (its own config class,
+    defaults filled in, to_dict)."""
+    import transformers
+
+    config_class, _, kwargs, _, _ = FAMILIES[family]
+    written = getattr(transformers, config_class)(**kwargs).to_dict()
+    older = _older_config(written)
+    again = getattr(transformers, config_class)(
+        **{k: v for k, v in older.items() if k != "model_type"}
+    ).to_dict()
+    assert hf_model(older) == hf_model(again)
