@@ -328,3 +328,11 @@ def test_an_older_config_reads_as_transformers_reads_it(family, tmp_path):
         **{k: v for k, v in older.items() if k != "model_type"}
     ).to_dict()
     assert hf_model(older) == hf_model(again)
+
+
+def test_an_empty_rope_scaling_gives_way_to_rope_parameters():
+    """transformers reads ``rope_scaling or rope_parameters``: an empty ``rope_scaling`` beside
+    transformers 5's ``rope_parameters`` must not reset RoPE's base to the default."""
+    rope = {"rope_type": "default", "rope_theta": 5e5}
+    cfg, _ = hf_model(_config("llama", rope_scaling={}, rope_parameters=rope))
+    assert cfg.rotary_base == 5e5

@@ -360,7 +360,7 @@ def _rope(c: Mapping, partial_ok: bool = False) -> tuple[float, float, float]:
     found = [
         (field, c.get(field))
         for field in ("rope_scaling", "rope_parameters")
-        if c.get(field) is not None
+        if c.get(field)  # an empty rope_scaling gives way to rope_parameters, as in transformers
     ] or [("rope_parameters", {})]
     read = []
     for field, params in found:
