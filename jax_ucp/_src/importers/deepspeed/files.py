@@ -379,7 +379,9 @@ def read_optimizer_states(
                 "different runs"
             )
         if zero_stage_of(state, path) != stage:
-            raise SourceError(f"{path}: zero_stage {zero_stage_of(state, path)}, {first} has {stage}")
+            raise SourceError(
+                f"{path}: zero_stage {zero_stage_of(state, path)}, {first} has {stage}"
+            )
         count = require(state, "partition_count", path)
         if count != partition_count:
             raise SourceError(f"{path}: partition_count {count}, {first} has {partition_count}")

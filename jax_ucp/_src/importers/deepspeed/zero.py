@@ -39,8 +39,8 @@ from jax_ucp._src.importers.deepspeed.files import (
     ZERO3_MODEL_FILE,
     OptimizerStates,
     dtype_of_run,
-    is_bf16_optimizer,
     frozen_shapes_of,
+    is_bf16_optimizer,
     load_model_states,
     optimizer_files_by_rank,
     param_shapes_of,
@@ -932,7 +932,9 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
 
     source = source_record(tag_dir, model_states, 0)
     if run_dtype != np.dtype(np.float32):  # the module's weights in bf16 / fp16: said
-        note = f"params are the module weights in the run's {run_dtype}, not fp32 masters: {unfused}"
+        note = (
+            f"params are the module weights in the run's {run_dtype}, not fp32 masters: {unfused}"
+        )
         source["notes"] = [note]
         warnings.warn(f"{model_file}: {note}", UserWarning, stacklevel=2)
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
@@ -944,7 +946,11 @@ def plan_zero0(tag_dir: str, model_file: str, options: ImportOptions) -> ImportP
 
 
 #: The DeepSpeed optimizer class of each ZeRO stage (recorded as ``source.ds_optimizer``).
-_ZERO_OPTIMIZER = {1: "DeepSpeedZeroOptimizer", 2: "DeepSpeedZeroOptimizer", 3: "DeepSpeedZeroOptimizer_Stage3"}
+_ZERO_OPTIMIZER = {
+    1: "DeepSpeedZeroOptimizer",
+    2: "DeepSpeedZeroOptimizer",
+    3: "DeepSpeedZeroOptimizer_Stage3",
+}
 
 
 def zero_source_info(checkpoint: DeepSpeedCheckpoint) -> dict:

@@ -17,14 +17,18 @@ import os
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import OptimizerOrderWarning, SourceError
 from jax_ucp._src.format import mapped_file
-from jax_ucp._src.importers.deepspeed.files import dtype_of_run, require, source_record, sourced_item
+from jax_ucp._src.importers.deepspeed.files import (
+    dtype_of_run,
+    require,
+    source_record,
+    sourced_item,
+)
 from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, agreed_step, skip, tensor_names
 
 #: Elements compared per tensor while matching masters to module weights (all are compared as
@@ -56,9 +60,7 @@ def module_parameters(model_states: Mapping) -> dict[str, np.ndarray]:
     buffers = set(model_states.get("buffer_names") or [])
     if not isinstance(module, Mapping):
         return {}
-    return {
-        str(n): v for n, v in module.items() if isinstance(v, np.ndarray) and n not in buffers
-    }
+    return {str(n): v for n, v in module.items() if isinstance(v, np.ndarray) and n not in buffers}
 
 
 def _sample(array: np.ndarray) -> np.ndarray:
@@ -81,7 +83,9 @@ def _rounds_to(master: np.ndarray, weight: np.ndarray, *, whole: bool) -> bool:
     return found.tobytes() == _sample(weight).tobytes()
 
 
-def match_masters(optimizer: Mapping, weights: Mapping[str, np.ndarray], model_file: str) -> Masters:
+def match_masters(
+    optimizer: Mapping, weights: Mapping[str, np.ndarray], model_file: str
+) -> Masters:
     """Which module weight each fp32 master is the master of; a master that matches none (in its
     group's module order) is refused naming it.
 
@@ -235,7 +239,9 @@ def plan_unfused(
             "module order alone"
         )
         notes.append(note)
-        warnings.warn(f"{model_file}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2)
+        warnings.warn(
+            f"{model_file}: {note.split(': ', 1)[1]}", OptimizerOrderWarning, stacklevel=2
+        )
     if not notes:
         source.pop("notes")
 
@@ -275,7 +281,7 @@ def _items(names, weights, read, model_dtype, file, step, primary):
             if not _rounds_to(got.master, weight, whole=True):
                 raise SourceError(
                     f"{got.master_tensor}: the fp32 master of {name!r} does not round to its "
-                    f"module weight ({module_tensor.split(':', 1)[1]}) everywhere: the file's "
+                    f"module weight (module.{name}) everywhere: the file's "
                     "optimizer state and module are from different saves"
                 )
             return got.master
@@ -292,4 +298,3 @@ def _items(names, weights, read, model_dtype, file, step, primary):
     if count is not None and primary:
         value = np.asarray(count, np.int32)
         yield sourced_item(("opt_state", "count"), value, "step", tensors)
-
