@@ -178,3 +178,55 @@ def test_a_module_weight_the_optimizer_never_had_is_frozen(tmp_path, monkeypatch
     assert _bits(tree["params"]["h.0.ln_1.weight"]) == _bits(live["fp32/h.0.ln_1.weight"])
     source = jax_ucp.inspect(dest).source
     assert source["frozen_params"] == ["wpe.weight"]
+
+
+@pytest.mark.timeout(120)
+def test_weight_decay_param_groups_match_by_module_order_within_each_group(tmp_path, monkeypatch):
+    """The Trainer's two param groups (matrices with weight decay, the rest without; each in
+    module order, renumbered by torch): every master, moment and step lands on its parameter."""
+
+    def two_groups(states):
+        optimizer = states["optimizer"]
+        masters = optimizer["fp32_groups"][0]
+        inner = optimizer["optimizer_state_dict"]
+        group, state = inner["param_groups"][0], inner["state"]
+        decay = [i for i, m in enumerate(masters) if m.ndim == 2]
+        rest = [i for i, m in enumerate(masters) if m.ndim != 2]
+        optimizer["fp32_groups"] = [[masters[i] for i in decay], [masters[i] for i in rest]]
+        inner["param_groups"] = [
+            dict(group, params=list(range(len(decay)))),
+            dict(group, params=list(range(len(decay), len(masters))), weight_decay=0.0),
+        ]
+        inner["state"] = {new: state[old] for new, old in enumerate(decay + rest)}
+
+    _altered(monkeypatch, two_groups)
+    tree = jax_ucp.restore(_convert(tmp_path / "u"))
+    live = _live()
+    for name in tree["params"]:
+        assert _bits(tree["params"][name]) == _bits(live[f"fp32/{name}"]), name
+        assert _bits(tree["opt_state"]["nu"][name]) == _bits(live[f"exp_avg_sq/{name}"]), name
+    assert len(tree["params"]) == 30
+
+
+@pytest.mark.timeout(120)
+def test_a_tied_weight_is_left_out_as_deepspeeds_shared_params(tmp_path, monkeypatch):
+    """``lm_head.weight`` the same tensor as ``wte.weight`` (one parameter, one master): not
+    imported as a frozen weight but recorded as tied, as DeepSpeed's shared_params are."""
+
+    def tie(states):
+        module = states["module"]
+        module["lm_head.weight"] = module["wte.weight"]
+        optimizer = states["optimizer"]
+        del optimizer["fp32_groups"][0][28]  # lm_head.weight
+        inner = optimizer["optimizer_state_dict"]
+        inner["param_groups"][0]["params"].remove(28)
+        del inner["state"][28]
+
+    _altered(monkeypatch, tie)
+    dest = _convert(tmp_path / "u")
+    tree = jax_ucp.restore(dest)
+    assert "lm_head.weight" not in tree["params"] and len(tree["params"]) == 29
+    source = jax_ucp.inspect(dest).source
+    assert source["shared_params"] == {"lm_head.weight": "wte.weight"}
+    assert source["frozen_params"] == []
+    assert source["skipped"][f"{MODEL_FILE}:module.lm_head.weight"].startswith("tied to")

@@ -8,7 +8,8 @@ optimizer's own, keyed by index (``param_groups[g].params[j]``). Nothing in the 
 master: each is matched to the ``module`` weight it was last copied to (the master rounded to
 the run's dtype is that weight, bit for bit), taking every group's parameters in module order, as
 ``model.parameters()`` and the Trainer's weight-decay groups list them. Module weights no master
-matches are the frozen ones (never handed to the optimizer).
+matches are tied to a trained weight (the same tensor under a second name: left out, as
+DeepSpeed's ``shared_params`` are) or frozen (never handed to the optimizer).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class Masters:
     # name -> (group, position in the group, torch optimizer state index)
     where: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     frozen: list[str] = field(default_factory=list)  # module weights no master matches
+    # module names of a trained weight's own tensor (tied weights: one parameter, one master)
+    tied: dict[str, str] = field(default_factory=dict)
     ambiguous: list[list[str]] = field(default_factory=list)  # same shape and weights
 
 
@@ -61,6 +64,17 @@ def module_parameters(model_states: Mapping) -> dict[str, np.ndarray]:
     if not isinstance(module, Mapping):
         return {}
     return {str(n): v for n, v in module.items() if isinstance(v, np.ndarray) and n not in buffers}
+
+
+def _same_tensor(a: np.ndarray, b: np.ndarray) -> bool:
+    """``a`` and ``b`` are views of the same bytes (one tensor saved under two names, as
+    ``state_dict()`` lists a tied weight)."""
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.strides == b.strides
+        and a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+    )
 
 
 def _sample(array: np.ndarray) -> np.ndarray:
@@ -137,7 +151,14 @@ def match_masters(
             at += 1
     if len({index for _, _, index in out.where.values()}) != len(out.where):
         raise SourceError(f"{model_file}: a parameter index repeats in the torch optimizer")
-    out.frozen = [n for n in names if n not in taken]
+    for name in names:  # a weight the optimizer never had: tied to a trained one, or frozen
+        if name in taken:
+            continue
+        tied = next((n for n in out.where if _same_tensor(weights[n], weights[name])), None)
+        if tied is not None:
+            out.tied[name] = tied
+        else:
+            out.frozen.append(name)
     same: dict[tuple, list[str]] = {}
     for name in out.where:
         weight = weights[name]
@@ -221,6 +242,7 @@ def plan_unfused(
         ds_optimizer="FP16_UnfusedOptimizer",
         model_dtype=str(model_dtype),
         frozen_params=masters.frozen,
+        shared_params=masters.tied,
     )
     notes = source.setdefault("notes", [])
     global_steps = model_states.get("global_steps")
@@ -248,7 +270,9 @@ def plan_unfused(
     found = [f"{file}:{n}" for n in tensor_names(model_states)]
     imported = {r.master_tensor for r in read.values()}
     imported |= {t for r in read.values() for t in r.moment_tensors} | set(step_tensors)
-    imported |= {f"{file}:module.{n}" for n in weights}
+    imported |= {f"{file}:module.{n}" for n in weights if n not in masters.tied}
+    for name, tied in masters.tied.items():
+        skip(source, [f"{file}:module.{name}"], f"tied to {tied!r} (the same tensor in module)")
     optimizer_tensors = [n for n in found if n.startswith(f"{file}:optimizer.")]
     if options.weights_only:
         skip(
@@ -257,7 +281,7 @@ def plan_unfused(
             "weights_only: ZeRO-0 optimizer state (Adam moments and step)",
         )
     skip(source, sorted(set(found) - imported), "not a module weight")
-    names = options.share.pick(weights)
+    names = options.share.pick(n for n in weights if n not in masters.tied)
     items = _items(
         names, weights, read, model_dtype, file, (count, step_tensors), options.share.primary
     )
