@@ -151,8 +151,15 @@ def match_masters(
             at += 1
     if len({index for _, _, index in out.where.values()}) != len(out.where):
         raise SourceError(f"{model_file}: a parameter index repeats in the torch optimizer")
+    _sort_unmatched(out, names, weights)
+    return out
+
+
+def _sort_unmatched(out: Masters, names: list[str], weights: Mapping[str, np.ndarray]) -> None:
+    """Fills ``out.tied`` / ``out.frozen`` (the weights no master matched) and
+    ``out.ambiguous`` (matched weights only module order tells apart)."""
     for name in names:  # a weight the optimizer never had: tied to a trained one, or frozen
-        if name in taken:
+        if name in out.where:
             continue
         tied = next((n for n in out.where if _same_tensor(weights[n], weights[name])), None)
         if tied is not None:
@@ -164,7 +171,6 @@ def match_masters(
         weight = weights[name]
         same.setdefault((weight.shape, _sample(weight).tobytes()), []).append(name)
     out.ambiguous = [group for group in same.values() if len(group) > 1]
-    return out
 
 
 @dataclass
