@@ -43,12 +43,12 @@ def test_fewer_connections_are_a_loss_only_once_they_last_and_name_who_is_not_th
     exchange.count, exchange.index, exchange.lost = 3, 0, agreement.ProcessLostError
     counts = iter([3, 2, 3, 2, 2])
     monkeypatch.setattr(liveness, "connected", lambda port: next(counts))
-    monkeypatch.setattr(agreement, "_CUT_OFF_S", 3600.0)
+    monkeypatch.setattr(agreement, "CUT_OFF_S", 3600.0)
     for _ in range(3):  # full; short for less than the cut-off; full again
         exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
     assert exchange._short_since is None
     exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
-    monkeypatch.setattr(agreement, "_CUT_OFF_S", 0.0)
+    monkeypatch.setattr(agreement, "CUT_OFF_S", 0.0)
     with pytest.raises(agreement.ProcessLostError) as e:
         exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
     assert "1 of the job's 3 processes lost their connection" in str(e.value)

@@ -98,7 +98,7 @@ def _main(
 
 def _cli_wording(message: str) -> str:
     """Library advice in command-line terms (``force=True`` is ``--force`` here)."""
-    message = re.sub(r"\bprocesses=(\d+)", r"--processes \1", message)
+    message = re.sub(r"\bprocesses=([0-9]+)", r"--processes \1", message)
     message = re.sub(r"\bstrict=False\b", "--no-strict", message)
     return re.sub(r"\bforce=True\b", "--force", message)
 
@@ -508,8 +508,9 @@ def convert(
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
     order = _read_parameter_order(parameter_order) if parameter_order is not None else None
-    importing = registry.import_options(
-        from_,
+    importer = registry.importer_for(src, from_)  # detected first, then its format's options
+    importing = registry.importer_options(
+        importer,
         spec=spec,
         weights_only=weights_only,
         tag=tag,
@@ -527,7 +528,7 @@ def convert(
     out = _convert_reporting_lost_processes(
         src,
         dst,
-        format=from_,
+        format=importer.name,
         importing=importing,
         memory_budget=memory_budget,
         force=force,
@@ -612,12 +613,13 @@ def _parse_mesh(text: str) -> list[tuple[str, int]]:
     axes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        number = files.name_number(size.strip())  # ASCII digits: int("²") would be a raw ValueError
+        if not sep or not name.strip() or number is None or number < 1:
             raise typer.BadParameter(
                 f"expected axis=size[,axis=size...] (e.g. data=2,model=4), got {part!r}",
                 param_hint="--mesh",
             )
-        axes.append((name.strip(), int(size)))
+        axes.append((name.strip(), number))
     if not axes:
         raise typer.BadParameter("no mesh axes given (e.g. data=2,model=4)", param_hint="--mesh")
     names = [name for name, _ in axes]

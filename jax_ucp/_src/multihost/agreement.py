@@ -62,7 +62,7 @@ _RUNS: dict[str, Iterator[int]] = collections.defaultdict(itertools.count)  # pe
 _POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
 # how long fewer processes than the job's must be connected to the coordinator before one that
 # has not answered is taken for lost (a connection being made again is not a death)
-_CUT_OFF_S = 1.0
+CUT_OFF_S = 1.0
 
 
 def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int, Gather] | None:
@@ -213,7 +213,7 @@ class Exchange:
 
     def raise_if_cut_off(self, missing: list[int], step: str, head: str) -> None:
         """``lost`` when this process serves the coordinator and fewer than the job's processes
-        have been connected to it for ``_CUT_OFF_S``: the ``missing`` ones (which have not
+        have been connected to it for ``CUT_OFF_S``: the ``missing`` ones (which have not
         answered ``step``) are named, even one that never said who it is."""
         if self.served is None or not missing:
             return
@@ -223,7 +223,7 @@ class Exchange:
             return
         if self._short_since is None:
             self._short_since = time.monotonic()
-        if time.monotonic() - self._short_since < _CUT_OFF_S:
+        if time.monotonic() - self._short_since < CUT_OFF_S:
             return
         gone, who = self.count - now, ", ".join(map(str, missing))
         coordinator = f"jax.distributed's coordinator (served by process {self.index})"
