@@ -121,6 +121,8 @@ _HF_TO_TUNE = {hf: tune for tune, hf in TUNE_TO_HF.items()}
 def _dist_order(folder: str) -> tuple[list[str], str] | None:
     """torchtune's builder's order of a ``dist_epoch_N/``'s model (its ``model.*`` tensors),
     when torchtune is installed and builds exactly those parameters."""
+    if torchtune_order.torchtune_builder() is None:
+        return None
     checkpoint = dcp_reader.open_dcp(folder)
     prefix = "model."
     shapes = {

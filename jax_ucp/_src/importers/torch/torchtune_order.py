@@ -15,6 +15,7 @@ Llama-family model and the caller refuses as without torchtune.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -27,7 +28,10 @@ _LAYER = re.compile(r"^layers\.([0-9]+)\.", re.ASCII)
 
 
 def torchtune_builder():
-    """(torch, torchtune, the ``llama3_2`` component builder), or None when not installed."""
+    """(torch, torchtune, the ``llama3_2`` component builder), or None when not installed
+    (asked first without importing torch)."""
+    if importlib.util.find_spec("torchtune") is None:
+        return None
     try:
         import torch  # pyright: ignore[reportMissingImports]  # the torch extra
         import torchtune  # pyright: ignore[reportMissingImports]  # installed by the user
