@@ -20,7 +20,7 @@ import numpy as np
 from jax_ucp._src import format as fmt
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.restoring import locate
+from jax_ucp._src.restoring import locate, steps
 from jax_ucp._src.restoring.engine import OpenedSource
 from jax_ucp._src.restoring.import_source import ImportSource
 
@@ -48,7 +48,7 @@ def import_format(
                 f"convert reads (torch, DeepSpeed, Megatron, ...), not to a UCP checkpoint."
             )
         return None
-    if os.path.isdir(path) and locate.manager_steps(path):
+    if os.path.isdir(path) and steps.with_ucp_items(path):
         return None  # a CheckpointManager root: locate says which step to pass
     from jax_ucp._src.importers import registry  # the edge restoring -> importers
 

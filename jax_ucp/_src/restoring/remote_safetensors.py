@@ -21,7 +21,7 @@ from jax_ucp._src.errors import CheckpointError, SourceError, tensorstore_messag
 from jax_ucp._src.format import safetensors
 from jax_ucp._src.restoring.engine import OpenedSource, TensorSource
 from jax_ucp._src.restoring.model import Available
-from jax_ucp._src.store import location, shard_reader
+from jax_ucp._src.store import shard_reader
 
 ROOT = "params"  # where the importer puts the weights, as safetensors_source
 VIEW_CHUNK_BYTES = 4 << 20  # rows per chunk of a TensorStore view
@@ -36,10 +36,11 @@ def is_source(url) -> bool:
         return False
     if url.endswith(".safetensors"):
         return True
-    if location.exists(url, fmt.MANIFEST_FILE):
+    prefix = store.storage_for(url)
+    if prefix.exists(fmt.MANIFEST_FILE):
         return False
-    return location.exists(url, safetensors.INDEX_FILE) or any(
-        "/" not in n and n.endswith(".safetensors") for n in location.list_names(url)
+    return prefix.exists(safetensors.INDEX_FILE) or any(
+        "/" not in n and n.endswith(".safetensors") for n in prefix.names()
     )
 
 
@@ -48,18 +49,17 @@ def _objects(url: str) -> tuple[str, list[str]]:
     if url.endswith(".safetensors"):
         prefix, _, name = url.rpartition("/")
         return prefix, [name]
-    raw = location.read(url, safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
+    prefix = store.storage_for(url)
+    raw = prefix.read(safetensors.INDEX_FILE, safetensors.MAX_INDEX_BYTES)
     if raw is None:
-        names = sorted(
-            n for n in location.list_names(url) if "/" not in n and n.endswith(".safetensors")
-        )
+        names = sorted(n for n in prefix.names() if "/" not in n and n.endswith(".safetensors"))
         if len(names) != 1:
             raise SourceError(
                 f"{url}: {len(names)} .safetensors objects and no {safetensors.INDEX_FILE} "
                 f"saying which belong to the model; add the index, or pass the one you mean."
             )
         return url, names
-    where = location.join(url, safetensors.INDEX_FILE)
+    where = prefix.join(safetensors.INDEX_FILE)
     try:
         data = safetensors.strict_json(raw.decode("utf-8"), where)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -218,11 +218,12 @@ def opened_source(url, spec=None) -> Iterator[OpenedSource]:
       spec: a UCP-language spec whose views of the tensors are restored (None: the tensors).
     """
     url = str(url).rstrip("/")
-    prefix, names = _objects(url)
-    kv = ts.KvStore.open(location.kvstore_root(prefix)).result()
+    root, names = _objects(url)
+    prefix = store.storage_for(root)
+    kv = ts.KvStore.open(prefix.kvstore()).result()
     tensors: dict[tuple[str, ...], RemoteTensor] = {}
     for name in names:
-        shown = location.join(prefix, name)
+        shown = prefix.join(name)
         parsed = _header(kv, name, shown)
         for tensor, (dtype, shape, begin, _) in parsed.header.items():
             if (ROOT, tensor) in tensors:
