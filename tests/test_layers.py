@@ -479,7 +479,10 @@ STORAGE = ("store/storage/", "store/location.py")  # location.py: the client's o
 RENAMES = {("os", "rename"), ("os", "replace"), ("os", "renames"), ("shutil", "move")}
 OBJECT_CLIENTS = {"object_store", "location"}  # the object-store client (and its forwards)
 OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
-KVSTORE_READERS = {"restoring/ucp_source.py"}  # opens a prefix to read its shards' digests
+KVSTORE_READERS = {
+    "restoring/ucp_source.py",  # opens a prefix to read its shards' digests
+    "restoring/remote_safetensors.py",  # byte ranges of safetensors objects, read only
+}
 
 
 def _storage_escapes(rel: str, tree: ast.AST):
