@@ -34,6 +34,7 @@ INTERNAL = {
     "MegatronImportError": ("jax_ucp._src.importers.megatron.common", "SourceError"),
     "ProcessLostError": ("jax_ucp._src.multihost.agreement", "MultiProcessError"),
     "ShardLayoutError": ("jax_ucp._src.torchfiles.sharded", "SourceError"),
+    "MissingExtraError": ("jax_ucp._src.against", "SourceError"),
 }
 
 

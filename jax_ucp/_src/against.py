@@ -47,7 +47,7 @@ __all__ = ["Comparison", "compare_with_source", "dcp_reader"]
 log = logging.getLogger(__name__)
 
 
-class _MissingExtra(SourceError):
+class MissingExtraError(SourceError):
     """A source framework's loader that is not installed: the proof cannot be made here, so
     the verify stops naming the extra to install (never a tensor quietly "not compared")."""
 
@@ -347,13 +347,13 @@ _EXTRAS = {
 }
 
 
-def _missing_extra(e: ImportError) -> _MissingExtra | None:
+def _missing_extra(e: ImportError) -> MissingExtraError | None:
     """The error naming the extra to install, when ``e`` is a source loader's package missing."""
     root = (e.name or "").split(".")[0]
     if root not in _EXTRAS:
         return None
     what, extra = _EXTRAS[root]
-    return _MissingExtra(
+    return MissingExtraError(
         f"--against reads this source with {what}, and {root} is not installed here ({e}); "
         f"install the extra: pip install 'jax_ucp[{extra}]'"
     )
@@ -680,7 +680,7 @@ def _compare_one(
             str(planned.get("format") or framework), src, planned, entry.name, source_path
         )
         want = read()
-    except (UnsafeFileError, _MissingExtra):
+    except (UnsafeFileError, MissingExtraError):
         raise
     except ImportError as e:
         raise (_missing_extra(e) or e) from None
