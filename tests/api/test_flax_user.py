@@ -178,7 +178,7 @@ def test_nnx_state_keeps_its_variables_and_records_their_axis_names(tmp_path):
     # Restored onto another mesh through the recorded names, no target needed.
     new = mesh((4, 2), ("fsdp", "tp"))
     out = jax_ucp.restore(tmp_path / "c", mesh=new, rules=[("embed", "fsdp"), ("mlp", "tp")])
-    assert out["model"]["up"]["kernel"]["value"].sharding.spec == P("fsdp", "tp")
+    assert out["model"]["up"]["kernel"].get_value().sharding.spec == P("fsdp", "tp")
 
     # nnx.eval_shape under jax.set_mesh gives shardings on an AbstractMesh: mesh= makes them
     # concrete, and the State of Variables comes back as the target's.
