@@ -104,7 +104,7 @@ def _as_keys(key, data, impl: str | None, want=None):
     if want is not None and keys.dtype != want:
         raise CheckpointError(
             f"Leaf {fmt.key_to_str(key)!r}: the checkpoint holds PRNG keys of implementation "
-            f"{impl!r} ({keys.dtype}); the target wants {want}."
+            f"{impl!r} ({keys.dtype}); the target wants keys of {_impl_of(want)!r} ({want})."
         )
     return keys
 
