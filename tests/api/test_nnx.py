@@ -181,3 +181,26 @@ def test_the_roles_of_an_nnx_state_follow_its_variable_classes(tmp_path):
     jax_ucp.save(tmp_path / "c", state)
     roles = {e.name: e.role for e in jax_ucp.inspect(tmp_path / "c").tensors}
     assert roles == {"weights/w/value": "param", "ema/w": "other"}
+
+
+@pytest.mark.timeout(900)
+def test_the_nnx_resume_example_runs_as_written(tmp_path, monkeypatch):
+    """examples/nnx_resume.py as docs/NNX.md shows it: trained on 8 devices, preempted,
+    resumed without a target on 4 devices and grown back to 8, each in a fresh process."""
+    import runpy
+
+    from tests.ucp_testing import REPO
+
+    monkeypatch.setenv("PYTHONPATH", REPO)  # the phases' processes import this checkout
+    example = runpy.run_path(f"{REPO}/examples/nnx_resume.py", run_name="nnx_resume")
+    out = example["main"](str(tmp_path))
+    results = out["results"]
+    assert results["resume"]["devices"] == 4 and results["grow"]["devices"] == 8
+    assert results["resume"]["mesh"] == {"fsdp": 2, "tp": 2}
+    assert results["grow"]["mesh"] == {"fsdp": 4, "tp": 2}
+    for phase in ("resume", "grow"):
+        assert results[phase]["kernel_spec"] == ["fsdp", "tp"]
+    # every step after the preemption is trained once more, from the last committed save
+    assert results["resume"]["first"] <= example["PREEMPT_AT"] < results["grow"]["first"]
+    assert set(results["grow"]["losses"]) >= {str(example["STEPS"] - 1)}
+    assert out["worst"] < 1e-5, out["worst"]  # the losses continue the uninterrupted run's
