@@ -13,6 +13,10 @@ CLI: ``jax-ucp --version``, ``inspect``, ``verify``, ``plan`` and ``latest`` (wh
 exists) of the same checkpoint, wall time of the whole process, and whether it loaded JAX.
 
   python benchmarks/bench_cold_start.py [--rounds 3] [--mib 64] [--dir /tmp/ucp_cold]
+      [--baseline-tree /path/to/another/checkout]   # its jax_ucp too, alternating, same load
+
+Children run in ``--dir`` (the working directory comes first on ``sys.path``: run from a
+checkout, a child would import that checkout whatever PYTHONPATH says).
 
 Writes docs/benchmark_cold_start.json (with the host's load average before and after).
 """
@@ -111,9 +115,9 @@ def shapes_of(plain, names):
     return jax.tree.map(one, plain, names, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def timed(cmd: list[str], env: dict) -> tuple[float, str]:
+def timed(cmd: list[str], env: dict, cwd: str) -> tuple[float, str]:
     t = time.perf_counter()
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=cwd)
     wall = time.perf_counter() - t
     if r.returncode != 0:
         raise RuntimeError(f"{cmd}: exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
@@ -126,6 +130,7 @@ def main() -> None:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--dir", default="/tmp/ucp_cold")
     ap.add_argument("--out", default=os.path.join(REPO, "docs", "benchmark_cold_start.json"))
+    ap.add_argument("--baseline-tree", help="another checkout whose jax_ucp is timed too")
     args = ap.parse_args()
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     load_before = os.getloadavg()
@@ -146,17 +151,24 @@ def main() -> None:
     checkpointer.wait_until_finished()
     nbytes = sum(x.nbytes for x in jax.tree.leaves(plain)) * 3
     shapes = json.dumps(shapes_of(plain, names))
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    trees = {"": REPO, **({"@baseline": args.baseline_tree} if args.baseline_tree else {})}
+    envs = {
+        tag: {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        for tag, tree in trees.items()
+    }
+    env, cwd = envs[""], args.dir
+    contenders = [("jax_ucp", ucp_path, ""), ("orbax", orbax_path, "")]
+    contenders += [("jax_ucp", ucp_path, tag) for tag in trees if tag]
 
-    restore: dict[str, list[dict]] = {"jax_ucp": [], "orbax": []}
+    restore: dict[str, list[dict]] = {which + tag: [] for which, _, tag in contenders}
     for r in range(args.rounds):
-        for which, path in (("jax_ucp", ucp_path), ("orbax", orbax_path)):
-            wall, out = timed([sys.executable, "-c", CHILD, which, path, shapes], env)
+        for which, path, tag in contenders:
+            wall, out = timed([sys.executable, "-c", CHILD, which, path, shapes], envs[tag], cwd)
             result = json.loads(next(x for x in out.splitlines() if x.startswith("RESULT "))[7:])
             result["process"] = wall
-            restore[which].append(result)
+            restore[which + tag].append(result)
             print(
-                f"round {r} {which:8} restore: "
+                f"round {r} {which + tag:16} restore: "
                 + ", ".join(f"{k} {v:.2f} s" for k, v in result.items())
             )
 
@@ -176,7 +188,7 @@ def main() -> None:
             "mlp=tp",
         ],
     }
-    probe = subprocess.run([*cli, "latest", "--help"], capture_output=True, env=env)
+    probe = subprocess.run([*cli, "latest", "--help"], capture_output=True, env=env, cwd=cwd)
     if probe.returncode == 0:
         commands["latest"] = ["latest", args.dir]
     wrapper = (
@@ -185,16 +197,21 @@ def main() -> None:
         "except SystemExit as e:\n    code = e.code\nelse:\n    code = 0\n"
         "print('JAX-LOADED' if 'jax' in sys.modules else 'JAX-FREE')\nsys.exit(code)\n"
     )
-    cli_times: dict[str, list[float]] = {name: [] for name in commands}
+    cli_times: dict[str, list[float]] = {name + tag: [] for name in commands for tag in trees}
     cli_jax: dict[str, bool] = {}
     for r in range(args.rounds):
         for name, argv in commands.items():
-            wall, _ = timed([*cli, *argv], env)
-            cli_times[name].append(wall)
-            if r == 0:
-                _, out = timed([sys.executable, "-c", wrapper, *argv], env)
-                cli_jax[name] = "JAX-LOADED" in out
-        print(f"round {r} cli: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in cli_times.items()))
+            for tag in trees:
+                if name == "latest" and tag:
+                    continue
+                wall, _ = timed([*cli, *argv], envs[tag], cwd)
+                cli_times[name + tag].append(wall)
+                if r == 0:
+                    _, out = timed([sys.executable, "-c", wrapper, *argv], envs[tag], cwd)
+                    cli_jax[name + tag] = "JAX-LOADED" in out
+        print(
+            f"round {r} cli: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in cli_times.items() if v)
+        )
 
     def med(rows, field):
         return statistics.median(x[field] for x in rows)
@@ -210,7 +227,7 @@ def main() -> None:
             for which, rows in restore.items()
         },
         "restore_rounds": restore,
-        "cli_seconds": {k: statistics.median(v) for k, v in cli_times.items()},
+        "cli_seconds": {k: statistics.median(v) for k, v in cli_times.items() if v},
         "cli_rounds": cli_times,
         "cli_loads_jax": cli_jax,
     }
