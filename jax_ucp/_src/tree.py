@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -550,6 +551,12 @@ def describe_structure(tree) -> dict:
 _RESERVED_METADATA = frozenset(("hijax", "ref", "eager_sharding"))
 
 
+def _json_scalar(v) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)  # ucp.json is strict JSON
+    return isinstance(v, (type(None), str, bool, int))
+
+
 def _variable_metadata(variable) -> dict:
     """An ``nnx.Variable``'s metadata that JSON holds (out_sharding, an RNG stream's tag, ...),
     recorded so a restore without a target gives the Variable back with it."""
@@ -560,8 +567,7 @@ def _variable_metadata(variable) -> dict:
             continue
         if isinstance(v, tuple):
             v = list(v)
-        scalar = (type(None), str, bool, int, float)
-        if isinstance(v, scalar) or (isinstance(v, list) and all(isinstance(x, scalar) for x in v)):
+        if _json_scalar(v) or (isinstance(v, list) and all(map(_json_scalar, v))):
             out[name] = v
     return out
 
