@@ -274,7 +274,7 @@ _PACKAGES = ("optax", "flax")
 #: "variable" (an ``nnx.Variable``). ``inspect`` and ``verify`` judge a manifest's classes by it
 #: without importing optax or flax (and so JAX: 1-4 s); tests/test_tree.py checks it against
 #: the installed packages.
-_KNOWN: dict[str, dict[str, tuple[str, ...] | str]] = {
+KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
     "optax": {
         "AddNoiseState": ("count", "rng_key"),
         "ApplyEvery": ("count", "grad_acc"),
@@ -490,16 +490,16 @@ def allowed_class(name: object) -> type | None:
     return _by_qualname(package).get(name.partition(":")[2])
 
 
-def _class_kind(name: object, live: bool) -> tuple[str, tuple[str, ...] | None] | None:
+def class_kind(name: object, live: bool) -> tuple[str, tuple[str, ...] | None] | None:
     """("namedtuple", fields) | ("dict", None) | ("variable", None) for an allow-listed class
     name, else None. ``live``: from the classes themselves (imports their package); else from
-    ``_KNOWN`` (no import)."""
+    ``KNOWN_CLASSES`` (no import)."""
     package = _package_of(name)
     if package is None:
         return None
     assert isinstance(name, str)
     if not live:
-        known = _KNOWN[package].get(name.partition(":")[2])
+        known = KNOWN_CLASSES[package].get(name.partition(":")[2])
         if known is None:
             return None
         return ("namedtuple", known) if isinstance(known, tuple) else (known, None)
@@ -696,8 +696,8 @@ def _node_kind(description: dict, live: bool = True) -> str | None:
     """How a "namedtuple"/"object" node is rebuilt: "namedtuple" (an allow-listed NamedTuple
     whose fields are exactly the children's names), "variable" (an allow-listed nnx.Variable
     holding one "value"), "dict" (an allow-listed dict-like class); None: as a dict of its
-    fields. ``live``: see ``_class_kind``."""
-    found = _class_kind(description.get("class"), live)
+    fields. ``live``: see ``class_kind``."""
+    found = class_kind(description.get("class"), live)
     if found is None:
         return None
     kind, fields = found
@@ -716,7 +716,7 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
     nodes a restore without a target gives back as plain dicts (a class outside the
     allow-list, or fields that differ), by class, with a few of their paths; [] when there
     are none. Judged without importing optax or flax when they are not loaded yet
-    (``_KNOWN``), so ``inspect`` and ``verify`` start without JAX."""
+    (``KNOWN_CLASSES``), so ``inspect`` and ``verify`` start without JAX."""
     found: list[tuple[str, str, str]] = []  # (node path, class, why)
     stack: list[tuple[tuple[str, ...], dict]] = (
         [((), description)] if description is not None else []
@@ -731,7 +731,7 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
             if _node_kind(node, live) is None:
                 why = (
                     "is not in the allow-list of container classes"
-                    if _class_kind(name, live) is None
+                    if class_kind(name, live) is None
                     else "is allow-listed but its fields are not "
                     + _short_text(tuple(name for name, _, _ in node["children"]))
                 )
