@@ -133,6 +133,9 @@ def test_typed_prng_keys_come_back_as_keys(tmp_path, impl):
     }
     got = jax_ucp.restore(tmp_path / "c", target=target)
     assert got["rng"]["many"].sharding == sharded.sharding
+    cast = jax_ucp.restore(tmp_path / "c", target=target, dtype=np.float32)  # keys stay keys
+    assert cast["rng"]["one"].dtype == keys.dtype
+    assert jax_ucp.restore(tmp_path / "c", dtype=np.float32)["rng"]["one"].dtype == keys.dtype
     assert_bit_exact(
         jax.random.key_data(got["rng"]["one"]), jax.random.key_data(jax.random.key(9, impl=impl))
     )

@@ -45,7 +45,8 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
         impls = {k: key_impl_of(av) for k, av in every.items() if key_impl_of(av)}
         reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh, impls)
         for r in reqs if options.dtype is not None else ():
-            r.dtype = np.dtype(options.dtype)
+            if tuple(map(str, r.key)) not in impls:  # key data is never cast
+                r.dtype = np.dtype(options.dtype)
         return Wanted(reqs, every, rebuild)
     where = opened.source.path
     if options.mesh is not None:
