@@ -207,3 +207,21 @@ def test_the_nnx_resume_example_runs_as_written(tmp_path, monkeypatch):
     assert results["resume"]["first"] <= example["PREEMPT_AT"] < results["grow"]["first"]
     assert set(results["grow"]["losses"]) >= {str(example["STEPS"] - 1)}
     assert out["worst"] < 1e-5, out["worst"]  # the losses continue the uninterrupted run's
+
+
+@pytest.mark.timeout(60)
+def test_a_variables_recorded_metadata_is_json_scalars_and_never_flaxs_own(tmp_path):
+    jax_ucp.save(tmp_path / "c", {"m": nnx.State({"w": nnx.Param(jnp.ones(2), tag="x")})})
+    path = tmp_path / "c" / "ucp.json"
+    d = json.loads(path.read_text())
+    node = d["tree"]["children"][0][2]["children"][0][2]
+    assert node["class"].endswith(":Param") and node["metadata"] == {"tag": "x"}
+    node["metadata"] = {"tag": "y", "hijax": True, "ref": True}  # flax's own: not from a file
+    path.write_text(json.dumps(d))
+    w = jax_ucp.restore(tmp_path / "c")["m"]["w"]
+    assert type(w) is nnx.Param and w.get_metadata()["tag"] == "y"
+    assert w.get_metadata()["hijax"] is False and w.get_metadata()["ref"] is False
+    node["metadata"] = {"tag": {"nested": "object"}}
+    path.write_text(json.dumps(d))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"metadata\.tag: expected a JSON scalar"):
+        jax_ucp.restore(tmp_path / "c")
