@@ -53,6 +53,7 @@ JAX_FREE = {
     "jax_ucp._src.restoring.ucp_source",
     "jax_ucp._src.restoring.safetensors_source",
     "jax_ucp._src.restoring.inspecting",
+    "jax_ucp._src.api",  # verify and latest_step: jax-ucp verify starts without JAX
     "jax_ucp._src.tree",
     "jax_ucp.exporters",
 }
