@@ -669,9 +669,11 @@ def _child_key(name: str, key_type: str):
     """A child's key in its rebuilt container: an int for a position or an integer dict key."""
     if key_type == "index":
         try:
-            return int(name)
+            number = int(name)
         except ValueError:  # an untrusted manifest's "index" that is no number: a name
             return name
+        if str(number) == name:  # "01" or " 1" stay names: two children never share a key
+            return number
     return name
 
 

@@ -176,6 +176,16 @@ def test_a_dicts_int_keys_come_back_as_ints(tmp_path):
     jax_ucp.save(tmp_path / "c", {"layers": {0: np.ones(2), 1: np.zeros(2)}, "n": {"0": 1}})
     out = jax_ucp.restore(tmp_path / "c")
     assert list(out["layers"]) == [0, 1] and list(out["n"]) == ["0"]
+    # a manifest naming two children "1" and "01" as int keys: both kept, never one lost
+    path = tmp_path / "c" / "ucp.json"
+    d = json.loads(path.read_text())
+    layers = next(c for n, _, c in d["tree"]["children"] if n == "layers")
+    layers["children"][0][0] = "01"
+    for e in d["entries"]:
+        if e["key"] == ["layers", "0"]:
+            e["key"] = ["layers", "01"]
+    path.write_text(json.dumps(d))
+    assert sorted(map(str, jax_ucp.restore(tmp_path / "c")["layers"])) == ["01", "1"]
 
 
 @pytest.mark.timeout(60)
