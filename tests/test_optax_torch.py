@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -511,3 +512,33 @@ def test_optax_from_torch_options_refuse_a_second_spec(tmp_path):
     ckpt = jax_ucp.convert(src, tmp_path / "ucp")
     with pytest.raises(jax_ucp.RequestError, match=r"optax_from_torch\(spec=\)"):
         jax_ucp.optax_from_torch(ckpt, options=jax_ucp.RestoreOptions(spec="hf_llama"))
+
+
+def _trainer_at_global_step(tmp_path, kind: str, global_step: int) -> str:
+    """A copy of a Trainer fixture whose trainer_state.json says ``global_step``."""
+    src = str(shutil.copytree(os.path.join(FIX, kind, "checkpoint-3"), tmp_path / kind))
+    path = os.path.join(src, "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    state["global_step"] = global_step
+    with open(path, "w") as f:
+        json.dump(state, f)
+    return src
+
+
+def test_a_trainer_global_step_other_than_the_optimizers_is_said(tmp_path, monkeypatch):
+    """trainer_state.json at global_step 5, optimizer.pt at step 3: the continuation takes the
+    optimizer's step (Adam's bias correction runs on it) and says so, naming both (it was
+    continued at 3 with no note)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    src = _trainer_at_global_step(tmp_path, "trainer_fp32", 5)
+    with np.load(os.path.join(FIX, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    ckpt = jax_ucp.convert(
+        src, tmp_path / "ucp", parameter_order=[n for n in names if n not in norms] + norms
+    )
+    said = r"trainer_state\.json's global_step is 5, the optimizer's step \(optimizer\.pt\) 3"
+    with pytest.warns(UserWarning, match=said):
+        run = jax_ucp.optax_from_torch(ckpt)
+    assert run.step == 3 and any("global_step is 5" in n for n in run.notes)

@@ -131,7 +131,10 @@ def _loader(
     raise SourceError(f"no framework loader compared for {fmt!r} imports yet")
 
 
-_RANK = {"verl": re.compile(r"_rank_(\d+)\.pt$"), "torch_checkpointing": re.compile(r"_(\d+)\.pt$")}
+_RANK = {
+    "verl": re.compile(r"_rank_([0-9]+)\.pt\Z"),
+    "torch_checkpointing": re.compile(r"_([0-9]+)\.pt\Z"),
+}
 
 
 def _rank_parts(
@@ -543,7 +546,9 @@ def _plan_again(src: str, manifest: Any) -> _Expected:
         for k, v in fields.items()
     )
     try:
-        plan = registry.plan_import(src, registry.import_options(None, **fields))
+        importer = registry.importer_for(src)
+        options = registry.importer_options(importer, **fields)
+        plan = registry.plan_import(src, options, format=importer.name)
         provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
     except (SourceError, RequestError) as e:
         raise SourceError(

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import warnings
 from typing import Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src import tree as tree_lib
-from jax_ucp._src.errors import CheckpointError, RequestError, ResumeWarning, SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp._src.restoring import locate, model, ucp_source
+from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
 from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 
 # JAX-free at import: ``verify`` and ``latest_step`` (``jax-ucp verify``/``latest``) never load
@@ -68,9 +67,7 @@ def save(
     """
     from jax_ucp._src.saving import engine  # JAX: here, so verify starts without it
 
-    path = os.fspath(path)
-    if not store.is_url(path):
-        path = os.path.abspath(path)
+    path = store.storage_for(path).absolute()
     args = engine.SaveArgs(
         tree,
         logical_axes=logical_axes,
@@ -84,34 +81,45 @@ def save(
     return path
 
 
-def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:
-    """The newest step of a CheckpointManager root that is committed (never one still being
-    written) and readable — its manifest parses and every shard file it lists is there; the
-    digests are checked when it is restored — for ``mngr.restore(step, ...)``.
+def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) -> int:
+    """The step ``restore(run_root, step="latest", fallback=fallback)`` restores — the newest
+    committed step of a CheckpointManager root that can be read (``restoring.resume``) — for
+    ``mngr.restore(step, ...)``: the same step, so the same state.
+
+    Without ``fallback`` its manifest parses and every shard file it lists is there (the data is
+    checked as it is restored); with ``fallback`` every tensor is read back intact (as
+    ``verify``: one read of the step) and unreadable steps are passed over to older ones, each
+    with a ``ResumeWarning``.
 
     Args:
-      run_root: the CheckpointManager's directory.
-      fallback: pass over unreadable steps to older ones, each with a ``ResumeWarning``
-        (default: the error, naming the newest step and why).
+      run_root: the CheckpointManager's directory, or the ``ocp.CheckpointManager`` itself (its
+        step names are then its own ``step_prefix`` / ``step_format_fixed_length``).
+      fallback: pass over unreadable steps to older ones (default: the error, naming the newest
+        step and why).
     """
-    root = os.fspath(run_root)
-    steps = locate.committed_steps(root)
-    if not steps:
-        raise CheckpointError(f"{root}: no committed step with a UCP item.")
-    for step, item in steps:
-        try:
-            locate.check_readable(item)
-            return step
-        except CheckpointError as e:
-            if not fallback:
-                raise CheckpointError(
-                    f"{root}: the latest committed step {step} cannot be read: {e} "
-                    f"(fallback=True moves on to older steps)"
-                ) from e
-            warnings.warn(
-                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=2
-            )
-    raise CheckpointError(f"{root}: no committed step can be read.")
+    root, step_format = _run_root(run_root)
+    found = resume.latest_readable(root, fallback=fallback, step_format=step_format)
+    found.warn(stacklevel=2)
+    return found.step.step
+
+
+def _run_root(run_root) -> tuple[str, steps.StepFormat | None]:
+    """A CheckpointManager root as a path, with the manager's step names when it is one."""
+    if isinstance(run_root, (str, os.PathLike)):
+        return os.fspath(run_root), None
+    directory = getattr(run_root, "directory", None)
+    # Orbax keeps the NameFormat a manager lists its steps by in this attribute.
+    names = getattr(run_root, "_step_name_format", None)
+    if directory is None or names is None:
+        raise RequestError(
+            f"latest_step(run_root=): expected a CheckpointManager directory or an "
+            f"ocp.CheckpointManager, got {type(run_root).__name__}"
+        )
+    if hasattr(names, "step_prefix") and hasattr(names, "step_format_fixed_length"):
+        step_format = steps.StepFormat(names.step_prefix, names.step_format_fixed_length)
+    else:
+        step_format = steps.StepFormat(build=names.build_name)
+    return os.fspath(directory), step_format
 
 
 class VerifyResult(list):
@@ -161,7 +169,7 @@ def verify(
         checkpoint lacks (not in its ``source.skipped``), is a problem too.
       logits: with ``against``, also run one fixed batch through the source loaded by
         transformers' ``from_pretrained`` and through the checkpoint's weights in
-        ``jax_ucp._src.models.TransformerLM`` (Llama-family models; ``jax_ucp._src.logits``): a largest
+        ``jax_ucp._src.models.TransformerLM`` (the families docs/HF.md lists; ``jax_ucp._src.logits``): a largest
         absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
         comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
       logits_tolerance: the largest absolute difference of the logits accepted (None:

@@ -532,6 +532,7 @@ def optax_from_torch(
     _check_adam(groups, where)
     params, mu, nu, step = _restored_adam(ckpt, options, spec, where)
     notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
+    _recorded_steps(source, step, notes, where)
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
     eps = float(_one(groups, "eps", where))
     rate, decayed = _decay(groups, where)
@@ -556,6 +557,29 @@ def optax_from_torch(
     tx = optax.chain(*parts)
     state = _state_of(tx, params, mu, nu, step)
     return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, kind)
+
+
+def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> None:
+    """The run's other step counts against the optimizer's, which the continuation takes (Adam's
+    bias correction and the schedule run on it): the Trainer's ``global_step``
+    (``trainer_state.json``) and DeepSpeed's ``global_steps`` (its model states). One that
+    differs (updates skipped on an fp16 overflow count there, not in the optimizer; or files of
+    two saves) is said in a warning and the notes, naming both."""
+    trainer = source.get("trainer") or {}
+    folder = str(source.get("trainer_path") or source.get("path") or where)
+    counts = {
+        f"{folder}/trainer_state.json's global_step": trainer.get("global_step"),
+        f"{source.get('path')}'s DeepSpeed global_steps": source.get("global_steps"),
+    }
+    optimizer = source.get("optimizer_file") or "the optimizer state"
+    for what, count in counts.items():
+        if type(count) is int and count != step:
+            note = (
+                f"{what} is {count}, the optimizer's step ({optimizer}) {step}: the run "
+                f"continues at the optimizer's step {step}"
+            )
+            notes.append(note)
+            warnings.warn(note, UserWarning, stacklevel=3)
 
 
 def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:

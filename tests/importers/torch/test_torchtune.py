@@ -17,6 +17,7 @@ from safetensors.numpy import load_file
 
 import jax_ucp
 from jax_ucp._src.exporters import torch_out
+from jax_ucp._src.importers.torch import torchtune_order
 from jax_ucp._src.torchfiles import unpickler
 from tests.ucp_testing import (
     REPO,
@@ -109,7 +110,10 @@ def test_parameter_order_of_another_length_is_refused(tmp_path):
     assert_destination_untouched(tmp_path / "refused")
 
 
-def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_order(tmp_path):
+def test_torchtune_folder_weights_import_and_index_keyed_optimizer_asks_for_the_order(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(torchtune_order, "torchtune_builder", lambda: None)  # not installed
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"recipe_state\.pt: torchtune's optimizer state, keyed by index \(\d+ parameters "
@@ -271,7 +275,8 @@ def test_async_dist_epoch_is_detected_and_imports_with_parameter_order_bit_exact
     assert jax_ucp.inspect(out).source["framework"] == "torch_dcp"
 
 
-def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp_path):
+def test_async_dist_epoch_without_order_asks_for_it_and_imports_weights_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(torchtune_order, "torchtune_builder", lambda: None)  # not installed
     with pytest.raises(
         jax_ucp.UCPError,
         match=r"dist_epoch_0: the optimizer state is keyed by index \(21 parameters, indices 0, "
@@ -324,3 +329,23 @@ def test_verify_against_the_source_compares_the_permuted_moments_equal(tmp_path)
     result = jax_ucp.verify(out, against=ASYNC)
     assert list(result) == []
     assert [n for n, _ in result.notices] == ["opt_state/count"]
+
+
+def test_an_epoch_folder_named_in_other_digits_is_no_epoch(tmp_path):
+    """``epoch_٥`` (Arabic-Indic five) beside ``epoch_0``: ``\\d`` and ``int()`` read it as epoch
+    5 and imported it over epoch_0; only ASCII digits number an epoch."""
+    src = shutil.copytree(SRC, tmp_path / "run")
+    shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, "epoch_\u0665"))
+    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    assert jax_ucp.inspect(out).source["epoch"] == "epoch_0"
+
+
+def test_two_names_for_one_epoch_are_refused_naming_both(tmp_path):
+    """``epoch_5`` and ``epoch_05`` are both epoch 5: which one is "the latest" is no choice to
+    make silently."""
+    src = shutil.copytree(SRC, tmp_path / "run")
+    for name in ("epoch_5", "epoch_05"):
+        shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, name))
+    with pytest.raises(jax_ucp.UCPError, match=r"'epoch_05' and 'epoch_5' both name epoch 5"):
+        jax_ucp.convert(src, tmp_path / "refused", weights_only=True)
+    assert_destination_untouched(tmp_path / "refused")

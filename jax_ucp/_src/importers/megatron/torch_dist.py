@@ -33,6 +33,7 @@ from jax_ucp._src.importers.megatron.distopt import (
     chained_layouts,
     chained_states,
 )
+from jax_ucp._src.importers.megatron.integrity import verify_integrity
 from jax_ucp._src.importers.megatron.model_space import (
     OPTIMIZER_STATE_TREES,
     check_model_space_tensors,
@@ -46,9 +47,8 @@ from jax_ucp._src.importers.megatron.source import MegatronSource
 from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
-    WHOLE,
+    ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     host_item,
 )
@@ -72,22 +72,19 @@ class _OptimizerFound:
 
 
 def plan_torch_dist(
-    source_dir: MegatronSource,
-    spec: Spec | None,
-    settings: dict,
-    weights_only: bool = False,
-    share: Share = WHOLE,
+    source_dir: MegatronSource, settings: dict, options: ImportOptions
 ) -> ImportPlan:
     """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info.
 
     Args:
         source_dir: the detected torch_dist checkpoint.
-        spec: the spec with import rules / settings (None: the defaults).
         settings: the run's model settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec``: the loaded spec with import rules / settings (None: the defaults);
+            ``weights_only``: the model weights alone, the optimizer state skipped and listed
+            in ``source.skipped``.
     """
+    spec, weights_only, share = options.spec, options.weights_only, options.share
+    vouched = verify_integrity(source_dir.ckpt_dir)  # before any byte of it is read
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
         add_arg_settings(legacy.args_dict(common.get("args")), settings)
@@ -127,6 +124,7 @@ def plan_torch_dist(
         "model_dtype": ", ".join(sorted(str(d) for d in model_dtypes)),
         **({"skipped": skipped} if skipped else {}),
         "tied_embeddings": tied_embeddings(model_names, settings),
+        **({"integrity": f"{vouched} files equal to integrity.json's SHA-256"} if vouched else {}),
     }
     mine = share.pick(model_names)
     step = count if share.primary else None

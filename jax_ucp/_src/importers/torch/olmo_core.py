@@ -1,7 +1,9 @@
 """An OLMo-core trainer checkpoint ``stepN/``: ``model_and_optim/`` (torch DCP, the model and
 optimizer) beside ``train/`` (the trainer's state, ``train/rank<R>.pt`` per rank, a
 ``torch.save`` of ``Trainer.state_dict()``: ``global_step``, the data loader's position, the RNG
-states, the callbacks' states) and ``.metadata.json`` (OLMo-core's version).
+states, the callbacks' states) and ``.metadata.json`` (OLMo-core's version). A step folder
+holding ``model_and_optim/`` alone (its ``train/`` not kept) is read the same way, its step
+recorded as not recovered.
 
 The weights and the optimizer are the torch DCP importer's, read from ``model_and_optim/``;
 the trainer's ``global_step`` is read from ``train/rank0.pt`` (the file OLMo-core itself falls
@@ -19,16 +21,16 @@ import re
 from typing import Any
 
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import numbered_folders
+from jax_ucp._src.importers.plan import Detection, numbered_folders
 from jax_ucp._src.torchfiles import unpickler
 
-__all__ = ["MODEL_DIR", "TRAIN_DIR", "is_step_folder", "step_folders", "train_record"]
+__all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "step_folders", "train_record"]
 
 MODEL_DIR = "model_and_optim"
 TRAIN_DIR = "train"
 VERSION_FILE = ".metadata.json"
 MAX_JSON_BYTES = 1 << 20
-_RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
+_RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
 
 #: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
 #: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
@@ -36,27 +38,35 @@ TRAIN_CLASSES: dict[str, Any] = dict(unpickler.NUMPY_CLASSES)
 
 
 def is_step_folder(src: os.PathLike | str) -> bool:
-    """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own, a torch DCP
-    ``model_and_optim/.metadata`` and a ``train/`` folder beside it."""
+    """An OLMo-core ``Checkpointer`` folder: no ``.metadata`` of its own and a torch DCP
+    ``model_and_optim/.metadata`` (OLMo-core's name), with ``train/`` beside it or not (a step
+    folder copied without its trainer state is still OLMo-core's layout)."""
     path = os.fspath(src)
     return (
         os.path.isdir(path)
         and not os.path.lexists(os.path.join(path, ".metadata"))
         and os.path.lexists(os.path.join(path, MODEL_DIR, ".metadata"))
-        and os.path.isdir(os.path.join(path, TRAIN_DIR))
     )
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is an OLMo-core step folder, from names (its ``model_and_optim/`` is
+    torch DCP, planned by the DCP importer, which reads ``train/`` too)."""
+    if is_step_folder(src):
+        return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
+    return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
 
 
 def step_folders(src: os.PathLike | str) -> list[str]:
     """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
-    return numbered_folders(src, r"step(\d+)", is_step_folder)
+    return numbered_folders(src, r"step([0-9]+)", is_step_folder, "step")
 
 
 def rank_files(src: str) -> list[str]:
     """``train/rank<R>.pt`` of ``src``, by rank (paths relative to ``src``)."""
     folder = files.inside(src, TRAIN_DIR, f"{src}: OLMo-core's {TRAIN_DIR}/")
-    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _RANK_FILE.match(n))]
-    return [f"{TRAIN_DIR}/{name}" for _, name in sorted(found)]
+    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _RANK_FILE.fullmatch(n))]
+    return [f"{TRAIN_DIR}/{name}" for name in files.numbered_names(found, folder, "rank").values()]
 
 
 def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
@@ -66,8 +76,17 @@ def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:
     ``world_size`` when recorded) from ``train/rank0.pt``, or ``global_step_unread`` saying why
     there is no step; ``olmo_core_version`` from ``.metadata.json`` when it names one.
     """
+    if not os.path.isdir(os.path.join(src, TRAIN_DIR)):  # model_and_optim/ kept alone
+        found = "is not a folder" if os.path.lexists(os.path.join(src, TRAIN_DIR)) else "is missing"
+        record: dict[str, Any] = {"framework": "olmo_core", "train_files": []}
+        record["global_step_unread"] = (
+            f"{TRAIN_DIR}/ {found} (OLMo-core's trainer state was not kept beside {MODEL_DIR}/)"
+        )
+        if (version := _version(src)) is not None:
+            record["olmo_core_version"] = version
+        return record, {}
     names = rank_files(src)
-    record: dict[str, Any] = {"framework": "olmo_core", "train_files": names}
+    record = {"framework": "olmo_core", "train_files": names}
     skipped = {
         name: "OLMo-core's trainer state (data loader position, RNG states, callbacks), not "
         "imported; its global_step is recorded in source.trainer"
