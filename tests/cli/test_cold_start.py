@@ -1,5 +1,6 @@
-"""The commands that place no arrays start without JAX (issue 51): ``--version``, ``inspect``
-and ``verify`` (the read engine is JAX-free) of an NNX + optax checkpoint, run in a fresh
+"""The commands that place no arrays start without JAX (issue 51): ``--version``, ``inspect``,
+``verify`` (the read engine is JAX-free) and ``latest`` of an NNX + optax checkpoint (and of a
+CheckpointManager root), run in a fresh
 process, leave ``jax``, ``optax`` and ``flax`` out of ``sys.modules`` (each costs 1-4 s on a
 loaded host), and print no notice for flax's and optax's own classes."""
 
@@ -10,6 +11,7 @@ import sys
 
 import jax.numpy as jnp
 import optax
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -30,14 +32,22 @@ sys.exit(status)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("command", [["--version"], ["inspect"], ["verify"]])
+@pytest.mark.parametrize(
+    "command", [["--version"], ["inspect"], ["verify"], ["latest", "ROOT"], ["verify", "ROOT"]]
+)
 def test_commands_that_place_no_arrays_do_not_import_jax(tmp_path, command):
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     state = {"model": nnx.state(model), "opt": nnx.state(optimizer), "key": nnx.Rngs(1)()}
     state["plain"] = {"opt_state": optax.adam(1e-3).init({"w": jnp.ones(2)})}
-    jax_ucp.save(tmp_path / "c", state)
-    args = command if command == ["--version"] else [*command, str(tmp_path / "c")]
+    if command[-1] == "ROOT":  # a CheckpointManager root, as a resumed job holds
+        with ocp.CheckpointManager(tmp_path / "run") as mngr:
+            mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+            mngr.wait_until_finished()
+        args = [command[0], str(tmp_path / "run")]
+    else:
+        jax_ucp.save(tmp_path / "c", state)
+        args = command if command == ["--version"] else [*command, str(tmp_path / "c")]
     r = subprocess.run(
         [sys.executable, "-c", _WRAPPER, *args],
         cwd=REPO,
