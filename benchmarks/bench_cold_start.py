@@ -146,6 +146,10 @@ def main() -> None:
     state, plain, names = make_state(args.mib)
     ucp_path, orbax_path = f"{args.dir}/ucp", f"{args.dir}/orbax"
     jax_ucp.save(ucp_path, state)
+    run_root = f"{args.dir}/run"  # a CheckpointManager root, for ``latest``
+    with ocp.CheckpointManager(run_root) as mngr:
+        mngr.save(1, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+        mngr.wait_until_finished()
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(orbax_path, {"params": plain, "opt_state": state["opt_state"]})
     checkpointer.wait_until_finished()
@@ -190,7 +194,7 @@ def main() -> None:
     }
     probe = subprocess.run([*cli, "latest", "--help"], capture_output=True, env=env, cwd=cwd)
     if probe.returncode == 0:
-        commands["latest"] = ["latest", args.dir]
+        commands["latest"] = ["latest", run_root]
     wrapper = (
         "import sys, runpy\nsys.argv = ['jax-ucp', *sys.argv[1:]]\n"
         "try:\n    runpy.run_module('jax_ucp.cli', run_name='__main__')\n"
