@@ -13,8 +13,17 @@ from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
 from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
-from jax_ucp._src.restoring.restore_entry import restore as restore  # without Orbax: defined there
-from jax_ucp._src.saving import engine
+
+# JAX-free at import: ``verify`` and ``latest_step`` (``jax-ucp verify``/``latest``) never load
+# JAX (1-4 s); ``save`` imports the save engine and ``restore`` its module when first used.
+
+
+def __getattr__(name: str):
+    if name == "restore":  # without Orbax: defined there
+        from jax_ucp._src.restoring.restore_entry import restore
+
+        return restore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def save(
@@ -56,6 +65,8 @@ def save(
     Returns:
         The checkpoint path, once it is committed.
     """
+    from jax_ucp._src.saving import engine  # JAX: here, so verify starts without it
+
     path = store.storage_for(path).absolute()
     args = engine.SaveArgs(
         tree,

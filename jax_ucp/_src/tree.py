@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -147,6 +148,40 @@ def _is_variable(x) -> bool:
 _VARIABLE_AXES_METADATA = ("out_sharding", "sharding_names", "sharding")
 
 
+def _variables(tree) -> list:
+    """(key path, Variable) of every ``nnx.Variable`` of ``tree``."""
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
+    if "flax.nnx" not in sys.modules:
+        return []
+    nodes = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: _is_variable(x) or _is_leaf(x)
+    )[0]
+    return [(path, node) for path, node in nodes if _is_variable(node)]
+
+
+def variable_roles(tree) -> dict[tuple[str, ...], str]:
+    """{key of the array inside an ``nnx.Variable``: "param" or "opt_state"} for every
+    ``nnx.Param`` and ``nnx.OptState`` of ``tree``: the manifest role its class says, wherever
+    the user put it (``{"model": nnx.state(model)}``: no ``params`` key to go by)."""
+    import jax  # here, not at import: inspect reads a tree's classes without JAX
+
+    out: dict[tuple[str, ...], str] = {}
+    for path, node in _variables(tree):
+        nnx = sys.modules["flax.nnx"]
+        role = (
+            "param"
+            if isinstance(node, nnx.Param)
+            else "opt_state"
+            if isinstance(node, getattr(nnx, "OptState", ()))
+            else None
+        )
+        if role is not None:
+            for inner, _ in jax.tree_util.tree_flatten_with_path(node)[0]:
+                out[_key_of(path) + _key_of(inner)] = role
+    return out
+
+
 def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
     """{key of the array inside an ``nnx.Variable``: its axis names} for every Variable of
     ``tree`` whose metadata names them (``nnx.with_partitioning``), so a save records them as
@@ -154,12 +189,7 @@ def variable_axes(tree) -> dict[tuple[str, ...], tuple]:
     import jax  # here, not at import: inspect reads a tree's classes without JAX
 
     out: dict[tuple[str, ...], tuple] = {}
-    nodes = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: _is_variable(x) or _is_leaf(x)
-    )[0]
-    for path, node in nodes:
-        if not _is_variable(node):
-            continue
+    for path, node in _variables(tree):
         metadata = node.get_metadata() if hasattr(node, "get_metadata") else {}
         names = next(
             (metadata[m] for m in _VARIABLE_AXES_METADATA if metadata.get(m) is not None), None
@@ -216,11 +246,14 @@ def flatten_axes(logical_axes) -> dict[tuple[str, ...], tuple | None]:
 
 # --- container types: recorded at save, rebuilt on restore without a target ----------------------
 # A restore without a target must give back a state ``tx.update`` accepts: optax states are
-# NamedTuples (ScaleByAdamState, EmptyState() with no leaves at all), chains are tuples. The save
-# records every container node as "<module>:<qualname>"; the restore rebuilds a node only when
-# that exact name is in ``allowed_classes()``. A manifest is untrusted: its class names are looked
-# up in that table, never imported or resolved by attribute (a walk such as
-# "jax.version:subprocess.Popen" once reached any class). Anything else is a dict of its fields.
+# NamedTuples (ScaleByAdamState, EmptyState() with no leaves at all), chains are tuples; an NNX
+# state is an ``nnx.State`` of ``nnx.Variable``s (Param, BatchStat, RngKey, OptState, ...) for
+# ``nnx.update``. The save records every container node as "<module>:<qualname>"; the restore
+# rebuilds a node only when that exact name is in ``allowed_classes()``. A manifest is untrusted:
+# its class names are looked up in that table, never imported or resolved by attribute (a walk
+# such as "jax.version:subprocess.Popen" once reached any class). Anything else is a dict of its
+# fields. Only the package a name starts with is imported to build its part of the table (an
+# optax state's restore does not pay flax's import).
 
 # Public optax modules whose NamedTuples (optimizer states) are rebuilt.
 _OPTAX_MODULES = (
@@ -232,6 +265,144 @@ _OPTAX_MODULES = (
 )
 # Other container classes rebuilt from the dict of their children: (module, attribute).
 _DICT_CLASSES = (("flax.core", "FrozenDict"), ("flax.nnx", "State"))
+# The module whose public nnx.Variable subclasses (flax's own) are rebuilt from their value.
+_VARIABLE_MODULE = "flax.nnx"
+_PACKAGES = ("optax", "flax")
+
+#: What ``allowed_classes`` holds for the releases this code is tested with (optax 0.2.8, flax
+#: 0.12), by package and qualname: a NamedTuple's fields, "dict" (a dict-like class) or
+#: "variable" (an ``nnx.Variable``). ``inspect`` and ``verify`` judge a manifest's classes by it
+#: without importing optax or flax (and so JAX: 1-4 s); tests/test_tree.py checks it against
+#: the installed packages.
+KNOWN_CLASSES: dict[str, dict[str, tuple[str, ...] | str]] = {
+    "optax": {
+        "AddNoiseState": ("count", "rng_key"),
+        "ApplyEvery": ("count", "grad_acc"),
+        "ApplyIfFiniteState": ("notfinite_count", "last_finite", "total_notfinite", "inner_state"),
+        "COCOBState": ("init_particles", "cumulative_gradients", "scale", "subgradients", "reward"),
+        "ConditionallyMaskState": ("step", "inner_state"),
+        "ConditionallyTransformState": ("inner_state", "step"),
+        "DAdaptAdamWState": (
+            "exp_avg",
+            "exp_avg_sq",
+            "grad_sum",
+            "estim_lr",
+            "numerator_weighted",
+            "count",
+        ),
+        "DifferentiallyPrivateAggregateState": ("rng_key",),
+        "DoGState": ("is_init_step", "init_params", "max_dist", "sum_sq_norm_grads"),
+        "DoWGState": ("init_params", "weighted_sq_norm_grads", "estim_sq_dist"),
+        "EmaState": ("count", "ema"),
+        "EmptyState": (),
+        "FactoredState": ("count", "v_row", "v_col", "v"),
+        "GaLoreDimensionNumbers": ("reduction_axis", "output_axis"),
+        "GaLoreState": ("count", "base_optimizer_state", "projector"),
+        "GradientTransformation": ("init", "update"),
+        "GradientTransformationExtraArgs": ("init", "update"),
+        "HutchinsonState": ("key",),
+        "InjectHyperparamsState": ("count", "hyperparams", "inner_state"),
+        "InjectStatefulHyperparamsState": (
+            "count",
+            "hyperparams",
+            "hyperparams_states",
+            "inner_state",
+        ),
+        "LookaheadParams": ("fast", "slow"),
+        "LookaheadState": ("fast_state", "steps_since_sync"),
+        "MadgradState": ("count", "grad_sum_sq", "s", "x0"),
+        "MaskedNode": (),
+        "MaskedState": ("inner_state",),
+        "MechanicState": ("base_optimizer_state", "count", "r", "m", "v", "s", "x0"),
+        "MomoAdamState": ("exp_avg", "exp_avg_sq", "barf", "gamma", "lb", "count"),
+        "MomoState": ("exp_avg", "barf", "gamma", "lb", "count"),
+        "MonitorState": ("measurements", "measure_states"),
+        "MultiStepsState": (
+            "mini_step",
+            "gradient_step",
+            "inner_opt_state",
+            "acc_grads",
+            "skip_state",
+        ),
+        "MuonDimensionNumbers": ("reduction_axis", "output_axis"),
+        "MuonState": ("count", "mu", "ns_coeffs"),
+        "PartitionState": ("inner_states",),
+        "ProdigyState": (
+            "exp_avg",
+            "exp_avg_sq",
+            "grad_sum",
+            "params0",
+            "estim_lr",
+            "numerator_weighted",
+            "count",
+        ),
+        "ReduceLROnPlateauState": (
+            "scale",
+            "best_value",
+            "plateau_count",
+            "cooldown_count",
+            "count",
+            "avg_value",
+        ),
+        "SAMState": ("steps_since_sync", "opt_state", "adv_state", "cache"),
+        "ScaleByAdaDeltaState": ("e_g", "e_x"),
+        "ScaleByAdamState": ("count", "mu", "nu"),
+        "ScaleByAdanState": ("m", "v", "n", "g", "t"),
+        "ScaleByAdemamixState": ("count", "count_m2", "m1", "m2", "nu"),
+        "ScaleByAmsgradState": ("count", "mu", "nu", "nu_max"),
+        "ScaleByBacktrackingLinesearchState": ("learning_rate", "value", "grad", "info"),
+        "ScaleByBeliefState": ("count", "mu", "nu"),
+        "ScaleByLBFGSState": (
+            "count",
+            "params",
+            "updates",
+            "diff_params_memory",
+            "diff_updates_memory",
+            "weights_memory",
+        ),
+        "ScaleByLionState": ("count", "mu"),
+        "ScaleByNovogradState": ("count", "mu", "nu"),
+        "ScaleByRStdDevState": ("mu", "nu"),
+        "ScaleByRmsState": ("nu",),
+        "ScaleByRpropState": ("step_sizes", "prev_updates"),
+        "ScaleByRssState": ("sum_of_squares",),
+        "ScaleBySM3State": ("mu", "nu"),
+        "ScaleByScheduleState": ("count",),
+        "ScaleBySimplifiedAdEMAMixState": ("t", "m", "n"),
+        "ScaleByZoomLinesearchState": ("learning_rate", "value", "grad", "info"),
+        "ScheduleFreeState": (
+            "b1",
+            "weight_sum",
+            "step_count",
+            "max_lr",
+            "base_optimizer_state",
+            "z",
+        ),
+        "SnapshotState": ("measurement",),
+        "SophiaState": ("count", "mu", "nu", "hessian_fn_state"),
+        "SplitRealAndImaginaryState": ("inner_state",),
+        "TraceState": ("trace",),
+        "ZeroNansState": ("found_nan",),
+        "ZoomLinesearchInfo": ("num_linesearch_steps", "decrease_error", "curvature_error"),
+    },
+    "flax": {
+        "BatchStat": "variable",
+        "Cache": "variable",
+        "FrozenDict": "dict",
+        "Intermediate": "variable",
+        "LoRAParam": "variable",
+        "OptArray": "variable",
+        "OptState": "variable",
+        "OptVariable": "variable",
+        "Param": "variable",
+        "Perturbation": "variable",
+        "RngCount": "variable",
+        "RngKey": "variable",
+        "RngState": "variable",
+        "State": "dict",
+        "Variable": "variable",
+    },
+}
 
 
 def class_name(cls: type) -> str:
@@ -240,63 +411,118 @@ def class_name(cls: type) -> str:
 
 
 @functools.cache
-def allowed_classes() -> dict[str, type]:
-    """Manifest class name → class, for every container class a restore rebuilds: optax's
-    public NamedTuples (enumerated from its public modules) and flax's dict-like containers.
-
-    The table is built from our own list of modules, never from a manifest."""
+def _allowed_in(package: str) -> dict[str, type]:
+    """The allow-list's classes of one package (``_PACKAGES``), built from our own list of
+    modules, never from a manifest."""
     table: dict[str, type] = {}
-    for module_name in _OPTAX_MODULES:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # pragma: no cover - an optax without that module
-            continue
-        for attr in dir(module):
-            obj = getattr(module, attr, None)
-            if (
-                isinstance(obj, type)
-                and issubclass(obj, tuple)
-                and isinstance(getattr(obj, "_fields", None), tuple)
-                and obj.__module__.split(".")[0] == "optax"
-            ):
-                table[class_name(obj)] = obj
+    if package == "optax":
+        for module_name in _OPTAX_MODULES:
+            try:
+                module = importlib.import_module(module_name)
+            except ImportError:  # pragma: no cover - an optax without that module
+                continue
+            for attr in dir(module):
+                obj = getattr(module, attr, None)
+                if (
+                    isinstance(obj, type)
+                    and issubclass(obj, tuple)
+                    and isinstance(getattr(obj, "_fields", None), tuple)
+                    and obj.__module__.split(".")[0] == "optax"
+                ):
+                    table[class_name(obj)] = obj
+        return table
     for module_name, attr in _DICT_CLASSES:
         try:
             obj = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError):  # pragma: no cover - an older flax
             continue
         table[class_name(obj)] = obj
+    try:
+        nnx = importlib.import_module(_VARIABLE_MODULE)
+    except ImportError:  # pragma: no cover - a flax without NNX
+        return table
+    for attr in dir(nnx):
+        obj = getattr(nnx, attr, None)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, nnx.Variable)
+            and obj.__module__.split(".")[0] == "flax"
+        ):
+            table[class_name(obj)] = obj
     return table
 
 
+def allowed_classes() -> dict[str, type]:
+    """Manifest class name → class, for every container class a restore rebuilds: optax's
+    public NamedTuples (enumerated from its public modules), flax's dict-like containers and
+    flax's own ``nnx.Variable`` classes."""
+    return {k: v for package in _PACKAGES for k, v in _allowed_in(package).items()}
+
+
 @functools.cache
-def _by_package_and_qualname() -> dict[tuple[str, str], type | None]:
-    """(top package, qualname) → class, for names unique in the table (None when ambiguous):
+def _by_qualname(package: str) -> dict[str, type | None]:
+    """qualname → class of one package, for names unique in its table (None when ambiguous):
     optax moves classes between private modules across releases."""
-    out: dict[tuple[str, str], type | None] = {}
-    for cls in allowed_classes().values():
-        key = (cls.__module__.split(".")[0], cls.__qualname__)
+    out: dict[str, type | None] = {}
+    for cls in _allowed_in(package).values():
+        key = cls.__qualname__
         out[key] = None if key in out and out[key] is not cls else cls
     return out
+
+
+def _package_of(name: object) -> str | None:
+    if not isinstance(name, str):
+        return None
+    package = name.partition(":")[0].split(".")[0]
+    return package if package in _PACKAGES else None
 
 
 def allowed_class(name: object) -> type | None:
     """The class a manifest's ``"<module>:<qualname>"`` names, if the allow-list holds it: the
     exact name, or the same qualname in the same top package (a class optax has moved)."""
-    if not isinstance(name, str):
+    package = _package_of(name)
+    if package is None:
         return None
-    cls = allowed_classes().get(name)
+    assert isinstance(name, str)
+    cls = _allowed_in(package).get(name)
     if cls is not None:
         return cls
-    module, _, qualname = name.partition(":")
-    return _by_package_and_qualname().get((module.split(".")[0], qualname))
+    return _by_qualname(package).get(name.partition(":")[2])
+
+
+def class_kind(name: object, live: bool) -> tuple[str, tuple[str, ...] | None] | None:
+    """("namedtuple", fields) | ("dict", None) | ("variable", None) for an allow-listed class
+    name, else None. ``live``: from the classes themselves (imports their package); else from
+    ``KNOWN_CLASSES`` (no import)."""
+    package = _package_of(name)
+    if package is None:
+        return None
+    assert isinstance(name, str)
+    if not live:
+        known = KNOWN_CLASSES[package].get(name.partition(":")[2])
+        if known is None:
+            return None
+        return ("namedtuple", known) if isinstance(known, tuple) else (known, None)
+    cls = allowed_class(name)
+    if cls is None:
+        return None
+    if issubclass(cls, tuple):
+        return "namedtuple", tuple(getattr(cls, "_fields", ()))
+    return ("variable" if _is_variable_class(cls) else "dict"), None
+
+
+def _is_variable_class(cls: type) -> bool:
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and issubclass(cls, nnx.Variable)
 
 
 _PLAIN_KINDS = {dict: "dict", list: "list", tuple: "tuple"}
 
 
 def describe_structure(tree) -> dict:
-    """The container structure of ``tree`` as JSON: node types, classes, child names."""
+    """The container structure of ``tree`` as JSON: node types, classes, child names. A dict's
+    integer key (an ``nnx.State``'s ``{0: ...}`` of an optimizer chain) is recorded with key
+    type "index", so a restore gives the int back."""
 
     def node(x) -> dict:
         children = None if _is_leaf(x) else _children(x)
@@ -305,21 +531,57 @@ def describe_structure(tree) -> dict:
         kids = []
         for path, child in children:
             key_type, name = keypath_lib.component_of(path[0])
+            if key_type == "key" and type(getattr(path[0], "key", None)) is int:
+                key_type = "index"
             kids.append([name, key_type, node(child)])
         kind = _PLAIN_KINDS.get(type(x))
         if kind is not None:
             return {"type": kind, "children": kids}
         kind = "namedtuple" if isinstance(x, tuple) and hasattr(type(x), "_fields") else "object"
-        return {"type": kind, "children": kids, "class": class_name(type(x))}
+        out = {"type": kind, "children": kids, "class": class_name(type(x))}
+        if _is_variable(x):
+            out["metadata"] = _variable_metadata(x)
+        return out
 
     return node(tree)
+
+
+# nnx.Variable metadata a restore leaves to flax (set by the Variable itself; flax refuses to
+# change them on an existing Variable).
+_RESERVED_METADATA = frozenset(("hijax", "ref", "eager_sharding"))
+
+
+def _json_scalar(v) -> bool:
+    if isinstance(v, float):
+        return math.isfinite(v)  # ucp.json is strict JSON
+    return isinstance(v, (type(None), str, bool, int))
+
+
+def _variable_metadata(variable) -> dict:
+    """An ``nnx.Variable``'s metadata that JSON holds (out_sharding, an RNG stream's tag, ...),
+    recorded so a restore without a target gives the Variable back with it."""
+    metadata = variable.get_metadata() if hasattr(variable, "get_metadata") else {}
+    out = {}
+    for name, v in metadata.items():
+        if name in _RESERVED_METADATA or not isinstance(name, str):
+            continue
+        if isinstance(v, tuple):
+            v = list(v)
+        if _json_scalar(v) or (isinstance(v, list) and all(map(_json_scalar, v))):
+            out[name] = v
+    return out
 
 
 _MISSING = object()
 
 
 def rebuild_structure(
-    description: dict, value_at: Any, prefix: tuple = (), *, partial: bool = False
+    description: dict,
+    value_at: Any,
+    prefix: tuple = (),
+    *,
+    partial: bool = False,
+    axes_at: Callable[[tuple], tuple | None] | None = None,
 ) -> Any:
     """The tree ``describe_structure`` described, with each leaf from ``value_at(key)`` (which
     returns ``_MISSING`` for leaves not restored, e.g. not selected): containers that lose
@@ -333,8 +595,10 @@ def rebuild_structure(
         value_at: the value of a leaf, by key (``_MISSING`` when not restored).
         prefix: the key of ``description``'s node.
         partial: a selection: only containers of restored leaves.
+        axes_at: the recorded logical axes of a leaf, by key: an ``nnx.Variable`` comes back
+            with them as its ``out_sharding`` (None: without).
     """
-    return _rebuild(description, value_at, prefix, partial)[0]
+    return _rebuild(description, value_at, prefix, partial, axes_at)[0]
 
 
 class _Leafless:
@@ -350,7 +614,9 @@ def _has_leaves(description: dict) -> bool:
     return any(_has_leaves(child) for _, _, child in description["children"])
 
 
-def _rebuild(description: dict, value_at: Any, prefix: tuple, partial: bool) -> tuple[Any, bool]:
+def _rebuild(
+    description: dict, value_at: Any, prefix: tuple, partial: bool, axes_at=None
+) -> tuple[Any, bool]:
     """(the rebuilt node or ``_MISSING``, whether every leaf under it was restored)."""
     if description["type"] == "leaf":
         value = value_at(prefix)
@@ -358,11 +624,11 @@ def _rebuild(description: dict, value_at: Any, prefix: tuple, partial: bool) -> 
     slots: list = []  # (key, value) per child in order; leafless ones decided below
     whole = True
     for name, key_type, child in description["children"]:
-        key = int(name) if key_type == "index" else name
+        key = _child_key(name, key_type)
         if partial and not _has_leaves(child):
             slots.append((key, _Leafless(child)))
             continue
-        value, child_whole = _rebuild(child, value_at, prefix + (name,), partial)
+        value, child_whole = _rebuild(child, value_at, prefix + (name,), partial, axes_at)
         whole = whole and child_whole
         slots.append((key, value))
     restored = [(k, v) for k, v in slots if not isinstance(v, _Leafless) and v is not _MISSING]
@@ -371,7 +637,7 @@ def _rebuild(description: dict, value_at: Any, prefix: tuple, partial: bool) -> 
             return _MISSING, False
         if whole:  # every leaf below was restored: its leafless parts belong to it too
             restored = [
-                (k, _rebuild(v.description, value_at, prefix, False)[0])
+                (k, _rebuild(v.description, value_at, prefix, False, axes_at)[0])
                 if isinstance(v, _Leafless)
                 else (k, v)
                 for k, v in slots
@@ -381,34 +647,79 @@ def _rebuild(description: dict, value_at: Any, prefix: tuple, partial: bool) -> 
     if len(restored) < len(description["children"]):
         return dict(restored), False  # part of a container (a selection): positions stay ints
     kind, values = description["type"], [v for _, v in restored]
-    fields = {str(k): v for k, v in restored}
     if kind in ("list", "tuple"):
         return (list if kind == "list" else tuple)(values), whole
-    cls = _rebuildable(description)  # None: a dict, or a class outside the allow-list
-    if cls is None:
+    if kind == "dict":
+        return dict(restored), whole  # an int key (key type "index") stays an int
+    rebuilt_as = _node_kind(description)  # None: a class outside the allow-list
+    fields = {str(k): v for k, v in restored}
+    if rebuilt_as is None:
         return fields, whole  # its fields, by name
-    return (cls(*values) if kind == "namedtuple" else cls(fields)), whole  # FrozenDict, State
+    cls = allowed_class(description["class"])
+    assert cls is not None
+    if rebuilt_as == "namedtuple":
+        return cls(*values), whole
+    if rebuilt_as == "variable":
+        names = None if axes_at is None else axes_at(prefix + ("value",))
+        return _variable(cls, fields["value"], description.get("metadata"), names), whole
+    return cls(dict(restored)), whole  # FrozenDict, State
 
 
-def _rebuildable(description: dict) -> type | None:
-    """The allow-listed class of a "namedtuple"/"object" node, if it is rebuilt as that class:
-    a NamedTuple whose fields are exactly the children's names, a dict-like object."""
-    cls = allowed_class(description.get("class"))
-    if cls is None:
+def _child_key(name: str, key_type: str):
+    """A child's key in its rebuilt container: an int for a position or an integer dict key."""
+    if key_type == "index":
+        try:
+            number = int(name)
+        except ValueError:  # an untrusted manifest's "index" that is no number: a name
+            return name
+        if str(number) == name:  # "01" or " 1" stay names: two children never share a key
+            return number
+    return name
+
+
+def _variable(cls: type, value: Any, metadata: dict | None, names: tuple | None) -> Any:
+    """An ``nnx.Variable`` of class ``cls`` holding ``value`` with the metadata the save
+    recorded (lists as tuples; without any, the recorded logical axes as its
+    ``out_sharding``), so ``nnx.update`` keeps the model's sharding names and stream tags."""
+    variable = cls(value)
+    if metadata is None and names is not None and any(n is not None for n in names):
+        metadata = {_VARIABLE_AXES_METADATA[0]: names}
+    kept = {
+        str(k): tuple(v) if isinstance(v, list) else v
+        for k, v in (metadata or {}).items()
+        if k not in _RESERVED_METADATA
+    }
+    if kept:
+        variable.set_metadata(**kept)
+    return variable
+
+
+def _node_kind(description: dict, live: bool = True) -> str | None:
+    """How a "namedtuple"/"object" node is rebuilt: "namedtuple" (an allow-listed NamedTuple
+    whose fields are exactly the children's names), "variable" (an allow-listed nnx.Variable
+    holding one "value"), "dict" (an allow-listed dict-like class); None: as a dict of its
+    fields. ``live``: see ``class_kind``."""
+    found = class_kind(description.get("class"), live)
+    if found is None:
         return None
+    kind, fields = found
     names = tuple(name for name, _, _ in description["children"])
-    is_namedtuple = issubclass(cls, tuple)
-    if (description["type"] == "namedtuple") != is_namedtuple:
+    if (description["type"] == "namedtuple") != (kind == "namedtuple"):
         return None
-    if is_namedtuple and tuple(getattr(cls, "_fields", ())) != names:
+    if kind == "namedtuple" and fields != names:
         return None
-    return cls
+    if kind == "variable" and names != ("value",):
+        return None
+    return kind
 
 
 def class_notices(description: dict | None) -> list[tuple[str, str]]:
-    """[(node path, notice)] for each "namedtuple"/"object" node a restore without a target
-    gives back as a plain dict (its class is not in the allow-list, or its fields differ)."""
-    out: list[tuple[str, str]] = []
+    """[(tree node, notice)]: one notice for the whole tree, naming the "namedtuple"/"object"
+    nodes a restore without a target gives back as plain dicts (a class outside the
+    allow-list, or fields that differ), by class, with a few of their paths; [] when there
+    are none. Judged without importing optax or flax when they are not loaded yet
+    (``KNOWN_CLASSES``), so ``inspect`` and ``verify`` start without JAX."""
+    found: list[tuple[str, str, str]] = []  # (node path, class, why)
     stack: list[tuple[tuple[str, ...], dict]] = (
         [((), description)] if description is not None else []
     )
@@ -416,26 +727,47 @@ def class_notices(description: dict | None) -> list[tuple[str, str]]:
         prefix, node = stack.pop()
         if node["type"] == "leaf":
             continue
-        if node["type"] in ("namedtuple", "object") and _rebuildable(node) is None:
+        if node["type"] in ("namedtuple", "object"):
             name = node.get("class")
-            cls = allowed_class(name)
-            why = (
-                "is not in the allow-list of container classes"
-                if cls is None
-                else "is allow-listed but its fields are not "
-                + _short_text(tuple(name for name, _, _ in node["children"]))
-            )
-            where = "/".join(prefix) or "the root"
-            out.append(
-                (
-                    where,
-                    f"Tree node {where!r}: class {_short_text(name)} {why}; a restore without a "
-                    f"target gives it back as a dict of its fields.",
+            live = _package_of(name) in sys.modules
+            if _node_kind(node, live) is None:
+                why = (
+                    "is not in the allow-list of container classes"
+                    if class_kind(name, live) is None
+                    else "is allow-listed but its fields are not "
+                    + _short_text(tuple(name for name, _, _ in node["children"]))
                 )
-            )
+                found.append(("/".join(prefix) or "the root", _short_text(name), why))
         for name, _, child in reversed(node["children"]):
             stack.append((prefix + (name,), child))
-    return out
+    if not found:
+        return []
+    where = found[0][0]
+    if len(found) == 1:
+        _, cls, why = found[0]
+        return [
+            (
+                where,
+                f"Tree node {where!r}: class {cls} {why}; a restore without a target gives it "
+                f"back as a dict of its fields.",
+            )
+        ]
+    by_class: dict[tuple[str, str], list[str]] = {}
+    for path, cls, why in found:
+        by_class.setdefault((cls, why), []).append(path)
+    parts = [
+        f"class {cls} {why} ({len(paths)}: {', '.join(map(repr, paths[:2]))}"
+        f"{', …' if len(paths) > 2 else ''})"
+        for (cls, why), paths in list(by_class.items())[:4]
+    ]
+    more = f"; and {len(by_class) - 4} more classes" if len(by_class) > 4 else ""
+    return [
+        (
+            where,
+            f"{len(found)} tree nodes come back as dicts of their fields from a restore without "
+            f"a target: {'; '.join(parts)}{more}.",
+        )
+    ]
 
 
 def _short_text(text, limit: int = 120) -> str:

@@ -178,7 +178,7 @@ def test_nnx_state_keeps_its_variables_and_records_their_axis_names(tmp_path):
     # Restored onto another mesh through the recorded names, no target needed.
     new = mesh((4, 2), ("fsdp", "tp"))
     out = jax_ucp.restore(tmp_path / "c", mesh=new, rules=[("embed", "fsdp"), ("mlp", "tp")])
-    assert out["model"]["up"]["kernel"]["value"].sharding.spec == P("fsdp", "tp")
+    assert out["model"]["up"]["kernel"].get_value().sharding.spec == P("fsdp", "tp")
 
     # nnx.eval_shape under jax.set_mesh gives shardings on an AbstractMesh: mesh= makes them
     # concrete, and the State of Variables comes back as the target's.
@@ -196,6 +196,36 @@ def test_nnx_state_keeps_its_variables_and_records_their_axis_names(tmp_path):
     )
     assert kernel.get_value().sharding == NamedSharding(saved_on, P("data", "model"))
     assert_bit_exact(kernel.get_value(), np.asarray(model.up.kernel.get_value()))
+
+
+@pytest.mark.timeout(120)
+def test_a_train_state_resumes_without_a_target_inside_a_checkpoint_manager(tmp_path):
+    """The no-target resume of issue 51 for linen: what comes back is placed by the recorded
+    logical axes and the rules, its optax states as optax's NamedTuples, ready for
+    ``train_state.replace``; the TrainState itself (its apply_fn and tx are not data) is named
+    in one notice and comes back as the dict of its fields."""
+    state = _trained_state()
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        mngr.save(2, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+        mngr.wait_until_finished()
+    new = mesh((2, 2), ("fsdp", "tp"), jax.devices()[4:])
+    rules = [("embed", "fsdp"), ("mlp", "tp")]
+    with ocp.CheckpointManager(tmp_path / "run") as mngr:
+        args = ocp.args.Composite(state=jax_ucp.UCPRestore(mesh=new, rules=rules))
+        out = mngr.restore(jax_ucp.latest_step(tmp_path / "run"), args=args).state
+    assert sorted(out) == ["opt_state", "params", "step"]
+    kernel = out["params"]["Dense_0"]["kernel"]
+    assert kernel.sharding == NamedSharding(new, P("fsdp", "tp"))
+    assert type(out["opt_state"][0]) is optax.ScaleByAdamState
+    assert out["opt_state"][0].mu["Dense_0"]["kernel"].sharding.spec == P("fsdp", "tp")
+    [notice] = jax_ucp.inspect(tmp_path / "run" / "2" / "state").notices
+    assert "TrainState" in notice and "dict of its fields" in notice
+    resumed = state.replace(**out)
+    assert_bit_exact(
+        resumed.params["Dense_0"]["kernel"], np.asarray(state.params["Dense_0"]["kernel"].value)
+    )
+    with jax.set_mesh(new):
+        _train_step(resumed, BATCH)  # training goes on from the restored state
 
 
 # --- 2. no silent replication ----------------------------------------------------------------

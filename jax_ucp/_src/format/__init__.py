@@ -7,6 +7,7 @@ from jax_ucp._src.format.keypath import encode_key, key_to_str
 from jax_ucp._src.format.manifest import (
     ARRAYS_DIR,
     FORMAT_VERSION,
+    KEY_IMPLS,
     MANIFEST_FILE,
     MAX_MANIFEST_BYTES,
     MAX_TREE_DEPTH,

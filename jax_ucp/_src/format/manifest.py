@@ -145,6 +145,10 @@ class TensorEntry(display.Tabular):
     # A parameter that is the same tensor as another (a tied lm_head.weight and its embedding):
     # the other's key, "/"-joined. Its optimizer state is the other's.
     tied_to: str | None = None
+    # A typed PRNG key array (``jax.random.key``, an NNX ``Rngs`` stream): the JAX key
+    # implementation (``KEY_IMPLS``) whose key data (uint32, its key shape last) this stores;
+    # a restore wraps the data back into keys (``jax.random.wrap_key_data``).
+    key_impl: str | None = None
 
     entry_type = "tensor"
 
@@ -181,11 +185,12 @@ class TensorEntry(display.Tabular):
 
     def to_json(self) -> dict:
         """The JSON form recorded in ``ucp.json``: every field, in declaration order, except
-        ``frozen`` and ``tied_to`` at their defaults (manifests without them stay unchanged)."""
+        ``frozen``, ``tied_to`` and ``key_impl`` at their defaults (manifests without them stay
+        unchanged)."""
         d: dict = {"entry": self.entry_type}
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("frozen", "tied_to") and v == f.default:
+            if f.name in _OMITTED_AT_DEFAULT and v == f.default:
                 continue
             if isinstance(v, SavedSharding):
                 v = v.to_json()
@@ -229,6 +234,9 @@ class TensorEntry(display.Tabular):
         tied_to = d.get("tied_to")
         if tied_to is not None and not isinstance(tied_to, str):
             _string(tied_to, f"{_named(where, key)}.tied_to")
+        key_impl = d.get("key_impl")
+        if key_impl is not None:
+            _key_impl(key_impl, d["dtype"], shape, _named(where, key))
         compression = d.get("compression")
         if compression not in COMPRESSIONS:
             _enum(compression, f"{_named(where, key)}.compression", COMPRESSIONS)
@@ -260,8 +268,28 @@ class TensorEntry(display.Tabular):
             shard_digests=digests,
             frozen=frozen,
             tied_to=tied_to,
+            key_impl=key_impl,
         )
         return entry
+
+
+_OMITTED_AT_DEFAULT = frozenset(("frozen", "tied_to", "key_impl"))
+#: JAX's PRNG key implementations a ``key_impl`` may name, with the shape of one key's data
+#: (the stored tensor's last dimensions): a manifest names nothing else.
+KEY_IMPLS = {"threefry2x32": (2,), "rbg": (4,), "unsafe_rbg": (4,)}
+
+
+def _key_impl(v: Any, dtype: Any, shape: tuple[int, ...], where: str) -> None:
+    """A ``key_impl`` checked against the tensor it describes: a known implementation, and
+    uint32 key data whose last dimensions are one key's."""
+    _enum(v, f"{where}.key_impl", tuple(KEY_IMPLS))
+    key_shape = KEY_IMPLS[v]
+    if dtype != "uint32" or tuple(shape[len(shape) - len(key_shape) :]) != key_shape:
+        _fail(
+            f"{where}.key_impl",
+            f"uint32 key data of shape (..., {', '.join(map(str, key_shape))}) for {v!r}",
+            f"{dtype} of shape {list(shape)}",
+        )
 
 
 _TENSOR_REQUIRED = (
@@ -864,12 +892,23 @@ def _tree_node(d: Any, where: str) -> str:
     if kind == "leaf":
         _object(d, where, allowed=("type",))
         return kind
-    _object(d, where, required=("type", "children"), allowed=("type", "children", "class"))
+    _object(
+        d, where, required=("type", "children"), allowed=("type", "children", "class", "metadata")
+    )
     if kind in ("namedtuple", "object"):
         _string(d.get("class"), f"{where}.class")
+    if "metadata" in d:  # an nnx.Variable's: names to JSON scalars or lists of them
+        metadata = _object(d["metadata"], f"{where}.metadata")
+        for name, v in metadata.items():
+            if not _is_scalar(v) and not (isinstance(v, list) and all(map(_is_scalar, v))):
+                _fail(f"{where}.metadata.{name}", "a JSON scalar or a list of them", v)
     if not isinstance(d["children"], list):
         _fail(f"{where}.children", "a list", d["children"])
     return kind
+
+
+def _is_scalar(v: Any) -> bool:
+    return v is None or isinstance(v, (str, bool, int, float))
 
 
 _PLAIN_NODE_FIELDS = frozenset(("type", "children"))

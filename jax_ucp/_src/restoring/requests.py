@@ -42,9 +42,11 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
     if options.has_target:  # one request per leaf, the results in the target's structure
         if options.rules is not None and options.mesh is not None:
             sharding_lib.check_rules(options.rules, options.mesh)
-        reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh)
+        impls = {k: key_impl_of(av) for k, av in every.items() if key_impl_of(av)}
+        reqs, rebuild = requests_from_target(options.target, options.shardings, options.mesh, impls)
         for r in reqs if options.dtype is not None else ():
-            r.dtype = np.dtype(options.dtype)
+            if tuple(map(str, r.key)) not in impls:  # key data is never cast
+                r.dtype = np.dtype(options.dtype)
         return Wanted(reqs, every, rebuild)
     where = opened.source.path
     if options.mesh is not None:
@@ -55,12 +57,19 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
         reqs.append(Request(key=v.key))
         key_types.append(v.key_types)
     partial, tree = options.select is not None, opened.tree
+    impls = {av.key: key_impl_of(av) for av in available.values() if key_impl_of(av)}
 
     def nested(results):
-        if tree is not None:  # the saved containers, NamedTuples included
+        if impls:  # typed PRNG keys saved as their key data: keys again
+            results = [_as_keys(r.key, x, impls.get(r.key)) for r, x in zip(reqs, results)]
+        if tree is not None:  # the saved containers, NamedTuples and nnx.Variables included
             by_key = {r.key: x for r, x in zip(reqs, results)}
+            axes = {av.key: av.logical_axes for av in available.values()}
             rebuilt = tree_lib.rebuild_structure(
-                tree, lambda key: by_key.get(key, tree_lib.missing()), partial=partial
+                tree,
+                lambda key: by_key.get(key, tree_lib.missing()),
+                partial=partial,
+                axes_at=axes.get,
             )
             return {} if rebuilt is tree_lib.missing() else rebuilt
         return tree_lib.nest(
@@ -68,6 +77,48 @@ def requests_for(opened: OpenedSource, options: RestoreOptions) -> Wanted:
         )
 
     return Wanted(reqs, available, nested)
+
+
+def key_impl_of(available) -> str | None:
+    """The PRNG key implementation of a stored typed-key tensor (its entry's ``key_impl``)."""
+    if not getattr(available, "stored", False) or len(available.sources) != 1:
+        return None
+    return getattr(available.sources[0], "key_impl", None)
+
+
+def _is_key_dtype(dtype) -> bool:
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)  # pyright: ignore[reportPrivateImportUsage]
+
+
+def _as_keys(key, data, impl: str | None, want=None):
+    """``data`` (key data read back) wrapped into typed PRNG keys of implementation ``impl``;
+    ``want``: the target's key dtype, which they must have."""
+    if impl is None and want is None:
+        return data
+    try:
+        keys = jax.random.wrap_key_data(data, impl=impl)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"Leaf {fmt.key_to_str(key)!r}: its key data (shape {tuple(data.shape)}, "
+            f"{data.dtype}) cannot be PRNG keys of implementation {impl!r}: {e}"
+        ) from None
+    if want is not None and keys.dtype != want:
+        raise CheckpointError(
+            f"Leaf {fmt.key_to_str(key)!r}: the checkpoint holds PRNG keys of implementation "
+            f"{impl!r} ({keys.dtype}); the target wants keys of {_impl_of(want)!r} ({want})."
+        )
+    return keys
+
+
+def _impl_of(key_dtype) -> str | None:
+    """The name (``fmt.KEY_IMPLS``) of the PRNG implementation of a key dtype, if known."""
+    for name, key_shape in fmt.KEY_IMPLS.items():
+        data = jax.ShapeDtypeStruct(key_shape, np.uint32)
+        if jax.eval_shape(lambda d, n=name: jax.random.wrap_key_data(d, impl=n), data).dtype == (
+            key_dtype
+        ):
+            return name
+    return None
 
 
 def _concrete(key, sharding, mesh):
@@ -95,14 +146,18 @@ def _concrete(key, sharding, mesh):
     )
 
 
-def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Request], Callable]:
+def requests_from_target(
+    target, shardings=None, mesh=None, impls: Mapping | None = None
+) -> tuple[list[Request], Callable]:
     """One request per target leaf, and how the results become the target's structure (flax
-    boxes keep their metadata); shardings (same structure) override the target's own.
+    boxes keep their metadata); shardings (same structure) override the target's own. A typed
+    PRNG key leaf asks for its key data and gets keys back.
 
     Args:
         target: the pytree to restore into (None: ``shardings`` are the target).
         shardings: shardings in the target's structure (override its own).
         mesh: the concrete mesh for shardings on an ``AbstractMesh``.
+        impls: {key: the checkpoint's ``key_impl``} of its typed-key tensors.
     """
     boxed = target is not None  # a pytree of shardings as the target: no boxes to keep
     if target is None:
@@ -111,11 +166,19 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
     overrides = tree_lib.target_leaves(shardings)[0] if shardings is not None else ()
     shard_by_key = {key: _concrete(key, s, mesh) for key, s in overrides}
     reqs = []
+    keys_at: dict[int, Any] = {}  # position → the key dtype of a typed PRNG key leaf
     for key, leaf in leaves:
         if isinstance(leaf, jax.sharding.Sharding):  # a pytree of shardings used as the target
             reqs.append(Request(key=key, sharding=_concrete(key, leaf, mesh)))
             continue
         sharding = shard_by_key.get(key, _concrete(key, getattr(leaf, "sharding", None), mesh))
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and _is_key_dtype(leaf.dtype):
+            # its key data is what was saved: uint32, one key's data last (the sharding's
+            # spec leaves those dimensions whole)
+            data = jax.eval_shape(jax.random.key_data, leaf)
+            keys_at[len(reqs)] = leaf.dtype
+            reqs.append(Request(key, data.dtype, tuple(data.shape), sharding, wants_array=True))
+            continue
         if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
             dtype, shape = np.dtype(leaf.dtype), tuple(leaf.shape)
             reqs.append(Request(key, dtype, shape, sharding, wants_array=True))
@@ -123,7 +186,18 @@ def requests_from_target(target, shardings=None, mesh=None) -> tuple[list[Reques
             reqs.append(Request(key=key, python_type=type(leaf), sharding=sharding))
         else:  # None, str, or anything else: take what was saved
             reqs.append(Request(key=key, sharding=shard_by_key.get(key)))
-    return reqs, rebuild
+    if not keys_at:
+        return reqs, rebuild
+
+    def rebuild_keys(values: list) -> Any:
+        values = list(values)
+        for i, want in keys_at.items():
+            key = reqs[i].key
+            recorded = (impls or {}).get(key)  # None: saved as bare key data (uint32)
+            values[i] = _as_keys(key, values[i], recorded or _impl_of(want), want)
+        return rebuild(values)
+
+    return reqs, rebuild_keys
 
 
 def selected(where: str, every: Mapping, values: Sequence[fmt.ValueEntry], select):
@@ -180,7 +254,7 @@ def placed_requests(where: str, available, options: RestoreOptions):
     dtype, mesh, rules = options.dtype, options.mesh, options.rules
     reqs, key_types, replicated = [], [], []
     for av in available:
-        want = np.dtype(dtype or av.dtype)
+        want = np.dtype(av.dtype if key_impl_of(av) else dtype or av.dtype)  # key data: as is
         sharding = None
         if mesh is not None and np.dtype(jax.dtypes.canonicalize_dtype(want)) == want:
             placement: dict[str, Any] = dict(

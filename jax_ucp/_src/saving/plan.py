@@ -233,6 +233,8 @@ def prepare_tree(
     fmt.check_tree_depth(tree)  # what save writes, restore reads
     leaves, _ = tree_lib.flatten(tree)
     _refuse_deleted(leaves)  # before anything is written or copied
+    leaves, key_impls = _keys_as_data(leaves)
+    variable_roles = tree_lib.variable_roles(tree)
     bounded = None if budget is None else budget_lib.BudgetedShards(budget, copy=copy)
     for _, _, leaf in leaves:  # start every device→host transfer before waiting on any
         if isinstance(leaf, jax.Array) and (primary or not leaf.is_fully_addressable):
@@ -248,11 +250,17 @@ def prepare_tree(
             raise RequestError("Cannot save a bare leaf: wrap it in a dict, e.g. {'x': value}.")
         leaf, boxed_names = tree_lib.unbox(leaf)
         role, sub_role = fmt.role_of(key)
+        kind = variable_roles.get(key)  # an NNX Param / OptState wherever it sits in the tree
+        if kind is not None and kind != role:
+            role, sub_role = (
+                kind,
+                fmt.role_of(("opt_state", *key))[1] if kind == "opt_state" else None,
+            )
         if isinstance(leaf, _VALUE_TYPES) and not isinstance(leaf, np.generic):
             entries.append(value_entry(key, key_types, leaf, role=role, sub_role=sub_role))
             continue
         names = axis_names.of(key, boxed_names, getattr(leaf, "shape", ()))
-        tagged = dict(role=role, sub_role=sub_role, logical_axes=names)
+        tagged = dict(role=role, sub_role=sub_role, logical_axes=names, key_impl=key_impls.get(key))
         if isinstance(leaf, jax.Array):
             if bounded is not None:
                 writes = _bounded_writes(fmt.key_to_str(key), leaf, primary, bounded)
@@ -279,6 +287,26 @@ def prepare_tree(
     if copies_out is not None:
         copies_out.extend(copies)
     return entries, prepared
+
+
+def _keys_as_data(leaves) -> tuple[list, dict[tuple[str, ...], str]]:
+    """``leaves`` with each typed PRNG key array (``jax.random.key``, an NNX ``Rngs`` stream)
+    replaced by its key data (uint32, one key's data last), and {key: its implementation's
+    name}, recorded as the entry's ``key_impl`` so a restore wraps the data back into keys."""
+    out, impls = [], {}
+    for key, key_types, leaf in leaves:
+        if isinstance(leaf, jax.Array) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # pyright: ignore[reportPrivateImportUsage]
+            impl = str(jax.random.key_impl(leaf))
+            if impl not in fmt.KEY_IMPLS:
+                raise RequestError(
+                    f"Leaf {fmt.key_to_str(key)!r}: a PRNG key of implementation {impl!r}; a "
+                    f"checkpoint records keys of {sorted(fmt.KEY_IMPLS)} (save "
+                    f"jax.random.key_data(key) to keep its data as uint32)."
+                )
+            impls[key] = impl
+            leaf = jax.random.key_data(leaf)
+        out.append((key, key_types, leaf))
+    return out, impls
 
 
 def _refuse_deleted(leaves) -> None:

@@ -76,6 +76,7 @@ def tensor_entry(
     provenance=None,
     frozen: bool = False,
     tied_to: str | None = None,
+    key_impl: str | None = None,
 ) -> fmt.TensorEntry:
     """The manifest entry of one array (logical axes padded to its rank, as PartitionSpecs are).
 
@@ -90,6 +91,7 @@ def tensor_entry(
         provenance: where an import read it.
         frozen: a parameter not trained.
         tied_to: the parameter whose weight this one shares (recorded in the manifest).
+        key_impl: the JAX PRNG key implementation of a typed key array's stored key data.
     """
     if logical_axes is not None and len(logical_axes) < len(layout.shape):
         # PartitionSpec semantics: unnamed trailing dimensions; none named at all → unknown.
@@ -120,6 +122,7 @@ def tensor_entry(
         provenance=provenance,
         frozen=frozen,
         tied_to=tied_to,
+        key_impl=key_impl,
     )
 
 
