@@ -70,6 +70,18 @@ def _symlink(rel, to):
     return damage
 
 
+def _linked_out(rel):
+    """``rel`` moved beside the checkpoint (the same bytes) and linked back: another
+    checkpoint's manifest would be read just the same (found by tests/hostile)."""
+
+    def damage(path):
+        away = path.parent / "elsewhere.json"
+        (path / rel).rename(away)
+        (path / rel).symlink_to(away)
+
+    return damage
+
+
 # --- the manifest: every error names ucp.json and the field -------------------------------------
 MANIFEST_CASES = {
     "missing": (_remove("ucp.json"), r"no such checkpoint|no ucp\.json|not a jax_ucp"),
@@ -78,7 +90,11 @@ MANIFEST_CASES = {
     "fifo": (_fifo("ucp.json"), r"ucp\.json: not a regular file \(a FIFO\)"),
     "symlink to /dev/zero": (
         _symlink("ucp.json", "/dev/zero"),
-        r"not a regular file \(a character device\)",
+        r"ucp\.json' resolves to /dev/zero, outside the checkpoint",
+    ),
+    "symlink to a copy outside": (
+        _linked_out("ucp.json"),
+        r"ucp\.json' resolves to \S+elsewhere\.json, outside the checkpoint",
     ),
     "non utf-8": (_raw(b'{"format": "\xff"}'), r"ucp\.json: not UTF-8"),
     "5000-digit int": (
