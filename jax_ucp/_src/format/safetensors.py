@@ -152,6 +152,8 @@ def read_weight_map(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise error(f"{index}: expected a 'weight_map' of tensor name -> file name.")
+    if not weight_map:  # a model of no tensors: an import of nothing would pass as done
+        raise error(f"{index}: its 'weight_map' names no tensor.")
     for name, tensor in first_tensors(weight_map).items():
         if os.path.basename(name) != name or name in (".", "..") or not name.endswith(suffix):
             raise error(

@@ -134,8 +134,9 @@ def test_hostile_files_are_clear_errors(tmp_path, case):
     [
         ({"a": "../outside.safetensors"}, "beside the index"),
         ({"a": "model.safetensors", "b": "model.safetensors"}, "weight_map and the files disagree"),
+        ({}, r"index\.json: its 'weight_map' names no tensor"),  # before: an empty import
     ],
-    ids=["path outside", "index names a missing tensor"],
+    ids=["path outside", "index names a missing tensor", "empty weight_map"],
 )
 def test_hostile_index(tmp_path, weight_map, message):
     src = tmp_path / "hf"
