@@ -34,6 +34,11 @@ def tree_metadata(path: str):
 
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA
+        raise SourceError(
+            f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's reader "
+            f"failed: {type(e).__name__}: {str(e)[:200]})"
+        ) from None
     except ValueError as e:
         _quiet_closed_loop()  # Orbax's loop is closed while TensorStore still completes
         if not is_tensorstore_io_error(e):
