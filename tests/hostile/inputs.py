@@ -87,8 +87,8 @@ KINDS = {
         Kind(
             "ucp_imported",
             ("@ucp_imported",),
-            ("restore", "verify-against", "optax"),
-            ("verify", "inspect"),
+            ("restore", "verify", "optax"),
+            ("verify-against", "inspect"),
             checksummed=True,
             jax=True,
         ),

@@ -21,7 +21,27 @@ from tests.hostile.runner import run_kind
 #: operators with mutations the code handles today (``python3 -m tests.hostile --seed 0
 #: --index I --kind K`` prints what each one is)
 CI_SEED = 0
-CI_SLICE: dict[str, list[int]] = {kind: [0, 1, 2] for kind in KINDS}
+CI_SLICE: dict[str, list[int]] = {
+    "accelerate": [0, 2, 3, 4, 5],
+    "deepspeed": [0, 1, 2, 3, 4],
+    "hf_cache": [0, 1, 2, 3, 5],
+    "hf_trainer": [0, 1, 3, 4, 5],
+    "megatron": [0, 1, 3, 4, 5],
+    "megatron_bridge": [0, 1, 2, 3, 4],
+    "olmo_core": [0, 1, 2, 4, 6],
+    "orbax_manager_step": [0, 1, 2, 4, 6],
+    "orbax_pytree": [0, 1, 2, 3, 4],
+    "orbax_v1_checkpoint": [0, 1, 2, 3, 6],
+    "run_root": [0, 1, 4, 5, 6],
+    "safetensors": [0, 1, 4, 5, 7],
+    "torch_checkpointing": [0, 1, 3, 4, 7],
+    "torch_dcp": [0, 1, 3, 4, 7],
+    "torch_save": [0, 1, 3, 4, 6],
+    "torchtune": [0, 1, 2, 3, 4],
+    "ucp": [0, 1, 2, 3, 4],
+    "ucp_imported": [0, 1, 3, 7, 9],
+    "verl": [0, 1, 2, 4, 5],
+}
 
 
 @pytest.mark.timeout(240)
@@ -150,8 +170,9 @@ def test_a_fallback_to_an_older_step_passes_only_with_its_warning():
 def test_the_harness_catches_a_careless_reader(canary, finding):
     """A reader that parses JSON loosely, follows links, opens FIFOs and aborts on a changed
     byte: the harness reports each, naming the mutation and how to replay it."""
-    results = run_kind(canary, 0, list(range(4)), timeout=3)
-    assert len(results) == 4
+    indices = [0] if canary == "canary-fifo" else [0, 1, 2, 3]  # a hang costs its timeout
+    results = run_kind(canary, 0, indices, timeout=3)
+    assert len(results) == len(indices)
     failed = [r for r in results if r.failed]
     assert failed, [r.labels for r in results]
     if finding is not None:
