@@ -10,9 +10,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 import warnings
@@ -24,9 +26,14 @@ MEMORY_LIMIT = 6 << 30  # address space: a hostile length that allocates it all 
 FILE_LIMIT = 1 << 30  # no write grows a file past this
 
 
+#: the parent's channel: the real stdout, kept apart from what libraries print (fd 1 goes to
+#: stderr in ``main``)
+_CHANNEL = sys.stdout
+
+
 def emit(**record) -> None:
-    sys.stdout.write(json.dumps(record, default=str) + "\n")
-    sys.stdout.flush()
+    _CHANNEL.write(json.dumps(record, default=str) + "\n")
+    _CHANNEL.flush()
 
 
 class Child:
@@ -63,6 +70,8 @@ class Child:
             if isinstance(path, int):
                 return
             real = os.path.realpath(os.fsdecode(path))
+            if writing and _temporary(real):
+                return
             if writing and not _under(real, out_area) and not real.startswith("/dev/"):
                 seen[(f"write-outside in {now[0]}", real)] = None
             elif (
@@ -130,7 +139,7 @@ class Child:
     def run(self, seed: int, index: int) -> dict:
         source = self.kind.sources[index % len(self.kind.sources)]
         base = self.baseline(source)
-        findings = [("baseline-" + w, p) for w, p in base["seen"]]
+        findings = [("baseline-" + w, p) for w, p in base.pop("seen", ())]  # said once
         inp: inputs.Input = base["inp"]
         self.reset(base["pristine"])
         rng = random.Random(f"{seed}/{self.kind.name}/{index}")
@@ -199,6 +208,21 @@ def _where(e: BaseException) -> str:
     return "".join(f"  at {f.filename}:{f.lineno} in {f.name}\n" for f in shown)
 
 
+_TMP = os.path.realpath(tempfile.gettempdir())  # found once: finding it opens files
+
+
+def _temporary(path: str) -> bool:
+    """A write a library may make in the temporary folder: inside a folder made there, or a
+    file named as ``tempfile`` names them. A
+    fixed name written straight into it (``/tmp/latest_universal``) is not: on a shared
+    ``/tmp`` it races other users and follows whatever link another user planted there."""
+    tmp = _TMP
+    if not _under(path, tmp) or path == tmp:
+        return False
+    rel = os.path.relpath(path, tmp)
+    return os.sep in rel or re.fullmatch(r"(tmp)?[a-z0-9_]{8}", rel) is not None
+
+
 def _under(path: str, root: str) -> bool:
     return path == root or path.startswith(root + os.sep)
 
@@ -211,6 +235,9 @@ def _plain(value):
 def main(argv: list[str]) -> None:
     kind, seed, indices, work = argv[0], int(argv[1]), argv[2], argv[3]
     long = "--long" in argv
+    global _CHANNEL
+    _CHANNEL = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a library printing to stdout (DeepSpeed's logger) cannot break the channel
     shutil.rmtree(work, ignore_errors=True)  # a child restarted after a crash starts clean
     os.makedirs(work)
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))

@@ -133,6 +133,8 @@ def _one_child(kind, seed, indices, work, long, timeout, python) -> list[Result]
             buf += chunk
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
+                if not line.startswith(b'{"event"'):
+                    continue  # not the child's record (it sends only these)
                 rec = json.loads(line)
                 if rec["event"] == "start":
                     current = Result(kind, seed, rec["index"])
