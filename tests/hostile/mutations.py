@@ -47,8 +47,9 @@ class Context:
     """The input's tree as the mutations see it: regular files and real folders (links are left
     as they are), in sorted order, so a seed picks the same target on every machine."""
 
-    def __init__(self, root: str, rng: random.Random, outside: str):
+    def __init__(self, root: str, rng: random.Random, outside: str, given: str = "."):
         self.root, self.rng, self.outside = root, rng, outside
+        self.given = given  # the path the entry points are given (relative): the user's own
         self.files: list[str] = []
         self.dirs: list[str] = []
         for dirpath, dirnames, filenames in os.walk(root):
@@ -322,7 +323,7 @@ def rename(c: Context, keep: bool = False) -> Mutation | None:
 def symlink_out(c: Context) -> Mutation | None:
     """A file or folder moved out of the input (same bytes) and linked back in place, by an
     absolute or a relative link."""
-    choices = c.files + c.dirs
+    choices = [r for r in c.files + c.dirs if r != c.given]  # a link the user hands us: theirs
     if not choices:
         return None
     rel = c.rng.choice(choices)
@@ -521,11 +522,12 @@ OPS = {
 }
 
 
-def mutate(root: str, rng: random.Random, outside: str, ops=None) -> Mutation:
+def mutate(root: str, rng: random.Random, outside: str, ops=None, given: str = ".") -> Mutation:
     """One mutation of the folder ``root`` in place, chosen by ``rng`` among ``ops`` (default:
-    all) that apply to it; links out go to copies under ``outside``."""
+    all) that apply to it; links out go to copies under ``outside``; ``given`` (relative to
+    ``root``) is the path the entry points are handed, never itself replaced by a link."""
     names = sorted(ops or OPS)
-    ctx = Context(root, rng, outside)
+    ctx = Context(root, rng, outside, given)
     for _ in range(20):
         op = rng.choice(names)
         m = OPS[op](ctx)

@@ -18,6 +18,7 @@ import re
 #: outcome labels that pass
 PASS = {
     "unavailable",
+    "step-added",
     "same",
     "refused",
     "reported",
