@@ -21,6 +21,16 @@ from tests.hostile.runner import run_kind
 #: operators with mutations the code handles today (``python3 -m tests.hostile --seed 0
 #: --index I --kind K`` prints what each one is)
 CI_SEED = 0
+#: mutations of seed 0 that fail today on issue 48's own items, for the slice once they are
+#: fixed: torch zip members present twice (torch_checkpointing 2, torch_save 9), one resume
+#: rule for latest_step and restore (run_root 2, 3), step folders that are links
+#: (orbax_manager_step 11)
+PENDING = {
+    "torch_checkpointing": [2],
+    "torch_save": [9],
+    "run_root": [2, 3],
+    "orbax_manager_step": [11],
+}
 CI_SLICE: dict[str, list[int]] = {
     "accelerate": [0, 2, 3, 4, 5],
     "deepspeed": [0, 1, 2, 3, 4],
