@@ -274,7 +274,10 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
 
     from deepspeed.checkpoint import ds_to_universal  # pyright: ignore[reportMissingImports]
 
-    folder = tempfile.mkdtemp(prefix="ucp-against-")
+    # DeepSpeed writes its tracker `latest_universal` beside the output folder: inside our own
+    # folder, never straight into /tmp (found by tests/hostile)
+    parent = tempfile.mkdtemp(prefix="ucp-against-")
+    folder = os.path.join(parent, "universal")
     args = argparse.Namespace(
         input_folder=_tag_folder(src),
         output_folder=folder,
@@ -288,7 +291,7 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
         with contextlib.redirect_stdout(sys.stderr):
             ds_to_universal.main(args)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(parent, ignore_errors=True)
         raise
     return {"folder": folder}
 
@@ -477,6 +480,6 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
     _dcp_keys.cache_clear()
     for key, value in _DEEPSPEED.items():
         if key.startswith("ds_to_universal:"):
-            shutil.rmtree(value["folder"], ignore_errors=True)
+            shutil.rmtree(os.path.dirname(value["folder"]), ignore_errors=True)
     _DEEPSPEED.clear()
     return result
