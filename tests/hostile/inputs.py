@@ -23,7 +23,7 @@ FIXTURES = os.path.join(REPO, "tests", "fixtures")
 
 IMPORT = ("convert",)
 IMPORT_LONG = ("verify-against",)
-RESTORE = ("restore", "verify", "inspect", "cli-inspect-json", "plan")
+RESTORE = ("restore", "verify", "inspect", "cli-inspect-json", "plan", "cli-plan-json")
 RESUME = ("latest-step", "latest-step-fallback", "restore-latest", "restore-latest-fallback",
           "restore-step")  # fmt: skip
 
@@ -113,8 +113,9 @@ KINDS = {
 }
 
 #: inputs read by a deliberately careless reader (``canary-read``: plain ``json.load``, links
-#: followed, FIFOs opened, abort on a changed byte): the harness's own test that it catches a raw
-#: exception, a read outside, a hang and a signal
+#: followed, FIFOs opened, abort on a changed byte; ``canary-write``: a note left beside the
+#: input): the harness's own test that it catches a raw exception, a read outside, a hang, a
+#: signal and a write outside
 CANARIES = {
     k.name: k
     for k in [
@@ -122,6 +123,7 @@ CANARIES = {
         Kind("canary-link", ("@canary",), ("canary-read",), (), ops=("symlink-out",)),
         Kind("canary-fifo", ("@canary",), ("canary-read",), (), ops=("fifo",)),
         Kind("canary-abort", ("@canary",), ("canary-read",), (), ops=("flip-meta",)),
+        Kind("canary-write", ("@canary",), ("canary-write",), (), ops=("flip-meta",)),
     ]
 }
 
@@ -443,6 +445,8 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         return repr(result)
     if name == "cli-inspect-json":
         return _cli_json(["inspect", p, "--json"])
+    if name == "cli-plan-json":
+        return _cli_json(["plan", p, "--mesh", "x=2", "--json"])
     if name == "optax":
         t = jax_ucp.optax_from_torch(p)
         return {
@@ -453,6 +457,10 @@ def run_entry(name: str, inp: Input, state: dict) -> Any:
         }
     if name == "canary-read":
         return _canary_read(p)
+    if name == "canary-write":
+        with open(os.path.join(os.path.dirname(p), "seen.txt"), "w") as f:
+            f.write("read")
+        return "written"
     raise AssertionError(f"no entry point {name!r}")
 
 

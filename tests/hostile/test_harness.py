@@ -175,11 +175,13 @@ def test_a_fallback_to_an_older_step_passes_only_with_its_warning():
         ("canary-link", "read-outside"),
         ("canary-fifo", "hang"),
         ("canary-abort", "crash"),
+        ("canary-write", "baseline-write-outside"),
     ],
 )
 def test_the_harness_catches_a_careless_reader(canary, finding):
-    """A reader that parses JSON loosely, follows links, opens FIFOs and aborts on a changed
-    byte: the harness reports each, naming the mutation and how to replay it."""
+    """A reader that parses JSON loosely, follows links, opens FIFOs, aborts on a changed byte
+    or leaves a note beside its input: the harness reports each, naming the mutation and how
+    to replay it."""
     indices = [0] if canary == "canary-fifo" else [0, 1, 2, 3]  # a hang costs its timeout
     results = run_kind(canary, 0, indices, timeout=3)
     assert len(results) == len(indices)
