@@ -5,9 +5,9 @@ listed as not compared, never counted as equal."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 
 import numpy as np
@@ -69,25 +69,39 @@ def test_torch_imports_against_torch_own_loaders(tmp_path, kind):
         assert len(bad) == 1 and name in bad[0][1], bad
 
 
-def test_deepspeed_tensors_built_by_the_import_are_not_counted_equal(tmp_path):
-    """Without DeepSpeed installed, nothing reads its partitions whole: nothing compared is an
-    error, not "OK"."""
-    if importlib.util.find_spec("deepspeed") is not None:
-        pytest.skip("DeepSpeed installed: its zero_to_fp32 reads the weights (test below)")
+def test_deepspeed_source_without_deepspeed_names_the_extra(tmp_path, monkeypatch):
+    """Without DeepSpeed installed, nothing reads its partitions whole: the proof cannot be
+    made here, a project error naming the extra to install (before: "No module named
+    'deepspeed'" as a note per tensor), never "OK"."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # an import that fails
     src = os.path.join(FIX, "deepspeed", "z2_fp32_dp2", "ckpt")
     out = jax_ucp.convert(src, tmp_path / "ucp")
-    with pytest.raises(jax_ucp.UCPError, match=r"no tensor .* could be compared"):
+    with pytest.raises(jax_ucp.SourceError, match=r"DeepSpeed.*pip install 'jax_ucp\[deepspeed\]'"):
+        jax_ucp.verify(out, against=src)
+    r = runner.invoke(app, ["verify", str(out), "--against", src], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and "jax_ucp[deepspeed]" in r.output, r.output
+
+
+def test_torch_source_without_torch_names_the_extra(tmp_path, monkeypatch):
+    """A torch.save source compared where torch is not installed: the extra to install is
+    named (before: "No module named 'torch'" as the reason nothing could be compared)."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    src = os.path.join(FIX, "torch", "plain_state_dict.pt")
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    with pytest.raises(jax_ucp.SourceError, match=r"torch.*pip install 'jax_ucp\[hf\]'"):
         jax_ucp.verify(out, against=src)
 
 
 @pytest.mark.torch
 def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_universal(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, caplog
 ):
     """A ZeRO import's weights equal what DeepSpeed's own zero_to_fp32 consolidates, its
     moments what DeepSpeed's ds_to_universal writes (its temporary folder removed after, and
-    nothing written beside it: DeepSpeed's `latest_universal` went straight into /tmp, found by
-    tests/hostile)."""
+    the removal logged, as every deletion jax_ucp makes; nothing written beside it: DeepSpeed's
+    `latest_universal` went straight into /tmp, found by tests/hostile)."""
+    import logging
+
     pytest.importorskip("deepspeed")
     src = os.path.join(FIX, "deepspeed", "z2_fp32_dp2", "ckpt")
     out = jax_ucp.convert(src, tmp_path / "ucp")
@@ -96,10 +110,13 @@ def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_univer
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(scratch))
-    found = jax_ucp.verify(out, against=src)
+    with caplog.at_level(logging.INFO, logger="jax_ucp"):
+        found = jax_ucp.verify(out, against=src)
     assert list(found) == []
     assert [n for n, _ in found.notices] == ["opt_state/count"]
     assert os.listdir(scratch) == []
+    removed = [r.getMessage() for r in caplog.records if "removing" in r.getMessage()]
+    assert any(str(scratch / "ucp-against-") in m for m in removed), removed
 
 
 @pytest.mark.torch
@@ -178,6 +195,14 @@ def _flip_source(kind, src) -> str:
         flat = osd.get("single_partition_of_fp32_groups") or osd.get("fp32_flat_groups")
         flat[0].data.view(-1)[0] += 1  # the first parameter's first element
         torch.save(sd, file)
+        # and ZeRO-2's module copy of it: a source changed whole (the import refuses a module
+        # weight that disagrees with its fp32 master as files of different saves)
+        file = os.path.join(step, "mp_rank_00_model_states.pt")
+        if os.path.isfile(file):
+            with torch.serialization.safe_globals([LossScaler, ZeroStageEnum, fragment_address]):
+                sd = torch.load(file, weights_only=True)
+            sd["module"]["model.embed_tokens.weight"].view(-1)[0] += 1
+            torch.save(sd, file)
         return "params/model.embed_tokens.weight"
     folder = src
     if kind == "trainer_fsdp":
@@ -257,5 +282,140 @@ def test_olmo_core_step_folder_against_dcp_load(tmp_path):
     out = jax_ucp.convert(src, tmp_path / "ucp")
     found = jax_ucp.verify(out, against=src)
     assert list(found) == [] and [n for n, _ in found.notices] == ["opt_state/count"]
-    with pytest.raises(jax_ucp.UCPError, match=r"no torch DCP folder in it holds"):
+    with pytest.raises(jax_ucp.UCPError, match=r"OLMo-core save folder.*Convert one of them"):
         jax_ucp.verify(out, against=os.path.dirname(src))
+
+
+# --------------------------------------------------------------------------- hostile inputs
+# Each builds a Hugging Face safetensors source torch-free (safetensors' numpy API) and a
+# checkpoint that lies about it; `verify --against` must say so.
+
+LAYER0 = "model.layers.0.self_attn"
+
+
+def _hf_source(folder, *, drop=(), **extra) -> dict[str, np.ndarray]:
+    """A small Llama-shaped safetensors folder (q_proj and o_proj both [32, 32], each of its
+    own values); ``drop``: names left out; ``extra``: more tensors. Returns what it wrote."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        f"{LAYER0}.q_proj.weight": rng.standard_normal((32, 32), np.float32),
+        f"{LAYER0}.o_proj.weight": rng.standard_normal((32, 32), np.float32),
+        "model.layers.1.mlp.up_proj.weight": rng.standard_normal((8, 32), np.float32),
+        "model.norm.weight": np.ones(32, np.float32),
+        **extra,
+    }
+    tensors = {k: v for k, v in tensors.items() if k not in drop}
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def _edit_manifest(ckpt, change) -> None:
+    """``change(manifest dict)`` applied to the checkpoint's ucp.json, written back."""
+    import json
+
+    path = os.path.join(ckpt, "ucp.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    change(manifest)
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize("where", ["relative", "absolute"])
+def test_a_provenance_leading_out_of_the_source_is_an_error(tmp_path, where):
+    """A checkpoint of a decoy whose provenance names ``../decoy/model.safetensors`` (or the
+    decoy's absolute path): before, --against compared the decoy with itself and passed a
+    checkpoint differing from SRC in 1024 of 1024 elements; now an error naming the tensor and
+    the path, exit 1."""
+    src, decoy = tmp_path / "src", tmp_path / "decoy"
+    _hf_source(src)
+    wrote = _hf_source(decoy)
+    from safetensors.numpy import save_file
+
+    save_file({k: v + 1 for k, v in wrote.items()}, str(decoy / "model.safetensors"))
+    out = jax_ucp.convert(decoy, tmp_path / "ucp")
+    target = (
+        "../decoy/model.safetensors" if where == "relative" else str(decoy / "model.safetensors")
+    )
+
+    def lead_out(manifest):
+        for entry in manifest["entries"]:
+            entry["provenance"]["file"] = target
+
+    _edit_manifest(out, lead_out)
+    assert jax_ucp.verify(out) == []  # its digests are fine: only the source can tell
+    with pytest.raises(jax_ucp.UnsafeFileError, match=rf"params/.*{target}"):
+        jax_ucp.verify(out, against=src)
+    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and target in r.output and "params/" in r.output, r.output
+
+
+def test_same_shape_tensors_swapped_in_the_manifest_are_reported(tmp_path):
+    """layer 0's q_proj and o_proj ([32, 32] both) swapped in ucp.json, all but their keys:
+    plain verify finds every digest fine; before, --against compared each with the source
+    tensor the checkpoint claims and passed. Now each is compared with the source tensor of
+    its own name, and the provenance that says otherwise is reported: both named, exit 1."""
+    src = tmp_path / "src"
+    _hf_source(src)
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    q, o = f"params/{LAYER0}.q_proj.weight", f"params/{LAYER0}.o_proj.weight"
+
+    def swap(manifest):
+        entries = {"/".join(e["key"]): e for e in manifest["entries"]}
+        a, b = entries[q], entries[o]
+        for field in set(a) | set(b):
+            if field not in ("key", "key_types"):
+                a[field], b[field] = b.get(field), a.get(field)
+
+    _edit_manifest(out, swap)
+    assert jax_ucp.verify(out) == []
+    bad = dict(jax_ucp.verify(out, against=src))
+    assert set(bad) == {q, o}, bad
+    assert "o_proj" in bad[q] and "makes it from" in bad[q] and "elements" in bad[q]
+    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and q in r.output and o in r.output, r.output
+
+
+def test_a_source_tensor_the_checkpoint_lacks_is_reported_missing(tmp_path):
+    """SRC holds model.layers.1.mlp.up_proj.weight, the checkpoint does not (and its
+    source.skipped does not list it): before, exit 0 "read back intact"; now named, exit 1."""
+    src = tmp_path / "src"
+    dropped = "model.layers.1.mlp.up_proj.weight"
+    _hf_source(src, drop=(dropped,))
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    _hf_source(src)  # the source as it is: the import dropped one of its tensors
+    bad = dict(jax_ucp.verify(out, against=src))
+    assert list(bad) == [f"params/{dropped}"], bad
+    assert "missing from the checkpoint" in bad[f"params/{dropped}"]
+    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and dropped in r.output, r.output
+    assert "1 source tensor missing" in r.output and "failed" not in r.output, r.output
+
+
+def test_a_tensor_listed_in_source_skipped_is_accounted_for(tmp_path):
+    """A weights-only import beside a Trainer's optimizer.pt lists it in source.skipped: the
+    verify against the folder passes (every weight compared, the optimizer said skipped)."""
+    src = tmp_path / "src"
+    _hf_source(src)
+    (src / "optimizer.pt").write_bytes(b"not read")
+    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    assert jax_ucp.verify(out, against=src) == []
+
+
+def test_a_checkpoint_tensor_the_source_does_not_hold_is_reported(tmp_path):
+    """A tensor of the checkpoint the import of SRC does not make: before, a notice (not
+    compared: the file lacks it) and exit 0; now "not in the source", exit 1."""
+    src = tmp_path / "src"
+    extra = "model.layers.9.mlp.up_proj.weight"
+    _hf_source(src, **{extra: np.zeros((2, 2), np.float32)})
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    _hf_source(src)  # the source without it
+    bad = dict(jax_ucp.verify(out, against=src))
+    assert list(bad) == [f"params/{extra}"], bad
+    assert "not in the source" in bad[f"params/{extra}"]
+    assert "built from 0 source tensors" not in bad[f"params/{extra}"]
+    r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
+    assert r.exit_code == 1 and extra in r.output, r.output

@@ -15,7 +15,7 @@ PACKAGE = os.path.join(PUBLIC_ROOT, "_src")
 # layer -> the jax_ucp layers it may import (itself always allowed)
 ALLOWED = {
     "format": set(),
-    "store": {"format"},
+    "store": {"format", "multihost"},  # multihost.liveness: a killed saver's lock or leftovers
     "multihost": {"format"},
     "writer": {"format", "store", "multihost"},
     "language": {"format"},  # format.mapped_file: views of mapped files read with pread
@@ -38,6 +38,7 @@ ALLOWED = {
         "store",
         "restoring",
         "torchfiles",
+        "importers",  # the import of the source planned again: which tensor is whose
     },  # verify(against=): the source's own loaders
 }
 # Modules that load no JAX when imported (JAX only inside a function, where a sharding the caller
@@ -47,6 +48,8 @@ ALLOWED = {
 # exporters`` is also run in a fresh process: tests/exporters/test_without_jax.py).
 JAX_FREE = {
     "jax_ucp._src.restoring.locate",
+    "jax_ucp._src.restoring.steps",
+    "jax_ucp._src.restoring.resume",
     "jax_ucp._src.restoring.model",
     "jax_ucp._src.restoring.engine",
     "jax_ucp._src.restoring.ucp_source",
@@ -453,3 +456,77 @@ def test_tests_reach_no_private_name_of_jax_ucp():
                 for line, what in _private_reaches(path):
                     wrong.append(f"{os.path.relpath(path, REPO)}:{line}: {what}")
     assert not wrong, "\n".join(wrong)
+
+
+# The storage media (``store/storage/``) are the only code that renames a checkpoint into place or
+# writes objects of a prefix itself (issue 49): a new backend is a new module there, and nothing
+# above it commits on its own.
+STORAGE = ("store/storage/", "store/location.py")  # location.py: the client's old names
+RENAMES = {("os", "rename"), ("os", "replace"), ("os", "renames"), ("shutil", "move")}
+OBJECT_CLIENTS = {"object_store", "location"}  # the object-store client (and its forwards)
+OBJECT_WRITES = {"write", "create", "delete", "delete_names"}
+KVSTORE_READERS = {"restoring/ucp_source.py"}  # opens a prefix to read its shards' digests
+
+
+def _storage_escapes(rel: str, tree: ast.AST):
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and (node.module or "").split(".")[-1] in OBJECT_CLIENTS
+        ):
+            for alias in node.names:
+                if alias.name in OBJECT_WRITES:
+                    yield node.lineno, f"imports the object-store write {alias.name}"
+        if (
+            isinstance(node, ast.Attribute)
+            and node.attr == "KvStore"
+            and rel not in KVSTORE_READERS
+        ):
+            yield node.lineno, "opens a TensorStore KvStore"
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        func, owner = node.func, node.func.value
+        owner_name = owner.attr if isinstance(owner, ast.Attribute) else getattr(owner, "id", "")
+        if (owner_name, func.attr) in RENAMES or (
+            func.attr in OBJECT_WRITES and owner_name in OBJECT_CLIENTS
+        ):
+            yield node.lineno, f"{owner_name}.{func.attr}"
+        elif func.attr in ("rename", "replace") and len(node.args) == 1 and not node.keywords:
+            yield node.lineno, f"Path.{func.attr}"  # pathlib's rename / replace take one target
+
+
+def test_renames_and_object_writes_stay_in_the_storage_modules():
+    wrong = []
+    for path in _modules():
+        rel = os.path.relpath(path, PACKAGE).replace(os.sep, "/")
+        if rel.startswith(STORAGE):
+            continue
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        wrong += [
+            f"jax_ucp/_src/{rel}:{line}: {what}" for line, what in _storage_escapes(rel, tree)
+        ]
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_the_storage_rule_sees_a_rename_and_an_object_write():
+    code = (
+        "import os, pathlib\n"
+        "from jax_ucp._src.store import location\n"
+        "from jax_ucp._src.store.storage.object_store import create\n"
+        "os.rename(a, b)\n"
+        "pathlib.Path(a).rename(b)\n"
+        "location.write(url, 'ucp.json', data)\n"
+        "ts.KvStore.open(spec)\n"
+        "s.replace('a', 'b')\n"  # str.replace: not a rename
+    )
+    found = [what for _, what in _storage_escapes("writer/x.py", ast.parse(code))]
+    assert sorted(found) == sorted(
+        [
+            "imports the object-store write create",
+            "os.rename",
+            "Path.rename",
+            "location.write",
+            "opens a TensorStore KvStore",
+        ]
+    )

@@ -142,3 +142,60 @@ def test_a_config_declaring_a_bigger_model_than_the_checkpoint_is_refused(conver
         jax_ucp.UCPError, match=r"config\.json declares a model of [\d,]+ parameters.*holds"
     ):
         compare_logits(converted, str(src))
+
+
+@pytest.mark.parametrize("tolerance", ["abc", True, -1.0, float("nan"), float("inf")])
+def test_a_tolerance_that_is_no_number_or_proves_nothing_is_refused(tmp_path, tolerance):
+    """Text, a bool (before: True taken as 1.0), a negative, NaN or infinite tolerance: a
+    RequestError naming the option before anything is read (before: 'abc' a raw ValueError)."""
+    out = jax_ucp.save(str(tmp_path / "c"), {"w": np.zeros(2, np.float32)})
+    with pytest.raises(jax_ucp.RequestError, match=r"logits_tolerance"):
+        jax_ucp.verify(
+            out, against=_config_folder(tmp_path), logits=True, logits_tolerance=tolerance
+        )
+    with pytest.raises(jax_ucp.RequestError, match=r"logits_tolerance"):
+        compare_logits(out, _config_folder(tmp_path / "again"), tolerance=tolerance)
+
+
+@pytest.mark.parametrize("value", ["nan", "-1", "inf"])
+def test_the_command_line_refuses_a_tolerance_naming_the_option(tmp_path, value):
+    out = jax_ucp.save(str(tmp_path / "c"), {"w": np.zeros(2, np.float32)})
+    r = runner.invoke(
+        app,
+        [
+            "verify",
+            out,
+            "--against",
+            _config_folder(tmp_path),
+            "--logits",
+            "--logits-tolerance",
+            value,
+        ],
+        env={"COLUMNS": "300"},
+    )
+    assert r.exit_code == 1 and "--logits-tolerance" in r.output, r.output
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("num_attention_heads", 0),
+        ("intermediate_size", 0),
+        ("vocab_size", "64"),
+        ("num_hidden_layers", 2.5),
+        ("vocab_size", 10**30),
+        ("num_key_value_heads", 3),  # does not divide the 4 heads
+        ("rms_norm_eps", float("nan")),
+        ("num_attention_heads", True),
+    ],
+)
+def test_absurd_config_numbers_are_refused_naming_the_field_and_file(tmp_path, field, value):
+    """config.json declaring 0 heads (before: a raw ZeroDivisionError), negative or text sizes,
+    sizes past int32, a head count that does not divide: a SourceError naming the field and
+    the file, before torch or the checkpoint is touched."""
+    folder = _config_folder(tmp_path, **{field: value})
+    with pytest.raises(
+        jax_ucp.SourceError,
+        match=rf"config\.json: {field}|{field} .*config\.json|config\.json.*{field}",
+    ):
+        compare_logits(str(tmp_path / "never-read"), folder)

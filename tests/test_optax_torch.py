@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -169,7 +170,12 @@ def test_optax_step_equals_torch_adamw_step_without_a_spec(tmp_path):
 
 # --- what the files identify, and nothing else (issue 38) -----------------------------------
 
-from jax_ucp._src.optax_torch import check_groups, hf_schedule, identify  # noqa: E402
+from jax_ucp._src.optax_torch import (  # noqa: E402
+    check_groups,
+    hf_schedule,
+    identify,
+    schedule_kwargs,
+)
 
 ADAM_KEYS = dict(
     lr=0.01, betas=[0.9, 0.999], eps=1e-8, amsgrad=False, maximize=False, foreach=None,
@@ -261,6 +267,94 @@ def test_cosine_schedule_arguments_match_transformers_get_scheduler():
         sched.step()
     ours = hf_schedule("cosine", 0.01, 5, 50, num_cycles=2)
     np.testing.assert_allclose([float(ours(s)) for s in range(50)], want, rtol=1e-5, atol=1e-9)
+
+
+TRAINER_SCHEDULES = [
+    ("linear", {}),
+    ("constant", {}),
+    ("constant_with_warmup", {}),
+    ("cosine", {"num_cycles": 0.75}),
+    ("cosine_with_restarts", {}),
+    ("cosine_with_restarts", {"num_cycles": 3}),
+    ("polynomial", {}),
+    ("polynomial", {"power": 2.0, "lr_end": 1e-4}),
+    ("inverse_sqrt", {}),
+    ("inverse_sqrt", {"timescale": 12}),
+    ("warmup_stable_decay", {"num_decay_steps": 20}),
+    ("warmup_stable_decay", {"num_decay_steps": 15, "num_stable_steps": 10, "min_lr_ratio": 0.1,
+                             "warmup_type": "cosine", "decay_type": "1-sqrt"}),
+    ("warmup_stable_decay", {"num_decay_steps": 30, "warmup_type": "1-sqrt",
+                             "decay_type": "linear", "num_cycles": 1.5}),
+]  # fmt: skip
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("kind, kwargs", TRAINER_SCHEDULES)
+def test_every_trainer_schedule_equals_transformers_get_scheduler_at_every_step(kind, kwargs):
+    """Each reproduced schedule, with the lr_scheduler_kwargs the Trainer passes through, gives
+    the learning rate transformers' own scheduler sets at every step of a 60-step run (and past
+    its end)."""
+    import torch
+    from transformers import get_scheduler
+
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.01)
+    sched = get_scheduler(
+        kind, opt, num_warmup_steps=6, num_training_steps=60,
+        scheduler_specific_kwargs=dict(kwargs) or None,
+    )  # fmt: skip
+    want = []
+    for _ in range(66):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    args = {"lr_scheduler_kwargs": kwargs, "learning_rate": 0.01}
+    ours = hf_schedule(kind, 0.01, 6, 60, **schedule_kwargs(args, kind, "c"))
+    np.testing.assert_allclose([float(ours(s)) for s in range(66)], want, rtol=2e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize(
+    "kind, kwargs, says",
+    [
+        ("warmup_stable_decay", {}, r"needs lr_scheduler_kwargs \['num_decay_steps'\]"),
+        (
+            "warmup_stable_decay",
+            {"num_decay_steps": 5, "decay_type": "exp"},
+            r"'decay_type'\] = 'exp'",
+        ),
+        ("warmup_stable_decay", {"num_decay_steps": 2.5}, r"'num_decay_steps'\] = 2\.5"),
+        (
+            "warmup_stable_decay",
+            {"num_decay_steps": 5, "min_lr_ratio": 1.5},
+            r"'min_lr_ratio'\] = 1\.5",
+        ),
+        ("inverse_sqrt", {"timescale": 0}, r"'timescale'\] = 0"),
+        ("polynomial", {"power": True}, r"'power'\] = True"),
+        ("polynomial", {"power": float("nan")}, r"'power'\] = nan"),
+        ("polynomial", {"lr_end": 0.5}, r"'lr_end'\] = 0\.5 is not below the learning rate 0\.01"),
+        ("cosine_with_restarts", {"num_cycles": "3"}, r"'num_cycles'\] = '3'"),
+        ("inverse_sqrt", {"num_cycles": 2}, r"'num_cycles'=2, which is not reproduced"),
+    ],
+)
+def test_a_schedule_argument_transformers_would_not_run_is_refused_naming_it(kind, kwargs, says):
+    args = {"lr_scheduler_kwargs": kwargs, "learning_rate": 0.01}
+    with pytest.raises(jax_ucp.UCPError, match=rf"^ckpt: .*{says}"):
+        schedule_kwargs(args, kind, "ckpt")
+
+
+def test_the_new_schedules_keep_their_shape_without_torch():
+    """Hand-computed points of transformers' formulas (no torch needed): the WSD floor after the
+    decay, inverse_sqrt's 1/sqrt past warm-up, polynomial's lr_end past the end, the restarts'
+    hard zero at the end."""
+    wsd = hf_schedule("warmup_stable_decay", 1.0, 4, 40, num_decay_steps=10, min_lr_ratio=0.25)
+    assert [float(wsd(s)) for s in (0, 2, 4, 29, 40, 99)] == pytest.approx(
+        [0.25, 0.625, 1.0, 1.0, 0.25, 0.25]
+    )
+    inv = hf_schedule("inverse_sqrt", 2.0, 4, 0)
+    assert float(inv(16)) == pytest.approx(2.0 / 2.0)  # timescale = warm-up: 1/sqrt(16/4)
+    poly = hf_schedule("polynomial", 1.0, 0, 10, lr_end=0.1, power=2.0)
+    assert [float(poly(s)) for s in (0, 5, 10, 11)] == pytest.approx([1.0, 0.325, 0.1, 0.1])
+    restarts = hf_schedule("cosine_with_restarts", 1.0, 0, 10, num_cycles=2)
+    assert [float(restarts(s)) for s in (0, 5, 10)] == pytest.approx([1.0, 1.0, 0.0], abs=1e-6)
 
 
 def _torch_run(tmp_path, make_opt, drop_key=None):
@@ -418,3 +512,33 @@ def test_optax_from_torch_options_refuse_a_second_spec(tmp_path):
     ckpt = jax_ucp.convert(src, tmp_path / "ucp")
     with pytest.raises(jax_ucp.RequestError, match=r"optax_from_torch\(spec=\)"):
         jax_ucp.optax_from_torch(ckpt, options=jax_ucp.RestoreOptions(spec="hf_llama"))
+
+
+def _trainer_at_global_step(tmp_path, kind: str, global_step: int) -> str:
+    """A copy of a Trainer fixture whose trainer_state.json says ``global_step``."""
+    src = str(shutil.copytree(os.path.join(FIX, kind, "checkpoint-3"), tmp_path / kind))
+    path = os.path.join(src, "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    state["global_step"] = global_step
+    with open(path, "w") as f:
+        json.dump(state, f)
+    return src
+
+
+def test_a_trainer_global_step_other_than_the_optimizers_is_said(tmp_path, monkeypatch):
+    """trainer_state.json at global_step 5, optimizer.pt at step 3: the continuation takes the
+    optimizer's step (Adam's bias correction runs on it) and says so, naming both (it was
+    continued at 3 with no note)."""
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    src = _trainer_at_global_step(tmp_path, "trainer_fp32", 5)
+    with np.load(os.path.join(FIX, "trainer_fp32.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    ckpt = jax_ucp.convert(
+        src, tmp_path / "ucp", parameter_order=[n for n in names if n not in norms] + norms
+    )
+    said = r"trainer_state\.json's global_step is 5, the optimizer's step \(optimizer\.pt\) 3"
+    with pytest.warns(UserWarning, match=said):
+        run = jax_ucp.optax_from_torch(ckpt)
+    assert run.step == 3 and any("global_step is 5" in n for n in run.notes)

@@ -202,3 +202,18 @@ def test_a_deepspeed_run_without_the_trainers_arguments_lists_only_the_schedule(
     assert len(run.unrecovered) == 1 and "schedule" in run.unrecovered[0]
     assert not any("clipped" in n for n in run.notes)
     assert run.step == 2
+
+
+def test_a_trainer_global_step_other_than_deepspeeds_optimizer_step_is_said(tmp_path):
+    """Trainer + DeepSpeed ZeRO-2: trainer_state.json at global_step 7, the optimizer state at
+    step 3: continued at the optimizer's step with a warning naming both (it said nothing)."""
+    src = str(shutil.copytree(os.path.join(FIX, "trainer_ds_z2", "checkpoint-3"), tmp_path / "c"))
+    path = os.path.join(src, "trainer_state.json")
+    with open(path) as f:
+        state = json.load(f)
+    with open(path, "w") as f:
+        json.dump({**state, "global_step": 7}, f)
+    ckpt = jax_ucp.convert(src, str(tmp_path / "ucp"))
+    with pytest.warns(UserWarning, match=r"c/trainer_state\.json's global_step is 7, .* step .* 3"):
+        run = jax_ucp.optax_from_torch(ckpt)
+    assert run.step == 3

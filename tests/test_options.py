@@ -15,6 +15,7 @@ from jax_ucp import conversion
 from jax_ucp._src import store, writer
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET
 from jax_ucp._src.importers import registry
+from jax_ucp._src.importers.deepspeed import DeepSpeedOptions
 from jax_ucp._src.importers.megatron import MegatronOptions
 from jax_ucp._src.importers.orbax import OrbaxOptions
 from jax_ucp._src.importers.plan import ImportOptions, TaggedOptions
@@ -138,29 +139,34 @@ def test_the_cli_takes_memory_budget_for_verify_and_convert(tmp_path, monkeypatc
 
 
 def test_the_import_options_built_at_the_edge_reach_the_format_unchanged(tmp_path, monkeypatch):
-    """``convert(importing=TorchOptions(...))`` hands that very object to the torch importer's
-    ``plan``; keywords build the most general class that takes them, specialised to the format
-    the files show (``tag=`` → ``TaggedOptions`` → ``OrbaxOptions`` for an Orbax source)."""
+    """``convert(importing=TorchOptions(...))`` hands that very object to the torch DCP
+    importer's ``plan``; keywords build the options class of the importer the source is for
+    (detected first), and a general class given is specialised to the format the files show
+    (``TaggedOptions`` → ``OrbaxOptions`` for an Orbax source)."""
     from jax_ucp._src.importers.torch import TorchOptions
 
     seen = []
-    importer = registry.IMPORTERS["torch"]
+    importer = registry.IMPORTERS["torch_dcp"]
 
     def plan(src, options):
         seen.append(options)
         return importer.plan(src, options)
 
-    monkeypatch.setitem(registry.IMPORTERS, "torch", dataclasses.replace(importer, plan=plan))
+    monkeypatch.setitem(registry.IMPORTERS, "torch_dcp", dataclasses.replace(importer, plan=plan))
     options = TorchOptions(weights_only=True)
     jax_ucp.convert(FSDP2, tmp_path / "u", importing=options)
     assert seen[0] is options
-    assert type(registry.import_options(tag="3")) is TaggedOptions
-    assert type(registry.import_options(spec=None, weights_only=True)) is ImportOptions
-    assert type(registry.import_options(vocab_size=3)) is MegatronOptions
+    jax_ucp.convert(FSDP2, tmp_path / "k", weights_only=True)  # the keywords: detected first
+    assert type(seen[1]) is TorchOptions and seen[1].weights_only
+    assert type(registry.importer_options(registry.IMPORTERS["deepspeed"], tag="3")) is (
+        DeepSpeedOptions
+    )
+    general = ImportOptions(spec=None, weights_only=True)
+    assert type(registry.for_format(registry.IMPORTERS["megatron"], general)) is MegatronOptions
     orbax = registry.for_format(registry.IMPORTERS["orbax"], TaggedOptions(tag="3"))
     assert (type(orbax), orbax.tag) == (OrbaxOptions, 3)
-    with pytest.raises(jax_ucp.RequestError, match=r"tag=.*vocab_size="):
-        registry.import_options(tag="3", vocab_size=3)
+    with pytest.raises(jax_ucp.RequestError, match=r"^vocab_size=.*megatron.*orbax"):
+        registry.importer_options(registry.IMPORTERS["orbax"], tag="3", vocab_size=3)
     with pytest.raises(jax_ucp.RequestError, match=r"importing=.*weights_only="):
         jax_ucp.convert(FSDP2, tmp_path / "v", importing=options, weights_only=True)
 

@@ -1,7 +1,7 @@
 """The walk of one parameter through jax_ucp: ``restore(path, mesh=, rules=, target=)`` of a
 one-tensor checkpoint onto a 2x2 mesh (the target's leaf sharded over it), traced, as the sequence of jax_ucp modules control is in.
 
-    python3 tools/restore_walk.py [--show] [--calls | --all] [--depth N]
+    python3 tools/restore_walk.py [--show] [--calls | --all] [--depth N] [--import SRC]
 
 A module is *entered* when one of its functions is called from another module's frame (a
 module calling its own helpers, comprehensions included, stays where it is); a *stay* is a run
@@ -12,6 +12,11 @@ hands back into jax_ucp enters its module). ``--calls`` counts every call, a mod
 its own functions too; ``--all`` counts every module of jax_ucp and every event, returns into a
 caller's frame too. Only the main thread's Python frames count. Imports and first-call caches
 are kept out by a first, untraced restore. The issue (#39) asks for at most 6 returns.
+
+``--import SRC`` walks ``convert``'s planning of the checkpoint ``SRC`` instead
+(``importers.registry.plan_import`` with the importer detection finds given: its ``plan``
+and the accounting; the items are not read), every jax_ucp module a room (``--depth 2``: the registry and what it
+calls; issue #49 compares the torch family's walk with DeepSpeed's).
 """
 
 from __future__ import annotations
@@ -137,6 +142,19 @@ def measure(
         return stays(walk(restore, depth, not every_module, rooms, names, entries=not calls))
 
 
+def measure_import(src: str, depth: int = 99, *, calls: bool = False, names: bool = False):
+    """The stays of ``plan_import(src)`` (the planning ``convert`` does), every module a room."""
+    from jax_ucp._src.importers import registry
+
+    name = registry.detected(src).name  # the layout's importer: planned without detection
+
+    def plan():
+        registry.plan_import(src, format=name)
+
+    plan()  # imports and caches, untraced
+    return stays(walk(plan, depth, calls, (), names, entries=not calls))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--show", action="store_true", help="print the stays in order")
@@ -154,9 +172,18 @@ def main() -> None:
         help="every event (returns into callers too) in every jax_ucp module, not the pipeline's "
         "calls",
     )
+    parser.add_argument(
+        "--import",
+        dest="source",
+        metavar="SRC",
+        help="walk convert's planning of the checkpoint SRC instead of a restore",
+    )
     args = parser.parse_args()
     show = args.show
-    path_ = measure(args.depth, calls=args.calls or args.all, every_module=args.all, names=show)
+    if args.source:
+        path_ = measure_import(args.source, args.depth, calls=args.calls, names=show)
+    else:
+        path_ = measure(args.depth, calls=args.calls or args.all, every_module=args.all, names=show)
     if show:
         for m in path_:
             print(m)

@@ -8,6 +8,15 @@ jax_ucp's own readers.
 Tensors an import built (the optimizer step from per-parameter steps, Megatron's
 tensor-parallel merges) or no loader reads here (FSDP1's ShardedTensors) are listed as not
 compared, with why — said, never counted as equal.
+
+The proof does not trust the thing it proves: which source tensor a checkpoint tensor is
+compared with is found from the source and the tensor's own key, by planning the import of the
+source again (the importer's rules; the options the manifest records), never from the
+provenance the checkpoint records, which is only checked against it. Every tensor of that plan
+is accounted for: compared, listed in the checkpoint's ``source.skipped``, or reported missing;
+a checkpoint tensor the plan does not make is reported as not in the source. Every path derived
+from a record (the checkpoint's or the source's) stays inside the source
+(``format.files.inside``).
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
+import logging
 import os
 import pickle
 import re
@@ -25,25 +36,38 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError, UnsafeFileError
+from jax_ucp._src.format import files, keypath
 from jax_ucp._src.torchfiles import dcp_reader as safe_dcp
 
 __all__ = ["Comparison", "compare_with_source", "dcp_reader"]
+
+# Every folder this module removes (ds_to_universal's temporary output) is logged here, as
+# every deletion jax_ucp makes: ``logging.getLogger("jax_ucp")`` shows it.
+log = logging.getLogger(__name__)
+
+
+class _MissingExtra(SourceError):
+    """A source framework's loader that is not installed: the proof cannot be made here, so
+    the verify stops naming the extra to install (never a tensor quietly "not compared")."""
 
 
 @dataclasses.dataclass
 class Comparison:
     """What ``verify(..., against=)`` found: tensors equal bit for bit, those that differ (name
-    -> what differs), and those it could not compare (name -> why)."""
+    -> what differs: values, a provenance the import of the source contradicts, a tensor the
+    source does not hold), those it could not compare (name -> why), and the source's tensors
+    the checkpoint lacks without listing them in ``source.skipped`` (name -> which)."""
 
     equal: list[str] = dataclasses.field(default_factory=list)
     different: dict[str, str] = dataclasses.field(default_factory=dict)
     not_compared: dict[str, str] = dataclasses.field(default_factory=dict)
+    missing: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
-        """Every compared tensor equal (and at least one compared)."""
-        return not self.different and bool(self.equal)
+        """Every compared tensor equal (and at least one compared), none missing."""
+        return not self.different and not self.missing and bool(self.equal)
 
 
 def _bits(a: np.ndarray) -> np.ndarray:
@@ -67,18 +91,21 @@ def _loader(
 ) -> tuple[Callable[[], np.ndarray], str]:
     """(a function reading the provenance's source tensor with the framework's own loader,
     its name), or SourceError saying why it cannot be read that way. ``recorded`` is the
-    source path the import recorded, whose tail locates rank files under ``src``."""
+    source path the import of ``src`` planned again records, whose tail locates rank files
+    under ``src``; every file name becomes a path through ``files.inside_checkpoint``."""
     tensors = provenance.get("tensors") or []
     if provenance.get("pattern") and fmt in ("verl", "torch_checkpointing", "torch_dcp"):
         raise SourceError(f"built by the import ({provenance['pattern']})")
     if fmt in ("verl", "torch_checkpointing"):
-        parts = [p for t in tensors for p in _rank_parts(fmt, src, recorded, provenance, t)]
+        parts = [
+            p for t in tensors for p in _rank_parts(fmt, src, recorded, provenance, t, entry_name)
+        ]
         if not parts:
             raise SourceError("the import names no source tensor")
         return lambda: _from_ranks(parts), ", ".join(f"{f}:{k}" for f, k, _ in parts)
     if fmt == "deepspeed" and provenance.get("pattern") == "module" and len(tensors) == 1:
         file, _, inner = tensors[0].partition(":")  # a weight the model states file holds
-        path = _locate(src, recorded, file)
+        path = _locate(src, recorded, file, entry_name)
         return lambda: _torch_file_tensor(path, inner), tensors[0]
     if fmt == "deepspeed":
         return _deepspeed_loader(src, provenance, entry_name)
@@ -88,11 +115,13 @@ def _loader(
     if fmt == "torch_dcp":
         key = provenance.get("source_name") or name
         sub = provenance.get("folder")
-        folder = os.path.join(src, sub) if sub else _dcp_folder_holding(src, key)
+        folder = _inside(src, sub, entry_name) if sub else _dcp_folder_holding(src, key)
         return lambda: _dcp_tensor(folder, key), key
     if fmt in ("torch_files", "safetensors"):
         file, _, inner = name.partition(":") if ":" in name else (provenance.get("file"), "", name)
-        path = src if os.path.isfile(src) else os.path.join(src, str(file))
+        if not isinstance(file, str):
+            raise SourceError("the import names no source file")
+        path = src if os.path.isfile(src) else _inside(src, file, entry_name)
         if path.endswith(".safetensors"):
             return lambda: _safetensors_tensor(path, inner), name
         rows = provenance.get("rows_permuted")
@@ -102,11 +131,14 @@ def _loader(
     raise SourceError(f"no framework loader compared for {fmt!r} imports yet")
 
 
-_RANK = {"verl": re.compile(r"_rank_(\d+)\.pt$"), "torch_checkpointing": re.compile(r"_(\d+)\.pt$")}
+_RANK = {
+    "verl": re.compile(r"_rank_([0-9]+)\.pt\Z"),
+    "torch_checkpointing": re.compile(r"_([0-9]+)\.pt\Z"),
+}
 
 
 def _rank_parts(
-    fmt: str, src: str, recorded: str, provenance: dict, tensor: str
+    fmt: str, src: str, recorded: str, provenance: dict, tensor: str, entry_name: str
 ) -> list[tuple[str, str, int]]:
     """[(path, key, rank)] of the rank files' pieces of one source tensor: verl names each
     ``FILE/key``; torch_checkpointing names ``item:key`` once, its rank files
@@ -122,16 +154,25 @@ def _rank_parts(
         found = _RANK[fmt].search(file)
         if found is None:
             raise SourceError(f"{file}: no rank in the file name")
-        out.append((_locate(src, recorded, file), key, int(found.group(1))))
+        out.append((_locate(src, recorded, file, entry_name), key, int(found.group(1))))
     return out
 
 
-def _locate(src: str, recorded: str, file: str) -> str:
+def _inside(src: str, name: Any, entry_name: str) -> str:
+    """``name`` (read from a checkpoint's or the source's records) as a path under the source
+    ``src``, refused unless it stays inside it (``format.files.inside``): an absolute path, a
+    ``..`` part or a link out of ``src`` is an error naming the tensor and the path."""
+    root = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    return files.inside_checkpoint(root, name, f"{entry_name or 'a tensor'}: its source file")
+
+
+def _locate(src: str, recorded: str, file: str, entry_name: str) -> str:
     """``file`` under ``src``, found where the recorded source path's tail puts it
-    (``global_step_3/actor/``, ``actor/``, or ``src`` itself)."""
+    (``global_step_3/actor/``, ``actor/``, or ``src`` itself), never outside ``src``."""
     tail = [p for p in os.path.normpath(recorded).split(os.sep) if p][-3:] if recorded else []
+    _inside(src, file, entry_name)  # the name alone first: a '..' is refused, never joined
     for i in range(len(tail) + 1):
-        path = os.path.join(src, *tail[i:], file)
+        path = _inside(src, "/".join([*tail[i:], file]), entry_name)
         if os.path.isfile(path):
             return path
     raise SourceError(f"{src}: no {file} (the import read {os.path.join(recorded, file)})")
@@ -263,8 +304,8 @@ def _cached(src: str, what: str, make: Callable[[str], dict[str, Any]]) -> dict[
 def _tag_folder(src: str) -> str:
     latest = os.path.join(src, "latest")
     if os.path.isfile(latest):  # the run folder (the Trainer's checkpoint-N)
-        with open(latest) as f:
-            return os.path.join(src, f.read().strip())
+        tag = files.read_regular(latest, 4096).decode("utf-8", "replace").strip()
+        return files.inside(src, tag, f"{latest}: the tag it names")
     return src
 
 
@@ -291,9 +332,34 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
         with contextlib.redirect_stdout(sys.stderr):
             ds_to_universal.main(args)
     except BaseException:
-        shutil.rmtree(parent, ignore_errors=True)
+        _discard(parent, "ds_to_universal's output of a failed run")
         raise
     return {"folder": folder}
+
+
+def _discard(folder: str, why: str) -> None:
+    """Removes a temporary folder this module made (never a user's), logging it."""
+    log.info("removing %s (%s)", folder, why)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+#: the loaders' packages -> the extra that installs them
+_EXTRAS = {
+    "deepspeed": ("DeepSpeed's own zero_to_fp32 and ds_to_universal", "deepspeed"),
+    "torch": ("torch's own loaders (torch.load, dcp.load)", "hf"),
+}
+
+
+def _missing_extra(e: ImportError) -> _MissingExtra | None:
+    """The error naming the extra to install, when ``e`` is a source loader's package missing."""
+    root = (e.name or "").split(".")[0]
+    if root not in _EXTRAS:
+        return None
+    what, extra = _EXTRAS[root]
+    return _MissingExtra(
+        f"--against reads this source with {what}, and {root} is not installed here ({e}); "
+        f"install the extra: pip install 'jax_ucp[{extra}]'"
+    )
 
 
 def _zero_to_fp32(src: str) -> dict[str, Any]:
@@ -431,9 +497,95 @@ def _dcp_tensor(src: str, key: str) -> np.ndarray:
     return _torch_to_numpy(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Expected:
+    """The import of the source planned again: where each checkpoint key comes from."""
+
+    source: dict[str, Any]  # the plan's source record (framework, path, skipped)
+    provenance: dict[tuple[str, ...], dict]  # output key -> provenance, as JSON
+    how: str  # the options it was planned with, for the messages
+
+
+def _json(value: Any) -> Any:
+    """``value`` as the manifest holds it (tuples as lists), to compare records."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _recorded_order(source: dict) -> list[str] | None:
+    """The parameter order the import was given (``parameter_order=`` / ``model_config=``), as
+    the manifest records it (``source.optimizer.param_groups[*].params``); None when the import
+    found the order in the source itself (names, the Trainer's groups) or there is none."""
+    given = source.get("optimizer_keyed_by") == "index" or any(
+        word in str(source.get("optimizer_keys") or "")
+        for word in ("parameter_order", "model_config")
+    )
+    groups = (source.get("optimizer") or {}).get("param_groups") if given else None
+    if not isinstance(groups, list):
+        return None
+    names = [n for g in groups if isinstance(g, dict) for n in g.get("params") or ()]
+    return names if names and all(isinstance(n, str) for n in names) else None
+
+
+def _plan_again(src: str, manifest: Any) -> _Expected:
+    """The import of ``src`` planned again by its importer (detected from the files), with the
+    options the manifest records: ``weights_only`` when it holds no optimizer state and its
+    ``source.skipped`` says so, the parameter order the import was given. Its items are walked
+    for their keys and provenance (each importer's accounting runs: every source tensor
+    imported or skipped with a reason)."""
+    from jax_ucp._src.importers import registry
+
+    recorded = manifest.source or {}
+    skipped = recorded.get("skipped")
+    said = skipped.values() if isinstance(skipped, dict) else ()
+    fields: dict[str, Any] = {  # no optimizer state, and source.skipped says weights_only
+        "weights_only": not any(tuple(e.key[:1]) == ("opt_state",) for e in manifest.tensors)
+        and any("weights_only" in str(why) for why in said)
+    }
+    order = _recorded_order(recorded)
+    if order is not None:
+        fields["parameter_order"] = order
+    how = ", ".join(
+        f"{k}={v!r}" if k != "parameter_order" else f"{k}=source.optimizer's {len(v)} names"
+        for k, v in fields.items()
+    )
+    try:
+        importer = registry.importer_for(src)
+        options = registry.importer_options(importer, **fields)
+        plan = registry.plan_import(src, options, format=importer.name)
+        provenance = {tuple(item.key): _json(item.provenance or {}) for item in plan.items}
+    except (SourceError, RequestError) as e:
+        raise SourceError(
+            f"{src}: its import cannot be planned again ({how}) to find the source tensor of "
+            f"each checkpoint tensor (never taken from the checkpoint's own records): {e}"
+        ) from None
+    return _Expected(_json(plan.source), provenance, how)
+
+
+def _shown(provenance: dict) -> str:
+    """A provenance's source tensors (or files), short, for a message."""
+    names = provenance.get("tensors") or provenance.get("files") or provenance.get("file") or []
+    names = [names] if isinstance(names, str) else list(names)
+    return ", ".join(str(n)[:120] for n in names[:3]) + (" ..." if len(names) > 3 else "") or "none"
+
+
+def _recorded_files(fmt: str, provenance: dict) -> list[Any]:
+    """Every file name a recorded provenance holds, as ``_loader`` would join it to the source:
+    ``file``, ``folder``, ``files`` and the file part of each source tensor's name."""
+    names = [provenance[k] for k in ("file", "folder") if provenance.get(k) is not None]
+    listed = provenance.get("files")
+    names += list(listed) if isinstance(listed, list) else [listed] if listed is not None else []
+    for tensor in provenance.get("tensors") or ():
+        sep = "/" if fmt == "verl" else ":"
+        if fmt in ("verl", "torch_files", "safetensors", "deepspeed") and sep in str(tensor):
+            names.append(str(tensor).partition(sep)[0])
+    return names
+
+
 def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
     """Each tensor of the checkpoint at ``ckpt`` against the source ``src`` it was imported
-    from, read by the source framework's own loader (see the module).
+    from, read by the source framework's own loader (see the module): the source tensor of
+    each is found by planning the import of ``src`` again; every tensor of that plan is
+    compared, listed in the checkpoint's ``source.skipped``, or reported missing.
 
     Args:
         ckpt: the UCP checkpoint.
@@ -441,45 +593,119 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         progress: called as ``progress(name, done, total)`` after each tensor.
     """
     from jax_ucp._src import store
-    from jax_ucp._src.restoring import locate, restore_entry
-    from jax_ucp._src.restoring.options import RestoreOptions
+    from jax_ucp._src.restoring import locate
 
     manifest = locate.read_consistently(ckpt, store.read_manifest)
-    framework = str((manifest.source or {}).get("framework") or "")
-    recorded = str((manifest.source or {}).get("path") or "")
+    recorded_framework = str((manifest.source or {}).get("framework") or "")
+    for entry in manifest.tensors:  # a record that leads out of the source is refused first
+        prov = entry.provenance or {}
+        for name in _recorded_files(str(prov.get("format") or recorded_framework), prov):
+            _inside(src, name, f"{ckpt}: {entry.name} (its provenance)")
+    expected = _plan_again(src, manifest)
+    try:
+        return _compare(ckpt, src, manifest, expected, progress)
+    finally:
+        _TORCH_FILES.clear()
+        _dcp_keys.cache_clear()
+        for key, value in _DEEPSPEED.items():
+            if key.startswith("ds_to_universal:"):
+                # its parent: our mkdtemp, which holds DeepSpeed's latest_universal too
+                _discard(os.path.dirname(value["folder"]), "ds_to_universal's output, compared")
+        _DEEPSPEED.clear()
+
+
+def _compare(ckpt: str, src: str, manifest: Any, expected: _Expected, progress) -> Comparison:
+    """``compare_with_source`` once the import is planned again."""
+    framework = str(expected.source.get("framework") or "")
+    source_path = str(expected.source.get("path") or "")
     result = Comparison()
     total = len(manifest.tensors)
     for done, entry in enumerate(manifest.tensors, 1):
-        prov = entry.provenance or {}
-        try:
-            read, source_name = _loader(
-                str(prov.get("format") or framework), src, prov, entry.name, recorded
+        planned = expected.provenance.get(tuple(entry.key))
+        if planned is None:
+            result.different[entry.name] = (
+                f"not in the source: the import of {src} ({framework}; {expected.how}) makes no "
+                f"{entry.name!r}"
             )
-            want = read()
-        except (SourceError, ImportError, OSError, ValueError, RuntimeError) as e:
-            result.not_compared[entry.name] = str(e)[:300]
         else:
-            options = RestoreOptions(select=lambda n, name=entry.name: n == name)
-            got = restore_entry.restore_tree(ckpt, options)
-            for part in entry.key:
-                got = got[part]
-            got = np.asarray(got)
-            if got.shape != want.shape or got.dtype != want.dtype:
-                result.different[entry.name] = (
-                    f"{source_name}: {want.dtype}{list(want.shape)} in the source, "
-                    f"{got.dtype}{list(got.shape)} imported"
-                )
-            elif not np.array_equal(_bits(got), _bits(want)):
-                diff = int(np.count_nonzero(_bits(got) != _bits(want)))
-                result.different[entry.name] = f"{source_name}: {diff} of {got.size} elements"
-            else:
-                result.equal.append(entry.name)
+            _compare_one(ckpt, src, entry, planned, framework, source_path, result)
         if progress is not None:
             progress(entry.name, done, total)
-    _TORCH_FILES.clear()
-    _dcp_keys.cache_clear()
-    for key, value in _DEEPSPEED.items():
-        if key.startswith("ds_to_universal:"):
-            shutil.rmtree(os.path.dirname(value["folder"]), ignore_errors=True)
-    _DEEPSPEED.clear()
+    held = {tuple(e.key) for e in (*manifest.tensors, *manifest.values)}
+    skipped = (manifest.source or {}).get("skipped") or {}
+    skipped = skipped if isinstance(skipped, dict) else {}
+    for key, planned in expected.provenance.items():
+        if key in held:
+            continue
+        name = keypath.key_to_str(key)
+        tensors = [str(t) for t in planned.get("tensors") or ()]
+        if tensors and all(skipped.get(t) for t in tensors):
+            result.not_compared[name] = (
+                f"not imported: the checkpoint's source.skipped lists {_shown(planned)}: "
+                f"{str(skipped[tensors[0]])[:200]}"
+            )
+            continue
+        result.missing[name] = (
+            f"the import of {src} makes it from {_shown(planned)}; the checkpoint holds no "
+            f"{name!r} and its source.skipped does not list its source"
+        )
+    for tensor, why in (expected.source.get("skipped") or {}).items():
+        if tensor not in skipped:  # left out by the plan, but not said so by the checkpoint
+            result.missing[tensor] = (
+                f"a tensor of {src} the import leaves out ({str(why)[:200]}), which the "
+                f"checkpoint's source.skipped does not list"
+            )
     return result
+
+
+def _compare_one(
+    ckpt: str,
+    src: str,
+    entry: Any,
+    planned: dict,
+    framework: str,
+    source_path: str,
+    result: Comparison,
+) -> None:
+    """One checkpoint tensor against the source tensor the import of ``src`` takes it from
+    (``planned``); a recorded provenance that says otherwise is reported."""
+    from jax_ucp._src.restoring import restore_entry
+    from jax_ucp._src.restoring.options import RestoreOptions
+
+    said = []
+    recorded = _json(entry.provenance or {})
+    if recorded != planned:
+        said.append(
+            f"the checkpoint records it as made from {_shown(recorded)}, the import of {src} "
+            f"makes it from {_shown(planned)}"
+        )
+    try:
+        read, source_name = _loader(
+            str(planned.get("format") or framework), src, planned, entry.name, source_path
+        )
+        want = read()
+    except (UnsafeFileError, _MissingExtra):
+        raise
+    except ImportError as e:
+        raise (_missing_extra(e) or e) from None
+    except (SourceError, OSError, ValueError, RuntimeError) as e:
+        if not said:
+            result.not_compared[entry.name] = str(e)[:300]
+    else:
+        options = RestoreOptions(select=lambda n, name=entry.name: n == name)
+        got = restore_entry.restore_tree(ckpt, options)
+        for part in entry.key:
+            got = got[part]
+        got = np.asarray(got)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            said.append(
+                f"{source_name}: {want.dtype}{list(want.shape)} in the source, "
+                f"{got.dtype}{list(got.shape)} imported"
+            )
+        elif not np.array_equal(_bits(got), _bits(want)):
+            diff = int(np.count_nonzero(_bits(got) != _bits(want)))
+            said.append(f"{source_name}: {diff} of {got.size} elements")
+        elif not said:
+            result.equal.append(entry.name)
+    if said:
+        result.different[entry.name] = "; ".join(said)

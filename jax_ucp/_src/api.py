@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import warnings
 from typing import Any
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src import tree as tree_lib
-from jax_ucp._src.errors import CheckpointError, RequestError, ResumeWarning, SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
-from jax_ucp._src.restoring import locate, model, ucp_source
+from jax_ucp._src.restoring import locate, model, resume, steps, ucp_source
 from jax_ucp._src.restoring.inspecting import inspect as inspect  # JAX-free: defined there
 from jax_ucp._src.restoring.restore_entry import restore as restore  # without Orbax: defined there
 from jax_ucp._src.saving import engine
@@ -57,9 +56,7 @@ def save(
     Returns:
         The checkpoint path, once it is committed.
     """
-    path = os.fspath(path)
-    if not store.is_url(path):
-        path = os.path.abspath(path)
+    path = store.storage_for(path).absolute()
     args = engine.SaveArgs(
         tree,
         logical_axes=logical_axes,
@@ -73,34 +70,45 @@ def save(
     return path
 
 
-def latest_step(run_root: str | os.PathLike, *, fallback: bool = False) -> int:
-    """The newest step of a CheckpointManager root that is committed (never one still being
-    written) and readable — its manifest parses and every shard file it lists is there; the
-    digests are checked when it is restored — for ``mngr.restore(step, ...)``.
+def latest_step(run_root: str | os.PathLike | Any, *, fallback: bool = False) -> int:
+    """The step ``restore(run_root, step="latest", fallback=fallback)`` restores — the newest
+    committed step of a CheckpointManager root that can be read (``restoring.resume``) — for
+    ``mngr.restore(step, ...)``: the same step, so the same state.
+
+    Without ``fallback`` its manifest parses and every shard file it lists is there (the data is
+    checked as it is restored); with ``fallback`` every tensor is read back intact (as
+    ``verify``: one read of the step) and unreadable steps are passed over to older ones, each
+    with a ``ResumeWarning``.
 
     Args:
-      run_root: the CheckpointManager's directory.
-      fallback: pass over unreadable steps to older ones, each with a ``ResumeWarning``
-        (default: the error, naming the newest step and why).
+      run_root: the CheckpointManager's directory, or the ``ocp.CheckpointManager`` itself (its
+        step names are then its own ``step_prefix`` / ``step_format_fixed_length``).
+      fallback: pass over unreadable steps to older ones (default: the error, naming the newest
+        step and why).
     """
-    root = os.fspath(run_root)
-    steps = locate.committed_steps(root)
-    if not steps:
-        raise CheckpointError(f"{root}: no committed step with a UCP item.")
-    for step, item in steps:
-        try:
-            locate.check_readable(item)
-            return step
-        except CheckpointError as e:
-            if not fallback:
-                raise CheckpointError(
-                    f"{root}: the latest committed step {step} cannot be read: {e} "
-                    f"(fallback=True moves on to older steps)"
-                ) from e
-            warnings.warn(
-                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=2
-            )
-    raise CheckpointError(f"{root}: no committed step can be read.")
+    root, step_format = _run_root(run_root)
+    found = resume.latest_readable(root, fallback=fallback, step_format=step_format)
+    found.warn(stacklevel=2)
+    return found.step.step
+
+
+def _run_root(run_root) -> tuple[str, steps.StepFormat | None]:
+    """A CheckpointManager root as a path, with the manager's step names when it is one."""
+    if isinstance(run_root, (str, os.PathLike)):
+        return os.fspath(run_root), None
+    directory = getattr(run_root, "directory", None)
+    # Orbax keeps the NameFormat a manager lists its steps by in this attribute.
+    names = getattr(run_root, "_step_name_format", None)
+    if directory is None or names is None:
+        raise RequestError(
+            f"latest_step(run_root=): expected a CheckpointManager directory or an "
+            f"ocp.CheckpointManager, got {type(run_root).__name__}"
+        )
+    if hasattr(names, "step_prefix") and hasattr(names, "step_format_fixed_length"):
+        step_format = steps.StepFormat(names.step_prefix, names.step_format_fixed_length)
+    else:
+        step_format = steps.StepFormat(build=names.build_name)
+    return os.fspath(directory), step_format
 
 
 class VerifyResult(list):
@@ -144,17 +152,25 @@ def verify(
       against: the source checkpoint ``path`` was imported from: every tensor the import
         copied one for one is also compared bit for bit with what the source framework's own
         loader reads (``jax_ucp._src.against``); a difference is a problem, a tensor that cannot be
-        compared so (built by the import) a notice saying why.
+        compared so (built by the import) a notice saying why. Which source tensor each is
+        compared with is found by planning the import of ``against`` again, never from the
+        checkpoint's records: a tensor the source does not make, or a source tensor the
+        checkpoint lacks (not in its ``source.skipped``), is a problem too.
       logits: with ``against``, also run one fixed batch through the source loaded by
         transformers' ``from_pretrained`` and through the checkpoint's weights in
         ``jax_ucp._src.models.TransformerLM`` (Llama-family models; ``jax_ucp._src.logits``): a largest
         absolute difference above ``logits_tolerance`` is a problem; ``.logits`` holds the
         comparison. Needs transformers (``pip install 'jax_ucp[hf]'``).
       logits_tolerance: the largest absolute difference of the logits accepted (None:
-        ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4).
+        ``jax_ucp._src.logits.DEFAULT_TOLERANCE``, 1e-4): a finite number >= 0; text, a bool,
+        NaN or infinity is refused before anything is read.
     """
     if logits and against is None:
         raise RequestError("verify(logits=True) compares with the source: give against=SRC")
+    if logits_tolerance is not None or logits:  # refused before the checkpoint is read
+        from jax_ucp._src.logits import checked_tolerance
+
+        logits_tolerance = checked_tolerance(logits_tolerance)
     budget = parse_size(
         DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget, "verify(memory_budget=)"
     )
@@ -165,12 +181,16 @@ def verify(
     from jax_ucp._src.against import compare_with_source
 
     found = compare_with_source(os.fspath(path), os.fspath(against), progress)
-    if not found.equal and not found.different:
+    if not found.equal and not found.different and not found.missing:
         raise SourceError(
             f"{os.fspath(against)}: no tensor of {os.fspath(path)} could be compared with it: "
             + "; ".join(f"{k}: {v}" for k, v in list(found.not_compared.items())[:3])
         )
     problems = [(n, f"{n}: differs from the source: {why}") for n, why in found.different.items()]
+    problems += [
+        (n, f"{n}: in the source, missing from the checkpoint: {why}")
+        for n, why in found.missing.items()
+    ]
     compared = None
     if logits:  # after the tensors, even when some differ: how much the model's output moves
         from jax_ucp._src.logits import compare_logits

@@ -8,7 +8,6 @@ through Orbax's CheckpointManager (``orbax.manager_step``), imported only then.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import operator
 import os
@@ -35,8 +34,9 @@ class ConvertOptions:
     format's options (``importing``) as built at the edge, which reach the format whole.
 
     Attributes:
-        format: "deepspeed", "megatron", "safetensors", "torch" or "orbax" (detected from the
-            files when None).
+        format: "deepspeed", "megatron", "orbax", "safetensors", "torch" or "verl", or one
+            layout's importer (``importers.registry.IMPORTERS``: "torch_dcp", ...); detected
+            from the files when None.
         importing: the import options: the format's options class (``TorchOptions``,
             ``MegatronOptions``, ``DeepSpeedOptions``, ``OrbaxOptions``) or a more general one
             (``ImportOptions``: ``spec``, ``weights_only``) specialised once the format is
@@ -99,7 +99,7 @@ def convert(source, dest, **keywords: Any) -> str:
         **keywords: ``ConvertOptions``' fields, and for convenience the import options'
             (``spec``, ``weights_only``, ``tag``, ``vocab_size``, ``parameter_order``,
             ``model_config``: fields of the importers' options classes), which build
-            ``importing`` (``registry.import_options``).
+            ``importing`` of the format's class once the source's importer is known.
 
     Returns:
         The UCP directory (the one holding ucp.json).
@@ -108,15 +108,17 @@ def convert(source, dest, **keywords: Any) -> str:
     unknown = sorted(set(fields) - set(registry.OPTION_FIELDS))
     if unknown:
         raise TypeError(f"convert() got an unexpected keyword argument {unknown[0]!r}")
+    if fields and keywords.get("importing") is not None:
+        raise RequestError(
+            f"convert: importing= holds the import options whole; give it or "
+            f"{', '.join(f'{k}=' for k in fields)}, not both"
+        )
     with named_by("convert"):
-        if fields:
-            if keywords.get("importing") is not None:
-                raise RequestError(
-                    f"convert: importing= holds the import options whole; give it or "
-                    f"{', '.join(f'{k}=' for k in fields)}, not both"
-                )
-            keywords["importing"] = registry.import_options(keywords.get("format"), **fields)
         options = ConvertOptions(**keywords)
+    if fields:  # the importer first (detected unless named), then its format's options
+        importer = registry.importer_for(source, options.format)
+        importing = registry.importer_options(importer, **fields)
+        options = dataclasses.replace(options, format=importer.name, importing=importing)
     return convert_with(source, dest, options)
 
 
@@ -180,7 +182,7 @@ def convert_with(source, dest, options: ConvertOptions) -> str:
 def _check_target(source, dest: str, options: ConvertOptions) -> None:
     """What the destination refuses, before the source is read (checked again under the save
     lock, in the transaction)."""
-    if store.is_url(dest):
+    if not store.storage_for(dest).renames:
         if options.step is not None or options.distributed:
             raise RequestError(
                 f"convert: {dest} is an object store; step= and distributed=True write local "
@@ -199,14 +201,12 @@ def _check_target(source, dest: str, options: ConvertOptions) -> None:
 def _plan(source, dest: str, options: ConvertOptions, job: tuple[int, int, Gather] | None):
     """The importer's plan; in a distributed import every process's planning is agreed on, so a
     process that refuses the source does not leave the others waiting."""
-    plan_import = functools.partial(
-        registry.plan_import, source, options.importing, format=options.format
-    )
     if job is None:
-        return plan_import()
+        return registry.plan_import(source, options.importing, format=options.format)
     index, count, gather = job
     try:
-        plan = plan_import(share=Share(index, count))
+        share = Share(index, count)
+        plan = registry.plan_import(source, options.importing, format=options.format, share=share)
     except BaseException as e:
         agreement.agree(gather, "planned", e, dest)
     agreement.agree(gather, "planned", "", dest)

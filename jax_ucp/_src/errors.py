@@ -106,7 +106,7 @@ _DUMPS = (
     re.compile(r"\s*\[source locations='[^\]]*'\]"),
     re.compile(r"\s*Tensorstore KvStore: KvStore\(\{.*", re.S),  # Orbax's, always last
 )
-_OS_ERROR = re.compile(r"\s*\[os_error_code='?(\d+)'?\]")
+_OS_ERROR = re.compile(r"\s*\[os_error_code='?([0-9]+)'?\]")
 _MAX_CHARS = 600
 
 

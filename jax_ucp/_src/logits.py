@@ -25,7 +25,13 @@ import numpy as np
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files
 
-__all__ = ["DEFAULT_TOLERANCE", "SUPPORTED", "LogitsComparison", "compare_logits"]
+__all__ = [
+    "DEFAULT_TOLERANCE",
+    "SUPPORTED",
+    "LogitsComparison",
+    "checked_tolerance",
+    "compare_logits",
+]
 
 #: ``model_type`` values of config.json whose model ``TransformerLM`` computes
 SUPPORTED = ("llama",)
@@ -61,6 +67,78 @@ class LogitsComparison:
         )
 
 
+def checked_tolerance(value: Any) -> float:
+    """The logits tolerance as a float: a finite number >= 0 (None: :data:`DEFAULT_TOLERANCE`).
+    Text, a bool (``True`` is no tolerance of 1.0), a negative, NaN or infinite value is refused
+    naming the option: a tolerance that accepts everything proves nothing."""
+    if value is None:
+        return DEFAULT_TOLERANCE
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise RequestError(
+            f"logits_tolerance (--logits-tolerance) {str(value)[:100]!r}: expected a number "
+            f">= 0, found {type(value).__name__}"
+        )
+    tolerance = float(value)
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise RequestError(
+            f"logits_tolerance (--logits-tolerance) {tolerance}: expected a finite number >= 0"
+        )
+    return tolerance
+
+
+#: config.json's numbers TransformerLM is built from: (field, required). Each a positive int
+#: below 2**31 (a config declaring 0 heads or 10**30 tokens describes no model to compute).
+_CONFIG_INTS = (
+    ("vocab_size", True),
+    ("hidden_size", True),
+    ("num_hidden_layers", True),
+    ("num_attention_heads", True),
+    ("intermediate_size", True),
+    ("num_key_value_heads", False),
+    ("head_dim", False),
+    ("max_position_embeddings", False),
+)
+
+
+def _checked_numbers(config: dict, path: str) -> None:
+    """Refuses a config.json whose sizes no model has (0 or negative heads, text, floats, a
+    head count that does not divide the width), naming the field and the file, before any of
+    them divides or allocates."""
+    for field, required in _CONFIG_INTS:
+        value = config.get(field)
+        if value is None and not required:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 2**31:
+            raise SourceError(
+                f"{path}: {field} {str(value)[:100]!r}: expected a positive integer below 2**31 "
+                f"(--logits builds the model from it)"
+            )
+    rope = config.get("rope_parameters")
+    for field, value in (
+        ("rms_norm_eps", config.get("rms_norm_eps")),
+        ("rope_theta", config.get("rope_theta")),
+        ("rope_parameters.rope_theta", rope.get("rope_theta") if isinstance(rope, dict) else None),
+    ):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            good = False
+        else:
+            good = math.isfinite(float(value)) and float(value) > 0
+        if not good:
+            raise SourceError(f"{path}: {field} {str(value)[:100]!r}: expected a finite number > 0")
+    heads, groups = config["num_attention_heads"], config.get("num_key_value_heads") or 0
+    if config["hidden_size"] % heads and config.get("head_dim") is None:
+        raise SourceError(
+            f"{path}: hidden_size {config['hidden_size']} is not a multiple of "
+            f"num_attention_heads {heads}"
+        )
+    if groups and heads % groups:
+        raise SourceError(
+            f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {groups}"
+        )
+
+
 def model_folder(src: str) -> str:
     """The folder whose ``config.json`` names the source's architecture: ``src`` itself (a
     Hugging Face folder, a Trainer ``checkpoint-N/``), else the folder holding it (``src`` a
@@ -93,6 +171,7 @@ def read_config(folder: str) -> dict:
             f"--logits supports Llama-family models (model_type {', '.join(SUPPORTED)}: the "
             f"models jax_ucp._src.models.TransformerLM computes); found {found} in {path}"
         )
+    _checked_numbers(config, path)
     return config
 
 
@@ -108,16 +187,14 @@ def compare_logits(
             or a folder under one whose ``config.json`` names the model).
         tolerance: the largest absolute difference accepted (None: :data:`DEFAULT_TOLERANCE`).
     """
-    tolerance = DEFAULT_TOLERANCE if tolerance is None else float(tolerance)
-    if not tolerance >= 0:
-        raise RequestError(f"logits tolerance {tolerance}: expected a number >= 0")
+    tolerance = checked_tolerance(tolerance)
     folder = model_folder(os.fspath(src))
     config = read_config(folder)
     from jax_ucp._src.models import LMConfig
 
     try:
         cfg = LMConfig.from_hf_llama(config)
-    except (RequestError, KeyError, TypeError, ValueError) as e:
+    except (RequestError, KeyError, TypeError, ValueError, ArithmeticError) as e:
         raise SourceError(
             f"--logits supports Llama-family models TransformerLM computes; "
             f"{folder}/config.json: {e}"

@@ -30,9 +30,6 @@ from jax_ucp._src.errors import RequestError
 
 __all__ = ["TorchOptimizer", "hf_schedule", "optax_from_torch", "run_arguments"]
 
-#: Hugging Face's schedules (transformers.optimization) this module reproduces
-SCHEDULES = ("linear", "cosine", "constant", "constant_with_warmup")
-
 
 @dataclasses.dataclass
 class TorchOptimizer:
@@ -90,21 +87,112 @@ _LOOKALIKES = (
     ("decoupled_weight_decay", "RAdam"),  # betas + decoupled_weight_decay without amsgrad
     ("betas", "RAdam, Adamax or SparseAdam"),  # betas without amsgrad: not Adam/AdamW
 )
-#: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule
-SCHEDULE_KWARGS = {"cosine": ("num_cycles",)}
+#: transformers' scheduler arguments (``lr_scheduler_kwargs``) reproduced, per schedule, with
+#: transformers' default (``REQUIRED``: the schedule cannot be built without it)
+REQUIRED = object()
+#: the shapes of the warm-up-stable-decay schedule's two ramps (transformers' ``get_wsd_schedule``)
+WSD_SHAPES = ("linear", "cosine", "1-sqrt")
+SCHEDULE_KWARGS: dict[str, dict[str, Any]] = {
+    "cosine": {"num_cycles": 0.5},
+    "cosine_with_restarts": {"num_cycles": 1},
+    "polynomial": {"lr_end": 1e-7, "power": 1.0},
+    "inverse_sqrt": {"timescale": None},
+    "warmup_stable_decay": {
+        "num_decay_steps": REQUIRED,
+        "num_stable_steps": None,
+        "warmup_type": "linear",
+        "decay_type": "cosine",
+        "min_lr_ratio": 0.0,
+        "num_cycles": 0.5,
+    },
+}
+#: Hugging Face's schedules (transformers.optimization) this module reproduces
+SCHEDULES = ("linear", "constant", "constant_with_warmup", *SCHEDULE_KWARGS)
+
+
+def _ramp(shape: str, progress):
+    """A warm-up-stable-decay ramp rising from 0 to 1 over ``progress`` in [0, 1]."""
+    import jax.numpy as jnp
+
+    p = jnp.clip(progress, 0.0, 1.0)
+    return {
+        "linear": p,
+        "cosine": 0.5 * (1.0 - jnp.cos(math.pi * p)),
+        "1-sqrt": 1.0 - jnp.sqrt(1.0 - p),
+    }[shape]
+
+
+def _wsd(s, warmup: int, total: int, kw: dict[str, Any]):
+    """transformers' ``get_wsd_schedule`` factor: warm-up, stable, decay, then the floor."""
+    import jax.numpy as jnp
+
+    decay_steps = int(kw["num_decay_steps"])
+    stable = kw["num_stable_steps"]
+    stable = total - warmup - decay_steps if stable is None else int(stable)
+    floor = float(kw["min_lr_ratio"])
+    up = _ramp(kw["warmup_type"], s / max(1, warmup))
+    progress = jnp.clip((s - warmup - stable) / max(1, decay_steps), 0.0, 1.0)
+    down = {
+        "linear": 1.0 - progress,
+        "cosine": 0.5 * (1.0 + jnp.cos(math.pi * float(kw["num_cycles"]) * 2.0 * progress)),
+        "1-sqrt": 1.0 - jnp.sqrt(progress),
+    }[kw["decay_type"]]
+    return jnp.where(
+        s < warmup,
+        jnp.maximum(0.0, up * (1.0 - floor) + floor),
+        jnp.where(
+            s < warmup + stable,
+            1.0,
+            jnp.where(
+                s < warmup + stable + decay_steps,
+                jnp.maximum(0.0, down * (1.0 - floor) + floor),
+                floor,
+            ),
+        ),
+    )
+
+
+def _after_warmup(kind: str, s, base_lr: float, warmup: int, total: int, kw: dict[str, Any]):
+    """The factor on ``base_lr`` once the linear warm-up is over, as transformers computes it."""
+    import jax.numpy as jnp
+
+    span = max(1, total - warmup)
+    progress = (s - warmup) / span
+    if kind == "linear":
+        return jnp.maximum(0.0, (total - s) / span)
+    if kind == "cosine":
+        return jnp.maximum(
+            0.0, 0.5 * (1.0 + jnp.cos(math.pi * float(kw["num_cycles"]) * 2.0 * progress))
+        )
+    if kind == "cosine_with_restarts":
+        turn = jnp.mod(float(kw["num_cycles"]) * progress, 1.0)
+        return jnp.where(
+            progress >= 1.0, 0.0, jnp.maximum(0.0, 0.5 * (1.0 + jnp.cos(math.pi * turn)))
+        )
+    if kind == "polynomial":  # transformers' lr_init is the optimizer's lr: base_lr
+        end = float(kw["lr_end"])
+        left = jnp.clip(1.0 - (s - warmup) / max(1, total - warmup), 0.0, 1.0)
+        decayed = ((base_lr - end) * left ** float(kw["power"]) + end) / base_lr
+        return jnp.where(s > total, end / base_lr, decayed)
+    if kind == "inverse_sqrt":
+        timescale = kw["timescale"]
+        timescale = int(timescale) if timescale is not None else (warmup or 10_000)
+        return 1.0 / jnp.sqrt(jnp.maximum(s + (timescale - warmup), 1e-30) / timescale)
+    return jnp.ones_like(s)  # constant_with_warmup
 
 
 def hf_schedule(
-    kind: str, base_lr: float, warmup: int, total: int, *, num_cycles: float = 0.5
+    kind: str, base_lr: float, warmup: int, total: int, **kwargs
 ) -> Callable[[Any], Any]:
     """transformers' ``get_scheduler(kind)`` learning rate at optimizer step count ``s``.
 
     Args:
-        kind: transformers' scheduler name (``linear``, ``cosine``, ...).
+        kind: transformers' scheduler name (one of ``SCHEDULES``).
         base_lr: the groups' learning rate.
         warmup: warm-up steps.
         total: the run's total optimizer steps.
-        num_cycles: the cosine's cycles (transformers' ``lr_scheduler_kwargs``).
+        **kwargs: the schedule's ``lr_scheduler_kwargs`` (``SCHEDULE_KWARGS[kind]``; missing ones
+            take transformers' defaults).
     """
     import jax.numpy as jnp
 
@@ -112,22 +200,19 @@ def hf_schedule(
         raise RequestError(
             f"learning-rate schedule {kind!r}: reproduced are {', '.join(SCHEDULES)}"
         )
+    kw = {**SCHEDULE_KWARGS.get(kind, {}), **kwargs}
+    missing = [k for k, v in kw.items() if v is REQUIRED]
+    if missing:
+        raise RequestError(f"learning-rate schedule {kind!r} needs lr_scheduler_kwargs {missing}")
 
     def schedule(count):
         s = jnp.asarray(count, jnp.float32)
-        warm = s / max(1, warmup)
-        progress = (s - warmup) / max(1, total - warmup)
-        after = {
-            "linear": jnp.maximum(0.0, (total - s) / max(1, total - warmup)),
-            "cosine": jnp.maximum(
-                0.0, 0.5 * (1.0 + jnp.cos(math.pi * float(num_cycles) * 2.0 * progress))
-            ),
-            "constant": jnp.ones_like(s),
-            "constant_with_warmup": jnp.ones_like(s),
-        }[kind]
         if kind == "constant":
-            return base_lr * after
-        return base_lr * jnp.where(s < warmup, warm, after)
+            return base_lr * jnp.ones_like(s)
+        if kind == "warmup_stable_decay":
+            return base_lr * _wsd(s, warmup, total, kw)
+        after = _after_warmup(kind, s, base_lr, warmup, total, kw)
+        return base_lr * jnp.where(s < warmup, s / max(1, warmup), after)
 
     return schedule
 
@@ -305,8 +390,10 @@ def _schedule(source: dict, groups: list[dict], step: int, notes: list[str]):
     return schedule
 
 
-def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
-    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused.
+def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, Any]:
+    """The Trainer's ``lr_scheduler_kwargs``, each one used or the translation refused: a name
+    the schedule does not take, a value of the wrong type or out of its range, or a required one
+    missing, is an error naming it.
 
     Args:
         args: the Trainer's recorded arguments.
@@ -321,15 +408,48 @@ def schedule_kwargs(args: dict, kind: str, where: str) -> dict[str, float]:
             kwargs = None
     if not isinstance(kwargs, dict):
         raise RequestError(f"{where}: lr_scheduler_kwargs {kwargs!r} is not a dict")
-    allowed = SCHEDULE_KWARGS.get(kind, ())
+    allowed = SCHEDULE_KWARGS.get(kind, {})
+    out: dict[str, Any] = {}
     for key, value in kwargs.items():
         if key not in allowed:
             raise RequestError(
                 f"{where}: the Trainer's {kind} schedule has lr_scheduler_kwargs {key!r}="
                 f"{value!r}, which is not reproduced (reproduced: {list(allowed) or 'none'})"
             )
-        _number(value, f"lr_scheduler_kwargs[{key!r}]", where)
-    return {k: float(v) for k, v in kwargs.items()}
+        out[key] = _schedule_argument(key, value, f"{where}: lr_scheduler_kwargs[{key!r}]")
+    missing = [k for k, default in allowed.items() if default is REQUIRED and k not in out]
+    if missing:
+        raise RequestError(
+            f"{where}: the Trainer's {kind} schedule needs lr_scheduler_kwargs {missing}, "
+            f"found {sorted(kwargs)}"
+        )
+    if kind == "polynomial" and not float(out.get("lr_end", 1e-7)) < float(
+        args.get("learning_rate") or math.inf
+    ):
+        raise RequestError(
+            f"{where}: lr_scheduler_kwargs['lr_end'] = {out.get('lr_end', 1e-7)!r} is not below "
+            f"the learning rate {args.get('learning_rate')!r} (transformers refuses it too)"
+        )
+    return out
+
+
+def _schedule_argument(key: str, value: Any, where: str) -> Any:
+    """One ``lr_scheduler_kwargs`` value checked for what transformers does with it."""
+    if key in ("warmup_type", "decay_type"):
+        if value not in WSD_SHAPES:
+            raise RequestError(f"{where} = {value!r}: expected one of {', '.join(WSD_SHAPES)}")
+        return value
+    if key in ("num_decay_steps", "num_stable_steps", "timescale"):
+        if value is None and key != "num_decay_steps":
+            return None
+        if isinstance(value, bool) or not isinstance(value, int) or value < (key == "timescale"):
+            raise RequestError(f"{where} = {value!r}: expected a whole number of steps")
+        return value
+    number = float(value) if isinstance(value, int | float) and not isinstance(value, bool) else -1
+    top = 1.0 if key == "min_lr_ratio" else math.inf
+    if not (math.isfinite(number) and 0 <= number <= top):
+        raise RequestError(f"{where} = {value!r}: expected a finite number in [0, {top}]")
+    return value
 
 
 def _mask_tree(ckpt, spec, params, decayed: dict[str, bool], where: str):
@@ -412,6 +532,7 @@ def optax_from_torch(
     _check_adam(groups, where)
     params, mu, nu, step = _restored_adam(ckpt, options, spec, where)
     notes.insert(0, f"torch {'AdamW' if kind == 'adamw' else 'Adam'}: {how}")
+    _recorded_steps(source, step, notes, where)
     b1, b2 = (float(b) for b in _one(groups, "betas", where))
     eps = float(_one(groups, "eps", where))
     rate, decayed = _decay(groups, where)
@@ -436,6 +557,29 @@ def optax_from_torch(
     tx = optax.chain(*parts)
     state = _state_of(tx, params, mu, nu, step)
     return TorchOptimizer(tx, state, params, schedule, step, notes, unrecovered, kind)
+
+
+def _recorded_steps(source: dict, step: int, notes: list[str], where: str) -> None:
+    """The run's other step counts against the optimizer's, which the continuation takes (Adam's
+    bias correction and the schedule run on it): the Trainer's ``global_step``
+    (``trainer_state.json``) and DeepSpeed's ``global_steps`` (its model states). One that
+    differs (updates skipped on an fp16 overflow count there, not in the optimizer; or files of
+    two saves) is said in a warning and the notes, naming both."""
+    trainer = source.get("trainer") or {}
+    folder = str(source.get("trainer_path") or source.get("path") or where)
+    counts = {
+        f"{folder}/trainer_state.json's global_step": trainer.get("global_step"),
+        f"{source.get('path')}'s DeepSpeed global_steps": source.get("global_steps"),
+    }
+    optimizer = source.get("optimizer_file") or "the optimizer state"
+    for what, count in counts.items():
+        if type(count) is int and count != step:
+            note = (
+                f"{what} is {count}, the optimizer's step ({optimizer}) {step}: the run "
+                f"continues at the optimizer's step {step}"
+            )
+            notes.append(note)
+            warnings.warn(note, UserWarning, stacklevel=3)
 
 
 def _restored_adam(ckpt, options: Any, spec: Any, where: str) -> tuple[Any, Any, Any, int]:

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import shutil
+import warnings
 
 import numpy as np
 import orbax.checkpoint as ocp
@@ -115,3 +116,185 @@ def test_inside_a_manager_the_latest_good_step_goes_to_mngr_restore(tmp_path):
     assert step == 2 and got["state"]["step"] == 2
     with pytest.raises(jax_ucp.UCPError, match=r"mngr.restore's first argument"):
         jax_ucp.UCPRestore(step="latest")
+
+
+def _copy_step(root, src, dst, value) -> None:
+    """A copy of step ``src`` named ``dst`` (committed, as Orbax left it) holding ``value``."""
+    shutil.copytree(os.path.join(root, src), os.path.join(root, dst))
+    jax_ucp.save(
+        os.path.join(root, dst, "state"),
+        {"w": np.full((4, 4), float(value), np.float32), "step": value},
+        force=True,
+    )
+
+
+def test_a_step_folder_linked_to_another_run_is_never_restored(tmp_path):
+    """``run/4 -> other/4``: the other run's values were restored by step="latest" and step=4;
+    now a link step is refused, and passed over (warned) only with fallback."""
+    root, other = str(tmp_path / "run"), str(tmp_path / "other")
+    _run(root)
+    _run(other, steps=(4,))
+    os.symlink(os.path.join(other, "4"), os.path.join(root, "4"))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step 4 cannot be read.*is a link"):
+        jax_ucp.restore(root, step="latest")
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step 4 cannot be read.*is a link"):
+        jax_ucp.restore(root, step=4)
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step 4 cannot be read.*is a link"):
+        jax_ucp.latest_step(root)
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 4 skipped.*is a link"):
+        assert jax_ucp.restore(root, step="latest", fallback=True)["step"] == 3
+
+
+def test_an_item_folder_linked_out_of_its_step_is_never_restored(tmp_path):
+    root, other = str(tmp_path / "run"), str(tmp_path / "other")
+    _run(root)
+    _run(other, steps=(9,))
+    shutil.rmtree(os.path.join(root, "3", "state"))
+    os.symlink(os.path.join(other, "9", "state"), os.path.join(root, "3", "state"))
+    with pytest.raises(jax_ucp.CheckpointError, match=r"latest committed step 3 .*state"):
+        jax_ucp.restore(root, step="latest")
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step 3 cannot be read"):
+        jax_ucp.restore(root, step=3)
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped"):
+        assert jax_ucp.restore(root, step="latest", fallback=True)["step"] == 2
+
+
+@pytest.mark.parametrize("name", ["١٢", "１３", "²", "step_٤"])
+def test_a_step_name_in_other_digits_is_never_a_step(tmp_path, name):
+    """``str.isdigit`` took ``١٢`` (Arabic-Indic) as step 12 and ``１３`` (fullwidth) as 13:
+    "latest" restored the planted folder while Orbax's manager lists [1, 2, 3]; ``²`` was a raw
+    ValueError for every resume. Now they are named in a ResumeWarning and ignored."""
+    root = str(tmp_path / "run")
+    _run(root)
+    _copy_step(root, "3", name, 99)
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"not a step \(a step number is written in"):
+        got = jax_ucp.restore(root, step="latest")
+    assert got["step"] == 3
+    with pytest.warns(jax_ucp.ResumeWarning, match=name):
+        assert jax_ucp.latest_step(root) == 3
+    with ocp.CheckpointManager(root) as mngr:
+        assert mngr.latest_step() == 3
+
+
+def test_fixed_length_step_names_and_a_stray_are_reported_not_chosen(tmp_path):
+    """A run saved with ``step_format_fixed_length=4`` (0005, 0012) plus a stray ``12`` holding
+    other values: "latest" returned the stray while Orbax restores 0012. The root alone cannot
+    say which format the manager uses: an error naming both; the manager's own format (passed
+    as the manager) takes 0012 and names the stray."""
+    root = str(tmp_path / "run")
+    options = ocp.CheckpointManagerOptions(step_format_fixed_length=4)
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        for s in (5, 12):
+            state = {"w": np.full((4, 4), float(s), np.float32), "step": s}
+            mngr.save(s, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+        mngr.wait_until_finished()
+    assert jax_ucp.restore(root, step="latest")["step"] == 12  # 0012, no stray yet
+    _copy_step(root, "0012", "12", 99)
+    with pytest.raises(jax_ucp.CheckpointError, match=r"two formats \(0005, 0012 zero-padded; 12"):
+        jax_ucp.restore(root, step="latest")
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step_format_fixed_length"):
+        jax_ucp.latest_step(root)
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        with pytest.warns(jax_ucp.ResumeWarning, match=r"/12: not a step of this run.*'1234'"):
+            step = jax_ucp.latest_step(mngr)
+        got = mngr.restore(step, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+    assert step == 12 and got["state"]["step"] == 12
+
+
+def test_a_step_prefix_is_the_managers_own(tmp_path):
+    """Steps named ``ckpt_0005`` (``step_prefix`` and a fixed length) were no steps at all
+    ("no committed step"); they resume like any run."""
+    root = str(tmp_path / "run")
+    options = ocp.CheckpointManagerOptions(step_prefix="ckpt", step_format_fixed_length=4)
+    with ocp.CheckpointManager(root, options=options) as mngr:
+        for s in (5, 7):
+            state = {"w": np.full((4, 4), float(s), np.float32), "step": s}
+            mngr.save(s, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+        mngr.wait_until_finished()
+        assert jax_ucp.latest_step(mngr) == 7
+    assert jax_ucp.latest_step(root) == 7
+    assert jax_ucp.restore(root, step="latest")["step"] == 7
+    assert jax_ucp.restore(root, step=5)["step"] == 5
+
+
+def test_a_committed_step_without_its_manifest_is_damage_not_skipped(tmp_path):
+    """Orbax committed step 3 (commit timestamp in ``_CHECKPOINT_METADATA``, its item recorded
+    with jax_ucp's handler) but its ucp.json is gone: step="latest" silently restored step 2."""
+    root = str(tmp_path / "run")
+    _run(root)
+    os.remove(os.path.join(root, "3", "state", "ucp.json"))
+    with pytest.raises(
+        jax_ucp.CheckpointError, match=r"step 3 cannot be read.*ucp.json is missing"
+    ):
+        jax_ucp.restore(root, step="latest")
+    with pytest.raises(jax_ucp.CheckpointError, match=r"step 3 cannot be read.*ucp.json"):
+        jax_ucp.latest_step(root)
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped.*ucp.json is missing"):
+        assert jax_ucp.restore(root, step="latest", fallback=True)["step"] == 2
+
+
+def test_latest_step_and_restore_latest_take_the_same_step(tmp_path):
+    """A flipped byte in the newest step: ``latest_step(fallback=True)`` checked sizes only and
+    returned it, while ``restore(step="latest", fallback=True)`` skipped it; a job restarting
+    through ``mngr.restore(latest_step(...))`` crashed on every restart."""
+    root = str(tmp_path / "run")
+    _run(root)
+    _flip_a_shard_byte(os.path.join(root, "3"))
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped"):
+        restored = jax_ucp.restore(root, step="latest", fallback=True)
+    with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped"):
+        step = jax_ucp.latest_step(root, fallback=True)
+    assert step == restored["step"] == 2
+    with ocp.CheckpointManager(root) as mngr:
+        with pytest.warns(jax_ucp.ResumeWarning, match=r"step 3 skipped"):
+            step = jax_ucp.latest_step(mngr, fallback=True)
+        got = mngr.restore(step, args=ocp.args.Composite(state=jax_ucp.UCPRestore()))
+    assert step == 2 and float(got["state"]["w"][0, 0]) == 2.0
+
+
+def test_a_step_deleted_by_retention_while_read_is_not_damage(tmp_path):
+    """A live manager (``max_to_keep``) saves steps 4 and 5 and deletes step 3 while a resume
+    reads step 3: that was "cannot be read" (or, with fallback, a warning calling step 3
+    unreadable and the older step 2). Now the steps are listed again: step 5, no warning."""
+    root = str(tmp_path / "run")
+    _run(root)
+    calls = []
+
+    def retention_meanwhile(name: str) -> bool:
+        if not calls:
+            _copy_step(root, "3", "5", 5)
+            shutil.rmtree(os.path.join(root, "3"))
+        calls.append(name)
+        return True
+
+    for fallback in (False, True):
+        calls.clear()
+        if not os.path.exists(os.path.join(root, "3")):
+            shutil.copytree(os.path.join(root, "2"), os.path.join(root, "3"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", jax_ucp.ResumeWarning)
+            got = jax_ucp.restore(
+                root, step="latest", fallback=fallback, select=retention_meanwhile
+            )
+        assert got["step"] == 5 and float(got["w"][0, 0]) == 5.0
+        shutil.rmtree(os.path.join(root, "5"))
+
+
+def test_a_step_holding_two_ucp_items_is_not_restored_by_its_first(tmp_path):
+    root = str(tmp_path / "run")
+    with ocp.CheckpointManager(root) as mngr:
+        mngr.save(
+            1,
+            args=ocp.args.Composite(
+                ema=jax_ucp.UCPSave({"w": np.zeros(2)}), state=jax_ucp.UCPSave({"w": np.ones(2)})
+            ),
+        )
+        mngr.wait_until_finished()
+    with pytest.raises(jax_ucp.CheckpointError, match=r"several UCP items \['ema', 'state'\]"):
+        jax_ucp.restore(root, step="latest")
+    assert jax_ucp.latest_step(root) == 1
+
+
+def test_latest_step_of_something_else_is_a_request_error():
+    with pytest.raises(jax_ucp.RequestError, match=r"run_root=.*got int"):
+        jax_ucp.latest_step(123)

@@ -546,3 +546,12 @@ def test_convert_takes_the_model_config_for_an_accelerate_save_state(tmp_path):
         assert int(restored["opt_state"]["count"]) == int(z["step"])
     source = jax_ucp.inspect(tmp_path / "out").source
     assert source["parameter_order"].startswith(config)
+
+
+@pytest.mark.parametrize("size", ["\u00b2", "\u0662", "\uff12"])
+def test_a_mesh_size_in_other_digits_is_a_usage_error(tmp_path, size):
+    """``str.isdigit`` passed ``²`` and ``int()`` then raised a raw ValueError; ``٢`` and ``２``
+    were taken as 2. A mesh size is ASCII digits."""
+    jax_ucp.save(tmp_path / "c", {"w": np.zeros((4, 4), np.float32)})
+    r = _cli("plan", tmp_path / "c", "--mesh", f"data={size}", columns=120)
+    assert r.exit_code == 2 and "expected axis=size" in r.output, r.output

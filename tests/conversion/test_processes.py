@@ -188,6 +188,7 @@ if _spec:
     _rank, _point, *_n = _spec.split(":")
     if "--process-id" in _argv and _argv[_argv.index("--process-id") + 1] == _rank:
         import jax_ucp._src.multihost.agreement
+        import jax_ucp._src.store.storage.local as local_storage
         import jax_ucp._src.writer.checkpoint as ck
 
         def _die():
@@ -215,14 +216,14 @@ if _spec:
             return _write_stream(directory, counted(), **kwargs)
 
         ck.write_stream = write_stream
-        _commit = ck.commit.commit
+        _commit = local_storage.commit
 
         def commit(tmp, path):
             if _point == "commit":  # the primary, parts merged, before the rename
                 _die()
             return _commit(tmp, path)
 
-        ck.commit.commit = commit
+        local_storage.commit = commit
 """
 
 

@@ -5,6 +5,7 @@ flax-style logical axes and on a checkpoint imported from torch."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 
@@ -101,3 +102,70 @@ def test_an_imported_checkpoint_shows_the_same_way(tmp_path):
     assert rows and all(r["source"] for r in rows if "shape" in r)
     assert any(line.startswith("imported from") for line in m.summary_lines())
     assert "<table>" in m._repr_html_()
+
+
+HOSTILE = (
+    "\x1b]0;owned\x07\x1b[2J<script>alert(1)</script><img src=x onerror=alert(2)>"
+    "<iframe src=javascript:alert(3)></iframe>|`code`[link](javascript:alert(4))*em*_u_$x$\u202e"
+)
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory):
+    """A checkpoint whose tensor name carries HTML, Markdown and terminal escapes."""
+    path = str(tmp_path_factory.mktemp("hostile") / "ckpt")
+    jax_ucp.save(path, {HOSTILE: np.ones(3, np.float32), "ok": np.zeros(2, np.float32)})
+    return path
+
+
+def _displays(path):
+    return jax_ucp.inspect(path), jax_ucp.plan(path, mesh=jax_ucp.abstract_mesh([("data", 2)]))
+
+
+def test_markdown_of_a_hostile_name_renders_as_its_text(hostile):
+    """The Markdown repr of a manifest and of a plan, rendered by a CommonMark + tables
+    renderer, has no element from the name (no script, img, iframe, link, emphasis, code) and
+    shows the name's characters; every row keeps its columns."""
+    markdown_it = pytest.importorskip("markdown_it")
+    renderer = markdown_it.MarkdownIt("commonmark").enable("table")
+    for shown in _displays(hostile):
+        text = shown._repr_markdown_()
+        page = renderer.render(text)
+        for tag in ("<script", "<img", "<iframe", "<a ", "<em>", "<code>", "<strong>alert"):
+            assert tag not in page, (tag, text)
+        assert "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+        assert "[link](javascript:alert(4))" in page and "\\x1b]0;owned\\x07" in page
+        rows = [line for line in page.split("<tr>")[1:]]
+        assert len(rows) == 3 and all(r.count("<td") in (0, len(shown.table()[3])) for r in rows)
+        assert "\x1b" not in text and "\u202e" not in text
+
+
+def test_pretty_and_html_reprs_show_terminal_escapes_escaped(hostile):
+    from IPython.lib.pretty import PrettyPrinter
+
+    for shown in _displays(hostile):
+        out = io.StringIO()
+        printer = PrettyPrinter(out)
+        shown._repr_pretty_(printer, False)
+        printer.flush()
+        text = out.getvalue()
+        assert "\\x1b]0;owned\\x07\\x1b[2J<script>" in text and "\\u202e" in text
+        assert not any(c in text for c in "\x1b\x07\u202e")
+        page = shown._repr_html_()
+        assert "&lt;script&gt;" in page and not any(c in page for c in "\x1b\x07\u202e")
+
+
+def test_cli_json_is_strict_and_writes_non_finite_values_as_strings(tmp_path):
+    """jq and JSON.parse refuse bare NaN / Infinity: ``--json`` writes them as strings."""
+    path = str(tmp_path / "ckpt")
+    values = {"nan": float("nan"), "inf": float("inf"), "ninf": -float("inf"), "lr": 0.5}
+    jax_ucp.save(path, {"w": np.ones(2, np.float32), **values})
+    r = runner.invoke(app, ["inspect", path, "--json"])
+    assert r.exit_code == 0, r.output
+
+    def refuse(token):
+        raise AssertionError(f"bare {token} in --json output")
+
+    data = json.loads(r.output, parse_constant=refuse)
+    got = {v["name"]: v["value"] for v in data["values"]}
+    assert got == {"nan": "NaN", "inf": "Infinity", "ninf": "-Infinity", "lr": 0.5}

@@ -33,13 +33,29 @@ def _hf(path, value=1.0):
 
 
 def test_every_format_is_a_package_with_detect_plan_and_typed_options():
+    """One registry level: a format of one layout is its package's ``detect`` / ``plan``; the
+    torch format's layouts are each an entry of their own, their functions in its package."""
     assert registry.FORMATS == ("deepspeed", "megatron", "orbax", "safetensors", "torch", "verl")
     for name, importer in registry.IMPORTERS.items():
-        package = importlib.import_module(f"jax_ucp._src.importers.{name}")
-        assert importer.detect is package.detect and importer.plan is package.plan
+        package = importlib.import_module(f"jax_ucp._src.importers.{importer.format}")
+        if name == importer.format:
+            assert importer.detect is package.detect and importer.plan is package.plan
+        else:
+            assert importer in package.LAYOUTS
+            for function in (importer.detect, importer.plan):
+                assert function.__module__.startswith(package.__name__ + ".")
         assert dataclasses.is_dataclass(importer.options)
         assert issubclass(importer.options, ImportOptions)
-        assert isinstance(package.detect(os.path.join(FIX, "no such dir")), Detection)
+        assert isinstance(importer.detect(os.path.join(FIX, "no such dir")), Detection)
+    layouts = [i.name for i in registry.IMPORTERS.values() if i.format == "torch"]
+    assert layouts == [
+        "torch_checkpointing",
+        "torchtune",
+        "olmo_core",
+        "torch_dcp",
+        "hf_trainer",
+        "torch_files",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -71,7 +87,7 @@ def test_own_markers_win_over_files_other_folders_hold_too(tmp_path):
     assert registry.detect_format(ds) == "deepspeed"
     hf = _hf(tmp_path / "hf")
     (tmp_path / "hf" / "pytorch_model.bin").write_bytes(b"PK\x03\x04")
-    assert registry.IMPORTERS["torch"].detect(hf).found
+    assert registry.IMPORTERS["torch_files"].detect(hf).found
     assert registry.detect_format(hf) == "safetensors"
     assert registry.detect_format(os.path.join(hf, "model.safetensors")) == "safetensors"
 
@@ -172,12 +188,136 @@ def test_safetensors_beside_a_torch_optimizer_is_handed_to_the_torch_importer():
     order = [n for n in names if n not in norms] + norms  # as the Trainer grouped them
     assert registry.detect_format(src) == "safetensors"
     options = TorchOptions(parameter_order=order)
-    handed = registry.handed_over(src, "safetensors", options)
+    claimed, files = registry.IMPORTERS["safetensors"], registry.IMPORTERS["torch_files"]
+    taker = registry.taken_over(src, claimed, options)
+    assert taker is registry.IMPORTERS["hf_trainer"] and taker.takes_over == ("safetensors",)
+    handed = taker.plan(src, options)
     assert handed is not None and handed.source["framework"] == "torch_files"
     assert handed.source["optimizer"]["param_groups"]
-    assert registry.handed_over(src, "torch", options) is None
-    assert registry.handed_over(src, "safetensors", TorchOptions(weights_only=True)) is None
+    assert registry.taken_over(src, files, options) is files
+    assert registry.taken_over(src, claimed, TorchOptions(weights_only=True)) is claimed
     with pytest.raises(UCPError, match=r"optimizer\.pt.*weights_only=True"):
         safetensors.plan(src, TorchOptions())
     plan = registry.plan_import(src, options)
     assert plan.source == handed.source
+
+
+def test_takes_over_is_declared_by_the_importer_not_written_in_the_registry(monkeypatch):
+    """Any importer may say whose claim it takes over: the registry hands a source over by that
+    field alone (no format's internals in the registry), and not when only weights are
+    wanted."""
+    from jax_ucp._src.importers.plan import Importer, ImportPlan
+    from jax_ucp._src.importers.torch import TorchOptions
+
+    seen = []
+
+    def plan(src, options):
+        seen.append(options)
+        return ImportPlan(iter(()), {"framework": "probe"}, 0, source_tensors=[])
+
+    probe = Importer(
+        "probe",
+        lambda src: Detection(True, "probe's marker"),
+        plan,
+        TorchOptions,
+        takes_over=("orbax",),
+    )
+    monkeypatch.setitem(registry.IMPORTERS, "probe", probe)
+    src = os.path.join(FIX, "orbax_v1_checkpoint")
+    assert registry.detect_format(src) == "orbax"  # a taker claims no source of its own
+    options = TorchOptions()
+    assert registry.plan_import(src, options, format="orbax").source == {"framework": "probe"}
+    assert seen == [options]
+    assert registry.taken_over(src, registry.IMPORTERS["orbax"], TorchOptions(weights_only=True))
+    assert registry.taken_over(src, registry.IMPORTERS["orbax"], options) is probe
+
+
+@pytest.mark.parametrize(
+    "path, layout",
+    [
+        (os.path.join(FIX, "torch", "fsdp2_fp32"), "torch_dcp"),
+        (os.path.join(FIX, "torch", "accelerate_fsdp"), "torch_dcp"),
+        (os.path.join(FIX, "torch", "hf_bin"), "torch_files"),
+        (os.path.join(FIX, "torch", "plain_state_dict.pt"), "torch_files"),
+        ("olmo", "olmo_core"),
+        (os.path.join(FIX, "torchtune", "tt_fp32"), "torchtune"),
+        (
+            os.path.join(FIX, "torch_checkpointing", "tc_fsdp2_synthetic_layout", "step-3"),
+            "torch_checkpointing",
+        ),
+    ],
+)
+def test_each_torch_layout_is_its_own_entry_and_torch_names_them_all(path, layout, tmp_path):
+    """One registry level: detection finds the torch layout itself (detect_format still says
+    "torch"), and ``format="torch"`` means the first torch layout that finds the source, as
+    the torch package's dispatch did."""
+    if path == "olmo":  # an OLMo-core step folder: torch DCP in model_and_optim/, train/
+        path = tmp_path / "step3"
+        shutil.copytree(os.path.join(FIX, "olmo_core", "olmo_fp32"), path / "model_and_optim")
+        (path / "train").mkdir()
+    importer = registry.detected(path)
+    assert importer.format == "torch" == registry.detect_format(path)
+    assert importer.name == layout
+    assert registry.importer_for(path, "torch") is importer
+    assert registry.importer_for(path, importer.name) is importer
+
+
+def test_torch_given_for_a_folder_no_torch_layout_finds_is_read_as_torch_save_files(tmp_path):
+    """``--from torch`` on a folder none of the torch layouts finds: the torch.save files
+    importer plans it and says what is missing (the torch package's last resort before)."""
+    assert registry.importer_for(tmp_path, "torch").name == "torch_files"
+    with pytest.raises(SourceError, match=str(tmp_path)):
+        registry.plan_import(tmp_path, format="torch")
+    with pytest.raises(SourceError, match=r"Unknown checkpoint format 'pytorch'.*'torch'"):
+        registry.importer_for(tmp_path, "pytorch")
+
+
+def test_a_layout_given_by_name_is_planned_without_asking_the_others(tmp_path, monkeypatch):
+    """``format=`` takes a layout's name too (what the CLI passes once it detected): that
+    importer plans, no detection runs."""
+    for name, importer in registry.IMPORTERS.items():
+
+        def refuse(src, name=name):
+            raise AssertionError(f"{name}.detect asked")
+
+        monkeypatch.setitem(registry.IMPORTERS, name, dataclasses.replace(importer, detect=refuse))
+    out = jax_ucp.convert(
+        os.path.join(FIX, "torch", "fsdp2_fp32"), tmp_path / "u", format="torch_dcp"
+    )
+    assert "dcp_version" in jax_ucp.inspect(out).source
+
+
+def test_no_importer_function_takes_the_common_fields_as_keywords():
+    """Every ``plan*`` function of the importers takes the options object (``plan(src,
+    options)``, as DeepSpeed's): none takes ``spec=``, ``weights_only=``, ``share=`` or another
+    option's field as a parameter of its own."""
+    import inspect
+    import pkgutil
+
+    from jax_ucp._src import importers
+
+    fields = set(registry.OPTION_FIELDS) | {"share"}
+    offenders = []
+    for info in pkgutil.walk_packages(importers.__path__, importers.__name__ + "."):
+        module = importlib.import_module(info.name)
+        for name, function in inspect.getmembers(module, inspect.isfunction):
+            if function.__module__ != module.__name__ or not name.lstrip("_").startswith("plan"):
+                continue
+            if function is registry.plan_import:  # the registry's entry: share is its own
+                continue
+            taken = fields & set(inspect.signature(function).parameters)
+            if taken:
+                offenders.append(f"{module.__name__}.{name}({', '.join(sorted(taken))})")
+    assert offenders == []
+
+
+def test_torch_given_for_megatron_core_torch_dist_reads_it_as_plain_dcp():
+    """Detection leaves a torch_dist folder (DCP beside megatron-core's common.pt and
+    metadata.json) to Megatron; ``--from torch`` reads it as plain torch DCP, as the torch
+    package's own dispatch did (its ``dcp_dirs``)."""
+    src = os.path.join(FIX, "megatron", "gpt_tp2")
+    assert registry.detect_format(src) == "megatron"
+    assert not registry.IMPORTERS["torch_dcp"].detect(src).found
+    assert registry.importer_for(src, "torch").name == "torch_dcp"
+    plan = registry.plan_import(src, format="torch")
+    assert plan.source["framework"] == "torch_dcp" and plan.total_params == 17

@@ -48,7 +48,7 @@ def _wait_for(port: int, proc: subprocess.Popen, what: str) -> None:
 def _server(cmd: list[str], port: int, what: str):
     exe = shutil.which(cmd[0])
     if exe is None:
-        pytest.fail(f"{cmd[0]} is not installed (pip install -e '.[dev]')")
+        pytest.fail(f"{cmd[0]} is not installed (pip install -e '.[test]')")
     # The servers log every request: into a file, since a pipe nobody reads fills up (64 KiB)
     # and then blocks the server in the middle of a request.
     log = tempfile.TemporaryFile("w+")

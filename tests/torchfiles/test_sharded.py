@@ -62,3 +62,20 @@ def test_getattr_in_a_pickle_reaches_only_sharded_tensors_process_group_state():
         unpickler.restricted_loads(evil, extra_classes=unpickler.SHARDED_TENSOR_CLASSES)
     with pytest.raises(TorchFileError, match=r"builtins\.getattr"):
         unpickler.restricted_loads(evil)
+
+
+def test_pieces_of_another_dtype_are_refused_not_cast():
+    """numpy casts an int32 piece into a float32 tensor without a word (other values)."""
+    pieces = [
+        sharded.Piece((0,), np.arange(2, dtype=np.float32)),
+        sharded.Piece((2,), np.arange(2, dtype=np.int32)),
+    ]
+    with pytest.raises(sharded.ShardLayoutError, match=r"piece at \(2,\) holds int32.*float32"):
+        sharded.assemble((4,), np.dtype(np.float32), pieces)
+
+
+@pytest.mark.parametrize("dim, mesh", [(1, 2), (-1, 2), (0, 0)])
+def test_a_shard_dim_the_tensor_lacks_is_a_layout_error(dim, mesh):
+    """Shard(1) of a 1-D tensor was a raw IndexError, a 0-rank mesh a ZeroDivisionError."""
+    with pytest.raises(sharded.ShardLayoutError, match=r"the tensor is \[6\], 1-D"):
+        sharded.dtensor_box((6,), (mesh,), (0,), (dim,))

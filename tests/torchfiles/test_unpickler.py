@@ -901,3 +901,28 @@ def test_lazy_crc_checks_a_storage_when_its_bytes_are_first_read(tmp_path):
             arch.verify_crc()
     finally:
         arch.close()
+
+
+def test_a_member_present_twice_is_refused(tmp_path):
+    """A second ``archive/data/0`` with other bytes: torch.load reads the first copy, a lookup
+    by name the last; which one is the tensor is not chosen, the file is refused naming it."""
+    first = {"0": np.ones(4, np.float32).tobytes()}
+    p = write_pt(tmp_path / "twice.pt", prog(tensor("FloatStorage", "0", 4, 0, (4,), (1,))), first)
+    with zipfile.ZipFile(p, "a") as z, pytest.warns(UserWarning, match="Duplicate name"):
+        z.writestr("archive/data/0", np.full(4, 2.0, np.float32).tobytes())
+    with pytest.raises(TorchFileError, match=r"twice\.pt: .*present twice: 'archive/data/0'"):
+        load_torch_file(p)
+
+
+def test_one_storage_referenced_as_two_types_is_refused(tmp_path):
+    """Storage ``0`` as FloatStorage and again as IntStorage: torch.save never writes it, and
+    torch.load would type both by the first reference; the bytes are not read twice ways."""
+    pkl = prog(
+        P.MARK,
+        tensor("FloatStorage", "0", 4, 0, (4,), (1,)),
+        tensor("IntStorage", "0", 4, 0, (4,), (1,)),
+        P.TUPLE,
+    )
+    p = write_pt(tmp_path / "types.pt", pkl, {"0": np.arange(4, dtype=np.float32).tobytes()})
+    with pytest.raises(TorchFileError, match=r"types\.pt: storage '0' is referenced as float32"):
+        load_torch_file(p)

@@ -169,16 +169,16 @@ def _shared_write(dest, keys_of, before_of=lambda i: None):
 def test_every_process_makes_its_part_durable_before_reporting_it(tmp_path, monkeypatch):
     """On a shared file system the primary's syncfs flushes its own host only: each process
     syncs what it wrote (its file system, from its host) before it reports the part written."""
-    from jax_ucp._src.writer import durable
+    from jax_ucp._src.store.storage import local
 
     synced: set[int] = set()
-    real = durable.sync_filesystem
+    real = local.sync_filesystem
 
     def sync_filesystem(path):
         synced.add(threading.get_ident())
         real(path)
 
-    monkeypatch.setattr(durable, "sync_filesystem", sync_filesystem)
+    monkeypatch.setattr(local, "sync_filesystem", sync_filesystem)
     unsynced: list[int] = []
 
     def before_of(i):

@@ -22,7 +22,8 @@ import jax_ucp
 from jax_ucp import exporters
 from jax_ucp._src.exporters import OrbaxExport, SafetensorsExport, TorchDcpExport, options_for
 from jax_ucp._src.orbax.manager_step import write_manager_step
-from jax_ucp._src.writer import HostItem, commit, durable, write_host_checkpoint
+from jax_ucp._src.store.storage import local
+from jax_ucp._src.writer import HostItem, commit, write_host_checkpoint
 from jax_ucp.errors import RequestError
 from tests.ucp_testing import REPO, assert_bit_exact
 from tests.ucp_testing import TREE_W as W
@@ -69,7 +70,7 @@ def test_a_failed_commit_is_discarded_and_an_explicit_commit_is_not_repeated(
     def io_error(root):
         raise OSError(5, "Input/output error", root)
 
-    monkeypatch.setattr(durable, "make_durable", io_error)
+    monkeypatch.setattr(local, "make_durable", io_error)
     caplog.set_level(logging.INFO, logger="jax_ucp")
     with pytest.raises(OSError, match="Input/output error"):
         write_host_checkpoint(dest, _items(2.0), force=True)

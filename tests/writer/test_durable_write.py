@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ucp
 from jax_ucp._src import format as fmt
 from jax_ucp._src.store import shard_writer
-from jax_ucp._src.writer import durable
+from jax_ucp._src.store.storage import local
 from tests.ucp_testing import assert_bit_exact
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,7 +48,7 @@ def test_a_save_syncs_every_shard_file_before_the_rename_that_commits_it(tmp_pat
     events: list[tuple] = []
     real_start, real_syncfs, real_rename = (
         shard_writer.start_writeback,
-        durable.sync_filesystem,
+        local.sync_filesystem,
         os.rename,
     )
 
@@ -70,7 +70,7 @@ def test_a_save_syncs_every_shard_file_before_the_rename_that_commits_it(tmp_pat
         os.fdatasync(fd)
 
     monkeypatch.setattr(shard_writer, "start_writeback", start_writeback)
-    monkeypatch.setattr(durable, "sync_filesystem", sync_filesystem)
+    monkeypatch.setattr(local, "sync_filesystem", sync_filesystem)
     monkeypatch.setattr(os, "rename", rename)
     monkeypatch.setattr(os, "fsync", fsync)
     tree, expected = _tree()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -277,7 +278,7 @@ def test_sigkill_during_import_keeps_old_checkpoint_and_next_import_cleans_up(tm
     # A live writer's temporary directory (another process on this host) must survive cleanup.
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
-        live = f"{path}{commit.TMP_MARK}{commit.socket.gethostname()}.{sleeper.pid}.1"
+        live = f"{path}{commit.TMP_MARK}{socket.gethostname()}.{sleeper.pid}.1"
         os.makedirs(live)
         write_host_checkpoint(path, iter([HostItem(("new",), np.ones(3, np.float32))]), force=True)
         assert sorted(os.listdir(tmp_path)) == [

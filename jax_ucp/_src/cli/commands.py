@@ -1,4 +1,4 @@
-"""The ``jax-ucp`` commands: inspect, verify, plan, diff, convert, export, demo.
+"""The ``jax-ucp`` commands: inspect, verify, plan, diff, convert, export, latest, demo.
 
 Exit codes: 0 success, 1 a failed operation (bad or corrupt input, a refused overwrite, a full
 disk: one ``error:`` line; for ``diff``: the checkpoints differ), 2 a usage error (unknown
@@ -24,7 +24,7 @@ from jax_ucp._src import bulk
 from jax_ucp._src import format as fmt
 from jax_ucp._src.cli import layout, output, spawn
 from jax_ucp._src.errors import RequestError, UCPError, is_tensorstore_io_error, tensorstore_message
-from jax_ucp._src.format import ValueEntry, files
+from jax_ucp._src.format import ValueEntry, display, files
 from jax_ucp._src.format.sizes import DEFAULT_MEMORY_BUDGET, parse_size
 
 
@@ -74,7 +74,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     help="Universal checkpoints for JAX: inspect, verify, plan a restore, diff two checkpoints, "
-    "convert other frameworks' checkpoints, demo.",
+    "convert other frameworks' checkpoints, the step a resume takes (latest), demo.",
 )
 
 
@@ -98,7 +98,7 @@ def _main(
 
 def _cli_wording(message: str) -> str:
     """Library advice in command-line terms (``force=True`` is ``--force`` here)."""
-    message = re.sub(r"\bprocesses=(\d+)", r"--processes \1", message)
+    message = re.sub(r"\bprocesses=([0-9]+)", r"--processes \1", message)
     message = re.sub(r"\bstrict=False\b", "--no-strict", message)
     return re.sub(r"\bforce=True\b", "--force", message)
 
@@ -141,16 +141,49 @@ def _user_errors(fn):
 
 def _checkpoint_or_steps(path: str) -> None:
     """A CheckpointManager root is not a checkpoint: list its steps and how to pick one."""
-    from jax_ucp._src.restoring import locate
+    from jax_ucp._src.restoring import steps as run_root
 
-    steps = locate.manager_steps(path) if os.path.isdir(path) else []
-    if steps and not os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
-        shown = ", ".join(name for name, _ in steps[-10:])
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return
+    try:
+        steps = run_root.with_ucp_items(path)
+    except UCPError:
+        return
+    if steps:
+        shown = ", ".join(str(s.step) for s in steps[:10][::-1])
         raise RequestError(
             f"{path} is a CheckpointManager directory with {layout.plural(len(steps), 'step')} "
-            f"({'… ' if len(steps) > 10 else ''}{shown}); pick one, e.g. "
-            f"{os.path.join(path, *steps[-1])}"
+            f"({'… ' if len(steps) > 10 else ''}{shown}); pick one with --step N or "
+            f"--step latest, e.g. {steps[0].items[0]}"
         )
+
+
+def _at_step(path: str, step: str | None) -> str:
+    """The checkpoint ``--step`` names on the CheckpointManager root ``path`` (the step's UCP
+    item: N, or ``latest``, the step ``restore(root, step="latest")`` takes), by the one
+    step-name rule of the resume (``restoring.resume``); ``path`` itself without ``--step``."""
+    if step is None:
+        _checkpoint_or_steps(path)
+        return path
+    from jax_ucp._src.restoring import resume
+
+    if step == "latest":
+        return resume.one_item(resume.latest_readable(path, fallback=False).step)
+    if re.fullmatch(r"[0-9]+", step) is None:
+        raise typer.BadParameter(
+            f"expected a step number or latest, got {step!r}", param_hint="--step"
+        )
+    return resume.step_item(path, int(step))
+
+
+StepOption = Annotated[
+    str | None,
+    typer.Option(
+        "--step",
+        help="PATH is a CheckpointManager root: read its step N, or latest (the step "
+        "restore(root, step='latest') takes)",
+    ),
+]
 
 
 def _size_option(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
@@ -206,6 +239,7 @@ def inspect(
     every: bool = typer.Option(
         False, "--all", help=f"one row per tensor even past {layout.GROUP_AT} (else grouped)"
     ),
+    step: StepOption = None,
 ):
     """Show the manifest: tensors and saved Python values.
 
@@ -213,7 +247,7 @@ def inspect(
     size and role (the saved mesh above the table). --json prints every row, for scripts."""
     import jax_ucp
 
-    _checkpoint_or_steps(path)
+    path = _at_step(path, step)
     m = jax_ucp.inspect(path)
     if as_json:
         rows = m.to_rows()
@@ -292,15 +326,25 @@ def verify(
     logits_tolerance: float | None = typer.Option(
         None, help="largest absolute difference of the logits accepted (default 1e-4)"
     ),
+    step: StepOption = None,
+    newest: int = typer.Option(
+        0, min=0, help="on a CheckpointManager root: verify only its newest N steps (0: all)"
+    ),
 ):
     """Read every tensor and check every shard file (crc32c, digests); report what is wrong.
     With --against SRC, also compare with the source read by its framework's own loader;
-    with --logits, also the logits of one batch through both."""
+    with --logits, also the logits of one batch through both. On a CheckpointManager root
+    (without --step): verify every committed step, and say which one a resume takes."""
     import jax_ucp
 
     if logits and against is None:
         raise typer.BadParameter("--logits compares with the source: give --against SRC")
-    _checkpoint_or_steps(path)
+    if step is None and _is_run_root(path):
+        if against is not None:
+            raise typer.BadParameter("--against compares one checkpoint: give --step N")
+        _verify_run(path, newest, memory_budget)
+        return
+    path = _at_step(path, step)
     m = jax_ucp.inspect(path)
     with _bar("verifying", transient=True) as on_progress:
         bad = jax_ucp.verify(
@@ -319,14 +363,95 @@ def verify(
         for _, err in bad:  # each message names its tensor and file
             output.marked("[red]✗[/red]", str(err))
         far = bad.logits is not None and not bad.logits.ok
-        failed = len(bad) - far  # the logits' problem is last, not a tensor
+        held = {e.name for e in m.tensors}
+        failed = sum(name in held for name, _ in bad)  # the logits' problem is no tensor
+        missing = len(bad) - failed - far  # the source's tensors the checkpoint lacks
         said = [f"{layout.plural(failed, 'tensor')} of {len(m.tensors)} failed"] if failed else []
+        said += [f"{layout.plural(missing, 'source tensor')} missing"] if missing else []
         said += ["the logits differ beyond the tolerance"] if far else []
         output.console.print(f"[red]{'; '.join(said)}[/red]", highlight=False)
         raise typer.Exit(1)
     output.console.print(
         f"[green]✓ {layout.plural(len(m.tensors), 'tensor')} ({layout.human(m.nbytes)}) read back intact[/green]"
     )
+
+
+def _is_run_root(path: str) -> bool:
+    """A CheckpointManager root: a folder without ucp.json whose committed steps hold UCP items
+    (or a link or a damaged one)."""
+    from jax_ucp._src.restoring import steps
+
+    if not os.path.isdir(path) or os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
+        return False
+    try:
+        return bool(steps.run_steps(path).steps)
+    except UCPError:
+        return True  # its step names are the error: run_steps says why
+
+
+def _verify_run(root: str, newest: int, memory_budget) -> None:
+    """``verify ROOT``: each committed step (the newest ``newest``) verified whole, newest first,
+    then the step a resume takes: without fallback the newest step (an error if it is
+    damaged), with fallback the newest intact one (``restoring.resume``'s rule)."""
+    import jax_ucp
+    from jax_ucp._src.restoring import steps as run_root
+
+    listed = run_root.run_steps(root)
+    for notice in listed.notices:
+        output.marked("[yellow]![/yellow]", notice)
+    steps = listed.steps[:newest] if newest else listed.steps
+    intact = []
+    for s in steps:
+        problems = [s.problem] if s.problem else []
+        for item in [] if s.problem else s.items:
+            with _bar(f"step {s.step}", transient=True) as on_progress:
+                found = jax_ucp.verify(item, progress=on_progress, memory_budget=memory_budget)
+            problems += [err for _, err in found]
+        if problems:
+            for err in problems:
+                output.marked("[red]✗[/red]", f"step {s.step}: {err}")
+        else:
+            intact.append(s.step)
+            output.marked("[green]✓[/green]", f"step {s.step}: {', '.join(s.items)} intact")
+    checked = f"{layout.plural(len(steps), 'committed step')} verified"
+    if len(steps) < len(listed.steps):
+        checked += f" (the newest of {len(listed.steps)})"
+    output.say(checked)
+    if intact:
+        output.say(
+            f"a resume takes step {intact[0]} (restore(root, step='latest'"
+            f"{'' if intact[0] == steps[0].step else ', fallback=True'}))"
+        )
+    else:
+        output.say("no step verified here can be resumed from", style="red")
+    if len(intact) < len(steps):
+        raise typer.Exit(1)
+
+
+@app.command()
+@_user_errors
+def latest(
+    root: str,
+    fallback: bool = typer.Option(
+        True,
+        "--fallback/--no-fallback",
+        help="pass over steps that cannot be read, reading each candidate whole (as "
+        "restore(root, step='latest', fallback=True)); --no-fallback: the newest committed "
+        "step, checked for its manifest and files only",
+    ),
+):
+    """Print the step of a CheckpointManager root a resume takes, and why each newer committed
+    step was passed over (the rule of restore(root, step='latest') and jax_ucp.latest_step)."""
+    from jax_ucp._src.restoring import resume
+
+    found = resume.latest_readable(root, fallback=fallback)
+    for notice in found.notices:
+        output.marked("[yellow]![/yellow]", notice)
+    for step, why in found.skipped:
+        output.marked("[red]✗[/red]", f"step {step} skipped: {why}")
+    output.say(f"step {found.step.step}: {', '.join(found.step.items)}", style="green")
+    if not fallback:
+        output.say("(its manifest and shard files checked; its data is checked as it is restored)")
 
 
 @app.command()
@@ -383,8 +508,9 @@ def convert(
 
     spawn.check_parallel(processes, coordinator, num_processes, process_id)
     order = _read_parameter_order(parameter_order) if parameter_order is not None else None
-    importing = registry.import_options(
-        from_,
+    importer = registry.importer_for(src, from_)  # detected first, then its format's options
+    importing = registry.importer_options(
+        importer,
         spec=spec,
         weights_only=weights_only,
         tag=tag,
@@ -402,7 +528,7 @@ def convert(
     out = _convert_reporting_lost_processes(
         src,
         dst,
-        format=from_,
+        format=importer.name,
         importing=importing,
         memory_budget=memory_budget,
         force=force,
@@ -487,12 +613,13 @@ def _parse_mesh(text: str) -> list[tuple[str, int]]:
     axes = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, sep, size = part.partition("=")
-        if not sep or not name.strip() or not size.strip().isdigit() or int(size) < 1:
+        number = files.name_number(size.strip())  # ASCII digits: int("²") would be a raw ValueError
+        if not sep or not name.strip() or number is None or number < 1:
             raise typer.BadParameter(
                 f"expected axis=size[,axis=size...] (e.g. data=2,model=4), got {part!r}",
                 param_hint="--mesh",
             )
-        axes.append((name.strip(), int(size)))
+        axes.append((name.strip(), number))
     if not axes:
         raise typer.BadParameter("no mesh axes given (e.g. data=2,model=4)", param_hint="--mesh")
     names = [name for name, _ in axes]
@@ -588,6 +715,7 @@ def plan(
     config: str | None = typer.Option(
         None, help="with --spec: a Hugging Face config.json giving the spec's head settings"
     ),
+    step: StepOption = None,
 ):
     """Plan a restore onto a mesh: PartitionSpecs, bytes per device and per process.
 
@@ -601,7 +729,7 @@ def plan(
 
     axes = _parse_mesh(mesh)
     rule_pairs = _parse_rules(rules) if rules else None
-    _checkpoint_or_steps(path)
+    path = _at_step(path, step)
     result = jax_ucp.plan(
         path,
         mesh=abstract_mesh(axes),
@@ -669,8 +797,9 @@ def _print_plan_table(shown, grouped: bool) -> None:
 
 
 def _print_json(data: dict) -> None:
-    """``data`` as JSON on stdout, unwrapped (tuples as lists; anything else as its text)."""
-    typer.echo(json.dumps(data, indent=1, default=str))
+    """``data`` as strict JSON on stdout, unwrapped (``display.json_text``: NaN and the
+    infinities as strings, tuples as lists; anything else as its text)."""
+    typer.echo(display.json_text(data))
 
 
 def _print_plan_totals(result, limit: int) -> None:
@@ -778,10 +907,13 @@ def export(
     ),
     force: bool = typer.Option(False, help="replace DST if it is an earlier export"),
     memory_budget: MemoryBudget = None,
+    step: StepOption = None,
 ):
     """Export a checkpoint for PyTorch tools (safetensors, torch DCP, DeepSpeed universal) or
     Orbax (a StandardCheckpointer checkpoint)."""
     from jax_ucp._src import exporters
+
+    ckpt = _at_step(ckpt, step)
 
     with _bar("exporting") as on_progress:
         options = exporters.options_for(

@@ -124,7 +124,7 @@ def table(
 
 #: more rows than this are shown grouped by name pattern (digits as ``*``) unless asked for all
 GROUP_AT = 200
-_DIGITS = re.compile(r"\d+")
+_DIGITS = re.compile(r"[0-9]+")
 
 
 def grouped(names: list[str], rows: list[list[str]], sums: dict[int, list[int]]) -> list[list[str]]:

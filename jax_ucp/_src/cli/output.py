@@ -2,39 +2,20 @@
 (literal text, one ``error:`` line, a marked line, a table, a progress bar).
 
 Every text that may come from a file (tensor names, values, paths, error messages) reaches the
-terminal through ``printable`` here: a name holding ``\\x1b]0;title\\x07`` (set the window title),
-``\\x1b[2J`` (clear the screen) or a bidi override (show text reversed) is printed escaped,
-never obeyed, and never parsed as Rich markup."""
+terminal through ``printable`` (``format.display``'s, which the notebook displays use too): a
+name holding ``\\x1b]0;title\\x07`` (set the window title), ``\\x1b[2J`` (clear the screen) or
+a bidi override (show text reversed) is printed escaped, never obeyed, and never parsed as Rich
+markup."""
 
 from __future__ import annotations
-
-import re
 
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from jax_ucp._src.format.display import printable
+
 console = Console()
-
-# C0 controls, DEL and C1 controls (a lone 0x9b is CSI on many terminals), the Unicode line and
-# paragraph separators, the bidi marks, embeddings, overrides and isolates, lone surrogates
-_UNSAFE = re.compile(
-    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
-)
-_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escaped(m: re.Match) -> str:
-    c = m.group()
-    if c in _SHORT:
-        return _SHORT[c]
-    return f"\\x{ord(c):02x}" if ord(c) <= 0xFF else f"\\u{ord(c):04x}"
-
-
-def printable(text: object) -> str:
-    """``text`` with every control character written as its escape (``\\x1b``, ``\\n``,
-    ``\\u202e``), as Python's ``repr`` writes it; everything else unchanged."""
-    return _UNSAFE.sub(_escaped, str(text))
 
 
 def fresh_console() -> None:

@@ -88,10 +88,9 @@ def spawn_local(n: int, dst: str) -> None:
 
 def _remove_abandoned(dst: str) -> None:
     """What killed processes left beside ``dst``."""
-    from jax_ucp._src import store, writer
+    from jax_ucp._src import writer
 
-    if not store.is_url(dst):
-        writer.remove_abandoned(dst)
+    writer.remove_abandoned(dst)
 
 
 def child_argv(argv: list[str]) -> list[str]:

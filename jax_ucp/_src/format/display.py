@@ -3,6 +3,11 @@ without pandas) and the same rows as an HTML table (Jupyter), Markdown, or plain
 (IPython's pretty printer). Shared by the manifest here and the restore plan
 (``jax_ucp._src.restoring.plan``), so both look alike; no JAX, no I/O.
 
+Tensor names, paths and values are file content: each medium has one escaping helper that
+every display uses (``printable`` for a terminal and plain text, the command line's included;
+``markdown_text``; ``html_text``), so a name holding ``<script>``, ``[a](javascript:…)`` or
+``\\x1b[2J`` is shown as those characters, never rendered or obeyed.
+
 A checkpoint may hold 100 000 tensors: tables show the first :data:`MAX_ROWS` rows and say how
 many more there are (``to_rows()`` always has them all).
 """
@@ -10,11 +15,85 @@ many more there are (``to_rows()`` always has them all).
 from __future__ import annotations
 
 import html
+import json
+import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 #: rows a table shows before "… and N more"
 MAX_ROWS = 50
+
+# C0 controls, DEL and C1 controls (a lone 0x9b is CSI on many terminals), the Unicode line and
+# paragraph separators, the bidi marks, embeddings, overrides and isolates, lone surrogates
+_UNSAFE = re.compile(
+    "[\x00-\x1f\x7f-\x9f\u2028\u2029\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+_SHORT = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# what CommonMark / GitHub Markdown (and Jupyter's $math$) give a meaning inside a line: the
+# backslash itself, emphasis, code, links and images, table cells, strikethrough, math
+_MARKDOWN_ACTIVE = re.compile(r"([\\`*_\[\]|~$])")
+
+
+def _escaped(m: re.Match) -> str:
+    c = m.group()
+    if c in _SHORT:
+        return _SHORT[c]
+    return f"\\x{ord(c):02x}" if ord(c) <= 0xFF else f"\\u{ord(c):04x}"
+
+
+def printable(text: object) -> str:
+    """``text`` with every control character written as its escape (``\\x1b``, ``\\n``,
+    ``\\u202e``), as Python's ``repr`` writes it; everything else unchanged: what a terminal
+    or plain text shows of a text from a file."""
+    return _UNSAFE.sub(_escaped, str(text))
+
+
+def markdown_text(text: object) -> str:
+    """``text`` shown literally by a Markdown renderer: controls escaped (``printable``), the
+    characters Markdown acts on backslash-escaped (``\\|``, ``\\[``, ``\\` ``, ``\\*``...)
+    and ``<``, ``>``, ``&`` as HTML entities (Markdown passes raw HTML through)."""
+    text = _MARKDOWN_ACTIVE.sub(r"\\\1", printable(text))
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def html_text(text: object) -> str:
+    """``text`` shown literally in HTML: controls escaped (``printable``; a bidi override would
+    show a name reversed), then ``html.escape``."""
+    return html.escape(printable(text))
+
+
+#: how ``json_text`` writes the floats strict JSON has no token for
+NON_FINITE = {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}
+
+
+def json_text(data: Any, indent: int | None = 1) -> str:
+    """``data`` as strict JSON (RFC 8259: what ``jq`` and ``JSON.parse`` accept), for machine
+    output such as ``--json``: a float NaN, infinity or -infinity (a saved learning rate of
+    ``nan``) is written as the string ``"NaN"``, ``"Infinity"``, ``"-Infinity"`` — never as the
+    bare tokens Python's ``json`` writes by default; tuples as lists; a numpy scalar as its
+    value; anything else JSON has no type for as its ``str``."""
+    try:  # the usual case, at C speed: nothing to map
+        return json.dumps(data, indent=indent, default=_json_default, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(data), indent=indent, default=_json_default, allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else NON_FINITE[repr(float(value))]
+    if isinstance(value, dict):
+        return {_finite(k) if isinstance(k, float) else k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    item = getattr(value, "item", None)
+    if callable(item) and getattr(value, "shape", None) == ():  # a numpy scalar
+        return _finite(item())
+    return str(value)
 
 
 def cell_text(value: Any) -> str:
@@ -48,13 +127,13 @@ def html_table(
         columns: the columns shown, in order.
     """
     cells, more = _shown(rows, columns)
-    out = [f"<div><b>{html.escape(title)}</b>"]
-    out += [f"<br>{html.escape(line)}" for line in lines]
+    out = [f"<div><b>{html_text(title)}</b>"]
+    out += [f"<br>{html_text(line)}" for line in lines]
     out.append("<table><thead><tr>")
-    out += [f"<th style='text-align:left'>{html.escape(c)}</th>" for c in columns]
+    out += [f"<th style='text-align:left'>{html_text(c)}</th>" for c in columns]
     out.append("</tr></thead><tbody>")
     for r in cells:
-        out.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>")
+        out.append("<tr>" + "".join(f"<td>{html_text(c)}</td>" for c in r) + "</tr>")
     out.append("</tbody></table>")
     if more:
         out.append(f"<i>… and {more} more (to_rows() has them all)</i>")
@@ -74,12 +153,9 @@ def markdown_table(
         columns: the columns shown, in order.
     """
     cells, more = _shown(rows, columns)
-
-    def esc(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", " ")
-
+    esc = markdown_text
     out = [f"**{esc(title)}**", ""] + [f"{esc(line)}  " for line in lines] + [""]
-    out.append("| " + " | ".join(columns) + " |")
+    out.append("| " + " | ".join(esc(c) for c in columns) + " |")
     out.append("|" + "---|" * len(columns))
     out += ["| " + " | ".join(esc(c) for c in r) + " |" for r in cells]
     if more:
@@ -99,9 +175,10 @@ def text_table(
         columns: the columns shown, in order (aligned to their widest cell).
     """
     cells, more = _shown(rows, columns)
+    cells = [[printable(c) for c in r] for r in cells]
     widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    out = [title, *lines, fmt.format(*columns).rstrip()]
+    out = [printable(title), *map(printable, lines), fmt.format(*columns).rstrip()]
     out += [fmt.format(*r).rstrip() for r in cells]
     if more:
         out.append(f"… and {more} more (to_rows() has them all)")

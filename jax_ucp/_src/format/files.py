@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Iterable
+from typing import TypeVar
 
-from jax_ucp._src.errors import UnsafeFileError
+from jax_ucp._src.errors import SourceError, UnsafeFileError
 
 
 def open_regular(path: str) -> int:
@@ -226,6 +228,46 @@ def inside_checkpoint(folder: str | os.PathLike, name: str, what: str) -> str:
         f"{real_folder} and not a blob of its cache repo ({repo}/blobs/<sha>); refusing to "
         f"read it"
     )
+
+
+#: a number in a file or folder name (a rank, an epoch, a step, a layer): ASCII digits only.
+#: ``\d`` and ``str.isdigit`` also take ``١`` (Arabic-Indic), ``５`` (fullwidth) and ``²``, so a
+#: planted ``rank_١.pt`` would stand in for ``rank_1.pt``.
+DIGITS = "[0-9]+"
+_NUMBER = re.compile(DIGITS)
+
+
+def name_number(text: str) -> int | None:
+    """The number ``text`` spells in ASCII digits (``"05"`` is 5), else None (``"١"``, ``"²"``,
+    ``" 5"``, ``"5\\n"``): the one way a number is read from a name or a tracker file."""
+    return int(text) if isinstance(text, str) and _NUMBER.fullmatch(text) else None
+
+
+_Number = TypeVar("_Number", int, tuple)  # a number, or several (kind, world size, rank)
+
+
+def numbered_names(
+    found: Iterable[tuple[_Number, str]], where: str, what: str = "number"
+) -> dict[_Number, str]:
+    """``{number: name}`` from ``(number, name)`` pairs, ordered by number, refusing two names
+    for one number (``epoch_5`` and ``epoch_05``; ``rank_1.pt`` and ``rank_1.pt\\n``): picking
+    either would read one file and silently leave out the other.
+
+    Args:
+        found: each name with the number (or tuple of numbers) read from it.
+        where: the folder listed, for the error.
+        what: what the number is (``"rank"``, ``"epoch"``), for the error.
+    """
+    out: dict[_Number, str] = {}
+    for number, name in found:
+        other = out.setdefault(number, name)
+        if other != name:
+            first, second = sorted((other, name))
+            raise SourceError(
+                f"{where}: {first!r} and {second!r} both name {what} {number}; one name per "
+                f"{what}: remove or rename one of them"
+            )
+    return {number: out[number] for number in sorted(out)}
 
 
 def _describe(mode: int) -> str:

@@ -13,7 +13,7 @@ _UNITS = {"": 1, "b": 1} | {
     for i, prefix in enumerate("kmgt", start=1)
     for suffix, scale in (("", 1 << 10 * i), ("ib", 1 << 10 * i), ("b", 10 ** (3 * i)))
 }
-_SIZE = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+_SIZE = re.compile(r"\s*(-?[0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")
 
 
 #: ``memory_budget``'s default everywhere (restore, plan, verify, convert, export, the writer):

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
-from jax_ucp._src.format import keypath
+from jax_ucp._src.format import files, keypath
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,6 +124,45 @@ class Detection:
     found: bool
     reason: str
     weak: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Importer:
+    """One source layout: how its checkpoints are recognised and imported. A format of several
+    layouts (torch: DCP, torch.save files, torchtune, ...) has one importer per layout, each
+    naming the format; a format of one layout is its own.
+
+    Attributes:
+        name: the layout's name (``torch_dcp``; the format's name for a format of one layout).
+        detect: ``detect(path)``: whether ``path`` holds this layout, and why (not).
+        plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
+        options: the format's options class (``ImportOptions`` or a subclass).
+        format: the format it is a layout of (``format=``, ``--from``, what detection reports;
+            "": its name). Of a format's layouts that find a source, the first listed plans it.
+        outranks: formats whose claim on the same source this one's overrides, for shared
+            marker names (verl's run root holds Megatron-LM's tracker file and DeepSpeed-like
+            ``global_step_N/`` folders).
+        takes_over: formats whose claim this importer takes over when its ``detect`` finds the
+            source too and the optimizer state is wanted (not ``weights_only``): their importer
+            reads the weights, this one the optimizer state beside them as well. Such an
+            importer claims no source of its own.
+        given: with its format given by name (``--from torch``), whether this layout reads a
+            source (None: when ``detect`` finds it); torch DCP reads megatron-core's
+            torch_dist folders as plain DCP then, which detection leaves to Megatron.
+    """
+
+    name: str
+    detect: Callable[[str], Detection]
+    plan: Callable[[str, Any], ImportPlan]
+    options: type[ImportOptions]
+    format: str = ""
+    outranks: tuple[str, ...] = ()
+    takes_over: tuple[str, ...] = ()
+    given: Callable[[str], bool] | None = None
+
+    def __post_init__(self):
+        if not self.format:
+            object.__setattr__(self, "format", self.name)
 
 
 def glob_detection(src: str, patterns: tuple[str, ...], found: str, missing: str) -> Detection:
@@ -233,7 +272,7 @@ VALUES = "values"
 #: or ``model_params/`` matching this is an optimizer buffer mistaken for a weight.
 OPTIMIZER_NAME = re.compile(
     r"(?:^|[._/])(?:exp_avg(?:_sq)?|optimizer|fp32_from_fp16(?:_params)?|param_state|"
-    r"momentum_buffer|gbuf_idx_\d+|bucket_idx_\d+|dp_group_idx_\d+)(?:$|[._/])"
+    r"momentum_buffer|gbuf_idx_[0-9]+|bucket_idx_[0-9]+|dp_group_idx_[0-9]+)(?:$|[._/])"
 )
 
 
@@ -338,14 +377,20 @@ def _few(names: list[str], limit: int = 8) -> str:
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
-def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[str]:
+def numbered_folders(
+    src, pattern: str, holds: Callable[[str], bool], what: str = "number"
+) -> list[str]:
     """The entries of ``src`` named ``pattern`` whose path ``holds``, by their number; [] when
     ``src`` cannot be listed.
 
     Args:
         src: the folder.
-        pattern: a regular expression of the whole name, its one group the number.
+        pattern: a regular expression of the whole name, its one group the number (ASCII
+            digits: :data:`files.DIGITS`).
         holds: whether a matching entry's path is one (a folder of the right kind).
+        what: what the number is (``"epoch"``), for the error.
+
+    Two entries of one number (``epoch_5``, ``epoch_05``) are refused naming both.
     """
     try:
         names = os.listdir(src)
@@ -354,11 +399,11 @@ def numbered_folders(src, pattern: str, holds: Callable[[str], bool]) -> list[st
     found = [
         (int(m.group(1)), n)
         for n in names
-        if (m := re.fullmatch(pattern, n)) and holds(os.path.join(src, n))
+        if (m := re.fullmatch(pattern, n, re.ASCII)) and holds(os.path.join(src, n))
     ]
-    return [n for _, n in sorted(found)]
+    return list(files.numbered_names(found, os.fspath(src), what).values())
 
 
 def trainer_checkpoints(src: str) -> list[str]:
     """The ``checkpoint-N`` folders of a Hugging Face Trainer output directory, by step."""
-    return numbered_folders(src, r"checkpoint-(\d+)", os.path.isdir)
+    return numbered_folders(src, rf"checkpoint-({files.DIGITS})", os.path.isdir, "step")

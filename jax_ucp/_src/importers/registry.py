@@ -1,52 +1,31 @@
-"""The importers, one per source format, and which one a source is for.
+"""The importers, one per source layout, and which one a source is for.
 
-Each format's package exposes ``detect(path)`` (a :class:`Detection`: its files are there, or
-why not) and ``plan(path, options)`` with typed options (:class:`ImportOptions` or the format's
-subclass); this module holds them in the order detection asks them.
+Each importer (:class:`~jax_ucp._src.importers.plan.Importer`) has ``detect(path)`` (a
+:class:`Detection`: its files are there, or why not) and ``plan(path, options)`` with its
+format's typed options (:class:`ImportOptions` or a subclass). A format of one layout is one
+importer (``deepspeed``); the torch format is several (its package's ``LAYOUTS``: torch DCP,
+torch.save files, torchtune, ...), each its own entry here, asked once with the others. This
+module holds them in the order detection asks them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from typing import Any
 
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.importers import deepspeed, megatron, orbax, safetensors, torch, verl
 from jax_ucp._src.importers.plan import (
     WHOLE,
-    Detection,
+    Importer,
     ImportOptions,
     ImportPlan,
     Share,
     accounted,
     trainer_checkpoints,
 )
-from jax_ucp._src.importers.torch.files import has_torch_optimizer, plan_torch_files
 from jax_ucp._src.importers.torch.olmo_core import step_folders
-
-
-@dataclasses.dataclass(frozen=True)
-class Importer:
-    """One source format: how its checkpoints are recognised and imported.
-
-    Attributes:
-        name: the format's name (``format=``, ``--from``).
-        detect: ``detect(path)``: whether ``path`` holds this format, and why (not).
-        plan: ``plan(path, options)``: the checked import, as an ``ImportPlan``.
-        options: the format's options class (``ImportOptions`` or a subclass).
-        outranks: formats whose claim on the same source this one's overrides, for shared
-            marker names (verl's run root holds Megatron-LM's tracker file and DeepSpeed-like
-            ``global_step_N/`` folders).
-    """
-
-    name: str
-    detect: Callable[[str], Detection]
-    plan: Callable[[str, Any], ImportPlan]
-    options: type[ImportOptions]
-    outranks: tuple[str, ...] = ()
-
 
 # In the order detection asks them: the first claim by a format's own markers wins, else the
 # first weak claim (a folder of .safetensors, of .bin / .pt files).
@@ -54,7 +33,7 @@ IMPORTERS: dict[str, Importer] = {
     importer.name: importer
     for importer in (
         Importer("safetensors", safetensors.detect, safetensors.plan, torch.TorchOptions),
-        Importer("torch", torch.detect, torch.plan, torch.TorchOptions),
+        *torch.LAYOUTS,
         Importer("orbax", orbax.detect, orbax.plan, orbax.OrbaxOptions),
         Importer(
             "verl", verl.detect, verl.plan, verl.VerlOptions, outranks=("megatron", "deepspeed")
@@ -63,52 +42,54 @@ IMPORTERS: dict[str, Importer] = {
         Importer("deepspeed", deepspeed.detect, deepspeed.plan, deepspeed.DeepSpeedOptions),
     )
 }
-FORMATS = tuple(sorted(IMPORTERS))
+#: the formats (``format=``, ``--from``): what detection reports
+FORMATS = tuple(sorted({importer.format for importer in IMPORTERS.values()}))
 #: every import option some format takes (``share`` is the registry's, not the caller's)
 OPTION_FIELDS = tuple(
     sorted({f.name for i in IMPORTERS.values() for f in dataclasses.fields(i.options)} - {"share"})
 )
-# the importers' options classes and their bases (what ``import_options`` may build)
-_OPTION_CLASSES: tuple[type[ImportOptions], ...] = tuple(
-    dict.fromkeys(
-        cls
-        for importer in IMPORTERS.values()
-        for cls in importer.options.__mro__
-        if isinstance(cls, type) and issubclass(cls, ImportOptions)
-    )
-)
 
 
-def detect_format(src) -> str:
-    """'deepspeed', 'megatron', 'orbax', 'safetensors', 'torch' (torch DCP or torch.save
-    files) or 'verl', from the files a path holds (none is unpickled). A source no importer claims is an
-    error giving each importer's reason."""
+def _layouts(checkpoint_format: str) -> list[Importer]:
+    """The importers of a format that claim sources (not those that take claims over), in
+    the order they are asked."""
+    return [i for i in IMPORTERS.values() if i.format == checkpoint_format and not i.takes_over]
+
+
+def detected(src) -> Importer:
+    """The importer of the checkpoint at ``src``, from the files it holds (none is unpickled):
+    of a format's layouts that find it, the first; a format claiming by its own markers before
+    one claiming weakly. A source no importer claims is an error giving each one's reason."""
     src = os.fspath(src)
     refused: dict[str, str] = {}
-    weak: list[str] = []
-    strong: dict[str, str] = {}
+    weak: dict[str, Importer] = {}  # format -> its first layout that finds src
+    strong: dict[str, Importer] = {}
+    reasons: dict[str, str] = {}
+    answers = {name: importer.detect(src) for name, importer in IMPORTERS.items()}
     for name, importer in IMPORTERS.items():
-        answer = importer.detect(src)
-        if answer.found and not answer.weak:
-            strong[name] = answer.reason
-        elif answer.found:
-            weak.append(name)
-        else:
+        answer, fmt = answers[name], importer.format
+        if not answer.found:
             refused[name] = answer.reason
-    for name in list(strong):
-        for other in IMPORTERS[name].outranks if name in strong else ():
+        elif not importer.takes_over and fmt not in strong and fmt not in weak:
+            # the format's first layout that finds src plans it; the format claims strongly
+            # when any of its layouts does
+            reasons[fmt] = answer.reason
+            mine = [answers[i.name] for i in _layouts(fmt)]
+            (weak if all(a.weak for a in mine if a.found) else strong)[fmt] = importer
+    for fmt in list(strong):
+        for other in strong[fmt].outranks if fmt in strong else ():
             if strong.pop(other, None) is not None:
-                refused[other] = f"outranked by {name} ({strong[name]})"
+                refused[other] = f"outranked by {fmt} ({reasons[fmt]})"
     if len(strong) > 1:  # two checkpoints in one folder: importing one would drop the other
-        found = "; ".join(f"{name} ({reason})" for name, reason in strong.items())
+        found = "; ".join(f"{fmt} ({reasons[fmt]})" for fmt in strong)
         raise SourceError(
             f"{src}: holds checkpoints of {len(strong)} formats: {found}. Pick one with "
             f"`--from {'|'.join(strong)}` (`format=` in Python)."
         )
     if strong:
-        return next(iter(strong))
+        return next(iter(strong.values()))
     if weak:
-        return weak[0]
+        return next(iter(weak.values()))
     if not os.path.isdir(src):
         raise SourceError(
             f"{src}: not a directory (expected a checkpoint folder, or a .safetensors, .bin, "
@@ -132,81 +113,89 @@ def detect_format(src) -> str:
     )
 
 
-def handed_over(source, checkpoint_format: str, options: ImportOptions) -> ImportPlan | None:
-    """The plan of a source one format claims and another format's importer reads whole, or
-    None: safetensors weights beside a torch optimizer (a Trainer ``checkpoint-N/``,
-    Accelerate's ``save_state``) are the torch files importer's, which maps the optimizer's
-    state too, unless only weights are wanted. Decided here: format packages never import
-    each other.
+def detect_format(src) -> str:
+    """'deepspeed', 'megatron', 'orbax', 'safetensors', 'torch' (any torch layout) or 'verl',
+    from the files a path holds (:func:`detected`)."""
+    return detected(src).format
+
+
+def importer_for(source, format: str | None = None) -> Importer:
+    """The importer that reads ``source``: detected (``format`` None), the one named
+    (``IMPORTERS``' names), or of a format of several layouts the first that reads the source
+    (its ``given``, else its ``detect``; none: the last, which plans and says what is missing:
+    ``--from torch`` on a folder no torch layout reads is read as torch.save files).
+
+    Args:
+        source: the checkpoint directory (or file).
+        format: one of ``FORMATS`` or ``IMPORTERS``' names, or None (detected).
+    """
+    if format is None:
+        return detected(source)
+    if format in IMPORTERS:
+        return IMPORTERS[format]
+    layouts = _layouts(format)
+    if not layouts:
+        raise SourceError(
+            f"Unknown checkpoint format {format!r} (expected "
+            f"{', '.join(repr(name) for name in FORMATS)})."
+        )
+    src = os.fspath(source)
+
+    def reads(layout: Importer) -> bool:
+        return layout.given(src) if layout.given is not None else layout.detect(src).found
+
+    return next((layout for layout in layouts if reads(layout)), layouts[-1])
+
+
+def taken_over(source, importer: Importer, options: ImportOptions) -> Importer:
+    """The importer that reads ``source`` whole: one whose ``takes_over`` names ``importer``'s
+    format and whose ``detect`` finds the source too (safetensors weights beside a torch
+    optimizer: the torch format's ``hf_trainer``, which maps the optimizer's state too), unless
+    only weights are wanted; else ``importer``. Format packages never import each other: their
+    importers say what they take over, this module hands it over.
 
     Args:
         source: the checkpoint directory.
-        checkpoint_format: the format detected or given for it.
-        options: the import options (the torch files importer reads its fields).
+        importer: the importer detected or named for it.
+        options: the import options (their ``weights_only``).
     """
-    if checkpoint_format != "safetensors" or options.weights_only:
-        return None
-    if not has_torch_optimizer(source):
-        return None
-    assert isinstance(options, torch.TorchOptions)
-    return plan_torch_files(
-        source,
-        spec=options.spec,
-        weights_only=options.weights_only,
-        share=options.share,
-        parameter_order=options.parameter_order,
-        model_config=None if options.model_config is None else os.fspath(options.model_config),
-    )
+    if options.weights_only:
+        return importer
+    src = os.fspath(source)
+    for taker in IMPORTERS.values():
+        if importer.format in taker.takes_over and taker.detect(src).found:
+            return taker
+    return importer
+
+
+def _takers(field: str) -> str:
+    """The formats whose options take ``field``, for an error."""
+    formats = dict.fromkeys(i.format for i in IMPORTERS.values() if field in _fields(i.options))
+    return " and ".join(formats)
 
 
 def _fields(cls: type) -> set[str]:
     return {f.name for f in dataclasses.fields(cls)}
 
 
-def _takers(field: str) -> str:
-    """The formats whose options take ``field``, for an error."""
-    return " and ".join(name for name, i in IMPORTERS.items() if field in _fields(i.options))
-
-
 def importer_options(importer: Importer, **fields: Any) -> ImportOptions:
-    """``importer``'s typed options from ``fields``; a field given (not None) that this format
-    does not take is an error naming the formats that take it."""
+    """``importer``'s typed options from ``fields`` (``convert``'s keywords, the CLI's flags,
+    once the format is known); a field given (not None) that this format does not take is an
+    error naming the formats that take it."""
     known = _fields(importer.options)
     for field, value in fields.items():
         if value is not None and field not in known:
             raise RequestError(
-                f"{field}= applies to {_takers(field)} checkpoints, not to {importer.name} ones"
+                f"{field}= applies to {_takers(field)} checkpoints, not to {importer.format} ones"
             )
     return importer.options(**{k: v for k, v in fields.items() if k in known and v is not None})
 
 
-def import_options(format: str | None = None, **fields: Any) -> ImportOptions:
-    """The import options built where a caller gives them as keywords (``convert``'s, the CLI's
-    flags): ``format``'s options class, or without a format the most general class that takes
-    every field given (``ImportOptions`` for ``spec``/``weights_only``, ``TaggedOptions`` for
-    ``tag``, ...), which planning specialises to the format detected. Fields given as None
-    are not given.
-
-    Args:
-        format: one of ``FORMATS``, or None (not known yet: the files decide when planning).
-        **fields: fields of the importers' options classes (``OPTION_FIELDS``).
-    """
-    given = {k: v for k, v in fields.items() if v is not None}
-    if format is not None:
-        return importer_options(_importer(format), **given)
-    fitting = [cls for cls in _OPTION_CLASSES if set(given) <= _fields(cls)]
-    if not fitting:
-        takers = "; ".join(f"{field}= applies to {_takers(field)}" for field in given)
-        raise RequestError(
-            f"{', '.join(f'{k}=' for k in given)}: options of different formats ({takers})"
-        )
-    return min(fitting, key=lambda cls: (len(_fields(cls)), len(cls.__mro__)))(**given)
-
-
 def for_format(importer: Importer, options: ImportOptions | None) -> ImportOptions:
     """The options ``importer.plan`` takes: ``options`` itself when of its class, else (a
-    general class built before the format was known) its fields in the format's class; a field
-    given (not None) that the format does not take is an error naming the formats that take it."""
+    general class such as ``ImportOptions(weights_only=True)``) its fields in the format's
+    class; a field given (not None) that the format does not take is an error naming the
+    formats that take it."""
     if options is None:
         return importer.options()
     if isinstance(options, importer.options):
@@ -214,42 +203,30 @@ def for_format(importer: Importer, options: ImportOptions | None) -> ImportOptio
     return importer_options(importer, **{f: getattr(options, f) for f in _fields(type(options))})
 
 
-def _importer(checkpoint_format: str) -> Importer:
-    importer = IMPORTERS.get(checkpoint_format)
-    if importer is None:
-        raise SourceError(
-            f"Unknown checkpoint format {checkpoint_format!r} (expected "
-            f"{', '.join(repr(name) for name in FORMATS)})."
-        )
-    return importer
-
-
 def plan_import(
     source, options: ImportOptions | None = None, *, format: str | None = None, share: Share = WHOLE
 ) -> ImportPlan:
-    """The import of ``source`` by the importer of its format (detected unless given), its items
-    held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint is
-    imported or listed in ``source["skipped"]`` with a reason, or nothing is committed.
+    """The import of ``source`` by its importer (detected unless ``format`` names it), its
+    items held to the accounting rule (:func:`plan.accounted`): every tensor of the checkpoint
+    is imported or listed in ``source["skipped"]`` with a reason, or nothing is committed.
 
     Args:
         source: the checkpoint directory (or file).
         options: the import options (the format's class, or a more general one such as
             ``ImportOptions(weights_only=True)``: see :func:`for_format`; None: the defaults).
-        format: one of ``FORMATS`` (None: detected from the files).
+        format: one of ``FORMATS`` or ``IMPORTERS``' names (None: detected from the files).
         share: this process's part of a distributed import.
 
     Returns:
         The checked plan, its items accounted for.
     """
-    checkpoint_format = format or detect_format(source)
-    importer = _importer(checkpoint_format)
+    importer = importer_for(source, format)
     options = for_format(importer, options)
     if share != WHOLE:
         options = dataclasses.replace(options, share=share)
-    plan = handed_over(source, checkpoint_format, options)
-    if plan is None:
-        plan = importer.plan(source, options)
+    reader = taken_over(source, importer, options)
+    plan = reader.plan(source, for_format(reader, options))
     items = accounted(
-        plan, f"{os.fspath(source)} ({checkpoint_format})", whole=options.share.count == 1
+        plan, f"{os.fspath(source)} ({importer.format})", whole=options.share.count == 1
     )
     return dataclasses.replace(plan, items=items)

@@ -9,27 +9,24 @@ lives here.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import safetensors
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, host_item, refuse_spec, skip
+from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, host_item, refuse_spec, skip
 
 __all__ = ["plan_safetensors"]
 
 
-def plan_safetensors(
-    src, *, spec: Any = None, weights_only: bool = False, share: Share = WHOLE
-) -> ImportPlan:
+def plan_safetensors(src, options: ImportOptions) -> ImportPlan:
     """The import of a Hugging Face safetensors checkpoint (file, directory or sharded index).
 
     Args:
         src: a ``.safetensors`` file, a folder, or a sharded index.
-        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec`` refused (Hugging Face's names are kept); ``weights_only``: the model
+            weights alone, a torch optimizer beside them in ``source.skipped`` (else refused).
     """
+    spec, weights_only, share = options.spec, options.weights_only, options.share
     refuse_spec(spec, "safetensors imports keep Hugging Face's names", SourceError)
     src = os.fspath(src)
     opened, owner = safetensors.open_checkpoint(src)

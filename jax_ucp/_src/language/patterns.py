@@ -38,7 +38,7 @@ def _python_only_quantifier(pattern: str) -> bool:
     the literal text), i.e. a pattern the two engines would read differently."""
     plain = re.sub(r"\\.", "e", pattern, flags=re.S)  # escapes out of the way, then classes
     plain = re.sub(r"\[\^?\]?[^\]]*(?:\]|$)", "c", plain)  # (a leading ']' is a literal)
-    return re.search(r"\{,\d+\}", plain) is not None
+    return re.search(r"\{,[0-9]+\}", plain) is not None
 
 
 def compile_pattern(pattern: Any, where: str = "") -> Any:

@@ -103,7 +103,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
 def _as_int(v) -> int | None:
     if isinstance(v, int) and not isinstance(v, bool):
         return v
-    if isinstance(v, str) and re.fullmatch(r"-?\d+", v.strip()):
+    if isinstance(v, str) and re.fullmatch(r"-?[0-9]+", v.strip()):
         return int(v)
     return None
 
@@ -236,7 +236,7 @@ def normalize_env(env: Mapping[str, Any]) -> dict[str, Any]:
     for k, v in env.items():
         out[k] = v
         out.setdefault(canonical(k), v)
-        if k.isdigit():
+        if re.fullmatch(r"[0-9]+", k):  # a group number (ASCII, like every number read)
             out["_" + k] = v
     return out
 

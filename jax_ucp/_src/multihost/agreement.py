@@ -60,6 +60,9 @@ def agree(
 
 _RUNS: dict[str, Iterator[int]] = collections.defaultdict(itertools.count)  # per purpose
 _POLL_MS = 200  # how often a waiting process checks that the processes it waits for still live
+# how long fewer processes than the job's must be connected to the coordinator before one that
+# has not answered is taken for lost (a connection being made again is not a death)
+CUT_OFF_S = 1.0
 
 
 def join(where: str, timeout: float, purpose: str = "convert") -> tuple[int, int, Gather] | None:
@@ -88,7 +91,10 @@ class Exchange:
     While it waits, the processes it waits for that run on this host are checked every 0.2 s,
     so one that died is named at once instead of after jax's heartbeat timeout (100 s) or
     ``timeout``; one that ``abort``ed is named too. The processes first exchange who they are
-    (and ``hello``'s fields, in ``peers``).
+    (and ``hello``'s fields, in ``peers``). From that first message on, the process serving
+    jax.distributed's coordinator (process 0) also counts the connections made to it: a process
+    killed before it said who it is, or on another host, closes its connection, and the ones
+    that have not answered are named within ~1 s (and every other process told, ``abort``).
 
     Args:
         purpose: what the processes do together (the keys' prefix; "the restore" in errors).
@@ -117,6 +123,8 @@ class Exchange:
         self.purpose, self.head, self.timeout = purpose, head, timeout
         self.hint, self.lost = hint, lost
         self.peers: list[dict] = []
+        self.served = _served_port()
+        self._short_since: float | None = None  # since when fewer processes are connected
         me = dict(liveness.identity(os.getpid()) or {}, index=self.index, **(hello or {}))
         self.peers = [json.loads(v) for v in self.gather("hello", json.dumps(me))]
 
@@ -135,7 +143,11 @@ class Exchange:
 
         head = head or self.head
         prefix = f"{self.prefix}{step}/"
-        self.client.key_value_set(prefix + str(self.index), value)
+        try:
+            self.client.key_value_set(prefix + str(self.index), value)
+        except JaxRuntimeError as e:  # the coordinator (process 0) gone
+            self.raise_if_lost(range(self.count), step, head)
+            raise MultiProcessError(f"{head} jax.distributed failed at '{step}': {e}") from e
         if not wait:
             return []
 
@@ -163,7 +175,9 @@ class Exchange:
                     )
                 try:
                     self.raise_if_lost(missing, step, head)
-                except MultiProcessError:
+                    self.raise_if_cut_off(missing, step, head)
+                except MultiProcessError as e:
+                    self.abort(e)  # the others stop waiting too
                     posted()  # it may have posted its error just before it exited
                     raise
                 if time.monotonic() > deadline:
@@ -196,6 +210,49 @@ class Exchange:
                 f"{head} process {i} (pid {peer['pid']} on {peer['host']}) died while process "
                 f"{self.index} waited for it{at}"
             )
+
+    def raise_if_cut_off(self, missing: list[int], step: str, head: str) -> None:
+        """``lost`` when this process serves the coordinator and fewer than the job's processes
+        have been connected to it for ``CUT_OFF_S``: the ``missing`` ones (which have not
+        answered ``step``) are named, even one that never said who it is."""
+        if self.served is None or not missing:
+            return
+        now = liveness.connected(self.served)
+        if now is None or now >= self.count:
+            self._short_since = None
+            return
+        if self._short_since is None:
+            self._short_since = time.monotonic()
+        if time.monotonic() - self._short_since < CUT_OFF_S:
+            return
+        gone, who = self.count - now, ", ".join(map(str, missing))
+        coordinator = f"jax.distributed's coordinator (served by process {self.index})"
+        if self.count == 2:  # the only other process is the one gone
+            raise self.lost(
+                f"{head} process {who} lost its connection to {coordinator} before reaching "
+                f"'{step}': killed or cut off while process {self.index} waited"
+            )
+        # which one closed its connection is not known: the ones not there are named
+        raise self.lost(
+            f"{head} {gone} of the job's {self.count} processes lost their connection to "
+            f"{coordinator}, killed or cut off, while process(es) {who} had not reached '{step}'"
+        )
+
+
+def _served_port() -> int | None:
+    """The TCP port of the jax.distributed coordinator this process serves (process 0), when
+    its connections can be counted (``liveness.connected``); else None."""
+    from jax._src import distributed
+
+    state = distributed.global_state
+    address = getattr(state, "coordinator_address", None)
+    if getattr(state, "service", None) is None or not address:
+        return None
+    try:
+        port = int(address.rsplit(":", 1)[1])
+    except (IndexError, ValueError):
+        return None
+    return port if liveness.serves(port) else None
 
 
 def distributed_client():

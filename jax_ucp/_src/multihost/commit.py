@@ -5,16 +5,28 @@ process waits for one that already failed: "ready" (the primary opened the trans
 write), "written" (every process wrote its part and reports it), "committed" (the primary merged
 the reports and committed). A failure anywhere is raised in every process, what was written is
 removed and the previous checkpoint is never touched. JAX-free: the exchange is handed in.
+
+The primary serves the exchange (jax.distributed's coordinator): it returns only once every
+other process has "heard" its outcome, or is gone, so a program that ends right after its save
+does not take the outcome away from the others. A process that loses the exchange while it
+waits for that outcome reports what it can prove from storage: the directory every process
+wrote is now the checkpoint (committed: no error), or it is not (the error).
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
+from jax_ucp._src.errors import MultiProcessError
+from jax_ucp._src.format import MANIFEST_FILE
 from jax_ucp._src.multihost import agreement
 from jax_ucp._src.multihost.agreement import Gather
+
+log = logging.getLogger(__name__)
 
 
 def _alone(step: str, value: str, wait: bool = True) -> list[str]:
@@ -55,6 +67,7 @@ def commit_once(
             except BaseException as e:
                 ready = e
         path = agreement.agree(gather, "ready", ready, where)[0]
+        written_into = _identity(path)  # before "written": the primary renames it once agreed
         written: str | BaseException
         try:
             written = write(path)
@@ -68,6 +81,79 @@ def commit_once(
                 tx.commit()
             except BaseException as e:
                 committed = e
-        # Only the others wait for the primary's outcome: a process lost after it committed
-        # does not turn a whole, committed checkpoint into an error there.
-        agreement.agree(gather, "committed", committed, where, wait=index != 0)
+        if index == 0:
+            # Only the others wait for the primary's outcome: a process lost after it committed
+            # does not turn a whole, committed checkpoint into an error here.
+            try:
+                agreement.agree(gather, "committed", committed, where, wait=False)
+            finally:
+                _until_heard(gather, where)
+            return
+        lost: list[MultiProcessError] = []
+
+        def watched(step: str, value: str, wait: bool = True) -> list[str]:
+            try:
+                return gather(step, value, wait)
+            except MultiProcessError as e:
+                lost.append(e)
+                raise
+
+        try:
+            agreement.agree(watched, "committed", committed, where)
+        except MultiProcessError as e:
+            if not lost:  # the primary's own outcome: it failed
+                raise
+            _outcome_from_storage(where, written_into, e)
+        finally:
+            with contextlib.suppress(Exception):  # tell the primary it may leave
+                gather("heard", "", False)
+
+
+def _until_heard(gather: Gather, where: str) -> None:
+    """The primary waits for every process to have read its outcome ("heard"): it serves the
+    exchange, and leaving ends it for everyone. A process lost by then is only logged."""
+    try:
+        gather("heard", "", True)
+    except MultiProcessError as e:
+        log.warning("%s: a process did not confirm the outcome: %s", where, e)
+
+
+def _identity(path: str) -> tuple[int, int] | None:
+    """The directory ``path`` (device, inode): what it stays when renamed into place. None for
+    an object store (no rename) or when it cannot be read."""
+    if "://" in path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _outcome_from_storage(
+    where: str, written_into: tuple[int, int] | None, lost: MultiProcessError
+) -> None:
+    """The exchange was lost while waiting for the primary's outcome: returns when storage
+    proves the commit (the directory every process wrote is now ``where``, its manifest in it,
+    or the newer half of a replacement a reader completes), raises ``lost`` when it proves
+    there was none, and says the outcome is unknown when it cannot tell (an object store)."""
+    if written_into is None:
+        detail = str(lost).removeprefix(f"{where}: not committed; ")
+        raise MultiProcessError(
+            f"{where}: whether the primary committed it cannot be read from storage here; {detail}"
+        ) from lost
+    parent, name = os.path.split(os.path.abspath(where))
+    candidates = [where]
+    if not os.path.lexists(where):  # mid-replacement: the newer one sits beside it
+        with contextlib.suppress(OSError):
+            beside = [n for n in os.listdir(parent) if n.startswith(name + ".")]
+            candidates = [os.path.join(parent, n) for n in beside]
+    for candidate in candidates:
+        if _identity(candidate) == written_into and os.path.isfile(
+            os.path.join(candidate, MANIFEST_FILE)
+        ):
+            log.warning(
+                "%s: committed (read from storage after the exchange ended: %s)", where, lost
+            )
+            return
+    raise lost

@@ -3,7 +3,11 @@
 Each process records its ``identity`` when the job starts; a process waiting on a peer later
 compares that record with what ``/proc`` says now, so a dead peer is noticed within a poll
 instead of after ``jax.distributed``'s heartbeat (100 s). Only processes of this host (same host
-name, boot and pid namespace) can be checked; the others are left to the heartbeat.
+name, boot and pid namespace) can be checked that way; the others are left to the heartbeat.
+
+A peer that dies before it said who it is (before the first exchange) has no record: the
+process serving the job's coordinator sees it go all the same, as the TCP connection every
+process holds to the coordinator (``connected``), wherever it runs.
 """
 
 from __future__ import annotations
@@ -67,6 +71,51 @@ def first_lost(peers: Sequence[dict], indices: Iterable[int], me: int) -> int | 
         if now is None or now.get("zombie") or now["start"] != peer["start"]:
             return i
     return None
+
+
+_TCP_TABLES = ("/proc/net/tcp", "/proc/net/tcp6")
+_ESTABLISHED, _LISTEN = "01", "0A"
+
+
+def _sockets(port: int) -> list[tuple[str, str]] | None:
+    """(state, inode) of each TCP socket of this network namespace whose local port is
+    ``port``; None where ``/proc/net`` cannot be read."""
+    found, read = [], False
+    for table in _TCP_TABLES:
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                found.append((fields[3], fields[9]))
+    return found if read else None
+
+
+def serves(port: int) -> bool:
+    """Whether this process listens on TCP ``port`` (the listening socket is one of its own
+    file descriptors), i.e. the connections ``connected`` counts are made to it."""
+    sockets = _sockets(port) or []
+    listening = {f"socket:[{inode}]" for state, inode in sockets if state == _LISTEN}
+    if not listening:
+        return False
+    with contextlib.suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/self/fd/{fd}") in listening:
+                    return True
+    return False
+
+
+def connected(port: int) -> int | None:
+    """How many TCP connections to ``port`` of this host are established now (counted on the
+    server's side: one per client that has not closed it; a killed process's are closed by its
+    kernel at once); None where ``/proc/net`` cannot be read."""
+    sockets = _sockets(port)
+    return None if sockets is None else sum(state == _ESTABLISHED for state, _ in sockets)
 
 
 def _read(path: str) -> str:

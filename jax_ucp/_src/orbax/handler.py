@@ -59,7 +59,7 @@ class UCPCheckpointHandler(ocp.handlers.AsyncCheckpointHandler):
         donated or deleted array would change under the write); a blocking save skips them.
         """
         directory = os.fspath(directory)
-        if store.is_url(directory) and commit.ORBAX_TMP_MARK in directory:
+        if not store.storage_for(directory).renames and commit.ORBAX_TMP_MARK in directory:
             raise fmt.UCPError(
                 f"{directory}: Orbax is saving into a temporary prefix it would then rename, which "
                 f"an object store cannot do atomically. Pass CheckpointManagerOptions("
@@ -178,8 +178,9 @@ class UCPRestore(RestoreOptions, ocp.args.CheckpointArgs):
         if self.step is not None or self.fallback:  # the manager picks the step
             raise RequestError(
                 "UCPRestore(step=, fallback=): inside a CheckpointManager the step is "
-                "mngr.restore's first argument; pass jax_ucp.latest_step(run_root) there "
-                "(fallback=True to pass over unreadable steps)."
+                "mngr.restore's first argument; pass jax_ucp.latest_step(mngr) there "
+                "(fallback=True to pass over unreadable steps): the step "
+                "jax_ucp.restore(root, step='latest') takes."
             )
         super().__post_init__()
 

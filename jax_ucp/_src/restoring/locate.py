@@ -5,7 +5,6 @@ a concurrent forced save swaps it (``consistent_reads``). JAX-free.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from typing import TypeVar, cast
@@ -13,6 +12,7 @@ from typing import TypeVar, cast
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import CheckpointError, SaveConflictError
+from jax_ucp._src.restoring import steps
 from jax_ucp._src.writer import commit
 
 T = TypeVar("T")
@@ -41,7 +41,7 @@ def find_checkpoint_dir(path) -> str:
     next save to ``path`` completes the interrupted swap.
     """
     path = os.fspath(path).rstrip("/") or "/"
-    if store.is_url(path):
+    if not store.storage_for(path).renames:  # an object-store prefix: no swap, no links
         return _find_in_object_store(path)
     if os.path.isdir(path) and os.path.exists(os.path.join(path, fmt.MANIFEST_FILE)):
         return path
@@ -68,15 +68,14 @@ def find_checkpoint_dir(path) -> str:
             f"directory, but holds one checkpoint: {os.path.join(path, items[0])} (pass that)."
         )
     if not items:
-        steps = manager_steps(path)
-        if steps:
-            shown = ", ".join(name for name, _ in steps[-10:])
-            name, item = steps[-1]
+        listed = steps.with_ucp_items(path)
+        if listed:
+            shown = ", ".join(os.path.basename(s.path) for s in listed[:10][::-1])
             raise CheckpointError(
                 f"{path}: a CheckpointManager directory, not a checkpoint: "
-                f"{len(steps)} step(s) with a UCP item ({'…, ' if len(steps) > 10 else ''}"
-                f"{shown}); pass a step's item, e.g. {os.path.join(path, name, item)} "
-                f"(or mngr.restore(step) in Orbax)."
+                f"{len(listed)} step(s) with a UCP item ({'…, ' if len(listed) > 10 else ''}"
+                f"{shown}); pass a step's item, e.g. {listed[0].items[0]} "
+                f"(or step=N / step='latest'; mngr.restore(step) in Orbax)."
             )
         raise CheckpointError(
             f"{path}: no {fmt.MANIFEST_FILE} here nor in any item directory below "
@@ -87,53 +86,13 @@ def find_checkpoint_dir(path) -> str:
 
 def is_step_dir(path: str) -> bool:
     """An Orbax step directory: Orbax's step metadata or commit marker in it, or a step number
-    as its name (CheckpointManager's default step names)."""
+    (ASCII digits) as its name (CheckpointManager's default step names)."""
+    name = os.path.basename(path)
     return (
-        os.path.basename(path).isdigit()
+        (name.isascii() and name.isdigit())
         or os.path.exists(os.path.join(path, "_CHECKPOINT_METADATA"))
         or os.path.exists(os.path.join(path, "commit_success.txt"))
     )
-
-
-def manager_steps(path: str) -> list[tuple[str, str]]:
-    """(step directory, its first UCP item) of each step of a CheckpointManager root, in step
-    order (numeric names first)."""
-    steps = []
-    for name in os.listdir(path):
-        step = os.path.join(path, name)
-        if not os.path.isdir(step) or not is_step_dir(step):
-            continue
-        items = _ucp_items(step)
-        if items:
-            steps.append((name, items[0]))
-    return sorted(
-        steps, key=lambda s: (not s[0].isdigit(), int(s[0]) if s[0].isdigit() else 0, s[0])
-    )
-
-
-def committed_steps(root: str) -> list[tuple[int, str]]:
-    """(step, its UCP item directory) of each committed step of a CheckpointManager root,
-    newest first. A step still being written (Orbax's ``<step>.orbax-checkpoint-tmp...``, or a
-    step directory whose commit Orbax has not recorded: no ``commit_success.txt`` and no
-    ``commit_timestamp_nsecs`` in its ``_CHECKPOINT_METADATA``) is never listed."""
-    if not os.path.isdir(root):
-        raise CheckpointError(f"{root}: no such CheckpointManager directory.")
-    steps = []
-    for name, item in manager_steps(root):
-        step_dir = os.path.join(root, name)
-        if name.isdigit() and commit.ORBAX_TMP_MARK not in name and _committed(step_dir):
-            steps.append((int(name), os.path.join(step_dir, item)))
-    return sorted(steps, reverse=True)
-
-
-def _committed(step_dir: str) -> bool:
-    if os.path.exists(os.path.join(step_dir, "commit_success.txt")):
-        return True
-    try:
-        meta = fmt.files.read_regular(os.path.join(step_dir, "_CHECKPOINT_METADATA"), 1 << 20)
-        return json.loads(meta).get("commit_timestamp_nsecs") is not None
-    except (OSError, ValueError, AttributeError, fmt.UCPError):
-        return False
 
 
 def check_readable(path: str) -> None:
@@ -206,8 +165,9 @@ def consistent_reads(path, *, redo: bool = True) -> Iterator[Attempt]:
     (``writer.commit``); a reader may meanwhile see ``path`` missing, read a manifest from one
     directory and shards from the next (``CheckpointError``: not the shard the manifest lists),
     or its directory vanish. Each of those is told from damage by what changed around the read:
-    the directory read (device, inode and ctime: ext4 gives a freed inode to the next directory
-    at once, the ctime tells them apart) or the swap's names beside ``path`` (``.ucp-replacing``,
+    the directory read (device and inode, and its manifest's inode, mtime and size: ext4 gives a
+    freed inode to the next directory at once, the new manifest tells them apart; ``_identity``)
+    or the swap's names beside ``path`` (``.ucp-replacing``,
     ``.ucp-replaced``). An error with nothing changed is the checkpoint's own; one with a change
     is retried, and after ``_SWAP_RETRIES`` such retries ``SaveConflictError`` ("being
     replaced, retry") is raised, never a corrupt-checkpoint error.
@@ -274,15 +234,9 @@ _SWAP_RETRIES = 3
 
 
 def _identity(root: str):
-    """What tells one directory at ``root`` from the next: a freed inode is given to the next
-    directory made on ext4 at once, the ctime (set when made or renamed) differs."""
-    if store.is_url(root):
-        return "url"  # an object-store checkpoint is never replaced (no rename there)
-    try:
-        st = os.stat(root)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns)
+    """What tells one directory at ``root`` from the next, keyed on what a save changes (the
+    medium's ``identity``: not the ctime, which a ``chmod`` of an idle checkpoint changes)."""
+    return store.storage_for(root).identity()
 
 
 def _swap_state(path: str) -> tuple:

@@ -79,10 +79,12 @@ class RestoreOptions:
         (gloo on CPU), so the storage is read once in all (see ``restoring/replicated.py``).
       step: with a CheckpointManager root as the path: the step to restore, or "latest" for
         the newest step that is committed (never one still being written) and readable (its
-        manifest, its shard files, their digests as the restore reads them).
+        manifest, its shard files, their digests as the restore reads them); the step
+        ``jax_ucp.latest_step`` gives (one rule: ``restoring.resume``).
       fallback: with ``step="latest"``, move on to the next older committed step when one
         cannot be read, with a ``jax_ucp.ResumeWarning`` naming it and why (default False:
-        the error, naming the step, and the older steps there are).
+        the error, naming the step, and the older steps there are); each candidate is then
+        read whole before it is restored (as ``verify``), so every process takes one step.
     """
 
     target: Any = None

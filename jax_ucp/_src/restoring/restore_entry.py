@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any
 
-from jax_ucp._src.errors import CheckpointError, ResumeWarning
 from jax_ucp._src.options import keywords_of
-from jax_ucp._src.restoring import engine, locate, requests, safetensors_source, ucp_source
+from jax_ucp._src.restoring import (
+    engine,
+    locate,
+    requests,
+    resume,
+    safetensors_source,
+    ucp_source,
+)
 from jax_ucp._src.restoring import options as restore_options
 from jax_ucp._src.restoring.engine import OpenedSource
 
@@ -85,33 +90,12 @@ def restore_from(opened: OpenedSource, options: restore_options.RestoreOptions):
 
 def _restore_step(root: str, options: restore_options.RestoreOptions):
     """``restore(root, step=N | "latest", fallback=)``: the step's UCP item restored; for
-    "latest" the newest committed step that reads, older ones only with ``fallback``."""
-    steps = locate.committed_steps(root)
-    listed = ", ".join(str(s) for s, _ in steps[:10]) or "none"
+    "latest" the step ``resume.latest_readable`` takes (the rule ``latest_step`` gives too)."""
     plain = dataclasses.replace(options, step=None, fallback=False)
-    if options.step != "latest":
-        chosen = [item for s, item in steps if s == options.step]
-        if not chosen:
-            raise CheckpointError(
-                f"{root}: no committed step {options.step} with a UCP item (committed: {listed})."
-            )
-        return restore_tree(chosen[0], plain)
-    if not steps:
-        raise CheckpointError(f"{root}: no committed step with a UCP item.")
-    why: list[str] = []
-    for step, item in steps:
-        try:
-            locate.check_readable(item)
-            return restore_tree(item, plain)
-        except CheckpointError as e:
-            if not options.fallback:
-                raise CheckpointError(
-                    f"{root}: the latest committed step {step} cannot be read: {e} "
-                    f"(committed steps: {listed}; step='latest', fallback=True moves on to the "
-                    f"next older one)"
-                ) from e
-            why.append(f"step {step}: {e}")
-            warnings.warn(
-                f"{root}: step {step} skipped, it cannot be read: {e}", ResumeWarning, stacklevel=3
-            )
-    raise CheckpointError(f"{root}: no committed step can be read: {'; '.join(why)[:2000]}")
+    if isinstance(options.step, int):  # checked when the options were made: N or "latest"
+        return restore_tree(resume.step_item(root, options.step), plain)
+    found = resume.latest_readable(
+        root, fallback=options.fallback, read=lambda item: restore_tree(item, plain)
+    )
+    found.warn(stacklevel=4)
+    return found.value

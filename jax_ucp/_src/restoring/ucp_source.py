@@ -178,7 +178,8 @@ class CheckpointSource(TensorSource):
     def __init__(self, root: str):
         self.root = self.path = root
         self.where = f"the checkpoint {root}"
-        self.url = store.location.is_url(root)
+        self.storage = store.storage_for(root)  # chosen once: every array is opened through it
+        self.url = not self.storage.renames
         self._context = store.zarr3.read_context()
         self._futures: dict[tuple, tuple[fmt.TensorEntry, ts.Future]] = {}
 
@@ -192,11 +193,11 @@ class CheckpointSource(TensorSource):
         for src in sources.values():
             self._open(src)
         if self.url:
-            verify_shard_objects(self.root, sources.values())
+            verify_shard_objects(self.storage, sources.values())
 
     def _open(self, entry: fmt.TensorEntry) -> None:
         if entry.key not in self._futures:
-            kv = store.kvstore_config(self.root, entry.dir)
+            kv = self.storage.kvstore(entry.dir)
             if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
                 try:  # an array folder linked out of the checkpoint is never read
                     fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
@@ -255,7 +256,7 @@ class CheckpointSource(TensorSource):
         """``store.shard_reader`` where the stored array's zarr.json allows it, else the view."""
         view = found.build({s.key: self._get(s.key) for s in found.sources})
         entry = found.sources[0]
-        kv = store.kvstore_config(self.root, entry.dir)
+        kv = self.storage.kvstore(entry.dir)
         if not found.stored or kv.get("driver") != "file":
             return view
         layout = shard_file.layout_from_metadata(
@@ -334,7 +335,7 @@ def _shard_checked(entry: fmt.TensorEntry, kind: str, where: str):
         raise tensor_error(entry.name, e) from None
 
 
-def verify_shard_objects(root: str, entries) -> None:
+def verify_shard_objects(root: str | store.storage.Storage, entries) -> None:
     """``verify_shard_files`` for many tensors in an object store at once: each shard object's
     digest from its index and chunk trailers, read as byte ranges, all objects' requests issued
     together (two round trips for a whole restore, where one object after another took two
@@ -342,7 +343,8 @@ def verify_shard_objects(root: str, entries) -> None:
     entries = [e for e in entries if e.checksum == "crc32c" and e.shard_digests is not None]
     if not entries:
         return
-    kvstore = ts.KvStore.open(store.kvstore_config(root)).result()
+    storage = store.storage_for(root)  # the source's own, or chosen here
+    kvstore = ts.KvStore.open(storage.kvstore()).result()
     shards, owners = [], []
     for entry in entries:
         n_chunks = _chunks_per_shard(entry)
@@ -353,7 +355,7 @@ def verify_shard_objects(root: str, entries) -> None:
             entry.compression,
         )
         for key in shard_file.grid_keys(entry.shape, entry.chunk_shape):
-            where = store.location.join(root, entry.dir, key)
+            where = storage.join(entry.dir, key)
             shards.append((kvstore, f"{entry.dir.strip('/')}/{key}", n_chunks, where, data_bytes))
             owners.append((entry, key, where))
     for start in range(0, len(shards), _OBJECTS_PER_SWEEP):

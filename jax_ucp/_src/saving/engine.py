@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +23,7 @@ from jax_ucp._src.multihost import agreement
 from jax_ucp._src.multihost import commit as multihost_commit
 from jax_ucp._src.saving import plan as save_plan
 from jax_ucp._src.store import shard_file
-from jax_ucp._src.writer import commit, durable
+from jax_ucp._src.writer import commit
 from jax_ucp._src.writer.checkpoint import run_coroutine
 
 DIGESTS_PREFIX = "ucp.digests."  # per-process shard digests, merged by the primary
@@ -177,16 +176,12 @@ async def write(save: PreparedSave, written: Callable[[], None] | None = None) -
         save.tensors = []
         if written is not None:
             written()
-    if not store.is_url(directory):  # an object store's PUT is durable when it returns
-        await asyncio.to_thread(durable.make_tree_durable, directory)
+    storage = store.storage_for(directory)
+    await asyncio.to_thread(storage.make_durable)
     if save.primary:
         save.digests.update(digests)
         return
-    name = f"{DIGESTS_PREFIX}{jax.process_index()}.json"
-    if store.is_url(directory):
-        store.location.write(directory, name, json.dumps(digests).encode())
-    else:
-        durable.write_file(os.path.join(directory, name), json.dumps(digests))
+    storage.write(f"{DIGESTS_PREFIX}{jax.process_index()}.json", json.dumps(digests).encode())
 
 
 def merge(save: PreparedSave, process_count: int) -> None:
@@ -200,9 +195,8 @@ def merge(save: PreparedSave, process_count: int) -> None:
     """
     assert save.manifest is not None, "merge runs on the primary"
     root, digests = save.directory, save.digests
-    remote = store.is_url(root)
-    names = store.location.list_names(root, DIGESTS_PREFIX) if remote else os.listdir(root)
-    others = sorted(n for n in names if n.startswith(DIGESTS_PREFIX) and n.endswith(".json"))
+    storage = store.storage_for(root)
+    others = [n for n in storage.names(DIGESTS_PREFIX) if n.endswith(".json")]
     expected = max(process_count - 1, 0)
     if len(others) != expected:
         raise fmt.UCPError(
@@ -210,11 +204,7 @@ def merge(save: PreparedSave, process_count: int) -> None:
             f"shard digests; the save is incomplete and is not committed."
         )
     for name in others:
-        if remote:
-            reported = json.loads(store.location.read(root, name, 64 << 20) or b"{}")
-        else:
-            with open(os.path.join(root, name)) as f:
-                reported = json.load(f)
+        reported = json.loads(storage.read(name, 64 << 20) or b"{}")
         for array_dir, shard_digests in reported.items():
             digests.setdefault(array_dir, {}).update(shard_digests)
     entries = []
@@ -230,14 +220,8 @@ def merge(save: PreparedSave, process_count: int) -> None:
                 )
         entries.append(e)
     manifest = dataclasses.replace(save.manifest, entries=entries)
-    if remote:  # the commit: one PUT; the digest reports go after, as files do locally
-        store.write_manifest(root, manifest)
-        for name in others:
-            store.location.delete(root, name)
-        return
-    durable.write_file(os.path.join(root, fmt.MANIFEST_FILE), manifest.dumps())
-    for name in others:
-        os.remove(os.path.join(root, name))
+    storage.write_manifest(manifest)  # in an object store, the commit: the reports go after
+    storage.delete(others)
 
 
 def save(path: str, args: SaveArgs, *, force: bool) -> None:
@@ -250,9 +234,8 @@ def save(path: str, args: SaveArgs, *, force: bool) -> None:
         force: replace a jax_ucp checkpoint at ``path``.
     """
     path = path.rstrip("/")
-    if store.is_url(path):
-        store.location.kvstore_root(path)  # a malformed URL fails here, in every process
-        commit.check_object_store_prefix(path, force=force)  # every process sees it: all raise
+    # A malformed URL or a committed prefix fails here, in every process: all raise alike.
+    store.storage_for(path).refuse_early(commit.Replace(force))
     job = agreement.join(path, BARRIER_TIMEOUT, purpose="save")
     index, count, gather = job or (0, 1, None)
     saves: list[PreparedSave] = []

@@ -1,13 +1,21 @@
 """Layer 2: TensorStore I/O (zarr v3 arrays on any kvstore) and whole-shard file I/O."""
 
-from jax_ucp._src.store import host_memory, location, shard_file, shard_reader, shard_writer, zarr3
+from jax_ucp._src.store import (
+    host_memory,
+    location,
+    shard_file,
+    shard_reader,
+    shard_writer,
+    storage,
+    zarr3,
+)
 from jax_ucp._src.store.chunking import (
     DEFAULT_INNER_CHUNK_BYTES,
     inner_chunk_shape,
     outer_chunk_shape,
 )
 from jax_ucp._src.store.in_flight import InFlightBytes
-from jax_ucp._src.store.location import is_url, read_manifest, write_manifest
+from jax_ucp._src.store.storage import is_url, read_manifest, storage_for, write_manifest
 from jax_ucp._src.store.zarr3 import (
     ArrayLayout,
     array_config,

@@ -4,7 +4,7 @@
 How a non-sync write reaches the disk (``start_writeback``; measured side by side in
 ``benchmarks/bench_durable_write.py``, docs/BENCHMARKS.md "Durable writes"): each file's
 write-back is started with ``sync_file_range(SYNC_FILE_RANGE_WRITE)`` once it is written, and
-nothing waits for it until the commit's one syncfs (``writer.durable.make_durable``), which alone
+nothing waits for it until the commit's one syncfs (``store.storage.local.make_durable``), which alone
 makes the files durable before the checkpoint is renamed into place. Why: dirty pages stay
 bounded (tens of MiB at the end of a 1 or 4 GB save's writes, against up to 2.9 GB when nothing
 is started, which every writer on the host is then throttled by) and the commit's syncfs has

@@ -16,7 +16,7 @@ from typing import Any
 import tensorstore as ts
 
 from jax_ucp._src.errors import RequestError
-from jax_ucp._src.store import location
+from jax_ucp._src.store import storage
 
 COMPRESSIONS = (None, "zstd")
 
@@ -52,24 +52,15 @@ class ArrayLayout:
 
 def kvstore_config(root: str | os.PathLike | Mapping[str, Any], *subpath: str) -> dict:
     """A kvstore spec for ``root`` joined with ``subpath``: a local path or any TensorStore kvstore."""
-    rel = "/".join(p.strip("/") for p in subpath if p)
-    if location.is_url(root):
-        root = location.kvstore_root(str(root))  # a URL is a str
     if isinstance(root, Mapping):
-        spec = dict(root)
-        base = spec.get("path", "")
-        if base and not base.endswith("/"):
-            base += "/"
-        spec["path"] = base + rel + ("/" if rel else "")
-        return spec
-    return {"driver": "file", "path": os.path.join(os.fspath(root), rel)}
+        return storage.kvstore_join(root, *subpath)
+    return storage.storage_for(root).kvstore(*subpath)
 
 
 def kvstore_driver(root) -> str:
     """The TensorStore kvstore driver of a checkpoint root (``file``, ``s3``, ``gcs``, ...)."""
-    if location.is_url(root):
-        root = location.kvstore_root(root)
-    return str(root.get("driver", "file")) if isinstance(root, Mapping) else "file"
+    spec = root if isinstance(root, Mapping) else storage.storage_for(root).kvstore()
+    return str(spec.get("driver", "file"))
 
 
 def _codecs(layout: ArrayLayout) -> list:

@@ -131,6 +131,11 @@ def dtensor_box(
     for mesh_dim, d in enumerate(dims):
         if d is None:
             continue
+        if not 0 <= d < len(shape) or mesh_shape[mesh_dim] < 1:
+            raise ShardLayoutError(
+                f"Shard({d}) over a mesh dimension of {mesh_shape[mesh_dim]} ranks: the tensor "
+                f"is {list(shape)}, {len(shape)}-D"
+            )
         chunk = -(-local[d] // mesh_shape[mesh_dim])
         start = min(int(coords[mesh_dim]) * chunk, local[d])
         offset[d] += start
@@ -203,6 +208,12 @@ def assemble(
         start: the first row.
         stop: past the last row (None: the end).
     """
+    for piece in pieces:  # numpy would cast another dtype's values without a word
+        if np.dtype(piece.array.dtype).name != np.dtype(dtype).name:
+            raise ShardLayoutError(
+                f"a piece at {piece.offsets} holds {piece.array.dtype}, the tensor is "
+                f"{np.dtype(dtype)}: its storage type disagrees with the other pieces'"
+            )
     if not shape:
         return np.array(pieces[0].array, dtype=dtype)
     stop = shape[0] if stop is None else stop

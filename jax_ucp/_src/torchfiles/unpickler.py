@@ -943,6 +943,14 @@ class TorchArchive:
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
             raise TorchFileError(self.path, f"truncated or corrupt {what} ({e})") from None
         self._infos = {i.filename: i for i in infos}
+        if len(self._infos) != len(infos):  # torch.load reads the first copy, a dict the last
+            counts = collections.Counter(i.filename for i in infos)
+            twice = sorted(n for n, c in counts.items() if c > 1)
+            raise TorchFileError(
+                self.path,
+                f"{what}: members present twice: {', '.join(map(repr, twice[:4]))}; which copy "
+                "is the tensor is no choice to make (torch.load reads the first), refused",
+            )
         pkls = [n for n in self._infos if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pkls) != 1:
             raise TorchFileError(
@@ -955,6 +963,7 @@ class TorchArchive:
             raise TorchFileError(self.path, f"unknown byteorder {short_repr(order, 40)}")
         self.byteorder = "<" if order == "little" else ">"
         self._storages: dict[str, np.ndarray] = {}
+        self._storage_types: dict[str, np.dtype] = {}
 
     def _member_view(self, name: str, declared: int | None = None) -> np.ndarray:
         """The bytes of member ``name`` (a view of the file, or inflated); ``declared``: the
@@ -1115,6 +1124,13 @@ class TorchArchive:
             stype.dtype.newbyteorder(self.byteorder) if stype.dtype.itemsize > 1 else stype.dtype
         )
         nbytes = numel * dtype.itemsize
+        seen = self._storage_types.setdefault(key, dtype)
+        if seen != dtype:  # torch.load types the storage by its first reference
+            raise TorchFileError(
+                self.path,
+                f"storage {key!r} is referenced as {seen} and as {dtype}: the pickle's storage "
+                "types disagree (an edited data.pkl?)",
+            )
         raw = self._storages.get(key)
         if raw is None:
             name = f"{self.prefix}data/{key}"

@@ -16,6 +16,7 @@ import pathlib
 from collections.abc import Iterable, Mapping
 
 from jax_ucp._src import format as fmt
+from jax_ucp._src import store
 from jax_ucp._src.multihost import commit as multihost_commit
 from jax_ucp._src.multihost.agreement import Gather, MultiProcessError
 from jax_ucp._src.writer import commit, durable
@@ -153,16 +154,8 @@ def _merge_parts(tmp: str, digests: list[str], source: Mapping | None) -> None:
 def remove_abandoned(dest) -> list[str]:
     """What writers of ``dest`` that were killed left beside it: an interrupted swap finished,
     temporary directories whose writer (on this host) is gone removed. Nothing while another
-    save of ``dest`` holds its lock. Returns the names removed."""
-    dest = os.path.abspath(os.fspath(dest)).rstrip("/")
-    if not os.path.isdir(os.path.dirname(dest)):
-        return []
-    try:
-        with commit.save_lock(dest):
-            commit.recover_interrupted_swap(dest)
-            return commit.remove_stale_temporaries(dest)
-    except commit.SaveConflictError:
-        return []
+    save of ``dest`` holds its lock, nothing in an object store. Returns the names removed."""
+    return store.storage_for(os.fspath(dest)).remove_abandoned()
 
 
 def run_coroutine(coro) -> None:

@@ -1,173 +1,80 @@
-"""Committing a checkpoint directory: temporary sibling, durable, then renamed into place.
+"""What a commit may replace, and the one way anything is committed (``transaction``).
 
-``transaction`` is the one way anything is committed (save, convert, export, a manager step,
-local or ``s3://`` / ``gs://``). An Orbax export lets Orbax write and rename (its
-``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``). Forced
-replacement never deletes the old checkpoint first.
+``transaction`` commits a save, convert, export or manager step through the medium of its
+destination (``store.storage``: a rename locally, ``ucp.json`` last in ``s3://`` / ``gs://``);
+this module is the policy: ``force`` replaces only what jax_ucp wrote (a checkpoint, an Orbax step
+of them, an earlier export by its ``EXPORT_RECORD``, a killed save's objects), and the old
+checkpoint is never deleted first. An Orbax export lets Orbax write and rename (its
+``<name>.orbax-checkpoint-tmp-*``) inside the same transaction (``staged=False``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import logging
 import os
 import re
-import shutil
-import socket
 import stat
-import time
-import uuid
 
 from jax_ucp._src import format as fmt
 from jax_ucp._src import store
 from jax_ucp._src.errors import RequestError, SaveConflictError
-from jax_ucp._src.multihost import liveness
+from jax_ucp._src.store.storage import Transaction
+from jax_ucp._src.store.storage.local import (
+    LOCK_SUFFIX,
+    ORBAX_TMP_MARK,
+    REPLACED,
+    REPLACING,
+    TMP_MARK,
+    recover_interrupted_swap,
+    remove_stale_temporaries,
+    save_lock,
+)
+from jax_ucp._src.store.storage.object_store import LOCK_OBJECT
 from jax_ucp._src.writer import durable, file_digest
 
-# Every destructive file operation and every commit is logged here (as Orbax's atomicity module
-# logs its renames): ``logging.getLogger("jax_ucp")`` shows what a save, import or export removed.
+__all__ = [  # the medium's names, forwarded for the modules that import them from here
+    "LOCK_OBJECT",
+    "LOCK_SUFFIX",
+    "ORBAX_TMP_MARK",
+    "REPLACED",
+    "REPLACING",
+    "TMP_MARK",
+    "Transaction",
+    "recover_interrupted_swap",
+    "remove_stale_temporaries",
+    "save_lock",
+]
+
 log = logging.getLogger(__name__)
 
-ORBAX_TMP_MARK = ".orbax-checkpoint-tmp"  # Orbax's temporary directories (its atomicity module)
-TMP_MARK = ".ucp-tmp-"
-REPLACING = ".ucp-replacing"
-REPLACED = ".ucp-replaced"
-LOCK_SUFFIX = ".ucp-lock"
 ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
 
 
-def temporary_path(path: str) -> str:
-    """A sibling of ``path`` (same file system, so the final rename is atomic).
+@dataclasses.dataclass(frozen=True)
+class Replace:
+    """The replace policy of one transaction, as the medium asks it (``store.storage.Claim``).
 
-    Named after its writer (host, pid) so a later import can recognise a killed one's leftovers.
-    """
-    return f"{path}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{time.time_ns()}"
-
-
-def remove_stale_temporaries(path: str) -> list[str]:
-    """Deletes temporary directories of ``path`` left by killed writers on this host.
-
-    Only directories whose writer process no longer exists; a concurrent live writer's is kept.
-    """
-    parent, name = os.path.split(os.path.abspath(path))
-    removed = []
-    if not os.path.isdir(parent):
-        return removed
-    host = socket.gethostname()
-    for d in os.listdir(parent):
-        if not d.startswith(name + TMP_MARK):
-            continue
-        try:
-            owner, pid, _ = d[len(name + TMP_MARK) :].rsplit(".", 2)
-            pid_num = int(pid)
-        except ValueError:
-            continue
-        if owner == host and pid_num != os.getpid() and not liveness.pid_alive(pid_num):
-            discard(os.path.join(parent, d), f"left by process {pid_num}, which is gone")
-            removed.append(d)
-    return removed
-
-
-def remove_failed_save_leftovers(dest: str) -> None:
-    """Temporary directories of a save of ``dest`` that failed in this process (ours and Orbax's)."""
-    parent, name = os.path.split(os.path.abspath(dest))
-    if not os.path.isdir(parent):
-        return
-    for d in os.listdir(parent):
-        if d.startswith(name + ORBAX_TMP_MARK) or d.startswith(name + TMP_MARK):
-            discard(os.path.join(parent, d), "temporary directory of a failed save")
-
-
-def discard(path: str, why: str) -> None:
-    """Removes a temporary directory jax_ucp itself made (never a user's), logging it; errors are
-    ignored, as for any clean-up (the next save removes what is left)."""
-    log.info("removing %s (%s)", path, why)
-    shutil.rmtree(path, ignore_errors=True)
-
-
-def commit(tmp: str, path: str) -> None:
-    """Moves the finished directory ``tmp`` to ``path``, replacing a committed one if present."""
-    durable.make_durable(tmp)
-    if os.path.exists(path):
-        os.rename(tmp, path + REPLACING)  # committed: from here on it survives a kill
-        replace_committed(path + REPLACING, path)
-    else:
-        os.rename(tmp, path)
-        log.info("committed %s", path)
-    durable.fsync_path(os.path.dirname(os.path.abspath(path)))
-
-
-def replace_committed(new: str, path: str) -> None:
-    """Swaps the committed directory ``new`` (``path + .ucp-replacing``) in for ``path``.
-
-    Two renames: at every instant either the old or the new checkpoint is whole at ``path``, or
-    both sit beside it (``.ucp-replaced`` and ``.ucp-replacing``) and ``recover_interrupted_swap``
-    (or a reader) knows which is newer; the old one is deleted only after the new one is in place.
-    """
-    old = path + REPLACED
-    _remove(old)
-    os.rename(path, old)
-    os.rename(new, path)
-    durable.fsync_path(os.path.dirname(os.path.abspath(path)))
-    log.info("committed %s, replacing the checkpoint that was there", path)
-    _remove(old)
-
-
-def recover_interrupted_swap(path: str) -> None:
-    """Finishes (or undoes) a forced replacement of ``path`` that was killed midway.
-
-    ``path`` missing: the newer whole checkpoint (``.ucp-replacing``) takes its place, else the
-    older (``.ucp-replaced``). ``path`` present: leftovers beside it are removed (a replacement
-    whose save never returned is not kept). Call with the save lock held.
-    """
-    newer, older = path + REPLACING, path + REPLACED
-    if not os.path.lexists(path):
-        for survivor in (newer, older):
-            if os.path.isdir(survivor):
-                log.warning("completing an interrupted replacement: %s -> %s", survivor, path)
-                os.rename(survivor, path)
-                durable.fsync_path(os.path.dirname(os.path.abspath(path)))
-                break
-    for leftover in (newer, older):
-        if os.path.lexists(leftover) and os.path.lexists(path):
-            _remove(leftover)
-
-
-@dataclasses.dataclass
-class Transaction:
-    """One commit of ``dest`` in progress (see ``transaction``).
-
-    ``path`` is where the writer writes: a fresh temporary directory (``staged``), or, when the
-    writer commits atomically itself (Orbax's Checkpointer: temporary + rename), ``dest`` or
-    ``dest + REPLACING`` (not created); for an object store, the prefix itself. ``inner``: the
-    directory under ``path`` that is the checkpoint (a manager step Orbax wrote in a staging
-    manager root), else ``path`` itself.
+    Args:
+        force: replace what is there if jax_ucp wrote it.
+        export: the destination is an export (``force`` replaces only an earlier export).
+        what: how ``FileExistsError`` names the destination ("step 7").
     """
 
-    dest: str
-    path: str
-    replacing: bool
-    staged: bool = True
-    inner: str | None = None
-    committed: bool = False
+    force: bool
+    export: bool = False
+    what: str = "it"
 
-    def commit(self) -> None:
-        """Commits now (the ``with`` block commits at its end otherwise); idempotent."""
-        if self.committed:
-            return
-        if store.is_url(self.dest):
-            pass  # the writer's ``ucp.json``, written last and only if absent, is the commit
-        elif self.staged:
-            content = os.path.join(self.path, self.inner) if self.inner else self.path
-            commit(content, self.dest)
-            if self.inner:
-                discard(self.path, "staging directory, its content now in place")
-        elif self.replacing:  # committed beside the old one by its writer: swap it in
-            replace_committed(self.path, self.dest)
-        self.committed = True
+    def directory(self, path: str) -> bool:
+        return claim(path, force=self.force, export=self.export, what=self.what)
+
+    def prefix(self, url: str) -> None:
+        claim_object_store_prefix(url, force=self.force)
+
+    def failed(self, url: str) -> None:
+        remove_object_store_leftovers(url)
 
 
 @contextlib.contextmanager
@@ -201,84 +108,10 @@ def transaction(
         is removed (logged on the ``jax_ucp`` logger) and ``dest`` is as it was. Errors on
         entry (``SaveConflictError``, ``FileExistsError``) change nothing.
     """
-    dest = os.fspath(dest).rstrip("/")
-    if store.is_url(dest):
-        with _object_store_transaction(dest, force) as tx:
-            yield tx
-        return
-    dest = os.path.abspath(dest)
-    with save_lock(dest):
-        recover_interrupted_swap(dest)
-        replacing = claim(dest, force=force, export=export, what=what)
-        remove_stale_temporaries(dest)
-        if staged:
-            tx = Transaction(dest, temporary_path(dest), replacing, inner=inner)
-            os.makedirs(tx.path)
-        else:
-            tx = Transaction(dest, dest + REPLACING if replacing else dest, replacing, False)
-        try:
-            yield tx
-            tx.commit()
-        except BaseException:
-            if staged and os.path.lexists(tx.path):
-                discard(tx.path, f"temporary directory of a failed {kind}")
-            elif not tx.committed:  # the lock is ours: no other live save owns these
-                remove_failed_save_leftovers(tx.path)
-            raise
-
-
-@contextlib.contextmanager
-def _object_store_transaction(url: str, force: bool):
-    """A prefix has no rename: the lock object, a killed save's leftovers deleted first, the
-    writer's conditional ``ucp.json`` the commit, this save's own objects deleted on failure."""
-    store.location.kvstore_root(url)  # a malformed URL fails before anything is read
-    check_object_store_prefix(url, force=force)
-    with object_store_lock(url):
-        claim_object_store_prefix(url, force=force)
-        tx = Transaction(url, url, replacing=False, staged=False)
-        try:
-            yield tx
-            tx.commit()
-        except BaseException:
-            remove_object_store_leftovers(url)
-            raise
-
-
-@contextlib.contextmanager
-def save_lock(path: str):
-    """An exclusive lock on saving to ``path`` (``flock`` on ``.<name>.ucp-lock`` beside it).
-
-    Two writers of one path would share temporary names and delete each other's files; with the
-    lock the second gets a clear error at once instead. The holder removes the lock file before
-    releasing it; a writer that locked a file which was removed meanwhile tries again.
-    """
-    parent, name = os.path.split(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    lock_path = os.path.join(parent, f".{name}{LOCK_SUFFIX}")
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SaveConflictError(
-                f"{path}: another save to this path is in progress (lock {lock_path} is held); "
-                f"nothing was written."
-            ) from None
-        try:
-            same = os.stat(lock_path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        os.close(fd)  # the previous holder removed that file: lock the current one
-    try:
-        yield
-    finally:
-        try:
-            os.remove(lock_path)
-        finally:
-            os.close(fd)  # releases the lock
+    storage = store.storage_for(os.fspath(dest).rstrip("/"))
+    policy = Replace(force, export, what)
+    with storage.transaction(policy, kind=kind, staged=staged, inner=inner) as tx:
+        yield tx
 
 
 # Orbax's own files in what it commits (``orbax.checkpoint``: the v1 API's empty marker)
@@ -603,107 +436,12 @@ def _shown(parent: str, name: str) -> str:
     return name + "/" if _real_dir(os.path.join(parent, name)) else name
 
 
-def _remove(path: str) -> None:
-    """A directory tree, or a plain file / link that a forced write replaced."""
-    if os.path.lexists(path):
-        log.info("removing %s", path)
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        os.remove(path)
-
-
-# ----------------------------------------------------------------------------- object stores
-
-LOCK_OBJECT = ".ucp-lock"  # inside the prefix: a role scoped to it can write it
 # What a killed jax_ucp save of a prefix can have left there (docs/FORMAT.md 1.1, 6.1, 6.4): the
 # objects of its arrays (``zarr.json`` and shard objects ``c/i/j``, ``c`` when 0-d) and the
 # other processes' digest reports. Nothing else is ever deleted.
 _LEFTOVER = re.compile(
     r"arrays/(?!\.\.?/)[A-Za-z0-9_%~.\-]+/(zarr\.json|c(/[0-9]+)*)|ucp\.digests\.[0-9]+\.json"
 )
-_held_locks: set[str] = set()  # tokens of the object-store locks this process holds
-
-
-@contextlib.contextmanager
-def object_store_lock(url: str):
-    """``save_lock`` for a prefix ``s3://`` / ``gs://``: the object ``<url>/.ucp-lock``, created
-    only if absent (a conditional PUT), so of two saves to one prefix exactly one proceeds; the
-    other gets ``SaveConflictError`` at once, having written and deleted nothing. The holder
-    deletes it at the end. A lock left by a killed save is taken over by the next save on the
-    same host once that process is gone; from another host the error names the object to
-    delete (no heartbeat tells a slow save from a dead one)."""
-    location = store.location
-    token = uuid.uuid4().hex
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), "token": token}
-    where = location.join(url, LOCK_OBJECT)
-    for _ in range(3):
-        if location.create(url, LOCK_OBJECT, json.dumps(me).encode()):
-            break
-        held = location.read_stamped(url, LOCK_OBJECT, 1 << 16)
-        if held is None:
-            continue  # released meanwhile
-        owner = _lock_owner(held[0])
-        if _lock_is_stale(owner, me):
-            log.warning("taking over %s: its process %s is gone", where, (owner or {}).get("pid"))
-            location.delete(url, LOCK_OBJECT, if_equal=held[1])  # of two takers, one wins
-            continue
-        who = (
-            f"host {owner['host']}, process {owner['pid']}, since "
-            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(owner['time']))}"
-            if owner
-            else "an unreadable lock"
-        )
-        raise SaveConflictError(
-            f"{url}: another save to this prefix is in progress ({who}: lock object {where}); "
-            f"nothing was written. If that save was killed, delete {where} and save again."
-        )
-    else:
-        raise SaveConflictError(f"{url}: could not take the lock {where}; nothing was written.")
-    _held_locks.add(token)
-    failed = True
-    try:
-        yield
-        failed = False
-    finally:
-        _held_locks.discard(token)
-        try:
-            held = location.read_stamped(url, LOCK_OBJECT, 1 << 16)
-            if held is not None and (_lock_owner(held[0]) or {}).get("token") == token:
-                location.delete(url, LOCK_OBJECT)
-        except Exception:
-            if not failed:  # else the save's own error is the one to see
-                raise
-
-
-def _lock_owner(data: bytes) -> dict | None:
-    with contextlib.suppress(ValueError, RecursionError):
-        owner = json.loads(data)
-        if (
-            isinstance(owner, dict)
-            and isinstance(owner.get("host"), str)
-            and type(owner.get("pid")) is int
-            and isinstance(owner.get("time"), (int, float))
-            and isinstance(owner.get("token"), str)
-        ):
-            return owner
-    return None
-
-
-def _lock_is_stale(owner: dict | None, me: dict) -> bool:
-    """A lock of this host whose process is gone (or of this process, not held any more)."""
-    if owner is None or owner["host"] != me["host"]:
-        return False
-    if owner["pid"] == me["pid"]:
-        return owner["token"] not in _held_locks
-    return not liveness.pid_alive(owner["pid"])
-
-
-def check_object_store_prefix(url: str, *, force: bool) -> None:
-    """Refuses a prefix holding a committed checkpoint before any lock object is written (every
-    process of a save can call it, so all raise alike)."""
-    if store.location.exists(url, fmt.MANIFEST_FILE):
-        claim_object_store_prefix(url, force=force)
 
 
 def claim_object_store_prefix(url: str, *, force: bool) -> None:
@@ -711,8 +449,8 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
     (an object store cannot replace one) and anything a killed jax_ucp save of this prefix
     cannot have left, naming it; deletes such a save's leftovers (its arrays' objects and
     digest reports, nothing else)."""
-    location = store.location
-    names = [n for n in location.list_names(url) if n != LOCK_OBJECT]
+    prefix = store.storage_for(url)
+    names = [n for n in prefix.names() if n != LOCK_OBJECT]
     if fmt.MANIFEST_FILE in names:
         if force:
             raise RequestError(
@@ -732,15 +470,15 @@ def claim_object_store_prefix(url: str, *, force: bool) -> None:
         )
     if names:
         log.info("deleting %d objects a killed save of %s left there", len(names), url)
-    location.delete_names(url, names)
+    prefix.delete(names)
 
 
 def remove_object_store_leftovers(url: str) -> None:
     """After a failed save to ``url`` (lock held): its own objects, if it did not commit."""
-    location = store.location
-    names = location.list_names(url)
+    prefix = store.storage_for(url)
+    names = prefix.names()
     if fmt.MANIFEST_FILE not in names:
         own = [n for n in names if _LEFTOVER.fullmatch(n)]
         if own:
             log.info("deleting %d objects of the failed save of %s", len(own), url)
-        location.delete_names(url, own)
+        prefix.delete(own)

@@ -233,7 +233,7 @@ async def write_stream(
         source: the manifest's source record.
         compression: the arrays' codec (None: the default).
         inner_chunk_bytes: the bytes of an inner chunk.
-        sync: fsync each file (False: the caller does, ``commit.commit`` syncs the file
+        sync: fsync each file (False: the caller does: the commit syncs the file
             system once).
         manifest_file: the manifest's file name (another: a shared import's part of it).
         budget: bytes held at once (None: ``memory_budget()``).

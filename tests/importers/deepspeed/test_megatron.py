@@ -15,6 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 
 import ml_dtypes
 import numpy as np
@@ -412,3 +413,24 @@ def test_spec_file_form(tmp_path):
     U = np.load(os.path.join(FIX, name, "ref_universal.npz"))
     for n, v in got["opt_state"]["nu"].items():
         np.testing.assert_array_equal(v, U[f"{n}/exp_avg_sq"])
+
+
+def test_two_names_for_one_model_parallel_rank_are_refused_naming_both(tmp_path):
+    """``mp_rank_1_model_states.pt`` (saved under that name: its archive folder says so) beside
+    ``mp_rank_01_model_states.pt``: both are model-parallel rank 1. The listing kept the last
+    one listed (a ZeRO optimizer file's cross-check then refused it indirectly); the two names
+    are now refused as such, naming both."""
+    src = copy_deepspeed_fixture(tmp_path, "megatron_ds_tp2_dp2_z1_bf16_synthetic")
+    tag = os.path.join(src, TAG)
+    with zipfile.ZipFile(os.path.join(tag, "mp_rank_01_model_states.pt")) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(os.path.join(tag, "mp_rank_1_model_states.pt"), "w") as z:
+        for name, data in members:
+            z.writestr("mp_rank_1_model_states/" + name.split("/", 1)[1], data)
+    with pytest.raises(
+        SourceError,
+        match=r"'mp_rank_01_model_states\.pt' and 'mp_rank_1_model_states\.pt' both name "
+        r"model-parallel rank 1",
+    ):
+        convert(src, tmp_path / "out", format="deepspeed")
+    assert_destination_untouched(str(tmp_path / "out"))

@@ -406,3 +406,19 @@ def test_orbax_export_of_a_key_naming_an_absolute_path_writes_nothing_outside(tm
     ):
         orbax_out.export_orbax(ckpt, tmp_path / "orbax", use_ocdbt=ocdbt)
     assert not victim.exists() and not (tmp_path / "orbax").exists()
+
+
+@pytest.mark.timeout(120)
+def test_step_folders_in_other_digits_or_two_names_for_one_step(tmp_path):
+    """A manager root with steps 3 and 7, step 3 copied as ``٩`` (Arabic-Indic nine): ``\\d``
+    read it as step 9, "the latest", and imported step 3's values as it; only ASCII digits
+    number a step. Copied as ``0007`` beside ``7``: two names for step 7, refused naming both
+    (one of them was taken by listing order)."""
+    root = _save_orbax("manager_root", str(tmp_path / "run"), _state())
+    shutil.copytree(os.path.join(root, "3"), os.path.join(root, "\u0669"))
+    dst = jax_ucp.convert(root, tmp_path / "latest", weights_only=True)
+    assert jax_ucp.inspect(dst).source["step"] == 7
+    shutil.copytree(os.path.join(root, "3"), os.path.join(root, "0007"))
+    with pytest.raises(SourceError, match=r"run: '0007' and '7' both name step 7"):
+        jax_ucp.convert(root, tmp_path / "refused", weights_only=True)
+    assert not os.path.exists(tmp_path / "refused")

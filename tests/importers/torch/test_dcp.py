@@ -78,6 +78,22 @@ def test_real_dcp_checkpoints_import_bit_exact(tmp_path, name):
     assert m.source["optimizer"]["no_state"] == []
 
 
+def test_torch_215_several_shards_per_rank_with_padding_and_strides_import_bit_exact(tmp_path):
+    """torch 2.15's DCP (fixture written by torch 2.15 itself): a rank's local tensor holding two
+    shards of one global tensor with padding between them (``CheckpointableTensor``: several
+    chunks per rank, rows for float32, columns for bfloat16) and ``TensorProperties`` pickles
+    carrying the new ``strides`` field (a transposed view): every element where torch 2.15's own
+    ``dcp.load`` puts it, no padding value anywhere."""
+    name = "dcp_torch215_multishard"
+    out = jax_ucp.convert(os.path.join(FIX, name), tmp_path / "ucp")
+    restored = jax_ucp.restore(out)
+    want = truth(name)
+    assert sorted(restored["params"]) == sorted(k.split("/", 1)[1] for k in want)
+    for key, value in want.items():
+        assert_bit_exact(restored["params"][key.split("/", 1)[1]], value, key)
+        assert not np.any(np.asarray(restored["params"][key.split("/", 1)[1]]) == -7.0), key
+
+
 def test_fsdp1_sharded_state_dict_is_read_from_its_sharded_tensors():
     """FSDP1 (flat parameters, one per Block and the root) saves each parameter as a
     ShardedTensor of its rows: 67 vocabulary rows in 34 + 33, the optimizer state alike."""

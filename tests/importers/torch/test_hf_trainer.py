@@ -497,3 +497,26 @@ def test_a_config_asking_for_more_modules_than_the_checkpoint_holds_is_refused_f
     with open(os.path.join(src, "config.json"), "w") as f:
         json.dump({**config, **change}, f)
     assert_convert_refused(src, tmp_path / "out", key)
+
+
+def test_a_cache_snapshot_folder_linked_out_of_the_cache_is_not_followed(tmp_path, monkeypatch):
+    """The LoRA base model's ``snapshots/<commit>`` is itself a symlink to a folder outside the
+    Hugging Face cache: its config.json was read (the check looked only below the snapshot);
+    now the cache folder is not left, and the refusal says where the link led."""
+    monkeypatch.setitem(sys.modules, "transformers", None)  # the refusal comes before it
+    base_config = os.path.join(trainer_src("trainer_fp32"), "config.json")
+    cache = _fake_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", base_config)
+    monkeypatch.setenv("HF_HUB_CACHE", cache)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(base_config, elsewhere / "config.json")
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / ("c" * 40)
+    shutil.rmtree(snapshot)
+    os.symlink(elsewhere, snapshot)
+    src = _with_base(trainer_src("trainer_lora"), tmp_path / "lora", "tiny-org/tiny-llama")
+    assert_convert_refused(
+        src,
+        tmp_path / "refused",
+        r"without the base model's config\.json .*the base model's "
+        r"snapshot: file name 'models--tiny-org--tiny-llama/snapshots/c{40}' resolves to",
+    )

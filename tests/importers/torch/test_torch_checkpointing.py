@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import zipfile
 
 import numpy as np
 import pytest
@@ -97,6 +98,99 @@ def test_metadata_linked_out_of_the_folder_is_refused(tmp_path):
     shutil.move(src / "metadata.pkl", tmp_path / "elsewhere.pkl")
     os.symlink(tmp_path / "elsewhere.pkl", src / "metadata.pkl")
     with pytest.raises(jax_ucp.UCPError, match=r"metadata\.pkl"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_two_names_for_one_rank_file_are_refused_naming_both(tmp_path):
+    """``model_01.pt`` beside ``model_1.pt``: both are the model's rank 1; the import read
+    ``model_1.pt`` and left the other out unsaid."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    shutil.copy(src / "model_0.pt", src / "model_01.pt")
+    with pytest.raises(jax_ucp.UCPError, match=r"'model_01\.pt' and 'model_1\.pt' both name"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def _rewrite_member(path, suffix: str, change) -> None:
+    """``path`` rewritten in place, the member ending in ``suffix`` replaced by
+    ``change(bytes)`` (members stored, CRCs recomputed): a valid zip another tool could write."""
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            z.writestr(name, change(data) if name.endswith(suffix) else data)
+
+
+def _edit_metadata(src, change) -> None:
+    """metadata.pkl re-pickled (plain data) after ``change(its entries)``."""
+    path = os.path.join(src, "metadata.pkl")
+    with open(path, "rb") as f:
+        raw = unpickler.restricted_loads(f.read(), where=path)
+    for groups in raw["metadata"]["model"]["nested_path_to_metadata"].values():
+        for group in groups:
+            change(group["sharding_metadata"]["data"])
+    with open(path, "wb") as f:
+        f.write(pickle.dumps(raw, protocol=2))
+
+
+def test_a_storage_type_renamed_in_one_rank_file_is_refused(tmp_path):
+    """``FloatStorage`` renamed ``IntStorage`` in model_1.pt's data.pkl: its shards' bytes would
+    be read as int32 (and cast into the float32 tensor); the storage type, the DTensor's dtype
+    and metadata.pkl's disagree: refused naming the file and the tensor."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    _rewrite_member(
+        src / "model_1.pt", "/data.pkl", lambda b: b.replace(b"FloatStorage", b"IntStorage")
+    )
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"'model:[0-9.a-z]+' in rank 1's file \(model_1\.pt\).*int32"
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_metadata_dtype_the_files_do_not_hold_is_refused(tmp_path):
+    """metadata.pkl edited to say bfloat16 where the rank files hold float32: the import took
+    the files' float32 without a word."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    _edit_metadata(src, lambda data: data.update(dtype="torch.bfloat16"))
+    with pytest.raises(
+        jax_ucp.UCPError, match=r"metadata\.pkl records bfloat16, its storage says float32"
+    ):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_shard_dim_beyond_the_tensor_is_a_source_error(tmp_path):
+    """``Shard(dim=1)`` for the 1-D biases: a raw IndexError before; now the error names the
+    checkpoint and the tensor."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+
+    def shard_dim_1(data):
+        data["placements"] = [{"dim": 1, "type": "Shard"} for _ in data["placements"]]
+
+    _edit_metadata(src, shard_dim_1)
+    with pytest.raises(jax_ucp.SourceError, match=r"ck: model:2\.weight: Shard\(1\) .* 1-D"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda data: data.pop("global_shape"), r"malformed sharding metadata \(KeyError"),
+        (lambda data: data.update(global_shape=["six"]), r"malformed sharding metadata \(Value"),
+        (lambda data: data.update(placements=[]), r"0 placements for a 1-D mesh"),
+        (lambda data: data.update(placements=[{"type": "Shard", "dim": "0"}]), r"Shard dim '0'"),
+    ],
+    ids=["no shape", "shape not a number", "no placement", "dim not an int"],
+)
+def test_malformed_sharding_metadata_is_a_source_error(tmp_path, change, says):
+    """metadata.pkl is plain data from the user: a key missing or a value of the wrong kind
+    was a raw KeyError / ValueError / IndexError."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    _edit_metadata(src, change)
+    with pytest.raises(jax_ucp.SourceError, match=says):
         jax_ucp.convert(src, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
 

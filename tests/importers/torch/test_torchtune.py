@@ -326,6 +326,26 @@ def test_verify_against_the_source_compares_the_permuted_moments_equal(tmp_path)
     assert [n for n, _ in result.notices] == ["opt_state/count"]
 
 
+def test_an_epoch_folder_named_in_other_digits_is_no_epoch(tmp_path):
+    """``epoch_٥`` (Arabic-Indic five) beside ``epoch_0``: ``\\d`` and ``int()`` read it as epoch
+    5 and imported it over epoch_0; only ASCII digits number an epoch."""
+    src = shutil.copytree(SRC, tmp_path / "run")
+    shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, "epoch_\u0665"))
+    out = jax_ucp.convert(src, tmp_path / "ucp", weights_only=True)
+    assert jax_ucp.inspect(out).source["epoch"] == "epoch_0"
+
+
+def test_two_names_for_one_epoch_are_refused_naming_both(tmp_path):
+    """``epoch_5`` and ``epoch_05`` are both epoch 5: which one is "the latest" is no choice to
+    make silently."""
+    src = shutil.copytree(SRC, tmp_path / "run")
+    for name in ("epoch_5", "epoch_05"):
+        shutil.copytree(os.path.join(src, "epoch_0"), os.path.join(src, name))
+    with pytest.raises(jax_ucp.UCPError, match=r"'epoch_05' and 'epoch_5' both name epoch 5"):
+        jax_ucp.convert(src, tmp_path / "refused", weights_only=True)
+    assert_destination_untouched(tmp_path / "refused")
+
+
 @pytest.mark.parametrize("what", ["recipe_state", "recipe_state/recipe_state.pt"])
 def test_a_recipe_state_linked_out_of_the_output_folder_is_refused(tmp_path, what):
     """``recipe_state/`` (or its file) a link to a copy elsewhere: refused naming it, not read;

@@ -248,3 +248,95 @@ def test_rank_files_of_two_saves_are_refused_naming_the_file(tmp_path):
         SourceError, match=r"model_world_size_2_rank_1\.pt.*ShardedTensor.*rank_0\.pt.*DTensor"
     ):
         jax_ucp.convert(src, tmp_path / "u")
+
+
+def _doubled(path: str, out: str) -> None:
+    """A valid copy of the torch zip ``path`` at ``out`` whose float32 storages hold every
+    value doubled (members stored, CRCs recomputed): another run's rank file, as a loader sees
+    it."""
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if "/data/" in info.filename and len(data) % 4 == 0 and len(data) > 8:
+                data = (np.frombuffer(data, np.float32) * 2).tobytes()
+            dst.writestr(info.filename, data)
+
+
+def test_a_rank_file_numbered_in_other_digits_is_not_read(tmp_path):
+    """``model_world_size_2_rank_١.pt`` (Arabic-Indic one) holding doubled values: ``\\d``
+    read it as rank 1 and it silently replaced the real rank-1 file; only ASCII digits
+    number a rank, so the import is the run's, bit for bit."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    _doubled(
+        os.path.join(actor, "model_world_size_2_rank_1.pt"),
+        os.path.join(actor, "model_world_size_2_rank_\u0661.pt"),
+    )
+    out = jax_ucp.convert(os.path.dirname(os.path.dirname(actor)), tmp_path / "ucp")
+    assert_matches_run(jax_ucp.restore(out), _truth("fsdp2"))
+
+
+def test_two_names_for_one_rank_are_refused_naming_both(tmp_path):
+    """``rank_01.pt`` beside ``rank_1.pt``: both are rank 1; one would be read and the other
+    left out unsaid."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    _doubled(
+        os.path.join(actor, "model_world_size_2_rank_1.pt"),
+        os.path.join(actor, "model_world_size_2_rank_01.pt"),
+    )
+    with pytest.raises(
+        SourceError,
+        match=r"'model_world_size_2_rank_01\.pt' and 'model_world_size_2_rank_1\.pt' both name",
+    ):
+        jax_ucp.convert(actor, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")
+
+
+def test_a_tracker_in_other_digits_is_refused(tmp_path):
+    """``int()`` reads ``٣`` as 3: the tracker names a step only in ASCII digits."""
+    root = _copy(tmp_path)
+    with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("\u0663")
+    with pytest.raises(SourceError, match=r"latest_checkpointed_iteration\.txt: expected verl"):
+        jax_ucp.convert(root, tmp_path / "refused")
+
+
+def _scheduler_at(actor: str, rank: int, last_epoch: int) -> None:
+    """Rank ``rank``'s extra state with its lr scheduler's ``last_epoch`` pickled as another
+    number (a valid zip, CRCs recomputed)."""
+    path = os.path.join(actor, f"extra_state_world_size_2_rank_{rank}.pt")
+    with zipfile.ZipFile(path) as z:
+        members = [(i.filename, z.read(i)) for i in z.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as z:
+        for name, data in members:
+            if name.endswith("/data.pkl"):
+                old = b"last_epochq\x05K\x03"
+                assert data.count(old) == 1
+                data = data.replace(old, b"last_epochq\x05K" + bytes([last_epoch]))
+            z.writestr(name, data)
+
+
+def test_a_scheduler_that_disagrees_with_the_optimizer_step_is_said(tmp_path):
+    """Both ranks' schedulers at last_epoch 10, the optimizer at step 3: imported at the
+    optimizer's step with a warning and a note naming both (it passed silently)."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    for rank in (0, 1):
+        _scheduler_at(actor, rank, 10)
+    with pytest.warns(UserWarning, match=r"last_epoch 10, the optimizer .* step 3"):
+        out = jax_ucp.convert(actor, tmp_path / "ucp")
+    source = jax_ucp.inspect(out).source
+    assert any("last_epoch 10" in n and "step 3" in n for n in source["notes"])
+    assert int(jax_ucp.restore(out)["opt_state"]["count"]) == 3
+
+
+def test_ranks_whose_schedulers_disagree_are_refused_naming_both(tmp_path):
+    """Rank 1's scheduler at last_epoch 10, rank 0's at 3: files of two saves; only rank 0's
+    was read, so it passed silently."""
+    actor = os.path.join(_copy(tmp_path), ACTOR)
+    _scheduler_at(actor, 1, 10)
+    with pytest.raises(
+        SourceError,
+        match=r"schedulers disagree on last_epoch: extra_state_world_size_2_rank_0\.pt has "
+        r"last_epoch=3, extra_state_world_size_2_rank_1\.pt has last_epoch=10",
+    ):
+        jax_ucp.convert(actor, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")

@@ -40,21 +40,21 @@ DS_CLASSES["deepspeed.runtime.zero.config.ZeroStageEnum"] = int_enum_standin(
 )
 
 #: ``[bf16_]zero_pp_rank_<DP rank>_mp_rank_<MP rank>_optim_states.pt``: one ZeRO partition.
-OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+OPTIMIZER_FILE = re.compile(r"^(bf16_)?zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 #: ``zero_pp_rank_<DP rank>_mp_rank_<MP rank>_model_states.pt``: stage 3 keeps one per DP rank.
-ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+ZERO3_MODEL_FILE = re.compile(r"^zero_pp_rank_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
 #: ``mp_rank_<MP rank>_model_states.pt``: param_shapes, module, config of a model-parallel rank.
-MP_MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+MP_MODEL_FILE = re.compile(r"^mp_rank_([0-9]+)_model_states\.pt\Z")
 #: ``layer_<layer>-model_<TP rank>-model_states.pt``: a pipeline layer's model weights. Without a
 #: model axis in the topology (``PipelineModule(num_stages=...)``) DeepSpeed names it
 #: ``layer_<layer>-model_states.pt`` (group 2 is then None: TP rank 0).
-LAYER_FILE = re.compile(r"^layer_(\d+)(?:-model_(\d+))?-model_states\.pt$")
+LAYER_FILE = re.compile(r"^layer_([0-9]+)(?:-model_([0-9]+))?-model_states\.pt\Z")
 #: ``layer_<MoE layer>_expert_<global expert>_mp_rank_<MP rank>_model_states.pt``: one expert's
 #: weights (DeepSpeed MoE), keyed by its full parameter names with the global expert index.
-EXPERT_FILE = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_FILE = re.compile(r"^layer_([0-9]+)_expert_([0-9]+)_mp_rank_([0-9]+)_model_states\.pt\Z")
 #: ``expp_rank_<EP rank>_mp_rank_<MP rank>_optim_states.pt``: DeepSpeed MoE without ZeRO: the
 #: torch ``optimizer.state_dict()`` of one expert-parallel rank (its experts + the dense part).
-EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+EXPERT_OPTIMIZER_FILE = re.compile(r"^expp_rank_([0-9]+)_mp_rank_([0-9]+)_optim_states\.pt\Z")
 
 
 def load_deepspeed_file(path: str, *, lazy_crc: bool = False) -> Any:

@@ -34,6 +34,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import LanguageError, SourceError
 from jax_ucp._src.format import mapped_file
+from jax_ucp._src.format.files import numbered_names
 from jax_ucp._src.importers.deepspeed import affine, files, zero
 from jax_ucp._src.importers.deepspeed.affine import AffineMap
 from jax_ucp._src.importers.deepspeed.ucp_info import spec_from_ucp_info
@@ -172,12 +173,20 @@ def _find_rank_files(tag_dir: str, names: list[str]) -> _RankFiles:
     a missing or surplus rank file is an error. ZeRO-3 (AutoTP with ZeRO stage 3) keeps each
     model-parallel rank's model states in ``zero_pp_rank_D_mp_rank_XX_model_states.pt``, one
     per DP rank: DP rank 0's stands for the rank (the others are checked when it is opened)."""
-    zero3 = {
-        int(m.group(2)): f
-        for f in names
-        if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
-    }
-    model_files = zero3 or {int(m[1]): f for f in names if (m := files.MP_MODEL_FILE.match(f))}
+    zero3 = numbered_names(  # mp_rank_00 and mp_rank_0: refused, never one of them taken
+        [
+            (int(m.group(2)), f)
+            for f in names
+            if (m := files.ZERO3_MODEL_FILE.match(f)) and int(m.group(1)) == 0
+        ],
+        tag_dir,
+        "model-parallel rank",
+    )
+    model_files = zero3 or numbered_names(
+        [(int(m[1]), f) for f in names if (m := files.MP_MODEL_FILE.match(f))],
+        tag_dir,
+        "model-parallel rank",
+    )
     pattern = ("zero_pp_rank_0_" if zero3 else "") + "mp_rank_{:02d}_model_states.pt"
     first_model_file = os.path.join(tag_dir, pattern.format(0))
     first_model_states = files.load_model_states(

@@ -38,6 +38,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
+from jax_ucp._src.format.files import numbered_names
 from jax_ucp._src.importers.deepspeed import files, zero
 from jax_ucp._src.importers.deepspeed.files import require
 from jax_ucp._src.importers.deepspeed.zero import DeepSpeedCheckpoint
@@ -50,9 +51,9 @@ from jax_ucp._src.importers.plan import (
 )
 
 #: An expert parameter's name: ``<MoE module>.deepspeed_experts.<expert index>.<key>``.
-EXPERT_NAME = re.compile(r"^(.+)\.deepspeed_experts\.(\d+)\.(.+)$")
+EXPERT_NAME = re.compile(r"^(.+)\.deepspeed_experts\.([0-9]+)\.(.+)$")
 #: The name DeepSpeed gives an expert param group: ``ep_size_<expert parallel size>``.
-EP_GROUP_NAME = re.compile(r"^ep_size_(\d+)$")
+EP_GROUP_NAME = re.compile(r"^ep_size_([0-9]+)\Z")
 
 
 @dataclass
@@ -111,11 +112,16 @@ def read_experts(tag_dir: str, model_states: Mapping, model_file: str) -> Expert
         model_file: its path, for errors.
     """
     by_layer: dict[int, dict[int, str]] = {}
-    for name in sorted(os.listdir(tag_dir)):
-        match = files.EXPERT_FILE.match(name)
-        if not match:
-            continue
-        layer, expert, mp_rank = (int(g) for g in match.groups())
+    listed = numbered_names(  # layer_1_expert_0 and layer_01_expert_0: refused, not one taken
+        [
+            (tuple(int(g) for g in m.groups()), name)
+            for name in os.listdir(tag_dir)
+            if (m := files.EXPERT_FILE.match(name))
+        ],
+        tag_dir,
+        "(layer, expert, model-parallel rank)",
+    )
+    for (layer, expert, mp_rank), name in listed.items():
         if mp_rank != 0:
             raise SourceError(
                 f"{os.path.join(tag_dir, name)}: an expert file of model-parallel rank {mp_rank}; "
@@ -640,16 +646,23 @@ def _check_replica(stored, pair, tensors: list[str], name: str) -> None:
 def _expert_optimizer_files(tag_dir: str, model_states: Mapping, model_file: str) -> list[str]:
     """``expp_rank_P_mp_rank_00_optim_states.pt`` for P = 0..E-1 (E from the expert param
     group's name ``ep_size_E`` in the model states' optimizer), no other."""
+    listed = numbered_names(
+        [
+            ((int(m.group(1)), int(m.group(2))), name)
+            for name in os.listdir(tag_dir)
+            if (m := files.EXPERT_OPTIMIZER_FILE.match(name))
+        ],
+        tag_dir,
+        "(expert-parallel rank, model-parallel rank)",
+    )
     found: dict[int, str] = {}
-    for name in sorted(os.listdir(tag_dir)):
-        match = files.EXPERT_OPTIMIZER_FILE.match(name)
-        if match:
-            if int(match.group(2)) != 0:
-                raise SourceError(
-                    f"{os.path.join(tag_dir, name)}: model-parallel rank {match.group(2)}; "
-                    "DeepSpeed MoE with tensor or pipeline parallelism is not supported"
-                )
-            found[int(match.group(1))] = os.path.join(tag_dir, name)
+    for (ep_rank, mp_rank), name in listed.items():
+        if mp_rank != 0:
+            raise SourceError(
+                f"{os.path.join(tag_dir, name)}: model-parallel rank {mp_rank}; "
+                "DeepSpeed MoE with tensor or pipeline parallelism is not supported"
+            )
+        found[ep_rank] = os.path.join(tag_dir, name)
     optimizer = model_states.get("optimizer")
     groups = optimizer.get("param_groups") if isinstance(optimizer, Mapping) else None
     sizes = {

@@ -66,7 +66,7 @@ from jax_ucp._src.importers.plan import (
 LATEST_UNIVERSAL = "latest_universal"
 ZERO_DIR = "zero"
 OPTIMIZER_STATE = "optimizer_state.pt"
-_MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+_MODEL_FILE = re.compile(r"^(?:zero_pp_rank_([0-9]+)_)?mp_rank_([0-9]+)_model_states\.pt\Z")
 
 
 def is_universal_tag_dir(path: str) -> bool:
@@ -152,11 +152,17 @@ def _load_state(path: str, rel: str) -> tuple[np.ndarray, str]:
 def _model_files(tag_dir: str) -> tuple[dict[int, dict[int | None, str]], int]:
     """``{mp rank: {dp rank or None: path}}`` of the model states files, and the ZeRO-3 DP size."""
     by_mp: dict[int, dict[int | None, str]] = {}
-    for name in sorted(os.listdir(tag_dir)):
-        match = _MODEL_FILE.match(name)
-        if match:
-            dp = None if match.group(1) is None else int(match.group(1))
-            by_mp.setdefault(int(match.group(2)), {})[dp] = os.path.join(tag_dir, name)
+    listed = files.numbered_names(  # mp_rank_00 and mp_rank_0: refused, not one taken
+        [
+            ((int(m.group(2)), -1 if m.group(1) is None else int(m.group(1))), name)
+            for name in os.listdir(tag_dir)
+            if (m := _MODEL_FILE.match(name))
+        ],
+        tag_dir,
+        "(model-parallel rank, DP rank)",
+    )
+    for (mp, dp), name in listed.items():
+        by_mp.setdefault(mp, {})[None if dp < 0 else dp] = os.path.join(tag_dir, name)
     zero3 = {mp: sorted(d for d in ranks if d is not None) for mp, ranks in by_mp.items()}
     world = max((len(v) for v in zero3.values()), default=0)
     for mp, dps in zero3.items():

@@ -28,11 +28,9 @@ from jax_ucp._src.importers.megatron.legacy_import import plan_legacy
 from jax_ucp._src.importers.megatron.source import detect_megatron
 from jax_ucp._src.importers.megatron.torch_dist import plan_torch_dist
 from jax_ucp._src.importers.plan import (
-    WHOLE,
     Detection,
     ImportOptions,
     ImportPlan,
-    Share,
     glob_detection,
     jsonable,
 )
@@ -51,27 +49,19 @@ __all__ = [
 # ----------------------------------------------------------------------------- entry point
 
 
-def plan_megatron(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    vocab_size: int | None = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
+def plan_megatron(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
     """The import of a Megatron checkpoint (torch_dist or legacy; detected). Every check that
     needs no tensor bytes runs before this returns.
 
     Args:
         src: the checkpoint folder (a save root or one ``iter_N``).
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path); its settings (e.g.
-            ``vocab_size``) and import rules are used.
-        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
-            spec's).
-        weights_only: the model weights alone; the optimizer state (whatever its layout) is
-            skipped and listed in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec``: a UCP-language spec (``Spec``, shipped name or TOML path) whose
+            settings (e.g. ``vocab_size``) and import rules are used; ``vocab_size``: the
+            tokenizer's vocabulary size, before Megatron's padding (overrides the spec's);
+            ``weights_only``: the model weights alone, the optimizer state (whatever its
+            layout) skipped and listed in ``source.skipped``.
     """
+    spec, vocab_size = options.spec, options.vocab_size
     with named_errors():
         source_dir = detect_megatron(src)
     if source_dir is None:
@@ -85,7 +75,7 @@ def plan_megatron(
         settings["vocab_size"] = int(vocab_size)
     planner = plan_torch_dist if source_dir.format == "torch_dist" else plan_legacy
     with named_errors():
-        plan = planner(source_dir, user_spec, settings, weights_only, share)
+        plan = planner(source_dir, settings, dataclasses.replace(options, spec=user_spec))
     info = dict(plan.source)
     iteration = info.pop("iteration", None)
     source = {
@@ -153,4 +143,4 @@ def plan(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
     from jax_ucp._src.importers.megatron import bridge  # it imports this package
 
     planner = bridge.plan_megatron_bridge if bridge.is_megatron_bridge(src) else plan_megatron
-    return planner(src, **vars(options))  # every option is one of the planners' keywords
+    return planner(src, options)

@@ -36,9 +36,9 @@ import numpy as np
 import yaml
 
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.megatron import legacy, plan_megatron
+from jax_ucp._src.importers.megatron import MegatronOptions, legacy, plan_megatron
 from jax_ucp._src.importers.megatron.common import MegatronImportError
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share
+from jax_ucp._src.importers.plan import ImportPlan
 from jax_ucp._src.language import Spec, load_spec
 from jax_ucp._src.torchfiles import unpickler
 
@@ -71,7 +71,7 @@ MAX_TRAIN_STATE_BYTES = 1 << 20
 
 # files of a Bridge iteration directory this importer knows (read, or megatron-core's)
 _KNOWN_FILES = {".metadata", "metadata.json", "common.pt", TRAIN_STATE_FILE, RUN_CONFIG_FILE}
-_ITER_DIR = re.compile(r"iter_(\d+)")
+_ITER_DIR = re.compile(r"iter_([0-9]+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +121,15 @@ def _tracker_step(tracker: Path) -> int | None:
         text = raw.decode("utf-8", "replace").strip()
     except files.UnsafeFileError as e:
         raise MegatronImportError(str(e)) from None
-    if not text.isdigit():
+    if text == "release":
         return None
-    if not text.isascii() or len(text) > 18:
+    step = files.name_number(text)
+    if step is None or len(text) > 18:
         raise MegatronImportError(
             f"{tracker}: iteration {text[:40]!r}{'...' if len(text) > 40 else ''} is not a "
-            f"number of at most 18 ASCII digits"
+            f"number of at most 18 ASCII digits (or 'release')"
         )
-    return int(text)
+    return step
 
 
 def find_bridge_checkpoint(src: os.PathLike | str) -> BridgeCheckpoint:
@@ -414,27 +415,19 @@ def _section(run_config: Mapping[str, Any], name: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-def plan_megatron_bridge(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    vocab_size: int | None = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
+def plan_megatron_bridge(src: os.PathLike | str, options: MegatronOptions) -> ImportPlan:
     """The import of a Megatron Bridge checkpoint: the model settings from ``run_config.yaml``,
     the rest the Megatron importer's torch_dist import.
 
     Args:
         src: a Bridge save directory or one ``iter_N/``.
-        spec: a UCP-language spec (``Spec``, shipped name or TOML path) with import rules /
-            settings; its own settings override the run config's.
-        vocab_size: the tokenizer's vocabulary size, before Megatron's padding (overrides the
-            run config's).
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec``: a UCP-language spec (``Spec``, shipped name or TOML path) with
+            import rules / settings, its own settings overriding the run config's;
+            ``vocab_size``: the tokenizer's vocabulary size, before Megatron's padding
+            (overrides the run config's); ``weights_only``: the model weights alone, the
+            optimizer state skipped and listed in ``source.skipped``.
     """
+    spec = options.spec
     checkpoint = find_bridge_checkpoint(src)
     config_path = checkpoint.iter_dir / RUN_CONFIG_FILE
     run_config = read_run_config(config_path)
@@ -453,13 +446,7 @@ def plan_megatron_bridge(
         merged = user_spec.with_settings(
             **{k: v for k, v in Spec(settings=settings).settings.items() if k not in theirs}
         )
-    plan = plan_megatron(
-        checkpoint.iter_dir,
-        spec=merged,
-        vocab_size=vocab_size,
-        weights_only=weights_only,
-        share=share,
-    )
+    plan = plan_megatron(checkpoint.iter_dir, dataclasses.replace(options, spec=merged))
     source = dict(plan.source)
     source["framework"] = "megatron-bridge"
     source["iteration"] = checkpoint.train_state["step"]

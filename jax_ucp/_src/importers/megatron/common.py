@@ -72,7 +72,7 @@ def step_from_param_groups(groups: Any, where: str) -> int:
 
 #: megatron-core's optimizer namespace in torch_dist keys: ``optimizer.*``, and
 #: ``chained_N.optimizer.*`` when a ChainedOptimizer (e.g. dense + MoE experts) prefixes them.
-_OPTIMIZER_NAME = re.compile(r"(?:chained_\d+\.)?optimizer\.")
+_OPTIMIZER_NAME = re.compile(r"(?:chained_[0-9]+\.)?optimizer\.")
 
 
 def is_optimizer_name(name: str) -> bool:

@@ -25,8 +25,8 @@ from jax_ucp._src.importers.plan import agreed_step
 from jax_ucp._src.torchfiles import unpickler
 
 _BUCKET_KEY = re.compile(
-    r"(?:chained_\d+\.)?optimizer\.distributed\.dp_group_idx_(\d+)\.gbuf_idx_(\d+)\.dtype_(.+)"
-    r"\.bucket_idx_(\d+)\.(param|exp_avg|exp_avg_sq)"
+    r"(?:chained_[0-9]+\.)?optimizer\.distributed\.dp_group_idx_([0-9]+)\.gbuf_idx_([0-9]+)\.dtype_(.+)"
+    r"\.bucket_idx_([0-9]+)\.(param|exp_avg|exp_avg_sq)"
 )
 
 
@@ -159,7 +159,7 @@ class GatheredStates(RankStates):
         grouped: bool = False,
     ):
         where = checkpoint.path / ".metadata"
-        pattern = r"optimizer\.distributed\.dp_group_idx_(\d+)\.param_state/.*"
+        pattern = r"optimizer\.distributed\.dp_group_idx_([0-9]+)\.param_state/.*"
         found = {int(m.group(1)): n for n in checkpoint.objects if (m := re.fullmatch(pattern, n))}
         if not found or sorted(found) != list(range(len(found))):
             raise MegatronImportError(
@@ -214,7 +214,9 @@ def chained_layouts(checkpoint: dcp.DcpCheckpoint, common: Any) -> list[str | No
         parts = optimizer
     else:
         names = itertools.chain(checkpoint.tensors, checkpoint.objects)
-        prefixes = {n.partition(".")[0] for n in names if re.match(r"chained_\d+\.optimizer\.", n)}
+        prefixes = {
+            n.partition(".")[0] for n in names if re.match(r"chained_[0-9]+\.optimizer\.", n)
+        }
         if not prefixes:
             return None
         parts = [None] * len(prefixes)

@@ -61,7 +61,7 @@ LEGACY_CLASSES: dict[str, Any] = {
     ),
 }
 
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"mp_rank_([0-9]{2})(?:_([0-9]{3}))?(?:_([0-9]{3}))?\Z")
 
 
 @dataclass
@@ -122,12 +122,11 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
             raise SourceError(str(e)) from None
         if text == "release":
             return src / "release", None
-        try:
-            it = int(text)
-        except ValueError:
+        it = files.name_number(text)  # ASCII digits: int() takes "١٢", " 5" and "5_0" too
+        if it is None:
             raise SourceError(
                 f"{tracker}: expected an iteration number or 'release', found {text!r}"
-            ) from None
+            )
         d = src / f"iter_{it:07d}"
         if not d.is_dir():
             raise SourceError(f"{tracker} names iteration {it} but {d} does not exist")
@@ -138,7 +137,7 @@ def resolve_iteration_dir(src: Path) -> tuple[Path, int | None]:
                 f"{d} leads outside {src} (a symlink); refusing to follow it"
             ) from None
         return d, it
-    m = re.fullmatch(r"iter_(\d+)", src.name)
+    m = re.fullmatch(r"iter_([0-9]+)", src.name)
     if m:
         return src, int(m.group(1))
     if src.name == "release":
@@ -196,7 +195,9 @@ def _load_rank(path: Path) -> tuple[dict, dict]:
 def model_chunks(state: dict, path: Path) -> list[str]:
     """The virtual-pipeline model chunks of a rank file, ``model0`` .. ``model<N-1>`` (empty
     without a virtual pipeline); a gap in the numbering, or ``model`` beside them, is an error."""
-    chunks = sorted((int(k[len("model") :]), k) for k in state if re.fullmatch(r"model\d+", str(k)))
+    chunks = sorted(
+        (int(k[len("model") :]), k) for k in state if re.fullmatch(r"model[0-9]+", str(k))
+    )
     if not chunks:
         return []
     if "model" in state or [i for i, _ in chunks] != list(range(len(chunks))):

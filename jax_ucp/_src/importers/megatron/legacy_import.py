@@ -32,6 +32,7 @@ from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
     WHOLE,
+    ImportOptions,
     ImportPlan,
     Share,
     agreed_step,
@@ -49,8 +50,8 @@ from jax_ucp._src.language import (
     merge,
 )
 
-_LAYER = re.compile(r"^(.*?\blayers\.)(\d+)(\..*)$")
-_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+_LAYER = re.compile(r"^(.*?\blayers\.)([0-9]+)(\..*)$")
+_LOCAL_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)([0-9]+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^.*\.mlp\.experts\.weight[12]$")
 
 # global name -> {stage (or ("emb" | "out", stage) once tied): [per-TP arrays]}
@@ -166,23 +167,17 @@ class LegacyMerger:
         return per_stage[0], f"expert(grouped, ep={self.checkpoint.ep}, flat concat)"
 
 
-def plan_legacy(
-    source_dir: MegatronSource,
-    spec: Spec | None,
-    settings: dict,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
+def plan_legacy(source_dir: MegatronSource, settings: dict, options: ImportOptions) -> ImportPlan:
     """Legacy TP x PP (x EP): fragments merged per name by the spec's kinds.
 
     Args:
         source_dir: the detected legacy checkpoint.
-        spec: the spec whose kinds merge the fragments (None: the default rules).
         settings: the run's model settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec``: the loaded spec whose kinds merge the fragments (None: the default
+            rules); ``weights_only``: the model weights alone, the optimizer state skipped and
+            listed in ``source.skipped``.
     """
+    spec, weights_only, share = options.spec, options.weights_only, options.share
     checkpoint = legacy.open_legacy(source_dir.ckpt_dir)
     _legacy_settings(checkpoint, settings)
     tensors = _collect_legacy_tensors(checkpoint, _stage_layer_offsets(checkpoint, settings))
@@ -280,7 +275,7 @@ def _legacy_step_sources(checkpoint: legacy.LegacyCheckpoint, found: list[str]) 
     named as one)."""
     prefixes = [_rank_dir_file(checkpoint, r.path) for r in checkpoint.ranks.values()]
     step = re.compile(
-        rf"(?:{'|'.join(map(re.escape, prefixes))}):optimizer\.optimizer\.param_groups\.\d+\.step"
+        rf"(?:{'|'.join(map(re.escape, prefixes))}):optimizer\.optimizer\.param_groups\.[0-9]+\.step"
     )
     tensors = [n for n in found if step.fullmatch(n)]
     values = {VALUES: [f"{p}:optimizer.optimizer.param_groups" for p in prefixes]}

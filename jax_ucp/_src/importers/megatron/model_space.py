@@ -37,7 +37,7 @@ def model_space_tensors(checkpoint: dcp.DcpCheckpoint, common: Any) -> dict[str,
     found: dict[str, dict[str, str]] = {}
     for tensor in (n for n in checkpoint.tensors if is_optimizer_name(n)):
         # a ChainedOptimizer (MoE: dense + experts) prefixes each member's keys with chained_N.
-        m = re.match(r"(chained_\d+\.)?" + re.escape(_OPTIMIZER_PREFIX), tensor)
+        m = re.match(r"(chained_[0-9]+\.)?" + re.escape(_OPTIMIZER_PREFIX), tensor)
         if m is None:
             raise MegatronImportError(
                 f"tensor {tensor!r} in {checkpoint.path / '.metadata'}: unsupported "

@@ -40,7 +40,7 @@ _TE = [*_LAYER_ORDER[:2], *_LAYER_ORDER[4:6], *_LAYER_ORDER[2:4], *_LAYER_ORDER[
 #: Expert tensors as megatron-core saves them, stacked ``[layers, experts, ...]``: SequentialMLP's
 #: and (transposed from its ``weight1`` / ``weight2``) the legacy GroupedMLP's, under one name.
 STACKED_EXPERT = re.compile(r"decoder\.layers\.mlp\.experts\.experts\.linear_fc[12]\.(weight|bias)")
-PER_LAYER = re.compile(r"decoder\.layers\.(\d+)\.(.*)")
+PER_LAYER = re.compile(r"decoder\.layers\.([0-9]+)\.(.*)")
 _TOP_BEFORE = ["embedding.word_embeddings.weight", "embedding.position_embeddings.weight"]
 _TOP_AFTER = [
     "decoder.final_layernorm.weight",

@@ -28,7 +28,7 @@ def detect_megatron(src: os.PathLike | str) -> MegatronSource | None:
     # lexists, not is_file: a .metadata or tracker that is a FIFO, a device or too large is
     # this format's file gone wrong, reported as such by the reader, not "not a checkpoint"
     if os.path.lexists(path / ".metadata"):
-        match = re.fullmatch(r"iter_(\d+)", path.name)
+        match = re.fullmatch(r"iter_([0-9]+)", path.name)
         return MegatronSource("torch_dist", path, int(match.group(1)) if match else None)
     try:
         iteration_dir, iteration = legacy.resolve_iteration_dir(path)

@@ -46,9 +46,8 @@ from jax_ucp._src.importers.megatron.source import MegatronSource
 from jax_ucp._src.importers.plan import (
     TENSORS,
     VALUES,
-    WHOLE,
+    ImportOptions,
     ImportPlan,
-    Share,
     agreed_step,
     host_item,
 )
@@ -72,22 +71,18 @@ class _OptimizerFound:
 
 
 def plan_torch_dist(
-    source_dir: MegatronSource,
-    spec: Spec | None,
-    settings: dict,
-    weights_only: bool = False,
-    share: Share = WHOLE,
+    source_dir: MegatronSource, settings: dict, options: ImportOptions
 ) -> ImportPlan:
     """torch_dist: tensors read whole (vocab rows stripped); its ``source`` is the format's info.
 
     Args:
         source_dir: the detected torch_dist checkpoint.
-        spec: the spec with import rules / settings (None: the defaults).
         settings: the run's model settings.
-        weights_only: the model weights alone; the optimizer state is skipped and listed in
-            ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec``: the loaded spec with import rules / settings (None: the defaults);
+            ``weights_only``: the model weights alone, the optimizer state skipped and listed
+            in ``source.skipped``.
     """
+    spec, weights_only, share = options.spec, options.weights_only, options.share
     checkpoint, common, common_path = open_torch_dist(source_dir.ckpt_dir)
     if not settings.get("num_layers") and isinstance(common, dict):
         add_arg_settings(legacy.args_dict(common.get("args")), settings)

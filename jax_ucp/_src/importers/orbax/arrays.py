@@ -28,7 +28,7 @@ from jax_ucp._src.importers.orbax import zstd_rows
 from jax_ucp._src.importers.orbax.layout import STRINGS_FILE, read_json
 
 # the array a TensorStore error names: ``Error reading "params.w/.zarray"``
-_ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|\d+(?:[./]\d+)*)"')
+_ARRAY_IN_MESSAGE = re.compile(r'"([^"]+?)/(?:\.zarray|zarr\.json|[0-9]+(?:[./][0-9]+)*)"')
 
 
 def tree_metadata(path: str):

@@ -19,7 +19,7 @@ _NAME_MAX = 255  # bytes of one file name (Linux, macOS): an item directory's na
 PYTREE_METADATA = "_METADATA"  # a PyTree item's tree metadata
 STRINGS_FILE = "_strings.json"  # Orbax's StringHandler: every str leaf of an item
 _MAX_JSON_BYTES = 256 << 20
-_STEP = re.compile(r"(?:.*_)?(\d+)")
+_STEP = re.compile(r"(?:.*_)?([0-9]+)")
 # Orbax's handlers whose items are PyTrees of arrays (v0 and v1 names).
 _PYTREE_HANDLERS = ("StandardCheckpointHandler", "PyTreeCheckpointHandler", "PyTreeHandler")
 
@@ -37,7 +37,7 @@ def is_orbax(src) -> bool:
 
 def _steps(root: str) -> dict[int, str]:
     """Committed steps of a manager root: step number -> directory (temporaries excluded)."""
-    out: dict[int, str] = {}
+    found: list[tuple[int, str]] = []
     for name in os.listdir(root):
         m = _STEP.fullmatch(name)
         path = os.path.join(root, name)
@@ -46,8 +46,9 @@ def _steps(root: str) -> dict[int, str]:
             and ORBAX_TMP_MARK not in name
             and os.path.isfile(os.path.join(path, CHECKPOINT_METADATA))
         ):
-            out.setdefault(int(m.group(1)), path)
-    return out
+            found.append((int(m.group(1)), name))
+    named = files.numbered_names(found, root, "step")  # 5 and 0005: refused, not one taken
+    return {step: os.path.join(root, name) for step, name in named.items()}
 
 
 def read_json(path: str) -> Any:
@@ -91,10 +92,10 @@ def _step_dir(src: str, tag: int | str | None) -> tuple[str, int | None]:
             f"{src}: no Orbax checkpoint here (no {PYTREE_METADATA}, no "
             f"{CHECKPOINT_METADATA}, no committed step directories)"
         )
-    try:
-        step = max(steps) if tag is None else int(tag)
-    except ValueError:
-        step = None
+    if tag is None:
+        step = max(steps)
+    else:  # a step number or its ASCII digits (int() would take "١" and " 5")
+        step = tag if type(tag) is int else files.name_number(tag) if isinstance(tag, str) else None
     if step not in steps:
         raise SourceError(f"{src}: no committed step {tag!r}; steps found: {sorted(steps)}")
     inside(src, os.path.basename(steps[step]), f"{src}: step directory")

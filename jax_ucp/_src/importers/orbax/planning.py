@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from jax_ucp._src.errors import SourceError
+from jax_ucp._src.format import files
 from jax_ucp._src.importers.orbax.arrays import (
     check_chunks,
     flatten,
@@ -96,8 +97,8 @@ class OrbaxOptions(TaggedOptions):
     string of digits is that step number."""
 
     def __post_init__(self):
-        if isinstance(self.tag, str) and self.tag.isdigit():
-            object.__setattr__(self, "tag", int(self.tag))
+        if isinstance(self.tag, str) and (step := files.name_number(self.tag)) is not None:
+            object.__setattr__(self, "tag", step)
 
 
 def detect(src: os.PathLike | str) -> Detection:

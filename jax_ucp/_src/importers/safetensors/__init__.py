@@ -43,14 +43,12 @@ def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
     """safetensors weights (:func:`~jax_ucp._src.importers.safetensors_weights.plan_safetensors`),
     a torch optimizer beside them refused unless only weights are wanted. ``options``: the torch
     importer's (``TorchOptions``). A folder beside a torch optimizer (a Trainer
-    ``checkpoint-N/``, Accelerate's ``save_state``) is handed to the torch files importer by the
-    registry (:func:`~jax_ucp._src.importers.registry.plan_import`), which maps its state too."""
+    ``checkpoint-N/``, Accelerate's ``save_state``) is taken over by the torch format's
+    ``hf_trainer`` importer (its ``takes_over``), which maps that state too."""
     for field in ("parameter_order", "model_config"):
         if getattr(options, field, None) is not None:
             raise RequestError(
                 f"{src}: {field}= orders a torch optimizer's state; these safetensors "
                 f"come without one (or weights_only=True)"
             )
-    return plan_safetensors(
-        src, spec=options.spec, weights_only=options.weights_only, share=options.share
-    )
+    return plan_safetensors(src, options)

@@ -33,7 +33,7 @@ from typing import Any
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files
 from jax_ucp._src.importers import trainer_files
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, jsonable, refuse_spec
+from jax_ucp._src.importers.plan import Detection, ImportPlan, jsonable, refuse_spec
 from jax_ucp._src.importers.torch import olmo_core
 from jax_ucp._src.importers.torch.optimizer import (
     TensorRef,
@@ -44,16 +44,24 @@ from jax_ucp._src.importers.torch.optimizer import (
     scalar_ref,
     strip_wrappers,
 )
+from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.torchfiles import dcp_reader
 
-__all__ = ["MODEL_CONTAINERS", "NON_MODEL_ROOTS", "dcp_dirs", "is_torch_dcp", "plan_torch_dcp"]
+__all__ = [
+    "MODEL_CONTAINERS",
+    "NON_MODEL_ROOTS",
+    "dcp_dirs",
+    "detect",
+    "is_torch_dcp",
+    "plan_torch_dcp",
+]
 
 #: Top-level keys a model state dict is saved under (``dcp.save({"model": ...})``).
 MODEL_CONTAINERS = ("model", "state_dict", "model_state_dict")
 #: Top-level keys of torchtitan & co. beside top-level model keys that hold no parameters.
 NON_MODEL_ROOTS = ("train_state", "lr_scheduler", "lr_schedulers", "dataloader", "rng", "ft")
 #: Accelerate's / HF Trainer's sharded FSDP folders inside a save_state / checkpoint folder.
-_ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_\d+$")
+_ACCELERATE_DIR = re.compile(r"^(pytorch_model_fsdp|optimizer)_[0-9]+\Z")
 #: megatron-core's files beside its torch_dist .metadata (that is the Megatron importer's)
 MEGATRON_FILES = ("common.pt", "metadata.json")
 
@@ -80,14 +88,19 @@ def is_torch_dcp(src: os.PathLike | str) -> bool:
     return bool(dirs) and not any(os.path.lexists(d / f) for d in dirs for f in MEGATRON_FILES)
 
 
-def plan_torch_dcp(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-    parameter_order: Sequence[str] | None = None,
-) -> ImportPlan:
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a torch DCP checkpoint (``.metadata``, or Accelerate's / OLMo-core's
+    folders holding one), not megatron-core's, from names alone."""
+    if is_torch_dcp(src):
+        return Detection(True, "torch DCP (.metadata)")
+    return Detection(
+        False,
+        "no torch DCP (`.metadata` + `__R_S.distcp`, Accelerate's `pytorch_model_fsdp_0/` + "
+        "`optimizer_0/`)",
+    )
+
+
+def plan_torch_dcp(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     """The import of a torch DCP checkpoint folder (or Accelerate's folder holding several).
 
     Every check that needs no tensor bytes (files present and long enough, chunks tiling each
@@ -95,13 +108,15 @@ def plan_torch_dcp(
 
     Args:
         src: the DCP folder (or Accelerate's folder holding several).
-        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-        parameter_order: the model's parameter names in the order torch numbered them, for an
-            optimizer saved keyed by index (``optimizer.state_dict()`` as is: torchtune's
-            asynchronous ``dist_epoch_N/``); None for one keyed by name.
+        options: ``weights_only``: the model weights alone, the optimizer state in
+            ``source.skipped``; ``parameter_order``: the model's parameter names in the order
+            torch numbered them, for an optimizer saved keyed by index
+            (``optimizer.state_dict()`` as is: torchtune's asynchronous ``dist_epoch_N/``),
+            None for one keyed by name.
     """
+    refuse_model_config(src, options)
+    spec, weights_only = options.spec, options.weights_only
+    parameter_order = options.parameter_order
     refuse_spec(spec, "torch DCP imports keep torch's parameter names", SourceError)
     dirs = dcp_dirs(src)
     if not dirs:
@@ -142,8 +157,7 @@ def plan_torch_dcp(
                 "dcp_version": checkpoints[0].version,
                 **info,
             },
-            weights_only=weights_only,
-            share=share,
+            options,
         )
     except files.UnsafeFileError as e:  # the reader's own errors are already this group's
         raise SourceError(str(e)) from None
@@ -180,7 +194,7 @@ def _state(
         groups = _param_groups(root, objects, tensors, where)
     in_optimizer = {n for n in everything if root is not None and n.startswith(root)}
     model_names = [n for n in tensors if n not in in_optimizer]
-    by_index = bool(states) and all(k.isdigit() for k in states)
+    by_index = bool(states) and all(files.name_number(k) is not None for k in states)
     if by_index:
         states, groups = _numbered(states, groups, order, weights_only, where)
     elif order is not None:
@@ -333,7 +347,7 @@ def _param_groups(
                 owner, key = name[len(prefix) :].rsplit(".", 1)
                 value = ck.read_object(name) if table is objects else ck.read(name)
                 values.setdefault(owner, {})[key] = value
-    if all(k.isdigit() and "params" in v for k, v in values.items()):
+    if all(files.name_number(k) is not None and "params" in v for k, v in values.items()):
         return [values[k] for k in sorted(values, key=int)]
     grouped: list[dict] = []
     for param, hps in values.items():

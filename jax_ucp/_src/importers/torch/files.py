@@ -28,7 +28,7 @@ from jax_ucp._src.errors import OptimizerOrderWarning, SourceError
 from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.format.safetensors import first_tensors, read_weight_map
 from jax_ucp._src.importers import trainer_files
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
+from jax_ucp._src.importers.plan import Detection, ImportPlan, refuse_spec, tensor_names
 from jax_ucp._src.importers.torch import hf_trainer
 from jax_ucp._src.importers.torch.optimizer import (
     TensorRef,
@@ -38,12 +38,15 @@ from jax_ucp._src.importers.torch.optimizer import (
     scalar_ref,
     strip_wrappers,
 )
+from jax_ucp._src.importers.torch.options import TorchOptions
 from jax_ucp._src.torchfiles import unpickler
 
 __all__ = [
     "MODEL_FILES",
     "OPTIMIZER_FILES",
     "SUFFIXES",
+    "detect",
+    "detect_optimizer",
     "has_torch_optimizer",
     "is_torch_files",
     "plan_torch_files",
@@ -156,31 +159,48 @@ def _split(obj: Any, path: str) -> tuple[str | None, dict, str | None, Any]:
     return model_key, obj[model_key], prefix if optimizer is not None else None, optimizer
 
 
-def plan_torch_files(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-    parameter_order: Sequence[str] | None = None,
-    model_config: str | os.PathLike | None = None,
-) -> ImportPlan:
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a torch.save file or a folder of them, from names (and a zip's
+    signature). A folder is a weak claim: DeepSpeed and Megatron folders hold them too."""
+    if os.path.isfile(src):
+        if is_torch_files(src):
+            return Detection(True, "a torch.save file")
+        return Detection(False, "not a torch.save file (`.bin`/`.pt`/`.pth`/`.ckpt` zip)")
+    if os.path.isdir(src) and is_torch_files(src):
+        return Detection(True, "torch.save files", weak=True)
+    return Detection(
+        False,
+        f"no torch.save files (`pytorch_model.bin`, `{INDEX_FILE}`, `pytorch_model_fsdp.bin`, "
+        f"a `.bin`/`.pt`/`.pth`/`.ckpt` file)",
+    )
+
+
+def detect_optimizer(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` holds a torch optimizer file beside its weights (a Hugging Face Trainer
+    ``checkpoint-N/``, Accelerate's ``save_state``): read here with the safetensors weights
+    that format's importer claims."""
+    if has_torch_optimizer(src):
+        return Detection(True, "a torch optimizer beside the weights (optimizer.pt / .bin)")
+    return Detection(False, "no torch optimizer (`optimizer.pt`, `optimizer.bin`)")
+
+
+def plan_torch_files(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     """The import of a torch.save checkpoint (file or folder), or of a folder of safetensors
     weights beside a torch optimizer (Trainer ``checkpoint-N/``, Accelerate ``save_state``).
 
     Args:
         src: a torch.save file, or a folder of them (sharded ``.bin``, or safetensors weights
             beside ``optimizer.pt``).
-        spec: a UCP-language spec with import rules / settings (as in ``ImportOptions``).
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-        parameter_order: the names of the optimizer's parameters in the order torch numbered
-            them (group after group; for ``AdamW(model.parameters())``,
-            ``[n for n, _ in model.named_parameters()]``), for an optimizer keyed by bare
-            indices whose order the files do not keep.
-        model_config: a Hugging Face ``config.json`` whose model gives that order (see
-            ``TorchOptions.model_config``).
+        options: ``weights_only``: the model weights alone, the optimizer state in
+            ``source.skipped``; ``parameter_order``: the names of the optimizer's parameters
+            in the order torch numbered them (group after group; for
+            ``AdamW(model.parameters())``, ``[n for n, _ in model.named_parameters()]``), for
+            an optimizer keyed by bare indices whose order the files do not keep;
+            ``model_config``: a Hugging Face ``config.json`` whose model gives that order.
     """
+    spec, weights_only = options.spec, options.weights_only
+    parameter_order = options.parameter_order
+    model_config = None if options.model_config is None else os.fspath(options.model_config)
     refuse_spec(spec, "torch file imports keep torch's parameter names", SourceError)
     src = os.fspath(src)
     if not os.path.exists(src):
@@ -226,7 +246,7 @@ def plan_torch_files(
         "files": [os.path.basename(p) for p in model_files],
         **info,
     }
-    return plan_state(state, source, weights_only=weights_only, share=share)
+    return plan_state(state, source, options)
 
 
 def _read_model_files(src: str, model_files: list[str]):

@@ -136,6 +136,7 @@ def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
         return None, f"{where} is {name!r}"
     tried: list[str] = []
     folders: list[str] = []
+    cached: dict[str, str] = {}  # a cache snapshot folder -> its name below the cache
     if os.path.isdir(name):
         folders.append(name)
     else:
@@ -164,12 +165,15 @@ def _base_model_config(adapter_path: str) -> tuple[str | None, str]:
                 tried.append(f"{snapshots}: {len(found)} snapshots and no refs/{revision}")
         if commit is not None:
             folders.append(os.path.join(snapshots, commit))
+            cached[folders[-1]] = os.path.relpath(folders[-1], cache)
         elif not os.path.isdir(snapshots):
             tried.append(f"no {snapshots} in the Hugging Face cache")
     else:
         tried.append(f"{name!r} is not a Hub repo id to look up in the cache {cache}")
     for folder in folders:
         try:
+            if folder in cached:  # a snapshot folder linked out of the cache is not followed
+                files.inside(cache, cached[folder], f"{folder}: the base model's snapshot")
             path = files.inside_checkpoint(folder, CONFIG_FILE, f"{folder}: the base model's")
             files.check_regular(path)
         except (UCPError, OSError) as e:

@@ -19,16 +19,16 @@ import re
 from typing import Any
 
 from jax_ucp._src.format import files
-from jax_ucp._src.importers.plan import numbered_folders
+from jax_ucp._src.importers.plan import Detection, numbered_folders
 from jax_ucp._src.torchfiles import unpickler
 
-__all__ = ["MODEL_DIR", "TRAIN_DIR", "is_step_folder", "step_folders", "train_record"]
+__all__ = ["MODEL_DIR", "TRAIN_DIR", "detect", "is_step_folder", "step_folders", "train_record"]
 
 MODEL_DIR = "model_and_optim"
 TRAIN_DIR = "train"
 VERSION_FILE = ".metadata.json"
 MAX_JSON_BYTES = 1 << 20
-_RANK_FILE = re.compile(r"^rank(\d+)\.pt$")
+_RANK_FILE = re.compile(r"rank([0-9]+)\.pt")
 
 #: Classes an OLMo-core trainer state may reference beyond torch's, as inert stand-ins
 #: (numpy's arrays and scalars: np.random.get_state() in the RNG states).
@@ -47,16 +47,24 @@ def is_step_folder(src: os.PathLike | str) -> bool:
     )
 
 
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is an OLMo-core step folder, from names (its ``model_and_optim/`` is
+    torch DCP, planned by the DCP importer, which reads ``train/`` too)."""
+    if is_step_folder(src):
+        return Detection(True, "an OLMo-core step folder (model_and_optim/ torch DCP, train/)")
+    return Detection(False, "no OLMo-core `model_and_optim/` + `train/`")
+
+
 def step_folders(src: os.PathLike | str) -> list[str]:
     """The ``stepN`` checkpoint folders of an OLMo-core save folder, by step."""
-    return numbered_folders(src, r"step(\d+)", is_step_folder)
+    return numbered_folders(src, r"step([0-9]+)", is_step_folder, "step")
 
 
 def rank_files(src: str) -> list[str]:
     """``train/rank<R>.pt`` of ``src``, by rank (paths relative to ``src``)."""
     folder = files.inside(src, TRAIN_DIR, f"{src}: OLMo-core's {TRAIN_DIR}/")
-    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _RANK_FILE.match(n))]
-    return [f"{TRAIN_DIR}/{name}" for _, name in sorted(found)]
+    found = [(int(m.group(1)), n) for n in os.listdir(folder) if (m := _RANK_FILE.fullmatch(n))]
+    return [f"{TRAIN_DIR}/{name}" for name in files.numbered_names(found, folder, "rank").values()]
 
 
 def train_record(src: str) -> tuple[dict[str, Any], dict[str, str]]:

@@ -28,7 +28,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import mapped_file
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, agreed_step, host_item, jsonable
+from jax_ucp._src.importers.plan import ImportOptions, ImportPlan, agreed_step, host_item, jsonable
 
 __all__ = [
     "STATE_TREES",
@@ -200,22 +200,17 @@ def _check_states(state: TorchState) -> None:
                 )
 
 
-def plan_state(
-    state: TorchState,
-    source: dict,
-    *,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
+def plan_state(state: TorchState, source: dict, options: ImportOptions) -> ImportPlan:
     """The import of ``state``: checked (every optimizer state names a parameter of the same
     shape, one step for all) before anything is read beyond scalars.
 
     Args:
         state: the torch state read from the files.
         source: the manifest's source record.
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``weights_only``: the model weights alone, the optimizer state in
+            ``source.skipped``; ``share``: this process's part of a distributed import.
     """
+    weights_only, share = options.weights_only, options.share
     skipped = dict(state.skipped)
     states, groups = ({}, []) if weights_only else (state.states, state.param_groups)
     if weights_only:

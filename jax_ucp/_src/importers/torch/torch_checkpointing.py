@@ -26,13 +26,19 @@ from typing import Any
 
 import numpy as np
 
-from jax_ucp._src.errors import SourceError
-from jax_ucp._src.format.files import in_own_folder, read_regular
-from jax_ucp._src.importers.plan import WHOLE, ImportPlan, Share, refuse_spec, tensor_names
+from jax_ucp._src.errors import RequestError, SourceError
+from jax_ucp._src.format.files import in_own_folder, numbered_names, read_regular
+from jax_ucp._src.importers.plan import (
+    Detection,
+    ImportPlan,
+    refuse_spec,
+    tensor_names,
+)
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, plan_state, scalar_ref
-from jax_ucp._src.torchfiles import sharded, unpickler
+from jax_ucp._src.importers.torch.options import TorchOptions
+from jax_ucp._src.torchfiles import dtypes, sharded, unpickler
 
-__all__ = ["METADATA_FILE", "is_torch_checkpointing", "plan_torch_checkpointing"]
+__all__ = ["METADATA_FILE", "detect", "is_torch_checkpointing", "plan_torch_checkpointing"]
 
 METADATA_FILE = "metadata.pkl"  # torch_checkpointing.metadata_serialization.METADATA_FILE_NAME
 #: the metadata versions read here (torch_checkpointing 0.1.x writes "2.0")
@@ -40,7 +46,7 @@ VERSIONS = ("2.0",)
 MAX_METADATA_BYTES = 256 << 20  # plain data: shapes, placements, ranks per tensor
 MODEL_ITEMS = ("model",)
 OPTIMIZER_ITEMS = ("optimizer", "optim")
-_RANK_FILE = re.compile(r"(.+)_(\d+)\.pt")
+_RANK_FILE = re.compile(r"(.+)_([0-9]+)\.pt")  # ASCII digits: rank_١.pt is no rank file
 
 
 def is_torch_checkpointing(src: os.PathLike | str) -> bool:
@@ -85,7 +91,13 @@ def _metadata(src: str) -> tuple[dict, int]:
         table: dict[tuple, list] = {}
         for key, groups in paths.items():
             nested = tuple(_json_path(key, path))
-            table[nested] = [(g["sharding_metadata"], tuple(g["ranks"])) for g in groups]
+            try:
+                table[nested] = [(g["sharding_metadata"], tuple(g["ranks"])) for g in groups]
+            except (KeyError, TypeError) as e:
+                raise SourceError(
+                    f"{path}: item {item!r} entry {unpickler.short_repr(key, 80)}: malformed "
+                    f"({type(e).__name__}: {str(e)[:80]})"
+                ) from None
         items[str(item)] = table
     return items, world
 
@@ -106,27 +118,56 @@ def _shard_box(
     meta: dict, rank: int, where: str
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(global shape, offset, local shape) of ``rank``'s shard by DTensor's placement rule."""
-    if meta.get("type") != "DTensorShardingMetadata":
+    if not isinstance(meta, dict) or meta.get("type") != "DTensorShardingMetadata":
         raise SourceError(
-            f"{where}: sharding metadata of type {meta.get('type')!r}, expected "
+            f"{where}: sharding metadata of type "
+            f"{unpickler.short_repr(meta.get('type') if isinstance(meta, dict) else meta, 60)}, expected "
             f"DTensorShardingMetadata"
         )
-    data = meta["data"]
-    shape = tuple(int(n) for n in data["global_shape"])
-    mesh = data["mesh_spec"]
-    mesh_shape = tuple(int(n) for n in mesh["mesh_shape"])
-    ranks = [int(r) for r in np.asarray(mesh["mesh_data"]).reshape(-1)]
+    try:  # untrusted plain data: a missing key or a non-number is an error naming it
+        data = meta["data"]
+        shape = tuple(int(n) for n in data["global_shape"])
+        mesh = data["mesh_spec"]
+        mesh_shape = tuple(int(n) for n in mesh["mesh_shape"])
+        ranks = [int(r) for r in np.asarray(mesh["mesh_data"]).reshape(-1)]
+        placements = [(p.get("type"), p.get("dim")) for p in data["placements"]]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise SourceError(
+            f"{where}: malformed sharding metadata ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     if rank not in ranks or len(ranks) != math.prod(mesh_shape):
         raise SourceError(f"{where}: rank {rank} is not in the mesh {ranks}")
+    if len(placements) != len(mesh_shape) or any(n < 0 for n in shape):
+        raise SourceError(
+            f"{where}: {len(placements)} placements for a {len(mesh_shape)}-D mesh, shape "
+            f"{list(shape)}"
+        )
     coords = np.unravel_index(ranks.index(rank), mesh_shape)
     dims: list[int | None] = []
-    for placement in data["placements"]:
-        kind = placement.get("type")
+    for kind, dim in placements:
         if kind not in ("Shard", "Replicate"):
             raise SourceError(f"{where}: placement {kind!r}; only Shard and Replicate are read")
-        dims.append(int(placement["dim"]) if kind == "Shard" else None)
-    offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+        if kind == "Shard" and type(dim) is not int:
+            raise SourceError(f"{where}: Shard dim {unpickler.short_repr(dim, 40)} is not an int")
+        dims.append(dim if kind == "Shard" else None)
+    try:
+        offset, local = sharded.dtensor_box(shape, mesh_shape, [int(c) for c in coords], dims)
+    except sharded.ShardLayoutError as e:  # Shard(1) of a 1-D tensor: no IndexError
+        raise SourceError(f"{where}: {e}") from None
     return shape, offset, local
+
+
+def _metadata_dtype(meta: dict, where: str) -> np.dtype:
+    """The dtype ``metadata.pkl`` records for a tensor (``"torch.float32"``)."""
+    data = meta.get("data") if isinstance(meta, dict) else None
+    name = data.get("dtype") if isinstance(data, dict) else None
+    torch_name = name.partition("torch.")[2] if isinstance(name, str) else ""
+    dtype = dtypes.BY_NAME.get(torch_name) if name == f"torch.{torch_name}" else None
+    if dtype is None:
+        raise SourceError(
+            f"{where}: metadata dtype {unpickler.short_repr(name, 60)} is not a torch dtype"
+        )
+    return dtype
 
 
 def _local(value: Any) -> tuple[Any, tuple[int, ...] | None]:
@@ -162,11 +203,38 @@ def _assembled(
                     f"{where}: {name!r} on rank {rank} is a shard of {list(global_shape)}, "
                     f"the metadata says {list(shape)}"
                 )
+            _same_dtype(name, rank, value, array, dtype, where)
             pieces.setdefault((offset, local), sharded.Piece(offset, array))  # replicas: once
     problem = sharded.covers(shape, list(pieces.values())) if pieces else "no shard"
     if problem:
         raise SourceError(f"{where}: the ranks' shards of {name!r} do not tile it ({problem})")
     return sharded.assemble(shape, dtype, list(pieces.values()))
+
+
+def _same_dtype(
+    name: str, rank: int, value: Any, array: np.ndarray, dtype: np.dtype, where: str
+) -> None:
+    """The dtype ``metadata.pkl`` records, the DTensor's own and its shard's storage type agree:
+    a renamed storage class (``FloatStorage`` -> ``IntStorage``) would read other values.
+
+    Args:
+        name: the entry, for the error.
+        rank: whose file it is.
+        value: what the rank's file holds (a DTensor, or a plain tensor).
+        array: its local tensor.
+        dtype: the metadata's dtype.
+        where: the checkpoint folder.
+    """
+    found = {"its storage": np.dtype(array.dtype).name}
+    if isinstance(value, unpickler.WrapperTensor):
+        found["the DTensor"] = np.dtype(value.dtype).name
+    wrong = {k: v for k, v in found.items() if v != dtype.name}
+    if wrong:
+        said = ", ".join(f"{k} says {v}" for k, v in wrong.items())
+        raise SourceError(
+            f"{where}: {name!r} in rank {rank}'s file ({name.split(':')[0]}_{rank}.pt): "
+            f"{METADATA_FILE} records {dtype.name}, {said}"
+        )
 
 
 def _leaf(state: Any, nested: tuple) -> Any:
@@ -180,23 +248,31 @@ def _leaf(state: Any, nested: tuple) -> Any:
     return state
 
 
-def plan_torch_checkpointing(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-) -> ImportPlan:
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a torch_checkpointing folder, from its file names."""
+    if is_torch_checkpointing(src):
+        return Detection(True, "a torch_checkpointing checkpoint (metadata.pkl, <item>_<rank>.pt)")
+    return Detection(False, "no torch_checkpointing `metadata.pkl` + `<item>_<rank>.pt`")
+
+
+def plan_torch_checkpointing(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     """The import of a torch_checkpointing folder: the ``model`` item's parameters and the
     ``optimizer`` item's state, assembled from every rank's shards, bit for bit.
 
     Args:
         src: the checkpoint folder (``metadata.pkl``, ``<item>_<rank>.pt``).
-        spec: refused: torch's parameter names are kept.
-        weights_only: the model weights alone, the optimizer state in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
+        options: ``spec`` refused (torch's parameter names are kept), ``weights_only``: the
+            model weights alone, the optimizer state in ``source.skipped``; an optimizer keyed
+            by name takes no ``parameter_order`` / ``model_config``.
     """
-    refuse_spec(spec, "torch_checkpointing imports keep torch's parameter names", SourceError)
+    if options.parameter_order is not None or options.model_config is not None:
+        raise RequestError(
+            f"{src}: a torch_checkpointing checkpoint keys its optimizer by name; "
+            f"parameter_order= / model_config= do not apply"
+        )
+    refuse_spec(
+        options.spec, "torch_checkpointing imports keep torch's parameter names", SourceError
+    )
     src = os.fspath(src)
     items, world = _metadata(src)
     model_item = next((i for i in MODEL_ITEMS if i in items), None)
@@ -206,7 +282,7 @@ def plan_torch_checkpointing(
             f"{sorted(items)}"
         )
     optimizer_item = next((i for i in OPTIMIZER_ITEMS if i in items), None)
-    files = sorted(n for n in os.listdir(src) if _RANK_FILE.fullmatch(n))
+    files = _rank_files(src)
     loaded = _load_ranks(src, items, world, files)
     params, states, found, optimizer_sources, skipped = _refs(
         src, items, world, loaded, model_item, optimizer_item
@@ -238,7 +314,19 @@ def plan_torch_checkpointing(
     }
     if recorded:
         source["recorded"] = recorded
-    return plan_state(torch_state, source, weights_only=weights_only, share=share)
+    return plan_state(torch_state, source, options)
+
+
+def _rank_files(src: str) -> list[str]:
+    """The ``<item>_<rank>.pt`` files of ``src``, refusing two names for one item's rank
+    (``model_1.pt``, ``model_01.pt``): the import reads one by its name, the other would be
+    left out unsaid."""
+    found = [
+        ((m.group(1), int(m.group(2))), n)
+        for n in os.listdir(src)
+        if (m := _RANK_FILE.fullmatch(n))
+    ]
+    return sorted(numbered_names(found, src, "(item, rank)").values())
 
 
 def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str, dict[int, Any]]:
@@ -281,11 +369,15 @@ def _refs(
             if not isinstance(local, np.ndarray):
                 raise SourceError(f"{src}: {entry} is not a tensor in {item}_0.pt")
             shape = _shard_box(groups[0][0], groups[0][1][0], f"{src}: {entry}")[0]
+            dtype = _metadata_dtype(groups[0][0], f"{src}: {entry}")
+            for rank, value in shards.items():  # checked before anything is written
+                if isinstance(array := _local(value)[0], np.ndarray):  # else: _assembled says
+                    _same_dtype(entry, rank, value, array, dtype, src)
             ref = TensorRef(
                 entry,
                 shape,
-                local.dtype,
-                lambda n=entry, g=groups, s=shards, d=local.dtype: _assembled(n, g, s, d, src),
+                dtype,
+                lambda n=entry, g=groups, s=shards, d=dtype: _assembled(n, g, s, d, src),
                 {
                     "format": "torch_checkpointing",
                     "files": [f"{item}_{r}.pt" for r in range(world)],

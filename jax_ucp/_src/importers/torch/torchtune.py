@@ -28,9 +28,8 @@ import numpy as np
 from jax_ucp._src.errors import SourceError
 from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.importers.plan import (
-    WHOLE,
+    Detection,
     ImportPlan,
-    Share,
     numbered_folders,
     refuse_spec,
     skip,
@@ -39,12 +38,14 @@ from jax_ucp._src.importers.plan import (
 from jax_ucp._src.importers.safetensors_weights import plan_safetensors
 from jax_ucp._src.importers.torch import dcp
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
+from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.importers.trainer_files import read_json, side_file
 from jax_ucp._src.torchfiles import unpickler
 
 __all__ = [
     "RECIPE_STATE",
     "TUNE_TO_HF",
+    "detect",
     "epoch_folders",
     "is_torchtune",
     "plan_torchtune",
@@ -86,7 +87,7 @@ def epoch_folders(src: str, dist: bool = False) -> list[str]:
             return os.path.isfile(os.path.join(path, ".metadata"))
         return any(n.endswith(".safetensors") for n in os.listdir(path))
 
-    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_(\d+)", holds)
+    return numbered_folders(src, rf"{'dist_' if dist else ''}epoch_([0-9]+)", holds, "epoch")
 
 
 def _epoch_number(name: str) -> int:
@@ -96,8 +97,8 @@ def _epoch_number(name: str) -> int:
 def hf_name(name: str) -> str | None:
     """torchtune's parameter ``name`` as Hugging Face's, or None when the table has none
     (``get_mapped_key``: every ``.<digits>`` is the layer number)."""
-    layer = re.search(r"\.(\d+)", name)
-    key = re.sub(r"\.\d+", ".{}", name)
+    layer = re.search(r"\.([0-9]+)", name)
+    key = re.sub(r"\.[0-9]+", ".{}", name)
     mapped = TUNE_TO_HF.get(key)
     if mapped is None:
         return None
@@ -166,25 +167,29 @@ def is_torchtune(src: os.PathLike | str) -> bool:
     return os.path.isdir(src) and bool(epoch_folders(src) or epoch_folders(src, dist=True))
 
 
-def plan_torchtune(
-    src: os.PathLike | str,
-    *,
-    spec: Any = None,
-    weights_only: bool = False,
-    share: Share = WHOLE,
-    parameter_order: Sequence[str] | None = None,
-) -> ImportPlan:
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a torchtune output folder, from names: a weak claim (its
+    ``epoch_N/`` folders hold safetensors, as other formats' folders may)."""
+    if is_torchtune(src):  # epoch_N/ (+ recipe_state/)
+        return Detection(True, "a torchtune checkpoint", weak=True)
+    return Detection(False, "no torchtune `epoch_N/` or `dist_epoch_N/`")
+
+
+def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
     """The latest epoch's weights and, unless weights_only, the recipe's optimizer state mapped
     onto them (Hugging Face's names and q/k row order).
 
     Args:
         src: the torchtune output folder (``epoch_N/``, ``recipe_state/``).
-        spec: refused: the names are Hugging Face's, as the checkpointer wrote the weights.
-        weights_only: the weights alone, ``recipe_state.pt`` in ``source.skipped``.
-        share: this process's part of a distributed import (default: the whole).
-        parameter_order: torchtune's parameter names in ``model.parameters()`` order, for an
-            optimizer keyed by index (the single-device recipes).
+        options: ``spec`` refused (the names are Hugging Face's, as the checkpointer wrote the
+            weights); ``weights_only``: the weights alone, ``recipe_state.pt`` in
+            ``source.skipped``; ``parameter_order``: torchtune's parameter names in
+            ``model.parameters()`` order, for an optimizer keyed by index (the single-device
+            recipes).
     """
+    refuse_model_config(src, options)
+    spec, weights_only = options.spec, options.weights_only
+    parameter_order = options.parameter_order
     src = os.fspath(src)
     epochs = epoch_folders(src)
     dist = epoch_folders(src, dist=True)
@@ -198,24 +203,18 @@ def plan_torchtune(
     if has_recipe:  # never a recipe_state/ (or its file) linked out of the output folder
         recipe = files.inside(src, RECIPE_STATE, src)
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
-        plan = dcp.plan_torch_dcp(
-            os.path.join(src, dist[-1]),
-            spec=spec,
-            weights_only=weights_only,
-            share=share,
-            parameter_order=parameter_order,
-        )
+        plan = dcp.plan_torch_dcp(os.path.join(src, dist[-1]), options)
         return _as_dist_epoch(plan, src, epochs, dist)
     if has_recipe and not weights_only:
         refuse_spec(spec, "torchtune imports keep Hugging Face's names", SourceError)
-        return _plan_with_optimizer(src, epochs, recipe, share, parameter_order)
+        return _plan_with_optimizer(src, epochs, recipe, options, parameter_order)
     if parameter_order is not None:
         raise SourceError(
             f"{src}: parameter_order numbers the optimizer of {RECIPE_STATE}, which "
             f"{'weights_only leaves out' if has_recipe else 'this folder does not hold'}"
         )
     latest = os.path.join(src, epochs[-1])
-    plan = plan_safetensors(latest, spec=spec, share=share)
+    plan = plan_safetensors(latest, dataclasses.replace(options, weights_only=False))
     source = dict(plan.source)
     source.update(framework="torchtune", path=os.path.abspath(src), epoch=epochs[-1])
     units = [f"{e}/" for e in epochs[:-1] + dist]
@@ -411,7 +410,7 @@ def _plan_with_optimizer(
     src: str,
     epochs: list[str],
     recipe: str,
-    share: Share,
+    options: TorchOptions,
     order: Sequence[str] | None,
 ) -> ImportPlan:
     """The latest epoch's weights with recipe_state.pt's moments, renamed and row-permuted
@@ -463,4 +462,4 @@ def _plan_with_optimizer(
         "recipe": progress,
         "model_type": config.get("model_type"),
     }
-    return plan_state(torch_state, source, share=share)
+    return plan_state(torch_state, source, options)

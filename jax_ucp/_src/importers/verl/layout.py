@@ -21,15 +21,16 @@ __all__ = ["TRACKER", "Located", "RankFiles", "is_model_dir", "locate", "rank_fi
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_DIRS = ("actor", "critic")
-_STEP_DIR = re.compile(r"^global_step_(\d+)$")
-RANK_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+# ASCII digits and the whole name (``$`` would also take a name ending in a newline)
+_STEP_DIR = re.compile(r"global_step_([0-9]+)")
+RANK_FILE = re.compile(r"(model|optim|extra_state)_world_size_([0-9]+)_rank_([0-9]+)\.pt")
 
 
 def is_model_dir(path: str) -> bool:
     """A folder verl's FSDP checkpoint manager wrote: it holds ``model_world_size_W_rank_R.pt``."""
     try:
         return os.path.isdir(path) and any(
-            (m := RANK_FILE.match(n)) and m.group(1) == "model" for n in os.listdir(path)
+            (m := RANK_FILE.fullmatch(n)) and m.group(1) == "model" for n in os.listdir(path)
         )
     except OSError:
         return False
@@ -42,11 +43,11 @@ def step_dirs(root: str) -> list[str]:
     except OSError:
         return []
     found = [
-        n
+        (int(m.group(1)), n)
         for n in names
-        if _STEP_DIR.match(n) and is_model_dir(os.path.join(root, n, MODEL_DIRS[0]))
+        if (m := _STEP_DIR.fullmatch(n)) and is_model_dir(os.path.join(root, n, MODEL_DIRS[0]))
     ]
-    return sorted(found, key=lambda n: int(n.rsplit("_", 1)[1]))
+    return list(files.numbered_names(found, root, "step").values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +72,12 @@ def _read_tracker(root: str) -> int | None:
         text = files.read_regular(path, 4096).decode("utf-8", "replace").strip()
     except files.UnsafeFileError as e:
         raise SourceError(str(e)) from None
-    if not text.isdigit():
+    step = files.name_number(text)
+    if step is None:
         raise SourceError(
             f"{os.path.join(root, TRACKER)}: expected verl's step number, found {text!r}"
         )
-    return int(text)
+    return step
 
 
 def locate(src: str) -> Located:
@@ -85,7 +87,7 @@ def locate(src: str) -> Located:
     src = os.path.abspath(src)
     model_dir = src if is_model_dir(src) else os.path.join(src, MODEL_DIRS[0])
     step_dir = os.path.dirname(model_dir)
-    m = _STEP_DIR.match(os.path.basename(step_dir))
+    m = _STEP_DIR.fullmatch(os.path.basename(step_dir))
     if model_dir == src and not m:
         return Located(src, None, None, None, None)
     if m and is_model_dir(model_dir):
@@ -125,15 +127,22 @@ class RankFiles:
 def rank_files(model_dir: str) -> RankFiles:
     """Every ``<kind>_world_size_W_rank_R.pt`` of ``model_dir``, checked: one world size, every
     rank 0..W-1 of each kind present (the model always, the optimizer and extra state when
-    saved); anything else is refused naming the missing files."""
+    saved); anything else is refused naming the missing files, and so are two names for one
+    rank (``rank_1.pt``, ``rank_01.pt``)."""
     found: dict[str, dict[int, str]] = {}
     sizes: dict[int, str] = {}
-    for name in sorted(os.listdir(model_dir)):
-        m = RANK_FILE.match(name)
-        if m:
-            kind, world, rank = m.group(1), int(m.group(2)), int(m.group(3))
-            sizes.setdefault(world, name)
-            found.setdefault(kind, {})[rank] = name
+    named = files.numbered_names(
+        [
+            ((m.group(1), int(m.group(2)), int(m.group(3))), name)
+            for name in os.listdir(model_dir)
+            if (m := RANK_FILE.fullmatch(name))
+        ],
+        model_dir,
+        "(kind, world size, rank)",
+    )
+    for (kind, world, rank), name in named.items():
+        sizes.setdefault(world, name)
+        found.setdefault(kind, {})[rank] = name
     if len(sizes) != 1:
         raise SourceError(
             f"{model_dir}: rank files of {len(sizes)} world sizes: "

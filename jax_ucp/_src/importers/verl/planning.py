@@ -1,0 +1,104 @@
+"""The verl importer's entry: its options, ``detect`` and ``plan`` (the model's tensors from
+:mod:`.rank_tensors`, the optimizer's from :mod:`.optimizer`, the files beside from
+:mod:`.side_files`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from jax_ucp._src import writer
+from jax_ucp._src.errors import SourceError
+from jax_ucp._src.importers.plan import (
+    TENSORS,
+    Detection,
+    ImportOptions,
+    ImportPlan,
+    host_item,
+    refuse_spec,
+)
+from jax_ucp._src.importers.verl import layout, optimizer, rank_tensors, side_files
+
+__all__ = ["VerlOptions", "detect", "plan"]
+
+
+@dataclasses.dataclass(frozen=True)
+class VerlOptions(ImportOptions):
+    """``ImportOptions``: a verl checkpoint takes no options of its own."""
+
+
+def detect(src: os.PathLike | str) -> Detection:
+    """Whether ``src`` is a verl run root, ``global_step_N/`` or its ``actor/`` folder, from
+    file names alone."""
+    path = os.fspath(src)
+    if layout.is_model_dir(path):
+        return Detection(True, "verl FSDP rank files (model_world_size_W_rank_R.pt)")
+    if layout.is_model_dir(os.path.join(path, layout.MODEL_DIRS[0])):
+        return Detection(True, "a verl global_step_N/ folder (actor/ rank files)")
+    if steps := layout.step_dirs(path):
+        return Detection(True, f"a verl run ({', '.join(steps[-3:])})")
+    return Detection(
+        False,
+        "no verl `model_world_size_W_rank_R.pt`, `global_step_N/actor/` or run root with them",
+    )
+
+
+def plan(src: os.PathLike | str, options: ImportOptions) -> ImportPlan:
+    """The import of the verl checkpoint at ``src`` (a run root, ``global_step_N/`` or its
+    ``actor/``). Every check that needs no tensor bytes runs before this returns."""
+    refuse_spec(options.spec, "a verl import keeps the model's parameter names", SourceError)
+    where = layout.locate(os.fspath(src))
+    model_dir = where.model_dir
+    ranks = layout.rank_files(model_dir)
+    world = ranks.world_size
+    if "model" not in ranks.by_kind:
+        raise SourceError(f"{model_dir}: no model_world_size_{world}_rank_R.pt")
+    recorded = {
+        "fsdp_version": side_files.fsdp_config(model_dir, world),
+        "global_step": where.step,
+        "tracker_step": where.tracker_step,
+    }
+    source: dict[str, Any] = {"framework": "verl", "path": model_dir, "world_size": world}
+    source.update((k, v) for k, v in recorded.items() if v is not None)
+    found: list[str] = []  # every source tensor (or file read as a unit)
+
+    models = [rank_tensors.load(model_dir, name) for name in ranks.by_kind["model"]]
+    params = rank_tensors.parameters(model_dir, ranks.by_kind["model"], models, world, found)
+    tied = rank_tensors.tied_keys(params)
+    config = side_files.hf_config(model_dir)
+    if config is not None:
+        source["trainer"] = {"model_config": config}
+
+    moments, count = optimizer.optimizer_state(
+        model_dir, ranks, options, params, tied, source, found
+    )
+    side_files.extra_state(model_dir, ranks.by_kind.get("extra_state", []), source, found)
+    side_files.scheduler_against_optimizer(model_dir, source, None if count is None else count[0])
+    side_files.units_beside(where, source, found)
+    names = options.share.pick(params)
+
+    def items() -> Iterator[writer.HostItem]:
+        for name in names:
+            shape, dtype, pieces = params[name]
+            item = rank_tensors.item(("params", name), shape, dtype, pieces)
+            if name in tied:
+                item = dataclasses.replace(item, tied_to=f"params/{tied[name]}")
+            elif moments and name not in moments:
+                item = dataclasses.replace(item, frozen=True)
+            yield item
+            for state, tree in optimizer.ADAM_STATE.items():
+                if name in moments:
+                    yield rank_tensors.item((*tree, name), shape, dtype, moments[name][state])
+        if count is not None and options.share.primary:
+            step, step_names = count
+            yield host_item(
+                ("opt_state", "count"),
+                np.asarray(step, np.int32),
+                {TENSORS: step_names, "pattern": "optimizer state 'step'"},
+            )
+
+    return ImportPlan(items(), source, len(names), found)

@@ -1,0 +1,58 @@
+"""Where a checkpoint lives, as one type chosen once from its path (``storage_for``): a local
+directory (``local.LocalDirectory``: rename commit, syncfs, lock file) or an object-store prefix
+(``object_store.ObjectStorePrefix``: ``ucp.json`` last, lock object). Everything above asks the
+type (``base.Storage``); nothing above it asks whether a path is a URL.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from jax_ucp._src import format as fmt
+from jax_ucp._src.store.storage.base import Claim, Storage, Transaction, kvstore_join
+from jax_ucp._src.store.storage.local import LocalDirectory
+from jax_ucp._src.store.storage.object_store import SCHEMES, ObjectStorePrefix
+
+__all__ = [
+    "Claim",
+    "LocalDirectory",
+    "ObjectStorePrefix",
+    "Storage",
+    "Transaction",
+    "is_url",
+    "kvstore_join",
+    "read_manifest",
+    "storage_for",
+    "write_manifest",
+]
+
+
+def is_url(path: Any) -> bool:
+    """True for ``s3://...`` / ``gs://...`` (an object-store checkpoint)."""
+    return isinstance(path, str) and path.split("://", 1)[0] in SCHEMES and "://" in path
+
+
+def storage_for(path: str | os.PathLike[str] | Storage) -> Storage:
+    """The storage of the checkpoint at ``path``: an object-store prefix for ``s3://`` and
+    ``gs://`` URLs, else a local directory."""
+    if isinstance(path, Storage):
+        return path
+    path = os.fspath(path)
+    return ObjectStorePrefix(path) if is_url(path) else LocalDirectory(path)
+
+
+def read_manifest(root) -> fmt.Manifest:
+    """The checkpoint's ``ucp.json`` (strictly validated), local or in an object store."""
+    return storage_for(root).read_manifest()
+
+
+def write_manifest(root, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
+    """``ucp.json`` (or a part of it) at ``root``; for an object store, one PUT, the commit.
+
+    Args:
+        root: the checkpoint (a local directory or an object-store prefix)
+        manifest: what to write
+        name: the file name (``ucp.json``, or a part's name)
+    """
+    storage_for(root).write_manifest(manifest, name)

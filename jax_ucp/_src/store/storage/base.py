@@ -1,0 +1,161 @@
+"""What every storage medium offers: read / write / list / delete of a checkpoint's small files,
+a lock, and a transaction that commits a checkpoint whole or not at all.
+
+A medium decides *how* (a rename, or a manifest written last); the writer decides *what* may be
+replaced (``Claim``, ``writer.commit``). As Orbax's ``path/atomicity_types.py`` and torch DCP's
+``StorageReader`` / ``StorageWriter``: one type per medium, chosen once (``storage_for``).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from jax_ucp._src import format as fmt
+
+
+class Claim(Protocol):
+    """The writer's replace policy, asked by a medium under its lock before a save."""
+
+    def directory(self, path: str) -> bool:
+        """Before a save to the directory ``path``: True when a committed one is replaced
+        (swapped out at the commit); raises when what is there may not be replaced."""
+        ...
+
+    def prefix(self, url: str) -> None:
+        """Before a save to the prefix ``url``: raises when what is there may not be replaced,
+        else deletes what a killed save of it left."""
+        ...
+
+    def failed(self, url: str) -> None:
+        """After a failed save to the prefix ``url``: deletes what it wrote, if uncommitted."""
+        ...
+
+
+@dataclasses.dataclass
+class Transaction:
+    """One commit of ``dest`` in progress (see ``Storage.transaction``).
+
+    ``path`` is where the writer writes: a fresh temporary directory (``staged``), or, when the
+    writer commits atomically itself (Orbax's Checkpointer: temporary + rename), ``dest`` or
+    ``dest + REPLACING`` (not created); for an object store, the prefix itself. ``inner``: the
+    directory under ``path`` that is the checkpoint (a manager step Orbax wrote in a staging
+    manager root), else ``path`` itself.
+    """
+
+    dest: str
+    path: str
+    replacing: bool
+    staged: bool = True
+    inner: str | None = None
+    committed: bool = False
+    finish: Callable[[Transaction], None] = lambda tx: None  # the medium's commit
+
+    def commit(self) -> None:
+        """Commits now (the ``with`` block commits at its end otherwise); idempotent."""
+        if self.committed:
+            return
+        self.finish(self)
+        self.committed = True
+
+
+class Storage(abc.ABC):
+    """Where one checkpoint lives. ``root`` is the path or URL as given; names are relative to
+    it ("/"-separated)."""
+
+    renames: bool  # commits by renaming a directory into place (else: its manifest, written last)
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.root!r})"
+
+    @abc.abstractmethod
+    def absolute(self) -> str:
+        """``root`` as a save returns it (a local path made absolute)."""
+
+    @abc.abstractmethod
+    def join(self, *parts: str) -> str:
+        """``root`` joined with ``parts``, for messages and nested checkpoints."""
+
+    @abc.abstractmethod
+    def kvstore(self, *subpath: str) -> dict:
+        """The TensorStore kvstore spec of ``root`` joined with ``subpath``."""
+
+    @abc.abstractmethod
+    def read(self, name: str, limit: int) -> bytes | None:
+        """The whole of ``name`` (None when absent); more than ``limit`` bytes is an error."""
+
+    @abc.abstractmethod
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists."""
+
+    @abc.abstractmethod
+    def write(self, name: str, data: bytes) -> None:
+        """``name`` whole, durable when this returns."""
+
+    @abc.abstractmethod
+    def names(self, prefix: str = "") -> list[str]:
+        """The names under ``root`` starting with ``prefix`` (the entries of ``root``, locally)."""
+
+    @abc.abstractmethod
+    def delete(self, names: list[str]) -> None:
+        """Removes each of ``names`` (a missing one is no error)."""
+
+    @abc.abstractmethod
+    def make_durable(self) -> None:
+        """Everything written under ``root`` so far durable (before it is reported written)."""
+
+    @abc.abstractmethod
+    def read_manifest(self) -> fmt.Manifest:
+        """The checkpoint's ``ucp.json``, strictly validated."""
+
+    @abc.abstractmethod
+    def write_manifest(self, manifest: fmt.Manifest, name: str = fmt.MANIFEST_FILE) -> None:
+        """``ucp.json`` (or a part of it), whole; in an object store, the commit."""
+
+    @abc.abstractmethod
+    def identity(self) -> Any:
+        """What tells the committed checkpoint at ``root`` from the next one there (None when
+        there is none)."""
+
+    @abc.abstractmethod
+    def lock(self) -> contextlib.AbstractContextManager[None]:
+        """An exclusive lock on saving to ``root``: a second saver gets ``SaveConflictError``."""
+
+    @abc.abstractmethod
+    def refuse_early(self, claim: Claim) -> None:
+        """Before any lock: what ``transaction`` would refuse at once, so that every process
+        of a save can check it and all raise alike."""
+
+    @abc.abstractmethod
+    def transaction(
+        self, claim: Claim, *, kind: str, staged: bool, inner: str | None
+    ) -> contextlib.AbstractContextManager[Transaction]:
+        """Lock, recover, ``claim``, write, commit (``writer.commit.transaction``).
+
+        Args:
+            claim: what may be replaced.
+            kind: what is written ("save", "import", "export"), for the log of a failure.
+            staged: the writer writes into a new temporary directory the commit renames.
+            inner: staged only: the checkpoint is that directory under ``tx.path``.
+        """
+
+    @abc.abstractmethod
+    def remove_abandoned(self) -> list[str]:
+        """What killed writers of ``root`` left, removed unless a save holds the lock."""
+
+
+def kvstore_join(spec: Mapping[str, Any], *subpath: str) -> dict:
+    """The kvstore spec ``spec`` with ``subpath`` appended to its path (a directory: "/" last)."""
+    rel = "/".join(p.strip("/") for p in subpath if p)
+    joined = dict(spec)
+    base = joined.get("path", "")
+    if base and not base.endswith("/"):
+        base += "/"
+    joined["path"] = base + rel + ("/" if rel else "")
+    return joined

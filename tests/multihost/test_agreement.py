@@ -1,0 +1,123 @@
+"""multihost.agreement.Exchange and multihost.liveness: a peer that dies is named from the
+exchange's first message on, even one killed before it said who it is (before "hello"): the
+process serving jax.distributed's coordinator counts the connections made to it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jax_ucp._src.multihost import agreement, liveness
+from tests.ucp_testing import REPO, free_port
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc/net")
+def test_the_connections_to_a_served_port_are_counted_as_they_come_and_go():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert liveness.serves(port) and not liveness.serves(free_port())
+        assert liveness.connected(port) == 0
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(2)]
+        accepted = [server.accept()[0] for _ in clients]
+        assert liveness.connected(port) == 2
+        clients[0].close()
+        accepted[0].close()
+        assert liveness.connected(port) == 1
+        for s in clients[1:] + accepted[1:]:
+            s.close()
+
+
+def test_fewer_connections_are_a_loss_only_once_they_last_and_name_who_is_not_there(monkeypatch):
+    """A count below the job's that recovers (a connection made again) is no loss; one that
+    lasts names the processes that have not answered (in a job of 3, which one closed its
+    connection is not known)."""
+    exchange = agreement.Exchange.__new__(agreement.Exchange)  # no jax.distributed job
+    exchange.served, exchange._short_since = 1234, None
+    exchange.count, exchange.index, exchange.lost = 3, 0, agreement.ProcessLostError
+    counts = iter([3, 2, 3, 2, 2])
+    monkeypatch.setattr(liveness, "connected", lambda port: next(counts))
+    monkeypatch.setattr(agreement, "CUT_OFF_S", 3600.0)
+    for _ in range(3):  # full; short for less than the cut-off; full again
+        exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
+    assert exchange._short_since is None
+    exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
+    monkeypatch.setattr(agreement, "CUT_OFF_S", 0.0)
+    with pytest.raises(agreement.ProcessLostError) as e:
+        exchange.raise_if_cut_off([2], "hello", "dest: not committed;")
+    assert "1 of the job's 3 processes lost their connection" in str(e.value)
+    assert "process(es) 2 had not reached 'hello'" in str(e.value)
+
+
+DIES_BEFORE_HELLO = r"""
+import os, signal, sys, time
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+pid, port, path = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                           process_id=pid, initialization_timeout=60)
+import jax_ucp
+mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
+W = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+w = jax.make_array_from_callback(W.shape, NamedSharding(mesh, P("data")), lambda i: W[i])
+if pid == 1:  # killed before its save said anything
+    time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGKILL)
+try:
+    jax_ucp.save(path, {"w": w, "step": 7}, force=True)
+    print("SAVED", flush=True)
+except Exception as e:
+    print("FAILED", type(e).__name__, " ".join(str(e).split()), flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_killed_before_the_first_exchange_is_named_not_waited_for(tmp_path):
+    """Process 1 is SIGKILLed after joining the job, before its save's first message: process 0
+    raises ProcessLostError naming it and leaves the old checkpoint whole. Before: process 0
+    waited in "hello" until jax's heartbeat (100 s) aborted it, with no jax_ucp error."""
+    import numpy as np
+
+    import jax_ucp
+
+    path = tmp_path / "ckpt"
+    jax_ucp.save(path, {"old": np.arange(3)})
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=2",
+        PYTHONPATH=REPO,
+    )
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", DIES_BEFORE_HELLO, str(i), port, str(path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        out, err = procs[0].communicate(timeout=60)  # far below jax's 100 s heartbeat
+        procs[1].communicate(timeout=30)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert procs[1].returncode == -signal.SIGKILL
+    assert (
+        f"FAILED ProcessLostError {path}: not committed; process 1 lost its connection to "
+        "jax.distributed's coordinator (served by process 0) before reaching 'hello'"
+    ) in out, out + err[-2000:]
+    assert [e.name for e in jax_ucp.inspect(path).tensors] == ["old"]
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
