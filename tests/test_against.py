@@ -419,3 +419,20 @@ def test_a_checkpoint_tensor_the_source_does_not_hold_is_reported(tmp_path):
     assert "built from 0 source tensors" not in bad[f"params/{extra}"]
     r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
     assert r.exit_code == 1 and extra in r.output, r.output
+
+
+@pytest.mark.torch
+def test_a_dcp_source_torch_cannot_load_is_not_compared_never_a_raw_exception(tmp_path):
+    """A byte of a ``.distcp`` flipped where torch's own ``dcp.load`` finds the zip header
+    corrupt: the tensors it cannot load are named as not compared, with torch's reason; before:
+    torch's ``CheckpointException`` (a BaseException) escaped verify (found by tests/hostile)."""
+    pytest.importorskip("torch")
+    src = shutil.copytree(os.path.join(FIX, "torch", "fsdp2_fp32"), tmp_path / "src")
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    shard = src / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[36828] ^= 0x6B
+    shard.write_bytes(bytes(raw))
+    found = jax_ucp.verify(out, against=src)
+    said = [m for _, m in found.notices if "torch DCP's own load of" in m]
+    assert said and "fails (RuntimeError: PytorchStreamReader" in said[0], found.notices

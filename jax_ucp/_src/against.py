@@ -492,8 +492,16 @@ def _dcp_tensor(src: str, key: str) -> np.ndarray:
     meta = dcp_reader(src).read_metadata().state_dict_metadata.get(key)
     if not isinstance(meta, TensorStorageMetadata):
         raise SourceError(f"{src}: torch DCP's metadata has no tensor {key!r}")
+    from torch.distributed.checkpoint.api import (  # pyright: ignore[reportMissingImports]
+        CheckpointException,
+    )
+
     out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    load({key: out}, storage_reader=dcp_reader(src), no_dist=True)
+    try:
+        load({key: out}, storage_reader=dcp_reader(src), no_dist=True)
+    except CheckpointException as e:  # a BaseException: torch's own read of the files failed
+        why = "; ".join(f"{type(x).__name__}: {x}"[:200] for x, _ in e.failures.values())
+        raise SourceError(f"{src}: torch DCP's own load of {key!r} fails ({why})") from None
     return _torch_to_numpy(out)
 
 
