@@ -98,7 +98,8 @@ def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_univer
 ):
     """A ZeRO import's weights equal what DeepSpeed's own zero_to_fp32 consolidates, its
     moments what DeepSpeed's ds_to_universal writes (its temporary folder removed after, and
-    the removal logged, as every deletion jax_ucp makes)."""
+    the removal logged, as every deletion jax_ucp makes; nothing written beside it: DeepSpeed's
+    `latest_universal` went straight into /tmp, found by tests/hostile)."""
     import logging
 
     pytest.importorskip("deepspeed")
@@ -113,7 +114,7 @@ def test_deepspeed_weights_against_zero_to_fp32_and_moments_against_ds_to_univer
         found = jax_ucp.verify(out, against=src)
     assert list(found) == []
     assert [n for n, _ in found.notices] == ["opt_state/count"]
-    assert not [f for f in os.listdir(scratch) if f.startswith("ucp-against-")]
+    assert os.listdir(scratch) == []
     removed = [r.getMessage() for r in caplog.records if "removing" in r.getMessage()]
     assert any(str(scratch / "ucp-against-") in m for m in removed), removed
 
@@ -418,3 +419,20 @@ def test_a_checkpoint_tensor_the_source_does_not_hold_is_reported(tmp_path):
     assert "built from 0 source tensors" not in bad[f"params/{extra}"]
     r = runner.invoke(app, ["verify", str(out), "--against", str(src)], env={"COLUMNS": "300"})
     assert r.exit_code == 1 and extra in r.output, r.output
+
+
+@pytest.mark.torch
+def test_a_dcp_source_torch_cannot_load_is_not_compared_never_a_raw_exception(tmp_path):
+    """A byte of a ``.distcp`` flipped where torch's own ``dcp.load`` finds the zip header
+    corrupt: the tensors it cannot load are named as not compared, with torch's reason; before:
+    torch's ``CheckpointException`` (a BaseException) escaped verify (found by tests/hostile)."""
+    pytest.importorskip("torch")
+    src = shutil.copytree(os.path.join(FIX, "torch", "fsdp2_fp32"), tmp_path / "src")
+    out = jax_ucp.convert(src, tmp_path / "ucp")
+    shard = src / "__1_0.distcp"
+    raw = bytearray(shard.read_bytes())
+    raw[36828] ^= 0x6B
+    shard.write_bytes(bytes(raw))
+    found = jax_ucp.verify(out, against=src)
+    said = [m for _, m in found.notices if "torch DCP's own load of" in m]
+    assert said and "fails (RuntimeError: PytorchStreamReader" in said[0], found.notices

@@ -315,7 +315,10 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
 
     from deepspeed.checkpoint import ds_to_universal  # pyright: ignore[reportMissingImports]
 
-    folder = tempfile.mkdtemp(prefix="ucp-against-")
+    # DeepSpeed writes its tracker `latest_universal` beside the output folder: inside our own
+    # folder, never straight into /tmp (found by tests/hostile)
+    parent = tempfile.mkdtemp(prefix="ucp-against-")
+    folder = os.path.join(parent, "universal")
     args = argparse.Namespace(
         input_folder=_tag_folder(src),
         output_folder=folder,
@@ -329,7 +332,7 @@ def _ds_to_universal(src: str) -> dict[str, Any]:
         with contextlib.redirect_stdout(sys.stderr):
             ds_to_universal.main(args)
     except BaseException:
-        _discard(folder, "ds_to_universal's output of a failed run")
+        _discard(parent, "ds_to_universal's output of a failed run")
         raise
     return {"folder": folder}
 
@@ -489,8 +492,16 @@ def _dcp_tensor(src: str, key: str) -> np.ndarray:
     meta = dcp_reader(src).read_metadata().state_dict_metadata.get(key)
     if not isinstance(meta, TensorStorageMetadata):
         raise SourceError(f"{src}: torch DCP's metadata has no tensor {key!r}")
+    from torch.distributed.checkpoint.api import (  # pyright: ignore[reportMissingImports]
+        CheckpointException,
+    )
+
     out = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-    load({key: out}, storage_reader=dcp_reader(src), no_dist=True)
+    try:
+        load({key: out}, storage_reader=dcp_reader(src), no_dist=True)
+    except CheckpointException as e:  # a BaseException: torch's own read of the files failed
+        why = "; ".join(f"{type(x).__name__}: {x}"[:200] for x, _ in e.failures.values())
+        raise SourceError(f"{src}: torch DCP's own load of {key!r} fails ({why})") from None
     return _torch_to_numpy(out)
 
 
@@ -606,7 +617,8 @@ def compare_with_source(ckpt: str, src: str, progress=None) -> Comparison:
         _dcp_keys.cache_clear()
         for key, value in _DEEPSPEED.items():
             if key.startswith("ds_to_universal:"):
-                _discard(value["folder"], "ds_to_universal's output, compared")
+                # its parent: our mkdtemp, which holds DeepSpeed's latest_universal too
+                _discard(os.path.dirname(value["folder"]), "ds_to_universal's output, compared")
         _DEEPSPEED.clear()
 
 

@@ -14,6 +14,7 @@ from jax_ucp._src import format as fmt
 from jax_ucp.errors import CheckpointError
 from tests.ucp_testing import fifo_damage as _fifo
 from tests.ucp_testing import remove_damage as _remove
+from tests.ucp_testing import run_python
 from tests.ucp_testing import save_small_tree as _save
 
 
@@ -70,6 +71,18 @@ def _symlink(rel, to):
     return damage
 
 
+def _linked_out(rel):
+    """``rel`` moved beside the checkpoint (the same bytes) and linked back: another
+    checkpoint's manifest would be read just the same (found by tests/hostile)."""
+
+    def damage(path):
+        away = path.parent / "elsewhere.json"
+        (path / rel).rename(away)
+        (path / rel).symlink_to(away)
+
+    return damage
+
+
 # --- the manifest: every error names ucp.json and the field -------------------------------------
 MANIFEST_CASES = {
     "missing": (_remove("ucp.json"), r"no such checkpoint|no ucp\.json|not a jax_ucp"),
@@ -78,7 +91,11 @@ MANIFEST_CASES = {
     "fifo": (_fifo("ucp.json"), r"ucp\.json: not a regular file \(a FIFO\)"),
     "symlink to /dev/zero": (
         _symlink("ucp.json", "/dev/zero"),
-        r"not a regular file \(a character device\)",
+        r"ucp\.json' resolves to /dev/zero, outside the checkpoint",
+    ),
+    "symlink to a copy outside": (
+        _linked_out("ucp.json"),
+        r"ucp\.json' resolves to \S+elsewhere\.json, outside the checkpoint",
     ),
     "non utf-8": (_raw(b'{"format": "\xff"}'), r"ucp\.json: not UTF-8"),
     "5000-digit int": (
@@ -222,6 +239,37 @@ def test_hostile_manifest_is_a_clear_error(tmp_path, case):
         or "no such" in str(info.value)
     )
     assert len(str(info.value)) < 2000  # cut, never the whole hostile input
+
+
+@pytest.mark.timeout(120)
+def test_a_zarr_json_nested_100000_deep_is_refused_before_tensorstore_parses_it(tmp_path):
+    """TensorStore's JSON parser recurses without a bound: a ``zarr.json`` with a list nested
+    100 000 deep killed restore and verify with SIGSEGV (found by tests/hostile). Refused by
+    its size, naming the tensor and the file; run in a fresh process, so the old crash fails
+    this test instead of the test run."""
+    path = tmp_path / "c"
+    jax_ucp.save(path, {"w": np.zeros((4, 4), np.float32)})
+    zarr_json = path / "arrays" / "w" / "zarr.json"
+    z = json.loads(zarr_json.read_text())
+    z["attributes"] = {"x": "@"}
+    deep = "[" * 100_000 + "]" * 100_000
+    zarr_json.write_text(json.dumps(z).replace('"@"', deep))
+    p = run_python(
+        f"""
+        import jax_ucp
+        for call in (jax_ucp.restore, jax_ucp.verify):
+            try:
+                print("returned", call({str(path)!r}))
+            except jax_ucp.CheckpointError as e:
+                print("refused", e)
+        """,
+        devices=1,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("refused Tensor 'w':") and "zarr.json: 200" in lines[0], lines
+    assert "zarr.json: 200" in lines[1] and "more than the" in lines[1], lines
 
 
 @pytest.mark.timeout(60)

@@ -4,7 +4,6 @@ alike. Files are seen where they are opened (``os.open``, ``open``), whoever ope
 
 from __future__ import annotations
 
-import builtins
 import os
 import shutil
 
@@ -12,6 +11,7 @@ import pytest
 
 import jax_ucp
 from jax_ucp._src.format import files
+from tests.hostile.spy import watch_opens
 from tests.ucp_testing import REPO
 
 FIXTURES = os.path.join(REPO, "tests", "fixtures")
@@ -84,19 +84,8 @@ def test_every_file_an_import_reads_went_through_inside(tmp_path, monkeypatch, s
         if real.startswith(root + os.sep) and os.path.isfile(real):
             opened.append(real)
 
-    os_open, builtin_open = os.open, builtins.open
-
-    def spy_os_open(path, flags, *args, **kwargs):
-        note(path, bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
-        return os_open(path, flags, *args, **kwargs)
-
-    def spy_open(path, mode="r", *args, **kwargs):
-        note(path, any(c in mode for c in "wax+"))
-        return builtin_open(path, mode, *args, **kwargs)
-
-    monkeypatch.setattr(os, "open", spy_os_open)
-    monkeypatch.setattr(builtins, "open", spy_open)
-    jax_ucp.convert(str(src), str(tmp_path / "out"), **_options(source))
+    with watch_opens(note):  # the spy the hostile-input harness runs its children under
+        jax_ucp.convert(str(src), str(tmp_path / "out"), **_options(source))
     assert opened, "no source file seen opened: the spy missed the reads"
     unchecked = sorted({os.path.relpath(p, root) for p in opened if p not in checked})
     assert not unchecked, f"read without files.inside: {unchecked}"

@@ -747,8 +747,8 @@ def read_manifest_file(directory: str | os.PathLike) -> Manifest:
     ``MAX_MANIFEST_BYTES`` of it; every error names the file and the field.
     """
     path = os.path.join(os.fspath(directory), MANIFEST_FILE)
-    try:
-        data = files.read_regular(path, MAX_MANIFEST_BYTES)
+    try:  # never a link out of the checkpoint (another checkpoint's manifest)
+        data = files.read_regular(files.inside(directory, MANIFEST_FILE, path), MAX_MANIFEST_BYTES)
     except FileNotFoundError as e:
         raise CheckpointError(
             f"{path}: no manifest; {directory} is not a jax_ucp checkpoint "

@@ -97,10 +97,14 @@ def _shard_paths(src) -> list[tuple[str, str]]:
     if os.path.exists(index):
         _inside(src, INDEX_FILE, src)  # the index itself never a link to another model's
         first = first_tensors(read_weight_map(index, ".safetensors"))
-        return [
-            (os.path.join(src, name), _inside(src, name, f"{index}: weight_map entry {t[:100]!r}"))
-            for name, t in first.items()
-        ]
+        out = []
+        for name, t in first.items():
+            what = f"{index}: weight_map entry {t[:100]!r}"
+            real = _inside(src, name, what)
+            if not os.path.exists(real):  # a shard deleted or renamed: the index's word for it
+                raise SourceError(f"{what} names the file {name!r}, which is not in {src}.")
+            out.append((os.path.join(src, name), real))
+        return out
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if len(names) > 1:
         for name in names:  # torch DCP's unconsolidated shards: refused, naming the format
@@ -148,6 +152,8 @@ def read_weight_map(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
         raise error(f"{index}: expected a 'weight_map' of tensor name -> file name.")
+    if not weight_map:  # a model of no tensors: an import of nothing would pass as done
+        raise error(f"{index}: its 'weight_map' names no tensor.")
     for name, tensor in first_tensors(weight_map).items():
         if os.path.basename(name) != name or name in (".", "..") or not name.endswith(suffix):
             raise error(

@@ -23,6 +23,11 @@ from jax_ucp._src.restoring.engine import OpenedSource, TensorSource, read_from,
 from jax_ucp._src.restoring.model import Available, Request
 from jax_ucp._src.store import shard_file, shard_reader
 
+#: an array's ``zarr.json`` as jax_ucp writes it is well under 1 KiB plus ~40 bytes a dimension;
+#: a larger one is not this save's, and TensorStore's JSON parser recurses without a bound (a
+#: 200 KB ``zarr.json`` nested 100 000 deep crashed the process with SIGSEGV)
+MAX_ZARR_JSON_BYTES = 16 << 10
+
 
 def open_checkpoint(root: str, spec=None) -> OpenedSource:
     """The checkpoint directory ``root`` (``locate.find_checkpoint_dir``) opened for a restore:
@@ -196,7 +201,18 @@ class CheckpointSource(TensorSource):
             if kv.get("driver") == "file":  # never hand TensorStore a FIFO or a device
                 try:  # an array folder linked out of the checkpoint is never read
                     fmt.files.inside(self.root, f"{entry.dir}/zarr.json", fmt.MANIFEST_FILE)
-                    fmt.files.check_regular(os.path.join(kv["path"], "zarr.json"))
+                    zarr_json = os.path.join(kv["path"], "zarr.json")
+                    fmt.files.check_regular(zarr_json)
+                    size = os.path.getsize(zarr_json)
+                    if size > MAX_ZARR_JSON_BYTES:
+                        raise tensor_error(
+                            entry.name,
+                            CheckpointError(
+                                f"{zarr_json}: {size} bytes, more than the "
+                                f"{MAX_ZARR_JSON_BYTES} an array's metadata takes; not the file "
+                                f"this checkpoint wrote (replace it from a good copy)"
+                            ),
+                        )
                 except FileNotFoundError:
                     pass  # reported with the tensor's name by _get()
                 except fmt.files.UnsafeFileError as e:

@@ -320,3 +320,48 @@ def test_a_damaged_ocdbt_import_from_python_prints_nothing_after_its_error(tmp_p
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused" in done.stdout and "refused 0" not in done.stdout, done.stdout
     assert "Event loop is closed" not in done.stderr, done.stderr[-3000:]
+
+
+def _renamed_key(d):
+    (entry,) = d["tree_metadata"].values()
+    entry["value_metadata"]["skip_deserialize_x"] = entry["value_metadata"].pop("skip_deserialize")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _renamed_key,
+        lambda d: d["tree_metadata"].update({k: "x" for k in d["tree_metadata"]}),
+        lambda d: d.update(tree_metadata=[1, 2]),
+        lambda d: [
+            k.update(key_type=7) for v in d["tree_metadata"].values() for k in v["key_metadata"]
+        ],
+    ],
+    ids=["a key renamed", "an entry a string", "the tree a list", "a key type unknown"],
+)
+def test_an_item_metadata_orbax_cannot_parse_is_named(tmp_path, damage):
+    """An item's ``_METADATA`` that is JSON but not Orbax's tree metadata (a flipped byte in a
+    key): a SourceError naming the file; before: Orbax's raw KeyError / TypeError /
+    AttributeError (found by tests/hostile)."""
+    src = tmp_path / "orbax"
+    _orbax(src, ocdbt=False, tree={"w": np.ones(3, np.float32)})
+    metadata = json.loads((src / "_METADATA").read_text())
+    damage(metadata)
+    (src / "_METADATA").write_text(json.dumps(metadata))
+    with pytest.raises(jax_ucp.SourceError, match=r"orbax/_METADATA: not Orbax's tree metadata"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(60)
+def test_a_fifo_in_an_item_is_refused_before_tensorstore_blocks_on_it(tmp_path):
+    """An array's ``.zarray`` replaced by a FIFO: a SourceError naming it, at once; before: the
+    import blocked for ever in TensorStore's read (found by tests/hostile)."""
+    src = tmp_path / "orbax"
+    _orbax(src, ocdbt=False, tree={"w": np.ones(3, np.float32)})
+    (src / "w" / ".zarray").unlink()
+    os.mkfifo(src / "w" / ".zarray")
+    with pytest.raises(jax_ucp.SourceError, match=r"w/\.zarray: not a regular file \(a FIFO\)"):
+        jax_ucp.convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

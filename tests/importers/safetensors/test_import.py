@@ -134,8 +134,9 @@ def test_hostile_files_are_clear_errors(tmp_path, case):
     [
         ({"a": "../outside.safetensors"}, "beside the index"),
         ({"a": "model.safetensors", "b": "model.safetensors"}, "weight_map and the files disagree"),
+        ({}, r"index\.json: its 'weight_map' names no tensor"),  # before: an empty import
     ],
-    ids=["path outside", "index names a missing tensor"],
+    ids=["path outside", "index names a missing tensor", "empty weight_map"],
 )
 def test_hostile_index(tmp_path, weight_map, message):
     src = tmp_path / "hf"
@@ -144,6 +145,32 @@ def test_hostile_index(tmp_path, weight_map, message):
     (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(jax_ucp.UCPError, match=message):
         jax_ucp.convert(src, tmp_path / "ucp")
+
+
+@pytest.mark.parametrize("how", ["deleted", "renamed"])
+def test_a_shard_the_index_names_but_the_folder_lacks_is_named(tmp_path, how):
+    """A shard deleted, or renamed (``model-0000002-of-00002.safetensors``): the index's entry
+    and the file named, on import and on restore; before: a raw FileNotFoundError (found by
+    tests/hostile)."""
+    src = tmp_path / "hf"
+    src.mkdir()
+    save_file({"a": np.ones(2, np.float32)}, str(src / "model-00001-of-00002.safetensors"))
+    save_file({"b": np.zeros(3, np.float32)}, str(src / "model-00002-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    shard = src / "model-00002-of-00002.safetensors"
+    if how == "deleted":
+        shard.unlink()
+    else:
+        shard.rename(src / "model-0000002-of-00002.safetensors")
+    message = (
+        r"index\.json: weight_map entry 'b' names the file 'model-00002-of-00002\.safetensors'"
+    )
+    with pytest.raises(jax_ucp.SourceError, match=message):
+        jax_ucp.convert(src, tmp_path / "ucp")
+    assert not os.path.exists(tmp_path / "ucp")
+    with pytest.raises(jax_ucp.SourceError, match=message):
+        jax_ucp.restore(src)
 
 
 def test_trainer_checkpoint_with_optimizer_state_needs_weights_only(tmp_path):

@@ -193,3 +193,15 @@ def test_malformed_sharding_metadata_is_a_source_error(tmp_path, change, says):
     with pytest.raises(jax_ucp.SourceError, match=says):
         jax_ucp.convert(src, tmp_path / "refused")
     assert_destination_untouched(tmp_path / "refused")
+
+
+@pytest.mark.parametrize("name", ["model_0.pt", "optimizer_1.pt"])
+def test_a_rank_file_linked_out_of_the_folder_is_refused(tmp_path, name):
+    """A rank file that is a link to a copy elsewhere (the same bytes): refused naming it, not
+    read; before: read through the link (found by tests/hostile)."""
+    src = shutil.copytree(SRC, tmp_path / "ck")
+    shutil.move(src / name, tmp_path / "elsewhere.pt")
+    os.symlink(tmp_path / "elsewhere.pt", src / name)
+    with pytest.raises(jax_ucp.UnsafeFileError, match=rf"{name}.*outside"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")

@@ -349,3 +349,15 @@ def test_two_names_for_one_epoch_are_refused_naming_both(tmp_path):
     with pytest.raises(jax_ucp.UCPError, match=r"'epoch_05' and 'epoch_5' both name epoch 5"):
         jax_ucp.convert(src, tmp_path / "refused", weights_only=True)
     assert_destination_untouched(tmp_path / "refused")
+
+
+@pytest.mark.parametrize("what", ["recipe_state", "recipe_state/recipe_state.pt"])
+def test_a_recipe_state_linked_out_of_the_output_folder_is_refused(tmp_path, what):
+    """``recipe_state/`` (or its file) a link to a copy elsewhere: refused naming it, not read;
+    before: its optimizer state read through the link (found by tests/hostile)."""
+    src = shutil.copytree(DIST, tmp_path / "tt")
+    shutil.move(src / what, tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", src / what)
+    with pytest.raises(jax_ucp.UnsafeFileError, match=r"recipe_state.*outside the checkpoint"):
+        jax_ucp.convert(src, tmp_path / "refused")
+    assert_destination_untouched(tmp_path / "refused")

@@ -17,7 +17,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from jax_ucp._src import writer
-from jax_ucp._src.errors import SourceError, is_tensorstore_io_error, tensorstore_message
+from jax_ucp._src.errors import (
+    SourceError,
+    is_tensorstore_io_error,
+    tensorstore_message,
+    tensorstore_status,
+)
 from jax_ucp._src.format import SavedSharding, role_of
 from jax_ucp._src.importers.orbax import zstd_rows
 from jax_ucp._src.importers.orbax.layout import STRINGS_FILE, read_json
@@ -34,8 +39,18 @@ def tree_metadata(path: str):
 
     try:
         return ocp.handlers.PyTreeCheckpointHandler().metadata(epath.Path(path))
+    except (KeyError, TypeError, AttributeError, IndexError) as e:  # Orbax parsing _METADATA
+        raise SourceError(
+            f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's reader "
+            f"failed: {type(e).__name__}: {str(e)[:200]})"
+        ) from None
     except ValueError as e:
         _quiet_closed_loop()  # Orbax's loop is closed while TensorStore still completes
+        if tensorstore_status(e) is None:  # Orbax's own parse ("7 is not a valid KeyType")
+            raise SourceError(
+                f"{os.path.join(path, '_METADATA')}: not Orbax's tree metadata (Orbax's "
+                f"reader failed: {str(e)[:200]})"
+            ) from None
         if not is_tensorstore_io_error(e):
             raise
         m = _ARRAY_IN_MESSAGE.search(str(e))

@@ -170,7 +170,8 @@ def inside(root: str, name: Any, what: str) -> str:
 
 def check_links(root: str, item: str) -> None:
     """Every symlink under the item directory (array folders, zarr chunk files, OCDBT data and
-    manifest files, which TensorStore opens itself) resolves inside the checkpoint ``root``."""
+    manifest files, which TensorStore opens itself) resolves inside the checkpoint ``root``, and
+    nothing there is a FIFO, a socket or a device (TensorStore's read of a FIFO blocks)."""
     folders = [item]
     while folders:
         with os.scandir(folders.pop()) as entries:
@@ -179,6 +180,12 @@ def check_links(root: str, item: str) -> None:
                     inside(root, os.path.relpath(entry.path, root), f"{item}: file")
                 elif entry.is_dir():
                     folders.append(entry.path)
+                    continue
+                if not (entry.is_file() or entry.is_dir()) and os.path.exists(entry.path):
+                    try:
+                        files.check_regular(entry.path)
+                    except files.UnsafeFileError as e:
+                        raise SourceError(str(e)) from None
 
 
 def check_names(item: str) -> None:

@@ -339,7 +339,7 @@ def _load_ranks(src: str, items: dict, world: int, files: list[str]) -> dict[str
             if name not in files:
                 raise SourceError(f"{src}: {name} is missing (world size {world}, item {item!r})")
             loaded.setdefault(item, {})[rank] = unpickler.load_torch_file(
-                os.path.join(src, name), unpickler.SHARDED_TENSOR_CLASSES
+                in_own_folder(os.path.join(src, name)), unpickler.SHARDED_TENSOR_CLASSES
             )
     return loaded
 
@@ -401,7 +401,7 @@ def _unmapped_items(
     recorded: dict[str, Any] = {}
     for item in sorted({f.rsplit("_", 1)[0] for f in files} - set(items)):
         state = unpickler.load_torch_file(
-            os.path.join(src, f"{item}_0.pt"), unpickler.SHARDED_TENSOR_CLASSES
+            in_own_folder(os.path.join(src, f"{item}_0.pt")), unpickler.SHARDED_TENSOR_CLASSES
         )
         for name in tensor_names(state):
             entry = f"{item}:{name}"

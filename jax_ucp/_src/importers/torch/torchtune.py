@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.errors import SourceError
-from jax_ucp._src.format import safetensors
+from jax_ucp._src.format import files, safetensors
 from jax_ucp._src.importers.plan import (
     Detection,
     ImportPlan,
@@ -229,6 +229,8 @@ def plan_torchtune(src: os.PathLike | str, options: TorchOptions) -> ImportPlan:
         )
     recipe = os.path.join(src, RECIPE_STATE)
     has_recipe = os.path.lexists(recipe)
+    if has_recipe:  # never a recipe_state/ (or its file) linked out of the output folder
+        recipe = files.inside(src, RECIPE_STATE, src)
     if dist and (not epochs or _epoch_number(dist[-1]) > _epoch_number(epochs[-1])):
         folder = os.path.join(src, dist[-1])
         rebuilt = None  # the index-keyed optimizer's order, by torchtune's builder if installed

@@ -1,0 +1,503 @@
+"""Every kind of input the project reads, as the harness builds it, and the public entry points
+each one goes through.
+
+An input kind names its sources (the importers' real fixtures under ``tests/fixtures/``, or a
+builder that saves one in the child: UCP checkpoints, CheckpointManager run roots, safetensors
+folders, a Hugging Face cache), the entry points that read it, and whether its format carries
+checksums over the tensor bytes (a flipped data byte must then be caught; without them it is
+undetectable by design and counted apart). The entry points return a digest the oracle compares
+with the intact copy's: tensors by name, shape, dtype and a hash of their bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FIXTURES = os.path.join(REPO, "tests", "fixtures")
+
+IMPORT = ("convert",)
+IMPORT_LONG = ("verify-against",)
+RESTORE = ("restore", "verify", "inspect", "cli-inspect-json", "plan", "cli-plan-json")
+RESUME = ("latest-step", "latest-step-fallback", "restore-latest", "restore-latest-fallback",
+          "restore-step")  # fmt: skip
+
+
+@dataclasses.dataclass
+class Kind:
+    """One kind of input: where its copies come from and what reads them.
+
+    Attributes:
+        sources: fixture paths under tests/fixtures (a folder or one file), or builder names
+            (``@ucp``...); mutation ``i`` takes ``sources[i % len(sources)]``.
+        entries: the entry points every run calls, in order.
+        long_entries: more entry points for the long run only (the CI slice stays short).
+        checksummed: the format checks the tensor bytes (crc32c): a data flip must be caught.
+        jax: the entry points need JAX (a child without it starts in ~0.3 s).
+        ops: the mutation operators to draw from (default: all of them).
+    """
+
+    name: str
+    sources: tuple[str, ...]
+    entries: tuple[str, ...] = IMPORT
+    long_entries: tuple[str, ...] = IMPORT_LONG
+    checksummed: bool = False
+    jax: bool = False
+    ops: tuple[str, ...] | None = None
+
+
+KINDS = {
+    k.name: k
+    for k in [
+        Kind(
+            "deepspeed",
+            (
+                "deepspeed/z2_bf16_dp2/ckpt",
+                "deepspeed/z3_bf16_dp2/universal",
+                "deepspeed/pipe_pp2_z1_bf16/ckpt",
+            ),
+        ),
+        Kind("megatron", ("megatron/gpt_tp2", "megatron/legacy_gpt_distopt_pp2dp2_synthetic")),
+        Kind("megatron_bridge", ("megatron_bridge/llama_tp1dp2",)),
+        Kind("torch_dcp", ("torch/fsdp2_fp32", "torch/fsdp2_bf16")),
+        Kind(
+            "torch_save",
+            (
+                "torch/plain_state_dict.pt",
+                "torch/hf_bin",
+                "torch/lightning.ckpt",
+                "torch/hf_bin_sharded",
+            ),
+        ),
+        Kind("hf_trainer", ("hf_trainer/trainer_fp32/checkpoint-3",)),
+        Kind("accelerate", ("accelerate/accelerate_named", "torch/accelerate_full")),
+        Kind("olmo_core", ("olmo_core/olmo_fp32",)),
+        Kind("torch_checkpointing", ("torch_checkpointing/tc_fsdp2_synthetic_layout/step-3",)),
+        Kind("torchtune", ("torchtune/tt_dist_fp32",)),
+        Kind("verl", ("verl/fsdp2",)),
+        Kind("orbax_pytree", ("@orbax_ocdbt", "@orbax_zarr"), jax=True),
+        Kind("safetensors", ("@safetensors",), ("convert", "restore"), (), jax=True),
+        Kind("hf_cache", ("@hf_cache",), ("convert", "restore"), (), jax=True),
+        Kind("ucp", ("@ucp",), RESTORE, (), checksummed=True, jax=True),
+        Kind(
+            "ucp_imported",
+            ("@ucp_imported",),
+            ("restore", "verify", "optax"),
+            ("verify-against", "inspect"),
+            checksummed=True,
+            jax=True,
+        ),
+        Kind("run_root", ("@run_root",), RESUME, (), checksummed=True, jax=True),
+        Kind(
+            "orbax_manager_step",
+            ("orbax_manager_step",),
+            RESUME,
+            (),
+            checksummed=True,
+            jax=True,
+        ),
+        Kind(
+            "orbax_v1_checkpoint",
+            ("orbax_v1_checkpoint",),
+            ("restore", "inspect"),
+            ("verify",),
+            checksummed=True,
+            jax=True,
+        ),
+    ]
+}
+
+#: inputs read by a deliberately careless reader (``canary-read``: plain ``json.load``, links
+#: followed, FIFOs opened, abort on a changed byte; ``canary-write``: a note left beside the
+#: input): the harness's own test that it catches a raw exception, a read outside, a hang, a
+#: signal and a write outside
+CANARIES = {
+    k.name: k
+    for k in [
+        Kind("canary-json", ("@canary",), ("canary-read",), (), ops=("json-value",)),
+        Kind("canary-link", ("@canary",), ("canary-read",), (), ops=("symlink-out",)),
+        Kind("canary-fifo", ("@canary",), ("canary-read",), (), ops=("fifo",)),
+        Kind("canary-abort", ("@canary",), ("canary-read",), (), ops=("flip-meta",)),
+        Kind("canary-write", ("@canary",), ("canary-write",), (), ops=("flip-meta",)),
+    ]
+}
+
+
+@dataclasses.dataclass
+class Input:
+    """A copy to read. ``root``: the tree the mutations touch and reads may enter; ``path``:
+    what the entry points are given (``root`` or a file or folder inside it); ``against``: an
+    intact source the checkpoint was imported from; ``steps``: a run root's committed steps."""
+
+    root: str
+    path: str
+    out: str
+    options: dict = dataclasses.field(default_factory=dict)
+    against: str | None = None
+    steps: tuple[int, ...] = ()
+
+
+# ------------------------------------------------------------------ building the pristine copy
+
+
+def build(source: str, pristine: str, work: str) -> Input:
+    """The intact input of ``source`` laid out under ``pristine`` (a folder to copy from for
+    every mutation; the copy is read at ``<work>/in/src``)."""
+    root = os.path.join(work, "in", "src")
+    out = os.path.join(work, "outarea", "out")
+    if not source.startswith("@"):
+        full = os.path.join(FIXTURES, source)
+        if os.path.isdir(full):
+            shutil.copytree(full, pristine, symlinks=True)
+            path = root
+        else:
+            os.makedirs(pristine)
+            shutil.copy2(full, pristine)
+            path = os.path.join(root, os.path.basename(full))
+        inp = Input(root, path, out, options=_options(source))
+        if source == "orbax_manager_step":
+            inp.steps = (3,)
+        return inp
+    return BUILDERS[source](pristine, root, out, work)
+
+
+def _options(source: str) -> dict:
+    """A Trainer checkpoint's optimizer order as the Trainer built it (decayed, then the norms),
+    so the import needs no transformers (as tests/importers/test_reads_inside.py gives it)."""
+    if not source.startswith("hf_trainer/"):
+        return {}
+    import numpy as np
+
+    kind = source.split("/")[1]
+    with np.load(os.path.join(FIXTURES, "hf_trainer", f"{kind}.truth.npz")) as z:
+        names = [k.split("/", 1)[1] for k in z.files if k.startswith("param/")]
+    norms = [n for n in names if n.endswith("norm.weight")]
+    return {"parameter_order": [n for n in names if n not in norms] + norms}
+
+
+def _tensors() -> dict:
+    """A few small tensors, two of one shape (so swaps have partners), one bfloat16."""
+    import ml_dtypes
+    import numpy as np
+
+    return {
+        "embed.weight": np.arange(48, dtype=np.float32).reshape(6, 8) / 7,
+        "layers.0.q.weight": np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8),
+        "layers.0.o.weight": np.linspace(2, 3, 64, dtype=np.float32).reshape(8, 8),
+        "norm.weight": (np.arange(8) / 3).astype(ml_dtypes.bfloat16),
+    }
+
+
+def _build_ucp(pristine, root, out, work) -> Input:
+    import jax_ucp
+
+    t = _tensors()
+    tree = {"params": {k.replace(".", "_"): v for k, v in t.items()}, "step": 7, "lr": 0.5}
+    jax_ucp.save(pristine, tree)
+    return Input(root, root, out)
+
+
+def _build_ucp_imported(pristine, root, out, work) -> Input:
+    import jax_ucp
+
+    against = os.path.join(work, "against")
+    shutil.copytree(os.path.join(FIXTURES, "torch", "fsdp2_fp32"), against)
+    jax_ucp.convert(against, pristine)
+    return Input(root, root, out, against=against)
+
+
+def _build_run_root(pristine, root, out, work) -> Input:
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    import jax_ucp
+
+    with ocp.CheckpointManager(pristine) as mngr:
+        for s in (1, 2, 3):
+            state = {
+                "w": np.full((4, 4), float(s), np.float32),
+                "b": np.arange(4, dtype=np.float32) + s,
+                "step": s,
+            }
+            mngr.save(s, args=ocp.args.Composite(state=jax_ucp.UCPSave(state)))
+        mngr.wait_until_finished()
+    return Input(root, root, out, steps=(1, 2, 3))
+
+
+def _build_orbax(ocdbt: bool):
+    def build(pristine, root, out, work) -> Input:
+        """An Orbax PyTree checkpoint (OCDBT, or one zarr folder per array), to import."""
+        import orbax.checkpoint as ocp
+
+        t = _tensors()
+        tree = {"params": {k.replace(".", "_"): v for k, v in t.items() if v.dtype.kind == "f"}}
+        with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=ocdbt)) as c:
+            c.save(pristine, args=ocp.args.PyTreeSave(tree))
+        return Input(root, root, out)
+
+    return build
+
+
+def _build_safetensors(pristine, root, out, work) -> Input:
+    from safetensors.numpy import save_file
+
+    os.makedirs(pristine)
+    t = _tensors()
+    names = sorted(t)
+    weight_map = {}
+    for i, part in enumerate((names[:2], names[2:])):
+        shard = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file({n: t[n] for n in part}, os.path.join(pristine, shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    with open(os.path.join(pristine, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": 0}, "weight_map": weight_map}, f)
+    return Input(root, root, out)
+
+
+def _build_hf_cache(pristine, root, out, work) -> Input:
+    """A Hugging Face cache repo as ``huggingface_hub`` lays it out: files in
+    ``blobs/<sha256>``, ``snapshots/<rev>/`` holding relative links to them."""
+    staging = os.path.join(work, "staging")
+    _build_safetensors(staging, "", "", work)
+    blobs = os.path.join(pristine, "blobs")
+    rev = "c0ffee" * 6 + "beef"
+    snap = os.path.join(pristine, "snapshots", rev)
+    os.makedirs(blobs)
+    os.makedirs(snap)
+    os.makedirs(os.path.join(pristine, "refs"))
+    with open(os.path.join(pristine, "refs", "main"), "w") as f:
+        f.write(rev)
+    for name in sorted(os.listdir(staging)):
+        with open(os.path.join(staging, name), "rb") as f:
+            sha = hashlib.sha256(f.read()).hexdigest()
+        shutil.move(os.path.join(staging, name), os.path.join(blobs, sha))
+        os.symlink(f"../../blobs/{sha}", os.path.join(snap, name))
+    return Input(root, os.path.join(root, "snapshots", rev), out)
+
+
+def _build_canary(pristine, root, out, work) -> Input:
+    os.makedirs(pristine)
+    with open(os.path.join(pristine, "record.json"), "w") as f:
+        json.dump({"step": 3, "names": ["a", "b"]}, f)
+    with open(os.path.join(pristine, "x.bin"), "wb") as f:
+        f.write(b"intact")
+    return Input(root, root, out)
+
+
+def _canary_read(root: str) -> dict:
+    """Everything under ``root`` read the careless way."""
+    out = {}
+    for name in sorted(os.listdir(root)):
+        with open(os.path.join(root, name), "rb") as f:
+            data = f.read()
+        if name == "x.bin" and data != b"intact":
+            os.abort()
+        if name.endswith(".json"):
+            out[name] = json.loads(data, parse_constant=lambda t: int(t))
+        else:
+            out[name] = data.hex()
+    return out
+
+
+BUILDERS: dict[str, Callable[..., Input]] = {
+    "@canary": _build_canary,
+    "@ucp": _build_ucp,
+    "@ucp_imported": _build_ucp_imported,
+    "@run_root": _build_run_root,
+    "@safetensors": _build_safetensors,
+    "@orbax_ocdbt": _build_orbax(ocdbt=True),
+    "@orbax_zarr": _build_orbax(ocdbt=False),
+    "@hf_cache": _build_hf_cache,
+}
+
+
+# ------------------------------------------------------------------ digests
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def ucp_digest(path: str) -> dict:
+    """A written UCP checkpoint's tensors (name, shape, dtype, a hash of every chunk file) and
+    values, read from its files (no JAX): what a convert produced."""
+    with open(os.path.join(path, "ucp.json")) as f:
+        manifest = json.load(f)
+    out = {}
+    for e in manifest["entries"]:
+        name = "/".join(map(str, e["key"]))
+        if e["entry"] == "tensor":
+            h = hashlib.sha256()
+            top = os.path.join(path, e["dir"])
+            for dirpath, dirnames, filenames in os.walk(top):
+                dirnames.sort()
+                for fn in sorted(filenames):
+                    if fn != "zarr.json":
+                        p = os.path.join(dirpath, fn)
+                        h.update(os.path.relpath(p, top).encode())
+                        with open(p, "rb") as f:
+                            h.update(f.read())
+            out[name] = ["tensor", e["shape"], e["dtype"], h.hexdigest()[:16]]
+        else:
+            out[name] = [e["entry"], repr(e.get("value"))]
+    return out
+
+
+def tree_digest(tree: Any) -> dict:
+    """A restored pytree's leaves by path: shape, dtype and a hash of the bytes (NaN payloads
+    and -0.0 compare exactly), or the repr of a non-array leaf."""
+    import jax
+    import numpy as np
+
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        name = jax.tree_util.keystr(path)
+        if hasattr(leaf, "shape") and hasattr(leaf, "dtype"):
+            a = np.ascontiguousarray(np.asarray(leaf))
+            out[name] = ["tensor", list(a.shape), str(a.dtype), _sha(a.tobytes())]
+        else:
+            out[name] = ["value", repr(leaf)]
+    return out
+
+
+# ------------------------------------------------------------------ the entry points
+
+
+class Displays:
+    """What a notebook or a terminal shows of an object: repr, str, HTML, Markdown, pretty."""
+
+    @staticmethod
+    def all(obj) -> dict:
+        shown = {"repr": repr(obj), "str": str(obj)}
+        for name in ("_repr_html_", "_repr_markdown_"):
+            if hasattr(obj, name):
+                shown[name] = getattr(obj, name)()
+        if hasattr(obj, "_repr_pretty_"):
+            parts: list[str] = []
+
+            class Printer:
+                def text(self, s):
+                    parts.append(str(s))
+
+                def pretty(self, o):
+                    parts.append(repr(o))
+
+                def breakable(self, sep=" "):
+                    parts.append(sep)
+
+            obj._repr_pretty_(Printer(), False)
+            shown["_repr_pretty_"] = "".join(parts)
+        return shown
+
+
+def _mesh():
+    import jax_ucp
+
+    return jax_ucp.abstract_mesh([("x", 2)])
+
+
+def run_entry(name: str, inp: Input, state: dict) -> Any:
+    """Calls the entry point ``name`` on ``inp``; returns its digest (``state`` carries what an
+    earlier entry made, e.g. a convert's output for verify --against)."""
+    import jax_ucp
+
+    p = inp.path
+    if name == "convert":
+        shutil.rmtree(inp.out, ignore_errors=True)
+        jax_ucp.convert(p, inp.out, **inp.options)
+        state["converted"] = True
+        return ucp_digest(inp.out)
+    if name == "verify-against":
+        if inp.against is None:  # an import: the output proven against its (mutated) source
+            if not state.get("converted"):
+                return "skipped (nothing converted)"
+            return _verdict(jax_ucp.verify(inp.out, against=p))
+        return _verdict(jax_ucp.verify(p, against=inp.against))
+    if name == "restore":
+        return tree_digest(jax_ucp.restore(p))
+    if name == "restore-latest":
+        return tree_digest(jax_ucp.restore(p, step="latest"))
+    if name == "restore-latest-fallback":
+        return tree_digest(jax_ucp.restore(p, step="latest", fallback=True))
+    if name == "restore-step":
+        return tree_digest(jax_ucp.restore(p, step=inp.steps[0]))
+    if name == "latest-step":
+        return jax_ucp.latest_step(p)
+    if name == "latest-step-fallback":
+        return jax_ucp.latest_step(p, fallback=True)
+    if name == "verify":
+        return _verdict(jax_ucp.verify(p))
+    if name == "inspect":
+        m = jax_ucp.inspect(p)
+        state["displays"] = Displays.all(m)
+        return sorted(
+            ("/".join(map(str, e.key)), str(getattr(e, "shape", "")), str(getattr(e, "dtype", "")))
+            for e in m.entries
+        )
+    if name == "plan":
+        result = jax_ucp.plan(p, mesh=_mesh())
+        state["displays"] = Displays.all(result)
+        return repr(result)
+    if name == "cli-inspect-json":
+        return _cli_json(["inspect", p, "--json"])
+    if name == "cli-plan-json":
+        return _cli_json(["plan", p, "--mesh", "x=2", "--json"])
+    if name == "optax":
+        t = jax_ucp.optax_from_torch(p)
+        return {
+            "params": tree_digest(t.params),
+            "opt_state": tree_digest(t.opt_state),
+            "step": t.step,
+            "optimizer": t.optimizer,
+        }
+    if name == "canary-read":
+        return _canary_read(p)
+    if name == "canary-write":
+        with open(os.path.join(os.path.dirname(p), "seen.txt"), "w") as f:
+            f.write("read")
+        return "written"
+    raise AssertionError(f"no entry point {name!r}")
+
+
+def _verdict(problems) -> str:
+    """verify's answer: intact, or which tensors it reports (the messages vary by file)."""
+    if not problems:
+        return "intact"
+    return "reported: " + ", ".join(sorted({str(n) for n, _ in problems}))
+
+
+class CliFailure(Exception):
+    """The command line refused (exit status != 0) with ``message``; ``raw`` when it was not
+    one of the project's errors."""
+
+    def __init__(self, message: str, raw: BaseException | None):
+        super().__init__(message)
+        self.raw = raw
+
+
+class NotStrictJson(Exception):
+    """``--json`` printed what a strict JSON parser rejects."""
+
+
+def _cli_json(args: list[str]) -> Any:
+    """The command line's ``--json`` output, parsed strictly (no NaN/Infinity tokens, as jq and
+    JSON.parse read it); a refusal raises ``CliFailure``."""
+    from typer.testing import CliRunner
+
+    from jax_ucp.cli import app
+
+    result = CliRunner().invoke(app, args)
+    if result.exit_code != 0:
+        exc = result.exception
+        raw = None if exc is None or isinstance(exc, SystemExit) else exc
+        raise CliFailure(result.output[-2000:], raw)
+
+    def strict(token):
+        raise NotStrictJson(f"--json printed the non-JSON token {token}")
+
+    return json.loads(result.stdout, parse_constant=strict)

@@ -1,0 +1,536 @@
+"""The seeded mutation engine: one hostile change to a copy of an input folder, chosen by a
+``random.Random`` alone, so (input kind, seed, index) names the same mutation on every run.
+
+A mutation is what a careless or hostile hand does to a checkpoint: bytes flipped in data and in
+metadata, a file cut short or deleted, a file or zip member duplicated, two files of one size
+swapped (ranks, steps, tensors of equal shape), a name made odd (non-ASCII digits, leading zeros,
+huge numbers, control characters, HTML), a file or folder replaced by a link out of the input, a
+FIFO, a JSON value made special (NaN, 1e999, deep nesting, a key twice), a pickle made hostile
+(GLOBAL os.system + REDUCE, a huge BINUNICODE length, memo abuse, deep nesting, another storage
+type). Each returns a ``Mutation`` whose ``describe()`` is the reproducer's text."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import random
+import re
+import shutil
+import zipfile
+
+#: the marker file a hostile pickle's payload would create if it ever ran
+PWNED = "PWNED"
+
+_DIGITS = {
+    "arabic-indic digits": "٠١٢٣٤٥٦٧٨٩",
+    "fullwidth digits": "０１２３４５６７８９",
+    "superscript digits": "⁰¹²³⁴⁵⁶⁷⁸⁹",
+}
+_NUMBER = re.compile(r"[0-9]+")
+
+
+@dataclasses.dataclass
+class Mutation:
+    """What was done, to which path (relative to the input's root), and how."""
+
+    op: str
+    target: str
+    detail: str = ""
+
+    def describe(self) -> str:
+        return f"{self.op} {self.target!r}" + (f": {self.detail}" if self.detail else "")
+
+
+class Context:
+    """The input's tree as the mutations see it: regular files and real folders (links are left
+    as they are), in sorted order, so a seed picks the same target on every machine."""
+
+    def __init__(self, root: str, rng: random.Random, outside: str, given: str = "."):
+        self.root, self.rng, self.outside = root, rng, outside
+        self.given = given  # the path the entry points are given (relative): the user's own
+        self.files: list[str] = []
+        self.dirs: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for d in dirnames:
+                p = os.path.join(dirpath, d)
+                if not os.path.islink(p):
+                    self.dirs.append(os.path.relpath(p, root))
+            for f in sorted(filenames):
+                p = os.path.join(dirpath, f)
+                if os.path.isfile(p) and not os.path.islink(p):
+                    self.files.append(os.path.relpath(p, root))
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.root, rel)
+
+    def size(self, rel: str) -> int:
+        return os.path.getsize(self.path(rel))
+
+    def read(self, rel: str) -> bytes:
+        with open(self.path(rel), "rb") as f:
+            return f.read()
+
+    def write(self, rel: str, data: bytes) -> None:
+        with open(self.path(rel), "wb") as f:
+            f.write(data)
+
+    def json_files(self) -> list[str]:
+        out = []
+        for rel in self.files:
+            if self.size(rel) > 4 << 20:
+                continue
+            head = self.read(rel)[:1].strip()
+            if rel.endswith(".json") or head in (b"{", b"["):
+                try:
+                    json.loads(self.read(rel))
+                except ValueError:
+                    continue
+                out.append(rel)
+        return out
+
+    def zip_files(self) -> list[str]:
+        return [r for r in self.files if zipfile.is_zipfile(self.path(r))]
+
+    def pickles(self) -> list[tuple[str, str | None]]:
+        """(file, zip member or None) of every pickle: raw pickle files (protocol >= 2) and the
+        ``.pkl`` members of torch zip archives."""
+        out: list[tuple[str, str | None]] = []
+        for rel in self.files:
+            if zipfile.is_zipfile(self.path(rel)):
+                with zipfile.ZipFile(self.path(rel)) as z:
+                    out += [(rel, m) for m in z.namelist() if m.endswith(".pkl")]
+            elif self.read(rel)[:1] == b"\x80":
+                out.append((rel, None))
+        return out
+
+    def small_files(self) -> list[str]:
+        """Metadata: what is not bulk tensor data (small files, records, pickles, trackers)."""
+        return [r for r in self.files if self.size(r) <= 16 << 10 or r.endswith((".json", ".pkl"))]
+
+
+# ------------------------------------------------------------------ zip members
+
+
+def zip_members(data: bytes) -> list[tuple[zipfile.ZipInfo, bytes]]:
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return [(i, z.read(i)) for i in z.infolist()]
+
+
+def zip_write(members: list[tuple[zipfile.ZipInfo, bytes]]) -> bytes:
+    """A zip of ``members`` in order (stored, as torch writes them), duplicates kept."""
+    buf = io.BytesIO()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Duplicate name": the duplicate is the point
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+            for info, payload in members:
+                z.writestr(info.filename, payload)
+    return buf.getvalue()
+
+
+# ------------------------------------------------------------------ the operators
+
+
+def _flip(data: bytearray, rng: random.Random, n: int, lo: int = 0) -> str:
+    spots = []
+    for _ in range(n):
+        at = rng.randrange(lo, len(data))
+        x = rng.randrange(1, 256)
+        data[at] ^= x
+        spots.append(f"{at}^{x:#04x}")
+    return "bytes " + ",".join(spots)
+
+
+def flip_data(c: Context) -> Mutation | None:
+    big = [r for r in c.files if c.size(r) > 0]
+    if not big:
+        return None
+    rel = c.rng.choices(big, weights=[c.size(r) for r in big])[0]
+    data = bytearray(c.read(rel))
+    # past the header when there is one (the payload is what a flipped disk sector hits)
+    detail = _flip(data, c.rng, c.rng.choice([1, 1, 3]), lo=min(len(data) - 1, len(data) // 4))
+    c.write(rel, bytes(data))
+    return Mutation("flip-data", rel, detail)
+
+
+def flip_meta(c: Context) -> Mutation | None:
+    small = [r for r in c.small_files() if c.size(r) > 0]
+    if not small:
+        return None
+    rel = c.rng.choice(small)
+    data = bytearray(c.read(rel))
+    detail = _flip(data, c.rng, 1)
+    c.write(rel, bytes(data))
+    return Mutation("flip-meta", rel, detail)
+
+
+def truncate(c: Context) -> Mutation | None:
+    sized = [r for r in c.files if c.size(r) > 1]
+    if not sized:
+        return None
+    rel = c.rng.choice(sized)
+    n = c.size(rel)
+    at = c.rng.choice([0, 1, n // 2, n - 1, c.rng.randrange(n)])
+    os.truncate(c.path(rel), at)
+    return Mutation("truncate", rel, f"to {at} of {n} bytes")
+
+
+def delete(c: Context) -> Mutation | None:
+    choices = c.files + c.dirs
+    if not choices:
+        return None
+    rel = c.rng.choice(choices)
+    if os.path.isdir(c.path(rel)):
+        shutil.rmtree(c.path(rel))
+    else:
+        os.remove(c.path(rel))
+    return Mutation("delete", rel)
+
+
+def _other_number(name: str, rng: random.Random) -> str | None:
+    nums = list(_NUMBER.finditer(name))
+    if not nums:
+        return None
+    m = rng.choice(nums)
+    new = str(int(m.group()) + rng.choice([1, 2, 100]))
+    return name[: m.start()] + new.zfill(len(m.group())) + name[m.end() :]
+
+
+def duplicate(c: Context) -> Mutation | None:
+    """A file or folder copied to a sibling whose number differs (an extra rank, step, shard)
+    or, without a number, to ``name.1``."""
+    choices = c.files + c.dirs
+    if not choices:
+        return None
+    rel = c.rng.choice(choices)
+    head, name = os.path.split(rel)
+    new = _other_number(name, c.rng) or name + ".1"
+    dst = os.path.join(head, new)
+    if os.path.lexists(c.path(dst)):
+        return None
+    _copy(c.path(rel), c.path(dst))
+    return Mutation("duplicate", rel, f"as {dst!r}")
+
+
+def _copy(src: str, dst: str) -> None:
+    if os.path.isdir(src):
+        shutil.copytree(src, dst, symlinks=True)
+    else:
+        shutil.copy2(src, dst)
+
+
+def _tree_sig(path: str) -> tuple:
+    out = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for f in sorted(filenames):
+            p = os.path.join(dirpath, f)
+            out.append((os.path.relpath(p, path), os.path.getsize(p)))
+    return tuple(out)
+
+
+def swap(c: Context) -> Mutation | None:
+    """Two files of one size and different bytes (or two folders of one layout) trade places:
+    rank files, step folders, the arrays of two tensors of equal shape."""
+    by_size: dict[tuple, list[str]] = {}
+    for rel in c.files:
+        if c.size(rel) > 0:
+            by_size.setdefault(("f", c.size(rel)), []).append(rel)
+    for rel in c.dirs:
+        sig = _tree_sig(c.path(rel))
+        if sig:
+            by_size.setdefault(("d", sig), []).append(rel)
+    pairs = []
+    for group in by_size.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                if not (b.startswith(a + os.sep) or a.startswith(b + os.sep)):
+                    pairs.append((a, b))
+    pairs = [(a, b) for a, b in pairs if _differ(c, a, b)]
+    if not pairs:
+        return None
+    a, b = c.rng.choice(pairs)
+    tmp = c.path(a) + ".swap-tmp"
+    os.rename(c.path(a), tmp)
+    os.rename(c.path(b), c.path(a))
+    os.rename(tmp, c.path(b))
+    return Mutation("swap", a, f"with {b!r}")
+
+
+def _differ(c: Context, a: str, b: str) -> bool:
+    pa, pb = c.path(a), c.path(b)
+    if os.path.isfile(pa):
+        return c.read(a) != c.read(b)
+    for rel, _ in _tree_sig(pa):
+        with open(os.path.join(pa, rel), "rb") as f, open(os.path.join(pb, rel), "rb") as g:
+            if f.read() != g.read():
+                return True
+    return False
+
+
+def odd_name(name: str, rng: random.Random) -> tuple[str, str] | None:
+    """``name`` made odd, and how."""
+    ways = ["control characters", "html", "trailing space", "newline"]
+    if _NUMBER.search(name):
+        ways += [*_DIGITS, "leading zeros", "huge number"]
+    way = rng.choice(ways)
+    if way in _DIGITS:
+        table = str.maketrans("0123456789", _DIGITS[way])
+        m = rng.choice(list(_NUMBER.finditer(name)))
+        return name[: m.start()] + m.group().translate(table) + name[m.end() :], way
+    if way == "leading zeros":
+        return _NUMBER.sub(lambda m: "0" * rng.randint(1, 3) + m.group(), name, count=1), way
+    if way == "huge number":
+        return _NUMBER.sub("9" * rng.choice([20, 400]), name, count=1), way
+    if way == "control characters":
+        return name + rng.choice(["\x1b[2J\x1b[31m", "\r", "\x07\x08", "\u202e"]), way
+    if way == "html":
+        return name + rng.choice(
+            ["<img src=x onerror=alert(1)>", "<script>alert(1)<", "&amp;"]
+        ), way
+    if way == "newline":
+        return name + "\nfake line", way
+    return name + " ", way
+
+
+def rename(c: Context, keep: bool = False) -> Mutation | None:
+    """A file or folder renamed to an odd name (``keep``: a copy under the odd name beside it,
+    a stray that might be taken for it)."""
+    choices = c.files + c.dirs
+    numbered = [r for r in choices if _NUMBER.search(os.path.basename(r))]
+    if not choices:
+        return None
+    rel = c.rng.choice(numbered if numbered and c.rng.random() < 0.7 else choices)
+    head, name = os.path.split(rel)
+    odd = odd_name(name, c.rng)
+    if odd is None:
+        return None
+    new, way = odd
+    dst = os.path.join(head, new)
+    if len(new.encode()) > 255 or os.path.lexists(c.path(dst)):
+        return None
+    if keep:
+        _copy(c.path(rel), c.path(dst))
+    else:
+        os.rename(c.path(rel), c.path(dst))
+    return Mutation("stray-copy" if keep else "rename", rel, f"{way}: as {dst!r}")
+
+
+def symlink_out(c: Context) -> Mutation | None:
+    """A file or folder moved out of the input (same bytes) and linked back in place, by an
+    absolute or a relative link."""
+    choices = [r for r in c.files + c.dirs if r != c.given]  # a link the user hands us: theirs
+    if not choices:
+        return None
+    rel = c.rng.choice(choices)
+    os.makedirs(c.outside, exist_ok=True)
+    away = os.path.join(c.outside, f"{len(os.listdir(c.outside))}-{os.path.basename(rel)}")
+    shutil.move(c.path(rel), away)
+    how = c.rng.choice(["absolute", "relative"])
+    link = away if how == "absolute" else os.path.relpath(away, os.path.dirname(c.path(rel)))
+    os.symlink(link, c.path(rel))
+    return Mutation("symlink-out", rel, f"{how} link to a copy outside the input")
+
+
+def fifo(c: Context) -> Mutation | None:
+    if not c.files:
+        return None
+    rel = c.rng.choice(c.files)
+    os.remove(c.path(rel))
+    os.mkfifo(c.path(rel))
+    return Mutation("fifo", rel, "replaced by a FIFO (a read blocks)")
+
+
+# ---- JSON
+
+_SPECIALS = ["NaN", "Infinity", "-Infinity", "1e999", "-1", "0", "18446744073709551617", "null",
+             "true", '""', '"../../../etc/passwd"', '"<script>alert(1)</script>"', "[]", "{}",
+             '"\\u0661\\u0662"', "1.5", '"\\u001b[2J"']  # fmt: skip
+
+
+def _json_nodes(x, path=()):
+    yield path, x
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _json_nodes(v, (*path, k))
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _json_nodes(v, (*path, i))
+
+
+def _dump(x, at: tuple, text: str) -> str:
+    """``x`` as JSON text with the node at ``at`` written as the raw ``text``."""
+    if not at:
+        return text
+    head, rest = at[0], at[1:]
+    if isinstance(x, dict):
+        parts = [
+            json.dumps(k) + ": " + (_dump(v, rest, text) if k == head else json.dumps(v))
+            for k, v in x.items()
+        ]
+        return "{" + ", ".join(parts) + "}"
+    parts = [(_dump(v, rest, text) if i == head else json.dumps(v)) for i, v in enumerate(x)]
+    return "[" + ", ".join(parts) + "]"
+
+
+def json_value(c: Context) -> Mutation | None:
+    """A JSON record's value (a leaf or a whole object) replaced by a special one: NaN,
+    Infinity, 1e999, huge integers, wrong types, hostile strings, deep nesting."""
+    files = c.json_files()
+    if not files:
+        return None
+    rel = c.rng.choice(files)
+    doc = json.loads(c.read(rel))
+    nodes = [p for p, _ in _json_nodes(doc) if p]
+    if not nodes:
+        return None
+    at = c.rng.choice(nodes)
+    roll = c.rng.random()
+    if roll < 0.15:
+        depth = c.rng.choice([2000, 100000])
+        text, what = "[" * depth + "]" * depth, f"nesting {depth} deep"
+    else:
+        text = c.rng.choice(_SPECIALS)
+        what = text
+    c.write(rel, _dump(doc, at, text).encode())
+    return Mutation("json-value", rel, f"{'/'.join(map(str, at))} = {what}")
+
+
+def json_duplicate_key(c: Context) -> Mutation | None:
+    """An object of a JSON record given one of its keys twice, the second with another value
+    (parsers disagree about which wins)."""
+    files = c.json_files()
+    cands = []
+    for rel in files:
+        doc = json.loads(c.read(rel))
+        cands += [(rel, p) for p, v in _json_nodes(doc) if isinstance(v, dict) and v]
+    if not cands:
+        return None
+    rel, at = c.rng.choice(cands)
+    doc = json.loads(c.read(rel))
+    node = doc
+    for k in at:
+        node = node[k]
+    key = c.rng.choice(list(node))
+    other = c.rng.choice(['"other"', "7", "null", "[]"])
+    inner = json.dumps(node)[:-1] + ", " + json.dumps(key) + ": " + other + "}"
+    c.write(rel, _dump(doc, at, inner).encode())
+    return Mutation("json-duplicate-key", rel, f"{'/'.join(map(str, at)) or '.'}[{key!r}] twice")
+
+
+# ---- zip archives
+
+
+def zip_duplicate_member(c: Context) -> Mutation | None:
+    """A member of a zip (a torch archive's storage or pickle) present twice, the second copy
+    with a flipped byte: which one a reader takes decides the values."""
+    zips = c.zip_files()
+    if not zips:
+        return None
+    rel = c.rng.choice(zips)
+    members = zip_members(c.read(rel))
+    i = c.rng.randrange(len(members))
+    info, payload = members[i]
+    second = bytearray(payload)
+    if second:
+        second[c.rng.randrange(len(second))] ^= 0x41
+    members.insert(i + 1, (info, bytes(second)))
+    c.write(rel, zip_write(members))
+    return Mutation("zip-duplicate-member", rel, f"{info.filename!r} twice (second differs)")
+
+
+# ---- pickles
+
+
+def _hostile_pickle(rng: random.Random, original: bytes, marker: str) -> tuple[bytes, str]:
+    way = rng.choice(
+        ["os.system", "os.system prefixed", "builtins.eval", "huge BINUNICODE", "huge BINBYTES8",
+         "memo get undefined", "memo put huge", "deep nesting", "storage type", "truncated STOP"]
+    )  # fmt: skip
+    cmd = f"touch {marker}".encode()
+    system = b"cos\nsystem\n(V" + cmd + b"\ntR"
+    if way == "os.system":
+        return b"\x80\x02" + system + b".", way
+    if way == "os.system prefixed":
+        return b"\x80\x02" + system + b"0" + original, way
+    if way == "builtins.eval":
+        return b"\x80\x02cbuiltins\neval\n(V__import__('os').system('" + cmd + b"')\ntR.", way
+    if way == "huge BINUNICODE":
+        return b"\x80\x02X\xff\xff\xff\x7f" + b"a" * 32 + b".", way
+    if way == "huge BINBYTES8":
+        return b"\x80\x04\x8e" + (1 << 62).to_bytes(8, "little") + b"a" * 32 + b".", way
+    if way == "memo get undefined":
+        return b"\x80\x02]q\x00h\x07.", way
+    if way == "memo put huge":
+        return b"\x80\x02]r\xff\xff\xff\x7fj\xff\xff\xff\x7f.", way
+    if way == "deep nesting":
+        n = 200000
+        return b"\x80\x02" + b"]" * n + b"a" * (n - 1) + b".", way
+    if way == "storage type":
+        kinds = [b"FloatStorage", b"HalfStorage", b"BFloat16Storage", b"IntStorage",
+                 b"LongStorage", b"DoubleStorage", b"ByteStorage"]  # fmt: skip
+        present = [k for k in kinds if b"\n" + k + b"\n" in original]
+        if present:
+            old = rng.choice(present)
+            new = rng.choice([k for k in kinds if k != old])
+            out = original.replace(b"\n" + old + b"\n", b"\n" + new + b"\n")
+            return out, f"storage type {old.decode()} -> {new.decode()}"
+        way = "truncated STOP"
+    return original.rstrip(b".")[:-1] if len(original) > 2 else b"\x80", way
+
+
+def pickle_hostile(c: Context) -> Mutation | None:
+    """A pickle (a raw one, or a torch archive's ``data.pkl``) replaced or edited with hostile
+    opcodes; a payload that ran would create the marker file ``PWNED`` in the work folder."""
+    pickles = c.pickles()
+    if not pickles:
+        return None
+    rel, member = c.rng.choice(pickles)
+    marker = os.path.join(os.path.dirname(c.outside), PWNED)
+    if member is None:
+        new, way = _hostile_pickle(c.rng, c.read(rel), marker)
+        c.write(rel, new)
+        return Mutation("pickle-hostile", rel, way)
+    members = zip_members(c.read(rel))
+    for i, (info, payload) in enumerate(members):
+        if info.filename == member:
+            new, way = _hostile_pickle(c.rng, payload, marker)
+            members[i] = (info, new)
+    c.write(rel, zip_write(members))
+    return Mutation("pickle-hostile", f"{rel}::{member}", way)
+
+
+OPS = {
+    "flip-data": flip_data,
+    "flip-meta": flip_meta,
+    "truncate": truncate,
+    "delete": delete,
+    "duplicate": duplicate,
+    "swap": swap,
+    "rename": rename,
+    "stray-copy": lambda c: rename(c, keep=True),
+    "symlink-out": symlink_out,
+    "fifo": fifo,
+    "json-value": json_value,
+    "json-duplicate-key": json_duplicate_key,
+    "zip-duplicate-member": zip_duplicate_member,
+    "pickle-hostile": pickle_hostile,
+}
+
+
+def mutate(root: str, rng: random.Random, outside: str, ops=None, given: str = ".") -> Mutation:
+    """One mutation of the folder ``root`` in place, chosen by ``rng`` among ``ops`` (default:
+    all) that apply to it; links out go to copies under ``outside``; ``given`` (relative to
+    ``root``) is the path the entry points are handed, never itself replaced by a link."""
+    names = sorted(ops or OPS)
+    ctx = Context(root, rng, outside, given)
+    for _ in range(20):
+        op = rng.choice(names)
+        m = OPS[op](ctx)
+        if m is not None:
+            return m
+    return Mutation("none", ".", "no mutation applies")

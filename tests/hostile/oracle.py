@@ -1,0 +1,136 @@
+"""The oracle: what each entry point did with a hostile copy, judged against what it did with
+the intact one.
+
+Allowed: the same result, bit for bit; one of the project's errors (``UCPError``) naming a file
+or a parameter; ``verify`` reporting the damage; ``fallback=True`` taking an older intact step
+with a ``ResumeWarning``; and, in a format without checksums over tensor bytes, a flipped or
+swapped payload giving other bytes under the same names, shapes and dtypes (undetectable by the
+format: counted apart, never a failure). Everything else is a failure: a different value, a raw
+exception, an unnamed error, a file opened outside the input (a link followed out), a write
+outside the output, a pickle's payload run, a display carrying live HTML or terminal escapes,
+strict-JSON output that is not, and (judged by the parent) a signal or a hang."""
+
+from __future__ import annotations
+
+import os
+import re
+
+#: outcome labels that pass
+PASS = {
+    "unavailable",
+    "step-added",
+    "same",
+    "refused",
+    "reported",
+    "fell-back",
+    "step-gone",
+    "undetectable",
+    "skipped",
+}
+
+_HTML = re.compile(r"<\s*(script|img|iframe|svg)\b", re.I)
+_ESC = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u202e]")
+
+
+def names_of(root: str, digest_keys=()) -> set[str]:
+    """What an error may name: the input's path, its files' and folders' names, its tensors."""
+    out = {root}
+    for _dirpath, dirnames, filenames in os.walk(root):
+        out.update(dirnames)
+        out.update(filenames)
+    for k in digest_keys:
+        out.update(re.split(r"[/'\[\]]+", str(k)))
+    return {n for n in out if len(n) >= 3 and not n.isdigit()}
+
+
+def judge_entry(entry: str, base, got, *, kind, mutation_op: str, names: set[str], alt=None):
+    """(label, detail) for one entry point: ``base``/``got`` are ``("ok", digest, warnings)`` or
+    ``("error", class name, message, is_ucp)``; ``alt`` maps older steps to their digests."""
+    if got[0] == "skipped":
+        return "skipped", ""
+    if base[0] != "ok":  # the entry cannot read even the intact copy here (e.g. needs torch)
+        return "unavailable", f"{base[1]}: {base[2][:200]}"
+    if got[0] == "ok":
+        value, warnings = got[1], got[2]
+        if value == base[1]:
+            return "same", ""
+        if entry == "verify" or entry == "verify-against":
+            if isinstance(value, str) and value.startswith("reported"):
+                return "reported", value[:200]
+            return "silent-wrong", f"verify said {value!r}, intact said {base[1]!r}"
+        older = [s for s, d in (alt or {}).items() if d == value]
+        if "fallback" in entry and older and any("ResumeWarning" in w for w in warnings):
+            return "fell-back", f"to step {older[0]}"
+        if entry == "latest-step-fallback" and value in (alt or {}):
+            return "fell-back", f"to step {value}"
+        if entry.startswith("latest-step") and mutation_op == "duplicate":
+            return "step-added", f"a copied step folder is a step: {value}"
+        gone = older or (entry.startswith("latest-step") and value in (alt or {}))
+        if gone and mutation_op in ("delete", "rename", "symlink-out", "fifo"):
+            return "step-gone", f"{entry} gave step {older[0] if older else value}"
+        if mutation_op in ("delete", "rename") and _subset(value, base[1]):
+            return "dropped", "the entry point went on without what the mutation removed: " + _diff(
+                base[1], value
+            )
+        payload = mutation_op in ("flip-data", "flip-meta", "swap")
+        if payload and not kind.checksummed and _data_only(base[1], value):
+            return "undetectable", "tensor bytes differ, names/shapes/dtypes the same"
+        return "silent-wrong", _diff(base[1], value)
+    cls, message, is_ucp = got[1], got[2], got[3]
+    if cls == "NotStrictJson":
+        return "not-strict-json", message[:300]
+    if not is_ucp:
+        return "raw-exception", f"{cls}: {message[:400]}"
+    if not any(n in message for n in names):
+        return "unnamed-error", f"{cls}: {message[:400]}"
+    return "refused", f"{cls}"
+
+
+def _data_only(a, b) -> bool:
+    """Two digests with the same tensors (names, shapes, dtypes) and values."""
+    if not (isinstance(a, dict) and isinstance(b, dict)) or a.keys() != b.keys():
+        return False
+    for k in a:
+        x, y = a[k], b[k]
+        if isinstance(x, dict):
+            if not _data_only(x, y):
+                return False
+        elif x[0] == "tensor" and y[0] == "tensor":
+            if x[:3] != y[:3]:
+                return False
+        elif x != y:
+            return False
+    return True
+
+
+def _subset(small, big) -> bool:
+    """``small`` is ``big`` with entries left out, the rest identical."""
+    return (
+        isinstance(small, dict)
+        and isinstance(big, dict)
+        and small.keys() < big.keys()
+        and all(big[k] == v for k, v in small.items())
+    )
+
+
+def _diff(a, b) -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        gone = sorted(set(a) - set(b))[:5]
+        new = sorted(set(b) - set(a))[:5]
+        changed = sorted(k for k in set(a) & set(b) if a[k] != b[k])[:5]
+        return f"different value: missing {gone}, extra {new}, changed {changed}"
+    return f"different value: {str(b)[:200]!r} instead of {str(a)[:200]!r}"
+
+
+def judge_displays(shown: dict, hostile_names: bool) -> list[tuple[str, str]]:
+    """A Markdown or pretty display carrying live HTML or terminal control characters from a
+    name the input chose (HTML displays must escape; text ones must not pass escapes)."""
+    out = []
+    if not hostile_names:
+        return out
+    for where, text in shown.items():
+        if where in ("_repr_markdown_", "_repr_html_") and _HTML.search(text):
+            out.append(("display-unsafe", f"{where} carries live HTML: {_HTML.search(text)[0]!r}"))
+        if where in ("_repr_pretty_", "str", "repr") and _ESC.search(text.replace("\n", "")):
+            out.append(("display-unsafe", f"{where} passes a control character through"))
+    return out

@@ -1,0 +1,188 @@
+"""The hostile-input harness in CI: a fixed-seed slice of mutations of every input kind through
+the public entry points, each kind in one bounded child process; and the harness's own checks
+(its mutations are reproducible, its oracle and its child catch what they are there to catch).
+
+The long run: ``python3 -m tests.hostile --seed S --count N`` (docs/RELIABILITY.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import zipfile
+
+import pytest
+
+from tests.hostile import mutations, oracle
+from tests.hostile.inputs import KINDS, Kind
+from tests.hostile.runner import run_kind
+
+#: the CI slice: seed and mutation indices per input kind, chosen to cover every kind and all
+#: operators with mutations the code handles (``python3 -m tests.hostile --seed 0 --index I
+#: --kind K`` prints what each one is); torch_checkpointing 2 and torch_save 9 (a zip member
+#: twice), run_root 2 and 3 (one resume rule), orbax_manager_step 11 (a step folder linked
+#: out) found issue 48's own holes
+CI_SEED = 0
+CI_SLICE: dict[str, list[int]] = {
+    "accelerate": [0, 2, 3, 4, 5],
+    "deepspeed": [0, 1, 2, 3, 4],
+    "hf_cache": [0, 1, 2, 3, 5],
+    "hf_trainer": [0, 1, 3, 4, 5],
+    "megatron": [0, 1, 3, 4, 5],
+    "megatron_bridge": [0, 1, 2, 3, 4],
+    "olmo_core": [0, 1, 2, 4, 6],
+    "orbax_manager_step": [0, 1, 2, 4, 6, 11],
+    "orbax_pytree": [0, 1, 2, 3, 4],
+    "orbax_v1_checkpoint": [0, 1, 2, 3, 6],
+    "run_root": [0, 1, 2, 3, 4, 5, 6],
+    "safetensors": [0, 1, 4, 5, 7],
+    "torch_checkpointing": [0, 1, 2, 3, 4, 7],
+    "torch_dcp": [0, 1, 3, 4, 7],
+    "torch_save": [0, 1, 3, 4, 6, 9],
+    "torchtune": [0, 1, 2, 3, 4],
+    "ucp": [0, 1, 2, 3, 4],
+    "ucp_imported": [0, 1, 3, 7, 9],
+    "verl": [0, 1, 2, 4, 5],
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", sorted(CI_SLICE))
+def test_the_ci_slice_of_hostile_copies_is_handled(kind):
+    results = run_kind(kind, CI_SEED, CI_SLICE[kind])
+    assert len(results) == len(CI_SLICE[kind])
+    bad = [r.report() for r in results if r.failed]
+    assert not bad, "\n" + "\n".join(bad)
+
+
+def test_every_input_kind_is_in_the_ci_slice():
+    assert set(CI_SLICE) == set(KINDS)
+    assert all(CI_SLICE.values())
+
+
+# ------------------------------------------------------------------ the harness's own checks
+
+
+def _tree(root) -> None:
+    """A small input with something for every operator: numbered files and folders, JSON, a
+    torch-like zip with a pickle, a raw pickle, two files of one size."""
+    import pickle
+
+    os.makedirs(root / "rank_0")
+    os.makedirs(root / "rank_1")
+    (root / "rank_0" / "shard_00.bin").write_bytes(bytes(range(64)))
+    (root / "rank_1" / "shard_00.bin").write_bytes(bytes(range(64, 128)))
+    (root / "meta.json").write_text(json.dumps({"step": 3, "shapes": [[2, 3]], "name": "w"}))
+    (root / "state.pkl").write_bytes(pickle.dumps({"step": 3}, protocol=2))
+    with zipfile.ZipFile(root / "model_7.pt", "w") as z:
+        z.writestr("archive/data.pkl", pickle.dumps({"w": 1}, protocol=2))
+        z.writestr("archive/data/0", b"\0" * 16)
+
+
+def _snapshot(root) -> dict:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = os.path.join(dirpath, name)
+            rel = os.path.relpath(p, root)
+            if os.path.islink(p):
+                out[rel] = "-> " + os.readlink(p).replace(str(root.parent), "")
+            elif os.path.isfile(p):
+                out[rel] = open(p, "rb").read()
+            else:
+                out[rel] = "dir"
+    return out
+
+
+@pytest.mark.parametrize("op", sorted(mutations.OPS))
+def test_each_operator_applies_and_replays_the_same_from_its_seed(tmp_path, op):
+    """An operator changes the tree, and the same seed makes the same change again (the
+    reproducer a failure prints is exact)."""
+    done = []
+    for run in ("a", "b"):
+        root = tmp_path / run / "src"
+        _tree(root)
+        before = _snapshot(root)
+        m = mutations.mutate(
+            str(root), random.Random("7/test/3"), str(tmp_path / run / "out"), [op]
+        )
+        assert m.op == op, m.describe()
+        after = _snapshot(root)
+        assert after != before, m.describe()
+        done.append((m.describe(), after))
+    assert done[0] == done[1]
+
+
+def _ok(value, warnings=()):
+    return ("ok", value, list(warnings))
+
+
+BASE = _ok({"params/w": ["tensor", [2], "float32", "aa"], "step": ["value", "3"]})
+NAMES = {"/work/in/src", "model.safetensors", "params"}
+PLAIN = Kind("plain", ("x",))
+SUMMED = Kind("summed", ("x",), checksummed=True)
+
+
+@pytest.mark.parametrize(
+    "got, kind, op, label",
+    [
+        (BASE, PLAIN, "flip-data", "same"),
+        (("error", "SourceError", "model.safetensors: truncated", True), PLAIN, "truncate", "refused"),
+        (("error", "SourceError", "truncated", True), PLAIN, "truncate", "unnamed-error"),
+        (("error", "KeyError", "'w'", False), PLAIN, "flip-meta", "raw-exception"),
+        (_ok({"params/w": ["tensor", [2], "float32", "bb"], "step": ["value", "3"]}), PLAIN,
+         "flip-data", "undetectable"),
+        (_ok({"params/w": ["tensor", [2], "float32", "bb"], "step": ["value", "3"]}), SUMMED,
+         "flip-data", "silent-wrong"),
+        (_ok({"params/w": ["tensor", [2], "float32", "bb"], "step": ["value", "3"]}), PLAIN,
+         "json-value", "silent-wrong"),
+        (_ok({"params/w": ["tensor", [2], "float32", "aa"], "step": ["value", "4"]}), PLAIN,
+         "flip-data", "silent-wrong"),
+        (_ok({"params/w": ["tensor", [2], "float32", "aa"]}), PLAIN, "delete", "dropped"),
+        (("error", "NotStrictJson", "NaN", False), PLAIN, "json-value", "not-strict-json"),
+    ],
+)  # fmt: skip
+def test_the_oracle_passes_only_the_same_value_or_a_named_error(got, kind, op, label):
+    got_label, _ = oracle.judge_entry("convert", BASE, got, kind=kind, mutation_op=op, names=NAMES)
+    assert got_label == label
+    assert (label in oracle.PASS) == (label in {"same", "refused", "undetectable"})
+
+
+def test_a_fallback_to_an_older_step_passes_only_with_its_warning():
+    older = {"w": ["tensor", [2], "float32", "01"]}
+    base = _ok({"w": ["tensor", [2], "float32", "03"]})
+    warned = _ok(older, ["ResumeWarning: step 3 skipped"])
+    judge = oracle.judge_entry
+    args = {"kind": SUMMED, "mutation_op": "flip-data", "names": NAMES, "alt": {1: older}}
+    assert judge("restore-latest-fallback", base, warned, **args)[0] == "fell-back"
+    assert judge("restore-latest-fallback", base, _ok(older), **args)[0] == "silent-wrong"
+    assert judge("restore-latest", base, warned, **args)[0] == "silent-wrong"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "canary, finding",
+    [
+        ("canary-json", None),  # a raw exception or a different value: some failure
+        ("canary-link", "read-outside"),
+        ("canary-fifo", "hang"),
+        ("canary-abort", "crash"),
+        ("canary-write", "baseline-write-outside"),
+    ],
+)
+def test_the_harness_catches_a_careless_reader(canary, finding):
+    """A reader that parses JSON loosely, follows links, opens FIFOs, aborts on a changed byte
+    or leaves a note beside its input: the harness reports each, naming the mutation and how
+    to replay it."""
+    indices = [0] if canary == "canary-fifo" else [0, 1, 2, 3]  # a hang costs its timeout
+    results = run_kind(canary, 0, indices, timeout=3)
+    assert len(results) == len(indices)
+    failed = [r for r in results if r.failed]
+    assert failed, [r.labels for r in results]
+    if finding is not None:
+        assert any(f[0].startswith(finding) for r in failed for f in r.findings), [
+            r.findings for r in results
+        ]
+    report = failed[0].report()
+    assert f"--kind {canary} --seed 0 --index {failed[0].index}" in report
+    assert failed[0].mutation in report
