@@ -40,7 +40,7 @@ from jax_ucp._src.importers.torch import dcp
 from jax_ucp._src.importers.torch.optimizer import TensorRef, TorchState, numbered_names, plan_state
 from jax_ucp._src.importers.torch.options import TorchOptions, refuse_model_config
 from jax_ucp._src.importers.trainer_files import read_json, side_file
-from jax_ucp._src.torchfiles import unpickler
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 
 __all__ = [
     "RECIPE_STATE",
@@ -121,7 +121,7 @@ def permute_rows(value: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
 
 
 def _names(keys: list, count: int = 3) -> str:
-    shown = ", ".join(unpickler.short_repr(k, 60) for k in keys[:count])
+    shown = ", ".join(allow_list.short_repr(k, 60) for k in keys[:count])
     return shown + (", ..." if len(keys) > count else "")
 
 
@@ -314,7 +314,7 @@ def _optimizer_names(
 def _recipe_optimizer(recipe: str, epoch: str) -> tuple[dict, dict, list]:
     """(the recipe state, its optimizer's ``state``, its ``param_groups``); refused when the
     recipe holds no torch optimizer state dict (the weights still import alone)."""
-    loaded = unpickler.load_torch_file(recipe)
+    loaded = torch_zip.load_torch_file(recipe)
     optimizer = loaded.get(OPTIMIZER_KEY) if isinstance(loaded, dict) else None
     state = optimizer.get("state") if isinstance(optimizer, dict) else None
     groups = optimizer.get("param_groups") if isinstance(optimizer, dict) else None

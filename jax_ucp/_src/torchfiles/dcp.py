@@ -1,4 +1,4 @@
-"""Read a torch Distributed Checkpoint (``torch.distributed.checkpoint``) without torch.
+"""A torch Distributed Checkpoint (``torch.distributed.checkpoint``) both ways, without torch.
 
 Shared by the plain DCP importer (:mod:`torch_dcp`: FSDP1/FSDP2, torchtitan, Accelerate,
 Lightning) and megatron-core's ``torch_dist`` (:mod:`jax_ucp._src.importers.megatron.dcp` adds its own pieces).
@@ -9,12 +9,16 @@ shape, dtype and chunk list per tensor, plus a map chunk -> (file, byte offset, 
 a tensor's raw bytes.
 
 Why not ``torch.load``: checkpoints are untrusted. ``.metadata`` is unpickled by
-:mod:`jax_ucp._src.torchfiles.unpickler` with its DCP classes mapped to inert stand-ins, and every
-chunk is an embedded archive read through the same restricted unpickler, memory-mapped.
+:mod:`~jax_ucp._src.torchfiles.pickle_format` with its DCP classes mapped to inert stand-ins, and
+every chunk is an embedded archive (:mod:`~jax_ucp._src.torchfiles.torch_zip`), memory-mapped.
 
 A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunks have been
 checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
 dtype and shape agree with the metadata.
+
+Written (:func:`write_dcp`) as ``FileSystemWriter`` lays it out: ``.metadata`` plus one
+``__0_0.distcp`` holding one ``torch.save`` archive per tensor (or pickled object) back to back,
+readable by ``torch.distributed.checkpoint.load`` at any world size.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import itertools
 import math
 import os
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -34,30 +38,38 @@ from typing import Any, cast
 import numpy as np
 
 from jax_ucp._src import writer
-from jax_ucp._src.errors import SourceError
+from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.torchfiles import unpickler
-from jax_ucp._src.torchfiles.unpickler import zip_crc32
-
-__all__ = [
-    "DCP_CLASSES",
-    "MAX_METADATA_BYTES",
-    "SUPPORTED_TRANSFORMS",
-    "DcpCheckpoint",
-    "DcpChunk",
-    "DcpObject",
-    "DcpTensor",
-    "check_coverage",
-    "check_disjoint",
-    "open_dcp",
-    "path_standin",
-]
-
+from jax_ucp._src.torchfiles.allow_list import (
+    StandIn,
+    TorchFileError,
+    int_enum_standin,
+    short_repr,
+    standin_class,
+)
+from jax_ucp._src.torchfiles.dtypes import torch_dtype
+from jax_ucp._src.torchfiles.pickle_format import (
+    Call,
+    Global,
+    New,
+    Pairs,
+    dumps,
+    restricted_loads,
+    torch_size,
+)
+from jax_ucp._src.torchfiles.torch_zip import (
+    Slabs,
+    TorchArchive,
+    whole,
+    write_torch_save,
+    zip_crc32,
+)
+from jax_ucp._src.writer import durable
 
 # ----------------------------------------------------------------- stand-ins for .metadata
 
 
-class _MetadataIndex(unpickler.StandIn):
+class _MetadataIndex(StandIn):
     """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
 
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
@@ -74,7 +86,7 @@ class _MetadataIndex(unpickler.StandIn):
             )
             or not (index is None or type(index) is int)
         ):
-            raise ValueError(f"bad MetadataIndex {unpickler.short_repr(d)}")
+            raise ValueError(f"bad MetadataIndex {short_repr(d)}")
         return (fqn, tuple(off) if off is not None else None, index)
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -94,15 +106,21 @@ def path_standin(*parts: Any) -> str:
     """A pickled ``pathlib`` path (``REDUCE(PosixPath, parts)``) as the plain string it names:
     only strings are accepted and nothing on the file system is touched."""
     if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
-        raise ValueError(f"bad path parts {unpickler.short_repr(parts)}")
+        raise ValueError(f"bad path parts {short_repr(parts)}")
     return posixpath.join(*parts) if parts else "."
 
 
+_META = "torch.distributed.checkpoint.metadata"
+_FILESYSTEM = "torch.distributed.checkpoint.filesystem"
+METADATA_FILE = ".metadata"
+DATA_FILE = "__0_0.distcp"  # the one file write_dcp writes
+
+
 def _standins() -> dict[str, Any]:
-    m = "torch.distributed.checkpoint.metadata."
+    m = _META + "."
     p = "torch.distributed.checkpoint.planner."
     d: dict[str, Any] = {
-        m + n: unpickler.standin_class(m + n)
+        m + n: standin_class(m + n)
         for n in (
             "Metadata",
             "TensorStorageMetadata",
@@ -113,17 +131,17 @@ def _standins() -> dict[str, Any]:
         )
     }
     d[m + "MetadataIndex"] = _MetadataIndex
-    d[m + "_MEM_FORMAT_ENCODING"] = unpickler.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
+    d[m + "_MEM_FORMAT_ENCODING"] = int_enum_standin(m + "_MEM_FORMAT_ENCODING")
     # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
     # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
-    for owner in ("torch.distributed.checkpoint", "olmo_core.distributed.checkpoint"):
-        name = f"{owner}.filesystem._StorageInfo"
-        d[name] = unpickler.standin_class(name)
+    for owner in (_FILESYSTEM, "olmo_core.distributed.checkpoint.filesystem"):
+        name = f"{owner}._StorageInfo"
+        d[name] = standin_class(name)
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
-        d[p + n] = unpickler.standin_class(p + n)
-    d[p + "WriteItemType"] = unpickler.int_enum_standin(p + "WriteItemType")
-    d[p + "LoadItemType"] = unpickler.int_enum_standin(p + "LoadItemType")
+        d[p + n] = standin_class(p + n)
+    d[p + "WriteItemType"] = int_enum_standin(p + "WriteItemType")
+    d[p + "LoadItemType"] = int_enum_standin(p + "LoadItemType")
     d["torch.serialization._get_layout"] = _get_layout
     d["torch.layout"] = _get_layout
     # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
@@ -199,7 +217,7 @@ class DcpCheckpoint:
         real = self._real.get(name)
         if real is None:
             try:
-                real = files.inside(self.path, name, f"{self.path / '.metadata'}: storage file")
+                real = files.inside(self.path, name, f"{self.path / METADATA_FILE}: storage file")
             except files.UnsafeFileError as e:
                 raise SourceError(str(e)) from None
             self._real[name] = real
@@ -208,7 +226,7 @@ class DcpCheckpoint:
     def check_tensor(self, name: str) -> None:
         """:func:`check_coverage` of tensor ``name``, once per checkpoint."""
         if name not in self._covered:
-            check_coverage(self.tensors[name], self.path / ".metadata")
+            check_coverage(self.tensors[name], self.path / METADATA_FILE)
             self._covered.add(name)
 
     def read(self, name: str, rows: int | None = None) -> np.ndarray:
@@ -384,7 +402,7 @@ class DcpCheckpoint:
             if sizes[file] < 0:
                 raise SourceError(
                     f"tensor {name!r}: shard file {self.path / file} is missing "
-                    f"(referenced by {self.path / '.metadata'})"
+                    f"(referenced by {self.path / METADATA_FILE})"
                 )
             if sizes[file] < end:
                 raise SourceError(
@@ -617,10 +635,10 @@ def _load_embedded(
     file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
     ``defer_crc`` leaves to the caller. Errors name ``where``."""
     try:
-        embedded = unpickler.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        embedded = TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
         with contextlib.closing(embedded) as arch:
             return arch.load(extra_classes), arch.unchecked
-    except unpickler.TorchFileError as e:
+    except TorchFileError as e:
         raise SourceError(f"{where}: {e}") from None
 
 
@@ -682,10 +700,9 @@ def _storage_ref(
         or not isinstance(trs, (list, tuple))
         or not all(isinstance(tr, str) for tr in trs)
     ):
-        short = unpickler.short_repr
         raise SourceError(
-            f"tensor {name!r} in {mfile}: {what} storage entry (file {short(rp)}, offset "
-            f"{short(bo)}, length {short(bl)}, transforms {short(trs)}): expected a file name "
+            f"tensor {name!r} in {mfile}: {what} storage entry (file {short_repr(rp)}, offset "
+            f"{short_repr(bo)}, length {short_repr(bl)}, transforms {short_repr(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
         )
     return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
@@ -697,7 +714,7 @@ def _dims(
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: {what} {unpickler.short_repr(value)}: expected "
+            f"tensor {name!r} in {mfile}: {what} {short_repr(value)}: expected "
             f"non-negative integers below 2**63"
         )
     if rank is not None and len(value) != rank:
@@ -711,17 +728,17 @@ def _dims(
 def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
     """``.metadata`` unpickled with only the allowed classes: (its path, the pickle, its
     ``state_dict_metadata``, its ``storage_data``), both checked to be dicts."""
-    mfile = root / ".metadata"
+    mfile = root / METADATA_FILE
     if not os.path.lexists(mfile):
         raise SourceError(f"{root}: no .metadata file (not a torch DCP checkpoint)")
     try:
         files.in_own_folder(mfile)  # never another checkpoint's .metadata through a link
-        md = unpickler.restricted_loads(
+        md = restricted_loads(
             files.read_regular(str(mfile), MAX_METADATA_BYTES),
             where=str(mfile),
             extra_classes={**DCP_CLASSES, **(extra_classes or {})},
         )
-    except (unpickler.TorchFileError, files.UnsafeFileError) as e:
+    except (TorchFileError, files.UnsafeFileError) as e:
         raise SourceError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
@@ -748,7 +765,7 @@ def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, An
     listed = getattr(m, "chunks", None)
     if not isinstance(listed, (list, tuple)):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: chunks {unpickler.short_repr(listed)}: expected a list"
+            f"tensor {name!r} in {mfile}: chunks {short_repr(listed)}: expected a list"
         )
     chunks = []
     for index, c in enumerate(listed):
@@ -770,7 +787,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
         if not isinstance(name, str):
-            raise SourceError(f"{mfile}: entry name {unpickler.short_repr(name)} is not a string")
+            raise SourceError(f"{mfile}: entry name {short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
             tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
@@ -835,3 +852,102 @@ def check_disjoint(
         f"{where}: {shown[0]} and {shown[1]} share bytes [{first}, {last}) of storage file "
         f"{file}; each entry has its own bytes"
     )
+
+
+# ----------------------------------------------------------------- writing
+
+
+def _properties(torch_name: str) -> New:
+    return New(
+        Global(_META, "TensorProperties"),
+        (
+            Global("torch", torch_name),
+            Call(Global("torch.serialization", "_get_layout"), ("torch.strided",)),
+            False,
+            Call(Global(_META, "_MEM_FORMAT_ENCODING"), (0,)),
+            False,
+        ),
+    )
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """One entry of a DCP state dict: a tensor (``shape``/``dtype``) or a Python value."""
+
+    fqn: str
+    path: tuple[str, ...]  # the nested state-dict keys (DCP's planner_data)
+    shape: tuple[int, ...] | None = None
+    dtype: np.dtype | None = None
+    value: Any = None
+
+
+def write_dcp(
+    directory: str,
+    items: Sequence[DcpItem],
+    arrays: Iterable[Any],
+    save_id: str,
+    slabs: Slabs = whole,
+):
+    """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
+    order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
+
+    Args:
+        directory: the DCP folder (exists, empty).
+        items: every entry: tensors and pickled objects, in order.
+        arrays: the tensors' values, in the order of the tensor items.
+        save_id: the ``storage_meta.save_id`` recorded in ``.metadata``.
+        slabs: the values' bytes (:func:`~jax_ucp._src.torchfiles.torch_zip.write_torch_save`).
+    """
+    storage_data: list = []
+    metadata: dict = {}
+    tensors = iter(arrays)
+    with durable.durable_file(os.path.join(directory, DATA_FILE)) as f:
+        for item in items:
+            offset = f.tell()
+            if item.shape is None:
+                length = write_torch_save(f, obj=item.value)
+                where: dict = {"index": None, "offset": None}
+                metadata[item.fqn] = New(Global(_META, "BytesStorageMetadata"), {})
+            else:
+                array = next(tensors)
+                if tuple(array.shape) != item.shape or array.dtype != item.dtype:
+                    raise RequestError(
+                        f"tensor {item.fqn!r}: read {array.shape} {array.dtype}, planned "
+                        f"{item.shape} {item.dtype}"
+                    )
+                torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
+                length = write_torch_save(f, array=array, slabs=slabs)
+                zeros = torch_size([0] * len(item.shape))
+                where = {"index": 0, "offset": zeros}
+                chunk = New(
+                    Global(_META, "ChunkStorageMetadata"),
+                    {"offsets": zeros, "sizes": torch_size(item.shape)},
+                )
+                metadata[item.fqn] = New(
+                    Global(_META, "TensorStorageMetadata"),
+                    {
+                        "properties": _properties(torch_name),
+                        "size": torch_size(item.shape),
+                        "chunks": [chunk],
+                    },
+                )
+            info = New(
+                Global(_FILESYSTEM, "_StorageInfo"),
+                {"relative_path": DATA_FILE, "offset": offset, "length": length},
+            )
+            index = New(Global(_META, "MetadataIndex"), {"fqn": item.fqn, **where})
+            storage_data.append((index, info))
+    meta = New(
+        Global(_META, "Metadata"),
+        {
+            "state_dict_metadata": metadata,
+            "planner_data": {item.fqn: item.path for item in items},
+            "storage_data": Pairs(tuple(storage_data)),
+            "storage_meta": New(
+                Global(_META, "StorageMeta"),
+                {"checkpoint_id": None, "save_id": save_id, "load_id": None, "modules": []},
+            ),
+            "version": "1.0.0",
+        },
+    )
+    durable.write_file(os.path.join(directory, METADATA_FILE), dumps(meta))
