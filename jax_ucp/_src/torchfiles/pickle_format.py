@@ -18,7 +18,6 @@ from __future__ import annotations
 import collections
 import io
 import pickle
-import pickletools
 import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -111,9 +110,6 @@ def check_expansion(obj: Any, where: str, pickle_bytes: int = 0) -> None:
         keep.append(x)
         stack.append((x, (inner, len(kids) - len(inner))))
         stack.extend((k, None) for k in inner if id(k) not in size)
-
-
-_op = {op.name: op.code.encode("latin1")[0] for op in pickletools.opcodes}
 
 
 class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
@@ -277,7 +273,7 @@ _REPLACED = (
     "REDUCE NEWOBJ NEWOBJ_EX BUILD APPEND APPENDS SETITEM SETITEMS ADDITEMS PERSID NEXT_BUFFER"
 )
 for _name in _REPLACED.split():
-    _RestrictedUnpickler.dispatch[_op[_name]] = getattr(
+    _RestrictedUnpickler.dispatch[getattr(pickle, _name)[0]] = getattr(
         _RestrictedUnpickler, f"load_{_name.lower()}"
     )
 

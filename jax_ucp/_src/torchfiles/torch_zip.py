@@ -47,13 +47,13 @@ try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomia
     from isal.isal_zlib import crc32 as zip_crc32
 except ImportError:  # pragma: no cover - isal is a dependency; zlib gives the same values
     from zlib import crc32 as zip_crc32
+
 #: Largest deflate-compressed member inflated into memory (torch itself never compresses).
 MAX_COMPRESSED_MEMBER = 256 << 20
 #: Most bytes inflated from one archive's deflated members in total: inflated bytes live in
 #: anonymous memory for as long as the tensors viewing them, so many members each under the
 #: per-member cap would otherwise add up to any amount (16 x 255 MiB from a 4 MB file).
 MAX_INFLATED_TOTAL = 256 << 20
-
 
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _LOCAL_MAGIC = 0x04034B50
