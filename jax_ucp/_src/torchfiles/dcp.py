@@ -40,13 +40,7 @@ import numpy as np
 from jax_ucp._src import writer
 from jax_ucp._src.errors import RequestError, SourceError
 from jax_ucp._src.format import files, mapped_file
-from jax_ucp._src.torchfiles.allow_list import (
-    StandIn,
-    TorchFileError,
-    int_enum_standin,
-    short_repr,
-    standin_class,
-)
+from jax_ucp._src.torchfiles import allow_list, torch_zip
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
 from jax_ucp._src.torchfiles.pickle_format import (
     Call,
@@ -57,20 +51,13 @@ from jax_ucp._src.torchfiles.pickle_format import (
     restricted_loads,
     torch_size,
 )
-from jax_ucp._src.torchfiles.torch_zip import (
-    Slabs,
-    TorchArchive,
-    whole,
-    write_torch_save,
-    zip_crc32,
-)
 from jax_ucp._src.writer import durable
 
 # ----------------------------------------------------------------- stand-ins for .metadata
 
 
-class _MetadataIndex(StandIn):
-    """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain StandIn."""
+class _MetadataIndex(allow_list.StandIn):
+    """Keys of ``Metadata.storage_data``: must hash, so it cannot be a plain allow_list.StandIn."""
 
     qualname = "torch.distributed.checkpoint.metadata.MetadataIndex"
 
@@ -86,7 +73,7 @@ class _MetadataIndex(StandIn):
             )
             or not (index is None or type(index) is int)
         ):
-            raise ValueError(f"bad MetadataIndex {short_repr(d)}")
+            raise ValueError(f"bad MetadataIndex {allow_list.short_repr(d)}")
         return (fqn, tuple(off) if off is not None else None, index)
 
     def __hash__(self) -> int:  # type: ignore[override]
@@ -106,7 +93,7 @@ def path_standin(*parts: Any) -> str:
     """A pickled ``pathlib`` path (``REDUCE(PosixPath, parts)``) as the plain string it names:
     only strings are accepted and nothing on the file system is touched."""
     if not all(isinstance(p, str) for p in parts) or sum(len(p) for p in parts) > 1 << 16:
-        raise ValueError(f"bad path parts {short_repr(parts)}")
+        raise ValueError(f"bad path parts {allow_list.short_repr(parts)}")
     return posixpath.join(*parts) if parts else "."
 
 
@@ -120,7 +107,7 @@ def _standins() -> dict[str, Any]:
     m = _META + "."
     p = "torch.distributed.checkpoint.planner."
     d: dict[str, Any] = {
-        m + n: standin_class(m + n)
+        m + n: allow_list.standin_class(m + n)
         for n in (
             "Metadata",
             "TensorStorageMetadata",
@@ -131,17 +118,17 @@ def _standins() -> dict[str, Any]:
         )
     }
     d[m + "MetadataIndex"] = _MetadataIndex
-    d[m + "_MEM_FORMAT_ENCODING"] = int_enum_standin(m + "_MEM_FORMAT_ENCODING")
+    d[m + "_MEM_FORMAT_ENCODING"] = allow_list.int_enum_standin(m + "_MEM_FORMAT_ENCODING")
     # torch's FileSystemWriter, and OLMo-core's RemoteFileSystemWriter (same fields:
     # relative_path, offset, length; each chunk a torch.save archive as torch writes it)
     for owner in (_FILESYSTEM, "olmo_core.distributed.checkpoint.filesystem"):
         name = f"{owner}._StorageInfo"
-        d[name] = standin_class(name)
+        d[name] = allow_list.standin_class(name)
     # megatron-core keeps its save plans in Metadata (for cached re-saves): parsed, never used
     for n in ("SavePlan", "WriteItem", "TensorWriteData", "LoadPlan", "ReadItem"):
-        d[p + n] = standin_class(p + n)
-    d[p + "WriteItemType"] = int_enum_standin(p + "WriteItemType")
-    d[p + "LoadItemType"] = int_enum_standin(p + "LoadItemType")
+        d[p + n] = allow_list.standin_class(p + n)
+    d[p + "WriteItemType"] = allow_list.int_enum_standin(p + "WriteItemType")
+    d[p + "LoadItemType"] = allow_list.int_enum_standin(p + "LoadItemType")
     d["torch.serialization._get_layout"] = _get_layout
     d["torch.layout"] = _get_layout
     # StorageMeta.checkpoint_id: the path torch.distributed.checkpoint.save was given
@@ -313,7 +300,7 @@ class DcpCheckpoint:
                         return
                 for start, size, crc in members:  # a view of a larger storage: check all
                     view = raw[start : start + size]
-                    _check_crc(mapped_file.crc32(view, 0, zip_crc32, where), crc, where)
+                    _check_crc(mapped_file.crc32(view, 0, torch_zip.zip_crc32, where), crc, where)
                 mapped_file.copy_into(region, arr, where)
                 return
             if raw.size == region.nbytes:  # raw serialization: the tensor's bytes, no CRC
@@ -621,7 +608,7 @@ def pread_into(path: Path, offset: int, region: np.ndarray, crc: int | None, whe
                     f"the file is truncated"
                 )
             if crc is not None:
-                found = zip_crc32(piece[:n], found)
+                found = torch_zip.zip_crc32(piece[:n], found)
             pos += n
     finally:
         os.close(fd)
@@ -635,10 +622,10 @@ def _load_embedded(
     file (``archive``: ``<file>@<offset>``); what it holds, and the storages whose CRC-32
     ``defer_crc`` leaves to the caller. Errors name ``where``."""
     try:
-        embedded = TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
+        embedded = torch_zip.TorchArchive.from_buffer(view, archive, defer_crc=defer_crc)
         with contextlib.closing(embedded) as arch:
             return arch.load(extra_classes), arch.unchecked
-    except TorchFileError as e:
+    except allow_list.TorchFileError as e:
         raise SourceError(f"{where}: {e}") from None
 
 
@@ -701,8 +688,8 @@ def _storage_ref(
         or not all(isinstance(tr, str) for tr in trs)
     ):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: {what} storage entry (file {short_repr(rp)}, offset "
-            f"{short_repr(bo)}, length {short_repr(bl)}, transforms {short_repr(trs)}): expected a file name "
+            f"tensor {name!r} in {mfile}: {what} storage entry (file {allow_list.short_repr(rp)}, offset "
+            f"{allow_list.short_repr(bo)}, length {allow_list.short_repr(bl)}, transforms {allow_list.short_repr(trs)}): expected a file name "
             f"in the checkpoint directory, non-negative integer offset and length, strings"
         )
     return rp, cast(int, bo), cast(int, bl), tuple(trs)  # checked by _is_count above
@@ -714,7 +701,7 @@ def _dims(
     """A shape / offsets / sizes field: non-negative ints (torch's int64), ``rank`` of them."""
     if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: {what} {short_repr(value)}: expected "
+            f"tensor {name!r} in {mfile}: {what} {allow_list.short_repr(value)}: expected "
             f"non-negative integers below 2**63"
         )
     if rank is not None and len(value) != rank:
@@ -738,7 +725,7 @@ def _load_metadata(root: Path, extra_classes: dict[str, Any] | None):
             where=str(mfile),
             extra_classes={**DCP_CLASSES, **(extra_classes or {})},
         )
-    except (TorchFileError, files.UnsafeFileError) as e:
+    except (allow_list.TorchFileError, files.UnsafeFileError) as e:
         raise SourceError(str(e)) from None
     sdm = getattr(md, "state_dict_metadata", None)
     storage = getattr(md, "storage_data", None)
@@ -765,7 +752,7 @@ def _tensor_entry(name: str, m: Any, mfile: Path, by_fqn: dict[str, dict[Any, An
     listed = getattr(m, "chunks", None)
     if not isinstance(listed, (list, tuple)):
         raise SourceError(
-            f"tensor {name!r} in {mfile}: chunks {short_repr(listed)}: expected a list"
+            f"tensor {name!r} in {mfile}: chunks {allow_list.short_repr(listed)}: expected a list"
         )
     chunks = []
     for index, c in enumerate(listed):
@@ -787,7 +774,7 @@ def open_dcp(path: os.PathLike | str, extra_classes: dict[str, Any] | None = Non
     objects: dict[str, DcpObject] = {}
     for name, m in sdm.items():
         if not isinstance(name, str):
-            raise SourceError(f"{mfile}: entry name {short_repr(name)} is not a string")
+            raise SourceError(f"{mfile}: entry name {allow_list.short_repr(name)} is not a string")
         kind = type(m).__name__
         if kind == "TensorStorageMetadata":
             tensors[name] = _tensor_entry(name, m, mfile, by_fqn)
@@ -857,6 +844,11 @@ def check_disjoint(
 # ----------------------------------------------------------------- writing
 
 
+def _meta(cls: str, **state: Any) -> New:
+    """A ``torch.distributed.checkpoint.metadata`` dataclass as torch pickles it."""
+    return New(Global(_META, cls), state)
+
+
 def _properties(torch_name: str) -> New:
     return New(
         Global(_META, "TensorProperties"),
@@ -886,7 +878,7 @@ def write_dcp(
     items: Sequence[DcpItem],
     arrays: Iterable[Any],
     save_id: str,
-    slabs: Slabs = whole,
+    slabs: torch_zip.Slabs = torch_zip.whole,
 ):
     """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
     order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
@@ -905,9 +897,9 @@ def write_dcp(
         for item in items:
             offset = f.tell()
             if item.shape is None:
-                length = write_torch_save(f, obj=item.value)
+                length = torch_zip.write_torch_save(f, obj=item.value)
                 where: dict = {"index": None, "offset": None}
-                metadata[item.fqn] = New(Global(_META, "BytesStorageMetadata"), {})
+                metadata[item.fqn] = _meta("BytesStorageMetadata")
             else:
                 array = next(tensors)
                 if tuple(array.shape) != item.shape or array.dtype != item.dtype:
@@ -916,38 +908,27 @@ def write_dcp(
                         f"{item.shape} {item.dtype}"
                     )
                 torch_name, _ = torch_dtype(item.fqn, array.dtype)  # == item.dtype, checked
-                length = write_torch_save(f, array=array, slabs=slabs)
-                zeros = torch_size([0] * len(item.shape))
+                length = torch_zip.write_torch_save(f, array=array, slabs=slabs)
+                zeros, size = torch_size([0] * len(item.shape)), torch_size(item.shape)
                 where = {"index": 0, "offset": zeros}
-                chunk = New(
-                    Global(_META, "ChunkStorageMetadata"),
-                    {"offsets": zeros, "sizes": torch_size(item.shape)},
-                )
-                metadata[item.fqn] = New(
-                    Global(_META, "TensorStorageMetadata"),
-                    {
-                        "properties": _properties(torch_name),
-                        "size": torch_size(item.shape),
-                        "chunks": [chunk],
-                    },
+                chunk = _meta("ChunkStorageMetadata", offsets=zeros, sizes=size)
+                properties = _properties(torch_name)
+                metadata[item.fqn] = _meta(
+                    "TensorStorageMetadata", properties=properties, size=size, chunks=[chunk]
                 )
             info = New(
                 Global(_FILESYSTEM, "_StorageInfo"),
                 {"relative_path": DATA_FILE, "offset": offset, "length": length},
             )
-            index = New(Global(_META, "MetadataIndex"), {"fqn": item.fqn, **where})
-            storage_data.append((index, info))
-    meta = New(
-        Global(_META, "Metadata"),
-        {
-            "state_dict_metadata": metadata,
-            "planner_data": {item.fqn: item.path for item in items},
-            "storage_data": Pairs(tuple(storage_data)),
-            "storage_meta": New(
-                Global(_META, "StorageMeta"),
-                {"checkpoint_id": None, "save_id": save_id, "load_id": None, "modules": []},
-            ),
-            "version": "1.0.0",
-        },
+            storage_data.append((_meta("MetadataIndex", fqn=item.fqn, **where), info))
+    meta = _meta(
+        "Metadata",
+        state_dict_metadata=metadata,
+        planner_data={item.fqn: item.path for item in items},
+        storage_data=Pairs(tuple(storage_data)),
+        storage_meta=_meta(
+            "StorageMeta", checkpoint_id=None, save_id=save_id, load_id=None, modules=[]
+        ),
+        version="1.0.0",
     )
     durable.write_file(os.path.join(directory, METADATA_FILE), dumps(meta))

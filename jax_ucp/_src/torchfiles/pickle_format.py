@@ -25,14 +25,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from jax_ucp._src.torchfiles.allow_list import (
-    BASE_ALLOWED,
-    Allowed,
-    StandIn,
-    TorchFileError,
-    hashable_key,
-    short_repr,
-)
+from jax_ucp._src.torchfiles import allow_list
+from jax_ucp._src.torchfiles.allow_list import Allowed, StandIn, TorchFileError, short_repr
 
 #: At most this many objects, or two per byte of the pickle when that is more (shared
 #: references counted each time they are reached), and this nesting depth in one unpickled
@@ -246,7 +240,7 @@ class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
 
     def _key(self, key: Any, what: str = "dict key") -> Any:
         try:
-            return hashable_key(key, what)
+            return allow_list.hashable_key(key, what)
         except ValueError as e:
             raise self._err(str(e)) from None
 
@@ -293,7 +287,7 @@ def restricted_loads(
         extra_classes: more allow-listed classes (``module.QualName`` -> stand-in).
         persistent_load: resolves persistent ids (torch's storages).
     """
-    allowed = {**BASE_ALLOWED, **(extra_classes or {})}
+    allowed = {**allow_list.BASE_ALLOWED, **(extra_classes or {})}
     up = _RestrictedUnpickler(data, where, allowed, persistent_load)
     try:
         obj = up.load()

@@ -31,16 +31,10 @@ from typing import Any
 import numpy as np
 
 from jax_ucp._src.format import files, mapped_file
+from jax_ucp._src.torchfiles import pickle_format
 from jax_ucp._src.torchfiles.allow_list import Storage, StorageType, TorchFileError, short_repr
 from jax_ucp._src.torchfiles.dtypes import torch_dtype
-from jax_ucp._src.torchfiles.pickle_format import (
-    Call,
-    Global,
-    New,
-    Persistent,
-    dumps,
-    restricted_loads,
-)
+from jax_ucp._src.torchfiles.pickle_format import Call, Global, New, Persistent
 from jax_ucp._src.writer import durable
 
 try:  # ISA-L's CRC-32 (carry-less multiply): ~4x zlib's; the same zip polynomial
@@ -364,7 +358,7 @@ class TorchArchive:
         return Storage(key, dtype, raw[:nbytes])
 
     def load(self, extra_classes: Mapping[str, Any] | None = None) -> Any:
-        return restricted_loads(
+        return pickle_format.restricted_loads(
             self.read_member(self.prefix + "data.pkl"),
             where=self.path,
             extra_classes=extra_classes,
@@ -562,7 +556,7 @@ def write_torch_save(
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
     start = f.tell()
     with zipfile.ZipFile(_Window(f, start), "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-        z.writestr(_member(f"{name}/data.pkl"), dumps(_with_tensors(obj, name)))
+        z.writestr(_member(f"{name}/data.pkl"), pickle_format.dumps(_with_tensors(obj, name)))
         z.writestr(_member(f"{name}/byteorder"), "little")
         for index, value in enumerate(arrays):
             info = _member(f"{name}/data/{index}")
