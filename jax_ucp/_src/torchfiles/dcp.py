@@ -878,7 +878,7 @@ def write_dcp(
     items: Sequence[DcpItem],
     arrays: Iterable[Any],
     save_id: str,
-    slabs: torch_zip.Slabs = torch_zip.whole,
+    slabs: torch_zip.Slabs = None,
 ):
     """A single-file DCP checkpoint of ``items`` (tensors take their values from ``arrays``, in
     order). Readable by ``torch.distributed.checkpoint.load`` at any world size.
@@ -888,7 +888,7 @@ def write_dcp(
         items: every entry: tensors and pickled objects, in order.
         arrays: the tensors' values, in the order of the tensor items.
         save_id: the ``storage_meta.save_id`` recorded in ``.metadata``.
-        slabs: the values' bytes (:func:`~jax_ucp._src.torchfiles.torch_zip.write_torch_save`).
+        slabs: reads each value (:data:`~jax_ucp._src.torchfiles.torch_zip.Slabs`).
     """
     storage_data: list = []
     metadata: dict = {}

@@ -523,13 +523,8 @@ def _with_tensors(obj: Any, name: str) -> Any:
     return obj
 
 
-#: A tensor value's C-ordered little-endian bytes, slab by slab (``where``: names it in errors).
-Slabs = Callable[[Any, str], Iterable[np.ndarray]]
-
-
-def whole(value: np.ndarray, where: str) -> list[np.ndarray]:
-    """An array as one slab: the :data:`Slabs` of plain arrays."""
-    return [np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))]
+#: A tensor value read slab by slab in C order (``where``: names it in errors); None: an array.
+Slabs = Callable[[Any, str], Iterable[np.ndarray]] | None
 
 
 def write_torch_save(
@@ -538,11 +533,11 @@ def write_torch_save(
     array: Any = None,
     name: str = "archive",
     arrays: Sequence[Any] = (),
-    slabs: Slabs = whole,
+    slabs: Slabs = None,
 ) -> int:
     """Appends one ``torch.save`` archive to the open file ``f`` at its position; returns its
-    length. Each tensor is written as ``slabs`` yields it (read as its stored member is written
-    when ``slabs`` reads it lazily), the CRC computed on the way.
+    length. A tensor is written slab by slab as ``slabs`` reads it (lazily, when it does), the
+    CRC computed on the way.
 
     Args:
         f: a binary file open for writing, at the archive's start.
@@ -550,7 +545,7 @@ def write_torch_save(
         array: a tensor to save on its own.
         name: the archive's top folder (torch uses the file's stem).
         arrays: the tensors ``TensorSlot`` nodes of ``obj`` refer to (``shape``, ``dtype``).
-        slabs: their bytes.
+        slabs: reads each of them (:data:`Slabs`).
     """
     if array is not None:
         obj, arrays = TensorSlot(0, tuple(array.shape), array.dtype), [array]
@@ -562,7 +557,8 @@ def write_torch_save(
             info = _member(f"{name}/data/{index}")
             nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
             with z.open(info, "w", force_zip64=nbytes >= 0xFFFFFFFF) as member:
-                for piece in slabs(value, info.filename):
+                for piece in slabs(value, info.filename) if slabs else [value]:
+                    piece = np.ascontiguousarray(piece, piece.dtype.newbyteorder("<"))
                     member.write(piece.reshape(-1).view(np.uint8).data)
                     del piece
         z.writestr(_member(f"{name}/version"), "3\n")
@@ -574,7 +570,7 @@ def _member(name: str) -> zipfile.ZipInfo:
     return zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
 
 
-def save_file(path: str, obj: Any, arrays: Sequence[Any] = (), slabs: Slabs = whole) -> None:
+def save_file(path: str, obj: Any, arrays: Sequence[Any] = (), slabs: Slabs = None) -> None:
     """``torch.save(obj, path)`` without torch (see :func:`write_torch_save`), fsynced. The
     archive is named after the file, as torch names it.
 
@@ -582,7 +578,7 @@ def save_file(path: str, obj: Any, arrays: Sequence[Any] = (), slabs: Slabs = wh
         path: the file to write.
         obj: plain data and nodes (``TensorSlot(i, ...)`` for ``arrays[i]``).
         arrays: the tensors ``obj`` refers to.
-        slabs: their bytes.
+        slabs: reads each of them (:data:`Slabs`).
     """
     stem = os.path.basename(path).removesuffix(".pt")
     with durable.durable_file(path) as f:
