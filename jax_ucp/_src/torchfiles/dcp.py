@@ -16,9 +16,7 @@ A tensor is assembled one at a time (:meth:`DcpCheckpoint.read`) after its chunk
 checked to tile the global shape exactly (no gap, no overlap, inside bounds) and each chunk's
 dtype and shape agree with the metadata.
 
-Written (:func:`write_dcp`) as ``FileSystemWriter`` lays it out: ``.metadata`` plus one
-``__0_0.distcp`` holding one ``torch.save`` archive per tensor (or pickled object) back to back,
-readable by ``torch.distributed.checkpoint.load`` at any world size.
+Written by :func:`write_dcp` as torch's ``FileSystemWriter`` lays it out, in one ``.distcp`` file.
 """
 
 from __future__ import annotations
